@@ -1,0 +1,41 @@
+# Two commands on a fresh machine:  `make run` (train the tiny model end to end) and `make test`.
+PYTHON ?= python3
+TORCH_VERSION ?= 2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(TORCH_VERSION)
+PYTEST := $(BIN)/python -m pytest
+
+.PHONY: install run test test-fast test-slow test-gpu clean
+
+# The CPU build of torch is installed first and pinned, so resolving the project's
+# `torch>=` floor never pulls a multi-GB CUDA wheel.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "torch==$(TORCH_VERSION)"
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $@
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/meshtrain train --config deploy/configs/tiny.toml
+
+# Everything but slow and GPU tests (what CI runs). pytest exits 5 when it ran no test,
+# and make treats that as the failure it is.
+test: $(STAMP)
+	$(PYTEST) -m "not slow and not gpu" -q
+
+# Seconds: no multi-process, end-to-end or slow tests.
+test-fast: $(STAMP)
+	$(PYTEST) -m "not slow and not gpu and not dist and not e2e" -q
+
+test-slow: $(STAMP)
+	$(PYTEST) -m "slow" -q
+
+test-gpu: $(STAMP)
+	$(PYTEST) -m "gpu" -q
+
+clean:
+	rm -rf $(VENV) .cache runs .pytest_cache

@@ -1,0 +1,98 @@
+"""A plain-PyTorch GPT, written independently of meshtrain, as the speed baseline.
+
+Same architecture family and shapes as meshtrain's model for a given ModelConfig (GPT-2
+style or Llama style), built the way a careful PyTorch user would: SDPA attention, bf16
+autocast, fused AdamW, torch.compile. It shares no code with `services/trainer/model`, so a
+benchmark against it measures meshtrain's engineering, not a copy of itself.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.c = c
+        h, d = c.hidden_size, c.head_dim
+        self.nh, self.nkv, self.d = c.num_attention_heads, c.groups, d
+        norm = (lambda: nn.RMSNorm(h, eps=c.norm_epsilon)) if c.normalization == "rmsnorm" else (lambda: nn.LayerNorm(h))
+        bias = c.add_bias_linear
+        self.ln1, self.ln2 = norm(), norm()
+        self.q = nn.Linear(h, self.nh * d, bias=bias)
+        self.kv = nn.Linear(h, 2 * self.nkv * d, bias=bias)
+        self.o = nn.Linear(self.nh * d, h, bias=bias)
+        self.swiglu = c.activation == "swiglu"
+        f = c.ffn_size
+        self.up = nn.Linear(h, 2 * f if self.swiglu else f, bias=bias)
+        self.down = nn.Linear(f, h, bias=bias)
+
+    def forward(self, x, cos, sin):
+        b, s, _ = x.shape
+        y = self.ln1(x)
+        q = self.q(y).view(b, s, self.nh, self.d).transpose(1, 2)
+        k, v = self.kv(y).view(b, s, 2, self.nkv, self.d).unbind(2)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        if cos is not None:
+            def rot(t):
+                t1, t2 = t.chunk(2, dim=-1)
+                return t * cos + torch.cat([-t2, t1], -1) * sin
+            q, k = rot(q), rot(k)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.nkv != self.nh)
+        x = x + self.o(a.transpose(1, 2).reshape(b, s, -1))
+        y = self.up(self.ln2(x))
+        if self.swiglu:
+            g, u = y.chunk(2, dim=-1)
+            y = F.silu(g) * u
+        else:
+            y = F.gelu(y, approximate="tanh")
+        return x + self.down(y)
+
+
+class BaselineGPT(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.c = c
+        v = c.padded_vocab_size()
+        self.wte = nn.Embedding(v, c.hidden_size)
+        self.wpe = nn.Embedding(c.seq_length, c.hidden_size) if c.position_embedding_type == "learned" else None
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c.num_layers))
+        self.ln_f = nn.RMSNorm(c.hidden_size) if c.normalization == "rmsnorm" else nn.LayerNorm(c.hidden_size)
+        self.head = nn.Linear(c.hidden_size, v, bias=False)
+        if not c.untie_embeddings_and_output_weights:
+            self.head.weight = self.wte.weight
+        if c.position_embedding_type == "rope":
+            d = c.head_dim
+            inv = 1.0 / (c.rotary_base ** (torch.arange(0, d, 2).float() / d))
+            ang = torch.outer(torch.arange(c.seq_length).float(), inv)
+            ang = torch.cat([ang, ang], -1)
+            self.register_buffer("cos", ang.cos(), persistent=False)
+            self.register_buffer("sin", ang.sin(), persistent=False)
+        else:
+            self.cos = self.sin = None
+        for name, p in self.named_parameters():
+            if p.ndim >= 2:
+                std = 0.02 / math.sqrt(2 * c.num_layers) if name.endswith(("o.weight", "down.weight")) else 0.02
+                nn.init.normal_(p, 0.0, std)
+
+    def forward(self, idx, targets):
+        s = idx.shape[1]
+        x = self.wte(idx)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(s, device=idx.device))
+        for blk in self.blocks:
+            x = blk(x, self.cos, self.sin)
+        logits = self.head(self.ln_f(x))[..., : self.c.vocab_size]
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def make_optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95), fused=True)

@@ -1,0 +1,145 @@
+"""End-to-end training throughput: meshtrain's trainer vs a plain compiled PyTorch GPT.
+
+    python benchmarks/train_throughput.py --config deploy/configs/gpt2-125m.toml --steps 300 --out result.json
+
+Both sides train the same architecture with the same micro/global batch and sequence length,
+in bf16 autocast with fused AdamW and torch.compile, in the same process one after the other.
+meshtrain runs its real loop step (data from its dataloader, gradient accumulation, clipping,
+LR schedule); the baseline (`baseline_gpt.py`) trains on random tokens. Compile and warm-up
+steps are excluded. Prints a table and writes JSON; the ratio is the number that counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.baseline_gpt import BaselineGPT, make_optimizer  # noqa: E402
+from services.common.logging import setup_logging  # noqa: E402
+from services.trainer.config import load_config  # noqa: E402
+from services.trainer.metrics import peak_tflops  # noqa: E402
+from services.trainer.train import Trainer  # noqa: E402
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(step_fn, warmup: int, steps: int, device: torch.device) -> float:
+    """Seconds per step, median-free: total over `steps` after `warmup` untimed steps."""
+    for i in range(warmup):
+        step_fn(i)
+    sync(device)
+    start = time.perf_counter()
+    for i in range(warmup, warmup + steps):
+        step_fn(i)
+    sync(device)
+    return (time.perf_counter() - start) / steps
+
+
+def run_meshtrain(args, overrides) -> dict:
+    job = load_config(["--config", args.config, "--train-iters", str(args.warmup + args.steps),
+                       "--eval-interval", "0", "--run-dir", args.run_dir, *overrides])
+    trainer = Trainer(job)
+    losses = []
+
+    def step(i):
+        loss, _ = trainer.train_step(i)
+        losses.append(loss)
+
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    sec = time_steps(step, args.warmup, args.steps, trainer.device)
+    out = {"step_time_s": sec, "loss_first": losses[0].item(), "loss_last": losses[-1].item(),
+           "flops_per_token": trainer.flops_per_token, "params": trainer.model.num_parameters(),
+           "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None}
+    job = trainer.job
+    del trainer
+    return out, job
+
+
+def run_baseline(args, job) -> dict:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    model = BaselineGPT(job.model).to(device)
+    opt = make_optimizer(model, job.optim.lr, job.optim.weight_decay)
+    fwd = torch.compile(model) if job.train.compile else model
+    t = job.train
+    n_micro = t.global_batch_size // t.micro_batch_size
+    shape = (t.micro_batch_size, job.model.seq_length)
+    vocab = job.model.vocab_size
+    gen = torch.Generator(device=device).manual_seed(0)
+    batches = [torch.randint(0, vocab, (shape[0], shape[1] + 1), device=device, generator=gen) for _ in range(4)]
+    losses = []
+
+    def step(i):
+        for m in range(n_micro):
+            b = batches[(i * n_micro + m) % len(batches)]
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.bf16):
+                loss = fwd(b[:, :-1], b[:, 1:]) / n_micro
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), job.optim.clip_grad, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    sec = time_steps(step, args.warmup, args.steps, device)
+    return {"step_time_s": sec, "loss_last": (losses[-1] * n_micro).item(),
+            "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True)
+    p.add_argument("--steps", type=int, default=100, help="timed optimizer steps")
+    p.add_argument("--warmup", type=int, default=10, help="untimed steps first (compile, allocator)")
+    p.add_argument("--run-dir", default="runs/bench")
+    p.add_argument("--out", default="train_throughput.json")
+    p.add_argument("--skip-baseline", action="store_true")
+    args, overrides = p.parse_known_args()
+    setup_logging("WARNING")
+    mesh, job = run_meshtrain(args, overrides)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    peak = peak_tflops(device, job.train.peak_tflops)
+    tokens = job.train.global_batch_size * job.model.seq_length
+    rows = {"meshtrain": mesh}
+    if not args.skip_baseline:
+        rows["baseline (plain torch)"] = run_baseline(args, job)
+    for r in rows.values():
+        r["tokens_per_s"] = tokens / r["step_time_s"]
+        r["mfu"] = mesh["flops_per_token"] * r["tokens_per_s"] / (peak * 1e12) if peak else None
+    result = {
+        "config": args.config, "overrides": overrides, "steps": args.steps, "warmup": args.warmup,
+        "seq_length": job.model.seq_length, "micro_batch_size": job.train.micro_batch_size,
+        "global_batch_size": job.train.global_batch_size, "bf16": job.train.bf16, "compile": job.train.compile,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "results": rows,
+    }
+    if "baseline (plain torch)" in rows:
+        result["ratio_tokens_per_s"] = rows["meshtrain"]["tokens_per_s"] / rows["baseline (plain torch)"]["tokens_per_s"]
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"\n{args.config}  seq {job.model.seq_length}  mbs {job.train.micro_batch_size}  "
+          f"gbs {job.train.global_batch_size}  {result['device']}")
+    print(f"{'impl':<24}{'tokens/s':>12}{'MFU':>8}{'s/step':>9}{'peak GB':>9}")
+    for name, r in rows.items():
+        mfu = f"{r['mfu'] * 100:.1f}%" if r["mfu"] is not None else "-"
+        mem = f"{r['peak_mem_gb']:.1f}" if r["peak_mem_gb"] is not None else "-"
+        print(f"{name:<24}{r['tokens_per_s']:>12,.0f}{mfu:>8}{r['step_time_s']:>9.3f}{mem:>9}")
+    if "ratio_tokens_per_s" in result:
+        print(f"ratio meshtrain / baseline: {result['ratio_tokens_per_s']:.3f}")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

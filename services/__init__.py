@@ -1,0 +1,1 @@
+"""meshtrain services: dataloader, checkpoint and trainer, each also a plain Python library."""

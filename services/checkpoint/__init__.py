@@ -1,0 +1,1 @@
+"""Checkpoint: layout-independent zarr v3 checkpoints with a manifest written last as the commit."""

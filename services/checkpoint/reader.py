@@ -1,0 +1,309 @@
+"""Loading checkpoints: list committed steps, read manifests, load tensors or slices, verified.
+
+Only folders whose `manifest.json` parses are checkpoints. Every stored object is checked
+against the size and crc32 in the manifest before zarr decodes it: objects are fetched once,
+verified, and handed to zarr through an in-memory store, so the bytes decoded are exactly
+the bytes verified. `read_tensor` fetches only the shard objects its slice touches (for a
+stacked array, one layer's shard), so reading one tensor does not read the rest.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from typing import Any
+
+import numpy as np
+import torch
+import zarr
+from zarr.core.buffer import default_buffer_prototype
+from zarr.storage import MemoryStore
+
+from services.checkpoint import layout
+from services.checkpoint.store import (
+    MANIFEST_NAME,
+    Root,
+    join,
+    open_root,
+    parse_step_dirname,
+    read_bytes,
+)
+from services.checkpoint.writer import CHECKSUM, FORMAT, FORMAT_VERSION, checksum
+from services.common.errors import CheckpointError
+
+Index = Any  # an int, slice, Ellipsis, or a tuple of them (numpy-style basic indexing)
+
+
+def list_checkpoints(root: str) -> list[int]:
+    """Lists the committed checkpoint steps under a root.
+
+    Args:
+        root: root URL.
+
+    Returns:
+        Steps whose folder holds a complete manifest, ascending. A missing root gives [].
+    """
+    store_root = open_root(root)
+    try:
+        entries = store_root.fs.ls(store_root.path, detail=False)
+    except FileNotFoundError:
+        return []
+    steps = []
+    for entry in entries:
+        step = parse_step_dirname(entry.rstrip("/").rsplit("/", 1)[-1])
+        if step is not None and _load_manifest(store_root, step) is not None:
+            steps.append(step)
+    return sorted(steps)
+
+
+def latest_step(root: str) -> int | None:
+    """Returns the newest committed step under a root, or None when there is none.
+
+    Args:
+        root: root URL.
+    """
+    steps = list_checkpoints(root)
+    return steps[-1] if steps else None
+
+
+def read_manifest(root: str, step: int) -> dict[str, Any]:
+    """Reads the manifest of a committed checkpoint.
+
+    Args:
+        root: root URL.
+        step: the step.
+
+    Returns:
+        The manifest as a dict (see DESIGN.md "Checkpoint"; `metadata` is the user's dict).
+
+    Raises:
+        CheckpointError: the step has no complete manifest (not committed) or it is invalid.
+    """
+    store_root = open_root(root)
+    manifest = _load_manifest(store_root, step, strict=True)
+    assert manifest is not None  # strict=True raises instead
+    return manifest
+
+
+def load_checkpoint(
+    root: str, step: int | None = None, names: list[str] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Loads tensors of a committed checkpoint, every object checksum-verified.
+
+    Args:
+        root: root URL.
+        step: the step; None loads the latest committed one.
+        names: tensor names to load; None loads all. Only the shards they need are read.
+
+    Returns:
+        (tensor name -> CPU tensor in its logical dtype, the manifest's user metadata).
+
+    Raises:
+        CheckpointError: no committed checkpoint, an unknown name, a missing or corrupt object.
+    """
+    store_root = open_root(root)
+    if step is None:
+        step = latest_step(root)
+        if step is None:
+            raise CheckpointError(f"no committed checkpoint under {root!r}")
+    manifest = _load_manifest(store_root, step, strict=True)
+    where = _tensor_locations(manifest)
+    if names is None:
+        wanted = list(where)
+    else:
+        unknown = sorted(set(names) - set(where))
+        if unknown:
+            raise CheckpointError(
+                f"checkpoint step {step} under {root!r} has no tensors named {unknown}"
+            )
+        wanted = list(dict.fromkeys(names))
+
+    # array name -> layer indices (or [None]) wanted from it
+    per_array: dict[str, list[int | None]] = {}
+    for name in wanted:
+        array_name, layer = where[name]
+        per_array.setdefault(array_name, []).append(layer)
+
+    tensors: dict[str, torch.Tensor] = {}
+    for array_name, layers in per_array.items():
+        entry = manifest["arrays"][array_name]
+        if entry["layer_count"] is None:
+            array = _open_verified(store_root, step, array_name, entry, _all_region(entry))
+            tensors[entry["tensors"][0]] = layout.from_stored(array[...], entry["dtype"])
+            continue
+        region = [[(layer, layer) for layer in set(layers)]] + [None] * (len(entry["shape"]) - 1)
+        array = _open_verified(store_root, step, array_name, entry, region)
+        for layer in layers:
+            # One layer at a time: each tensor owns its memory, no full stack held twice.
+            tensors[entry["tensors"][layer]] = layout.from_stored(array[layer], entry["dtype"])
+    return {name: tensors[name] for name in wanted}, manifest["metadata"]
+
+
+def read_tensor(root: str, step: int, name: str, index: Index = None) -> torch.Tensor:
+    """Reads one tensor, or a slice of it, without reading the other tensors.
+
+    Args:
+        root: root URL.
+        step: the step.
+        name: the tensor name (e.g. `layers.3.attention.qkv.weight`).
+        index: numpy-style basic index into the tensor (ints, slices, Ellipsis); None = all.
+
+    Returns:
+        The tensor or slice, on CPU, in its logical dtype.
+
+    Raises:
+        CheckpointError: unknown name, index out of range, missing or corrupt object.
+    """
+    store_root = open_root(root)
+    manifest = _load_manifest(store_root, step, strict=True)
+    where = _tensor_locations(manifest)
+    if name not in where:
+        raise CheckpointError(f"checkpoint step {step} under {root!r} has no tensor {name!r}")
+    array_name, layer = where[name]
+    entry = manifest["arrays"][array_name]
+    tensor_shape = entry["shape"][1:] if layer is not None else entry["shape"]
+    index = () if index is None else index
+    index = index if isinstance(index, tuple) else (index,)
+    region = _index_region(index, tensor_shape, name)
+    if layer is not None:
+        index, region = (layer, *index), [[(layer, layer)], *region]
+    array = _open_verified(store_root, step, array_name, entry, region)
+    try:
+        return layout.from_stored(array[index], entry["dtype"])
+    except IndexError as e:
+        raise CheckpointError(f"bad index {index!r} for tensor {name!r}: {e}") from e
+
+
+def _load_manifest(root: Root, step: int, strict: bool = False) -> dict[str, Any] | None:
+    """Reads and checks a manifest; None (or CheckpointError when strict) if not committed."""
+    path = join(root.step_path(step), MANIFEST_NAME)
+
+    def fail(why: str) -> None:
+        if strict:
+            raise CheckpointError(f"checkpoint step {step} under {root.url!r}: {why}")
+
+    try:
+        manifest = json.loads(read_bytes(root, path))
+    except FileNotFoundError:
+        return fail(f"no {MANIFEST_NAME}, so it is not a committed checkpoint")
+    except (ValueError, UnicodeDecodeError) as e:
+        # A torn or truncated manifest means the save never committed.
+        return fail(f"{MANIFEST_NAME} is incomplete or not JSON ({e})")
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        return fail(f"{MANIFEST_NAME} is not a {FORMAT} manifest")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        return fail(
+            f"{MANIFEST_NAME} has format_version {manifest.get('format_version')!r}; "
+            f"this reader supports {FORMAT_VERSION}"
+        )
+    if manifest.get("step") != step or manifest.get("checksum") != CHECKSUM:
+        return fail(f"{MANIFEST_NAME} has step {manifest.get('step')!r} / checksum "
+                    f"{manifest.get('checksum')!r}, expected {step} / {CHECKSUM}")
+    return manifest
+
+
+def _tensor_locations(manifest: dict[str, Any]) -> dict[str, tuple[str, int | None]]:
+    """Tensor name -> (array name, layer index or None), from a manifest."""
+    where: dict[str, tuple[str, int | None]] = {}
+    for array_name, entry in manifest["arrays"].items():
+        for i, tensor in enumerate(entry["tensors"]):
+            where[tensor] = (array_name, i if entry["layer_count"] is not None else None)
+    return where
+
+
+def _all_region(entry: dict[str, Any]) -> list[list[tuple[int, int]] | None]:
+    return [None] * len(entry["shape"])
+
+
+def _index_region(
+    index: tuple, shape: list[int], name: str
+) -> list[list[tuple[int, int]] | None]:
+    """Per dim, the inclusive (first, last) element spans a basic index touches.
+
+    None means all of the dim (or an index kind we do not analyse). Only used to pick which
+    shard objects to fetch, so zarr still does the real indexing.
+    """
+    if sum(1 for i in index if i is Ellipsis) > 1:
+        raise CheckpointError(f"index {index!r} for tensor {name!r} has more than one Ellipsis")
+    if Ellipsis in index:
+        at = index.index(Ellipsis)
+        fill = len(shape) - (len(index) - 1)
+        index = index[:at] + (slice(None),) * max(fill, 0) + index[at + 1 :]
+    if len(index) > len(shape):
+        raise CheckpointError(
+            f"index {index!r} has {len(index)} dims but tensor {name!r} has shape {tuple(shape)}"
+        )
+    region: list[list[tuple[int, int]] | None] = []
+    for i, size in zip(index, shape):
+        if isinstance(i, (int, np.integer)) and not isinstance(i, (bool, np.bool_)):
+            if not -size <= i < size:
+                raise CheckpointError(
+                    f"index {i} out of range for dim of size {size} of tensor {name!r}"
+                )
+            region.append([(int(i) % size,) * 2])
+        elif isinstance(i, slice):
+            selected = range(*i.indices(size))
+            region.append([(min(selected), max(selected))] if selected else [])
+        else:
+            region.append(None)
+    return region + [None] * (len(shape) - len(region))
+
+
+def _shard_keys(entry: dict[str, Any], region: list[list[tuple[int, int]] | None]) -> list[str]:
+    """Object keys (relative to the array) of the shards that cover `region`."""
+    shape = entry["shape"]
+    if not shape:
+        return ["c"]  # 0-d arrays are one unsharded chunk
+    if 0 in shape:
+        return []  # zero-size arrays store no chunk objects
+    outer = entry["shards"] or entry["chunks"]
+    per_dim = []
+    for size, step, spans in zip(shape, outer, region):
+        spans = [(0, size - 1)] if spans is None else spans
+        coords = set()
+        for first, last in spans:
+            coords.update(range(first // step, last // step + 1))
+        per_dim.append(sorted(coords))
+    return ["c/" + "/".join(map(str, coords)) for coords in itertools.product(*per_dim)]
+
+
+def _open_verified(
+    root: Root, step: int, array_name: str, entry: dict[str, Any], region: list
+) -> zarr.Array:
+    """Fetches the array's metadata and the shards covering `region`, verifies, opens them.
+
+    Returns:
+        A read-only zarr array over an in-memory copy of the verified objects; shards outside
+        `region` are absent from it, so only index inside `region`.
+    """
+    step_path = root.step_path(step)
+    prototype = default_buffer_prototype()
+    contents: dict[str, Any] = {}
+
+    def fetch(key: str) -> None:
+        where = f"array {array_name!r} object {key!r} (step {step} under {root.url!r})"
+        expected = entry["objects"].get(key)
+        if expected is None:
+            raise CheckpointError(f"{where} is not listed in the manifest")
+        try:
+            data = read_bytes(root, join(step_path, array_name, key))
+        except FileNotFoundError as e:
+            raise CheckpointError(f"{where} is missing") from e
+        if len(data) != expected["size"] or checksum(data) != expected[CHECKSUM]:
+            raise CheckpointError(
+                f"{where} is corrupt: {len(data)} bytes with {CHECKSUM} {checksum(data):#010x}, "
+                f"manifest says {expected['size']} bytes with {expected[CHECKSUM]:#010x}"
+            )
+        contents[f"{array_name}/{key}"] = prototype.buffer.from_bytes(data)
+
+    # Metadata first: the shard keys below come from the manifest, which must agree with it.
+    fetch("zarr.json")
+    array = zarr.open_array(MemoryStore(dict(contents), read_only=True), path=array_name, mode="r")
+    if list(array.shape) != entry["shape"] or array.dtype != np.dtype(entry["stored_dtype"]):
+        raise CheckpointError(
+            f"array {array_name!r} (step {step} under {root.url!r}) is stored with shape "
+            f"{array.shape} dtype {array.dtype}, manifest says {entry['shape']} {entry['stored_dtype']}"
+        )
+    for key in _shard_keys(entry, region):
+        fetch(key)
+    return zarr.open_array(MemoryStore(contents, read_only=True), path=array_name, mode="r")

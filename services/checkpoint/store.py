@@ -1,0 +1,180 @@
+"""Filesystem plumbing for checkpoints: root URLs, paths, atomic small files, zarr stores.
+
+Everything the writer and reader do to storage goes through an fsspec filesystem opened from
+the root URL (plain local path, `file://`, `memory://`; `s3://` needs only s3fs installed), so
+object stores need no special code. Small files (the manifest) are written atomically: to a
+temporary name and renamed on a local disk, a single PUT elsewhere (object-store PUTs are
+atomic; a rename there would be a copy plus delete). Zarr sees the same storage through a
+`LocalStore` on local disk and an `FsspecStore` otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import re
+import uuid
+from dataclasses import dataclass
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+from zarr.abc.store import Store
+from zarr.storage import FsspecStore, LocalStore
+
+from services.common.errors import CheckpointError
+
+MANIFEST_NAME = "manifest.json"
+_STEP_RE = re.compile(r"^step_(\d{8,})$")
+
+
+@dataclass(frozen=True)
+class Root:
+    """A checkpoint root: the URL the user gave and the filesystem + path it resolves to."""
+
+    url: str
+    fs: fsspec.AbstractFileSystem
+    path: str
+
+    @property
+    def is_local(self) -> bool:
+        """True when the root is on a local disk (rename is atomic there)."""
+        return isinstance(self.fs, LocalFileSystem)
+
+    def step_path(self, step: int) -> str:
+        """Filesystem path of the folder of `step`."""
+        return join(self.path, step_dirname(step))
+
+    def step_url(self, step: int) -> str:
+        """URL of the folder of `step`, in the same form as the root URL."""
+        return self.url.rstrip("/") + "/" + step_dirname(step)
+
+
+def open_root(url: str) -> Root:
+    """Opens the filesystem of a checkpoint root URL.
+
+    Args:
+        url: a local path or fsspec URL (`file://`, `memory://`, `s3://...`).
+
+    Returns:
+        The Root.
+
+    Raises:
+        CheckpointError: the URL is empty or its protocol is unknown / not installed.
+    """
+    if not isinstance(url, str) or not url:
+        raise CheckpointError(f"checkpoint root must be a non-empty path or URL, got {url!r}")
+    try:
+        fs, path = fsspec.core.url_to_fs(url)
+    except (ValueError, ImportError) as e:
+        raise CheckpointError(f"cannot open checkpoint root {url!r}: {e}") from e
+    return Root(url=url, fs=fs, path=path.rstrip("/") or "/")
+
+
+def join(*parts: str) -> str:
+    """Joins path components with "/" (fsspec paths are POSIX-style on every filesystem).
+
+    Args:
+        parts: path components; empty ones are skipped.
+
+    Returns:
+        The joined path.
+    """
+    return posixpath.join(*[p for p in parts if p])
+
+
+def step_dirname(step: int) -> str:
+    """Returns the folder name of a step, e.g. `step_00000050`.
+
+    Args:
+        step: a non-negative training step.
+
+    Returns:
+        The folder name.
+
+    Raises:
+        CheckpointError: the step is not a non-negative int.
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"checkpoint step must be a non-negative int, got {step!r}")
+    return f"step_{step:08d}"
+
+
+def parse_step_dirname(name: str) -> int | None:
+    """Returns the step of a folder name like `step_00000050`, or None if it is not one."""
+    match = _STEP_RE.match(name)
+    return int(match.group(1)) if match else None
+
+
+def write_bytes_atomic(root: Root, path: str, data: bytes) -> None:
+    """Writes a small file so readers see either nothing or all of it.
+
+    Args:
+        root: the root whose filesystem holds `path`.
+        path: destination path.
+        data: file contents.
+    """
+    if not root.is_local:
+        root.fs.pipe_file(path, data)
+        return
+    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            # fsync before rename: otherwise a crash can leave the new name with empty contents.
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def read_bytes(root: Root, path: str) -> bytes:
+    """Reads a whole file; FileNotFoundError when it does not exist."""
+    return root.fs.cat_file(path)
+
+
+def remove_tree(root: Root, path: str) -> None:
+    """Removes a folder / prefix and everything under it; a missing one is not an error."""
+    if root.fs.exists(path):
+        root.fs.rm(path, recursive=True)
+
+
+def list_objects(root: Root, path: str) -> list[str]:
+    """Lists every file / object under a folder, as paths relative to it, sorted.
+
+    Args:
+        root: the root whose filesystem holds `path`.
+        path: the folder.
+
+    Returns:
+        Relative POSIX paths, e.g. ["layers.mlp.fc1.weight/c/0/0", ...].
+    """
+    prefix = path.rstrip("/") + "/"
+    found = root.fs.find(path)
+    return sorted(p[len(prefix) :] for p in found if p.startswith(prefix))
+
+
+def zarr_store(root: Root, path: str, read_only: bool = False) -> Store:
+    """Builds a zarr store over a folder of the root's filesystem.
+
+    Args:
+        root: the root.
+        path: the folder (usually a step folder).
+        read_only: open the store read-only.
+
+    Returns:
+        A LocalStore on local disk, an FsspecStore otherwise.
+    """
+    if root.is_local:
+        return LocalStore(path, read_only=read_only)
+    fs = root.fs
+    # FsspecStore needs an asynchronous filesystem instance; sync-only ones are wrapped.
+    if not fs.async_impl:
+        from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
+
+        fs = AsyncFileSystemWrapper(fs, asynchronous=True)
+    elif not fs.asynchronous:
+        fs = type(fs)(**fs.storage_options, asynchronous=True)
+    return FsspecStore(fs, path=path, read_only=read_only)

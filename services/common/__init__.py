@@ -1,0 +1,1 @@
+"""Pieces shared by every service: config loading, errors, logging, storage URLs."""

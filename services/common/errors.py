@@ -1,0 +1,26 @@
+"""Domain errors shared by all services.
+
+Every error a user can cause (bad config, corrupt file, missing path, malformed request)
+is raised as a subclass of `MeshtrainError` with a message that names what was wrong. The
+gRPC shells map these classes to status codes; the CLI prints the message and exits 2.
+"""
+
+
+class MeshtrainError(Exception):
+    """Base class of every error meshtrain raises on purpose."""
+
+
+class ConfigError(MeshtrainError, ValueError):
+    """A config key, value or flag is unknown, of the wrong type, or not allowed."""
+
+
+class NotBuiltError(ConfigError):
+    """A flag names a feature that exists in the design but is not built yet."""
+
+
+class DataError(MeshtrainError):
+    """A dataset, tokenizer or input file is missing, corrupt or inconsistent."""
+
+
+class CheckpointError(MeshtrainError):
+    """A checkpoint is missing, uncommitted, corrupt, or does not match the model."""

@@ -1,0 +1,1 @@
+"""Dataloader: Megatron-compatible indexed datasets, tokenizers, GPT sample windows, batches."""

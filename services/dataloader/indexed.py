@@ -1,0 +1,347 @@
+"""Megatron `MMIDIDX` v1 indexed datasets: `PREFIX.bin` (tokens) + `PREFIX.idx` (index).
+
+The format is Megatron-LM's `IndexedDataset`, byte for byte, so a dataset written by
+Megatron's `preprocess_data.py` reads here and one written here trains in Megatron. `.idx`:
+
+    9 bytes  magic b"MMIDIDX\\x00\\x00"
+    <Q       version (1)
+    <B       dtype code (uint8=1 int8=2 int16=3 int32=4 int64=5 float64=6 float32=7 uint16=8)
+    <Q       sequence count N
+    <Q       document count D (entries in the document index, i.e. documents + 1)
+    int32[N] sequence lengths (tokens)
+    int64[N] byte pointers of each sequence into `.bin`
+    int64[D] document index: first sequence of each document, starting with 0, ending with N
+
+`.bin` is the token arrays back to back. `IndexedDatasetWriter` streams `.bin` to disk and
+writes both files under temporary names, renaming them into place only when complete.
+`IndexedDataset` memory-maps both files and validates the header and sizes on open.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from array import array
+from pathlib import Path
+
+import numpy as np
+
+from services.common.errors import DataError
+
+MAGIC = b"MMIDIDX\x00\x00"
+VERSION = 1
+# magic + version + dtype code + sequence count + document count
+HEADER_SIZE = len(MAGIC) + 8 + 1 + 8 + 8
+
+DTYPE_CODES: dict[int, np.dtype] = {
+    1: np.dtype(np.uint8),
+    2: np.dtype(np.int8),
+    3: np.dtype(np.int16),
+    4: np.dtype(np.int32),
+    5: np.dtype(np.int64),
+    6: np.dtype(np.float64),
+    7: np.dtype(np.float32),
+    8: np.dtype(np.uint16),
+}
+_CODE_OF_DTYPE = {dtype: code for code, dtype in DTYPE_CODES.items()}
+
+
+def best_dtype(vocab_size: int) -> np.dtype:
+    """The smallest token dtype Megatron uses for a vocabulary.
+
+    Args:
+        vocab_size: number of token ids (ids are 0..vocab_size-1).
+
+    Returns:
+        uint16 when the vocabulary fits (Megatron's threshold is 65500), else int32.
+    """
+    return np.dtype(np.uint16) if vocab_size < 65500 else np.dtype(np.int32)
+
+
+def _paths(prefix: str | os.PathLike) -> tuple[Path, Path]:
+    prefix = str(prefix)
+    return Path(prefix + ".bin"), Path(prefix + ".idx")
+
+
+def _dtype_code(dtype) -> int:
+    dtype = np.dtype(dtype)
+    if dtype not in _CODE_OF_DTYPE:
+        allowed = ", ".join(str(d) for d in DTYPE_CODES.values())
+        raise DataError(f"token dtype {dtype} is not in the MMIDIDX format; allowed: {allowed}")
+    return _CODE_OF_DTYPE[dtype]
+
+
+class IndexedDatasetWriter:
+    """Streams documents into `PREFIX.bin` and writes `PREFIX.idx` at the end.
+
+    Each `add_document(tokens)` appends one document made of one sequence. Tokens go
+    straight to the (temporary) `.bin` file; only the per-sequence lengths stay in memory.
+    Use as a context manager: leaving the block normally finalizes, leaving it with an
+    exception deletes the temporary files, so a crash never leaves a readable half dataset.
+    """
+
+    def __init__(self, prefix: str | os.PathLike, dtype=np.uint16):
+        """Args:
+        prefix: output path without extension; `PREFIX.bin` and `PREFIX.idx` are written.
+        dtype: token dtype, one of the MMIDIDX dtypes (see `best_dtype`).
+        """
+        self.prefix = str(prefix)
+        self.dtype = np.dtype(dtype)
+        self._code = _dtype_code(self.dtype)
+        self._bin_path, self._idx_path = _paths(self.prefix)
+        self._bin_path.parent.mkdir(parents=True, exist_ok=True)
+        # pid in the name: two writers of the same prefix must not share a temp file
+        suffix = f".tmp-{os.getpid()}-{id(self):x}"
+        self._bin_tmp = Path(str(self._bin_path) + suffix)
+        self._idx_tmp = Path(str(self._idx_path) + suffix)
+        self._bin = open(self._bin_tmp, "wb")
+        self._lengths = array("i")  # int32, Megatron's sequence length type
+        self._closed = False
+        if self.dtype.kind in "iu":
+            info = np.iinfo(self.dtype)
+            self._range = (int(info.min), int(info.max))
+        else:
+            self._range = None
+
+    def add_document(self, tokens) -> None:
+        """Append one document (one sequence).
+
+        Args:
+            tokens: 1-D array-like of token ids; must fit in the writer's dtype.
+        """
+        if self._closed:
+            raise DataError(f"{self._bin_path}: add_document after finalize/abort")
+        arr = np.asarray(tokens)
+        if arr.ndim != 1:
+            raise DataError(f"{self._bin_path}: a document must be 1-D, got shape {arr.shape}")
+        if arr.size and self._range is not None:
+            lo, hi = int(arr.min()), int(arr.max())
+            # a silent wrap-around (e.g. id 70000 into uint16) would corrupt training data
+            if lo < self._range[0] or hi > self._range[1]:
+                raise DataError(
+                    f"{self._bin_path}: token ids in [{lo}, {hi}] do not fit dtype {self.dtype}"
+                )
+        if arr.size >= 2**31:
+            raise DataError(f"{self._bin_path}: document of {arr.size} tokens exceeds int32 length")
+        self._bin.write(np.ascontiguousarray(arr, dtype=self.dtype).tobytes())
+        self._lengths.append(arr.size)
+
+    @property
+    def num_documents(self) -> int:
+        return len(self._lengths)
+
+    def finalize(self) -> str:
+        """Write `.idx`, then rename both files into place (`.idx` last: it is the commit).
+
+        Returns:
+            The prefix.
+        """
+        if self._closed:
+            return self.prefix
+        self._bin.close()
+        lengths = np.frombuffer(self._lengths, dtype=np.int32) if self._lengths else np.zeros(0, np.int32)
+        n = lengths.size
+        pointers = np.zeros(n, dtype=np.int64)
+        if n > 1:
+            pointers[1:] = np.cumsum(lengths[:-1], dtype=np.int64) * self.dtype.itemsize
+        # one sequence per document, so document i starts at sequence i; the trailing N closes it
+        doc_index = np.arange(n + 1, dtype=np.int64)
+        with open(self._idx_tmp, "wb") as f:
+            f.write(MAGIC)
+            f.write(struct.pack("<Q", VERSION))
+            f.write(struct.pack("<B", self._code))
+            f.write(struct.pack("<Q", n))
+            f.write(struct.pack("<Q", doc_index.size))
+            f.write(lengths.astype("<i4").tobytes())
+            f.write(pointers.astype("<i8").tobytes())
+            f.write(doc_index.astype("<i8").tobytes())
+        os.replace(self._bin_tmp, self._bin_path)
+        os.replace(self._idx_tmp, self._idx_path)
+        self._closed = True
+        return self.prefix
+
+    def abort(self) -> None:
+        """Close and delete the temporary files; nothing is left at the prefix."""
+        if self._closed:
+            return
+        self._bin.close()
+        for p in (self._bin_tmp, self._idx_tmp):
+            p.unlink(missing_ok=True)
+        self._closed = True
+
+    def __enter__(self) -> "IndexedDatasetWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.finalize()
+        else:
+            self.abort()
+
+
+class IndexedDataset:
+    """Read-only, memory-mapped view of a `PREFIX.bin` / `PREFIX.idx` pair.
+
+    `ds[i]` is sequence i as a numpy array (a view into the memory map); `len(ds)` is the
+    number of sequences. Opening validates the whole index against the header and `.bin` size.
+    """
+
+    def __init__(self, prefix: str | os.PathLike):
+        """Args:
+        prefix: path without extension.
+        """
+        self.prefix = str(prefix)
+        self.bin_path, self.idx_path = _paths(self.prefix)
+        for p in (self.idx_path, self.bin_path):
+            if not p.is_file():
+                raise DataError(f"{p}: indexed dataset file is missing")
+        self._read_index()
+        self._open_bin()
+
+    def _read_index(self) -> None:
+        path = self.idx_path
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            header = f.read(HEADER_SIZE)
+        if len(header) < len(MAGIC) or header[: len(MAGIC)] != MAGIC:
+            raise DataError(
+                f"{path}: bad magic {header[:len(MAGIC)]!r}, expected {MAGIC!r} (not an MMIDIDX index)"
+            )
+        if len(header) < HEADER_SIZE:
+            raise DataError(f"{path}: truncated header ({len(header)} of {HEADER_SIZE} bytes)")
+        (version,) = struct.unpack_from("<Q", header, 9)
+        if version != VERSION:
+            raise DataError(f"{path}: MMIDIDX version {version} is not supported (only {VERSION})")
+        (code,) = struct.unpack_from("<B", header, 17)
+        if code not in DTYPE_CODES:
+            raise DataError(f"{path}: unknown dtype code {code}; known: {sorted(DTYPE_CODES)}")
+        self._dtype = DTYPE_CODES[code]
+        n, d = struct.unpack_from("<QQ", header, 18)
+        expected = HEADER_SIZE + 4 * n + 8 * n + 8 * d
+        if size != expected:
+            raise DataError(
+                f"{path}: index is {size} bytes but its header ({n} sequences, {d} document "
+                f"entries) says {expected}; the file is truncated or has trailing data"
+            )
+        # one map for the whole index; the three arrays are views into it
+        buf = np.memmap(path, dtype=np.uint8, mode="r")
+        off = HEADER_SIZE
+        self._lengths = np.frombuffer(buf, dtype="<i4", count=n, offset=off)  # (N,)
+        off += 4 * n
+        self._pointers = np.frombuffer(buf, dtype="<i8", count=n, offset=off)  # (N,)
+        off += 8 * n
+        self._doc_index = np.frombuffer(buf, dtype="<i8", count=d, offset=off)  # (D,)
+        self._validate_index(n)
+
+    def _validate_index(self, n: int) -> None:
+        path = self.idx_path
+        lengths, pointers = self._lengths, self._pointers
+        if n:
+            if lengths.min() < 0:
+                raise DataError(f"{path}: negative sequence length at sequence {int(np.argmin(lengths))}")
+            expected = np.zeros(n, dtype=np.int64)
+            expected[1:] = np.cumsum(lengths[:-1], dtype=np.int64) * self._dtype.itemsize
+            bad = np.nonzero(pointers != expected)[0]
+            if bad.size:
+                i = int(bad[0])
+                raise DataError(
+                    f"{path}: sequence pointer {i} is {int(pointers[i])} but the lengths before it "
+                    f"place it at byte {int(expected[i])}; pointers and lengths are inconsistent"
+                )
+        di = self._doc_index
+        if di.size == 0 or di[0] != 0 or di[-1] != n or (di.size > 1 and np.any(np.diff(di) < 0)):
+            raise DataError(
+                f"{path}: document index must be non-decreasing from 0 to the sequence count {n}"
+            )
+
+    def _open_bin(self) -> None:
+        n = len(self._lengths)
+        itemsize = self._dtype.itemsize
+        expected = int(self._pointers[-1]) + int(self._lengths[-1]) * itemsize if n else 0
+        size = self.bin_path.stat().st_size
+        if size != expected:
+            raise DataError(
+                f"{self.bin_path}: data file is {size} bytes but {self.idx_path.name} says "
+                f"{expected} (last pointer + last length x {itemsize})"
+            )
+        # (num_tokens,) flat token stream; np.memmap refuses empty files
+        if size:
+            self._tokens = np.memmap(self.bin_path, dtype=self._dtype, mode="r").view(np.ndarray)
+        else:
+            self._tokens = np.zeros(0, dtype=self._dtype)
+        self._starts = self._pointers // itemsize  # (N,) token offset of each sequence
+
+    def __len__(self) -> int:
+        return len(self._lengths)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.get(i)
+
+    def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Tokens of sequence i, or a window of it.
+
+        Args:
+            i: sequence index (negative counts from the end).
+            offset: first token within the sequence.
+            length: number of tokens; None reads to the end of the sequence.
+
+        Returns:
+            (length,) array of the dataset dtype, a read-only view of the memory map.
+        """
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"{self.prefix}: sequence {i} out of range [0, {n})")
+        i %= n
+        seq_len = int(self._lengths[i])
+        if length is None:
+            length = seq_len - offset
+        if offset < 0 or length < 0 or offset + length > seq_len:
+            raise IndexError(
+                f"{self.prefix}: window offset={offset} length={length} outside sequence {i} "
+                f"of {seq_len} tokens"
+            )
+        start = int(self._starts[i]) + offset
+        return self._tokens[start : start + length]
+
+    def read_tokens(self, start: int, length: int) -> np.ndarray:
+        """A window of the flat token stream (all sequences back to back, file order).
+
+        Args:
+            start: token offset from the beginning of `.bin`.
+            length: number of tokens.
+
+        Returns:
+            (length,) read-only view of the memory map.
+        """
+        if start < 0 or length < 0 or start + length > self._tokens.size:
+            raise IndexError(
+                f"{self.prefix}: token window [{start}, {start + length}) outside [0, {self._tokens.size})"
+            )
+        return self._tokens[start : start + length]
+
+    @property
+    def sequence_lengths(self) -> np.ndarray:
+        """(N,) int32 tokens per sequence."""
+        return self._lengths
+
+    @property
+    def sequence_pointers(self) -> np.ndarray:
+        """(N,) int64 byte offset of each sequence in `.bin`."""
+        return self._pointers
+
+    @property
+    def document_indices(self) -> np.ndarray:
+        """(documents + 1,) int64 first sequence of each document, ending with N."""
+        return self._doc_index
+
+    @property
+    def num_documents(self) -> int:
+        return len(self._doc_index) - 1
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._dtype
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self._tokens.size)

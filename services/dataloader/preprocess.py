@@ -1,0 +1,228 @@
+"""Turn raw text into an indexed dataset, and build the cached default dataset.
+
+`preprocess_files` streams `.jsonl`/`.json` files (one JSON document per line) or plain text
+files (one document per file) through a tokenizer into `PREFIX.bin/.idx`, in batches, with
+memory bounded by the batch size. `prepare_default_dataset` builds a small dataset every
+machine can make offline — the Python standard library's own sources — training a BPE on it
+first, and caches the result under a key of everything that determines it:
+
+    ds = prepare_default_dataset(".cache/data")          # ~seconds cold, instant warm
+    IndexedDataset(ds.prefix), build_tokenizer(ds.tokenizer_spec)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterator
+
+from services.common.errors import DataError
+from services.dataloader.indexed import IndexedDatasetWriter, best_dtype
+from services.dataloader.tokenizers import ByteTokenizer, Tokenizer, train_bpe
+
+_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
+# Documents per encode_batch call, and the text bytes at which a batch is flushed early:
+# large enough to keep the Rust tokenizer's threads busy, small enough to bound memory.
+_BATCH_DOCS = 256
+_BATCH_CHARS = 8 << 20
+_DATA_NAME = "data"
+_META_NAME = "meta.json"
+
+
+def _stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def default_corpus_files(max_bytes: int) -> list[Path]:
+    """The standard library's `.py` files, in relative-path order, up to `max_bytes` in total.
+
+    Skips `site-packages`, test suites, `idlelib` and `lib2to3`. Files are taken in order and
+    the list stops before the first file that would exceed `max_bytes`.
+
+    Args:
+        max_bytes: budget of source bytes.
+
+    Returns:
+        Absolute paths.
+    """
+    root = _stdlib_root()
+    found: list[tuple[str, Path]] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
+        for name in filenames:
+            if name.endswith(".py"):
+                p = Path(dirpath) / name
+                found.append((p.relative_to(root).as_posix(), p))
+    found.sort()
+    out: list[Path] = []
+    total = 0
+    for _, p in found:
+        size = p.stat().st_size
+        if total + size > max_bytes:
+            break
+        out.append(p)
+        total += size
+    if not out:
+        raise DataError(f"{root}: no standard-library .py sources fit in max_bytes={max_bytes}")
+    return out
+
+
+def _iter_documents(path: Path, json_key: str) -> Iterator[str]:
+    if not path.is_file():
+        raise DataError(f"{path}: input file is missing")
+    if path.suffix in (".jsonl", ".json"):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{lineno}: not a JSON object per line ({e.msg})") from e
+                if not isinstance(obj, dict) or json_key not in obj:
+                    raise DataError(f"{path}:{lineno}: JSON document has no key {json_key!r}")
+                text = obj[json_key]
+                if not isinstance(text, str):
+                    raise DataError(f"{path}:{lineno}: {json_key!r} is {type(text).__name__}, not a string")
+                yield text
+    else:
+        yield path.read_text(encoding="utf-8", errors="replace")
+
+
+def preprocess_files(
+    inputs: list[str | os.PathLike],
+    output_prefix: str | os.PathLike,
+    tokenizer: Tokenizer,
+    json_key: str = "text",
+    append_eod: bool = True,
+) -> str:
+    """Tokenize text files into `OUTPUT_PREFIX.bin/.idx`.
+
+    Args:
+        inputs: `.jsonl`/`.json` files (one JSON object per line, text under `json_key`) or
+            any other file, read as UTF-8 text (errors replaced), one document per file.
+        output_prefix: dataset path without extension.
+        tokenizer: tokenizer; its vocabulary picks the token dtype (`best_dtype`).
+        json_key: field holding the text in JSON lines.
+        append_eod: append `tokenizer.eod_id` after each document (Megatron's `--append-eod`).
+
+    Returns:
+        The output prefix as a string. Documents that tokenize to nothing are skipped.
+    """
+    prefix = str(output_prefix)
+    with IndexedDatasetWriter(prefix, best_dtype(tokenizer.vocab_size)) as writer:
+        batch: list[str] = []
+        chars = 0
+
+        def flush() -> None:
+            for ids in tokenizer.encode_batch(batch):
+                if append_eod:
+                    ids = list(ids) + [tokenizer.eod_id]
+                if ids:
+                    writer.add_document(ids)
+            batch.clear()
+
+        for path in inputs:
+            for text in _iter_documents(Path(path), json_key):
+                batch.append(text)
+                chars += len(text)
+                if len(batch) >= _BATCH_DOCS or chars >= _BATCH_CHARS:
+                    flush()
+                    chars = 0
+        if batch:
+            flush()
+    return prefix
+
+
+@dataclass(frozen=True)
+class DefaultDataset:
+    """Where the default dataset lives and how to decode it."""
+
+    prefix: str  # IndexedDataset prefix
+    tokenizer_spec: str  # "byte" or the path of the tokenizer.json
+    vocab_size: int
+    eod_id: int
+
+
+def _cache_key(files: list[Path], tokenizer: str, vocab_size: int, max_bytes: int) -> str:
+    root = _stdlib_root()
+    desc = {
+        "python": sys.version,
+        "files": [[p.relative_to(root).as_posix(), p.stat().st_size] for p in files],
+        "tokenizer": tokenizer,
+        "vocab_size": vocab_size if tokenizer == "bpe" else 257,
+        "max_bytes": max_bytes,
+        "format": 1,  # bump when the build recipe changes
+    }
+    return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _load_cached(folder: Path) -> DefaultDataset:
+    meta = json.loads((folder / _META_NAME).read_text())
+    spec = meta["tokenizer_spec"]
+    if spec != "byte":
+        spec = str(folder / spec)  # stored relative, so the folder can move
+    return DefaultDataset(str(folder / _DATA_NAME), spec, int(meta["vocab_size"]), int(meta["eod_id"]))
+
+
+def prepare_default_dataset(
+    cache_dir: str | os.PathLike,
+    tokenizer: str = "bpe",
+    vocab_size: int = 4096,
+    max_bytes: int = 8_000_000,
+) -> DefaultDataset:
+    """Build (or find cached) the standard-library corpus dataset.
+
+    The dataset is built in a temporary folder under `cache_dir` and renamed to
+    `cache_dir/<key>` only when complete, so a killed or concurrent build never leaves a
+    half-written cache; the loser of a concurrent race discards its copy.
+
+    Args:
+        cache_dir: cache root (created if missing).
+        tokenizer: `"bpe"` (train a byte-level BPE on the corpus) or `"byte"`.
+        vocab_size: BPE vocabulary size (ignored for `"byte"`).
+        max_bytes: corpus size budget in bytes of source.
+
+    Returns:
+        A DefaultDataset pointing into `cache_dir/<key>/`.
+    """
+    if tokenizer not in ("bpe", "byte"):
+        raise DataError(f"default dataset tokenizer {tokenizer!r} is not one of 'bpe', 'byte'")
+    cache = Path(cache_dir)
+    files = default_corpus_files(max_bytes)
+    key = _cache_key(files, tokenizer, vocab_size, max_bytes)
+    final = cache / key
+    if (final / _META_NAME).is_file():
+        return _load_cached(final)
+
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=cache))
+    try:
+        if tokenizer == "bpe":
+            tok: Tokenizer = train_bpe(files, vocab_size, tmp / "tokenizer.json")
+            spec = "tokenizer.json"
+        else:
+            tok, spec = ByteTokenizer(), "byte"
+        preprocess_files(files, tmp / _DATA_NAME, tok)
+        meta = {"tokenizer_spec": spec, "vocab_size": tok.vocab_size, "eod_id": tok.eod_id,
+                "num_files": len(files), "key": key}
+        (tmp / _META_NAME).write_text(json.dumps(meta, indent=1))
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be shared
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            # another process finished first; its copy is equivalent, keep it
+            if not (final / _META_NAME).is_file():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return _load_cached(final)

@@ -1,0 +1,165 @@
+"""GPT training samples over an indexed dataset, with Megatron GPTDataset semantics.
+
+A split's documents are tiled over as many epochs as needed, each epoch a fresh seeded
+permutation of them, and read as one token stream. Sample k is the `seq_length + 1` tokens of
+that stream starting at `k * seq_length` (consecutive samples share one token, so
+tokens = s[:-1], labels = s[1:] cover the stream without gaps) and may cross document
+boundaries. Samples are then served in a seeded shuffled order. All three index arrays
+(document order, sample starts, shuffle) are built with vectorized numpy, so millions of
+samples take a second or two; everything is a pure function of (dataset, documents,
+seq_length, num_samples, seed).
+
+    ranges = split_ranges(ds.num_documents, "969,30,1")
+    train = GPTDataset(ds, np.arange(*ranges[0]), seq_length=1024, num_samples=N, seed=1234)
+    train[0]  # (1025,) int64
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from services.common.errors import DataError
+from services.dataloader.indexed import IndexedDataset
+
+_SPLIT_NAMES = ("train", "valid", "test")
+
+
+def split_ranges(num_documents: int, split: str = "969,30,1") -> list[tuple[int, int]]:
+    """Contiguous train/valid/test document ranges by normalized weights (Megatron `--split`).
+
+    Args:
+        num_documents: documents in the dataset.
+        split: up to three non-negative weights separated by "," or "/"; missing ones are 0.
+
+    Returns:
+        Three `(begin, end)` ranges that tile `[0, num_documents)` in order.
+    """
+    parts = [p.strip() for p in split.replace("/", ",").split(",") if p.strip()]
+    try:
+        weights = [float(p) for p in parts]
+    except ValueError:
+        raise DataError(f"split {split!r} must be up to three numbers like '969,30,1'") from None
+    if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise DataError(f"split {split!r} must be 1-3 non-negative weights with a positive sum")
+    weights += [0.0] * (3 - len(weights))
+    cum = np.cumsum(weights) / sum(weights)
+    # rounding the cumulative fractions (not each share) keeps the ranges contiguous and total exact
+    edges = [0] + [int(round(c * num_documents)) for c in cum[:-1]] + [num_documents]
+    ranges = [(edges[i], edges[i + 1]) for i in range(3)]
+    if ranges[0][1] <= ranges[0][0]:
+        raise DataError(f"split {split!r} over {num_documents} documents leaves the train split empty")
+    return ranges
+
+
+class GPTDataset:
+    """Shuffled fixed-length samples over one split of an IndexedDataset.
+
+    Attributes:
+        doc_idx: (num_epochs * documents,) document ids in stream order.
+        sample_idx: (num_samples, 2) position in `doc_idx` and token offset in that
+            document where each (unshuffled) sample starts.
+        shuffle_idx: (num_samples,) unshuffled sample served at each index.
+    """
+
+    def __init__(
+        self,
+        indexed: IndexedDataset,
+        documents: np.ndarray,
+        seq_length: int,
+        num_samples: int,
+        seed: int,
+        name: str = "train",
+    ):
+        """Args:
+        indexed: the token source.
+        documents: document ids (into `indexed.document_indices`) that make up this split.
+        seq_length: tokens per training sequence; samples hold `seq_length + 1`.
+        num_samples: samples to provide (epochs are added until they fit).
+        seed: seed of the document and sample shuffles.
+        name: split name used in error messages.
+        """
+        self.indexed = indexed
+        self.name = name
+        self.seq_length = int(seq_length)
+        self.num_samples = int(num_samples)
+        self.seed = int(seed)
+        where = f"{indexed.prefix} [{name}]"
+        if self.seq_length < 1 or self.num_samples < 1:
+            raise DataError(
+                f"{where}: seq_length ({seq_length}) and num_samples ({num_samples}) must be >= 1"
+            )
+        documents = np.asarray(documents, dtype=np.int64)
+        if documents.ndim != 1 or documents.size == 0:
+            raise DataError(f"{where}: the split has no documents")
+        if documents.min() < 0 or documents.max() >= indexed.num_documents:
+            raise DataError(f"{where}: document ids outside [0, {indexed.num_documents})")
+
+        # Token offset and length of every document in the flat `.bin` stream. Sequences are
+        # contiguous (IndexedDataset validates pointers), so prefix sums of lengths locate them.
+        seq_cum = np.zeros(len(indexed) + 1, dtype=np.int64)
+        np.cumsum(indexed.sequence_lengths, out=seq_cum[1:])
+        di = indexed.document_indices
+        self._doc_start = seq_cum[di[:-1]]  # (all documents,)
+        self._doc_len = seq_cum[di[1:]] - self._doc_start  # (all documents,)
+
+        tokens_per_epoch = int(self._doc_len[documents].sum())
+        if tokens_per_epoch == 0:
+            raise DataError(f"{where}: the split's {documents.size} documents hold no tokens")
+        # the last sample needs its one extra (label) token
+        needed = self.num_samples * self.seq_length + 1
+        self.num_epochs = -(-needed // tokens_per_epoch)
+
+        rng = np.random.RandomState(self.seed)
+        # one independent permutation per epoch: argsort of uniform keys, row by row
+        keys = rng.random_sample((self.num_epochs, documents.size))  # (epochs, docs)
+        self.doc_idx = documents[np.argsort(keys, axis=1, kind="stable")].ravel()  # (epochs*docs,)
+        del keys
+
+        stream_cum = np.zeros(self.doc_idx.size + 1, dtype=np.int64)
+        np.cumsum(self._doc_len[self.doc_idx], out=stream_cum[1:])  # token offset of each doc_idx slot
+        starts = np.arange(self.num_samples, dtype=np.int64) * self.seq_length  # (num_samples,)
+        # side="right" lands on the last slot starting at or before the token, skipping empty documents
+        pos = np.searchsorted(stream_cum, starts, side="right") - 1
+        offset = starts - stream_cum[pos]
+        largest = max(self.doc_idx.size, int(self._doc_len.max(initial=0)))
+        idx_dtype = np.int32 if largest < 2**31 else np.int64  # halves the index for normal sizes
+        self.sample_idx = np.stack([pos, offset], axis=1).astype(idx_dtype)  # (num_samples, 2)
+        del starts, pos, offset, stream_cum
+
+        perm = rng.permutation(self.num_samples)
+        self.shuffle_idx = perm.astype(np.int32) if self.num_samples < 2**31 else perm
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        """Sample i of the shuffled order.
+
+        Returns:
+            (seq_length + 1,) int64 token ids.
+        """
+        if not 0 <= i < self.num_samples:
+            raise IndexError(
+                f"{self.indexed.prefix} [{self.name}]: sample {i} out of range [0, {self.num_samples})"
+            )
+        return self.unshuffled(int(self.shuffle_idx[i]))
+
+    def unshuffled(self, k: int) -> np.ndarray:
+        """Sample k in stream order: tokens [k*seq_length, k*seq_length + seq_length + 1).
+
+        Returns:
+            (seq_length + 1,) int64 token ids.
+        """
+        pos, offset = (int(v) for v in self.sample_idx[k])
+        out = np.empty(self.seq_length + 1, dtype=np.int64)
+        filled = 0
+        while filled < out.size:
+            doc = int(self.doc_idx[pos])
+            take = min(int(self._doc_len[doc]) - offset, out.size - filled)
+            if take > 0:
+                start = int(self._doc_start[doc]) + offset
+                out[filled : filled + take] = self.indexed.read_tokens(start, take)
+                filled += take
+            pos += 1
+            offset = 0
+        return out

@@ -1,0 +1,229 @@
+"""Tokenizers: a UTF-8 byte tokenizer, Hugging Face `tokenizer.json` files, and BPE training.
+
+Every tokenizer has the same small surface (`vocab_size`, `eod_id`, `encode`, `encode_batch`,
+`decode`, `spec`) so preprocessing and the trainer never care which one they hold. A tokenizer
+is named by a *spec* string: `"byte"`, or the path of a `tokenizer.json` (or a folder holding
+one); `build_tokenizer(spec)` turns a spec back into a tokenizer, which is how the spec travels
+in configs and over the wire.
+
+    tok = train_bpe(["a.txt", "b.txt"], vocab_size=4096, output_path="out/tokenizer.json")
+    build_tokenizer(tok.spec).encode("hello")
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from services.common.errors import DataError
+
+EOD_TOKEN = "<|endoftext|>"
+# Bounded memory while training: files are fed to the trainer in pieces of about this size.
+_TRAIN_CHUNK_CHARS = 1 << 20
+
+
+class Tokenizer:
+    """Base class: what preprocessing and training need from a tokenizer."""
+
+    #: short human-readable kind, e.g. "byte" or "hf"
+    name: str = "tokenizer"
+
+    @property
+    def spec(self) -> str:
+        """The string `build_tokenizer` accepts to rebuild this tokenizer."""
+        raise NotImplementedError
+
+    @property
+    def vocab_size(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def eod_id(self) -> int:
+        """Id of the end-of-document token appended after each document."""
+        raise NotImplementedError
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Encode several texts; subclasses may do it in parallel.
+
+        Args:
+            texts: documents to encode.
+
+        Returns:
+            One id list per text, in order.
+        """
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(spec={self.spec!r}, vocab_size={self.vocab_size})"
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes as ids 0..255, plus end-of-document 256 (vocabulary 257)."""
+
+    name = "byte"
+
+    @property
+    def spec(self) -> str:
+        return "byte"
+
+    @property
+    def vocab_size(self) -> int:
+        return 257
+
+    @property
+    def eod_id(self) -> int:
+        return 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Bytes back to text; EOD renders as `<|endoftext|>`, invalid UTF-8 as U+FFFD."""
+        parts: list[str] = []
+        run = bytearray()
+        for i in ids:
+            i = int(i)
+            if i == self.eod_id:
+                parts.append(run.decode("utf-8", errors="replace"))
+                parts.append(EOD_TOKEN)
+                run = bytearray()
+            elif 0 <= i < 256:
+                run.append(i)
+            else:
+                raise DataError(f"byte tokenizer: id {i} is outside its vocabulary of 257")
+        parts.append(run.decode("utf-8", errors="replace"))
+        return "".join(parts)
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face `tokenizers` `tokenizer.json`; EOD is its `<|endoftext|>` token."""
+
+    name = "hf"
+
+    def __init__(self, path: str | os.PathLike):
+        """Args:
+        path: the `tokenizer.json` file.
+        """
+        import tokenizers as hf  # the Hugging Face package, not this module
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise DataError(f"{self.path}: tokenizer file is missing")
+        try:
+            self._tok = hf.Tokenizer.from_file(str(self.path))
+        except Exception as e:  # the Rust side raises a bare Exception on bad JSON
+            raise DataError(f"{self.path}: not a valid Hugging Face tokenizer.json ({e})") from e
+        eod = self._tok.token_to_id(EOD_TOKEN)
+        if eod is None:
+            raise DataError(f"{self.path}: tokenizer has no {EOD_TOKEN} token to mark document ends")
+        self._eod = int(eod)
+        self._vocab = int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def spec(self) -> str:
+        return str(self.path)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    @property
+    def eod_id(self) -> int:
+        return self._eod
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        # the Rust side parallelizes over the batch
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def _iter_text_chunks(files: list[str | os.PathLike]) -> Iterator[str]:
+    """Yield the files' text in pieces of about `_TRAIN_CHUNK_CHARS`, split at line ends."""
+    for f in files:
+        path = Path(f)
+        if not path.is_file():
+            raise DataError(f"{path}: BPE training file is missing")
+        buf: list[str] = []
+        size = 0
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                buf.append(line)
+                size += len(line)
+                if size >= _TRAIN_CHUNK_CHARS:
+                    yield "".join(buf)
+                    buf, size = [], 0
+        if buf:
+            yield "".join(buf)
+
+
+def train_bpe(files: list[str | os.PathLike], vocab_size: int, output_path: str | os.PathLike) -> HFTokenizer:
+    """Train a byte-level BPE (GPT-2 style) on text files and save it as `tokenizer.json`.
+
+    Args:
+        files: UTF-8 text files (undecodable bytes become U+FFFD).
+        vocab_size: target vocabulary including the 256 byte symbols and `<|endoftext|>`.
+        output_path: where to write the `tokenizer.json`.
+
+    Returns:
+        The trained tokenizer, loaded back from `output_path`.
+    """
+    from tokenizers import Tokenizer as HFRaw, decoders, models, pre_tokenizers, trainers
+
+    if vocab_size < 257 + 1:
+        raise DataError(
+            f"BPE vocab_size {vocab_size} is too small: 256 bytes + {EOD_TOKEN} need 257 ids plus merges"
+        )
+    if not files:
+        raise DataError("train_bpe: no training files given")
+    tok = HFRaw(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOD_TOKEN],
+        # all 256 byte symbols, so any input encodes even if a byte never occurs in training
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_iter_text_chunks(files), trainer=trainer)
+    out = Path(output_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    tok.save(str(tmp))
+    os.replace(tmp, out)
+    return HFTokenizer(out)
+
+
+def build_tokenizer(spec: str | os.PathLike) -> Tokenizer:
+    """Turn a tokenizer spec into a tokenizer.
+
+    Args:
+        spec: `"byte"`, a path to a `tokenizer.json`, or a folder containing `tokenizer.json`.
+
+    Returns:
+        A ByteTokenizer or HFTokenizer.
+    """
+    s = str(spec)
+    if s == "byte":
+        return ByteTokenizer()
+    path = Path(s)
+    if path.is_file():
+        return HFTokenizer(path)
+    if path.is_dir() and (path / "tokenizer.json").is_file():
+        return HFTokenizer(path / "tokenizer.json")
+    raise DataError(
+        f"tokenizer spec {s!r} is not understood: expected 'byte', a path to a tokenizer.json, "
+        f"or a folder containing tokenizer.json"
+    )

@@ -1,0 +1,1 @@
+"""Trainer: config, single-device GPT model, optimizer, schedule and the training loop."""

@@ -1,0 +1,499 @@
+"""The trainer's job config: one dataclass per component, TOML files, overrides and aliases.
+
+A job config has the sections `model`, `data`, `train`, `optim`, `parallel`, `checkpoint`
+and `log`; each component receives only its own section. Sources apply in order: defaults,
+the `--config FILE` TOML, then command-line overrides, either `--section.key=value` or a
+Megatron-style alias (`--hidden-size 768`, `--bf16`). Unknown keys, wrong types and flags for
+features that are not built yet are errors that name the key.
+
+    meshtrain train --config deploy/configs/tiny.toml --train-iters 50 --model.num_layers=4
+    meshtrain train --help-config        # every key, its type, default and documentation
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from services.common import config as cfg
+from services.common.errors import ConfigError, NotBuiltError
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of the GPT family (GPT-2 style and Llama style are both settings of it)."""
+
+    num_layers: int = 2
+    """Number of transformer blocks."""
+    hidden_size: int = 128
+    """Width of the residual stream."""
+    num_attention_heads: int = 4
+    """Query heads per attention layer."""
+    num_query_groups: int | None = None
+    """Key/value heads for grouped-query attention; unset means one per query head (MHA)."""
+    ffn_hidden_size: int | None = None
+    """MLP inner width; unset: 4*hidden for GELU, 8/3*hidden rounded up to 64 for SwiGLU."""
+    seq_length: int = 256
+    """Tokens per training sample."""
+    max_position_embeddings: int | None = None
+    """Rows of the learned position table (learned positions only); unset: seq_length."""
+    vocab_size: int | None = None
+    """Vocabulary size; unset: taken from the tokenizer."""
+    make_vocab_size_divisible_by: int = 128
+    """Pad the embedding/output rows to a multiple of this (padding never reaches the loss)."""
+    normalization: Literal["layernorm", "rmsnorm"] = "layernorm"
+    """LayerNorm (GPT-2) or RMSNorm (Llama)."""
+    norm_epsilon: float = 1e-5
+    """Epsilon inside the normalization."""
+    activation: Literal["gelu", "swiglu"] = "gelu"
+    """MLP activation: GELU (GPT-2) or SwiGLU with fused gate/up projection (Llama)."""
+    position_embedding_type: Literal["learned", "rope"] = "learned"
+    """Learned absolute positions (GPT-2) or rotary embeddings (Llama)."""
+    rotary_base: float = 10000.0
+    """RoPE base frequency."""
+    add_bias_linear: bool = True
+    """Biases in the linear layers (GPT-2: true, Llama: false)."""
+    untie_embeddings_and_output_weights: bool = False
+    """Separate output projection instead of reusing the word embedding (Llama: true)."""
+    init_method_std: float = 0.02
+    """Std of the normal init; residual output projections use std/sqrt(2*num_layers)."""
+    hidden_dropout: float = 0.0
+    """Dropout on the residual branches."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities."""
+    transformer_impl: Literal["local", "transformer_engine"] = "local"
+    """Layer backend: meshtrain's own layers, or Transformer Engine (not built)."""
+
+    def __post_init__(self) -> None:
+        for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"model.{key} must be positive, got {getattr(self, key)}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"model.hidden_size={self.hidden_size} must be divisible by "
+                f"model.num_attention_heads={self.num_attention_heads}"
+            )
+        groups = self.num_query_groups or self.num_attention_heads
+        if groups <= 0 or self.num_attention_heads % groups:
+            raise ConfigError(
+                f"model.num_query_groups={self.num_query_groups} must divide "
+                f"model.num_attention_heads={self.num_attention_heads}"
+            )
+        if self.position_embedding_type == "rope" and self.head_dim % 2:
+            raise ConfigError(f"model: RoPE needs an even head dim, got {self.head_dim}")
+        if self.max_position_embeddings is not None and self.max_position_embeddings < self.seq_length:
+            raise ConfigError(
+                f"model.max_position_embeddings={self.max_position_embeddings} is shorter than "
+                f"model.seq_length={self.seq_length}"
+            )
+        if self.transformer_impl != "local":
+            raise NotBuiltError(
+                "model.transformer_impl='transformer_engine' is not built yet: Transformer Engine "
+                "cannot be installed on these machines; use 'local'"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def groups(self) -> int:
+        """Key/value heads (num_query_groups, or num_attention_heads for plain MHA)."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        if self.activation == "swiglu":
+            return -(-(8 * self.hidden_size // 3) // 64) * 64
+        return 4 * self.hidden_size
+
+    @property
+    def max_positions(self) -> int:
+        return self.max_position_embeddings or self.seq_length
+
+    def padded_vocab_size(self) -> int:
+        assert self.vocab_size is not None, "vocab_size is resolved from the tokenizer first"
+        m = self.make_vocab_size_divisible_by
+        return -(-self.vocab_size // m) * m
+
+
+@dataclass
+class DataConfig:
+    """Where training tokens come from."""
+
+    data_path: list[str] = field(default_factory=list)
+    """Indexed dataset prefix (PREFIX.bin/.idx); empty: the embedded default corpus."""
+    tokenizer: str = "bpe"
+    """'bpe' (trained on the default corpus), 'byte', or a path to a tokenizer.json."""
+    default_vocab_size: int = 4096
+    """Vocabulary of the BPE trained for the embedded default corpus."""
+    default_corpus_bytes: int = 8_000_000
+    """How much of the Python standard library's source the default corpus takes."""
+    split: str = "969,30,1"
+    """Train/valid/test weights over documents, Megatron style."""
+    cache_dir: str = ".cache/meshtrain"
+    """Where the default corpus, its tokenizer and its dataset are built and cached."""
+
+    def __post_init__(self) -> None:
+        if len(self.data_path) > 1:
+            raise NotBuiltError(
+                f"data.data_path lists {len(self.data_path)} entries; blending several "
+                "datasets by weight is not built yet: give one PREFIX"
+            )
+        if self.data_path and self.tokenizer == "bpe":
+            raise ConfigError(
+                "data.tokenizer='bpe' means the BPE trained for the embedded corpus; with "
+                "data.data_path give 'byte' or the tokenizer.json the dataset was built with"
+            )
+
+
+@dataclass
+class TrainConfig:
+    """The loop: batch sizes, length, evaluation, precision and device."""
+
+    micro_batch_size: int = 8
+    """Samples per forward/backward on one rank."""
+    global_batch_size: int = 32
+    """Samples per optimizer step (gradient accumulation makes up the rest)."""
+    train_iters: int = 200
+    """Optimizer steps to run in total (a resumed run continues up to this)."""
+    eval_interval: int = 50
+    """Evaluate the held-out loss every this many steps (0: never)."""
+    eval_iters: int = 10
+    """Micro-batches per evaluation."""
+    seed: int = 1234
+    """Seeds model init, data order and dropout."""
+    bf16: bool = False
+    """bf16 autocast with fp32 master weights (CUDA only)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """'auto' picks CUDA when present."""
+    compile: bool = False
+    """Wrap the model in torch.compile."""
+    peak_tflops: float | None = None
+    """Peak dense TFLOP/s per device for MFU; unset: known GPUs only (H100/H200: 989)."""
+
+    def __post_init__(self) -> None:
+        for key in ("micro_batch_size", "global_batch_size", "train_iters", "eval_iters"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"train.{key} must be positive, got {getattr(self, key)}")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ConfigError(
+                f"train.global_batch_size={self.global_batch_size} must be a multiple of "
+                f"train.micro_batch_size={self.micro_batch_size}"
+            )
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and the learning-rate schedule."""
+
+    lr: float = 3e-4
+    """Peak learning rate."""
+    min_lr: float = 3e-5
+    """Learning rate at the end of the decay."""
+    lr_warmup_iters: int = 0
+    """Linear warmup steps from 0 to lr."""
+    lr_decay_iters: int | None = None
+    """Steps over which to decay to min_lr; unset: train_iters."""
+    lr_decay_style: Literal["cosine", "linear", "constant"] = "cosine"
+    """Shape of the decay after warmup."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay on matrices (never on norms or biases)."""
+    decay_embeddings: bool = False
+    """Also apply weight decay to the embedding tables."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.95
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this (0: no clipping)."""
+
+    def __post_init__(self) -> None:
+        if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ConfigError(f"optim: need 0 <= min_lr <= lr, got lr={self.lr} min_lr={self.min_lr}")
+        if self.clip_grad < 0:
+            raise ConfigError(f"optim.clip_grad must be >= 0, got {self.clip_grad}")
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel layout and memory plan. Only recompute is built so far; the rest is rejected."""
+
+    tp: int = 1
+    """Tensor-parallel degree (--tensor-model-parallel-size)."""
+    pp: int = 1
+    """Pipeline-parallel degree (--pipeline-model-parallel-size)."""
+    cp: int = 1
+    """Context-parallel degree (--context-parallel-size)."""
+    ep: int = 1
+    """Expert-parallel degree (--expert-model-parallel-size)."""
+    sequence_parallel: bool = False
+    """Shard norm/dropout regions along the sequence (needs tp > 1)."""
+    use_distributed_optimizer: bool = False
+    """Shard fp32 master weights and Adam state over data-parallel ranks (ZeRO-1)."""
+    overlap_grad_reduce: bool = False
+    """Overlap data-parallel gradient reduction with the backward pass."""
+    overlap_param_gather: bool = False
+    """Overlap the distributed optimizer's parameter all-gather with the next forward."""
+    recompute_granularity: Literal["none", "full", "selective"] = "none"
+    """Activation recompute: whole blocks ('full') or only the attention core ('selective')."""
+    recompute_method: Literal["uniform", "block"] = "uniform"
+    """'full' only: 'uniform' recomputes every chunk of recompute_num_layers blocks; 'block'
+    recomputes the first recompute_num_layers blocks and stores the rest."""
+    recompute_num_layers: int = 1
+    """'full' only: chunk size ('uniform') or number of recomputed blocks ('block')."""
+
+    def __post_init__(self) -> None:
+        for key in ("tp", "pp", "cp", "ep"):
+            if getattr(self, key) != 1:
+                raise NotBuiltError(
+                    f"parallel.{key}={getattr(self, key)}: this parallelism is not built yet; "
+                    "only single-process training runs today (value must be 1)"
+                )
+        for key in ("sequence_parallel", "use_distributed_optimizer", "overlap_grad_reduce",
+                    "overlap_param_gather"):
+            if getattr(self, key):
+                raise NotBuiltError(f"parallel.{key}: not built yet (value must be false)")
+        if self.recompute_num_layers <= 0:
+            raise ConfigError(f"parallel.recompute_num_layers must be positive, got {self.recompute_num_layers}")
+
+
+@dataclass
+class CheckpointConfig:
+    """Where checkpoints go and where a run resumes from."""
+
+    save: str | None = None
+    """Checkpoint root (folder or file:// / memory:// URL); unset: RUN_DIR/checkpoints."""
+    load: str | None = None
+    """Resume from the latest committed checkpoint under this root."""
+    load_step: int | None = None
+    """Resume from this step instead of the latest committed one."""
+    save_interval: int = 0
+    """Save every this many steps (0: only at the end)."""
+
+    def __post_init__(self) -> None:
+        if self.load_step is not None and self.load is None:
+            raise ConfigError("checkpoint.load_step needs checkpoint.load")
+        if self.save_interval < 0:
+            raise ConfigError(f"checkpoint.save_interval must be >= 0, got {self.save_interval}")
+
+
+@dataclass
+class LogConfig:
+    """The run directory and what is written to it."""
+
+    run_dir: str | None = None
+    """Run directory; unset: a new folder under runs/."""
+    log_interval: int = 10
+    """Write a metrics line every this many steps."""
+    progress: Literal["auto", "bar", "lines"] = "auto"
+    """'auto': a progress bar on a terminal, plain log lines otherwise."""
+    plot: bool = True
+    """Write loss.png (train and eval loss) at the end."""
+
+    def __post_init__(self) -> None:
+        if self.log_interval <= 0:
+            raise ConfigError(f"log.log_interval must be positive, got {self.log_interval}")
+
+
+@dataclass
+class JobConfig:
+    """A whole training job."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Architecture."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Training data."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """The training loop."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and schedule."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Parallel layout and recompute."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpointing."""
+    log: LogConfig = field(default_factory=LogConfig)
+    """Run directory and logging."""
+
+
+# Megatron-LM flag -> (dotted key, takes a value). Flags without a value set a bool to true.
+ALIASES: dict[str, tuple[str, bool]] = {
+    "--num-layers": ("model.num_layers", True),
+    "--hidden-size": ("model.hidden_size", True),
+    "--num-attention-heads": ("model.num_attention_heads", True),
+    "--num-query-groups": ("model.num_query_groups", True),
+    "--ffn-hidden-size": ("model.ffn_hidden_size", True),
+    "--seq-length": ("model.seq_length", True),
+    "--max-position-embeddings": ("model.max_position_embeddings", True),
+    "--vocab-size": ("model.vocab_size", True),
+    "--make-vocab-size-divisible-by": ("model.make_vocab_size_divisible_by", True),
+    "--normalization": ("model.normalization", True),
+    "--position-embedding-type": ("model.position_embedding_type", True),
+    "--rotary-base": ("model.rotary_base", True),
+    "--init-method-std": ("model.init_method_std", True),
+    "--hidden-dropout": ("model.hidden_dropout", True),
+    "--attention-dropout": ("model.attention_dropout", True),
+    "--transformer-impl": ("model.transformer_impl", True),
+    "--swiglu": ("model.activation=swiglu", False),
+    "--disable-bias-linear": ("model.add_bias_linear=false", False),
+    "--untie-embeddings-and-output-weights": ("model.untie_embeddings_and_output_weights", False),
+    "--data-path": ("data.data_path", True),
+    "--tokenizer": ("data.tokenizer", True),
+    "--split": ("data.split", True),
+    "--micro-batch-size": ("train.micro_batch_size", True),
+    "--global-batch-size": ("train.global_batch_size", True),
+    "--train-iters": ("train.train_iters", True),
+    "--eval-interval": ("train.eval_interval", True),
+    "--eval-iters": ("train.eval_iters", True),
+    "--seed": ("train.seed", True),
+    "--bf16": ("train.bf16", False),
+    "--lr": ("optim.lr", True),
+    "--min-lr": ("optim.min_lr", True),
+    "--lr-warmup-iters": ("optim.lr_warmup_iters", True),
+    "--lr-decay-iters": ("optim.lr_decay_iters", True),
+    "--lr-decay-style": ("optim.lr_decay_style", True),
+    "--weight-decay": ("optim.weight_decay", True),
+    "--adam-beta1": ("optim.adam_beta1", True),
+    "--adam-beta2": ("optim.adam_beta2", True),
+    "--adam-eps": ("optim.adam_eps", True),
+    "--clip-grad": ("optim.clip_grad", True),
+    "--tensor-model-parallel-size": ("parallel.tp", True),
+    "--pipeline-model-parallel-size": ("parallel.pp", True),
+    "--context-parallel-size": ("parallel.cp", True),
+    "--expert-model-parallel-size": ("parallel.ep", True),
+    "--sequence-parallel": ("parallel.sequence_parallel", False),
+    "--use-distributed-optimizer": ("parallel.use_distributed_optimizer", False),
+    "--overlap-grad-reduce": ("parallel.overlap_grad_reduce", False),
+    "--overlap-param-gather": ("parallel.overlap_param_gather", False),
+    "--recompute-granularity": ("parallel.recompute_granularity", True),
+    "--recompute-method": ("parallel.recompute_method", True),
+    "--recompute-num-layers": ("parallel.recompute_num_layers", True),
+    "--save": ("checkpoint.save", True),
+    "--load": ("checkpoint.load", True),
+    "--save-interval": ("checkpoint.save_interval", True),
+    "--ckpt-step": ("checkpoint.load_step", True),
+    "--run-dir": ("log.run_dir", True),
+    "--log-interval": ("log.log_interval", True),
+}
+
+# Keys whose values are strings even when they look like numbers or booleans.
+_STRING_KEYS = {"data.tokenizer", "data.split", "checkpoint.save", "checkpoint.load", "log.run_dir"}
+
+
+# Megatron spellings of choice values -> ours.
+_VALUE_SPELLINGS = {"LayerNorm": "layernorm", "RMSNorm": "rmsnorm", "learned_absolute": "learned"}
+
+
+def _value_for(key: str, text: str) -> Any:
+    text = _VALUE_SPELLINGS.get(text, text)
+    if key in _STRING_KEYS:
+        return text
+    if key == "data.data_path":
+        return [text]
+    return cfg.parse_value(text)
+
+
+def parse_overrides(args: list[str]) -> tuple[str | None, dict[str, Any]]:
+    """Turn command-line words into (config file, nested override table).
+
+    Accepts `--config FILE`, `--section.key=value` / `--section.key value`, and the Megatron
+    aliases in `ALIASES`. `--data-path` takes one or more words, like Megatron's.
+
+    Raises:
+        ConfigError: for an unknown flag or a flag missing its value.
+    """
+    config_file: str | None = None
+    table: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        word = args[i]
+        if not word.startswith("--"):
+            raise ConfigError(f"unexpected argument {word!r}; overrides look like --section.key=value")
+        name, eq, inline = word.partition("=")
+
+        def take_value() -> str:
+            nonlocal i
+            if eq:
+                return inline
+            if i + 1 >= len(args) or args[i + 1].startswith("--"):
+                raise ConfigError(f"{name} needs a value")
+            i += 1
+            return args[i]
+
+        if name == "--config":
+            config_file = take_value()
+        elif name in ALIASES:
+            target, has_value = ALIASES[name]
+            if not has_value:
+                if eq:
+                    raise ConfigError(f"{name} is a switch and takes no value")
+                key, _, fixed = target.partition("=")
+                cfg.set_dotted(table, key, cfg.parse_value(fixed) if fixed else True)
+            elif name == "--data-path" and not eq:
+                words = []
+                while i + 1 < len(args) and not args[i + 1].startswith("--"):
+                    i += 1
+                    words.append(args[i])
+                if not words:
+                    raise ConfigError("--data-path needs a value")
+                cfg.set_dotted(table, target, words)
+            else:
+                cfg.set_dotted(table, target, _value_for(target, take_value()))
+        elif "." in name[2:]:
+            key = name[2:].replace("-", "_")
+            cfg.set_dotted(table, key, _value_for(key, take_value()))
+        else:
+            raise ConfigError(
+                f"unknown flag {name}; use --section.key=value (see --help-config) or one of the "
+                f"Megatron aliases: {' '.join(sorted(ALIASES))}"
+            )
+        i += 1
+    return config_file, table
+
+
+def load_config(args: list[str] | None = None, base: dict[str, Any] | None = None) -> JobConfig:
+    """Build a JobConfig from a TOML file and command-line overrides.
+
+    Args:
+        args: command-line words after `meshtrain train` (may include `--config FILE`).
+        base: an extra table applied before the file (used by tests and tools).
+
+    Returns:
+        The validated JobConfig.
+    """
+    config_file, overrides = parse_overrides(list(args or []))
+    table: dict[str, Any] = dict(base or {})
+    if config_file:
+        table = cfg.deep_merge(table, cfg.load_toml(config_file))
+    table = cfg.deep_merge(table, overrides)
+    return cfg.build(JobConfig, table)
+
+
+def replace(job: JobConfig, **sections: dict[str, Any]) -> JobConfig:
+    """A copy of `job` with some section fields changed, re-validated (e.g. vocab_size)."""
+    table = cfg.to_dict(job)
+    for name, values in sections.items():
+        table[name] = {**table[name], **values}
+    return cfg.build(JobConfig, table)
+
+
+def config_help() -> str:
+    """Every key with its type, default and documentation, grouped by section."""
+    lines = []
+    for key, tp, default, doc in cfg.describe_keys(JobConfig):
+        lines.append(f"  --{key}  ({tp}; default {default})")
+        if doc:
+            lines.extend(f"      {line}" for line in doc.splitlines())
+    aliases = ", ".join(sorted(ALIASES))
+    return "Config keys:\n" + "\n".join(lines) + f"\n\nMegatron aliases: {aliases}\n"
+
+
+__all__ = [
+    "JobConfig", "ModelConfig", "DataConfig", "TrainConfig", "OptimConfig", "ParallelConfig",
+    "CheckpointConfig", "LogConfig", "ALIASES", "load_config", "parse_overrides", "replace",
+    "config_help",
+]

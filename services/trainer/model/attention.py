@@ -1,0 +1,66 @@
+"""Causal self-attention with a fused QKV projection, grouped-query heads and optional RoPE.
+
+The fused QKV weight is laid out per query group: for each of the `groups` KV heads, its
+`heads/groups` query heads, then its key head, then its value head. This is the canonical
+order checkpoints store, and it makes a tensor-parallel split by query groups a contiguous
+slice of rows. The attention core is `scaled_dot_product_attention` (flash / cuDNN on GPU).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from services.trainer.config import ModelConfig
+
+
+class CoreAttention(nn.Module):
+    """softmax(q k^T / sqrt(d)) v, causal; a module of its own so recompute can wrap it."""
+
+    def __init__(self, dropout: float):
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (batch, heads, seq, d), k/v (batch, groups, seq, d) -> (batch, heads, seq, d)."""
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=k.shape[1] != q.shape[1],
+        )
+
+
+class Attention(nn.Module):
+    """Self-attention block body: qkv projection, RoPE, core attention, output projection."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.heads = config.num_attention_heads
+        self.groups = config.groups
+        self.head_dim = config.head_dim
+        qkv_out = (self.heads + 2 * self.groups) * self.head_dim
+        self.qkv = nn.Linear(config.hidden_size, qkv_out, bias=config.add_bias_linear)
+        self.core = CoreAttention(config.attention_dropout)
+        self.proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=config.add_bias_linear)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """x (batch, seq, hidden) -> (batch, seq, hidden)."""
+        b, s, _ = x.shape
+        per_group = self.heads // self.groups
+        qkv = self.qkv(x).view(b, s, self.groups, per_group + 2, self.head_dim)
+        q = qkv[:, :, :, :per_group].reshape(b, s, self.heads, self.head_dim)  # (b, s, heads, d)
+        k, v = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]  # (b, s, groups, d)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads|groups, s, d)
+        if rope is not None:
+            cos, sin = rope
+            q, k = kernels.rope(q, cos[:s], sin[:s]), kernels.rope(k, cos[:s], sin[:s])
+        out = self.core(q, k, v)  # (b, heads, s, d)
+        return self.proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
+
+    @staticmethod
+    def scaled_init_std(config: ModelConfig) -> float:
+        """Std for residual output projections (GPT-2 / Megatron scaled init)."""
+        return config.init_method_std / math.sqrt(2.0 * config.num_layers)

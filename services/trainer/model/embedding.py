@@ -1,0 +1,34 @@
+"""Token (and, GPT-2 style, learned position) embeddings.
+
+The word-embedding table has `padded_vocab_size` rows so its shape suits the hardware (and,
+later, the tensor-parallel split); rows past the tokenizer's vocabulary are never looked up
+and are cut off before the loss and before a checkpoint.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from services.trainer.config import ModelConfig
+
+
+class Embedding(nn.Module):
+    """Word embeddings plus optional learned absolute positions, then dropout."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.padded_vocab_size(), config.hidden_size)
+        self.position_embeddings = (
+            nn.Embedding(config.max_positions, config.hidden_size)
+            if config.position_embedding_type == "learned" else None
+        )
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (batch, seq) int64 -> (batch, seq, hidden)."""
+        x = self.word_embeddings(tokens)
+        if self.position_embeddings is not None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+            x = x + self.position_embeddings(positions)  # (seq, hidden) broadcast over batch
+        return self.dropout(x)

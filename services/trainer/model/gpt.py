@@ -1,0 +1,172 @@
+"""The GPT family on one device: GPT-2 style and Llama style are settings of one model.
+
+GPT-2: LayerNorm, GELU, learned positions, biases, tied embeddings. Llama: RMSNorm, SwiGLU,
+RoPE, grouped-query attention, no biases, untied output. Parameter names are the canonical
+names checkpoints use (`layers.<i>.attention.qkv.weight`, ...). Parallelism never reaches in
+here: `parallel/` swaps or wraps modules (e.g. `recompute.apply`).
+
+    model = GPT(config)                         # config: ModelConfig with vocab_size set
+    loss = model(tokens, labels, loss_mask)     # mean token loss
+    logits = model(tokens)                      # (batch, seq, vocab)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+import kernels
+from services.trainer.config import ModelConfig
+from services.trainer.model.attention import Attention
+from services.trainer.model.embedding import Embedding
+from services.trainer.model.mlp import MLP
+
+
+class Norm(nn.Module):
+    """LayerNorm (weight + bias) or RMSNorm (weight only), through `kernels`."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.rms = config.normalization == "rmsnorm"
+        self.eps = config.norm_epsilon
+        self.weight = nn.Parameter(torch.ones(config.hidden_size))
+        self.bias = None if self.rms else nn.Parameter(torch.zeros(config.hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rms:
+            return kernels.rms_norm(x, self.weight, self.eps)
+        return kernels.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.input_norm = Norm(config)
+        self.attention = Attention(config)
+        self.pre_mlp_norm = Norm(config)
+        self.mlp = MLP(config)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """x (batch, seq, hidden) -> (batch, seq, hidden)."""
+        x = x + self.dropout(self.attention(self.input_norm(x), rope))
+        return x + self.dropout(self.mlp(self.pre_mlp_norm(x)))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer language model."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        if config.vocab_size is None:
+            raise ValueError("ModelConfig.vocab_size must be resolved (from the tokenizer) before building GPT")
+        self.config = config
+        self.vocab_size = config.vocab_size
+        self.embedding = Embedding(config)
+        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
+        self.final_norm = Norm(config)
+        self.output_layer = (
+            nn.Linear(config.hidden_size, config.padded_vocab_size(), bias=False)
+            if config.untie_embeddings_and_output_weights else None
+        )
+        self.rope_cos: torch.Tensor | None
+        if config.position_embedding_type == "rope":
+            cos, sin = kernels.rope_cos_sin(config.seq_length, config.head_dim, config.rotary_base)
+            # Derived from the config, so not part of the state dict (persistent=False).
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        else:
+            self.rope_cos = self.rope_sin = None
+        # Recompute plan (set by parallel.recompute.apply): blocks run in chunks of
+        # `recompute_chunk`; a chunk whose first index is in `recompute_layers` keeps only its
+        # input and is recomputed in backward.
+        self.recompute_layers: frozenset[int] = frozenset()
+        self.recompute_chunk = 1
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Normal(0, std) matrices and embeddings, scaled std for residual outputs, zero biases."""
+        std = self.config.init_method_std
+        scaled = Attention.scaled_init_std(self.config)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            elif name.endswith(("attention.proj.weight", "mlp.fc2.weight")):
+                p.normal_(0.0, scaled)
+            else:
+                p.normal_(0.0, std)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """(padded_vocab, hidden): the output projection (the word embedding when tied)."""
+        if self.output_layer is not None:
+            return self.output_layer.weight
+        return self.embedding.word_embeddings.weight
+
+    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (batch, seq) -> final-norm hidden states (batch, seq, hidden)."""
+        if tokens.shape[1] > self.config.seq_length:
+            raise ValueError(f"sequence of {tokens.shape[1]} tokens exceeds model.seq_length={self.config.seq_length}")
+        rope = (self.rope_cos, self.rope_sin) if self.rope_cos is not None else None
+        x = self.embedding(tokens)
+        for start, end, recompute in self.layer_chunks():
+            if recompute and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(self._run_layers, start, end, x, rope, use_reentrant=False)
+            else:
+                x = self._run_layers(start, end, x, rope)
+        return self.final_norm(x)
+
+    def _run_layers(self, start: int, end: int, x: torch.Tensor, rope) -> torch.Tensor:
+        for layer in self.layers[start:end]:
+            x = layer(x, rope)
+        return x
+
+    def layer_chunks(self) -> list[tuple[int, int, bool]]:
+        """(start, end, recomputed) runs of blocks, from the recompute plan."""
+        n, k = len(self.layers), self.recompute_chunk
+        if not self.recompute_layers:
+            return [(0, n, False)]
+        chunks = []
+        for start in range(0, n, k):
+            end = min(start + k, n)
+            chunks.append((start, end, start in self.recompute_layers))
+        return chunks
+
+    def forward(
+        self, tokens: torch.Tensor, labels: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Mean token loss when `labels` is given, else logits (batch, seq, vocab).
+
+        Args:
+            tokens: (batch, seq) int64 token ids.
+            labels: (batch, seq) int64 next-token ids.
+            loss_mask: (batch, seq) float weights (1 = counts).
+        """
+        h = self.hidden_states(tokens)
+        if labels is not None:
+            return kernels.linear_cross_entropy(h, self.output_weight, labels, loss_mask, self.vocab_size)
+        return (h @ self.output_weight[: self.vocab_size].t()).float()  # (b, s, vocab)
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Parameter count; padded vocabulary rows are not counted."""
+        pad = self.config.padded_vocab_size() - self.vocab_size
+        h = self.config.hidden_size
+        total = sum(p.numel() for p in self.parameters()) - pad * h * (2 if self.output_layer is not None else 1)
+        if exclude_embeddings:
+            total -= self.vocab_size * h
+            if self.embedding.position_embeddings is not None:
+                total -= self.embedding.position_embeddings.weight.numel()
+        return total
+
+    def flops_per_token(self, seq_length: int | None = None) -> float:
+        """Training FLOPs per token: 6N + 12·L·s·h (N: weights that do matmuls, incl. the LM head)."""
+        c = self.config
+        s = seq_length or c.seq_length
+        matmul_params = self.num_parameters(exclude_embeddings=True) + self.vocab_size * c.hidden_size
+        return 6.0 * matmul_params + 12.0 * c.num_layers * s * c.hidden_size

@@ -1,0 +1,30 @@
+"""The feed-forward block: GELU MLP (GPT-2) or SwiGLU with a fused gate/up projection (Llama).
+
+For SwiGLU, `fc1` holds [gate; up] stacked along its output rows (gate first): the canonical
+order checkpoints store; a tensor-parallel split takes the same slice of each half.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import kernels
+from services.trainer.config import ModelConfig
+
+
+class MLP(nn.Module):
+    """fc1 -> activation -> fc2."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.swiglu = config.activation == "swiglu"
+        fc1_out = 2 * config.ffn_size if self.swiglu else config.ffn_size
+        self.fc1 = nn.Linear(config.hidden_size, fc1_out, bias=config.add_bias_linear)
+        self.fc2 = nn.Linear(config.ffn_size, config.hidden_size, bias=config.add_bias_linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (batch, seq, hidden) -> (batch, seq, hidden)."""
+        h = self.fc1(x)  # (b, s, ffn) or (b, s, 2*ffn) = [gate | up]
+        h = kernels.swiglu(h) if self.swiglu else kernels.gelu(h)  # (b, s, ffn)
+        return self.fc2(h)

@@ -1,0 +1,1 @@
+"""AdamW with decoupled weight decay and the learning-rate schedule."""

@@ -1,0 +1,213 @@
+"""The training loop (single process): data -> model -> AdamW, with eval, metrics and checkpoints.
+
+    meshtrain train --config deploy/configs/tiny.toml --train-iters 50 --save CKPT --run-dir RUN
+    meshtrain train --config deploy/configs/tiny.toml --load CKPT --save CKPT   # resume
+
+Each step runs `global_batch_size / micro_batch_size` micro-batches (gradient accumulation),
+clips the global gradient norm, and updates with the learning rate of that step. The loop
+keeps losses on the device and synchronizes with the host only on logging steps. A run
+stopped at step k and resumed from its checkpoint produces exactly the same losses as one
+that never stopped (CPU, fp32): data is a pure function of the step, and model, optimizer
+and RNG states are restored bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from services.common.config import dumps_toml
+from services.common.errors import CheckpointError, ConfigError
+from services.trainer import checkpointing
+from services.trainer.config import JobConfig, replace
+from services.trainer.data import build_data
+from services.trainer.metrics import MetricsLog, peak_tflops, plot_losses
+from services.trainer.model.gpt import GPT
+from services.trainer.optim.optimizer import build_optimizer, clip_grad_norm, set_lr
+from services.trainer.optim.schedule import lr_at
+from services.trainer.parallel import recompute
+
+log = logging.getLogger("meshtrain.train")
+
+
+@dataclass
+class TrainResult:
+    """What a finished run produced."""
+
+    run_dir: Path
+    losses: dict[int, float] = field(default_factory=dict)
+    """Train loss at each logged step (1-based step numbers)."""
+    eval_losses: dict[int, float] = field(default_factory=dict)
+    checkpoint: str | None = None
+    """URL of the last checkpoint saved."""
+    plot: Path | None = None
+
+
+def pick_device(choice: str) -> torch.device:
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("train.device='cuda' but no CUDA device is available")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def make_run_dir(configured: str | None) -> Path:
+    if configured:
+        path = Path(configured)
+    else:
+        path = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+        n = 1
+        while path.exists():
+            path = Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{n}"
+            n += 1
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def seed_everything(seed: int) -> None:
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class Trainer:
+    """Owns the model, optimizer, data and run directory of one job."""
+
+    def __init__(self, job: JobConfig):
+        self.device = pick_device(job.train.device)
+        self.run_dir = make_run_dir(job.log.run_dir)
+        self.data = build_data(job)
+        if job.model.vocab_size is None:
+            job = replace(job, model={"vocab_size": self.data.vocab_size})
+        if job.checkpoint.save is None:
+            job = replace(job, checkpoint={"save": str(self.run_dir / "checkpoints")})
+        self.job = job
+        (self.run_dir / "config.toml").write_text(dumps_toml(job))
+
+        seed_everything(job.train.seed)
+        model = GPT(job.model)
+        recompute.apply(model, job.parallel)
+        self.model = model.to(self.device)
+        self.optimizer = build_optimizer(self.model, job.optim)
+        self.state = checkpointing.TrainState()
+        if job.checkpoint.load:
+            self.state, _ = checkpointing.restore(
+                job.checkpoint.load, self.model, self.optimizer, job.checkpoint.load_step)
+            log.info("resumed from %s at step %d (%d samples consumed)",
+                     job.checkpoint.load, self.state.iteration, self.state.consumed_samples)
+        self.forward = torch.compile(self.model) if job.train.compile else self.model
+        self.autocast = (
+            torch.autocast(self.device.type, dtype=torch.bfloat16) if job.train.bf16 else contextlib.nullcontext()
+        )
+        self.peak = peak_tflops(self.device, job.train.peak_tflops)
+        self.flops_per_token = self.model.flops_per_token()
+        log.info("model: %.2fM parameters, %.3g FLOPs/token, device %s%s",
+                 self.model.num_parameters() / 1e6, self.flops_per_token, self.device,
+                 ", bf16 autocast" if job.train.bf16 else "")
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step over the global batch of `step` (0-based); returns (loss, grad_norm) on device."""
+        micro = self.data.train.micro_batches(step)
+        set_lr(self.optimizer, lr_at(step, self.job.optim, self.job.train.train_iters))
+        total = torch.zeros((), device=self.device)
+        for batch in micro:
+            tokens, labels, mask = (self._to_device(t) for t in (batch.tokens, batch.labels, batch.loss_mask))
+            with self.autocast:
+                loss = self.forward(tokens, labels, mask) / len(micro)
+            loss.backward()
+            total += loss.detach()
+        grad_norm = clip_grad_norm(self.model, self.job.optim.clip_grad)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total, grad_norm
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        assert self.data.valid is not None
+        self.model.eval()
+        losses = []
+        for batch in self.data.valid.micro_batches(0):
+            tokens, labels, mask = (self._to_device(t) for t in (batch.tokens, batch.labels, batch.loss_mask))
+            with self.autocast:
+                losses.append(self.forward(tokens, labels, mask).float())
+        self.model.train()
+        return torch.stack(losses).mean().item()
+
+    def save(self) -> str:
+        url = checkpointing.save(
+            self.job.checkpoint.save, self.model, self.optimizer, self.state, self.job,
+            {"tokenizer": self.data.tokenizer, "data_prefix": self.data.prefix},
+        )
+        log.info("checkpoint step %d committed: %s", self.state.iteration, url)
+        return url
+
+    def run(self) -> TrainResult:
+        job, t = self.job, self.job.train
+        result = TrainResult(self.run_dir)
+        start = self.state.iteration
+        if start >= t.train_iters:
+            raise CheckpointError(
+                f"checkpoint is at step {start}, which is not before train.train_iters={t.train_iters}; "
+                "raise --train-iters to continue"
+            )
+        tokens_per_step = t.global_batch_size * job.model.seq_length
+        metrics = MetricsLog(self.run_dir, t.train_iters, start, job.log.progress)
+        pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        last_time, last_step = time.perf_counter(), start
+        paused = 0.0  # seconds spent in eval/save since the last log, left out of step times
+        try:
+            for step in range(start, t.train_iters):
+                loss, grad_norm = self.train_step(step)
+                self.state.iteration = step + 1
+                self.state.consumed_samples += t.global_batch_size
+                pending.append((loss, grad_norm))
+                n = step + 1
+                if n % job.log.log_interval == 0 or n == t.train_iters:
+                    losses = torch.stack([p[0] for p in pending]).tolist()  # the one host sync
+                    norm = pending[-1][1].item()
+                    now = time.perf_counter()
+                    step_time = (now - last_time - paused) / (n - last_step)
+                    for k, value in enumerate(losses):
+                        result.losses[last_step + k + 1] = value
+                    record = {
+                        "step": n, "loss": losses[-1], "lr": lr_at(step, job.optim, t.train_iters),
+                        "grad_norm": norm, "tokens_per_s": tokens_per_step / step_time,
+                        "step_time_s": step_time, "consumed_samples": self.state.consumed_samples,
+                    }
+                    if self.peak:
+                        record["mfu"] = self.flops_per_token * record["tokens_per_s"] / (self.peak * 1e12)
+                    metrics.step(record)
+                    pending.clear()
+                    last_time, last_step, paused = time.perf_counter(), n, 0.0
+                pause_start = time.perf_counter()
+                if self.data.valid is not None and (n % t.eval_interval == 0 or n == t.train_iters):
+                    result.eval_losses[n] = self.evaluate()
+                    metrics.eval(n, result.eval_losses[n])
+                interval = job.checkpoint.save_interval
+                if (interval and n % interval == 0) or n == t.train_iters:
+                    result.checkpoint = self.save()
+                paused += time.perf_counter() - pause_start
+        finally:
+            metrics.close()
+        if job.log.plot:
+            result.plot = plot_losses(self.run_dir)
+        return result
+
+
+def train(job: JobConfig) -> TrainResult:
+    """Run the job to `train.train_iters` steps and return what it produced."""
+    return Trainer(job).run()

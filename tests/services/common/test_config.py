@@ -1,0 +1,161 @@
+"""Config machinery: TOML + overrides into typed dataclasses, errors that name the key."""
+
+import dataclasses
+
+import pytest
+
+from services.common import config as cfg
+from services.common.errors import ConfigError, NotBuiltError
+from services.trainer.config import JobConfig, config_help, load_config, parse_overrides, replace
+
+
+def test_defaults_build_and_round_trip_through_toml(tmp_path):
+    job = load_config([])
+    path = tmp_path / "c.toml"
+    path.write_text(cfg.dumps_toml(job))
+    assert load_config(["--config", str(path)]) == job
+
+
+def test_file_then_overrides_in_order(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[model]\nhidden_size = 256\nnum_layers = 6\n[train]\nbf16 = false\n")
+    job = load_config(["--config", str(path), "--model.num_layers=3", "--bf16", "--lr", "1e-3",
+                       "--model.seq_length", "64"])
+    assert job.model.hidden_size == 256
+    assert job.model.num_layers == 3
+    assert job.model.seq_length == 64
+    assert job.train.bf16 is True
+    assert job.optim.lr == 1e-3
+
+
+@pytest.mark.parametrize("flag,key,value,expected", [
+    ("--num-layers", "model.num_layers", "7", 7),
+    ("--hidden-size", "model.hidden_size", "96", 96),
+    ("--num-attention-heads", "model.num_attention_heads", "8", 8),
+    ("--num-query-groups", "model.num_query_groups", "2", 2),
+    ("--ffn-hidden-size", "model.ffn_hidden_size", "300", 300),
+    ("--seq-length", "model.seq_length", "512", 512),
+    ("--micro-batch-size", "train.micro_batch_size", "4", 4),
+    ("--global-batch-size", "train.global_batch_size", "64", 64),
+    ("--lr", "optim.lr", "0.01", 0.01),
+    ("--min-lr", "optim.min_lr", "0.0", 0.0),
+    ("--lr-warmup-iters", "optim.lr_warmup_iters", "5", 5),
+    ("--train-iters", "train.train_iters", "9", 9),
+    ("--weight-decay", "optim.weight_decay", "0", 0.0),
+    ("--clip-grad", "optim.clip_grad", "0.5", 0.5),
+    ("--seed", "train.seed", "42", 42),
+    ("--save", "checkpoint.save", "ckpts", "ckpts"),
+    ("--load", "checkpoint.load", "123", "123"),
+    ("--save-interval", "checkpoint.save_interval", "10", 10),
+    ("--eval-interval", "train.eval_interval", "0", 0),
+    ("--run-dir", "log.run_dir", "runs/x", "runs/x"),
+    ("--recompute-granularity", "parallel.recompute_granularity", "full", "full"),
+])
+def test_megatron_aliases_map_to_keys(flag, key, value, expected):
+    job = load_config([flag, value])
+    section, name = key.split(".")
+    got = getattr(getattr(job, section), name)
+    assert got == expected and type(got) is type(expected)
+
+
+def test_data_path_takes_several_words_and_strings_stay_strings():
+    _, table = parse_overrides(["--data-path", "a/b", "--tokenizer", "byte"])
+    assert table["data"]["data_path"] == ["a/b"]
+    with pytest.raises(NotBuiltError, match="blending"):
+        load_config(["--data-path", "0.5", "a", "0.5", "b", "--tokenizer", "byte"])
+
+
+def test_megatron_value_spellings():
+    job = load_config(["--normalization", "RMSNorm", "--position-embedding-type", "learned_absolute"])
+    assert job.model.normalization == "rmsnorm" and job.model.position_embedding_type == "learned"
+
+
+def test_unknown_key_names_key_and_allowed():
+    with pytest.raises(ConfigError, match=r"unknown key 'model\.hiden_size'.*hidden_size"):
+        load_config(["--model.hiden_size=3"])
+    with pytest.raises(ConfigError, match=r"unknown key 'modle'"):
+        load_config(["--modle.hidden_size=3"])
+
+
+def test_unknown_key_in_file_names_key(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[train]\nmicro_batch = 3\n")
+    with pytest.raises(ConfigError, match=r"train\.micro_batch"):
+        load_config(["--config", str(path)])
+
+
+def test_wrong_types_name_key_and_expected():
+    with pytest.raises(ConfigError, match=r"model\.hidden_size: got 'abc'.*integer"):
+        load_config(["--hidden-size", "abc"])
+    with pytest.raises(ConfigError, match=r"train\.bf16.*true or false"):
+        load_config(["--train.bf16=1"])
+    with pytest.raises(ConfigError, match=r"model\.normalization.*'layernorm', 'rmsnorm'"):
+        load_config(["--model.normalization=batchnorm"])
+    with pytest.raises(ConfigError, match=r"model\.num_layers: got 2\.5"):
+        load_config(["--model.num_layers=2.5"])
+
+
+def test_unknown_flag_and_missing_value():
+    with pytest.raises(ConfigError, match="unknown flag --foo"):
+        load_config(["--foo", "1"])
+    with pytest.raises(ConfigError, match="--hidden-size needs a value"):
+        load_config(["--hidden-size"])
+    with pytest.raises(ConfigError, match="switch"):
+        load_config(["--bf16=true"])
+
+
+def test_missing_config_file_and_bad_toml(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(["--config", str(tmp_path / "nope.toml")])
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model\n")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config(["--config", str(bad)])
+
+
+@pytest.mark.parametrize("args", [
+    ["--tensor-model-parallel-size", "2"],
+    ["--pipeline-model-parallel-size", "2"],
+    ["--context-parallel-size", "2"],
+    ["--expert-model-parallel-size", "2"],
+    ["--sequence-parallel"],
+    ["--overlap-grad-reduce"],
+    ["--overlap-param-gather"],
+    ["--use-distributed-optimizer"],
+    ["--transformer-impl", "transformer_engine"],
+])
+def test_unbuilt_features_are_rejected_not_ignored(args):
+    with pytest.raises(NotBuiltError, match="not built yet"):
+        load_config(args)
+
+
+def test_validation_messages_name_keys():
+    with pytest.raises(ConfigError, match="num_attention_heads"):
+        load_config(["--hidden-size", "100", "--num-attention-heads", "3"])
+    with pytest.raises(ConfigError, match="global_batch_size"):
+        load_config(["--micro-batch-size", "3", "--global-batch-size", "10"])
+    with pytest.raises(ConfigError, match="num_query_groups"):
+        load_config(["--num-attention-heads", "4", "--num-query-groups", "3"])
+
+
+def test_replace_revalidates():
+    job = load_config([])
+    assert replace(job, model={"vocab_size": 500}).model.vocab_size == 500
+    with pytest.raises(ConfigError):
+        replace(job, model={"hidden_size": 7})
+
+
+def test_every_field_is_documented():
+    for key, _, _, doc in cfg.describe_keys(JobConfig):
+        assert doc, f"{key} has no docstring"
+    assert "--model.hidden_size" in config_help()
+
+
+def test_shipped_configs_load():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3] / "deploy" / "configs"
+    names = {p.name for p in root.glob("*.toml")}
+    assert {"tiny.toml", "gpt2-125m.toml", "gpt2-350m.toml", "llama-1b.toml"} <= names
+    for path in root.glob("*.toml"):
+        assert dataclasses.is_dataclass(load_config(["--config", str(path)]))

@@ -1,0 +1,171 @@
+"""MMIDIDX v1 reader/writer: round trips, the exact Megatron byte layout, and corruption."""
+
+import struct
+
+import numpy as np
+import pytest
+
+from services.common.errors import DataError
+from services.dataloader.indexed import DTYPE_CODES, IndexedDataset, IndexedDatasetWriter, best_dtype
+
+MAGIC = b"MMIDIDX\x00\x00"
+
+
+def _write(prefix, docs, dtype):
+    with IndexedDatasetWriter(prefix, dtype) as w:
+        for d in docs:
+            w.add_document(np.asarray(d, dtype=dtype))
+    return str(prefix)
+
+
+@pytest.mark.parametrize("code,dtype", sorted(DTYPE_CODES.items()))
+def test_round_trip_every_dtype(tmp_path, code, dtype):
+    rng = np.random.default_rng(code)
+    hi = 100 if dtype.kind in "iu" and dtype.itemsize == 1 else 1000
+    docs = [rng.integers(0, hi, size=n).astype(dtype) for n in (5, 0, 1, 17, 3)]
+    prefix = _write(tmp_path / "ds", docs, dtype)
+    ds = IndexedDataset(prefix)
+    assert len(ds) == len(docs) and ds.dtype == dtype and ds.num_documents == len(docs)
+    assert ds.num_tokens == sum(len(d) for d in docs)
+    for i, d in enumerate(docs):
+        np.testing.assert_array_equal(ds[i], d)
+        assert ds[i].dtype == dtype
+    np.testing.assert_array_equal(ds.get(3, offset=2, length=4), docs[3][2:6])
+    np.testing.assert_array_equal(ds[-1], docs[-1])
+    np.testing.assert_array_equal(ds.document_indices, np.arange(len(docs) + 1))
+    with open(prefix + ".idx", "rb") as f:
+        assert f.read(18)[17] == code
+
+
+def test_exact_idx_layout(tmp_path):
+    """The bytes Megatron's _IndexWriter produces for two uint16 documents, built by hand."""
+    prefix = _write(tmp_path / "ds", [[1, 2, 3], [400, 5]], np.uint16)
+    expected_idx = (
+        MAGIC
+        + struct.pack("<Q", 1)  # version
+        + struct.pack("<B", 8)  # uint16
+        + struct.pack("<Q", 2)  # sequences
+        + struct.pack("<Q", 3)  # document index entries
+        + struct.pack("<2i", 3, 2)  # lengths
+        + struct.pack("<2q", 0, 6)  # byte pointers
+        + struct.pack("<3q", 0, 1, 2)  # document index
+    )
+    assert (tmp_path / "ds.idx").read_bytes() == expected_idx
+    assert (tmp_path / "ds.bin").read_bytes() == struct.pack("<5H", 1, 2, 3, 400, 5)
+
+
+def test_reads_hand_built_multi_sequence_documents(tmp_path):
+    """A Megatron file with 2 documents over 3 int32 sequences (sentence-split style)."""
+    seqs = [[7, 8], [9], [10, 11, 12]]
+    (tmp_path / "m.bin").write_bytes(b"".join(struct.pack(f"<{len(s)}i", *s) for s in seqs))
+    (tmp_path / "m.idx").write_bytes(
+        MAGIC + struct.pack("<QBQQ", 1, 4, 3, 3) + struct.pack("<3i", 2, 1, 3)
+        + struct.pack("<3q", 0, 8, 12) + struct.pack("<3q", 0, 2, 3)
+    )
+    ds = IndexedDataset(tmp_path / "m")
+    assert ds.dtype == np.int32 and ds.num_documents == 2 and len(ds) == 3
+    assert [ds[i].tolist() for i in range(3)] == seqs
+    np.testing.assert_array_equal(ds.document_indices, [0, 2, 3])
+
+
+def test_empty_dataset(tmp_path):
+    prefix = _write(tmp_path / "e", [], np.uint16)
+    ds = IndexedDataset(prefix)
+    assert len(ds) == 0 and ds.num_tokens == 0 and ds.document_indices.tolist() == [0]
+
+
+def test_best_dtype():
+    assert best_dtype(257) == np.uint16 and best_dtype(65499) == np.uint16
+    assert best_dtype(65500) == np.int32 and best_dtype(200_000) == np.int32
+
+
+def test_writer_abort_leaves_nothing(tmp_path):
+    with pytest.raises(RuntimeError):
+        with IndexedDatasetWriter(tmp_path / "ds", np.uint16) as w:
+            w.add_document([1, 2])
+            raise RuntimeError("boom")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_writer_rejects_ids_that_do_not_fit(tmp_path):
+    with IndexedDatasetWriter(tmp_path / "ds", np.uint16) as w:
+        with pytest.raises(DataError, match="do not fit"):
+            w.add_document([1, 70000])
+
+
+def _good(tmp_path):
+    return _write(tmp_path / "ds", [[1, 2, 3], [4, 5], [6]], np.uint16)
+
+
+def _patch(path, offset, data):
+    b = bytearray(path.read_bytes())
+    b[offset : offset + len(data)] = data
+    path.write_bytes(bytes(b))
+
+
+def _corrupt_bad_magic(tmp_path):
+    _patch(tmp_path / "ds.idx", 0, b"XXXXXXX")
+    return "ds.idx", "magic"
+
+
+def _corrupt_version(tmp_path):
+    _patch(tmp_path / "ds.idx", 9, struct.pack("<Q", 2))
+    return "ds.idx", "version"
+
+
+def _corrupt_dtype(tmp_path):
+    _patch(tmp_path / "ds.idx", 17, struct.pack("<B", 9))
+    return "ds.idx", "dtype code"
+
+
+def _corrupt_idx_short(tmp_path):
+    p = tmp_path / "ds.idx"
+    p.write_bytes(p.read_bytes()[:-8])
+    return "ds.idx", "header"
+
+
+def _corrupt_idx_long(tmp_path):
+    p = tmp_path / "ds.idx"
+    p.write_bytes(p.read_bytes() + b"\0" * 4)
+    return "ds.idx", "header"
+
+
+def _corrupt_bin_size(tmp_path):
+    p = tmp_path / "ds.bin"
+    p.write_bytes(p.read_bytes()[:-2])
+    return "ds.bin", "bytes"
+
+
+def _corrupt_pointer(tmp_path):
+    # header 34 + 3 lengths x 4 -> pointers; pointer[1] should be 6
+    _patch(tmp_path / "ds.idx", 34 + 12 + 8, struct.pack("<q", 4))
+    return "ds.idx", "pointer"
+
+
+def _corrupt_doc_index(tmp_path):
+    _patch(tmp_path / "ds.idx", 34 + 12 + 24 + 8 * 3, struct.pack("<q", 2))
+    return "ds.idx", "document index"
+
+
+def _missing_idx(tmp_path):
+    (tmp_path / "ds.idx").unlink()
+    return "ds.idx", "missing"
+
+
+def _missing_bin(tmp_path):
+    (tmp_path / "ds.bin").unlink()
+    return "ds.bin", "missing"
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [_corrupt_bad_magic, _corrupt_version, _corrupt_dtype, _corrupt_idx_short, _corrupt_idx_long,
+     _corrupt_bin_size, _corrupt_pointer, _corrupt_doc_index, _missing_idx, _missing_bin],
+)
+def test_corruption_raises_data_error_naming_file(tmp_path, corrupt):
+    prefix = _good(tmp_path)
+    IndexedDataset(prefix)  # sanity: the uncorrupted file opens
+    fname, what = corrupt(tmp_path)
+    with pytest.raises(DataError) as e:
+        IndexedDataset(prefix)
+    assert fname in str(e.value) and what in str(e.value)

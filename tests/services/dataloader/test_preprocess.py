@@ -1,0 +1,113 @@
+"""Preprocessing text into indexed datasets, the stdlib corpus, and the cached default dataset."""
+
+import json
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from services.common.errors import DataError
+from services.dataloader import preprocess
+from services.dataloader.indexed import IndexedDataset
+from services.dataloader.preprocess import default_corpus_files, prepare_default_dataset, preprocess_files
+from services.dataloader.tokenizers import ByteTokenizer, build_tokenizer
+
+
+def test_preprocess_jsonl_and_text(tmp_path):
+    docs = ["first doc", "", "second — ünïcode", "third\nwith lines"]
+    jl = tmp_path / "a.jsonl"
+    jl.write_text("\n".join(json.dumps({"text": d, "id": i}) for i, d in enumerate(docs)) + "\n\n")
+    txt = tmp_path / "b.py"
+    txt.write_bytes(b"print('hi')\n\xff\n")  # invalid UTF-8 is replaced, not fatal
+    tok = ByteTokenizer()
+    prefix = preprocess_files([jl, txt], tmp_path / "out" / "ds", tok)
+    ds = IndexedDataset(prefix)
+    expected = [tok.encode(d) + [256] for d in docs] + [tok.encode("print('hi')\n\ufffd\n") + [256]]
+    assert ds.dtype == np.uint16 and len(ds) == len(expected)
+    assert [ds[i].tolist() for i in range(len(ds))] == expected
+
+
+def test_preprocess_without_eod_skips_empty_documents(tmp_path):
+    jl = tmp_path / "a.jsonl"
+    jl.write_text('{"content": "ab"}\n{"content": ""}\n{"content": "c"}\n')
+    ds = IndexedDataset(preprocess_files([jl], tmp_path / "ds", ByteTokenizer(), json_key="content", append_eod=False))
+    assert [ds[i].tolist() for i in range(len(ds))] == [[97, 98], [99]]
+
+
+@pytest.mark.parametrize(
+    "content,match",
+    [('{"text": "ok"}\n{broken\n', r"a.jsonl:2"), ('{"body": "x"}\n', r"a.jsonl:1.*'text'"),
+     ('{"text": 5}\n', r"a.jsonl:1.*int")],
+)
+def test_preprocess_bad_json_names_file_and_line(tmp_path, content, match):
+    jl = tmp_path / "a.jsonl"
+    jl.write_text(content)
+    with pytest.raises(DataError, match=match):
+        preprocess_files([jl], tmp_path / "ds", ByteTokenizer())
+    assert not (tmp_path / "ds.idx").exists() and not (tmp_path / "ds.bin").exists()
+
+
+def test_preprocess_missing_input(tmp_path):
+    with pytest.raises(DataError, match="nope.txt"):
+        preprocess_files([tmp_path / "nope.txt"], tmp_path / "ds", ByteTokenizer())
+
+
+def test_default_corpus_files():
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = default_corpus_files(300_000)
+    rel = [f.relative_to(root).as_posix() for f in files]
+    assert rel == sorted(rel) and all(r.endswith(".py") for r in rel)
+    assert sum(f.stat().st_size for f in files) <= 300_000
+    skipped = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3"}
+    assert not any(skipped & set(r.split("/")[:-1]) for r in rel)
+    # a bigger budget extends the same ordered list
+    more = default_corpus_files(600_000)
+    assert more[: len(files)] == files and len(more) > len(files)
+
+
+def _no_temp_dirs(cache):
+    return [p.name for p in Path(cache).iterdir() if p.name.startswith(".tmp")] == []
+
+
+def test_prepare_default_dataset_byte_cached(tmp_path):
+    cache = tmp_path / "cache"
+    d = prepare_default_dataset(cache, tokenizer="byte", max_bytes=200_000)
+    assert d.tokenizer_spec == "byte" and d.vocab_size == 257 and d.eod_id == 256
+    ds = IndexedDataset(d.prefix)
+    files = default_corpus_files(200_000)
+    assert len(ds) == len(files)
+    first = files[0].read_text(encoding="utf-8", errors="replace")
+    assert ds[0].tolist() == list(first.encode()) + [256]
+    mtime = Path(d.prefix + ".bin").stat().st_mtime_ns
+    again = prepare_default_dataset(cache, tokenizer="byte", max_bytes=200_000)
+    assert again == d and Path(d.prefix + ".bin").stat().st_mtime_ns == mtime
+    assert _no_temp_dirs(cache)
+    # a different recipe is a different cache entry
+    other = prepare_default_dataset(cache, tokenizer="byte", max_bytes=100_000)
+    assert Path(other.prefix).parent != Path(d.prefix).parent
+
+
+def test_prepare_default_dataset_bpe(tmp_path):
+    d = prepare_default_dataset(tmp_path, tokenizer="bpe", vocab_size=400, max_bytes=100_000)
+    tok = build_tokenizer(d.tokenizer_spec)
+    assert d.tokenizer_spec.endswith("tokenizer.json") and tok.vocab_size == d.vocab_size <= 400
+    assert tok.eod_id == d.eod_id
+    ds = IndexedDataset(d.prefix)
+    first = default_corpus_files(100_000)[0].read_text(encoding="utf-8", errors="replace")
+    assert tok.decode(ds[0][:-1].tolist()) == first and ds[0][-1] == d.eod_id
+
+
+def test_failed_build_leaves_no_cache(tmp_path, monkeypatch):
+    def boom(*a, **k):
+        raise RuntimeError("killed mid-build")
+
+    monkeypatch.setattr(preprocess, "preprocess_files", boom)
+    with pytest.raises(RuntimeError):
+        prepare_default_dataset(tmp_path, tokenizer="byte", max_bytes=50_000)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_prepare_default_dataset_bad_tokenizer(tmp_path):
+    with pytest.raises(DataError, match="'bpe', 'byte'"):
+        prepare_default_dataset(tmp_path, tokenizer="gpt2")

@@ -1,0 +1,88 @@
+"""Byte and Hugging Face tokenizers, BPE training, and tokenizer specs."""
+
+import pytest
+
+from services.common.errors import DataError
+from services.dataloader.tokenizers import (
+    EOD_TOKEN, ByteTokenizer, HFTokenizer, build_tokenizer, train_bpe,
+)
+
+TEXTS = [
+    "def add(a, b):\n    return a + b\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+    "Ünïcödé — 日本語 text, emoji 🙂 and tabs\tand newlines\n" * 3,
+]
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    files = []
+    for i, t in enumerate(TEXTS * 4):
+        p = tmp_path / f"f{i}.txt"
+        p.write_text(t * (i + 1), encoding="utf-8")
+        files.append(str(p))
+    return files
+
+
+def test_byte_tokenizer_round_trip():
+    tok = ByteTokenizer()
+    assert tok.vocab_size == 257 and tok.eod_id == 256 and tok.spec == "byte"
+    for t in TEXTS:
+        ids = tok.encode(t)
+        assert all(0 <= i < 256 for i in ids) and tok.decode(ids) == t
+    assert tok.encode_batch(TEXTS) == [tok.encode(t) for t in TEXTS]
+    assert tok.decode(tok.encode("a") + [256] + tok.encode("b")) == "a" + EOD_TOKEN + "b"
+    with pytest.raises(DataError, match="257"):
+        tok.decode([300])
+
+
+def test_train_bpe_round_trip_and_determinism(tmp_path, corpus):
+    tok = train_bpe(corpus, 300, tmp_path / "a" / "tokenizer.json")
+    assert isinstance(tok, HFTokenizer)
+    assert 257 <= tok.vocab_size <= 300
+    assert tok.decode([tok.eod_id]) == EOD_TOKEN
+    for t in TEXTS:
+        ids = tok.encode(t)
+        assert tok.decode(ids) == t
+        assert EOD_TOKEN not in tok.decode(ids)
+    # merges actually compress the training text
+    assert len(tok.encode(TEXTS[1])) < len(TEXTS[1].encode())
+    assert tok.encode_batch(TEXTS) == [tok.encode(t) for t in TEXTS]
+    # same files, fresh trainer: the saved tokenizer must be byte-identical
+    again = train_bpe(corpus, 300, tmp_path / "b" / "tokenizer.json")
+    assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (tmp_path / "b" / "tokenizer.json").read_bytes()
+    assert again.encode(TEXTS[2]) == tok.encode(TEXTS[2])
+
+
+def test_build_tokenizer_specs(tmp_path, corpus):
+    assert isinstance(build_tokenizer("byte"), ByteTokenizer)
+    tok = train_bpe(corpus, 280, tmp_path / "tok" / "tokenizer.json")
+    by_file = build_tokenizer(tok.spec)
+    by_dir = build_tokenizer(tmp_path / "tok")
+    assert by_file.encode(TEXTS[0]) == by_dir.encode(TEXTS[0]) == tok.encode(TEXTS[0])
+    with pytest.raises(DataError, match="byte.*tokenizer.json"):
+        build_tokenizer(str(tmp_path / "nowhere"))
+    with pytest.raises(DataError, match="byte"):
+        build_tokenizer("gpt2")
+
+
+def test_hf_tokenizer_errors(tmp_path):
+    from tokenizers import Tokenizer, models
+
+    no_eod = tmp_path / "no_eod.json"
+    Tokenizer(models.BPE()).save(str(no_eod))
+    with pytest.raises(DataError, match=r"no_eod.json.*endoftext"):
+        HFTokenizer(no_eod)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(DataError, match="bad.json"):
+        HFTokenizer(bad)
+    with pytest.raises(DataError, match="missing"):
+        HFTokenizer(tmp_path / "absent.json")
+
+
+def test_train_bpe_errors(tmp_path):
+    with pytest.raises(DataError, match="missing"):
+        train_bpe([str(tmp_path / "absent.txt")], 300, tmp_path / "t.json")
+    with pytest.raises(DataError, match="too small"):
+        train_bpe([str(tmp_path / "absent.txt")], 100, tmp_path / "t.json")
