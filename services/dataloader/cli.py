@@ -1,0 +1,61 @@
+"""`meshtrain data ...`: build datasets and tokenizers from the command line.
+
+    meshtrain data preprocess --input 'docs/*.jsonl' --output-prefix data/docs --tokenizer byte --append-eod
+    meshtrain data train-tokenizer --input 'docs/*.txt' --vocab-size 8192 --output tok.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+from pathlib import Path
+
+from services.common.errors import DataError
+
+
+def expand_inputs(patterns: list[str]) -> list[Path]:
+    """Files named by paths or glob patterns, in order; a pattern matching nothing is an error."""
+    files: list[Path] = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(pattern, recursive=True))
+        if not matches:
+            raise DataError(f"--input {pattern!r} matches no file")
+        files.extend(Path(m) for m in matches if Path(m).is_file())
+    return files
+
+
+def cmd_preprocess(args: argparse.Namespace) -> int:
+    from services.dataloader.preprocess import preprocess_files
+    from services.dataloader.tokenizers import build_tokenizer
+
+    tokenizer = build_tokenizer(args.tokenizer)
+    prefix = preprocess_files(expand_inputs(args.input), args.output_prefix, tokenizer,
+                              json_key=args.json_key, append_eod=args.append_eod)
+    print(f"wrote {prefix}.bin and {prefix}.idx")
+    return 0
+
+
+def cmd_train_tokenizer(args: argparse.Namespace) -> int:
+    from services.dataloader.tokenizers import train_bpe
+
+    tok = train_bpe([str(p) for p in expand_inputs(args.input)], args.vocab_size, args.output)
+    print(f"wrote {args.output} (vocabulary {tok.vocab_size})")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add `data` and its subcommands to the top-level parser."""
+    d = sub.add_parser("data", help="build datasets and tokenizers")
+    dsub = d.add_subparsers(dest="data_cmd", required=True)
+    pre = dsub.add_parser("preprocess", help="tokenize text/JSONL files into PREFIX.bin/.idx")
+    pre.add_argument("--input", nargs="+", required=True, help="files or glob patterns")
+    pre.add_argument("--output-prefix", required=True)
+    pre.add_argument("--tokenizer", required=True, help="'byte' or a tokenizer.json")
+    pre.add_argument("--json-key", default="text")
+    pre.add_argument("--append-eod", action="store_true", help="end each document with the EOD token")
+    pre.set_defaults(func=cmd_preprocess)
+    tt = dsub.add_parser("train-tokenizer", help="train a byte-level BPE on local text")
+    tt.add_argument("--input", nargs="+", required=True)
+    tt.add_argument("--vocab-size", type=int, required=True)
+    tt.add_argument("--output", required=True, help="path of the tokenizer.json to write")
+    tt.set_defaults(func=cmd_train_tokenizer)
