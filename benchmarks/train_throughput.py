@@ -62,9 +62,7 @@ def run_meshtrain(args, overrides) -> dict:
     out = {"step_time_s": sec, "loss_first": losses[0].item(), "loss_last": losses[-1].item(),
            "flops_per_token": trainer.flops_per_token, "params": trainer.model.num_parameters(),
            "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None}
-    job = trainer.job
-    del trainer
-    return out, job
+    return out, trainer.job
 
 
 def run_baseline(args, job) -> dict:

@@ -19,7 +19,7 @@ import shutil
 import sys
 import sysconfig
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 

@@ -15,8 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from services.checkpoint.config import CheckpointConfig
 from services.common import config as cfg
 from services.common.errors import ConfigError, NotBuiltError
+from services.dataloader.config import DataConfig
 
 
 @dataclass
@@ -117,36 +119,6 @@ class ModelConfig:
         assert self.vocab_size is not None, "vocab_size is resolved from the tokenizer first"
         m = self.make_vocab_size_divisible_by
         return -(-self.vocab_size // m) * m
-
-
-@dataclass
-class DataConfig:
-    """Where training tokens come from."""
-
-    data_path: list[str] = field(default_factory=list)
-    """Indexed dataset prefix (PREFIX.bin/.idx); empty: the embedded default corpus."""
-    tokenizer: str = "bpe"
-    """'bpe' (trained on the default corpus), 'byte', or a path to a tokenizer.json."""
-    default_vocab_size: int = 4096
-    """Vocabulary of the BPE trained for the embedded default corpus."""
-    default_corpus_bytes: int = 8_000_000
-    """How much of the Python standard library's source the default corpus takes."""
-    split: str = "969,30,1"
-    """Train/valid/test weights over documents, Megatron style."""
-    cache_dir: str = ".cache/meshtrain"
-    """Where the default corpus, its tokenizer and its dataset are built and cached."""
-
-    def __post_init__(self) -> None:
-        if len(self.data_path) > 1:
-            raise NotBuiltError(
-                f"data.data_path lists {len(self.data_path)} entries; blending several "
-                "datasets by weight is not built yet: give one PREFIX"
-            )
-        if self.data_path and self.tokenizer == "bpe":
-            raise ConfigError(
-                "data.tokenizer='bpe' means the BPE trained for the embedded corpus; with "
-                "data.data_path give 'byte' or the tokenizer.json the dataset was built with"
-            )
 
 
 @dataclass
@@ -260,26 +232,6 @@ class ParallelConfig:
                 raise NotBuiltError(f"parallel.{key}: not built yet (value must be false)")
         if self.recompute_num_layers <= 0:
             raise ConfigError(f"parallel.recompute_num_layers must be positive, got {self.recompute_num_layers}")
-
-
-@dataclass
-class CheckpointConfig:
-    """Where checkpoints go and where a run resumes from."""
-
-    save: str | None = None
-    """Checkpoint root (folder or file:// / memory:// URL); unset: RUN_DIR/checkpoints."""
-    load: str | None = None
-    """Resume from the latest committed checkpoint under this root."""
-    load_step: int | None = None
-    """Resume from this step instead of the latest committed one."""
-    save_interval: int = 0
-    """Save every this many steps (0: only at the end)."""
-
-    def __post_init__(self) -> None:
-        if self.load_step is not None and self.load is None:
-            raise ConfigError("checkpoint.load_step needs checkpoint.load")
-        if self.save_interval < 0:
-            raise ConfigError(f"checkpoint.save_interval must be >= 0, got {self.save_interval}")
 
 
 @dataclass

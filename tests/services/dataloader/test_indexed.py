@@ -39,7 +39,7 @@ def test_round_trip_every_dtype(tmp_path, code, dtype):
 
 def test_exact_idx_layout(tmp_path):
     """The bytes Megatron's _IndexWriter produces for two uint16 documents, built by hand."""
-    prefix = _write(tmp_path / "ds", [[1, 2, 3], [400, 5]], np.uint16)
+    _write(tmp_path / "ds", [[1, 2, 3], [400, 5]], np.uint16)
     expected_idx = (
         MAGIC
         + struct.pack("<Q", 1)  # version
