@@ -26,7 +26,12 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     if args.help_config:
         print(config_help())
         return 0
-    result = train(load_config(rest))
+    if args.nproc_per_node > 1:
+        return launch_local_ranks(args.nproc_per_node, rest)
+    job = load_config(rest)  # validate before anything starts
+    result = train(job)
+    if result.rank != 0:
+        return 0
     steps = sorted(result.losses)
     print()
     print(f"run directory : {result.run_dir}")
@@ -44,6 +49,23 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+def launch_local_ranks(nproc: int, rest: list[str]) -> int:
+    """Run `meshtrain train` on `nproc` local ranks through torchrun's launcher (standalone rendezvous)."""
+    from torch.distributed.run import get_args_parser, run
+
+    from services.trainer.config import load_config
+
+    load_config(rest)  # fail fast here, not once per rank
+    launcher = get_args_parser().parse_args(
+        ["--standalone", f"--nproc-per-node={nproc}", "--module", "services.cli", "train", *rest])
+    try:
+        run(launcher)
+    except Exception as e:  # torchrun raises ChildFailedError with each rank's exit code
+        print(f"meshtrain: error: a rank failed: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="meshtrain", description="Megatron-style GPT training.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -51,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Train a GPT. Every config key can be overridden as --section.key=value; "
                                    "see --help-config for the keys and the Megatron-style aliases.")
     t.add_argument("--help-config", action="store_true", help="list every config key and alias, then exit")
+    t.add_argument("--nproc-per-node", type=int, default=1,
+                   help="launch this many local ranks (torchrun's launcher); plain torchrun works too")
     data_cli.register(sub)
     ckpt_cli.register(sub)
     return p

@@ -42,7 +42,7 @@ def test_train_then_resume_with_tiny_config(tmp_path):
 def test_user_errors_exit_2_with_the_key_named(tmp_path):
     bad = meshtrain("train", "--config", TINY, "--model.hidden_sz=3")
     assert bad.returncode == 2 and "model.hidden_sz" in bad.stderr and "Traceback" not in bad.stderr
-    tp = meshtrain("train", "--tensor-model-parallel-size", "2")
+    tp = meshtrain("train", "--pipeline-model-parallel-size", "2")
     assert tp.returncode == 2 and "not built yet" in tp.stderr
     missing = meshtrain("train", "--config", tmp_path / "nope.toml")
     assert missing.returncode == 2 and "nope.toml" in missing.stderr
@@ -72,3 +72,19 @@ def test_preprocess_and_train_tokenizer(tmp_path):
     none = meshtrain("data", "preprocess", "--input", tmp_path / "*.nothing", "--output-prefix", tmp_path / "x",
                      "--tokenizer", "byte")
     assert none.returncode == 2 and "matches no file" in none.stderr
+
+
+@pytest.mark.e2e
+@pytest.mark.dist
+def test_nproc_per_node_launches_tensor_parallel_ranks(tmp_path):
+    small = ["--data.default_corpus_bytes=300000", f"--data.cache_dir={tmp_path / 'cache'}", "--data.tokenizer=byte",
+             "--data.split=80,20,0", "--eval-interval", "0", "--log.plot=false", "--train-iters", "3",
+             "--micro-batch-size", "4", "--global-batch-size", "8", "--num-layers", "2"]
+    run = tmp_path / "run"
+    out = meshtrain("train", "--nproc-per-node", "2", "--config", TINY, "--tensor-model-parallel-size", "2",
+                    "--sequence-parallel", "--run-dir", run, *small)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "mesh tp=2 dp=1 (world 2)" in out.stderr
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r][-1] == 3
+    assert meshtrain("ckpt", "list", run / "checkpoints").stdout.split() == ["3"]

@@ -193,24 +193,26 @@ class OptimConfig:
 
 @dataclass
 class ParallelConfig:
-    """Parallel layout and memory plan. Only recompute is built so far; the rest is rejected."""
+    """Parallel layout and memory plan. dp is whatever world size the other degrees leave."""
 
     tp: int = 1
     """Tensor-parallel degree (--tensor-model-parallel-size)."""
     pp: int = 1
-    """Pipeline-parallel degree (--pipeline-model-parallel-size)."""
+    """Pipeline-parallel degree (--pipeline-model-parallel-size); not built yet: must be 1."""
     cp: int = 1
-    """Context-parallel degree (--context-parallel-size)."""
+    """Context-parallel degree (--context-parallel-size); not built yet: must be 1."""
     ep: int = 1
-    """Expert-parallel degree (--expert-model-parallel-size)."""
+    """Expert-parallel degree (--expert-model-parallel-size); not built yet: must be 1."""
     sequence_parallel: bool = False
     """Shard norm/dropout regions along the sequence (needs tp > 1)."""
     use_distributed_optimizer: bool = False
-    """Shard fp32 master weights and Adam state over data-parallel ranks (ZeRO-1)."""
+    """Shard Adam state over data-parallel ranks (ZeRO-1): reduce-scatter grads, all-gather params."""
     overlap_grad_reduce: bool = False
-    """Overlap data-parallel gradient reduction with the backward pass."""
+    """Reduce each gradient bucket as soon as backward has finished it."""
     overlap_param_gather: bool = False
-    """Overlap the distributed optimizer's parameter all-gather with the next forward."""
+    """Distributed optimizer: all-gather each bucket's parameters just before the forward uses them."""
+    ddp_bucket_size: int = 40_000_000
+    """Elements per gradient bucket."""
     recompute_granularity: Literal["none", "full", "selective"] = "none"
     """Activation recompute: whole blocks ('full') or only the attention core ('selective')."""
     recompute_method: Literal["uniform", "block"] = "uniform"
@@ -220,18 +222,21 @@ class ParallelConfig:
     """'full' only: chunk size ('uniform') or number of recomputed blocks ('block')."""
 
     def __post_init__(self) -> None:
-        for key in ("tp", "pp", "cp", "ep"):
+        for key in ("pp", "cp", "ep"):
             if getattr(self, key) != 1:
                 raise NotBuiltError(
-                    f"parallel.{key}={getattr(self, key)}: this parallelism is not built yet; "
-                    "only single-process training runs today (value must be 1)"
+                    f"parallel.{key}={getattr(self, key)}: this parallelism is not built yet (value must be 1)"
                 )
-        for key in ("sequence_parallel", "use_distributed_optimizer", "overlap_grad_reduce",
-                    "overlap_param_gather"):
-            if getattr(self, key):
-                raise NotBuiltError(f"parallel.{key}: not built yet (value must be false)")
+        if self.tp < 1:
+            raise ConfigError(f"parallel.tp must be >= 1, got {self.tp}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1")
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ConfigError("parallel.overlap_param_gather needs parallel.use_distributed_optimizer")
         if self.recompute_num_layers <= 0:
             raise ConfigError(f"parallel.recompute_num_layers must be positive, got {self.recompute_num_layers}")
+        if self.ddp_bucket_size <= 0:
+            raise ConfigError(f"parallel.ddp_bucket_size must be positive, got {self.ddp_bucket_size}")
 
 
 @dataclass
@@ -321,6 +326,7 @@ ALIASES: dict[str, tuple[str, bool]] = {
     "--use-distributed-optimizer": ("parallel.use_distributed_optimizer", False),
     "--overlap-grad-reduce": ("parallel.overlap_grad_reduce", False),
     "--overlap-param-gather": ("parallel.overlap_param_gather", False),
+    "--ddp-bucket-size": ("parallel.ddp_bucket_size", True),
     "--recompute-granularity": ("parallel.recompute_granularity", True),
     "--recompute-method": ("parallel.recompute_method", True),
     "--recompute-num-layers": ("parallel.recompute_num_layers", True),

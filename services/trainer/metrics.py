@@ -49,8 +49,10 @@ class MetricsLog:
     """Appends records to RUN_DIR/metrics.jsonl and shows progress (bar or lines)."""
 
     def __init__(self, run_dir: Path, total_steps: int, start_step: int, progress: str):
+        """progress: 'auto' | 'bar' | 'lines', or 'none' on ranks that write nothing."""
         self.path = run_dir / "metrics.jsonl"
-        self.file = self.path.open("a", buffering=1)
+        self.silent = progress == "none"
+        self.file = None if self.silent else self.path.open("a", buffering=1)
         self.total = total_steps
         use_bar = progress == "bar" or (progress == "auto" and sys.stderr.isatty())
         self.bar = None
@@ -60,10 +62,13 @@ class MetricsLog:
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
 
     def write(self, record: dict[str, Any]) -> None:
-        self.file.write(json.dumps(record) + "\n")
+        if self.file is not None:
+            self.file.write(json.dumps(record) + "\n")
 
     def step(self, record: dict[str, Any]) -> None:
         """Record a training step and update the display."""
+        if self.silent:
+            return
         self.write(record)
         eta = format_duration((self.total - record["step"]) * record["step_time_s"])
         if self.bar is not None:
@@ -78,6 +83,8 @@ class MetricsLog:
             )
 
     def eval(self, step: int, loss: float) -> None:
+        if self.silent:
+            return
         self.write({"step": step, "eval_loss": loss, "time": time.time()})
         msg = f"step {step}: eval loss {loss:.4f}"
         if self.bar is not None:
@@ -88,7 +95,8 @@ class MetricsLog:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

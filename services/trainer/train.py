@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from services.common.config import dumps_toml
 from services.common.errors import CheckpointError, ConfigError
@@ -30,7 +31,10 @@ from services.trainer.metrics import MetricsLog, peak_tflops, plot_losses
 from services.trainer.model.gpt import GPT
 from services.trainer.optim.optimizer import build_optimizer, clip_grad_norm, set_lr
 from services.trainer.optim.schedule import lr_at
-from services.trainer.parallel import recompute
+from services.trainer.parallel import mappings, recompute
+from services.trainer.parallel.data import DataParallel
+from services.trainer.parallel.mesh import Mesh, env_rank_world, init_process_group
+from services.trainer.parallel.tensor import parallelize
 
 log = logging.getLogger("meshtrain.train")
 
@@ -40,6 +44,8 @@ class TrainResult:
     """What a finished run produced."""
 
     run_dir: Path
+    rank: int = 0
+    """Global rank of the process that ran it (only rank 0 writes the run directory)."""
     losses: dict[int, float] = field(default_factory=dict)
     """Train loss at each logged step (1-based step numbers)."""
     eval_losses: dict[int, float] = field(default_factory=dict)
@@ -52,11 +58,33 @@ def pick_device(choice: str) -> torch.device:
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ConfigError("train.device='cuda' but no CUDA device is available")
+        torch.cuda.set_device(env_rank_world()[2])
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def make_run_dir(configured: str | None) -> Path:
+def build_mesh(job: JobConfig, device: torch.device) -> Mesh:
+    """The mesh for this process: trivial when alone, else from torchrun/Slurm's environment."""
+    _, world, _ = env_rank_world()
+    if world == 1:
+        if job.parallel.tp != 1:
+            raise ConfigError(f"parallel.tp={job.parallel.tp} needs {job.parallel.tp} processes; launch with "
+                              f"`meshtrain train --nproc-per-node N` or torchrun")
+        return Mesh.single()
+    init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return Mesh.build(tp=job.parallel.tp, pp=job.parallel.pp, cp=job.parallel.cp, ep=job.parallel.ep)
+
+
+def make_run_dir(configured: str | None, mesh: Mesh) -> Path:
+    """Rank 0 picks (and creates) the run directory; every rank gets the same path."""
+    if mesh.distributed:
+        chosen = [str(_new_run_dir(configured)) if mesh.rank == 0 else None]
+        dist.broadcast_object_list(chosen, src=0)
+        return Path(chosen[0])
+    return _new_run_dir(configured)
+
+
+def _new_run_dir(configured: str | None) -> Path:
     if configured:
         path = Path(configured)
     else:
@@ -84,24 +112,45 @@ class Trainer:
 
     def __init__(self, job: JobConfig):
         self.device = pick_device(job.train.device)
-        self.run_dir = make_run_dir(job.log.run_dir)
-        self.data = build_data(job)
+        self.mesh = build_mesh(job, self.device)
+        self.is_main = self.mesh.rank == 0
+        if not self.is_main:
+            logging.getLogger("meshtrain").setLevel(logging.WARNING)
+        t = job.train
+        if t.global_batch_size % (t.micro_batch_size * self.mesh.dp):
+            raise ConfigError(
+                f"train.global_batch_size={t.global_batch_size} must be a multiple of "
+                f"train.micro_batch_size={t.micro_batch_size} x data-parallel size {self.mesh.dp}")
+        self.run_dir = make_run_dir(job.log.run_dir, self.mesh)
+        self.data = build_data(job, dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp)
         if job.model.vocab_size is None:
             job = replace(job, model={"vocab_size": self.data.vocab_size})
         if job.checkpoint.save is None:
             job = replace(job, checkpoint={"save": str(self.run_dir / "checkpoints")})
         self.job = job
-        (self.run_dir / "config.toml").write_text(dumps_toml(job))
+        if self.is_main:
+            (self.run_dir / "config.toml").write_text(dumps_toml(job))
 
         seed_everything(job.train.seed)
-        model = GPT(job.model)
+        model = GPT(job.model)  # full weights, same seed on every rank: sharding slices them
+        self.flops_per_token = model.flops_per_token()
+        self.num_parameters = model.num_parameters()
         recompute.apply(model, job.parallel)
+        parallelize(model, self.mesh, job.parallel.sequence_parallel)
         self.model = model.to(self.device)
-        self.optimizer = build_optimizer(self.model, job.optim)
+        p = job.parallel
+        self.ddp = None
+        if self.mesh.distributed:
+            self.ddp = DataParallel(
+                self.model, self.mesh, job.optim, distributed_optimizer=p.use_distributed_optimizer,
+                overlap_grad_reduce=p.overlap_grad_reduce, overlap_param_gather=p.overlap_param_gather,
+                bucket_size=p.ddp_bucket_size)
+        self.optimizer = self.ddp.optimizer if self.ddp and self.ddp.optimizer else build_optimizer(self.model, job.optim)
+        self.par = checkpointing.Parallel(self.mesh, self.ddp)
         self.state = checkpointing.TrainState()
         if job.checkpoint.load:
             self.state, _ = checkpointing.restore(
-                job.checkpoint.load, self.model, self.optimizer, job.checkpoint.load_step)
+                job.checkpoint.load, self.model, self.optimizer, self.par, job.checkpoint.load_step)
             log.info("resumed from %s at step %d (%d samples consumed)",
                      job.checkpoint.load, self.state.iteration, self.state.consumed_samples)
         self.forward = torch.compile(self.model) if job.train.compile else self.model
@@ -109,10 +158,11 @@ class Trainer:
             torch.autocast(self.device.type, dtype=torch.bfloat16) if job.train.bf16 else contextlib.nullcontext()
         )
         self.peak = peak_tflops(self.device, job.train.peak_tflops)
-        self.flops_per_token = self.model.flops_per_token()
-        log.info("model: %.2fM parameters, %.3g FLOPs/token, device %s%s",
-                 self.model.num_parameters() / 1e6, self.flops_per_token, self.device,
-                 ", bf16 autocast" if job.train.bf16 else "")
+        m = self.mesh
+        log.info("model: %.2fM parameters, %.3g FLOPs/token, device %s%s; mesh tp=%d dp=%d (world %d)%s",
+                 self.num_parameters / 1e6, self.flops_per_token, self.device,
+                 ", bf16 autocast" if job.train.bf16 else "", m.tp, m.dp, m.world_size,
+                 ", sequence parallel" if p.sequence_parallel else "")
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cuda":
@@ -124,15 +174,25 @@ class Trainer:
         micro = self.data.train.micro_batches(step)
         set_lr(self.optimizer, lr_at(step, self.job.optim, self.job.train.train_iters))
         total = torch.zeros((), device=self.device)
-        for batch in micro:
+        for i, batch in enumerate(micro):
             tokens, labels, mask = (self._to_device(t) for t in (batch.tokens, batch.labels, batch.loss_mask))
-            with self.autocast:
-                loss = self.forward(tokens, labels, mask) / len(micro)
-            loss.backward()
+            last = i == len(micro) - 1
+            sync = self.ddp.no_sync() if self.ddp is not None and not last else contextlib.nullcontext()
+            with sync:
+                with self.autocast:
+                    loss = self.forward(tokens, labels, mask) / len(micro)
+                loss.backward()
             total += loss.detach()
-        grad_norm = clip_grad_norm(self.model, self.job.optim.clip_grad)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.ddp is not None:
+            self.ddp.finish_grad_sync()
+            grad_norm = self.ddp.grad_norm_and_clip(self.job.optim.clip_grad)
+            self.optimizer.step()
+            self.ddp.gather_params()
+            self.ddp.zero_grad()
+        else:
+            grad_norm = clip_grad_norm(self.model, self.job.optim.clip_grad)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         return total, grad_norm
 
     @torch.no_grad()
@@ -145,19 +205,19 @@ class Trainer:
             with self.autocast:
                 losses.append(self.forward(tokens, labels, mask).float())
         self.model.train()
-        return torch.stack(losses).mean().item()
+        return torch.stack(losses).mean().item()  # identical on every rank: same eval batches
 
     def save(self) -> str:
         url = checkpointing.save(
             self.job.checkpoint.save, self.model, self.optimizer, self.state, self.job,
-            {"tokenizer": self.data.tokenizer, "data_prefix": self.data.prefix},
+            {"tokenizer": self.data.tokenizer, "data_prefix": self.data.prefix}, self.par,
         )
         log.info("checkpoint step %d committed: %s", self.state.iteration, url)
         return url
 
     def run(self) -> TrainResult:
         job, t = self.job, self.job.train
-        result = TrainResult(self.run_dir)
+        result = TrainResult(self.run_dir, rank=self.mesh.rank)
         start = self.state.iteration
         if start >= t.train_iters:
             raise CheckpointError(
@@ -165,7 +225,7 @@ class Trainer:
                 "raise --train-iters to continue"
             )
         tokens_per_step = t.global_batch_size * job.model.seq_length
-        metrics = MetricsLog(self.run_dir, t.train_iters, start, job.log.progress)
+        metrics = MetricsLog(self.run_dir, t.train_iters, start, job.log.progress if self.is_main else "none")
         pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         last_time, last_step = time.perf_counter(), start
         paused = 0.0  # seconds spent in eval/save since the last log, left out of step times
@@ -177,7 +237,10 @@ class Trainer:
                 pending.append((loss, grad_norm))
                 n = step + 1
                 if n % job.log.log_interval == 0 or n == t.train_iters:
-                    losses = torch.stack([p[0] for p in pending]).tolist()  # the one host sync
+                    stacked = torch.stack([p[0] for p in pending])
+                    if self.mesh.dp > 1:  # each dp rank saw 1/dp of the batch: average
+                        stacked = mappings.all_reduce(stacked, self.mesh.group("dp")) / self.mesh.dp
+                    losses = stacked.tolist()  # the one host sync
                     norm = pending[-1][1].item()
                     now = time.perf_counter()
                     step_time = (now - last_time - paused) / (n - last_step)
@@ -203,7 +266,7 @@ class Trainer:
                 paused += time.perf_counter() - pause_start
         finally:
             metrics.close()
-        if job.log.plot:
+        if job.log.plot and self.is_main:
             result.plot = plot_losses(self.run_dir)
         return result
 

@@ -48,9 +48,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """x (batch, seq, hidden) -> (batch, seq, hidden)."""
-        b, s, _ = x.shape
         per_group = self.heads // self.groups
-        qkv = self.qkv(x).view(b, s, self.groups, per_group + 2, self.head_dim)
+        qkv = self.qkv(x)
+        b, s, _ = qkv.shape  # s is the full sequence even when x is a sequence-parallel shard
+        qkv = qkv.view(b, s, self.groups, per_group + 2, self.head_dim)
         q = qkv[:, :, :, :per_group].reshape(b, s, self.heads, self.head_dim)  # (b, s, heads, d)
         k, v = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]  # (b, s, groups, d)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads|groups, s, d)

@@ -39,6 +39,27 @@ class Norm(nn.Module):
         return kernels.layer_norm(x, self.weight, self.bias, self.eps)
 
 
+class LMHead(nn.Module):
+    """Output projection + loss, without parameters (the weight is passed in, tied or not).
+
+    A module of its own so `parallel.tensor` can swap in the vocab-parallel version, which
+    never gathers the full logits.
+    """
+
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        self.vocab_size = vocab_size
+
+    def loss(self, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+             loss_mask: torch.Tensor | None) -> torch.Tensor:
+        """Mean token loss; h (batch, seq, hidden), weight (padded_vocab, hidden)."""
+        return kernels.linear_cross_entropy(h, weight, labels, loss_mask, self.vocab_size)
+
+    def logits(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """(batch, seq, vocab) fp32 logits, padding rows cut off."""
+        return (h @ weight[: self.vocab_size].t()).float()
+
+
 class TransformerBlock(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
@@ -72,6 +93,7 @@ class GPT(nn.Module):
             nn.Linear(config.hidden_size, config.padded_vocab_size(), bias=False)
             if config.untie_embeddings_and_output_weights else None
         )
+        self.head = LMHead(config.vocab_size)
         self.rope_cos: torch.Tensor | None
         if config.position_embedding_type == "rope":
             cos, sin = kernels.rope_cos_sin(config.seq_length, config.head_dim, config.rotary_base)
@@ -150,13 +172,13 @@ class GPT(nn.Module):
         """
         h = self.hidden_states(tokens)
         if labels is not None:
-            return kernels.linear_cross_entropy(h, self.output_weight, labels, loss_mask, self.vocab_size)
-        return (h @ self.output_weight[: self.vocab_size].t()).float()  # (b, s, vocab)
+            return self.head.loss(h, self.output_weight, labels, loss_mask)
+        return self.head.logits(h, self.output_weight)  # (b, s, vocab)
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Parameter count; padded vocabulary rows are not counted."""
-        pad = self.config.padded_vocab_size() - self.vocab_size
         h = self.config.hidden_size
+        pad = self.embedding.word_embeddings.weight.shape[0] - self.vocab_size
         total = sum(p.numel() for p in self.parameters()) - pad * h * (2 if self.output_layer is not None else 1)
         if exclude_embeddings:
             total -= self.vocab_size * h

@@ -61,8 +61,8 @@ def test_megatron_aliases_map_to_keys(flag, key, value, expected):
 def test_data_path_takes_several_words_and_strings_stay_strings():
     _, table = parse_overrides(["--data-path", "a/b", "--tokenizer", "byte"])
     assert table["data"]["data_path"] == ["a/b"]
-    with pytest.raises(NotBuiltError, match="blending"):
-        load_config(["--data-path", "0.5", "a", "0.5", "b", "--tokenizer", "byte"])
+    _, table = parse_overrides(["--data-path", "0.5", "a", "0.5", "b", "--seed", "3"])
+    assert table["data"]["data_path"] == ["0.5", "a", "0.5", "b"] and table["train"]["seed"] == 3
 
 
 def test_megatron_value_spellings():
@@ -114,19 +114,26 @@ def test_missing_config_file_and_bad_toml(tmp_path):
 
 
 @pytest.mark.parametrize("args", [
-    ["--tensor-model-parallel-size", "2"],
     ["--pipeline-model-parallel-size", "2"],
     ["--context-parallel-size", "2"],
     ["--expert-model-parallel-size", "2"],
-    ["--sequence-parallel"],
-    ["--overlap-grad-reduce"],
-    ["--overlap-param-gather"],
-    ["--use-distributed-optimizer"],
     ["--transformer-impl", "transformer_engine"],
 ])
 def test_unbuilt_features_are_rejected_not_ignored(args):
     with pytest.raises(NotBuiltError, match="not built yet"):
         load_config(args)
+
+
+def test_parallel_flags_map_and_validate():
+    job = load_config(["--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-distributed-optimizer",
+                       "--overlap-grad-reduce", "--overlap-param-gather"])
+    p = job.parallel
+    assert (p.tp, p.sequence_parallel, p.use_distributed_optimizer, p.overlap_grad_reduce,
+            p.overlap_param_gather) == (2, True, True, True, True)
+    with pytest.raises(ConfigError, match="sequence_parallel needs parallel.tp > 1"):
+        load_config(["--sequence-parallel"])
+    with pytest.raises(ConfigError, match="overlap_param_gather needs"):
+        load_config(["--overlap-param-gather"])
 
 
 def test_validation_messages_name_keys():

@@ -1,0 +1,276 @@
+"""Data parallelism: bucketed gradient reduction (optionally overlapped with backward) and the
+distributed optimizer (ZeRO-1: Adam state sharded over dp).
+
+Gradients live in one flat fp32 buffer per bucket (each parameter's `.grad` is a view into
+it, so autograd accumulates micro-batches in place). On the last micro-batch a bucket is
+reduced as soon as every gradient in it is final (`overlap_grad_reduce`), or all buckets after
+backward. Plain DP all-reduces the buckets; the distributed optimizer reduce-scatters them, so
+each dp rank receives the sum for its 1/dp slice of every bucket, updates only that slice
+(Adam moments exist only for it) and all-gathers the updated parameters, optionally
+overlapped with the next forward (`overlap_param_gather`). Gradients of sequence-parallel
+parameters (norms, row-parallel biases) are first summed over tp. Gradient clipping uses the
+true global norm over tp and dp, counting replicated parameters once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from services.trainer.config import OptimConfig
+from services.trainer.optim.optimizer import is_decayed
+from services.trainer.parallel import mappings as M
+from services.trainer.parallel.mesh import Mesh
+from services.trainer.parallel.tensor import tp_split_of
+
+
+@dataclass
+class Bucket:
+    """A run of parameters sharing one flat gradient buffer (and, for ZeRO-1, parameter buffer)."""
+
+    params: list[nn.Parameter]
+    offsets: list[int]
+    numel: int  # padded to a multiple of dp
+    grad: torch.Tensor
+    param_flat: torch.Tensor | None = None
+    local_grad: torch.Tensor | None = None
+    ready: set[int] = field(default_factory=set)
+    reduce_handle: object | None = None
+    gather_handle: object | None = None
+    gather_src: torch.Tensor | None = None
+
+    def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        p = self.params[i]
+        return flat[self.offsets[i]: self.offsets[i] + p.numel()].view_as(p)
+
+
+class DataParallel:
+    """Gradient synchronization and (optionally) ZeRO-1 for a model sharded over `mesh`.
+
+    Args:
+        model: the (tensor-parallel) model; its parameters become views into flat buffers.
+        mesh: groups; gradients are averaged over dp and summed over tp where needed.
+        optim: AdamW settings (the distributed optimizer builds its own sharded AdamW).
+        distributed_optimizer: ZeRO-1.
+        overlap_grad_reduce / overlap_param_gather: launch communication asynchronously.
+        bucket_size: elements per bucket.
+    """
+
+    def __init__(self, model: nn.Module, mesh: Mesh, optim: OptimConfig, *, distributed_optimizer: bool = False,
+                 overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
+                 bucket_size: int = 40_000_000):
+        self.model, self.mesh, self.optim_config = model, mesh, optim
+        self.dist_opt = distributed_optimizer
+        self.overlap_grad, self.overlap_param = overlap_grad_reduce, overlap_param_gather and distributed_optimizer
+        self.dp_group, self.tp_group = mesh.group("dp"), mesh.group("tp")
+        self.dp, self.dp_rank = mesh.dp, mesh.dp_rank
+        self.sync_enabled = True
+        self.names = {p: n for n, p in model.named_parameters()}
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.buckets = self._make_buckets(list(reversed(params)), bucket_size)  # backward order
+        self.bucket_of = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self.optimizer = self._build_optimizer() if distributed_optimizer else None
+        if self.overlap_param:
+            self._install_gather_waits()
+
+    # ---------------------------------------------------------------- buckets
+    def _make_buckets(self, params: list[nn.Parameter], bucket_size: int) -> list[Bucket]:
+        runs, run, size = [], [], 0
+        for p in params:
+            run.append(p)
+            size += p.numel()
+            if size >= bucket_size:
+                runs.append(run)
+                run, size = [], 0
+        if run:
+            runs.append(run)
+        buckets = []
+        for run in runs:
+            offsets, off = [], 0
+            for p in run:
+                offsets.append(off)
+                off += p.numel()
+            numel = -(-off // self.dp) * self.dp
+            device = run[0].device
+            b = Bucket(run, offsets, numel, torch.zeros(numel, dtype=torch.float32, device=device))
+            if self.dist_opt:
+                b.param_flat = torch.zeros(numel, dtype=run[0].dtype, device=device)
+                b.local_grad = torch.zeros(numel // self.dp, dtype=torch.float32, device=device)
+            for i, p in enumerate(run):
+                if b.param_flat is not None:
+                    b.view(b.param_flat, i).copy_(p.data)
+                    p.data = b.view(b.param_flat, i)
+                p.grad = b.view(b.grad, i)
+            buckets.append(b)
+        return buckets
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients without communicating (all but the last micro-batch)."""
+        self.sync_enabled = False
+        try:
+            yield
+        finally:
+            self.sync_enabled = True
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        if not (self.sync_enabled and self.overlap_grad):
+            return
+        bucket, i = self.bucket_of[id(p)]
+        bucket.ready.add(i)
+        if len(bucket.ready) == len(bucket.params) and bucket.reduce_handle is None:
+            self._launch_reduce(bucket)
+
+    def _launch_reduce(self, b: Bucket) -> None:
+        sp = [b.view(b.grad, i) for i, p in enumerate(b.params) if getattr(p, "sequence_parallel", False)]
+        if sp and self.mesh.tp > 1:  # norms/biases saw only their seq shard: sum over tp first
+            flat = M.all_reduce(torch.cat([g.flatten() for g in sp]), self.tp_group)
+            off = 0
+            for g in sp:
+                g.copy_(flat[off: off + g.numel()].view_as(g))
+                off += g.numel()
+        if self.dp == 1:
+            b.reduce_handle = True
+            return
+        b.grad.div_(self.dp)
+        if self.dist_opt and dist.get_backend(self.dp_group) != "gloo":
+            b.reduce_handle = dist.reduce_scatter_tensor(b.local_grad, b.grad, group=self.dp_group, async_op=True)
+        else:  # gloo has no reduce-scatter: all-reduce, then the local slice is taken in finish
+            b.reduce_handle = dist.all_reduce(b.grad, group=self.dp_group, async_op=True)
+
+    def finish_grad_sync(self) -> None:
+        """Complete every bucket's reduction (launching those not yet launched)."""
+        for b in self.buckets:
+            if b.reduce_handle is None:
+                self._launch_reduce(b)
+        for b in self.buckets:
+            if b.reduce_handle is not True:
+                b.reduce_handle.wait()
+            if self.dist_opt and (self.dp == 1 or dist.get_backend(self.dp_group) == "gloo"):
+                n = b.numel // self.dp
+                b.local_grad.copy_(b.grad[self.dp_rank * n: (self.dp_rank + 1) * n])
+            b.reduce_handle = None
+            b.ready.clear()
+
+    def zero_grad(self) -> None:
+        for b in self.buckets:
+            b.grad.zero_()
+            if b.local_grad is not None:
+                b.local_grad.zero_()
+
+    # ---------------------------------------------------------------- ZeRO-1
+    def _build_optimizer(self) -> torch.optim.AdamW:
+        """AdamW over this rank's slices ("pieces") of every bucket, grouped by weight decay."""
+        self.pieces: list[tuple[nn.Parameter, nn.Parameter, int, int]] = []  # (piece, param, lo, hi) flat coords
+        decay, no_decay = [], []
+        for b in self.buckets:
+            n = b.numel // self.dp
+            lo_r, hi_r = self.dp_rank * n, (self.dp_rank + 1) * n
+            for i, p in enumerate(b.params):
+                lo, hi = max(lo_r, b.offsets[i]), min(hi_r, b.offsets[i] + p.numel())
+                if lo >= hi:
+                    continue
+                piece = nn.Parameter(b.param_flat[lo:hi])  # shares storage with the model parameter
+                piece.grad = b.local_grad[lo - lo_r: hi - lo_r]
+                self.pieces.append((piece, p, lo - b.offsets[i], hi - b.offsets[i]))
+                (decay if is_decayed(self.names[p], p, self.optim_config) else no_decay).append(piece)
+        c = self.optim_config
+        on_cuda = any(pc.is_cuda for pc, *_ in self.pieces)
+        return torch.optim.AdamW(
+            [{"params": decay, "weight_decay": c.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=c.lr, betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps, fused=on_cuda or None)
+
+    def gather_params(self) -> None:
+        """After the optimizer step: all-gather every bucket's updated slices into full parameters."""
+        if not self.dist_opt or self.dp == 1:
+            return
+        for b in self.buckets:
+            n = b.numel // self.dp
+            b.gather_src = b.param_flat[self.dp_rank * n: (self.dp_rank + 1) * n].clone()
+            if dist.get_backend(self.dp_group) == "gloo":
+                b.gather_handle = dist.all_gather(list(b.param_flat.chunk(self.dp)), b.gather_src,
+                                                  group=self.dp_group, async_op=self.overlap_param)
+            else:
+                b.gather_handle = dist.all_gather_into_tensor(b.param_flat, b.gather_src, group=self.dp_group,
+                                                              async_op=self.overlap_param)
+        if not self.overlap_param:
+            for b in self.buckets:
+                b.gather_handle = b.gather_src = None
+
+    def wait_param_gather(self, buckets: list[Bucket] | None = None) -> None:
+        for b in buckets if buckets is not None else self.buckets:
+            if b.gather_handle is not None:
+                b.gather_handle.wait()
+                b.gather_handle = b.gather_src = None
+
+    def _install_gather_waits(self) -> None:
+        """Wait for a bucket's all-gather only when a module about to run needs its parameters."""
+        for module in self.model.modules():
+            own = [p for p in module.parameters(recurse=False) if id(p) in self.bucket_of]
+            if own:
+                needed = list({id(self.bucket_of[id(p)][0]): self.bucket_of[id(p)][0] for p in own}.values())
+                module.register_forward_pre_hook(lambda _m, _a, bs=needed: self.wait_param_gather(bs))
+
+    # ---------------------------------------------------------------- norms
+    def grad_norm_and_clip(self, max_norm: float) -> torch.Tensor:
+        """Global L2 norm of the gradients the optimizer will apply; clips them when max_norm > 0."""
+        if self.dist_opt:
+            items = [(piece.grad, tp_split_of(p) is not None) for piece, p, _, _ in self.pieces]
+        else:
+            items = [(p.grad, tp_split_of(p) is not None) for b in self.buckets for p in b.params]
+        device = self.buckets[0].grad.device
+        sq = torch.zeros(2, device=device)  # [tp-sharded, tp-replicated]
+        for g, sharded in items:
+            sq[0 if sharded else 1] += g.float().pow(2).sum()
+        if self.dist_opt:
+            M.all_reduce(sq, self.dp_group)
+        total = M.all_reduce(sq[:1].clone(), self.tp_group)[0] + sq[1]
+        norm = total.sqrt()
+        if max_norm > 0:
+            coeff = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            grads = [g for g, _ in items]
+            torch._foreach_mul_(grads, coeff)
+        return norm
+
+    # ---------------------------------------------------------------- checkpoint support
+    def full_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Per-parameter Adam moments, whole (gathered over dp), keyed by parameter name."""
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        by_param = {id(p): [] for b in self.buckets for p in b.params}
+        for piece, p, lo, hi in self.pieces:
+            by_param[id(p)].append((piece, lo, hi))
+        for b in self.buckets:
+            n = b.numel // self.dp
+            lo_r = self.dp_rank * n
+            for key in ("exp_avg", "exp_avg_sq"):
+                local = torch.zeros(n, dtype=torch.float32, device=b.grad.device)
+                for i, p in enumerate(b.params):
+                    for piece, lo, hi in by_param[id(p)]:
+                        st = self.optimizer.state.get(piece)
+                        if st:
+                            start = b.offsets[i] + lo - lo_r
+                            local[start: start + (hi - lo)] = st[key]
+                full = M.all_gather(local, 0, self.dp_group)
+                for i, p in enumerate(b.params):
+                    out.setdefault(self.names[p], {})[key] = b.view(full, i).clone()
+        return out
+
+    def load_optimizer_state(self, state: dict[str, dict[str, torch.Tensor]], step: int) -> None:
+        """Fill this rank's slices from whole per-parameter moments (the inverse of the above)."""
+        for piece, p, lo, hi in self.pieces:
+            st = state[self.names[p]]
+            self.optimizer.state[piece] = {
+                "step": torch.tensor(float(step), device=piece.device if piece.is_cuda else "cpu"),
+                "exp_avg": st["exp_avg"].flatten()[lo:hi].to(piece.device).clone(),
+                "exp_avg_sq": st["exp_avg_sq"].flatten()[lo:hi].to(piece.device).clone(),
+            }
+
+    def optimizer_step_count(self) -> int:
+        steps = {int(st["step"]) for st in self.optimizer.state.values()} if self.optimizer else set()
+        return steps.pop() if steps else 0

@@ -1,0 +1,179 @@
+"""Paired communication regions for tensor and sequence parallelism (autograd functions).
+
+Each region's backward is the adjoint of its forward, so the pairs below compose into exact
+gradients:
+
+    copy_to_region        fwd: identity              bwd: all-reduce
+    reduce_from_region    fwd: all-reduce            bwd: identity
+    scatter_to_region     fwd: keep own chunk (last) bwd: all-gather (last dim)
+    gather_from_region    fwd: all-gather (last dim) bwd: keep own chunk
+    scatter_to_sequence   fwd: keep own seq chunk    bwd: all-gather (seq)
+    gather_from_sequence  fwd: all-gather (seq)      bwd: reduce-scatter (seq)
+    reduce_scatter_to_sequence  fwd: reduce-scatter (seq)  bwd: all-gather (seq)
+
+Activations are batch-first, so the sequence dim is 1: (batch, seq/tp, hidden). With a group
+of size 1 (or None) every region is the identity. Gloo has no reduce-scatter, so there it is
+an all-reduce followed by taking the own chunk (same result, more bytes): CPU tests only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+Group = dist.ProcessGroup | None
+
+
+def _size(group: Group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _rank(group: Group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+    if _size(group) > 1:
+        x = x.contiguous()
+        dist.all_reduce(x, group=group)
+    return x
+
+
+def all_reduce_max(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """In-place elementwise max over ranks (x must be contiguous)."""
+    if _size(group) > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+    return x
+
+
+def split(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """This rank's chunk of `x` along `dim` (dim must divide evenly)."""
+    n = _size(group)
+    if n == 1:
+        return x
+    if x.shape[dim] % n:
+        raise ValueError(f"dim {dim} of size {x.shape[dim]} does not split evenly over {n} ranks")
+    return x.chunk(n, dim=dim)[_rank(group)].contiguous()
+
+
+def all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """Concatenate every rank's `x` along `dim`."""
+    n = _size(group)
+    if n == 1:
+        return x
+    front = x.movedim(dim, 0).contiguous()  # gather along dim 0: one contiguous buffer
+    out = torch.empty((n * front.shape[0], *front.shape[1:]), dtype=x.dtype, device=x.device)
+    if dist.get_backend(group) == "gloo":
+        dist.all_gather(list(out.chunk(n)), front, group=group)
+    else:
+        dist.all_gather_into_tensor(out, front, group=group)
+    return out.movedim(0, dim)
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """Sum `x` over ranks and keep this rank's chunk along `dim`."""
+    n = _size(group)
+    if n == 1:
+        return x
+    if dist.get_backend(group) == "gloo":
+        return split(all_reduce(x.clone(), group), dim, group)
+    front = x.movedim(dim, 0).contiguous()
+    out = torch.empty((front.shape[0] // n, *front.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out, front, group=group)
+    return out.movedim(0, dim)
+
+
+class _Copy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_reduce(g, ctx.group), None
+
+
+class _Reduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _Scatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return split(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_gather(g, ctx.dim, ctx.group), None, None
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return split(g, ctx.dim, ctx.group), None, None
+
+
+class _GatherReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return reduce_scatter(g, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_gather(g, ctx.dim, ctx.group), None, None
+
+
+SEQ_DIM = 1  # activations are (batch, seq, hidden)
+
+
+def copy_to_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return _Copy.apply(x, group) if _size(group) > 1 else x
+
+
+def reduce_from_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return _Reduce.apply(x, group) if _size(group) > 1 else x
+
+
+def scatter_to_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return _Scatter.apply(x, x.dim() - 1, group) if _size(group) > 1 else x
+
+
+def gather_from_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return _Gather.apply(x, x.dim() - 1, group) if _size(group) > 1 else x
+
+
+def scatter_to_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return _Scatter.apply(x, SEQ_DIM, group) if _size(group) > 1 else x
+
+
+def gather_from_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return _GatherReduceScatter.apply(x, SEQ_DIM, group) if _size(group) > 1 else x
+
+
+def reduce_scatter_to_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return _ReduceScatter.apply(x, SEQ_DIM, group) if _size(group) > 1 else x

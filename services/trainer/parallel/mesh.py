@@ -1,0 +1,182 @@
+"""The device mesh: named process groups for tp, cp, ep, dp, pp, passed explicitly everywhere.
+
+Rank order is Megatron's default `tp-cp-ep-dp-pp` with tp fastest:
+
+    global_rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
+
+so tensor-parallel peers are neighbours (same node, fastest links). Expert parallelism folds ep
+out of dp×cp for MoE layers (ep must divide dp×cp). There are no module-level groups: code
+that communicates takes a `Mesh` (or one of its groups) as an argument.
+
+    mesh = Mesh.from_env(tp=2, dp=2)          # under torchrun / srun: reads RANK, WORLD_SIZE, ...
+    mesh = initialize_model_parallel(2, 1)     # Megatron-flavoured spelling of the same
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from services.common.errors import ConfigError
+
+AXES = ("tp", "cp", "dp", "pp")
+
+
+def env_rank_world() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from torchrun's or Slurm's environment; (0, 1, 0) when alone."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+    if "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ:
+        return int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"]), int(os.environ.get("SLURM_LOCALID", 0))
+    return 0, 1, 0
+
+
+def init_process_group(backend: str | None = None, timeout_s: float = 600.0) -> None:
+    """Initialize torch.distributed from the environment if it is not already (no-op alone).
+
+    Slurm's variables are translated to torchrun's (MASTER_ADDR/PORT must be set by the
+    sbatch script). Backend: NCCL with CUDA, gloo otherwise.
+    """
+    if dist.is_initialized():
+        return
+    rank, world, local_rank = env_rank_world()
+    if world == 1 and "MASTER_ADDR" not in os.environ:
+        return
+    os.environ.setdefault("RANK", str(rank))
+    os.environ.setdefault("WORLD_SIZE", str(world))
+    os.environ.setdefault("LOCAL_RANK", str(local_rank))
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+@dataclass
+class Mesh:
+    """Process groups of one rank, by axis name, plus the combinations the engine needs.
+
+    Attributes:
+        tp, cp, dp, pp, ep: degrees. `*_rank` are this rank's coordinates.
+        groups: axis name -> ProcessGroup (None when running alone); also "dp_cp" (gradient
+            reduction), "mp" (tp×pp: model-parallel, for norms of sharded tensors), "world".
+    """
+
+    tp: int = 1
+    cp: int = 1
+    dp: int = 1
+    pp: int = 1
+    ep: int = 1
+    rank: int = 0
+    groups: dict[str, dist.ProcessGroup | None] = field(default_factory=dict)
+    ranks: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.dp * self.pp
+
+    def coords(self, rank: int | None = None) -> dict[str, int]:
+        """This (or another) rank's coordinate on each axis."""
+        r = self.rank if rank is None else rank
+        out = {}
+        for axis in AXES:
+            size = getattr(self, axis)
+            out[axis] = r % size
+            r //= size
+        return out
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coords()["tp"]
+
+    @property
+    def cp_rank(self) -> int:
+        return self.coords()["cp"]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords()["dp"]
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords()["pp"]
+
+    def group(self, name: str) -> dist.ProcessGroup | None:
+        return self.groups.get(name)
+
+    def size(self, name: str) -> int:
+        return len(self.ranks.get(name, [self.rank]))
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @staticmethod
+    def single() -> "Mesh":
+        """The trivial mesh of one process (no groups; collectives become no-ops)."""
+        return Mesh(ranks={name: [0] for name in (*AXES, "dp_cp", "mp", "world")})
+
+    @staticmethod
+    def build(tp: int = 1, dp: int | None = None, pp: int = 1, cp: int = 1, ep: int = 1) -> "Mesh":
+        """Create every group for the current process group (collective: all ranks call it).
+
+        Args:
+            tp, pp, cp, ep: degrees; dp defaults to world / (tp·pp·cp).
+        """
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        model = tp * pp * cp
+        if world % model:
+            raise ConfigError(f"world size {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}")
+        dp = dp if dp is not None else world // model
+        if tp * cp * dp * pp != world:
+            raise ConfigError(f"tp*cp*dp*pp = {tp}*{cp}*{dp}*{pp} != world size {world}")
+        if (dp * cp) % ep:
+            raise ConfigError(f"parallel.ep={ep} must divide dp*cp = {dp * cp}")
+        mesh = Mesh(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, rank=rank)
+        combos = {"tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",), "dp_cp": ("cp", "dp"),
+                  "mp": ("tp", "pp"), "world": AXES}
+        for name, axes in combos.items():
+            members = mesh._members(axes)
+            mesh.ranks[name] = next(m for m in members if rank in m)
+            for m in members:  # new_group is collective: every rank creates every group
+                g = dist.new_group(m) if world > 1 else None
+                if rank in m:
+                    mesh.groups[name] = g
+        return mesh
+
+    def _members(self, axes: tuple[str, ...]) -> list[list[int]]:
+        """All rank lists that vary along `axes` with the other coordinates fixed."""
+        sizes = {a: getattr(self, a) for a in AXES}
+        strides, s = {}, 1
+        for a in AXES:
+            strides[a] = s
+            s *= sizes[a]
+        fixed = [a for a in AXES if a not in axes]
+        groups = []
+
+        def rec(i: int, base: int) -> None:
+            if i == len(fixed):
+                members = [base]
+                for a in axes:
+                    members = [m + k * strides[a] for m in members for k in range(sizes[a])]
+                groups.append(sorted(members))
+                return
+            a = fixed[i]
+            for k in range(sizes[a]):
+                rec(i + 1, base + k * strides[a])
+
+        rec(0, 0)
+        return groups
+
+
+def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+                              context_parallel_size: int = 1, expert_model_parallel_size: int = 1) -> Mesh:
+    """Megatron-style entry point: init the process group from the environment, return the Mesh."""
+    init_process_group()
+    return Mesh.build(tp=tensor_model_parallel_size, pp=pipeline_model_parallel_size,
+                      cp=context_parallel_size, ep=expert_model_parallel_size)

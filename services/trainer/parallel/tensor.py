@@ -1,0 +1,235 @@
+"""Tensor (+ sequence) parallelism: parallel layers and `parallelize`, which shards a built GPT.
+
+`parallelize(model, mesh, sequence_parallel)` swaps the single-device layers for their
+tensor-parallel versions in place, slicing the full weights so the sharded model computes the
+same function: fused QKV becomes column-parallel by query groups, the attention output
+projection and fc2 row-parallel, fc1 column-parallel by halves (gate and up each split), the
+word embedding vocab-parallel, and the LM head a vocab-parallel cross-entropy that never
+gathers the full logits. Parameter names do not change; a parameter's `tp_split` attribute
+says how it is sharded (see `TPSplit`) so checkpoints can gather or slice it. With sequence
+parallelism, activations between blocks are (batch, seq/tp, hidden) and norm weights and
+row-parallel biases (marked `sequence_parallel`) need their gradients summed over tp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.common.errors import ConfigError
+from services.trainer.parallel import mappings as M
+from services.trainer.parallel.mesh import Mesh
+
+
+@dataclass(frozen=True)
+class TPSplit:
+    """How a parameter is split over tp ranks: along `dim`, contiguously or per half.
+
+    `halves`: the tensor is [A; B] along `dim` (SwiGLU's gate and up) and each rank holds
+    [A_r; B_r]. `vocab`: the dim is the (padded) vocabulary.
+    """
+
+    dim: int
+    halves: bool = False
+    vocab: bool = False
+
+    def shard(self, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+        """This rank's part of the full tensor."""
+        if self.halves:
+            return torch.cat([h.chunk(size, self.dim)[rank] for h in full.chunk(2, self.dim)], self.dim)
+        return full.chunk(size, self.dim)[rank]
+
+    def unshard(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The full tensor from every rank's part, in rank order."""
+        if self.halves:
+            halves = [p.chunk(2, self.dim) for p in parts]
+            return torch.cat([torch.cat([h[0] for h in halves], self.dim),
+                              torch.cat([h[1] for h in halves], self.dim)], self.dim)
+        return torch.cat(parts, self.dim)
+
+
+def _param(t: torch.Tensor, split: TPSplit | None = None, sequence_parallel: bool = False) -> nn.Parameter:
+    p = nn.Parameter(t.detach().clone().contiguous())
+    p.tp_split = split  # type: ignore[attr-defined]
+    p.sequence_parallel = sequence_parallel  # type: ignore[attr-defined]
+    return p
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W_r^T + b_r: output features split over tp; input replicated (or seq-gathered)."""
+
+    def __init__(self, full: nn.Linear, mesh: Mesh, sequence_parallel: bool, halves: bool = False):
+        super().__init__()
+        self.group, self.sp = mesh.group("tp"), sequence_parallel
+        split = TPSplit(0, halves=halves)
+        self.weight = _param(split.shard(full.weight, mesh.tp_rank, mesh.tp), split)
+        self.bias = _param(split.shard(full.bias, mesh.tp_rank, mesh.tp), split) if full.bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (b, s/tp or s, in) -> (b, s, out/tp)."""
+        x = M.gather_from_sequence(x, self.group) if self.sp else M.copy_to_region(x, self.group)
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum_r x_r W_r^T + b: input features split over tp; output reduced (or reduce-scattered)."""
+
+    def __init__(self, full: nn.Linear, mesh: Mesh, sequence_parallel: bool):
+        super().__init__()
+        self.group, self.sp = mesh.group("tp"), sequence_parallel
+        split = TPSplit(1)
+        self.weight = _param(split.shard(full.weight, mesh.tp_rank, mesh.tp), split)
+        # The bias is added after the reduction, once: replicated (per seq shard under SP).
+        self.bias = _param(full.bias, None, sequence_parallel) if full.bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (b, s, in/tp) -> (b, s/tp or s, out)."""
+        y = F.linear(x, self.weight)
+        y = M.reduce_scatter_to_sequence(y, self.group) if self.sp else M.reduce_from_region(y, self.group)
+        return y + self.bias if self.bias is not None else y
+
+
+def _padded_rows(weight: torch.Tensor, tp: int, multiple: int) -> torch.Tensor:
+    """Pad vocabulary rows with zeros so they split evenly (and stay aligned) over tp."""
+    step = multiple * tp
+    rows = -(-weight.shape[0] // step) * step
+    if rows == weight.shape[0]:
+        return weight
+    return torch.cat([weight, weight.new_zeros(rows - weight.shape[0], weight.shape[1])])
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding with the vocabulary split over tp; each rank looks up its rows, then all-reduce."""
+
+    def __init__(self, full: nn.Embedding, mesh: Mesh, multiple: int):
+        super().__init__()
+        self.group = mesh.group("tp")
+        split = TPSplit(0, vocab=True)
+        self.weight = _param(split.shard(_padded_rows(full.weight, mesh.tp, multiple), mesh.tp_rank, mesh.tp), split)
+        self.start = mesh.tp_rank * self.weight.shape[0]
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (b, s) -> (b, s, hidden), full on every rank."""
+        local = tokens - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        emb = F.embedding(local.masked_fill(outside, 0), self.weight)
+        emb = emb.masked_fill(outside.unsqueeze(-1), 0.0)
+        return M.reduce_from_region(emb, self.group)
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """Per-token cross-entropy over vocab-sharded logits: max, target logit and sum-exp all-reduced."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, start, vocab_size, group):
+        # logits: (n, V/tp) fp32, this rank's columns [start, start + V/tp)
+        n, width = logits.shape
+        cols = torch.arange(start, start + width, device=logits.device)
+        logits = logits.masked_fill(cols >= vocab_size, float("-inf"))  # padding never counts
+        vmax = logits.max(dim=-1).values
+        M.all_reduce_max(vmax, group)
+        shifted = logits - vmax.unsqueeze(-1)
+        local = labels - start
+        mine = (local >= 0) & (local < width)
+        picked = shifted.gather(1, local.clamp(0, width - 1).unsqueeze(1)).squeeze(1)
+        target = torch.where(mine, picked, torch.zeros_like(picked))  # where, not *: picked may be -inf
+        exp = shifted.exp()
+        sum_exp = exp.sum(-1)
+        both = torch.stack([target, sum_exp])
+        both = M.all_reduce(both, group)
+        target, sum_exp = both[0], both[1]
+        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), local.clamp(0, width - 1), mine)
+        return sum_exp.log() - target
+
+    @staticmethod
+    def backward(ctx, g):
+        softmax, local, mine = ctx.saved_tensors
+        grad = softmax.clone()
+        grad.scatter_add_(1, local.unsqueeze(1), -mine.to(grad.dtype).unsqueeze(1))
+        return grad * g.unsqueeze(-1), None, None, None, None
+
+
+class VocabParallelHead(nn.Module):
+    """LM head over a vocab-sharded weight: loss without gathering logits; logits gathered on demand."""
+
+    def __init__(self, vocab_size: int, mesh: Mesh, sequence_parallel: bool):
+        super().__init__()
+        self.vocab_size, self.group, self.sp = vocab_size, mesh.group("tp"), sequence_parallel
+        self.rank = mesh.tp_rank
+
+    def _local_logits(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        h = M.gather_from_sequence(h, self.group) if self.sp else M.copy_to_region(h, self.group)
+        return (h @ weight.t()).float()  # (b, s, V/tp)
+
+    def loss(self, h, weight, labels, loss_mask):
+        logits = self._local_logits(h, weight)
+        start = self.rank * weight.shape[0]
+        losses = _VocabParallelCE.apply(logits.flatten(0, 1), labels.flatten(), start, self.vocab_size, self.group)
+        if loss_mask is None:
+            return losses.mean()
+        mask = loss_mask.flatten().to(losses.dtype)
+        return (losses * mask).sum() / mask.sum().clamp(min=1.0)
+
+    def logits(self, h, weight):
+        full = M.gather_from_region(self._local_logits(h, weight), self.group)
+        return full[..., : self.vocab_size]
+
+
+def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False) -> nn.Module:
+    """Shard `model` (a GPT built with full weights) over mesh.tp, in place; returns it.
+
+    Raises:
+        ConfigError: head or group counts that tp does not divide, or sequence parallelism
+            with a sequence length tp does not divide.
+    """
+    tp = mesh.tp
+    cfg = model.config
+    if tp == 1:
+        if sequence_parallel:
+            raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1")
+        return model
+    if cfg.num_attention_heads % tp or cfg.groups % tp:
+        raise ConfigError(
+            f"parallel.tp={tp} must divide model.num_attention_heads={cfg.num_attention_heads} and the "
+            f"number of query groups ({cfg.groups}); replicating KV heads across tp ranks is not supported"
+        )
+    if cfg.ffn_size % tp:
+        raise ConfigError(f"parallel.tp={tp} must divide the MLP width {cfg.ffn_size}")
+    if sequence_parallel and cfg.seq_length % tp:
+        raise ConfigError(f"sequence parallelism: parallel.tp={tp} must divide model.seq_length={cfg.seq_length}")
+    if cfg.attention_dropout > 0 or (sequence_parallel and cfg.hidden_dropout > 0):
+        raise ConfigError(
+            "dropout inside tensor-parallel regions needs a per-rank RNG tracker, which is not built: "
+            "set model.attention_dropout=0 (and model.hidden_dropout=0 with sequence parallelism)"
+        )
+    with torch.no_grad():
+        emb = model.embedding
+        emb.word_embeddings = VocabParallelEmbedding(emb.word_embeddings, mesh, cfg.make_vocab_size_divisible_by)
+        if model.output_layer is not None:
+            out = model.output_layer
+            split = TPSplit(0, vocab=True)
+            out.weight = _param(split.shard(_padded_rows(out.weight, tp, cfg.make_vocab_size_divisible_by),
+                                            mesh.tp_rank, tp), split)
+        model.head = VocabParallelHead(cfg.vocab_size, mesh, sequence_parallel)
+        for layer in model.layers:
+            att = layer.attention
+            att.qkv = ColumnParallelLinear(att.qkv, mesh, sequence_parallel)
+            att.proj = RowParallelLinear(att.proj, mesh, sequence_parallel)
+            att.heads, att.groups = att.heads // tp, att.groups // tp
+            layer.mlp.fc1 = ColumnParallelLinear(layer.mlp.fc1, mesh, sequence_parallel, halves=layer.mlp.swiglu)
+            layer.mlp.fc2 = RowParallelLinear(layer.mlp.fc2, mesh, sequence_parallel)
+        if sequence_parallel:
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.sequence_parallel = True  # type: ignore[attr-defined]
+            group = mesh.group("tp")
+            model.embedding.register_forward_hook(lambda _m, _i, out: M.scatter_to_sequence(out, group))
+    return model
+
+
+def tp_split_of(param: torch.Tensor) -> TPSplit | None:
+    """The TPSplit a parameter carries (None: replicated over tp)."""
+    return getattr(param, "tp_split", None)

@@ -1,0 +1,73 @@
+"""run_ranks: spawn a multi-process gloo job inside a test and re-raise the failing rank's error.
+
+Better than running pytest under torchrun, where one failing rank hangs the rest: every rank
+runs `fn(rank, world_size, *args)` in its own process; the parent waits with a timeout, kills
+stragglers, and raises the first rank error with its traceback, or returns rank results.
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_mod
+import shutil
+import socket
+import tempfile
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank, world, port, args, queue, store_path):
+    # The environment is what torchrun would set (code under test reads it); the rendezvous
+    # itself goes through a file, so no TCP port can be taken by another test meanwhile.
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+        result = fn(rank, world, *args)
+        queue.put((rank, "ok", result))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:  # report everything, including assertion errors, to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 240.0) -> list:
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; returns results by rank."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    store_dir = tempfile.mkdtemp(prefix="run_ranks-")
+    store_path = os.path.join(store_dir, "store")
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, args, queue, store_path), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    try:
+        for _ in range(world_size):
+            try:
+                rank, status, payload = queue.get(timeout=timeout)
+            except queue_mod.Empty:
+                missing = sorted(set(range(world_size)) - set(results))
+                raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f} s") from None
+            if status == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{payload}")
+            results[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        shutil.rmtree(store_dir, ignore_errors=True)
+    return [results[r] for r in range(world_size)]
