@@ -1,6 +1,11 @@
 """End-to-end training throughput: meshtrain's trainer vs a plain compiled PyTorch GPT.
 
     python benchmarks/train_throughput.py --config deploy/configs/gpt2-125m.toml --steps 300 --out result.json
+    torchrun --nproc-per-node 2 benchmarks/train_throughput.py --config deploy/configs/llama-1b.toml \
+        --skip-baseline --use-distributed-optimizer --overlap-grad-reduce --out dp2.json
+
+Under torchrun the meshtrain side runs on every rank (tp/dp from the usual flags) and rank 0
+reports; tokens/s counts the whole global batch, MFU is per GPU.
 
 Both sides train the same architecture with the same micro/global batch and sequence length,
 in bf16 autocast with fused AdamW and torch.compile, in the same process one after the other.
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -53,7 +59,7 @@ def run_meshtrain(args, overrides) -> dict:
     losses = []
 
     def step(i):
-        loss, _ = trainer.train_step(i)
+        loss, _ = trainer.train_step(i)  # noqa: F821 (closure over trainer)
         losses.append(loss)
 
     if torch.cuda.is_available():
@@ -105,27 +111,38 @@ def main() -> None:
     p.add_argument("--run-dir", default="runs/bench")
     p.add_argument("--out", default="train_throughput.json")
     p.add_argument("--skip-baseline", action="store_true")
+    p.add_argument("--single-gpu-json", help="a 1-GPU result of this script, for speedup / scaling efficiency")
     args, overrides = p.parse_known_args()
     setup_logging("WARNING")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     mesh, job = run_meshtrain(args, overrides)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     peak = peak_tflops(device, job.train.peak_tflops)
     tokens = job.train.global_batch_size * job.model.seq_length
-    rows = {"meshtrain": mesh}
-    if not args.skip_baseline:
+    rows = {f"meshtrain x{world}" if world > 1 else "meshtrain": mesh}
+    if not args.skip_baseline and world == 1:
         rows["baseline (plain torch)"] = run_baseline(args, job)
     for r in rows.values():
         r["tokens_per_s"] = tokens / r["step_time_s"]
-        r["mfu"] = mesh["flops_per_token"] * r["tokens_per_s"] / (peak * 1e12) if peak else None
+        r["mfu"] = mesh["flops_per_token"] * r["tokens_per_s"] / (peak * 1e12 * world) if peak else None
     result = {
         "config": args.config, "overrides": overrides, "steps": args.steps, "warmup": args.warmup,
         "seq_length": job.model.seq_length, "micro_batch_size": job.train.micro_batch_size,
         "global_batch_size": job.train.global_batch_size, "bf16": job.train.bf16, "compile": job.train.compile,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+        "world_size": world, "parallel": {k: getattr(job.parallel, k) for k in (
+            "tp", "sequence_parallel", "use_distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather",
+            "recompute_granularity")},
         "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "results": rows,
     }
     if "baseline (plain torch)" in rows:
         result["ratio_tokens_per_s"] = rows["meshtrain"]["tokens_per_s"] / rows["baseline (plain torch)"]["tokens_per_s"]
+    if args.single_gpu_json:  # scaling efficiency against a 1-GPU run recorded earlier in the same job
+        single = json.loads(Path(args.single_gpu_json).read_text())["results"]["meshtrain"]["tokens_per_s"]
+        result["speedup_vs_1gpu"] = rows[next(iter(rows))]["tokens_per_s"] / single
+        result["scaling_efficiency"] = result["speedup_vs_1gpu"] / world
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"\n{args.config}  seq {job.model.seq_length}  mbs {job.train.micro_batch_size}  "
           f"gbs {job.train.global_batch_size}  {result['device']}")
@@ -136,6 +153,8 @@ def main() -> None:
         print(f"{name:<24}{r['tokens_per_s']:>12,.0f}{mfu:>8}{r['step_time_s']:>9.3f}{mem:>9}")
     if "ratio_tokens_per_s" in result:
         print(f"ratio meshtrain / baseline: {result['ratio_tokens_per_s']:.3f}")
+    if "speedup_vs_1gpu" in result:
+        print(f"speedup vs 1 GPU: {result['speedup_vs_1gpu']:.3f}x (scaling efficiency {result['scaling_efficiency']:.3f})")
     print(f"wrote {args.out}")
 
 

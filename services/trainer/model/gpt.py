@@ -57,7 +57,8 @@ class LMHead(nn.Module):
 
     def logits(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """(batch, seq, vocab) fp32 logits, padding rows cut off."""
-        return (h @ weight[: self.vocab_size].t()).float()
+        logits = h @ weight[: self.vocab_size].t()
+        return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
 class TransformerBlock(nn.Module):

@@ -162,7 +162,8 @@ class VocabParallelHead(nn.Module):
 
     def _local_logits(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         h = M.gather_from_sequence(h, self.group) if self.sp else M.copy_to_region(h, self.group)
-        return (h @ weight.t()).float()  # (b, s, V/tp)
+        logits = h @ weight.t()  # (b, s, V/tp)
+        return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
     def loss(self, h, weight, labels, loss_mask):
         logits = self._local_logits(h, weight)

@@ -1,0 +1,55 @@
+"""The training loop on CUDA: bf16 autocast trains, and NCCL tp=2 / dp=2 match one GPU.
+
+Skipped without CUDA (and the multi-GPU case without two GPUs). Run on the H200 machines
+with `make test-gpu` (or `pytest -m gpu`).
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.trainer.config import load_config
+from services.trainer.train import train
+from tests.services.trainer.conftest import small_job_args
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_bf16_training_on_cuda(corpus_cache, tmp_path):
+    args = small_job_args(corpus_cache, tmp_path / "run", **{"train.device": "cuda", "train.bf16": True,
+                                                              "train.peak_tflops": 989.0})
+    result = train(load_config(args))
+    losses = [result.losses[s] for s in sorted(result.losses)]
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert sum(losses[-5:]) / 5 < losses[0] - 1.5
+    record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert 0 < record["mfu"] < 1
+
+
+def _losses(run: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r}
+
+
+@pytest.mark.dist
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                                    ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]],
+                         ids=["tp2-sp", "dp2-zero1-overlap"])
+def test_nccl_two_gpus_match_one_gpu(layout, corpus_cache, tmp_path):
+    """fp32 on CUDA: NCCL reduction order differs from one GPU's, so 1e-4 relative."""
+    common = small_job_args(corpus_cache, tmp_path / "x", **{"train.device": "cuda", "train.eval_interval": 0,
+                                                              "train.train_iters": 10})
+    common = [a for a in common if not a.startswith("--log.run_dir")]
+    one = train(load_config(common + [f"--log.run_dir={tmp_path / 'one'}"]))
+    out = subprocess.run([sys.executable, "-m", "services.cli", "train", "--nproc-per-node", "2", *common, *layout,
+                          f"--log.run_dir={tmp_path / 'two'}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    two = _losses(tmp_path / "two")
+    for step, loss in one.losses.items():
+        assert two[step] == pytest.approx(loss, rel=1e-4), step
