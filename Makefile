@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 PYTEST := $(BIN)/python -m pytest
 
-.PHONY: install run test test-fast test-slow test-gpu clean
+.PHONY: install run test test-fast test-slow test-gpu protos clean
 
 # The CPU build of torch is installed first and pinned, so resolving the project's
 # `torch>=` floor never pulls a multi-GB CUDA wheel.
@@ -36,6 +36,12 @@ test-slow: $(STAMP)
 
 test-gpu: $(STAMP)
 	$(PYTEST) -m "gpu" -q
+
+# Regenerate the gRPC stubs (committed; grpcio-tools pinned to the oldest grpcio we support).
+protos: $(STAMP)
+	$(BIN)/python -m pip install -q "grpcio-tools==1.84.0"
+	for f in protos/*/v1/*.proto; do \
+	  $(BIN)/python -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. $$f; done
 
 clean:
 	rm -rf $(VENV) .cache runs .pytest_cache

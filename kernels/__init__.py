@@ -1,16 +1,20 @@
 """Fused ops and their dispatch.
 
-The model calls ops through this module, never through a specific implementation. Today
-every op resolves to `kernels.reference` (plain torch: the spec and the CPU path); Triton
-kernels land as `kernels/<op>.py` and register in `_FAST`, after which CUDA tensors take them.
-`MESHTRAIN_KERNELS=reference` forces the reference everywhere; `=triton` makes a missing
-Triton kernel an error instead of a silent fallback.
+The model calls ops through this module, never through a specific implementation. CUDA
+tensors take the Triton kernel of `kernels/<op>.py` (registered in `_FAST` the first time an
+op runs on CUDA, so importing this package never needs Triton); everything else takes
+`kernels.reference` (plain torch: the spec and the CPU path). `MESHTRAIN_KERNELS=reference`
+forces the reference everywhere; `=triton` makes a missing Triton kernel an error instead of
+a silent fallback.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
-from typing import Callable
+import sys
+import types
+from collections.abc import Callable
 
 import torch
 
@@ -18,14 +22,59 @@ from kernels import reference
 
 OPS = ("rms_norm", "layer_norm", "gelu", "swiglu", "rope", "cross_entropy", "linear_cross_entropy")
 
-# op name -> Triton implementation, filled in as kernels are written.
+# op -> module holding its Triton implementation (a function of the same name).
+_TRITON_MODULES = {
+    "rms_norm": "kernels.rms_norm",
+    "layer_norm": "kernels.layer_norm",
+    "gelu": "kernels.gelu",
+    "swiglu": "kernels.swiglu",
+    "rope": "kernels.rope",
+    "cross_entropy": "kernels.cross_entropy",
+    "linear_cross_entropy": "kernels.cross_entropy",
+}
+
+# op name -> Triton implementation, filled lazily by `_load_fast`.
 _FAST: dict[str, Callable] = {}
+_fast_loaded = False
+
+
+def triton_available() -> bool:
+    """Whether Triton can be imported here (it is an optional, GPU-side dependency)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _load_fast() -> None:
+    """Register every Triton kernel in `_FAST`; a no-op (empty registry) without Triton."""
+    global _fast_loaded
+    if _fast_loaded:
+        return
+    _fast_loaded = True
+    if not triton_available():
+        return
+    for op, module in _TRITON_MODULES.items():
+        _FAST[op] = getattr(importlib.import_module(module), op)
+
+
+_MODES = ("auto", "reference", "triton")
+_configured = "auto"  # set by the trainer from train.kernels; MESHTRAIN_KERNELS overrides it
+
+
+def set_mode(value: str) -> None:
+    """Set the process's dispatch mode ('auto', 'reference' or 'triton'), e.g. from a config."""
+    global _configured
+    if value not in _MODES:
+        raise ValueError(f"kernel mode {value!r}; allowed: {', '.join(_MODES)}")
+    _configured = value
 
 
 def mode() -> str:
-    """The dispatch mode from MESHTRAIN_KERNELS: 'auto' (default), 'reference' or 'triton'."""
-    value = os.environ.get("MESHTRAIN_KERNELS", "auto")
-    if value not in ("auto", "reference", "triton"):
+    """The dispatch mode: $MESHTRAIN_KERNELS if set, else what `set_mode` chose ('auto' by default)."""
+    value = os.environ.get("MESHTRAIN_KERNELS", _configured)
+    if value not in _MODES:
         raise ValueError(f"MESHTRAIN_KERNELS={value!r}; allowed: auto, reference, triton")
     return value
 
@@ -35,8 +84,10 @@ def resolve(op: str, on_cuda: bool) -> Callable:
     m = mode()
     if m == "reference" or (m == "auto" and not on_cuda):
         return getattr(reference, op)
-    if op in _FAST and on_cuda:
-        return _FAST[op]
+    if on_cuda:
+        _load_fast()
+        if op in _FAST:
+            return _FAST[op]
     if m == "triton":
         raise RuntimeError(f"MESHTRAIN_KERNELS=triton but op {op!r} has no Triton kernel for this device")
     return getattr(reference, op)
@@ -61,3 +112,21 @@ rope = _dispatching("rope")
 cross_entropy = _dispatching("cross_entropy")
 linear_cross_entropy = _dispatching("linear_cross_entropy")
 rope_cos_sin = reference.rope_cos_sin
+
+
+class _Package(types.ModuleType):
+    """Keeps `kernels.<op>` the dispatching function once `kernels/<op>.py` is imported.
+
+    Each op and the file holding its kernel share a name, and Python's import system sets a
+    package attribute to a submodule when the submodule loads; without this guard the first
+    Triton import would replace `kernels.rms_norm` (what the model calls) by a module. Reach
+    the kernel modules with `from kernels.rms_norm import rms_norm`.
+    """
+
+    def __setattr__(self, name, value):
+        if name in OPS and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -1,5 +1,8 @@
-"""Protocol buffers of the services (package meshtrain.<service>.v1) and their generated stubs.
+"""Protocol buffers of the services and their generated stubs, importable as `protos`.
 
-The foundation runs everything in-process (the embedded default); the dataloader and
-checkpoint services add their `.proto` files and stubs here.
+    protos/dataloader/v1/dataloader.proto   package meshtrain.dataloader.v1  (DataService)
+    protos/checkpoint/v1/checkpoint.proto   package meshtrain.checkpoint.v1  (CheckpointService)
+
+The stubs are committed, generated with grpcio-tools 1.84 (`make protos`) so they run with
+grpcio >= 1.84 and protobuf >= 7.35. Only each service's `rpc/` imports them.
 """

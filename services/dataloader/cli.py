@@ -2,6 +2,7 @@
 
     meshtrain data preprocess --input 'docs/*.jsonl' --output-prefix data/docs --tokenizer byte --append-eod
     meshtrain data train-tokenizer --input 'docs/*.txt' --vocab-size 8192 --output tok.json
+    meshtrain data serve --port 7001        # a DataService worker (gRPC), until SIGTERM
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
 
     tokenizer = build_tokenizer(args.tokenizer)
     prefix = preprocess_files(expand_inputs(args.input), args.output_prefix, tokenizer,
-                              json_key=args.json_key, append_eod=args.append_eod)
+                              json_key=args.json_key, append_eod=args.append_eod,
+                              workers=args.workers, progress=not args.quiet)
     print(f"wrote {prefix}.bin and {prefix}.idx")
     return 0
 
@@ -47,15 +49,35 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Add `data` and its subcommands to the top-level parser."""
     d = sub.add_parser("data", help="build datasets and tokenizers")
     dsub = d.add_subparsers(dest="data_cmd", required=True)
-    pre = dsub.add_parser("preprocess", help="tokenize text/JSONL files into PREFIX.bin/.idx")
+    pre = dsub.add_parser("preprocess", help="tokenize text/JSONL/Parquet files into PREFIX.bin/.idx")
     pre.add_argument("--input", nargs="+", required=True, help="files or glob patterns")
     pre.add_argument("--output-prefix", required=True)
-    pre.add_argument("--tokenizer", required=True, help="'byte' or a tokenizer.json")
+    pre.add_argument("--tokenizer", required=True,
+                     help="'byte', a tokenizer.json, a .tiktoken file or a SentencePiece .model")
     pre.add_argument("--json-key", default="text")
     pre.add_argument("--append-eod", action="store_true", help="end each document with the EOD token")
+    pre.add_argument("--workers", type=int, default=1, help="tokenizing processes (same output for any N)")
+    pre.add_argument("--quiet", action="store_true", help="no progress bar")
     pre.set_defaults(func=cmd_preprocess)
     tt = dsub.add_parser("train-tokenizer", help="train a byte-level BPE on local text")
     tt.add_argument("--input", nargs="+", required=True)
     tt.add_argument("--vocab-size", type=int, required=True)
     tt.add_argument("--output", required=True, help="path of the tokenizer.json to write")
     tt.set_defaults(func=cmd_train_tokenizer)
+    sv = dsub.add_parser("serve", help="run a DataService worker (gRPC) until SIGTERM")
+    add_serve_arguments(sv)
+    sv.set_defaults(func=cmd_serve)
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """The `serve` flags (kept here so building the CLI never imports grpc)."""
+    p.add_argument("--port", type=int, default=0, help="TCP port (0: pick a free one and print it)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 for all)")
+    p.add_argument("--max-streams", type=int, default=32, help="concurrent streams served")
+    p.add_argument("--grace", type=float, default=5.0, help="seconds streams get on SIGTERM")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from services.dataloader.rpc.server import run
+
+    return run(args)

@@ -1,13 +1,14 @@
 """The dataloader's config section (`[data]`): where training tokens come from.
 
-The trainer's job config embeds it; the data service will take the same section.
+The trainer's job config embeds it. With `service_addresses` set the trainer streams the same
+batches from DataService workers (`meshtrain data serve`) instead of reading the files itself.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.common.errors import ConfigError, NotBuiltError
+from services.common.errors import ConfigError, DataError
 
 
 @dataclass
@@ -15,7 +16,9 @@ class DataConfig:
     """Where training tokens come from."""
 
     data_path: list[str] = field(default_factory=list)
-    """Indexed dataset prefix (PREFIX.bin/.idx); empty: the embedded default corpus."""
+    """Indexed dataset prefixes (PREFIX.bin/.idx), Megatron style: `[PREFIX, ...]` (equal
+    weights) or `[W1, PREFIX1, W2, PREFIX2, ...]` to blend by weight; empty: the embedded
+    default corpus."""
     tokenizer: str = "bpe"
     """'bpe' (trained on the default corpus), 'byte', or a path to a tokenizer.json."""
     default_vocab_size: int = 4096
@@ -26,13 +29,24 @@ class DataConfig:
     """Train/valid/test weights over documents, Megatron style."""
     cache_dir: str = ".cache/meshtrain"
     """Where the default corpus, its tokenizer and its dataset are built and cached."""
+    service_addresses: list[str] = field(default_factory=list)
+    """Data service workers (`host:port`, or one `dns:///name:port` resolving to several);
+    empty: read in-process. Workers must see the dataset files at the same paths."""
+    prefetch: int = 8
+    """Micro-batches the service client fetches ahead on its background thread."""
+    eod_mask_loss: bool = False
+    """Zero the loss where the input token is end-of-document (Megatron `--eod-mask-loss`)."""
 
     def __post_init__(self) -> None:
-        if len(self.data_path) > 1:
-            raise NotBuiltError(
-                f"data.data_path lists {len(self.data_path)} entries; blending several "
-                "datasets by weight is not built yet: give one PREFIX"
-            )
+        if self.data_path:
+            from services.dataloader.spec import parse_data_path
+
+            try:
+                parse_data_path(self.data_path)
+            except DataError as e:
+                raise ConfigError(f"data.data_path: {e}") from None
+        if self.prefetch < 1:
+            raise ConfigError(f"data.prefetch={self.prefetch} must be >= 1")
         if self.data_path and self.tokenizer == "bpe":
             raise ConfigError(
                 "data.tokenizer='bpe' means the BPE trained for the embedded corpus; with "

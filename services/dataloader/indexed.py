@@ -14,11 +14,15 @@ Megatron's `preprocess_data.py` reads here and one written here trains in Megatr
 
 `.bin` is the token arrays back to back. `IndexedDatasetWriter` streams `.bin` to disk and
 writes both files under temporary names, renaming them into place only when complete.
-`IndexedDataset` memory-maps both files and validates the header and sizes on open.
+`IndexedDataset` memory-maps both files and validates the header and sizes on open. A prefix
+that is a URL (`s3://bucket/ds`, `memory://...`, any fsspec protocol but `file://`) is read
+through fsspec instead: the `.idx` is fetched whole (it is small), and tokens are fetched by
+byte range per read, so the `.bin` is never downloaded as a whole.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 from array import array
@@ -61,6 +65,38 @@ def best_dtype(vocab_size: int) -> np.dtype:
 def _paths(prefix: str | os.PathLike) -> tuple[Path, Path]:
     prefix = str(prefix)
     return Path(prefix + ".bin"), Path(prefix + ".idx")
+
+
+def is_remote(prefix: str | os.PathLike) -> bool:
+    """True for fsspec URLs other than local files (`s3://...`, `memory://...`)."""
+    s = str(prefix)
+    return "://" in s and not s.startswith("file://")
+
+
+class _RangeReader:
+    """The token stream of a remote `.bin`, read by byte range on each slice.
+
+    Slicing returns a fresh array, like slicing the local memory map. `cat_file` holds no
+    file position, so one reader is safe to share between the data service's threads.
+    """
+
+    def __init__(self, fs, path: str, dtype: np.dtype, num_tokens: int):
+        self._fs, self._path, self._dtype = fs, path, dtype
+        self.size = num_tokens
+        self.dtype = dtype
+
+    def __getitem__(self, window: slice) -> np.ndarray:
+        start, stop, _ = window.indices(self.size)
+        if stop <= start:
+            return np.zeros(0, dtype=self._dtype)
+        item = self._dtype.itemsize
+        try:
+            data = self._fs.cat_file(self._path, start=start * item, end=stop * item)
+        except OSError as e:
+            raise DataError(f"{self._path}: range read of tokens [{start}, {stop}) failed ({e})") from e
+        if len(data) != (stop - start) * item:
+            raise DataError(f"{self._path}: range read returned {len(data)} of {(stop - start) * item} bytes")
+        return np.frombuffer(data, dtype=self._dtype)
 
 
 def _dtype_code(dtype) -> int:
@@ -191,18 +227,38 @@ class IndexedDataset:
         prefix: path without extension.
         """
         self.prefix = str(prefix)
-        self.bin_path, self.idx_path = _paths(self.prefix)
-        for p in (self.idx_path, self.bin_path):
-            if not p.is_file():
-                raise DataError(f"{p}: indexed dataset file is missing")
+        self._fingerprint: str | None = None
+        self._fs = None
+        if is_remote(self.prefix):
+            import fsspec
+
+            try:
+                self._fs, root = fsspec.core.url_to_fs(self.prefix)
+            except (ImportError, ValueError) as e:
+                raise DataError(f"{self.prefix}: cannot open this URL with fsspec ({e})") from e
+            # the URLs as given name the files in messages; fsspec's own paths drop the protocol
+            self.bin_path, self.idx_path = self.prefix + ".bin", self.prefix + ".idx"
+            self._remote = (root + ".bin", root + ".idx")
+            for url, p in zip((self.idx_path, self.bin_path), (self._remote[1], self._remote[0])):
+                if not self._fs.isfile(p):
+                    raise DataError(f"{url}: indexed dataset file is missing")
+        else:
+            self.bin_path, self.idx_path = _paths(self.prefix)
+            for p in (self.idx_path, self.bin_path):
+                if not p.is_file():
+                    raise DataError(f"{p}: indexed dataset file is missing")
         self._read_index()
         self._open_bin()
 
     def _read_index(self) -> None:
         path = self.idx_path
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            header = f.read(HEADER_SIZE)
+        if self._fs is not None:
+            blob = self._fs.cat_file(self._remote[1])  # small: 20 bytes per sequence
+            size, header = len(blob), blob[:HEADER_SIZE]
+        else:
+            size = path.stat().st_size
+            with open(path, "rb") as f:
+                header = f.read(HEADER_SIZE)
         if len(header) < len(MAGIC) or header[: len(MAGIC)] != MAGIC:
             raise DataError(
                 f"{path}: bad magic {header[:len(MAGIC)]!r}, expected {MAGIC!r} (not an MMIDIDX index)"
@@ -223,8 +279,8 @@ class IndexedDataset:
                 f"{path}: index is {size} bytes but its header ({n} sequences, {d} document "
                 f"entries) says {expected}; the file is truncated or has trailing data"
             )
-        # one map for the whole index; the three arrays are views into it
-        buf = np.memmap(path, dtype=np.uint8, mode="r")
+        # one map (or buffer) for the whole index; the three arrays are views into it
+        buf = np.frombuffer(blob, np.uint8) if self._fs is not None else np.memmap(path, dtype=np.uint8, mode="r")
         off = HEADER_SIZE
         self._lengths = np.frombuffer(buf, dtype="<i4", count=n, offset=off)  # (N,)
         off += 4 * n
@@ -258,14 +314,16 @@ class IndexedDataset:
         n = len(self._lengths)
         itemsize = self._dtype.itemsize
         expected = int(self._pointers[-1]) + int(self._lengths[-1]) * itemsize if n else 0
-        size = self.bin_path.stat().st_size
+        size = self._fs.size(self._remote[0]) if self._fs is not None else self.bin_path.stat().st_size
         if size != expected:
             raise DataError(
-                f"{self.bin_path}: data file is {size} bytes but {self.idx_path.name} says "
+                f"{self.bin_path}: data file is {size} bytes but {Path(str(self.idx_path)).name} says "
                 f"{expected} (last pointer + last length x {itemsize})"
             )
         # (num_tokens,) flat token stream; np.memmap refuses empty files
-        if size:
+        if self._fs is not None:
+            self._tokens = _RangeReader(self._fs, self._remote[0], self._dtype, size // itemsize)
+        elif size:
             self._tokens = np.memmap(self.bin_path, dtype=self._dtype, mode="r").view(np.ndarray)
         else:
             self._tokens = np.zeros(0, dtype=self._dtype)
@@ -341,6 +399,20 @@ class IndexedDataset:
     @property
     def dtype(self) -> np.dtype:
         return self._dtype
+
+    @property
+    def fingerprint(self) -> str:
+        """SHA-256 of the dtype and index arrays: identifies the content for index caches.
+
+        The token values do not enter sample indices, only the sequence and document layout,
+        so hashing `.idx` content (not the larger `.bin`) is enough and fast.
+        """
+        if self._fingerprint is None:
+            h = hashlib.sha256(self._dtype.str.encode())
+            for a in (self._lengths, self._doc_index):
+                h.update(memoryview(np.ascontiguousarray(a)).cast("B"))
+            self._fingerprint = h.hexdigest()
+        return self._fingerprint
 
     @property
     def num_tokens(self) -> int:

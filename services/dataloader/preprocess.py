@@ -1,8 +1,11 @@
 """Turn raw text into an indexed dataset, and build the cached default dataset.
 
-`preprocess_files` streams `.jsonl`/`.json` files (one JSON document per line) or plain text
-files (one document per file) through a tokenizer into `PREFIX.bin/.idx`, in batches, with
-memory bounded by the batch size. `prepare_default_dataset` builds a small dataset every
+`preprocess_files` streams `.jsonl`/`.json` files (one JSON document per line), Parquet files
+(one row per document) or plain text files (one document per file) through a tokenizer into
+`PREFIX.bin/.idx`. Documents are cut into batches in input order by the main process and
+tokenized by `workers` processes, with at most two batches per worker in flight; results are
+written in batch order, so memory is bounded and the output is the same for any number of
+workers. `prepare_default_dataset` builds a small dataset every
 machine can make offline — the Python standard library's own sources — training a BPE on it
 first, and caches the result under a key of everything that determines it:
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
 import os
 import shutil
 import sys
@@ -21,11 +25,12 @@ import sysconfig
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Iterator
 
 from services.common.errors import DataError
 from services.dataloader.indexed import IndexedDatasetWriter, best_dtype
-from services.dataloader.tokenizers import ByteTokenizer, Tokenizer, train_bpe
+from services.dataloader.tokenizers import ByteTokenizer, Tokenizer, build_tokenizer, train_bpe
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
 # Documents per encode_batch call, and the text bytes at which a batch is flushed early:
@@ -92,8 +97,59 @@ def _iter_documents(path: Path, json_key: str) -> Iterator[str]:
                 if not isinstance(text, str):
                     raise DataError(f"{path}:{lineno}: {json_key!r} is {type(text).__name__}, not a string")
                 yield text
+    elif path.suffix == ".parquet":
+        yield from _iter_parquet(path, json_key)
     else:
         yield path.read_text(encoding="utf-8", errors="replace")
+
+
+def _iter_parquet(path: Path, column: str) -> Iterator[str]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{path}: not a readable Parquet file ({e})") from e
+    if column not in pf.schema_arrow.names:
+        raise DataError(f"{path}: Parquet file has no column {column!r} (columns: {pf.schema_arrow.names})")
+    if not pa.types.is_string(pf.schema_arrow.field(column).type) and not pa.types.is_large_string(
+        pf.schema_arrow.field(column).type
+    ):
+        raise DataError(f"{path}: Parquet column {column!r} is {pf.schema_arrow.field(column).type}, not string")
+    # row groups are read a few thousand rows at a time, so memory stays bounded
+    for batch in pf.iter_batches(batch_size=1024, columns=[column]):
+        for text in batch.column(0).to_pylist():
+            if text is not None:
+                yield text
+
+
+def _iter_batches(inputs: list[str | os.PathLike], json_key: str) -> Iterator[list[str]]:
+    """Documents grouped into batches; the grouping depends only on the input, never on workers."""
+    batch: list[str] = []
+    chars = 0
+    for path in inputs:
+        for text in _iter_documents(Path(path), json_key):
+            batch.append(text)
+            chars += len(text)
+            if len(batch) >= _BATCH_DOCS or chars >= _BATCH_CHARS:
+                yield batch
+                batch, chars = [], 0
+    if batch:
+        yield batch
+
+
+_worker_tokenizer: Tokenizer | None = None
+
+
+def _init_worker(spec: str) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = build_tokenizer(spec)
+
+
+def _encode_in_worker(texts: list[str]) -> list[list[int]]:
+    assert _worker_tokenizer is not None, "worker initializer did not run"
+    return _worker_tokenizer.encode_batch(texts)
 
 
 def preprocess_files(
@@ -102,42 +158,58 @@ def preprocess_files(
     tokenizer: Tokenizer,
     json_key: str = "text",
     append_eod: bool = True,
+    workers: int = 1,
+    progress: bool = False,
 ) -> str:
     """Tokenize text files into `OUTPUT_PREFIX.bin/.idx`.
 
     Args:
-        inputs: `.jsonl`/`.json` files (one JSON object per line, text under `json_key`) or
-            any other file, read as UTF-8 text (errors replaced), one document per file.
+        inputs: `.jsonl`/`.json` files (one JSON object per line, text under `json_key`),
+            `.parquet` files (text in column `json_key`), or any other file, read as UTF-8
+            text (errors replaced), one document per file.
         output_prefix: dataset path without extension.
         tokenizer: tokenizer; its vocabulary picks the token dtype (`best_dtype`).
-        json_key: field holding the text in JSON lines.
+        json_key: field (or Parquet column) holding the text.
         append_eod: append `tokenizer.eod_id` after each document (Megatron's `--append-eod`).
+        workers: tokenizing processes; 1 tokenizes in this process. The output is identical
+            for any value.
+        progress: show a progress bar (documents) on stderr.
 
     Returns:
         The output prefix as a string. Documents that tokenize to nothing are skipped.
     """
+    if workers < 1:
+        raise DataError(f"workers={workers} must be >= 1")
     prefix = str(output_prefix)
-    with IndexedDatasetWriter(prefix, best_dtype(tokenizer.vocab_size)) as writer:
-        batch: list[str] = []
-        chars = 0
+    from tqdm import tqdm
 
-        def flush() -> None:
-            for ids in tokenizer.encode_batch(batch):
+    bar = tqdm(unit=" docs", disable=not progress, desc=Path(prefix).name)
+    with IndexedDatasetWriter(prefix, best_dtype(tokenizer.vocab_size)) as writer:
+
+        def write(encoded: list[list[int]]) -> None:
+            for ids in encoded:
                 if append_eod:
                     ids = list(ids) + [tokenizer.eod_id]
                 if ids:
                     writer.add_document(ids)
-            batch.clear()
+            bar.update(len(encoded))
 
-        for path in inputs:
-            for text in _iter_documents(Path(path), json_key):
-                batch.append(text)
-                chars += len(text)
-                if len(batch) >= _BATCH_DOCS or chars >= _BATCH_CHARS:
-                    flush()
-                    chars = 0
-        if batch:
-            flush()
+        if workers == 1:
+            for batch in _iter_batches(inputs, json_key):
+                write(tokenizer.encode_batch(batch))
+        else:
+            # spawn, not fork: the Rust tokenizers' thread pools do not survive a fork
+            ctx = multiprocessing.get_context("spawn")
+            with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
+                                     initargs=(tokenizer.spec,)) as pool:
+                pending: list[Future] = []
+                for batch in _iter_batches(inputs, json_key):
+                    pending.append(pool.submit(_encode_in_worker, batch))
+                    if len(pending) >= 2 * workers:
+                        write(pending.pop(0).result())
+                for fut in pending:
+                    write(fut.result())
+    bar.close()
     return prefix
 
 

@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import numpy as np
 
+import os
+
 from services.common.errors import DataError
+from services.dataloader.index_cache import array_digest, cached_arrays
 from services.dataloader.indexed import IndexedDataset
 
 _SPLIT_NAMES = ("train", "valid", "test")
@@ -69,6 +72,7 @@ class GPTDataset:
         num_samples: int,
         seed: int,
         name: str = "train",
+        cache_dir: str | os.PathLike | None = None,
     ):
         """Args:
         indexed: the token source.
@@ -77,6 +81,7 @@ class GPTDataset:
         num_samples: samples to provide (epochs are added until they fit).
         seed: seed of the document and sample shuffles.
         name: split name used in error messages.
+        cache_dir: folder where the indices are cached (see `index_cache`); None: no cache.
         """
         self.indexed = indexed
         self.name = name
@@ -105,32 +110,59 @@ class GPTDataset:
         tokens_per_epoch = int(self._doc_len[documents].sum())
         if tokens_per_epoch == 0:
             raise DataError(f"{where}: the split's {documents.size} documents hold no tokens")
+        if tokens_per_epoch < self.seq_length + 1:
+            # tiling one short split many times into each sample would train on repeats of it
+            raise DataError(
+                f"{where}: seq_length {self.seq_length} + 1 is longer than the split's "
+                f"{tokens_per_epoch} tokens"
+            )
         # the last sample needs its one extra (label) token
         needed = self.num_samples * self.seq_length + 1
         self.num_epochs = -(-needed // tokens_per_epoch)
 
+        desc = {
+            "kind": "gpt",
+            "data": indexed.fingerprint,
+            "documents": array_digest(documents),
+            "seq_length": self.seq_length,
+            "num_samples": self.num_samples,
+            "seed": self.seed,
+        }
+        arrays = cached_arrays(cache_dir, desc, lambda: self._build_indices(documents))
+        self.doc_idx = arrays["doc_idx"]
+        self.sample_idx = arrays["sample_idx"]
+        self.shuffle_idx = arrays["shuffle_idx"]
+
+    def _build_indices(self, documents: np.ndarray) -> dict[str, np.ndarray]:
+        """The three index arrays, vectorized; a pure function of the constructor's arguments."""
         rng = np.random.RandomState(self.seed)
         # one independent permutation per epoch: argsort of uniform keys, row by row
         keys = rng.random_sample((self.num_epochs, documents.size))  # (epochs, docs)
-        self.doc_idx = documents[np.argsort(keys, axis=1, kind="stable")].ravel()  # (epochs*docs,)
+        doc_idx = documents[np.argsort(keys, axis=1, kind="stable")].ravel()  # (epochs*docs,)
         del keys
 
-        stream_cum = np.zeros(self.doc_idx.size + 1, dtype=np.int64)
-        np.cumsum(self._doc_len[self.doc_idx], out=stream_cum[1:])  # token offset of each doc_idx slot
+        stream_cum = np.zeros(doc_idx.size + 1, dtype=np.int64)
+        np.cumsum(self._doc_len[doc_idx], out=stream_cum[1:])  # token offset of each doc_idx slot
         starts = np.arange(self.num_samples, dtype=np.int64) * self.seq_length  # (num_samples,)
         # side="right" lands on the last slot starting at or before the token, skipping empty documents
         pos = np.searchsorted(stream_cum, starts, side="right") - 1
         offset = starts - stream_cum[pos]
-        largest = max(self.doc_idx.size, int(self._doc_len.max(initial=0)))
+        largest = max(doc_idx.size, int(self._doc_len.max(initial=0)))
         idx_dtype = np.int32 if largest < 2**31 else np.int64  # halves the index for normal sizes
-        self.sample_idx = np.stack([pos, offset], axis=1).astype(idx_dtype)  # (num_samples, 2)
+        sample_idx = np.stack([pos, offset], axis=1).astype(idx_dtype)  # (num_samples, 2)
         del starts, pos, offset, stream_cum
 
         perm = rng.permutation(self.num_samples)
-        self.shuffle_idx = perm.astype(np.int32) if self.num_samples < 2**31 else perm
+        shuffle_idx = perm.astype(np.int32) if self.num_samples < 2**31 else perm
+        return {"doc_idx": doc_idx, "sample_idx": sample_idx, "shuffle_idx": shuffle_idx}
 
     def __len__(self) -> int:
         return self.num_samples
+
+    @property
+    def token_dtype(self) -> np.dtype:
+        """Dtype of the stored tokens: samples fit in it, so the wire can use it."""
+        return self.indexed.dtype
 
     def __getitem__(self, i: int) -> np.ndarray:
         """Sample i of the shuffled order.
@@ -144,14 +176,31 @@ class GPTDataset:
             )
         return self.unshuffled(int(self.shuffle_idx[i]))
 
-    def unshuffled(self, k: int) -> np.ndarray:
+    def read_into(self, i: int, out: np.ndarray) -> None:
+        """Write sample i of the shuffled order into `out` ((seq_length + 1,), any int dtype).
+
+        The data service fills a whole micro-batch buffer this way, in the stored token
+        dtype, without an int64 copy per sample.
+        """
+        if not 0 <= i < self.num_samples:
+            raise IndexError(
+                f"{self.indexed.prefix} [{self.name}]: sample {i} out of range [0, {self.num_samples})"
+            )
+        self.unshuffled(int(self.shuffle_idx[i]), out)
+
+    def unshuffled(self, k: int, out: np.ndarray | None = None) -> np.ndarray:
         """Sample k in stream order: tokens [k*seq_length, k*seq_length + seq_length + 1).
 
+        Args:
+            k: unshuffled sample index.
+            out: optional (seq_length + 1,) buffer to fill; a new int64 array if None.
+
         Returns:
-            (seq_length + 1,) int64 token ids.
+            (seq_length + 1,) token ids (`out` when given, else int64).
         """
         pos, offset = (int(v) for v in self.sample_idx[k])
-        out = np.empty(self.seq_length + 1, dtype=np.int64)
+        if out is None:
+            out = np.empty(self.seq_length + 1, dtype=np.int64)
         filled = 0
         while filled < out.size:
             doc = int(self.doc_idx[pos])

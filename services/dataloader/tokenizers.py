@@ -2,8 +2,9 @@
 
 Every tokenizer has the same small surface (`vocab_size`, `eod_id`, `encode`, `encode_batch`,
 `decode`, `spec`) so preprocessing and the trainer never care which one they hold. A tokenizer
-is named by a *spec* string: `"byte"`, or the path of a `tokenizer.json` (or a folder holding
-one); `build_tokenizer(spec)` turns a spec back into a tokenizer, which is how the spec travels
+is named by a *spec* string: `"byte"`, the path of a Hugging Face `tokenizer.json` (or a folder
+holding one), a tiktoken BPE file (`*.tiktoken`, or `tiktoken:PATH`), or a SentencePiece model
+(`*.model`, or `sentencepiece:PATH`); `build_tokenizer(spec)` turns a spec back into a tokenizer, which is how the spec travels
 in configs and over the wire.
 
     tok = train_bpe(["a.txt", "b.txt"], vocab_size=4096, output_path="out/tokenizer.json")
@@ -149,6 +150,134 @@ class HFTokenizer(Tokenizer):
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
+# The split pattern of tiktoken's cl100k encoding: a .tiktoken file holds only the merge
+# ranks, so the pre-tokenization regex has to come from somewhere; this is the common one.
+TIKTOKEN_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+
+def read_tiktoken_ranks(path: str | os.PathLike) -> dict[bytes, int]:
+    """Parse a tiktoken BPE file: one `BASE64_TOKEN RANK` pair per line.
+
+    Args:
+        path: the `.tiktoken` file.
+
+    Returns:
+        token bytes -> merge rank.
+    """
+    import base64
+    import binascii
+
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"{p}: tiktoken BPE file is missing")
+    ranks: dict[bytes, int] = {}
+    for lineno, line in enumerate(p.read_bytes().splitlines(), 1):
+        if not line.strip():
+            continue
+        parts = line.split()
+        try:
+            if len(parts) != 2:
+                raise ValueError("expected two fields")
+            ranks[base64.b64decode(parts[0], validate=True)] = int(parts[1])
+        except (ValueError, binascii.Error) as e:
+            raise DataError(f"{p}:{lineno}: not a 'BASE64_TOKEN RANK' line ({e})") from None
+    if not ranks:
+        raise DataError(f"{p}: tiktoken BPE file has no tokens")
+    return ranks
+
+
+class TiktokenTokenizer(Tokenizer):
+    """A tiktoken BPE ranks file; `<|endoftext|>` gets the id after the largest rank."""
+
+    name = "tiktoken"
+
+    def __init__(self, path: str | os.PathLike):
+        """Args:
+        path: the `.tiktoken` ranks file.
+        """
+        import tiktoken
+
+        self.path = Path(path)
+        ranks = read_tiktoken_ranks(self.path)
+        self._eod = max(ranks.values()) + 1
+        try:
+            self._enc = tiktoken.Encoding(
+                name=self.path.stem, pat_str=TIKTOKEN_PATTERN, mergeable_ranks=ranks,
+                special_tokens={EOD_TOKEN: self._eod},
+            )
+        except ValueError as e:
+            raise DataError(f"{self.path}: not a usable tiktoken BPE file ({e})") from e
+
+    @property
+    def spec(self) -> str:
+        return f"tiktoken:{self.path}"
+
+    @property
+    def vocab_size(self) -> int:
+        return self._eod + 1
+
+    @property
+    def eod_id(self) -> int:
+        return self._eod
+
+    def encode(self, text: str) -> list[int]:
+        return self._enc.encode_ordinary(text)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        # one thread: preprocessing scales with --workers processes, which tiktoken's own
+        # thread pool would oversubscribe
+        return self._enc.encode_ordinary_batch(list(texts), num_threads=1)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._enc.decode([int(i) for i in ids])
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece `.model`; EOD is the model's end-of-sentence id."""
+
+    name = "sentencepiece"
+
+    def __init__(self, path: str | os.PathLike):
+        """Args:
+        path: the SentencePiece model file.
+        """
+        import sentencepiece as spm
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise DataError(f"{self.path}: SentencePiece model is missing")
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=str(self.path))
+        except (RuntimeError, OSError) as e:
+            raise DataError(f"{self.path}: not a valid SentencePiece model ({e})") from e
+        if self._sp.eos_id() < 0:
+            raise DataError(f"{self.path}: SentencePiece model has no end-of-sentence id for EOD")
+
+    @property
+    def spec(self) -> str:
+        return f"sentencepiece:{self.path}"
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._sp.get_piece_size())
+
+    @property
+    def eod_id(self) -> int:
+        return int(self._sp.eos_id())
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.encode(text)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self._sp.encode(list(texts))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._sp.decode([int(i) for i in ids])
+
+
 def _iter_text_chunks(files: list[str | os.PathLike]) -> Iterator[str]:
     """Yield the files' text in pieces of about `_TRAIN_CHUNK_CHARS`, split at line ends."""
     for f in files:
@@ -210,20 +339,28 @@ def build_tokenizer(spec: str | os.PathLike) -> Tokenizer:
     """Turn a tokenizer spec into a tokenizer.
 
     Args:
-        spec: `"byte"`, a path to a `tokenizer.json`, or a folder containing `tokenizer.json`.
+        spec: see the module docstring for the accepted forms.
 
     Returns:
-        A ByteTokenizer or HFTokenizer.
+        A ByteTokenizer, HFTokenizer, TiktokenTokenizer or SentencePieceTokenizer.
     """
     s = str(spec)
     if s == "byte":
         return ByteTokenizer()
+    if s.startswith("tiktoken:"):
+        return TiktokenTokenizer(s[len("tiktoken:"):])
+    if s.startswith("sentencepiece:"):
+        return SentencePieceTokenizer(s[len("sentencepiece:"):])
     path = Path(s)
     if path.is_file():
+        if path.suffix == ".tiktoken":
+            return TiktokenTokenizer(path)
+        if path.suffix == ".model":
+            return SentencePieceTokenizer(path)
         return HFTokenizer(path)
     if path.is_dir() and (path / "tokenizer.json").is_file():
         return HFTokenizer(path / "tokenizer.json")
     raise DataError(
-        f"tokenizer spec {s!r} is not understood: expected 'byte', a path to a tokenizer.json, "
-        f"or a folder containing tokenizer.json"
+        f"tokenizer spec {s!r} is not understood: expected 'byte', a tokenizer.json (or its "
+        f"folder), a .tiktoken file or tiktoken:PATH, a SentencePiece .model or sentencepiece:PATH"
     )

@@ -143,6 +143,10 @@ class TrainConfig:
     """'auto' picks CUDA when present."""
     compile: bool = False
     """Wrap the model in torch.compile."""
+    kernels: Literal["auto", "reference", "triton"] = "auto"
+    """Fused-op implementation: 'auto' takes the Triton kernels on CUDA in eager mode and the
+    plain-torch reference under train.compile (Inductor fuses it; Triton kernels inside compiled
+    graphs are not yet measured); 'triton' / 'reference' force one. $MESHTRAIN_KERNELS overrides."""
     peak_tflops: float | None = None
     """Peak dense TFLOP/s per device for MFU; unset: known GPUs only (H100/H200: 989)."""
 
@@ -299,6 +303,7 @@ ALIASES: dict[str, tuple[str, bool]] = {
     "--disable-bias-linear": ("model.add_bias_linear=false", False),
     "--untie-embeddings-and-output-weights": ("model.untie_embeddings_and_output_weights", False),
     "--data-path": ("data.data_path", True),
+    "--data-service-addresses": ("data.service_addresses", True),
     "--tokenizer": ("data.tokenizer", True),
     "--split": ("data.split", True),
     "--micro-batch-size": ("train.micro_batch_size", True),
@@ -350,8 +355,8 @@ def _value_for(key: str, text: str) -> Any:
     text = _VALUE_SPELLINGS.get(text, text)
     if key in _STRING_KEYS:
         return text
-    if key == "data.data_path":
-        return [text]
+    if key in ("data.data_path", "data.service_addresses"):
+        return cfg.parse_value(text) if text.lstrip().startswith("[") else [text]
     return cfg.parse_value(text)
 
 
@@ -391,7 +396,7 @@ def parse_overrides(args: list[str]) -> tuple[str | None, dict[str, Any]]:
                     raise ConfigError(f"{name} is a switch and takes no value")
                 key, _, fixed = target.partition("=")
                 cfg.set_dotted(table, key, cfg.parse_value(fixed) if fixed else True)
-            elif name == "--data-path" and not eq:
+            elif name in ("--data-path", "--data-service-addresses") and not eq:
                 words = []
                 while i + 1 < len(args) and not args[i + 1].startswith("--"):
                     i += 1

@@ -1,10 +1,12 @@
-"""Where the trainer's batches come from: the in-process dataloader library (embedded default).
+"""Where the trainer's batches come from: in-process by default, the data service on request.
 
 `build_data` resolves the dataset (the embedded stdlib corpus, built and cached on first use,
-or a given `PREFIX`), the tokenizer and thus the vocabulary, and returns batch sources for
-the train and validation splits. Batches are a pure function of (dataset, seed, step), which
-is what makes resume exact. The gRPC dataloader client will plug in here with the same
-`micro_batches(step)` interface.
+or the `data.data_path` prefixes, blended by weight when there are several), the tokenizer and
+thus the vocabulary, and returns batch sources for the train and validation splits. Both
+kinds of source have the same `micro_batches(step)` / `num_micro_batches` interface: a
+`LocalBatchSource` reading the files in this process, or, when `data.service_addresses` is
+set, a `ServiceBatchSource` streaming the same batches, bit for bit, from DataService
+workers. Batches are a pure function of (dataset spec, seed, step), which makes resume exact.
 """
 
 from __future__ import annotations
@@ -13,13 +15,10 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
-from services.common.errors import ConfigError, DataError
-from services.dataloader.indexed import IndexedDataset
-from services.dataloader.loader import LocalBatchSource
+from services.common.errors import ConfigError
+from services.dataloader.loader import BatchOptions, LocalBatchSource
 from services.dataloader.preprocess import prepare_default_dataset
-from services.dataloader.samples import GPTDataset, split_ranges
+from services.dataloader.spec import DatasetSpec, open_dataset, parse_data_path
 from services.dataloader.tokenizers import build_tokenizer
 from services.trainer.config import JobConfig
 
@@ -30,50 +29,85 @@ log = logging.getLogger("meshtrain.data")
 class TrainData:
     """Batch sources and what the model needs to know about the data."""
 
-    train: LocalBatchSource
-    valid: LocalBatchSource | None
+    train: object  # LocalBatchSource or ServiceBatchSource: micro_batches(step) -> list[Batch]
+    valid: object | None
     vocab_size: int
     tokenizer: str
-    prefix: str
+    prefix: str  # the first (or only) dataset prefix
 
 
-def build_data(job: JobConfig) -> TrainData:
-    """Open (or build) the dataset for `job` and the sample streams for its splits."""
+def make_source(spec: DatasetSpec, micro_batch_size: int, global_batch_size: int,
+                dp_rank: int = 0, dp_size: int = 1, addresses: list[str] | None = None,
+                prefetch: int = 8, options: BatchOptions | None = None):
+    """One rank's batch source for a spec: in-process, or the service when given addresses.
+
+    Args:
+        spec: the sample stream.
+        micro_batch_size: samples per micro-batch per rank.
+        global_batch_size: samples per step over all ranks.
+        dp_rank: this rank.
+        dp_size: data-parallel ranks.
+        addresses: DataService workers; None or empty reads in-process.
+        prefetch: micro-batches the service client fetches ahead.
+        options: EOD loss masking / document ids for the batches.
+
+    Returns:
+        A LocalBatchSource or a ServiceBatchSource.
+    """
+    if addresses:
+        from services.dataloader.rpc.client import ServiceBatchSource  # grpc only when asked for
+
+        return ServiceBatchSource(addresses, spec, micro_batch_size, global_batch_size,
+                                  dp_rank, dp_size, prefetch=prefetch, options=options)
+    return LocalBatchSource(open_dataset(spec), micro_batch_size, global_batch_size, dp_rank, dp_size,
+                            options=options)
+
+
+def build_data(job: JobConfig, dp_rank: int = 0, dp_size: int = 1) -> TrainData:
+    """Open (or build) the dataset for `job` and the sample streams for its splits.
+
+    Args:
+        job: the job config (its `data`, `model.seq_length` and `train` sections).
+        dp_rank, dp_size: this rank's data-parallel coordinate; the train stream is split over
+            dp ranks (Megatron's order), evaluation runs the same batches on every rank.
+
+    Returns:
+        TrainData with the train source and, when evaluation is on, the valid source.
+    """
     d = job.data
     if d.data_path:
-        prefix = d.data_path[0]
+        prefixes, weights = parse_data_path(d.data_path)
         tokenizer_spec = d.tokenizer
-        vocab_size = build_tokenizer(tokenizer_spec).vocab_size
+        tok = build_tokenizer(tokenizer_spec)
+        vocab_size, eod_id = tok.vocab_size, tok.eod_id
     else:
         default = prepare_default_dataset(
             Path(d.cache_dir), tokenizer=d.tokenizer, vocab_size=d.default_vocab_size,
             max_bytes=d.default_corpus_bytes,
         )
-        prefix, tokenizer_spec, vocab_size = default.prefix, default.tokenizer_spec, default.vocab_size
+        prefixes, weights = [default.prefix], [1.0]
+        tokenizer_spec, vocab_size, eod_id = default.tokenizer_spec, default.vocab_size, default.eod_id
     if job.model.vocab_size is not None and job.model.vocab_size < vocab_size:
         raise ConfigError(
             f"model.vocab_size={job.model.vocab_size} is smaller than the tokenizer's "
             f"vocabulary ({vocab_size}, {tokenizer_spec})"
         )
-    indexed = IndexedDataset(prefix)
-    ranges = split_ranges(len(indexed.document_indices) - 1, d.split)
     t = job.train
-    seq = job.model.seq_length
+    addresses = list(d.service_addresses)
+    options = BatchOptions(eod_id=eod_id, mask_eod_loss=d.eod_mask_loss)
 
-    def dataset(split: int, num_samples: int, name: str) -> GPTDataset:
-        start, end = ranges[split]
-        docs = np.arange(start, end, dtype=np.int64)
-        return GPTDataset(indexed, docs, seq, num_samples, t.seed, name=name)
+    def spec(split_name: str, num_samples: int) -> DatasetSpec:
+        return DatasetSpec(tuple(prefixes), tuple(weights), job.model.seq_length, num_samples,
+                           t.seed, split=d.split, split_name=split_name)
 
-    train = LocalBatchSource(dataset(0, t.train_iters * t.global_batch_size, "train"),
-                             t.micro_batch_size, t.global_batch_size)
+    train = make_source(spec("train", t.train_iters * t.global_batch_size), t.micro_batch_size,
+                        t.global_batch_size, dp_rank, dp_size, addresses=addresses, prefetch=d.prefetch,
+                        options=options)
     valid = None
     if t.eval_interval > 0:
-        start, end = ranges[1]
-        if end <= start:
-            raise DataError(f"train.eval_interval={t.eval_interval} but data.split={d.split!r} leaves no validation documents")
         n = t.eval_iters * t.micro_batch_size
-        valid = LocalBatchSource(dataset(1, n, "valid"), t.micro_batch_size, n)
-    log.info("data: %s (%d documents, %d tokens), tokenizer %s, vocab %d",
-             prefix, len(indexed.document_indices) - 1, indexed.num_tokens, tokenizer_spec, vocab_size)
-    return TrainData(train, valid, vocab_size, tokenizer_spec, prefix)
+        valid = make_source(spec("valid", n), t.micro_batch_size, n, addresses=addresses,
+                            prefetch=d.prefetch, options=options)
+    log.info("data: %s (weights %s), tokenizer %s, vocab %d, %s", prefixes, weights, tokenizer_spec,
+             vocab_size, f"service {addresses}" if addresses else "in-process")
+    return TrainData(train, valid, vocab_size, tokenizer_spec, prefixes[0])

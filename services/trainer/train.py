@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import kernels
 from services.common.config import dumps_toml
 from services.common.errors import CheckpointError, ConfigError
 from services.trainer import checkpointing
@@ -111,6 +112,7 @@ class Trainer:
     """Owns the model, optimizer, data and run directory of one job."""
 
     def __init__(self, job: JobConfig):
+        kernels.set_mode("reference" if job.train.kernels == "auto" and job.train.compile else job.train.kernels)
         self.device = pick_device(job.train.device)
         self.mesh = build_mesh(job, self.device)
         self.is_main = self.mesh.rank == 0
@@ -141,10 +143,15 @@ class Trainer:
         p = job.parallel
         self.ddp = None
         if self.mesh.distributed:
+            # Units whose forward waits for its parameters' all-gather (overlap_param_gather):
+            # the embedding also waits for the head's weights, used last but gathered first.
+            head = [q for m in (model.embedding, model.final_norm, model.output_layer) if m is not None
+                    for q in m.parameters()]
+            units = [(model.embedding, head)] + [(layer, list(layer.parameters())) for layer in model.layers]
             self.ddp = DataParallel(
                 self.model, self.mesh, job.optim, distributed_optimizer=p.use_distributed_optimizer,
                 overlap_grad_reduce=p.overlap_grad_reduce, overlap_param_gather=p.overlap_param_gather,
-                bucket_size=p.ddp_bucket_size)
+                bucket_size=p.ddp_bucket_size, gather_units=units)
         self.optimizer = self.ddp.optimizer if self.ddp and self.ddp.optimizer else build_optimizer(self.model, job.optim)
         self.par = checkpointing.Parallel(self.mesh, self.ddp)
         self.state = checkpointing.TrainState()
@@ -153,7 +160,14 @@ class Trainer:
                 job.checkpoint.load, self.model, self.optimizer, self.par, job.checkpoint.load_step)
             log.info("resumed from %s at step %d (%d samples consumed)",
                      job.checkpoint.load, self.state.iteration, self.state.consumed_samples)
-        self.forward = torch.compile(self.model) if job.train.compile else self.model
+        self.forward = self.model
+        if job.train.compile and p.overlap_param_gather:
+            # Per-block compile keeps the all-gather waits (forward pre-hooks) outside the
+            # compiled graphs, so they cost no graph breaks.
+            for layer in self.model.layers:
+                layer.compile()
+        elif job.train.compile:
+            self.forward = torch.compile(self.model)
         self.autocast = (
             torch.autocast(self.device.type, dtype=torch.bfloat16) if job.train.bf16 else contextlib.nullcontext()
         )

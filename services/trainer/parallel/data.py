@@ -58,11 +58,15 @@ class DataParallel:
         distributed_optimizer: ZeRO-1.
         overlap_grad_reduce / overlap_param_gather: launch communication asynchronously.
         bucket_size: elements per bucket.
+        gather_units: for overlap_param_gather, (module, params) pairs: the module's forward
+            pre-hook waits for the all-gathers of the buckets holding those params. Unset: the
+            whole model waits before its forward (correct, but no overlap).
     """
 
     def __init__(self, model: nn.Module, mesh: Mesh, optim: OptimConfig, *, distributed_optimizer: bool = False,
                  overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
-                 bucket_size: int = 40_000_000):
+                 bucket_size: int = 40_000_000,
+                 gather_units: list[tuple[nn.Module, list[nn.Parameter]]] | None = None):
         self.model, self.mesh, self.optim_config = model, mesh, optim
         self.dist_opt = distributed_optimizer
         self.overlap_grad, self.overlap_param = overlap_grad_reduce, overlap_param_gather and distributed_optimizer
@@ -77,7 +81,7 @@ class DataParallel:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self.optimizer = self._build_optimizer() if distributed_optimizer else None
         if self.overlap_param:
-            self._install_gather_waits()
+            self._install_gather_waits(gather_units or [(model, list(model.parameters()))])
 
     # ---------------------------------------------------------------- buckets
     def _make_buckets(self, params: list[nn.Parameter], bucket_size: int) -> list[Bucket]:
@@ -209,10 +213,10 @@ class DataParallel:
                 b.gather_handle.wait()
                 b.gather_handle = b.gather_src = None
 
-    def _install_gather_waits(self) -> None:
-        """Wait for a bucket's all-gather only when a module about to run needs its parameters."""
-        for module in self.model.modules():
-            own = [p for p in module.parameters(recurse=False) if id(p) in self.bucket_of]
+    def _install_gather_waits(self, units: list[tuple[nn.Module, list[nn.Parameter]]]) -> None:
+        """Wait for a bucket's all-gather only when a unit about to run needs its parameters."""
+        for module, params in units:
+            own = [p for p in params if id(p) in self.bucket_of]
             if own:
                 needed = list({id(self.bucket_of[id(p)][0]): self.bucket_of[id(p)][0] for p in own}.values())
                 module.register_forward_pre_hook(lambda _m, _a, bs=needed: self.wait_param_gather(bs))

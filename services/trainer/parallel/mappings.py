@@ -83,80 +83,44 @@ def reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     return out.movedim(0, dim)
 
 
-class _Copy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
+def _region(name: str, forward, backward) -> type[torch.autograd.Function]:
+    """An autograd Function applying `forward(x, dim, group)` and `backward(grad, dim, group)`."""
 
-    @staticmethod
-    def backward(ctx, g):
-        return all_reduce(g, ctx.group), None
-
-
-class _Reduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return all_reduce(x.clone(), group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
-
-
-class _Scatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
+    def fwd(ctx, x, dim, group):
         ctx.dim, ctx.group = dim, group
-        return split(x, dim, group)
+        return forward(x, dim, group)
 
-    @staticmethod
-    def backward(ctx, g):
-        return all_gather(g, ctx.dim, ctx.group), None, None
+    def bwd(ctx, grad):
+        return backward(grad, ctx.dim, ctx.group), None, None
 
-
-class _Gather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return all_gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return split(g, ctx.dim, ctx.group), None, None
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
 
 
-class _GatherReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return all_gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return reduce_scatter(g, ctx.dim, ctx.group), None, None
+def _identity(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    return x
 
 
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return reduce_scatter(x, dim, group)
+def _sum(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    return all_reduce(x.clone(), group)
 
-    @staticmethod
-    def backward(ctx, g):
-        return all_gather(g, ctx.dim, ctx.group), None, None
+
+_Copy = _region("_Copy", _identity, _sum)
+_Reduce = _region("_Reduce", _sum, _identity)
+_Scatter = _region("_Scatter", split, all_gather)
+_Gather = _region("_Gather", all_gather, split)
+_GatherReduceScatter = _region("_GatherReduceScatter", all_gather, reduce_scatter)
+_ReduceScatter = _region("_ReduceScatter", reduce_scatter, all_gather)
 
 
 SEQ_DIM = 1  # activations are (batch, seq, hidden)
 
 
 def copy_to_region(x: torch.Tensor, group: Group) -> torch.Tensor:
-    return _Copy.apply(x, group) if _size(group) > 1 else x
+    return _Copy.apply(x, 0, group) if _size(group) > 1 else x
 
 
 def reduce_from_region(x: torch.Tensor, group: Group) -> torch.Tensor:
-    return _Reduce.apply(x, group) if _size(group) > 1 else x
+    return _Reduce.apply(x, 0, group) if _size(group) > 1 else x
 
 
 def scatter_to_region(x: torch.Tensor, group: Group) -> torch.Tensor:

@@ -169,3 +169,28 @@ def test_corruption_raises_data_error_naming_file(tmp_path, corrupt):
     with pytest.raises(DataError) as e:
         IndexedDataset(prefix)
     assert fname in str(e.value) and what in str(e.value)
+
+
+def test_fsspec_url_reads_by_range(tmp_path):
+    """A dataset on an fsspec filesystem (memory://, as s3:// would be) reads without a local copy."""
+    import fsspec
+
+    docs = [np.arange(n, dtype=np.uint16) * 3 for n in (5, 0, 17, 1, 40)]
+    with IndexedDatasetWriter(tmp_path / "ds", np.uint16) as w:
+        for d in docs:
+            w.add_document(d)
+    fs = fsspec.filesystem("memory")
+    for ext in (".bin", ".idx"):
+        fs.pipe(f"/bucket/ds{ext}", (tmp_path / f"ds{ext}").read_bytes())
+    ds = IndexedDataset("memory://bucket/ds")
+    assert len(ds) == 5 and ds.num_tokens == 63
+    for i, d in enumerate(docs):
+        assert np.array_equal(ds[i], d)
+    assert np.array_equal(ds.get(2, offset=3, length=4), docs[2][3:7])
+    assert ds.fingerprint == IndexedDataset(tmp_path / "ds").fingerprint
+    fs.pipe("/bucket/short.idx", (tmp_path / "ds.idx").read_bytes())
+    fs.pipe("/bucket/short.bin", (tmp_path / "ds.bin").read_bytes()[:-2])
+    with pytest.raises(DataError, match=r"memory://bucket/short.bin: data file is 124 bytes"):
+        IndexedDataset("memory://bucket/short")
+    with pytest.raises(DataError, match=r"memory://bucket/none.idx: .*missing"):
+        IndexedDataset("memory://bucket/none")

@@ -86,3 +86,17 @@ def test_errors(dataset):
         LocalBatchSource(dataset, 3, GBS, dp_size=2)
     with pytest.raises(DataError, match="dp_rank=2"):
         LocalBatchSource(dataset, 2, GBS, dp_rank=2, dp_size=2)
+
+
+def test_eod_loss_mask_and_document_ids():
+    from services.dataloader.loader import BatchOptions, batch_from_samples
+
+    samples = np.array([[5, 9, 1, 9, 9, 2, 3]])  # EOD = 9
+    b = batch_from_samples(samples, 0, 0, BatchOptions(eod_id=9, mask_eod_loss=True, document_ids=True))
+    assert b.tokens.tolist() == [[5, 9, 1, 9, 9, 2]]
+    assert b.loss_mask.tolist() == [[1, 0, 1, 0, 0, 1]]
+    assert b.document_ids.tolist() == [[0, 0, 1, 1, 2, 3]]  # the EOD closes its own document
+    plain = batch_from_samples(samples, 0, 0)
+    assert plain.document_ids is None and plain.loss_mask.sum() == 6
+    with pytest.raises(DataError, match="eod_id"):
+        BatchOptions(mask_eod_loss=True)

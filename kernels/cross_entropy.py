@@ -1,0 +1,357 @@
+"""Cross-entropy in Triton, and a fused output projection + cross-entropy that never holds
+the full (tokens, vocab) logits.
+
+Per-row kernels (one program per token row, looping over the vocabulary in blocks):
+  * `_row_stats`: one online pass gives the row max m, sum(exp(x - m)) and the label's logit;
+  * `_row_grad`: a second pass writes (softmax - one_hot) * scale, in place if asked.
+The single-device kernel runs both passes in one program (the row is still in L2 for the
+second read). The two halves are also exposed separately (`logit_stats`, `softmax_grad_`)
+so a vocab-parallel version can put an all-reduce between them:
+
+    m, s, t = logit_stats(local_logits, labels, vocab_start)      # (rows,) each, fp32
+    m_all = all_reduce(m.clone(), MAX, tp)                        # global max
+    s = all_reduce(s * exp(m - m_all), SUM, tp)                   # rescale, then sum
+    t = all_reduce(t, SUM, tp)                                    # only the owner's is non-zero
+    lse = m_all + log(s); loss_rows = lse - t
+    softmax_grad_(local_logits, labels, lse, scale, vocab_start)  # local dlogits, in place
+    grad_hidden = all_reduce(dlogits @ W_local, SUM, tp)          # or reduce-scatter under SP
+
+Fused linear + cross-entropy (`linear_cross_entropy`): tokens go through in chunks; each chunk
+computes logits = h_c @ W^T (in the compute dtype, as the reference does), runs the fused
+kernel in place to turn them into dlogits already scaled by the loss weights, then
+immediately forms grad_hidden = dlogits @ W and accumulates grad_weight += dlogits^T @ h_c in
+fp32. So forward already produces both gradients (Liger-Kernel's plan) and backward only
+scales them by the incoming gradient; peak extra memory is one chunk of logits plus an fp32
+weight-gradient buffer instead of several full (tokens, vocab) tensors. Weight rows past
+`vocab_size` (padding) never enter the matmul and get zero gradient. Label -100 is ignored
+like F.cross_entropy's default. Spec: `kernels.reference.cross_entropy` and
+`kernels.reference.linear_cross_entropy`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._launch import as_rows
+
+IGNORE_INDEX = -100
+# Vocabulary block per loop iteration; tests lower it to exercise the multi-block path.
+MAX_BLOCK = 8192
+# Budget for one chunk's logits; 512 MiB is 2048 tokens at a 128k vocabulary in bf16.
+CHUNK_BYTES = 512 * 2**20
+
+
+@triton.jit
+def _row_stats(row_ptr, n_cols, label_local, BLOCK: tl.constexpr):
+    """(max, sum(exp(x - max)), x[label_local] or 0) of one row, online over blocks."""
+    cols = tl.arange(0, BLOCK)
+    m = -1e30  # finite, so the first exp(m - m_new) is 0 rather than exp(-inf + inf) = nan
+    s = 0.0
+    t = 0.0
+    for start in range(0, n_cols, BLOCK):
+        offs = start + cols
+        in_row = offs < n_cols
+        x = tl.load(row_ptr + offs, mask=in_row, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        # one exp per element; the running sum is rescaled once per block
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        m = m_new
+        # `in_row`: a label owned by another vocab shard may fall on this block's padding lanes
+        t += tl.sum(tl.where((offs == label_local) & in_row, x, 0.0), axis=0)
+    return m, s, t
+
+
+@triton.jit
+def _row_grad(row_ptr, out_ptr, n_cols, label_local, lse, scale, BLOCK: tl.constexpr):
+    """out = (softmax(x) - one_hot(label_local)) * scale; out may alias the row."""
+    cols = tl.arange(0, BLOCK)
+    for start in range(0, n_cols, BLOCK):
+        offs = start + cols
+        mask = offs < n_cols
+        x = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
+        g = tl.exp(x - lse)
+        g = tl.where(offs == label_local, g - 1.0, g) * scale
+        tl.store(out_ptr + offs, g.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _ce_fused_kernel(
+    logits_ptr, grad_ptr, labels_ptr, scale_ptr, loss_ptr, lse_ptr, logits_stride, grad_stride, n_cols,
+    IGNORE: tl.constexpr, COMPUTE_GRAD: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    label = tl.load(labels_ptr + row)
+    ignored = label == IGNORE
+    row_ptr = logits_ptr + row * logits_stride
+    m, s, t = _row_stats(row_ptr, n_cols, label, BLOCK)
+    lse = m + tl.log(s)
+    tl.store(loss_ptr + row, tl.where(ignored, 0.0, lse - t))
+    tl.store(lse_ptr + row, lse)
+    if COMPUTE_GRAD:
+        scale = tl.where(ignored, 0.0, tl.load(scale_ptr + row))
+        _row_grad(row_ptr, grad_ptr + row * grad_stride, n_cols, label, lse, scale, BLOCK)
+
+
+@triton.jit
+def _stats_kernel(logits_ptr, labels_ptr, m_ptr, s_ptr, t_ptr, logits_stride, n_cols, vocab_start,
+                  BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    label_local = tl.load(labels_ptr + row) - vocab_start  # outside [0, n_cols) on other shards
+    m, s, t = _row_stats(logits_ptr + row * logits_stride, n_cols, label_local, BLOCK)
+    tl.store(m_ptr + row, m)
+    tl.store(s_ptr + row, s)
+    tl.store(t_ptr + row, t)
+
+
+@triton.jit
+def _grad_kernel(logits_ptr, grad_ptr, labels_ptr, lse_ptr, scale_ptr, logits_stride, grad_stride, n_cols,
+                 vocab_start, IGNORE: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    label = tl.load(labels_ptr + row)
+    scale = tl.where(label == IGNORE, 0.0, tl.load(scale_ptr + row))
+    _row_grad(logits_ptr + row * logits_stride, grad_ptr + row * grad_stride, n_cols, label - vocab_start,
+              tl.load(lse_ptr + row), scale, BLOCK)
+
+
+def _block(n_cols: int) -> tuple[int, int]:
+    block = min(MAX_BLOCK, triton.next_power_of_2(n_cols))
+    return block, max(1, min(8, block // 512))
+
+
+# ---- per-chunk building blocks (single device and vocab-parallel) ----
+
+def fused_loss_and_grad_(
+    logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor | None, grad_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row loss and logsumexp of a full-vocabulary chunk; optionally its scaled dlogits.
+
+    Args:
+        logits: (rows, vocab), unit stride along vocab.
+        labels: (rows,) int64; -100 rows give zero loss and zero gradient.
+        scale: (rows,) fp32 weight of each row's loss, or None to skip the gradient.
+        grad_out: where (softmax - one_hot) * scale goes, (rows, vocab); may be `logits` itself
+            (in place); defaults to `logits`.
+
+    Returns:
+        (loss_rows, lse), each (rows,) fp32; loss_rows is unweighted.
+    """
+    rows, n = logits.shape
+    loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    lse = torch.empty_like(loss)
+    grad = logits if grad_out is None else grad_out
+    block, warps = _block(n)
+    _ce_fused_kernel[(rows,)](
+        logits, grad, labels, scale if scale is not None else loss, loss, lse, logits.stride(0), grad.stride(0), n,
+        IGNORE=IGNORE_INDEX, COMPUTE_GRAD=scale is not None, BLOCK=block, num_warps=warps,
+    )
+    return loss, lse
+
+
+def logit_stats(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int = 0):
+    """Row max, sum(exp(x - max)) and the label's logit (0 when another shard owns it).
+
+    Args:
+        logits: (rows, local_vocab), this rank's vocabulary slice [vocab_start, vocab_start + local_vocab).
+        labels: (rows,) int64 global ids.
+        vocab_start: first global id of the slice.
+
+    Returns:
+        (max, sumexp, target), each (rows,) fp32, to be all-reduced across the vocab shards.
+    """
+    rows, n = logits.shape
+    m, s, t = (torch.empty(rows, dtype=torch.float32, device=logits.device) for _ in range(3))
+    block, warps = _block(n)
+    _stats_kernel[(rows,)](logits, labels, m, s, t, logits.stride(0), n, vocab_start, BLOCK=block, num_warps=warps)
+    return m, s, t
+
+
+def softmax_grad_(
+    logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor, vocab_start: int = 0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(exp(logits - lse) - one_hot(labels - vocab_start)) * scale, in place unless `out` is given.
+
+    Args:
+        logits: (rows, local_vocab).
+        labels: (rows,) int64 global ids; -100 rows get zero gradient.
+        lse: (rows,) fp32 logsumexp over the whole (all shards') vocabulary.
+        scale: (rows,) fp32 loss weight of each row (times the incoming gradient).
+        vocab_start: first global id of this slice.
+        out: destination, (rows, local_vocab); defaults to `logits`.
+
+    Returns:
+        The gradient tensor (`out` or `logits`).
+    """
+    rows, n = logits.shape
+    out = logits if out is None else out
+    block, warps = _block(n)
+    _grad_kernel[(rows,)](logits, out, labels, lse, scale, logits.stride(0), out.stride(0), n, vocab_start,
+                          IGNORE=IGNORE_INDEX, BLOCK=block, num_warps=warps)
+    return out
+
+
+def _row_weights(labels: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
+    """Each row's weight in the mean loss, on device (no host sync): 1/N or mask / sum(mask)."""
+    n = labels.numel()
+    if loss_mask is None:
+        return torch.full((n,), 1.0 / max(n, 1), dtype=torch.float32, device=labels.device)
+    mask = loss_mask.reshape(-1).to(torch.float32)
+    return mask / mask.sum().clamp(min=1.0)
+
+
+# ---- cross_entropy on given logits ----
+
+class _CrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, labels, loss_mask):
+        x2 = as_rows(logits)
+        labels1 = labels.reshape(-1).contiguous()
+        weights = _row_weights(labels1, loss_mask)
+        loss_rows, lse = fused_loss_and_grad_(x2, labels1, None)
+        ctx.save_for_backward(x2, labels1, weights, lse)
+        ctx.shape = logits.shape
+        return (loss_rows * weights).sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        x2, labels1, weights, lse = ctx.saved_tensors
+        dx = softmax_grad_(x2, labels1, lse, weights * grad, out=torch.empty_like(x2))
+        return dx.view(ctx.shape), None, None
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean token cross-entropy in fp32, weighted by `loss_mask` when given.
+
+    Args:
+        logits: (..., vocab), any float dtype (math in fp32).
+        labels: (...) int64.
+        loss_mask: (...) float, 1 where the token counts.
+
+    Returns:
+        Scalar fp32 loss.
+    """
+    return _CrossEntropy.apply(logits, labels, loss_mask)
+
+
+# ---- fused output projection + cross_entropy ----
+
+def _chunk_rows(rows: int, vocab: int, itemsize: int, chunk_size: int | None) -> int:
+    if chunk_size is not None:
+        return max(1, min(rows, chunk_size))
+    # a power of two keeps the chunk matmuls on cuBLAS's fast tile shapes
+    fit = max(1, CHUNK_BYTES // max(1, vocab * itemsize))
+    return max(1, min(rows, 1 << (fit.bit_length() - 1)))
+
+
+_MM_FP32_OUT: bool | None = None
+
+
+def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
+    """acc (fp32) = a @ b when `first`, else acc += a @ b, without rounding the sum to a half dtype.
+
+    CUDA builds of torch >= 2.9 let a half-precision matmul write or accumulate straight into
+    the fp32 buffer (`out_dtype`); elsewhere the chunk's product is formed in the half dtype
+    (fp32 inside the matmul) and added. The first chunk writes instead of adding, so the
+    buffer is never zero-filled nor read back.
+    """
+    global _MM_FP32_OUT
+    if a.dtype == acc.dtype:
+        torch.mm(a, b, out=acc) if first else acc.addmm_(a, b)
+        return
+    if _MM_FP32_OUT is not False and a.is_cuda:
+        try:
+            if first:
+                torch.mm(a, b, out_dtype=torch.float32, out=acc)
+            else:
+                torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            _MM_FP32_OUT = True
+            return
+        except (TypeError, RuntimeError, NotImplementedError):
+            _MM_FP32_OUT = False
+    acc.copy_(a @ b) if first else acc.add_(a @ b)
+
+
+def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The matmul dtype: autocast's when it is on (as `hidden @ weight.t()` would get), else hidden's."""
+    dev = hidden.device.type
+    if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return hidden.dtype
+
+
+def _linear_ce(hidden, weight, labels, loss_mask, vocab_size, chunk_size, want_grads):
+    """Loss and, when `want_grads`, (grad_hidden, grad_weight) for a unit incoming gradient."""
+    dtype = _compute_dtype(hidden)
+    h2 = hidden.reshape(-1, hidden.shape[-1]).to(dtype)  # (tokens, hidden)
+    w = weight[:vocab_size].to(dtype)  # (vocab, hidden): padding rows left out
+    labels1 = labels.reshape(-1).contiguous()
+    weights = _row_weights(labels1, loss_mask)
+    rows = h2.shape[0]
+    step = _chunk_rows(rows, vocab_size, h2.element_size(), chunk_size)
+    loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    grad_h = torch.empty_like(h2) if want_grads else None
+    grad_w = None
+    if want_grads:
+        grad_w = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_w[vocab_size:].zero_()  # padding rows: no gradient
+    for start in range(0, rows, step):
+        end = min(start + step, rows)
+        h_c = h2[start:end]
+        logits = h_c @ w.t()  # (chunk, vocab)
+        loss_rows, _ = fused_loss_and_grad_(logits, labels1[start:end], weights[start:end] if want_grads else None)
+        loss += (loss_rows * weights[start:end]).sum()
+        if want_grads:
+            # logits now hold dlogits = (softmax - one_hot) * row weight
+            torch.mm(logits, w, out=grad_h[start:end])
+            _accumulate(grad_w[:vocab_size], logits.t(), h_c, first=start == 0)
+    return loss, grad_h, grad_w
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, loss_mask, vocab_size, chunk_size):
+        loss, grad_h, grad_w = _linear_ce(hidden, weight, labels, loss_mask, vocab_size, chunk_size, True)
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.hidden_meta = (hidden.shape, hidden.dtype)
+        ctx.weight_dtype = weight.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_h, grad_w = ctx.saved_tensors
+        shape, dtype = ctx.hidden_meta
+        # scaling by a device scalar, never comparing it to 1 on the host (no sync); `out=` in
+        # the parameter's dtype fuses the scaling with the cast into one pass
+        dh = dw = None
+        if ctx.needs_input_grad[0]:
+            dh = torch.mul(grad_h, grad, out=torch.empty(grad_h.shape, dtype=dtype, device=grad_h.device))
+            dh = dh.view(shape)
+        if ctx.needs_input_grad[1]:
+            dw = grad_w.mul_(grad) if ctx.weight_dtype == torch.float32 else torch.mul(
+                grad_w, grad, out=torch.empty(grad_w.shape, dtype=ctx.weight_dtype, device=grad_w.device))
+        return dh, dw, None, None, None, None
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+    loss_mask: torch.Tensor | None = None, vocab_size: int | None = None, *, chunk_size: int | None = None,
+) -> torch.Tensor:
+    """Output projection followed by cross-entropy; rows of `weight` past `vocab_size` are padding.
+
+    Args:
+        hidden: (..., hidden).
+        weight: (padded_vocab, hidden).
+        labels: (...) int64 in [0, vocab_size) (or -100: ignored).
+        loss_mask: optional (...) float.
+        vocab_size: the real vocabulary; padded rows are left out of the softmax.
+        chunk_size: tokens per chunk; default fits one chunk's logits in `CHUNK_BYTES`.
+
+    Returns:
+        Scalar fp32 mean loss (weighted by loss_mask when given).
+    """
+    vocab_size = weight.shape[0] if vocab_size is None else vocab_size
+    if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
+        return _linear_ce(hidden, weight, labels, loss_mask, vocab_size, chunk_size, False)[0]
+    return _LinearCrossEntropy.apply(hidden, weight, labels, loss_mask, vocab_size, chunk_size)

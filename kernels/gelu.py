@@ -1,0 +1,71 @@
+"""GELU (tanh approximation, GPT-2's) in Triton, elementwise.
+
+gelu(x) = 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3). Since 0.5 (1 + tanh(u)) is
+sigmoid(2u), the kernels use sigmoid: one exp, no separate tanh, and it saturates cleanly at
+both ends. Forward saves only x; backward recomputes sigmoid(2u) rather than storing it,
+since recomputing is cheaper than another full-size tensor read. Math in fp32, results in
+x's dtype. Spec: `kernels.reference.gelu`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 1024
+
+
+@triton.jit
+def _gelu_fwd(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    # literals, not module constants: a jitted kernel (and the interpreter) only sees constexpr globals;
+    # 0.79788... = sqrt(2 / pi), 0.044715 = the tanh approximation's cubic coefficient
+    s = tl.sigmoid(2.0 * 0.7978845608028654 * (x + 0.044715 * x * x * x))
+    tl.store(y_ptr + offs, (x * s).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gelu_bwd(dy_ptr, x_ptr, dx_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    s = tl.sigmoid(2.0 * 0.7978845608028654 * (x + 0.044715 * x * x * x))
+    du_dx = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x * x)
+    dx = dy * (s + x * s * (1.0 - s) * 2.0 * du_dx)
+    tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+class _GELU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        x = x.contiguous()
+        y = torch.empty_like(x)
+        n = x.numel()
+        _gelu_fwd[(triton.cdiv(n, BLOCK),)](x, y, n, BLOCK=BLOCK, num_warps=4)
+        ctx.save_for_backward(x)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = torch.empty_like(x)
+        n = x.numel()
+        _gelu_bwd[(triton.cdiv(n, BLOCK),)](dy, x, dx, n, BLOCK=BLOCK, num_warps=4)
+        return dx
+
+
+def gelu(x: torch.Tensor) -> torch.Tensor:
+    """GELU, tanh approximation (GPT-2's).
+
+    Args:
+        x: any shape, any float dtype.
+
+    Returns:
+        gelu(x), same shape and dtype.
+    """
+    return _GELU.apply(x)

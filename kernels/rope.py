@@ -1,0 +1,97 @@
+"""Rotary position embedding in Triton, rotate-half convention (Hugging Face Llama's).
+
+y = x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1] on the halves of head_dim.
+One program handles a few positions of one sequence for every head at once, so each cos/sin
+row is read once per program and reused across heads. q and k arrive as strided views of the fused qkv
+projection ((b, s, heads, d) transposed to (b, heads, s, d)); the kernel reads them through
+their strides instead of copying, and writes a contiguous (b, heads, s, d) output, the layout
+SDPA prefers.
+
+Backward is the transpose of the same rotation: dx1 = c1 dy1 + s2 dy2, dx2 = c2 dy2 - s1 dy1,
+which is the forward formula with sin's halves swapped and negated, so one kernel serves
+both (`BACKWARD` flag). Spec: `kernels.reference.rope`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rope_kernel(
+    x_ptr, cos_ptr, sin_ptr, y_ptr,
+    x_sb, x_sh, x_ss, y_sb, y_sh, y_ss, seq, n_heads, half,
+    BACKWARD: tl.constexpr, POS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # a tile of POS positions x every head, flattened to (POS * BLOCK_H, BLOCK_D) rows
+    r = tl.arange(0, POS * BLOCK_H)
+    pos = (tl.program_id(0) * POS + r // BLOCK_H).to(tl.int64)[:, None]
+    heads = (r % BLOCK_H)[:, None]
+    b = tl.program_id(1).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)[None, :]
+    table_mask = (pos < seq) & (cols < half)
+    mask = table_mask & (heads < n_heads)
+    table = pos * 2 * half + cols
+    c1 = tl.load(cos_ptr + table, mask=table_mask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + table + half, mask=table_mask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + table, mask=table_mask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + table + half, mask=table_mask, other=0.0).to(tl.float32)
+    if BACKWARD:
+        # transpose of the rotation: swap sin's halves and negate them
+        t = s1
+        s1 = -s2
+        s2 = -t
+    x_row = x_ptr + b * x_sb + pos * x_ss + heads * x_sh
+    x1 = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_row + half + cols, mask=mask, other=0.0).to(tl.float32)
+    y_row = y_ptr + b * y_sb + pos * y_ss + heads * y_sh
+    tl.store(y_row + cols, (x1 * c1 - x2 * s1).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_row + half + cols, (x2 * c2 + x1 * s2).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    b, h, s, d = x.shape
+    y = torch.empty((b, h, s, d), dtype=x.dtype, device=x.device)
+    block_h, block_d = triton.next_power_of_2(h), triton.next_power_of_2(d // 2)
+    # several positions per program so each moves ~8k values: one position of a few heads is
+    # too little work to hide a launch's and a load's latency
+    pos = max(1, min(triton.next_power_of_2(s), 4096 // (block_h * block_d)))
+    _rope_kernel[(triton.cdiv(s, pos), b)](
+        x, cos, sin, y, x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2), s, h, d // 2,
+        BACKWARD=backward, POS=pos, BLOCK_H=block_h, BLOCK_D=block_d,
+        num_warps=max(1, min(8, pos * block_h * block_d // 512)),
+    )
+    return y
+
+
+class _RoPE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        cos, sin = cos.contiguous(), sin.contiguous()
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin, backward=False)
+
+    @staticmethod
+    def backward(ctx, dy):
+        cos, sin = ctx.saved_tensors
+        return _rotate(dy, cos, sin, backward=True), None, None
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in the rotate-half convention (the one Hugging Face Llama uses).
+
+    Args:
+        x: (batch, heads, seq, head_dim), any strides; head_dim even.
+        cos, sin: (seq, head_dim) from `rope_cos_sin`; not differentiated.
+
+    Returns:
+        (batch, heads, seq, head_dim), contiguous, in x's dtype.
+    """
+    if x.dim() != 4 or x.shape[-1] % 2 or cos.shape != (x.shape[2], x.shape[3]) or sin.shape != cos.shape:
+        raise ValueError(f"rope needs x (b, h, s, even d) and cos/sin (s, d); got {tuple(x.shape)}, "
+                         f"{tuple(cos.shape)}, {tuple(sin.shape)}")
+    return _RoPE.apply(x, cos, sin)

@@ -1,0 +1,221 @@
+"""Shared gRPC plumbing for meshtrain's services: server lifetime, health, errors, limits.
+
+Every service's `rpc/server.py` builds its server with `make_server`, which adds the standard
+health-checking service (`grpc.health.v1`), server reflection, raised message-size limits on
+both directions and `ErrorInterceptor`, which turns a `MeshtrainError` raised by core code
+into a gRPC status with the error's message (`DataError` and `ConfigError` are the caller's
+fault: INVALID_ARGUMENT; other classes map through `ERROR_CODES` or a per-server table).
+`serve_forever` runs a started server until SIGTERM or SIGINT, marks it NOT_SERVING in the
+health service first, and stops it with a grace period so streams in flight finish.
+`channel_options` gives clients the matching size limits and keepalive.
+
+    server, port = make_server([lambda s: add_MyServicer_to_server(impl, s)],
+                               ["meshtrain.x.v1.MyService"], port=0)
+    serve_forever(server, grace_s=5)
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from concurrent import futures
+from typing import Callable, Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.common.errors import CheckpointError, ConfigError, DataError, MeshtrainError
+
+log = logging.getLogger("meshtrain.grpc")
+
+MAX_MESSAGE_BYTES = 64 << 20  # both ends raise gRPC's 4 MiB default to this
+
+# Most specific class first; the first isinstance match wins.
+ERROR_CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
+    (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
+    (DataError, grpc.StatusCode.INVALID_ARGUMENT),
+    (CheckpointError, grpc.StatusCode.FAILED_PRECONDITION),
+    (MeshtrainError, grpc.StatusCode.FAILED_PRECONDITION),
+]
+
+
+def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """Options for clients and servers: message limits and keepalive for long-lived streams.
+
+    Args:
+        max_message_bytes: largest message sent or received.
+
+    Returns:
+        A list for `grpc.insecure_channel(..., options=...)` / `grpc.server(options=...)`.
+    """
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        # pings notice a dead peer on an idle stream (e.g. a SIGKILLed worker behind NAT)
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+    ]
+
+
+def status_for(exc: BaseException, table=None) -> grpc.StatusCode | None:
+    """The status code for a domain error, or None if `exc` is not one."""
+    for cls, code in (table or []) + ERROR_CODES:
+        if isinstance(exc, cls):
+            return code
+    return None
+
+
+class ErrorInterceptor(grpc.ServerInterceptor):
+    """Maps `MeshtrainError` subclasses raised by servicer methods to gRPC status codes.
+
+    Works for all four method kinds: for a response stream the error may surface while
+    iterating, so the response iterator is wrapped too. Other exceptions propagate and gRPC
+    reports them as UNKNOWN (and logs them): they are bugs, not bad requests.
+    """
+
+    def __init__(self, table: list[tuple[type[BaseException], grpc.StatusCode]] | None = None):
+        """Args:
+        table: extra (exception class, status) pairs checked before `ERROR_CODES`.
+        """
+        self.table = table or []
+
+    def _abort(self, context: grpc.ServicerContext, exc: BaseException):
+        code = status_for(exc, self.table)
+        if code is None:
+            raise exc
+        log.info("rpc error %s: %s", code.name, exc)
+        context.abort(code, str(exc))
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        if handler.unary_unary:
+            inner = handler.unary_unary
+
+            def unary(request, context):
+                try:
+                    return inner(request, context)
+                except MeshtrainError as e:
+                    self._abort(context, e)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary, handler.request_deserializer, handler.response_serializer)
+        if handler.unary_stream:
+            inner_stream = handler.unary_stream
+
+            def stream(request, context):
+                try:
+                    yield from inner_stream(request, context)
+                except MeshtrainError as e:
+                    self._abort(context, e)
+
+            return grpc.unary_stream_rpc_method_handler(
+                stream, handler.request_deserializer, handler.response_serializer)
+        if handler.stream_unary:
+            inner_su = handler.stream_unary
+
+            def client_stream(request_iterator, context):
+                try:
+                    return inner_su(request_iterator, context)
+                except MeshtrainError as e:
+                    self._abort(context, e)
+
+            return grpc.stream_unary_rpc_method_handler(
+                client_stream, handler.request_deserializer, handler.response_serializer)
+        inner_ss = handler.stream_stream
+
+        def bidi(request_iterator, context):
+            try:
+                yield from inner_ss(request_iterator, context)
+            except MeshtrainError as e:
+                self._abort(context, e)
+
+        return grpc.stream_stream_rpc_method_handler(
+            bidi, handler.request_deserializer, handler.response_serializer)
+
+
+def make_server(
+    add_servicers: Iterable[Callable[[grpc.Server], None]],
+    service_names: Iterable[str],
+    port: int = 0,
+    host: str = "127.0.0.1",
+    max_workers: int = 16,
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
+    error_table: list | None = None,
+) -> tuple[grpc.Server, int, health.HealthServicer]:
+    """Build and start a server with health, reflection, size limits and error mapping.
+
+    Args:
+        add_servicers: callables that register servicers on the server.
+        service_names: full names of those services (for health and reflection).
+        port: TCP port; 0 picks a free one.
+        host: interface to bind ("127.0.0.1" by default; "0.0.0.0" to serve the network).
+        max_workers: threads serving RPCs; each open stream holds one.
+        max_message_bytes: message limit in both directions.
+        error_table: extra (exception class, status code) pairs for `ErrorInterceptor`.
+
+    Returns:
+        (server, bound port, health servicer); the server is started and SERVING.
+    """
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers),
+        interceptors=[ErrorInterceptor(error_table)],
+        # without this, a second server on a busy port silently shares it (Linux SO_REUSEPORT)
+        options=channel_options(max_message_bytes) + [("grpc.so_reuseport", 0)],
+        maximum_concurrent_rpcs=max_workers,
+    )
+    for add in add_servicers:
+        add(server)
+    names = list(service_names)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+        server,
+    )
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError as e:  # grpc raises a bare RuntimeError when bind fails
+        raise ConfigError(f"cannot bind gRPC server to {host}:{port} (in use or not allowed): {e}") from None
+    if bound == 0:
+        raise ConfigError(f"cannot bind gRPC server to {host}:{port} (in use or not allowed)")
+    server.start()
+    for name in names + [""]:  # "" is the whole server's status
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound, health_servicer
+
+
+def serve_forever(server: grpc.Server, health_servicer: health.HealthServicer | None = None,
+                  grace_s: float = 5.0, on_ready: Callable[[], None] | None = None) -> None:
+    """Block until SIGTERM/SIGINT, then stop gracefully.
+
+    Health turns NOT_SERVING first so load balancers stop routing new streams here, then
+    `server.stop(grace_s)` lets streams in flight run for up to `grace_s` seconds.
+
+    Args:
+        server: a started server.
+        health_servicer: its health service, if any.
+        grace_s: seconds granted to RPCs in flight.
+        on_ready: called once the signal handlers are in place, e.g. to announce the port:
+            a supervisor that sends SIGTERM right after the announcement then gets a clean stop.
+    """
+    stop = threading.Event()
+
+    def on_signal(signum, frame):
+        log.info("signal %d: stopping gRPC server (grace %.1fs)", signum, grace_s)
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        if on_ready is not None:
+            on_ready()
+        stop.wait()
+        if health_servicer is not None:
+            health_servicer.enter_graceful_shutdown()
+        server.stop(grace_s).wait()
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)

@@ -1,0 +1,241 @@
+"""The trainer's side of the DataService: `ServiceBatchSource`, a drop-in for LocalBatchSource.
+
+`micro_batches(step)` returns the same `Batch` objects the in-process loader makes, bit for
+bit. A background thread keeps one server stream open and `prefetch` micro-batches ahead in
+a bounded queue. When a stream breaks (worker killed, network gone) the thread backs off
+exponentially, moves to the next address and asks for the stream again starting at exactly
+the next micro-batch it has not received, so none is repeated or missed; every message's
+(step, micro-batch) is checked against the one expected. A request the server rejects
+(INVALID_ARGUMENT, ...) is raised in the trainer's thread with the server's message.
+
+    src = ServiceBatchSource(["127.0.0.1:7001", "127.0.0.1:7002"], spec, micro_batch_size=4,
+                             global_batch_size=32, dp_rank=r, dp_size=8)
+    for step in range(start, n): batches = src.micro_batches(step)
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+import time
+
+import grpc
+import numpy as np
+
+from protos.dataloader.v1 import dataloader_pb2 as pb
+from protos.dataloader.v1 import dataloader_pb2_grpc as pb_grpc
+from services.common.errors import DataError
+from services.common.grpc_utils import channel_options
+from services.dataloader.loader import Batch, BatchOptions, batch_from_samples
+from services.dataloader.rpc.servicer import spec_to_proto
+from services.dataloader.spec import DatasetSpec
+
+log = logging.getLogger("meshtrain.data")
+
+# Codes meaning "this worker cannot serve now": retry elsewhere. Anything else is the request's fault.
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
+              grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED,
+              grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED}
+_END = object()  # the stream reached the end of the dataset
+
+
+class _Failure:
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+class ServiceBatchSource:
+    """One data-parallel rank's micro-batches from DataService workers."""
+
+    def __init__(
+        self,
+        addresses: list[str],
+        spec: DatasetSpec,
+        micro_batch_size: int,
+        global_batch_size: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        prefetch: int = 8,
+        backoff_s: tuple[float, float] = (0.05, 2.0),
+        give_up_s: float = 120.0,
+        options: BatchOptions | None = None,
+    ):
+        """Args:
+        addresses: worker addresses (`host:port`), tried in turn; a `dns:///name:port`
+            target is balanced round-robin over the addresses the name resolves to.
+        spec: the sample stream.
+        micro_batch_size: samples per micro-batch per rank.
+        global_batch_size: samples per step over all ranks.
+        dp_rank: this rank.
+        dp_size: data-parallel ranks.
+        prefetch: micro-batches fetched ahead.
+        backoff_s: (first, largest) wait between reconnection attempts.
+        give_up_s: raise after this long without receiving anything from any worker.
+        options: loss-mask and document-boundary options, applied here as LocalBatchSource does.
+        """
+        if not addresses:
+            raise DataError("ServiceBatchSource needs at least one worker address")
+        if micro_batch_size < 1 or dp_size < 1 or global_batch_size % (micro_batch_size * dp_size):
+            raise DataError(f"global_batch_size={global_batch_size} must be a positive multiple of "
+                            f"micro_batch_size={micro_batch_size} x dp_size={dp_size}")
+        if not 0 <= dp_rank < dp_size:
+            raise DataError(f"dp_rank={dp_rank} is outside [0, dp_size={dp_size})")
+        spec.validate()
+        self.addresses = list(addresses)
+        self.spec = spec
+        self.micro_batch_size = micro_batch_size
+        self.global_batch_size = global_batch_size
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.prefetch = prefetch
+        self.backoff_s = backoff_s
+        self.give_up_s = give_up_s
+        self.options = options or BatchOptions()
+        self.reconnects = 0  # streams reopened after a failure (for tests and logs)
+        self.current_address: str | None = None  # the worker streaming to us now
+        self._channels: dict[str, grpc.Channel] = {}
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._call = None
+        self._queue: queue.Queue = queue.Queue()
+        self._next: tuple[int, int] | None = None  # what the consumer takes next
+
+    @property
+    def num_micro_batches(self) -> int:
+        """Micro-batches per step on this rank."""
+        return self.global_batch_size // (self.micro_batch_size * self.dp_size)
+
+    @property
+    def num_steps(self) -> int:
+        """Whole global batches the dataset holds."""
+        return self.spec.num_samples // self.global_batch_size
+
+    def _request(self, step: int, microbatch: int) -> pb.StreamRequest:
+        return pb.StreamRequest(
+            spec=spec_to_proto(self.spec), dp_rank=self.dp_rank, dp_size=self.dp_size,
+            micro_batch_size=self.micro_batch_size, global_batch_size=self.global_batch_size,
+            start_step=step, start_microbatch=microbatch)
+
+    def _stub(self, address: str) -> pb_grpc.DataServiceStub:
+        if address not in self._channels:
+            options = channel_options()
+            if address.startswith("dns:"):
+                options.append(("grpc.lb_policy_name", "round_robin"))
+            self._channels[address] = grpc.insecure_channel(address, options=options)
+        return pb_grpc.DataServiceStub(self._channels[address])
+
+    def _put(self, item, stop: threading.Event) -> bool:
+        while not stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def _produce(self, step: int, microbatch: int, stop: threading.Event) -> None:
+        """Background thread: stream from (step, microbatch) on, failing over as needed."""
+        pos = (step, microbatch)
+        which = random.Random(self.dp_rank).randrange(len(self.addresses))  # spread ranks
+        delay = self.backoff_s[0]
+        last_progress = time.monotonic()
+        nmb = self.num_micro_batches
+        while not stop.is_set():
+            address = self.addresses[which % len(self.addresses)]
+            try:
+                call = self._stub(address).StreamBatches(self._request(*pos))
+                self._call, self.current_address = call, address
+                for msg in call:
+                    if (msg.step, msg.microbatch) != pos:
+                        raise DataError(f"worker {address} sent step {msg.step} micro-batch "
+                                        f"{msg.microbatch}, expected {pos}")
+                    samples = np.frombuffer(msg.samples, dtype=np.dtype(msg.dtype).newbyteorder("<"))
+                    samples = samples.reshape(tuple(msg.shape))  # (mbs, seq + 1)
+                    if not self._put((pos, samples), stop):
+                        return
+                    pos = (pos[0] + 1, 0) if pos[1] + 1 == nmb else (pos[0], pos[1] + 1)
+                    delay, last_progress = self.backoff_s[0], time.monotonic()
+                self._put(_END, stop)
+                return
+            except grpc.RpcError as e:
+                if stop.is_set():
+                    return
+                if e.code() not in _RETRYABLE:
+                    self._put(_Failure(DataError(f"data worker {address}: {e.code().name}: {e.details()}")), stop)
+                    return
+                if time.monotonic() - last_progress > self.give_up_s:
+                    self._put(_Failure(DataError(
+                        f"no data worker of {self.addresses} served anything for {self.give_up_s:.0f}s; "
+                        f"last error from {address}: {e.code().name}: {e.details()}")), stop)
+                    return
+                self.reconnects += 1
+                log.warning("data worker %s failed (%s); resuming at %s elsewhere", address, e.code().name, pos)
+                which += 1
+                # jitter keeps ranks that lost the same worker from reconnecting in lockstep
+                stop.wait(delay * (0.5 + random.random()))
+                delay = min(delay * 2, self.backoff_s[1])
+            except BaseException as e:  # noqa: BLE001 -- a bug or bad message: surface it in the trainer
+                self._put(_Failure(e), stop)
+                return
+
+    def _restart(self, step: int) -> None:
+        self._halt()
+        self._stop = threading.Event()
+        self._queue = queue.Queue(maxsize=self.prefetch)
+        self._next = (step, 0)
+        self._thread = threading.Thread(target=self._produce, args=(step, 0, self._stop),
+                                        name=f"data-client-rank{self.dp_rank}", daemon=True)
+        self._thread.start()
+
+    def _halt(self) -> None:
+        self._stop.set()
+        if self._call is not None:
+            self._call.cancel()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self._thread, self._call = None, None
+
+    def get(self) -> Batch:
+        """The next micro-batch of the stream (blocks until it arrives)."""
+        item = self._queue.get()
+        if isinstance(item, _Failure):
+            self._next = None  # the next call restarts the stream
+            raise item.exc
+        if item is _END:
+            wanted, self._next = self._next, None
+            raise DataError(f"step {wanted[0]} is past the dataset's {self.num_steps} steps")
+        pos, samples = item
+        assert pos == self._next, f"client queue out of order: got {pos}, expected {self._next}"
+        self._next = (pos[0] + 1, 0) if pos[1] + 1 == self.num_micro_batches else (pos[0], pos[1] + 1)
+        return batch_from_samples(samples, pos[0], pos[1], self.options)
+
+    def micro_batches(self, step: int) -> list[Batch]:
+        """All of this rank's micro-batches for one step, in order.
+
+        Steps are normally asked for in sequence and come from the prefetch queue; asking for
+        any other step (resume, evaluation) reopens the stream there.
+
+        Args:
+            step: global batch index.
+
+        Returns:
+            `num_micro_batches` Batches, equal to LocalBatchSource's.
+        """
+        if self._next != (step, 0):
+            self._restart(step)
+        return [self.get() for _ in range(self.num_micro_batches)]
+
+    def close(self) -> None:
+        """Stop the background thread and close the channels."""
+        self._halt()
+        for ch in self._channels.values():
+            ch.close()
+        self._channels.clear()
+
+    def __enter__(self) -> "ServiceBatchSource":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,58 @@
+"""Run a DataService worker: `meshtrain data serve --port P` or `python -m services.dataloader.rpc.server`.
+
+A worker is stateless, so capacity grows by starting more of them (any port, any host that
+sees the dataset files at the same paths) and handing all addresses to the trainer's client.
+The server has the standard health service and reflection (try
+`grpcurl -plaintext 127.0.0.1:P list`) and stops gracefully on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from protos.dataloader.v1 import dataloader_pb2_grpc as pb_grpc
+from services.common.grpc_utils import make_server, serve_forever
+from services.dataloader.cli import add_serve_arguments
+from services.dataloader.rpc.servicer import SERVICE_NAME, DataServicer
+
+log = logging.getLogger("meshtrain.data")
+
+
+def start_server(port: int = 0, host: str = "127.0.0.1", max_workers: int = 16,
+                 cache_indices: bool = True):
+    """Start a DataService worker in this process.
+
+    Args:
+        port: TCP port; 0 picks a free one.
+        host: interface to bind; 127.0.0.1 unless serving other machines.
+        max_workers: concurrent streams served.
+        cache_indices: cache sample indices beside the datasets.
+
+    Returns:
+        (server, bound port, health servicer).
+    """
+    servicer = DataServicer(cache_indices=cache_indices)
+    return make_server([lambda s: pb_grpc.add_DataServiceServicer_to_server(servicer, s)],
+                       [SERVICE_NAME], port=port, host=host, max_workers=max_workers)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Serve until SIGTERM; prints `listening on HOST:PORT` once ready (tests wait for it)."""
+    p = argparse.ArgumentParser(prog="meshtrain data serve")
+    add_serve_arguments(p)
+    return run(p.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start a worker with the parsed `serve` flags and block until SIGTERM/SIGINT."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    server, port, health = start_server(args.port, args.host, args.max_streams)
+    serve_forever(server, health, grace_s=args.grace,
+                  on_ready=lambda: print(f"listening on {args.host}:{port}", flush=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""DataService servicer: converts messages, asks the core for micro-batches, converts back.
+
+A worker keeps no per-client state: each stream request carries the dataset spec, the rank
+and batch sizes and the first (step, micro-batch) wanted, and the worker computes those
+micro-batches with `LocalBatchSource`, exactly as the in-process path does. Opened datasets
+(and their sample indices) are kept in a small LRU, so many streams over the same spec share
+one build. Requests are validated before any file is touched; a bad one gets
+INVALID_ARGUMENT through the `ErrorInterceptor`, and the worker keeps serving the others.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+
+from protos.dataloader.v1 import dataloader_pb2 as pb
+from protos.dataloader.v1 import dataloader_pb2_grpc as pb_grpc
+from services.common.errors import DataError
+from services.dataloader.loader import LocalBatchSource
+from services.dataloader.spec import DatasetSpec, open_dataset
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DataService"].full_name
+# A micro-batch message stays far below the gRPC message limit; bigger requests are refused.
+MAX_BATCH_BYTES = 16 << 20
+MAX_DATASETS_CACHED = 8
+
+
+def spec_from_proto(m: pb.DatasetSpec) -> DatasetSpec:
+    """A DatasetSpec from its message, validated."""
+    spec = DatasetSpec(
+        prefixes=tuple(m.prefixes), weights=tuple(m.weights), seq_length=int(m.seq_length),
+        num_samples=int(m.num_samples), seed=int(m.seed), split=m.split or "969,30,1",
+        split_name=m.split_name or "train",
+    )
+    spec.validate()
+    return spec
+
+
+def spec_to_proto(spec: DatasetSpec) -> pb.DatasetSpec:
+    """The message form of a DatasetSpec."""
+    return pb.DatasetSpec(prefixes=list(spec.prefixes), weights=list(spec.weights),
+                          seq_length=spec.seq_length, num_samples=spec.num_samples,
+                          seed=spec.seed, split=spec.split, split_name=spec.split_name)
+
+
+class DataServicer(pb_grpc.DataServiceServicer):
+    """Serves any rank's micro-batches from any step; stateless apart from a dataset cache."""
+
+    def __init__(self, cache_indices: bool = True):
+        """Args:
+        cache_indices: cache sample indices beside the datasets (see `index_cache`).
+        """
+        self.cache_indices = cache_indices
+        self._datasets: OrderedDict[DatasetSpec, object] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _dataset(self, spec: DatasetSpec):
+        with self._lock:
+            if spec in self._datasets:
+                self._datasets.move_to_end(spec)
+                return self._datasets[spec]
+        # built outside the lock: a slow build must not stall streams over other specs
+        ds = open_dataset(spec, cache=self.cache_indices)
+        with self._lock:
+            self._datasets[spec] = ds
+            while len(self._datasets) > MAX_DATASETS_CACHED:
+                self._datasets.popitem(last=False)
+        return ds
+
+    def _source(self, req: pb.StreamRequest) -> LocalBatchSource:
+        if not req.HasField("spec"):
+            raise DataError("StreamRequest has no dataset spec")
+        spec = spec_from_proto(req.spec)
+        mbs_bytes = req.micro_batch_size * (spec.seq_length + 1) * 4  # int32 worst case
+        if mbs_bytes > MAX_BATCH_BYTES:
+            raise DataError(
+                f"micro_batch_size={req.micro_batch_size} x (seq_length {spec.seq_length} + 1) "
+                f"makes {mbs_bytes} byte messages, over the {MAX_BATCH_BYTES} limit"
+            )
+        if req.dp_size < 1 or req.dp_rank >= req.dp_size:
+            raise DataError(f"dp_rank={req.dp_rank} is outside [0, dp_size={req.dp_size})")
+        # checked before opening files, so a malformed request costs nothing
+        if req.micro_batch_size < 1 or req.global_batch_size < 1:
+            raise DataError(f"micro_batch_size={req.micro_batch_size} and "
+                            f"global_batch_size={req.global_batch_size} must be >= 1")
+        if req.global_batch_size % (req.micro_batch_size * req.dp_size):
+            raise DataError(f"global_batch_size={req.global_batch_size} is not divisible by "
+                            f"micro_batch_size={req.micro_batch_size} x dp_size={req.dp_size}")
+        return LocalBatchSource(self._dataset(spec), int(req.micro_batch_size),
+                                int(req.global_batch_size), int(req.dp_rank), int(req.dp_size))
+
+    def Describe(self, request: pb.StreamRequest, context) -> pb.DescribeResponse:
+        src = self._source(request)
+        return pb.DescribeResponse(num_samples=len(src.dataset), num_steps=src.num_steps,
+                                   num_micro_batches=src.num_micro_batches)
+
+    def StreamBatches(self, request: pb.StreamRequest, context):
+        src = self._source(request)
+        end = src.num_steps if request.end_step == 0 else min(int(request.end_step), src.num_steps)
+        step, mb = int(request.start_step), int(request.start_microbatch)
+        if mb >= src.num_micro_batches:
+            raise DataError(f"start_microbatch={mb} is outside [0, {src.num_micro_batches})")
+        if step >= end and request.end_step == 0:
+            raise DataError(f"start_step={step} is past the dataset's {src.num_steps} steps")
+        while step < end and context.is_active():
+            samples = src.samples(step, mb)  # (mbs, seq + 1) dataset dtype
+            samples = samples.astype(samples.dtype.newbyteorder("<"), copy=False)
+            yield pb.MicroBatch(step=step, microbatch=mb, dtype=samples.dtype.name,
+                                shape=list(samples.shape), samples=samples.tobytes())
+            mb += 1
+            if mb == src.num_micro_batches:
+                step, mb = step + 1, 0

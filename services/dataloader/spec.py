@@ -1,0 +1,148 @@
+"""Which samples a job trains on, as one value: `DatasetSpec`, and `open_dataset` to build them.
+
+A spec names the dataset prefixes and their blending weights, the train/valid/test split,
+which split, `seq_length`, `num_samples` and the seed. It is all a data worker needs to
+reproduce a stream bit for bit, so the trainer sends it over the wire and the in-process path
+uses it too. `parse_data_path` reads Megatron's `--data-path` convention: either one or more
+prefixes (equal weights), or alternating `WEIGHT PREFIX` pairs.
+
+    spec = DatasetSpec.from_data_path(["0.7", "a/ds", "0.3", "b/ds"], seq_length=1024,
+                                      num_samples=10_000, seed=1234)
+    ds = open_dataset(spec)   # GPTDataset (one prefix) or BlendedDataset
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from services.common.errors import DataError
+from services.dataloader.blend import BlendedDataset, normalize_weights, samples_needed
+from services.dataloader.indexed import IndexedDataset, is_remote
+from services.dataloader.samples import GPTDataset, split_ranges
+
+SPLITS = ("train", "valid", "test")
+INDEX_CACHE_DIR = ".meshtrain-index"
+
+
+def parse_data_path(data_path: list[str]) -> tuple[list[str], list[float]]:
+    """Split Megatron-style `data_path` entries into prefixes and weights.
+
+    Args:
+        data_path: `[PREFIX, ...]` (equal weights) or `[W1, PREFIX1, W2, PREFIX2, ...]`.
+
+    Returns:
+        (prefixes, weights); weights are validated but not normalized.
+    """
+    items = [str(x) for x in data_path]
+    if not items:
+        raise DataError("data_path is empty: give at least one dataset prefix")
+
+    def number(x: str) -> float | None:
+        try:
+            return float(x)
+        except ValueError:
+            return None
+
+    if number(items[0]) is None:
+        prefixes, weights = items, [1.0] * len(items)
+    else:
+        if len(items) % 2:
+            raise DataError(f"data_path {items} mixes weights and prefixes: give WEIGHT PREFIX pairs")
+        weights, prefixes = [], []
+        for w, p in zip(items[::2], items[1::2]):
+            if number(w) is None or number(p) is not None:
+                raise DataError(f"data_path pair ({w!r}, {p!r}) is not WEIGHT PREFIX")
+            weights.append(float(w))
+            prefixes.append(p)
+    seen: dict[str, str] = {}
+    for p in prefixes:
+        key = p.rstrip("/") if is_remote(p) else os.path.realpath(p)
+        if key in seen:
+            # listing one dataset twice silently doubles its share; say so instead
+            raise DataError(f"data_path lists dataset {p!r} twice (also as {seen[key]!r}); merge the weights")
+        seen[key] = p
+    normalize_weights(weights, prefixes)
+    return prefixes, weights
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """Everything that determines a sample stream (not the batching)."""
+
+    prefixes: tuple[str, ...]
+    weights: tuple[float, ...]
+    seq_length: int
+    num_samples: int
+    seed: int
+    split: str = "969,30,1"
+    split_name: str = "train"
+
+    @classmethod
+    def from_data_path(cls, data_path: list[str], **kw) -> "DatasetSpec":
+        """Build a spec from Megatron-style `data_path` entries (see `parse_data_path`)."""
+        prefixes, weights = parse_data_path(data_path)
+        return cls(tuple(prefixes), tuple(weights), **kw)
+
+    def validate(self) -> None:
+        """Check the fields that need no file access; raises DataError naming the field."""
+        if len(self.prefixes) != len(self.weights) or not self.prefixes:
+            raise DataError(f"spec has {len(self.prefixes)} prefixes and {len(self.weights)} weights")
+        normalize_weights(self.weights, list(self.prefixes))
+        if self.seq_length < 1:
+            raise DataError(f"seq_length={self.seq_length} must be >= 1")
+        if self.num_samples < 1:
+            raise DataError(f"num_samples={self.num_samples} must be >= 1")
+        if self.split_name not in SPLITS:
+            raise DataError(f"split_name {self.split_name!r} is not one of {SPLITS}")
+        split_ranges(1_000_000, self.split)  # validates the split string's syntax
+
+
+def index_cache_dir(prefix: str) -> str:
+    """Where indices over `prefix` are cached: a folder beside the dataset files.
+
+    For datasets on object storage the cache is local (`$MESHTRAIN_INDEX_CACHE`, default
+    `~/.cache/meshtrain/index`): entries are keyed by content hash, so sharing one folder
+    between datasets is safe, and writing next to the data would cost requests on every open.
+    """
+    if is_remote(prefix):
+        return os.environ.get("MESHTRAIN_INDEX_CACHE") or os.path.expanduser("~/.cache/meshtrain/index")
+    return str(Path(prefix).parent / INDEX_CACHE_DIR)
+
+
+def open_dataset(spec: DatasetSpec, cache: bool = True) -> GPTDataset | BlendedDataset:
+    """Open the datasets a spec names and build (or load cached) sample indices.
+
+    Args:
+        spec: the stream to build.
+        cache: cache indices beside each dataset (see `index_cache`).
+
+    Returns:
+        A GPTDataset for one prefix, else a BlendedDataset of one GPTDataset per prefix.
+    """
+    spec.validate()
+    split = SPLITS.index(spec.split_name)
+    weights = normalize_weights(spec.weights)
+    if len(spec.prefixes) == 1:
+        needs = [spec.num_samples]
+    else:
+        needs = samples_needed(weights, spec.num_samples)
+    parts: list[GPTDataset | None] = []
+    for prefix, need in zip(spec.prefixes, needs):
+        if need == 0:
+            parts.append(None)  # weight 0: never drawn, so never opened
+            continue
+        indexed = IndexedDataset(prefix)
+        begin, end = split_ranges(indexed.num_documents, spec.split)[split]
+        if end <= begin:
+            raise DataError(f"{prefix}: split {spec.split!r} leaves the {spec.split_name} split empty")
+        parts.append(GPTDataset(indexed, np.arange(begin, end, dtype=np.int64), spec.seq_length,
+                                need, spec.seed, name=spec.split_name,
+                                cache_dir=index_cache_dir(prefix) if cache else None))
+    if len(parts) == 1:
+        return parts[0]
+    cache_dir = index_cache_dir(spec.prefixes[0]) if cache else None
+    return BlendedDataset(parts, weights, spec.num_samples, name=spec.split_name, cache_dir=cache_dir)

@@ -1,0 +1,137 @@
+"""Triton cross-entropy and fused linear + cross-entropy against `kernels.reference`.
+
+Shapes are tiny (the interpreter runs one program per token row) but odd: 123 tokens, a
+vocabulary of 77 real rows padded to 80, and `MAX_BLOCK` lowered so a row spans several
+vocabulary blocks and the online max/sum is exercised.
+"""
+
+import importlib
+
+import pytest
+import torch
+
+from kernels import reference
+from tests.kernels.conftest import DEVICE, TOL, needs_triton
+
+pytestmark = needs_triton
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    ce = importlib.import_module("kernels.cross_entropy")  # `kernels.cross_entropy` is the op
+    monkeypatch.setattr(ce, "MAX_BLOCK", 32)  # 77 columns -> three blocks per row
+
+
+def _labels(n, vocab, ignored=True):
+    labels = torch.randint(0, vocab, (n,), device=DEVICE)
+    if ignored:
+        labels[3] = -100  # F.cross_entropy's default ignore_index: zero loss, still in the mean's count
+    return labels
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("masked", [False, True])
+def test_cross_entropy(dtype, masked, small_blocks):
+    """Loss and dlogits. fp32: reductions in another order -> 1e-5. bf16 logits: both sides
+    upcast the same bf16 values to fp32, so the loss agrees to fp32 rounding (1e-5) and only
+    the bf16 dlogits carry bf16 rounding (2e-2)."""
+    from kernels.cross_entropy import cross_entropy
+
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(3, 41, 77, device=DEVICE)).to(dtype).requires_grad_()
+    labels = _labels(3 * 41, 77).view(3, 41)
+    mask = (torch.rand(3, 41, device=DEVICE) > 0.3).float() if masked else None
+    loss = cross_entropy(logits, labels, mask)
+    (grad,) = torch.autograd.grad(loss * 2.0, logits)  # a non-unit incoming gradient
+    ref = reference.cross_entropy(logits.detach().double(), labels, mask)
+    torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-5)
+    logits64 = logits.detach().double().requires_grad_()
+    (grad64,) = torch.autograd.grad(reference.cross_entropy(logits64, labels, mask) * 2.0, logits64)
+    assert grad.dtype == dtype
+    torch.testing.assert_close(grad.double(), grad64, **TOL[dtype])
+
+
+def _linear_case(dtype, masked):
+    torch.manual_seed(0)
+    hidden = torch.randn(3, 41, 24, device=DEVICE).to(dtype).requires_grad_()
+    weight = (0.3 * torch.randn(80, 24, device=DEVICE)).to(dtype)
+    weight[77:] = 50.0  # padding rows with huge logits must not leak into the softmax
+    weight.requires_grad_()
+    labels = _labels(3 * 41, 77).view(3, 41)
+    mask = (torch.rand(3, 41, device=DEVICE) > 0.3).float() if masked else None
+    return hidden, weight, labels, mask
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_linear_cross_entropy_fp32(masked, small_blocks):
+    """fp32 end to end, 50 tokens a chunk (three chunks, the last short): loss, dhidden and
+    dweight to 1e-5 of the fp64 reference; padded weight rows get exactly zero gradient."""
+    from kernels.cross_entropy import linear_cross_entropy
+
+    hidden, weight, labels, mask = _linear_case(torch.float32, masked)
+    loss = linear_cross_entropy(hidden, weight, labels, mask, 77, chunk_size=50)
+    dh, dw = torch.autograd.grad(loss * 0.5, (hidden, weight))
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    ref = reference.linear_cross_entropy(h64, w64, labels, mask, 77)
+    dh64, dw64 = torch.autograd.grad(ref * 0.5, (h64, w64))
+    torch.testing.assert_close(loss.double(), ref, **TOL[torch.float32])
+    torch.testing.assert_close(dh.double(), dh64, **TOL[torch.float32])
+    torch.testing.assert_close(dw.double(), dw64, **TOL[torch.float32])
+    assert torch.all(dw[77:] == 0)
+
+
+def test_linear_cross_entropy_bf16(small_blocks):
+    """bf16 hidden and weight: the logits are rounded to bf16 after the matmul exactly as in the
+    reference, so the loss agrees to ~1e-3 (fp32 math on the same bf16 logits, but chunked
+    matmuls may round differently); the gradients go through bf16 matmuls -> 2e-2 relative,
+    with dweight's absolute tolerance a little wider since it sums 123 bf16 products."""
+    from kernels.cross_entropy import linear_cross_entropy
+
+    hidden, weight, labels, mask = _linear_case(torch.bfloat16, True)
+    loss = linear_cross_entropy(hidden, weight, labels, mask, 77, chunk_size=64)
+    dh, dw = torch.autograd.grad(loss, (hidden, weight))
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    ref = reference.linear_cross_entropy(h64, w64, labels, mask, 77)
+    dh64, dw64 = torch.autograd.grad(ref, (h64, w64))
+    assert loss.dtype == torch.float32 and dh.dtype == dw.dtype == torch.bfloat16
+    torch.testing.assert_close(loss.double(), ref, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(dh.double(), dh64, **TOL[torch.bfloat16])
+    torch.testing.assert_close(dw.double(), dw64, rtol=2e-2, atol=3e-2)
+
+
+def test_linear_cross_entropy_without_grad_matches_loss():
+    """The loss-only path (no autograd, no gradient buffers) gives the same loss."""
+    from kernels.cross_entropy import linear_cross_entropy
+
+    hidden, weight, labels, mask = _linear_case(torch.float32, True)
+    with torch.no_grad():
+        loss = linear_cross_entropy(hidden, weight, labels, mask, 77, chunk_size=64)
+    ref = reference.linear_cross_entropy(hidden.detach().double(), weight.detach().double(), labels, mask, 77)
+    torch.testing.assert_close(loss.double(), ref, **TOL[torch.float32])
+
+
+def test_vocab_shards_combine_to_the_full_softmax():
+    """The vocab-parallel recipe of the module docstring, with two shards simulated in one
+    process (a max and two sums stand in for the all-reduces): per-shard stats combine to the
+    full loss, and per-shard softmax_grad_ equals the matching slice of the full gradient."""
+    from kernels.cross_entropy import logit_stats, softmax_grad_
+
+    torch.manual_seed(0)
+    logits = 3 * torch.randn(9, 77, device=DEVICE)
+    labels = _labels(9, 77)
+    scale = torch.full((9,), 1 / 9, device=DEVICE)
+    bounds = [(0, 40), (40, 77)]  # uneven shards
+    stats = [logit_stats(logits[:, a:b], labels, a) for a, b in bounds]
+    m = torch.stack([s[0] for s in stats]).amax(0)
+    total = sum(s[1] * torch.exp(s[0] - m) for s in stats)
+    target = sum(s[2] for s in stats)
+    lse = m + torch.log(total)
+    loss_rows = torch.where(labels == -100, 0.0, lse - target)
+    ref = reference.cross_entropy(logits.double(), labels)
+    torch.testing.assert_close((loss_rows * scale).sum().double(), ref, **TOL[torch.float32])
+    full = logits.double().requires_grad_()
+    (grad64,) = torch.autograd.grad(reference.cross_entropy(full, labels), full)
+    for a, b in bounds:
+        shard = logits[:, a:b].contiguous()
+        torch.testing.assert_close(softmax_grad_(shard, labels, lse, scale, a).double(), grad64[:, a:b],
+                                   **TOL[torch.float32])

@@ -1,0 +1,174 @@
+"""Every Triton kernel on the GPU at training shapes, and the model with Triton vs reference.
+
+Run on a CUDA machine: `python -m pytest tests/kernels -m gpu -q`. The reference is evaluated
+in fp32 (from the same bf16 inputs) as ground truth; tolerances are bf16's (two ulps, 2^-7
+relative) except where a docstring says why a sum needs more.
+"""
+
+import importlib
+
+import pytest
+import torch
+
+from kernels import reference
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton"),
+]
+
+BF16 = dict(rtol=2e-2, atol=2e-2)
+
+
+def _grads(fn, inputs, dy):
+    out = fn(*inputs)
+    return out, torch.autograd.grad(out, [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad], dy)
+
+
+def _leaf(t, grad=True):
+    return t.detach().clone().requires_grad_(grad)
+
+
+def _compare(fast, ref, inputs, dy=None, tol=BF16, grad_tol=None):
+    """fast(inputs) vs ref(inputs upcast to fp32): output and every input gradient."""
+    fast_in = [_leaf(t, t.requires_grad) if isinstance(t, torch.Tensor) else t for t in inputs]
+    ref_in = [_leaf(t.float(), t.requires_grad) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+              for t in inputs]
+    y = fast(*fast_in)
+    dy = torch.randn_like(y) if dy is None else dy
+    y_ref, g_ref = _grads(ref, ref_in, dy.float())
+    g = torch.autograd.grad(y, [t for t in fast_in if isinstance(t, torch.Tensor) and t.requires_grad], dy)
+    torch.testing.assert_close(y.float(), y_ref.float(), **tol)
+    for a, b in zip(g, g_ref):
+        torch.testing.assert_close(a.float(), b.float(), **(grad_tol or tol))
+
+
+@pytest.mark.parametrize("shape", [(8, 2048, 2048), (4, 1024, 5120), (3, 1021, 1600)])
+def test_rms_norm(shape):
+    """dweight sums 10^4-10^5 bf16 rows in fp32: relative 2e-2, absolute scaled by sqrt(rows)."""
+    from kernels.rms_norm import rms_norm
+
+    x = torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(shape[-1], device="cuda", requires_grad=True)  # fp32 master weight
+    rows = x.numel() // shape[-1]
+    _compare(lambda a, b: rms_norm(a, b, 1e-5), lambda a, b: reference.rms_norm(a, b, 1e-5), [x, w],
+             grad_tol=dict(rtol=2e-2, atol=2e-2 * rows ** 0.5))
+
+
+@pytest.mark.parametrize("shape", [(8, 1024, 768), (3, 1021, 1600)])
+def test_layer_norm(shape):
+    from kernels.layer_norm import layer_norm
+
+    x = torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(shape[-1], device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(shape[-1], device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    rows = x.numel() // shape[-1]
+    _compare(lambda *a: layer_norm(*a, 1e-5), lambda *a: reference.layer_norm(*a, 1e-5), [x, w, b],
+             grad_tol=dict(rtol=2e-2, atol=2e-2 * rows ** 0.5))
+
+
+def test_gelu():
+    from kernels.gelu import gelu
+
+    _compare(gelu, reference.gelu, [torch.randn(8, 1024, 3072, device="cuda", dtype=torch.bfloat16,
+                                                requires_grad=True)])
+
+
+def test_swiglu():
+    from kernels.swiglu import swiglu
+
+    _compare(swiglu, reference.swiglu, [torch.randn(4, 2048, 2 * 5461, device="cuda", dtype=torch.bfloat16,
+                                                    requires_grad=True)])
+
+
+def test_rope():
+    """q as the attention layer makes it: a strided view of the fused qkv projection."""
+    from kernels.rope import rope
+
+    b, s, h, g, d = 4, 2048, 32, 8, 128
+    qkv = torch.randn(b, s, h + 2 * g, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    q = qkv[:, :, :h].transpose(1, 2)  # (b, h, s, d), non-contiguous
+    cos, sin = reference.rope_cos_sin(s, d, 500000.0, device="cuda")
+    y = rope(q, cos, sin)
+    dy = torch.randn_like(y)
+    (dqkv,) = torch.autograd.grad(y, qkv, dy)
+    qkv32 = _leaf(qkv.float())
+    y_ref = reference.rope(qkv32[:, :, :h].transpose(1, 2), cos, sin)
+    (dqkv_ref,) = torch.autograd.grad(y_ref, qkv32, dy.float())
+    torch.testing.assert_close(y.float(), y_ref, **BF16)
+    torch.testing.assert_close(dqkv.float(), dqkv_ref, **BF16)
+
+
+def test_linear_cross_entropy_128k_vocab():
+    """bf16 hidden and weight, 8192 tokens, 128256-word vocabulary padded to 128512, a loss mask.
+    The loss agrees to 1e-3 (same bf16 logits, fp32 softmax); dhidden and dweight come out of
+    bf16 matmuls over 128k and 8k terms, hence 2e-2 relative plus a small absolute floor. Peak
+    memory must stay well below the reference's full logits."""
+    from kernels.cross_entropy import linear_cross_entropy
+
+    n, hdim, vocab, padded = 8192, 2048, 128256, 128512
+    torch.manual_seed(0)
+    h = torch.randn(n, hdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (0.02 * torch.randn(padded, hdim, device="cuda")).to(torch.bfloat16).requires_grad_()
+    labels = torch.randint(0, vocab, (n,), device="cuda")
+    mask = (torch.rand(n, device="cuda") > 0.1).float()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    loss = linear_cross_entropy(h, w, labels, mask, vocab)
+    dh, dw = torch.autograd.grad(loss, (h, w))
+    fused_peak = torch.cuda.max_memory_allocated() - base
+    h32, w32 = _leaf(h.float()), _leaf(w.float())
+    ref = reference.linear_cross_entropy(h32, w32, labels, mask, vocab)
+    dh_ref, dw_ref = torch.autograd.grad(ref, (h32, w32))
+    torch.testing.assert_close(loss, ref, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(dh.float(), dh_ref, rtol=2e-2, atol=1e-5)
+    torch.testing.assert_close(dw.float(), dw_ref, rtol=2e-2, atol=1e-5)
+    assert torch.all(dw[vocab:] == 0)
+    full_logits_bytes = n * vocab * 4
+    assert fused_peak < full_logits_bytes, (fused_peak, full_logits_bytes)
+
+
+def test_cross_entropy_on_logits():
+    from kernels.cross_entropy import cross_entropy
+
+    logits = torch.randn(4096, 50304, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, 50304, (4096,), device="cuda")
+    _compare(lambda x: cross_entropy(x, labels), lambda x: reference.cross_entropy(x, labels), [logits],
+             dy=torch.tensor(1.0, device="cuda"), tol=dict(rtol=1e-4, atol=1e-4),
+             grad_tol=dict(rtol=2e-2, atol=1e-6))
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_model_with_triton_kernels_matches_reference(arch, monkeypatch):
+    """One forward/backward of a small GPT under bf16 autocast with every op through Triton vs
+    every op through the reference: the loss agrees to bf16 noise and so do the gradients."""
+    pytest.importorskip("tomli_w", reason="the trainer's dependencies are not installed here")
+    from services.trainer.config import ModelConfig
+    from services.trainer.model import GPT
+
+    kw = dict(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=128, vocab_size=1003)
+    if arch == "llama":
+        kw.update(normalization="rmsnorm", activation="swiglu", position_embedding_type="rope",
+                  add_bias_linear=False, untie_embeddings_and_output_weights=True, num_query_groups=2)
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(**kw)).cuda()
+    tokens = torch.randint(0, 1003, (4, 128), device="cuda")
+    labels = torch.randint(0, 1003, (4, 128), device="cuda")
+
+    def run(mode):
+        monkeypatch.setenv("MESHTRAIN_KERNELS", mode)
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(tokens, labels)
+        loss.backward()
+        return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+    loss_ref, grads_ref = run("reference")
+    loss_fast, grads_fast = run("triton")
+    torch.testing.assert_close(loss_fast, loss_ref, rtol=1e-2, atol=1e-2)
+    for name, g in grads_ref.items():
+        scale = g.abs().max().item() + 1e-12
+        err = (grads_fast[name] - g).abs().max().item()
+        assert err <= 5e-2 * scale, (name, err, scale)

@@ -1,0 +1,115 @@
+"""grpc_utils on a tiny generic service (raw bytes, no protos): error mapping, health, limits."""
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.errors import CheckpointError, ConfigError, DataError
+from services.common.grpc_utils import channel_options, make_server
+
+SERVICE = "meshtrain.test.v1.Echo"
+
+
+def _fail(request, context):
+    kind = request.decode()
+    raise {"data": DataError("dataset x is missing"), "config": ConfigError("key y is unknown"),
+           "checkpoint": CheckpointError("step 3 has no manifest"), "bug": RuntimeError("oops")}[kind]
+
+
+def _echo(request, context):
+    return request
+
+
+def _upload(request_iterator, context):
+    total = sum(len(r) for r in request_iterator)
+    if total > 10:
+        raise CheckpointError(f"upload of {total} bytes exceeds 10")
+    return str(total).encode()
+
+
+def _chat(request_iterator, context):
+    for r in request_iterator:
+        if r == b"bad":
+            raise ConfigError("chat got 'bad'")
+        yield r.upper()
+
+
+def _stream(request, context):
+    yield b"first"
+    raise DataError(f"stream broke after one message ({request.decode()})")
+
+
+@pytest.fixture(scope="module")
+def address():
+    handler = grpc.method_handlers_generic_handler(SERVICE, {
+        "Fail": grpc.unary_unary_rpc_method_handler(_fail),
+        "Echo": grpc.unary_unary_rpc_method_handler(_echo),
+        "Stream": grpc.unary_stream_rpc_method_handler(_stream),
+        "Upload": grpc.stream_unary_rpc_method_handler(_upload),
+        "Chat": grpc.stream_stream_rpc_method_handler(_chat),
+    })
+    server, port, _ = make_server([lambda s: s.add_generic_rpc_handlers((handler,))], [SERVICE], port=0)
+    yield f"127.0.0.1:{port}"
+    server.stop(0)
+
+
+@pytest.mark.parametrize("kind,code,text", [
+    ("data", grpc.StatusCode.INVALID_ARGUMENT, "dataset x is missing"),
+    ("config", grpc.StatusCode.INVALID_ARGUMENT, "key y is unknown"),
+    ("checkpoint", grpc.StatusCode.FAILED_PRECONDITION, "step 3 has no manifest"),
+    ("bug", grpc.StatusCode.UNKNOWN, ""),
+])
+def test_domain_errors_map_to_status_codes(address, kind, code, text):
+    fail = grpc.insecure_channel(address).unary_unary(f"/{SERVICE}/Fail")
+    with pytest.raises(grpc.RpcError) as e:
+        fail(kind.encode(), timeout=10)
+    assert e.value.code() == code
+    assert text in (e.value.details() or "")
+
+
+def test_stream_error_after_messages(address):
+    stream = grpc.insecure_channel(address).unary_stream(f"/{SERVICE}/Stream")
+    it = stream(b"req", timeout=10)
+    assert next(it) == b"first"
+    with pytest.raises(grpc.RpcError) as e:
+        next(it)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "stream broke after one message (req)" in e.value.details()
+
+
+def test_client_and_bidi_stream_errors(address):
+    ch = grpc.insecure_channel(address)
+    upload = ch.stream_unary(f"/{SERVICE}/Upload")
+    assert upload(iter([b"abc", b"de"]), timeout=10) == b"5"
+    with pytest.raises(grpc.RpcError) as e:
+        upload(iter([b"x" * 8, b"y" * 8]), timeout=10)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "16 bytes" in e.value.details()
+    chat = ch.stream_stream(f"/{SERVICE}/Chat")
+    it = chat(iter([b"hi", b"bad"]), timeout=10)
+    assert next(it) == b"HI"
+    with pytest.raises(grpc.RpcError) as e:
+        next(it)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "'bad'" in e.value.details()
+
+
+def test_messages_over_default_limit_pass_both_ways(address):
+    """8 MiB is twice gRPC's 4 MiB default: both ends must have raised it."""
+    echo = grpc.insecure_channel(address, options=channel_options()).unary_unary(f"/{SERVICE}/Echo")
+    blob = bytes(range(256)) * (8 << 12)
+    assert echo(blob, timeout=30) == blob
+    small = grpc.insecure_channel(address).unary_unary(f"/{SERVICE}/Echo")
+    with pytest.raises(grpc.RpcError) as e:
+        small(blob, timeout=30)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_health_serving(address):
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(address))
+    assert health.Check(health_pb2.HealthCheckRequest(service=SERVICE)).status == \
+        health_pb2.HealthCheckResponse.SERVING
+
+
+def test_port_in_use_is_a_config_error(address):
+    port = int(address.rsplit(":", 1)[1])
+    with pytest.raises(ConfigError, match=f"127.0.0.1:{port}"):
+        make_server([], [SERVICE], port=port)

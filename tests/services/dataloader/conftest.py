@@ -1,0 +1,100 @@
+"""Shared helpers for the data service tests: a small dataset and worker processes on loopback."""
+
+import hashlib
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from services.dataloader.indexed import IndexedDatasetWriter
+from services.dataloader.spec import DatasetSpec
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def write_dataset(path, seed, n_docs=60):
+    rng = np.random.default_rng(seed)
+    with IndexedDatasetWriter(path, np.uint16) as w:
+        for n in rng.integers(1, 80, size=n_docs):
+            w.add_document(rng.integers(0, 60000, size=n))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def blend_spec(tmp_path_factory):
+    """A two-dataset blend, 64 steps of global batch 16, seq 32."""
+    d = tmp_path_factory.mktemp("service-data")
+    a, b = write_dataset(d / "a", 1), write_dataset(d / "b", 2)
+    return DatasetSpec((a, b), (0.3, 0.7), seq_length=32, num_samples=64 * 16, seed=7, split="98,2,0")
+
+
+@pytest.fixture(scope="session")
+def long_spec(blend_spec):
+    """The same blend with 2 kB micro-batch messages and 2000 steps: a stream far longer than
+    gRPC's flow-control window, so a worker killed mid-test is always killed mid-stream
+    (with tiny messages the whole stream fits in socket buffers and a kill breaks nothing)."""
+    from dataclasses import replace
+
+    return replace(blend_spec, seq_length=511, num_samples=2000 * 16)
+
+
+def batch_hash(batch) -> str:
+    return hashlib.sha256(batch.tokens.numpy().tobytes() + batch.labels.numpy().tobytes()).hexdigest()
+
+
+def free_port() -> int:
+    """A free loopback port below Linux's ephemeral range (32768+).
+
+    A killed worker is restarted on its port; had that port come from the ephemeral range, a
+    client's outgoing connection could take it in between and the restart would fail to bind.
+    """
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no free loopback port in [20000, 32000)")
+
+
+class WorkerProcess:
+    """`python -m services.dataloader.rpc.server` on a loopback port, as a real separate process."""
+
+    def __init__(self, port: int | None = None):
+        port = free_port() if port is None else port
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "services.dataloader.rpc.server", "--port", str(port), "--grace", "1"],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=None if os.environ.get("MESHTRAIN_TEST_WORKER_STDERR") else subprocess.DEVNULL, text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        self.port = port
+
+    def wait_ready(self, timeout=60.0) -> "WorkerProcess":
+        deadline = time.monotonic() + timeout
+        line = self.proc.stdout.readline()  # "listening on 127.0.0.1:PORT"
+        if not line.startswith("listening on") or time.monotonic() > deadline:
+            raise RuntimeError(f"worker did not start: {line!r}, rc={self.proc.poll()}")
+        self.port = int(line.rsplit(":", 1)[1])
+        return self
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def kill(self) -> None:
+        self.proc.kill()  # SIGKILL: no graceful anything
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()

@@ -1,0 +1,64 @@
+"""`meshtrain data ...` commands through the real CLI entry point, and their error exits."""
+
+import json
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from services.cli import main
+from services.dataloader.indexed import IndexedDataset
+
+from .conftest import REPO, free_port
+
+
+def _jsonl(path, n=300):
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"text": f"document {i} " + "words " * (i % 13)}) + "\n")
+    return path
+
+
+def test_preprocess_workers_and_tokenizer(tmp_path, capsys):
+    _jsonl(tmp_path / "a.jsonl")
+    _jsonl(tmp_path / "b.jsonl", 50)
+    assert main(["data", "train-tokenizer", "--input", str(tmp_path / "*.jsonl"), "--vocab-size", "300",
+                 "--output", str(tmp_path / "tok.json")]) == 0
+    for w in (1, 2):
+        assert main(["data", "preprocess", "--input", str(tmp_path / "*.jsonl"), "--output-prefix",
+                     str(tmp_path / f"out{w}"), "--tokenizer", str(tmp_path / "tok.json"), "--append-eod",
+                     "--workers", str(w), "--quiet"]) == 0
+    a, b = IndexedDataset(tmp_path / "out1"), IndexedDataset(tmp_path / "out2")
+    assert a.num_documents == 350
+    assert np.array_equal(a.read_tokens(0, a.num_tokens), b.read_tokens(0, b.num_tokens))
+    assert "wrote" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--input", "nothing-*.jsonl", "--tokenizer", "byte"], "matches no file"),
+    (["--input", "{jsonl}", "--tokenizer", "nope.bin"], "tokenizer spec 'nope.bin'"),
+    (["--input", "{jsonl}", "--tokenizer", "byte", "--json-key", "body"], "no key 'body'"),
+    (["--input", "{jsonl}", "--tokenizer", "byte", "--workers", "0"], "workers=0"),
+])
+def test_preprocess_bad_input_exits_2_with_message(tmp_path, capsys, args, match):
+    jsonl = str(_jsonl(tmp_path / "in.jsonl", 3))
+    args = [a.replace("{jsonl}", jsonl) for a in args]
+    assert main(["data", "preprocess", "--output-prefix", str(tmp_path / "o"), *args]) == 2
+    assert match in capsys.readouterr().err
+
+
+@pytest.mark.e2e
+def test_serve_command_listens_and_stops_on_sigterm():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "data", "serve", "--port", str(port)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout.readline().strip() == f"listening on 127.0.0.1:{port}"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,92 @@
+"""tiktoken and SentencePiece tokenizers, Parquet input, and `--workers N` giving identical output."""
+
+import base64
+import json
+
+import numpy as np
+import pytest
+
+from services.common.errors import DataError
+from services.dataloader.indexed import IndexedDataset
+from services.dataloader.preprocess import preprocess_files
+from services.dataloader.tokenizers import ByteTokenizer, build_tokenizer
+
+TEXT = "the theme of the thesis is that the theatre there is theirs. " * 3
+
+
+def _tiktoken_file(path):
+    """256 byte tokens plus a few merges; tiktoken needs every merge's halves ranked lower."""
+    ranks = [bytes([i]) for i in range(256)] + [b"th", b"the", b" the", b"he", b"is"]
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for r, t in enumerate(ranks)))
+    return path
+
+
+def test_tiktoken_roundtrip_and_merges(tmp_path):
+    tok = build_tokenizer(str(_tiktoken_file(tmp_path / "tiny.tiktoken")))
+    ids = tok.encode(TEXT)
+    assert tok.decode(ids) == TEXT
+    assert 258 in ids and len(ids) < len(TEXT.encode())  # " the" merged
+    assert tok.eod_id == 261 and tok.vocab_size == 262
+    assert build_tokenizer(tok.spec).encode(TEXT) == ids
+
+
+def test_tiktoken_bad_file(tmp_path):
+    bad = tmp_path / "bad.tiktoken"
+    bad.write_text("not base64 at all\n")
+    with pytest.raises(DataError, match="bad.tiktoken:1"):
+        build_tokenizer(str(bad))
+
+
+@pytest.fixture(scope="module")
+def spm_model(tmp_path_factory):
+    import sentencepiece as spm
+
+    d = tmp_path_factory.mktemp("spm")
+    corpus = d / "corpus.txt"
+    corpus.write_text("\n".join(f"line {i} {TEXT}" for i in range(200)))
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(d / "m"), vocab_size=80,
+                                   model_type="bpe", minloglevel=2)
+    return d / "m.model"
+
+
+def test_sentencepiece_roundtrip(spm_model):
+    tok = build_tokenizer(str(spm_model))
+    ids = tok.encode("the theme of the thesis")
+    assert tok.decode(ids) == "the theme of the thesis"
+    assert tok.vocab_size == 80 and 0 <= tok.eod_id < 80
+    assert tok.encode_batch(["the", "theme"]) == [tok.encode("the"), tok.encode("theme")]
+
+
+def test_parquet_input(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = [f"doc {i} " * (i % 5 + 1) for i in range(30)]
+    pq.write_table(pa.table({"text": texts, "n": list(range(30))}), tmp_path / "in.parquet", row_group_size=7)
+    prefix = preprocess_files([tmp_path / "in.parquet"], tmp_path / "out", ByteTokenizer())
+    ds = IndexedDataset(prefix)
+    assert ds.num_documents == 30
+    assert bytes(ds[4][:-1].astype(np.uint8)).decode() == texts[4]
+    with pytest.raises(DataError, match="no column 'body'"):
+        preprocess_files([tmp_path / "in.parquet"], tmp_path / "o2", ByteTokenizer(), json_key="body")
+
+
+def test_workers_give_identical_output(tmp_path):
+    """Two spawned workers must write the very bytes one process writes (batch order is fixed)."""
+    import services.dataloader.preprocess as pre
+
+    rng = np.random.default_rng(0)
+    with open(tmp_path / "in.jsonl", "w") as f:
+        for i in range(700):  # > 2 batches of 256 documents
+            f.write(json.dumps({"text": "x" * int(rng.integers(0, 50)) + f" doc {i}"}) + "\n")
+    one = preprocess_files([tmp_path / "in.jsonl"], tmp_path / "one", ByteTokenizer(), workers=1)
+    two = preprocess_files([tmp_path / "in.jsonl"], tmp_path / "two", ByteTokenizer(), workers=2)
+    for ext in (".bin", ".idx"):
+        assert open(one + ext, "rb").read() == open(two + ext, "rb").read()
+    assert pre._BATCH_DOCS < 700
+
+
+def test_bad_json_line_names_file_and_line(tmp_path):
+    (tmp_path / "in.jsonl").write_text('{"text": "a"}\n{oops\n')
+    with pytest.raises(DataError, match=r"in.jsonl:2"):
+        preprocess_files([tmp_path / "in.jsonl"], tmp_path / "o", ByteTokenizer())

@@ -1,0 +1,126 @@
+"""The DataService over real gRPC on loopback: same batches as in-process, errors, health."""
+
+import signal
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from protos.dataloader.v1 import dataloader_pb2 as pb
+from protos.dataloader.v1 import dataloader_pb2_grpc as pb_grpc
+from services.common.errors import DataError
+from services.dataloader.loader import LocalBatchSource
+from services.dataloader.rpc.client import ServiceBatchSource
+from services.dataloader.rpc.server import start_server
+from services.dataloader.rpc.servicer import SERVICE_NAME, spec_to_proto
+from services.dataloader.spec import open_dataset
+
+from .conftest import WorkerProcess, batch_hash
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv, port, _ = start_server(0)
+    yield f"127.0.0.1:{port}"
+    srv.stop(0)
+
+
+def _request(spec, **kw):
+    base = dict(spec=spec_to_proto(spec), dp_rank=0, dp_size=2, micro_batch_size=2, global_batch_size=16)
+    base.update(kw)
+    return pb.StreamRequest(**base)
+
+
+@pytest.mark.parametrize("dp_rank", [0, 1])
+def test_stream_equals_in_process(server, blend_spec, dp_rank):
+    local = LocalBatchSource(open_dataset(blend_spec), 2, 16, dp_rank, 2)
+    with ServiceBatchSource([server], blend_spec, 2, 16, dp_rank, 2, prefetch=3) as remote:
+        for step in list(range(0, 6)) + [40, 41, 3]:  # sequential, then seeks both ways
+            got, want = remote.micro_batches(step), local.micro_batches(step)
+            assert [batch_hash(b) for b in got] == [batch_hash(b) for b in want]
+            assert [(b.step, b.microbatch) for b in got] == [(step, m) for m in range(4)]
+            assert got[0].tokens.dtype == want[0].tokens.dtype
+
+
+def test_wire_is_raw_bytes_of_the_token_dtype(server, blend_spec):
+    stub = pb_grpc.DataServiceStub(grpc.insecure_channel(server))
+    msg = next(stub.StreamBatches(_request(blend_spec, start_step=5, start_microbatch=1)))
+    assert (msg.step, msg.microbatch, msg.dtype, list(msg.shape)) == (5, 1, "uint16", [2, 33])
+    assert len(msg.samples) == 2 * 33 * 2
+    want = LocalBatchSource(open_dataset(blend_spec), 2, 16, 0, 2).samples(5, 1)
+    assert np.array_equal(np.frombuffer(msg.samples, "<u2").reshape(2, 33), want)
+    info = stub.Describe(_request(blend_spec))
+    assert (info.num_samples, info.num_steps, info.num_micro_batches) == (1024, 64, 4)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(dp_rank=2), "dp_rank=2"),
+    (dict(global_batch_size=15), "not divisible"),
+    (dict(micro_batch_size=1 << 20), "limit"),
+    (dict(start_step=64), "past"),
+    (dict(start_microbatch=4), "start_microbatch"),
+])
+def test_bad_requests_are_invalid_argument(server, blend_spec, change, match):
+    stub = pb_grpc.DataServiceStub(grpc.insecure_channel(server))
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.StreamBatches(_request(blend_spec, **change)))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert match in e.value.details()
+
+
+def test_bad_specs_are_invalid_argument_and_server_keeps_serving(server, blend_spec, tmp_path):
+    stub = pb_grpc.DataServiceStub(grpc.insecure_channel(server))
+    bad_specs = [
+        pb.DatasetSpec(prefixes=[str(tmp_path / "missing")], weights=[1], seq_length=8, num_samples=10),
+        pb.DatasetSpec(prefixes=blend_spec.prefixes, weights=[-1, 2], seq_length=8, num_samples=10),
+        pb.DatasetSpec(prefixes=blend_spec.prefixes, weights=[0, 0], seq_length=8, num_samples=10),
+        pb.DatasetSpec(prefixes=blend_spec.prefixes[:1], weights=[1], seq_length=10**6, num_samples=10),
+    ]
+    for spec in bad_specs:
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Describe(pb.StreamRequest(spec=spec, dp_size=1, micro_batch_size=1, global_batch_size=1))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+    assert stub.Describe(_request(blend_spec)).num_steps == 64
+
+
+def test_client_raises_server_message(server, blend_spec, tmp_path):
+    from dataclasses import replace
+
+    spec = replace(blend_spec, prefixes=(str(tmp_path / "nope"),), weights=(1.0,))
+    with ServiceBatchSource([server], spec, 2, 16, 0, 2) as remote:
+        with pytest.raises(DataError, match="INVALID_ARGUMENT.*missing"):
+            remote.micro_batches(0)
+
+
+def test_health_and_reflection(server):
+    ch = grpc.insecure_channel(server)
+    health = health_pb2_grpc.HealthStub(ch)
+    for name in ("", SERVICE_NAME):
+        resp = health.Check(health_pb2.HealthCheckRequest(service=name))
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+    refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+    resp = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    names = {s.name for s in resp.list_services_response.service}
+    assert {SERVICE_NAME, "grpc.health.v1.Health"} <= names
+
+
+@pytest.mark.e2e
+def test_serve_process_stops_gracefully_on_sigterm():
+    w = WorkerProcess().wait_ready()
+    try:
+        ch = grpc.insecure_channel(w.address)
+        health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        w.proc.send_signal(signal.SIGTERM)
+        assert w.proc.wait(timeout=20) == 0
+    finally:
+        w.stop()
+
+
+def test_dns_name_target_with_round_robin(server, blend_spec):
+    """One `dns:///name:port` target, balanced round-robin over what the name resolves to."""
+    port = server.rsplit(":", 1)[1]
+    local = LocalBatchSource(open_dataset(blend_spec), 2, 16, 1, 2)
+    with ServiceBatchSource([f"dns:///localhost:{port}"], blend_spec, 2, 16, 1, 2) as remote:
+        assert [batch_hash(b) for b in remote.micro_batches(7)] == [batch_hash(b) for b in local.micro_batches(7)]
