@@ -3,16 +3,19 @@
     python benchmarks/recompute_memory.py --config deploy/configs/llama-1b.toml --out recompute.json
 
 For each plan (none, selective, full uniform, full block of half the layers) one micro-batch
-forward + backward of the configured model in bf16 autocast on one device, after a warm-up;
-reports peak memory above the weights (CUDA allocator statistics) and the fwd+bwd time, so the
-baseline (no recompute) is measured in the same run. Eager mode: recompute's memory effect
-is the question here, not compiled speed.
+forward + backward of the configured model on one device, after a warm-up; reports peak
+memory above the weights and the fwd+bwd time, so the baseline (no recompute) is measured in
+the same run. On CUDA: bf16 autocast, allocator statistics. On CPU: fp32, each plan in a fresh
+process, peak resident memory (VmHWM) minus the resident memory after the warm-up's weights
+and optimizer-free gradients exist. Eager mode: recompute's memory effect is the question
+here, not compiled speed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -51,7 +54,7 @@ def measure(job, plan: dict, device: torch.device, iters: int) -> dict:
 
     step()
     sync()
-    weights = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+    weights = torch.cuda.memory_allocated() if device.type == "cuda" else _rss("VmRSS")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
@@ -59,11 +62,19 @@ def measure(job, plan: dict, device: torch.device, iters: int) -> dict:
         step()
     sync()
     seconds = (time.perf_counter() - start) / iters
-    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else _rss("VmHWM")
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {"fwd_bwd_s": seconds, "peak_gb": peak / 1e9, "activation_gb": (peak - weights) / 1e9}
+
+
+def _rss(field: str) -> int:
+    """Resident (VmRSS) or peak resident (VmHWM) bytes of this process, from /proc."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def main() -> None:
@@ -71,10 +82,21 @@ def main() -> None:
     p.add_argument("--config", required=True)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--out", default="recompute_memory.json")
+    p.add_argument("--plan", help=argparse.SUPPRESS)  # internal: one plan in this process, JSON on stdout
     args, overrides = p.parse_known_args()
     job = load_config(["--config", args.config, *overrides])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    rows = {name: measure(job, plan, device, args.iters) for name, plan in PLANS.items()}
+    if args.plan:
+        print(json.dumps(measure(job, PLANS[args.plan], device, args.iters)))
+        return
+    if device.type == "cuda":
+        rows = {name: measure(job, plan, device, args.iters) for name, plan in PLANS.items()}
+    else:  # a process's peak RSS never goes down: one fresh process per plan
+        rows = {}
+        for name in PLANS:
+            cmd = [sys.executable, __file__, "--config", args.config, "--iters", str(args.iters), "--plan", name,
+                   *overrides]
+            rows[name] = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
     base = rows["none"]
     print(f"\n{args.config}  micro-batch {job.train.micro_batch_size} x seq {job.model.seq_length}  {device}")
     print(f"{'plan':<18}{'peak GB':>9}{'act. GB':>9}{'act. ratio':>11}{'fwd+bwd s':>11}{'time ratio':>11}")
