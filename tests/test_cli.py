@@ -88,3 +88,42 @@ def test_nproc_per_node_launches_tensor_parallel_ranks(tmp_path):
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r][-1] == 3
     assert meshtrain("ckpt", "list", run / "checkpoints").stdout.split() == ["3"]
+
+
+def _losses(run):
+    return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r}
+
+
+@pytest.mark.e2e
+def test_sigterm_saves_exits_0_and_resume_continues_identically(tmp_path):
+    """Preemption: SIGTERM mid-run commits a checkpoint and exits 0; the next launch resumes from
+    it and the losses of both parts equal an uninterrupted run's exactly (CPU, fp32)."""
+    import signal
+    import time
+
+    small = ["--data.default_corpus_bytes=300000", f"--data.cache_dir={tmp_path / 'cache'}", "--data.tokenizer=byte",
+             "--data.split=80,20,0", "--eval-interval", "0", "--log.plot=false", "--log-interval", "1",
+             "--train-iters", "150", "--num-layers", "1", "--hidden-size", "32", "--seq-length", "32",
+             "--micro-batch-size", "4", "--global-batch-size", "4"]
+    whole = meshtrain("train", "--config", TINY, "--run-dir", tmp_path / "whole", *small)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    ckpt = tmp_path / "ckpt"
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "train", "--config", TINY, "--save", str(ckpt),
+                             "--run-dir", str(tmp_path / "a"), *small], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "a" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 5):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    steps = meshtrain("ckpt", "list", ckpt).stdout.split()
+    assert len(steps) == 1 and 5 <= int(steps[0]) < 150, (steps, err[-1000:])
+    stopped = int(steps[0])
+    resumed = meshtrain("train", "--config", TINY, "--load", ckpt, "--save", ckpt, "--run-dir", tmp_path / "b", *small)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    first, second, reference = _losses(tmp_path / "a"), _losses(tmp_path / "b"), _losses(tmp_path / "whole")
+    assert max(first) == stopped and min(second) == stopped + 1 and max(second) == 150
+    combined = {**{s: v for s, v in first.items() if s <= stopped}, **second}
+    assert combined == reference

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +55,8 @@ class TrainResult:
     checkpoint: str | None = None
     """URL of the last checkpoint saved."""
     plot: Path | None = None
+    stopped_early: bool = False
+    """True when a stop request (SIGTERM, the control endpoint) ended the run before train_iters."""
 
 
 def pick_device(choice: str) -> torch.device:
@@ -177,6 +181,52 @@ class Trainer:
                  self.num_parameters / 1e6, self.flops_per_token, self.device,
                  ", bf16 autocast" if job.train.bf16 else "", m.tp, m.dp, m.world_size,
                  ", sequence parallel" if p.sequence_parallel else "")
+        # Requests from other threads (signal handler, control endpoint), acted on between steps.
+        self._stop = threading.Event()
+        self._checkpoint_now = threading.Event()
+        self.progress: dict[str, float | int | str | None] = {
+            "step": self.state.iteration, "train_iters": job.train.train_iters, "loss": None,
+            "tokens_per_s": None, "eta_s": None, "last_checkpoint": None}
+
+    def request_stop(self) -> None:
+        """Save a checkpoint after the current step and end the run (what SIGTERM does)."""
+        self._stop.set()
+
+    def request_checkpoint(self) -> None:
+        """Save a checkpoint after the current step and continue."""
+        self._checkpoint_now.set()
+
+    def _agreed_requests(self, at_log_step: bool) -> tuple[bool, bool]:
+        """(stop, checkpoint) as every rank sees them: any rank's request counts for all.
+
+        Alone this is checked every step; with several ranks only on logging steps, where the
+        loop synchronizes anyway, so requests cost no extra host sync (latency: log_interval).
+        """
+        if not self.mesh.distributed:
+            return self._stop.is_set(), self._checkpoint_now.is_set()
+        if not at_log_step:
+            return False, False
+        flags = torch.tensor([float(self._stop.is_set()), float(self._checkpoint_now.is_set())], device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return bool(flags[0].item()), bool(flags[1].item())
+
+    @contextlib.contextmanager
+    def _sigterm_saves(self):
+        """While training, SIGTERM (preemption, `scancel --signal`, torchrun) means: checkpoint, exit 0."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum, _frame):
+            log.warning("received %s: saving a checkpoint after this step, then stopping",
+                        signal.Signals(signum).name)
+            self._stop.set()
+
+        previous = signal.signal(signal.SIGTERM, handler)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cuda":
@@ -240,49 +290,64 @@ class Trainer:
             )
         tokens_per_step = t.global_batch_size * job.model.seq_length
         metrics = MetricsLog(self.run_dir, t.train_iters, start, job.log.progress if self.is_main else "none")
-        pending: list[tuple[torch.Tensor, torch.Tensor]] = []
-        last_time, last_step = time.perf_counter(), start
-        paused = 0.0  # seconds spent in eval/save since the last log, left out of step times
-        try:
-            for step in range(start, t.train_iters):
-                loss, grad_norm = self.train_step(step)
-                self.state.iteration = step + 1
-                self.state.consumed_samples += t.global_batch_size
-                pending.append((loss, grad_norm))
-                n = step + 1
-                if n % job.log.log_interval == 0 or n == t.train_iters:
-                    stacked = torch.stack([p[0] for p in pending])
-                    if self.mesh.dp > 1:  # each dp rank saw 1/dp of the batch: average
-                        stacked = mappings.all_reduce(stacked, self.mesh.group("dp")) / self.mesh.dp
-                    losses = stacked.tolist()  # the one host sync
-                    norm = pending[-1][1].item()
-                    now = time.perf_counter()
-                    step_time = (now - last_time - paused) / (n - last_step)
-                    for k, value in enumerate(losses):
-                        result.losses[last_step + k + 1] = value
-                    record = {
-                        "step": n, "loss": losses[-1], "lr": lr_at(step, job.optim, t.train_iters),
-                        "grad_norm": norm, "tokens_per_s": tokens_per_step / step_time,
-                        "step_time_s": step_time, "consumed_samples": self.state.consumed_samples,
-                    }
-                    if self.peak:
-                        record["mfu"] = self.flops_per_token * record["tokens_per_s"] / (self.peak * 1e12)
-                    metrics.step(record)
-                    pending.clear()
-                    last_time, last_step, paused = time.perf_counter(), n, 0.0
-                pause_start = time.perf_counter()
-                if self.data.valid is not None and (n % t.eval_interval == 0 or n == t.train_iters):
-                    result.eval_losses[n] = self.evaluate()
-                    metrics.eval(n, result.eval_losses[n])
-                interval = job.checkpoint.save_interval
-                if (interval and n % interval == 0) or n == t.train_iters:
-                    result.checkpoint = self.save()
-                paused += time.perf_counter() - pause_start
-        finally:
-            metrics.close()
+        with self._sigterm_saves():
+            try:
+                self._loop(result, metrics, start, tokens_per_step)
+            finally:
+                metrics.close()
         if job.log.plot and self.is_main:
             result.plot = plot_losses(self.run_dir)
         return result
+
+    def _loop(self, result: TrainResult, metrics: MetricsLog, start: int, tokens_per_step: int) -> None:
+        job, t = self.job, self.job.train
+        pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        last_time, last_step = time.perf_counter(), start
+        paused = 0.0  # seconds spent in eval/save since the last log, left out of step times
+        for step in range(start, t.train_iters):
+            loss, grad_norm = self.train_step(step)
+            self.state.iteration = step + 1
+            self.state.consumed_samples += t.global_batch_size
+            pending.append((loss, grad_norm))
+            n = step + 1
+            if n % job.log.log_interval == 0 or n == t.train_iters:
+                stacked = torch.stack([p[0] for p in pending])
+                if self.mesh.dp > 1:  # each dp rank saw 1/dp of the batch: average
+                    stacked = mappings.all_reduce(stacked, self.mesh.group("dp")) / self.mesh.dp
+                losses = stacked.tolist()  # the one host sync
+                norm = pending[-1][1].item()
+                now = time.perf_counter()
+                step_time = (now - last_time - paused) / (n - last_step)
+                for k, value in enumerate(losses):
+                    result.losses[last_step + k + 1] = value
+                record = {
+                    "step": n, "loss": losses[-1], "lr": lr_at(step, job.optim, t.train_iters),
+                    "grad_norm": norm, "tokens_per_s": tokens_per_step / step_time,
+                    "step_time_s": step_time, "consumed_samples": self.state.consumed_samples,
+                }
+                if self.peak:  # per device: the global batch's FLOPs shared by every rank
+                    record["mfu"] = self.flops_per_token * record["tokens_per_s"] / (
+                        self.peak * 1e12 * self.mesh.world_size)
+                metrics.step(record)
+                self.progress.update(step=n, loss=losses[-1], tokens_per_s=record["tokens_per_s"],
+                                     eta_s=(t.train_iters - n) * step_time)
+                pending.clear()
+                last_time, last_step, paused = time.perf_counter(), n, 0.0
+            pause_start = time.perf_counter()
+            if self.data.valid is not None and (n % t.eval_interval == 0 or n == t.train_iters):
+                result.eval_losses[n] = self.evaluate()
+                metrics.eval(n, result.eval_losses[n])
+            stop, checkpoint_now = self._agreed_requests(at_log_step=not pending)
+            interval = job.checkpoint.save_interval
+            if (interval and n % interval == 0) or n == t.train_iters or stop or checkpoint_now:
+                result.checkpoint = self.save()
+                self.progress["last_checkpoint"] = result.checkpoint
+                self._checkpoint_now.clear()
+            paused += time.perf_counter() - pause_start
+            if stop and n < t.train_iters:
+                log.warning("stopped at step %d on request; resume with --load %s", n, job.checkpoint.save)
+                result.stopped_early = True
+                return
 
 
 def train(job: JobConfig) -> TrainResult:
