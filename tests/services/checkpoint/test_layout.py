@@ -1,13 +1,12 @@
 """Tensor-name -> array mapping, stacking decisions, dtypes and chunk/shard shapes."""
 
-import math
 
 import numpy as np
 import pytest
 import torch
 
 from services.checkpoint import layout
-from services.checkpoint.layout import ArraySpec, array_key, chunk_and_shard_shape, group_tensors
+from services.checkpoint.layout import ArraySpec, array_key, group_tensors
 from services.common.errors import CheckpointError
 
 
@@ -80,27 +79,6 @@ def test_group_tensors_rejects_name_collision():
     lone = [("a.layers.b.layers.5.c", (3,), "float32")]
     with pytest.raises(CheckpointError, match="a.layers.b.layers.5.c"):
         group_tensors(stacked + lone)
-
-
-def test_chunks_and_shards(monkeypatch):
-    # stacked: one shard per layer slice, inner chunk = the whole slice when it is small
-    spec = ArraySpec("layers.w", (4, 6, 5), "float32", 4)
-    assert chunk_and_shard_shape(spec) == ((1, 6, 5), (1, 6, 5))
-    # unstacked: one shard for the whole tensor
-    assert chunk_and_shard_shape(ArraySpec("w", (7, 3), "float16")) == ((7, 3), (7, 3))
-    # 0-d: zarr cannot shard it, one plain chunk
-    assert chunk_and_shard_shape(ArraySpec("s", (), "int64")) == ((), None)
-    # zero-size dims get positive chunk sizes
-    assert chunk_and_shard_shape(ArraySpec("z", (0, 3), "float32")) == ((1, 3), (1, 3))
-
-    monkeypatch.setattr(layout, "MAX_CHUNK_BYTES", 1000)
-    spec = ArraySpec("big", (1001, 7), "float32")  # 28 KB -> chunks of <= 1000 bytes
-    chunks, shards = chunk_and_shard_shape(spec)
-    assert math.prod(chunks) * 4 <= 1000
-    assert all(s % c == 0 and s >= d for s, c, d in zip(shards, chunks, spec.shape))
-    assert all(-(-d // s) == 1 for d, s in zip(spec.shape, shards))  # still one shard
-    chunks, shards = chunk_and_shard_shape(ArraySpec("layers.w", (3, 500, 9), "bfloat16", 3))
-    assert shards[0] == 1 and shards[1] >= 500 and math.prod(chunks) * 2 <= 1000
 
 
 def test_dtype_conversion_is_bit_exact():

@@ -1,0 +1,100 @@
+"""Training stall of an async checkpoint save, in ms per GB of per-rank state.
+
+    python benchmarks/checkpoint_stall.py --mb 1024 --out result.json     # CUDA if available
+
+Builds `--mb` MB of bf16 per-layer boxes on the device (CUDA when available, else CPU) and
+saves them `--repeat` times with `AsyncSaver` to a local temp folder. The stall is what
+`save()` blocks for: the copy into reused host buffers (pinned on CUDA); the upload runs
+behind it and is waited for before the next save, outside the timed part. The first save
+(which allocates and pins the buffers) is reported separately. For reference it also times a
+bare `copy_` of the same tensors into the same buffers, the floor the stall can reach.
+Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.checkpoint.async_save import AsyncSaver, StorageSink
+from services.checkpoint.sharded import begin_save
+from services.checkpoint.shards import ShardSpec
+
+ROWS, COLS = 4096, 1024  # one bf16 (rows, cols) slice per layer: 8 MiB
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mb", type=float, default=512, help="per-rank state in MB")
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--local-dir", default=None, help="where uploads go (default: a temp dir)")
+    p.add_argument("--out", help="write the JSON result here")
+    args = p.parse_args()
+
+    layers = max(1, round(args.mb * 2**20 / (ROWS * COLS * 2)))
+    full = torch.randn(layers, ROWS, COLS, device=args.device).to(torch.bfloat16)
+    boxes = [(ShardSpec("layers.w", tuple(full.shape), "bfloat16", (i, 0, 0), (1, ROWS, COLS)),
+              full[i:i + 1]) for i in range(layers)]
+    gb = full.numel() * 2 / 1e9
+    with tempfile.TemporaryDirectory(dir=args.local_dir) as tmp:
+        root = os.path.join(tmp, "ckpt")
+        saver = AsyncSaver(StorageSink(root))
+        stalls, persists = [], []
+        for step in range(args.repeat + 1):
+            save_id = begin_save(root, step)
+            start = time.perf_counter()
+            saver.save(step, save_id, boxes, committer=True)
+            stalls.append(saver.last_stall_s)
+            saver.wait()
+            persists.append(time.perf_counter() - start)
+        # The floor: the same copies into the same (already allocated) buffers.
+        buffers = [saver._buffers[(spec.array, spec.offsets)] for spec, _ in boxes]
+        copies = []
+        for _ in range(args.repeat):
+            start = time.perf_counter()
+            for buf, (_, t) in zip(buffers, boxes):
+                buf.copy_(t, non_blocking=saver.pin)
+            if saver.pin:
+                torch.cuda.synchronize()
+            copies.append(time.perf_counter() - start)
+        saver.close()
+
+    steady = stalls[1:]
+    result = {
+        "device": args.device,
+        "pinned": saver.pin,
+        "gb": gb,
+        "first_stall_ms_per_gb": stalls[0] * 1e3 / gb,
+        "stall_ms_per_gb_best": min(steady) * 1e3 / gb,
+        "stall_ms_per_gb_median": statistics.median(steady) * 1e3 / gb,
+        "bare_copy_ms_per_gb_best": min(copies) * 1e3 / gb,
+        "persist_MBps_best": gb * 1e3 / min(persists[1:]),
+    }
+    print(f"{'device':<6} {'GB':>6} {'first ms/GB':>12} {'stall ms/GB best':>17} "
+          f"{'median':>8} {'bare copy ms/GB':>16} {'persist MB/s':>13}")
+    print(f"{args.device:<6} {gb:6.2f} {result['first_stall_ms_per_gb']:12.1f} "
+          f"{result['stall_ms_per_gb_best']:17.1f} {result['stall_ms_per_gb_median']:8.1f} "
+          f"{result['bare_copy_ms_per_gb_best']:16.1f} {result['persist_MBps_best']:13.1f}")
+    record = {"benchmark": "checkpoint_stall", "host": platform.node(), "cpus": os.cpu_count(),
+              "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+              "result": result}
+    print(json.dumps(record))
+    if args.out:
+        Path(args.out).write_text(json.dumps(record, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

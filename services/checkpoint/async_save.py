@@ -1,0 +1,210 @@
+"""Asynchronous saves: snapshot into reused host buffers, upload on a background thread.
+
+`AsyncSaver.save(...)` waits for the previous save, copies each box the writer owns into a
+host buffer (pinned when CUDA is available; allocated on first use and reused by later saves
+of the same boxes), and returns: the training stall is that device-to-host copy. A background
+thread then stores the boxes through a *sink*, writes the writer's fragment and, on the
+committing writer, commits. A failed store is retried with backoff; if it still fails, the
+error is kept and raised by the next `save()` or `wait()`, never dropped.
+
+The sink is what differs between the embedded default and service mode: `StorageSink(root)`
+writes straight to storage; `services.checkpoint.rpc.client.CheckpointClient` streams to the
+checkpoint service. Both offer `writer(step, save_id, writer_id, num_writers)` (an object with
+`write(spec, data)` and `finish(error=None)`) and `commit(step, save_id, num_writers,
+metadata, timeout)`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from services.checkpoint import layout
+from services.checkpoint.sharded import SaveResult, ShardWriter, commit
+from services.checkpoint.shards import ShardSpec
+from services.checkpoint.store import Root, open_root
+from services.common.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+
+class BoxWriter(Protocol):
+    """One writer's handle for one save (see `ShardWriter`)."""
+
+    def write(self, spec: ShardSpec, data: np.ndarray) -> int: ...
+
+    def finish(self, error: str | None = None) -> None: ...
+
+
+class Sink(Protocol):
+    """Where saves go: storage directly, or the checkpoint service."""
+
+    def writer(self, step: int, save_id: str, writer_id: int, num_writers: int) -> BoxWriter: ...
+
+    def commit(self, step: int, save_id: str, num_writers: int, metadata: dict | None,
+               timeout: float) -> SaveResult: ...
+
+
+class StorageSink:
+    """The embedded default: writers and committer talk to storage directly.
+
+    Args:
+        root: root URL.
+    """
+
+    def __init__(self, root: str):
+        self.root: Root = open_root(root)
+
+    def writer(self, step: int, save_id: str, writer_id: int, num_writers: int) -> ShardWriter:
+        return ShardWriter(self.root, step, save_id, writer_id, num_writers)
+
+    def commit(self, step: int, save_id: str, num_writers: int, metadata: dict | None,
+               timeout: float) -> SaveResult:
+        return commit(self.root, step, save_id, num_writers, metadata, timeout)
+
+
+def retry(what: str, fn: Callable[[], Any], attempts: int, backoff: float) -> Any:
+    """Calls `fn` up to `attempts` times, sleeping `backoff * 2**i` between tries.
+
+    Domain errors (CheckpointError: bad input, overlap, ...) are not retried: trying again
+    cannot fix them. Anything else (I/O, network) is.
+
+    Args:
+        what: description for the log and the final error.
+        fn: the action.
+        attempts: total tries, >= 1.
+        backoff: first sleep in seconds.
+
+    Returns:
+        What `fn` returned.
+    """
+    for attempt in range(attempts):
+        try:
+            return fn()
+        except CheckpointError:
+            raise
+        except Exception as e:
+            if attempt == attempts - 1:
+                raise CheckpointError(f"{what} failed after {attempts} attempts: {e!r}") from e
+            log.warning("%s failed (attempt %d of %d), retrying: %r", what, attempt + 1, attempts, e)
+            time.sleep(backoff * 2**attempt)
+    raise AssertionError("unreachable")
+
+
+class AsyncSaver:
+    """Saves one writer's boxes in the background; one save in flight at a time.
+
+    Args:
+        sink: `StorageSink(root)` or a service client.
+        writer_id: this writer's number.
+        num_writers: writers per save.
+        attempts: tries per stored object / commit before the save is reported failed.
+        backoff: first retry sleep in seconds (doubles each retry).
+        commit_timeout: seconds the committer waits for the other writers.
+    """
+
+    def __init__(self, sink: Sink, writer_id: int = 0, num_writers: int = 1, attempts: int = 3,
+                 backoff: float = 0.2, commit_timeout: float = 600.0):
+        self.sink = sink
+        self.writer_id = writer_id
+        self.num_writers = num_writers
+        self.attempts = attempts
+        self.backoff = backoff
+        self.commit_timeout = commit_timeout
+        self.pin = torch.cuda.is_available()
+        self._buffers: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-upload")
+        self._pending: Future | None = None
+        self.last_stall_s = 0.0
+
+    def save(self, step: int, save_id: str, boxes: Sequence[tuple[ShardSpec, torch.Tensor]],
+             committer: bool = False, metadata: dict | None = None) -> None:
+        """Snapshots `boxes` and starts storing them; returns once the snapshot is taken.
+
+        Args:
+            step: the step.
+            save_id: the id every writer of this save shares (`sharded.begin_save`).
+            boxes: (box, tensor holding exactly that box) for each box this writer owns.
+            committer: this writer also commits the save once all writers reported.
+            metadata: manifest metadata (used by the committer only).
+
+        Raises:
+            CheckpointError: the previous save failed (raised here, so it is not lost), or a
+                tensor does not match its box.
+        """
+        self.wait()
+        start = time.perf_counter()
+        snapshot = [(spec, self._snapshot(spec, tensor)) for spec, tensor in boxes]
+        if self.pin and any(t.is_cuda for _, t in boxes):
+            torch.cuda.synchronize()  # the non_blocking copies must land before we return
+        self.last_stall_s = time.perf_counter() - start
+        self._pending = self._pool.submit(
+            self._upload, step, save_id, snapshot, committer, metadata
+        )
+
+    def wait(self) -> SaveResult | None:
+        """Blocks until the save in flight is stored (and committed, on the committer).
+
+        Returns:
+            The SaveResult on the committer, else None (also when nothing was in flight).
+
+        Raises:
+            CheckpointError: that save failed after its retries.
+        """
+        pending, self._pending = self._pending, None
+        return None if pending is None else pending.result()
+
+    def close(self) -> None:
+        """Waits for the save in flight and stops the upload thread."""
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=True)
+
+    def _snapshot(self, spec: ShardSpec, tensor: torch.Tensor) -> torch.Tensor:
+        if tuple(tensor.shape) != spec.shape or layout.dtype_name(tensor.dtype) != spec.dtype:
+            raise CheckpointError(
+                f"box {spec.offsets}+{spec.shape} of array {spec.array!r} ({spec.dtype}) got a "
+                f"tensor of shape {tuple(tensor.shape)} dtype {tensor.dtype}"
+            )
+        key = (spec.array, spec.offsets)
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
+            # Allocated once per box and reused: pinning is slow, and so is page-faulting
+            # fresh host memory on every save.
+            buf = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self.pin)
+            self._buffers[key] = buf
+        buf.copy_(tensor.detach(), non_blocking=self.pin)
+        return buf
+
+    def _upload(self, step: int, save_id: str, snapshot: list[tuple[ShardSpec, torch.Tensor]],
+                committer: bool, metadata: dict | None) -> SaveResult | None:
+        writer = self.sink.writer(step, save_id, self.writer_id, self.num_writers)
+        try:
+            for spec, buf in snapshot:
+                data = layout.to_stored(buf)
+                retry(f"storing box {spec.offsets} of array {spec.array!r} (step {step})",
+                      lambda spec=spec, data=data: writer.write(spec, data),
+                      self.attempts, self.backoff)
+            retry(f"storing the fragment of writer {self.writer_id} (step {step})",
+                  writer.finish, self.attempts, self.backoff)
+        except Exception as e:
+            try:  # tell the committer, so it aborts now instead of at its timeout
+                writer.finish(error=f"writer {self.writer_id}: {e}")
+            except Exception as report_error:  # noqa: BLE001 - the raise below reports the cause
+                log.warning("could not report the failure to the committer: %r", report_error)
+            log.error("checkpoint save of step %d failed: %s", step, e)
+            raise
+        if not committer:
+            return None
+        return retry(
+            f"committing step {step}",
+            lambda: self.sink.commit(step, save_id, self.num_writers, metadata, self.commit_timeout),
+            self.attempts, self.backoff,
+        )

@@ -1,0 +1,98 @@
+"""`meshtrain ckpt export|import|convert`: Hugging Face export/import and checkpoint rewriting.
+
+    meshtrain ckpt export --format hf SRC DST [--step N] [--tokenizer FILE]
+    meshtrain ckpt import --format hf SRC DST
+    meshtrain ckpt convert SRC DST [--step N] [--dtype bf16|fp32|fp16] [--drop-optimizer]
+        [--target-tensor-parallel-size N] [--target-pipeline-parallel-size N]
+        [--target-expert-parallel-size N]
+
+`register_subcommands(ckpt_subparsers)` adds the three commands to the `ckpt` parser; each
+sets `func` to a handler taking the parsed namespace and returning an exit code. Errors are
+`MeshtrainError`s, which the top-level CLI prints and turns into exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from services.common.errors import CheckpointError
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Exports a training checkpoint as a Hugging Face folder."""
+    from services.checkpoint.hf import export_hf
+
+    _check_format(args.format)
+    export_hf(args.src, args.dst, step=args.step, tokenizer=args.tokenizer)
+    print(f"exported {args.src} to {args.dst} (Hugging Face safetensors + config.json)")
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    """Imports a Hugging Face folder as a step-0 training checkpoint; prints how to train on."""
+    import tomli_w
+
+    from services.checkpoint.hf import import_hf
+    from services.checkpoint.reader import read_manifest
+
+    _check_format(args.format)
+    url = import_hf(args.src, args.dst, seed=args.seed)
+    model = read_manifest(args.dst, 0)["metadata"]["config"]["model"]
+    print(f"imported {args.src} as {url}")
+    # `meshtrain train` builds the model from its own config: it must match these settings.
+    print(f"continue with: meshtrain train --load {args.dst} and this [model] section:\n")
+    print(tomli_w.dumps({"model": model}))
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    """Rewrites a checkpoint: dtype, optimizer state, shard shapes for a target layout."""
+    from services.checkpoint.convert import convert
+
+    result = convert(
+        args.src, args.dst, dtype=args.dtype, drop_optimizer=args.drop_optimizer,
+        target_tp=args.target_tp, target_pp=args.target_pp, target_ep=args.target_ep,
+        step=args.step, progress=True,
+    )
+    rate = result.bytes_read / max(result.seconds, 1e-9) / 1e9
+    print(f"converted step {result.step}: {result.tensors} tensors, {result.bytes_read / 1e9:.2f} GB read, "
+          f"{result.bytes_written / 1e9:.2f} GB written in {result.seconds:.1f} s ({rate:.2f} GB/s) -> {result.url}")
+    return 0
+
+
+def register_subcommands(ckpt_subparsers: argparse._SubParsersAction) -> None:
+    """Adds `export`, `import` and `convert` to the `ckpt` subcommand parsers.
+
+    Args:
+        ckpt_subparsers: what `add_subparsers()` of the `ckpt` parser returned.
+    """
+    exp = ckpt_subparsers.add_parser("export", help="write a checkpoint as a Hugging Face model folder")
+    exp.add_argument("--format", required=True, help="only 'hf' (safetensors + config.json)")
+    exp.add_argument("src", help="checkpoint root")
+    exp.add_argument("dst", help="folder to create")
+    exp.add_argument("--step", type=int, help="step to export (default: the latest)")
+    exp.add_argument("--tokenizer", help="tokenizer.json to ship instead of the run's")
+    exp.set_defaults(func=cmd_export)
+
+    imp = ckpt_subparsers.add_parser("import", help="turn a Hugging Face model folder into a checkpoint")
+    imp.add_argument("--format", required=True, help="only 'hf' (Llama or GPT-2 safetensors)")
+    imp.add_argument("src", help="Hugging Face model folder")
+    imp.add_argument("dst", help="checkpoint root to write step 0 into")
+    imp.add_argument("--seed", type=int, default=1234, help="seeds the stored RNG states")
+    imp.set_defaults(func=cmd_import)
+
+    conv = ckpt_subparsers.add_parser("convert", help="rewrite a checkpoint (dtype, optimizer, layout)")
+    conv.add_argument("src", help="source checkpoint root")
+    conv.add_argument("dst", help="destination checkpoint root")
+    conv.add_argument("--step", type=int, help="step to convert (default: the latest)")
+    conv.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], help="dtype of the model parameters")
+    conv.add_argument("--drop-optimizer", action="store_true", help="leave out the optimizer moments")
+    conv.add_argument("--target-tensor-parallel-size", dest="target_tp", type=int, default=1)
+    conv.add_argument("--target-pipeline-parallel-size", dest="target_pp", type=int, default=1)
+    conv.add_argument("--target-expert-parallel-size", dest="target_ep", type=int, default=1)
+    conv.set_defaults(func=cmd_convert)
+
+
+def _check_format(fmt: str) -> None:
+    if fmt != "hf":
+        raise CheckpointError(f"--format {fmt!r} is not supported; only 'hf'")

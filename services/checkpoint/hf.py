@@ -1,0 +1,537 @@
+"""Hugging Face <-> meshtrain checkpoints: `LlamaForCausalLM` and `GPT2LMHeadModel`.
+
+`export_hf(src_root, dst_dir)` turns a training checkpoint into a folder `transformers` loads
+(`model.safetensors`, `config.json`, and the run's `tokenizer.json` with a
+`tokenizer_config.json`); `import_hf(src_dir, dst_root)` turns such a folder into a step-0
+training checkpoint (fresh RNG, no optimizer state) that `meshtrain train --load` continues.
+The mapping is a list of `Rule`s, one per meshtrain tensor, each naming the HF tensors it
+becomes and the two conversions: the fused QKV (stored per query group) splits into q/k/v,
+the SwiGLU [gate; up] into gate_proj/up_proj, and GPT-2's Conv1D weights are transposed
+(its c_attn is [q; k; v]). Every tensor is planned and shape-checked before anything is
+written; an unmapped, missing or misshapen tensor is an error, and the export is built in a
+temporary folder that is renamed into place only when complete. Both directions stream one
+tensor at a time: export writes safetensors itself (the header is computed from the plan).
+
+    export_hf("runs/a/checkpoints", "out/hf")        # then AutoModelForCausalLM.from_pretrained
+    import_hf("out/hf", "runs/b/checkpoints")         # then meshtrain train --load ...
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import posixpath
+import random
+import struct
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import numpy as np
+import torch
+
+from services.checkpoint.convert import (
+    TORCH_DTYPES,
+    TensorSpec,
+    model_config,
+    resolve_step,
+    save_streaming,
+    tensor_specs,
+)
+from services.checkpoint.reader import read_manifest, read_tensor
+from services.common.config import build, to_dict
+from services.common.errors import CheckpointError
+from services.trainer.config import JobConfig, ModelConfig
+
+log = logging.getLogger(__name__)
+
+TRAIN_FORMAT = "meshtrain-train/1"  # services.trainer.checkpointing.FORMAT
+_ST_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
+              "int32": "I32", "uint8": "U8", "bool": "BOOL"}
+# HF tensors that are derived buffers, not weights: old GPT-2 files carry the causal mask,
+# old Llama files the RoPE inverse frequencies. They are skipped on import.
+_DERIVED = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+EOD_TOKEN = "<|endoftext|>"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One meshtrain tensor and the Hugging Face tensors it becomes.
+
+    Attributes:
+        ours: the meshtrain tensor name.
+        shape: its shape.
+        theirs: the HF tensor names, in the order `to_hf` returns them.
+        hf_shapes: their shapes.
+        to_hf: ours -> [theirs...].
+        from_hf: [theirs...] -> ours.
+    """
+
+    ours: str
+    shape: tuple[int, ...]
+    theirs: tuple[str, ...]
+    hf_shapes: tuple[tuple[int, ...], ...]
+    to_hf: Callable[[torch.Tensor], list[torch.Tensor]]
+    from_hf: Callable[[list[torch.Tensor]], torch.Tensor]
+
+
+def architecture(model: ModelConfig) -> str:
+    """Names the HF architecture a model maps to: "llama" or "gpt2".
+
+    Raises:
+        CheckpointError: the combination of settings has no HF equivalent; names them.
+    """
+    style = (model.normalization, model.activation, model.position_embedding_type)
+    if style == ("rmsnorm", "swiglu", "rope"):
+        return "llama"
+    if style == ("layernorm", "gelu", "learned"):
+        if not model.add_bias_linear:
+            raise CheckpointError("model.add_bias_linear=false: GPT2LMHeadModel always has linear biases")
+        if model.groups != model.num_attention_heads:
+            raise CheckpointError(
+                f"model.num_query_groups={model.num_query_groups}: GPT2LMHeadModel has no "
+                "grouped-query attention (groups must equal heads)")
+        return "gpt2"
+    raise CheckpointError(
+        f"model.normalization={model.normalization!r}, model.activation={model.activation!r}, "
+        f"model.position_embedding_type={model.position_embedding_type!r} map to no Hugging Face "
+        "architecture: Llama is rmsnorm+swiglu+rope, GPT-2 is layernorm+gelu+learned")
+
+
+def hf_config(model: ModelConfig, dtype: str) -> dict[str, Any]:
+    """The `config.json` of a model.
+
+    Args:
+        model: the architecture (vocab_size resolved).
+        dtype: logical dtype of the weights, recorded as the HF `torch_dtype`.
+
+    Raises:
+        CheckpointError: the model maps to no HF architecture.
+    """
+    arch = architecture(model)
+    if arch == "llama":
+        if model.hidden_dropout:
+            # Dropout changes training only; the exported model computes the same function.
+            log.warning("model.hidden_dropout=%s has no LlamaConfig field; dropped", model.hidden_dropout)
+        return {
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "vocab_size": model.vocab_size, "hidden_size": model.hidden_size,
+            "intermediate_size": model.ffn_size, "num_hidden_layers": model.num_layers,
+            "num_attention_heads": model.num_attention_heads,
+            "num_key_value_heads": model.groups, "head_dim": model.head_dim,
+            "hidden_act": "silu", "max_position_embeddings": model.seq_length,
+            "rms_norm_eps": model.norm_epsilon,
+            # transformers >= 5 reads rope_parameters, older versions rope_theta: write both.
+            "rope_theta": model.rotary_base,
+            "rope_parameters": {"rope_type": "default", "rope_theta": model.rotary_base},
+            "attention_bias": model.add_bias_linear, "mlp_bias": model.add_bias_linear,
+            "attention_dropout": model.attention_dropout,
+            "tie_word_embeddings": not model.untie_embeddings_and_output_weights,
+            "initializer_range": model.init_method_std, "torch_dtype": dtype,
+        }
+    return {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+        "vocab_size": model.vocab_size, "n_embd": model.hidden_size, "n_layer": model.num_layers,
+        "n_head": model.num_attention_heads, "n_inner": model.ffn_size,
+        "n_positions": model.max_positions, "layer_norm_epsilon": model.norm_epsilon,
+        "activation_function": "gelu_new", "resid_pdrop": model.hidden_dropout,
+        "embd_pdrop": model.hidden_dropout, "attn_pdrop": model.attention_dropout,
+        "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+        "tie_word_embeddings": not model.untie_embeddings_and_output_weights,
+        "initializer_range": model.init_method_std, "torch_dtype": dtype,
+    }
+
+
+def model_from_hf(config: dict[str, Any]) -> ModelConfig:
+    """The ModelConfig of an HF `config.json` (Llama or GPT-2).
+
+    Raises:
+        CheckpointError: another architecture, or a setting meshtrain cannot express; names it.
+    """
+    kind = config.get("model_type")
+
+    def need(key: str, ok: Callable[[Any], bool], allowed: str, default: Any = None) -> Any:
+        value = config.get(key, default)
+        if not ok(value):
+            raise CheckpointError(f"HF config {key}={value!r} cannot be expressed in meshtrain (needs {allowed})")
+        return value
+
+    if kind == "llama":
+        heads, hidden = config["num_attention_heads"], config["hidden_size"]
+        need("hidden_act", lambda v: v == "silu", "'silu'")
+        need("head_dim", lambda v: v in (None, hidden // heads), f"hidden_size/heads = {hidden // heads}")
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise CheckpointError(f"HF config rope scaling {rope!r} cannot be expressed in meshtrain "
+                                  "(only plain RoPE)")
+        bias = need("attention_bias", lambda v: v == config.get("mlp_bias", False),
+                    f"the same value as mlp_bias={config.get('mlp_bias', False)!r}", False)
+        table = {
+            "num_layers": config["num_hidden_layers"], "hidden_size": hidden,
+            "num_attention_heads": heads,
+            "num_query_groups": config.get("num_key_value_heads") or heads,
+            "ffn_hidden_size": config["intermediate_size"],
+            "seq_length": config["max_position_embeddings"], "vocab_size": config["vocab_size"],
+            "normalization": "rmsnorm", "norm_epsilon": config.get("rms_norm_eps", 1e-6),
+            "activation": "swiglu", "position_embedding_type": "rope",
+            "rotary_base": float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+            "add_bias_linear": bool(bias),
+            "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", False),
+            "attention_dropout": float(config.get("attention_dropout", 0.0)),
+        }
+    elif kind == "gpt2":
+        need("activation_function", lambda v: v in ("gelu_new", "gelu_pytorch_tanh"),
+             "tanh-approximate GELU: 'gelu_new'", "gelu_new")
+        need("scale_attn_weights", lambda v: v is True, "true", True)
+        need("scale_attn_by_inverse_layer_idx", lambda v: v is False, "false", False)
+        hidden = config["n_embd"]
+        table = {
+            "num_layers": config["n_layer"], "hidden_size": hidden,
+            "num_attention_heads": config["n_head"], "ffn_hidden_size": config.get("n_inner") or 4 * hidden,
+            "seq_length": config["n_positions"], "max_position_embeddings": config["n_positions"],
+            "vocab_size": config["vocab_size"], "normalization": "layernorm",
+            "norm_epsilon": config.get("layer_norm_epsilon", 1e-5), "activation": "gelu",
+            "position_embedding_type": "learned", "add_bias_linear": True,
+            "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", True),
+            "hidden_dropout": float(config.get("resid_pdrop", 0.0)),
+            "attention_dropout": float(config.get("attn_pdrop", 0.0)),
+        }
+    else:
+        raise CheckpointError(f"HF model_type {kind!r} is not supported; only 'llama' and 'gpt2'")
+    try:
+        return build(ModelConfig, table, "model.")
+    except (ValueError, KeyError) as e:
+        raise CheckpointError(f"HF config does not make a valid meshtrain model: {e}") from e
+
+
+def rules(model: ModelConfig) -> list[Rule]:
+    """The mapping of every meshtrain parameter of `model` to HF tensors, in file order.
+
+    Raises:
+        CheckpointError: the model maps to no HF architecture.
+    """
+    arch = architecture(model)
+    h, v, ffn, d = model.hidden_size, model.vocab_size, model.ffn_size, model.head_dim
+    heads, groups = model.num_attention_heads, model.groups
+    per = heads // groups
+    qkv_rows = (heads + 2 * groups) * d
+    out: list[Rule] = []
+
+    def same(ours: str, theirs: str, shape: tuple[int, ...]) -> None:
+        out.append(Rule(ours, shape, (theirs,), (shape,), lambda t: [t], lambda ts: ts[0]))
+
+    def transposed(ours: str, theirs: str, shape: tuple[int, int]) -> None:
+        # GPT-2's Conv1D stores (in, out), the transpose of a Linear's (out, in).
+        out.append(Rule(ours, shape, (theirs,), (shape[::-1],),
+                        lambda t: [t.t().contiguous()], lambda ts: ts[0].t().contiguous()))
+
+    def split_qkv(t: torch.Tensor) -> list[torch.Tensor]:
+        rest = t.shape[1:]
+        g = t.reshape(groups, per + 2, d, *rest)  # (groups, per+2, head_dim, [hidden])
+        return [g[:, :per].reshape(heads * d, *rest).contiguous(),
+                g[:, per].reshape(groups * d, *rest).contiguous(),
+                g[:, per + 1].reshape(groups * d, *rest).contiguous()]
+
+    def fuse_qkv(ts: list[torch.Tensor]) -> torch.Tensor:
+        q, k, vv = ts
+        rest = q.shape[1:]
+        parts = [q.reshape(groups, per, d, *rest), k.reshape(groups, 1, d, *rest),
+                 vv.reshape(groups, 1, d, *rest)]
+        return torch.cat(parts, dim=1).reshape(qkv_rows, *rest)  # per group: [q heads; k; v]
+
+    suffixes = ("weight", "bias") if model.add_bias_linear else ("weight",)
+    if arch == "llama":
+        same("embedding.word_embeddings.weight", "model.embed_tokens.weight", (v, h))
+        for i in range(model.num_layers):
+            ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+            same(ours + "input_norm.weight", theirs + "input_layernorm.weight", (h,))
+            for s in suffixes:
+                tail = (h,) if s == "weight" else ()
+                out.append(Rule(
+                    ours + f"attention.qkv.{s}", (qkv_rows, *tail),
+                    tuple(theirs + f"self_attn.{p}_proj.{s}" for p in "qkv"),
+                    ((heads * d, *tail), (groups * d, *tail), (groups * d, *tail)),
+                    split_qkv, fuse_qkv))
+                same(ours + f"attention.proj.{s}", theirs + f"self_attn.o_proj.{s}",
+                     (h, h) if s == "weight" else (h,))
+            same(ours + "pre_mlp_norm.weight", theirs + "post_attention_layernorm.weight", (h,))
+            for s in suffixes:
+                tail = (h,) if s == "weight" else ()
+                out.append(Rule(
+                    ours + f"mlp.fc1.{s}", (2 * ffn, *tail),
+                    (theirs + f"mlp.gate_proj.{s}", theirs + f"mlp.up_proj.{s}"),
+                    ((ffn, *tail), (ffn, *tail)),
+                    lambda t: [c.contiguous() for c in t.chunk(2, dim=0)],  # [gate; up]
+                    lambda ts: torch.cat(ts, dim=0)))
+                same(ours + f"mlp.fc2.{s}", theirs + f"mlp.down_proj.{s}",
+                     (h, ffn) if s == "weight" else (h,))
+        same("final_norm.weight", "model.norm.weight", (h,))
+    else:
+        same("embedding.word_embeddings.weight", "transformer.wte.weight", (v, h))
+        same("embedding.position_embeddings.weight", "transformer.wpe.weight", (model.max_positions, h))
+        for i in range(model.num_layers):
+            ours, theirs = f"layers.{i}.", f"transformer.h.{i}."
+            same(ours + "input_norm.weight", theirs + "ln_1.weight", (h,))
+            same(ours + "input_norm.bias", theirs + "ln_1.bias", (h,))
+            # per == 1 here, so the per-group order is per head [q_h; k_h; v_h]; c_attn wants
+            # [q; k; v] (and its weight transposed).
+            out.append(Rule(ours + "attention.qkv.weight", (3 * h, h), (theirs + "attn.c_attn.weight",),
+                            ((h, 3 * h),), lambda t: [torch.cat(split_qkv(t), dim=0).t().contiguous()],
+                            lambda ts: fuse_qkv(list(ts[0].t().chunk(3, dim=0))).contiguous()))
+            out.append(Rule(ours + "attention.qkv.bias", (3 * h,), (theirs + "attn.c_attn.bias",),
+                            ((3 * h,),), lambda t: [torch.cat(split_qkv(t), dim=0)],
+                            lambda ts: fuse_qkv(list(ts[0].chunk(3, dim=0)))))
+            transposed(ours + "attention.proj.weight", theirs + "attn.c_proj.weight", (h, h))
+            same(ours + "attention.proj.bias", theirs + "attn.c_proj.bias", (h,))
+            same(ours + "pre_mlp_norm.weight", theirs + "ln_2.weight", (h,))
+            same(ours + "pre_mlp_norm.bias", theirs + "ln_2.bias", (h,))
+            transposed(ours + "mlp.fc1.weight", theirs + "mlp.c_fc.weight", (ffn, h))
+            same(ours + "mlp.fc1.bias", theirs + "mlp.c_fc.bias", (ffn,))
+            transposed(ours + "mlp.fc2.weight", theirs + "mlp.c_proj.weight", (h, ffn))
+            same(ours + "mlp.fc2.bias", theirs + "mlp.c_proj.bias", (h,))
+        same("final_norm.weight", "transformer.ln_f.weight", (h,))
+        same("final_norm.bias", "transformer.ln_f.bias", (h,))
+    if model.untie_embeddings_and_output_weights:
+        same("output_layer.weight", "lm_head.weight", (v, h))
+    return out
+
+
+def export_hf(src_root: str, dst_dir: str, step: int | None = None,
+              tokenizer: str | None = None) -> str:
+    """Writes a training checkpoint as a Hugging Face model folder.
+
+    Args:
+        src_root: checkpoint root URL.
+        dst_dir: the folder to create (local path or fsspec URL); it must not exist.
+        step: the step; None exports the latest committed one.
+        tokenizer: a `tokenizer.json` (or folder holding one) to ship instead of the run's.
+
+    Returns:
+        `dst_dir`.
+
+    Raises:
+        CheckpointError: the model maps to no HF architecture, a tensor is missing, unmapped,
+            of the wrong shape or of mixed dtype, the run's tokenizer file is gone, or
+            `dst_dir` exists. Nothing is left at `dst_dir` then.
+    """
+    step = resolve_step(src_root, step)
+    where = f"checkpoint step {step} under {src_root!r}"
+    manifest = read_manifest(src_root, step)
+    specs, metadata = tensor_specs(manifest), manifest["metadata"]
+    model = model_config(metadata, specs, where)
+    plan = rules(model)
+    _check_tensors({r.ours: r.shape for r in plan}, specs, where, ignore=("optim.", "rng."))
+    dtypes = {specs[r.ours][1] for r in plan}
+    if len(dtypes) != 1:
+        raise CheckpointError(f"{where}: parameters have mixed dtypes {sorted(dtypes)}; "
+                              "convert to one with `ckpt convert --dtype` first")
+    dtype = dtypes.pop()
+    tokenizer_file = _tokenizer_file(tokenizer if tokenizer is not None else metadata.get("tokenizer"), where)
+
+    fs, path = fsspec.core.url_to_fs(dst_dir)
+    path = path.rstrip("/")
+    if fs.exists(path):
+        raise CheckpointError(f"export destination {dst_dir!r} already exists")
+    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+    fs.makedirs(tmp, exist_ok=True)
+    try:
+        with fs.open(posixpath.join(tmp, "model.safetensors"), "wb") as f:
+            _write_safetensors(f, plan, dtype, lambda name: read_tensor(src_root, step, name))
+        config = hf_config(model, dtype)
+        files = {"config.json": config}
+        if tokenizer_file is not None:
+            fs.put_file(str(tokenizer_file), posixpath.join(tmp, "tokenizer.json"))
+            files["tokenizer_config.json"] = _tokenizer_config(tokenizer_file, model)
+        for name, content in files.items():
+            fs.pipe_file(posixpath.join(tmp, name), json.dumps(content, indent=2).encode())
+        fs.mv(tmp, path, recursive=True)
+    finally:
+        if fs.exists(tmp):
+            fs.rm(tmp, recursive=True)
+    log.info("exported %s to %s (%s, %s)", where, dst_dir, config["architectures"][0], dtype)
+    return dst_dir
+
+
+def import_hf(src_dir: str, dst_root: str, seed: int = 1234) -> str:
+    """Writes a Hugging Face Llama / GPT-2 folder as a step-0 meshtrain training checkpoint.
+
+    The checkpoint holds the weights, `metadata.config` (a whole job config whose model
+    section comes from `config.json`), no optimizer state (`optimizer_step` 0), and RNG states
+    seeded with `seed`, which is what `checkpointing.restore` needs to continue training.
+
+    Args:
+        src_dir: local folder with `config.json` and `model.safetensors` (or a sharded
+            `model.safetensors.index.json`).
+        dst_root: checkpoint root URL.
+        seed: seeds the stored RNG states.
+
+    Returns:
+        The URL of the committed checkpoint.
+
+    Raises:
+        CheckpointError: the config cannot be expressed, a tensor is missing, unmapped or of
+            the wrong shape or mixed dtype, or step 0 already exists under `dst_root`.
+    """
+    safe_open = _safe_open()
+    src = Path(src_dir)
+    config_path = src / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"{src}: no config.json, so not a Hugging Face model folder")
+    model = model_from_hf(json.loads(config_path.read_text()))
+    files = _safetensors_files(src)
+    handles = {f: safe_open(str(src / f), framework="pt") for f in set(files.values())}
+    plan = rules(model)
+    gpt2 = architecture(model) == "gpt2"
+
+    def canonical(name: str) -> str:
+        # Old GPT-2 files name tensors without the "transformer." prefix.
+        return f"transformer.{name}" if gpt2 and not name.startswith(("transformer.", "lm_head.")) else name
+
+    stored = {canonical(n): n for n in files if not n.endswith(_DERIVED)}
+    found: dict[str, TensorSpec] = {}
+    for name, original in stored.items():
+        tensor_slice = handles[files[original]].get_slice(original)
+        dtype = _LOGICAL.get(tensor_slice.get_dtype())
+        if dtype is None:
+            raise CheckpointError(f"{src}: tensor {original!r} has unsupported dtype {tensor_slice.get_dtype()}")
+        found[name] = (tuple(tensor_slice.get_shape()), dtype)
+    if not model.untie_embeddings_and_output_weights:
+        found.pop("lm_head.weight", None)  # tied: HF ignores a stored copy, so do we
+    wanted = {t: s for r in plan for t, s in zip(r.theirs, r.hf_shapes)}
+    _check_tensors(wanted, found, f"HF folder {src}", ignore=())
+    dtypes = {found[t][1] for t in wanted}
+    if len(dtypes) != 1:
+        raise CheckpointError(f"HF folder {src}: tensors have mixed dtypes {sorted(dtypes)}")
+    dtype = dtypes.pop()
+
+    def read_hf(name: str) -> torch.Tensor:
+        original = stored[name]
+        return handles[files[original]].get_tensor(original)
+
+    by_ours = {r.ours: r for r in plan}
+
+    def load(name: str) -> torch.Tensor:
+        if name == "rng.torch_cpu":
+            return torch.Generator().manual_seed(seed).get_state()
+        rule = by_ours[name]
+        return rule.from_hf([read_hf(t) for t in rule.theirs]).contiguous()
+
+    specs: dict[str, TensorSpec] = {r.ours: (r.shape, dtype) for r in plan}
+    specs["rng.torch_cpu"] = (tuple(torch.get_rng_state().shape), "uint8")
+    np_state = np.random.RandomState(seed).get_state()
+    tokenizer = src / "tokenizer.json"
+    metadata = {
+        "format": TRAIN_FORMAT, "iteration": 0, "consumed_samples": 0, "optimizer_step": 0,
+        "config": to_dict(JobConfig(model=model)),
+        "rng_python": random.Random(seed).getstate(),
+        "rng_numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+        "tokenizer": str(tokenizer.resolve()) if tokenizer.is_file() else None,
+        "imported_from": {"url": str(src.resolve()), "format": "hf",
+                          "architecture": architecture(model)},
+    }
+    url, _ = save_streaming(dst_root, 0, specs, load, metadata, desc="import")
+    return url
+
+
+_LOGICAL = {st: name for name, st in _ST_DTYPES.items()}
+
+
+def _check_tensors(wanted: dict[str, tuple[int, ...]], have: dict[str, TensorSpec], where: str,
+                   ignore: tuple[str, ...]) -> None:
+    """Raises CheckpointError naming missing, misshapen and unmapped tensors."""
+    missing = sorted(set(wanted) - set(have))
+    if missing:
+        raise CheckpointError(f"{where}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    wrong = [f"{n} is {have[n][0]}, expected {s}" for n, s in wanted.items() if tuple(have[n][0]) != tuple(s)]
+    if wrong:
+        raise CheckpointError(f"{where}: wrong shapes: {'; '.join(wrong[:5])}")
+    unmapped = sorted(n for n in have if n not in wanted and not (ignore and n.startswith(ignore)))
+    if unmapped:
+        raise CheckpointError(f"{where}: tensors with no mapping {unmapped[:5]}")
+
+
+def _write_safetensors(f: Any, plan: list[Rule], dtype: str,
+                       read: Callable[[str], torch.Tensor]) -> None:
+    """Streams a safetensors file: the header from the plan, then each tensor as produced.
+
+    The format is an 8-byte little-endian header length, a JSON header of
+    name -> {dtype, shape, data_offsets}, then the raw little-endian bytes back to back.
+    """
+    itemsize = TORCH_DTYPES[dtype].itemsize
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for rule in plan:
+        for name, shape in zip(rule.theirs, rule.hf_shapes):
+            size = int(np.prod(shape, dtype=np.int64)) * itemsize
+            header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + size]}
+            offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the reference writer pads the header to 8 bytes
+    f.write(struct.pack("<Q", len(raw)))
+    f.write(raw)
+    written = 0
+    for rule in plan:
+        produced = rule.to_hf(read(rule.ours))
+        for name, shape, tensor in zip(rule.theirs, rule.hf_shapes, produced):
+            if tuple(tensor.shape) != tuple(shape) or tensor.dtype != TORCH_DTYPES[dtype]:
+                raise CheckpointError(f"HF tensor {name!r} came out {tuple(tensor.shape)} {tensor.dtype}, "
+                                      f"planned {tuple(shape)} {dtype}")
+            if tensor.numel():
+                # A view of the tensor's own memory: no bytes copy of the largest tensor.
+                data = tensor.contiguous().view(torch.uint8).numpy()
+                f.write(data.data)
+                written += data.nbytes
+    if written != offset:
+        raise CheckpointError(f"safetensors data is {written} bytes, the header promises {offset}")
+
+
+def _safetensors_files(src: Path) -> dict[str, str]:
+    """HF tensor name -> the safetensors file (relative to `src`) holding it."""
+    index = src / "model.safetensors.index.json"
+    if index.is_file():
+        return dict(json.loads(index.read_text())["weight_map"])
+    single = src / "model.safetensors"
+    if not single.is_file():
+        raise CheckpointError(f"{src}: no model.safetensors or model.safetensors.index.json")
+    with _safe_open()(str(single), framework="pt") as f:
+        return {name: single.name for name in f.keys()}  # noqa: SIM118 (not a dict)
+
+
+def _safe_open() -> Callable[..., Any]:
+    """`safetensors.safe_open`; import needs the package (export writes the format itself)."""
+    try:
+        from safetensors import safe_open
+    except ImportError as e:
+        raise CheckpointError("importing Hugging Face weights needs the safetensors package "
+                              "(pip install 'safetensors>=0.4.3')") from e
+    return safe_open
+
+
+def _tokenizer_file(spec: str | None, where: str) -> Path | None:
+    """The tokenizer.json a run used, or None when it has none (the byte tokenizer)."""
+    if spec in (None, "byte"):
+        if spec == "byte":
+            log.warning("%s: the byte tokenizer has no Hugging Face form; exporting without one", where)
+        return None
+    path = Path(spec)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise CheckpointError(f"{where}: the run's tokenizer {spec!r} is not a readable tokenizer.json "
+                              "here; pass the file with --tokenizer")
+    return path
+
+
+def _tokenizer_config(path: Path, model: ModelConfig) -> dict[str, Any]:
+    """A `tokenizer_config.json` that makes `AutoTokenizer` load `tokenizer.json` as a fast tokenizer."""
+    vocab = json.loads(path.read_text()).get("added_tokens", [])
+    special = {t["content"] for t in vocab if t.get("special")}
+    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast",
+                              "model_max_length": model.seq_length}
+    if EOD_TOKEN in special:
+        config.update(bos_token=EOD_TOKEN, eos_token=EOD_TOKEN)
+    return config

@@ -1,0 +1,156 @@
+"""Looking after a checkpoint root: delete a step, retention, collecting leftovers, verifying.
+
+Retention keeps the last `keep_last` committed steps and every step that is a multiple of
+`keep_every`, and deletes the other committed ones; it also removes step folders that never
+committed (crashed or aborted saves), except those of saves still in progress. A committed
+step is deleted manifest first, so a crash half-way leaves an uncommitted folder (ignored by
+readers, collected next time), never a manifest pointing at missing objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from services.checkpoint.reader import list_checkpoints, read_manifest
+from services.checkpoint.sharded import CHECKSUM, checksum, is_committed
+from services.checkpoint.store import (
+    MANIFEST_NAME,
+    join,
+    open_root,
+    parse_step_dirname,
+    read_bytes,
+    remove_tree,
+)
+from services.common.errors import CheckpointError
+
+
+def delete_checkpoint(root: str, step: int) -> bool:
+    """Deletes one step folder, committed or not.
+
+    Args:
+        root: root URL.
+        step: the step.
+
+    Returns:
+        True when there was something to delete.
+    """
+    store_root = open_root(root)
+    path = store_root.step_path(step)
+    if is_committed(store_root, step):
+        store_root.fs.rm(join(path, MANIFEST_NAME))  # uncommit first
+    if not store_root.fs.exists(path):
+        return False
+    remove_tree(store_root, path)
+    return True
+
+
+def retained(steps: Iterable[int], keep_last: int, keep_every: int) -> set[int]:
+    """Which committed steps a retention policy keeps.
+
+    Args:
+        steps: the committed steps.
+        keep_last: keep the newest this many (0: no such rule).
+        keep_every: keep steps that are multiples of this (0: no such rule).
+
+    Returns:
+        The kept steps. With both rules 0 everything is kept.
+
+    Raises:
+        CheckpointError: a negative setting.
+    """
+    if keep_last < 0 or keep_every < 0:
+        raise CheckpointError(
+            f"retention keep_last={keep_last} keep_every={keep_every}: both must be >= 0"
+        )
+    steps = sorted(steps)
+    if keep_last == 0 and keep_every == 0:
+        return set(steps)
+    kept = set(steps[-keep_last:]) if keep_last else set()
+    if keep_every:
+        kept.update(s for s in steps if s % keep_every == 0)
+    return kept
+
+
+@dataclass
+class RetentionResult:
+    """What `apply_retention` removed.
+
+    Attributes:
+        deleted: committed steps deleted by the policy.
+        collected: uncommitted step folders removed (leftovers of crashed or aborted saves).
+    """
+
+    deleted: list[int] = field(default_factory=list)
+    collected: list[int] = field(default_factory=list)
+
+
+def apply_retention(root: str, keep_last: int, keep_every: int = 0,
+                    in_progress: Iterable[int] = ()) -> RetentionResult:
+    """Applies a retention policy and collects uncommitted leftovers.
+
+    Args:
+        root: root URL.
+        keep_last: keep the newest this many committed steps (0: no such rule).
+        keep_every: also keep steps that are multiples of this (0: no such rule).
+        in_progress: steps being saved right now; their folders are left alone.
+
+    Returns:
+        A RetentionResult.
+    """
+    store_root = open_root(root)
+    committed = list_checkpoints(root)
+    kept = retained(committed, keep_last, keep_every)
+    result = RetentionResult()
+    for step in committed:
+        if step not in kept and delete_checkpoint(root, step):
+            result.deleted.append(step)
+    busy = set(in_progress)
+    store_root.fs.invalidate_cache(store_root.path)
+    try:
+        entries = store_root.fs.ls(store_root.path, detail=False)
+    except FileNotFoundError:
+        entries = []
+    for entry in entries:
+        step = parse_step_dirname(entry.rstrip("/").rsplit("/", 1)[-1])
+        if step is None or step in busy or step in committed:
+            continue
+        if not is_committed(store_root, step) and delete_checkpoint(root, step):
+            result.collected.append(step)
+    result.collected.sort()
+    return result
+
+
+def verify_checkpoint(root: str, step: int) -> int:
+    """Reads every object a checkpoint's manifest lists and checks its size and checksum.
+
+    Args:
+        root: root URL.
+        step: the step.
+
+    Returns:
+        The number of objects verified.
+
+    Raises:
+        CheckpointError: the step is not committed, or an object is missing or corrupt
+            (naming the array and object).
+    """
+    store_root = open_root(root)
+    manifest = read_manifest(root, step)
+    step_path = store_root.step_path(step)
+    listed = [("", key, obj) for key, obj in manifest["objects"].items()]
+    for name, entry in manifest["arrays"].items():
+        listed += [(name, key, obj) for key, obj in entry["objects"].items()]
+    for array, key, expected in listed:
+        where = f"array {array!r} object {key!r}" if array else f"object {key!r}"
+        where += f" (step {step} under {root!r})"
+        try:
+            data = read_bytes(store_root, join(step_path, array, key))
+        except FileNotFoundError as e:
+            raise CheckpointError(f"{where} is missing") from e
+        if len(data) != expected["size"] or checksum(data) != expected[CHECKSUM]:
+            raise CheckpointError(
+                f"{where} is corrupt: {len(data)} bytes with {CHECKSUM} {checksum(data):#010x}, "
+                f"manifest says {expected['size']} bytes with {expected[CHECKSUM]:#010x}"
+            )
+    return len(listed)

@@ -1,0 +1,1 @@
+"""gRPC shell of the checkpoint service: servicer, server and client."""

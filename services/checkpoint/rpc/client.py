@@ -1,0 +1,170 @@
+"""Client of the checkpoint service; returns domain objects, raises CheckpointError.
+
+`CheckpointClient` is also a sink for `AsyncSaver` (same `writer()` / `commit()` as
+`StorageSink`), so the trainer's async save code is the same with or without the service:
+
+    client = CheckpointClient("127.0.0.1:50051")
+    saver = AsyncSaver(client, writer_id=rank, num_writers=world)
+    saver.save(step, save_id, boxes, committer=(rank == 0), metadata=meta)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from typing import Self
+
+import grpc
+import numpy as np
+import torch
+
+from protos.checkpoint.v1 import checkpoint_pb2 as pb
+from protos.checkpoint.v1 import checkpoint_pb2_grpc as pb_grpc
+from services.checkpoint import layout
+from services.checkpoint.maintenance import RetentionResult
+from services.checkpoint.sharded import SaveResult
+from services.checkpoint.shards import ShardSpec
+from services.common.errors import CheckpointError
+from services.common.grpc_utils import channel_options
+
+
+def box_to_pb(spec: ShardSpec) -> pb.Box:
+    """ShardSpec -> protobuf Box."""
+    box = pb.Box(array=spec.array, global_shape=spec.global_shape, dtype=spec.dtype,
+                 offsets=spec.offsets, shape=spec.shape, grid=spec.grid or ())
+    if spec.stacked is not None:
+        box.stacked = spec.stacked
+    return box
+
+
+def _call(what: str, fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except grpc.RpcError as e:
+        raise CheckpointError(f"checkpoint service {what}: {e.code().name}: {e.details()}") from e
+
+
+class RemoteWriter:
+    """One writer's boxes for one save, sent in one WriteShards stream by `finish()`.
+
+    Boxes are only referenced until then (the caller's snapshot buffers stay alive anyway),
+    so sending costs no copy beyond gRPC's own; a failed stream is resent whole by a retry,
+    which is safe because storing a box again replaces it.
+    """
+
+    def __init__(self, client: CheckpointClient, save_id: str, writer_id: int):
+        self.client = client
+        self.save_id = save_id
+        self.writer_id = writer_id
+        self.boxes: dict[tuple[str, tuple[int, ...]], tuple[ShardSpec, np.ndarray]] = {}
+
+    def write(self, spec: ShardSpec, data: np.ndarray | torch.Tensor) -> int:
+        """Queues one box (stored dtype numpy array, or a tensor of the box's dtype)."""
+        if isinstance(data, torch.Tensor):
+            data = layout.to_stored(data)
+        if tuple(data.shape) != spec.shape:
+            raise CheckpointError(
+                f"box {spec.offsets}+{spec.shape} of array {spec.array!r} got data of shape "
+                f"{tuple(data.shape)}")
+        self.boxes[(spec.array, spec.offsets)] = (spec, data)
+        return data.nbytes
+
+    def _messages(self, error: str | None) -> Iterator[pb.WriteShardsRequest]:
+        yield pb.WriteShardsRequest(header=pb.WriteHeader(save_id=self.save_id,
+                                                          writer_id=self.writer_id))
+        if error is not None:
+            yield pb.WriteShardsRequest(error=error)
+            return
+        step = self.client.chunk_bytes
+        for spec, data in self.boxes.values():
+            yield pb.WriteShardsRequest(box=box_to_pb(spec))
+            flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)  # (nbytes,)
+            for start in range(0, flat.size, step):
+                yield pb.WriteShardsRequest(chunk=flat[start:start + step].tobytes())
+
+    def finish(self, error: str | None = None) -> None:
+        """Streams every queued box (or only the error) and stores the fragment."""
+        _call(f"WriteShards (writer {self.writer_id})", self.client.stub.WriteShards,
+              self._messages(error))
+
+
+class CheckpointClient:
+    """Talks to one CheckpointService.
+
+    Args:
+        address: "host:port".
+        chunk_bytes: data bytes per message (must not exceed the server's chunk limit).
+    """
+
+    def __init__(self, address: str, chunk_bytes: int = 4 << 20):
+        self.address = address
+        self.chunk_bytes = chunk_bytes
+        self.channel = grpc.insecure_channel(
+            address, options=channel_options(max(2 * chunk_bytes, 8 << 20)))
+        self.stub = pb_grpc.CheckpointServiceStub(self.channel)
+
+    def begin_save(self, step: int, num_writers: int = 1, overwrite: bool = False) -> str:
+        """Starts a save of `step` by `num_writers` writers; returns its save id."""
+        request = pb.BeginSaveRequest(step=step, num_writers=num_writers, overwrite=overwrite)
+        return _call("BeginSave", self.stub.BeginSave, request).save_id
+
+    def writer(self, step: int, save_id: str, writer_id: int, num_writers: int) -> RemoteWriter:
+        """A writer handle (the service knows the step and writer count from the save id)."""
+        return RemoteWriter(self, save_id, writer_id)
+
+    def commit(self, step: int, save_id: str, num_writers: int, metadata: dict | None = None,
+               timeout: float = 600.0) -> SaveResult:
+        """Commits the save once all writers reported; returns what was committed."""
+        request = pb.CommitRequest(save_id=save_id, metadata_json=json.dumps(metadata or {}),
+                                   timeout_s=timeout)
+        r = _call("Commit", self.stub.Commit, request, timeout=timeout + 60)
+        return SaveResult(r.url, r.step, r.num_arrays, r.num_objects, r.bytes_written, r.seconds)
+
+    def list(self) -> list[int]:
+        """Committed steps, ascending."""
+        return list(_call("List", self.stub.List, pb.ListRequest()).steps)
+
+    def describe(self, step: int) -> dict:
+        """The manifest of a committed step."""
+        response = _call("Describe", self.stub.Describe, pb.DescribeRequest(step=step))
+        return json.loads(response.manifest_json)
+
+    def read_box(self, step: int, array: str, offsets: tuple[int, ...],
+                 shape: tuple[int, ...]) -> torch.Tensor:
+        """Any box of an array (see `reader.read_box`), streamed in chunks."""
+        request = pb.ReadSliceRequest(step=step, array=array, offsets=offsets, shape=shape)
+        responses = _call("ReadSlice", self.stub.ReadSlice, request)
+        try:
+            head = next(responses)
+            dtype = head.dtype
+            stored = layout._DTYPES[dtype][1]
+            buf = bytearray(math.prod(shape) * stored.itemsize)
+            filled = 0
+            for msg in responses:
+                buf[filled:filled + len(msg.chunk)] = msg.chunk
+                filled += len(msg.chunk)
+        except grpc.RpcError as e:
+            raise CheckpointError(f"checkpoint service ReadSlice: {e.code().name}: {e.details()}") from e
+        if filled != len(buf):
+            raise CheckpointError(f"ReadSlice of {array!r} returned {filled} of {len(buf)} bytes")
+        return layout.from_stored(np.frombuffer(buf, dtype=stored).reshape(shape), dtype)
+
+    def delete(self, step: int) -> bool:
+        """Deletes a step; False when there was nothing."""
+        return _call("Delete", self.stub.Delete, pb.DeleteRequest(step=step)).deleted
+
+    def apply_retention(self, keep_last: int, keep_every: int = 0) -> RetentionResult:
+        """Keeps the last N and every K-th step; collects uncommitted leftovers."""
+        r = _call("ApplyRetention", self.stub.ApplyRetention,
+                  pb.RetentionRequest(keep_last=keep_last, keep_every=keep_every))
+        return RetentionResult(deleted=list(r.deleted), collected=list(r.collected))
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,69 @@
+"""Run the checkpoint service: `meshtrain ckpt serve ROOT --port P` or
+`python -m services.checkpoint.rpc.server ROOT --port P`.
+
+One service serves one checkpoint root (local folder, `s3://` with endpoint and credentials
+from the environment, ...). It has the standard health service and reflection (try
+`grpcurl -plaintext 127.0.0.1:P list`), binds 127.0.0.1 unless told otherwise, and stops
+gracefully on SIGTERM: saves in flight get the grace period, and a save cut short is simply
+not committed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from protos.checkpoint.v1 import checkpoint_pb2_grpc as pb_grpc
+from services.checkpoint.cli import add_serve_arguments
+from services.checkpoint.rpc.servicer import SERVICE_NAME, CheckpointServicer
+from services.common.grpc_utils import make_server, serve_forever
+
+log = logging.getLogger("meshtrain.checkpoint")
+
+
+def start_server(root: str, port: int = 0, host: str = "127.0.0.1", max_streams: int = 16,
+                 commit_timeout: float = 600.0, max_chunk_bytes: int = 4 << 20,
+                 max_inflight_bytes: int = 1 << 30):
+    """Starts a CheckpointService in this process.
+
+    Args:
+        root: the checkpoint root URL it serves.
+        port: TCP port; 0 picks a free one.
+        host: interface to bind; 127.0.0.1 unless serving other machines.
+        max_streams: concurrent RPCs (each writer stream and waiting commit holds one).
+        commit_timeout: default seconds a commit waits for its writers.
+        max_chunk_bytes: largest data chunk accepted.
+        max_inflight_bytes: box bytes held in memory at once over all streams.
+
+    Returns:
+        (server, bound port, health servicer).
+    """
+    servicer = CheckpointServicer(root, commit_timeout, max_chunk_bytes, max_inflight_bytes)
+    return make_server(
+        [lambda s: pb_grpc.add_CheckpointServiceServicer_to_server(servicer, s)],
+        [SERVICE_NAME], port=port, host=host, max_workers=max_streams,
+        max_message_bytes=max(2 * max_chunk_bytes, 8 << 20),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Starts the service with the parsed `serve` flags and blocks until SIGTERM/SIGINT."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    server, port, health = start_server(
+        args.root, args.port, args.host, args.max_streams, args.commit_timeout,
+        int(args.max_chunk_mb * 2**20), int(args.max_inflight_mb * 2**20))
+    print(f"listening on {args.host}:{port}", flush=True)
+    serve_forever(server, health, grace_s=args.grace)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Serve until SIGTERM; prints `listening on HOST:PORT` once ready (tests wait for it)."""
+    p = argparse.ArgumentParser(prog="meshtrain ckpt serve")
+    add_serve_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,234 @@
+"""The CheckpointService servicer: protobuf in, core library call, protobuf out.
+
+Writers stream boxes to `WriteShards`; each box is assembled in a buffer of exactly its size
+(a chunk beyond it, or a chunk over the chunk limit, is an error) and stored as soon as it is
+complete, so the service holds at most the boxes in flight. `ByteBudget` caps that total over
+all streams: a stream waits for room instead of growing memory. Saves in progress live in a
+table keyed by save id; a restarted service has forgotten them, and their writers get
+NOT_FOUND and must begin again (the previous checkpoint is untouched either way).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+import threading
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from protos.checkpoint.v1 import checkpoint_pb2 as pb
+from protos.checkpoint.v1 import checkpoint_pb2_grpc as pb_grpc
+from services.checkpoint import layout
+from services.checkpoint.maintenance import apply_retention, delete_checkpoint
+from services.checkpoint.reader import list_checkpoints, read_box, read_manifest
+from services.checkpoint.sharded import ShardWriter, begin_save, check_save_id, commit
+from services.checkpoint.shards import ShardSpec
+from services.common.errors import CheckpointError, MeshtrainError
+from services.common.grpc_utils import status_for
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CheckpointService"].full_name
+log = logging.getLogger("meshtrain.checkpoint")
+
+
+class ByteBudget:
+    """Bytes of box data the service may hold at once, shared by all streams.
+
+    Args:
+        limit: the cap in bytes.
+    """
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.used = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, nbytes: int, what: str) -> None:
+        """Waits until `nbytes` fit under the cap, then takes them."""
+        if nbytes > self.limit:
+            raise CheckpointError(
+                f"{what} is {nbytes} bytes, over the service's in-flight limit of {self.limit}; "
+                "use smaller boxes or start the service with a larger --max-inflight-mb"
+            )
+        with self._cond:
+            self._cond.wait_for(lambda: self.used + nbytes <= self.limit)
+            self.used += nbytes
+
+    def release(self, nbytes: int) -> None:
+        with self._cond:
+            self.used -= nbytes
+            self._cond.notify_all()
+
+
+@dataclass(frozen=True)
+class _Save:
+    step: int
+    num_writers: int
+
+
+def box_from_pb(box: pb.Box) -> ShardSpec:
+    """A protobuf Box -> ShardSpec (validated)."""
+    return ShardSpec(
+        box.array, tuple(box.global_shape), box.dtype, tuple(box.offsets), tuple(box.shape),
+        grid=tuple(box.grid) or None, stacked=box.stacked if box.HasField("stacked") else None,
+    )
+
+
+def _client_stream_errors(method):
+    """Maps domain errors of a client-streaming method to status codes (the shared
+    interceptor covers unary and server-streaming methods only)."""
+
+    @functools.wraps(method)
+    def wrapper(self, request_iterator, context):
+        try:
+            return method(self, request_iterator, context)
+        except MeshtrainError as e:
+            context.abort(status_for(e) or grpc.StatusCode.FAILED_PRECONDITION, str(e))
+
+    return wrapper
+
+
+class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
+    """Serves one checkpoint root.
+
+    Args:
+        root: root URL every request refers to.
+        commit_timeout: seconds a commit waits for writers when the request gives none.
+        max_chunk_bytes: largest data chunk accepted or sent.
+        max_inflight_bytes: cap on box bytes held in memory over all streams.
+    """
+
+    def __init__(self, root: str, commit_timeout: float = 600.0, max_chunk_bytes: int = 4 << 20,
+                 max_inflight_bytes: int = 1 << 30):
+        self.root = root
+        self.commit_timeout = commit_timeout
+        self.max_chunk_bytes = max_chunk_bytes
+        self.budget = ByteBudget(max_inflight_bytes)
+        self._saves: dict[str, _Save] = {}
+        self._lock = threading.Lock()
+
+    def _save(self, save_id: str, context) -> _Save:
+        with self._lock:
+            save = self._saves.get(save_id)
+        if save is None:
+            context.abort(grpc.StatusCode.NOT_FOUND,
+                          f"unknown save id {save_id!r}: call BeginSave first (a restarted "
+                          "service forgets saves in progress)")
+        return save
+
+    def BeginSave(self, request, context):
+        if request.num_writers < 1:
+            raise CheckpointError(f"num_writers must be >= 1, got {request.num_writers}")
+        save_id = begin_save(self.root, request.step, overwrite=request.overwrite)
+        with self._lock:
+            self._saves[save_id] = _Save(request.step, request.num_writers)
+        return pb.BeginSaveResponse(save_id=save_id)
+
+    @_client_stream_errors
+    def WriteShards(self, request_iterator, context):
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("part") != "header":
+            raise CheckpointError("a WriteShards stream must start with a header")
+        save_id = check_save_id(first.header.save_id)
+        save = self._save(save_id, context)
+        writer = ShardWriter(self.root, save.step, save_id, first.header.writer_id,
+                             save.num_writers)
+        boxes = total = 0
+        spec, buf, filled = None, None, 0
+        try:
+            for msg in request_iterator:
+                kind = msg.WhichOneof("part")
+                if kind == "box":
+                    if spec is not None:
+                        raise CheckpointError(
+                            f"box {spec.offsets} of array {spec.array!r} ended after {filled} of "
+                            f"{len(buf)} bytes")
+                    spec = box_from_pb(msg.box)
+                    nbytes = math.prod(spec.shape) * layout._DTYPES[spec.dtype][1].itemsize
+                    self.budget.acquire(nbytes, f"box {spec.offsets} of array {spec.array!r}")
+                    buf, filled = bytearray(nbytes), 0
+                elif kind == "chunk":
+                    if spec is None:
+                        raise CheckpointError("a data chunk arrived before any box")
+                    size = len(msg.chunk)
+                    if size > self.max_chunk_bytes:
+                        raise CheckpointError(
+                            f"chunk of {size} bytes for array {spec.array!r} is over the limit "
+                            f"of {self.max_chunk_bytes} bytes")
+                    if filled + size > len(buf):
+                        raise CheckpointError(
+                            f"box {spec.offsets} of array {spec.array!r} got more than its "
+                            f"{len(buf)} bytes")
+                    buf[filled:filled + size] = msg.chunk
+                    filled += size
+                elif kind == "error":
+                    writer.finish(error=msg.error)
+                    return pb.WriteShardsResponse(boxes=boxes, bytes=total)
+                else:
+                    raise CheckpointError(f"unexpected {kind!r} message inside a WriteShards stream")
+                if spec is not None and filled == len(buf):
+                    stored = np.frombuffer(buf, dtype=layout._DTYPES[spec.dtype][1])
+                    total += writer.write(spec, stored.reshape(spec.shape))
+                    boxes += 1
+                    self.budget.release(len(buf))
+                    spec, buf = None, None
+            if spec is not None:
+                raise CheckpointError(
+                    f"stream ended inside box {spec.offsets} of array {spec.array!r} "
+                    f"({filled} of {len(buf)} bytes)")
+        finally:
+            if buf is not None:
+                self.budget.release(len(buf))
+        writer.finish()
+        return pb.WriteShardsResponse(boxes=boxes, bytes=total)
+
+    def Commit(self, request, context):
+        save = self._save(check_save_id(request.save_id), context)
+        try:
+            metadata = json.loads(request.metadata_json or "{}")
+        except ValueError as e:
+            raise CheckpointError(f"commit metadata is not JSON: {e}") from e
+        try:
+            result = commit(self.root, save.step, request.save_id, save.num_writers, metadata,
+                            timeout=request.timeout_s or self.commit_timeout)
+        finally:
+            with self._lock:
+                self._saves.pop(request.save_id, None)
+        return pb.CommitResponse(
+            url=result.url, step=result.step, num_arrays=result.num_arrays,
+            num_objects=result.num_objects, bytes_written=result.bytes_written,
+            seconds=result.seconds)
+
+    def List(self, request, context):
+        return pb.ListResponse(steps=list_checkpoints(self.root))
+
+    def Describe(self, request, context):
+        return pb.DescribeResponse(manifest_json=json.dumps(read_manifest(self.root, request.step)))
+
+    def ReadSlice(self, request, context):
+        shape = tuple(request.shape)
+        manifest = read_manifest(self.root, request.step)
+        entry = manifest["arrays"].get(request.array)
+        itemsize = np.dtype(entry["stored_dtype"]).itemsize if entry else 1
+        nbytes = math.prod(shape) * itemsize
+        self.budget.acquire(nbytes, f"slice {shape} of array {request.array!r}")
+        try:
+            tensor = read_box(self.root, request.step, request.array, tuple(request.offsets), shape)
+            data = layout.to_stored(tensor).reshape(-1).view(np.uint8)  # (nbytes,)
+            yield pb.ReadSliceResponse(dtype=layout.dtype_name(tensor.dtype), shape=shape)
+            for start in range(0, len(data), self.max_chunk_bytes):
+                yield pb.ReadSliceResponse(chunk=data[start:start + self.max_chunk_bytes].tobytes())
+        finally:
+            self.budget.release(nbytes)
+
+    def Delete(self, request, context):
+        return pb.DeleteResponse(deleted=delete_checkpoint(self.root, request.step))
+
+    def ApplyRetention(self, request, context):
+        with self._lock:
+            busy = [s.step for s in self._saves.values()]
+        result = apply_retention(self.root, request.keep_last, request.keep_every, busy)
+        return pb.RetentionResponse(deleted=result.deleted, collected=result.collected)

@@ -1,0 +1,444 @@
+"""Multi-writer saves: writers store their boxes and a fragment each; one committer commits.
+
+Protocol for one save of step S (all writers agree on a `save_id`, e.g. rank 0 calls
+`begin_save` and broadcasts the id):
+
+1. each writer (`writer_id` of `num_writers`) stores one object per box it owns
+   (`ShardWriter.write`), then `finish()` stores its fragment
+   `step_S/_fragments/<save_id>/writer_<id>.json`: its boxes, their object keys, sizes, crc32;
+2. one committer (`commit`) waits for all `num_writers` fragments (timeout -> abort, nothing
+   committed), checks that the boxes of every array tile it exactly, checks every object's
+   size against one listing of the folder, writes each array's zarr.json and the group's
+   (deterministic bytes, so nobody races on them), and writes `manifest.json` last: the commit.
+
+Writers never write the same object (a box is one shard), so the protocol needs no locks and
+works on object stores, where a PUT is atomic and last-writer-wins. Readers only trust steps
+with a manifest, so a kill at any point leaves earlier checkpoints loadable.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+import uuid
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import zarr
+from zarr.storage import MemoryStore
+
+from services.checkpoint import layout
+from services.checkpoint.shards import ArrayMeta, ShardSpec, check_tiling, encode_box
+from services.checkpoint.store import (
+    MANIFEST_NAME,
+    Root,
+    join,
+    open_root,
+    read_bytes,
+    remove_tree,
+    write_bytes_atomic,
+)
+from services.common.errors import CheckpointError
+
+FORMAT = "meshtrain-checkpoint"
+FORMAT_VERSION = 1
+# crc32 (zlib): the manifest guards against torn writes and bit rot, not tampering; crc32
+# runs at memory speed in the stdlib and catches every burst error up to 32 bits.
+CHECKSUM = "crc32"
+FRAGMENTS = "_fragments"
+_SAVE_ID_RE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
+
+log = logging.getLogger(__name__)
+
+
+def checksum(data: bytes | memoryview) -> int:
+    """Returns the checksum recorded in the manifest for one stored object."""
+    return zlib.crc32(data)
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """What one committed save did.
+
+    Attributes:
+        url: URL of the committed checkpoint folder.
+        step: the step saved.
+        num_arrays: zarr arrays written.
+        num_objects: stored objects (array metadata + shards + group metadata), manifest excluded.
+        bytes_written: total size of those objects plus the manifest.
+        seconds: wall time of the commit (or of the whole save, for `save_checkpoint`).
+    """
+
+    url: str
+    step: int
+    num_arrays: int
+    num_objects: int
+    bytes_written: int
+    seconds: float
+
+
+def check_save_id(save_id: str) -> str:
+    """Returns `save_id` or raises CheckpointError: it becomes a folder name, so no '/' or '..'."""
+    if not isinstance(save_id, str) or not _SAVE_ID_RE.match(save_id):
+        raise CheckpointError(
+            f"save id {save_id!r} is not allowed: use 1-64 letters, digits, '_' or '-'"
+        )
+    return save_id
+
+
+def is_committed(root: Root, step: int) -> bool:
+    """Whether `step` has a manifest (bypassing any cached listing)."""
+    path = join(root.step_path(step), MANIFEST_NAME)
+    root.fs.invalidate_cache(root.step_path(step))
+    return root.fs.exists(path)
+
+
+def begin_save(root: str | Root, step: int, overwrite: bool = False) -> str:
+    """Prepares the folder of `step` for a new save and returns a fresh save id.
+
+    Call once (e.g. on rank 0) before any writer starts, and hand the id to every writer.
+
+    Args:
+        root: root URL or opened Root.
+        step: the step to save.
+        overwrite: replace a committed checkpoint of this step instead of refusing.
+
+    Returns:
+        The save id.
+
+    Raises:
+        CheckpointError: the step is committed and not `overwrite`.
+    """
+    root = open_root(root) if isinstance(root, str) else root
+    step_path = root.step_path(step)
+    if is_committed(root, step):
+        if not overwrite:
+            raise CheckpointError(
+                f"checkpoint step {step} already exists under {root.url!r} "
+                "(pass overwrite=True to replace it)"
+            )
+        # Uncommit first, so a crash while deleting leaves an ignored folder, not a
+        # manifest pointing at missing arrays.
+        root.fs.rm(join(step_path, MANIFEST_NAME))
+    # Leftovers of an uncommitted attempt would otherwise linger beside this one.
+    remove_tree(root, step_path)
+    return uuid.uuid4().hex
+
+
+class ShardWriter:
+    """Writes the boxes one writer owns for one save, then its fragment.
+
+    Args:
+        root: root URL or opened Root.
+        step: the step being saved.
+        save_id: the id every writer of this save shares.
+        writer_id: this writer's number, 0 <= writer_id < num_writers.
+        num_writers: how many writers the committer waits for.
+    """
+
+    def __init__(self, root: str | Root, step: int, save_id: str, writer_id: int, num_writers: int):
+        self.root = open_root(root) if isinstance(root, str) else root
+        self.step = step
+        self.save_id = check_save_id(save_id)
+        if not (isinstance(num_writers, int) and num_writers >= 1 and 0 <= writer_id < num_writers):
+            raise CheckpointError(f"writer_id {writer_id!r} of num_writers {num_writers!r} is invalid")
+        self.writer_id = writer_id
+        self.num_writers = num_writers
+        self.step_path = self.root.step_path(step)
+        self.boxes: dict[tuple[str, str], dict[str, Any]] = {}
+        self._checked = False
+
+    def write(self, spec: ShardSpec, data: torch.Tensor | np.ndarray) -> int:
+        """Stores one box (one object); writing the same box again replaces it (a retry).
+
+        Args:
+            spec: the box.
+            data: its contents, shape `spec.shape`: a tensor of dtype `spec.dtype` or a numpy
+                array already in the stored dtype.
+
+        Returns:
+            Bytes stored.
+
+        Raises:
+            CheckpointError: the step is already committed, or the data does not fit the box.
+        """
+        if not self._checked:
+            # Writing into a committed folder would corrupt a good checkpoint.
+            if is_committed(self.root, self.step):
+                raise CheckpointError(
+                    f"checkpoint step {self.step} under {self.root.url!r} is already committed; "
+                    "call begin_save(..., overwrite=True) before writing it again"
+                )
+            self._checked = True
+        if isinstance(data, torch.Tensor):
+            if layout.dtype_name(data.dtype) != spec.dtype:
+                raise CheckpointError(
+                    f"box {spec.offsets}+{spec.shape} of array {spec.array!r} is {spec.dtype} "
+                    f"but got a {data.dtype} tensor"
+                )
+            data = layout.to_stored(data)
+        parts = encode_box(spec, data)
+        size = 0 if parts is None else sum(len(p) for p in parts)
+        crc = None
+        if parts is not None:
+            crc = 0
+            for part in parts:
+                crc = zlib.crc32(part, crc)
+        record = {
+            "array": spec.array,
+            "global_shape": list(spec.global_shape),
+            "dtype": spec.dtype,
+            "offsets": list(spec.offsets),
+            "shape": list(spec.shape),
+            "grid": list(spec.grid_shape),
+            "stacked": spec.is_stacked,
+            "key": spec.key,
+            "size": size,
+            CHECKSUM: crc,
+        }
+        if parts is not None:
+            put_object(self.root, join(self.step_path, spec.array, spec.key), parts)
+        self.boxes[(spec.array, spec.key)] = record
+        return record["size"]
+
+    def finish(self, error: str | None = None) -> None:
+        """Stores this writer's fragment: the commit can proceed once all writers did this.
+
+        Args:
+            error: report a failure instead: the committer aborts the save naming it.
+        """
+        fragment = {
+            "save_id": self.save_id,
+            "step": self.step,
+            "writer_id": self.writer_id,
+            "num_writers": self.num_writers,
+            "boxes": list(self.boxes.values()),
+            "error": error,
+        }
+        path = fragment_path(self.root, self.step, self.save_id, self.writer_id)
+        write_bytes_atomic(self.root, path, json.dumps(fragment).encode())
+
+
+def fragment_path(root: Root, step: int, save_id: str, writer_id: int) -> str:
+    """Where writer `writer_id` of save `save_id` leaves its fragment."""
+    return join(root.step_path(step), FRAGMENTS, save_id, f"writer_{writer_id:05d}.json")
+
+
+def put_object(root: Root, path: str, parts: list[bytes | memoryview]) -> None:
+    """Stores one data object from consecutive parts (one PUT on object stores; plain file
+    writes on disk, so the parts are never joined into one more copy there).
+
+    Not atomic on disk: a torn object is harmless because it is either rewritten before the
+    commit or, if the writer died, never committed (and the crc32 catches it anyway).
+    """
+    if root.is_local:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.writelines(parts)
+    else:
+        root.fs.pipe_file(path, b"".join(parts))
+
+
+def _read_fragments(root: Root, step: int, save_id: str) -> dict[int, dict[str, Any]]:
+    folder = join(root.step_path(step), FRAGMENTS, save_id)
+    root.fs.invalidate_cache(folder)
+    try:
+        names = root.fs.ls(folder, detail=False)
+    except FileNotFoundError:
+        return {}
+    found = {}
+    for name in names:
+        base = name.rstrip("/").rsplit("/", 1)[-1]
+        match = re.match(r"^writer_(\d{5})\.json$", base)
+        if match:
+            found[int(match.group(1))] = json.loads(read_bytes(root, name))
+    return found
+
+
+def commit(
+    root: str | Root,
+    step: int,
+    save_id: str,
+    num_writers: int,
+    metadata: dict[str, Any] | None = None,
+    timeout: float = 600.0,
+    poll: float = 0.05,
+) -> SaveResult:
+    """Waits for every writer's fragment, validates the save and writes the manifest.
+
+    Args:
+        root: root URL or opened Root.
+        step: the step saved.
+        save_id: the save's id.
+        num_writers: how many fragments to wait for.
+        metadata: JSON-serializable user data stored in the manifest.
+        timeout: seconds to wait for the fragments; then the save is aborted.
+        poll: seconds before the second look at the fragment folder; the gap then grows to
+            at most 1 s, so a long wait on an object store costs few LIST requests.
+
+    Returns:
+        A SaveResult.
+
+    Raises:
+        CheckpointError: a writer did not report in time or reported an error, boxes overlap
+            or leave holes, an object is missing or of the wrong size, or the metadata is not
+            JSON. Nothing is committed then; earlier checkpoints are untouched.
+    """
+    start = time.perf_counter()
+    root = open_root(root) if isinstance(root, str) else root
+    check_save_id(save_id)
+    metadata = {} if metadata is None else metadata
+    try:
+        json.dumps(metadata, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint metadata for step {step} is not JSON: {e}") from e
+    deadline = time.monotonic() + timeout
+    while True:
+        fragments = _read_fragments(root, step, save_id)
+        failed = {w: f["error"] for w, f in fragments.items() if f.get("error")}
+        if failed:
+            raise CheckpointError(f"save of step {step} aborted: writers reported errors {failed}")
+        if len(fragments) >= num_writers:
+            break
+        if time.monotonic() > deadline:
+            missing = sorted(set(range(num_writers)) - set(fragments))
+            raise CheckpointError(
+                f"save of step {step} under {root.url!r} aborted: writers {missing} did not "
+                f"report within {timeout:g} s; the previous checkpoint is intact"
+            )
+        time.sleep(poll)
+        poll = min(poll * 1.5, 1.0)
+    for writer_id, fragment in fragments.items():
+        if fragment["num_writers"] != num_writers or writer_id >= num_writers:
+            raise CheckpointError(
+                f"save of step {step}: writer {writer_id} reported num_writers "
+                f"{fragment['num_writers']}, the committer expects {num_writers}"
+            )
+    if is_committed(root, step):
+        raise CheckpointError(f"checkpoint step {step} under {root.url!r} is already committed")
+
+    # array name -> (meta, boxes, object records)
+    arrays: dict[str, tuple[ArrayMeta, list[ShardSpec], dict[str, dict[str, int]]]] = {}
+    for fragment in fragments.values():
+        for rec in fragment["boxes"]:
+            spec = ShardSpec(
+                rec["array"], tuple(rec["global_shape"]), rec["dtype"], tuple(rec["offsets"]),
+                tuple(rec["shape"]), tuple(rec["grid"]), rec["stacked"],
+            )
+            meta, boxes, objects = arrays.setdefault(spec.array, (ArrayMeta.of(spec), [], {}))
+            boxes.append(spec)
+            if rec["size"]:
+                objects[rec["key"]] = {"size": rec["size"], CHECKSUM: rec[CHECKSUM]}
+    for meta, boxes, _ in arrays.values():
+        check_tiling(meta, boxes)
+
+    step_path = root.step_path(step)
+    stored = _sizes(root, step_path)
+    for name, (_, _, objects) in arrays.items():
+        for key, obj in objects.items():
+            size = stored.get(f"{name}/{key}")
+            if size != obj["size"]:
+                raise CheckpointError(
+                    f"save of step {step} aborted: array {name!r} object {key!r} is "
+                    f"{'missing' if size is None else f'{size} bytes'}, its writer reported "
+                    f"{obj['size']} bytes"
+                )
+
+    manifest: dict[str, Any] = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "checksum": CHECKSUM,
+        "created_unix": time.time(),
+        "num_writers": num_writers,
+        "arrays": {},
+        "objects": {},
+        "metadata": metadata,
+    }
+    group_meta = _group_metadata(step)
+    write_bytes_atomic(root, join(step_path, "zarr.json"), group_meta)
+    manifest["objects"]["zarr.json"] = {"size": len(group_meta), CHECKSUM: checksum(group_meta)}
+    for name, (meta, _, objects) in sorted(arrays.items()):
+        data = meta.metadata_bytes()
+        write_bytes_atomic(root, join(step_path, name, "zarr.json"), data)
+        entry = meta.manifest_entry()
+        entry["objects"] = {"zarr.json": {"size": len(data), CHECKSUM: checksum(data)}, **objects}
+        manifest["arrays"][name] = dict(sorted(entry.items()))
+    data = json.dumps(manifest, indent=1, sort_keys=True).encode()
+    write_bytes_atomic(root, join(step_path, MANIFEST_NAME), data)
+
+    _remove_unlisted(root, step_path, manifest, stored)
+    entries = [o for a in manifest["arrays"].values() for o in a["objects"].values()]
+    entries += list(manifest["objects"].values())
+    result = SaveResult(
+        url=root.step_url(step),
+        step=step,
+        num_arrays=len(arrays),
+        num_objects=len(entries),
+        bytes_written=len(data) + sum(o["size"] for o in entries),
+        seconds=time.perf_counter() - start,
+    )
+    log.info(
+        "committed checkpoint %s: %d arrays, %d objects from %d writers, %.1f MB",
+        result.url, result.num_arrays, result.num_objects, num_writers, result.bytes_written / 1e6,
+    )
+    return result
+
+
+def _sizes(root: Root, path: str) -> dict[str, int]:
+    """Relative path -> size of every object under `path`, from one (uncached) listing."""
+    root.fs.invalidate_cache(path)
+    try:
+        found = root.fs.find(path, detail=True)
+    except FileNotFoundError:
+        return {}
+    prefix = path.rstrip("/") + "/"
+    return {p[len(prefix):]: int(info["size"]) for p, info in found.items() if p.startswith(prefix)}
+
+
+def _group_metadata(step: int) -> bytes:
+    # A root group makes the folder browsable with `zarr.open_group(url)`.
+    store = MemoryStore()
+    zarr.open_group(store, mode="w", zarr_format=3, attributes={"step": step})
+    return store._store_dict["zarr.json"].to_bytes()
+
+
+def _remove_unlisted(root: Root, step_path: str, manifest: dict, stored: dict[str, int]) -> None:
+    """After the commit: drops fragments and leftovers of earlier crashed attempts.
+
+    Best effort: what stays behind is ignored by readers and collected by retention.
+    """
+    listed = {"zarr.json", MANIFEST_NAME}
+    for name, entry in manifest["arrays"].items():
+        listed.update(f"{name}/{key}" for key in entry["objects"])
+    try:
+        remove_tree(root, join(step_path, FRAGMENTS))
+        stale = [join(step_path, rel) for rel in stored if rel not in listed
+                 and not rel.startswith(FRAGMENTS + "/")]
+        if stale:
+            root.fs.rm(stale)
+    except OSError as e:
+        log.warning("could not remove leftovers under %s: %s", step_path, e)
+
+
+def abort_save(root: str | Root, step: int) -> bool:
+    """Removes an uncommitted step folder (a failed save's leftovers); never a committed one.
+
+    Args:
+        root: root URL or opened Root.
+        step: the step.
+
+    Returns:
+        True when something was removed.
+    """
+    root = open_root(root) if isinstance(root, str) else root
+    if is_committed(root, step) or not root.fs.exists(root.step_path(step)):
+        return False
+    remove_tree(root, root.step_path(step))
+    return True

@@ -1,0 +1,63 @@
+"""`meshtrain ckpt serve | list | inspect | verify | delete` as a user runs them."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.checkpoint.rpc.client import CheckpointClient
+from services.checkpoint.writer import save_checkpoint
+from services.cli import main
+
+
+def run(capsys, *args):
+    code = main(["ckpt", *map(str, args)])
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def test_verify_delete_and_retention(tmp_path, capsys):
+    root = str(tmp_path / "ckpt")
+    for step in (1, 2, 3, 4):
+        save_checkpoint(root, step, {"layers.0.w": torch.ones(3), "layers.1.w": torch.zeros(3)})
+    code, out = run(capsys, "verify", root, "--all")
+    assert code == 0 and "step 4: 4 objects verified" in out
+    path = Path(root) / "step_00000004/layers.w/c/1/0"
+    data = bytearray(path.read_bytes())
+    data[0] ^= 1
+    path.write_bytes(bytes(data))
+    code, out = run(capsys, "verify", root)
+    assert code == 2 and "array 'layers.w' object 'c/1/0'" in out and "corrupt" in out
+    code, out = run(capsys, "delete", root, "--step", 4)
+    assert code == 0 and not os.path.exists(f"{root}/step_00000004")
+    code, out = run(capsys, "delete", root, "--step", 4)
+    assert code == 2 and "no checkpoint step 4" in out
+    code, out = run(capsys, "delete", root, "--keep-last", 1, "--keep-every", 2)
+    assert code == 0 and "deleted steps [1]" in out
+    code, out = run(capsys, "list", root)
+    assert out.split() == ["2", "3"]
+    code, out = run(capsys, "delete", root)
+    assert code == 2 and "give --step N" in out
+
+
+@pytest.mark.e2e
+def test_serve_answers_and_stops_on_sigterm(tmp_path):
+    root = str(tmp_path / "ckpt")
+    save_checkpoint(root, 5, {"w": torch.ones(2)})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "ckpt", "serve", root, "--port", "0", "--grace", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("listening on 127.0.0.1:"), line
+        with CheckpointClient(line.split()[-1]) as client:
+            assert client.list() == [5]
+        proc.terminate()
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,262 @@
+"""Hugging Face export/import, verified against `transformers` itself on CPU.
+
+Small random models of both architectures (GQA with fewer groups than heads, tied and untied,
+with and without biases) are saved through the checkpoint library, exported, loaded as
+`LlamaForCausalLM` / `GPT2LMHeadModel`, and their logits compared with meshtrain's `GPT` on
+the same tokens. Round trips HF -> meshtrain -> HF must give bit-identical safetensors.
+"""
+
+import json
+
+import pytest
+import torch
+
+from services.checkpoint.hf import export_hf, import_hf
+from services.checkpoint.reader import read_manifest
+from services.checkpoint.writer import save_checkpoint
+from services.common.config import to_dict
+from services.common.errors import CheckpointError
+from services.trainer import checkpointing
+from services.trainer.config import JobConfig, ModelConfig
+from services.trainer.model.gpt import GPT
+from services.trainer.optim.optimizer import build_optimizer
+from services.trainer.parallel.mesh import Mesh
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+LLAMA = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
+             "ffn_hidden_size": 96, "seq_length": 32, "vocab_size": 300, "normalization": "rmsnorm",
+             "activation": "swiglu", "position_embedding_type": "rope", "rotary_base": 5000.0,
+             "add_bias_linear": False, "untie_embeddings_and_output_weights": True, "norm_epsilon": 1e-6}
+GPT2 = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32,
+            "max_position_embeddings": 40, "vocab_size": 300, "normalization": "layernorm",
+            "activation": "gelu", "position_embedding_type": "learned", "add_bias_linear": True}
+# Tensors whose padded vocabulary rows the trainer cuts off before saving.
+VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def random_model(settings: dict, seed: int = 0) -> GPT:
+    """A GPT with every parameter random (norm weights and biases too, so each one matters)."""
+    torch.manual_seed(seed)
+    model = GPT(ModelConfig(**settings))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+    return model
+
+
+def save_training_checkpoint(root: str, model: GPT, step: int = 7, tokenizer: str = "byte",
+                             drop: tuple[str, ...] = (), extra: dict | None = None) -> None:
+    """Saves `model` the way the trainer does (unpadded vocab rows, optimizer moments, rng)."""
+    v = model.vocab_size
+    tensors = {}
+    for name, p in model.named_parameters():
+        t = p.detach()[:v] if name in VOCAB_ROWS else p.detach()
+        tensors[name] = t.clone()
+        tensors[f"optim.exp_avg.{name}"] = torch.zeros_like(t)
+    tensors["rng.torch_cpu"] = torch.get_rng_state()
+    tensors.update(extra or {})
+    for name in drop:
+        del tensors[name]
+    metadata = {"format": "meshtrain-train/1", "iteration": step, "optimizer_step": step,
+                "config": to_dict(JobConfig(model=model.config)), "tokenizer": tokenizer}
+    save_checkpoint(root, step, tensors, metadata)
+
+
+def meshtrain_logits(model: GPT, tokens: torch.Tensor) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        return model(tokens)
+
+
+@pytest.mark.parametrize("name, settings, cls", [
+    ("llama-gqa-untied", LLAMA, "LlamaForCausalLM"),
+    ("llama-tied-bias", {**LLAMA, "untie_embeddings_and_output_weights": False, "add_bias_linear": True,
+                         "num_query_groups": 1}, "LlamaForCausalLM"),
+    ("gpt2-tied", GPT2, "GPT2LMHeadModel"),
+    ("gpt2-untied", {**GPT2, "untie_embeddings_and_output_weights": True}, "GPT2LMHeadModel"),
+])
+def test_export_loads_in_transformers_with_same_logits(tmp_path, name, settings, cls):
+    """fp32 throughout; 1e-4 absolute covers summation-order differences between the two
+    attention implementations on logits of size ~10 (a wrong head order or transpose is O(1))."""
+    model = random_model(settings)
+    root = str(tmp_path / "ckpt")
+    save_training_checkpoint(root, model)
+    dst = tmp_path / "hf"
+    assert export_hf(root, str(dst)) == str(dst)
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(dst), dtype=torch.float32)
+    assert type(hf).__name__ == cls
+    tokens = torch.randint(0, model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    hf.eval()
+    with torch.no_grad():
+        theirs = hf(tokens).logits
+    ours = meshtrain_logits(model, tokens)
+    assert theirs.shape == ours.shape == (2, 32, model.vocab_size)
+    assert ours.abs().max() > 1.0  # the comparison is not between near-zero outputs
+    torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=1e-4)
+
+
+def test_export_ships_the_runs_tokenizer(tmp_path):
+    from services.dataloader.tokenizers import train_bpe
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    tok = train_bpe([text], vocab_size=300, output_path=tmp_path / "tok" / "tokenizer.json")
+    model = random_model({**GPT2, "vocab_size": tok.vocab_size})
+    root = str(tmp_path / "ckpt")
+    save_training_checkpoint(root, model, tokenizer=str(tok.path))
+    export_hf(root, str(tmp_path / "hf"))
+    auto = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    sample = "the lazy fox jumps"
+    assert auto(sample)["input_ids"] == tok.encode(sample)
+    assert auto.eos_token == "<|endoftext|>"
+
+
+def hf_llama(tmp_path, dtype=torch.bfloat16, tie=False):
+    config = transformers.LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        rope_theta=5000.0, tie_word_embeddings=tie, rms_norm_eps=1e-6)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(str(tmp_path / "src"))
+    return tmp_path / "src"
+
+
+def hf_gpt2(tmp_path):
+    config = transformers.GPT2Config(vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=40)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(str(tmp_path / "src"))
+    return tmp_path / "src"
+
+
+@pytest.mark.parametrize("make", [hf_llama, hf_gpt2, lambda p: hf_llama(p, torch.float32, tie=True)],
+                         ids=["llama-bf16-untied", "gpt2-fp32", "llama-fp32-tied"])
+def test_round_trip_hf_meshtrain_hf_is_bit_exact(tmp_path, make):
+    src = make(tmp_path)
+    root = str(tmp_path / "ckpt")
+    import_hf(str(src), root)
+    export_hf(root, str(tmp_path / "back"))
+    before = safetensors_torch.load_file(str(src / "model.safetensors"))
+    after = safetensors_torch.load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert sorted(before) == sorted(after)
+    for name, tensor in before.items():
+        assert after[name].dtype == tensor.dtype, name
+        assert torch.equal(after[name].view(torch.uint8), tensor.view(torch.uint8)), name
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert config["model_type"] == json.loads((src / "config.json").read_text())["model_type"]
+
+
+def test_imported_checkpoint_restores_into_the_trainer(tmp_path):
+    src = hf_llama(tmp_path, torch.float32)
+    root = str(tmp_path / "ckpt")
+    import_hf(str(src), root)
+    meta = read_manifest(root, 0)["metadata"]
+    job = JobConfig(model=ModelConfig(**meta["config"]["model"]))
+    assert (job.model.num_query_groups, job.model.rotary_base, job.model.seq_length) == (2, 5000.0, 32)
+    model = GPT(job.model)
+    par = checkpointing.Parallel(Mesh.single())
+    state, _ = checkpointing.restore(root, model, build_optimizer(model, job.optim), par)
+    assert state.iteration == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+    tokens = torch.randint(0, 300, (1, 32), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(meshtrain_logits(model, tokens), hf(tokens).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_export_refuses_missing_misshapen_and_unmapped_tensors(tmp_path):
+    model = random_model(LLAMA)
+    cases = {
+        "missing": {"drop": ("layers.1.mlp.fc1.weight",)},
+        "wrong shapes": {"extra": {"final_norm.weight": torch.ones(65)}},
+        "no mapping": {"extra": {"layers.0.attention.extra_scale": torch.ones(3)}},
+    }
+    for i, (message, kwargs) in enumerate(cases.items()):
+        root = str(tmp_path / f"ckpt{i}")
+        save_training_checkpoint(root, model, **kwargs)
+        dst = tmp_path / f"hf{i}"
+        with pytest.raises(CheckpointError, match=message):
+            export_hf(root, str(dst))
+        assert not dst.exists() and not list(tmp_path.glob(f"hf{i}.tmp-*"))
+
+
+def test_export_refuses_configs_hf_cannot_express(tmp_path):
+    cases = [
+        ({**LLAMA, "activation": "gelu"}, "map to no Hugging Face architecture"),
+        ({**GPT2, "num_query_groups": 2}, "no grouped-query attention"),
+        ({**GPT2, "add_bias_linear": False}, "always has linear biases"),
+    ]
+    for i, (settings, message) in enumerate(cases):
+        root = str(tmp_path / f"ckpt{i}")
+        save_training_checkpoint(root, random_model(settings))
+        with pytest.raises(CheckpointError, match=message):
+            export_hf(root, str(tmp_path / f"hf{i}"))
+        assert not (tmp_path / f"hf{i}").exists()
+
+
+def test_export_refuses_an_existing_destination(tmp_path):
+    root = str(tmp_path / "ckpt")
+    save_training_checkpoint(root, random_model(GPT2))
+    (tmp_path / "hf").mkdir()
+    with pytest.raises(CheckpointError, match="already exists"):
+        export_hf(root, str(tmp_path / "hf"))
+
+
+def test_import_refuses_what_meshtrain_cannot_express(tmp_path):
+    src = hf_llama(tmp_path, torch.float32)
+    config = json.loads((src / "config.json").read_text())
+    bad = {**config, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5000.0, "factor": 8.0}}
+    (src / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(CheckpointError, match="rope scaling"):
+        import_hf(str(src), str(tmp_path / "a"))
+    (src / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
+    with pytest.raises(CheckpointError, match="hidden_act"):
+        import_hf(str(src), str(tmp_path / "b"))
+    # a tensor the mapping does not know is an error, not silently dropped
+    (src / "config.json").write_text(json.dumps(config))
+    tensors = safetensors_torch.load_file(str(src / "model.safetensors"))
+    safetensors_torch.save_file({**tensors, "model.layers.0.self_attn.q_norm.weight": torch.ones(16)},
+                                str(src / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="no mapping"):
+        import_hf(str(src), str(tmp_path / "c"))
+
+
+@pytest.mark.e2e
+def test_hf_model_trains_on_in_meshtrain_and_exports_back(tmp_path):
+    """HF Llama -> import -> `train --load` 3 steps -> export -> transformers loads the result."""
+    from services.dataloader.preprocess import prepare_default_dataset
+    from services.trainer.config import load_config
+    from services.trainer.train import train
+
+    config = transformers.LlamaConfig(
+        vocab_size=257, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(str(tmp_path / "hf"))
+    import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
+    model = read_manifest(str(tmp_path / "ckpt"), 0)["metadata"]["config"]["model"]
+    prepare_default_dataset(tmp_path / "corpus", tokenizer="byte", max_bytes=200_000)
+    args = [f"--model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in model.items()
+            if k in ModelConfig.__dataclass_fields__]
+    args += ["--model.seq_length=32", "--data.tokenizer=byte", f"--data.cache_dir={tmp_path / 'corpus'}",
+             "--data.default_corpus_bytes=200000", "--data.split=80,20,0", "--train.micro_batch_size=4",
+             "--train.global_batch_size=4", "--train.train_iters=3", "--train.eval_interval=0",
+             "--train.device=cpu", f"--log.run_dir={tmp_path / 'run'}", "--log.plot=false",
+             f"--checkpoint.load={tmp_path / 'ckpt'}", f"--checkpoint.save={tmp_path / 'ckpt2'}"]
+    result = train(load_config(args))
+    assert sorted(result.losses) == [1, 2, 3]
+    export_hf(str(tmp_path / "ckpt2"), str(tmp_path / "hf2"))
+    trained = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf2"), dtype=torch.float32)
+    original = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+    moved = (trained.model.layers[0].mlp.up_proj.weight - original.model.layers[0].mlp.up_proj.weight).abs().max()
+    # Adam moves a weight at most ~lr per step (3 steps at lr 3e-4); a fresh init would differ by ~0.1.
+    assert 0 < moved < 0.01, "training did not start from the imported weights"

@@ -1,0 +1,187 @@
+"""SIGKILL writers at random points of a save: committed checkpoints always load, partial
+ones are never listed.
+
+Each round starts the two writers of a save as real processes (a forkserver with the
+checkpoint modules preloaded, so a start costs milliseconds, not a torch import), kills one
+or both at a random moment within about one save's duration, lets the survivor finish or time
+out, and then checks every listed step bit for bit. Both outcomes (committed / not committed)
+must occur, or the kill times did not land inside saves and the test proves nothing.
+"""
+
+import multiprocessing
+import os
+import random
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+
+from services.checkpoint.reader import list_checkpoints, read_box, read_manifest
+from services.checkpoint.rpc.client import CheckpointClient
+from services.checkpoint.sharded import begin_save
+from services.common.errors import CheckpointError
+from tests.services.checkpoint import killable
+from tests.services.checkpoint.s3server import free_port
+
+COMMIT_TIMEOUT = 0.15
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["tests.services.checkpoint.killable",
+                                    "services.checkpoint.rpc.server"])
+    return context
+
+
+def start_save(ctx, root, step):
+    save_id = begin_save(root, step)
+    procs = [ctx.Process(target=killable.run_writer, args=(root, step, save_id, w, COMMIT_TIMEOUT),
+                         daemon=True)
+             for w in range(killable.NUM_WRITERS)]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def check_root(root, committed_before):
+    """Every listed step loads and equals what was saved; nothing committed was lost."""
+    steps = list_checkpoints(root)
+    assert set(committed_before) <= set(steps)
+    shape = (killable.LAYERS, killable.ROWS, killable.COLS)
+    for step in steps:
+        assert read_manifest(root, step)["metadata"] == {"step": step}
+        got = read_box(root, step, killable.ARRAY, (0, 0, 0), shape)
+        assert torch.equal(got.view(torch.int16), killable.expected(step).view(torch.int16))
+    return steps
+
+
+def kill_rounds(ctx, root, rounds, seed):
+    rng = random.Random(seed)
+    warm = ctx.Process(target=killable.noop)
+    warm.start()
+    warm.join(60)
+    # One uninterrupted save measures how long a save takes here (forkserver already up).
+    start = time.perf_counter()
+    for p in start_save(ctx, root, 0):
+        p.join(30)
+    duration = time.perf_counter() - start
+    committed = check_root(root, [])
+    assert committed == [0]
+    outcomes = {"committed": 0, "aborted": 0}
+    for step in range(1, rounds + 1):
+        procs = start_save(ctx, root, step)
+        victims = rng.choice([[procs[0]], [procs[1]], procs])
+        time.sleep(rng.uniform(0, duration * 1.2))
+        for p in victims:
+            if p.pid is not None:
+                try:
+                    os.kill(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass  # it had already finished
+        for p in procs:
+            p.join(30)
+            assert p.exitcode is not None, "a writer hung"
+        steps = check_root(root, committed)
+        outcomes["committed" if step in steps else "aborted"] += 1
+        committed = steps
+    return outcomes
+
+
+def test_sigkill_writers_at_random_points(ctx, tmp_path):
+    outcomes = kill_rounds(ctx, str(tmp_path / "ckpt"), rounds=50, seed=1)
+    assert outcomes["committed"] > 0 and outcomes["aborted"] > 0, outcomes
+
+
+@pytest.mark.slow
+def test_sigkill_writers_many_times(ctx, tmp_path):
+    outcomes = kill_rounds(ctx, str(tmp_path / "ckpt"), rounds=400, seed=2)
+    assert outcomes["committed"] > 0 and outcomes["aborted"] > 0, outcomes
+
+
+def test_killed_save_can_be_redone(ctx, tmp_path):
+    """A step whose save was killed is saved again from scratch by the next attempt."""
+    root = str(tmp_path / "ckpt")
+    procs = start_save(ctx, root, 3)
+    os.kill(procs[1].pid, signal.SIGKILL)
+    for p in procs:
+        p.join(30)
+    assert list_checkpoints(root) == []
+    with pytest.raises(CheckpointError, match="not a committed checkpoint"):
+        read_manifest(root, 3)
+    for p in start_save(ctx, root, 3):
+        p.join(30)
+    assert check_root(root, []) == [3]
+
+
+def service_save(client, step):
+    """A whole save through the service: two writer threads, writer 0 commits."""
+    save_id = client.begin_save(step, num_writers=killable.NUM_WRITERS)
+    errors = []
+
+    def run(w):
+        try:
+            writer = client.writer(step, save_id, w, killable.NUM_WRITERS)
+            for spec, data in killable.boxes(step, w):
+                writer.write(spec, data)
+            writer.finish()
+            if w == 0:
+                client.commit(step, save_id, killable.NUM_WRITERS, {"step": step}, timeout=2)
+        except CheckpointError as e:  # the service was killed under us
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(w,)) for w in range(killable.NUM_WRITERS)]
+    for t in threads:
+        t.start()
+    return threads, errors
+
+
+def start_service(ctx, root):
+    port = free_port()
+    proc = ctx.Process(target=killable.serve, args=(root, port), daemon=True)
+    proc.start()
+    client = CheckpointClient(f"127.0.0.1:{port}")
+    grpc.channel_ready_future(client.channel).result(timeout=30)
+    return proc, client
+
+
+def service_kill_rounds(ctx, root, rounds, seed):
+    rng = random.Random(seed)
+    proc, client = start_service(ctx, root)
+    start = time.perf_counter()
+    threads, errors = service_save(client, 0)
+    for t in threads:
+        t.join(30)
+    duration = time.perf_counter() - start
+    assert not errors and check_root(root, []) == [0]
+    committed, outcomes = [0], {"committed": 0, "aborted": 0}
+    for step in range(1, rounds + 1):
+        if proc is None:
+            proc, client = start_service(ctx, root)
+        threads, _ = service_save(client, step)
+        time.sleep(rng.uniform(0, duration * 1.2))
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(30)
+        for t in threads:
+            t.join(30)
+            assert not t.is_alive(), "a client hung after the service died"
+        client.close()
+        proc = None
+        steps = check_root(root, committed)
+        outcomes["committed" if step in steps else "aborted"] += 1
+        committed = steps
+    return outcomes
+
+
+def test_sigkill_the_service_at_random_points(ctx, tmp_path):
+    outcomes = service_kill_rounds(ctx, str(tmp_path / "ckpt"), rounds=12, seed=3)
+    assert outcomes["committed"] > 0 and outcomes["aborted"] > 0, outcomes
+
+
+@pytest.mark.slow
+def test_sigkill_the_service_many_times(ctx, tmp_path):
+    outcomes = service_kill_rounds(ctx, str(tmp_path / "ckpt"), rounds=150, seed=4)
+    assert outcomes["committed"] > 0 and outcomes["aborted"] > 0, outcomes

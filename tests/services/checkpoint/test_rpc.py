@@ -1,0 +1,126 @@
+"""The CheckpointService over real gRPC on loopback: saves, reads, retention, bad requests."""
+
+import os
+import re
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos.checkpoint.v1 import checkpoint_pb2 as pb
+from services.checkpoint.async_save import AsyncSaver
+from services.checkpoint.reader import list_checkpoints, read_box
+from services.checkpoint.rpc.client import CheckpointClient, box_to_pb
+from services.checkpoint.rpc.server import start_server
+from services.checkpoint.rpc.servicer import SERVICE_NAME
+from services.checkpoint.sharded import ShardWriter
+from services.checkpoint.shards import ShardSpec
+from services.checkpoint.writer import save_checkpoint
+from services.common.errors import CheckpointError
+
+
+@pytest.fixture
+def service(tmp_path):
+    root = str(tmp_path / "ckpt")
+    # A tiny chunk and in-flight limit so the tests exercise chunking and the limits.
+    server, port, _ = start_server(root, commit_timeout=5, max_chunk_bytes=256,
+                                   max_inflight_bytes=64 << 10)
+    client = CheckpointClient(f"127.0.0.1:{port}", chunk_bytes=256)
+    yield root, client, port
+    client.close()
+    server.stop(0)
+
+
+def tp_boxes(full, writer, tp):
+    rows = full.shape[1] // tp
+    return [(ShardSpec("layers.attention.qkv.weight", tuple(full.shape), "bfloat16",
+                       (i, writer * rows, 0), (1, rows, full.shape[2])),
+             full[i:i + 1, writer * rows:(writer + 1) * rows]) for i in range(full.shape[0])]
+
+
+def test_two_writers_through_the_service(service):
+    root, client, _ = service
+    full = torch.randn(3, 16, 8).to(torch.bfloat16)
+    save_id = client.begin_save(7, num_writers=2)
+    savers = [AsyncSaver(client, w, 2, commit_timeout=10) for w in range(2)]
+    for w, saver in enumerate(savers):
+        saver.save(7, save_id, tp_boxes(full, w, 2), committer=(w == 0), metadata={"it": 7})
+    assert savers[1].wait() is None
+    result = savers[0].wait()
+    assert result.step == 7 and result.num_arrays == 1
+    assert client.list() == [7] == list_checkpoints(root)
+    assert client.describe(7)["metadata"] == {"it": 7}
+    got = client.read_box(7, "layers.attention.qkv.weight", (1, 4, 0), (2, 8, 8))  # > 1 chunk
+    assert torch.equal(got.view(torch.int16), full[1:3, 4:12].view(torch.int16))
+    assert torch.equal(read_box(root, 7, "layers.attention.qkv.weight", (0, 0, 0), (3, 16, 8))
+                       .view(torch.int16), full.view(torch.int16))
+
+
+def test_health_and_unknown_ids(service):
+    _, client, port = service
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        status = stub.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME)).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+    with pytest.raises(CheckpointError, match="NOT_FOUND: unknown save id 'nope'"):
+        client.commit(1, "nope", 1)
+    with pytest.raises(CheckpointError, match="NOT_FOUND: unknown save id"):
+        client.writer(1, "feedbeef", 0, 1).finish()
+    with pytest.raises(CheckpointError, match="save id '../x' is not allowed"):
+        client.writer(1, "../x", 0, 1).finish()
+    with pytest.raises(CheckpointError, match="step 3 .*not a committed checkpoint"):
+        client.describe(3)
+    save_checkpoint(service[0], 1, {"w": torch.ones(2)})
+    with pytest.raises(CheckpointError, match="no array 'missing'"):
+        client.read_box(1, "missing", (0,), (1,))
+
+
+def raw_stream(client, save_id, messages):
+    head = pb.WriteShardsRequest(header=pb.WriteHeader(save_id=save_id, writer_id=0))
+    return client.stub.WriteShards(iter([head, *messages]))
+
+
+def test_bad_streams_are_rejected_and_nothing_commits(service):
+    _root, client, _ = service
+    spec = ShardSpec("w", (100,), "float32", (0,), (100,))
+    save_id = client.begin_save(2)
+    box = pb.WriteShardsRequest(box=box_to_pb(spec))
+    cases = [
+        ([box, pb.WriteShardsRequest(chunk=b"\0" * 300)], "chunk of 300 bytes .* over the limit"),
+        ([box] + [pb.WriteShardsRequest(chunk=b"\0" * 256)] * 2, "got more than its 400 bytes"),
+        ([box, pb.WriteShardsRequest(chunk=b"\0" * 8)], "stream ended inside box"),
+        ([pb.WriteShardsRequest(chunk=b"\0")], "chunk arrived before any box"),
+        ([pb.WriteShardsRequest(box=box_to_pb(ShardSpec("w", (1 << 20,), "float32", (0,),
+                                                        (1 << 20,))))],
+         "over the service's in-flight limit"),
+    ]
+    for messages, match in cases:
+        with pytest.raises(grpc.RpcError) as info:
+            raw_stream(client, save_id, messages)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert re.search(match, info.value.details()), info.value.details()
+    bad_box = pb.Box(array="a/../b", global_shape=[1], dtype="float32", offsets=[0], shape=[1])
+    with pytest.raises(grpc.RpcError, match="not allowed"):
+        raw_stream(client, save_id, [pb.WriteShardsRequest(box=bad_box)])
+    with pytest.raises(CheckpointError, match=r"writers \[0\] did not report within 0.2 s"):
+        client.commit(2, save_id, 1, timeout=0.2)
+    assert client.list() == []
+
+
+def test_delete_and_retention(service):
+    root, client, _ = service
+    for step in range(1, 8):
+        save_checkpoint(root, step, {"w": torch.full((2,), float(step))})
+    save_id = client.begin_save(8)  # in progress: retention must leave it alone
+    ShardWriter(root, 8, save_id, 0, 1).write(ShardSpec("w", (2,), "float32", (0,), (2,)),
+                                              torch.ones(2))
+    os.makedirs(f"{root}/step_00000009/w")  # a crashed save's leftover
+    result = client.apply_retention(keep_last=2, keep_every=3)
+    assert result.deleted == [1, 2, 4, 5] and result.collected == [9]
+    assert client.list() == [3, 6, 7]
+    assert os.path.exists(f"{root}/step_00000008/w/c/0") and not os.path.exists(f"{root}/step_00000009")
+    assert client.delete(6) and not client.delete(6)
+    assert client.list() == [3, 7]
+    with pytest.raises(CheckpointError, match="keep_last=-1"):
+        client.apply_retention(keep_last=-1)
