@@ -13,16 +13,31 @@ class CheckpointConfig:
     """Where checkpoints go and where a run resumes from."""
 
     save: str | None = None
-    """Checkpoint root (folder or file:// / memory:// URL); unset: RUN_DIR/checkpoints."""
+    """Checkpoint root: a folder or URL (file://, memory://, s3://bucket/prefix with
+    AWS_ENDPOINT_URL / AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in the environment); unset:
+    RUN_DIR/checkpoints."""
     load: str | None = None
     """Resume from the latest committed checkpoint under this root."""
     load_step: int | None = None
     """Resume from this step instead of the latest committed one."""
     save_interval: int = 0
     """Save every this many steps (0: only at the end)."""
+    async_save: bool = True
+    """Return to training after the device-to-host copy; upload and commit in the background."""
+    service_address: str | None = None
+    """host:port of a CheckpointService to stream shards to (its root is the service's own;
+    `save` must name the same root so the run can list and load it)."""
+    keep_last: int = 0
+    """After each committed save, keep only the newest N checkpoints (0: keep all)."""
+    keep_every: int = 0
+    """With keep_last: also keep every checkpoint whose step is a multiple of K."""
 
     def __post_init__(self) -> None:
         if self.load_step is not None and self.load is None:
             raise ConfigError("checkpoint.load_step needs checkpoint.load")
         if self.save_interval < 0:
             raise ConfigError(f"checkpoint.save_interval must be >= 0, got {self.save_interval}")
+        if self.keep_last < 0 or self.keep_every < 0:
+            raise ConfigError("checkpoint.keep_last and checkpoint.keep_every must be >= 0")
+        if self.keep_every and not self.keep_last:
+            raise ConfigError("checkpoint.keep_every needs checkpoint.keep_last")

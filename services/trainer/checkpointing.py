@@ -1,16 +1,20 @@
-"""The trainer's state <-> checkpoint tensors: model, optimizer, RNG and data position.
+"""The trainer's state <-> checkpoint boxes: model, optimizer, RNG and data position.
 
-Everything goes into the layout-independent format (`services.checkpoint`): parameters by
-canonical name in global coordinates (tensor-parallel shards gathered, padded vocabulary rows
-cut off), AdamW moments per parameter (`optim.exp_avg.<name>`, `optim.exp_avg_sq.<name>`,
-whole even under the distributed optimizer), RNG states as byte tensors, and the scalars
-(iteration, consumed samples, optimizer step, config) as manifest metadata. Loading slices
-each rank's part out of the global tensors, so any tp/dp layout loads any checkpoint, and a
-resumed run continues with identical losses.
+Every rank saves and loads only its own part of the layout-independent format
+(`services.checkpoint`): each parameter is a box of a global array (per-layer tensors stacked
+on a leading global-layer axis; tensor-parallel shards at their global offsets, SwiGLU's fc1 as
+two boxes, one per half; padded vocabulary rows cut off), written by the dp-rank-0 replica only,
+so nothing is written twice. AdamW moments are stored per parameter (`optim.exp_avg.<name>`,
+`optim.exp_avg_sq.<name>`), whole even under the distributed optimizer. Scalars (iteration,
+consumed samples, optimizer step, config, RNG of Python/NumPy) are manifest metadata; global
+rank 0 commits once every rank has reported. Saves are asynchronous (`AsyncSaver`): the
+training stall is the device-to-host copy. Loading reads exactly the boxes a rank needs, so
+any tp/dp layout loads any checkpoint and a resumed run continues with identical losses.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -19,8 +23,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from services.checkpoint.reader import load_checkpoint
-from services.checkpoint.writer import save_checkpoint
+from services.checkpoint.async_save import AsyncSaver, StorageSink
+from services.checkpoint.layout import array_key, dtype_name
+from services.checkpoint.reader import latest_step, list_checkpoints, read_box, read_manifest
+from services.checkpoint.shards import ShardSpec
+from services.checkpoint.sharded import begin_save
+from services.checkpoint.store import open_root
 from services.common.config import to_dict
 from services.common.errors import CheckpointError
 from services.trainer.config import JobConfig
@@ -32,6 +40,7 @@ from services.trainer.parallel.tensor import tp_split_of
 
 FORMAT = "meshtrain-train/1"
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
+log = logging.getLogger("meshtrain.checkpoint")
 
 
 @dataclass
@@ -50,35 +59,80 @@ class Parallel:
     ddp: DataParallel | None = None
 
 
-def _global(name: str, local: torch.Tensor, param: torch.Tensor, mesh: Mesh, vocab_size: int) -> torch.Tensor:
-    """The global tensor from this rank's shard: gathered over tp, vocabulary padding cut off."""
-    split = tp_split_of(param)
-    full = local
-    if split is not None and mesh.tp > 1:
-        parts = M.all_gather(local.contiguous(), 0, mesh.group("tp")).chunk(mesh.tp, 0)  # each rank's shard
-        full = split.unshard(list(parts))
-    return full[:vocab_size] if name in _VOCAB else full
+@dataclass
+class Piece:
+    """Part of a rank's local tensor that is one box of a global array."""
+
+    spec: ShardSpec
+    local: tuple[slice, ...]  # where the box lies in the local tensor
 
 
-def _local(name: str, full: torch.Tensor, param: torch.Tensor, mesh: Mesh, root: str) -> torch.Tensor:
-    """This rank's shard of a global tensor, shaped like `param` (vocabulary padded with zeros)."""
-    split = tp_split_of(param)
-    if name in _VOCAB:
-        rows = param.shape[0] * (mesh.tp if split is not None else 1)
-        if full.shape[0] > rows:
-            raise CheckpointError(f"{root}: tensor {name!r} has {full.shape[0]} vocabulary rows, the model only {rows}")
-        full = torch.cat([full, full.new_zeros(rows - full.shape[0], *full.shape[1:])])
-    local = split.shard(full, mesh.tp_rank, mesh.tp) if split is not None and mesh.tp > 1 else full
-    if tuple(local.shape) != tuple(param.shape):
-        raise CheckpointError(
-            f"{root}: tensor {name!r} has shape {tuple(full.shape)}, which does not fit the model "
-            f"(this rank needs {tuple(param.shape)} of it)")
-    return local
+def pieces(name: str, local_shape: tuple[int, ...], param: torch.Tensor, mesh: Mesh, vocab_size: int,
+           num_layers: int, reading: bool = False) -> list[Piece]:
+    """The boxes of global arrays that this rank's `local_shape` tensor named `name` covers.
+
+    Args:
+        name: canonical tensor name (a parameter's, or `optim.<moment>.<parameter>`).
+        local_shape: shape of this rank's tensor (a tensor-parallel shard, vocabulary padded).
+        param: the parameter it belongs to (carries its `tp_split`).
+        mesh: the layout; for writing, replicated tensors are covered by tp rank 0 only.
+        vocab_size: rows of vocabulary tensors in the checkpoint (padding is never stored).
+        num_layers: the global-layer axis of stacked arrays.
+        reading: every rank needs the replicated tensors it holds.
+    """
+    split = tp_split_of(param) if mesh.tp > 1 else None
+    pname = name.split(".", 2)[2] if name.startswith("optim.") else name
+    full = [slice(None)] * len(local_shape)
+    boxes: list[tuple[list[int], list[int], list[slice], list[int] | None]] = []  # offsets, shape, local, grid
+    gshape = list(local_shape)
+    if split is None:
+        if mesh.tp_rank != 0 and not reading:
+            return []
+        shape = list(local_shape)
+        if pname in _VOCAB:
+            shape[0] = gshape[0] = vocab_size
+        boxes.append(([0] * len(shape), shape, [slice(0, n) for n in shape], None))
+    else:
+        d, r, n = split.dim, mesh.tp_rank, local_shape[split.dim]
+        gshape[d] = n * mesh.tp
+        if split.halves:
+            half = n // 2
+            for k in range(2):
+                offsets = [0] * len(local_shape)
+                offsets[d] = k * half * mesh.tp + r * half
+                local = list(full)
+                local[d] = slice(k * half, (k + 1) * half)
+                shape = list(local_shape)
+                shape[d] = half
+                boxes.append((offsets, shape, local, None))
+        elif split.vocab:
+            gshape[0] = vocab_size
+            start, stop = r * n, min((r + 1) * n, vocab_size)
+            if start < stop:
+                shape = [stop - start, *local_shape[1:]]
+                grid = list(local_shape) if stop - start < n else None
+                boxes.append(([start] + [0] * (len(local_shape) - 1), shape, [slice(0, stop - start)] + full[1:], grid))
+        else:
+            offsets = [0] * len(local_shape)
+            offsets[d] = r * n
+            boxes.append((offsets, list(local_shape), full, None))
+    array, layer = array_key(name)
+    dtype = dtype_name(param.dtype)
+    out = []
+    for offsets, shape, local, grid in boxes:
+        if layer is not None:  # stacked: leading global-layer axis
+            offsets, shape, gs = [layer, *offsets], [1, *shape], [num_layers, *gshape]
+            grid = [1, *grid] if grid is not None else None
+        else:
+            gs = gshape
+        out.append(Piece(ShardSpec(array, tuple(gs), dtype, tuple(offsets), tuple(shape),
+                                   tuple(grid) if grid else None), tuple(local)))
+    return out
 
 
 def _moments(model: GPT, optimizer: torch.optim.Optimizer, par: Parallel) -> dict[str, dict[str, torch.Tensor]]:
     if par.ddp is not None and par.ddp.dist_opt:
-        return par.ddp.full_optimizer_state()
+        return par.ddp.full_optimizer_state()  # collective over dp
     names = {p: n for n, p in model.named_parameters()}
     return {names[p]: {k: st[k] for k in ("exp_avg", "exp_avg_sq")} for p, st in optimizer.state.items()}
 
@@ -92,73 +146,136 @@ def _optimizer_step(optimizer: torch.optim.Optimizer, par: Parallel) -> int:
     return steps.pop()
 
 
-def state_tensors(model: GPT, optimizer: torch.optim.Optimizer, par: Parallel) -> dict[str, torch.Tensor]:
-    """Every tensor of the training state in global coordinates (collective over the mesh)."""
-    v = model.vocab_size
-    tensors: dict[str, torch.Tensor] = {}
-    params = dict(model.named_parameters())
-    for name, p in params.items():
-        tensors[name] = _global(name, p.detach(), p, par.mesh, v)
-    for name, moments in _moments(model, optimizer, par).items():
-        for key, value in moments.items():
-            tensors[f"optim.{key}.{name}"] = _global(name, value, params[name], par.mesh, v)
-    tensors["rng.torch_cpu"] = torch.get_rng_state()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        tensors["rng.torch_cuda"] = torch.stack(torch.cuda.get_rng_state_all())
-    return tensors
+class Checkpointer:
+    """Saves training state: every rank writes its boxes through one AsyncSaver, rank 0 commits.
 
-
-def save(root: str, model: GPT, optimizer: torch.optim.Optimizer, state: TrainState,
-         job: JobConfig, extra: dict[str, Any], par: Parallel) -> str:
-    """Save the whole training state as checkpoint `state.iteration` under `root` (collective).
-
-    Returns:
-        The checkpoint's URL (on every rank).
+    Args:
+        root: checkpoint root URL.
+        par: the layout.
+        asynchronous: return from `save` after the device-to-host copy (else after the commit).
+        service_address: a CheckpointService to stream boxes to, instead of writing storage.
     """
-    tensors = state_tensors(model, optimizer, par)
-    np_state = np.random.get_state()
-    metadata = {
-        "format": FORMAT,
-        "iteration": state.iteration,
-        "consumed_samples": state.consumed_samples,
-        "optimizer_step": _optimizer_step(optimizer, par),
-        "config": to_dict(job),
-        "rng_python": random.getstate(),
-        "rng_numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
-        **extra,
-    }
-    url = [None]
-    if par.mesh.rank == 0:
-        url[0] = save_checkpoint(root, state.iteration, tensors, metadata).url
-    if par.mesh.distributed:
-        dist.broadcast_object_list(url, src=0)  # also a barrier: nobody proceeds before the commit
-    return url[0]
+
+    def __init__(self, root: str, par: Parallel, asynchronous: bool = True, service_address: str | None = None):
+        self.root, self.par, self.asynchronous = root, par, asynchronous
+        mesh = par.mesh
+        if service_address:
+            from services.checkpoint.rpc.client import CheckpointClient  # grpc only when asked for
+
+            self.sink = CheckpointClient(service_address)
+        else:
+            self.sink = StorageSink(root)
+        self.service = bool(service_address)
+        self.saver = AsyncSaver(self.sink, writer_id=mesh.rank, num_writers=mesh.world_size)
+
+    def save(self, model: GPT, optimizer: torch.optim.Optimizer, state: TrainState, job: JobConfig,
+             extra: dict[str, Any]) -> str:
+        """Start saving checkpoint `state.iteration` (collective); returns its URL on every rank."""
+        mesh, v, layers = self.par.mesh, model.vocab_size, model.config.num_layers
+        params = dict(model.named_parameters())
+        moments = _moments(model, optimizer, self.par)
+        boxes: list[tuple[ShardSpec, torch.Tensor]] = []
+        if mesh.dp_rank == 0:  # dp replicas hold the same values: one of them writes
+            tensors = [(n, p.detach(), p) for n, p in params.items()]
+            tensors += [(f"optim.{k}.{n}", t, params[n]) for n, m in moments.items() for k, t in m.items()]
+            for name, local, param in tensors:
+                for piece in pieces(name, tuple(local.shape), param, mesh, v, layers):
+                    boxes.append((piece.spec, local[piece.local].reshape(piece.spec.shape)))
+        if mesh.rank == 0:
+            rng = torch.get_rng_state()
+            boxes.append((ShardSpec("rng.torch_cpu", tuple(rng.shape), "uint8", (0,), tuple(rng.shape)), rng))
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                cuda = torch.stack(torch.cuda.get_rng_state_all())
+                boxes.append((ShardSpec("rng.torch_cuda", tuple(cuda.shape), "uint8", (0, 0), tuple(cuda.shape)), cuda))
+        np_state = np.random.get_state()
+        metadata = {
+            "format": FORMAT,
+            "iteration": state.iteration,
+            "consumed_samples": state.consumed_samples,
+            "optimizer_step": _optimizer_step(optimizer, self.par),
+            "config": to_dict(job),
+            "layout": {"tp": mesh.tp, "dp": mesh.dp, "pp": mesh.pp, "world_size": mesh.world_size},
+            "rng_python": random.getstate(),
+            "rng_numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+            **extra,
+        }
+        self.saver.wait()  # one save in flight: the previous one must have committed (or raise)
+        save_id = [None]
+        if mesh.rank == 0:
+            save_id[0] = (self.sink.begin_save(state.iteration, mesh.world_size) if self.service
+                          else begin_save(self.root, state.iteration))
+        if mesh.distributed:
+            dist.broadcast_object_list(save_id, src=0)
+        self.saver.save(state.iteration, save_id[0], boxes, committer=mesh.rank == 0, metadata=metadata)
+        if not self.asynchronous:
+            self.wait()
+        return open_root(self.root).step_url(state.iteration)
+
+    def wait(self) -> None:
+        """Block until the save in flight is stored and committed on every rank (collective)."""
+        self.saver.wait()
+        if self.par.mesh.distributed:
+            dist.barrier()
+
+    def close(self) -> None:
+        self.saver.close()
 
 
 def restore(root: str, model: GPT, optimizer: torch.optim.Optimizer, par: Parallel,
             step: int | None = None) -> tuple[TrainState, dict]:
     """Load checkpoint `step` (latest committed if None) into `model` and `optimizer` in place.
 
+    Each rank reads only the boxes its shards cover.
+
     Raises:
         CheckpointError: the checkpoint is missing, corrupt or does not fit the model.
     """
-    tensors, meta = load_checkpoint(root, step)
+    if step is None:
+        step = latest_step(root)
+        if step is None:
+            raise CheckpointError(f"no committed checkpoint under {root!r}")
+    elif step not in list_checkpoints(root):
+        raise CheckpointError(f"no committed checkpoint for step {step} under {root!r}")
+    manifest = read_manifest(root, step)
+    meta = manifest.get("metadata", {})
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{root}: not a meshtrain training checkpoint (format {meta.get('format')!r})")
+    arrays = manifest["arrays"]
+    mesh, v, layers = par.mesh, model.vocab_size, model.config.num_layers
     params = dict(model.named_parameters())
-    missing = [n for n in params if n not in tensors]
+    stored = {t for a in arrays.values() for t in a.get("tensors", [])}
+    missing = [n for n in params if n not in stored]
     if missing:
         raise CheckpointError(f"{root}: checkpoint lacks parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    extra = [n for n in tensors if not n.startswith(("optim.", "rng.")) and n not in params]
+    extra = [n for n in stored if not n.startswith(("optim.", "rng.")) and n not in params]
     if extra:
         raise CheckpointError(f"{root}: checkpoint has tensors the model does not: {extra[:5]}")
+
+    def read_into(name: str, dst: torch.Tensor, param: torch.Tensor) -> None:
+        dst.zero_()  # padded vocabulary rows are not stored: they restart at zero
+        for piece in pieces(name, tuple(dst.shape), param, mesh, v, layers, reading=True):
+            spec = piece.spec
+            entry = arrays.get(spec.array)
+            if entry is None or tuple(entry["shape"]) != spec.global_shape:
+                have = tuple(entry["shape"]) if entry else None
+                raise CheckpointError(
+                    f"{root}: tensor {name!r} is stored as {spec.array!r} of shape {have}; the model "
+                    f"needs shape {spec.global_shape}")
+            box = read_box(root, step, spec.array, spec.offsets, spec.shape)
+            dst[piece.local].copy_(box.view(dst[piece.local].shape))
+
     with torch.no_grad():
         for name, p in params.items():
-            p.copy_(_local(name, tensors[name], p, par.mesh, root).to(p.dtype))
+            read_into(name, p.data, p)
     opt_step = meta["optimizer_step"]
     if opt_step > 0:
-        moments = {name: {k: _local(name, tensors[f"optim.{k}.{name}"], p, par.mesh, root)
-                          for k in ("exp_avg", "exp_avg_sq")} for name, p in params.items()}
+        moments = {}
+        for name, p in params.items():
+            moments[name] = {}
+            for k in ("exp_avg", "exp_avg_sq"):
+                t = torch.zeros_like(p.data, dtype=torch.float32)
+                read_into(f"optim.{k}.{name}", t, p)
+                moments[name][k] = t
         if par.ddp is not None and par.ddp.dist_opt:
             par.ddp.load_optimizer_state(moments, opt_step)
         else:
@@ -166,14 +283,26 @@ def restore(root: str, model: GPT, optimizer: torch.optim.Optimizer, par: Parall
             for name, p in params.items():
                 optimizer.state[p] = {
                     "step": torch.tensor(float(opt_step), device=p.device if fused else "cpu"),
-                    **{k: v.to(p.device, torch.float32).clone() for k, v in moments[name].items()},
+                    **{k: v.to(p.device) for k, v in moments[name].items()},
                 }
-    torch.set_rng_state(tensors["rng.torch_cpu"])
-    if "rng.torch_cuda" in tensors and torch.cuda.is_available():
-        states = list(tensors["rng.torch_cuda"])
+    rng = arrays["rng.torch_cpu"]["shape"]
+    torch.set_rng_state(read_box(root, step, "rng.torch_cpu", (0,), tuple(rng)))
+    if "rng.torch_cuda" in arrays and torch.cuda.is_available():
+        shape = tuple(arrays["rng.torch_cuda"]["shape"])
+        states = list(read_box(root, step, "rng.torch_cuda", (0, 0), shape))
         if len(states) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(states)
     random.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in meta["rng_python"]))
     name, keys, *rest = meta["rng_numpy"]
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
     return TrainState(meta["iteration"], meta["consumed_samples"]), meta
+
+
+def _global(name: str, local: torch.Tensor, param: torch.Tensor, mesh: Mesh, vocab_size: int) -> torch.Tensor:
+    """The global tensor from this rank's shard: gathered over tp, vocabulary padding cut off."""
+    split = tp_split_of(param)
+    full = local
+    if split is not None and mesh.tp > 1:
+        parts = M.all_gather(local.contiguous(), 0, mesh.group("tp")).chunk(mesh.tp, 0)  # each rank's shard
+        full = split.unshard(list(parts))
+    return full[:vocab_size] if name in _VOCAB else full

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import kernels
+from services.checkpoint.maintenance import apply_retention
 from services.common.config import dumps_toml
 from services.common.errors import CheckpointError, ConfigError
 from services.trainer import checkpointing
@@ -158,6 +159,8 @@ class Trainer:
                 bucket_size=p.ddp_bucket_size, gather_units=units)
         self.optimizer = self.ddp.optimizer if self.ddp and self.ddp.optimizer else build_optimizer(self.model, job.optim)
         self.par = checkpointing.Parallel(self.mesh, self.ddp)
+        c = job.checkpoint
+        self.checkpointer = checkpointing.Checkpointer(c.save, self.par, c.async_save, c.service_address)
         self.state = checkpointing.TrainState()
         if job.checkpoint.load:
             self.state, _ = checkpointing.restore(
@@ -272,11 +275,16 @@ class Trainer:
         return torch.stack(losses).mean().item()  # identical on every rank: same eval batches
 
     def save(self) -> str:
-        url = checkpointing.save(
-            self.job.checkpoint.save, self.model, self.optimizer, self.state, self.job,
-            {"tokenizer": self.data.tokenizer, "data_prefix": self.data.prefix}, self.par,
-        )
-        log.info("checkpoint step %d committed: %s", self.state.iteration, url)
+        """Start saving the current state (asynchronous unless checkpoint.async_save is off)."""
+        c = self.job.checkpoint
+        if c.keep_last and self.is_main:
+            self.checkpointer.saver.wait()  # retention looks at committed saves only
+            apply_retention(c.save, c.keep_last, c.keep_every)
+        url = self.checkpointer.save(self.model, self.optimizer, self.state, self.job,
+                                     {"tokenizer": self.data.tokenizer, "data_prefix": self.data.prefix})
+        log.info("checkpoint step %d %s: %s (stall %.0f ms)", self.state.iteration,
+                 "saving in the background" if c.async_save else "committed", url,
+                 self.checkpointer.saver.last_stall_s * 1e3)
         return url
 
     def run(self) -> TrainResult:
@@ -293,8 +301,12 @@ class Trainer:
         with self._sigterm_saves():
             try:
                 self._loop(result, metrics, start, tokens_per_step)
+                self.checkpointer.wait()  # the last save is committed before the run returns
+                if result.checkpoint:
+                    log.info("checkpoint committed: %s", result.checkpoint)
             finally:
                 metrics.close()
+                self.checkpointer.close()
         if job.log.plot and self.is_main:
             result.plot = plot_losses(self.run_dir)
         return result

@@ -100,3 +100,31 @@ def test_load_errors_name_the_problem(corpus_cache, tmp_path):
                                                             "train.eval_interval": 0})
     with pytest.raises(CheckpointError, match="raise --train-iters"):
         train(load_config(done))
+
+
+def test_saves_through_the_checkpoint_service_and_resumes(corpus_cache, tmp_path):
+    """Service mode: the trainer streams its shards to a real CheckpointService on loopback;
+    what the service commits resumes exactly like an embedded save (same losses)."""
+    from services.checkpoint.rpc.server import start_server
+
+    root = str(tmp_path / "served")
+    server, port, _ = start_server(root, commit_timeout=60)
+    try:
+        common = {"train.train_iters": 8, "train.eval_interval": 0, "checkpoint.save_interval": 4}
+        served = train(load_config(small_job_args(corpus_cache, tmp_path / "a", **common, **{
+            "checkpoint.save": root, "checkpoint.service_address": f"127.0.0.1:{port}"})))
+        assert list_checkpoints(root) == [4, 8]
+        resumed = train(load_config(small_job_args(corpus_cache, tmp_path / "b", **common, **{
+            "checkpoint.load": root, "checkpoint.load_step": 4, "checkpoint.save": str(tmp_path / "local")})))
+        for step in range(5, 9):
+            assert resumed.losses[step] == served.losses[step], step
+    finally:
+        server.stop(0)
+
+
+def test_retention_keeps_the_newest(corpus_cache, tmp_path):
+    common = {"train.train_iters": 10, "train.eval_interval": 0, "checkpoint.save_interval": 2,
+              "checkpoint.keep_last": 2, "checkpoint.async_save": False}
+    train(load_config(small_job_args(corpus_cache, tmp_path / "r", **common)))
+    # retention runs before each save, so the newest 2 plus the final one remain
+    assert list_checkpoints(str(tmp_path / "r" / "checkpoints")) == [6, 8, 10]
