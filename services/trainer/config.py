@@ -149,6 +149,9 @@ class TrainConfig:
     graphs are not yet measured); 'triton' / 'reference' force one. $MESHTRAIN_KERNELS overrides."""
     peak_tflops: float | None = None
     """Peak dense TFLOP/s per device for MFU; unset: known GPUs only (H100/H200: 989)."""
+    control_port: int | None = None
+    """Serve the trainer's gRPC control endpoint (status, checkpoint now, stop) on rank 0 at
+    this port (0: any free port, written to RUN_DIR/control.addr); unset: no endpoint."""
 
     def __post_init__(self) -> None:
         for key in ("micro_batch_size", "global_batch_size", "train_iters", "eval_iters"):

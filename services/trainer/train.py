@@ -364,4 +364,13 @@ class Trainer:
 
 def train(job: JobConfig) -> TrainResult:
     """Run the job to `train.train_iters` steps and return what it produced."""
-    return Trainer(job).run()
+    trainer = Trainer(job)
+    if job.train.control_port is None or not trainer.is_main:
+        return trainer.run()
+    from services.trainer.control import serve_control  # grpc only when asked for
+
+    endpoint = serve_control(trainer, job.train.control_port)
+    try:
+        return trainer.run()
+    finally:
+        endpoint.stop()
