@@ -53,3 +53,23 @@ def test_nccl_two_gpus_match_one_gpu(layout, corpus_cache, tmp_path):
     two = _losses(tmp_path / "two")
     for step, loss in one.losses.items():
         assert two[step] == pytest.approx(loss, rel=1e-4), step
+
+
+def test_a_training_step_never_synchronizes_with_the_host(corpus_cache, tmp_path):
+    """CUDA's sync debug mode turns any host synchronization (.item(), a D2H copy, a
+    data-dependent shape) inside the step into an error; logging steps are the only place
+    the loop reads values back, so the steps between them must run clean."""
+    from services.trainer.train import Trainer
+
+    args = small_job_args(corpus_cache, tmp_path / "run", **{"train.device": "cuda", "train.bf16": True,
+                                                              "train.eval_interval": 0})
+    trainer = Trainer(load_config(args))
+    trainer.train_step(0)  # warm-up: lazy initialization (cuBLAS handles, kernel loading) may sync
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(1, 4):
+            trainer.train_step(step)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    trainer.checkpointer.close()
