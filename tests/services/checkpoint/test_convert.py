@@ -266,3 +266,15 @@ def test_cli_convert_export_import(tmp_path, capsys):
                        tensors["layers.1.attention.qkv.weight"].bfloat16().view(torch.int16))
     with pytest.raises(CheckpointError, match="--format 'gguf'"):
         run("export", "--format", "gguf", tmp_path / "b", tmp_path / "x")
+
+
+def test_convert_from_and_to_s3(s3_root, tmp_path):
+    """Both directions through the real S3 server: local -> s3:// (bf16, target tp=2) -> local."""
+    tensors, meta = training_state()
+    save_checkpoint(str(tmp_path / "src"), 9, tensors, meta)
+    convert(str(tmp_path / "src"), s3_root, dtype="bf16", target_tp=2, progress=False)
+    convert(s3_root, str(tmp_path / "back"), progress=False)
+    loaded, _ = load_checkpoint(str(tmp_path / "back"), 9)
+    for name, t in tensors.items():
+        expected = t.bfloat16() if not name.startswith(("optim.", "rng.")) else t
+        assert torch.equal(loaded[name], expected), name
