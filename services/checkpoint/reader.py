@@ -127,6 +127,19 @@ def load_checkpoint(
     tensors: dict[str, torch.Tensor] = {}
     for array_name, layers in per_array.items():
         entry = manifest["arrays"][array_name]
+        dims = entry["shape"]
+        if 0 not in dims and dims:
+            # One tensor (one layer) at a time, straight from the verified shard bytes.
+            for layer in layers:
+                offsets = (0,) * len(dims) if layer is None else (layer,) + (0,) * (len(dims) - 1)
+                shape = tuple(dims) if layer is None else (1, *dims[1:])
+                direct = _read_box_direct(store_root, step, array_name, entry, offsets, shape)
+                if direct is None:
+                    break
+                name = entry["tensors"][0 if layer is None else layer]
+                tensors[name] = layout.from_stored(direct if layer is None else direct[0], entry["dtype"])
+            else:
+                continue
         if entry["layer_count"] is None:
             array = _open_verified(store_root, step, array_name, entry, _all_region(entry))
             tensors[entry["tensors"][0]] = layout.from_stored(array[...], entry["dtype"])
@@ -162,6 +175,12 @@ def read_tensor(root: str, step: int, name: str, index: Index = None) -> torch.T
     array_name, layer = where[name]
     entry = manifest["arrays"][array_name]
     tensor_shape = entry["shape"][1:] if layer is not None else entry["shape"]
+    if index is None and tensor_shape and 0 not in entry["shape"]:
+        offsets = (0,) * len(entry["shape"]) if layer is None else (layer,) + (0,) * len(tensor_shape)
+        box = tuple(entry["shape"]) if layer is None else (1, *tensor_shape)
+        direct = _read_box_direct(store_root, step, array_name, entry, offsets, box)
+        if direct is not None:
+            return layout.from_stored(direct if layer is None else direct[0], entry["dtype"])
     index = () if index is None else index
     index = index if isinstance(index, tuple) else (index,)
     region = _index_region(index, tensor_shape, name)
@@ -209,6 +228,9 @@ def read_box(
     if 0 in shape:
         empty = np.zeros(shape, dtype=np.dtype(entry["stored_dtype"]))
         return layout.from_stored(empty, entry["dtype"])
+    direct = _read_box_direct(store_root, step, array, entry, offsets, shape)
+    if direct is not None:
+        return layout.from_stored(direct, entry["dtype"])
     region = [[(o, o + s - 1)] for o, s in zip(offsets, shape)]
     zarray = _open_verified(store_root, step, array, entry, region)
     index = tuple(slice(o, o + s) for o, s in zip(offsets, shape))
@@ -308,6 +330,82 @@ def _shard_keys(entry: dict[str, Any], region: list[list[tuple[int, int]] | None
     return ["c/" + "/".join(map(str, coords)) for coords in itertools.product(*per_dim)]
 
 
+def _fetch_verified(root: Root, step: int, array_name: str, entry: dict[str, Any], key: str) -> bytes:
+    """One stored object of an array, checked against the size and checksum in the manifest."""
+    where = f"array {array_name!r} object {key!r} (step {step} under {root.url!r})"
+    expected = entry["objects"].get(key)
+    if expected is None:
+        raise CheckpointError(f"{where} is not listed in the manifest")
+    try:
+        data = read_bytes(root, join(root.step_path(step), array_name, key))
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{where} is missing") from e
+    if len(data) != expected["size"] or checksum(data) != expected[CHECKSUM]:
+        raise CheckpointError(
+            f"{where} is corrupt: {len(data)} bytes with {CHECKSUM} {checksum(data):#010x}, "
+            f"manifest says {expected['size']} bytes with {expected[CHECKSUM]:#010x}"
+        )
+    return data
+
+
+# The codec pipeline meshtrain writes: uncompressed little-endian inner chunks in shards with
+# the index at the end. For it, `_read_box_direct` decodes without zarr.
+_PLAIN_INNER = [{"name": "bytes", "configuration": {"endian": "little"}}]
+_PLAIN_INDEX = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+_EMPTY = 2**64 - 1  # index entry of a chunk that was never written (reads as the fill value)
+
+
+def _read_box_direct(root: Root, step: int, array_name: str, entry: dict[str, Any],
+                     offsets: tuple[int, ...], shape: tuple[int, ...]) -> np.ndarray | None:
+    """Reads a box straight out of the verified shard bytes (None: not meshtrain's plain layout).
+
+    Decoding through zarr holds the fetched bytes, zarr's chunk buffers and the output at once
+    (3x the box); here each inner chunk is a view of the fetched bytes copied once into the
+    output, and one shard's bytes are dropped before the next is fetched (about 2x).
+    """
+    meta = json.loads(_fetch_verified(root, step, array_name, entry, "zarr.json"))
+    codecs = meta.get("codecs", [])
+    if len(codecs) != 1 or codecs[0].get("name") != "sharding_indexed" or not shape:
+        return None
+    conf = codecs[0]["configuration"]
+    if (conf.get("codecs") != _PLAIN_INNER or conf.get("index_codecs") != _PLAIN_INDEX
+            or conf.get("index_location", "end") != "end"
+            or list(meta["shape"]) != list(entry["shape"])
+            or np.dtype(meta["data_type"]) != np.dtype(entry["stored_dtype"])):
+        return None
+    outer = meta["chunk_grid"]["configuration"]["chunk_shape"]
+    inner = conf["chunk_shape"]
+    per_shard = [o // i for o, i in zip(outer, inner)]
+    n_inner = int(np.prod(per_shard))
+    dtype = np.dtype(entry["stored_dtype"])
+    out = np.empty(shape, dtype=dtype)
+    end = [o + s for o, s in zip(offsets, shape)]
+    shard_ranges = [range(o // g, (e - 1) // g + 1) for o, e, g in zip(offsets, end, outer)]
+    for shard in itertools.product(*shard_ranges):
+        data = _fetch_verified(root, step, array_name, entry, "c/" + "/".join(map(str, shard)))
+        index = np.frombuffer(data, dtype="<u8", count=2 * n_inner,
+                              offset=len(data) - 16 * n_inner - 4).reshape(*per_shard, 2)
+        origin = [c * g for c, g in zip(shard, outer)]
+        inner_ranges = [range(max(o, so) // i - so // i, (min(e, so + g) - 1) // i - so // i + 1)
+                        for o, e, so, g, i in zip(offsets, end, origin, outer, inner)]
+        for sub in itertools.product(*inner_ranges):
+            start = [so + c * i for so, c, i in zip(origin, sub, inner)]
+            lo = [max(a, b) for a, b in zip(start, offsets)]
+            hi = [min(a + i, b) for a, i, b in zip(start, inner, end)]
+            dst = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))
+            off, nbytes = (int(v) for v in index[sub])
+            if off == _EMPTY:
+                out[dst] = meta.get("fill_value", 0)
+                continue
+            if nbytes != int(np.prod(inner)) * dtype.itemsize:
+                return None  # not the plain layout after all: let zarr decode it
+            chunk = np.frombuffer(data, dtype=dtype.newbyteorder("<"), count=int(np.prod(inner)),
+                                  offset=off).reshape(inner)
+            out[dst] = chunk[tuple(slice(a - s, b - s) for a, b, s in zip(lo, hi, start))]
+        del data, index
+    return out
+
+
 def _open_verified(
     root: Root, step: int, array_name: str, entry: dict[str, Any], region: list
 ) -> zarr.Array:
@@ -317,25 +415,12 @@ def _open_verified(
         A read-only zarr array over an in-memory copy of the verified objects; shards outside
         `region` are absent from it, so only index inside `region`.
     """
-    step_path = root.step_path(step)
     prototype = default_buffer_prototype()
     contents: dict[str, Any] = {}
 
     def fetch(key: str) -> None:
-        where = f"array {array_name!r} object {key!r} (step {step} under {root.url!r})"
-        expected = entry["objects"].get(key)
-        if expected is None:
-            raise CheckpointError(f"{where} is not listed in the manifest")
-        try:
-            data = read_bytes(root, join(step_path, array_name, key))
-        except FileNotFoundError as e:
-            raise CheckpointError(f"{where} is missing") from e
-        if len(data) != expected["size"] or checksum(data) != expected[CHECKSUM]:
-            raise CheckpointError(
-                f"{where} is corrupt: {len(data)} bytes with {CHECKSUM} {checksum(data):#010x}, "
-                f"manifest says {expected['size']} bytes with {expected[CHECKSUM]:#010x}"
-            )
-        contents[f"{array_name}/{key}"] = prototype.buffer.from_bytes(data)
+        contents[f"{array_name}/{key}"] = prototype.buffer.from_bytes(
+            _fetch_verified(root, step, array_name, entry, key))
 
     # Metadata first: the shard keys below come from the manifest, which must agree with it.
     fetch("zarr.json")

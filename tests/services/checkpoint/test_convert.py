@@ -237,8 +237,10 @@ def test_peak_memory_is_a_few_times_the_largest_tensor(tmp_path):
         env={"MALLOC_MMAP_THRESHOLD_": str(2**20), "PATH": "/usr/bin:/bin", "PYTHONPATH": "."})
     measured = json.loads(out.stdout.strip().splitlines()[-1])
     grown = measured["peak"] - measured["before"]
-    # total is 12x the largest tensor: loading everything would blow far past this bound.
-    assert grown < 4 * largest * 4, f"peak grew {grown / 2**20:.1f} MiB for a {largest * 4 / 2**20:.0f} MiB tensor"
+    # Reads hold one shard plus its decoded copy (2x), the writer one encoded box more: about
+    # 2.5x measured. total is 12x the largest tensor: loading everything would blow far past it.
+    print(f"peak grew {grown / (largest * 4):.2f}x the largest tensor")
+    assert grown < 3 * largest * 4, f"peak grew {grown / 2**20:.1f} MiB for a {largest * 4 / 2**20:.0f} MiB tensor"
     assert total >= 12 * largest * 4
 
 
