@@ -13,6 +13,8 @@ in configs and over the wire.
 
 from __future__ import annotations
 
+import abc
+
 import os
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -24,28 +26,30 @@ EOD_TOKEN = "<|endoftext|>"
 _TRAIN_CHUNK_CHARS = 1 << 20
 
 
-class Tokenizer:
-    """Base class: what preprocessing and training need from a tokenizer."""
+class Tokenizer(abc.ABC):
+    """Abstract base: what preprocessing and training need from a tokenizer."""
 
     #: short human-readable kind, e.g. "byte" or "hf"
     name: str = "tokenizer"
 
     @property
+    @abc.abstractmethod
     def spec(self) -> str:
         """The string `build_tokenizer` accepts to rebuild this tokenizer."""
-        raise NotImplementedError
 
     @property
+    @abc.abstractmethod
     def vocab_size(self) -> int:
-        raise NotImplementedError
+        """Number of ids, specials included."""
 
     @property
+    @abc.abstractmethod
     def eod_id(self) -> int:
         """Id of the end-of-document token appended after each document."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def encode(self, text: str) -> list[int]:
-        raise NotImplementedError
+        """Token ids of one text."""
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Encode several texts; subclasses may do it in parallel.
@@ -58,8 +62,9 @@ class Tokenizer:
         """
         return [self.encode(t) for t in texts]
 
+    @abc.abstractmethod
     def decode(self, ids: Iterable[int]) -> str:
-        raise NotImplementedError
+        """The text of a sequence of ids."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(spec={self.spec!r}, vocab_size={self.vocab_size})"
