@@ -13,7 +13,6 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-
 from protos.dataloader.v1 import dataloader_pb2 as pb
 from protos.dataloader.v1 import dataloader_pb2_grpc as pb_grpc
 from services.common.errors import DataError
