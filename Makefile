@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 PYTEST := $(BIN)/python -m pytest
 
-.PHONY: install run test test-fast test-slow test-gpu protos clean
+.PHONY: install run test test-fast test-slow test-gpu protos system-deps clean
 
 # The CPU build of torch is installed first and pinned, so resolving the project's
 # `torch>=` floor never pulls a multi-GB CUDA wheel.
@@ -36,6 +36,11 @@ test-slow: $(STAMP)
 
 test-gpu: $(STAMP)
 	$(PYTEST) -m "gpu" -q
+
+# Optional, as root on Debian/Ubuntu: docker-compose and a single-node Slurm for the deploy
+# tests (they skip, saying why, without them).
+system-deps:
+	sh deploy/install-test-deps.sh
 
 # Regenerate the gRPC stubs (committed; grpcio-tools pinned to the oldest grpcio we support).
 protos: $(STAMP)

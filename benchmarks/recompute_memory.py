@@ -63,7 +63,6 @@ def measure(job, plan: dict, device: torch.device, iters: int) -> dict:
     sync()
     seconds = (time.perf_counter() - start) / iters
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else _rss("VmHWM")
-    del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {"fwd_bwd_s": seconds, "peak_gb": peak / 1e9, "activation_gb": (peak - weights) / 1e9}

@@ -17,6 +17,7 @@ from services.checkpoint import cli as ckpt_cli
 from services.common.errors import MeshtrainError
 from services.common.logging import setup_logging
 from services.dataloader import cli as data_cli
+from services.launcher import cli as launcher_cli
 
 
 def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
@@ -77,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="launch this many local ranks (torchrun's launcher); plain torchrun works too")
     data_cli.register(sub)
     ckpt_cli.register(sub)
+    launcher_cli.register(sub)
     return p
 
 

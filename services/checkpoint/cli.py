@@ -111,6 +111,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-inflight-mb", type=float, default=1024.0,
                    help="box data held in memory at once, over all streams")
     p.add_argument("--grace", type=float, default=5.0, help="seconds granted on SIGTERM")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics (requests, bytes, latency, queue depth) on this "
+                        "port at /metrics (0: any free port, printed); off unless given")
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -17,8 +17,10 @@ health service first, and stops it with a grace period so streams in flight fini
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
+import time
 from concurrent import futures
 from typing import Callable, Iterable
 
@@ -145,6 +147,7 @@ def make_server(
     max_workers: int = 16,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     error_table: list | None = None,
+    interceptors: Iterable[grpc.ServerInterceptor] = (),
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
     """Build and start a server with health, reflection, size limits and error mapping.
 
@@ -156,13 +159,15 @@ def make_server(
         max_workers: threads serving RPCs; each open stream holds one.
         max_message_bytes: message limit in both directions.
         error_table: extra (exception class, status code) pairs for `ErrorInterceptor`.
+        interceptors: run before `ErrorInterceptor` (outermost first), e.g. a
+            `services.common.metrics.MetricsInterceptor`, which then sees mapped status codes.
 
     Returns:
         (server, bound port, health servicer); the server is started and SERVING.
     """
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
-        interceptors=[ErrorInterceptor(error_table)],
+        interceptors=[*interceptors, ErrorInterceptor(error_table)],
         # without this, a second server on a busy port silently shares it (Linux SO_REUSEPORT)
         options=channel_options(max_message_bytes) + [("grpc.so_reuseport", 0)],
         maximum_concurrent_rpcs=max_workers,
@@ -189,7 +194,8 @@ def make_server(
 
 
 def serve_forever(server: grpc.Server, health_servicer: health.HealthServicer | None = None,
-                  grace_s: float = 5.0, on_ready: Callable[[], None] | None = None) -> None:
+                  grace_s: float = 5.0, on_ready: Callable[[], None] | None = None,
+                  exit_process: bool = True) -> None:
     """Block until SIGTERM/SIGINT, then stop gracefully.
 
     Health turns NOT_SERVING first so load balancers stop routing new streams here, then
@@ -201,6 +207,9 @@ def serve_forever(server: grpc.Server, health_servicer: health.HealthServicer | 
         grace_s: seconds granted to RPCs in flight.
         on_ready: called once the signal handlers are in place, e.g. to announce the port:
             a supervisor that sends SIGTERM right after the announcement then gets a clean stop.
+        exit_process: once stopped, make sure the process can exit: a handler thread still
+            blocked in a stream that gRPC cancelled (seen: a data stream waiting on flow
+            control) would otherwise keep the interpreter alive at exit, joining it forever.
     """
     stop = threading.Event()
 
@@ -215,7 +224,27 @@ def serve_forever(server: grpc.Server, health_servicer: health.HealthServicer | 
         stop.wait()
         if health_servicer is not None:
             health_servicer.enter_graceful_shutdown()
-        server.stop(grace_s).wait()
+        server.stop(grace_s).wait(grace_s + 5.0)
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+    if exit_process:
+        _exit_when_stuck(timeout_s=10.0)
+
+
+def _exit_when_stuck(timeout_s: float) -> None:
+    """If the interpreter has not exited `timeout_s` after this returns, exit it anyway.
+
+    At exit Python joins every non-daemon thread, gRPC's handler threads included; one still
+    blocked in a cancelled stream would hang the process forever. A daemon watchdog keeps
+    running while those joins happen, so a normal exit wins and a stuck one is cut short.
+    """
+
+    def watchdog() -> None:
+        time.sleep(timeout_s)
+        log.warning("still running %.0f s after the server stopped (a handler thread is stuck); exiting",
+                    timeout_s)
+        logging.shutdown()
+        os._exit(0)
+
+    threading.Thread(target=watchdog, name="exit-watchdog", daemon=True).start()

@@ -151,7 +151,12 @@ class TrainConfig:
     """Peak dense TFLOP/s per device for MFU; unset: known GPUs only (H100/H200: 989)."""
     control_port: int | None = None
     """Serve the trainer's gRPC control endpoint (status, checkpoint now, stop) on rank 0 at
-    this port (0: any free port, written to RUN_DIR/control.addr); unset: no endpoint."""
+    this port (0: any free port; the address goes to RUN_DIR/control.addr); unset: no endpoint."""
+    control_host: str | None = None
+    """Interface the control endpoint binds; unset: $MESHTRAIN_CONTROL_HOST, else 127.0.0.1."""
+    metrics_port: int | None = None
+    """With the control endpoint: serve Prometheus metrics (step, loss, tokens/s, ETA, RPCs) on
+    this port (0: any free port, in RUN_DIR/metrics.addr); unset: $MESHTRAIN_METRICS_PORT or none."""
 
     def __post_init__(self) -> None:
         for key in ("micro_batch_size", "global_batch_size", "train_iters", "eval_iters"):

@@ -199,6 +199,10 @@ class Trainer:
         """Save a checkpoint after the current step and continue."""
         self._checkpoint_now.set()
 
+    def pending_requests(self) -> tuple[bool, bool]:
+        """(stop requested, checkpoint requested) and not yet acted on, on this rank."""
+        return self._stop.is_set(), self._checkpoint_now.is_set()
+
     def _agreed_requests(self, at_log_step: bool) -> tuple[bool, bool]:
         """(stop, checkpoint) as every rank sees them: any rank's request counts for all.
 
@@ -369,7 +373,8 @@ def train(job: JobConfig) -> TrainResult:
         return trainer.run()
     from services.trainer.control import serve_control  # grpc only when asked for
 
-    endpoint = serve_control(trainer, job.train.control_port)
+    t = job.train
+    endpoint = serve_control(trainer, t.control_port, host=t.control_host, metrics_port=t.metrics_port)
     try:
         return trainer.run()
     finally:

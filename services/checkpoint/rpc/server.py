@@ -18,13 +18,14 @@ from protos.checkpoint.v1 import checkpoint_pb2_grpc as pb_grpc
 from services.checkpoint.cli import add_serve_arguments
 from services.checkpoint.rpc.servicer import SERVICE_NAME, CheckpointServicer
 from services.common.grpc_utils import make_server, serve_forever
+from services.common.metrics import MetricsInterceptor, start_metrics_server
 
 log = logging.getLogger("meshtrain.checkpoint")
 
 
 def start_server(root: str, port: int = 0, host: str = "127.0.0.1", max_streams: int = 16,
                  commit_timeout: float = 600.0, max_chunk_bytes: int = 4 << 20,
-                 max_inflight_bytes: int = 1 << 30):
+                 max_inflight_bytes: int = 1 << 30, metrics: bool = False):
     """Starts a CheckpointService in this process.
 
     Args:
@@ -35,6 +36,7 @@ def start_server(root: str, port: int = 0, host: str = "127.0.0.1", max_streams:
         commit_timeout: default seconds a commit waits for its writers.
         max_chunk_bytes: largest data chunk accepted.
         max_inflight_bytes: box bytes held in memory at once over all streams.
+        metrics: record Prometheus RPC metrics (served by `start_metrics_server`).
 
     Returns:
         (server, bound port, health servicer).
@@ -44,6 +46,7 @@ def start_server(root: str, port: int = 0, host: str = "127.0.0.1", max_streams:
         [lambda s: pb_grpc.add_CheckpointServiceServicer_to_server(servicer, s)],
         [SERVICE_NAME], port=port, host=host, max_workers=max_streams,
         max_message_bytes=max(2 * max_chunk_bytes, 8 << 20),
+        interceptors=[MetricsInterceptor("checkpoint", max_streams)] if metrics else [],
     )
 
 
@@ -52,7 +55,11 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     server, port, health = start_server(
         args.root, args.port, args.host, args.max_streams, args.commit_timeout,
-        int(args.max_chunk_mb * 2**20), int(args.max_inflight_mb * 2**20))
+        int(args.max_chunk_mb * 2**20), int(args.max_inflight_mb * 2**20),
+        metrics=getattr(args, "metrics_port", None) is not None)
+    if getattr(args, "metrics_port", None) is not None:
+        _, metrics_port = start_metrics_server(args.metrics_port, args.host)
+        print(f"metrics on http://{args.host}:{metrics_port}/metrics", flush=True)
     print(f"listening on {args.host}:{port}", flush=True)
     serve_forever(server, health, grace_s=args.grace)
     return 0

@@ -14,6 +14,7 @@ import sys
 
 from protos.dataloader.v1 import dataloader_pb2_grpc as pb_grpc
 from services.common.grpc_utils import make_server, serve_forever
+from services.common.metrics import MetricsInterceptor, start_metrics_server
 from services.dataloader.cli import add_serve_arguments
 from services.dataloader.rpc.servicer import SERVICE_NAME, DataServicer
 
@@ -21,7 +22,7 @@ log = logging.getLogger("meshtrain.data")
 
 
 def start_server(port: int = 0, host: str = "127.0.0.1", max_workers: int = 16,
-                 cache_indices: bool = True):
+                 cache_indices: bool = True, metrics: bool = False):
     """Start a DataService worker in this process.
 
     Args:
@@ -29,13 +30,16 @@ def start_server(port: int = 0, host: str = "127.0.0.1", max_workers: int = 16,
         host: interface to bind; 127.0.0.1 unless serving other machines.
         max_workers: concurrent streams served.
         cache_indices: cache sample indices beside the datasets.
+        metrics: record Prometheus RPC metrics (served by `start_metrics_server`).
 
     Returns:
         (server, bound port, health servicer).
     """
     servicer = DataServicer(cache_indices=cache_indices)
+    interceptors = [MetricsInterceptor("data", max_workers)] if metrics else []
     return make_server([lambda s: pb_grpc.add_DataServiceServicer_to_server(servicer, s)],
-                       [SERVICE_NAME], port=port, host=host, max_workers=max_workers)
+                       [SERVICE_NAME], port=port, host=host, max_workers=max_workers,
+                       interceptors=interceptors)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,7 +52,11 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     """Start a worker with the parsed `serve` flags and block until SIGTERM/SIGINT."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    server, port, health = start_server(args.port, args.host, args.max_streams)
+    metrics = getattr(args, "metrics_port", None) is not None
+    server, port, health = start_server(args.port, args.host, args.max_streams, metrics=metrics)
+    if metrics:
+        _, metrics_port = start_metrics_server(args.metrics_port, args.host)
+        print(f"metrics on http://{args.host}:{metrics_port}/metrics", flush=True)
     serve_forever(server, health, grace_s=args.grace,
                   on_ready=lambda: print(f"listening on {args.host}:{port}", flush=True))
     return 0

@@ -89,9 +89,13 @@ class S3Server:
         self.port = ports["s3"]
         args = [self.weed, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}",
                 "-volume.max=0", "-master.volumeSizeLimitMB=256", "-s3",
-                f"-s3.config={config}"]
+                f"-s3.config={config}",
+                # Side servers with fixed default ports (8181, 9101) would collide between
+                # concurrent test sessions: off.
+                "-s3.port.iceberg=0", "-s3.port.lance=0"]
         for name, port in ports.items():
-            args += [f"-{name}.port={port}", f"-{name}.port.grpc={port + 10000}"]
+            # gRPC ports picked free too (port + 10000 can pass 65535 or be taken).
+            args += [f"-{name}.port={port}", f"-{name}.port.grpc={free_port()}"]
         # Open for the server's whole life, closed in stop().
         self.log = open(self.workdir / "weed.log", "wb")  # noqa: SIM115
         self.process = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT,

@@ -1,0 +1,23 @@
+#!/bin/sh
+# Install the system packages the deploy tests use: `docker-compose` (validates
+# deploy/compose.yaml without a daemon) and a single-node Slurm (slurmctld, slurmd, munge)
+# for the sbatch scripts. Debian/Ubuntu, as root; safe to run again (installed: no-op).
+set -eu
+if [ "$(id -u)" -ne 0 ]; then
+    echo "install-test-deps.sh: run as root (apt-get installs system packages)" >&2
+    exit 1
+fi
+packages="docker-compose slurm-wlm munge"
+missing=""
+for p in $packages; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
+done
+if [ -z "$missing" ]; then
+    echo "install-test-deps.sh: already installed: $packages"
+    exit 0
+fi
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -q
+# --no-install-recommends: slurm-wlm recommends a mail server and docs the tests never use
+apt-get install -y -q --no-install-recommends $missing
+echo "install-test-deps.sh: installed:$missing"

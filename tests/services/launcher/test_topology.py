@@ -1,0 +1,122 @@
+"""`Topology` with real child processes: small Python scripts that behave like services.
+
+Each script is a real process, so prefixes, exit statuses, signals, process groups and the
+SIGKILL fallback are the kernel's, not simulated.
+"""
+
+import io
+import signal
+import sys
+import threading
+import time
+
+import pytest
+
+from services.launcher.health import wait_serving
+from services.launcher.topology import Child, ChildFailed, Topology
+
+# Prints a line, then waits; on SIGTERM prints "bye NAME" and exits 0 (like a service).
+POLITE = """
+import signal, sys, time
+name = sys.argv[1]
+print("hello", name, flush=True)
+def bye(*_):
+    print("bye", name, flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, bye)
+while True:
+    time.sleep(0.05)
+"""
+# Ignores SIGTERM: only SIGKILL ends it.
+STUBBORN = """
+import signal, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("ignoring SIGTERM", flush=True)
+while True:
+    time.sleep(0.05)
+"""
+
+
+def py(code, *args):
+    return [sys.executable, "-c", code, *args]
+
+
+def lines(out: io.StringIO) -> list[str]:
+    return out.getvalue().splitlines()
+
+
+def test_logs_are_prefixed_and_stop_runs_trainer_first():
+    out = io.StringIO()
+    topo = Topology(out)
+    topo.start(Child("data-0", py(POLITE, "data-0")))
+    topo.start(Child("ckpt", py(POLITE, "ckpt")))
+    topo.start(Child("trainer", py(POLITE, "trainer"), role="trainer"))
+    deadline = time.monotonic() + 30
+    while sum("hello" in line for line in lines(out)) < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    statuses = topo.shutdown()
+    assert statuses == {"data-0": 0, "ckpt": 0, "trainer": 0}
+    text = lines(out)
+    assert "[data-0] hello data-0" in text and "[trainer] hello trainer" in text
+    byes = [line for line in text if " bye " in line]
+    # the trainer is told first and has finished before any service is told
+    assert byes[0] == "[trainer] bye trainer"
+    assert text.index("[trainer] bye trainer") < text.index("[up] stopping ckpt (SIGTERM)")
+    # services stop in reverse start order
+    assert text.index("[up] stopping ckpt (SIGTERM)") < text.index("[up] stopping data-0 (SIGTERM)")
+
+
+def test_child_that_dies_stops_the_topology_with_its_name():
+    out = io.StringIO()
+    topo = Topology(out)
+    topo.start(Child("ckpt", py("import sys, time; time.sleep(0.5); sys.exit(3)")))
+    topo.start(Child("trainer", py(POLITE, "trainer"), role="trainer"))
+    assert topo.supervise(threading.Event()) == 1
+    assert topo.shutdown()["trainer"] == 0
+    assert "[up] error: ckpt exited unexpectedly with status 3; stopping the topology" in lines(out)
+
+
+def test_stateless_child_is_restarted_and_the_run_goes_on():
+    out = io.StringIO()
+    topo = Topology(out, max_restarts=1)
+    topo.start(Child("data-0", py("import time; time.sleep(0.3); raise SystemExit(9)"), restart=True))
+    topo.start(Child("trainer", py("import time; time.sleep(2)"), role="trainer"))
+    # restarted once; it dies again after its one restart is spent, before the trainer ends
+    assert topo.supervise(threading.Event()) == 1
+    topo.shutdown()
+    text = "\n".join(lines(out))
+    assert "data-0 exited with status 9; restarting it (1/1)" in text
+    assert "error: data-0 exited unexpectedly with status 9" in text
+
+
+def test_trainer_finishing_ends_supervision_with_zero():
+    topo = Topology(io.StringIO())
+    topo.start(Child("data-0", py(POLITE, "data-0")))
+    topo.start(Child("trainer-0", py("print('done')"), role="trainer"))
+    topo.start(Child("trainer-1", py("import time; time.sleep(0.5)"), role="trainer"))
+    assert topo.supervise(threading.Event()) == 0
+    assert topo.shutdown() == {"data-0": 0, "trainer-0": 0, "trainer-1": 0}
+
+
+def test_sigkill_after_the_grace_period():
+    out = io.StringIO()
+    topo = Topology(out)
+    topo.start(Child("stubborn", py(STUBBORN), grace_s=1.0))
+    deadline = time.monotonic() + 30
+    while "[stubborn] ignoring SIGTERM" not in lines(out):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    start = time.monotonic()
+    assert topo.shutdown() == {"stubborn": -signal.SIGKILL}
+    assert 0.9 < time.monotonic() - start < 10
+    assert "[up] stubborn still running after 1 s: SIGKILL" in lines(out)
+
+
+def test_health_wait_names_a_child_that_exits_or_never_serves():
+    topo = Topology(io.StringIO())
+    with pytest.raises(ChildFailed, match=r"broken exited with status 2 before serving on 127\.0\.0\.1:1"):
+        topo.start(Child("broken", py("raise SystemExit(2)"), port=1), wait_serving(30))
+    with pytest.raises(ChildFailed, match=r"silent was not serving on 127\.0\.0\.1:1 within 1 s"):
+        topo.start(Child("silent", py(POLITE, "silent"), port=1), wait_serving(1))
+    topo.shutdown()

@@ -1,0 +1,119 @@
+"""The trainer's control endpoint against a real training run in this process.
+
+`train()` runs in a thread (the endpoint only sees what a live loop publishes), with
+`train.control_port=0`: the test finds the endpoint through RUN_DIR/control.addr exactly as
+`meshtrain status RUN_DIR` does, and scrapes the Prometheus gauges over real HTTP.
+"""
+
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from services.checkpoint.reader import list_checkpoints
+from services.cli import main
+from services.common.errors import ConfigError, MeshtrainError
+from services.trainer.config import load_config
+from services.trainer.rpc.client import ControlClient, resolve_address
+from services.trainer.train import train
+from tests.services.trainer.conftest import small_job_args
+
+
+def wait_for(predicate, timeout=60.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+class Background:
+    """`train(job)` in a thread, keeping its result or error."""
+
+    def __init__(self, job):
+        self.result, self.error = None, None
+        self.thread = threading.Thread(target=self._run, args=(job,), daemon=True)
+        self.thread.start()
+
+    def _run(self, job):
+        try:
+            self.result = train(job)
+        except BaseException as e:  # noqa: BLE001 -- re-raised in the test thread by join()
+            self.error = e
+
+    def join(self, timeout=120.0):
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "training did not end"
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+@pytest.fixture
+def long_run(corpus_cache, tmp_path, monkeypatch):
+    """A run configured for far more steps than the test lets it take."""
+    monkeypatch.setenv("MESHTRAIN_METRICS_PORT", "0")
+    run_dir = tmp_path / "run"
+    job = load_config(small_job_args(corpus_cache, run_dir, **{
+        "train.train_iters": 100_000, "train.eval_interval": 0, "train.control_port": 0}))
+    bg = Background(job)
+    wait_for(lambda: (run_dir / "control.addr").exists() or not bg.thread.is_alive(), what="control.addr")
+    yield bg, run_dir
+    if bg.thread.is_alive():  # a failed test must not leave a 100k-step run behind
+        ControlClient(str(run_dir)).stop()
+        bg.join()
+
+
+def test_status_checkpoint_and_stop(long_run, capsys):
+    bg, run_dir = long_run
+    with ControlClient(str(run_dir)) as client:
+        wait_for(lambda: client.status()["loss"] is not None, what="a logged step")
+        s = client.status()
+        assert s["train_iters"] == 100_000 and s["step"] >= 1
+        assert s["tokens_per_s"] > 0 and s["eta_s"] > 0 and s["last_checkpoint"] is None
+
+        asked_at = client.checkpoint()
+        wait_for(lambda: client.status()["last_checkpoint"] is not None, what="the requested checkpoint")
+        saved = client.status()["last_checkpoint"]
+        assert int(saved.rsplit("_", 1)[1]) >= asked_at + 1  # saved after the step it was asked at
+
+        assert main(["status", str(run_dir)]) == 0
+        out = capsys.readouterr().out
+        assert "step            :" in out and "/ 100000" in out and saved in out
+
+        assert main(["stop", str(run_dir)]) == 0
+    result = bg.join()
+    assert result.stopped_early
+    steps = list_checkpoints(str(run_dir / "checkpoints"))
+    assert result.checkpoint.endswith(f"step_{steps[-1]:08d}") and len(steps) == 2
+    # a finished run is not reachable any more, and says so by name
+    assert not (run_dir / "control.addr").exists()
+    with pytest.raises(ConfigError, match="no control.addr"):
+        resolve_address(str(run_dir))
+
+
+def test_trainer_gauges_and_rpc_metrics_scraped_over_http(long_run):
+    bg, run_dir = long_run
+    with ControlClient(str(run_dir)) as client:
+        wait_for(lambda: client.status()["step"] >= 2, what="two steps")
+        step_seen = client.status()["step"]
+        url = f"http://{(run_dir / 'metrics.addr').read_text().strip()}/metrics"
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                  if line and not line.startswith("#")}
+        assert values["meshtrain_trainer_step"] >= step_seen
+        assert values["meshtrain_trainer_train_iters"] == 100_000
+        assert 0 < values["meshtrain_trainer_loss"] < 10 and values["meshtrain_trainer_tokens_per_s"] > 0
+        ok = 'meshtrain_rpc_requests_total{code="OK",method="Status",service="trainer"}'
+        assert values[ok] >= 2
+        client.stop()
+    bg.join()
+
+
+def test_unreachable_or_malformed_targets_are_named(tmp_path):
+    with pytest.raises(ConfigError, match="neither a run directory nor HOST:PORT"):
+        resolve_address(str(tmp_path / "missing"))
+    (tmp_path / "control.addr").write_text("127.0.0.1:1\n")
+    with pytest.raises(MeshtrainError, match="127.0.0.1:1: UNAVAILABLE"):
+        ControlClient(str(tmp_path), timeout_s=2).status()
+    assert main(["status", "127.0.0.1:1"]) == 2
