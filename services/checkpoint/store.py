@@ -63,8 +63,21 @@ def open_root(url: str) -> Root:
     """
     if not isinstance(url, str) or not url:
         raise CheckpointError(f"checkpoint root must be a non-empty path or URL, got {url!r}")
+    protocol = url.split("://", 1)[0] if "://" in url else "file"
+    # Other processes write under the root (ranks, the service, the committer polling for
+    # fragments): a cached directory listing would go stale, so object stores list afresh.
+    options: dict = {} if protocol in ("file", "local", "memory") else {"use_listings_cache": False}
+    if protocol in ("s3", "s3a"):
+        # fsspec caches filesystem instances by their arguments; with the endpoint and keys only
+        # in the environment, a later root on another endpoint would reuse the first one's
+        # client. Passing them makes them part of the key (they are never written anywhere).
+        for option, names in (("endpoint_url", ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")),
+                              ("key", ("AWS_ACCESS_KEY_ID",)), ("secret", ("AWS_SECRET_ACCESS_KEY",))):
+            value = next((os.environ[n] for n in names if os.environ.get(n)), None)
+            if value:
+                options[option] = value
     try:
-        fs, path = fsspec.core.url_to_fs(url)
+        fs, path = fsspec.core.url_to_fs(url, **options)
     except (ValueError, ImportError) as e:
         raise CheckpointError(f"cannot open checkpoint root {url!r}: {e}") from e
     return Root(url=url, fs=fs, path=path.rstrip("/") or "/")
