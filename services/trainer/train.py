@@ -371,7 +371,7 @@ def train(job: JobConfig) -> TrainResult:
     trainer = Trainer(job)
     if job.train.control_port is None or not trainer.is_main:
         return trainer.run()
-    from services.trainer.control import serve_control  # grpc only when asked for
+    from services.trainer.rpc.server import serve_control  # grpc only when asked for
 
     t = job.train
     endpoint = serve_control(trainer, t.control_port, host=t.control_host, metrics_port=t.metrics_port)
