@@ -90,53 +90,40 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         log.info("rpc error %s: %s", code.name, exc)
         context.abort(code, str(exc))
 
+    def _guard(self, inner, streams_responses: bool):
+        """`inner` with domain errors mapped, for a method returning a response or a stream."""
+        if streams_responses:
+            def guarded_stream(request, context):
+                try:
+                    yield from inner(request, context)
+                except MeshtrainError as e:
+                    self._abort(context, e)
+
+            return guarded_stream
+
+        def guarded(request, context):
+            try:
+                return inner(request, context)
+            except MeshtrainError as e:
+                self._abort(context, e)
+
+        return guarded
+
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
-        if handler.unary_unary:
-            inner = handler.unary_unary
-
-            def unary(request, context):
-                try:
-                    return inner(request, context)
-                except MeshtrainError as e:
-                    self._abort(context, e)
-
-            return grpc.unary_unary_rpc_method_handler(
-                unary, handler.request_deserializer, handler.response_serializer)
-        if handler.unary_stream:
-            inner_stream = handler.unary_stream
-
-            def stream(request, context):
-                try:
-                    yield from inner_stream(request, context)
-                except MeshtrainError as e:
-                    self._abort(context, e)
-
-            return grpc.unary_stream_rpc_method_handler(
-                stream, handler.request_deserializer, handler.response_serializer)
-        if handler.stream_unary:
-            inner_su = handler.stream_unary
-
-            def client_stream(request_iterator, context):
-                try:
-                    return inner_su(request_iterator, context)
-                except MeshtrainError as e:
-                    self._abort(context, e)
-
-            return grpc.stream_unary_rpc_method_handler(
-                client_stream, handler.request_deserializer, handler.response_serializer)
-        inner_ss = handler.stream_stream
-
-        def bidi(request_iterator, context):
-            try:
-                yield from inner_ss(request_iterator, context)
-            except MeshtrainError as e:
-                self._abort(context, e)
-
-        return grpc.stream_stream_rpc_method_handler(
-            bidi, handler.request_deserializer, handler.response_serializer)
+        for kind, make, streams in (
+            ("unary_unary", grpc.unary_unary_rpc_method_handler, False),
+            ("unary_stream", grpc.unary_stream_rpc_method_handler, True),
+            ("stream_unary", grpc.stream_unary_rpc_method_handler, False),
+            ("stream_stream", grpc.stream_stream_rpc_method_handler, True),
+        ):
+            inner = getattr(handler, kind)
+            if inner is not None:
+                return make(self._guard(inner, streams), handler.request_deserializer,
+                            handler.response_serializer)
+        return handler
 
 
 def make_server(

@@ -10,7 +10,6 @@ NOT_FOUND and must begin again (the previous checkpoint is untouched either way)
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import math
@@ -27,8 +26,7 @@ from services.checkpoint.maintenance import apply_retention, delete_checkpoint
 from services.checkpoint.reader import list_checkpoints, read_box, read_manifest
 from services.checkpoint.sharded import ShardWriter, begin_save, check_save_id, commit
 from services.checkpoint.shards import ShardSpec
-from services.common.errors import CheckpointError, MeshtrainError
-from services.common.grpc_utils import status_for
+from services.common.errors import CheckpointError
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CheckpointService"].full_name
 log = logging.getLogger("meshtrain.checkpoint")
@@ -77,20 +75,6 @@ def box_from_pb(box: pb.Box) -> ShardSpec:
     )
 
 
-def _client_stream_errors(method):
-    """Maps domain errors of a client-streaming method to status codes (the shared
-    interceptor covers unary and server-streaming methods only)."""
-
-    @functools.wraps(method)
-    def wrapper(self, request_iterator, context):
-        try:
-            return method(self, request_iterator, context)
-        except MeshtrainError as e:
-            context.abort(status_for(e) or grpc.StatusCode.FAILED_PRECONDITION, str(e))
-
-    return wrapper
-
-
 class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
     """Serves one checkpoint root.
 
@@ -127,7 +111,6 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             self._saves[save_id] = _Save(request.step, request.num_writers)
         return pb.BeginSaveResponse(save_id=save_id)
 
-    @_client_stream_errors
     def WriteShards(self, request_iterator, context):
         first = next(request_iterator, None)
         if first is None or first.WhichOneof("part") != "header":
