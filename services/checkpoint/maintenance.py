@@ -12,14 +12,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from services.checkpoint.reader import list_checkpoints, read_manifest
-from services.checkpoint.sharded import CHECKSUM, checksum, is_committed
+from services.checkpoint.reader import fetch_verified, list_checkpoints, read_manifest
+from services.checkpoint.sharded import is_committed
 from services.checkpoint.store import (
     MANIFEST_NAME,
     join,
     open_root,
     parse_step_dirname,
-    read_bytes,
     remove_tree,
 )
 from services.common.errors import CheckpointError
@@ -137,20 +136,9 @@ def verify_checkpoint(root: str, step: int) -> int:
     """
     store_root = open_root(root)
     manifest = read_manifest(root, step)
-    step_path = store_root.step_path(step)
-    listed = [("", key, obj) for key, obj in manifest["objects"].items()]
+    listed = [("", key, manifest["objects"]) for key in manifest["objects"]]
     for name, entry in manifest["arrays"].items():
-        listed += [(name, key, obj) for key, obj in entry["objects"].items()]
-    for array, key, expected in listed:
-        where = f"array {array!r} object {key!r}" if array else f"object {key!r}"
-        where += f" (step {step} under {root!r})"
-        try:
-            data = read_bytes(store_root, join(step_path, array, key))
-        except FileNotFoundError as e:
-            raise CheckpointError(f"{where} is missing") from e
-        if len(data) != expected["size"] or checksum(data) != expected[CHECKSUM]:
-            raise CheckpointError(
-                f"{where} is corrupt: {len(data)} bytes with {CHECKSUM} {checksum(data):#010x}, "
-                f"manifest says {expected['size']} bytes with {expected[CHECKSUM]:#010x}"
-            )
+        listed += [(name, key, entry["objects"]) for key in entry["objects"]]
+    for array, key, objects in listed:
+        fetch_verified(store_root, step, array, objects, key)
     return len(listed)

@@ -330,10 +330,22 @@ def _shard_keys(entry: dict[str, Any], region: list[list[tuple[int, int]] | None
     return ["c/" + "/".join(map(str, coords)) for coords in itertools.product(*per_dim)]
 
 
-def _fetch_verified(root: Root, step: int, array_name: str, entry: dict[str, Any], key: str) -> bytes:
-    """One stored object of an array, checked against the size and checksum in the manifest."""
-    where = f"array {array_name!r} object {key!r} (step {step} under {root.url!r})"
-    expected = entry["objects"].get(key)
+def fetch_verified(root: Root, step: int, array_name: str, objects: dict[str, Any], key: str) -> bytes:
+    """One stored object, checked against the size and checksum its manifest entry lists.
+
+    Args:
+        root: the opened root.
+        step: the step.
+        array_name: the array holding the object ("" for the checkpoint's own objects).
+        objects: the manifest's object table for that array (key -> size, checksum).
+        key: the object's key inside the array (e.g. `c/3/0/0`, `zarr.json`).
+
+    Raises:
+        CheckpointError: naming the array and object: unlisted, missing, or corrupt.
+    """
+    where = f"array {array_name!r} object {key!r}" if array_name else f"object {key!r}"
+    where += f" (step {step} under {root.url!r})"
+    expected = objects.get(key)
     if expected is None:
         raise CheckpointError(f"{where} is not listed in the manifest")
     try:
@@ -363,7 +375,7 @@ def _read_box_direct(root: Root, step: int, array_name: str, entry: dict[str, An
     (3x the box); here each inner chunk is a view of the fetched bytes copied once into the
     output, and one shard's bytes are dropped before the next is fetched (about 2x).
     """
-    meta = json.loads(_fetch_verified(root, step, array_name, entry, "zarr.json"))
+    meta = json.loads(fetch_verified(root, step, array_name, entry["objects"], "zarr.json"))
     codecs = meta.get("codecs", [])
     if len(codecs) != 1 or codecs[0].get("name") != "sharding_indexed" or not shape:
         return None
@@ -382,7 +394,7 @@ def _read_box_direct(root: Root, step: int, array_name: str, entry: dict[str, An
     end = [o + s for o, s in zip(offsets, shape)]
     shard_ranges = [range(o // g, (e - 1) // g + 1) for o, e, g in zip(offsets, end, outer)]
     for shard in itertools.product(*shard_ranges):
-        data = _fetch_verified(root, step, array_name, entry, "c/" + "/".join(map(str, shard)))
+        data = fetch_verified(root, step, array_name, entry["objects"], "c/" + "/".join(map(str, shard)))
         index = np.frombuffer(data, dtype="<u8", count=2 * n_inner,
                               offset=len(data) - 16 * n_inner - 4).reshape(*per_shard, 2)
         origin = [c * g for c, g in zip(shard, outer)]
@@ -420,7 +432,7 @@ def _open_verified(
 
     def fetch(key: str) -> None:
         contents[f"{array_name}/{key}"] = prototype.buffer.from_bytes(
-            _fetch_verified(root, step, array_name, entry, key))
+            fetch_verified(root, step, array_name, entry["objects"], key))
 
     # Metadata first: the shard keys below come from the manifest, which must agree with it.
     fetch("zarr.json")
