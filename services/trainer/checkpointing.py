@@ -33,7 +33,6 @@ from services.common.config import to_dict
 from services.common.errors import CheckpointError
 from services.trainer.config import JobConfig
 from services.trainer.model.gpt import GPT
-from services.trainer.parallel import mappings as M
 from services.trainer.parallel.data import DataParallel
 from services.trainer.parallel.mesh import Mesh
 from services.trainer.parallel.tensor import tp_split_of
@@ -296,13 +295,3 @@ def restore(root: str, model: GPT, optimizer: torch.optim.Optimizer, par: Parall
     name, keys, *rest = meta["rng_numpy"]
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
     return TrainState(meta["iteration"], meta["consumed_samples"]), meta
-
-
-def _global(name: str, local: torch.Tensor, param: torch.Tensor, mesh: Mesh, vocab_size: int) -> torch.Tensor:
-    """The global tensor from this rank's shard: gathered over tp, vocabulary padding cut off."""
-    split = tp_split_of(param)
-    full = local
-    if split is not None and mesh.tp > 1:
-        parts = M.all_gather(local.contiguous(), 0, mesh.group("tp")).chunk(mesh.tp, 0)  # each rank's shard
-        full = split.unshard(list(parts))
-    return full[:vocab_size] if name in _VOCAB else full

@@ -231,6 +231,21 @@ def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False) -
     return model
 
 
+def gather_tp(local: torch.Tensor, param: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """The full tensor (vocabulary still padded) from every tp rank's shard of `param`'s kind.
+
+    Args:
+        local: this rank's shard (the parameter itself, its gradient, an Adam moment).
+        param: the parameter, whose `tp_split` says how `local` was cut.
+        mesh: the layout (collective over tp).
+    """
+    split = tp_split_of(param)
+    if split is None or mesh.tp == 1:
+        return local
+    parts = M.all_gather(local.contiguous(), 0, mesh.group("tp")).chunk(mesh.tp, 0)  # each rank's shard
+    return split.unshard(list(parts))
+
+
 def tp_split_of(param: torch.Tensor) -> TPSplit | None:
     """The TPSplit a parameter carries (None: replicated over tp)."""
     return getattr(param, "tp_split", None)
