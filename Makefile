@@ -19,8 +19,11 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The whole topology as local processes (a data worker, the checkpoint service, the trainer)
+# on the embedded default: `meshtrain up`. ARGS adds launcher or trainer options, e.g.
+# `make run ARGS="--s3 --nproc-per-node 2"`.
 run: $(STAMP)
-	$(BIN)/meshtrain train --config deploy/configs/tiny.toml
+	$(BIN)/meshtrain up --config deploy/configs/tiny.toml $(ARGS)
 
 # Everything but slow and GPU tests (what CI runs). pytest exits 5 when it ran no test,
 # and make treats that as the failure it is.

@@ -1,6 +1,6 @@
 """`meshtrain up`, `meshtrain status`, `meshtrain save` and `meshtrain stop`.
 
-    meshtrain up --config deploy/configs/tiny.toml --data-workers 2 --nproc-per-node 2 [train overrides]
+    meshtrain up --config deploy/configs/tiny.toml --data-workers 2 --nproc-per-node 2 [--s3] [train overrides]
     meshtrain status RUN_DIR|HOST:PORT [--json]   # step, loss, tokens/s, ETA, last checkpoint
     meshtrain save RUN_DIR|HOST:PORT              # checkpoint after the current step, keep training
     meshtrain stop RUN_DIR|HOST:PORT              # checkpoint, then end the run (exit 0)
@@ -29,7 +29,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     options = UpOptions(data_workers=args.data_workers, nproc_per_node=args.nproc_per_node,
                         checkpoint_service=not args.no_checkpoint_service, metrics=args.metrics,
-                        trainer_grace_s=args.grace)
+                        trainer_grace_s=args.grace, s3=args.s3, resume=not args.no_resume)
     return run_up(options, args.overrides)
 
 
@@ -83,12 +83,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Start the training topology locally: N data workers, the checkpoint service "
                     "and K trainer ranks, health-checked in that order, logs prefixed by process. "
                     "Other arguments (--config FILE, --section.key=value, Megatron flags) go to "
-                    "the trainer. Ctrl-C/SIGTERM: the trainer checkpoints, then all stop.")
+                    "the trainer. Ctrl-C/SIGTERM: the trainer checkpoints, then all stop; the same "
+                    "command with the same --log.run_dir resumes.")
     up.__class__ = _OverridesParser  # argparse builds subparsers itself; only the class changes
     up.add_argument("--data-workers", type=int, default=1, help="DataService workers (0: data in-process)")
     up.add_argument("--nproc-per-node", type=int, default=1, help="trainer ranks")
     up.add_argument("--no-checkpoint-service", action="store_true",
                     help="ranks write checkpoints directly instead of through the service")
+    up.add_argument("--s3", action="store_true",
+                    help="start a local S3-compatible store (SeaweedFS, data in RUN_DIR/s3) first and "
+                         "checkpoint into s3://meshtrain/checkpoints")
+    up.add_argument("--no-resume", action="store_true",
+                    help="start from scratch even if the save root holds a committed checkpoint")
     up.add_argument("--metrics", action="store_true", help="Prometheus metrics on every service (ports logged)")
     up.add_argument("--grace", type=float, default=120.0,
                     help="seconds the trainer gets to checkpoint after SIGTERM before SIGKILL")

@@ -1,29 +1,37 @@
 """`meshtrain up`: the whole training topology as local processes, in a health-checked order.
 
     meshtrain up --config deploy/configs/tiny.toml --data-workers 2 --nproc-per-node 4 \
-        --tensor-model-parallel-size 2 [--save s3://bucket/ckpt] [--load ROOT] [--metrics]
+        --tensor-model-parallel-size 2 [--s3 | --save s3://bucket/ckpt] [--metrics]
 
-Starts N DataService workers, then the checkpoint service for the trainer's save root, then K
-trainer ranks pointed at them (`--data-service-addresses`, `--checkpoint.service_address`,
-`--train.control_port=0`, so `meshtrain status RUN_DIR` works). Every process's log lines
-carry its name. The ranks are started here directly with torchrun's environment (RANK,
-WORLD_SIZE, MASTER_ADDR/PORT, ...) rather than under torchrun's agent, so each rank gets its
-own SIGTERM on shutdown (checkpoint, exit 0) and its own exit status. All ports are free
-ports on 127.0.0.1. An `s3://` save root reads AWS_ENDPOINT_URL and credentials from the
-environment, which every child inherits.
+Starts, each only once the one before answers its health check: with `--s3`, a local
+S3-compatible object store (SeaweedFS, data in RUN_DIR/s3, checkpoints at
+s3://meshtrain/checkpoints); N DataService workers; the checkpoint service for the trainer's
+save root; then K trainer ranks pointed at them (`--data-service-addresses`,
+`--checkpoint.service_address`, `--train.control_port=0`, so `meshtrain status RUN_DIR` works).
+Every process's log lines carry its name. The ranks are started here directly with torchrun's
+environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT, ...) rather than under torchrun's agent, so
+each rank gets its own SIGTERM on shutdown (checkpoint, exit 0) and its own exit status. All
+ports are free ports on 127.0.0.1. An `s3://` save root reads AWS_ENDPOINT_URL and credentials
+from the environment (set by `--s3` for its own store), which every child inherits.
+
+A launch whose save root already holds a committed checkpoint resumes from the newest one
+(unless `--checkpoint.load` says otherwise or `--no-resume` is given): stopping `up` and
+running the same command again with the same `--log.run_dir` continues the run.
 """
 
 from __future__ import annotations
 
+import os
 import signal
-import socket
 import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.launcher.health import wait_serving
+from services.common.errors import ConfigError
+from services.launcher.health import wait_http, wait_serving
+from services.launcher.objectstore import AccessKeys, ObjectStore, free_port, require_weed
 from services.launcher.topology import Child, ChildFailed, Topology
 
 PYTHON = [sys.executable, "-m", "services.cli"]
@@ -40,6 +48,9 @@ class UpOptions:
         metrics: give every service a Prometheus port (announced in its log).
         trainer_grace_s: seconds the trainer gets to checkpoint after SIGTERM before SIGKILL.
         start_timeout_s: seconds a service may take to report SERVING.
+        s3: run a local S3-compatible store (SeaweedFS) first and checkpoint into it.
+        s3_bucket: the bucket `s3` creates and saves under.
+        resume: resume from the newest committed checkpoint under the save root, if any.
     """
 
     data_workers: int = 1
@@ -48,32 +59,59 @@ class UpOptions:
     metrics: bool = False
     trainer_grace_s: float = 120.0
     start_timeout_s: float = 120.0
+    s3: bool = False
+    s3_bucket: str = "meshtrain"
+    resume: bool = True
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the child binds it moments later)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@dataclass
+class Plan:
+    """What `run_up` starts, in order, and where the run's files go.
+
+    Attributes:
+        services: the object store (with `--s3`), data workers and checkpoint service, in start order.
+        trainers: the trainer ranks.
+        run_dir: the run directory.
+        save: the checkpoint root.
+        store: the local object store (None without `--s3`).
+        loads: whether the trainer config already names a checkpoint to load.
+    """
+
+    services: list[Child]
+    trainers: list[Child]
+    run_dir: Path
+    save: str
+    store: ObjectStore | None = None
+    loads: bool = False
 
 
-def plan(options: UpOptions, overrides: list[str]) -> tuple[list[Child], list[Child], Path, str]:
+def plan(options: UpOptions, overrides: list[str]) -> Plan:
     """The children of the topology, in start order, without starting any.
 
     Args:
         options: the launcher's own options.
         overrides: `meshtrain train` arguments (`--config FILE`, `--section.key=value`, aliases).
 
-    Returns:
-        (services, trainer ranks, run directory, checkpoint root).
+    Raises:
+        ConfigError: a bad trainer argument, or `--s3` with a save root outside the store.
     """
     from services.trainer.config import load_config
 
     job = load_config(overrides)  # a bad key fails here, before any process starts
     run_dir = Path(job.log.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S-up"))
-    save = job.checkpoint.save or str(run_dir / "checkpoints")
-    metrics = ["--metrics-port", "0"] if options.metrics else []
     services: list[Child] = []
+    store = None
+    if options.s3:
+        if job.checkpoint.save and not job.checkpoint.save.startswith(f"s3://{options.s3_bucket}/"):
+            raise ConfigError(f"--s3 keeps checkpoints in its own store under s3://{options.s3_bucket}/; "
+                              f"checkpoint.save={job.checkpoint.save!r} is elsewhere (leave it unset, "
+                              "or drop --s3 to use an existing store)")
+        folder = run_dir / "s3"
+        store = ObjectStore(require_weed(), folder, AccessKeys.load_or_create(folder))
+        # weed takes ~25 s to exit on SIGTERM; what it acknowledged is on disk, so 3 s will do.
+        services.append(Child("s3", store.argv(), port=store.port, grace_s=3.0))
+    save = job.checkpoint.save or (f"s3://{options.s3_bucket}/checkpoints" if store else str(run_dir / "checkpoints"))
+    metrics = ["--metrics-port", "0"] if options.metrics else []
     for i in range(options.data_workers):
         port = free_port()
         # Stateless and interchangeable: if one dies the trainer fails over to its peers and
@@ -99,7 +137,32 @@ def plan(options: UpOptions, overrides: list[str]) -> tuple[list[Child], list[Ch
                       env={**rendezvous, "RANK": str(rank), "LOCAL_RANK": str(rank)} if world > 1 else {},
                       role="trainer", grace_s=options.trainer_grace_s)
                 for rank in range(world)]
-    return services, trainers, run_dir, save
+    return Plan(services, trainers, run_dir, save, store, loads=job.checkpoint.load is not None)
+
+
+def _start_services(topo: Topology, p: Plan, options: UpOptions, stop: threading.Event) -> None:
+    """Start the services in order, each once the one before is healthy."""
+    serving = wait_serving(options.start_timeout_s)
+    answers = wait_http(options.start_timeout_s)
+    for child in p.services:
+        if stop.is_set():
+            return
+        if p.store is not None and child.name == "s3":
+            topo.start(child, answers)
+            p.store.make_bucket(options.s3_bucket, options.start_timeout_s)
+            topo.say(f"object store {p.store.endpoint} serving bucket {options.s3_bucket} "
+                     f"(data and keys in {p.store.folder})")
+        else:
+            topo.start(child, serving)
+
+
+def _resume_from(p: Plan, options: UpOptions) -> int | None:
+    """The newest committed step under the save root when the trainer should resume from it."""
+    if not options.resume or p.loads:
+        return None
+    from services.checkpoint.reader import latest_step
+
+    return latest_step(p.save)
 
 
 def run_up(options: UpOptions, overrides: list[str], out=None,
@@ -115,7 +178,7 @@ def run_up(options: UpOptions, overrides: list[str], out=None,
     Returns:
         0 when the trainer finished or stopped cleanly, 1 when a child failed.
     """
-    services, trainers, run_dir, save = plan(options, overrides)
+    p = plan(options, overrides)
     topo = Topology(out)
     stop = stop or threading.Event()
     previous = {}
@@ -125,27 +188,37 @@ def run_up(options: UpOptions, overrides: list[str], out=None,
             stop.set()
         previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     code = 1
+    # The store's endpoint and keys, for this process (listing the save root) and every child.
+    saved_env = {k: os.environ.get(k) for k in (p.store.env() if p.store else {})}
+    if p.store is not None:
+        os.environ.update(p.store.env())
     try:
-        topo.say(f"run directory {run_dir}, checkpoints {save}")
-        ready = wait_serving(options.start_timeout_s)
-        for child in services:
-            if stop.is_set():
-                break
-            topo.start(child, ready)
+        topo.say(f"run directory {p.run_dir}, checkpoints {p.save}")
+        _start_services(topo, p, options, stop)
         if not stop.is_set():
-            for child in trainers:
+            step = _resume_from(p, options)
+            if step is not None:
+                topo.say(f"{p.save} holds committed step {step}: the trainer resumes from it")
+                for child in p.trainers:
+                    child.argv.append(f"--checkpoint.load={p.save}")
+            for child in p.trainers:
                 topo.start(child)
-            topo.say(f"trainer started: `meshtrain status {run_dir}` / `meshtrain stop {run_dir}`")
-            code = topo.supervise(stop, restart_wait=ready)
+            topo.say(f"trainer started: `meshtrain status {p.run_dir}` / `meshtrain stop {p.run_dir}`")
+            code = topo.supervise(stop, restart_wait=wait_serving(options.start_timeout_s))
         else:
             code = 0
-    except ChildFailed as e:
+    except (ChildFailed, ConfigError) as e:
         topo.say(f"error: {e}; stopping the topology")
         code = 1
     finally:
         statuses = topo.shutdown()
         for s, h in previous.items():
             signal.signal(s, h)
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     failed = {n: c for n, c in statuses.items() if n.startswith("trainer") and c not in (0, None)}
     if failed and code == 0:
         topo.say(f"error: trainer exit statuses {failed}")
