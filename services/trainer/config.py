@@ -144,9 +144,11 @@ class TrainConfig:
     compile: bool = False
     """Wrap the model in torch.compile."""
     kernels: Literal["auto", "reference", "triton"] = "auto"
-    """Fused-op implementation: 'auto' takes the Triton kernels on CUDA in eager mode and the
-    plain-torch reference under train.compile (Inductor fuses it; Triton kernels inside compiled
-    graphs are not yet measured); 'triton' / 'reference' force one. $MESHTRAIN_KERNELS overrides."""
+    """Fused-op implementation: 'auto' takes the Triton kernels on CUDA, in eager mode and under
+    train.compile alike (each is a custom op that compiled graphs call without a graph break;
+    an op not in `kernels.COMPILE_SAFE` falls back to the reference inside compiled graphs), and
+    the plain-torch reference elsewhere; 'triton' / 'reference' force one.
+    $MESHTRAIN_KERNELS overrides."""
     peak_tflops: float | None = None
     """Peak dense TFLOP/s per device for MFU; unset: known GPUs only (H100/H200: 989)."""
     control_port: int | None = None
@@ -217,6 +219,9 @@ class ParallelConfig:
     """Expert-parallel degree (--expert-model-parallel-size); not built yet: must be 1."""
     sequence_parallel: bool = False
     """Shard norm/dropout regions along the sequence (needs tp > 1)."""
+    tp_comm_overlap: bool = False
+    """With sequence_parallel on CUDA/NCCL: overlap each linear's all-gather / reduce-scatter
+    with its matmul (PyTorch symmetric-memory fused ops), as Megatron's --tp-comm-overlap."""
     use_distributed_optimizer: bool = False
     """Shard Adam state over data-parallel ranks (ZeRO-1): reduce-scatter grads, all-gather params."""
     overlap_grad_reduce: bool = False
@@ -243,6 +248,8 @@ class ParallelConfig:
             raise ConfigError(f"parallel.tp must be >= 1, got {self.tp}")
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1")
+        if self.tp_comm_overlap and not self.sequence_parallel:
+            raise ConfigError("parallel.tp_comm_overlap needs parallel.sequence_parallel")
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ConfigError("parallel.overlap_param_gather needs parallel.use_distributed_optimizer")
         if self.recompute_num_layers <= 0:
@@ -336,6 +343,7 @@ ALIASES: dict[str, tuple[str, bool]] = {
     "--context-parallel-size": ("parallel.cp", True),
     "--expert-model-parallel-size": ("parallel.ep", True),
     "--sequence-parallel": ("parallel.sequence_parallel", False),
+    "--tp-comm-overlap": ("parallel.tp_comm_overlap", False),
     "--use-distributed-optimizer": ("parallel.use_distributed_optimizer", False),
     "--overlap-grad-reduce": ("parallel.overlap_grad_reduce", False),
     "--overlap-param-gather": ("parallel.overlap_param_gather", False),

@@ -143,7 +143,7 @@ class Trainer:
         self.flops_per_token = model.flops_per_token()
         self.num_parameters = model.num_parameters()
         recompute.apply(model, job.parallel)
-        parallelize(model, self.mesh, job.parallel.sequence_parallel)
+        parallelize(model, self.mesh, job.parallel.sequence_parallel, job.parallel.tp_comm_overlap, self.device)
         self.model = model.to(self.device)
         p = job.parallel
         self.ddp = None

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.common.errors import ConfigError
+from services.trainer.parallel import async_tp
 from services.trainer.parallel import mappings as M
 from services.trainer.parallel.mesh import Mesh
 
@@ -61,15 +62,18 @@ def _param(t: torch.Tensor, split: TPSplit | None = None, sequence_parallel: boo
 class ColumnParallelLinear(nn.Module):
     """y = x W_r^T + b_r: output features split over tp; input replicated (or seq-gathered)."""
 
-    def __init__(self, full: nn.Linear, mesh: Mesh, sequence_parallel: bool, halves: bool = False):
+    def __init__(self, full: nn.Linear, mesh: Mesh, sequence_parallel: bool, halves: bool = False,
+                 overlap: bool = False):
         super().__init__()
-        self.group, self.sp = mesh.group("tp"), sequence_parallel
+        self.group, self.sp, self.overlap = mesh.group("tp"), sequence_parallel, overlap
         split = TPSplit(0, halves=halves)
         self.weight = _param(split.shard(full.weight, mesh.tp_rank, mesh.tp), split)
         self.bias = _param(split.shard(full.bias, mesh.tp_rank, mesh.tp), split) if full.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (b, s/tp or s, in) -> (b, s, out/tp)."""
+        if self.overlap:
+            return async_tp.gather_linear(x, self.weight, self.bias, self.group)
         x = M.gather_from_sequence(x, self.group) if self.sp else M.copy_to_region(x, self.group)
         return F.linear(x, self.weight, self.bias)
 
@@ -77,9 +81,9 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """y = sum_r x_r W_r^T + b: input features split over tp; output reduced (or reduce-scattered)."""
 
-    def __init__(self, full: nn.Linear, mesh: Mesh, sequence_parallel: bool):
+    def __init__(self, full: nn.Linear, mesh: Mesh, sequence_parallel: bool, overlap: bool = False):
         super().__init__()
-        self.group, self.sp = mesh.group("tp"), sequence_parallel
+        self.group, self.sp, self.overlap = mesh.group("tp"), sequence_parallel, overlap
         split = TPSplit(1)
         self.weight = _param(split.shard(full.weight, mesh.tp_rank, mesh.tp), split)
         # The bias is added after the reduction, once: replicated (per seq shard under SP).
@@ -87,8 +91,11 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (b, s, in/tp) -> (b, s/tp or s, out)."""
-        y = F.linear(x, self.weight)
-        y = M.reduce_scatter_to_sequence(y, self.group) if self.sp else M.reduce_from_region(y, self.group)
+        if self.overlap:
+            y = async_tp.linear_reduce_scatter(x, self.weight, self.group)
+        else:
+            y = F.linear(x, self.weight)
+            y = M.reduce_scatter_to_sequence(y, self.group) if self.sp else M.reduce_from_region(y, self.group)
         return y + self.bias if self.bias is not None else y
 
 
@@ -179,15 +186,30 @@ class VocabParallelHead(nn.Module):
         return full[..., : self.vocab_size]
 
 
-def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False) -> nn.Module:
+def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False,
+                comm_overlap: bool = False, device: torch.device | None = None) -> nn.Module:
     """Shard `model` (a GPT built with full weights) over mesh.tp, in place; returns it.
 
+    Args:
+        model: the single-device GPT.
+        mesh: the layout.
+        sequence_parallel: shard the activations between blocks along the sequence.
+        comm_overlap: under sequence parallelism, overlap the linears' collectives with their
+            matmuls (`async_tp`; CUDA + NCCL only).
+        device: where the model will run (checked for `comm_overlap`).
+
     Raises:
-        ConfigError: head or group counts that tp does not divide, or sequence parallelism
-            with a sequence length tp does not divide.
+        ConfigError: head or group counts that tp does not divide, sequence parallelism
+            with a sequence length tp does not divide, or comm_overlap where it cannot run.
     """
     tp = mesh.tp
     cfg = model.config
+    if comm_overlap:
+        if not sequence_parallel:
+            raise ConfigError("parallel.tp_comm_overlap needs parallel.sequence_parallel")
+        why = async_tp.check_available(mesh.group("tp"), device or torch.device("cpu"))
+        if why:
+            raise ConfigError(f"parallel.tp_comm_overlap: {why}")
     if tp == 1:
         if sequence_parallel:
             raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1")
@@ -217,11 +239,12 @@ def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False) -
         model.head = VocabParallelHead(cfg.vocab_size, mesh, sequence_parallel)
         for layer in model.layers:
             att = layer.attention
-            att.qkv = ColumnParallelLinear(att.qkv, mesh, sequence_parallel)
-            att.proj = RowParallelLinear(att.proj, mesh, sequence_parallel)
+            att.qkv = ColumnParallelLinear(att.qkv, mesh, sequence_parallel, overlap=comm_overlap)
+            att.proj = RowParallelLinear(att.proj, mesh, sequence_parallel, overlap=comm_overlap)
             att.heads, att.groups = att.heads // tp, att.groups // tp
-            layer.mlp.fc1 = ColumnParallelLinear(layer.mlp.fc1, mesh, sequence_parallel, halves=layer.mlp.swiglu)
-            layer.mlp.fc2 = RowParallelLinear(layer.mlp.fc2, mesh, sequence_parallel)
+            layer.mlp.fc1 = ColumnParallelLinear(layer.mlp.fc1, mesh, sequence_parallel, halves=layer.mlp.swiglu,
+                                                 overlap=comm_overlap)
+            layer.mlp.fc2 = RowParallelLinear(layer.mlp.fc2, mesh, sequence_parallel, overlap=comm_overlap)
         if sequence_parallel:
             for name, p in model.named_parameters():
                 if "norm" in name:

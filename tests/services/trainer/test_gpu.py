@@ -39,8 +39,9 @@ def _losses(run: Path) -> dict[int, float]:
 @pytest.mark.dist
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 @pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                                    ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--tp-comm-overlap"],
                                     ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]],
-                         ids=["tp2-sp", "dp2-zero1-overlap"])
+                         ids=["tp2-sp", "tp2-sp-comm-overlap", "dp2-zero1-overlap"])
 def test_nccl_two_gpus_match_one_gpu(layout, corpus_cache, tmp_path):
     """fp32 on CUDA: NCCL reduction order differs from one GPU's, so 1e-4 relative."""
     common = small_job_args(corpus_cache, tmp_path / "x", **{"train.device": "cuda", "train.eval_interval": 0,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from services.common.errors import ConfigError
-from services.trainer.config import ModelConfig
+from services.trainer.config import ModelConfig, load_config
 from services.trainer.model import GPT
 from services.trainer.parallel.mesh import Mesh
 from services.trainer.parallel.tensor import TPSplit, gather_tp, parallelize
@@ -77,3 +77,14 @@ def test_parallelize_rejects_what_it_cannot_shard():
         parallelize(GPT(ModelConfig(**CFG)), mesh)  # 2 KV groups over tp=4
     with pytest.raises(ConfigError, match="dropout"):
         parallelize(GPT(ModelConfig(**dict(GPT2, attention_dropout=0.1))), Mesh(tp=2, rank=0, ranks={"tp": [0, 1]}))
+
+
+def test_tp_comm_overlap_is_refused_where_it_cannot_run():
+    mesh = Mesh(tp=2, rank=0, ranks={"tp": [0, 1]})
+    with pytest.raises(ConfigError, match="needs parallel.sequence_parallel"):
+        parallelize(GPT(ModelConfig(**GPT2)), mesh, sequence_parallel=False, comm_overlap=True)
+    with pytest.raises(ConfigError, match="tp_comm_overlap: it needs CUDA devices"):
+        parallelize(GPT(ModelConfig(**GPT2)), mesh, sequence_parallel=True, comm_overlap=True,
+                    device=torch.device("cpu"))
+    with pytest.raises(ConfigError, match="tp_comm_overlap needs parallel.sequence_parallel"):
+        load_config(["--tensor-model-parallel-size", "2", "--tp-comm-overlap"])
