@@ -7,9 +7,11 @@ Builds a bf16 state of about `--mb` MB as stacked per-layer arrays split over `-
 tensor-parallel writers (row blocks, one box per layer per writer). For each target it runs,
 in the same process and to the same place: the baseline, a plain sequential write of the same
 box bytes (one file / PUT per box, nothing else), then the real multi-writer save (encode,
-store, fragments, crc32, manifest commit) with one thread per writer, the two alternated. Then it loads the
-checkpoint back box by box in the same layout, and resharded (`--writers + 1` row blocks,
-which cross the saved shard boundaries). Every figure is the best of `--repeat` runs.
+store, fragments, crc32s, manifest commit) with one thread per writer, the two alternated,
+each after an untimed `os.sync()`. Then it loads the checkpoint back box by box in the same
+layout, and resharded (`2 * --writers - 1` row blocks, which cross the saved shard
+boundaries; those reads fetch only the inner chunks they need). Every figure is the best of
+`--repeat` runs.
 Prints a table and writes JSON.
 """
 
@@ -99,9 +101,13 @@ def load(url: str, step: int, shape: tuple[int, int, int], parts: int) -> float:
 def bench(url: str, state, repeat: int, writers: int) -> dict:
     nbytes = sum(d.numel() * 2 for boxes in state.values() for _, d in boxes)
     # Alternated, so page-cache writeback and neighbours on a shared machine hit both alike.
+    # os.sync() before each: neither inherits the other's dirty pages (on local disk, writeback
+    # of the previous run otherwise lands on whichever comes next; it swung save/plain 0.4-4.8).
     plains, saves = [], []
     for step in range(repeat):
+        os.sync()
         plains.append(plain_write(url, state))
+        os.sync()
         saves.append(sharded_save(url, step, state))
     plain = min(plains)
     shape = state[0][0][0].global_shape

@@ -121,7 +121,9 @@ def apply_retention(root: str, keep_last: int, keep_every: int = 0,
 
 
 def verify_checkpoint(root: str, step: int) -> int:
-    """Reads every object a checkpoint's manifest lists and checks its size and checksum.
+    """Reads every object a checkpoint's manifest lists and checks its size and checksums.
+
+    Shards are checked whole and chunk by chunk (the per-chunk checksums partial reads use).
 
     Args:
         root: root URL.
@@ -140,5 +142,5 @@ def verify_checkpoint(root: str, step: int) -> int:
     for name, entry in manifest["arrays"].items():
         listed += [(name, key, entry["objects"]) for key in entry["objects"]]
     for array, key, objects in listed:
-        fetch_verified(store_root, step, array, objects, key)
+        fetch_verified(store_root, step, array, objects, key, chunks=True)
     return len(listed)

@@ -5,7 +5,8 @@ Protocol for one save of step S (all writers agree on a `save_id`, e.g. rank 0 c
 
 1. each writer (`writer_id` of `num_writers`) stores one object per box it owns
    (`ShardWriter.write`), then `finish()` stores its fragment
-   `step_S/_fragments/<save_id>/writer_<id>.json`: its boxes, their object keys, sizes, crc32;
+   `step_S/_fragments/<save_id>/writer_<id>.json`: its boxes, their object keys, sizes, and
+   the crc32 of each object, of each of its inner chunks and of its shard index;
 2. one committer (`commit`) waits for all `num_writers` fragments (timeout -> abort, nothing
    committed), checks that the boxes of every array tile it exactly, checks every object's
    size against one listing of the folder, writes each array's zarr.json and the group's
@@ -47,10 +48,16 @@ from services.checkpoint.store import (
 from services.common.errors import CheckpointError
 
 FORMAT = "meshtrain-checkpoint"
-FORMAT_VERSION = 1
+# 2: shard objects also list the crc32 of each inner chunk and of the shard index, so partial
+# reads fetch and verify only the chunks they need. Version 1 manifests still load (whole
+# shards are fetched for them).
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 # crc32 (zlib): the manifest guards against torn writes and bit rot, not tampering; crc32
 # runs at memory speed in the stdlib and catches every burst error up to 32 bits.
 CHECKSUM = "crc32"
+CHUNK_CHECKSUMS = "chunk_crc32"  # per inner chunk, C order over the shard's chunk grid
+INDEX_CHECKSUM = "index_crc32"  # the shard index (the object's last 16 * chunks + 4 bytes)
 FRAGMENTS = "_fragments"
 _SAVE_ID_RE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
 
@@ -183,13 +190,7 @@ class ShardWriter:
                     f"but got a {data.dtype} tensor"
                 )
             data = layout.to_stored(data)
-        parts = encode_box(spec, data)
-        size = 0 if parts is None else sum(len(p) for p in parts)
-        crc = None
-        if parts is not None:
-            crc = 0
-            for part in parts:
-                crc = zlib.crc32(part, crc)
+        encoded = encode_box(spec, data)
         record = {
             "array": spec.array,
             "global_shape": list(spec.global_shape),
@@ -199,11 +200,14 @@ class ShardWriter:
             "grid": list(spec.grid_shape),
             "stacked": spec.is_stacked,
             "key": spec.key,
-            "size": size,
-            CHECKSUM: crc,
+            "size": 0 if encoded is None else encoded.size,
+            CHECKSUM: None if encoded is None else encoded.crc32,
         }
-        if parts is not None:
-            put_object(self.root, join(self.step_path, spec.array, spec.key), parts)
+        if encoded is not None:
+            if encoded.chunk_crc32 is not None:
+                record[CHUNK_CHECKSUMS] = encoded.chunk_crc32
+                record[INDEX_CHECKSUM] = encoded.index_crc32
+            put_object(self.root, join(self.step_path, spec.array, spec.key), encoded.parts)
         self.boxes[(spec.array, spec.key)] = record
         return record["size"]
 
@@ -268,7 +272,7 @@ def commit(
     num_writers: int,
     metadata: dict[str, Any] | None = None,
     timeout: float = 600.0,
-    poll: float = 0.05,
+    poll: float = 0.01,
 ) -> SaveResult:
     """Waits for every writer's fragment, validates the save and writes the manifest.
 
@@ -279,8 +283,10 @@ def commit(
         num_writers: how many fragments to wait for.
         metadata: JSON-serializable user data stored in the manifest.
         timeout: seconds to wait for the fragments; then the save is aborted.
-        poll: seconds before the second look at the fragment folder; the gap then grows to
-            at most 1 s, so a long wait on an object store costs few LIST requests.
+        poll: seconds before the second look at the fragment folder; the gap then grows
+            1.5x a look to at most 1 s, so a long wait on an object store costs few LIST
+            requests (a dozen in the first 2 s) while a fast local save is committed within
+            about a third of its own time (a 0.05 s start cost 0.1 s saves up to 50%).
 
     Returns:
         A SaveResult.
@@ -334,7 +340,8 @@ def commit(
             meta, boxes, objects = arrays.setdefault(spec.array, (ArrayMeta.of(spec), [], {}))
             boxes.append(spec)
             if rec["size"]:
-                objects[rec["key"]] = {"size": rec["size"], CHECKSUM: rec[CHECKSUM]}
+                objects[rec["key"]] = {k: rec[k] for k in ("size", CHECKSUM, CHUNK_CHECKSUMS,
+                                                            INDEX_CHECKSUM) if k in rec}
     for meta, boxes, _ in arrays.values():
         check_tiling(meta, boxes)
 

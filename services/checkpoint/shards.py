@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import math
 import struct
+import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ import zarr
 from zarr.storage import MemoryStore
 
 from services.checkpoint import layout
+from services.checkpoint.crc import crc32_combine
 from services.common.errors import CheckpointError
 
 
@@ -130,23 +132,54 @@ def validate(spec: ShardSpec) -> None:
             )
 
 
-def inner_chunks(grid: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+# Inner chunks are what a partial read fetches and verifies (the manifest lists a crc32 per
+# chunk): about 1/CHUNKS_PER_SHARD of the shard, so a box of another layout over-reads at most
+# a chunk at each edge, but at least MIN_CHUNK_BYTES (per-chunk checksums and index entries
+# stay few) and at most TARGET_CHUNK_BYTES.
+CHUNKS_PER_SHARD = 8
+MIN_CHUNK_BYTES = 256 * 2**10
+TARGET_CHUNK_BYTES = 4 * 2**20
+
+
+def inner_chunks(
+    grid: tuple[int, ...], itemsize: int, global_shape: tuple[int, ...] | None = None
+) -> tuple[int, ...]:
     """Chooses zarr inner-chunk sizes that divide the shard shape exactly.
 
-    Zarr's sharding codec needs the shard to be a whole number of chunks; chunks are capped at
-    `layout.MAX_CHUNK_BYTES` so decoding never needs a multi-GB buffer. Leading dims are
-    divided first, each by its smallest prime factor, so the chunk stays a divisor.
+    Zarr's sharding codec needs the shard to be a whole number of chunks, and the chunk shape
+    is one for the whole array, so it stays a grid in global coordinates. The shard is cut
+    along the dims the array is sharded along (where boxes of other layouts cut it too; with
+    none, along every dim, into tiles), largest extent first, each time by that extent's
+    smallest prime factor, until a chunk is about 1/CHUNKS_PER_SHARD of the shard (within
+    [MIN_CHUNK_BYTES, TARGET_CHUNK_BYTES]). Cutting a leading dim keeps each chunk a
+    contiguous run of the box's bytes, so encoding copies nothing. Whatever the shape, chunks
+    are capped at `layout.MAX_CHUNK_BYTES` so decoding never needs a multi-GB buffer.
 
     Args:
         grid: the shard shape (zero sizes count as 1).
         itemsize: bytes per stored element.
+        global_shape: the array's shape, to tell the sharded dims; None cuts every dim.
 
     Returns:
         The chunk shape.
     """
     chunk = [max(1, g) for g in grid]
+
+    def nbytes() -> int:
+        return math.prod(chunk) * itemsize
+
+    target = min(TARGET_CHUNK_BYTES, max(MIN_CHUNK_BYTES, nbytes() // CHUNKS_PER_SHARD))
+    cut = [d for d in range(len(chunk)) if global_shape and 1 < chunk[d] < global_shape[d]]
+    cut = cut or [d for d in range(len(chunk)) if chunk[d] > 1]
+    while nbytes() > target:
+        options = [d for d in cut if chunk[d] > 1
+                   and nbytes() // _smallest_factor(chunk[d]) >= MIN_CHUNK_BYTES]
+        if not options:
+            break
+        axis = max(options, key=lambda d: (chunk[d], -d))
+        chunk[axis] //= _smallest_factor(chunk[axis])
     for axis in range(len(chunk)):
-        while math.prod(chunk) * itemsize > layout.MAX_CHUNK_BYTES and chunk[axis] > 1:
+        while nbytes() > layout.MAX_CHUNK_BYTES and chunk[axis] > 1:
             chunk[axis] //= _smallest_factor(chunk[axis])
     return tuple(chunk)
 
@@ -179,7 +212,7 @@ class ArrayMeta:
 
     @property
     def chunks(self) -> tuple[int, ...]:
-        return inner_chunks(self.grid, self.stored_dtype.itemsize)
+        return inner_chunks(self.grid, self.stored_dtype.itemsize, self.global_shape)
 
     def empty_array(self, store: MemoryStore) -> zarr.Array:
         """Creates this array's zarr metadata in `store` (no data); the same bytes every time."""
@@ -231,16 +264,46 @@ class ArrayMeta:
         }
 
 
-def encode_box(spec: ShardSpec, data: np.ndarray) -> list[bytes | memoryview] | None:
-    """Encodes one box into the bytes of its stored object, as parts to write back to back.
+# The zarr v3 sharding index: (offset, nbytes) little-endian uint64 per inner chunk in C order of
+# the shard's chunk grid, then the crc32c of those bytes; at the end of the object.
+EMPTY_CHUNK = 2**64 - 1  # index entry of a chunk that was never written (reads as fill value)
+
+
+def index_nbytes(num_chunks: int) -> int:
+    """Size of a shard's index for `num_chunks` inner chunks."""
+    return 16 * num_chunks + 4
+
+
+@dataclass(frozen=True)
+class EncodedBox:
+    """One box encoded as its stored object, with the checksums the manifest records.
+
+    Attributes:
+        parts: the object's bytes as consecutive parts (views of the data where possible).
+        size: total bytes.
+        crc32: zlib crc32 of the whole object.
+        chunk_crc32: crc32 of each inner chunk's stored bytes, C order over the shard's chunk
+            grid (None for a chunk not stored); None for 0-d arrays (not sharded).
+        index_crc32: crc32 of the shard index (the object's last `index_nbytes` bytes).
+    """
+
+    parts: list[bytes | memoryview]
+    size: int
+    crc32: int
+    chunk_crc32: list[int | None] | None
+    index_crc32: int | None
+
+
+def encode_box(spec: ShardSpec, data: np.ndarray) -> EncodedBox | None:
+    """Encodes one box into the bytes of its stored object and their checksums.
 
     Args:
         spec: the box.
         data: its contents in the stored dtype (`layout.to_stored`), shape `spec.shape`.
 
     Returns:
-        The object's bytes as consecutive parts (so the data part can be a view of `data`,
-        not a copy), or None for a box of zero elements (zarr stores nothing for it).
+        The EncodedBox (the data parts are views of `data` where the chunk layout allows,
+        not copies), or None for a box of zero elements (zarr stores nothing for it).
 
     Raises:
         CheckpointError: data has the wrong shape or dtype.
@@ -253,29 +316,62 @@ def encode_box(spec: ShardSpec, data: np.ndarray) -> list[bytes | memoryview] | 
         )
     if data.size == 0:
         return None
-    if spec.global_shape and meta.chunks == spec.shape == meta.grid:
-        return _encode_single_chunk_shard(data)
-    # Encode into a scratch in-memory store holding the global array's metadata: zarr writes
-    # exactly the one shard object this box covers, byte-identical to writing in place.
+    if spec.global_shape and spec.shape == meta.grid:
+        return _encode_plain_shard(data, meta.chunks)
+    # Edge boxes (and 0-d arrays): encode into a scratch in-memory store holding the global
+    # array's metadata; zarr writes exactly the one shard object this box covers,
+    # byte-identical to writing in place (and pads chunks cut by the array's edge).
     store = MemoryStore()
     array = meta.empty_array(store)
     array[spec.slices()] = data
-    return [store._store_dict[f"{spec.array}/{spec.key}"].to_bytes()]
+    obj = store._store_dict[f"{spec.array}/{spec.key}"].to_bytes()
+    if not spec.global_shape:
+        return EncodedBox([obj], len(obj), zlib.crc32(obj), None, None)
+    n = math.prod(g // c for g, c in zip(meta.grid, meta.chunks))
+    index = np.frombuffer(obj, dtype="<u8", count=2 * n, offset=len(obj) - index_nbytes(n))
+    view = memoryview(obj)
+    crcs = [None if int(off) == EMPTY_CHUNK else zlib.crc32(view[int(off):int(off) + int(size)])
+            for off, size in index.reshape(n, 2)]
+    return EncodedBox([obj], len(obj), zlib.crc32(obj), crcs,
+                      zlib.crc32(view[len(obj) - index_nbytes(n):]))
 
 
-def _encode_single_chunk_shard(data: np.ndarray) -> list[bytes | memoryview]:
-    """A shard holding exactly one full inner chunk, without zarr's per-call overhead.
+def _encode_plain_shard(data: np.ndarray, chunks: tuple[int, ...]) -> EncodedBox:
+    """A full shard in the layout `ArrayMeta` configures, without zarr's per-call overhead.
 
-    The zarr v3 sharding codec's layout with the codecs `ArrayMeta` configures (bytes codec,
-    little-endian, no compression; index at the end, encoded as little-endian uint64
-    (offset, nbytes) pairs followed by the crc32c of those bytes). Encoding through zarr
-    costs about 10 ms per 4 MiB in array set-up and copies; this is a view of `data` (a copy
-    only when it is not C-contiguous little-endian) and a 20-byte index.
-    `test_single_chunk_fast_path_matches_zarr` checks the bytes against zarr's own.
+    The zarr v3 sharding codec's layout with bytes codec, little-endian, no compression,
+    index at the end: the inner chunks back to back (C order over the shard's chunk grid;
+    zarr reads them through the index, whatever their order), then the index. Encoding
+    through zarr costs about 10 ms per 4 MiB in array set-up and copies; here a chunk that
+    is a contiguous run of `data` (chunks cut along leading dims) is a view of it, others a
+    copy. Each chunk's crc32 is taken once and combined into the whole object's.
+    `test_plain_shard_matches_zarr` checks the bytes against zarr's own.
     """
     body = np.ascontiguousarray(data, dtype=data.dtype.newbyteorder("<"))
-    index = struct.pack("<QQ", 0, body.nbytes)
-    return [memoryview(body.reshape(-1)).cast("B"), index + struct.pack("<I", google_crc32c.value(index))]
+    per_shard = [g // c for g, c in zip(body.shape, chunks)]
+    parts: list[bytes | memoryview] = []
+    crcs: list[int | None] = []
+    entries: list[int] = []
+    offset = crc = 0
+    for coords in itertools.product(*map(range, per_shard)):
+        piece = np.ascontiguousarray(body[tuple(slice(i * c, (i + 1) * c) for i, c in zip(coords, chunks))])
+        view = memoryview(piece.reshape(-1)).cast("B")
+        chunk_crc = zlib.crc32(view)
+        parts.append(view)
+        crcs.append(chunk_crc)
+        entries += [offset, view.nbytes]
+        crc = crc32_combine(crc, chunk_crc, view.nbytes)
+        offset += view.nbytes
+    index = np.array(entries, dtype="<u8").tobytes()
+    index += struct.pack("<I", google_crc32c.value(index))
+    cut = [d for d, (n, c) in enumerate(zip(body.shape, chunks)) if c < n]
+    if len(cut) <= 1 and all(c == 1 for c in chunks[:cut[0] if cut else 0]):
+        # Chunks are consecutive runs of `body`: one part, so one write call, not one a chunk.
+        parts = [memoryview(body.reshape(-1)).cast("B")]
+    parts.append(index)
+    index_crc = zlib.crc32(index)
+    return EncodedBox(parts, offset + len(index), crc32_combine(crc, index_crc, len(index)),
+                      crcs, index_crc)
 
 
 def check_tiling(meta: ArrayMeta, boxes: Iterable[ShardSpec]) -> None:
