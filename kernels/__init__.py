@@ -6,6 +6,12 @@ op runs on CUDA, so importing this package never needs Triton); everything else 
 `kernels.reference` (plain torch: the spec and the CPU path). `MESHTRAIN_KERNELS=reference`
 forces the reference everywhere; `=triton` makes a missing Triton kernel an error instead of
 a silent fallback.
+
+Under torch.compile the same choice is made while Dynamo traces: every Triton op is also a
+custom op (`meshtrain::<op>`, registered by its module) that Dynamo records as one opaque
+node, so a compiled model calls the Triton kernels without a graph break. `auto` takes an op's
+Triton kernel inside a compiled region only if the op is in `COMPILE_SAFE`; anything else
+there gets the reference, which Inductor then fuses itself.
 """
 
 from __future__ import annotations
@@ -33,6 +39,9 @@ _TRITON_MODULES = {
     "linear_cross_entropy": "kernels.cross_entropy",
 }
 
+# ops whose Triton implementation dispatches to a registered custom op under torch.compile
+COMPILE_SAFE = frozenset(OPS)
+
 # op name -> Triton implementation, filled lazily by `_load_fast`.
 _FAST: dict[str, Callable] = {}
 _fast_loaded = False
@@ -47,16 +56,19 @@ def triton_available() -> bool:
     return True
 
 
-def _load_fast() -> None:
+# Dynamo runs this at trace time instead of tracing it (imports are not traceable); it
+# returns nothing the graph depends on, `_FAST` is read afterwards.
+@torch.compiler.assume_constant_result
+def _load_fast() -> bool:
     """Register every Triton kernel in `_FAST`; a no-op (empty registry) without Triton."""
     global _fast_loaded
     if _fast_loaded:
-        return
+        return True
     _fast_loaded = True
-    if not triton_available():
-        return
-    for op, module in _TRITON_MODULES.items():
-        _FAST[op] = getattr(importlib.import_module(module), op)
+    if triton_available():
+        for op, module in _TRITON_MODULES.items():
+            _FAST[op] = getattr(importlib.import_module(module), op)
+    return True
 
 
 _MODES = ("auto", "reference", "triton")
@@ -71,6 +83,7 @@ def set_mode(value: str) -> None:
     _configured = value
 
 
+@torch.compiler.assume_constant_result  # read once per trace; the graph bakes in the choice
 def mode() -> str:
     """The dispatch mode: $MESHTRAIN_KERNELS if set, else what `set_mode` chose ('auto' by default)."""
     value = os.environ.get("MESHTRAIN_KERNELS", _configured)
@@ -83,6 +96,8 @@ def resolve(op: str, on_cuda: bool) -> Callable:
     """The implementation of `op` for tensors on CUDA (`on_cuda`) or elsewhere."""
     m = mode()
     if m == "reference" or (m == "auto" and not on_cuda):
+        return getattr(reference, op)
+    if m == "auto" and op not in COMPILE_SAFE and torch.compiler.is_compiling():
         return getattr(reference, op)
     if on_cuda:
         _load_fast()

@@ -1,12 +1,21 @@
-"""Launch arithmetic shared by the Triton kernels: block sizes, warps and program counts.
+"""Launch arithmetic shared by the Triton kernels: block sizes, autotune spaces, program counts.
 
 Kept out of the kernel files because every row-wise kernel makes the same choices; the
 kernels themselves stay one per file.
+
+Row-wise kernels (the norms) are autotuned: `row_configs` spans rows per program, warps and
+(for kernels with a loop) pipeline stages, and `prune_row_configs` keeps, for the row width
+at hand, the configs whose tile fits in registers. The autotune key is the row width plus a
+power-of-two bucket of the row count (`row_bucket`), so a training run tunes once per norm
+shape. The heuristic config (the launch used before autotuning) is always in the space, so
+tuning can only pick something at least as fast. Under Triton's CPU interpreter, or with
+MESHTRAIN_KERNEL_AUTOTUNE=0, the pruning returns the heuristic alone and nothing is timed.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -16,12 +25,27 @@ import triton
 MAX_ROW_BLOCK = 16384
 
 
+def interpreting() -> bool:
+    """Whether Triton runs under its CPU interpreter (tests without a GPU)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def autotuning() -> bool:
+    """Whether launches may time several configs: on a GPU, unless MESHTRAIN_KERNEL_AUTOTUNE=0."""
+    return not interpreting() and os.environ.get("MESHTRAIN_KERNEL_AUTOTUNE", "1") != "0"
+
+
 def row_block(n: int) -> int:
     """Power-of-two block covering a row of `n` elements."""
     block = triton.next_power_of_2(n)
     if block > MAX_ROW_BLOCK:
         raise ValueError(f"row of {n} elements exceeds the kernel's limit of {MAX_ROW_BLOCK}")
     return block
+
+
+def row_bucket(n_rows: int) -> int:
+    """The row count rounded up to a power of two: the autotune key's row part."""
+    return triton.next_power_of_2(max(1, n_rows))
 
 
 def row_warps(elements: int) -> int:
@@ -39,21 +63,74 @@ def rows_per_tile(block: int, values: int = 4096) -> int:
     return max(1, min(16, values // block))
 
 
+def heuristic_config(block: int, backward: bool) -> triton.Config:
+    """The untuned launch: ~4k values per tile forward, ~2k backward, ~16 values per lane."""
+    rows = rows_per_tile(block, 2048 if backward else 4096)
+    return triton.Config({"ROWS": rows}, num_warps=row_warps(rows * block), num_stages=3 if backward else 1)
+
+
+def row_configs(backward: bool) -> list[triton.Config]:
+    """The autotune space of a norm kernel, before pruning to a row width.
+
+    Forward has no loop, so stages do not matter; backward loops over tiles, where 3 stages
+    let the compiler prefetch the next tiles' x and dy while this one reduces (1: no
+    prefetch, fewer registers and no shared memory).
+    """
+    stages = (1, 3) if backward else (1,)
+    return [triton.Config({"ROWS": r}, num_warps=w, num_stages=s)
+            for r in (1, 2, 4, 8, 16, 32) for w in (1, 2, 4, 8, 16) for s in stages]
+
+
+def prune_row_configs(backward: bool):
+    """An `early_config_prune` for `row_configs`: tiles that fit the row width at hand.
+
+    Keeps tiles of at most 16k values forward (8k backward, which holds x, dy and the
+    gradient rows at once), 4-64 values per lane forward and 8-32 backward (fewer leaves
+    lanes idle or loads narrow, more spills), and no more rows than the launch has: 10-20
+    candidates at hidden sizes 1k-2k. Always includes the heuristic; returns it alone when
+    not autotuning.
+    """
+    max_tile = 8192 if backward else 16384
+    min_per_lane, max_per_lane = (8, 32) if backward else (4, 64)
+
+    def prune(configs, named_args, **kwargs):
+        block = kwargs["BLOCK"]
+        default = heuristic_config(block, backward)
+        if not autotuning():
+            return [default]
+        rows_cap = row_bucket(named_args["n_rows"])
+        keep = [default]
+        for c in configs:
+            rows = c.kwargs["ROWS"]
+            tile = rows * block
+            per_lane = tile // (32 * c.num_warps)
+            fits = rows <= rows_cap and tile <= max(max_tile, block) and min_per_lane <= per_lane <= max_per_lane
+            if fits and (rows, c.num_warps, c.num_stages) != (default.kwargs["ROWS"], default.num_warps,
+                                                              default.num_stages):
+                keep.append(c)
+        return keep
+
+    return prune
+
+
 @functools.cache
-def _sm_count(device_index: int) -> int:
+def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def reduction_programs(tiles: int, device: torch.device, per_sm: int = 8) -> int:
-    """Programs for a kernel that also reduces a per-column sum (norm weight grads).
+def reduction_programs(rows: int, device: torch.device, per_sm: int = 8) -> tuple[int, int]:
+    """(programs, rows each) for a kernel that also reduces a per-column sum (norm weight grads).
 
-    Each program walks a contiguous run of row tiles and writes one fp32 partial row; a few
-    programs per SM keep the GPU busy while the partials (programs x hidden) stay a few
-    percent of the traffic (8 per SM measured best of 2/4/8/16 on an H200, hidden 1k-4k). Under the CPU interpreter a handful suffices and keeps tests fast.
+    Each program walks a contiguous run of rows, tile by tile, and writes one fp32 partial row;
+    a few programs per SM keep the GPU busy while the partials (programs x hidden) stay a few
+    percent of the traffic (8 per SM measured best of 2/4/8/16 on an H200, hidden 1k-4k).
+    The count does not depend on the autotuned tile, so the partial buffer is sized before
+    the launch and every program writes its whole partial row (no zero-fill, nothing for
+    autotune's repeated launches to corrupt). Under the CPU interpreter a handful suffices.
     """
-    if device.type == "cuda":
-        return max(1, min(tiles, per_sm * _sm_count(device.index or 0)))
-    return max(1, min(tiles, 4))
+    target = per_sm * sm_count(device.index or 0) if device.type == "cuda" else 4
+    per_program = triton.cdiv(rows, max(1, min(rows, target)))
+    return triton.cdiv(rows, per_program), per_program  # no program left without rows
 
 
 def as_rows(x: torch.Tensor) -> torch.Tensor:
@@ -62,3 +139,8 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     return x2
+
+
+def needs_int64(*tensors: torch.Tensor) -> bool:
+    """Whether element offsets into any of `tensors` may pass int32's range."""
+    return any(t.numel() > 0 and max(t.stride(0) * t.shape[0], t.numel()) >= 2**31 for t in tensors)

@@ -24,11 +24,15 @@ fp32. So forward already produces both gradients (Liger-Kernel's plan) and backw
 scales them by the incoming gradient; peak extra memory is one chunk of logits plus an fp32
 weight-gradient buffer instead of several full (tokens, vocab) tensors. Weight rows past
 `vocab_size` (padding) never enter the matmul and get zero gradient. Label -100 is ignored
-like F.cross_entropy's default. Spec: `kernels.reference.cross_entropy` and
-`kernels.reference.linear_cross_entropy`.
+like F.cross_entropy's default. Eager autograd goes through `_CrossEntropy` and
+`_LinearCrossEntropy`; torch.compile through the custom ops `meshtrain::cross_entropy` and
+`meshtrain::linear_cross_entropy` (opaque nodes with fake implementations for shapes).
+Spec: `kernels.reference.cross_entropy` and `kernels.reference.linear_cross_entropy`.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -203,22 +207,67 @@ def _row_weights(labels: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.
 
 # ---- cross_entropy on given logits ----
 
+def _ce_forward(logits, labels, loss_mask):
+    """(mean loss, lse (rows,), row weights (rows,)), all fp32."""
+    labels1 = labels.reshape(-1).contiguous()
+    weights = _row_weights(labels1, loss_mask)
+    loss_rows, lse = fused_loss_and_grad_(as_rows(logits), labels1, None)
+    return (loss_rows * weights).sum(), lse, weights
+
+
+def _ce_backward(grad, logits, labels, weights, lse):
+    x2 = as_rows(logits)
+    dx = softmax_grad_(x2, labels.reshape(-1).contiguous(), lse, weights * grad,
+                       out=torch.empty(x2.shape, dtype=x2.dtype, device=x2.device))
+    return dx.view(logits.shape)
+
+
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, loss_mask):
-        x2 = as_rows(logits)
-        labels1 = labels.reshape(-1).contiguous()
-        weights = _row_weights(labels1, loss_mask)
-        loss_rows, lse = fused_loss_and_grad_(x2, labels1, None)
-        ctx.save_for_backward(x2, labels1, weights, lse)
-        ctx.shape = logits.shape
-        return (loss_rows * weights).sum()
+        loss, lse, weights = _ce_forward(logits, labels, loss_mask)
+        ctx.save_for_backward(logits, labels, weights, lse)
+        return loss
 
     @staticmethod
     def backward(ctx, grad):
-        x2, labels1, weights, lse = ctx.saved_tensors
-        dx = softmax_grad_(x2, labels1, lse, weights * grad, out=torch.empty_like(x2))
-        return dx.view(ctx.shape), None, None
+        return _ce_backward(grad, *ctx.saved_tensors), None, None
+
+
+@torch.library.custom_op("meshtrain::cross_entropy", mutates_args=())
+def _ce_op(logits: torch.Tensor, labels: torch.Tensor,
+           loss_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _ce_forward(logits, labels, loss_mask)
+
+
+@_ce_op.register_fake
+def _(logits, labels, loss_mask):
+    rows = labels.numel()
+    fp32 = {"dtype": torch.float32}
+    return logits.new_empty((), **fp32), logits.new_empty(rows, **fp32), logits.new_empty(rows, **fp32)
+
+
+@torch.library.custom_op("meshtrain::cross_entropy_backward", mutates_args=())
+def _ce_backward_op(grad: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                    lse: torch.Tensor) -> torch.Tensor:
+    return _ce_backward(grad, logits, labels, weights, lse)
+
+
+@_ce_backward_op.register_fake
+def _(grad, logits, labels, weights, lse):
+    return logits.new_empty(logits.shape)
+
+
+def _ce_setup(ctx, inputs, output):
+    logits, labels, _ = inputs
+    ctx.save_for_backward(logits, labels, output[2], output[1])
+
+
+def _ce_op_backward(ctx, grad, _dlse, _dweights):
+    return _ce_backward_op(grad, *ctx.saved_tensors), None, None
+
+
+_ce_op.register_autograd(_ce_op_backward, setup_context=_ce_setup)
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -232,6 +281,8 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.T
     Returns:
         Scalar fp32 loss.
     """
+    if torch.compiler.is_compiling():
+        return _ce_op(logits, labels, loss_mask)[0]
     return _CrossEntropy.apply(logits, labels, loss_mask)
 
 
@@ -281,9 +332,11 @@ def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
     return hidden.dtype
 
 
-def _linear_ce(hidden, weight, labels, loss_mask, vocab_size, chunk_size, want_grads):
-    """Loss and, when `want_grads`, (grad_hidden, grad_weight) for a unit incoming gradient."""
-    dtype = _compute_dtype(hidden)
+def _linear_ce(hidden, weight, labels, loss_mask, vocab_size, chunk_size, dtype, want_grads):
+    """Loss and, when `want_grads`, (grad_hidden, grad_weight) for a unit incoming gradient.
+
+    grad_hidden is (tokens, hidden) in the compute `dtype`, grad_weight fp32 in weight's shape.
+    """
     h2 = hidden.reshape(-1, hidden.shape[-1]).to(dtype)  # (tokens, hidden)
     w = weight[:vocab_size].to(dtype)  # (vocab, hidden): padding rows left out
     labels1 = labels.reshape(-1).contiguous()
@@ -309,10 +362,31 @@ def _linear_ce(hidden, weight, labels, loss_mask, vocab_size, chunk_size, want_g
     return loss, grad_h, grad_w
 
 
+def _scale_grads(ctx, grad, grad_h, grad_w, in_place: bool):
+    """(dhidden, dweight): the unit-gradient results times the incoming gradient, in the inputs' dtypes.
+
+    Scaling by a device scalar, never comparing it to 1 on the host (no sync); `out=` in the
+    parameter's dtype fuses the scaling with the cast into one pass. `in_place` reuses the
+    fp32 weight-gradient buffer (eager); compiled graphs may not mutate a saved tensor.
+    """
+    shape, dtype = ctx.hidden_meta
+    dh = dw = None
+    if ctx.needs_input_grad[0]:
+        dh = torch.mul(grad_h, grad, out=torch.empty(grad_h.shape, dtype=dtype, device=grad_h.device))
+        dh = dh.view(shape)
+    if ctx.needs_input_grad[1]:
+        if ctx.weight_dtype != torch.float32:
+            dw = torch.mul(grad_w, grad, out=torch.empty(grad_w.shape, dtype=ctx.weight_dtype, device=grad_w.device))
+        else:
+            dw = grad_w.mul_(grad) if in_place else grad_w * grad
+    return dh, dw
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, loss_mask, vocab_size, chunk_size):
-        loss, grad_h, grad_w = _linear_ce(hidden, weight, labels, loss_mask, vocab_size, chunk_size, True)
+        loss, grad_h, grad_w = _linear_ce(hidden, weight, labels, loss_mask, vocab_size, chunk_size,
+                                          _compute_dtype(hidden), True)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.hidden_meta = (hidden.shape, hidden.dtype)
         ctx.weight_dtype = weight.dtype
@@ -321,17 +395,44 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad_h, grad_w = ctx.saved_tensors
-        shape, dtype = ctx.hidden_meta
-        # scaling by a device scalar, never comparing it to 1 on the host (no sync); `out=` in
-        # the parameter's dtype fuses the scaling with the cast into one pass
-        dh = dw = None
-        if ctx.needs_input_grad[0]:
-            dh = torch.mul(grad_h, grad, out=torch.empty(grad_h.shape, dtype=dtype, device=grad_h.device))
-            dh = dh.view(shape)
-        if ctx.needs_input_grad[1]:
-            dw = grad_w.mul_(grad) if ctx.weight_dtype == torch.float32 else torch.mul(
-                grad_w, grad, out=torch.empty(grad_w.shape, dtype=ctx.weight_dtype, device=grad_w.device))
-        return dh, dw, None, None, None, None
+        return _scale_grads(ctx, grad, grad_h, grad_w, in_place=True) + (None,) * 4
+
+
+@torch.library.custom_op("meshtrain::linear_cross_entropy", mutates_args=())
+def _lce_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None,
+            vocab_size: int, chunk_size: int | None, compute_dtype: torch.dtype,
+            want_grads: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, grad_hidden, grad_weight); without `want_grads` the gradients are empty (0,) tensors."""
+    loss, grad_h, grad_w = _linear_ce(hidden, weight, labels, loss_mask, vocab_size, chunk_size,
+                                      compute_dtype, want_grads)
+    if not want_grads:
+        grad_h, grad_w = hidden.new_empty(0), hidden.new_empty(0)  # outputs may not alias
+    return loss, grad_h, grad_w
+
+
+@_lce_op.register_fake
+def _(hidden, weight, labels, loss_mask, vocab_size, chunk_size, compute_dtype, want_grads):
+    loss = hidden.new_empty((), dtype=torch.float32)
+    if not want_grads:
+        return loss, hidden.new_empty(0), hidden.new_empty(0)
+    tokens = math.prod(hidden.shape[:-1])
+    return (loss, hidden.new_empty((tokens, hidden.shape[-1]), dtype=compute_dtype),
+            weight.new_empty(weight.shape, dtype=torch.float32))
+
+
+def _lce_setup(ctx, inputs, output):
+    hidden, weight = inputs[:2]
+    ctx.save_for_backward(output[1], output[2])
+    ctx.hidden_meta = (hidden.shape, hidden.dtype)
+    ctx.weight_dtype = weight.dtype
+
+
+def _lce_op_backward(ctx, grad, _dgrad_h, _dgrad_w):
+    grad_h, grad_w = ctx.saved_tensors
+    return _scale_grads(ctx, grad, grad_h, grad_w, in_place=False) + (None,) * 6
+
+
+_lce_op.register_autograd(_lce_op_backward, setup_context=_lce_setup)
 
 
 def linear_cross_entropy(
@@ -352,6 +453,11 @@ def linear_cross_entropy(
         Scalar fp32 mean loss (weighted by loss_mask when given).
     """
     vocab_size = weight.shape[0] if vocab_size is None else vocab_size
-    if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
-        return _linear_ce(hidden, weight, labels, loss_mask, vocab_size, chunk_size, False)[0]
+    want_grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    if torch.compiler.is_compiling():
+        return _lce_op(hidden, weight, labels, loss_mask, vocab_size, chunk_size, _compute_dtype(hidden),
+                       want_grads)[0]
+    if not want_grads:
+        return _linear_ce(hidden, weight, labels, loss_mask, vocab_size, chunk_size, _compute_dtype(hidden),
+                          False)[0]
     return _LinearCrossEntropy.apply(hidden, weight, labels, loss_mask, vocab_size, chunk_size)

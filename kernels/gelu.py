@@ -4,7 +4,9 @@ gelu(x) = 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3). Since 0.5 (1 +
 sigmoid(2u), the kernels use sigmoid: one exp, no separate tanh, and it saturates cleanly at
 both ends. Forward saves only x; backward recomputes sigmoid(2u) rather than storing it,
 since recomputing is cheaper than another full-size tensor read. Math in fp32, results in
-x's dtype. Spec: `kernels.reference.gelu`.
+x's dtype. Eager autograd goes through `_GELU`, torch.compile through the custom op
+`meshtrain::gelu` (one opaque node, fake implementation for shapes). Spec:
+`kernels.reference.gelu`.
 """
 
 from __future__ import annotations
@@ -39,24 +41,67 @@ def _gelu_bwd(dy_ptr, x_ptr, dx_ptr, n, BLOCK: tl.constexpr):
     tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
+def _forward(x: torch.Tensor) -> torch.Tensor:
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    n = x.numel()
+    _gelu_fwd[(triton.cdiv(n, BLOCK),)](x, y, n, BLOCK=BLOCK, num_warps=4)
+    return y
+
+
+def _backward(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    x, dy = x.contiguous(), dy.contiguous()
+    dx = torch.empty_like(x)
+    n = x.numel()
+    _gelu_bwd[(triton.cdiv(n, BLOCK),)](dy, x, dx, n, BLOCK=BLOCK, num_warps=4)
+    return dx
+
+
 class _GELU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
         x = x.contiguous()
-        y = torch.empty_like(x)
-        n = x.numel()
-        _gelu_fwd[(triton.cdiv(n, BLOCK),)](x, y, n, BLOCK=BLOCK, num_warps=4)
         ctx.save_for_backward(x)
-        return y
+        return _forward(x)
 
     @staticmethod
     def backward(ctx, dy):
         (x,) = ctx.saved_tensors
-        dy = dy.contiguous()
-        dx = torch.empty_like(x)
-        n = x.numel()
-        _gelu_bwd[(triton.cdiv(n, BLOCK),)](dy, x, dx, n, BLOCK=BLOCK, num_warps=4)
-        return dx
+        return _backward(dy, x)
+
+
+# ---- the same launchers as custom ops, for torch.compile ----
+
+@torch.library.custom_op("meshtrain::gelu", mutates_args=())
+def _gelu_op(x: torch.Tensor) -> torch.Tensor:
+    return _forward(x)
+
+
+@torch.library.custom_op("meshtrain::gelu_backward", mutates_args=())
+def _gelu_backward_op(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return _backward(dy, x)
+
+
+@_gelu_op.register_fake
+def _(x):
+    return x.new_empty(x.shape)
+
+
+@_gelu_backward_op.register_fake
+def _(dy, x):
+    return x.new_empty(x.shape)
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _op_backward(ctx, dy):
+    (x,) = ctx.saved_tensors
+    return _gelu_backward_op(dy, x)
+
+
+_gelu_op.register_autograd(_op_backward, setup_context=_setup)
 
 
 def gelu(x: torch.Tensor) -> torch.Tensor:
@@ -68,4 +113,6 @@ def gelu(x: torch.Tensor) -> torch.Tensor:
     Returns:
         gelu(x), same shape and dtype.
     """
+    if torch.compiler.is_compiling():
+        return _gelu_op(x)
     return _GELU.apply(x)

@@ -2,12 +2,18 @@
 
 Same plan as `kernels/rms_norm.py`: forward normalizes tiles of a few whole rows in registers
 and saves mean and rstd (fp32, one each per row); backward has a few programs per SM walk
-contiguous runs of row tiles, writing dx and accumulating private fp32 partials of the weight
-and bias gradients, summed afterwards instead of contended atomics. The bias is optional
-(`HAS_BIAS` compiles it out). Spec: `kernels.reference.layer_norm`.
+contiguous runs of rows, writing dx and accumulating private fp32 partials of the weight and
+bias gradients, summed afterwards instead of contended atomics. The bias is optional
+(`HAS_BIAS` compiles it out). Both kernels are autotuned (rows per tile, warps, stages; key:
+hidden size and row-count bucket), use int32 offsets unless a tensor passes 2^31 elements, and
+drop the column mask when the hidden size is a power of two. Eager autograd goes through
+`_LayerNorm`, torch.compile through the custom op `meshtrain::layer_norm` (one opaque node,
+fake implementation for shapes). Spec: `kernels.reference.layer_norm`.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -15,27 +21,39 @@ import triton.language as tl
 
 from kernels._launch import (
     as_rows,
+    needs_int64,
+    prune_row_configs,
     reduction_programs,
     row_block,
-    row_warps,
-    rows_per_tile,
+    row_bucket,
+    row_configs,
 )
 
 
+@triton.autotune(configs=row_configs(backward=False), key=["n_cols", "row_bucket"],
+                 prune_configs_by={"early_config_prune": prune_row_configs(backward=False)})
 @triton.jit
 def _layer_norm_fwd(
-    x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, x_stride, y_stride, n_rows, n_cols, eps,
-    HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, x_stride, y_stride, n_rows, n_cols, row_bucket, eps,
+    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, EVEN_COLS: tl.constexpr, INT64: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    if INT64:
+        rows = rows.to(tl.int64)
     cols = tl.arange(0, BLOCK)
     cols_ok = cols < n_cols
     row_ok = rows < n_rows
-    mask = row_ok[:, None] & cols_ok[None, :]
+    if EVEN_COLS:
+        mask = row_ok[:, None]
+    else:
+        mask = row_ok[:, None] & cols_ok[None, :]
     x = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     mean = tl.sum(x, axis=1) / n_cols
     # two-pass variance (centre first): E[x^2] - mean^2 cancels badly when |mean| >> std
-    xc = tl.where(mask, x - mean[:, None], 0.0)
+    xc = x - mean[:, None]
+    if not EVEN_COLS:
+        xc = tl.where(cols_ok[None, :], xc, 0.0)  # padding lanes would add mean^2 each
     rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / n_cols + eps)
     y = xc * rstd[:, None] * tl.load(w_ptr + cols, mask=cols_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
@@ -45,11 +63,14 @@ def _layer_norm_fwd(
     tl.store(y_ptr + rows[:, None] * y_stride + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.autotune(configs=row_configs(backward=True), key=["n_cols", "row_bucket"],
+                 prune_configs_by={"early_config_prune": prune_row_configs(backward=True)})
 @triton.jit
 def _layer_norm_bwd(
     dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, db_partial_ptr,
-    dy_stride, x_stride, dx_stride, n_rows, n_cols, tiles_per_program,
-    HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    dy_stride, x_stride, dx_stride, n_rows, n_cols, row_bucket, rows_per_program,
+    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, EVEN_COLS: tl.constexpr, INT64: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -57,15 +78,24 @@ def _layer_norm_bwd(
     w = tl.load(w_ptr + cols, mask=cols_ok, other=0.0).to(tl.float32)[None, :]
     dw = tl.zeros((BLOCK,), dtype=tl.float32)
     db = tl.zeros((BLOCK,), dtype=tl.float32)
-    # fixed trip count with a row mask, as in rms_norm's backward (the interpreter needs it)
-    for i in range(tiles_per_program):
-        rows = (pid.to(tl.int64) * tiles_per_program + i) * ROWS + tl.arange(0, ROWS)
-        row_ok = rows < n_rows
-        mask = row_ok[:, None] & cols_ok[None, :]
+    first = pid * rows_per_program
+    end = tl.minimum(first + rows_per_program, n_rows)
+    # a trip count from the host, masked at the run's end, as in rms_norm's backward
+    for start in range(0, rows_per_program, ROWS):
+        rows = first + start + tl.arange(0, ROWS)
+        if INT64:
+            rows = rows.to(tl.int64)
+        row_ok = rows < end
+        if EVEN_COLS:
+            mask = row_ok[:, None]
+        else:
+            mask = row_ok[:, None] & cols_ok[None, :]
         x = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + rows[:, None] * dy_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)[:, None]
         rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)[:, None]
+        # masked lanes: x = 0 gives -mean * rstd, kept out of the sums below (dy and w are 0
+        # there, so only the sums of x_hat alone would see it; zeroing keeps dw exact)
         x_hat = tl.where(mask, (x - mean) * rstd, 0.0)
         wdy = w * dy
         # the two subtracted terms are the gradient through the variance and through the mean
@@ -81,47 +111,96 @@ def _layer_norm_bwd(
         tl.store(db_partial_ptr + pid * n_cols + cols, db, mask=cols_ok)
 
 
+def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float):
+    """(y shaped like x, contiguous; mean and rstd, each (rows,) fp32)."""
+    x2 = as_rows(x)
+    rows, n = x2.shape
+    weight = weight.contiguous()
+    y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    mean = torch.empty(rows, dtype=torch.float32, device=x.device)
+    rstd = torch.empty_like(mean)
+    block = row_block(n)
+    _layer_norm_fwd[lambda meta: (triton.cdiv(rows, meta["ROWS"]),)](
+        x2, weight, weight if bias is None else bias.contiguous(), y, mean, rstd, x2.stride(0), y.stride(0),
+        rows, n, row_bucket(rows), eps,
+        HAS_BIAS=bias is not None, BLOCK=block, EVEN_COLS=block == n, INT64=needs_int64(x2, y))
+    return y.view(x.shape), mean, rstd
+
+
+def _backward(dy, x, weight, mean, rstd, bias_dtype: torch.dtype | None):
+    """(dx shaped like x, dweight in weight's dtype, dbias in bias_dtype or None without a bias)."""
+    dy2, x2 = as_rows(dy), as_rows(x)
+    rows, n = x2.shape
+    dx = torch.empty((rows, n), dtype=x2.dtype, device=x2.device)
+    block = row_block(n)
+    programs, per_program = reduction_programs(rows, x2.device)
+    has_bias = bias_dtype is not None
+    dw_partial = torch.empty((programs, n), dtype=torch.float32, device=x2.device)
+    db_partial = torch.empty_like(dw_partial) if has_bias else dw_partial
+    _layer_norm_bwd[(programs,)](
+        dy2, x2, weight.contiguous(), mean, rstd, dx, dw_partial, db_partial, dy2.stride(0), x2.stride(0),
+        dx.stride(0), rows, n, row_bucket(rows), per_program,
+        HAS_BIAS=has_bias, BLOCK=block, EVEN_COLS=block == n, INT64=needs_int64(dy2, x2, dx))
+    db = db_partial.sum(0).to(bias_dtype) if has_bias else None
+    return dx.view(x.shape), dw_partial.sum(0).to(weight.dtype), db
+
+
 class _LayerNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
-        x2 = as_rows(x)
-        rows, n = x2.shape
-        weight = weight.contiguous()
-        has_bias = bias is not None
-        y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-        mean = torch.empty(rows, dtype=torch.float32, device=x.device)
-        rstd = torch.empty_like(mean)
-        block = row_block(n)
-        tile = rows_per_tile(block)
-        _layer_norm_fwd[(triton.cdiv(rows, tile),)](
-            x2, weight, bias.contiguous() if has_bias else weight, y, mean, rstd, x2.stride(0), y.stride(0),
-            rows, n, eps, HAS_BIAS=has_bias, ROWS=tile, BLOCK=block, num_warps=row_warps(tile * block),
-        )
-        ctx.save_for_backward(x2, weight, mean, rstd)
-        ctx.has_bias = has_bias
-        ctx.bias_dtype = bias.dtype if has_bias else None
-        return y.view(x.shape)
+        y, mean, rstd = _forward(x, weight, bias, eps)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        x2, weight, mean, rstd = ctx.saved_tensors
-        dy2 = as_rows(dy)
-        rows, n = x2.shape
-        dx = torch.empty((rows, n), dtype=x2.dtype, device=x2.device)
-        block = row_block(n)
-        tile = rows_per_tile(block, 2048)
-        tiles = triton.cdiv(rows, tile)
-        per_program = triton.cdiv(tiles, reduction_programs(tiles, x2.device))
-        programs = triton.cdiv(tiles, per_program)
-        dw_partial = torch.empty((programs, n), dtype=torch.float32, device=x2.device)
-        db_partial = torch.empty_like(dw_partial) if ctx.has_bias else dw_partial
-        _layer_norm_bwd[(programs,)](
-            dy2, x2, weight, mean, rstd, dx, dw_partial, db_partial, dy2.stride(0), x2.stride(0), dx.stride(0),
-            rows, n, per_program, HAS_BIAS=ctx.has_bias, ROWS=tile, BLOCK=block, num_warps=row_warps(tile * block),
-        )
-        dw = dw_partial.sum(0).to(weight.dtype)
-        db = db_partial.sum(0).to(ctx.bias_dtype) if ctx.has_bias else None
-        return dx.view(dy.shape), dw, db, None
+        x, weight, mean, rstd = ctx.saved_tensors
+        dx, dw, db = _backward(dy, x, weight, mean, rstd, ctx.bias_dtype)
+        return dx, dw, db, None
+
+
+# ---- the same launchers as custom ops, for torch.compile ----
+
+@torch.library.custom_op("meshtrain::layer_norm", mutates_args=())
+def _layer_norm_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _forward(x, weight, bias, eps)
+
+
+@_layer_norm_op.register_fake
+def _(x, weight, bias, eps):
+    rows = math.prod(x.shape[:-1])
+    return x.new_empty(x.shape), x.new_empty(rows, dtype=torch.float32), x.new_empty(rows, dtype=torch.float32)
+
+
+@torch.library.custom_op("meshtrain::layer_norm_backward", mutates_args=())
+def _layer_norm_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor,
+                            rstd: torch.Tensor, bias_dtype: torch.dtype | None,
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx, dw, db = _backward(dy, x, weight, mean, rstd, bias_dtype)
+    return dx, dw, dw.new_empty(0) if db is None else db  # an op returns tensors: empty for no bias
+
+
+@_layer_norm_backward_op.register_fake
+def _(dy, x, weight, mean, rstd, bias_dtype):
+    db = weight.new_empty(0) if bias_dtype is None else weight.new_empty(weight.shape, dtype=bias_dtype)
+    return x.new_empty(x.shape), torch.empty_like(weight), db
+
+
+def _setup(ctx, inputs, output):
+    x, weight, bias, _ = inputs
+    ctx.save_for_backward(x, weight, output[1], output[2])
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _op_backward(ctx, dy, _dmean, _drstd):
+    x, weight, mean, rstd = ctx.saved_tensors
+    dx, dw, db = _layer_norm_backward_op(dy, x, weight, mean, rstd, ctx.bias_dtype)
+    return dx, dw, None if ctx.bias_dtype is None else db, None
+
+
+_layer_norm_op.register_autograd(_op_backward, setup_context=_setup)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -136,4 +215,6 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     Returns:
         (..., hidden) normalized x.
     """
+    if torch.compiler.is_compiling():
+        return _layer_norm_op(x, weight, bias, eps)[0]
     return _LayerNorm.apply(x, weight, bias, eps)

@@ -1,15 +1,25 @@
 """RMSNorm in Triton: y = x / sqrt(mean(x^2) + eps) * weight over the last dim.
 
-Forward: each program normalizes a tile of a few whole rows held in registers (several rows
-when the hidden size is small, so each program moves enough bytes), computes rstd in fp32
-and saves it (one float per row) so backward need not redo the reduction. Backward: a few
-programs per SM each walk a contiguous run of row tiles, write dx and accumulate
-dy * x_hat into a private fp32 partial of the weight gradient; the partials
-(programs x hidden) are summed afterwards. That avoids atomics on one shared row, which
-serialize and make the result order-dependent. Spec: `kernels.reference.rms_norm`.
+Forward: each program normalizes a tile of a few whole rows held in registers, computes rstd
+in fp32 and saves it (one float per row) so backward need not redo the reduction. Backward: a
+few programs per SM each walk a contiguous run of rows tile by tile, write dx and accumulate
+dy * x_hat into a private fp32 partial of the weight gradient; the partials (programs x
+hidden) are summed afterwards. That avoids atomics on one shared row, which serialize and make
+the result order-dependent. Both kernels are autotuned over rows per tile, warps and (in
+backward) pipeline stages, keyed on the hidden size and the row count's power-of-two bucket
+(`kernels/_launch.py`); both only write fresh outputs, so autotune's repeated launches are
+harmless. Offsets are int32 unless a tensor passes 2^31 elements (`INT64`), and the column mask
+is compiled out when the hidden size is a power of two (`EVEN_COLS`).
+
+Two entry points share the launchers: eager autograd goes through `_RMSNorm` (the fewest
+Python layers per call), torch.compile through the custom op `meshtrain::rms_norm`, which
+Dynamo records as one opaque node (no graph break) with a fake implementation for shapes.
+Spec: `kernels.reference.rms_norm`.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -17,44 +27,64 @@ import triton.language as tl
 
 from kernels._launch import (
     as_rows,
+    needs_int64,
+    prune_row_configs,
     reduction_programs,
     row_block,
-    row_warps,
-    rows_per_tile,
+    row_bucket,
+    row_configs,
 )
 
 
+@triton.autotune(configs=row_configs(backward=False), key=["n_cols", "row_bucket"],
+                 prune_configs_by={"early_config_prune": prune_row_configs(backward=False)})
 @triton.jit
-def _rms_norm_fwd(x_ptr, w_ptr, y_ptr, rstd_ptr, x_stride, y_stride, n_rows, n_cols, eps,
-                  ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+def _rms_norm_fwd(x_ptr, w_ptr, y_ptr, rstd_ptr, x_stride, y_stride, n_rows, n_cols, row_bucket, eps,
+                  BLOCK: tl.constexpr, EVEN_COLS: tl.constexpr, INT64: tl.constexpr, ROWS: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    if INT64:
+        rows = rows.to(tl.int64)
     cols = tl.arange(0, BLOCK)
     row_ok = rows < n_rows
-    mask = row_ok[:, None] & (cols < n_cols)[None, :]
+    if EVEN_COLS:
+        mask = row_ok[:, None]
+        w = tl.load(w_ptr + cols).to(tl.float32)
+    else:
+        mask = row_ok[:, None] & (cols < n_cols)[None, :]
+        w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)  # (ROWS,)
     tl.store(rstd_ptr + rows, rstd, mask=row_ok)
     y = x * rstd[:, None] * w[None, :]
     tl.store(y_ptr + rows[:, None] * y_stride + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.autotune(configs=row_configs(backward=True), key=["n_cols", "row_bucket"],
+                 prune_configs_by={"early_config_prune": prune_row_configs(backward=True)})
 @triton.jit
 def _rms_norm_bwd(
-    dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr,
-    dy_stride, x_stride, dx_stride, n_rows, n_cols, tiles_per_program, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, dy_stride, x_stride, dx_stride,
+    n_rows, n_cols, row_bucket, rows_per_program,
+    BLOCK: tl.constexpr, EVEN_COLS: tl.constexpr, INT64: tl.constexpr, ROWS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     cols_ok = cols < n_cols
     w = tl.load(w_ptr + cols, mask=cols_ok, other=0.0).to(tl.float32)
     dw = tl.zeros((BLOCK,), dtype=tl.float32)
-    # a fixed trip count with a row mask (the last program's run may be short); a loop bound
-    # computed in the kernel would also do on the GPU, but not under the CPU interpreter
-    for i in range(tiles_per_program):
-        rows = (pid.to(tl.int64) * tiles_per_program + i) * ROWS + tl.arange(0, ROWS)
-        row_ok = rows < n_rows
-        mask = row_ok[:, None] & cols_ok[None, :]
+    first = pid * rows_per_program
+    end = tl.minimum(first + rows_per_program, n_rows)
+    # a trip count from the host (this program's run of rows), masked at the run's end: a
+    # bound computed in the kernel would also do on the GPU, but not under the CPU interpreter
+    for start in range(0, rows_per_program, ROWS):
+        rows = first + start + tl.arange(0, ROWS)
+        if INT64:
+            rows = rows.to(tl.int64)
+        row_ok = rows < end
+        if EVEN_COLS:
+            mask = row_ok[:, None]
+        else:
+            mask = row_ok[:, None] & cols_ok[None, :]
         x = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + rows[:, None] * dy_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)[:, None]
@@ -67,44 +97,82 @@ def _rms_norm_bwd(
     tl.store(dw_partial_ptr + pid * n_cols + cols, dw, mask=cols_ok)
 
 
-def _forward(x2: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y shaped like x, contiguous; rstd (rows,) fp32)."""
+    x2 = as_rows(x)
     rows, n = x2.shape
     y = torch.empty((rows, n), dtype=x2.dtype, device=x2.device)
     rstd = torch.empty(rows, dtype=torch.float32, device=x2.device)
     block = row_block(n)
-    tile = rows_per_tile(block)
-    _rms_norm_fwd[(triton.cdiv(rows, tile),)](x2, weight, y, rstd, x2.stride(0), y.stride(0), rows, n, eps,
-                                              ROWS=tile, BLOCK=block, num_warps=row_warps(tile * block))
-    return y, rstd
+    _rms_norm_fwd[lambda meta: (triton.cdiv(rows, meta["ROWS"]),)](
+        x2, weight.contiguous(), y, rstd, x2.stride(0), y.stride(0), rows, n, row_bucket(rows), eps,
+        BLOCK=block, EVEN_COLS=block == n, INT64=needs_int64(x2, y))
+    return y.view(x.shape), rstd
 
 
-def _backward(dy2, x2, weight, rstd) -> tuple[torch.Tensor, torch.Tensor]:
+def _backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor):
+    """(dx shaped like x, dweight in weight's dtype)."""
+    dy2, x2 = as_rows(dy), as_rows(x)
     rows, n = x2.shape
     dx = torch.empty((rows, n), dtype=x2.dtype, device=x2.device)
     block = row_block(n)
-    tile = rows_per_tile(block, 2048)
-    tiles = triton.cdiv(rows, tile)
-    per_program = triton.cdiv(tiles, reduction_programs(tiles, x2.device))
-    programs = triton.cdiv(tiles, per_program)  # no program left without rows
+    programs, per_program = reduction_programs(rows, x2.device)
     partial = torch.empty((programs, n), dtype=torch.float32, device=x2.device)
-    _rms_norm_bwd[(programs,)](dy2, x2, weight, rstd, dx, partial, dy2.stride(0), x2.stride(0), dx.stride(0),
-                               rows, n, per_program, ROWS=tile, BLOCK=block, num_warps=row_warps(tile * block))
-    return dx, partial.sum(0).to(weight.dtype)
+    _rms_norm_bwd[(programs,)](
+        dy2, x2, weight.contiguous(), rstd, dx, partial, dy2.stride(0), x2.stride(0), dx.stride(0),
+        rows, n, row_bucket(rows), per_program, BLOCK=block, EVEN_COLS=block == n, INT64=needs_int64(dy2, x2, dx))
+    return dx.view(x.shape), partial.sum(0).to(weight.dtype)
 
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
-        x2 = as_rows(x)
-        y, rstd = _forward(x2, weight.contiguous(), eps)
-        ctx.save_for_backward(x2, weight, rstd)
-        return y.view(x.shape)
+        y, rstd = _forward(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        x2, weight, rstd = ctx.saved_tensors
-        dx, dw = _backward(as_rows(dy), x2, weight.contiguous(), rstd)
-        return dx.view(dy.shape), dw, None
+        x, weight, rstd = ctx.saved_tensors
+        dx, dw = _backward(dy, x, weight, rstd)
+        return dx, dw, None
+
+
+# ---- the same launchers as custom ops, for torch.compile ----
+
+@torch.library.custom_op("meshtrain::rms_norm", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(x, weight, eps)
+
+
+@_rms_norm_op.register_fake
+def _(x, weight, eps):
+    return x.new_empty(x.shape), x.new_empty(math.prod(x.shape[:-1]), dtype=torch.float32)
+
+
+@torch.library.custom_op("meshtrain::rms_norm_backward", mutates_args=())
+def _rms_norm_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                          rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _backward(dy, x, weight, rstd)
+
+
+@_rms_norm_backward_op.register_fake
+def _(dy, x, weight, rstd):
+    return x.new_empty(x.shape), torch.empty_like(weight)
+
+
+def _setup(ctx, inputs, output):
+    x, weight, _ = inputs
+    ctx.save_for_backward(x, weight, output[1])
+
+
+def _op_backward(ctx, dy, _drstd):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw = _rms_norm_backward_op(dy, x, weight, rstd)
+    return dx, dw, None
+
+
+_rms_norm_op.register_autograd(_op_backward, setup_context=_setup)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -118,4 +186,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     Returns:
         (..., hidden) normalized x.
     """
+    if torch.compiler.is_compiling():
+        return _rms_norm_op(x, weight, eps)[0]
     return _RMSNorm.apply(x, weight, eps)

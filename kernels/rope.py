@@ -9,7 +9,11 @@ SDPA prefers.
 
 Backward is the transpose of the same rotation: dx1 = c1 dy1 + s2 dy2, dx2 = c2 dy2 - s1 dy1,
 which is the forward formula with sin's halves swapped and negated, so one kernel serves
-both (`BACKWARD` flag). Spec: `kernels.reference.rope`.
+both (`BACKWARD` flag). The kernel is autotuned over positions per program and warps (key:
+heads, head_dim, sequence-length bucket; `_configs`); it only writes a fresh output, so
+autotune's repeated launches are harmless. Eager autograd goes through `_RoPE`, torch.compile
+through the custom op `meshtrain::rope` (one opaque node, fake implementation for shapes).
+Spec: `kernels.reference.rope`.
 """
 
 from __future__ import annotations
@@ -18,12 +22,42 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._launch import autotuning, row_bucket
 
+
+def _heuristic(block_h: int, block_d: int, seq: int) -> triton.Config:
+    # several positions per program so each moves ~8k values: one position of a few heads is
+    # too little work to hide a launch's and a load's latency
+    pos = max(1, min(triton.next_power_of_2(seq), 4096 // (block_h * block_d)))
+    return triton.Config({"POS": pos}, num_warps=max(1, min(8, pos * block_h * block_d // 512)))
+
+
+def _prune(configs, named_args, **kwargs):
+    """Tiles of 1k-16k half-rows' values (each value is loaded twice, once per half), at
+    least 4 and at most 64 per lane, no more positions than the sequence; plus the heuristic."""
+    block_h, block_d, seq = kwargs["BLOCK_H"], kwargs["BLOCK_D"], named_args["seq"]
+    default = _heuristic(block_h, block_d, seq)
+    if not autotuning():
+        return [default]
+    keep = [default]
+    for c in configs:
+        pos = c.kwargs["POS"]
+        tile = pos * block_h * block_d
+        if (pos <= row_bucket(seq) and 1024 <= tile <= 16384 and 4 <= tile // (32 * c.num_warps) <= 64
+                and (pos, c.num_warps) != (default.kwargs["POS"], default.num_warps)):
+            keep.append(c)
+    return keep
+
+
+_configs = [triton.Config({"POS": p}, num_warps=w) for p in (1, 2, 4, 8, 16, 32, 64) for w in (2, 4, 8, 16)]
+
+
+@triton.autotune(configs=_configs, key=["seq_bucket", "n_heads", "half"], prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _rope_kernel(
     x_ptr, cos_ptr, sin_ptr, y_ptr,
-    x_sb, x_sh, x_ss, y_sb, y_sh, y_ss, seq, n_heads, half,
-    BACKWARD: tl.constexpr, POS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    x_sb, x_sh, x_ss, y_sb, y_sh, y_ss, seq, seq_bucket, n_heads, half,
+    BACKWARD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, POS: tl.constexpr,
 ):
     # a tile of POS positions x every head, flattened to (POS * BLOCK_H, BLOCK_D) rows
     r = tl.arange(0, POS * BLOCK_H)
@@ -57,13 +91,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: boo
     b, h, s, d = x.shape
     y = torch.empty((b, h, s, d), dtype=x.dtype, device=x.device)
     block_h, block_d = triton.next_power_of_2(h), triton.next_power_of_2(d // 2)
-    # several positions per program so each moves ~8k values: one position of a few heads is
-    # too little work to hide a launch's and a load's latency
-    pos = max(1, min(triton.next_power_of_2(s), 4096 // (block_h * block_d)))
-    _rope_kernel[(triton.cdiv(s, pos), b)](
-        x, cos, sin, y, x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2), s, h, d // 2,
-        BACKWARD=backward, POS=pos, BLOCK_H=block_h, BLOCK_D=block_d,
-        num_warps=max(1, min(8, pos * block_h * block_d // 512)),
+    _rope_kernel[lambda meta: (triton.cdiv(s, meta["POS"]), b)](
+        x, cos, sin, y, x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2),
+        s, row_bucket(s), h, d // 2, BACKWARD=backward, BLOCK_H=block_h, BLOCK_D=block_d,
     )
     return y
 
@@ -81,6 +111,40 @@ class _RoPE(torch.autograd.Function):
         return _rotate(dy, cos, sin, backward=True), None, None
 
 
+# ---- the same launcher as custom ops, for torch.compile ----
+
+@torch.library.custom_op("meshtrain::rope", mutates_args=())
+def _rope_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return _rotate(x, cos.contiguous(), sin.contiguous(), backward=False)
+
+
+@torch.library.custom_op("meshtrain::rope_backward", mutates_args=())
+def _rope_backward_op(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return _rotate(dy, cos.contiguous(), sin.contiguous(), backward=True)
+
+
+@_rope_op.register_fake
+def _(x, cos, sin):
+    return x.new_empty(x.shape)
+
+
+@_rope_backward_op.register_fake
+def _(dy, cos, sin):
+    return dy.new_empty(dy.shape)
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[1], inputs[2])
+
+
+def _op_backward(ctx, dy):
+    cos, sin = ctx.saved_tensors
+    return _rope_backward_op(dy, cos, sin), None, None
+
+
+_rope_op.register_autograd(_op_backward, setup_context=_setup)
+
+
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding in the rotate-half convention (the one Hugging Face Llama uses).
 
@@ -94,4 +158,6 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     if x.dim() != 4 or x.shape[-1] % 2 or cos.shape != (x.shape[2], x.shape[3]) or sin.shape != cos.shape:
         raise ValueError(f"rope needs x (b, h, s, even d) and cos/sin (s, d); got {tuple(x.shape)}, "
                          f"{tuple(cos.shape)}, {tuple(sin.shape)}")
+    if torch.compiler.is_compiling():
+        return _rope_op(x, cos, sin)
     return _RoPE.apply(x, cos, sin)

@@ -4,8 +4,9 @@ The MLP's first linear produces gate and up side by side in one matmul; the kern
 both halves of a row and writes the half-width product, so the split never materializes.
 Backward recomputes sigmoid(gate) from the saved input (cheaper than storing it) and writes
 the gradients of both halves into one fused (..., 2F) tensor, the shape the linear's
-backward expects. Math in fp32, results in the input's dtype. Spec:
-`kernels.reference.swiglu`.
+backward expects. Math in fp32, results in the input's dtype. Eager autograd goes through
+`_SwiGLU`, torch.compile through the custom op `meshtrain::swiglu` (one opaque node, fake
+implementation for shapes). Spec: `kernels.reference.swiglu`.
 """
 
 from __future__ import annotations
@@ -50,28 +51,69 @@ def _block(width: int) -> int:
     return min(1024, triton.next_power_of_2(width))
 
 
+def _forward(gate_up: torch.Tensor) -> torch.Tensor:
+    gu = as_rows(gate_up)
+    rows, width = gu.shape[0], gu.shape[1] // 2
+    y = torch.empty((rows, width), dtype=gu.dtype, device=gu.device)
+    block = _block(width)
+    _swiglu_fwd[(rows, triton.cdiv(width, block))](gu, y, gu.stride(0), y.stride(0), width, BLOCK=block, num_warps=4)
+    return y.view(*gate_up.shape[:-1], width)
+
+
+def _backward(dy: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    dy2, gu = as_rows(dy), as_rows(gate_up)
+    rows, width = gu.shape[0], gu.shape[1] // 2
+    dgu = torch.empty((rows, 2 * width), dtype=gu.dtype, device=gu.device)
+    block = _block(width)
+    _swiglu_bwd[(rows, triton.cdiv(width, block))](dy2, gu, dgu, dy2.stride(0), gu.stride(0), dgu.stride(0),
+                                                   width, BLOCK=block, num_warps=4)
+    return dgu.view(gate_up.shape)
+
+
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate_up):
-        gu = as_rows(gate_up)
-        rows, width = gu.shape[0], gu.shape[1] // 2
-        y = torch.empty((rows, width), dtype=gu.dtype, device=gu.device)
-        block = _block(width)
-        _swiglu_fwd[(rows, triton.cdiv(width, block))](gu, y, gu.stride(0), y.stride(0), width,
-                                                       BLOCK=block, num_warps=4)
-        ctx.save_for_backward(gu)
-        return y.view(*gate_up.shape[:-1], width)
+        ctx.save_for_backward(gate_up)
+        return _forward(gate_up)
 
     @staticmethod
     def backward(ctx, dy):
-        (gu,) = ctx.saved_tensors
-        dy2 = as_rows(dy)
-        rows, width = gu.shape[0], gu.shape[1] // 2
-        dgu = torch.empty_like(gu)
-        block = _block(width)
-        _swiglu_bwd[(rows, triton.cdiv(width, block))](dy2, gu, dgu, dy2.stride(0), gu.stride(0), dgu.stride(0),
-                                                       width, BLOCK=block, num_warps=4)
-        return dgu.view(*dy.shape[:-1], 2 * width)
+        (gate_up,) = ctx.saved_tensors
+        return _backward(dy, gate_up)
+
+
+# ---- the same launchers as custom ops, for torch.compile ----
+
+@torch.library.custom_op("meshtrain::swiglu", mutates_args=())
+def _swiglu_op(gate_up: torch.Tensor) -> torch.Tensor:
+    return _forward(gate_up)
+
+
+@torch.library.custom_op("meshtrain::swiglu_backward", mutates_args=())
+def _swiglu_backward_op(dy: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    return _backward(dy, gate_up)
+
+
+@_swiglu_op.register_fake
+def _(gate_up):
+    return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
+
+@_swiglu_backward_op.register_fake
+def _(dy, gate_up):
+    return gate_up.new_empty(gate_up.shape)
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _op_backward(ctx, dy):
+    (gate_up,) = ctx.saved_tensors
+    return _swiglu_backward_op(dy, gate_up)
+
+
+_swiglu_op.register_autograd(_op_backward, setup_context=_setup)
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
@@ -85,4 +127,6 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """
     if gate_up.shape[-1] % 2:
         raise ValueError(f"swiglu needs an even last dim, got {gate_up.shape[-1]}")
+    if torch.compiler.is_compiling():
+        return _swiglu_op(gate_up)
     return _SwiGLU.apply(gate_up)

@@ -40,6 +40,13 @@ def test_layer_norm_fp32(shape):
     _check(shape, torch.float32)
 
 
+def test_layer_norm_several_tiles_per_backward_program():
+    """70 rows over 4 backward programs of 18 rows (several tiles each, the last run short),
+    and a power-of-two hidden size, which compiles the column mask out (`EVEN_COLS`)."""
+    _check((70, 300), torch.float32)
+    _check((70, 256), torch.float32, bias=False)
+
+
 def test_layer_norm_fp32_without_bias_and_large_mean():
     """A mean far from zero checks the centred (two-pass) variance; 1e-4 since x_hat loses
     log2(50) bits to the offset even in fp64 rounding of the fp32 input."""

@@ -36,6 +36,12 @@ def test_rms_norm_fp32(shape):
     _check(shape, torch.float32)
 
 
+def test_rms_norm_several_tiles_per_backward_program():
+    """70 rows over 4 backward programs of 18 rows, each walking several tiles (the last
+    program's run short, the hidden size 300 not a power of two): exercises the run masking."""
+    _check((70, 300), torch.float32)
+
+
 def test_rms_norm_bf16_with_fp32_weight():
     """bf16 activations with an fp32 weight (master weights under autocast): bf16 ulps."""
     _check((5, 13, 123), torch.bfloat16, weight_dtype=torch.float32)

@@ -1,0 +1,128 @@
+"""The ops under torch.compile: dispatch without graph breaks, and the Triton custom ops.
+
+On CPU, `kernels.<op>` dispatches to the reference, compiled or not; the Triton kernels are
+reached by calling `kernels/<op>.py` directly on CPU tensors (Triton's interpreter), which
+under compile goes through the custom ops `meshtrain::<op>`. `fullgraph=True` turns any graph
+break into an error. The `aot_eager` backend traces forward and backward exactly as Inductor
+would (fake tensors, AOT autograd) without generating code, which keeps these tests fast and
+free of a C++ compiler. Outputs are compared in fp32 to the reference at 1e-5 (same math,
+different reduction order), gradients likewise.
+"""
+
+import importlib
+
+import pytest
+import torch
+
+import kernels
+from kernels import reference
+from tests.kernels.conftest import needs_triton
+
+FP32 = {"rtol": 1e-5, "atol": 1e-5}
+
+
+def _cases():
+    """op -> (args builder, extra positional args); tiny shapes, odd sizes."""
+    g = torch.Generator().manual_seed(0)
+
+    def randn(*shape, grad=True):
+        return torch.randn(*shape, generator=g).requires_grad_(grad)
+
+    s, d = 7, 6
+    cos, sin = reference.rope_cos_sin(s, d, 10000.0)
+    labels = torch.randint(0, 11, (2, 3), generator=g)
+    mask = (torch.rand(2, 3, generator=g) > 0.3).float()
+    return {
+        "rms_norm": lambda: (randn(2, 3, 20), randn(20), 1e-5),
+        "layer_norm": lambda: (randn(2, 3, 20), randn(20), randn(20), 1e-5),
+        "gelu": lambda: (randn(3, 17),),
+        "swiglu": lambda: (randn(3, 2 * 9),),
+        "rope": lambda: (randn(1, 2, s, d), cos, sin),
+        "cross_entropy": lambda: (randn(2, 3, 11), labels, mask),
+        "linear_cross_entropy": lambda: (randn(2, 3, 8), randn(13, 8), labels, mask, 11),
+    }
+
+
+def _grads(out, args):
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    return torch.autograd.grad(out.sum(), leaves)
+
+
+def _check_compiled(fn, op, backend="aot_eager"):
+    build = _cases()[op]
+    args, ref_args = build(), None
+    ref_args = [a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
+                for a in args]
+    torch._dynamo.reset()
+    out = torch.compile(fn, fullgraph=True, backend=backend)(*args)
+    expected = getattr(reference, op)(*ref_args)
+    torch.testing.assert_close(out, expected, **FP32)
+    for a, b in zip(_grads(out, args), _grads(expected, ref_args)):
+        torch.testing.assert_close(a, b, **FP32)
+
+
+@pytest.mark.parametrize("op", kernels.OPS)
+def test_dispatching_op_compiles_without_graph_breaks_on_cpu(op):
+    """What a compiled model on CPU runs: `kernels.<op>` picks the reference while tracing."""
+    _check_compiled(getattr(kernels, op), op)
+
+
+def _triton(op):
+    module = "kernels.cross_entropy" if op == "linear_cross_entropy" else f"kernels.{op}"
+    return getattr(importlib.import_module(module), op)
+
+
+@needs_triton
+@pytest.mark.parametrize("op", kernels.OPS)
+def test_triton_op_compiles_as_custom_op(op):
+    """The Triton implementation under compile: one `meshtrain::` node per call in the traced
+    graph, forward and backward equal to the reference."""
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    fn = _triton(op)
+    torch._dynamo.reset()
+    args = _cases()[op]()
+    torch.compile(fn, fullgraph=True, backend=backend)(*args)
+    assert any(t.startswith("meshtrain.") for t in seen), seen
+    _check_compiled(fn, op)
+
+
+def _custom_op(op):
+    module = importlib.import_module("kernels.cross_entropy" if op == "linear_cross_entropy" else f"kernels.{op}")
+    name = {"cross_entropy": "_ce_op", "linear_cross_entropy": "_lce_op"}.get(op, f"_{op}_op")
+    return getattr(module, name)
+
+
+@needs_triton
+@pytest.mark.parametrize("op", kernels.OPS)
+def test_custom_op_passes_opcheck(op):
+    """torch.library.opcheck: schema, fake (meta) implementation against the real outputs'
+    shapes, dtypes and strides, autograd registration, and AOT dispatch with dynamic shapes."""
+    args = list(_cases()[op]())
+    if op == "linear_cross_entropy":
+        args = args + [4, torch.float32, True]  # chunk_size (two chunks), compute dtype, want_grads
+    torch.library.opcheck(_custom_op(op), tuple(args))
+
+
+@needs_triton
+def test_layer_norm_custom_op_without_bias_passes_opcheck():
+    from kernels.layer_norm import _layer_norm_op
+
+    torch.library.opcheck(_layer_norm_op, (torch.randn(5, 20, requires_grad=True),
+                                           torch.randn(20, requires_grad=True), None, 1e-5))
+
+
+@needs_triton
+def test_auto_keeps_compile_safe_triton_ops_inside_compiled_regions(monkeypatch):
+    """'auto' on CUDA: Triton for ops in COMPILE_SAFE while compiling, the reference for others."""
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    kernels.set_mode("auto")
+    assert kernels.resolve("rms_norm", on_cuda=True).__module__ == "kernels.rms_norm"
+    monkeypatch.setattr(kernels, "COMPILE_SAFE", frozenset())
+    assert kernels.resolve("rms_norm", on_cuda=True) is reference.rms_norm
+    monkeypatch.setenv("MESHTRAIN_KERNELS", "triton")  # forcing Triton ignores the list
+    assert kernels.resolve("rms_norm", on_cuda=True).__module__ == "kernels.rms_norm"
