@@ -1,6 +1,6 @@
 """Each Triton kernel against the torch eager reference and torch.compile of the reference.
 
-    python benchmarks/kernels.py --out kernels.json [--no-compile] [--no-graph] [--rounds 3] [--budget-s 200]
+    python benchmarks/kernels.py --out kernels.json [--no-compile] [--rounds 3] [--budget-s 200]
 
 For every op at a training-sized shape (the ≈1.3B Llama config's tokens per micro-batch) this
 times forward and backward separately with `triton.testing.do_bench` (median, L2 flushed
@@ -16,10 +16,8 @@ also report peak memory of forward + backward. Prints a table and writes everyth
 
 `ms` is what a Python caller waits per call, so for kernels of a few tens of microseconds it
 includes the host's launch overhead (autograd, allocation, Triton's launcher) whenever that
-exceeds the GPU time. `gpu_ms` (unless `--no-graph`) replays the same calls, each after an L2
-flush, from a CUDA graph, minus a graph of the flushes alone: device time only, which is what
-a training step pays when the host runs ahead of the GPU. `gbps` and `frac_of_copy` use
-`gpu_ms` where it exists (`host_gbps` keeps the per-call figure).
+exceeds the GPU time. (A device-only timing through CUDA-graph replay was tried and dropped:
+on torch 2.11 a failed capture left the CUDA RNG unusable for the rest of the run.)
 
 The norm and RoPE kernels autotune (kernels/_launch.py): every implementation runs forward
 and backward once before timing, so tuning is never timed, and the JSON records each tuned
@@ -54,34 +52,6 @@ def bench(fn: Callable[[], object]) -> float:
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
-
-
-def bench_graph(fn: Callable[[], object], reps: int = 20) -> float | None:
-    """Device milliseconds of fn() with the host out of the way: `reps` calls, each after an
-    L2 flush, captured in one CUDA graph, minus a graph of the flushes alone. None if fn
-    cannot be captured (the caller keeps the per-call figure)."""
-    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    try:
-        with torch.cuda.stream(stream):
-            for _ in range(3):  # warm allocator and caches off the capture
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graphs = []
-        for with_fn in (True, False):
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, stream=stream):
-                for _ in range(reps):
-                    flush.zero_()
-                    if with_fn:
-                        fn()
-            graphs.append(g)
-        full, flushes = (bench(g.replay) for g in graphs)
-    except Exception:  # noqa: BLE001 - any capture failure: report without device-only time
-        torch.cuda.synchronize()
-        return None
-    return max(0.0, (full - flushes) / reps)
 
 
 def copy_bandwidth() -> float:
@@ -143,26 +113,13 @@ def _differentiable(args):
     return [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
 
 
-def time_fwd_bwd(fn: Callable, args: list, graph: bool) -> tuple[float, float, float | None, float | None]:
-    """(forward ms, backward ms, forward GPU ms, backward GPU ms); backward replays one
-    retained graph. GPU times are None without `graph` or when capture fails."""
+def time_fwd_bwd(fn: Callable, args: list) -> tuple[float, float]:
+    """(forward ms, backward ms); backward replays one retained autograd graph."""
     fwd = bench(lambda: fn(*args))
     out = fn(*args)
     dy = torch.randn_like(out) if out.dim() else torch.ones_like(out)
     bwd = bench(lambda: torch.autograd.grad(out, _differentiable(args), dy, retain_graph=True))
-    fwd_gpu = bwd_gpu = None
-    if graph:
-        fwd_gpu = bench_graph(lambda: fn(*args))
-        # backward runs on the stream its forward ran on: build that forward on the capture stream
-        holder = {}
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            holder["out"] = fn(*args)
-        torch.cuda.current_stream().wait_stream(stream)
-        bwd_gpu = bench_graph(lambda: torch.autograd.grad(holder["out"], _differentiable(args), dy,
-                                                          retain_graph=True))
-    return fwd, bwd, fwd_gpu, bwd_gpu
+    return fwd, bwd
 
 
 def warm(fn: Callable, args: list) -> None:
@@ -203,7 +160,7 @@ def peak_memory(fn: Callable, args: list) -> int:
     return torch.cuda.max_memory_allocated() - base
 
 
-def run(ops: list[str], use_compile: bool, budget_s: float, rounds: int, graph: bool = True) -> dict:
+def run(ops: list[str], use_compile: bool, budget_s: float, rounds: int) -> dict:
     start = time.time()
     copy_gbps = max(copy_bandwidth() for _ in range(rounds))
     best: dict[tuple, dict] = {}
@@ -246,13 +203,10 @@ def run(ops: list[str], use_compile: bool, budget_s: float, rounds: int, graph: 
                     if impl not in memory.get(op, {}):
                         memory.setdefault(op, {})[impl] = peak_memory(fn, args)
                 else:
-                    fwd, bwd, fwd_gpu, bwd_gpu = time_fwd_bwd(fn, args, graph)
-                    for name, ms, gpu_ms, nbytes in (("fwd", fwd, fwd_gpu, fwd_bytes), ("bwd", bwd, bwd_gpu, bwd_bytes)):
-                        row = {"op": op, "impl": impl, "shape": label, "pass": name, "ms": ms,
-                               "host_gbps": nbytes / ms / 1e6, "gbps": nbytes / (gpu_ms or ms) / 1e6}
-                        if gpu_ms:
-                            row["gpu_ms"] = gpu_ms
-                        keep(row)
+                    fwd, bwd = time_fwd_bwd(fn, args)
+                    for name, ms, nbytes in (("fwd", fwd, fwd_bytes), ("bwd", bwd, bwd_bytes)):
+                        keep({"op": op, "impl": impl, "shape": label, "pass": name, "ms": ms,
+                              "gbps": nbytes / ms / 1e6})
                 args = None  # free this implementation's inputs before the next one's
                 torch.cuda.empty_cache()
     results = list(best.values())
@@ -267,8 +221,6 @@ def run(ops: list[str], use_compile: bool, budget_s: float, rounds: int, graph: 
             other = best.get((r["op"], base, r["pass"]))
             if other and r["impl"].startswith("triton"):
                 r[f"speedup_vs_{base}"] = other["ms"] / r["ms"]
-                if "gpu_ms" in r and "gpu_ms" in other:
-                    r[f"gpu_speedup_vs_{base}"] = other["gpu_ms"] / r["gpu_ms"]
     return dict(
         device=torch.cuda.get_device_name(), torch=torch.__version__,
         triton=importlib.import_module("triton").__version__, python=platform.python_version(),
@@ -281,18 +233,16 @@ def run(ops: list[str], use_compile: bool, budget_s: float, rounds: int, graph: 
 def print_table(report: dict) -> None:
     print(f"{report['device']}  torch {report['torch']}  triton {report['triton']}  "
           f"copy {report['copy_gbps']:.0f} GB/s")
-    print(f"{'op':<22}{'pass':<9}{'impl':<17}{'ms':>9}{'gpu ms':>9}{'GB/s':>9}{'%copy':>7}{'TFLOP/s':>9}"
-          f"{'x eager':>9}{'x comp':>8}{'gpu x comp':>11}")
+    print(f"{'op':<22}{'pass':<9}{'impl':<17}{'ms':>9}{'GB/s':>9}{'%copy':>7}{'TFLOP/s':>9}"
+          f"{'x eager':>9}{'x comp':>8}")
     for r in report["results"]:
-        gpu = f"{r['gpu_ms']:.3f}" if "gpu_ms" in r else ""
         gbps = f"{r['gbps']:.0f}" if "gbps" in r else ""
         frac = f"{100 * r['frac_of_copy']:.0f}" if "frac_of_copy" in r else ""
         tf = f"{r['tflops']:.0f}" if "tflops" in r else ""
         se = f"{r['speedup_vs_eager']:.2f}" if "speedup_vs_eager" in r else ""
         sc = f"{r['speedup_vs_compiled']:.2f}" if "speedup_vs_compiled" in r else ""
-        gc = f"{r['gpu_speedup_vs_compiled']:.2f}" if "gpu_speedup_vs_compiled" in r else ""
-        print(f"{r['op']:<22}{r['pass']:<9}{r['impl']:<17}{r['ms']:>9.3f}{gpu:>9}{gbps:>9}{frac:>7}{tf:>9}"
-              f"{se:>9}{sc:>8}{gc:>11}")
+        print(f"{r['op']:<22}{r['pass']:<9}{r['impl']:<17}{r['ms']:>9.3f}{gbps:>9}{frac:>7}{tf:>9}"
+              f"{se:>9}{sc:>8}")
     for kernel, config in report.get("autotune", {}).items():
         print(f"autotune {kernel}: {config}")
     for op, mem in report["peak_memory_bytes"].items():
@@ -303,19 +253,21 @@ def print_table(report: dict) -> None:
 
 
 def main() -> None:
+    # Backward is replayed many times over one forward (retain_graph): compiled backward
+    # graphs must not donate (free and reuse) their saved buffers.
+    torch._functorch.config.donated_buffer = False
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="JSON file to write")
     parser.add_argument("--ops", default="rms_norm,layer_norm,gelu,swiglu,rope,cross_entropy,linear_cross_entropy")
     parser.add_argument("--no-compile", action="store_true",
                         help="skip torch.compile (of the reference and of the Triton custom ops)")
-    parser.add_argument("--no-graph", action="store_true", help="skip the device-only (CUDA graph) timing")
     parser.add_argument("--rounds", type=int, default=3, help="timing rounds; the fastest is kept")
     parser.add_argument("--budget-s", type=float, default=200.0,
                         help="stop compiling new baselines after this many seconds (keeps the run under ~4 min)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA GPU")
-    report = run(args.ops.split(","), not args.no_compile, args.budget_s, args.rounds, not args.no_graph)
+    report = run(args.ops.split(","), not args.no_compile, args.budget_s, args.rounds)
     print_table(report)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -117,7 +117,10 @@ class Trainer:
     """Owns the model, optimizer, data and run directory of one job."""
 
     def __init__(self, job: JobConfig):
-        kernels.set_mode(job.train.kernels)  # 'auto' keeps Triton under compile where the op is compile-safe
+        # 'auto' under compile takes the reference ops and lets Inductor fuse them: on an H200 the
+        # Triton custom ops inside the compiled graph trained at 0.65x (gpt2-125m) and 0.87x
+        # (llama-1b) the reference path's speed (BENCHMARKS.md); `kernels = "triton"` forces them.
+        kernels.set_mode("reference" if job.train.kernels == "auto" and job.train.compile else job.train.kernels)
         self.device = pick_device(job.train.device)
         self.mesh = build_mesh(job, self.device)
         self.is_main = self.mesh.rank == 0

@@ -1,7 +1,7 @@
 """The ops under torch.compile: dispatch without graph breaks, and the Triton custom ops.
 
 On CPU, `kernels.<op>` dispatches to the reference, compiled or not; the Triton kernels are
-reached by calling `kernels/<op>.py` directly on CPU tensors (Triton's interpreter), which
+reached by calling `kernels/<op>.py` directly (on CPU tensors: Triton's interpreter), which
 under compile goes through the custom ops `meshtrain::<op>`. `fullgraph=True` turns any graph
 break into an error. The `aot_eager` backend traces forward and backward exactly as Inductor
 would (fake tensors, AOT autograd) without generating code, which keeps these tests fast and
@@ -16,7 +16,7 @@ import torch
 
 import kernels
 from kernels import reference
-from tests.kernels.conftest import needs_triton
+from tests.kernels.conftest import DEVICE, needs_triton
 
 FP32 = {"rtol": 1e-5, "atol": 1e-5}
 
@@ -25,13 +25,13 @@ def _cases():
     """op -> (args builder, extra positional args); tiny shapes, odd sizes."""
     g = torch.Generator().manual_seed(0)
 
-    def randn(*shape, grad=True):
-        return torch.randn(*shape, generator=g).requires_grad_(grad)
+    def randn(*shape, grad=True):  # made on the CPU generator, then moved: same values everywhere
+        return torch.randn(*shape, generator=g).to(DEVICE).requires_grad_(grad)
 
     s, d = 7, 6
-    cos, sin = reference.rope_cos_sin(s, d, 10000.0)
-    labels = torch.randint(0, 11, (2, 3), generator=g)
-    mask = (torch.rand(2, 3, generator=g) > 0.3).float()
+    cos, sin = (t.to(DEVICE) for t in reference.rope_cos_sin(s, d, 10000.0))
+    labels = torch.randint(0, 11, (2, 3), generator=g).to(DEVICE)
+    mask = (torch.rand(2, 3, generator=g) > 0.3).float().to(DEVICE)
     return {
         "rms_norm": lambda: (randn(2, 3, 20), randn(20), 1e-5),
         "layer_norm": lambda: (randn(2, 3, 20), randn(20), randn(20), 1e-5),
@@ -62,8 +62,9 @@ def _check_compiled(fn, op, backend="aot_eager"):
 
 
 @pytest.mark.parametrize("op", kernels.OPS)
-def test_dispatching_op_compiles_without_graph_breaks_on_cpu(op):
-    """What a compiled model on CPU runs: `kernels.<op>` picks the reference while tracing."""
+def test_dispatching_op_compiles_without_graph_breaks(op):
+    """What a compiled model runs: `kernels.<op>` picks its implementation while tracing (the
+    reference on CPU) with no graph break."""
     _check_compiled(getattr(kernels, op), op)
 
 
@@ -112,8 +113,8 @@ def test_custom_op_passes_opcheck(op):
 def test_layer_norm_custom_op_without_bias_passes_opcheck():
     from kernels.layer_norm import _layer_norm_op
 
-    torch.library.opcheck(_layer_norm_op, (torch.randn(5, 20, requires_grad=True),
-                                           torch.randn(20, requires_grad=True), None, 1e-5))
+    x, w = torch.randn(5, 20).to(DEVICE), torch.randn(20).to(DEVICE)
+    torch.library.opcheck(_layer_norm_op, (x.requires_grad_(), w.requires_grad_(), None, 1e-5))
 
 
 @needs_triton
