@@ -239,12 +239,16 @@ def put_object(root: Root, path: str, parts: list[bytes | memoryview]) -> None:
     writes on disk, so the parts are never joined into one more copy there).
 
     Not atomic on disk: a torn object is harmless because it is either rewritten before the
-    commit or, if the writer died, never committed (and the crc32 catches it anyway).
+    commit or, if the writer died, never committed (and the crc32 catches it anyway). On disk
+    the object is fsynced before this returns, so a manifest written later never outlives the
+    data it lists in a machine crash (the manifest itself is fsynced and renamed last).
     """
     if root.is_local:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "wb") as f:
             f.writelines(parts)
+            f.flush()
+            os.fsync(f.fileno())
     else:
         root.fs.pipe_file(path, b"".join(parts))
 

@@ -138,9 +138,18 @@ def write_bytes_atomic(root: Root, path: str, data: bytes) -> None:
             # fsync before rename: otherwise a crash can leave the new name with empty contents.
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        _fsync_dir(os.path.dirname(path))  # the rename itself survives a crash
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def read_bytes(root: Root, path: str) -> bytes:
