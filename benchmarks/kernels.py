@@ -16,8 +16,13 @@ also report peak memory of forward + backward. Prints a table and writes everyth
 
 `ms` is what a Python caller waits per call, so for kernels of a few tens of microseconds it
 includes the host's launch overhead (autograd, allocation, Triton's launcher) whenever that
-exceeds the GPU time. (A device-only timing through CUDA-graph replay was tried and dropped:
-on torch 2.11 a failed capture left the CUDA RNG unusable for the rest of the run.)
+exceeds the GPU time. `dev_ms` is the device's own time per call: the summed durations of the
+GPU kernels the call launched (CUDA events recorded by torch.profiler/CUPTI over `--reps`
+calls, each after an L2 flush, minus a profile of the flushes alone), so idle gaps while the
+host prepares the next launch do not count; that is what a training step pays when the host
+runs ahead of the GPU. `dev_gbps` / `dev_frac_of_copy` use it. (A device-only timing through
+CUDA-graph replay was tried first and dropped: on torch 2.11 a failed capture left the CUDA
+RNG unusable for the rest of the run.)
 
 The norm and RoPE kernels autotune (kernels/_launch.py): every implementation runs forward
 and backward once before timing, so tuning is never timed, and the JSON records each tuned
@@ -52,6 +57,40 @@ def bench(fn: Callable[[], object]) -> float:
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+_FLUSH: list[torch.Tensor] = []
+
+
+def _device_busy_us(calls: Callable[[], None]) -> float:
+    """Microseconds of GPU kernel time while `calls()` runs (CUPTI kernel records)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        calls()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()
+               if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def device_ms(fn: Callable[[], object], reps: int = 10) -> float:
+    """GPU kernel milliseconds per call of fn(), each call after an L2 flush, flushes excluded."""
+    if not _FLUSH:
+        _FLUSH.append(torch.empty(256 * 2**20, dtype=torch.int8, device="cuda"))
+    flush = _FLUSH[0]
+
+    def run(with_fn: bool):
+        def calls():
+            for _ in range(reps):
+                flush.zero_()
+                if with_fn:
+                    fn()
+        return calls
+
+    fn()  # not the first call: lazy allocations and caches settle outside the profile
+    both, flushes = _device_busy_us(run(True)), _device_busy_us(run(False))
+    return max(0.0, both - flushes) / reps / 1e3
 
 
 def copy_bandwidth() -> float:
@@ -120,6 +159,14 @@ def time_fwd_bwd(fn: Callable, args: list) -> tuple[float, float]:
     dy = torch.randn_like(out) if out.dim() else torch.ones_like(out)
     bwd = bench(lambda: torch.autograd.grad(out, _differentiable(args), dy, retain_graph=True))
     return fwd, bwd
+
+
+def device_fwd_bwd(fn: Callable, args: list) -> tuple[float, float]:
+    """(forward, backward) GPU kernel milliseconds per call (`device_ms`)."""
+    out = fn(*args)
+    dy = torch.randn_like(out) if out.dim() else torch.ones_like(out)
+    return (device_ms(lambda: fn(*args)),
+            device_ms(lambda: torch.autograd.grad(out, _differentiable(args), dy, retain_graph=True)))
 
 
 def warm(fn: Callable, args: list) -> None:
@@ -209,6 +256,24 @@ def run(ops: list[str], use_compile: bool, budget_s: float, rounds: int) -> dict
                               "gbps": nbytes / ms / 1e6})
                 args = None  # free this implementation's inputs before the next one's
                 torch.cuda.empty_cache()
+        for impl, fn in impls.items():  # device-only time, once per implementation
+            args = build()
+            if ce:
+                passes = {"fwd+bwd": device_ms(lambda: torch.autograd.grad(fn(*args), _differentiable(args)))}
+            else:
+                passes = dict(zip(("fwd", "bwd"), device_fwd_bwd(fn, args)))
+            for name, dev in passes.items():
+                row = best.get((op, impl, name))
+                if row is None or dev <= 0:
+                    continue
+                row["dev_ms"] = dev
+                nbytes = {"fwd": fwd_bytes, "bwd": bwd_bytes}.get(name)
+                if nbytes:
+                    row["dev_gbps"] = nbytes / dev / 1e6
+                elif op == "cross_entropy":
+                    row["dev_gbps"] = 3 * args[0].numel() * 2 / dev / 1e6
+            args = None
+            torch.cuda.empty_cache()
     results = list(best.values())
     ce_module = sys.modules.get("kernels.cross_entropy")
     if ce_module is not None and getattr(ce_module, "_MM_FP32_OUT", None) is not None:
@@ -217,10 +282,14 @@ def run(ops: list[str], use_compile: bool, budget_s: float, rounds: int) -> dict
     for r in results:
         if "gbps" in r:
             r["frac_of_copy"] = r["gbps"] / copy_gbps
+        if "dev_gbps" in r:
+            r["dev_frac_of_copy"] = r["dev_gbps"] / copy_gbps
         for base in ("eager", "compiled"):  # speed relative to each baseline, same op and pass
             other = best.get((r["op"], base, r["pass"]))
             if other and r["impl"].startswith("triton"):
                 r[f"speedup_vs_{base}"] = other["ms"] / r["ms"]
+                if "dev_ms" in r and "dev_ms" in other:
+                    r[f"dev_speedup_vs_{base}"] = other["dev_ms"] / r["dev_ms"]
     return dict(
         device=torch.cuda.get_device_name(), torch=torch.__version__,
         triton=importlib.import_module("triton").__version__, python=platform.python_version(),
@@ -234,15 +303,18 @@ def print_table(report: dict) -> None:
     print(f"{report['device']}  torch {report['torch']}  triton {report['triton']}  "
           f"copy {report['copy_gbps']:.0f} GB/s")
     print(f"{'op':<22}{'pass':<9}{'impl':<17}{'ms':>9}{'GB/s':>9}{'%copy':>7}{'TFLOP/s':>9}"
-          f"{'x eager':>9}{'x comp':>8}")
+          f"{'x eager':>9}{'x comp':>8}{'dev ms':>9}{'dev %copy':>10}{'dev x comp':>11}")
     for r in report["results"]:
         gbps = f"{r['gbps']:.0f}" if "gbps" in r else ""
         frac = f"{100 * r['frac_of_copy']:.0f}" if "frac_of_copy" in r else ""
         tf = f"{r['tflops']:.0f}" if "tflops" in r else ""
         se = f"{r['speedup_vs_eager']:.2f}" if "speedup_vs_eager" in r else ""
         sc = f"{r['speedup_vs_compiled']:.2f}" if "speedup_vs_compiled" in r else ""
+        dev = f"{r['dev_ms']:.3f}" if "dev_ms" in r else ""
+        dfrac = f"{100 * r['dev_frac_of_copy']:.0f}" if "dev_frac_of_copy" in r else ""
+        dc = f"{r['dev_speedup_vs_compiled']:.2f}" if "dev_speedup_vs_compiled" in r else ""
         print(f"{r['op']:<22}{r['pass']:<9}{r['impl']:<17}{r['ms']:>9.3f}{gbps:>9}{frac:>7}{tf:>9}"
-              f"{se:>9}{sc:>8}")
+              f"{se:>9}{sc:>8}{dev:>9}{dfrac:>10}{dc:>11}")
     for kernel, config in report.get("autotune", {}).items():
         print(f"autotune {kernel}: {config}")
     for op, mem in report["peak_memory_bytes"].items():
