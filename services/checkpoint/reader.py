@@ -206,7 +206,8 @@ def read_tensor(root: str, step: int, name: str, index: Index = None) -> torch.T
 
 
 def read_box(
-    root: str, step: int, array: str, offsets: tuple[int, ...], shape: tuple[int, ...]
+    root: str, step: int, array: str, offsets: tuple[int, ...], shape: tuple[int, ...],
+    manifest: dict[str, Any] | None = None,
 ) -> torch.Tensor:
     """Reads any box of an array, whatever shard grid it was saved with (resharded loads).
 
@@ -216,6 +217,8 @@ def read_box(
         array: the array name (e.g. `layers.attention.qkv.weight`).
         offsets: first global index of the box along each dim.
         shape: the box's extent along each dim.
+        manifest: the step's manifest from `read_manifest`, when the caller reads many boxes
+            of one checkpoint (a restore): saves fetching and parsing it once per box.
 
     Returns:
         A CPU tensor of shape `shape` in the array's logical dtype; only the shard objects
@@ -225,7 +228,8 @@ def read_box(
         CheckpointError: unknown array, a box outside the array, a missing or corrupt object.
     """
     store_root = open_root(root)
-    manifest = _load_manifest(store_root, step, strict=True)
+    if manifest is None:
+        manifest = _load_manifest(store_root, step, strict=True)
     entry = manifest["arrays"].get(array)
     if entry is None:
         raise CheckpointError(f"checkpoint step {step} under {root!r} has no array {array!r}")

@@ -260,7 +260,7 @@ def restore(root: str, model: GPT, optimizer: torch.optim.Optimizer, par: Parall
                 raise CheckpointError(
                     f"{root}: tensor {name!r} is stored as {spec.array!r} of shape {have}; the model "
                     f"needs shape {spec.global_shape}")
-            box = read_box(root, step, spec.array, spec.offsets, spec.shape)
+            box = read_box(root, step, spec.array, spec.offsets, spec.shape, manifest)
             dst[piece.local].copy_(box.view(dst[piece.local].shape))
 
     with torch.no_grad():
@@ -285,10 +285,10 @@ def restore(root: str, model: GPT, optimizer: torch.optim.Optimizer, par: Parall
                     **{k: v.to(p.device) for k, v in moments[name].items()},
                 }
     rng = arrays["rng.torch_cpu"]["shape"]
-    torch.set_rng_state(read_box(root, step, "rng.torch_cpu", (0,), tuple(rng)))
+    torch.set_rng_state(read_box(root, step, "rng.torch_cpu", (0,), tuple(rng), manifest))
     if "rng.torch_cuda" in arrays and torch.cuda.is_available():
         shape = tuple(arrays["rng.torch_cuda"]["shape"])
-        states = list(read_box(root, step, "rng.torch_cuda", (0, 0), shape))
+        states = list(read_box(root, step, "rng.torch_cuda", (0, 0), shape, manifest))
         if len(states) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(states)
     random.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in meta["rng_python"]))
