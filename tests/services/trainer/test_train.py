@@ -128,3 +128,22 @@ def test_retention_keeps_the_newest(corpus_cache, tmp_path):
     train(load_config(small_job_args(corpus_cache, tmp_path / "r", **common)))
     # retention runs before each save, so the newest 2 plus the final one remain
     assert list_checkpoints(str(tmp_path / "r" / "checkpoints")) == [6, 8, 10]
+
+
+@pytest.mark.parametrize(("compile_", "requested", "expected"),
+                         [(True, "auto", "reference"), (False, "auto", "auto"), (True, "triton", "triton")])
+def test_kernel_mode_follows_train_kernels_and_compile(corpus_cache, tmp_path, monkeypatch, compile_,
+                                                       requested, expected):
+    """'auto' under compile takes the reference ops (measured faster on the H200 than the Triton
+    custom ops inside compiled graphs); an explicit choice is kept."""
+    import kernels
+    from services.trainer.train import Trainer
+
+    monkeypatch.delenv("MESHTRAIN_KERNELS", raising=False)
+    trainer = Trainer(load_config(small_job_args(corpus_cache, tmp_path / "run", **{
+        "train.compile": compile_, "train.kernels": requested})))
+    try:
+        assert kernels.mode() == expected
+    finally:
+        trainer.checkpointer.close()
+        kernels.set_mode("auto")
