@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from services.checkpoint.reader import fetch_verified, list_checkpoints, read_manifest
+from services.checkpoint.reader import list_checkpoints, read_manifest
 from services.checkpoint.sharded import is_committed
 from services.checkpoint.store import (
     MANIFEST_NAME,
@@ -21,6 +21,7 @@ from services.checkpoint.store import (
     parse_step_dirname,
     remove_tree,
 )
+from services.checkpoint.verified import fetch_verified
 from services.common.errors import CheckpointError
 
 

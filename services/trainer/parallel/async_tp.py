@@ -27,7 +27,7 @@ SEQ_DIM = 1  # activations are (batch, seq, hidden)
 
 
 def _ops():
-    import torch.distributed._symmetric_memory  # noqa: F401  (registers torch.ops.symm_mem)
+    import torch.distributed._symmetric_memory  # registers torch.ops.symm_mem
 
     return torch.ops.symm_mem
 

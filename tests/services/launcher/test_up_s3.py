@@ -16,7 +16,7 @@ import pytest
 from services.common.errors import ConfigError
 from services.launcher.objectstore import AccessKeys, find_weed
 from services.launcher.up import UpOptions, plan, run_up
-from tests.services.trainer.conftest import corpus_cache, small_job_args  # noqa: F401  (fixture)
+from tests.services.trainer.conftest import small_job_args
 
 pytestmark = [pytest.mark.e2e]
 
