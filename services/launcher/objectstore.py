@@ -10,7 +10,7 @@ acknowledged is already on disk.
 
     store = ObjectStore(weed, Path("runs/x/s3"), AccessKeys.load_or_create(Path("runs/x/s3")))
     process = subprocess.Popen(store.argv(), ...)
-    wait_until(store.answers, ...); store.make_bucket("meshtrain")
+    health.http_answers(store.endpoint) ...; store.make_bucket("meshtrain")
     os.environ.update(store.env())       # s3fs / botocore in this process and its children
 """
 
@@ -23,8 +23,6 @@ import shutil
 import socket
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,16 +132,6 @@ class ObjectStore:
             # gRPC ports picked free too: weed's default, port + 10000, can pass 65535 or be taken.
             args.append(f"-{name}.port.grpc={free_port()}")
         return args
-
-    def answers(self) -> bool:
-        """True once the S3 gateway gives any HTTP answer (403 without credentials)."""
-        try:
-            urllib.request.urlopen(self.endpoint, timeout=1)
-        except urllib.error.HTTPError:
-            return True
-        except OSError:
-            return False
-        return True
 
     def make_bucket(self, bucket: str, timeout_s: float = 60.0) -> None:
         """Create `bucket` (an existing one is fine), retrying while the filer starts.

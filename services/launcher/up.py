@@ -74,11 +74,12 @@ class Plan:
     """What `run_up` starts, in order, and where the run's files go.
 
     Attributes:
-        services: the object store (with `--s3`), data workers and checkpoint service, in start order.
+        services: the data workers and the checkpoint service, in start order.
         trainers: the trainer ranks.
         run_dir: the run directory.
         save: the checkpoint root.
         store: the local object store (None without `--s3`).
+        store_child: its process, started before the services (None without `--s3`).
         loads: whether the trainer config already names a checkpoint to load.
     """
 
@@ -87,6 +88,7 @@ class Plan:
     run_dir: Path
     save: str
     store: ObjectStore | None = None
+    store_child: Child | None = None
     loads: bool = False
 
 
@@ -104,8 +106,7 @@ def plan(options: UpOptions, overrides: list[str]) -> Plan:
 
     job = load_config(overrides)  # a bad key fails here, before any process starts
     run_dir = Path(job.log.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S-up"))
-    services: list[Child] = []
-    store = None
+    store = store_child = None
     if options.s3:
         if job.checkpoint.save and not job.checkpoint.save.startswith(f"s3://{options.s3_bucket}/"):
             raise ConfigError(f"--s3 keeps checkpoints in its own store under s3://{options.s3_bucket}/; "
@@ -114,9 +115,10 @@ def plan(options: UpOptions, overrides: list[str]) -> Plan:
         folder = run_dir / "s3"
         store = ObjectStore(require_weed(), folder, AccessKeys.load_or_create(folder))
         # weed takes ~25 s to exit on SIGTERM; what it acknowledged is on disk, so 3 s will do.
-        services.append(Child("s3", store.argv(), port=store.port, grace_s=3.0))
+        store_child = Child("s3", store.argv(), port=store.port, grace_s=3.0)
     save = job.checkpoint.save or (f"s3://{options.s3_bucket}/checkpoints" if store else str(run_dir / "checkpoints"))
     metrics = ["--metrics-port", "0"] if options.metrics else []
+    services: list[Child] = []
     for i in range(options.data_workers):
         port = free_port()
         # Stateless and interchangeable: if one dies the trainer fails over to its peers and
@@ -125,7 +127,7 @@ def plan(options: UpOptions, overrides: list[str]) -> Plan:
                               port=port, restart=True, grace_s=5.0))
     trainer_args = [*overrides, f"--log.run_dir={run_dir}", f"--checkpoint.save={save}",
                     "--train.control_port=0"]
-    if services:
+    if services:  # the data workers only, so far
         trainer_args += ["--data-service-addresses", *[f"127.0.0.1:{c.port}" for c in services]]
     if options.checkpoint_service:
         port = free_port()
@@ -142,23 +144,22 @@ def plan(options: UpOptions, overrides: list[str]) -> Plan:
                       env={**rendezvous, "RANK": str(rank), "LOCAL_RANK": str(rank)} if world > 1 else {},
                       role="trainer", grace_s=options.trainer_grace_s)
                 for rank in range(world)]
-    return Plan(services, trainers, run_dir, save, store, loads=job.checkpoint.load is not None)
+    return Plan(services, trainers, run_dir, save, store, store_child, loads=job.checkpoint.load is not None)
 
 
 def _start_services(topo: Topology, p: Plan, options: UpOptions, stop: threading.Event) -> None:
-    """Start the services in order, each once the one before is healthy."""
+    """Start the object store (an S3 port that answers, then its bucket), then the services in
+    order, each once the one before is healthy."""
+    if p.store is not None:
+        topo.start(p.store_child, wait_http(options.start_timeout_s))
+        p.store.make_bucket(options.s3_bucket, options.start_timeout_s)
+        topo.say(f"object store {p.store.endpoint} serving bucket {options.s3_bucket} "
+                 f"(data and keys in {p.store.folder})")
     serving = wait_serving(options.start_timeout_s)
-    answers = wait_http(options.start_timeout_s)
     for child in p.services:
         if stop.is_set():
             return
-        if p.store is not None and child.name == "s3":
-            topo.start(child, answers)
-            p.store.make_bucket(options.s3_bucket, options.start_timeout_s)
-            topo.say(f"object store {p.store.endpoint} serving bucket {options.s3_bucket} "
-                     f"(data and keys in {p.store.folder})")
-        else:
-            topo.start(child, serving)
+        topo.start(child, serving)
 
 
 def _resume_from(p: Plan, options: UpOptions) -> int | None:

@@ -14,6 +14,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from services.launcher.health import http_answers
 from services.launcher.objectstore import AccessKeys, ObjectStore, find_weed, free_port
 
 __all__ = ["S3Server", "find_weed", "free_port"]
@@ -54,7 +55,7 @@ class S3Server:
         self.process = subprocess.Popen(self.store.argv(), stdout=self.log, stderr=subprocess.STDOUT,
                                         start_new_session=True)
         deadline = time.monotonic() + timeout
-        while not self.store.answers():
+        while not http_answers(self.endpoint):
             if self.process.poll() is not None:
                 raise RuntimeError(f"weed exited with {self.process.returncode}; log: {self.workdir / 'weed.log'}")
             if time.monotonic() > deadline:

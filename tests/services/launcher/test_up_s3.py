@@ -61,6 +61,17 @@ def test_up_s3_checkpoints_into_its_own_store_and_a_rerun_resumes(corpus_cache, 
     assert code == 0 and "resumes from" not in log, log[-4000:]
 
 
+def test_up_s3_trainer_gets_only_the_data_workers_as_data_services(corpus_cache, tmp_path):
+    if find_weed() is None:
+        pytest.skip("SeaweedFS `weed` binary not found")
+    p = plan(UpOptions(s3=True, data_workers=2), small_job_args(corpus_cache, tmp_path / "run"))
+    argv = p.trainers[0].argv
+    at = argv.index("--data-service-addresses")
+    assert argv[at + 1:at + 3] == [f"127.0.0.1:{c.port}" for c in p.services if c.name.startswith("data-")]
+    assert f"127.0.0.1:{p.store.port}" not in argv
+    assert [c.name for c in p.services] == ["data-0", "data-1", "ckpt"] and p.store_child.name == "s3"
+
+
 def test_up_s3_refuses_a_save_root_outside_its_store(corpus_cache, tmp_path):
     if find_weed() is None:
         pytest.skip("SeaweedFS `weed` binary not found")
