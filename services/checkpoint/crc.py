@@ -1,4 +1,6 @@
-"""crc32 (zlib) of a whole object from the crc32s of its consecutive parts, without a 2nd pass.
+"""The manifest's checksum (zlib crc32), and the crc32 of a whole object from its parts' crc32s.
+
+`checksum` is the one function every writer and reader of a checkpoint hashes bytes with.
 
 A shard's manifest entry lists the crc32 of every inner chunk (so a partial read verifies just
 the chunks it fetches) and of the whole object (so `ckpt verify` and whole-object reads check
@@ -15,6 +17,13 @@ crc(A), crc(B), len(B) into crc(A + B) with a few dozen integer operations.
 from __future__ import annotations
 
 import functools
+import zlib
+
+
+def checksum(data: bytes | memoryview) -> int:
+    """The checksum the manifest records for an object, an inner chunk or a shard index."""
+    return zlib.crc32(data)
+
 
 _POLY = 0xEDB88320  # reflected crc32 polynomial
 

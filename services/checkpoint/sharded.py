@@ -25,7 +25,6 @@ import os
 import re
 import time
 import uuid
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +34,7 @@ import zarr
 from zarr.storage import MemoryStore
 
 from services.checkpoint import layout
+from services.checkpoint.crc import checksum
 from services.checkpoint.shards import ArrayMeta, ShardSpec, check_tiling, encode_box
 from services.checkpoint.store import (
     MANIFEST_NAME,
@@ -62,11 +62,6 @@ FRAGMENTS = "_fragments"
 _SAVE_ID_RE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
 
 log = logging.getLogger(__name__)
-
-
-def checksum(data: bytes | memoryview) -> int:
-    """Returns the checksum recorded in the manifest for one stored object."""
-    return zlib.crc32(data)
 
 
 @dataclass(frozen=True)

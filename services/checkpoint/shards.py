@@ -14,7 +14,6 @@ from __future__ import annotations
 import itertools
 import math
 import struct
-import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -24,7 +23,7 @@ import zarr
 from zarr.storage import MemoryStore
 
 from services.checkpoint import layout
-from services.checkpoint.crc import crc32_combine
+from services.checkpoint.crc import checksum, crc32_combine
 from services.common.errors import CheckpointError
 
 
@@ -281,7 +280,7 @@ class EncodedBox:
     Attributes:
         parts: the object's bytes as consecutive parts (views of the data where possible).
         size: total bytes.
-        crc32: zlib crc32 of the whole object.
+        crc32: `checksum` (zlib crc32) of the whole object.
         chunk_crc32: crc32 of each inner chunk's stored bytes, C order over the shard's chunk
             grid (None for a chunk not stored); None for 0-d arrays (not sharded).
         index_crc32: crc32 of the shard index (the object's last `index_nbytes` bytes).
@@ -326,14 +325,14 @@ def encode_box(spec: ShardSpec, data: np.ndarray) -> EncodedBox | None:
     array[spec.slices()] = data
     obj = store._store_dict[f"{spec.array}/{spec.key}"].to_bytes()
     if not spec.global_shape:
-        return EncodedBox([obj], len(obj), zlib.crc32(obj), None, None)
+        return EncodedBox([obj], len(obj), checksum(obj), None, None)
     n = math.prod(g // c for g, c in zip(meta.grid, meta.chunks))
     index = np.frombuffer(obj, dtype="<u8", count=2 * n, offset=len(obj) - index_nbytes(n))
     view = memoryview(obj)
-    crcs = [None if int(off) == EMPTY_CHUNK else zlib.crc32(view[int(off):int(off) + int(size)])
+    crcs = [None if int(off) == EMPTY_CHUNK else checksum(view[int(off):int(off) + int(size)])
             for off, size in index.reshape(n, 2)]
-    return EncodedBox([obj], len(obj), zlib.crc32(obj), crcs,
-                      zlib.crc32(view[len(obj) - index_nbytes(n):]))
+    return EncodedBox([obj], len(obj), checksum(obj), crcs,
+                      checksum(view[len(obj) - index_nbytes(n):]))
 
 
 def _encode_plain_shard(data: np.ndarray, chunks: tuple[int, ...]) -> EncodedBox:
@@ -356,7 +355,7 @@ def _encode_plain_shard(data: np.ndarray, chunks: tuple[int, ...]) -> EncodedBox
     for coords in itertools.product(*map(range, per_shard)):
         piece = np.ascontiguousarray(body[tuple(slice(i * c, (i + 1) * c) for i, c in zip(coords, chunks))])
         view = memoryview(piece.reshape(-1)).cast("B")
-        chunk_crc = zlib.crc32(view)
+        chunk_crc = checksum(view)
         parts.append(view)
         crcs.append(chunk_crc)
         entries += [offset, view.nbytes]
@@ -369,7 +368,7 @@ def _encode_plain_shard(data: np.ndarray, chunks: tuple[int, ...]) -> EncodedBox
         # Chunks are consecutive runs of `body`: one part, so one write call, not one a chunk.
         parts = [memoryview(body.reshape(-1)).cast("B")]
     parts.append(index)
-    index_crc = zlib.crc32(index)
+    index_crc = checksum(index)
     return EncodedBox(parts, offset + len(index), crc32_combine(crc, index_crc, len(index)),
                       crcs, index_crc)
 

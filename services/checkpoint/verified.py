@@ -18,12 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from services.checkpoint.sharded import (
-    CHECKSUM,
-    CHUNK_CHECKSUMS,
-    INDEX_CHECKSUM,
-    checksum,
-)
+from services.checkpoint.crc import checksum
+from services.checkpoint.sharded import CHECKSUM, CHUNK_CHECKSUMS, INDEX_CHECKSUM
 from services.checkpoint.shards import EMPTY_CHUNK, index_nbytes
 from services.checkpoint.store import Root, join, read_bytes
 from services.common.errors import CheckpointError
