@@ -10,17 +10,12 @@ from __future__ import annotations
 import os
 import queue as queue_mod
 import shutil
-import socket
 import tempfile
 import traceback
 
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from services.launcher.topology import free_port
 
 
 def _entry(fn, rank, world, port, args, queue, store_path):

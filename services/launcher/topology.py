@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +32,25 @@ from typing import TextIO
 from services.common.errors import MeshtrainError
 
 log = logging.getLogger("meshtrain.launcher")
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, below Linux's ephemeral range (32768+).
+
+    A child that dies is restarted on its own port (its clients know that address); had the
+    port come from the ephemeral range, an outgoing connection could take it in between and
+    the restart would fail to bind.
+    """
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise ChildFailed("no free loopback port in [20000, 32000)")
 
 
 class ChildFailed(MeshtrainError):

@@ -31,13 +31,8 @@ from pathlib import Path
 
 from services.common.errors import ConfigError
 from services.launcher.health import wait_http, wait_serving
-from services.launcher.objectstore import (
-    AccessKeys,
-    ObjectStore,
-    free_port,
-    require_weed,
-)
-from services.launcher.topology import Child, ChildFailed, Topology
+from services.launcher.objectstore import AccessKeys, ObjectStore, require_weed
+from services.launcher.topology import Child, ChildFailed, Topology, free_port
 
 PYTHON = [sys.executable, "-m", "services.cli"]
 

@@ -19,6 +19,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from services.launcher.topology import free_port
+
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "sinfo")
 
 
@@ -32,12 +34,6 @@ def missing_requirements() -> str | None:
     if not Path("/etc/munge/munge.key").exists():
         return "no /etc/munge/munge.key (installed by the munge package)"
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class SlurmCluster:
@@ -62,8 +58,8 @@ class SlurmCluster:
         (d / "slurm.conf").write_text(f"""\
 ClusterName=meshtraintest
 SlurmctldHost={self.node}(127.0.0.1)
-SlurmctldPort={_free_port()}
-SlurmdPort={_free_port()}
+SlurmctldPort={free_port()}
+SlurmdPort={free_port()}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge

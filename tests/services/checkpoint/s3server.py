@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 
 from services.launcher.health import http_answers
-from services.launcher.objectstore import AccessKeys, ObjectStore, find_weed, free_port
+from services.launcher.objectstore import AccessKeys, ObjectStore, find_weed
+from services.launcher.topology import free_port
 
 __all__ = ["S3Server", "find_weed", "free_port"]
 

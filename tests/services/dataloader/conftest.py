@@ -2,8 +2,6 @@
 
 import hashlib
 import os
-import random
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +12,7 @@ import pytest
 
 from services.dataloader.indexed import IndexedDatasetWriter
 from services.dataloader.spec import DatasetSpec
+from services.launcher.topology import free_port
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -46,24 +45,6 @@ def long_spec(blend_spec):
 
 def batch_hash(batch) -> str:
     return hashlib.sha256(batch.tokens.numpy().tobytes() + batch.labels.numpy().tobytes()).hexdigest()
-
-
-def free_port() -> int:
-    """A free loopback port below Linux's ephemeral range (32768+).
-
-    A killed worker is restarted on its port; had that port come from the ephemeral range, a
-    client's outgoing connection could take it in between and the restart would fail to bind.
-    """
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError("no free loopback port in [20000, 32000)")
 
 
 class WorkerProcess:
