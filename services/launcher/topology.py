@@ -34,22 +34,33 @@ from services.common.errors import MeshtrainError
 log = logging.getLogger("meshtrain.launcher")
 
 
+_issued_ports: set[int] = set()
+_issued_lock = threading.Lock()
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now, below Linux's ephemeral range (32768+).
+    """A TCP port free on 127.0.0.1 now, below Linux's ephemeral range (32768+), and never one
+    this process has handed out before.
 
     A child that dies is restarted on its own port (its clients know that address); had the
     port come from the ephemeral range, an outgoing connection could take it in between and
-    the restart would fail to bind.
+    the restart would fail to bind. Ports are chosen before the children that will bind them
+    start, so a bind test alone could give two children of one plan the same port: the
+    second would fail to bind while the first answered its health check in its place.
     """
     rng = random.Random()
     for _ in range(200):
         port = rng.randrange(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
+        with _issued_lock:
+            if port in _issued_ports:
                 continue
-            return port
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _issued_ports.add(port)
+        return port
     raise ChildFailed("no free loopback port in [20000, 32000)")
 
 
@@ -247,3 +258,7 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str, child
         if time.monotonic() > deadline:
             raise ChildFailed(f"{child.name} was not {what} within {timeout_s:.0f} s")
         time.sleep(poll_s)
+    code = child.process.poll()
+    if code is not None:  # something else answered in its place (e.g. its port was taken)
+        raise ChildFailed(f"{child.name} exited with status {_describe(code)}, yet something is {what}: "
+                          "another process holds its port")

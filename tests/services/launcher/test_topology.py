@@ -13,7 +13,7 @@ import time
 import pytest
 
 from services.launcher.health import wait_serving
-from services.launcher.topology import Child, ChildFailed, Topology
+from services.launcher.topology import Child, ChildFailed, Topology, free_port
 
 # Prints a line, then waits; on SIGTERM prints "bye NAME" and exits 0 (like a service).
 POLITE = """
@@ -120,3 +120,34 @@ def test_health_wait_names_a_child_that_exits_or_never_serves():
     with pytest.raises(ChildFailed, match=r"silent was not serving on 127\.0\.0\.1:1 within 1 s"):
         topo.start(Child("silent", py(POLITE, "silent"), port=1), wait_serving(1))
     topo.shutdown()
+
+
+def test_free_port_never_hands_out_a_port_twice():
+    # A plan picks every port before any child binds one: a repeat would give two children
+    # the same port (seen in CI: data-1 could not bind while data-0 answered in its place).
+    ports = [free_port() for _ in range(300)]
+    assert len(set(ports)) == len(ports)
+    assert all(20000 <= p < 32000 for p in ports)
+
+
+def test_a_child_that_exits_while_another_process_answers_on_its_port_is_named(tmp_path):
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2_grpc
+
+    port = free_port()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    topo = Topology(io.StringIO())
+    try:
+        with pytest.raises(ChildFailed, match=rf"late exited with status 2, yet something is serving on "
+                                              rf"127\.0\.0\.1:{port}: another process holds its port"):
+            # exits before the first check could see it running
+            topo.start(Child("late", py("raise SystemExit(2)"), port=port),
+                       lambda child: (child.process.wait(), wait_serving(10)(child)))
+    finally:
+        topo.shutdown()
+        server.stop(0)
