@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.baseline_gpt import BaselineGPT, make_optimizer  # noqa: E402
+from benchmarks.step_breakdown import format_breakdown, profile_steps  # noqa: E402
 from services.common.logging import setup_logging  # noqa: E402
 from services.trainer.config import load_config  # noqa: E402
 from services.trainer.metrics import peak_tflops  # noqa: E402
@@ -53,7 +54,7 @@ def time_steps(step_fn, warmup: int, steps: int, device: torch.device) -> float:
 
 
 def run_meshtrain(args, overrides) -> dict:
-    job = load_config(["--config", args.config, "--train-iters", str(args.warmup + args.steps),
+    job = load_config(["--config", args.config, "--train-iters", str(args.warmup + args.steps + args.profile_steps),
                        "--eval-interval", "0", "--run-dir", args.run_dir, *overrides])
     trainer = Trainer(job)
     losses = []
@@ -68,7 +69,18 @@ def run_meshtrain(args, overrides) -> dict:
     out = {"step_time_s": sec, "loss_first": losses[0].item(), "loss_last": losses[-1].item(),
            "flops_per_token": trainer.flops_per_token, "params": trainer.model.num_parameters(),
            "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None}
+    if args.profile_steps:
+        out["breakdown"] = profile_steps(step, args.warmup + args.steps, args.profile_steps, trainer.device,
+                                         trace_path(args, "meshtrain"))
+        out["breakdown"]["timed_ms"] = sec * 1e3
     return out, trainer.job
+
+
+def trace_path(args, name: str) -> str | None:
+    if not args.trace_dir:
+        return None
+    Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
+    return str(Path(args.trace_dir) / f"{name}-rank{os.environ.get('RANK', '0')}.json")
 
 
 def run_baseline(args, job) -> dict:
@@ -99,8 +111,13 @@ def run_baseline(args, job) -> dict:
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     sec = time_steps(step, args.warmup, args.steps, device)
-    return {"step_time_s": sec, "loss_last": (losses[-1] * n_micro).item(),
-            "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None}
+    out = {"step_time_s": sec, "loss_last": (losses[-1] * n_micro).item(),
+           "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None}
+    if args.profile_steps:
+        out["breakdown"] = profile_steps(step, args.warmup + args.steps, args.profile_steps, device,
+                                         trace_path(args, "baseline"))
+        out["breakdown"]["timed_ms"] = sec * 1e3
+    return out
 
 
 def main() -> None:
@@ -112,6 +129,10 @@ def main() -> None:
     p.add_argument("--out", default="train_throughput.json")
     p.add_argument("--skip-baseline", action="store_true")
     p.add_argument("--single-gpu-json", help="a 1-GPU result of this script, for speedup / scaling efficiency")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="after timing, profile this many more steps of each side: kernel time by kind, "
+                        "device idle, exposed communication (benchmarks/step_breakdown.py)")
+    p.add_argument("--trace-dir", help="with --profile-steps, also write Chrome traces here")
     args, overrides = p.parse_known_args()
     setup_logging("WARNING")
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -155,6 +176,9 @@ def main() -> None:
         print(f"ratio meshtrain / baseline: {result['ratio_tokens_per_s']:.3f}")
     if "speedup_vs_1gpu" in result:
         print(f"speedup vs 1 GPU: {result['speedup_vs_1gpu']:.3f}x (scaling efficiency {result['scaling_efficiency']:.3f})")
+    for name, r in rows.items():
+        if "breakdown" in r:
+            print(format_breakdown(name, r["breakdown"]))
     print(f"wrote {args.out}")
 
 
