@@ -7,7 +7,8 @@ into a gRPC status with the error's message (`DataError` and `ConfigError` are t
 fault: INVALID_ARGUMENT; other classes map through `ERROR_CODES` or a per-server table).
 `serve_forever` runs a started server until SIGTERM or SIGINT, marks it NOT_SERVING in the
 health service first, and stops it with a grace period so streams in flight finish.
-`channel_options` gives clients the matching size limits and keepalive.
+`channel_options` gives clients the matching size limits and keepalive (`server_options`
+lets servers accept those pings on a stream that is paused).
 
     server, port = make_server([lambda s: add_MyServicer_to_server(impl, s)],
                                ["meshtrain.x.v1.MyService"], port=0)
@@ -58,6 +59,21 @@ def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[st
         # pings notice a dead peer on an idle stream (e.g. a SIGKILLed worker behind NAT)
         ("grpc.keepalive_time_ms", 10_000),
         ("grpc.keepalive_timeout_ms", 5_000),
+    ]
+
+
+def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """`channel_options` plus a ping policy that accepts the clients' keepalive.
+
+    gRPC servers by default allow one ping per 5 minutes while they send no data and answer a
+    third early ping with GOAWAY "too_many_pings". A stream whose reader pauses (a trainer
+    saving a checkpoint or evaluating with its prefetch queue full) sends no data, so its
+    client's 10 s pings got it cut off after ~30 s, and every rank reconnected at once.
+    """
+    return channel_options(max_message_bytes) + [
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),  # below the clients' 10 s
+        ("grpc.http2.max_ping_strikes", 0),  # never GOAWAY a client for pinging
+        ("grpc.so_reuseport", 0),  # without this, a second server on a busy port silently shares it
     ]
 
 
@@ -155,8 +171,7 @@ def make_server(
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
         interceptors=[*interceptors, ErrorInterceptor(error_table)],
-        # without this, a second server on a busy port silently shares it (Linux SO_REUSEPORT)
-        options=channel_options(max_message_bytes) + [("grpc.so_reuseport", 0)],
+        options=server_options(max_message_bytes),
         maximum_concurrent_rpcs=max_workers,
     )
     for add in add_servicers:

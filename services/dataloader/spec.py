@@ -69,6 +69,11 @@ def parse_data_path(data_path: list[str]) -> tuple[list[str], list[float]]:
     return prefixes, weights
 
 
+# 6.9e10 samples (1.4e14 tokens at seq 2048) is past any real run; a larger request is a typo
+# that would have a worker try to allocate its sample index.
+MAX_SAMPLES = 2**36
+
+
 @dataclass(frozen=True)
 class DatasetSpec:
     """Everything that determines a sample stream (not the batching)."""
@@ -94,8 +99,10 @@ class DatasetSpec:
         normalize_weights(self.weights, list(self.prefixes))
         if self.seq_length < 1:
             raise DataError(f"seq_length={self.seq_length} must be >= 1")
-        if self.num_samples < 1:
-            raise DataError(f"num_samples={self.num_samples} must be >= 1")
+        if not 1 <= self.num_samples <= MAX_SAMPLES:
+            raise DataError(f"num_samples={self.num_samples} must be in [1, 2^36]")
+        if not 0 <= self.seed < 2**32:
+            raise DataError(f"seed={self.seed} must be in [0, 2^32) (it seeds numpy's shuffles)")
         if self.split_name not in SPLITS:
             raise DataError(f"split_name {self.split_name!r} is not one of {SPLITS}")
         split_ranges(1_000_000, self.split)  # validates the split string's syntax

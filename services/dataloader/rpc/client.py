@@ -5,8 +5,11 @@ bit. A background thread keeps one server stream open and `prefetch` micro-batch
 a bounded queue. When a stream breaks (worker killed, network gone) the thread backs off
 exponentially, moves to the next address and asks for the stream again starting at exactly
 the next micro-batch it has not received, so none is repeated or missed; every message's
-(step, micro-batch) is checked against the one expected. A request the server rejects
-(INVALID_ARGUMENT, ...) is raised in the trainer's thread with the server's message.
+(step, micro-batch) is checked against the one expected. A worker that keeps its stream open
+but sends nothing while the trainer waits (a hung handler still answers keepalive pings) is
+dropped the same way after `stall_s`, and a stream that ends before the dataset does is a
+failure too. A request the server rejects (INVALID_ARGUMENT, ...) is raised in the trainer's
+thread with the server's message; so is `give_up_s` without a micro-batch from any worker.
 
     src = ServiceBatchSource(["127.0.0.1:7001", "127.0.0.1:7002"], spec, micro_batch_size=4,
                              global_batch_size=32, dp_rank=r, dp_size=8)
@@ -46,6 +49,10 @@ class _Failure:
         self.exc = exc
 
 
+class _EndedEarly(Exception):
+    """A stream that ended cleanly before the dataset's last step (a worker or proxy cut it)."""
+
+
 class ServiceBatchSource:
     """One data-parallel rank's micro-batches from DataService workers."""
 
@@ -61,6 +68,7 @@ class ServiceBatchSource:
         backoff_s: tuple[float, float] = (0.05, 2.0),
         give_up_s: float = 120.0,
         options: BatchOptions | None = None,
+        stall_s: float | None = None,
     ):
         """Args:
         addresses: worker addresses (`host:port`), tried in turn; a `dns:///name:port`
@@ -74,14 +82,21 @@ class ServiceBatchSource:
         backoff_s: (first, largest) wait between reconnection attempts.
         give_up_s: raise after this long without receiving anything from any worker.
         options: loss-mask and document-boundary options, applied here as LocalBatchSource does.
+        stall_s: fail over from a worker whose stream has sent nothing for this long while
+            the trainer waits for it (default: give_up_s / 4).
         """
         if not addresses:
             raise DataError("ServiceBatchSource needs at least one worker address")
-        if micro_batch_size < 1 or dp_size < 1 or global_batch_size % (micro_batch_size * dp_size):
+        if (micro_batch_size < 1 or dp_size < 1 or global_batch_size < 1
+                or global_batch_size % (micro_batch_size * dp_size)):
             raise DataError(f"global_batch_size={global_batch_size} must be a positive multiple of "
                             f"micro_batch_size={micro_batch_size} x dp_size={dp_size}")
         if not 0 <= dp_rank < dp_size:
             raise DataError(f"dp_rank={dp_rank} is outside [0, dp_size={dp_size})")
+        stall_s = give_up_s / 4 if stall_s is None else stall_s
+        if prefetch < 1 or give_up_s <= 0 or stall_s <= 0:
+            raise DataError(f"prefetch={prefetch} must be >= 1 and give_up_s={give_up_s}, stall_s={stall_s} "
+                            "positive")
         spec.validate()
         self.addresses = list(addresses)
         self.spec = spec
@@ -92,14 +107,20 @@ class ServiceBatchSource:
         self.prefetch = prefetch
         self.backoff_s = backoff_s
         self.give_up_s = give_up_s
+        self.stall_s = stall_s
         self.options = options or BatchOptions()
         self.reconnects = 0  # streams reopened after a failure (for tests and logs)
         self.current_address: str | None = None  # the worker streaming to us now
         self._channels: dict[str, grpc.Channel] = {}
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        # Guards _call/current_address against a halting consumer: a producer that was told to
+        # stop before its call existed cancels the call itself instead of publishing it.
+        self._lock = threading.Lock()
         self._call = None
-        self._queue: queue.Queue = queue.Queue()
+        self._closed = False
+        self._stalled_call = None  # the call get() cancelled for sending nothing
+        self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
         self._next: tuple[int, int] | None = None  # what the consumer takes next
 
     @property
@@ -126,17 +147,18 @@ class ServiceBatchSource:
             self._channels[address] = grpc.insecure_channel(address, options=options)
         return pb_grpc.DataServiceStub(self._channels[address])
 
-    def _put(self, item, stop: threading.Event) -> bool:
+    @staticmethod
+    def _put(q: queue.Queue, item, stop: threading.Event) -> bool:
         while not stop.is_set():
             try:
-                self._queue.put(item, timeout=0.1)
+                q.put(item, timeout=0.1)
                 return True
             except queue.Full:
                 pass
         return False
 
-    def _produce(self, step: int, microbatch: int, stop: threading.Event) -> None:
-        """Background thread: stream from (step, microbatch) on, failing over as needed."""
+    def _produce(self, step: int, microbatch: int, stop: threading.Event, q: queue.Queue) -> None:
+        """Background thread: stream from (step, microbatch) on into `q`, failing over as needed."""
         pos = (step, microbatch)
         which = random.Random(self.dp_rank).randrange(len(self.addresses))  # spread ranks
         delay = self.backoff_s[0]
@@ -144,62 +166,117 @@ class ServiceBatchSource:
         nmb = self.num_micro_batches
         while not stop.is_set():
             address = self.addresses[which % len(self.addresses)]
+            call = None
             try:
                 call = self._stub(address).StreamBatches(self._request(*pos))
-                self._call, self.current_address = call, address
+                with self._lock:
+                    if stop.is_set():  # halted while the call was being made
+                        call.cancel()
+                        return
+                    self._call, self.current_address = call, address
                 for msg in call:
                     if (msg.step, msg.microbatch) != pos:
                         raise DataError(f"worker {address} sent step {msg.step} micro-batch "
                                         f"{msg.microbatch}, expected {pos}")
                     samples = np.frombuffer(msg.samples, dtype=np.dtype(msg.dtype).newbyteorder("<"))
                     samples = samples.reshape(tuple(msg.shape))  # (mbs, seq + 1)
-                    if not self._put((pos, samples), stop):
+                    if not self._put(q, (pos, samples), stop):
                         return
                     pos = (pos[0] + 1, 0) if pos[1] + 1 == nmb else (pos[0], pos[1] + 1)
                     delay, last_progress = self.backoff_s[0], time.monotonic()
-                self._put(_END, stop)
+                if pos[0] < self.num_steps:  # ended cleanly, but short of the dataset's end
+                    raise _EndedEarly(f"worker {address} ended its stream at step {pos[0]} micro-batch "
+                                      f"{pos[1]}, before the dataset's {self.num_steps} steps")
+                self._put(q, _END, stop)
                 return
-            except grpc.RpcError as e:
+            except (grpc.RpcError, _EndedEarly) as e:
                 if stop.is_set():
                     return
-                if e.code() not in _RETRYABLE:
-                    self._put(_Failure(DataError(f"data worker {address}: {e.code().name}: {e.details()}")), stop)
-                    return
+                if isinstance(e, _EndedEarly):
+                    why = str(e)
+                elif call is not None and call is self._stalled_call:
+                    why = f"sent nothing for {self.stall_s:.0f}s while the trainer waited"
+                else:
+                    if e.code() not in _RETRYABLE:
+                        self._put(q, _Failure(DataError(f"data worker {address}: {e.code().name}: {e.details()}")),
+                                  stop)
+                        return
+                    why = f"{e.code().name}: {e.details()}"
                 if time.monotonic() - last_progress > self.give_up_s:
-                    self._put(_Failure(DataError(
+                    self._put(q, _Failure(DataError(
                         f"no data worker of {self.addresses} served anything for {self.give_up_s:.0f}s; "
-                        f"last error from {address}: {e.code().name}: {e.details()}")), stop)
+                        f"last error from {address}: {why}")), stop)
                     return
                 self.reconnects += 1
-                log.warning("data worker %s failed (%s); resuming at %s elsewhere", address, e.code().name, pos)
+                log.warning("data worker %s failed (%s); resuming at %s elsewhere", address,
+                            "stalled" if call is not None and call is self._stalled_call else
+                            "ended early" if isinstance(e, _EndedEarly) else e.code().name, pos)
                 which += 1
                 # jitter keeps ranks that lost the same worker from reconnecting in lockstep
                 stop.wait(delay * (0.5 + random.random()))
                 delay = min(delay * 2, self.backoff_s[1])
             except BaseException as e:  # noqa: BLE001 -- a bug or bad message: surface it in the trainer
-                self._put(_Failure(e), stop)
+                self._put(q, _Failure(e), stop)
                 return
 
     def _restart(self, step: int) -> None:
         self._halt()
-        self._stop = threading.Event()
-        self._queue = queue.Queue(maxsize=self.prefetch)
-        self._next = (step, 0)
-        self._thread = threading.Thread(target=self._produce, args=(step, 0, self._stop),
-                                        name=f"data-client-rank{self.dp_rank}", daemon=True)
-        self._thread.start()
+        with self._lock:  # close() may run on another thread (a trainer shutting down)
+            if self._closed:
+                raise DataError("the data client is closed")
+            self._stop = threading.Event()
+            self._queue = queue.Queue(maxsize=self.prefetch)
+            self._next = (step, 0)
+            thread = threading.Thread(target=self._produce, args=(step, 0, self._stop, self._queue),
+                                      name=f"data-client-rank{self.dp_rank}", daemon=True)
+            thread.start()
+            self._thread = thread
 
     def _halt(self) -> None:
-        self._stop.set()
-        if self._call is not None:
-            self._call.cancel()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-        self._thread, self._call = None, None
+        with self._lock:
+            self._stop.set()
+            call, self._call = self._call, None
+            thread, self._thread = self._thread, None
+        if call is not None:
+            call.cancel()
+        if thread is not None:
+            thread.join(timeout=10)
+            if thread.is_alive():  # it has its own stop event and queue: it cannot leak into the next stream
+                log.warning("data client thread did not stop within 10 s; leaving it to exit on its own")
+
+    def _drop_stalled(self) -> None:
+        """Cancel the current stream if it is still the one that sent nothing: its thread fails over."""
+        with self._lock:
+            call = self._call
+            if call is None or call is self._stalled_call:
+                return
+            self._stalled_call = call
+        log.warning("data worker %s sent nothing for %.0f s while the trainer waited; failing over",
+                    self.current_address, self.stall_s)
+        call.cancel()
 
     def get(self) -> Batch:
-        """The next micro-batch of the stream (blocks until it arrives)."""
-        item = self._queue.get()
+        """The next micro-batch of the stream (blocks until it arrives, failing over from a
+        worker that sends nothing for `stall_s`).
+
+        Raises:
+            DataError: no stream is open (call `micro_batches` first), the server rejected the
+                request, or no worker sent anything for `give_up_s`.
+        """
+        if self._thread is None and self._queue.empty():
+            raise DataError("get() with no stream open: call micro_batches(step) first")
+        q, stop = self._queue, self._stop
+        waited_since = time.monotonic()
+        while True:
+            try:
+                item = q.get(timeout=min(0.2, self.stall_s))
+                break
+            except queue.Empty:
+                if stop.is_set():
+                    raise DataError("the data client was closed while waiting for a micro-batch") from None
+                if time.monotonic() - waited_since >= self.stall_s:
+                    self._drop_stalled()
+                    waited_since = time.monotonic()
         if isinstance(item, _Failure):
             self._next = None  # the next call restarts the stream
             raise item.exc
@@ -228,7 +305,10 @@ class ServiceBatchSource:
         return [self.get() for _ in range(self.num_micro_batches)]
 
     def close(self) -> None:
-        """Stop the background thread and close the channels."""
+        """Stop the background thread and close the channels (safe from another thread: a
+        reader blocked in `get` gets a DataError)."""
+        with self._lock:
+            self._closed = True
         self._halt()
         for ch in self._channels.values():
             ch.close()

@@ -77,6 +77,9 @@ def test_bad_specs_are_invalid_argument_and_server_keeps_serving(server, blend_s
         pb.DatasetSpec(prefixes=blend_spec.prefixes, weights=[-1, 2], seq_length=8, num_samples=10),
         pb.DatasetSpec(prefixes=blend_spec.prefixes, weights=[0, 0], seq_length=8, num_samples=10),
         pb.DatasetSpec(prefixes=blend_spec.prefixes[:1], weights=[1], seq_length=10**6, num_samples=10),
+        # numpy cannot take this seed, and this many samples would have the worker allocate EiBs
+        pb.DatasetSpec(prefixes=blend_spec.prefixes, weights=[1, 1], seq_length=8, num_samples=10, seed=2**32),
+        pb.DatasetSpec(prefixes=blend_spec.prefixes, weights=[1, 1], seq_length=8, num_samples=2**62),
     ]
     for spec in bad_specs:
         with pytest.raises(grpc.RpcError) as e:

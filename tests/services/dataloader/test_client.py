@@ -1,0 +1,161 @@
+"""ServiceBatchSource against misbehaving workers: a stream that stalls or ends early, a paused
+reader, closing while a stream opens, and arguments it must refuse. Real gRPC on loopback."""
+
+import random
+import threading
+import time
+from dataclasses import replace
+
+import grpc
+import pytest
+
+from protos.dataloader.v1 import dataloader_pb2 as pb
+from protos.dataloader.v1 import dataloader_pb2_grpc as pb_grpc
+from services.common.errors import DataError
+from services.common.grpc_utils import make_server
+from services.dataloader.loader import LocalBatchSource
+from services.dataloader.rpc.client import ServiceBatchSource
+from services.dataloader.rpc.server import start_server
+from services.dataloader.rpc.servicer import SERVICE_NAME, DataServicer, spec_to_proto
+from services.dataloader.spec import open_dataset
+
+from .conftest import batch_hash
+
+
+class _Stuck(DataServicer):
+    """Accepts the stream, then sends nothing (a hung handler; keepalive pings still answered)."""
+
+    def __init__(self):
+        super().__init__()
+        self.release = threading.Event()
+
+    def StreamBatches(self, request, context):
+        self.release.wait(60)
+        yield from ()
+
+
+class _Short(DataServicer):
+    """Sends the first two micro-batches, then ends the stream cleanly (cut by a proxy or bug)."""
+
+    def StreamBatches(self, request, context):
+        for i, msg in enumerate(super().StreamBatches(request, context)):
+            if i == 2:
+                return
+            yield msg
+
+
+@pytest.fixture
+def stuck():
+    servicer = _Stuck()
+    srv, port, _ = make_server([lambda s: pb_grpc.add_DataServiceServicer_to_server(servicer, s)], [SERVICE_NAME])
+    yield f"127.0.0.1:{port}"
+    servicer.release.set()
+    srv.stop(0)
+
+
+@pytest.fixture(scope="module")
+def good():
+    srv, port, _ = start_server(0)
+    yield f"127.0.0.1:{port}"
+    srv.stop(0)
+
+
+def _first_tried_last(bad: str, good: str, dp_rank: int) -> list[str]:
+    """Addresses ordered so that rank `dp_rank` tries `bad` first (the client spreads ranks by rank)."""
+    return [bad, good] if random.Random(dp_rank).randrange(2) == 0 else [good, bad]
+
+
+def _hashes(batches):
+    return [batch_hash(b) for b in batches]
+
+
+def test_a_worker_that_sends_nothing_is_dropped_after_stall_s(stuck, good, blend_spec):
+    local = LocalBatchSource(open_dataset(blend_spec), 2, 16, 0, 2)
+    t0 = time.monotonic()
+    with ServiceBatchSource(_first_tried_last(stuck, good, 0), blend_spec, 2, 16, 0, 2,
+                            stall_s=1.0, give_up_s=30) as remote:
+        got = [_hashes(remote.micro_batches(step)) for step in range(3)]
+        assert remote.reconnects == 1 and remote.current_address == good
+    assert got == [_hashes(local.micro_batches(step)) for step in range(3)]
+    assert time.monotonic() - t0 < 15
+
+
+def test_no_worker_sending_anything_for_give_up_s_is_a_clear_error(stuck, blend_spec):
+    t0 = time.monotonic()
+    with ServiceBatchSource([stuck], blend_spec, 2, 16, 0, 2, stall_s=0.5, give_up_s=2.0,
+                            backoff_s=(0.05, 0.2)) as remote:
+        with pytest.raises(DataError, match=r"no data worker of .* served anything for 2s; .*sent nothing for 0s"):
+            remote.micro_batches(0)
+    assert time.monotonic() - t0 < 15
+
+
+def test_a_stream_that_ends_before_the_dataset_is_a_failure_not_the_end(good, blend_spec):
+    servicer = _Short()
+    srv, port, _ = make_server([lambda s: pb_grpc.add_DataServiceServicer_to_server(servicer, s)], [SERVICE_NAME])
+    try:
+        local = LocalBatchSource(open_dataset(blend_spec), 2, 16, 1, 2)
+        with ServiceBatchSource(_first_tried_last(f"127.0.0.1:{port}", good, 1), blend_spec, 2, 16, 1, 2,
+                                backoff_s=(0.01, 0.05)) as remote:
+            got = [_hashes(remote.micro_batches(step)) for step in range(4)]
+            assert remote.reconnects >= 1
+        assert got == [_hashes(local.micro_batches(step)) for step in range(4)]
+    finally:
+        srv.stop(0)
+
+
+def test_close_while_the_stream_opens_is_prompt_and_leaves_no_thread(stuck, blend_spec):
+    remote = ServiceBatchSource([stuck], blend_spec, 2, 16, 0, 2)
+    errors = []
+
+    def consume():
+        try:
+            remote.micro_batches(0)
+        except DataError as e:
+            errors.append(str(e))
+
+    reader = threading.Thread(target=consume)
+    reader.start()
+    t0 = time.monotonic()
+    remote.close()
+    assert time.monotonic() - t0 < 5
+    reader.join(timeout=10)
+    assert not reader.is_alive() and errors and "closed" in errors[0]
+    deadline = time.monotonic() + 5
+    while any(t.name.startswith("data-client") for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("data-client")]
+
+
+def test_a_paused_reader_is_not_cut_off_for_its_keepalive_pings(good, blend_spec):
+    # A client pinging every second (10 s in production, where a ~30 s pause did the same): the
+    # server used to allow one ping per 5 min while it sent nothing, and answered the third
+    # early one with GOAWAY "too_many_pings" (UNAVAILABLE here).
+    # 64 MB of micro-batches: far more than the flow-control windows, so the server stays blocked
+    spec = replace(blend_spec, seq_length=1023, num_samples=2000 * 16)
+    channel = grpc.insecure_channel(good, options=[("grpc.keepalive_time_ms", 1000),
+                                                   ("grpc.keepalive_timeout_ms", 5000),
+                                                   ("grpc.http2.max_pings_without_data", 0)])
+    stream = pb_grpc.DataServiceStub(channel).StreamBatches(pb.StreamRequest(
+        spec=spec_to_proto(spec), dp_rank=0, dp_size=1, micro_batch_size=16, global_batch_size=16))
+    assert next(stream).step == 0
+    time.sleep(5)  # the reader pauses; flow control stops the server: no data, only pings
+    assert [m.step for m in stream] == list(range(1, 2000))
+    channel.close()
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"global_batch_size": 0}, "positive multiple"),
+    ({"global_batch_size": -16}, "positive multiple"),
+    ({"prefetch": 0}, "prefetch=0"),
+    ({"stall_s": 0.0}, "stall_s=0.0"),
+])
+def test_arguments_it_cannot_work_with_are_refused(blend_spec, kw, match):
+    args = {"micro_batch_size": 2, "global_batch_size": 16, "dp_rank": 0, "dp_size": 2, **kw}
+    with pytest.raises(DataError, match=match):
+        ServiceBatchSource(["127.0.0.1:1"], blend_spec, **args)
+
+
+def test_get_before_any_stream_is_an_error_not_a_hang(blend_spec):
+    with ServiceBatchSource(["127.0.0.1:1"], blend_spec, 2, 16, 0, 2) as remote:
+        with pytest.raises(DataError, match="micro_batches"):
+            remote.get()
