@@ -5,10 +5,11 @@ bit. A background thread keeps one server stream open and `prefetch` micro-batch
 a bounded queue. When a stream breaks (worker killed, network gone) the thread backs off
 exponentially, moves to the next address and asks for the stream again starting at exactly
 the next micro-batch it has not received, so none is repeated or missed; every message's
-(step, micro-batch) is checked against the one expected. A worker that keeps its stream open
-but sends nothing while the trainer waits (a hung handler still answers keepalive pings) is
-dropped the same way after `stall_s`, and a stream that ends before the dataset does is a
-failure too. A request the server rejects (INVALID_ARGUMENT, ...) is raised in the trainer's
+(step, micro-batch) is checked against the one expected. Each connection first asks the
+worker to open the dataset (`Describe`, which may build sample indices: minutes for a large
+blend, so it has its own `open_timeout_s`); a worker that then keeps its stream open but sends
+nothing while the trainer waits (a hung handler still answers keepalive pings) is dropped the
+same way after `stall_s`, and a stream that ends before the dataset does is a failure too. A request the server rejects (INVALID_ARGUMENT, ...) is raised in the trainer's
 thread with the server's message; so is `give_up_s` without a micro-batch from any worker.
 
     src = ServiceBatchSource(["127.0.0.1:7001", "127.0.0.1:7002"], spec, micro_batch_size=4,
@@ -69,6 +70,7 @@ class ServiceBatchSource:
         give_up_s: float = 120.0,
         options: BatchOptions | None = None,
         stall_s: float | None = None,
+        open_timeout_s: float = 900.0,
     ):
         """Args:
         addresses: worker addresses (`host:port`), tried in turn; a `dns:///name:port`
@@ -84,6 +86,8 @@ class ServiceBatchSource:
         options: loss-mask and document-boundary options, applied here as LocalBatchSource does.
         stall_s: fail over from a worker whose stream has sent nothing for this long while
             the trainer waits for it (default: give_up_s / 4).
+        open_timeout_s: how long a worker may take to open the dataset (build or load its
+            indices) before the next one is tried.
         """
         if not addresses:
             raise DataError("ServiceBatchSource needs at least one worker address")
@@ -94,9 +98,9 @@ class ServiceBatchSource:
         if not 0 <= dp_rank < dp_size:
             raise DataError(f"dp_rank={dp_rank} is outside [0, dp_size={dp_size})")
         stall_s = give_up_s / 4 if stall_s is None else stall_s
-        if prefetch < 1 or give_up_s <= 0 or stall_s <= 0:
-            raise DataError(f"prefetch={prefetch} must be >= 1 and give_up_s={give_up_s}, stall_s={stall_s} "
-                            "positive")
+        if prefetch < 1 or give_up_s <= 0 or stall_s <= 0 or open_timeout_s <= 0:
+            raise DataError(f"prefetch={prefetch} must be >= 1 and give_up_s={give_up_s}, stall_s={stall_s}, "
+                            f"open_timeout_s={open_timeout_s} positive")
         spec.validate()
         self.addresses = list(addresses)
         self.spec = spec
@@ -108,6 +112,7 @@ class ServiceBatchSource:
         self.backoff_s = backoff_s
         self.give_up_s = give_up_s
         self.stall_s = stall_s
+        self.open_timeout_s = open_timeout_s
         self.options = options or BatchOptions()
         self.reconnects = 0  # streams reopened after a failure (for tests and logs)
         self.current_address: str | None = None  # the worker streaming to us now
@@ -117,7 +122,8 @@ class ServiceBatchSource:
         # Guards _call/current_address against a halting consumer: a producer that was told to
         # stop before its call existed cancels the call itself instead of publishing it.
         self._lock = threading.Lock()
-        self._call = None
+        self._call = None  # the open stream (what a stall cancels)
+        self._opening = None  # the Describe in flight (only a halt cancels it)
         self._closed = False
         self._stalled_call = None  # the call get() cancelled for sending nothing
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
@@ -168,12 +174,21 @@ class ServiceBatchSource:
             address = self.addresses[which % len(self.addresses)]
             call = None
             try:
+                with self._lock:
+                    if stop.is_set():
+                        return
+                    self._call, self.current_address = None, address
+                    self._opening = self._stub(address).Describe.future(self._request(*pos),
+                                                                        timeout=self.open_timeout_s)
+                opened_since = time.monotonic()
+                self._opening.result()  # the worker has the dataset open: streaming starts at once
+                last_progress += time.monotonic() - opened_since  # opening is not a stall
                 call = self._stub(address).StreamBatches(self._request(*pos))
                 with self._lock:
                     if stop.is_set():  # halted while the call was being made
                         call.cancel()
                         return
-                    self._call, self.current_address = call, address
+                    self._call, self._opening = call, None
                 for msg in call:
                     if (msg.step, msg.microbatch) != pos:
                         raise DataError(f"worker {address} sent step {msg.step} micro-batch "
@@ -188,6 +203,8 @@ class ServiceBatchSource:
                     raise _EndedEarly(f"worker {address} ended its stream at step {pos[0]} micro-batch "
                                       f"{pos[1]}, before the dataset's {self.num_steps} steps")
                 self._put(q, _END, stop)
+                return
+            except grpc.FutureCancelledError:  # only a halt cancels the Describe
                 return
             except (grpc.RpcError, _EndedEarly) as e:
                 if stop.is_set():
@@ -236,9 +253,11 @@ class ServiceBatchSource:
         with self._lock:
             self._stop.set()
             call, self._call = self._call, None
+            opening, self._opening = self._opening, None
             thread, self._thread = self._thread, None
-        if call is not None:
-            call.cancel()
+        for pending in (call, opening):
+            if pending is not None:
+                pending.cancel()
         if thread is not None:
             thread.join(timeout=10)
             if thread.is_alive():  # it has its own stop event and queue: it cannot leak into the next stream

@@ -159,3 +159,24 @@ def test_get_before_any_stream_is_an_error_not_a_hang(blend_spec):
     with ServiceBatchSource(["127.0.0.1:1"], blend_spec, 2, 16, 0, 2) as remote:
         with pytest.raises(DataError, match="micro_batches"):
             remote.get()
+
+
+def test_a_worker_slow_to_open_the_dataset_is_waited_for_not_dropped(good, blend_spec):
+    class SlowOpen(DataServicer):  # building the sample indices of a large blend takes minutes
+        def Describe(self, request, context):
+            time.sleep(3)
+            return super().Describe(request, context)
+
+    srv, port, _ = make_server([lambda s: pb_grpc.add_DataServiceServicer_to_server(SlowOpen(), s)], [SERVICE_NAME])
+    try:
+        local = LocalBatchSource(open_dataset(blend_spec), 2, 16, 0, 2)
+        with ServiceBatchSource([f"127.0.0.1:{port}"], blend_spec, 2, 16, 0, 2, stall_s=1.0,
+                                give_up_s=2.0) as remote:
+            assert _hashes(remote.micro_batches(0)) == _hashes(local.micro_batches(0))
+            assert remote.reconnects == 0
+        with ServiceBatchSource([f"127.0.0.1:{port}"], blend_spec, 2, 16, 0, 2, open_timeout_s=1.0,
+                                give_up_s=2.5, backoff_s=(0.05, 0.1)) as remote:
+            with pytest.raises(DataError, match="DEADLINE_EXCEEDED"):
+                remote.micro_batches(0)
+    finally:
+        srv.stop(0)
