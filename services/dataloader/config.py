@@ -34,6 +34,13 @@ class DataConfig:
     empty: read in-process. Workers must see the dataset files at the same paths."""
     prefetch: int = 8
     """Micro-batches the service client fetches ahead on its background thread."""
+    service_stall_s: float = 30.0
+    """Fail over from a worker whose stream sends nothing for this long while the trainer waits."""
+    service_give_up_s: float = 120.0
+    """Stop the run with an error after this long without a micro-batch from any worker."""
+    service_open_timeout_s: float = 900.0
+    """How long a worker may take to open the dataset (build its sample indices) before the
+    next one is tried; not counted toward `service_give_up_s`."""
     eod_mask_loss: bool = False
     """Zero the loss where the input token is end-of-document (Megatron `--eod-mask-loss`)."""
 
@@ -47,6 +54,9 @@ class DataConfig:
                 raise ConfigError(f"data.data_path: {e}") from None
         if self.prefetch < 1:
             raise ConfigError(f"data.prefetch={self.prefetch} must be >= 1")
+        for name in ("service_stall_s", "service_give_up_s", "service_open_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"data.{name}={getattr(self, name)} must be > 0")
         if self.data_path and self.tokenizer == "bpe":
             raise ConfigError(
                 "data.tokenizer='bpe' means the BPE trained for the embedded corpus; with "

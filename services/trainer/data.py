@@ -38,7 +38,7 @@ class TrainData:
 
 def make_source(spec: DatasetSpec, micro_batch_size: int, global_batch_size: int,
                 dp_rank: int = 0, dp_size: int = 1, addresses: list[str] | None = None,
-                prefetch: int = 8, options: BatchOptions | None = None):
+                prefetch: int = 8, options: BatchOptions | None = None, **service):
     """One rank's batch source for a spec: in-process, or the service when given addresses.
 
     Args:
@@ -50,6 +50,7 @@ def make_source(spec: DatasetSpec, micro_batch_size: int, global_batch_size: int
         addresses: DataService workers; None or empty reads in-process.
         prefetch: micro-batches the service client fetches ahead.
         options: EOD loss masking / document ids for the batches.
+        service: more ServiceBatchSource settings (stall_s, give_up_s, open_timeout_s).
 
     Returns:
         A LocalBatchSource or a ServiceBatchSource.
@@ -58,7 +59,7 @@ def make_source(spec: DatasetSpec, micro_batch_size: int, global_batch_size: int
         from services.dataloader.rpc.client import ServiceBatchSource  # grpc only when asked for
 
         return ServiceBatchSource(addresses, spec, micro_batch_size, global_batch_size,
-                                  dp_rank, dp_size, prefetch=prefetch, options=options)
+                                  dp_rank, dp_size, prefetch=prefetch, options=options, **service)
     return LocalBatchSource(open_dataset(spec), micro_batch_size, global_batch_size, dp_rank, dp_size,
                             options=options)
 
@@ -95,6 +96,8 @@ def build_data(job: JobConfig, dp_rank: int = 0, dp_size: int = 1) -> TrainData:
     t = job.train
     addresses = list(d.service_addresses)
     options = BatchOptions(eod_id=eod_id, mask_eod_loss=d.eod_mask_loss)
+    service = {"stall_s": d.service_stall_s, "give_up_s": d.service_give_up_s,
+               "open_timeout_s": d.service_open_timeout_s} if addresses else {}
 
     def spec(split_name: str, num_samples: int) -> DatasetSpec:
         return DatasetSpec(tuple(prefixes), tuple(weights), job.model.seq_length, num_samples,
@@ -102,12 +105,12 @@ def build_data(job: JobConfig, dp_rank: int = 0, dp_size: int = 1) -> TrainData:
 
     train = make_source(spec("train", t.train_iters * t.global_batch_size), t.micro_batch_size,
                         t.global_batch_size, dp_rank, dp_size, addresses=addresses, prefetch=d.prefetch,
-                        options=options)
+                        options=options, **service)
     valid = None
     if t.eval_interval > 0:
         n = t.eval_iters * t.micro_batch_size
         valid = make_source(spec("valid", n), t.micro_batch_size, n, addresses=addresses,
-                            prefetch=d.prefetch, options=options)
+                            prefetch=d.prefetch, options=options, **service)
     log.info("data: %s (weights %s), tokenizer %s, vocab %d, %s", prefixes, weights, tokenizer_spec,
              vocab_size, f"service {addresses}" if addresses else "in-process")
     return TrainData(train, valid, vocab_size, tokenizer_spec, prefixes[0])

@@ -180,3 +180,21 @@ def test_a_worker_slow_to_open_the_dataset_is_waited_for_not_dropped(good, blend
                 remote.micro_batches(0)
     finally:
         srv.stop(0)
+
+
+def test_the_trainer_passes_the_data_config_timeouts_to_the_client(good, tmp_path):
+    from services.trainer.config import load_config
+    from services.trainer.data import build_data
+
+    job = load_config(["--config", "deploy/configs/tiny.toml", "--data-service-addresses", good,
+                       "--data.service_stall_s=7", "--data.service_give_up_s=50",
+                       "--data.service_open_timeout_s=60", f"--data.cache_dir={tmp_path}"])
+    data = build_data(job)
+    try:
+        assert (data.train.stall_s, data.train.give_up_s, data.train.open_timeout_s) == (7, 50, 60)
+    finally:
+        data.train.close()
+        if data.valid is not None:
+            data.valid.close()
+    with pytest.raises(Exception, match="service_stall_s=0"):
+        load_config(["--config", "deploy/configs/tiny.toml", "--data.service_stall_s=0"])
