@@ -36,7 +36,7 @@ from services.trainer.model.gpt import GPT
 from services.trainer.optim.optimizer import build_optimizer, clip_grad_norm, set_lr
 from services.trainer.optim.schedule import lr_at
 from services.trainer.parallel import mappings, recompute
-from services.trainer.parallel.data import DataParallel
+from services.trainer.parallel.data import DataParallel, forward_units
 from services.trainer.parallel.mesh import Mesh, env_rank_world, init_process_group
 from services.trainer.parallel.tensor import parallelize
 
@@ -151,15 +151,10 @@ class Trainer:
         p = job.parallel
         self.ddp = None
         if self.mesh.distributed:
-            # Units whose forward waits for its parameters' all-gather (overlap_param_gather):
-            # the embedding also waits for the head's weights, used last but gathered first.
-            head = [q for m in (model.embedding, model.final_norm, model.output_layer) if m is not None
-                    for q in m.parameters()]
-            units = [(model.embedding, head)] + [(layer, list(layer.parameters())) for layer in model.layers]
             self.ddp = DataParallel(
                 self.model, self.mesh, job.optim, distributed_optimizer=p.use_distributed_optimizer,
                 overlap_grad_reduce=p.overlap_grad_reduce, overlap_param_gather=p.overlap_param_gather,
-                bucket_size=p.ddp_bucket_size, gather_units=units)
+                bucket_size=p.ddp_bucket_size, gather_units=forward_units(model))
         self.optimizer = self.ddp.optimizer if self.ddp and self.ddp.optimizer else build_optimizer(self.model, job.optim)
         self.par = checkpointing.Parallel(self.mesh, self.ddp)
         c = job.checkpoint
@@ -284,6 +279,8 @@ class Trainer:
     def save(self) -> str:
         """Start saving the current state (asynchronous unless checkpoint.async_save is off)."""
         c = self.job.checkpoint
+        if self.ddp is not None:  # with overlap_param_gather the last step's gathers may be in flight
+            self.ddp.wait_param_gather()
         if c.keep_last and self.is_main:
             self.checkpointer.saver.wait()  # retention looks at committed saves only
             apply_retention(c.save, c.keep_last, c.keep_every)
@@ -308,6 +305,8 @@ class Trainer:
         with self._sigterm_saves():
             try:
                 self._loop(result, metrics, start, tokens_per_step)
+                if self.ddp is not None:
+                    self.ddp.wait_param_gather()  # the model a caller gets back is whole
                 self.checkpointer.wait()  # the last save is committed before the run returns
                 if result.checkpoint:
                     log.info("checkpoint committed: %s", result.checkpoint)

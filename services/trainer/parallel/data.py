@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from services.common.errors import ConfigError
 from services.trainer.config import OptimConfig
 from services.trainer.optim.optimizer import is_decayed
 from services.trainer.parallel import mappings as M
@@ -46,6 +47,18 @@ class Bucket:
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         p = self.params[i]
         return flat[self.offsets[i]: self.offsets[i] + p.numel()].view_as(p)
+
+
+def forward_units(model: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+    """A GPT's (module, parameters) units in forward order, for `overlap_param_gather`.
+
+    Each unit's forward pre-hook waits for the all-gathers of the buckets holding its
+    parameters: the embedding, each block, then the final norm, whose forward runs just before
+    the head multiplies by the output weight (the embedding's, when tied).
+    """
+    head = [q for m in (model.final_norm, model.output_layer) if m is not None for q in m.parameters()]
+    return ([(model.embedding, list(model.embedding.parameters()))]
+            + [(layer, list(layer.parameters())) for layer in model.layers] + [(model.final_norm, head)])
 
 
 class DataParallel:
@@ -75,6 +88,10 @@ class DataParallel:
         self.sync_enabled = True
         self.names = {p: n for n, p in model.named_parameters()}
         params = [p for p in model.parameters() if p.requires_grad]
+        odd = [n for n, p in model.named_parameters() if p.requires_grad and p.dtype != torch.float32]
+        if odd:  # the flat buffers are fp32: a bf16 parameter would be silently upcast or refused
+            raise ConfigError(f"data parallelism keeps fp32 parameters and gradients (bf16 comes from "
+                              f"autocast: train.bf16); {odd[0]} is {dict(model.named_parameters())[odd[0]].dtype}")
         self.buckets = self._make_buckets(list(reversed(params)), bucket_size)  # backward order
         self.bucket_of = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         for p in params:
@@ -191,10 +208,15 @@ class DataParallel:
             lr=c.lr, betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps, fused=on_cuda or None)
 
     def gather_params(self) -> None:
-        """After the optimizer step: all-gather every bucket's updated slices into full parameters."""
+        """After the optimizer step: all-gather every bucket's updated slices into full parameters.
+
+        Issued in forward order (the buckets are in backward order): collectives on one group
+        complete in the order they were issued, so the first unit of the next forward waits
+        only for its own buckets while the rest are still in flight.
+        """
         if not self.dist_opt or self.dp == 1:
             return
-        for b in self.buckets:
+        for b in reversed(self.buckets):
             n = b.numel // self.dp
             b.gather_src = b.param_flat[self.dp_rank * n: (self.dp_rank + 1) * n].clone()
             if dist.get_backend(self.dp_group) == "gloo":

@@ -1,0 +1,73 @@
+"""DataParallel's parameter all-gather with overlap (ZeRO-1): the order it is issued in, and what
+each forward unit waits for. Loss and gradient equivalence is in test_equivalence.py."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from services.trainer.config import ModelConfig, OptimConfig
+from services.trainer.model import GPT
+from services.trainer.parallel.data import DataParallel, forward_units
+from services.trainer.parallel.mesh import Mesh
+from tests.dist_utils import run_ranks
+
+CFG = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=97,
+           make_vocab_size_divisible_by=8, untie_embeddings_and_output_weights=True)
+
+
+def _gathers(rank, world):
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(**CFG))
+    ddp = DataParallel(model, Mesh.build(), OptimConfig(lr=1e-3), distributed_optimizer=True,
+                       overlap_param_gather=True, bucket_size=6000, gather_units=forward_units(model))
+    issued = []
+    real = dist.all_gather
+
+    def recording(outputs, src, **kw):  # the real collective, with the order noted
+        issued.append(next(i for i, b in enumerate(ddp.buckets) if b.gather_src is src))
+        return real(outputs, src, **kw)
+
+    dist.all_gather = recording
+    try:
+        tokens = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(rank))
+        model(tokens, tokens).backward()
+        ddp.finish_grad_sync()
+        ddp.optimizer.step()
+        ddp.gather_params()
+    finally:
+        dist.all_gather = real
+    embedding_buckets = {i for i, b in enumerate(ddp.buckets)
+                         if any(p is q for p in b.params for q in model.embedding.parameters())}
+    model.embedding(tokens)  # its pre-hook waits for its own buckets only
+    pending_after_embedding = {i for i, b in enumerate(ddp.buckets) if b.gather_handle is not None}
+    model(tokens, tokens)  # every unit has waited by the end of a forward
+    pending_after_forward = {i for i, b in enumerate(ddp.buckets) if b.gather_handle is not None}
+    return len(ddp.buckets), issued, embedding_buckets, pending_after_embedding, pending_after_forward
+
+
+@pytest.mark.dist
+def test_param_gathers_go_in_forward_order_and_the_embedding_waits_only_for_its_own():
+    for n, issued, embedding_buckets, pending, pending_after_forward in run_ranks(_gathers, 2):
+        assert n >= 4
+        assert issued == list(reversed(range(n)))  # buckets are in backward order
+        assert embedding_buckets == {n - 1}
+        assert pending == set(range(n - 1))  # the blocks' and the head's gathers still in flight
+        assert pending_after_forward == set()
+
+
+def test_forward_units_cover_every_parameter_once_in_forward_order():
+    model = GPT(ModelConfig(**CFG))
+    units = forward_units(model)
+    assert [m for m, _ in units] == [model.embedding, *model.layers, model.final_norm]
+    covered = [p for _, params in units for p in params]
+    assert len(covered) == len({id(p) for p in covered}) == len(list(model.parameters()))
+    assert any(p is model.output_layer.weight for p in units[-1][1])
+
+
+def test_a_parameter_that_is_not_fp32_is_refused_by_name():
+    from services.common.errors import ConfigError
+
+    model = GPT(ModelConfig(**CFG))
+    model.final_norm.weight.data = model.final_norm.weight.data.bfloat16()
+    with pytest.raises(ConfigError, match=r"final_norm.weight is torch.bfloat16"):
+        DataParallel(model, Mesh(), OptimConfig(lr=1e-3), distributed_optimizer=True)
