@@ -184,7 +184,9 @@ class Checkpointer:
             rng = torch.get_rng_state()
             boxes.append((ShardSpec("rng.torch_cpu", tuple(rng.shape), "uint8", (0,), tuple(rng.shape)), rng))
             if torch.cuda.is_available() and torch.cuda.is_initialized():
-                cuda = torch.stack(torch.cuda.get_rng_state_all())
+                # This rank's own device: every rank seeds and advances its device's generator
+                # alike, so one state restores them all (other visible devices are never used).
+                cuda = torch.cuda.get_rng_state().unsqueeze(0)
                 boxes.append((ShardSpec("rng.torch_cuda", tuple(cuda.shape), "uint8", (0, 0), tuple(cuda.shape)), cuda))
         np_state = np.random.get_state()
         metadata = {
@@ -288,9 +290,10 @@ def restore(root: str, model: GPT, optimizer: torch.optim.Optimizer, par: Parall
     torch.set_rng_state(read_box(root, step, "rng.torch_cpu", (0,), tuple(rng), manifest))
     if "rng.torch_cuda" in arrays and torch.cuda.is_available():
         shape = tuple(arrays["rng.torch_cuda"]["shape"])
-        states = list(read_box(root, step, "rng.torch_cuda", (0, 0), shape, manifest))
-        if len(states) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(states)
+        # Row 0: the saving rank's device (older checkpoints stored every visible device, of
+        # which rank 0 only ever advanced its own, device 0). Set on this rank's device.
+        state = read_box(root, step, "rng.torch_cuda", (0, 0), (1, shape[1]), manifest)[0]
+        torch.cuda.set_rng_state(state)
     random.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in meta["rng_python"]))
     name, keys, *rest = meta["rng_numpy"]
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import kernels
 from services.checkpoint.maintenance import apply_retention
 from services.common.config import dumps_toml
-from services.common.errors import CheckpointError, ConfigError
+from services.common.errors import CheckpointError, ConfigError, MeshtrainError
 from services.trainer import checkpointing
 from services.trainer.config import JobConfig, replace
 from services.trainer.data import build_data
@@ -161,8 +161,9 @@ class Trainer:
         self.checkpointer = checkpointing.Checkpointer(c.save, self.par, c.async_save, c.service_address)
         self.state = checkpointing.TrainState()
         if job.checkpoint.load:
-            self.state, _ = checkpointing.restore(
+            self.state, meta = checkpointing.restore(
                 job.checkpoint.load, self.model, self.optimizer, self.par, job.checkpoint.load_step)
+            self._check_continuation(meta)
             log.info("resumed from %s at step %d (%d samples consumed)",
                      job.checkpoint.load, self.state.iteration, self.state.consumed_samples)
         self.forward = self.model
@@ -185,17 +186,56 @@ class Trainer:
         # Requests from other threads (signal handler, control endpoint), acted on between steps.
         self._stop = threading.Event()
         self._checkpoint_now = threading.Event()
+        self._finished = threading.Event()  # the loop has returned: requests are refused
         self.progress: dict[str, float | int | str | None] = {
             "step": self.state.iteration, "train_iters": job.train.train_iters, "loss": None,
             "tokens_per_s": None, "eta_s": None, "last_checkpoint": None}
 
+    def _check_continuation(self, meta: dict) -> None:
+        """Refuse a resume that would skip or repeat samples; warn when it changes the plan.
+
+        Batches are indexed by step (step k takes samples [k·gbs, (k+1)·gbs) of the shuffled
+        stream), so a different global batch size would not continue at the samples consumed.
+        The sample order and the LR schedule's length both follow train.train_iters, as in
+        Megatron: a different value continues a different run (the README says so).
+        """
+        t, state = self.job.train, self.state
+        if state.consumed_samples != state.iteration * t.global_batch_size:
+            raise ConfigError(
+                f"the checkpoint consumed {state.consumed_samples} samples in {state.iteration} steps, but "
+                f"train.global_batch_size={t.global_batch_size} would put step {state.iteration} at sample "
+                f"{state.iteration * t.global_batch_size}: samples would be skipped or repeated; resume with "
+                "the checkpoint's global batch size")
+        before = meta.get("config", {}).get("train", {}).get("train_iters")
+        if before is not None and before != t.train_iters:
+            log.warning("train.train_iters changed from %d to %d since the checkpoint: the sample order and the "
+                        "LR schedule follow it, so this continues a different run than the one saved (keep it "
+                        "unchanged for an exact continuation; optim.lr_decay_iters fixes the schedule alone)",
+                        before, t.train_iters)
+
     def request_stop(self) -> None:
-        """Save a checkpoint after the current step and end the run (what SIGTERM does)."""
+        """Save a checkpoint after the current step and end the run (what SIGTERM does).
+
+        Raises:
+            MeshtrainError: the training loop has already ended (nothing would act on it).
+        """
+        self._refuse_if_finished("stop")
         self._stop.set()
 
     def request_checkpoint(self) -> None:
-        """Save a checkpoint after the current step and continue."""
+        """Save a checkpoint after the current step and continue.
+
+        Raises:
+            MeshtrainError: the training loop has already ended (nothing would act on it).
+        """
+        self._refuse_if_finished("checkpoint")
         self._checkpoint_now.set()
+
+    def _refuse_if_finished(self, what: str) -> None:
+        if self._finished.is_set():
+            last = self.progress.get("last_checkpoint")
+            raise MeshtrainError(f"the run's training loop has ended at step {self.progress['step']}, so no {what} "
+                                 f"will follow; its last checkpoint is {last or 'none'}")
 
     def pending_requests(self) -> tuple[bool, bool]:
         """(stop requested, checkpoint requested) and not yet acted on, on this rank."""
@@ -304,7 +344,10 @@ class Trainer:
         metrics = MetricsLog(self.run_dir, t.train_iters, start, job.log.progress if self.is_main else "none")
         with self._sigterm_saves():
             try:
-                self._loop(result, metrics, start, tokens_per_step)
+                try:
+                    self._loop(result, metrics, start, tokens_per_step)
+                finally:
+                    self._finished.set()
                 if self.ddp is not None:
                     self.ddp.wait_param_gather()  # the model a caller gets back is whole
                 self.checkpointer.wait()  # the last save is committed before the run returns
@@ -322,40 +365,49 @@ class Trainer:
         pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         last_time, last_step = time.perf_counter(), start
         paused = 0.0  # seconds spent in eval/save since the last log, left out of step times
+
+        def log_pending(n: int) -> None:
+            """Record the steps since the last log, ending with step n (one host sync)."""
+            nonlocal last_time, last_step, paused
+            stacked = torch.stack([p[0] for p in pending])
+            if self.mesh.dp > 1:  # each dp rank saw 1/dp of the batch: average
+                stacked = mappings.all_reduce(stacked, self.mesh.group("dp")) / self.mesh.dp
+            losses = stacked.tolist()  # the one host sync
+            norm = pending[-1][1].item()
+            now = time.perf_counter()
+            step_time = (now - last_time - paused) / (n - last_step)
+            for k, value in enumerate(losses):
+                result.losses[last_step + k + 1] = value
+            record = {
+                "step": n, "loss": losses[-1], "lr": lr_at(n - 1, job.optim, t.train_iters),
+                "grad_norm": norm, "tokens_per_s": tokens_per_step / step_time,
+                "step_time_s": step_time, "consumed_samples": self.state.consumed_samples,
+            }
+            if self.peak:  # per device: the global batch's FLOPs shared by every rank
+                record["mfu"] = self.flops_per_token * record["tokens_per_s"] / (
+                    self.peak * 1e12 * self.mesh.world_size)
+            metrics.step(record)
+            self.progress.update(loss=losses[-1], tokens_per_s=record["tokens_per_s"],
+                                 eta_s=(t.train_iters - n) * step_time)
+            pending.clear()
+            last_time, last_step, paused = time.perf_counter(), n, 0.0
+
         for step in range(start, t.train_iters):
             loss, grad_norm = self.train_step(step)
             self.state.iteration = step + 1
             self.state.consumed_samples += t.global_batch_size
             pending.append((loss, grad_norm))
             n = step + 1
+            self.progress["step"] = n  # a Python int: no host sync
             if n % job.log.log_interval == 0 or n == t.train_iters:
-                stacked = torch.stack([p[0] for p in pending])
-                if self.mesh.dp > 1:  # each dp rank saw 1/dp of the batch: average
-                    stacked = mappings.all_reduce(stacked, self.mesh.group("dp")) / self.mesh.dp
-                losses = stacked.tolist()  # the one host sync
-                norm = pending[-1][1].item()
-                now = time.perf_counter()
-                step_time = (now - last_time - paused) / (n - last_step)
-                for k, value in enumerate(losses):
-                    result.losses[last_step + k + 1] = value
-                record = {
-                    "step": n, "loss": losses[-1], "lr": lr_at(step, job.optim, t.train_iters),
-                    "grad_norm": norm, "tokens_per_s": tokens_per_step / step_time,
-                    "step_time_s": step_time, "consumed_samples": self.state.consumed_samples,
-                }
-                if self.peak:  # per device: the global batch's FLOPs shared by every rank
-                    record["mfu"] = self.flops_per_token * record["tokens_per_s"] / (
-                        self.peak * 1e12 * self.mesh.world_size)
-                metrics.step(record)
-                self.progress.update(step=n, loss=losses[-1], tokens_per_s=record["tokens_per_s"],
-                                     eta_s=(t.train_iters - n) * step_time)
-                pending.clear()
-                last_time, last_step, paused = time.perf_counter(), n, 0.0
+                log_pending(n)
             pause_start = time.perf_counter()
             if self.data.valid is not None and (n % t.eval_interval == 0 or n == t.train_iters):
                 result.eval_losses[n] = self.evaluate()
                 metrics.eval(n, result.eval_losses[n])
             stop, checkpoint_now = self._agreed_requests(at_log_step=not pending)
+            if stop and pending:  # alone, a stop is acted on at any step: log what it ran first
+                log_pending(n)
             interval = job.checkpoint.save_interval
             if (interval and n % interval == 0) or n == t.train_iters or stop or checkpoint_now:
                 result.checkpoint = self.save()

@@ -1,12 +1,13 @@
 """The training loop on a real corpus: loss falls, run directory contract, exact resume."""
 
 import json
+import logging
 
 import pytest
 import torch
 
 from services.checkpoint.reader import list_checkpoints
-from services.common.errors import CheckpointError
+from services.common.errors import CheckpointError, ConfigError
 from services.trainer.config import load_config
 from services.trainer.train import train
 from tests.services.trainer.conftest import small_job_args
@@ -100,6 +101,21 @@ def test_load_errors_name_the_problem(corpus_cache, tmp_path):
                                                             "train.eval_interval": 0})
     with pytest.raises(CheckpointError, match="raise --train-iters"):
         train(load_config(done))
+    bigger_batch = small_job_args(corpus_cache, tmp_path / "r5", **{
+        "checkpoint.load": ckpt, "train.train_iters": 3, "train.global_batch_size": 32, "train.eval_interval": 0})
+    with pytest.raises(ConfigError, match="consumed 32 samples in 2 steps.*skipped or repeated"):
+        train(load_config(bigger_batch))
+
+
+def test_resuming_with_other_train_iters_warns_that_it_continues_a_different_run(corpus_cache, tmp_path, caplog):
+    train(load_config(small_job_args(corpus_cache, tmp_path / "a", **{"train.train_iters": 2,
+                                                                       "train.eval_interval": 0})))
+    longer = small_job_args(corpus_cache, tmp_path / "b", **{
+        "checkpoint.load": str(tmp_path / "a" / "checkpoints"), "train.train_iters": 3, "train.eval_interval": 0})
+    with caplog.at_level(logging.WARNING, logger="meshtrain"):
+        result = train(load_config(longer))
+    assert sorted(result.losses) == [3]
+    assert "train.train_iters changed from 2 to 3" in caplog.text
 
 
 def test_saves_through_the_checkpoint_service_and_resumes(corpus_cache, tmp_path):
@@ -147,3 +163,34 @@ def test_kernel_mode_follows_train_kernels_and_compile(corpus_cache, tmp_path, m
     finally:
         trainer.checkpointer.close()
         kernels.set_mode("auto")
+
+
+def test_a_stop_between_log_steps_logs_its_losses_and_later_requests_are_refused(corpus_cache, tmp_path):
+    from services.common.errors import MeshtrainError
+    from services.trainer.train import Trainer
+
+    job = load_config(small_job_args(corpus_cache, tmp_path, **{
+        "train.train_iters": 12, "train.eval_interval": 0, "log.log_interval": 4,
+        "checkpoint.save": str(tmp_path / "ckpt")}))
+    trainer = Trainer(job)
+    seen = []
+    step_fn = trainer.train_step
+
+    def observed(i):  # the control endpoint's view of progress as each step starts
+        seen.append(trainer.progress["step"])
+        out = step_fn(i)
+        if i == 6:  # during step 7, not a logging step
+            trainer.request_stop()
+        return out
+
+    trainer.train_step = observed
+    result = trainer.run()
+    assert result.stopped_early and list_checkpoints(str(tmp_path / "ckpt")) == [7]
+    assert seen == list(range(7))  # progress.step counts every step, not only logged ones
+    assert sorted(result.losses) == list(range(1, 8))  # steps 5-7 were logged before stopping
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r.get("kind", "train") == "train" and "loss" in r][-1] == 7
+    with pytest.raises(MeshtrainError, match="ended at step 7.*no checkpoint"):
+        trainer.request_checkpoint()
+    with pytest.raises(MeshtrainError, match="no stop"):
+        trainer.request_stop()

@@ -130,6 +130,15 @@ def test_parameter_count_and_flops():
     assert model.flops_per_token() == 6 * (non_emb + 301 * 64) + 12 * 2 * 32 * 64
 
 
+def test_flops_count_the_head_once_tied_or_untied():
+    # The same computation either way: tying only shares the head's weight with the embedding.
+    tied, untied = build(**GPT2), build(**dict(GPT2, untie_embeddings_and_output_weights=True))
+    assert untied.num_parameters() == tied.num_parameters() + 301 * 64
+    assert untied.flops_per_token() == tied.flops_per_token()
+    body = sum(p.numel() for n, p in untied.named_parameters() if n.startswith(("layers.", "final_norm.")))
+    assert untied.flops_per_token() == 6 * (body + 301 * 64) + 12 * 2 * 32 * 64
+
+
 def test_too_long_sequence_is_an_error():
     with pytest.raises(ValueError, match="seq_length"):
         build(**GPT2)(torch.zeros(1, 33, dtype=torch.long))
