@@ -37,9 +37,11 @@ _DTYPES: dict[str, tuple[torch.dtype, np.dtype]] = {
 }
 _BY_TORCH = {torch_dtype: name for name, (torch_dtype, _) in _DTYPES.items()}
 
-# Array names become zarr node names and object-key prefixes: no "/", no leading "." or "__"
-# (zarr v3 reserves "__"), and nothing that could shadow the files we keep beside the arrays.
-_NAME_RE = re.compile(r"^(?!__)[A-Za-z0-9_\-][A-Za-z0-9_.\-]*$")
+# Array names become zarr node names and object-key prefixes: no "/", no leading "." or "_"
+# (zarr v3 reserves "__"; "_fragments" and any other "_" folder of a step are ours: an array
+# there would be deleted by the commit that lists it), and nothing that could shadow the files
+# we keep beside the arrays.
+_NAME_RE = re.compile(r"^[A-Za-z0-9\-][A-Za-z0-9_.\-]*$")
 _RESERVED_NAMES = {"zarr.json", "manifest.json"}
 
 
@@ -171,7 +173,7 @@ def check_name(name: str) -> None:
     if not isinstance(name, str) or not _NAME_RE.match(name) or name in _RESERVED_NAMES:
         raise CheckpointError(
             f"tensor name {name!r} is not allowed: use letters, digits, '_', '-' and '.', "
-            "not starting with '.' or '__', and not 'zarr.json' or 'manifest.json'"
+            "not starting with '.' or '_', and not 'zarr.json' or 'manifest.json'"
         )
 
 
@@ -190,6 +192,28 @@ def dtype_name(dtype: torch.dtype) -> str:
     if dtype not in _BY_TORCH:
         raise CheckpointError(f"dtype {dtype} is not supported; supported: {', '.join(_DTYPES)}")
     return _BY_TORCH[dtype]
+
+
+def as_stored(data: torch.Tensor | np.ndarray, dtype: str, what: str) -> np.ndarray:
+    """`data` for a box of logical `dtype` as the array stored for it, refusing any other dtype.
+
+    Args:
+        data: a tensor of dtype `dtype`, or a numpy array already in its stored dtype.
+        dtype: the box's logical dtype name.
+        what: the box, for the message ("box (0, 4) of array 'w'").
+
+    Raises:
+        CheckpointError: the data's dtype is not the box's (raw bytes of another dtype of the
+            same width would otherwise be stored reinterpreted).
+    """
+    if isinstance(data, torch.Tensor):
+        if dtype_name(data.dtype) != dtype:
+            raise CheckpointError(f"{what} is {dtype} but got a {data.dtype} tensor")
+        return to_stored(data)
+    want = _DTYPES[dtype][1]
+    if np.asarray(data).dtype != want:
+        raise CheckpointError(f"{what} is {dtype} (stored as {want}) but got a numpy array of {np.asarray(data).dtype}")
+    return np.asarray(data)
 
 
 def to_stored(tensor: torch.Tensor) -> np.ndarray:

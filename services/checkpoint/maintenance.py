@@ -9,11 +9,13 @@ readers, collected next time), never a manifest pointing at missing objects.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 from services.checkpoint.reader import list_checkpoints, read_manifest
-from services.checkpoint.sharded import is_committed
+from services.checkpoint.sharded import abort_save, is_committed
 from services.checkpoint.store import (
     MANIFEST_NAME,
     join,
@@ -86,7 +88,8 @@ class RetentionResult:
 
 
 def apply_retention(root: str, keep_last: int, keep_every: int = 0,
-                    in_progress: Iterable[int] = ()) -> RetentionResult:
+                    in_progress: Iterable[int] = (),
+                    guard: Callable[[int], AbstractContextManager[bool]] | None = None) -> RetentionResult:
     """Applies a retention policy and collects uncommitted leftovers.
 
     Args:
@@ -94,6 +97,9 @@ def apply_retention(root: str, keep_last: int, keep_every: int = 0,
         keep_last: keep the newest this many committed steps (0: no such rule).
         keep_every: also keep steps that are multiples of this (0: no such rule).
         in_progress: steps being saved right now; their folders are left alone.
+        guard: `guard(step)` is entered around the collection of each leftover and yields
+            whether a save of that step is in progress *now* (the checkpoint service holds its
+            lock there, so no save of the step begins until the folder is gone).
 
     Returns:
         A RetentionResult.
@@ -115,8 +121,10 @@ def apply_retention(root: str, keep_last: int, keep_every: int = 0,
         step = parse_step_dirname(entry.rstrip("/").rsplit("/", 1)[-1])
         if step is None or step in busy or step in committed:
             continue
-        if not is_committed(store_root, step) and delete_checkpoint(root, step):
-            result.collected.append(step)
+        with guard(step) if guard is not None else contextlib.nullcontext(False) as now_busy:
+            # abort_save never removes a committed step (one may have committed meanwhile)
+            if not now_busy and abort_save(store_root, step):
+                result.collected.append(step)
     result.collected.sort()
     return result
 

@@ -178,13 +178,7 @@ class ShardWriter:
                     "call begin_save(..., overwrite=True) before writing it again"
                 )
             self._checked = True
-        if isinstance(data, torch.Tensor):
-            if layout.dtype_name(data.dtype) != spec.dtype:
-                raise CheckpointError(
-                    f"box {spec.offsets}+{spec.shape} of array {spec.array!r} is {spec.dtype} "
-                    f"but got a {data.dtype} tensor"
-                )
-            data = layout.to_stored(data)
+        data = layout.as_stored(data, spec.dtype, f"box {spec.offsets}+{spec.shape} of array {spec.array!r}")
         encoded = encode_box(spec, data)
         record = {
             "array": spec.array,
@@ -303,6 +297,12 @@ def commit(
         json.dumps(metadata, allow_nan=False)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"checkpoint metadata for step {step} is not JSON: {e}") from e
+    done = _committed_by(root, step, save_id)
+    if done is not None:  # a retry of this very commit, whose first attempt succeeded
+        log.info("checkpoint %s was already committed by save %s", done.url, save_id)
+        return done
+    if is_committed(root, step):  # by another save: no point waiting for fragments
+        raise CheckpointError(f"checkpoint step {step} under {root.url!r} is already committed")
     deadline = time.monotonic() + timeout
     while True:
         fragments = _read_fragments(root, step, save_id)
@@ -363,6 +363,7 @@ def commit(
         "checksum": CHECKSUM,
         "created_unix": time.time(),
         "num_writers": num_writers,
+        "save_id": save_id,
         "arrays": {},
         "objects": {},
         "metadata": metadata,
@@ -380,21 +381,35 @@ def commit(
     write_bytes_atomic(root, join(step_path, MANIFEST_NAME), data)
 
     _remove_unlisted(root, step_path, manifest, stored)
-    entries = [o for a in manifest["arrays"].values() for o in a["objects"].values()]
-    entries += list(manifest["objects"].values())
-    result = SaveResult(
-        url=root.step_url(step),
-        step=step,
-        num_arrays=len(arrays),
-        num_objects=len(entries),
-        bytes_written=len(data) + sum(o["size"] for o in entries),
-        seconds=time.perf_counter() - start,
-    )
+    result = _result(root, step, manifest, len(data), time.perf_counter() - start)
     log.info(
         "committed checkpoint %s: %d arrays, %d objects from %d writers, %.1f MB",
         result.url, result.num_arrays, result.num_objects, num_writers, result.bytes_written / 1e6,
     )
     return result
+
+
+def _result(root: Root, step: int, manifest: dict, manifest_bytes: int, seconds: float) -> SaveResult:
+    entries = [o for a in manifest["arrays"].values() for o in a["objects"].values()]
+    entries += list(manifest["objects"].values())
+    return SaveResult(url=root.step_url(step), step=step, num_arrays=len(manifest["arrays"]),
+                      num_objects=len(entries), bytes_written=manifest_bytes + sum(o["size"] for o in entries),
+                      seconds=seconds)
+
+
+def _committed_by(root: Root, step: int, save_id: str) -> SaveResult | None:
+    """The result of `step`'s commit if save `save_id` made it, else None."""
+    if not is_committed(root, step):
+        return None
+    path = join(root.step_path(step), MANIFEST_NAME)
+    try:
+        data = root.fs.cat_file(path)
+        manifest = json.loads(data)
+    except (OSError, ValueError):
+        return None  # unreadable: the commit below reports it
+    if manifest.get("save_id") != save_id:
+        return None
+    return _result(root, step, manifest, len(data), 0.0)
 
 
 def _sizes(root: Root, path: str) -> dict[str, int]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import math
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import google_crc32c
@@ -373,6 +373,21 @@ def _encode_plain_shard(data: np.ndarray, chunks: tuple[int, ...]) -> EncodedBox
                       crcs, index_crc)
 
 
+def _cells(counts: list[int]) -> Iterator[tuple[int, ...]]:
+    """Grid cells in row-major order, lazily (itertools.product would first turn every range
+    into a tuple: as long as the grid is wide)."""
+    index = [0] * len(counts)
+    while True:
+        yield tuple(index)
+        for d in reversed(range(len(counts))):
+            index[d] += 1
+            if index[d] < counts[d]:
+                break
+            index[d] = 0
+        else:
+            return
+
+
 def check_tiling(meta: ArrayMeta, boxes: Iterable[ShardSpec]) -> None:
     """Raises CheckpointError naming the array unless its boxes cover it exactly once.
 
@@ -396,10 +411,14 @@ def check_tiling(meta: ArrayMeta, boxes: Iterable[ShardSpec]) -> None:
     if 0 in meta.global_shape:
         return  # nothing is stored; an empty array needs no box
     counts = [-(-n // g) for n, g in zip(meta.global_shape, meta.grid)]
-    missing = [c for c in itertools.product(*map(range, counts)) if c not in seen]
+    # Counted, not listed: a tiny box claiming a huge global shape must not cost a list of
+    # every cell. (Each box lies inside the array, so `seen` holds distinct grid cells.)
+    missing = math.prod(counts) - len(seen)
     if missing:
-        first = tuple(c * g for c, g in zip(missing[0], meta.grid))
+        # among the first len(seen) + 1 cells at least one is missing
+        hole = next(c for c in _cells(counts) if c not in seen)
+        first = tuple(c * g for c, g in zip(hole, meta.grid))
         raise CheckpointError(
-            f"array {meta.name!r} has holes: {len(missing)} of {math.prod(counts)} boxes of "
+            f"array {meta.name!r} has holes: {missing} of {math.prod(counts)} boxes of "
             f"grid {meta.grid} were never written (first at offsets {first})"
         )

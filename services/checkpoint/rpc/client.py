@@ -1,4 +1,5 @@
-"""Client of the checkpoint service; returns domain objects, raises CheckpointError.
+"""Client of the checkpoint service; returns domain objects, raises CheckpointError (the
+request was refused) or ServiceUnavailableError (transient: worth a retry).
 
 `CheckpointClient` is also a sink for `AsyncSaver` (same `writer()` / `commit()` as
 `StorageSink`), so the trainer's async save code is the same with or without the service:
@@ -25,7 +26,7 @@ from services.checkpoint import layout
 from services.checkpoint.maintenance import RetentionResult
 from services.checkpoint.sharded import SaveResult
 from services.checkpoint.shards import ShardSpec
-from services.common.errors import CheckpointError
+from services.common.errors import CheckpointError, MeshtrainError
 from services.common.grpc_utils import channel_options
 
 
@@ -38,11 +39,27 @@ def box_to_pb(spec: ShardSpec) -> pb.Box:
     return box
 
 
+# What the service answers when the request itself is wrong: trying again cannot help.
+_REQUEST_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+                   grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.OUT_OF_RANGE,
+                   grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED,
+                   grpc.StatusCode.UNIMPLEMENTED}
+
+
+class ServiceUnavailableError(MeshtrainError):
+    """The checkpoint service could not do it now (unreachable, at its stream limit, past the
+    deadline, an unexpected server-side failure): not a CheckpointError, so AsyncSaver's
+    retry tries again, as it does for I/O errors of direct storage."""
+
+
 def _call(what: str, fn, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
     except grpc.RpcError as e:
-        raise CheckpointError(f"checkpoint service {what}: {e.code().name}: {e.details()}") from e
+        message = f"checkpoint service {what}: {e.code().name}: {e.details()}"
+        if e.code() in _REQUEST_ERRORS:
+            raise CheckpointError(message) from e
+        raise ServiceUnavailableError(message) from e
 
 
 class RemoteWriter:
@@ -61,8 +78,7 @@ class RemoteWriter:
 
     def write(self, spec: ShardSpec, data: np.ndarray | torch.Tensor) -> int:
         """Queues one box (stored dtype numpy array, or a tensor of the box's dtype)."""
-        if isinstance(data, torch.Tensor):
-            data = layout.to_stored(data)
+        data = layout.as_stored(data, spec.dtype, f"box {spec.offsets}+{spec.shape} of array {spec.array!r}")
         if tuple(data.shape) != spec.shape:
             raise CheckpointError(
                 f"box {spec.offsets}+{spec.shape} of array {spec.array!r} got data of shape "

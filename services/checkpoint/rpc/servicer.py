@@ -10,10 +10,13 @@ NOT_FOUND and must begin again (the previous checkpoint is untouched either way)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import threading
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -44,15 +47,28 @@ class ByteBudget:
         self.used = 0
         self._cond = threading.Condition()
 
-    def acquire(self, nbytes: int, what: str) -> None:
-        """Waits until `nbytes` fit under the cap, then takes them."""
+    def acquire(self, nbytes: int, what: str, is_active: Callable[[], bool] = lambda: True) -> None:
+        """Waits until `nbytes` fit under the cap, then takes them.
+
+        Args:
+            nbytes: bytes to take.
+            what: for messages.
+            is_active: the RPC's `context.is_active`: a caller that has gone away (cancelled,
+                past its deadline) stops waiting instead of holding its thread and RPC slot.
+
+        Raises:
+            CheckpointError: `nbytes` can never fit, or the caller went away while waiting.
+        """
         if nbytes > self.limit:
             raise CheckpointError(
                 f"{what} is {nbytes} bytes, over the service's in-flight limit of {self.limit}; "
                 "use smaller boxes or start the service with a larger --max-inflight-mb"
             )
         with self._cond:
-            self._cond.wait_for(lambda: self.used + nbytes <= self.limit)
+            while not self._cond.wait_for(lambda: self.used + nbytes <= self.limit, timeout=0.5):
+                if not is_active():
+                    raise CheckpointError(f"{what}: the caller went away while waiting for "
+                                          f"{nbytes} bytes of the in-flight budget")
             self.used += nbytes
 
     def release(self, nbytes: int) -> None:
@@ -92,22 +108,48 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         self.max_chunk_bytes = max_chunk_bytes
         self.budget = ByteBudget(max_inflight_bytes)
         self._saves: dict[str, _Save] = {}
+        # Saves that ended, bounded: a retried Commit of a committed save gets its reply again,
+        # and a late write of a superseded save a clear refusal.
+        self._committed: OrderedDict[str, pb.CommitResponse] = OrderedDict()
+        self._superseded: OrderedDict[str, int] = OrderedDict()
         self._lock = threading.Lock()
 
     def _save(self, save_id: str, context) -> _Save:
         with self._lock:
             save = self._saves.get(save_id)
+            superseded = self._superseded.get(save_id)
         if save is None:
+            if superseded is not None:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"save {save_id!r} of step {superseded} was superseded by a newer "
+                              "BeginSave of the same step; its writes are refused")
             context.abort(grpc.StatusCode.NOT_FOUND,
                           f"unknown save id {save_id!r}: call BeginSave first (a restarted "
                           "service forgets saves in progress)")
         return save
+
+    @staticmethod
+    def _remember(table: OrderedDict, key, value, limit: int = 256) -> None:
+        table[key] = value
+        while len(table) > limit:
+            table.popitem(last=False)
+
+    def _busy(self, step: int) -> bool:
+        """Whether a save of `step` is in progress (call with the lock held)."""
+        return any(s.step == step for s in self._saves.values())
 
     def BeginSave(self, request, context):
         if request.num_writers < 1:
             raise CheckpointError(f"num_writers must be >= 1, got {request.num_writers}")
         save_id = begin_save(self.root, request.step, overwrite=request.overwrite)
         with self._lock:
+            # A newer save of a step replaces an older one still open (a trainer restarted
+            # mid-save): the old id's writes and commit are refused from now on, so its late
+            # writers cannot mix their boxes into the new save's.
+            for old in [k for k, v in self._saves.items() if v.step == request.step]:
+                del self._saves[old]
+                self._remember(self._superseded, old, request.step)
+                log.warning("save %s of step %d superseded by save %s", old, request.step, save_id)
             self._saves[save_id] = _Save(request.step, request.num_writers)
         return pb.BeginSaveResponse(save_id=save_id)
 
@@ -131,7 +173,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                             f"{len(buf)} bytes")
                     spec = box_from_pb(msg.box)
                     nbytes = math.prod(spec.shape) * layout._DTYPES[spec.dtype][1].itemsize
-                    self.budget.acquire(nbytes, f"box {spec.offsets} of array {spec.array!r}")
+                    self.budget.acquire(nbytes, f"box {spec.offsets} of array {spec.array!r}", context.is_active)
                     buf, filled = bytearray(nbytes), 0
                 elif kind == "chunk":
                     if spec is None:
@@ -153,6 +195,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                 else:
                     raise CheckpointError(f"unexpected {kind!r} message inside a WriteShards stream")
                 if spec is not None and filled == len(buf):
+                    self._save(save_id, context)  # still this step's save (not superseded)
                     stored = np.frombuffer(buf, dtype=layout._DTYPES[spec.dtype][1])
                     total += writer.write(spec, stored.reshape(spec.shape))
                     boxes += 1
@@ -165,10 +208,15 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         finally:
             if buf is not None:
                 self.budget.release(len(buf))
+        self._save(save_id, context)  # a superseded save's fragment must not be stored either
         writer.finish()
         return pb.WriteShardsResponse(boxes=boxes, bytes=total)
 
     def Commit(self, request, context):
+        with self._lock:
+            done = self._committed.get(request.save_id)
+        if done is not None:  # a retry of a commit that succeeded (its reply was lost)
+            return done
         save = self._save(check_save_id(request.save_id), context)
         try:
             metadata = json.loads(request.metadata_json or "{}")
@@ -180,10 +228,13 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         finally:
             with self._lock:
                 self._saves.pop(request.save_id, None)
-        return pb.CommitResponse(
+        reply = pb.CommitResponse(
             url=result.url, step=result.step, num_arrays=result.num_arrays,
             num_objects=result.num_objects, bytes_written=result.bytes_written,
             seconds=result.seconds)
+        with self._lock:
+            self._remember(self._committed, request.save_id, reply)
+        return reply
 
     def List(self, request, context):
         return pb.ListResponse(steps=list_checkpoints(self.root))
@@ -197,7 +248,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         entry = manifest["arrays"].get(request.array)
         itemsize = np.dtype(entry["stored_dtype"]).itemsize if entry else 1
         nbytes = math.prod(shape) * itemsize
-        self.budget.acquire(nbytes, f"slice {shape} of array {request.array!r}")
+        self.budget.acquire(nbytes, f"slice {shape} of array {request.array!r}", context.is_active)
         try:
             tensor = read_box(self.root, request.step, request.array, tuple(request.offsets), shape)
             data = layout.to_stored(tensor).reshape(-1).view(np.uint8)  # (nbytes,)
@@ -208,10 +259,20 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             self.budget.release(nbytes)
 
     def Delete(self, request, context):
-        return pb.DeleteResponse(deleted=delete_checkpoint(self.root, request.step))
+        with self._lock:  # held while deleting: no save of the step can begin meanwhile
+            if self._busy(request.step):
+                raise CheckpointError(f"step {request.step} is being saved; delete it after its commit")
+            return pb.DeleteResponse(deleted=delete_checkpoint(self.root, request.step))
 
     def ApplyRetention(self, request, context):
         with self._lock:
             busy = [s.step for s in self._saves.values()]
-        result = apply_retention(self.root, request.keep_last, request.keep_every, busy)
+        result = apply_retention(self.root, request.keep_last, request.keep_every, busy, guard=self._guard)
         return pb.RetentionResponse(deleted=result.deleted, collected=result.collected)
+
+    @contextlib.contextmanager
+    def _guard(self, step: int):
+        """For retention's collection of a leftover: yields whether `step` is being saved,
+        holding the lock so that no save of it begins while its folder is removed."""
+        with self._lock:
+            yield self._busy(step)

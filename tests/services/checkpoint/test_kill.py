@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from services.checkpoint.reader import list_checkpoints, read_box, read_manifest
-from services.checkpoint.rpc.client import CheckpointClient
+from services.checkpoint.rpc.client import CheckpointClient, ServiceUnavailableError
 from services.checkpoint.sharded import begin_save
 from services.common.errors import CheckpointError
 from tests.services.checkpoint import killable
@@ -130,7 +130,7 @@ def service_save(client, step):
             writer.finish()
             if w == 0:
                 client.commit(step, save_id, killable.NUM_WRITERS, {"step": step}, timeout=2)
-        except CheckpointError as e:  # the service was killed under us
+        except (CheckpointError, ServiceUnavailableError) as e:  # the service was killed under us
             errors.append(e)
 
     threads = [threading.Thread(target=run, args=(w,)) for w in range(killable.NUM_WRITERS)]

@@ -62,6 +62,13 @@ def test_group_tensors_rejects_bad_input():
         group_tensors([("a/b", (1,), "float32")])
     with pytest.raises(CheckpointError, match="'__x'"):
         group_tensors([("__x", (1,), "float32")])
+    # a step's "_fragments" folder is the writers' scratch, removed by the commit
+    with pytest.raises(CheckpointError, match="'_fragments'"):
+        group_tensors([("_fragments", (1,), "float32")])
+    from services.checkpoint.shards import ShardSpec
+
+    with pytest.raises(CheckpointError, match="'_fragments'"):
+        ShardSpec("_fragments", (4,), "float32", (0,), (4,))
     with pytest.raises(CheckpointError, match="float64"):
         group_tensors([("w", (1,), "float64")])
     with pytest.raises(CheckpointError, match="listed twice"):

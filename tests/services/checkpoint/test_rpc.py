@@ -124,3 +124,83 @@ def test_delete_and_retention(service):
     assert client.list() == [3, 7]
     with pytest.raises(CheckpointError, match="keep_last=-1"):
         client.apply_retention(keep_last=-1)
+
+
+def test_a_step_being_saved_cannot_be_deleted(service):
+    _, client, _ = service
+    client.begin_save(4)
+    with pytest.raises(CheckpointError, match="step 4 is being saved"):
+        client.delete(4)
+
+
+def test_a_newer_begin_save_of_a_step_supersedes_the_older_one(service):
+    root, client, _ = service
+    full = torch.randn(2, 8, 4).to(torch.bfloat16)
+    old = client.begin_save(5, num_writers=1)
+    new = client.begin_save(5, num_writers=1)  # e.g. the trainer restarted mid-save
+    stale = client.writer(5, old, 0, 1)
+    for spec, data in tp_boxes(torch.zeros_like(full), 0, 1):
+        stale.write(spec, data)
+    with pytest.raises(CheckpointError, match=f"save '{old}' of step 5 was superseded"):
+        stale.finish()
+    fresh = AsyncSaver(client, 0, 1, commit_timeout=10)
+    fresh.save(5, new, tp_boxes(full, 0, 1), committer=True, metadata={})
+    assert fresh.wait().step == 5
+    with pytest.raises(CheckpointError, match="superseded"):
+        client.commit(5, old, 1, {}, timeout=1)
+    assert torch.equal(read_box(root, 5, "layers.attention.qkv.weight", (0, 0, 0), (2, 8, 4)).view(torch.int16),
+                       full.view(torch.int16))
+
+
+def test_a_retried_commit_of_a_committed_save_gets_its_result_again(service):
+    _, client, _ = service
+    save_id = client.begin_save(6, num_writers=1)
+    writer = client.writer(6, save_id, 0, 1)
+    writer.write(ShardSpec("w", (2,), "float32", (0,), (2,)), torch.ones(2))
+    writer.finish()
+    first = client.commit(6, save_id, 1, {}, timeout=5)
+    again = client.commit(6, save_id, 1, {}, timeout=5)  # the first reply was "lost"
+    assert (again.step, again.url, again.num_objects) == (first.step, first.url, first.num_objects)
+
+
+def test_a_writer_the_service_cannot_take_now_is_retried_not_failed(tmp_path):
+    # One stream slot, held by another save's slow stream: the writer gets RESOURCE_EXHAUSTED,
+    # which is transient, so AsyncSaver's retry waits for the slot (it used to be a
+    # CheckpointError, which is never retried, and the save failed).
+    import threading
+    import time
+
+    root = str(tmp_path / "ckpt")
+    server, port, _ = start_server(root, max_streams=1, commit_timeout=10)
+    client = CheckpointClient(f"127.0.0.1:{port}", chunk_bytes=256)
+    try:
+        other, mine = client.begin_save(99, num_writers=1), client.begin_save(3, num_writers=1)
+
+        def slow():
+            yield pb.WriteShardsRequest(header=pb.WriteHeader(save_id=other, writer_id=0))
+            time.sleep(1.5)
+
+        blocker = threading.Thread(target=lambda: client.stub.WriteShards(slow()))
+        blocker.start()
+        time.sleep(0.3)  # the slow stream holds the slot
+        saver = AsyncSaver(client, 0, 1, attempts=6, backoff=0.3, commit_timeout=10)
+        full = torch.randn(2, 8, 4).to(torch.bfloat16)
+        saver.save(3, mine, tp_boxes(full, 0, 1), committer=True, metadata={})
+        assert saver.wait().step == 3
+        blocker.join()
+    finally:
+        client.close()
+        server.stop(0)
+
+
+def test_remote_writer_refuses_data_of_another_dtype(service):
+    _, client, _ = service
+    save_id = client.begin_save(2, num_writers=1)
+    writer = client.writer(2, save_id, 0, 1)
+    spec = ShardSpec("w", (4,), "bfloat16", (0,), (4,))
+    with pytest.raises(CheckpointError, match="is bfloat16 but got a torch.float16 tensor"):
+        writer.write(spec, torch.ones(4, dtype=torch.float16))  # same width: would be reinterpreted
+    import numpy as np
+
+    with pytest.raises(CheckpointError, match="numpy array of float16"):
+        writer.write(spec, np.ones(4, dtype=np.float16))
