@@ -27,7 +27,7 @@ from services.checkpoint.maintenance import RetentionResult
 from services.checkpoint.sharded import SaveResult
 from services.checkpoint.shards import ShardSpec
 from services.common.errors import CheckpointError, MeshtrainError
-from services.common.grpc_utils import channel_options
+from services.common.grpc_utils import MAX_MESSAGE_BYTES, channel_options
 
 
 def box_to_pb(spec: ShardSpec) -> pb.Box:
@@ -117,7 +117,8 @@ class CheckpointClient:
         self.address = address
         self.chunk_bytes = chunk_bytes
         self.channel = grpc.insecure_channel(
-            address, options=channel_options(max(2 * chunk_bytes, 8 << 20)))
+            # Receive what any server sends: its --max-chunk-mb may be larger than ours.
+            address, options=channel_options(max(2 * chunk_bytes, MAX_MESSAGE_BYTES)))
         self.stub = pb_grpc.CheckpointServiceStub(self.channel)
 
     def begin_save(self, step: int, num_writers: int = 1, overwrite: bool = False) -> str:
@@ -154,10 +155,15 @@ class CheckpointClient:
         try:
             head = next(responses)
             dtype = head.dtype
+            if dtype not in layout._DTYPES or tuple(head.shape) != tuple(shape):
+                raise CheckpointError(f"ReadSlice of {array!r}: the service answered dtype {dtype!r} shape "
+                                      f"{tuple(head.shape)} for a {tuple(shape)} box")
             stored = layout._DTYPES[dtype][1]
             buf = bytearray(math.prod(shape) * stored.itemsize)
             filled = 0
             for msg in responses:
+                if filled + len(msg.chunk) > len(buf):
+                    raise CheckpointError(f"ReadSlice of {array!r} returned more than its {len(buf)} bytes")
                 buf[filled:filled + len(msg.chunk)] = msg.chunk
                 filled += len(msg.chunk)
         except grpc.RpcError as e:

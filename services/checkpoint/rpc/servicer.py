@@ -15,9 +15,10 @@ import json
 import logging
 import math
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
@@ -81,6 +82,8 @@ class ByteBudget:
 class _Save:
     step: int
     num_writers: int
+    started: float = field(default_factory=time.monotonic)
+    commit_lock: threading.Lock = field(default_factory=threading.Lock, compare=False)
 
 
 def box_from_pb(box: pb.Box) -> ShardSpec:
@@ -111,7 +114,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         # Saves that ended, bounded: a retried Commit of a committed save gets its reply again,
         # and a late write of a superseded save a clear refusal.
         self._committed: OrderedDict[str, pb.CommitResponse] = OrderedDict()
-        self._superseded: OrderedDict[str, int] = OrderedDict()
+        self._superseded: OrderedDict[str, tuple[int, str]] = OrderedDict()  # id -> (step, why)
         self._lock = threading.Lock()
 
     def _save(self, save_id: str, context) -> _Save:
@@ -120,9 +123,9 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             superseded = self._superseded.get(save_id)
         if save is None:
             if superseded is not None:
+                step, why = superseded
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"save {save_id!r} of step {superseded} was superseded by a newer "
-                              "BeginSave of the same step; its writes are refused")
+                              f"save {save_id!r} of step {step} {why}; its writes are refused")
             context.abort(grpc.StatusCode.NOT_FOUND,
                           f"unknown save id {save_id!r}: call BeginSave first (a restarted "
                           "service forgets saves in progress)")
@@ -136,7 +139,20 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
 
     def _busy(self, step: int) -> bool:
         """Whether a save of `step` is in progress (call with the lock held)."""
+        self._expire()
         return any(s.step == step for s in self._saves.values())
+
+    def _expire(self) -> None:
+        """Forget saves begun longer ago than twice the commit timeout, and never committed
+        (their trainer died): their steps are no longer busy, so retention collects the
+        leftovers, and late writes are refused (call with the lock held)."""
+        limit = time.monotonic() - 2 * self.commit_timeout
+        for save_id in [k for k, v in self._saves.items() if v.started < limit and not v.commit_lock.locked()]:
+            save = self._saves.pop(save_id)
+            self._remember(self._superseded, save_id,
+                           (save.step, f"was abandoned (no commit within {2 * self.commit_timeout:g} s)"))
+            log.warning("save %s of step %d abandoned (no commit within %.0f s); forgotten",
+                        save_id, save.step, 2 * self.commit_timeout)
 
     def BeginSave(self, request, context):
         if request.num_writers < 1:
@@ -148,7 +164,8 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             # writers cannot mix their boxes into the new save's.
             for old in [k for k, v in self._saves.items() if v.step == request.step]:
                 del self._saves[old]
-                self._remember(self._superseded, old, request.step)
+                self._remember(self._superseded, old,
+                               (request.step, "was superseded by a newer BeginSave of the same step"))
                 log.warning("save %s of step %d superseded by save %s", old, request.step, save_id)
             self._saves[save_id] = _Save(request.step, request.num_writers)
         return pb.BeginSaveResponse(save_id=save_id)
@@ -189,8 +206,8 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                             f"{len(buf)} bytes")
                     buf[filled:filled + size] = msg.chunk
                     filled += size
-                elif kind == "error":
-                    writer.finish(error=msg.error)
+                elif kind == "error":  # an empty text must still fail the save
+                    writer.finish(error=msg.error or f"writer {first.header.writer_id} reported an error")
                     return pb.WriteShardsResponse(boxes=boxes, bytes=total)
                 else:
                     raise CheckpointError(f"unexpected {kind!r} message inside a WriteShards stream")
@@ -222,18 +239,25 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             metadata = json.loads(request.metadata_json or "{}")
         except ValueError as e:
             raise CheckpointError(f"commit metadata is not JSON: {e}") from e
-        try:
-            result = commit(self.root, save.step, request.save_id, save.num_writers, metadata,
-                            timeout=request.timeout_s or self.commit_timeout)
-        finally:
+        with save.commit_lock:  # a second Commit of this save (a client retrying) waits for the first
             with self._lock:
+                done = self._committed.get(request.save_id)
+            if done is not None:
+                return done
+            try:
+                result = commit(self.root, save.step, request.save_id, save.num_writers, metadata,
+                                timeout=request.timeout_s or self.commit_timeout)
+            except BaseException:
+                with self._lock:
+                    self._saves.pop(request.save_id, None)
+                raise
+            reply = pb.CommitResponse(
+                url=result.url, step=result.step, num_arrays=result.num_arrays,
+                num_objects=result.num_objects, bytes_written=result.bytes_written,
+                seconds=result.seconds)
+            with self._lock:  # one step: a retry finds the reply or the save, never neither
+                self._remember(self._committed, request.save_id, reply)
                 self._saves.pop(request.save_id, None)
-        reply = pb.CommitResponse(
-            url=result.url, step=result.step, num_arrays=result.num_arrays,
-            num_objects=result.num_objects, bytes_written=result.bytes_written,
-            seconds=result.seconds)
-        with self._lock:
-            self._remember(self._committed, request.save_id, reply)
         return reply
 
     def List(self, request, context):
@@ -266,6 +290,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
 
     def ApplyRetention(self, request, context):
         with self._lock:
+            self._expire()
             busy = [s.step for s in self._saves.values()]
         result = apply_retention(self.root, request.keep_last, request.keep_every, busy, guard=self._guard)
         return pb.RetentionResponse(deleted=result.deleted, collected=result.collected)

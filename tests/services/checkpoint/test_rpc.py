@@ -204,3 +204,45 @@ def test_remote_writer_refuses_data_of_another_dtype(service):
 
     with pytest.raises(CheckpointError, match="numpy array of float16"):
         writer.write(spec, np.ones(4, dtype=np.float16))
+
+
+def test_an_error_message_without_text_still_fails_the_save(service):
+    _, client, _ = service
+    save_id = client.begin_save(12, num_writers=1)
+    raw_stream(client, save_id, [pb.WriteShardsRequest(error="")])
+    with pytest.raises(CheckpointError, match="writer 0 reported an error"):
+        client.commit(12, save_id, 1, {}, timeout=2)
+
+
+def test_an_abandoned_save_is_forgotten_and_its_leftovers_collected(tmp_path):
+    import time
+
+    root = str(tmp_path / "ckpt")
+    server, port, _ = start_server(root, commit_timeout=0.2)
+    client = CheckpointClient(f"127.0.0.1:{port}", chunk_bytes=256)
+    try:
+        save_id = client.begin_save(8, num_writers=1)  # its trainer dies before committing
+        ShardWriter(root, 8, save_id, 0, 1).write(ShardSpec("w", (2,), "float32", (0,), (2,)), torch.ones(2))
+        assert client.apply_retention(keep_last=3).collected == []  # still in progress
+        time.sleep(0.6)  # past twice the commit timeout
+        assert client.apply_retention(keep_last=3).collected == [8]
+        late = client.writer(8, save_id, 0, 1)
+        late.write(ShardSpec("w", (2,), "float32", (0,), (2,)), torch.ones(2))
+        with pytest.raises(CheckpointError, match="abandoned"):
+            late.finish()
+    finally:
+        client.close()
+        server.stop(0)
+
+
+def test_two_commits_of_one_save_at_once_both_get_the_result(service):
+    from concurrent.futures import ThreadPoolExecutor
+
+    _, client, _ = service
+    save_id = client.begin_save(13, num_writers=1)
+    writer = client.writer(13, save_id, 0, 1)
+    writer.write(ShardSpec("w", (2,), "float32", (0,), (2,)), torch.ones(2))
+    writer.finish()
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda _: client.commit(13, save_id, 1, {}, timeout=5), range(2)))
+    assert results[0].url == results[1].url and client.list() == [13]
