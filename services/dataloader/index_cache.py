@@ -17,6 +17,8 @@ import hashlib
 import json
 import logging
 import os
+import threading
+import uuid
 from pathlib import Path
 from typing import Callable
 
@@ -69,7 +71,8 @@ def cached_arrays(
     arrays = build()
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        tag = f".tmp-{os.getpid()}"
+        # unique per writer: threads of one process (a data worker's streams) build at once
+        tag = f".tmp-{os.getpid()}-{threading.get_ident():x}-{uuid.uuid4().hex[:8]}"
         for name, arr in arrays.items():
             tmp = folder / f"{key}-{name}{tag}.npy"
             np.save(tmp, arr)

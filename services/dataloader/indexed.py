@@ -62,8 +62,14 @@ def best_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size < 65500 else np.dtype(np.int32)
 
 
+def local_path(prefix: str | os.PathLike) -> str:
+    """A local prefix as a plain path (`file:///data/x` -> `/data/x`)."""
+    s = str(prefix)
+    return s[len("file://"):] if s.startswith("file://") else s
+
+
 def _paths(prefix: str | os.PathLike) -> tuple[Path, Path]:
-    prefix = str(prefix)
+    prefix = local_path(prefix)
     return Path(prefix + ".bin"), Path(prefix + ".idx")
 
 

@@ -79,6 +79,16 @@ def default_corpus_files(max_bytes: int) -> list[Path]:
     return out
 
 
+def _without_lone_surrogates(text: str) -> str:
+    """JSON escapes like "\\ud800" decode to lone surrogates, which no UTF-8 tokenizer takes;
+    they become U+FFFD, as invalid UTF-8 bytes in the input do (errors="replace")."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
 def _iter_documents(path: Path, json_key: str) -> Iterator[str]:
     if not path.is_file():
         raise DataError(f"{path}: input file is missing")
@@ -96,7 +106,7 @@ def _iter_documents(path: Path, json_key: str) -> Iterator[str]:
                 text = obj[json_key]
                 if not isinstance(text, str):
                     raise DataError(f"{path}:{lineno}: {json_key!r} is {type(text).__name__}, not a string")
-                yield text
+                yield _without_lone_surrogates(text)
     elif path.suffix == ".parquet":
         yield from _iter_parquet(path, json_key)
     else:

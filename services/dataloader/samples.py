@@ -37,7 +37,8 @@ def split_ranges(num_documents: int, split: str = "969,30,1") -> list[tuple[int,
     Returns:
         Three `(begin, end)` ranges that tile `[0, num_documents)` in order.
     """
-    parts = [p.strip() for p in split.replace("/", ",").split(",") if p.strip()]
+    # An empty field is an error, not dropped: "90,,10" would move test's 10 into valid.
+    parts = [p.strip() for p in split.replace("/", ",").split(",")]
     try:
         weights = [float(p) for p in parts]
     except ValueError:

@@ -21,7 +21,7 @@ import numpy as np
 
 from services.common.errors import DataError
 from services.dataloader.blend import BlendedDataset, normalize_weights, samples_needed
-from services.dataloader.indexed import IndexedDataset, is_remote
+from services.dataloader.indexed import IndexedDataset, is_remote, local_path
 from services.dataloader.samples import GPTDataset, split_ranges
 
 SPLITS = ("train", "valid", "test")
@@ -60,7 +60,7 @@ def parse_data_path(data_path: list[str]) -> tuple[list[str], list[float]]:
             prefixes.append(p)
     seen: dict[str, str] = {}
     for p in prefixes:
-        key = p.rstrip("/") if is_remote(p) else os.path.realpath(p)
+        key = p.rstrip("/") if is_remote(p) else os.path.realpath(local_path(p))
         if key in seen:
             # listing one dataset twice silently doubles its share; say so instead
             raise DataError(f"data_path lists dataset {p!r} twice (also as {seen[key]!r}); merge the weights")
@@ -117,7 +117,7 @@ def index_cache_dir(prefix: str) -> str:
     """
     if is_remote(prefix):
         return os.environ.get("MESHTRAIN_INDEX_CACHE") or os.path.expanduser("~/.cache/meshtrain/index")
-    return str(Path(prefix).parent / INDEX_CACHE_DIR)
+    return str(Path(local_path(prefix)).parent / INDEX_CACHE_DIR)
 
 
 def open_dataset(spec: DatasetSpec, cache: bool = True) -> GPTDataset | BlendedDataset:

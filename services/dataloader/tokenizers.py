@@ -130,6 +130,10 @@ class HFTokenizer(Tokenizer):
         if eod is None:
             raise DataError(f"{self.path}: tokenizer has no {EOD_TOKEN} token to mark document ends")
         self._eod = int(eod)
+        # A document that merely mentions "<|endoftext|>" (code, docs) must not get a document
+        # boundary in its middle: special tokens in the text are encoded as text, as the byte
+        # tokenizer and tiktoken's encode_ordinary do. EOD comes only from document ends.
+        self._tok.encode_special_tokens = True
         self._vocab = int(self._tok.get_vocab_size(with_added_tokens=True))
 
     @property

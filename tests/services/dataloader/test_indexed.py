@@ -194,3 +194,9 @@ def test_fsspec_url_reads_by_range(tmp_path):
         IndexedDataset("memory://bucket/short")
     with pytest.raises(DataError, match=r"memory://bucket/none.idx: .*missing"):
         IndexedDataset("memory://bucket/none")
+
+
+def test_a_file_url_prefix_is_a_local_path(tmp_path):
+    prefix = _write(tmp_path / "ds", [[1, 2, 3], [4]], np.uint16)
+    ds = IndexedDataset(f"file://{prefix}")
+    assert [ds[i].tolist() for i in range(len(ds))] == [[1, 2, 3], [4]]

@@ -11,7 +11,7 @@ from services.common.errors import DataError
 from services.dataloader import preprocess
 from services.dataloader.indexed import IndexedDataset
 from services.dataloader.preprocess import default_corpus_files, prepare_default_dataset, preprocess_files
-from services.dataloader.tokenizers import ByteTokenizer, build_tokenizer
+from services.dataloader.tokenizers import ByteTokenizer, build_tokenizer, train_bpe
 
 
 def test_preprocess_jsonl_and_text(tmp_path):
@@ -26,6 +26,19 @@ def test_preprocess_jsonl_and_text(tmp_path):
     expected = [tok.encode(d) + [256] for d in docs] + [tok.encode("print('hi')\n\ufffd\n") + [256]]
     assert ds.dtype == np.uint16 and len(ds) == len(expected)
     assert [ds[i].tolist() for i in range(len(ds))] == expected
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_json_escaped_lone_surrogates_become_replacement_characters(tmp_path, workers):
+    jl = tmp_path / "a.jsonl"
+    jl.write_text('{"text": "bad \\ud800 x"}\n{"text": "pair \\ud83d\\ude00"}\n')  # web text has these
+    sample = tmp_path / "sample.txt"
+    sample.write_text("bad pair x " * 50)
+    hf = train_bpe([sample], 300, tmp_path / "tokenizer.json")
+    for name, tok in (("byte", ByteTokenizer()), ("hf", hf)):
+        ds = IndexedDataset(preprocess_files([jl], tmp_path / f"{name}{workers}", tok, workers=workers))
+        assert [ds[i].tolist() for i in range(len(ds))] == [
+            tok.encode("bad \ufffd x") + [tok.eod_id], tok.encode("pair \U0001f600") + [tok.eod_id]]
 
 
 def test_preprocess_without_eod_skips_empty_documents(tmp_path):

@@ -100,7 +100,7 @@ def test_split_ranges():
         split_ranges(3, "1,100,0")
     with pytest.raises(DataError, match="train split empty"):
         split_ranges(1, "1,1,1")  # one document cannot give a third of itself to train
-    for bad in ("a,b", "1,-1,0", "0,0,0", "1,1,1,1", ""):
+    for bad in ("a,b", "1,-1,0", "0,0,0", "1,1,1,1", "", "90,,10"):  # an empty field is not dropped
         with pytest.raises(DataError, match="split"):
             split_ranges(10, bad)
 

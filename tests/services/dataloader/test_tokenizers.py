@@ -86,3 +86,12 @@ def test_train_bpe_errors(tmp_path):
         train_bpe([str(tmp_path / "absent.txt")], 300, tmp_path / "t.json")
     with pytest.raises(DataError, match="too small"):
         train_bpe([str(tmp_path / "absent.txt")], 100, tmp_path / "t.json")
+
+
+def test_the_eod_text_inside_a_document_is_text_not_a_document_end(tmp_path, corpus):
+    # Only document ends get EOD; code or docs that mention the token keep it as characters
+    # (as the byte tokenizer and tiktoken's encode_ordinary do).
+    tok = train_bpe(corpus, 300, tmp_path / "tokenizer.json")
+    text = f"print('{EOD_TOKEN}')"
+    for ids in (tok.encode(text), tok.encode_batch([text])[0]):
+        assert tok.eod_id not in ids and tok.decode(ids) == text
