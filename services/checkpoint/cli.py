@@ -4,7 +4,7 @@
     meshtrain ckpt list ROOT
     meshtrain ckpt inspect ROOT [--step N] [--json]
     meshtrain ckpt verify ROOT [--step N | --all]
-    meshtrain ckpt delete ROOT (--step N | --keep-last N [--keep-every K])
+    meshtrain ckpt delete ROOT (--step N | --keep-last N [--keep-every K]) [--collect-leftovers]
     meshtrain ckpt export --format hf SRC DST | import --format hf SRC DST     (convert_cli.py)
     meshtrain ckpt convert SRC DST [--dtype bf16] [--drop-optimizer] [--target-tensor-parallel-size N]
 
@@ -92,10 +92,14 @@ def cmd_delete(args: argparse.Namespace) -> int:
             raise CheckpointError(f"no checkpoint step {args.step} under {args.root}")
         print(f"deleted step {args.step}")
         return 0
-    if args.keep_last is None and not args.keep_every:
-        raise CheckpointError("ckpt delete: give --step N, or --keep-last N [--keep-every K]")
-    result = apply_retention(args.root, args.keep_last or 0, args.keep_every)
-    print(f"deleted steps {result.deleted}; removed uncommitted leftovers {result.collected}")
+    if args.keep_last is None and not args.keep_every and not args.collect_leftovers:
+        raise CheckpointError("ckpt delete: give --step N, or --keep-last N [--keep-every K], "
+                              "and/or --collect-leftovers")
+    # From the command line a save in progress (a live run's) is indistinguishable from a
+    # crashed one's leftovers: those are removed only when asked for.
+    result = apply_retention(args.root, args.keep_last or 0, args.keep_every, collect=args.collect_leftovers)
+    print(f"deleted steps {result.deleted}"
+          + (f"; removed uncommitted leftovers {result.collected}" if args.collect_leftovers else ""))
     return 0
 
 
@@ -136,6 +140,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     dele.add_argument("--step", type=int, help="delete this step")
     dele.add_argument("--keep-last", type=int, help="keep the newest N committed steps")
     dele.add_argument("--keep-every", type=int, default=0, help="also keep multiples of K")
+    dele.add_argument("--collect-leftovers", action="store_true",
+                      help="also remove uncommitted step folders (crashed saves); only when no run is "
+                           "saving into ROOT: a save in progress looks the same")
     dele.set_defaults(func=cmd_delete)
     ls = csub.add_parser("list", help="committed checkpoint steps under ROOT")
     ls.add_argument("root")

@@ -31,6 +31,9 @@ class CheckpointConfig:
     """After each committed save, keep only the newest N checkpoints (0: keep all)."""
     keep_every: int = 0
     """With keep_last: also keep every checkpoint whose step is a multiple of K."""
+    overwrite: bool = False
+    """Replace a committed checkpoint of the same step (a run restarted from scratch into a
+    root that holds an earlier run's steps); off: such a save is an error."""
 
     def __post_init__(self) -> None:
         if self.load_step is not None and self.load is None:

@@ -151,6 +151,13 @@ def model_from_hf(config: dict[str, Any]) -> ModelConfig:
     Raises:
         CheckpointError: another architecture, or a setting meshtrain cannot express; names it.
     """
+    try:
+        return _model_from_hf(config)
+    except KeyError as e:
+        raise CheckpointError(f"HF config has no {e.args[0]!r} (model_type {config.get('model_type')!r})") from None
+
+
+def _model_from_hf(config: dict[str, Any]) -> ModelConfig:
     kind = config.get("model_type")
 
     def need(key: str, ok: Callable[[Any], bool], allowed: str, default: Any = None) -> Any:
@@ -380,8 +387,11 @@ def import_hf(src_dir: str, dst_root: str, seed: int = 1234) -> str:
     config_path = src / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"{src}: no config.json, so not a Hugging Face model folder")
-    model = model_from_hf(json.loads(config_path.read_text()))
+    model = model_from_hf(_read_json(config_path))
     files = _safetensors_files(src)
+    missing = sorted(f for f in set(files.values()) if not (src / f).is_file())
+    if missing:
+        raise CheckpointError(f"{src}: the safetensors index names files that are not there: {missing}")
     handles = {f: safe_open(str(src / f), framework="pt") for f in set(files.values())}
     plan = rules(model)
     gpt2 = architecture(model) == "gpt2"
@@ -493,12 +503,26 @@ def _safetensors_files(src: Path) -> dict[str, str]:
     """HF tensor name -> the safetensors file (relative to `src`) holding it."""
     index = src / "model.safetensors.index.json"
     if index.is_file():
-        return dict(json.loads(index.read_text())["weight_map"])
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: no weight_map object")
+        return dict(weight_map)
     single = src / "model.safetensors"
     if not single.is_file():
         raise CheckpointError(f"{src}: no model.safetensors or model.safetensors.index.json")
     with _safe_open()(str(single), framework="pt") as f:
         return {name: single.name for name in f.keys()}  # noqa: SIM118 (not a dict)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON object file, or CheckpointError naming it."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a readable JSON file ({e})") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: holds a JSON {type(data).__name__}, not an object")
+    return data
 
 
 def _safe_open() -> Callable[..., Any]:

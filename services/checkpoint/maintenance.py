@@ -89,7 +89,8 @@ class RetentionResult:
 
 def apply_retention(root: str, keep_last: int, keep_every: int = 0,
                     in_progress: Iterable[int] = (),
-                    guard: Callable[[int], AbstractContextManager[bool]] | None = None) -> RetentionResult:
+                    guard: Callable[[int], AbstractContextManager[bool]] | None = None,
+                    collect: bool = True) -> RetentionResult:
     """Applies a retention policy and collects uncommitted leftovers.
 
     Args:
@@ -100,6 +101,8 @@ def apply_retention(root: str, keep_last: int, keep_every: int = 0,
         guard: `guard(step)` is entered around the collection of each leftover and yields
             whether a save of that step is in progress *now* (the checkpoint service holds its
             lock there, so no save of the step begins until the folder is gone).
+        collect: also remove uncommitted step folders (off when saves of other processes may
+            be in progress and nothing says which).
 
     Returns:
         A RetentionResult.
@@ -111,6 +114,8 @@ def apply_retention(root: str, keep_last: int, keep_every: int = 0,
     for step in committed:
         if step not in kept and delete_checkpoint(root, step):
             result.deleted.append(step)
+    if not collect:
+        return result
     busy = set(in_progress)
     store_root.fs.invalidate_cache(store_root.path)
     try:

@@ -122,8 +122,8 @@ def begin_save(root: str | Root, step: int, overwrite: bool = False) -> str:
     if is_committed(root, step):
         if not overwrite:
             raise CheckpointError(
-                f"checkpoint step {step} already exists under {root.url!r} "
-                "(pass overwrite=True to replace it)"
+                f"checkpoint step {step} already exists under {root.url!r} (to replace it: "
+                "--checkpoint.overwrite=true for a training run, overwrite=True in code)"
             )
         # Uncommit first, so a crash while deleting leaves an ignored folder, not a
         # manifest pointing at missing arrays.

@@ -11,6 +11,7 @@ module it is the probe of compose health checks and the Slurm scripts:
 from __future__ import annotations
 
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -48,23 +49,24 @@ def http_answers(url: str, timeout_s: float = 1.0) -> bool:
     return True
 
 
-def wait_serving(timeout_s: float = 120.0):
+def wait_serving(timeout_s: float = 120.0, stop: threading.Event | None = None):
     """A `wait` for `Topology.start`: blocks until the child's gRPC health check says SERVING.
 
     Args:
         timeout_s: how long a child may take to start (importing torch is most of it).
+        stop: set, it ends the wait with StopRequested (Ctrl-C during startup).
     """
     def wait(child: Child) -> None:
         address = f"127.0.0.1:{child.port}"
-        wait_until(lambda: grpc_serving(address), timeout_s, f"serving on {address}", child)
+        wait_until(lambda: grpc_serving(address), timeout_s, f"serving on {address}", child, stop=stop)
     return wait
 
 
-def wait_http(timeout_s: float = 60.0):
+def wait_http(timeout_s: float = 60.0, stop: threading.Event | None = None):
     """A `wait` for `Topology.start`: blocks until http://127.0.0.1:PORT answers."""
     def wait(child: Child) -> None:
         url = f"http://127.0.0.1:{child.port}"
-        wait_until(lambda: http_answers(url), timeout_s, f"answering on {url}", child)
+        wait_until(lambda: http_answers(url), timeout_s, f"answering on {url}", child, stop=stop)
     return wait
 
 

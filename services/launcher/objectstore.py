@@ -108,12 +108,15 @@ class ObjectStore:
         data = self.folder / "data"
         data.mkdir(parents=True, exist_ok=True)
         config = self.folder / "s3.json"
-        config.write_text(json.dumps({"identities": [{
-            "name": "meshtrain",
-            "credentials": [{"accessKey": self.keys.access_key, "secretKey": self.keys.secret_key}],
-            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-        }]}))
-        os.chmod(config, 0o600)
+        # Created 0600, never readable by others (not even between a write and a chmod).
+        config.unlink(missing_ok=True)
+        fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps({"identities": [{
+                "name": "meshtrain",
+                "credentials": [{"accessKey": self.keys.access_key, "secretKey": self.keys.secret_key}],
+                "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+            }]}))
         args = [self.weed, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}",
                 "-volume.max=0", "-master.volumeSizeLimitMB=256", "-s3", f"-s3.config={config}",
                 # Side servers on fixed default ports (8181, 9101) would collide between two

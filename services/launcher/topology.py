@@ -68,6 +68,28 @@ class ChildFailed(MeshtrainError):
     """A child exited when it should not have, or never became healthy."""
 
 
+class StopRequested(MeshtrainError):
+    """A stop was requested while waiting for a child to become ready."""
+
+
+# Run as the child's first program: ask the kernel to SIGTERM this process when the launcher
+# dies (SIGKILL, SIGHUP of a closed terminal, a crash), then exec the real command. The setting
+# survives exec; a launcher that died before it took effect is caught by the getppid check.
+_PDEATHSIG = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None).prctl(1, signal.SIGTERM)\n"  # PR_SET_PDEATHSIG
+    "os.getppid() == int(sys.argv[1]) or sys.exit('launcher gone before start')\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def _dies_with_us(argv: list[str]) -> list[str]:
+    """`argv` wrapped so that the child is SIGTERMed if this process dies (Linux)."""
+    if not sys.platform.startswith("linux"):
+        return argv
+    return [sys.executable, "-c", _PDEATHSIG, str(os.getpid()), *argv]
+
+
 @dataclass
 class Child:
     """One process of the topology.
@@ -77,7 +99,8 @@ class Child:
         argv: the command.
         env: extra environment variables (added to ours).
         port: the gRPC port it serves, health-checked after start (None: not a server).
-        role: "service" or "trainer"; trainers stop first and their finishing ends the run.
+        role: "trainer", "service" or "store"; trainers stop first and their finishing ends
+            the run, the object store (which services write to) stops last.
         restart: start it again (same argv, same port) when it dies on its own.
         grace_s: seconds between SIGTERM and SIGKILL when stopping it.
     """
@@ -106,12 +129,23 @@ class Topology:
         self.out = out or sys.stdout
         self.max_restarts = max_restarts
         self.children: list[Child] = []
+        self.urgent = threading.Event()  # set (a second Ctrl-C): shutdown skips grace periods
         self._out_lock = threading.Lock()
         self._pumps: list[threading.Thread] = []
 
     def say(self, line: str) -> None:
         """A line of the launcher's own, prefixed `[up]`."""
         self._write("up", line)
+
+    def say_if_free(self, line: str) -> None:
+        """`say` from a signal handler: skipped if this thread is mid-write (the lock is not
+        reentrant, and waiting for it there would wait forever)."""
+        if self._out_lock.acquire(blocking=False):
+            try:
+                self.out.write(f"[up] {line}\n")
+                self.out.flush()
+            finally:
+                self._out_lock.release()
 
     def _write(self, name: str, line: str) -> None:
         with self._out_lock:
@@ -130,7 +164,7 @@ class Topology:
         """
         env = {**os.environ, **child.env, "PYTHONUNBUFFERED": "1"}
         # Own session: a terminal's Ctrl-C reaches only us, and we stop children in order.
-        child.process = subprocess.Popen(child.argv, env=env, stdout=subprocess.PIPE,
+        child.process = subprocess.Popen(_dies_with_us(child.argv), env=env, stdout=subprocess.PIPE,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True)
         pump = threading.Thread(target=self._pump, args=(child.name, child.process.stdout),
@@ -205,8 +239,9 @@ class Topology:
             Each child's exit status (negative: killed by that signal).
         """
         trainers = [c for c in self.children if c.role == "trainer"]
-        services = [c for c in reversed(self.children) if c.role != "trainer"]
-        for group in (trainers, services):
+        services = [c for c in reversed(self.children) if c.role == "service"]
+        stores = [c for c in reversed(self.children) if c.role == "store"]
+        for group in (trainers, services, stores):
             for c in group:
                 c.stopping = True
                 if c.process.poll() is None:
@@ -214,10 +249,15 @@ class Topology:
                     _signal(c.process, signal.SIGTERM)
             for c in group:
                 grace = trainer_grace_s if (c.role == "trainer" and trainer_grace_s is not None) else c.grace_s
-                try:
-                    c.process.wait(grace)
-                except subprocess.TimeoutExpired:
-                    self.say(f"{c.name} still running after {grace:.0f} s: SIGKILL")
+                deadline = time.monotonic() + grace
+                while c.process.poll() is None and time.monotonic() < deadline and not self.urgent.is_set():
+                    try:
+                        c.process.wait(0.2)
+                    except subprocess.TimeoutExpired:
+                        pass
+                if c.process.poll() is None:
+                    why = "stopping now" if self.urgent.is_set() else f"still running after {grace:.0f} s"
+                    self.say(f"{c.name} {why}: SIGKILL")
                     _signal(c.process, signal.SIGKILL)
                     c.process.wait()
         for pump in self._pumps:
@@ -244,14 +284,17 @@ def _describe(code: int) -> str:
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str, child: Child,
-               poll_s: float = 0.2) -> None:
+               poll_s: float = 0.2, stop: threading.Event | None = None) -> None:
     """Poll `predicate` until true; fail if `child` exits first or `timeout_s` passes.
 
     Raises:
         ChildFailed: naming `child` and what it was not (`what`: "serving on HOST:PORT").
+        StopRequested: `stop` was set meanwhile.
     """
     deadline = time.monotonic() + timeout_s
     while not predicate():
+        if stop is not None and stop.is_set():
+            raise StopRequested(f"stop requested while waiting for {child.name} to be {what}")
         code = child.process.poll()
         if code is not None:
             raise ChildFailed(f"{child.name} exited with status {_describe(code)} before {what}")

@@ -32,7 +32,13 @@ from pathlib import Path
 from services.common.errors import ConfigError
 from services.launcher.health import wait_http, wait_serving
 from services.launcher.objectstore import AccessKeys, ObjectStore, require_weed
-from services.launcher.topology import Child, ChildFailed, Topology, free_port
+from services.launcher.topology import (
+    Child,
+    ChildFailed,
+    StopRequested,
+    Topology,
+    free_port,
+)
 
 PYTHON = [sys.executable, "-m", "services.cli"]
 
@@ -63,6 +69,11 @@ class UpOptions:
     s3_bucket: str = "meshtrain"
     resume: bool = True
 
+    def __post_init__(self) -> None:
+        if self.nproc_per_node < 1 or self.data_workers < 0:
+            raise ConfigError(f"up needs --nproc-per-node >= 1 (got {self.nproc_per_node}) and "
+                              f"--data-workers >= 0 (got {self.data_workers})")
+
 
 @dataclass
 class Plan:
@@ -76,6 +87,7 @@ class Plan:
         store: the local object store (None without `--s3`).
         store_child: its process, started before the services (None without `--s3`).
         loads: whether the trainer config already names a checkpoint to load.
+        load_step: whether it also names the step to load.
     """
 
     services: list[Child]
@@ -85,6 +97,7 @@ class Plan:
     store: ObjectStore | None = None
     store_child: Child | None = None
     loads: bool = False
+    load_step: bool = False
 
 
 def plan(options: UpOptions, overrides: list[str]) -> Plan:
@@ -110,7 +123,7 @@ def plan(options: UpOptions, overrides: list[str]) -> Plan:
         folder = run_dir / "s3"
         store = ObjectStore(require_weed(), folder, AccessKeys.load_or_create(folder))
         # weed takes ~25 s to exit on SIGTERM; what it acknowledged is on disk, so 3 s will do.
-        store_child = Child("s3", store.argv(), port=store.port, grace_s=3.0)
+        store_child = Child("s3", store.argv(), port=store.port, role="store", grace_s=3.0)
     save = job.checkpoint.save or (f"s3://{options.s3_bucket}/checkpoints" if store else str(run_dir / "checkpoints"))
     metrics = ["--metrics-port", "0"] if options.metrics else []
     services: list[Child] = []
@@ -139,18 +152,22 @@ def plan(options: UpOptions, overrides: list[str]) -> Plan:
                       env={**rendezvous, "RANK": str(rank), "LOCAL_RANK": str(rank)} if world > 1 else {},
                       role="trainer", grace_s=options.trainer_grace_s)
                 for rank in range(world)]
-    return Plan(services, trainers, run_dir, save, store, store_child, loads=job.checkpoint.load is not None)
+    if not options.resume:  # from scratch into a root that may hold an earlier run's steps
+        for child in trainers:
+            child.argv.append("--checkpoint.overwrite=true")
+    return Plan(services, trainers, run_dir, save, store, store_child,
+                loads=job.checkpoint.load is not None, load_step=job.checkpoint.load_step is not None)
 
 
 def _start_services(topo: Topology, p: Plan, options: UpOptions, stop: threading.Event) -> None:
     """Start the object store (an S3 port that answers, then its bucket), then the services in
     order, each once the one before is healthy."""
     if p.store is not None:
-        topo.start(p.store_child, wait_http(options.start_timeout_s))
+        topo.start(p.store_child, wait_http(options.start_timeout_s, stop))
         p.store.make_bucket(options.s3_bucket, options.start_timeout_s)
         topo.say(f"object store {p.store.endpoint} serving bucket {options.s3_bucket} "
                  f"(data and keys in {p.store.folder})")
-    serving = wait_serving(options.start_timeout_s)
+    serving = wait_serving(options.start_timeout_s, stop)
     for child in p.services:
         if stop.is_set():
             return
@@ -158,8 +175,13 @@ def _start_services(topo: Topology, p: Plan, options: UpOptions, stop: threading
 
 
 def _resume_from(p: Plan, options: UpOptions) -> int | None:
-    """The newest committed step under the save root when the trainer should resume from it."""
-    if not options.resume or p.loads:
+    """The newest committed step under the save root when the trainer should resume from it.
+
+    The run's own checkpoints win over `--checkpoint.load` (where a run starts, e.g. imported
+    weights): rerunning the command continues the run instead of starting it again (and then
+    failing at its first save, whose step exists). An explicit `--checkpoint.load_step` wins.
+    """
+    if not options.resume or p.load_step:
         return None
     from services.checkpoint.reader import latest_step
 
@@ -185,9 +207,17 @@ def run_up(options: UpOptions, overrides: list[str], out=None,
     previous = {}
     if threading.current_thread() is threading.main_thread():
         def on_signal(signum, _frame):
-            topo.say(f"received {signal.Signals(signum).name}: stopping (trainer first, it checkpoints)")
-            stop.set()
-        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+            # Only flags here: the handler runs on the main thread, which may be mid-write.
+            name = signal.Signals(signum).name
+            if stop.is_set():
+                topo.urgent.set()
+                topo.say_if_free(f"received {name} again: stopping now (SIGKILL, no checkpoint)")
+            else:
+                stop.set()
+                topo.say_if_free(f"received {name}: stopping (trainer first, it checkpoints; "
+                                 "again to stop at once)")
+        # SIGHUP: the terminal closed; the children must not outlive us either way.
+        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     code = 1
     # The store's endpoint and keys, for this process (listing the save root) and every child.
     saved_env = {k: os.environ.get(k) for k in (p.store.env() if p.store else {})}
@@ -205,9 +235,12 @@ def run_up(options: UpOptions, overrides: list[str], out=None,
             for child in p.trainers:
                 topo.start(child)
             topo.say(f"trainer started: `meshtrain status {p.run_dir}` / `meshtrain stop {p.run_dir}`")
-            code = topo.supervise(stop, restart_wait=wait_serving(options.start_timeout_s))
+            code = topo.supervise(stop, restart_wait=wait_serving(options.start_timeout_s, stop))
         else:
             code = 0
+    except StopRequested as e:
+        topo.say(str(e))
+        code = 0
     except (ChildFailed, ConfigError) as e:
         topo.say(f"error: {e}; stopping the topology")
         code = 1
@@ -221,6 +254,13 @@ def run_up(options: UpOptions, overrides: list[str], out=None,
             else:
                 os.environ[k] = v
     failed = {n: c for n, c in statuses.items() if n.startswith("trainer") and c not in (0, None)}
+    if stop.is_set() and not topo.urgent.is_set():
+        # A trainer killed by our SIGTERM had not reached its training loop (inside it SIGTERM
+        # means: checkpoint, exit 0), so a requested stop lost no training there.
+        early = [n for n, c in failed.items() if c == -signal.SIGTERM]
+        if early:
+            topo.say(f"{', '.join(early)} stopped before training started")
+        failed = {n: c for n, c in failed.items() if n not in early}
     if failed and code == 0:
         topo.say(f"error: trainer exit statuses {failed}")
         code = 1

@@ -153,10 +153,12 @@ class Checkpointer:
         par: the layout.
         asynchronous: return from `save` after the device-to-host copy (else after the commit).
         service_address: a CheckpointService to stream boxes to, instead of writing storage.
+        overwrite: replace committed checkpoints of the same steps (`checkpoint.overwrite`).
     """
 
-    def __init__(self, root: str, par: Parallel, asynchronous: bool = True, service_address: str | None = None):
-        self.root, self.par, self.asynchronous = root, par, asynchronous
+    def __init__(self, root: str, par: Parallel, asynchronous: bool = True, service_address: str | None = None,
+                 overwrite: bool = False):
+        self.root, self.par, self.asynchronous, self.overwrite = root, par, asynchronous, overwrite
         mesh = par.mesh
         if service_address:
             from services.checkpoint.rpc.client import CheckpointClient  # grpc only when asked for
@@ -203,8 +205,8 @@ class Checkpointer:
         self.saver.wait()  # one save in flight: the previous one must have committed (or raise)
         save_id = [None]
         if mesh.rank == 0:
-            save_id[0] = (self.sink.begin_save(state.iteration, mesh.world_size) if self.service
-                          else begin_save(self.root, state.iteration))
+            save_id[0] = (self.sink.begin_save(state.iteration, mesh.world_size, overwrite=self.overwrite)
+                          if self.service else begin_save(self.root, state.iteration, overwrite=self.overwrite))
         if mesh.distributed:
             dist.broadcast_object_list(save_id, src=0)
         self.saver.save(state.iteration, save_id[0], boxes, committer=mesh.rank == 0, metadata=metadata)

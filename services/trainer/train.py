@@ -158,7 +158,8 @@ class Trainer:
         self.optimizer = self.ddp.optimizer if self.ddp and self.ddp.optimizer else build_optimizer(self.model, job.optim)
         self.par = checkpointing.Parallel(self.mesh, self.ddp)
         c = job.checkpoint
-        self.checkpointer = checkpointing.Checkpointer(c.save, self.par, c.async_save, c.service_address)
+        self.checkpointer = checkpointing.Checkpointer(c.save, self.par, c.async_save, c.service_address,
+                                                       overwrite=c.overwrite)
         self.state = checkpointing.TrainState()
         if job.checkpoint.load:
             self.state, meta = checkpointing.restore(

@@ -35,10 +35,13 @@ def test_verify_delete_and_retention(tmp_path, capsys):
     assert code == 0 and not os.path.exists(f"{root}/step_00000004")
     code, out = run(capsys, "delete", root, "--step", 4)
     assert code == 2 and "no checkpoint step 4" in out
+    os.makedirs(f"{root}/step_00000009/w")  # uncommitted: a crash's leftover, or a live run's save
     code, out = run(capsys, "delete", root, "--keep-last", 1, "--keep-every", 2)
-    assert code == 0 and "deleted steps [1]" in out
+    assert code == 0 and "deleted steps [1]" in out and os.path.exists(f"{root}/step_00000009")
     code, out = run(capsys, "list", root)
     assert out.split() == ["2", "3"]
+    code, out = run(capsys, "delete", root, "--collect-leftovers")  # only when asked
+    assert code == 0 and "removed uncommitted leftovers [9]" in out and not os.path.exists(f"{root}/step_00000009")
     code, out = run(capsys, "delete", root)
     assert code == 2 and "give --step N" in out
 

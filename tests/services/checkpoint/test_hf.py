@@ -230,6 +230,22 @@ def test_import_refuses_what_meshtrain_cannot_express(tmp_path):
         import_hf(str(src), str(tmp_path / "c"))
 
 
+def test_import_names_a_broken_folder_instead_of_a_traceback(tmp_path):
+    src = hf_llama(tmp_path, torch.float32)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "intermediate_size"}))
+    with pytest.raises(CheckpointError, match="no 'intermediate_size'"):
+        import_hf(str(src), str(tmp_path / "a"))
+    (src / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="config.json: not a readable JSON file"):
+        import_hf(str(src), str(tmp_path / "b"))
+    (src / "config.json").write_text(json.dumps(config))
+    (src / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}))
+    with pytest.raises(CheckpointError, match="names files that are not there.*model-00001-of-00002"):
+        import_hf(str(src), str(tmp_path / "c"))
+
+
 @pytest.mark.e2e
 def test_hf_model_trains_on_in_meshtrain_and_exports_back(tmp_path):
     """HF Llama -> import -> `train --load` 3 steps -> export -> transformers loads the result."""

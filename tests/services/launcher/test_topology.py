@@ -151,3 +151,72 @@ def test_a_child_that_exits_while_another_process_answers_on_its_port_is_named(t
     finally:
         topo.shutdown()
         server.stop(0)
+
+
+def test_children_get_sigterm_when_the_launcher_dies(tmp_path):
+    # `up` SIGKILLed (or its terminal closed) must not leave its services running.
+    import os
+    import subprocess
+
+    script = tmp_path / "launcher.py"
+    script.write_text(
+        "import sys, time\n"
+        "from services.launcher.topology import Child, Topology\n"
+        "topo = Topology()\n"
+        "child = topo.start(Child('sleeper', [sys.executable, '-c', 'import time; time.sleep(300)']))\n"
+        "print('child', child.process.pid, flush=True)\n"
+        "time.sleep(300)\n")
+    launcher = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                                cwd=str(__import__("pathlib").Path(__file__).resolve().parents[3]))
+    try:
+        line = ""
+        while not line.startswith("child"):
+            line = launcher.stdout.readline()
+        pid = int(line.split()[1])
+        os.kill(pid, 0)  # running
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            pytest.fail("the child outlived its launcher")
+    finally:
+        launcher.kill()
+
+
+def test_urgent_stop_skips_the_grace_period():
+    topo = Topology(io.StringIO())
+    topo.start(Child("stubborn", py(STUBBORN), grace_s=60))
+    time.sleep(0.5)
+    threading.Timer(0.5, topo.urgent.set).start()  # a second Ctrl-C
+    t0 = time.monotonic()
+    statuses = topo.shutdown()
+    assert time.monotonic() - t0 < 10 and statuses["stubborn"] == -signal.SIGKILL
+
+
+def test_a_stop_while_waiting_for_a_child_to_serve_ends_the_wait():
+    from services.launcher.topology import StopRequested
+
+    topo = Topology(io.StringIO())
+    stop = threading.Event()
+    threading.Timer(0.5, stop.set).start()
+    t0 = time.monotonic()
+    with pytest.raises(StopRequested, match="silent"):
+        topo.start(Child("silent", py(POLITE, "silent"), port=1), wait_serving(60, stop))
+    assert time.monotonic() - t0 < 10
+    topo.shutdown()
+
+
+def test_a_signal_handler_never_waits_for_the_output_lock():
+    out = io.StringIO()
+    topo = Topology(out)
+    with topo._out_lock:  # the main thread is mid-write when the signal arrives
+        topo.say_if_free("received SIGINT")  # skipped, not a deadlock
+    topo.say_if_free("received SIGTERM")
+    assert lines(out) == ["[up] received SIGTERM"]

@@ -1,0 +1,39 @@
+"""`meshtrain up`'s plan: option checks, resume and overwrite decisions (no processes started)."""
+
+import pytest
+import torch
+
+from services.checkpoint.writer import save_checkpoint
+from services.common.errors import ConfigError
+from services.launcher.up import Plan, UpOptions, _resume_from, plan
+
+
+def test_options_it_cannot_run_are_refused():
+    with pytest.raises(ConfigError, match="nproc-per-node >= 1"):
+        UpOptions(nproc_per_node=0)
+    with pytest.raises(ConfigError, match="data-workers >= 0"):
+        UpOptions(data_workers=-1)
+
+
+def test_the_runs_own_checkpoints_win_over_a_checkpoint_to_start_from(tmp_path):
+    root = str(tmp_path / "ckpt")
+    save_checkpoint(root, 7, {"w": torch.zeros(2)})
+    fresh = Plan([], [], tmp_path, root, None, None, loads=True)  # e.g. --checkpoint.load IMPORTED
+    assert _resume_from(fresh, UpOptions()) == 7  # the rerun continues the run
+    assert _resume_from(Plan([], [], tmp_path, root, None, None, loads=True, load_step=True), UpOptions()) is None
+    assert _resume_from(fresh, UpOptions(resume=False)) is None
+
+
+def test_no_resume_lets_the_trainer_replace_the_roots_steps(tmp_path):
+    args = ["--config", "deploy/configs/tiny.toml", f"--log.run_dir={tmp_path / 'run'}"]
+    assert all("--checkpoint.overwrite=true" in c.argv for c in plan(UpOptions(resume=False), args).trainers)
+    assert not any("--checkpoint.overwrite=true" in c.argv for c in plan(UpOptions(), args).trainers)
+
+
+def test_the_stores_identity_file_is_private_from_the_start(tmp_path):
+    from services.launcher.objectstore import AccessKeys, ObjectStore
+
+    store = ObjectStore("weed", tmp_path, AccessKeys.load_or_create(tmp_path))
+    store.argv()
+    store.argv()  # a relaunch rewrites it
+    assert (tmp_path / "s3.json").stat().st_mode & 0o777 == 0o600
