@@ -149,8 +149,13 @@ class Topology:
 
     def _write(self, name: str, line: str) -> None:
         with self._out_lock:
-            self.out.write(f"[{name}] {line}\n")
-            self.out.flush()
+            try:
+                self.out.write(f"[{name}] {line}\n")
+                self.out.flush()
+            except (OSError, ValueError, UnicodeError):
+                # Our output is gone (a closed pipe, a strict encoding): drop the line rather than
+                # end the log pump, whose child would block once its pipe filled.
+                pass
 
     def start(self, child: Child, wait: Callable[[Child], None] | None = None) -> Child:
         """Start `child` and, if given, block in `wait(child)` until it is ready.

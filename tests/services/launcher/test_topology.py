@@ -220,3 +220,15 @@ def test_a_signal_handler_never_waits_for_the_output_lock():
         topo.say_if_free("received SIGINT")  # skipped, not a deadlock
     topo.say_if_free("received SIGTERM")
     assert lines(out) == ["[up] received SIGTERM"]
+
+
+def test_a_broken_output_does_not_stop_the_log_pumps():
+    class Broken(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError("reader gone")
+
+    topo = Topology(Broken())
+    # 200 kB of output: more than a pipe holds, so a child whose pump died would block on it
+    child = topo.start(Child("chatty", py("import sys; [print('x' * 1000) for _ in range(200)]")))
+    assert child.process.wait(timeout=30) == 0
+    topo.shutdown()
