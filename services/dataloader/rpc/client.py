@@ -9,8 +9,9 @@ the next micro-batch it has not received, so none is repeated or missed; every m
 worker to open the dataset (`Describe`, which may build sample indices: minutes for a large
 blend, so it has its own `open_timeout_s`); a worker that then keeps its stream open but sends
 nothing while the trainer waits (a hung handler still answers keepalive pings) is dropped the
-same way after `stall_s`, and a stream that ends before the dataset does is a failure too. A request the server rejects (INVALID_ARGUMENT, ...) is raised in the trainer's
-thread with the server's message; so is `give_up_s` without a micro-batch from any worker.
+same way after `stall_s`, and a stream that ends before the dataset does is a failure too.
+A request the server rejects (INVALID_ARGUMENT, ...) is raised in the trainer's thread with
+the server's message; so is `give_up_s` without a micro-batch from any worker.
 
     src = ServiceBatchSource(["127.0.0.1:7001", "127.0.0.1:7002"], spec, micro_batch_size=4,
                              global_batch_size=32, dp_rank=r, dp_size=8)
@@ -178,10 +179,11 @@ class ServiceBatchSource:
                     if stop.is_set():
                         return
                     self._call, self.current_address = None, address
-                    self._opening = self._stub(address).Describe.future(self._request(*pos),
-                                                                        timeout=self.open_timeout_s)
+                    opening = self._stub(address).Describe.future(self._request(*pos),
+                                                                  timeout=self.open_timeout_s)
+                    self._opening = opening
                 opened_since = time.monotonic()
-                self._opening.result()  # the worker has the dataset open: streaming starts at once
+                opening.result()  # the worker has the dataset open: streaming starts at once
                 last_progress += time.monotonic() - opened_since  # opening is not a stall
                 call = self._stub(address).StreamBatches(self._request(*pos))
                 with self._lock:
