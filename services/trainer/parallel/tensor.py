@@ -127,12 +127,22 @@ class VocabParallelEmbedding(nn.Module):
         return M.reduce_from_region(emb, self.group)
 
 
+IGNORE_INDEX = -100  # a label that adds no loss and no gradient (F.cross_entropy's default)
+
+
 class _VocabParallelCE(torch.autograd.Function):
-    """Per-token cross-entropy over vocab-sharded logits: max, target logit and sum-exp all-reduced."""
+    """Per-token cross-entropy over vocab-sharded logits: max, target logit and sum-exp all-reduced.
+
+    Like the single-device path, label -100 counts nothing, and a label outside the vocabulary
+    (padding rows included) is an error, checked on the device without a host sync.
+    """
 
     @staticmethod
     def forward(ctx, logits, labels, start, vocab_size, group):
         # logits: (n, V/tp) fp32, this rank's columns [start, start + V/tp)
+        ignored = labels == IGNORE_INDEX
+        torch._assert_async(((labels >= 0) & (labels < vocab_size) | ignored).all(),
+                            "a label is outside the vocabulary (and not the ignore index -100)")
         n, width = logits.shape
         cols = torch.arange(start, start + width, device=logits.device)
         logits = logits.masked_fill(cols >= vocab_size, float("-inf"))  # padding never counts
@@ -148,15 +158,15 @@ class _VocabParallelCE(torch.autograd.Function):
         both = torch.stack([target, sum_exp])
         both = M.all_reduce(both, group)
         target, sum_exp = both[0], both[1]
-        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), local.clamp(0, width - 1), mine)
-        return sum_exp.log() - target
+        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), local.clamp(0, width - 1), mine, ignored)
+        return torch.where(ignored, torch.zeros_like(target), sum_exp.log() - target)
 
     @staticmethod
     def backward(ctx, g):
-        softmax, local, mine = ctx.saved_tensors
+        softmax, local, mine, ignored = ctx.saved_tensors
         grad = softmax.clone()
         grad.scatter_add_(1, local.unsqueeze(1), -mine.to(grad.dtype).unsqueeze(1))
-        return grad * g.unsqueeze(-1), None, None, None, None
+        return grad * torch.where(ignored, torch.zeros_like(g), g).unsqueeze(-1), None, None, None, None
 
 
 class VocabParallelHead(nn.Module):

@@ -88,3 +88,42 @@ def test_tp_comm_overlap_is_refused_where_it_cannot_run():
                     device=torch.device("cpu"))
     with pytest.raises(ConfigError, match="tp_comm_overlap needs parallel.sequence_parallel"):
         load_config(["--tensor-model-parallel-size", "2", "--tp-comm-overlap"])
+
+
+def _ignore_index_grads(rank, world):
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(**CFG)).double()
+    parallelize(model, Mesh.build(tp=world), True)
+    tokens, labels = _ignored_batch()
+    loss = model(tokens, labels)
+    loss.backward()
+    qkv = gather_tp(model.layers[0].attention.qkv.weight.grad, model.layers[0].attention.qkv.weight,
+                    Mesh.build(tp=world))
+    bad = labels.clone()
+    bad[0, 0] = 205  # in the padded rows (vocab 203 padded to 208 here): an error, not an inf
+    try:
+        model(tokens, bad)
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    return loss.item(), qkv, error
+
+
+def _ignored_batch():
+    tokens = torch.randint(0, 203, (2, 16), generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(0, 203, (2, 16), generator=torch.Generator().manual_seed(2))
+    labels[:, ::3] = -100  # e.g. prompt tokens of a fine-tuning batch, no loss mask given
+    return tokens, labels
+
+
+@pytest.mark.dist
+def test_label_minus_100_counts_nothing_and_labels_outside_the_vocabulary_are_errors():
+    torch.manual_seed(0)
+    ref = GPT(ModelConfig(**CFG)).double()
+    tokens, labels = _ignored_batch()
+    ref_loss = ref(tokens, labels)
+    ref_loss.backward()
+    for loss, qkv, error in run_ranks(_ignore_index_grads, 2):
+        assert loss == pytest.approx(ref_loss.item(), rel=1e-12)
+        torch.testing.assert_close(qkv, ref.layers[0].attention.qkv.weight.grad, rtol=1e-10, atol=1e-10)
+        assert error is not None and "outside the vocabulary" in error
