@@ -3,18 +3,26 @@
 #
 #   SAVE_ROOT=s3://meshtrain/run1/checkpoints NPROC_PER_NODE=8 deploy/train.sh --config ... [train args]
 #
-# Adds `--load SAVE_ROOT` when the root already holds a committed checkpoint, so a restarted
-# container or a requeued (preempted) Slurm job continues where it stopped instead of
-# starting over. One node: torchrun --standalone. Several: set NNODES and RDZV_ENDPOINT
-# (HOST:PORT of a node of the job) for torchrun's c10d rendezvous; RDZV_ID names the job.
+# Adds `--load SAVE_ROOT --ckpt-step LATEST` when the root already holds a committed
+# checkpoint, so a restarted container or a requeued (preempted) Slurm job continues where it
+# stopped instead of starting over. These go after the caller's arguments, so the run's own
+# checkpoints win over a `--load` it was started from (e.g. pretrained weights). A root that
+# cannot be listed (storage down, bad keys) stops the job: starting over would lose the run.
+# One node: torchrun --standalone. Several: set NNODES and RDZV_ENDPOINT (HOST:PORT of a node
+# of the job) for torchrun's c10d rendezvous; RDZV_ID names the job.
 set -eu
 : "${SAVE_ROOT:?set SAVE_ROOT to the checkpoint root (a folder or s3://bucket/prefix)}"
 NPROC_PER_NODE="${NPROC_PER_NODE:-1}"
 
-set -- --save "$SAVE_ROOT" "$@"
-if meshtrain ckpt list "$SAVE_ROOT" | grep -Eq '^[0-9]+$'; then
-    echo "train.sh: resuming from $SAVE_ROOT" >&2
-    set -- --load "$SAVE_ROOT" "$@"
+if ! steps=$(meshtrain ckpt list "$SAVE_ROOT"); then
+    echo "train.sh: cannot list $SAVE_ROOT; not starting (the run would start over)" >&2
+    exit 1
+fi
+set -- "$@" --save "$SAVE_ROOT"
+latest=$(printf '%s\n' "$steps" | grep -E '^[0-9]+$' | sort -n | tail -n 1 || true)
+if [ -n "$latest" ]; then
+    echo "train.sh: resuming from $SAVE_ROOT step $latest" >&2
+    set -- "$@" --load "$SAVE_ROOT" --ckpt-step "$latest"
 fi
 
 if [ -n "${RDZV_ENDPOINT:-}" ]; then
