@@ -142,6 +142,54 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         return handler
 
 
+# Slots beyond the stream limit for unary RPCs (health checks, Describe, List, Commit): a
+# server whose streams are all busy still answers its health probe.
+UNARY_RESERVE = 8
+
+
+class StreamLimit(grpc.ServerInterceptor):
+    """At most `max_streams` streaming RPCs at once; one more is refused with RESOURCE_EXHAUSTED
+    (which clients retry or fail over on) instead of taking the slots unary RPCs need."""
+
+    def __init__(self, max_streams: int):
+        self.max_streams = max_streams
+        self._slots = threading.BoundedSemaphore(max_streams)
+
+    def _take(self, context) -> None:
+        if not self._slots.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"all {self.max_streams} stream slots of this server are in use")
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or not (handler.request_streaming or handler.response_streaming):
+            return handler
+        if handler.response_streaming:
+            inner = handler.unary_stream or handler.stream_stream
+
+            def streaming(request, context):
+                self._take(context)
+                try:
+                    yield from inner(request, context)
+                finally:
+                    self._slots.release()
+
+            make = (grpc.unary_stream_rpc_method_handler if handler.unary_stream
+                    else grpc.stream_stream_rpc_method_handler)
+            return make(streaming, handler.request_deserializer, handler.response_serializer)
+        inner_su = handler.stream_unary
+
+        def client_streaming(request_iterator, context):
+            self._take(context)
+            try:
+                return inner_su(request_iterator, context)
+            finally:
+                self._slots.release()
+
+        return grpc.stream_unary_rpc_method_handler(
+            client_streaming, handler.request_deserializer, handler.response_serializer)
+
+
 def make_server(
     add_servicers: Iterable[Callable[[grpc.Server], None]],
     service_names: Iterable[str],
@@ -159,7 +207,8 @@ def make_server(
         service_names: full names of those services (for health and reflection).
         port: TCP port; 0 picks a free one.
         host: interface to bind ("127.0.0.1" by default; "0.0.0.0" to serve the network).
-        max_workers: threads serving RPCs; each open stream holds one.
+        max_workers: streams served at once (each holds a thread); one more is refused with
+            RESOURCE_EXHAUSTED. Unary RPCs (health checks) get `UNARY_RESERVE` slots besides.
         max_message_bytes: message limit in both directions.
         error_table: extra (exception class, status code) pairs for `ErrorInterceptor`.
         interceptors: run before `ErrorInterceptor` (outermost first), e.g. a
@@ -169,10 +218,10 @@ def make_server(
         (server, bound port, health servicer); the server is started and SERVING.
     """
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers),
-        interceptors=[*interceptors, ErrorInterceptor(error_table)],
+        futures.ThreadPoolExecutor(max_workers=max_workers + UNARY_RESERVE),
+        interceptors=[*interceptors, StreamLimit(max_workers), ErrorInterceptor(error_table)],
         options=server_options(max_message_bytes),
-        maximum_concurrent_rpcs=max_workers,
+        maximum_concurrent_rpcs=max_workers + UNARY_RESERVE,
     )
     for add in add_servicers:
         add(server)

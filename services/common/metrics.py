@@ -4,8 +4,10 @@
 service and method: requests by final status code, bytes received and sent (serialized
 message sizes), latency (a stream's latency is its whole life) and the RPCs in progress. The
 in-progress gauge is the queue depth that matters here: a server runs at most `max_workers`
-RPCs at once (`meshtrain_rpc_capacity`), and a stream holds its slot until it ends, so
-depth near capacity means new streams wait. `start_metrics_server` serves the process's
+streams at once (`meshtrain_rpc_capacity`), and a stream holds its slot until it ends, so at
+capacity a new stream is refused (RESOURCE_EXHAUSTED, counted here; clients retry or fail
+over) while unary RPCs such as health checks keep slots of their own. A stream the client
+cancels (a failover, the end of a run) or a stopping server cuts counts as CANCELLED. `start_metrics_server` serves the process's
 registry as Prometheus text on `/metrics`:
 
     server, port, health = make_server(..., interceptors=[MetricsInterceptor("data", 16)])
@@ -75,7 +77,10 @@ class MetricsInterceptor(grpc.ServerInterceptor):
             self.m["latency"].labels(*labels).observe(time.perf_counter() - start)
             code = context.code() if hasattr(context, "code") else None
             if code is None:  # nothing set: OK unless the handler raised (gRPC reports UNKNOWN)
-                code = grpc.StatusCode.UNKNOWN if error is not None else grpc.StatusCode.OK
+                if isinstance(error, GeneratorExit) or (error is None and not context.is_active()):
+                    code = grpc.StatusCode.CANCELLED  # the client went away, or the server stopped
+                else:
+                    code = grpc.StatusCode.UNKNOWN if error is not None else grpc.StatusCode.OK
             name = code.name if isinstance(code, grpc.StatusCode) else str(code)
             self.m["requests"].labels(*labels, name).inc()
 

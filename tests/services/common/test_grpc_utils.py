@@ -113,3 +113,48 @@ def test_port_in_use_is_a_config_error(address):
     port = int(address.rsplit(":", 1)[1])
     with pytest.raises(ConfigError, match=f"127.0.0.1:{port}"):
         make_server([], [SERVICE], port=port)
+
+
+def test_busy_streams_leave_health_checks_answered_and_one_more_stream_is_refused():
+    import threading
+    import time
+
+    from services.common.metrics import MetricsInterceptor, _metrics
+
+    release = threading.Event()
+
+    def _hold(request, context):
+        yield b"open"
+        release.wait(30)
+
+    handler = grpc.method_handlers_generic_handler(SERVICE, {
+        "Hold": grpc.unary_stream_rpc_method_handler(_hold)})
+    server, port, _ = make_server([lambda s: s.add_generic_rpc_handlers((handler,))], [SERVICE], port=0,
+                                  max_workers=2, interceptors=[MetricsInterceptor("limits-test", 2)])
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    hold = channel.unary_stream(f"/{SERVICE}/Hold")
+    try:
+        streams = [hold(b"") for _ in range(2)]
+        assert [next(s) for s in streams] == [b"open", b"open"]  # both stream slots taken
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as e:
+            next(hold(b""))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "2 stream slots" in e.value.details()
+        requests = _metrics()["requests"]
+        assert requests.labels("limits-test", "Hold", "RESOURCE_EXHAUSTED")._value.get() == 1
+        streams[0].cancel()  # a client going away is CANCELLED, not an error
+        time.sleep(0.5)  # the cancellation reaches the server before its handler resumes
+        release.set()
+        for s in streams[1:]:
+            list(s)
+        deadline = time.monotonic() + 5
+        while requests.labels("limits-test", "Hold", "CANCELLED")._value.get() < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert requests.labels("limits-test", "Hold", "UNKNOWN")._value.get() == 0
+        assert next(hold(b"")) == b"open"  # the slots came back
+    finally:
+        release.set()
+        channel.close()
+        server.stop(0)
