@@ -133,6 +133,7 @@ def plan(options: UpOptions, overrides: list[str]) -> Plan:
         # the launcher brings it back on the same port.
         services.append(Child(f"data-{i}", PYTHON + ["data", "serve", "--port", str(port), *metrics],
                               port=port, restart=True, grace_s=5.0))
+    _refuse_owned_flags(overrides, data_workers=options.data_workers > 0, service=options.checkpoint_service)
     trainer_args = [*overrides, f"--log.run_dir={run_dir}", f"--checkpoint.save={save}",
                     "--train.control_port=0"]
     if services:  # the data workers only, so far
@@ -157,6 +158,22 @@ def plan(options: UpOptions, overrides: list[str]) -> Plan:
             child.argv.append("--checkpoint.overwrite=true")
     return Plan(services, trainers, run_dir, save, store, store_child,
                 loads=job.checkpoint.load is not None, load_step=job.checkpoint.load_step is not None)
+
+
+def _refuse_owned_flags(overrides: list[str], data_workers: bool, service: bool) -> None:
+    """`up` sets where the trainer finds its services and serves its endpoint; the same flags
+    from the user would be overridden without a word, so they are refused instead."""
+    owned = {"--train.control_port": "up serves the control endpoint on a free port (see RUN_DIR/control.addr)"}
+    if data_workers:
+        owned["--data-service-addresses"] = "up points the trainer at its own data workers (--data-workers 0: none)"
+        owned["--data.service_addresses"] = owned["--data-service-addresses"]
+    if service:
+        owned["--checkpoint.service_address"] = ("up points the trainer at its own checkpoint service "
+                                                 "(--no-checkpoint-service: none)")
+    for arg in overrides:
+        flag = arg.split("=", 1)[0]
+        if flag in owned:
+            raise ConfigError(f"meshtrain up: {flag} is set by up itself: {owned[flag]}")
 
 
 def _start_services(topo: Topology, p: Plan, options: UpOptions, stop: threading.Event) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from prometheus_client import Gauge
 
 from protos.trainer.v1 import trainer_pb2_grpc as pb_grpc
+from services.common.errors import ConfigError
 from services.common.grpc_utils import make_server
 from services.common.metrics import MetricsInterceptor, start_metrics_server
 from services.trainer.rpc.client import ADDR_FILE
@@ -91,13 +92,18 @@ def serve_control(trainer, port: int, host: str | None = None,
                                    interceptors=interceptors)
     run_dir = Path(trainer.run_dir)
     endpoint = ControlEndpoint(f"{host}:{bound}", server, run_dir)
-    # Written whatever the port: a supervisor or `meshtrain status RUN_DIR` finds it the same way.
-    (run_dir / ADDR_FILE).write_text(endpoint.address + "\n")
-    if metrics_port is not None:
+    if metrics_port is not None:  # first: a busy port must not leave a control.addr behind
         _trainer_gauges(trainer)
-        endpoint._http, mport = start_metrics_server(metrics_port, host)
+        try:
+            endpoint._http, mport = start_metrics_server(metrics_port, host)
+        except OSError as e:
+            server.stop(0)
+            raise ConfigError(f"cannot serve trainer metrics on {host}:{metrics_port} "
+                              f"(--train.metrics_port / ${METRICS_PORT_ENV}): {e}") from None
         endpoint.metrics_address = f"{host}:{mport}"
         (run_dir / METRICS_ADDR_FILE).write_text(endpoint.metrics_address + "\n")
+    # Written whatever the port: a supervisor or `meshtrain status RUN_DIR` finds it the same way.
+    (run_dir / ADDR_FILE).write_text(endpoint.address + "\n")
     log.info("control endpoint on %s%s", endpoint.address,
              f", metrics on http://{endpoint.metrics_address}/metrics" if endpoint.metrics_address else "")
     return endpoint

@@ -117,3 +117,18 @@ def test_unreachable_or_malformed_targets_are_named(tmp_path):
     with pytest.raises(MeshtrainError, match="127.0.0.1:1: UNAVAILABLE"):
         ControlClient(str(tmp_path), timeout_s=2).status()
     assert main(["status", "127.0.0.1:1"]) == 2
+
+
+def test_a_busy_metrics_port_is_a_clear_error_and_leaves_no_control_address(corpus_cache, tmp_path):
+    import socket
+
+    from services.trainer.rpc.server import serve_control
+    from services.trainer.train import Trainer
+
+    trainer = Trainer(load_config(small_job_args(corpus_cache, tmp_path, **{"train.train_iters": 1})))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(ConfigError, match=r"cannot serve trainer metrics on 127\.0\.0\.1:\d+"):
+            serve_control(trainer, 0, metrics_port=taken.getsockname()[1])
+    assert not (tmp_path / "control.addr").exists()
