@@ -29,7 +29,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.errors import CheckpointError, ConfigError, DataError, MeshtrainError
+from services.common.errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    MeshtrainError,
+)
 
 log = logging.getLogger("meshtrain.grpc")
 
@@ -75,6 +80,15 @@ def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str
         ("grpc.http2.max_ping_strikes", 0),  # never GOAWAY a client for pinging
         ("grpc.so_reuseport", 0),  # without this, a second server on a busy port silently shares it
     ]
+
+
+# Codes meaning "this server cannot do it now": worth retrying, or trying another server.
+# Anything else is the request's fault (INVALID_ARGUMENT, FAILED_PRECONDITION, NOT_FOUND, ...).
+TRANSIENT_CODES = frozenset({
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.ABORTED,
+})
 
 
 def status_for(exc: BaseException, table=None) -> grpc.StatusCode | None:
@@ -127,19 +141,22 @@ class ErrorInterceptor(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
-        if handler is None:
-            return None
-        for kind, make, streams in (
-            ("unary_unary", grpc.unary_unary_rpc_method_handler, False),
-            ("unary_stream", grpc.unary_stream_rpc_method_handler, True),
-            ("stream_unary", grpc.stream_unary_rpc_method_handler, False),
-            ("stream_stream", grpc.stream_stream_rpc_method_handler, True),
-        ):
-            inner = getattr(handler, kind)
-            if inner is not None:
-                return make(self._guard(inner, streams), handler.request_deserializer,
-                            handler.response_serializer)
-        return handler
+        return None if handler is None else rewrap_handler(handler, self._guard)
+
+
+def rewrap_handler(handler: grpc.RpcMethodHandler, around: Callable) -> grpc.RpcMethodHandler:
+    """`handler` with its behaviour replaced by `around(behaviour, streams_responses)`, same
+    kind (any of the four) and serializers: the plumbing every wrapping interceptor needs."""
+    for kind, make, streams in (
+        ("unary_unary", grpc.unary_unary_rpc_method_handler, False),
+        ("unary_stream", grpc.unary_stream_rpc_method_handler, True),
+        ("stream_unary", grpc.stream_unary_rpc_method_handler, False),
+        ("stream_stream", grpc.stream_stream_rpc_method_handler, True),
+    ):
+        inner = getattr(handler, kind)
+        if inner is not None:
+            return make(around(inner, streams), handler.request_deserializer, handler.response_serializer)
+    return handler
 
 
 # Slots beyond the stream limit for unary RPCs (health checks, Describe, List, Commit): a
@@ -160,13 +177,8 @@ class StreamLimit(grpc.ServerInterceptor):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"all {self.max_streams} stream slots of this server are in use")
 
-    def intercept_service(self, continuation, handler_call_details):
-        handler = continuation(handler_call_details)
-        if handler is None or not (handler.request_streaming or handler.response_streaming):
-            return handler
-        if handler.response_streaming:
-            inner = handler.unary_stream or handler.stream_stream
-
+    def _limited(self, inner, streams_responses: bool):
+        if streams_responses:
             def streaming(request, context):
                 self._take(context)
                 try:
@@ -174,20 +186,22 @@ class StreamLimit(grpc.ServerInterceptor):
                 finally:
                     self._slots.release()
 
-            make = (grpc.unary_stream_rpc_method_handler if handler.unary_stream
-                    else grpc.stream_stream_rpc_method_handler)
-            return make(streaming, handler.request_deserializer, handler.response_serializer)
-        inner_su = handler.stream_unary
+            return streaming
 
         def client_streaming(request_iterator, context):
             self._take(context)
             try:
-                return inner_su(request_iterator, context)
+                return inner(request_iterator, context)
             finally:
                 self._slots.release()
 
-        return grpc.stream_unary_rpc_method_handler(
-            client_streaming, handler.request_deserializer, handler.response_serializer)
+        return client_streaming
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or not (handler.request_streaming or handler.response_streaming):
+            return handler
+        return rewrap_handler(handler, self._limited)
 
 
 def make_server(

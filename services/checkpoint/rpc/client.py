@@ -27,7 +27,11 @@ from services.checkpoint.maintenance import RetentionResult
 from services.checkpoint.sharded import SaveResult
 from services.checkpoint.shards import ShardSpec
 from services.common.errors import CheckpointError, MeshtrainError
-from services.common.grpc_utils import MAX_MESSAGE_BYTES, channel_options
+from services.common.grpc_utils import (
+    MAX_MESSAGE_BYTES,
+    TRANSIENT_CODES,
+    channel_options,
+)
 
 
 def box_to_pb(spec: ShardSpec) -> pb.Box:
@@ -37,13 +41,6 @@ def box_to_pb(spec: ShardSpec) -> pb.Box:
     if spec.stacked is not None:
         box.stacked = spec.stacked
     return box
-
-
-# What the service answers when the request itself is wrong: trying again cannot help.
-_REQUEST_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
-                   grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.OUT_OF_RANGE,
-                   grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED,
-                   grpc.StatusCode.UNIMPLEMENTED}
 
 
 class ServiceUnavailableError(MeshtrainError):
@@ -57,9 +54,9 @@ def _call(what: str, fn, *args, **kwargs):
         return fn(*args, **kwargs)
     except grpc.RpcError as e:
         message = f"checkpoint service {what}: {e.code().name}: {e.details()}"
-        if e.code() in _REQUEST_ERRORS:
-            raise CheckpointError(message) from e
-        raise ServiceUnavailableError(message) from e
+        if e.code() in TRANSIENT_CODES:
+            raise ServiceUnavailableError(message) from e
+        raise CheckpointError(message) from e
 
 
 class RemoteWriter:

@@ -32,17 +32,13 @@ import numpy as np
 from protos.dataloader.v1 import dataloader_pb2 as pb
 from protos.dataloader.v1 import dataloader_pb2_grpc as pb_grpc
 from services.common.errors import DataError
-from services.common.grpc_utils import channel_options
+from services.common.grpc_utils import TRANSIENT_CODES, channel_options
 from services.dataloader.loader import Batch, BatchOptions, batch_from_samples
 from services.dataloader.rpc.servicer import spec_to_proto
 from services.dataloader.spec import DatasetSpec
 
 log = logging.getLogger("meshtrain.data")
 
-# Codes meaning "this worker cannot serve now": retry elsewhere. Anything else is the request's fault.
-_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
-              grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED,
-              grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED}
 _END = object()  # the stream reached the end of the dataset
 
 
@@ -212,24 +208,22 @@ class ServiceBatchSource:
                 if stop.is_set():
                     return
                 if isinstance(e, _EndedEarly):
-                    why = str(e)
+                    what, why = "ended early", str(e)
                 elif call is not None and call is self._stalled_call:
-                    why = f"sent nothing for {self.stall_s:.0f}s while the trainer waited"
+                    what, why = "stalled", f"sent nothing for {self.stall_s:.0f}s while the trainer waited"
                 else:
-                    if e.code() not in _RETRYABLE:
+                    if e.code() not in TRANSIENT_CODES:  # the request's fault: no other worker helps
                         self._put(q, _Failure(DataError(f"data worker {address}: {e.code().name}: {e.details()}")),
                                   stop)
                         return
-                    why = f"{e.code().name}: {e.details()}"
+                    what, why = e.code().name, f"{e.code().name}: {e.details()}"
                 if time.monotonic() - last_progress > self.give_up_s:
                     self._put(q, _Failure(DataError(
                         f"no data worker of {self.addresses} served anything for {self.give_up_s:.0f}s; "
                         f"last error from {address}: {why}")), stop)
                     return
                 self.reconnects += 1
-                log.warning("data worker %s failed (%s); resuming at %s elsewhere", address,
-                            "stalled" if call is not None and call is self._stalled_call else
-                            "ended early" if isinstance(e, _EndedEarly) else e.code().name, pos)
+                log.warning("data worker %s failed (%s); resuming at %s elsewhere", address, what, pos)
                 which += 1
                 # jitter keeps ranks that lost the same worker from reconnecting in lockstep
                 stop.wait(delay * (0.5 + random.random()))
