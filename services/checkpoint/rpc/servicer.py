@@ -111,9 +111,9 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         self.max_chunk_bytes = max_chunk_bytes
         self.budget = ByteBudget(max_inflight_bytes)
         self._saves: dict[str, _Save] = {}
-        # Saves that ended, bounded: a retried Commit of a committed save gets its reply again,
+        # Saves that ended, bounded: a retried Commit of a committed save gets its result again,
         # and a late write of a superseded save a clear refusal.
-        self._committed: OrderedDict[str, pb.CommitResponse] = OrderedDict()
+        self._committed: OrderedDict[str, _Save] = OrderedDict()
         self._superseded: OrderedDict[str, tuple[int, str]] = OrderedDict()  # id -> (step, why)
         self._lock = threading.Lock()
 
@@ -230,35 +230,31 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         return pb.WriteShardsResponse(boxes=boxes, bytes=total)
 
     def Commit(self, request, context):
-        with self._lock:
-            done = self._committed.get(request.save_id)
-        if done is not None:  # a retry of a commit that succeeded (its reply was lost)
-            return done
-        save = self._save(check_save_id(request.save_id), context)
+        save_id = check_save_id(request.save_id)
+        with self._lock:  # a committed save stays known, so a retried Commit reaches `commit` again
+            save = self._saves.get(save_id) or self._committed.get(save_id)
+        if save is None:
+            save = self._save(save_id, context)  # aborts, saying why
         try:
             metadata = json.loads(request.metadata_json or "{}")
         except ValueError as e:
             raise CheckpointError(f"commit metadata is not JSON: {e}") from e
         with save.commit_lock:  # a second Commit of this save (a client retrying) waits for the first
-            with self._lock:
-                done = self._committed.get(request.save_id)
-            if done is not None:
-                return done
             try:
-                result = commit(self.root, save.step, request.save_id, save.num_writers, metadata,
+                # `commit` returns the result again for a step this save already committed
+                result = commit(self.root, save.step, save_id, save.num_writers, metadata,
                                 timeout=request.timeout_s or self.commit_timeout)
             except BaseException:
                 with self._lock:
-                    self._saves.pop(request.save_id, None)
+                    self._saves.pop(save_id, None)
                 raise
-            reply = pb.CommitResponse(
-                url=result.url, step=result.step, num_arrays=result.num_arrays,
-                num_objects=result.num_objects, bytes_written=result.bytes_written,
-                seconds=result.seconds)
-            with self._lock:  # one step: a retry finds the reply or the save, never neither
-                self._remember(self._committed, request.save_id, reply)
-                self._saves.pop(request.save_id, None)
-        return reply
+            with self._lock:  # one step: a retry finds the save in one table or the other
+                self._remember(self._committed, save_id, save)
+                self._saves.pop(save_id, None)
+        return pb.CommitResponse(
+            url=result.url, step=result.step, num_arrays=result.num_arrays,
+            num_objects=result.num_objects, bytes_written=result.bytes_written,
+            seconds=result.seconds)
 
     def List(self, request, context):
         return pb.ListResponse(steps=list_checkpoints(self.root))
