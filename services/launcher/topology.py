@@ -140,22 +140,20 @@ class Topology:
     def say_if_free(self, line: str) -> None:
         """`say` from a signal handler: skipped if this thread is mid-write (the lock is not
         reentrant, and waiting for it there would wait forever)."""
-        if self._out_lock.acquire(blocking=False):
-            try:
-                self.out.write(f"[up] {line}\n")
-                self.out.flush()
-            finally:
-                self._out_lock.release()
+        self._write("up", line, wait=False)
 
-    def _write(self, name: str, line: str) -> None:
-        with self._out_lock:
-            try:
-                self.out.write(f"[{name}] {line}\n")
-                self.out.flush()
-            except (OSError, ValueError, UnicodeError):
-                # Our output is gone (a closed pipe, a strict encoding): drop the line rather than
-                # end the log pump, whose child would block once its pipe filled.
-                pass
+    def _write(self, name: str, line: str, wait: bool = True) -> None:
+        if not self._out_lock.acquire(blocking=wait):
+            return
+        try:
+            self.out.write(f"[{name}] {line}\n")
+            self.out.flush()
+        except (OSError, ValueError, UnicodeError):
+            # Our output is gone (a closed pipe, a strict encoding): drop the line rather than
+            # end the log pump, whose child would block once its pipe filled.
+            pass
+        finally:
+            self._out_lock.release()
 
     def start(self, child: Child, wait: Callable[[Child], None] | None = None) -> Child:
         """Start `child` and, if given, block in `wait(child)` until it is ready.
