@@ -552,7 +552,7 @@ def _tokenizer_file(spec: str | None, where: str) -> Path | None:
 
 def _tokenizer_config(path: Path, model: ModelConfig) -> dict[str, Any]:
     """A `tokenizer_config.json` that makes `AutoTokenizer` load `tokenizer.json` as a fast tokenizer."""
-    vocab = json.loads(path.read_text()).get("added_tokens", [])
+    vocab = _read_json(path).get("added_tokens", [])
     special = {t["content"] for t in vocab if t.get("special")}
     config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast",
                               "model_max_length": model.seq_length}
