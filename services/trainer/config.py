@@ -63,6 +63,10 @@ class ModelConfig:
     """Dropout on the residual branches."""
     attention_dropout: float = 0.0
     """Dropout on attention probabilities."""
+    attention_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
+    """SDPA backend of the attention core: 'auto' lets PyTorch pick; the others pin one (and
+    fail where it cannot run the shape). Backends without native grouped-query support get
+    the key/value heads expanded. See benchmarks/attention_backends.py for the trade."""
     transformer_impl: Literal["local", "transformer_engine"] = "local"
     """Layer backend: meshtrain's own layers, or Transformer Engine (not built)."""
 

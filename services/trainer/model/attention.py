@@ -13,24 +13,56 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import kernels
 from services.trainer.config import ModelConfig
 
 
+BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
+"""SDPA backends `model.attention_backend` can pin; 'auto' is PyTorch's own choice."""
+
+_SDPA = {
+    "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH,
+}
+# Backends that take grouped-query attention natively (enable_gqa); the others get the key and
+# value heads expanded to one per query head first (the same function, more memory traffic).
+_NATIVE_GQA = ("auto", "flash", "math")
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, backend: str = "auto",
+         expand_kv: bool | None = None) -> torch.Tensor:
+    """Causal attention through SDPA, pinned to `backend` unless it is 'auto'.
+
+    q (batch, heads, seq, d), k/v (batch, groups, seq, d) -> (batch, heads, seq, d). Query head
+    j attends with key/value group j // (heads / groups). `expand_kv` (default: by backend)
+    repeats the key/value heads instead of passing `enable_gqa`.
+    """
+    gqa = k.shape[1] != q.shape[1]
+    if gqa and (backend not in _NATIVE_GQA if expand_kv is None else expand_kv):
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        gqa = False
+    if backend == "auto":
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=gqa)
+    with sdpa_kernel(_SDPA[backend]):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=gqa)
+
+
 class CoreAttention(nn.Module):
     """softmax(q k^T / sqrt(d)) v, causal; a module of its own so recompute can wrap it."""
 
-    def __init__(self, dropout: float):
+    def __init__(self, dropout: float, backend: str = "auto"):
         super().__init__()
+        if backend not in BACKENDS:
+            raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
         self.dropout = dropout
+        self.backend = backend
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (batch, heads, seq, d), k/v (batch, groups, seq, d) -> (batch, heads, seq, d)."""
-        return F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=k.shape[1] != q.shape[1],
-        )
+        return sdpa(q, k, v, self.dropout if self.training else 0.0, self.backend)
 
 
 class Attention(nn.Module):
@@ -43,7 +75,7 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         qkv_out = (self.heads + 2 * self.groups) * self.head_dim
         self.qkv = nn.Linear(config.hidden_size, qkv_out, bias=config.add_bias_linear)
-        self.core = CoreAttention(config.attention_dropout)
+        self.core = CoreAttention(config.attention_dropout, config.attention_backend)
         self.proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=config.add_bias_linear)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:

@@ -84,6 +84,29 @@ def test_attention_matches_naive_per_head_reference(kw):
                                rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("backend,expand", [("math", None), ("auto", True), ("math", True)],
+                         ids=["pinned-math", "auto-expanded-kv", "math-expanded-kv"])
+def test_pinned_attention_backend_and_expanded_kv_match_naive_reference(backend, expand):
+    """A pinned SDPA backend (and expanding KV heads instead of enable_gqa) computes the same."""
+    from services.trainer.model import attention
+    model = build(**LLAMA, attention_backend=backend)
+    assert model.layers[0].attention.core.backend == backend
+    x = torch.randn(2, 12, 64)
+    rope = (model.rope_cos, model.rope_sin)
+    if expand:
+        core = model.layers[0].attention.core
+        core.forward = lambda q, k, v: attention.sdpa(q, k, v, 0.0, backend, expand_kv=True)
+    torch.testing.assert_close(model.layers[0].attention(x, rope), naive_attention_block(model, x),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_unknown_attention_backend_is_refused():
+    from services.common.errors import ConfigError
+    from services.trainer.config import load_config
+    with pytest.raises(ConfigError, match="model.attention_backend: got 'flash3'"):
+        load_config(["--model.attention_backend=flash3"])
+
+
 def test_canonical_parameter_names():
     names = set(dict(build(**LLAMA).named_parameters()))
     per_layer = ["input_norm.weight", "attention.qkv.weight", "attention.proj.weight",
