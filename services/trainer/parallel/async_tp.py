@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from services.trainer.parallel import mappings as M
+
 SEQ_DIM = 1  # activations are (batch, seq, hidden)
 
 
@@ -30,13 +32,6 @@ def _ops():
     import torch.distributed._symmetric_memory  # registers torch.ops.symm_mem
 
     return torch.ops.symm_mem
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """What F.linear would compute in here: the autocast dtype when autocast is on."""
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
 
 
 class _GatherLinear(torch.autograd.Function):
@@ -73,7 +68,7 @@ class _LinearReduceScatter(torch.autograd.Function):
 
 
 def _cast(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
-    dtype = _compute_dtype(x)
+    dtype = M.compute_dtype(x)
     # The casts sit outside the Functions, so autograd returns fp32 gradients to fp32 weights,
     # exactly as autocast's own cast in F.linear does.
     return x.to(dtype), w.to(dtype), None if b is None else b.to(dtype)

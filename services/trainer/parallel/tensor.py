@@ -74,6 +74,7 @@ class ColumnParallelLinear(nn.Module):
         """x (b, s/tp or s, in) -> (b, s, out/tp)."""
         if self.overlap:
             return async_tp.gather_linear(x, self.weight, self.bias, self.group)
+        x = M.to_compute_dtype(x)  # gather (and reduce the gradient) in bf16 under autocast
         x = M.gather_from_sequence(x, self.group) if self.sp else M.copy_to_region(x, self.group)
         return F.linear(x, self.weight, self.bias)
 
@@ -178,6 +179,7 @@ class VocabParallelHead(nn.Module):
         self.rank = mesh.tp_rank
 
     def _local_logits(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        h = M.to_compute_dtype(h)
         h = M.gather_from_sequence(h, self.group) if self.sp else M.copy_to_region(h, self.group)
         logits = h @ weight.t()  # (b, s, V/tp)
         return logits.to(torch.promote_types(logits.dtype, torch.float32))
