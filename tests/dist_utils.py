@@ -8,6 +8,7 @@ stragglers, and raises the first rank error with its traceback, or returns rank 
 from __future__ import annotations
 
 import os
+import pickle
 import queue as queue_mod
 import shutil
 import tempfile
@@ -30,7 +31,9 @@ def _entry(fn, rank, world, port, args, queue, store_path):
     try:
         dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
         result = fn(rank, world, *args)
-        queue.put((rank, "ok", result))
+        # Plain pickle: tensors travel inline, not as shared-memory handles the parent would have
+        # to fetch from this process (which may have exited by then).
+        queue.put((rank, "ok", pickle.dumps(result)))
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:  # report everything, including assertion errors, to the parent
@@ -58,7 +61,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0) -> list:
                 raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f} s") from None
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            results[rank] = payload
+            results[rank] = pickle.loads(payload)
     finally:
         for p in procs:
             p.join(timeout=10)
