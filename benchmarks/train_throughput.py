@@ -66,7 +66,11 @@ def run_meshtrain(args, overrides) -> dict:
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     sec = time_steps(step, args.warmup, args.steps, trainer.device)
-    out = {"step_time_s": sec, "loss_first": losses[0].item(), "loss_last": losses[-1].item(),
+    first_last = torch.stack([losses[0], losses[-1]])
+    if trainer.mesh.dp > 1:  # each dp rank's loss covers its share of the batch: report the batch's
+        torch.distributed.all_reduce(first_last, group=trainer.mesh.group("dp"))
+        first_last /= trainer.mesh.dp
+    out = {"step_time_s": sec, "loss_first": first_last[0].item(), "loss_last": first_last[1].item(),
            "flops_per_token": trainer.flops_per_token, "params": trainer.model.num_parameters(),
            "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None}
     if args.profile_steps:
