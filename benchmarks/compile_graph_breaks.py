@@ -31,6 +31,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--async-grad-reduce", action="store_true", help="parallel.tp_async_grad_reduce")
     p.add_argument("--layers", type=int, default=2)
     args = p.parse_args()
     init_process_group("gloo")
@@ -40,7 +41,7 @@ def main() -> None:
                       position_embedding_type="rope", add_bias_linear=False,
                       untie_embeddings_and_output_weights=True)
     torch.manual_seed(0)
-    model = parallelize(GPT(cfg), mesh, args.sequence_parallel)
+    model = parallelize(GPT(cfg), mesh, args.sequence_parallel, async_grad_reduce=args.async_grad_reduce)
     tokens = torch.randint(0, 1000, (2, 64))
     explanation = torch._dynamo.explain(model)(tokens, tokens)
     reasons = collections.Counter(str(b.reason).splitlines()[0][:110] for b in explanation.break_reasons)

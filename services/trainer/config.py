@@ -226,6 +226,10 @@ class ParallelConfig:
     tp_comm_overlap: bool = False
     """With sequence_parallel on CUDA/NCCL: overlap each linear's all-gather / reduce-scatter
     with its matmul (PyTorch symmetric-memory fused ops), as Megatron's --tp-comm-overlap."""
+    tp_async_grad_reduce: bool = False
+    """Column-parallel linears launch the reduction of their input gradient (reduce-scatter with
+    sequence parallelism, else all-reduce) before computing their weight gradient, so the two
+    overlap (Megatron's asynchronous tensor-parallel all-reduce). Same arithmetic; tp > 1 only."""
     use_distributed_optimizer: bool = False
     """Shard Adam state over data-parallel ranks (ZeRO-1): reduce-scatter grads, all-gather params."""
     overlap_grad_reduce: bool = False

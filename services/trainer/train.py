@@ -146,7 +146,8 @@ class Trainer:
         self.flops_per_token = model.flops_per_token()
         self.num_parameters = model.num_parameters()
         recompute.apply(model, job.parallel)
-        parallelize(model, self.mesh, job.parallel.sequence_parallel, job.parallel.tp_comm_overlap, self.device)
+        parallelize(model, self.mesh, job.parallel.sequence_parallel, job.parallel.tp_comm_overlap, self.device,
+                    async_grad_reduce=job.parallel.tp_async_grad_reduce)
         self.model = model.to(self.device)
         p = job.parallel
         self.ddp = None

@@ -67,7 +67,7 @@ class _LinearReduceScatter(torch.autograd.Function):
         return dx, dw, None
 
 
-def _cast(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
+def cast_for_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
     dtype = M.compute_dtype(x)
     # The casts sit outside the Functions, so autograd returns fp32 gradients to fp32 weights,
     # exactly as autocast's own cast in F.linear does.
@@ -77,7 +77,7 @@ def _cast(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
 def gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   group: dist.ProcessGroup) -> torch.Tensor:
     """Column-parallel linear under sequence parallelism: (b, s/tp, in) -> (b, s, out/tp)."""
-    x, w, b = _cast(x, weight, bias)
+    x, w, b = cast_for_linear(x, weight, bias)
     with torch.autocast(x.device.type, enabled=False):
         y = _GatherLinear.apply(x, w, group.group_name)
         return y + b if b is not None else y
@@ -85,7 +85,7 @@ def gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Row-parallel linear under sequence parallelism: (b, s, in/tp) -> (b, s/tp, out)."""
-    x, w, _ = _cast(x, weight, None)
+    x, w, _ = cast_for_linear(x, weight, None)
     with torch.autocast(x.device.type, enabled=False):
         return _LinearReduceScatter.apply(x, w, group.group_name)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -59,13 +60,64 @@ def _param(t: torch.Tensor, split: TPSplit | None = None, sequence_parallel: boo
     return p
 
 
+def _start_input_grad_reduction(dx: torch.Tensor, group: dist.ProcessGroup, sp: bool) -> torch.Tensor:
+    """Launch the tp reduction of a column-parallel input gradient (b, s, in); `_finish_` waits.
+
+    Functional collectives, so the launch and the wait are separate ops in a compiled graph
+    too, and the work issued between them runs while the collective is in flight.
+    """
+    ops = torch.ops._c10d_functional
+    if sp and dist.get_backend(group) != "gloo":  # gloo has no reduce-scatter: all-reduce + split
+        front = dx.movedim(M.SEQ_DIM, 0).contiguous()
+        return ops.reduce_scatter_tensor(front, "sum", dist.get_world_size(group), group.group_name)
+    return ops.all_reduce(dx.contiguous(), "sum", group.group_name)
+
+
+def _finish_input_grad_reduction(pending: torch.Tensor, group: dist.ProcessGroup, sp: bool) -> torch.Tensor:
+    dx = torch.ops._c10d_functional.wait_tensor(pending)
+    if not sp:
+        return dx
+    if dist.get_backend(group) == "gloo":
+        return M.split(dx, M.SEQ_DIM, group)
+    return dx.movedim(0, M.SEQ_DIM)
+
+
+class _ColumnLinearAsyncGrad(torch.autograd.Function):
+    """Column-parallel linear whose backward reduces the input gradient during the dW GEMM.
+
+    forward:  y = G(x) W^T + b     G: all-gather along the sequence (sp) or identity
+    backward: dx = G*(dy W)        G*: reduce-scatter (sp) or all-reduce, launched first
+              dW = dy^T G(x), db = sum(dy)   computed while G* is in flight
+    The same arithmetic as the unfused path, in another order (as Megatron's asynchronous
+    tensor-parallel all-reduce). The gathered input is kept for dW, as autograd keeps it
+    for F.linear on the unfused path.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w, b, group, sp):
+        full = M.all_gather(x, M.SEQ_DIM, group) if sp else x
+        ctx.save_for_backward(full, w)
+        ctx.group, ctx.sp, ctx.has_bias = group, sp, b is not None
+        return F.linear(full, w, b)
+
+    @staticmethod
+    def backward(ctx, dy):
+        full, w = ctx.saved_tensors
+        dy = dy.contiguous()
+        pending = _start_input_grad_reduction(dy @ w, ctx.group, ctx.sp)
+        flat_dy = dy.flatten(0, -2)
+        dw = flat_dy.t() @ full.flatten(0, -2)
+        db = flat_dy.sum(0) if ctx.has_bias else None
+        return _finish_input_grad_reduction(pending, ctx.group, ctx.sp), dw, db, None, None
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W_r^T + b_r: output features split over tp; input replicated (or seq-gathered)."""
 
     def __init__(self, full: nn.Linear, mesh: Mesh, sequence_parallel: bool, halves: bool = False,
-                 overlap: bool = False):
+                 overlap: bool = False, async_grad: bool = False):
         super().__init__()
-        self.group, self.sp, self.overlap = mesh.group("tp"), sequence_parallel, overlap
+        self.group, self.sp, self.overlap, self.async_grad = mesh.group("tp"), sequence_parallel, overlap, async_grad
         split = TPSplit(0, halves=halves)
         self.weight = _param(split.shard(full.weight, mesh.tp_rank, mesh.tp), split)
         self.bias = _param(split.shard(full.bias, mesh.tp_rank, mesh.tp), split) if full.bias is not None else None
@@ -74,6 +126,10 @@ class ColumnParallelLinear(nn.Module):
         """x (b, s/tp or s, in) -> (b, s, out/tp)."""
         if self.overlap:
             return async_tp.gather_linear(x, self.weight, self.bias, self.group)
+        if self.async_grad:
+            x, w, b = async_tp.cast_for_linear(x, self.weight, self.bias)
+            with torch.autocast(x.device.type, enabled=False):
+                return _ColumnLinearAsyncGrad.apply(x, w, b, self.group, self.sp)
         x = M.to_compute_dtype(x)  # gather (and reduce the gradient) in bf16 under autocast
         x = M.gather_from_sequence(x, self.group) if self.sp else M.copy_to_region(x, self.group)
         return F.linear(x, self.weight, self.bias)
@@ -199,7 +255,8 @@ class VocabParallelHead(nn.Module):
 
 
 def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False,
-                comm_overlap: bool = False, device: torch.device | None = None) -> nn.Module:
+                comm_overlap: bool = False, device: torch.device | None = None,
+                async_grad_reduce: bool = False) -> nn.Module:
     """Shard `model` (a GPT built with full weights) over mesh.tp, in place; returns it.
 
     Args:
@@ -209,6 +266,8 @@ def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False,
         comm_overlap: under sequence parallelism, overlap the linears' collectives with their
             matmuls (`async_tp`; CUDA + NCCL only).
         device: where the model will run (checked for `comm_overlap`).
+        async_grad_reduce: column-parallel linears reduce their input gradient while computing
+            their weight gradient (ignored where `comm_overlap` fuses the two already).
 
     Raises:
         ConfigError: head or group counts that tp does not divide, sequence parallelism
@@ -251,11 +310,12 @@ def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False,
         model.head = VocabParallelHead(cfg.vocab_size, mesh, sequence_parallel)
         for layer in model.layers:
             att = layer.attention
-            att.qkv = ColumnParallelLinear(att.qkv, mesh, sequence_parallel, overlap=comm_overlap)
+            att.qkv = ColumnParallelLinear(att.qkv, mesh, sequence_parallel, overlap=comm_overlap,
+                                           async_grad=async_grad_reduce)
             att.proj = RowParallelLinear(att.proj, mesh, sequence_parallel, overlap=comm_overlap)
             att.heads, att.groups = att.heads // tp, att.groups // tp
             layer.mlp.fc1 = ColumnParallelLinear(layer.mlp.fc1, mesh, sequence_parallel, halves=layer.mlp.swiglu,
-                                                 overlap=comm_overlap)
+                                                 overlap=comm_overlap, async_grad=async_grad_reduce)
             layer.mlp.fc2 = RowParallelLinear(layer.mlp.fc2, mesh, sequence_parallel, overlap=comm_overlap)
         if sequence_parallel:
             for name, p in model.named_parameters():

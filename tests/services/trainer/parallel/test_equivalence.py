@@ -57,6 +57,8 @@ CASES = {
                                                 "parallel.recompute_granularity": "full"}),
     "dp2-recompute-selective": (2, "gpt2", {"parallel.recompute_granularity": "selective",
                                             "parallel.overlap_grad_reduce": True}),
+    "tp2-sp-async-grad": (2, "llama", {"parallel.tp": 2, "parallel.sequence_parallel": True,
+                                       "parallel.tp_async_grad_reduce": True}),
 }
 
 

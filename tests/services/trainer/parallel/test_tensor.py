@@ -23,13 +23,13 @@ GPT2 = dict(CFG, num_query_groups=None, normalization="layernorm", activation="g
             position_embedding_type="learned", add_bias_linear=True, untie_embeddings_and_output_weights=False)
 
 
-def _grads(rank, world, cfg, sequence_parallel):
+def _grads(rank, world, cfg, sequence_parallel, async_grad=False):
     torch.manual_seed(0)
     model = GPT(ModelConfig(**cfg)).double()
     tokens = torch.randint(0, 203, (2, 16), generator=torch.Generator().manual_seed(1))
     labels = torch.randint(0, 203, (2, 16), generator=torch.Generator().manual_seed(2))
     mesh = Mesh.build(tp=world)
-    parallelize(model, mesh, sequence_parallel)
+    parallelize(model, mesh, sequence_parallel, async_grad_reduce=async_grad)
     loss = model(tokens, labels)
     loss.backward()
     logits = model(tokens)
@@ -44,8 +44,13 @@ def _grads(rank, world, cfg, sequence_parallel):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("cfg,sp", [(CFG, False), (CFG, True), (GPT2, True)], ids=["llama", "llama-sp", "gpt2-sp"])
-def test_sharded_gradients_equal_unsharded(cfg, sp):
+@pytest.mark.parametrize("cfg,sp,async_grad", [
+    (CFG, False, False), (CFG, True, False), (GPT2, True, False),
+    # column-parallel input gradients reduced during the weight-gradient GEMM
+    (CFG, False, True), (CFG, True, True), (GPT2, False, True), (GPT2, True, True),
+], ids=["llama", "llama-sp", "gpt2-sp", "llama-async-grad", "llama-sp-async-grad", "gpt2-async-grad",
+        "gpt2-sp-async-grad"])
+def test_sharded_gradients_equal_unsharded(cfg, sp, async_grad):
     torch.manual_seed(0)
     ref = GPT(ModelConfig(**cfg)).double()
     tokens = torch.randint(0, 203, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -53,7 +58,7 @@ def test_sharded_gradients_equal_unsharded(cfg, sp):
     ref_loss = ref(tokens, labels)
     ref_loss.backward()
     ref_logits = ref(tokens).detach()
-    for loss, logits, grads in run_ranks(_grads, 2, cfg, sp):
+    for loss, logits, grads in run_ranks(_grads, 2, cfg, sp, async_grad):
         assert loss == pytest.approx(ref_loss.item(), rel=1e-12)
         torch.testing.assert_close(logits, ref_logits, rtol=1e-10, atol=1e-10)
         for name, p in ref.named_parameters():
