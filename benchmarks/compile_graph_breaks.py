@@ -46,7 +46,8 @@ def main() -> None:
     explanation = torch._dynamo.explain(model)(tokens, tokens)
     reasons = collections.Counter(str(b.reason).splitlines()[0][:110] for b in explanation.break_reasons)
     if mesh.rank == 0:
-        print(f"tp={args.tp} sequence_parallel={args.sequence_parallel} layers={args.layers}: "
+        print(f"tp={args.tp} sequence_parallel={args.sequence_parallel} "
+              f"async_grad_reduce={args.async_grad_reduce} layers={args.layers}: "
               f"{explanation.graph_count} graphs, {explanation.graph_break_count} graph breaks")
         for reason, n in reasons.most_common():
             print(f"  {n:3d} x {reason}")

@@ -229,7 +229,8 @@ class ParallelConfig:
     tp_async_grad_reduce: bool = False
     """Column-parallel linears launch the reduction of their input gradient (reduce-scatter with
     sequence parallelism, else all-reduce) before computing their weight gradient, so the two
-    overlap (Megatron's asynchronous tensor-parallel all-reduce). Same arithmetic; tp > 1 only."""
+    overlap (Megatron's asynchronous tensor-parallel all-reduce). Same arithmetic. Needs tp > 1;
+    not with tp_comm_overlap (which fuses these collectives with the GEMMs instead)."""
     use_distributed_optimizer: bool = False
     """Shard Adam state over data-parallel ranks (ZeRO-1): reduce-scatter grads, all-gather params."""
     overlap_grad_reduce: bool = False
@@ -258,6 +259,11 @@ class ParallelConfig:
             raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1")
         if self.tp_comm_overlap and not self.sequence_parallel:
             raise ConfigError("parallel.tp_comm_overlap needs parallel.sequence_parallel")
+        if self.tp_async_grad_reduce and self.tp == 1:
+            raise ConfigError("parallel.tp_async_grad_reduce needs parallel.tp > 1")
+        if self.tp_async_grad_reduce and self.tp_comm_overlap:
+            raise ConfigError("parallel.tp_async_grad_reduce and parallel.tp_comm_overlap both overlap the "
+                              "linears' input-gradient collectives: choose one")
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ConfigError("parallel.overlap_param_gather needs parallel.use_distributed_optimizer")
         if self.recompute_num_layers <= 0:

@@ -67,19 +67,15 @@ def _start_input_grad_reduction(dx: torch.Tensor, group: dist.ProcessGroup, sp: 
     too, and the work issued between them runs while the collective is in flight.
     """
     ops = torch.ops._c10d_functional
-    if sp and dist.get_backend(group) != "gloo":  # gloo has no reduce-scatter: all-reduce + split
+    if sp:  # reduce-scatter along the sequence (dim 1), done along dim 0 of a (s, b, in) copy
         front = dx.movedim(M.SEQ_DIM, 0).contiguous()
         return ops.reduce_scatter_tensor(front, "sum", dist.get_world_size(group), group.group_name)
     return ops.all_reduce(dx.contiguous(), "sum", group.group_name)
 
 
-def _finish_input_grad_reduction(pending: torch.Tensor, group: dist.ProcessGroup, sp: bool) -> torch.Tensor:
+def _finish_input_grad_reduction(pending: torch.Tensor, sp: bool) -> torch.Tensor:
     dx = torch.ops._c10d_functional.wait_tensor(pending)
-    if not sp:
-        return dx
-    if dist.get_backend(group) == "gloo":
-        return M.split(dx, M.SEQ_DIM, group)
-    return dx.movedim(0, M.SEQ_DIM)
+    return dx.movedim(0, M.SEQ_DIM) if sp else dx
 
 
 class _ColumnLinearAsyncGrad(torch.autograd.Function):
@@ -108,7 +104,7 @@ class _ColumnLinearAsyncGrad(torch.autograd.Function):
         flat_dy = dy.flatten(0, -2)
         dw = flat_dy.t() @ full.flatten(0, -2)
         db = flat_dy.sum(0) if ctx.has_bias else None
-        return _finish_input_grad_reduction(pending, ctx.group, ctx.sp), dw, db, None, None
+        return _finish_input_grad_reduction(pending, ctx.sp), dw, db, None, None
 
 
 class ColumnParallelLinear(nn.Module):

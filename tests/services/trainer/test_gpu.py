@@ -43,12 +43,13 @@ TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 @pytest.mark.parametrize("layout,shared,rel", [
     (TP2_SP, [], 1e-4),
+    (TP2_SP, ["--train.compile=true"], 1e-4),  # the in-place gathers of sp, compiled for CUDA
     # Compiled tp without SP: an in-place all-reduce in a Function's backward was lost in the
     # CUDA graph (losses stalled), which no CPU run showed.
     (["--tensor-model-parallel-size", "2"], ["--train.compile=true"], 1e-4),
     (TP2_SP + ["--tp-comm-overlap"], [], 1e-4),
-    # Input gradients reduced during the weight-gradient GEMM: NCCL reduce-scatter (sp, eager;
-    # gloo has no reduce-scatter, so only this runs that branch) and all-reduce (compiled).
+    # Input gradients reduced during the weight-gradient GEMM: reduce-scatter (sp, eager) and
+    # all-reduce (compiled), on NCCL.
     (TP2_SP + ["--parallel.tp_async_grad_reduce=true"], [], 1e-4),
     (["--tensor-model-parallel-size", "2", "--parallel.tp_async_grad_reduce=true"], ["--train.compile=true"], 1e-4),
     (["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"], [], 1e-4),
@@ -58,7 +59,7 @@ TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
     # bf16 autocast: the linears' collectives move bf16 (one GPU never rounds their sums to
     # bf16), so a bf16 tolerance.
     (TP2_SP, ["--train.bf16=true"], 1e-2),
-], ids=["tp2-sp", "tp2-compiled", "tp2-sp-comm-overlap", "tp2-sp-async-grad",
+], ids=["tp2-sp", "tp2-sp-compiled", "tp2-compiled", "tp2-sp-comm-overlap", "tp2-sp-async-grad",
         "tp2-async-grad-compiled", "dp2-zero1-overlap", "dp2-zero1-overlap-compiled", "tp2-sp-bf16"])
 def test_nccl_two_gpus_match_one_gpu(layout, shared, rel, corpus_cache, tmp_path):
     """fp32 on CUDA: NCCL reduction order differs from one GPU's, so 1e-4 relative."""
