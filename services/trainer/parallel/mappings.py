@@ -12,8 +12,8 @@ gradients:
     reduce_scatter_to_sequence  fwd: reduce-scatter (seq)  bwd: all-gather (seq)
 
 Activations are batch-first, so the sequence dim is 1: (batch, seq/tp, hidden). With a group
-of size 1 (or None) every region is the identity. Gloo has no reduce-scatter, so there it is
-an all-reduce followed by taking the own chunk (same result, more bytes): CPU tests only.
+of size 1 (or None) every region is the identity. The CPU tests run the same collectives on
+gloo (all-gather through its list form).
 """
 
 from __future__ import annotations
@@ -76,8 +76,6 @@ def reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     n = _size(group)
     if n == 1:
         return x
-    if dist.get_backend(group) == "gloo":
-        return split(all_reduce(x.clone(), group), dim, group)
     front = x.movedim(dim, 0).contiguous()
     out = torch.empty((front.shape[0] // n, *front.shape[1:]), dtype=x.dtype, device=x.device)
     dist.reduce_scatter_tensor(out, front, group=group)
