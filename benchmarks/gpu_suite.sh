@@ -5,8 +5,8 @@
 #
 # Parts (all by default):
 #   tests       pytest -m gpu: kernels on real shapes, bf16 training, every NCCL layout vs one GPU
-#   scaling     llama-1b: one GPU, then TP=2 (+/- SP, +/- tp_async_grad_reduce) and DP=2 + ZeRO-1 +
-#               overlap, each 2-GPU row against the 1-GPU row of this same run
+#   scaling     llama-1b: one GPU, then TP=2 (plain; tp_async_grad_reduce, profiled; the same with SP)
+#               and DP=2 + ZeRO-1 + overlap, each 2-GPU row against the 1-GPU row of this same run
 #   nccl-proto  the TP=2 row again with NCCL_PROTO=Simple (NCCL picked LL for 17-34 MB messages)
 # Every job has its own time limit (a fresh machine compiles llama-1b in ~90 s) and writes its
 # log as it goes (OUT_DIR/NAME.log, unbuffered), so a job cut short still leaves its output.
@@ -57,9 +57,10 @@ for part in $parts; do
       S="--single-gpu-json $out/1gpu.json"
       job tp2 240 $T $B $S --tensor-model-parallel-size 2 --out "$out/tp2.json" --run-dir "$out/runs/tp2"
       row tp2
-      job tp2-async 240 $T $B $S --tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=true \
-        --out "$out/tp2-async.json" --run-dir "$out/runs/tp2-async"
+      job tp2-async 270 $T $B $S --tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=true \
+        --profile-steps 1 --out "$out/tp2-async.json" --run-dir "$out/runs/tp2-async"
       row tp2-async
+      grep -A14 "where a step goes" "$out/tp2-async.log" | head -n 15
       job tp2-sp-async 240 $T $B $S --tensor-model-parallel-size 2 --sequence-parallel \
         --parallel.tp_async_grad_reduce=true --out "$out/tp2-sp-async.json" --run-dir "$out/runs/tp2-sp-async"
       row tp2-sp-async
