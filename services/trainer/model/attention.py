@@ -18,7 +18,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import kernels
 from services.trainer.config import ModelConfig
 
-
 BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
 """SDPA backends `model.attention_backend` can pin; 'auto' is PyTorch's own choice."""
 
