@@ -8,6 +8,7 @@ slice of rows. The attention core is `scaled_dot_product_attention` (flash / cuD
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -43,9 +44,7 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, back
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         gqa = False
-    if backend == "auto":
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=gqa)
-    with sdpa_kernel(_SDPA[backend]):
+    with contextlib.nullcontext() if backend == "auto" else sdpa_kernel(_SDPA[backend]):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=gqa)
 
 

@@ -1,5 +1,6 @@
 """The CheckpointService over real gRPC on loopback: saves, reads, retention, bad requests."""
 
+import contextlib
 import os
 import re
 
@@ -20,16 +21,24 @@ from services.checkpoint.writer import save_checkpoint
 from services.common.errors import CheckpointError
 
 
+@contextlib.contextmanager
+def running_service(root: str, **server_options):
+    """A checkpoint service on loopback and a client of it (256-byte chunks); stopped after."""
+    server, port, _ = start_server(root, **server_options)
+    client = CheckpointClient(f"127.0.0.1:{port}", chunk_bytes=256)
+    try:
+        yield client, port
+    finally:
+        client.close()
+        server.stop(0)
+
+
 @pytest.fixture
 def service(tmp_path):
     root = str(tmp_path / "ckpt")
     # A tiny chunk and in-flight limit so the tests exercise chunking and the limits.
-    server, port, _ = start_server(root, commit_timeout=5, max_chunk_bytes=256,
-                                   max_inflight_bytes=64 << 10)
-    client = CheckpointClient(f"127.0.0.1:{port}", chunk_bytes=256)
-    yield root, client, port
-    client.close()
-    server.stop(0)
+    with running_service(root, commit_timeout=5, max_chunk_bytes=256, max_inflight_bytes=64 << 10) as (client, port):
+        yield root, client, port
 
 
 def tp_boxes(full, writer, tp):
@@ -152,12 +161,18 @@ def test_a_newer_begin_save_of_a_step_supersedes_the_older_one(service):
                        full.view(torch.int16))
 
 
-def test_a_retried_commit_of_a_committed_save_gets_its_result_again(service):
-    _, client, _ = service
-    save_id = client.begin_save(6, num_writers=1)
-    writer = client.writer(6, save_id, 0, 1)
+def written_save(client, step: int) -> str:
+    """A one-writer save of `step` with one small array written and finished; its save id."""
+    save_id = client.begin_save(step, num_writers=1)
+    writer = client.writer(step, save_id, 0, 1)
     writer.write(ShardSpec("w", (2,), "float32", (0,), (2,)), torch.ones(2))
     writer.finish()
+    return save_id
+
+
+def test_a_retried_commit_of_a_committed_save_gets_its_result_again(service):
+    _, client, _ = service
+    save_id = written_save(client, 6)
     first = client.commit(6, save_id, 1, {}, timeout=5)
     again = client.commit(6, save_id, 1, {}, timeout=5)  # the first reply was "lost"
     assert (again.step, again.url, again.num_objects) == (first.step, first.url, first.num_objects)
@@ -171,9 +186,7 @@ def test_a_writer_the_service_cannot_take_now_is_retried_not_failed(tmp_path):
     import time
 
     root = str(tmp_path / "ckpt")
-    server, port, _ = start_server(root, max_streams=1, commit_timeout=10)
-    client = CheckpointClient(f"127.0.0.1:{port}", chunk_bytes=256)
-    try:
+    with running_service(root, max_streams=1, commit_timeout=10) as (client, _):
         other, mine = client.begin_save(99, num_writers=1), client.begin_save(3, num_writers=1)
 
         def slow():
@@ -188,9 +201,6 @@ def test_a_writer_the_service_cannot_take_now_is_retried_not_failed(tmp_path):
         saver.save(3, mine, tp_boxes(full, 0, 1), committer=True, metadata={})
         assert saver.wait().step == 3
         blocker.join()
-    finally:
-        client.close()
-        server.stop(0)
 
 
 def test_remote_writer_refuses_data_of_another_dtype(service):
@@ -218,9 +228,7 @@ def test_an_abandoned_save_is_forgotten_and_its_leftovers_collected(tmp_path):
     import time
 
     root = str(tmp_path / "ckpt")
-    server, port, _ = start_server(root, commit_timeout=0.2)
-    client = CheckpointClient(f"127.0.0.1:{port}", chunk_bytes=256)
-    try:
+    with running_service(root, commit_timeout=0.2) as (client, _):
         save_id = client.begin_save(8, num_writers=1)  # its trainer dies before committing
         ShardWriter(root, 8, save_id, 0, 1).write(ShardSpec("w", (2,), "float32", (0,), (2,)), torch.ones(2))
         assert client.apply_retention(keep_last=3).collected == []  # still in progress
@@ -230,19 +238,13 @@ def test_an_abandoned_save_is_forgotten_and_its_leftovers_collected(tmp_path):
         late.write(ShardSpec("w", (2,), "float32", (0,), (2,)), torch.ones(2))
         with pytest.raises(CheckpointError, match="abandoned"):
             late.finish()
-    finally:
-        client.close()
-        server.stop(0)
 
 
 def test_two_commits_of_one_save_at_once_both_get_the_result(service):
     from concurrent.futures import ThreadPoolExecutor
 
     _, client, _ = service
-    save_id = client.begin_save(13, num_writers=1)
-    writer = client.writer(13, save_id, 0, 1)
-    writer.write(ShardSpec("w", (2,), "float32", (0,), (2,)), torch.ones(2))
-    writer.finish()
+    save_id = written_save(client, 13)
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(lambda _: client.commit(13, save_id, 1, {}, timeout=5), range(2)))
     assert results[0].url == results[1].url and client.list() == [13]
