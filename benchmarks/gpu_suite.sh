@@ -1,25 +1,31 @@
 #!/usr/bin/env bash
 # The GPU checks and the parallel-scaling rows of BENCHMARKS.md, in one command on a 2-GPU host.
 #
-#   bash benchmarks/gpu_suite.sh OUT_DIR [tests] [scaling] [nccl-proto]
+#   bash benchmarks/gpu_suite.sh OUT_DIR [PART...]
 #
-# Parts (all by default):
+# Parts (in the order given; all of them by default):
 #   tests       pytest -m gpu: kernels on real shapes, bf16 training, every NCCL layout vs one GPU
-#   scaling     llama-1b: one GPU, then TP=2 (plain; tp_async_grad_reduce, profiled; the same with SP)
-#               and DP=2 + ZeRO-1 + overlap, each 2-GPU row against the 1-GPU row of this same run
-#   nccl-proto  the TP=2 row again with NCCL_PROTO=Simple (NCCL picked LL for 17-34 MB messages)
+#   1gpu        llama-1b on one GPU: the row every 2-GPU row of the same run is compared with
+#   tp          TP=2: plain, and with tp_async_grad_reduce (profiled)
+#   tp-sp       TP=2 + SP with tp_async_grad_reduce
+#   dp          DP=2 + ZeRO-1: with both overlaps (per-block compile), and with grad-reduce
+#               overlap only (whole-model compile)
+#   dp-plain    DP=2 without the distributed optimizer (whole-model compile)
+#   nccl-proto  the TP=2 async row again with NCCL_PROTO=Simple (NCCL picked LL for 17-34 MB)
+# The 2-GPU parts need the 1gpu part's JSON in OUT_DIR (from this run or an earlier one).
 # Every job has its own time limit (a fresh machine compiles llama-1b in ~90 s) and writes its
 # log as it goes (OUT_DIR/NAME.log, unbuffered), so a job cut short still leaves its output.
 # Results: OUT_DIR/NAME.json (benchmarks/train_throughput.py) and a summary on stdout.
 set -u
-out=${1:?usage: gpu_suite.sh OUT_DIR [tests] [scaling] [nccl-proto]}
+out=${1:?usage: gpu_suite.sh OUT_DIR [PART...]}
 shift
-parts=${*:-tests scaling nccl-proto}
+parts=${*:-tests 1gpu tp tp-sp dp dp-plain nccl-proto}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
 B="benchmarks/train_throughput.py --config deploy/configs/llama-1b.toml --data.default_corpus_bytes=4000000 --steps 6 --warmup 3 --skip-baseline"
 T="torchrun --standalone --nproc-per-node 2"
+runs=${RUNS_DIR:-$out/runs}  # run directories (checkpoint-free, but many files)
 
 job() {  # job NAME LIMIT_S COMMAND...: run with a limit, log to OUT/NAME.log, say how it ended
   local name=$1 limit=$2
@@ -45,34 +51,37 @@ print(f"  {sys.argv[2]:<26} {r['tokens_per_s']:>10,.0f} tokens/s  MFU {mfu}  "
 EOF
 }
 
+two() {  # two NAME LIMIT FLAGS...: a 2-GPU llama-1b row against the 1-GPU row in OUT_DIR
+  local name=$1 limit=$2
+  shift 2
+  if [ "$ngpu" -lt 2 ] || [ ! -f "$out/1gpu.json" ]; then echo "$name: needs 2 GPUs and the 1gpu part"; return; fi
+  job "$name" "$limit" $T $B --single-gpu-json "$out/1gpu.json" "$@" --out "$out/$name.json" \
+    --run-dir "$runs/$name"
+  row "$name"
+}
+
 for part in $parts; do
   case $part in
     tests)
-      job tests 900 python3 -m pytest -m gpu -v -p no:cacheprovider tests
+      job tests 900 python3 -m pytest -m gpu -v -p no:cacheprovider --durations 15 tests
       grep -E "passed|failed|error" "$out/tests.log" | tail -n 3 ;;
-    scaling)
-      job 1gpu 240 python3 $B --out "$out/1gpu.json" --run-dir "$out/runs/1gpu"
-      row 1gpu
-      if [ "$ngpu" -lt 2 ]; then echo "scaling: $ngpu GPU(s), the 2-GPU rows need 2"; continue; fi
-      S="--single-gpu-json $out/1gpu.json"
-      job tp2 240 $T $B $S --tensor-model-parallel-size 2 --out "$out/tp2.json" --run-dir "$out/runs/tp2"
-      row tp2
-      job tp2-async 270 $T $B $S --tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=true \
-        --profile-steps 1 --out "$out/tp2-async.json" --run-dir "$out/runs/tp2-async"
-      row tp2-async
-      grep -A14 "where a step goes" "$out/tp2-async.log" | head -n 15
-      job tp2-sp-async 240 $T $B $S --tensor-model-parallel-size 2 --sequence-parallel \
-        --parallel.tp_async_grad_reduce=true --out "$out/tp2-sp-async.json" --run-dir "$out/runs/tp2-sp-async"
-      row tp2-sp-async
-      job dp2-zero1 240 $T $B $S --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather \
-        --out "$out/dp2-zero1.json" --run-dir "$out/runs/dp2-zero1"
-      row dp2-zero1 ;;
+    1gpu)
+      job 1gpu 240 python3 $B --out "$out/1gpu.json" --run-dir "$runs/1gpu"
+      row 1gpu ;;
+    tp)
+      two tp2 240 --tensor-model-parallel-size 2
+      two tp2-async 270 --tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=true --profile-steps 1
+      grep -A14 "where a step goes" "$out/tp2-async.log" | head -n 15 ;;
+    tp-sp)
+      two tp2-sp-async 240 --tensor-model-parallel-size 2 --sequence-parallel --parallel.tp_async_grad_reduce=true ;;
+    dp-plain)
+      two dp2 240 ;;
+    dp)
+      two dp2-zero1 240 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
+      two dp2-zero1-nopg 240 --use-distributed-optimizer --overlap-grad-reduce ;;
     nccl-proto)
-      if [ "$ngpu" -lt 2 ] || [ ! -f "$out/1gpu.json" ]; then echo "nccl-proto: needs 2 GPUs and the scaling part"; continue; fi
-      job tp2-async-simple 240 env NCCL_PROTO=Simple $T $B --single-gpu-json "$out/1gpu.json" \
-        --tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=true \
-        --out "$out/tp2-async-simple.json" --run-dir "$out/runs/tp2-async-simple"
-      row tp2-async-simple ;;
+      NCCL_PROTO=Simple two tp2-async-simple 240 --tensor-model-parallel-size 2 \
+        --parallel.tp_async_grad_reduce=true ;;
     *) echo "unknown part: $part"; exit 2 ;;
   esac
 done
