@@ -1,12 +1,17 @@
 """How torch.compile sees the (tensor-parallel) model: graphs and graph breaks per forward.
 
     torchrun --nproc-per-node 2 benchmarks/compile_graph_breaks.py --tp 2 [--sequence-parallel]
+        [--async-grad-reduce] [--batch-split] [--op-order]
     python benchmarks/compile_graph_breaks.py            # tp=1 reference
 
 Runs `torch._dynamo.explain` on a small Llama-style model (CPU, gloo when distributed) and
 prints the graph count, the graph-break count and the distinct break reasons: a compiled
 model that breaks at every communication region runs as many small graphs, which is where
 the TP=2 throughput gap on the H200 is expected to come from.
+
+`--op-order` also prints, for the AOT forward and backward graphs, the order of the
+collective launches (`AR`, `RS`, `AG`), their waits (`w`) and the matmuls (`mm`): where a
+launch and its wait have matmuls between them, the collective can overlap that compute.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--async-grad-reduce", action="store_true", help="parallel.tp_async_grad_reduce")
+    p.add_argument("--batch-split", action="store_true", help="parallel.tp_batch_split")
+    p.add_argument("--op-order", action="store_true", help="print collectives / waits / matmuls in graph order")
     p.add_argument("--layers", type=int, default=2)
     args = p.parse_args()
     init_process_group("gloo")
@@ -41,17 +48,63 @@ def main() -> None:
                       position_embedding_type="rope", add_bias_linear=False,
                       untie_embeddings_and_output_weights=True)
     torch.manual_seed(0)
-    model = parallelize(GPT(cfg), mesh, args.sequence_parallel, async_grad_reduce=args.async_grad_reduce)
+    model = parallelize(GPT(cfg), mesh, args.sequence_parallel, async_grad_reduce=args.async_grad_reduce,
+                        batch_split=args.batch_split)
     tokens = torch.randint(0, 1000, (2, 64))
     explanation = torch._dynamo.explain(model)(tokens, tokens)
     reasons = collections.Counter(str(b.reason).splitlines()[0][:110] for b in explanation.break_reasons)
     if mesh.rank == 0:
         print(f"tp={args.tp} sequence_parallel={args.sequence_parallel} "
-              f"async_grad_reduce={args.async_grad_reduce} layers={args.layers}: "
+              f"async_grad_reduce={args.async_grad_reduce} batch_split={args.batch_split} layers={args.layers}: "
               f"{explanation.graph_count} graphs, {explanation.graph_break_count} graph breaks")
         for reason, n in reasons.most_common():
             print(f"  {n:3d} x {reason}")
+    if args.op_order:
+        graphs = op_order(model, tokens, tokens)
+        if mesh.rank == 0:
+            for name, (seq, inflight) in graphs.items():
+                hidden = sum(1 for _, n in inflight if n)
+                print(f"{name}: {hidden} of {len(inflight)} collectives have matmuls in flight\n  {seq}")
 
+
+SHORT = {"all_reduce": "AR", "reduce_scatter_tensor": "RS", "all_gather_into_tensor": "AG", "wait_tensor": "w",
+         "mm": "mm", "addmm": "mm", "bmm": "mm"}
+COLLECTIVES = ("AR", "RS", "AG")
+
+
+def op_order(model: torch.nn.Module, *inputs: torch.Tensor) -> dict[str, tuple[str, list[tuple[str, int]]]]:
+    """One compiled forward + backward of `model(*inputs)`, seen as AOT graphs.
+
+    For the forward and the backward graph: the collective launches (AR, RS, AG), waits (w)
+    and matmuls (mm) in graph order, as a string, and for each collective (kind, number of
+    matmuls between its launch and its wait).
+    """
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs: dict[str, tuple[str, list[tuple[str, int]]]] = {}
+
+    def recorder(name):
+        def compile_fn(gm, _inputs):
+            seq, launched, inflight = [], {}, []
+            for node in gm.graph.nodes:
+                op = SHORT.get(getattr(node.target, "__name__", "").split(".")[0]) if node.op == "call_function" else None
+                if op is None:
+                    continue
+                seq.append(op)
+                if op in COLLECTIVES:
+                    launched[node] = (op, len(seq))
+                elif op == "w" and node.args[0] in launched:
+                    kind, at = launched.pop(node.args[0])
+                    inflight.append((kind, seq[at:].count("mm")))
+            graphs[name] = (" ".join(seq), inflight)
+            return make_boxed_func(gm.forward)
+        return compile_fn
+
+    compiled = torch.compile(model, backend=aot_autograd(fw_compiler=recorder("forward"),
+                                                         bw_compiler=recorder("backward")))
+    compiled(*inputs).backward()
+    return graphs
 
 if __name__ == "__main__":
     main()

@@ -7,11 +7,12 @@
 #   tests       pytest -m gpu: kernels on real shapes, bf16 training, every NCCL layout vs one GPU
 #   1gpu        llama-1b on one GPU: the row every 2-GPU row of the same run is compared with
 #   tp          TP=2: plain, and with tp_async_grad_reduce (profiled)
-#   tp-sp       TP=2 + SP with tp_async_grad_reduce
-#   dp          DP=2 + ZeRO-1: with both overlaps (per-block compile), and with grad-reduce
-#               overlap only (whole-model compile)
+#   tp-split    TP=2 with tp_async_grad_reduce + tp_batch_split (profiled)
+#   tp-sp       TP=2 + SP with tp_async_grad_reduce, without and with tp_batch_split
+#   dp          DP=2 + ZeRO-1 with both overlaps (per-block compile; profiled)
+#   dp-nopg     DP=2 + ZeRO-1 with grad-reduce overlap only (whole-model compile)
 #   dp-plain    DP=2 without the distributed optimizer (whole-model compile)
-#   nccl-proto  the TP=2 async row again with NCCL_PROTO=Simple (NCCL picked LL for 17-34 MB)
+#   nccl-proto  the tp-split row again with NCCL_PROTO=Simple (NCCL picked LL for 32 MB all-reduces)
 # The 2-GPU parts need the 1gpu part's JSON in OUT_DIR (from this run or an earlier one).
 # Every job has its own time limit (a fresh machine compiles llama-1b in ~90 s) and writes its
 # log as it goes (OUT_DIR/NAME.log, unbuffered), so a job cut short still leaves its output.
@@ -19,7 +20,7 @@
 set -u
 out=${1:?usage: gpu_suite.sh OUT_DIR [PART...]}
 shift
-parts=${*:-tests 1gpu tp tp-sp dp dp-plain nccl-proto}
+parts=${*:-tests 1gpu tp tp-split tp-sp dp dp-nopg dp-plain nccl-proto}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
@@ -72,16 +73,24 @@ for part in $parts; do
       two tp2 240 --tensor-model-parallel-size 2
       two tp2-async 270 --tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=true --profile-steps 1
       grep -A14 "where a step goes" "$out/tp2-async.log" | head -n 15 ;;
+    tp-split)
+      two tp2-async-split 270 --tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=true \
+        --parallel.tp_batch_split=true --profile-steps 1
+      grep -A14 "where a step goes" "$out/tp2-async-split.log" | head -n 15 ;;
     tp-sp)
-      two tp2-sp-async 240 --tensor-model-parallel-size 2 --sequence-parallel --parallel.tp_async_grad_reduce=true ;;
+      two tp2-sp-async 240 --tensor-model-parallel-size 2 --sequence-parallel --parallel.tp_async_grad_reduce=true
+      two tp2-sp-async-split 240 --tensor-model-parallel-size 2 --sequence-parallel \
+        --parallel.tp_async_grad_reduce=true --parallel.tp_batch_split=true ;;
+    dp)
+      two dp2-zero1 240 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --profile-steps 1
+      grep -A14 "where a step goes" "$out/dp2-zero1.log" | head -n 15 ;;
+    dp-nopg)
+      two dp2-zero1-nopg 240 --use-distributed-optimizer --overlap-grad-reduce ;;
     dp-plain)
       two dp2 240 ;;
-    dp)
-      two dp2-zero1 240 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
-      two dp2-zero1-nopg 240 --use-distributed-optimizer --overlap-grad-reduce ;;
     nccl-proto)
-      NCCL_PROTO=Simple two tp2-async-simple 240 --tensor-model-parallel-size 2 \
-        --parallel.tp_async_grad_reduce=true ;;
+      NCCL_PROTO=Simple two tp2-async-split-simple 240 --tensor-model-parallel-size 2 \
+        --parallel.tp_async_grad_reduce=true --parallel.tp_batch_split=true ;;
     *) echo "unknown part: $part"; exit 2 ;;
   esac
 done

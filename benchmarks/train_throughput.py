@@ -53,8 +53,15 @@ def time_steps(step_fn, warmup: int, steps: int, device: torch.device) -> float:
     return (time.perf_counter() - start) / steps
 
 
+PROFILE_MAX = 4
+"""Steps `--profile-steps` may add. The run is planned for warmup + steps + PROFILE_MAX steps
+whether it profiles or not: train.train_iters decides the sample order and the LR schedule,
+so a profiled run must not plan a different length than the unprofiled rows it is compared
+with (it once did, and its losses differed from theirs from the first step)."""
+
+
 def run_meshtrain(args, overrides) -> dict:
-    job = load_config(["--config", args.config, "--train-iters", str(args.warmup + args.steps + args.profile_steps),
+    job = load_config(["--config", args.config, "--train-iters", str(args.warmup + args.steps + PROFILE_MAX),
                        "--eval-interval", "0", "--run-dir", args.run_dir, *overrides])
     trainer = Trainer(job)
     losses = []
@@ -138,6 +145,8 @@ def main() -> None:
                         "device idle, exposed communication (benchmarks/step_breakdown.py)")
     p.add_argument("--trace-dir", help="with --profile-steps, also write Chrome traces here")
     args, overrides = p.parse_known_args()
+    if not 0 <= args.profile_steps <= PROFILE_MAX:
+        p.error(f"--profile-steps must be between 0 and {PROFILE_MAX}")
     setup_logging("WARNING")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     mesh, job = run_meshtrain(args, overrides)
@@ -158,8 +167,8 @@ def main() -> None:
         "global_batch_size": job.train.global_batch_size, "bf16": job.train.bf16, "compile": job.train.compile,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
         "world_size": world, "parallel": {k: getattr(job.parallel, k) for k in (
-            "tp", "sequence_parallel", "use_distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather",
-            "recompute_granularity")},
+            "tp", "sequence_parallel", "tp_async_grad_reduce", "tp_batch_split", "use_distributed_optimizer",
+            "overlap_grad_reduce", "overlap_param_gather", "recompute_granularity")},
         "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "results": rows,
     }
     if "baseline (plain torch)" in rows:

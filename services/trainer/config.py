@@ -231,6 +231,14 @@ class ParallelConfig:
     sequence parallelism, else all-reduce) before computing their weight gradient, so the two
     overlap (Megatron's asynchronous tensor-parallel all-reduce). Same arithmetic. Needs tp > 1;
     not with tp_comm_overlap (which fuses these collectives with the GEMMs instead)."""
+    tp_batch_split: bool = False
+    """Run the blocks on two halves of each micro-batch (split along the batch), interleaved branch
+    by branch, so each half's row-parallel reductions (all-reduce, or reduce-scatter with
+    sequence parallelism) are in flight while the other half computes: the forward-pass
+    counterpart of tp_async_grad_reduce (as DeepSpeed's Domino). Same arithmetic per sample.
+    Needs tp > 1 and micro-batches of 2 or more samples to overlap anything; not with
+    tp_comm_overlap, nor with overlap_param_gather (whose waits and per-block compile follow
+    whole blocks)."""
     use_distributed_optimizer: bool = False
     """Shard Adam state over data-parallel ranks (ZeRO-1): reduce-scatter grads, all-gather params."""
     overlap_grad_reduce: bool = False
@@ -264,6 +272,15 @@ class ParallelConfig:
         if self.tp_async_grad_reduce and self.tp_comm_overlap:
             raise ConfigError("parallel.tp_async_grad_reduce and parallel.tp_comm_overlap both overlap the "
                               "linears' input-gradient collectives: choose one")
+        if self.tp_batch_split and self.tp == 1:
+            raise ConfigError("parallel.tp_batch_split needs parallel.tp > 1")
+        if self.tp_batch_split and self.tp_comm_overlap:
+            raise ConfigError("parallel.tp_batch_split and parallel.tp_comm_overlap both overlap the row-parallel "
+                              "reductions: choose one")
+        if self.tp_batch_split and self.overlap_param_gather:
+            raise ConfigError("parallel.tp_batch_split runs the blocks' halves interleaved, but "
+                              "parallel.overlap_param_gather waits for parameters (and compiles) block by block: "
+                              "choose one")
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ConfigError("parallel.overlap_param_gather needs parallel.use_distributed_optimizer")
         if self.recompute_num_layers <= 0:

@@ -23,6 +23,7 @@ from torch import nn
 from services.common.errors import ConfigError
 from services.trainer.parallel import async_tp
 from services.trainer.parallel import mappings as M
+from services.trainer.parallel.batch_split import interleave_halves
 from services.trainer.parallel.mesh import Mesh
 
 
@@ -134,16 +135,20 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """y = sum_r x_r W_r^T + b: input features split over tp; output reduced (or reduce-scattered)."""
 
-    def __init__(self, full: nn.Linear, mesh: Mesh, sequence_parallel: bool, overlap: bool = False):
+    def __init__(self, full: nn.Linear, mesh: Mesh, sequence_parallel: bool, overlap: bool = False,
+                 defer_reduction: bool = False):
         super().__init__()
         self.group, self.sp, self.overlap = mesh.group("tp"), sequence_parallel, overlap
+        self.defer_reduction = defer_reduction  # forward returns a PendingReduction (batch_split)
         split = TPSplit(1)
         self.weight = _param(split.shard(full.weight, mesh.tp_rank, mesh.tp), split)
         # The bias is added after the reduction, once: replicated (per seq shard under SP).
         self.bias = _param(full.bias, None, sequence_parallel) if full.bias is not None else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (b, s, in/tp) -> (b, s/tp or s, out)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor | M.PendingReduction:
+        """x (b, s, in/tp) -> (b, s/tp or s, out); with defer_reduction, that tensor to wait for."""
+        if self.defer_reduction:
+            return M.start_reduction(F.linear(x, self.weight), self.group, self.sp, self.bias)
         if self.overlap:
             y = async_tp.linear_reduce_scatter(x, self.weight, self.group)
         else:
@@ -252,7 +257,7 @@ class VocabParallelHead(nn.Module):
 
 def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False,
                 comm_overlap: bool = False, device: torch.device | None = None,
-                async_grad_reduce: bool = False) -> nn.Module:
+                async_grad_reduce: bool = False, batch_split: bool = False) -> nn.Module:
     """Shard `model` (a GPT built with full weights) over mesh.tp, in place; returns it.
 
     Args:
@@ -264,6 +269,8 @@ def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False,
         device: where the model will run (checked for `comm_overlap`).
         async_grad_reduce: column-parallel linears reduce their input gradient while computing
             their weight gradient (ignored where `comm_overlap` fuses the two already).
+        batch_split: run the blocks on two halves of each micro-batch, interleaved, so each
+            half's row-parallel reductions overlap the other half's compute (`batch_split`).
 
     Raises:
         ConfigError: head or group counts that tp does not divide, sequence parallelism
@@ -308,11 +315,18 @@ def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False,
             att = layer.attention
             att.qkv = ColumnParallelLinear(att.qkv, mesh, sequence_parallel, overlap=comm_overlap,
                                            async_grad=async_grad_reduce)
-            att.proj = RowParallelLinear(att.proj, mesh, sequence_parallel, overlap=comm_overlap)
+            att.proj = RowParallelLinear(att.proj, mesh, sequence_parallel, overlap=comm_overlap,
+                                         defer_reduction=batch_split)
             att.heads, att.groups = att.heads // tp, att.groups // tp
             layer.mlp.fc1 = ColumnParallelLinear(layer.mlp.fc1, mesh, sequence_parallel, halves=layer.mlp.swiglu,
                                                  overlap=comm_overlap, async_grad=async_grad_reduce)
-            layer.mlp.fc2 = RowParallelLinear(layer.mlp.fc2, mesh, sequence_parallel, overlap=comm_overlap)
+            layer.mlp.fc2 = RowParallelLinear(layer.mlp.fc2, mesh, sequence_parallel, overlap=comm_overlap,
+                                              defer_reduction=batch_split)
+        if batch_split:
+            if comm_overlap:
+                raise ConfigError("parallel.tp_batch_split and parallel.tp_comm_overlap both overlap the row-parallel "
+                                  "reductions: choose one")
+            interleave_halves(model)
         if sequence_parallel:
             for name, p in model.named_parameters():
                 if "norm" in name:

@@ -59,6 +59,8 @@ CASES = {
                                             "parallel.overlap_grad_reduce": True}),
     "tp2-sp-async-grad": (2, "llama", {"parallel.tp": 2, "parallel.sequence_parallel": True,
                                        "parallel.tp_async_grad_reduce": True}),
+    "tp2-async-grad-batch-split": (2, "llama", {"parallel.tp": 2, "parallel.tp_async_grad_reduce": True,
+                                                "parallel.tp_batch_split": True}),
 }
 
 

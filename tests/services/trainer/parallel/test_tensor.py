@@ -23,13 +23,13 @@ GPT2 = dict(CFG, num_query_groups=None, normalization="layernorm", activation="g
             position_embedding_type="learned", add_bias_linear=True, untie_embeddings_and_output_weights=False)
 
 
-def _grads(rank, world, cfg, sequence_parallel, async_grad=False):
+def _grads(rank, world, cfg, sequence_parallel, async_grad=False, batch_split=False, batch=2):
     torch.manual_seed(0)
     model = GPT(ModelConfig(**cfg)).double()
-    tokens = torch.randint(0, 203, (2, 16), generator=torch.Generator().manual_seed(1))
-    labels = torch.randint(0, 203, (2, 16), generator=torch.Generator().manual_seed(2))
+    tokens = torch.randint(0, 203, (batch, 16), generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(0, 203, (batch, 16), generator=torch.Generator().manual_seed(2))
     mesh = Mesh.build(tp=world)
-    parallelize(model, mesh, sequence_parallel, async_grad_reduce=async_grad)
+    parallelize(model, mesh, sequence_parallel, async_grad_reduce=async_grad, batch_split=batch_split)
     loss = model(tokens, labels)
     loss.backward()
     logits = model(tokens)
@@ -44,21 +44,26 @@ def _grads(rank, world, cfg, sequence_parallel, async_grad=False):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("cfg,sp,async_grad", [
-    (CFG, False, False), (CFG, True, False), (GPT2, True, False),
+@pytest.mark.parametrize("cfg,sp,async_grad,batch_split,batch", [
+    (CFG, False, False, False, 2), (CFG, True, False, False, 2), (GPT2, True, False, False, 2),
     # column-parallel input gradients reduced during the weight-gradient GEMM
-    (CFG, False, True), (CFG, True, True), (GPT2, False, True), (GPT2, True, True),
+    (CFG, False, True, False, 2), (CFG, True, True, False, 2), (GPT2, False, True, False, 2),
+    (GPT2, True, True, False, 2),
+    # row-parallel reductions of one half of the batch in flight while the other computes
+    (CFG, False, False, True, 3), (CFG, True, True, True, 2), (GPT2, False, True, True, 4),
+    (GPT2, True, False, True, 3), (CFG, False, False, True, 1),
 ], ids=["llama", "llama-sp", "gpt2-sp", "llama-async-grad", "llama-sp-async-grad", "gpt2-async-grad",
-        "gpt2-sp-async-grad"])
-def test_sharded_gradients_equal_unsharded(cfg, sp, async_grad):
+        "gpt2-sp-async-grad", "llama-batch-split", "llama-sp-async-grad-batch-split",
+        "gpt2-async-grad-batch-split", "gpt2-sp-batch-split", "llama-batch-split-of-one"])
+def test_sharded_gradients_equal_unsharded(cfg, sp, async_grad, batch_split, batch):
     torch.manual_seed(0)
     ref = GPT(ModelConfig(**cfg)).double()
-    tokens = torch.randint(0, 203, (2, 16), generator=torch.Generator().manual_seed(1))
-    labels = torch.randint(0, 203, (2, 16), generator=torch.Generator().manual_seed(2))
+    tokens = torch.randint(0, 203, (batch, 16), generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(0, 203, (batch, 16), generator=torch.Generator().manual_seed(2))
     ref_loss = ref(tokens, labels)
     ref_loss.backward()
     ref_logits = ref(tokens).detach()
-    for loss, logits, grads in run_ranks(_grads, 2, cfg, sp, async_grad):
+    for loss, logits, grads in run_ranks(_grads, 2, cfg, sp, async_grad, batch_split, batch):
         assert loss == pytest.approx(ref_loss.item(), rel=1e-12)
         torch.testing.assert_close(logits, ref_logits, rtol=1e-10, atol=1e-10)
         for name, p in ref.named_parameters():
