@@ -5,6 +5,7 @@
 #
 # Parts (in the order given; all of them by default):
 #   tests       pytest -m gpu: kernels on real shapes, bf16 training, every NCCL layout vs one GPU
+#               (TESTS_K: a pytest -k filter; TESTS_LIMIT: seconds, default 900)
 #   1gpu        llama-1b on one GPU: the row every 2-GPU row of the same run is compared with
 #   tp          TP=2: plain, and with tp_async_grad_reduce (profiled)
 #   tp-split    TP=2 with tp_async_grad_reduce + tp_batch_split (profiled)
@@ -12,7 +13,9 @@
 #   dp          DP=2 + ZeRO-1 with both overlaps (per-block compile; profiled)
 #   dp-nopg     DP=2 + ZeRO-1 with grad-reduce overlap only (whole-model compile)
 #   dp-plain    DP=2 without the distributed optimizer (whole-model compile)
-#   nccl-proto  the tp-split row again with NCCL_PROTO=Simple (NCCL picked LL for 32 MB all-reduces)
+#   tp-async    TP=2 with tp_async_grad_reduce, unprofiled
+#   nccl-proto  TP=2 with tp_async_grad_reduce under NCCL_PROTO=Simple (NCCL picks LL for these
+#               16-32 MB all-reduces); nccl-proto-split: the same with tp_batch_split
 # The 2-GPU parts need the 1gpu part's JSON in OUT_DIR (from this run or an earlier one).
 # Every job has its own time limit (a fresh machine compiles llama-1b in ~90 s) and writes its
 # log as it goes (OUT_DIR/NAME.log, unbuffered), so a job cut short still leaves its output.
@@ -20,7 +23,7 @@
 set -u
 out=${1:?usage: gpu_suite.sh OUT_DIR [PART...]}
 shift
-parts=${*:-tests 1gpu tp tp-split tp-sp dp dp-nopg dp-plain nccl-proto}
+parts=${*:-tests 1gpu tp tp-async tp-split tp-sp dp dp-nopg dp-plain nccl-proto nccl-proto-split}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
@@ -64,7 +67,8 @@ two() {  # two NAME LIMIT FLAGS...: a 2-GPU llama-1b row against the 1-GPU row i
 for part in $parts; do
   case $part in
     tests)
-      job tests 900 python3 -m pytest -m gpu -v -p no:cacheprovider --durations 15 tests
+      job tests "${TESTS_LIMIT:-900}" python3 -m pytest -m gpu -v -p no:cacheprovider --durations 15 \
+        ${TESTS_K:+-k "$TESTS_K"} tests
       grep -E "passed|failed|error" "$out/tests.log" | tail -n 3 ;;
     1gpu)
       job 1gpu 240 python3 $B --out "$out/1gpu.json" --run-dir "$runs/1gpu"
@@ -73,6 +77,8 @@ for part in $parts; do
       two tp2 240 --tensor-model-parallel-size 2
       two tp2-async 270 --tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=true --profile-steps 1
       grep -A14 "where a step goes" "$out/tp2-async.log" | head -n 15 ;;
+    tp-async)
+      two tp2-async-unprofiled 240 --tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=true ;;
     tp-split)
       two tp2-async-split 270 --tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=true \
         --parallel.tp_batch_split=true --profile-steps 1
@@ -89,6 +95,8 @@ for part in $parts; do
     dp-plain)
       two dp2 240 ;;
     nccl-proto)
+      NCCL_PROTO=Simple two tp2-async-simple 240 --tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=true ;;
+    nccl-proto-split)
       NCCL_PROTO=Simple two tp2-async-split-simple 240 --tensor-model-parallel-size 2 \
         --parallel.tp_async_grad_reduce=true --parallel.tp_batch_split=true ;;
     *) echo "unknown part: $part"; exit 2 ;;
