@@ -251,9 +251,11 @@ class DataParallel:
         else:
             items = [(p.grad, tp_split_of(p) is not None) for b in self.buckets for p in b.params]
         device = self.buckets[0].grad.device
-        sq = torch.zeros(2, device=device)  # [tp-sharded, tp-replicated]
-        for g, sharded in items:
-            sq[0 if sharded else 1] += g.float().pow(2).sum()
+        # [tp-sharded, tp-replicated] sums of squares; one multi-tensor norm per kind (a few
+        # kernels, not a few per parameter: the step's tail is host-bound enough as it is).
+        sq = torch.stack([
+            torch.stack(torch._foreach_norm(gs)).square().sum() if gs else torch.zeros((), device=device)
+            for gs in ([g for g, sharded in items if sharded], [g for g, sharded in items if not sharded])])
         if self.dist_opt:
             M.all_reduce(sq, self.dp_group)
         total = M.all_reduce(sq[:1].clone(), self.tp_group)[0] + sq[1]

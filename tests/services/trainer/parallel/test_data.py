@@ -71,3 +71,36 @@ def test_a_parameter_that_is_not_fp32_is_refused_by_name():
     model.final_norm.weight.data = model.final_norm.weight.data.bfloat16()
     with pytest.raises(ConfigError, match=r"final_norm.weight is torch.bfloat16"):
         DataParallel(model, Mesh(), OptimConfig(lr=1e-3), distributed_optimizer=True)
+
+
+def _global_norm(rank, world, dist_opt, max_norm):
+    from services.trainer.parallel.tensor import parallelize
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(**CFG, normalization="rmsnorm", num_query_groups=2))
+    mesh = Mesh.build(tp=2)
+    parallelize(model, mesh, sequence_parallel=True)
+    ddp = DataParallel(model, mesh, OptimConfig(lr=1e-3), distributed_optimizer=dist_opt, bucket_size=6000)
+    tokens = torch.randint(0, 97, (4, 16), generator=torch.Generator().manual_seed(1))
+    mine = tokens[2 * mesh.dp_rank: 2 * mesh.dp_rank + 2]  # this dp rank's half of the batch
+    model(mine, mine).backward()
+    ddp.finish_grad_sync()
+    norm = ddp.grad_norm_and_clip(max_norm)
+    grads = [piece.grad for piece, *_ in ddp.pieces] if dist_opt else [p.grad for p in model.parameters()]
+    return norm.item(), [g.clone() for g in grads]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("dist_opt", [False, True], ids=["dp", "zero1"])
+def test_gradient_norm_over_tp_and_dp_is_the_unsharded_norm_and_clipping_scales_by_it(dist_opt):
+    """tp=2 (with sequence parallelism: replicated norm weights count once) x dp=2."""
+    torch.manual_seed(0)
+    ref = GPT(ModelConfig(**CFG, normalization="rmsnorm", num_query_groups=2))
+    tokens = torch.randint(0, 97, (4, 16), generator=torch.Generator().manual_seed(1))
+    ref(tokens, tokens).backward()
+    want = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ref.parameters()])).item()
+    unclipped = run_ranks(_global_norm, 4, dist_opt, 0.0)
+    clipped = run_ranks(_global_norm, 4, dist_opt, want / 4)
+    for (norm, grads), (norm_c, grads_c) in zip(unclipped, clipped):
+        assert norm == pytest.approx(want, rel=1e-5) and norm_c == pytest.approx(want, rel=1e-5)
+        for g, g_c in zip(grads, grads_c):
+            torch.testing.assert_close(g_c, g / 4, rtol=1e-4, atol=1e-9)
