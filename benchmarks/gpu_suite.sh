@@ -7,7 +7,7 @@
 #   tests       pytest -m gpu: kernels on real shapes, bf16 training, every NCCL layout vs one GPU
 #               (TESTS_K: a pytest -k filter; TESTS_LIMIT: seconds, default 900)
 #   1gpu        llama-1b on one GPU: the row every 2-GPU row of the same run is compared with
-#   tp          TP=2: plain, and with tp_async_grad_reduce (profiled)
+#   tp          TP=2: without tp_async_grad_reduce (on by default), and with it (profiled)
 #   tp-split    TP=2 with tp_async_grad_reduce + tp_batch_split (profiled)
 #   tp-sp       TP=2 + SP with tp_async_grad_reduce, without and with tp_batch_split
 #   dp          DP=2 + ZeRO-1 with both overlaps (per-block compile; profiled)
@@ -20,6 +20,13 @@
 # Every job has its own time limit (a fresh machine compiles llama-1b in ~90 s) and writes its
 # log as it goes (OUT_DIR/NAME.log, unbuffered), so a job cut short still leaves its output.
 # Results: OUT_DIR/NAME.json (benchmarks/train_throughput.py) and a summary on stdout.
+#
+# On the device machine the image lacks zarr and the gRPC health/reflection packages; with the
+# wheels carried in .whl (see /work/.library/device/README.md), first:
+#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+#     --target /tmp/site .whl/zarr* .whl/numcodecs* .whl/donfig* .whl/google_crc32c* .whl/tomli_w* \
+#     .whl/tqdm* .whl/typing_ext* .whl/grpcio_health* .whl/grpcio_reflection* && export PYTHONPATH=/tmp/site:$PWD
+# (without the gRPC ones, pytest stops at collecting the service tests).
 set -u
 out=${1:?usage: gpu_suite.sh OUT_DIR [PART...]}
 shift
@@ -74,7 +81,7 @@ for part in $parts; do
       job 1gpu 240 python3 $B --out "$out/1gpu.json" --run-dir "$runs/1gpu"
       row 1gpu ;;
     tp)
-      two tp2 240 --tensor-model-parallel-size 2
+      two tp2 240 --tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=false
       two tp2-async 270 --tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=true --profile-steps 1
       grep -A14 "where a step goes" "$out/tp2-async.log" | head -n 15 ;;
     tp-async)

