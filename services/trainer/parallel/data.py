@@ -42,7 +42,6 @@ class Bucket:
     ready: set[int] = field(default_factory=set)
     reduce_handle: object | None = None
     gather_handle: object | None = None
-    gather_src: torch.Tensor | None = None
 
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         p = self.params[i]
@@ -160,9 +159,9 @@ class DataParallel:
             b.reduce_handle = True
             return
         b.grad.div_(self.dp)
-        if self.dist_opt and dist.get_backend(self.dp_group) != "gloo":
+        if self.dist_opt:  # each rank receives the sum of its 1/dp slice (NCCL and gloo alike)
             b.reduce_handle = dist.reduce_scatter_tensor(b.local_grad, b.grad, group=self.dp_group, async_op=True)
-        else:  # gloo has no reduce-scatter: all-reduce, then the local slice is taken in finish
+        else:
             b.reduce_handle = dist.all_reduce(b.grad, group=self.dp_group, async_op=True)
 
     def finish_grad_sync(self) -> None:
@@ -173,9 +172,8 @@ class DataParallel:
         for b in self.buckets:
             if b.reduce_handle is not True:
                 b.reduce_handle.wait()
-            if self.dist_opt and (self.dp == 1 or dist.get_backend(self.dp_group) == "gloo"):
-                n = b.numel // self.dp
-                b.local_grad.copy_(b.grad[self.dp_rank * n: (self.dp_rank + 1) * n])
+            if self.dist_opt and self.dp == 1:  # nothing was reduce-scattered: the slice is the whole
+                b.local_grad.copy_(b.grad)
             b.reduce_handle = None
             b.ready.clear()
 
@@ -212,28 +210,26 @@ class DataParallel:
 
         Issued in forward order (the buckets are in backward order): collectives on one group
         complete in the order they were issued, so the first unit of the next forward waits
-        only for its own buckets while the rest are still in flight.
+        only for its own buckets while the rest are still in flight. In place: this rank's slice
+        of the flat parameters is the input, at its own offset in the output (as NCCL and gloo
+        allow), so no copy of it is made.
         """
         if not self.dist_opt or self.dp == 1:
             return
         for b in reversed(self.buckets):
             n = b.numel // self.dp
-            b.gather_src = b.param_flat[self.dp_rank * n: (self.dp_rank + 1) * n].clone()
-            if dist.get_backend(self.dp_group) == "gloo":
-                b.gather_handle = dist.all_gather(list(b.param_flat.chunk(self.dp)), b.gather_src,
-                                                  group=self.dp_group, async_op=self.overlap_param)
-            else:
-                b.gather_handle = dist.all_gather_into_tensor(b.param_flat, b.gather_src, group=self.dp_group,
-                                                              async_op=self.overlap_param)
+            b.gather_handle = dist.all_gather_into_tensor(
+                b.param_flat, b.param_flat[self.dp_rank * n: (self.dp_rank + 1) * n], group=self.dp_group,
+                async_op=self.overlap_param)
         if not self.overlap_param:
             for b in self.buckets:
-                b.gather_handle = b.gather_src = None
+                b.gather_handle = None
 
     def wait_param_gather(self, buckets: list[Bucket] | None = None) -> None:
         for b in buckets if buckets is not None else self.buckets:
             if b.gather_handle is not None:
                 b.gather_handle.wait()
-                b.gather_handle = b.gather_src = None
+                b.gather_handle = None
 
     def _install_gather_waits(self, units: list[tuple[nn.Module, list[nn.Parameter]]]) -> None:
         """Wait for a bucket's all-gather only when a unit about to run needs its parameters."""

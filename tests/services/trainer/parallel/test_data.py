@@ -21,13 +21,16 @@ def _gathers(rank, world):
     ddp = DataParallel(model, Mesh.build(), OptimConfig(lr=1e-3), distributed_optimizer=True,
                        overlap_param_gather=True, bucket_size=6000, gather_units=forward_units(model))
     issued = []
-    real = dist.all_gather
+    real = dist.all_gather_into_tensor
 
-    def recording(outputs, src, **kw):  # the real collective, with the order noted
-        issued.append(next(i for i, b in enumerate(ddp.buckets) if b.gather_src is src))
-        return real(outputs, src, **kw)
+    def recording(output, src, **kw):  # the real collective, with the order noted
+        i = next(i for i, b in enumerate(ddp.buckets) if b.param_flat is output)
+        n = output.numel() // world
+        assert src.data_ptr() == output[rank * n:].data_ptr() and src.numel() == n  # in place: no copy
+        issued.append(i)
+        return real(output, src, **kw)
 
-    dist.all_gather = recording
+    dist.all_gather_into_tensor = recording
     try:
         tokens = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(rank))
         model(tokens, tokens).backward()
@@ -35,7 +38,7 @@ def _gathers(rank, world):
         ddp.optimizer.step()
         ddp.gather_params()
     finally:
-        dist.all_gather = real
+        dist.all_gather_into_tensor = real
     embedding_buckets = {i for i, b in enumerate(ddp.buckets)
                          if any(p is q for p in b.params for q in model.embedding.parameters())}
     model.embedding(tokens)  # its pre-hook waits for its own buckets only
