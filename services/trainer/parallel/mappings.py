@@ -16,8 +16,8 @@ parallelism, reduce_scatter_to_sequence) into a launch and a wait, so that other
 while the collective is in flight (`parallel.batch_split`).
 
 Activations are batch-first, so the sequence dim is 1: (batch, seq/tp, hidden). With a group
-of size 1 (or None) every region is the identity. The CPU tests run the same collectives on
-gloo (all-gather through its list form).
+of size 1 (or None) every region is the identity. The CPU tests run the same collective calls
+on gloo as the GPUs on NCCL.
 """
 
 from __future__ import annotations
@@ -68,10 +68,7 @@ def all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
         return x
     front = x.movedim(dim, 0).contiguous()  # gather along dim 0: one contiguous buffer
     out = torch.empty((n * front.shape[0], *front.shape[1:]), dtype=x.dtype, device=x.device)
-    if dist.get_backend(group) == "gloo":
-        dist.all_gather(list(out.chunk(n)), front, group=group)
-    else:
-        dist.all_gather_into_tensor(out, front, group=group)
+    dist.all_gather_into_tensor(out, front, group=group)
     return out.movedim(0, dim)
 
 

@@ -159,11 +159,11 @@ def _autocast_run(rank, world, sequence_parallel, async_grad=False):
     from torch.distributed import _functional_collectives as funcol
     moved = []
     originals = {(mod, name): getattr(mod, name)
-                 for mod, name in ((dist, "all_gather"), (dist, "all_reduce"), (funcol, "all_reduce"))}
+                 for mod, name in ((dist, "all_gather_into_tensor"), (dist, "all_reduce"), (funcol, "all_reduce"))}
 
     def recording(mod, name):
         def call(*args, **kwargs):
-            t = args[1] if name == "all_gather" else args[0]
+            t = args[1] if name == "all_gather_into_tensor" else args[0]
             moved.append((name, t.dtype, tuple(t.shape)))
             return originals[mod, name](*args, **kwargs)
         return call
