@@ -9,15 +9,17 @@ prints the graph count, the graph-break count and the distinct break reasons: a 
 model that breaks at every communication region runs as many small graphs, which is where
 the TP=2 throughput gap on the H200 is expected to come from.
 
-`--op-order` also prints, for the AOT forward and backward graphs, the order of the
-collective launches (`AR`, `RS`, `AG`), their waits (`w`) and the matmuls (`mm`): where a
-launch and its wait have matmuls between them, the collective can overlap that compute.
+`--op-order` also prints, for the forward and backward, the order of the collective launches
+(`AR`, `RS`, `AG`), their waits (`w`) and the matmuls (`mm`), both in the AOT graphs and in
+the code Inductor generates from them (after fusion, which can move waits up): where a launch
+and its wait have matmuls between them, the collective can overlap that compute.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import re
 import sys
 from pathlib import Path
 
@@ -60,11 +62,12 @@ def main() -> None:
         for reason, n in reasons.most_common():
             print(f"  {n:3d} x {reason}")
     if args.op_order:
-        graphs = op_order(model, tokens, tokens)
-        if mesh.rank == 0:
-            for name, (seq, inflight) in graphs.items():
-                hidden = sum(1 for _, n in inflight if n)
-                print(f"{name}: {hidden} of {len(inflight)} collectives have matmuls in flight\n  {seq}")
+        for where, graphs in (("AOT graph", op_order(model, tokens, tokens)),
+                              ("Inductor code", inductor_order(model, tokens, tokens))):
+            if mesh.rank == 0:
+                for name, (seq, inflight) in graphs.items():
+                    hidden = sum(1 for _, n in inflight if n)
+                    print(f"{where}, {name}: {hidden} of {len(inflight)} collectives have matmuls in flight\n  {seq}")
 
 
 SHORT = {"all_reduce": "AR", "reduce_scatter_tensor": "RS", "all_gather_into_tensor": "AG", "wait_tensor": "w",
@@ -105,6 +108,42 @@ def op_order(model: torch.nn.Module, *inputs: torch.Tensor) -> dict[str, tuple[s
                                                          bw_compiler=recorder("backward")))
     compiled(*inputs).backward()
     return graphs
+
+
+_LAUNCH = re.compile(r"(?:(buf\d+) = )?torch\.ops\._c10d_functional\.(all_reduce_|all_reduce|reduce_scatter_tensor|"
+                     r"all_gather_into_tensor)\.default\((?:reinterpret_tensor\()?(\w+)")
+_WAIT = re.compile(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((?:reinterpret_tensor\()?(\w+)")
+_MM = re.compile(r"extern_kernels\.(mm|addmm|bmm)\(")
+
+
+def inductor_order(model: torch.nn.Module, *inputs: torch.Tensor) -> dict[str, tuple[str, list[tuple[str, int]]]]:
+    """As `op_order`, but read from the code Inductor generates (after its fusion and
+    scheduling), which is what runs: for its forward and backward, the sequence of launches,
+    waits and matmuls, and each collective's (kind, matmuls between launch and wait)."""
+    from torch._inductor.utils import run_and_get_code
+
+    compiled = torch.compile(model)
+    _, codes = run_and_get_code(lambda: compiled(*inputs).backward())
+    kinds = {"all_reduce_": "AR", "all_reduce": "AR", "reduce_scatter_tensor": "RS", "all_gather_into_tensor": "AG"}
+    out = {}
+    for name, code in zip(("forward", "backward"), codes):
+        seq, launched, inflight = [], {}, []
+        for line in code.splitlines():
+            line = line.strip()
+            if line.startswith("#"):
+                continue
+            if m := _LAUNCH.search(line):
+                result, op, arg = m.groups()
+                seq.append(kinds[op])
+                launched[result or arg] = (kinds[op], len(seq))
+            elif (m := _WAIT.search(line)) and m.group(1) in launched:
+                kind, at = launched.pop(m.group(1))
+                seq.append("w")
+                inflight.append((kind, seq[at:].count("mm")))
+            elif _MM.search(line):
+                seq.append("mm")
+        out[name] = (" ".join(seq), inflight)
+    return out
 
 if __name__ == "__main__":
     main()

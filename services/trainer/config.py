@@ -239,7 +239,7 @@ class ParallelConfig:
     counterpart of tp_async_grad_reduce (as DeepSpeed's Domino). Same arithmetic per sample.
     Needs tp > 1 and micro-batches of 2 or more samples to overlap anything; not with
     tp_comm_overlap, nor with overlap_param_gather (whose waits and per-block compile follow
-    whole blocks)."""
+    whole blocks), nor with full recompute. Measured slower on two H200s at llama-1b: off."""
     use_distributed_optimizer: bool = False
     """Shard Adam state over data-parallel ranks (ZeRO-1): reduce-scatter grads, all-gather params."""
     overlap_grad_reduce: bool = False
@@ -273,6 +273,10 @@ class ParallelConfig:
         if self.tp_batch_split and self.tp_comm_overlap:
             raise ConfigError("parallel.tp_batch_split and parallel.tp_comm_overlap both overlap the row-parallel "
                               "reductions: choose one")
+        if self.tp_batch_split and self.recompute_granularity == "full":
+            raise ConfigError("parallel.tp_batch_split with parallel.recompute_granularity='full' is not supported: "
+                              "recompute stops at the last saved tensor and would leave the other half's last "
+                              "reduction launched and never waited for (use 'selective', or no split)")
         if self.tp_batch_split and self.overlap_param_gather:
             raise ConfigError("parallel.tp_batch_split runs the blocks' halves interleaved, but "
                               "parallel.overlap_param_gather waits for parameters (and compiles) block by block: "

@@ -13,7 +13,7 @@ gradients:
 
 `start_reduction` / `PendingReduction.wait` split reduce_from_region (or, with sequence
 parallelism, reduce_scatter_to_sequence) into a launch and a wait, so that other work can run
-while the collective is in flight (`parallel.batch_split`).
+while the collective is in flight (`parallel.tp_batch_split`).
 
 Activations are batch-first, so the sequence dim is 1: (batch, seq/tp, hidden). With a group
 of size 1 (or None) every region is the identity. The CPU tests run the same collective calls

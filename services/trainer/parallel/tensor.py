@@ -270,11 +270,13 @@ def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False,
         async_grad_reduce: column-parallel linears reduce their input gradient while computing
             their weight gradient (ignored where `comm_overlap` fuses the two already).
         batch_split: run the blocks on two halves of each micro-batch, interleaved, so each
-            half's row-parallel reductions overlap the other half's compute (`batch_split`).
+            half's row-parallel reductions overlap the other half's compute
+            (see services/trainer/parallel/batch_split.py).
 
     Raises:
         ConfigError: head or group counts that tp does not divide, sequence parallelism
-            with a sequence length tp does not divide, or comm_overlap where it cannot run.
+            with a sequence length tp does not divide, comm_overlap where it cannot run, or
+            batch_split together with comm_overlap.
     """
     tp = mesh.tp
     cfg = model.config

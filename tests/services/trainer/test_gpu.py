@@ -42,7 +42,7 @@ TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 @pytest.mark.dist
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 @pytest.mark.parametrize("layout,shared,rel", [
-    (TP2_SP, [], 1e-4),
+    (TP2_SP + ["--parallel.tp_async_grad_reduce=false"], [], 1e-4),  # the input gradients' plain reduce-scatter
     (TP2_SP, ["--train.compile=true"], 1e-4),  # the in-place gathers of sp, compiled for CUDA
     # Compiled tp without SP, the input gradients' all-reduce in copy_to_region (not the default
     # async path): an in-place all-reduce in a Function's backward was lost in the CUDA graph
@@ -64,7 +64,7 @@ TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
     # bf16 autocast: the linears' collectives move bf16 (one GPU never rounds their sums to
     # bf16), so a bf16 tolerance.
     (TP2_SP, ["--train.bf16=true"], 1e-2),
-], ids=["tp2-sp", "tp2-sp-compiled", "tp2-compiled", "tp2-sp-comm-overlap", "tp2-sp-async-grad",
+], ids=["tp2-sp-sync-grad", "tp2-sp-compiled", "tp2-compiled", "tp2-sp-comm-overlap", "tp2-sp-async-grad",
         "tp2-async-grad-compiled", "tp2-async-grad-batch-split-compiled", "tp2-sp-batch-split", "dp2-zero1-overlap", "dp2-zero1-overlap-compiled", "tp2-sp-bf16"])
 def test_nccl_two_gpus_match_one_gpu(layout, shared, rel, corpus_cache, tmp_path):
     """fp32 on CUDA: NCCL reduction order differs from one GPU's, so 1e-4 relative."""

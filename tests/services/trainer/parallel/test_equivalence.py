@@ -57,7 +57,7 @@ CASES = {
                                                 "parallel.recompute_granularity": "full"}),
     "dp2-recompute-selective": (2, "gpt2", {"parallel.recompute_granularity": "selective",
                                             "parallel.overlap_grad_reduce": True}),
-    # tp_async_grad_reduce is on by default (every case above uses it): the plain path too
+    # tp_async_grad_reduce is on by default (every tp case above uses it): the plain path too
     "tp2-sp-sync-grad": (2, "llama", {"parallel.tp": 2, "parallel.sequence_parallel": True,
                                       "parallel.tp_async_grad_reduce": False}),
     "tp2-async-grad-batch-split": (2, "llama", {"parallel.tp": 2, "parallel.tp_async_grad_reduce": True,
