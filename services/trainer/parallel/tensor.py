@@ -280,6 +280,9 @@ def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False,
     """
     tp = mesh.tp
     cfg = model.config
+    if batch_split and comm_overlap:
+        raise ConfigError("parallel.tp_batch_split and parallel.tp_comm_overlap both overlap the row-parallel "
+                          "reductions: choose one")
     if comm_overlap:
         if not sequence_parallel:
             raise ConfigError("parallel.tp_comm_overlap needs parallel.sequence_parallel")
@@ -325,9 +328,6 @@ def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False,
             layer.mlp.fc2 = RowParallelLinear(layer.mlp.fc2, mesh, sequence_parallel, overlap=comm_overlap,
                                               defer_reduction=batch_split)
         if batch_split:
-            if comm_overlap:
-                raise ConfigError("parallel.tp_batch_split and parallel.tp_comm_overlap both overlap the row-parallel "
-                                  "reductions: choose one")
             interleave_halves(model)
         if sequence_parallel:
             for name, p in model.named_parameters():
