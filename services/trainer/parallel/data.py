@@ -158,10 +158,10 @@ class DataParallel:
         if self.dp == 1:
             b.reduce_handle = True
             return
-        b.grad.div_(self.dp)
         if self.dist_opt:  # each rank receives the sum of its 1/dp slice (NCCL and gloo alike)
             b.reduce_handle = dist.reduce_scatter_tensor(b.local_grad, b.grad, group=self.dp_group, async_op=True)
         else:
+            b.grad.div_(self.dp)
             b.reduce_handle = dist.all_reduce(b.grad, group=self.dp_group, async_op=True)
 
     def finish_grad_sync(self) -> None:
@@ -174,6 +174,8 @@ class DataParallel:
                 b.reduce_handle.wait()
             if self.dist_opt and self.dp == 1:  # nothing was reduce-scattered: the slice is the whole
                 b.local_grad.copy_(b.grad)
+            elif self.dist_opt:  # the mean over dp, taken on this rank's slice only (1/dp of the bytes)
+                b.local_grad.div_(self.dp)
             b.reduce_handle = None
             b.ready.clear()
 
