@@ -73,9 +73,24 @@ def main() -> None:
 SHORT = {"all_reduce": "AR", "reduce_scatter_tensor": "RS", "all_gather_into_tensor": "AG", "wait_tensor": "w",
          "mm": "mm", "addmm": "mm", "bmm": "mm"}
 COLLECTIVES = ("AR", "RS", "AG")
+Schedule = tuple[str, list[tuple[str, int]]]
 
 
-def op_order(model: torch.nn.Module, *inputs: torch.Tensor) -> dict[str, tuple[str, list[tuple[str, int]]]]:
+def _schedule(events: list[tuple[str, object]]) -> Schedule:
+    """(op, key) events in program order -> the op sequence as a string, and for each
+    collective (kind, matmuls between its launch and the wait with the same key)."""
+    seq, launched, inflight = [], {}, []
+    for op, key in events:
+        seq.append(op)
+        if op in COLLECTIVES:
+            launched[key] = (op, len(seq))
+        elif op == "w" and key in launched:
+            kind, at = launched.pop(key)
+            inflight.append((kind, seq[at:].count("mm")))
+    return " ".join(seq), inflight
+
+
+def op_order(model: torch.nn.Module, *inputs: torch.Tensor) -> dict[str, Schedule]:
     """One compiled forward + backward of `model(*inputs)`, seen as AOT graphs.
 
     For the forward and the backward graph: the collective launches (AR, RS, AG), waits (w)
@@ -85,22 +100,16 @@ def op_order(model: torch.nn.Module, *inputs: torch.Tensor) -> dict[str, tuple[s
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
-    graphs: dict[str, tuple[str, list[tuple[str, int]]]] = {}
+    graphs: dict[str, Schedule] = {}
 
     def recorder(name):
         def compile_fn(gm, _inputs):
-            seq, launched, inflight = [], {}, []
+            events = []
             for node in gm.graph.nodes:
                 op = SHORT.get(getattr(node.target, "__name__", "").split(".")[0]) if node.op == "call_function" else None
-                if op is None:
-                    continue
-                seq.append(op)
-                if op in COLLECTIVES:
-                    launched[node] = (op, len(seq))
-                elif op == "w" and node.args[0] in launched:
-                    kind, at = launched.pop(node.args[0])
-                    inflight.append((kind, seq[at:].count("mm")))
-            graphs[name] = (" ".join(seq), inflight)
+                if op is not None:
+                    events.append((op, node.args[0] if op == "w" else node))
+            graphs[name] = _schedule(events)
             return make_boxed_func(gm.forward)
         return compile_fn
 
@@ -114,9 +123,10 @@ _LAUNCH = re.compile(r"(?:(buf\d+) = )?torch\.ops\._c10d_functional\.(all_reduce
                      r"all_gather_into_tensor)\.default\((?:reinterpret_tensor\()?(\w+)")
 _WAIT = re.compile(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((?:reinterpret_tensor\()?(\w+)")
 _MM = re.compile(r"extern_kernels\.(mm|addmm|bmm)\(")
+_KINDS = {"all_reduce_": "AR", "all_reduce": "AR", "reduce_scatter_tensor": "RS", "all_gather_into_tensor": "AG"}
 
 
-def inductor_order(model: torch.nn.Module, *inputs: torch.Tensor) -> dict[str, tuple[str, list[tuple[str, int]]]]:
+def inductor_order(model: torch.nn.Module, *inputs: torch.Tensor) -> dict[str, Schedule]:
     """As `op_order`, but read from the code Inductor generates (after its fusion and
     scheduling), which is what runs: for its forward and backward, the sequence of launches,
     waits and matmuls, and each collective's (kind, matmuls between launch and wait)."""
@@ -124,25 +134,22 @@ def inductor_order(model: torch.nn.Module, *inputs: torch.Tensor) -> dict[str, t
 
     compiled = torch.compile(model)
     _, codes = run_and_get_code(lambda: compiled(*inputs).backward())
-    kinds = {"all_reduce_": "AR", "all_reduce": "AR", "reduce_scatter_tensor": "RS", "all_gather_into_tensor": "AG"}
     out = {}
     for name, code in zip(("forward", "backward"), codes):
-        seq, launched, inflight = [], {}, []
+        events, buffers = [], set()
         for line in code.splitlines():
             line = line.strip()
             if line.startswith("#"):
                 continue
             if m := _LAUNCH.search(line):
                 result, op, arg = m.groups()
-                seq.append(kinds[op])
-                launched[result or arg] = (kinds[op], len(seq))
-            elif (m := _WAIT.search(line)) and m.group(1) in launched:
-                kind, at = launched.pop(m.group(1))
-                seq.append("w")
-                inflight.append((kind, seq[at:].count("mm")))
+                buffers.add(result or arg)
+                events.append((_KINDS[op], result or arg))
+            elif (m := _WAIT.search(line)) and m.group(1) in buffers:  # waits of launches seen above
+                events.append(("w", m.group(1)))
             elif _MM.search(line):
-                seq.append("mm")
-        out[name] = (" ".join(seq), inflight)
+                events.append(("mm", None))
+        out[name] = _schedule(events)
     return out
 
 if __name__ == "__main__":

@@ -170,6 +170,25 @@ def reduce_scatter_to_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
     return _ReduceScatter.apply(x, SEQ_DIM, group) if _size(group) > 1 else x
 
 
+def launch_sum(x: torch.Tensor, group: dist.ProcessGroup, sp: bool) -> torch.Tensor:
+    """Launch the sum of `x` (batch, seq, ...) over tp: all-reduce, or with `sp` reduce-scatter
+    along the sequence (done along dim 0 of a sequence-first copy). Returns the in-flight
+    result, garbage until `wait_sum`. Functional collectives, so the launch and the wait are
+    separate ops in a compiled graph too, and work issued between them overlaps the transfer.
+    """
+    ops = torch.ops._c10d_functional
+    if sp:
+        front = x.movedim(SEQ_DIM, 0).contiguous()
+        return ops.reduce_scatter_tensor(front, "sum", _size(group), group.group_name)
+    return ops.all_reduce(x.contiguous(), "sum", group.group_name)
+
+
+def wait_sum(pending: torch.Tensor, sp: bool) -> torch.Tensor:
+    """The finished sum of a `launch_sum`, batch-first again."""
+    done = torch.ops._c10d_functional.wait_tensor(pending)
+    return done.movedim(0, SEQ_DIM) if sp else done
+
+
 class _LaunchReduction(torch.autograd.Function):
     """fwd: launch the sum over tp (all-reduce, or reduce-scatter along the sequence) and return
     its in-flight result, laid out sequence-first for the reduce-scatter; bwd: the adjoint
@@ -178,11 +197,7 @@ class _LaunchReduction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, sp):
         ctx.group, ctx.sp = group, sp
-        ops = torch.ops._c10d_functional
-        if sp:
-            front = x.movedim(SEQ_DIM, 0).contiguous()
-            return ops.reduce_scatter_tensor(front, "sum", _size(group), group.group_name)
-        return ops.all_reduce(x.contiguous(), "sum", group.group_name)
+        return launch_sum(x, group, sp)
 
     @staticmethod
     def backward(ctx, grad):
@@ -199,8 +214,7 @@ class _WaitReduction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, pending, sp):
         ctx.sp = sp
-        done = torch.ops._c10d_functional.wait_tensor(pending)
-        return done.movedim(0, SEQ_DIM) if sp else done
+        return wait_sum(pending, sp)
 
     @staticmethod
     def backward(ctx, grad):

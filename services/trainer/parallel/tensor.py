@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -61,24 +60,6 @@ def _param(t: torch.Tensor, split: TPSplit | None = None, sequence_parallel: boo
     return p
 
 
-def _start_input_grad_reduction(dx: torch.Tensor, group: dist.ProcessGroup, sp: bool) -> torch.Tensor:
-    """Launch the tp reduction of a column-parallel input gradient (b, s, in); `_finish_` waits.
-
-    Functional collectives, so the launch and the wait are separate ops in a compiled graph
-    too, and the work issued between them runs while the collective is in flight.
-    """
-    ops = torch.ops._c10d_functional
-    if sp:  # reduce-scatter along the sequence (dim 1), done along dim 0 of a (s, b, in) copy
-        front = dx.movedim(M.SEQ_DIM, 0).contiguous()
-        return ops.reduce_scatter_tensor(front, "sum", dist.get_world_size(group), group.group_name)
-    return ops.all_reduce(dx.contiguous(), "sum", group.group_name)
-
-
-def _finish_input_grad_reduction(pending: torch.Tensor, sp: bool) -> torch.Tensor:
-    dx = torch.ops._c10d_functional.wait_tensor(pending)
-    return dx.movedim(0, M.SEQ_DIM) if sp else dx
-
-
 class _ColumnLinearAsyncGrad(torch.autograd.Function):
     """Column-parallel linear whose backward reduces the input gradient during the dW GEMM.
 
@@ -101,11 +82,11 @@ class _ColumnLinearAsyncGrad(torch.autograd.Function):
     def backward(ctx, dy):
         full, w = ctx.saved_tensors
         dy = dy.contiguous()
-        pending = _start_input_grad_reduction(dy @ w, ctx.group, ctx.sp)
+        pending = M.launch_sum(dy @ w, ctx.group, ctx.sp)  # garbage until wait_sum
         flat_dy = dy.flatten(0, -2)
         dw = flat_dy.t() @ full.flatten(0, -2)
         db = flat_dy.sum(0) if ctx.has_bias else None
-        return _finish_input_grad_reduction(pending, ctx.sp), dw, db, None, None
+        return M.wait_sum(pending, ctx.sp), dw, db, None, None
 
 
 class ColumnParallelLinear(nn.Module):
