@@ -16,7 +16,15 @@
 #   tp-async    TP=2 with tp_async_grad_reduce, unprofiled
 #   nccl-proto  TP=2 with tp_async_grad_reduce under NCCL_PROTO=Simple (NCCL picks LL for these
 #               16-32 MB all-reduces); nccl-proto-split: the same with tp_batch_split
-# The 2-GPU parts need the 1gpu part's JSON in OUT_DIR (from this run or an earlier one).
+#   tp-sched    TP=2 with tp_async_grad_reduce and train.compile_overlap_scheduling (Inductor's
+#               overlap scheduler), without and with tp_batch_split (profiled)
+#   1gpu-mbs8   one GPU at micro-batch 8 (the 1gpu row is at the config's 4)
+#   tp-mbs8     TP=2 with tp_async_grad_reduce at micro-batch 8, against 1gpu-mbs8 (half the
+#               micro-batches per step, so half the host's launch work per token)
+#   dp-weak     DP=2 + ZeRO-1 with both overlaps at global batch 128: each GPU does the 16
+#               micro-batches of the 1gpu row (weak scaling; the dp row keeps the batch, 8 each)
+# The 2-GPU parts need the 1gpu part's JSON in OUT_DIR (from this run or an earlier one;
+# tp-mbs8 needs 1gpu-mbs8's).
 # Every job has its own time limit (a fresh machine compiles llama-1b in ~90 s) and writes its
 # log as it goes (OUT_DIR/NAME.log, unbuffered), so a job cut short still leaves its output.
 # Results: OUT_DIR/NAME.json (benchmarks/train_throughput.py) and a summary on stdout.
@@ -30,7 +38,7 @@
 set -u
 out=${1:?usage: gpu_suite.sh OUT_DIR [PART...]}
 shift
-parts=${*:-tests 1gpu tp tp-async tp-split tp-sp dp dp-nopg dp-plain nccl-proto nccl-proto-split}
+parts=${*:-tests 1gpu tp tp-async tp-split tp-sp dp dp-nopg dp-plain nccl-proto nccl-proto-split tp-sched 1gpu-mbs8 tp-mbs8 dp-weak}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
@@ -62,11 +70,11 @@ print(f"  {sys.argv[2]:<26} {r['tokens_per_s']:>10,.0f} tokens/s  MFU {mfu}  "
 EOF
 }
 
-two() {  # two NAME LIMIT FLAGS...: a 2-GPU llama-1b row against the 1-GPU row in OUT_DIR
-  local name=$1 limit=$2
+two() {  # two NAME LIMIT FLAGS...: a 2-GPU llama-1b row against the 1-GPU row in OUT_DIR (BASE=its name)
+  local name=$1 limit=$2 base=${BASE:-1gpu}
   shift 2
-  if [ "$ngpu" -lt 2 ] || [ ! -f "$out/1gpu.json" ]; then echo "$name: needs 2 GPUs and the 1gpu part"; return; fi
-  job "$name" "$limit" $T $B --single-gpu-json "$out/1gpu.json" "$@" --out "$out/$name.json" \
+  if [ "$ngpu" -lt 2 ] || [ ! -f "$out/$base.json" ]; then echo "$name: needs 2 GPUs and the $base part"; return; fi
+  job "$name" "$limit" $T $B --single-gpu-json "$out/$base.json" "$@" --out "$out/$name.json" \
     --run-dir "$runs/$name"
   row "$name"
 }
@@ -80,6 +88,21 @@ for part in $parts; do
     1gpu)
       job 1gpu 240 python3 $B --out "$out/1gpu.json" --run-dir "$runs/1gpu"
       row 1gpu ;;
+    1gpu-mbs8)
+      job 1gpu-mbs8 240 python3 $B --train.micro_batch_size=8 --out "$out/1gpu-mbs8.json" --run-dir "$runs/1gpu-mbs8"
+      row 1gpu-mbs8 ;;
+    tp-mbs8)
+      BASE=1gpu-mbs8 two tp2-async-mbs8 240 --tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=true \
+        --train.micro_batch_size=8 ;;
+    tp-sched)
+      two tp2-async-sched 270 --tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=true \
+        --train.compile_overlap_scheduling=true
+      two tp2-async-split-sched 300 --tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=true \
+        --parallel.tp_batch_split=true --train.compile_overlap_scheduling=true --profile-steps 1
+      grep -A14 "where a step goes" "$out/tp2-async-split-sched.log" | head -n 15 ;;
+    dp-weak)
+      two dp2-zero1-gbs128 270 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather \
+        --train.global_batch_size=128 ;;
     tp)
       two tp2 240 --tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=false
       two tp2-async 270 --tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=true --profile-steps 1

@@ -147,6 +147,11 @@ class TrainConfig:
     """'auto' picks CUDA when present."""
     compile: bool = False
     """Wrap the model in torch.compile."""
+    compile_overlap_scheduling: bool = False
+    """Under train.compile on CUDA: let Inductor's overlap scheduler reorder each compiled graph
+    so that its collectives (the tensor-parallel all-reduces and reduce-scatters) run beside
+    independent compute (torch._inductor.config.aten_distributed_optimizations.
+    enable_overlap_scheduling, process-wide). It times kernels on the device, so CUDA only."""
     kernels: Literal["auto", "reference", "triton"] = "auto"
     """Fused-op implementation: 'auto' takes the Triton kernels on CUDA in eager mode, and the
     plain-torch reference under train.compile (Inductor fuses it; measured faster on an H200
@@ -173,6 +178,8 @@ class TrainConfig:
                 f"train.global_batch_size={self.global_batch_size} must be a multiple of "
                 f"train.micro_batch_size={self.micro_batch_size}"
             )
+        if self.compile_overlap_scheduling and not self.compile:
+            raise ConfigError("train.compile_overlap_scheduling reorders compiled graphs: it needs train.compile=true")
 
 
 @dataclass

@@ -113,6 +113,19 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def enable_overlap_scheduling(device: torch.device) -> None:
+    """Turn on Inductor's compute/collective overlap scheduler for this process (see TrainConfig)."""
+    if device.type != "cuda":
+        raise ConfigError(f"train.compile_overlap_scheduling times kernels on a CUDA device; this run is on {device}")
+    import torch._inductor.config as inductor_config
+
+    options = getattr(inductor_config, "aten_distributed_optimizations", None)
+    if options is None or not hasattr(options, "enable_overlap_scheduling"):
+        raise ConfigError(f"train.compile_overlap_scheduling: torch {torch.__version__} has no Inductor overlap "
+                          "scheduler (torch._inductor.config.aten_distributed_optimizations)")
+    options.enable_overlap_scheduling = True
+
+
 class Trainer:
     """Owns the model, optimizer, data and run directory of one job."""
 
@@ -122,6 +135,8 @@ class Trainer:
         # (llama-1b) the reference path's speed (BENCHMARKS.md); `kernels = "triton"` forces them.
         kernels.set_mode("reference" if job.train.kernels == "auto" and job.train.compile else job.train.kernels)
         self.device = pick_device(job.train.device)
+        if job.train.compile_overlap_scheduling:
+            enable_overlap_scheduling(self.device)
         self.mesh = build_mesh(job, self.device)
         self.is_main = self.mesh.rank == 0
         if not self.is_main:

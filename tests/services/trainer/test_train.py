@@ -194,3 +194,14 @@ def test_a_stop_between_log_steps_logs_its_losses_and_later_requests_are_refused
         trainer.request_checkpoint()
     with pytest.raises(MeshtrainError, match="no stop"):
         trainer.request_stop()
+
+
+def test_overlap_scheduling_is_refused_without_compile_or_off_cuda(corpus_cache, tmp_path):
+    from services.trainer.train import Trainer
+
+    with pytest.raises(ConfigError, match="needs train.compile=true"):
+        load_config(small_job_args(corpus_cache, tmp_path / "a", **{"train.compile_overlap_scheduling": True}))
+    job = load_config(small_job_args(corpus_cache, tmp_path / "b", **{
+        "train.compile": True, "train.compile_overlap_scheduling": True, "train.device": "cpu"}))
+    with pytest.raises(ConfigError, match="times kernels on a CUDA device; this run is on cpu"):
+        Trainer(job)
