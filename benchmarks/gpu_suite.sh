@@ -34,7 +34,8 @@
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
 #     --target /tmp/site .whl/zarr* .whl/numcodecs* .whl/donfig* .whl/google_crc32c* .whl/tomli_w* \
 #     .whl/tqdm* .whl/typing_ext* .whl/grpcio_health* .whl/grpcio_reflection* && export PYTHONPATH=/tmp/site:$PWD
-# (without the gRPC ones, pytest stops at collecting the service tests).
+# (without the gRPC ones, pytest stops at collecting the service tests; their version must not be
+# newer than the image's grpcio, 1.84.0, whose generated code refuses an older grpcio).
 set -u
 out=${1:?usage: gpu_suite.sh OUT_DIR [PART...]}
 shift

@@ -124,6 +124,32 @@ def enable_overlap_scheduling(device: torch.device) -> None:
         raise ConfigError(f"train.compile_overlap_scheduling: torch {torch.__version__} has no Inductor overlap "
                           "scheduler (torch._inductor.config.aten_distributed_optimizations)")
     options.enable_overlap_scheduling = True
+    _count_gqa_attention_flops()
+
+
+def _count_gqa_attention_flops() -> None:
+    """Let torch's SDPA FLOP formulas take grouped-query attention (fewer key/value heads).
+
+    The overlap scheduler estimates each node's runtime from its FLOPs. torch 2.11's SDPA
+    formulas assert equal query and key/value head counts, so a GQA model failed to compile
+    ("sdpa_flop_count: query/key/value shapes are incompatible"). The kernel does the work of
+    key/value heads broadcast to the query's, which is what newer torch counts; where the
+    installed formulas refuse GQA, they get key/value shapes widened that way.
+    """
+    from torch.utils import flop_counter
+
+    try:
+        flop_counter.sdpa_flop_count((1, 4, 8, 16), (1, 2, 8, 16), (1, 2, 8, 16))
+        return  # this torch counts GQA itself
+    except AssertionError:
+        pass
+    forward, backward = flop_counter.sdpa_flop_count, flop_counter.sdpa_backward_flop_count
+
+    def widen(query_shape, kv_shape):
+        return (kv_shape[0], query_shape[1], *kv_shape[2:])
+
+    flop_counter.sdpa_flop_count = lambda q, k, v: forward(q, widen(q, k), widen(q, v))
+    flop_counter.sdpa_backward_flop_count = lambda g, q, k, v: backward(g, q, widen(q, k), widen(q, v))
 
 
 class Trainer:

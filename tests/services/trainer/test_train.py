@@ -205,3 +205,28 @@ def test_overlap_scheduling_is_refused_without_compile_or_off_cuda(corpus_cache,
         "train.compile": True, "train.compile_overlap_scheduling": True, "train.device": "cpu"}))
     with pytest.raises(ConfigError, match="times kernels on a CUDA device; this run is on cpu"):
         Trainer(job)
+
+
+def test_gqa_attention_flops_are_counted_where_torch_refuses_them(monkeypatch):
+    """torch 2.11's SDPA FLOP formulas (which the overlap scheduler's estimates use) assert equal
+    query and key/value heads; the shim counts GQA as the kernel runs it, key/value broadcast."""
+    from torch.utils import flop_counter
+
+    from services.trainer.train import _count_gqa_attention_flops
+
+    def strict(forward):
+        def count(*shapes):
+            q, k = shapes[-3], shapes[-2]
+            assert q[1] == k[1], "shapes are incompatible"
+            return forward(*shapes)
+        return count
+
+    monkeypatch.setattr(flop_counter, "sdpa_flop_count", strict(flop_counter.sdpa_flop_count))
+    monkeypatch.setattr(flop_counter, "sdpa_backward_flop_count", strict(flop_counter.sdpa_backward_flop_count))
+    q, kv, full = (2, 8, 16, 32), (2, 2, 16, 32), (2, 8, 16, 32)
+    with pytest.raises(AssertionError):
+        flop_counter.sdpa_flop_count(q, kv, kv)
+    _count_gqa_attention_flops()
+    assert flop_counter.sdpa_flop_count(q, kv, kv) == flop_counter.sdpa_flop_count(q, full, full) > 0
+    assert flop_counter.sdpa_backward_flop_count(q, q, kv, kv) == flop_counter.sdpa_backward_flop_count(
+        q, q, full, full) > 0
