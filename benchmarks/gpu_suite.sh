@@ -18,13 +18,17 @@
 #               16-32 MB all-reduces); nccl-proto-split: the same with tp_batch_split
 #   tp-sched    TP=2 with tp_async_grad_reduce and train.compile_overlap_scheduling (Inductor's
 #               overlap scheduler), without and with tp_batch_split (profiled)
-#   1gpu-mbs8   one GPU at micro-batch 8 (the 1gpu row is at the config's 4)
-#   tp-mbs8     TP=2 with tp_async_grad_reduce at micro-batch 8, against 1gpu-mbs8 (half the
-#               micro-batches per step, so half the host's launch work per token)
+#   1gpu-mbsN   one GPU at micro-batch N (N = 8, 16, ...; the 1gpu row is at the config's 4)
+#   tp-mbsN     TP=2 with tp_async_grad_reduce at micro-batch N, against 1gpu-mbsN (fewer
+#               micro-batches per step, so less of the host's launch work per token)
+#   tp-streams  TP=2 with tp_async_grad_reduce, CUDA_DEVICE_MAX_CONNECTIONS=1 and
+#               TORCH_NCCL_HIGH_PRIORITY=1: the launch order is kept on the device and NCCL's
+#               kernels get SMs first, so an all-reduce launched before a GEMM is not queued
+#               behind it (what Megatron requires for its TP overlap), profiled
 #   dp-weak     DP=2 + ZeRO-1 with both overlaps at global batch 128: each GPU does the 16
 #               micro-batches of the 1gpu row (weak scaling; the dp row keeps the batch, 8 each)
 # The 2-GPU parts need the 1gpu part's JSON in OUT_DIR (from this run or an earlier one;
-# tp-mbs8 needs 1gpu-mbs8's).
+# tp-mbsN needs 1gpu-mbsN's).
 # Every job has its own time limit (a fresh machine compiles llama-1b in ~90 s) and writes its
 # log as it goes (OUT_DIR/NAME.log, unbuffered), so a job cut short still leaves its output.
 # Results: OUT_DIR/NAME.json (benchmarks/train_throughput.py) and a summary on stdout.
@@ -39,7 +43,7 @@
 set -u
 out=${1:?usage: gpu_suite.sh OUT_DIR [PART...]}
 shift
-parts=${*:-tests 1gpu tp tp-async tp-split tp-sp dp dp-nopg dp-plain nccl-proto nccl-proto-split tp-sched 1gpu-mbs8 tp-mbs8 dp-weak}
+parts=${*:-tests 1gpu tp tp-async tp-split tp-sp dp dp-nopg dp-plain nccl-proto nccl-proto-split tp-sched 1gpu-mbs8 tp-mbs8 1gpu-mbs16 tp-mbs16 tp-streams dp-weak}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
@@ -89,38 +93,43 @@ for part in $parts; do
     1gpu)
       job 1gpu 240 python3 $B --out "$out/1gpu.json" --run-dir "$runs/1gpu"
       row 1gpu ;;
-    1gpu-mbs8)
-      job 1gpu-mbs8 240 python3 $B --train.micro_batch_size=8 --out "$out/1gpu-mbs8.json" --run-dir "$runs/1gpu-mbs8"
-      row 1gpu-mbs8 ;;
-    tp-mbs8)
-      BASE=1gpu-mbs8 two tp2-async-mbs8 240 --tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=true \
-        --train.micro_batch_size=8 ;;
+    1gpu-mbs*)
+      job "$part" 240 python3 $B --train.micro_batch_size="${part#1gpu-mbs}" --out "$out/$part.json" \
+        --run-dir "$runs/$part"
+      row "$part" ;;
+    tp-mbs*)
+      BASE=1gpu-mbs${part#tp-mbs} two "tp2-async-mbs${part#tp-mbs}" 240 --tensor-model-parallel-size 2 \
+        --parallel.tp_async_grad_reduce=true --train.micro_batch_size="${part#tp-mbs}" ;;
+    tp-streams)
+      CUDA_DEVICE_MAX_CONNECTIONS=1 TORCH_NCCL_HIGH_PRIORITY=1 two tp2-async-streams 270 \
+        --tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=true --profile-steps 1
+      grep -A14 "where a step goes" "$out/tp2-async-streams.log" 2>/dev/null | head -n 15 ;;
     tp-sched)
       two tp2-async-sched 270 --tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=true \
         --train.compile_overlap_scheduling=true
       two tp2-async-split-sched 300 --tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=true \
         --parallel.tp_batch_split=true --train.compile_overlap_scheduling=true --profile-steps 1
-      grep -A14 "where a step goes" "$out/tp2-async-split-sched.log" | head -n 15 ;;
+      grep -A14 "where a step goes" "$out/tp2-async-split-sched.log" 2>/dev/null | head -n 15 ;;
     dp-weak)
       two dp2-zero1-gbs128 270 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather \
         --train.global_batch_size=128 ;;
     tp)
       two tp2 240 --tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=false
       two tp2-async 270 --tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=true --profile-steps 1
-      grep -A14 "where a step goes" "$out/tp2-async.log" | head -n 15 ;;
+      grep -A14 "where a step goes" "$out/tp2-async.log" 2>/dev/null | head -n 15 ;;
     tp-async)
       two tp2-async-unprofiled 240 --tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=true ;;
     tp-split)
       two tp2-async-split 270 --tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=true \
         --parallel.tp_batch_split=true --profile-steps 1
-      grep -A14 "where a step goes" "$out/tp2-async-split.log" | head -n 15 ;;
+      grep -A14 "where a step goes" "$out/tp2-async-split.log" 2>/dev/null | head -n 15 ;;
     tp-sp)
       two tp2-sp-async 240 --tensor-model-parallel-size 2 --sequence-parallel --parallel.tp_async_grad_reduce=true
       two tp2-sp-async-split 240 --tensor-model-parallel-size 2 --sequence-parallel \
         --parallel.tp_async_grad_reduce=true --parallel.tp_batch_split=true ;;
     dp)
       two dp2-zero1 240 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --profile-steps 1
-      grep -A14 "where a step goes" "$out/dp2-zero1.log" | head -n 15 ;;
+      grep -A14 "where a step goes" "$out/dp2-zero1.log" 2>/dev/null | head -n 15 ;;
     dp-nopg)
       two dp2-zero1-nopg 240 --use-distributed-optimizer --overlap-grad-reduce ;;
     dp-plain)

@@ -171,7 +171,8 @@ def main() -> None:
             "tp", "sequence_parallel", "tp_async_grad_reduce", "tp_batch_split", "use_distributed_optimizer",
             "overlap_grad_reduce", "overlap_param_gather", "recompute_granularity")},
         "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "results": rows,
-        "env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
+        "env": {k: v for k, v in os.environ.items()
+                if k.startswith(("NCCL_", "TORCH_NCCL_")) or k == "CUDA_DEVICE_MAX_CONNECTIONS"},
     }
     if "baseline (plain torch)" in rows:
         result["ratio_tokens_per_s"] = rows["meshtrain"]["tokens_per_s"] / rows["baseline (plain torch)"]["tokens_per_s"]
