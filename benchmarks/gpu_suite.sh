@@ -103,33 +103,33 @@ for part in $parts; do
     tp-streams)
       CUDA_DEVICE_MAX_CONNECTIONS=1 TORCH_NCCL_HIGH_PRIORITY=1 two tp2-async-streams 270 \
         --tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=true --profile-steps 1
-      grep -A14 "where a step goes" "$out/tp2-async-streams.log" 2>/dev/null | head -n 15 ;;
+      grep -A20 "where a step goes" "$out/tp2-async-streams.log" 2>/dev/null | head -n 21 ;;
     tp-sched)
       two tp2-async-sched 270 --tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=true \
         --train.compile_overlap_scheduling=true
       two tp2-async-split-sched 300 --tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=true \
         --parallel.tp_batch_split=true --train.compile_overlap_scheduling=true --profile-steps 1
-      grep -A14 "where a step goes" "$out/tp2-async-split-sched.log" 2>/dev/null | head -n 15 ;;
+      grep -A20 "where a step goes" "$out/tp2-async-split-sched.log" 2>/dev/null | head -n 21 ;;
     dp-weak)
       two dp2-zero1-gbs128 270 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather \
         --train.global_batch_size=128 ;;
     tp)
       two tp2 240 --tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=false
       two tp2-async 270 --tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=true --profile-steps 1
-      grep -A14 "where a step goes" "$out/tp2-async.log" 2>/dev/null | head -n 15 ;;
+      grep -A20 "where a step goes" "$out/tp2-async.log" 2>/dev/null | head -n 21 ;;
     tp-async)
       two tp2-async-unprofiled 240 --tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=true ;;
     tp-split)
       two tp2-async-split 270 --tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=true \
         --parallel.tp_batch_split=true --profile-steps 1
-      grep -A14 "where a step goes" "$out/tp2-async-split.log" 2>/dev/null | head -n 15 ;;
+      grep -A20 "where a step goes" "$out/tp2-async-split.log" 2>/dev/null | head -n 21 ;;
     tp-sp)
       two tp2-sp-async 240 --tensor-model-parallel-size 2 --sequence-parallel --parallel.tp_async_grad_reduce=true
       two tp2-sp-async-split 240 --tensor-model-parallel-size 2 --sequence-parallel \
         --parallel.tp_async_grad_reduce=true --parallel.tp_batch_split=true ;;
     dp)
       two dp2-zero1 240 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --profile-steps 1
-      grep -A14 "where a step goes" "$out/dp2-zero1.log" 2>/dev/null | head -n 15 ;;
+      grep -A20 "where a step goes" "$out/dp2-zero1.log" 2>/dev/null | head -n 21 ;;
     dp-nopg)
       two dp2-zero1-nopg 240 --use-distributed-optimizer --overlap-grad-reduce ;;
     dp-plain)

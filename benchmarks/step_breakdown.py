@@ -11,6 +11,9 @@ to one table per step:
                   kernels, copies (kinds can overlap one another on different streams)
     comm exposed  communication time with no compute kernel running beside it: what overlap
                   could still hide
+    where         exposed communication by collective kernel, and the longest idle gaps and
+                  exposed stretches with their offset from the first kernel (with one profiled
+                  step: where in the step they fall, e.g. the gradient reduction's tail)
 
     from benchmarks.step_breakdown import profile_steps, format_breakdown
     result = profile_steps(lambda i: trainer.train_step(i), first_step=20, steps=2, device=dev)
@@ -74,6 +77,29 @@ def length(merged: Sequence[tuple[float, float]]) -> float:
     return sum(e - s for s, e in merged)
 
 
+def subtract(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The parts of union `a` that union `b` does not cover (both from `merge`)."""
+    out = []
+    j = 0
+    for start, end in a:
+        while j < len(b) and b[j][1] <= start:
+            j += 1
+        k, cur = j, start
+        while k < len(b) and b[k][0] < end:
+            if b[k][0] > cur:
+                out.append((cur, b[k][0]))
+            cur = max(cur, b[k][1])
+            k += 1
+        if cur < end:
+            out.append((cur, end))
+    return out
+
+
+def gaps(merged: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The holes between consecutive intervals of a union."""
+    return [(merged[i][1], merged[i + 1][0]) for i in range(len(merged) - 1)]
+
+
 def overlap(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]]) -> float:
     """Length of the intersection of two unions (each from `merge`)."""
     i = j = 0
@@ -103,8 +129,10 @@ def breakdown(spans: Sequence[Span], wall_us: float, steps: int, source: str = "
 
     Returns:
         {"source", "wall_ms", "busy_ms", "idle_ms", "kinds": {kind: ms}, "comm_ms", "comm_exposed_ms",
-         "top": [(name, ms), ...]} per step; kinds sum kernel time, so with streams running side by
-        side they can add up to more than busy.
+         "top": [(name, ms), ...], "exposed_by_comm": [(name, ms), ...], "idle_gaps": [(at_ms, ms), ...],
+         "exposed_stretches": [(at_ms, ms), ...]} per step; kinds sum kernel time, so with streams
+        running side by side they can add up to more than busy. The gaps and stretches are the
+        longest few over the whole window (not per step), at_ms counted from its first span.
     """
     per = 1e3 * steps  # us over all steps -> ms per step
     kinds = dict.fromkeys(KIND_NAMES, 0.0)
@@ -116,14 +144,28 @@ def breakdown(spans: Sequence[Span], wall_us: float, steps: int, source: str = "
         kinds[kind] += dur
         by_name[s.name] = by_name.get(s.name, 0.0) + dur
         (comm if kind == "comm" else compute).append((s.start_us, s.end_us))
-    busy = length(merge(comm + compute))
+    busy_u = merge(comm + compute)
+    busy = length(busy_u)
     comm_u, compute_u = merge(comm), merge(compute)
     comm_total = length(comm_u)
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+    exposed_by: dict[str, float] = {}
+    for sp in spans:  # each collective's own time with no compute beside it
+        if classify(sp.name) == "comm":
+            alone = sp.end_us - sp.start_us - overlap([(sp.start_us, sp.end_us)], compute_u)
+            exposed_by[sp.name] = exposed_by.get(sp.name, 0.0) + alone
+    origin = busy_u[0][0] if busy_u else 0.0
+
+    def longest(intervals, n=5):
+        ranked = sorted(intervals, key=lambda iv: iv[0] - iv[1])[:n]
+        return [((a - origin) / 1e3, (b - a) / 1e3) for a, b in ranked]
+
     return {"source": source, "wall_ms": wall_us / per, "busy_ms": busy / per, "idle_ms": max(wall_us - busy, 0.0) / per,
             "kinds": {k: v / per for k, v in kinds.items() if v > 0},
             "comm_ms": comm_total / per, "comm_exposed_ms": (comm_total - overlap(comm_u, compute_u)) / per,
-            "top": [(n, v / per) for n, v in top]}
+            "top": [(n, v / per) for n, v in top],
+            "exposed_by_comm": [(n, v / per) for n, v in sorted(exposed_by.items(), key=lambda kv: -kv[1])[:6] if v > 0],
+            "idle_gaps": longest(gaps(busy_u)), "exposed_stretches": longest(subtract(comm_u, compute_u))}
 
 
 def _outermost_op(e) -> bool:
@@ -200,4 +242,9 @@ def format_breakdown(title: str, r: dict) -> str:
     lines += [row(k, r["kinds"][k]) for k in KIND_NAMES if k in r["kinds"]]
     lines += [row("comm (union)", r["comm_ms"]), row("comm exposed", r["comm_exposed_ms"])]
     lines.append("  top kernels: " + "; ".join(f"{n[:60]} {ms:.2f}" for n, ms in r["top"][:6]))
+    if r.get("exposed_by_comm"):
+        lines.append("  exposed comm by kernel: " + "; ".join(f"{n[:60]} {ms:.2f}" for n, ms in r["exposed_by_comm"]))
+    for key, label in (("idle_gaps", "longest idle gaps"), ("exposed_stretches", "longest exposed comm")):
+        if r.get(key):
+            lines.append(f"  {label} (at ms: ms): " + ", ".join(f"{at:.1f}: {ms:.2f}" for at, ms in r[key]))
     return "\n".join(lines)

@@ -93,3 +93,31 @@ def test_profile_steps_on_the_host_counts_the_ops_of_each_step():
     assert r["source"] == "host ops (no GPU)"
     assert r["kinds"]["gemm"] > 0 and r["busy_ms"] <= r["wall_ms"]
     assert dict(r["top"])["aten::matmul"] == pytest.approx(r["kinds"]["gemm"])  # its aten::mm inside is not counted twice
+
+
+def test_subtract_and_gaps():
+    from benchmarks.step_breakdown import gaps, subtract
+
+    a = merge([(0, 10), (20, 30), (40, 50)])
+    b = merge([(2, 4), (8, 22), (45, 60)])
+    assert subtract(a, b) == [(0, 2), (4, 8), (22, 30), (40, 45)]
+    assert subtract(a, []) == a and subtract(a, a) == [] and subtract([], b) == []
+    assert length(subtract(a, b)) == length(a) - overlap(a, b)
+    assert gaps(a) == [(10, 20), (30, 40)] and gaps([]) == [] and gaps([(0, 1)]) == []
+
+
+def test_breakdown_says_where_the_exposed_communication_and_idle_time_are():
+    # One step: GEMM 0-40; a reduce-scatter 30-60 (20 us alone); an all-gather 90-95 alone after
+    # 15 us of idle; a kernel 110-120 after another 15; a final idle gap of 30 us before 150.
+    spans = [Span("nvjet_gemm", 0, 40), Span("ncclDevKernel_ReduceScatter", 30, 60),
+             Span("triton_poi_fused_add_0", 60, 75), Span("ncclDevKernel_AllGather", 90, 95),
+             Span("triton_poi_fused_mul_1", 110, 120), Span("nvjet_gemm", 150, 160)]
+    r = breakdown(spans, wall_us=160, steps=1)
+    assert r["exposed_by_comm"] == [("ncclDevKernel_ReduceScatter", pytest.approx(0.02)),
+                                    ("ncclDevKernel_AllGather", pytest.approx(0.005))]
+    flat = lambda pairs: [x for pair in pairs for x in pair]
+    assert flat(r["idle_gaps"]) == pytest.approx([0.12, 0.03, 0.075, 0.015, 0.095, 0.015])
+    assert flat(r["exposed_stretches"]) == pytest.approx([0.04, 0.02, 0.09, 0.005])
+    text = format_breakdown("x", r)
+    assert "exposed comm by kernel: ncclDevKernel_ReduceScatter 0.02" in text
+    assert "longest idle gaps (at ms: ms): 0.1: 0.03" in text
