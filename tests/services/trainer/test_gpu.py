@@ -102,3 +102,23 @@ def test_a_training_step_never_synchronizes_with_the_host(corpus_cache, tmp_path
     finally:
         torch.cuda.set_sync_debug_mode("default")
     trainer.checkpointer.close()
+
+
+@pytest.mark.dist
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("layout", [
+    ["--tensor-model-parallel-size", "2"],
+    TP2_SP,
+    ["--tensor-model-parallel-size", "2", "--train.compile=true"],
+    ["--overlap-grad-reduce"],
+    ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],
+    ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather", "--train.compile=true"],
+], ids=["tp2", "tp2-sp", "tp2-compiled", "dp2-overlap", "dp2-zero1-overlap", "dp2-zero1-overlap-compiled"])
+def test_sharded_steps_never_synchronize_with_the_host(layout, corpus_cache, tmp_path):
+    """As the single-GPU test, for each sharded path on NCCL (tests/services/trainer/sync_free_steps.py)."""
+    args = small_job_args(corpus_cache, tmp_path / "run", **{"train.device": "cuda", "train.bf16": True,
+                                                              "train.eval_interval": 0})
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "tests.services.trainer.sync_free_steps", *args, *layout],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
