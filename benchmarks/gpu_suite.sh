@@ -19,6 +19,8 @@
 #   tp-sched    TP=2 with tp_async_grad_reduce and train.compile_overlap_scheduling (Inductor's
 #               overlap scheduler), without and with tp_batch_split (profiled)
 #   1gpu-mbsN   one GPU at micro-batch N (N = 8, 16, ...; the 1gpu row is at the config's 4)
+#   baseline-mbsN  one GPU at micro-batch N with the plain-torch baseline in the same process
+#               (issue 6's ratio at that micro-batch)
 #   tp-mbsN     TP=2 with tp_async_grad_reduce at micro-batch N, against 1gpu-mbsN (fewer
 #               micro-batches per step, so less of the host's launch work per token)
 #   tp-streams  TP=2 with tp_async_grad_reduce, CUDA_DEVICE_MAX_CONNECTIONS=1 and
@@ -99,6 +101,10 @@ for part in $parts; do
       job "$part" 240 python3 $B --train.micro_batch_size="${part#1gpu-mbs}" --out "$out/$part.json" \
         --run-dir "$runs/$part"
       row "$part" ;;
+    baseline-mbs*)
+      job "$part" 400 python3 ${B/ --skip-baseline/} --train.micro_batch_size="${part#baseline-mbs}" \
+        --out "$out/$part.json" --run-dir "$runs/$part"
+      grep -A4 "^impl" "$out/$part.log" 2>/dev/null ;;
     tp-mbs*)
       BASE=1gpu-mbs${part#tp-mbs} two "tp2-async-mbs${part#tp-mbs}" 240 --tensor-model-parallel-size 2 \
         --parallel.tp_async_grad_reduce=true --train.micro_batch_size="${part#tp-mbs}" ;;
