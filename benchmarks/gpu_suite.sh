@@ -43,7 +43,7 @@
 #     --target /tmp/site .whl/zarr* .whl/numcodecs* .whl/donfig* .whl/google_crc32c* .whl/tomli_w* \
 #     .whl/tqdm* .whl/typing_ext* .whl/grpcio_health* .whl/grpcio_reflection* && export PYTHONPATH=/tmp/site:$PWD
 # (without the gRPC ones, pytest stops at collecting the service tests; their version must not be
-# newer than the image's grpcio, 1.84.0, whose generated code refuses an older grpcio).
+# newer than the image's grpcio, 1.84.0: the generated code in newer wheels refuses an older grpcio).
 set -u
 out=${1:?usage: gpu_suite.sh OUT_DIR [PART...]}
 shift
@@ -97,15 +97,15 @@ for part in $parts; do
     1gpu)
       job 1gpu 240 python3 $B --out "$out/1gpu.json" --run-dir "$runs/1gpu"
       row 1gpu ;;
-    1gpu-mbs*)
+    1gpu-mbs[1-9]*)
       job "$part" 240 python3 $B --train.micro_batch_size="${part#1gpu-mbs}" --out "$out/$part.json" \
         --run-dir "$runs/$part"
       row "$part" ;;
-    baseline-mbs*)
+    baseline-mbs[1-9]*)
       job "$part" 400 python3 ${B/ --skip-baseline/} --train.micro_batch_size="${part#baseline-mbs}" \
         --out "$out/$part.json" --run-dir "$runs/$part"
       grep -A4 "^impl" "$out/$part.log" 2>/dev/null ;;
-    tp-mbs*)
+    tp-mbs[1-9]*)
       BASE=1gpu-mbs${part#tp-mbs} two "tp2-async-mbs${part#tp-mbs}" 240 --tensor-model-parallel-size 2 \
         --parallel.tp_async_grad_reduce=true --train.micro_batch_size="${part#tp-mbs}" ;;
     tp-streams)

@@ -26,6 +26,7 @@ smoke run of the plumbing, not a kernel profile. `benchmarks/train_throughput.py
 
 from __future__ import annotations
 
+import bisect
 import re
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -131,8 +132,11 @@ def breakdown(spans: Sequence[Span], wall_us: float, steps: int, source: str = "
         {"source", "wall_ms", "busy_ms", "idle_ms", "kinds": {kind: ms}, "comm_ms", "comm_exposed_ms",
          "top": [(name, ms), ...], "exposed_by_comm": [(name, ms), ...], "idle_gaps": [(at_ms, ms), ...],
          "exposed_stretches": [(at_ms, ms), ...]} per step; kinds sum kernel time, so with streams
-        running side by side they can add up to more than busy. The gaps and stretches are the
-        longest few over the whole window (not per step), at_ms counted from its first span.
+        running side by side they can add up to more than busy, and so can exposed_by_comm (two
+        collectives side by side, neither beside compute) add up to more than comm_exposed_ms.
+        The gaps and stretches are the longest few over the whole window (not per step), at_ms
+        counted from its first span; the gaps are those between spans (idle before the first
+        span or after the last one counts in idle_ms only).
     """
     per = 1e3 * steps  # us over all steps -> ms per step
     kinds = dict.fromkeys(KIND_NAMES, 0.0)
@@ -150,10 +154,12 @@ def breakdown(spans: Sequence[Span], wall_us: float, steps: int, source: str = "
     comm_total = length(comm_u)
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
     exposed_by: dict[str, float] = {}
+    starts = [a for a, _ in compute_u]
     for sp in spans:  # each collective's own time with no compute beside it
         if classify(sp.name) == "comm":
-            alone = sp.end_us - sp.start_us - overlap([(sp.start_us, sp.end_us)], compute_u)
-            exposed_by[sp.name] = exposed_by.get(sp.name, 0.0) + alone
+            first = max(bisect.bisect_right(starts, sp.start_us) - 1, 0)  # the compute interval it starts in or after
+            beside = overlap([(sp.start_us, sp.end_us)], compute_u[first:])
+            exposed_by[sp.name] = exposed_by.get(sp.name, 0.0) + sp.end_us - sp.start_us - beside
     origin = busy_u[0][0] if busy_u else 0.0
 
     def longest(intervals, n=5):

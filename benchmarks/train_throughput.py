@@ -17,6 +17,7 @@ steps are excluded. Prints a table and writes JSON; the ratio is the number that
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -157,6 +158,9 @@ def main() -> None:
     tokens = job.train.global_batch_size * job.model.seq_length
     rows = {f"meshtrain x{world}" if world > 1 else "meshtrain": mesh}
     if not args.skip_baseline and world == 1:
+        gc.collect()  # the trainer is gone: give its memory back before the baseline builds its own
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         rows["baseline (plain torch)"] = run_baseline(args, job)
     for r in rows.values():
         r["tokens_per_s"] = tokens / r["step_time_s"]

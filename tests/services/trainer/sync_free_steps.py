@@ -32,6 +32,12 @@ def main(argv: list[str]) -> None:
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
+            try:  # the mode is in force: a read-back must fail, or the steps below prove nothing
+                torch.ones(1, device=trainer.device).item()
+            except RuntimeError:
+                pass
+            else:
+                raise SystemExit("sync_free_steps: CUDA's sync-debug 'error' mode let .item() through")
             for step in range(WARMUP, WARMUP + 3):
                 trainer.train_step(step)
         finally:

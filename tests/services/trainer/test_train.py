@@ -230,3 +230,6 @@ def test_gqa_attention_flops_are_counted_where_torch_refuses_them(monkeypatch):
     assert flop_counter.sdpa_flop_count(q, kv, kv) == flop_counter.sdpa_flop_count(q, full, full) > 0
     assert flop_counter.sdpa_backward_flop_count(q, q, kv, kv) == flop_counter.sdpa_backward_flop_count(
         q, q, full, full) > 0
+    # and through the registry, as the scheduler's estimate reaches it
+    flash = flop_counter.flop_registry[torch.ops.aten._scaled_dot_product_flash_attention]
+    assert flash(q, kv, kv, out_val=None) == flash(q, full, full, out_val=None) > 0
