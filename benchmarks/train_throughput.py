@@ -173,7 +173,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
         "world_size": world, "parallel": {k: getattr(job.parallel, k) for k in (
             "tp", "sequence_parallel", "tp_async_grad_reduce", "tp_batch_split", "use_distributed_optimizer",
-            "overlap_grad_reduce", "overlap_param_gather", "recompute_granularity")},
+            "overlap_grad_reduce", "overlap_param_gather", "grad_reduce_dtype", "recompute_granularity")},
         "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "results": rows,
         "env": {k: v for k, v in os.environ.items()
                 if k.startswith(("NCCL_", "TORCH_NCCL_")) or k == "CUDA_DEVICE_MAX_CONNECTIONS"},

@@ -255,6 +255,10 @@ class ParallelConfig:
     """Distributed optimizer: all-gather each bucket's parameters just before the forward uses them."""
     ddp_bucket_size: int = 40_000_000
     """Elements per gradient bucket."""
+    grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    """What the data-parallel gradient reduction sends: the fp32 gradients as accumulated, or a
+    bf16 copy of them (half the bytes; each rank's contribution and the sum are rounded to bf16,
+    then accumulated back into the fp32 buffers; Megatron's --grad-reduce-in-bf16)."""
     recompute_granularity: Literal["none", "full", "selective"] = "none"
     """Activation recompute: whole blocks ('full') or only the attention core ('selective')."""
     recompute_method: Literal["uniform", "block"] = "uniform"
@@ -386,6 +390,7 @@ ALIASES: dict[str, tuple[str, bool]] = {
     "--overlap-grad-reduce": ("parallel.overlap_grad_reduce", False),
     "--overlap-param-gather": ("parallel.overlap_param_gather", False),
     "--ddp-bucket-size": ("parallel.ddp_bucket_size", True),
+    "--grad-reduce-in-bf16": ("parallel.grad_reduce_dtype=bf16", False),
     "--recompute-granularity": ("parallel.recompute_granularity", True),
     "--recompute-method": ("parallel.recompute_method", True),
     "--recompute-num-layers": ("parallel.recompute_num_layers", True),

@@ -196,7 +196,8 @@ class Trainer:
             self.ddp = DataParallel(
                 self.model, self.mesh, job.optim, distributed_optimizer=p.use_distributed_optimizer,
                 overlap_grad_reduce=p.overlap_grad_reduce, overlap_param_gather=p.overlap_param_gather,
-                bucket_size=p.ddp_bucket_size, gather_units=forward_units(model))
+                bucket_size=p.ddp_bucket_size, gather_units=forward_units(model),
+                reduce_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[p.grad_reduce_dtype])
         self.optimizer = self.ddp.optimizer if self.ddp and self.ddp.optimizer else build_optimizer(self.model, job.optim)
         self.par = checkpointing.Parallel(self.mesh, self.ddp)
         c = job.checkpoint

@@ -42,6 +42,7 @@ class Bucket:
     ready: set[int] = field(default_factory=set)
     reduce_handle: object | None = None
     gather_handle: object | None = None
+    wire: tuple[torch.Tensor, torch.Tensor] | None = None  # (sent, received) in grad_reduce_dtype while in flight
 
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         p = self.params[i]
@@ -70,6 +71,8 @@ class DataParallel:
         distributed_optimizer: ZeRO-1.
         overlap_grad_reduce / overlap_param_gather: launch communication asynchronously.
         bucket_size: elements per bucket.
+        reduce_dtype: what the gradient reduction sends (torch.float32: the buffers themselves;
+            torch.bfloat16: a copy rounded to bf16, half the bytes, copied back after).
         gather_units: for overlap_param_gather, (module, params) pairs: the module's forward
             pre-hook waits for the all-gathers of the buckets holding those params. Unset: the
             whole model waits before its forward (correct, but no overlap).
@@ -78,8 +81,12 @@ class DataParallel:
     def __init__(self, model: nn.Module, mesh: Mesh, optim: OptimConfig, *, distributed_optimizer: bool = False,
                  overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
                  bucket_size: int = 40_000_000,
-                 gather_units: list[tuple[nn.Module, list[nn.Parameter]]] | None = None):
+                 gather_units: list[tuple[nn.Module, list[nn.Parameter]]] | None = None,
+                 reduce_dtype: torch.dtype = torch.float32):
+        if reduce_dtype not in (torch.float32, torch.bfloat16):
+            raise ConfigError(f"gradients are reduced in fp32 or bf16, not {reduce_dtype}")
         self.model, self.mesh, self.optim_config = model, mesh, optim
+        self.reduce_dtype = reduce_dtype
         self.dist_opt = distributed_optimizer
         self.overlap_grad, self.overlap_param = overlap_grad_reduce, overlap_param_gather and distributed_optimizer
         self.dp_group, self.tp_group = mesh.group("dp"), mesh.group("tp")
@@ -158,11 +165,17 @@ class DataParallel:
         if self.dp == 1:
             b.reduce_handle = True
             return
+        if not self.dist_opt:
+            b.grad.div_(self.dp)  # in fp32, before any rounding to the wire's dtype
+        send, recv = b.grad, (b.local_grad if self.dist_opt else b.grad)
+        if self.reduce_dtype != b.grad.dtype:
+            send = b.grad.to(self.reduce_dtype)
+            recv = torch.empty(recv.numel(), dtype=self.reduce_dtype, device=recv.device) if self.dist_opt else send
+            b.wire = (send, recv)
         if self.dist_opt:  # each rank receives the sum of its 1/dp slice (NCCL and gloo alike)
-            b.reduce_handle = dist.reduce_scatter_tensor(b.local_grad, b.grad, group=self.dp_group, async_op=True)
+            b.reduce_handle = dist.reduce_scatter_tensor(recv, send, group=self.dp_group, async_op=True)
         else:
-            b.grad.div_(self.dp)
-            b.reduce_handle = dist.all_reduce(b.grad, group=self.dp_group, async_op=True)
+            b.reduce_handle = dist.all_reduce(send, group=self.dp_group, async_op=True)
 
     def finish_grad_sync(self) -> None:
         """Complete every bucket's reduction (launching those not yet launched)."""
@@ -172,6 +185,9 @@ class DataParallel:
         for b in self.buckets:
             if b.reduce_handle is not True:
                 b.reduce_handle.wait()
+            if b.wire is not None:  # back from the wire's dtype into the fp32 buffers
+                (b.local_grad if self.dist_opt else b.grad).copy_(b.wire[1])
+                b.wire = None
             if self.dist_opt and self.dp == 1:  # nothing was reduce-scattered: the slice is the whole
                 b.local_grad.copy_(b.grad)
             elif self.dist_opt:  # the mean over dp, taken on this rank's slice only (1/dp of the bytes)

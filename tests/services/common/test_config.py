@@ -134,6 +134,10 @@ def test_parallel_flags_map_and_validate():
         load_config(["--sequence-parallel"])
     with pytest.raises(ConfigError, match="overlap_param_gather needs"):
         load_config(["--overlap-param-gather"])
+    assert load_config([]).parallel.grad_reduce_dtype == "fp32"
+    assert load_config(["--grad-reduce-in-bf16"]).parallel.grad_reduce_dtype == "bf16"
+    with pytest.raises(ConfigError, match="grad_reduce_dtype"):
+        load_config(["--parallel.grad_reduce_dtype=fp16"])
 
 
 def test_validation_messages_name_keys():

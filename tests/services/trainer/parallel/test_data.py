@@ -107,3 +107,62 @@ def test_gradient_norm_over_tp_and_dp_is_the_unsharded_norm_and_clipping_scales_
         assert norm == pytest.approx(want, rel=1e-5) and norm_c == pytest.approx(want, rel=1e-5)
         for g, g_c in zip(grads, grads_c):
             torch.testing.assert_close(g_c, g / 4, rtol=1e-4, atol=1e-9)
+
+
+
+def _reduced(rank, world, dist_opt, dtype):
+    """(dtypes the collectives sent, this rank's own gradients, the reduced mean) in full-buffer
+    coordinates; under ZeRO-1 only this rank's slice of each bucket is reduced (NaN elsewhere)."""
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(**CFG))
+    ddp = DataParallel(model, Mesh.build(), OptimConfig(lr=1e-3), distributed_optimizer=dist_opt,
+                       bucket_size=6000, reduce_dtype=dtype)
+    sent = []
+    real = {name: getattr(dist, name) for name in ("all_reduce", "reduce_scatter_tensor")}
+
+    def recording(name):
+        def call(*args, **kw):
+            sent.append((args[1] if name == "reduce_scatter_tensor" else args[0]).dtype)
+            return real[name](*args, **kw)
+        return call
+
+    for name in real:
+        setattr(dist, name, recording(name))
+    try:
+        tokens = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(rank))
+        model(tokens, tokens).backward()
+        own = [b.grad.clone() for b in ddp.buckets]  # before any reduction (no overlap)
+        ddp.finish_grad_sync()
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+    reduced = []
+    for b in ddp.buckets:
+        if dist_opt:
+            full = torch.full((b.numel,), float("nan"))
+            k = b.numel // world
+            full[rank * k:(rank + 1) * k] = b.local_grad
+            reduced.append(full)
+        else:
+            reduced.append(b.grad.clone())
+    return set(sent), torch.cat(own), torch.cat(reduced), [b.wire for b in ddp.buckets]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("dist_opt", [False, True], ids=["dp", "zero1"])
+def test_bf16_gradient_reduction_sends_bf16_and_stays_within_its_rounding(dist_opt):
+    """grad_reduce_dtype='bf16': the collectives move bf16 (half the bytes), and the fp32 result
+    differs from the fp32 reduction by no more than bf16's rounding of the addends and the sum."""
+    fp32 = run_ranks(_reduced, 2, dist_opt, torch.float32)
+    bf16 = run_ranks(_reduced, 2, dist_opt, torch.bfloat16)
+    magnitude = (fp32[0][1].abs() + fp32[1][1].abs()) / 2  # the two ranks' contributions to the mean
+    for (sent32, own, exact, _), (sent16, _, rounded, wires) in zip(fp32, bf16):
+        assert sent32 == {torch.float32} and sent16 == {torch.bfloat16}
+        assert all(w is None for w in wires)  # no wire buffer left behind
+        mine = ~exact.isnan()
+        assert mine.sum() == (exact.numel() // 2 if dist_opt else exact.numel())
+        exact, rounded, bound = exact[mine], rounded[mine], magnitude[mine]
+        torch.testing.assert_close(exact, (fp32[0][1] + fp32[1][1])[mine] / 2, rtol=1e-6, atol=1e-9)
+        assert not torch.equal(rounded, exact)  # rounded: a bf16 path, not the fp32 one
+        # each addend and the sum rounded once to bf16 (relative 2^-9 each): within 2^-7 of them
+        assert ((rounded - exact).abs() <= 2 ** -7 * bound + 1e-12).all()
