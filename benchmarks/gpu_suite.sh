@@ -28,6 +28,8 @@
 #               kernels get SMs first, so an all-reduce launched before a GEMM is not queued
 #               behind it (what Megatron requires for its TP overlap), profiled
 #   tp-split-streams  tp-split under the same two variables, profiled
+#   tp-carveout tp-streams with train.matmul_sm_carveout=16 (cuBLASLt matmuls leave 16 SMs free
+#               for NCCL's kernels), profiled
 #   dp-bf16     the dp row with gradients reduced in bf16 (--grad-reduce-in-bf16: half the bytes), profiled
 #   dp-streams  the dp row under the same two variables (its reduce-scatters and all-gathers
 #               run beside backward and forward GEMMs), profiled
@@ -49,7 +51,7 @@
 set -u
 out=${1:?usage: gpu_suite.sh OUT_DIR [PART...]}
 shift
-parts=${*:-tests 1gpu tp tp-async tp-split tp-sp dp dp-nopg dp-plain nccl-proto nccl-proto-split tp-sched 1gpu-mbs8 tp-mbs8 1gpu-mbs16 tp-mbs16 tp-streams tp-split-streams dp-streams dp-bf16 dp-weak}
+parts=${*:-tests 1gpu tp tp-async tp-split tp-sp dp dp-nopg dp-plain nccl-proto nccl-proto-split tp-sched 1gpu-mbs8 tp-mbs8 1gpu-mbs16 tp-mbs16 tp-streams tp-split-streams tp-carveout dp-streams dp-bf16 dp-weak}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
@@ -119,6 +121,11 @@ for part in $parts; do
         --tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=true --parallel.tp_batch_split=true \
         --profile-steps 1
       grep -A20 "where a step goes" "$out/tp2-async-split-streams.log" 2>/dev/null | head -n 21 ;;
+    tp-carveout)
+      CUDA_DEVICE_MAX_CONNECTIONS=1 TORCH_NCCL_HIGH_PRIORITY=1 two tp2-async-carveout 270 \
+        --tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=true --train.matmul_sm_carveout=16 \
+        --profile-steps 1
+      grep -A20 "where a step goes" "$out/tp2-async-carveout.log" 2>/dev/null | head -n 21 ;;
     dp-bf16)
       two dp2-zero1-bf16-reduce 240 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather \
         --grad-reduce-in-bf16 --profile-steps 1

@@ -152,6 +152,11 @@ class TrainConfig:
     so that its collectives (the tensor-parallel all-reduces and reduce-scatters) run beside
     independent compute (torch._inductor.config.aten_distributed_optimizations.
     enable_overlap_scheduling, process-wide). It times kernels on the device, so CUDA only."""
+    matmul_sm_carveout: int = 0
+    """CUDA: SMs that cuBLAS(Lt) matmuls and Inductor's persistent templates leave free (0: none),
+    so that a collective launched beside a GEMM gets SMs at once instead of waiting for a
+    persistent GEMM that holds all of them to finish (PyTorch's experimental SM carveout; the
+    cuBLASLt backend is selected so that it applies). Costs GEMM speed when nothing overlaps."""
     kernels: Literal["auto", "reference", "triton"] = "auto"
     """Fused-op implementation: 'auto' takes the Triton kernels on CUDA in eager mode, and the
     plain-torch reference under train.compile (Inductor fuses it; measured faster on an H200
@@ -178,6 +183,8 @@ class TrainConfig:
                 f"train.global_batch_size={self.global_batch_size} must be a multiple of "
                 f"train.micro_batch_size={self.micro_batch_size}"
             )
+        if self.matmul_sm_carveout < 0:
+            raise ConfigError(f"train.matmul_sm_carveout must be >= 0, got {self.matmul_sm_carveout}")
         if self.compile_overlap_scheduling and not self.compile:
             raise ConfigError("train.compile_overlap_scheduling reorders compiled graphs: it needs train.compile=true")
 

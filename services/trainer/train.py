@@ -127,6 +127,20 @@ def enable_overlap_scheduling(device: torch.device) -> None:
     _count_gqa_attention_flops()
 
 
+def reserve_sms_from_matmuls(n: int, device: torch.device) -> None:
+    """Keep `n` SMs free of matmul kernels for this process (see TrainConfig.matmul_sm_carveout)."""
+    if device.type != "cuda":
+        raise ConfigError(f"train.matmul_sm_carveout leaves GPU SMs to collectives; this run is on {device}")
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if not 0 < n < sms:
+        raise ConfigError(f"train.matmul_sm_carveout={n}: {torch.cuda.get_device_name(device)} has {sms} SMs")
+    setter = getattr(torch._C, "_set_sm_carveout_experimental", None)
+    if setter is None:
+        raise ConfigError(f"train.matmul_sm_carveout: torch {torch.__version__} has no SM carveout")
+    setter(n)
+    torch.backends.cuda.preferred_blas_library("cublaslt")  # the carveout reaches cuBLASLt's matmuls
+
+
 def _count_gqa_attention_flops() -> None:
     """Let torch's SDPA FLOP formulas take grouped-query attention (fewer key/value heads).
 
@@ -163,6 +177,8 @@ class Trainer:
         self.device = pick_device(job.train.device)
         if job.train.compile_overlap_scheduling:
             enable_overlap_scheduling(self.device)
+        if job.train.matmul_sm_carveout:
+            reserve_sms_from_matmuls(job.train.matmul_sm_carveout, self.device)
         self.mesh = build_mesh(job, self.device)
         self.is_main = self.mesh.rank == 0
         if not self.is_main:

@@ -127,3 +127,21 @@ def test_sharded_steps_never_synchronize_with_the_host(layout, corpus_cache, tmp
                           "-m", "tests.services.trainer.sync_free_steps", *args, *layout],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_matmul_sm_carveout_takes_effect_and_trains(corpus_cache, tmp_path):
+    from services.trainer.train import Trainer
+
+    before = torch.backends.cuda.preferred_blas_library()
+    args = small_job_args(corpus_cache, tmp_path / "run", **{"train.device": "cuda", "train.bf16": True,
+                                                              "train.eval_interval": 0, "train.matmul_sm_carveout": 16})
+    trainer = Trainer(load_config(args))
+    try:
+        assert torch._C._get_sm_carveout_experimental() == 16
+        assert torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublaslt
+        losses = [trainer.train_step(step)[0].item() for step in range(3)]
+        assert all(0 < loss < 10 for loss in losses)
+    finally:
+        torch._C._set_sm_carveout_experimental(None)
+        torch.backends.cuda.preferred_blas_library(before)
+        trainer.checkpointer.close()

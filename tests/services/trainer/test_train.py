@@ -233,3 +233,14 @@ def test_gqa_attention_flops_are_counted_where_torch_refuses_them(monkeypatch):
     # and through the registry, as the scheduler's estimate reaches it
     flash = flop_counter.flop_registry[torch.ops.aten._scaled_dot_product_flash_attention]
     assert flash(q, kv, kv, out_val=None) == flash(q, full, full, out_val=None) > 0
+
+
+def test_matmul_sm_carveout_is_refused_off_cuda_and_below_zero(corpus_cache, tmp_path):
+    from services.trainer.train import Trainer
+
+    with pytest.raises(ConfigError, match="matmul_sm_carveout must be >= 0"):
+        load_config(small_job_args(corpus_cache, tmp_path / "a", **{"train.matmul_sm_carveout": -1}))
+    job = load_config(small_job_args(corpus_cache, tmp_path / "b", **{"train.matmul_sm_carveout": 8,
+                                                                      "train.device": "cpu"}))
+    with pytest.raises(ConfigError, match="leaves GPU SMs to collectives; this run is on cpu"):
+        Trainer(job)
