@@ -153,10 +153,11 @@ class TrainConfig:
     independent compute (torch._inductor.config.aten_distributed_optimizations.
     enable_overlap_scheduling, process-wide). It times kernels on the device, so CUDA only."""
     matmul_sm_carveout: int = 0
-    """CUDA: SMs that cuBLAS(Lt) matmuls and Inductor's persistent templates leave free (0: none),
-    so that a collective launched beside a GEMM gets SMs at once instead of waiting for a
-    persistent GEMM that holds all of them to finish (PyTorch's experimental SM carveout; the
-    cuBLASLt backend is selected so that it applies). Costs GEMM speed when nothing overlaps."""
+    """CUDA: ask cuBLASLt's matmuls (and Inductor's persistent templates) to target N fewer SMs
+    than the device has (0: all), so that a collective launched beside a persistent GEMM can get
+    SMs at once instead of waiting for it to finish. PyTorch's experimental SM carveout, a hint
+    to cuBLASLt's kernel choice, not a reservation; process-wide, and the cuBLASLt backend is
+    selected so that it applies. Costs GEMM speed when nothing overlaps."""
     kernels: Literal["auto", "reference", "triton"] = "auto"
     """Fused-op implementation: 'auto' takes the Triton kernels on CUDA in eager mode, and the
     plain-torch reference under train.compile (Inductor fuses it; measured faster on an H200
@@ -264,8 +265,11 @@ class ParallelConfig:
     """Elements per gradient bucket."""
     grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     """What the data-parallel gradient reduction sends: the fp32 gradients as accumulated, or a
-    bf16 copy of them (half the bytes; each rank's contribution and the sum are rounded to bf16,
-    then accumulated back into the fp32 buffers; Megatron's --grad-reduce-in-bf16)."""
+    bf16 copy of each bucket (half the bytes on the wire; each rank's contribution and the
+    partial sums are rounded to bf16, and the result is copied back into the fp32 buffers).
+    Accumulation over micro-batches stays fp32 (Megatron's --grad-reduce-in-bf16, also accepted,
+    makes the buffers themselves bf16); the copies cost 2 bytes per parameter (ZeRO-1: plus
+    2/dp) while the reductions are in flight. No effect at dp=1."""
     recompute_granularity: Literal["none", "full", "selective"] = "none"
     """Activation recompute: whole blocks ('full') or only the attention core ('selective')."""
     recompute_method: Literal["uniform", "block"] = "uniform"

@@ -128,7 +128,8 @@ def enable_overlap_scheduling(device: torch.device) -> None:
 
 
 def reserve_sms_from_matmuls(n: int, device: torch.device) -> None:
-    """Keep `n` SMs free of matmul kernels for this process (see TrainConfig.matmul_sm_carveout)."""
+    """Ask matmuls to leave `n` SMs to other kernels, for the rest of this process (see
+    TrainConfig.matmul_sm_carveout; the carveout and the cuBLASLt backend stay set)."""
     if device.type != "cuda":
         raise ConfigError(f"train.matmul_sm_carveout leaves GPU SMs to collectives; this run is on {device}")
     sms = torch.cuda.get_device_properties(device).multi_processor_count

@@ -2,7 +2,8 @@
 distributed optimizer (ZeRO-1: Adam state sharded over dp).
 
 Gradients live in one flat fp32 buffer per bucket (each parameter's `.grad` is a view into
-it, so autograd accumulates micro-batches in place). On the last micro-batch a bucket is
+it, so autograd accumulates micro-batches in place); the reduction sends the buffer itself or,
+with `reduce_dtype=torch.bfloat16`, a bf16 copy of it (half the bytes) that is copied back. On the last micro-batch a bucket is
 reduced as soon as every gradient in it is final (`overlap_grad_reduce`), or all buckets after
 backward. Plain DP all-reduces the buckets; the distributed optimizer reduce-scatters them, so
 each dp rank receives the sum for its 1/dp slice of every bucket, updates only that slice
@@ -165,13 +166,18 @@ class DataParallel:
         if self.dp == 1:
             b.reduce_handle = True
             return
-        if not self.dist_opt:
-            b.grad.div_(self.dp)  # in fp32, before any rounding to the wire's dtype
         send, recv = b.grad, (b.local_grad if self.dist_opt else b.grad)
-        if self.reduce_dtype != b.grad.dtype:
-            send = b.grad.to(self.reduce_dtype)
-            recv = torch.empty(recv.numel(), dtype=self.reduce_dtype, device=recv.device) if self.dist_opt else send
+        if self.reduce_dtype != b.grad.dtype:  # a copy in the wire's dtype, alive until finish_grad_sync
+            send = torch.empty(b.numel, dtype=self.reduce_dtype, device=b.grad.device)
+            if self.dist_opt:
+                send.copy_(b.grad)
+                recv = torch.empty(recv.numel(), dtype=self.reduce_dtype, device=recv.device)
+            else:  # plain DP: the mean's division, in fp32, and the rounding in one pass
+                torch.div(b.grad, self.dp, out=send)
+                recv = send
             b.wire = (send, recv)
+        elif not self.dist_opt:
+            b.grad.div_(self.dp)
         if self.dist_opt:  # each rank receives the sum of its 1/dp slice (NCCL and gloo alike)
             b.reduce_handle = dist.reduce_scatter_tensor(recv, send, group=self.dp_group, async_op=True)
         else:

@@ -119,17 +119,26 @@ def test_single_process_checkpoint_resumes_on_tp2_dp2(corpus_cache, tmp_path, tm
         assert resumed["losses"][step] == pytest.approx(ref.losses[step], rel=2e-6, abs=2e-6), step
 
 
-def test_bf16_gradient_reduction_trains_as_the_single_process_run_to_bf16_rounding(corpus_cache, tmp_path,
+
+@pytest.mark.parametrize("case", ["dp2", "dp2-zero1-overlap", "tp2-dp2-sp-zero1"])
+def test_bf16_gradient_reduction_trains_as_the_single_process_run_to_bf16_rounding(case, corpus_cache, tmp_path,
                                                                                   tmp_path_factory):
-    """parallel.grad_reduce_dtype='bf16' (ZeRO-1, reductions overlapped with backward): the same
-    training as one process, up to the rounding of the reduced gradients (exact equality is
-    the fp32 cases' job; the gradient bound itself is in test_data.py)."""
-    ref, _ = reference(corpus_cache, tmp_path_factory, "llama", LLAMA)
-    args = small_job_args(corpus_cache, tmp_path / "run", **COMMON, **LLAMA, **{
-        "parallel.use_distributed_optimizer": True, "parallel.overlap_grad_reduce": True,
-        "parallel.grad_reduce_dtype": "bf16"})
-    got = run_ranks(_rank_train, 2, args, timeout=400)[0]
+    """parallel.grad_reduce_dtype='bf16': the same training as one process up to the rounding of
+    the reduced gradients (exact equality is the fp32 cases' job; the gradient bound itself is in
+    test_data.py). Measured: within 5e-6 over 10 steps; a rank that kept its own unreduced slice
+    was off by 1e-2."""
+    world, arch_name, extra = {
+        "dp2": (2, "gpt2", {"parallel.overlap_grad_reduce": True}),
+        "dp2-zero1-overlap": (2, "llama", {"parallel.use_distributed_optimizer": True,
+                                           "parallel.overlap_grad_reduce": True}),
+        "tp2-dp2-sp-zero1": (4, "llama", {"parallel.tp": 2, "parallel.sequence_parallel": True,
+                                          "parallel.use_distributed_optimizer": True}),
+    }[case]
+    arch = LLAMA if arch_name == "llama" else {}
+    ref, _ = reference(corpus_cache, tmp_path_factory, arch_name, arch)
+    args = small_job_args(corpus_cache, tmp_path / "run", **COMMON, **arch, **extra,
+                          **{"parallel.grad_reduce_dtype": "bf16"})
+    got = run_ranks(_rank_train, world, args, timeout=400)[0]
     assert sorted(got["losses"]) == list(range(1, 11))
     for step, loss in ref.losses.items():
-        assert got["losses"][step] == pytest.approx(loss, rel=2e-3), f"step {step}"
-    assert got["losses"][10] < 0.9 * got["losses"][1]  # and it trains
+        assert got["losses"][step] == pytest.approx(loss, rel=5e-5), f"step {step}"
