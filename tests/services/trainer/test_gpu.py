@@ -125,7 +125,7 @@ def test_sharded_steps_never_synchronize_with_the_host(layout, corpus_cache, tmp
                                                               "train.eval_interval": 0})
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                           "-m", "tests.services.trainer.sync_free_steps", *args, *layout],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+                         cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
 
 
