@@ -207,34 +207,6 @@ def test_overlap_scheduling_is_refused_without_compile_or_off_cuda(corpus_cache,
         Trainer(job)
 
 
-def test_gqa_attention_flops_are_counted_where_torch_refuses_them(monkeypatch):
-    """torch 2.11's SDPA FLOP formulas (which the overlap scheduler's estimates use) assert equal
-    query and key/value heads; the shim counts GQA as the kernel runs it, key/value broadcast."""
-    from torch.utils import flop_counter
-
-    from services.trainer.train import _count_gqa_attention_flops
-
-    def strict(forward):
-        def count(*shapes):
-            q, k = shapes[-3], shapes[-2]
-            assert q[1] == k[1], "shapes are incompatible"
-            return forward(*shapes)
-        return count
-
-    monkeypatch.setattr(flop_counter, "sdpa_flop_count", strict(flop_counter.sdpa_flop_count))
-    monkeypatch.setattr(flop_counter, "sdpa_backward_flop_count", strict(flop_counter.sdpa_backward_flop_count))
-    q, kv, full = (2, 8, 16, 32), (2, 2, 16, 32), (2, 8, 16, 32)
-    with pytest.raises(AssertionError):
-        flop_counter.sdpa_flop_count(q, kv, kv)
-    _count_gqa_attention_flops()
-    assert flop_counter.sdpa_flop_count(q, kv, kv) == flop_counter.sdpa_flop_count(q, full, full) > 0
-    assert flop_counter.sdpa_backward_flop_count(q, q, kv, kv) == flop_counter.sdpa_backward_flop_count(
-        q, q, full, full) > 0
-    # and through the registry, as the scheduler's estimate reaches it
-    flash = flop_counter.flop_registry[torch.ops.aten._scaled_dot_product_flash_attention]
-    assert flash(q, kv, kv, out_val=None) == flash(q, full, full, out_val=None) > 0
-
-
 def test_matmul_sm_carveout_is_refused_off_cuda_and_below_zero(corpus_cache, tmp_path):
     from services.trainer.train import Trainer
 
