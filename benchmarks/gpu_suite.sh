@@ -92,6 +92,17 @@ two() {  # two NAME LIMIT FLAGS...: a 2-GPU llama-1b row against the 1-GPU row i
   row "$name"
 }
 
+TPA="--tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=true"  # TP=2, async input-grad reduction
+ZERO="--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather"  # ZeRO-1, both overlaps
+
+where() {  # where NAME: the step breakdown a profiled row printed
+  grep -A20 "where a step goes" "$out/$1.log" 2>/dev/null | head -n 21
+}
+
+streams() {  # streams COMMAND...: keep the launch order on the device, NCCL on high-priority streams
+  CUDA_DEVICE_MAX_CONNECTIONS=1 TORCH_NCCL_HIGH_PRIORITY=1 "$@"
+}
+
 for part in $parts; do
   case $part in
     tests)
@@ -101,6 +112,34 @@ for part in $parts; do
     1gpu)
       job 1gpu 240 python3 $B --out "$out/1gpu.json" --run-dir "$runs/1gpu"
       row 1gpu ;;
+    tp)
+      two tp2 240 --tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=false
+      two tp2-async 270 $TPA --profile-steps 1
+      where tp2-async ;;
+    tp-async)
+      two tp2-async-unprofiled 240 $TPA ;;
+    tp-split)
+      two tp2-async-split 270 $TPA --parallel.tp_batch_split=true --profile-steps 1
+      where tp2-async-split ;;
+    tp-sp)
+      two tp2-sp-async 240 $TPA --sequence-parallel
+      two tp2-sp-async-split 240 $TPA --sequence-parallel --parallel.tp_batch_split=true ;;
+    dp)
+      two dp2-zero1 240 $ZERO --profile-steps 1
+      where dp2-zero1 ;;
+    dp-nopg)
+      two dp2-zero1-nopg 240 --use-distributed-optimizer --overlap-grad-reduce ;;
+    dp-plain)
+      two dp2 240 ;;
+    nccl-proto)
+      NCCL_PROTO=Simple two tp2-async-simple 240 $TPA ;;
+    nccl-proto-split)
+      NCCL_PROTO=Simple two tp2-async-split-simple 240 $TPA --parallel.tp_batch_split=true ;;
+    tp-sched)
+      two tp2-async-sched 270 $TPA --train.compile_overlap_scheduling=true
+      two tp2-async-split-sched 300 $TPA --parallel.tp_batch_split=true --train.compile_overlap_scheduling=true \
+        --profile-steps 1
+      where tp2-async-split-sched ;;
     1gpu-mbs[1-9]*)
       job "$part" 240 python3 $B --train.micro_batch_size="${part#1gpu-mbs}" --out "$out/$part.json" \
         --run-dir "$runs/$part"
@@ -110,65 +149,24 @@ for part in $parts; do
         --out "$out/$part.json" --run-dir "$runs/$part"
       grep -A4 "^impl" "$out/$part.log" 2>/dev/null ;;
     tp-mbs[1-9]*)
-      BASE=1gpu-mbs${part#tp-mbs} two "tp2-async-mbs${part#tp-mbs}" 240 --tensor-model-parallel-size 2 \
-        --parallel.tp_async_grad_reduce=true --train.micro_batch_size="${part#tp-mbs}" ;;
+      BASE=1gpu-mbs${part#tp-mbs} two "tp2-async-mbs${part#tp-mbs}" 240 $TPA --train.micro_batch_size="${part#tp-mbs}" ;;
     tp-streams)
-      CUDA_DEVICE_MAX_CONNECTIONS=1 TORCH_NCCL_HIGH_PRIORITY=1 two tp2-async-streams 270 \
-        --tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=true --profile-steps 1
-      grep -A20 "where a step goes" "$out/tp2-async-streams.log" 2>/dev/null | head -n 21 ;;
+      streams two tp2-async-streams 270 $TPA --profile-steps 1
+      where tp2-async-streams ;;
     tp-split-streams)
-      CUDA_DEVICE_MAX_CONNECTIONS=1 TORCH_NCCL_HIGH_PRIORITY=1 two tp2-async-split-streams 270 \
-        --tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=true --parallel.tp_batch_split=true \
-        --profile-steps 1
-      grep -A20 "where a step goes" "$out/tp2-async-split-streams.log" 2>/dev/null | head -n 21 ;;
+      streams two tp2-async-split-streams 270 $TPA --parallel.tp_batch_split=true --profile-steps 1
+      where tp2-async-split-streams ;;
     tp-carveout)
-      CUDA_DEVICE_MAX_CONNECTIONS=1 TORCH_NCCL_HIGH_PRIORITY=1 two tp2-async-carveout 270 \
-        --tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=true --train.matmul_sm_carveout=16 \
-        --profile-steps 1
-      grep -A20 "where a step goes" "$out/tp2-async-carveout.log" 2>/dev/null | head -n 21 ;;
-    dp-bf16)
-      two dp2-zero1-bf16-reduce 240 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather \
-        --grad-reduce-in-bf16 --profile-steps 1
-      grep -A20 "where a step goes" "$out/dp2-zero1-bf16-reduce.log" 2>/dev/null | head -n 21 ;;
+      streams two tp2-async-carveout 270 $TPA --train.matmul_sm_carveout=16 --profile-steps 1
+      where tp2-async-carveout ;;
     dp-streams)
-      CUDA_DEVICE_MAX_CONNECTIONS=1 TORCH_NCCL_HIGH_PRIORITY=1 two dp2-zero1-streams 240 \
-        --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --profile-steps 1
-      grep -A20 "where a step goes" "$out/dp2-zero1-streams.log" 2>/dev/null | head -n 21 ;;
-    tp-sched)
-      two tp2-async-sched 270 --tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=true \
-        --train.compile_overlap_scheduling=true
-      two tp2-async-split-sched 300 --tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=true \
-        --parallel.tp_batch_split=true --train.compile_overlap_scheduling=true --profile-steps 1
-      grep -A20 "where a step goes" "$out/tp2-async-split-sched.log" 2>/dev/null | head -n 21 ;;
+      streams two dp2-zero1-streams 240 $ZERO --profile-steps 1
+      where dp2-zero1-streams ;;
+    dp-bf16)
+      two dp2-zero1-bf16-reduce 240 $ZERO --grad-reduce-in-bf16 --profile-steps 1
+      where dp2-zero1-bf16-reduce ;;
     dp-weak)
-      two dp2-zero1-gbs128 270 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather \
-        --train.global_batch_size=128 ;;
-    tp)
-      two tp2 240 --tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=false
-      two tp2-async 270 --tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=true --profile-steps 1
-      grep -A20 "where a step goes" "$out/tp2-async.log" 2>/dev/null | head -n 21 ;;
-    tp-async)
-      two tp2-async-unprofiled 240 --tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=true ;;
-    tp-split)
-      two tp2-async-split 270 --tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=true \
-        --parallel.tp_batch_split=true --profile-steps 1
-      grep -A20 "where a step goes" "$out/tp2-async-split.log" 2>/dev/null | head -n 21 ;;
-    tp-sp)
-      two tp2-sp-async 240 --tensor-model-parallel-size 2 --sequence-parallel --parallel.tp_async_grad_reduce=true
-      two tp2-sp-async-split 240 --tensor-model-parallel-size 2 --sequence-parallel \
-        --parallel.tp_async_grad_reduce=true --parallel.tp_batch_split=true ;;
-    dp)
-      two dp2-zero1 240 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --profile-steps 1
-      grep -A20 "where a step goes" "$out/dp2-zero1.log" 2>/dev/null | head -n 21 ;;
-    dp-nopg)
-      two dp2-zero1-nopg 240 --use-distributed-optimizer --overlap-grad-reduce ;;
-    dp-plain)
-      two dp2 240 ;;
-    nccl-proto)
-      NCCL_PROTO=Simple two tp2-async-simple 240 --tensor-model-parallel-size 2 --parallel.tp_async_grad_reduce=true ;;
-    nccl-proto-split)
-      NCCL_PROTO=Simple two tp2-async-split-simple 240 --tensor-model-parallel-size 2 \
-        --parallel.tp_async_grad_reduce=true --parallel.tp_batch_split=true ;;
+      two dp2-zero1-gbs128 270 $ZERO --train.global_batch_size=128 ;;
     *) echo "unknown part: $part"; exit 2 ;;
   esac
 done
