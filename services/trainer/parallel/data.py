@@ -6,9 +6,9 @@ it, so autograd accumulates micro-batches in place). On the last micro-batch a b
 reduced as soon as every gradient in it is final (`overlap_grad_reduce`), or all buckets after
 backward, sending the buffer itself or (`reduce_dtype=torch.bfloat16`) a bf16 copy of it, half
 the bytes, copied back after. Plain DP all-reduces the buckets; the distributed optimizer
-reduce-scatters them, so each dp rank receives the sum for its 1/dp slice of every bucket, updates only that slice
-(Adam moments exist only for it) and all-gathers the updated parameters, optionally
-overlapped with the next forward (`overlap_param_gather`). Gradients of sequence-parallel
+reduce-scatters them, so each dp rank receives the sum for its 1/dp slice of every bucket,
+updates only that slice (Adam moments exist only for it) and all-gathers the updated
+parameters, optionally overlapped with the next forward (`overlap_param_gather`). Gradients of sequence-parallel
 parameters (norms, row-parallel biases) are first summed over tp. Gradient clipping uses the
 true global norm over tp and dp, counting replicated parameters once.
 """
