@@ -41,11 +41,13 @@
 # log as it goes (OUT_DIR/NAME.log, unbuffered), so a job cut short still leaves its output.
 # Results: OUT_DIR/NAME.json (benchmarks/train_throughput.py) and a summary on stdout.
 #
-# On the device machine the image lacks zarr and the gRPC health/reflection packages; with the
-# wheels carried in .whl (see /work/.library/device/README.md), first:
+# On the device machine the image lacks zarr and the gRPC health/reflection packages. Carry them
+# as wheels in .whl (see /work/.library/device/README.md), one version of each, for cp312:
+#   zarr numcodecs donfig google-crc32c msgspec (zarr 3.4 needs it) tomli-w tqdm typing-extensions
+#   grpcio-health-checking==1.84.0 grpcio-reflection==1.84.0
+# and first:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-#     --target /tmp/site .whl/zarr* .whl/numcodecs* .whl/donfig* .whl/google_crc32c* .whl/tomli_w* \
-#     .whl/tqdm* .whl/typing_ext* .whl/grpcio_health* .whl/grpcio_reflection* && export PYTHONPATH=/tmp/site:$PWD
+#     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 # (without the gRPC ones, pytest stops at collecting the service tests; their version must not be
 # newer than the image's grpcio, 1.84.0: the generated code in newer wheels refuses an older grpcio).
 set -u
