@@ -28,6 +28,10 @@
 #               kernels get SMs first, so an all-reduce launched before a GEMM is not queued
 #               behind it (what Megatron requires for its TP overlap), profiled
 #   tp-split-streams  tp-split under the same two variables, profiled
+#   tp-streams-nchN  tp-streams with NCCL_MAX_NCHANNELS=N (N = 2, 4, ...): the all-reduce's kernel
+#               takes fewer SMs from the GEMMs it runs beside (with the streams they slow by about
+#               as much as the all-reduce they hide: BENCHMARKS.md, sixth session), profiled
+#   tp-streams-mbsN  tp-streams at micro-batch N, against 1gpu-mbsN
 #   tp-carveout tp-streams with train.matmul_sm_carveout=16 (cuBLASLt matmuls leave 16 SMs free
 #               for NCCL's kernels), profiled
 #   dp-bf16     the dp row with gradients reduced in bf16 (--grad-reduce-in-bf16: half the bytes), profiled
@@ -53,7 +57,7 @@
 set -u
 out=${1:?usage: gpu_suite.sh OUT_DIR [PART...]}
 shift
-parts=${*:-tests 1gpu tp tp-async tp-split tp-sp dp dp-nopg dp-plain nccl-proto nccl-proto-split tp-sched 1gpu-mbs8 tp-mbs8 1gpu-mbs16 tp-mbs16 tp-streams tp-split-streams tp-carveout dp-streams dp-bf16 dp-weak}
+parts=${*:-tests 1gpu tp tp-async tp-split tp-sp dp dp-nopg dp-plain nccl-proto nccl-proto-split tp-sched 1gpu-mbs8 tp-mbs8 1gpu-mbs16 tp-mbs16 tp-streams tp-streams-nch4 tp-streams-mbs16 tp-split-streams tp-carveout dp-streams dp-bf16 dp-weak}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
@@ -155,6 +159,13 @@ for part in $parts; do
     tp-streams)
       streams two tp2-async-streams 270 $TPA --profile-steps 1
       where tp2-async-streams ;;
+    tp-streams-nch[1-9]*)  # NCCL_MAX_NCHANNELS: fewer channels, so fewer SMs taken from the GEMMs beside it
+      NCCL_MAX_NCHANNELS=${part#tp-streams-nch} streams two "tp2-async-streams-nch${part#tp-streams-nch}" 270 \
+        $TPA --profile-steps 1
+      where "tp2-async-streams-nch${part#tp-streams-nch}" ;;
+    tp-streams-mbs[1-9]*)
+      BASE=1gpu-mbs${part#tp-streams-mbs} streams two "tp2-async-streams-mbs${part#tp-streams-mbs}" 240 $TPA \
+        --train.micro_batch_size="${part#tp-streams-mbs}" ;;
     tp-split-streams)
       streams two tp2-async-split-streams 270 $TPA --parallel.tp_batch_split=true --profile-steps 1
       where tp2-async-split-streams ;;
