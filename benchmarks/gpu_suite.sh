@@ -32,11 +32,18 @@
 #               takes fewer SMs from the GEMMs it runs beside (with the streams they slow by about
 #               as much as the all-reduce they hide: BENCHMARKS.md, sixth session), profiled
 #   tp-streams-mbsN  tp-streams at micro-batch N, against 1gpu-mbsN
+#   tp-symm     tp-streams with --tp-reduce-impl symm_mem (the forward all-reduces through PyTorch's
+#               symmetric-memory two-shot kernel instead of NCCL's ring), profiled
+#   tp-symm-mbsN  the same at micro-batch N, against 1gpu-mbsN
 #   tp-carveout tp-streams with train.matmul_sm_carveout=16 (cuBLASLt matmuls leave 16 SMs free
 #               for NCCL's kernels), profiled
 #   dp-bf16     the dp row with gradients reduced in bf16 (--grad-reduce-in-bf16: half the bytes), profiled
 #   dp-streams  the dp row under the same two variables (its reduce-scatters and all-gathers
 #               run beside backward and forward GEMMs), profiled
+#   allreduce   TP's all-reduce alone (benchmarks/allreduce_bench.py): NCCL under its default and
+#               under NCCL_PROTO=LL128 / Simple and NCCL_MIN_NCHANNELS=16 / 32, against PyTorch's
+#               symmetric-memory one-shot and two-shot all-reduces (peer loads, no multicast);
+#               AR_SETTINGS: other settings, comma-separated (e.g. "NCCL_MAX_NCHANNELS=8,NCCL_MAX_NCHANNELS=16")
 #   dp-weak     DP=2 + ZeRO-1 with both overlaps at global batch 128: each GPU does the 16
 #               micro-batches of the 1gpu row (weak scaling; the dp row keeps the batch, 8 each)
 # The 2-GPU parts need the 1gpu part's JSON in OUT_DIR (from this run or an earlier one;
@@ -57,7 +64,7 @@
 set -u
 out=${1:?usage: gpu_suite.sh OUT_DIR [PART...]}
 shift
-parts=${*:-tests 1gpu tp tp-async tp-split tp-sp dp dp-nopg dp-plain nccl-proto nccl-proto-split tp-sched 1gpu-mbs8 tp-mbs8 1gpu-mbs16 tp-mbs16 tp-streams tp-streams-nch4 tp-streams-mbs16 tp-split-streams tp-carveout dp-streams dp-bf16 dp-weak}
+parts=${*:-tests allreduce 1gpu tp tp-async tp-split tp-sp dp dp-nopg dp-plain nccl-proto nccl-proto-split tp-sched 1gpu-mbs8 tp-mbs8 1gpu-mbs16 tp-mbs16 tp-streams tp-streams-mbs16 tp-symm tp-symm-mbs16 tp-split-streams tp-carveout dp-streams dp-bf16 dp-weak}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
@@ -166,6 +173,12 @@ for part in $parts; do
     tp-streams-mbs[1-9]*)
       BASE=1gpu-mbs${part#tp-streams-mbs} streams two "tp2-async-streams-mbs${part#tp-streams-mbs}" 240 $TPA \
         --train.micro_batch_size="${part#tp-streams-mbs}" ;;
+    tp-symm)
+      streams two tp2-async-symm 270 $TPA --tp-reduce-impl symm_mem --profile-steps 1
+      where tp2-async-symm ;;
+    tp-symm-mbs[1-9]*)
+      BASE=1gpu-mbs${part#tp-symm-mbs} streams two "tp2-async-symm-mbs${part#tp-symm-mbs}" 240 $TPA \
+        --tp-reduce-impl symm_mem --train.micro_batch_size="${part#tp-symm-mbs}" ;;
     tp-split-streams)
       streams two tp2-async-split-streams 270 $TPA --parallel.tp_batch_split=true --profile-steps 1
       where tp2-async-split-streams ;;
@@ -178,6 +191,19 @@ for part in $parts; do
     dp-bf16)
       two dp2-zero1-bf16-reduce 240 $ZERO --grad-reduce-in-bf16 --profile-steps 1
       where dp2-zero1-bf16-reduce ;;
+    allreduce)
+      [ "$ngpu" -ge 2 ] || { echo "allreduce: needs 2 GPUs"; continue; }
+      i=0
+      settings=("" NCCL_PROTO=LL128 NCCL_PROTO=Simple NCCL_MIN_NCHANNELS=16 NCCL_MIN_NCHANNELS=32
+                "NCCL_PROTO=Simple NCCL_MIN_NCHANNELS=32")
+      [ -n "${AR_SETTINGS:-}" ] && IFS=, read -r -a settings <<< "$AR_SETTINGS"
+      for setting in "${settings[@]}"; do
+        i=$((i + 1))
+        (export $setting NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,TUNING
+         job "allreduce-$i" 120 $T benchmarks/allreduce_bench.py --out "$out/allreduce-$i.json")
+        grep -v "NCCL INFO" "$out/allreduce-$i.log" | grep -A12 "^all-reduce,"
+        grep -m3 -E "NCCL INFO.*(nChannels|[0-9]+ coll channels)" "$out/allreduce-$i.log"
+      done ;;
     dp-weak)
       two dp2-zero1-gbs128 270 $ZERO --train.global_batch_size=128 ;;
     *) echo "unknown part: $part"; exit 2 ;;

@@ -255,6 +255,14 @@ class ParallelConfig:
     Needs tp > 1 and micro-batches of 2 or more samples to overlap anything; not with
     tp_comm_overlap, nor with overlap_param_gather (whose waits and per-block compile follow
     whole blocks), nor with full recompute. Measured slower on two H200s at llama-1b: off."""
+    tp_reduce_impl: Literal["nccl", "symm_mem"] = "nccl"
+    """How the row-parallel linears all-reduce their output in forward (tp > 1 without
+    sequence parallelism): 'nccl', or 'symm_mem', PyTorch's symmetric-memory two-shot
+    all-reduce (peer loads over NVLink; CUDA + NCCL only; services/trainer/parallel/symm_reduce.py).
+    Same sum. On two H200s: 1.04x NCCL's ring at llama-1b's 32 MB in isolation, and no faster
+    end to end (BENCHMARKS.md), so off by default. Not with sequence_parallel (its
+    reduce-scatters stay on NCCL) nor with tp_batch_split (whose reductions are launched and
+    waited for apart)."""
     use_distributed_optimizer: bool = False
     """Shard Adam state over data-parallel ranks (ZeRO-1): reduce-scatter grads, all-gather params."""
     overlap_grad_reduce: bool = False
@@ -303,6 +311,16 @@ class ParallelConfig:
             raise ConfigError("parallel.tp_batch_split runs the blocks' halves interleaved, but "
                               "parallel.overlap_param_gather waits for parameters (and compiles) block by block: "
                               "choose one")
+        if self.tp_reduce_impl == "symm_mem":
+            if self.tp == 1:
+                raise ConfigError("parallel.tp_reduce_impl='symm_mem' needs parallel.tp > 1")
+            if self.sequence_parallel:
+                raise ConfigError("parallel.tp_reduce_impl='symm_mem' replaces the forward all-reduce of tensor "
+                                  "parallelism without sequence parallelism; with parallel.sequence_parallel the "
+                                  "reduce-scatters stay on NCCL: set one of them")
+            if self.tp_batch_split:
+                raise ConfigError("parallel.tp_reduce_impl='symm_mem' with parallel.tp_batch_split is not supported: "
+                                  "the split launches its reductions on NCCL and waits for them later")
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ConfigError("parallel.overlap_param_gather needs parallel.use_distributed_optimizer")
         if self.recompute_num_layers <= 0:
@@ -397,6 +415,7 @@ ALIASES: dict[str, tuple[str, bool]] = {
     "--expert-model-parallel-size": ("parallel.ep", True),
     "--sequence-parallel": ("parallel.sequence_parallel", False),
     "--tp-comm-overlap": ("parallel.tp_comm_overlap", False),
+    "--tp-reduce-impl": ("parallel.tp_reduce_impl", True),
     "--use-distributed-optimizer": ("parallel.use_distributed_optimizer", False),
     "--overlap-grad-reduce": ("parallel.overlap_grad_reduce", False),
     "--overlap-param-gather": ("parallel.overlap_param_gather", False),

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.common.errors import ConfigError
-from services.trainer.parallel import async_tp
+from services.trainer.parallel import async_tp, symm_reduce
 from services.trainer.parallel import mappings as M
 from services.trainer.parallel.batch_split import interleave_halves
 from services.trainer.parallel.mesh import Mesh
@@ -117,10 +117,11 @@ class RowParallelLinear(nn.Module):
     """y = sum_r x_r W_r^T + b: input features split over tp; output reduced (or reduce-scattered)."""
 
     def __init__(self, full: nn.Linear, mesh: Mesh, sequence_parallel: bool, overlap: bool = False,
-                 defer_reduction: bool = False):
+                 defer_reduction: bool = False, symm_reduce: bool = False):
         super().__init__()
         self.group, self.sp, self.overlap = mesh.group("tp"), sequence_parallel, overlap
         self.defer_reduction = defer_reduction  # forward returns a PendingReduction (batch_split)
+        self.symm_reduce = symm_reduce  # forward all-reduce through symmetric memory (no SP)
         split = TPSplit(1)
         self.weight = _param(split.shard(full.weight, mesh.tp_rank, mesh.tp), split)
         # The bias is added after the reduction, once: replicated (per seq shard under SP).
@@ -134,7 +135,12 @@ class RowParallelLinear(nn.Module):
             y = async_tp.linear_reduce_scatter(x, self.weight, self.group)
         else:
             y = F.linear(x, self.weight)
-            y = M.reduce_scatter_to_sequence(y, self.group) if self.sp else M.reduce_from_region(y, self.group)
+            if self.sp:
+                y = M.reduce_scatter_to_sequence(y, self.group)
+            elif self.symm_reduce:
+                y = symm_reduce.reduce_from_region(y, self.group)
+            else:
+                y = M.reduce_from_region(y, self.group)
         return y + self.bias if self.bias is not None else y
 
 
@@ -238,7 +244,8 @@ class VocabParallelHead(nn.Module):
 
 def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False,
                 comm_overlap: bool = False, device: torch.device | None = None,
-                async_grad_reduce: bool = False, batch_split: bool = False) -> nn.Module:
+                async_grad_reduce: bool = False, batch_split: bool = False,
+                reduce_impl: str = "nccl") -> nn.Module:
     """Shard `model` (a GPT built with full weights) over mesh.tp, in place; returns it.
 
     Args:
@@ -253,11 +260,15 @@ def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False,
         batch_split: run the blocks on two halves of each micro-batch, interleaved, so each
             half's row-parallel reductions overlap the other half's compute
             (see services/trainer/parallel/batch_split.py).
+        reduce_impl: 'nccl', or 'symm_mem': the row-parallel linears' forward all-reduce (no
+            sequence parallelism) through symmetric memory (services/trainer/parallel/symm_reduce.py;
+            CUDA + NCCL only).
 
     Raises:
         ConfigError: head or group counts that tp does not divide, sequence parallelism
             with a sequence length tp does not divide, comm_overlap where it cannot run, or
-            batch_split together with comm_overlap.
+            batch_split together with comm_overlap, reduce_impl 'symm_mem' where it cannot run
+            or with sequence parallelism or batch_split.
     """
     tp = mesh.tp
     cfg = model.config
@@ -270,6 +281,16 @@ def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False,
         why = async_tp.check_available(mesh.group("tp"), device or torch.device("cpu"))
         if why:
             raise ConfigError(f"parallel.tp_comm_overlap: {why}")
+    symm = reduce_impl == "symm_mem"
+    if reduce_impl not in ("nccl", "symm_mem"):
+        raise ConfigError(f"tp reduce_impl must be 'nccl' or 'symm_mem', got {reduce_impl!r}")
+    if symm and (sequence_parallel or batch_split):
+        raise ConfigError("parallel.tp_reduce_impl='symm_mem' replaces the forward all-reduce without sequence "
+                          "parallelism and without tp_batch_split")
+    if symm and tp > 1:
+        why = symm_reduce.check_available(mesh.group("tp"), device or torch.device("cpu"))
+        if why:
+            raise ConfigError(f"parallel.tp_reduce_impl='symm_mem': {why}")
     if tp == 1:
         if sequence_parallel:
             raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1")
@@ -302,12 +323,12 @@ def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False,
             att.qkv = ColumnParallelLinear(att.qkv, mesh, sequence_parallel, overlap=comm_overlap,
                                            async_grad=async_grad_reduce)
             att.proj = RowParallelLinear(att.proj, mesh, sequence_parallel, overlap=comm_overlap,
-                                         defer_reduction=batch_split)
+                                         defer_reduction=batch_split, symm_reduce=symm)
             att.heads, att.groups = att.heads // tp, att.groups // tp
             layer.mlp.fc1 = ColumnParallelLinear(layer.mlp.fc1, mesh, sequence_parallel, halves=layer.mlp.swiglu,
                                                  overlap=comm_overlap, async_grad=async_grad_reduce)
             layer.mlp.fc2 = RowParallelLinear(layer.mlp.fc2, mesh, sequence_parallel, overlap=comm_overlap,
-                                              defer_reduction=batch_split)
+                                              defer_reduction=batch_split, symm_reduce=symm)
         if batch_split:
             interleave_halves(model)
         if sequence_parallel:

@@ -1,0 +1,144 @@
+"""TP's all-reduce in isolation: NCCL against PyTorch's symmetric-memory all-reduces.
+
+TP=2 on llama-1b all-reduces a (micro-batch x seq x hidden) bf16 activation four times per
+block and micro-batch (32 MB at micro-batch 4). In the profiles (BENCHMARKS.md) NCCL's ring
+took about 0.15 ms for each, about 210 GB/s, under half the NVLink bandwidth. This times, per
+message size:
+
+    nccl        dist.all_reduce on a plain tensor (the trainer's path); NCCL's environment
+                (NCCL_PROTO, NCCL_MIN_NCHANNELS, ...) applies, so run it once per setting
+    one-shot    torch.ops.symm_mem.one_shot_all_reduce_out: each rank reads every peer's
+                buffer over NVLink (peer loads, no multicast) and adds
+    two-shot    torch.ops.symm_mem.two_shot_all_reduce_: reduce-scatter then all-gather
+                through peer memory
+    meshtrain   the trainer's op for parallel.tp_reduce_impl='symm_mem'
+                (services/trainer/parallel/symm_reduce.py): two-shot into a fresh output
+
+The symmetric-memory rows include the copy into the symmetric buffer (the trainer's tensors
+are not allocated there). Every row's result is checked against the exact sum before it is
+timed. CUDA only (symmetric memory has no CPU backend); `--device cpu` runs the nccl row on
+gloo with small sizes, a check that the script works.
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/allreduce_bench.py --out ar.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.tp_overlap_ops import time_ms
+
+
+def _exact_sum(n: int, world: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's input and the all-reduced sum, in values whose bf16 sum is exact."""
+    rank = dist.get_rank()
+    base = torch.arange(n, device=device, dtype=torch.float32).remainder_(64)
+    x = (base + rank).to(dtype)
+    want = (base * world + sum(range(world))).to(dtype)
+    return x, want
+
+
+def variants(n: int, device: torch.device, dtype: torch.dtype, group_name: str | None):
+    """(name, fn) pairs; fn() performs one all-reduce and returns the reduced tensor."""
+    x, _ = _exact_sum(n, dist.get_world_size(), device, dtype)
+    buf = x.clone()
+
+    def nccl():
+        buf.copy_(x)
+        dist.all_reduce(buf)
+        return buf
+
+    out = [("nccl", nccl)]
+    if group_name is None:
+        return out
+    import torch.distributed._symmetric_memory as symm_mem
+
+    sym = symm_mem.empty(n, dtype=dtype, device=device)
+    symm_mem.rendezvous(sym, group_name)
+    res = torch.empty_like(x)
+
+    def one_shot():
+        sym.copy_(x)
+        return torch.ops.symm_mem.one_shot_all_reduce_out(sym, "sum", group_name, res)
+
+    def two_shot():
+        sym.copy_(x)
+        return torch.ops.symm_mem.two_shot_all_reduce_(sym, "sum", group_name)
+
+    from services.trainer.parallel.symm_reduce import symm_all_reduce
+
+    def trainer_op():
+        return symm_all_reduce(x, group_name)
+
+    return out + [("one-shot", one_shot), ("two-shot", two_shot), ("meshtrain", trainer_op)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--mb", type=float, nargs="+", default=[8, 16, 32, 64],
+                   help="message sizes in MiB of bf16 (default: 8 16 32 64)")
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--label", default="", help="a name for the NCCL setting this run is under (default: the "
+                   "NCCL_* variables set; all of them are recorded in the JSON)")
+    p.add_argument("--out", help="write the results as JSON here (rank 0)")
+    a = p.parse_args()
+
+    device = torch.device(a.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        device = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    group_name = None
+    if device.type == "cuda":
+        group_name = dist.group.WORLD.group_name
+    dtype = torch.bfloat16
+    rows = []
+    for mb in a.mb:
+        n = int(mb * 2**20) // 2 if device.type == "cuda" else 4096
+        _, want = _exact_sum(n, world, device, dtype)
+        for name, fn in variants(n, device, dtype, group_name):
+            got = fn()
+            if not torch.equal(got, want):
+                raise SystemExit(f"{name} at {mb} MiB: wrong sum (max error "
+                                 f"{(got.float() - want.float()).abs().max().item()})")
+            ms = time_ms(fn, device, a.iters, a.rounds)
+            nbytes = n * 2
+            rows.append({"variant": name, "mib": nbytes / 2**20, "ms": ms,
+                         "algbw_gbs": nbytes / ms / 1e6,
+                         "busbw_gbs": nbytes / ms / 1e6 * 2 * (world - 1) / world})
+    if rank == 0:
+        nccl_env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")}
+        setting = a.label or " ".join(f"{k}={v}" for k, v in nccl_env.items()) or "default"
+        print(f"all-reduce, {world} ranks, bf16, NCCL setting: {setting}")
+        print(f"{'variant':<10} {'MiB':>6} {'ms':>8} {'algbw GB/s':>11} {'busbw GB/s':>11}")
+        for r in rows:
+            print(f"{r['variant']:<10} {r['mib']:>6g} {r['ms']:>8.4f} {r['algbw_gbs']:>11.1f} {r['busbw_gbs']:>11.1f}")
+        nccl = {r["mib"]: r["ms"] for r in rows if r["variant"] == "nccl"}
+        for r in rows:
+            r["speedup_vs_nccl"] = nccl[r["mib"]] / r["ms"]
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump({"world": world, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                           "setting": setting, "nccl_env": nccl_env,
+                           "torch": torch.__version__, "rows": rows,
+                           "median_speedup": {v: statistics.median(r["speedup_vs_nccl"] for r in rows if r["variant"] == v)
+                                              for v in {r["variant"] for r in rows}}}, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
