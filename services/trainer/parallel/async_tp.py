@@ -92,10 +92,9 @@ def linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group: dist.Pro
 
 def check_available(group: dist.ProcessGroup | None, device: torch.device) -> str | None:
     """Why the fused ops cannot run for this group and device, or None when they can."""
-    if device.type != "cuda":
-        return f"it needs CUDA devices (this run is on {device.type})"
-    if group is None or dist.get_backend(group) != "nccl":
-        return "it needs the NCCL backend"
+    why = M.cuda_nccl_problem(group, device)
+    if why:
+        return why
     try:
         _ops().fused_all_gather_matmul  # noqa: B018  (attribute lookup: is the op registered?)
     except (ImportError, AttributeError, RuntimeError) as e:

@@ -83,6 +83,15 @@ def reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     return out.movedim(0, dim)
 
 
+def cuda_nccl_problem(group: Group, device: torch.device) -> str | None:
+    """Why peer-to-peer GPU memory cannot serve this group and device (not CUDA, not NCCL), or None."""
+    if device.type != "cuda":
+        return f"it needs CUDA devices (this run is on {device.type})"
+    if group is None or dist.get_backend(group) != "nccl":
+        return "it needs the NCCL backend"
+    return None
+
+
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """What a matmul on `x` computes in here: the autocast dtype when autocast is on."""
     if x.is_floating_point() and torch.is_autocast_enabled(x.device.type):

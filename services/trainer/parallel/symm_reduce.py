@@ -89,10 +89,9 @@ def reduce_from_region(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tenso
 
 def check_available(group: dist.ProcessGroup | None, device: torch.device) -> str | None:
     """Why the symmetric-memory all-reduce cannot run for this group and device, or None."""
-    if device.type != "cuda":
-        return f"it needs CUDA devices (this run is on {device.type})"
-    if group is None or dist.get_backend(group) != "nccl":
-        return "it needs the NCCL backend"
+    why = M.cuda_nccl_problem(group, device)
+    if why:
+        return why
     try:
         _symm_mem()
         torch.ops.symm_mem.two_shot_all_reduce_out  # noqa: B018  (is the op registered?)
