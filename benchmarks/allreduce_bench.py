@@ -13,6 +13,14 @@ message size:
                 through peer memory
     meshtrain   the trainer's op for parallel.tp_reduce_impl='symm_mem'
                 (services/trainer/parallel/symm_reduce.py): two-shot into a fresh output
+    low-cont    PyTorch's "low-contention" reduce-scatter + all-gather: the peer transfers are
+                copies (copy engines, not SMs), only the local sum is a kernel
+
+With `--beside-gemm M K N` each is also timed launched beside a GEMM on the current stream
+(the symmetric-memory kernels on a side stream, NCCL on its own): what the async input-gradient
+all-reduce meets in training, where the profiles show the GEMMs slowing by about as much as the
+all-reduce they hide. Run it under the trainer's streams settings (CUDA_DEVICE_MAX_CONNECTIONS=1
+TORCH_NCCL_HIGH_PRIORITY=1) to compare with those rows.
 
 The symmetric-memory rows include the copy into the symmetric buffer (the trainer's tensors
 are not allocated there). Every row's result is checked against the exact sum before it is
@@ -48,17 +56,48 @@ def _exact_sum(n: int, world: int, device: torch.device, dtype: torch.dtype) -> 
     return x, want
 
 
-def variants(n: int, device: torch.device, dtype: torch.dtype, group_name: str | None):
-    """(name, fn) pairs; fn() performs one all-reduce and returns the reduced tensor."""
+class Variant:
+    """One all-reduce: launch() starts it (maybe on another stream), finish(h) waits and returns the sum."""
+
+    def __init__(self, name: str, launch, finish):
+        self.name, self.launch, self.finish = name, launch, finish
+
+    def __call__(self) -> torch.Tensor:
+        return self.finish(self.launch())
+
+
+def _on_side_stream(name: str, fn, device: torch.device) -> Variant:
+    """A variant whose kernels run on the current stream, moved to a side stream so it can run beside a GEMM."""
+    if device.type != "cuda":
+        return Variant(name, fn, lambda out: out)
+    side = torch.cuda.Stream(device)
+
+    def launch():
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            return fn()
+
+    def finish(out):
+        torch.cuda.current_stream().wait_stream(side)
+        return out
+
+    return Variant(name, launch, finish)
+
+
+def variants(n: int, device: torch.device, dtype: torch.dtype, group_name: str | None) -> list[Variant]:
+    """The all-reduces compared, on this rank's input of `n` elements."""
     x, _ = _exact_sum(n, dist.get_world_size(), device, dtype)
     buf = x.clone()
 
-    def nccl():
+    def nccl_launch():
         buf.copy_(x)
-        dist.all_reduce(buf)
+        return dist.all_reduce(buf, async_op=True)  # on NCCL's own stream
+
+    def nccl_finish(work):
+        work.wait()
         return buf
 
-    out = [("nccl", nccl)]
+    out = [Variant("nccl", nccl_launch, nccl_finish)]
     if group_name is None:
         return out
     import torch.distributed._symmetric_memory as symm_mem
@@ -80,7 +119,28 @@ def variants(n: int, device: torch.device, dtype: torch.dtype, group_name: str |
     def trainer_op():
         return symm_all_reduce(x, group_name)
 
-    return out + [("one-shot", one_shot), ("two-shot", two_shot), ("meshtrain", trainer_op)]
+    def low_contention_launch():
+        # reduce-scatter (peer writes by copy engine, then a local sum), all-gather (peer reads by
+        # copy engine): both on PyTorch's symmetric-memory backend stream, waited for like funcol's
+        rs = torch.ops.symm_mem._low_contention_reduce_scatter(x, "sum", group_name)
+        return torch.ops.symm_mem._low_contention_all_gather(rs, group_name)
+
+    def low_contention_finish(ag):
+        return torch.ops._c10d_functional.wait_tensor(ag)
+
+    return out + [_on_side_stream("one-shot", one_shot, device), _on_side_stream("two-shot", two_shot, device),
+                  _on_side_stream("meshtrain", trainer_op, device),
+                  Variant("low-cont", low_contention_launch, low_contention_finish)]
+
+
+def beside_gemm(v: Variant, gemm, device: torch.device, iters: int, rounds: int) -> float:
+    """ms per iteration of: launch the all-reduce, run the GEMM on the current stream, wait."""
+    def step():
+        h = v.launch()
+        gemm()
+        v.finish(h)
+
+    return time_ms(step, device, iters, rounds)
 
 
 def main() -> None:
@@ -92,6 +152,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--label", default="", help="a name for the NCCL setting this run is under (default: the "
                    "NCCL_* variables set; all of them are recorded in the JSON)")
+    p.add_argument("--beside-gemm", type=int, nargs=3, metavar=("M", "K", "N"),
+                   help="also time each all-reduce launched beside a bf16 (M x K) @ (K x N) GEMM on the "
+                        "current stream, e.g. 5632 8192 2048: llama-1b's fc1 weight gradient at TP=2, "
+                        "micro-batch 4, the GEMM the async input-gradient all-reduce hides behind")
     p.add_argument("--out", help="write the results as JSON here (rank 0)")
     a = p.parse_args()
 
@@ -105,27 +169,52 @@ def main() -> None:
     if device.type == "cuda":
         group_name = dist.group.WORLD.group_name
     dtype = torch.bfloat16
+    gemm, gemm_ms = None, None
+    if a.beside_gemm:
+        m, k, n_ = a.beside_gemm
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        ga = torch.randn(m, k, generator=gen).to(device, dtype)
+        gb = torch.randn(k, n_, generator=gen).to(device, dtype)
+        gc = torch.empty(m, n_, device=device, dtype=dtype)
+
+        def gemm():
+            torch.mm(ga, gb, out=gc)
+
+        gemm_ms = time_ms(gemm, device, a.iters, a.rounds)
     rows = []
     for mb in a.mb:
         n = int(mb * 2**20) // 2 if device.type == "cuda" else 4096
         _, want = _exact_sum(n, world, device, dtype)
-        for name, fn in variants(n, device, dtype, group_name):
-            got = fn()
+        for v in variants(n, device, dtype, group_name):
+            got = v()
             if not torch.equal(got, want):
-                raise SystemExit(f"{name} at {mb} MiB: wrong sum (max error "
+                raise SystemExit(f"{v.name} at {mb} MiB: wrong sum (max error "
                                  f"{(got.float() - want.float()).abs().max().item()})")
-            ms = time_ms(fn, device, a.iters, a.rounds)
+            ms = time_ms(v, device, a.iters, a.rounds)
             nbytes = n * 2
-            rows.append({"variant": name, "mib": nbytes / 2**20, "ms": ms,
-                         "algbw_gbs": nbytes / ms / 1e6,
-                         "busbw_gbs": nbytes / ms / 1e6 * 2 * (world - 1) / world})
+            row = {"variant": v.name, "mib": nbytes / 2**20, "ms": ms, "algbw_gbs": nbytes / ms / 1e6,
+                   "busbw_gbs": nbytes / ms / 1e6 * 2 * (world - 1) / world}
+            if gemm is not None:
+                row["beside_gemm_ms"] = beside_gemm(v, gemm, device, a.iters, a.rounds)
+                got = v()
+                if not torch.equal(got, want):
+                    raise SystemExit(f"{v.name} at {mb} MiB beside the GEMM: wrong sum")
+            rows.append(row)
     if rank == 0:
         nccl_env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")}
         setting = a.label or " ".join(f"{k}={v}" for k, v in nccl_env.items()) or "default"
         print(f"all-reduce, {world} ranks, bf16, NCCL setting: {setting}")
-        print(f"{'variant':<10} {'MiB':>6} {'ms':>8} {'algbw GB/s':>11} {'busbw GB/s':>11}")
+        if gemm is not None:
+            print(f"beside a {'x'.join(map(str, a.beside_gemm))} GEMM (m x k x n) taking {gemm_ms:.4f} ms alone; "
+                  "hidden: the share of the all-reduce's time that the pair saves over running both in turn")
+        print(f"{'variant':<10} {'MiB':>6} {'ms':>8} {'algbw GB/s':>11} {'busbw GB/s':>11}"
+              + (f" {'with GEMM':>10} {'hidden':>7}" if gemm is not None else ""))
         for r in rows:
-            print(f"{r['variant']:<10} {r['mib']:>6g} {r['ms']:>8.4f} {r['algbw_gbs']:>11.1f} {r['busbw_gbs']:>11.1f}")
+            line = f"{r['variant']:<10} {r['mib']:>6g} {r['ms']:>8.4f} {r['algbw_gbs']:>11.1f} {r['busbw_gbs']:>11.1f}"
+            if gemm is not None:
+                r["hidden"] = (gemm_ms + r["ms"] - r["beside_gemm_ms"]) / r["ms"]
+                line += f" {r['beside_gemm_ms']:>10.4f} {r['hidden']:>7.0%}"
+            print(line)
         nccl = {r["mib"]: r["ms"] for r in rows if r["variant"] == "nccl"}
         for r in rows:
             r["speedup_vs_nccl"] = nccl[r["mib"]] / r["ms"]
@@ -133,6 +222,7 @@ def main() -> None:
             with open(a.out, "w") as f:
                 json.dump({"world": world, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                            "setting": setting, "nccl_env": nccl_env,
+                           "gemm": a.beside_gemm and {"m_k_n": a.beside_gemm, "ms": gemm_ms},
                            "torch": torch.__version__, "rows": rows,
                            "median_speedup": {v: statistics.median(r["speedup_vs_nccl"] for r in rows if r["variant"] == v)
                                               for v in {r["variant"] for r in rows}}}, f, indent=1)

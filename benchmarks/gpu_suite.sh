@@ -44,6 +44,9 @@
 #               under NCCL_PROTO=LL128 / Simple and NCCL_MIN_NCHANNELS=16 / 32, against PyTorch's
 #               symmetric-memory one-shot and two-shot all-reduces (peer loads, no multicast);
 #               AR_SETTINGS: other settings, comma-separated (e.g. "NCCL_MAX_NCHANNELS=8,NCCL_MAX_NCHANNELS=16")
+#   allreduce-gemm  the same all-reduces (NCCL's default setting) alone and each beside llama-1b's
+#               fc1 weight-gradient GEMM at TP=2 (what the async input-gradient all-reduce hides
+#               behind), without and with the streams settings: how much of it each really hides
 #   dp-weak     DP=2 + ZeRO-1 with both overlaps at global batch 128: each GPU does the 16
 #               micro-batches of the 1gpu row (weak scaling; the dp row keeps the batch, 8 each)
 # The 2-GPU parts need the 1gpu part's JSON in OUT_DIR (from this run or an earlier one;
@@ -64,7 +67,7 @@
 set -u
 out=${1:?usage: gpu_suite.sh OUT_DIR [PART...]}
 shift
-parts=${*:-tests allreduce 1gpu tp tp-async tp-split tp-sp dp dp-nopg dp-plain nccl-proto nccl-proto-split tp-sched 1gpu-mbs8 tp-mbs8 1gpu-mbs16 tp-mbs16 tp-streams tp-streams-mbs16 tp-symm tp-symm-mbs16 tp-split-streams tp-carveout dp-streams dp-bf16 dp-weak}
+parts=${*:-tests allreduce allreduce-gemm 1gpu tp tp-async tp-split tp-sp dp dp-nopg dp-plain nccl-proto nccl-proto-split tp-sched 1gpu-mbs8 tp-mbs8 1gpu-mbs16 tp-mbs16 tp-streams tp-streams-mbs16 tp-symm tp-symm-mbs16 tp-split-streams tp-carveout dp-streams dp-bf16 dp-weak}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
@@ -204,6 +207,13 @@ for part in $parts; do
         grep -v "NCCL INFO" "$out/allreduce-$i.log" | grep -A12 "^all-reduce,"
         grep -m3 -E "NCCL INFO.*(nChannels|[0-9]+ coll channels)" "$out/allreduce-$i.log"
       done ;;
+    allreduce-gemm)
+      [ "$ngpu" -ge 2 ] || { echo "allreduce-gemm: needs 2 GPUs"; continue; }
+      G="benchmarks/allreduce_bench.py --mb 16 32 64 --beside-gemm 5632 8192 2048"
+      job allreduce-gemm 150 $T $G --label default --out "$out/allreduce-gemm.json"
+      grep -A14 "^all-reduce," "$out/allreduce-gemm.log"
+      streams job allreduce-gemm-streams 150 $T $G --label streams --out "$out/allreduce-gemm-streams.json"
+      grep -A14 "^all-reduce," "$out/allreduce-gemm-streams.log" ;;
     dp-weak)
       two dp2-zero1-gbs128 270 $ZERO --train.global_batch_size=128 ;;
     *) echo "unknown part: $part"; exit 2 ;;
