@@ -25,7 +25,8 @@ TORCH_NCCL_HIGH_PRIORITY=1) to compare with those rows.
 The symmetric-memory rows include the copy into the symmetric buffer (the trainer's tensors
 are not allocated there). Every row's result is checked against the exact sum before it is
 timed. CUDA only (symmetric memory has no CPU backend); `--device cpu` runs the nccl row on
-gloo with small sizes, a check that the script works.
+gloo with 4096 elements for each `--mb` given (the sizes are not scaled), a check that the
+script works, not a measurement.
 
     torchrun --standalone --nproc-per-node 2 benchmarks/allreduce_bench.py --out ar.json
 """

@@ -56,4 +56,3 @@ def test_the_fake_op_keeps_shape_and_dtype_for_compile():
         x = torch.empty(2, 16, 64, dtype=torch.bfloat16)
         y = torch.ops.meshtrain.symm_all_reduce(x, "tp-group")
     assert y.shape == (2, 16, 64) and y.dtype == torch.bfloat16 and y.is_contiguous()
-
