@@ -10,6 +10,12 @@ power-of-two bucket of the row count (`row_bucket`), so a training run tunes onc
 shape. The heuristic config (the launch used before autotuning) is always in the space, so
 tuning can only pick something at least as fast. Under Triton's CPU interpreter, or with
 MESHTRAIN_KERNEL_AUTOTUNE=0, the pruning returns the heuristic alone and nothing is timed.
+
+Every launch goes through `launch(kernel)` and every op's launcher is registered with
+`kernel_op`: on a GPU build that is a `torch.library.triton_op`, whose body torch.compile
+traces, so Inductor sees the Triton kernels themselves and launches them from its generated
+code (no Python call out of the compiled graph, tuned at compile time). Under the CPU
+interpreter kernels cannot be traced, so there the op is an opaque `custom_op`.
 """
 
 from __future__ import annotations
@@ -28,6 +34,28 @@ MAX_ROW_BLOCK = 16384
 def interpreting() -> bool:
     """Whether Triton runs under its CPU interpreter (tests without a GPU)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def launch(kernel):
+    """`kernel`, launchable from a traced function (`wrap_triton`); itself under the interpreter."""
+    if interpreting():
+        return kernel
+    return torch.library.wrap_triton(kernel)
+
+
+def kernel_op(name: str):
+    """Decorator: register a launcher (its inputs unmutated) as the custom op `name`.
+
+    A `triton_op` where Triton compiles for a GPU (torch.compile traces into it and Inductor
+    launches its kernels directly); a plain, opaque `custom_op` under the CPU interpreter.
+    Either way the op's fake implementation is the one the caller registers.
+    """
+    def register(fn):
+        if interpreting():
+            return torch.library.custom_op(name, mutates_args=())(fn)
+        return torch.library.triton_op(name, mutates_args=())(fn)
+
+    return register
 
 
 def autotuning() -> bool:

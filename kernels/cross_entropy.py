@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._launch import as_rows
+from kernels._launch import as_rows, kernel_op, launch
 
 IGNORE_INDEX = -100
 # Vocabulary block per loop iteration; tests lower it to exercise the multi-block path.
@@ -146,7 +146,7 @@ def fused_loss_and_grad_(
     lse = torch.empty_like(loss)
     grad = logits if grad_out is None else grad_out
     block, warps = _block(n)
-    _ce_fused_kernel[(rows,)](
+    launch(_ce_fused_kernel)[(rows,)](
         logits, grad, labels, scale if scale is not None else loss, loss, lse, logits.stride(0), grad.stride(0), n,
         IGNORE=IGNORE_INDEX, COMPUTE_GRAD=scale is not None, BLOCK=block, num_warps=warps,
     )
@@ -167,7 +167,7 @@ def logit_stats(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int = 0
     rows, n = logits.shape
     m, s, t = (torch.empty(rows, dtype=torch.float32, device=logits.device) for _ in range(3))
     block, warps = _block(n)
-    _stats_kernel[(rows,)](logits, labels, m, s, t, logits.stride(0), n, vocab_start, BLOCK=block, num_warps=warps)
+    launch(_stats_kernel)[(rows,)](logits, labels, m, s, t, logits.stride(0), n, vocab_start, BLOCK=block, num_warps=warps)
     return m, s, t
 
 
@@ -191,7 +191,7 @@ def softmax_grad_(
     rows, n = logits.shape
     out = logits if out is None else out
     block, warps = _block(n)
-    _grad_kernel[(rows,)](logits, out, labels, lse, scale, logits.stride(0), out.stride(0), n, vocab_start,
+    launch(_grad_kernel)[(rows,)](logits, out, labels, lse, scale, logits.stride(0), out.stride(0), n, vocab_start,
                           IGNORE=IGNORE_INDEX, BLOCK=block, num_warps=warps)
     return out
 
@@ -234,7 +234,7 @@ class _CrossEntropy(torch.autograd.Function):
         return _ce_backward(grad, *ctx.saved_tensors), None, None
 
 
-@torch.library.custom_op("meshtrain::cross_entropy", mutates_args=())
+@kernel_op("meshtrain::cross_entropy")
 def _ce_op(logits: torch.Tensor, labels: torch.Tensor,
            loss_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _ce_forward(logits, labels, loss_mask)
@@ -247,7 +247,7 @@ def _(logits, labels, loss_mask):
     return logits.new_empty((), **fp32), logits.new_empty(rows, **fp32), logits.new_empty(rows, **fp32)
 
 
-@torch.library.custom_op("meshtrain::cross_entropy_backward", mutates_args=())
+@kernel_op("meshtrain::cross_entropy_backward")
 def _ce_backward_op(grad: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
                     lse: torch.Tensor) -> torch.Tensor:
     return _ce_backward(grad, logits, labels, weights, lse)
@@ -398,7 +398,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return _scale_grads(ctx, grad, grad_h, grad_w, in_place=True) + (None,) * 4
 
 
-@torch.library.custom_op("meshtrain::linear_cross_entropy", mutates_args=())
+@kernel_op("meshtrain::linear_cross_entropy")
 def _lce_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None,
             vocab_size: int, chunk_size: int | None, compute_dtype: torch.dtype,
             want_grads: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._launch import kernel_op, launch
+
 BLOCK = 1024
 
 
@@ -45,7 +47,7 @@ def _forward(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     y = torch.empty_like(x)
     n = x.numel()
-    _gelu_fwd[(triton.cdiv(n, BLOCK),)](x, y, n, BLOCK=BLOCK, num_warps=4)
+    launch(_gelu_fwd)[(triton.cdiv(n, BLOCK),)](x, y, n, BLOCK=BLOCK, num_warps=4)
     return y
 
 
@@ -53,7 +55,7 @@ def _backward(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     x, dy = x.contiguous(), dy.contiguous()
     dx = torch.empty_like(x)
     n = x.numel()
-    _gelu_bwd[(triton.cdiv(n, BLOCK),)](dy, x, dx, n, BLOCK=BLOCK, num_warps=4)
+    launch(_gelu_bwd)[(triton.cdiv(n, BLOCK),)](dy, x, dx, n, BLOCK=BLOCK, num_warps=4)
     return dx
 
 
@@ -72,12 +74,12 @@ class _GELU(torch.autograd.Function):
 
 # ---- the same launchers as custom ops, for torch.compile ----
 
-@torch.library.custom_op("meshtrain::gelu", mutates_args=())
+@kernel_op("meshtrain::gelu")
 def _gelu_op(x: torch.Tensor) -> torch.Tensor:
     return _forward(x)
 
 
-@torch.library.custom_op("meshtrain::gelu_backward", mutates_args=())
+@kernel_op("meshtrain::gelu_backward")
 def _gelu_backward_op(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return _backward(dy, x)
 

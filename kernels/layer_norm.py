@@ -21,6 +21,8 @@ import triton.language as tl
 
 from kernels._launch import (
     as_rows,
+    kernel_op,
+    launch,
     needs_int64,
     prune_row_configs,
     reduction_programs,
@@ -120,7 +122,7 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, e
     mean = torch.empty(rows, dtype=torch.float32, device=x.device)
     rstd = torch.empty_like(mean)
     block = row_block(n)
-    _layer_norm_fwd[lambda meta: (triton.cdiv(rows, meta["ROWS"]),)](
+    launch(_layer_norm_fwd)[lambda meta: (triton.cdiv(rows, meta["ROWS"]),)](
         x2, weight, weight if bias is None else bias.contiguous(), y, mean, rstd, x2.stride(0), y.stride(0),
         rows, n, row_bucket(rows), eps,
         HAS_BIAS=bias is not None, BLOCK=block, EVEN_COLS=block == n, INT64=needs_int64(x2, y))
@@ -137,7 +139,7 @@ def _backward(dy, x, weight, mean, rstd, bias_dtype: torch.dtype | None):
     has_bias = bias_dtype is not None
     dw_partial = torch.empty((programs, n), dtype=torch.float32, device=x2.device)
     db_partial = torch.empty_like(dw_partial) if has_bias else dw_partial
-    _layer_norm_bwd[(programs,)](
+    launch(_layer_norm_bwd)[(programs,)](
         dy2, x2, weight.contiguous(), mean, rstd, dx, dw_partial, db_partial, dy2.stride(0), x2.stride(0),
         dx.stride(0), rows, n, row_bucket(rows), per_program,
         HAS_BIAS=has_bias, BLOCK=block, EVEN_COLS=block == n, INT64=needs_int64(dy2, x2, dx))
@@ -162,7 +164,7 @@ class _LayerNorm(torch.autograd.Function):
 
 # ---- the same launchers as custom ops, for torch.compile ----
 
-@torch.library.custom_op("meshtrain::layer_norm", mutates_args=())
+@kernel_op("meshtrain::layer_norm")
 def _layer_norm_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _forward(x, weight, bias, eps)
@@ -174,7 +176,7 @@ def _(x, weight, bias, eps):
     return x.new_empty(x.shape), x.new_empty(rows, dtype=torch.float32), x.new_empty(rows, dtype=torch.float32)
 
 
-@torch.library.custom_op("meshtrain::layer_norm_backward", mutates_args=())
+@kernel_op("meshtrain::layer_norm_backward")
 def _layer_norm_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor,
                             rstd: torch.Tensor, bias_dtype: torch.dtype | None,
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -27,6 +27,8 @@ import triton.language as tl
 
 from kernels._launch import (
     as_rows,
+    kernel_op,
+    launch,
     needs_int64,
     prune_row_configs,
     reduction_programs,
@@ -104,7 +106,7 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.T
     y = torch.empty((rows, n), dtype=x2.dtype, device=x2.device)
     rstd = torch.empty(rows, dtype=torch.float32, device=x2.device)
     block = row_block(n)
-    _rms_norm_fwd[lambda meta: (triton.cdiv(rows, meta["ROWS"]),)](
+    launch(_rms_norm_fwd)[lambda meta: (triton.cdiv(rows, meta["ROWS"]),)](
         x2, weight.contiguous(), y, rstd, x2.stride(0), y.stride(0), rows, n, row_bucket(rows), eps,
         BLOCK=block, EVEN_COLS=block == n, INT64=needs_int64(x2, y))
     return y.view(x.shape), rstd
@@ -118,7 +120,7 @@ def _backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: tor
     block = row_block(n)
     programs, per_program = reduction_programs(rows, x2.device)
     partial = torch.empty((programs, n), dtype=torch.float32, device=x2.device)
-    _rms_norm_bwd[(programs,)](
+    launch(_rms_norm_bwd)[(programs,)](
         dy2, x2, weight.contiguous(), rstd, dx, partial, dy2.stride(0), x2.stride(0), dx.stride(0),
         rows, n, row_bucket(rows), per_program, BLOCK=block, EVEN_COLS=block == n, INT64=needs_int64(dy2, x2, dx))
     return dx.view(x.shape), partial.sum(0).to(weight.dtype)
@@ -140,7 +142,7 @@ class _RMSNorm(torch.autograd.Function):
 
 # ---- the same launchers as custom ops, for torch.compile ----
 
-@torch.library.custom_op("meshtrain::rms_norm", mutates_args=())
+@kernel_op("meshtrain::rms_norm")
 def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     return _forward(x, weight, eps)
 
@@ -150,7 +152,7 @@ def _(x, weight, eps):
     return x.new_empty(x.shape), x.new_empty(math.prod(x.shape[:-1]), dtype=torch.float32)
 
 
-@torch.library.custom_op("meshtrain::rms_norm_backward", mutates_args=())
+@kernel_op("meshtrain::rms_norm_backward")
 def _rms_norm_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                           rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _backward(dy, x, weight, rstd)

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._launch import autotuning, row_bucket
+from kernels._launch import autotuning, kernel_op, launch, row_bucket
 
 
 def _heuristic(block_h: int, block_d: int, seq: int) -> triton.Config:
@@ -91,7 +91,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: boo
     b, h, s, d = x.shape
     y = torch.empty((b, h, s, d), dtype=x.dtype, device=x.device)
     block_h, block_d = triton.next_power_of_2(h), triton.next_power_of_2(d // 2)
-    _rope_kernel[lambda meta: (triton.cdiv(s, meta["POS"]), b)](
+    launch(_rope_kernel)[lambda meta: (triton.cdiv(s, meta["POS"]), b)](
         x, cos, sin, y, x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2),
         s, row_bucket(s), h, d // 2, BACKWARD=backward, BLOCK_H=block_h, BLOCK_D=block_d,
     )
@@ -113,12 +113,12 @@ class _RoPE(torch.autograd.Function):
 
 # ---- the same launcher as custom ops, for torch.compile ----
 
-@torch.library.custom_op("meshtrain::rope", mutates_args=())
+@kernel_op("meshtrain::rope")
 def _rope_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return _rotate(x, cos.contiguous(), sin.contiguous(), backward=False)
 
 
-@torch.library.custom_op("meshtrain::rope_backward", mutates_args=())
+@kernel_op("meshtrain::rope_backward")
 def _rope_backward_op(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return _rotate(dy, cos.contiguous(), sin.contiguous(), backward=True)
 

@@ -182,25 +182,57 @@ def _compiled(op):
     return torch.compile(getattr(module, op), fullgraph=True)
 
 
-@pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "gelu", "swiglu", "rope"])
-def test_compiled_triton_op_matches_reference(op):
-    """torch.compile (Inductor, fullgraph) over the Triton op: the `meshtrain::` custom op runs
-    inside the compiled graph; forward and input gradients as in eager, bf16 tolerances."""
+def _op_inputs(op):
+    """Training-shape inputs (llama-1b / gpt2 at 4 x 2048 tokens) for an elementwise or norm op."""
     rows = 4 * 2048
     bf16 = {"device": "cuda", "dtype": torch.bfloat16, "requires_grad": True}
     if op == "rms_norm":
-        inputs = [torch.randn(rows, 2048, **bf16), torch.randn(2048, device="cuda", requires_grad=True), 1e-5]
-    elif op == "layer_norm":
-        inputs = [torch.randn(rows, 1024, **bf16), torch.randn(1024, **bf16), torch.randn(1024, **bf16), 1e-5]
-    elif op == "gelu":
-        inputs = [torch.randn(rows, 4096, **bf16)]
-    elif op == "swiglu":
-        inputs = [torch.randn(rows, 2 * 5632, **bf16)]
-    else:
-        cos, sin = reference.rope_cos_sin(2048, 128, 10000.0, device="cuda")
-        inputs = [torch.randn(4, 16, 2048, 128, **bf16), cos, sin]
-    grad_tol = dict(rtol=2e-2, atol=2e-2 * rows ** 0.5) if op.endswith("norm") else None
+        return [torch.randn(rows, 2048, **bf16), torch.randn(2048, device="cuda", requires_grad=True), 1e-5]
+    if op == "layer_norm":
+        return [torch.randn(rows, 1024, **bf16), torch.randn(1024, **bf16), torch.randn(1024, **bf16), 1e-5]
+    if op == "gelu":
+        return [torch.randn(rows, 4096, **bf16)]
+    if op == "swiglu":
+        return [torch.randn(rows, 2 * 5632, **bf16)]
+    cos, sin = reference.rope_cos_sin(2048, 128, 10000.0, device="cuda")
+    return [torch.randn(4, 16, 2048, 128, **bf16), cos, sin]
+
+
+ELEMENTWISE_OPS = ["rms_norm", "layer_norm", "gelu", "swiglu", "rope"]
+# the Triton kernels each op's forward and backward launch
+OP_KERNELS = {
+    "rms_norm": ("_rms_norm_fwd", "_rms_norm_bwd"), "layer_norm": ("_layer_norm_fwd", "_layer_norm_bwd"),
+    "gelu": ("_gelu_fwd", "_gelu_bwd"), "swiglu": ("_swiglu_fwd", "_swiglu_bwd"), "rope": ("_rope_kernel",),
+}
+
+
+@pytest.mark.parametrize("op", ELEMENTWISE_OPS)
+def test_compiled_triton_op_matches_reference(op):
+    """torch.compile (Inductor, fullgraph) over the Triton op: the `meshtrain::` op runs inside
+    the compiled graph; forward and input gradients as in eager, bf16 tolerances."""
+    inputs = _op_inputs(op)
+    grad_tol = dict(rtol=2e-2, atol=2e-2 * (4 * 2048) ** 0.5) if op.endswith("norm") else None
     _compare(_compiled(op), getattr(reference, op), inputs, grad_tol=grad_tol)
+
+
+@pytest.mark.parametrize("op", ELEMENTWISE_OPS)
+def test_inductor_launches_the_triton_kernels_itself(op):
+    """The ops are `triton_op`s: Inductor's generated code (forward and backward) launches the
+    Triton kernels directly, with no call back into a `meshtrain::` op (a Python round trip)."""
+    from torch._inductor.utils import run_and_get_code
+
+    inputs = _op_inputs(op)
+    fn = _compiled(op)
+
+    def step():
+        fn(*inputs).float().sum().backward()
+
+    _, codes = run_and_get_code(step)
+    code = "\n".join(codes)
+    assert len(codes) >= 2, "expected a forward and a backward graph"
+    assert "ops.meshtrain" not in code, "the op was left opaque: Inductor calls back into Python"
+    for kernel in OP_KERNELS[op]:
+        assert kernel in code, f"{kernel} not launched from Inductor's code"
 
 
 def test_compiled_linear_cross_entropy_matches_reference():
@@ -219,6 +251,35 @@ def test_compiled_linear_cross_entropy_matches_reference():
     torch.testing.assert_close(dh.float(), dh_ref, rtol=2e-2, atol=1e-5)
     torch.testing.assert_close(dw, dw_ref, rtol=2e-2, atol=1e-5)
     assert dw.dtype == torch.float32 and torch.all(dw[vocab:] == 0)
+
+
+def test_compiled_losses_at_an_odd_vocabulary_get_the_strides_they_were_traced_with():
+    """GPT-2's 50257-wide logits rows are where Inductor pads a row stride (to 50304) for
+    alignment. The Triton kernels take the strides seen when torch.compile traced them, so
+    Inductor must hand them buffers with exactly those strides: the cross-entropy over
+    logits made by a matmul in the same graph, and the fused loss (whose chunk logits are its
+    own intermediates), both compiled, against the fp32 reference."""
+    from kernels.cross_entropy import cross_entropy, linear_cross_entropy
+
+    n, hdim, vocab = 2048, 768, 50257
+    h = torch.randn(n, hdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (0.05 * torch.randn(vocab, hdim, device="cuda", dtype=torch.bfloat16)).requires_grad_()
+    labels = torch.randint(0, vocab, (n,), device="cuda")
+    h32, w32 = _leaf(h.float()), _leaf(w.float())
+    ref = reference.linear_cross_entropy(h32, w32, labels, None, vocab)
+    dh_ref, dw_ref = torch.autograd.grad(ref, (h32, w32))
+    torch._dynamo.reset()
+    losses = {
+        "cross_entropy": torch.compile(lambda a, b: cross_entropy(a @ b.t(), labels), fullgraph=True),
+        "linear_cross_entropy": torch.compile(lambda a, b: linear_cross_entropy(a, b, labels, None, vocab),
+                                              fullgraph=True),
+    }
+    for name, fn in losses.items():
+        loss = fn(h, w)
+        dh, dw = torch.autograd.grad(loss, (h, w))
+        torch.testing.assert_close(loss.float(), ref, rtol=2e-3, atol=2e-3, msg=name)
+        torch.testing.assert_close(dh.float(), dh_ref, rtol=3e-2, atol=1e-5, msg=name)
+        torch.testing.assert_close(dw.float(), dw_ref, rtol=3e-2, atol=1e-5, msg=name)
 
 
 def test_norms_autotune_at_training_shapes():

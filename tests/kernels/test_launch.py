@@ -42,3 +42,43 @@ def test_reduction_programs_cover_every_row_once(rows):
 
     programs, per_program = reduction_programs(rows, torch.device("cpu"))
     assert (programs - 1) * per_program < rows <= programs * per_program
+
+
+@pytest.mark.parametrize("interpreted", [False, True])
+def test_kernel_op_is_traced_into_on_a_gpu_build_and_opaque_under_the_interpreter(monkeypatch, interpreted):
+    """`kernel_op` makes a `triton_op` when Triton compiles for a GPU: AOT autograd traces its
+    body, so the compiled graph holds the body's own ops. Under the interpreter (whose kernels
+    cannot be traced) the op stays one opaque node. A body of plain torch ops shows which."""
+    import torch
+
+    from kernels import _launch
+
+    monkeypatch.setattr(_launch, "interpreting", lambda: interpreted)
+    name = f"meshtrain_test::scaled_{'interp' if interpreted else 'gpu'}"
+
+    @_launch.kernel_op(name)
+    def scaled(x: torch.Tensor) -> torch.Tensor:
+        return torch.mul(x, 3.0)
+
+    @scaled.register_fake
+    def _(x):
+        return torch.empty_like(x)
+
+    seen = []
+
+    def backend(gm, example_inputs):
+        from torch._functorch.aot_autograd import aot_module_simplified
+
+        def record(g, _inputs):
+            seen.extend(str(n.target) for n in g.graph.nodes if n.op == "call_function")
+            return g
+
+        return aot_module_simplified(gm, example_inputs, fw_compiler=record)
+
+    x = torch.arange(4.0)
+    torch._dynamo.reset()
+    out = torch.compile(lambda t: scaled(t) + 1, backend=backend, fullgraph=True)(x)
+    torch.testing.assert_close(out, x * 3 + 1)
+    opaque = any("meshtrain_test" in t for t in seen)
+    assert opaque == interpreted, seen
+    assert interpreted or any("aten.mul" in t for t in seen), seen
