@@ -171,6 +171,7 @@ def main() -> None:
         "global_batch_size": job.train.global_batch_size, "bf16": job.train.bf16, "compile": job.train.compile,
         "compile_overlap_scheduling": job.train.compile_overlap_scheduling,
         "matmul_sm_carveout": job.train.matmul_sm_carveout,
+        "kernels": job.train.kernels, "compiled_triton_ops": job.train.compiled_triton_ops,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
         "world_size": world, "parallel": {k: getattr(job.parallel, k) for k in (
             "tp", "sequence_parallel", "tp_async_grad_reduce", "tp_batch_split", "use_distributed_optimizer",

@@ -9,9 +9,11 @@ a silent fallback.
 
 Under torch.compile the same choice is made while Dynamo traces: every Triton op is also a
 custom op (`meshtrain::<op>`, registered by its module) that Dynamo records as one opaque
-node, so a compiled model calls the Triton kernels without a graph break. `auto` takes an op's
-Triton kernel inside a compiled region only if the op is in `COMPILE_SAFE`; anything else
-there gets the reference, which Inductor then fuses itself.
+node, so a compiled model calls the Triton kernels without a graph break (on a GPU build a
+`triton_op`: Inductor launches the kernels from its own code). `auto` takes an op's Triton
+kernel inside a compiled region only if the op is in the compiled set (`set_mode`'s
+`compiled_ops`; every op unless narrowed); anything else there gets the reference, which
+Inductor then fuses itself.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ _TRITON_MODULES = {
 
 # ops whose Triton implementation dispatches to a registered custom op under torch.compile
 COMPILE_SAFE = frozenset(OPS)
+# ops that take their Triton kernel inside a compiled region in 'auto' mode (set_mode narrows it)
+_compiled_ops: frozenset[str] = COMPILE_SAFE
 
 # op name -> Triton implementation, filled lazily by `_load_fast`.
 _FAST: dict[str, Callable] = {}
@@ -75,12 +79,19 @@ _MODES = ("auto", "reference", "triton")
 _configured = "auto"  # set by the trainer from train.kernels; MESHTRAIN_KERNELS overrides it
 
 
-def set_mode(value: str) -> None:
-    """Set the process's dispatch mode ('auto', 'reference' or 'triton'), e.g. from a config."""
-    global _configured
+def set_mode(value: str, compiled_ops: frozenset[str] | set[str] | None = None) -> None:
+    """Set the process's dispatch mode ('auto', 'reference' or 'triton'), e.g. from a config.
+
+    `compiled_ops`: in 'auto' mode, the ops that take their Triton kernel inside a
+    torch.compile region (the rest get the reference there); None: every op.
+    """
+    global _configured, _compiled_ops
     if value not in _MODES:
         raise ValueError(f"kernel mode {value!r}; allowed: {', '.join(_MODES)}")
-    _configured = value
+    ops = COMPILE_SAFE if compiled_ops is None else frozenset(compiled_ops)
+    if ops - COMPILE_SAFE:
+        raise ValueError(f"no compiled Triton op {min(ops - COMPILE_SAFE)!r}; the ops are {', '.join(OPS)}")
+    _configured, _compiled_ops = value, ops
 
 
 @torch.compiler.assume_constant_result  # read once per trace; the graph bakes in the choice
@@ -97,7 +108,7 @@ def resolve(op: str, on_cuda: bool) -> Callable:
     m = mode()
     if m == "reference" or (m == "auto" and not on_cuda):
         return getattr(reference, op)
-    if m == "auto" and op not in COMPILE_SAFE and torch.compiler.is_compiling():
+    if m == "auto" and op not in _compiled_ops and torch.compiler.is_compiling():
         return getattr(reference, op)
     if on_cuda:
         _load_fast()

@@ -125,6 +125,10 @@ class ModelConfig:
         return -(-self.vocab_size // m) * m
 
 
+KERNEL_OPS = ("rms_norm", "layer_norm", "gelu", "swiglu", "rope", "cross_entropy", "linear_cross_entropy")
+"""The fused ops of `kernels` (kernels.OPS; kept here so the config needs no torch)."""
+
+
 @dataclass
 class TrainConfig:
     """The loop: batch sizes, length, evaluation, precision and device."""
@@ -159,11 +163,19 @@ class TrainConfig:
     to cuBLASLt's kernel choice, not a reservation; process-wide, and the cuBLASLt backend is
     selected so that it applies. Costs GEMM speed when nothing overlaps."""
     kernels: Literal["auto", "reference", "triton"] = "auto"
-    """Fused-op implementation: 'auto' takes the Triton kernels on CUDA in eager mode, and the
-    plain-torch reference under train.compile (Inductor fuses it; measured faster on an H200
-    than the Triton custom ops inside the compiled graph) and off CUDA; 'triton' forces the
-    kernels (under compile too: each is a custom op, no graph break), 'reference' the
+    """Fused-op implementation: 'auto' takes the Triton kernels on CUDA in eager mode, and
+    under train.compile the plain-torch reference (Inductor fuses it with its neighbours; on an
+    H200 faster end to end than every op on Triton) except for the ops in
+    train.compiled_triton_ops; off CUDA the reference. 'triton' forces the kernels everywhere
+    (under compile too: each is a triton_op that Inductor launches itself), 'reference' the
     reference. $MESHTRAIN_KERNELS overrides."""
+    compiled_triton_ops: list[str] = field(default_factory=lambda: ["rope", "swiglu"])
+    """With kernels='auto' and train.compile on CUDA: the ops (of rms_norm, layer_norm, gelu,
+    swiglu, rope, cross_entropy, linear_cross_entropy) that take their Triton kernel inside the
+    compiled graph instead of Inductor's fusion of the reference; ignored with any other
+    kernels setting. Default: RoPE and SwiGLU, whose kernels beat Inductor's fusions (llama-1b
+    on an H200: 1.012-1.019x the plain compiled baseline, against 1.001-1.011x with none;
+    adding rms_norm was slower; BENCHMARKS.md). [] keeps every op on the reference."""
     peak_tflops: float | None = None
     """Peak dense TFLOP/s per device for MFU; unset: known GPUs only (H100/H200: 989)."""
     control_port: int | None = None
@@ -186,6 +198,10 @@ class TrainConfig:
             )
         if self.matmul_sm_carveout < 0:
             raise ConfigError(f"train.matmul_sm_carveout must be >= 0, got {self.matmul_sm_carveout}")
+        unknown = [op for op in self.compiled_triton_ops if op not in KERNEL_OPS]
+        if unknown:
+            raise ConfigError(f"train.compiled_triton_ops: unknown op {unknown[0]!r}; the ops are "
+                              f"{', '.join(KERNEL_OPS)}")
         if self.compile_overlap_scheduling and not self.compile:
             raise ConfigError("train.compile_overlap_scheduling reorders compiled graphs: it needs train.compile=true")
 

@@ -118,10 +118,18 @@ class Trainer:
     """Owns the model, optimizer, data and run directory of one job."""
 
     def __init__(self, job: JobConfig):
-        # 'auto' under compile takes the reference ops and lets Inductor fuse them: on an H200 the
-        # Triton custom ops inside the compiled graph trained at 0.65x (gpt2-125m) and 0.87x
-        # (llama-1b) the reference path's speed (BENCHMARKS.md); `kernels = "triton"` forces them.
-        kernels.set_mode("reference" if job.train.kernels == "auto" and job.train.compile else job.train.kernels)
+        # 'auto' under compile takes the reference ops and lets Inductor fuse them (every op on
+        # Triton trained llama-1b at 0.97x the plain compiled baseline on an H200, BENCHMARKS.md),
+        # except train.compiled_triton_ops (RoPE and SwiGLU by default: 1.01-1.02x);
+        # `kernels = "triton"` forces them all.
+        t = job.train
+        if t.kernels == "auto" and t.compile:
+            if t.compiled_triton_ops:
+                kernels.set_mode("auto", set(t.compiled_triton_ops))
+            else:
+                kernels.set_mode("reference")
+        else:
+            kernels.set_mode(t.kernels)
         self.device = pick_device(job.train.device)
         apply_cuda_options(job.train, self.device)
         self.mesh = build_mesh(job, self.device)

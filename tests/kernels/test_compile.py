@@ -118,12 +118,28 @@ def test_layer_norm_custom_op_without_bias_passes_opcheck():
 
 
 @needs_triton
-def test_auto_keeps_compile_safe_triton_ops_inside_compiled_regions(monkeypatch):
-    """'auto' on CUDA: Triton for ops in COMPILE_SAFE while compiling, the reference for others."""
+def test_auto_keeps_the_compiled_set_on_triton_inside_compiled_regions(monkeypatch):
+    """'auto' on CUDA while compiling: Triton for the ops in set_mode's compiled set (every op
+    by default), the reference for the others; outside compiled regions Triton for all."""
+    monkeypatch.delenv("MESHTRAIN_KERNELS", raising=False)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    kernels.set_mode("auto")
-    assert kernels.resolve("rms_norm", on_cuda=True).__module__ == "kernels.rms_norm"
-    monkeypatch.setattr(kernels, "COMPILE_SAFE", frozenset())
-    assert kernels.resolve("rms_norm", on_cuda=True) is reference.rms_norm
-    monkeypatch.setenv("MESHTRAIN_KERNELS", "triton")  # forcing Triton ignores the list
-    assert kernels.resolve("rms_norm", on_cuda=True).__module__ == "kernels.rms_norm"
+    try:
+        kernels.set_mode("auto")
+        assert kernels.resolve("rms_norm", on_cuda=True).__module__ == "kernels.rms_norm"
+        kernels.set_mode("auto", compiled_ops={"rope", "swiglu"})
+        assert kernels.resolve("rms_norm", on_cuda=True) is reference.rms_norm
+        assert kernels.resolve("rope", on_cuda=True).__module__ == "kernels.rope"
+        assert kernels.resolve("swiglu", on_cuda=True).__module__ == "kernels.swiglu"
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+        assert kernels.resolve("rms_norm", on_cuda=True).__module__ == "kernels.rms_norm"
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        monkeypatch.setenv("MESHTRAIN_KERNELS", "triton")  # forcing Triton ignores the set
+        assert kernels.resolve("rms_norm", on_cuda=True).__module__ == "kernels.rms_norm"
+    finally:
+        kernels.set_mode("auto")
+
+
+def test_set_mode_refuses_an_unknown_compiled_op():
+    with pytest.raises(ValueError, match="no compiled Triton op 'softmax'"):
+        kernels.set_mode("auto", compiled_ops={"softmax"})
+    assert kernels.mode() in ("auto", "reference", "triton")

@@ -35,3 +35,11 @@ def test_auto_falls_back_without_triton():
     from kernels import reference
 
     assert kernels.resolve("rms_norm", on_cuda=True) is reference.rms_norm
+
+
+def test_the_config_knows_every_op():
+    """train.compiled_triton_ops is checked against the config's copy of the op list."""
+    pytest.importorskip("tomli_w", reason="the trainer's dependencies are not installed here")
+    from services.trainer.config import KERNEL_OPS
+
+    assert KERNEL_OPS == kernels.OPS

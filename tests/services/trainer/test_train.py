@@ -147,11 +147,12 @@ def test_retention_keeps_the_newest(corpus_cache, tmp_path):
 
 
 @pytest.mark.parametrize(("compile_", "requested", "expected"),
-                         [(True, "auto", "reference"), (False, "auto", "auto"), (True, "triton", "triton")])
+                         [(True, "auto", "auto"), (False, "auto", "auto"), (True, "triton", "triton"),
+                          (True, "reference", "reference")])
 def test_kernel_mode_follows_train_kernels_and_compile(corpus_cache, tmp_path, monkeypatch, compile_,
                                                        requested, expected):
-    """'auto' under compile takes the reference ops (measured faster on the H200 than the Triton
-    custom ops inside compiled graphs); an explicit choice is kept."""
+    """'auto' stays 'auto' (under compile with only train.compiled_triton_ops on Triton, the
+    next test); an explicit choice is kept."""
     import kernels
     from services.trainer.train import Trainer
 
@@ -163,6 +164,33 @@ def test_kernel_mode_follows_train_kernels_and_compile(corpus_cache, tmp_path, m
     finally:
         trainer.checkpointer.close()
         kernels.set_mode("auto")
+
+
+@pytest.mark.parametrize("ops, on_triton", [(None, {"rope", "swiglu"}), (["rms_norm"], {"rms_norm"}), ([], set())])
+def test_compiled_triton_ops_pick_the_ops_on_triton_inside_compiled_graphs(corpus_cache, tmp_path, monkeypatch,
+                                                                           ops, on_triton):
+    """Under compile with kernels='auto', the ops of train.compiled_triton_ops (default RoPE and
+    SwiGLU) take Triton inside the compiled graph, the rest Inductor's fusion of the reference;
+    an empty list keeps every op on the reference."""
+    import kernels
+    from services.trainer.train import Trainer
+
+    monkeypatch.delenv("MESHTRAIN_KERNELS", raising=False)
+    overrides = {"train.compile": True} | ({} if ops is None else {"train.compiled_triton_ops": ops})
+    trainer = Trainer(load_config(small_job_args(corpus_cache, tmp_path / "run", **overrides)))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    try:
+        for op in kernels.OPS:
+            impl = kernels.resolve(op, on_cuda=True)
+            assert (impl is not getattr(kernels.reference, op)) == (op in on_triton and kernels.triton_available()), op
+    finally:
+        trainer.checkpointer.close()
+        kernels.set_mode("auto")
+
+
+def test_compiled_triton_ops_are_checked():
+    with pytest.raises(ConfigError, match="unknown op 'softmax'"):
+        load_config(['--train.compiled_triton_ops=["rope", "softmax"]'])
 
 
 def test_a_stop_between_log_steps_logs_its_losses_and_later_requests_are_refused(corpus_cache, tmp_path):
