@@ -21,6 +21,8 @@
 #   1gpu-mbsN   one GPU at micro-batch N (N = 8, 16, ...; the 1gpu row is at the config's 4)
 #   baseline-mbsN  one GPU at micro-batch N with the plain-torch baseline in the same process
 #               (issue 6's ratio at that micro-batch)
+#   triton-mbsN the same with meshtrain on its Triton kernels under torch.compile (--train.kernels=triton:
+#               triton_ops that Inductor launches itself) instead of Inductor's fusions of the reference ops
 #   tp-mbsN     TP=2 with tp_async_grad_reduce at micro-batch N, against 1gpu-mbsN (fewer
 #               micro-batches per step, so less of the host's launch work per token)
 #   tp-streams  TP=2 with tp_async_grad_reduce, CUDA_DEVICE_MAX_CONNECTIONS=1 and
@@ -163,6 +165,10 @@ for part in $parts; do
     baseline-mbs[1-9]*)
       job "$part" 400 python3 ${B/ --skip-baseline/} --train.micro_batch_size="${part#baseline-mbs}" \
         --out "$out/$part.json" --run-dir "$runs/$part"
+      grep -A4 "^impl" "$out/$part.log" 2>/dev/null ;;
+    triton-mbs[1-9]*)
+      job "$part" 400 python3 ${B/ --skip-baseline/} --train.micro_batch_size="${part#triton-mbs}" \
+        --train.kernels=triton --out "$out/$part.json" --run-dir "$runs/$part"
       grep -A4 "^impl" "$out/$part.log" 2>/dev/null ;;
     tp-mbs[1-9]*)
       BASE=1gpu-mbs${part#tp-mbs} two "tp2-async-mbs${part#tp-mbs}" 240 $TPA --train.micro_batch_size="${part#tp-mbs}" ;;
