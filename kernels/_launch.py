@@ -11,7 +11,7 @@ shape. The heuristic config (the launch used before autotuning) is always in the
 tuning can only pick something at least as fast. Under Triton's CPU interpreter, or with
 MESHTRAIN_KERNEL_AUTOTUNE=0, the pruning returns the heuristic alone and nothing is timed.
 
-Every launch goes through `launch(kernel)` and every op's launcher is registered with
+Every launch goes through `wrap_triton(kernel)` and every op's launcher is registered with
 `kernel_op`: on a GPU build that is a `torch.library.triton_op`, whose body torch.compile
 traces, so Inductor sees the Triton kernels themselves and launches them from its generated
 code (no Python call out of the compiled graph, tuned at compile time). Under the CPU
@@ -36,9 +36,16 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def launch(kernel):
-    """`kernel`, launchable from a traced function (`wrap_triton`); itself under the interpreter."""
-    if interpreting():
+def wrap_triton(kernel):
+    """`kernel`, launchable from a traced function: `torch.library.wrap_triton(kernel)`.
+
+    The kernel itself under the interpreter (its kernels cannot be traced) or on a torch
+    without `wrap_triton` (before 2.6). Launchers call it by this name on the kernel's own name
+    (`wrap_triton(_rms_norm_fwd)[grid](...)`): torch scans a triton_op's source for exactly
+    that pattern to find its kernels and hash their source into the compile cache's key, so
+    an edited kernel is recompiled instead of served stale from the cache.
+    """
+    if interpreting() or not hasattr(torch.library, "wrap_triton"):
         return kernel
     return torch.library.wrap_triton(kernel)
 
@@ -47,11 +54,12 @@ def kernel_op(name: str):
     """Decorator: register a launcher (its inputs unmutated) as the custom op `name`.
 
     A `triton_op` where Triton compiles for a GPU (torch.compile traces into it and Inductor
-    launches its kernels directly); a plain, opaque `custom_op` under the CPU interpreter.
-    Either way the op's fake implementation is the one the caller registers.
+    launches its kernels directly); a plain, opaque `custom_op` under the CPU interpreter or
+    on a torch without `triton_op` (before 2.6). Either way the op's fake implementation is the
+    one the caller registers.
     """
     def register(fn):
-        if interpreting():
+        if interpreting() or not hasattr(torch.library, "triton_op"):
             return torch.library.custom_op(name, mutates_args=())(fn)
         return torch.library.triton_op(name, mutates_args=())(fn)
 

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._launch import as_rows, kernel_op, launch
+from kernels._launch import as_rows, kernel_op, wrap_triton
 
 IGNORE_INDEX = -100
 # Vocabulary block per loop iteration; tests lower it to exercise the multi-block path.
@@ -146,7 +146,7 @@ def fused_loss_and_grad_(
     lse = torch.empty_like(loss)
     grad = logits if grad_out is None else grad_out
     block, warps = _block(n)
-    launch(_ce_fused_kernel)[(rows,)](
+    wrap_triton(_ce_fused_kernel)[(rows,)](
         logits, grad, labels, scale if scale is not None else loss, loss, lse, logits.stride(0), grad.stride(0), n,
         IGNORE=IGNORE_INDEX, COMPUTE_GRAD=scale is not None, BLOCK=block, num_warps=warps,
     )
@@ -167,7 +167,7 @@ def logit_stats(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int = 0
     rows, n = logits.shape
     m, s, t = (torch.empty(rows, dtype=torch.float32, device=logits.device) for _ in range(3))
     block, warps = _block(n)
-    launch(_stats_kernel)[(rows,)](logits, labels, m, s, t, logits.stride(0), n, vocab_start, BLOCK=block, num_warps=warps)
+    wrap_triton(_stats_kernel)[(rows,)](logits, labels, m, s, t, logits.stride(0), n, vocab_start, BLOCK=block, num_warps=warps)
     return m, s, t
 
 
@@ -191,7 +191,7 @@ def softmax_grad_(
     rows, n = logits.shape
     out = logits if out is None else out
     block, warps = _block(n)
-    launch(_grad_kernel)[(rows,)](logits, out, labels, lse, scale, logits.stride(0), out.stride(0), n, vocab_start,
+    wrap_triton(_grad_kernel)[(rows,)](logits, out, labels, lse, scale, logits.stride(0), out.stride(0), n, vocab_start,
                           IGNORE=IGNORE_INDEX, BLOCK=block, num_warps=warps)
     return out
 

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._launch import kernel_op, launch
+from kernels._launch import kernel_op, wrap_triton
 
 BLOCK = 1024
 
@@ -47,7 +47,7 @@ def _forward(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     y = torch.empty_like(x)
     n = x.numel()
-    launch(_gelu_fwd)[(triton.cdiv(n, BLOCK),)](x, y, n, BLOCK=BLOCK, num_warps=4)
+    wrap_triton(_gelu_fwd)[(triton.cdiv(n, BLOCK),)](x, y, n, BLOCK=BLOCK, num_warps=4)
     return y
 
 
@@ -55,7 +55,7 @@ def _backward(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     x, dy = x.contiguous(), dy.contiguous()
     dx = torch.empty_like(x)
     n = x.numel()
-    launch(_gelu_bwd)[(triton.cdiv(n, BLOCK),)](dy, x, dx, n, BLOCK=BLOCK, num_warps=4)
+    wrap_triton(_gelu_bwd)[(triton.cdiv(n, BLOCK),)](dy, x, dx, n, BLOCK=BLOCK, num_warps=4)
     return dx
 
 

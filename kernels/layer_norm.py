@@ -22,13 +22,13 @@ import triton.language as tl
 from kernels._launch import (
     as_rows,
     kernel_op,
-    launch,
     needs_int64,
     prune_row_configs,
     reduction_programs,
     row_block,
     row_bucket,
     row_configs,
+    wrap_triton,
 )
 
 
@@ -122,7 +122,7 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, e
     mean = torch.empty(rows, dtype=torch.float32, device=x.device)
     rstd = torch.empty_like(mean)
     block = row_block(n)
-    launch(_layer_norm_fwd)[lambda meta: (triton.cdiv(rows, meta["ROWS"]),)](
+    wrap_triton(_layer_norm_fwd)[lambda meta: (triton.cdiv(rows, meta["ROWS"]),)](
         x2, weight, weight if bias is None else bias.contiguous(), y, mean, rstd, x2.stride(0), y.stride(0),
         rows, n, row_bucket(rows), eps,
         HAS_BIAS=bias is not None, BLOCK=block, EVEN_COLS=block == n, INT64=needs_int64(x2, y))
@@ -139,7 +139,7 @@ def _backward(dy, x, weight, mean, rstd, bias_dtype: torch.dtype | None):
     has_bias = bias_dtype is not None
     dw_partial = torch.empty((programs, n), dtype=torch.float32, device=x2.device)
     db_partial = torch.empty_like(dw_partial) if has_bias else dw_partial
-    launch(_layer_norm_bwd)[(programs,)](
+    wrap_triton(_layer_norm_bwd)[(programs,)](
         dy2, x2, weight.contiguous(), mean, rstd, dx, dw_partial, db_partial, dy2.stride(0), x2.stride(0),
         dx.stride(0), rows, n, row_bucket(rows), per_program,
         HAS_BIAS=has_bias, BLOCK=block, EVEN_COLS=block == n, INT64=needs_int64(dy2, x2, dx))

@@ -28,13 +28,13 @@ import triton.language as tl
 from kernels._launch import (
     as_rows,
     kernel_op,
-    launch,
     needs_int64,
     prune_row_configs,
     reduction_programs,
     row_block,
     row_bucket,
     row_configs,
+    wrap_triton,
 )
 
 
@@ -106,7 +106,7 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.T
     y = torch.empty((rows, n), dtype=x2.dtype, device=x2.device)
     rstd = torch.empty(rows, dtype=torch.float32, device=x2.device)
     block = row_block(n)
-    launch(_rms_norm_fwd)[lambda meta: (triton.cdiv(rows, meta["ROWS"]),)](
+    wrap_triton(_rms_norm_fwd)[lambda meta: (triton.cdiv(rows, meta["ROWS"]),)](
         x2, weight.contiguous(), y, rstd, x2.stride(0), y.stride(0), rows, n, row_bucket(rows), eps,
         BLOCK=block, EVEN_COLS=block == n, INT64=needs_int64(x2, y))
     return y.view(x.shape), rstd
@@ -120,7 +120,7 @@ def _backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: tor
     block = row_block(n)
     programs, per_program = reduction_programs(rows, x2.device)
     partial = torch.empty((programs, n), dtype=torch.float32, device=x2.device)
-    launch(_rms_norm_bwd)[(programs,)](
+    wrap_triton(_rms_norm_bwd)[(programs,)](
         dy2, x2, weight.contiguous(), rstd, dx, partial, dy2.stride(0), x2.stride(0), dx.stride(0),
         rows, n, row_bucket(rows), per_program, BLOCK=block, EVEN_COLS=block == n, INT64=needs_int64(dy2, x2, dx))
     return dx.view(x.shape), partial.sum(0).to(weight.dtype)

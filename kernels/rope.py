@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._launch import autotuning, kernel_op, launch, row_bucket
+from kernels._launch import autotuning, kernel_op, row_bucket, wrap_triton
 
 
 def _heuristic(block_h: int, block_d: int, seq: int) -> triton.Config:
@@ -91,7 +91,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: boo
     b, h, s, d = x.shape
     y = torch.empty((b, h, s, d), dtype=x.dtype, device=x.device)
     block_h, block_d = triton.next_power_of_2(h), triton.next_power_of_2(d // 2)
-    launch(_rope_kernel)[lambda meta: (triton.cdiv(s, meta["POS"]), b)](
+    wrap_triton(_rope_kernel)[lambda meta: (triton.cdiv(s, meta["POS"]), b)](
         x, cos, sin, y, x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2),
         s, row_bucket(s), h, d // 2, BACKWARD=backward, BLOCK_H=block_h, BLOCK_D=block_d,
     )

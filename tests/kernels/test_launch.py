@@ -82,3 +82,48 @@ def test_kernel_op_is_traced_into_on_a_gpu_build_and_opaque_under_the_interprete
     opaque = any("meshtrain_test" in t for t in seen)
     assert opaque == interpreted, seen
     assert interpreted or any("aten.mul" in t for t in seen), seen
+
+
+_FIND_KERNELS = """
+import importlib, json, torch
+from torch._library.triton import get_triton_kernels_for_op
+found = {}
+for module, ops in json.loads(MODULES).items():
+    importlib.import_module(module)
+    for op in ops:
+        found[op] = sorted(getattr(k, "fn", k).__name__ for k in get_triton_kernels_for_op("meshtrain::" + op))
+print(json.dumps(found))
+"""
+
+
+def test_torch_finds_each_triton_ops_kernels_for_the_compile_cache_key():
+    """Where Triton compiles (here: a process without the interpreter, which these tests set),
+    each op is a triton_op, and torch's scan of its source finds the kernels it launches:
+    their source goes into the AOT-autograd cache key, so editing a kernel invalidates
+    compiled graphs that use it instead of serving them stale."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    if not hasattr(torch.library, "triton_op") or not hasattr(torch._library, "triton"):
+        pytest.skip("this torch has no triton_op")
+    expected = {
+        "rms_norm": ["_rms_norm_fwd"], "rms_norm_backward": ["_rms_norm_bwd"],
+        "layer_norm": ["_layer_norm_fwd"], "layer_norm_backward": ["_layer_norm_bwd"],
+        "gelu": ["_gelu_fwd"], "gelu_backward": ["_gelu_bwd"],
+        "swiglu": ["_swiglu_fwd"], "swiglu_backward": ["_swiglu_bwd"],
+        "rope": ["_rope_kernel"], "rope_backward": ["_rope_kernel"],
+        "cross_entropy": ["_ce_fused_kernel"], "cross_entropy_backward": ["_grad_kernel"],
+        "linear_cross_entropy": ["_ce_fused_kernel"],
+    }
+    modules = {f"kernels.{op}": [op, f"{op}_backward"] for op in ("rms_norm", "layer_norm", "gelu", "swiglu", "rope")}
+    modules["kernels.cross_entropy"] = ["cross_entropy", "cross_entropy_backward", "linear_cross_entropy"]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["MODULES"] = json.dumps(modules)
+    out = subprocess.run([sys.executable, "-c", "import os; MODULES = os.environ['MODULES']\n" + _FIND_KERNELS],
+                         env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == expected
