@@ -24,6 +24,7 @@ import functools
 import os
 
 import torch
+import torch.utils._python_dispatch
 import triton
 
 # A row-wise kernel holds a whole row in registers; past this many elements it would spill,
@@ -39,15 +40,26 @@ def interpreting() -> bool:
 def wrap_triton(kernel):
     """`kernel`, launchable from a traced function: `torch.library.wrap_triton(kernel)`.
 
-    The kernel itself under the interpreter (its kernels cannot be traced) or on a torch
-    without `wrap_triton` (before 2.6). Launchers call it by this name on the kernel's own name
-    (`wrap_triton(_rms_norm_fwd)[grid](...)`): torch scans a triton_op's source for exactly
-    that pattern to find its kernels and hash their source into the compile cache's key, so
-    an edited kernel is recompiled instead of served stale from the cache.
+    Only while a dispatch mode is active, that is, while AOT autograd traces a triton_op's
+    body for torch.compile. Plain eager calls (the autograd Functions, an op run on real
+    tensors) get the kernel itself and launch it directly, as before there were triton_ops,
+    without a detour through the tracing wrapper. Also the kernel itself under the interpreter
+    (its kernels cannot be traced) and on a torch without `wrap_triton` (before 2.6).
+
+    Launchers call it by this name on the kernel's own name (`wrap_triton(_rms_norm_fwd)[grid]
+    (...)`): torch scans a triton_op's source for exactly that pattern to find its kernels and
+    hash their source into the compile cache's key, so an edited kernel is recompiled instead
+    of served stale from the cache.
     """
-    if interpreting() or not hasattr(torch.library, "wrap_triton"):
+    if interpreting() or not hasattr(torch.library, "wrap_triton") or not _tracing():
         return kernel
     return torch.library.wrap_triton(kernel)
+
+
+def _tracing() -> bool:
+    """Whether a TorchDispatchMode (AOT autograd's functionalization / proxy tracing) is active."""
+    current = getattr(torch.utils._python_dispatch, "_get_current_dispatch_mode", None)
+    return current is None or current() is not None
 
 
 def kernel_op(name: str):

@@ -127,3 +127,77 @@ def test_torch_finds_each_triton_ops_kernels_for_the_compile_cache_key():
                          env=env, capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == expected
+
+
+def test_kernels_are_wrapped_for_tracing_only_while_a_dispatch_mode_traces(monkeypatch):
+    """Eager launches get the bare kernel (no detour through the tracing wrapper); inside a
+    dispatch mode (AOT autograd tracing a triton_op's body) they get torch's wrapper; under
+    the interpreter never."""
+    import torch
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    from kernels import _launch
+
+    kernel = object()
+    monkeypatch.setattr(torch.library, "wrap_triton", lambda k: ("wrapped", k), raising=False)
+    monkeypatch.setattr(_launch, "interpreting", lambda: False)
+    assert _launch.wrap_triton(kernel) is kernel
+    with FunctionalTensorMode():
+        assert _launch.wrap_triton(kernel) == ("wrapped", kernel)
+    monkeypatch.setattr(_launch, "interpreting", lambda: True)
+    with FunctionalTensorMode():
+        assert _launch.wrap_triton(kernel) is kernel
+
+
+_TRACE_ROPE = """
+import json, torch
+from torch._functorch.aot_autograd import aot_module_simplified
+from kernels import reference
+from kernels.rope import rope
+
+seen = []
+
+
+class Recorded(Exception):
+    pass
+
+
+def backend(gm, example_inputs):
+    def record(graph, _inputs):  # stop before running it: no GPU here to launch the kernel on
+        seen.extend(str(n.target) for n in graph.graph.nodes if n.op == "call_function")
+        raise Recorded
+
+    return aot_module_simplified(gm, example_inputs, fw_compiler=record)
+
+
+cos, sin = reference.rope_cos_sin(8, 4, 10000.0)
+try:
+    torch.compile(rope, backend=backend, fullgraph=True)(torch.randn(1, 2, 8, 4), cos, sin)
+except Exception as e:
+    if "Recorded" not in repr(e):
+        raise
+print(json.dumps(seen))
+"""
+
+
+def test_aot_autograd_traces_a_triton_op_down_to_its_kernel_launch():
+    """Where Triton compiles (a process without the interpreter), torch.compile's AOT autograd
+    decomposes `meshtrain::rope` into the launch of its kernel: the graph Inductor would get
+    holds a `triton_kernel_wrapper_functional` node and no call back into the op. (The graph is
+    recorded, not run: this machine has no GPU.)"""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    if not hasattr(torch.library, "triton_op"):
+        pytest.skip("this torch has no triton_op")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _TRACE_ROPE], env=env, capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "triton_kernel_wrapper_functional" in seen, seen
+    assert not any("meshtrain" in t for t in seen), seen
