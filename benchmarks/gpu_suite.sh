@@ -23,6 +23,10 @@
 #               (issue 6's ratio at that micro-batch)
 #   triton-mbsN the same with meshtrain on its Triton kernels under torch.compile (--train.kernels=triton:
 #               triton_ops that Inductor launches itself) instead of Inductor's fusions of the reference ops
+#   issue6      issue 6's end-to-end table on one GPU: gpt2-125m at seq 1024 and 2048, gpt2-350m and
+#               llama-1b, each against the plain compiled baseline in the same process (the configs'
+#               defaults, so llama-1b has RoPE and SwiGLU on Triton); and gpt2-125m with GELU on Triton
+#               as well (--train.compiled_triton_ops='["gelu"]'), which its defaults leave to Inductor
 #   tp-mbsN     TP=2 with tp_async_grad_reduce at micro-batch N, against 1gpu-mbsN (fewer
 #               micro-batches per step, so less of the host's launch work per token)
 #   tp-streams  TP=2 with tp_async_grad_reduce, CUDA_DEVICE_MAX_CONNECTIONS=1 and
@@ -170,6 +174,17 @@ for part in $parts; do
       job "$part" 400 python3 ${B/ --skip-baseline/} --train.micro_batch_size="${part#triton-mbs}" \
         --train.kernels=triton --out "$out/$part.json" --run-dir "$runs/$part"
       grep -A4 "^impl" "$out/$part.log" 2>/dev/null ;;
+    issue6)
+      C="benchmarks/train_throughput.py --data.default_corpus_bytes=4000000"
+      G1="$C --config deploy/configs/gpt2-125m.toml --steps 30 --warmup 8"
+      for row in "i6-gpt2-125m-s1024|$G1" "i6-gpt2-125m-s1024-gelu|$G1 --train.compiled_triton_ops=[\"gelu\"]" \
+          "i6-gpt2-125m-s2048|$G1 --model.seq_length=2048 --train.micro_batch_size=8" \
+          "i6-gpt2-350m|$C --config deploy/configs/gpt2-350m.toml --steps 12 --warmup 5" \
+          "i6-llama-1b|$C --config deploy/configs/llama-1b.toml --steps 6 --warmup 3"; do
+        name=${row%%|*}
+        job "$name" 400 python3 ${row#*|} --out "$out/$name.json" --run-dir "$runs/$name"
+        grep -A4 "^impl" "$out/$name.log" 2>/dev/null
+      done ;;
     tp-mbs[1-9]*)
       BASE=1gpu-mbs${part#tp-mbs} two "tp2-async-mbs${part#tp-mbs}" 240 $TPA --train.micro_batch_size="${part#tp-mbs}" ;;
     tp-streams)
