@@ -37,6 +37,21 @@ def _losses(run: Path) -> dict[int, float]:
 
 
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+LLAMA = ["--model.normalization=rmsnorm", "--model.activation=swiglu", "--model.position_embedding_type=rope",
+         "--model.num_query_groups=2", "--model.add_bias_linear=false"]
+
+
+def test_compiled_triton_ops_train_like_the_reference(corpus_cache, tmp_path):
+    """A Llama-style model compiled on CUDA in fp32: with RoPE and SwiGLU on Triton inside the
+    graph (train.compiled_triton_ops' default) its losses follow the all-reference run's."""
+    common = small_job_args(corpus_cache, tmp_path / "x", **{"train.device": "cuda", "train.eval_interval": 0,
+                                                              "train.train_iters": 20, "train.compile": True})
+    common = [a for a in common if not a.startswith("--log.run_dir")] + LLAMA
+    mixed = train(load_config(common + [f"--log.run_dir={tmp_path / 'mixed'}"]))
+    reference = train(load_config(common + ["--train.compiled_triton_ops=[]", f"--log.run_dir={tmp_path / 'ref'}"]))
+    assert mixed.losses[20] < mixed.losses[1] - 1.0
+    for step, loss in reference.losses.items():
+        assert mixed.losses[step] == pytest.approx(loss, rel=1e-4), step
 
 
 @pytest.mark.dist
@@ -74,10 +89,14 @@ TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
     # The row-parallel forward all-reduce through symmetric memory (two-shot, peer loads).
     (["--tensor-model-parallel-size", "2", "--tp-reduce-impl", "symm_mem"], [], 1e-4),
     (["--tensor-model-parallel-size", "2", "--tp-reduce-impl", "symm_mem"], ["--train.compile=true"], 1e-4),
+    # Llama-style, compiled: RoPE and SwiGLU on Triton inside the graph (train.compiled_triton_ops'
+    # default) on each rank's heads and FFN shard, on both sides.
+    (["--tensor-model-parallel-size", "2"], ["--train.compile=true"] + LLAMA, 1e-4),
 ], ids=["tp2-sp-sync-grad", "tp2-sp-compiled", "tp2-compiled", "tp2-sp-comm-overlap", "tp2-sp-async-grad",
         "tp2-async-grad-compiled", "tp2-async-grad-batch-split-compiled", "tp2-sp-batch-split",
         "tp2-batch-split-overlap-scheduling", "dp2-zero1-overlap", "dp2-zero1-overlap-compiled",
-        "dp2-zero1-bf16-grad-reduce", "tp2-sp-bf16", "tp2-symm-reduce", "tp2-symm-reduce-compiled"])
+        "dp2-zero1-bf16-grad-reduce", "tp2-sp-bf16", "tp2-symm-reduce", "tp2-symm-reduce-compiled",
+        "tp2-llama-triton-ops-compiled"])
 def test_nccl_two_gpus_match_one_gpu(layout, shared, rel, corpus_cache, tmp_path):
     """fp32 on CUDA: NCCL reduction order differs from one GPU's, so 1e-4 relative."""
     common = small_job_args(corpus_cache, tmp_path / "x", **{"train.device": "cuda", "train.eval_interval": 0,
