@@ -26,7 +26,9 @@
 #   issue6      issue 6's end-to-end table on one GPU: gpt2-125m at seq 1024 and 2048, gpt2-350m and
 #               llama-1b, each against the plain compiled baseline in the same process (the configs'
 #               defaults, so llama-1b has RoPE and SwiGLU on Triton); and gpt2-125m with GELU on Triton
-#               as well (--train.compiled_triton_ops='["gelu"]'), which its defaults leave to Inductor
+#               as well (--train.compiled_triton_ops='["gelu"]'), which its defaults leave to Inductor;
+#               and llama-1b with the fused linear + cross-entropy on Triton too (no baseline: compare
+#               with the i6-llama-1b row)
 #   tp-mbsN     TP=2 with tp_async_grad_reduce at micro-batch N, against 1gpu-mbsN (fewer
 #               micro-batches per step, so less of the host's launch work per token)
 #   tp-streams  TP=2 with tp_async_grad_reduce, CUDA_DEVICE_MAX_CONNECTIONS=1 and
@@ -180,7 +182,9 @@ for part in $parts; do
       for row in "i6-gpt2-125m-s1024|$G1" "i6-gpt2-125m-s1024-gelu|$G1 --train.compiled_triton_ops=[\"gelu\"]" \
           "i6-gpt2-125m-s2048|$G1 --model.seq_length=2048 --train.micro_batch_size=8" \
           "i6-gpt2-350m|$C --config deploy/configs/gpt2-350m.toml --steps 12 --warmup 5" \
-          "i6-llama-1b|$C --config deploy/configs/llama-1b.toml --steps 6 --warmup 3"; do
+          "i6-llama-1b|$C --config deploy/configs/llama-1b.toml --steps 6 --warmup 3" \
+          "i6-llama-1b-lce|$C --config deploy/configs/llama-1b.toml --steps 6 --warmup 3 --skip-baseline \
+--train.compiled_triton_ops=[\"rope\",\"swiglu\",\"linear_cross_entropy\"]"; do
         name=${row%%|*}
         job "$name" 400 python3 ${row#*|} --out "$out/$name.json" --run-dir "$runs/$name"
         grep -A4 "^impl" "$out/$name.log" 2>/dev/null
