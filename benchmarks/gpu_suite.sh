@@ -28,7 +28,7 @@
 #               defaults, so llama-1b has RoPE and SwiGLU on Triton); and gpt2-125m with GELU on Triton
 #               as well (--train.compiled_triton_ops='["gelu"]'), which its defaults leave to Inductor;
 #               and llama-1b with the fused linear + cross-entropy on Triton too (no baseline: compare
-#               with the i6-llama-1b row)
+#               with the i6-llama-1b row). ~2-3 min a row; I6_ROWS="i6-gpt2-350m i6-llama-1b" runs those only
 #   tp-mbsN     TP=2 with tp_async_grad_reduce at micro-batch N, against 1gpu-mbsN (fewer
 #               micro-batches per step, so less of the host's launch work per token)
 #   tp-streams  TP=2 with tp_async_grad_reduce, CUDA_DEVICE_MAX_CONNECTIONS=1 and
@@ -186,6 +186,7 @@ for part in $parts; do
           "i6-llama-1b-lce|$C --config deploy/configs/llama-1b.toml --steps 6 --warmup 3 --skip-baseline \
 --train.compiled_triton_ops=[\"rope\",\"swiglu\",\"linear_cross_entropy\"]"; do
         name=${row%%|*}
+        [ -n "${I6_ROWS:-}" ] && [[ " $I6_ROWS " != *" $name "* ]] && continue
         job "$name" 400 python3 ${row#*|} --out "$out/$name.json" --run-dir "$runs/$name"
         grep -A4 "^impl" "$out/$name.log" 2>/dev/null
       done ;;
