@@ -167,7 +167,8 @@ def logit_stats(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int = 0
     rows, n = logits.shape
     m, s, t = (torch.empty(rows, dtype=torch.float32, device=logits.device) for _ in range(3))
     block, warps = _block(n)
-    wrap_triton(_stats_kernel)[(rows,)](logits, labels, m, s, t, logits.stride(0), n, vocab_start, BLOCK=block, num_warps=warps)
+    wrap_triton(_stats_kernel)[(rows,)](logits, labels, m, s, t, logits.stride(0), n, vocab_start, BLOCK=block,
+                                        num_warps=warps)
     return m, s, t
 
 
@@ -191,8 +192,8 @@ def softmax_grad_(
     rows, n = logits.shape
     out = logits if out is None else out
     block, warps = _block(n)
-    wrap_triton(_grad_kernel)[(rows,)](logits, out, labels, lse, scale, logits.stride(0), out.stride(0), n, vocab_start,
-                          IGNORE=IGNORE_INDEX, BLOCK=block, num_warps=warps)
+    wrap_triton(_grad_kernel)[(rows,)](logits, out, labels, lse, scale, logits.stride(0), out.stride(0), n,
+                                       vocab_start, IGNORE=IGNORE_INDEX, BLOCK=block, num_warps=warps)
     return out
 
 

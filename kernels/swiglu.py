@@ -56,7 +56,8 @@ def _forward(gate_up: torch.Tensor) -> torch.Tensor:
     rows, width = gu.shape[0], gu.shape[1] // 2
     y = torch.empty((rows, width), dtype=gu.dtype, device=gu.device)
     block = _block(width)
-    wrap_triton(_swiglu_fwd)[(rows, triton.cdiv(width, block))](gu, y, gu.stride(0), y.stride(0), width, BLOCK=block, num_warps=4)
+    wrap_triton(_swiglu_fwd)[(rows, triton.cdiv(width, block))](
+        gu, y, gu.stride(0), y.stride(0), width, BLOCK=block, num_warps=4)
     return y.view(*gate_up.shape[:-1], width)
 
 
@@ -65,8 +66,8 @@ def _backward(dy: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     rows, width = gu.shape[0], gu.shape[1] // 2
     dgu = torch.empty((rows, 2 * width), dtype=gu.dtype, device=gu.device)
     block = _block(width)
-    wrap_triton(_swiglu_bwd)[(rows, triton.cdiv(width, block))](dy2, gu, dgu, dy2.stride(0), gu.stride(0), dgu.stride(0),
-                                                   width, BLOCK=block, num_warps=4)
+    wrap_triton(_swiglu_bwd)[(rows, triton.cdiv(width, block))](
+        dy2, gu, dgu, dy2.stride(0), gu.stride(0), dgu.stride(0), width, BLOCK=block, num_warps=4)
     return dgu.view(gate_up.shape)
 
 
