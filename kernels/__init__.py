@@ -41,10 +41,8 @@ _TRITON_MODULES = {
     "linear_cross_entropy": "kernels.cross_entropy",
 }
 
-# ops whose Triton implementation dispatches to a registered custom op under torch.compile
-COMPILE_SAFE = frozenset(OPS)
 # ops that take their Triton kernel inside a compiled region in 'auto' mode (set_mode narrows it)
-_compiled_ops: frozenset[str] = COMPILE_SAFE
+_compiled_ops: frozenset[str] = frozenset(OPS)
 
 # op name -> Triton implementation, filled lazily by `_load_fast`.
 _FAST: dict[str, Callable] = {}
@@ -88,9 +86,9 @@ def set_mode(value: str, compiled_ops: frozenset[str] | set[str] | None = None) 
     global _configured, _compiled_ops
     if value not in _MODES:
         raise ValueError(f"kernel mode {value!r}; allowed: {', '.join(_MODES)}")
-    ops = COMPILE_SAFE if compiled_ops is None else frozenset(compiled_ops)
-    if ops - COMPILE_SAFE:
-        raise ValueError(f"no compiled Triton op {min(ops - COMPILE_SAFE)!r}; the ops are {', '.join(OPS)}")
+    ops = frozenset(OPS if compiled_ops is None else compiled_ops)
+    if ops - set(OPS):
+        raise ValueError(f"no compiled Triton op {min(ops - set(OPS))!r}; the ops are {', '.join(OPS)}")
     _configured, _compiled_ops = value, ops
 
 

@@ -84,6 +84,21 @@ def test_kernel_op_is_traced_into_on_a_gpu_build_and_opaque_under_the_interprete
     assert interpreted or any("aten.mul" in t for t in seen), seen
 
 
+def _run_without_interpreter(code: str, **env_extra: str):
+    """Run `code` in a fresh Python without TRITON_INTERPRET (which these tests set), so Triton
+    compiles for a GPU and each op is a triton_op; returns the JSON its last output line holds."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | env_extra
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                         check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 _FIND_KERNELS = """
 import importlib, json, torch
 from torch._library.triton import get_triton_kernels_for_op
@@ -102,9 +117,6 @@ def test_torch_finds_each_triton_ops_kernels_for_the_compile_cache_key():
     their source goes into the AOT-autograd cache key, so editing a kernel invalidates
     compiled graphs that use it instead of serving them stale."""
     import json
-    import os
-    import subprocess
-    import sys
 
     import torch
 
@@ -121,12 +133,9 @@ def test_torch_finds_each_triton_ops_kernels_for_the_compile_cache_key():
     }
     modules = {f"kernels.{op}": [op, f"{op}_backward"] for op in ("rms_norm", "layer_norm", "gelu", "swiglu", "rope")}
     modules["kernels.cross_entropy"] = ["cross_entropy", "cross_entropy_backward", "linear_cross_entropy"]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["MODULES"] = json.dumps(modules)
-    out = subprocess.run([sys.executable, "-c", "import os; MODULES = os.environ['MODULES']\n" + _FIND_KERNELS],
-                         env=env, capture_output=True, text=True, timeout=120, check=False)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == expected
+    found = _run_without_interpreter("import os; MODULES = os.environ['MODULES']\n" + _FIND_KERNELS,
+                                     MODULES=json.dumps(modules))
+    assert found == expected
 
 
 def test_kernels_are_wrapped_for_tracing_only_while_a_dispatch_mode_traces(monkeypatch):
@@ -185,19 +194,10 @@ def test_aot_autograd_traces_a_triton_op_down_to_its_kernel_launch():
     decomposes `meshtrain::rope` into the launch of its kernel: the graph Inductor would get
     holds a `triton_kernel_wrapper_functional` node and no call back into the op. (The graph is
     recorded, not run: this machine has no GPU.)"""
-    import json
-    import os
-    import subprocess
-    import sys
-
     import torch
 
     if not hasattr(torch.library, "triton_op"):
         pytest.skip("this torch has no triton_op")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", _TRACE_ROPE], env=env, capture_output=True, text=True,
-                         timeout=120, check=False)
-    assert out.returncode == 0, out.stderr[-2000:]
-    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    seen = _run_without_interpreter(_TRACE_ROPE)
     assert "triton_kernel_wrapper_functional" in seen, seen
     assert not any("meshtrain" in t for t in seen), seen
