@@ -40,6 +40,7 @@ from services.trainer.parallel import mappings, recompute
 from services.trainer.parallel.data import DataParallel, forward_units
 from services.trainer.parallel.mesh import Mesh, env_rank_world, init_process_group
 from services.trainer.parallel.tensor import parallelize
+from services.trainer.weight_copies import WeightCopies
 
 log = logging.getLogger("meshtrain.train")
 
@@ -180,6 +181,15 @@ class Trainer:
             self._check_continuation(meta)
             log.info("resumed from %s at step %d (%d samples consumed)",
                      job.checkpoint.load, self.state.iteration, self.state.consumed_samples)
+        self.weight_copies = None
+        copies = job.train.bf16_weight_copies
+        if copies and self.mesh.distributed:
+            raise ConfigError(
+                f"train.bf16_weight_copies runs in a single process; this job has {self.mesh.world_size} "
+                f"ranks (tp={self.mesh.tp}, dp={self.mesh.dp}), whose gradient reductions hook the fp32 "
+                "parameters: leave it unset or run one process")
+        if copies or (copies is None and job.train.bf16 and not self.mesh.distributed):
+            self.weight_copies = WeightCopies(self.model, torch.bfloat16)
         self.forward = self.model
         if job.train.compile and p.overlap_param_gather:
             # Per-block compile keeps the all-gather waits (forward pre-hooks) outside the
@@ -192,6 +202,10 @@ class Trainer:
             self.model.head.loss = torch.compile(self.model.head.loss)
         elif job.train.compile:
             self.forward = torch.compile(self.model)
+        if self.weight_copies is None:
+            self.train_forward = lambda copies, *batch: self.forward(*batch)
+        else:  # the copies are an argument, so that a compiled graph takes them as inputs
+            self.train_forward = torch.compile(self._on_copies) if job.train.compile else self._on_copies
         self.autocast = (
             torch.autocast(self.device.type, dtype=torch.bfloat16) if job.train.bf16 else contextlib.nullcontext()
         )
@@ -296,10 +310,17 @@ class Trainer:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t
 
+    def _on_copies(self, copies: dict[str, torch.Tensor], *batch: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(self.model, copies, batch)
+
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over the global batch of `step` (0-based); returns (loss, grad_norm) on device."""
         micro = self.data.train.micro_batches(step)
         set_lr(self.optimizer, lr_at(step, self.job.optim, self.job.train.train_iters))
+        copies = None
+        if self.weight_copies is not None:
+            self.weight_copies.refresh()  # this step's weights: after the last update or a load
+            copies = self.weight_copies.copies
         total = torch.zeros((), device=self.device)
         for i, batch in enumerate(micro):
             tokens, labels, mask = (self._to_device(t) for t in (batch.tokens, batch.labels, batch.loss_mask))
@@ -307,7 +328,7 @@ class Trainer:
             sync = self.ddp.no_sync() if self.ddp is not None and not last else contextlib.nullcontext()
             with sync:
                 with self.autocast:
-                    loss = self.forward(tokens, labels, mask) / len(micro)
+                    loss = self.train_forward(copies, tokens, labels, mask) / len(micro)
                 loss.backward()
             total += loss.detach()
         if self.ddp is not None:

@@ -55,6 +55,22 @@ def test_compiled_triton_ops_train_like_the_reference(corpus_cache, tmp_path):
         assert mixed.losses[step] == pytest.approx(loss, rel=1e-4), step
 
 
+def test_bf16_weight_copies_train_like_autocast(corpus_cache, tmp_path):
+    """Compiled in bf16 on CUDA: with train.bf16_weight_copies (the linears on bf16 copies cast
+    once a step) the losses follow the autocast run's (exact on CPU in eager mode; Inductor may
+    round its fusions of the two graphs differently)."""
+    common = small_job_args(corpus_cache, tmp_path / "x", **{"train.device": "cuda", "train.bf16": True,
+                                                              "train.eval_interval": 0, "train.train_iters": 20,
+                                                              "train.compile": True})
+    common = [a for a in common if not a.startswith("--log.run_dir")] + LLAMA
+    plain = train(load_config(common + ["--train.bf16_weight_copies=false", f"--log.run_dir={tmp_path / 'plain'}"]))
+    torch._dynamo.reset()
+    copies = train(load_config(common + [f"--log.run_dir={tmp_path / 'copies'}"]))  # on by default
+    assert copies.losses[20] < copies.losses[1] - 1.0
+    for step, loss in plain.losses.items():
+        assert copies.losses[step] == pytest.approx(loss, rel=1e-2), step
+
+
 @pytest.mark.dist
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 @pytest.mark.parametrize("layout,shared,rel", [

@@ -55,12 +55,15 @@ def test_mfu_reported_when_peak_configured(corpus_cache, tmp_path):
     assert 0 < record["mfu"] < 1
 
 
-@pytest.mark.parametrize("arch", [{}, dict(LLAMA, **{"model.hidden_dropout": 0.1, "model.attention_dropout": 0.1})],
-                         ids=["gpt2", "llama-dropout"])
+@pytest.mark.parametrize("arch", [
+    {},
+    dict(LLAMA, **{"model.hidden_dropout": 0.1, "model.attention_dropout": 0.1}),
+    dict(LLAMA, **{"train.bf16": True}),  # bf16 weight copies (on by default), cast from the loaded weights
+], ids=["gpt2", "llama-dropout", "llama-bf16"])
 def test_resume_gives_identical_losses(arch, corpus_cache, tmp_path):
-    """Stopped at step 5 and resumed: steps 6..12 equal the uninterrupted run exactly (fp32 CPU).
+    """Stopped at step 5 and resumed: steps 6..12 equal the uninterrupted run exactly (CPU).
 
-    Dropout on in the Llama case, so the RNG state must be restored too; equality is exact
+    Dropout on in one Llama case, so the RNG state must be restored too; equality is exact
     because the same kernels run on the same data and state.
     """
     common = {"train.train_iters": 12, "train.eval_interval": 4, **arch}
