@@ -28,7 +28,12 @@
 #               defaults, so llama-1b has RoPE and SwiGLU on Triton); and gpt2-125m with GELU on Triton
 #               as well (--train.compiled_triton_ops='["gelu"]'), which its defaults leave to Inductor;
 #               and llama-1b with the fused linear + cross-entropy on Triton too (no baseline: compare
-#               with the i6-llama-1b row). ~2-3 min a row; I6_ROWS="i6-gpt2-350m i6-llama-1b" runs those only
+#               with the i6-llama-1b row). ~2-3 min a row; I6_ROWS="i6-gpt2-350m i6-llama-1b" runs those only.
+#               The defaults include the bf16 weight copies of one process; I6_FLAGS adds flags to every
+#               row and I6_TAG a suffix to its name, e.g. I6_FLAGS=--train.bf16_weight_copies=false
+#               I6_TAG=-nocopies for the same rows without them
+#   host-time   benchmarks/host_time.py on gpt2-125m and llama-1b: host time per step against the wall,
+#               and the CUDA runtime calls that can block the host inside two steps
 #   tp-mbsN     TP=2 with tp_async_grad_reduce at micro-batch N, against 1gpu-mbsN (fewer
 #               micro-batches per step, so less of the host's launch work per token)
 #   tp-streams  TP=2 with tp_async_grad_reduce, CUDA_DEVICE_MAX_CONNECTIONS=1 and
@@ -187,8 +192,16 @@ for part in $parts; do
 --train.compiled_triton_ops=[\"rope\",\"swiglu\",\"linear_cross_entropy\"]"; do
         name=${row%%|*}
         [ -n "${I6_ROWS:-}" ] && [[ " $I6_ROWS " != *" $name "* ]] && continue
-        job "$name" 400 python3 ${row#*|} --out "$out/$name.json" --run-dir "$runs/$name"
+        name=$name${I6_TAG:-}
+        job "$name" 400 python3 ${row#*|} ${I6_FLAGS:-} --out "$out/$name.json" --run-dir "$runs/$name"
         grep -A4 "^impl" "$out/$name.log" 2>/dev/null
+      done ;;
+    host-time)
+      for cfg in gpt2-125m llama-1b; do
+        job "host-time-$cfg" 300 python3 benchmarks/host_time.py --config "deploy/configs/$cfg.toml" \
+          --data.default_corpus_bytes=4000000 --steps 10 --warmup 5 --out "$out/host-time-$cfg.json" \
+          --run-dir "$runs/host-time-$cfg"
+        tail -3 "$out/host-time-$cfg.log" 2>/dev/null
       done ;;
     tp-mbs[1-9]*)
       BASE=1gpu-mbs${part#tp-mbs} two "tp2-async-mbs${part#tp-mbs}" 240 $TPA --train.micro_batch_size="${part#tp-mbs}" ;;
