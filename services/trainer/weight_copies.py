@@ -37,7 +37,6 @@ class WeightCopies:
     """
 
     def __init__(self, model: nn.Module, dtype: torch.dtype):
-        self.dtype = dtype
         self.copies: dict[str, torch.Tensor] = {}  # parameter name -> copy (what functional_call takes)
         self._pairs: list[tuple[torch.Tensor, nn.Parameter]] = []  # (copy, fp32 parameter), one per parameter
         by_param: dict[int, torch.Tensor] = {}
