@@ -1,23 +1,19 @@
 """Shared setup for the kernel tests.
 
 Without a GPU, the Triton kernels run under Triton's interpreter (numpy on the CPU): that
-needs TRITON_INTERPRET=1 before `triton` is first imported, which is why it is set here, at
-collection time, and why no kernel module is imported at the top of a test file's package.
-With a GPU the same small-shape tests run compiled on CUDA, and the `gpu` tests add real
-shapes. Without Triton installed every test that needs it is skipped.
+needs TRITON_INTERPRET=1 before `triton` is first imported, which tests/conftest.py sets for
+the whole session. With a GPU the same small-shape tests run compiled on CUDA, and the `gpu`
+tests add real shapes. Without Triton installed every test that needs it is skipped.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton)")
