@@ -146,7 +146,7 @@ class TrainConfig:
     seed: int = 1234
     """Seeds model init, data order and dropout."""
     bf16: bool = False
-    """bf16 autocast with fp32 master weights (CUDA only)."""
+    """bf16 autocast with fp32 master weights (meant for CUDA; CPU runs it too, as the tests do)."""
     bf16_weight_copies: bool | None = None
     """Under train.bf16: keep a bf16 copy of every linear layer's weight and bias, cast once per
     optimizer step, instead of autocast casting the fp32 weights in every micro-batch; their bf16
