@@ -14,6 +14,7 @@ and RNG states are restored bit for bit.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import signal
 import threading
@@ -40,7 +41,7 @@ from services.trainer.parallel import mappings, recompute
 from services.trainer.parallel.data import DataParallel, forward_units
 from services.trainer.parallel.mesh import Mesh, env_rank_world, init_process_group
 from services.trainer.parallel.tensor import parallelize
-from services.trainer.weight_copies import WeightCopies
+from services.trainer.weight_copies import WeightCopies, call_with
 
 log = logging.getLogger("meshtrain.train")
 
@@ -204,8 +205,9 @@ class Trainer:
             self.forward = torch.compile(self.model)
         if self.weight_copies is None:
             self.train_forward = lambda copies, *batch: self.forward(*batch)
-        else:  # the copies are an argument, so that a compiled graph takes them as inputs
-            self.train_forward = torch.compile(self._on_copies) if job.train.compile else self._on_copies
+        else:
+            on_copies = functools.partial(call_with, self.model)
+            self.train_forward = torch.compile(on_copies) if job.train.compile else on_copies
         self.autocast = (
             torch.autocast(self.device.type, dtype=torch.bfloat16) if job.train.bf16 else contextlib.nullcontext()
         )
@@ -309,9 +311,6 @@ class Trainer:
         if self.device.type == "cuda":
             return t.pin_memory().to(self.device, non_blocking=True)
         return t
-
-    def _on_copies(self, copies: dict[str, torch.Tensor], *batch: torch.Tensor) -> torch.Tensor:
-        return torch.func.functional_call(self.model, copies, batch)
 
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over the global batch of `step` (0-based); returns (loss, grad_norm) on device."""

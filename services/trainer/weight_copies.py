@@ -16,9 +16,9 @@ weights keep their fp32 parameters (an embedding lookup is not autocast; a bf16 
 would put the residual stream in bf16).
 
     copies = WeightCopies(model, torch.bfloat16)
-    copies.refresh()                                  # once per step, after the optimizer's update
-    loss = copies.call(model, tokens, labels, mask)   # under autocast, per micro-batch
-    loss.backward()                                   # fp32 .grad of model's parameters, as usual
+    copies.refresh()                                            # once per step, after the update
+    loss = call_with(model, copies.copies, tokens, labels, mask)  # under autocast, per micro-batch
+    loss.backward()                                             # fp32 .grad of model's parameters
 """
 
 from __future__ import annotations
@@ -70,9 +70,15 @@ class WeightCopies:
         """Elements copied (each parameter once)."""
         return sum(p.numel() for _, p in self._pairs)
 
-    def call(self, model: nn.Module, *args, **kwargs):
-        """`model(*args, **kwargs)` with the copies in place of its `nn.Linear` parameters."""
-        return torch.func.functional_call(model, self.copies, args, kwargs)
+
+
+def call_with(model: nn.Module, copies: dict[str, torch.Tensor], *args, **kwargs):
+    """`model(*args, **kwargs)` with `copies` (a `WeightCopies.copies`) in place of those parameters.
+
+    The copies are an argument, not looked up, so that torch.compile of this (with the model
+    bound) takes them as graph inputs.
+    """
+    return torch.func.functional_call(model, copies, args, kwargs)
 
 
 def _accumulate_into(param: nn.Parameter):

@@ -9,7 +9,7 @@ from torch import nn
 from services.common.errors import ConfigError
 from services.trainer.config import load_config
 from services.trainer.train import Trainer
-from services.trainer.weight_copies import WeightCopies
+from services.trainer.weight_copies import WeightCopies, call_with
 from tests.dist_utils import run_ranks
 from tests.services.trainer.conftest import small_job_args
 
@@ -103,7 +103,7 @@ def test_gradients_accumulate_in_fp32_across_calls():
     grads = []
     for x in xs:
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = copies.call(model, x)
+            loss = call_with(model, copies.copies, x)
         loss.backward()
         grads.append(model.a.weight.grad.clone())
     assert model.a.weight.grad.dtype == torch.float32
