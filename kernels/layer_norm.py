@@ -3,12 +3,12 @@
 Same plan as `kernels/rms_norm.py`: forward normalizes tiles of a few whole rows in registers
 and saves mean and rstd (fp32, one each per row); backward has a few programs per SM walk
 contiguous runs of rows, writing dx and accumulating private fp32 partials of the weight and
-bias gradients, summed afterwards instead of contended atomics. The bias is optional
-(`HAS_BIAS` compiles it out). Both kernels are autotuned (rows per tile, warps, stages; key:
-hidden size and row-count bucket), use int32 offsets unless a tensor passes 2^31 elements, and
-drop the column mask when the hidden size is a power of two. Eager autograd goes through
-`_LayerNorm`, torch.compile through the custom op `meshtrain::layer_norm` (one opaque node,
-fake implementation for shapes). Spec: `kernels.reference.layer_norm`.
+bias gradients, summed afterwards (both in one launch, `kernels/_column_sums.py`) instead of
+contended atomics. The bias is optional (`HAS_BIAS` compiles it out). Both kernels are
+autotuned (rows per tile, warps, stages; key: hidden size and row-count bucket), use int32
+offsets unless a tensor passes 2^31 elements, and drop the column mask when the hidden size is
+a power of two. Eager autograd goes through `_LayerNorm`, torch.compile through the custom op
+`meshtrain::layer_norm` (one opaque node, fake implementation for shapes). Spec: `kernels.reference.layer_norm`.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._column_sums import column_sums
 from kernels._launch import (
     as_rows,
     kernel_op,
@@ -143,8 +144,8 @@ def _backward(dy, x, weight, mean, rstd, bias_dtype: torch.dtype | None):
         dy2, x2, weight.contiguous(), mean, rstd, dx, dw_partial, db_partial, dy2.stride(0), x2.stride(0),
         dx.stride(0), rows, n, row_bucket(rows), per_program,
         HAS_BIAS=has_bias, BLOCK=block, EVEN_COLS=block == n, INT64=needs_int64(dy2, x2, dx))
-    db = db_partial.sum(0).to(bias_dtype) if has_bias else None
-    return dx.view(x.shape), dw_partial.sum(0).to(weight.dtype), db
+    dw, db = column_sums(dw_partial, weight.dtype, db_partial if has_bias else None, bias_dtype)
+    return dx.view(x.shape), dw, db
 
 
 class _LayerNorm(torch.autograd.Function):

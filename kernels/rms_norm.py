@@ -4,7 +4,8 @@ Forward: each program normalizes a tile of a few whole rows held in registers, c
 in fp32 and saves it (one float per row) so backward need not redo the reduction. Backward: a
 few programs per SM each walk a contiguous run of rows tile by tile, write dx and accumulate
 dy * x_hat into a private fp32 partial of the weight gradient; the partials (programs x
-hidden) are summed afterwards. That avoids atomics on one shared row, which serialize and make
+hidden) are summed afterwards, in one launch with the cast to the weight's dtype
+(`kernels/_column_sums.py`). That avoids atomics on one shared row, which serialize and make
 the result order-dependent. Both kernels are autotuned over rows per tile, warps and (in
 backward) pipeline stages, keyed on the hidden size and the row count's power-of-two bucket
 (`kernels/_launch.py`); both only write fresh outputs, so autotune's repeated launches are
@@ -25,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._column_sums import column_sums
 from kernels._launch import (
     as_rows,
     kernel_op,
@@ -123,7 +125,7 @@ def _backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: tor
     wrap_triton(_rms_norm_bwd)[(programs,)](
         dy2, x2, weight.contiguous(), rstd, dx, partial, dy2.stride(0), x2.stride(0), dx.stride(0),
         rows, n, row_bucket(rows), per_program, BLOCK=block, EVEN_COLS=block == n, INT64=needs_int64(dy2, x2, dx))
-    return dx.view(x.shape), partial.sum(0).to(weight.dtype)
+    return dx.view(x.shape), column_sums(partial, weight.dtype)[0]
 
 
 class _RMSNorm(torch.autograd.Function):
