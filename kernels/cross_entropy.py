@@ -50,20 +50,20 @@ CHUNK_BYTES = 512 * 2**20
 @triton.jit
 def _row_stats(row_ptr, n_cols, label_local, BLOCK: tl.constexpr):
     """(max, sum(exp(x - max)), x[label_local] or 0) of one row, online over blocks."""
+    # the label's logit: one scalar load, 0 when another vocab shard owns it (or the row is
+    # ignored), instead of a compare and select on every element of the row
+    owned = (label_local >= 0) & (label_local < n_cols)
+    t = tl.load(row_ptr + tl.where(owned, label_local, 0), mask=owned, other=0.0).to(tl.float32)
     cols = tl.arange(0, BLOCK)
     m = -1e30  # finite, so the first exp(m - m_new) is 0 rather than exp(-inf + inf) = nan
     s = 0.0
-    t = 0.0
     for start in range(0, n_cols, BLOCK):
         offs = start + cols
-        in_row = offs < n_cols
-        x = tl.load(row_ptr + offs, mask=in_row, other=float("-inf")).to(tl.float32)
+        x = tl.load(row_ptr + offs, mask=offs < n_cols, other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m, tl.max(x, axis=0))
         # one exp per element; the running sum is rescaled once per block
         s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
         m = m_new
-        # `in_row`: a label owned by another vocab shard may fall on this block's padding lanes
-        t += tl.sum(tl.where((offs == label_local) & in_row, x, 0.0), axis=0)
     return m, s, t
 
 
@@ -119,9 +119,13 @@ def _grad_kernel(logits_ptr, grad_ptr, labels_ptr, lse_ptr, scale_ptr, logits_st
               tl.load(lse_ptr + row), scale, BLOCK)
 
 
-def _block(n_cols: int) -> tuple[int, int]:
+def launch_config(n_cols: int) -> dict:
+    """The per-row kernels' launch: vocabulary block per loop iteration, warps, pipeline stages.
+
+    `benchmarks/ce_launch_sweep.py` times the alternatives on a GPU.
+    """
     block = min(MAX_BLOCK, triton.next_power_of_2(n_cols))
-    return block, max(1, min(8, block // 512))
+    return {"BLOCK": block, "num_warps": max(1, min(8, block // 512))}
 
 
 # ---- per-chunk building blocks (single device and vocab-parallel) ----
@@ -145,10 +149,9 @@ def fused_loss_and_grad_(
     loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
     lse = torch.empty_like(loss)
     grad = logits if grad_out is None else grad_out
-    block, warps = _block(n)
     wrap_triton(_ce_fused_kernel)[(rows,)](
         logits, grad, labels, scale if scale is not None else loss, loss, lse, logits.stride(0), grad.stride(0), n,
-        IGNORE=IGNORE_INDEX, COMPUTE_GRAD=scale is not None, BLOCK=block, num_warps=warps,
+        IGNORE=IGNORE_INDEX, COMPUTE_GRAD=scale is not None, **launch_config(n),
     )
     return loss, lse
 
@@ -166,9 +169,8 @@ def logit_stats(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int = 0
     """
     rows, n = logits.shape
     m, s, t = (torch.empty(rows, dtype=torch.float32, device=logits.device) for _ in range(3))
-    block, warps = _block(n)
-    wrap_triton(_stats_kernel)[(rows,)](logits, labels, m, s, t, logits.stride(0), n, vocab_start, BLOCK=block,
-                                        num_warps=warps)
+    wrap_triton(_stats_kernel)[(rows,)](logits, labels, m, s, t, logits.stride(0), n, vocab_start,
+                                        **launch_config(n))
     return m, s, t
 
 
@@ -191,9 +193,8 @@ def softmax_grad_(
     """
     rows, n = logits.shape
     out = logits if out is None else out
-    block, warps = _block(n)
     wrap_triton(_grad_kernel)[(rows,)](logits, out, labels, lse, scale, logits.stride(0), out.stride(0), n,
-                                       vocab_start, IGNORE=IGNORE_INDEX, BLOCK=block, num_warps=warps)
+                                       vocab_start, IGNORE=IGNORE_INDEX, **launch_config(n))
     return out
 
 
