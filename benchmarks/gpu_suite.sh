@@ -32,6 +32,9 @@
 #               The defaults include the bf16 weight copies of one process; I6_FLAGS adds flags to every
 #               row and I6_TAG a suffix to its name, e.g. I6_FLAGS=--train.bf16_weight_copies=false
 #               I6_TAG=-nocopies for the same rows without them
+#   kernels     benchmarks/kernels.py: issue 6's kernel table (KERNEL_OPS: a comma-separated subset of ops)
+#   ce-sweep    benchmarks/ce_launch_sweep.py: the cross-entropy kernels under every launch setting of a
+#               small grid, against the current one
 #   host-time   benchmarks/host_time.py on gpt2-125m and llama-1b: host time per step against the wall,
 #               and the CUDA runtime calls that can block the host inside two steps
 #   tp-mbsN     TP=2 with tp_async_grad_reduce at micro-batch N, against 1gpu-mbsN (fewer
@@ -196,6 +199,13 @@ for part in $parts; do
         job "$name" 400 python3 ${row#*|} ${I6_FLAGS:-} --out "$out/$name.json" --run-dir "$runs/$name"
         grep -A4 "^impl" "$out/$name.log" 2>/dev/null
       done ;;
+    kernels)
+      job kernels 480 python3 benchmarks/kernels.py ${KERNEL_OPS:+--ops "$KERNEL_OPS"} --rounds 2 --budget-s 150 \
+        --out "$out/kernels.json"
+      tail -n 30 "$out/kernels.log" ;;
+    ce-sweep)
+      job ce-sweep 360 python3 benchmarks/ce_launch_sweep.py --out "$out/ce-sweep.json"
+      tail -n 80 "$out/ce-sweep.log" ;;
     host-time)
       for cfg in gpt2-125m llama-1b; do
         job "host-time-$cfg" 300 python3 benchmarks/host_time.py --config "deploy/configs/$cfg.toml" \
