@@ -11,18 +11,20 @@ grid, against the current `launch_config` in the same run (the baseline row, rat
 * `grad`: the backward pass, (softmax - one_hot) * scale into a new tensor: reads the logits
   and writes the gradient;
 * `fused`: forward and gradient in one program, in place (what the fused linear +
-  cross-entropy runs on each chunk): reads the row, reads it again while it is still in L2,
-  and writes the gradient over it.
+  cross-entropy runs on each chunk): reads the row, reads it again, and writes the gradient
+  over it.
 
 Each time is `triton.testing.do_bench`'s median (L2 flushed before every call) of one call on
-bf16 logits (rows, vocab). GB/s counts the bytes DRAM must move at least (the logits once per
-read pass that cannot come from L2, the gradient once), reported against a device-to-device
-copy measured in the same run. Needs CUDA and Triton. Prints a table, writes JSON.
+bf16 logits (rows, vocab). GB/s counts the bytes DRAM must move at least: the logits once
+per pass, except the fused kernel's second read (which could come from L2), and the gradient
+once; it is reported against a device-to-device copy measured in the same run. Needs CUDA and
+Triton. Prints a table, writes JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import itertools
 import json
 import platform
@@ -85,7 +87,7 @@ def main() -> None:
         sys.exit("benchmarks/ce_launch_sweep.py needs a CUDA GPU")
     import triton
 
-    from kernels import cross_entropy as ce
+    ce = importlib.import_module("kernels.cross_entropy")  # the package's `cross_entropy` is the dispatching op
 
     start = time.time()
     copy = copy_bandwidth()
