@@ -51,12 +51,12 @@ def wrap_triton(kernel):
     hash their source into the compile cache's key, so an edited kernel is recompiled instead
     of served stale from the cache.
     """
-    if interpreting() or not hasattr(torch.library, "wrap_triton") or not _tracing():
+    if interpreting() or not hasattr(torch.library, "wrap_triton") or not tracing():
         return kernel
     return torch.library.wrap_triton(kernel)
 
 
-def _tracing() -> bool:
+def tracing() -> bool:
     """Whether a TorchDispatchMode (AOT autograd's functionalization / proxy tracing) is active."""
     current = getattr(torch.utils._python_dispatch, "_get_current_dispatch_mode", None)
     return current is None or current() is not None
