@@ -135,3 +135,23 @@ def test_vocab_shards_combine_to_the_full_softmax():
         shard = logits[:, a:b].contiguous()
         torch.testing.assert_close(softmax_grad_(shard, labels, lse, scale, a).double(), grad64[:, a:b],
                                    **TOL[torch.float32])
+
+
+def test_tracing_leaves_the_fp32_accumulation_flag_alone(monkeypatch):
+    """While torch.compile traces the fused op (fake tensors), the weight-gradient accumulation
+    takes the two-pass form without trying `out_dtype` (torch 2.11's fake addmm fails on it),
+    so a trace never turns the fast path off for eager calls."""
+    import importlib
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    ce = importlib.import_module("kernels.cross_entropy")  # the package's attribute is the op
+    monkeypatch.setattr(ce, "_MM_FP32_OUT", None)
+    with FakeTensorMode():
+        acc = torch.empty(8, 4, device="cuda", dtype=torch.float32)
+        a = torch.empty(8, 6, device="cuda", dtype=torch.bfloat16)
+        b = torch.empty(6, 4, device="cuda", dtype=torch.bfloat16)
+        # the accumulating call (a fake bf16 -> fp32 copy_, the first chunk's fallback, needs
+        # a CUDA build to trace)
+        ce._accumulate(acc, a, b, first=False)
+    assert ce._MM_FP32_OUT is None
