@@ -6,8 +6,9 @@ Per-row kernels (one program per token row, looping over the vocabulary in block
   * `_row_grad`: a second pass writes (softmax - one_hot) * scale, in place if asked.
 The single-device kernel runs both passes in one program, saving a launch and the
 statistics' round trip; the second read still comes from DRAM at training shapes (about a
-thousand 256 KB rows are in flight at once, far more than L2 holds: BENCHMARKS.md). The two halves are also exposed separately (`logit_stats`, `softmax_grad_`)
-so a vocab-parallel version can put an all-reduce between them:
+thousand 256 KB rows are in flight at once, far more than L2 holds: BENCHMARKS.md). The two
+halves are also exposed separately (`logit_stats`, `softmax_grad_`) so a vocab-parallel
+version can put an all-reduce between them:
 
     m, s, t = logit_stats(local_logits, labels, vocab_start)      # (rows,) each, fp32
     m_all = all_reduce(m.clone(), MAX, tp)                        # global max
