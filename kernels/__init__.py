@@ -134,7 +134,20 @@ gelu = _dispatching("gelu")
 swiglu = _dispatching("swiglu")
 rope = _dispatching("rope")
 cross_entropy = _dispatching("cross_entropy")
-linear_cross_entropy = _dispatching("linear_cross_entropy")
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                         loss_mask: torch.Tensor | None = None, vocab_size: int | None = None, **kwargs):
+    impl = resolve("linear_cross_entropy", hidden.is_cuda)
+    if impl is reference.linear_cross_entropy:
+        # the plain projection, then whichever cross-entropy this place takes: under
+        # torch.compile, 'auto' may hold cross_entropy alone in the compiled set, and its
+        # Triton kernel should then run on these logits
+        return impl(hidden, weight, labels, loss_mask, vocab_size, ce=cross_entropy)
+    return impl(hidden, weight, labels, loss_mask, vocab_size, **kwargs)
+
+
+linear_cross_entropy.__doc__ = reference.linear_cross_entropy.__doc__
 rope_cos_sin = reference.rope_cos_sin
 
 

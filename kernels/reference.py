@@ -77,7 +77,7 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.T
 
 def linear_cross_entropy(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-    loss_mask: torch.Tensor | None = None, vocab_size: int | None = None,
+    loss_mask: torch.Tensor | None = None, vocab_size: int | None = None, *, ce=None,
 ) -> torch.Tensor:
     """Output projection followed by cross-entropy; rows of `weight` past `vocab_size` are padding.
 
@@ -87,7 +87,9 @@ def linear_cross_entropy(
         labels: (...) int64 in [0, vocab_size).
         loss_mask: optional (...) float.
         vocab_size: the real vocabulary; padded rows are left out of the softmax.
+        ce: the cross-entropy applied to the logits; default `cross_entropy` above (the
+            dispatcher passes its own, so the Triton cross-entropy can follow this projection).
     """
     if vocab_size is not None and vocab_size < weight.shape[0]:
         weight = weight[:vocab_size]
-    return cross_entropy(hidden @ weight.t(), labels, loss_mask)
+    return (ce or cross_entropy)(hidden @ weight.t(), labels, loss_mask)

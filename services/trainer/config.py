@@ -183,7 +183,9 @@ class TrainConfig:
     compiled graph instead of Inductor's fusion of the reference; ignored with any other
     kernels setting. Default: RoPE and SwiGLU, whose kernels beat Inductor's fusions (llama-1b
     on an H200: 1.012-1.019x the plain compiled baseline, against 1.001-1.011x with none;
-    adding rms_norm was slower; BENCHMARKS.md). [] keeps every op on the reference."""
+    adding rms_norm was slower; BENCHMARKS.md). [] keeps every op on the reference. The loss:
+    linear_cross_entropy is the fused chunked projection + loss; cross_entropy alone keeps
+    Inductor's projection and runs the Triton cross-entropy on its logits."""
     peak_tflops: float | None = None
     """Peak dense TFLOP/s per device for MFU; unset: known GPUs only (H100/H200: 989)."""
     control_port: int | None = None

@@ -43,3 +43,43 @@ def test_the_config_knows_every_op():
     from services.trainer.config import KERNEL_OPS
 
     assert KERNEL_OPS == kernels.OPS
+
+
+def test_reference_projection_hands_its_logits_to_the_dispatched_cross_entropy(monkeypatch):
+    """Where linear_cross_entropy takes the reference but cross_entropy its Triton kernel (under
+    torch.compile with train.compiled_triton_ops = ["cross_entropy"]), the loss runs through
+    the dispatched cross_entropy on the (tokens, vocab) logits, padding rows cut off."""
+    import torch
+
+    from kernels import reference
+
+    seen = []
+
+    def fake_triton_ce(logits, labels, loss_mask=None):
+        seen.append(tuple(logits.shape))
+        return reference.cross_entropy(logits, labels, loss_mask)
+
+    real = kernels.resolve
+    monkeypatch.setattr(kernels, "resolve",
+                        lambda op, on_cuda: fake_triton_ce if op == "cross_entropy" else real(op, on_cuda))
+    torch.manual_seed(0)
+    h, w = torch.randn(2, 5, 8), torch.randn(12, 8)  # vocabulary 10, padded to 12
+    labels = torch.randint(0, 10, (2, 5))
+    loss = kernels.linear_cross_entropy(h, w, labels, None, 10)
+    assert seen == [(2, 5, 10)]
+    torch.testing.assert_close(loss, reference.linear_cross_entropy(h, w, labels, None, 10))
+
+
+def test_linear_cross_entropy_compiles_whole_on_the_reference():
+    """The dispatcher's choice between the fused op and projection + cross_entropy is made at
+    trace time: no graph break."""
+    import torch
+
+    from kernels import reference
+
+    torch._dynamo.reset()
+    h, w = torch.randn(3, 8), torch.randn(10, 8)
+    labels = torch.randint(0, 10, (3,))
+    f = torch.compile(lambda a, b: kernels.linear_cross_entropy(a, b, labels, None, 10), fullgraph=True)
+    torch.testing.assert_close(f(h, w), reference.linear_cross_entropy(h, w, labels, None, 10))
+    torch._dynamo.reset()
