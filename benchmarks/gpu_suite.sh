@@ -28,7 +28,9 @@
 #               defaults, so llama-1b has RoPE and SwiGLU on Triton); and gpt2-125m with GELU on Triton
 #               as well (--train.compiled_triton_ops='["gelu"]'), which its defaults leave to Inductor;
 #               and llama-1b with the fused linear + cross-entropy on Triton too (no baseline: compare
-#               with the i6-llama-1b row). ~2-3 min a row; I6_ROWS="i6-gpt2-350m i6-llama-1b" runs those only.
+#               with the i6-llama-1b row); and gpt2-125m and llama-1b with the Triton cross-entropy on the
+#               compiled projection's logits (-ce rows, each with its baseline).
+#               ~2-3 min a row; I6_ROWS="i6-gpt2-350m i6-llama-1b" runs those only.
 #               The defaults include the bf16 weight copies of one process; I6_FLAGS adds flags to every
 #               row and I6_TAG a suffix to its name, e.g. I6_FLAGS=--train.bf16_weight_copies=false
 #               I6_TAG=-nocopies for the same rows without them
@@ -192,7 +194,10 @@ for part in $parts; do
           "i6-gpt2-350m|$C --config deploy/configs/gpt2-350m.toml --steps 12 --warmup 5" \
           "i6-llama-1b|$C --config deploy/configs/llama-1b.toml --steps 6 --warmup 3" \
           "i6-llama-1b-lce|$C --config deploy/configs/llama-1b.toml --steps 6 --warmup 3 --skip-baseline \
---train.compiled_triton_ops=[\"rope\",\"swiglu\",\"linear_cross_entropy\"]"; do
+--train.compiled_triton_ops=[\"rope\",\"swiglu\",\"linear_cross_entropy\"]" \
+          "i6-gpt2-125m-s1024-ce|$G1 --train.compiled_triton_ops=[\"cross_entropy\"]" \
+          "i6-llama-1b-ce|$C --config deploy/configs/llama-1b.toml --steps 6 --warmup 3 \
+--train.compiled_triton_ops=[\"rope\",\"swiglu\",\"cross_entropy\"]"; do
         name=${row%%|*}
         [ -n "${I6_ROWS:-}" ] && [[ " $I6_ROWS " != *" $name "* ]] && continue
         name=$name${I6_TAG:-}
