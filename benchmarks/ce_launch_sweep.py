@@ -77,6 +77,12 @@ def time_setting(ce, launch: dict, rows: int, vocab: int) -> dict[str, float]:
         ce.launch_config = original
 
 
+def cells(times: dict[str, float], base: dict[str, float], moved: dict[str, int], copy_gbps: float) -> dict:
+    """{kernel: ms, GB/s, fraction of copy bandwidth, speedup over the default's time}."""
+    return {k: {"ms": ms, "gbps": moved[k] / ms / 1e6, "frac_of_copy": moved[k] / ms / 1e6 / copy_gbps,
+                "speedup_vs_default": base[k] / ms} for k, ms in times.items()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--vocab", default="128256,50304", help="vocabulary sizes, comma-separated")
@@ -100,26 +106,20 @@ def main() -> None:
         moved = {"stats": nbytes, "grad": 2 * nbytes, "fused": 2 * nbytes}
         default = ce.launch_config(vocab)
         base = time_setting(ce, default, args.rows, vocab)
-        rows = []
-        for launch in settings(vocab):
-            times = base if launch == default else time_setting(ce, launch, args.rows, vocab)
-            row = {"vocab": vocab, "launch": launch, "default": launch == default}
-            for k, ms in times.items():
-                row[k] = {"ms": ms, "gbps": moved[k] / ms / 1e6, "frac_of_copy": moved[k] / ms / 1e6 / copy,
-                          "speedup_vs_default": base[k] / ms}
-            rows.append(row)
-        if not any(r["default"] for r in rows):  # the default outside the grid: list it anyway
-            rows.insert(0, {"vocab": vocab, "launch": default, "default": True,
-                            **{k: {"ms": ms, "gbps": moved[k] / ms / 1e6, "frac_of_copy": moved[k] / ms / 1e6 / copy,
-                                   "speedup_vs_default": 1.0} for k, ms in base.items()}})
+
+        # the default is always a row: timed once, and listed even where it is outside the grid
+        timed = [(default, base)] + [(lc, time_setting(ce, lc, args.rows, vocab))
+                                     for lc in settings(vocab) if lc != default]
+        rows = [{"vocab": vocab, "launch": lc, "default": lc == default, **cells(times, base, moved, copy)}
+                for lc, times in timed]
         report["results"].extend(rows)
         print(f"\nvocab {vocab}: ms (% of copy, speedup vs default); * = the current default")
         print(f"{'BLOCK':>6} {'warps':>5} {'stages':>6} | {'stats':>22} | {'grad':>22} | {'fused':>22}")
         for r in sorted(rows, key=lambda r: r["stats"]["ms"] + r["grad"]["ms"]):
             lc = r["launch"]
-            cells = " | ".join(f"{r[k]['ms']:7.3f} ({r[k]['frac_of_copy']:4.0%}, {r[k]['speedup_vs_default']:4.2f}x)"
+            line = " | ".join(f"{r[k]['ms']:7.3f} ({r[k]['frac_of_copy']:4.0%}, {r[k]['speedup_vs_default']:4.2f}x)"
                                for k in ("stats", "grad", "fused"))
-            print(f"{lc['BLOCK']:>6} {lc['num_warps']:>5} {lc.get('num_stages', '-')!s:>6} | {cells}"
+            print(f"{lc['BLOCK']:>6} {lc['num_warps']:>5} {lc.get('num_stages', '-')!s:>6} | {line}"
                   f"{' *' if r['default'] else ''}")
     report["seconds"] = time.time() - start
     print(f"total {report['seconds']:.0f}s")

@@ -8,7 +8,8 @@ contended atomics. The bias is optional (`HAS_BIAS` compiles it out). Both kerne
 autotuned (rows per tile, warps, stages; key: hidden size and row-count bucket), use int32
 offsets unless a tensor passes 2^31 elements, and drop the column mask when the hidden size is
 a power of two. Eager autograd goes through `_LayerNorm`, torch.compile through the custom op
-`meshtrain::layer_norm` (one opaque node, fake implementation for shapes). Spec: `kernels.reference.layer_norm`.
+`meshtrain::layer_norm` (one opaque node, fake implementation for shapes). Spec:
+`kernels.reference.layer_norm`.
 """
 
 from __future__ import annotations
