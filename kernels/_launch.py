@@ -3,12 +3,12 @@
 Kept out of the kernel files because every row-wise kernel makes the same choices; the
 kernels themselves stay one per file.
 
-Row-wise kernels (the norms) are autotuned: `row_configs` spans rows per program, warps and
-(for kernels with a loop) pipeline stages, and `prune_row_configs` keeps, for the row width
-at hand, the configs whose tile fits in registers. The autotune key is the row width plus a
-power-of-two bucket of the row count (`row_bucket`), so a training run tunes once per norm
-shape. The heuristic config (the launch used before autotuning) is always in the space, so
-tuning can only pick something at least as fast. Under Triton's CPU interpreter, or with
+Row-wise kernels (the norms) are autotuned: `row_configs` spans rows per program and warps,
+and `prune_row_configs` keeps, for the row width at hand, the configs whose tile fits in
+registers. The autotune key is the row width plus a power-of-two bucket of the row count
+(`row_bucket`), so a training run tunes once per norm shape. The heuristic config (the launch
+used before autotuning) is always in the space, so tuning can only pick something at least as
+fast. Under Triton's CPU interpreter, or with
 MESHTRAIN_KERNEL_AUTOTUNE=0, the pruning returns the heuristic alone and nothing is timed.
 
 Every launch goes through `wrap_triton(kernel)` and every op's launcher is registered with
@@ -26,6 +26,7 @@ import os
 import torch
 import torch.utils._python_dispatch
 import triton
+import triton.language as tl
 
 # A row-wise kernel holds a whole row in registers; past this many elements it would spill,
 # so wider rows are refused rather than silently slow (hidden sizes up to 16k fit).
@@ -114,19 +115,18 @@ def rows_per_tile(block: int, values: int = 4096) -> int:
 def heuristic_config(block: int, backward: bool) -> triton.Config:
     """The untuned launch: ~4k values per tile forward, ~2k backward, ~16 values per lane."""
     rows = rows_per_tile(block, 2048 if backward else 4096)
-    return triton.Config({"ROWS": rows}, num_warps=row_warps(rows * block), num_stages=3 if backward else 1)
+    return triton.Config({"ROWS": rows}, num_warps=row_warps(rows * block), num_stages=1)
 
 
 def row_configs(backward: bool) -> list[triton.Config]:
     """The autotune space of a norm kernel, before pruning to a row width.
 
-    Forward has no loop, so stages do not matter; backward loops over tiles, where 3 stages
-    let the compiler prefetch the next tiles' x and dy while this one reduces (1: no
-    prefetch, fewer registers and no shared memory).
+    One pipeline stage throughout: forward has no loop, and backward issues each tile's loads
+    a tile ahead itself, which measured faster on an H200 than Triton's software pipelining
+    of the plain loop (3 stages) at every hidden size tried (768-4096; BENCHMARKS.md).
     """
-    stages = (1, 3) if backward else (1,)
-    return [triton.Config({"ROWS": r}, num_warps=w, num_stages=s)
-            for r in (1, 2, 4, 8, 16, 32) for w in (1, 2, 4, 8, 16) for s in stages]
+    return [triton.Config({"ROWS": r}, num_warps=w, num_stages=1)
+            for r in (1, 2, 4, 8, 16, 32) for w in (1, 2, 4, 8, 16)]
 
 
 def prune_row_configs(backward: bool):
@@ -166,19 +166,45 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def reduction_programs(rows: int, device: torch.device, per_sm: int = 8) -> tuple[int, int]:
+REDUCTION_PROGRAMS_PER_SM = 4
+"""Programs per SM of the norms' backward kernels (`reduction_programs`).
+
+Measured on an H200 with the prefetching backward loop (BENCHMARKS.md, kernels "Fifth run"):
+fewer, longer programs keep the loop's next loads in flight with fewer partial rows to sum.
+"""
+
+
+def reduction_programs(rows: int, device: torch.device, per_sm: int | None = None) -> tuple[int, int]:
     """(programs, rows each) for a kernel that also reduces a per-column sum (norm weight grads).
 
     Each program walks a contiguous run of rows, tile by tile, and writes one fp32 partial row;
-    a few programs per SM keep the GPU busy while the partials (programs x hidden) stay a few
-    percent of the traffic (8 per SM measured best of 2/4/8/16 on an H200, hidden 1k-4k).
+    a few programs per SM (`REDUCTION_PROGRAMS_PER_SM` unless `per_sm` is given) keep the GPU
+    busy while the partials (programs x hidden) stay a few percent of the traffic.
     The count does not depend on the autotuned tile, so the partial buffer is sized before
     the launch and every program writes its whole partial row (no zero-fill, nothing for
     autotune's repeated launches to corrupt). Under the CPU interpreter a handful suffices.
     """
+    per_sm = REDUCTION_PROGRAMS_PER_SM if per_sm is None else per_sm
     target = per_sm * sm_count(device.index or 0) if device.type == "cuda" else 4
     per_program = triton.cdiv(rows, max(1, min(rows, target)))
     return triton.cdiv(rows, per_program), per_program  # no program left without rows
+
+
+@triton.jit
+def row_tile(start, end, cols_ok, ROWS: tl.constexpr, EVEN_COLS: tl.constexpr, INT64: tl.constexpr):
+    """(rows, mask) of the tile of ROWS rows from `start`, rows at or past `end` masked off.
+
+    For the norms' backward loops, which compute each tile's offsets a tile ahead. The mask
+    is (ROWS, 1) when the hidden size fills the block (EVEN_COLS), else (ROWS, BLOCK).
+    """
+    rows = start + tl.arange(0, ROWS)
+    if INT64:
+        rows = rows.to(tl.int64)
+    if EVEN_COLS:
+        mask = (rows < end)[:, None]
+    else:
+        mask = (rows < end)[:, None] & cols_ok[None, :]
+    return rows, mask
 
 
 def as_rows(x: torch.Tensor) -> torch.Tensor:

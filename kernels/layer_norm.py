@@ -2,10 +2,10 @@
 
 Same plan as `kernels/rms_norm.py`: forward normalizes tiles of a few whole rows in registers
 and saves mean and rstd (fp32, one each per row); backward has a few programs per SM walk
-contiguous runs of rows, writing dx and accumulating private fp32 partials of the weight and
-bias gradients, summed afterwards (both in one launch, `kernels/_column_sums.py`) instead of
-contended atomics. The bias is optional (`HAS_BIAS` compiles it out). Both kernels are
-autotuned (rows per tile, warps, stages; key: hidden size and row-count bucket), use int32
+contiguous runs of rows (each tile's loads issued a tile ahead), writing dx and accumulating
+private fp32 partials of the weight and bias gradients, summed afterwards (both in one
+launch, `kernels/_column_sums.py`) instead of contended atomics. The bias is optional (`HAS_BIAS` compiles it out). Both kernels are
+autotuned (rows per tile and warps; key: hidden size and row-count bucket), use int32
 offsets unless a tensor passes 2^31 elements, and drop the column mask when the hidden size is
 a power of two. Eager autograd goes through `_LayerNorm`, torch.compile through the custom op
 `meshtrain::layer_norm` (one opaque node, fake implementation for shapes). Spec:
@@ -30,6 +30,7 @@ from kernels._launch import (
     row_block,
     row_bucket,
     row_configs,
+    row_tile,
     wrap_triton,
 )
 
@@ -84,20 +85,21 @@ def _layer_norm_bwd(
     db = tl.zeros((BLOCK,), dtype=tl.float32)
     first = pid * rows_per_program
     end = tl.minimum(first + rows_per_program, n_rows)
-    # a trip count from the host, masked at the run's end, as in rms_norm's backward
+    # a trip count from the host, masked at the run's end, as in rms_norm's backward; each
+    # tile's loads are issued a tile ahead, before the previous tile's reductions
+    rows, mask = row_tile(first, end, cols_ok, ROWS, EVEN_COLS, INT64)
+    x_next = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0)
+    dy_next = tl.load(dy_ptr + rows[:, None] * dy_stride + cols[None, :], mask=mask, other=0.0)
+    mean_next = tl.load(mean_ptr + rows, mask=rows < end, other=0.0)
+    rstd_next = tl.load(rstd_ptr + rows, mask=rows < end, other=0.0)
     for start in range(0, rows_per_program, ROWS):
-        rows = first + start + tl.arange(0, ROWS)
-        if INT64:
-            rows = rows.to(tl.int64)
-        row_ok = rows < end
-        if EVEN_COLS:
-            mask = row_ok[:, None]
-        else:
-            mask = row_ok[:, None] & cols_ok[None, :]
-        x = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + rows[:, None] * dy_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)[:, None]
-        rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)[:, None]
+        x, dy = x_next.to(tl.float32), dy_next.to(tl.float32)
+        mean, rstd = mean_next[:, None], rstd_next[:, None]
+        rows_after, mask_after = row_tile(first + start + ROWS, end, cols_ok, ROWS, EVEN_COLS, INT64)
+        x_next = tl.load(x_ptr + rows_after[:, None] * x_stride + cols[None, :], mask=mask_after, other=0.0)
+        dy_next = tl.load(dy_ptr + rows_after[:, None] * dy_stride + cols[None, :], mask=mask_after, other=0.0)
+        mean_next = tl.load(mean_ptr + rows_after, mask=rows_after < end, other=0.0)
+        rstd_next = tl.load(rstd_ptr + rows_after, mask=rows_after < end, other=0.0)
         # masked lanes: x = 0 gives -mean * rstd, kept out of the sums below (dy and w are 0
         # there, so only the sums of x_hat alone would see it; zeroing keeps dw exact)
         x_hat = tl.where(mask, (x - mean) * rstd, 0.0)
@@ -110,6 +112,7 @@ def _layer_norm_bwd(
         dw += tl.sum(dy * x_hat, axis=0)
         if HAS_BIAS:
             db += tl.sum(dy, axis=0)
+        rows, mask = rows_after, mask_after
     tl.store(dw_partial_ptr + pid * n_cols + cols, dw, mask=cols_ok)
     if HAS_BIAS:
         tl.store(db_partial_ptr + pid * n_cols + cols, db, mask=cols_ok)
