@@ -44,6 +44,24 @@ def test_reduction_programs_cover_every_row_once(rows):
     assert (programs - 1) * per_program < rows <= programs * per_program
 
 
+@pytest.mark.parametrize("per_sm", [None, 1, 2, 8])
+@pytest.mark.parametrize("rows", [1, 131, 16384, 16385])
+def test_reduction_programs_on_a_gpu_cover_every_row_once_within_the_per_sm_budget(monkeypatch, rows, per_sm):
+    """On a CUDA device the count follows the SMs: at most per_sm (default
+    REDUCTION_PROGRAMS_PER_SM) programs per SM, none of them without rows."""
+    import torch
+
+    from kernels import _launch
+
+    monkeypatch.setattr(_launch, "sm_count", lambda index: 132)
+    programs, per_program = _launch.reduction_programs(rows, torch.device("cuda", 0), per_sm)
+    budget = 132 * (per_sm or _launch.REDUCTION_PROGRAMS_PER_SM)
+    assert (programs - 1) * per_program < rows <= programs * per_program
+    assert programs <= budget
+    # a row each while they fit; past that, rounding the run length up idles under half the budget
+    assert programs == rows if rows <= budget else programs > budget // 2
+
+
 @pytest.mark.parametrize("interpreted", [False, True])
 def test_kernel_op_is_traced_into_on_a_gpu_build_and_opaque_under_the_interpreter(monkeypatch, interpreted):
     """`kernel_op` makes a `triton_op` when Triton compiles for a GPU: AOT autograd traces its
