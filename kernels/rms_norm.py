@@ -3,11 +3,11 @@
 Forward: each program normalizes a tile of a few whole rows held in registers, computes rstd
 in fp32 and saves it (one float per row) so backward need not redo the reduction. Backward: a
 few programs per SM each walk a contiguous run of rows tile by tile, loading each tile while
-the one before it reduces, write dx and accumulate
-dy * x_hat into a private fp32 partial of the weight gradient; the partials (programs x
-hidden) are summed afterwards, in one launch with the cast to the weight's dtype
-(`kernels/_column_sums.py`). That avoids atomics on one shared row, which serialize and make
-the result order-dependent. Both kernels are autotuned over rows per tile and warps, keyed on the hidden size and the row count's power-of-two bucket
+the one before it reduces, write dx and accumulate dy * x_hat into a private fp32 partial of
+the weight gradient; the partials (programs x hidden) are summed afterwards, in one launch
+with the cast to the weight's dtype (`kernels/_column_sums.py`). That avoids atomics on one
+shared row, which serialize and make the result order-dependent. Both kernels are autotuned
+over rows per tile and warps, keyed on the hidden size and the row count's power-of-two bucket
 (`kernels/_launch.py`); both only write fresh outputs, so autotune's repeated launches are
 harmless. Offsets are int32 unless a tensor passes 2^31 elements (`INT64`), and the column mask
 is compiled out when the hidden size is a power of two (`EVEN_COLS`).
