@@ -191,7 +191,7 @@ def reduction_programs(rows: int, device: torch.device, per_sm: int | None = Non
 
 
 @triton.jit
-def row_tile(start, end, cols_ok, ROWS: tl.constexpr, EVEN_COLS: tl.constexpr, INT64: tl.constexpr):
+def _row_tile(start, end, cols_ok, ROWS: tl.constexpr, EVEN_COLS: tl.constexpr, INT64: tl.constexpr):
     """(rows, mask) of the tile of ROWS rows from `start`, rows at or past `end` masked off.
 
     For the norms' backward loops, which compute each tile's offsets a tile ahead. The mask

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from kernels._column_sums import column_sums
 from kernels._launch import (
+    _row_tile,
     as_rows,
     kernel_op,
     needs_int64,
@@ -30,7 +31,6 @@ from kernels._launch import (
     row_block,
     row_bucket,
     row_configs,
-    row_tile,
     wrap_triton,
 )
 
@@ -87,7 +87,7 @@ def _layer_norm_bwd(
     end = tl.minimum(first + rows_per_program, n_rows)
     # a trip count from the host, masked at the run's end, as in rms_norm's backward; each
     # tile's loads are issued a tile ahead, before the previous tile's reductions
-    rows, mask = row_tile(first, end, cols_ok, ROWS, EVEN_COLS, INT64)
+    rows, mask = _row_tile(first, end, cols_ok, ROWS, EVEN_COLS, INT64)
     x_next = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0)
     dy_next = tl.load(dy_ptr + rows[:, None] * dy_stride + cols[None, :], mask=mask, other=0.0)
     mean_next = tl.load(mean_ptr + rows, mask=rows < end, other=0.0)
@@ -95,7 +95,7 @@ def _layer_norm_bwd(
     for start in range(0, rows_per_program, ROWS):
         x, dy = x_next.to(tl.float32), dy_next.to(tl.float32)
         mean, rstd = mean_next[:, None], rstd_next[:, None]
-        rows_after, mask_after = row_tile(first + start + ROWS, end, cols_ok, ROWS, EVEN_COLS, INT64)
+        rows_after, mask_after = _row_tile(first + start + ROWS, end, cols_ok, ROWS, EVEN_COLS, INT64)
         x_next = tl.load(x_ptr + rows_after[:, None] * x_stride + cols[None, :], mask=mask_after, other=0.0)
         dy_next = tl.load(dy_ptr + rows_after[:, None] * dy_stride + cols[None, :], mask=mask_after, other=0.0)
         mean_next = tl.load(mean_ptr + rows_after, mask=rows_after < end, other=0.0)

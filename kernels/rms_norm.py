@@ -28,6 +28,7 @@ import triton.language as tl
 
 from kernels._column_sums import column_sums
 from kernels._launch import (
+    _row_tile,
     as_rows,
     kernel_op,
     needs_int64,
@@ -36,7 +37,6 @@ from kernels._launch import (
     row_block,
     row_bucket,
     row_configs,
-    row_tile,
     wrap_triton,
 )
 
@@ -84,13 +84,13 @@ def _rms_norm_bwd(
     # Each tile's loads are issued a tile ahead, so they are in flight while the previous
     # tile reduces (the last loop's loads are all masked off: no traffic). On an H200 that
     # took hidden 2k-8k from 70% of copy bandwidth to 81-88%.
-    rows, mask = row_tile(first, end, cols_ok, ROWS, EVEN_COLS, INT64)
+    rows, mask = _row_tile(first, end, cols_ok, ROWS, EVEN_COLS, INT64)
     x_next = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0)
     dy_next = tl.load(dy_ptr + rows[:, None] * dy_stride + cols[None, :], mask=mask, other=0.0)
     rstd_next = tl.load(rstd_ptr + rows, mask=rows < end, other=0.0)
     for start in range(0, rows_per_program, ROWS):
         x, dy, rstd = x_next.to(tl.float32), dy_next.to(tl.float32), rstd_next[:, None]
-        rows_after, mask_after = row_tile(first + start + ROWS, end, cols_ok, ROWS, EVEN_COLS, INT64)
+        rows_after, mask_after = _row_tile(first + start + ROWS, end, cols_ok, ROWS, EVEN_COLS, INT64)
         x_next = tl.load(x_ptr + rows_after[:, None] * x_stride + cols[None, :], mask=mask_after, other=0.0)
         dy_next = tl.load(dy_ptr + rows_after[:, None] * dy_stride + cols[None, :], mask=mask_after, other=0.0)
         rstd_next = tl.load(rstd_ptr + rows_after, mask=rows_after < end, other=0.0)
