@@ -8,8 +8,8 @@ and `prune_row_configs` keeps, for the row width at hand, the configs whose tile
 registers. The autotune key is the row width plus a power-of-two bucket of the row count
 (`row_bucket`), so a training run tunes once per norm shape. The heuristic config (the launch
 used before autotuning) is always in the space, so tuning can only pick something at least as
-fast. Under Triton's CPU interpreter, or with
-MESHTRAIN_KERNEL_AUTOTUNE=0, the pruning returns the heuristic alone and nothing is timed.
+fast. Under Triton's CPU interpreter, or with MESHTRAIN_KERNEL_AUTOTUNE=0, the pruning
+returns the heuristic alone and nothing is timed.
 
 Every launch goes through `wrap_triton(kernel)` and every op's launcher is registered with
 `kernel_op`: on a GPU build that is a `torch.library.triton_op`, whose body torch.compile

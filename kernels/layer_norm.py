@@ -4,12 +4,12 @@ Same plan as `kernels/rms_norm.py`: forward normalizes tiles of a few whole rows
 and saves mean and rstd (fp32, one each per row); backward has a few programs per SM walk
 contiguous runs of rows (each tile's loads issued a tile ahead), writing dx and accumulating
 private fp32 partials of the weight and bias gradients, summed afterwards (both in one
-launch, `kernels/_column_sums.py`) instead of contended atomics. The bias is optional (`HAS_BIAS` compiles it out). Both kernels are
-autotuned (rows per tile and warps; key: hidden size and row-count bucket), use int32
-offsets unless a tensor passes 2^31 elements, and drop the column mask when the hidden size is
-a power of two. Eager autograd goes through `_LayerNorm`, torch.compile through the custom op
-`meshtrain::layer_norm` (one opaque node, fake implementation for shapes). Spec:
-`kernels.reference.layer_norm`.
+launch, `kernels/_column_sums.py`) instead of contended atomics. The bias is optional
+(`HAS_BIAS` compiles it out). Both kernels are autotuned (rows per tile and warps; key: hidden
+size and row-count bucket), use int32 offsets unless a tensor passes 2^31 elements, and drop
+the column mask when the hidden size is a power of two. Eager autograd goes through
+`_LayerNorm`, torch.compile through the custom op `meshtrain::layer_norm` (one opaque node,
+fake implementation for shapes). Spec: `kernels.reference.layer_norm`.
 """
 
 from __future__ import annotations
