@@ -41,6 +41,7 @@ from services.trainer.parallel import mappings, recompute
 from services.trainer.parallel.data import DataParallel, forward_units
 from services.trainer.parallel.mesh import Mesh, env_rank_world, init_process_group
 from services.trainer.parallel.tensor import parallelize
+from services.trainer.uploads import Uploader
 from services.trainer.weight_copies import WeightCopies, call_with
 
 log = logging.getLogger("meshtrain.train")
@@ -134,6 +135,7 @@ class Trainer:
             kernels.set_mode(t.kernels)
         self.device = pick_device(job.train.device)
         apply_cuda_options(job.train, self.device)
+        self.uploader = Uploader(self.device)
         self.mesh = build_mesh(job, self.device)
         self.is_main = self.mesh.rank == 0
         if not self.is_main:
@@ -307,11 +309,6 @@ class Trainer:
         finally:
             signal.signal(signal.SIGTERM, previous)
 
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t
-
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over the global batch of `step` (0-based); returns (loss, grad_norm) on device."""
         micro = self.data.train.micro_batches(step)
@@ -321,8 +318,8 @@ class Trainer:
             self.weight_copies.refresh()  # this step's weights: after the last update or a load
             copies = self.weight_copies.copies
         total = torch.zeros((), device=self.device)
-        for i, batch in enumerate(micro):
-            tokens, labels, mask = (self._to_device(t) for t in (batch.tokens, batch.labels, batch.loss_mask))
+        uploads = self.uploader.upload([(b.tokens, b.labels, b.loss_mask) for b in micro])
+        for i, (tokens, labels, mask) in enumerate(uploads):
             last = i == len(micro) - 1
             sync = self.ddp.no_sync() if self.ddp is not None and not last else contextlib.nullcontext()
             with sync:
@@ -347,8 +344,8 @@ class Trainer:
         assert self.data.valid is not None
         self.model.eval()
         losses = []
-        for batch in self.data.valid.micro_batches(0):
-            tokens, labels, mask = (self._to_device(t) for t in (batch.tokens, batch.labels, batch.loss_mask))
+        batches = self.data.valid.micro_batches(0)
+        for tokens, labels, mask in self.uploader.upload([(b.tokens, b.labels, b.loss_mask) for b in batches]):
             with self.autocast:
                 losses.append(self.forward(tokens, labels, mask).float())
         self.model.train()
