@@ -2,11 +2,12 @@
 
 Forward: each program normalizes a tile of a few whole rows held in registers, computes rstd
 in fp32 and saves it (one float per row) so backward need not redo the reduction. Backward: a
-few programs per SM each walk a contiguous run of rows tile by tile, loading each tile while
-the one before it reduces, write dx and accumulate dy * x_hat into a private fp32 partial of
-the weight gradient; the partials (programs x hidden) are summed afterwards, in one launch
-with the cast to the weight's dtype (`kernels/_column_sums.py`). That avoids atomics on one
-shared row, which serialize and make the result order-dependent. Both kernels are autotuned
+few programs per SM each walk every programs-th row (so the programs in flight read
+neighbouring rows), tile by tile, loading each tile while the one before it reduces, write dx
+and accumulate dy * x_hat into a private fp32 partial of the weight gradient; the partials
+(programs x hidden) are summed afterwards, in one launch with the cast to the weight's dtype
+(`kernels/_column_sums.py`). That avoids atomics on one shared row, which serialize and make
+the result order-dependent. Both kernels are autotuned
 over rows per tile and warps, keyed on the hidden size and the row count's power-of-two bucket
 (`kernels/_launch.py`); both only write fresh outputs, so autotune's repeated launches are
 harmless. Offsets are int32 unless a tensor passes 2^31 elements (`INT64`), and the column mask
@@ -28,7 +29,7 @@ import triton.language as tl
 
 from kernels._column_sums import column_sums
 from kernels._launch import (
-    _row_tile,
+    _row_tile_interleaved,
     as_rows,
     kernel_op,
     needs_int64,
@@ -39,6 +40,12 @@ from kernels._launch import (
     row_configs,
     wrap_triton,
 )
+
+
+BACKWARD_PROGRAMS_PER_SM = 2
+"""Programs per SM of the backward kernel. With its interleaved rows, two measured as fast as
+four or faster at hidden 2048-4096 on an H200 (BENCHMARKS.md, kernels "Sixth run"); LayerNorm
+keeps contiguous runs at `_launch.REDUCTION_PROGRAMS_PER_SM`."""
 
 
 @triton.autotune(configs=row_configs(backward=False), key=["n_cols", "row_bucket"],
@@ -77,23 +84,22 @@ def _rms_norm_bwd(
     cols_ok = cols < n_cols
     w = tl.load(w_ptr + cols, mask=cols_ok, other=0.0).to(tl.float32)
     dw = tl.zeros((BLOCK,), dtype=tl.float32)
-    first = pid * rows_per_program
-    end = tl.minimum(first + rows_per_program, n_rows)
-    # a trip count from the host (this program's run of rows), masked at the run's end: a
-    # bound computed in the kernel would also do on the GPU, but not under the CPU interpreter.
-    # Each tile's loads are issued a tile ahead, so they are in flight while the previous
-    # tile reduces (the last loop's loads are all masked off: no traffic). On an H200 that
-    # took hidden 2k-8k from 70% of copy bandwidth to 81-88%.
-    rows, mask = _row_tile(first, end, cols_ok, ROWS, EVEN_COLS, INT64)
+    # a trip count from the host (rows per program), rows past the end masked: a bound
+    # computed in the kernel would also do on the GPU, but not under the CPU interpreter.
+    # Program p takes rows p, p + P, p + 2P, ... (`_row_tile_interleaved`). Each tile's loads
+    # are issued a tile ahead, so they are in flight while the previous tile reduces (the last
+    # loop's loads are all masked off: no traffic). On an H200 the two took hidden 2k-4k from
+    # 70% of copy bandwidth to 84-90%.
+    rows, mask = _row_tile_interleaved(0, n_rows, cols_ok, ROWS, EVEN_COLS, INT64)
     x_next = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0)
     dy_next = tl.load(dy_ptr + rows[:, None] * dy_stride + cols[None, :], mask=mask, other=0.0)
-    rstd_next = tl.load(rstd_ptr + rows, mask=rows < end, other=0.0)
+    rstd_next = tl.load(rstd_ptr + rows, mask=rows < n_rows, other=0.0)
     for start in range(0, rows_per_program, ROWS):
         x, dy, rstd = x_next.to(tl.float32), dy_next.to(tl.float32), rstd_next[:, None]
-        rows_after, mask_after = _row_tile(first + start + ROWS, end, cols_ok, ROWS, EVEN_COLS, INT64)
+        rows_after, mask_after = _row_tile_interleaved(start + ROWS, n_rows, cols_ok, ROWS, EVEN_COLS, INT64)
         x_next = tl.load(x_ptr + rows_after[:, None] * x_stride + cols[None, :], mask=mask_after, other=0.0)
         dy_next = tl.load(dy_ptr + rows_after[:, None] * dy_stride + cols[None, :], mask=mask_after, other=0.0)
-        rstd_next = tl.load(rstd_ptr + rows_after, mask=rows_after < end, other=0.0)
+        rstd_next = tl.load(rstd_ptr + rows_after, mask=rows_after < n_rows, other=0.0)
         x_hat = x * rstd
         wdy = w[None, :] * dy
         # d/dx of x*rstd: the rstd term plus the term through mean(x^2)
@@ -123,7 +129,7 @@ def _backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: tor
     rows, n = x2.shape
     dx = torch.empty((rows, n), dtype=x2.dtype, device=x2.device)
     block = row_block(n)
-    programs, per_program = reduction_programs(rows, x2.device)
+    programs, per_program = reduction_programs(rows, x2.device, BACKWARD_PROGRAMS_PER_SM)
     partial = torch.empty((programs, n), dtype=torch.float32, device=x2.device)
     wrap_triton(_rms_norm_bwd)[(programs,)](
         dy2, x2, weight.contiguous(), rstd, dx, partial, dy2.stride(0), x2.stride(0), dx.stride(0),
