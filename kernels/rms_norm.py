@@ -7,11 +7,11 @@ neighbouring rows), tile by tile, loading each tile while the one before it redu
 and accumulate dy * x_hat into a private fp32 partial of the weight gradient; the partials
 (programs x hidden) are summed afterwards, in one launch with the cast to the weight's dtype
 (`kernels/_column_sums.py`). That avoids atomics on one shared row, which serialize and make
-the result order-dependent. Both kernels are autotuned
-over rows per tile and warps, keyed on the hidden size and the row count's power-of-two bucket
-(`kernels/_launch.py`); both only write fresh outputs, so autotune's repeated launches are
-harmless. Offsets are int32 unless a tensor passes 2^31 elements (`INT64`), and the column mask
-is compiled out when the hidden size is a power of two (`EVEN_COLS`).
+the result order-dependent. Both kernels are autotuned over rows per tile and warps, keyed on
+the hidden size and the row count's power-of-two bucket (`kernels/_launch.py`); both only
+write fresh outputs, so autotune's repeated launches are harmless. Offsets are int32 unless a
+tensor passes 2^31 elements (`INT64`), and the column mask is compiled out when the hidden size
+is a power of two (`EVEN_COLS`).
 
 Two entry points share the launchers: eager autograd goes through `_RMSNorm` (the fewest
 Python layers per call), torch.compile through the custom op `meshtrain::rms_norm`, which

@@ -309,6 +309,10 @@ class Trainer:
         finally:
             signal.signal(signal.SIGTERM, previous)
 
+    def _on_device(self, batches):
+        """(tokens, labels, loss_mask) of each micro-batch on the device, in order (`Uploader`)."""
+        return self.uploader.upload([(b.tokens, b.labels, b.loss_mask) for b in batches])
+
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over the global batch of `step` (0-based); returns (loss, grad_norm) on device."""
         micro = self.data.train.micro_batches(step)
@@ -318,8 +322,7 @@ class Trainer:
             self.weight_copies.refresh()  # this step's weights: after the last update or a load
             copies = self.weight_copies.copies
         total = torch.zeros((), device=self.device)
-        uploads = self.uploader.upload([(b.tokens, b.labels, b.loss_mask) for b in micro])
-        for i, (tokens, labels, mask) in enumerate(uploads):
+        for i, (tokens, labels, mask) in enumerate(self._on_device(micro)):
             last = i == len(micro) - 1
             sync = self.ddp.no_sync() if self.ddp is not None and not last else contextlib.nullcontext()
             with sync:
@@ -344,8 +347,7 @@ class Trainer:
         assert self.data.valid is not None
         self.model.eval()
         losses = []
-        batches = self.data.valid.micro_batches(0)
-        for tokens, labels, mask in self.uploader.upload([(b.tokens, b.labels, b.loss_mask) for b in batches]):
+        for tokens, labels, mask in self._on_device(self.data.valid.micro_batches(0)):
             with self.autocast:
                 losses.append(self.forward(tokens, labels, mask).float())
         self.model.train()
