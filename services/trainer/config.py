@@ -157,6 +157,13 @@ class TrainConfig:
     gradient reductions hook the fp32 parameters); true asks for it, false turns it off."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """'auto' picks CUDA when present."""
+    cuda_graph: bool = False
+    """CUDA, one process: capture one micro-batch's forward and backward (gradients accumulated
+    inside it) as a CUDA graph at the first step and replay it for every micro-batch, launching
+    its thousands of kernels with one call (services/trainer/graphs.py). Gradients are then
+    zeroed in place instead of dropped; the graph holds one micro-batch's activations for the
+    whole run, and every micro-batch must have the same shape (it does: fixed micro-batch size
+    and sequence length)."""
     compile: bool = False
     """Wrap the model in torch.compile."""
     compile_overlap_scheduling: bool = False
@@ -215,6 +222,9 @@ class TrainConfig:
         if self.bf16_weight_copies and not self.bf16:
             raise ConfigError("train.bf16_weight_copies keeps bf16 copies of the weights for bf16 autocast: "
                               "it needs train.bf16=true")
+        if self.cuda_graph and self.device == "cpu":
+            raise ConfigError("train.cuda_graph captures the step as a CUDA graph: it needs a CUDA device, but "
+                              "train.device='cpu'")
         if self.compile_overlap_scheduling and not self.compile:
             raise ConfigError("train.compile_overlap_scheduling reorders compiled graphs: it needs train.compile=true")
 

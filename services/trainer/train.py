@@ -33,6 +33,7 @@ from services.trainer import checkpointing
 from services.trainer.config import JobConfig, replace
 from services.trainer.cuda_options import apply_cuda_options
 from services.trainer.data import build_data
+from services.trainer.graphs import MicroBatchGraph
 from services.trainer.metrics import MetricsLog, peak_tflops, plot_losses
 from services.trainer.model.gpt import GPT
 from services.trainer.optim.optimizer import build_optimizer, clip_grad_norm, set_lr
@@ -213,6 +214,18 @@ class Trainer:
         self.autocast = (
             torch.autocast(self.device.type, dtype=torch.bfloat16) if job.train.bf16 else contextlib.nullcontext()
         )
+        self.graph = None
+        if job.train.cuda_graph:
+            if self.device.type != "cuda":
+                raise ConfigError(f"train.cuda_graph needs a CUDA device; this run is on {self.device}")
+            if self.mesh.distributed:
+                raise ConfigError(
+                    f"train.cuda_graph runs in a single process; this job has {self.mesh.world_size} ranks, whose "
+                    "gradient reductions and collectives are not captured: leave it off or run one process")
+            copies = self.weight_copies.copies if self.weight_copies is not None else None
+            n_micro = job.train.global_batch_size // job.train.micro_batch_size
+            self.graph = MicroBatchGraph(functools.partial(self._micro_batch, copies, n_micro),
+                                         list(self.model.parameters()), self.device)
         self.peak = peak_tflops(self.device, job.train.peak_tflops)
         m = self.mesh
         log.info("model: %.2fM parameters, %.3g FLOPs/token, device %s%s; mesh tp=%d dp=%d (world %d)%s",
@@ -322,14 +335,16 @@ class Trainer:
             self.weight_copies.refresh()  # this step's weights: after the last update or a load
             copies = self.weight_copies.copies
         total = torch.zeros((), device=self.device)
-        for i, (tokens, labels, mask) in enumerate(self._on_device(micro)):
+        for i, inputs in enumerate(self._on_device(micro)):
+            if self.graph is not None:
+                if not self.graph.captured:  # the first step's start: gradients are zero
+                    self.graph.capture(*inputs)
+                total += self.graph.replay(*inputs)
+                continue
             last = i == len(micro) - 1
             sync = self.ddp.no_sync() if self.ddp is not None and not last else contextlib.nullcontext()
             with sync:
-                with self.autocast:
-                    loss = self.train_forward(copies, tokens, labels, mask) / len(micro)
-                loss.backward()
-            total += loss.detach()
+                total += self._micro_batch(copies, len(micro), *inputs)
         if self.ddp is not None:
             self.ddp.finish_grad_sync()
             grad_norm = self.ddp.grad_norm_and_clip(self.job.optim.clip_grad)
@@ -339,8 +354,16 @@ class Trainer:
         else:
             grad_norm = clip_grad_norm(self.model, self.job.optim.clip_grad)
             self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            # a captured graph adds into the .grad tensors it was captured with: keep them
+            self.optimizer.zero_grad(set_to_none=self.graph is None)
         return total, grad_norm
+
+    def _micro_batch(self, copies, n_micro: int, tokens, labels, mask) -> torch.Tensor:
+        """Forward and backward of one of a step's `n_micro` micro-batches; its (detached) share of the loss."""
+        with self.autocast:
+            loss = self.train_forward(copies, tokens, labels, mask) / n_micro
+        loss.backward()
+        return loss.detach()
 
     @torch.no_grad()
     def evaluate(self) -> float:

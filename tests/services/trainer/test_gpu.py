@@ -128,7 +128,8 @@ def test_nccl_two_gpus_match_one_gpu(layout, shared, rel, corpus_cache, tmp_path
         assert two[step] == pytest.approx(loss, rel=rel), step
 
 
-def test_a_training_step_never_synchronizes_with_the_host(corpus_cache, tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--train.cuda_graph=true"]], ids=["eager", "cuda-graph"])
+def test_a_training_step_never_synchronizes_with_the_host(extra, corpus_cache, tmp_path):
     """CUDA's sync debug mode turns any host synchronization (.item(), a D2H copy, a
     data-dependent shape) inside the step into an error; logging steps are the only place
     the loop reads values back, so the steps between them must run clean."""
@@ -136,8 +137,8 @@ def test_a_training_step_never_synchronizes_with_the_host(corpus_cache, tmp_path
 
     args = small_job_args(corpus_cache, tmp_path / "run", **{"train.device": "cuda", "train.bf16": True,
                                                               "train.eval_interval": 0})
-    trainer = Trainer(load_config(args))
-    trainer.train_step(0)  # warm-up: lazy initialization (cuBLAS handles, kernel loading) may sync
+    trainer = Trainer(load_config(args + extra))
+    trainer.train_step(0)  # warm-up: lazy initialization (cuBLAS handles, kernel loading) may sync; the capture
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
