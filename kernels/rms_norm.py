@@ -65,7 +65,8 @@ def _rms_norm_fwd(x_ptr, w_ptr, y_ptr, rstd_ptr, x_stride, y_stride, n_rows, n_c
         mask = row_ok[:, None] & (cols < n_cols)[None, :]
         w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)  # (ROWS,)
+    # eps in fp32 (Inductor passes it as fp64: kernels/layer_norm.py)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + tl.cast(eps, tl.float32))  # (ROWS,)
     tl.store(rstd_ptr + rows, rstd, mask=row_ok)
     y = x * rstd[:, None] * w[None, :]
     tl.store(y_ptr + rows[:, None] * y_stride + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
