@@ -54,7 +54,67 @@ def wrap_triton(kernel):
     """
     if interpreting() or not hasattr(torch.library, "wrap_triton") or not tracing():
         return kernel
+    if isinstance(kernel, triton.runtime.Autotuner) and len(kernel.configs) > 1:
+        return _TunedWhileTracing(kernel)
     return torch.library.wrap_triton(kernel)
+
+
+class _TunedWhileTracing:
+    """An autotuned kernel launched from a traced op, handed to Inductor with one config: eager's.
+
+    Inductor launches a user's autotuned kernel by timing every config of its list again, with
+    its own benchmarker, when the compiled graph first runs, and on an H200 its pick moved
+    from run to run: the same LayerNorm backward took 28.5 µs in one compiled graph and 35.1 µs
+    in the next (eager: 28.5 µs in both). Here the kernel is tuned while the op is traced, by
+    Triton's autotuner on scratch tensors of the traced shapes (its pruning included), and
+    Inductor gets an autotuner holding that config alone, so compiled and eager launches run
+    the same tile. Shapes that are not static fall back to Inductor's own tuning.
+    """
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            config = _eager_choice(self.kernel, grid, args, kwargs)
+            kernel = self.kernel if config is None else _with_config(self.kernel, config)
+            return torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
+
+        return launch
+
+
+def _eager_choice(kernel, grid, args, kwargs):
+    """The config Triton's autotuner picks for these (traced) arguments; None where it cannot
+    launch them (symbolic shapes, host tensors: a trace without a GPU)."""
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    if not all(isinstance(d, int) for t in tensors for d in (*t.shape, *t.stride())):
+        return None
+    if any(t.device.type == "cpu" for t in tensors):
+        return None
+    if not all(isinstance(a, (torch.Tensor, int, float, bool, type(None))) for a in (*args, *kwargs.values())):
+        return None
+    with torch.utils._python_dispatch._disable_current_modes():  # out of fake / proxy tracing: real launches
+        def real(a):
+            if not isinstance(a, torch.Tensor):
+                return a
+            t = torch.empty_strided(tuple(a.shape), tuple(a.stride()), dtype=a.dtype, device=a.device)
+            return t.normal_() if t.is_floating_point() else t.zero_()
+
+        kernel[grid](*map(real, args), **{k: real(v) for k, v in kwargs.items()})
+    return kernel.best_config
+
+
+_ONE_CONFIG: dict[tuple[int, str], object] = {}
+
+
+def _with_config(kernel, config):
+    """An autotuner over `kernel`'s function with `config` alone (one per kernel and config)."""
+    key = (id(kernel), str(config))
+    if key not in _ONE_CONFIG:
+        _ONE_CONFIG[key] = triton.autotune(configs=[config], key=list(kernel.keys),
+                                           reset_to_zero=list(getattr(kernel, "reset_to_zero", None) or []) or None,
+                                           restore_value=list(getattr(kernel, "restore_value", None) or []) or None)(kernel.fn)
+    return _ONE_CONFIG[key]
 
 
 def tracing() -> bool:

@@ -235,6 +235,43 @@ def test_inductor_launches_the_triton_kernels_itself(op):
         assert kernel in code, f"{kernel} not launched from Inductor's code"
 
 
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+def test_inductor_runs_the_config_eager_autotuning_chose(op):
+    """Inductor would time a user's autotuned kernel again with its own benchmarker, and its
+    pick varied from run to run (kernels/_launch.py): each norm kernel must reach Inductor's
+    code with one config, the one Triton's autotuner picks for the same shapes in eager mode."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    inputs = _op_inputs(op)
+    fn = _compiled(op)
+
+    def step():
+        fn(*inputs).float().sum().backward()
+
+    _, codes = run_and_get_code(step)
+    code = "\n".join(codes)
+    module = importlib.import_module(f"kernels.{op}")
+    for name in OP_KERNELS[op]:
+        kernel = getattr(module, name)
+        block = code.split(f"async_compile.triton('{name}'", 1)[1].split("async_compile.triton(", 1)[0]
+        configs = re.search(r"configs=\[(\{[^\]]*)\]", block).group(1)
+        assert configs.count("{") == 1, f"{name}: Inductor was given {configs}"
+        assert kernel.cache, name
+        # eager, at the same shapes: the autotuner's cached pick
+        eager_inputs = [t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+                        for t in inputs]
+        out = getattr(module, op)(*eager_inputs)
+        if name.endswith("_bwd"):
+            out.float().sum().backward()
+        want = kernel.best_config
+        for key, value in want.kwargs.items():
+            assert f"'{key}': {value}" in configs, (name, configs, want)
+        assert f"'num_warps': {want.num_warps}" in configs, (name, configs, want)
+
 def test_compiled_linear_cross_entropy_matches_reference():
     """The fused loss under Inductor: loss to 1e-3, gradients to bf16 matmul accuracy."""
     n, hdim, vocab, padded = 4096, 1024, 32000, 32064

@@ -177,6 +177,32 @@ def test_kernels_are_wrapped_for_tracing_only_while_a_dispatch_mode_traces(monke
         assert _launch.wrap_triton(kernel) is kernel
 
 
+
+def test_an_autotuned_kernel_reaches_inductor_with_one_config(monkeypatch):
+    """While traced, a kernel with several configs is tuned first and Inductor gets an
+    autotuner over the same function holding the chosen config alone (one per config)."""
+    import torch
+    import triton
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    from kernels import _launch
+    from kernels.layer_norm import _layer_norm_fwd
+
+    monkeypatch.setattr(torch.library, "wrap_triton", lambda k: ("wrapped", k), raising=False)
+    monkeypatch.setattr(_launch, "interpreting", lambda: False)
+    assert len(_layer_norm_fwd.configs) > 1
+    with FunctionalTensorMode():
+        assert isinstance(_launch.wrap_triton(_layer_norm_fwd), _launch._TunedWhileTracing)
+    one_config = triton.autotune(configs=[_layer_norm_fwd.configs[0]], key=["n_cols"])(_layer_norm_fwd.fn)
+    with FunctionalTensorMode():  # nothing to choose: torch's wrapper straight away
+        assert _launch.wrap_triton(one_config) == ("wrapped", one_config)
+    chosen = _layer_norm_fwd.configs[1]
+    pinned = _launch._with_config(_layer_norm_fwd, chosen)
+    assert pinned.configs == [chosen] and pinned.fn is _layer_norm_fwd.fn
+    assert list(pinned.keys) == list(_layer_norm_fwd.keys)
+    assert _launch._with_config(_layer_norm_fwd, chosen) is pinned
+    assert _launch._with_config(_layer_norm_fwd, _layer_norm_fwd.configs[2]) is not pinned
+
 _TRACE_ROPE = """
 import json, torch
 from torch._functorch.aot_autograd import aot_module_simplified
