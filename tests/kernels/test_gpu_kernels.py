@@ -235,7 +235,6 @@ def test_inductor_launches_the_triton_kernels_itself(op):
         assert kernel in code, f"{kernel} not launched from Inductor's code"
 
 
-
 @pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
 def test_inductor_runs_the_config_eager_autotuning_chose(op):
     """Inductor would time a user's autotuned kernel again with its own benchmarker, and its
@@ -271,6 +270,7 @@ def test_inductor_runs_the_config_eager_autotuning_chose(op):
         for key, value in want.kwargs.items():
             assert f"'{key}': {value}" in configs, (name, configs, want)
         assert f"'num_warps': {want.num_warps}" in configs, (name, configs, want)
+
 
 def test_compiled_linear_cross_entropy_matches_reference():
     """The fused loss under Inductor: loss to 1e-3, gradients to bf16 matmul accuracy."""

@@ -177,7 +177,6 @@ def test_kernels_are_wrapped_for_tracing_only_while_a_dispatch_mode_traces(monke
         assert _launch.wrap_triton(kernel) is kernel
 
 
-
 def test_an_autotuned_kernel_reaches_inductor_with_one_config(monkeypatch):
     """While traced, a kernel with several configs is tuned first and Inductor gets an
     autotuner over the same function holding the chosen config alone (one per config)."""
@@ -202,6 +201,7 @@ def test_an_autotuned_kernel_reaches_inductor_with_one_config(monkeypatch):
     assert list(pinned.keys) == list(_layer_norm_fwd.keys)
     assert _launch._with_config(_layer_norm_fwd, chosen) is pinned
     assert _launch._with_config(_layer_norm_fwd, _layer_norm_fwd.configs[2]) is not pinned
+
 
 _TRACE_ROPE = """
 import json, torch
