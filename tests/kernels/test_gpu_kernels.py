@@ -215,10 +215,8 @@ def test_compiled_triton_op_matches_reference(op):
     _compare(_compiled(op), getattr(reference, op), inputs, grad_tol=grad_tol)
 
 
-@pytest.mark.parametrize("op", ELEMENTWISE_OPS)
-def test_inductor_launches_the_triton_kernels_itself(op):
-    """The ops are `triton_op`s: Inductor's generated code (forward and backward) launches the
-    Triton kernels directly, with no call back into a `meshtrain::` op (a Python round trip)."""
+def _inductor_code(op):
+    """(inputs, Inductor's generated code per graph) of one compiled forward + backward of `op`."""
     from torch._inductor.utils import run_and_get_code
 
     inputs = _op_inputs(op)
@@ -228,6 +226,14 @@ def test_inductor_launches_the_triton_kernels_itself(op):
         fn(*inputs).float().sum().backward()
 
     _, codes = run_and_get_code(step)
+    return inputs, codes
+
+
+@pytest.mark.parametrize("op", ELEMENTWISE_OPS)
+def test_inductor_launches_the_triton_kernels_itself(op):
+    """The ops are `triton_op`s: Inductor's generated code (forward and backward) launches the
+    Triton kernels directly, with no call back into a `meshtrain::` op (a Python round trip)."""
+    _, codes = _inductor_code(op)
     code = "\n".join(codes)
     assert len(codes) >= 2, "expected a forward and a backward graph"
     assert "ops.meshtrain" not in code, "the op was left opaque: Inductor calls back into Python"
@@ -242,16 +248,7 @@ def test_inductor_runs_the_config_eager_autotuning_chose(op):
     code with one config, the one Triton's autotuner picks for the same shapes in eager mode."""
     import re
 
-    from torch._inductor.utils import run_and_get_code
-
-    torch._dynamo.reset()
-    inputs = _op_inputs(op)
-    fn = _compiled(op)
-
-    def step():
-        fn(*inputs).float().sum().backward()
-
-    _, codes = run_and_get_code(step)
+    inputs, codes = _inductor_code(op)
     code = "\n".join(codes)
     module = importlib.import_module(f"kernels.{op}")
     for name in OP_KERNELS[op]:
