@@ -94,14 +94,16 @@ def _eager_choice(kernel, grid, args, kwargs):
     if not all(isinstance(a, (torch.Tensor, int, float, bool, type(None))) for a in (*args, *kwargs.values())):
         return None
     with torch.utils._python_dispatch._disable_current_modes():  # out of fake / proxy tracing: real launches
-        def real(a):
-            if not isinstance(a, torch.Tensor):
-                return a
-            t = torch.empty_strided(tuple(a.shape), tuple(a.stride()), dtype=a.dtype, device=a.device)
-            return t.normal_() if t.is_floating_point() else t.zero_()
-
-        kernel[grid](*map(real, args), **{k: real(v) for k, v in kwargs.items()})
+        kernel[grid](*map(_scratch_like, args), **{k: _scratch_like(v) for k, v in kwargs.items()})
     return kernel.best_config
+
+
+def _scratch_like(a):
+    """A real tensor of `a`'s shape, strides, dtype and device (random floats, zero integers); other values as they are."""
+    if not isinstance(a, torch.Tensor):
+        return a
+    t = torch.empty_strided(tuple(a.shape), tuple(a.stride()), dtype=a.dtype, device=a.device)
+    return t.normal_() if t.is_floating_point() else t.zero_()
 
 
 _ONE_CONFIG: dict[tuple[int, str], object] = {}
@@ -112,8 +114,8 @@ def _with_config(kernel, config):
     key = (id(kernel), str(config))
     if key not in _ONE_CONFIG:
         _ONE_CONFIG[key] = triton.autotune(configs=[config], key=list(kernel.keys),
-                                           reset_to_zero=list(getattr(kernel, "reset_to_zero", None) or []) or None,
-                                           restore_value=list(getattr(kernel, "restore_value", None) or []) or None)(kernel.fn)
+                                           reset_to_zero=getattr(kernel, "reset_to_zero", None) or None,
+                                           restore_value=getattr(kernel, "restore_value", None) or None)(kernel.fn)
     return _ONE_CONFIG[key]
 
 
