@@ -55,9 +55,13 @@ class Block(nn.Module):
 
 
 class BaselineGPT(nn.Module):
-    def __init__(self, c):
+    """`bf16_residual`: under autocast, cast the embedding output to bf16, so the residual stream
+    between blocks is bf16 (plain autocast keeps it in fp32, the embeddings' dtype)."""
+
+    def __init__(self, c, bf16_residual: bool = False):
         super().__init__()
         self.c = c
+        self.bf16_residual = bf16_residual
         v = c.padded_vocab_size()
         self.wte = nn.Embedding(v, c.hidden_size)
         self.wpe = nn.Embedding(c.seq_length, c.hidden_size) if c.position_embedding_type == "learned" else None
@@ -85,6 +89,8 @@ class BaselineGPT(nn.Module):
         x = self.wte(idx)
         if self.wpe is not None:
             x = x + self.wpe(torch.arange(s, device=idx.device))
+        if self.bf16_residual and torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.bfloat16)
         for blk in self.blocks:
             x = blk(x, self.cos, self.sin)
         logits = self.head(self.ln_f(x))[..., : self.c.vocab_size]

@@ -96,10 +96,10 @@ def trace_path(args, name: str) -> str | None:
     return str(Path(args.trace_dir) / f"{name}-rank{os.environ.get('RANK', '0')}.json")
 
 
-def run_baseline(args, job) -> dict:
+def run_baseline(args, job, bf16_residual: bool = False) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
-    model = BaselineGPT(job.model).to(device)
+    model = BaselineGPT(job.model, bf16_residual).to(device)
     opt = make_optimizer(model, job.optim.lr, job.optim.weight_decay)
     fwd = torch.compile(model) if job.train.compile else model
     t = job.train
@@ -141,6 +141,9 @@ def main() -> None:
     p.add_argument("--run-dir", default="runs/bench")
     p.add_argument("--out", default="train_throughput.json")
     p.add_argument("--skip-baseline", action="store_true")
+    p.add_argument("--baseline-bf16-residual", action="store_true",
+                   help="also run the baseline with its residual stream cast to bf16 (the plain baseline "
+                        "stays the ratio's denominator; this row shows what that cast alone is worth)")
     p.add_argument("--single-gpu-json", help="a 1-GPU result of this script, for speedup / scaling efficiency")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="after timing, profile this many more steps of each side: kernel time by kind, "
@@ -163,6 +166,13 @@ def main() -> None:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         rows["baseline (plain torch)"] = run_baseline(args, job)
+        if args.baseline_bf16_residual:
+            if job.train.compile:
+                torch._dynamo.reset()
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            rows["baseline, bf16 residual"] = run_baseline(args, job, bf16_residual=True)
     for r in rows.values():
         r["tokens_per_s"] = tokens / r["step_time_s"]
         r["mfu"] = mesh["flops_per_token"] * r["tokens_per_s"] / (peak * 1e12 * world) if peak else None
@@ -184,6 +194,9 @@ def main() -> None:
     }
     if "baseline (plain torch)" in rows:
         result["ratio_tokens_per_s"] = rows["meshtrain"]["tokens_per_s"] / rows["baseline (plain torch)"]["tokens_per_s"]
+    if "baseline, bf16 residual" in rows:
+        result["ratio_vs_bf16_residual_baseline"] = (rows["meshtrain"]["tokens_per_s"]
+                                                     / rows["baseline, bf16 residual"]["tokens_per_s"])
     if args.single_gpu_json:  # scaling efficiency against a 1-GPU run recorded earlier in the same job
         single = json.loads(Path(args.single_gpu_json).read_text())["results"]["meshtrain"]["tokens_per_s"]
         result["speedup_vs_1gpu"] = rows[next(iter(rows))]["tokens_per_s"] / single
@@ -198,6 +211,8 @@ def main() -> None:
         print(f"{name:<24}{r['tokens_per_s']:>12,.0f}{mfu:>8}{r['step_time_s']:>9.3f}{mem:>9}")
     if "ratio_tokens_per_s" in result:
         print(f"ratio meshtrain / baseline: {result['ratio_tokens_per_s']:.3f}")
+    if "ratio_vs_bf16_residual_baseline" in result:
+        print(f"ratio meshtrain / bf16-residual baseline: {result['ratio_vs_bf16_residual_baseline']:.3f}")
     if "speedup_vs_1gpu" in result:
         print(f"speedup vs 1 GPU: {result['speedup_vs_1gpu']:.3f}x (scaling efficiency {result['scaling_efficiency']:.3f})")
     for name, r in rows.items():

@@ -67,6 +67,12 @@ class ModelConfig:
     """SDPA backend of the attention core: 'auto' lets PyTorch pick; the others pin one (and
     fail where it cannot run the shape). Backends without native grouped-query support get
     the key/value heads expanded. See benchmarks/attention_backends.py for the trade."""
+    fp32_residual_connection: bool = True
+    """Under bf16 autocast (train.bf16), keep the residual stream in fp32: the embedding output,
+    every block's sum, the final norm's input and the gradients flowing back through them.
+    false stores it in bf16 instead (Megatron-LM's default): each norm and each residual add
+    still computes in fp32, but reads and writes half the bytes, and the norms' saved inputs
+    take half the memory. Without autocast the stream is in the parameters' dtype either way."""
     transformer_impl: Literal["local", "transformer_engine"] = "local"
     """Layer backend: meshtrain's own layers, or Transformer Engine (not built)."""
 
@@ -426,6 +432,7 @@ ALIASES: dict[str, tuple[str, bool]] = {
     "--hidden-dropout": ("model.hidden_dropout", True),
     "--attention-dropout": ("model.attention_dropout", True),
     "--transformer-impl": ("model.transformer_impl", True),
+    "--fp32-residual-connection": ("model.fp32_residual_connection", False),
     "--swiglu": ("model.activation=swiglu", False),
     "--disable-bias-linear": ("model.add_bias_linear=false", False),
     "--untie-embeddings-and-output-weights": ("model.untie_embeddings_and_output_weights", False),

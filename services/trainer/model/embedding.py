@@ -24,11 +24,19 @@ class Embedding(nn.Module):
             if config.position_embedding_type == "learned" else None
         )
         self.dropout = nn.Dropout(config.hidden_dropout)
+        self.fp32_residual = config.fp32_residual_connection
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens (batch, seq) int64 -> (batch, seq, hidden)."""
+        """tokens (batch, seq) int64 -> (batch, seq, hidden): the residual stream's first value.
+
+        In the tables' dtype, or under autocast with `fp32_residual_connection` off, in
+        autocast's dtype (the lookups and the position sum in fp32, then one rounding).
+        """
         x = self.word_embeddings(tokens)
         if self.position_embeddings is not None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
             x = x + self.position_embeddings(positions)  # (seq, hidden) broadcast over batch
-        return self.dropout(x)
+        x = self.dropout(x)
+        if not self.fp32_residual and torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        return x

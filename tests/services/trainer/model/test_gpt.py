@@ -165,3 +165,36 @@ def test_flops_count_the_head_once_tied_or_untied():
 def test_too_long_sequence_is_an_error():
     with pytest.raises(ValueError, match="seq_length"):
         build(**GPT2)(torch.zeros(1, 33, dtype=torch.long))
+
+
+def _loss_grads_and_stream(kw, autocast):
+    """Loss, gradients and the dtype of every block's (and the final norm's) input."""
+    model = build(**kw)
+    stream = []
+    for module in [*model.layers, model.final_norm]:
+        module.register_forward_pre_hook(lambda _m, args: stream.append(args[0].dtype))
+    tokens = torch.randint(0, 301, (2, 32), generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(0, 301, (2, 32), generator=torch.Generator().manual_seed(2))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = model(tokens, labels)
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters()}, stream
+
+
+@pytest.mark.parametrize("kw", [GPT2, LLAMA], ids=["gpt2", "llama"])
+def test_bf16_residual_stream_under_autocast(kw):
+    """fp32_residual_connection=false stores the stream between blocks in bf16 under autocast
+    (fp32 parameters and gradients still); the loss and gradients stay those of the fp32 stream
+    to bf16 rounding. Without autocast the setting changes nothing."""
+    loss32, grads32, stream32 = _loss_grads_and_stream(kw, autocast=True)
+    loss16, grads16, stream16 = _loss_grads_and_stream(dict(kw, fp32_residual_connection=False), autocast=True)
+    assert stream32 == [torch.float32] * 3 and stream16 == [torch.bfloat16] * 3
+    assert loss16 == pytest.approx(loss32, rel=1e-3)
+    for name, g in grads32.items():
+        assert grads16[name].dtype == torch.float32, name
+        torch.testing.assert_close(grads16[name], g, rtol=0.1, atol=0.05 * g.abs().max().item(), msg=name)
+    plain = _loss_grads_and_stream(kw, autocast=False)
+    off = _loss_grads_and_stream(dict(kw, fp32_residual_connection=False), autocast=False)
+    assert plain[2] == off[2] == [torch.float32] * 3 and plain[0] == off[0]
+    for name, g in plain[1].items():
+        assert torch.equal(off[1][name], g), name

@@ -147,11 +147,11 @@ def test_label_minus_100_counts_nothing_and_labels_outside_the_vocabulary_are_er
         assert error is not None and "outside the vocabulary" in error
 
 
-def _autocast_run(rank, world, sequence_parallel, async_grad=False):
+def _autocast_run(rank, world, sequence_parallel, async_grad=False, fp32_residual=True):
     """A tp-sharded step under bf16 autocast; records the dtype every collective moved."""
     import torch.distributed as dist
     torch.manual_seed(0)
-    model = GPT(ModelConfig(**CFG))
+    model = GPT(ModelConfig(**CFG, fp32_residual_connection=fp32_residual))
     tokens = torch.randint(0, 203, (2, 16), generator=torch.Generator().manual_seed(1))
     labels = torch.randint(0, 203, (2, 16), generator=torch.Generator().manual_seed(2))
     mesh = Mesh.build(tp=world)
@@ -189,26 +189,32 @@ def _autocast_run(rank, world, sequence_parallel, async_grad=False):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("sp,async_grad", [(False, False), (True, False), (False, True), (True, True)],
-                         ids=["tp", "tp-sp", "tp-async-grad", "tp-sp-async-grad"])
-def test_activation_collectives_move_bf16_under_autocast(sp, async_grad):
+@pytest.mark.parametrize("sp,async_grad,fp32_residual",
+                         [(False, False, True), (True, False, True), (False, True, True), (True, True, True),
+                          (False, False, False), (True, True, False)],
+                         ids=["tp", "tp-sp", "tp-async-grad", "tp-sp-async-grad", "tp-bf16-residual",
+                              "tp-sp-async-grad-bf16-residual"])
+def test_activation_collectives_move_bf16_under_autocast(sp, async_grad, fp32_residual):
     """Under autocast the linears' inputs are gathered (and their gradients reduced) in bf16, not
     as the fp32 residual stream: half the bytes (an H200 profile of tp=2 showed fp32 all-gathers
-    and fp32 reduce-scatters taking a third of the step). The loss still matches one process."""
+    and fp32 reduce-scatters taking a third of the step). The loss still matches one process.
+    With model.fp32_residual_connection off, the stream's own collectives move bf16 too."""
     torch.manual_seed(0)
-    ref = GPT(ModelConfig(**CFG))
+    ref = GPT(ModelConfig(**CFG, fp32_residual_connection=fp32_residual))
     tokens = torch.randint(0, 203, (2, 16), generator=torch.Generator().manual_seed(1))
     labels = torch.randint(0, 203, (2, 16), generator=torch.Generator().manual_seed(2))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ref_loss = ref(tokens, labels)
     ref_loss.backward()
-    for loss, grads, moved in run_ranks(_autocast_run, 2, sp, async_grad):
+    for loss, grads, moved in run_ranks(_autocast_run, 2, sp, async_grad, fp32_residual):
         assert loss == pytest.approx(ref_loss.item(), rel=2e-2)
         for name, p in ref.named_parameters():  # bf16 matmuls and bf16 sums over tp: bf16 tolerance
             g = p.grad[:203] if name in ("embedding.word_embeddings.weight", "output_layer.weight") else p.grad
             torch.testing.assert_close(grads[name], g, rtol=5e-2, atol=2e-3, msg=name)
         hidden = [(n, d) for n, d, shape in moved if shape[-1] == 64 and len(shape) == 3]
-        # The embedding's own all-reduce (and, with sp, its scatter's all-gather in backward)
-        # carry the fp32 residual stream; every other one is a linear's input, output or gradient.
-        activation = hidden[1:-1] if sp else hidden[1:]
+        # The embedding's own all-reduce (its lookups, before the stream's cast) and, with sp and
+        # an fp32 stream, its scatter's all-gather in backward carry fp32; every other one is a
+        # linear's input, output or gradient, or the bf16 stream's.
+        assert hidden[0][1] == torch.float32, moved
+        activation = hidden[1:-1] if sp and fp32_residual else hidden[1:]
         assert activation and all(d == torch.bfloat16 for _, d in activation), moved
