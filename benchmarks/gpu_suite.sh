@@ -30,7 +30,10 @@
 #               and llama-1b with the fused linear + cross-entropy on Triton too (no baseline: compare
 #               with the i6-llama-1b row); and gpt2-125m and llama-1b with the Triton cross-entropy on the
 #               compiled projection's logits (-ce rows, each with its baseline).
-#               ~2-3 min a row; I6_ROWS="i6-gpt2-350m i6-llama-1b" runs those only.
+#               Every baseline runs twice: plainly (its residual stream in fp32, the ratio's
+#               denominator) and with the stream cast to bf16, as meshtrain's is by default
+#               (model.fp32_residual_connection), for the like-for-like ratio.
+#               ~2-4 min a row; I6_ROWS="i6-gpt2-350m i6-llama-1b" runs those only.
 #               The defaults include the bf16 weight copies of one process; I6_FLAGS adds flags to every
 #               row and I6_TAG a suffix to its name, e.g. I6_FLAGS=--train.bf16_weight_copies=false
 #               I6_TAG=-nocopies for the same rows without them
@@ -187,7 +190,7 @@ for part in $parts; do
         --train.kernels=triton --out "$out/$part.json" --run-dir "$runs/$part"
       grep -A4 "^impl" "$out/$part.log" 2>/dev/null ;;
     issue6)
-      C="benchmarks/train_throughput.py --data.default_corpus_bytes=4000000"
+      C="benchmarks/train_throughput.py --data.default_corpus_bytes=4000000 --baseline-bf16-residual"
       G1="$C --config deploy/configs/gpt2-125m.toml --steps 30 --warmup 8"
       for row in "i6-gpt2-125m-s1024|$G1" "i6-gpt2-125m-s1024-gelu|$G1 --train.compiled_triton_ops=[\"gelu\"]" \
           "i6-gpt2-125m-s2048|$G1 --model.seq_length=2048 --train.micro_batch_size=8" \

@@ -12,8 +12,8 @@ master weights, what checkpoints hold); nothing else in the trainer sees the cop
 
 The values are autocast's: the copy is the same rounding of the same fp32 weight, and adding
 a bf16 gradient to an fp32 sum equals adding its (exact) fp32 cast. Embeddings and norm
-weights keep their fp32 parameters (an embedding lookup is not autocast; a bf16 word embedding
-would put the residual stream in bf16).
+weights keep their fp32 parameters (an embedding lookup is not autocast, and the residual
+stream's dtype is `model.fp32_residual_connection`'s choice, not the table's).
 
     copies = WeightCopies(model, torch.bfloat16)
     copies.refresh()                                            # once per step, after the update

@@ -58,6 +58,12 @@ def test_megatron_aliases_map_to_keys(flag, key, value, expected):
     assert got == expected and type(got) is type(expected)
 
 
+def test_fp32_residual_connection_is_megatrons_switch():
+    """Off by default (a bf16 stream under autocast, as in Megatron-LM); the Megatron flag turns it on."""
+    assert load_config([]).model.fp32_residual_connection is False
+    assert load_config(["--fp32-residual-connection"]).model.fp32_residual_connection is True
+
+
 def test_data_path_takes_several_words_and_strings_stay_strings():
     _, table = parse_overrides(["--data-path", "a/b", "--tokenizer", "byte"])
     assert table["data"]["data_path"] == ["a/b"]

@@ -73,14 +73,14 @@ def test_bf16_weight_copies_train_like_autocast(corpus_cache, tmp_path):
 
 @pytest.mark.parametrize("arch", [[], LLAMA], ids=["gpt2", "llama"])
 def test_bf16_residual_stream_trains_like_the_fp32_one(arch, corpus_cache, tmp_path):
-    """Compiled in bf16 on CUDA: with model.fp32_residual_connection=false (the stream between
-    blocks in bf16) the loss curve follows the fp32 stream's over 40 steps."""
+    """Compiled in bf16 on CUDA: with the stream between blocks in bf16 (the default) the loss
+    curve follows the fp32 stream's (model.fp32_residual_connection) over 40 steps."""
     common = small_job_args(corpus_cache, tmp_path / "x", **{"train.device": "cuda", "train.bf16": True,
                                                               "train.eval_interval": 0, "train.compile": True})
     common = [a for a in common if not a.startswith("--log.run_dir")] + arch
-    fp32 = train(load_config(common + [f"--log.run_dir={tmp_path / 'fp32'}"]))
+    fp32 = train(load_config(common + ["--fp32-residual-connection", f"--log.run_dir={tmp_path / 'fp32'}"]))
     torch._dynamo.reset()
-    bf16 = train(load_config(common + ["--model.fp32_residual_connection=false", f"--log.run_dir={tmp_path / 'bf16'}"]))
+    bf16 = train(load_config(common + [f"--log.run_dir={tmp_path / 'bf16'}"]))
     assert bf16.losses[40] < bf16.losses[1] - 1.5
     for step, loss in fp32.losses.items():
         assert bf16.losses[step] == pytest.approx(loss, rel=2e-2), step

@@ -183,18 +183,18 @@ def _loss_grads_and_stream(kw, autocast):
 
 @pytest.mark.parametrize("kw", [GPT2, LLAMA], ids=["gpt2", "llama"])
 def test_bf16_residual_stream_under_autocast(kw):
-    """fp32_residual_connection=false stores the stream between blocks in bf16 under autocast
-    (fp32 parameters and gradients still); the loss and gradients stay those of the fp32 stream
-    to bf16 rounding. Without autocast the setting changes nothing."""
-    loss32, grads32, stream32 = _loss_grads_and_stream(kw, autocast=True)
-    loss16, grads16, stream16 = _loss_grads_and_stream(dict(kw, fp32_residual_connection=False), autocast=True)
+    """Under autocast the stream between blocks is bf16 by default (fp32 parameters and gradients
+    still) and fp32 with fp32_residual_connection; the loss and gradients of the two agree to
+    bf16 rounding. Without autocast the setting changes nothing."""
+    loss16, grads16, stream16 = _loss_grads_and_stream(kw, autocast=True)  # the default: a bf16 stream
+    loss32, grads32, stream32 = _loss_grads_and_stream(dict(kw, fp32_residual_connection=True), autocast=True)
     assert stream32 == [torch.float32] * 3 and stream16 == [torch.bfloat16] * 3
     assert loss16 == pytest.approx(loss32, rel=1e-3)
     for name, g in grads32.items():
         assert grads16[name].dtype == torch.float32, name
         torch.testing.assert_close(grads16[name], g, rtol=0.1, atol=0.05 * g.abs().max().item(), msg=name)
-    plain = _loss_grads_and_stream(kw, autocast=False)
-    off = _loss_grads_and_stream(dict(kw, fp32_residual_connection=False), autocast=False)
+    plain = _loss_grads_and_stream(dict(kw, fp32_residual_connection=True), autocast=False)
+    off = _loss_grads_and_stream(kw, autocast=False)
     assert plain[2] == off[2] == [torch.float32] * 3 and plain[0] == off[0]
     for name, g in plain[1].items():
         assert torch.equal(off[1][name], g), name
