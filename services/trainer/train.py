@@ -241,7 +241,8 @@ class Trainer:
             "tokens_per_s": None, "eta_s": None, "last_checkpoint": None}
 
     def _check_continuation(self, meta: dict) -> None:
-        """Refuse a resume that would skip or repeat samples; warn when it changes the plan.
+        """Refuse a resume that would skip or repeat samples; warn when it changes the plan or the
+        residual stream's dtype.
 
         Batches are indexed by step (step k takes samples [k·gbs, (k+1)·gbs) of the shuffled
         stream), so a different global batch size would not continue at the samples consumed.
@@ -261,6 +262,17 @@ class Trainer:
                         "LR schedule follow it, so this continues a different run than the one saved (keep it "
                         "unchanged for an exact continuation; optim.lr_decay_iters fixes the schedule alone)",
                         before, t.train_iters)
+        saved = meta.get("config", {})
+        if t.bf16 and saved.get("train", {}).get("bf16"):
+            # Checkpoints from before the setting existed trained with plain autocast's fp32 stream.
+            was = saved.get("model", {}).get("fp32_residual_connection", True)
+            now = self.job.model.fp32_residual_connection
+            if was != now:
+                log.warning("model.fp32_residual_connection changed from %s to %s since the checkpoint: the "
+                            "residual stream was kept in %s and is now kept in %s, so the numerics change at "
+                            "this step (%s for the checkpoint's)", was, now, "fp32" if was else "bf16",
+                            "fp32" if now else "bf16",
+                            "pass --fp32-residual-connection" if was else "drop --fp32-residual-connection")
 
     def request_stop(self) -> None:
         """Save a checkpoint after the current step and end the run (what SIGTERM does).

@@ -121,6 +121,23 @@ def test_resuming_with_other_train_iters_warns_that_it_continues_a_different_run
     assert "train.train_iters changed from 2 to 3" in caplog.text
 
 
+def test_resuming_with_another_residual_stream_dtype_warns(corpus_cache, tmp_path, caplog):
+    """A bf16 run saved with the fp32 stream and resumed with the (default) bf16 one is told so."""
+    bf16 = {"train.bf16": True, "train.eval_interval": 0}
+    train(load_config(small_job_args(corpus_cache, tmp_path / "a", **bf16, **{
+        "train.train_iters": 2, "model.fp32_residual_connection": True})))
+    load = {"checkpoint.load": str(tmp_path / "a" / "checkpoints"), "train.train_iters": 3}
+    with caplog.at_level(logging.WARNING, logger="meshtrain"):
+        train(load_config(small_job_args(corpus_cache, tmp_path / "same", **bf16, **load,
+                                         **{"model.fp32_residual_connection": True})))
+    assert "fp32_residual_connection" not in caplog.text
+    with caplog.at_level(logging.WARNING, logger="meshtrain"):
+        result = train(load_config(small_job_args(corpus_cache, tmp_path / "b", **bf16, **load)))
+    assert sorted(result.losses) == [3]
+    assert "model.fp32_residual_connection changed from True to False" in caplog.text
+    assert "pass --fp32-residual-connection" in caplog.text
+
+
 def test_saves_through_the_checkpoint_service_and_resumes(corpus_cache, tmp_path):
     """Service mode: the trainer streams its shards to a real CheckpointService on loopback;
     what the service commits resumes exactly like an embedded save (same losses)."""
