@@ -121,6 +121,19 @@ def test_resuming_with_other_train_iters_warns_that_it_continues_a_different_run
     assert "train.train_iters changed from 2 to 3" in caplog.text
 
 
+def test_bf16_residual_stream_trains_like_the_fp32_one(corpus_cache, tmp_path):
+    """train.bf16 on CPU, eager: the default bf16 stream's 30-step loss curve follows the fp32
+    stream's (model.fp32_residual_connection) to bf16 rounding; the GPU test does it compiled."""
+    common = {"train.bf16": True, "train.eval_interval": 0, "train.train_iters": 30, **LLAMA}
+    fp32 = train(load_config(small_job_args(corpus_cache, tmp_path / "fp32", **common,
+                                            **{"model.fp32_residual_connection": True})))
+    bf16 = train(load_config(small_job_args(corpus_cache, tmp_path / "bf16", **common)))
+    assert bf16.losses[30] < bf16.losses[1] - 1.5
+    assert bf16.losses != fp32.losses  # the setting reached the model
+    for step, loss in fp32.losses.items():
+        assert bf16.losses[step] == pytest.approx(loss, rel=2e-2), step
+
+
 def test_resuming_with_another_residual_stream_dtype_warns(corpus_cache, tmp_path, caplog):
     """A bf16 run saved with the fp32 stream and resumed with the (default) bf16 one is told so."""
     bf16 = {"train.bf16": True, "train.eval_interval": 0}
