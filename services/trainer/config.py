@@ -68,14 +68,10 @@ class ModelConfig:
     fail where it cannot run the shape). Backends without native grouped-query support get
     the key/value heads expanded. See benchmarks/attention_backends.py for the trade."""
     fp32_residual_connection: bool = False
-    """Under bf16 autocast (train.bf16), keep the residual stream in fp32: the embedding output,
-    every block's sum, the final norm's input and the gradients flowing back through them, as
-    plain autocast does. Off (the default, as in Megatron-LM), the stream is stored in bf16:
-    each norm and residual add still computes in fp32, but reads and writes half the bytes and
-    the norms' saved inputs take half the memory. On an H200 gpt2-125m trained 4.7% faster
-    with the bf16 stream, and over 200 steps its mean loss per 25 steps stayed within 1.1% of
-    the fp32 stream's (BENCHMARKS.md). Without autocast the stream is in the parameters' dtype
-    either way."""
+    """Under train.bf16, keep the residual stream (embedding output, block sums, their gradients)
+    in fp32, as plain autocast does. Off (the default, as in Megatron-LM) it is stored in bf16,
+    computed in fp32: half the bytes read and written. gpt2-125m on an H200: 4.7% faster, mean
+    losses within 1.1% over 200 steps (BENCHMARKS.md). Without autocast: no effect."""
     transformer_impl: Literal["local", "transformer_engine"] = "local"
     """Layer backend: meshtrain's own layers, or Transformer Engine (not built)."""
 
