@@ -268,11 +268,11 @@ class Trainer:
             was = saved.get("model", {}).get("fp32_residual_connection", True)
             now = self.job.model.fp32_residual_connection
             if was != now:
-                log.warning("model.fp32_residual_connection changed from %s to %s since the checkpoint: the "
-                            "residual stream was kept in %s and is now kept in %s, so the numerics change at "
-                            "this step (%s for the checkpoint's)", was, now, "fp32" if was else "bf16",
-                            "fp32" if now else "bf16",
-                            "pass --fp32-residual-connection" if was else "drop --fp32-residual-connection")
+                dtype = {True: "fp32", False: "bf16"}
+                log.warning("model.fp32_residual_connection changed from %s to %s since the checkpoint: its "
+                            "residual stream was %s, this run's is %s, so the numerics change from here on "
+                            "(%s --fp32-residual-connection to keep the checkpoint's)",
+                            was, now, dtype[was], dtype[now], "pass" if was else "drop")
 
     def request_stop(self) -> None:
         """Save a checkpoint after the current step and end the run (what SIGTERM does).
