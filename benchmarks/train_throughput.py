@@ -161,18 +161,16 @@ def main() -> None:
     peak = peak_tflops(device, job.train.peak_tflops)
     tokens = job.train.global_batch_size * job.model.seq_length
     rows = {f"meshtrain x{world}" if world > 1 else "meshtrain": mesh}
-    if not args.skip_baseline and world == 1:
-        gc.collect()  # the trainer is gone: give its memory back before the baseline builds its own
+    baselines = [("baseline (plain torch)", False)]
+    if args.baseline_bf16_residual:
+        baselines.append(("baseline, bf16 residual", True))
+    for name, bf16_residual in baselines if not args.skip_baseline and world == 1 else []:
+        if bf16_residual and job.train.compile:
+            torch._dynamo.reset()  # drop the plain baseline's compiled graphs
+        gc.collect()  # the last model is gone: give its memory back before this one builds its own
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        rows["baseline (plain torch)"] = run_baseline(args, job)
-        if args.baseline_bf16_residual:
-            if job.train.compile:
-                torch._dynamo.reset()
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            rows["baseline, bf16 residual"] = run_baseline(args, job, bf16_residual=True)
+        rows[name] = run_baseline(args, job, bf16_residual)
     for r in rows.values():
         r["tokens_per_s"] = tokens / r["step_time_s"]
         r["mfu"] = mesh["flops_per_token"] * r["tokens_per_s"] / (peak * 1e12 * world) if peak else None
