@@ -61,16 +61,22 @@ so a profiled run must not plan a different length than the unprofiled rows it i
 with (it once did, and its losses differed from theirs from the first step)."""
 
 
-def run_meshtrain(args, overrides) -> dict:
+def meshtrain_step(args, overrides):
+    """(trainer, step(i), losses): meshtrain's real loop step on the config, each step's loss appended."""
     job = load_config(["--config", args.config, "--train-iters", str(args.warmup + args.steps + PROFILE_MAX),
                        "--eval-interval", "0", "--run-dir", args.run_dir, *overrides])
     trainer = Trainer(job)
     losses = []
 
     def step(i):
-        loss, _ = trainer.train_step(i)  # noqa: F821 (closure over trainer)
+        loss, _ = trainer.train_step(i)
         losses.append(loss)
 
+    return trainer, step, losses
+
+
+def run_meshtrain(args, overrides) -> dict:
+    trainer, step, losses = meshtrain_step(args, overrides)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     sec = time_steps(step, args.warmup, args.steps, trainer.device)
@@ -96,7 +102,9 @@ def trace_path(args, name: str) -> str | None:
     return str(Path(args.trace_dir) / f"{name}-rank{os.environ.get('RANK', '0')}.json")
 
 
-def run_baseline(args, job, bf16_residual: bool = False) -> dict:
+def baseline_step(job, bf16_residual: bool = False):
+    """(step(i), device, losses): the plain baseline's step on random tokens, each step's last micro-batch
+    loss (divided by the micro-batch count) appended."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
     model = BaselineGPT(job.model, bf16_residual).to(device)
@@ -121,6 +129,12 @@ def run_baseline(args, job, bf16_residual: bool = False) -> dict:
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
 
+    return step, device, losses
+
+
+def run_baseline(args, job, bf16_residual: bool = False) -> dict:
+    step, device, losses = baseline_step(job, bf16_residual)
+    n_micro = job.train.global_batch_size // job.train.micro_batch_size
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     sec = time_steps(step, args.warmup, args.steps, device)
