@@ -90,6 +90,11 @@ def linear_cross_entropy(
         ce: the cross-entropy applied to the logits; default `cross_entropy` above (the
             dispatcher passes its own, so the Triton cross-entropy can follow this projection).
     """
+    logits = hidden @ weight.t()
     if vocab_size is not None and vocab_size < weight.shape[0]:
-        weight = weight[:vocab_size]
-    return (ce or cross_entropy)(hidden @ weight.t(), labels, loss_mask)
+        # the GEMM over every row, padding included, then the padding's logits cut off: with
+        # the weight sliced instead, the GEMM's N is the unaligned vocabulary, and the compiled
+        # backward held two logit-sized gradient buffers beside the saved logits (gpt2-125m on
+        # an H200: +1.8 GB at the peak; BENCHMARKS.md, fifteenth session)
+        logits = logits[..., :vocab_size]
+    return (ce or cross_entropy)(logits, labels, loss_mask)
