@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from kernels._launch import as_rows, kernel_op, tracing, wrap_triton
+from kernels.reference import compute_dtype
 
 IGNORE_INDEX = -100
 # Vocabulary block per loop iteration; tests lower it to exercise the multi-block path.
@@ -335,14 +336,6 @@ def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool
     acc.copy_(a @ b) if first else acc.add_(a @ b)
 
 
-def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
-    """The matmul dtype: autocast's when it is on (as `hidden @ weight.t()` would get), else hidden's."""
-    dev = hidden.device.type
-    if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
-        return torch.get_autocast_dtype(dev)
-    return hidden.dtype
-
-
 def _linear_ce(hidden, weight, labels, loss_mask, vocab_size, chunk_size, dtype, want_grads):
     """Loss and, when `want_grads`, (grad_hidden, grad_weight) for a unit incoming gradient.
 
@@ -397,7 +390,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, loss_mask, vocab_size, chunk_size):
         loss, grad_h, grad_w = _linear_ce(hidden, weight, labels, loss_mask, vocab_size, chunk_size,
-                                          _compute_dtype(hidden), True)
+                                          compute_dtype(hidden), True)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.hidden_meta = (hidden.shape, hidden.dtype)
         ctx.weight_dtype = weight.dtype
@@ -466,9 +459,9 @@ def linear_cross_entropy(
     vocab_size = weight.shape[0] if vocab_size is None else vocab_size
     want_grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     if torch.compiler.is_compiling():
-        return _lce_op(hidden, weight, labels, loss_mask, vocab_size, chunk_size, _compute_dtype(hidden),
+        return _lce_op(hidden, weight, labels, loss_mask, vocab_size, chunk_size, compute_dtype(hidden),
                        want_grads)[0]
     if not want_grads:
-        return _linear_ce(hidden, weight, labels, loss_mask, vocab_size, chunk_size, _compute_dtype(hidden),
+        return _linear_ce(hidden, weight, labels, loss_mask, vocab_size, chunk_size, compute_dtype(hidden),
                           False)[0]
     return _LinearCrossEntropy.apply(hidden, weight, labels, loss_mask, vocab_size, chunk_size)

@@ -12,6 +12,19 @@ import torch
 import torch.nn.functional as F
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul on `x` computes in here: autocast's, when autocast is on for x's
+    device and x is floating point; else x's own.
+
+    One rule for every place that must agree with what autocast will do: the fused loss's
+    chunk logits, the collectives on a matmul's input, the residual stream's dtype.
+    """
+    dev = x.device.type
+    if x.is_floating_point() and dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return x.dtype
+
+
 def _acc(x: torch.Tensor) -> torch.Tensor:
     """x in its accumulation dtype: fp32 for half types, unchanged for fp32/fp64."""
     return x.to(torch.promote_types(x.dtype, torch.float32))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.reference import compute_dtype
 from services.trainer.config import ModelConfig
 
 
@@ -37,6 +38,6 @@ class Embedding(nn.Module):
             positions = torch.arange(tokens.shape[1], device=tokens.device)
             x = x + self.position_embeddings(positions)  # (seq, hidden) broadcast over batch
         x = self.dropout(x)
-        if not self.fp32_residual and torch.is_autocast_enabled(x.device.type):
-            x = x.to(torch.get_autocast_dtype(x.device.type))
+        if not self.fp32_residual:
+            x = x.to(compute_dtype(x))
         return x

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import _functional_collectives as funcol
 
+from kernels.reference import compute_dtype
+
 Group = dist.ProcessGroup | None
 
 
@@ -90,13 +92,6 @@ def cuda_nccl_problem(group: Group, device: torch.device) -> str | None:
     if group is None or dist.get_backend(group) != "nccl":
         return "it needs the NCCL backend"
     return None
-
-
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """What a matmul on `x` computes in here: the autocast dtype when autocast is on."""
-    if x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
 
 
 def to_compute_dtype(x: torch.Tensor) -> torch.Tensor:
