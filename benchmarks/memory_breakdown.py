@@ -176,6 +176,8 @@ def main() -> None:
     args, overrides = p.parse_known_args()
     if not torch.cuda.is_available():
         p.error("needs a CUDA device (the allocator history is CUDA's)")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        p.error("a 1-GPU tool: run it with python, not torchrun")
     setup_logging("WARNING")
     args.steps = 1  # meshtrain_step plans the run's length from warmup + steps
     holder = {}

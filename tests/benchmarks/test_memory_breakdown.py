@@ -1,6 +1,9 @@
 """benchmarks/memory_breakdown.py: the trace replay and the grouping by site (the GPU run itself is on the H200)."""
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,7 +50,8 @@ def test_a_step_without_allocations_is_an_error_not_a_zero():
 
 def test_site_is_the_first_frame_outside_torch_and_owner_the_first_in_the_repo(tmp_path):
     generated = tmp_path / "cxyz.py"
-    generated.write_text("def call(args):\n    buf0 = empty_strided_cuda((16, 1024, 3072), (1, 1, 1), torch.bfloat16)\n")
+    generated.write_text("def call(args):\n"
+                         "    buf0 = empty_strided_cuda((16, 1024, 3072), (1, 1, 1), torch.bfloat16)\n")
     frames = [{"filename": TORCH_FILE, "line": 10, "name": "_call_impl"},
               {"filename": str(generated), "line": 2, "name": "call"},
               {"filename": TORCH_FILE, "line": 20, "name": "forward"},
@@ -68,3 +72,11 @@ def test_groups_sum_by_site_and_owner_largest_first():
     live = {1: alloc(1, 10, here), 2: alloc(2, 30, there), 3: alloc(3, 25, here), 4: alloc(4, 1)}
     assert [(g["site"], g["bytes"], g["blocks"]) for g in group(live)] == [
         ("services/trainer/model/gpt.py:1 a", 35, 2), ("services/trainer/model/gpt.py:2 b", 30, 1), (NO_FRAME, 1, 1)]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
+def test_without_a_gpu_it_says_it_needs_one():
+    script = str(Path(REPO) / "benchmarks" / "memory_breakdown.py")
+    run = subprocess.run([sys.executable, script, "--config", "deploy/configs/tiny.toml"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 2 and "needs a CUDA device" in run.stderr
