@@ -51,6 +51,27 @@ def test_cross_entropy(dtype, masked, small_blocks):
     torch.testing.assert_close(grad.double(), grad64, **TOL[dtype])
 
 
+def test_cross_entropy_on_the_real_columns_of_padded_logits(small_blocks):
+    """What the reference projection hands the Triton cross-entropy (train.compiled_triton_ops
+    = ["cross_entropy"]): logits over the padded vocabulary with the padding's columns cut
+    off, so each row starts 80 elements after the last but holds 77. Loss and gradient as on
+    a contiguous copy; the padding's columns get no gradient."""
+    from kernels.cross_entropy import cross_entropy
+
+    torch.manual_seed(0)
+    padded = (3 * torch.randn(2, 41, 80, device=DEVICE)).requires_grad_()
+    padded.data[..., 77:] = 50.0  # would dominate the softmax if they were read
+    labels = _labels(2 * 41, 77).view(2, 41)
+    loss = cross_entropy(padded[..., :77], labels)
+    (grad,) = torch.autograd.grad(loss, padded)
+    dense = padded.detach()[..., :77].contiguous().double().requires_grad_()
+    ref = reference.cross_entropy(dense, labels)
+    (grad_ref,) = torch.autograd.grad(ref, dense)
+    torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad[..., :77].double(), grad_ref, rtol=1e-5, atol=1e-6)
+    assert torch.all(grad[..., 77:] == 0)
+
+
 def _linear_case(dtype, masked):
     torch.manual_seed(0)
     hidden = torch.randn(3, 41, 24, device=DEVICE).to(dtype).requires_grad_()
