@@ -1,0 +1,155 @@
+"""The trainer's command line: `--config FILE`, `--section.key=value` overrides and Megatron-LM's flags.
+
+`parse_overrides` turns the words after `meshtrain train` into (config file, nested override
+table); `services.trainer.config.load_config` merges that table over the defaults and the file.
+
+    parse_overrides(["--config", "a.toml", "--hidden-size", "768", "--train.bf16=true"])
+    # -> ("a.toml", {"model": {"hidden_size": 768}, "train": {"bf16": True}})
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.common import config as cfg
+from services.common.errors import ConfigError
+
+# Megatron-LM flag -> (dotted key, takes a value). Flags without a value set a bool to true.
+ALIASES: dict[str, tuple[str, bool]] = {
+    "--num-layers": ("model.num_layers", True),
+    "--hidden-size": ("model.hidden_size", True),
+    "--num-attention-heads": ("model.num_attention_heads", True),
+    "--num-query-groups": ("model.num_query_groups", True),
+    "--ffn-hidden-size": ("model.ffn_hidden_size", True),
+    "--seq-length": ("model.seq_length", True),
+    "--max-position-embeddings": ("model.max_position_embeddings", True),
+    "--vocab-size": ("model.vocab_size", True),
+    "--make-vocab-size-divisible-by": ("model.make_vocab_size_divisible_by", True),
+    "--normalization": ("model.normalization", True),
+    "--position-embedding-type": ("model.position_embedding_type", True),
+    "--rotary-base": ("model.rotary_base", True),
+    "--init-method-std": ("model.init_method_std", True),
+    "--hidden-dropout": ("model.hidden_dropout", True),
+    "--attention-dropout": ("model.attention_dropout", True),
+    "--transformer-impl": ("model.transformer_impl", True),
+    "--fp32-residual-connection": ("model.fp32_residual_connection", False),
+    "--swiglu": ("model.activation=swiglu", False),
+    "--disable-bias-linear": ("model.add_bias_linear=false", False),
+    "--untie-embeddings-and-output-weights": ("model.untie_embeddings_and_output_weights", False),
+    "--data-path": ("data.data_path", True),
+    "--data-service-addresses": ("data.service_addresses", True),
+    "--tokenizer": ("data.tokenizer", True),
+    "--split": ("data.split", True),
+    "--micro-batch-size": ("train.micro_batch_size", True),
+    "--global-batch-size": ("train.global_batch_size", True),
+    "--train-iters": ("train.train_iters", True),
+    "--eval-interval": ("train.eval_interval", True),
+    "--eval-iters": ("train.eval_iters", True),
+    "--seed": ("train.seed", True),
+    "--bf16": ("train.bf16", False),
+    "--lr": ("optim.lr", True),
+    "--min-lr": ("optim.min_lr", True),
+    "--lr-warmup-iters": ("optim.lr_warmup_iters", True),
+    "--lr-decay-iters": ("optim.lr_decay_iters", True),
+    "--lr-decay-style": ("optim.lr_decay_style", True),
+    "--weight-decay": ("optim.weight_decay", True),
+    "--adam-beta1": ("optim.adam_beta1", True),
+    "--adam-beta2": ("optim.adam_beta2", True),
+    "--adam-eps": ("optim.adam_eps", True),
+    "--clip-grad": ("optim.clip_grad", True),
+    "--tensor-model-parallel-size": ("parallel.tp", True),
+    "--pipeline-model-parallel-size": ("parallel.pp", True),
+    "--context-parallel-size": ("parallel.cp", True),
+    "--expert-model-parallel-size": ("parallel.ep", True),
+    "--sequence-parallel": ("parallel.sequence_parallel", False),
+    "--tp-comm-overlap": ("parallel.tp_comm_overlap", False),
+    "--tp-reduce-impl": ("parallel.tp_reduce_impl", True),
+    "--use-distributed-optimizer": ("parallel.use_distributed_optimizer", False),
+    "--overlap-grad-reduce": ("parallel.overlap_grad_reduce", False),
+    "--overlap-param-gather": ("parallel.overlap_param_gather", False),
+    "--ddp-bucket-size": ("parallel.ddp_bucket_size", True),
+    "--grad-reduce-in-bf16": ("parallel.grad_reduce_dtype=bf16", False),
+    "--recompute-granularity": ("parallel.recompute_granularity", True),
+    "--recompute-method": ("parallel.recompute_method", True),
+    "--recompute-num-layers": ("parallel.recompute_num_layers", True),
+    "--save": ("checkpoint.save", True),
+    "--load": ("checkpoint.load", True),
+    "--save-interval": ("checkpoint.save_interval", True),
+    "--ckpt-step": ("checkpoint.load_step", True),
+    "--run-dir": ("log.run_dir", True),
+    "--log-interval": ("log.log_interval", True),
+}
+
+# Keys whose values are strings even when they look like numbers or booleans.
+_STRING_KEYS = {"data.tokenizer", "data.split", "checkpoint.save", "checkpoint.load", "log.run_dir"}
+
+
+# Megatron spellings of choice values -> ours.
+_VALUE_SPELLINGS = {"LayerNorm": "layernorm", "RMSNorm": "rmsnorm", "learned_absolute": "learned"}
+
+
+def _value_for(key: str, text: str) -> Any:
+    text = _VALUE_SPELLINGS.get(text, text)
+    if key in _STRING_KEYS:
+        return text
+    if key in ("data.data_path", "data.service_addresses"):
+        return cfg.parse_value(text) if text.lstrip().startswith("[") else [text]
+    return cfg.parse_value(text)
+
+
+def parse_overrides(args: list[str]) -> tuple[str | None, dict[str, Any]]:
+    """Turn command-line words into (config file, nested override table).
+
+    Accepts `--config FILE`, `--section.key=value` / `--section.key value`, and the Megatron
+    aliases in `ALIASES`. `--data-path` takes one or more words, like Megatron's.
+
+    Raises:
+        ConfigError: for an unknown flag or a flag missing its value.
+    """
+    config_file: str | None = None
+    table: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        word = args[i]
+        if not word.startswith("--"):
+            raise ConfigError(f"unexpected argument {word!r}; overrides look like --section.key=value")
+        name, eq, inline = word.partition("=")
+
+        def take_value() -> str:
+            nonlocal i
+            if eq:
+                return inline
+            if i + 1 >= len(args) or args[i + 1].startswith("--"):
+                raise ConfigError(f"{name} needs a value")
+            i += 1
+            return args[i]
+
+        if name == "--config":
+            config_file = take_value()
+        elif name in ALIASES:
+            target, has_value = ALIASES[name]
+            if not has_value:
+                if eq:
+                    raise ConfigError(f"{name} is a switch and takes no value")
+                key, _, fixed = target.partition("=")
+                cfg.set_dotted(table, key, cfg.parse_value(fixed) if fixed else True)
+            elif name in ("--data-path", "--data-service-addresses") and not eq:
+                words = []
+                while i + 1 < len(args) and not args[i + 1].startswith("--"):
+                    i += 1
+                    words.append(args[i])
+                if not words:
+                    raise ConfigError("--data-path needs a value")
+                cfg.set_dotted(table, target, words)
+            else:
+                cfg.set_dotted(table, target, _value_for(target, take_value()))
+        elif "." in name[2:]:
+            key = name[2:].replace("-", "_")
+            cfg.set_dotted(table, key, _value_for(key, take_value()))
+        else:
+            raise ConfigError(
+                f"unknown flag {name}; use --section.key=value (see --help-config) or one of the "
+                f"Megatron aliases: {' '.join(sorted(ALIASES))}"
+            )
+        i += 1
+    return config_file, table
