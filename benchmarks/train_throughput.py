@@ -21,6 +21,7 @@ import gc
 import json
 import os
 import platform
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -147,6 +148,16 @@ def run_baseline(args, job, bf16_residual: bool = False) -> dict:
     return out
 
 
+def release(job, reset: bool = True) -> None:
+    """Before the next side builds its model: the last one's memory back (it is out of scope by now),
+    and with `reset` its compiled graphs dropped."""
+    if reset and job.train.compile:
+        torch._dynamo.reset()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True)
@@ -158,6 +169,10 @@ def main() -> None:
     p.add_argument("--baseline-bf16-residual", action="store_true",
                    help="also run the baseline with its residual stream cast to bf16 (the plain baseline "
                         "stays the ratio's denominator; this row shows what that cast alone is worth)")
+    p.add_argument("--variant", metavar="FLAGS",
+                   help="one process: after meshtrain, run meshtrain again with these overrides added (one "
+                        "string, e.g. --variant=--no-gradient-accumulation-fusion) and report meshtrain's ratio "
+                        "to it: what one option is worth, both sides measured in the same process")
     p.add_argument("--single-gpu-json", help="a 1-GPU result of this script, for speedup / scaling efficiency")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="after timing, profile this many more steps of each side: kernel time by kind, "
@@ -168,6 +183,8 @@ def main() -> None:
         p.error(f"--profile-steps must be between 0 and {PROFILE_MAX}")
     setup_logging("WARNING")
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.variant is not None and (world > 1 or not shlex.split(args.variant)):
+        p.error("--variant needs one process and at least one override")
     mesh, job = run_meshtrain(args, overrides)
     if int(os.environ.get("RANK", "0")) != 0:
         return
@@ -179,12 +196,13 @@ def main() -> None:
     if args.baseline_bf16_residual:
         baselines.append(("baseline, bf16 residual", True))
     for name, bf16_residual in baselines if not args.skip_baseline and world == 1 else []:
-        if bf16_residual and job.train.compile:
-            torch._dynamo.reset()  # drop the plain baseline's compiled graphs
-        gc.collect()  # the last model is gone: give its memory back before this one builds its own
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        release(job, reset=bf16_residual)  # the plain baseline's graphs would be guarded on, not reused
         rows[name] = run_baseline(args, job, bf16_residual)
+    variant = f"meshtrain {args.variant}" if args.variant else None
+    if variant:
+        release(job)
+        rows[variant], _ = run_meshtrain(argparse.Namespace(**{**vars(args), "run_dir": args.run_dir + "-variant"}),
+                                         overrides + shlex.split(args.variant))
     for r in rows.values():
         r["tokens_per_s"] = tokens / r["step_time_s"]
         r["mfu"] = mesh["flops_per_token"] * r["tokens_per_s"] / (peak * 1e12 * world) if peak else None
@@ -209,6 +227,9 @@ def main() -> None:
     if "baseline, bf16 residual" in rows:
         result["ratio_vs_bf16_residual_baseline"] = (rows["meshtrain"]["tokens_per_s"]
                                                      / rows["baseline, bf16 residual"]["tokens_per_s"])
+    if variant:
+        result["variant"] = args.variant
+        result["ratio_vs_variant"] = rows["meshtrain"]["tokens_per_s"] / rows[variant]["tokens_per_s"]
     if args.single_gpu_json:  # scaling efficiency against a 1-GPU run recorded earlier in the same job
         single = json.loads(Path(args.single_gpu_json).read_text())["results"]["meshtrain"]["tokens_per_s"]
         result["speedup_vs_1gpu"] = rows[next(iter(rows))]["tokens_per_s"] / single
@@ -216,15 +237,18 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"\n{args.config}  seq {job.model.seq_length}  mbs {job.train.micro_batch_size}  "
           f"gbs {job.train.global_batch_size}  {result['device']}")
-    print(f"{'impl':<24}{'tokens/s':>12}{'MFU':>8}{'s/step':>9}{'peak GB':>9}")
+    width = max(24, *(len(name) + 2 for name in rows))
+    print(f"{'impl':<{width}}{'tokens/s':>12}{'MFU':>8}{'s/step':>9}{'peak GB':>9}")
     for name, r in rows.items():
         mfu = f"{r['mfu'] * 100:.1f}%" if r["mfu"] is not None else "-"
         mem = f"{r['peak_mem_gb']:.1f}" if r["peak_mem_gb"] is not None else "-"
-        print(f"{name:<24}{r['tokens_per_s']:>12,.0f}{mfu:>8}{r['step_time_s']:>9.3f}{mem:>9}")
+        print(f"{name:<{width}}{r['tokens_per_s']:>12,.0f}{mfu:>8}{r['step_time_s']:>9.3f}{mem:>9}")
     if "ratio_tokens_per_s" in result:
         print(f"ratio meshtrain / baseline: {result['ratio_tokens_per_s']:.3f}")
     if "ratio_vs_bf16_residual_baseline" in result:
         print(f"ratio meshtrain / bf16-residual baseline: {result['ratio_vs_bf16_residual_baseline']:.3f}")
+    if variant:
+        print(f"ratio meshtrain / meshtrain {args.variant}: {result['ratio_vs_variant']:.3f}")
     if "speedup_vs_1gpu" in result:
         print(f"speedup vs 1 GPU: {result['speedup_vs_1gpu']:.3f}x (scaling efficiency {result['scaling_efficiency']:.3f})")
     for name, r in rows.items():

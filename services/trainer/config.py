@@ -164,6 +164,13 @@ class TrainConfig:
     at 1.032x the plain compiled baseline against 1.011x without (gpt2-125m: unchanged).
     Unset: on wherever it applies (train.bf16 in a single process; with several ranks the
     gradient reductions hook the fp32 parameters); true asks for it, false turns it off."""
+    gradient_accumulation_fusion: bool | None = None
+    """With train.bf16_weight_copies: add each linear layer's weight gradient into its fp32 .grad
+    inside the weight-gradient GEMM (cuBLAS, fp32 output, beta=1), as Megatron-LM's
+    --gradient-accumulation-fusion, instead of writing a bf16 gradient and adding it after: less
+    memory traffic, no bf16 rounding of each micro-batch's gradient. Unset: on with the weight
+    copies on CUDA; true asks for it (off CUDA the same sums run as an fp32 matmul and an add);
+    false turns it off."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """'auto' picks CUDA when present."""
     cuda_graph: bool = False
@@ -233,6 +240,9 @@ class TrainConfig:
         if self.bf16_weight_copies and not self.bf16:
             raise ConfigError("train.bf16_weight_copies keeps bf16 copies of the weights for bf16 autocast: "
                               "it needs train.bf16=true")
+        if self.gradient_accumulation_fusion and not (self.bf16 and self.bf16_weight_copies is not False):
+            raise ConfigError("train.gradient_accumulation_fusion adds the bf16 weight copies' gradients into the fp32 "
+                              "gradients: it needs train.bf16=true and train.bf16_weight_copies left on")
         if self.cuda_graph and self.device == "cpu":
             raise ConfigError("train.cuda_graph captures the step as a CUDA graph: it needs a CUDA device, but "
                               "train.device='cpu'")

@@ -47,6 +47,8 @@ ALIASES: dict[str, tuple[str, bool]] = {
     "--eval-iters": ("train.eval_iters", True),
     "--seed": ("train.seed", True),
     "--bf16": ("train.bf16", False),
+    "--gradient-accumulation-fusion": ("train.gradient_accumulation_fusion", False),
+    "--no-gradient-accumulation-fusion": ("train.gradient_accumulation_fusion=false", False),
     "--lr": ("optim.lr", True),
     "--min-lr": ("optim.min_lr", True),
     "--lr-warmup-iters": ("optim.lr_warmup_iters", True),

@@ -192,8 +192,14 @@ class Trainer:
                 f"train.bf16_weight_copies runs in a single process; this job has {self.mesh.world_size} "
                 f"ranks (tp={self.mesh.tp}, dp={self.mesh.dp}), whose gradient reductions hook the fp32 "
                 "parameters: leave it unset or run one process")
+        fusion = job.train.gradient_accumulation_fusion
         if copies or (copies is None and job.train.bf16 and not self.mesh.distributed):
-            self.weight_copies = WeightCopies(self.model, torch.bfloat16)
+            self.weight_copies = WeightCopies(self.model, torch.bfloat16, fuse_weight_grads=(
+                fusion if fusion is not None else self.device.type == "cuda"))
+        elif fusion:
+            raise ConfigError(
+                f"train.gradient_accumulation_fusion adds into the fp32 gradients from the bf16 weight copies' "
+                f"GEMMs, and this job has none ({self.mesh.world_size} ranks: the copies run in a single process)")
         self.forward = self.model
         if job.train.compile and p.overlap_param_gather:
             # Per-block compile keeps the all-gather waits (forward pre-hooks) outside the
@@ -230,7 +236,9 @@ class Trainer:
         m = self.mesh
         log.info("model: %.2fM parameters, %.3g FLOPs/token, device %s%s; mesh tp=%d dp=%d (world %d)%s",
                  self.num_parameters / 1e6, self.flops_per_token, self.device,
-                 ", bf16 autocast" if job.train.bf16 else "", m.tp, m.dp, m.world_size,
+                 (", bf16 autocast" if job.train.bf16 else "") + (
+                     ", bf16 weight copies" + (" with fused gradient accumulation" if self.weight_copies.fused else "")
+                     if self.weight_copies is not None else ""), m.tp, m.dp, m.world_size,
                  ", sequence parallel" if p.sequence_parallel else "")
         # Requests from other threads (signal handler, control endpoint), acted on between steps.
         self._stop = threading.Event()

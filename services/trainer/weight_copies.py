@@ -19,11 +19,22 @@ stream's dtype is `model.fp32_residual_connection`'s choice, not the table's).
     copies.refresh()                                            # once per step, after the update
     loss = call_with(model, copies.copies, tokens, labels, mask)  # under autocast, per micro-batch
     loss.backward()                                             # fp32 .grad of model's parameters
+
+With `fuse_weight_grads` (train.gradient_accumulation_fusion, Megatron-LM's
+--gradient-accumulation-fusion) the weight copies take no gradient at all: each `nn.Linear`
+whose weight is copied runs `_LinearIntoMainGrad`, whose backward adds the weight gradient into
+the fp32 parameter's `.grad` inside the weight-gradient GEMM (`accumulate_weight_grad`: on CUDA
+cuBLAS with an fp32 output and beta = 1). That drops the bf16 gradient's write, its read and the
+separate add, 10 of the 12 bytes per weight and micro-batch above, and the micro-batch's
+gradient is no longer rounded to bf16 before it is added (more exact than autocast, so not bit
+for bit its values). The `.grad`s must exist before the backward: `refresh` allocates the
+missing ones as zeros.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -34,15 +45,24 @@ class WeightCopies:
         model: its `nn.Linear` weights and biases get copies; a parameter shared by several
             modules (tied) gets one copy under each of its names.
         dtype: the copies' dtype (bf16: autocast's compute dtype).
+        fuse_weight_grads: add the linear layers' weight gradients into the fp32 `.grad`s inside
+            the weight-gradient GEMM (see the module doc). The modules that are exactly
+            `nn.Linear` become `MainGradLinear`s for it (their parameters, state dict and
+            forward on their own fp32 weights unchanged).
     """
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype):
+    def __init__(self, model: nn.Module, dtype: torch.dtype, fuse_weight_grads: bool = False):
         self.copies: dict[str, torch.Tensor] = {}  # parameter name -> copy (what functional_call takes)
         self._pairs: list[tuple[torch.Tensor, nn.Parameter]] = []  # (copy, fp32 parameter), one per parameter
+        self._main_grads: dict[int, nn.Parameter] = {}  # the fused weights, whose .grad the GEMMs add into
         by_param: dict[int, torch.Tensor] = {}
         for module_name, module in model.named_modules(remove_duplicate=False):
             if not isinstance(module, nn.Linear):
                 continue
+            if fuse_weight_grads and module.weight.requires_grad and type(module) in (nn.Linear, MainGradLinear):
+                module.__class__ = MainGradLinear
+                module.main_weight = (module.weight,)
+                self._main_grads[id(module.weight)] = module.weight
             for param_name, param in module.named_parameters(recurse=False):
                 name = f"{module_name}.{param_name}" if module_name else param_name
                 copy = by_param.get(id(param))
@@ -62,9 +82,18 @@ class WeightCopies:
 
     @torch.no_grad()
     def refresh(self) -> None:
-        """Cast every fp32 parameter into its copy (after each optimizer step or parameter load)."""
+        """Cast every fp32 parameter into its copy (after each optimizer step or parameter load);
+        with fused weight gradients, give each fused weight a zero `.grad` where it has none."""
         copies, params = zip(*self._pairs)
         torch._foreach_copy_(list(copies), list(params))
+        for param in self._main_grads.values():
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+
+    @property
+    def fused(self) -> bool:
+        """Whether any weight gradient is added inside its GEMM (`fuse_weight_grads` found a layer)."""
+        return bool(self._main_grads)
 
     def numel(self) -> int:
         """Elements copied (each parameter once)."""
@@ -86,6 +115,8 @@ def _accumulate_into(param: nn.Parameter):
 
     @torch.no_grad()
     def hook(copy: torch.Tensor) -> None:
+        if copy.grad is None:  # a fused linear's backward added into param.grad itself
+            return
         if param.grad is None:
             param.grad = copy.grad.to(param.dtype)
         else:
@@ -93,3 +124,76 @@ def _accumulate_into(param: nn.Parameter):
         copy.grad = None
 
     return hook
+
+
+@torch.library.custom_op("meshtrain::accumulate_weight_grad", mutates_args=("main_grad",))
+def accumulate_weight_grad(main_grad: torch.Tensor, grad_output: torch.Tensor, inputs: torch.Tensor) -> None:
+    """main_grad += grad_output^T @ inputs, summed over every leading dimension, in main_grad's dtype.
+
+    On CUDA with bf16/fp16 operands and an fp32 `main_grad` it is one cuBLAS GEMM that reads
+    and writes `main_grad` in its epilogue (fp32 output, beta = 1): no low-precision gradient is
+    written. Elsewhere the operands are widened to `main_grad`'s dtype first (the same sums, no
+    speed). An op of its own so that a compiled backward keeps it as one in-place call on the
+    gradient, not a copy of it.
+    """
+    dy = grad_output.reshape(-1, grad_output.shape[-1])
+    x = inputs.reshape(-1, inputs.shape[-1])
+    if dy.dtype == main_grad.dtype and x.dtype == main_grad.dtype:
+        main_grad.addmm_(dy.t(), x)
+    elif (main_grad.is_cuda and main_grad.dtype == torch.float32 and dy.dtype == x.dtype
+          and dy.dtype in (torch.bfloat16, torch.float16)):
+        torch.addmm(main_grad, dy.t(), x, out_dtype=torch.float32, out=main_grad)
+    else:
+        main_grad.addmm_(dy.t().to(main_grad.dtype), x.to(main_grad.dtype))
+
+
+class _LinearIntoMainGrad(torch.autograd.Function):
+    """y = x @ weight^T + bias on a compute-dtype copy; backward adds the weight's gradient into
+    `main_grad` (returning none for the copy) and returns the input's and the bias's as usual."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, main_grad):
+        x_c = x.to(weight.dtype)  # autocast's cast, kept for the weight gradient
+        ctx.save_for_backward(x_c, weight)
+        # Not saved: a tied weight's backward adds into it between this forward and the backward.
+        ctx.main_grad = main_grad
+        ctx.x_dtype = x.dtype
+        ctx.has_bias = bias is not None
+        return F.linear(x_c, weight, None if bias is None else bias.to(weight.dtype))
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        accumulate_weight_grad(ctx.main_grad, dy, x)
+        dx = (dy @ weight).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, None, db, None
+
+
+class MainGradLinear(nn.Linear):
+    """An `nn.Linear` whose gradient accumulation is fused (`WeightCopies(fuse_weight_grads=True)`).
+
+    Given a narrower copy of its weight (under `call_with`) it runs `_LinearIntoMainGrad`
+    against the fp32 weight's `.grad`. On its own fp32 weight it does the same under autocast
+    with gradients on and a `.grad` to add into, with autocast's cast of the weight: that is
+    activation recompute's second forward, which runs after `call_with` has put the fp32
+    weights back and must save what the first one saved. Otherwise (evaluation, no `.grad`
+    yet) it is `nn.Linear`.
+    """
+
+    main_weight: tuple[nn.Parameter]  # the fp32 weight, in a tuple so that it is not registered twice
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        main = self.main_weight[0]
+        weight, bias = self.weight, self.bias
+        if weight.dtype == main.dtype:
+            device = x.device.type
+            if not (torch.is_grad_enabled() and torch.is_autocast_enabled(device) and main.grad is not None):
+                return super().forward(x)
+            dtype = torch.get_autocast_dtype(device)
+            weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
+        elif main.grad is None:
+            raise RuntimeError(f"{tuple(main.shape)} weight: its fused gradient needs an fp32 .grad to add into; "
+                               "WeightCopies.refresh() allocates it (call it after zero_grad(set_to_none=True))")
+        return _LinearIntoMainGrad.apply(x, weight, bias, main.grad)
+

@@ -71,6 +71,44 @@ def test_bf16_weight_copies_train_like_autocast(corpus_cache, tmp_path):
         assert copies.losses[step] == pytest.approx(loss, rel=1e-2), step
 
 
+def test_accumulate_weight_grad_on_cuda_adds_fp32_sums_in_place():
+    """The fused weight-gradient GEMM on CUDA: bf16 operands, the fp32 .grad read and written
+    in place, no bf16 rounding of the product (a bf16 result would be off by ~1e-3)."""
+    from services.trainer.weight_copies import accumulate_weight_grad
+
+    torch.manual_seed(0)
+    main = torch.randn(1536, 1024, device="cuda")
+    start, ptr = main.double(), main.data_ptr()
+    dy = torch.randn(4, 2048, 1536, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(4, 2048, 1024, device="cuda", dtype=torch.bfloat16)
+    for _ in range(2):
+        accumulate_weight_grad(main, dy, x)
+    want = start + 2 * (dy.reshape(-1, 1536).double().t() @ x.reshape(-1, 1024).double())
+    assert main.data_ptr() == ptr and main.dtype == torch.float32
+    assert ((main.double() - want).abs().max() / want.abs().max()).item() < 1e-5
+
+
+def test_fused_gradient_accumulation_trains_like_the_copies_hooks(corpus_cache, tmp_path):
+    """Compiled in bf16 on CUDA, where train.gradient_accumulation_fusion is on by default: the
+    losses follow the run whose copies' bf16 gradients a hook adds (--no-gradient-accumulation-fusion)."""
+    from services.trainer.train import Trainer
+
+    common = small_job_args(corpus_cache, tmp_path / "x", **{"train.device": "cuda", "train.bf16": True,
+                                                              "train.eval_interval": 0, "train.train_iters": 20,
+                                                              "train.compile": True})
+    common = [a for a in common if not a.startswith("--log.run_dir")] + LLAMA + ["--untie-embeddings-and-output-weights"]
+    hooks = train(load_config(common + ["--no-gradient-accumulation-fusion", f"--log.run_dir={tmp_path / 'hooks'}"]))
+    torch._dynamo.reset()
+    fused_job = load_config(common + [f"--log.run_dir={tmp_path / 'fused'}"])
+    trainer = Trainer(fused_job)
+    assert trainer.weight_copies.fused
+    trainer.checkpointer.close()
+    fused = train(fused_job)
+    assert fused.losses[20] < fused.losses[1] - 1.0
+    for step, loss in hooks.losses.items():
+        assert fused.losses[step] == pytest.approx(loss, rel=1e-2), step
+
+
 @pytest.mark.parametrize("arch", [[], LLAMA], ids=["gpt2", "llama"])
 def test_bf16_residual_stream_trains_like_the_fp32_one(arch, corpus_cache, tmp_path):
     """Compiled in bf16 on CUDA: with the stream between blocks in bf16 (the default) the loss

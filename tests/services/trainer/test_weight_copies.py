@@ -1,4 +1,5 @@
-"""bf16 weight copies (train.bf16_weight_copies) train exactly as bf16 autocast of the fp32 weights."""
+"""bf16 weight copies (train.bf16_weight_copies) train exactly as bf16 autocast of the fp32 weights;
+with train.gradient_accumulation_fusion their weight gradients go straight into the fp32 .grads."""
 
 from __future__ import annotations
 
@@ -9,7 +10,12 @@ from torch import nn
 from services.common.errors import ConfigError
 from services.trainer.config import load_config
 from services.trainer.train import Trainer
-from services.trainer.weight_copies import WeightCopies, call_with
+from services.trainer.weight_copies import (
+    MainGradLinear,
+    WeightCopies,
+    accumulate_weight_grad,
+    call_with,
+)
 from tests.dist_utils import run_ranks
 from tests.services.trainer.conftest import small_job_args
 
@@ -119,6 +125,135 @@ def test_gradients_accumulate_in_fp32_across_calls():
     assert not torch.equal(grads[0], grads[1])
 
 
+@pytest.mark.parametrize("arch", [
+    {},
+    LLAMA,  # untied output layer: its weight reaches the loss without the linear's forward (the hook's path)
+    dict(LLAMA, **{"parallel.recompute_granularity": "full"}),  # the recomputed forward runs the fused linears again
+], ids=["gpt2", "llama", "llama-recompute"])
+def test_fused_gradient_accumulation_trains_like_the_copies_hooks(arch, corpus_cache, tmp_path):
+    """train.gradient_accumulation_fusion: the same training as the hooks' bf16 gradients, to
+    within the bf16 rounding of each micro-batch's gradient that it no longer does."""
+    losses, params, hooks = _train(corpus_cache, tmp_path / "a", 6, **arch)  # unset: off on CPU
+    losses_f, params_f, fused = _train(corpus_cache, tmp_path / "b", 6, **arch,
+                                       **{"train.gradient_accumulation_fusion": True})
+    assert not hooks.weight_copies.fused and fused.weight_copies.fused
+    assert isinstance(fused.model.layers[0].mlp.fc1, MainGradLinear)
+    assert set(fused.model.state_dict()) == set(hooks.model.state_dict())
+    assert all(c.grad is None for c in fused.weight_copies.copies.values())
+    assert losses_f[-1] < losses_f[0]
+    assert losses_f == pytest.approx(losses, rel=2e-3)
+    assert losses_f[1:] != losses[1:]  # the first step's loss is before any update; later ones differ
+    for name, p in params.items():
+        if name.endswith("qkv.bias"):
+            # The keys' bias has a zero gradient up to rounding (softmax ignores a shift of every
+            # score), and Adam turns that noise into lr-sized steps of either sign.
+            continue
+        torch.testing.assert_close(params_f[name], p, rtol=1e-2, atol=2e-3, msg=name)
+
+
+def test_compiled_fused_gradient_accumulation_adds_in_place_without_recompiling(corpus_cache, tmp_path):
+    """Compiled (Inductor on CPU): the backward calls the op on the fp32 .grad itself (a copy of
+    the gradient would cost what the fusion saves), and the .grads a step re-allocates after
+    zero_grad(set_to_none=True) do not recompile the graph."""
+    from torch._inductor.utils import run_and_get_code
+
+    extra = dict(LLAMA, **{"train.compile": True, "train.gradient_accumulation_fusion": True})
+    args = small_job_args(corpus_cache, tmp_path / "a", **{"train.bf16": True, "train.eval_interval": 0,
+                                                           "train.train_iters": 5, **extra})
+    torch._dynamo.reset()
+    trainer = Trainer(load_config(args))
+    first, codes = run_and_get_code(lambda: trainer.train_step(0)[0].item())
+    backward = [c for c in codes if "accumulate_weight_grad" in c]
+    assert backward, "no compiled graph calls the fused accumulation"
+    calls = [line.strip() for c in backward for line in c.splitlines() if "ops.meshtrain.accumulate_weight_grad" in line]
+    linears = sum(isinstance(m, MainGradLinear) for m in trainer.model.layers.modules())
+    assert len(calls) == linears == 2 * 4  # 2 layers x (qkv, proj, fc1, fc2); the output layer's weight
+    # goes to the loss, not through its forward, so its gradient takes the copy's hook
+    assert all(c.split("(", 1)[1].startswith(("primals_", "arg")) for c in calls), calls  # a graph input: the .grad
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    losses = [first] + [trainer.train_step(step)[0].item() for step in range(1, 4)]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
+    assert losses[-1] < losses[0]
+    torch._dynamo.reset()
+
+
+def test_fused_accumulation_is_closer_to_exact_than_bf16_gradients():
+    """Eight micro-batches into one fp32 .grad: the fused sums (no bf16 rounding per micro-batch)
+    land nearer the exact sum than the hooks' bf16 gradients do. The loss makes each output's
+    gradient a bf16 constant, so both paths multiply the same bf16 operands."""
+    torch.manual_seed(0)
+    xs = [torch.randn(256, 64) for _ in range(8)]
+    cs = [torch.randn(256, 32).to(torch.bfloat16).float() for _ in range(8)]
+    grads = {}
+    for fuse in (False, True):
+        torch.manual_seed(1)
+        model = nn.Linear(64, 32, bias=False)
+        copies = WeightCopies(model, torch.bfloat16, fuse_weight_grads=fuse)
+        assert copies.fused == fuse and isinstance(model, MainGradLinear) == fuse
+        for x, c in zip(xs, cs):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = call_with(model, copies.copies, x)
+            (y.float() * c).sum().backward()
+        grads[fuse] = model.weight.grad.double()
+    exact = sum(c.double().t() @ x.to(torch.bfloat16).double() for x, c in zip(xs, cs))
+    err_hooks = (grads[False] - exact).abs().max().item()
+    err_fused = (grads[True] - exact).abs().max().item()
+    assert err_fused < err_hooks / 10, (err_fused, err_hooks)
+
+
+def test_tied_fused_linears_both_add_into_the_one_gradient():
+    """A weight shared by two linears: each use's backward adds into the same fp32 .grad (the
+    second after the first has changed it, so the .grad is not a saved tensor)."""
+    torch.manual_seed(0)
+    xs = [torch.randn(16, 4) for _ in range(3)]
+    grads = {}
+    for fuse in (False, True):
+        torch.manual_seed(1)
+        model = _Tied()
+        copies = WeightCopies(model, torch.bfloat16, fuse_weight_grads=fuse)
+        for x in xs:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                call_with(model, copies.copies, x).backward()
+        grads[fuse] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for name, g in grads[False].items():
+        torch.testing.assert_close(grads[True][name], g, rtol=2e-2, atol=2e-2, msg=name)
+    assert grads[True]["a.weight"].abs().sum() > 0
+
+
+def test_accumulate_weight_grad_adds_over_every_leading_dimension():
+    torch.manual_seed(0)
+    dy, x = torch.randn(2, 5, 3), torch.randn(2, 5, 4)
+    main = torch.randn(3, 4)
+    want = main + torch.einsum("bso,bsi->oi", dy, x)
+    ptr = main.data_ptr()
+    accumulate_weight_grad(main, dy, x)
+    torch.testing.assert_close(main, want)
+    assert main.data_ptr() == ptr
+    accumulate_weight_grad(main, dy.to(torch.bfloat16), x.to(torch.bfloat16))  # widened to fp32 off CUDA
+    torch.testing.assert_close(main, want + torch.einsum("bso,bsi->oi", dy.bfloat16().float(), x.bfloat16().float()))
+
+
+def test_a_fused_linear_without_a_grad_to_add_into_says_so():
+    model = nn.Linear(4, 4)
+    copies = WeightCopies(model, torch.bfloat16, fuse_weight_grads=True)
+    assert model.weight.grad is not None  # refresh() gave it one
+    model.weight.grad = None
+    with pytest.raises(RuntimeError, match="refresh"):
+        call_with(model, copies.copies, torch.randn(2, 4))
+    assert model(torch.randn(2, 4)).dtype == torch.float32  # on its own fp32 weight: nn.Linear
+    copies.refresh()
+    call_with(model, copies.copies, torch.randn(2, 4)).sum().backward()
+    assert model.weight.grad.abs().sum() > 0
+
+
+def test_gradient_accumulation_fusion_needs_the_copies(corpus_cache, tmp_path):
+    with pytest.raises(ConfigError, match="gradient_accumulation_fusion"):
+        load_config(["--gradient-accumulation-fusion"])  # fp32
+    with pytest.raises(ConfigError, match="bf16_weight_copies left on"):
+        load_config(["--bf16", "--gradient-accumulation-fusion", "--train.bf16_weight_copies=false"])
+    assert load_config(["--bf16", "--no-gradient-accumulation-fusion"]).train.gradient_accumulation_fusion is False
+
+
 def test_a_model_without_wide_linear_parameters_is_refused():
     with pytest.raises(ValueError, match="no nn.Linear"):
         WeightCopies(nn.Sequential(nn.LayerNorm(4)), torch.bfloat16)
@@ -133,11 +268,11 @@ def test_copies_need_bf16_and_are_off_without_it(corpus_cache, tmp_path):
     assert trainer.weight_copies is None
 
 
-def _build(rank, world, args):
-    """(whether the unset option took copies, the error asking for them gives)."""
+def _build(rank, world, args, ask):
+    """(whether the unset option took copies, the error asking for them with `ask` gives)."""
     took = Trainer(load_config(args)).weight_copies is not None
     try:
-        Trainer(load_config(args + ["--train.bf16_weight_copies=true"]))
+        Trainer(load_config(args + [ask]))
     except ConfigError as e:
         return took, str(e)
     return took, None
@@ -146,6 +281,8 @@ def _build(rank, world, args):
 @pytest.mark.dist
 def test_copies_are_off_with_several_ranks_and_refused_when_asked_for(corpus_cache, tmp_path):
     args = small_job_args(corpus_cache, tmp_path, **{"train.bf16": True})
-    results = run_ranks(_build, 2, args)
+    results = run_ranks(_build, 2, args, "--train.bf16_weight_copies=true")
     assert all(not took for took, _ in results), results
     assert all(e is not None and "single process" in e and "dp=2" in e for _, e in results), results
+    results = run_ranks(_build, 2, args, "--gradient-accumulation-fusion")
+    assert all(e is not None and "2 ranks" in e and "single process" in e for _, e in results), results
