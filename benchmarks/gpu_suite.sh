@@ -36,7 +36,8 @@
 #               ~2-4 min a row; I6_ROWS="i6-gpt2-350m i6-llama-1b" runs those only.
 #               The defaults include the bf16 weight copies of one process; I6_FLAGS adds flags to every
 #               row and I6_TAG a suffix to its name, e.g. I6_FLAGS=--train.bf16_weight_copies=false
-#               I6_TAG=-nocopies for the same rows without them
+#               I6_TAG=-nocopies for the same rows without them; I6_FLAGS=--variant=FLAG adds a row of
+#               meshtrain with FLAG, in the same process (train_throughput.py --variant)
 #   kernels     benchmarks/kernels.py: issue 6's kernel table (KERNEL_OPS: a comma-separated subset of ops)
 #   ce-sweep    benchmarks/ce_launch_sweep.py: the cross-entropy kernels under every launch setting of a
 #               small grid, against the current one
@@ -204,8 +205,8 @@ for part in $parts; do
         name=${row%%|*}
         [ -n "${I6_ROWS:-}" ] && [[ " $I6_ROWS " != *" $name "* ]] && continue
         name=$name${I6_TAG:-}
-        job "$name" 400 python3 ${row#*|} ${I6_FLAGS:-} --out "$out/$name.json" --run-dir "$runs/$name"
-        grep -A4 "^impl" "$out/$name.log" 2>/dev/null
+        job "$name" 560 python3 ${row#*|} ${I6_FLAGS:-} --out "$out/$name.json" --run-dir "$runs/$name"
+        grep -A7 "^impl" "$out/$name.log" 2>/dev/null
       done ;;
     kernels)
       job kernels 480 python3 benchmarks/kernels.py ${KERNEL_OPS:+--ops "$KERNEL_OPS"} --rounds 2 --budget-s 150 \

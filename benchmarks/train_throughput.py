@@ -88,6 +88,7 @@ def run_meshtrain(args, overrides) -> dict:
     out = {"step_time_s": sec, "loss_first": first_last[0].item(), "loss_last": first_last[1].item(),
            "flops_per_token": trainer.flops_per_token, "params": trainer.model.num_parameters(),
            "bf16_weight_copies": trainer.weight_copies is not None,
+           "gradient_accumulation_fusion": trainer.weight_copies is not None and trainer.weight_copies.fused,
            "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None}
     if args.profile_steps:
         out["breakdown"] = profile_steps(step, args.warmup + args.steps, args.profile_steps, trainer.device,

@@ -164,13 +164,14 @@ class TrainConfig:
     at 1.032x the plain compiled baseline against 1.011x without (gpt2-125m: unchanged).
     Unset: on wherever it applies (train.bf16 in a single process; with several ranks the
     gradient reductions hook the fp32 parameters); true asks for it, false turns it off."""
-    gradient_accumulation_fusion: bool | None = None
+    gradient_accumulation_fusion: bool = False
     """With train.bf16_weight_copies: add each linear layer's weight gradient into its fp32 .grad
     inside the weight-gradient GEMM (cuBLAS, fp32 output, beta=1), as Megatron-LM's
     --gradient-accumulation-fusion, instead of writing a bf16 gradient and adding it after: less
-    memory traffic, no bf16 rounding of each micro-batch's gradient. Unset: on with the weight
-    copies on CUDA; true asks for it (off CUDA the same sums run as an fp32 matmul and an add);
-    false turns it off."""
+    memory traffic, no bf16 rounding of each micro-batch's gradient (off CUDA the same sums run as
+    an fp32 matmul and an add). On an H200 the GEMM with the add inside ran 1.12-1.14x faster than
+    GEMM then add at llama-1b's shapes; off by default until a whole training run has been
+    measured there (BENCHMARKS.md)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """'auto' picks CUDA when present."""
     cuda_graph: bool = False

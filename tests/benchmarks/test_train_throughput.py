@@ -25,6 +25,7 @@ def test_variant_runs_meshtrain_again_with_its_flags_in_the_same_process(tmp_pat
     rows = result["results"]
     assert set(rows) == {"meshtrain", variant}
     assert rows["meshtrain"]["bf16_weight_copies"] and not rows[variant]["bf16_weight_copies"]
+    assert not rows["meshtrain"]["gradient_accumulation_fusion"]
     assert rows["meshtrain"]["loss_first"] == rows[variant]["loss_first"]  # same data and init
     assert rows["meshtrain"]["loss_last"] != rows[variant]["loss_last"]  # its learning rate: the flags reached it
     assert result["ratio_vs_variant"] == pytest.approx(rows["meshtrain"]["tokens_per_s"] / rows[variant]["tokens_per_s"])

@@ -89,17 +89,17 @@ def test_accumulate_weight_grad_on_cuda_adds_fp32_sums_in_place():
 
 
 def test_fused_gradient_accumulation_trains_like_the_copies_hooks(corpus_cache, tmp_path):
-    """Compiled in bf16 on CUDA, where train.gradient_accumulation_fusion is on by default: the
-    losses follow the run whose copies' bf16 gradients a hook adds (--no-gradient-accumulation-fusion)."""
+    """Compiled in bf16 on CUDA with train.gradient_accumulation_fusion: the losses follow the run
+    whose copies' bf16 gradients a hook adds (the default)."""
     from services.trainer.train import Trainer
 
     common = small_job_args(corpus_cache, tmp_path / "x", **{"train.device": "cuda", "train.bf16": True,
                                                               "train.eval_interval": 0, "train.train_iters": 20,
                                                               "train.compile": True})
     common = [a for a in common if not a.startswith("--log.run_dir")] + LLAMA + ["--untie-embeddings-and-output-weights"]
-    hooks = train(load_config(common + ["--no-gradient-accumulation-fusion", f"--log.run_dir={tmp_path / 'hooks'}"]))
+    hooks = train(load_config(common + [f"--log.run_dir={tmp_path / 'hooks'}"]))
     torch._dynamo.reset()
-    fused_job = load_config(common + [f"--log.run_dir={tmp_path / 'fused'}"])
+    fused_job = load_config(common + ["--gradient-accumulation-fusion", f"--log.run_dir={tmp_path / 'fused'}"])
     trainer = Trainer(fused_job)
     assert trainer.weight_copies.fused
     trainer.checkpointer.close()

@@ -133,7 +133,7 @@ def test_gradients_accumulate_in_fp32_across_calls():
 def test_fused_gradient_accumulation_trains_like_the_copies_hooks(arch, corpus_cache, tmp_path):
     """train.gradient_accumulation_fusion: the same training as the hooks' bf16 gradients, to
     within the bf16 rounding of each micro-batch's gradient that it no longer does."""
-    losses, params, hooks = _train(corpus_cache, tmp_path / "a", 6, **arch)  # unset: off on CPU
+    losses, params, hooks = _train(corpus_cache, tmp_path / "a", 6, **arch)  # off by default
     losses_f, params_f, fused = _train(corpus_cache, tmp_path / "b", 6, **arch,
                                        **{"train.gradient_accumulation_fusion": True})
     assert not hooks.weight_copies.fused and fused.weight_copies.fused
@@ -151,13 +151,16 @@ def test_fused_gradient_accumulation_trains_like_the_copies_hooks(arch, corpus_c
         torch.testing.assert_close(params_f[name], p, rtol=1e-2, atol=2e-3, msg=name)
 
 
-def test_compiled_fused_gradient_accumulation_adds_in_place_without_recompiling(corpus_cache, tmp_path):
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_compiled_fused_gradient_accumulation_adds_in_place_without_recompiling(recompute, corpus_cache, tmp_path):
     """Compiled (Inductor on CPU): the backward calls the op on the fp32 .grad itself (a copy of
     the gradient would cost what the fusion saves), and the .grads a step re-allocates after
-    zero_grad(set_to_none=True) do not recompile the graph."""
+    zero_grad(set_to_none=True) do not recompile the graph. With full recompute the compiled
+    backward replays the forward itself; the op still runs once per linear."""
     from torch._inductor.utils import run_and_get_code
 
-    extra = dict(LLAMA, **{"train.compile": True, "train.gradient_accumulation_fusion": True})
+    extra = dict(LLAMA, **{"train.compile": True, "train.gradient_accumulation_fusion": True,
+                           "parallel.recompute_granularity": recompute})
     args = small_job_args(corpus_cache, tmp_path / "a", **{"train.bf16": True, "train.eval_interval": 0,
                                                            "train.train_iters": 5, **extra})
     torch._dynamo.reset()
