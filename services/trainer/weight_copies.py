@@ -24,11 +24,12 @@ With `fuse_weight_grads` (train.gradient_accumulation_fusion, Megatron-LM's
 --gradient-accumulation-fusion) the weight copies take no gradient at all: each `nn.Linear`
 whose weight is copied runs `_LinearIntoMainGrad`, whose backward adds the weight gradient into
 the fp32 parameter's `.grad` inside the weight-gradient GEMM (`accumulate_weight_grad`: on CUDA
-cuBLAS with an fp32 output and beta = 1). That drops the bf16 gradient's write, its read and the
-separate add, 10 of the 12 bytes per weight and micro-batch above, and the micro-batch's
-gradient is no longer rounded to bf16 before it is added (more exact than autocast, so not bit
-for bit its values). The `.grad`s must exist before the backward: `refresh` allocates the
-missing ones as zeros.
+cuBLAS with an fp32 output and beta = 1). That drops the bf16 gradient's write and read (4 of
+the 12 bytes per weight and micro-batch above) and the separate add's launch; the fp32 read and
+write move into the GEMM's epilogue, beside its arithmetic. The micro-batch's gradient is no
+longer rounded to bf16 before it is added (more exact than autocast, so not bit for bit its
+values). The `.grad`s must exist before the backward: `refresh` allocates the missing ones as
+zeros.
 """
 
 from __future__ import annotations

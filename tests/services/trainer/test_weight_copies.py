@@ -180,6 +180,23 @@ def test_compiled_fused_gradient_accumulation_adds_in_place_without_recompiling(
     torch._dynamo.reset()
 
 
+def test_a_fused_run_resumes_where_it_stopped(corpus_cache, tmp_path):
+    """Evaluation and a checkpoint between steps, then a resume: the restored parameters get
+    fresh copies and .grads, and the resumed losses equal the uninterrupted run's."""
+    from services.trainer.train import train
+
+    common = dict(LLAMA, **{"train.bf16": True, "train.gradient_accumulation_fusion": True, "train.train_iters": 4,
+                            "train.eval_interval": 2})
+    full = train(load_config(small_job_args(corpus_cache, tmp_path / "full", **common,
+                                            **{"checkpoint.save_interval": 2})))
+    resumed = train(load_config(small_job_args(corpus_cache, tmp_path / "resumed", **common, **{
+        "checkpoint.load": str(tmp_path / "full" / "checkpoints"), "checkpoint.load_step": 2})))
+    assert sorted(resumed.losses) == [3, 4]
+    assert [resumed.losses[s] for s in (3, 4)] == [full.losses[s] for s in (3, 4)]
+    assert resumed.eval_losses[4] == full.eval_losses[4]
+    assert full.losses[4] < full.losses[1]
+
+
 def test_fused_accumulation_is_closer_to_exact_than_bf16_gradients():
     """Eight micro-batches into one fp32 .grad: the fused sums (no bf16 rounding per micro-batch)
     land nearer the exact sum than the hooks' bf16 gradients do. The loss makes each output's
