@@ -181,7 +181,8 @@ def test_nccl_two_gpus_match_one_gpu(layout, shared, rel, corpus_cache, tmp_path
         assert two[step] == pytest.approx(loss, rel=rel), step
 
 
-@pytest.mark.parametrize("extra", [[], ["--train.cuda_graph=true"]], ids=["eager", "cuda-graph"])
+@pytest.mark.parametrize("extra", [[], ["--train.cuda_graph=true"], ["--gradient-accumulation-fusion"]],
+                         ids=["eager", "cuda-graph", "fused-accumulation"])
 def test_a_training_step_never_synchronizes_with_the_host(extra, corpus_cache, tmp_path):
     """CUDA's sync debug mode turns any host synchronization (.item(), a D2H copy, a
     data-dependent shape) inside the step into an error; logging steps are the only place
