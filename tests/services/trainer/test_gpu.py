@@ -99,11 +99,9 @@ def test_fused_gradient_accumulation_trains_like_the_copies_hooks(corpus_cache, 
     common = [a for a in common if not a.startswith("--log.run_dir")] + LLAMA + ["--untie-embeddings-and-output-weights"]
     hooks = train(load_config(common + [f"--log.run_dir={tmp_path / 'hooks'}"]))
     torch._dynamo.reset()
-    fused_job = load_config(common + ["--gradient-accumulation-fusion", f"--log.run_dir={tmp_path / 'fused'}"])
-    trainer = Trainer(fused_job)
+    trainer = Trainer(load_config(common + ["--gradient-accumulation-fusion", f"--log.run_dir={tmp_path / 'fused'}"]))
     assert trainer.weight_copies.fused
-    trainer.checkpointer.close()
-    fused = train(fused_job)
+    fused = trainer.run()
     assert fused.losses[20] < fused.losses[1] - 1.0
     for step, loss in hooks.losses.items():
         assert fused.losses[step] == pytest.approx(loss, rel=1e-2), step
