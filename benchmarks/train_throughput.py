@@ -197,7 +197,7 @@ def main() -> None:
     if args.baseline_bf16_residual:
         baselines.append(("baseline, bf16 residual", True))
     for name, bf16_residual in baselines if not args.skip_baseline and world == 1 else []:
-        release(job, reset=bf16_residual)  # the plain baseline's graphs would be guarded on, not reused
+        release(job, reset=bf16_residual)  # the bf16-stream baseline compiles afresh: the plain one's graphs go
         rows[name] = run_baseline(args, job, bf16_residual)
     variant = f"meshtrain {args.variant}" if args.variant else None
     if variant:
