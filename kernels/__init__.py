@@ -82,6 +82,8 @@ def set_mode(value: str, compiled_ops: frozenset[str] | set[str] | None = None) 
 
     `compiled_ops`: in 'auto' mode, the ops that take their Triton kernel inside a
     torch.compile region (the rest get the reference there); None: every op.
+    A change of either resets torch.compile's caches (torch.compiler.reset()), so that no graph
+    compiled under the old choice is reused; setting the same choice again keeps them.
     """
     global _configured, _compiled_ops
     if value not in _MODES:
@@ -89,6 +91,10 @@ def set_mode(value: str, compiled_ops: frozenset[str] | set[str] | None = None) 
     ops = frozenset(OPS if compiled_ops is None else compiled_ops)
     if ops - set(OPS):
         raise ValueError(f"no compiled Triton op {min(ops - set(OPS))!r}; the ops are {', '.join(OPS)}")
+    if (value, ops) != (_configured, _compiled_ops):
+        # A compiled graph reads mode() once, while it is traced, and bakes the choice in without
+        # a guard: graphs compiled under the old choice would go on being reused. Drop them.
+        torch.compiler.reset()
     _configured, _compiled_ops = value, ops
 
 

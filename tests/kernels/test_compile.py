@@ -139,6 +139,35 @@ def test_auto_keeps_the_compiled_set_on_triton_inside_compiled_regions(monkeypat
         kernels.set_mode("auto")
 
 
+def test_a_change_of_mode_is_not_hidden_by_a_graph_compiled_before_it(monkeypatch):
+    """mode() is read once per trace and baked in unguarded: a second job in the same process
+    (another Trainer, a benchmark's variant) with another choice must not reuse the first
+    job's compiled graphs; setting the same choice again keeps them."""
+    monkeypatch.delenv("MESHTRAIN_KERNELS", raising=False)
+    traces = []
+
+    def backend(gm, example_inputs):
+        traces.append(gm)
+        return gm.forward
+
+    @torch.compile(backend=backend, fullgraph=True)
+    def shifted(x):
+        return x + (1 if kernels.mode() == "reference" else 2)
+
+    x = torch.zeros(3)
+    try:
+        kernels.set_mode("reference")
+        assert shifted(x).tolist() == [1, 1, 1]
+        kernels.set_mode("reference")  # unchanged: the graph stays
+        assert shifted(x).tolist() == [1, 1, 1] and len(traces) == 1
+        kernels.set_mode("triton")
+        assert shifted(x).tolist() == [2, 2, 2] and len(traces) == 2
+        kernels.set_mode("triton", compiled_ops={"rope"})  # the compiled set alone changed
+        assert shifted(x).tolist() == [2, 2, 2] and len(traces) == 3
+    finally:
+        kernels.set_mode("auto")
+
+
 def test_set_mode_refuses_an_unknown_compiled_op():
     with pytest.raises(ValueError, match="no compiled Triton op 'softmax'"):
         kernels.set_mode("auto", compiled_ops={"softmax"})
