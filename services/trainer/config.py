@@ -164,14 +164,15 @@ class TrainConfig:
     at 1.032x the plain compiled baseline against 1.011x without (gpt2-125m: unchanged).
     Unset: on wherever it applies (train.bf16 in a single process; with several ranks the
     gradient reductions hook the fp32 parameters); true asks for it, false turns it off."""
-    gradient_accumulation_fusion: bool = False
+    gradient_accumulation_fusion: bool | None = None
     """With train.bf16_weight_copies: add each linear layer's weight gradient into its fp32 .grad
     inside the weight-gradient GEMM (cuBLAS, fp32 output, beta=1), as Megatron-LM's
     --gradient-accumulation-fusion, instead of writing a bf16 gradient and adding it after: less
     memory traffic, no bf16 rounding of each micro-batch's gradient (off CUDA the same sums run as
-    an fp32 matmul and an add). On an H200 the GEMM with the add inside ran 1.12-1.14x faster than
-    GEMM then add at llama-1b's shapes; off by default until a whole training run has been
-    measured there (BENCHMARKS.md)."""
+    an fp32 matmul and an add, no faster). On an H200 it trained llama-1b at 1.020x the run
+    without it, gpt2-125m at 1.006x and gpt2-350m at 1.008x (BENCHMARKS.md, seventeenth session).
+    Unset: on wherever the copies are on and the device is CUDA; true asks for it (on any
+    device), false turns it off."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """'auto' picks CUDA when present."""
     cuda_graph: bool = False

@@ -194,7 +194,8 @@ class Trainer:
                 "parameters: leave it unset or run one process")
         fusion = job.train.gradient_accumulation_fusion
         if copies or (copies is None and job.train.bf16 and not self.mesh.distributed):
-            self.weight_copies = WeightCopies(self.model, torch.bfloat16, fuse_weight_grads=fusion)
+            fuse = fusion if fusion is not None else self.device.type == "cuda"
+            self.weight_copies = WeightCopies(self.model, torch.bfloat16, fuse_weight_grads=fuse)
         elif fusion:
             raise ConfigError(
                 f"train.gradient_accumulation_fusion adds into the fp32 gradients from the bf16 weight copies' "

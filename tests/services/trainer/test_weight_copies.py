@@ -133,7 +133,7 @@ def test_gradients_accumulate_in_fp32_across_calls():
 def test_fused_gradient_accumulation_trains_like_the_copies_hooks(arch, corpus_cache, tmp_path):
     """train.gradient_accumulation_fusion: the same training as the hooks' bf16 gradients, to
     within the bf16 rounding of each micro-batch's gradient that it no longer does."""
-    losses, params, hooks = _train(corpus_cache, tmp_path / "a", 6, **arch)  # off by default
+    losses, params, hooks = _train(corpus_cache, tmp_path / "a", 6, **arch)  # unset: on CUDA only
     losses_f, params_f, fused = _train(corpus_cache, tmp_path / "b", 6, **arch,
                                        **{"train.gradient_accumulation_fusion": True})
     assert not hooks.weight_copies.fused and fused.weight_copies.fused
@@ -272,6 +272,7 @@ def test_gradient_accumulation_fusion_needs_the_copies(corpus_cache, tmp_path):
     with pytest.raises(ConfigError, match="bf16_weight_copies left on"):
         load_config(["--bf16", "--gradient-accumulation-fusion", "--train.bf16_weight_copies=false"])
     assert load_config(["--bf16", "--no-gradient-accumulation-fusion"]).train.gradient_accumulation_fusion is False
+    assert load_config(["--bf16"]).train.gradient_accumulation_fusion is None  # the Trainer picks: CUDA or not
 
 
 def test_a_model_without_wide_linear_parameters_is_refused():
