@@ -104,9 +104,9 @@ def test_fused_gradient_accumulation_trains_like_the_copies_hooks(corpus_cache, 
                                                               "train.eval_interval": 0, "train.train_iters": 20,
                                                               "train.compile": True})
     common = [a for a in common if not a.startswith("--log.run_dir")] + LLAMA + ["--untie-embeddings-and-output-weights"]
-    hooks = Trainer(load_config(common + ["--no-gradient-accumulation-fusion", f"--log.run_dir={tmp_path / 'hooks'}"]))
-    assert not hooks.weight_copies.fused
-    hooks = hooks.run()
+    unfused = Trainer(load_config(common + ["--no-gradient-accumulation-fusion", f"--log.run_dir={tmp_path / 'hooks'}"]))
+    assert not unfused.weight_copies.fused
+    hooks = unfused.run()
     torch._dynamo.reset()
     trainer = Trainer(load_config(common + [f"--log.run_dir={tmp_path / 'fused'}"]))
     assert trainer.weight_copies.fused
