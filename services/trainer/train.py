@@ -234,11 +234,13 @@ class Trainer:
                                          list(self.model.parameters()), self.device)
         self.peak = peak_tflops(self.device, job.train.peak_tflops)
         m = self.mesh
+        precision = ", bf16 autocast" if job.train.bf16 else ""
+        if self.weight_copies is not None:
+            precision += ", bf16 weight copies"
+            if self.weight_copies.fused:
+                precision += " with fused gradient accumulation"
         log.info("model: %.2fM parameters, %.3g FLOPs/token, device %s%s; mesh tp=%d dp=%d (world %d)%s",
-                 self.num_parameters / 1e6, self.flops_per_token, self.device,
-                 (", bf16 autocast" if job.train.bf16 else "") + (
-                     ", bf16 weight copies" + (" with fused gradient accumulation" if self.weight_copies.fused else "")
-                     if self.weight_copies is not None else ""), m.tp, m.dp, m.world_size,
+                 self.num_parameters / 1e6, self.flops_per_token, self.device, precision, m.tp, m.dp, m.world_size,
                  ", sequence parallel" if p.sequence_parallel else "")
         # Requests from other threads (signal handler, control endpoint), acted on between steps.
         self._stop = threading.Event()

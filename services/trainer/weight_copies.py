@@ -139,12 +139,10 @@ def accumulate_weight_grad(main_grad: torch.Tensor, grad_output: torch.Tensor, i
     """
     dy = grad_output.reshape(-1, grad_output.shape[-1])
     x = inputs.reshape(-1, inputs.shape[-1])
-    if dy.dtype == main_grad.dtype and x.dtype == main_grad.dtype:
-        main_grad.addmm_(dy.t(), x)
-    elif (main_grad.is_cuda and main_grad.dtype == torch.float32 and dy.dtype == x.dtype
-          and dy.dtype in (torch.bfloat16, torch.float16)):
+    if (main_grad.is_cuda and main_grad.dtype == torch.float32 and dy.dtype == x.dtype
+            and dy.dtype in (torch.bfloat16, torch.float16)):
         torch.addmm(main_grad, dy.t(), x, out_dtype=torch.float32, out=main_grad)
-    else:
+    else:  # .to is a no-op where the dtypes already match
         main_grad.addmm_(dy.t().to(main_grad.dtype), x.to(main_grad.dtype))
 
 
