@@ -191,6 +191,13 @@ class TrainConfig:
     so that its collectives (the tensor-parallel all-reduces and reduce-scatters) run beside
     independent compute (torch._inductor.config.aten_distributed_optimizations.
     enable_overlap_scheduling, process-wide). It times kernels on the device, so CUDA only."""
+    compile_coordinate_descent_tuning: bool = False
+    """Under train.compile on CUDA: Inductor tunes each Triton kernel it generates for the model
+    (the fused norm, activation, cast and loss kernels) by coordinate descent over its launch
+    settings, timing them on the device (torch._inductor.config.coordinate_descent_tuning, for
+    this model's graphs only). Costs compile time: gpt2-125m's first step took about 2.5 minutes
+    longer on an H200. Measured there 1.012x on gpt2-125m and 1.001x on llama-1b (BENCHMARKS.md),
+    so it is off by default."""
     matmul_sm_carveout: int = 0
     """CUDA: ask cuBLASLt's matmuls (and Inductor's persistent templates) to target N fewer SMs
     than the device has (0: all), so that a collective launched beside a persistent GEMM can get
@@ -248,6 +255,9 @@ class TrainConfig:
         if self.cuda_graph and self.device == "cpu":
             raise ConfigError("train.cuda_graph captures the step as a CUDA graph: it needs a CUDA device, but "
                               "train.device='cpu'")
+        if self.compile_coordinate_descent_tuning and not self.compile:
+            raise ConfigError("train.compile_coordinate_descent_tuning tunes compiled kernels: it needs "
+                              "train.compile=true")
         if self.compile_overlap_scheduling and not self.compile:
             raise ConfigError("train.compile_overlap_scheduling reorders compiled graphs: it needs train.compile=true")
 

@@ -135,6 +135,9 @@ class Trainer:
         else:
             kernels.set_mode(t.kernels)
         self.device = pick_device(job.train.device)
+        if t.compile_coordinate_descent_tuning and self.device.type != "cuda":
+            raise ConfigError(f"train.compile_coordinate_descent_tuning tunes the Triton kernels Inductor generates "
+                              f"for a CUDA device; this run is on {self.device}")
         apply_cuda_options(job.train, self.device)
         self.uploader = Uploader(self.device)
         self.mesh = build_mesh(job, self.device)
@@ -201,22 +204,23 @@ class Trainer:
                 f"train.gradient_accumulation_fusion adds into the fp32 gradients from the bf16 weight copies' "
                 f"GEMMs, and this job has none ({self.mesh.world_size} ranks: the copies run in a single process)")
         self.forward = self.model
+        compile_options = {"coordinate_descent_tuning": True} if job.train.compile_coordinate_descent_tuning else None
         if job.train.compile and p.overlap_param_gather:
             # Per-block compile keeps the all-gather waits (forward pre-hooks) outside the
             # compiled graphs, so they cost no graph breaks.
             for layer in self.model.layers:
-                layer.compile()
+                layer.compile(options=compile_options)
             # And the output projection + loss: left eager, its matmuls ran a slow legacy GEMM
             # kernel and its softmax unfused (llama-1b, ZeRO-1 + overlap on 2 H200s: 1.70x one
             # GPU; with the head compiled 1.91x).
-            self.model.head.loss = torch.compile(self.model.head.loss)
+            self.model.head.loss = torch.compile(self.model.head.loss, options=compile_options)
         elif job.train.compile:
-            self.forward = torch.compile(self.model)
+            self.forward = torch.compile(self.model, options=compile_options)
         if self.weight_copies is None:
             self.train_forward = lambda copies, *batch: self.forward(*batch)
         else:
             on_copies = functools.partial(call_with, self.model)
-            self.train_forward = torch.compile(on_copies) if job.train.compile else on_copies
+            self.train_forward = torch.compile(on_copies, options=compile_options) if job.train.compile else on_copies
         self.autocast = (
             torch.autocast(self.device.type, dtype=torch.bfloat16) if job.train.bf16 else contextlib.nullcontext()
         )

@@ -251,3 +251,33 @@ def test_matmul_sm_carveout_is_set_and_training_runs(corpus_cache, tmp_path):
         torch.backends.cuda.preferred_blas_library(before)
         if trainer is not None:
             trainer.checkpointer.close()
+
+
+def test_coordinate_descent_tuning_reaches_the_compiled_model_and_trains(corpus_cache, tmp_path):
+    """train.compile_coordinate_descent_tuning is in the compiled callable's Inductor options
+    (this model's graphs only, not the process's config), and the tuned model's losses follow
+    the untuned one's (tuning picks launch settings; a reduction's block size can change its
+    rounding, hence the tolerance)."""
+    import torch._inductor.config as inductor_config
+
+    from services.trainer.train import Trainer
+
+    common = small_job_args(corpus_cache, tmp_path / "x", **{"train.device": "cuda", "train.bf16": True,
+                                                              "train.eval_interval": 0, "train.train_iters": 12,
+                                                              "train.compile": True})
+    common = [a for a in common if not a.startswith("--log.run_dir")] + LLAMA
+    trainer = Trainer(load_config(common + ["--train.compile_coordinate_descent_tuning=true",
+                                            f"--log.run_dir={tmp_path / 'probe'}"]))
+    try:
+        assert trainer.train_forward.get_compiler_config()["coordinate_descent_tuning"] is True
+        assert inductor_config.coordinate_descent_tuning is False  # the process's setting is untouched
+    finally:
+        trainer.checkpointer.close()
+    torch._dynamo.reset()
+    tuned = train(load_config(common + ["--train.compile_coordinate_descent_tuning=true",
+                                        f"--log.run_dir={tmp_path / 'tuned'}"]))
+    torch._dynamo.reset()
+    plain = train(load_config(common + [f"--log.run_dir={tmp_path / 'plain'}"]))
+    assert tuned.losses[12] < tuned.losses[1] - 1.0
+    for step, loss in plain.losses.items():
+        assert tuned.losses[step] == pytest.approx(loss, rel=1e-2), step

@@ -268,6 +268,17 @@ def test_overlap_scheduling_is_refused_without_compile_or_off_cuda(corpus_cache,
         Trainer(job)
 
 
+def test_coordinate_descent_tuning_is_refused_without_compile_or_off_cuda(corpus_cache, tmp_path):
+    from services.trainer.train import Trainer
+
+    with pytest.raises(ConfigError, match="tunes compiled kernels: it needs train.compile=true"):
+        load_config(small_job_args(corpus_cache, tmp_path / "a", **{"train.compile_coordinate_descent_tuning": True}))
+    job = load_config(small_job_args(corpus_cache, tmp_path / "b", **{
+        "train.compile": True, "train.compile_coordinate_descent_tuning": True, "train.device": "cpu"}))
+    with pytest.raises(ConfigError, match="Triton kernels Inductor generates for a CUDA device; this run is on cpu"):
+        Trainer(job)
+
+
 def test_matmul_sm_carveout_is_refused_off_cuda_and_below_zero(corpus_cache, tmp_path):
     from services.trainer.train import Trainer
 
