@@ -11,17 +11,21 @@ Both sides train the same architecture with the same micro/global batch and sequ
 in bf16 autocast with fused AdamW and torch.compile, in the same process one after the other.
 meshtrain runs its real loop step (data from its dataloader, gradient accumulation, clipping,
 LR schedule); the baseline (`baseline_gpt.py`) trains on random tokens. Compile and warm-up
-steps are excluded. Prints a table and writes JSON; the ratio is the number that counts.
+steps are excluded. Prints a table and writes JSON; the ratio is the number that counts. The
+table's s/step is the mean over the timed steps (tokens/s and the ratios come from it), "median"
+the median step, and "spread" the slowest step over the fastest, less one.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import platform
 import shlex
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -43,16 +47,40 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_steps(step_fn, warmup: int, steps: int, device: torch.device) -> float:
-    """Seconds per step, median-free: total over `steps` after `warmup` untimed steps."""
+def time_steps(step_fn, warmup: int, steps: int, device: torch.device) -> dict:
+    """Time `steps` steps after `warmup` untimed ones: {"step_time_s": the mean (total over the
+    steps), "step_times_s": each step's seconds, "step_time_median_s"}.
+
+    On CUDA each step is bounded by events on the current stream, so the host never waits inside
+    the timed steps (the one synchronization is at the end); a step's time is the device's from
+    one boundary to the next, idle gaps included. The per-step times tell a uniformly slower run
+    (clocks, a kernel choice) from one with a few slow steps (a host stall).
+    """
     for i in range(warmup):
         step_fn(i)
     sync(device)
+    marks = []
     start = time.perf_counter()
     for i in range(warmup, warmup + steps):
+        marks.append(_mark(device))
         step_fn(i)
+    marks.append(_mark(device))
     sync(device)
-    return (time.perf_counter() - start) / steps
+    total = time.perf_counter() - start
+    if device.type == "cuda":
+        each = [a.elapsed_time(b) / 1e3 for a, b in itertools.pairwise(marks)]
+    else:
+        each = [b - a for a, b in itertools.pairwise(marks)]
+    return {"step_time_s": total / steps, "step_times_s": each, "step_time_median_s": statistics.median(each)}
+
+
+def _mark(device: torch.device):
+    """A step boundary: a recorded CUDA event on the device, the host clock elsewhere."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 PROFILE_MAX = 4
@@ -80,12 +108,12 @@ def run_meshtrain(args, overrides) -> dict:
     trainer, step, losses = meshtrain_step(args, overrides)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    sec = time_steps(step, args.warmup, args.steps, trainer.device)
+    timed = time_steps(step, args.warmup, args.steps, trainer.device)
     first_last = torch.stack([losses[0], losses[-1]])
     if trainer.mesh.dp > 1:  # each dp rank's loss covers its share of the batch: report the batch's
         torch.distributed.all_reduce(first_last, group=trainer.mesh.group("dp"))
         first_last /= trainer.mesh.dp
-    out = {"step_time_s": sec, "loss_first": first_last[0].item(), "loss_last": first_last[1].item(),
+    out = {**timed, "loss_first": first_last[0].item(), "loss_last": first_last[1].item(),
            "flops_per_token": trainer.flops_per_token, "params": trainer.model.num_parameters(),
            "bf16_weight_copies": trainer.weight_copies is not None,
            "gradient_accumulation_fusion": trainer.weight_copies is not None and trainer.weight_copies.fused,
@@ -93,7 +121,7 @@ def run_meshtrain(args, overrides) -> dict:
     if args.profile_steps:
         out["breakdown"] = profile_steps(step, args.warmup + args.steps, args.profile_steps, trainer.device,
                                          trace_path(args, "meshtrain"))
-        out["breakdown"]["timed_ms"] = sec * 1e3
+        out["breakdown"]["timed_ms"] = timed["step_time_s"] * 1e3
     return out, trainer.job
 
 
@@ -139,13 +167,13 @@ def run_baseline(args, job, bf16_residual: bool = False) -> dict:
     n_micro = job.train.global_batch_size // job.train.micro_batch_size
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    sec = time_steps(step, args.warmup, args.steps, device)
-    out = {"step_time_s": sec, "loss_last": (losses[-1] * n_micro).item(),
+    timed = time_steps(step, args.warmup, args.steps, device)
+    out = {**timed, "loss_last": (losses[-1] * n_micro).item(),
            "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None}
     if args.profile_steps:
         out["breakdown"] = profile_steps(step, args.warmup + args.steps, args.profile_steps, device,
                                          trace_path(args, "baseline"))
-        out["breakdown"]["timed_ms"] = sec * 1e3
+        out["breakdown"]["timed_ms"] = timed["step_time_s"] * 1e3
     return out
 
 
@@ -239,11 +267,13 @@ def main() -> None:
     print(f"\n{args.config}  seq {job.model.seq_length}  mbs {job.train.micro_batch_size}  "
           f"gbs {job.train.global_batch_size}  {result['device']}")
     width = max(24, *(len(name) + 2 for name in rows))
-    print(f"{'impl':<{width}}{'tokens/s':>12}{'MFU':>8}{'s/step':>9}{'peak GB':>9}")
+    print(f"{'impl':<{width}}{'tokens/s':>12}{'MFU':>8}{'s/step':>9}{'median':>9}{'spread':>8}{'peak GB':>9}")
     for name, r in rows.items():
         mfu = f"{r['mfu'] * 100:.1f}%" if r["mfu"] is not None else "-"
         mem = f"{r['peak_mem_gb']:.1f}" if r["peak_mem_gb"] is not None else "-"
-        print(f"{name:<{width}}{r['tokens_per_s']:>12,.0f}{mfu:>8}{r['step_time_s']:>9.3f}{mem:>9}")
+        spread = f"{(max(r['step_times_s']) / min(r['step_times_s']) - 1) * 100:.1f}%"
+        print(f"{name:<{width}}{r['tokens_per_s']:>12,.0f}{mfu:>8}{r['step_time_s']:>9.3f}"
+              f"{r['step_time_median_s']:>9.3f}{spread:>8}{mem:>9}")
     if "ratio_tokens_per_s" in result:
         print(f"ratio meshtrain / baseline: {result['ratio_tokens_per_s']:.3f}")
     if "ratio_vs_bf16_residual_baseline" in result:

@@ -28,6 +28,10 @@ def test_variant_runs_meshtrain_again_with_its_flags_in_the_same_process(tmp_pat
     assert not rows["meshtrain"]["gradient_accumulation_fusion"]
     assert rows["meshtrain"]["loss_first"] == rows[variant]["loss_first"]  # same data and init
     assert rows["meshtrain"]["loss_last"] != rows[variant]["loss_last"]  # its learning rate: the flags reached it
+    for row in rows.values():  # each timed step's own time, and the mean from the total
+        assert len(row["step_times_s"]) == 2 and all(t > 0 for t in row["step_times_s"])
+        assert row["step_time_median_s"] == pytest.approx(sum(row["step_times_s"]) / 2)
+        assert row["step_time_s"] >= row["step_time_median_s"] * 0.99
     assert result["ratio_vs_variant"] == pytest.approx(rows["meshtrain"]["tokens_per_s"] / rows[variant]["tokens_per_s"])
     assert f"ratio meshtrain / {variant}:" in done.stdout
 
