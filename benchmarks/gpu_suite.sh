@@ -37,7 +37,9 @@
 #               The defaults include the bf16 weight copies of one process; I6_FLAGS adds flags to every
 #               row and I6_TAG a suffix to its name, e.g. I6_FLAGS=--train.bf16_weight_copies=false
 #               I6_TAG=-nocopies for the same rows without them; I6_FLAGS=--variant=FLAG adds a row of
-#               meshtrain with FLAG, in the same process (train_throughput.py --variant)
+#               meshtrain with FLAG, in the same process (train_throughput.py --variant); I6_FLAGS="--rounds 3"
+#               keeps every side built and times them in turn, three times over (per-round ratios; every side's
+#               memory at once, not yet run at llama-1b, whose sides peak at about 37 GB each)
 #   kernels     benchmarks/kernels.py: issue 6's kernel table (KERNEL_OPS: a comma-separated subset of ops)
 #   ce-sweep    benchmarks/ce_launch_sweep.py: the cross-entropy kernels under every launch setting of a
 #               small grid, against the current one

@@ -8,7 +8,9 @@ Under torchrun the meshtrain side runs on every rank (tp/dp from the usual flags
 reports; tokens/s counts the whole global batch, MFU is per GPU.
 
 Both sides train the same architecture with the same micro/global batch and sequence length,
-in bf16 autocast with fused AdamW and torch.compile, in the same process one after the other.
+in bf16 autocast with fused AdamW and torch.compile, in the same process one after the other
+(with `--rounds R`: all built at once and timed in turn, R times over, so that a drift of the
+machine falls on every side alike).
 meshtrain runs its real loop step (data from its dataloader, gradient accumulation, clipping,
 LR schedule); the baseline (`baseline_gpt.py`) trains on random tokens. Compile and warm-up
 steps are excluded. Prints a table and writes JSON; the ratio is the number that counts. The
@@ -34,6 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import kernels  # noqa: E402
 from benchmarks.baseline_gpt import BaselineGPT, make_optimizer  # noqa: E402
 from benchmarks.step_breakdown import format_breakdown, profile_steps  # noqa: E402
 from services.common.logging import setup_logging  # noqa: E402
@@ -47,21 +50,26 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_steps(step_fn, warmup: int, steps: int, device: torch.device) -> dict:
-    """Time `steps` steps after `warmup` untimed ones: {"step_time_s": the mean (total over the
-    steps), "step_times_s": each step's seconds, "step_time_median_s"}.
+def warm_up(step_fn, warmup: int, device: torch.device) -> None:
+    """Run steps 0..warmup-1 untimed (compilation, autotuning, the allocator's first sizes)."""
+    for i in range(warmup):
+        step_fn(i)
+    sync(device)
+
+
+def time_steps(step_fn, first: int, steps: int, device: torch.device) -> dict:
+    """Time steps first..first+steps-1: {"step_time_s": the mean (total over the steps),
+    "step_times_s": each step's seconds, "step_time_median_s"}.
 
     On CUDA each step is bounded by events on the current stream, so the host never waits inside
     the timed steps (the one synchronization is at the end); a step's time is the device's from
     one boundary to the next, idle gaps included. The per-step times tell a uniformly slower run
     (clocks, a kernel choice) from one with a few slow steps (a host stall).
     """
-    for i in range(warmup):
-        step_fn(i)
     sync(device)
     marks = []
     start = time.perf_counter()
-    for i in range(warmup, warmup + steps):
+    for i in range(first, first + steps):
         marks.append(_mark(device))
         step_fn(i)
     marks.append(_mark(device))
@@ -92,7 +100,8 @@ with (it once did, and its losses differed from theirs from the first step)."""
 
 def meshtrain_step(args, overrides):
     """(trainer, step(i), losses): meshtrain's real loop step on the config, each step's loss appended."""
-    job = load_config(["--config", args.config, "--train-iters", str(args.warmup + args.steps + PROFILE_MAX),
+    planned = args.warmup + args.rounds * args.steps + PROFILE_MAX
+    job = load_config(["--config", args.config, "--train-iters", str(planned),
                        "--eval-interval", "0", "--run-dir", args.run_dir, *overrides])
     trainer = Trainer(job)
     losses = []
@@ -104,19 +113,25 @@ def meshtrain_step(args, overrides):
     return trainer, step, losses
 
 
-def run_meshtrain(args, overrides) -> dict:
-    trainer, step, losses = meshtrain_step(args, overrides)
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-    timed = time_steps(step, args.warmup, args.steps, trainer.device)
+def meshtrain_row(trainer, losses, timed: dict) -> dict:
+    """meshtrain's result row: the timing, the first and last step's loss (the whole batch's)."""
     first_last = torch.stack([losses[0], losses[-1]])
     if trainer.mesh.dp > 1:  # each dp rank's loss covers its share of the batch: report the batch's
         torch.distributed.all_reduce(first_last, group=trainer.mesh.group("dp"))
         first_last /= trainer.mesh.dp
-    out = {**timed, "loss_first": first_last[0].item(), "loss_last": first_last[1].item(),
-           "flops_per_token": trainer.flops_per_token, "params": trainer.model.num_parameters(),
-           "bf16_weight_copies": trainer.weight_copies is not None,
-           "gradient_accumulation_fusion": trainer.weight_copies is not None and trainer.weight_copies.fused,
+    return {**timed, "loss_first": first_last[0].item(), "loss_last": first_last[1].item(),
+            "flops_per_token": trainer.flops_per_token, "params": trainer.model.num_parameters(),
+            "bf16_weight_copies": trainer.weight_copies is not None,
+            "gradient_accumulation_fusion": trainer.weight_copies is not None and trainer.weight_copies.fused}
+
+
+def run_meshtrain(args, overrides) -> dict:
+    trainer, step, losses = meshtrain_step(args, overrides)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    warm_up(step, args.warmup, trainer.device)
+    timed = time_steps(step, args.warmup, args.steps, trainer.device)
+    out = {**meshtrain_row(trainer, losses, timed),
            "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None}
     if args.profile_steps:
         out["breakdown"] = profile_steps(step, args.warmup + args.steps, args.profile_steps, trainer.device,
@@ -167,6 +182,7 @@ def run_baseline(args, job, bf16_residual: bool = False) -> dict:
     n_micro = job.train.global_batch_size // job.train.micro_batch_size
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+    warm_up(step, args.warmup, device)
     timed = time_steps(step, args.warmup, args.steps, device)
     out = {**timed, "loss_last": (losses[-1] * n_micro).item(),
            "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None}
@@ -177,6 +193,53 @@ def run_baseline(args, job, bf16_residual: bool = False) -> dict:
     return out
 
 
+def run_rounds(args, overrides, baselines: list[tuple[str, bool]], variant: str | None) -> tuple[dict, object]:
+    """--rounds R: build every side first and keep them all, warm each up, then time `steps` steps of
+    each side in turn, R times over (the order rotating by one side a round). A drift of the
+    machine over the run (clocks, a neighbour) then falls on every side alike, and the per-round
+    ratios show how far one round's ratio can be trusted. Every side's weights, optimizer state and
+    compiled graphs stay resident together, so peak memory is the process's, not a side's."""
+    sides = {}  # name -> (step, device, losses, trainer or None)
+    trainer, step, losses = meshtrain_step(args, overrides)
+    sides["meshtrain"] = (step, trainer.device, losses, trainer)
+    job = trainer.job
+    for name, bf16_residual in baselines:
+        step, device, losses = baseline_step(job, bf16_residual)
+        sides[name] = (step, device, losses, None)
+    if variant:
+        before = kernels.configured()
+        other, step, losses = meshtrain_step(
+            argparse.Namespace(**{**vars(args), "run_dir": args.run_dir + "-variant"}),
+            overrides + shlex.split(args.variant))
+        if kernels.configured() != before:
+            raise SystemExit(f"--rounds keeps every side's compiled graphs together, and --variant={args.variant} "
+                             f"changes the kernel choice ({before} -> {kernels.configured()}), which drops them "
+                             "(kernels.set_mode): time this variant with --rounds 1")
+        sides[variant] = (step, other.device, losses, other)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    for step, device, _, _ in sides.values():
+        warm_up(step, args.warmup, device)
+    names = list(sides)
+    timed = {name: [] for name in names}
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            step, device, _, _ = sides[name]
+            timed[name].append(time_steps(step, args.warmup + r * args.steps, args.steps, device))
+    n_micro = job.train.global_batch_size // job.train.micro_batch_size
+    rows = {}
+    for name, (_, _, losses, owner) in sides.items():
+        each = [t for one in timed[name] for t in one["step_times_s"]]
+        merged = {"step_time_s": statistics.fmean(one["step_time_s"] for one in timed[name]),
+                  "step_times_s": each, "step_time_median_s": statistics.median(each),
+                  "round_step_time_s": [one["step_time_s"] for one in timed[name]], "peak_mem_gb": None}
+        if owner is not None:
+            rows[name] = meshtrain_row(owner, losses, merged)
+        else:
+            rows[name] = {**merged, "loss_last": (losses[-1] * n_micro).item()}
+    return rows, job
+
+
 def release(job, reset: bool = True) -> None:
     """Before the next side builds its model: the last one's memory back (it is out of scope by now),
     and with `reset` its compiled graphs dropped."""
@@ -185,6 +248,24 @@ def release(job, reset: bool = True) -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def run_sequential(args, overrides, baselines: list[tuple[str, bool]], variant: str | None) -> tuple[dict | None, object]:
+    """The default: each side built, timed and released in turn (one side's memory at a time).
+    Rows are None on ranks other than 0, which only take part in meshtrain's run."""
+    mesh, job = run_meshtrain(args, overrides)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return None, job
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rows = {f"meshtrain x{world}" if world > 1 else "meshtrain": mesh}
+    for name, bf16_residual in baselines:
+        release(job, reset=bf16_residual)  # the bf16-stream baseline compiles afresh: the plain one's graphs go
+        rows[name] = run_baseline(args, job, bf16_residual)
+    if variant:
+        release(job)
+        rows[variant], _ = run_meshtrain(argparse.Namespace(**{**vars(args), "run_dir": args.run_dir + "-variant"}),
+                                         overrides + shlex.split(args.variant))
+    return rows, job
 
 
 def main() -> None:
@@ -202,6 +283,9 @@ def main() -> None:
                    help="one process: after meshtrain, run meshtrain again with these overrides added (one "
                         "string, e.g. --variant=--no-gradient-accumulation-fusion) and report meshtrain's ratio "
                         "to it: what one option is worth, both sides measured in the same process")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="one process: keep every side built and time --steps steps of each in turn, this many "
+                        "times over (per-round ratios in the JSON; needs the memory of all sides at once)")
     p.add_argument("--single-gpu-json", help="a 1-GPU result of this script, for speedup / scaling efficiency")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="after timing, profile this many more steps of each side: kernel time by kind, "
@@ -214,29 +298,30 @@ def main() -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.variant is not None and (world > 1 or not shlex.split(args.variant)):
         p.error("--variant needs one process and at least one override")
-    mesh, job = run_meshtrain(args, overrides)
-    if int(os.environ.get("RANK", "0")) != 0:
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
+    if args.rounds > 1 and (world > 1 or args.profile_steps):
+        p.error("--rounds interleaves the sides of one process: not with torchrun or --profile-steps")
+    baselines = [] if args.skip_baseline or world > 1 else [("baseline (plain torch)", False)]
+    if baselines and args.baseline_bf16_residual:
+        baselines.append(("baseline, bf16 residual", True))
+    variant = f"meshtrain {args.variant}" if args.variant else None
+    if args.rounds > 1:
+        rows, job = run_rounds(args, overrides, baselines, variant)
+    else:
+        rows, job = run_sequential(args, overrides, baselines, variant)
+    if rows is None:  # not rank 0
         return
+    mesh = rows[next(iter(rows))]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     peak = peak_tflops(device, job.train.peak_tflops)
     tokens = job.train.global_batch_size * job.model.seq_length
-    rows = {f"meshtrain x{world}" if world > 1 else "meshtrain": mesh}
-    baselines = [("baseline (plain torch)", False)]
-    if args.baseline_bf16_residual:
-        baselines.append(("baseline, bf16 residual", True))
-    for name, bf16_residual in baselines if not args.skip_baseline and world == 1 else []:
-        release(job, reset=bf16_residual)  # the bf16-stream baseline compiles afresh: the plain one's graphs go
-        rows[name] = run_baseline(args, job, bf16_residual)
-    variant = f"meshtrain {args.variant}" if args.variant else None
-    if variant:
-        release(job)
-        rows[variant], _ = run_meshtrain(argparse.Namespace(**{**vars(args), "run_dir": args.run_dir + "-variant"}),
-                                         overrides + shlex.split(args.variant))
     for r in rows.values():
         r["tokens_per_s"] = tokens / r["step_time_s"]
         r["mfu"] = mesh["flops_per_token"] * r["tokens_per_s"] / (peak * 1e12 * world) if peak else None
     result = {
         "config": args.config, "overrides": overrides, "steps": args.steps, "warmup": args.warmup,
+        "rounds": args.rounds,
         "seq_length": job.model.seq_length, "micro_batch_size": job.train.micro_batch_size,
         "global_batch_size": job.train.global_batch_size, "bf16": job.train.bf16, "compile": job.train.compile,
         "cuda_graph": job.train.cuda_graph,
@@ -259,6 +344,13 @@ def main() -> None:
     if variant:
         result["variant"] = args.variant
         result["ratio_vs_variant"] = rows["meshtrain"]["tokens_per_s"] / rows[variant]["tokens_per_s"]
+    if args.rounds > 1:  # each round's ratio, from that round's mean step times
+        versus = {"ratio_tokens_per_s": "baseline (plain torch)",
+                  "ratio_vs_bf16_residual_baseline": "baseline, bf16 residual", "ratio_vs_variant": variant}
+        for key, other in versus.items():
+            if key in result:
+                result[key + "_rounds"] = [o / m for m, o in zip(rows["meshtrain"]["round_step_time_s"],
+                                                                  rows[other]["round_step_time_s"], strict=True)]
     if args.single_gpu_json:  # scaling efficiency against a 1-GPU run recorded earlier in the same job
         single = json.loads(Path(args.single_gpu_json).read_text())["results"]["meshtrain"]["tokens_per_s"]
         result["speedup_vs_1gpu"] = rows[next(iter(rows))]["tokens_per_s"] / single
@@ -280,6 +372,9 @@ def main() -> None:
         print(f"ratio meshtrain / bf16-residual baseline: {result['ratio_vs_bf16_residual_baseline']:.3f}")
     if variant:
         print(f"ratio meshtrain / meshtrain {args.variant}: {result['ratio_vs_variant']:.3f}")
+    for key in ("ratio_tokens_per_s", "ratio_vs_bf16_residual_baseline", "ratio_vs_variant"):
+        if key + "_rounds" in result:
+            print(f"{key} by round: {' '.join(f'{x:.3f}' for x in result[key + '_rounds'])}")
     if "speedup_vs_1gpu" in result:
         print(f"speedup vs 1 GPU: {result['speedup_vs_1gpu']:.3f}x (scaling efficiency {result['scaling_efficiency']:.3f})")
     for name, r in rows.items():

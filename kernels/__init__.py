@@ -98,6 +98,11 @@ def set_mode(value: str, compiled_ops: frozenset[str] | set[str] | None = None) 
     _configured, _compiled_ops = value, ops
 
 
+def configured() -> tuple[str, frozenset[str]]:
+    """What `set_mode` last chose: (mode, the ops on Triton inside compiled regions)."""
+    return _configured, _compiled_ops
+
+
 @torch.compiler.assume_constant_result  # read once per trace; the graph bakes in the choice
 def mode() -> str:
     """The dispatch mode: $MESHTRAIN_KERNELS if set, else what `set_mode` chose ('auto' by default)."""

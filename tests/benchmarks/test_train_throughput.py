@@ -40,3 +40,41 @@ def test_variant_needs_an_override(tmp_path):
     done = subprocess.run([sys.executable, "benchmarks/train_throughput.py", "--config", "deploy/configs/tiny.toml",
                            "--variant= "], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 2 and "--variant needs one process and at least one override" in done.stderr
+
+
+TINY = ["--config", "deploy/configs/tiny.toml", "--data.tokenizer=byte", "--data.default_corpus_bytes=400000",
+        "--model.num_layers=2", "--model.hidden_size=64", "--model.seq_length=64"]
+
+
+@pytest.mark.e2e
+def test_rounds_interleave_every_side_and_report_each_rounds_ratio(tmp_path):
+    out = tmp_path / "out.json"
+    cmd = [sys.executable, "benchmarks/train_throughput.py", *TINY, "--steps", "2", "--warmup", "1", "--rounds", "3",
+           "--run-dir", str(tmp_path / "run"), "--out", str(out), "--variant=--optim.lr=1e-2",
+           f"--data.cache_dir={tmp_path / 'cache'}"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    rows = result["results"]
+    assert result["rounds"] == 3 and set(rows) == {"meshtrain", "baseline (plain torch)", "meshtrain --optim.lr=1e-2"}
+    for row in rows.values():
+        assert len(row["step_times_s"]) == 6 and len(row["round_step_time_s"]) == 3
+        assert row["step_time_s"] == pytest.approx(sum(row["round_step_time_s"]) / 3)
+        assert row["peak_mem_gb"] is None  # every side resident at once: no side's own peak
+    mesh, base = rows["meshtrain"], rows["baseline (plain torch)"]
+    assert result["ratio_tokens_per_s_rounds"] == pytest.approx(
+        [b / m for m, b in zip(mesh["round_step_time_s"], base["round_step_time_s"])])
+    assert len(result["ratio_vs_variant_rounds"]) == 3
+    # the sides trained on through the rounds: 1 warm-up + 3 x 2 timed steps each, losses from each side's own run
+    assert mesh["loss_first"] == rows["meshtrain --optim.lr=1e-2"]["loss_first"]
+    assert mesh["loss_last"] != rows["meshtrain --optim.lr=1e-2"]["loss_last"]
+    assert "ratio_tokens_per_s by round:" in done.stdout
+
+
+def test_rounds_refuse_a_variant_that_changes_the_kernel_choice(tmp_path):
+    cmd = [sys.executable, "benchmarks/train_throughput.py", *TINY, "--steps", "1", "--warmup", "0", "--rounds", "2",
+           "--skip-baseline", "--run-dir", str(tmp_path / "run"), "--out", str(tmp_path / "out.json"),
+           "--variant=--train.kernels=reference", f"--data.cache_dir={tmp_path / 'cache'}"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode != 0 and "changes the kernel choice" in done.stderr
+    assert "time this variant with --rounds 1" in done.stderr and not (tmp_path / "out.json").exists()
