@@ -216,8 +216,6 @@ def run_rounds(args, overrides, baselines: list[tuple[str, bool]], variant: str 
                              f"changes the kernel choice ({before} -> {kernels.configured()}), which drops them "
                              "(kernels.set_mode): time this variant with --rounds 1")
         sides[variant] = (step, other.device, losses, other)
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
     for step, device, _, _ in sides.values():
         warm_up(step, args.warmup, device)
     names = list(sides)
