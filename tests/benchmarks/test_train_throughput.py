@@ -65,12 +65,13 @@ def test_rounds_interleave_every_side_and_report_each_rounds_ratio(tmp_path):
     assert result["ratio_tokens_per_s_rounds"] == pytest.approx(
         [b / m for m, b in zip(mesh["round_step_time_s"], base["round_step_time_s"])])
     assert len(result["ratio_vs_variant_rounds"]) == 3
-    # the sides trained on through the rounds: 1 warm-up + 3 x 2 timed steps each, losses from each side's own run
+    # each meshtrain side reports its own run's losses: the same first step (data, init), its own learning rate after
     assert mesh["loss_first"] == rows["meshtrain --optim.lr=1e-2"]["loss_first"]
     assert mesh["loss_last"] != rows["meshtrain --optim.lr=1e-2"]["loss_last"]
     assert "ratio_tokens_per_s by round:" in done.stdout
 
 
+@pytest.mark.e2e
 def test_rounds_refuse_a_variant_that_changes_the_kernel_choice(tmp_path):
     cmd = [sys.executable, "benchmarks/train_throughput.py", *TINY, "--steps", "1", "--warmup", "0", "--rounds", "2",
            "--skip-baseline", "--run-dir", str(tmp_path / "run"), "--out", str(tmp_path / "out.json"),
