@@ -179,7 +179,7 @@ def main() -> None:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         p.error("a 1-GPU tool: run it with python, not torchrun")
     setup_logging("WARNING")
-    args.steps = 1  # meshtrain_step plans the run's length from warmup + steps
+    args.steps, args.rounds = 1, 1  # meshtrain_step plans the run's length from warmup + rounds x steps
     holder = {}
 
     def build_meshtrain():
