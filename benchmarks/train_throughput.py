@@ -113,6 +113,12 @@ def meshtrain_step(args, overrides):
     return trainer, step, losses
 
 
+def variant_inputs(args, overrides) -> tuple[argparse.Namespace, list[str]]:
+    """(args, overrides) for meshtrain's --variant run: its own run directory, the variant's flags added."""
+    return (argparse.Namespace(**{**vars(args), "run_dir": args.run_dir + "-variant"}),
+            overrides + shlex.split(args.variant))
+
+
 def meshtrain_row(trainer, losses, timed: dict) -> dict:
     """meshtrain's result row: the timing, the first and last step's loss (the whole batch's)."""
     first_last = torch.stack([losses[0], losses[-1]])
@@ -177,14 +183,19 @@ def baseline_step(job, bf16_residual: bool = False):
     return step, device, losses
 
 
+def baseline_row(job, losses, timed: dict) -> dict:
+    """The baseline's result row: the timing and the last step's loss (the whole batch's)."""
+    n_micro = job.train.global_batch_size // job.train.micro_batch_size
+    return {**timed, "loss_last": (losses[-1] * n_micro).item()}
+
+
 def run_baseline(args, job, bf16_residual: bool = False) -> dict:
     step, device, losses = baseline_step(job, bf16_residual)
-    n_micro = job.train.global_batch_size // job.train.micro_batch_size
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     warm_up(step, args.warmup, device)
     timed = time_steps(step, args.warmup, args.steps, device)
-    out = {**timed, "loss_last": (losses[-1] * n_micro).item(),
+    out = {**baseline_row(job, losses, timed),
            "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None}
     if args.profile_steps:
         out["breakdown"] = profile_steps(step, args.warmup + args.steps, args.profile_steps, device,
@@ -208,9 +219,7 @@ def run_rounds(args, overrides, baselines: list[tuple[str, bool]], variant: str 
         sides[name] = (step, device, losses, None)
     if variant:
         before = kernels.configured()
-        other, step, losses = meshtrain_step(
-            argparse.Namespace(**{**vars(args), "run_dir": args.run_dir + "-variant"}),
-            overrides + shlex.split(args.variant))
+        other, step, losses = meshtrain_step(*variant_inputs(args, overrides))
         if kernels.configured() != before:
             raise SystemExit(f"--rounds keeps every side's compiled graphs together, and --variant={args.variant} "
                              f"changes the kernel choice ({before} -> {kernels.configured()}), which drops them "
@@ -224,7 +233,6 @@ def run_rounds(args, overrides, baselines: list[tuple[str, bool]], variant: str 
         for name in names[r % len(names):] + names[:r % len(names)]:
             step, device, _, _ = sides[name]
             timed[name].append(time_steps(step, args.warmup + r * args.steps, args.steps, device))
-    n_micro = job.train.global_batch_size // job.train.micro_batch_size
     rows = {}
     for name, (_, _, losses, owner) in sides.items():
         each = [t for one in timed[name] for t in one["step_times_s"]]
@@ -234,7 +242,7 @@ def run_rounds(args, overrides, baselines: list[tuple[str, bool]], variant: str 
         if owner is not None:
             rows[name] = meshtrain_row(owner, losses, merged)
         else:
-            rows[name] = {**merged, "loss_last": (losses[-1] * n_micro).item()}
+            rows[name] = baseline_row(job, losses, merged)
     return rows, job
 
 
@@ -261,8 +269,7 @@ def run_sequential(args, overrides, baselines: list[tuple[str, bool]], variant: 
         rows[name] = run_baseline(args, job, bf16_residual)
     if variant:
         release(job)
-        rows[variant], _ = run_meshtrain(argparse.Namespace(**{**vars(args), "run_dir": args.run_dir + "-variant"}),
-                                         overrides + shlex.split(args.variant))
+        rows[variant], _ = run_meshtrain(*variant_inputs(args, overrides))
     return rows, job
 
 
