@@ -15,7 +15,9 @@ meshtrain runs its real loop step (data from its dataloader, gradient accumulati
 LR schedule); the baseline (`baseline_gpt.py`) trains on random tokens. Compile and warm-up
 steps are excluded. Prints a table and writes JSON; the ratio is the number that counts. The
 table's s/step is the mean over the timed steps (tokens/s and the ratios come from it), "median"
-the median step, and "spread" the slowest step over the fastest, less one.
+the median step, and "spread" the slowest step over the fastest, less one. Each ratio is also
+given from the median steps (`*_median` in the JSON), which one stalled step does not move, and
+each row counts the CUDA allocator's cache releases inside its timed steps (`alloc_retries`).
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ def time_steps(step_fn, first: int, steps: int, device: torch.device) -> dict:
     (clocks, a kernel choice) from one with a few slow steps (a host stall).
     """
     sync(device)
+    retries = _alloc_retries(device)
     marks = []
     start = time.perf_counter()
     for i in range(first, first + steps):
@@ -77,9 +80,20 @@ def time_steps(step_fn, first: int, steps: int, device: torch.device) -> dict:
     total = time.perf_counter() - start
     if device.type == "cuda":
         each = [a.elapsed_time(b) / 1e3 for a, b in itertools.pairwise(marks)]
+        retries = _alloc_retries(device) - retries
     else:
         each = [b - a for a, b in itertools.pairwise(marks)]
-    return {"step_time_s": total / steps, "step_times_s": each, "step_time_median_s": statistics.median(each)}
+    return {"step_time_s": total / steps, "step_times_s": each, "step_time_median_s": statistics.median(each),
+            "alloc_retries": retries}
+
+
+def _alloc_retries(device: torch.device) -> int | None:
+    """How often the CUDA caching allocator has found no free block, released its cache (a
+    device-wide synchronization) and tried again: inside timed steps, a stall that is memory
+    pressure, not the step's own work. None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
 
 
 def _mark(device: torch.device):
@@ -238,12 +252,20 @@ def run_rounds(args, overrides, baselines: list[tuple[str, bool]], variant: str 
         each = [t for one in timed[name] for t in one["step_times_s"]]
         merged = {"step_time_s": statistics.fmean(one["step_time_s"] for one in timed[name]),
                   "step_times_s": each, "step_time_median_s": statistics.median(each),
-                  "round_step_time_s": [one["step_time_s"] for one in timed[name]], "peak_mem_gb": None}
+                  "round_step_time_s": [one["step_time_s"] for one in timed[name]],
+                  "round_alloc_retries": [one["alloc_retries"] for one in timed[name]],
+                  "alloc_retries": _total(one["alloc_retries"] for one in timed[name]), "peak_mem_gb": None}
         if owner is not None:
             rows[name] = meshtrain_row(owner, losses, merged)
         else:
             rows[name] = baseline_row(job, losses, merged)
     return rows, job
+
+
+def _total(counts) -> int | None:
+    """The sum of per-round counts, None where they are (off CUDA)."""
+    counts = list(counts)
+    return None if None in counts else sum(counts)
 
 
 def release(job, reset: bool = True) -> None:
@@ -349,13 +371,16 @@ def main() -> None:
     if variant:
         result["variant"] = args.variant
         result["ratio_vs_variant"] = rows["meshtrain"]["tokens_per_s"] / rows[variant]["tokens_per_s"]
-    if args.rounds > 1:  # each round's ratio, from that round's mean step times
-        versus = {"ratio_tokens_per_s": "baseline (plain torch)",
-                  "ratio_vs_bf16_residual_baseline": "baseline, bf16 residual", "ratio_vs_variant": variant}
-        for key, other in versus.items():
-            if key in result:
-                result[key + "_rounds"] = [o / m for m, o in zip(rows["meshtrain"]["round_step_time_s"],
-                                                                  rows[other]["round_step_time_s"], strict=True)]
+    versus = {"ratio_tokens_per_s": "baseline (plain torch)",
+              "ratio_vs_bf16_residual_baseline": "baseline, bf16 residual", "ratio_vs_variant": variant}
+    for key, other in versus.items():
+        if key not in result:
+            continue
+        # the same ratio from the median steps: one stalled step moves the mean, not this
+        result[key + "_median"] = rows[other]["step_time_median_s"] / rows["meshtrain"]["step_time_median_s"]
+        if args.rounds > 1:  # each round's ratio, from that round's mean step times
+            result[key + "_rounds"] = [o / m for m, o in zip(rows["meshtrain"]["round_step_time_s"],
+                                                              rows[other]["round_step_time_s"], strict=True)]
     if args.single_gpu_json:  # scaling efficiency against a 1-GPU run recorded earlier in the same job
         single = json.loads(Path(args.single_gpu_json).read_text())["results"]["meshtrain"]["tokens_per_s"]
         result["speedup_vs_1gpu"] = rows[next(iter(rows))]["tokens_per_s"] / single
@@ -377,9 +402,15 @@ def main() -> None:
         print(f"ratio meshtrain / bf16-residual baseline: {result['ratio_vs_bf16_residual_baseline']:.3f}")
     if variant:
         print(f"ratio meshtrain / meshtrain {args.variant}: {result['ratio_vs_variant']:.3f}")
-    for key in ("ratio_tokens_per_s", "ratio_vs_bf16_residual_baseline", "ratio_vs_variant"):
+    for key in versus:
+        if key + "_median" in result:
+            print(f"{key} from the median steps: {result[key + '_median']:.3f}")
         if key + "_rounds" in result:
             print(f"{key} by round: {' '.join(f'{x:.3f}' for x in result[key + '_rounds'])}")
+    for name, r in rows.items():
+        if r["alloc_retries"]:
+            print(f"note: {name}: the CUDA allocator released its cache and retried {r['alloc_retries']} time(s) "
+                  "inside the timed steps (a device-wide synchronization each; see its slowest steps)")
     if "speedup_vs_1gpu" in result:
         print(f"speedup vs 1 GPU: {result['speedup_vs_1gpu']:.3f}x (scaling efficiency {result['scaling_efficiency']:.3f})")
     for name, r in rows.items():

@@ -32,7 +32,10 @@ def test_variant_runs_meshtrain_again_with_its_flags_in_the_same_process(tmp_pat
         assert len(row["step_times_s"]) == 2 and all(t > 0 for t in row["step_times_s"])
         assert row["step_time_median_s"] == pytest.approx(sum(row["step_times_s"]) / 2)
         assert row["step_time_s"] >= row["step_time_median_s"] * 0.99
+        assert row["alloc_retries"] is None  # the CUDA allocator's count: none on CPU
     assert result["ratio_vs_variant"] == pytest.approx(rows["meshtrain"]["tokens_per_s"] / rows[variant]["tokens_per_s"])
+    assert result["ratio_vs_variant_median"] == pytest.approx(
+        rows[variant]["step_time_median_s"] / rows["meshtrain"]["step_time_median_s"])
     assert f"ratio meshtrain / {variant}:" in done.stdout
 
 
@@ -61,14 +64,18 @@ def test_rounds_interleave_every_side_and_report_each_rounds_ratio(tmp_path):
         assert len(row["step_times_s"]) == 6 and len(row["round_step_time_s"]) == 3
         assert row["step_time_s"] == pytest.approx(sum(row["round_step_time_s"]) / 3)
         assert row["peak_mem_gb"] is None  # every side resident at once: no side's own peak
+        assert row["round_alloc_retries"] == [None] * 3 and row["alloc_retries"] is None
     mesh, base = rows["meshtrain"], rows["baseline (plain torch)"]
     assert result["ratio_tokens_per_s_rounds"] == pytest.approx(
         [b / m for m, b in zip(mesh["round_step_time_s"], base["round_step_time_s"])])
+    assert mesh["step_time_median_s"] == pytest.approx(sum(sorted(mesh["step_times_s"])[2:4]) / 2)  # of all rounds' steps
+    assert result["ratio_tokens_per_s_median"] == pytest.approx(base["step_time_median_s"] / mesh["step_time_median_s"])
     assert len(result["ratio_vs_variant_rounds"]) == 3
     # each meshtrain side reports its own run's losses: the same first step (data, init), its own learning rate after
     assert mesh["loss_first"] == rows["meshtrain --optim.lr=1e-2"]["loss_first"]
     assert mesh["loss_last"] != rows["meshtrain --optim.lr=1e-2"]["loss_last"]
     assert "ratio_tokens_per_s by round:" in done.stdout
+    assert "ratio_tokens_per_s from the median steps:" in done.stdout
 
 
 @pytest.mark.e2e
