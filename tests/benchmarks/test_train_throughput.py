@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,11 +61,16 @@ def test_rounds_interleave_every_side_and_report_each_rounds_ratio(tmp_path):
     result = json.loads(out.read_text())
     rows = result["results"]
     assert result["rounds"] == 3 and set(rows) == {"meshtrain", "baseline (plain torch)", "meshtrain --optim.lr=1e-2"}
-    for row in rows.values():
+    for name, row in rows.items():
         assert len(row["step_times_s"]) == 6 and len(row["round_step_time_s"]) == 3
         assert row["step_time_s"] == pytest.approx(sum(row["round_step_time_s"]) / 3)
         assert row["peak_mem_gb"] is None  # every side resident at once: no side's own peak
-        assert row["round_alloc_retries"] == [None] * 3 and row["alloc_retries"] is None
+        # the CUDA allocator's count, per round and in all: none on CPU (tiny.toml's meshtrain; the baseline's device
+        # is CUDA where there is one)
+        if name.startswith("meshtrain") or not torch.cuda.is_available():
+            assert row["round_alloc_retries"] == [None] * 3 and row["alloc_retries"] is None
+        else:
+            assert row["alloc_retries"] == sum(row["round_alloc_retries"])
     mesh, base = rows["meshtrain"], rows["baseline (plain torch)"]
     assert result["ratio_tokens_per_s_rounds"] == pytest.approx(
         [b / m for m, b in zip(mesh["round_step_time_s"], base["round_step_time_s"])])
