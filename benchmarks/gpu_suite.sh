@@ -39,7 +39,7 @@
 #               I6_TAG=-nocopies for the same rows without them; I6_FLAGS=--variant=FLAG adds a row of
 #               meshtrain with FLAG, in the same process (train_throughput.py --variant); I6_FLAGS="--rounds 3"
 #               keeps every side built and times them in turn, three times over (per-round ratios; every side's
-#               memory at once, not yet run at llama-1b, whose sides peak at about 37 GB each)
+#               memory at once: llama-1b's three sides fit in an H200, with a variant too they would not)
 #   kernels     benchmarks/kernels.py: issue 6's kernel table (KERNEL_OPS: a comma-separated subset of ops)
 #   ce-sweep    benchmarks/ce_launch_sweep.py: the cross-entropy kernels under every launch setting of a
 #               small grid, against the current one
@@ -208,7 +208,7 @@ for part in $parts; do
         [ -n "${I6_ROWS:-}" ] && [[ " $I6_ROWS " != *" $name "* ]] && continue
         name=$name${I6_TAG:-}
         job "$name" 560 python3 ${row#*|} ${I6_FLAGS:-} --out "$out/$name.json" --run-dir "$runs/$name"
-        grep -A7 "^impl" "$out/$name.log" 2>/dev/null
+        sed -n '/^impl/,/^wrote/p' "$out/$name.log" 2>/dev/null | grep -v "^wrote"
       done ;;
     kernels)
       job kernels 480 python3 benchmarks/kernels.py ${KERNEL_OPS:+--ops "$KERNEL_OPS"} --rounds 2 --budget-s 150 \
