@@ -17,7 +17,8 @@ steps are excluded. Prints a table and writes JSON; the ratio is the number that
 table's s/step is the mean over the timed steps (tokens/s and the ratios come from it), "median"
 the median step, and "spread" the slowest step over the fastest, less one. Each ratio is also
 given from the median steps (`*_median` in the JSON), which one stalled step does not move, and
-each row counts the CUDA allocator's cache releases inside its timed steps (`alloc_retries`).
+each row counts the CUDA allocator's events inside its timed steps (`allocator`: cache releases,
+syncs, cudaMalloc and cudaFree calls).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def time_steps(step_fn, first: int, steps: int, device: torch.device) -> dict:
     (clocks, a kernel choice) from one with a few slow steps (a host stall).
     """
     sync(device)
-    retries = _alloc_retries(device)
+    before = _allocator_counts(device)
     marks = []
     start = time.perf_counter()
     for i in range(first, first + steps):
@@ -80,20 +81,31 @@ def time_steps(step_fn, first: int, steps: int, device: torch.device) -> dict:
     total = time.perf_counter() - start
     if device.type == "cuda":
         each = [a.elapsed_time(b) / 1e3 for a, b in itertools.pairwise(marks)]
-        retries = _alloc_retries(device) - retries
+        after = _allocator_counts(device)
+        allocator = {key: after[key] - before[key] for key in ALLOCATOR_COUNTS}
     else:
         each = [b - a for a, b in itertools.pairwise(marks)]
+        allocator = None
     return {"step_time_s": total / steps, "step_times_s": each, "step_time_median_s": statistics.median(each),
-            "alloc_retries": retries}
+            "allocator": allocator}
 
 
-def _alloc_retries(device: torch.device) -> int | None:
-    """How often the CUDA caching allocator has found no free block, released its cache (a
-    device-wide synchronization) and tried again: inside timed steps, a stall that is memory
-    pressure, not the step's own work. None off CUDA."""
+ALLOCATOR_COUNTS = {  # JSON name -> torch.cuda.memory_stats() counter
+    "alloc_retries": "num_alloc_retries",  # no free block: the cache released (a device-wide sync), then again
+    "sync_all_streams": "num_sync_all_streams",  # the allocator waited for every stream to free blocks
+    "device_allocs": "num_device_alloc",  # cudaMalloc / cuMemMap: new memory, host time each
+    "device_frees": "num_device_free",  # cudaFree / cuMemUnmap: a synchronization each
+}
+"""The CUDA caching allocator's event counters that `time_steps` reports for its steps. Each one
+that is not 0 inside timed steps is memory management, not the step's own work: the host waits
+or the device is synchronized, so the steps around it run slower."""
+
+
+def _allocator_counts(device: torch.device) -> dict | None:
     if device.type != "cuda":
         return None
-    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+    stats = torch.cuda.memory_stats(device)
+    return {key: stats.get(counter, 0) for key, counter in ALLOCATOR_COUNTS.items()}
 
 
 def _mark(device: torch.device):
@@ -253,8 +265,8 @@ def run_rounds(args, overrides, baselines: list[tuple[str, bool]], variant: str 
         merged = {"step_time_s": statistics.fmean(one["step_time_s"] for one in timed[name]),
                   "step_times_s": each, "step_time_median_s": statistics.median(each),
                   "round_step_time_s": [one["step_time_s"] for one in timed[name]],
-                  "round_alloc_retries": [one["alloc_retries"] for one in timed[name]],
-                  "alloc_retries": _total(one["alloc_retries"] for one in timed[name]), "peak_mem_gb": None}
+                  "round_allocator": [one["allocator"] for one in timed[name]],
+                  "allocator": _total(one["allocator"] for one in timed[name]), "peak_mem_gb": None}
         if owner is not None:
             rows[name] = meshtrain_row(owner, losses, merged)
         else:
@@ -262,10 +274,10 @@ def run_rounds(args, overrides, baselines: list[tuple[str, bool]], variant: str 
     return rows, job
 
 
-def _total(counts) -> int | None:
-    """The sum of per-round counts, None where they are (off CUDA)."""
+def _total(counts) -> dict | None:
+    """Per-round allocator counts summed, None where they are (off CUDA)."""
     counts = list(counts)
-    return None if None in counts else sum(counts)
+    return None if None in counts else {key: sum(c[key] for c in counts) for key in ALLOCATOR_COUNTS}
 
 
 def release(job, reset: bool = True) -> None:
@@ -408,9 +420,9 @@ def main() -> None:
         if key + "_rounds" in result:
             print(f"{key} by round: {' '.join(f'{x:.3f}' for x in result[key + '_rounds'])}")
     for name, r in rows.items():
-        if r["alloc_retries"]:
-            print(f"note: {name}: the CUDA allocator released its cache and retried {r['alloc_retries']} time(s) "
-                  "inside the timed steps (a device-wide synchronization each; see its slowest steps)")
+        if r["allocator"] and any(r["allocator"].values()):
+            counts = ", ".join(f"{key} {n}" for key, n in r["allocator"].items() if n)
+            print(f"note: {name}: the CUDA allocator inside the timed steps: {counts} (its slowest steps may be these)")
     if "speedup_vs_1gpu" in result:
         print(f"speedup vs 1 GPU: {result['speedup_vs_1gpu']:.3f}x (scaling efficiency {result['scaling_efficiency']:.3f})")
     for name, r in rows.items():
