@@ -33,13 +33,16 @@
 #               Every baseline runs twice: plainly (its residual stream in fp32, the ratio's
 #               denominator) and with the stream cast to bf16, as meshtrain's is by default
 #               (model.fp32_residual_connection), for the like-for-like ratio.
-#               ~2-4 min a row; I6_ROWS="i6-gpt2-350m i6-llama-1b" runs those only.
+#               ~2.5-6 min a row with the rounds; I6_ROWS="i6-gpt2-350m i6-llama-1b" runs those only.
 #               The defaults include the bf16 weight copies of one process; I6_FLAGS adds flags to every
 #               row and I6_TAG a suffix to its name, e.g. I6_FLAGS=--train.bf16_weight_copies=false
 #               I6_TAG=-nocopies for the same rows without them; I6_FLAGS=--variant=FLAG adds a row of
-#               meshtrain with FLAG, in the same process (train_throughput.py --variant); I6_FLAGS="--rounds 3"
-#               keeps every side built and times them in turn, three times over (per-round ratios; every side's
-#               memory at once: llama-1b's three sides fit in an H200, with a variant too they would not)
+#               meshtrain with FLAG, in the same process (train_throughput.py --variant). Each row keeps every
+#               side built and times them in turn, I6_ROUNDS times over (default 3; train_throughput.py
+#               --rounds: per-round ratios, every side's memory at once: llama-1b's three sides fit in an
+#               H200, with a variant too they would not); I6_ROUNDS=1 times each side once, built and
+#               released in turn, as before the nineteenth session (needed for --profile-steps, and for a
+#               --variant that changes the kernel choice)
 #   kernels     benchmarks/kernels.py: issue 6's kernel table (KERNEL_OPS: a comma-separated subset of ops)
 #   ce-sweep    benchmarks/ce_launch_sweep.py: the cross-entropy kernels under every launch setting of a
 #               small grid, against the current one
@@ -207,7 +210,8 @@ for part in $parts; do
         name=${row%%|*}
         [ -n "${I6_ROWS:-}" ] && [[ " $I6_ROWS " != *" $name "* ]] && continue
         name=$name${I6_TAG:-}
-        job "$name" 560 python3 ${row#*|} ${I6_FLAGS:-} --out "$out/$name.json" --run-dir "$runs/$name"
+        job "$name" 560 python3 ${row#*|} --rounds "${I6_ROUNDS:-3}" ${I6_FLAGS:-} --out "$out/$name.json" \
+          --run-dir "$runs/$name"
         sed -n '/^impl/,/^wrote/p' "$out/$name.log" 2>/dev/null | grep -v "^wrote"
       done ;;
     kernels)
