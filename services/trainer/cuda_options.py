@@ -1,5 +1,7 @@
-"""Process-wide CUDA settings a job asks for: Inductor's overlap scheduler, and an SM carveout
-for matmuls (both in TrainConfig). Each applies to the whole process, as the trainer owns it."""
+"""CUDA settings a job asks for: Inductor's overlap scheduler, and an SM carveout for matmuls
+(both in TrainConfig), each applied to the whole process, as the trainer owns it; and the
+refusal of coordinate-descent tuning off CUDA (the tuning itself is the compiled model's own
+option, set where the trainer compiles it)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,9 @@ def apply_cuda_options(train: TrainConfig, device: torch.device) -> None:
     Raises:
         ConfigError: an option that needs CUDA on another device, or a torch without it.
     """
+    if train.compile_coordinate_descent_tuning and device.type != "cuda":
+        raise ConfigError(f"train.compile_coordinate_descent_tuning tunes the Triton kernels Inductor generates "
+                          f"for a CUDA device; this run is on {device}")
     if train.compile_overlap_scheduling:
         enable_overlap_scheduling(device)
     if train.matmul_sm_carveout:

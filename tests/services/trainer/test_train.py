@@ -257,25 +257,20 @@ def test_a_stop_between_log_steps_logs_its_losses_and_later_requests_are_refused
         trainer.request_stop()
 
 
-def test_overlap_scheduling_is_refused_without_compile_or_off_cuda(corpus_cache, tmp_path):
+@pytest.mark.parametrize(("option", "without_compile", "off_cuda"), [
+    ("compile_overlap_scheduling", "needs train.compile=true", "times kernels on a CUDA device; this run is on cpu"),
+    ("compile_coordinate_descent_tuning", "tunes compiled kernels: it needs train.compile=true",
+     "Triton kernels Inductor generates for a CUDA device; this run is on cpu"),
+])
+def test_compile_option_is_refused_without_compile_or_off_cuda(corpus_cache, tmp_path, option, without_compile,
+                                                                 off_cuda):
     from services.trainer.train import Trainer
 
-    with pytest.raises(ConfigError, match="needs train.compile=true"):
-        load_config(small_job_args(corpus_cache, tmp_path / "a", **{"train.compile_overlap_scheduling": True}))
+    with pytest.raises(ConfigError, match=without_compile):
+        load_config(small_job_args(corpus_cache, tmp_path / "a", **{f"train.{option}": True}))
     job = load_config(small_job_args(corpus_cache, tmp_path / "b", **{
-        "train.compile": True, "train.compile_overlap_scheduling": True, "train.device": "cpu"}))
-    with pytest.raises(ConfigError, match="times kernels on a CUDA device; this run is on cpu"):
-        Trainer(job)
-
-
-def test_coordinate_descent_tuning_is_refused_without_compile_or_off_cuda(corpus_cache, tmp_path):
-    from services.trainer.train import Trainer
-
-    with pytest.raises(ConfigError, match="tunes compiled kernels: it needs train.compile=true"):
-        load_config(small_job_args(corpus_cache, tmp_path / "a", **{"train.compile_coordinate_descent_tuning": True}))
-    job = load_config(small_job_args(corpus_cache, tmp_path / "b", **{
-        "train.compile": True, "train.compile_coordinate_descent_tuning": True, "train.device": "cpu"}))
-    with pytest.raises(ConfigError, match="Triton kernels Inductor generates for a CUDA device; this run is on cpu"):
+        "train.compile": True, f"train.{option}": True, "train.device": "cpu"}))
+    with pytest.raises(ConfigError, match=off_cuda):
         Trainer(job)
 
 
