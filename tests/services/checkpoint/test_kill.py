@@ -3,9 +3,10 @@ ones are never listed.
 
 Each round starts the two writers of a save as real processes (a forkserver with the
 checkpoint modules preloaded, so a start costs milliseconds, not a torch import), kills one
-or both at a random moment within about one save's duration, lets the survivor finish or time
-out, and then checks every listed step bit for bit. Both outcomes (committed / not committed)
-must occur, or the kill times did not land inside saves and the test proves nothing.
+or both at a random moment within twice one save's measured duration (stratified, see
+`kill_delays`), lets the survivor finish or time out, and then checks every listed step bit
+for bit. Both outcomes (committed / not committed) must occur, or the kill times did not land
+inside saves and the test proves nothing.
 """
 
 import multiprocessing
@@ -59,6 +60,17 @@ def check_root(root, committed_before):
     return steps
 
 
+def kill_delays(rng, rounds, horizon):
+    """One delay per round, stratified over [0, horizon): round i's delay is uniform in its own
+    slice of that range, the slices in random order. Plain uniform draws can put every kill
+    early (all saves aborted) on a run where saves are slower than the one measured; the
+    slices place kills across the whole range whatever the draws."""
+    width = horizon / rounds
+    slices = list(range(rounds))
+    rng.shuffle(slices)
+    return [(i + rng.random()) * width for i in slices]
+
+
 def kill_rounds(ctx, root, rounds, seed):
     rng = random.Random(seed)
     warm = ctx.Process(target=killable.noop)
@@ -72,10 +84,10 @@ def kill_rounds(ctx, root, rounds, seed):
     committed = check_root(root, [])
     assert committed == [0]
     outcomes = {"committed": 0, "aborted": 0}
-    for step in range(1, rounds + 1):
+    for step, delay in enumerate(kill_delays(rng, rounds, 2 * duration), start=1):
         procs = start_save(ctx, root, step)
         victims = rng.choice([[procs[0]], [procs[1]], procs])
-        time.sleep(rng.uniform(0, duration * 1.2))
+        time.sleep(delay)
         for p in victims:
             if p.pid is not None:
                 try:
@@ -118,9 +130,12 @@ def test_killed_save_can_be_redone(ctx, tmp_path):
 
 
 def service_save(client, step):
-    """A whole save through the service: two writer threads, writer 0 commits."""
+    """A whole save through the service: two writer threads, writer 0 commits.
+
+    Returns the threads, the errors they met, and `times`: perf_counter() just before
+    writer 0 sent Commit ("commit_sent") and just after Commit returned ("committed")."""
     save_id = client.begin_save(step, num_writers=killable.NUM_WRITERS)
-    errors = []
+    errors, times = [], {}
 
     def run(w):
         try:
@@ -129,14 +144,16 @@ def service_save(client, step):
                 writer.write(spec, data)
             writer.finish()
             if w == 0:
+                times["commit_sent"] = time.perf_counter()
                 client.commit(step, save_id, killable.NUM_WRITERS, {"step": step}, timeout=2)
+                times["committed"] = time.perf_counter()
         except (CheckpointError, ServiceUnavailableError) as e:  # the service was killed under us
             errors.append(e)
 
     threads = [threading.Thread(target=run, args=(w,)) for w in range(killable.NUM_WRITERS)]
     for t in threads:
         t.start()
-    return threads, errors
+    return threads, errors, times
 
 
 def start_service(ctx, root):
@@ -149,28 +166,41 @@ def start_service(ctx, root):
 
 
 def service_kill_rounds(ctx, root, rounds, seed):
+    """Kills the service at a random moment of each of `rounds` saves (on a fresh service).
+
+    The delays span twice the measured length of a save, so about half of them land inside
+    a save and the rest after it: both outcomes occur even when saves on a fresh service run
+    well slower than the one measured. Where the outcome is determined it is checked exactly:
+    killed and reaped before Commit was sent, the step must not be listed; killed after Commit
+    returned, it must be."""
     rng = random.Random(seed)
     proc, client = start_service(ctx, root)
     start = time.perf_counter()
-    threads, errors = service_save(client, 0)
+    threads, errors, _ = service_save(client, 0)
     for t in threads:
         t.join(30)
     duration = time.perf_counter() - start
     assert not errors and check_root(root, []) == [0]
     committed, outcomes = [0], {"committed": 0, "aborted": 0}
-    for step in range(1, rounds + 1):
+    for step, delay in enumerate(kill_delays(rng, rounds, 2 * duration), start=1):
         if proc is None:
             proc, client = start_service(ctx, root)
-        threads, _ = service_save(client, step)
-        time.sleep(rng.uniform(0, duration * 1.2))
+        threads, _, times = service_save(client, step)
+        time.sleep(delay)
+        killed_at = time.perf_counter()
         os.kill(proc.pid, signal.SIGKILL)
         proc.join(30)
+        dead_at = time.perf_counter()
         for t in threads:
             t.join(30)
             assert not t.is_alive(), "a client hung after the service died"
         client.close()
         proc = None
         steps = check_root(root, committed)
+        if times.get("commit_sent", float("inf")) > dead_at:
+            assert step not in steps, f"step {step} listed, though the service died before Commit"
+        if times.get("committed", float("inf")) < killed_at:
+            assert step in steps, f"step {step} lost, though Commit had returned before the kill"
         outcomes["committed" if step in steps else "aborted"] += 1
         committed = steps
     return outcomes
