@@ -237,7 +237,7 @@ class PendingReduction:
 
     def wait(self) -> torch.Tensor:
         y = _WaitReduction.apply(self.pending, self.sp) if self.inflight else self.pending
-        return y + self.bias if self.bias is not None else y
+        return y + self.bias.to(y.dtype) if self.bias is not None else y  # as RowParallelLinear's
 
 
 def start_reduction(x: torch.Tensor, group: Group, sequence_parallel: bool,

@@ -141,7 +141,9 @@ class RowParallelLinear(nn.Module):
                 y = symm_reduce.reduce_from_region(y, self.group)
             else:
                 y = M.reduce_from_region(y, self.group)
-        return y + self.bias if self.bias is not None else y
+        # in y's dtype: an fp32 bias added to autocast's bf16 output would promote the residual
+        # stream to fp32 from here on (one process adds it inside autocast's linear, in bf16)
+        return y + self.bias.to(y.dtype) if self.bias is not None else y
 
 
 def _padded_rows(weight: torch.Tensor, tp: int, multiple: int) -> torch.Tensor:

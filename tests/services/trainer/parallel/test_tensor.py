@@ -218,3 +218,39 @@ def test_activation_collectives_move_bf16_under_autocast(sp, async_grad, fp32_re
         assert hidden[0][1] == torch.float32, moved
         activation = hidden[1:-1] if sp and fp32_residual else hidden[1:]
         assert activation and all(d == torch.bfloat16 for _, d in activation), moved
+
+
+def _stream_dtype(model, tokens):
+    """The residual stream's dtype where it reaches the final norm, in one bf16-autocast forward
+    (a hook on the blocks would miss batch-split runs, which call their branches directly)."""
+    seen = []
+    hook = model.final_norm.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(tokens, tokens)
+    finally:
+        hook.remove()
+    return seen
+
+
+def _sharded_stream_dtype(rank, world, sequence_parallel, batch_split):
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(**GPT2, fp32_residual_connection=False))
+    parallelize(model, Mesh.build(tp=world), sequence_parallel, batch_split=batch_split)
+    return _stream_dtype(model, torch.randint(0, 203, (2, 16), generator=torch.Generator().manual_seed(1)))
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("sp,batch_split", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["tp", "tp-sp", "tp-batch-split", "tp-sp-batch-split"])
+def test_row_parallel_bias_keeps_the_bf16_stream(sp, batch_split):
+    """The row-parallel bias (fp32, added once after the sum over tp) is added in the output's
+    dtype: with model.fp32_residual_connection off the stream stays bf16 under tp, as it does in
+    one process, where autocast adds the bias inside the linear. Added as fp32, it promoted
+    the stream to fp32 from the first block on (twice the activation memory and traffic)."""
+    torch.manual_seed(0)
+    ref = GPT(ModelConfig(**GPT2, fp32_residual_connection=False))
+    expected = _stream_dtype(ref, torch.randint(0, 203, (2, 16), generator=torch.Generator().manual_seed(1)))
+    assert expected == [torch.bfloat16]
+    for got in run_ranks(_sharded_stream_dtype, 2, sp, batch_split):
+        assert got == expected
