@@ -88,12 +88,22 @@ class ModelConfig:
                 f"model.hidden_size={self.hidden_size} must be divisible by "
                 f"model.num_attention_heads={self.num_attention_heads}"
             )
-        groups = self.num_query_groups or self.num_attention_heads
-        if groups <= 0 or self.num_attention_heads % groups:
+        if self.num_query_groups is not None and self.num_query_groups <= 0:  # 0 read as unset: MHA
+            raise ConfigError(f"model.num_query_groups must be positive (unset for one per head), "
+                              f"got {self.num_query_groups}")
+        if self.make_vocab_size_divisible_by <= 0:
+            raise ConfigError(f"model.make_vocab_size_divisible_by must be positive, "
+                              f"got {self.make_vocab_size_divisible_by}")
+        groups = self.groups
+        if self.num_attention_heads % groups:
             raise ConfigError(
                 f"model.num_query_groups={self.num_query_groups} must divide "
                 f"model.num_attention_heads={self.num_attention_heads}"
             )
+        if self.ffn_size <= 0:
+            raise ConfigError(f"model.ffn_hidden_size must be positive, got {self.ffn_size}"
+                              + ("" if self.ffn_hidden_size is not None else
+                                 f" (8/3 of hidden_size={self.hidden_size}, rounded to 64: set it)"))
         if self.position_embedding_type == "rope" and self.head_dim % 2:
             raise ConfigError(f"model: RoPE needs an even head dim, got {self.head_dim}")
         if self.max_position_embeddings is not None and self.max_position_embeddings < self.seq_length:
@@ -294,6 +304,13 @@ class OptimConfig:
             raise ConfigError(f"optim: need 0 <= min_lr <= lr, got lr={self.lr} min_lr={self.min_lr}")
         if self.clip_grad < 0:
             raise ConfigError(f"optim.clip_grad must be >= 0, got {self.clip_grad}")
+        if self.lr_warmup_iters < 0:
+            raise ConfigError(f"optim.lr_warmup_iters must be >= 0, got {self.lr_warmup_iters}")
+        # An explicit decay length the warmup reaches would leave lr at its peak for good (the
+        # schedule has nothing to decay over); 0 would silently mean "unset".
+        if self.lr_decay_iters is not None and self.lr_decay_iters <= self.lr_warmup_iters:
+            raise ConfigError(f"optim.lr_decay_iters={self.lr_decay_iters} must be greater than "
+                              f"optim.lr_warmup_iters={self.lr_warmup_iters} (unset: train_iters)")
 
 
 @dataclass

@@ -155,6 +155,23 @@ def test_validation_messages_name_keys():
         load_config(["--num-attention-heads", "4", "--num-query-groups", "3"])
 
 
+@pytest.mark.parametrize("args, message", [
+    # each was accepted and then misbehaved: 0 groups read as unset (MHA); a negative multiple
+    # padded the vocabulary to fewer rows than it has, 0 divided by zero; a decay that the
+    # warmup reaches kept lr at its peak for good, a negative warmup started inside the decay
+    (["--num-query-groups", "0"], r"model\.num_query_groups must be positive"),
+    (["--make-vocab-size-divisible-by", "-128"], r"model\.make_vocab_size_divisible_by must be positive"),
+    (["--make-vocab-size-divisible-by", "0"], r"model\.make_vocab_size_divisible_by must be positive"),
+    (["--ffn-hidden-size", "0"], r"model\.ffn_hidden_size must be positive, got 0$"),
+    (["--lr-warmup-iters", "100", "--lr-decay-iters", "50"], r"optim\.lr_decay_iters=50 must be greater"),
+    (["--lr-decay-iters", "0"], r"optim\.lr_decay_iters=0 must be greater"),
+    (["--lr-warmup-iters", "-10"], r"optim\.lr_warmup_iters must be >= 0"),
+])
+def test_values_that_would_misbehave_are_refused(args, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(args)
+
+
 def test_replace_revalidates():
     job = load_config([])
     assert replace(job, model={"vocab_size": 500}).model.vocab_size == 500
