@@ -38,7 +38,8 @@ class ModelConfig:
     num_query_groups: int | None = None
     """Key/value heads for grouped-query attention; unset means one per query head (MHA)."""
     ffn_hidden_size: int | None = None
-    """MLP inner width; unset: 4*hidden for GELU, 8/3*hidden rounded up to 64 for SwiGLU."""
+    """MLP inner width; unset: 4*hidden for GELU, 8/3*hidden rounded down to 64 for SwiGLU
+    (Megatron-LM's rule for --swiglu, so the same flags build the same shapes)."""
     seq_length: int = 256
     """Tokens per training sample."""
     max_position_embeddings: int | None = None
@@ -103,7 +104,7 @@ class ModelConfig:
         if self.ffn_size <= 0:
             raise ConfigError(f"model.ffn_hidden_size must be positive, got {self.ffn_size}"
                               + ("" if self.ffn_hidden_size is not None else
-                                 f" (8/3 of hidden_size={self.hidden_size}, rounded to 64: set it)"))
+                                 f" (8/3 of hidden_size={self.hidden_size}, rounded down to 64: set it)"))
         if self.position_embedding_type == "rope" and self.head_dim % 2:
             raise ConfigError(f"model: RoPE needs an even head dim, got {self.head_dim}")
         if self.max_position_embeddings is not None and self.max_position_embeddings < self.seq_length:
@@ -131,7 +132,7 @@ class ModelConfig:
         if self.ffn_hidden_size is not None:
             return self.ffn_hidden_size
         if self.activation == "swiglu":
-            return -(-(8 * self.hidden_size // 3) // 64) * 64
+            return 8 * self.hidden_size // 3 // 64 * 64
         return 4 * self.hidden_size
 
     @property

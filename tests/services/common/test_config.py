@@ -163,6 +163,8 @@ def test_validation_messages_name_keys():
     (["--make-vocab-size-divisible-by", "-128"], r"model\.make_vocab_size_divisible_by must be positive"),
     (["--make-vocab-size-divisible-by", "0"], r"model\.make_vocab_size_divisible_by must be positive"),
     (["--ffn-hidden-size", "0"], r"model\.ffn_hidden_size must be positive, got 0$"),
+    (["--model.activation=swiglu", "--hidden-size", "16", "--num-attention-heads", "2"],
+     r"ffn_hidden_size must be positive, got 0 \(8/3 of hidden_size=16"),
     (["--lr-warmup-iters", "100", "--lr-decay-iters", "50"], r"optim\.lr_decay_iters=50 must be greater"),
     (["--lr-decay-iters", "0"], r"optim\.lr_decay_iters=0 must be greater"),
     (["--lr-warmup-iters", "-10"], r"optim\.lr_warmup_iters must be >= 0"),

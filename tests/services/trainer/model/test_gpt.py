@@ -124,8 +124,10 @@ def test_fused_shapes_gqa_and_swiglu():
     d = 16
     assert model.layers[0].attention.qkv.weight.shape == ((4 + 2 * 2) * d, 64)
     ffn = ModelConfig(**LLAMA).ffn_size
-    assert ffn == 192  # 8/3 * 64 rounded up to 64
+    assert ffn == 128  # 8/3 * 64 rounded down to 64, Megatron-LM's --swiglu width
     assert model.layers[0].mlp.fc1.weight.shape == (2 * ffn, 64)
+    # Megatron-LM: int((4 * hidden * 2 / 3) / 64) * 64
+    assert [ModelConfig(**dict(LLAMA, hidden_size=h)).ffn_size for h in (1024, 2048, 4096)] == [2688, 5440, 10880]
 
 
 def test_init_scaled_residual_projections():
