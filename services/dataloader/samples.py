@@ -16,9 +16,10 @@ seq_length, num_samples, seed).
 
 from __future__ import annotations
 
-import numpy as np
-
+import math
 import os
+
+import numpy as np
 
 from services.common.errors import DataError
 from services.dataloader.index_cache import array_digest, cached_arrays
@@ -32,7 +33,8 @@ def split_ranges(num_documents: int, split: str = "969,30,1") -> list[tuple[int,
 
     Args:
         num_documents: documents in the dataset.
-        split: up to three non-negative weights separated by "," or "/"; missing ones are 0.
+        split: up to three finite, non-negative weights separated by "," or "/"; missing
+            ones are 0.
 
     Returns:
         Three `(begin, end)` ranges that tile `[0, num_documents)` in order.
@@ -43,12 +45,15 @@ def split_ranges(num_documents: int, split: str = "969,30,1") -> list[tuple[int,
         weights = [float(p) for p in parts]
     except ValueError:
         raise DataError(f"split {split!r} must be up to three numbers like '969,30,1'") from None
+    # float() takes "nan" and "inf" (and "1e308,1e308" sums to inf): the ranges would be NaN
+    if not all(math.isfinite(w) for w in weights) or not math.isfinite(sum(weights)):
+        raise DataError(f"split {split!r} must be finite numbers like '969,30,1' (no nan or inf)")
     if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
         raise DataError(f"split {split!r} must be 1-3 non-negative weights with a positive sum")
     weights += [0.0] * (3 - len(weights))
     cum = np.cumsum(weights) / sum(weights)
     # rounding the cumulative fractions (not each share) keeps the ranges contiguous and total exact
-    edges = [0] + [int(round(c * num_documents)) for c in cum[:-1]] + [num_documents]
+    edges = [0] + [round(float(c * num_documents)) for c in cum[:-1]] + [num_documents]
     ranges = [(edges[i], edges[i + 1]) for i in range(3)]
     if ranges[0][1] <= ranges[0][0]:
         raise DataError(f"split {split!r} over {num_documents} documents leaves the train split empty")

@@ -8,6 +8,7 @@ import pytest
 from services.common.errors import DataError
 from services.dataloader.indexed import IndexedDataset, IndexedDatasetWriter
 from services.dataloader.samples import GPTDataset, split_ranges
+from services.dataloader.spec import DatasetSpec
 
 
 def _make(tmp_path, lengths, dtype=np.uint16):
@@ -103,6 +104,13 @@ def test_split_ranges():
     for bad in ("a,b", "1,-1,0", "0,0,0", "1,1,1,1", "", "90,,10"):  # an empty field is not dropped
         with pytest.raises(DataError, match="split"):
             split_ranges(10, bad)
+    # float() accepts these; they used to escape as a bare ValueError (UNKNOWN on a worker,
+    # which clients retry as if transient) instead of a DataError naming the split string
+    for bad in ("nan,1,1", "inf,1,1", "1,nan", "1,-inf", "1e308,1e308"):
+        with pytest.raises(DataError, match=f"split {bad!r} must be finite"):
+            split_ranges(10, bad)
+        with pytest.raises(DataError, match="finite"):
+            DatasetSpec(("x",), (1.0,), 16, 10, 1, split=bad).validate()
 
 
 def test_ten_million_sample_index_builds_fast(tmp_path):
