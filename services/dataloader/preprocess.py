@@ -23,14 +23,19 @@ import shutil
 import sys
 import sysconfig
 import tempfile
+from collections.abc import Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from concurrent.futures import Future, ProcessPoolExecutor
-from typing import Iterator
 
 from services.common.errors import DataError
 from services.dataloader.indexed import IndexedDatasetWriter, best_dtype
-from services.dataloader.tokenizers import ByteTokenizer, Tokenizer, build_tokenizer, train_bpe
+from services.dataloader.tokenizers import (
+    ByteTokenizer,
+    Tokenizer,
+    build_tokenizer,
+    train_bpe,
+)
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
 # Documents per encode_batch call, and the text bytes at which a batch is flushed early:
@@ -110,7 +115,9 @@ def _iter_documents(path: Path, json_key: str) -> Iterator[str]:
     elif path.suffix == ".parquet":
         yield from _iter_parquet(path, json_key)
     else:
-        yield path.read_text(encoding="utf-8", errors="replace")
+        # bytes, then decoded: a text-mode read would rewrite CRLF and lone CR to LF, so the
+        # stored tokens would not be the file's
+        yield path.read_bytes().decode("utf-8", errors="replace")
 
 
 def _iter_parquet(path: Path, column: str) -> Iterator[str]:
@@ -128,10 +135,13 @@ def _iter_parquet(path: Path, column: str) -> Iterator[str]:
     ):
         raise DataError(f"{path}: Parquet column {column!r} is {pf.schema_arrow.field(column).type}, not string")
     # row groups are read a few thousand rows at a time, so memory stays bounded
+    row = 0
     for batch in pf.iter_batches(batch_size=1024, columns=[column]):
         for text in batch.column(0).to_pylist():
-            if text is not None:
-                yield text
+            if text is None:  # dropping it would lose a document silently; JSONL's null is an error too
+                raise DataError(f"{path}: row {row} (counting from 0): {column!r} is null, not a string")
+            yield text
+            row += 1
 
 
 def _iter_batches(inputs: list[str | os.PathLike], json_key: str) -> Iterator[list[str]]:
@@ -175,8 +185,9 @@ def preprocess_files(
 
     Args:
         inputs: `.jsonl`/`.json` files (one JSON object per line, text under `json_key`),
-            `.parquet` files (text in column `json_key`), or any other file, read as UTF-8
-            text (errors replaced), one document per file.
+            `.parquet` files (text in column `json_key`; a null is an error, as in JSONL), or
+            any other file, read as UTF-8 text (errors replaced, line ends kept byte for
+            byte), one document per file.
         output_prefix: dataset path without extension.
         tokenizer: tokenizer; its vocabulary picks the token dtype (`best_dtype`).
         json_key: field (or Parquet column) holding the text.
@@ -241,7 +252,7 @@ def _cache_key(files: list[Path], tokenizer: str, vocab_size: int, max_bytes: in
         "tokenizer": tokenizer,
         "vocab_size": vocab_size if tokenizer == "bpe" else 257,
         "max_bytes": max_bytes,
-        "format": 1,  # bump when the build recipe changes
+        "format": 2,  # bump when the build recipe changes (2: text read without newline translation)
     }
     return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -2,6 +2,7 @@
 
 import base64
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -71,18 +72,31 @@ def test_parquet_input(tmp_path):
         preprocess_files([tmp_path / "in.parquet"], tmp_path / "o2", ByteTokenizer(), json_key="body")
 
 
+def test_a_null_in_the_parquet_text_column_is_an_error_naming_the_row(tmp_path):
+    # it used to be dropped silently (3 rows, 2 documents) where JSONL's null is a DataError
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = [f"doc {i}" for i in range(1500)]  # the null sits in the second 1024-row read
+    texts[1100] = None
+    pq.write_table(pa.table({"text": texts}), tmp_path / "in.parquet")
+    with pytest.raises(DataError, match=r"in.parquet: row 1100 \(counting from 0\): 'text' is null"):
+        preprocess_files([tmp_path / "in.parquet"], tmp_path / "out", ByteTokenizer())
+    assert not (tmp_path / "out.idx").exists() and not (tmp_path / "out.bin").exists()
+
+
 def test_workers_give_identical_output(tmp_path):
     """Two spawned workers must write the very bytes one process writes (batch order is fixed)."""
     import services.dataloader.preprocess as pre
 
     rng = np.random.default_rng(0)
     with open(tmp_path / "in.jsonl", "w") as f:
-        for i in range(700):  # > 2 batches of 256 documents
-            f.write(json.dumps({"text": "x" * int(rng.integers(0, 50)) + f" doc {i}"}) + "\n")
+        f.writelines(json.dumps({"text": "x" * int(rng.integers(0, 50)) + f" doc {i}"}) + "\n"
+                     for i in range(700))  # > 2 batches of 256 documents
     one = preprocess_files([tmp_path / "in.jsonl"], tmp_path / "one", ByteTokenizer(), workers=1)
     two = preprocess_files([tmp_path / "in.jsonl"], tmp_path / "two", ByteTokenizer(), workers=2)
     for ext in (".bin", ".idx"):
-        assert open(one + ext, "rb").read() == open(two + ext, "rb").read()
+        assert Path(one + ext).read_bytes() == Path(two + ext).read_bytes()
     assert pre._BATCH_DOCS < 700
 
 

@@ -10,7 +10,11 @@ import pytest
 from services.common.errors import DataError
 from services.dataloader import preprocess
 from services.dataloader.indexed import IndexedDataset
-from services.dataloader.preprocess import default_corpus_files, prepare_default_dataset, preprocess_files
+from services.dataloader.preprocess import (
+    default_corpus_files,
+    prepare_default_dataset,
+    preprocess_files,
+)
 from services.dataloader.tokenizers import ByteTokenizer, build_tokenizer, train_bpe
 
 
@@ -26,6 +30,14 @@ def test_preprocess_jsonl_and_text(tmp_path):
     expected = [tok.encode(d) + [256] for d in docs] + [tok.encode("print('hi')\n\ufffd\n") + [256]]
     assert ds.dtype == np.uint16 and len(ds) == len(expected)
     assert [ds[i].tolist() for i in range(len(ds))] == expected
+
+
+def test_text_files_keep_their_line_ends_byte_for_byte(tmp_path):
+    # a text-mode read used to store CRLF and a lone CR as LF: the tokens were not the file's
+    raw = b"a\r\nb\rc\n"
+    (tmp_path / "win.txt").write_bytes(raw)
+    ds = IndexedDataset(preprocess_files([tmp_path / "win.txt"], tmp_path / "ds", ByteTokenizer(), append_eod=False))
+    assert ds[0].tolist() == list(raw)
 
 
 @pytest.mark.parametrize("workers", [1, 2])
