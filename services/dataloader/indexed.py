@@ -27,6 +27,7 @@ import os
 import struct
 from array import array
 from pathlib import Path
+from typing import Self
 
 import numpy as np
 
@@ -65,7 +66,7 @@ def best_dtype(vocab_size: int) -> np.dtype:
 def local_path(prefix: str | os.PathLike) -> str:
     """A local prefix as a plain path (`file:///data/x` -> `/data/x`)."""
     s = str(prefix)
-    return s[len("file://"):] if s.startswith("file://") else s
+    return s.removeprefix("file://")
 
 
 def _paths(prefix: str | os.PathLike) -> tuple[Path, Path]:
@@ -119,7 +120,8 @@ class IndexedDatasetWriter:
     Each `add_document(tokens)` appends one document made of one sequence. Tokens go
     straight to the (temporary) `.bin` file; only the per-sequence lengths stay in memory.
     Use as a context manager: leaving the block normally finalizes, leaving it with an
-    exception deletes the temporary files, so a crash never leaves a readable half dataset.
+    exception deletes the temporary files, and so does a finalize that fails (a full disk), so
+    a crash never leaves a readable half dataset or a stray temporary copy of the tokens.
     """
 
     def __init__(self, prefix: str | os.PathLike, dtype=np.uint16):
@@ -136,7 +138,7 @@ class IndexedDatasetWriter:
         suffix = f".tmp-{os.getpid()}-{id(self):x}"
         self._bin_tmp = Path(str(self._bin_path) + suffix)
         self._idx_tmp = Path(str(self._idx_path) + suffix)
-        self._bin = open(self._bin_tmp, "wb")
+        self._bin = open(self._bin_tmp, "wb")  # noqa: SIM115 - open until finalize/abort close it
         self._lengths = array("i")  # int32, Megatron's sequence length type
         self._closed = False
         if self.dtype.kind in "iu":
@@ -175,11 +177,31 @@ class IndexedDatasetWriter:
     def finalize(self) -> str:
         """Write `.idx`, then rename both files into place (`.idx` last: it is the commit).
 
+        If any of it fails (a full disk while writing `.idx`, a failed rename), the temporary
+        files, and a `.bin` already renamed into place, are removed before the error is
+        re-raised: `__exit__` only aborts when its block raised, not when finalizing did.
+
         Returns:
             The prefix.
         """
         if self._closed:
             return self.prefix
+        bin_in_place = False
+        try:
+            self._write_index()
+            os.replace(self._bin_tmp, self._bin_path)
+            bin_in_place = True
+            os.replace(self._idx_tmp, self._idx_path)
+        except BaseException:
+            self.abort()
+            if bin_in_place:  # without its .idx (or beside an older one) it is no dataset
+                self._bin_path.unlink(missing_ok=True)
+            raise
+        self._closed = True
+        return self.prefix
+
+    def _write_index(self) -> None:
+        """Close `.bin` and write the whole index to the temporary `.idx`."""
         self._bin.close()
         lengths = np.frombuffer(self._lengths, dtype=np.int32) if self._lengths else np.zeros(0, np.int32)
         n = lengths.size
@@ -197,10 +219,6 @@ class IndexedDatasetWriter:
             f.write(lengths.astype("<i4").tobytes())
             f.write(pointers.astype("<i8").tobytes())
             f.write(doc_index.astype("<i8").tobytes())
-        os.replace(self._bin_tmp, self._bin_path)
-        os.replace(self._idx_tmp, self._idx_path)
-        self._closed = True
-        return self.prefix
 
     def abort(self) -> None:
         """Close and delete the temporary files; nothing is left at the prefix."""
@@ -211,7 +229,7 @@ class IndexedDatasetWriter:
             p.unlink(missing_ok=True)
         self._closed = True
 
-    def __enter__(self) -> "IndexedDatasetWriter":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

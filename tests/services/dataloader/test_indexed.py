@@ -1,12 +1,21 @@
 """MMIDIDX v1 reader/writer: round trips, the exact Megatron byte layout, and corruption."""
 
+import errno
+import io
+import os
 import struct
 
 import numpy as np
 import pytest
 
 from services.common.errors import DataError
-from services.dataloader.indexed import DTYPE_CODES, IndexedDataset, IndexedDatasetWriter, best_dtype
+from services.dataloader import indexed
+from services.dataloader.indexed import (
+    DTYPE_CODES,
+    IndexedDataset,
+    IndexedDatasetWriter,
+    best_dtype,
+)
 
 MAGIC = b"MMIDIDX\x00\x00"
 
@@ -80,17 +89,40 @@ def test_best_dtype():
 
 
 def test_writer_abort_leaves_nothing(tmp_path):
-    with pytest.raises(RuntimeError):
-        with IndexedDatasetWriter(tmp_path / "ds", np.uint16) as w:
-            w.add_document([1, 2])
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError), IndexedDatasetWriter(tmp_path / "ds", np.uint16) as w:
+        w.add_document([1, 2])
+        raise RuntimeError("boom")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("failure", ["idx write", "idx rename"])
+def test_writer_whose_finalize_fails_leaves_nothing(tmp_path, monkeypatch, failure):
+    # finalize() runs in __exit__ after the block ended normally, so a failure there (a full
+    # disk writing .idx) used to skip abort() and leave the temporary .bin, the whole token stream
+    real_replace = os.replace
+
+    class FullDisk(io.FileIO):  # the .idx temp file is created, then its first write fails
+        def write(self, b):
+            raise OSError(errno.ENOSPC, "simulated full disk")
+
+    def replace_failing_on_idx(src, dst):
+        if str(dst).endswith(".idx"):
+            raise OSError(errno.ENOSPC, "simulated full disk")
+        real_replace(src, dst)
+
+    with pytest.raises(OSError, match="simulated full disk"), IndexedDatasetWriter(tmp_path / "ds", np.uint16) as w:
+        w.add_document(np.arange(1000) % 250)
+        if failure == "idx write":  # the .bin is already open: only the .idx opens after this
+            monkeypatch.setattr(indexed, "open", FullDisk, raising=False)
+        else:  # the .bin is renamed into place, then the .idx rename fails
+            monkeypatch.setattr(os, "replace", replace_failing_on_idx)
+    monkeypatch.undo()
     assert list(tmp_path.iterdir()) == []
 
 
 def test_writer_rejects_ids_that_do_not_fit(tmp_path):
-    with IndexedDatasetWriter(tmp_path / "ds", np.uint16) as w:
-        with pytest.raises(DataError, match="do not fit"):
-            w.add_document([1, 70000])
+    with IndexedDatasetWriter(tmp_path / "ds", np.uint16) as w, pytest.raises(DataError, match="do not fit"):
+        w.add_document([1, 70000])
 
 
 def _good(tmp_path):
