@@ -15,13 +15,34 @@ from services.common.errors import DataError
 
 
 def expand_inputs(patterns: list[str]) -> list[Path]:
-    """Files named by paths or glob patterns, in order; a pattern matching nothing is an error."""
+    """Files named by paths or glob patterns, in order, each once.
+
+    A pattern matching no regular file (nothing, or only directories) is an error: it used to
+    give an empty dataset. A file matched by several patterns (`'d/*.jsonl' d/b.jsonl`) is
+    read once, where it first appears, so overlapping patterns do not repeat its documents.
+
+    Args:
+        patterns: paths or glob patterns (`**` recurses), as given to `--input`.
+
+    Returns:
+        The files, in pattern order, each pattern's matches sorted.
+    """
     files: list[Path] = []
+    seen: set[Path] = set()
     for pattern in patterns:
         matches = sorted(glob.glob(pattern, recursive=True))
         if not matches:
             raise DataError(f"--input {pattern!r} matches no file")
-        files.extend(Path(m) for m in matches if Path(m).is_file())
+        regular = [Path(m) for m in matches if Path(m).is_file()]
+        if not regular:
+            raise DataError(f"--input {pattern!r} matches no regular file, only {matches[0]!r}"
+                            f"{' and others' if len(matches) > 1 else ''} (a directory? name its "
+                            f"files, e.g. '{matches[0].rstrip('/')}/**/*.jsonl')")
+        for path in regular:
+            key = path.resolve()
+            if key not in seen:
+                seen.add(key)
+                files.append(path)
     return files
 
 
@@ -50,7 +71,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     d = sub.add_parser("data", help="build datasets and tokenizers")
     dsub = d.add_subparsers(dest="data_cmd", required=True)
     pre = dsub.add_parser("preprocess", help="tokenize text/JSONL/Parquet files into PREFIX.bin/.idx")
-    pre.add_argument("--input", nargs="+", required=True, help="files or glob patterns")
+    pre.add_argument("--input", nargs="+", required=True,
+                     help="files or glob patterns; each must match a file, and a file matched twice is read once")
     pre.add_argument("--output-prefix", required=True)
     pre.add_argument("--tokenizer", required=True,
                      help="'byte', a tokenizer.json, a .tiktoken file or a SentencePiece .model")

@@ -184,7 +184,7 @@ def preprocess_files(
     """Tokenize text files into `OUTPUT_PREFIX.bin/.idx`.
 
     Args:
-        inputs: `.jsonl`/`.json` files (one JSON object per line, text under `json_key`),
+        inputs: at least one file: `.jsonl`/`.json` files (one JSON object per line, text under `json_key`),
             `.parquet` files (text in column `json_key`; a null is an error, as in JSONL), or
             any other file, read as UTF-8 text (errors replaced, line ends kept byte for
             byte), one document per file.
@@ -201,6 +201,8 @@ def preprocess_files(
     """
     if workers < 1:
         raise DataError(f"workers={workers} must be >= 1")
+    if not inputs:  # an empty dataset is never what was meant
+        raise DataError(f"no input files to preprocess into {output_prefix}")
     prefix = str(output_prefix)
     from tqdm import tqdm
 

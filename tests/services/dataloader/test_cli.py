@@ -16,8 +16,7 @@ from .conftest import REPO, free_port
 
 def _jsonl(path, n=300):
     with open(path, "w") as f:
-        for i in range(n):
-            f.write(json.dumps({"text": f"document {i} " + "words " * (i % 13)}) + "\n")
+        f.writelines(json.dumps({"text": f"document {i} " + "words " * (i % 13)}) + "\n" for i in range(n))
     return path
 
 
@@ -47,6 +46,25 @@ def test_preprocess_bad_input_exits_2_with_message(tmp_path, capsys, args, match
     args = [a.replace("{jsonl}", jsonl) for a in args]
     assert main(["data", "preprocess", "--output-prefix", str(tmp_path / "o"), *args]) == 2
     assert match in capsys.readouterr().err
+
+
+def test_preprocess_a_directory_as_input_is_an_error_not_an_empty_dataset(tmp_path, capsys):
+    (tmp_path / "indir" / "sub").mkdir(parents=True)
+    _jsonl(tmp_path / "indir" / "sub" / "a.jsonl", 3)
+    assert main(["data", "preprocess", "--input", str(tmp_path / "indir"), "--output-prefix",
+                 str(tmp_path / "o"), "--tokenizer", "byte", "--quiet"]) == 2
+    assert "matches no regular file" in capsys.readouterr().err
+    assert not (tmp_path / "o.idx").exists() and not (tmp_path / "o.bin").exists()
+
+
+def test_preprocess_reads_a_file_matched_by_two_patterns_once(tmp_path):
+    _jsonl(tmp_path / "a.jsonl", 3)
+    _jsonl(tmp_path / "b.jsonl", 5)
+    # b.jsonl by the glob, by its own name and by a path naming it differently: read once
+    assert main(["data", "preprocess", "--input", str(tmp_path / "*.jsonl"), str(tmp_path / "b.jsonl"),
+                 str(tmp_path / "." / "b.jsonl"), "--output-prefix", str(tmp_path / "o"), "--tokenizer",
+                 "byte", "--quiet"]) == 0
+    assert IndexedDataset(tmp_path / "o").num_documents == 3 + 5
 
 
 @pytest.mark.e2e

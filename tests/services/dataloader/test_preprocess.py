@@ -76,6 +76,9 @@ def test_preprocess_bad_json_names_file_and_line(tmp_path, content, match):
 def test_preprocess_missing_input(tmp_path):
     with pytest.raises(DataError, match="nope.txt"):
         preprocess_files([tmp_path / "nope.txt"], tmp_path / "ds", ByteTokenizer())
+    with pytest.raises(DataError, match="no input files"):  # it used to write an empty dataset
+        preprocess_files([], tmp_path / "ds", ByteTokenizer())
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_default_corpus_files():
