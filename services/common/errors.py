@@ -22,5 +22,14 @@ class DataError(MeshtrainError):
     """A dataset, tokenizer or input file is missing, corrupt or inconsistent."""
 
 
+class DataUnavailableError(DataError):
+    """A dataset's storage failed to answer a read (a network or object-store error).
+
+    Not the request's fault, unlike its parent: the same read may succeed when tried again,
+    or on another data worker, so the gRPC shells report it as UNAVAILABLE, which clients fail
+    over on, where any other DataError is INVALID_ARGUMENT and ends the run.
+    """
+
+
 class CheckpointError(MeshtrainError):
     """A checkpoint is missing, uncommitted, corrupt, or does not match the model."""

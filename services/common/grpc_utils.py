@@ -4,7 +4,9 @@ Every service's `rpc/server.py` builds its server with `make_server`, which adds
 health-checking service (`grpc.health.v1`), server reflection, raised message-size limits on
 both directions and `ErrorInterceptor`, which turns a `MeshtrainError` raised by core code
 into a gRPC status with the error's message (`DataError` and `ConfigError` are the caller's
-fault: INVALID_ARGUMENT; other classes map through `ERROR_CODES` or a per-server table).
+fault: INVALID_ARGUMENT, except `DataUnavailableError`, a storage read that failed: UNAVAILABLE,
+so clients try again or elsewhere; other classes map through `ERROR_CODES` or a per-server
+table).
 `serve_forever` runs a started server until SIGTERM or SIGINT, marks it NOT_SERVING in the
 health service first, and stops it with a grace period so streams in flight finish.
 `channel_options` gives clients the matching size limits and keepalive (`server_options`
@@ -22,8 +24,8 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable, Iterable
 from concurrent import futures
-from typing import Callable, Iterable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -33,6 +35,7 @@ from services.common.errors import (
     CheckpointError,
     ConfigError,
     DataError,
+    DataUnavailableError,
     MeshtrainError,
 )
 
@@ -43,6 +46,7 @@ MAX_MESSAGE_BYTES = 64 << 20  # both ends raise gRPC's 4 MiB default to this
 # Most specific class first; the first isinstance match wins.
 ERROR_CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
+    (DataUnavailableError, grpc.StatusCode.UNAVAILABLE),  # storage, not the request: try again
     (DataError, grpc.StatusCode.INVALID_ARGUMENT),
     (CheckpointError, grpc.StatusCode.FAILED_PRECONDITION),
     (MeshtrainError, grpc.StatusCode.FAILED_PRECONDITION),

@@ -17,7 +17,8 @@ writes both files under temporary names, renaming them into place only when comp
 `IndexedDataset` memory-maps both files and validates the header and sizes on open. A prefix
 that is a URL (`s3://bucket/ds`, `memory://...`, any fsspec protocol but `file://`) is read
 through fsspec instead: the `.idx` is fetched whole (it is small), and tokens are fetched by
-byte range per read, so the `.bin` is never downloaded as a whole.
+byte range per read, so the `.bin` is never downloaded as a whole; a read the store fails
+(a timeout, a reset connection) raises `DataUnavailableError`, worth retrying, not a bad dataset.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Self
 
 import numpy as np
 
-from services.common.errors import DataError
+from services.common.errors import DataError, DataUnavailableError
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -99,8 +100,8 @@ class _RangeReader:
         item = self._dtype.itemsize
         try:
             data = self._fs.cat_file(self._path, start=start * item, end=stop * item)
-        except OSError as e:
-            raise DataError(f"{self._path}: range read of tokens [{start}, {stop}) failed ({e})") from e
+        except OSError as e:  # a network or store error: another try or worker may succeed
+            raise DataUnavailableError(f"{self._path}: range read of tokens [{start}, {stop}) failed ({e})") from e
         if len(data) != (stop - start) * item:
             raise DataError(f"{self._path}: range read returned {len(data)} of {(stop - start) * item} bytes")
         return np.frombuffer(data, dtype=self._dtype)
@@ -277,7 +278,12 @@ class IndexedDataset:
     def _read_index(self) -> None:
         path = self.idx_path
         if self._fs is not None:
-            blob = self._fs.cat_file(self._remote[1])  # small: 20 bytes per sequence
+            try:
+                blob = self._fs.cat_file(self._remote[1])  # small: 20 bytes per sequence
+            except FileNotFoundError:
+                raise DataError(f"{path}: indexed dataset file is missing") from None
+            except OSError as e:
+                raise DataUnavailableError(f"{path}: reading the index failed ({e})") from e
             size, header = len(blob), blob[:HEADER_SIZE]
         else:
             size = path.stat().st_size

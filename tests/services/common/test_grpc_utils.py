@@ -4,7 +4,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.errors import CheckpointError, ConfigError, DataError
+from services.common.errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    DataUnavailableError,
+)
 from services.common.grpc_utils import channel_options, make_server
 
 SERVICE = "meshtrain.test.v1.Echo"
@@ -13,6 +18,7 @@ SERVICE = "meshtrain.test.v1.Echo"
 def _fail(request, context):
     kind = request.decode()
     raise {"data": DataError("dataset x is missing"), "config": ConfigError("key y is unknown"),
+           "unavailable": DataUnavailableError("x.bin: range read of tokens [0, 9) failed (timeout)"),
            "checkpoint": CheckpointError("step 3 has no manifest"), "bug": RuntimeError("oops")}[kind]
 
 
@@ -55,6 +61,8 @@ def address():
 
 @pytest.mark.parametrize("kind,code,text", [
     ("data", grpc.StatusCode.INVALID_ARGUMENT, "dataset x is missing"),
+    # a storage read that failed is not the request's fault: UNAVAILABLE, which clients retry
+    ("unavailable", grpc.StatusCode.UNAVAILABLE, "x.bin: range read of tokens [0, 9) failed"),
     ("config", grpc.StatusCode.INVALID_ARGUMENT, "key y is unknown"),
     ("checkpoint", grpc.StatusCode.FAILED_PRECONDITION, "step 3 has no manifest"),
     ("bug", grpc.StatusCode.UNKNOWN, ""),

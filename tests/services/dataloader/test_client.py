@@ -1,10 +1,12 @@
 """ServiceBatchSource against misbehaving workers: a stream that stalls or ends early, a paused
 reader, closing while a stream opens, and arguments it must refuse. Real gRPC on loopback."""
 
+import errno
 import random
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import grpc
 import pytest
@@ -17,7 +19,7 @@ from services.dataloader.loader import LocalBatchSource
 from services.dataloader.rpc.client import ServiceBatchSource
 from services.dataloader.rpc.server import start_server
 from services.dataloader.rpc.servicer import SERVICE_NAME, DataServicer, spec_to_proto
-from services.dataloader.spec import open_dataset
+from services.dataloader.spec import DatasetSpec, open_dataset
 
 from .conftest import batch_hash
 
@@ -83,9 +85,9 @@ def test_a_worker_that_sends_nothing_is_dropped_after_stall_s(stuck, good, blend
 def test_no_worker_sending_anything_for_give_up_s_is_a_clear_error(stuck, blend_spec):
     t0 = time.monotonic()
     with ServiceBatchSource([stuck], blend_spec, 2, 16, 0, 2, stall_s=0.5, give_up_s=2.0,
-                            backoff_s=(0.05, 0.2)) as remote:
-        with pytest.raises(DataError, match=r"no data worker of .* served anything for 2s; .*sent nothing for 0s"):
-            remote.micro_batches(0)
+                            backoff_s=(0.05, 0.2)) as remote, \
+            pytest.raises(DataError, match=r"no data worker of .* served anything for 2s; .*sent nothing for 0s"):
+        remote.micro_batches(0)
     assert time.monotonic() - t0 < 15
 
 
@@ -156,9 +158,9 @@ def test_arguments_it_cannot_work_with_are_refused(blend_spec, kw, match):
 
 
 def test_get_before_any_stream_is_an_error_not_a_hang(blend_spec):
-    with ServiceBatchSource(["127.0.0.1:1"], blend_spec, 2, 16, 0, 2) as remote:
-        with pytest.raises(DataError, match="micro_batches"):
-            remote.get()
+    with ServiceBatchSource(["127.0.0.1:1"], blend_spec, 2, 16, 0, 2) as remote, \
+            pytest.raises(DataError, match="micro_batches"):
+        remote.get()
 
 
 def test_a_worker_slow_to_open_the_dataset_is_waited_for_not_dropped(good, blend_spec):
@@ -175,9 +177,44 @@ def test_a_worker_slow_to_open_the_dataset_is_waited_for_not_dropped(good, blend
             assert _hashes(remote.micro_batches(0)) == _hashes(local.micro_batches(0))
             assert remote.reconnects == 0
         with ServiceBatchSource([f"127.0.0.1:{port}"], blend_spec, 2, 16, 0, 2, open_timeout_s=1.0,
-                                give_up_s=2.5, backoff_s=(0.05, 0.1)) as remote:
-            with pytest.raises(DataError, match="DEADLINE_EXCEEDED"):
-                remote.micro_batches(0)
+                                give_up_s=2.5, backoff_s=(0.05, 0.1)) as remote, \
+                pytest.raises(DataError, match="DEADLINE_EXCEEDED"):
+            remote.micro_batches(0)
+    finally:
+        srv.stop(0)
+
+
+def test_a_failed_storage_read_on_a_worker_is_retried_not_the_end_of_the_run(tmp_path, monkeypatch):
+    """One range read of an object-store dataset times out on the worker: the stream fails over
+    and resumes exactly where it was. It used to reach the trainer as INVALID_ARGUMENT (the
+    request's fault), which ends the run."""
+    import fsspec
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from .conftest import write_dataset
+
+    local_prefix = write_dataset(tmp_path / "ds", seed=3, n_docs=200)
+    fs = fsspec.filesystem("memory")
+    for ext in (".bin", ".idx"):
+        fs.pipe(f"/flaky-stream/ds{ext}", Path(local_prefix + ext).read_bytes())
+    spec = DatasetSpec(("memory://flaky-stream/ds",), (1.0,), seq_length=16, num_samples=64, seed=1)
+    local = LocalBatchSource(open_dataset(spec, cache=False), 2, 4, 0, 1)
+    want = [_hashes(local.micro_batches(step)) for step in range(3)]
+
+    real_cat, failed = MemoryFileSystem.cat_file, []
+
+    def fails_once(self, path, start=None, end=None, **kw):
+        if path.endswith(".bin") and start is not None and not failed:
+            failed.append(path)
+            raise OSError(errno.ETIMEDOUT, "simulated S3 read timeout")
+        return real_cat(self, path, start=start, end=end, **kw)
+
+    monkeypatch.setattr(MemoryFileSystem, "cat_file", fails_once)
+    srv, port, _ = start_server(0, cache_indices=False)
+    try:
+        with ServiceBatchSource([f"127.0.0.1:{port}"], spec, 2, 4, 0, 1, backoff_s=(0.01, 0.05)) as remote:
+            assert [_hashes(remote.micro_batches(step)) for step in range(3)] == want
+            assert failed and remote.reconnects == 1
     finally:
         srv.stop(0)
 

@@ -8,7 +8,7 @@ import struct
 import numpy as np
 import pytest
 
-from services.common.errors import DataError
+from services.common.errors import DataError, DataUnavailableError
 from services.dataloader import indexed
 from services.dataloader.indexed import (
     DTYPE_CODES,
@@ -226,6 +226,30 @@ def test_fsspec_url_reads_by_range(tmp_path):
         IndexedDataset("memory://bucket/short")
     with pytest.raises(DataError, match=r"memory://bucket/none.idx: .*missing"):
         IndexedDataset("memory://bucket/none")
+
+
+def test_a_failed_range_read_is_data_unavailable_naming_file_and_range(tmp_path, monkeypatch):
+    """A store's timeout is worth retrying (DataUnavailableError: UNAVAILABLE on a worker), not a
+    bad dataset (a plain DataError: INVALID_ARGUMENT, which ended the run)."""
+    import fsspec
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    _write(tmp_path / "ds", [np.arange(50) for _ in range(4)], np.uint16)
+    fs = fsspec.filesystem("memory")
+    for ext in (".bin", ".idx"):
+        fs.pipe(f"/flaky-read/ds{ext}", (tmp_path / f"ds{ext}").read_bytes())
+    ds = IndexedDataset("memory://flaky-read/ds")
+
+    def timeout(self, path, start=None, end=None, **kw):
+        raise OSError(errno.ETIMEDOUT, "simulated S3 read timeout")
+
+    monkeypatch.setattr(MemoryFileSystem, "cat_file", timeout)
+    with pytest.raises(DataUnavailableError, match=r"flaky-read/ds.bin: range read of tokens \[60, 70\) failed"):
+        ds.read_tokens(60, 10)
+    with pytest.raises(DataUnavailableError, match=r"memory://flaky-read/ds.idx: reading the index failed"):
+        IndexedDataset("memory://flaky-read/ds")
+    monkeypatch.undo()
+    assert ds.read_tokens(60, 10).tolist() == list(range(10, 20))  # the next try reads
 
 
 def test_a_file_url_prefix_is_a_local_path(tmp_path):
