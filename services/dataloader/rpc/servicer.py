@@ -4,7 +4,10 @@ A worker keeps no per-client state: each stream request carries the dataset spec
 and batch sizes and the first (step, micro-batch) wanted, and the worker computes those
 micro-batches with `LocalBatchSource`, exactly as the in-process path does. Opened datasets
 (and their sample indices) are kept in a small LRU, so many streams over the same spec share
-one build. Requests are validated before any file is touched; a bad one gets
+one build: while a spec is being built, other requests for it wait for that build instead of
+starting their own (all ranks connect at job start; N builds would cost N times the memory
+and CPU), and a build that fails is not kept, so each waiter gets its error and the next
+request tries again. Requests are validated before any file is touched; a bad one gets
 INVALID_ARGUMENT through the `ErrorInterceptor`, and the worker keeps serving the others.
 """
 
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future
 
 from protos.dataloader.v1 import dataloader_pb2 as pb
 from protos.dataloader.v1 import dataloader_pb2_grpc as pb_grpc
@@ -52,19 +56,38 @@ class DataServicer(pb_grpc.DataServiceServicer):
         """
         self.cache_indices = cache_indices
         self._datasets: OrderedDict[DatasetSpec, object] = OrderedDict()
+        self._building: dict[DatasetSpec, Future] = {}  # builds in progress, by spec
         self._lock = threading.Lock()
+        self.builds = 0  # datasets opened (for tests and logs)
 
     def _dataset(self, spec: DatasetSpec):
         with self._lock:
             if spec in self._datasets:
                 self._datasets.move_to_end(spec)
                 return self._datasets[spec]
+            building = self._building.get(spec)
+            if building is None:
+                building = self._building[spec] = Future()
+                self.builds += 1
+                owner = True
+            else:
+                owner = False
+        if not owner:
+            return building.result()  # waits outside the lock; raises the build's error
         # built outside the lock: a slow build must not stall streams over other specs
-        ds = open_dataset(spec, cache=self.cache_indices)
+        try:
+            ds = open_dataset(spec, cache=self.cache_indices)
+        except BaseException as e:
+            with self._lock:  # not cached: the next request for this spec builds again
+                del self._building[spec]
+            building.set_exception(e)
+            raise
         with self._lock:
             self._datasets[spec] = ds
             while len(self._datasets) > MAX_DATASETS_CACHED:
                 self._datasets.popitem(last=False)
+            del self._building[spec]
+        building.set_result(ds)
         return ds
 
     def _source(self, req: pb.StreamRequest) -> LocalBatchSource:

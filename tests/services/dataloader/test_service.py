@@ -1,6 +1,8 @@
 """The DataService over real gRPC on loopback: same batches as in-process, errors, health."""
 
 import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
@@ -11,10 +13,12 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from protos.dataloader.v1 import dataloader_pb2 as pb
 from protos.dataloader.v1 import dataloader_pb2_grpc as pb_grpc
 from services.common.errors import DataError
+from services.common.grpc_utils import make_server
 from services.dataloader.loader import LocalBatchSource
+from services.dataloader.rpc import servicer as servicer_module
 from services.dataloader.rpc.client import ServiceBatchSource
 from services.dataloader.rpc.server import start_server
-from services.dataloader.rpc.servicer import SERVICE_NAME, spec_to_proto
+from services.dataloader.rpc.servicer import SERVICE_NAME, DataServicer, spec_to_proto
 from services.dataloader.spec import open_dataset
 
 from .conftest import WorkerProcess, batch_hash
@@ -28,7 +32,7 @@ def server():
 
 
 def _request(spec, **kw):
-    base = dict(spec=spec_to_proto(spec), dp_rank=0, dp_size=2, micro_batch_size=2, global_batch_size=16)
+    base = {"spec": spec_to_proto(spec), "dp_rank": 0, "dp_size": 2, "micro_batch_size": 2, "global_batch_size": 16}
     base.update(kw)
     return pb.StreamRequest(**base)
 
@@ -37,7 +41,7 @@ def _request(spec, **kw):
 def test_stream_equals_in_process(server, blend_spec, dp_rank):
     local = LocalBatchSource(open_dataset(blend_spec), 2, 16, dp_rank, 2)
     with ServiceBatchSource([server], blend_spec, 2, 16, dp_rank, 2, prefetch=3) as remote:
-        for step in list(range(0, 6)) + [40, 41, 3]:  # sequential, then seeks both ways
+        for step in list(range(6)) + [40, 41, 3]:  # sequential, then seeks both ways
             got, want = remote.micro_batches(step), local.micro_batches(step)
             assert [batch_hash(b) for b in got] == [batch_hash(b) for b in want]
             assert [(b.step, b.microbatch) for b in got] == [(step, m) for m in range(4)]
@@ -56,11 +60,11 @@ def test_wire_is_raw_bytes_of_the_token_dtype(server, blend_spec):
 
 
 @pytest.mark.parametrize("change,match", [
-    (dict(dp_rank=2), "dp_rank=2"),
-    (dict(global_batch_size=15), "not divisible"),
-    (dict(micro_batch_size=1 << 20), "limit"),
-    (dict(start_step=64), "past"),
-    (dict(start_microbatch=4), "start_microbatch"),
+    ({"dp_rank": 2}, "dp_rank=2"),
+    ({"global_batch_size": 15}, "not divisible"),
+    ({"micro_batch_size": 1 << 20}, "limit"),
+    ({"start_step": 64}, "past"),
+    ({"start_microbatch": 4}, "start_microbatch"),
 ])
 def test_bad_requests_are_invalid_argument(server, blend_spec, change, match):
     stub = pb_grpc.DataServiceStub(grpc.insecure_channel(server))
@@ -92,9 +96,84 @@ def test_client_raises_server_message(server, blend_spec, tmp_path):
     from dataclasses import replace
 
     spec = replace(blend_spec, prefixes=(str(tmp_path / "nope"),), weights=(1.0,))
-    with ServiceBatchSource([server], spec, 2, 16, 0, 2) as remote:
-        with pytest.raises(DataError, match="INVALID_ARGUMENT.*missing"):
-            remote.micro_batches(0)
+    with ServiceBatchSource([server], spec, 2, 16, 0, 2) as remote, \
+            pytest.raises(DataError, match="INVALID_ARGUMENT.*missing"):
+        remote.micro_batches(0)
+
+
+class _CountingOpens(DataServicer):
+    """Holds every dataset build until `callers` Describe calls (in all) have entered the
+    servicer, so that they all overlap the build whatever the thread timing; optionally fails
+    the first build."""
+
+    def __init__(self, callers: int, fail_first: bool = False):
+        super().__init__(cache_indices=False)
+        self.callers, self.fail_first = callers, fail_first
+        self.entered = 0
+        self.arrived = threading.Condition()
+        self.opens = 0
+
+    def Describe(self, request, context):
+        with self.arrived:
+            self.entered += 1
+            self.arrived.notify_all()
+        return super().Describe(request, context)
+
+
+@pytest.fixture
+def counting(monkeypatch):
+    """(servicer, address) factory; the servicer's dataset builds are counted in `opens`."""
+    started = []
+
+    def start(callers, fail_first=False):
+        servicer = _CountingOpens(callers, fail_first)
+
+        def counted_open(spec, cache=True):
+            with servicer.arrived:  # on timeout the counts asserted below tell what went wrong
+                servicer.arrived.wait_for(lambda: servicer.entered >= servicer.callers, timeout=20)
+                servicer.opens += 1
+            if servicer.fail_first and servicer.opens == 1:
+                raise DataError("simulated failure of the first build")
+            return open_dataset(spec, cache=cache)
+
+        monkeypatch.setattr(servicer_module, "open_dataset", counted_open)
+        srv, port, _ = make_server([lambda s: pb_grpc.add_DataServiceServicer_to_server(servicer, s)],
+                                   [SERVICE_NAME])
+        started.append(srv)
+        return servicer, f"127.0.0.1:{port}"
+
+    yield start
+    for srv in started:
+        srv.stop(0)
+
+
+def _describe_all(address, spec, n):
+    stub = pb_grpc.DataServiceStub(grpc.insecure_channel(address))
+
+    def one(_):
+        try:
+            return stub.Describe(_request(spec), timeout=60).num_steps
+        except grpc.RpcError as e:
+            return e.code()
+
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(one, range(n)))
+
+
+def test_concurrent_requests_for_one_spec_share_one_build(counting, blend_spec):
+    # every rank opens the same spec at job start: each used to build its own copy of the indices
+    servicer, address = counting(callers=8)
+    assert _describe_all(address, blend_spec, 8) == [64] * 8
+    assert servicer.opens == 1 and servicer.builds == 1
+
+
+def test_a_failed_build_reaches_every_waiter_and_is_not_kept(counting, blend_spec):
+    servicer, address = counting(callers=4, fail_first=True)
+    assert _describe_all(address, blend_spec, 4) == [grpc.StatusCode.INVALID_ARGUMENT] * 4
+    assert servicer.opens == 1
+    servicer.callers = 5  # the next request builds again, alone, and succeeds
+    assert _describe_all(address, blend_spec, 1) == [64]
+    assert servicer.opens == 2
 
 
 def test_health_and_reflection(server):
