@@ -37,10 +37,12 @@ class DataConfig:
     service_stall_s: float = 30.0
     """Fail over from a worker whose stream sends nothing for this long while the trainer waits."""
     service_give_up_s: float = 120.0
-    """Stop the run with an error after this long without a micro-batch from any worker."""
+    """Stop the run with an error once workers have failed for this long with no micro-batch
+    in between, every worker having been tried since the first failure (time the trainer spends
+    computing on prefetched batches, and opens that succeed, are not counted)."""
     service_open_timeout_s: float = 900.0
     """How long a worker may take to open the dataset (build its sample indices) before the
-    next one is tried; not counted toward `service_give_up_s`."""
+    next one is tried; an open that succeeds is not counted toward `service_give_up_s`."""
     eod_mask_loss: bool = False
     """Zero the loss where the input token is end-of-document (Megatron `--eod-mask-loss`)."""
 

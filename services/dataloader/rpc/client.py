@@ -11,7 +11,10 @@ blend, so it has its own `open_timeout_s`); a worker that then keeps its stream 
 nothing while the trainer waits (a hung handler still answers keepalive pings) is dropped the
 same way after `stall_s`, and a stream that ends before the dataset does is a failure too.
 A request the server rejects (INVALID_ARGUMENT, ...) is raised in the trainer's thread with
-the server's message; so is `give_up_s` without a micro-batch from any worker.
+the server's message; so is a run of failures, with no micro-batch in between, that has gone on
+for `give_up_s` after every worker was tried. That clock starts at the first failure, not at the
+last micro-batch (the trainer may have computed on prefetched ones for minutes in between), and
+stops while a worker opens the dataset successfully (a build may take minutes).
 
     src = ServiceBatchSource(["127.0.0.1:7001", "127.0.0.1:7002"], spec, micro_batch_size=4,
                              global_batch_size=32, dp_rank=r, dp_size=8)
@@ -25,6 +28,7 @@ import queue
 import random
 import threading
 import time
+from typing import Self
 
 import grpc
 import numpy as np
@@ -79,12 +83,14 @@ class ServiceBatchSource:
         dp_size: data-parallel ranks.
         prefetch: micro-batches fetched ahead.
         backoff_s: (first, largest) wait between reconnection attempts.
-        give_up_s: raise after this long without receiving anything from any worker.
+        give_up_s: raise once failures have gone on this long, with no micro-batch in
+            between, and every worker has been tried since the first of them (successful
+            dataset opens are not counted).
         options: loss-mask and document-boundary options, applied here as LocalBatchSource does.
         stall_s: fail over from a worker whose stream has sent nothing for this long while
             the trainer waits for it (default: give_up_s / 4).
         open_timeout_s: how long a worker may take to open the dataset (build or load its
-            indices) before the next one is tried.
+            indices) before the next one is tried; a failed open is a failure like any other.
         """
         if not addresses:
             raise DataError("ServiceBatchSource needs at least one worker address")
@@ -165,7 +171,11 @@ class ServiceBatchSource:
         pos = (step, microbatch)
         which = random.Random(self.dp_rank).randrange(len(self.addresses))  # spread ranks
         delay = self.backoff_s[0]
-        last_progress = time.monotonic()
+        # The give-up clock: when the current run of consecutive failures began (None while
+        # streams deliver), and the workers tried since. Measured from the last micro-batch
+        # instead, it counted the trainer's compute on prefetched batches as time without data.
+        failing_since: float | None = None
+        tried: set[str] = set()
         nmb = self.num_micro_batches
         while not stop.is_set():
             address = self.addresses[which % len(self.addresses)]
@@ -180,7 +190,8 @@ class ServiceBatchSource:
                     self._opening = opening
                 opened_since = time.monotonic()
                 opening.result()  # the worker has the dataset open: streaming starts at once
-                last_progress += time.monotonic() - opened_since  # opening is not a stall
+                if failing_since is not None:  # opening is not a stall
+                    failing_since += time.monotonic() - opened_since
                 call = self._stub(address).StreamBatches(self._request(*pos))
                 with self._lock:
                     if stop.is_set():  # halted while the call was being made
@@ -196,7 +207,8 @@ class ServiceBatchSource:
                     if not self._put(q, (pos, samples), stop):
                         return
                     pos = (pos[0] + 1, 0) if pos[1] + 1 == nmb else (pos[0], pos[1] + 1)
-                    delay, last_progress = self.backoff_s[0], time.monotonic()
+                    delay, failing_since = self.backoff_s[0], None
+                    tried.clear()
                 if pos[0] < self.num_steps:  # ended cleanly, but short of the dataset's end
                     raise _EndedEarly(f"worker {address} ended its stream at step {pos[0]} micro-batch "
                                       f"{pos[1]}, before the dataset's {self.num_steps} steps")
@@ -217,7 +229,10 @@ class ServiceBatchSource:
                                   stop)
                         return
                     what, why = e.code().name, f"{e.code().name}: {e.details()}"
-                if time.monotonic() - last_progress > self.give_up_s:
+                now = time.monotonic()
+                failing_since = now if failing_since is None else failing_since
+                tried.add(address)
+                if now - failing_since > self.give_up_s and tried.issuperset(self.addresses):
                     self._put(q, _Failure(DataError(
                         f"no data worker of {self.addresses} served anything for {self.give_up_s:.0f}s; "
                         f"last error from {address}: {why}")), stop)
@@ -329,7 +344,7 @@ class ServiceBatchSource:
             ch.close()
         self._channels.clear()
 
-    def __enter__(self) -> "ServiceBatchSource":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

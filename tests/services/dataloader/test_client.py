@@ -219,6 +219,72 @@ def test_a_failed_storage_read_on_a_worker_is_retried_not_the_end_of_the_run(tmp
         srv.stop(0)
 
 
+class _OpensForever(DataServicer):
+    """Describe never returns (a build far longer than the client's open_timeout_s)."""
+
+    def __init__(self):
+        super().__init__()
+        self.release = threading.Event()
+
+    def Describe(self, request, context):
+        self.release.wait(60)
+        return super().Describe(request, context)
+
+
+class _HangsAfter3(_Stuck):
+    """Sends three micro-batches, then keeps the stream open and sends nothing more."""
+
+    def StreamBatches(self, request, context):
+        for i, msg in enumerate(DataServicer.StreamBatches(self, request, context)):
+            if i == 3:
+                self.release.wait(60)
+                return
+            yield msg
+
+
+def _serve(servicer):
+    srv, port, _ = make_server([lambda s: pb_grpc.add_DataServiceServicer_to_server(servicer, s)], [SERVICE_NAME])
+    return srv, f"127.0.0.1:{port}"
+
+
+def test_a_worker_that_times_out_opening_is_left_for_the_next_not_the_end_of_the_run(good, blend_spec):
+    # give_up_s < open_timeout_s: the failed open used to count toward give-up, so the run ended
+    # with DEADLINE_EXCEEDED before the healthy worker was ever tried
+    servicer = _OpensForever()
+    srv, slow = _serve(servicer)
+    try:
+        local = LocalBatchSource(open_dataset(blend_spec), 2, 16, 0, 2)
+        with ServiceBatchSource(_first_tried_last(slow, good, 0), blend_spec, 2, 16, 0, 2,
+                                open_timeout_s=2.0, give_up_s=1.0, backoff_s=(0.01, 0.05)) as remote:
+            assert _hashes(remote.micro_batches(0)) == _hashes(local.micro_batches(0))
+            assert remote.reconnects >= 1 and remote.current_address == good
+    finally:
+        servicer.release.set()
+        srv.stop(0)
+
+
+def test_time_the_trainer_computes_on_prefetched_batches_is_not_time_without_data(good, blend_spec):
+    # The worker hangs after 3 micro-batches while the trainer computes for longer than
+    # give_up_s; the stall is noticed when the trainer next waits. The give-up clock used to
+    # start at the last micro-batch received, so it fired at once instead of failing over.
+    servicer = _HangsAfter3()
+    srv, hangs = _serve(servicer)
+    try:
+        local = LocalBatchSource(open_dataset(blend_spec), 2, 2, 0, 1)
+        with ServiceBatchSource(_first_tried_last(hangs, good, 0), blend_spec, 2, 2, 0, 1, prefetch=2,
+                                stall_s=1.0, give_up_s=1.5, backoff_s=(0.01, 0.05)) as remote:
+            got = []
+            for step in range(6):
+                got.append(_hashes(remote.micro_batches(step)))
+                if step < 3:
+                    time.sleep(0.6)  # the trainer's step: 1.8 s in all, longer than give_up_s
+            assert remote.reconnects >= 1 and remote.current_address == good
+        assert got == [_hashes(local.micro_batches(step)) for step in range(6)]
+    finally:
+        servicer.release.set()
+        srv.stop(0)
+
+
 def test_the_trainer_passes_the_data_config_timeouts_to_the_client(good, tmp_path):
     from services.trainer.config import load_config
     from services.trainer.data import build_data
