@@ -10,6 +10,10 @@ worker to open the dataset (`Describe`, which may build sample indices: minutes 
 blend, so it has its own `open_timeout_s`); a worker that then keeps its stream open but sends
 nothing while the trainer waits (a hung handler still answers keepalive pings) is dropped the
 same way after `stall_s`, and a stream that ends before the dataset does is a failure too.
+A `dns:///name:port` target is resolved here, at each connection attempt (so a rescaled service
+is seen), into the workers it names; each worker gets its own channel, so the Describe and the
+stream of one attempt reach the same worker (a round-robin channel sent them to different ones:
+the streaming worker then built its indices inside the stream, under `stall_s`).
 A request the server rejects (INVALID_ARGUMENT, ...) is raised in the trainer's thread with
 the server's message; so is a run of failures, with no micro-batch in between, that has gone on
 for `give_up_s` after every worker was tried. That clock starts at the first failure, not at the
@@ -26,6 +30,7 @@ from __future__ import annotations
 import logging
 import queue
 import random
+import socket
 import threading
 import time
 from typing import Self
@@ -55,6 +60,35 @@ class _EndedEarly(Exception):
     """A stream that ended cleanly before the dataset's last step (a worker or proxy cut it)."""
 
 
+def _dns_host_port(target: str) -> tuple[str, str]:
+    """(name, port) of a `dns:[//authority/]name:port` target."""
+    rest = target[len("dns:"):]
+    if rest.startswith("//"):  # an authority (the DNS server to ask), usually empty
+        rest = rest[2:].partition("/")[2]
+    host, sep, port = rest.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise DataError(f"data service address {target!r} must be dns:///name:port")
+    return host.strip("[]"), port
+
+
+def resolve_workers(address: str) -> list[str]:
+    """The workers an address names now: `host:port` itself; a `dns:` target the `ip:port` of
+    each address its name resolves to, sorted so that every rank sees them in one order.
+
+    A name that does not resolve (yet: a service still starting) is returned as it is, so the
+    attempt fails as an unreachable worker does and the next attempt resolves it again.
+    """
+    if not address.startswith("dns:"):
+        return [address]
+    host, port = _dns_host_port(address)
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except OSError:  # socket.gaierror: the name is not known (yet)
+        return [address]
+    ips = sorted({info[4][0] for info in infos})
+    return [f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips] or [address]
+
+
 class ServiceBatchSource:
     """One data-parallel rank's micro-batches from DataService workers."""
 
@@ -75,7 +109,8 @@ class ServiceBatchSource:
     ):
         """Args:
         addresses: worker addresses (`host:port`), tried in turn; a `dns:///name:port`
-            target is balanced round-robin over the addresses the name resolves to.
+            target stands for the addresses the name resolves to, looked up again at each
+            connection attempt, and ranks are spread over them as over a list.
         spec: the sample stream.
         micro_batch_size: samples per micro-batch per rank.
         global_batch_size: samples per step over all ranks.
@@ -105,6 +140,9 @@ class ServiceBatchSource:
             raise DataError(f"prefetch={prefetch} must be >= 1 and give_up_s={give_up_s}, stall_s={stall_s}, "
                             f"open_timeout_s={open_timeout_s} positive")
         spec.validate()
+        for address in addresses:
+            if address.startswith("dns:"):
+                _dns_host_port(address)  # a malformed target fails here, not at the first attempt
         self.addresses = list(addresses)
         self.spec = spec
         self.micro_batch_size = micro_batch_size
@@ -149,11 +187,8 @@ class ServiceBatchSource:
             start_step=step, start_microbatch=microbatch)
 
     def _stub(self, address: str) -> pb_grpc.DataServiceStub:
-        if address not in self._channels:
-            options = channel_options()
-            if address.startswith("dns:"):
-                options.append(("grpc.lb_policy_name", "round_robin"))
-            self._channels[address] = grpc.insecure_channel(address, options=options)
+        if address not in self._channels:  # pick_first: one worker per channel (see resolve_workers)
+            self._channels[address] = grpc.insecure_channel(address, options=channel_options())
         return pb_grpc.DataServiceStub(self._channels[address])
 
     @staticmethod
@@ -169,7 +204,7 @@ class ServiceBatchSource:
     def _produce(self, step: int, microbatch: int, stop: threading.Event, q: queue.Queue) -> None:
         """Background thread: stream from (step, microbatch) on into `q`, failing over as needed."""
         pos = (step, microbatch)
-        which = random.Random(self.dp_rank).randrange(len(self.addresses))  # spread ranks
+        which = None  # index of the worker to try, counted over the resolved list
         delay = self.backoff_s[0]
         # The give-up clock: when the current run of consecutive failures began (None while
         # streams deliver), and the workers tried since. Measured from the last micro-batch
@@ -178,7 +213,10 @@ class ServiceBatchSource:
         tried: set[str] = set()
         nmb = self.num_micro_batches
         while not stop.is_set():
-            address = self.addresses[which % len(self.addresses)]
+            workers = [w for a in self.addresses for w in resolve_workers(a)]  # a rescale shows here
+            if which is None:
+                which = random.Random(self.dp_rank).randrange(len(workers))  # spread ranks
+            address = workers[which % len(workers)]
             call = None
             try:
                 with self._lock:
@@ -232,7 +270,7 @@ class ServiceBatchSource:
                 now = time.monotonic()
                 failing_since = now if failing_since is None else failing_since
                 tried.add(address)
-                if now - failing_since > self.give_up_s and tried.issuperset(self.addresses):
+                if now - failing_since > self.give_up_s and tried.issuperset(workers):
                     self._put(q, _Failure(DataError(
                         f"no data worker of {self.addresses} served anything for {self.give_up_s:.0f}s; "
                         f"last error from {address}: {why}")), stop)

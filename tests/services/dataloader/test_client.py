@@ -3,6 +3,7 @@ reader, closing while a stream opens, and arguments it must refuse. Real gRPC on
 
 import errno
 import random
+import socket
 import threading
 import time
 from dataclasses import replace
@@ -283,6 +284,81 @@ def test_time_the_trainer_computes_on_prefetched_batches_is_not_time_without_dat
     finally:
         servicer.release.set()
         srv.stop(0)
+
+
+class _Recording(DataServicer):
+    """Records which RPCs reach it, as (worker name, method)."""
+
+    def __init__(self, name, calls):
+        super().__init__()
+        self.name, self.calls = name, calls
+
+    def Describe(self, request, context):
+        self.calls.append((self.name, "Describe"))
+        return super().Describe(request, context)
+
+    def StreamBatches(self, request, context):
+        self.calls.append((self.name, "StreamBatches"))
+        yield from super().StreamBatches(request, context)
+
+
+@pytest.fixture
+def two_named_workers(monkeypatch):
+    """Workers A (127.0.0.1:P) and B (127.0.0.2:P), one port, and a name `data-workers.test`
+    that the OS resolver answers with whatever `names` holds (no name here resolves to two
+    addresses, and the client resolves names through the OS, so this is where one is made)."""
+    calls = []
+    srv_a, port, _ = make_server([lambda s: pb_grpc.add_DataServiceServicer_to_server(_Recording("A", calls), s)],
+                                 [SERVICE_NAME])
+    srv_b, _, _ = make_server([lambda s: pb_grpc.add_DataServiceServicer_to_server(_Recording("B", calls), s)],
+                              [SERVICE_NAME], port=port, host="127.0.0.2")
+    names = {"data-workers.test": ["127.0.0.1", "127.0.0.2"]}
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host, port, *args, **kw):
+        if host in names:
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in names[host]]
+        return real(host, port, *args, **kw)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    yield {"A": srv_a, "B": srv_b}, port, calls, names
+    srv_a.stop(0)
+    srv_b.stop(0)
+
+
+def test_a_dns_target_opens_and_streams_on_one_worker_and_spreads_ranks(two_named_workers, blend_spec):
+    # round-robin over the name's addresses sent each Describe to one worker and the stream
+    # after it to the next, which then built its indices inside the stream, under stall_s
+    _, port, calls, _ = two_named_workers
+    for rank in (0, 1):  # random.Random(rank) starts rank 0 on the second worker, rank 1 on the first
+        local = LocalBatchSource(open_dataset(blend_spec), 2, 16, rank, 2)
+        with ServiceBatchSource([f"dns:///data-workers.test:{port}"], blend_spec, 2, 16, rank, 2,
+                                give_up_s=10) as remote:
+            assert [_hashes(remote.micro_batches(s)) for s in range(2)] == [
+                _hashes(local.micro_batches(s)) for s in range(2)]
+            assert remote.reconnects == 0
+    assert calls == [("B", "Describe"), ("B", "StreamBatches"), ("A", "Describe"), ("A", "StreamBatches")]
+
+
+def test_a_dns_target_is_resolved_again_when_a_worker_goes(two_named_workers, long_spec):
+    servers, port, calls, names = two_named_workers
+    local = LocalBatchSource(open_dataset(long_spec), 2, 16, 1, 2)
+    # long_spec: a stream far longer than the flow-control windows, so stopping A breaks it
+    with ServiceBatchSource([f"dns:///data-workers.test:{port}"], long_spec, 2, 16, 1, 2, prefetch=1,
+                            backoff_s=(0.01, 0.05), give_up_s=10) as remote:
+        got = [_hashes(remote.micro_batches(0))]
+        assert remote.current_address == f"127.0.0.1:{port}"
+        names["data-workers.test"] = ["127.0.0.2"]  # the service was scaled down to B
+        servers["A"].stop(0)
+        got += [_hashes(remote.micro_batches(s)) for s in range(1, 4)]
+        assert remote.current_address == f"127.0.0.2:{port}"
+    assert got == [_hashes(local.micro_batches(s)) for s in range(4)]
+    assert ("A", "Describe") not in calls[2:]  # A was no longer named, so never tried again
+
+
+def test_a_malformed_dns_target_is_refused_naming_it(blend_spec):
+    with pytest.raises(DataError, match="'dns:///no-port' must be dns:///name:port"):
+        ServiceBatchSource(["dns:///no-port"], blend_spec, 2, 16, 0, 2)
 
 
 def test_the_trainer_passes_the_data_config_timeouts_to_the_client(good, tmp_path):
