@@ -6,6 +6,14 @@ complete, so the service holds at most the boxes in flight. `ByteBudget` caps th
 all streams: a stream waits for room instead of growing memory. Saves in progress live in a
 table keyed by save id; a restarted service has forgotten them, and their writers get
 NOT_FOUND and must begin again (the previous checkpoint is untouched either way).
+
+A Commit refused for a definite reason (a CheckpointError: a writer's error, a timeout, holes)
+ends its save, and every later call of that save id gets that reason back. A Commit that
+failed any other way (storage or network trouble) keeps its save: the client retries such a
+failure, and the retry reaches `commit` again, which finishes the save or, when the first
+attempt's manifest did land, recognises its own commit and returns its result. Saves that
+ended are remembered (boundedly), so a late call of one is told what happened to it, not that
+its id is unknown.
 """
 
 from __future__ import annotations
@@ -112,20 +120,29 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         self.budget = ByteBudget(max_inflight_bytes)
         self._saves: dict[str, _Save] = {}
         # Saves that ended, bounded: a retried Commit of a committed save gets its result again,
-        # and a late write of a superseded save a clear refusal.
+        # and a late write or commit of a save that ended otherwise a refusal naming why.
         self._committed: OrderedDict[str, _Save] = OrderedDict()
-        self._superseded: OrderedDict[str, tuple[int, str]] = OrderedDict()  # id -> (step, why)
+        self._ended: OrderedDict[str, tuple[int, str]] = OrderedDict()  # id -> (step, why)
         self._lock = threading.Lock()
 
     def _save(self, save_id: str, context) -> _Save:
+        """The save in progress of `save_id`; otherwise aborts the RPC saying what became of it."""
         with self._lock:
             save = self._saves.get(save_id)
-            superseded = self._superseded.get(save_id)
+            committed = self._committed.get(save_id)
+            ended = self._ended.get(save_id)
         if save is None:
-            if superseded is not None:
-                step, why = superseded
+            if committed is not None:
+                # e.g. a writer retrying a stream whose reply was lost: the commit needed its
+                # fragment, so its first attempt was stored
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"save {save_id!r} of step {step} {why}; its writes are refused")
+                              f"save {save_id!r} of step {committed.step} is already committed; "
+                              "it takes no more writes")
+            if ended is not None:
+                step, why = ended
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"save {save_id!r} of step {step} {why}; its writes and commits are "
+                              "refused (begin a new save)")
             context.abort(grpc.StatusCode.NOT_FOUND,
                           f"unknown save id {save_id!r}: call BeginSave first (a restarted "
                           "service forgets saves in progress)")
@@ -149,7 +166,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         limit = time.monotonic() - 2 * self.commit_timeout
         for save_id in [k for k, v in self._saves.items() if v.started < limit and not v.commit_lock.locked()]:
             save = self._saves.pop(save_id)
-            self._remember(self._superseded, save_id,
+            self._remember(self._ended, save_id,
                            (save.step, f"was abandoned (no commit within {2 * self.commit_timeout:g} s)"))
             log.warning("save %s of step %d abandoned (no commit within %.0f s); forgotten",
                         save_id, save.step, 2 * self.commit_timeout)
@@ -164,7 +181,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             # writers cannot mix their boxes into the new save's.
             for old in [k for k, v in self._saves.items() if v.step == request.step]:
                 del self._saves[old]
-                self._remember(self._superseded, old,
+                self._remember(self._ended, old,
                                (request.step, "was superseded by a newer BeginSave of the same step"))
                 log.warning("save %s of step %d superseded by save %s", old, request.step, save_id)
             self._saves[save_id] = _Save(request.step, request.num_writers)
@@ -244,9 +261,18 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                 # `commit` returns the result again for a step this save already committed
                 result = commit(self.root, save.step, save_id, save.num_writers, metadata,
                                 timeout=request.timeout_s or self.commit_timeout)
-            except BaseException:
+            except CheckpointError as e:
+                # A definite refusal: trying again cannot help, so the save ends here, and a
+                # later call of it (a retry whose first reply was lost) gets this cause.
                 with self._lock:
-                    self._saves.pop(save_id, None)
+                    if self._saves.pop(save_id, None) is not None:
+                        self._remember(self._ended, save_id, (save.step, f"failed to commit: {e}"))
+                raise
+            except Exception as e:
+                # Storage or network trouble: the client retries it, so the save stays and the
+                # retry reaches `commit` again (the manifest may even have landed already).
+                log.warning("commit of save %s (step %d) failed, kept for a retry: %r",
+                            save_id, save.step, e)
                 raise
             with self._lock:  # one step: a retry finds the save in one table or the other
                 self._remember(self._committed, save_id, save)

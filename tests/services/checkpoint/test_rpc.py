@@ -10,6 +10,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.checkpoint.v1 import checkpoint_pb2 as pb
+from services.checkpoint import sharded
 from services.checkpoint.async_save import AsyncSaver
 from services.checkpoint.reader import list_checkpoints, read_box
 from services.checkpoint.rpc.client import CheckpointClient, box_to_pb
@@ -17,6 +18,7 @@ from services.checkpoint.rpc.server import start_server
 from services.checkpoint.rpc.servicer import SERVICE_NAME
 from services.checkpoint.sharded import ShardWriter
 from services.checkpoint.shards import ShardSpec
+from services.checkpoint.store import MANIFEST_NAME
 from services.checkpoint.writer import save_checkpoint
 from services.common.errors import CheckpointError
 
@@ -248,3 +250,47 @@ def test_two_commits_of_one_save_at_once_both_get_the_result(service):
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(lambda _: client.commit(13, save_id, 1, {}, timeout=5), range(2)))
     assert results[0].url == results[1].url and client.list() == [13]
+
+
+@pytest.mark.parametrize("manifest_landed", [False, True], ids=["write-failed", "reply-lost"])
+def test_a_commit_that_fails_on_storage_is_retried_to_the_end(service, monkeypatch, manifest_landed):
+    # The manifest write raises OSError once: before the object landed, or after it (the PUT
+    # succeeded, its reply was lost). The client retries the UNKNOWN status; the service must
+    # still know the save, so the retry commits it, or finds its own commit, as embedded
+    # mode's retry does (it used to drop the save and answer NOT_FOUND "unknown save id").
+    root, client, _ = service
+    real, failed = sharded.write_bytes_atomic, []
+
+    def fails_once(root_, path, data):
+        if path.endswith(MANIFEST_NAME) and not failed:
+            failed.append(path)
+            if manifest_landed:
+                real(root_, path, data)
+            raise OSError("connection reset while writing the manifest")
+        return real(root_, path, data)
+
+    monkeypatch.setattr(sharded, "write_bytes_atomic", fails_once)
+    full = torch.randn(2, 8, 4).to(torch.bfloat16)
+    saver = AsyncSaver(client, 0, 1, backoff=0.01, commit_timeout=5)
+    saver.save(4, client.begin_save(4), tp_boxes(full, 0, 1), committer=True, metadata={})
+    assert saver.wait().step == 4 and failed
+    assert client.list() == [4]
+    assert torch.equal(read_box(root, 4, "layers.attention.qkv.weight", (0, 0, 0), (2, 8, 4)).view(torch.int16),
+                       full.view(torch.int16))
+
+
+def test_calls_of_a_save_that_ended_name_what_became_of_it(service):
+    _, client, _ = service
+    refused = client.begin_save(9, num_writers=1)  # its writer never reports
+    with pytest.raises(CheckpointError, match=r"writers \[0\] did not report"):
+        client.commit(9, refused, 1, {}, timeout=0.1)
+    # a retry (the first reply lost) gets the refusal's cause, not "unknown save id"
+    with pytest.raises(CheckpointError, match=rf"FAILED_PRECONDITION: save '{refused}' of step 9 failed to "
+                                              r"commit: .*writers \[0\] did not report"):
+        client.commit(9, refused, 1, {}, timeout=0.1)
+    committed = written_save(client, 10)
+    client.commit(10, committed, 1, {}, timeout=5)
+    with pytest.raises(CheckpointError, match=f"FAILED_PRECONDITION: save '{committed}' of step 10 is "
+                                              "already committed; it takes no more writes"):
+        client.writer(10, committed, 0, 1).finish()  # a writer retrying after its reply was lost
+    assert client.list() == [10]
