@@ -119,6 +119,13 @@ def validate(spec: ShardSpec) -> None:
             raise CheckpointError(f"{where} lies outside global shape {spec.global_shape} (dim {d})")
         if n == 0:
             continue
+        if o == n:
+            # An empty box at the end lies in no cell of the grid; accepted, it would be
+            # counted as one and hide a real hole from `check_tiling`.
+            raise CheckpointError(
+                f"{where}: offset {o} of dim {d} is at the end of the array (size {n}); a box "
+                "must hold at least one element along every dim of nonzero size"
+            )
         if g <= 0 or o % g:
             raise CheckpointError(
                 f"{where}: offset {o} of dim {d} is not a multiple of the shard size {g}; "
@@ -396,6 +403,8 @@ def check_tiling(meta: ArrayMeta, boxes: Iterable[ShardSpec]) -> None:
         boxes: every box any writer reported for it.
     """
     seen: dict[tuple[int, ...], ShardSpec] = {}
+    empty = 0 in meta.global_shape
+    counts = [-(-n // g) for n, g in zip(meta.global_shape, meta.grid)] if not empty else []
     for box in boxes:
         if ArrayMeta.of(box) != meta:
             raise CheckpointError(
@@ -403,16 +412,22 @@ def check_tiling(meta: ArrayMeta, boxes: Iterable[ShardSpec]) -> None:
                 f"{meta.global_shape} {meta.dtype} grid {meta.grid} vs "
                 f"{box.global_shape} {box.dtype} grid {box.grid_shape}"
             )
+        if not empty and any(c >= k for c, k in zip(box.coords, counts)):
+            # `validate` refuses such boxes; a cell outside the grid must never stand in for
+            # a missing one in the count below
+            raise CheckpointError(
+                f"array {meta.name!r}: box {box.offsets}+{box.shape} lies outside its shard "
+                f"grid of {counts} cells"
+            )
         if box.coords in seen:
             raise CheckpointError(
                 f"array {meta.name!r}: boxes overlap: {box.offsets}+{box.shape} written twice"
             )
         seen[box.coords] = box
-    if 0 in meta.global_shape:
+    if empty:
         return  # nothing is stored; an empty array needs no box
-    counts = [-(-n // g) for n, g in zip(meta.global_shape, meta.grid)]
     # Counted, not listed: a tiny box claiming a huge global shape must not cost a list of
-    # every cell. (Each box lies inside the array, so `seen` holds distinct grid cells.)
+    # every cell. (Each box lies inside the grid, so `seen` holds distinct grid cells.)
     missing = math.prod(counts) - len(seen)
     if missing:
         # among the first len(seen) + 1 cells at least one is missing

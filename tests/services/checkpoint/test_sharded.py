@@ -15,7 +15,13 @@ from services.checkpoint.reader import (
     read_manifest,
 )
 from services.checkpoint.sharded import ShardWriter, abort_save, begin_save, commit
-from services.checkpoint.shards import ArrayMeta, ShardSpec, encode_box, inner_chunks
+from services.checkpoint.shards import (
+    ArrayMeta,
+    ShardSpec,
+    check_tiling,
+    encode_box,
+    inner_chunks,
+)
 from services.checkpoint.store import open_root
 from services.common.errors import CheckpointError
 
@@ -120,6 +126,7 @@ def test_overlap_holes_and_mixed_grids_abort_the_commit(root, boxes, match):
     ({"offsets": (1, 0), "shape": (4, 3)}, "not a multiple of the shard size"),
     ({"offsets": (4, 0), "shape": (5, 3)}, "outside global shape"),
     ({"offsets": (4, 0), "shape": (2, 3), "grid": (4, 3)}, "should be 4"),
+    ({"offsets": (8, 0), "shape": (0, 3), "grid": (4, 3)}, "offset 8 of dim 0 is at the end of the array"),
     ({"offsets": (0,), "shape": (4,)}, "must have 2 dims"),
     ({"array": "../evil", "offsets": (0, 0), "shape": (4, 3)}, "not allowed"),
     ({"array": "a/b", "offsets": (0, 0), "shape": (4, 3)}, "not allowed"),
@@ -131,6 +138,31 @@ def test_bad_boxes_are_rejected_naming_the_array(kwargs, match):
     args.update(kwargs)
     with pytest.raises(CheckpointError, match=match):
         ShardSpec(**args)
+
+
+def test_an_empty_box_at_the_end_cannot_stand_in_for_a_missing_one(tmp_path):
+    # Rows 0:4 of 8 written, plus an empty box at offset 8, which lies in no cell of the grid:
+    # it was counted as one, so the missing rows 4:8 went unnoticed and the commit wrote a
+    # manifest for a checkpoint that could not load. Such a box is refused when it is made,
+    # when a fragment lists it anyway, and by `check_tiling` itself.
+    root = str(tmp_path / "ckpt")
+    save_id = begin_save(root, 1)
+    writer = ShardWriter(root, 1, save_id, 0, 1)
+    writer.write(ShardSpec("w", (8,), "float32", (0,), (4,)), torch.ones(4))
+    record = writer.boxes[("w", "c/0")]
+    writer.boxes[("w", "c/2")] = {**record, "offsets": [8], "shape": [0], "key": "c/2", "size": 0,
+                                  "crc32": None}  # a fragment that lists it anyway
+    writer.finish()
+    with pytest.raises(CheckpointError, match="at the end of the array"):
+        commit(root, 1, save_id, 1, timeout=1)
+    assert list_checkpoints(root) == []
+
+    whole = ShardSpec("w", (8,), "float32", (0,), (4,))
+    outside = ShardSpec("w", (8,), "float32", (4,), (4,), grid=(4,))
+    object.__setattr__(outside, "offsets", (8,))  # past `validate`, as a future bug might be
+    object.__setattr__(outside, "shape", (0,))
+    with pytest.raises(CheckpointError, match=r"box \(8,\)\+\(0,\) lies outside its shard grid"):
+        check_tiling(ArrayMeta.of(whole), [whole, outside])
 
 
 def test_writer_that_never_reports_aborts_and_keeps_previous(root):
