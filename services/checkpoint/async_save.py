@@ -122,6 +122,9 @@ class AsyncSaver:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-upload")
         self._pending: Future | None = None
         self.last_stall_s = 0.0
+        # The step of the newest save this saver committed (committer only; None before):
+        # retention must never delete it, whatever steps other runs left in the root.
+        self.last_committed: int | None = None
 
     def save(self, step: int, save_id: str, boxes: Sequence[tuple[ShardSpec, torch.Tensor]],
              committer: bool = False, metadata: dict | None = None) -> None:
@@ -203,8 +206,10 @@ class AsyncSaver:
             raise
         if not committer:
             return None
-        return retry(
+        result = retry(
             f"committing step {step}",
             lambda: self.sink.commit(step, save_id, self.num_writers, metadata, self.commit_timeout),
             self.attempts, self.backoff,
         )
+        self.last_committed = step
+        return result

@@ -28,7 +28,9 @@ class CheckpointConfig:
     """host:port of a CheckpointService to stream shards to (its root is the service's own;
     `save` must name the same root so the run can list and load it)."""
     keep_last: int = 0
-    """After each committed save, keep only the newest N checkpoints (0: keep all)."""
+    """Before each save, keep only the N checkpoints with the highest steps (0: keep all). The
+    run's own most recent checkpoint is kept besides, even where an earlier run's higher
+    steps outrank it (a root shared with `overwrite`)."""
     keep_every: int = 0
     """With keep_last: also keep every checkpoint whose step is a multiple of K."""
     overwrite: bool = False

@@ -1,7 +1,9 @@
 """Looking after a checkpoint root: delete a step, retention, collecting leftovers, verifying.
 
-Retention keeps the last `keep_last` committed steps and every step that is a multiple of
-`keep_every`, and deletes the other committed ones; it also removes step folders that never
+Retention keeps the last `keep_last` committed steps (the highest step numbers) and every step
+that is a multiple of `keep_every`, and deletes the other committed ones, except steps the
+caller protects (the trainer protects its own most recent commit: in a root that also holds an
+earlier run's higher steps the policy alone would delete it); it also removes step folders that never
 committed (crashed or aborted saves), except those of saves still in progress. A committed
 step is deleted manifest first, so a crash half-way leaves an uncommitted folder (ignored by
 readers, collected next time), never a manifest pointing at missing objects.
@@ -90,7 +92,7 @@ class RetentionResult:
 def apply_retention(root: str, keep_last: int, keep_every: int = 0,
                     in_progress: Iterable[int] = (),
                     guard: Callable[[int], AbstractContextManager[bool]] | None = None,
-                    collect: bool = True) -> RetentionResult:
+                    collect: bool = True, protect: Iterable[int] = ()) -> RetentionResult:
     """Applies a retention policy and collects uncommitted leftovers.
 
     Args:
@@ -103,13 +105,15 @@ def apply_retention(root: str, keep_last: int, keep_every: int = 0,
             lock there, so no save of the step begins until the folder is gone).
         collect: also remove uncommitted step folders (off when saves of other processes may
             be in progress and nothing says which).
+        protect: committed steps kept whatever the policy says (a run's own latest
+            checkpoint, which an earlier run's higher steps would otherwise outrank).
 
     Returns:
         A RetentionResult.
     """
     store_root = open_root(root)
     committed = list_checkpoints(root)
-    kept = retained(committed, keep_last, keep_every)
+    kept = retained(committed, keep_last, keep_every) | set(protect)
     result = RetentionResult()
     for step in committed:
         if step not in kept and delete_checkpoint(root, step):

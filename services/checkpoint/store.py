@@ -83,6 +83,13 @@ def open_root(url: str) -> Root:
     return Root(url=url, fs=fs, path=path.rstrip("/") or "/")
 
 
+def same_root(a: str, b: str) -> bool:
+    """Whether two root URLs name the same place (`/x/ckpt`, `file:///x/ckpt/` and a relative
+    path to it do), so a run can tell that it resumed from the root it saves into."""
+    ra, rb = open_root(a), open_root(b)
+    return type(ra.fs) is type(rb.fs) and ra.path == rb.path
+
+
 def join(*parts: str) -> str:
     """Joins path components with "/" (fsspec paths are POSIX-style on every filesystem).
 

@@ -25,9 +25,14 @@ import torch.distributed as dist
 
 from services.checkpoint.async_save import AsyncSaver, StorageSink
 from services.checkpoint.layout import array_key, dtype_name
-from services.checkpoint.reader import latest_step, list_checkpoints, read_box, read_manifest
-from services.checkpoint.shards import ShardSpec
+from services.checkpoint.reader import (
+    latest_step,
+    list_checkpoints,
+    read_box,
+    read_manifest,
+)
 from services.checkpoint.sharded import begin_save
+from services.checkpoint.shards import ShardSpec
 from services.checkpoint.store import open_root
 from services.common.config import to_dict
 from services.common.errors import CheckpointError
@@ -161,13 +166,26 @@ class Checkpointer:
         self.root, self.par, self.asynchronous, self.overwrite = root, par, asynchronous, overwrite
         mesh = par.mesh
         if service_address:
-            from services.checkpoint.rpc.client import CheckpointClient  # grpc only when asked for
+            # grpc only when asked for
+            from services.checkpoint.rpc.client import CheckpointClient
 
             self.sink = CheckpointClient(service_address)
         else:
             self.sink = StorageSink(root)
         self.service = bool(service_address)
         self.saver = AsyncSaver(self.sink, writer_id=mesh.rank, num_writers=mesh.world_size)
+        self.resumed_step: int | None = None
+        """The step this run resumed from when it loaded from this same root (set by the trainer)."""
+
+    @property
+    def own_latest_step(self) -> int | None:
+        """This run's most recent checkpoint under the root, which retention must never delete:
+        its last committed save (known on rank 0, the committer), else the step it resumed
+        from here. In a root holding an earlier run's higher steps, "keep the highest steps"
+        alone would delete it before each save, leaving the run no checkpoint of its own
+        until that save commits (and `--load` resuming the other run meanwhile)."""
+        committed = self.saver.last_committed
+        return committed if committed is not None else self.resumed_step
 
     def save(self, model: GPT, optimizer: torch.optim.Optimizer, state: TrainState, job: JobConfig,
              extra: dict[str, Any]) -> str:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 import kernels
 from services.checkpoint.maintenance import apply_retention
+from services.checkpoint.store import same_root
 from services.common.config import dumps_toml
 from services.common.errors import CheckpointError, ConfigError, MeshtrainError
 from services.trainer import checkpointing
@@ -183,6 +184,8 @@ class Trainer:
             self.state, meta = checkpointing.restore(
                 job.checkpoint.load, self.model, self.optimizer, self.par, job.checkpoint.load_step)
             self._check_continuation(meta)
+            if same_root(job.checkpoint.load, c.save):
+                self.checkpointer.resumed_step = self.state.iteration
             log.info("resumed from %s at step %d (%d samples consumed)",
                      job.checkpoint.load, self.state.iteration, self.state.consumed_samples)
         self.weight_copies = None
@@ -406,7 +409,8 @@ class Trainer:
             self.ddp.wait_param_gather()
         if c.keep_last and self.is_main:
             self.checkpointer.saver.wait()  # retention looks at committed saves only
-            apply_retention(c.save, c.keep_last, c.keep_every)
+            own = self.checkpointer.own_latest_step
+            apply_retention(c.save, c.keep_last, c.keep_every, protect=() if own is None else (own,))
         url = self.checkpointer.save(self.model, self.optimizer, self.state, self.job,
                                      {"tokenizer": self.data.tokenizer, "data_prefix": self.data.prefix})
         log.info("checkpoint step %d %s: %s (stall %.0f ms)", self.state.iteration,

@@ -96,3 +96,13 @@ def test_commit_is_idempotent_for_its_own_save_and_refuses_another(tmp_path):
     assert (again.url, again.num_objects, again.bytes_written) == (first.url, first.num_objects, first.bytes_written)
     with pytest.raises(CheckpointError, match="already committed"):
         commit(root, 7, "another-save", 1, {}, timeout=1)
+
+
+def test_retention_keeps_a_protected_step_the_policy_would_delete(tmp_path):
+    # An earlier run's higher steps outrank a new run's step 100 (saved with overwrite): the
+    # policy alone deleted it, leaving the new run no checkpoint of its own.
+    root = str(tmp_path / "ckpt")
+    for step in (100, 200, 300):
+        commit(root, step, _write(root, step), 1, {})
+    result = apply_retention(root, keep_last=1, protect=[100])
+    assert result.deleted == [200] and list_checkpoints(root) == [100, 300]

@@ -179,6 +179,27 @@ def test_retention_keeps_the_newest(corpus_cache, tmp_path):
     assert list_checkpoints(str(tmp_path / "r" / "checkpoints")) == [6, 8, 10]
 
 
+def test_retention_never_deletes_the_runs_own_latest_checkpoint(corpus_cache, tmp_path):
+    # A run restarted from scratch into a root holding an earlier run's higher steps (the
+    # `overwrite` case): "keep the highest steps" alone deleted the new run's step 2 before it
+    # saved step 4, so meanwhile the run had no checkpoint of its own.
+    from services.checkpoint.reader import read_manifest
+    from services.checkpoint.writer import save_checkpoint
+
+    root = str(tmp_path / "ckpt")
+    for step in (2, 200):
+        save_checkpoint(root, step, {"w": torch.zeros(2)}, {"run": "earlier"})
+    common = {"train.train_iters": 4, "train.eval_interval": 0, "checkpoint.save_interval": 2,
+              "checkpoint.keep_last": 1, "checkpoint.overwrite": True, "checkpoint.save": root}
+    train(load_config(small_job_args(corpus_cache, tmp_path / "r", **common)))
+    assert list_checkpoints(root) == [2, 4, 200]
+    assert "run" not in read_manifest(root, 2)["metadata"]  # the new run's, not the earlier one
+    # resumed from its step 4 in the same root: that step is the run's own until it saves again
+    common.update({"train.train_iters": 6, "checkpoint.load": root, "checkpoint.load_step": 4})
+    train(load_config(small_job_args(corpus_cache, tmp_path / "r2", **common)))
+    assert list_checkpoints(root) == [4, 6, 200]
+
+
 @pytest.mark.parametrize(("compile_", "requested", "expected"),
                          [(True, "auto", "auto"), (False, "auto", "auto"), (True, "triton", "triton"),
                           (True, "reference", "reference")])
