@@ -95,6 +95,12 @@ def cmd_delete(args: argparse.Namespace) -> int:
     if args.keep_last is None and not args.keep_every and not args.collect_leftovers:
         raise CheckpointError("ckpt delete: give --step N, or --keep-last N [--keep-every K], "
                               "and/or --collect-leftovers")
+    if args.keep_every and not args.keep_last:
+        # alone it would delete every step that is not a multiple of K, the newest included
+        # (as `checkpoint.keep_every` needs `checkpoint.keep_last`)
+        raise CheckpointError(f"ckpt delete: --keep-every {args.keep_every} needs --keep-last N with N >= 1 "
+                              f"(got {'none' if args.keep_last is None else args.keep_last}), or the "
+                              "newest checkpoints would be deleted too")
     # From the command line a save in progress (a live run's) is indistinguishable from a
     # crashed one's leftovers: those are removed only when asked for.
     result = apply_retention(args.root, args.keep_last or 0, args.keep_every, collect=args.collect_leftovers)
@@ -139,7 +145,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     dele.add_argument("root")
     dele.add_argument("--step", type=int, help="delete this step")
     dele.add_argument("--keep-last", type=int, help="keep the newest N committed steps")
-    dele.add_argument("--keep-every", type=int, default=0, help="also keep multiples of K")
+    dele.add_argument("--keep-every", type=int, default=0, help="with --keep-last: also keep multiples of K")
     dele.add_argument("--collect-leftovers", action="store_true",
                       help="also remove uncommitted step folders (crashed saves); only when no run is "
                            "saving into ROOT: a save in progress looks the same")

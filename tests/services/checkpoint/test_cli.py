@@ -46,6 +46,17 @@ def test_verify_delete_and_retention(tmp_path, capsys):
     assert code == 2 and "give --step N" in out
 
 
+@pytest.mark.parametrize("keep_last", [[], ["--keep-last", 0]], ids=["absent", "zero"])
+def test_keep_every_without_keep_last_deletes_nothing(tmp_path, capsys, keep_last):
+    # alone it used to delete every non-multiple of K, the newest checkpoint included
+    root = str(tmp_path / "ckpt")
+    for step in (10, 20, 25):
+        save_checkpoint(root, step, {"w": torch.ones(2)})
+    code, out = run(capsys, "delete", root, "--keep-every", 10, *keep_last)
+    assert code == 2 and "--keep-every 10 needs --keep-last N with N >= 1" in out
+    assert run(capsys, "list", root)[1].split() == ["10", "20", "25"]
+
+
 @pytest.mark.e2e
 def test_serve_answers_and_stops_on_sigterm(tmp_path):
     root = str(tmp_path / "ckpt")
