@@ -198,6 +198,41 @@ def read_tensor(root: str, step: int, name: str, index: Index = None) -> torch.T
         raise CheckpointError(f"bad index {index!r} for tensor {name!r}: {e}") from e
 
 
+def box_entry(root: str, step: int, manifest: dict[str, Any], array: str,
+              offsets: tuple[int, ...], shape: tuple[int, ...]) -> dict[str, Any]:
+    """The manifest entry of `array`, once the box is known to lie inside it.
+
+    The checks `read_box` makes before it reads: a server sizing its memory for a read calls
+    this first, so a bad request gets its own error, not one about the size it claims.
+
+    Args:
+        root: root URL (for messages).
+        step: the step (for messages).
+        manifest: the step's manifest.
+        array: the array name.
+        offsets: first global index of the box along each dim.
+        shape: the box's extent along each dim.
+
+    Returns:
+        The array's manifest entry.
+
+    Raises:
+        CheckpointError: unknown array, or a box outside the array.
+    """
+    entry = manifest["arrays"].get(array)
+    if entry is None:
+        raise CheckpointError(f"checkpoint step {step} under {root!r} has no array {array!r}")
+    offsets, shape = tuple(int(o) for o in offsets), tuple(int(s) for s in shape)
+    dims = entry["shape"]
+    if len(offsets) != len(dims) or len(shape) != len(dims) or any(
+        o < 0 or s < 0 or o + s > n for o, s, n in zip(offsets, shape, dims)
+    ):
+        raise CheckpointError(
+            f"box offsets {offsets} shape {shape} is outside array {array!r} of shape {tuple(dims)}"
+        )
+    return entry
+
+
 def read_box(
     root: str, step: int, array: str, offsets: tuple[int, ...], shape: tuple[int, ...],
     manifest: dict[str, Any] | None = None,
@@ -223,17 +258,8 @@ def read_box(
     store_root = open_root(root)
     if manifest is None:
         manifest = _load_manifest(store_root, step, strict=True)
-    entry = manifest["arrays"].get(array)
-    if entry is None:
-        raise CheckpointError(f"checkpoint step {step} under {root!r} has no array {array!r}")
+    entry = box_entry(root, step, manifest, array, offsets, shape)
     offsets, shape = tuple(int(o) for o in offsets), tuple(int(s) for s in shape)
-    dims = entry["shape"]
-    if len(offsets) != len(dims) or len(shape) != len(dims) or any(
-        o < 0 or s < 0 or o + s > n for o, s, n in zip(offsets, shape, dims)
-    ):
-        raise CheckpointError(
-            f"box offsets {offsets} shape {shape} is outside array {array!r} of shape {tuple(dims)}"
-        )
     if 0 in shape:
         empty = np.zeros(shape, dtype=np.dtype(entry["stored_dtype"]))
         return layout.from_stored(empty, entry["dtype"])

@@ -35,7 +35,12 @@ from protos.checkpoint.v1 import checkpoint_pb2 as pb
 from protos.checkpoint.v1 import checkpoint_pb2_grpc as pb_grpc
 from services.checkpoint import layout
 from services.checkpoint.maintenance import apply_retention, delete_checkpoint
-from services.checkpoint.reader import list_checkpoints, read_box, read_manifest
+from services.checkpoint.reader import (
+    box_entry,
+    list_checkpoints,
+    read_box,
+    read_manifest,
+)
 from services.checkpoint.sharded import ShardWriter, begin_save, check_save_id, commit
 from services.checkpoint.shards import ShardSpec
 from services.common.errors import CheckpointError
@@ -289,14 +294,15 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         return pb.DescribeResponse(manifest_json=json.dumps(read_manifest(self.root, request.step)))
 
     def ReadSlice(self, request, context):
-        shape = tuple(request.shape)
+        shape, offsets = tuple(request.shape), tuple(request.offsets)
         manifest = read_manifest(self.root, request.step)
-        entry = manifest["arrays"].get(request.array)
-        itemsize = np.dtype(entry["stored_dtype"]).itemsize if entry else 1
-        nbytes = math.prod(shape) * itemsize
+        # the request is checked before it is priced: an unknown array or a box outside it is
+        # the error to report, not the budget its claimed shape would exceed
+        entry = box_entry(self.root, request.step, manifest, request.array, offsets, shape)
+        nbytes = math.prod(shape) * np.dtype(entry["stored_dtype"]).itemsize
         self.budget.acquire(nbytes, f"slice {shape} of array {request.array!r}", context.is_active)
         try:
-            tensor = read_box(self.root, request.step, request.array, tuple(request.offsets), shape)
+            tensor = read_box(self.root, request.step, request.array, offsets, shape, manifest)
             data = layout.to_stored(tensor).reshape(-1).view(np.uint8)  # (nbytes,)
             yield pb.ReadSliceResponse(dtype=layout.dtype_name(tensor.dtype), shape=shape)
             for start in range(0, len(data), self.max_chunk_bytes):

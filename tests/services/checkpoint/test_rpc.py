@@ -85,6 +85,11 @@ def test_health_and_unknown_ids(service):
     save_checkpoint(service[0], 1, {"w": torch.ones(2)})
     with pytest.raises(CheckpointError, match="no array 'missing'"):
         client.read_box(1, "missing", (0,), (1,))
+    # a request is checked before it is priced against the in-flight limit (64 KiB here)
+    with pytest.raises(CheckpointError, match="no array 'missing'"):
+        client.read_box(1, "missing", (0,), (1 << 20,))
+    with pytest.raises(CheckpointError, match=r"box offsets \(0,\) shape \(1048576,\) is outside array 'w' of shape \(2,\)"):
+        client.read_box(1, "w", (0,), (1 << 20,))
 
 
 def raw_stream(client, save_id, messages):
