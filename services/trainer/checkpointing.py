@@ -239,7 +239,13 @@ class Checkpointer:
             dist.barrier()
 
     def close(self) -> None:
-        self.saver.close()
+        """Waits for the save in flight, stops the upload thread and, in service mode, closes
+        the channel to the checkpoint service (safe to call twice)."""
+        try:
+            self.saver.close()
+        finally:
+            if self.service:
+                self.sink.close()
 
 
 def restore(root: str, model: GPT, optimizer: torch.optim.Optimizer, par: Parallel,

@@ -177,15 +177,14 @@ class Trainer:
         self.optimizer = self.ddp.optimizer if self.ddp and self.ddp.optimizer else build_optimizer(self.model, job.optim)
         self.par = checkpointing.Parallel(self.mesh, self.ddp)
         c = job.checkpoint
-        self.checkpointer = checkpointing.Checkpointer(c.save, self.par, c.async_save, c.service_address,
-                                                       overwrite=c.overwrite)
         self.state = checkpointing.TrainState()
+        resumed_here = None  # the step resumed from, when it is under the root saved into
         if job.checkpoint.load:
             self.state, meta = checkpointing.restore(
                 job.checkpoint.load, self.model, self.optimizer, self.par, job.checkpoint.load_step)
             self._check_continuation(meta)
             if same_root(job.checkpoint.load, c.save):
-                self.checkpointer.resumed_step = self.state.iteration
+                resumed_here = self.state.iteration
             log.info("resumed from %s at step %d (%d samples consumed)",
                      job.checkpoint.load, self.state.iteration, self.state.consumed_samples)
         self.weight_copies = None
@@ -246,6 +245,11 @@ class Trainer:
         log.info("model: %.2fM parameters, %.3g FLOPs/token, device %s%s; mesh tp=%d dp=%d (world %d)%s",
                  self.num_parameters / 1e6, self.flops_per_token, self.device, precision, m.tp, m.dp, m.world_size,
                  ", sequence parallel" if p.sequence_parallel else "")
+        # Opened last, so an __init__ that fails (a restore, a config check) leaves no channel to
+        # the checkpoint service open; `run` closes it.
+        self.checkpointer = checkpointing.Checkpointer(c.save, self.par, c.async_save, c.service_address,
+                                                       overwrite=c.overwrite)
+        self.checkpointer.resumed_step = resumed_here
         # Requests from other threads (signal handler, control endpoint), acted on between steps.
         self._stop = threading.Event()
         self._checkpoint_now = threading.Event()
@@ -423,6 +427,7 @@ class Trainer:
         result = TrainResult(self.run_dir, rank=self.mesh.rank)
         start = self.state.iteration
         if start >= t.train_iters:
+            self.checkpointer.close()  # the run ends here: nothing to save
             raise CheckpointError(
                 f"checkpoint is at step {start}, which is not before train.train_iters={t.train_iters}; "
                 "raise --train-iters to continue"
@@ -515,7 +520,11 @@ def train(job: JobConfig) -> TrainResult:
     from services.trainer.rpc.server import serve_control  # grpc only when asked for
 
     t = job.train
-    endpoint = serve_control(trainer, t.control_port, host=t.control_host, metrics_port=t.metrics_port)
+    try:
+        endpoint = serve_control(trainer, t.control_port, host=t.control_host, metrics_port=t.metrics_port)
+    except BaseException:
+        trainer.checkpointer.close()  # `run`, which would close it, never starts
+        raise
     try:
         return trainer.run()
     finally:

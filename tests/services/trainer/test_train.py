@@ -200,6 +200,35 @@ def test_retention_never_deletes_the_runs_own_latest_checkpoint(corpus_cache, tm
     assert list_checkpoints(root) == [4, 6, 200]
 
 
+def test_a_failed_init_leaves_no_checkpoint_service_channel_open(corpus_cache, tmp_path, monkeypatch):
+    # Trainer.__init__ opened its Checkpointer (a channel to the service) before the restore,
+    # and nothing closed it when the restore raised.
+    from services.checkpoint.rpc.server import start_server
+    from services.trainer import checkpointing
+    from services.trainer.train import Trainer
+
+    opened = []
+
+    class Recorded(checkpointing.Checkpointer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            opened.append(self)
+
+    monkeypatch.setattr(checkpointing, "Checkpointer", Recorded)
+    root = str(tmp_path / "ckpt")
+    server, port, _ = start_server(root)
+    try:
+        with pytest.raises(CheckpointError, match="no committed checkpoint"):
+            Trainer(load_config(small_job_args(corpus_cache, tmp_path / "run", **{
+                "checkpoint.load": root, "checkpoint.save": root,
+                "checkpoint.service_address": f"127.0.0.1:{port}"})))
+        for checkpointer in opened:
+            with pytest.raises(ValueError, match="closed channel"):
+                checkpointer.sink.list()
+    finally:
+        server.stop(0)
+
+
 @pytest.mark.parametrize(("compile_", "requested", "expected"),
                          [(True, "auto", "auto"), (False, "auto", "auto"), (True, "triton", "triton"),
                           (True, "reference", "reference")])
