@@ -26,7 +26,8 @@ fp32. So forward already produces both gradients (Liger-Kernel's plan) and backw
 scales them by the incoming gradient; peak extra memory is one chunk of logits plus an fp32
 weight-gradient buffer instead of several full (tokens, vocab) tensors. Weight rows past
 `vocab_size` (padding) never enter the matmul and get zero gradient. Label -100 is ignored
-like F.cross_entropy's default. Eager autograd goes through `_CrossEntropy` and
+like F.cross_entropy's default; any other label outside the vocabulary is an error, checked on
+the device. Eager autograd goes through `_CrossEntropy` and
 `_LinearCrossEntropy`; torch.compile through the custom ops `meshtrain::cross_entropy` and
 `meshtrain::linear_cross_entropy` (opaque nodes with fake implementations for shapes).
 Spec: `kernels.reference.cross_entropy` and `kernels.reference.linear_cross_entropy`.
@@ -204,6 +205,17 @@ def softmax_grad_(
     return out
 
 
+def _check_labels(labels: torch.Tensor, vocab_size: int) -> None:
+    """Every label in [0, vocab_size) or -100, checked on the device (no host sync).
+
+    The kernels read a label's logit only where it falls in the row, so any other label
+    (a padding row's id, a negative one) would silently give loss = logsumexp and a gradient
+    without its -1; the reference (F.cross_entropy) and the vocab-parallel loss refuse it.
+    """
+    ok = (labels >= 0) & (labels < vocab_size) | (labels == IGNORE_INDEX)
+    torch._assert_async(ok.all(), "a label is outside the vocabulary (and not the ignore index -100)")
+
+
 def _row_weights(labels: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
     """Each row's weight in the mean loss, on device (no host sync): 1/N or mask / sum(mask)."""
     n = labels.numel()
@@ -218,6 +230,7 @@ def _row_weights(labels: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.
 def _ce_forward(logits, labels, loss_mask):
     """(mean loss, lse (rows,), row weights (rows,)), all fp32."""
     labels1 = labels.reshape(-1).contiguous()
+    _check_labels(labels1, logits.shape[-1])
     weights = _row_weights(labels1, loss_mask)
     loss_rows, lse = fused_loss_and_grad_(as_rows(logits), labels1, None)
     return (loss_rows * weights).sum(), lse, weights
@@ -344,6 +357,7 @@ def _linear_ce(hidden, weight, labels, loss_mask, vocab_size, chunk_size, dtype,
     h2 = hidden.reshape(-1, hidden.shape[-1]).to(dtype)  # (tokens, hidden)
     w = weight[:vocab_size].to(dtype)  # (vocab, hidden): padding rows left out
     labels1 = labels.reshape(-1).contiguous()
+    _check_labels(labels1, vocab_size)
     weights = _row_weights(labels1, loss_mask)
     rows = h2.shape[0]
     step = _chunk_rows(rows, vocab_size, h2.element_size(), chunk_size)

@@ -131,6 +131,23 @@ def test_linear_cross_entropy_without_grad_matches_loss():
     torch.testing.assert_close(loss.double(), ref, **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("bad", [77, 79, -1], ids=["first-padding-row", "last-padding-row", "negative"])
+def test_a_label_outside_the_vocabulary_is_an_error(bad):
+    """As in the reference (F.cross_entropy) and the vocab-parallel loss: a label in the padded
+    rows (77..79 here) or a negative one other than -100 is refused, not read as a zero logit
+    (which gave loss = logsumexp and a gradient without its -1)."""
+    from kernels.cross_entropy import cross_entropy, linear_cross_entropy
+
+    hidden, weight, labels, _ = _linear_case(torch.float32, False)
+    labels[1, 5] = bad
+    with pytest.raises(RuntimeError, match="outside the vocabulary"):
+        linear_cross_entropy(hidden, weight, labels, None, 77)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="outside the vocabulary"):
+        linear_cross_entropy(hidden, weight, labels, None, 77)
+    with pytest.raises(RuntimeError, match="outside the vocabulary"):
+        cross_entropy(torch.randn(3, 41, 77, device=DEVICE), labels)
+
+
 def test_vocab_shards_combine_to_the_full_softmax():
     """The vocab-parallel recipe of the module docstring, with two shards simulated in one
     process (a max and two sums stand in for the all-reduces): per-shard stats combine to the
