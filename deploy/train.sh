@@ -13,6 +13,12 @@
 set -eu
 : "${SAVE_ROOT:?set SAVE_ROOT to the checkpoint root (a folder or s3://bucket/prefix)}"
 NPROC_PER_NODE="${NPROC_PER_NODE:-1}"
+# On SIGTERM torchrun forwards it to the ranks, which checkpoint and exit 0, but by default it
+# SIGKILLs them 30 s later, mid-save for any model that is not tiny. Our callers grant more:
+# compose's stop_grace_period is 180 s, Slurm's --signal=B:TERM@120 leaves 120 s. 170 s stays
+# inside compose's grace (torchrun, not Docker, does the killing and reports it); on Slurm the
+# time limit ends the job first. A torch that predates the variable ignores it (30 s).
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-170}"
 
 if ! steps=$(meshtrain ckpt list "$SAVE_ROOT"); then
     echo "train.sh: cannot list $SAVE_ROOT; not starting (the run would start over)" >&2
