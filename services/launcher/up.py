@@ -172,6 +172,8 @@ def _refuse_owned_flags(overrides: list[str], data_workers: bool, service: bool)
                                                  "(--no-checkpoint-service: none)")
     for arg in overrides:
         flag = arg.split("=", 1)[0]
+        if flag.startswith("--") and "." in flag:  # the loader reads --section.some-key as some_key
+            flag = "--" + flag[2:].replace("-", "_")
         if flag in owned:
             raise ConfigError(f"meshtrain up: {flag} is set by up itself: {owned[flag]}")
 
