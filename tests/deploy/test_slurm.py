@@ -8,6 +8,9 @@ from that checkpoint and finishes. Skipped, with the reason, where slurm-wlm and
 installed or not running as root.
 """
 
+import os
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,7 +24,14 @@ from tests.deploy.slurm_cluster import SlurmCluster, missing_requirements
 from tests.services.trainer.conftest import small_job_args
 
 REPO = Path(__file__).resolve().parents[2]
-pytestmark = [pytest.mark.e2e, pytest.mark.dist]
+
+
+def sourced(services_file: Path) -> dict[str, str]:
+    """The variables of SERVICES_FILE as train.sbatch gets them: sourced by bash."""
+    names = ("DATA_ADDRESSES", "CKPT_ADDRESS", "SAVE_ROOT")
+    out = subprocess.run(["bash", "-c", 'set -euo pipefail; source "$1"; shift; for n; do printf "%s\\0" "${!n}"; done',
+                          "_", str(services_file), *names], capture_output=True, text=True, check=True, timeout=30)
+    return dict(zip(names, out.stdout.split("\0"), strict=False))
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +56,8 @@ def wait_for(predicate, what, timeout=180, logs=()):
         time.sleep(0.3)
 
 
+@pytest.mark.e2e
+@pytest.mark.dist
 def test_services_job_and_preempted_training_job_requeue_and_resume(cluster, tmp_path):
     venv_bin = Path(sys.executable).parent
     env = {"PATH": f"{venv_bin}:/usr/bin:/bin:/usr/sbin:/sbin", "SERVICES_FILE": str(tmp_path / "services.env"),
@@ -58,9 +70,9 @@ def test_services_job_and_preempted_training_job_requeue_and_resume(cluster, tmp
                            cwd=REPO, env=env).stdout.strip()
     try:
         wait_for((tmp_path / "services.env").exists, "the services' addresses", logs=[services_log])
-        published = dict(line.split("=", 1) for line in (tmp_path / "services.env").read_text().splitlines())
+        published = sourced(tmp_path / "services.env")
         host = published["CKPT_ADDRESS"].rsplit(":", 1)[0]
-        assert published["DATA_ADDRESSES"].strip('"').split() == [
+        assert published["DATA_ADDRESSES"].split() == [
             f"{host}:{int(env['DATA_PORT']) + i}" for i in range(2)]
         assert published["CKPT_ADDRESS"] == f"{host}:{env['CKPT_PORT']}"
 
@@ -95,3 +107,32 @@ def test_services_job_and_preempted_training_job_requeue_and_resume(cluster, tmp
     wait_for(lambda: cluster.job_field(services, "JobState") in (None, "COMPLETED", "CANCELLED"),
              "the services job to stop", logs=[services_log])
     assert not (tmp_path / "services.env").exists()  # a stopped service job withdraws its addresses
+
+
+def test_the_services_file_keeps_a_save_root_with_a_space_whole(tmp_path):
+    """services.sbatch run as plain bash, its services stubbed (a sleeping `meshtrain`, a health
+    probe that succeeds): the file it publishes, sourced as train.sbatch does, gives back the
+    exact values. An unquoted `SAVE_ROOT=/shared/my run/ckpt` ran `run/ckpt` as a command."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "meshtrain").write_text("#!/bin/sh\nexec sleep 300\n")
+    (bin_dir / "probe").write_text("#!/bin/sh\nexit 0\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    services_file, save_root = tmp_path / "services.env", str(tmp_path / "my run" / "ckpt$1")
+    env = {**os.environ, "SERVICES_FILE": str(services_file), "SAVE_ROOT": save_root, "DATA_WORKERS": "2",
+           "MESHTRAIN": str(bin_dir / "meshtrain"), "PYTHON": str(bin_dir / "probe"), "STOP_GRACE_S": "5"}
+    job = subprocess.Popen(["bash", str(REPO / "deploy/slurm/services.sbatch")], env=env, cwd=tmp_path,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not services_file.exists() and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert services_file.exists(), "services.sbatch published no services file"
+        published = sourced(services_file)
+        assert published["SAVE_ROOT"] == save_root
+        assert len(published["DATA_ADDRESSES"].split()) == 2
+    finally:
+        job.send_signal(signal.SIGTERM)
+        out, _ = job.communicate(timeout=60)
+    assert job.returncode == 0, out
