@@ -159,23 +159,22 @@ class Checkpointer:
         asynchronous: return from `save` after the device-to-host copy (else after the commit).
         service_address: a CheckpointService to stream boxes to, instead of writing storage.
         overwrite: replace committed checkpoints of the same steps (`checkpoint.overwrite`).
+        resumed_step: the step the run resumed from, when it loaded from this same root.
     """
 
     def __init__(self, root: str, par: Parallel, asynchronous: bool = True, service_address: str | None = None,
-                 overwrite: bool = False):
+                 overwrite: bool = False, resumed_step: int | None = None):
         self.root, self.par, self.asynchronous, self.overwrite = root, par, asynchronous, overwrite
         mesh = par.mesh
         if service_address:
-            # grpc only when asked for
-            from services.checkpoint.rpc.client import CheckpointClient
+            from services.checkpoint.rpc.client import CheckpointClient  # grpc only when asked for
 
             self.sink = CheckpointClient(service_address)
         else:
             self.sink = StorageSink(root)
         self.service = bool(service_address)
         self.saver = AsyncSaver(self.sink, writer_id=mesh.rank, num_writers=mesh.world_size)
-        self.resumed_step: int | None = None
-        """The step this run resumed from when it loaded from this same root (set by the trainer)."""
+        self.resumed_step = resumed_step
 
     @property
     def own_latest_step(self) -> int | None:

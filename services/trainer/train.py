@@ -248,8 +248,7 @@ class Trainer:
         # Opened last, so an __init__ that fails (a restore, a config check) leaves no channel to
         # the checkpoint service open; `run` closes it.
         self.checkpointer = checkpointing.Checkpointer(c.save, self.par, c.async_save, c.service_address,
-                                                       overwrite=c.overwrite)
-        self.checkpointer.resumed_step = resumed_here
+                                                       overwrite=c.overwrite, resumed_step=resumed_here)
         # Requests from other threads (signal handler, control endpoint), acted on between steps.
         self._stop = threading.Event()
         self._checkpoint_now = threading.Event()

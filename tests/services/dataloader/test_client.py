@@ -25,12 +25,16 @@ from services.dataloader.spec import DatasetSpec, open_dataset
 from .conftest import batch_hash
 
 
-class _Stuck(DataServicer):
-    """Accepts the stream, then sends nothing (a hung handler; keepalive pings still answered)."""
+class _Held(DataServicer):
+    """A worker that hangs somewhere until the test sets `release`."""
 
     def __init__(self):
         super().__init__()
         self.release = threading.Event()
+
+
+class _Stuck(_Held):
+    """Accepts the stream, then sends nothing (a hung handler; keepalive pings still answered)."""
 
     def StreamBatches(self, request, context):
         self.release.wait(60)
@@ -220,12 +224,8 @@ def test_a_failed_storage_read_on_a_worker_is_retried_not_the_end_of_the_run(tmp
         srv.stop(0)
 
 
-class _OpensForever(DataServicer):
+class _OpensForever(_Held):
     """Describe never returns (a build far longer than the client's open_timeout_s)."""
-
-    def __init__(self):
-        super().__init__()
-        self.release = threading.Event()
 
     def Describe(self, request, context):
         self.release.wait(60)

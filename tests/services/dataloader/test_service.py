@@ -200,7 +200,7 @@ def test_serve_process_stops_gracefully_on_sigterm():
         w.stop()
 
 
-def test_dns_name_target_with_round_robin(server, blend_spec):
+def test_dns_name_target(server, blend_spec):
     """One `dns:///name:port` target: the client resolves the name and spreads ranks over its addresses."""
     port = server.rsplit(":", 1)[1]
     local = LocalBatchSource(open_dataset(blend_spec), 2, 16, 1, 2)
