@@ -131,21 +131,60 @@ def test_linear_cross_entropy_without_grad_matches_loss():
     torch.testing.assert_close(loss.double(), ref, **TOL[torch.float32])
 
 
+_BAD_LABEL_CALLS = """
+import sys, torch
+from kernels.cross_entropy import cross_entropy, linear_cross_entropy
+from tests.kernels.test_cross_entropy import _linear_case
+which, bad = sys.argv[1], int(sys.argv[2])
+hidden, weight, labels, _ = _linear_case(torch.float32, False)
+labels[1, 5] = bad
+if which == "linear":
+    linear_cross_entropy(hidden, weight, labels, None, 77)
+elif which == "linear-no-grad":
+    with torch.no_grad():
+        linear_cross_entropy(hidden, weight, labels, None, 77)
+else:
+    with torch.no_grad():
+        cross_entropy(torch.randn(3, 41, 77, device=hidden.device), labels)
+torch.cuda.synchronize() if hidden.is_cuda else None
+"""
+
+
+@pytest.mark.parametrize("which", ["linear", "linear-no-grad", "plain"])
 @pytest.mark.parametrize("bad", [77, 79, -1], ids=["first-padding-row", "last-padding-row", "negative"])
-def test_a_label_outside_the_vocabulary_is_an_error(bad):
+def test_a_label_outside_the_vocabulary_is_an_error(bad, which):
     """As in the reference (F.cross_entropy) and the vocab-parallel loss: a label in the padded
     rows (77..79 here) or a negative one other than -100 is refused, not read as a zero logit
-    (which gave loss = logsumexp and a gradient without its -1)."""
-    from kernels.cross_entropy import cross_entropy, linear_cross_entropy
+    (which gave loss = logsumexp and a gradient without its -1).
 
-    hidden, weight, labels, _ = _linear_case(torch.float32, False)
-    labels[1, 5] = bad
-    with pytest.raises(RuntimeError, match="outside the vocabulary"):
-        linear_cross_entropy(hidden, weight, labels, None, 77)
-    with torch.no_grad(), pytest.raises(RuntimeError, match="outside the vocabulary"):
-        linear_cross_entropy(hidden, weight, labels, None, 77)
-    with pytest.raises(RuntimeError, match="outside the vocabulary"):
-        cross_entropy(torch.randn(3, 41, 77, device=DEVICE), labels)
+    On the CPU the check raises its message. On a GPU it is a device-side assert, as
+    F.cross_entropy's is: it fails the next synchronization and leaves the process's CUDA
+    context unusable, so there the call runs in a child process of its own, which must fail
+    with the assert (and this test process's context stays clean for the tests after it).
+    """
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if DEVICE == "cpu":
+        from kernels.cross_entropy import cross_entropy, linear_cross_entropy
+
+        hidden, weight, labels, _ = _linear_case(torch.float32, False)
+        labels[1, 5] = bad
+        with pytest.raises(RuntimeError, match="outside the vocabulary"):
+            if which == "linear":
+                linear_cross_entropy(hidden, weight, labels, None, 77)
+            elif which == "linear-no-grad":
+                with torch.no_grad():
+                    linear_cross_entropy(hidden, weight, labels, None, 77)
+            else:
+                cross_entropy(torch.randn(3, 41, 77, device=DEVICE), labels)
+        return
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", _BAD_LABEL_CALLS, which, str(bad)], cwd=root, capture_output=True,
+                         text=True, timeout=300, check=False)
+    assert out.returncode != 0, out.stdout + out.stderr
+    assert "device-side assert" in out.stderr, out.stderr[-2000:]
 
 
 def test_vocab_shards_combine_to_the_full_softmax():
