@@ -24,7 +24,14 @@ from kernels._launch import autotuning, wrap_triton
 
 _CONFIGS = [triton.Config({"COLS": c, "PARTS": p}, num_warps=w)
             for c, p, w in ((32, 32, 4), (16, 64, 4), (64, 32, 4), (32, 64, 8), (128, 16, 4), (16, 32, 2))]
-"""(columns per program, partial rows per tile, warps); the first is the untuned launch."""
+_CONFIGS += [triton.Config({"COLS": c, "PARTS": p}, num_warps=w)
+             for c in (4, 8, 16, 32) for p in (128, 256) for w in (4, 8)]
+"""(columns per program, partial rows per tile, warps); the first is the untuned launch.
+
+The second list gives narrow column slices (more programs: at hidden 768-1024 a 32-column slice
+leaves 24-32 programs for 132 SMs) over deep tiles of partial rows. On an H200 the LayerNorm
+backward's two sums of 528 partial rows took 5.8-5.9 us at hidden 768-1024 and 9.2 us at 2048
+with the first list alone, 2.8-3.5 and 4.9 us with it (BENCHMARKS.md, kernels "Ninth run")."""
 
 
 def _prune(configs, named_args, **kwargs):
