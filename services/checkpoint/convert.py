@@ -233,8 +233,10 @@ def convert(src: str, dst: str, dtype: str | None = None, drop_optimizer: bool =
         A ConvertResult.
 
     Raises:
-        CheckpointError: no such checkpoint, the step already exists at `dst`, a bad dtype.
-            A target degree that does not divide what it splits (see `target_shard_shapes`).
+        CheckpointError: no such checkpoint, the step already exists at `dst`, a bad dtype, a
+            parameter holding a value the target dtype cannot (fp16 past 65504: it would be
+            stored as inf). A target degree that does not divide what it splits (see
+            `target_shard_shapes`).
     """
     start = time.perf_counter()
     step = resolve_step(src, step)
@@ -267,11 +269,36 @@ def convert(src: str, dst: str, dtype: str | None = None, drop_optimizer: bool =
     def load(name: str) -> torch.Tensor:
         tensor = read_tensor(src, step, name)
         want = TORCH_DTYPES[out[name][1]]
-        return tensor if tensor.dtype == want else tensor.to(want)
+        return tensor if tensor.dtype == want else _narrowed(name, tensor, want)
 
     url, written = save_streaming(dst, step, out, load, metadata, grids, progress, f"convert step {step}")
     read = sum(_nbytes(*specs[n]) for n in out)
     return ConvertResult(url, step, len(out), read, written, time.perf_counter() - start)
+
+
+def _narrowed(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`tensor` cast to `dtype`, refusing a finite value the cast would turn into inf.
+
+    fp16's range ends at 65504, where fp32's and bf16's reach 3.4e38: a cast rounds anything
+    past it to inf, a value the checkpoint never held. Infs already there stay as they are.
+
+    Raises:
+        CheckpointError: names the tensor, its largest magnitude and the dtype.
+    """
+    out = tensor.to(dtype)
+    if not out.is_floating_point() or not tensor.numel():
+        return out
+    limit = torch.finfo(dtype).max
+    low, high = torch.aminmax(tensor)  # reductions only: no tensor-sized temporaries
+    if high <= limit and low >= -limit:
+        return out
+    overflowed = tensor[torch.isinf(out) & torch.isfinite(tensor)]  # rare: values past the limit
+    if not overflowed.numel():
+        return out  # they only round to the largest value, or were inf already
+    worst = overflowed[overflowed.abs().argmax()].item()
+    hint = "; convert to bfloat16 instead, which has float32's range" if dtype == torch.float16 else ""
+    raise CheckpointError(f"tensor {name!r} holds {worst:.4g}, beyond {layout.dtype_name(dtype)}'s largest value "
+                          f"{limit:.6g}: the conversion would store inf{hint}")
 
 
 def inspect_checkpoint(root: str, step: int | None = None) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from services.checkpoint.convert import (
     tensor_specs,
 )
 from services.checkpoint.convert_cli import register_subcommands
-from services.checkpoint.reader import load_checkpoint, read_manifest
+from services.checkpoint.reader import list_checkpoints, load_checkpoint, read_manifest
 from services.checkpoint.writer import save_checkpoint
 from services.common.config import to_dict
 from services.common.errors import CheckpointError
@@ -106,6 +106,31 @@ def test_bf16_changes_parameters_only(tmp_path):
             assert torch.equal(loaded[name].view(torch.int16), t.bfloat16().view(torch.int16)), name
     with pytest.raises(CheckpointError, match="dtype 'int8'"):
         convert(str(tmp_path / "a"), str(tmp_path / "c"), dtype="int8", progress=False)
+
+
+def test_a_dtype_too_narrow_for_a_value_is_an_error_not_inf(tmp_path):
+    """fp16 tops out at 65504: a parameter beyond it (fp32's, or bf16's, which has fp32's range)
+    would be stored as inf, a value the source never held. Values that merely round to the
+    largest fp16 number, and infs already in the source, convert as they are."""
+    tensors, meta = training_state()
+    tensors["final_norm.weight"][3] = 1e5
+    save_checkpoint(str(tmp_path / "a"), 9, tensors, meta)
+    with pytest.raises(CheckpointError, match=r"'final_norm.weight'.* 1e\+05.*float16"):
+        convert(str(tmp_path / "a"), str(tmp_path / "b"), dtype="fp16", progress=False)
+    assert 9 not in list_checkpoints(str(tmp_path / "b"))
+
+    tensors["final_norm.weight"][3:5] = torch.tensor([65510.0, float("inf")])
+    save_checkpoint(str(tmp_path / "c"), 9, tensors, meta)
+    convert(str(tmp_path / "c"), str(tmp_path / "d"), dtype="fp16", progress=False)
+    loaded, _ = load_checkpoint(str(tmp_path / "d"), 9)
+    assert loaded["final_norm.weight"][3:5].tolist() == [65504.0, float("inf")]
+
+    tensors["final_norm.weight"][3:5] = 1.0
+    tensors["layers.1.input_norm.weight"] = tensors["layers.1.input_norm.weight"].bfloat16()
+    tensors["layers.1.input_norm.weight"][0] = -3e38
+    save_checkpoint(str(tmp_path / "e"), 9, tensors, meta)
+    with pytest.raises(CheckpointError, match=r"'layers.1.input_norm.weight'.* -3.*float16"):
+        convert(str(tmp_path / "e"), str(tmp_path / "f"), dtype="fp16", progress=False)
 
 
 def test_drop_optimizer_gives_a_checkpoint_the_trainer_resumes(tmp_path):
