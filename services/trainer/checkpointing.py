@@ -247,6 +247,28 @@ class Checkpointer:
                 self.sink.close()
 
 
+def _check_heads(root: str, meta: dict, model: GPT) -> None:
+    """Refuses a model that would read the checkpoint's attention heads as other heads.
+
+    The fused QKV weight has (heads + 2*groups) * hidden/heads rows, which is the same for
+    every head count at a fixed heads/groups ratio (3*hidden for plain MHA): GPT-2's 12 heads
+    load into a 4-head model with every shape matching, and the rows are then read as other
+    heads' queries, keys and values. Only the saved config can tell.
+    """
+    saved = (meta.get("config") or {}).get("model")
+    if not isinstance(saved, dict) or "num_attention_heads" not in saved:
+        return  # not saved by the trainer or an import: nothing to compare with
+    heads = saved["num_attention_heads"]
+    groups = saved.get("num_query_groups") or heads
+    c = model.config
+    if (heads, groups) != (c.num_attention_heads, c.groups):
+        raise CheckpointError(
+            f"{root}: the checkpoint's model has num_attention_heads={heads} in {groups} query groups, but "
+            f"model.num_attention_heads={c.num_attention_heads} in {c.groups} query groups here: its attention "
+            "weights would be read as other heads (the shapes happen to match); set model.num_attention_heads "
+            "and model.num_query_groups as saved (`meshtrain ckpt inspect` shows the saved config)")
+
+
 def restore(root: str, model: GPT, optimizer: torch.optim.Optimizer, par: Parallel,
             step: int | None = None) -> tuple[TrainState, dict]:
     """Load checkpoint `step` (latest committed if None) into `model` and `optimizer` in place.
@@ -276,6 +298,7 @@ def restore(root: str, model: GPT, optimizer: torch.optim.Optimizer, par: Parall
     extra = [n for n in stored if not n.startswith(("optim.", "rng.")) and n not in params]
     if extra:
         raise CheckpointError(f"{root}: checkpoint has tensors the model does not: {extra[:5]}")
+    _check_heads(root, meta, model)
 
     def read_into(name: str, dst: torch.Tensor, param: torch.Tensor) -> None:
         dst.zero_()  # padded vocabulary rows are not stored: they restart at zero

@@ -6,6 +6,7 @@ with and without biases) are saved through the checkpoint library, exported, loa
 the same tokens. Round trips HF -> meshtrain -> HF must give bit-identical safetensors.
 """
 
+import dataclasses
 import json
 
 import pytest
@@ -171,6 +172,23 @@ def test_imported_checkpoint_restores_into_the_trainer(tmp_path):
     tokens = torch.randint(0, 300, (1, 32), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         torch.testing.assert_close(meshtrain_logits(model, tokens), hf(tokens).logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("make, heads, groups", [(hf_gpt2, 2, None), (hf_llama, 2, 1)], ids=["gpt2", "llama-gqa"])
+def test_restore_refuses_a_model_that_reads_the_heads_differently(tmp_path, make, heads, groups):
+    """GPT-2's 4 heads of 16 and a 2-head model of 32 have the same fused QKV shape (3*hidden
+    rows), as do Llama's 4 heads in 2 groups and 2 heads in 1 group: every shape matches, so
+    only the saved config tells that the rows would be read as other heads."""
+    src = make(tmp_path) if make is hf_gpt2 else make(tmp_path, torch.float32)
+    root = str(tmp_path / "ckpt")
+    import_hf(str(src), root)
+    saved = ModelConfig(**read_manifest(root, 0)["metadata"]["config"]["model"])
+    wrong = dataclasses.replace(saved, num_attention_heads=heads, num_query_groups=groups)
+    model = GPT(wrong)
+    assert model.layers[0].attention.qkv.weight.shape == GPT(saved).layers[0].attention.qkv.weight.shape
+    par = checkpointing.Parallel(Mesh.single())
+    with pytest.raises(CheckpointError, match=rf"num_attention_heads=4.*model.num_attention_heads={heads}"):
+        checkpointing.restore(root, model, build_optimizer(model, JobConfig().optim), par)
 
 
 def test_export_refuses_missing_misshapen_and_unmapped_tensors(tmp_path):
