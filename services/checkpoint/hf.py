@@ -1,9 +1,10 @@
 """Hugging Face <-> meshtrain checkpoints: `LlamaForCausalLM` and `GPT2LMHeadModel`.
 
 `export_hf(src_root, dst_dir)` turns a training checkpoint into a folder `transformers` loads
-(`model.safetensors`, `config.json`, and the run's `tokenizer.json` with a
-`tokenizer_config.json`); `import_hf(src_dir, dst_root)` turns such a folder into a step-0
-training checkpoint (fresh RNG, no optimizer state) that `meshtrain train --load` continues.
+(`model.safetensors`, `config.json`, `generation_config.json` when the end-of-document id is
+known, and the run's `tokenizer.json` with a `tokenizer_config.json`); `import_hf(src_dir,
+dst_root)` turns such a folder into a step-0 training checkpoint (fresh RNG, no optimizer
+state) that `meshtrain train --load` continues.
 The mapping is a list of `Rule`s, one per meshtrain tensor, each naming the HF tensors it
 becomes and the two conversions: the fused QKV (stored per query group) splits into q/k/v,
 the SwiGLU [gate; up] into gate_proj/up_proj, and GPT-2's Conv1D weights are transposed
@@ -101,12 +102,15 @@ def architecture(model: ModelConfig) -> str:
         "architecture: Llama is rmsnorm+swiglu+rope, GPT-2 is layernorm+gelu+learned")
 
 
-def hf_config(model: ModelConfig, dtype: str) -> dict[str, Any]:
+def hf_config(model: ModelConfig, dtype: str, eod: int | None = None) -> dict[str, Any]:
     """The `config.json` of a model.
 
     Args:
         model: the architecture (vocab_size resolved).
         dtype: logical dtype of the weights, recorded as the HF `torch_dtype`.
+        eod: the tokenizer's end-of-document id, written as bos and eos (as GPT-2 does); None
+            is written too, since a missing key means HF's own default (Llama's 1 and 2,
+            GPT-2's 50256), which is some other token here.
 
     Raises:
         CheckpointError: the model maps to no HF architecture.
@@ -131,6 +135,7 @@ def hf_config(model: ModelConfig, dtype: str) -> dict[str, Any]:
             "attention_dropout": model.attention_dropout,
             "tie_word_embeddings": not model.untie_embeddings_and_output_weights,
             "initializer_range": model.init_method_std, "torch_dtype": dtype,
+            "bos_token_id": eod, "eos_token_id": eod,
         }
     return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
@@ -142,6 +147,7 @@ def hf_config(model: ModelConfig, dtype: str) -> dict[str, Any]:
         "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
         "tie_word_embeddings": not model.untie_embeddings_and_output_weights,
         "initializer_range": model.init_method_std, "torch_dtype": dtype,
+        "bos_token_id": eod, "eos_token_id": eod,
     }
 
 
@@ -336,7 +342,9 @@ def export_hf(src_root: str, dst_dir: str, step: int | None = None,
         raise CheckpointError(f"{where}: parameters have mixed dtypes {sorted(dtypes)}; "
                               "convert to one with `ckpt convert --dtype` first")
     dtype = dtypes.pop()
-    tokenizer_file = _tokenizer_file(tokenizer if tokenizer is not None else metadata.get("tokenizer"), where)
+    spec = tokenizer if tokenizer is not None else metadata.get("tokenizer")
+    tokenizer_file = _tokenizer_file(spec, where)
+    eod = _eod_id(tokenizer_file, spec, model, where)
 
     fs, path = fsspec.core.url_to_fs(dst_dir)
     path = path.rstrip("/")
@@ -347,8 +355,11 @@ def export_hf(src_root: str, dst_dir: str, step: int | None = None,
     try:
         with fs.open(posixpath.join(tmp, "model.safetensors"), "wb") as f:
             _write_safetensors(f, plan, dtype, lambda name: read_tensor(src_root, step, name))
-        config = hf_config(model, dtype)
+        config = hf_config(model, dtype, eod)
         files = {"config.json": config}
+        if eod is not None:
+            # transformers 5 takes generate()'s stopping ids from here only, not config.json.
+            files["generation_config.json"] = {"bos_token_id": eod, "eos_token_id": eod}
         if tokenizer_file is not None:
             fs.put_file(str(tokenizer_file), posixpath.join(tmp, "tokenizer.json"))
             files["tokenizer_config.json"] = _tokenizer_config(tokenizer_file, model)
@@ -548,6 +559,29 @@ def _tokenizer_file(spec: str | None, where: str) -> Path | None:
         raise CheckpointError(f"{where}: the run's tokenizer {spec!r} is not a readable tokenizer.json "
                               "here; pass the file with --tokenizer")
     return path
+
+
+def _eod_id(path: Path | None, spec: str | None, model: ModelConfig, where: str) -> int | None:
+    """The id of `<|endoftext|>`, the run's end of document: from the tokenizer file, 256 for
+    the byte tokenizer (which ships no file), None when there is no tokenizer to ask.
+
+    Raises:
+        CheckpointError: the file is not a tokenizer.json, or the id is outside the model's
+            vocabulary (not this model's tokenizer).
+    """
+    if path is None:
+        eod = 256 if spec == "byte" else None  # services.dataloader.tokenizers.ByteTokenizer
+    else:
+        from tokenizers import Tokenizer
+
+        try:
+            eod = Tokenizer.from_file(str(path)).token_to_id(EOD_TOKEN)
+        except Exception as e:  # tokenizers raises a bare Exception on a malformed file
+            raise CheckpointError(f"{where}: tokenizer {str(path)!r} is not a tokenizer.json ({e})") from e
+    if eod is not None and eod >= model.vocab_size:
+        raise CheckpointError(f"{where}: tokenizer {str(path or spec)!r} has {EOD_TOKEN} at id {eod}, outside the "
+                              f"model's vocabulary of {model.vocab_size}: it is not this model's tokenizer")
+    return eod
 
 
 def _tokenizer_config(path: Path, model: ModelConfig) -> dict[str, Any]:

@@ -115,6 +115,48 @@ def test_export_ships_the_runs_tokenizer(tmp_path):
     assert auto.eos_token == "<|endoftext|>"
 
 
+@pytest.mark.parametrize("settings", [LLAMA, GPT2], ids=["llama", "gpt2"])
+@pytest.mark.parametrize("tokenizer", ["bpe", "byte"])
+def test_exported_model_ends_generation_at_the_runs_end_of_document(tmp_path, settings, tokenizer):
+    """Without ids in config.json HF fills in its own: Llama's eos 2 (a '"' in the BPE below,
+    which transformers 4 copies into generate()'s stopping ids), GPT-2's 50256 (outside these
+    vocabularies); transformers 5 takes them from generation_config.json only. Both must name the run's
+    <|endoftext|>, whose id the byte tokenizer fixes at 256 though it ships no tokenizer file."""
+    from services.dataloader.tokenizers import ByteTokenizer, train_bpe
+
+    if tokenizer == "bpe":
+        text = tmp_path / "corpus.txt"
+        text.write_text('she said "the quick brown fox" and "the lazy dog". ' * 200)
+        tok = train_bpe([text], vocab_size=300, output_path=tmp_path / "tok" / "tokenizer.json")
+        spec = str(tok.path)
+    else:
+        tok, spec = ByteTokenizer(), "byte"
+    model = random_model({**settings, "vocab_size": tok.vocab_size})
+    root = str(tmp_path / "ckpt")
+    save_training_checkpoint(root, model, tokenizer=spec)
+    export_hf(root, str(tmp_path / "hf"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    eod = tok.eod_id
+    assert (hf.config.bos_token_id, hf.config.eos_token_id) == (eod, eod)
+    assert hf.generation_config.eos_token_id == eod
+
+    def always(token: int):  # replaces the head's logits: greedy decoding then picks `token`
+        def hook(module, inputs, output):
+            return torch.where(torch.arange(output.shape[-1]) == token, 10.0, -10.0).expand_as(output)
+        return hook
+
+    prompt = torch.tensor([[5, 6, 7]])
+    handle = hf.lm_head.register_forward_hook(always(eod))
+    with torch.no_grad():
+        out = hf.generate(prompt, max_new_tokens=5, do_sample=False)
+    assert out[0, 3:].tolist() == [eod], "generation must stop at <|endoftext|>"
+    handle.remove()
+    hf.lm_head.register_forward_hook(always(2))
+    with torch.no_grad():
+        out = hf.generate(prompt, max_new_tokens=5, do_sample=False)
+    assert out[0, 3:].tolist() == [2] * 5, "token 2 is an ordinary token"
+
+
 def hf_llama(tmp_path, dtype=torch.bfloat16, tie=False):
     config = transformers.LlamaConfig(
         vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
