@@ -42,7 +42,7 @@ from services.checkpoint.convert import (
     save_streaming,
     tensor_specs,
 )
-from services.checkpoint.reader import read_manifest, read_tensor
+from services.checkpoint.reader import list_checkpoints, read_manifest, read_tensor
 from services.common.config import build, to_dict
 from services.common.errors import CheckpointError
 from services.trainer.config import JobConfig, ModelConfig
@@ -383,7 +383,7 @@ def import_hf(src_dir: str, dst_root: str, seed: int = 1234) -> str:
     Args:
         src_dir: local folder with `config.json` and `model.safetensors` (or a sharded
             `model.safetensors.index.json`).
-        dst_root: checkpoint root URL.
+        dst_root: checkpoint root URL, holding no committed checkpoint.
         seed: seeds the stored RNG states.
 
     Returns:
@@ -391,7 +391,8 @@ def import_hf(src_dir: str, dst_root: str, seed: int = 1234) -> str:
 
     Raises:
         CheckpointError: the config cannot be expressed, a tensor is missing, unmapped or of
-            the wrong shape or mixed dtype, or step 0 already exists under `dst_root`.
+            the wrong shape or mixed dtype, or `dst_root` already holds a committed checkpoint
+            (of any step: `train --load` would resume the latest, not step 0).
     """
     safe_open = _safe_open()
     src = Path(src_dir)
@@ -399,6 +400,13 @@ def import_hf(src_dir: str, dst_root: str, seed: int = 1234) -> str:
     if not config_path.is_file():
         raise CheckpointError(f"{src}: no config.json, so not a Hugging Face model folder")
     model = model_from_hf(_read_json(config_path))
+    existing = list_checkpoints(dst_root)
+    if existing:
+        # Step 0 would be passed over by `train --load`, which resumes the latest step.
+        raise CheckpointError(
+            f"{dst_root!r} already holds committed checkpoints {existing[:5]}{' ...' if len(existing) > 5 else ''}: "
+            "`meshtrain train --load` would resume the latest of them, not the import (step 0); import into an "
+            "empty root")
     files = _safetensors_files(src)
     missing = sorted(f for f in set(files.values()) if not (src / f).is_file())
     if missing:

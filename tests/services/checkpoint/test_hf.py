@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from services.checkpoint.hf import export_hf, import_hf
-from services.checkpoint.reader import read_manifest
+from services.checkpoint.reader import list_checkpoints, read_manifest
 from services.checkpoint.writer import save_checkpoint
 from services.common.config import to_dict
 from services.common.errors import CheckpointError
@@ -288,6 +288,17 @@ def test_import_refuses_what_meshtrain_cannot_express(tmp_path):
                                 str(src / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match="no mapping"):
         import_hf(str(src), str(tmp_path / "c"))
+
+
+def test_import_refuses_a_root_whose_later_steps_load_would_resume_instead(tmp_path):
+    """`train --load ROOT` resumes ROOT's latest step; the import is step 0, so beside a run's
+    checkpoints it would be passed over without a word."""
+    src = hf_llama(tmp_path, torch.float32)
+    root = str(tmp_path / "ckpt")
+    save_training_checkpoint(root, random_model(GPT2), step=7)
+    with pytest.raises(CheckpointError, match=r"already holds committed checkpoints \[7\]"):
+        import_hf(str(src), root)
+    assert list_checkpoints(root) == [7]
 
 
 def test_import_names_a_broken_folder_instead_of_a_traceback(tmp_path):
