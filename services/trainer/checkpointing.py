@@ -247,13 +247,16 @@ class Checkpointer:
                 self.sink.close()
 
 
-def _check_heads(root: str, meta: dict, model: GPT) -> None:
-    """Refuses a model that would read the checkpoint's attention heads as other heads.
+def _check_model(root: str, meta: dict, model: GPT) -> None:
+    """Compares the saved model config with `model` where the shapes cannot tell them apart.
 
-    The fused QKV weight has (heads + 2*groups) * hidden/heads rows, which is the same for
-    every head count at a fixed heads/groups ratio (3*hidden for plain MHA): GPT-2's 12 heads
-    load into a 4-head model with every shape matching, and the rows are then read as other
-    heads' queries, keys and values. Only the saved config can tell.
+    Refuses a model that would read the checkpoint's attention heads as other heads: the fused
+    QKV weight has (heads + 2*groups) * hidden/heads rows, the same for every head count at a
+    fixed heads/groups ratio (3*hidden for plain MHA), so GPT-2's 12 heads load into a 4-head
+    model with every shape matching and the rows read as other heads' queries, keys and values.
+    Warns when the RoPE base or the norm epsilon differ: the weights then compute another
+    function (an imported Llama 3 resumed without rope_theta=500000), but a new RoPE base is
+    also how a context is extended on purpose.
     """
     saved = (meta.get("config") or {}).get("model")
     if not isinstance(saved, dict) or "num_attention_heads" not in saved:
@@ -267,6 +270,12 @@ def _check_heads(root: str, meta: dict, model: GPT) -> None:
             f"model.num_attention_heads={c.num_attention_heads} in {c.groups} query groups here: its attention "
             "weights would be read as other heads (the shapes happen to match); set model.num_attention_heads "
             "and model.num_query_groups as saved (`meshtrain ckpt inspect` shows the saved config)")
+    keys = ["norm_epsilon"] + (["rotary_base"] if c.position_embedding_type == "rope" else [])
+    for key in keys:
+        if key in saved and saved[key] != getattr(c, key):
+            log.warning("%s: the checkpoint's model was saved with model.%s=%s, this run has %s: the weights "
+                        "compute another function from here on (set it as saved unless the change is meant)",
+                        root, key, saved[key], getattr(c, key))
 
 
 def restore(root: str, model: GPT, optimizer: torch.optim.Optimizer, par: Parallel,
@@ -298,7 +307,7 @@ def restore(root: str, model: GPT, optimizer: torch.optim.Optimizer, par: Parall
     extra = [n for n in stored if not n.startswith(("optim.", "rng.")) and n not in params]
     if extra:
         raise CheckpointError(f"{root}: checkpoint has tensors the model does not: {extra[:5]}")
-    _check_heads(root, meta, model)
+    _check_model(root, meta, model)
 
     def read_into(name: str, dst: torch.Tensor, param: torch.Tensor) -> None:
         dst.zero_()  # padded vocabulary rows are not stored: they restart at zero

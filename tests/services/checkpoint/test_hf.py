@@ -233,6 +233,30 @@ def test_restore_refuses_a_model_that_reads_the_heads_differently(tmp_path, make
         checkpointing.restore(root, model, build_optimizer(model, JobConfig().optim), par)
 
 
+def test_restore_warns_when_rope_base_or_norm_epsilon_differ_from_the_saved_model(tmp_path, caplog):
+    """Neither changes a shape, so restore cannot refuse on shapes; both change the function
+    the weights compute (a Llama 3 import resumed without its rope_theta=500000 trains on with
+    RoPE base 10000). Changing the RoPE base on purpose is a known context extension, so this
+    is a warning, naming the key, the saved value and this run's."""
+    src = hf_llama(tmp_path, torch.float32)
+    root = str(tmp_path / "ckpt")
+    import_hf(str(src), root)
+    saved = ModelConfig(**read_manifest(root, 0)["metadata"]["config"]["model"])
+    par = checkpointing.Parallel(Mesh.single())
+
+    def restore(config: ModelConfig) -> list[str]:
+        model = GPT(config)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="meshtrain.checkpoint"):
+            checkpointing.restore(root, model, build_optimizer(model, JobConfig().optim), par)
+        return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+    assert restore(saved) == []
+    messages = restore(dataclasses.replace(saved, rotary_base=10000.0, norm_epsilon=1e-5))
+    assert any("model.rotary_base" in m and "5000.0" in m and "10000.0" in m for m in messages), messages
+    assert any("model.norm_epsilon" in m and "1e-06" in m and "1e-05" in m for m in messages), messages
+
+
 def test_export_refuses_missing_misshapen_and_unmapped_tensors(tmp_path):
     model = random_model(LLAMA)
     cases = {
