@@ -4,10 +4,11 @@
 with their output merged into ours, each line prefixed with the child's name (`[data-0] ...`).
 A child is started only after the ones before it are healthy (`health.wait_serving`). Stopping
 goes in reverse: trainer ranks first (SIGTERM makes them checkpoint after the current step and
-exit 0), then the services; whatever outlives its grace period is SIGKILLed. `supervise()`
-returns when the trainer has finished, when a stop was requested, or when a child died on its
-own — except children marked `restart`, stateless servers (data workers) that are started again
-on the same port while clients fail over to their peers.
+exit 0), then the services; whatever outlives its grace period is SIGKILLed. A trainer rank
+that fails leaves the other ranks a short grace only: they may hang in a collective without it.
+`supervise()` returns when the trainer has finished, when a stop was requested, or when a child
+died on its own — except children marked `restart`, stateless servers (data workers) that are
+started again on the same port while clients fail over to their peers.
 
     topo = Topology()
     topo.start(Child("data-0", [...], port=7001))
@@ -102,7 +103,7 @@ class Child:
         role: "trainer", "service" or "store"; trainers stop first and their finishing ends
             the run, the object store (which services write to) stops last.
         restart: start it again (same argv, same port) when it dies on its own.
-        grace_s: seconds between SIGTERM and SIGKILL when stopping it.
+        grace_s: seconds between SIGTERM and SIGKILL when stopping it (`math.inf`: no SIGKILL).
     """
 
     name: str
@@ -123,13 +124,17 @@ class Topology:
     Args:
         out: where prefixed log lines go.
         max_restarts: how often one `restart` child may be restarted before the run stops.
+        failure_grace_s: once a trainer rank has failed, seconds the other ranks get after
+            SIGTERM before SIGKILL (at most; less if their own grace is shorter).
     """
 
-    def __init__(self, out: TextIO | None = None, max_restarts: int = 5):
+    def __init__(self, out: TextIO | None = None, max_restarts: int = 5, failure_grace_s: float = 15.0):
         self.out = out or sys.stdout
         self.max_restarts = max_restarts
+        self.failure_grace_s = failure_grace_s
         self.children: list[Child] = []
         self.urgent = threading.Event()  # set (a second Ctrl-C): shutdown skips grace periods
+        self.failed: Child | None = None  # the first child seen to die on its own
         self._out_lock = threading.Lock()
         self._pumps: list[threading.Thread] = []
 
@@ -210,6 +215,7 @@ class Topology:
                     continue  # finished; the others follow
                 if child.restart and self._restart(child, code, restart_wait):
                     continue
+                self.failed = child
                 self.say(f"error: {child.name} exited unexpectedly with status {_describe(code)}; "
                          "stopping the topology")
                 return 1
@@ -250,22 +256,43 @@ class Topology:
                 if c.process.poll() is None:
                     self.say(f"stopping {c.name} (SIGTERM)")
                     _signal(c.process, signal.SIGTERM)
-            for c in group:
-                grace = trainer_grace_s if (c.role == "trainer" and trainer_grace_s is not None) else c.grace_s
-                deadline = time.monotonic() + grace
-                while c.process.poll() is None and time.monotonic() < deadline and not self.urgent.is_set():
-                    try:
-                        c.process.wait(0.2)
-                    except subprocess.TimeoutExpired:
-                        pass
-                if c.process.poll() is None:
-                    why = "stopping now" if self.urgent.is_set() else f"still running after {grace:.0f} s"
-                    self.say(f"{c.name} {why}: SIGKILL")
-                    _signal(c.process, signal.SIGKILL)
-                    c.process.wait()
+            self._wait_out(group, trainer_grace_s)
         for pump in self._pumps:
             pump.join(timeout=2)
         return {c.name: c.process.returncode for c in self.children}
+
+    def _wait_out(self, group: list[Child], trainer_grace_s: float | None) -> None:
+        """Wait for the SIGTERMed `group` all at once, SIGKILLing each child whose grace runs out
+        (every one at once when `urgent`). A trainer rank that fails (exits non-zero) meanwhile or
+        before cuts the others' grace to `failure_grace_s`: no collective, the final checkpoint's
+        included, can finish without it, and they may hang in one."""
+        now = time.monotonic()
+        deadline, why = {}, {}
+        for c in group:
+            grace = trainer_grace_s if (c.role == "trainer" and trainer_grace_s is not None) else c.grace_s
+            deadline[c.name], why[c.name] = now + grace, f"still running after {grace:.0f} s"
+        cut = False
+        while running := [c for c in group if c.process.poll() is None]:
+            now = time.monotonic()
+            failed = next((c for c in group if c.role == "trainer" and c.process.returncode), None)
+            if failed is not None and not cut:
+                cut = True
+                self.failed = self.failed or failed
+                limit = now + self.failure_grace_s
+                cut_short = [c for c in running if c.role == "trainer" and deadline[c.name] > limit]
+                for c in cut_short:
+                    deadline[c.name] = limit
+                    why[c.name] = f"still running {self.failure_grace_s:.0f} s after {failed.name} failed"
+                if cut_short:
+                    self.say(f"{failed.name} exited with status {_describe(failed.process.returncode)}; giving "
+                             f"{', '.join(c.name for c in cut_short)} {self.failure_grace_s:.0f} s to exit "
+                             "before SIGKILL")
+            for c in running:
+                if self.urgent.is_set() or now >= deadline[c.name]:
+                    self.say(f"{c.name} {'stopping now' if self.urgent.is_set() else why[c.name]}: SIGKILL")
+                    _signal(c.process, signal.SIGKILL)
+                    c.process.wait()
+            self.urgent.wait(0.2)
 
 
 def _signal(process: subprocess.Popen, sig: int) -> None:

@@ -5,6 +5,7 @@ SIGKILL fallback are the kernel's, not simulated.
 """
 
 import io
+import math
 import signal
 import sys
 import threading
@@ -111,6 +112,39 @@ def test_sigkill_after_the_grace_period():
     assert topo.shutdown() == {"stubborn": -signal.SIGKILL}
     assert 0.9 < time.monotonic() - start < 10
     assert "[up] stubborn still running after 1 s: SIGKILL" in lines(out)
+
+
+def test_a_rank_that_fails_while_stopping_cuts_the_others_grace_short():
+    # No deadline for a stop (a long final checkpoint must not be SIGKILLed), yet a rank whose
+    # peer has died may hang in a collective for good: it gets failure_grace_s only.
+    out = io.StringIO()
+    topo = Topology(out, failure_grace_s=1.0)
+    topo.start(Child("trainer-0", py(STUBBORN), role="trainer", grace_s=math.inf))
+    topo.start(Child("trainer-1", py(POLITE.replace("sys.exit(0)", "sys.exit(3)"), "trainer-1"), role="trainer",
+                     grace_s=math.inf))
+    deadline = time.monotonic() + 30
+    while "[trainer-0] ignoring SIGTERM" not in lines(out) or "[trainer-1] hello trainer-1" not in lines(out):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    start = time.monotonic()
+    assert topo.shutdown() == {"trainer-0": -signal.SIGKILL, "trainer-1": 3}
+    assert time.monotonic() - start < 10
+    assert topo.failed.name == "trainer-1"
+    assert "[up] trainer-1 exited with status 3; giving trainer-0 1 s to exit before SIGKILL" in lines(out)
+    assert "[up] trainer-0 still running 1 s after trainer-1 failed: SIGKILL" in lines(out)
+
+
+def test_without_a_failure_a_stop_waits_past_the_failure_grace():
+    out = io.StringIO()
+    topo = Topology(out, failure_grace_s=0.5)
+    slow = POLITE.replace('print("bye", name, flush=True)', "time.sleep(2)")  # a final checkpoint
+    topo.start(Child("trainer-0", py(slow, "trainer-0"), role="trainer", grace_s=math.inf))
+    topo.start(Child("trainer-1", py(slow, "trainer-1"), role="trainer", grace_s=math.inf))
+    deadline = time.monotonic() + 30
+    while sum(" hello " in line for line in lines(out)) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert topo.shutdown() == {"trainer-0": 0, "trainer-1": 0}
 
 
 def test_health_wait_names_a_child_that_exits_or_never_serves():
