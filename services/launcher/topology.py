@@ -8,7 +8,8 @@ exit 0), then the services; whatever outlives its grace period is SIGKILLed. A t
 that fails leaves the other ranks a short grace only: they may hang in a collective without it.
 `supervise()` returns when the trainer has finished, when a stop was requested, or when a child
 died on its own — except children marked `restart`, stateless servers (data workers) that are
-started again on the same port while clients fail over to their peers.
+started again on the same port while clients fail over to their peers. `stop_on_signals` turns
+SIGINT/SIGTERM/SIGHUP into that stop request.
 
     topo = Topology()
     topo.start(Child("data-0", [...], port=7001))
@@ -17,6 +18,7 @@ started again on the same port while clients fail over to their peers.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -26,7 +28,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TextIO
 
@@ -104,6 +106,8 @@ class Child:
             the run, the object store (which services write to) stops last.
         restart: start it again (same argv, same port) when it dies on its own.
         grace_s: seconds between SIGTERM and SIGKILL when stopping it (`math.inf`: no SIGKILL).
+        inherit_output: write to our stdout and stderr as they are, instead of through
+            prefixed log lines on `Topology.out`.
     """
 
     name: str
@@ -113,6 +117,7 @@ class Child:
     role: str = "service"
     restart: bool = False
     grace_s: float = 10.0
+    inherit_output: bool = False
     process: subprocess.Popen | None = field(default=None, repr=False)
     restarts: int = 0
     stopping: bool = False
@@ -124,13 +129,16 @@ class Topology:
     Args:
         out: where prefixed log lines go.
         max_restarts: how often one `restart` child may be restarted before the run stops.
+        label: the prefix of the launcher's own lines (`[up] ...`).
         failure_grace_s: once a trainer rank has failed, seconds the other ranks get after
             SIGTERM before SIGKILL (at most; less if their own grace is shorter).
     """
 
-    def __init__(self, out: TextIO | None = None, max_restarts: int = 5, failure_grace_s: float = 15.0):
+    def __init__(self, out: TextIO | None = None, max_restarts: int = 5, label: str = "up",
+                 failure_grace_s: float = 15.0):
         self.out = out or sys.stdout
         self.max_restarts = max_restarts
+        self.label = label
         self.failure_grace_s = failure_grace_s
         self.children: list[Child] = []
         self.urgent = threading.Event()  # set (a second Ctrl-C): shutdown skips grace periods
@@ -139,13 +147,13 @@ class Topology:
         self._pumps: list[threading.Thread] = []
 
     def say(self, line: str) -> None:
-        """A line of the launcher's own, prefixed `[up]`."""
-        self._write("up", line)
+        """A line of the launcher's own, prefixed `[up]` (the label)."""
+        self._write(self.label, line)
 
     def say_if_free(self, line: str) -> None:
         """`say` from a signal handler: skipped if this thread is mid-write (the lock is not
         reentrant, and waiting for it there would wait forever)."""
-        self._write("up", line, wait=False)
+        self._write(self.label, line, wait=False)
 
     def _write(self, name: str, line: str, wait: bool = True) -> None:
         if not self._out_lock.acquire(blocking=wait):
@@ -171,14 +179,15 @@ class Topology:
             The child, running.
         """
         env = {**os.environ, **child.env, "PYTHONUNBUFFERED": "1"}
+        piped = {} if child.inherit_output else {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}
         # Own session: a terminal's Ctrl-C reaches only us, and we stop children in order.
-        child.process = subprocess.Popen(_dies_with_us(child.argv), env=env, stdout=subprocess.PIPE,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
-        pump = threading.Thread(target=self._pump, args=(child.name, child.process.stdout),
-                                name=f"log-{child.name}", daemon=True)
-        pump.start()
-        self._pumps.append(pump)
+        child.process = subprocess.Popen(_dies_with_us(child.argv), env=env, stdin=subprocess.DEVNULL,
+                                         start_new_session=True, **piped)
+        if not child.inherit_output:
+            pump = threading.Thread(target=self._pump, args=(child.name, child.process.stdout),
+                                    name=f"log-{child.name}", daemon=True)
+            pump.start()
+            self._pumps.append(pump)
         if child not in self.children:
             self.children.append(child)
         self.say(f"started {child.name} (pid {child.process.pid})"
@@ -311,6 +320,40 @@ def _describe(code: int) -> str:
         except ValueError:
             return str(code)
     return str(code)
+
+
+@contextlib.contextmanager
+def stop_on_signals(topo: Topology, stop: threading.Event, first: str) -> Iterator[None]:
+    """While inside: the first SIGINT, SIGTERM or SIGHUP sets `stop`, any later one `topo.urgent`
+    (stop at once: SIGKILL, no checkpoint), each with a line saying so. SIGHUP too: the terminal
+    closed, and the children must not outlive us either way. Signals are handled on the main
+    thread only; elsewhere (tests) this does nothing and `stop` is set by the caller.
+
+    Args:
+        topo: the topology to stop.
+        stop: the event the run watches.
+        first: what the first signal does, for its line ("stopping (trainer first, ...)").
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_signal(signum, _frame):
+        # Only flags here: the handler runs on the main thread, which may be mid-write.
+        name = signal.Signals(signum).name
+        if stop.is_set():
+            topo.urgent.set()
+            topo.say_if_free(f"received {name} again: stopping now (SIGKILL, no checkpoint)")
+        else:
+            stop.set()
+            topo.say_if_free(f"received {name}: {first}")
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str, child: Child,

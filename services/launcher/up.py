@@ -9,8 +9,9 @@ s3://meshtrain/checkpoints); N DataService workers; the checkpoint service for t
 save root; then K trainer ranks pointed at them (`--data-service-addresses`,
 `--checkpoint.service_address`, `--train.control_port=0`, so `meshtrain status RUN_DIR` works).
 Every process's log lines carry its name. The ranks are started here directly with torchrun's
-environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT, ...) rather than under torchrun's agent, so
-each rank gets its own SIGTERM on shutdown (checkpoint, exit 0) and its own exit status. All
+environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT, ...; `ranks.local_ranks`, as
+`meshtrain train --nproc-per-node` does) rather than under torchrun's agent, so each rank gets
+its own SIGTERM on shutdown (checkpoint, exit 0) and its own exit status. All
 ports are free ports on 127.0.0.1. An `s3://` save root reads AWS_ENDPOINT_URL and credentials
 from the environment (set by `--s3` for its own store), which every child inherits.
 
@@ -32,12 +33,14 @@ from pathlib import Path
 from services.common.errors import ConfigError
 from services.launcher.health import wait_http, wait_serving
 from services.launcher.objectstore import AccessKeys, ObjectStore, require_weed
+from services.launcher.ranks import local_ranks
 from services.launcher.topology import (
     Child,
     ChildFailed,
     StopRequested,
     Topology,
     free_port,
+    stop_on_signals,
 )
 
 PYTHON = [sys.executable, "-m", "services.cli"]
@@ -143,16 +146,8 @@ def plan(options: UpOptions, overrides: list[str]) -> Plan:
         services.append(Child("ckpt", PYTHON + ["ckpt", "serve", save, "--port", str(port), *metrics],
                               port=port, grace_s=15.0))
         trainer_args.append(f"--checkpoint.service_address=127.0.0.1:{port}")
-    world = options.nproc_per_node
-    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-                  "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
-                  # torchrun's default too: K ranks each spawning a thread per core oversubscribe
-                  **({"OMP_NUM_THREADS": "1"} if world > 1 else {})}
-    name = "trainer" if world == 1 else "trainer-{}"
-    trainers = [Child(name.format(rank), PYTHON + ["train", *trainer_args],
-                      env={**rendezvous, "RANK": str(rank), "LOCAL_RANK": str(rank)} if world > 1 else {},
-                      role="trainer", grace_s=options.trainer_grace_s)
-                for rank in range(world)]
+    trainers = local_ranks(options.nproc_per_node, PYTHON + ["train", *trainer_args], "trainer",
+                           options.trainer_grace_s)
     if not options.resume:  # from scratch into a root that may hold an earlier run's steps
         for child in trainers:
             child.argv.append("--checkpoint.overwrite=true")
@@ -223,20 +218,25 @@ def run_up(options: UpOptions, overrides: list[str], out=None,
     p = plan(options, overrides)
     topo = Topology(out)
     stop = stop or threading.Event()
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        def on_signal(signum, _frame):
-            # Only flags here: the handler runs on the main thread, which may be mid-write.
-            name = signal.Signals(signum).name
-            if stop.is_set():
-                topo.urgent.set()
-                topo.say_if_free(f"received {name} again: stopping now (SIGKILL, no checkpoint)")
-            else:
-                stop.set()
-                topo.say_if_free(f"received {name}: stopping (trainer first, it checkpoints; "
-                                 "again to stop at once)")
-        # SIGHUP: the terminal closed; the children must not outlive us either way.
-        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    with stop_on_signals(topo, stop, "stopping (trainer first, it checkpoints; again to stop at once)"):
+        code, statuses = _run(topo, p, options, stop)
+    failed = {n: c for n, c in statuses.items() if n.startswith("trainer") and c not in (0, None)}
+    if stop.is_set() and not topo.urgent.is_set():
+        # A trainer killed by our SIGTERM had not reached its training loop (inside it SIGTERM
+        # means: checkpoint, exit 0), so a requested stop lost no training there.
+        early = [n for n, c in failed.items() if c == -signal.SIGTERM]
+        if early:
+            topo.say(f"{', '.join(early)} stopped before training started")
+        failed = {n: c for n, c in failed.items() if n not in early}
+    if failed and code == 0:
+        topo.say(f"error: trainer exit statuses {failed}")
+        code = 1
+    topo.say(f"stopped (exit {code})")
+    return code
+
+
+def _run(topo: Topology, p: Plan, options: UpOptions, stop: threading.Event) -> tuple[int, dict[str, int | None]]:
+    """Start the plan's processes, supervise them, stop them: (exit status so far, each child's status)."""
     code = 1
     # The store's endpoint and keys, for this process (listing the save root) and every child.
     saved_env = {k: os.environ.get(k) for k in (p.store.env() if p.store else {})}
@@ -265,23 +265,9 @@ def run_up(options: UpOptions, overrides: list[str], out=None,
         code = 1
     finally:
         statuses = topo.shutdown()
-        for s, h in previous.items():
-            signal.signal(s, h)
         for k, v in saved_env.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    failed = {n: c for n, c in statuses.items() if n.startswith("trainer") and c not in (0, None)}
-    if stop.is_set() and not topo.urgent.is_set():
-        # A trainer killed by our SIGTERM had not reached its training loop (inside it SIGTERM
-        # means: checkpoint, exit 0), so a requested stop lost no training there.
-        early = [n for n, c in failed.items() if c == -signal.SIGTERM]
-        if early:
-            topo.say(f"{', '.join(early)} stopped before training started")
-        failed = {n: c for n, c in failed.items() if n not in early}
-    if failed and code == 0:
-        topo.say(f"error: trainer exit statuses {failed}")
-        code = 1
-    topo.say(f"stopped (exit {code})")
-    return code
+    return code, statuses
