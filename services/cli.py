@@ -1,6 +1,7 @@
 """The `meshtrain` command line: one entry point, each service registers its own subcommands.
 
     meshtrain train --config deploy/configs/tiny.toml [--section.key=value | --megatron-flag ...]
+    meshtrain train --nproc-per-node 4 [--grace S] ...  (local ranks: services/launcher/ranks.py)
     meshtrain train --help-config
     meshtrain data preprocess|train-tokenizer ...      (services/dataloader/cli.py)
     meshtrain ckpt list|inspect ...                    (services/checkpoint/cli.py)
@@ -14,10 +15,11 @@ import argparse
 import sys
 
 from services.checkpoint import cli as ckpt_cli
-from services.common.errors import MeshtrainError
+from services.common.errors import ConfigError, MeshtrainError
 from services.common.logging import setup_logging
 from services.dataloader import cli as data_cli
 from services.launcher import cli as launcher_cli
+from services.launcher.ranks import FAILURE_GRACE_S
 
 
 def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
@@ -28,7 +30,10 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
         print(config_help())
         return 0
     if args.nproc_per_node > 1:
-        return launch_local_ranks(args.nproc_per_node, rest)
+        return launch_local_ranks(args.nproc_per_node, rest, args.grace)
+    if args.grace is not None:
+        raise ConfigError("--grace applies to the ranks of --nproc-per-node N > 1 only "
+                          "(one process is stopped by SIGTERM directly)")
     job = load_config(rest)  # validate before anything starts
     result = train(job)
     if result.rank != 0:
@@ -50,21 +55,21 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
-def launch_local_ranks(nproc: int, rest: list[str]) -> int:
-    """Run `meshtrain train` on `nproc` local ranks through torchrun's launcher (standalone rendezvous)."""
-    from torch.distributed.run import get_args_parser, run
+def launch_local_ranks(nproc: int, rest: list[str], grace_s: float | None = None) -> int:
+    """Run `meshtrain train` on `nproc` local ranks, each our own child process (`services/launcher/ranks.py`).
 
+    Args:
+        nproc: how many ranks.
+        rest: the trainer's arguments.
+        grace_s: seconds the ranks get to checkpoint after a stop before SIGKILL (None: no limit).
+    """
+    from services.launcher.ranks import run_local_ranks
     from services.trainer.config import load_config
 
+    if grace_s is not None and not grace_s > 0:
+        raise ConfigError(f"--grace must be a positive number of seconds, got {grace_s}")
     load_config(rest)  # fail fast here, not once per rank
-    launcher = get_args_parser().parse_args(
-        ["--standalone", f"--nproc-per-node={nproc}", "--module", "services.cli", "train", *rest])
-    try:
-        run(launcher)
-    except Exception as e:  # torchrun raises ChildFailedError with each rank's exit code
-        print(f"meshtrain: error: a rank failed: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return run_local_ranks(nproc, rest, grace_s)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,7 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
                                    "see --help-config for the keys and the Megatron-style aliases.")
     t.add_argument("--help-config", action="store_true", help="list every config key and alias, then exit")
     t.add_argument("--nproc-per-node", type=int, default=1,
-                   help="launch this many local ranks (torchrun's launcher); plain torchrun works too")
+                   help="run this many local ranks, each a child process with torchrun's environment; "
+                        "SIGINT/SIGTERM/SIGHUP reach each rank once as SIGTERM (checkpoint, exit 0), a "
+                        f"rank that fails stops the others (SIGKILL after {FAILURE_GRACE_S:.0f} s); exit 0 "
+                        "only if every rank exited 0. Plain torchrun works too")
+    t.add_argument("--grace", type=float, default=None, metavar="SECONDS",
+                   help="with --nproc-per-node: seconds the ranks get to checkpoint and exit after a stop "
+                        "signal before SIGKILL (default: no limit; a second signal stops them at once)")
     data_cli.register(sub)
     ckpt_cli.register(sub)
     launcher_cli.register(sub)

@@ -1,11 +1,17 @@
 """The `meshtrain` command as a user runs it: train, resume, inspect, preprocess, errors."""
 
 import json
+import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+
+from tests.services.trainer.conftest import corpus_cache, small_job_args  # noqa: F401  (a fixture, found by name)
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "deploy" / "configs" / "tiny.toml")
@@ -48,6 +54,17 @@ def test_user_errors_exit_2_with_the_key_named(tmp_path):
     assert missing.returncode == 2 and "nope.toml" in missing.stderr
     empty = meshtrain("ckpt", "inspect", tmp_path)
     assert empty.returncode == 2 and "no committed checkpoint" in empty.stderr
+
+
+@pytest.mark.e2e
+def test_launcher_errors_exit_2_before_any_rank_starts():
+    bad = meshtrain("train", "--nproc-per-node", "2", "--config", TINY, "--model.hidden_sz=3")
+    assert bad.returncode == 2 and "model.hidden_sz" in bad.stderr and "started rank" not in bad.stderr
+    assert "Traceback" not in bad.stderr
+    zero = meshtrain("train", "--nproc-per-node", "2", "--grace", "0", "--config", TINY)
+    assert zero.returncode == 2 and "--grace must be a positive" in zero.stderr
+    alone = meshtrain("train", "--grace", "30", "--config", TINY)
+    assert alone.returncode == 2 and "--grace applies to the ranks of --nproc-per-node" in alone.stderr
 
 
 @pytest.mark.e2e
@@ -99,8 +116,6 @@ def _losses(run):
 def test_sigterm_saves_exits_0_and_resume_continues_identically(tmp_path):
     """Preemption: SIGTERM mid-run commits a checkpoint and exits 0; the next launch resumes from
     it and the losses of both parts equal an uninterrupted run's exactly (CPU, fp32)."""
-    import signal
-    import time
 
     small = ["--data.default_corpus_bytes=300000", f"--data.cache_dir={tmp_path / 'cache'}", "--data.tokenizer=byte",
              "--data.split=80,20,0", "--eval-interval", "0", "--log.plot=false", "--log-interval", "1",
@@ -127,3 +142,86 @@ def test_sigterm_saves_exits_0_and_resume_continues_identically(tmp_path):
     assert max(first) == stopped and min(second) == stopped + 1 and max(second) == 150
     combined = {**{s: v for s, v in first.items() if s <= stopped}, **second}
     assert combined == reference
+
+
+def _rank_pids(launcher_pid: int) -> dict[int, int]:
+    """{rank: pid} of the launcher's child processes with RANK in their environment (read from
+    /proc, so it finds the ranks whichever way the launcher started them)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid != launcher_pid:
+                continue
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue  # exited meanwhile
+        ranks = [kv[5:] for kv in env if kv.startswith(b"RANK=")]
+        if ranks:
+            found[int(ranks[0])] = int(entry.name)
+    return found
+
+
+def _gone(pid: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _launch_two_ranks(tmp_path, cache):
+    """`meshtrain train --nproc-per-node 2` (dp=2) on a ~0.2M-parameter model with a long schedule,
+    returned once both ranks have logged step 3: (process, run directory, {rank: pid})."""
+    run = tmp_path / "run"
+    args = small_job_args(cache, run, **{"train.train_iters": 100_000, "train.eval_interval": 0})
+    with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "train", "--nproc-per-node", "2", *args],
+                                cwd=ROOT, stdout=out, stderr=err)
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not metrics.exists() or len(metrics.read_text().splitlines()) < 3:
+        assert proc.poll() is None, (tmp_path / "stderr").read_text()[-3000:]
+        assert time.monotonic() < deadline, (tmp_path / "stderr").read_text()[-3000:]
+        time.sleep(0.05)
+    pids = _rank_pids(proc.pid)
+    assert sorted(pids) == [0, 1], pids
+    return proc, run, pids
+
+
+@pytest.mark.e2e
+@pytest.mark.dist
+def test_nproc_per_node_sigterm_commits_a_checkpoint_and_exits_0(tmp_path, corpus_cache):  # noqa: F811
+    """Preemption of a multi-rank launch: the launcher passes SIGTERM on to every rank, each
+    checkpoints after the current step and exits 0, and so does the launcher (torchrun's agent
+    reported its own SignalException instead: exit 1, "a rank failed")."""
+    proc, run, pids = _launch_two_ranks(tmp_path, corpus_cache)
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(timeout=120)
+    err = (tmp_path / "stderr").read_text()
+    assert code == 0, err[-3000:]
+    steps = meshtrain("ckpt", "list", run / "checkpoints").stdout.split()
+    assert len(steps) == 1 and 3 <= int(steps[0]) < 100_000, (steps, err[-3000:])
+    # rank 0's summary reaches the launcher's stdout as it is
+    assert f"checkpoint    : {run / 'checkpoints'}/step_{int(steps[0]):08d}" in (tmp_path / "stdout").read_text()
+    assert all(_gone(pid) for pid in pids.values())
+
+
+@pytest.mark.e2e
+@pytest.mark.dist
+def test_nproc_per_node_rank_that_dies_stops_the_others_and_is_named(tmp_path, corpus_cache):  # noqa: F811
+    """Rank 1 SIGKILLed (as the OOM killer would): the launcher stops rank 0, exits 1 and names
+    rank 1 first on its error line; no rank is left running."""
+    proc, _, pids = _launch_two_ranks(tmp_path, corpus_cache)
+    os.kill(pids[1], signal.SIGKILL)
+    code = proc.wait(timeout=120)
+    err = (tmp_path / "stderr").read_text()
+    assert code == 1, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("meshtrain: error:")]
+    assert len(errors) == 1 and re.match(r"meshtrain: error: rank 1 failed \(killed by SIGKILL\)", errors[0]), err[-3000:]
+    assert all(_gone(pid) for pid in pids.values())

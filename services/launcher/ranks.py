@@ -1,16 +1,32 @@
-"""Trainer ranks on this machine as our own child processes, with torchrun's environment but no
-torchrun agent between them and us: `meshtrain up` builds its trainer with `local_ranks`.
+"""Trainer ranks on this machine as our own child processes: `meshtrain train --nproc-per-node N`
+runs them with `run_local_ranks`, and `meshtrain up` builds its trainer with `local_ranks`.
 
-Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1 and
-MASTER_PORT=a free port, so a stop reaches each rank as its own SIGTERM (it checkpoints after
-the current step and exits 0) and each rank's exit status is ours to see.
+    meshtrain train --nproc-per-node 2 --config deploy/configs/tiny.toml [--grace S] [train overrides]
+
+Each rank gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+MASTER_ADDR=127.0.0.1, MASTER_PORT=a free port) but no torchrun agent between it and us. A stop
+(SIGINT, SIGTERM or SIGHUP to us) reaches every rank once, as SIGTERM: it checkpoints after the
+current step and exits 0, and we wait for that without a deadline unless `--grace` sets one (a
+second signal stops the ranks at once, SIGKILL, no checkpoint). A rank that fails on its own
+stops the others (SIGTERM, then SIGKILL after `FAILURE_GRACE_S`: they may hang in a collective).
+We exit 0 when every rank exited 0, else 1 with one line naming the ranks that did not, the
+first to fail first. torchrun's agent instead reported a SIGTERM as its own failure (exit 1)
+and SIGKILLed the ranks 30 s after passing it on (TORCH_ELASTIC_SHUTDOWN_TIMEOUT), losing a
+long final checkpoint.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import signal
+import sys
+import threading
+from typing import TextIO
 
-from services.launcher.topology import Child, free_port
+from services.launcher.topology import Child, Topology, free_port, stop_on_signals
+
+FAILURE_GRACE_S = 15.0
 
 
 def local_ranks(world: int, argv: list[str], name: str, grace_s: float,
@@ -34,3 +50,62 @@ def local_ranks(world: int, argv: list[str], name: str, grace_s: float,
     return [Child(f"{name}-{rank}", list(argv), env={**rendezvous, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                   role="trainer", grace_s=grace_s, inherit_output=inherit_output)
             for rank in range(world)]
+
+
+def run_local_ranks(nproc: int, train_args: list[str], grace_s: float | None = None,
+                    out: TextIO | None = None) -> int:
+    """Run `meshtrain train TRAIN_ARGS` on `nproc` local ranks until they end, fail, or are stopped.
+
+    Args:
+        nproc: how many ranks.
+        train_args: `meshtrain train` arguments (already validated by the caller).
+        grace_s: seconds the ranks get to checkpoint and exit after a stop before SIGKILL
+            (None: no limit).
+        out: where the launcher's own lines go (stderr by default); the ranks write to our
+            stdout and stderr.
+
+    Returns:
+        0 when every rank exited 0 (finished, or stopped with its checkpoint committed), else 1
+        after printing which ranks did not, with their exit statuses.
+    """
+    out = out or sys.stderr
+    topo = Topology(out, label="meshtrain", failure_grace_s=FAILURE_GRACE_S)
+    ranks = local_ranks(nproc, [sys.executable, "-m", "services.cli", "train", *train_args], "rank",
+                        math.inf if grace_s is None else grace_s, inherit_output=True)
+    stop = threading.Event()  # set by a signal
+    with stop_on_signals(topo, stop, "passing SIGTERM to every rank: each checkpoints after its current step, "
+                                     "then exits (again to stop at once)"):
+        try:
+            for child in ranks:
+                topo.start(child)
+            topo.supervise(stop)
+        finally:
+            statuses = topo.shutdown()
+    failed = [rank for rank, child in enumerate(ranks) if statuses[child.name] != 0]
+    if not failed:
+        return 0
+    stopped = stop.is_set() and not topo.urgent.is_set()
+    first = topo.failed  # the first rank to die on its own, unless our own SIGTERM killed it
+    if first is not None and stopped and statuses[first.name] == -signal.SIGTERM:
+        first = None
+    failed.sort(key=lambda rank: ranks[rank] is not first)  # the first to fail first, then by rank
+    parts = [f"rank {rank} ({_describe(statuses[ranks[rank].name], stopped)})" for rank in failed]
+    if ranks[failed[0]] is first:  # e.g. "rank 1 failed (killed by SIGKILL), then rank 0 (exit status 1)"
+        line = parts[0].replace(" (", " failed (", 1) + (f", then {', '.join(parts[1:])}" if parts[1:] else "")
+    else:
+        line = f"not every rank exited 0: {', '.join(parts)}"
+    print(f"meshtrain: error: {line}", file=out, flush=True)
+    return 1
+
+
+def _describe(code: int, stop_requested: bool) -> str:
+    if code >= 0:
+        return f"exit status {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        return f"killed by signal {-code}"
+    if code == -signal.SIGTERM and stop_requested:
+        # Inside its training loop SIGTERM means checkpoint and exit 0: this rank was not there yet.
+        return "stopped by SIGTERM before its training loop began: nothing to checkpoint"
+    return f"killed by {name}"
