@@ -19,7 +19,7 @@ TINY = str(ROOT / "deploy" / "configs" / "tiny.toml")
 
 def meshtrain(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "services.cli", *map(str, args)], cwd=cwd or ROOT,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, check=False)
 
 
 @pytest.mark.e2e
@@ -224,4 +224,29 @@ def test_nproc_per_node_rank_that_dies_stops_the_others_and_is_named(tmp_path, c
     assert code == 1, err[-3000:]
     errors = [line for line in err.splitlines() if line.startswith("meshtrain: error:")]
     assert len(errors) == 1 and re.match(r"meshtrain: error: rank 1 failed \(killed by SIGKILL\)", errors[0]), err[-3000:]
+    assert all(_gone(pid) for pid in pids.values())
+
+
+@pytest.mark.e2e
+@pytest.mark.dist
+def test_nproc_per_node_stop_before_training_began_is_a_clean_stop(tmp_path, corpus_cache):  # noqa: F811
+    """SIGTERM while the ranks are still starting (importing torch, before their training loop,
+    where SIGTERM means "checkpoint and exit 0"): they die of it with nothing to save, and the
+    launcher counts that as the stop it was asked for, as `meshtrain up` does: exit 0, no
+    checkpoint, and a line saying which ranks stopped before training started."""
+    run = tmp_path / "run"
+    args = small_job_args(corpus_cache, run, **{"train.train_iters": 100_000, "train.eval_interval": 0})
+    with open(tmp_path / "stderr", "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "train", "--nproc-per-node", "2", *args],
+                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
+    deadline = time.monotonic() + 60
+    while len(pids := _rank_pids(proc.pid)) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()[-3000:]
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(timeout=120)
+    err = (tmp_path / "stderr").read_text()
+    assert code == 0, err[-3000:]
+    assert "rank 0, rank 1 stopped before training started" in err and "error" not in err, err[-3000:]
+    assert not (run / "checkpoints").exists() or not meshtrain("ckpt", "list", run / "checkpoints").stdout.split()
     assert all(_gone(pid) for pid in pids.values())

@@ -9,8 +9,9 @@ MASTER_ADDR=127.0.0.1, MASTER_PORT=a free port) but no torchrun agent between it
 current step and exits 0, and we wait for that without a deadline unless `--grace` sets one (a
 second signal stops the ranks at once, SIGKILL, no checkpoint). A rank that fails on its own
 stops the others (SIGTERM, then SIGKILL after `FAILURE_GRACE_S`: they may hang in a collective).
-We exit 0 when every rank exited 0, else 1 with one line naming the ranks that did not, the
-first to fail first. torchrun's agent instead reported a SIGTERM as its own failure (exit 1)
+We exit 0 when every rank exited 0, or was stopped by our SIGTERM before its training loop
+began (nothing to checkpoint, as `meshtrain up` counts it), else 1 with one line naming the
+ranks that did not, the first to fail first. torchrun's agent instead reported a SIGTERM as its own failure (exit 1)
 and SIGKILLed the ranks 30 s after passing it on (TORCH_ELASTIC_SHUTDOWN_TIMEOUT), losing a
 long final checkpoint.
 """
@@ -65,8 +66,9 @@ def run_local_ranks(nproc: int, train_args: list[str], grace_s: float | None = N
             stdout and stderr.
 
     Returns:
-        0 when every rank exited 0 (finished, or stopped with its checkpoint committed), else 1
-        after printing which ranks did not, with their exit statuses.
+        0 when every rank exited 0 (finished, or stopped with its checkpoint committed) or was
+        stopped before its training loop began, else 1 after printing which ranks did not, with
+        their exit statuses.
     """
     out = out or sys.stderr
     topo = Topology(out, label="meshtrain", failure_grace_s=FAILURE_GRACE_S)
@@ -82,9 +84,17 @@ def run_local_ranks(nproc: int, train_args: list[str], grace_s: float | None = N
         finally:
             statuses = topo.shutdown()
     failed = [rank for rank, child in enumerate(ranks) if statuses[child.name] != 0]
+    stopped = stop.is_set() and not topo.urgent.is_set()
+    if stopped and topo.failed is None:
+        # As `meshtrain up`: inside its training loop a rank takes SIGTERM as "checkpoint and
+        # exit 0", so one killed by it had not reached the loop and had nothing to save: a stop
+        # asked for before training began is a clean stop, not a failure.
+        early = [rank for rank in failed if statuses[ranks[rank].name] == -signal.SIGTERM]
+        if early:
+            topo.say(f"{', '.join(f'rank {rank}' for rank in early)} stopped before training started")
+        failed = [rank for rank in failed if rank not in early]
     if not failed:
         return 0
-    stopped = stop.is_set() and not topo.urgent.is_set()
     first = topo.failed  # the first rank to die on its own, unless our own SIGTERM killed it
     if first is not None and stopped and statuses[first.name] == -signal.SIGTERM:
         first = None
