@@ -131,23 +131,20 @@ def test_linear_cross_entropy_without_grad_matches_loss():
     torch.testing.assert_close(loss.double(), ref, **TOL[torch.float32])
 
 
-_BAD_LABEL_CALLS = """
-import sys, torch
-from kernels.cross_entropy import cross_entropy, linear_cross_entropy
-from tests.kernels.test_cross_entropy import _linear_case
-which, bad = sys.argv[1], int(sys.argv[2])
-hidden, weight, labels, _ = _linear_case(torch.float32, False)
-labels[1, 5] = bad
-if which == "linear":
-    linear_cross_entropy(hidden, weight, labels, None, 77)
-elif which == "linear-no-grad":
-    with torch.no_grad():
+def _call_with_a_bad_label(which: str, bad: int) -> None:
+    """One loss call with `bad` as one of its labels: the fused linear + loss with and without
+    autograd, or the plain loss (`which`: "linear", "linear-no-grad", "plain")."""
+    from kernels.cross_entropy import cross_entropy, linear_cross_entropy
+
+    hidden, weight, labels, _ = _linear_case(torch.float32, False)
+    labels[1, 5] = bad
+    if which == "linear":
         linear_cross_entropy(hidden, weight, labels, None, 77)
-else:
-    with torch.no_grad():
-        cross_entropy(torch.randn(3, 41, 77, device=hidden.device), labels)
-torch.cuda.synchronize() if hidden.is_cuda else None
-"""
+    elif which == "linear-no-grad":
+        with torch.no_grad():
+            linear_cross_entropy(hidden, weight, labels, None, 77)
+    else:
+        cross_entropy(torch.randn(3, 41, 77, device=DEVICE), labels)
 
 
 @pytest.mark.parametrize("which", ["linear", "linear-no-grad", "plain"])
@@ -159,30 +156,24 @@ def test_a_label_outside_the_vocabulary_is_an_error(bad, which):
 
     On the CPU the check raises its message. On a GPU it is a device-side assert, as
     F.cross_entropy's is: the device prints the message, the next CUDA call fails, and the
-    process's CUDA context is left unusable, so there the call runs in a child process of its own, which must fail
-    with the assert (and this test process's context stays clean for the tests after it).
+    process's CUDA context is left unusable. So there the call runs in a child process of its
+    own, which must die of the assert, and this process's context stays clean for the tests
+    after it.
     """
     import subprocess
     import sys
     from pathlib import Path
 
     if DEVICE == "cpu":
-        from kernels.cross_entropy import cross_entropy, linear_cross_entropy
-
-        hidden, weight, labels, _ = _linear_case(torch.float32, False)
-        labels[1, 5] = bad
         with pytest.raises(RuntimeError, match="outside the vocabulary"):
-            if which == "linear":
-                linear_cross_entropy(hidden, weight, labels, None, 77)
-            elif which == "linear-no-grad":
-                with torch.no_grad():
-                    linear_cross_entropy(hidden, weight, labels, None, 77)
-            else:
-                cross_entropy(torch.randn(3, 41, 77, device=DEVICE), labels)
+            _call_with_a_bad_label(which, bad)
         return
-    root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-c", _BAD_LABEL_CALLS, which, str(bad)], cwd=root, capture_output=True,
-                         text=True, timeout=300, check=False)
+    code = ("import sys, torch\n"
+            "from tests.kernels.test_cross_entropy import _call_with_a_bad_label\n"
+            "_call_with_a_bad_label(sys.argv[1], int(sys.argv[2]))\n"
+            "torch.cuda.synchronize()\n")
+    out = subprocess.run([sys.executable, "-c", code, which, str(bad)], cwd=Path(__file__).resolve().parents[2],
+                         capture_output=True, text=True, timeout=300, check=False)
     # the device prints the failed assertion with its message; the host's error comes from
     # whichever CUDA call next meets the dead context (a sync, or cuBLAS's handle creation)
     assert out.returncode != 0, out.stdout + out.stderr
