@@ -135,18 +135,64 @@ class ObjectStore:
         Raises:
             ConfigError: the bucket could not be made within `timeout_s` (the last error named).
         """
-        import s3fs
+        make_bucket(bucket, self.endpoint, self.keys, timeout_s)
 
-        fs = s3fs.S3FileSystem(key=self.keys.access_key, secret=self.keys.secret_key,
-                               skip_instance_cache=True,
-                               client_kwargs={"endpoint_url": self.endpoint, "region_name": "us-east-1"})
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                if not fs.exists(bucket):
-                    fs.mkdir(bucket)
-                return
-            except Exception as e:  # the filer may still be starting; anything else repeats
-                if time.monotonic() > deadline:
-                    raise ConfigError(f"could not create bucket {bucket!r} on {self.endpoint}: {e}") from e
-                time.sleep(0.5)
+
+def make_bucket(bucket: str, endpoint: str, keys: AccessKeys, timeout_s: float = 60.0) -> None:
+    """Create `bucket` on the S3 server at `endpoint` unless it exists, retrying until `timeout_s`.
+
+    Idempotent: a store restarted on its old data already holds the bucket, and that is
+    success. Every failure (the filer still starting, refused credentials) is retried until
+    the deadline, then reported with the last error.
+
+    Raises:
+        ConfigError: the bucket does not exist and could not be made within `timeout_s`.
+    """
+    import s3fs
+
+    fs = s3fs.S3FileSystem(key=keys.access_key, secret=keys.secret_key, skip_instance_cache=True,
+                           client_kwargs={"endpoint_url": endpoint, "region_name": "us-east-1"})
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if not fs.exists(bucket):
+                fs.mkdir(bucket)
+            return
+        except Exception as e:  # the filer may still be starting; anything else repeats
+            if time.monotonic() > deadline:
+                raise ConfigError(f"could not create bucket {bucket!r} on {endpoint}: {e}") from e
+            time.sleep(0.5)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m services.launcher.objectstore make-bucket BUCKET [--timeout S]`: compose's s3-init.
+
+    Makes BUCKET on the store named by AWS_ENDPOINT_URL with AWS_ACCESS_KEY_ID /
+    AWS_SECRET_ACCESS_KEY, and exits 0 when it exists (made now or before), else 2 with the
+    reason. `weed shell`'s s3.bucket.create, used before, exited 1 on "bucket already exists",
+    so a stack brought up again on its old s3 volume never started its checkpoint service.
+    """
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m services.launcher.objectstore",
+                                description="Create a bucket on an S3-compatible store (idempotent).")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    mk = sub.add_parser("make-bucket", help="create BUCKET unless it exists")
+    mk.add_argument("bucket")
+    mk.add_argument("--timeout", type=float, default=120.0, help="seconds to keep retrying (default 120)")
+    args = p.parse_args(argv)
+    missing = [k for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY") if not os.environ.get(k)]
+    try:
+        if missing:
+            raise ConfigError(f"make-bucket needs {', '.join(missing)} in the environment")
+        make_bucket(args.bucket, os.environ["AWS_ENDPOINT_URL"],
+                    AccessKeys(os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"]), args.timeout)
+    except ConfigError as e:
+        print(f"meshtrain: error: {e}", file=sys.stderr)
+        return 2
+    print(f"bucket {args.bucket!r} ready on {os.environ['AWS_ENDPOINT_URL']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

