@@ -8,8 +8,13 @@ so tensor-parallel peers are neighbours (same node, fastest links). Expert paral
 out of dp×cp for MoE layers (ep must divide dp×cp). There are no module-level groups: code
 that communicates takes a `Mesh` (or one of its groups) as an argument.
 
-    mesh = Mesh.from_env(tp=2, dp=2)          # under torchrun / srun: reads RANK, WORLD_SIZE, ...
-    mesh = initialize_model_parallel(2, 1)     # Megatron-flavoured spelling of the same
+    init_process_group()                       # under torchrun / srun: reads RANK, WORLD_SIZE, ...
+    mesh = Mesh.build(tp=2)                    # dp = world / tp
+    mesh = initialize_model_parallel(2)        # Megatron-flavoured spelling of the same two lines
+
+Only tp and dp are built: the engine has no pipeline, context or expert parallelism yet, so
+`initialize_model_parallel` and `tensor.parallelize` refuse pp, cp or ep other than 1 (as the
+trainer's config does). `Mesh.build` still lays out every axis, for the rank arithmetic.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from services.common.errors import ConfigError
+from services.common.errors import ConfigError, NotBuiltError
 
 AXES = ("tp", "cp", "dp", "pp")
 
@@ -176,7 +181,21 @@ class Mesh:
 
 def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
                               context_parallel_size: int = 1, expert_model_parallel_size: int = 1) -> Mesh:
-    """Megatron-style entry point: init the process group from the environment, return the Mesh."""
+    """Megatron-style entry point: init the process group from the environment, return the Mesh.
+
+    Raises:
+        NotBuiltError: a pipeline, context or expert degree other than 1 (not built yet: a mesh
+            with such an axis would train, each of its ranks a plain data-parallel replica).
+    """
+    refuse_unbuilt_axes(pp=pipeline_model_parallel_size, cp=context_parallel_size, ep=expert_model_parallel_size)
     init_process_group()
     return Mesh.build(tp=tensor_model_parallel_size, pp=pipeline_model_parallel_size,
                       cp=context_parallel_size, ep=expert_model_parallel_size)
+
+
+def refuse_unbuilt_axes(**degrees: int) -> None:
+    """NotBuiltError unless every given degree (pp, cp, ep) is 1: that parallelism is not built."""
+    for axis, degree in degrees.items():
+        if degree != 1:
+            raise NotBuiltError(f"{axis}={degree}: this parallelism is not built yet (value must be 1); "
+                                "meshtrain shards over tp and dp only")

@@ -23,7 +23,7 @@ from services.common.errors import ConfigError
 from services.trainer.parallel import async_tp, symm_reduce
 from services.trainer.parallel import mappings as M
 from services.trainer.parallel.batch_split import interleave_halves
-from services.trainer.parallel.mesh import Mesh
+from services.trainer.parallel.mesh import Mesh, refuse_unbuilt_axes
 
 
 @dataclass(frozen=True)
@@ -267,11 +267,14 @@ def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False,
             CUDA + NCCL only).
 
     Raises:
+        NotBuiltError: a mesh with pp, cp or ep other than 1 (not built: its ranks would train
+            as plain data-parallel replicas).
         ConfigError: head or group counts that tp does not divide, sequence parallelism
             with a sequence length tp does not divide, comm_overlap where it cannot run, or
             batch_split together with comm_overlap, reduce_impl 'symm_mem' where it cannot run
             or with sequence parallelism or batch_split.
     """
+    refuse_unbuilt_axes(pp=mesh.pp, cp=mesh.cp, ep=mesh.ep)
     tp = mesh.tp
     cfg = model.config
     if batch_split and comm_overlap:

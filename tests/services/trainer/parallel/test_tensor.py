@@ -89,6 +89,21 @@ def test_parallelize_rejects_what_it_cannot_shard():
         parallelize(GPT(ModelConfig(**dict(GPT2, attention_dropout=0.1))), Mesh(tp=2, rank=0, ranks={"tp": [0, 1]}))
 
 
+@pytest.mark.parametrize("axis", ["pp", "cp", "ep"])
+def test_unbuilt_parallelism_is_refused_not_trained_as_data_parallel(axis):
+    """A mesh with a pipeline, context or expert axis (built by Mesh.build or the Megatron-style
+    initialize_model_parallel) was sharded over tp alone, and its ranks trained as plain
+    replicas of one another; both entry points now refuse it, as the trainer's config does."""
+    from services.common.errors import NotBuiltError
+    from services.trainer.parallel.mesh import initialize_model_parallel
+
+    with pytest.raises(NotBuiltError, match=f"{axis}=2: this parallelism is not built"):
+        parallelize(GPT(ModelConfig(**CFG)), Mesh(**{axis: 2, "dp": 2 if axis == "ep" else 1}, rank=0))
+    sizes = {"pp": "pipeline_model_parallel_size", "cp": "context_parallel_size", "ep": "expert_model_parallel_size"}
+    with pytest.raises(NotBuiltError, match=f"{axis}=2"):
+        initialize_model_parallel(**{sizes[axis]: 2})
+
+
 def test_tp_comm_overlap_is_refused_where_it_cannot_run():
     mesh = Mesh(tp=2, rank=0, ranks={"tp": [0, 1]})
     with pytest.raises(ConfigError, match="needs parallel.sequence_parallel"):
