@@ -52,6 +52,8 @@ class MetricsLog:
         """progress: 'auto' | 'bar' | 'lines', or 'none' on ranks that write nothing."""
         self.path = run_dir / "metrics.jsonl"
         self.silent = progress == "none"
+        if not self.silent:
+            _drop_rows_after(self.path, start_step)
         self.file = None if self.silent else self.path.open("a", buffering=1)
         self.total = total_steps
         use_bar = progress == "bar" or (progress == "auto" and sys.stderr.isatty())
@@ -97,6 +99,28 @@ class MetricsLog:
             self.bar.close()
         if self.file is not None:
             self.file.close()
+
+
+def _drop_rows_after(path: Path, step: int) -> None:
+    """Remove the rows of steps after `step`: a run resumed from an earlier checkpoint into the
+    same run directory (the previous run died past its last save, or `--ckpt-step` rolled it
+    back) logs those steps again, and each step must appear once, as this run computed it."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+
+    def keep(line: str) -> bool:
+        try:
+            return json.loads(line).get("step", 0) <= step
+        except json.JSONDecodeError:  # a row torn by the crash that ended the previous run
+            return False
+
+    kept = [line for line in lines if line.strip() and keep(line)]
+    if len(kept) != len(lines):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(path)  # atomic: a crash here leaves the old file or the new one
+        log.info("%s: dropped %d rows after step %d, which this run logs again", path, len(lines) - len(kept), step)
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

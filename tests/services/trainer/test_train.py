@@ -333,3 +333,19 @@ def test_matmul_sm_carveout_is_refused_off_cuda_and_below_zero(corpus_cache, tmp
                                                                       "train.device": "cpu"}))
     with pytest.raises(ConfigError, match="leaves GPU SMs to collectives; this run is on cpu"):
         Trainer(job)
+
+
+def test_resume_into_the_same_run_dir_from_an_earlier_checkpoint_logs_each_step_once(corpus_cache, tmp_path):
+    """A run logged steps 1..8 and checkpointed at 4, then died (or is rolled back with --ckpt-step):
+    resumed into the same run directory, metrics.jsonl holds each step once, the resumed run's."""
+    run = tmp_path / "run"
+    common = {"train.train_iters": 8, "train.eval_interval": 2, "checkpoint.save_interval": 4}
+    train(load_config(small_job_args(corpus_cache, run, **common)))
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 9, "lo')  # torn by the crash that ended the run
+    resumed = train(load_config(small_job_args(corpus_cache, run, **common, **{
+        "checkpoint.load": str(run / "checkpoints"), "checkpoint.load_step": 4, "checkpoint.overwrite": True})))
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, 9))
+    assert [r["step"] for r in records if "eval_loss" in r] == [2, 4, 6, 8]
+    assert [r["loss"] for r in records if "loss" in r][4:] == [resumed.losses[s] for s in range(5, 9)]
