@@ -398,12 +398,19 @@ class Trainer:
     def evaluate(self) -> float:
         assert self.data.valid is not None
         self.model.eval()
-        losses = []
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        counted = torch.zeros((), dtype=torch.float64, device=self.device)
         for tokens, labels, mask in self._on_device(self.data.valid.micro_batches(0)):
             with self.autocast:
-                losses.append(self.forward(tokens, labels, mask).float())
+                loss = self.forward(tokens, labels, mask).float()  # mean over this micro-batch's counted tokens
+            # Weighted by the tokens each micro-batch counts (Megatron sums loss and token count
+            # over the eval batches): with EOD masked they differ, and a mean of means would not
+            # be the loss per token.
+            n = mask.sum(dtype=torch.float64)
+            total += loss.double() * n
+            counted += n
         self.model.train()
-        return torch.stack(losses).mean().item()  # identical on every rank: same eval batches
+        return (total / counted.clamp(min=1.0)).item()  # identical on every rank: same eval batches
 
     def save(self) -> str:
         """Start saving the current state (asynchronous unless checkpoint.async_save is off)."""

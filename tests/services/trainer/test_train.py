@@ -349,3 +349,40 @@ def test_resume_into_the_same_run_dir_from_an_earlier_checkpoint_logs_each_step_
     assert [r["step"] for r in records if "loss" in r] == list(range(1, 9))
     assert [r["step"] for r in records if "eval_loss" in r] == [2, 4, 6, 8]
     assert [r["loss"] for r in records if "loss" in r][4:] == [resumed.losses[s] for s in range(5, 9)]
+
+
+def test_eval_loss_is_the_mean_over_every_counted_token(corpus_cache, tmp_path):
+    """With EOD tokens masked out the eval micro-batches count different numbers of tokens; the
+    eval loss is the mean over all counted tokens (Megatron sums loss and token count over the
+    eval batches), not the mean of the micro-batches' means."""
+    import numpy as np
+
+    from services.dataloader.indexed import IndexedDataset, IndexedDatasetWriter
+    from services.dataloader.preprocess import prepare_default_dataset
+    from services.trainer.train import Trainer
+
+    # the corpus's text cut into short documents, each ending in EOD (256): many per micro-batch
+    text = IndexedDataset(prepare_default_dataset(corpus_cache, tokenizer="byte", max_bytes=400_000).prefix)
+    tokens = np.concatenate([text[i] for i in range(len(text))])[:100_000]
+    rng = np.random.default_rng(0)
+    with IndexedDatasetWriter(tmp_path / "short") as w:
+        start = 0
+        while start < tokens.size:
+            n = int(rng.integers(4, 40))
+            w.add_document(np.append(tokens[start:start + n], 256))
+            start += n
+    trainer = Trainer(load_config(small_job_args(corpus_cache, tmp_path / "run", **{
+        "train.train_iters": 2, "train.eval_interval": 2, "train.eval_iters": 8,
+        "data.data_path": f'["{tmp_path / "short"}"]', "data.eod_mask_loss": True})))
+    trainer.run()
+    batches = trainer.data.valid.micro_batches(0)
+    counts = [float(b.loss_mask.sum()) for b in batches]
+    assert len(set(counts)) > 1, counts  # the case in question: the micro-batches count unequally
+    total, n = 0.0, 0.0
+    with torch.no_grad():
+        for b in batches:
+            logits = trainer.model(b.tokens).float()[..., :trainer.model.vocab_size]  # (batch, seq, vocab)
+            losses = torch.nn.functional.cross_entropy(logits.flatten(0, 1), b.labels.flatten(), reduction="none")
+            total += float((losses * b.loss_mask.flatten()).sum())
+            n += float(b.loss_mask.sum())
+    assert trainer.evaluate() == pytest.approx(total / n, rel=1e-6, abs=0)
