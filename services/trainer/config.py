@@ -162,7 +162,8 @@ class TrainConfig:
     eval_interval: int = 50
     """Evaluate the held-out loss every this many steps (0: never)."""
     eval_iters: int = 10
-    """Micro-batches per evaluation."""
+    """Global batches per evaluation (Megatron's --eval-iters): every evaluation runs the same
+    eval_iters x global_batch_size held-out samples, split over the data-parallel ranks."""
     seed: int = 1234
     """Seeds model init, data order and dropout."""
     bf16: bool = False

@@ -70,7 +70,7 @@ def build_data(job: JobConfig, dp_rank: int = 0, dp_size: int = 1) -> TrainData:
     Args:
         job: the job config (its `data`, `model.seq_length` and `train` sections).
         dp_rank, dp_size: this rank's data-parallel coordinate; the train stream is split over
-            dp ranks (Megatron's order), evaluation runs the same batches on every rank.
+            dp ranks (Megatron's order), and so is the evaluation set.
 
     Returns:
         TrainData with the train source and, when evaluation is on, the valid source.
@@ -108,8 +108,11 @@ def build_data(job: JobConfig, dp_rank: int = 0, dp_size: int = 1) -> TrainData:
                         options=options, **service)
     valid = None
     if t.eval_interval > 0:
-        n = t.eval_iters * t.micro_batch_size
-        valid = make_source(spec("valid", n), t.micro_batch_size, n, addresses=addresses,
+        # Megatron's unit: eval_iters global batches, split over the dp ranks like a training
+        # step, so the held-out set does not change when a resumed run changes the micro-batch
+        # or data-parallel size (the global batch size cannot change across a resume).
+        n = t.eval_iters * t.global_batch_size
+        valid = make_source(spec("valid", n), t.micro_batch_size, n, dp_rank, dp_size, addresses=addresses,
                             prefetch=d.prefetch, options=options, **service)
     log.info("data: %s (weights %s), tokenizer %s, vocab %d, %s", prefixes, weights, tokenizer_spec,
              vocab_size, f"service {addresses}" if addresses else "in-process")

@@ -410,7 +410,10 @@ class Trainer:
             total += loss.double() * n
             counted += n
         self.model.train()
-        return (total / counted.clamp(min=1.0)).item()  # identical on every rank: same eval batches
+        if self.mesh.dp > 1:  # each dp rank evaluated its share of the eval batches
+            sums = mappings.all_reduce(torch.stack([total, counted]), self.mesh.group("dp"))
+            total, counted = sums[0], sums[1]
+        return (total / counted.clamp(min=1.0)).item()  # identical on every rank
 
     def save(self) -> str:
         """Start saving the current state (asynchronous unless checkpoint.async_save is off)."""

@@ -386,3 +386,23 @@ def test_eval_loss_is_the_mean_over_every_counted_token(corpus_cache, tmp_path):
             total += float((losses * b.loss_mask.flatten()).sum())
             n += float(b.loss_mask.sum())
     assert trainer.evaluate() == pytest.approx(total / n, rel=1e-6, abs=0)
+
+
+def test_eval_set_is_eval_iters_global_batches_whatever_the_micro_batch_and_dp_size(corpus_cache, tmp_path):
+    """--eval-iters counts global batches, as in Megatron: the held-out samples are
+    eval_iters x global_batch_size, the same set when a resumed run changes the micro-batch size
+    or the data-parallel size (which keep the global batch), split over the dp ranks."""
+    from services.trainer.data import build_data
+
+    def valid_rows(mbs: int, dp: int) -> list[tuple[int, ...]]:
+        job = load_config(small_job_args(corpus_cache, tmp_path / "run", **{"train.micro_batch_size": mbs}))
+        rows = []
+        for rank in range(dp):
+            for b in build_data(job, dp_rank=rank, dp_size=dp).valid.micro_batches(0):
+                rows += [tuple(r) for r in b.tokens.tolist()]
+        return sorted(rows)
+
+    rows = valid_rows(8, 1)
+    assert len(rows) == 4 * 16  # train.eval_iters x train.global_batch_size
+    assert valid_rows(4, 1) == rows
+    assert valid_rows(4, 2) == rows
