@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 import kernels
 from services.checkpoint.maintenance import apply_retention
+from services.checkpoint.reader import list_checkpoints
 from services.checkpoint.store import same_root
 from services.common.config import dumps_toml
 from services.common.errors import CheckpointError, ConfigError, MeshtrainError
@@ -245,6 +246,8 @@ class Trainer:
         log.info("model: %.2fM parameters, %.3g FLOPs/token, device %s%s; mesh tp=%d dp=%d (world %d)%s",
                  self.num_parameters / 1e6, self.flops_per_token, self.device, precision, m.tp, m.dp, m.world_size,
                  ", sequence parallel" if p.sequence_parallel else "")
+        if not c.overwrite:
+            self._refuse_saves_over_committed_steps()
         # Opened last, so an __init__ that fails (a restore, a config check) leaves no channel to
         # the checkpoint service open; `run` closes it.
         self.checkpointer = checkpointing.Checkpointer(c.save, self.par, c.async_save, c.service_address,
@@ -290,6 +293,22 @@ class Trainer:
                             "residual stream was %s, this run's is %s, so the numerics change from here on "
                             "(%s --fp32-residual-connection to keep the checkpoint's)",
                             was, now, dtype[was], dtype[now], "pass" if was else "drop")
+
+    def _refuse_saves_over_committed_steps(self) -> None:
+        """Refuse, before training, a run whose scheduled saves would meet committed checkpoints.
+
+        A run rolled back with --ckpt-step (or started afresh) into a root that holds later steps
+        would otherwise train up to the first such step and then stop with an error there, the
+        work since its last save lost. Every rank lists the root, so every rank raises alike.
+        """
+        c, t, start = self.job.checkpoint, self.job.train, self.state.iteration
+        taken = [s for s in list_checkpoints(c.save)
+                 if start < s <= t.train_iters and (s == t.train_iters or (c.save_interval and s % c.save_interval == 0))]
+        if taken:
+            raise CheckpointError(
+                f"checkpoint steps {taken} already exist under {c.save!r}, and this run (steps {start + 1} to "
+                f"{t.train_iters}, saving every {c.save_interval or t.train_iters}) would save them and stop with an "
+                "error at the first; pass --checkpoint.overwrite=true to replace them, or --save another root")
 
     def request_stop(self) -> None:
         """Save a checkpoint after the current step and end the run (what SIGTERM does).

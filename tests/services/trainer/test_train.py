@@ -406,3 +406,20 @@ def test_eval_set_is_eval_iters_global_batches_whatever_the_micro_batch_and_dp_s
     assert len(rows) == 4 * 16  # train.eval_iters x train.global_batch_size
     assert valid_rows(4, 1) == rows
     assert valid_rows(4, 2) == rows
+
+
+def test_a_resume_that_would_save_over_committed_steps_is_refused_before_training(corpus_cache, tmp_path):
+    """Rolled back to step 4 in a root that holds step 8: the run's save at step 8 would refuse to
+    replace it, after training up to it. It is refused at the start, naming the step and the switch."""
+    from services.trainer.train import Trainer
+
+    run = tmp_path / "run"
+    common = {"train.train_iters": 8, "train.eval_interval": 0, "checkpoint.save_interval": 4}
+    train(load_config(small_job_args(corpus_cache, run, **common)))
+    back = {"checkpoint.load": str(run / "checkpoints"), "checkpoint.load_step": 4}
+    with pytest.raises(CheckpointError, match=r"\[8\].*already.*checkpoint.overwrite=true"):
+        Trainer(load_config(small_job_args(corpus_cache, run, **common, **back)))
+    # steps it would not save are no obstacle: from 4 to 7, saving only at 7
+    result = train(load_config(small_job_args(corpus_cache, run, **{
+        **common, **back, "train.train_iters": 7, "checkpoint.save_interval": 0})))
+    assert sorted(result.losses) == [5, 6, 7]
