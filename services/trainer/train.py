@@ -283,6 +283,14 @@ class Trainer:
                         "unchanged for an exact continuation; optim.lr_decay_iters fixes the schedule alone)",
                         before, t.train_iters)
         saved = meta.get("config", {})
+        # What else decides the samples a step takes, and which documents evaluation holds out.
+        for section, key in (("train", "seed"), ("data", "split"), ("data", "data_path"), ("model", "seq_length")):
+            was, now = saved.get(section, {}).get(key), getattr(getattr(self.job, section), key)
+            if was is not None and was != now:
+                log.warning("%s.%s changed from %s to %s since the checkpoint: the samples each step takes (and "
+                            "the documents held out for evaluation) follow it, so the steps from here skip and "
+                            "repeat samples of the saved run's order (keep it unchanged for an exact continuation)",
+                            section, key, was, now)
         if t.bf16 and saved.get("train", {}).get("bf16"):
             # Checkpoints from before the setting existed trained with plain autocast's fp32 stream.
             was = saved.get("model", {}).get("fp32_residual_connection", True)

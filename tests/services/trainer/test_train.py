@@ -423,3 +423,18 @@ def test_a_resume_that_would_save_over_committed_steps_is_refused_before_trainin
     result = train(load_config(small_job_args(corpus_cache, run, **{
         **common, **back, "train.train_iters": 7, "checkpoint.save_interval": 0})))
     assert sorted(result.losses) == [5, 6, 7]
+
+
+@pytest.mark.parametrize(("key", "value"), [("train.seed", 7), ("data.split", "70,30,0")])
+def test_resuming_with_another_sample_stream_warns(corpus_cache, tmp_path, caplog, key, value):
+    """The seed and the split decide which samples each step takes (and which documents are held
+    out): changed on a resume, the steps after it skip and repeat samples of the saved run's order,
+    or train on documents its evaluations held out."""
+    train(load_config(small_job_args(corpus_cache, tmp_path / "a", **{"train.train_iters": 2,
+                                                                       "train.eval_interval": 0})))
+    resumed = small_job_args(corpus_cache, tmp_path / "b", **{
+        "checkpoint.load": str(tmp_path / "a" / "checkpoints"), "train.train_iters": 3, "train.eval_interval": 0,
+        key: value})
+    with caplog.at_level(logging.WARNING, logger="meshtrain"):
+        train(load_config(resumed))
+    assert f"{key} changed from" in caplog.text
