@@ -538,9 +538,11 @@ class Trainer:
                 log_pending(n)
             interval = job.checkpoint.save_interval
             if (interval and n % interval == 0) or n == t.train_iters or stop or checkpoint_now:
+                # Cleared before saving: this save answers the requests made so far, and one that
+                # arrives while it runs (a sync save takes a while) stays set for the next step.
+                self._checkpoint_now.clear()
                 result.checkpoint = self.save()
                 self.progress["last_checkpoint"] = result.checkpoint
-                self._checkpoint_now.clear()
             paused += time.perf_counter() - pause_start
             if stop and n < t.train_iters:
                 log.warning("stopped at step %d on request; resume with --load %s", n, job.checkpoint.save)

@@ -132,3 +132,48 @@ def test_a_busy_metrics_port_is_a_clear_error_and_leaves_no_control_address(corp
         with pytest.raises(ConfigError, match=r"cannot serve trainer metrics on 127\.0\.0\.1:\d+"):
             serve_control(trainer, 0, metrics_port=taken.getsockname()[1])
     assert not (tmp_path / "control.addr").exists()
+
+
+def test_a_checkpoint_request_made_during_a_save_is_kept_for_the_next_step(corpus_cache, tmp_path):
+    """A request that reaches the endpoint while a save runs must give a later checkpoint.
+
+    The save is wrapped only to send the second request (over the real endpoint) at the one
+    moment that matters; the save itself, the request and the loop are the real ones.
+    """
+    from services.trainer.rpc.server import serve_control
+    from services.trainer.train import Trainer
+
+    run_dir = tmp_path / "run"
+    trainer = Trainer(load_config(small_job_args(corpus_cache, run_dir, **{
+        "train.train_iters": 100_000, "train.eval_interval": 0})))
+    endpoint = serve_control(trainer, 0, metrics_port=None)
+    real_save, during = trainer.save, []
+
+    def save():
+        if not during:  # the first save: ask again while it runs
+            with ControlClient(str(run_dir)) as again:
+                during.append(again.checkpoint())
+        return real_save()
+
+    trainer.save = save
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(r=trainer.run()), daemon=True)
+    thread.start()
+    try:
+        with ControlClient(str(run_dir)) as client:
+            wait_for(lambda: client.status()["step"] >= 1, what="a first step")
+            client.checkpoint()
+            wait_for(lambda: client.status()["last_checkpoint"] is not None, what="the first checkpoint")
+            first = int(client.status()["last_checkpoint"].rsplit("_", 1)[1])
+            wait_for(lambda: int(client.status()["last_checkpoint"].rsplit("_", 1)[1]) > first,
+                     timeout=30, what="the checkpoint asked for during the first save")
+            client.stop()
+        thread.join(60)
+        assert not thread.is_alive()
+    finally:
+        if thread.is_alive():
+            trainer.request_stop()
+            thread.join(60)
+        endpoint.stop()
+    assert during and first >= during[0]
+    assert len(list_checkpoints(str(run_dir / "checkpoints"))) >= 2
