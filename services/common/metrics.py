@@ -22,6 +22,8 @@ import time
 import grpc
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
+from services.common.errors import ConfigError
+
 # One set of collectors per process (the default registry refuses duplicates); servers in the
 # same process are told apart by the `service` label.
 _lock = threading.Lock()
@@ -169,6 +171,13 @@ def start_metrics_server(port: int = 0, host: str = "127.0.0.1"):
 
     Returns:
         (http server, bound port); `server.shutdown()` stops it.
+
+    Raises:
+        ConfigError: the port is taken or may not be bound.
     """
-    server, _thread = start_http_server(port, addr=host)
+    try:
+        server, _thread = start_http_server(port, addr=host)
+    except OSError as e:
+        raise ConfigError(f"cannot serve Prometheus metrics on {host}:{port} (--metrics-port; in use or "
+                          f"not allowed): {e}") from None
     return server, server.server_port

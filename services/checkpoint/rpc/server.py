@@ -17,6 +17,7 @@ import sys
 from protos.checkpoint.v1 import checkpoint_pb2_grpc as pb_grpc
 from services.checkpoint.cli import add_serve_arguments
 from services.checkpoint.rpc.servicer import SERVICE_NAME, CheckpointServicer
+from services.common.errors import ConfigError
 from services.common.grpc_utils import make_server, serve_forever
 from services.common.metrics import MetricsInterceptor, start_metrics_server
 
@@ -58,7 +59,11 @@ def run(args: argparse.Namespace) -> int:
         int(args.max_chunk_mb * 2**20), int(args.max_inflight_mb * 2**20),
         metrics=getattr(args, "metrics_port", None) is not None)
     if getattr(args, "metrics_port", None) is not None:
-        _, metrics_port = start_metrics_server(args.metrics_port, args.host)
+        try:
+            _, metrics_port = start_metrics_server(args.metrics_port, args.host)
+        except ConfigError:
+            server.stop(0)  # the gRPC port is already bound: release it before exiting
+            raise
         print(f"metrics on http://{args.host}:{metrics_port}/metrics", flush=True)
     print(f"listening on {args.host}:{port}", flush=True)
     serve_forever(server, health, grace_s=args.grace)

@@ -13,6 +13,7 @@ import logging
 import sys
 
 from protos.dataloader.v1 import dataloader_pb2_grpc as pb_grpc
+from services.common.errors import ConfigError
 from services.common.grpc_utils import make_server, serve_forever
 from services.common.metrics import MetricsInterceptor, start_metrics_server
 from services.dataloader.cli import add_serve_arguments
@@ -55,7 +56,11 @@ def run(args: argparse.Namespace) -> int:
     metrics = getattr(args, "metrics_port", None) is not None
     server, port, health = start_server(args.port, args.host, args.max_streams, metrics=metrics)
     if metrics:
-        _, metrics_port = start_metrics_server(args.metrics_port, args.host)
+        try:
+            _, metrics_port = start_metrics_server(args.metrics_port, args.host)
+        except ConfigError:
+            server.stop(0)  # the gRPC port is already bound: release it before exiting
+            raise
         print(f"metrics on http://{args.host}:{metrics_port}/metrics", flush=True)
     serve_forever(server, health, grace_s=args.grace,
                   on_ready=lambda: print(f"listening on {args.host}:{port}", flush=True))

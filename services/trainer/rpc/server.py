@@ -96,7 +96,7 @@ def serve_control(trainer, port: int, host: str | None = None,
         _trainer_gauges(trainer)
         try:
             endpoint._http, mport = start_metrics_server(metrics_port, host)
-        except OSError as e:
+        except ConfigError as e:
             server.stop(0)
             raise ConfigError(f"cannot serve trainer metrics on {host}:{metrics_port} "
                               f"(--train.metrics_port / ${METRICS_PORT_ENV}): {e}") from None

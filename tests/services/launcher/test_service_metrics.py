@@ -79,3 +79,20 @@ def test_checkpoint_service_counts_requests_by_status_code(services):
               if k.startswith("meshtrain_rpc_requests_total") and 'method="Describe"' in k}
     assert len(errors) == 1 and 'code="OK"' not in next(iter(errors)) and sum(errors.values()) == 1
     assert values['meshtrain_rpc_latency_seconds_count{method="List",service="checkpoint"}'] == 1
+
+
+@pytest.mark.parametrize("argv", [["data", "serve"], ["ckpt", "serve", "CKPT"]], ids=["data", "ckpt"])
+def test_a_busy_metrics_port_is_a_clear_error_not_a_traceback(argv, tmp_path):
+    import socket
+    import subprocess
+
+    argv = [str(tmp_path / "ckpt") if a == "CKPT" else a for a in argv]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        done = subprocess.run(MESHTRAIN + argv + ["--metrics-port", str(busy)],
+                              capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2, done.stderr
+    assert f"cannot serve Prometheus metrics on 127.0.0.1:{busy}" in done.stderr
+    assert "Traceback" not in done.stderr
