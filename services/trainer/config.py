@@ -272,6 +272,10 @@ class TrainConfig:
                               "train.compile=true")
         if self.compile_overlap_scheduling and not self.compile:
             raise ConfigError("train.compile_overlap_scheduling reorders compiled graphs: it needs train.compile=true")
+        if self.metrics_port is not None and self.control_port is None:
+            # the metrics are served beside the control endpoint; without it nothing would be
+            raise ConfigError(f"train.metrics_port={self.metrics_port} serves Prometheus metrics beside the control "
+                              "endpoint: it needs train.control_port set too (0: any free port)")
 
 
 @dataclass

@@ -177,3 +177,11 @@ def test_a_checkpoint_request_made_during_a_save_is_kept_for_the_next_step(corpu
         endpoint.stop()
     assert during and first >= during[0]
     assert len(list_checkpoints(str(run_dir / "checkpoints"))) >= 2
+
+
+def test_a_metrics_port_without_the_control_endpoint_is_refused(corpus_cache, tmp_path):
+    """Metrics are served beside the control endpoint: alone, the port was silently never opened."""
+    args = small_job_args(corpus_cache, tmp_path / "run", **{"train.metrics_port": 0})
+    with pytest.raises(ConfigError, match="train.metrics_port=0 .* needs train.control_port"):
+        load_config(args)
+    load_config(small_job_args(corpus_cache, tmp_path / "run", **{"train.metrics_port": 0, "train.control_port": 0}))
