@@ -34,6 +34,7 @@ import fsspec
 import numpy as np
 import torch
 
+from services.checkpoint import hf_tokenizer
 from services.checkpoint.convert import (
     TORCH_DTYPES,
     TensorSpec,
@@ -55,7 +56,6 @@ _ST_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "
 # HF tensors that are derived buffers, not weights: old GPT-2 files carry the causal mask,
 # old Llama files the RoPE inverse frequencies. They are skipped on import.
 _DERIVED = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
-EOD_TOKEN = "<|endoftext|>"
 
 
 @dataclass(frozen=True)
@@ -343,8 +343,8 @@ def export_hf(src_root: str, dst_dir: str, step: int | None = None,
                               "convert to one with `ckpt convert --dtype` first")
     dtype = dtypes.pop()
     spec = tokenizer if tokenizer is not None else metadata.get("tokenizer")
-    tokenizer_file = _tokenizer_file(spec, where)
-    eod = _eod_id(tokenizer_file, spec, model, where)
+    tokenizer_file = hf_tokenizer.tokenizer_file(spec, where)
+    eod = hf_tokenizer.eod_id(tokenizer_file, spec, model, where)
 
     fs, path = fsspec.core.url_to_fs(dst_dir)
     path = path.rstrip("/")
@@ -362,7 +362,7 @@ def export_hf(src_root: str, dst_dir: str, step: int | None = None,
             files["generation_config.json"] = {"bos_token_id": eod, "eos_token_id": eod}
         if tokenizer_file is not None:
             fs.put_file(str(tokenizer_file), posixpath.join(tmp, "tokenizer.json"))
-            files["tokenizer_config.json"] = _tokenizer_config(tokenizer_file, model)
+            files["tokenizer_config.json"] = hf_tokenizer.tokenizer_config(tokenizer_file, model, where)
         for name, content in files.items():
             fs.pipe_file(posixpath.join(tmp, name), json.dumps(content, indent=2).encode())
         fs.mv(tmp, path, recursive=True)
@@ -552,52 +552,3 @@ def _safe_open() -> Callable[..., Any]:
         raise CheckpointError("importing Hugging Face weights needs the safetensors package "
                               "(pip install 'safetensors>=0.4.3')") from e
     return safe_open
-
-
-def _tokenizer_file(spec: str | None, where: str) -> Path | None:
-    """The tokenizer.json a run used, or None when it has none (the byte tokenizer)."""
-    if spec in (None, "byte"):
-        if spec == "byte":
-            log.warning("%s: the byte tokenizer has no Hugging Face form; exporting without one", where)
-        return None
-    path = Path(spec)
-    if path.is_dir():
-        path = path / "tokenizer.json"
-    if not path.is_file():
-        raise CheckpointError(f"{where}: the run's tokenizer {spec!r} is not a readable tokenizer.json "
-                              "here; pass the file with --tokenizer")
-    return path
-
-
-def _eod_id(path: Path | None, spec: str | None, model: ModelConfig, where: str) -> int | None:
-    """The id of `<|endoftext|>`, the run's end of document: from the tokenizer file, 256 for
-    the byte tokenizer (which ships no file), None when there is no tokenizer to ask.
-
-    Raises:
-        CheckpointError: the file is not a tokenizer.json, or the id is outside the model's
-            vocabulary (not this model's tokenizer).
-    """
-    if path is None:
-        eod = 256 if spec == "byte" else None  # services.dataloader.tokenizers.ByteTokenizer
-    else:
-        from tokenizers import Tokenizer
-
-        try:
-            eod = Tokenizer.from_file(str(path)).token_to_id(EOD_TOKEN)
-        except Exception as e:  # tokenizers raises a bare Exception on a malformed file
-            raise CheckpointError(f"{where}: tokenizer {str(path)!r} is not a tokenizer.json ({e})") from e
-    if eod is not None and eod >= model.vocab_size:
-        raise CheckpointError(f"{where}: tokenizer {str(path or spec)!r} has {EOD_TOKEN} at id {eod}, outside the "
-                              f"model's vocabulary of {model.vocab_size}: it is not this model's tokenizer")
-    return eod
-
-
-def _tokenizer_config(path: Path, model: ModelConfig) -> dict[str, Any]:
-    """A `tokenizer_config.json` that makes `AutoTokenizer` load `tokenizer.json` as a fast tokenizer."""
-    vocab = _read_json(path).get("added_tokens", [])
-    special = {t["content"] for t in vocab if t.get("special")}
-    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast",
-                              "model_max_length": model.seq_length}
-    if EOD_TOKEN in special:
-        config.update(bos_token=EOD_TOKEN, eos_token=EOD_TOKEN)
-    return config
