@@ -1,7 +1,12 @@
 """Client of a trainer's control endpoint: `ControlClient(addr).status()` returns a plain dict.
 
 An address is `HOST:PORT` or a run directory, which resolves through the `control.addr` file
-rank 0 writes there when the endpoint starts (`resolve_address`).
+rank 0 writes there when the endpoint starts (`resolve_target`). That file also holds the run's
+token, a random id of the endpoint: the client sends it with every call (metadata
+`meshtrain-run`) and the endpoint refuses a token not its own. A trainer killed outright leaves
+its control.addr behind, and its port may since serve another run (a fixed
+`train.control_port` always does); without the token, `meshtrain stop OLD_RUN_DIR` would stop
+that other run.
 """
 
 from __future__ import annotations
@@ -16,13 +21,21 @@ from protos.trainer.v1 import trainer_pb2_grpc as pb_grpc
 from services.common.errors import ConfigError, MeshtrainError
 
 ADDR_FILE = "control.addr"
+RUN_TOKEN_KEY = "meshtrain-run"  # gRPC metadata: the run token of the control.addr the client read
 
 
-def resolve_address(target: str) -> str:
-    """`HOST:PORT` for `target`, which is either that or a run directory holding control.addr.
+def write_address_file(run_dir: Path, address: str, token: str) -> None:
+    """RUN_DIR/control.addr: the endpoint's HOST:PORT, then its run token, one per line."""
+    (run_dir / ADDR_FILE).write_text(f"{address}\n{token}\n")
+
+
+def resolve_target(target: str) -> tuple[str, str | None]:
+    """(`HOST:PORT`, run token or None) for `target`: that address (no token), or a run directory
+    holding control.addr (its address and token; None from a file written before tokens).
 
     Raises:
-        ConfigError: a directory without control.addr, or neither a directory nor HOST:PORT.
+        ConfigError: a directory without control.addr or with an unreadable one, or neither a
+            directory nor HOST:PORT.
     """
     path = Path(target)
     if path.is_dir():
@@ -30,11 +43,23 @@ def resolve_address(target: str) -> str:
         if not addr_file.exists():
             raise ConfigError(f"{path} has no {ADDR_FILE}: is the run training with "
                               "--train.control_port set (0: any free port)?")
-        return addr_file.read_text().strip()
-    host, sep, port = target.rpartition(":")
-    if not sep or not host or not port.isdigit():
+        lines = addr_file.read_text().split()
+        if not lines or not _is_address(lines[0]):
+            raise ConfigError(f"{addr_file} does not start with HOST:PORT (got {addr_file.read_text()[:80]!r})")
+        return lines[0], lines[1] if len(lines) > 1 else None
+    if not _is_address(target):
         raise ConfigError(f"{target!r} is neither a run directory nor HOST:PORT")
-    return target
+    return target, None
+
+
+def resolve_address(target: str) -> str:
+    """`HOST:PORT` for `target`, which is either that or a run directory holding control.addr."""
+    return resolve_target(target)[0]
+
+
+def _is_address(text: str) -> bool:
+    host, sep, port = text.rpartition(":")
+    return bool(sep and host and port.isdigit())
 
 
 class ControlClient:
@@ -46,7 +71,8 @@ class ControlClient:
     """
 
     def __init__(self, target: str, timeout_s: float = 10.0):
-        self.address = resolve_address(target)
+        self.address, token = resolve_target(target)
+        self.metadata = ((RUN_TOKEN_KEY, token),) if token else None
         self.timeout_s = timeout_s
         self.channel = grpc.insecure_channel(self.address)
         self.stub = pb_grpc.TrainerControlStub(self.channel)
@@ -72,7 +98,7 @@ class ControlClient:
 
     def _call(self, method, request):
         try:
-            return method(request, timeout=self.timeout_s)
+            return method(request, timeout=self.timeout_s, metadata=self.metadata)
         except grpc.RpcError as e:
             raise MeshtrainError(f"trainer control endpoint {self.address}: {e.code().name}: {e.details()}") from None
 

@@ -4,8 +4,8 @@
 `.stop()`s what it returns when the run ends. The endpoint answers Status (step, loss,
 tokens/s, ETA, last checkpoint), Checkpoint (save after the current step) and Stop (save,
 then end with exit status 0); `meshtrain status|stop ADDR|RUN_DIR` are its command line.
-With port 0 the bound address is written to RUN_DIR/control.addr, which is how a run
-directory resolves to an address. It binds `train.control_host` (else $MESHTRAIN_CONTROL_HOST,
+The bound address is written to RUN_DIR/control.addr with a random run token, which is how a
+run directory resolves to an address (a call carrying another run's token is refused). It binds `train.control_host` (else $MESHTRAIN_CONTROL_HOST,
 else 127.0.0.1; 0.0.0.0 in a container). With `train.metrics_port` (else
 $MESHTRAIN_METRICS_PORT; 0: any free port, written to RUN_DIR/metrics.addr) the trainer's step,
 loss and tokens/s are exported as Prometheus gauges there, with the endpoint's RPC metrics.
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from protos.trainer.v1 import trainer_pb2_grpc as pb_grpc
 from services.common.errors import ConfigError
 from services.common.grpc_utils import make_server
 from services.common.metrics import MetricsInterceptor, start_metrics_server
-from services.trainer.rpc.client import ADDR_FILE
+from services.trainer.rpc.client import ADDR_FILE, write_address_file
 from services.trainer.rpc.servicer import SERVICE_NAME, TrainerControlServicer
 
 log = logging.getLogger("meshtrain.trainer")
@@ -82,7 +83,8 @@ def serve_control(trainer, port: int, host: str | None = None,
     Returns:
         The started `ControlEndpoint`.
     """
-    servicer = TrainerControlServicer(trainer)
+    token = secrets.token_hex(8)  # this endpoint's run token (services/trainer/rpc/client.py)
+    servicer = TrainerControlServicer(trainer, token)
     host = host or os.environ.get(HOST_ENV) or "127.0.0.1"
     if metrics_port is None and os.environ.get(METRICS_PORT_ENV):
         metrics_port = int(os.environ[METRICS_PORT_ENV])
@@ -103,7 +105,7 @@ def serve_control(trainer, port: int, host: str | None = None,
         endpoint.metrics_address = f"{host}:{mport}"
         (run_dir / METRICS_ADDR_FILE).write_text(endpoint.metrics_address + "\n")
     # Written whatever the port: a supervisor or `meshtrain status RUN_DIR` finds it the same way.
-    (run_dir / ADDR_FILE).write_text(endpoint.address + "\n")
+    write_address_file(run_dir, endpoint.address, token)
     log.info("control endpoint on %s%s", endpoint.address,
              f", metrics on http://{endpoint.metrics_address}/metrics" if endpoint.metrics_address else "")
     return endpoint

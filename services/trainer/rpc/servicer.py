@@ -7,8 +7,11 @@ request as pending until the loop has acted on it.
 
 from __future__ import annotations
 
+import grpc
+
 from protos.trainer.v1 import trainer_pb2 as pb
 from protos.trainer.v1 import trainer_pb2_grpc as pb_grpc
+from services.trainer.rpc.client import RUN_TOKEN_KEY
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TrainerControl"].full_name
 
@@ -26,18 +29,31 @@ def status_message(progress: dict, stop_requested: bool, checkpoint_requested: b
 
 class TrainerControlServicer(pb_grpc.TrainerControlServicer):
     """Serves one `services.trainer.train.Trainer`: its `progress` dict, `request_checkpoint()`
-    and `request_stop()`."""
+    and `request_stop()`. A call whose `meshtrain-run` metadata names another run token (read
+    from a stale control.addr whose port now serves this run) is refused with
+    FAILED_PRECONDITION; a call without one (HOST:PORT given directly) is served."""
 
-    def __init__(self, trainer):
+    def __init__(self, trainer, token: str | None = None):
         self.trainer = trainer
+        self.token = token
 
     def Status(self, request, context):
+        self._check_run(context)
         return status_message(dict(self.trainer.progress), *self.trainer.pending_requests())
 
     def Checkpoint(self, request, context):
+        self._check_run(context)
         self.trainer.request_checkpoint()
         return pb.CheckpointResponse(step=int(self.trainer.progress["step"]))
 
     def Stop(self, request, context):
+        self._check_run(context)
         self.trainer.request_stop()
         return pb.StopResponse(step=int(self.trainer.progress["step"]))
+
+    def _check_run(self, context) -> None:
+        sent = dict(context.invocation_metadata()).get(RUN_TOKEN_KEY)
+        if sent is not None and self.token is not None and sent != self.token:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"this endpoint serves another run (run {self.trainer.run_dir}): the control.addr "
+                          "that named it is stale, left by a trainer that ended without removing it")

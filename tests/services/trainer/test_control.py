@@ -110,6 +110,29 @@ def test_trainer_gauges_and_rpc_metrics_scraped_over_http(long_run):
     bg.join()
 
 
+def test_a_stale_control_address_does_not_reach_the_run_now_on_its_port(long_run, tmp_path):
+    """A trainer killed outright leaves its control.addr; the port may since serve another run (a
+    fixed train.control_port always does). `meshtrain stop OLD_RUN_DIR` must not stop that run: the
+    run token in control.addr is sent with each call and the endpoint refuses another's."""
+    bg, run_dir = long_run
+    address, token = (run_dir / "control.addr").read_text().split()
+    old = tmp_path / "old-run"
+    old.mkdir()
+    (old / "control.addr").write_text(f"{address}\n{'0' * len(token)}\n")  # the dead run's file
+    with pytest.raises(MeshtrainError, match="FAILED_PRECONDITION: this endpoint serves another run .* stale"):
+        ControlClient(str(old)).stop()
+    assert main(["stop", str(old)]) == 2 and main(["save", str(old)]) == 2
+    with ControlClient(str(run_dir)) as client:
+        assert not client.status()["stop_requested"] and not client.status()["checkpoint_requested"]
+    with ControlClient(address) as client:  # HOST:PORT given directly carries no token: served
+        assert client.status()["train_iters"] == 100_000
+    (old / "control.addr").write_text(f"{address}\n")  # a file from before tokens: served as before
+    with ControlClient(str(old)) as client:
+        assert client.status()["train_iters"] == 100_000
+        client.stop()
+    bg.join()
+
+
 def test_unreachable_or_malformed_targets_are_named(tmp_path):
     with pytest.raises(ConfigError, match="neither a run directory nor HOST:PORT"):
         resolve_address(str(tmp_path / "missing"))
@@ -117,6 +140,9 @@ def test_unreachable_or_malformed_targets_are_named(tmp_path):
     with pytest.raises(MeshtrainError, match="127.0.0.1:1: UNAVAILABLE"):
         ControlClient(str(tmp_path), timeout_s=2).status()
     assert main(["status", "127.0.0.1:1"]) == 2
+    (tmp_path / "control.addr").write_text("")  # torn: the trainer died while writing it
+    with pytest.raises(ConfigError, match="does not start with HOST:PORT"):
+        resolve_address(str(tmp_path))
 
 
 def test_a_busy_metrics_port_is_a_clear_error_and_leaves_no_control_address(corpus_cache, tmp_path):
