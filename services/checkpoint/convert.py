@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from services.checkpoint import layout
 from services.checkpoint.reader import latest_step, read_manifest, read_tensor
-from services.checkpoint.sharded import ShardWriter, begin_save, commit
+from services.checkpoint.sharded import ShardWriter, begin_save, commit, is_committed
 from services.checkpoint.shards import ShardSpec
 from services.checkpoint.store import open_root
 from services.common.config import build
@@ -158,6 +158,9 @@ def save_streaming(dst: str, step: int, specs: dict[str, TensorSpec],
     arrays = layout.group_tensors((n, shape, dtype) for n, (shape, dtype) in specs.items())
     total = sum(_nbytes(shape, dtype) for shape, dtype in specs.values())
     root = open_root(dst)
+    if is_committed(root, step):  # begin_save's own message points at the trainer's switch
+        raise CheckpointError(f"checkpoint step {step} already exists under {dst!r}: write to another root, or "
+                              f"delete it first (meshtrain ckpt delete {dst} --step {step})")
     save_id = begin_save(root, step)
     writer = ShardWriter(root, step, save_id, writer_id=0, num_writers=1)
     written = 0
