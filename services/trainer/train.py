@@ -291,6 +291,17 @@ class Trainer:
                             "the documents held out for evaluation) follow it, so the steps from here skip and "
                             "repeat samples of the saved run's order (keep it unchanged for an exact continuation)",
                             section, key, was, now)
+        # The LR schedule is recomputed from the config at every step (not stored), so a changed
+        # setting moves the rate at once; Megatron refuses this without
+        # --override-opt_param-scheduler, here it is a warning (a lower peak LR after a loss spike
+        # is deliberate practice).
+        changed = [f"optim.{key} {saved['optim'][key]} -> {getattr(self.job.optim, key)}"
+                   for key in ("lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style")
+                   if key in saved.get("optim", {}) and saved["optim"][key] != getattr(self.job.optim, key)]
+        if changed:
+            log.warning("the LR schedule changed since the checkpoint (%s): the learning rate from step %d follows "
+                        "the new schedule, not the saved run's (keep them unchanged for an exact continuation)",
+                        ", ".join(changed), state.iteration + 1)
         if t.bf16 and saved.get("train", {}).get("bf16"):
             # Checkpoints from before the setting existed trained with plain autocast's fp32 stream.
             was = saved.get("model", {}).get("fp32_residual_connection", True)

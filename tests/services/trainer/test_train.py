@@ -425,6 +425,27 @@ def test_a_resume_that_would_save_over_committed_steps_is_refused_before_trainin
     assert sorted(result.losses) == [5, 6, 7]
 
 
+def test_resuming_with_another_lr_schedule_warns(corpus_cache, tmp_path, caplog):
+    """The LR schedule is recomputed from the config each step: a changed peak or minimum LR on
+    a resume moves the rate at once (Megatron refuses it without --override-opt_param-scheduler);
+    it is named in a warning, and an unchanged resume says nothing of it."""
+    saved = small_job_args(corpus_cache, tmp_path / "a", **{"train.train_iters": 2, "train.eval_interval": 0})
+    train(load_config(saved))
+
+    def resume(run: str, **changes) -> str:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="meshtrain"):
+            train(load_config(small_job_args(corpus_cache, tmp_path / run, **{
+                "checkpoint.load": str(tmp_path / "a" / "checkpoints"), "train.train_iters": 3,
+                "train.eval_interval": 0, **changes})))
+        return caplog.text
+
+    assert "LR schedule changed" not in resume("same")
+    text = resume("lower", **{"optim.lr": 1e-4, "optim.min_lr": 1e-5})
+    assert "the LR schedule changed since the checkpoint (optim.lr 0.003 -> 0.0001, optim.min_lr 0.0003 -> 1e-05)" \
+        in text and "from step 3" in text
+
+
 @pytest.mark.parametrize(("key", "value"), [("train.seed", 7), ("data.split", "70,30,0")])
 def test_resuming_with_another_sample_stream_warns(corpus_cache, tmp_path, caplog, key, value):
     """The seed and the split decide which samples each step takes (and which documents are held
