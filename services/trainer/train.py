@@ -314,20 +314,25 @@ class Trainer:
                             was, now, dtype[was], dtype[now], "pass" if was else "drop")
 
     def _refuse_saves_over_committed_steps(self) -> None:
-        """Refuse, before training, a run whose scheduled saves would meet committed checkpoints.
+        """Refuse, before training, a run into a root that holds committed steps after its start.
 
-        A run rolled back with --ckpt-step (or started afresh) into a root that holds later steps
-        would otherwise train up to the first such step and then stop with an error there, the
-        work since its last save lost. Every rank lists the root, so every rank raises alike.
+        A run rolled back with --ckpt-step (or started afresh) into such a root would meet them:
+        a scheduled save on one of those steps stops the run with an error after training up to
+        it, and so does the final save of a stop (SIGTERM: preemption) landing on one, losing the
+        work since the last save. A save between them would not collide, but the root's latest
+        step would still be the abandoned run's, which the next `--load` (deploy/train.sh's
+        resume after a preemption) would take up instead of this run's. Every rank lists the
+        root, so every rank raises alike; `checkpoint.overwrite` lets the run share the root.
         """
         c, t, start = self.job.checkpoint, self.job.train, self.state.iteration
-        taken = [s for s in list_checkpoints(c.save)
-                 if start < s <= t.train_iters and (s == t.train_iters or (c.save_interval and s % c.save_interval == 0))]
-        if taken:
+        later = [s for s in list_checkpoints(c.save) if s > start]
+        if later:
+            shown = f"{later[:5]}{' ...' if len(later) > 5 else ''}"
             raise CheckpointError(
-                f"checkpoint steps {taken} already exist under {c.save!r}, and this run (steps {start + 1} to "
-                f"{t.train_iters}, saving every {c.save_interval or t.train_iters}) would save them and stop with an "
-                "error at the first; pass --checkpoint.overwrite=true to replace them, or --save another root")
+                f"checkpoint steps {shown} after this run's start (step {start}) already exist under {c.save!r}: "
+                "its saves (scheduled, or a stop's final one) would meet them, and the next --load would resume "
+                "from them rather than from this run; pass --checkpoint.overwrite=true to share the root anyway, "
+                "or --save another root")
 
     def request_stop(self) -> None:
         """Save a checkpoint after the current step and end the run (what SIGTERM does).

@@ -408,20 +408,24 @@ def test_eval_set_is_eval_iters_global_batches_whatever_the_micro_batch_and_dp_s
     assert valid_rows(4, 2) == rows
 
 
-def test_a_resume_that_would_save_over_committed_steps_is_refused_before_training(corpus_cache, tmp_path):
-    """Rolled back to step 4 in a root that holds step 8: the run's save at step 8 would refuse to
-    replace it, after training up to it. It is refused at the start, naming the step and the switch."""
+def test_a_resume_into_a_root_with_later_steps_is_refused_before_training(corpus_cache, tmp_path):
+    """Rolled back to step 4 in a root that holds step 8: its save at 8 (or a stop's save at any
+    step that is there) would refuse to replace it after training up to it, and a save in
+    between would leave the abandoned run's step 8 as the root's latest, which the next --load
+    would resume. It is refused at the start, naming the steps and the switch; with
+    checkpoint.overwrite the run goes ahead."""
     from services.trainer.train import Trainer
 
     run = tmp_path / "run"
     common = {"train.train_iters": 8, "train.eval_interval": 0, "checkpoint.save_interval": 4}
     train(load_config(small_job_args(corpus_cache, run, **common)))
     back = {"checkpoint.load": str(run / "checkpoints"), "checkpoint.load_step": 4}
-    with pytest.raises(CheckpointError, match=r"\[8\].*already.*checkpoint.overwrite=true"):
-        Trainer(load_config(small_job_args(corpus_cache, run, **common, **back)))
-    # steps it would not save are no obstacle: from 4 to 7, saving only at 7
+    for iters in (8, 7):  # 7: no scheduled save on step 8, still the root's latest afterwards
+        with pytest.raises(CheckpointError, match=r"steps \[8\] after this run's start \(step 4\).*"
+                                                  r"checkpoint.overwrite=true"):
+            Trainer(load_config(small_job_args(corpus_cache, run, **{**common, **back, "train.train_iters": iters})))
     result = train(load_config(small_job_args(corpus_cache, run, **{
-        **common, **back, "train.train_iters": 7, "checkpoint.save_interval": 0})))
+        **common, **back, "train.train_iters": 7, "checkpoint.save_interval": 0, "checkpoint.overwrite": True})))
     assert sorted(result.losses) == [5, 6, 7]
 
 
