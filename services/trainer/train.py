@@ -324,7 +324,7 @@ class Trainer:
         resume after a preemption) would take up instead of this run's. Every rank lists the
         root, so every rank raises alike; `checkpoint.overwrite` lets the run share the root.
         """
-        c, t, start = self.job.checkpoint, self.job.train, self.state.iteration
+        c, start = self.job.checkpoint, self.state.iteration
         later = [s for s in list_checkpoints(c.save) if s > start]
         if later:
             shown = f"{later[:5]}{' ...' if len(later) > 5 else ''}"
