@@ -350,25 +350,45 @@ def export_hf(src_root: str, dst_dir: str, step: int | None = None,
     path = path.rstrip("/")
     if fs.exists(path):
         raise CheckpointError(f"export destination {dst_dir!r} already exists")
-    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-    fs.makedirs(tmp, exist_ok=True)
+    # A local folder is built beside its place and renamed into it in one step. An object store
+    # has no rename (a move copies every object, model.safetensors's gigabytes included), so
+    # there the files go straight to their place, config.json last: transformers starts from
+    # it, so a folder holding it holds every file, and one left by a crash has none.
+    local = "file" in fs.protocol or "local" in fs.protocol
+    out = f"{path}.tmp-{uuid.uuid4().hex}" if local else path
+    if local:
+        fs.makedirs(out, exist_ok=True)  # object stores have no folders to make
     try:
-        with fs.open(posixpath.join(tmp, "model.safetensors"), "wb") as f:
+        with fs.open(posixpath.join(out, "model.safetensors"), "wb") as f:
             _write_safetensors(f, plan, dtype, lambda name: read_tensor(src_root, step, name))
         config = hf_config(model, dtype, eod)
-        files = {"config.json": config}
+        files = {}
         if eod is not None:
             # transformers 5 takes generate()'s stopping ids from here only, not config.json.
             files["generation_config.json"] = {"bos_token_id": eod, "eos_token_id": eod}
         if tokenizer_file is not None:
-            fs.put_file(str(tokenizer_file), posixpath.join(tmp, "tokenizer.json"))
+            fs.put_file(str(tokenizer_file), posixpath.join(out, "tokenizer.json"))
             files["tokenizer_config.json"] = hf_tokenizer.tokenizer_config(tokenizer_file, model, where)
+        files["config.json"] = config  # last
         for name, content in files.items():
-            fs.pipe_file(posixpath.join(tmp, name), json.dumps(content, indent=2).encode())
-        fs.mv(tmp, path, recursive=True)
-    finally:
-        if fs.exists(tmp):
-            fs.rm(tmp, recursive=True)
+            fs.pipe_file(posixpath.join(out, name), json.dumps(content, indent=2).encode())
+        if local:
+            fs.mv(out, path, recursive=True)
+    except BaseException:
+        # Nothing half-written is left, in place or beside it. The listing is read afresh: an
+        # object store's cached one may predate the partial file (closing the failed write
+        # uploads what it had).
+        fs.invalidate_cache(out)
+        try:
+            fs.rm(out, recursive=True)
+        except FileNotFoundError:
+            pass
+        if not local:  # a folder marker too: SeaweedFS keeps one for every prefix written (so do consoles)
+            try:
+                fs.rm_file(out + "/")
+            except FileNotFoundError:
+                pass
+        raise
     log.info("exported %s to %s (%s, %s)", where, dst_dir, config["architectures"][0], dtype)
     return dst_dir
 

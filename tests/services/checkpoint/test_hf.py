@@ -99,6 +99,41 @@ def test_export_loads_in_transformers_with_same_logits(tmp_path, name, settings,
     torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=1e-4)
 
 
+def test_export_to_object_storage_loads_with_the_same_logits(tmp_path, s3_root):
+    """Export straight to a real S3-compatible store (no rename there: the files are written in
+    place, config.json last); the folder, fetched, loads in transformers with meshtrain's logits,
+    and no temporary prefix is left beside it. A failed export leaves nothing at the destination."""
+    import fsspec
+
+    model = random_model(LLAMA)
+    root = str(tmp_path / "ckpt")
+    save_training_checkpoint(root, model)
+    dst = f"{s3_root.rsplit('/', 1)[0]}/hf"
+    assert export_hf(root, dst) == dst
+    fs, path = fsspec.core.url_to_fs(dst)
+    parent = path.rsplit("/", 1)[0]
+    assert [p.rsplit("/", 1)[1] for p in fs.ls(parent, detail=False)] == ["hf"]
+    assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(path, detail=False)) == [
+        "config.json", "generation_config.json", "model.safetensors"]
+    fs.get(path + "/", str(tmp_path / "fetched"), recursive=True)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "fetched"), dtype=torch.float32)
+    tokens = torch.randint(0, model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    hf.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, meshtrain_logits(model, tokens), atol=1e-4, rtol=1e-4)
+
+    # the last tensor written (the output layer) corrupt: the export fails midway through the weights
+    broken = tmp_path / "broken"
+    save_training_checkpoint(str(broken), model)
+    chunk = broken / "step_00000007" / "output_layer.weight" / "c" / "0" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[0] ^= 0x01
+    chunk.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="output_layer.weight.*corrupt"):
+        export_hf(str(broken), f"{s3_root.rsplit('/', 1)[0]}/hf-broken")
+    assert not fs.exists(f"{parent}/hf-broken")
+
+
 def test_export_ships_the_runs_tokenizer(tmp_path):
     from services.dataloader.tokenizers import train_bpe
 
