@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import fsspec
 import numpy as np
 import torch
 
@@ -44,6 +43,7 @@ from services.checkpoint.convert import (
     tensor_specs,
 )
 from services.checkpoint.reader import list_checkpoints, read_manifest, read_tensor
+from services.checkpoint.store import open_root, remove_tree
 from services.common.config import build, to_dict
 from services.common.errors import CheckpointError
 from services.trainer.config import JobConfig, ModelConfig
@@ -346,17 +346,16 @@ def export_hf(src_root: str, dst_dir: str, step: int | None = None,
     tokenizer_file = hf_tokenizer.tokenizer_file(spec, where)
     eod = hf_tokenizer.eod_id(tokenizer_file, spec, model, where)
 
-    fs, path = fsspec.core.url_to_fs(dst_dir)
-    path = path.rstrip("/")
+    dst = open_root(dst_dir)  # the checkpoint store's way in: fresh listings, the run's S3 endpoint
+    fs, path = dst.fs, dst.path
     if fs.exists(path):
         raise CheckpointError(f"export destination {dst_dir!r} already exists")
     # A local folder is built beside its place and renamed into it in one step. An object store
     # has no rename (a move copies every object, model.safetensors's gigabytes included), so
     # there the files go straight to their place, config.json last: transformers starts from
     # it, so a folder holding it holds every file, and one left by a crash has none.
-    local = "file" in fs.protocol or "local" in fs.protocol
-    out = f"{path}.tmp-{uuid.uuid4().hex}" if local else path
-    if local:
+    out = f"{path}.tmp-{uuid.uuid4().hex}" if dst.is_local else path
+    if dst.is_local:
         fs.makedirs(out, exist_ok=True)  # object stores have no folders to make
     try:
         with fs.open(posixpath.join(out, "model.safetensors"), "wb") as f:
@@ -372,18 +371,13 @@ def export_hf(src_root: str, dst_dir: str, step: int | None = None,
         files["config.json"] = config  # last
         for name, content in files.items():
             fs.pipe_file(posixpath.join(out, name), json.dumps(content, indent=2).encode())
-        if local:
+        if dst.is_local:
             fs.mv(out, path, recursive=True)
     except BaseException:
-        # Nothing half-written is left, in place or beside it. The listing is read afresh: an
-        # object store's cached one may predate the partial file (closing the failed write
-        # uploads what it had).
-        fs.invalidate_cache(out)
-        try:
-            fs.rm(out, recursive=True)
-        except FileNotFoundError:
-            pass
-        if not local:  # a folder marker too: SeaweedFS keeps one for every prefix written (so do consoles)
+        # Nothing half-written is left, in place or beside it (closing the failed write uploaded
+        # what it had), nor the folder marker SeaweedFS keeps for every prefix written.
+        remove_tree(dst, out)
+        if not dst.is_local:
             try:
                 fs.rm_file(out + "/")
             except FileNotFoundError:
