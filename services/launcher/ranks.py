@@ -11,9 +11,9 @@ second signal stops the ranks at once, SIGKILL, no checkpoint). A rank that fail
 stops the others (SIGTERM, then SIGKILL after `FAILURE_GRACE_S`: they may hang in a collective).
 We exit 0 when every rank exited 0, or was stopped by our SIGTERM before its training loop
 began (nothing to checkpoint, as `meshtrain up` counts it), else 1 with one line naming the
-ranks that did not, the first to fail first. torchrun's agent instead reported a SIGTERM as its own failure (exit 1)
-and SIGKILLed the ranks 30 s after passing it on (TORCH_ELASTIC_SHUTDOWN_TIMEOUT), losing a
-long final checkpoint.
+ranks that did not, the first to fail first. torchrun's agent instead reported a SIGTERM as
+its own failure (exit 1) and SIGKILLed the ranks 30 s after passing it on
+(TORCH_ELASTIC_SHUTDOWN_TIMEOUT), losing a long final checkpoint.
 """
 
 from __future__ import annotations
@@ -23,11 +23,12 @@ import os
 import signal
 import sys
 import threading
-from typing import TextIO
+from typing import TextIO, TypeVar
 
 from services.launcher.topology import Child, Topology, free_port, stop_on_signals
 
 FAILURE_GRACE_S = 15.0
+K = TypeVar("K")
 
 
 def local_ranks(world: int, argv: list[str], name: str, grace_s: float,
@@ -85,11 +86,8 @@ def run_local_ranks(nproc: int, train_args: list[str], grace_s: float | None = N
             statuses = topo.shutdown()
     failed = [rank for rank, child in enumerate(ranks) if statuses[child.name] != 0]
     stopped = stop.is_set() and not topo.urgent.is_set()
-    if stopped and topo.failed is None:
-        # As `meshtrain up`: inside its training loop a rank takes SIGTERM as "checkpoint and
-        # exit 0", so one killed by it had not reached the loop and had nothing to save: a stop
-        # asked for before training began is a clean stop, not a failure.
-        early = [rank for rank in failed if statuses[ranks[rank].name] == -signal.SIGTERM]
+    if topo.failed is None:  # no rank died on its own: a stop that came early is a clean one
+        early = stopped_before_training(topo, stop, {rank: statuses[ranks[rank].name] for rank in failed})
         if early:
             topo.say(f"{', '.join(f'rank {rank}' for rank in early)} stopped before training started")
         failed = [rank for rank in failed if rank not in early]
@@ -106,6 +104,20 @@ def run_local_ranks(nproc: int, train_args: list[str], grace_s: float | None = N
         line = f"not every rank exited 0: {', '.join(parts)}"
     print(f"meshtrain: error: {line}", file=out, flush=True)
     return 1
+
+
+def stopped_before_training(topo: Topology, stop: threading.Event, failed: dict[K, int | None]) -> list[K]:
+    """Of the ranks in `failed` (any key: exit status), those our own stop killed before their
+    training loop began; none unless a stop was asked for (`stop` set, not the urgent second
+    signal).
+
+    Inside its loop a rank takes SIGTERM as "checkpoint and exit 0", so one that died of it had
+    not reached the loop and had nothing to save: a stop asked for then is a clean stop, not a
+    failure (`meshtrain up` and `train --nproc-per-node` both count it so).
+    """
+    if not stop.is_set() or topo.urgent.is_set():
+        return []
+    return [key for key, code in failed.items() if code == -signal.SIGTERM]
 
 
 def _describe(code: int, stop_requested: bool) -> str:

@@ -23,7 +23,6 @@ running the same command again with the same `--log.run_dir` continues the run.
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import threading
 import time
@@ -33,7 +32,7 @@ from pathlib import Path
 from services.common.errors import ConfigError
 from services.launcher.health import wait_http, wait_serving
 from services.launcher.objectstore import AccessKeys, ObjectStore, require_weed
-from services.launcher.ranks import local_ranks
+from services.launcher.ranks import local_ranks, stopped_before_training
 from services.launcher.topology import (
     Child,
     ChildFailed,
@@ -221,13 +220,10 @@ def run_up(options: UpOptions, overrides: list[str], out=None,
     with stop_on_signals(topo, stop, "stopping (trainer first, it checkpoints; again to stop at once)"):
         code, statuses = _run(topo, p, options, stop)
     failed = {n: c for n, c in statuses.items() if n.startswith("trainer") and c not in (0, None)}
-    if stop.is_set() and not topo.urgent.is_set():
-        # A trainer killed by our SIGTERM had not reached its training loop (inside it SIGTERM
-        # means: checkpoint, exit 0), so a requested stop lost no training there.
-        early = [n for n, c in failed.items() if c == -signal.SIGTERM]
-        if early:
-            topo.say(f"{', '.join(early)} stopped before training started")
-        failed = {n: c for n, c in failed.items() if n not in early}
+    early = stopped_before_training(topo, stop, failed)
+    if early:
+        topo.say(f"{', '.join(early)} stopped before training started")
+    failed = {n: c for n, c in failed.items() if n not in early}
     if failed and code == 0:
         topo.say(f"error: trainer exit statuses {failed}")
         code = 1
