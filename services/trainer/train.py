@@ -247,7 +247,7 @@ class Trainer:
                  self.num_parameters / 1e6, self.flops_per_token, self.device, precision, m.tp, m.dp, m.world_size,
                  ", sequence parallel" if p.sequence_parallel else "")
         if not c.overwrite:
-            self._refuse_saves_over_committed_steps()
+            self._refuse_a_root_with_later_steps()
         # Opened last, so an __init__ that fails (a restore, a config check) leaves no channel to
         # the checkpoint service open; `run` closes it.
         self.checkpointer = checkpointing.Checkpointer(c.save, self.par, c.async_save, c.service_address,
@@ -313,7 +313,7 @@ class Trainer:
                             "(%s --fp32-residual-connection to keep the checkpoint's)",
                             was, now, dtype[was], dtype[now], "pass" if was else "drop")
 
-    def _refuse_saves_over_committed_steps(self) -> None:
+    def _refuse_a_root_with_later_steps(self) -> None:
         """Refuse, before training, a run into a root that holds committed steps after its start.
 
         A run rolled back with --ckpt-step (or started afresh) into such a root would meet them:

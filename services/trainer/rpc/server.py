@@ -5,10 +5,11 @@
 tokens/s, ETA, last checkpoint), Checkpoint (save after the current step) and Stop (save,
 then end with exit status 0); `meshtrain status|stop ADDR|RUN_DIR` are its command line.
 The bound address is written to RUN_DIR/control.addr with a random run token, which is how a
-run directory resolves to an address (a call carrying another run's token is refused). It binds `train.control_host` (else $MESHTRAIN_CONTROL_HOST,
-else 127.0.0.1; 0.0.0.0 in a container). With `train.metrics_port` (else
-$MESHTRAIN_METRICS_PORT; 0: any free port, written to RUN_DIR/metrics.addr) the trainer's step,
-loss and tokens/s are exported as Prometheus gauges there, with the endpoint's RPC metrics.
+run directory resolves to an address (a call carrying another run's token is refused). It binds
+`train.control_host` (else $MESHTRAIN_CONTROL_HOST, else 127.0.0.1; 0.0.0.0 in a container).
+With `train.metrics_port` (else $MESHTRAIN_METRICS_PORT; 0: any free port, written to
+RUN_DIR/metrics.addr) the trainer's step, loss and tokens/s are exported as Prometheus gauges
+there, with the endpoint's RPC metrics.
 """
 
 from __future__ import annotations
