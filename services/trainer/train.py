@@ -14,9 +14,11 @@ and RNG states are restored bit for bit.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import functools
 import logging
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -48,6 +50,11 @@ from services.trainer.uploads import Uploader
 from services.trainer.weight_copies import WeightCopies, call_with
 
 log = logging.getLogger("meshtrain.train")
+
+# A rank that has not left its training loop this long after a stop arrived (SIGTERM, the
+# control endpoint) writes every thread's stack to stderr, so a rank stuck on its way out says
+# where before Slurm (120 s after its signal) or torchrun (170 s, deploy/train.sh) kills it.
+STOP_STACK_DUMP_S = 90.0
 
 
 @dataclass
@@ -254,6 +261,8 @@ class Trainer:
                                                        overwrite=c.overwrite, resumed_step=resumed_here)
         # Requests from other threads (signal handler, control endpoint), acted on between steps.
         self._stop = threading.Event()
+        self._stop_cause: str | None = None  # "SIGTERM", "a stop request": what set _stop first
+        self._stack_dump_armed = False
         self._checkpoint_now = threading.Event()
         self._finished = threading.Event()  # the loop has returned: requests are refused
         self.progress: dict[str, float | int | str | None] = {
@@ -341,7 +350,29 @@ class Trainer:
             MeshtrainError: the training loop has already ended (nothing would act on it).
         """
         self._refuse_if_finished("stop")
+        self._note_stop("a stop request")
+
+    def _note_stop(self, cause: str) -> None:
+        """Set the stop flag; the first time, remember why and arm the stack dump.
+
+        Also called from the SIGTERM handler, which runs between two bytecodes of the main
+        thread, perhaps inside a write to stderr or a lock of ours: so no logging or I/O here
+        (the loop reports the stop when it acts on it), and faulthandler's dump, which writes
+        from its own thread to the file descriptor, is the only output.
+        """
+        if not self._stop.is_set():
+            self._stop_cause = cause
+            try:
+                faulthandler.dump_traceback_later(STOP_STACK_DUMP_S, file=sys.stderr)
+                self._stack_dump_armed = True
+            except (AttributeError, ValueError, OSError):  # no stderr with a file descriptor (embedded)
+                pass
         self._stop.set()
+
+    def _disarm_stack_dump(self) -> None:
+        if self._stack_dump_armed:
+            faulthandler.cancel_dump_traceback_later()
+            self._stack_dump_armed = False
 
     def request_checkpoint(self) -> None:
         """Save a checkpoint after the current step and continue.
@@ -384,9 +415,7 @@ class Trainer:
             return
 
         def handler(signum, _frame):
-            log.warning("received %s: saving a checkpoint after this step, then stopping",
-                        signal.Signals(signum).name)
-            self._stop.set()
+            self._note_stop(signal.Signals(signum).name)
 
         previous = signal.signal(signal.SIGTERM, handler)
         try:
@@ -492,6 +521,7 @@ class Trainer:
                     self._loop(result, metrics, start, tokens_per_step)
                 finally:
                     self._finished.set()
+                    self._disarm_stack_dump()
                 if self.ddp is not None:
                     self.ddp.wait_param_gather()  # the model a caller gets back is whole
                 self.checkpointer.wait()  # the last save is committed before the run returns
@@ -552,6 +582,9 @@ class Trainer:
             stop, checkpoint_now = self._agreed_requests(at_log_step=not pending)
             if stop and pending:  # alone, a stop is acted on at any step: log what it ran first
                 log_pending(n)
+            if stop:
+                log.warning("%s: saving a checkpoint after step %d, then stopping",
+                            self._stop_cause or "another rank's stop request", n)
             interval = job.checkpoint.save_interval
             if (interval and n % interval == 0) or n == t.train_iters or stop or checkpoint_now:
                 # Cleared before saving: this save answers the requests made so far, and one that

@@ -463,3 +463,53 @@ def test_resuming_with_another_sample_stream_warns(corpus_cache, tmp_path, caplo
     with caplog.at_level(logging.WARNING, logger="meshtrain"):
         train(load_config(resumed))
     assert f"{key} changed from" in caplog.text
+
+
+_STOP_CHILD = """
+import os, signal, sys, time
+from services.trainer import train as T
+from services.trainer.config import load_config
+T.STOP_STACK_DUMP_S = 0.5
+trainer = T.Trainer(load_config(sys.argv[2:]))
+step_fn = trainer.train_step
+stuck_s = float(sys.argv[1])
+
+def step_that_gets_stuck(i):
+    out = step_fn(i)
+    if i == 2:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(stuck_s)  # a step that hangs after the signal (stuck_s > the dump's 0.5 s)
+    return out
+
+trainer.train_step = step_that_gets_stuck
+result = trainer.run()
+time.sleep(1.0)  # past the dump's deadline: a disarmed dump stays silent
+print("stopped_early", result.stopped_early, flush=True)
+"""
+
+
+@pytest.mark.parametrize("stuck_s", [0.0, 2.0], ids=["quick", "stuck"])
+def test_sigterm_stops_after_the_step_and_a_rank_stuck_on_its_way_out_dumps_its_stacks(corpus_cache, tmp_path,
+                                                                                        stuck_s):
+    """SIGTERM: the loop reports why it stops (the handler itself writes nothing, since it may
+    interrupt a write to the same stream), saves after the step and returns. A rank that has not
+    left its loop STOP_STACK_DUMP_S after the signal writes every thread's stack to stderr; one
+    that left in time writes none."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    args = small_job_args(corpus_cache, tmp_path / "run", **{"train.train_iters": 40, "train.eval_interval": 0,
+                                                            "checkpoint.save": str(tmp_path / "ckpt")})
+    root = Path(__file__).resolve().parents[3]
+    proc = subprocess.run([sys.executable, "-c", _STOP_CHILD, str(stuck_s), *args], cwd=root, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert proc.returncode == 0 and "stopped_early True" in proc.stdout, proc.stderr[-3000:]
+    assert "SIGTERM: saving a checkpoint after step 3, then stopping" in proc.stderr, proc.stderr[-3000:]
+    assert "stopped at step 3 on request" in proc.stderr
+    assert list_checkpoints(str(tmp_path / "ckpt")) == [3]
+    if stuck_s:
+        dump = proc.stderr[proc.stderr.index("Timeout (0:00:00.500000)!"):]
+        assert "step_that_gets_stuck" in dump.splitlines()[2], dump[:2000]  # the main thread, where it waits
+    else:
+        assert "Timeout" not in proc.stderr, proc.stderr[-3000:]
