@@ -47,11 +47,18 @@ def cluster(tmp_path_factory):
         c.stop()
 
 
+def excerpt(log: str) -> str:
+    """The end of a job's log, after any stack dump a rank wrote on a stop that hung (the
+    trainer's faulthandler dump, 90 s after the signal): where a stuck rank was."""
+    dumps = [part[:4000] for part in log.split("Timeout (")[1:]]
+    return "".join(f"--- stack dump\nTimeout ({d}\n" for d in dumps) + "--- log tail\n" + log[-3000:]
+
+
 def wait_for(predicate, what, timeout=180, logs=()):
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
-            tails = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in logs if p.exists())
+            tails = "\n".join(f"--- {p}\n{excerpt(p.read_text())}" for p in logs if p.exists())
             raise AssertionError(f"timed out waiting for {what}\n{tails}")
         time.sleep(0.3)
 
@@ -94,14 +101,14 @@ def test_services_job_and_preempted_training_job_requeue_and_resume(cluster, tmp
         wait_for(lambda: cluster.job_field(job, "JobState") == "COMPLETED", "the requeued run to finish",
                  timeout=240, logs=[train_log, services_log])
         log = train_log.read_text()
-        assert cluster.job_field(job, "ExitCode") == "0:0", log[-3000:]
-        assert "train: SIGTERM: ranks checkpoint and exit" in log, log[-3000:]
+        assert cluster.job_field(job, "ExitCode") == "0:0", excerpt(log)
+        assert "train: SIGTERM: ranks checkpoint and exit" in log, excerpt(log)
         stopped = [line for line in log.splitlines() if "stopped at step" in line]
-        assert stopped, log[-3000:]
+        assert stopped, excerpt(log)
         step = int(stopped[0].split("stopped at step ")[1].split()[0])
-        assert 15 <= step < 120, log[-3000:]
-        assert f"train.sh: resuming from {tmp_path / 'ckpt'}" in log, log[-3000:]
-        assert list_checkpoints(str(tmp_path / "ckpt")) == [step, 120], log[-3000:]
+        assert 15 <= step < 120, excerpt(log)
+        assert f"train.sh: resuming from {tmp_path / 'ckpt'}" in log, excerpt(log)
+        assert list_checkpoints(str(tmp_path / "ckpt")) == [step, 120], excerpt(log)
     finally:
         cluster.run(["scancel", "--signal=TERM", "--full", services], check=False)
     wait_for(lambda: cluster.job_field(services, "JobState") in (None, "COMPLETED", "CANCELLED"),
