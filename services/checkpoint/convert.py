@@ -270,7 +270,7 @@ def convert(src: str, dst: str, dtype: str | None = None, drop_optimizer: bool =
     }
 
     def load(name: str) -> torch.Tensor:
-        tensor = read_tensor(src, step, name)
+        tensor = read_tensor(src, step, name, manifest=manifest)
         want = TORCH_DTYPES[out[name][1]]
         return tensor if tensor.dtype == want else _narrowed(name, tensor, want)
 

@@ -359,7 +359,7 @@ def export_hf(src_root: str, dst_dir: str, step: int | None = None,
         fs.makedirs(out, exist_ok=True)  # object stores have no folders to make
     try:
         with fs.open(posixpath.join(out, "model.safetensors"), "wb") as f:
-            _write_safetensors(f, plan, dtype, lambda name: read_tensor(src_root, step, name))
+            _write_safetensors(f, plan, dtype, lambda name: read_tensor(src_root, step, name, manifest=manifest))
         config = hf_config(model, dtype, eod)
         files = {}
         if eod is not None:

@@ -157,7 +157,8 @@ def load_checkpoint(
     return {name: tensors[name] for name in wanted}, manifest["metadata"]
 
 
-def read_tensor(root: str, step: int, name: str, index: Index = None) -> torch.Tensor:
+def read_tensor(root: str, step: int, name: str, index: Index = None,
+                manifest: dict[str, Any] | None = None) -> torch.Tensor:
     """Reads one tensor, or a slice of it, without reading the other tensors.
 
     Args:
@@ -165,6 +166,8 @@ def read_tensor(root: str, step: int, name: str, index: Index = None) -> torch.T
         step: the step.
         name: the tensor name (e.g. `layers.3.attention.qkv.weight`).
         index: numpy-style basic index into the tensor (ints, slices, Ellipsis); None = all.
+        manifest: the step's manifest from `read_manifest`, when the caller reads many tensors
+            (otherwise each call fetches and checks it again: one more request on S3).
 
     Returns:
         The tensor or slice, on CPU, in its logical dtype.
@@ -173,7 +176,8 @@ def read_tensor(root: str, step: int, name: str, index: Index = None) -> torch.T
         CheckpointError: unknown name, index out of range, missing or corrupt object.
     """
     store_root = open_root(root)
-    manifest = _load_manifest(store_root, step, strict=True)
+    if manifest is None:
+        manifest = _load_manifest(store_root, step, strict=True)
     where = _tensor_locations(manifest)
     if name not in where:
         raise CheckpointError(f"checkpoint step {step} under {root!r} has no tensor {name!r}")

@@ -308,3 +308,28 @@ def test_convert_from_and_to_s3(s3_root, tmp_path):
     for name, t in tensors.items():
         expected = t.bfloat16() if not name.startswith(("optim.", "rng.")) else t
         assert torch.equal(loaded[name], expected), name
+
+
+def test_convert_reads_the_source_manifest_once_not_once_per_tensor(tmp_path, monkeypatch):
+    """On S3 every manifest read is a request; a convert fetched it again for each tensor."""
+    from services.checkpoint import reader
+
+    tensors, meta = training_state()
+    save_checkpoint(str(tmp_path / "a"), 9, tensors, meta)
+    fetched = []
+    real = reader.read_bytes
+
+    def counting(root, path):
+        if path.endswith("manifest.json"):
+            fetched.append(path)
+        return real(root, path)
+
+    monkeypatch.setattr(reader, "read_bytes", counting)
+    convert(str(tmp_path / "a"), str(tmp_path / "b"), dtype="bf16", progress=False)
+    assert len(tensors) > 20 and len(fetched) <= 3, fetched  # listing the steps, then the step's own
+    monkeypatch.undo()
+    loaded, _ = load_checkpoint(str(tmp_path / "b"), 9)
+    assert set(loaded) == set(tensors)
+    for name, t in tensors.items():  # the values the per-tensor reads gave
+        want = t if name.startswith(("optim.", "rng.")) else t.to(torch.bfloat16)
+        assert torch.equal(loaded[name], want), name
