@@ -38,6 +38,7 @@ from services.common.errors import (
     DataUnavailableError,
     MeshtrainError,
 )
+from services.common.signals import relayed_signals
 
 log = logging.getLogger("meshtrain.grpc")
 
@@ -282,21 +283,19 @@ def serve_forever(server: grpc.Server, health_servicer: health.HealthServicer | 
     """
     stop = threading.Event()
 
-    def on_signal(signum, frame):
-        log.info("signal %d: stopping gRPC server (grace %.1fs)", signum, grace_s)
+    def on_signal(sig: signal.Signals) -> None:  # on the relay thread (a handler must not set an Event)
+        log.info("%s: stopping gRPC server (grace %.1fs)", sig.name, grace_s)
         stop.set()
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
+    with relayed_signals((signal.SIGTERM, signal.SIGINT), on_signal, name="grpc-stop-relay") as installed:
+        if not installed:
+            raise RuntimeError("serve_forever waits for SIGTERM or SIGINT, which only the main thread can handle")
         if on_ready is not None:
             on_ready()
         stop.wait()
         if health_servicer is not None:
             health_servicer.enter_graceful_shutdown()
         server.stop(grace_s).wait(grace_s + 5.0)
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
     if exit_process:
         _exit_when_stuck(timeout_s=10.0)
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from services.common.errors import MeshtrainError
+from services.common.signals import relayed_signals
 
 log = logging.getLogger("meshtrain.launcher")
 
@@ -150,23 +151,15 @@ class Topology:
         """A line of the launcher's own, prefixed `[up]` (the label)."""
         self._write(self.label, line)
 
-    def say_if_free(self, line: str) -> None:
-        """`say` from a signal handler: skipped if this thread is mid-write (the lock is not
-        reentrant, and waiting for it there would wait forever)."""
-        self._write(self.label, line, wait=False)
-
-    def _write(self, name: str, line: str, wait: bool = True) -> None:
-        if not self._out_lock.acquire(blocking=wait):
-            return
-        try:
-            self.out.write(f"[{name}] {line}\n")
-            self.out.flush()
-        except (OSError, ValueError, UnicodeError):
-            # Our output is gone (a closed pipe, a strict encoding): drop the line rather than
-            # end the log pump, whose child would block once its pipe filled.
-            pass
-        finally:
-            self._out_lock.release()
+    def _write(self, name: str, line: str) -> None:
+        with self._out_lock:
+            try:
+                self.out.write(f"[{name}] {line}\n")
+                self.out.flush()
+            except (OSError, ValueError, UnicodeError):
+                # Our output is gone (a closed pipe, a strict encoding): drop the line rather than
+                # end the log pump, whose child would block once its pipe filled.
+                pass
 
     def start(self, child: Child, wait: Callable[[Child], None] | None = None) -> Child:
         """Start `child` and, if given, block in `wait(child)` until it is ready.
@@ -334,26 +327,16 @@ def stop_on_signals(topo: Topology, stop: threading.Event, first: str) -> Iterat
         stop: the event the run watches.
         first: what the first signal does, for its line ("stopping (trainer first, ...)").
     """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def on_signal(signum, _frame):
-        # Only flags here: the handler runs on the main thread, which may be mid-write.
-        name = signal.Signals(signum).name
+    def on_signal(sig: signal.Signals) -> None:  # on the relay thread: it may wait for the output lock
         if stop.is_set():
             topo.urgent.set()
-            topo.say_if_free(f"received {name} again: stopping now (SIGKILL, no checkpoint)")
+            topo.say(f"received {sig.name} again: stopping now (SIGKILL, no checkpoint)")
         else:
             stop.set()
-            topo.say_if_free(f"received {name}: {first}")
+            topo.say(f"received {sig.name}: {first}")
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    try:
+    with relayed_signals((signal.SIGINT, signal.SIGTERM, signal.SIGHUP), on_signal, name="launcher-signals"):
         yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str, child: Child,

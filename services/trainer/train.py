@@ -33,6 +33,7 @@ from services.checkpoint.reader import list_checkpoints
 from services.checkpoint.store import same_root
 from services.common.config import dumps_toml
 from services.common.errors import CheckpointError, ConfigError, MeshtrainError
+from services.common.signals import relayed_signals
 from services.trainer import checkpointing
 from services.trainer.config import JobConfig, replace
 from services.trainer.cuda_options import apply_cuda_options
@@ -353,13 +354,8 @@ class Trainer:
         self._note_stop("a stop request")
 
     def _note_stop(self, cause: str) -> None:
-        """Set the stop flag; the first time, remember why and arm the stack dump.
-
-        Also called from the SIGTERM handler, which runs between two bytecodes of the main
-        thread, perhaps inside a write to stderr or a lock of ours: so no logging or I/O here
-        (the loop reports the stop when it acts on it), and faulthandler's dump, which writes
-        from its own thread to the file descriptor, is the only output.
-        """
+        """Set the stop flag; the first time, remember why and arm the stack dump (faulthandler's
+        watchdog thread writes to stderr's file descriptor, whatever the main thread holds)."""
         if not self._stop.is_set():
             self._stop_cause = cause
             try:
@@ -409,19 +405,13 @@ class Trainer:
 
     @contextlib.contextmanager
     def _sigterm_saves(self):
-        """While training, SIGTERM (preemption, `scancel --signal`, torchrun) means: checkpoint, exit 0."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
+        """While training, SIGTERM (preemption, `scancel --signal`, torchrun) means: checkpoint, exit 0.
 
-        def handler(signum, _frame):
-            self._note_stop(signal.Signals(signum).name)
-
-        previous = signal.signal(signal.SIGTERM, handler)
-        try:
+        Acted on by a relay thread, not in the handler (`relayed_signals`: a handler that sets an
+        Event can deadlock the main thread), and reported by the loop when it stops.
+        """
+        with relayed_signals([signal.SIGTERM], lambda s: self._note_stop(s.name), name="sigterm-relay"):
             yield
-        finally:
-            signal.signal(signal.SIGTERM, previous)
 
     def _on_device(self, batches):
         """(tokens, labels, loss_mask) of each micro-batch on the device, in order (`Uploader`)."""
