@@ -264,9 +264,23 @@ class IndexedDataset:
             # the URLs as given name the files in messages; fsspec's own paths drop the protocol
             self.bin_path, self.idx_path = self.prefix + ".bin", self.prefix + ".idx"
             self._remote = (root + ".bin", root + ".idx")
+            self._bin_size = 0
             for url, p in zip((self.idx_path, self.bin_path), (self._remote[1], self._remote[0])):
-                if not self._fs.isfile(p):
-                    raise DataError(f"{url}: indexed dataset file is missing")
+                # not fs.isfile: it answers False for any error, so a store that timed out was
+                # reported as a missing file, a bad dataset that ends the run instead of a retry
+                try:
+                    info = self._fs.info(p)
+                except FileNotFoundError:
+                    raise DataError(f"{url}: indexed dataset file is missing") from None
+                except PermissionError as e:  # credentials: another try does not help
+                    raise DataError(f"{url}: access denied ({e})") from e
+                except Exception as e:  # backends raise their own types (botocore's are not OSError)
+                    raise DataUnavailableError(
+                        f"{url}: the store failed to answer whether the file exists ({type(e).__name__}: {e})"
+                    ) from e
+                if info.get("type") != "file":
+                    raise DataError(f"{url}: indexed dataset file is missing (a {info.get('type')} is there)")
+                self._bin_size = int(info.get("size") or 0)  # the .bin's, read last
         else:
             self.bin_path, self.idx_path = _paths(self.prefix)
             for p in (self.idx_path, self.bin_path):
@@ -344,7 +358,7 @@ class IndexedDataset:
         n = len(self._lengths)
         itemsize = self._dtype.itemsize
         expected = int(self._pointers[-1]) + int(self._lengths[-1]) * itemsize if n else 0
-        size = self._fs.size(self._remote[0]) if self._fs is not None else self.bin_path.stat().st_size
+        size = self._bin_size if self._fs is not None else self.bin_path.stat().st_size
         if size != expected:
             raise DataError(
                 f"{self.bin_path}: data file is {size} bytes but {Path(str(self.idx_path)).name} says "

@@ -5,6 +5,7 @@ import io
 import os
 import struct
 
+import fsspec
 import numpy as np
 import pytest
 
@@ -250,6 +251,34 @@ def test_a_failed_range_read_is_data_unavailable_naming_file_and_range(tmp_path,
         IndexedDataset("memory://flaky-read/ds")
     monkeypatch.undo()
     assert ds.read_tokens(60, 10).tolist() == list(range(10, 20))  # the next try reads
+
+
+def test_a_store_that_fails_while_opening_is_data_unavailable_not_a_missing_file(tmp_path, monkeypatch):
+    """fsspec's `isfile` answers False for any error, so s3fs reported a timed-out HEAD as a
+    missing file: a plain DataError, INVALID_ARGUMENT on a worker, which ended the run."""
+    from fsspec.implementations.memory import MemoryFileSystem
+    from fsspec.spec import AbstractFileSystem
+
+    _write(tmp_path / "ds", [np.arange(50)], np.uint16)
+    fs = fsspec.filesystem("memory")
+    for ext in (".bin", ".idx"):
+        fs.pipe(f"/flaky-open/ds{ext}", (tmp_path / f"ds{ext}").read_bytes())
+    fs.mkdir("/flaky-open/dir.idx")
+    # existence as s3fs (and most stores) answer it: through info(), errors swallowed
+    monkeypatch.setattr(MemoryFileSystem, "isfile", AbstractFileSystem.isfile)
+    with pytest.raises(DataError, match=r"memory://flaky-open/none.idx: indexed dataset file is missing"):
+        IndexedDataset("memory://flaky-open/none")
+    with pytest.raises(DataError, match=r"memory://flaky-open/dir.idx: indexed dataset file is missing"):
+        IndexedDataset("memory://flaky-open/dir")
+
+    def timeout(self, path, **kw):
+        raise TimeoutError(errno.ETIMEDOUT, "simulated S3 HEAD timeout")
+
+    monkeypatch.setattr(MemoryFileSystem, "info", timeout)
+    with pytest.raises(DataUnavailableError, match=r"memory://flaky-open/ds.idx: the store failed .*HEAD timeout"):
+        IndexedDataset("memory://flaky-open/ds")
+    monkeypatch.undo()
+    assert IndexedDataset("memory://flaky-open/ds")[0].tolist() == list(range(50))
 
 
 def test_a_file_url_prefix_is_a_local_path(tmp_path):
