@@ -94,9 +94,29 @@ def _without_lone_surrogates(text: str) -> str:
         return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
+# Leading bytes of compressed files: read as text, one would be tokenized as binary noise
+# (a `.jsonl.gz` made one document of garbage, silently). None is valid UTF-8 text's start
+# but zip's, whose control characters no text file begins with.
+_COMPRESSED_MAGIC = {b"\x1f\x8b": "gzip", b"\x28\xb5\x2f\xfd": "zstd", b"\xfd7zXZ\x00": "xz",
+                     b"PK\x03\x04": "zip"}
+
+
+def _refuse_compressed(path: Path) -> None:
+    with open(path, "rb") as f:
+        head = f.read(10)
+    kind = next((k for magic, k in _COMPRESSED_MAGIC.items() if head.startswith(magic)), None)
+    if kind is None and head[:3] == b"BZh" and head[4:10] == b"1AY&SY":  # bzip2 + its block magic
+        kind = "bzip2"
+    if kind is not None:
+        raise DataError(f"{path}: is {kind}-compressed; decompress it first (inputs are read as "
+                        f"plain text, JSONL or Parquet)")
+
+
 def _iter_documents(path: Path, json_key: str) -> Iterator[str]:
     if not path.is_file():
         raise DataError(f"{path}: input file is missing")
+    if path.suffix != ".parquet":
+        _refuse_compressed(path)
     if path.suffix in (".jsonl", ".json"):
         with open(path, encoding="utf-8", errors="replace") as f:
             for lineno, line in enumerate(f, 1):
@@ -187,7 +207,7 @@ def preprocess_files(
         inputs: at least one file: `.jsonl`/`.json` files (one JSON object per line, text under `json_key`),
             `.parquet` files (text in column `json_key`; a null is an error, as in JSONL), or
             any other file, read as UTF-8 text (errors replaced, line ends kept byte for
-            byte), one document per file.
+            byte), one document per file. A gzip, bzip2, xz, zstd or zip file is an error.
         output_prefix: dataset path without extension.
         tokenizer: tokenizer; its vocabulary picks the token dtype (`best_dtype`).
         json_key: field (or Parquet column) holding the text.

@@ -73,6 +73,37 @@ def test_preprocess_bad_json_names_file_and_line(tmp_path, content, match):
     assert not (tmp_path / "ds.idx").exists() and not (tmp_path / "ds.bin").exists()
 
 
+def _zip(data: bytes) -> bytes:
+    import io
+    import zipfile
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr("a.jsonl", data)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("name,compress,kind", [
+    ("a.jsonl.gz", "gzip", "gzip"), ("a.jsonl.bz2", "bz2", "bzip2"), ("a.jsonl.xz", "lzma", "xz"),
+    ("a.jsonl", "gzip", "gzip"), ("a.zip", None, "zip")])
+def test_compressed_input_is_an_error_not_binary_noise(tmp_path, name, compress, kind):
+    """A `.jsonl.gz` used to be read as one text document: its compressed bytes became the tokens."""
+    import importlib
+
+    data = b'{"text": "hello world"}\n'
+    path = tmp_path / name
+    path.write_bytes(importlib.import_module(compress).compress(data) if compress else _zip(data))
+    with pytest.raises(DataError, match=rf"{name}: is {kind}-compressed; decompress it first"):
+        preprocess_files([path], tmp_path / "ds", ByteTokenizer())
+    assert not (tmp_path / "ds.idx").exists() and not (tmp_path / "ds.bin").exists()
+
+
+def test_text_that_merely_starts_like_bzip2_is_text(tmp_path):
+    (tmp_path / "a.txt").write_bytes(b"BZh91AY is not a bzip2 block")
+    ds = IndexedDataset(preprocess_files([tmp_path / "a.txt"], tmp_path / "ds", ByteTokenizer(), append_eod=False))
+    assert ds[0].tolist() == list(b"BZh91AY is not a bzip2 block")
+
+
 def test_preprocess_missing_input(tmp_path):
     with pytest.raises(DataError, match="nope.txt"):
         preprocess_files([tmp_path / "nope.txt"], tmp_path / "ds", ByteTokenizer())
