@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import os
 from pathlib import Path
 
 from services.common.errors import DataError
@@ -17,8 +18,8 @@ from services.common.errors import DataError
 def expand_inputs(patterns: list[str]) -> list[Path]:
     """Files named by paths or glob patterns, in order, each once.
 
-    A pattern matching no regular file (nothing, or only directories) is an error: it used to
-    give an empty dataset. A file matched by several patterns (`'d/*.jsonl' d/b.jsonl`) is
+    A path that exists is taken as written, not as a pattern. A pattern matching no regular
+    file (nothing, or only directories) is an error: it used to give an empty dataset. A file matched by several patterns (`'d/*.jsonl' d/b.jsonl`) is
     read once, where it first appears, so overlapping patterns do not repeat its documents.
 
     Args:
@@ -30,7 +31,10 @@ def expand_inputs(patterns: list[str]) -> list[Path]:
     files: list[Path] = []
     seen: set[Path] = set()
     for pattern in patterns:
-        matches = sorted(glob.glob(pattern, recursive=True))
+        # A path that exists as written is that file, glob characters or not: the shell passes
+        # a tab-completed 'shard[1].jsonl' as is, and as a pattern it matched nothing, or
+        # 'shard1.jsonl' instead.
+        matches = [pattern] if os.path.exists(pattern) else sorted(glob.glob(pattern, recursive=True))
         if not matches:
             raise DataError(f"--input {pattern!r} matches no file")
         regular = [Path(m) for m in matches if Path(m).is_file()]

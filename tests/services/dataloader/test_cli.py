@@ -67,6 +67,22 @@ def test_preprocess_reads_a_file_matched_by_two_patterns_once(tmp_path):
     assert IndexedDataset(tmp_path / "o").num_documents == 3 + 5
 
 
+def test_an_existing_file_with_glob_characters_in_its_name_is_that_file(tmp_path):
+    """'shard[1].jsonl' as a pattern matches 'shard1.jsonl' (or nothing): a name the shell passed
+    as is used to be refused, or to read another file."""
+    (tmp_path / "shard[1].jsonl").write_text(json.dumps({"text": "bracket"}) + "\n")
+    (tmp_path / "shard1.jsonl").write_text(json.dumps({"text": "plain"}) + "\n")
+    assert main(["data", "preprocess", "--input", str(tmp_path / "shard[1].jsonl"), "--output-prefix",
+                 str(tmp_path / "o"), "--tokenizer", "byte", "--quiet"]) == 0
+    ds = IndexedDataset(tmp_path / "o")
+    assert [ds[i].tolist() for i in range(len(ds))] == [list(b"bracket")]
+    # a pattern is still a pattern
+    assert main(["data", "preprocess", "--input", str(tmp_path / "shard[0-9].jsonl"), "--output-prefix",
+                 str(tmp_path / "p"), "--tokenizer", "byte", "--quiet"]) == 0
+    ds = IndexedDataset(tmp_path / "p")
+    assert [ds[i].tolist() for i in range(len(ds))] == [list(b"plain")]
+
+
 @pytest.mark.e2e
 def test_serve_command_listens_and_stops_on_sigterm():
     port = free_port()
