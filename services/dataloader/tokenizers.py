@@ -184,6 +184,7 @@ def read_tiktoken_ranks(path: str | os.PathLike) -> dict[bytes, int]:
     if not p.is_file():
         raise DataError(f"{p}: tiktoken BPE file is missing")
     ranks: dict[bytes, int] = {}
+    line_of_rank: dict[int, int] = {}
     for lineno, line in enumerate(p.read_bytes().splitlines(), 1):
         if not line.strip():
             continue
@@ -191,11 +192,27 @@ def read_tiktoken_ranks(path: str | os.PathLike) -> dict[bytes, int]:
         try:
             if len(parts) != 2:
                 raise ValueError("expected two fields")
-            ranks[base64.b64decode(parts[0], validate=True)] = int(parts[1])
+            token, rank = base64.b64decode(parts[0], validate=True), int(parts[1])
         except (ValueError, binascii.Error) as e:
             raise DataError(f"{p}:{lineno}: not a 'BASE64_TOKEN RANK' line ({e})") from None
+        # tiktoken's Rust core panics (a BaseException, with a Rust dump) on a repeated rank and
+        # overflows on one outside u32; a repeated token would silently drop one of the ranks
+        if not 0 <= rank < 2**32 - 1:
+            raise DataError(f"{p}:{lineno}: rank {rank} is outside [0, 2^32 - 1)")
+        if rank in line_of_rank:
+            raise DataError(f"{p}:{lineno}: rank {rank} is already given on line {line_of_rank[rank]}")
+        if token in ranks:
+            raise DataError(f"{p}:{lineno}: token {token!r} is already given (rank {ranks[token]})")
+        ranks[token] = rank
+        line_of_rank[rank] = lineno
     if not ranks:
         raise DataError(f"{p}: tiktoken BPE file has no tokens")
+    # every text breaks down to single bytes: without one, encoding text that holds it panics
+    missing = [i for i in range(256) if bytes([i]) not in ranks]
+    if missing:
+        shown = ", ".join(f"0x{i:02x}" for i in missing[:8]) + (", ..." if len(missing) > 8 else "")
+        raise DataError(f"{p}: tiktoken BPE file has no token for {len(missing)} of the 256 single bytes "
+                        f"({shown}); text holding them could not be encoded")
     return ranks
 
 

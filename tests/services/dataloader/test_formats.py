@@ -38,6 +38,28 @@ def test_tiktoken_bad_file(tmp_path):
         build_tokenizer(str(bad))
 
 
+@pytest.mark.parametrize("extra,match", [
+    ([(b"th", 5)], r"bad.tiktoken:257: rank 5 is already given on line 6"),  # tiktoken panicked
+    ([(b"th", -1)], r"bad.tiktoken:257: rank -1 is outside"),  # OverflowError
+    ([(b"th", 2**32)], r"bad.tiktoken:257: rank 4294967296 is outside"),
+    ([(b"th", 256), (b"th", 257)], r"bad.tiktoken:258: token b'th' is already given \(rank 256\)"),
+])
+def test_tiktoken_inconsistent_ranks_name_the_line(tmp_path, extra, match):
+    lines = [(bytes([i]), i) for i in range(256)] + extra
+    bad = tmp_path / "bad.tiktoken"
+    bad.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in lines))
+    with pytest.raises(DataError, match=match):
+        build_tokenizer(str(bad))
+
+
+def test_tiktoken_without_every_single_byte_is_refused_when_loaded(tmp_path):
+    """tiktoken panicked (a BaseException) on the first text holding a byte it has no token for."""
+    bad = tmp_path / "bad.tiktoken"
+    bad.write_text("".join(f"{base64.b64encode(bytes([i])).decode()} {i}\n" for i in range(256) if i != 0x63))
+    with pytest.raises(DataError, match=r"bad.tiktoken: .* no token for 1 of the 256 single bytes \(0x63\)"):
+        build_tokenizer(str(bad))
+
+
 @pytest.fixture(scope="module")
 def spm_model(tmp_path_factory):
     import sentencepiece as spm
