@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import math
 import textwrap
 import tomllib
 import types
@@ -88,6 +89,8 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
             return value
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if math.isnan(value):  # compares false with every bound: no range check would see it
+                raise ConfigError(f"{key}: got nan, expected a number")
             return float(value)
     elif tp is str:
         if isinstance(value, str):

@@ -12,6 +12,7 @@ features that are not built yet are errors that name the key.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -112,6 +113,17 @@ class ModelConfig:
                 f"model.max_position_embeddings={self.max_position_embeddings} is shorter than "
                 f"model.seq_length={self.seq_length}"
             )
+        # Ranges the layers and torch's AdamW enforce only once the model is built (a traceback
+        # after the data is ready), or not at all (a rotary base <= 0 trains on NaN).
+        for key in ("hidden_dropout", "attention_dropout"):
+            if not 0 <= getattr(self, key) <= 1:
+                raise ConfigError(f"model.{key} is a probability: it must be in [0, 1], got {getattr(self, key)}")
+        if not 0 <= self.init_method_std < math.inf:
+            raise ConfigError(f"model.init_method_std must be >= 0, got {self.init_method_std}")
+        if not 0 < self.rotary_base < math.inf:
+            raise ConfigError(f"model.rotary_base must be positive, got {self.rotary_base}")
+        if not 0 <= self.norm_epsilon < math.inf:
+            raise ConfigError(f"model.norm_epsilon must be >= 0, got {self.norm_epsilon}")
         if self.transformer_impl != "local":
             raise NotBuiltError(
                 "model.transformer_impl='transformer_engine' is not built yet: Transformer Engine "
@@ -306,8 +318,15 @@ class OptimConfig:
     """Clip the global gradient norm to this (0: no clipping)."""
 
     def __post_init__(self) -> None:
-        if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
+        if not (0 <= self.min_lr <= self.lr < math.inf):
             raise ConfigError(f"optim: need 0 <= min_lr <= lr, got lr={self.lr} min_lr={self.min_lr}")
+        for key in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, key) < 1:
+                raise ConfigError(f"optim.{key} must be in [0, 1), got {getattr(self, key)}")
+        if not 0 <= self.adam_eps < math.inf:
+            raise ConfigError(f"optim.adam_eps must be >= 0, got {self.adam_eps}")
+        if not 0 <= self.weight_decay < math.inf:
+            raise ConfigError(f"optim.weight_decay must be >= 0, got {self.weight_decay}")
         if self.clip_grad < 0:
             raise ConfigError(f"optim.clip_grad must be >= 0, got {self.clip_grad}")
         if self.lr_warmup_iters < 0:

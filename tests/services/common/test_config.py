@@ -168,6 +168,20 @@ def test_validation_messages_name_keys():
     (["--lr-warmup-iters", "100", "--lr-decay-iters", "50"], r"optim\.lr_decay_iters=50 must be greater"),
     (["--lr-decay-iters", "0"], r"optim\.lr_decay_iters=0 must be greater"),
     (["--lr-warmup-iters", "-10"], r"optim\.lr_warmup_iters must be >= 0"),
+    # each was accepted and then failed with a traceback once the data and model were built
+    # (nn.Dropout, normal_, torch's AdamW), or trained on NaN or inf without a word
+    (["--hidden-dropout", "1.5"], r"model\.hidden_dropout is a probability: it must be in \[0, 1\], got 1\.5"),
+    (["--attention-dropout", "-0.1"], r"model\.attention_dropout is a probability"),
+    (["--init-method-std", "-0.02"], r"model\.init_method_std must be >= 0"),
+    (["--rotary-base", "0"], r"model\.rotary_base must be positive"),
+    (["--model.norm_epsilon=-1e-5"], r"model\.norm_epsilon must be >= 0"),
+    (["--adam-beta1", "1.5"], r"optim\.adam_beta1 must be in \[0, 1\), got 1\.5"),
+    (["--adam-beta2", "1"], r"optim\.adam_beta2 must be in \[0, 1\)"),
+    (["--adam-eps", "-1e-8"], r"optim\.adam_eps must be >= 0"),
+    (["--weight-decay", "-0.1"], r"optim\.weight_decay must be >= 0"),
+    (["--lr", "inf"], r"min_lr <= lr, got lr=inf"),
+    (["--lr", "nan"], r"optim\.lr: got nan, expected a number"),
+    (["--clip-grad", "nan"], r"optim\.clip_grad: got nan"),
 ])
 def test_values_that_would_misbehave_are_refused(args, message):
     with pytest.raises(ConfigError, match=message):
