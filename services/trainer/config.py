@@ -480,6 +480,37 @@ class JobConfig:
     log: LogConfig = field(default_factory=LogConfig)
     """Run directory and logging."""
 
+    def __post_init__(self) -> None:
+        # Known from the config alone: refused here, not once every rank has built its data.
+        check_tensor_parallel(self.model, self.parallel.tp, self.parallel.sequence_parallel)
+
+
+def check_tensor_parallel(model: ModelConfig, tp: int, sequence_parallel: bool) -> None:
+    """What tensor parallelism of degree `tp` needs of the model's shapes and settings.
+
+    JobConfig refuses these at parse time, before any rank starts; `parallel/tensor.py` checks
+    again for callers that shard a model directly.
+
+    Raises:
+        ConfigError: naming parallel.tp and the model key it does not fit.
+    """
+    if tp == 1:
+        return
+    if model.num_attention_heads % tp or model.groups % tp:
+        raise ConfigError(
+            f"parallel.tp={tp} must divide model.num_attention_heads={model.num_attention_heads} and the "
+            f"number of query groups ({model.groups}); replicating KV heads across tp ranks is not supported"
+        )
+    if model.ffn_size % tp:
+        raise ConfigError(f"parallel.tp={tp} must divide the MLP width {model.ffn_size} (model.ffn_hidden_size)")
+    if sequence_parallel and model.seq_length % tp:
+        raise ConfigError(f"sequence parallelism: parallel.tp={tp} must divide model.seq_length={model.seq_length}")
+    if model.attention_dropout > 0 or (sequence_parallel and model.hidden_dropout > 0):
+        raise ConfigError(
+            "dropout inside tensor-parallel regions needs a per-rank RNG tracker, which is not built: "
+            "set model.attention_dropout=0 (and model.hidden_dropout=0 with sequence parallelism)"
+        )
+
 
 def load_config(args: list[str] | None = None, base: dict[str, Any] | None = None) -> JobConfig:
     """Build a JobConfig from a TOML file and command-line overrides.

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.common.errors import ConfigError
+from services.trainer.config import check_tensor_parallel
 from services.trainer.parallel import async_tp, symm_reduce
 from services.trainer.parallel import mappings as M
 from services.trainer.parallel.batch_split import interleave_halves
@@ -300,20 +301,7 @@ def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False,
         if sequence_parallel:
             raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1")
         return model
-    if cfg.num_attention_heads % tp or cfg.groups % tp:
-        raise ConfigError(
-            f"parallel.tp={tp} must divide model.num_attention_heads={cfg.num_attention_heads} and the "
-            f"number of query groups ({cfg.groups}); replicating KV heads across tp ranks is not supported"
-        )
-    if cfg.ffn_size % tp:
-        raise ConfigError(f"parallel.tp={tp} must divide the MLP width {cfg.ffn_size}")
-    if sequence_parallel and cfg.seq_length % tp:
-        raise ConfigError(f"sequence parallelism: parallel.tp={tp} must divide model.seq_length={cfg.seq_length}")
-    if cfg.attention_dropout > 0 or (sequence_parallel and cfg.hidden_dropout > 0):
-        raise ConfigError(
-            "dropout inside tensor-parallel regions needs a per-rank RNG tracker, which is not built: "
-            "set model.attention_dropout=0 (and model.hidden_dropout=0 with sequence parallelism)"
-        )
+    check_tensor_parallel(cfg, tp, sequence_parallel)
     with torch.no_grad():
         emb = model.embedding
         emb.word_embeddings = VocabParallelEmbedding(emb.word_embeddings, mesh, cfg.make_vocab_size_divisible_by)

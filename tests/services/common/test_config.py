@@ -209,3 +209,20 @@ def test_shipped_configs_load():
     assert {"tiny.toml", "gpt2-125m.toml", "gpt2-350m.toml", "llama-1b.toml"} <= names
     for path in root.glob("*.toml"):
         assert dataclasses.is_dataclass(load_config(["--config", str(path)]))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tensor-model-parallel-size", "3"], r"parallel\.tp=3 must divide model\.num_attention_heads=4"),
+    (["--tensor-model-parallel-size", "4", "--num-attention-heads", "8", "--num-query-groups", "2"],
+     r"parallel\.tp=4 must divide .* query groups \(2\)"),
+    (["--tensor-model-parallel-size", "2", "--ffn-hidden-size", "301"], r"parallel\.tp=2 must divide the MLP width 301"),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "255"],
+     r"parallel\.tp=2 must divide model\.seq_length=255"),
+    (["--tensor-model-parallel-size", "2", "--attention-dropout", "0.1"], r"model\.attention_dropout=0"),
+])
+def test_tensor_parallel_misfits_are_refused_at_parse_time(args, message):
+    # Megatron refuses these in its argument checks; they used to surface only in parallelize(),
+    # after `train --nproc-per-node N` had started N ranks and each had built its data (exit 1).
+    with pytest.raises(ConfigError, match=message):
+        load_config(args)
+    assert load_config(["--tensor-model-parallel-size", "2", "--sequence-parallel"]).parallel.tp == 2
