@@ -153,8 +153,9 @@ def build(cls: type, table: dict[str, Any], prefix: str = "") -> Any:
     try:
         return cls(**kwargs)
     except ConfigError as e:
-        # __post_init__ names the key relative to its section; make it absolute.
-        if prefix and not str(e).startswith(prefix):
+        # __post_init__ names the key relative to its section; make it absolute (a message that
+        # names the section itself, "optim: ...", is absolute already).
+        if prefix and not str(e).startswith((prefix, f"{prefix[:-1]}:")):
             raise ConfigError(f"{prefix}{e}") from None
         raise
 

@@ -188,6 +188,14 @@ def test_values_that_would_misbehave_are_refused(args, message):
         load_config(args)
 
 
+def test_a_message_that_names_its_section_is_not_prefixed_again():
+    # was "optim.optim: need 0 <= min_lr <= lr ..." and "model.model: RoPE needs ..."
+    with pytest.raises(ConfigError, match=r"^optim: need 0 <= min_lr <= lr, got lr=0\.0001 min_lr=0\.001$"):
+        load_config(["--lr", "1e-4", "--min-lr", "1e-3"])
+    with pytest.raises(ConfigError, match=r"^model: RoPE needs an even head dim, got 15$"):
+        load_config(["--position-embedding-type", "rope", "--hidden-size", "120", "--num-attention-heads", "8"])
+
+
 def test_replace_revalidates():
     job = load_config([])
     assert replace(job, model={"vocab_size": 500}).model.vocab_size == 500
