@@ -114,7 +114,10 @@ def plan(options: UpOptions, overrides: list[str]) -> Plan:
     """
     from services.trainer.config import load_config
 
-    job = load_config(overrides)  # a bad key fails here, before any process starts
+    _refuse_owned_flags(overrides, data_workers=options.data_workers > 0, service=options.checkpoint_service)
+    # A bad key fails here, before any process starts; checked with the control endpoint up
+    # gives the trainer, which train.metrics_port needs.
+    job = load_config([*overrides, "--train.control_port=0"])
     run_dir = Path(job.log.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S-up"))
     store = store_child = None
     if options.s3:
@@ -135,7 +138,6 @@ def plan(options: UpOptions, overrides: list[str]) -> Plan:
         # the launcher brings it back on the same port.
         services.append(Child(f"data-{i}", PYTHON + ["data", "serve", "--port", str(port), *metrics],
                               port=port, restart=True, grace_s=5.0))
-    _refuse_owned_flags(overrides, data_workers=options.data_workers > 0, service=options.checkpoint_service)
     trainer_args = [*overrides, f"--log.run_dir={run_dir}", f"--checkpoint.save={save}",
                     "--train.control_port=0"]
     if services:  # the data workers only, so far

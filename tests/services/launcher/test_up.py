@@ -52,3 +52,12 @@ def test_flags_up_sets_itself_are_refused_not_silently_overridden(tmp_path, flag
         args.append("10.0.0.1:7001")
     with pytest.raises(ConfigError, match=f"{named} is set by up itself"):
         plan(UpOptions(), args)
+
+
+def test_the_trainers_metrics_port_can_be_set_beside_the_control_endpoint_up_serves(tmp_path):
+    # train.metrics_port needs train.control_port, which up sets itself and refuses from the
+    # user: the config was checked without it, so every way to ask for the trainer's metrics
+    # was refused, each message pointing at the other
+    args = ["--config", "deploy/configs/tiny.toml", f"--log.run_dir={tmp_path / 'run'}", "--train.metrics_port=0"]
+    assert all("--train.metrics_port=0" in c.argv and "--train.control_port=0" in c.argv
+               for c in plan(UpOptions(), args).trainers)
