@@ -264,6 +264,7 @@ class Trainer:
         self._stop = threading.Event()
         self._stop_cause: str | None = None  # "SIGTERM", "a stop request": what set _stop first
         self._stack_dump_armed = False
+        self._stack_dump_lock = threading.Lock()  # arming (relay, control threads) vs the loop's end
         self._checkpoint_now = threading.Event()
         self._finished = threading.Event()  # the loop has returned: requests are refused
         self.progress: dict[str, float | int | str | None] = {
@@ -354,21 +355,26 @@ class Trainer:
         self._note_stop("a stop request")
 
     def _note_stop(self, cause: str) -> None:
-        """Set the stop flag; the first time, remember why and arm the stack dump (faulthandler's
-        watchdog thread writes to stderr's file descriptor, whatever the main thread holds)."""
-        if not self._stop.is_set():
-            self._stop_cause = cause
-            try:
-                faulthandler.dump_traceback_later(STOP_STACK_DUMP_S, file=sys.stderr)
-                self._stack_dump_armed = True
-            except (AttributeError, ValueError, OSError):  # no stderr with a file descriptor (embedded)
-                pass
-        self._stop.set()
+        """Set the stop flag; the first time, remember why and, while the loop runs, arm the
+        stack dump (faulthandler's watchdog thread writes to stderr's file descriptor, whatever
+        the main thread holds)."""
+        with self._stack_dump_lock:
+            if not self._stop.is_set() and not self._finished.is_set():
+                self._stop_cause = cause
+                try:
+                    faulthandler.dump_traceback_later(STOP_STACK_DUMP_S, file=sys.stderr)
+                    self._stack_dump_armed = True
+                except (AttributeError, ValueError, OSError):  # no stderr with a file descriptor (embedded)
+                    pass
+            self._stop.set()
 
-    def _disarm_stack_dump(self) -> None:
-        if self._stack_dump_armed:
-            faulthandler.cancel_dump_traceback_later()
-            self._stack_dump_armed = False
+    def _loop_ended(self) -> None:
+        """Requests are refused from now on, and a stop's stack dump will not come."""
+        with self._stack_dump_lock:
+            self._finished.set()
+            if self._stack_dump_armed:
+                faulthandler.cancel_dump_traceback_later()
+                self._stack_dump_armed = False
 
     def request_checkpoint(self) -> None:
         """Save a checkpoint after the current step and continue.
@@ -510,8 +516,7 @@ class Trainer:
                 try:
                     self._loop(result, metrics, start, tokens_per_step)
                 finally:
-                    self._finished.set()
-                    self._disarm_stack_dump()
+                    self._loop_ended()
                 if self.ddp is not None:
                     self.ddp.wait_param_gather()  # the model a caller gets back is whole
                 self.checkpointer.wait()  # the last save is committed before the run returns
