@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common.config import load_toml
 from services.common.errors import ConfigError
 from services.launcher.health import wait_http, wait_serving
 from services.launcher.objectstore import AccessKeys, ObjectStore, require_weed
@@ -41,6 +42,7 @@ from services.launcher.topology import (
     free_port,
     stop_on_signals,
 )
+from services.trainer.flags import parse_overrides
 
 PYTHON = [sys.executable, "-m", "services.cli"]
 
@@ -158,7 +160,8 @@ def plan(options: UpOptions, overrides: list[str]) -> Plan:
 
 def _refuse_owned_flags(overrides: list[str], data_workers: bool, service: bool) -> None:
     """`up` sets where the trainer finds its services and serves its endpoint; the same flags
-    from the user would be overridden without a word, so they are refused instead."""
+    (or keys of the `--config` file) from the user would be overridden without a word, so they
+    are refused instead."""
     owned = {"--train.control_port": "up serves the control endpoint on a free port (see RUN_DIR/control.addr)"}
     if data_workers:
         owned["--data-service-addresses"] = "up points the trainer at its own data workers (--data-workers 0: none)"
@@ -172,6 +175,27 @@ def _refuse_owned_flags(overrides: list[str], data_workers: bool, service: bool)
             flag = "--" + flag[2:].replace("-", "_")
         if flag in owned:
             raise ConfigError(f"meshtrain up: {flag} is set by up itself: {owned[flag]}")
+    config_file, _ = parse_overrides(overrides)
+    if config_file:
+        _refuse_owned_keys(config_file, owned)
+
+
+def _refuse_owned_keys(config_file: str, owned: dict[str, str]) -> None:
+    """The keys of `owned` (as `--section.key` flags) in the `--config` file, refused likewise.
+
+    A run directory's own `config.toml` (the resolved config a run writes, whose `log.run_dir`
+    is the folder it is in) passes: the keys it holds are that run's wiring (under `up`, the
+    ports of services gone since), so `up --config RUN/config.toml` reruns the run with its own.
+    """
+    table = load_toml(config_file)
+    log = table.get("log")
+    run_dir = log.get("run_dir") if isinstance(log, dict) else None
+    if isinstance(run_dir, str) and Path(config_file).resolve() == (Path(run_dir) / "config.toml").resolve():
+        return
+    for flag, why in owned.items():
+        section, _, key = flag[2:].partition(".")
+        if key and isinstance(table.get(section), dict) and key in table[section]:
+            raise ConfigError(f"meshtrain up: {section}.{key} in {config_file} is set by up itself: {why}")
 
 
 def _start_services(topo: Topology, p: Plan, options: UpOptions, stop: threading.Event) -> None:

@@ -1,11 +1,15 @@
 """`meshtrain up`'s plan: option checks, resume and overwrite decisions (no processes started)."""
 
+import re
+
 import pytest
 import torch
 
 from services.checkpoint.writer import save_checkpoint
+from services.common.config import dumps_toml
 from services.common.errors import ConfigError
 from services.launcher.up import Plan, UpOptions, _resume_from, plan
+from services.trainer.config import load_config
 
 
 def test_options_it_cannot_run_are_refused():
@@ -61,3 +65,34 @@ def test_the_trainers_metrics_port_can_be_set_beside_the_control_endpoint_up_ser
     args = ["--config", "deploy/configs/tiny.toml", f"--log.run_dir={tmp_path / 'run'}", "--train.metrics_port=0"]
     assert all("--train.metrics_port=0" in c.argv and "--train.control_port=0" in c.argv
                for c in plan(UpOptions(), args).trainers)
+
+
+@pytest.mark.parametrize(("text", "named"), [
+    ("[train]\ncontrol_port = 7003\n", "train.control_port"),
+    ('[data]\nservice_addresses = ["10.0.0.1:7001"]\n', "data.service_addresses"),
+    ('[checkpoint]\nservice_address = "10.0.0.1:7002"\n', "checkpoint.service_address")])
+def test_keys_up_sets_itself_are_refused_from_the_config_file_too(tmp_path, text, named):
+    # refused only as flags, so the same settings in --config FILE were replaced without a word
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    args = ["--config", str(path), f"--log.run_dir={tmp_path / 'run'}"]
+    with pytest.raises(ConfigError, match=re.escape(f"{named} in {path} is set by up itself")):
+        plan(UpOptions(), args)
+
+
+def test_a_runs_own_resolved_config_reruns_under_up(tmp_path):
+    # RUN/config.toml of a run under up holds that run's ports (control_port = 0, the addresses
+    # of its data workers and checkpoint service): `up --config RUN/config.toml` gives it new ones
+    run = tmp_path / "run"
+    first = plan(UpOptions(data_workers=2), ["--config", "deploy/configs/tiny.toml", f"--log.run_dir={run}"])
+    argv = first.trainers[0].argv
+    run.mkdir()
+    (run / "config.toml").write_text(dumps_toml(load_config(argv[argv.index("train") + 1:])))  # as train.py writes it
+    again = plan(UpOptions(data_workers=2), ["--config", str(run / "config.toml")]).trainers[0].argv
+    ports = [c.port for c in first.services]
+    assert again[again.index("--data-service-addresses") + 1].startswith("127.0.0.1:")
+    assert not any(f":{port}" in arg for arg in again[again.index("--data-service-addresses"):] for port in ports)
+    copied = tmp_path / "copy.toml"  # elsewhere it is a file like any other
+    copied.write_text((run / "config.toml").read_text())
+    with pytest.raises(ConfigError, match="is set by up itself"):
+        plan(UpOptions(data_workers=2), ["--config", str(copied)])
