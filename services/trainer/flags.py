@@ -141,7 +141,7 @@ def parse_overrides(args: list[str]) -> tuple[str | None, dict[str, Any]]:
                     i += 1
                     words.append(args[i])
                 if not words:
-                    raise ConfigError("--data-path needs a value")
+                    raise ConfigError(f"{name} needs a value")
                 cfg.set_dotted(table, target, words)
             else:
                 cfg.set_dotted(table, target, _value_for(target, take_value()))

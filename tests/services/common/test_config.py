@@ -71,6 +71,13 @@ def test_data_path_takes_several_words_and_strings_stay_strings():
     assert table["data"]["data_path"] == ["0.5", "a", "0.5", "b"] and table["train"]["seed"] == 3
 
 
+@pytest.mark.parametrize("flag", ["--data-path", "--data-service-addresses"])
+def test_a_word_list_flag_without_words_is_named(flag):
+    # both take their words the same way; the message named --data-path for either
+    with pytest.raises(ConfigError, match=f"^{flag} needs a value$"):
+        parse_overrides([flag, "--bf16"])
+
+
 def test_megatron_value_spellings():
     job = load_config(["--normalization", "RMSNorm", "--position-embedding-type", "learned_absolute"])
     assert job.model.normalization == "rmsnorm" and job.model.position_embedding_type == "learned"
