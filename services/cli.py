@@ -29,6 +29,8 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     if args.help_config:
         print(config_help())
         return 0
+    if args.nproc_per_node < 1:
+        raise ConfigError(f"--nproc-per-node needs at least 1 rank (got {args.nproc_per_node})")
     if args.nproc_per_node > 1:
         return launch_local_ranks(args.nproc_per_node, rest, args.grace)
     if args.grace is not None:

@@ -67,6 +67,17 @@ def test_launcher_errors_exit_2_before_any_rank_starts():
     assert alone.returncode == 2 and "--grace applies to the ranks of --nproc-per-node" in alone.stderr
 
 
+@pytest.mark.parametrize("nproc", ["0", "-2"])
+def test_nproc_per_node_below_one_is_refused(nproc, monkeypatch, capsys):
+    # it fell through to a single in-process run, exit 0, as if the flag were not given
+    import services.trainer.train as trainer
+    from services.cli import main
+
+    monkeypatch.setattr(trainer, "train", lambda job: pytest.fail("a single process trained"))
+    assert main(["train", "--nproc-per-node", nproc, "--config", TINY]) == 2
+    assert capsys.readouterr().err == f"meshtrain: error: --nproc-per-node needs at least 1 rank (got {nproc})\n"
+
+
 @pytest.mark.e2e
 def test_help_config_lists_keys():
     out = meshtrain("train", "--help-config")
