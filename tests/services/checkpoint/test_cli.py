@@ -46,6 +46,16 @@ def test_verify_delete_and_retention(tmp_path, capsys):
     assert code == 2 and "give --step N" in out
 
 
+def test_verify_takes_a_step_or_all_not_both(tmp_path, capsys):
+    # with both it verified the one step and ignored --all without a word
+    root = str(tmp_path / "ckpt")
+    for step in (1, 2, 3):
+        save_checkpoint(root, step, {"w": torch.ones(2)})
+    with pytest.raises(SystemExit) as e:
+        main(["ckpt", "verify", root, "--step", "2", "--all"])
+    assert e.value.code == 2 and "argument --all: not allowed with argument --step" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("keep_last", [[], ["--keep-last", 0]], ids=["absent", "zero"])
 def test_keep_every_without_keep_last_deletes_nothing(tmp_path, capsys, keep_last):
     # alone it used to delete every non-multiple of K, the newest checkpoint included
