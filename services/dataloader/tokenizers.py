@@ -307,10 +307,14 @@ class SentencePieceTokenizer(Tokenizer):
 
 def _iter_text_chunks(files: list[str | os.PathLike]) -> Iterator[str]:
     """Yield the files' text in pieces of about `_TRAIN_CHUNK_CHARS`, split at line ends."""
+    # imported here: preprocess imports this module
+    from services.dataloader.preprocess import _refuse_compressed
+
     for f in files:
         path = Path(f)
         if not path.is_file():
             raise DataError(f"{path}: BPE training file is missing")
+        _refuse_compressed(path)
         buf: list[str] = []
         size = 0
         with open(path, encoding="utf-8", errors="replace") as fh:
@@ -328,7 +332,8 @@ def train_bpe(files: list[str | os.PathLike], vocab_size: int, output_path: str 
     """Train a byte-level BPE (GPT-2 style) on text files and save it as `tokenizer.json`.
 
     Args:
-        files: UTF-8 text files (undecodable bytes become U+FFFD).
+        files: UTF-8 text files (undecodable bytes become U+FFFD). A gzip, bzip2, xz, zstd or
+            zip file is an error.
         vocab_size: target vocabulary including the 256 byte symbols and `<|endoftext|>`.
         output_path: where to write the `tokenizer.json`.
 

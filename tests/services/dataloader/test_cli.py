@@ -48,6 +48,17 @@ def test_preprocess_bad_input_exits_2_with_message(tmp_path, capsys, args, match
     assert match in capsys.readouterr().err
 
 
+def test_train_tokenizer_refuses_a_compressed_input_as_preprocess_does(tmp_path, capsys):
+    """A `.txt.gz` used to train a BPE on its compressed bytes and exit 0."""
+    import gzip
+
+    (tmp_path / "a.txt.gz").write_bytes(gzip.compress(b"hello world\n" * 500))
+    assert main(["data", "train-tokenizer", "--input", str(tmp_path / "a.txt.gz"), "--vocab-size", "300",
+                 "--output", str(tmp_path / "tok.json")]) == 2
+    assert "a.txt.gz: is gzip-compressed; decompress it first" in capsys.readouterr().err
+    assert not (tmp_path / "tok.json").exists()
+
+
 def test_preprocess_a_directory_as_input_is_an_error_not_an_empty_dataset(tmp_path, capsys):
     (tmp_path / "indir" / "sub").mkdir(parents=True)
     _jsonl(tmp_path / "indir" / "sub" / "a.jsonl", 3)
