@@ -58,15 +58,19 @@ def parse_data_path(data_path: list[str]) -> tuple[list[str], list[float]]:
                 raise DataError(f"data_path pair ({w!r}, {p!r}) is not WEIGHT PREFIX")
             weights.append(float(w))
             prefixes.append(p)
+    _refuse_repeated_prefixes(prefixes, "data_path")
+    normalize_weights(weights, prefixes)
+    return prefixes, weights
+
+
+def _refuse_repeated_prefixes(prefixes: list[str] | tuple[str, ...], source: str) -> None:
     seen: dict[str, str] = {}
     for p in prefixes:
         key = p.rstrip("/") if is_remote(p) else os.path.realpath(local_path(p))
         if key in seen:
             # listing one dataset twice silently doubles its share; say so instead
-            raise DataError(f"data_path lists dataset {p!r} twice (also as {seen[key]!r}); merge the weights")
+            raise DataError(f"{source} lists dataset {p!r} twice (also as {seen[key]!r}); merge the weights")
         seen[key] = p
-    normalize_weights(weights, prefixes)
-    return prefixes, weights
 
 
 # 6.9e10 samples (1.4e14 tokens at seq 2048) is past any real run; a larger request is a typo
@@ -93,9 +97,10 @@ class DatasetSpec:
         return cls(tuple(prefixes), tuple(weights), **kw)
 
     def validate(self) -> None:
-        """Check the fields that need no file access; raises DataError naming the field."""
+        """Check the fields that need no file opened; raises DataError naming the field."""
         if len(self.prefixes) != len(self.weights) or not self.prefixes:
             raise DataError(f"spec has {len(self.prefixes)} prefixes and {len(self.weights)} weights")
+        _refuse_repeated_prefixes(self.prefixes, "spec")
         normalize_weights(self.weights, list(self.prefixes))
         if self.seq_length < 1:
             raise DataError(f"seq_length={self.seq_length} must be >= 1")

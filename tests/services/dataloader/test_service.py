@@ -1,5 +1,6 @@
 """The DataService over real gRPC on loopback: same batches as in-process, errors, health."""
 
+import os
 import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -92,6 +93,23 @@ def test_bad_specs_are_invalid_argument_and_server_keeps_serving(server, blend_s
     assert stub.Describe(_request(blend_spec)).num_steps == 64
 
 
+@pytest.mark.parametrize("spelling", ["same", "other"])
+def test_a_spec_listing_a_dataset_twice_is_invalid_argument(server, blend_spec, spelling):
+    """The worker used to blend such a spec, doubling the dataset's share, where the client's
+    parse_data_path refuses it; the second spelling names the same files another way."""
+    a = blend_spec.prefixes[0]
+    again = a if spelling == "same" else os.path.join(os.path.dirname(a), ".", os.path.basename(a))
+    assert (again == a) == (spelling == "same")
+    spec = pb.DatasetSpec(prefixes=[a, blend_spec.prefixes[1], again], weights=[1, 1, 1], seq_length=8,
+                          num_samples=10)
+    stub = pb_grpc.DataServiceStub(grpc.insecure_channel(server))
+    for call in (stub.Describe, lambda r: list(stub.StreamBatches(r))):
+        with pytest.raises(grpc.RpcError) as e:
+            call(pb.StreamRequest(spec=spec, dp_size=1, micro_batch_size=1, global_batch_size=1))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"dataset {again!r} twice" in e.value.details()
+
+
 def test_client_raises_server_message(server, blend_spec, tmp_path):
     from dataclasses import replace
 
@@ -102,9 +120,10 @@ def test_client_raises_server_message(server, blend_spec, tmp_path):
 
 
 class _CountingOpens(DataServicer):
-    """Holds every dataset build until `callers` Describe calls (in all) have entered the
-    servicer, so that they all overlap the build whatever the thread timing; optionally fails
-    the first build."""
+    """Holds every dataset build until `callers` requests (in all) have reached the dataset
+    cache, so that they all overlap the build whatever the thread timing; optionally fails
+    the first build. Counted there, not on entering Describe: a request still validating its
+    spec (which resolves the prefixes on disk) when a failed build is dropped builds again."""
 
     def __init__(self, callers: int, fail_first: bool = False):
         super().__init__(cache_indices=False)
@@ -113,11 +132,11 @@ class _CountingOpens(DataServicer):
         self.arrived = threading.Condition()
         self.opens = 0
 
-    def Describe(self, request, context):
+    def _dataset(self, spec):
         with self.arrived:
             self.entered += 1
             self.arrived.notify_all()
-        return super().Describe(request, context)
+        return super()._dataset(spec)
 
 
 @pytest.fixture
