@@ -118,12 +118,17 @@ class DataServicer(pb_grpc.DataServiceServicer):
                                    num_micro_batches=src.num_micro_batches)
 
     def StreamBatches(self, request: pb.StreamRequest, context):
+        step, mb = int(request.start_step), int(request.start_microbatch)
+        # end_step 0 means "until the dataset runs out"; any other end at or before the start
+        # would be an empty stream, which a client cannot tell from running out of data
+        if request.end_step != 0 and request.end_step <= step:
+            raise DataError(f"end_step={request.end_step} is not after start_step={step} "
+                            f"(0: until the dataset runs out)")
         src = self._source(request)
         end = src.num_steps if request.end_step == 0 else min(int(request.end_step), src.num_steps)
-        step, mb = int(request.start_step), int(request.start_microbatch)
         if mb >= src.num_micro_batches:
             raise DataError(f"start_microbatch={mb} is outside [0, {src.num_micro_batches})")
-        if step >= end and request.end_step == 0:
+        if step >= src.num_steps:
             raise DataError(f"start_step={step} is past the dataset's {src.num_steps} steps")
         while step < end and context.is_active():
             samples = src.samples(step, mb)  # (mbs, seq + 1) dataset dtype

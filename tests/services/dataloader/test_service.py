@@ -60,11 +60,22 @@ def test_wire_is_raw_bytes_of_the_token_dtype(server, blend_spec):
     assert (info.num_samples, info.num_steps, info.num_micro_batches) == (1024, 64, 4)
 
 
+def test_end_step_stops_the_stream_and_0_means_to_the_end(server, blend_spec):
+    stub = pb_grpc.DataServiceStub(grpc.insecure_channel(server))
+    for start, end, steps in [(5, 7, [5, 6]), (62, 0, [62, 63]), (62, 100, [62, 63])]:
+        got = [(m.step, m.microbatch) for m in stub.StreamBatches(_request(blend_spec, start_step=start, end_step=end))]
+        assert got == [(s, mb) for s in steps for mb in range(4)]
+
+
 @pytest.mark.parametrize("change,match", [
     ({"dp_rank": 2}, "dp_rank=2"),
     ({"global_batch_size": 15}, "not divisible"),
     ({"micro_batch_size": 1 << 20}, "limit"),
     ({"start_step": 64}, "past"),
+    # an empty or inverted window used to be an empty stream, as if the data had run out
+    ({"start_step": 5, "end_step": 3}, "end_step=3 is not after start_step=5"),
+    ({"start_step": 5, "end_step": 5}, "end_step=5 is not after start_step=5"),
+    ({"start_step": 64, "end_step": 70}, "past"),
     ({"start_microbatch": 4}, "start_microbatch"),
 ])
 def test_bad_requests_are_invalid_argument(server, blend_spec, change, match):
