@@ -100,8 +100,12 @@ class _RangeReader:
         item = self._dtype.itemsize
         try:
             data = self._fs.cat_file(self._path, start=start * item, end=stop * item)
-        except OSError as e:  # a network or store error: another try or worker may succeed
-            raise DataUnavailableError(f"{self._path}: range read of tokens [{start}, {stop}) failed ({e})") from e
+        # a network or store error: another try or worker may succeed. Not only OSError:
+        # backends raise their own types (botocore's EndpointConnectionError is not one)
+        except Exception as e:
+            raise DataUnavailableError(
+                f"{self._path}: range read of tokens [{start}, {stop}) failed ({type(e).__name__}: {e})"
+            ) from e
         if len(data) != (stop - start) * item:
             raise DataError(f"{self._path}: range read returned {len(data)} of {(stop - start) * item} bytes")
         return np.frombuffer(data, dtype=self._dtype)
@@ -296,8 +300,8 @@ class IndexedDataset:
                 blob = self._fs.cat_file(self._remote[1])  # small: 20 bytes per sequence
             except FileNotFoundError:
                 raise DataError(f"{path}: indexed dataset file is missing") from None
-            except OSError as e:
-                raise DataUnavailableError(f"{path}: reading the index failed ({e})") from e
+            except Exception as e:  # as in the open above: backends raise their own types
+                raise DataUnavailableError(f"{path}: reading the index failed ({type(e).__name__}: {e})") from e
             size, header = len(blob), blob[:HEADER_SIZE]
         else:
             size = path.stat().st_size

@@ -229,9 +229,18 @@ def test_fsspec_url_reads_by_range(tmp_path):
         IndexedDataset("memory://bucket/none")
 
 
-def test_a_failed_range_read_is_data_unavailable_naming_file_and_range(tmp_path, monkeypatch):
+def _endpoint_connection_error():
+    from botocore.exceptions import EndpointConnectionError
+
+    return EndpointConnectionError(endpoint_url="http://127.0.0.1:1/flaky-read/ds")
+
+
+@pytest.mark.parametrize("error", [lambda: OSError(errno.ETIMEDOUT, "simulated S3 read timeout"),
+                                   _endpoint_connection_error], ids=["OSError", "botocore"])
+def test_a_failed_range_read_is_data_unavailable_naming_file_and_range(tmp_path, monkeypatch, error):
     """A store's timeout is worth retrying (DataUnavailableError: UNAVAILABLE on a worker), not a
-    bad dataset (a plain DataError: INVALID_ARGUMENT, which ended the run)."""
+    bad dataset (a plain DataError: INVALID_ARGUMENT, which ended the run). s3fs lets botocore's
+    connection errors through, which are not OSError: they escaped as themselves (UNKNOWN)."""
     import fsspec
     from fsspec.implementations.memory import MemoryFileSystem
 
@@ -242,7 +251,7 @@ def test_a_failed_range_read_is_data_unavailable_naming_file_and_range(tmp_path,
     ds = IndexedDataset("memory://flaky-read/ds")
 
     def timeout(self, path, start=None, end=None, **kw):
-        raise OSError(errno.ETIMEDOUT, "simulated S3 read timeout")
+        raise error()
 
     monkeypatch.setattr(MemoryFileSystem, "cat_file", timeout)
     with pytest.raises(DataUnavailableError, match=r"flaky-read/ds.bin: range read of tokens \[60, 70\) failed"):
