@@ -65,7 +65,7 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
 def cmd_train_tokenizer(args: argparse.Namespace) -> int:
     from services.dataloader.tokenizers import train_bpe
 
-    tok = train_bpe([str(p) for p in expand_inputs(args.input)], args.vocab_size, args.output)
+    tok = train_bpe([str(p) for p in expand_inputs(args.input)], args.vocab_size, args.output, args.json_key)
     print(f"wrote {args.output} (vocabulary {tok.vocab_size})")
     return 0
 
@@ -85,8 +85,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     pre.add_argument("--workers", type=int, default=1, help="tokenizing processes (same output for any N)")
     pre.add_argument("--quiet", action="store_true", help="no progress bar")
     pre.set_defaults(func=cmd_preprocess)
-    tt = dsub.add_parser("train-tokenizer", help="train a byte-level BPE on local text")
-    tt.add_argument("--input", nargs="+", required=True)
+    tt = dsub.add_parser("train-tokenizer", help="train a byte-level BPE on local text/JSONL/Parquet files")
+    tt.add_argument("--input", nargs="+", required=True,
+                    help="files or glob patterns, read as preprocess reads them (JSONL/Parquet: the --json-key text)")
+    tt.add_argument("--json-key", default="text")
     tt.add_argument("--vocab-size", type=int, required=True)
     tt.add_argument("--output", required=True, help="path of the tokenizer.json to write")
     tt.set_defaults(func=cmd_train_tokenizer)

@@ -305,15 +305,22 @@ class SentencePieceTokenizer(Tokenizer):
         return self._sp.decode([int(i) for i in ids])
 
 
-def _iter_text_chunks(files: list[str | os.PathLike]) -> Iterator[str]:
-    """Yield the files' text in pieces of about `_TRAIN_CHUNK_CHARS`, split at line ends."""
+def _iter_text_chunks(files: list[str | os.PathLike], json_key: str = "text") -> Iterator[str]:
+    """Yield the files' text as preprocess reads it: each JSONL line's (or Parquet row's)
+    `json_key` field, one document at a time; any other file's text in pieces of about
+    `_TRAIN_CHUNK_CHARS`, split at line ends."""
     # imported here: preprocess imports this module
-    from services.dataloader.preprocess import _refuse_compressed
+    from services.dataloader.preprocess import _iter_documents, _refuse_compressed
 
     for f in files:
         path = Path(f)
         if not path.is_file():
             raise DataError(f"{path}: BPE training file is missing")
+        if path.suffix in (".jsonl", ".json", ".parquet"):
+            # the documents, not the lines: trained on those, the merges would learn the JSON
+            # around the text ('{"text": "'), which the documents preprocess stores never hold
+            yield from _iter_documents(path, json_key)
+            continue
         _refuse_compressed(path)
         buf: list[str] = []
         size = 0
@@ -328,14 +335,18 @@ def _iter_text_chunks(files: list[str | os.PathLike]) -> Iterator[str]:
             yield "".join(buf)
 
 
-def train_bpe(files: list[str | os.PathLike], vocab_size: int, output_path: str | os.PathLike) -> HFTokenizer:
+def train_bpe(files: list[str | os.PathLike], vocab_size: int, output_path: str | os.PathLike,
+              json_key: str = "text") -> HFTokenizer:
     """Train a byte-level BPE (GPT-2 style) on text files and save it as `tokenizer.json`.
 
     Args:
-        files: UTF-8 text files (undecodable bytes become U+FFFD). A gzip, bzip2, xz, zstd or
-            zip file is an error.
+        files: read as `meshtrain data preprocess` reads them: `.jsonl`/`.json` (the text under
+            `json_key` of each line) and `.parquet` (column `json_key`) files, any other file as
+            UTF-8 text (undecodable bytes become U+FFFD). A gzip, bzip2, xz, zstd or zip file is
+            an error.
         vocab_size: target vocabulary including the 256 byte symbols and `<|endoftext|>`.
         output_path: where to write the `tokenizer.json`.
+        json_key: the field (or Parquet column) holding the text.
 
     Returns:
         The trained tokenizer, loaded back from `output_path`.
@@ -358,7 +369,7 @@ def train_bpe(files: list[str | os.PathLike], vocab_size: int, output_path: str 
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_iter_text_chunks(files), trainer=trainer)
+    tok.train_from_iterator(_iter_text_chunks(files, json_key), trainer=trainer)
     out = Path(output_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")

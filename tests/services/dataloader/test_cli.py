@@ -107,3 +107,21 @@ def test_serve_command_listens_and_stops_on_sigterm():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_train_tokenizer_learns_from_the_jsonl_text_not_the_json_around_it(tmp_path):
+    """It reads JSONL as preprocess does (the --json-key field): trained on the raw lines, its
+    merges learnt the JSON syntax ('{"', '": "') that no stored document holds."""
+    with open(tmp_path / "a.jsonl", "w") as f:
+        f.writelines(json.dumps({"body": f"plain words number {i % 7} and more plain words"}) + "\n" for i in range(400))
+    out = tmp_path / "tok.json"
+    assert main(["data", "train-tokenizer", "--input", str(tmp_path / "a.jsonl"), "--vocab-size", "300",
+                 "--json-key", "body", "--output", str(out)]) == 0
+    merged = [t for t in json.loads(out.read_text())["model"]["vocab"] if len(t) > 1 and t != "<|endoftext|>"]
+    assert merged and not [t for t in merged if "{" in t or '"' in t or "body" in t], merged
+    assert "words" in merged or "Ġwords" in merged  # the text's own words were learnt
+    # a line without the key is refused as preprocess refuses it
+    with open(tmp_path / "b.jsonl", "w") as f:
+        f.write(json.dumps({"text": "no body here"}) + "\n")
+    assert main(["data", "train-tokenizer", "--input", str(tmp_path / "b.jsonl"), "--vocab-size", "300",
+                 "--json-key", "body", "--output", str(tmp_path / "t2.json")]) == 2
