@@ -12,6 +12,7 @@ features that are not built yet are errors that name the key.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -24,6 +25,8 @@ from services.trainer.flags import (  # re-exported: the command line's half
     ALIASES,
     parse_overrides,
 )
+
+log = logging.getLogger("meshtrain.config")
 
 
 @dataclass
@@ -394,11 +397,13 @@ class ParallelConfig:
     2/dp) while the reductions are in flight. No effect at dp=1."""
     recompute_granularity: Literal["none", "full", "selective"] = "none"
     """Activation recompute: whole blocks ('full') or only the attention core ('selective')."""
-    recompute_method: Literal["uniform", "block"] = "uniform"
-    """'full' only: 'uniform' recomputes every chunk of recompute_num_layers blocks; 'block'
-    recomputes the first recompute_num_layers blocks and stores the rest."""
-    recompute_num_layers: int = 1
-    """'full' only: chunk size ('uniform') or number of recomputed blocks ('block')."""
+    recompute_method: Literal["uniform", "block"] | None = None
+    """'full' only (refused otherwise; Megatron-LM refuses it with 'selective'): 'uniform'
+    recomputes every chunk of recompute_num_layers blocks; 'block' recomputes the first
+    recompute_num_layers blocks and stores the rest. Unset with 'full': 'uniform'."""
+    recompute_num_layers: int | None = None
+    """'full' only (refused otherwise): chunk size ('uniform') or number of recomputed blocks
+    ('block'). Unset with 'full': 1."""
 
     def __post_init__(self) -> None:
         for key in ("pp", "cp", "ep"):
@@ -437,10 +442,35 @@ class ParallelConfig:
                                   "the split launches its reductions on NCCL and waits for them later")
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ConfigError("parallel.overlap_param_gather needs parallel.use_distributed_optimizer")
-        if self.recompute_num_layers <= 0:
-            raise ConfigError(f"parallel.recompute_num_layers must be positive, got {self.recompute_num_layers}")
+        self._resolve_recompute_plan()
         if self.ddp_bucket_size <= 0:
             raise ConfigError(f"parallel.ddp_bucket_size must be positive, got {self.ddp_bucket_size}")
+
+    def _resolve_recompute_plan(self) -> None:
+        """Refuse a method or layer count that the granularity would ignore; fill in 'full''s defaults.
+
+        Megatron-LM refuses recompute_method and recompute_num_layers with 'selective'; with no
+        recompute it ignores them, which here is refused too (nothing is silently ignored).
+        """
+        if self.recompute_num_layers is not None and self.recompute_num_layers <= 0:
+            raise ConfigError(f"parallel.recompute_num_layers must be positive, got {self.recompute_num_layers}")
+        if self.recompute_granularity == "full":
+            self.recompute_method = self.recompute_method or "uniform"
+            self.recompute_num_layers = self.recompute_num_layers or 1
+            return
+        if (self.recompute_method, self.recompute_num_layers) == ("uniform", 1):
+            # The defaults of both keys before they became unset: every config.toml written then
+            # holds them, whatever the granularity, and must still load (`--config RUN/config.toml`).
+            log.warning("parallel.recompute_method='uniform' and parallel.recompute_num_layers=1 have no effect "
+                        "with parallel.recompute_granularity=%r (a config written before they defaulted to "
+                        "unset); read as unset: remove them", self.recompute_granularity)
+            self.recompute_method = self.recompute_num_layers = None
+        given = [f"parallel.{key}={getattr(self, key)!r}" for key in ("recompute_method", "recompute_num_layers")
+                 if getattr(self, key) is not None]
+        if given:
+            raise ConfigError(f"{' and '.join(given)} {'apply' if len(given) > 1 else 'applies'} to "
+                              f"parallel.recompute_granularity='full' only, got {self.recompute_granularity!r}: "
+                              "set --recompute-granularity full, or leave them unset")
 
 
 @dataclass

@@ -153,6 +153,50 @@ def test_parallel_flags_map_and_validate():
         load_config(["--parallel.grad_reduce_dtype=fp16"])
 
 
+@pytest.mark.parametrize("args, message", [
+    # all were accepted and ignored: only 'full' reads them (Megatron-LM refuses them with 'selective')
+    (["--recompute-method", "block", "--recompute-num-layers", "3"],
+     (r"^parallel\.recompute_method='block' and parallel\.recompute_num_layers=3 apply to "
+      r"parallel\.recompute_granularity='full' only, got 'none'")),
+    (["--recompute-method", "uniform"], r"^parallel\.recompute_method='uniform' applies to .*'full' only, got 'none'"),
+    (["--recompute-num-layers", "2"], r"^parallel\.recompute_num_layers=2 applies to .*'full' only, got 'none'"),
+    (["--recompute-granularity", "selective", "--recompute-method", "block"],
+     r"^parallel\.recompute_method='block' applies to .*'full' only, got 'selective'"),
+    (["--recompute-granularity", "selective", "--recompute-num-layers", "1"],
+     r"^parallel\.recompute_num_layers=1 applies to .*'full' only, got 'selective'"),
+    (["--recompute-granularity", "full", "--recompute-num-layers", "0"], r"recompute_num_layers must be positive"),
+])
+def test_recompute_method_and_layers_without_full_granularity_are_refused(args, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(args)
+
+
+def test_full_recompute_defaults_to_uniform_chunks_of_one():
+    p = load_config(["--recompute-granularity", "full"]).parallel
+    assert (p.recompute_method, p.recompute_num_layers) == ("uniform", 1)
+    p = load_config(["--recompute-granularity", "full", "--recompute-method", "block",
+                     "--recompute-num-layers", "3"]).parallel
+    assert (p.recompute_method, p.recompute_num_layers) == ("block", 3)
+    p = load_config([]).parallel
+    assert (p.recompute_granularity, p.recompute_method, p.recompute_num_layers) == ("none", None, None)
+
+
+@pytest.mark.parametrize("granularity, plan", [
+    ("none", (None, None)), ("selective", (None, None)), ("full", ("uniform", 1))])
+def test_a_config_written_before_recompute_keys_were_unset_still_loads(granularity, plan, tmp_path):
+    # A run's config.toml (rerun with --config RUN/config.toml) held both old defaults whatever
+    # the granularity; they never had an effect outside 'full', and still have none.
+    path = tmp_path / "config.toml"
+    path.write_text(f'[parallel]\nrecompute_granularity = "{granularity}"\nrecompute_method = "uniform"\n'
+                    "recompute_num_layers = 1\n")
+    p = load_config(["--config", str(path)]).parallel
+    assert (p.recompute_granularity, p.recompute_method, p.recompute_num_layers) == (granularity, *plan)
+    # and what this run writes back reads the same
+    again = tmp_path / "again.toml"
+    again.write_text(cfg.dumps_toml(load_config(["--config", str(path)])))
+    assert load_config(["--config", str(again)]).parallel == p
+
+
 def test_validation_messages_name_keys():
     with pytest.raises(ConfigError, match="num_attention_heads"):
         load_config(["--hidden-size", "100", "--num-attention-heads", "3"])

@@ -30,6 +30,8 @@ def loss_and_grads(plan: ParallelConfig):
     (dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2),
      [(0, 1, True), (1, 2, True), (2, 3, False), (3, 4, False)]),
     (dict(recompute_granularity="selective"), [(0, 4, False)]),
+    ({"recompute_granularity": "full"},  # method and layers unset: uniform chunks of one
+     [(0, 1, True), (1, 2, True), (2, 3, True), (3, 4, True)]),
 ])
 def test_recompute_matches_plain_backward(plan, chunks):
     ref_loss, ref_grads, _ = loss_and_grads(ParallelConfig())
