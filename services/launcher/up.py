@@ -16,8 +16,9 @@ ports are free ports on 127.0.0.1. An `s3://` save root reads AWS_ENDPOINT_URL a
 from the environment (set by `--s3` for its own store), which every child inherits.
 
 A launch whose save root already holds a committed checkpoint resumes from the newest one
-(unless `--checkpoint.load` says otherwise or `--no-resume` is given): stopping `up` and
-running the same command again with the same `--log.run_dir` continues the run.
+(also when `--checkpoint.load` names another root; not with `--checkpoint.load_step` or
+`--no-resume`): stopping `up` and running the same command again with the same
+`--log.run_dir` continues the run.
 """
 
 from __future__ import annotations
