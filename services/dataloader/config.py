@@ -20,7 +20,8 @@ class DataConfig:
     weights) or `[W1, PREFIX1, W2, PREFIX2, ...]` to blend by weight; empty: the embedded
     default corpus."""
     tokenizer: str = "bpe"
-    """'bpe' (trained on the default corpus), 'byte', or a path to a tokenizer.json."""
+    """'bpe' (trained on the default corpus), 'byte', or the path of the tokenizer the dataset was
+    built with: a Hugging Face tokenizer.json, a *.tiktoken file or a SentencePiece *.model."""
     default_vocab_size: int = 4096
     """Vocabulary of the BPE trained for the embedded default corpus."""
     default_corpus_bytes: int = 8_000_000
@@ -62,5 +63,6 @@ class DataConfig:
         if self.data_path and self.tokenizer == "bpe":
             raise ConfigError(
                 "data.tokenizer='bpe' means the BPE trained for the embedded corpus; with "
-                "data.data_path give 'byte' or the tokenizer.json the dataset was built with"
+                "data.data_path give 'byte' or the tokenizer the dataset was built with (tokenizer.json, "
+                "*.tiktoken, *.model)"
             )
