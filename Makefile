@@ -1,6 +1,7 @@
 # Two commands on a fresh machine:  `make run` (train the tiny model end to end) and `make test`.
 PYTHON ?= python3
 TORCH_VERSION ?= 2.13.0
+TORCH_INDEX ?=
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
@@ -8,12 +9,14 @@ PYTEST := $(BIN)/python -m pytest
 
 .PHONY: install run test test-fast test-slow test-gpu protos system-deps clean
 
-# The CPU build of torch is installed first and pinned, so resolving the project's
-# `torch>=` floor never pulls a multi-GB CUDA wheel.
+# torch is installed first and pinned, so resolving the project's `torch>=` floor never
+# pulls another build. Where pip's index has only PyPI's Linux wheel (the multi-GB CUDA
+# build), set TORCH_INDEX=https://download.pytorch.org/whl/cpu for the CPU one; these machines'
+# pip finds the CPU build locally and cannot reach that index.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "torch==$(TORCH_VERSION)"
+	$(BIN)/python -m pip install -q "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)")
 	$(BIN)/python -m pip install -q -e ".[test]"
 	touch $@
 
