@@ -14,12 +14,8 @@ and RNG states are restored bit for bit.
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import functools
 import logging
-import signal
-import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +29,6 @@ from services.checkpoint.reader import list_checkpoints
 from services.checkpoint.store import same_root
 from services.common.config import dumps_toml
 from services.common.errors import CheckpointError, ConfigError, MeshtrainError
-from services.common.signals import relayed_signals
 from services.trainer import checkpointing
 from services.trainer.config import JobConfig, replace
 from services.trainer.cuda_options import apply_cuda_options
@@ -47,15 +42,11 @@ from services.trainer.parallel import mappings, recompute
 from services.trainer.parallel.data import DataParallel, forward_units
 from services.trainer.parallel.mesh import Mesh, env_rank_world, init_process_group
 from services.trainer.parallel.tensor import parallelize
+from services.trainer.requests import RunRequests
 from services.trainer.uploads import Uploader
 from services.trainer.weight_copies import WeightCopies, call_with
 
 log = logging.getLogger("meshtrain.train")
-
-# A rank that has not left its training loop this long after a stop arrived (SIGTERM, the
-# control endpoint) writes every thread's stack to stderr, so a rank stuck on its way out says
-# where before Slurm (120 s after its signal) or torchrun (170 s, deploy/train.sh) kills it.
-STOP_STACK_DUMP_S = 90.0
 
 
 @dataclass
@@ -260,13 +251,8 @@ class Trainer:
         # the checkpoint service open; `run` closes it.
         self.checkpointer = checkpointing.Checkpointer(c.save, self.par, c.async_save, c.service_address,
                                                        overwrite=c.overwrite, resumed_step=resumed_here)
-        # Requests from other threads (signal handler, control endpoint), acted on between steps.
-        self._stop = threading.Event()
-        self._stop_cause: str | None = None  # "SIGTERM", "a stop request": what set _stop first
-        self._stack_dump_armed = False
-        self._stack_dump_lock = threading.Lock()  # arming (relay, control threads) vs the loop's end
-        self._checkpoint_now = threading.Event()
-        self._finished = threading.Event()  # the loop has returned: requests are refused
+        # Requests from other threads (SIGTERM's relay, the control endpoint), acted on between steps.
+        self.requests = RunRequests()
         self.progress: dict[str, float | int | str | None] = {
             "step": self.state.iteration, "train_iters": job.train.train_iters, "loss": None,
             "tokens_per_s": None, "eta_s": None, "last_checkpoint": None}
@@ -352,29 +338,7 @@ class Trainer:
             MeshtrainError: the training loop has already ended (nothing would act on it).
         """
         self._refuse_if_finished("stop")
-        self._note_stop("a stop request")
-
-    def _note_stop(self, cause: str) -> None:
-        """Set the stop flag; the first time, remember why and, while the loop runs, arm the
-        stack dump (faulthandler's watchdog thread writes to stderr's file descriptor, whatever
-        the main thread holds)."""
-        with self._stack_dump_lock:
-            if not self._stop.is_set() and not self._finished.is_set():
-                self._stop_cause = cause
-                try:
-                    faulthandler.dump_traceback_later(STOP_STACK_DUMP_S, file=sys.stderr)
-                    self._stack_dump_armed = True
-                except (AttributeError, ValueError, OSError):  # no stderr with a file descriptor (embedded)
-                    pass
-            self._stop.set()
-
-    def _loop_ended(self) -> None:
-        """Requests are refused from now on, and a stop's stack dump will not come."""
-        with self._stack_dump_lock:
-            self._finished.set()
-            if self._stack_dump_armed:
-                faulthandler.cancel_dump_traceback_later()
-                self._stack_dump_armed = False
+        self.requests.stop("a stop request")
 
     def request_checkpoint(self) -> None:
         """Save a checkpoint after the current step and continue.
@@ -383,17 +347,17 @@ class Trainer:
             MeshtrainError: the training loop has already ended (nothing would act on it).
         """
         self._refuse_if_finished("checkpoint")
-        self._checkpoint_now.set()
+        self.requests.checkpoint()
 
     def _refuse_if_finished(self, what: str) -> None:
-        if self._finished.is_set():
+        if self.requests.ended:
             last = self.progress.get("last_checkpoint")
             raise MeshtrainError(f"the run's training loop has ended at step {self.progress['step']}, so no {what} "
                                  f"will follow; its last checkpoint is {last or 'none'}")
 
     def pending_requests(self) -> tuple[bool, bool]:
         """(stop requested, checkpoint requested) and not yet acted on, on this rank."""
-        return self._stop.is_set(), self._checkpoint_now.is_set()
+        return self.requests.pending()
 
     def _agreed_requests(self, at_log_step: bool) -> tuple[bool, bool]:
         """(stop, checkpoint) as every rank sees them: any rank's request counts for all.
@@ -402,22 +366,12 @@ class Trainer:
         loop synchronizes anyway, so requests cost no extra host sync (latency: log_interval).
         """
         if not self.mesh.distributed:
-            return self._stop.is_set(), self._checkpoint_now.is_set()
+            return self.requests.pending()
         if not at_log_step:
             return False, False
-        flags = torch.tensor([float(self._stop.is_set()), float(self._checkpoint_now.is_set())], device=self.device)
+        flags = torch.tensor([float(f) for f in self.requests.pending()], device=self.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return bool(flags[0].item()), bool(flags[1].item())
-
-    @contextlib.contextmanager
-    def _sigterm_saves(self):
-        """While training, SIGTERM (preemption, `scancel --signal`, torchrun) means: checkpoint, exit 0.
-
-        Acted on by a relay thread, not in the handler (`relayed_signals`: a handler that sets an
-        Event can deadlock the main thread), and reported by the loop when it stops.
-        """
-        with relayed_signals([signal.SIGTERM], lambda s: self._note_stop(s.name), name="sigterm-relay"):
-            yield
 
     def _on_device(self, batches):
         """(tokens, labels, loss_mask) of each micro-batch on the device, in order (`Uploader`)."""
@@ -511,12 +465,12 @@ class Trainer:
             )
         tokens_per_step = t.global_batch_size * job.model.seq_length
         metrics = MetricsLog(self.run_dir, t.train_iters, start, job.log.progress if self.is_main else "none")
-        with self._sigterm_saves():
+        with self.requests.sigterm_stops():
             try:
                 try:
                     self._loop(result, metrics, start, tokens_per_step)
                 finally:
-                    self._loop_ended()
+                    self.requests.end()
                 if self.ddp is not None:
                     self.ddp.wait_param_gather()  # the model a caller gets back is whole
                 self.checkpointer.wait()  # the last save is committed before the run returns
@@ -579,12 +533,12 @@ class Trainer:
                 log_pending(n)
             if stop:
                 log.warning("%s: saving a checkpoint after step %d, then stopping",
-                            self._stop_cause or "another rank's stop request", n)
+                            self.requests.stop_cause or "another rank's stop request", n)
             interval = job.checkpoint.save_interval
             if (interval and n % interval == 0) or n == t.train_iters or stop or checkpoint_now:
                 # Cleared before saving: this save answers the requests made so far, and one that
                 # arrives while it runs (a sync save takes a while) stays set for the next step.
-                self._checkpoint_now.clear()
+                self.requests.checkpoint_started()
                 result.checkpoint = self.save()
                 self.progress["last_checkpoint"] = result.checkpoint
             paused += time.perf_counter() - pause_start

@@ -468,9 +468,9 @@ def test_resuming_with_another_sample_stream_warns(corpus_cache, tmp_path, caplo
 
 _STOP_CHILD = """
 import os, signal, sys, time
-from services.trainer import train as T
+from services.trainer import requests, train as T
 from services.trainer.config import load_config
-T.STOP_STACK_DUMP_S = 0.5
+requests.STOP_STACK_DUMP_S = 0.5
 trainer = T.Trainer(load_config(sys.argv[2:]))
 step_fn = trainer.train_step
 stuck_s = float(sys.argv[1])
