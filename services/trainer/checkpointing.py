@@ -175,6 +175,7 @@ class Checkpointer:
         self.service = bool(service_address)
         self.saver = AsyncSaver(self.sink, writer_id=mesh.rank, num_writers=mesh.world_size)
         self.resumed_step = resumed_step
+        self._committed_url: tuple[int, str] | None = None  # (step, URL) of `committed_url`
 
     @property
     def own_latest_step(self) -> int | None:
@@ -185,6 +186,17 @@ class Checkpointer:
         until that save commits (and `--load` resuming the other run meanwhile)."""
         committed = self.saver.last_committed
         return committed if committed is not None else self.resumed_step
+
+    @property
+    def committed_url(self) -> str | None:
+        """URL of this run's newest committed save (known on rank 0, the committer; None before
+        one): what may be reported as saved, unlike a save still in flight, which can fail."""
+        step = self.saver.last_committed
+        if step is None:
+            return None
+        if self._committed_url is None or self._committed_url[0] != step:
+            self._committed_url = (step, open_root(self.root).step_url(step))
+        return self._committed_url[1]
 
     def save(self, model: GPT, optimizer: torch.optim.Optimizer, state: TrainState, job: JobConfig,
              extra: dict[str, Any]) -> str:

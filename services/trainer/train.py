@@ -474,6 +474,7 @@ class Trainer:
                 if self.ddp is not None:
                     self.ddp.wait_param_gather()  # the model a caller gets back is whole
                 self.checkpointer.wait()  # the last save is committed before the run returns
+                self.progress["last_checkpoint"] = self.checkpointer.committed_url
                 if result.checkpoint:
                     log.info("checkpoint committed: %s", result.checkpoint)
             finally:
@@ -540,7 +541,8 @@ class Trainer:
                 # arrives while it runs (a sync save takes a while) stays set for the next step.
                 self.requests.checkpoint_started()
                 result.checkpoint = self.save()
-                self.progress["last_checkpoint"] = result.checkpoint
+            # Only a committed save is reported: one still in flight may yet fail.
+            self.progress["last_checkpoint"] = self.checkpointer.committed_url
             paused += time.perf_counter() - pause_start
             if stop and n < t.train_iters:
                 log.warning("stopped at step %d on request; resume with --load %s", n, job.checkpoint.save)

@@ -5,6 +5,8 @@
 `meshtrain status RUN_DIR` does, and scrapes the Prometheus gauges over real HTTP.
 """
 
+import logging
+import shutil
 import threading
 import time
 import urllib.request
@@ -13,7 +15,7 @@ import pytest
 
 from services.checkpoint.reader import list_checkpoints
 from services.cli import main
-from services.common.errors import ConfigError, MeshtrainError
+from services.common.errors import CheckpointError, ConfigError, MeshtrainError
 from services.trainer.config import load_config
 from services.trainer.rpc.client import ControlClient, resolve_address
 from services.trainer.train import train
@@ -90,6 +92,29 @@ def test_status_checkpoint_and_stop(long_run, capsys):
     assert not (run_dir / "control.addr").exists()
     with pytest.raises(ConfigError, match="no control.addr"):
         resolve_address(str(run_dir))
+
+
+def test_a_save_that_fails_is_never_reported_as_the_last_checkpoint(corpus_cache, tmp_path, caplog):
+    """Status named a save as the last checkpoint as soon as it started; one that then failed in
+    the background (here: its root became a file) stayed reported while the run went on."""
+    run_dir, root = tmp_path / "run", tmp_path / "checkpoints"
+    bg = Background(load_config(small_job_args(corpus_cache, run_dir, **{
+        "train.train_iters": 100_000, "train.eval_interval": 0, "train.control_port": 0,
+        "checkpoint.save": str(root)})))
+    with caplog.at_level(logging.ERROR, logger="services.checkpoint"):
+        wait_for(lambda: (run_dir / "control.addr").exists() or not bg.thread.is_alive(), what="control.addr")
+        with ControlClient(str(run_dir)) as client:
+            wait_for(lambda: client.status()["step"] >= 1, what="a first step")
+            shutil.rmtree(root, ignore_errors=True)
+            root.write_text("")
+            client.checkpoint()
+            wait_for(lambda: "checkpoint save of step" in caplog.text, what="the save's failure")
+            failed_at = client.status()["step"]
+            wait_for(lambda: client.status()["step"] > failed_at, what="a step after the failure")
+            assert client.status()["last_checkpoint"] is None
+            client.stop()
+        with pytest.raises(CheckpointError, match="Not a directory"):  # the stop's save raises it
+            bg.join()
 
 
 def test_trainer_gauges_and_rpc_metrics_scraped_over_http(long_run):
