@@ -453,6 +453,15 @@ class Trainer:
                  self.checkpointer.saver.last_stall_s * 1e3)
         return url
 
+    def _settle_previous_save(self) -> None:
+        """Before a stop's save: a failed earlier save is logged, not raised, so it cannot cost
+        the run its last chance to checkpoint (storage may have recovered since). If the stop's
+        save fails too, that error ends the run."""
+        try:
+            self.checkpointer.saver.wait()
+        except CheckpointError as e:
+            log.error("an earlier checkpoint was not committed (%s); saving the stop's checkpoint anyway", e)
+
     def run(self) -> TrainResult:
         job, t = self.job, self.job.train
         result = TrainResult(self.run_dir, rank=self.mesh.rank)
@@ -540,6 +549,8 @@ class Trainer:
                 # Cleared before saving: this save answers the requests made so far, and one that
                 # arrives while it runs (a sync save takes a while) stays set for the next step.
                 self.requests.checkpoint_started()
+                if stop:
+                    self._settle_previous_save()
                 result.checkpoint = self.save()
             # Only a committed save is reported: one still in flight may yet fail.
             self.progress["last_checkpoint"] = self.checkpointer.committed_url

@@ -308,6 +308,42 @@ def test_a_stop_between_log_steps_logs_its_losses_and_later_requests_are_refused
         trainer.request_stop()
 
 
+def test_a_stop_still_saves_after_an_earlier_save_failed(corpus_cache, tmp_path, caplog):
+    """The stop's save raised the failure of the save before it and never ran, so a preemption
+    after a passing storage outage left no checkpoint although storage worked again."""
+    import shutil
+    import time
+
+    from services.trainer.train import Trainer
+
+    root = tmp_path / "ckpt"
+    job = load_config(small_job_args(corpus_cache, tmp_path / "run", **{
+        "train.train_iters": 12, "train.eval_interval": 0, "checkpoint.save_interval": 2,
+        "checkpoint.save": str(root)}))
+    trainer = Trainer(job)
+    step_fn = trainer.train_step
+
+    def outage(i):
+        if i == 1:  # step 2, whose save follows: the root becomes a file
+            shutil.rmtree(root, ignore_errors=True)
+            root.write_text("")
+        if i == 2:  # step 3: once step 2's save has failed, the root is back, and a stop comes
+            deadline = time.monotonic() + 60
+            while "checkpoint save of step 2 failed" not in caplog.text:
+                assert time.monotonic() < deadline, "step 2's save did not fail"
+                time.sleep(0.05)
+            root.unlink()
+            trainer.request_stop()
+        return step_fn(i)
+
+    trainer.train_step = outage
+    with caplog.at_level(logging.ERROR):
+        result = trainer.run()
+    assert result.stopped_early and list_checkpoints(str(root)) == [3]
+    assert result.checkpoint.endswith("step_00000003")
+    assert "an earlier checkpoint was not committed" in caplog.text
+
+
 @pytest.mark.parametrize(("option", "without_compile", "off_cuda"), [
     ("compile_overlap_scheduling", "needs train.compile=true", "times kernels on a CUDA device; this run is on cpu"),
     ("compile_coordinate_descent_tuning", "tunes compiled kernels: it needs train.compile=true",
