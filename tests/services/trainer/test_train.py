@@ -515,6 +515,9 @@ def step_that_gets_stuck(i):
     out = step_fn(i)
     if i == 2:
         os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 30  # the relay thread acts on it: give it the step's time
+        while not trainer.requests.pending()[0] and time.monotonic() < deadline:
+            time.sleep(0.001)
         time.sleep(stuck_s)  # a step that hangs after the signal (stuck_s > the dump's 0.5 s)
     return out
 
