@@ -19,8 +19,9 @@ def expand_inputs(patterns: list[str]) -> list[Path]:
     """Files named by paths or glob patterns, in order, each once.
 
     A path that exists is taken as written, not as a pattern. A pattern matching no regular
-    file (nothing, or only directories) is an error: it used to give an empty dataset. A file matched by several patterns (`'d/*.jsonl' d/b.jsonl`) is
-    read once, where it first appears, so overlapping patterns do not repeat its documents.
+    file (nothing, or only directories) is an error: it used to give an empty dataset. A file
+    matched by several patterns (`'d/*.jsonl' d/b.jsonl`) is read once, where it first
+    appears, so overlapping patterns do not repeat its documents.
 
     Args:
         patterns: paths or glob patterns (`**` recurses), as given to `--input`.

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from services.common.errors import DataError
+from services.dataloader.inputs import iter_documents, refuse_compressed
 
 EOD_TOKEN = "<|endoftext|>"
 # Bounded memory while training: files are fed to the trainer in pieces of about this size.
@@ -309,9 +310,6 @@ def _iter_text_chunks(files: list[str | os.PathLike], json_key: str = "text") ->
     """Yield the files' text as preprocess reads it: each JSONL line's (or Parquet row's)
     `json_key` field, one document at a time; any other file's text in pieces of about
     `_TRAIN_CHUNK_CHARS`, split at line ends."""
-    # imported here: preprocess imports this module
-    from services.dataloader.preprocess import _iter_documents, _refuse_compressed
-
     for f in files:
         path = Path(f)
         if not path.is_file():
@@ -319,9 +317,9 @@ def _iter_text_chunks(files: list[str | os.PathLike], json_key: str = "text") ->
         if path.suffix in (".jsonl", ".json", ".parquet"):
             # the documents, not the lines: trained on those, the merges would learn the JSON
             # around the text ('{"text": "'), which the documents preprocess stores never hold
-            yield from _iter_documents(path, json_key)
+            yield from iter_documents(path, json_key)
             continue
-        _refuse_compressed(path)
+        refuse_compressed(path)
         buf: list[str] = []
         size = 0
         with open(path, encoding="utf-8", errors="replace") as fh:
