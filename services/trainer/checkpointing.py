@@ -195,8 +195,12 @@ class Checkpointer:
         if step is None:
             return None
         if self._committed_url is None or self._committed_url[0] != step:
-            self._committed_url = (step, open_root(self.root).step_url(step))
+            self._committed_url = (step, self.step_url(step))
         return self._committed_url[1]
+
+    def step_url(self, step: int) -> str:
+        """URL of checkpoint `step` under this run's save root."""
+        return open_root(self.root).step_url(step)
 
     def save(self, model: GPT, optimizer: torch.optim.Optimizer, state: TrainState, job: JobConfig,
              extra: dict[str, Any]) -> str:
@@ -241,7 +245,7 @@ class Checkpointer:
         self.saver.save(state.iteration, save_id[0], boxes, committer=mesh.rank == 0, metadata=metadata)
         if not self.asynchronous:
             self.wait()
-        return open_root(self.root).step_url(state.iteration)
+        return self.step_url(state.iteration)
 
     def wait(self) -> None:
         """Block until the save in flight is stored and committed on every rank (collective)."""
