@@ -36,6 +36,11 @@ class CheckpointConfig:
     overwrite: bool = False
     """Replace a committed checkpoint of the same step (a run restarted from scratch into a
     root that holds an earlier run's steps); off: such a save is an error."""
+    save_attempts: int = 3
+    """Tries for each stored object, for a save's start and for its commit before the save is
+    reported failed (storage and checkpoint-service errors; a refused request is not retried)."""
+    save_retry_backoff_s: float = 0.2
+    """Sleep before a save's first retry, in seconds; it doubles with each retry."""
 
     def __post_init__(self) -> None:
         if self.load_step is not None and self.load is None:
@@ -44,5 +49,9 @@ class CheckpointConfig:
             raise ConfigError(f"checkpoint.save_interval must be >= 0, got {self.save_interval}")
         if self.keep_last < 0 or self.keep_every < 0:
             raise ConfigError("checkpoint.keep_last and checkpoint.keep_every must be >= 0")
+        if self.save_attempts < 1:
+            raise ConfigError(f"checkpoint.save_attempts must be >= 1, got {self.save_attempts}")
+        if not 0 <= self.save_retry_backoff_s <= 3600:  # also refuses NaN
+            raise ConfigError(f"checkpoint.save_retry_backoff_s must be in [0, 3600], got {self.save_retry_backoff_s}")
         if self.keep_every and not self.keep_last:
             raise ConfigError("checkpoint.keep_every needs checkpoint.keep_last")

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from services.checkpoint.async_save import AsyncSaver, StorageSink
+from services.checkpoint.async_save import AsyncSaver, StorageSink, retry
 from services.checkpoint.layout import array_key, dtype_name
 from services.checkpoint.reader import (
     latest_step,
@@ -160,10 +160,13 @@ class Checkpointer:
         service_address: a CheckpointService to stream boxes to, instead of writing storage.
         overwrite: replace committed checkpoints of the same steps (`checkpoint.overwrite`).
         resumed_step: the step the run resumed from, when it loaded from this same root.
+        attempts: tries for each stored object, a save's start and its commit (`checkpoint.save_attempts`).
+        backoff: first retry sleep in seconds, doubling each retry (`checkpoint.save_retry_backoff_s`).
     """
 
     def __init__(self, root: str, par: Parallel, asynchronous: bool = True, service_address: str | None = None,
-                 overwrite: bool = False, resumed_step: int | None = None):
+                 overwrite: bool = False, resumed_step: int | None = None, attempts: int = 3,
+                 backoff: float = 0.2):
         self.root, self.par, self.asynchronous, self.overwrite = root, par, asynchronous, overwrite
         mesh = par.mesh
         if service_address:
@@ -173,7 +176,8 @@ class Checkpointer:
         else:
             self.sink = StorageSink(root)
         self.service = bool(service_address)
-        self.saver = AsyncSaver(self.sink, writer_id=mesh.rank, num_writers=mesh.world_size)
+        self.saver = AsyncSaver(self.sink, writer_id=mesh.rank, num_writers=mesh.world_size, attempts=attempts,
+                                backoff=backoff)
         self.resumed_step = resumed_step
         self._committed_url: tuple[int, str] | None = None  # (step, URL) of `committed_url`
 
@@ -236,13 +240,28 @@ class Checkpointer:
             **extra,
         }
         self.saver.wait()  # one save in flight: the previous one must have committed (or raise)
-        save_id = [None]
+        # Rank 0 starts the save, retried like its writes and commit (a transient storage or
+        # service error must not cost a stop its checkpoint), and tells every rank the id or
+        # the failure, so no rank waits for an id that never comes.
+        started: list[tuple[str | None, str | None]] = [(None, None)]
         if mesh.rank == 0:
-            save_id[0] = (self.sink.begin_save(state.iteration, mesh.world_size, overwrite=self.overwrite)
-                          if self.service else begin_save(self.root, state.iteration, overwrite=self.overwrite))
+            def begin() -> str:
+                if self.service:
+                    return self.sink.begin_save(state.iteration, mesh.world_size, overwrite=self.overwrite)
+                return begin_save(self.root, state.iteration, overwrite=self.overwrite)
+            try:
+                started[0] = (retry(f"starting the save of step {state.iteration}", begin, self.saver.attempts,
+                                    self.saver.backoff), None)
+            except CheckpointError as e:
+                if not mesh.distributed:
+                    raise
+                started[0] = (None, str(e))
         if mesh.distributed:
-            dist.broadcast_object_list(save_id, src=0)
-        self.saver.save(state.iteration, save_id[0], boxes, committer=mesh.rank == 0, metadata=metadata)
+            dist.broadcast_object_list(started, src=0)
+        save_id, error = started[0]
+        if error is not None:
+            raise CheckpointError(error)
+        self.saver.save(state.iteration, save_id, boxes, committer=mesh.rank == 0, metadata=metadata)
         if not self.asynchronous:
             self.wait()
         return self.step_url(state.iteration)

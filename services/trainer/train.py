@@ -250,7 +250,8 @@ class Trainer:
         # Opened last, so an __init__ that fails (a restore, a config check) leaves no channel to
         # the checkpoint service open; `run` closes it.
         self.checkpointer = checkpointing.Checkpointer(c.save, self.par, c.async_save, c.service_address,
-                                                       overwrite=c.overwrite, resumed_step=resumed_here)
+                                                       overwrite=c.overwrite, resumed_step=resumed_here,
+                                                       attempts=c.save_attempts, backoff=c.save_retry_backoff_s)
         # Requests from other threads (SIGTERM's relay, the control endpoint), acted on between steps.
         self.requests = RunRequests()
         self.progress: dict[str, float | int | str | None] = {

@@ -21,3 +21,84 @@ def test_close_closes_the_channel_to_the_service(tmp_path):
         checkpointer.close()  # twice is harmless
     finally:
         server.stop(0)
+
+
+def test_a_save_started_while_the_service_restarts_is_retried(corpus_cache, tmp_path):
+    # BeginSave was the one call of a save not retried: a checkpoint service restarting as a
+    # save began (a stop's last save, say) cost that save, though its writes and commit are
+    # retried through the same outage.
+    import threading
+
+    from services.checkpoint.reader import list_checkpoints
+    from services.trainer.config import load_config
+    from services.trainer.train import Trainer
+    from tests.services.trainer.conftest import small_job_args
+
+    root = str(tmp_path / "ckpt")
+    server, port, _ = start_server(root)
+    trainer = Trainer(load_config(small_job_args(corpus_cache, tmp_path / "run", **{
+        "checkpoint.save": root, "checkpoint.service_address": f"127.0.0.1:{port}",
+        "checkpoint.async_save": False, "checkpoint.save_attempts": 5, "checkpoint.save_retry_backoff_s": 0.5})))
+    restarted = []
+    try:
+        trainer.train_step(0)
+        trainer.state.iteration = 1
+        server.stop(0).wait()
+        restart = threading.Timer(0.6, lambda: restarted.append(start_server(root, port=port)[0]))
+        restart.start()
+        url = trainer.save()  # the first BeginSave finds nothing listening
+        restart.join()
+        assert url.endswith("step_00000001")
+        assert list_checkpoints(root) == [1]
+    finally:
+        trainer.checkpointer.close()
+        for s in [server, *restarted]:
+            s.stop(0)
+
+
+def test_save_attempts_and_backoff_are_checked():
+    from services.common.errors import ConfigError
+    from services.trainer.config import load_config
+
+    with pytest.raises(ConfigError, match="save_attempts must be >= 1, got 0"):
+        load_config(["--checkpoint.save_attempts=0"])
+    with pytest.raises(ConfigError, match=r"save_retry_backoff_s must be in \[0, 3600\], got -1.0"):
+        load_config(["--checkpoint.save_retry_backoff_s=-1"])
+
+
+def _save_into_a_taken_step(rank, world, args, root):
+    """The CheckpointError each rank's save of step 3 gives (another run committed step 3 after
+    this one started), or None."""
+    import torch
+    import torch.distributed as dist
+
+    from services.checkpoint.writer import save_checkpoint
+    from services.common.errors import CheckpointError
+    from services.trainer.config import load_config
+    from services.trainer.train import Trainer
+
+    trainer = Trainer(load_config(args))
+    if rank == 0:
+        save_checkpoint(root, 3, {"w": torch.zeros(2)}, {"run": "another"})
+    dist.barrier()
+    trainer.state.iteration = 3
+    try:
+        trainer.save()
+    except CheckpointError as e:
+        return str(e)
+    finally:
+        trainer.checkpointer.close()
+    return None
+
+
+@pytest.mark.dist
+def test_a_save_rank_0_cannot_start_fails_on_every_rank(corpus_cache, tmp_path):
+    # Rank 0 raised and the other ranks waited for the save id in a broadcast that never came,
+    # until the process group's timeout.
+    from tests.dist_utils import run_ranks
+    from tests.services.trainer.conftest import small_job_args
+
+    root = str(tmp_path / "ckpt")
+    args = small_job_args(corpus_cache, tmp_path / "run", **{"checkpoint.save": root, "train.eval_interval": 0})
+    errors = run_ranks(_save_into_a_taken_step, 2, args, root, timeout=120)
+    assert all(e is not None and "step 3 already exists" in e for e in errors), errors
