@@ -37,7 +37,7 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
         raise ConfigError("--grace applies to the ranks of --nproc-per-node N > 1 only "
                           "(one process is stopped by SIGTERM directly)")
     job = load_config(rest)  # validate before anything starts
-    result = train(job)
+    result = train(job, until_exit=True)  # the process ends with the run: a late SIGTERM is logged
     if result.rank != 0:
         return 0
     steps = sorted(result.losses)

@@ -261,3 +261,46 @@ def test_nproc_per_node_stop_before_training_began_is_a_clean_stop(tmp_path, cor
     assert "rank 0, rank 1 stopped before training started" in err and "error" not in err, err[-3000:]
     assert not (run / "checkpoints").exists() or not meshtrain("ckpt", "list", run / "checkpoints").stdout.split()
     assert all(_gone(pid) for pid in pids.values())
+
+
+# SIGTERM after the trainer's loop has ended: right after `train()` returns (the summary is yet
+# to be printed), or while the interpreter exits (an atexit hook registered before the run's own).
+_LATE_SIGTERM_CHILD = """
+import atexit, os, signal, sys, time
+import services.trainer.train as T
+from services.cli import main
+
+def late_sigterm():
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.5)  # handled meanwhile; unhandled, it kills us here
+
+if sys.argv[1] == "exit":
+    atexit.register(late_sigterm)  # atexit hooks run last-registered first: this one last
+else:
+    train = T.train
+    def train_then_sigterm(*args, **kwargs):
+        result = train(*args, **kwargs)
+        late_sigterm()
+        return result
+    T.train = train_then_sigterm
+sys.exit(main(["train", *sys.argv[2:]]))
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("when", ["after-run", "exit"])
+def test_a_sigterm_after_the_loop_ended_does_not_change_the_exit_status(tmp_path, corpus_cache, when):  # noqa: F811
+    """Slurm and torchrun each pass a preemption's SIGTERM on, so a second one can come once the
+    run has committed its checkpoint and returned: it killed the process (exit 143) while it
+    printed its summary or shut down. Now it is logged and the run exits as it would have (0)."""
+    ckpt = tmp_path / "ckpt"
+    args = small_job_args(corpus_cache, tmp_path / "run", **{"train.train_iters": 3, "train.eval_interval": 0,
+                                                            "checkpoint.save": str(ckpt)})
+    proc = subprocess.run([sys.executable, "-c", _LATE_SIGTERM_CHILD, when, *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
+    assert f"checkpoint    : {ckpt}/step_00000003" in proc.stdout
+    if when == "after-run":
+        assert "SIGTERM: the training loop has ended; already stopping" in proc.stderr, proc.stderr[-3000:]
+    assert meshtrain("ckpt", "list", ckpt).stdout.split() == ["3"]
+

@@ -12,11 +12,14 @@ double signals 0-300 us apart).
 
 `relayed_signals` installs a handler that only writes the signal's number to a pipe (a system
 call: no Python lock), and a thread reads the pipe and runs the action there, where waiting for
-a lock is ordinary contention with the main thread, which will release it.
+a lock is ordinary contention with the main thread, which will release it. `logged_until_exit`
+hands a signal over, at the end of such a block, to a handler that only logs it for the rest of
+the process (a trainer whose loop has ended and which is on its way out).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -73,8 +76,52 @@ def relayed_signals(signals: Iterable[signal.Signals], action: Callable[[signal.
         yield True
     finally:
         for s, handler in previous.items():
-            signal.signal(s, handler)
+            if signal.getsignal(s) is on_signal:
+                signal.signal(s, handler)
         os.close(write_end)  # the relay reads what is left, then the end of the pipe
         thread.join(timeout=30)
         if thread.is_alive():
             log.warning("a signal's action is still running after 30 s; leaving it behind")
+
+
+def logged_until_exit(signals: Iterable[signal.Signals], message: str) -> bool:
+    """From now until the process exits, each of `signals` only logs `message` (a warning).
+
+    For a process on its way out whose work is done: a late signal must not turn a finished run
+    into one killed by it. Logged on a relay thread, as `relayed_signals` does; once the
+    interpreter has begun to finalize (atexit), Python handlers are no longer run, so the signals
+    are ignored outright from then on.
+
+    Args:
+        signals: the signals to take over.
+        message: the warning; `%s` in it is replaced by the signal's name.
+
+    Returns:
+        True when installed; False off the main thread, where handlers cannot be installed.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    signals = list(signals)
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+
+    def relay() -> None:
+        with os.fdopen(read_end, "rb", buffering=0) as pipe:
+            while chunk := pipe.read(64):
+                for number in chunk:
+                    log.warning(message, signal.Signals(number).name)
+
+    def on_signal(signum: int, _frame) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.write(write_end, bytes([signum]))
+
+    def ignore() -> None:
+        for s in signals:
+            if signal.getsignal(s) is on_signal:
+                signal.signal(s, signal.SIG_IGN)
+
+    threading.Thread(target=relay, name="signals-until-exit", daemon=True).start()
+    for s in signals:
+        signal.signal(s, on_signal)
+    atexit.register(ignore)
+    return True

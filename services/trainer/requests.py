@@ -9,20 +9,29 @@ that sets an Event can deadlock the main thread). A rank still in its loop `STOP
 after a stop writes every thread's stack to stderr (faulthandler's watchdog thread, whatever
 the main thread holds), so a rank stuck on its way out says where before Slurm (120 s after
 its signal) or torchrun (170 s, deploy/train.sh) kills it.
+
+A SIGTERM that comes once the loop has ended (Slurm and torchrun each pass a preemption's
+SIGTERM on, so a second one can arrive after the final checkpoint committed) is logged as
+"already stopping" and changes nothing; in a process that ends with the run (`meshtrain
+train`), that holds until it exits, so printing the summary or shutting down is not killed
+(exit 143) either. SIGINT is left alone: Ctrl-C still interrupts a shutdown that hangs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import faulthandler
+import logging
 import signal
 import sys
 import threading
 from collections.abc import Iterator
 
-from services.common.signals import relayed_signals
+from services.common.signals import logged_until_exit, relayed_signals
 
 STOP_STACK_DUMP_S = 90.0
+LATE_SIGTERM = "%s: the training loop has ended; already stopping (the exit status stays the run's)"
+log = logging.getLogger("meshtrain.train")
 
 
 class RunRequests:
@@ -49,7 +58,11 @@ class RunRequests:
         """Ask for a checkpoint after the current step, then the end of the run; the first time,
         while the loop runs, remember `cause` and arm the stack dump."""
         with self._lock:
-            if not self._stop.is_set() and not self._ended.is_set():
+            if self._ended.is_set():
+                if cause == signal.SIGTERM.name:
+                    log.warning(LATE_SIGTERM, cause)
+                return
+            if not self._stop.is_set():
                 self.stop_cause = cause
                 try:
                     faulthandler.dump_traceback_later(STOP_STACK_DUMP_S, file=sys.stderr)
@@ -76,7 +89,17 @@ class RunRequests:
                 self._dump_armed = False
 
     @contextlib.contextmanager
-    def sigterm_stops(self) -> Iterator[None]:
-        """While inside (on the main thread), SIGTERM is a stop."""
-        with relayed_signals([signal.SIGTERM], lambda s: self.stop(s.name), name="sigterm-relay"):
-            yield
+    def sigterm_stops(self, until_exit: bool = False) -> Iterator[None]:
+        """While inside (on the main thread), SIGTERM is a stop; once the loop has ended, it is
+        only logged.
+
+        Args:
+            until_exit: the process ends with the run: from the end of the block until it
+                exits, SIGTERM stays only logged rather than killing it.
+        """
+        with relayed_signals([signal.SIGTERM], lambda s: self.stop(s.name), name="sigterm-relay") as installed:
+            try:
+                yield
+            finally:
+                if installed and until_exit:
+                    logged_until_exit([signal.SIGTERM], LATE_SIGTERM)

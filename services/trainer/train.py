@@ -463,7 +463,13 @@ class Trainer:
         except CheckpointError as e:
             log.error("an earlier checkpoint was not committed (%s); saving the stop's checkpoint anyway", e)
 
-    def run(self) -> TrainResult:
+    def run(self, until_exit: bool = False) -> TrainResult:
+        """Train to `train.train_iters` steps, or until a stop; SIGTERM is a stop meanwhile.
+
+        Args:
+            until_exit: the process ends with the run (`meshtrain train`): a SIGTERM after the
+                loop ended is logged, not fatal, until the process exits (`RunRequests`).
+        """
         job, t = self.job, self.job.train
         result = TrainResult(self.run_dir, rank=self.mesh.rank)
         start = self.state.iteration
@@ -475,7 +481,7 @@ class Trainer:
             )
         tokens_per_step = t.global_batch_size * job.model.seq_length
         metrics = MetricsLog(self.run_dir, t.train_iters, start, job.log.progress if self.is_main else "none")
-        with self.requests.sigterm_stops():
+        with self.requests.sigterm_stops(until_exit):
             try:
                 try:
                     self._loop(result, metrics, start, tokens_per_step)
@@ -562,11 +568,16 @@ class Trainer:
                 return
 
 
-def train(job: JobConfig) -> TrainResult:
-    """Run the job to `train.train_iters` steps and return what it produced."""
+def train(job: JobConfig, until_exit: bool = False) -> TrainResult:
+    """Run the job to `train.train_iters` steps and return what it produced.
+
+    Args:
+        job: the job.
+        until_exit: the process ends with the run (`Trainer.run`).
+    """
     trainer = Trainer(job)
     if job.train.control_port is None or not trainer.is_main:
-        return trainer.run()
+        return trainer.run(until_exit)
     from services.trainer.rpc.server import serve_control  # grpc only when asked for
 
     t = job.train
@@ -576,6 +587,6 @@ def train(job: JobConfig) -> TrainResult:
         trainer.checkpointer.close()  # `run`, which would close it, never starts
         raise
     try:
-        return trainer.run()
+        return trainer.run(until_exit)
     finally:
         endpoint.stop()
