@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -304,3 +305,25 @@ def test_a_sigterm_after_the_loop_ended_does_not_change_the_exit_status(tmp_path
         assert "SIGTERM: the training loop has ended; already stopping" in proc.stderr, proc.stderr[-3000:]
     assert meshtrain("ckpt", "list", ckpt).stdout.split() == ["3"]
 
+
+@pytest.mark.e2e
+def test_a_run_dir_config_written_under_up_trains_outside_up_and_up_still_resumes_it(tmp_path, corpus_cache):  # noqa: F811
+    """RUN/config.toml of a run under `meshtrain up` held the addresses of up's data worker and
+    checkpoint service, dead once up exits: `meshtrain train --config RUN/config.toml` retried
+    them until data.service_give_up_s and failed. up's own wiring is left out of it now, so the
+    file trains outside up (data in-process, checkpoints straight to the root), and `up --config
+    RUN/config.toml` still gives the run new services and resumes it."""
+    args = small_job_args(corpus_cache, "RUN", **{"train.train_iters": 3, "train.eval_interval": 0})
+    first = meshtrain("up", "--config", TINY, *args, cwd=tmp_path)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    text = (tmp_path / "RUN" / "config.toml").read_text()
+    outside = meshtrain("train", "--config", "RUN/config.toml", "--train-iters", 4, "--load", "RUN/checkpoints",
+                        "--data.service_give_up_s=10", cwd=tmp_path)
+    assert outside.returncode == 0, outside.stderr[-3000:]
+    assert "resumed from RUN/checkpoints at step 3" in outside.stderr and "in-process" in outside.stderr
+    config = tomllib.loads(text)
+    assert "service_addresses" not in config["data"] and "service_address" not in config["checkpoint"], text
+    again = meshtrain("up", "--config", "RUN/config.toml", "--train-iters", 5, cwd=tmp_path)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "RUN/checkpoints holds committed step 4: the trainer resumes from it" in again.stdout, again.stdout[-3000:]
+    assert meshtrain("ckpt", "list", tmp_path / "RUN" / "checkpoints").stdout.split() == ["3", "4", "5"]

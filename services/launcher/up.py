@@ -115,7 +115,7 @@ def plan(options: UpOptions, overrides: list[str]) -> Plan:
     Raises:
         ConfigError: a bad trainer argument, or `--s3` with a save root outside the store.
     """
-    from services.trainer.config import load_config
+    from services.trainer.config import LAUNCHER_KEYS_ENV, load_config
 
     _refuse_owned_flags(overrides, data_workers=options.data_workers > 0, service=options.checkpoint_service)
     # A bad key fails here, before any process starts; checked with the control endpoint up
@@ -152,6 +152,11 @@ def plan(options: UpOptions, overrides: list[str]) -> Plan:
         trainer_args.append(f"--checkpoint.service_address=127.0.0.1:{port}")
     trainers = local_ranks(options.nproc_per_node, PYTHON + ["train", *trainer_args], "trainer",
                            options.trainer_grace_s)
+    # Addresses of our own services, which end with us: kept out of RUN/config.toml.
+    launcher_keys = ["data.service_addresses"] * (options.data_workers > 0)
+    launcher_keys += ["checkpoint.service_address"] * options.checkpoint_service
+    for child in trainers:
+        child.env[LAUNCHER_KEYS_ENV] = " ".join(launcher_keys)
     if not options.resume:  # from scratch into a root that may hold an earlier run's steps
         for child in trainers:
             child.argv.append("--checkpoint.overwrite=true")
@@ -185,8 +190,9 @@ def _refuse_owned_keys(config_file: str, owned: dict[str, str]) -> None:
     """The keys of `owned` (as `--section.key` flags) in the `--config` file, refused likewise.
 
     A run directory's own `config.toml` (the resolved config a run writes, whose `log.run_dir`
-    is the folder it is in) passes: the keys it holds are that run's wiring (under `up`, the
-    ports of services gone since), so `up --config RUN/config.toml` reruns the run with its own.
+    is the folder it is in) passes: the keys it holds are that run's wiring (under `up`,
+    `train.control_port = 0`; the addresses of its services, gone since, are left out of it, but
+    not by runs before that), so `up --config RUN/config.toml` reruns the run with its own.
     """
     table = load_toml(config_file)
     log = table.get("log")

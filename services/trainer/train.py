@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,10 +28,9 @@ import kernels
 from services.checkpoint.maintenance import apply_retention
 from services.checkpoint.reader import list_checkpoints
 from services.checkpoint.store import same_root
-from services.common.config import dumps_toml
 from services.common.errors import CheckpointError, ConfigError, MeshtrainError
 from services.trainer import checkpointing
-from services.trainer.config import JobConfig, replace
+from services.trainer.config import LAUNCHER_KEYS_ENV, JobConfig, replace, run_dir_toml
 from services.trainer.cuda_options import apply_cuda_options
 from services.trainer.data import build_data
 from services.trainer.graphs import MicroBatchGraph
@@ -155,7 +155,8 @@ class Trainer:
             job = replace(job, checkpoint={"save": str(self.run_dir / "checkpoints")})
         self.job = job
         if self.is_main:
-            (self.run_dir / "config.toml").write_text(dumps_toml(job))
+            launcher_keys = os.environ.get(LAUNCHER_KEYS_ENV, "").split()
+            (self.run_dir / "config.toml").write_text(run_dir_toml(job, launcher_keys))
 
         seed_everything(job.train.seed)
         model = GPT(job.model)  # full weights, same seed on every rank: sharding slices them

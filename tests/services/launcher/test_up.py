@@ -1,6 +1,7 @@
 """`meshtrain up`'s plan: option checks, resume and overwrite decisions (no processes started)."""
 
 import re
+import tomllib
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from services.checkpoint.writer import save_checkpoint
 from services.common.config import dumps_toml
 from services.common.errors import ConfigError
 from services.launcher.up import Plan, UpOptions, _resume_from, plan
-from services.trainer.config import load_config
+from services.trainer.config import LAUNCHER_KEYS_ENV, load_config, run_dir_toml
 
 
 def test_options_it_cannot_run_are_refused():
@@ -80,14 +81,30 @@ def test_keys_up_sets_itself_are_refused_from_the_config_file_too(tmp_path, text
         plan(UpOptions(), args)
 
 
+@pytest.mark.parametrize(("options", "keys"), [
+    (UpOptions(data_workers=2), "data.service_addresses checkpoint.service_address"),
+    (UpOptions(data_workers=0), "checkpoint.service_address"),
+    (UpOptions(data_workers=0, checkpoint_service=False), "")])
+def test_up_names_the_keys_it_points_at_its_own_services_so_the_run_dir_config_leaves_them_out(tmp_path, options,
+                                                                                               keys):
+    trainers = plan(options, ["--config", "deploy/configs/tiny.toml", f"--log.run_dir={tmp_path / 'run'}"]).trainers
+    assert all(child.env[LAUNCHER_KEYS_ENV] == keys for child in trainers)
+    job = load_config(["--config", "deploy/configs/tiny.toml", "--data-service-addresses", "127.0.0.1:1",
+                       "--checkpoint.service_address=127.0.0.1:2"])
+    written = tomllib.loads(run_dir_toml(job, keys.split()))
+    assert ("service_addresses" in written["data"]) == ("data.service_addresses" not in keys)
+    assert ("service_address" in written["checkpoint"]) == ("checkpoint.service_address" not in keys)
+
+
 def test_a_runs_own_resolved_config_reruns_under_up(tmp_path):
-    # RUN/config.toml of a run under up holds that run's ports (control_port = 0, the addresses
-    # of its data workers and checkpoint service): `up --config RUN/config.toml` gives it new ones
+    # RUN/config.toml of a run under up, as written before up's service addresses were left out
+    # of it, holds that run's ports (control_port = 0, the addresses of its data workers and
+    # checkpoint service): `up --config RUN/config.toml` gives it new ones
     run = tmp_path / "run"
     first = plan(UpOptions(data_workers=2), ["--config", "deploy/configs/tiny.toml", f"--log.run_dir={run}"])
     argv = first.trainers[0].argv
     run.mkdir()
-    (run / "config.toml").write_text(dumps_toml(load_config(argv[argv.index("train") + 1:])))  # as train.py writes it
+    (run / "config.toml").write_text(dumps_toml(load_config(argv[argv.index("train") + 1:])))  # as train.py wrote it then
     again = plan(UpOptions(data_workers=2), ["--config", str(run / "config.toml")]).trainers[0].argv
     ports = [c.port for c in first.services]
     assert again[again.index("--data-service-addresses") + 1].startswith("127.0.0.1:")
