@@ -327,3 +327,42 @@ def test_a_run_dir_config_written_under_up_trains_outside_up_and_up_still_resume
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "RUN/checkpoints holds committed step 4: the trainer resumes from it" in again.stdout, again.stdout[-3000:]
     assert meshtrain("ckpt", "list", tmp_path / "RUN" / "checkpoints").stdout.split() == ["3", "4", "5"]
+
+
+# Ctrl-C right after a scheduled save was handed to its upload thread (slowed, so it is still
+# in flight when the interrupt lands).
+_CTRL_C_CHILD = """
+import os, signal, sys, time
+import services.checkpoint.async_save as A
+import services.trainer.train as T
+from services.cli import main
+
+upload = A.AsyncSaver._upload
+def slow_upload(self, *args, **kwargs):
+    time.sleep(1.0)
+    return upload(self, *args, **kwargs)
+A.AsyncSaver._upload = slow_upload
+save = T.Trainer.save
+def save_then_ctrl_c(self):
+    url = save(self)
+    os.kill(os.getpid(), signal.SIGINT)
+    return url
+T.Trainer.save = save_then_ctrl_c
+sys.exit(main(["train", *sys.argv[1:]]))
+"""
+
+
+@pytest.mark.e2e
+def test_ctrl_c_of_a_single_process_commits_the_save_in_flight_and_exits_130(tmp_path, corpus_cache):  # noqa: F811
+    """What README says Ctrl-C does to one `meshtrain train` process (unlike SIGTERM): it
+    interrupts the run, saves nothing more, but the save already in flight commits; exit 130."""
+    ckpt = tmp_path / "ckpt"
+    args = small_job_args(corpus_cache, tmp_path / "run", **{"train.train_iters": 40, "train.eval_interval": 0,
+                                                            "checkpoint.save": str(ckpt),
+                                                            "checkpoint.save_interval": 2})
+    proc = subprocess.run([sys.executable, "-c", _CTRL_C_CHILD, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == 130 and proc.stderr.endswith("meshtrain: interrupted\n"), proc.stderr[-3000:]
+    assert "committed checkpoint" in proc.stderr.split("saving in the background")[1], proc.stderr[-3000:]
+    assert meshtrain("ckpt", "list", ckpt).stdout.split() == ["2"]
+    assert "Traceback" not in proc.stderr
