@@ -96,6 +96,23 @@ TRANSIENT_CODES = frozenset({
 })
 
 
+# Bytes of an error message sent as a status's details. Details travel percent-encoded in the
+# trailers, which gRPC caps at 8 KiB (a soft limit): a longer message (a 15 kB backend error,
+# a request naming a very long path) was dropped and the status became RESOURCE_EXHAUSTED,
+# which clients retry, instead of the error.
+MAX_DETAILS_BYTES = 2000
+
+
+def status_details(message: str, limit: int = MAX_DETAILS_BYTES) -> str:
+    """`message` cut in the middle to at most `limit` UTF-8 bytes, so it fits a status; both
+    ends are kept (a message names the path first and says what is wrong with it last)."""
+    raw = message.encode()
+    if len(raw) <= limit:
+        return message
+    half = (limit - 5) // 2
+    return raw[:half].decode(errors="ignore") + " ... " + raw[-half:].decode(errors="ignore")
+
+
 def status_for(exc: BaseException, table=None) -> grpc.StatusCode | None:
     """The status code for a domain error, or None if `exc` is not one."""
     for cls, code in (table or []) + ERROR_CODES:
@@ -109,7 +126,8 @@ class ErrorInterceptor(grpc.ServerInterceptor):
 
     Works for all four method kinds: for a response stream the error may surface while
     iterating, so the response iterator is wrapped too. Other exceptions propagate and gRPC
-    reports them as UNKNOWN (and logs them): they are bugs, not bad requests.
+    reports them as UNKNOWN (and logs them): they are bugs, not bad requests. Either way the
+    message is cut to `MAX_DETAILS_BYTES`.
     """
 
     def __init__(self, table: list[tuple[type[BaseException], grpc.StatusCode]] | None = None):
@@ -123,7 +141,7 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         if code is None:
             raise exc
         log.info("rpc error %s: %s", code.name, exc)
-        context.abort(code, str(exc))
+        context.abort(code, status_details(str(exc)))
 
     def _guard(self, inner, streams_responses: bool):
         """`inner` with domain errors mapped, for a method returning a response or a stream."""
@@ -133,6 +151,8 @@ class ErrorInterceptor(grpc.ServerInterceptor):
                     yield from inner(request, context)
                 except MeshtrainError as e:
                     self._abort(context, e)
+                except Exception as e:  # noqa: BLE001 -- re-raised (cut to fit)
+                    _raise_fitting(e)
 
             return guarded_stream
 
@@ -141,12 +161,22 @@ class ErrorInterceptor(grpc.ServerInterceptor):
                 return inner(request, context)
             except MeshtrainError as e:
                 self._abort(context, e)
+            except Exception as e:  # noqa: BLE001 -- re-raised (cut to fit)
+                _raise_fitting(e)
 
         return guarded
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
         return None if handler is None else rewrap_handler(handler, self._guard)
+
+
+def _raise_fitting(exc: Exception):
+    """Re-raise a bug's exception for gRPC to report as UNKNOWN, its message cut to fit a status
+    (a longer one, e.g. an OSError naming a 20 kB path, became RESOURCE_EXHAUSTED, retried)."""
+    if len(str(exc).encode()) <= MAX_DETAILS_BYTES:
+        raise exc
+    raise RuntimeError(status_details(f"{type(exc).__name__}: {exc}")) from exc
 
 
 def rewrap_handler(handler: grpc.RpcMethodHandler, around: Callable) -> grpc.RpcMethodHandler:

@@ -19,7 +19,9 @@ def _fail(request, context):
     kind = request.decode()
     raise {"data": DataError("dataset x is missing"), "config": ConfigError("key y is unknown"),
            "unavailable": DataUnavailableError("x.bin: range read of tokens [0, 9) failed (timeout)"),
-           "checkpoint": CheckpointError("step 3 has no manifest"), "bug": RuntimeError("oops")}[kind]
+           "checkpoint": CheckpointError("step 3 has no manifest"), "bug": RuntimeError("oops"),
+           "long": DataError("/data/" + "é" * 9000 + ".idx: indexed dataset file is missing"),
+           "long_bug": OSError(36, "File name too long", "/data/" + "x" * 20000)}[kind]
 
 
 def _echo(request, context):
@@ -73,6 +75,23 @@ def test_domain_errors_map_to_status_codes(address, kind, code, text):
         fail(kind.encode(), timeout=10)
     assert e.value.code() == code
     assert text in (e.value.details() or "")
+
+
+@pytest.mark.parametrize("kind,code,tail", [
+    ("long", grpc.StatusCode.INVALID_ARGUMENT, "é.idx: indexed dataset file is missing"),
+    ("long_bug", grpc.StatusCode.UNKNOWN, "xxx'"),
+])
+def test_a_message_too_long_for_a_status_is_cut_not_turned_into_resource_exhausted(address, kind, code, tail):
+    """A status's details travel in the trailers, which gRPC caps (8 KiB soft, 16 KiB hard):
+    a longer message was dropped and the call failed RESOURCE_EXHAUSTED, a code clients retry.
+    Non-ASCII is percent-encoded (3 bytes per byte), the worst case for the limit."""
+    fail = grpc.insecure_channel(address).unary_unary(f"/{SERVICE}/Fail")
+    with pytest.raises(grpc.RpcError) as e:
+        fail(kind.encode(), timeout=10)
+    assert e.value.code() == code, e.value.details()
+    details = e.value.details()
+    assert len(details.encode()) <= 2100 and " ... " in details
+    assert details.endswith(tail) and "/data/" in details
 
 
 def test_stream_error_after_messages(address):
