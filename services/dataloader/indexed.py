@@ -263,8 +263,12 @@ class IndexedDataset:
 
             try:
                 self._fs, root = fsspec.core.url_to_fs(self.prefix)
-            except (ImportError, ValueError) as e:
-                raise DataError(f"{self.prefix}: cannot open this URL with fsspec ({e})") from e
+            # Not only ImportError/ValueError: constructors raise whatever their backend does
+            # (zip: FileNotFoundError, tar: ReadError, github: TypeError), which escaped as a bug
+            except (ConnectionError, TimeoutError) as e:  # a constructor that connects (ftp)
+                raise DataUnavailableError(f"{self.prefix}: connecting failed ({type(e).__name__}: {e})") from e
+            except Exception as e:
+                raise DataError(f"{self.prefix}: cannot open this URL with fsspec ({type(e).__name__}: {e})") from e
             # the URLs as given name the files in messages; fsspec's own paths drop the protocol
             self.bin_path, self.idx_path = self.prefix + ".bin", self.prefix + ".idx"
             self._remote = (root + ".bin", root + ".idx")
@@ -288,8 +292,14 @@ class IndexedDataset:
         else:
             self.bin_path, self.idx_path = _paths(self.prefix)
             for p in (self.idx_path, self.bin_path):
+                try:  # is_file raises for some errors: a name too long, a folder it may not read
+                    os.stat(p)
+                except FileNotFoundError:
+                    raise DataError(f"{p}: indexed dataset file is missing") from None
+                except OSError as e:
+                    raise DataError(f"{p}: cannot open the indexed dataset file ({e.strerror})") from None
                 if not p.is_file():
-                    raise DataError(f"{p}: indexed dataset file is missing")
+                    raise DataError(f"{p}: indexed dataset file is missing (not a regular file)")
         self._read_index()
         self._open_bin()
 

@@ -294,3 +294,33 @@ def test_a_file_url_prefix_is_a_local_path(tmp_path):
     prefix = _write(tmp_path / "ds", [[1, 2, 3], [4]], np.uint16)
     ds = IndexedDataset(f"file://{prefix}")
     assert [ds[i].tolist() for i in range(len(ds))] == [[1, 2, 3], [4]]
+
+
+def test_a_url_fsspec_cannot_open_is_a_data_error_naming_it(tmp_path):
+    """Opening the filesystem itself raised whatever the backend does (zip: FileNotFoundError,
+    tar: ReadError, github: TypeError, ftp: ConnectionRefusedError), not a DataError: the
+    in-process loader showed a traceback and a worker answered UNKNOWN."""
+    from services.launcher.topology import free_port
+
+    (tmp_path / "junk.tar").write_bytes(b"not a tar archive" * 100)
+    for url in (f"zip://ds::file://{tmp_path}/none.zip", f"tar://ds::file://{tmp_path}/junk.tar", "github://x/y"):
+        with pytest.raises(DataError, match=f"{url}: cannot open this URL with fsspec") as e:
+            IndexedDataset(url)
+        assert not isinstance(e.value, DataUnavailableError)
+    # nothing listens there: the store is unreachable, which another try may not be
+    url = f"ftp://127.0.0.1:{free_port()}/ds"
+    with pytest.raises(DataUnavailableError, match=f"{url}: connecting failed .*ConnectionRefusedError"):
+        IndexedDataset(url)
+
+
+def test_a_local_path_the_system_refuses_is_a_data_error_naming_it(tmp_path):
+    """Path.is_file raises for a name too long (ENAMETOOLONG), where it answers False for a
+    missing file: the OSError escaped (a worker answered UNKNOWN, and its 20 kB message
+    broke the status)."""
+    long = str(tmp_path / ("x" * 300))
+    with pytest.raises(DataError, match=r"x\.idx: cannot open the indexed dataset file \(File name too long\)"):
+        IndexedDataset(long)
+    (tmp_path / "dir.idx").mkdir()
+    (tmp_path / "dir.bin").mkdir()
+    with pytest.raises(DataError, match=r"dir\.idx: indexed dataset file is missing \(not a regular file\)"):
+        IndexedDataset(tmp_path / "dir")
