@@ -27,10 +27,37 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DataService"].full_name
 # A micro-batch message stays far below the gRPC message limit; bigger requests are refused.
 MAX_BATCH_BYTES = 16 << 20
 MAX_DATASETS_CACHED = 8
+# URL schemes a worker opens for a request, besides plain local paths. Any client can name any
+# URL, so a worker serves only storage it reads by byte range from where its operator pointed
+# it: object stores (endpoint and credentials come from the worker's environment, the request
+# only names bucket and key) and its own disk or memory. Every other fsspec protocol is refused
+# before anything is opened: http(s)/ftp/sftp/ssh/webhdfs/github connect to hosts the client
+# chooses (from inside the cluster), some of them in their constructor with no deadline this
+# worker sets; zip/tar and `a::b` chains open whole archives or caches; and their failures
+# escaped as UNKNOWN, which clients retried as if the worker were down.
+SERVED_SCHEMES = ("file", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "memory")
+
+
+def check_served(prefix: str) -> None:
+    """Raise DataError unless `prefix` is a local path or a URL of a `SERVED_SCHEMES` store."""
+    served = "a local path or a " + ", ".join(f"{s}://" for s in SERVED_SCHEMES) + " URL"
+    if not prefix.strip():
+        raise DataError(f"dataset prefix {prefix!r} is empty; give {served}")
+    if "::" in prefix:
+        raise DataError(f"dataset prefix {prefix!r} chains fsspec protocols ('::'); this worker serves {served}")
+    scheme, sep, rest = prefix.partition("://")
+    if not sep:
+        return
+    if scheme.lower() not in SERVED_SCHEMES:
+        raise DataError(f"dataset prefix {prefix!r}: scheme {scheme}:// is not served; give {served}")
+    if scheme.lower() != "file" and not rest.strip("/"):
+        raise DataError(f"dataset prefix {prefix!r} names no bucket or path after {scheme}://")
 
 
 def spec_from_proto(m: pb.DatasetSpec) -> DatasetSpec:
-    """A DatasetSpec from its message, validated."""
+    """A DatasetSpec from its message, validated (its prefixes are ones a worker serves)."""
+    for prefix in m.prefixes:
+        check_served(prefix)
     spec = DatasetSpec(
         prefixes=tuple(m.prefixes), weights=tuple(m.weights), seq_length=int(m.seq_length),
         num_samples=int(m.num_samples), seed=int(m.seed), split=m.split or "969,30,1",

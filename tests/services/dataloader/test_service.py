@@ -121,6 +121,50 @@ def test_a_spec_listing_a_dataset_twice_is_invalid_argument(server, blend_spec, 
         assert f"dataset {again!r} twice" in e.value.details()
 
 
+@pytest.mark.parametrize("prefix,match", [
+    ("zip://x::file:///nonexistent.zip", "chains fsspec protocols"),
+    ("simplecache::s3://bucket/ds", "chains fsspec protocols"),
+    ("zip://a", "scheme zip:// is not served"),
+    ("tar://a", "scheme tar:// is not served"),
+    ("ftp://127.0.0.1:1/a", "scheme ftp:// is not served"),
+    ("http://127.0.0.1:1/a", "scheme http:// is not served"),
+    ("HTTPS://example.invalid/a", "scheme HTTPS:// is not served"),
+    ("github://x/y", "scheme github:// is not served"),
+    ("hdfs://x/a", "scheme hdfs:// is not served"),
+    ("s3://", "names no bucket or path after s3://"),
+    ("", "is empty"),
+])
+def test_a_prefix_the_worker_does_not_serve_is_invalid_argument(server, prefix, match):
+    """Each of these reached fsspec: zip/tar/ftp/github answered UNKNOWN (retried by clients as
+    if the worker were down), http:// answered 'file is missing' for a refused connection, and
+    hdfs:// RESOURCE_EXHAUSTED. Only local paths and object stores are served (SERVED_SCHEMES)."""
+    spec = pb.DatasetSpec(prefixes=[prefix], weights=[1], seq_length=8, num_samples=10)
+    stub = pb_grpc.DataServiceStub(grpc.insecure_channel(server))
+    for call in (stub.Describe, lambda r, timeout: list(stub.StreamBatches(r, timeout=timeout))):
+        with pytest.raises(grpc.RpcError) as e:
+            call(pb.StreamRequest(spec=spec, dp_size=1, micro_batch_size=1, global_batch_size=1), timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+        assert f"dataset prefix {prefix!r}" in e.value.details() and match in e.value.details()
+        assert "local path or a file://, s3://" in e.value.details() or not match.startswith("scheme")
+
+
+def test_an_http_prefix_cannot_hold_a_worker_on_a_silent_host(server):
+    """A URL to a host that accepts and never answers held the worker's thread past the
+    client's deadline (40 s seen; aiohttp's own limit is minutes): a few such requests take
+    every stream slot of a worker. The worker refuses the scheme before connecting."""
+    import socket
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}/ds"
+        spec = pb.DatasetSpec(prefixes=[url], weights=[1], seq_length=8, num_samples=10)
+        stub = pb_grpc.DataServiceStub(grpc.insecure_channel(server))
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Describe(pb.StreamRequest(spec=spec, dp_size=1, micro_batch_size=1, global_batch_size=1), timeout=5)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+
+
 def test_client_raises_server_message(server, blend_spec, tmp_path):
     from dataclasses import replace
 
