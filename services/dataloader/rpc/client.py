@@ -14,8 +14,8 @@ A `dns:///name:port` target is resolved here, at each connection attempt (so a r
 is seen), into the workers it names; each worker gets its own channel, so the Describe and the
 stream of one attempt reach the same worker (a round-robin channel sent them to different ones:
 the streaming worker then built its indices inside the stream, under `stall_s`).
-A request the server rejects (INVALID_ARGUMENT, ...) is raised in the trainer's thread with
-the server's message; so is a run of failures, with no micro-batch in between, that has gone on
+A request the server rejects (INVALID_ARGUMENT, ...), or fails on with an error it does not map
+(UNKNOWN: the same on every worker), is raised in the trainer's thread with the server's message; so is a run of failures, with no micro-batch in between, that has gone on
 for `give_up_s` after every worker was tried. That clock starts at the first failure, not at the
 last micro-batch (the trainer may have computed on prefetched ones for minutes in between), and
 stops while a worker opens the dataset successfully (a build may take minutes).
@@ -49,6 +49,11 @@ from services.dataloader.spec import DatasetSpec
 log = logging.getLogger("meshtrain.data")
 
 _END = object()  # the stream reached the end of the dataset
+# Failures worth another try on this or another worker. Not UNKNOWN, though gRPC's own list
+# has it: a worker answers UNKNOWN when its handler raised something it does not map (a bug, or
+# a request nothing validated), and every worker runs the same code on the same request, so
+# retrying only hid the error for give_up_s behind "no data worker served anything".
+RETRIED_CODES = TRANSIENT_CODES - {grpc.StatusCode.UNKNOWN}
 
 
 class _Failure:
@@ -262,7 +267,7 @@ class ServiceBatchSource:
                 elif call is not None and call is self._stalled_call:
                     what, why = "stalled", f"sent nothing for {self.stall_s:.0f}s while the trainer waited"
                 else:
-                    if e.code() not in TRANSIENT_CODES:  # the request's fault: no other worker helps
+                    if e.code() not in RETRIED_CODES:  # the request's fault: no other worker helps
                         self._put(q, _Failure(DataError(f"data worker {address}: {e.code().name}: {e.details()}")),
                                   stop)
                         return

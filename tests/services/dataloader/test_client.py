@@ -51,6 +51,13 @@ class _Short(DataServicer):
             yield msg
 
 
+class _Buggy(DataServicer):
+    """Raises an exception it does not map (a bug, or a request nothing validated): UNKNOWN."""
+
+    def Describe(self, request, context):
+        raise ValueError(f"cannot handle prefix {request.spec.prefixes[0]!r}")
+
+
 @pytest.fixture
 def stuck():
     servicer = _Stuck()
@@ -381,3 +388,22 @@ def test_the_trainer_passes_the_data_config_timeouts_to_the_client(good, tmp_pat
             data.valid.close()
     with pytest.raises(Exception, match="service_stall_s=0"):
         load_config(["--config", "deploy/configs/tiny.toml", "--data.service_stall_s=0"])
+
+
+def test_an_error_the_worker_does_not_map_ends_the_run_with_its_message_not_retried(blend_spec):
+    """UNKNOWN is what a worker answers when its handler raised something unmapped; every worker
+    runs the same code on the same request, so the client's retries (it treated UNKNOWN as
+    transient) only hid the error for give_up_s behind "no data worker served anything"."""
+    servicer = _Buggy()
+    srv, port, _ = make_server([lambda s: pb_grpc.add_DataServiceServicer_to_server(servicer, s)], [SERVICE_NAME])
+    try:
+        started = time.monotonic()
+        with ServiceBatchSource([f"127.0.0.1:{port}"], blend_spec, 2, 16, 0, 2, give_up_s=20,
+                                backoff_s=(0.01, 0.05)) as remote:
+            with pytest.raises(DataError, match=r"UNKNOWN: .*cannot handle prefix '/") as e:
+                remote.micro_batches(0)
+            assert remote.reconnects == 0
+        assert time.monotonic() - started < 10, e.value
+        assert f"127.0.0.1:{port}" in str(e.value)
+    finally:
+        srv.stop(0)
