@@ -104,6 +104,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 for all)")
     p.add_argument("--max-streams", type=int, default=32, help="concurrent streams served")
     p.add_argument("--grace", type=float, default=5.0, help="seconds streams get on SIGTERM")
+    p.add_argument("--max-index-gib", type=float, default=None,
+                   help="memory (GiB) building one request's sample index may take, and all builds "
+                        "at once; a request needing more is refused (default: a quarter of RAM)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics (requests, bytes, latency, queue depth) on this "
                         "port at /metrics (0: any free port, printed); off unless given")

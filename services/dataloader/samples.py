@@ -60,6 +60,23 @@ def split_ranges(num_documents: int, split: str = "969,30,1") -> list[tuple[int,
     return ranges
 
 
+def epochs_needed(tokens_per_epoch: int, seq_length: int, num_samples: int) -> int:
+    """Epochs of a split of `tokens_per_epoch` tokens that `num_samples` samples span (the last
+    sample needs its one extra, label, token)."""
+    return -(-(num_samples * seq_length + 1) // tokens_per_epoch)
+
+
+def index_build_bytes(num_epochs: int, num_documents: int, num_samples: int) -> int:
+    """Upper bound on the memory (bytes) building a GPTDataset's indices takes at its peak.
+
+    The document shuffle holds three (epochs x documents) 8-byte arrays at once (the random
+    keys, their argsort, doc_idx); the sample index then holds doc_idx, its prefix sums and
+    at most six 8-byte values per sample (starts, positions, offsets, their int64 stack and
+    its narrowed copy). Both phases are counted whole, so the bound holds for either peak.
+    """
+    return 24 * num_epochs * num_documents + 48 * num_samples
+
+
 class GPTDataset:
     """Shuffled fixed-length samples over one split of an IndexedDataset.
 
@@ -122,9 +139,7 @@ class GPTDataset:
                 f"{where}: seq_length {self.seq_length} + 1 is longer than the split's "
                 f"{tokens_per_epoch} tokens"
             )
-        # the last sample needs its one extra (label) token
-        needed = self.num_samples * self.seq_length + 1
-        self.num_epochs = -(-needed // tokens_per_epoch)
+        self.num_epochs = epochs_needed(tokens_per_epoch, self.seq_length, self.num_samples)
 
         desc = {
             "kind": "gpt",

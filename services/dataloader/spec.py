@@ -14,6 +14,8 @@ prefixes (equal weights), or alternating `WEIGHT PREFIX` pairs.
 from __future__ import annotations
 
 import os
+import threading
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +24,12 @@ import numpy as np
 from services.common.errors import DataError
 from services.dataloader.blend import BlendedDataset, normalize_weights, samples_needed
 from services.dataloader.indexed import IndexedDataset, is_remote, local_path
-from services.dataloader.samples import GPTDataset, split_ranges
+from services.dataloader.samples import (
+    GPTDataset,
+    epochs_needed,
+    index_build_bytes,
+    split_ranges,
+)
 
 SPLITS = ("train", "valid", "test")
 INDEX_CACHE_DIR = ".meshtrain-index"
@@ -125,12 +132,48 @@ def index_cache_dir(prefix: str) -> str:
     return str(Path(local_path(prefix)).parent / INDEX_CACHE_DIR)
 
 
-def open_dataset(spec: DatasetSpec, cache: bool = True) -> GPTDataset | BlendedDataset:
+class MemoryBudget:
+    """Bytes that index builds in progress may hold together; `hold(n)` waits until n fit.
+
+    A data worker builds the indices of several specs at once (one per distinct request);
+    each is bounded on its own, and this bounds their sum, so concurrent large requests queue
+    instead of together taking the worker's memory.
+    """
+
+    def __init__(self, limit: int):
+        self.limit = int(limit)
+        self.used = 0
+        self._cond = threading.Condition()
+
+    @contextmanager
+    def hold(self, nbytes: int):
+        nbytes = min(int(nbytes), self.limit)  # a build larger than the whole budget runs alone
+        with self._cond:
+            self._cond.wait_for(lambda: self.used + nbytes <= self.limit)
+            self.used += nbytes
+        try:
+            yield
+        finally:
+            with self._cond:
+                self.used -= nbytes
+                self._cond.notify_all()
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.3g} GiB"
+
+
+def open_dataset(spec: DatasetSpec, cache: bool = True, max_index_bytes: int | None = None,
+                 budget: MemoryBudget | None = None) -> GPTDataset | BlendedDataset:
     """Open the datasets a spec names and build (or load cached) sample indices.
 
     Args:
         spec: the stream to build.
         cache: cache indices beside each dataset (see `index_cache`).
+        max_index_bytes: refuse (DataError naming the numbers) a spec whose indices would take
+            more memory than this to build (`index_build_bytes`), checked once the datasets'
+            headers are read and before any index array is allocated; None: no limit.
+        budget: held for the estimated bytes while the indices are built.
 
     Returns:
         A GPTDataset for one prefix, else a BlendedDataset of one GPTDataset per prefix.
@@ -142,19 +185,45 @@ def open_dataset(spec: DatasetSpec, cache: bool = True) -> GPTDataset | BlendedD
         needs = [spec.num_samples]
     else:
         needs = samples_needed(weights, spec.num_samples)
-    parts: list[GPTDataset | None] = []
+    # first every dataset's header and split size (memory maps), so that the whole spec's index
+    # memory is known before any of it is built
+    opened: list[tuple[IndexedDataset, int, int] | None] = []
+    need_bytes = 0 if len(spec.prefixes) == 1 else 10 * spec.num_samples  # blend: int16 + int64 each
+    sizes = []
     for prefix, need in zip(spec.prefixes, needs):
         if need == 0:
-            parts.append(None)  # weight 0: never drawn, so never opened
+            opened.append(None)  # weight 0: never drawn, so never opened
             continue
         indexed = IndexedDataset(prefix)
         begin, end = split_ranges(indexed.num_documents, spec.split)[split]
         if end <= begin:
             raise DataError(f"{prefix}: split {spec.split!r} leaves the {spec.split_name} split empty")
-        parts.append(GPTDataset(indexed, np.arange(begin, end, dtype=np.int64), spec.seq_length,
-                                need, spec.seed, name=spec.split_name,
-                                cache_dir=index_cache_dir(prefix) if cache else None))
-    if len(parts) == 1:
-        return parts[0]
-    cache_dir = index_cache_dir(spec.prefixes[0]) if cache else None
-    return BlendedDataset(parts, weights, spec.num_samples, name=spec.split_name, cache_dir=cache_dir)
+        opened.append((indexed, begin, end))
+        di = indexed.document_indices
+        tokens = int(indexed.sequence_lengths[di[begin]:di[end]].sum(dtype=np.int64))
+        if tokens > spec.seq_length:  # else GPTDataset says the split is too short
+            epochs = epochs_needed(tokens, spec.seq_length, need)
+            need_bytes += index_build_bytes(epochs, end - begin, need)
+            sizes.append(f"{prefix}: {need} samples = {epochs} epochs of {end - begin} documents "
+                         f"({tokens} tokens)")
+    if max_index_bytes is not None and need_bytes > max_index_bytes:
+        raise DataError(
+            f"num_samples={spec.num_samples} at seq_length={spec.seq_length} needs a sample index of "
+            f"{_gib(need_bytes)} ({need_bytes} bytes) to build, over this data worker's limit of "
+            f"{_gib(max_index_bytes)} ({max_index_bytes} bytes; `data serve --max-index-gib`): "
+            + "; ".join(sizes) + ". Ask for fewer samples (or a longer seq_length)"
+        )
+    with budget.hold(need_bytes) if budget is not None else nullcontext():
+        parts: list[GPTDataset | None] = []
+        for prefix, need, part in zip(spec.prefixes, needs, opened):
+            if part is None:
+                parts.append(None)
+                continue
+            indexed, begin, end = part
+            parts.append(GPTDataset(indexed, np.arange(begin, end, dtype=np.int64), spec.seq_length,
+                                    need, spec.seed, name=spec.split_name,
+                                    cache_dir=index_cache_dir(prefix) if cache else None))
+        if len(parts) == 1:
+            return parts[0]
+        cache_dir = index_cache_dir(spec.prefixes[0]) if cache else None
+        return BlendedDataset(parts, weights, spec.num_samples, name=spec.split_name, cache_dir=cache_dir)

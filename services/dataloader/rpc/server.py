@@ -23,7 +23,7 @@ log = logging.getLogger("meshtrain.data")
 
 
 def start_server(port: int = 0, host: str = "127.0.0.1", max_workers: int = 16,
-                 cache_indices: bool = True, metrics: bool = False):
+                 cache_indices: bool = True, metrics: bool = False, max_index_bytes: int | None = None):
     """Start a DataService worker in this process.
 
     Args:
@@ -32,11 +32,13 @@ def start_server(port: int = 0, host: str = "127.0.0.1", max_workers: int = 16,
         max_workers: concurrent streams served.
         cache_indices: cache sample indices beside the datasets.
         metrics: record Prometheus RPC metrics (served by `start_metrics_server`).
+        max_index_bytes: memory sample-index builds may take, one request's and all at once
+            (None: a quarter of the machine's memory; see `DataServicer`).
 
     Returns:
         (server, bound port, health servicer).
     """
-    servicer = DataServicer(cache_indices=cache_indices)
+    servicer = DataServicer(cache_indices=cache_indices, max_index_bytes=max_index_bytes)
     interceptors = [MetricsInterceptor("data", max_workers)] if metrics else []
     return make_server([lambda s: pb_grpc.add_DataServiceServicer_to_server(servicer, s)],
                        [SERVICE_NAME], port=port, host=host, max_workers=max_workers,
@@ -54,7 +56,12 @@ def run(args: argparse.Namespace) -> int:
     """Start a worker with the parsed `serve` flags and block until SIGTERM/SIGINT."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     metrics = getattr(args, "metrics_port", None) is not None
-    server, port, health = start_server(args.port, args.host, args.max_streams, metrics=metrics)
+    max_index_gib = getattr(args, "max_index_gib", None)
+    if max_index_gib is not None and not 0 < max_index_gib < float("inf"):
+        raise ConfigError(f"--max-index-gib {max_index_gib} must be a positive number of GiB")
+    server, port, health = start_server(
+        args.port, args.host, args.max_streams, metrics=metrics,
+        max_index_bytes=None if max_index_gib is None else int(max_index_gib * 2**30))
     if metrics:
         try:
             _, metrics_port = start_metrics_server(args.metrics_port, args.host)

@@ -8,20 +8,26 @@ one build: while a spec is being built, other requests for it wait for that buil
 starting their own (all ranks connect at job start; N builds would cost N times the memory
 and CPU), and a build that fails is not kept, so each waiter gets its error and the next
 request tries again. Requests are validated before any file is touched; a bad one gets
-INVALID_ARGUMENT through the `ErrorInterceptor`, and the worker keeps serving the others.
+INVALID_ARGUMENT through the `ErrorInterceptor`, and the worker keeps serving the others. A
+request whose sample index would take more than `max_index_bytes` to build is refused once the
+datasets' headers are read, before anything is allocated, and builds in progress together stay
+within the same bound (a build that does not fit waits), so no request can take the worker's
+memory.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future
+from pathlib import Path
 
 from protos.dataloader.v1 import dataloader_pb2 as pb
 from protos.dataloader.v1 import dataloader_pb2_grpc as pb_grpc
-from services.common.errors import DataError
+from services.common.errors import DataError, DataUnavailableError
 from services.dataloader.loader import LocalBatchSource
-from services.dataloader.spec import DatasetSpec, open_dataset
+from services.dataloader.spec import DatasetSpec, MemoryBudget, open_dataset
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DataService"].full_name
 # A micro-batch message stays far below the gRPC message limit; bigger requests are refused.
@@ -54,6 +60,19 @@ def check_served(prefix: str) -> None:
         raise DataError(f"dataset prefix {prefix!r} names no bucket or path after {scheme}://")
 
 
+def default_max_index_bytes() -> int:
+    """A quarter of this machine's memory (or of the container's limit, if lower): what index
+    builds may take when the worker is not told (`data serve --max-index-gib`)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit.isdigit():
+            total = min(total, int(limit))
+    except OSError:
+        pass
+    return total // 4
+
+
 def spec_from_proto(m: pb.DatasetSpec) -> DatasetSpec:
     """A DatasetSpec from its message, validated (its prefixes are ones a worker serves)."""
     for prefix in m.prefixes:
@@ -77,11 +96,16 @@ def spec_to_proto(spec: DatasetSpec) -> pb.DatasetSpec:
 class DataServicer(pb_grpc.DataServiceServicer):
     """Serves any rank's micro-batches from any step; stateless apart from a dataset cache."""
 
-    def __init__(self, cache_indices: bool = True):
+    def __init__(self, cache_indices: bool = True, max_index_bytes: int | None = None):
         """Args:
         cache_indices: cache sample indices beside the datasets (see `index_cache`).
+        max_index_bytes: the most memory one request's sample index may take to build, and
+            all builds in progress together (None: `default_max_index_bytes()`); a request
+            over it is refused, a build that does not fit beside the others waits for them.
         """
         self.cache_indices = cache_indices
+        self.max_index_bytes = default_max_index_bytes() if max_index_bytes is None else int(max_index_bytes)
+        self._budget = MemoryBudget(self.max_index_bytes)
         self._datasets: OrderedDict[DatasetSpec, object] = OrderedDict()
         self._building: dict[DatasetSpec, Future] = {}  # builds in progress, by spec
         self._lock = threading.Lock()
@@ -103,7 +127,13 @@ class DataServicer(pb_grpc.DataServiceServicer):
             return building.result()  # waits outside the lock; raises the build's error
         # built outside the lock: a slow build must not stall streams over other specs
         try:
-            ds = open_dataset(spec, cache=self.cache_indices)
+            try:
+                ds = open_dataset(spec, cache=self.cache_indices, max_index_bytes=self.max_index_bytes,
+                                  budget=self._budget)
+            except MemoryError as e:  # this worker's memory, not the request: another may have it
+                raise DataUnavailableError(
+                    f"building the sample index of {list(spec.prefixes)} (num_samples={spec.num_samples}) "
+                    f"ran out of memory on this worker: {e}") from e
         except BaseException as e:
             with self._lock:  # not cached: the next request for this spec builds again
                 del self._building[spec]

@@ -241,13 +241,13 @@ def counting(monkeypatch):
     def start(callers, fail_first=False):
         servicer = _CountingOpens(callers, fail_first)
 
-        def counted_open(spec, cache=True):
+        def counted_open(spec, cache=True, **kw):
             with servicer.arrived:  # on timeout the counts asserted below tell what went wrong
                 servicer.arrived.wait_for(lambda: servicer.entered >= servicer.callers, timeout=20)
                 servicer.opens += 1
             if servicer.fail_first and servicer.opens == 1:
                 raise DataError("simulated failure of the first build")
-            return open_dataset(spec, cache=cache)
+            return open_dataset(spec, cache=cache, **kw)
 
         monkeypatch.setattr(servicer_module, "open_dataset", counted_open)
         srv, port, _ = make_server([lambda s: pb_grpc.add_DataServiceServicer_to_server(servicer, s)],
@@ -319,3 +319,117 @@ def test_dns_name_target(server, blend_spec):
     local = LocalBatchSource(open_dataset(blend_spec), 2, 16, 1, 2)
     with ServiceBatchSource([f"dns:///localhost:{port}"], blend_spec, 2, 16, 1, 2) as remote:
         assert [batch_hash(b) for b in remote.micro_batches(7)] == [batch_hash(b) for b in local.micro_batches(7)]
+
+
+def test_a_sample_index_over_the_workers_memory_bound_is_refused_before_it_is_built(blend_spec, tmp_path):
+    """num_samples is capped at 2^36, but the cap did not bound memory: on a small dataset the
+    worker tried to allocate the index (105 GiB at once for 2^36 samples: UNKNOWN; 2^30 took
+    37 s to fail; smaller ones that fit in address space but not in RAM get the worker
+    OOM-killed). A spec over the bound is refused from the datasets' headers, naming the numbers,
+    and writes nothing; one under it is served."""
+    prefix = write_dataset(tmp_path / "small", seed=5)
+    srv, port, _ = start_server(0, max_index_bytes=64 << 20)
+    try:
+        stub = pb_grpc.DataServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        for n in (2**36, 2**22):  # 2^22 samples of 8 tokens: ~200 MB of index
+            spec = pb.DatasetSpec(prefixes=[prefix], weights=[1], seq_length=8, num_samples=n)
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Describe(pb.StreamRequest(spec=spec, dp_size=1, micro_batch_size=1, global_batch_size=1),
+                              timeout=20)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+            assert f"num_samples={n} at seq_length=8 needs a sample index of" in e.value.details()
+            assert "over this data worker's limit of 0.0625 GiB (67108864 bytes" in e.value.details()
+            assert f"{prefix}: {n} samples = " in e.value.details()
+        # the blend's own index counts too: 10 bytes a sample besides its parts'
+        spec = spec_to_proto(DatasetSpec(blend_spec.prefixes, (1.0, 1.0), 8, 2**21, 1, split="98,2,0"))
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Describe(pb.StreamRequest(spec=spec, dp_size=1, micro_batch_size=1, global_batch_size=1))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "limit of 0.0625 GiB" in e.value.details()
+        assert not (tmp_path / ".meshtrain-index").exists()  # nothing was built
+        spec = pb.DatasetSpec(prefixes=[prefix], weights=[1], seq_length=8, num_samples=10_000)
+        ok = stub.Describe(pb.StreamRequest(spec=spec, dp_size=1, micro_batch_size=1, global_batch_size=1))
+        assert ok.num_samples == 10_000
+    finally:
+        srv.stop(0)
+
+
+def test_index_build_bytes_bounds_the_real_peak(tmp_path):
+    """The refusal is only as good as the estimate: numpy's traced peak while building must stay
+    under index_build_bytes, and not far under it (so the bound does not refuse real runs)."""
+    import tracemalloc
+
+    from services.dataloader.indexed import IndexedDataset
+    from services.dataloader.samples import GPTDataset, index_build_bytes
+
+    for n_docs, seq, n in [(60, 8, 300_000), (3000, 256, 50_000)]:
+        indexed = IndexedDataset(write_dataset(tmp_path / f"d{n_docs}", seed=1, n_docs=n_docs))
+        docs = np.arange(indexed.num_documents)
+        tracemalloc.start()
+        try:
+            ds = GPTDataset(indexed, docs, seq, n, seed=1)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        bound = index_build_bytes(ds.num_epochs, docs.size, n)
+        assert peak <= bound <= 1.5 * peak, (n_docs, seq, n, peak, bound)
+
+
+def test_concurrent_builds_share_one_memory_budget():
+    """Each request is bounded alone; builds of different specs in progress at once hold the
+    same budget, so a second one that does not fit beside the first waits for it."""
+    from services.dataloader.spec import MemoryBudget
+
+    budget, order = MemoryBudget(100), []
+    first_in, release = threading.Event(), threading.Event()
+
+    def first():
+        with budget.hold(60):
+            order.append("first in")
+            first_in.set()
+            release.wait(10)
+            order.append("first out")
+
+    def second():
+        first_in.wait(10)
+        with budget.hold(60):
+            order.append("second in")
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    first_in.wait(10)
+    with budget.hold(40):  # fits beside the first: not held up
+        order.append("small in")
+    threads[1].join(0.3)
+    assert threads[1].is_alive() and budget.used == 60
+    release.set()
+    for t in threads:
+        t.join(10)
+    assert order == ["first in", "small in", "first out", "second in"] and budget.used == 0
+    with budget.hold(500):  # larger than the whole budget (a cached index): runs alone
+        assert budget.used == 100
+
+
+def test_the_serve_flag_sets_the_index_memory_bound(blend_spec):
+    import subprocess
+    import sys
+
+    from .conftest import REPO
+
+    proc = subprocess.Popen([sys.executable, "-m", "services.dataloader.rpc.server", "--port", "0",
+                             "--max-index-gib", "0.01"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    try:
+        port = int(proc.stdout.readline().rsplit(":", 1)[1])
+        stub = pb_grpc.DataServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        spec = pb.DatasetSpec(prefixes=blend_spec.prefixes[:1], weights=[1], seq_length=8, num_samples=2**20)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Describe(pb.StreamRequest(spec=spec, dp_size=1, micro_batch_size=1, global_batch_size=1), timeout=20)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "limit of 0.01 GiB (10737418 bytes" in e.value.details()
+    finally:
+        proc.kill()
+        proc.wait()
+    bad = subprocess.run([sys.executable, "-m", "services.dataloader.rpc.server", "--max-index-gib", "0"], check=False,
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "--max-index-gib 0.0 must be a positive number of GiB" in bad.stderr
