@@ -55,7 +55,7 @@ def cached_arrays(
         build: makes the arrays when they are not cached; returns name -> array.
 
     Returns:
-        name -> array (memory-mapped read-only when loaded from the cache).
+        name -> array (memory-mapped read-only when cached, whether loaded or just stored).
     """
     if folder is None:
         return build()
@@ -81,6 +81,9 @@ def cached_arrays(
         tmp = folder / f"{key}{tag}.json"
         tmp.write_text(json.dumps({"arrays": sorted(arrays), "desc": desc}, sort_keys=True, indent=1))
         os.replace(tmp, manifest)
+        # the stored copies, memory-mapped: a data worker keeps several datasets open, and built
+        # arrays held each index in its heap for as long as the dataset stayed cached
+        return {n: np.load(folder / f"{key}-{n}.npy", mmap_mode="r") for n in arrays}
     except OSError as e:
         log.warning("index cache %s not writable (%s); indices kept in memory only", folder, e)
     return arrays

@@ -23,6 +23,8 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from pathlib import Path
 
+import numpy as np
+
 from protos.dataloader.v1 import dataloader_pb2 as pb
 from protos.dataloader.v1 import dataloader_pb2_grpc as pb_grpc
 from services.common.errors import DataError, DataUnavailableError
@@ -71,6 +73,14 @@ def default_max_index_bytes() -> int:
     except OSError:
         pass
     return total // 4
+
+
+def resident_index_bytes(ds) -> int:
+    """Bytes of a dataset's sample indices held in memory (memory-mapped cached ones: none)."""
+    arrays = [getattr(ds, n, None) for n in ("doc_idx", "sample_idx", "shuffle_idx",
+                                             "dataset_index", "dataset_sample_index")]
+    own = sum(a.nbytes for a in arrays if isinstance(a, np.ndarray) and not isinstance(a, np.memmap))
+    return own + sum(resident_index_bytes(d) for d in getattr(ds, "datasets", ()) if d is not None)
 
 
 def spec_from_proto(m: pb.DatasetSpec) -> DatasetSpec:
@@ -141,7 +151,11 @@ class DataServicer(pb_grpc.DataServiceServicer):
             raise
         with self._lock:
             self._datasets[spec] = ds
-            while len(self._datasets) > MAX_DATASETS_CACHED:
+            # by count, and by the index memory they hold (indices not cached on disk stay in
+            # the heap: 8 datasets of max_index_bytes each held 8 times the bound)
+            while len(self._datasets) > MAX_DATASETS_CACHED or (
+                    len(self._datasets) > 1
+                    and sum(map(resident_index_bytes, self._datasets.values())) > self.max_index_bytes):
                 self._datasets.popitem(last=False)
             del self._building[spec]
         building.set_result(ds)

@@ -433,3 +433,52 @@ def test_the_serve_flag_sets_the_index_memory_bound(blend_spec):
     bad = subprocess.run([sys.executable, "-m", "services.dataloader.rpc.server", "--max-index-gib", "0"], check=False,
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "--max-index-gib 0.0 must be a positive number of GiB" in bad.stderr
+
+
+def test_cached_datasets_hold_at_most_the_index_bound_in_memory(tmp_path):
+    """The worker keeps up to 8 opened datasets; their indices stayed in its heap (the arrays
+    just built, even when written to the index cache), so 8 specs of the largest allowed index
+    held 8 times the memory bound (RSS grew 45 MB a spec on a real worker, to 8 specs). Now
+    stored indices are served memory-mapped, and indices kept in memory count against the bound."""
+    from services.dataloader.rpc.servicer import resident_index_bytes, spec_from_proto
+    from services.dataloader.samples import (
+        epochs_needed,
+        index_build_bytes,
+        split_ranges,
+    )
+
+    prefix = write_dataset(tmp_path / "ds", seed=4, n_docs=400)
+    n = 50_000
+
+    def request(seed):
+        spec = pb.DatasetSpec(prefixes=[prefix], weights=[1], seq_length=8, num_samples=n, seed=seed)
+        return pb.StreamRequest(spec=spec, dp_size=1, micro_batch_size=1, global_batch_size=1)
+
+    cached = DataServicer(cache_indices=True)
+    held = DataServicer(cache_indices=False, max_index_bytes=1)  # placeholder, set below
+    servers = []
+    try:
+        for servicer in (cached, held):
+            srv, port, _ = make_server([lambda s, sv=servicer: pb_grpc.add_DataServiceServicer_to_server(sv, s)],
+                                       [SERVICE_NAME])
+            servers.append((srv, pb_grpc.DataServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))))
+        cached_stub, held_stub = servers[0][1], servers[1][1]
+        for seed in range(3):
+            assert cached_stub.Describe(request(seed)).num_samples == n
+        assert [resident_index_bytes(ds) for ds in cached._datasets.values()] == [0, 0, 0]
+
+        ds = open_dataset(spec_from_proto(request(0).spec), cache=False)
+        one = resident_index_bytes(ds)
+        begin, end = split_ranges(ds.indexed.num_documents)[0]  # the train split's documents
+        tokens = int(ds.indexed.sequence_lengths[begin:end].sum())  # one sequence per document
+        build = index_build_bytes(epochs_needed(tokens, 8, n), end - begin, n)
+        held.max_index_bytes = build  # what one request may take: fits ~3 resident indices
+        held._budget.limit = build
+        assert one < build < 6 * one
+        for seed in range(6):
+            assert held_stub.Describe(request(seed)).num_samples == n
+            assert sum(map(resident_index_bytes, held._datasets.values())) <= build
+        assert len(held._datasets) < 6 and list(held._datasets)[-1].seed == 5
+    finally:
+        for srv, _ in servers:
+            srv.stop(0)
