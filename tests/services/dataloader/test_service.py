@@ -454,8 +454,15 @@ def test_cached_datasets_hold_at_most_the_index_bound_in_memory(tmp_path):
         spec = pb.DatasetSpec(prefixes=[prefix], weights=[1], seq_length=8, num_samples=n, seed=seed)
         return pb.StreamRequest(spec=spec, dp_size=1, micro_batch_size=1, global_batch_size=1)
 
-    cached = DataServicer(cache_indices=True)
-    held = DataServicer(cache_indices=False, max_index_bytes=1)  # placeholder, set below
+    # the bound: exactly what one of these requests takes to build, which fits ~3 indices once built
+    ds = open_dataset(spec_from_proto(request(0).spec), cache=False)
+    one = resident_index_bytes(ds)
+    begin, end = split_ranges(ds.indexed.num_documents)[0]  # the train split's documents
+    tokens = int(ds.indexed.sequence_lengths[begin:end].sum())  # one sequence per document
+    build = index_build_bytes(epochs_needed(tokens, 8, n), end - begin, n)
+    assert one < build < 6 * one
+    cached = DataServicer(cache_indices=True, max_index_bytes=build)
+    held = DataServicer(cache_indices=False, max_index_bytes=build)
     servers = []
     try:
         for servicer in (cached, held):
@@ -463,21 +470,12 @@ def test_cached_datasets_hold_at_most_the_index_bound_in_memory(tmp_path):
                                        [SERVICE_NAME])
             servers.append((srv, pb_grpc.DataServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))))
         cached_stub, held_stub = servers[0][1], servers[1][1]
-        for seed in range(3):
-            assert cached_stub.Describe(request(seed)).num_samples == n
-        assert [resident_index_bytes(ds) for ds in cached._datasets.values()] == [0, 0, 0]
-
-        ds = open_dataset(spec_from_proto(request(0).spec), cache=False)
-        one = resident_index_bytes(ds)
-        begin, end = split_ranges(ds.indexed.num_documents)[0]  # the train split's documents
-        tokens = int(ds.indexed.sequence_lengths[begin:end].sum())  # one sequence per document
-        build = index_build_bytes(epochs_needed(tokens, 8, n), end - begin, n)
-        held.max_index_bytes = build  # what one request may take: fits ~3 resident indices
-        held._budget.limit = build
-        assert one < build < 6 * one
         for seed in range(6):
+            assert cached_stub.Describe(request(seed)).num_samples == n
             assert held_stub.Describe(request(seed)).num_samples == n
             assert sum(map(resident_index_bytes, held._datasets.values())) <= build
+        # stored indices are served from their memory-mapped files: all 6 kept, none in the heap
+        assert [resident_index_bytes(ds) for ds in cached._datasets.values()] == [0] * 6
         assert len(held._datasets) < 6 and list(held._datasets)[-1].seed == 5
     finally:
         for srv, _ in servers:
