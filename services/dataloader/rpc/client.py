@@ -42,6 +42,7 @@ from protos.dataloader.v1 import dataloader_pb2 as pb
 from protos.dataloader.v1 import dataloader_pb2_grpc as pb_grpc
 from services.common.errors import DataError
 from services.common.grpc_utils import TRANSIENT_CODES, channel_options
+from services.dataloader.indexed import DTYPE_CODES
 from services.dataloader.loader import Batch, BatchOptions, batch_from_samples
 from services.dataloader.rpc.servicer import spec_to_proto
 from services.dataloader.spec import DatasetSpec
@@ -196,6 +197,22 @@ class ServiceBatchSource:
             self._channels[address] = grpc.insecure_channel(address, options=channel_options())
         return pb_grpc.DataServiceStub(self._channels[address])
 
+    def _samples(self, msg: pb.MicroBatch, address: str) -> np.ndarray:
+        """The (mbs, seq + 1) samples of a message, checked against what was asked for: a
+        malformed one raised numpy's bare ValueError, and one with another dtype name than
+        its bytes were decoded as garbage tokens."""
+        want = (self.micro_batch_size, self.spec.seq_length + 1)
+        where = f"worker {address} sent step {msg.step} micro-batch {msg.microbatch}"
+        dtype = next((d for d in DTYPE_CODES.values() if d.name == msg.dtype), None)
+        if dtype is None:
+            raise DataError(f"{where} as dtype {msg.dtype!r}, not a token dtype of the MMIDIDX format")
+        if tuple(msg.shape) != want:
+            raise DataError(f"{where} of shape {tuple(msg.shape)}, expected {want}")
+        if len(msg.samples) != want[0] * want[1] * dtype.itemsize:
+            raise DataError(f"{where} with {len(msg.samples)} bytes, expected "
+                            f"{want[0] * want[1] * dtype.itemsize} for {want} {dtype.name}")
+        return np.frombuffer(msg.samples, dtype=dtype.newbyteorder("<")).reshape(want)
+
     @staticmethod
     def _put(q: queue.Queue, item, stop: threading.Event) -> bool:
         while not stop.is_set():
@@ -245,8 +262,7 @@ class ServiceBatchSource:
                     if (msg.step, msg.microbatch) != pos:
                         raise DataError(f"worker {address} sent step {msg.step} micro-batch "
                                         f"{msg.microbatch}, expected {pos}")
-                    samples = np.frombuffer(msg.samples, dtype=np.dtype(msg.dtype).newbyteorder("<"))
-                    samples = samples.reshape(tuple(msg.shape))  # (mbs, seq + 1)
+                    samples = self._samples(msg, address)  # (mbs, seq + 1)
                     if not self._put(q, (pos, samples), stop):
                         return
                     pos = (pos[0] + 1, 0) if pos[1] + 1 == nmb else (pos[0], pos[1] + 1)

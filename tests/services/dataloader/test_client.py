@@ -407,3 +407,36 @@ def test_an_error_the_worker_does_not_map_ends_the_run_with_its_message_not_retr
         assert f"127.0.0.1:{port}" in str(e.value)
     finally:
         srv.stop(0)
+
+
+class _Malformed(DataServicer):
+    """Streams real micro-batches with one field spoiled (a worker of another version, or a bug)."""
+
+    def __init__(self, spoil):
+        super().__init__()
+        self.spoil = spoil
+
+    def StreamBatches(self, request, context):
+        for msg in super().StreamBatches(request, context):
+            self.spoil(msg)
+            yield msg
+
+
+@pytest.mark.parametrize("spoil,match", [
+    (lambda m: m.shape.__setitem__(slice(None), [3, 11]), r"of shape \(3, 11\), expected \(2, 33\)"),
+    (lambda m: setattr(m, "samples", m.samples[:-1]), r"with 131 bytes, expected 132 for \(2, 33\) uint16"),
+    (lambda m: setattr(m, "dtype", "object"), r"as dtype 'object', not a token dtype"),
+    # the same bytes read as float16 made garbage tokens that trained silently
+    (lambda m: setattr(m, "dtype", "float16"), r"as dtype 'float16', not a token dtype"),
+])
+def test_a_malformed_micro_batch_is_a_clear_error_naming_the_worker(blend_spec, spoil, match):
+    """numpy's bare ValueError ('cannot reshape array of size ...') reached the trainer without
+    naming the worker or the batch, and a wrong dtype name was not noticed at all."""
+    servicer = _Malformed(spoil)
+    srv, port, _ = make_server([lambda s: pb_grpc.add_DataServiceServicer_to_server(servicer, s)], [SERVICE_NAME])
+    try:
+        with ServiceBatchSource([f"127.0.0.1:{port}"], blend_spec, 2, 16, 0, 2) as remote, \
+                pytest.raises(DataError, match=f"worker 127.0.0.1:{port} sent step 0 micro-batch 0 {match}"):
+            remote.micro_batches(0)
+    finally:
+        srv.stop(0)
