@@ -50,11 +50,25 @@ from services.dataloader.spec import DatasetSpec
 log = logging.getLogger("meshtrain.data")
 
 _END = object()  # the stream reached the end of the dataset
-# Failures worth another try on this or another worker. Not UNKNOWN, though gRPC's own list
-# has it: a worker answers UNKNOWN when its handler raised something it does not map (a bug, or
-# a request nothing validated), and every worker runs the same code on the same request, so
-# retrying only hid the error for give_up_s behind "no data worker served anything".
-RETRIED_CODES = TRANSIENT_CODES - {grpc.StatusCode.UNKNOWN}
+# How gRPC's server words the UNKNOWN it sends when a handler raised an exception it does not map.
+_HANDLER_RAISED = ("Exception calling application", "Exception iterating responses")
+
+
+def is_permanent(e: grpc.RpcError) -> bool:
+    """Whether a worker's error is the request's (raised at once) rather than worth another try
+    on this or another worker.
+
+    UNKNOWN is both: a worker answers it when its handler raised something it does not map (a
+    bug, or a request nothing validated), and every worker runs the same code on the same
+    request, so retrying only hid the error for give_up_s behind "no data worker served
+    anything"; but gRPC's transport reports some failures as UNKNOWN too ("Stream removed" when a
+    peer dies or a proxy cuts the stream), and those another worker may not have. Only the
+    first kind, recognised by gRPC's wording of it, is permanent.
+    """
+    code = e.code()
+    if code == grpc.StatusCode.UNKNOWN:
+        return (e.details() or "").startswith(_HANDLER_RAISED)
+    return code not in TRANSIENT_CODES
 
 
 class _Failure:
@@ -283,7 +297,7 @@ class ServiceBatchSource:
                 elif call is not None and call is self._stalled_call:
                     what, why = "stalled", f"sent nothing for {self.stall_s:.0f}s while the trainer waited"
                 else:
-                    if e.code() not in RETRIED_CODES:  # the request's fault: no other worker helps
+                    if is_permanent(e):  # the request's fault: no other worker helps
                         self._put(q, _Failure(DataError(f"data worker {address}: {e.code().name}: {e.details()}")),
                                   stop)
                         return

@@ -409,6 +409,33 @@ def test_an_error_the_worker_does_not_map_ends_the_run_with_its_message_not_retr
         srv.stop(0)
 
 
+class _Status(grpc.RpcError):
+    """A received status, as the client sees one (only its code and details matter here)."""
+
+    def __init__(self, code, details):
+        self._code, self._details = code, details
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+
+def test_unknown_from_the_transport_is_retried_unknown_from_a_handler_is_not():
+    # gRPC reports some transport failures as UNKNOWN ("Stream removed": a peer died, a proxy cut
+    # the stream); those must fail over like UNAVAILABLE, not end the run.
+    from services.dataloader.rpc.client import is_permanent
+
+    unknown = grpc.StatusCode.UNKNOWN
+    assert not is_permanent(_Status(unknown, "Stream removed"))
+    assert not is_permanent(_Status(unknown, None))
+    assert is_permanent(_Status(unknown, "Exception calling application: boom"))
+    assert is_permanent(_Status(unknown, "Exception iterating responses: boom"))
+    assert not is_permanent(_Status(grpc.StatusCode.UNAVAILABLE, "Exception calling application: x"))
+    assert is_permanent(_Status(grpc.StatusCode.INVALID_ARGUMENT, "bad"))
+
+
 class _Malformed(DataServicer):
     """Streams real micro-batches with one field spoiled (a worker of another version, or a bug)."""
 
