@@ -17,7 +17,8 @@ class CheckpointConfig:
     AWS_ENDPOINT_URL / AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in the environment); unset:
     RUN_DIR/checkpoints."""
     load: str | None = None
-    """Resume from the latest committed checkpoint under this root."""
+    """Resume from the latest committed checkpoint under this root (the root `save` names,
+    while it holds none yet: start at step 0)."""
     load_step: int | None = None
     """Resume from this step instead of the latest committed one."""
     save_interval: int = 0

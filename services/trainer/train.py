@@ -180,7 +180,14 @@ class Trainer:
         c = job.checkpoint
         self.state = checkpointing.TrainState()
         resumed_here = None  # the step resumed from, when it is under the root saved into
-        if job.checkpoint.load:
+        if c.load and c.load_step is None and same_root(c.load, c.save) and not list_checkpoints(c.load):
+            # Megatron's requeue idiom, `--load X --save X` for the first launch and every
+            # relaunch alike: nothing committed yet is a fresh start. A --load elsewhere (weights
+            # to start from) or an explicit step that is missing stays an error: a mistyped path
+            # must not silently train from scratch.
+            log.warning("no committed checkpoint under %s, the root this run saves into: starting from step 0 "
+                        "(--load of the root a run saves into resumes it once it holds one)", c.load)
+        elif c.load:
             self.state, meta = checkpointing.restore(
                 job.checkpoint.load, self.model, self.optimizer, self.par, job.checkpoint.load_step)
             self._check_continuation(meta)

@@ -90,6 +90,22 @@ def test_resume_gives_identical_losses(arch, corpus_cache, tmp_path):
             assert torch.equal(t, b[name]), name
 
 
+def test_load_of_the_root_saved_into_starts_fresh_while_it_is_empty(corpus_cache, tmp_path, caplog):
+    # Megatron's requeue idiom: the same `--load X --save X` command for the first launch and
+    # every relaunch. It used to fail on the first with "no committed checkpoint".
+    root = str(tmp_path / "ckpt")
+    common = {"train.eval_interval": 0, "checkpoint.load": root, "checkpoint.save": root}
+    with caplog.at_level(logging.WARNING, logger="meshtrain.train"):
+        first = train(load_config(small_job_args(corpus_cache, tmp_path / "r1", **common, **{"train.train_iters": 2})))
+    assert sorted(first.losses) == [1, 2] and list_checkpoints(root) == [2]
+    assert "no committed checkpoint under" in caplog.text and "starting from step 0" in caplog.text
+    again = train(load_config(small_job_args(corpus_cache, tmp_path / "r2", **common, **{"train.train_iters": 4})))
+    assert sorted(again.losses) == [3, 4] and list_checkpoints(root) == [2, 4]
+    # an explicit step, or a --load of another root, still has to exist
+    with pytest.raises(CheckpointError, match="no committed checkpoint for step 1 under"):
+        train(load_config(small_job_args(corpus_cache, tmp_path / "r3", **common, **{"checkpoint.load_step": 1})))
+
+
 def test_load_errors_name_the_problem(corpus_cache, tmp_path):
     with pytest.raises(CheckpointError, match="no committed checkpoint|empty"):
         train(load_config(small_job_args(corpus_cache, tmp_path / "r1",
@@ -219,9 +235,9 @@ def test_a_failed_init_leaves_no_checkpoint_service_channel_open(corpus_cache, t
     root = str(tmp_path / "ckpt")
     server, port, _ = start_server(root)
     try:
-        with pytest.raises(CheckpointError, match="no committed checkpoint"):
+        with pytest.raises(CheckpointError, match="no committed checkpoint for step 5"):
             Trainer(load_config(small_job_args(corpus_cache, tmp_path / "run", **{
-                "checkpoint.load": root, "checkpoint.save": root,
+                "checkpoint.load": root, "checkpoint.load_step": 5, "checkpoint.save": root,
                 "checkpoint.service_address": f"127.0.0.1:{port}"})))
         for checkpointer in opened:
             with pytest.raises(ValueError, match="closed channel"):
