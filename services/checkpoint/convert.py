@@ -29,7 +29,7 @@ from services.checkpoint import layout
 from services.checkpoint.reader import latest_step, read_manifest, read_tensor
 from services.checkpoint.sharded import ShardWriter, begin_save, commit, is_committed
 from services.checkpoint.shards import ShardSpec
-from services.checkpoint.store import open_root
+from services.checkpoint.store import open_root, same_root
 from services.common.config import build
 from services.common.errors import CheckpointError
 from services.trainer.config import ModelConfig
@@ -223,7 +223,7 @@ def convert(src: str, dst: str, dtype: str | None = None, drop_optimizer: bool =
 
     Args:
         src: source root URL.
-        dst: destination root URL; the step must not be committed there yet.
+        dst: destination root URL, not the source's; the step must not be committed there yet.
         dtype: 'bf16' / 'fp32' / 'fp16' for the parameters, None keeps each tensor's dtype.
         drop_optimizer: leave out `optim.*` tensors.
         target_tp: tensor-parallel degree the destination is laid out for.
@@ -236,13 +236,18 @@ def convert(src: str, dst: str, dtype: str | None = None, drop_optimizer: bool =
         A ConvertResult.
 
     Raises:
-        CheckpointError: no such checkpoint, the step already exists at `dst`, a bad dtype, a
+        CheckpointError: no such checkpoint, `dst` is `src`, the step already exists at `dst`, a bad dtype, a
             parameter holding a value the target dtype cannot (fp16 past 65504: it would be
             stored as inf). A target degree that does not divide what it splits (see
             `target_shard_shapes`).
     """
     start = time.perf_counter()
     step = resolve_step(src, step)
+    if same_root(src, dst):
+        # The step is kept, so it would land on itself; `save_streaming`'s hint (delete the
+        # step at the destination first) would delete the source.
+        raise CheckpointError(f"convert destination {dst!r} is the source root {src!r}: the converted step {step} "
+                              "would replace the checkpoint it is read from; write to another root")
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
     target = DTYPES.get(dtype) if dtype else None

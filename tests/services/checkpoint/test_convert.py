@@ -174,6 +174,21 @@ def test_convert_refuses_a_step_that_exists_at_the_destination(tmp_path):
         convert(str(tmp_path / "a"), str(tmp_path / "b"), progress=False)
 
 
+
+def test_convert_refuses_its_own_source_root_without_advising_to_delete_the_source(tmp_path):
+    """The step is kept, so converting a root into itself meets its own source step; the
+    'delete it first' hint of an existing destination step would have the user delete the
+    checkpoint being converted. The same root spelled as a file:// URL is the same root."""
+    tensors, meta = training_state()
+    root = str(tmp_path / "a")
+    save_checkpoint(root, 9, tensors, meta)
+    for dst in (root, f"file://{root}/"):
+        with pytest.raises(CheckpointError, match=r"is the source root .*write to another root") as e:
+            convert(root, dst, dtype="bf16", progress=False)
+        assert "delete" not in str(e.value)
+    assert list_checkpoints(root) == [9]
+    assert_same(load_checkpoint(root, 9)[0], tensors)
+
 # Megatron's split of each parameter kind (dim, halves, vocab), as the trainer shards it.
 SPLITS = {"attention.qkv.weight": TPSplit(0), "mlp.fc1.weight": TPSplit(0, halves=True),
           "attention.proj.weight": TPSplit(1), "mlp.fc2.weight": TPSplit(1),
