@@ -408,7 +408,6 @@ def import_hf(src_dir: str, dst_root: str, seed: int = 1234) -> str:
             the wrong shape or mixed dtype, or `dst_root` already holds a committed checkpoint
             (of any step: `train --load` would resume the latest, not step 0).
     """
-    safe_open = _safe_open()
     src = Path(src_dir)
     config_path = src / "config.json"
     if not config_path.is_file():
@@ -425,7 +424,7 @@ def import_hf(src_dir: str, dst_root: str, seed: int = 1234) -> str:
     missing = sorted(f for f in set(files.values()) if not (src / f).is_file())
     if missing:
         raise CheckpointError(f"{src}: the safetensors index names files that are not there: {missing}")
-    handles = {f: safe_open(str(src / f), framework="pt") for f in set(files.values())}
+    handles = {f: _open_safetensors(src / f) for f in set(files.values())}
     plan = rules(model)
     gpt2 = architecture(model) == "gpt2"
 
@@ -436,6 +435,9 @@ def import_hf(src_dir: str, dst_root: str, seed: int = 1234) -> str:
     stored = {canonical(n): n for n in files if not n.endswith(_DERIVED)}
     found: dict[str, TensorSpec] = {}
     for name, original in stored.items():
+        if original not in handles[files[original]].keys():  # noqa: SIM118 (not a dict)
+            raise CheckpointError(f"{src}: model.safetensors.index.json puts tensor {original!r} in "
+                                  f"{files[original]}, which does not hold it (a shard from another download?)")
         tensor_slice = handles[files[original]].get_slice(original)
         dtype = _LOGICAL.get(tensor_slice.get_dtype())
         if dtype is None:
@@ -543,8 +545,7 @@ def _safetensors_files(src: Path) -> dict[str, str]:
     single = src / "model.safetensors"
     if not single.is_file():
         raise CheckpointError(f"{src}: no model.safetensors or model.safetensors.index.json")
-    with _safe_open()(str(single), framework="pt") as f:
-        return {name: single.name for name in f.keys()}  # noqa: SIM118 (not a dict)
+    return {name: single.name for name in _open_safetensors(single).keys()}  # noqa: SIM118 (not a dict)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -556,6 +557,16 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: holds a JSON {type(data).__name__}, not an object")
     return data
+
+
+def _open_safetensors(path: Path) -> Any:
+    """`safe_open(path)`, or CheckpointError naming the file when it is not whole safetensors."""
+    safe_open = _safe_open()
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as e:  # safetensors raises its own SafetensorError (or OSError) on a bad file
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e}); an interrupted download? "
+                              "fetch it again") from e
 
 
 def _safe_open() -> Callable[..., Any]:

@@ -376,6 +376,27 @@ def test_import_names_a_broken_folder_instead_of_a_traceback(tmp_path):
         import_hf(str(src), str(tmp_path / "c"))
 
 
+
+def test_import_names_a_truncated_or_mismatched_safetensors_file_instead_of_a_traceback(tmp_path):
+    """An interrupted download leaves a safetensors file shorter than its header says, and a
+    shard from another download may lack what the index puts in it: safetensors raises its own
+    SafetensorError for both, which reached the user as a traceback."""
+    src = hf_llama(tmp_path, torch.float32)
+    whole = (src / "model.safetensors").read_bytes()
+    (src / "model.safetensors").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(CheckpointError, match=r"model.safetensors: not a readable safetensors file"):
+        import_hf(str(src), str(tmp_path / "a"))
+    (src / "model.safetensors").write_bytes(whole)
+    names = list(safetensors_torch.load_file(str(src / "model.safetensors")))
+    safetensors_torch.save_file({"model.norm.weight": torch.ones(64)}, str(src / "other.safetensors"))
+    weight_map = {n: "other.safetensors" if n == "lm_head.weight" else "model.safetensors" for n in names}
+    weight_map["model.norm.weight"] = "model.safetensors"
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match=r"puts tensor 'lm_head.weight' in other.safetensors, which does "
+                                              r"not hold it"):
+        import_hf(str(src), str(tmp_path / "b"))
+    assert list_checkpoints(str(tmp_path / "a")) == list_checkpoints(str(tmp_path / "b")) == []
+
 @pytest.mark.e2e
 def test_hf_model_trains_on_in_meshtrain_and_exports_back(tmp_path):
     """HF Llama -> import -> `train --load` 3 steps -> export -> transformers loads the result."""
