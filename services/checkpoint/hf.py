@@ -56,6 +56,8 @@ _ST_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "
 # HF tensors that are derived buffers, not weights: old GPT-2 files carry the causal mask,
 # old Llama files the RoPE inverse frequencies. They are skipped on import.
 _DERIVED = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+# Written first and removed last by an export to an object store (see `export_hf`).
+INCOMPLETE = ".meshtrain-export-incomplete"
 
 
 @dataclass(frozen=True)
@@ -318,7 +320,8 @@ def export_hf(src_root: str, dst_dir: str, step: int | None = None,
 
     Args:
         src_root: checkpoint root URL.
-        dst_dir: the folder to create (local path or fsspec URL); it must not exist.
+        dst_dir: the folder to create (local path or fsspec URL); it must not exist, unless it is
+            what an interrupted export to an object store left (marked `INCOMPLETE`): replaced.
         step: the step; None exports the latest committed one.
         tokenizer: a `tokenizer.json` (or folder holding one) to ship instead of the run's.
 
@@ -348,15 +351,24 @@ def export_hf(src_root: str, dst_dir: str, step: int | None = None,
 
     dst = open_root(dst_dir)  # the checkpoint store's way in: fresh listings, the run's S3 endpoint
     fs, path = dst.fs, dst.path
-    if fs.exists(path):
-        raise CheckpointError(f"export destination {dst_dir!r} already exists")
     # A local folder is built beside its place and renamed into it in one step. An object store
     # has no rename (a move copies every object, model.safetensors's gigabytes included), so
     # there the files go straight to their place, config.json last: transformers starts from
-    # it, so a folder holding it holds every file, and one left by a crash has none.
+    # it, so a folder holding it holds every file, and one left by a crash has none. There an
+    # INCOMPLETE object, written first and removed last, marks the prefix as an export in
+    # progress, so that one killed (SIGKILL, a lost machine) is told from someone's data, and
+    # exporting again replaces it.
+    marker = posixpath.join(path, INCOMPLETE)
+    if fs.exists(path):
+        if dst.is_local or not fs.exists(marker):
+            raise CheckpointError(f"export destination {dst_dir!r} already exists")
+        log.warning("%s: replacing the leftovers of an interrupted export", dst_dir)
+        remove_tree(dst, path)
     out = f"{path}.tmp-{uuid.uuid4().hex}" if dst.is_local else path
     if dst.is_local:
         fs.makedirs(out, exist_ok=True)  # object stores have no folders to make
+    else:
+        fs.pipe_file(marker, b"an export to this prefix began and has not finished\n")
     try:
         with fs.open(posixpath.join(out, "model.safetensors"), "wb") as f:
             _write_safetensors(f, plan, dtype, lambda name: read_tensor(src_root, step, name, manifest=manifest))
@@ -373,6 +385,8 @@ def export_hf(src_root: str, dst_dir: str, step: int | None = None,
             fs.pipe_file(posixpath.join(out, name), json.dumps(content, indent=2).encode())
         if dst.is_local:
             fs.mv(out, path, recursive=True)
+        else:
+            fs.rm_file(marker)
     except BaseException:
         # Nothing half-written is left, in place or beside it (closing the failed write uploaded
         # what it had), nor the folder marker SeaweedFS keeps for every prefix written.

@@ -134,6 +134,52 @@ def test_export_to_object_storage_loads_with_the_same_logits(tmp_path, s3_root):
     assert not fs.exists(f"{parent}/hf-broken")
 
 
+KILLED_AFTER_WEIGHTS = """
+import os, signal, sys
+from services.checkpoint import hf
+def die(*args):  # called once model.safetensors is closed (uploaded), before config.json
+    os.kill(os.getpid(), signal.SIGKILL)
+hf.hf_config = die
+hf.export_hf(sys.argv[1], sys.argv[2])
+"""
+
+
+def test_export_to_object_storage_killed_midway_is_replaced_by_the_next_export(tmp_path, s3_root):
+    """An object store has no rename, so an export writes in place, config.json last. One
+    SIGKILLed after the weights left model.safetensors at the destination, and every later
+    export refused it ("already exists") although nothing had ever loaded from it: re-running
+    has to work. A prefix an export did not leave (no marker) is still refused."""
+    import subprocess
+    import sys
+
+    import fsspec
+
+    model = random_model(LLAMA)
+    root = str(tmp_path / "ckpt")
+    save_training_checkpoint(root, model)
+    dst = f"{s3_root.rsplit('/', 1)[0]}/hf"
+    killed = subprocess.run([sys.executable, "-c", KILLED_AFTER_WEIGHTS, root, dst], timeout=120, check=False)
+    assert killed.returncode == -9
+    fs, path = fsspec.core.url_to_fs(dst)
+    fs.invalidate_cache()
+    left = sorted(p.rsplit("/", 1)[1] for p in fs.find(path))
+    assert "model.safetensors" in left and "config.json" not in left, left
+    assert export_hf(root, dst) == dst
+    fs.invalidate_cache()
+    assert sorted(p.rsplit("/", 1)[1] for p in fs.find(path)) == [
+        "config.json", "generation_config.json", "model.safetensors"]
+    fs.get(path + "/", str(tmp_path / "fetched"), recursive=True)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "fetched"), dtype=torch.float32)
+    tokens = torch.randint(0, model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(hf.eval()(tokens).logits, meshtrain_logits(model, tokens), atol=1e-4, rtol=1e-4)
+
+    other = f"{s3_root.rsplit('/', 1)[0]}/someone-elses"
+    fs.pipe_file(fsspec.core.url_to_fs(other)[1] + "/model.safetensors", b"not ours")
+    with pytest.raises(CheckpointError, match="already exists"):
+        export_hf(root, other)
+    assert fs.cat_file(fsspec.core.url_to_fs(other)[1] + "/model.safetensors") == b"not ours"
+
 def test_export_ships_the_runs_tokenizer(tmp_path):
     from services.dataloader.tokenizers import train_bpe
 
