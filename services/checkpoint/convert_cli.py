@@ -37,11 +37,21 @@ def cmd_import(args: argparse.Namespace) -> int:
 
     _check_format(args.format)
     url = import_hf(args.src, args.dst, seed=args.seed)
-    model = read_manifest(args.dst, 0)["metadata"]["config"]["model"]
+    meta = read_manifest(args.dst, 0)["metadata"]
+    settings = {"model": meta["config"]["model"]}
     print(f"imported {args.src} as {url}")
-    # `meshtrain train` builds the model from its own config: it must match these settings.
-    print(f"continue with: meshtrain train --load {args.dst} and this [model] section:\n")
-    print(tomli_w.dumps({"model": model}))
+    # `meshtrain train` builds the model and picks the tokenizer from its own config, not the
+    # checkpoint's: without these it trains the imported weights on another tokenizer's ids.
+    if meta.get("tokenizer"):
+        settings["data"] = {"tokenizer": meta["tokenizer"]}
+        print(f"continue with: meshtrain train --load {args.dst} --data-path PREFIX and these settings, PREFIX "
+              f"being data tokenized with the model's own tokenizer (meshtrain data preprocess ... --tokenizer "
+              f"{meta['tokenizer']}):\n")
+    else:
+        print(f"continue with: meshtrain train --load {args.dst} and these settings; {args.src} has no "
+              "tokenizer.json, so also set data.tokenizer (and --data-path) to the tokenizer the model was "
+              "trained with:\n")
+    print(tomli_w.dumps(settings))
     return 0
 
 

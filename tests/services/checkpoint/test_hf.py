@@ -10,6 +10,7 @@ import dataclasses
 import json
 
 import pytest
+import tomli_w
 import torch
 
 from services.checkpoint.hf import export_hf, import_hf
@@ -442,6 +443,47 @@ def test_import_names_a_truncated_or_mismatched_safetensors_file_instead_of_a_tr
                                               r"not hold it"):
         import_hf(str(src), str(tmp_path / "b"))
     assert list_checkpoints(str(tmp_path / "a")) == list_checkpoints(str(tmp_path / "b")) == []
+
+
+def test_cli_import_tells_to_train_on_with_the_models_own_tokenizer(tmp_path, capsys):
+    """`meshtrain train` takes its tokenizer from its own config, never from the checkpoint.
+    The printed continuation named only [model], so following it trained the imported GPT-2
+    on the default corpus's BPE ids (its vocabulary fits in the model's: no error), garbage
+    without a word. The settings printed now carry data.tokenizer, which the trainer's own
+    config loader reads back."""
+    import argparse
+    import tomllib
+
+    from services.checkpoint.convert_cli import register_subcommands
+    from services.dataloader.tokenizers import train_bpe
+    from services.trainer.config import load_config
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    src = hf_gpt2(tmp_path)
+    tok = train_bpe([text], vocab_size=300, output_path=src / "tokenizer.json")
+    assert tok.vocab_size <= 300
+    parser = argparse.ArgumentParser()
+    register_subcommands(parser.add_subparsers(dest="ckpt_cmd", required=True))
+
+    def settings(folder, root) -> tuple[str, dict]:
+        args = parser.parse_args(["import", "--format", "hf", str(folder), str(root)])
+        assert args.func(args) == 0
+        out = capsys.readouterr().out
+        head, toml = out.split("\n\n", 1)
+        return head, tomllib.loads(toml)
+
+    head, table = settings(src, tmp_path / "ckpt")
+    assert table["data"] == {"tokenizer": str((src / "tokenizer.json").resolve())}
+    assert "--data-path" in head and "meshtrain data preprocess" in head
+    (tmp_path / "continue.toml").write_text(tomli_w.dumps(table))
+    job = load_config(["--config", str(tmp_path / "continue.toml")])
+    assert job.data.tokenizer == str((src / "tokenizer.json").resolve())
+    assert (job.model.num_layers, job.model.vocab_size) == (2, 300)
+
+    (src / "tokenizer.json").unlink()
+    head, table = settings(src, tmp_path / "ckpt2")
+    assert "data" not in table and "has no tokenizer.json, so also set data.tokenizer" in head
 
 @pytest.mark.e2e
 def test_hf_model_trains_on_in_meshtrain_and_exports_back(tmp_path):
