@@ -174,8 +174,15 @@ def _model_from_hf(config: dict[str, Any]) -> ModelConfig:
             raise CheckpointError(f"HF config {key}={value!r} cannot be expressed in meshtrain (needs {allowed})")
         return value
 
+    def count(key: str) -> int:
+        # Used in arithmetic before `build` checks the types, so checked here, by name.
+        value = config[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise CheckpointError(f"HF config {key}={value!r} is not a positive integer")
+        return value
+
     if kind == "llama":
-        heads, hidden = config["num_attention_heads"], config["hidden_size"]
+        heads, hidden = count("num_attention_heads"), count("hidden_size")
         need("hidden_act", lambda v: v == "silu", "'silu'")
         need("head_dim", lambda v: v in (None, hidden // heads), f"hidden_size/heads = {hidden // heads}")
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}

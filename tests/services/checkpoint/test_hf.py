@@ -424,6 +424,17 @@ def test_import_names_a_broken_folder_instead_of_a_traceback(tmp_path):
 
 
 
+
+@pytest.mark.parametrize("key, value", [("hidden_size", "64"), ("num_attention_heads", 0)])
+def test_import_names_a_config_number_of_the_wrong_type_instead_of_a_traceback(tmp_path, key, value):
+    """A Llama config's head size is computed before the config is validated: a string (a
+    hand-edited config.json) raised TypeError, a zero ZeroDivisionError, as tracebacks."""
+    src = hf_llama(tmp_path)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, key: value}))
+    with pytest.raises(CheckpointError, match=rf"HF config {key}={value!r} is not a positive integer"):
+        import_hf(str(src), str(tmp_path / "a"))
+
 def test_import_names_a_truncated_or_mismatched_safetensors_file_instead_of_a_traceback(tmp_path):
     """An interrupted download leaves a safetensors file shorter than its header says, and a
     shard from another download may lack what the index puts in it: safetensors raises its own
