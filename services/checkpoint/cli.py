@@ -15,7 +15,9 @@ AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in the environment, `memory://`).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+from collections.abc import Callable
 
 from services.common.errors import CheckpointError
 
@@ -126,6 +128,26 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "port at /metrics (0: any free port, printed); off unless given")
 
 
+def _storage_errors(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Turns what storage raises (a destination that is a file, a full disk, wrong S3 keys or
+    endpoint) into a CheckpointError naming the command's paths: a user's setup error, not a
+    traceback. botocore's connection errors are not OSErrors, so they are matched by module."""
+
+    @functools.wraps(func)
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return func(args)
+        except BrokenPipeError:  # output piped into `head`: the top level ends quietly
+            raise
+        except Exception as e:
+            if not isinstance(e, OSError) and not type(e).__module__.startswith(("botocore", "aiobotocore")):
+                raise
+            where = " ".join(str(getattr(args, k)) for k in ("root", "src", "dst") if getattr(args, k, None))
+            raise CheckpointError(f"ckpt {args.ckpt_cmd} {where}: storage failed: {type(e).__name__}: {e}") from e
+
+    return run
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     """Add `ckpt` and its subcommands to the top-level parser."""
     from services.checkpoint.convert_cli import register_subcommands
@@ -159,3 +181,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     ins.add_argument("--step", type=int)
     ins.add_argument("--json", action="store_true", help="print the whole manifest")
     ins.set_defaults(func=cmd_inspect)
+    for name, parser in csub.choices.items():
+        if name != "serve":  # the server maps its errors to gRPC statuses itself
+            parser.set_defaults(func=_storage_errors(parser.get_default("func")))

@@ -85,3 +85,20 @@ def test_serve_answers_and_stops_on_sigterm(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_storage_errors_are_named_not_tracebacks(tmp_path, capsys, s3_root, monkeypatch):
+    """A destination that is a file, and S3 keys the store refuses, are a user's setup errors:
+    every `ckpt` command raised the storage library's own exception (NotADirectoryError,
+    PermissionError) as a traceback. Now exit 2 with the command, its paths and the cause."""
+    src = str(tmp_path / "ckpt")
+    save_checkpoint(src, 3, {"layers.0.w": torch.ones(3)}, {})
+    (tmp_path / "file").write_text("not a folder")
+    code, out = run(capsys, "convert", src, tmp_path / "file")
+    assert code == 2 and f"ckpt convert {src} {tmp_path / 'file'}: storage failed: NotADirectoryError" in out, out
+    assert "Traceback" not in out and (tmp_path / "file").read_text() == "not a folder"
+    assert run(capsys, "convert", src, s3_root)[0] == 0
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    for command in (["list", s3_root], ["verify", s3_root], ["convert", s3_root, tmp_path / "back"]):
+        code, out = run(capsys, *command)
+        assert code == 2 and f"ckpt {command[0]} {s3_root}" in out and "PermissionError" in out, out
