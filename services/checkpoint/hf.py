@@ -24,7 +24,6 @@ import logging
 import posixpath
 import random
 import struct
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +42,12 @@ from services.checkpoint.convert import (
     tensor_specs,
 )
 from services.checkpoint.reader import list_checkpoints, read_manifest, read_tensor
-from services.checkpoint.store import open_root, remove_tree
+from services.checkpoint.store import (
+    local_build_dir,
+    open_root,
+    remove_dead_builds,
+    remove_tree,
+)
 from services.common.config import build, to_dict
 from services.common.errors import CheckpointError
 from services.trainer.config import JobConfig, ModelConfig
@@ -371,8 +375,10 @@ def export_hf(src_root: str, dst_dir: str, step: int | None = None,
             raise CheckpointError(f"export destination {dst_dir!r} already exists")
         log.warning("%s: replacing the leftovers of an interrupted export", dst_dir)
         remove_tree(dst, path)
-    out = f"{path}.tmp-{uuid.uuid4().hex}" if dst.is_local else path
+    out = local_build_dir(path) if dst.is_local else path
     if dst.is_local:
+        for folder in remove_dead_builds(path):  # a killed export's, else never removed
+            log.warning("removed %s, left by an export to %s that was killed", folder, dst_dir)
         fs.makedirs(out, exist_ok=True)  # object stores have no folders to make
     else:
         fs.pipe_file(marker, b"an export to this prefix began and has not finished\n")

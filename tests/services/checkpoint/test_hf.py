@@ -181,6 +181,33 @@ def test_export_to_object_storage_killed_midway_is_replaced_by_the_next_export(t
         export_hf(root, other)
     assert fs.cat_file(fsspec.core.url_to_fs(other)[1] + "/model.safetensors") == b"not ours"
 
+
+def test_local_export_killed_midway_leaves_nothing_behind_once_exported_again(tmp_path):
+    """On disk an export is built in a folder beside the destination and renamed into place;
+    killed (SIGKILL, out of memory) it left that folder, as large as the model, hidden beside
+    the destination for good: the next export built its own and never looked. The next export
+    now removes it, but only a dead process's on this host: a live export's stays."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    model = random_model(LLAMA)
+    root = str(tmp_path / "ckpt")
+    save_training_checkpoint(root, model)
+    dst = tmp_path / "hf"
+    killed = subprocess.run([sys.executable, "-c", KILLED_AFTER_WEIGHTS, root, str(dst)], timeout=120, check=False)
+    assert killed.returncode == -9
+    left = list(tmp_path.glob("hf.tmp-*"))
+    assert len(left) == 1 and (left[0] / "model.safetensors").is_file() and not dst.exists()
+    live = tmp_path / f"hf.tmp-{socket.gethostname()}-{os.getpid()}-{'0' * 32}"  # this process: alive
+    elsewhere = tmp_path / f"hf.tmp-another-host-4242-{'1' * 32}"  # a shared disk
+    live.mkdir()
+    elsewhere.mkdir()
+    export_hf(root, str(dst))
+    assert sorted(tmp_path.glob("hf*")) == sorted([dst, live, elsewhere])
+    assert (dst / "config.json").is_file()
+
 def test_export_ships_the_runs_tokenizer(tmp_path):
     from services.dataloader.tokenizers import train_bpe
 
