@@ -68,19 +68,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from services.checkpoint.maintenance import verify_checkpoint
+    from services.checkpoint.maintenance import unreadable_manifests, verify_checkpoint
     from services.checkpoint.reader import list_checkpoints
 
     steps = list_checkpoints(args.root)
+    # Steps whose manifest is damaged look uncommitted to every reader: --all names them all,
+    # the default any newer than the latest readable one (which it would verify instead).
+    unreadable = {} if args.step is not None else unreadable_manifests(args.root)
     if args.step is not None:
         steps = [args.step]
     elif not args.all:
         steps = steps[-1:]
-    if not steps:
+        unreadable = {s: why for s, why in unreadable.items() if not steps or s > steps[0]}
+    if not steps and not unreadable:
         raise CheckpointError(f"no committed checkpoint under {args.root}")
     for step in steps:
         count = verify_checkpoint(args.root, step)
         print(f"step {step}: {count} objects verified")
+    if unreadable:
+        raise CheckpointError("steps whose manifest.json cannot be read (readers skip them): "
+                              + "; ".join(unreadable.values()))
     return 0
 
 

@@ -102,3 +102,23 @@ def test_storage_errors_are_named_not_tracebacks(tmp_path, capsys, s3_root, monk
     for command in (["list", s3_root], ["verify", s3_root], ["convert", s3_root, tmp_path / "back"]):
         code, out = run(capsys, *command)
         assert code == 2 and f"ckpt {command[0]} {s3_root}" in out and "PermissionError" in out, out
+
+
+def test_verify_reports_a_step_whose_manifest_is_damaged(tmp_path, capsys):
+    """A manifest is written whole (renamed into place), so one that does not parse is damage;
+    every reader then takes the step for an uncommitted save and passes over it, and `verify`
+    (--all, or the default: the latest) said every step was fine. A manifest of a format this
+    reader does not know is named the same way."""
+    root = str(tmp_path / "ckpt")
+    for step in (1, 2, 3):
+        save_checkpoint(root, step, {"layers.0.w": torch.ones(3)})
+    manifest = tmp_path / "ckpt" / "step_00000002" / "manifest.json"
+    manifest.write_bytes(manifest.read_bytes()[:50])
+    code, out = run(capsys, "verify", root, "--all")
+    assert code == 2 and "step 1: " in out and "step 3: " in out, out
+    assert "checkpoint step 2 under" in out and "manifest.json is incomplete or not JSON" in out, out
+    assert run(capsys, "verify", root)[0] == 0  # the latest, 3, is newer than the damage
+    newest = tmp_path / "ckpt" / "step_00000003" / "manifest.json"
+    newest.write_text(newest.read_text().replace('"format_version": ', '"format_version": 9'))
+    code, out = run(capsys, "verify", root)
+    assert code == 2 and "step 1: " in out and "checkpoint step 3 under" in out and "format_version 9" in out, out
