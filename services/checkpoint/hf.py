@@ -435,7 +435,12 @@ def import_hf(src_dir: str, dst_root: str, seed: int = 1234) -> str:
             the wrong shape or mixed dtype, or `dst_root` already holds a committed checkpoint
             (of any step: `train --load` would resume the latest, not step 0).
     """
-    src = Path(src_dir)
+    if "://" in src_dir and not src_dir.startswith("file://"):
+        # safetensors maps local files; Path() would also turn s3://b/x into s3:/b/x and say it
+        # holds no config.json
+        raise CheckpointError(f"{src_dir!r}: import reads a local folder, not a URL; copy the folder "
+                              "here first (e.g. `aws s3 sync URL DIR`) and import DIR")
+    src = Path(src_dir.removeprefix("file://"))
     config_path = src / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"{src}: no config.json, so not a Hugging Face model folder")

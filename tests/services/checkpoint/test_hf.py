@@ -462,6 +462,17 @@ def test_import_names_a_config_number_of_the_wrong_type_instead_of_a_traceback(t
     with pytest.raises(CheckpointError, match=rf"HF config {key}={value!r} is not a positive integer"):
         import_hf(str(src), str(tmp_path / "a"))
 
+
+def test_import_of_a_url_says_it_reads_local_folders_and_takes_file_urls(tmp_path):
+    """Export writes to any URL, so a user imports what they exported to s3://... back: Path()
+    made that 's3:/bucket/hf' and the error said it held no config.json, which it does. A
+    file:// URL is a local folder and is imported (it failed the same way)."""
+    with pytest.raises(CheckpointError, match=r"'s3://bucket/hf': import reads a local folder, not a URL"):
+        import_hf("s3://bucket/hf", str(tmp_path / "a"))
+    src = hf_llama(tmp_path, torch.float32)
+    import_hf(f"file://{src}", str(tmp_path / "b"))
+    assert list_checkpoints(str(tmp_path / "b")) == [0]
+
 def test_import_names_a_truncated_or_mismatched_safetensors_file_instead_of_a_traceback(tmp_path):
     """An interrupted download leaves a safetensors file shorter than its header says, and a
     shard from another download may lack what the index puts in it: safetensors raises its own
