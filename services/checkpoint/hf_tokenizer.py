@@ -36,13 +36,19 @@ def eod_id(path: Path | None, spec: str | None, model: ModelConfig, where: str) 
     the byte tokenizer (which ships no file), None when there is no tokenizer to ask.
 
     Raises:
-        CheckpointError: the file is not a tokenizer.json, or the id is outside the model's
-            vocabulary (not this model's tokenizer).
+        CheckpointError: the file is not a tokenizer.json, or it or the id is larger than the
+            model's vocabulary (not this model's tokenizer).
     """
     if path is None:
         eod = ByteTokenizer().eod_id if spec == "byte" else None  # the byte tokenizer ships no file
     else:
-        eod = _load(path, where).token_to_id(EOD_TOKEN)
+        tokenizer = _load(path, where)
+        size = tokenizer.get_vocab_size(with_added_tokens=True)
+        if size > model.vocab_size:
+            # its ids past the model's rows crash the exported model (IndexError in the embedding)
+            raise CheckpointError(f"{where}: tokenizer {str(path)!r} has {size} tokens, more than the model's "
+                                  f"vocabulary of {model.vocab_size}: it is not this model's tokenizer")
+        eod = tokenizer.token_to_id(EOD_TOKEN)
     if eod is not None and eod >= model.vocab_size:
         raise CheckpointError(f"{where}: tokenizer {str(path or spec)!r} has {EOD_TOKEN} at id {eod}, outside the "
                               f"model's vocabulary of {model.vocab_size}: it is not this model's tokenizer")

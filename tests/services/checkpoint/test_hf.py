@@ -224,6 +224,23 @@ def test_export_ships_the_runs_tokenizer(tmp_path):
     assert auto.eos_token == "<|endoftext|>"
 
 
+def test_export_refuses_a_tokenizer_larger_than_the_models_vocabulary(tmp_path):
+    """Only the end-of-document id was checked against the vocabulary, and a trained BPE puts
+    it at id 0: a larger tokenizer (another run's) was shipped, and transformers then failed
+    with IndexError in the embedding on its first id past the model's rows."""
+    from services.dataloader.tokenizers import train_bpe
+
+    text = tmp_path / "corpus.txt"
+    text.write_text(" ".join(f"word{i} token{i * 7} piece{i % 13}" for i in range(3000)))
+    big = train_bpe([text], vocab_size=600, output_path=tmp_path / "big" / "tokenizer.json")
+    assert big.eod_id < 300 < big.vocab_size
+    root = str(tmp_path / "ckpt")
+    save_training_checkpoint(root, random_model(GPT2))  # vocab 300
+    with pytest.raises(CheckpointError, match=rf"has {big.vocab_size} tokens, more than the model's vocabulary of 300"):
+        export_hf(root, str(tmp_path / "hf"), tokenizer=str(big.path))
+    assert not (tmp_path / "hf").exists()
+
+
 @pytest.mark.parametrize("settings", [LLAMA, GPT2], ids=["llama", "gpt2"])
 @pytest.mark.parametrize("tokenizer", ["bpe", "byte"])
 def test_exported_model_ends_generation_at_the_runs_end_of_document(tmp_path, settings, tokenizer):
