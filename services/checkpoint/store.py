@@ -87,9 +87,12 @@ def open_root(url: str) -> Root:
 
 
 def same_root(a: str, b: str) -> bool:
-    """Whether two root URLs name the same place (`/x/ckpt`, `file:///x/ckpt/` and a relative
-    path to it do), so a run can tell that it resumed from the root it saves into."""
+    """Whether two root URLs name the same place (`/x/ckpt`, `file:///x/ckpt/`, a relative
+    path to it, `/y/../x/ckpt` and a symlink to it do), so a run can tell that it resumed
+    from the root it saves into, and a conversion that it would write over its source."""
     ra, rb = open_root(a), open_root(b)
+    if ra.is_local and rb.is_local:  # `x/../x` and a symlink to the folder are the folder
+        return os.path.realpath(ra.path) == os.path.realpath(rb.path)
     return type(ra.fs) is type(rb.fs) and ra.path == rb.path
 
 

@@ -178,11 +178,13 @@ def test_convert_refuses_a_step_that_exists_at_the_destination(tmp_path):
 def test_convert_refuses_its_own_source_root_without_advising_to_delete_the_source(tmp_path):
     """The step is kept, so converting a root into itself meets its own source step; the
     'delete it first' hint of an existing destination step would have the user delete the
-    checkpoint being converted. The same root spelled as a file:// URL is the same root."""
+    checkpoint being converted. The same root spelled as a file:// URL, through `..` or through a
+    symlink is the same root."""
     tensors, meta = training_state()
     root = str(tmp_path / "a")
     save_checkpoint(root, 9, tensors, meta)
-    for dst in (root, f"file://{root}/"):
+    (tmp_path / "link").symlink_to(root)
+    for dst in (root, f"file://{root}/", str(tmp_path / "x" / ".." / "a"), str(tmp_path / "link")):
         with pytest.raises(CheckpointError, match=r"is the source root .*write to another root") as e:
             convert(root, dst, dtype="bf16", progress=False)
         assert "delete" not in str(e.value)
