@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from services.checkpoint.async_save import AsyncSaver, StorageSink, retry
 from services.checkpoint.layout import array_key, dtype_name
+from services.checkpoint.maintenance import unreadable_manifests
 from services.checkpoint.reader import (
     latest_step,
     list_checkpoints,
@@ -313,6 +314,28 @@ def _check_model(root: str, meta: dict, model: GPT) -> None:
                         root, key, saved[key], getattr(c, key))
 
 
+def refuse_damaged_newer(root: str, latest: int | None) -> None:
+    """Raise if a step newer than `latest` (the newest committed one, None: none) has a
+    manifest.json no reader accepts.
+
+    A manifest is written whole or not at all, so one that does not parse (or is of a format
+    this version cannot read) is storage damage or a newer writer's. Readers pass over such a
+    step as uncommitted, so resuming "the latest" would quietly go back to an older step, and
+    the run would fail hours later when its save of the damaged step finds the folder taken.
+    That is the operator's call: resume the older step on purpose, or delete the damaged one.
+    """
+    damaged = {s: why for s, why in unreadable_manifests(root).items() if latest is None or s > latest}
+    if not damaged:
+        return
+    first = min(damaged)
+    older = "no committed step" if latest is None else f"committed step {latest}"
+    choices = [] if latest is None else [f"resume step {latest} on purpose with --ckpt-step {latest}"]
+    choices.append(f"delete the damaged step (meshtrain ckpt delete {root} --step {first})")
+    raise CheckpointError(
+        f"{root}: checkpoint step(s) {sorted(damaged)}, newer than {older}, hold a manifest.json that cannot "
+        f"be read ({damaged[first]}); " + " or ".join(choices) + f", after `meshtrain ckpt verify {root} --all`")
+
+
 def restore(root: str, model: GPT, optimizer: torch.optim.Optimizer, par: Parallel,
             step: int | None = None) -> tuple[TrainState, dict]:
     """Load checkpoint `step` (latest committed if None) into `model` and `optimizer` in place.
@@ -324,6 +347,7 @@ def restore(root: str, model: GPT, optimizer: torch.optim.Optimizer, par: Parall
     """
     if step is None:
         step = latest_step(root)
+        refuse_damaged_newer(root, step)
         if step is None:
             raise CheckpointError(f"no committed checkpoint under {root!r}")
     elif step not in list_checkpoints(root):

@@ -185,6 +185,7 @@ class Trainer:
             # relaunch alike: nothing committed yet is a fresh start. A --load elsewhere (weights
             # to start from) or an explicit step that is missing stays an error: a mistyped path
             # must not silently train from scratch.
+            checkpointing.refuse_damaged_newer(c.load, None)  # nor may a root whose steps are damaged
             log.warning("no committed checkpoint under %s, the root this run saves into: starting from step 0 "
                         "(--load of the root a run saves into resumes it once it holds one)", c.load)
         elif c.load:

@@ -106,6 +106,33 @@ def test_load_of_the_root_saved_into_starts_fresh_while_it_is_empty(corpus_cache
         train(load_config(small_job_args(corpus_cache, tmp_path / "r3", **common, **{"checkpoint.load_step": 1})))
 
 
+def test_a_newest_step_with_a_damaged_manifest_is_refused_not_passed_over(corpus_cache, tmp_path):
+    # Readers take a step whose manifest.json does not parse for uncommitted, so `--load` went
+    # back to the step before it without a word, and the run failed on reaching the damaged
+    # step again ("already exists").
+    root = tmp_path / "ckpt"
+    common = {"train.eval_interval": 0, "checkpoint.save_interval": 2, "checkpoint.save": str(root)}
+    train(load_config(small_job_args(corpus_cache, tmp_path / "r1", **common, **{"train.train_iters": 4})))
+    (root / "step_00000004" / "manifest.json").write_text('{"format": 2, "arr')  # damaged storage
+    resume = {**common, "checkpoint.load": str(root), "train.train_iters": 6}
+    with pytest.raises(CheckpointError, match=r"step\(s\) \[4\], newer than committed step 2, hold a manifest"
+                                              r".*--ckpt-step 2.*ckpt delete .* --step 4"):
+        train(load_config(small_job_args(corpus_cache, tmp_path / "r2", **resume)))
+    # the operator's choices: resume step 2 on purpose (its run then meets step 4's folder), or
+    # delete the damaged step and resume
+    from services.checkpoint.maintenance import delete_checkpoint
+
+    assert delete_checkpoint(str(root), 4)
+    again = train(load_config(small_job_args(corpus_cache, tmp_path / "r3", **resume)))
+    assert sorted(again.losses) == [3, 4, 5, 6] and list_checkpoints(str(root)) == [2, 4, 6]
+    # a root saved into that holds only a damaged step is not taken for an empty one either
+    (root / "step_00000004" / "manifest.json").write_text("not json")
+    for step in (2, 6):
+        delete_checkpoint(str(root), step)
+    with pytest.raises(CheckpointError, match=r"newer than no committed step"):
+        train(load_config(small_job_args(corpus_cache, tmp_path / "r4", **resume)))
+
+
 def test_load_errors_name_the_problem(corpus_cache, tmp_path):
     with pytest.raises(CheckpointError, match="no committed checkpoint|empty"):
         train(load_config(small_job_args(corpus_cache, tmp_path / "r1",
