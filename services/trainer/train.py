@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 import kernels
-from services.checkpoint.maintenance import apply_retention
+from services.checkpoint.maintenance import apply_retention, unreadable_manifests
 from services.checkpoint.reader import list_checkpoints
 from services.checkpoint.store import same_root
 from services.common.errors import CheckpointError, ConfigError, MeshtrainError
@@ -332,6 +332,13 @@ class Trainer:
         root, so every rank raises alike; `checkpoint.overwrite` lets the run share the root.
         """
         c, start = self.job.checkpoint, self.state.iteration
+        damaged = [s for s in unreadable_manifests(c.save) if s > start]
+        if damaged:  # readers skip them, but a save of their step finds the folder taken
+            raise CheckpointError(
+                f"checkpoint steps {damaged[:5]}{' ...' if len(damaged) > 5 else ''} after this run's start (step "
+                f"{start}) under {c.save!r} hold a manifest.json that cannot be read (`meshtrain ckpt verify "
+                f"{c.save} --all`): the run's save of such a step would fail; delete them (meshtrain ckpt delete "
+                f"{c.save} --step N), pass --checkpoint.overwrite=true, or --save another root")
         later = [s for s in list_checkpoints(c.save) if s > start]
         if later:
             shown = f"{later[:5]}{' ...' if len(later) > 5 else ''}"

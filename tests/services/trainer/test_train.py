@@ -118,10 +118,13 @@ def test_a_newest_step_with_a_damaged_manifest_is_refused_not_passed_over(corpus
     with pytest.raises(CheckpointError, match=r"step\(s\) \[4\], newer than committed step 2, hold a manifest"
                                               r".*--ckpt-step 2.*ckpt delete .* --step 4"):
         train(load_config(small_job_args(corpus_cache, tmp_path / "r2", **resume)))
-    # the operator's choices: resume step 2 on purpose (its run then meets step 4's folder), or
-    # delete the damaged step and resume
+    # Resuming step 2 by name (as deploy/train.sh does) is refused too while step 4's folder is
+    # there, since the run's save of step 4 would fail on it; deleting the damaged step lets it on.
     from services.checkpoint.maintenance import delete_checkpoint
 
+    rolled_back = {**resume, "checkpoint.load_step": 2}  # deploy/train.sh names the step it resumes
+    with pytest.raises(CheckpointError, match=r"steps \[4\] after this run's start \(step 2\) .* hold a manifest"):
+        train(load_config(small_job_args(corpus_cache, tmp_path / "r2b", **rolled_back)))
     assert delete_checkpoint(str(root), 4)
     again = train(load_config(small_job_args(corpus_cache, tmp_path / "r3", **resume)))
     assert sorted(again.losses) == [3, 4, 5, 6] and list_checkpoints(str(root)) == [2, 4, 6]
