@@ -14,11 +14,8 @@ from __future__ import annotations
 
 import logging
 import math
-import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Literal
-
-import tomli_w
 
 from services.checkpoint.config import CheckpointConfig
 from services.common import config as cfg
@@ -565,24 +562,7 @@ def load_config(args: list[str] | None = None, base: dict[str, Any] | None = Non
 
 LAUNCHER_KEYS_ENV = "MESHTRAIN_LAUNCHER_KEYS"
 """Set by `meshtrain up` on the trainer it starts: the keys ("section.key", space-separated) it
-pointed at its own services, whose addresses end with it; `run_dir_toml` leaves them out."""
-
-
-def run_dir_toml(job: JobConfig, launcher_keys: list[str] | tuple[str, ...] = ()) -> str:
-    """The run directory's config.toml: `job` resolved, less `launcher_keys`, which a header
-    comment names (under `meshtrain up`: its data workers' and checkpoint service's addresses,
-    dead once it exits, where `meshtrain train --config RUN/config.toml` would retry them)."""
-    table = cfg.to_dict(job)
-    left_out = [key for key in launcher_keys
-                if table.get(key.partition(".")[0], {}).pop(key.partition(".")[2], None) is not None]
-    text = tomli_w.dumps(table)
-    if not left_out:
-        return text
-    note = (f"Left out: {', '.join(left_out)}, which `meshtrain up` pointed at its own services (they "
-            "end with it). `meshtrain up --config` this file (or the command that started the run) resumes "
-            "the run with new ones; `meshtrain train --config` this file reads the data in-process and "
-            "writes checkpoints straight to checkpoint.save.")
-    return textwrap.fill(note, 96, initial_indent="# ", subsequent_indent="# ") + "\n" + text
+pointed at its own services, whose addresses end with it; `run_dir.run_dir_toml` leaves them out."""
 
 
 def replace(job: JobConfig, **sections: dict[str, Any]) -> JobConfig:

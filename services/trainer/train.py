@@ -28,7 +28,7 @@ import kernels
 from services.checkpoint.maintenance import apply_retention
 from services.common.errors import CheckpointError, ConfigError, MeshtrainError
 from services.trainer import checkpointing
-from services.trainer.config import LAUNCHER_KEYS_ENV, JobConfig, replace, run_dir_toml
+from services.trainer.config import LAUNCHER_KEYS_ENV, JobConfig, replace
 from services.trainer.cuda_options import apply_cuda_options
 from services.trainer.data import build_data
 from services.trainer.graphs import MicroBatchGraph
@@ -42,6 +42,7 @@ from services.trainer.parallel.mesh import Mesh, env_rank_world, init_process_gr
 from services.trainer.parallel.tensor import parallelize
 from services.trainer.requests import RunRequests
 from services.trainer.resume import refuse_a_root_with_later_steps, resume
+from services.trainer.run_dir import make_run_dir, run_dir_toml
 from services.trainer.uploads import Uploader
 from services.trainer.weight_copies import WeightCopies, call_with
 
@@ -84,28 +85,6 @@ def build_mesh(job: JobConfig, device: torch.device) -> Mesh:
         return Mesh.single()
     init_process_group("nccl" if device.type == "cuda" else "gloo")
     return Mesh.build(tp=job.parallel.tp, pp=job.parallel.pp, cp=job.parallel.cp, ep=job.parallel.ep)
-
-
-def make_run_dir(configured: str | None, mesh: Mesh) -> Path:
-    """Rank 0 picks (and creates) the run directory; every rank gets the same path."""
-    if mesh.distributed:
-        chosen = [str(_new_run_dir(configured)) if mesh.rank == 0 else None]
-        dist.broadcast_object_list(chosen, src=0)
-        return Path(chosen[0])
-    return _new_run_dir(configured)
-
-
-def _new_run_dir(configured: str | None) -> Path:
-    if configured:
-        path = Path(configured)
-    else:
-        path = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-        n = 1
-        while path.exists():
-            path = Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{n}"
-            n += 1
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 def seed_everything(seed: int) -> None:

@@ -10,7 +10,8 @@ from services.checkpoint.writer import save_checkpoint
 from services.common.config import dumps_toml
 from services.common.errors import ConfigError
 from services.launcher.up import Plan, UpOptions, _resume_from, plan
-from services.trainer.config import LAUNCHER_KEYS_ENV, load_config, run_dir_toml
+from services.trainer.config import LAUNCHER_KEYS_ENV, load_config
+from services.trainer.run_dir import run_dir_toml
 
 
 def test_options_it_cannot_run_are_refused():
