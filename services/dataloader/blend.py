@@ -128,6 +128,11 @@ def samples_needed(weights, num_samples: int) -> list[int]:
     return [int(np.ceil(x * num_samples)) + 1 if x > 0 else 0 for x in w]
 
 
+def blend_index_desc(weights: np.ndarray, num_samples: int) -> dict:
+    """What a blend's index depends on (normalized weights): its cache entry's description."""
+    return {"kind": "blend", "weights": np.asarray(weights).tolist(), "num_samples": int(num_samples)}
+
+
 class BlendedDataset:
     """Several sample datasets interleaved by weight; indexable like a GPTDataset."""
 
@@ -151,7 +156,7 @@ class BlendedDataset:
         self.seq_length = live[0].seq_length
         if any(d.seq_length != self.seq_length for d in live):
             raise DataError(f"blended datasets [{name}] have different seq_length")
-        desc = {"kind": "blend", "weights": self.weights.tolist(), "num_samples": self.num_samples}
+        desc = blend_index_desc(self.weights, self.num_samples)
         arrays = cached_arrays(cache_dir, desc, lambda: dict(zip(
             ("dataset_index", "dataset_sample_index"), blending_indices(self.weights, self.num_samples))))
         self.dataset_index = arrays["dataset_index"]

@@ -106,7 +106,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grace", type=float, default=5.0, help="seconds streams get on SIGTERM")
     p.add_argument("--max-index-gib", type=float, default=None,
                    help="memory (GiB) building one request's sample index may take, and all builds "
-                        "at once; a request needing more is refused (default: a quarter of RAM)")
+                        "at once; a request needing more is refused (default: half the RAM; indices already cached count for nothing)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics (requests, bytes, latency, queue depth) on this "
                         "port at /metrics (0: any free port, printed); off unless given")

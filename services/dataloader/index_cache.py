@@ -42,6 +42,12 @@ def array_digest(a: np.ndarray) -> str:
     return h.hexdigest()
 
 
+def is_cached(folder: str | os.PathLike | None, desc: dict) -> bool:
+    """Whether `cached_arrays(folder, desc, ...)` would load its arrays rather than build them
+    (a data worker bounds only the memory of indices it has to build)."""
+    return folder is not None and (Path(folder) / f"{cache_key(desc)}.json").is_file()
+
+
 def cached_arrays(
     folder: str | os.PathLike | None,
     desc: dict,

@@ -77,6 +77,18 @@ def index_build_bytes(num_epochs: int, num_documents: int, num_samples: int) -> 
     return 24 * num_epochs * num_documents + 48 * num_samples
 
 
+def gpt_index_desc(indexed, documents: np.ndarray, seq_length: int, num_samples: int, seed: int) -> dict:
+    """What a GPTDataset's indices depend on: their cache entry's description (`index_cache`)."""
+    return {
+        "kind": "gpt",
+        "data": indexed.fingerprint,
+        "documents": array_digest(np.asarray(documents, dtype=np.int64)),
+        "seq_length": int(seq_length),
+        "num_samples": int(num_samples),
+        "seed": int(seed),
+    }
+
+
 class GPTDataset:
     """Shuffled fixed-length samples over one split of an IndexedDataset.
 
@@ -141,14 +153,7 @@ class GPTDataset:
             )
         self.num_epochs = epochs_needed(tokens_per_epoch, self.seq_length, self.num_samples)
 
-        desc = {
-            "kind": "gpt",
-            "data": indexed.fingerprint,
-            "documents": array_digest(documents),
-            "seq_length": self.seq_length,
-            "num_samples": self.num_samples,
-            "seed": self.seed,
-        }
+        desc = gpt_index_desc(indexed, documents, self.seq_length, self.num_samples, self.seed)
         arrays = cached_arrays(cache_dir, desc, lambda: self._build_indices(documents))
         self.doc_idx = arrays["doc_idx"]
         self.sample_idx = arrays["sample_idx"]

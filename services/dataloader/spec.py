@@ -22,11 +22,18 @@ from pathlib import Path
 import numpy as np
 
 from services.common.errors import DataError
-from services.dataloader.blend import BlendedDataset, normalize_weights, samples_needed
+from services.dataloader.blend import (
+    BlendedDataset,
+    blend_index_desc,
+    normalize_weights,
+    samples_needed,
+)
+from services.dataloader.index_cache import is_cached
 from services.dataloader.indexed import IndexedDataset, is_remote, local_path
 from services.dataloader.samples import (
     GPTDataset,
     epochs_needed,
+    gpt_index_desc,
     index_build_bytes,
     split_ranges,
 )
@@ -171,8 +178,9 @@ def open_dataset(spec: DatasetSpec, cache: bool = True, max_index_bytes: int | N
         spec: the stream to build.
         cache: cache indices beside each dataset (see `index_cache`).
         max_index_bytes: refuse (DataError naming the numbers) a spec whose indices would take
-            more memory than this to build (`index_build_bytes`), checked once the datasets'
-            headers are read and before any index array is allocated; None: no limit.
+            more memory than this to build (`index_build_bytes`; indices found in the cache are
+            loaded, not built, and count for nothing), checked once the datasets' headers are
+            read and before any index array is allocated; None: no limit.
         budget: held for the estimated bytes while the indices are built.
 
     Returns:
@@ -188,7 +196,11 @@ def open_dataset(spec: DatasetSpec, cache: bool = True, max_index_bytes: int | N
     # first every dataset's header and split size (memory maps), so that the whole spec's index
     # memory is known before any of it is built
     opened: list[tuple[IndexedDataset, int, int] | None] = []
-    need_bytes = 0 if len(spec.prefixes) == 1 else 10 * spec.num_samples  # blend: int16 + int64 each
+    # Indices already in the cache are memory-mapped, not built: they take no build memory.
+    need_bytes = 0
+    if len(spec.prefixes) > 1 and not is_cached(index_cache_dir(spec.prefixes[0]) if cache else None,
+                                                blend_index_desc(normalize_weights(weights), spec.num_samples)):
+        need_bytes = 10 * spec.num_samples  # the blend's index: int16 + int64 a sample
     sizes = []
     for prefix, need in zip(spec.prefixes, needs):
         if need == 0:
@@ -201,7 +213,9 @@ def open_dataset(spec: DatasetSpec, cache: bool = True, max_index_bytes: int | N
         opened.append((indexed, begin, end))
         di = indexed.document_indices
         tokens = int(indexed.sequence_lengths[di[begin]:di[end]].sum(dtype=np.int64))
-        if tokens > spec.seq_length:  # else GPTDataset says the split is too short
+        desc = gpt_index_desc(indexed, np.arange(begin, end, dtype=np.int64), spec.seq_length, need, spec.seed)
+        if tokens > spec.seq_length and not is_cached(index_cache_dir(prefix) if cache else None, desc):
+            # (a split too short for one sample: GPTDataset says so)
             epochs = epochs_needed(tokens, spec.seq_length, need)
             need_bytes += index_build_bytes(epochs, end - begin, need)
             sizes.append(f"{prefix}: {need} samples = {epochs} epochs of {end - begin} documents "

@@ -33,7 +33,7 @@ def start_server(port: int = 0, host: str = "127.0.0.1", max_workers: int = 16,
         cache_indices: cache sample indices beside the datasets.
         metrics: record Prometheus RPC metrics (served by `start_metrics_server`).
         max_index_bytes: memory sample-index builds may take, one request's and all at once
-            (None: a quarter of the machine's memory; see `DataServicer`).
+            (None: half the machine's memory; see `DataServicer`).
 
     Returns:
         (server, bound port, health servicer).

@@ -353,6 +353,22 @@ def test_a_sample_index_over_the_workers_memory_bound_is_refused_before_it_is_bu
         srv.stop(0)
 
 
+def test_an_index_already_cached_is_served_whatever_the_bound(tmp_path):
+    """The bound is on building: an index in the cache is memory-mapped. A worker refused a
+    run's cached index that another machine (a trainer in-process, a larger worker) had built."""
+    prefix = write_dataset(tmp_path / "small", seed=5)
+    spec = pb.DatasetSpec(prefixes=[prefix], weights=[1], seq_length=8, num_samples=2**22)
+    request = pb.StreamRequest(spec=spec, dp_size=1, micro_batch_size=1, global_batch_size=1)
+    for bound in (1 << 30, 64 << 20):  # builds and caches it; then under a bound it is over
+        srv, port, _ = start_server(0, max_index_bytes=bound)
+        try:
+            stub = pb_grpc.DataServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+            assert stub.Describe(request, timeout=120).num_samples == 2**22
+        finally:
+            srv.stop(0)
+    assert (tmp_path / ".meshtrain-index").is_dir()
+
+
 def test_index_build_bytes_bounds_the_real_peak(tmp_path):
     """The refusal is only as good as the estimate: numpy's traced peak while building must stay
     under index_build_bytes, and not far under it (so the bound does not refuse real runs)."""
