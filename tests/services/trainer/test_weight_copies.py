@@ -143,12 +143,16 @@ def test_fused_gradient_accumulation_trains_like_the_copies_hooks(arch, corpus_c
     assert losses_f[-1] < losses_f[0]
     assert losses_f == pytest.approx(losses, rel=2e-3)
     assert losses_f[1:] != losses[1:]  # the first step's loss is before any update; later ones differ
+    # Adam moves an entry whose gradient is rounding noise (the keys' bias, which softmax
+    # ignores; the embedding row of a byte the batches hardly hold) by lr-sized steps of either
+    # sign, whichever way the noise falls: those may differ by up to Adam's largest steps (at
+    # most about 3 lr each); every other entry agrees to bf16 rounding.
+    adam_bound = 3 * fused.job.optim.lr * 6  # 6 steps at most at the peak rate
     for name, p in params.items():
-        if name.endswith("qkv.bias"):
-            # The keys' bias has a zero gradient up to rounding (softmax ignores a shift of every
-            # score), and Adam turns that noise into lr-sized steps of either sign.
-            continue
-        torch.testing.assert_close(params_f[name], p, rtol=1e-2, atol=2e-3, msg=name)
+        off = ~torch.isclose(params_f[name], p, rtol=1e-2, atol=2e-3)
+        if not name.endswith("qkv.bias"):  # there every entry of the keys' part is such noise
+            assert int(off.sum()) <= max(1, p.numel() // 1000), (name, int(off.sum()), p.numel())
+        assert (params_f[name] - p).abs().max() <= adam_bound, name
 
 
 @pytest.mark.parametrize("recompute", ["none", "full"])
