@@ -247,6 +247,10 @@ def reduction_programs(rows: int, device: torch.device, per_sm: int | None = Non
     the launch and every program writes its whole partial row (no zero-fill, nothing for
     autotune's repeated launches to corrupt). Under the CPU interpreter a handful suffices.
     """
+    if rows == 0:
+        # one program, no rows: it writes a zero partial row, so the weight gradient of an
+        # empty batch is 0 (as the reference's) rather than a division by zero here
+        return 1, 0
     per_sm = REDUCTION_PROGRAMS_PER_SM if per_sm is None else per_sm
     target = per_sm * sm_count(device.index or 0) if device.type == "cuda" else 4
     per_program = triton.cdiv(rows, max(1, min(rows, target)))

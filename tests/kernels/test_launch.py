@@ -44,6 +44,16 @@ def test_reduction_programs_cover_every_row_once(rows):
     assert (programs - 1) * per_program < rows <= programs * per_program
 
 
+def test_reduction_programs_of_no_rows_is_one_empty_program():
+    """An empty batch: one program that walks no rows (it writes the zero partial row of the
+    weight gradient), not a division by zero."""
+    import torch
+
+    from kernels._launch import reduction_programs
+
+    assert reduction_programs(0, torch.device("cpu")) == (1, 0)
+
+
 @pytest.mark.parametrize("per_sm", [None, 1, 2, 8])
 @pytest.mark.parametrize("rows", [1, 131, 16384, 16385])
 def test_reduction_programs_on_a_gpu_cover_every_row_once_within_the_per_sm_budget(monkeypatch, rows, per_sm):

@@ -62,3 +62,20 @@ def test_layer_norm_fp32_without_bias_and_large_mean():
 def test_layer_norm_bf16():
     """bf16 in and out, fp32 statistics: one or two bf16 ulps."""
     _check((5, 11, 123), torch.bfloat16)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_layer_norm_empty_batch(bias):
+    """No rows: an empty output and zero weight and bias gradients, as the reference gives (the
+    backward's program count was a division by zero)."""
+    from kernels.layer_norm import layer_norm
+
+    x = torch.randn(0, 24, device=DEVICE, requires_grad=True)
+    w = torch.randn(24, device=DEVICE, requires_grad=True)
+    b = torch.randn(24, device=DEVICE, requires_grad=True) if bias else None
+    params = (x, w) + ((b,) if bias else ())
+    y = layer_norm(x, w, b, 1e-5)
+    grads = torch.autograd.grad(y, params, torch.randn_like(y))
+    assert y.shape == (0, 24) and grads[0].shape == (0, 24)
+    for g in grads[1:]:
+        torch.testing.assert_close(g, torch.zeros(24, device=DEVICE))

@@ -53,3 +53,16 @@ def test_rms_norm_non_contiguous_input():
     x = torch.randn(6, 40, device=DEVICE)[:, ::2]  # (6, 20), stride 2 along hidden
     w = torch.randn(20, device=DEVICE)
     torch.testing.assert_close(rms_norm(x, w, 1e-5), reference.rms_norm(x, w, 1e-5), **TOL[torch.float32])
+
+
+def test_rms_norm_empty_batch():
+    """No rows (an empty micro-batch): an empty output, no dx and a zero weight gradient, as the
+    reference gives (the backward's program count was a division by zero)."""
+    from kernels.rms_norm import rms_norm
+
+    x = torch.randn(0, 24, device=DEVICE, requires_grad=True)
+    w = torch.randn(24, device=DEVICE, requires_grad=True)
+    y = rms_norm(x, w, 1e-6)
+    dx, dw = torch.autograd.grad(y, (x, w), torch.randn_like(y))
+    assert y.shape == (0, 24) and dx.shape == (0, 24)
+    torch.testing.assert_close(dw, torch.zeros_like(w))
