@@ -366,7 +366,8 @@ def _linear_ce(hidden, weight, labels, loss_mask, vocab_size, chunk_size, dtype,
     grad_w = None
     if want_grads:
         grad_w = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
-        grad_w[vocab_size:].zero_()  # padding rows: no gradient
+        # padding rows get no gradient; without tokens no row does (no chunk writes it)
+        grad_w[vocab_size if rows else 0:].zero_()
     for start in range(0, rows, step):
         end = min(start + step, rows)
         h_c = h2[start:end]
@@ -471,6 +472,11 @@ def linear_cross_entropy(
         Scalar fp32 mean loss (weighted by loss_mask when given).
     """
     vocab_size = weight.shape[0] if vocab_size is None else vocab_size
+    if not 0 < vocab_size <= weight.shape[0]:
+        # more than the weight's rows: labels past its last row would find no logit and give a
+        # silently wrong loss (logsumexp alone), not an error
+        raise ValueError(f"linear_cross_entropy: vocab_size {vocab_size} outside 1..{weight.shape[0]}, "
+                         f"the output weight's rows ({tuple(weight.shape)})")
     want_grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     if torch.compiler.is_compiling():
         return _lce_op(hidden, weight, labels, loss_mask, vocab_size, chunk_size, compute_dtype(hidden),

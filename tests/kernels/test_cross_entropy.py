@@ -225,3 +225,32 @@ def test_tracing_leaves_the_fp32_accumulation_flag_alone(monkeypatch):
         # a CUDA build to trace)
         ce._accumulate(acc, a, b, first=False)
     assert ce._MM_FP32_OUT is None
+
+
+def test_linear_cross_entropy_of_no_tokens_gives_a_zero_weight_gradient():
+    """No tokens (a masked-out, empty micro-batch): no chunk writes the fp32 weight-gradient
+    buffer, which came back as uninitialized memory; the reference's gradient is 0."""
+    from kernels.cross_entropy import linear_cross_entropy
+
+    h = torch.randn(0, 8, device=DEVICE, requires_grad=True)
+    w = torch.randn(13, 8, device=DEVICE, requires_grad=True)
+    labels, mask = torch.zeros(0, dtype=torch.long, device=DEVICE), torch.ones(0, device=DEVICE)
+    for _ in range(3):
+        # freed blocks of the buffer's size, full of NaN, for the allocator to hand out again
+        junk = [torch.full((13, 8), float("nan"), device=DEVICE) for _ in range(8)]
+        del junk
+        loss = linear_cross_entropy(h, w, labels, mask, 11, chunk_size=4)
+        dh, dw = torch.autograd.grad(loss, (h, w))
+        assert loss.item() == 0.0 and dh.shape == (0, 8)
+        torch.testing.assert_close(dw, torch.zeros_like(w))
+
+
+def test_linear_cross_entropy_refuses_a_vocab_size_past_the_weight_rows():
+    """vocab_size 13 on an 11-row weight: a label 12 has no logit, and the loss came out as a
+    silently wrong number (logsumexp alone); now an error naming both sizes."""
+    from kernels.cross_entropy import linear_cross_entropy
+
+    h, w = torch.randn(5, 8, device=DEVICE), torch.randn(11, 8, device=DEVICE)
+    labels = torch.tensor([0, 1, 2, 3, 12], device=DEVICE)
+    with pytest.raises(ValueError, match=r"vocab_size 13 outside 1\.\.11"):
+        linear_cross_entropy(h, w, labels, None, 13)
