@@ -124,7 +124,15 @@ def resolve(op: str, on_cuda: bool) -> Callable:
         if op in _FAST:
             return _FAST[op]
     if m == "triton":
-        raise RuntimeError(f"MESHTRAIN_KERNELS=triton but op {op!r} has no Triton kernel for this device")
+        env = os.environ.get("MESHTRAIN_KERNELS")
+        source = f"MESHTRAIN_KERNELS={env}" if env else "kernel mode 'triton' (train.kernels)"
+        if not on_cuda:
+            why = "its tensors are not on a CUDA device (the Triton kernels run on CUDA only)"
+        elif not triton_available():
+            why = "Triton is not installed here (pip install triton)"
+        else:
+            why = "it has no Triton kernel"
+        raise RuntimeError(f"{source}, but op {op!r} cannot run on Triton: {why}; use 'auto' or 'reference'")
     return getattr(reference, op)
 
 

@@ -1,6 +1,10 @@
 """Dispatch registers every Triton kernel on CUDA, and importing a kernel module keeps the op."""
 
 import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -83,3 +87,37 @@ def test_linear_cross_entropy_compiles_whole_on_the_reference():
     f = torch.compile(lambda a, b: kernels.linear_cross_entropy(a, b, labels, None, 10), fullgraph=True)
     torch.testing.assert_close(f(h, w), reference.linear_cross_entropy(h, w, labels, None, 10))
     torch._dynamo.reset()
+
+
+def test_triton_mode_off_cuda_names_where_the_mode_came_from_and_why(monkeypatch):
+    """train.kernels = 'triton' (set_mode) on CPU tensors: the error said MESHTRAIN_KERNELS=triton,
+    a variable nobody set, and 'no Triton kernel for this device'; it names the setting and
+    the reason. With the variable set, the variable."""
+    import torch
+
+    monkeypatch.delenv("MESHTRAIN_KERNELS", raising=False)
+    kernels.set_mode("triton")
+    try:
+        with pytest.raises(RuntimeError, match=r"kernel mode 'triton' \(train.kernels\).*'rms_norm'.*not on a CUDA"):
+            kernels.rms_norm(torch.randn(2, 4), torch.ones(4), 1e-6)
+        monkeypatch.setenv("MESHTRAIN_KERNELS", "triton")
+        kernels.set_mode("auto")
+        with pytest.raises(RuntimeError, match=r"MESHTRAIN_KERNELS=triton, but op 'gelu'.*not on a CUDA"):
+            kernels.gelu(torch.randn(3))
+    finally:
+        kernels.set_mode("auto")
+
+
+def test_triton_mode_without_triton_says_triton_is_missing():
+    """A CUDA op in 'triton' mode where `import triton` fails (run in a fresh interpreter with
+    triton blocked): the error says Triton is not installed; 'auto' takes the reference."""
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "import kernels\nfrom kernels import reference\n"
+            "assert kernels.resolve('rms_norm', on_cuda=True) is reference.rms_norm\n"
+            "kernels.set_mode('triton')\n"
+            "try:\n    kernels.resolve('rms_norm', on_cuda=True)\n"
+            "except RuntimeError as e:\n    print(e)\n")
+    env = {k: v for k, v in os.environ.items() if k != "MESHTRAIN_KERNELS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True,
+                         cwd=Path(kernels.__file__).parents[1]).stdout
+    assert "'rms_norm' cannot run on Triton: Triton is not installed" in out, out
