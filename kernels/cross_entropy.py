@@ -216,6 +216,17 @@ def _check_labels(labels: torch.Tensor, vocab_size: int) -> None:
     torch._assert_async(ok.all(), "a label is outside the vocabulary (and not the ignore index -100)")
 
 
+def _check_rows(rows: int, labels: torch.Tensor, loss_mask: torch.Tensor | None, what: str) -> None:
+    """One label (and one loss-mask value) per row of `what`, or a ValueError naming the shapes.
+
+    The kernels read a label per row by index: fewer labels read past the end, more were
+    silently left out while the mean still divided by their count (a wrong loss).
+    """
+    for name, t in (("labels", labels), ("loss_mask", loss_mask)):
+        if t is not None and t.numel() != rows:
+            raise ValueError(f"{name} of shape {tuple(t.shape)} ({t.numel()} values) for the {rows} rows of {what}")
+
+
 def _row_weights(labels: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
     """Each row's weight in the mean loss, on device (no host sync): 1/N or mask / sum(mask)."""
     n = labels.numel()
@@ -229,6 +240,7 @@ def _row_weights(labels: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.
 
 def _ce_forward(logits, labels, loss_mask):
     """(mean loss, lse (rows,), row weights (rows,)), all fp32."""
+    _check_rows(logits.numel() // max(1, logits.shape[-1]), labels, loss_mask, f"logits {tuple(logits.shape)}")
     labels1 = labels.reshape(-1).contiguous()
     _check_labels(labels1, logits.shape[-1])
     weights = _row_weights(labels1, loss_mask)
@@ -356,10 +368,11 @@ def _linear_ce(hidden, weight, labels, loss_mask, vocab_size, chunk_size, dtype,
     """
     h2 = hidden.reshape(-1, hidden.shape[-1]).to(dtype)  # (tokens, hidden)
     w = weight[:vocab_size].to(dtype)  # (vocab, hidden): padding rows left out
+    rows = h2.shape[0]
+    _check_rows(rows, labels, loss_mask, f"hidden {tuple(hidden.shape)}")
     labels1 = labels.reshape(-1).contiguous()
     _check_labels(labels1, vocab_size)
     weights = _row_weights(labels1, loss_mask)
-    rows = h2.shape[0]
     step = _chunk_rows(rows, vocab_size, h2.element_size(), chunk_size)
     loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
     grad_h = torch.empty_like(h2) if want_grads else None

@@ -254,3 +254,20 @@ def test_linear_cross_entropy_refuses_a_vocab_size_past_the_weight_rows():
     labels = torch.tensor([0, 1, 2, 3, 12], device=DEVICE)
     with pytest.raises(ValueError, match=r"vocab_size 13 outside 1\.\.11"):
         linear_cross_entropy(h, w, labels, None, 13)
+
+
+@pytest.mark.parametrize("which", ["cross_entropy", "linear_cross_entropy"])
+@pytest.mark.parametrize("bad", ["labels", "loss_mask"])
+def test_labels_or_mask_of_another_row_count_is_an_error(which, bad):
+    """6 labels (or mask values) for 5 token rows: the fused loss used to average the first 5
+    losses over 6 (a silently wrong loss) and cross_entropy read the labels by index before any
+    check; the reference refuses it. Now a ValueError naming the shapes, before any launch."""
+    ce = importlib.import_module("kernels.cross_entropy")
+    h, w = torch.randn(5, 8, device=DEVICE), torch.randn(11, 8, device=DEVICE)
+    labels = torch.randint(0, 11, (6 if bad == "labels" else 5,), device=DEVICE)
+    mask = torch.ones(6, device=DEVICE) if bad == "loss_mask" else None
+    with pytest.raises(ValueError, match=rf"{bad} of shape \(6,\) \(6 values\) for the 5 rows"):
+        if which == "cross_entropy":
+            ce.cross_entropy(h @ w.t(), labels, mask)
+        else:
+            ce.linear_cross_entropy(h, w, labels, mask)
