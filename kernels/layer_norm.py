@@ -124,6 +124,10 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, e
     """(y shaped like x, contiguous; mean and rstd, each (rows,) fp32)."""
     x2 = as_rows(x)
     rows, n = x2.shape
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.shape != (n,):  # the kernel reads `n` values by index
+            raise ValueError(f"layer_norm: {name} of shape {tuple(t.shape)} for x of shape {tuple(x.shape)}; "
+                             f"it must be ({n},)")
     weight = weight.contiguous()
     y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     mean = torch.empty(rows, dtype=torch.float32, device=x.device)

@@ -115,6 +115,9 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.T
     """(y shaped like x, contiguous; rstd (rows,) fp32)."""
     x2 = as_rows(x)
     rows, n = x2.shape
+    if weight.shape != (n,):  # the kernel reads `n` weights by index, past a shorter one's end
+        raise ValueError(f"rms_norm: weight of shape {tuple(weight.shape)} for x of shape {tuple(x.shape)}; "
+                         f"it must be ({n},)")
     y = torch.empty((rows, n), dtype=x2.dtype, device=x2.device)
     rstd = torch.empty(rows, dtype=torch.float32, device=x2.device)
     block = row_block(n)

@@ -79,3 +79,16 @@ def test_layer_norm_empty_batch(bias):
     assert y.shape == (0, 24) and grads[0].shape == (0, 24)
     for g in grads[1:]:
         torch.testing.assert_close(g, torch.zeros(24, device=DEVICE))
+
+
+@pytest.mark.parametrize("which", ["weight", "bias"])
+@pytest.mark.parametrize("width", [20, 30])
+def test_layer_norm_refuses_parameters_of_another_width(which, width):
+    """A weight or bias of 20 or 30 values for hidden 24: the kernel read 24 by index and
+    returned numbers where the reference (F.layer_norm) raises."""
+    from kernels.layer_norm import layer_norm
+
+    params = {"weight": torch.randn(24, device=DEVICE), "bias": torch.randn(24, device=DEVICE)}
+    params[which] = torch.randn(width, device=DEVICE)
+    with pytest.raises(ValueError, match=rf"{which} of shape \({width},\) for x of shape \(3, 24\)"):
+        layer_norm(torch.randn(3, 24, device=DEVICE), params["weight"], params["bias"], 1e-5)

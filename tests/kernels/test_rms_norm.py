@@ -66,3 +66,13 @@ def test_rms_norm_empty_batch():
     dx, dw = torch.autograd.grad(y, (x, w), torch.randn_like(y))
     assert y.shape == (0, 24) and dx.shape == (0, 24)
     torch.testing.assert_close(dw, torch.zeros_like(w))
+
+
+@pytest.mark.parametrize("width", [20, 30, 1])
+def test_rms_norm_refuses_a_weight_of_another_width(width):
+    """A (20,), (30,) or (1,) weight for hidden 24: the kernel read 24 weights by index (past
+    a shorter weight's end) and returned numbers where the reference raises."""
+    from kernels.rms_norm import rms_norm
+
+    with pytest.raises(ValueError, match=rf"weight of shape \({width},\) for x of shape \(3, 24\); it must be \(24,\)"):
+        rms_norm(torch.randn(3, 24, device=DEVICE), torch.randn(width, device=DEVICE), 1e-6)
