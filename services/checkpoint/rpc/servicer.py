@@ -44,6 +44,7 @@ from services.checkpoint.reader import (
 from services.checkpoint.sharded import ShardWriter, begin_save, check_save_id, commit
 from services.checkpoint.shards import ShardSpec
 from services.common.errors import CheckpointError
+from services.common.grpc_utils import status_details
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CheckpointService"].full_name
 log = logging.getLogger("meshtrain.checkpoint")
@@ -137,6 +138,8 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             committed = self._committed.get(save_id)
             ended = self._ended.get(save_id)
         if save is None:
+            # each text fits a status (`why` may quote a writer's error of any length): a longer
+            # one broke the trailers, and the client got RESOURCE_EXHAUSTED, which it retries
             if committed is not None:
                 # e.g. a writer retrying a stream whose reply was lost: the commit needed its
                 # fragment, so its first attempt was stored
@@ -145,12 +148,12 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                               "it takes no more writes")
             if ended is not None:
                 step, why = ended
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, status_details(
                               f"save {save_id!r} of step {step} {why}; its writes and commits are "
-                              "refused (begin a new save)")
-            context.abort(grpc.StatusCode.NOT_FOUND,
+                              "refused (begin a new save)"))
+            context.abort(grpc.StatusCode.NOT_FOUND, status_details(
                           f"unknown save id {save_id!r}: call BeginSave first (a restarted "
-                          "service forgets saves in progress)")
+                          "service forgets saves in progress)"))
         return save
 
     @staticmethod

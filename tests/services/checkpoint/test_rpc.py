@@ -299,3 +299,16 @@ def test_calls_of_a_save_that_ended_name_what_became_of_it(service):
                                               "already committed; it takes no more writes"):
         client.writer(10, committed, 0, 1).finish()  # a writer retrying after its reply was lost
     assert client.list() == [10]
+
+
+def test_a_later_call_of_a_save_that_failed_on_a_long_error_gets_it_cut_to_fit(service):
+    # The refusal of a save is remembered and repeated to its later calls; quoting a 20 kB
+    # writer error it overran gRPC's 8 KiB trailer limit, and the client got RESOURCE_EXHAUSTED
+    # "Stream removed" (transient: retried) instead of the refusal.
+    _, client, _ = service
+    save_id = client.begin_save(14, num_writers=1)
+    raw_stream(client, save_id, [pb.WriteShardsRequest(error="E" * 20000)])
+    for _ in range(2):  # the commit, then a retry of it
+        with pytest.raises(CheckpointError, match="FAILED_PRECONDITION: .*writers reported errors") as info:
+            client.commit(14, save_id, 1, {}, timeout=2)
+        assert len(str(info.value)) < 2500
