@@ -49,14 +49,19 @@ class ServiceUnavailableError(MeshtrainError):
     retry tries again, as it does for I/O errors of direct storage."""
 
 
+def _error(what: str, e: grpc.RpcError) -> MeshtrainError:
+    """The domain error for a failed call: ServiceUnavailableError when worth a retry."""
+    message = f"checkpoint service {what}: {e.code().name}: {e.details()}"
+    if e.code() in TRANSIENT_CODES:
+        return ServiceUnavailableError(message)
+    return CheckpointError(message)
+
+
 def _call(what: str, fn, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
     except grpc.RpcError as e:
-        message = f"checkpoint service {what}: {e.code().name}: {e.details()}"
-        if e.code() in TRANSIENT_CODES:
-            raise ServiceUnavailableError(message) from e
-        raise CheckpointError(message) from e
+        raise _error(what, e) from e
 
 
 class RemoteWriter:
@@ -163,8 +168,8 @@ class CheckpointClient:
                     raise CheckpointError(f"ReadSlice of {array!r} returned more than its {len(buf)} bytes")
                 buf[filled:filled + len(msg.chunk)] = msg.chunk
                 filled += len(msg.chunk)
-        except grpc.RpcError as e:
-            raise CheckpointError(f"checkpoint service ReadSlice: {e.code().name}: {e.details()}") from e
+        except grpc.RpcError as e:  # a response stream fails here, not in `_call`
+            raise _error("ReadSlice", e) from e
         if filled != len(buf):
             raise CheckpointError(f"ReadSlice of {array!r} returned {filled} of {len(buf)} bytes")
         return layout.from_stored(np.frombuffer(buf, dtype=stored).reshape(shape), dtype)

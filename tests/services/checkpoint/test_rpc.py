@@ -312,3 +312,31 @@ def test_a_later_call_of_a_save_that_failed_on_a_long_error_gets_it_cut_to_fit(s
         with pytest.raises(CheckpointError, match="FAILED_PRECONDITION: .*writers reported errors") as info:
             client.commit(14, save_id, 1, {}, timeout=2)
         assert len(str(info.value)) < 2500
+
+
+def test_a_read_the_service_cannot_take_now_is_unavailable_not_refused(tmp_path):
+    # A response stream fails while it is read, past `_call`: read_box turned every failure
+    # into a CheckpointError (never retried), also "all stream slots in use".
+    import threading
+    import time
+
+    from services.checkpoint.rpc.client import ServiceUnavailableError
+
+    root = str(tmp_path / "ckpt")
+    save_checkpoint(root, 2, {"w": torch.ones(4)})
+    with running_service(root, max_streams=1, commit_timeout=10) as (client, _):
+        save_id = client.begin_save(3, num_writers=1)
+
+        def slow():
+            yield pb.WriteShardsRequest(header=pb.WriteHeader(save_id=save_id, writer_id=0))
+            time.sleep(1.0)
+
+        blocker = threading.Thread(target=lambda: client.stub.WriteShards(slow()))
+        blocker.start()
+        time.sleep(0.3)  # the slow stream holds the slot
+        with pytest.raises(ServiceUnavailableError, match="RESOURCE_EXHAUSTED: all 1 stream slots"):
+            client.read_box(2, "w", (0,), (4,))
+        blocker.join()
+        assert torch.equal(client.read_box(2, "w", (0,), (4,)), torch.ones(4))
+        with pytest.raises(CheckpointError, match="no array 'missing'"):  # still a refusal
+            client.read_box(2, "missing", (0,), (1,))
