@@ -260,6 +260,11 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             save = self._saves.get(save_id) or self._committed.get(save_id)
         if save is None:
             save = self._save(save_id, context)  # aborts, saying why
+        if not (math.isfinite(request.timeout_s) and request.timeout_s >= 0):
+            # NaN never passed the deadline: the commit waited forever for a missing writer,
+            # holding a thread and keeping the save from expiring
+            raise CheckpointError(f"commit timeout_s must be a finite number of seconds >= 0 "
+                                  f"(0: the service's default), got {request.timeout_s!r}")
         try:
             metadata = json.loads(request.metadata_json or "{}")
         except ValueError as e:

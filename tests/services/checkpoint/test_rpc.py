@@ -340,3 +340,17 @@ def test_a_read_the_service_cannot_take_now_is_unavailable_not_refused(tmp_path)
         assert torch.equal(client.read_box(2, "w", (0,), (4,)), torch.ones(4))
         with pytest.raises(CheckpointError, match="no array 'missing'"):  # still a refusal
             client.read_box(2, "missing", (0,), (1,))
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), float("inf"), -1.0])
+def test_a_commit_timeout_that_never_passes_is_refused(service, timeout):
+    # NaN compared false with the clock, so the commit waited forever for the missing writer
+    _, client, _ = service
+    save_id = client.begin_save(15, num_writers=1)
+    with pytest.raises(grpc.RpcError) as info:
+        client.stub.Commit(pb.CommitRequest(save_id=save_id, timeout_s=timeout), timeout=3)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"timeout_s must be a finite number of seconds >= 0 (0: the service's default), got {timeout!r}" \
+        in info.value.details()
+    with pytest.raises(CheckpointError, match=r"writers \[0\] did not report within 0.1 s"):
+        client.commit(15, save_id, 1, {}, timeout=0.1)  # the save was not ended by the bad request
