@@ -182,16 +182,25 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
     def BeginSave(self, request, context):
         if request.num_writers < 1:
             raise CheckpointError(f"num_writers must be >= 1, got {request.num_writers}")
-        save_id = begin_save(self.root, request.step, overwrite=request.overwrite)
         with self._lock:
             # A newer save of a step replaces an older one still open (a trainer restarted
             # mid-save): the old id's writes and commit are refused from now on, so its late
             # writers cannot mix their boxes into the new save's.
-            for old in [k for k, v in self._saves.items() if v.step == request.step]:
-                del self._saves[old]
-                self._remember(self._ended, old,
+            old = [(k, v) for k, v in self._saves.items() if v.step == request.step]
+            for old_id, _ in old:
+                del self._saves[old_id]
+                self._remember(self._ended, old_id,
                                (request.step, "was superseded by a newer BeginSave of the same step"))
-                log.warning("save %s of step %d superseded by save %s", old, request.step, save_id)
+                log.warning("save %s of step %d superseded by a newer BeginSave", old_id, request.step)
+        for _, save in old:
+            # A commit of an old save under way must not run beside the folder's removal below
+            # (it wrote a manifest over shards just deleted: a committed, broken checkpoint).
+            # Superseded, it stops at its next look for fragments, or it is already writing its
+            # metadata and finishes: then the step is committed and begin_save treats it so.
+            with save.commit_lock:
+                pass
+        save_id = begin_save(self.root, request.step, overwrite=request.overwrite)
+        with self._lock:
             self._saves[save_id] = _Save(request.step, request.num_writers)
         return pb.BeginSaveResponse(save_id=save_id)
 
@@ -270,10 +279,15 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         except ValueError as e:
             raise CheckpointError(f"commit metadata is not JSON: {e}") from e
         with save.commit_lock:  # a second Commit of this save (a client retrying) waits for the first
+            with self._lock:
+                current = save_id in self._saves or save_id in self._committed
+            if not current:  # superseded while this call waited for the lock
+                self._save(save_id, context)  # aborts, saying why
             try:
                 # `commit` returns the result again for a step this save already committed
                 result = commit(self.root, save.step, save_id, save.num_writers, metadata,
-                                timeout=request.timeout_s or self.commit_timeout)
+                                timeout=request.timeout_s or self.commit_timeout,
+                                cancelled=lambda: save_id not in self._saves)
             except CheckpointError as e:
                 # A definite refusal: trying again cannot help, so the save ends here, and a
                 # later call of it (a retry whose first reply was lost) gets this cause.

@@ -354,3 +354,57 @@ def test_a_commit_timeout_that_never_passes_is_refused(service, timeout):
         in info.value.details()
     with pytest.raises(CheckpointError, match=r"writers \[0\] did not report within 0.1 s"):
         client.commit(15, save_id, 1, {}, timeout=0.1)  # the save was not ended by the bad request
+
+
+def test_a_begin_save_during_a_commit_of_its_step_never_leaves_a_broken_checkpoint(service):
+    # BeginSave cleared the step's folder while a commit of it was writing its arrays'
+    # metadata: the commit then wrote a manifest over deleted shards, a committed checkpoint
+    # that does not load. BeginSave now waits for that commit, then sees the step committed.
+    import glob
+    import threading
+    import time
+
+    root, client, _ = service
+    save_id = client.begin_save(16, num_writers=1)
+    writer = client.writer(16, save_id, 0, 1)
+    for i in range(150):  # many arrays: the commit spends a while writing their zarr.json
+        writer.write(ShardSpec(f"a{i}", (4,), "float32", (0,), (4,)), torch.full((4,), float(i)))
+    writer.finish()
+    results = {}
+    committer = threading.Thread(target=lambda: results.setdefault("commit", client.commit(16, save_id, 1, {}, timeout=5)))
+    committer.start()
+    deadline = time.monotonic() + 10
+    while not glob.glob(f"{root}/step_00000016/a*/zarr.json") and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert not os.path.exists(f"{root}/step_00000016/{MANIFEST_NAME}")  # still inside the commit
+    with pytest.raises(CheckpointError, match="checkpoint step 16 already exists"):
+        client.begin_save(16)
+    committer.join()
+    assert results["commit"].step == 16 and client.list() == [16]
+    for i in (0, 149):
+        assert torch.equal(read_box(root, 16, f"a{i}", (0,), (4,)), torch.full((4,), float(i)))
+
+
+def test_a_commit_waiting_for_writers_stops_when_its_save_is_superseded(service):
+    import threading
+    import time
+
+    _, client, _ = service
+    old = client.begin_save(17, num_writers=2)  # writer 1 never comes
+    errors = []
+
+    def commit_old():
+        try:
+            client.commit(17, old, 2, {}, timeout=30)
+        except CheckpointError as e:
+            errors.append(e)
+
+    committer = threading.Thread(target=commit_old)
+    committer.start()
+    time.sleep(0.3)
+    start = time.monotonic()
+    new = written_save(client, 17)  # waits for the old commit to give up, not 30 s
+    committer.join()
+    assert time.monotonic() - start < 5
+    assert errors and re.search(f"save {old} of step 17 was cancelled while waiting", str(errors[0]))
+    assert client.commit(17, new, 1, {}, timeout=5).step == 17
