@@ -297,6 +297,9 @@ def commit(
     root = open_root(root) if isinstance(root, str) else root
     check_save_id(save_id)
     metadata = {} if metadata is None else metadata
+    if not isinstance(metadata, dict):  # readers look keys up in it
+        raise CheckpointError(f"checkpoint metadata for step {step} must be a dict, got "
+                              f"{type(metadata).__name__}")
     try:
         json.dumps(metadata, allow_nan=False)
     except (TypeError, ValueError) as e:

@@ -276,8 +276,11 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                                   f"(0: the service's default), got {request.timeout_s!r}")
         try:
             metadata = json.loads(request.metadata_json or "{}")
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
             raise CheckpointError(f"commit metadata is not JSON: {e}") from e
+        if not isinstance(metadata, dict):  # readers look keys up in it
+            raise CheckpointError(f"commit metadata must be a JSON object, got {type(metadata).__name__}: "
+                                  f"{request.metadata_json[:100]!r}")
         with save.commit_lock:  # a second Commit of this save (a client retrying) waits for the first
             with self._lock:
                 current = save_id in self._saves or save_id in self._committed

@@ -408,3 +408,28 @@ def test_a_commit_waiting_for_writers_stops_when_its_save_is_superseded(service)
     assert time.monotonic() - start < 5
     assert errors and re.search(f"save {old} of step 17 was cancelled while waiting", str(errors[0]))
     assert client.commit(17, new, 1, {}, timeout=5).step == 17
+
+
+@pytest.mark.parametrize("metadata_json, match", [
+    ("5", "commit metadata must be a JSON object, got int: '5'"),
+    ("[1]", "commit metadata must be a JSON object, got list"),
+    ("[" * 100_000, "commit metadata is not JSON: maximum recursion depth"),
+])
+def test_commit_metadata_must_be_a_json_object(service, metadata_json, match):
+    # A number or list was committed as the manifest's metadata (`meshtrain ckpt inspect` and
+    # the trainer's load then failed on it with a traceback); JSON nested too deep failed the
+    # handler with UNKNOWN, which the client retries as transient.
+    _, client, _ = service
+    save_id = written_save(client, 18)
+    with pytest.raises(grpc.RpcError) as info:
+        client.stub.Commit(pb.CommitRequest(save_id=save_id, metadata_json=metadata_json))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and match in info.value.details()
+    assert client.list() == []
+    assert client.commit(18, save_id, 1, {"ok": 1}, timeout=5).step == 18  # the save goes on
+
+
+def test_the_library_commit_refuses_metadata_that_is_not_a_dict(tmp_path):
+    save_id = sharded.begin_save(str(tmp_path), 1)
+    ShardWriter(str(tmp_path), 1, save_id, 0, 1).finish()
+    with pytest.raises(CheckpointError, match="metadata for step 1 must be a dict, got list"):
+        sharded.commit(str(tmp_path), 1, save_id, 1, [1], timeout=1)
