@@ -264,6 +264,69 @@ def test_nproc_per_node_stop_before_training_began_is_a_clean_stop(tmp_path, cor
     assert all(_gone(pid) for pid in pids.values())
 
 
+def _rank1_frozen_mid_save(proc, ckpt: Path, rank1: int, limit_s: float = 90.0) -> Path:
+    """SIGSTOP rank 1 while it writes its shards of a save, before its fragment (what tells the
+    committer it is done) is stored; returns that step's folder. A save that rank 1 had already
+    finished when frozen is let go (SIGCONT) and the next one tried."""
+    deadline, seen = time.monotonic() + limit_s, set()
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the launch ended before a save could be caught"
+        fresh = [p for p in ckpt.glob("step_*") if p.name not in seen] if ckpt.exists() else []
+        if not fresh:
+            time.sleep(0.001)
+            continue
+        step = fresh[0]
+        seen.add(step.name)
+        os.kill(rank1, signal.SIGSTOP)
+        if not list(step.glob("_fragments/*/writer_00001.json")) and not (step / "manifest.json").exists():
+            return step
+        os.kill(rank1, signal.SIGCONT)
+    raise AssertionError(f"no save of {ckpt} caught with rank 1's fragment still unwritten in {limit_s:.0f} s")
+
+
+@pytest.mark.e2e
+@pytest.mark.dist
+def test_nproc_per_node_rank_killed_mid_save_fails_fast_and_commits_nothing(tmp_path, corpus_cache):  # noqa: F811
+    """Rank 1 SIGKILLed while its shards of an asynchronous save are being written (tp=2, so it
+    owns half the boxes): rank 0, the committer, used to wait the commit's 600 s for rank 1's
+    fragment in its shutdown, where SIGTERM is only logged, so the launcher SIGKILLed it 15 s
+    later and its own error (the broken collective) was never printed. Now the failing run gives
+    the save up at once: rank 0 exits 1 by itself within seconds, saying the save of that step
+    was abandoned, and the step is not committed (`ckpt list` does not show it)."""
+    run, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    args = small_job_args(corpus_cache, run, **{"train.train_iters": 100_000, "train.eval_interval": 0,
+                                               "model.hidden_size": 128, "parallel.tp": 2,
+                                               "checkpoint.save": str(ckpt), "checkpoint.save_interval": 2})
+    with open(tmp_path / "stderr", "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "train", "--nproc-per-node", "2", *args],
+                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        deadline = time.monotonic() + 60
+        while len(pids := _rank_pids(proc.pid)) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()[-3000:]
+            time.sleep(0.02)
+        step = _rank1_frozen_mid_save(proc, ckpt, pids[1])
+        os.kill(pids[1], signal.SIGKILL)
+        killed = time.monotonic()
+        code = proc.wait(timeout=60)
+        took = time.monotonic() - killed
+    finally:
+        for pid in _rank_pids(proc.pid).values():
+            os.kill(pid, signal.SIGKILL)
+        proc.kill()
+    err = (tmp_path / "stderr").read_text()
+    errors = [line for line in err.splitlines() if line.startswith("meshtrain: error:")]
+    assert code == 1 and errors == ["meshtrain: error: rank 1 failed (killed by SIGKILL), then rank 0 (exit status 1)"], \
+        err[-3000:]
+    assert took < 10, (took, err[-3000:])
+    assert re.search(rf"save \w+ of step {int(step.name[5:])} under .* abandoned: writers \[1\] had not reported when "
+                     "the run failed", err), \
+        err[-3000:]
+    committed = meshtrain("ckpt", "list", ckpt).stdout.split()
+    assert str(int(step.name[5:])) not in committed, committed
+    assert all(_gone(pid) for pid in pids.values())
+
+
 # SIGTERM after the trainer's loop has ended: right after `train()` returns (the summary is yet
 # to be printed), or while the interpreter exits (an atexit hook registered before the run's own).
 _LATE_SIGTERM_CHILD = """

@@ -17,6 +17,7 @@ metadata, timeout)`.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -65,8 +66,8 @@ class StorageSink:
         return ShardWriter(self.root, step, save_id, writer_id, num_writers)
 
     def commit(self, step: int, save_id: str, num_writers: int, metadata: dict | None,
-               timeout: float) -> SaveResult:
-        return commit(self.root, step, save_id, num_writers, metadata, timeout)
+               timeout: float, cancelled: Callable[[], str | None] | None = None) -> SaveResult:
+        return commit(self.root, step, save_id, num_writers, metadata, timeout, cancelled=cancelled)
 
 
 def retry(what: str, fn: Callable[[], Any], attempts: int, backoff: float) -> Any:
@@ -121,6 +122,7 @@ class AsyncSaver:
         self._buffers: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-upload")
         self._pending: Future | None = None
+        self._abandoned = threading.Event()  # `abandon`: the committer stops waiting for missing writers
         self.last_stall_s = 0.0
         # The step of the newest save this saver committed (committer only; None before):
         # retention must never delete it, whatever steps other runs left in the root.
@@ -162,6 +164,14 @@ class AsyncSaver:
         """
         pending, self._pending = self._pending, None
         return None if pending is None else pending.result()
+
+    def abandon(self) -> None:
+        """The run failed: the save in flight commits only if every writer has already
+        reported; the committer stops waiting for the others (a dead rank never reports, and
+        the commit would otherwise hold this process for `commit_timeout`). Its `wait` then
+        raises. Only `StorageSink` commits can be cut short; a service's commit runs to its
+        own timeout."""
+        self._abandoned.set()
 
     def close(self) -> None:
         """Waits for the save in flight and stops the upload thread."""
@@ -206,9 +216,11 @@ class AsyncSaver:
             raise
         if not committer:
             return None
+        cancel = ({"cancelled": lambda: "the run failed" if self._abandoned.is_set() else None}
+                  if isinstance(self.sink, StorageSink) else {})
         result = retry(
             f"committing step {step}",
-            lambda: self.sink.commit(step, save_id, self.num_writers, metadata, self.commit_timeout),
+            lambda: self.sink.commit(step, save_id, self.num_writers, metadata, self.commit_timeout, **cancel),
             self.attempts, self.backoff,
         )
         self.last_committed = step

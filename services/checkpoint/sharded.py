@@ -267,7 +267,7 @@ def commit(
     metadata: dict[str, Any] | None = None,
     timeout: float = 600.0,
     poll: float = 0.01,
-    cancelled: Callable[[], bool] | None = None,
+    cancelled: Callable[[], str | None] | None = None,
 ) -> SaveResult:
     """Waits for every writer's fragment, validates the save and writes the manifest.
 
@@ -282,8 +282,10 @@ def commit(
             1.5x a look to at most 1 s, so a long wait on an object store costs few LIST
             requests (a dozen in the first 2 s) while a fast local save is committed within
             about a third of its own time (a 0.05 s start cost 0.1 s saves up to 50%).
-        cancelled: asked at each look at the fragment folder; True stops waiting and aborts
-            the save (the service's save was superseded, its folder is about to be cleared).
+        cancelled: asked at each look at the fragment folder for a reason to stop waiting for
+            writers that have not reported (the service's save was superseded, its folder about
+            to be cleared; the trainer's run failed, so a dead writer never will); a reason aborts
+            the save, as at the timeout. A save whose fragments are all in is still committed.
 
     Returns:
         A SaveResult.
@@ -318,11 +320,14 @@ def commit(
             raise CheckpointError(f"save of step {step} aborted: writers reported errors {failed}")
         if len(fragments) >= num_writers:
             break
-        if cancelled is not None and cancelled():
-            raise CheckpointError(f"save {save_id} of step {step} was cancelled while waiting for "
-                                  "its writers; nothing was committed")
+        missing = sorted(set(range(num_writers)) - set(fragments))
+        reason = cancelled() if cancelled is not None else None
+        if reason:
+            raise CheckpointError(
+                f"save {save_id} of step {step} under {root.url!r} abandoned: writers {missing} had not "
+                f"reported when {reason}; nothing was committed, the previous checkpoint is intact"
+            )
         if time.monotonic() > deadline:
-            missing = sorted(set(range(num_writers)) - set(fragments))
             raise CheckpointError(
                 f"save of step {step} under {root.url!r} aborted: writers {missing} did not "
                 f"report within {timeout:g} s; the previous checkpoint is intact"

@@ -273,6 +273,18 @@ class Checkpointer:
         if self.par.mesh.distributed:
             dist.barrier()
 
+    def close_after_failure(self) -> None:
+        """`close` for a run that is failing (a peer died, a collective raised): the save in
+        flight commits only if every rank's fragment is already stored, else it is given up at
+        once (nothing is committed; the previous checkpoint stands) and logged, not raised, so
+        the run's own error is the one reported. Without this, rank 0 waited the commit's
+        600 s for a dead rank's fragment before it could exit."""
+        self.saver.abandon()
+        try:
+            self.close()
+        except CheckpointError as e:
+            log.error("the checkpoint in flight was not committed: %s", e)
+
     def close(self) -> None:
         """Waits for the save in flight, stops the upload thread and, in service mode, closes
         the channel to the checkpoint service (safe to call twice)."""

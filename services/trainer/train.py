@@ -378,6 +378,7 @@ class Trainer:
         tokens_per_step = t.global_batch_size * job.model.seq_length
         metrics = MetricsLog(self.run_dir, t.train_iters, start, job.log.progress if self.is_main else "none")
         with self.requests.sigterm_stops(until_exit):
+            failed = True
             try:
                 try:
                     self._loop(result, metrics, start, tokens_per_step)
@@ -389,9 +390,13 @@ class Trainer:
                 self.progress["last_checkpoint"] = self.checkpointer.committed_url
                 if result.checkpoint:
                     log.info("checkpoint committed: %s", result.checkpoint)
+                failed = False
             finally:
                 metrics.close()
-                self.checkpointer.close()
+                if failed:  # e.g. a peer died: its fragment of the save in flight never comes
+                    self.checkpointer.close_after_failure()
+                else:
+                    self.checkpointer.close()
         if job.log.plot and self.is_main:
             result.plot = plot_losses(self.run_dir)
         return result

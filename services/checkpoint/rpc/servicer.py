@@ -290,7 +290,8 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                 # `commit` returns the result again for a step this save already committed
                 result = commit(self.root, save.step, save_id, save.num_writers, metadata,
                                 timeout=request.timeout_s or self.commit_timeout,
-                                cancelled=lambda: save_id not in self._saves)
+                                cancelled=lambda: None if save_id in self._saves
+                                else "its save was superseded by a newer BeginSave")
             except CheckpointError as e:
                 # A definite refusal: trying again cannot help, so the save ends here, and a
                 # later call of it (a retry whose first reply was lost) gets this cause.

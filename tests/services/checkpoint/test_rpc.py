@@ -406,7 +406,8 @@ def test_a_commit_waiting_for_writers_stops_when_its_save_is_superseded(service)
     new = written_save(client, 17)  # waits for the old commit to give up, not 30 s
     committer.join()
     assert time.monotonic() - start < 5
-    assert errors and re.search(f"save {old} of step 17 was cancelled while waiting", str(errors[0]))
+    assert errors and re.search(f"save {old} of step 17 under .* abandoned: writers .* had not reported when "
+                                "its save was superseded", str(errors[0]))
     assert client.commit(17, new, 1, {}, timeout=5).step == 17
 
 

@@ -180,6 +180,30 @@ def test_writer_that_never_reports_aborts_and_keeps_previous(root):
     assert read_manifest(root, 1)["metadata"] == {"tp": 2}
 
 
+def test_cancelled_commit_stops_waiting_for_a_missing_writer_but_commits_a_complete_save(root):
+    """A failing run cancels its commit (`AsyncSaver.abandon`): a writer that has not reported
+    (a dead rank) is not waited for, while a save whose fragments are all in still commits."""
+    save_tp(root, 1, qkv_global(1), tp=2)
+    save_id = begin_save(root, 2)
+    writer = ShardWriter(root, 2, save_id, 0, 2)
+    for spec, data in tp_boxes(qkv_global(2), 2)[0]:
+        writer.write(spec, data)
+    writer.finish()  # writer 1 never reports
+    cancel = threading.Event()
+    threading.Timer(0.2, cancel.set).start()
+    with pytest.raises(CheckpointError, match=r"abandoned: writers \[1\] had not reported when the run failed"):
+        commit(root, 2, save_id, 2, timeout=60, cancelled=lambda: "the run failed" if cancel.is_set() else None)
+    assert list_checkpoints(root) == [1]
+    save_id = begin_save(root, 3)
+    for w, boxes in tp_boxes(qkv_global(3), 2).items():
+        writer = ShardWriter(root, 3, save_id, w, 2)
+        for spec, data in boxes:
+            writer.write(spec, data)
+        writer.finish()
+    commit(root, 3, save_id, 2, timeout=60, cancelled=lambda: "the run failed")  # every writer is in
+    assert list_checkpoints(root) == [1, 3]
+
+
 def test_writer_error_aborts_at_once(root):
     save_id = begin_save(root, 3)
     ShardWriter(root, 3, save_id, 0, 2).finish(error="disk full")
