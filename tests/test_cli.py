@@ -327,6 +327,43 @@ def test_nproc_per_node_rank_killed_mid_save_fails_fast_and_commits_nothing(tmp_
     assert all(_gone(pid) for pid in pids.values())
 
 
+@pytest.mark.e2e
+@pytest.mark.dist
+def test_nproc_per_node_hung_rank_ends_the_job_after_the_distributed_timeout(tmp_path, corpus_cache):  # noqa: F811
+    """Rank 1 SIGSTOPped (a hung peer: its connections stay open, so nothing fails at once):
+    rank 0's next collective raises after parallel.distributed_timeout_minutes (here 6 s), it
+    exits 1 and the launcher SIGKILLs the hung rank 15 s later. The tp and dp groups used to take
+    torch's 30-minute default instead of the world group's timeout, so the job hung 30 min."""
+    run = tmp_path / "run"
+    args = small_job_args(corpus_cache, run, **{"train.train_iters": 100_000, "train.eval_interval": 0,
+                                               "parallel.distributed_timeout_minutes": 0.1})
+    with open(tmp_path / "stderr", "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "train", "--nproc-per-node", "2", *args],
+                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        metrics = run / "metrics.jsonl"
+        deadline = time.monotonic() + 60
+        while not metrics.exists() or len(metrics.read_text().splitlines()) < 3:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()[-3000:]
+            time.sleep(0.05)
+        pids = _rank_pids(proc.pid)
+        os.kill(pids[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        code = proc.wait(timeout=45)
+        took = time.monotonic() - stopped
+    finally:
+        for pid in _rank_pids(proc.pid).values():
+            os.kill(pid, signal.SIGKILL)
+        proc.kill()
+    err = (tmp_path / "stderr").read_text()
+    errors = [line for line in err.splitlines() if line.startswith("meshtrain: error:")]
+    assert code == 1 and len(errors) == 1 and errors[0].startswith("meshtrain: error: rank 0 failed (exit status 1)"), \
+        err[-3000:]
+    assert "Timed out waiting 6000ms" in err, err[-3000:]
+    assert 6 <= took < 6 + 15 + 10, took
+    assert all(_gone(pid) for pid in pids.values())
+
+
 # SIGTERM after the trainer's loop has ended: right after `train()` returns (the summary is yet
 # to be printed), or while the interpreter exits (an atexit hook registered before the run's own).
 _LATE_SIGTERM_CHILD = """

@@ -380,6 +380,11 @@ class ParallelConfig:
     end to end (BENCHMARKS.md), so off by default. Not with sequence_parallel (its
     reduce-scatters stay on NCCL) nor with tp_batch_split (whose reductions are launched and
     waited for apart)."""
+    distributed_timeout_minutes: float = 10.0
+    """How long a collective waits for a peer rank before it raises and the rank exits 1
+    (--distributed-timeout-minutes, as Megatron). A rank that dies is noticed at once (its
+    connections close); one that hangs (SIGSTOP, stuck storage, a deadlock) only through this
+    timeout, on the ranks waiting for it: the job ends after it (plus the launcher's 15 s)."""
     use_distributed_optimizer: bool = False
     """Shard Adam state over data-parallel ranks (ZeRO-1): reduce-scatter grads, all-gather params."""
     overlap_grad_reduce: bool = False
@@ -422,6 +427,9 @@ class ParallelConfig:
         if self.tp_batch_split and self.tp_comm_overlap:
             raise ConfigError("parallel.tp_batch_split and parallel.tp_comm_overlap both overlap the row-parallel "
                               "reductions: choose one")
+        if not self.distributed_timeout_minutes > 0:
+            raise ConfigError(f"parallel.distributed_timeout_minutes must be a positive number of minutes, "
+                              f"got {self.distributed_timeout_minutes}")
         if self.tp_batch_split and self.recompute_granularity == "full":
             raise ConfigError("parallel.tp_batch_split with parallel.recompute_granularity='full' is not supported: "
                               "recompute stops at the last saved tensor and would leave the other half's last "

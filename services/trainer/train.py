@@ -83,8 +83,10 @@ def build_mesh(job: JobConfig, device: torch.device) -> Mesh:
             raise ConfigError(f"parallel.tp={job.parallel.tp} needs {job.parallel.tp} processes; launch with "
                               f"`meshtrain train --nproc-per-node N` or torchrun")
         return Mesh.single()
-    init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return Mesh.build(tp=job.parallel.tp, pp=job.parallel.pp, cp=job.parallel.cp, ep=job.parallel.ep)
+    timeout_s = job.parallel.distributed_timeout_minutes * 60
+    init_process_group("nccl" if device.type == "cuda" else "gloo", timeout_s=timeout_s)
+    return Mesh.build(tp=job.parallel.tp, pp=job.parallel.pp, cp=job.parallel.cp, ep=job.parallel.ep,
+                      timeout_s=timeout_s)
 
 
 def seed_everything(seed: int) -> None:

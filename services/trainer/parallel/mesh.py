@@ -40,11 +40,17 @@ def env_rank_world() -> tuple[int, int, int]:
     return 0, 1, 0
 
 
-def init_process_group(backend: str | None = None, timeout_s: float = 600.0) -> None:
+TIMEOUT_S = 600.0
+"""How long a collective waits for a peer before it raises (Megatron's --distributed-timeout-minutes
+default, 10): a rank that hangs (SIGSTOP, stuck I/O) is seen by the others only through it."""
+
+
+def init_process_group(backend: str | None = None, timeout_s: float = TIMEOUT_S) -> None:
     """Initialize torch.distributed from the environment if it is not already (no-op alone).
 
     Slurm's variables are translated to torchrun's (MASTER_ADDR/PORT must be set by the
-    sbatch script). Backend: NCCL with CUDA, gloo otherwise.
+    sbatch script). Backend: NCCL with CUDA, gloo otherwise. `timeout_s`: how long a
+    collective of the world group waits for a peer (`Mesh.build` gives its groups the same).
     """
     if dist.is_initialized():
         return
@@ -126,11 +132,15 @@ class Mesh:
         return Mesh(ranks={name: [0] for name in (*AXES, "dp_cp", "mp", "world")})
 
     @staticmethod
-    def build(tp: int = 1, dp: int | None = None, pp: int = 1, cp: int = 1, ep: int = 1) -> "Mesh":
+    def build(tp: int = 1, dp: int | None = None, pp: int = 1, cp: int = 1, ep: int = 1,
+              timeout_s: float = TIMEOUT_S) -> "Mesh":
         """Create every group for the current process group (collective: all ranks call it).
 
         Args:
             tp, pp, cp, ep: degrees; dp defaults to world / (tp·pp·cp).
+            timeout_s: how long the groups' collectives wait for a peer before raising. Passed
+                explicitly: `new_group` does not inherit the world group's timeout but takes
+                torch's default (30 min), so a hung peer held every tp/dp collective that long.
         """
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
@@ -149,7 +159,7 @@ class Mesh:
             members = mesh._members(axes)
             mesh.ranks[name] = next(m for m in members if rank in m)
             for m in members:  # new_group is collective: every rank creates every group
-                g = dist.new_group(m) if world > 1 else None
+                g = dist.new_group(m, timeout=datetime.timedelta(seconds=timeout_s)) if world > 1 else None
                 if rank in m:
                     mesh.groups[name] = g
         return mesh
