@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 from typing import TextIO, TypeVar
 
 from services.launcher.topology import Child, Topology, free_port, stop_on_signals
@@ -83,6 +84,9 @@ def run_local_ranks(nproc: int, train_args: list[str], grace_s: float | None = N
                 topo.start(child)
             topo.supervise(stop)
         finally:
+            # A rank stopped by a signal (SIGSTOP, a debugger) is a hung peer: its connections stay
+            # open, so the others fail only at their collective timeout and are named first.
+            frozen = {rank for rank, child in enumerate(ranks) if _is_stopped(child.process.pid)}
             statuses = topo.shutdown()
     failed = [rank for rank, child in enumerate(ranks) if statuses[child.name] != 0]
     stopped = stop.is_set() and not topo.urgent.is_set()
@@ -97,7 +101,8 @@ def run_local_ranks(nproc: int, train_args: list[str], grace_s: float | None = N
     if first is not None and stopped and statuses[first.name] == -signal.SIGTERM:
         first = None
     failed.sort(key=lambda rank: ranks[rank] is not first)  # the first to fail first, then by rank
-    parts = [f"rank {rank} ({_describe(statuses[ranks[rank].name], stopped)})" for rank in failed]
+    parts = [f"rank {rank} ({'hung: stopped by a signal (SIGSTOP?) when the others failed, then ' if rank in frozen else ''}"
+             f"{_describe(statuses[ranks[rank].name], stopped)})" for rank in failed]
     if ranks[failed[0]] is first:  # e.g. "rank 1 failed (killed by SIGKILL), then rank 0 (exit status 1)"
         line = parts[0].replace(" (", " failed (", 1) + (f", then {', '.join(parts[1:])}" if parts[1:] else "")
     else:
@@ -118,6 +123,15 @@ def stopped_before_training(topo: Topology, stop: threading.Event, failed: dict[
     if not stop.is_set() or topo.urgent.is_set():
         return []
     return [key for key, code in failed.items() if code == -signal.SIGTERM]
+
+
+def _is_stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (state T in /proc: SIGSTOP, SIGTSTP) or traced (t)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in ("T", "t")
 
 
 def _describe(code: int, stop_requested: bool) -> str:
