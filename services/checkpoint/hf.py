@@ -41,6 +41,7 @@ from services.checkpoint.convert import (
     save_streaming,
     tensor_specs,
 )
+from services.checkpoint.hf_files import open_safetensors, read_json, safetensors_files
 from services.checkpoint.reader import list_checkpoints, read_manifest, read_tensor
 from services.checkpoint.store import (
     local_build_dir,
@@ -444,7 +445,7 @@ def import_hf(src_dir: str, dst_root: str, seed: int = 1234) -> str:
     config_path = src / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"{src}: no config.json, so not a Hugging Face model folder")
-    model = model_from_hf(_read_json(config_path))
+    model = model_from_hf(read_json(config_path))
     existing = list_checkpoints(dst_root)
     if existing:
         # Step 0 would be passed over by `train --load`, which resumes the latest step.
@@ -452,11 +453,11 @@ def import_hf(src_dir: str, dst_root: str, seed: int = 1234) -> str:
             f"{dst_root!r} already holds committed checkpoints {existing[:5]}{' ...' if len(existing) > 5 else ''}: "
             "`meshtrain train --load` would resume the latest of them, not the import (step 0); import into an "
             "empty root")
-    files = _safetensors_files(src)
+    files = safetensors_files(src)
     missing = sorted(f for f in set(files.values()) if not (src / f).is_file())
     if missing:
         raise CheckpointError(f"{src}: the safetensors index names files that are not there: {missing}")
-    handles = {f: _open_safetensors(src / f) for f in set(files.values())}
+    handles = {f: open_safetensors(src / f) for f in set(files.values())}
     plan = rules(model)
     gpt2 = architecture(model) == "gpt2"
 
@@ -564,48 +565,3 @@ def _write_safetensors(f: Any, plan: list[Rule], dtype: str,
                 written += data.nbytes
     if written != offset:
         raise CheckpointError(f"safetensors data is {written} bytes, the header promises {offset}")
-
-
-def _safetensors_files(src: Path) -> dict[str, str]:
-    """HF tensor name -> the safetensors file (relative to `src`) holding it."""
-    index = src / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index}: no weight_map object")
-        return dict(weight_map)
-    single = src / "model.safetensors"
-    if not single.is_file():
-        raise CheckpointError(f"{src}: no model.safetensors or model.safetensors.index.json")
-    return {name: single.name for name in _open_safetensors(single).keys()}  # noqa: SIM118 (not a dict)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    """A JSON object file, or CheckpointError naming it."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: not a readable JSON file ({e})") from e
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: holds a JSON {type(data).__name__}, not an object")
-    return data
-
-
-def _open_safetensors(path: Path) -> Any:
-    """`safe_open(path)`, or CheckpointError naming the file when it is not whole safetensors."""
-    safe_open = _safe_open()
-    try:
-        return safe_open(str(path), framework="pt")
-    except Exception as e:  # safetensors raises its own SafetensorError (or OSError) on a bad file
-        raise CheckpointError(f"{path}: not a readable safetensors file ({e}); an interrupted download? "
-                              "fetch it again") from e
-
-
-def _safe_open() -> Callable[..., Any]:
-    """`safetensors.safe_open`; import needs the package (export writes the format itself)."""
-    try:
-        from safetensors import safe_open
-    except ImportError as e:
-        raise CheckpointError("importing Hugging Face weights needs the safetensors package "
-                              "(pip install 'safetensors>=0.4.3')") from e
-    return safe_open
