@@ -165,13 +165,19 @@ def test_an_empty_box_at_the_end_cannot_stand_in_for_a_missing_one(tmp_path):
         check_tiling(ArrayMeta.of(whole), [whole, outside])
 
 
-def test_writer_that_never_reports_aborts_and_keeps_previous(root):
+def _step_1_committed_and_step_2_missing_writer_1(root) -> str:
+    """Commits step 1 (tp=2), then stores writer 0's part of step 2; returns step 2's save id."""
     save_tp(root, 1, qkv_global(1), tp=2)
     save_id = begin_save(root, 2)
     writer = ShardWriter(root, 2, save_id, 0, 2)
     for spec, data in tp_boxes(qkv_global(2), 2)[0]:
         writer.write(spec, data)
     writer.finish()  # writer 1 never reports
+    return save_id
+
+
+def test_writer_that_never_reports_aborts_and_keeps_previous(root):
+    save_id = _step_1_committed_and_step_2_missing_writer_1(root)
     with pytest.raises(CheckpointError, match=r"writers \[1\] did not report within 0.3 s"):
         commit(root, 2, save_id, 2, timeout=0.3)
     assert list_checkpoints(root) == [1]
@@ -183,12 +189,7 @@ def test_writer_that_never_reports_aborts_and_keeps_previous(root):
 def test_cancelled_commit_stops_waiting_for_a_missing_writer_but_commits_a_complete_save(root):
     """A failing run cancels its commit (`AsyncSaver.abandon`): a writer that has not reported
     (a dead rank) is not waited for, while a save whose fragments are all in still commits."""
-    save_tp(root, 1, qkv_global(1), tp=2)
-    save_id = begin_save(root, 2)
-    writer = ShardWriter(root, 2, save_id, 0, 2)
-    for spec, data in tp_boxes(qkv_global(2), 2)[0]:
-        writer.write(spec, data)
-    writer.finish()  # writer 1 never reports
+    save_id = _step_1_committed_and_step_2_missing_writer_1(root)
     cancel = threading.Event()
     threading.Timer(0.2, cancel.set).start()
     with pytest.raises(CheckpointError, match=r"abandoned: writers \[1\] had not reported when the run failed"):
