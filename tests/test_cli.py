@@ -1,5 +1,6 @@
 """The `meshtrain` command as a user runs it: train, resume, inspect, preprocess, errors."""
 
+import contextlib
 import json
 import os
 import re
@@ -264,6 +265,21 @@ def test_nproc_per_node_stop_before_training_began_is_a_clean_stop(tmp_path, cor
     assert all(_gone(pid) for pid in pids.values())
 
 
+@contextlib.contextmanager
+def _two_ranks(tmp_path: Path, args: list[str]):
+    """`meshtrain train --nproc-per-node 2 ARGS` running, its stderr in tmp_path/stderr; every
+    rank and the launcher are SIGKILLed on the way out (a stopped rank too)."""
+    with open(tmp_path / "stderr", "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "train", "--nproc-per-node", "2", *args],
+                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        yield proc
+    finally:
+        for pid in _rank_pids(proc.pid).values():
+            os.kill(pid, signal.SIGKILL)
+        proc.kill()
+
+
 def _rank1_frozen_mid_save(proc, ckpt: Path, rank1: int, limit_s: float = 90.0) -> Path:
     """SIGSTOP rank 1 while it writes its shards of a save, before its fragment (what tells the
     committer it is done) is stored; returns that step's folder. A save that rank 1 had already
@@ -297,10 +313,7 @@ def test_nproc_per_node_rank_killed_mid_save_fails_fast_and_commits_nothing(tmp_
     args = small_job_args(corpus_cache, run, **{"train.train_iters": 100_000, "train.eval_interval": 0,
                                                "model.hidden_size": 128, "parallel.tp": 2,
                                                "checkpoint.save": str(ckpt), "checkpoint.save_interval": 2})
-    with open(tmp_path / "stderr", "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "train", "--nproc-per-node", "2", *args],
-                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
-    try:
+    with _two_ranks(tmp_path, args) as proc:
         deadline = time.monotonic() + 60
         while len(pids := _rank_pids(proc.pid)) < 2:
             assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()[-3000:]
@@ -310,10 +323,6 @@ def test_nproc_per_node_rank_killed_mid_save_fails_fast_and_commits_nothing(tmp_
         killed = time.monotonic()
         code = proc.wait(timeout=60)
         took = time.monotonic() - killed
-    finally:
-        for pid in _rank_pids(proc.pid).values():
-            os.kill(pid, signal.SIGKILL)
-        proc.kill()
     err = (tmp_path / "stderr").read_text()
     errors = [line for line in err.splitlines() if line.startswith("meshtrain: error:")]
     assert code == 1 and errors == ["meshtrain: error: rank 1 failed (killed by SIGKILL), then rank 0 (exit status 1)"], \
@@ -337,10 +346,7 @@ def test_nproc_per_node_hung_rank_ends_the_job_after_the_distributed_timeout(tmp
     run = tmp_path / "run"
     args = small_job_args(corpus_cache, run, **{"train.train_iters": 100_000, "train.eval_interval": 0,
                                                "parallel.distributed_timeout_minutes": 0.1})
-    with open(tmp_path / "stderr", "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "train", "--nproc-per-node", "2", *args],
-                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
-    try:
+    with _two_ranks(tmp_path, args) as proc:
         metrics = run / "metrics.jsonl"
         deadline = time.monotonic() + 60
         while not metrics.exists() or len(metrics.read_text().splitlines()) < 3:
@@ -351,10 +357,6 @@ def test_nproc_per_node_hung_rank_ends_the_job_after_the_distributed_timeout(tmp
         stopped = time.monotonic()
         code = proc.wait(timeout=45)
         took = time.monotonic() - stopped
-    finally:
-        for pid in _rank_pids(proc.pid).values():
-            os.kill(pid, signal.SIGKILL)
-        proc.kill()
     err = (tmp_path / "stderr").read_text()
     errors = [line for line in err.splitlines() if line.startswith("meshtrain: error:")]
     expected = ("meshtrain: error: rank 0 failed (exit status 1), then rank 1 (hung: stopped by a signal (SIGSTOP?) "
