@@ -30,6 +30,28 @@ from collections.abc import Callable, Iterable, Iterator
 log = logging.getLogger("meshtrain.signals")
 
 
+def _relay(run: Callable[[int], None], name: str) -> tuple[Callable, int, threading.Thread]:
+    """(a handler that only writes the signal's number to a pipe, the pipe's write end, the
+    started thread that reads the pipe and calls `run(number)` for each, in arrival order, until
+    the write end is closed)."""
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)  # a handler never blocks: a full pipe already holds ~64k signals
+
+    def relay() -> None:
+        with os.fdopen(read_end, "rb", buffering=0) as pipe:
+            while chunk := pipe.read(64):
+                for number in chunk:
+                    run(number)
+
+    def on_signal(signum: int, _frame) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.write(write_end, bytes([signum]))
+
+    thread = threading.Thread(target=relay, name=name, daemon=True)
+    thread.start()
+    return on_signal, write_end, thread
+
+
 @contextlib.contextmanager
 def relayed_signals(signals: Iterable[signal.Signals], action: Callable[[signal.Signals], None],
                     name: str = "signal-relay") -> Iterator[bool]:
@@ -51,24 +73,14 @@ def relayed_signals(signals: Iterable[signal.Signals], action: Callable[[signal.
     if threading.current_thread() is not threading.main_thread():
         yield False
         return
-    read_end, write_end = os.pipe()
-    os.set_blocking(write_end, False)  # a handler never blocks: a full pipe already holds ~64k signals
 
-    def relay() -> None:
-        with os.fdopen(read_end, "rb", buffering=0) as pipe:
-            while chunk := pipe.read(64):
-                for number in chunk:
-                    try:
-                        action(signal.Signals(number))
-                    except Exception:  # one failed action must not end signal handling
-                        log.exception("handling %s failed", signal.Signals(number).name)
+    def run(number: int) -> None:
+        try:
+            action(signal.Signals(number))
+        except Exception:  # one failed action must not end signal handling
+            log.exception("handling %s failed", signal.Signals(number).name)
 
-    def on_signal(signum: int, _frame) -> None:
-        with contextlib.suppress(BlockingIOError):
-            os.write(write_end, bytes([signum]))
-
-    thread = threading.Thread(target=relay, name=name, daemon=True)
-    thread.start()
+    on_signal, write_end, thread = _relay(run, name)
     previous = {}
     try:
         for s in signals:
@@ -102,25 +114,13 @@ def logged_until_exit(signals: Iterable[signal.Signals], message: str) -> bool:
     if threading.current_thread() is not threading.main_thread():
         return False
     signals = list(signals)
-    read_end, write_end = os.pipe()
-    os.set_blocking(write_end, False)
-
-    def relay() -> None:
-        with os.fdopen(read_end, "rb", buffering=0) as pipe:
-            while chunk := pipe.read(64):
-                for number in chunk:
-                    log.warning(message, signal.Signals(number).name)
-
-    def on_signal(signum: int, _frame) -> None:
-        with contextlib.suppress(BlockingIOError):
-            os.write(write_end, bytes([signum]))
+    on_signal, _, _ = _relay(lambda number: log.warning(message, signal.Signals(number).name), "signals-until-exit")
 
     def ignore() -> None:
         for s in signals:
             if signal.getsignal(s) is on_signal:
                 signal.signal(s, signal.SIG_IGN)
 
-    threading.Thread(target=relay, name="signals-until-exit", daemon=True).start()
     for s in signals:
         signal.signal(s, on_signal)
     atexit.register(ignore)
