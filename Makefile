@@ -2,25 +2,42 @@
 PYTHON ?= python3
 TORCH_VERSION ?= 2.13.0
 TORCH_INDEX ?=
+# Every other dependency at the version CI last passed with (`make lock` refreshes it);
+# `make CONSTRAINTS=` resolves the newest versions pyproject.toml allows instead.
+CONSTRAINTS ?= constraints.txt
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 PYTEST := $(BIN)/python -m pytest
 
-.PHONY: install run test test-fast test-slow test-gpu protos system-deps clean
+.PHONY: install lock run test test-fast test-slow test-gpu protos system-deps clean
 
 # torch is installed first and pinned, so resolving the project's `torch>=` floor never
 # pulls another build. Where pip's index has only PyPI's Linux wheel (the multi-GB CUDA
 # build), set TORCH_INDEX=https://download.pytorch.org/whl/cpu for the CPU one; these machines'
 # pip finds the CPU build locally and cannot reach that index.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)")
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q -e ".[test]" $(if $(CONSTRAINTS),-c "$(CONSTRAINTS)")
 	touch $@
 
 install: $(STAMP)
+
+# Re-resolve the dependencies to the newest versions pyproject.toml allows, run the tests,
+# and only when they pass write those versions to constraints.txt (commit it with the change
+# that needed it). A fresh environment in .venv-lock, so the working one is not touched.
+lock:
+	rm -rf .venv-lock
+	$(PYTHON) -m venv .venv-lock
+	.venv-lock/bin/python -m pip install -q --upgrade pip
+	.venv-lock/bin/python -m pip install -q "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)")
+	.venv-lock/bin/python -m pip install -q -e ".[test]"
+	.venv-lock/bin/python -m pytest -m "not slow and not gpu" -q
+	{ sed -n '1,2p' constraints.txt; .venv-lock/bin/python -m pip freeze --exclude-editable | grep -iv '^torch=='; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
+	rm -rf .venv-lock
 
 # The whole topology as local processes (a data worker, the checkpoint service, the trainer)
 # on the embedded default: `meshtrain up`. ARGS adds launcher or trainer options, e.g.
