@@ -19,7 +19,7 @@ import functools
 import json
 from collections.abc import Callable
 
-from services.common.errors import CheckpointError
+from services.common.errors import CheckpointError, is_storage_error
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -147,7 +147,7 @@ def _storage_errors(func: Callable[[argparse.Namespace], int]) -> Callable[[argp
         except BrokenPipeError:  # output piped into `head`: the top level ends quietly
             raise
         except Exception as e:
-            if not isinstance(e, OSError) and not type(e).__module__.startswith(("botocore", "aiobotocore")):
+            if not is_storage_error(e):
                 raise
             where = " ".join(str(getattr(args, k)) for k in ("root", "src", "dst") if getattr(args, k, None))
             raise CheckpointError(f"ckpt {args.ckpt_cmd} {where}: storage failed: {type(e).__name__}: {e}") from e

@@ -31,5 +31,21 @@ class DataUnavailableError(DataError):
     """
 
 
+class StorageUnavailableError(MeshtrainError):
+    """A service's storage failed (a disk, network or object-store error) while serving a
+    request that was fine: the gRPC shells report it as UNAVAILABLE, which clients retry."""
+
+
+# Modules of storage backends whose exceptions are not OSErrors (botocore's connection errors,
+# aiohttp's disconnects under s3fs); what fsspec, s3fs and zarr's stores raise otherwise is one.
+_STORAGE_MODULES = ("botocore", "aiobotocore", "aiohttp")
+
+
+def is_storage_error(exc: BaseException) -> bool:
+    """Whether `exc` is storage failing (an OSError, or a storage backend's own exception)
+    rather than a bug or a bad request."""
+    return isinstance(exc, OSError) or type(exc).__module__.startswith(_STORAGE_MODULES)
+
+
 class CheckpointError(MeshtrainError):
     """A checkpoint is missing, uncommitted, corrupt, or does not match the model."""

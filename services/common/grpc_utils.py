@@ -6,7 +6,9 @@ both directions and `ErrorInterceptor`, which turns a `MeshtrainError` raised by
 into a gRPC status with the error's message (`DataError` and `ConfigError` are the caller's
 fault: INVALID_ARGUMENT, except `DataUnavailableError`, a storage read that failed: UNAVAILABLE,
 so clients try again or elsewhere; other classes map through `ERROR_CODES` or a per-server
-table).
+table; a server may also translate other exceptions, e.g. its storage's, into domain errors).
+Any other exception is a bug: gRPC answers UNKNOWN with its own wording, which `is_permanent`
+recognises, so clients do not retry it.
 `serve_forever` runs a started server until SIGTERM or SIGINT, marks it NOT_SERVING in the
 health service first, and stops it with a grace period so streams in flight finish.
 `channel_options` gives clients the matching size limits and keepalive (`server_options`
@@ -37,6 +39,7 @@ from services.common.errors import (
     DataError,
     DataUnavailableError,
     MeshtrainError,
+    StorageUnavailableError,
 )
 from services.common.signals import relayed_signals
 
@@ -48,6 +51,7 @@ MAX_MESSAGE_BYTES = 64 << 20  # both ends raise gRPC's 4 MiB default to this
 ERROR_CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
     (DataUnavailableError, grpc.StatusCode.UNAVAILABLE),  # storage, not the request: try again
+    (StorageUnavailableError, grpc.StatusCode.UNAVAILABLE),
     (DataError, grpc.StatusCode.INVALID_ARGUMENT),
     (CheckpointError, grpc.StatusCode.FAILED_PRECONDITION),
     (MeshtrainError, grpc.StatusCode.FAILED_PRECONDITION),
@@ -95,6 +99,27 @@ TRANSIENT_CODES = frozenset({
     grpc.StatusCode.ABORTED,
 })
 
+# How gRPC's server words the UNKNOWN it sends when a handler raised an exception that nothing
+# mapped to a status (a bug, or a request nothing validated).
+HANDLER_RAISED = ("Exception calling application", "Exception iterating responses")
+
+
+def is_permanent(e: grpc.RpcError) -> bool:
+    """Whether a failed call is the request's fault or a server bug (raise it at once) rather
+    than worth another try, on this server or another.
+
+    UNKNOWN is both: a server answers it when its handler raised something it does not map (a
+    bug, or a request nothing validated), and the same code on the same request fails again, so
+    retrying only delays the error (and repeats the handler's side effects); but gRPC's
+    transport reports some failures as UNKNOWN too ("Stream removed" when a peer dies or a proxy
+    cuts the stream), and those a retry may not meet. Only the first kind, recognised by gRPC's
+    wording of it, is permanent.
+    """
+    code = e.code()
+    if code == grpc.StatusCode.UNKNOWN:
+        return (e.details() or "").startswith(HANDLER_RAISED)
+    return code not in TRANSIENT_CODES
+
 
 # Bytes of an error message sent as a status's details. Details travel percent-encoded in the
 # trailers, which gRPC caps at 8 KiB (a soft limit): a longer message (a 15 kB backend error,
@@ -125,16 +150,27 @@ class ErrorInterceptor(grpc.ServerInterceptor):
     """Maps `MeshtrainError` subclasses raised by servicer methods to gRPC status codes.
 
     Works for all four method kinds: for a response stream the error may surface while
-    iterating, so the response iterator is wrapped too. Other exceptions propagate and gRPC
-    reports them as UNKNOWN (and logs them): they are bugs, not bad requests. Either way the
-    message is cut to `MAX_DETAILS_BYTES`.
+    iterating, so the response iterator is wrapped too. Other exceptions that `translate` does
+    not turn into a domain error propagate and gRPC reports them as UNKNOWN (and logs them):
+    they are bugs, not bad requests. Either way the message is cut to `MAX_DETAILS_BYTES`.
     """
 
-    def __init__(self, table: list[tuple[type[BaseException], grpc.StatusCode]] | None = None):
+    def __init__(self, table: list[tuple[type[BaseException], grpc.StatusCode]] | None = None,
+                 translate: Callable[[Exception], MeshtrainError | None] | None = None):
         """Args:
         table: extra (exception class, status) pairs checked before `ERROR_CODES`.
+        translate: the domain error for another exception (e.g. a storage OSError: a
+            `StorageUnavailableError` naming the path), or None: a bug.
         """
         self.table = table or []
+        self.translate = translate
+
+    def _other(self, context: grpc.ServicerContext, exc: Exception):
+        """An exception that is not a MeshtrainError: translated and mapped, or re-raised."""
+        domain = self.translate(exc) if self.translate is not None else None
+        if domain is None:
+            _raise_fitting(exc)
+        self._abort(context, domain)
 
     def _abort(self, context: grpc.ServicerContext, exc: BaseException):
         code = status_for(exc, self.table)
@@ -151,8 +187,8 @@ class ErrorInterceptor(grpc.ServerInterceptor):
                     yield from inner(request, context)
                 except MeshtrainError as e:
                     self._abort(context, e)
-                except Exception as e:  # noqa: BLE001 -- re-raised (cut to fit)
-                    _raise_fitting(e)
+                except Exception as e:  # noqa: BLE001 -- mapped or re-raised (cut to fit)
+                    self._other(context, e)
 
             return guarded_stream
 
@@ -161,8 +197,8 @@ class ErrorInterceptor(grpc.ServerInterceptor):
                 return inner(request, context)
             except MeshtrainError as e:
                 self._abort(context, e)
-            except Exception as e:  # noqa: BLE001 -- re-raised (cut to fit)
-                _raise_fitting(e)
+            except Exception as e:  # noqa: BLE001 -- mapped or re-raised (cut to fit)
+                self._other(context, e)
 
         return guarded
 
@@ -248,6 +284,7 @@ def make_server(
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     error_table: list | None = None,
     interceptors: Iterable[grpc.ServerInterceptor] = (),
+    translate_error: Callable[[Exception], MeshtrainError | None] | None = None,
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
     """Build and start a server with health, reflection, size limits and error mapping.
 
@@ -262,13 +299,15 @@ def make_server(
         error_table: extra (exception class, status code) pairs for `ErrorInterceptor`.
         interceptors: run before `ErrorInterceptor` (outermost first), e.g. a
             `services.common.metrics.MetricsInterceptor`, which then sees mapped status codes.
+        translate_error: `ErrorInterceptor`'s `translate` (e.g. storage errors -> UNAVAILABLE).
 
     Returns:
         (server, bound port, health servicer); the server is started and SERVING.
     """
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers + UNARY_RESERVE),
-        interceptors=[*interceptors, StreamLimit(max_workers), ErrorInterceptor(error_table)],
+        interceptors=[*interceptors, StreamLimit(max_workers),
+                      ErrorInterceptor(error_table, translate_error)],
         options=server_options(max_message_bytes),
         maximum_concurrent_rpcs=max_workers + UNARY_RESERVE,
     )

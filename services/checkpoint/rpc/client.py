@@ -29,8 +29,8 @@ from services.checkpoint.shards import ShardSpec
 from services.common.errors import CheckpointError, MeshtrainError
 from services.common.grpc_utils import (
     MAX_MESSAGE_BYTES,
-    TRANSIENT_CODES,
     channel_options,
+    is_permanent,
 )
 
 
@@ -45,16 +45,18 @@ def box_to_pb(spec: ShardSpec) -> pb.Box:
 
 class ServiceUnavailableError(MeshtrainError):
     """The checkpoint service could not do it now (unreachable, at its stream limit, past the
-    deadline, an unexpected server-side failure): not a CheckpointError, so AsyncSaver's
-    retry tries again, as it does for I/O errors of direct storage."""
+    deadline, its storage failed): not a CheckpointError, so AsyncSaver's retry tries again,
+    as it does for I/O errors of direct storage."""
 
 
 def _error(what: str, e: grpc.RpcError) -> MeshtrainError:
-    """The domain error for a failed call: ServiceUnavailableError when worth a retry."""
+    """The domain error for a failed call: ServiceUnavailableError when worth a retry; a
+    CheckpointError, never retried, for a refusal or a bug in the service's handler (another
+    try fails the same way, after repeating the handler's side effects)."""
     message = f"checkpoint service {what}: {e.code().name}: {e.details()}"
-    if e.code() in TRANSIENT_CODES:
-        return ServiceUnavailableError(message)
-    return CheckpointError(message)
+    if is_permanent(e):
+        return CheckpointError(message)
+    return ServiceUnavailableError(message)
 
 
 def _call(what: str, fn, *args, **kwargs):

@@ -16,7 +16,11 @@ import sys
 
 from protos.checkpoint.v1 import checkpoint_pb2_grpc as pb_grpc
 from services.checkpoint.cli import add_serve_arguments
-from services.checkpoint.rpc.servicer import SERVICE_NAME, CheckpointServicer
+from services.checkpoint.rpc.servicer import (
+    SERVICE_NAME,
+    CheckpointServicer,
+    storage_unavailable,
+)
 from services.common.errors import ConfigError
 from services.common.grpc_utils import make_server, serve_forever
 from services.common.metrics import MetricsInterceptor, start_metrics_server
@@ -48,6 +52,7 @@ def start_server(root: str, port: int = 0, host: str = "127.0.0.1", max_streams:
         [SERVICE_NAME], port=port, host=host, max_workers=max_streams,
         max_message_bytes=max(2 * max_chunk_bytes, 8 << 20),
         interceptors=[MetricsInterceptor("checkpoint", max_streams)] if metrics else [],
+        translate_error=storage_unavailable(root),
     )
 
 

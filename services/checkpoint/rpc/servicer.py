@@ -43,7 +43,11 @@ from services.checkpoint.reader import (
 )
 from services.checkpoint.sharded import ShardWriter, begin_save, check_save_id, commit
 from services.checkpoint.shards import ShardSpec
-from services.common.errors import CheckpointError
+from services.common.errors import (
+    CheckpointError,
+    StorageUnavailableError,
+    is_storage_error,
+)
 from services.common.grpc_utils import status_details
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CheckpointService"].full_name
@@ -90,6 +94,19 @@ class ByteBudget:
         with self._cond:
             self.used -= nbytes
             self._cond.notify_all()
+
+
+def storage_unavailable(root: str) -> Callable[[Exception], StorageUnavailableError | None]:
+    """The servicer's error translation: an exception of its storage (an OSError, botocore's
+    own) becomes a StorageUnavailableError naming the root and the path (UNAVAILABLE: clients
+    retry it); anything else is left a bug (UNKNOWN, which clients do not retry)."""
+
+    def translate(exc: Exception) -> StorageUnavailableError | None:
+        if not is_storage_error(exc):
+            return None
+        return StorageUnavailableError(f"checkpoint storage {root} failed: {type(exc).__name__}: {exc}")
+
+    return translate
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ import numpy as np
 from protos.dataloader.v1 import dataloader_pb2 as pb
 from protos.dataloader.v1 import dataloader_pb2_grpc as pb_grpc
 from services.common.errors import DataError
-from services.common.grpc_utils import TRANSIENT_CODES, channel_options
+from services.common.grpc_utils import channel_options, is_permanent
 from services.dataloader.indexed import DTYPE_CODES
 from services.dataloader.loader import Batch, BatchOptions, batch_from_samples
 from services.dataloader.rpc.servicer import spec_to_proto
@@ -50,27 +50,6 @@ from services.dataloader.spec import DatasetSpec
 log = logging.getLogger("meshtrain.data")
 
 _END = object()  # the stream reached the end of the dataset
-# How gRPC's server words the UNKNOWN it sends when a handler raised an exception it does not map.
-_HANDLER_RAISED = ("Exception calling application", "Exception iterating responses")
-
-
-def is_permanent(e: grpc.RpcError) -> bool:
-    """Whether a worker's error is the request's (raised at once) rather than worth another try
-    on this or another worker.
-
-    UNKNOWN is both: a worker answers it when its handler raised something it does not map (a
-    bug, or a request nothing validated), and every worker runs the same code on the same
-    request, so retrying only hid the error for give_up_s behind "no data worker served
-    anything"; but gRPC's transport reports some failures as UNKNOWN too ("Stream removed" when a
-    peer dies or a proxy cuts the stream), and those another worker may not have. Only the
-    first kind, recognised by gRPC's wording of it, is permanent.
-    """
-    code = e.code()
-    if code == grpc.StatusCode.UNKNOWN:
-        return (e.details() or "").startswith(_HANDLER_RAISED)
-    return code not in TRANSIENT_CODES
-
-
 class _Failure:
     def __init__(self, exc: BaseException):
         self.exc = exc

@@ -260,7 +260,7 @@ def test_two_commits_of_one_save_at_once_both_get_the_result(service):
 @pytest.mark.parametrize("manifest_landed", [False, True], ids=["write-failed", "reply-lost"])
 def test_a_commit_that_fails_on_storage_is_retried_to_the_end(service, monkeypatch, manifest_landed):
     # The manifest write raises OSError once: before the object landed, or after it (the PUT
-    # succeeded, its reply was lost). The client retries the UNKNOWN status; the service must
+    # succeeded, its reply was lost). The client retries the UNAVAILABLE status; the service must
     # still know the save, so the retry commits it, or finds its own commit, as embedded
     # mode's retry does (it used to drop the save and answer NOT_FOUND "unknown save id").
     root, client, _ = service
@@ -434,3 +434,41 @@ def test_the_library_commit_refuses_metadata_that_is_not_a_dict(tmp_path):
     ShardWriter(str(tmp_path), 1, save_id, 0, 1).finish()
     with pytest.raises(CheckpointError, match="metadata for step 1 must be a dict, got list"):
         sharded.commit(str(tmp_path), 1, save_id, 1, [1], timeout=1)
+
+
+def test_a_bug_in_a_handler_is_not_retried(service, monkeypatch):
+    # An exception the servicer does not map (a bug) reaches the client as UNKNOWN "Exception
+    # calling application"; the client retried every UNKNOWN, so the same bug ran three times
+    # (three fragment writes) before the save failed. Now it fails at the first, naming the bug.
+    _, client, _ = service
+    calls = []
+
+    def buggy_finish(self, error=None):
+        calls.append(error)
+        raise ValueError("a bug in the handler")
+
+    monkeypatch.setattr(sharded.ShardWriter, "finish", buggy_finish)
+    saver = AsyncSaver(client, 0, 1, attempts=3, backoff=0.01, commit_timeout=5)
+    saver.save(1, client.begin_save(1), tp_boxes(torch.randn(2, 8, 4).to(torch.bfloat16), 0, 1), committer=True)
+    with pytest.raises(CheckpointError, match="UNKNOWN: Exception calling application: a bug in the handler") as info:
+        saver.wait()
+    assert "attempts" not in str(info.value)
+    assert [c for c in calls if c is None] == [None]  # the fragment was tried once (then the error reported)
+
+
+def test_a_storage_error_is_unavailable_retried_and_named(service):
+    # The step's folder is a file (as a full disk, a read-only mount or S3 failing would): the
+    # OSError is storage trouble, not a bug, so the service answers UNAVAILABLE naming the path,
+    # and the client retries it (it used to be UNKNOWN, which is now only for bugs).
+    root, client, _ = service
+    save_id = client.begin_save(2)
+    os.makedirs(root, exist_ok=True)
+    step_dir = os.path.join(root, "step_00000002")
+    if os.path.isdir(step_dir):
+        os.rmdir(step_dir)
+    open(step_dir, "w").close()
+    saver = AsyncSaver(client, 0, 1, attempts=3, backoff=0.01, commit_timeout=5)
+    saver.save(2, save_id, tp_boxes(torch.randn(2, 8, 4).to(torch.bfloat16), 0, 1), committer=True)
+    with pytest.raises(CheckpointError, match=rf"failed after 3 attempts: .*UNAVAILABLE: checkpoint storage {root} "
+                                              rf"failed: NotADirectoryError: .*{step_dir}"):
+        saver.wait()
