@@ -129,6 +129,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-chunk-mb", type=float, default=4.0, help="largest data chunk")
     p.add_argument("--max-inflight-mb", type=float, default=1024.0,
                    help="box data held in memory at once, over all streams")
+    p.add_argument("--stream-idle-timeout", type=float, default=120.0,
+                   help="seconds a writer's stream may send nothing before it is aborted and its "
+                        "share of the in-flight memory freed for the other writers (0: never)")
     p.add_argument("--grace", type=float, default=5.0, help="seconds granted on SIGTERM")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics (requests, bytes, latency, queue depth) on this "

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
 
 import grpc
@@ -213,6 +214,65 @@ def _raise_fitting(exc: Exception):
     if len(str(exc).encode()) <= MAX_DETAILS_BYTES:
         raise exc
     raise RuntimeError(status_details(f"{type(exc).__name__}: {exc}")) from exc
+
+
+class StreamIdleError(Exception):
+    """No message arrived on a client stream for `idle_s` seconds (see `until_idle`)."""
+
+    def __init__(self, idle_s: float):
+        super().__init__(f"no message for {idle_s:g} s")
+        self.idle_s = idle_s
+
+
+def until_idle(requests: Iterator, idle_s: float | None) -> Iterator:
+    """`requests` (a handler's request iterator), raising StreamIdleError in the handler when
+    no message arrives for `idle_s` seconds (None or 0: wait forever, as gRPC does).
+
+    A live client that stops sending keeps its stream open indefinitely (keepalive pings still
+    answer), holding its handler thread and whatever the handler reserved for it. gRPC's
+    request iterator blocks without a timeout, so a reader thread pulls the messages and hands
+    them over one at a time (at most two beyond gRPC's own buffers: flow control still holds
+    the client back); the handler waits for each with the timeout. The reader ends with the
+    call: once the handler has returned or aborted, gRPC ends the iterator.
+    """
+    if not idle_s:
+        yield from requests
+        return
+    handover: queue.Queue = queue.Queue(maxsize=1)
+    done = threading.Event()  # the handler stopped reading
+
+    def hand(item) -> bool:
+        while not done.is_set():
+            try:
+                handover.put(item, timeout=0.5)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def pump() -> None:
+        try:
+            for message in requests:
+                if not hand(("message", message)):
+                    return
+            hand(("end", None))
+        except BaseException as e:  # noqa: BLE001 -- raised in the handler's thread
+            hand(("error", e))
+
+    threading.Thread(target=pump, name="stream-reader", daemon=True).start()
+    try:
+        while True:
+            try:
+                kind, value = handover.get(timeout=idle_s)
+            except queue.Empty:
+                raise StreamIdleError(idle_s) from None
+            if kind == "end":
+                return
+            if kind == "error":
+                raise value
+            yield value
+    finally:
+        done.set()
 
 
 def rewrap_handler(handler: grpc.RpcMethodHandler, around: Callable) -> grpc.RpcMethodHandler:

@@ -30,7 +30,8 @@ log = logging.getLogger("meshtrain.checkpoint")
 
 def start_server(root: str, port: int = 0, host: str = "127.0.0.1", max_streams: int = 16,
                  commit_timeout: float = 600.0, max_chunk_bytes: int = 4 << 20,
-                 max_inflight_bytes: int = 1 << 30, metrics: bool = False):
+                 max_inflight_bytes: int = 1 << 30, metrics: bool = False,
+                 stream_idle_timeout: float = 120.0):
     """Starts a CheckpointService in this process.
 
     Args:
@@ -42,11 +43,14 @@ def start_server(root: str, port: int = 0, host: str = "127.0.0.1", max_streams:
         max_chunk_bytes: largest data chunk accepted.
         max_inflight_bytes: box bytes held in memory at once over all streams.
         metrics: record Prometheus RPC metrics (served by `start_metrics_server`).
+        stream_idle_timeout: seconds a writer's stream may send nothing before it is aborted
+            and its share of the in-flight budget freed (0: never).
 
     Returns:
         (server, bound port, health servicer).
     """
-    servicer = CheckpointServicer(root, commit_timeout, max_chunk_bytes, max_inflight_bytes)
+    servicer = CheckpointServicer(root, commit_timeout, max_chunk_bytes, max_inflight_bytes,
+                                  stream_idle_timeout)
     return make_server(
         [lambda s: pb_grpc.add_CheckpointServiceServicer_to_server(servicer, s)],
         [SERVICE_NAME], port=port, host=host, max_workers=max_streams,
@@ -62,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
     server, port, health = start_server(
         args.root, args.port, args.host, args.max_streams, args.commit_timeout,
         int(args.max_chunk_mb * 2**20), int(args.max_inflight_mb * 2**20),
-        metrics=getattr(args, "metrics_port", None) is not None)
+        metrics=getattr(args, "metrics_port", None) is not None,
+        stream_idle_timeout=args.stream_idle_timeout)
     if getattr(args, "metrics_port", None) is not None:
         try:
             _, metrics_port = start_metrics_server(args.metrics_port, args.host)

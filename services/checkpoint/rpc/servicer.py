@@ -3,7 +3,9 @@
 Writers stream boxes to `WriteShards`; each box is assembled in a buffer of exactly its size
 (a chunk beyond it, or a chunk over the chunk limit, is an error) and stored as soon as it is
 complete, so the service holds at most the boxes in flight. `ByteBudget` caps that total over
-all streams: a stream waits for room instead of growing memory. Saves in progress live in a
+all streams: a stream waits for room instead of growing memory. A stream that sends nothing for
+`stream_idle_timeout` seconds (a live writer that stalled) is aborted and its share freed, so
+it cannot keep the other writers waiting. Saves in progress live in a
 table keyed by save id; a restarted service has forgotten them, and their writers get
 NOT_FOUND and must begin again (the previous checkpoint is untouched either way).
 
@@ -48,7 +50,7 @@ from services.common.errors import (
     StorageUnavailableError,
     is_storage_error,
 )
-from services.common.grpc_utils import status_details
+from services.common.grpc_utils import StreamIdleError, status_details, until_idle
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CheckpointService"].full_name
 log = logging.getLogger("meshtrain.checkpoint")
@@ -133,12 +135,15 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         commit_timeout: seconds a commit waits for writers when the request gives none.
         max_chunk_bytes: largest data chunk accepted or sent.
         max_inflight_bytes: cap on box bytes held in memory over all streams.
+        stream_idle_timeout: seconds a WriteShards stream may send nothing before it is
+            aborted (ABORTED, which the writer retries) and its box's budget freed; 0: never.
     """
 
     def __init__(self, root: str, commit_timeout: float = 600.0, max_chunk_bytes: int = 4 << 20,
-                 max_inflight_bytes: int = 1 << 30):
+                 max_inflight_bytes: int = 1 << 30, stream_idle_timeout: float = 120.0):
         self.root = root
         self.commit_timeout = commit_timeout
+        self.stream_idle_timeout = stream_idle_timeout
         self.max_chunk_bytes = max_chunk_bytes
         self.budget = ByteBudget(max_inflight_bytes)
         self._saves: dict[str, _Save] = {}
@@ -222,7 +227,12 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         return pb.BeginSaveResponse(save_id=save_id)
 
     def WriteShards(self, request_iterator, context):
-        first = next(request_iterator, None)
+        request_iterator = until_idle(request_iterator, self.stream_idle_timeout)
+        try:
+            first = next(request_iterator, None)
+        except StreamIdleError as e:
+            context.abort(grpc.StatusCode.ABORTED, f"a WriteShards stream sent no header for {e.idle_s:g} s "
+                          "(the service's --stream-idle-timeout); aborted")
         if first is None or first.WhichOneof("part") != "header":
             raise CheckpointError("a WriteShards stream must start with a header")
         save_id = check_save_id(first.header.save_id)
@@ -273,6 +283,14 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                 raise CheckpointError(
                     f"stream ended inside box {spec.offsets} of array {spec.array!r} "
                     f"({filled} of {len(buf)} bytes)")
+        except StreamIdleError as e:
+            where = (f"inside box {spec.offsets} of array {spec.array!r} ({filled} of {len(buf)} bytes)"
+                     if spec is not None else f"after {boxes} complete boxes")
+            message = (f"save {save_id!r} (step {save.step}): writer {first.header.writer_id} sent nothing "
+                       f"for {e.idle_s:g} s {where} (the service's --stream-idle-timeout); its stream is "
+                       "aborted and its share of the in-flight budget freed")
+            log.warning("%s", message)
+            context.abort(grpc.StatusCode.ABORTED, status_details(message))
         finally:
             if buf is not None:
                 self.budget.release(len(buf))

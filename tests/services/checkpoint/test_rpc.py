@@ -472,3 +472,52 @@ def test_a_storage_error_is_unavailable_retried_and_named(service):
     with pytest.raises(CheckpointError, match=rf"failed after 3 attempts: .*UNAVAILABLE: checkpoint storage {root} "
                                               rf"failed: NotADirectoryError: .*{step_dir}"):
         saver.wait()
+
+
+def test_a_stalled_writer_stream_is_aborted_and_its_budget_freed(tmp_path):
+    # A live writer claims a box as large as the whole in-flight budget, sends part of it and
+    # then nothing (its stream stays open): every other writer waited for that budget until the
+    # stalled client disconnected. With an idle timeout its stream is aborted, naming the save,
+    # the writer and the box, and the other writer stores its box at once.
+    import threading
+    import time
+
+    root = str(tmp_path / "ckpt")
+    with running_service(root, commit_timeout=30, max_chunk_bytes=1024, max_inflight_bytes=4096,
+                         stream_idle_timeout=0.5) as (client, _):
+        stalled_id, other_id = client.begin_save(1), client.begin_save(2)
+        spec = ShardSpec("w", (1024,), "float32", (0,), (1024,))  # 4096 bytes: the whole budget
+        resume = threading.Event()
+
+        def stalls():
+            yield pb.WriteShardsRequest(header=pb.WriteHeader(save_id=stalled_id, writer_id=0))
+            yield pb.WriteShardsRequest(box=box_to_pb(spec))
+            yield pb.WriteShardsRequest(chunk=b"\0" * 1024)
+            resume.wait(20)  # alive, sending nothing
+
+        failures = []
+
+        def stalled_writer():
+            try:
+                client.stub.WriteShards(stalls())
+            except grpc.RpcError as e:
+                failures.append((e.code(), e.details(), time.monotonic()))
+
+        thread = threading.Thread(target=stalled_writer)
+        thread.start()
+        time.sleep(0.2)  # the stalled stream holds the budget
+        start = time.monotonic()
+        other = client.writer(2, other_id, 0, 1)
+        other.write(spec, torch.ones(1024))
+        other.finish()  # waits for the budget
+        stored = time.monotonic() - start
+        assert client.commit(2, other_id, 1, {}, timeout=5).step == 2
+        assert failures and not resume.is_set()  # aborted while its client was still stalled
+        code, details, _ = failures[0]
+        assert code == grpc.StatusCode.ABORTED
+        assert re.search(rf"save '{stalled_id}' \(step 1\): writer 0 sent nothing for 0.5 s inside box \(0,\) of "
+                         r"array 'w' \(1024 of 4096 bytes\)", details), details
+        assert stored < 3, stored
+        resume.set()
+        thread.join(10)
+        assert client.list() == [2]
