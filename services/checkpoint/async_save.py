@@ -123,6 +123,7 @@ class AsyncSaver:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-upload")
         self._pending: Future | None = None
         self._abandoned = threading.Event()  # `abandon`: the committer stops waiting for missing writers
+        self._in_flight: tuple[str, bool] | None = None  # (save id, committer) of the last `save`
         self.last_stall_s = 0.0
         # The step of the newest save this saver committed (committer only; None before):
         # retention must never delete it, whatever steps other runs left in the root.
@@ -149,6 +150,7 @@ class AsyncSaver:
         if self.pin and any(t.is_cuda for _, t in boxes):
             torch.cuda.synchronize()  # the non_blocking copies must land before we return
         self.last_stall_s = time.perf_counter() - start
+        self._in_flight = (save_id, committer)
         self._pending = self._pool.submit(
             self._upload, step, save_id, snapshot, committer, metadata
         )
@@ -169,9 +171,17 @@ class AsyncSaver:
         """The run failed: the save in flight commits only if every writer has already
         reported; the committer stops waiting for the others (a dead rank never reports, and
         the commit would otherwise hold this process for `commit_timeout`). Its `wait` then
-        raises. Only `StorageSink` commits can be cut short; a service's commit runs to its
-        own timeout."""
+        raises. With a checkpoint service (a sink with `abort_save`) the committer tells the
+        service, whose commit then stops waiting likewise."""
         self._abandoned.set()
+        pending, in_flight = self._pending, self._in_flight
+        abort = getattr(self.sink, "abort_save", None)
+        if abort is None or pending is None or pending.done() or in_flight is None or not in_flight[1]:
+            return
+        try:
+            abort(in_flight[0], "the run failed")
+        except Exception as e:  # noqa: BLE001 -- the commit then runs to its timeout, as before
+            log.warning("could not tell the checkpoint service to give up save %s: %s", in_flight[0], e)
 
     def close(self) -> None:
         """Waits for the save in flight and stops the upload thread."""

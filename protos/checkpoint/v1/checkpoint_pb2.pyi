@@ -94,6 +94,20 @@ class CommitResponse(_message.Message):
     seconds: float
     def __init__(self, url: _Optional[str] = ..., step: _Optional[int] = ..., num_arrays: _Optional[int] = ..., num_objects: _Optional[int] = ..., bytes_written: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
+class AbortSaveRequest(_message.Message):
+    __slots__ = ("save_id", "reason")
+    SAVE_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    save_id: str
+    reason: str
+    def __init__(self, save_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class AbortSaveResponse(_message.Message):
+    __slots__ = ("aborted",)
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    aborted: bool
+    def __init__(self, aborted: _Optional[bool] = ...) -> None: ...
+
 class ListRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -49,6 +49,11 @@ class CheckpointServiceStub:
                 request_serializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.CommitRequest.SerializeToString,
                 response_deserializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.CommitResponse.FromString,
                 _registered_method=True)
+        self.AbortSave = channel.unary_unary(
+                '/meshtrain.checkpoint.v1.CheckpointService/AbortSave',
+                request_serializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.AbortSaveRequest.SerializeToString,
+                response_deserializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.AbortSaveResponse.FromString,
+                _registered_method=True)
         self.List = channel.unary_unary(
                 '/meshtrain.checkpoint.v1.CheckpointService/List',
                 request_serializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.ListRequest.SerializeToString,
@@ -96,6 +101,15 @@ class CheckpointServiceServicer:
 
     def Commit(self, request, context):
         """Waits for every writer of the save, validates the tiling, writes the manifest.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AbortSave(self, request, context):
+        """Gives a save up (its run failed): its commit, under way or to come, stops waiting for
+        writers that have not reported; it commits the save only if all have, else ends it naming
+        the reason. Returns once a commit under way has settled.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -150,6 +164,11 @@ def add_CheckpointServiceServicer_to_server(servicer, server):
                     servicer.Commit,
                     request_deserializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.CommitRequest.FromString,
                     response_serializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.CommitResponse.SerializeToString,
+            ),
+            'AbortSave': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortSave,
+                    request_deserializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.AbortSaveRequest.FromString,
+                    response_serializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.AbortSaveResponse.SerializeToString,
             ),
             'List': grpc.unary_unary_rpc_method_handler(
                     servicer.List,
@@ -258,6 +277,33 @@ class CheckpointService:
             '/meshtrain.checkpoint.v1.CheckpointService/Commit',
             protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.CommitRequest.SerializeToString,
             protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.CommitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortSave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshtrain.checkpoint.v1.CheckpointService/AbortSave',
+            protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.AbortSaveRequest.SerializeToString,
+            protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.AbortSaveResponse.FromString,
             options,
             channel_credentials,
             insecure,

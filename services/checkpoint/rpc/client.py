@@ -142,6 +142,22 @@ class CheckpointClient:
         r = _call("Commit", self.stub.Commit, request, timeout=timeout + 60)
         return SaveResult(r.url, r.step, r.num_arrays, r.num_objects, r.bytes_written, r.seconds)
 
+    def abort_save(self, save_id: str, reason: str = "its client aborted it", timeout: float = 60.0) -> bool:
+        """Gives a save up: its commit, under way or to come, stops waiting for writers that
+        have not reported (it commits only if all have, else refuses naming `reason`).
+
+        Args:
+            save_id: the save.
+            reason: why, as a clause ("the run failed"); quoted in the refusals.
+            timeout: seconds to wait for the service (it waits for a commit under way to settle).
+
+        Returns:
+            True when the save was given up, False when there was nothing to give up (it was
+            committed, had ended, or the service does not know it).
+        """
+        request = pb.AbortSaveRequest(save_id=save_id, reason=reason)
+        return _call("AbortSave", self.stub.AbortSave, request, timeout=timeout).aborted
+
     def list(self) -> list[int]:
         """Committed steps, ascending."""
         return list(_call("List", self.stub.List, pb.ListRequest()).steps)

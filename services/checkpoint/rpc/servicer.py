@@ -7,7 +7,10 @@ all streams: a stream waits for room instead of growing memory. A stream that se
 `stream_idle_timeout` seconds (a live writer that stalled) is aborted and its share freed, so
 it cannot keep the other writers waiting. Saves in progress live in a
 table keyed by save id; a restarted service has forgotten them, and their writers get
-NOT_FOUND and must begin again (the previous checkpoint is untouched either way).
+NOT_FOUND and must begin again (the previous checkpoint is untouched either way). A failing
+run gives its save up with AbortSave: its commit, under way or to come, stops waiting for
+writers that have not reported (a save whose writers all reported is still committed), so the
+committer is not held for the commit timeout by a dead writer.
 
 A Commit refused for a definite reason (a CheckpointError: a writer's error, a timeout, holes)
 ends its save, and every later call of that save id gets that reason back. A Commit that
@@ -111,12 +114,13 @@ def storage_unavailable(root: str) -> Callable[[Exception], StorageUnavailableEr
     return translate
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class _Save:
     step: int
     num_writers: int
     started: float = field(default_factory=time.monotonic)
-    commit_lock: threading.Lock = field(default_factory=threading.Lock, compare=False)
+    commit_lock: threading.Lock = field(default_factory=threading.Lock)
+    abort_reason: str | None = None  # AbortSave's: its commit stops waiting for writers
 
 
 def box_from_pb(box: pb.Box) -> ShardSpec:
@@ -325,7 +329,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                 # `commit` returns the result again for a step this save already committed
                 result = commit(self.root, save.step, save_id, save.num_writers, metadata,
                                 timeout=request.timeout_s or self.commit_timeout,
-                                cancelled=lambda: None if save_id in self._saves
+                                cancelled=lambda: save.abort_reason if save_id in self._saves
                                 else "its save was superseded by a newer BeginSave")
             except CheckpointError as e:
                 # A definite refusal: trying again cannot help, so the save ends here, and a
@@ -347,6 +351,23 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             url=result.url, step=result.step, num_arrays=result.num_arrays,
             num_objects=result.num_objects, bytes_written=result.bytes_written,
             seconds=result.seconds)
+
+    def AbortSave(self, request, context):
+        save_id = check_save_id(request.save_id)
+        reason = request.reason or "its client aborted it"
+        with self._lock:
+            save = self._saves.get(save_id)
+            if save is None:  # committed, ended already, or unknown (a restarted service)
+                return pb.AbortSaveResponse(aborted=False)
+            save.abort_reason = reason
+        log.warning("save %s of step %d given up: %s", save_id, save.step, reason)
+        # A commit under way sees the reason at its next look for fragments, and one that comes
+        # later at its first: it commits the save if every writer has reported, else ends it at
+        # once (as a trainer's own commit does when its run fails). Waiting for one under way
+        # means the step is settled, one way or the other, when this returns.
+        with save.commit_lock, self._lock:
+            committed = save_id in self._committed
+        return pb.AbortSaveResponse(aborted=not committed)
 
     def List(self, request, context):
         return pb.ListResponse(steps=list_checkpoints(self.root))

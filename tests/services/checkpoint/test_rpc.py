@@ -521,3 +521,51 @@ def test_a_stalled_writer_stream_is_aborted_and_its_budget_freed(tmp_path):
         resume.set()
         thread.join(10)
         assert client.list() == [2]
+
+
+def test_a_save_given_up_by_its_failing_run_stops_its_commit_at_once(tmp_path):
+    # Without the service, a failing run's AsyncSaver.abandon makes the committer stop waiting
+    # for a writer that never reports (a dead rank). Through the service it could not: the
+    # service's Commit waited for the missing writer until its timeout. AbortSave tells it.
+    import time
+
+    root = str(tmp_path / "ckpt")
+    with running_service(root, commit_timeout=600) as (client, _):
+        full = torch.randn(2, 8, 4).to(torch.bfloat16)
+        save_id = client.begin_save(5, num_writers=2)
+        saver = AsyncSaver(client, 0, 2, commit_timeout=60)
+        saver.save(5, save_id, tp_boxes(full, 0, 2), committer=True, metadata={})
+        time.sleep(0.5)  # writer 0's fragment is stored; its commit waits for writer 1
+        start = time.monotonic()
+        saver.abandon()
+        with pytest.raises(CheckpointError, match=r"abandoned: writers \[1\] had not reported when the run failed"):
+            saver.wait()
+        assert time.monotonic() - start < 5
+        assert client.list() == [] and not client.abort_save(save_id)  # nothing left to give up
+        with pytest.raises(CheckpointError, match=f"save '{save_id}' of step 5 failed to commit: .*abandoned"):
+            client.commit(5, save_id, 2, {}, timeout=1)  # a late retry is told why
+        # the step is free: a new save of it commits
+        again = client.begin_save(5, num_writers=2)
+        for w in range(2):
+            writer = client.writer(5, again, w, 2)
+            for spec, data in tp_boxes(full, w, 2):
+                writer.write(spec, data)
+            writer.finish()
+        assert client.commit(5, again, 2, {}, timeout=5).step == 5
+
+
+def test_a_save_given_up_before_its_commit_still_commits_when_every_writer_reported(service):
+    # As without the service (sharded.commit's `cancelled`): giving up means not waiting for
+    # missing writers; a save whose writers all reported is committed, not thrown away.
+    import time
+
+    _, client, _ = service
+    complete, incomplete = written_save(client, 6), client.begin_save(7, num_writers=1)
+    assert client.abort_save(complete, "the run failed") and client.abort_save(incomplete, "the run failed")
+    assert client.commit(6, complete, 1, {}, timeout=30).step == 6
+    start = time.monotonic()
+    with pytest.raises(CheckpointError, match=r"writers \[0\] had not reported when the run failed"):
+        client.commit(7, incomplete, 1, {}, timeout=30)
+    assert time.monotonic() - start < 5
+    assert client.list() == [6]
+    assert not client.abort_save(complete) and not client.abort_save("0" * 32)  # committed; unknown

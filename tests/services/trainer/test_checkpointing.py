@@ -102,3 +102,51 @@ def test_a_save_rank_0_cannot_start_fails_on_every_rank(corpus_cache, tmp_path):
     args = small_job_args(corpus_cache, tmp_path / "run", **{"checkpoint.save": root, "train.eval_interval": 0})
     errors = run_ranks(_save_into_a_taken_step, 2, args, root, timeout=120)
     assert all(e is not None and "step 3 already exists" in e for e in errors), errors
+
+
+def _fail_with_a_save_in_flight(rank, world, args):
+    """Rank 1's fragment of the save of step 4 never comes (its upload is a no-op: a dead
+    writer); rank 0 then fails and closes as the trainer does. Returns rank 0's seconds in
+    `close_after_failure`."""
+    import time
+
+    from services.trainer.config import load_config
+    from services.trainer.train import Trainer
+
+    trainer = Trainer(load_config(args))
+    saver = trainer.checkpointer.saver
+    saver.commit_timeout = 30  # the old code waited this long for rank 1 (600 s by default)
+    if rank == 1:
+        saver._upload = lambda *a, **k: None
+    trainer.state.iteration = 4
+    trainer.save()
+    if rank == 1:
+        trainer.checkpointer.close()
+        return None
+    time.sleep(1.0)  # rank 0's own fragment is stored; its commit waits for rank 1's
+    start = time.monotonic()
+    trainer.checkpointer.close_after_failure()
+    return time.monotonic() - start
+
+
+@pytest.mark.dist
+def test_a_failing_run_gives_up_its_service_mode_save_at_once(corpus_cache, tmp_path):
+    # Without the service, close_after_failure makes rank 0 stop waiting for a writer that never
+    # reports; in service mode the service's Commit kept waiting for it until its timeout (600 s),
+    # so a failing run's rank 0 could not exit. Now the saver tells the service (AbortSave).
+    from services.checkpoint.rpc.client import CheckpointClient
+    from tests.dist_utils import run_ranks
+    from tests.services.trainer.conftest import small_job_args
+
+    root = str(tmp_path / "ckpt")
+    server, port, _ = start_server(root)
+    try:
+        args = small_job_args(corpus_cache, tmp_path / "run", **{
+            "checkpoint.save": root, "checkpoint.service_address": f"127.0.0.1:{port}", "train.eval_interval": 0})
+        seconds, _ = run_ranks(_fail_with_a_save_in_flight, 2, args, timeout=120)
+        assert seconds < 10, seconds
+        with CheckpointClient(f"127.0.0.1:{port}") as client:
+            assert client.list() == []  # never committed
+            client.begin_save(4, num_writers=1)  # the step is free for a later save
+    finally:
+        server.stop(0)
