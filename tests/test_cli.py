@@ -20,7 +20,10 @@ TINY = str(ROOT / "deploy" / "configs" / "tiny.toml")
 
 
 def meshtrain(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "services.cli", *map(str, args)], cwd=cwd or ROOT,
+    # ROOT first on the path: from another working directory `-m services.cli` would otherwise
+    # import whichever checkout the environment has installed, not this one.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-m", "services.cli", *map(str, args)], cwd=cwd or ROOT, env=env,
                           capture_output=True, text=True, timeout=600, check=False)
 
 
@@ -44,6 +47,25 @@ def test_train_then_resume_with_tiny_config(tmp_path):
     assert meshtrain("ckpt", "list", ckpt).stdout.split() == ["4", "8"]
     inspect = meshtrain("ckpt", "inspect", ckpt)
     assert "layers.attention.qkv.weight" in inspect.stdout and "iteration: 8" in inspect.stdout
+
+
+@pytest.mark.e2e
+def test_a_run_on_the_embedded_corpus_exports_its_tokenizer_from_any_working_directory(tmp_path):
+    """The embedded corpus is cached under the relative `.cache/meshtrain`, and its tokenizer
+    was recorded in the checkpoint by that relative path: `ckpt export` run anywhere but the
+    training's working directory could not find it and asked for --tokenizer."""
+    (tmp_path / "train").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    run = meshtrain("train", "--config", TINY, "--train-iters", 1, "--save", "ckpt", "--run-dir", "run",
+                    "--data.default_corpus_bytes=300000", "--data.default_vocab_size=300", "--eval-interval", "0",
+                    "--log.plot=false", cwd=tmp_path / "train")
+    assert run.returncode == 0, run.stderr
+    inspect = meshtrain("ckpt", "inspect", tmp_path / "train" / "ckpt", cwd=tmp_path / "elsewhere")
+    recorded = re.search(r"tokenizer: (\S+)", inspect.stdout).group(1)
+    assert Path(recorded).is_absolute() and Path(recorded).is_file(), inspect.stdout
+    out = meshtrain("ckpt", "export", "--format", "hf", tmp_path / "train" / "ckpt", "hf", cwd=tmp_path / "elsewhere")
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "elsewhere" / "hf" / "tokenizer.json").read_bytes() == Path(recorded).read_bytes()
 
 
 @pytest.mark.e2e

@@ -376,6 +376,20 @@ def train_bpe(files: list[str | os.PathLike], vocab_size: int, output_path: str 
     return HFTokenizer(out)
 
 
+def absolute_spec(spec: str | os.PathLike) -> str:
+    """`spec` with its file or folder made absolute, so it names the same tokenizer from any
+    working directory (a run records its tokenizer in its checkpoints, which `meshtrain ckpt
+    export` reads from wherever it is run). `"byte"` is returned as it is.
+    """
+    s = str(spec)
+    if s == "byte":
+        return s
+    for kind in ("tiktoken:", "sentencepiece:"):
+        if s.startswith(kind):
+            return kind + os.path.abspath(s[len(kind):])
+    return os.path.abspath(s)
+
+
 def build_tokenizer(spec: str | os.PathLike) -> Tokenizer:
     """Turn a tokenizer spec into a tokenizer.
 

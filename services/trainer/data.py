@@ -19,7 +19,7 @@ from services.common.errors import ConfigError
 from services.dataloader.loader import BatchOptions, LocalBatchSource
 from services.dataloader.preprocess import prepare_default_dataset
 from services.dataloader.spec import DatasetSpec, open_dataset, parse_data_path
-from services.dataloader.tokenizers import build_tokenizer
+from services.dataloader.tokenizers import absolute_spec, build_tokenizer
 from services.trainer.config import JobConfig
 
 log = logging.getLogger("meshtrain.data")
@@ -88,6 +88,10 @@ def build_data(job: JobConfig, dp_rank: int = 0, dp_size: int = 1) -> TrainData:
         )
         prefixes, weights = [default.prefix], [1.0]
         tokenizer_spec, vocab_size, eod_id = default.tokenizer_spec, default.vocab_size, default.eod_id
+    # Recorded in every checkpoint; a path relative to this working directory (the embedded
+    # corpus's `.cache/meshtrain/...`, or `--tokenizer tok.json`) would not be found by a
+    # `meshtrain ckpt export` run from anywhere else.
+    tokenizer_spec = absolute_spec(tokenizer_spec)
     if job.model.vocab_size is not None and job.model.vocab_size < vocab_size:
         raise ConfigError(
             f"model.vocab_size={job.model.vocab_size} is smaller than the tokenizer's "

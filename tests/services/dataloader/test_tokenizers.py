@@ -4,7 +4,7 @@ import pytest
 
 from services.common.errors import DataError
 from services.dataloader.tokenizers import (
-    EOD_TOKEN, ByteTokenizer, HFTokenizer, build_tokenizer, train_bpe,
+    EOD_TOKEN, ByteTokenizer, HFTokenizer, absolute_spec, build_tokenizer, train_bpe,
 )
 
 TEXTS = [
@@ -95,3 +95,12 @@ def test_the_eod_text_inside_a_document_is_text_not_a_document_end(tmp_path, cor
     text = f"print('{EOD_TOKEN}')"
     for ids in (tok.encode(text), tok.encode_batch([text])[0]):
         assert tok.eod_id not in ids and tok.decode(ids) == text
+
+
+def test_absolute_spec_names_the_same_file_from_any_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert absolute_spec("byte") == "byte"
+    assert absolute_spec("tok/tokenizer.json") == str(tmp_path / "tok" / "tokenizer.json")
+    assert absolute_spec("tiktoken:enc.tiktoken") == f"tiktoken:{tmp_path / 'enc.tiktoken'}"
+    assert absolute_spec("sentencepiece:sp.model") == f"sentencepiece:{tmp_path / 'sp.model'}"
+    assert absolute_spec("/abs/tokenizer.json") == "/abs/tokenizer.json"
