@@ -249,6 +249,23 @@ def test_nproc_per_node_sigterm_commits_a_checkpoint_and_exits_0(tmp_path, corpu
 
 @pytest.mark.e2e
 @pytest.mark.dist
+def test_nproc_per_node_sigterm_to_one_rank_stops_all_and_every_rank_names_it(tmp_path, corpus_cache):  # noqa: F811
+    """SIGTERM to rank 1 alone (a node's agent, or a user's `kill`): the ranks agree to stop
+    (one checkpoint, exit 0), and each rank's line names the rank and the signal; rank 0 said
+    only "another rank's stop request" before."""
+    proc, run, pids = _launch_two_ranks(tmp_path, corpus_cache)
+    os.kill(pids[1], signal.SIGTERM)
+    code = proc.wait(timeout=120)
+    err = (tmp_path / "stderr").read_text()
+    assert code == 0, err[-3000:]
+    stops = [line for line in err.splitlines() if "saving a checkpoint after step" in line]
+    assert len(stops) == 2 and all("SIGTERM to rank 1: saving" in line for line in stops), err[-3000:]
+    assert len(meshtrain("ckpt", "list", run / "checkpoints").stdout.split()) == 1
+    assert all(_gone(pid) for pid in pids.values())
+
+
+@pytest.mark.e2e
+@pytest.mark.dist
 def test_nproc_per_node_rank_that_dies_stops_the_others_and_is_named(tmp_path, corpus_cache):  # noqa: F811
     """Rank 1 SIGKILLed (as the OOM killer would): the launcher stops rank 0, exits 1 and names
     rank 1 first on its error line; no rank is left running."""

@@ -30,8 +30,42 @@ from collections.abc import Iterator
 from services.common.signals import logged_until_exit, relayed_signals
 
 STOP_STACK_DUMP_S = 90.0
+CONTROL_STOP = "a stop request"  # the control endpoint's cause (`meshtrain stop`)
+_CONTROL_CODE = 128  # above every signal number
 LATE_SIGTERM = "%s: the training loop has ended; already stopping (the exit status stays the run's)"
 log = logging.getLogger("meshtrain.train")
+
+
+def cause_code(cause: str | None) -> int:
+    """A stop's cause as a small positive number, so ranks can agree on it in the all-reduce
+    that shares the flags: a signal's number, `_CONTROL_CODE` for the control endpoint, 0 for
+    none; any other cause counts as the control endpoint's."""
+    if not cause:
+        return 0
+    try:
+        return int(signal.Signals[cause])
+    except KeyError:
+        return _CONTROL_CODE
+
+
+def cause_of(code: int) -> str:
+    """The cause `cause_code` gave `code`."""
+    return CONTROL_STOP if code == _CONTROL_CODE else signal.Signals(code).name
+
+
+def describe_stop(codes: list[int], limit: int = 8) -> str:
+    """Which ranks asked for a stop, and why: "SIGTERM to rank 1", "SIGTERM to ranks 0, 3; a
+    stop request to rank 2", from each rank's `cause_code` (index = rank, 0: did not ask);
+    more than `limit` ranks with one cause are counted, not listed."""
+    by_cause: dict[int, list[int]] = {}
+    for rank, code in enumerate(codes):
+        if code:
+            by_cause.setdefault(code, []).append(rank)
+    parts = []
+    for code, ranks in by_cause.items():
+        listed = ", ".join(map(str, ranks[:limit])) + (f" and {len(ranks) - limit} more" if len(ranks) > limit else "")
+        parts.append(f"{cause_of(code)} to rank{'s' if len(ranks) > 1 else ''} {listed}")
+    return "; ".join(parts) or "a stop request from an unnamed rank"
 
 
 class RunRequests:

@@ -40,7 +40,12 @@ from services.trainer.parallel import mappings, recompute
 from services.trainer.parallel.data import DataParallel, forward_units
 from services.trainer.parallel.mesh import Mesh, env_rank_world, init_process_group
 from services.trainer.parallel.tensor import parallelize
-from services.trainer.requests import RunRequests
+from services.trainer.requests import (
+    CONTROL_STOP,
+    RunRequests,
+    cause_code,
+    describe_stop,
+)
 from services.trainer.resume import refuse_a_root_with_later_steps, resume
 from services.trainer.run_dir import make_run_dir, run_dir_toml
 from services.trainer.uploads import Uploader
@@ -226,6 +231,7 @@ class Trainer:
                                                        attempts=c.save_attempts, backoff=c.save_retry_backoff_s)
         # Requests from other threads (SIGTERM's relay, the control endpoint), acted on between steps.
         self.requests = RunRequests()
+        self.stop_cause: str | None = None  # the agreed stop's cause, which ranks asked and why
         self.progress: dict[str, float | int | str | None] = {
             "step": self.state.iteration, "train_iters": job.train.train_iters, "loss": None,
             "tokens_per_s": None, "eta_s": None, "last_checkpoint": None}
@@ -237,7 +243,7 @@ class Trainer:
             MeshtrainError: the training loop has already ended (nothing would act on it).
         """
         self._refuse_if_finished("stop")
-        self.requests.stop("a stop request")
+        self.requests.stop(CONTROL_STOP)
 
     def request_checkpoint(self) -> None:
         """Save a checkpoint after the current step and continue.
@@ -263,14 +269,25 @@ class Trainer:
 
         Alone this is checked every step; with several ranks only on logging steps, where the
         loop synchronizes anyway, so requests cost no extra host sync (latency: log_interval).
+        A stop sets `self.stop_cause`; with several ranks the same all-reduce carries each rank's
+        cause in a slot of its own, so every rank's log names the ranks that asked and why.
         """
+        stop, checkpoint = self.requests.pending()
+        cause = self.requests.stop_cause if stop else None  # set before the flag, under its lock
         if not self.mesh.distributed:
-            return self.requests.pending()
+            self.stop_cause = cause
+            return stop, checkpoint
         if not at_log_step:
             return False, False
-        flags = torch.tensor([float(f) for f in self.requests.pending()], device=self.device)
+        # (stop, checkpoint, cause code of rank 0, ..., of rank world-1), MAX over the ranks
+        codes = [0.0] * dist.get_world_size()
+        codes[dist.get_rank()] = float(cause_code(cause))
+        flags = torch.tensor([float(stop), float(checkpoint), *codes], device=self.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return bool(flags[0].item()), bool(flags[1].item())
+        values = [int(v) for v in flags.tolist()]  # one host sync
+        if values[0]:
+            self.stop_cause = describe_stop(values[2:])
+        return bool(values[0]), bool(values[1])
 
     def _on_device(self, batches):
         """(tokens, labels, loss_mask) of each micro-batch on the device, in order (`Uploader`)."""
@@ -452,8 +469,7 @@ class Trainer:
             if stop and pending:  # alone, a stop is acted on at any step: log what it ran first
                 log_pending(n)
             if stop:
-                log.warning("%s: saving a checkpoint after step %d, then stopping",
-                            self.requests.stop_cause or "another rank's stop request", n)
+                log.warning("%s: saving a checkpoint after step %d, then stopping", self.stop_cause, n)
             interval = job.checkpoint.save_interval
             if (interval and n % interval == 0) or n == t.train_iters or stop or checkpoint_now:
                 # Cleared before saving: this save answers the requests made so far, and one that

@@ -236,3 +236,15 @@ def test_a_metrics_port_without_the_control_endpoint_is_refused(corpus_cache, tm
     with pytest.raises(ConfigError, match="train.metrics_port=0 .* needs train.control_port"):
         load_config(args)
     load_config(small_job_args(corpus_cache, tmp_path / "run", **{"train.metrics_port": 0, "train.control_port": 0}))
+
+
+def test_a_stop_names_the_ranks_that_asked_and_why():
+    """Each rank's cause travels as a number in the flags' all-reduce; every rank turns the
+    reduced numbers back into one line."""
+    from services.trainer.requests import CONTROL_STOP, cause_code, describe_stop
+
+    sigterm, control = cause_code("SIGTERM"), cause_code(CONTROL_STOP)
+    assert cause_code(None) == 0 and sigterm == 15 and control not in (0, sigterm)
+    assert describe_stop([0, sigterm]) == "SIGTERM to rank 1"
+    assert describe_stop([sigterm, control, 0, sigterm]) == "SIGTERM to ranks 0, 3; a stop request to rank 1"
+    assert describe_stop([sigterm] * 10, limit=3) == "SIGTERM to ranks 0, 1, 2 and 7 more"
