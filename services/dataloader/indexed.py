@@ -194,6 +194,9 @@ class IndexedDatasetWriter:
         bin_in_place = False
         try:
             self._write_index()
+            # An older dataset's .idx goes first: killed between the two renames, a new .bin
+            # beside the old .idx would look complete (and can match its size).
+            self._idx_path.unlink(missing_ok=True)
             os.replace(self._bin_tmp, self._bin_path)
             bin_in_place = True
             os.replace(self._idx_tmp, self._idx_path)

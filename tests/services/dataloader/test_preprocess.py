@@ -170,3 +170,53 @@ def test_failed_build_leaves_no_cache(tmp_path, monkeypatch):
 def test_prepare_default_dataset_bad_tokenizer(tmp_path):
     with pytest.raises(DataError, match="'bpe', 'byte'"):
         prepare_default_dataset(tmp_path, tokenizer="gpt2")
+
+_KILLED_CHILD = """
+import os, signal, sys
+from services.dataloader import indexed
+from services.dataloader.preprocess import preprocess_files
+from services.dataloader.tokenizers import ByteTokenizer
+where, src, prefix = sys.argv[1:]
+if where == "writing":
+    add = indexed.IndexedDatasetWriter.add_document
+    def add_then_die(self, tokens):
+        add(self, tokens)
+        os.kill(os.getpid(), signal.SIGKILL)
+    indexed.IndexedDatasetWriter.add_document = add_then_die
+else:  # between renaming the new .bin and the new .idx into place
+    replace = os.replace
+    def replace_then_die(a, b):
+        replace(a, b)
+        if str(b).endswith(".bin"):
+            os.kill(os.getpid(), signal.SIGKILL)
+    indexed.os.replace = replace_then_die
+preprocess_files([src], prefix, ByteTokenizer(), append_eod=False)
+"""
+
+
+@pytest.mark.parametrize("where", ["writing", "between_renames"])
+def test_a_run_killed_midway_never_leaves_a_pair_that_looks_complete(tmp_path, where):
+    """SIGKILL of a preprocess over an earlier dataset of the same prefix: the prefix holds the
+    earlier dataset whole, or no `.idx` at all. Killed between the two renames, the new `.bin`
+    used to sit beside the earlier `.idx`; with the same total size it opened as a dataset and
+    gave the new tokens cut at the old documents' boundaries."""
+    import subprocess
+    import sys
+
+    old, new = tmp_path / "old.jsonl", tmp_path / "new.jsonl"
+    old.write_text('{"text": "abc"}\n{"text": "defgh"}\n')
+    new.write_text('{"text": "ABCDE"}\n{"text": "FGH"}\n')  # same bytes in all, other boundaries
+    prefix = tmp_path / "ds"
+    preprocess_files([old], prefix, ByteTokenizer(), append_eod=False)
+    proc = subprocess.run([sys.executable, "-c", _KILLED_CHILD, where, str(new), str(prefix)],
+                          cwd=Path(__file__).resolve().parents[3], capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert proc.returncode == -9, proc.stderr
+    if (tmp_path / "ds.idx").exists():
+        ds = IndexedDataset(str(prefix))
+        assert [bytes(ds[i].tolist()) for i in range(len(ds))] == [b"abc", b"defgh"]
+    else:
+        assert where == "between_renames"
+    # and the next run writes the new dataset whole
+    ds = IndexedDataset(preprocess_files([new], prefix, ByteTokenizer(), append_eod=False))
+    assert [bytes(ds[i].tolist()) for i in range(len(ds))] == [b"ABCDE", b"FGH"]
