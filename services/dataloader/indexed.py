@@ -119,6 +119,21 @@ def _dtype_code(dtype) -> int:
     return _CODE_OF_DTYPE[dtype]
 
 
+def check_output_prefix(prefix: str | os.PathLike) -> None:
+    """Raise DataError unless `prefix` can name a dataset the writer makes: a local path (or
+    `file://`) that is not a folder. A URL was written into a local folder named after its
+    scheme (`s3:/bucket/x.bin`), and a folder (`data/`) got hidden files `data/.bin`."""
+    s = str(prefix)
+    if is_remote(s):
+        raise DataError(f"output prefix {s!r}: datasets are written to local files only; write it "
+                        f"locally, then copy PREFIX.bin and PREFIX.idx there (e.g. aws s3 cp)")
+    local = local_path(s)
+    if not local or local.endswith(("/", os.sep)) or Path(local).is_dir():
+        example = os.path.join(local or ".", "corpus")
+        raise DataError(f"output prefix {s!r} is a folder; name the dataset inside it, e.g. {example!r} "
+                        f"(which writes {example}.bin and {example}.idx)")
+
+
 class IndexedDatasetWriter:
     """Streams documents into `PREFIX.bin` and writes `PREFIX.idx` at the end.
 
@@ -137,13 +152,19 @@ class IndexedDatasetWriter:
         self.prefix = str(prefix)
         self.dtype = np.dtype(dtype)
         self._code = _dtype_code(self.dtype)
+        check_output_prefix(self.prefix)
         self._bin_path, self._idx_path = _paths(self.prefix)
-        self._bin_path.parent.mkdir(parents=True, exist_ok=True)
         # pid in the name: two writers of the same prefix must not share a temp file
         suffix = f".tmp-{os.getpid()}-{id(self):x}"
         self._bin_tmp = Path(str(self._bin_path) + suffix)
         self._idx_tmp = Path(str(self._idx_path) + suffix)
-        self._bin = open(self._bin_tmp, "wb")  # noqa: SIM115 - open until finalize/abort close it
+        try:
+            self._bin_path.parent.mkdir(parents=True, exist_ok=True)
+            self._bin = open(self._bin_tmp, "wb")  # noqa: SIM115 - open until finalize/abort close it
+        except OSError as e:  # a parent that is a file, no permission: a traceback before
+            why = (f"{e.filename} is a file, not a folder" if isinstance(e, (FileExistsError, NotADirectoryError))
+                   else f"{e.strerror or e}: {e.filename or self._bin_path}")
+            raise DataError(f"output prefix {self.prefix!r}: cannot write {self._bin_path} ({why})") from e
         self._lengths = array("i")  # int32, Megatron's sequence length type
         self._closed = False
         if self.dtype.kind in "iu":

@@ -29,7 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.errors import DataError
-from services.dataloader.indexed import IndexedDatasetWriter, best_dtype
+from services.dataloader.indexed import (
+    IndexedDatasetWriter,
+    best_dtype,
+    check_output_prefix,
+    local_path,
+)
 from services.dataloader.inputs import iter_documents
 from services.dataloader.tokenizers import (
     ByteTokenizer,
@@ -145,6 +150,14 @@ def preprocess_files(
     if not inputs:  # an empty dataset is never what was meant
         raise DataError(f"no input files to preprocess into {output_prefix}")
     prefix = str(output_prefix)
+    check_output_prefix(prefix)
+    outputs = {p.resolve(): p for p in (Path(local_path(prefix) + ".bin"), Path(local_path(prefix) + ".idx"))}
+    for path in inputs:
+        # `--input 'corpus/*' --output-prefix corpus/all` run twice read the first run's
+        # all.bin and all.idx as two text documents of binary noise
+        if Path(path).resolve() in outputs:
+            raise DataError(f"input {str(path)!r} is a file of the output dataset {prefix!r} (from an earlier "
+                            "run?); leave it out of --input, or write the dataset elsewhere")
     from tqdm import tqdm
 
     bar = tqdm(unit=" docs", disable=not progress, desc=Path(prefix).name)
@@ -173,6 +186,10 @@ def preprocess_files(
                         write(pending.pop(0).result())
                 for fut in pending:
                     write(fut.result())
+        if writer.num_documents == 0:  # raised inside: the writer removes what it wrote
+            names = ", ".join(map(str, inputs[:3])) + (f" and {len(inputs) - 3} more" if len(inputs) > 3 else "")
+            raise DataError(f"no documents in {names}: every input is empty"
+                            f"{'' if append_eod else ' or holds only empty documents'}; nothing written to {prefix}")
     bar.close()
     return prefix
 

@@ -171,6 +171,37 @@ def test_prepare_default_dataset_bad_tokenizer(tmp_path):
     with pytest.raises(DataError, match="'bpe', 'byte'"):
         prepare_default_dataset(tmp_path, tokenizer="gpt2")
 
+
+@pytest.mark.parametrize("inputs,prefix,match", [
+    ([], "ds", "no input files"),
+    (["empty.jsonl"], "ds", r"no documents in .*empty.jsonl: every input is empty"),
+    (["blank.txt"], "ds", r"no documents in .*blank.txt: every input is empty or holds only empty documents"),
+    (["a.txt"], "afile/ds", r"output prefix .*afile/ds.*afile is a file, not a folder"),
+    (["a.txt"], "sub/", r"output prefix .*sub/' is a folder; name the dataset inside it"),
+    (["a.txt"], "sub", r"output prefix .*sub' is a folder; name the dataset inside it"),
+    (["a.txt"], "s3://bucket/ds", r"output prefix 's3://bucket/ds': datasets are written to local files only"),
+    (["a.txt", "ds.bin"], "ds", r"input .*ds.bin' is a file of the output dataset"),
+])
+def test_bad_inputs_and_outputs_are_named_and_nothing_is_written(tmp_path, monkeypatch, inputs, prefix, match):
+    """Each of these used to go through: an empty input made a dataset of 0 documents; a
+    prefix under a file was a FileExistsError traceback; a folder prefix wrote hidden `sub/.bin`;
+    an `s3://` prefix wrote a local folder named `s3:`; an earlier run's output matched by
+    `--input 'corpus/*'` was read as two documents of binary noise."""
+    monkeypatch.chdir(tmp_path)
+    Path("empty.jsonl").write_text("")
+    Path("blank.txt").write_text("")
+    Path("a.txt").write_text("some text")
+    Path("afile").write_text("x")
+    Path("sub").mkdir()
+    preprocess_files(["a.txt"], "ds", ByteTokenizer())  # an earlier run's output, for the last case
+    before = sorted(p for p in tmp_path.rglob("*"))
+    with pytest.raises(DataError, match=match):
+        preprocess_files([tmp_path / name for name in inputs], prefix if "://" in prefix else f"{tmp_path}/{prefix}",
+                         ByteTokenizer(), append_eod="blank" not in inputs[0] if inputs else True)
+    assert sorted(p for p in tmp_path.rglob("*")) == before
+    assert IndexedDataset(str(tmp_path / "ds"))[0].tolist()[:-1] == list(b"some text")  # the earlier one, whole
+
+
 _KILLED_CHILD = """
 import os, signal, sys
 from services.dataloader import indexed
