@@ -9,10 +9,66 @@ Compressed files are refused rather than read as binary noise.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
 from services.common.errors import DataError
+
+log = logging.getLogger("meshtrain.data")
+
+
+class _Utf8Lines:
+    """A file's lines as text-mode `open(path, encoding="utf-8", errors="replace")` gives them
+    (CRLF and lone CR end lines too), counting the lines where bytes that are not UTF-8 were
+    replaced, so the replacement is reported instead of silent (a Latin-1 file's accented
+    letters all became U+FFFD, with nothing said)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.bad_lines = 0
+        self.first_bad: int | None = None
+
+    def __iter__(self) -> Iterator[tuple[int, str]]:
+        lineno = 0
+        with open(self.path, "rb") as f:
+            for raw in f:  # split at b"\n" only, which no multi-byte UTF-8 sequence contains
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    text = raw.decode("utf-8", errors="replace")
+                    bad = True
+                else:
+                    bad = False
+                pieces = [text]
+                if "\r" in text:  # CRLF and lone CR end lines, as in text mode (not str.splitlines's
+                    # other line ends, such as U+2028, which a JSON string may hold as it is)
+                    *ended, tail = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+                    pieces = [piece + "\n" for piece in ended] + ([tail] if tail else [])
+                for piece in pieces:
+                    lineno += 1
+                    if bad and "\ufffd" in piece:
+                        self.bad_lines += 1
+                        self.first_bad = self.first_bad or lineno
+                    yield lineno, piece
+
+    def warn(self) -> None:
+        if self.bad_lines:
+            log.warning("%s:%d: bytes that are not UTF-8 replaced with U+FFFD (%d line%s of the file; "
+                        "convert it to UTF-8 first, e.g. iconv -f latin1 -t utf-8)", self.path, self.first_bad,
+                        self.bad_lines, "" if self.bad_lines == 1 else "s")
+
+
+def decode_text(path: Path, data: bytes) -> str:
+    """`data` (the whole of `path`) as UTF-8, bytes that are not replaced with U+FFFD and a
+    warning naming the file and the first one's line."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        log.warning("%s:%d: bytes that are not UTF-8 replaced with U+FFFD (first at byte %d; convert the "
+                    "file to UTF-8 first, e.g. iconv -f latin1 -t utf-8)", path, line, e.start)
+        return data.decode("utf-8", errors="replace")
 
 
 def _without_lone_surrogates(text: str) -> str:
@@ -57,26 +113,27 @@ def iter_documents(path: Path, json_key: str) -> Iterator[str]:
     if path.suffix != ".parquet":
         refuse_compressed(path)
     if path.suffix in (".jsonl", ".json"):
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{lineno}: not a JSON object per line ({e.msg})") from e
-                if not isinstance(obj, dict) or json_key not in obj:
-                    raise DataError(f"{path}:{lineno}: JSON document has no key {json_key!r}")
-                text = obj[json_key]
-                if not isinstance(text, str):
-                    raise DataError(f"{path}:{lineno}: {json_key!r} is {type(text).__name__}, not a string")
-                yield _without_lone_surrogates(text)
+        lines = _Utf8Lines(path)
+        for lineno, line in lines:
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not a JSON object per line ({e.msg})") from e
+            if not isinstance(obj, dict) or json_key not in obj:
+                raise DataError(f"{path}:{lineno}: JSON document has no key {json_key!r}")
+            text = obj[json_key]
+            if not isinstance(text, str):
+                raise DataError(f"{path}:{lineno}: {json_key!r} is {type(text).__name__}, not a string")
+            yield _without_lone_surrogates(text)
+        lines.warn()
     elif path.suffix == ".parquet":
         yield from _iter_parquet(path, json_key)
     else:
         # bytes, then decoded: a text-mode read would rewrite CRLF and lone CR to LF, so the
         # stored tokens would not be the file's
-        yield path.read_bytes().decode("utf-8", errors="replace")
+        yield decode_text(path, path.read_bytes())
 
 
 def _iter_parquet(path: Path, column: str) -> Iterator[str]:

@@ -251,3 +251,22 @@ def test_a_run_killed_midway_never_leaves_a_pair_that_looks_complete(tmp_path, w
     # and the next run writes the new dataset whole
     ds = IndexedDataset(preprocess_files([new], prefix, ByteTokenizer(), append_eod=False))
     assert [bytes(ds[i].tolist()) for i in range(len(ds))] == [b"ABCDE", b"FGH"]
+
+
+def test_bytes_that_are_not_utf8_are_replaced_and_named(tmp_path, caplog):
+    """A Latin-1 file's accented letters all became U+FFFD with nothing said (Megatron's
+    preprocess refuses such a file outright); they are still replaced, as documented, but a
+    warning names the file and the first line. Line numbering still counts CR and CRLF ends."""
+    jl, txt = tmp_path / "latin1.jsonl", tmp_path / "latin1.txt"
+    jl.write_bytes(b'{"text": "fine"}\r\n{"text": "caf\xe9"}\r{"text": "ol\xe9"}\n{"text": "ok \xef\xbf\xbd"}\n')
+    txt.write_bytes(b"line one\nna\xefve\n")
+    with caplog.at_level("WARNING", logger="meshtrain.data"):
+        ds = IndexedDataset(preprocess_files([jl, txt], tmp_path / "ds", ByteTokenizer(), append_eod=False))
+    assert [bytes(ds[i].tolist()).decode() for i in range(len(ds))] == [
+        "fine", "caf\ufffd", "ol\ufffd", "ok \ufffd", "line one\nna\ufffdve\n"]
+    warnings = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith(f"{jl}:2: bytes that are not UTF-8 replaced with U+FFFD (2 lines") for m in warnings)
+    assert any(m.startswith(f"{txt}:2: bytes that are not UTF-8 replaced with U+FFFD") for m in warnings)
+    with pytest.raises(DataError, match=r"latin1.jsonl:3: not a JSON object"):  # lone CR ends line 2
+        jl.write_bytes(b'{"text": "a"}\r\n{"text": "b"}\r{broken\n')
+        preprocess_files([jl], tmp_path / "ds2", ByteTokenizer())
