@@ -115,13 +115,17 @@ def iter_documents(path: Path, json_key: str) -> Iterator[str]:
     if path.suffix in (".jsonl", ".json"):
         lines = _Utf8Lines(path)
         for lineno, line in lines:
+            if lineno == 1:  # a byte order mark (Windows tools write one) is no part of the JSON
+                line = line.removeprefix("\ufeff")
             if not line.strip():
                 continue
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{lineno}: not a JSON object per line ({e.msg})") from e
-            if not isinstance(obj, dict) or json_key not in obj:
+            if not isinstance(obj, dict):
+                raise DataError(f"{path}:{lineno}: is a JSON {type(obj).__name__}, not an object with key {json_key!r}")
+            if json_key not in obj:
                 raise DataError(f"{path}:{lineno}: JSON document has no key {json_key!r}")
             text = obj[json_key]
             if not isinstance(text, str):

@@ -270,3 +270,16 @@ def test_bytes_that_are_not_utf8_are_replaced_and_named(tmp_path, caplog):
     with pytest.raises(DataError, match=r"latin1.jsonl:3: not a JSON object"):  # lone CR ends line 2
         jl.write_bytes(b'{"text": "a"}\r\n{"text": "b"}\r{broken\n')
         preprocess_files([jl], tmp_path / "ds2", ByteTokenizer())
+
+
+def test_a_jsonl_file_with_a_byte_order_mark_is_read_and_a_line_that_is_no_object_is_named(tmp_path):
+    """Windows tools (PowerShell's Out-File, Excel's CSV-to-JSON) start UTF-8 files with a BOM:
+    the file was refused at line 1 ("Unexpected UTF-8 BOM"). A line holding a JSON list was
+    reported as having no key 'text'."""
+    jl = tmp_path / "bom.jsonl"
+    jl.write_bytes(b'\xef\xbb\xbf{"text": "bom"}\n{"text": "two"}\n')
+    ds = IndexedDataset(preprocess_files([jl], tmp_path / "ds", ByteTokenizer(), append_eod=False))
+    assert [bytes(ds[i].tolist()) for i in range(len(ds))] == [b"bom", b"two"]
+    jl.write_text('{"text": "a"}\n[1, 2]\n')
+    with pytest.raises(DataError, match=r"bom.jsonl:2: is a JSON list, not an object with key 'text'"):
+        preprocess_files([jl], tmp_path / "ds2", ByteTokenizer())
