@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import signal
+import sys
 from pathlib import Path
 
 from services.common.errors import DataError
@@ -51,14 +53,37 @@ def expand_inputs(patterns: list[str]) -> list[Path]:
     return files
 
 
+class _Stopped(BaseException):
+    """A SIGTERM or SIGHUP, raised in the main thread as Ctrl-C's KeyboardInterrupt is."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_stopped(signum: int, _frame) -> None:
+    raise _Stopped(signum)
+
+
 def cmd_preprocess(args: argparse.Namespace) -> int:
     from services.dataloader.preprocess import preprocess_files
     from services.dataloader.tokenizers import build_tokenizer
 
     tokenizer = build_tokenizer(args.tokenizer)
-    prefix = preprocess_files(expand_inputs(args.input), args.output_prefix, tokenizer,
-                              json_key=args.json_key, append_eod=args.append_eod,
-                              workers=args.workers, progress=not args.quiet)
+    # Killed outright by SIGTERM, a run left its partial .bin.tmp-* behind, and its --workers
+    # processes ran on as orphans; raised here, the writer and the pool clean up as for Ctrl-C.
+    previous = {s: signal.signal(s, _raise_stopped) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        prefix = preprocess_files(expand_inputs(args.input), args.output_prefix, tokenizer,
+                                  json_key=args.json_key, append_eod=args.append_eod,
+                                  workers=args.workers, progress=not args.quiet)
+    except _Stopped as e:
+        name = signal.Signals(e.signum).name
+        print(f"meshtrain: {name}: preprocessing stopped; nothing written to {args.output_prefix}", file=sys.stderr)
+        return 128 + e.signum
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     print(f"wrote {prefix}.bin and {prefix}.idx")
     return 0
 

@@ -125,3 +125,56 @@ def test_train_tokenizer_learns_from_the_jsonl_text_not_the_json_around_it(tmp_p
         f.write(json.dumps({"text": "no body here"}) + "\n")
     assert main(["data", "train-tokenizer", "--input", str(tmp_path / "b.jsonl"), "--vocab-size", "300",
                  "--json-key", "body", "--output", str(tmp_path / "t2.json")]) == 2
+
+
+def _children(pid: int) -> set[int]:
+    found = set()
+    for task in __import__("pathlib").Path(f"/proc/{pid}/task").iterdir():
+        try:
+            found |= {int(c) for c in (task / "children").read_text().split()}
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_preprocess_stopped_by_sigterm_leaves_no_files_and_no_workers(tmp_path, workers):
+    """SIGTERM (`kill`, scancel, a closed job) killed a `data preprocess` outright: it left its
+    partial `.bin.tmp-*` copy of the tokens behind, and with --workers N its N tokenizing
+    processes ran on as orphans, forever (reproduced: still there a minute later). It now
+    stops as Ctrl-C does: temporary files removed, workers shut down, exit 143."""
+    import os
+    import time
+
+    big = tmp_path / "big.jsonl"
+    big.write_text("".join(json.dumps({"text": f"lorem ipsum dolor sit amet {i} " * 20}) + "\n"
+                           for i in range(400_000)))
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "data", "preprocess", "--tokenizer", "byte",
+                             "--quiet", "--input", str(big), "--output-prefix", str(out / "ds"),
+                             "--workers", str(workers)], cwd=REPO, stderr=open(tmp_path / "err", "w"))  # noqa: SIM115
+    deadline = time.monotonic() + 60
+    # tokens written: the workers are up
+    while not (out.is_dir() and any(f.stat().st_size > (1 << 20) for f in out.iterdir())):
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "err").read_text()
+        time.sleep(0.01)
+    children = _children(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    survivors = set()
+    try:
+        proc.wait(timeout=60)
+        deadline = time.monotonic() + 10
+        while (survivors := {pid for pid in children if os.path.exists(f"/proc/{pid}")}) and \
+                time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        for pid in children:  # whatever the outcome, leave no process of this test behind
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    err = (tmp_path / "err").read_text()
+    assert not survivors, f"processes {survivors} outlived the preprocess they worked for"
+    assert proc.returncode == 143, err[-2000:]
+    assert "SIGTERM" in err and "Traceback" not in err, err[-2000:]
+    assert list(out.iterdir()) == []
