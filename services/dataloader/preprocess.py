@@ -23,6 +23,8 @@ import shutil
 import sys
 import sysconfig
 import tempfile
+import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
@@ -108,9 +110,18 @@ def _iter_batches(inputs: list[str | os.PathLike], json_key: str) -> Iterator[li
 _worker_tokenizer: Tokenizer | None = None
 
 
-def _init_worker(spec: str) -> None:
+def _init_worker(spec: str, parent: int) -> None:
     global _worker_tokenizer
     _worker_tokenizer = build_tokenizer(spec)
+    threading.Thread(target=_exit_with_parent, args=(parent,), name="parent-watch", daemon=True).start()
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A worker whose preprocess was SIGKILLed (the OOM killer) waited for work forever: nothing
+    tells a pool's workers that its process is gone. Once the parent changes, exit."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
 
 
 def _encode_in_worker(texts: list[str]) -> list[list[int]]:
@@ -178,7 +189,7 @@ def preprocess_files(
             # spawn, not fork: the Rust tokenizers' thread pools do not survive a fork
             ctx = multiprocessing.get_context("spawn")
             with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
-                                     initargs=(tokenizer.spec,)) as pool:
+                                     initargs=(tokenizer.spec, os.getpid())) as pool:
                 pending: list[Future] = []
                 for batch in _iter_batches(inputs, json_key):
                     pending.append(pool.submit(_encode_in_worker, batch))

@@ -137,12 +137,13 @@ def _children(pid: int) -> set[int]:
     return found
 
 
-@pytest.mark.parametrize("workers", [1, 2])
-def test_preprocess_stopped_by_sigterm_leaves_no_files_and_no_workers(tmp_path, workers):
+@pytest.mark.parametrize("sig,workers", [(signal.SIGTERM, 1), (signal.SIGTERM, 2), (signal.SIGKILL, 2)])
+def test_preprocess_stopped_by_sigterm_leaves_no_files_and_no_workers(tmp_path, sig, workers):
     """SIGTERM (`kill`, scancel, a closed job) killed a `data preprocess` outright: it left its
     partial `.bin.tmp-*` copy of the tokens behind, and with --workers N its N tokenizing
-    processes ran on as orphans, forever (reproduced: still there a minute later). It now
-    stops as Ctrl-C does: temporary files removed, workers shut down, exit 143."""
+    processes ran on as orphans, forever (reproduced: still there ten minutes later). It now
+    stops as Ctrl-C does: temporary files removed, workers shut down, exit 143. SIGKILLed
+    (the OOM killer), it cannot clean up, but its workers now exit within seconds."""
     import os
     import time
 
@@ -159,7 +160,7 @@ def test_preprocess_stopped_by_sigterm_leaves_no_files_and_no_workers(tmp_path, 
         assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "err").read_text()
         time.sleep(0.01)
     children = _children(proc.pid)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     survivors = set()
     try:
         proc.wait(timeout=60)
@@ -175,6 +176,9 @@ def test_preprocess_stopped_by_sigterm_leaves_no_files_and_no_workers(tmp_path, 
                 pass
     err = (tmp_path / "err").read_text()
     assert not survivors, f"processes {survivors} outlived the preprocess they worked for"
+    if sig == signal.SIGKILL:
+        assert proc.returncode == -9 and not (out / "ds.idx").exists()
+        return
     assert proc.returncode == 143, err[-2000:]
     assert "SIGTERM" in err and "Traceback" not in err, err[-2000:]
     assert list(out.iterdir()) == []
