@@ -91,6 +91,26 @@ def test_launcher_errors_exit_2_before_any_rank_starts():
     assert alone.returncode == 2 and "--grace applies to the ranks of --nproc-per-node" in alone.stderr
 
 
+@pytest.mark.e2e
+@pytest.mark.parametrize("missing", [("MASTER_ADDR", "MASTER_PORT"), ("MASTER_PORT",)])
+def test_srun_without_master_addr_or_port_is_a_user_error(tmp_path, missing):
+    """README: under srun, export MASTER_ADDR/MASTER_PORT first. A rank whose Slurm environment
+    lacks them exits 2 with one line naming each variable, not torch's rendezvous traceback."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_LOCALID="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    for name in missing:
+        del env[name]
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "train", "--config", TINY, "--train-iters", "1",
+                           "--run-dir", str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    error = [line for line in proc.stderr.splitlines() if line.startswith("meshtrain: error:")]
+    assert len(error) == 1 and "SLURM_PROCID" in error[0], proc.stderr
+    assert all(name in error[0] for name in missing), error
+
+
 @pytest.mark.parametrize("nproc", ["0", "-2"])
 def test_nproc_per_node_below_one_is_refused(nproc, monkeypatch, capsys):
     # it fell through to a single in-process run, exit 0, as if the flag were not given

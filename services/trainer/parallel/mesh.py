@@ -57,6 +57,14 @@ def init_process_group(backend: str | None = None, timeout_s: float = TIMEOUT_S)
     rank, world, local_rank = env_rank_world()
     if world == 1 and "MASTER_ADDR" not in os.environ:
         return
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+    if missing:  # torch's env:// rendezvous would raise a ValueError with a traceback
+        source = ("RANK/WORLD_SIZE" if "RANK" in os.environ and "WORLD_SIZE" in os.environ
+                  else "SLURM_PROCID/SLURM_NTASKS")
+        raise ConfigError(f"rank {rank} of {world} (from {source}) needs {' and '.join(missing)} in its "
+                          "environment to reach rank 0: under srun, export MASTER_ADDR (rank 0's host) and "
+                          "MASTER_PORT (a free port there) first; or launch with torchrun or "
+                          "`meshtrain train --nproc-per-node N`")
     os.environ.setdefault("RANK", str(rank))
     os.environ.setdefault("WORLD_SIZE", str(world))
     os.environ.setdefault("LOCAL_RANK", str(local_rank))
