@@ -111,6 +111,28 @@ def test_srun_without_master_addr_or_port_is_a_user_error(tmp_path, missing):
     assert all(name in error[0] for name in missing), error
 
 
+@pytest.mark.e2e
+@pytest.mark.parametrize(("flags", "env", "named"), [
+    (["--train.kernels=triton"], {}, "train.kernels='triton'"),
+    ([], {"MESHTRAIN_KERNELS": "triton"}, "MESHTRAIN_KERNELS=triton"),
+    ([], {"MESHTRAIN_KERNELS": "bogus"}, "MESHTRAIN_KERNELS='bogus'"),
+])
+def test_kernel_mode_that_cannot_run_is_a_user_error(tmp_path, flags, env, named):
+    """README: train.kernels picks auto, triton or reference, MESHTRAIN_KERNELS overrides; the
+    Triton kernels run on CUDA. 'triton' on a CPU run, or an unknown mode, exits 2 with one line
+    naming the setting before anything is built, not a traceback from the first forward."""
+    environ = {k: v for k, v in os.environ.items() if k != "MESHTRAIN_KERNELS"} | env
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "train", "--config", TINY, "--train-iters", "1",
+                           "--run-dir", str(run), *flags], cwd=ROOT, env=environ, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    error = [line for line in proc.stderr.splitlines() if line.startswith("meshtrain: error:")]
+    assert len(error) == 1 and named in error[0], proc.stderr
+    assert not run.exists()
+
+
 @pytest.mark.parametrize("nproc", ["0", "-2"])
 def test_nproc_per_node_below_one_is_refused(nproc, monkeypatch, capsys):
     # it fell through to a single in-process run, exit 0, as if the flag were not given

@@ -80,6 +80,21 @@ def pick_device(choice: str) -> torch.device:
     return torch.device("cpu")
 
 
+def check_kernel_mode(device: torch.device) -> None:
+    """Refuse a kernel mode this run cannot dispatch, before anything is built: an unknown
+    $MESHTRAIN_KERNELS, or 'triton' (train.kernels or the variable) off CUDA, where every fused op
+    would raise at the first forward (the Triton kernels serve CUDA tensors only)."""
+    try:
+        mode = kernels.mode()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if mode == "triton" and device.type != "cuda":
+        env = os.environ.get("MESHTRAIN_KERNELS")
+        source = f"MESHTRAIN_KERNELS={env}" if env else "train.kernels='triton'"
+        raise ConfigError(f"{source} runs every fused op on its Triton kernel, on CUDA only; this run is on "
+                          f"{device.type}: use 'auto' or 'reference'")
+
+
 def build_mesh(job: JobConfig, device: torch.device) -> Mesh:
     """The mesh for this process: trivial when alone, else from torchrun/Slurm's environment."""
     _, world, _ = env_rank_world()
@@ -121,6 +136,7 @@ class Trainer:
         else:
             kernels.set_mode(t.kernels)
         self.device = pick_device(job.train.device)
+        check_kernel_mode(self.device)
         apply_cuda_options(job.train, self.device)
         self.uploader = Uploader(self.device)
         self.mesh = build_mesh(job, self.device)

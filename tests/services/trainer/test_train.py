@@ -182,12 +182,12 @@ def test_a_failed_init_leaves_no_checkpoint_service_channel_open(corpus_cache, t
 
 
 @pytest.mark.parametrize(("compile_", "requested", "expected"),
-                         [(True, "auto", "auto"), (False, "auto", "auto"), (True, "triton", "triton"),
-                          (True, "reference", "reference")])
+                         [(True, "auto", "auto"), (False, "auto", "auto"), (True, "reference", "reference")])
 def test_kernel_mode_follows_train_kernels_and_compile(corpus_cache, tmp_path, monkeypatch, compile_,
                                                        requested, expected):
     """'auto' stays 'auto' (under compile with only train.compiled_triton_ops on Triton, the
-    next test); an explicit choice is kept."""
+    next test); an explicit choice is kept. ('triton' on this CPU run is refused:
+    tests/test_cli.py::test_kernel_mode_that_cannot_run_is_a_user_error.)"""
     import kernels
     from services.trainer.train import Trainer
 
