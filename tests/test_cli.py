@@ -133,6 +133,28 @@ def test_kernel_mode_that_cannot_run_is_a_user_error(tmp_path, flags, env, named
     assert not run.exists()
 
 
+@pytest.mark.e2e
+def test_data_from_another_tokenizer_is_a_user_error(tmp_path):
+    """README: --data-path must be data preprocessed with the run's tokenizer. Data whose token ids
+    pass the model's vocabulary (a BPE's ids under --tokenizer byte) exits 2 naming the id, the
+    vocabulary, the tokenizer and the data, not an embedding IndexError traceback."""
+    text = tmp_path / "corpus.txt"
+    text.write_text(Path(__file__).read_text() * 4)
+    assert meshtrain("data", "train-tokenizer", "--input", text, "--vocab-size", 400,
+                     "--output", tmp_path / "tok.json").returncode == 0
+    pre = meshtrain("data", "preprocess", "--input", text, "--output-prefix", tmp_path / "data",
+                    "--tokenizer", tmp_path / "tok.json", "--append-eod", "--quiet")
+    assert pre.returncode == 0, pre.stderr
+    proc = meshtrain("train", "--config", TINY, "--train-iters", 1, "--eval-interval", 0, "--split", "100,0,0",
+                     "--data-path", tmp_path / "data", "--tokenizer", "byte", "--run-dir", tmp_path / "run",
+                     "--log.plot=false")
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    error = [line for line in proc.stderr.splitlines() if line.startswith("meshtrain: error:")]
+    assert len(error) == 1, proc.stderr
+    assert "outside the model's vocabulary of 257 (tokenizer byte)" in error[0] and str(tmp_path / "data") in error[0]
+
+
 @pytest.mark.parametrize("nproc", ["0", "-2"])
 def test_nproc_per_node_below_one_is_refused(nproc, monkeypatch, capsys):
     # it fell through to a single in-process run, exit 0, as if the flag were not given

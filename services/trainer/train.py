@@ -26,7 +26,12 @@ import torch.distributed as dist
 
 import kernels
 from services.checkpoint.maintenance import apply_retention
-from services.common.errors import CheckpointError, ConfigError, MeshtrainError
+from services.common.errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    MeshtrainError,
+)
 from services.trainer import checkpointing
 from services.trainer.config import LAUNCHER_KEYS_ENV, JobConfig, replace
 from services.trainer.cuda_options import apply_cuda_options
@@ -307,7 +312,21 @@ class Trainer:
 
     def _on_device(self, batches):
         """(tokens, labels, loss_mask) of each micro-batch on the device, in order (`Uploader`)."""
+        for b in batches:
+            self._check_token_ids(b)
         return self.uploader.upload([(b.tokens, b.labels, b.loss_mask) for b in batches])
+
+    def _check_token_ids(self, batch) -> None:
+        """Refuse a token id past the model's vocabulary (data tokenized with another tokenizer
+        than data.tokenizer), naming it, instead of an embedding IndexError or a CUDA device
+        assert. On the host tensors, before the upload: no device synchronization."""
+        vocab = self.job.model.vocab_size
+        top = max(int(batch.tokens.max()), int(batch.labels.max()))
+        if top >= vocab:
+            data = " ".join(map(str, self.job.data.data_path)) or self.data.prefix
+            raise DataError(f"token id {top} is outside the model's vocabulary of {vocab} (tokenizer "
+                            f"{self.data.tokenizer}): the data {data} was preprocessed with another tokenizer; "
+                            "give that one as --tokenizer")
 
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over the global batch of `step` (0-based); returns (loss, grad_norm) on device."""
