@@ -134,6 +134,22 @@ def test_kernel_mode_that_cannot_run_is_a_user_error(tmp_path, flags, env, named
 
 
 @pytest.mark.e2e
+@pytest.mark.parametrize("backend", ["cudnn", "efficient"])
+def test_cuda_only_attention_backend_on_cpu_is_a_user_error(tmp_path, backend):
+    """README: model.attention_backend pins one of SDPA's backends. cuDNN and memory-efficient
+    attention have no CPU kernel: a CPU run that pins one exits 2 naming the key before anything
+    is built, not with SDPA's "No viable backend" traceback."""
+    run = tmp_path / "run"
+    proc = meshtrain("train", "--config", TINY, "--train-iters", 1, f"--model.attention_backend={backend}",
+                     "--run-dir", run)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    error = [line for line in proc.stderr.splitlines() if line.startswith("meshtrain: error:")]
+    assert len(error) == 1 and f"model.attention_backend='{backend}'" in error[0], proc.stderr
+    assert not run.exists()
+
+
+@pytest.mark.e2e
 def test_data_from_another_tokenizer_is_a_user_error(tmp_path):
     """README: --data-path must be data preprocessed with the run's tokenizer. Data whose token ids
     pass the model's vocabulary (a BPE's ids under --tokenizer byte) exits 2 naming the id, the

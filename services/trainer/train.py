@@ -100,6 +100,15 @@ def check_kernel_mode(device: torch.device) -> None:
                           f"{device.type}: use 'auto' or 'reference'")
 
 
+def check_attention_backend(backend: str, device: torch.device) -> None:
+    """Refuse an SDPA backend pinned where PyTorch has none (cuDNN and memory-efficient
+    attention are CUDA only), before anything is built, instead of SDPA's "No viable backend"
+    traceback at the first forward."""
+    if backend in ("cudnn", "efficient") and device.type != "cuda":
+        raise ConfigError(f"model.attention_backend={backend!r} runs on CUDA only; this run is on {device.type}: "
+                          "use 'auto', 'flash' or 'math'")
+
+
 def build_mesh(job: JobConfig, device: torch.device) -> Mesh:
     """The mesh for this process: trivial when alone, else from torchrun/Slurm's environment."""
     _, world, _ = env_rank_world()
@@ -142,6 +151,7 @@ class Trainer:
             kernels.set_mode(t.kernels)
         self.device = pick_device(job.train.device)
         check_kernel_mode(self.device)
+        check_attention_backend(job.model.attention_backend, self.device)
         apply_cuda_options(job.train, self.device)
         self.uploader = Uploader(self.device)
         self.mesh = build_mesh(job, self.device)
