@@ -330,6 +330,8 @@ class Trainer:
         """Refuse a token id past the model's vocabulary (data tokenized with another tokenizer
         than data.tokenizer), naming it, instead of an embedding IndexError or a CUDA device
         assert. On the host tensors, before the upload: no device synchronization."""
+        if batch.tokens.device.type != "cpu":  # already uploaded (the max would wait for the device)
+            return
         vocab = self.job.model.vocab_size
         top = max(int(batch.tokens.max()), int(batch.labels.max()))
         if top >= vocab:
