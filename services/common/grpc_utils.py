@@ -216,6 +216,19 @@ def _raise_fitting(exc: Exception):
     raise RuntimeError(status_details(f"{type(exc).__name__}: {exc}")) from exc
 
 
+def put_unless_stopped(q: queue.Queue, item, stop: threading.Event, poll_s: float = 0.1) -> bool:
+    """Put `item` into the bounded queue `q`, waiting for room until `stop` is set (looked at
+    every `poll_s` seconds): True once it is in, False when the consumer stopped first (a
+    stream's reader thread must not block forever on a handler or trainer that went away)."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=poll_s)
+            return True
+        except queue.Full:
+            pass
+    return False
+
+
 class StreamIdleError(Exception):
     """No message arrived on a client stream for `idle_s` seconds (see `until_idle`)."""
 
@@ -242,13 +255,7 @@ def until_idle(requests: Iterator, idle_s: float | None) -> Iterator:
     done = threading.Event()  # the handler stopped reading
 
     def hand(item) -> bool:
-        while not done.is_set():
-            try:
-                handover.put(item, timeout=0.5)
-                return True
-            except queue.Full:
-                pass
-        return False
+        return put_unless_stopped(handover, item, done, poll_s=0.5)
 
     def pump() -> None:
         try:

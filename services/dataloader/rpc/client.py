@@ -41,7 +41,7 @@ import numpy as np
 from protos.dataloader.v1 import dataloader_pb2 as pb
 from protos.dataloader.v1 import dataloader_pb2_grpc as pb_grpc
 from services.common.errors import DataError
-from services.common.grpc_utils import channel_options, is_permanent
+from services.common.grpc_utils import channel_options, is_permanent, put_unless_stopped
 from services.dataloader.indexed import DTYPE_CODES
 from services.dataloader.loader import Batch, BatchOptions, batch_from_samples
 from services.dataloader.rpc.servicer import spec_to_proto
@@ -208,13 +208,7 @@ class ServiceBatchSource:
 
     @staticmethod
     def _put(q: queue.Queue, item, stop: threading.Event) -> bool:
-        while not stop.is_set():
-            try:
-                q.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                pass
-        return False
+        return put_unless_stopped(q, item, stop)
 
     def _produce(self, step: int, microbatch: int, stop: threading.Event, q: queue.Queue) -> None:
         """Background thread: stream from (step, microbatch) on into `q`, failing over as needed."""
