@@ -18,7 +18,8 @@ from the environment (set by `--s3` for its own store), which every child inheri
 A launch whose save root already holds a committed checkpoint resumes from the newest one
 (also when `--checkpoint.load` names another root; not with `--checkpoint.load_step` or
 `--no-resume`): stopping `up` and running the same command again with the same
-`--log.run_dir` continues the run.
+`--log.run_dir` continues the run. A run directory is one `up`'s at a time: a second `up` on it
+is refused, naming the first one's pid, before it starts anything.
 """
 
 from __future__ import annotations
@@ -106,7 +107,8 @@ class Plan:
 
 
 def plan(options: UpOptions, overrides: list[str]) -> Plan:
-    """The children of the topology, in start order, without starting any.
+    """The children of the topology, in start order, without starting any (a default run
+    directory, `runs/<time>-up`, is created here, so that it is this run's alone).
 
     Args:
         options: the launcher's own options.
@@ -121,7 +123,7 @@ def plan(options: UpOptions, overrides: list[str]) -> Plan:
     # A bad key fails here, before any process starts; checked with the control endpoint up
     # gives the trainer, which train.metrics_port needs.
     job = load_config([*overrides, "--train.control_port=0"])
-    run_dir = Path(job.log.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S-up"))
+    run_dir = Path(job.log.run_dir) if job.log.run_dir else _new_default_run_dir()
     store = store_child = None
     if options.s3:
         if job.checkpoint.save and not job.checkpoint.save.startswith(f"s3://{options.s3_bucket}/"):
@@ -162,6 +164,55 @@ def plan(options: UpOptions, overrides: list[str]) -> Plan:
             child.argv.append("--checkpoint.overwrite=true")
     return Plan(services, trainers, run_dir, save, store, store_child,
                 loads=job.checkpoint.load is not None, load_step=job.checkpoint.load_step is not None)
+
+
+def _new_default_run_dir() -> Path:
+    """A new folder `runs/<time>-up[-N]`, created here, so no other `up` started in the same
+    second picks it too."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for n in range(1000):
+        path = Path("runs") / (f"{stamp}-up" + (f"-{n}" if n else ""))
+        try:
+            path.mkdir(parents=True)
+            return path
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise ConfigError(f"meshtrain up: cannot create the run directory {path}: {e.strerror}") from None
+    raise ConfigError(f"meshtrain up: no free run directory name runs/{stamp}-up-N; set --log.run_dir")
+
+
+def claim_run_dir(run_dir: Path):
+    """Lock `run_dir` for this `up` (an exclusive flock on RUN_DIR/.up.lock, holding our pid),
+    for as long as the returned file stays open; the lock goes when this process does.
+
+    Two `up`s on one run directory would interleave their metrics.jsonl, the first to end would
+    delete the other's control.addr, and their checkpoints would collide.
+
+    Raises:
+        ConfigError: another `up` holds it (naming its pid), or the folder cannot be created.
+    """
+    import fcntl
+
+    path = run_dir / ".up.lock"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lock = open(path, "a+")  # noqa: SIM115 -- held open for as long as up runs
+    except OSError as e:
+        raise ConfigError(f"meshtrain up: cannot use the run directory {run_dir}: {e.strerror}") from None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "unknown"
+        lock.close()
+        raise ConfigError(f"meshtrain up: {run_dir} is in use by another meshtrain up (pid {holder}); stop it "
+                          f"first (`meshtrain stop {run_dir}`) or give this run another --log.run_dir") from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    return lock
 
 
 def _refuse_owned_flags(overrides: list[str], data_workers: bool, service: bool) -> None:
@@ -248,6 +299,11 @@ def run_up(options: UpOptions, overrides: list[str], out=None,
         0 when the trainer finished or stopped cleanly, 1 when a child failed.
     """
     p = plan(options, overrides)
+    with claim_run_dir(p.run_dir):
+        return _run_up(p, options, out, stop)
+
+
+def _run_up(p: Plan, options: UpOptions, out, stop: threading.Event | None) -> int:
     topo = Topology(out)
     stop = stop or threading.Event()
     with stop_on_signals(topo, stop, "stopping (trainer first, it checkpoints; again to stop at once)"):

@@ -1,7 +1,12 @@
 """`meshtrain up`'s plan: option checks, resume and overwrite decisions (no processes started)."""
 
+import os
 import re
+import signal
+import subprocess
+import sys
 import tomllib
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +17,8 @@ from services.common.errors import ConfigError
 from services.launcher.up import Plan, UpOptions, _resume_from, plan
 from services.trainer.config import LAUNCHER_KEYS_ENV, load_config
 from services.trainer.run_dir import run_dir_toml
+
+ROOT = Path(__file__).parents[3]
 
 
 def test_options_it_cannot_run_are_refused():
@@ -114,3 +121,39 @@ def test_a_runs_own_resolved_config_reruns_under_up(tmp_path):
     copied.write_text((run / "config.toml").read_text())
     with pytest.raises(ConfigError, match="is set by up itself"):
         plan(UpOptions(data_workers=2), ["--config", str(copied)])
+
+
+def test_up_without_a_run_dir_picks_one_no_other_up_has(tmp_path, monkeypatch):
+    # the default was runs/<second>-up: two `up`s started in the same second shared it (config,
+    # metrics.jsonl interleaved, one's control.addr deleted under the other)
+    monkeypatch.chdir(tmp_path)
+    args = ["--config", str(ROOT / "deploy/configs/tiny.toml")]
+    first, second = plan(UpOptions(), args).run_dir, plan(UpOptions(), args).run_dir
+    assert first != second
+    assert first.is_dir() and second.is_dir()
+
+
+def _up_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "services.cli", "up", "--config", "deploy/configs/tiny.toml", *args]
+
+
+@pytest.mark.e2e
+def test_a_second_up_on_a_run_dir_in_use_is_refused_before_it_starts_anything(tmp_path):
+    # Reproduced: two `up --log.run_dir=R` both trained, appending to one metrics.jsonl; the first
+    # to end deleted R/control.addr, so `meshtrain status R` lost the other, and whichever saved
+    # second failed at its first checkpoint ("step 5 already exists").
+    run, env = tmp_path / "run", {**os.environ, "PYTHONPATH": str(ROOT)}
+    first = subprocess.Popen(_up_argv(f"--log.run_dir={run}"), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        line = first.stdout.readline()  # printed once the run directory is its own
+        assert line.startswith(f"[up] run directory {run}"), line
+        second = subprocess.run(_up_argv(f"--log.run_dir={run}"), cwd=ROOT, env=env, capture_output=True, check=False,
+                                text=True, timeout=60)
+    finally:
+        os.killpg(first.pid, signal.SIGTERM)  # a stop while its services start: exit 0
+        out, _ = first.communicate(timeout=120)
+    assert second.returncode == 2, second.stdout + second.stderr
+    assert f"{run} is in use by another meshtrain up (pid {first.pid})" in second.stderr, second.stderr
+    assert "started" not in second.stdout  # it started no process
+    assert first.returncode == 0, out
