@@ -49,21 +49,22 @@ class ServiceUnavailableError(MeshtrainError):
     as it does for I/O errors of direct storage."""
 
 
-def _error(what: str, e: grpc.RpcError) -> MeshtrainError:
+def _error(address: str, what: str, e: grpc.RpcError) -> MeshtrainError:
     """The domain error for a failed call: ServiceUnavailableError when worth a retry; a
     CheckpointError, never retried, for a refusal or a bug in the service's handler (another
-    try fails the same way, after repeating the handler's side effects)."""
-    message = f"checkpoint service {what}: {e.code().name}: {e.details()}"
+    try fails the same way, after repeating the handler's side effects). It names the service's
+    address: gRPC's own text often does not ("Stream removed (ping timeout)", "Deadline Exceeded")."""
+    message = f"checkpoint service {address} {what}: {e.code().name}: {e.details()}"
     if is_permanent(e):
         return CheckpointError(message)
     return ServiceUnavailableError(message)
 
 
-def _call(what: str, fn, *args, **kwargs):
+def _call(address: str, what: str, fn, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
     except grpc.RpcError as e:
-        raise _error(what, e) from e
+        raise _error(address, what, e) from e
 
 
 class RemoteWriter:
@@ -105,7 +106,7 @@ class RemoteWriter:
 
     def finish(self, error: str | None = None) -> None:
         """Streams every queued box (or only the error) and stores the fragment."""
-        _call(f"WriteShards (writer {self.writer_id})", self.client.stub.WriteShards,
+        _call(self.client.address, f"WriteShards (writer {self.writer_id})", self.client.stub.WriteShards,
               self._messages(error))
 
 
@@ -128,7 +129,7 @@ class CheckpointClient:
     def begin_save(self, step: int, num_writers: int = 1, overwrite: bool = False) -> str:
         """Starts a save of `step` by `num_writers` writers; returns its save id."""
         request = pb.BeginSaveRequest(step=step, num_writers=num_writers, overwrite=overwrite)
-        return _call("BeginSave", self.stub.BeginSave, request).save_id
+        return _call(self.address, "BeginSave", self.stub.BeginSave, request).save_id
 
     def writer(self, step: int, save_id: str, writer_id: int, num_writers: int) -> RemoteWriter:
         """A writer handle (the service knows the step and writer count from the save id)."""
@@ -139,7 +140,7 @@ class CheckpointClient:
         """Commits the save once all writers reported; returns what was committed."""
         request = pb.CommitRequest(save_id=save_id, metadata_json=json.dumps(metadata or {}),
                                    timeout_s=timeout)
-        r = _call("Commit", self.stub.Commit, request, timeout=timeout + 60)
+        r = _call(self.address, "Commit", self.stub.Commit, request, timeout=timeout + 60)
         return SaveResult(r.url, r.step, r.num_arrays, r.num_objects, r.bytes_written, r.seconds)
 
     def abort_save(self, save_id: str, reason: str = "its client aborted it", timeout: float = 60.0) -> bool:
@@ -156,22 +157,22 @@ class CheckpointClient:
             committed, had ended, or the service does not know it).
         """
         request = pb.AbortSaveRequest(save_id=save_id, reason=reason)
-        return _call("AbortSave", self.stub.AbortSave, request, timeout=timeout).aborted
+        return _call(self.address, "AbortSave", self.stub.AbortSave, request, timeout=timeout).aborted
 
     def list(self) -> list[int]:
         """Committed steps, ascending."""
-        return list(_call("List", self.stub.List, pb.ListRequest()).steps)
+        return list(_call(self.address, "List", self.stub.List, pb.ListRequest()).steps)
 
     def describe(self, step: int) -> dict:
         """The manifest of a committed step."""
-        response = _call("Describe", self.stub.Describe, pb.DescribeRequest(step=step))
+        response = _call(self.address, "Describe", self.stub.Describe, pb.DescribeRequest(step=step))
         return json.loads(response.manifest_json)
 
     def read_box(self, step: int, array: str, offsets: tuple[int, ...],
                  shape: tuple[int, ...]) -> torch.Tensor:
         """Any box of an array (see `reader.read_box`), streamed in chunks."""
         request = pb.ReadSliceRequest(step=step, array=array, offsets=offsets, shape=shape)
-        responses = _call("ReadSlice", self.stub.ReadSlice, request)
+        responses = _call(self.address, "ReadSlice", self.stub.ReadSlice, request)
         try:
             head = next(responses)
             dtype = head.dtype
@@ -187,18 +188,18 @@ class CheckpointClient:
                 buf[filled:filled + len(msg.chunk)] = msg.chunk
                 filled += len(msg.chunk)
         except grpc.RpcError as e:  # a response stream fails here, not in `_call`
-            raise _error("ReadSlice", e) from e
+            raise _error(self.address, "ReadSlice", e) from e
         if filled != len(buf):
             raise CheckpointError(f"ReadSlice of {array!r} returned {filled} of {len(buf)} bytes")
         return layout.from_stored(np.frombuffer(buf, dtype=stored).reshape(shape), dtype)
 
     def delete(self, step: int) -> bool:
         """Deletes a step; False when there was nothing."""
-        return _call("Delete", self.stub.Delete, pb.DeleteRequest(step=step)).deleted
+        return _call(self.address, "Delete", self.stub.Delete, pb.DeleteRequest(step=step)).deleted
 
     def apply_retention(self, keep_last: int, keep_every: int = 0) -> RetentionResult:
         """Keeps the last N and every K-th step; collects uncommitted leftovers."""
-        r = _call("ApplyRetention", self.stub.ApplyRetention,
+        r = _call(self.address, "ApplyRetention", self.stub.ApplyRetention,
                   pb.RetentionRequest(keep_last=keep_last, keep_every=keep_every))
         return RetentionResult(deleted=list(r.deleted), collected=list(r.collected))
 

@@ -20,7 +20,7 @@ from services.checkpoint.sharded import ShardWriter
 from services.checkpoint.shards import ShardSpec
 from services.checkpoint.store import MANIFEST_NAME
 from services.checkpoint.writer import save_checkpoint
-from services.common.errors import CheckpointError
+from services.common.errors import CheckpointError, MeshtrainError
 
 
 @contextlib.contextmanager
@@ -472,6 +472,24 @@ def test_a_storage_error_is_unavailable_retried_and_named(service):
     with pytest.raises(CheckpointError, match=rf"failed after 3 attempts: .*UNAVAILABLE: checkpoint storage {root} "
                                               rf"failed: NotADirectoryError: .*{step_dir}"):
         saver.wait()
+
+
+def test_a_failed_call_names_the_services_address():
+    # A checkpoint service SIGSTOPped under `meshtrain up` failed the trainer's save with
+    # "checkpoint service WriteShards (writer 0): UNAVAILABLE: Stream removed (ping timeout)", and
+    # one SIGKILLed with "... Stream removed (recvmsg:Connection reset by peer (104))": gRPC's text
+    # names no address, so a log with several services did not say which one. A listener that
+    # never answers is what a stopped service is to its clients; a call's deadline then passes
+    # with gRPC's "Deadline Exceeded", no address either.
+    import socket
+
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen()
+        address = f"127.0.0.1:{hung.getsockname()[1]}"
+        with CheckpointClient(address) as client, pytest.raises(
+                MeshtrainError, match=re.escape(f"checkpoint service {address} AbortSave: DEADLINE_EXCEEDED")):
+            client.abort_save("some-save", timeout=0.5)
 
 
 def test_a_stalled_writer_stream_is_aborted_and_its_budget_freed(tmp_path):
