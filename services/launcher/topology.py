@@ -121,6 +121,7 @@ class Child:
     inherit_output: bool = False
     process: subprocess.Popen | None = field(default=None, repr=False)
     restarts: int = 0
+    restarted_at: list[float] = field(default_factory=list)  # monotonic times of recent restarts
     stopping: bool = False
 
 
@@ -129,16 +130,19 @@ class Topology:
 
     Args:
         out: where prefixed log lines go.
-        max_restarts: how often one `restart` child may be restarted before the run stops.
+        max_restarts: how often one `restart` child may be restarted within `restart_window_s`;
+            one more death within it stops the run (a crash loop, not bad luck over a long run).
+        restart_window_s: seconds over which restarts are counted.
         label: the prefix of the launcher's own lines (`[up] ...`).
         failure_grace_s: once a trainer rank has failed, seconds the other ranks get after
             SIGTERM before SIGKILL (at most; less if their own grace is shorter).
     """
 
     def __init__(self, out: TextIO | None = None, max_restarts: int = 5, label: str = "up",
-                 failure_grace_s: float = 15.0):
+                 failure_grace_s: float = 15.0, restart_window_s: float = 600.0):
         self.out = out or sys.stdout
         self.max_restarts = max_restarts
+        self.restart_window_s = restart_window_s
         self.label = label
         self.failure_grace_s = failure_grace_s
         self.children: list[Child] = []
@@ -218,7 +222,10 @@ class Topology:
                 if child.restart and self._restart(child, code, restart_wait):
                     continue
                 self.failed = child
-                self.say(f"error: {child.name} exited unexpectedly with status {_describe(code)}; "
+                recent = len(child.restarted_at) if child.restart else 0
+                again = (f" after {recent} restart{'s' * (recent != 1)} in the last {self.restart_window_s:.0f} s"
+                         if recent else "")
+                self.say(f"error: {child.name} exited unexpectedly with status {_describe(code)}{again}; "
                          "stopping the topology")
                 return 1
             if trainers and all(c.process.poll() == 0 for c in trainers):
@@ -227,11 +234,14 @@ class Topology:
         return 0
 
     def _restart(self, child: Child, code: int, wait) -> bool:
-        if child.restarts >= self.max_restarts:
+        now = time.monotonic()
+        child.restarted_at = [t for t in child.restarted_at if now - t < self.restart_window_s]
+        if len(child.restarted_at) >= self.max_restarts:
             return False
+        child.restarted_at.append(now)
         child.restarts += 1
         self.say(f"{child.name} exited with status {_describe(code)}; restarting it "
-                 f"({child.restarts}/{self.max_restarts}); its clients fail over meanwhile")
+                 f"({len(child.restarted_at)}/{self.max_restarts}); its clients fail over meanwhile")
         try:
             self.start(child, wait)
         except ChildFailed as e:
