@@ -154,3 +154,28 @@ def test_preempted_topology_resumes_to_an_uninterrupted_runs_losses(s3, tmp_path
     resumed = {**part1, **part2}
     for step in range(1, last + 1):
         assert resumed[step] == uninterrupted[step], step
+
+
+def test_a_checkpoint_service_that_dies_between_saves_is_restarted_and_the_run_saves_on(tmp_path):
+    """SIGKILL of the checkpoint service between two saves: `up` starts it again on its port (it
+    keeps nothing the storage does not), the trainer's next save reaches it, and the run goes on.
+    It used to be a service like no other: its death stopped the whole topology."""
+    cache = tmp_path / "corpus"
+    prepare_default_dataset(cache, tokenizer="byte", max_bytes=400_000)
+    root = tmp_path / "ckpt"
+    # a save's start is retried over ~6 s (0.2 s doubling), more than a restart takes
+    args = small_job_args(cache, tmp_path / "run", **{"train.train_iters": ITERS, "train.eval_interval": 0,
+                                                      "checkpoint.save": str(root), "checkpoint.save_interval": 20,
+                                                      "checkpoint.save_attempts": 6})
+    up = Up(UpOptions(data_workers=0), args)
+    wait_for(lambda: list_checkpoints(str(root)), up, "a first committed checkpoint")
+    first = list_checkpoints(str(root))[-1]
+    os.kill(up.pid("ckpt"), signal.SIGKILL)
+    wait_for(lambda: "[up] ckpt exited with status -9 (SIGKILL); restarting it" in up.out.text(), up,
+             "the launcher to restart the checkpoint service")
+    wait_for(lambda: list_checkpoints(str(root))[-1] >= first + 40, up, "two saves through the restarted service")
+    up.stop.set()
+    assert up.join() == 0, up.out.text()[-4000:]
+    log = up.out.text()
+    assert "[up] error" not in log, log[-4000:]
+    assert re.search(r"\[up\] started ckpt \(pid \d+\)[\s\S]*\[up\] started ckpt \(pid \d+\)", log), log[-4000:]

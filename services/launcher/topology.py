@@ -7,8 +7,9 @@ goes in reverse: trainer ranks first (SIGTERM makes them checkpoint after the cu
 exit 0), then the services; whatever outlives its grace period is SIGKILLed. A trainer rank
 that fails leaves the other ranks a short grace only: they may hang in a collective without it.
 `supervise()` returns when the trainer has finished, when a stop was requested, or when a child
-died on its own — except children marked `restart`, stateless servers (data workers) that are
-started again on the same port while clients fail over to their peers. `stop_on_signals` turns
+died on its own — except children marked `restart`, servers whose state lives elsewhere (data
+workers; the checkpoint service, whose checkpoints are in storage) that are started again on the
+same port while clients fail over to their peers or retry. `stop_on_signals` turns
 SIGINT/SIGTERM/SIGHUP into that stop request.
 
     topo = Topology()
@@ -241,7 +242,7 @@ class Topology:
         child.restarted_at.append(now)
         child.restarts += 1
         self.say(f"{child.name} exited with status {_describe(code)}; restarting it "
-                 f"({len(child.restarted_at)}/{self.max_restarts}); its clients fail over meanwhile")
+                 f"({len(child.restarted_at)}/{self.max_restarts}); its clients retry or fail over meanwhile")
         try:
             self.start(child, wait)
         except ChildFailed as e:
