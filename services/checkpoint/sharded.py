@@ -306,7 +306,7 @@ def commit(
         json.dumps(metadata, allow_nan=False)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"checkpoint metadata for step {step} is not JSON: {e}") from e
-    done = _committed_by(root, step, save_id)
+    done = committed_by(root, step, save_id)
     if done is not None:  # a retry of this very commit, whose first attempt succeeded
         log.info("checkpoint %s was already committed by save %s", done.url, save_id)
         return done
@@ -412,8 +412,9 @@ def _result(root: Root, step: int, manifest: dict, manifest_bytes: int, seconds:
                       seconds=seconds)
 
 
-def _committed_by(root: Root, step: int, save_id: str) -> SaveResult | None:
+def committed_by(root: str | Root, step: int, save_id: str) -> SaveResult | None:
     """The result of `step`'s commit if save `save_id` made it, else None."""
+    root = open_root(root) if isinstance(root, str) else root
     if not is_committed(root, step):
         return None
     path = join(root.step_path(step), MANIFEST_NAME)

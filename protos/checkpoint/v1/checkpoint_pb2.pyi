@@ -69,14 +69,16 @@ class WriteShardsResponse(_message.Message):
     def __init__(self, boxes: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("save_id", "metadata_json", "timeout_s")
+    __slots__ = ("save_id", "metadata_json", "timeout_s", "step")
     SAVE_ID_FIELD_NUMBER: _ClassVar[int]
     METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     save_id: str
     metadata_json: str
     timeout_s: float
-    def __init__(self, save_id: _Optional[str] = ..., metadata_json: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    step: int
+    def __init__(self, save_id: _Optional[str] = ..., metadata_json: _Optional[str] = ..., timeout_s: _Optional[float] = ..., step: _Optional[int] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("url", "step", "num_arrays", "num_objects", "bytes_written", "seconds")

@@ -138,8 +138,9 @@ class CheckpointClient:
     def commit(self, step: int, save_id: str, num_writers: int, metadata: dict | None = None,
                timeout: float = 600.0) -> SaveResult:
         """Commits the save once all writers reported; returns what was committed."""
+        # the step lets a restarted service answer a retry whose first attempt had committed
         request = pb.CommitRequest(save_id=save_id, metadata_json=json.dumps(metadata or {}),
-                                   timeout_s=timeout)
+                                   timeout_s=timeout, step=step)
         r = _call(self.address, "Commit", self.stub.Commit, request, timeout=timeout + 60)
         return SaveResult(r.url, r.step, r.num_arrays, r.num_objects, r.bytes_written, r.seconds)
 

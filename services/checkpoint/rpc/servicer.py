@@ -46,7 +46,14 @@ from services.checkpoint.reader import (
     read_box,
     read_manifest,
 )
-from services.checkpoint.sharded import ShardWriter, begin_save, check_save_id, commit
+from services.checkpoint.sharded import (
+    SaveResult,
+    ShardWriter,
+    begin_save,
+    check_save_id,
+    commit,
+    committed_by,
+)
 from services.checkpoint.shards import ShardSpec
 from services.common.errors import (
     CheckpointError,
@@ -112,6 +119,12 @@ def storage_unavailable(root: str) -> Callable[[Exception], StorageUnavailableEr
         return StorageUnavailableError(f"checkpoint storage {root} failed: {type(exc).__name__}: {exc}")
 
     return translate
+
+
+def _commit_response(result: SaveResult) -> pb.CommitResponse:
+    return pb.CommitResponse(url=result.url, step=result.step, num_arrays=result.num_arrays,
+                             num_objects=result.num_objects, bytes_written=result.bytes_written,
+                             seconds=result.seconds)
 
 
 @dataclass(eq=False)
@@ -306,6 +319,12 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         save_id = check_save_id(request.save_id)
         with self._lock:  # a committed save stays known, so a retried Commit reaches `commit` again
             save = self._saves.get(save_id) or self._committed.get(save_id)
+        if save is None and request.step > 0:
+            # A restart forgot the save; its commit may have landed before the reply reached
+            # the client, whose retry this is: the manifest, which records the save id, says so.
+            done = committed_by(self.root, request.step, save_id)
+            if done is not None:
+                return _commit_response(done)
         if save is None:
             save = self._save(save_id, context)  # aborts, saying why
         if not (math.isfinite(request.timeout_s) and request.timeout_s >= 0):
@@ -347,10 +366,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             with self._lock:  # one step: a retry finds the save in one table or the other
                 self._remember(self._committed, save_id, save)
                 self._saves.pop(save_id, None)
-        return pb.CommitResponse(
-            url=result.url, step=result.step, num_arrays=result.num_arrays,
-            num_objects=result.num_objects, bytes_written=result.bytes_written,
-            seconds=result.seconds)
+        return _commit_response(result)
 
     def AbortSave(self, request, context):
         save_id = check_save_id(request.save_id)

@@ -68,6 +68,29 @@ def test_two_writers_through_the_service(service):
                        .view(torch.int16), full.view(torch.int16))
 
 
+def test_a_restarted_service_answers_the_retry_of_a_commit_that_had_landed(tmp_path):
+    """The service commits, then dies before its reply reaches the client; `meshtrain up` starts
+    it again on its port, and the client's retry of Commit meets a service that forgot the save
+    id. It used to answer NOT_FOUND (a permanent error: the run failed over a save that was
+    committed); with the step in the request it finds the commit, made by this save id, in the
+    manifest and answers with it."""
+    root = str(tmp_path / "ckpt")
+    full = torch.randn(3, 16, 8).to(torch.bfloat16)
+    with running_service(root) as (client, _):
+        save_id = client.begin_save(5)
+        saver = AsyncSaver(client, 0, 1)
+        saver.save(5, save_id, tp_boxes(full, 0, 1), committer=True)
+        first = saver.wait()
+    with running_service(root) as (restarted, _):  # the same root, nothing in memory
+        again = restarted.commit(5, save_id, 1)
+        assert (again.url, again.step, again.num_arrays, again.num_objects, again.bytes_written) == \
+               (first.url, first.step, first.num_arrays, first.num_objects, first.bytes_written)
+        with pytest.raises(CheckpointError, match="NOT_FOUND: unknown save id"):
+            restarted.commit(5, "0123abcd", 1)  # another save's retry: step 5 is not its commit
+        with pytest.raises(CheckpointError, match="NOT_FOUND: unknown save id"):
+            restarted.commit(6, save_id, 1)  # nothing committed at that step
+
+
 def test_health_and_unknown_ids(service):
     _, client, port = service
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
