@@ -105,3 +105,14 @@ def s3_root(s3_server, monkeypatch):
     for name, value in s3_server.env().items():
         monkeypatch.setenv(name, value)
     yield f"s3://{s3_server.bucket}/{uuid.uuid4().hex}/ckpt"
+
+
+@pytest.fixture
+def service(tmp_path):
+    """(root, client, port) of a checkpoint service on loopback with a tiny chunk and in-flight
+    limit, so the tests exercise chunking and the limits."""
+    from tests.services.checkpoint.rpc_helpers import running_service
+
+    root = str(tmp_path / "ckpt")
+    with running_service(root, commit_timeout=5, max_chunk_bytes=256, max_inflight_bytes=64 << 10) as (client, port):
+        yield root, client, port

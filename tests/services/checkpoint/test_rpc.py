@@ -1,6 +1,5 @@
 """The CheckpointService over real gRPC on loopback: saves, reads, retention, bad requests."""
 
-import contextlib
 import os
 import re
 
@@ -13,41 +12,18 @@ from protos.checkpoint.v1 import checkpoint_pb2 as pb
 from services.checkpoint import sharded
 from services.checkpoint.async_save import AsyncSaver
 from services.checkpoint.reader import list_checkpoints, read_box
-from services.checkpoint.rpc.client import CheckpointClient, box_to_pb
-from services.checkpoint.rpc.server import start_server
+from services.checkpoint.rpc.client import box_to_pb
 from services.checkpoint.rpc.servicer import SERVICE_NAME
 from services.checkpoint.sharded import ShardWriter
 from services.checkpoint.shards import ShardSpec
 from services.checkpoint.store import MANIFEST_NAME
 from services.checkpoint.writer import save_checkpoint
-from services.common.errors import CheckpointError, MeshtrainError
-
-
-@contextlib.contextmanager
-def running_service(root: str, **server_options):
-    """A checkpoint service on loopback and a client of it (256-byte chunks); stopped after."""
-    server, port, _ = start_server(root, **server_options)
-    client = CheckpointClient(f"127.0.0.1:{port}", chunk_bytes=256)
-    try:
-        yield client, port
-    finally:
-        client.close()
-        server.stop(0)
-
-
-@pytest.fixture
-def service(tmp_path):
-    root = str(tmp_path / "ckpt")
-    # A tiny chunk and in-flight limit so the tests exercise chunking and the limits.
-    with running_service(root, commit_timeout=5, max_chunk_bytes=256, max_inflight_bytes=64 << 10) as (client, port):
-        yield root, client, port
-
-
-def tp_boxes(full, writer, tp):
-    rows = full.shape[1] // tp
-    return [(ShardSpec("layers.attention.qkv.weight", tuple(full.shape), "bfloat16",
-                       (i, writer * rows, 0), (1, rows, full.shape[2])),
-             full[i:i + 1, writer * rows:(writer + 1) * rows]) for i in range(full.shape[0])]
+from services.common.errors import CheckpointError
+from tests.services.checkpoint.rpc_helpers import (
+    running_service,
+    tp_boxes,
+    written_save,
+)
 
 
 def test_two_writers_through_the_service(service):
@@ -66,29 +42,6 @@ def test_two_writers_through_the_service(service):
     assert torch.equal(got.view(torch.int16), full[1:3, 4:12].view(torch.int16))
     assert torch.equal(read_box(root, 7, "layers.attention.qkv.weight", (0, 0, 0), (3, 16, 8))
                        .view(torch.int16), full.view(torch.int16))
-
-
-def test_a_restarted_service_answers_the_retry_of_a_commit_that_had_landed(tmp_path):
-    """The service commits, then dies before its reply reaches the client; `meshtrain up` starts
-    it again on its port, and the client's retry of Commit meets a service that forgot the save
-    id. It used to answer NOT_FOUND (a permanent error: the run failed over a save that was
-    committed); with the step in the request it finds the commit, made by this save id, in the
-    manifest and answers with it."""
-    root = str(tmp_path / "ckpt")
-    full = torch.randn(3, 16, 8).to(torch.bfloat16)
-    with running_service(root) as (client, _):
-        save_id = client.begin_save(5)
-        saver = AsyncSaver(client, 0, 1)
-        saver.save(5, save_id, tp_boxes(full, 0, 1), committer=True)
-        first = saver.wait()
-    with running_service(root) as (restarted, _):  # the same root, nothing in memory
-        again = restarted.commit(5, save_id, 1)
-        assert (again.url, again.step, again.num_arrays, again.num_objects, again.bytes_written) == \
-               (first.url, first.step, first.num_arrays, first.num_objects, first.bytes_written)
-        with pytest.raises(CheckpointError, match="NOT_FOUND: unknown save id"):
-            restarted.commit(5, "0123abcd", 1)  # another save's retry: step 5 is not its commit
-        with pytest.raises(CheckpointError, match="NOT_FOUND: unknown save id"):
-            restarted.commit(6, save_id, 1)  # nothing committed at that step
 
 
 def test_health_and_unknown_ids(service):
@@ -191,46 +144,12 @@ def test_a_newer_begin_save_of_a_step_supersedes_the_older_one(service):
                        full.view(torch.int16))
 
 
-def written_save(client, step: int) -> str:
-    """A one-writer save of `step` with one small array written and finished; its save id."""
-    save_id = client.begin_save(step, num_writers=1)
-    writer = client.writer(step, save_id, 0, 1)
-    writer.write(ShardSpec("w", (2,), "float32", (0,), (2,)), torch.ones(2))
-    writer.finish()
-    return save_id
-
-
 def test_a_retried_commit_of_a_committed_save_gets_its_result_again(service):
     _, client, _ = service
     save_id = written_save(client, 6)
     first = client.commit(6, save_id, 1, {}, timeout=5)
     again = client.commit(6, save_id, 1, {}, timeout=5)  # the first reply was "lost"
     assert (again.step, again.url, again.num_objects) == (first.step, first.url, first.num_objects)
-
-
-def test_a_writer_the_service_cannot_take_now_is_retried_not_failed(tmp_path):
-    # One stream slot, held by another save's slow stream: the writer gets RESOURCE_EXHAUSTED,
-    # which is transient, so AsyncSaver's retry waits for the slot (it used to be a
-    # CheckpointError, which is never retried, and the save failed).
-    import threading
-    import time
-
-    root = str(tmp_path / "ckpt")
-    with running_service(root, max_streams=1, commit_timeout=10) as (client, _):
-        other, mine = client.begin_save(99, num_writers=1), client.begin_save(3, num_writers=1)
-
-        def slow():
-            yield pb.WriteShardsRequest(header=pb.WriteHeader(save_id=other, writer_id=0))
-            time.sleep(1.5)
-
-        blocker = threading.Thread(target=lambda: client.stub.WriteShards(slow()))
-        blocker.start()
-        time.sleep(0.3)  # the slow stream holds the slot
-        saver = AsyncSaver(client, 0, 1, attempts=6, backoff=0.3, commit_timeout=10)
-        full = torch.randn(2, 8, 4).to(torch.bfloat16)
-        saver.save(3, mine, tp_boxes(full, 0, 1), committer=True, metadata={})
-        assert saver.wait().step == 3
-        blocker.join()
 
 
 def test_remote_writer_refuses_data_of_another_dtype(service):
@@ -337,34 +256,6 @@ def test_a_later_call_of_a_save_that_failed_on_a_long_error_gets_it_cut_to_fit(s
         assert len(str(info.value)) < 2500
 
 
-def test_a_read_the_service_cannot_take_now_is_unavailable_not_refused(tmp_path):
-    # A response stream fails while it is read, past `_call`: read_box turned every failure
-    # into a CheckpointError (never retried), also "all stream slots in use".
-    import threading
-    import time
-
-    from services.checkpoint.rpc.client import ServiceUnavailableError
-
-    root = str(tmp_path / "ckpt")
-    save_checkpoint(root, 2, {"w": torch.ones(4)})
-    with running_service(root, max_streams=1, commit_timeout=10) as (client, _):
-        save_id = client.begin_save(3, num_writers=1)
-
-        def slow():
-            yield pb.WriteShardsRequest(header=pb.WriteHeader(save_id=save_id, writer_id=0))
-            time.sleep(1.0)
-
-        blocker = threading.Thread(target=lambda: client.stub.WriteShards(slow()))
-        blocker.start()
-        time.sleep(0.3)  # the slow stream holds the slot
-        with pytest.raises(ServiceUnavailableError, match="RESOURCE_EXHAUSTED: all 1 stream slots"):
-            client.read_box(2, "w", (0,), (4,))
-        blocker.join()
-        assert torch.equal(client.read_box(2, "w", (0,), (4,)), torch.ones(4))
-        with pytest.raises(CheckpointError, match="no array 'missing'"):  # still a refusal
-            client.read_box(2, "missing", (0,), (1,))
-
-
 @pytest.mark.parametrize("timeout", [float("nan"), float("inf"), -1.0])
 def test_a_commit_timeout_that_never_passes_is_refused(service, timeout):
     # NaN compared false with the clock, so the commit waited forever for the missing writer
@@ -439,6 +330,8 @@ def test_a_commit_waiting_for_writers_stops_when_its_save_is_superseded(service)
     ("[1]", "commit metadata must be a JSON object, got list"),
     ("[" * 100_000, "commit metadata is not JSON: maximum recursion depth"),
 ])
+
+
 def test_commit_metadata_must_be_a_json_object(service, metadata_json, match):
     # A number or list was committed as the manifest's metadata (`meshtrain ckpt inspect` and
     # the trainer's load then failed on it with a traceback); JSON nested too deep failed the
@@ -457,156 +350,3 @@ def test_the_library_commit_refuses_metadata_that_is_not_a_dict(tmp_path):
     ShardWriter(str(tmp_path), 1, save_id, 0, 1).finish()
     with pytest.raises(CheckpointError, match="metadata for step 1 must be a dict, got list"):
         sharded.commit(str(tmp_path), 1, save_id, 1, [1], timeout=1)
-
-
-def test_a_bug_in_a_handler_is_not_retried(service, monkeypatch):
-    # An exception the servicer does not map (a bug) reaches the client as UNKNOWN "Exception
-    # calling application"; the client retried every UNKNOWN, so the same bug ran three times
-    # (three fragment writes) before the save failed. Now it fails at the first, naming the bug.
-    _, client, _ = service
-    calls = []
-
-    def buggy_finish(self, error=None):
-        calls.append(error)
-        raise ValueError("a bug in the handler")
-
-    monkeypatch.setattr(sharded.ShardWriter, "finish", buggy_finish)
-    saver = AsyncSaver(client, 0, 1, attempts=3, backoff=0.01, commit_timeout=5)
-    saver.save(1, client.begin_save(1), tp_boxes(torch.randn(2, 8, 4).to(torch.bfloat16), 0, 1), committer=True)
-    with pytest.raises(CheckpointError, match="UNKNOWN: Exception calling application: a bug in the handler") as info:
-        saver.wait()
-    assert "attempts" not in str(info.value)
-    assert [c for c in calls if c is None] == [None]  # the fragment was tried once (then the error reported)
-
-
-def test_a_storage_error_is_unavailable_retried_and_named(service):
-    # The step's folder is a file (as a full disk, a read-only mount or S3 failing would): the
-    # OSError is storage trouble, not a bug, so the service answers UNAVAILABLE naming the path,
-    # and the client retries it (it used to be UNKNOWN, which is now only for bugs).
-    root, client, _ = service
-    save_id = client.begin_save(2)
-    os.makedirs(root, exist_ok=True)
-    step_dir = os.path.join(root, "step_00000002")
-    if os.path.isdir(step_dir):
-        os.rmdir(step_dir)
-    open(step_dir, "w").close()
-    saver = AsyncSaver(client, 0, 1, attempts=3, backoff=0.01, commit_timeout=5)
-    saver.save(2, save_id, tp_boxes(torch.randn(2, 8, 4).to(torch.bfloat16), 0, 1), committer=True)
-    with pytest.raises(CheckpointError, match=rf"failed after 3 attempts: .*UNAVAILABLE: checkpoint storage {root} "
-                                              rf"failed: NotADirectoryError: .*{step_dir}"):
-        saver.wait()
-
-
-def test_a_failed_call_names_the_services_address():
-    # A checkpoint service SIGSTOPped under `meshtrain up` failed the trainer's save with
-    # "checkpoint service WriteShards (writer 0): UNAVAILABLE: Stream removed (ping timeout)", and
-    # one SIGKILLed with "... Stream removed (recvmsg:Connection reset by peer (104))": gRPC's text
-    # names no address, so a log with several services did not say which one. A listener that
-    # never answers is what a stopped service is to its clients; a call's deadline then passes
-    # with gRPC's "Deadline Exceeded", no address either.
-    import socket
-
-    with socket.socket() as hung:
-        hung.bind(("127.0.0.1", 0))
-        hung.listen()
-        address = f"127.0.0.1:{hung.getsockname()[1]}"
-        with CheckpointClient(address) as client, pytest.raises(
-                MeshtrainError, match=re.escape(f"checkpoint service {address} AbortSave: DEADLINE_EXCEEDED")):
-            client.abort_save("some-save", timeout=0.5)
-
-
-def test_a_stalled_writer_stream_is_aborted_and_its_budget_freed(tmp_path):
-    # A live writer claims a box as large as the whole in-flight budget, sends part of it and
-    # then nothing (its stream stays open): every other writer waited for that budget until the
-    # stalled client disconnected. With an idle timeout its stream is aborted, naming the save,
-    # the writer and the box, and the other writer stores its box at once.
-    import threading
-    import time
-
-    root = str(tmp_path / "ckpt")
-    with running_service(root, commit_timeout=30, max_chunk_bytes=1024, max_inflight_bytes=4096,
-                         stream_idle_timeout=0.5) as (client, _):
-        stalled_id, other_id = client.begin_save(1), client.begin_save(2)
-        spec = ShardSpec("w", (1024,), "float32", (0,), (1024,))  # 4096 bytes: the whole budget
-        resume = threading.Event()
-
-        def stalls():
-            yield pb.WriteShardsRequest(header=pb.WriteHeader(save_id=stalled_id, writer_id=0))
-            yield pb.WriteShardsRequest(box=box_to_pb(spec))
-            yield pb.WriteShardsRequest(chunk=b"\0" * 1024)
-            resume.wait(20)  # alive, sending nothing
-
-        failures = []
-
-        def stalled_writer():
-            try:
-                client.stub.WriteShards(stalls())
-            except grpc.RpcError as e:
-                failures.append((e.code(), e.details(), time.monotonic()))
-
-        thread = threading.Thread(target=stalled_writer)
-        thread.start()
-        time.sleep(0.2)  # the stalled stream holds the budget
-        start = time.monotonic()
-        other = client.writer(2, other_id, 0, 1)
-        other.write(spec, torch.ones(1024))
-        other.finish()  # waits for the budget
-        stored = time.monotonic() - start
-        assert client.commit(2, other_id, 1, {}, timeout=5).step == 2
-        assert failures and not resume.is_set()  # aborted while its client was still stalled
-        code, details, _ = failures[0]
-        assert code == grpc.StatusCode.ABORTED
-        assert re.search(rf"save '{stalled_id}' \(step 1\): writer 0 sent nothing for 0.5 s inside box \(0,\) of "
-                         r"array 'w' \(1024 of 4096 bytes\)", details), details
-        assert stored < 3, stored
-        resume.set()
-        thread.join(10)
-        assert client.list() == [2]
-
-
-def test_a_save_given_up_by_its_failing_run_stops_its_commit_at_once(tmp_path):
-    # Without the service, a failing run's AsyncSaver.abandon makes the committer stop waiting
-    # for a writer that never reports (a dead rank). Through the service it could not: the
-    # service's Commit waited for the missing writer until its timeout. AbortSave tells it.
-    import time
-
-    root = str(tmp_path / "ckpt")
-    with running_service(root, commit_timeout=600) as (client, _):
-        full = torch.randn(2, 8, 4).to(torch.bfloat16)
-        save_id = client.begin_save(5, num_writers=2)
-        saver = AsyncSaver(client, 0, 2, commit_timeout=60)
-        saver.save(5, save_id, tp_boxes(full, 0, 2), committer=True, metadata={})
-        time.sleep(0.5)  # writer 0's fragment is stored; its commit waits for writer 1
-        start = time.monotonic()
-        saver.abandon()
-        with pytest.raises(CheckpointError, match=r"abandoned: writers \[1\] had not reported when the run failed"):
-            saver.wait()
-        assert time.monotonic() - start < 5
-        assert client.list() == [] and not client.abort_save(save_id)  # nothing left to give up
-        with pytest.raises(CheckpointError, match=f"save '{save_id}' of step 5 failed to commit: .*abandoned"):
-            client.commit(5, save_id, 2, {}, timeout=1)  # a late retry is told why
-        # the step is free: a new save of it commits
-        again = client.begin_save(5, num_writers=2)
-        for w in range(2):
-            writer = client.writer(5, again, w, 2)
-            for spec, data in tp_boxes(full, w, 2):
-                writer.write(spec, data)
-            writer.finish()
-        assert client.commit(5, again, 2, {}, timeout=5).step == 5
-
-
-def test_a_save_given_up_before_its_commit_still_commits_when_every_writer_reported(service):
-    # As without the service (sharded.commit's `cancelled`): giving up means not waiting for
-    # missing writers; a save whose writers all reported is committed, not thrown away.
-    import time
-
-    _, client, _ = service
-    complete, incomplete = written_save(client, 6), client.begin_save(7, num_writers=1)
-    assert client.abort_save(complete, "the run failed") and client.abort_save(incomplete, "the run failed")
-    assert client.commit(6, complete, 1, {}, timeout=30).step == 6
-    start = time.monotonic()
-    with pytest.raises(CheckpointError, match=r"writers \[0\] had not reported when the run failed"):
-        client.commit(7, incomplete, 1, {}, timeout=30)
-    assert time.monotonic() - start < 5
-    assert client.list() == [6]
-    assert not client.abort_save(complete) and not client.abort_save("0" * 32)  # committed; unknown
