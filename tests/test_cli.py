@@ -279,6 +279,27 @@ def _rank_pids(launcher_pid: int) -> dict[int, int]:
     return found
 
 
+def _wait_while_running(proc, tmp_path: Path, ready, timeout: float) -> None:
+    """Poll `ready()` until it is true; fail with the run's stderr (tmp_path/stderr) if the
+    launcher `proc` exits or `timeout` seconds pass first."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()[-3000:]
+        time.sleep(0.02)
+
+
+def _both_ranks_started(proc, tmp_path: Path) -> dict[int, int]:
+    """{rank: pid} once the launcher has started both ranks."""
+    _wait_while_running(proc, tmp_path, lambda: len(_rank_pids(proc.pid)) >= 2, 60)
+    return _rank_pids(proc.pid)
+
+
+def _steps_logged(proc, tmp_path: Path, metrics: Path, steps: int = 3, timeout: float = 60) -> None:
+    """Return once `metrics` (a run's metrics.jsonl) holds `steps` records."""
+    _wait_while_running(proc, tmp_path,
+                        lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= steps, timeout)
+
+
 def _gone(pid: int, timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -298,12 +319,7 @@ def _launch_two_ranks(tmp_path, cache):
     with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "services.cli", "train", "--nproc-per-node", "2", *args],
                                 cwd=ROOT, stdout=out, stderr=err)
-    metrics = run / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while not metrics.exists() or len(metrics.read_text().splitlines()) < 3:
-        assert proc.poll() is None, (tmp_path / "stderr").read_text()[-3000:]
-        assert time.monotonic() < deadline, (tmp_path / "stderr").read_text()[-3000:]
-        time.sleep(0.05)
+    _steps_logged(proc, tmp_path, run / "metrics.jsonl", timeout=120)
     pids = _rank_pids(proc.pid)
     assert sorted(pids) == [0, 1], pids
     return proc, run, pids
@@ -371,10 +387,7 @@ def test_nproc_per_node_stop_before_training_began_is_a_clean_stop(tmp_path, cor
     with open(tmp_path / "stderr", "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "services.cli", "train", "--nproc-per-node", "2", *args],
                                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
-    deadline = time.monotonic() + 60
-    while len(pids := _rank_pids(proc.pid)) < 2:
-        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()[-3000:]
-        time.sleep(0.02)
+    pids = _both_ranks_started(proc, tmp_path)
     proc.send_signal(signal.SIGTERM)
     code = proc.wait(timeout=120)
     err = (tmp_path / "stderr").read_text()
@@ -433,10 +446,7 @@ def test_nproc_per_node_rank_killed_mid_save_fails_fast_and_commits_nothing(tmp_
                                                "model.hidden_size": 128, "parallel.tp": 2,
                                                "checkpoint.save": str(ckpt), "checkpoint.save_interval": 2})
     with _two_ranks(tmp_path, args) as proc:
-        deadline = time.monotonic() + 60
-        while len(pids := _rank_pids(proc.pid)) < 2:
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()[-3000:]
-            time.sleep(0.02)
+        pids = _both_ranks_started(proc, tmp_path)
         step = _rank1_frozen_mid_save(proc, ckpt, pids[1])
         os.kill(pids[1], signal.SIGKILL)
         killed = time.monotonic()
@@ -466,11 +476,7 @@ def test_nproc_per_node_hung_rank_ends_the_job_after_the_distributed_timeout(tmp
     args = small_job_args(corpus_cache, run, **{"train.train_iters": 100_000, "train.eval_interval": 0,
                                                "parallel.distributed_timeout_minutes": 0.1})
     with _two_ranks(tmp_path, args) as proc:
-        metrics = run / "metrics.jsonl"
-        deadline = time.monotonic() + 60
-        while not metrics.exists() or len(metrics.read_text().splitlines()) < 3:
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()[-3000:]
-            time.sleep(0.05)
+        _steps_logged(proc, tmp_path, run / "metrics.jsonl")
         pids = _rank_pids(proc.pid)
         os.kill(pids[1], signal.SIGSTOP)
         stopped = time.monotonic()
