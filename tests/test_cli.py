@@ -106,7 +106,7 @@ def test_srun_without_master_addr_or_port_is_a_user_error(tmp_path, missing):
                           timeout=120, check=False)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
-    error = [line for line in proc.stderr.splitlines() if line.startswith("meshtrain: error:")]
+    error = _errors(proc.stderr)
     assert len(error) == 1 and "SLURM_PROCID" in error[0], proc.stderr
     assert all(name in error[0] for name in missing), error
 
@@ -128,7 +128,7 @@ def test_kernel_mode_that_cannot_run_is_a_user_error(tmp_path, flags, env, named
                           timeout=300, check=False)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
-    error = [line for line in proc.stderr.splitlines() if line.startswith("meshtrain: error:")]
+    error = _errors(proc.stderr)
     assert len(error) == 1 and named in error[0], proc.stderr
     assert not run.exists()
 
@@ -144,7 +144,7 @@ def test_cuda_only_attention_backend_on_cpu_is_a_user_error(tmp_path, backend):
                      "--run-dir", run)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
-    error = [line for line in proc.stderr.splitlines() if line.startswith("meshtrain: error:")]
+    error = _errors(proc.stderr)
     assert len(error) == 1 and f"model.attention_backend='{backend}'" in error[0], proc.stderr
     assert not run.exists()
 
@@ -166,7 +166,7 @@ def test_data_from_another_tokenizer_is_a_user_error(tmp_path):
                      "--log.plot=false")
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
-    error = [line for line in proc.stderr.splitlines() if line.startswith("meshtrain: error:")]
+    error = _errors(proc.stderr)
     assert len(error) == 1, proc.stderr
     assert "outside the model's vocabulary of 257 (tokenizer byte)" in error[0] and str(tmp_path / "data") in error[0]
 
@@ -300,6 +300,25 @@ def _steps_logged(proc, tmp_path: Path, metrics: Path, steps: int = 3, timeout: 
                         lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= steps, timeout)
 
 
+def _signal_rank(proc, pid: int, sig: int, timeout: float) -> tuple[int, float]:
+    """Send `sig` to a rank; (the launcher's exit status, seconds from the signal to its exit)."""
+    os.kill(pid, sig)
+    sent = time.monotonic()
+    code = proc.wait(timeout=timeout)
+    return code, time.monotonic() - sent
+
+
+def _errors(text: str) -> list[str]:
+    """The 'meshtrain: error:' lines of a command's stderr."""
+    return [line for line in text.splitlines() if line.startswith("meshtrain: error:")]
+
+
+def _error_lines(tmp_path: Path) -> tuple[str, list[str]]:
+    """(the run's stderr, tmp_path/stderr, and its 'meshtrain: error:' lines)."""
+    err = (tmp_path / "stderr").read_text()
+    return err, _errors(err)
+
+
 def _gone(pid: int, timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -370,7 +389,7 @@ def test_nproc_per_node_rank_that_dies_stops_the_others_and_is_named(tmp_path, c
     code = proc.wait(timeout=120)
     err = (tmp_path / "stderr").read_text()
     assert code == 1, err[-3000:]
-    errors = [line for line in err.splitlines() if line.startswith("meshtrain: error:")]
+    errors = _errors(err)
     assert len(errors) == 1 and re.match(r"meshtrain: error: rank 1 failed \(killed by SIGKILL\)", errors[0]), err[-3000:]
     assert all(_gone(pid) for pid in pids.values())
 
@@ -448,12 +467,8 @@ def test_nproc_per_node_rank_killed_mid_save_fails_fast_and_commits_nothing(tmp_
     with _two_ranks(tmp_path, args) as proc:
         pids = _both_ranks_started(proc, tmp_path)
         step = _rank1_frozen_mid_save(proc, ckpt, pids[1])
-        os.kill(pids[1], signal.SIGKILL)
-        killed = time.monotonic()
-        code = proc.wait(timeout=60)
-        took = time.monotonic() - killed
-    err = (tmp_path / "stderr").read_text()
-    errors = [line for line in err.splitlines() if line.startswith("meshtrain: error:")]
+        code, took = _signal_rank(proc, pids[1], signal.SIGKILL, 60)
+    err, errors = _error_lines(tmp_path)
     assert code == 1 and errors == ["meshtrain: error: rank 1 failed (killed by SIGKILL), then rank 0 (exit status 1)"], \
         err[-3000:]
     assert took < 10, (took, err[-3000:])
@@ -478,12 +493,8 @@ def test_nproc_per_node_hung_rank_ends_the_job_after_the_distributed_timeout(tmp
     with _two_ranks(tmp_path, args) as proc:
         _steps_logged(proc, tmp_path, run / "metrics.jsonl")
         pids = _rank_pids(proc.pid)
-        os.kill(pids[1], signal.SIGSTOP)
-        stopped = time.monotonic()
-        code = proc.wait(timeout=45)
-        took = time.monotonic() - stopped
-    err = (tmp_path / "stderr").read_text()
-    errors = [line for line in err.splitlines() if line.startswith("meshtrain: error:")]
+        code, took = _signal_rank(proc, pids[1], signal.SIGSTOP, 45)
+    err, errors = _error_lines(tmp_path)
     expected = ("meshtrain: error: rank 0 failed (exit status 1), then rank 1 (hung: stopped by a signal (SIGSTOP?) "
                 "when the others failed, then killed by SIGKILL)")
     assert code == 1 and errors == [expected], err[-3000:]
