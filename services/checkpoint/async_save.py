@@ -4,8 +4,12 @@
 host buffer (pinned when CUDA is available; allocated on first use and reused by later saves
 of the same boxes), and returns: the training stall is that device-to-host copy. A background
 thread then stores the boxes through a *sink*, writes the writer's fragment and, on the
-committing writer, commits. A failed store is retried with backoff; if it still fails, the
-error is kept and raised by the next `save()` or `wait()`, never dropped.
+committing writer, commits. A failed store is retried with backoff (`attempts` tries, and for
+`retry_timeout` seconds at least); if it still fails, the error is kept and raised by the next
+`save()` or `wait()`, never dropped. A checkpoint service that restarted mid-save forgets the
+save (SaveForgottenError): the saver resumes it there (`sink.resume_save`) and sends its boxes
+again, or commits again; every writer of the save does so on its own, and one that had stored
+its fragment before the restart has nothing to redo (the fragment is in storage).
 
 The sink is what differs between the embedded default and service mode: `StorageSink(root)`
 writes straight to storage; `services.checkpoint.rpc.client.CheckpointClient` streams to the
@@ -30,7 +34,7 @@ from services.checkpoint import layout
 from services.checkpoint.sharded import SaveResult, ShardWriter, commit
 from services.checkpoint.shards import ShardSpec
 from services.checkpoint.store import Root, open_root
-from services.common.errors import CheckpointError
+from services.common.errors import CheckpointError, SaveForgottenError
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +74,13 @@ class StorageSink:
         return commit(self.root, step, save_id, num_writers, metadata, timeout, cancelled=cancelled)
 
 
-def retry(what: str, fn: Callable[[], Any], attempts: int, backoff: float) -> Any:
-    """Calls `fn` up to `attempts` times, sleeping `backoff * 2**i` between tries.
+MAX_RETRY_SLEEP_S = 2.0  # a retry waiting out an outage looks again this often, at least
+
+
+def retry(what: str, fn: Callable[[], Any], attempts: int, backoff: float, timeout: float = 0.0) -> Any:
+    """Calls `fn` until it succeeds: at least `attempts` times, and for `timeout` seconds after
+    the first try; sleeps `backoff * 2**i` between tries, at most MAX_RETRY_SLEEP_S (or
+    `backoff`, if larger), so a service back after an outage is found within seconds.
 
     Domain errors (CheckpointError: bad input, overlap, ...) are not retried: trying again
     cannot fix them. Anything else (I/O, network) is.
@@ -79,23 +88,28 @@ def retry(what: str, fn: Callable[[], Any], attempts: int, backoff: float) -> An
     Args:
         what: description for the log and the final error.
         fn: the action.
-        attempts: total tries, >= 1.
+        attempts: least number of tries, >= 1.
         backoff: first sleep in seconds.
+        timeout: keep trying for this many seconds (0: `attempts` tries only).
 
     Returns:
         What `fn` returned.
     """
-    for attempt in range(attempts):
+    start = time.monotonic()
+    attempt = 0
+    while True:
         try:
             return fn()
         except CheckpointError:
             raise
         except Exception as e:
-            if attempt == attempts - 1:
-                raise CheckpointError(f"{what} failed after {attempts} attempts: {e!r}") from e
-            log.warning("%s failed (attempt %d of %d), retrying: %r", what, attempt + 1, attempts, e)
-            time.sleep(backoff * 2**attempt)
-    raise AssertionError("unreachable")
+            attempt += 1
+            elapsed = time.monotonic() - start
+            if attempt >= attempts and elapsed >= timeout:
+                raise CheckpointError(f"{what} failed after {attempt} attempts: {e!r} (tried for {elapsed:.1f} s)") from e
+            log.warning("%s failed (attempt %d, %.1f s of at least %d attempts and %g s), retrying: %r",
+                        what, attempt, elapsed, attempts, timeout, e)
+            time.sleep(min(backoff * 2 ** min(attempt - 1, 30), max(backoff, MAX_RETRY_SLEEP_S)))
 
 
 class AsyncSaver:
@@ -108,15 +122,18 @@ class AsyncSaver:
         attempts: tries per stored object / commit before the save is reported failed.
         backoff: first retry sleep in seconds (doubles each retry).
         commit_timeout: seconds the committer waits for the other writers.
+        retry_timeout: keep retrying a failed store, fragment or commit (and resuming a save its
+            checkpoint service forgot) for this many seconds, however many attempts that takes.
     """
 
     def __init__(self, sink: Sink, writer_id: int = 0, num_writers: int = 1, attempts: int = 3,
-                 backoff: float = 0.2, commit_timeout: float = 600.0):
+                 backoff: float = 0.2, commit_timeout: float = 600.0, retry_timeout: float = 0.0):
         self.sink = sink
         self.writer_id = writer_id
         self.num_writers = num_writers
         self.attempts = attempts
         self.backoff = backoff
+        self.retry_timeout = retry_timeout
         self.commit_timeout = commit_timeout
         self.pin = torch.cuda.is_available()
         self._buffers: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
@@ -212,11 +229,10 @@ class AsyncSaver:
         try:
             for spec, buf in snapshot:
                 data = layout.to_stored(buf)
-                retry(f"storing box {spec.offsets} of array {spec.array!r} (step {step})",
-                      lambda spec=spec, data=data: writer.write(spec, data),
-                      self.attempts, self.backoff)
-            retry(f"storing the fragment of writer {self.writer_id} (step {step})",
-                  writer.finish, self.attempts, self.backoff)
+                self._retry(f"storing box {spec.offsets} of array {spec.array!r} (step {step})",
+                            lambda spec=spec, data=data: writer.write(spec, data), step, save_id)
+            self._retry(f"storing the fragment of writer {self.writer_id} (step {step})",
+                        writer.finish, step, save_id, done_if_committed=True)
         except Exception as e:
             try:  # tell the committer, so it aborts now instead of at its timeout
                 writer.finish(error=f"writer {self.writer_id}: {e}")
@@ -228,10 +244,35 @@ class AsyncSaver:
             return None
         cancel = ({"cancelled": lambda: "the run failed" if self._abandoned.is_set() else None}
                   if isinstance(self.sink, StorageSink) else {})
-        result = retry(
+        result = self._retry(
             f"committing step {step}",
             lambda: self.sink.commit(step, save_id, self.num_writers, metadata, self.commit_timeout, **cancel),
-            self.attempts, self.backoff,
+            step, save_id,
         )
         self.last_committed = step
         return result
+
+    def _retry(self, what: str, fn: Callable[[], Any], step: int, save_id: str,
+               done_if_committed: bool = False) -> Any:
+        """`retry(fn)`; when the sink has forgotten the save (its checkpoint service restarted
+        mid-save), resumes the save there and calls `fn` again: it resends this writer's boxes
+        (a writer's stream carries them all) or commits again. With `done_if_committed`, a save
+        the resume finds committed needs nothing more of this call (its fragment was stored).
+        Resumes as often as `attempts`, or for `retry_timeout` seconds: a service restarted
+        again and again fails the save."""
+        start, resumes = time.monotonic(), 0
+        while True:
+            try:
+                return retry(what, fn, self.attempts, self.backoff, self.retry_timeout)
+            except SaveForgottenError as e:
+                resume = getattr(self.sink, "resume_save", None)
+                resumes += 1
+                if (resume is None or self._abandoned.is_set()
+                        or (resumes > self.attempts and time.monotonic() - start > self.retry_timeout)):
+                    raise
+                log.warning("%s: %s; resuming save %s there and trying again", what, e, save_id)
+                committed = retry(f"resuming save {save_id} of step {step} ({what})",
+                                  lambda resume=resume: resume(step, save_id, self.num_writers),
+                                  self.attempts, self.backoff, self.retry_timeout)
+                if committed and done_if_committed:
+                    return None

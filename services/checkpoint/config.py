@@ -38,10 +38,18 @@ class CheckpointConfig:
     """Replace a committed checkpoint of the same step (a run restarted from scratch into a
     root that holds an earlier run's steps); off: such a save is an error."""
     save_attempts: int = 3
-    """Tries for each stored object, for a save's start and for its commit before the save is
-    reported failed (storage and checkpoint-service errors; a refused request is not retried)."""
+    """Least number of tries for each stored object, for a save's start and for its commit
+    before the save is reported failed (storage and checkpoint-service errors; a refused
+    request is not retried); `save_retry_timeout_s` may allow more."""
     save_retry_backoff_s: float = 0.2
-    """Sleep before a save's first retry, in seconds; it doubles with each retry."""
+    """Sleep before a save's first retry, in seconds; it doubles with each retry, to at most
+    2 s (or this, if larger)."""
+    save_retry_timeout_s: float = 60.0
+    """Keep retrying a failing start, stored object or commit of a save for this many seconds
+    (however many tries that takes) before the save is reported failed, naming the storage or
+    the checkpoint service and what failed: long enough for `meshtrain up` to bring a crashed
+    checkpoint service back, where the save in flight is then resumed (every rank resends its
+    boxes, rank 0 commits). 0: `save_attempts` tries only."""
 
     def __post_init__(self) -> None:
         if self.load_step is not None and self.load is None:
@@ -54,5 +62,7 @@ class CheckpointConfig:
             raise ConfigError(f"checkpoint.save_attempts must be >= 1, got {self.save_attempts}")
         if not 0 <= self.save_retry_backoff_s <= 3600:  # also refuses NaN
             raise ConfigError(f"checkpoint.save_retry_backoff_s must be in [0, 3600], got {self.save_retry_backoff_s}")
+        if not 0 <= self.save_retry_timeout_s <= 86400:  # also refuses NaN
+            raise ConfigError(f"checkpoint.save_retry_timeout_s must be in [0, 86400], got {self.save_retry_timeout_s}")
         if self.keep_every and not self.keep_last:
             raise ConfigError("checkpoint.keep_every needs checkpoint.keep_last")

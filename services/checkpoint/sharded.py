@@ -15,6 +15,11 @@ Protocol for one save of step S (all writers agree on a `save_id`, e.g. rank 0 c
 Writers never write the same object (a box is one shard), so the protocol needs no locks and
 works on object stores, where a PUT is atomic and last-writer-wins. Readers only trust steps
 with a manifest, so a kill at any point leaves earlier checkpoints loadable.
+
+`begin_save` also stores `step_S/_fragments/<save_id>/begun.json`, which says in storage that
+the folder belongs to that save: a checkpoint service restarted mid-save has forgotten the
+save id, and `resume_save` lets it take the save up again only while that marker is there (a
+newer `begin_save` of the step clears the folder, marker included; the commit removes it).
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ CHECKSUM = "crc32"
 CHUNK_CHECKSUMS = "chunk_crc32"  # per inner chunk, C order over the shard's chunk grid
 INDEX_CHECKSUM = "index_crc32"  # the shard index (the object's last 16 * chunks + 4 bytes)
 FRAGMENTS = "_fragments"
+BEGUN = "begun.json"  # beside the fragments of a save: the step's folder is that save's
 _SAVE_ID_RE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
 
 log = logging.getLogger(__name__)
@@ -131,7 +137,45 @@ def begin_save(root: str | Root, step: int, overwrite: bool = False) -> str:
         root.fs.rm(join(step_path, MANIFEST_NAME))
     # Leftovers of an uncommitted attempt would otherwise linger beside this one.
     remove_tree(root, step_path)
-    return uuid.uuid4().hex
+    save_id = uuid.uuid4().hex
+    write_bytes_atomic(root, join(step_path, FRAGMENTS, save_id, BEGUN),
+                       json.dumps({"save_id": save_id, "step": step}).encode())
+    return save_id
+
+
+def resume_save(root: str | Root, step: int, save_id: str) -> SaveResult | None:
+    """Checks that save `save_id` of `step` can be taken up again where it was left (its
+    checkpoint service restarted mid-save): its writers then store their boxes and fragments
+    again, or keep those they had stored, and its committer commits.
+
+    Args:
+        root: root URL or opened Root.
+        step: the save's step.
+        save_id: the save's id, as `begin_save` returned it.
+
+    Returns:
+        The commit's result when that save has committed already (nothing to redo), else None.
+
+    Raises:
+        CheckpointError: the step's folder no longer holds that save (a newer save of the step
+            began and cleared it, retention collected it, or the step was committed by another
+            save): it cannot be resumed, only begun anew.
+    """
+    root = open_root(root) if isinstance(root, str) else root
+    check_save_id(save_id)
+    done = committed_by(root, step, save_id)
+    if done is not None:
+        return done
+    if is_committed(root, step):
+        raise CheckpointError(f"save {save_id} of step {step} cannot be resumed: the step under {root.url!r} "
+                              "was committed by another save")
+    marker = join(root.step_path(step), FRAGMENTS, save_id, BEGUN)
+    root.fs.invalidate_cache(join(root.step_path(step), FRAGMENTS, save_id))
+    if not root.fs.exists(marker):
+        raise CheckpointError(
+            f"save {save_id} of step {step} cannot be resumed: {marker} is gone (a newer save of the step "
+            "began, or retention collected the unfinished folder); begin a new save")
+    return None
 
 
 class ShardWriter:

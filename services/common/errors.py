@@ -49,3 +49,9 @@ def is_storage_error(exc: BaseException) -> bool:
 
 class CheckpointError(MeshtrainError):
     """A checkpoint is missing, uncommitted, corrupt, or does not match the model."""
+
+
+class SaveForgottenError(CheckpointError):
+    """The checkpoint service does not know a save in progress: it restarted mid-save and
+    forgot the save's id. Not retried as it is, but the save can be taken up again there
+    (`CheckpointClient.resume_save`) and its boxes sent again, which `AsyncSaver` does."""

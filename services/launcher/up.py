@@ -149,8 +149,9 @@ def plan(options: UpOptions, overrides: list[str]) -> Plan:
         trainer_args += ["--data-service-addresses", *[f"127.0.0.1:{c.port}" for c in services]]
     if options.checkpoint_service:
         port = free_port()
-        # Its state is in storage (a save in flight when it dies fails and is reported; the
-        # committed checkpoints stay): brought back on its port, the run's next save finds it.
+        # Its state is in storage (the committed checkpoints stay): brought back on its port, it
+        # takes a save in flight when it died up again, as the ranks retry it for
+        # checkpoint.save_retry_timeout_s (resending their boxes), and the run's next save finds it.
         services.append(Child("ckpt", PYTHON + ["ckpt", "serve", save, "--port", str(port), *metrics],
                               port=port, restart=True, grace_s=15.0))
         trainer_args.append(f"--checkpoint.service_address=127.0.0.1:{port}")

@@ -163,11 +163,12 @@ class Checkpointer:
         resumed_step: the step the run resumed from, when it loaded from this same root.
         attempts: tries for each stored object, a save's start and its commit (`checkpoint.save_attempts`).
         backoff: first retry sleep in seconds, doubling each retry (`checkpoint.save_retry_backoff_s`).
+        retry_timeout: keep retrying for this many seconds, at least (`checkpoint.save_retry_timeout_s`).
     """
 
     def __init__(self, root: str, par: Parallel, asynchronous: bool = True, service_address: str | None = None,
                  overwrite: bool = False, resumed_step: int | None = None, attempts: int = 3,
-                 backoff: float = 0.2):
+                 backoff: float = 0.2, retry_timeout: float = 0.0):
         self.root, self.par, self.asynchronous, self.overwrite = root, par, asynchronous, overwrite
         mesh = par.mesh
         if service_address:
@@ -178,7 +179,7 @@ class Checkpointer:
             self.sink = StorageSink(root)
         self.service = bool(service_address)
         self.saver = AsyncSaver(self.sink, writer_id=mesh.rank, num_writers=mesh.world_size, attempts=attempts,
-                                backoff=backoff)
+                                backoff=backoff, retry_timeout=retry_timeout)
         self.resumed_step = resumed_step
         self._committed_url: tuple[int, str] | None = None  # (step, URL) of `committed_url`
 
@@ -252,7 +253,7 @@ class Checkpointer:
                 return begin_save(self.root, state.iteration, overwrite=self.overwrite)
             try:
                 started[0] = (retry(f"starting the save of step {state.iteration}", begin, self.saver.attempts,
-                                    self.saver.backoff), None)
+                                    self.saver.backoff, self.saver.retry_timeout), None)
             except CheckpointError as e:
                 if not mesh.distributed:
                     raise

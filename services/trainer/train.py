@@ -259,7 +259,8 @@ class Trainer:
         # the checkpoint service open; `run` closes it.
         self.checkpointer = checkpointing.Checkpointer(c.save, self.par, c.async_save, c.service_address,
                                                        overwrite=c.overwrite, resumed_step=resumed_here,
-                                                       attempts=c.save_attempts, backoff=c.save_retry_backoff_s)
+                                                       attempts=c.save_attempts, backoff=c.save_retry_backoff_s,
+                                                       retry_timeout=c.save_retry_timeout_s)
         # Requests from other threads (SIGTERM's relay, the control endpoint), acted on between steps.
         self.requests = RunRequests()
         self.stop_cause: str | None = None  # the agreed stop's cause, which ranks asked and why

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%protos/checkpoint/v1/checkpoint.proto\x12\x17meshtrain.checkpoint.v1\"\x89\x01\n\x03\x42ox\x12\r\n\x05\x61rray\x18\x01 \x01(\t\x12\x14\n\x0cglobal_shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0f\n\x07offsets\x18\x04 \x03(\x03\x12\r\n\x05shape\x18\x05 \x03(\x03\x12\x0c\n\x04grid\x18\x06 \x03(\x03\x12\x14\n\x07stacked\x18\x07 \x01(\x08H\x00\x88\x01\x01\x42\n\n\x08_stacked\"H\n\x10\x42\x65ginSaveRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x13\n\x0bnum_writers\x18\x02 \x01(\x05\x12\x11\n\toverwrite\x18\x03 \x01(\x08\"$\n\x11\x42\x65ginSaveResponse\x12\x0f\n\x07save_id\x18\x01 \x01(\t\"1\n\x0bWriteHeader\x12\x0f\n\x07save_id\x18\x01 \x01(\t\x12\x11\n\twriter_id\x18\x02 \x01(\x05\"\xa3\x01\n\x12WriteShardsRequest\x12\x36\n\x06header\x18\x01 \x01(\x0b\x32$.meshtrain.checkpoint.v1.WriteHeaderH\x00\x12+\n\x03\x62ox\x18\x02 \x01(\x0b\x32\x1c.meshtrain.checkpoint.v1.BoxH\x00\x12\x0f\n\x05\x63hunk\x18\x03 \x01(\x0cH\x00\x12\x0f\n\x05\x65rror\x18\x04 \x01(\tH\x00\x42\x06\n\x04part\"3\n\x13WriteShardsResponse\x12\r\n\x05\x62oxes\x18\x01 \x01(\x05\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\"X\n\rCommitRequest\x12\x0f\n\x07save_id\x18\x01 \x01(\t\x12\x15\n\rmetadata_json\x18\x02 \x01(\t\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\x12\x0c\n\x04step\x18\x04 \x01(\x03\"|\n\x0e\x43ommitResponse\x12\x0b\n\x03url\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x12\n\nnum_arrays\x18\x03 \x01(\x05\x12\x13\n\x0bnum_objects\x18\x04 \x01(\x05\x12\x15\n\rbytes_written\x18\x05 \x01(\x03\x12\x0f\n\x07seconds\x18\x06 \x01(\x01\"3\n\x10\x41\x62ortSaveRequest\x12\x0f\n\x07save_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"$\n\x11\x41\x62ortSaveResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\r\n\x0bListRequest\"\x1d\n\x0cListResponse\x12\r\n\x05steps\x18\x01 \x03(\x03\"\x1f\n\x0f\x44\x65scribeRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\")\n\x10\x44\x65scribeResponse\x12\x15\n\rmanifest_json\x18\x01 \x01(\t\"O\n\x10ReadSliceRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\r\n\x05\x61rray\x18\x02 \x01(\t\x12\x0f\n\x07offsets\x18\x03 \x03(\x03\x12\r\n\x05shape\x18\x04 \x03(\x03\"@\n\x11ReadSliceResponse\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x63hunk\x18\x03 \x01(\x0c\"\x1d\n\rDeleteRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"9\n\x10RetentionRequest\x12\x11\n\tkeep_last\x18\x01 \x01(\x05\x12\x12\n\nkeep_every\x18\x02 \x01(\x05\"7\n\x11RetentionResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x03(\x03\x12\x11\n\tcollected\x18\x02 \x03(\x03\x32\x82\x07\n\x11\x43heckpointService\x12\x62\n\tBeginSave\x12).meshtrain.checkpoint.v1.BeginSaveRequest\x1a*.meshtrain.checkpoint.v1.BeginSaveResponse\x12j\n\x0bWriteShards\x12+.meshtrain.checkpoint.v1.WriteShardsRequest\x1a,.meshtrain.checkpoint.v1.WriteShardsResponse(\x01\x12Y\n\x06\x43ommit\x12&.meshtrain.checkpoint.v1.CommitRequest\x1a\'.meshtrain.checkpoint.v1.CommitResponse\x12\x62\n\tAbortSave\x12).meshtrain.checkpoint.v1.AbortSaveRequest\x1a*.meshtrain.checkpoint.v1.AbortSaveResponse\x12S\n\x04List\x12$.meshtrain.checkpoint.v1.ListRequest\x1a%.meshtrain.checkpoint.v1.ListResponse\x12_\n\x08\x44\x65scribe\x12(.meshtrain.checkpoint.v1.DescribeRequest\x1a).meshtrain.checkpoint.v1.DescribeResponse\x12\x64\n\tReadSlice\x12).meshtrain.checkpoint.v1.ReadSliceRequest\x1a*.meshtrain.checkpoint.v1.ReadSliceResponse0\x01\x12Y\n\x06\x44\x65lete\x12&.meshtrain.checkpoint.v1.DeleteRequest\x1a\'.meshtrain.checkpoint.v1.DeleteResponse\x12g\n\x0e\x41pplyRetention\x12).meshtrain.checkpoint.v1.RetentionRequest\x1a*.meshtrain.checkpoint.v1.RetentionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%protos/checkpoint/v1/checkpoint.proto\x12\x17meshtrain.checkpoint.v1\"\x89\x01\n\x03\x42ox\x12\r\n\x05\x61rray\x18\x01 \x01(\t\x12\x14\n\x0cglobal_shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0f\n\x07offsets\x18\x04 \x03(\x03\x12\r\n\x05shape\x18\x05 \x03(\x03\x12\x0c\n\x04grid\x18\x06 \x03(\x03\x12\x14\n\x07stacked\x18\x07 \x01(\x08H\x00\x88\x01\x01\x42\n\n\x08_stacked\"H\n\x10\x42\x65ginSaveRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x13\n\x0bnum_writers\x18\x02 \x01(\x05\x12\x11\n\toverwrite\x18\x03 \x01(\x08\"$\n\x11\x42\x65ginSaveResponse\x12\x0f\n\x07save_id\x18\x01 \x01(\t\"1\n\x0bWriteHeader\x12\x0f\n\x07save_id\x18\x01 \x01(\t\x12\x11\n\twriter_id\x18\x02 \x01(\x05\"\xa3\x01\n\x12WriteShardsRequest\x12\x36\n\x06header\x18\x01 \x01(\x0b\x32$.meshtrain.checkpoint.v1.WriteHeaderH\x00\x12+\n\x03\x62ox\x18\x02 \x01(\x0b\x32\x1c.meshtrain.checkpoint.v1.BoxH\x00\x12\x0f\n\x05\x63hunk\x18\x03 \x01(\x0cH\x00\x12\x0f\n\x05\x65rror\x18\x04 \x01(\tH\x00\x42\x06\n\x04part\"3\n\x13WriteShardsResponse\x12\r\n\x05\x62oxes\x18\x01 \x01(\x05\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\"X\n\rCommitRequest\x12\x0f\n\x07save_id\x18\x01 \x01(\t\x12\x15\n\rmetadata_json\x18\x02 \x01(\t\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\x12\x0c\n\x04step\x18\x04 \x01(\x03\"|\n\x0e\x43ommitResponse\x12\x0b\n\x03url\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x12\n\nnum_arrays\x18\x03 \x01(\x05\x12\x13\n\x0bnum_objects\x18\x04 \x01(\x05\x12\x15\n\rbytes_written\x18\x05 \x01(\x03\x12\x0f\n\x07seconds\x18\x06 \x01(\x01\"3\n\x10\x41\x62ortSaveRequest\x12\x0f\n\x07save_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"$\n\x11\x41\x62ortSaveResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"G\n\x11ResumeSaveRequest\x12\x0f\n\x07save_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x13\n\x0bnum_writers\x18\x03 \x01(\x05\"\'\n\x12ResumeSaveResponse\x12\x11\n\tcommitted\x18\x01 \x01(\x08\"\r\n\x0bListRequest\"\x1d\n\x0cListResponse\x12\r\n\x05steps\x18\x01 \x03(\x03\"\x1f\n\x0f\x44\x65scribeRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\")\n\x10\x44\x65scribeResponse\x12\x15\n\rmanifest_json\x18\x01 \x01(\t\"O\n\x10ReadSliceRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\r\n\x05\x61rray\x18\x02 \x01(\t\x12\x0f\n\x07offsets\x18\x03 \x03(\x03\x12\r\n\x05shape\x18\x04 \x03(\x03\"@\n\x11ReadSliceResponse\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x63hunk\x18\x03 \x01(\x0c\"\x1d\n\rDeleteRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"9\n\x10RetentionRequest\x12\x11\n\tkeep_last\x18\x01 \x01(\x05\x12\x12\n\nkeep_every\x18\x02 \x01(\x05\"7\n\x11RetentionResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x03(\x03\x12\x11\n\tcollected\x18\x02 \x03(\x03\x32\xe9\x07\n\x11\x43heckpointService\x12\x62\n\tBeginSave\x12).meshtrain.checkpoint.v1.BeginSaveRequest\x1a*.meshtrain.checkpoint.v1.BeginSaveResponse\x12j\n\x0bWriteShards\x12+.meshtrain.checkpoint.v1.WriteShardsRequest\x1a,.meshtrain.checkpoint.v1.WriteShardsResponse(\x01\x12Y\n\x06\x43ommit\x12&.meshtrain.checkpoint.v1.CommitRequest\x1a\'.meshtrain.checkpoint.v1.CommitResponse\x12\x62\n\tAbortSave\x12).meshtrain.checkpoint.v1.AbortSaveRequest\x1a*.meshtrain.checkpoint.v1.AbortSaveResponse\x12\x65\n\nResumeSave\x12*.meshtrain.checkpoint.v1.ResumeSaveRequest\x1a+.meshtrain.checkpoint.v1.ResumeSaveResponse\x12S\n\x04List\x12$.meshtrain.checkpoint.v1.ListRequest\x1a%.meshtrain.checkpoint.v1.ListResponse\x12_\n\x08\x44\x65scribe\x12(.meshtrain.checkpoint.v1.DescribeRequest\x1a).meshtrain.checkpoint.v1.DescribeResponse\x12\x64\n\tReadSlice\x12).meshtrain.checkpoint.v1.ReadSliceRequest\x1a*.meshtrain.checkpoint.v1.ReadSliceResponse0\x01\x12Y\n\x06\x44\x65lete\x12&.meshtrain.checkpoint.v1.DeleteRequest\x1a\'.meshtrain.checkpoint.v1.DeleteResponse\x12g\n\x0e\x41pplyRetention\x12).meshtrain.checkpoint.v1.RetentionRequest\x1a*.meshtrain.checkpoint.v1.RetentionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -51,26 +51,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ABORTSAVEREQUEST']._serialized_end=855
   _globals['_ABORTSAVERESPONSE']._serialized_start=857
   _globals['_ABORTSAVERESPONSE']._serialized_end=893
-  _globals['_LISTREQUEST']._serialized_start=895
-  _globals['_LISTREQUEST']._serialized_end=908
-  _globals['_LISTRESPONSE']._serialized_start=910
-  _globals['_LISTRESPONSE']._serialized_end=939
-  _globals['_DESCRIBEREQUEST']._serialized_start=941
-  _globals['_DESCRIBEREQUEST']._serialized_end=972
-  _globals['_DESCRIBERESPONSE']._serialized_start=974
-  _globals['_DESCRIBERESPONSE']._serialized_end=1015
-  _globals['_READSLICEREQUEST']._serialized_start=1017
-  _globals['_READSLICEREQUEST']._serialized_end=1096
-  _globals['_READSLICERESPONSE']._serialized_start=1098
-  _globals['_READSLICERESPONSE']._serialized_end=1162
-  _globals['_DELETEREQUEST']._serialized_start=1164
-  _globals['_DELETEREQUEST']._serialized_end=1193
-  _globals['_DELETERESPONSE']._serialized_start=1195
-  _globals['_DELETERESPONSE']._serialized_end=1228
-  _globals['_RETENTIONREQUEST']._serialized_start=1230
-  _globals['_RETENTIONREQUEST']._serialized_end=1287
-  _globals['_RETENTIONRESPONSE']._serialized_start=1289
-  _globals['_RETENTIONRESPONSE']._serialized_end=1344
-  _globals['_CHECKPOINTSERVICE']._serialized_start=1347
-  _globals['_CHECKPOINTSERVICE']._serialized_end=2245
+  _globals['_RESUMESAVEREQUEST']._serialized_start=895
+  _globals['_RESUMESAVEREQUEST']._serialized_end=966
+  _globals['_RESUMESAVERESPONSE']._serialized_start=968
+  _globals['_RESUMESAVERESPONSE']._serialized_end=1007
+  _globals['_LISTREQUEST']._serialized_start=1009
+  _globals['_LISTREQUEST']._serialized_end=1022
+  _globals['_LISTRESPONSE']._serialized_start=1024
+  _globals['_LISTRESPONSE']._serialized_end=1053
+  _globals['_DESCRIBEREQUEST']._serialized_start=1055
+  _globals['_DESCRIBEREQUEST']._serialized_end=1086
+  _globals['_DESCRIBERESPONSE']._serialized_start=1088
+  _globals['_DESCRIBERESPONSE']._serialized_end=1129
+  _globals['_READSLICEREQUEST']._serialized_start=1131
+  _globals['_READSLICEREQUEST']._serialized_end=1210
+  _globals['_READSLICERESPONSE']._serialized_start=1212
+  _globals['_READSLICERESPONSE']._serialized_end=1276
+  _globals['_DELETEREQUEST']._serialized_start=1278
+  _globals['_DELETEREQUEST']._serialized_end=1307
+  _globals['_DELETERESPONSE']._serialized_start=1309
+  _globals['_DELETERESPONSE']._serialized_end=1342
+  _globals['_RETENTIONREQUEST']._serialized_start=1344
+  _globals['_RETENTIONREQUEST']._serialized_end=1401
+  _globals['_RETENTIONRESPONSE']._serialized_start=1403
+  _globals['_RETENTIONRESPONSE']._serialized_end=1458
+  _globals['_CHECKPOINTSERVICE']._serialized_start=1461
+  _globals['_CHECKPOINTSERVICE']._serialized_end=2462
 # @@protoc_insertion_point(module_scope)

@@ -110,6 +110,22 @@ class AbortSaveResponse(_message.Message):
     aborted: bool
     def __init__(self, aborted: _Optional[bool] = ...) -> None: ...
 
+class ResumeSaveRequest(_message.Message):
+    __slots__ = ("save_id", "step", "num_writers")
+    SAVE_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    NUM_WRITERS_FIELD_NUMBER: _ClassVar[int]
+    save_id: str
+    step: int
+    num_writers: int
+    def __init__(self, save_id: _Optional[str] = ..., step: _Optional[int] = ..., num_writers: _Optional[int] = ...) -> None: ...
+
+class ResumeSaveResponse(_message.Message):
+    __slots__ = ("committed",)
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    committed: bool
+    def __init__(self, committed: _Optional[bool] = ...) -> None: ...
+
 class ListRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -54,6 +54,11 @@ class CheckpointServiceStub:
                 request_serializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.AbortSaveRequest.SerializeToString,
                 response_deserializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.AbortSaveResponse.FromString,
                 _registered_method=True)
+        self.ResumeSave = channel.unary_unary(
+                '/meshtrain.checkpoint.v1.CheckpointService/ResumeSave',
+                request_serializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.ResumeSaveRequest.SerializeToString,
+                response_deserializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.ResumeSaveResponse.FromString,
+                _registered_method=True)
         self.List = channel.unary_unary(
                 '/meshtrain.checkpoint.v1.CheckpointService/List',
                 request_serializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.ListRequest.SerializeToString,
@@ -115,6 +120,15 @@ class CheckpointServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResumeSave(self, request, context):
+        """Takes up again a save begun on this service before it restarted (it forgot the save id):
+        its writers then resend their boxes and its committer commits, as before the restart. Refused
+        when the step's folder no longer holds that save (a newer BeginSave of the step, retention).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def List(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -169,6 +183,11 @@ def add_CheckpointServiceServicer_to_server(servicer, server):
                     servicer.AbortSave,
                     request_deserializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.AbortSaveRequest.FromString,
                     response_serializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.AbortSaveResponse.SerializeToString,
+            ),
+            'ResumeSave': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeSave,
+                    request_deserializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.ResumeSaveRequest.FromString,
+                    response_serializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.ResumeSaveResponse.SerializeToString,
             ),
             'List': grpc.unary_unary_rpc_method_handler(
                     servicer.List,
@@ -304,6 +323,33 @@ class CheckpointService:
             '/meshtrain.checkpoint.v1.CheckpointService/AbortSave',
             protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.AbortSaveRequest.SerializeToString,
             protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.AbortSaveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeSave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshtrain.checkpoint.v1.CheckpointService/ResumeSave',
+            protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.ResumeSaveRequest.SerializeToString,
+            protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.ResumeSaveResponse.FromString,
             options,
             channel_credentials,
             insecure,

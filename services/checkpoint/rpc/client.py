@@ -1,5 +1,6 @@
 """Client of the checkpoint service; returns domain objects, raises CheckpointError (the
-request was refused) or ServiceUnavailableError (transient: worth a retry).
+request was refused), SaveForgottenError (a CheckpointError: the service restarted and forgot
+the save; `resume_save` takes it up again) or ServiceUnavailableError (transient: worth a retry).
 
 `CheckpointClient` is also a sink for `AsyncSaver` (same `writer()` / `commit()` as
 `StorageSink`), so the trainer's async save code is the same with or without the service:
@@ -26,7 +27,7 @@ from services.checkpoint import layout
 from services.checkpoint.maintenance import RetentionResult
 from services.checkpoint.sharded import SaveResult
 from services.checkpoint.shards import ShardSpec
-from services.common.errors import CheckpointError, MeshtrainError
+from services.common.errors import CheckpointError, MeshtrainError, SaveForgottenError
 from services.common.grpc_utils import (
     MAX_MESSAGE_BYTES,
     channel_options,
@@ -55,6 +56,8 @@ def _error(address: str, what: str, e: grpc.RpcError) -> MeshtrainError:
     try fails the same way, after repeating the handler's side effects). It names the service's
     address: gRPC's own text often does not ("Stream removed (ping timeout)", "Deadline Exceeded")."""
     message = f"checkpoint service {address} {what}: {e.code().name}: {e.details()}"
+    if e.code() == grpc.StatusCode.NOT_FOUND:  # the service's answer to a save id it does not know
+        return SaveForgottenError(message)
     if is_permanent(e):
         return CheckpointError(message)
     return ServiceUnavailableError(message)
@@ -123,13 +126,34 @@ class CheckpointClient:
         self.chunk_bytes = chunk_bytes
         self.channel = grpc.insecure_channel(
             # Receive what any server sends: its --max-chunk-mb may be larger than ours.
-            address, options=channel_options(max(2 * chunk_bytes, MAX_MESSAGE_BYTES)))
+            address, options=channel_options(max(2 * chunk_bytes, MAX_MESSAGE_BYTES)) + [
+                # Reconnect to a restarted service within a second: gRPC's default backoff grows
+                # to 120 s, and calls fail at once meanwhile, so a save retrying through a 30 s
+                # restart found the service back only ~15 s after it was.
+                # (Not grpc.min_reconnect_backoff_ms: it is also the connect timeout, 20 s.)
+                ("grpc.initial_reconnect_backoff_ms", 200),
+                ("grpc.max_reconnect_backoff_ms", 1000),
+            ])
         self.stub = pb_grpc.CheckpointServiceStub(self.channel)
 
     def begin_save(self, step: int, num_writers: int = 1, overwrite: bool = False) -> str:
         """Starts a save of `step` by `num_writers` writers; returns its save id."""
         request = pb.BeginSaveRequest(step=step, num_writers=num_writers, overwrite=overwrite)
         return _call(self.address, "BeginSave", self.stub.BeginSave, request).save_id
+
+    def resume_save(self, step: int, save_id: str, num_writers: int) -> bool:
+        """Takes a save up again on a service that restarted since `begin_save` (its writes and
+        commit got SaveForgottenError); each writer of the save may call it, the first one counts.
+
+        Returns:
+            True when the save had committed already (nothing to resend), else False: send the
+            writer's boxes again and commit.
+
+        Raises:
+            CheckpointError: the save cannot be resumed (a newer save of the step began, ...).
+        """
+        request = pb.ResumeSaveRequest(save_id=save_id, step=step, num_writers=num_writers)
+        return _call(self.address, f"ResumeSave of step {step}", self.stub.ResumeSave, request).committed
 
     def writer(self, step: int, save_id: str, writer_id: int, num_writers: int) -> RemoteWriter:
         """A writer handle (the service knows the step and writer count from the save id)."""

@@ -6,8 +6,11 @@ complete, so the service holds at most the boxes in flight. `ByteBudget` caps th
 all streams: a stream waits for room instead of growing memory. A stream that sends nothing for
 `stream_idle_timeout` seconds (a live writer that stalled) is aborted and its share freed, so
 it cannot keep the other writers waiting. Saves in progress live in a
-table keyed by save id; a restarted service has forgotten them, and their writers get
-NOT_FOUND and must begin again (the previous checkpoint is untouched either way). A failing
+table keyed by save id; a restarted service has forgotten them, and their writers and
+committer get NOT_FOUND, upon which they ResumeSave: the service takes the save up again if the
+step's folder still belongs to it (`sharded.resume_save`), and the writers resend their boxes
+(the previous checkpoint is untouched either way). BeginSave and ResumeSave run one at a time,
+so a save is never resumed beside a newer save of its step. A failing
 run gives its save up with AbortSave: its commit, under way or to come, stops waiting for
 writers that have not reported (a save whose writers all reported is still committed), so the
 committer is not held for the commit timeout by a dead writer.
@@ -53,6 +56,7 @@ from services.checkpoint.sharded import (
     check_save_id,
     commit,
     committed_by,
+    resume_save,
 )
 from services.checkpoint.shards import ShardSpec
 from services.common.errors import (
@@ -169,6 +173,9 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         self._committed: OrderedDict[str, _Save] = OrderedDict()
         self._ended: OrderedDict[str, tuple[int, str]] = OrderedDict()  # id -> (step, why)
         self._lock = threading.Lock()
+        # BeginSave and ResumeSave one at a time: a resume that checked the step's folder must
+        # not register its save beside a newer BeginSave of the step clearing that folder
+        self._begin_lock = threading.Lock()
 
     def _save(self, save_id: str, context) -> _Save:
         """The save in progress of `save_id`; otherwise aborts the RPC saying what became of it."""
@@ -191,8 +198,8 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                               f"save {save_id!r} of step {step} {why}; its writes and commits are "
                               "refused (begin a new save)"))
             context.abort(grpc.StatusCode.NOT_FOUND, status_details(
-                          f"unknown save id {save_id!r}: call BeginSave first (a restarted "
-                          "service forgets saves in progress)"))
+                          f"unknown save id {save_id!r}: call BeginSave first, or ResumeSave for a "
+                          "save begun before this service restarted (it forgets saves in progress)"))
         return save
 
     @staticmethod
@@ -221,6 +228,10 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
     def BeginSave(self, request, context):
         if request.num_writers < 1:
             raise CheckpointError(f"num_writers must be >= 1, got {request.num_writers}")
+        with self._begin_lock:
+            return self._begin(request)
+
+    def _begin(self, request) -> pb.BeginSaveResponse:
         with self._lock:
             # A newer save of a step replaces an older one still open (a trainer restarted
             # mid-save): the old id's writes and commit are refused from now on, so its late
@@ -242,6 +253,31 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         with self._lock:
             self._saves[save_id] = _Save(request.step, request.num_writers)
         return pb.BeginSaveResponse(save_id=save_id)
+
+    def ResumeSave(self, request, context):
+        save_id = check_save_id(request.save_id)
+        if request.num_writers < 1:
+            raise CheckpointError(f"num_writers must be >= 1, got {request.num_writers}")
+        with self._begin_lock:
+            with self._lock:
+                if save_id in self._saves:  # another writer of the save resumed it already
+                    return pb.ResumeSaveResponse(committed=False)
+                if save_id in self._committed:
+                    return pb.ResumeSaveResponse(committed=True)
+                ended = save_id in self._ended
+                other = [k for k, v in self._saves.items() if v.step == request.step]
+            if ended:
+                self._save(save_id, context)  # aborts, saying why it ended
+            if other:
+                raise CheckpointError(f"save {save_id} of step {request.step} cannot be resumed: save "
+                                      f"{other[0]} of that step has begun since; begin a new save")
+            if resume_save(self.root, request.step, save_id) is not None:
+                return pb.ResumeSaveResponse(committed=True)
+            with self._lock:
+                self._saves[save_id] = _Save(request.step, request.num_writers)
+        log.warning("save %s of step %d resumed (begun before this service started); its writers resend "
+                    "their boxes", save_id, request.step)
+        return pb.ResumeSaveResponse(committed=False)
 
     def WriteShards(self, request_iterator, context):
         request_iterator = until_idle(request_iterator, self.stream_idle_timeout)

@@ -4,6 +4,7 @@ gives its save up, a service restarted between a commit and its reply."""
 
 import os
 import re
+import shutil
 
 import grpc
 import pytest
@@ -106,8 +107,8 @@ def test_a_storage_error_is_unavailable_retried_and_named(service):
     save_id = client.begin_save(2)
     os.makedirs(root, exist_ok=True)
     step_dir = os.path.join(root, "step_00000002")
-    if os.path.isdir(step_dir):
-        os.rmdir(step_dir)
+    if os.path.isdir(step_dir):  # BeginSave left its begun.json there
+        shutil.rmtree(step_dir)
     open(step_dir, "w").close()
     saver = AsyncSaver(client, 0, 1, attempts=3, backoff=0.01, commit_timeout=5)
     saver.save(2, save_id, tp_boxes(torch.randn(2, 8, 4).to(torch.bfloat16), 0, 1), committer=True)

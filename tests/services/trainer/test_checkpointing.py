@@ -64,6 +64,10 @@ def test_save_attempts_and_backoff_are_checked():
         load_config(["--checkpoint.save_attempts=0"])
     with pytest.raises(ConfigError, match=r"save_retry_backoff_s must be in \[0, 3600\], got -1.0"):
         load_config(["--checkpoint.save_retry_backoff_s=-1"])
+    with pytest.raises(ConfigError, match=r"save_retry_timeout_s must be in \[0, 86400\], got -1.0"):
+        load_config(["--checkpoint.save_retry_timeout_s=-1"])
+    # long enough for `meshtrain up` to restart a checkpoint service mid-save
+    assert load_config([]).checkpoint.save_retry_timeout_s >= 30
 
 
 def _save_into_a_taken_step(rank, world, args, root):
