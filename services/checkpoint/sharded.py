@@ -16,8 +16,9 @@ Writers never write the same object (a box is one shard), so the protocol needs 
 works on object stores, where a PUT is atomic and last-writer-wins. Readers only trust steps
 with a manifest, so a kill at any point leaves earlier checkpoints loadable.
 
-`begin_save` also stores `step_S/_fragments/<save_id>/begun.json`, which says in storage that
-the folder belongs to that save: a checkpoint service restarted mid-save has forgotten the
+`begin_save(..., resumable=True)` (the checkpoint service's) also stores
+`step_S/_fragments/<save_id>/begun.json`, which says in storage that the folder belongs to
+that save: a checkpoint service restarted mid-save has forgotten the
 save id, and `resume_save` lets it take the save up again only while that marker is there (a
 newer `begin_save` of the step clears the folder, marker included; the commit removes it).
 """
@@ -108,7 +109,7 @@ def is_committed(root: Root, step: int) -> bool:
     return root.fs.exists(path)
 
 
-def begin_save(root: str | Root, step: int, overwrite: bool = False) -> str:
+def begin_save(root: str | Root, step: int, overwrite: bool = False, resumable: bool = False) -> str:
     """Prepares the folder of `step` for a new save and returns a fresh save id.
 
     Call once (e.g. on rank 0) before any writer starts, and hand the id to every writer.
@@ -117,6 +118,8 @@ def begin_save(root: str | Root, step: int, overwrite: bool = False) -> str:
         root: root URL or opened Root.
         step: the step to save.
         overwrite: replace a committed checkpoint of this step instead of refusing.
+        resumable: mark the folder as this save's, so that `resume_save` can take it up again
+            (a checkpoint service restarted mid-save).
 
     Returns:
         The save id.
@@ -138,8 +141,9 @@ def begin_save(root: str | Root, step: int, overwrite: bool = False) -> str:
     # Leftovers of an uncommitted attempt would otherwise linger beside this one.
     remove_tree(root, step_path)
     save_id = uuid.uuid4().hex
-    write_bytes_atomic(root, join(step_path, FRAGMENTS, save_id, BEGUN),
-                       json.dumps({"save_id": save_id, "step": step}).encode())
+    if resumable:
+        write_bytes_atomic(root, join(step_path, FRAGMENTS, save_id, BEGUN),
+                           json.dumps({"save_id": save_id, "step": step}).encode())
     return save_id
 
 

@@ -249,7 +249,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             # metadata and finishes: then the step is committed and begin_save treats it so.
             with save.commit_lock:
                 pass
-        save_id = begin_save(self.root, request.step, overwrite=request.overwrite)
+        save_id = begin_save(self.root, request.step, overwrite=request.overwrite, resumable=True)
         with self._lock:
             self._saves[save_id] = _Save(request.step, request.num_writers)
         return pb.BeginSaveResponse(save_id=save_id)
