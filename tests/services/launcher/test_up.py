@@ -17,6 +17,7 @@ from services.common.errors import ConfigError
 from services.launcher.up import Plan, UpOptions, _resume_from, plan
 from services.trainer.config import LAUNCHER_KEYS_ENV, load_config
 from services.trainer.run_dir import run_dir_toml
+from tests.services.trainer.conftest import corpus_cache, small_job_args  # noqa: F401  (a fixture, found by name)
 
 ROOT = Path(__file__).parents[3]
 
@@ -157,3 +158,30 @@ def test_a_second_up_on_a_run_dir_in_use_is_refused_before_it_starts_anything(tm
     assert f"{run} is in use by another meshtrain up (pid {first.pid})" in second.stderr, second.stderr
     assert "started" not in second.stdout  # it started no process
     assert first.returncode == 0, out
+
+
+@pytest.mark.e2e
+def test_ups_own_trainer_writes_its_run_dir_and_a_train_beside_it_is_refused(tmp_path, corpus_cache):  # noqa: F811
+    # Reproduced: `meshtrain train --log.run_dir R` beside an `up` on R trained too, into the same
+    # metrics.jsonl and config.toml. Up's lock on R must not refuse up's own trainer.
+    run, env = tmp_path / "run", {**os.environ, "PYTHONPATH": str(ROOT)}
+    args = small_job_args(corpus_cache, run, **{"train.train_iters": 100_000, "train.eval_interval": 0})
+    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--data-workers", "0", *args], cwd=ROOT,
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        for line in up.stdout:
+            if line.startswith("[trainer") and "loss" in line:  # training, past the claim
+                break
+        else:
+            pytest.fail(f"up exited ({up.wait()}) before its trainer trained")
+        beside = subprocess.run([sys.executable, "-m", "services.cli", "train", *small_job_args(
+            corpus_cache, run, **{"train.train_iters": 3}), f"--checkpoint.save={tmp_path / 'beside'}"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    finally:
+        os.killpg(up.pid, signal.SIGTERM)
+        out, _ = up.communicate(timeout=120)
+    assert beside.returncode == 2, beside.stderr[-3000:]
+    assert re.search(rf"run directory {re.escape(str(run))} is in use by another trainer \(pid \d+\); stop it first "
+                     rf"\(`meshtrain stop {re.escape(str(run))}`\)", beside.stderr), beside.stderr[-3000:]
+    assert not (tmp_path / "beside").exists()
+    assert up.returncode == 0, out[-3000:]

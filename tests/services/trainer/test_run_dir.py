@@ -1,0 +1,98 @@
+"""One run directory, one trainer: `meshtrain train` processes into a folder that another holds."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.services.trainer.conftest import small_job_args
+
+ROOT = Path(__file__).resolve().parents[3]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def _meshtrain(*args, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.cli", *map(str, args)], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=300, check=False, **kw)
+
+
+def _wait_for(path: Path, process: subprocess.Popen, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not (path.exists() and path.stat().st_size):
+        if process.poll() is not None:
+            pytest.fail(f"the first trainer exited ({process.returncode}) before writing {path}: "
+                        f"{process.communicate()[1][-3000:]}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"no {path} after {timeout_s} s")
+        time.sleep(0.2)
+
+
+@pytest.mark.e2e
+def test_a_second_train_into_a_run_dir_in_use_is_refused_and_the_folder_is_free_once_the_first_ends(
+        tmp_path, corpus_cache):
+    # Reproduced: a second `meshtrain train --log.run_dir R` beside a running one trained too; its
+    # start dropped the first's metrics.jsonl rows and its config.toml replaced the first's.
+    run = tmp_path / "run"
+    args = small_job_args(corpus_cache, run, **{"train.train_iters": 100_000, "train.eval_interval": 0,
+                                                "train.control_port": 0})
+    first = subprocess.Popen([sys.executable, "-m", "services.cli", "train", *args,
+                              f"--checkpoint.save={tmp_path / 'a'}"], cwd=ROOT, env=ENV,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(run / "control.addr", first)
+        config = (run / "config.toml").read_text()
+        # a short run: on the old code it trained to the end beside the first
+        second = _meshtrain("train", *small_job_args(corpus_cache, run, **{"train.train_iters": 3}),
+                            f"--checkpoint.save={tmp_path / 'b'}")
+        up = _meshtrain("up", *[a for a in args if not a.startswith("--train.control_port")], "--data-workers", 0)
+        status = _meshtrain("status", run)
+    finally:
+        stop = _meshtrain("stop", run)
+        _, err = first.communicate(timeout=120)
+    assert second.returncode == 2, second.stderr[-3000:]
+    assert (f"run directory {run} is in use by another trainer (pid {first.pid}); stop it first "
+            f"(`meshtrain stop {run}`) or give this run another --log.run_dir") in second.stderr, second.stderr
+    assert not (tmp_path / "b").exists()
+    assert up.returncode == 2 and f"{run} is in use by a trainer (pid {first.pid})" in up.stderr, up.stderr
+    assert (run / "config.toml").read_text() == config
+    assert status.returncode == 0 and "step" in status.stdout, status.stdout + status.stderr
+    assert stop.returncode == 0, stop.stderr
+    assert first.returncode == 0, err[-3000:]
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, steps[-1] + 1))  # the first's rows, all of them, once
+
+    # The lock went with the process: resuming the run into its own folder is not refused.
+    again = _meshtrain("train", *small_job_args(corpus_cache, run, **{"train.train_iters": steps[-1] + 2,
+                                                                      "train.eval_interval": 0}),
+                       f"--checkpoint.load={tmp_path / 'a'}", f"--checkpoint.save={tmp_path / 'a'}")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from" in again.stderr
+
+
+@pytest.mark.e2e
+def test_one_rank_holds_the_run_dir_of_a_multi_rank_launch(tmp_path, corpus_cache):
+    """Every rank writes into one folder; only rank 0 locks it, so the ranks do not refuse
+    each other, and a launch refused by another's run stops all its ranks."""
+    run = tmp_path / "run"
+    args = small_job_args(corpus_cache, run, **{"train.train_iters": 2, "train.eval_interval": 0})
+    both = _meshtrain("train", "--nproc-per-node", 2, *args, f"--checkpoint.save={tmp_path / 'ckpt'}")
+    assert both.returncode == 0, both.stderr[-3000:]
+    assert (run / ".train.lock").exists()
+
+    holder = subprocess.Popen([sys.executable, "-m", "services.cli", "train", *small_job_args(
+        corpus_cache, run, **{"train.train_iters": 100_000, "train.eval_interval": 0, "train.control_port": 0}),
+        f"--checkpoint.save={tmp_path / 'holder'}"], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(run / "control.addr", holder)
+        refused = _meshtrain("train", "--nproc-per-node", 2, *args, f"--checkpoint.save={tmp_path / 'other'}")
+    finally:
+        _meshtrain("stop", run)
+        holder.communicate(timeout=120)
+    assert refused.returncode != 0
+    assert f"run directory {run} is in use by another trainer (pid {holder.pid})" in refused.stderr, \
+        refused.stderr[-3000:]
