@@ -118,6 +118,7 @@ def plan(options: UpOptions, overrides: list[str]) -> Plan:
         ConfigError: a bad trainer argument, or `--s3` with a save root outside the store.
     """
     from services.trainer.config import LAUNCHER_KEYS_ENV, load_config
+    from services.trainer.run_dir import UP_PID_ENV
 
     _refuse_owned_flags(overrides, data_workers=options.data_workers > 0, service=options.checkpoint_service)
     # A bad key fails here, before any process starts; checked with the control endpoint up
@@ -162,6 +163,7 @@ def plan(options: UpOptions, overrides: list[str]) -> Plan:
     launcher_keys += ["checkpoint.service_address"] * options.checkpoint_service
     for child in trainers:
         child.env[LAUNCHER_KEYS_ENV] = " ".join(launcher_keys)
+        child.env[UP_PID_ENV] = str(os.getpid())  # the holder of RUN_DIR/.up.lock (claim_run_dir)
     if not options.resume:  # from scratch into a root that may hold an earlier run's steps
         for child in trainers:
             child.argv.append("--checkpoint.overwrite=true")
@@ -190,27 +192,29 @@ def claim_run_dir(run_dir: Path):
     for as long as the returned file stays open; the lock goes when this process does.
 
     Two `up`s on one run directory would interleave their metrics.jsonl, the first to end would
-    delete the other's control.addr, and their checkpoints would collide.
+    delete the other's control.addr, and their checkpoints would collide; so would an `up` and
+    a trainer already running there (RUN_DIR/.train.lock, `services/trainer/run_dir.py`), which
+    may be a `meshtrain train` or the trainer of an `up` that has died. Our own trainer ranks
+    are told our pid (UP_PID_ENV), so that our lock does not refuse them.
 
     Raises:
-        ConfigError: another `up` holds it (naming its pid), or the folder cannot be created.
+        ConfigError: another `up` or a trainer holds it (naming its pid), or the folder cannot be created.
     """
-    import fcntl
+    from services.trainer.run_dir import TRAIN_LOCK, UP_LOCK, lock_file, probe_lock
 
-    path = run_dir / ".up.lock"
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        lock = open(path, "a+")  # noqa: SIM115 -- held open for as long as up runs
     except OSError as e:
         raise ConfigError(f"meshtrain up: cannot use the run directory {run_dir}: {e.strerror}") from None
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.seek(0)
-        holder = lock.read().strip() or "unknown"
+    lock = lock_file(run_dir / UP_LOCK)
+    if isinstance(lock, str):
+        raise ConfigError(f"meshtrain up: {run_dir} is in use by another meshtrain up (pid {lock}); stop it "
+                          f"first (`meshtrain stop {run_dir}`) or give this run another --log.run_dir")
+    trainer = probe_lock(run_dir / TRAIN_LOCK)
+    if trainer is not None:
         lock.close()
-        raise ConfigError(f"meshtrain up: {run_dir} is in use by another meshtrain up (pid {holder}); stop it "
-                          f"first (`meshtrain stop {run_dir}`) or give this run another --log.run_dir") from None
+        raise ConfigError(f"meshtrain up: {run_dir} is in use by a trainer (pid {trainer}); stop it first "
+                          f"(`meshtrain stop {run_dir}`) or give this run another --log.run_dir")
     lock.seek(0)
     lock.truncate()
     lock.write(f"{os.getpid()}\n")

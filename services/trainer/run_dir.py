@@ -1,12 +1,21 @@
 """The run directory (DESIGN.md, "Run directory"): the folder a run writes into, and its
 config.toml.
 
-    run_dir = make_run_dir(job.log.run_dir, mesh)   # same path on every rank
+    run_dir = make_run_dir(job.log.run_dir, mesh)   # same path on every rank, locked by rank 0
     (run_dir / "config.toml").write_text(run_dir_toml(job, launcher_keys))
+
+A run directory is one trainer's at a time: rank 0 holds an exclusive flock on
+RUN_DIR/.train.lock (holding its pid) until its process exits, so a second `meshtrain train`
+into it is refused instead of interleaving metrics.jsonl and replacing config.toml and
+control.addr. Outside `meshtrain up` the trainer also refuses a folder that an `up` holds
+(RUN_DIR/.up.lock, `services/launcher/up.py`), whose own trainer may be between runs; `up`
+names its pid to its trainer ranks in UP_PID_ENV.
 """
 
 from __future__ import annotations
 
+import fcntl
+import os
 import textwrap
 import time
 from pathlib import Path
@@ -15,12 +24,27 @@ import tomli_w
 import torch.distributed as dist
 
 from services.common import config as cfg
+from services.common.errors import ConfigError
 from services.trainer.config import JobConfig
 from services.trainer.parallel.mesh import Mesh
 
+TRAIN_LOCK = ".train.lock"
+UP_LOCK = ".up.lock"
+UP_PID_ENV = "MESHTRAIN_UP_PID"  # set by `meshtrain up` for its trainer ranks: its own pid
+
+# The run directories this process holds (resolved path -> the open lock file): held until the
+# process exits. A process may build several Trainers into one folder (tests, a resume in
+# process); a second flock of its own would refuse it.
+_held: dict[Path, object] = {}
+
 
 def make_run_dir(configured: str | None, mesh: Mesh) -> Path:
-    """Rank 0 picks (and creates) the run directory; every rank gets the same path."""
+    """Rank 0 picks, creates and locks the run directory; every rank gets the same path.
+
+    Raises:
+        ConfigError: (rank 0; the others fail in the broadcast when it exits) another trainer,
+            or an `up` that is not ours, holds the folder, or it cannot be created.
+    """
     if mesh.distributed:
         chosen = [str(_new_run_dir(configured)) if mesh.rank == 0 else None]
         dist.broadcast_object_list(chosen, src=0)
@@ -31,14 +55,92 @@ def make_run_dir(configured: str | None, mesh: Mesh) -> Path:
 def _new_run_dir(configured: str | None) -> Path:
     if configured:
         path = Path(configured)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"cannot create the run directory {path} (log.run_dir): {e.strerror}") from None
     else:
-        path = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-        n = 1
-        while path.exists():
-            path = Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{n}"
-            n += 1
-    path.mkdir(parents=True, exist_ok=True)
+        path = _new_default_run_dir()
+    claim_run_dir(path)
     return path
+
+
+def _new_default_run_dir() -> Path:
+    """A new folder `runs/<time>[-N]`, created here (not just found absent), so that two
+    trainers started in the same second do not both pick it."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for n in range(1000):
+        path = Path("runs") / (stamp + (f"-{n}" if n else ""))
+        try:
+            path.mkdir(parents=True)
+            return path
+        except FileExistsError:
+            continue
+    raise ConfigError(f"no free run directory name runs/{stamp}-N; set --log.run_dir")
+
+
+def claim_run_dir(run_dir: Path) -> None:
+    """Hold `run_dir` for this process until it exits: an exclusive flock on
+    RUN_DIR/.train.lock, which names our pid; the kernel drops it with the process, so a
+    crashed or finished run leaves nothing to clean up. Outside `meshtrain up` (no UP_PID_ENV
+    naming the `up` that holds the folder), a folder an `up` holds is refused too.
+
+    Raises:
+        ConfigError: the folder is held (naming the holder's pid and how to go on).
+    """
+    key = run_dir.resolve()
+    if key in _held:
+        return
+    lock = lock_file(run_dir / TRAIN_LOCK)
+    if isinstance(lock, str):
+        raise ConfigError(f"run directory {run_dir} is in use by another trainer (pid {lock}); stop it first "
+                          f"(`meshtrain stop {run_dir}`) or give this run another --log.run_dir")
+    # Taken with ours held (and `up` takes its own before looking at ours), so of a trainer and
+    # an `up` starting together at least one sees the other.
+    up = probe_lock(run_dir / UP_LOCK)
+    if up is not None and up != os.environ.get(UP_PID_ENV):
+        lock.close()
+        raise ConfigError(f"run directory {run_dir} is in use by meshtrain up (pid {up}); stop it first "
+                          f"(`meshtrain stop {run_dir}`, or Ctrl-C the up) or give this run another --log.run_dir")
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    _held[key] = lock
+
+
+def lock_file(path: Path, mode: int = fcntl.LOCK_EX):
+    """`path` opened and flocked (`mode`: exclusive by default) without waiting: the open file,
+    or the pid written in it when another process holds it.
+
+    Raises:
+        ConfigError: it cannot be opened.
+    """
+    try:
+        lock = open(path, "a+")  # noqa: SIM115 -- held open for as long as the process runs
+    except OSError as e:
+        raise ConfigError(f"cannot lock the run directory {path.parent} ({path}): {e.strerror}") from None
+    try:
+        fcntl.flock(lock, mode | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "unknown"
+        lock.close()
+        return holder
+    return lock
+
+
+def probe_lock(path: Path) -> str | None:
+    """The pid written in `path` if another process holds it exclusively, else None (a shared
+    flock, dropped at once: two probes never refuse each other)."""
+    if not path.exists():
+        return None
+    lock = lock_file(path, fcntl.LOCK_SH)
+    if isinstance(lock, str):
+        return lock
+    fcntl.flock(lock, fcntl.LOCK_UN)
+    lock.close()
+    return None
 
 
 def run_dir_toml(job: JobConfig, launcher_keys: list[str] | tuple[str, ...] = ()) -> str:
