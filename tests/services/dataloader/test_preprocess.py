@@ -283,3 +283,60 @@ def test_a_jsonl_file_with_a_byte_order_mark_is_read_and_a_line_that_is_no_objec
     jl.write_text('{"text": "a"}\n[1, 2]\n')
     with pytest.raises(DataError, match=r"bom.jsonl:2: is a JSON list, not an object with key 'text'"):
         preprocess_files([jl], tmp_path / "ds2", ByteTokenizer())
+
+
+@pytest.mark.e2e
+def test_a_killed_preprocess_leaves_temp_files_the_next_one_removes(tmp_path):
+    # Reproduced: `meshtrain data preprocess` SIGKILLed while writing left OUT.bin.tmp-PID-ID
+    # (dataset-sized) forever; the next run to the same prefix wrote its dataset beside it.
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from services.dataloader.indexed import IndexedDatasetWriter
+
+    from .conftest import REPO
+
+    words = [f"w{i:04d}" for i in range(2000)]
+    with open(tmp_path / "big.jsonl", "w") as f:  # ~80 MB: seconds of tokenizing on 2 cores
+        f.writelines(json.dumps({"text": " ".join(words[(i * 7 + k * 13) % 2000] for k in range(60))}) + "\n"
+                     for i in range(200_000))
+    (tmp_path / "small.jsonl").write_text(json.dumps({"text": "small"}) + "\n")
+    out = tmp_path / "out" / "all"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+
+    def preprocess_cli(source):
+        return [sys.executable, "-m", "services.cli", "data", "preprocess", "--input", str(tmp_path / source),
+                "--output-prefix", str(out), "--tokenizer", "byte", "--quiet"]
+
+    live = IndexedDatasetWriter(out)  # a live writer's (this process's) temp file, which stays
+    killed = subprocess.Popen(preprocess_cli("big.jsonl"), cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not any(p.stat().st_size > 1_000_000 for p in out.parent.glob("all.bin.tmp-*")):
+        assert killed.poll() is None, f"preprocess ended ({killed.returncode}) before it was killed: {killed.stderr.read()}"
+        assert time.monotonic() < deadline, "preprocess wrote no temp file in 120 s"
+        time.sleep(0.05)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    left = [p for p in out.parent.glob("all.*.tmp-*") if f"-{killed.pid}-" in p.name]
+    assert left
+
+    # Not the killed writer's, so kept too: another host's, a name of another form.
+    elsewhere = out.parent / f"all.bin.tmp-not-{socket.gethostname()}-1-{'0' * 32}"
+    other = out.parent / "all.bin.tmp-keep-me"
+    for p in (elsewhere, other):
+        p.write_bytes(b"x")
+    try:
+        again = subprocess.run(preprocess_cli("small.jsonl")[:-1], cwd=REPO, env=env, capture_output=True, text=True,
+                               timeout=120, check=False)
+        assert again.returncode == 0, again.stderr
+        for p in left:
+            assert not p.exists()
+            assert f"removed {p}, left by a writer of {out} that was killed" in again.stderr, again.stderr
+        assert live._bin_tmp.exists() and elsewhere.exists() and other.exists()
+    finally:
+        live.abort()
+    assert IndexedDataset(out).num_documents == 1
