@@ -43,12 +43,8 @@ from services.checkpoint.convert import (
 )
 from services.checkpoint.hf_files import open_safetensors, read_json, safetensors_files
 from services.checkpoint.reader import list_checkpoints, read_manifest, read_tensor
-from services.checkpoint.store import (
-    local_build_dir,
-    open_root,
-    remove_dead_builds,
-    remove_tree,
-)
+from services.checkpoint.store import open_root, remove_tree
+from services.common.builds import local_build_dir, remove_dead_builds
 from services.common.config import build, to_dict
 from services.common.errors import CheckpointError
 from services.trainer.config import JobConfig, ModelConfig

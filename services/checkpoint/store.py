@@ -10,12 +10,9 @@ atomic; a rename there would be a copy plus delete). Zarr sees the same storage 
 
 from __future__ import annotations
 
-import glob
 import os
 import posixpath
 import re
-import shutil
-import socket
 import uuid
 from dataclasses import dataclass
 
@@ -155,41 +152,6 @@ def write_bytes_atomic(root: Root, path: str, data: bytes) -> None:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-
-
-def local_build_dir(path: str) -> str:
-    """A fresh local folder name beside `path` to build it in, then rename into place.
-
-    The name holds this host and process id, so `remove_dead_builds` can tell the folder of a
-    build that was killed (SIGKILL, out of memory) from one still running.
-    """
-    return f"{path}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex}"
-
-
-def remove_dead_builds(path: str) -> list[str]:
-    """Removes the `local_build_dir`s of `path` whose process, on this host, is gone.
-
-    Builds of live processes and of other hosts (a shared disk) are left alone.
-
-    Returns:
-        The folders removed.
-    """
-    removed = []
-    host = socket.gethostname()
-    for folder in glob.glob(glob.escape(path) + ".tmp-*"):
-        match = re.fullmatch(r"(.*)-(\d+)-[0-9a-f]{32}", folder[len(path) + len(".tmp-"):])
-        if match is None or match.group(1) != host:
-            continue
-        try:
-            os.kill(int(match.group(2)), 0)
-            continue  # alive (or the pid was reused): not ours to remove
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue  # another user's live process
-        shutil.rmtree(folder, ignore_errors=True)
-        removed.append(folder)
-    return removed
 
 
 def _fsync_dir(path: str) -> None:

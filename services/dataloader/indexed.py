@@ -24,6 +24,7 @@ byte range per read, so the `.bin` is never downloaded as a whole; a read the st
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import struct
 from array import array
@@ -32,7 +33,10 @@ from typing import Self
 
 import numpy as np
 
+from services.common.builds import local_build_dir, remove_dead_builds
 from services.common.errors import DataError, DataUnavailableError
+
+log = logging.getLogger("meshtrain.data")
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -154,12 +158,17 @@ class IndexedDatasetWriter:
         self._code = _dtype_code(self.dtype)
         check_output_prefix(self.prefix)
         self._bin_path, self._idx_path = _paths(self.prefix)
-        # pid in the name: two writers of the same prefix must not share a temp file
-        suffix = f".tmp-{os.getpid()}-{id(self):x}"
+        # Host and pid in the name (.tmp-HOST-PID-HEX): two writers of the same prefix never share
+        # a temp file, and the next writer removes those of a writer that was killed (SIGKILL,
+        # out of memory), dataset-sized files that nothing else would ever remove.
+        suffix = local_build_dir("")
         self._bin_tmp = Path(str(self._bin_path) + suffix)
         self._idx_tmp = Path(str(self._idx_path) + suffix)
         try:
             self._bin_path.parent.mkdir(parents=True, exist_ok=True)
+            for final in (self._bin_path, self._idx_path):
+                for dead in remove_dead_builds(str(final)):
+                    log.warning("removed %s, left by a writer of %s that was killed", dead, self.prefix)
             self._bin = open(self._bin_tmp, "wb")  # noqa: SIM115 - open until finalize/abort close it
         except OSError as e:  # a parent that is a file, no permission: a traceback before
             why = (f"{e.filename} is a file, not a folder" if isinstance(e, (FileExistsError, NotADirectoryError))
