@@ -1,11 +1,12 @@
 """Async saves: the snapshot is taken before save() returns, uploads run behind, failures surface."""
 
+import shutil
 import threading
 
 import pytest
 import torch
 
-from services.checkpoint.async_save import AsyncSaver, StorageSink
+from services.checkpoint.async_save import AsyncSaver, StorageSink, retry
 from services.checkpoint.reader import list_checkpoints, read_box
 from services.checkpoint.sharded import ShardWriter, begin_save
 from services.checkpoint.shards import ShardSpec
@@ -107,4 +108,47 @@ def test_tensor_that_does_not_match_its_box_is_rejected(root):
         saver.save(1, "id", [(spec, torch.ones(3))])
     with pytest.raises(CheckpointError, match="dtype torch.float16"):
         saver.save(1, "id", [(spec, torch.ones(4, dtype=torch.float16))])
+    saver.close()
+
+
+@pytest.mark.parametrize("error", [NotADirectoryError(20, "Not a directory", "/ckpt/step_00000001"),
+                                   PermissionError(13, "Permission denied", "/ckpt"),
+                                   OSError(30, "Read-only file system", "/ckpt")])
+def test_an_error_a_retry_cannot_fix_is_tried_attempts_times_not_for_the_retry_time(error):
+    # save_retry_timeout_s (60 s by default) is there to wait out a restarting service or a
+    # network outage. A checkpoint root that became a file, a read-only mount or a denied
+    # bucket fail the same way every time: retrying them for a minute only delayed the error
+    # (and held rank 0's begin_save, which is synchronous, for that minute).
+    calls = []
+
+    def fail():
+        calls.append(1)
+        raise error
+
+    with pytest.raises(CheckpointError, match="failed after 2 attempts"):
+        retry("storing", fail, attempts=2, backoff=0.001, timeout=60.0)
+    assert len(calls) == 2
+
+
+def test_an_outage_is_retried_past_the_attempts_for_the_retry_time():
+    calls = []
+
+    def fail():
+        calls.append(1)
+        raise ConnectionError("connection refused")
+
+    with pytest.raises(CheckpointError, match="failed after"):
+        retry("storing", fail, attempts=2, backoff=0.001, timeout=0.3)
+    assert len(calls) > 2
+
+
+def test_a_save_to_a_root_that_became_a_file_fails_without_waiting_out_the_retry_time(tmp_path):
+    root = str(tmp_path / "ckpt")
+    saver = AsyncSaver(StorageSink(root), attempts=2, backoff=0.01, retry_timeout=3600)
+    save_id = begin_save(root, 1)
+    shutil.rmtree(root)
+    open(root, "w").close()
+    saver.save(1, save_id, boxes_of(torch.ones(2, 2, 2)), committer=True)
+    with pytest.raises(CheckpointError, match="failed after 2 attempts: NotADirectoryError"):
+        saver.wait()  # an hour's retry_timeout would hold this for an hour
     saver.close()

@@ -101,20 +101,25 @@ def test_a_save_that_fails_is_never_reported_as_the_last_checkpoint(corpus_cache
     bg = Background(load_config(small_job_args(corpus_cache, run_dir, **{
         "train.train_iters": 100_000, "train.eval_interval": 0, "train.control_port": 0,
         "checkpoint.save": str(root)})))
-    with caplog.at_level(logging.ERROR, logger="services.checkpoint"):
-        wait_for(lambda: (run_dir / "control.addr").exists() or not bg.thread.is_alive(), what="control.addr")
-        with ControlClient(str(run_dir)) as client:
-            wait_for(lambda: client.status()["step"] >= 1, what="a first step")
-            shutil.rmtree(root, ignore_errors=True)
-            root.write_text("")
-            client.checkpoint()
-            wait_for(lambda: "checkpoint save of step" in caplog.text, what="the save's failure")
-            failed_at = client.status()["step"]
-            wait_for(lambda: client.status()["step"] > failed_at, what="a step after the failure")
-            assert client.status()["last_checkpoint"] is None
-            client.stop()
-        with pytest.raises(CheckpointError, match="Not a directory"):  # the stop's save raises it
-            bg.join()
+    try:
+        with caplog.at_level(logging.ERROR, logger="services.checkpoint"):
+            wait_for(lambda: (run_dir / "control.addr").exists() or not bg.thread.is_alive(), what="control.addr")
+            with ControlClient(str(run_dir)) as client:
+                wait_for(lambda: client.status()["step"] >= 1, what="a first step")
+                shutil.rmtree(root, ignore_errors=True)
+                root.write_text("")
+                client.checkpoint()
+                wait_for(lambda: "checkpoint save of step" in caplog.text, what="the save's failure")
+                failed_at = client.status()["step"]
+                wait_for(lambda: client.status()["step"] > failed_at, what="a step after the failure")
+                assert client.status()["last_checkpoint"] is None
+                client.stop()
+            with pytest.raises(CheckpointError, match="Not a directory"):  # the stop's save raises it
+                bg.join()
+    finally:  # a failed wait must not leave a 100k-step run behind (its thread aborted pytest's exit)
+        if bg.thread.is_alive():
+            ControlClient(str(run_dir)).stop()
+            bg.thread.join(180)
 
 
 def test_trainer_gauges_and_rpc_metrics_scraped_over_http(long_run):
