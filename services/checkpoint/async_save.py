@@ -34,7 +34,11 @@ from services.checkpoint import layout
 from services.checkpoint.sharded import SaveResult, ShardWriter, commit
 from services.checkpoint.shards import ShardSpec
 from services.checkpoint.store import Root, open_root
-from services.common.errors import CheckpointError, SaveForgottenError
+from services.common.errors import (
+    CheckpointError,
+    SaveForgottenError,
+    is_lasting_storage_error,
+)
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +87,9 @@ def retry(what: str, fn: Callable[[], Any], attempts: int, backoff: float, timeo
     `backoff`, if larger), so a service back after an outage is found within seconds.
 
     Domain errors (CheckpointError: bad input, overlap, ...) are not retried: trying again
-    cannot fix them. Anything else (I/O, network) is.
+    cannot fix them. Anything else (I/O, network) is; storage failing in a way waiting does
+    not change (`is_lasting_storage_error`: a path through a file, EACCES, EROFS) is tried
+    `attempts` times only, not for `timeout`, which is there to outlast an outage.
 
     Args:
         what: description for the log and the final error.
@@ -105,7 +111,7 @@ def retry(what: str, fn: Callable[[], Any], attempts: int, backoff: float, timeo
         except Exception as e:
             attempt += 1
             elapsed = time.monotonic() - start
-            if attempt >= attempts and elapsed >= timeout:
+            if attempt >= attempts and (elapsed >= timeout or is_lasting_storage_error(e)):
                 raise CheckpointError(f"{what} failed after {attempt} attempts: {e!r} (tried for {elapsed:.1f} s)") from e
             log.warning("%s failed (attempt %d, %.1f s of at least %d attempts and %g s), retrying: %r",
                         what, attempt, elapsed, attempts, timeout, e)

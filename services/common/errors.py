@@ -5,6 +5,8 @@ is raised as a subclass of `MeshtrainError` with a message that names what was w
 gRPC shells map these classes to status codes; the CLI prints the message and exits 2.
 """
 
+import errno
+
 
 class MeshtrainError(Exception):
     """Base class of every error meshtrain raises on purpose."""
@@ -45,6 +47,21 @@ def is_storage_error(exc: BaseException) -> bool:
     """Whether `exc` is storage failing (an OSError, or a storage backend's own exception)
     rather than a bug or a bad request."""
     return isinstance(exc, OSError) or type(exc).__module__.startswith(_STORAGE_MODULES)
+
+
+# errno values of storage failing the same way on every try: a path through a file, a
+# directory where a file goes, a denied or read-only location, a name too long.
+_LASTING_ERRNOS = frozenset({errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.EROFS,
+                             errno.ENAMETOOLONG, errno.ELOOP})
+
+
+def is_lasting_storage_error(exc: BaseException) -> bool:
+    """Whether `exc` is storage that will fail again however long one waits (see
+    `_LASTING_ERRNOS`; s3fs raises PermissionError for a denied bucket or bad credentials),
+    rather than an outage a retry may outlast."""
+    if isinstance(exc, (NotADirectoryError, IsADirectoryError, PermissionError)):
+        return True
+    return isinstance(exc, OSError) and exc.errno in _LASTING_ERRNOS
 
 
 class CheckpointError(MeshtrainError):
