@@ -3,10 +3,12 @@ config.toml.
 
     run_dir = make_run_dir(job.log.run_dir, mesh)   # same path on every rank, locked by rank 0
     (run_dir / "config.toml").write_text(run_dir_toml(job, launcher_keys))
+    ...
+    release_run_dir(run_dir)                        # rank 0, once the run has ended
 
 A run directory is one trainer's at a time: rank 0 holds an exclusive flock on
-RUN_DIR/.train.lock (holding its pid) until its process exits, so a second `meshtrain train`
-into it is refused instead of interleaving metrics.jsonl and replacing config.toml and
+RUN_DIR/.train.lock (holding its pid) until its run ends (`release_run_dir`) or its process
+exits, so a second `meshtrain train` into it is refused instead of interleaving metrics.jsonl and replacing config.toml and
 control.addr. Outside `meshtrain up` the trainer also refuses a folder that an `up` holds
 (RUN_DIR/.up.lock, `services/launcher/up.py`), whose own trainer may be between runs; `up`
 names its pid to its trainer ranks in UP_PID_ENV.
@@ -32,10 +34,11 @@ TRAIN_LOCK = ".train.lock"
 UP_LOCK = ".up.lock"
 UP_PID_ENV = "MESHTRAIN_UP_PID"  # set by `meshtrain up` for its trainer ranks: its own pid
 
-# The run directories this process holds (resolved path -> the open lock file): held until the
-# process exits. A process may build several Trainers into one folder (tests, a resume in
-# process); a second flock of its own would refuse it.
-_held: dict[Path, object] = {}
+# The run directories this process holds (resolved path -> [the open lock file, how many
+# claims]). A process may build several Trainers into one folder (tests, a resume in process):
+# a second flock of its own would refuse it, so a claim is counted and the flock dropped with
+# the last release (or by the kernel when the process exits).
+_held: dict[Path, list] = {}
 
 
 def make_run_dir(configured: str | None, mesh: Mesh) -> Path:
@@ -80,9 +83,9 @@ def _new_default_run_dir() -> Path:
 
 
 def claim_run_dir(run_dir: Path) -> None:
-    """Hold `run_dir` for this process until it exits: an exclusive flock on
-    RUN_DIR/.train.lock, which names our pid; the kernel drops it with the process, so a
-    crashed or finished run leaves nothing to clean up. Outside `meshtrain up` (no UP_PID_ENV
+    """Hold `run_dir` for this process until `release_run_dir` or the process exits: an
+    exclusive flock on RUN_DIR/.train.lock, which names our pid; the kernel drops it with the
+    process, so a crashed run leaves nothing to clean up. Outside `meshtrain up` (no UP_PID_ENV
     naming the `up` that holds the folder), a folder an `up` holds is refused too.
 
     Raises:
@@ -90,6 +93,7 @@ def claim_run_dir(run_dir: Path) -> None:
     """
     key = run_dir.resolve()
     if key in _held:
+        _held[key][1] += 1
         return
     lock = lock_file(run_dir / TRAIN_LOCK)
     if isinstance(lock, str):
@@ -106,7 +110,21 @@ def claim_run_dir(run_dir: Path) -> None:
     lock.truncate()
     lock.write(f"{os.getpid()}\n")
     lock.flush()
-    _held[key] = lock
+    _held[key] = [lock, 1]
+
+
+def release_run_dir(run_dir: Path) -> None:
+    """Undo one `claim_run_dir`; the last one drops the flock, so another process may train
+    into the folder while this one lives on (a notebook, a test). The file stays: removing
+    it would let a trainer flock a new file while another still holds the old one."""
+    key = run_dir.resolve()
+    held = _held.get(key)
+    if held is None:
+        return
+    held[1] -= 1
+    if held[1] == 0:
+        del _held[key]
+        held[0].close()  # closing the last descriptor drops the flock
 
 
 def lock_file(path: Path, mode: int = fcntl.LOCK_EX):

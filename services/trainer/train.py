@@ -52,7 +52,7 @@ from services.trainer.requests import (
     describe_stop,
 )
 from services.trainer.resume import refuse_a_root_with_later_steps, resume
-from services.trainer.run_dir import make_run_dir, run_dir_toml
+from services.trainer.run_dir import make_run_dir, release_run_dir, run_dir_toml
 from services.trainer.uploads import Uploader
 from services.trainer.weight_copies import WeightCopies, call_with
 
@@ -164,6 +164,22 @@ class Trainer:
                 f"train.global_batch_size={t.global_batch_size} must be a multiple of "
                 f"train.micro_batch_size={t.micro_batch_size} x data-parallel size {self.mesh.dp}")
         self.run_dir = make_run_dir(job.log.run_dir, self.mesh)
+        try:
+            self._build(job)
+        except BaseException:
+            self.release_run_dir()  # a trainer that never ran holds no folder
+            raise
+
+    def release_run_dir(self) -> None:
+        """Rank 0 lets go of the run directory (`run_dir.release_run_dir`), once; `run` does
+        this when it ends, so another process may train into the folder while this one lives."""
+        if self.is_main and not getattr(self, "_run_dir_released", False):
+            self._run_dir_released = True
+            release_run_dir(self.run_dir)
+
+    def _build(self, job: JobConfig) -> None:
+        """The rest of `__init__`, once the run directory is held: data, model, optimizer,
+        restore and checkpointer."""
         self.data = build_data(job, dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp)
         if job.model.vocab_size is None:
             job = replace(job, model={"vocab_size": self.data.vocab_size})
@@ -267,6 +283,7 @@ class Trainer:
         self.progress: dict[str, float | int | str | None] = {
             "step": self.state.iteration, "train_iters": job.train.train_iters, "loss": None,
             "tokens_per_s": None, "eta_s": None, "last_checkpoint": None}
+
 
     def request_stop(self) -> None:
         """Save a checkpoint after the current step and end the run (what SIGTERM does).
@@ -428,11 +445,18 @@ class Trainer:
 
     def run(self, until_exit: bool = False) -> TrainResult:
         """Train to `train.train_iters` steps, or until a stop; SIGTERM is a stop meanwhile.
+        The run directory is released when it returns or raises (`release_run_dir`).
 
         Args:
             until_exit: the process ends with the run (`meshtrain train`): a SIGTERM after the
                 loop ended is logged, not fatal, until the process exits (`RunRequests`).
         """
+        try:
+            return self._run(until_exit)
+        finally:
+            self.release_run_dir()
+
+    def _run(self, until_exit: bool) -> TrainResult:
         job, t = self.job, self.job.train
         result = TrainResult(self.run_dir, rank=self.mesh.rank)
         start = self.state.iteration
@@ -551,7 +575,8 @@ def train(job: JobConfig, until_exit: bool = False) -> TrainResult:
     try:
         endpoint = serve_control(trainer, t.control_port, host=t.control_host, metrics_port=t.metrics_port)
     except BaseException:
-        trainer.checkpointer.close()  # `run`, which would close it, never starts
+        trainer.checkpointer.close()  # `run`, which would close it and release the folder, never starts
+        trainer.release_run_dir()
         raise
     try:
         return trainer.run(until_exit)

@@ -9,6 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from services.common.errors import CheckpointError
+from services.trainer.config import load_config, replace
+from services.trainer.run_dir import claim_run_dir, release_run_dir
+from services.trainer.train import Trainer, train
 from tests.services.trainer.conftest import small_job_args
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -96,3 +100,34 @@ def test_one_rank_holds_the_run_dir_of_a_multi_rank_launch(tmp_path, corpus_cach
     assert refused.returncode != 0
     assert f"run directory {run} is in use by another trainer (pid {holder.pid})" in refused.stderr, \
         refused.stderr[-3000:]
+
+
+def _holder_seen_from_another_process(run: Path) -> str:
+    """The pid another process finds holding RUN/.train.lock, or 'None'."""
+    code = ("import sys; from pathlib import Path; from services.trainer.run_dir import probe_lock; "
+            "print(probe_lock(Path(sys.argv[1])))")
+    probe = subprocess.run([sys.executable, "-c", code, str(run / ".train.lock")],
+                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120, check=True)
+    return probe.stdout.strip()
+
+
+def test_a_run_in_a_living_process_releases_its_folder_when_it_ends(tmp_path, corpus_cache):
+    # Reproduced: train() called from a notebook or a script that goes on kept RUN/.train.lock
+    # until that process exited, so `meshtrain train --log.run_dir RUN` (a resume) was refused
+    # naming a trainer that had finished long before; so did a Trainer whose construction failed.
+    run = tmp_path / "run"
+    job = load_config(small_job_args(corpus_cache, run, **{"train.train_iters": 2, "train.eval_interval": 0}))
+    train(job)
+    assert _holder_seen_from_another_process(run) == "None"
+
+    with pytest.raises(CheckpointError):
+        Trainer(replace(job, checkpoint={"load": str(tmp_path / "missing")}))
+    assert _holder_seen_from_another_process(run) == "None"
+
+    # Two claims in one process (two Trainers into one folder): the folder is held until both let go.
+    claim_run_dir(run)
+    claim_run_dir(run)
+    release_run_dir(run)
+    assert _holder_seen_from_another_process(run) == str(os.getpid())
+    release_run_dir(run)
+    assert _holder_seen_from_another_process(run) == "None"
