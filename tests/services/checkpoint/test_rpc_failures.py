@@ -117,6 +117,23 @@ def test_a_storage_error_is_unavailable_retried_and_named(service):
         saver.wait()
 
 
+def test_a_storage_error_a_retry_cannot_fix_is_tried_the_attempts_not_the_retry_time(service):
+    # As with storage of its own (test_async.py), a saver talking to a service whose storage
+    # fails the same way every time (here its step folder is a file) tries `attempts` times, not
+    # for `retry_timeout`, which is for outlasting a restart: the service marks the UNAVAILABLE
+    # it answers as lasting in its trailing metadata. It retried for the whole retry time.
+    root, client, _ = service
+    save_id = client.begin_save(3)
+    step_dir = os.path.join(root, "step_00000003")
+    shutil.rmtree(step_dir, ignore_errors=True)
+    open(step_dir, "w").close()
+    saver = AsyncSaver(client, 0, 1, attempts=3, backoff=0.01, commit_timeout=5, retry_timeout=30)
+    saver.save(3, save_id, tp_boxes(torch.randn(2, 8, 4).to(torch.bfloat16), 0, 1), committer=True)
+    with pytest.raises(CheckpointError, match=r"failed after 3 attempts: .*UNAVAILABLE: checkpoint storage .* "
+                                              r"failed: NotADirectoryError"):
+        saver.wait()
+
+
 def test_a_failed_call_names_the_services_address():
     # A checkpoint service SIGSTOPped under `meshtrain up` failed the trainer's save with
     # "checkpoint service WriteShards (writer 0): UNAVAILABLE: Stream removed (ping timeout)", and
