@@ -35,7 +35,18 @@ class DataUnavailableError(DataError):
 
 class StorageUnavailableError(MeshtrainError):
     """A service's storage failed (a disk, network or object-store error) while serving a
-    request that was fine: the gRPC shells report it as UNAVAILABLE, which clients retry."""
+    request that was fine: the gRPC shells report it as UNAVAILABLE, which clients retry.
+
+    `lasting`: it fails the same way every time (`is_lasting_storage_error`); the status then
+    carries LASTING_METADATA, and clients try it their attempts, not for their retry time."""
+
+    def __init__(self, message: str, lasting: bool = False):
+        super().__init__(message)
+        self.lasting = lasting
+
+
+# Trailing metadata a service adds to an UNAVAILABLE whose cause lasts (see above).
+LASTING_METADATA = ("meshtrain-lasting", "1")
 
 
 # Modules of storage backends whose exceptions are not OSErrors (botocore's connection errors,
@@ -58,7 +69,10 @@ _LASTING_ERRNOS = frozenset({errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EP
 def is_lasting_storage_error(exc: BaseException) -> bool:
     """Whether `exc` is storage that will fail again however long one waits (see
     `_LASTING_ERRNOS`; s3fs raises PermissionError for a denied bucket or bad credentials),
-    rather than an outage a retry may outlast."""
+    rather than an outage a retry may outlast; or an error that says so of its cause (a
+    service's answer marked lasting)."""
+    if getattr(exc, "lasting", False) is True:
+        return True
     if isinstance(exc, (NotADirectoryError, IsADirectoryError, PermissionError)):
         return True
     return isinstance(exc, OSError) and exc.errno in _LASTING_ERRNOS

@@ -35,6 +35,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common.errors import (
+    LASTING_METADATA,
     CheckpointError,
     ConfigError,
     DataError,
@@ -103,6 +104,15 @@ TRANSIENT_CODES = frozenset({
 # How gRPC's server words the UNKNOWN it sends when a handler raised an exception that nothing
 # mapped to a status (a bug, or a request nothing validated).
 HANDLER_RAISED = ("Exception calling application", "Exception iterating responses")
+
+
+def is_lasting(e: grpc.RpcError) -> bool:
+    """Whether the server marked its answer as failing the same way on every try
+    (LASTING_METADATA: its storage's cause lasts), though the code is one worth retrying."""
+    try:
+        return LASTING_METADATA in tuple(e.trailing_metadata() or ())
+    except Exception:  # noqa: BLE001 -- an RpcError that is not a call (no metadata): not marked
+        return False
 
 
 def is_permanent(e: grpc.RpcError) -> bool:
@@ -178,6 +188,8 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         if code is None:
             raise exc
         log.info("rpc error %s: %s", code.name, exc)
+        if getattr(exc, "lasting", False) is True:
+            context.set_trailing_metadata((LASTING_METADATA,))
         context.abort(code, status_details(str(exc)))
 
     def _guard(self, inner, streams_responses: bool):

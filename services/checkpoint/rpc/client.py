@@ -31,6 +31,7 @@ from services.common.errors import CheckpointError, MeshtrainError, SaveForgotte
 from services.common.grpc_utils import (
     MAX_MESSAGE_BYTES,
     channel_options,
+    is_lasting,
     is_permanent,
 )
 
@@ -47,7 +48,12 @@ def box_to_pb(spec: ShardSpec) -> pb.Box:
 class ServiceUnavailableError(MeshtrainError):
     """The checkpoint service could not do it now (unreachable, at its stream limit, past the
     deadline, its storage failed): not a CheckpointError, so AsyncSaver's retry tries again,
-    as it does for I/O errors of direct storage."""
+    as it does for I/O errors of direct storage. `lasting`: the service marked its storage's
+    failure as one that recurs on every try (`is_lasting_storage_error`)."""
+
+    def __init__(self, message: str, lasting: bool = False):
+        super().__init__(message)
+        self.lasting = lasting
 
 
 def _error(address: str, what: str, e: grpc.RpcError) -> MeshtrainError:
@@ -60,7 +66,7 @@ def _error(address: str, what: str, e: grpc.RpcError) -> MeshtrainError:
         return SaveForgottenError(message)
     if is_permanent(e):
         return CheckpointError(message)
-    return ServiceUnavailableError(message)
+    return ServiceUnavailableError(message, lasting=is_lasting(e))
 
 
 def _call(address: str, what: str, fn, *args, **kwargs):

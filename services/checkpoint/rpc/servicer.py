@@ -62,6 +62,7 @@ from services.checkpoint.shards import ShardSpec
 from services.common.errors import (
     CheckpointError,
     StorageUnavailableError,
+    is_lasting_storage_error,
     is_storage_error,
 )
 from services.common.grpc_utils import StreamIdleError, status_details, until_idle
@@ -120,7 +121,8 @@ def storage_unavailable(root: str) -> Callable[[Exception], StorageUnavailableEr
     def translate(exc: Exception) -> StorageUnavailableError | None:
         if not is_storage_error(exc):
             return None
-        return StorageUnavailableError(f"checkpoint storage {root} failed: {type(exc).__name__}: {exc}")
+        return StorageUnavailableError(f"checkpoint storage {root} failed: {type(exc).__name__}: {exc}",
+                                       lasting=is_lasting_storage_error(exc))
 
     return translate
 
