@@ -20,7 +20,7 @@ import torch
 
 from services.checkpoint.async_save import AsyncSaver
 from services.checkpoint.reader import list_checkpoints, read_box
-from services.checkpoint.rpc.client import CheckpointClient
+from services.checkpoint.rpc.client import CheckpointClient, ServiceUnavailableError
 from services.checkpoint.sharded import fragment_path
 from services.checkpoint.shards import ShardSpec
 from services.checkpoint.store import open_root
@@ -208,3 +208,64 @@ def test_resume_takes_up_only_the_save_that_owns_the_step(tmp_path):
         with pytest.raises(CheckpointError, match="step 4 .* was committed by another save"):
             client.resume_save(4, "0123abcd", 1)
     assert list_checkpoints(root) == [3, 4]
+
+
+class LosesItsFirstReply:
+    """A writer's client whose first fragment is stored but whose reply is lost: `lost()` runs
+    (the service restarts meanwhile), then the writer sees what a dead stream gives it."""
+
+    def __init__(self, client: CheckpointClient, lost):
+        self.client, self.lost, self.was_lost = client, lost, False
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+    def writer(self, step, save_id, writer_id, num_writers):
+        real, outer = self.client.writer(step, save_id, writer_id, num_writers), self
+
+        class Writer:
+            def write(self, spec, data):
+                return real.write(spec, data)
+
+            def finish(self, error=None):
+                real.finish(error)
+                if error is None and not outer.was_lost:
+                    outer.was_lost = True
+                    outer.lost()
+                    raise ServiceUnavailableError(f"checkpoint service {outer.client.address} WriteShards "
+                                                  f"(writer {writer_id}): UNAVAILABLE: Stream removed")
+
+        return Writer()
+
+
+@pytest.mark.e2e
+def test_a_writer_whose_reply_was_lost_to_a_restart_after_the_commit_has_nothing_to_do(serve, tmp_path, caplog):
+    """Writer 1 stored its fragment, writer 0 committed, and the service died before writer 1's
+    reply reached it: writer 1's retry meets a service that forgot the save, resumes it, learns
+    it committed, and is done; nothing is sent or committed again."""
+    root = serve.root
+    small, small_boxes = layered("small", seed=3, layers=2, rows=8, cols=8)
+    big, big_boxes = layered("big", seed=4, layers=2, rows=8, cols=8)
+
+    def restart_after_the_commit():
+        wait_for("writer 0's commit", lambda: list_checkpoints(root) == [2])
+        serve.kill()
+        serve.start()
+
+    manifest = os.path.join(root, "step_00000002", "manifest.json")
+    with saver(serve, 0, 2) as (client0, s0), CheckpointClient(serve.address) as client1:
+        s1 = AsyncSaver(LosesItsFirstReply(client1, restart_after_the_commit), 1, 2, attempts=3, backoff=0.2,
+                        retry_timeout=RETRY_S)
+        try:
+            save_id = client0.begin_save(2, num_writers=2)
+            s0.save(2, save_id, small_boxes, committer=True, metadata={"step": 2})
+            s1.save(2, save_id, big_boxes)
+            assert s0.wait().step == 2
+            committed_at = os.stat(manifest).st_mtime_ns
+            assert s1.wait() is None
+        finally:
+            s1._pool.shutdown(wait=True)
+    assert s1.sink.was_lost and serve.starts == 2
+    assert f"resuming save {save_id} there" in caplog.text  # the retry met the forgetful service
+    assert list_checkpoints(root) == [2] and os.stat(manifest).st_mtime_ns == committed_at  # not committed again
+    assert same(root, 2, "small", small) and same(root, 2, "big", big)
