@@ -284,7 +284,6 @@ class Trainer:
             "step": self.state.iteration, "train_iters": job.train.train_iters, "loss": None,
             "tokens_per_s": None, "eta_s": None, "last_checkpoint": None}
 
-
     def request_stop(self) -> None:
         """Save a checkpoint after the current step and end the run (what SIGTERM does).
 
@@ -443,18 +442,21 @@ class Trainer:
         except CheckpointError as e:
             log.error("an earlier checkpoint was not committed (%s); saving the stop's checkpoint anyway", e)
 
-    def run(self, until_exit: bool = False) -> TrainResult:
+    def run(self, until_exit: bool = False, keep_run_dir: bool = False) -> TrainResult:
         """Train to `train.train_iters` steps, or until a stop; SIGTERM is a stop meanwhile.
         The run directory is released when it returns or raises (`release_run_dir`).
 
         Args:
             until_exit: the process ends with the run (`meshtrain train`): a SIGTERM after the
                 loop ended is logged, not fatal, until the process exits (`RunRequests`).
+            keep_run_dir: the caller releases it (`train`, whose control endpoint removes its
+                control.addr after the run: a run let in before that would lose its own).
         """
         try:
             return self._run(until_exit)
         finally:
-            self.release_run_dir()
+            if not keep_run_dir:
+                self.release_run_dir()
 
     def _run(self, until_exit: bool) -> TrainResult:
         job, t = self.job, self.job.train
@@ -579,6 +581,7 @@ def train(job: JobConfig, until_exit: bool = False) -> TrainResult:
         trainer.release_run_dir()
         raise
     try:
-        return trainer.run(until_exit)
+        return trainer.run(until_exit, keep_run_dir=True)
     finally:
         endpoint.stop()
+        trainer.release_run_dir()

@@ -11,6 +11,7 @@ import pytest
 
 from services.common.errors import CheckpointError
 from services.trainer.config import load_config, replace
+from services.trainer.rpc.server import ControlEndpoint
 from services.trainer.run_dir import claim_run_dir, release_run_dir
 from services.trainer.train import Trainer, train
 from tests.services.trainer.conftest import small_job_args
@@ -111,7 +112,7 @@ def _holder_seen_from_another_process(run: Path) -> str:
     return probe.stdout.strip()
 
 
-def test_a_run_in_a_living_process_releases_its_folder_when_it_ends(tmp_path, corpus_cache):
+def test_a_run_in_a_living_process_releases_its_folder_when_it_ends(tmp_path, corpus_cache, monkeypatch):
     # Reproduced: train() called from a notebook or a script that goes on kept RUN/.train.lock
     # until that process exited, so `meshtrain train --log.run_dir RUN` (a resume) was refused
     # naming a trainer that had finished long before; so did a Trainer whose construction failed.
@@ -123,6 +124,21 @@ def test_a_run_in_a_living_process_releases_its_folder_when_it_ends(tmp_path, co
     with pytest.raises(CheckpointError):
         Trainer(replace(job, checkpoint={"load": str(tmp_path / "missing")}))
     assert _holder_seen_from_another_process(run) == "None"
+
+    # With a control endpoint the folder is let go only once the endpoint has removed its
+    # control.addr: a trainer let in before that would have its own address file removed.
+    seen_while_stopping = []
+    stop = ControlEndpoint.stop
+
+    def spied_stop(endpoint, *args, **kwargs):
+        seen_while_stopping.append(_holder_seen_from_another_process(run))
+        return stop(endpoint, *args, **kwargs)
+
+    monkeypatch.setattr(ControlEndpoint, "stop", spied_stop)
+    monkeypatch.setenv("MESHTRAIN_METRICS_PORT", "0")
+    train(replace(job, train={"control_port": 0}, checkpoint={"save": str(tmp_path / "second")}))
+    assert seen_while_stopping == [str(os.getpid())]
+    assert _holder_seen_from_another_process(run) == "None" and not (run / "control.addr").exists()
 
     # Two claims in one process (two Trainers into one folder): the folder is held until both let go.
     claim_run_dir(run)
