@@ -164,6 +164,7 @@ class Trainer:
                 f"train.global_batch_size={t.global_batch_size} must be a multiple of "
                 f"train.micro_batch_size={t.micro_batch_size} x data-parallel size {self.mesh.dp}")
         self.run_dir = make_run_dir(job.log.run_dir, self.mesh)
+        self._run_dir_released = False
         try:
             self._build(job)
         except BaseException:
@@ -173,7 +174,7 @@ class Trainer:
     def release_run_dir(self) -> None:
         """Rank 0 lets go of the run directory (`run_dir.release_run_dir`), once; `run` does
         this when it ends, so another process may train into the folder while this one lives."""
-        if self.is_main and not getattr(self, "_run_dir_released", False):
+        if self.is_main and not self._run_dir_released:
             self._run_dir_released = True
             release_run_dir(self.run_dir)
 
