@@ -66,9 +66,10 @@ system-deps:
 	sh deploy/install-test-deps.sh
 
 # Regenerate the gRPC stubs (committed; grpcio-tools pinned to the oldest grpcio we support).
+# Compiled through meshtrain/protos (a link to protos/) so the stubs import meshtrain.protos.
 protos: $(STAMP)
 	$(BIN)/python -m pip install -q "grpcio-tools==1.84.0"
-	for f in protos/*/v1/*.proto; do \
+	for f in meshtrain/protos/*/v1/*.proto; do \
 	  $(BIN)/python -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. $$f; done
 
 clean:

@@ -115,7 +115,7 @@ def variants(n: int, device: torch.device, dtype: torch.dtype, group_name: str |
         sym.copy_(x)
         return torch.ops.symm_mem.two_shot_all_reduce_(sym, "sum", group_name)
 
-    from services.trainer.parallel.symm_reduce import symm_all_reduce
+    from meshtrain.services.trainer.parallel.symm_reduce import symm_all_reduce
 
     def trainer_op():
         return symm_all_reduce(x, group_name)

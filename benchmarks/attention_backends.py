@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.trainer.model.attention import BACKENDS, sdpa
+from meshtrain.services.trainer.model.attention import BACKENDS, sdpa
 
 SHAPES = {
     # name: (batch, heads, kv_groups, seq, head_dim) of one micro-batch

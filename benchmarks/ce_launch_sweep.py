@@ -93,7 +93,7 @@ def main() -> None:
         sys.exit("benchmarks/ce_launch_sweep.py needs a CUDA GPU")
     import triton
 
-    ce = importlib.import_module("kernels.cross_entropy")  # the package's `cross_entropy` is the dispatching op
+    ce = importlib.import_module("meshtrain.kernels.cross_entropy")  # the package's `cross_entropy` is the dispatching op
 
     start = time.time()
     copy = copy_bandwidth()

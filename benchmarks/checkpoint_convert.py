@@ -30,18 +30,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.checkpoint.convert import save_streaming
-from services.common import config as cfg
-from services.common.config import to_dict
-from services.trainer.config import JobConfig, ModelConfig
-from services.trainer.model.gpt import GPT
+from meshtrain.services.checkpoint.convert import save_streaming
+from meshtrain.services.common import config as cfg
+from meshtrain.services.common.config import to_dict
+from meshtrain.services.trainer.config import JobConfig, ModelConfig
+from meshtrain.services.trainer.model.gpt import GPT
 
 # Runs in a child process: one command, then its wall time and peak RSS as JSON.
 CHILD = r"""
 import json, shutil, sys, time
 sys.path.insert(0, sys.argv[1])
-from services.checkpoint.convert import convert
-from services.checkpoint.hf import export_hf
+from meshtrain.services.checkpoint.convert import convert
+from meshtrain.services.checkpoint.hf import export_hf
 def status(key):
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))

@@ -27,9 +27,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.checkpoint.async_save import AsyncSaver, StorageSink
-from services.checkpoint.sharded import begin_save
-from services.checkpoint.shards import ShardSpec
+from meshtrain.services.checkpoint.async_save import AsyncSaver, StorageSink
+from meshtrain.services.checkpoint.sharded import begin_save
+from meshtrain.services.checkpoint.shards import ShardSpec
 
 ROWS, COLS = 4096, 1024  # one bf16 (rows, cols) slice per layer: 8 MiB
 

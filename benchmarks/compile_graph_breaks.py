@@ -28,10 +28,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.trainer.config import ModelConfig  # noqa: E402
-from services.trainer.model.gpt import GPT  # noqa: E402
-from services.trainer.parallel.mesh import Mesh, init_process_group  # noqa: E402
-from services.trainer.parallel.tensor import parallelize  # noqa: E402
+from meshtrain.services.trainer.config import ModelConfig  # noqa: E402
+from meshtrain.services.trainer.model.gpt import GPT  # noqa: E402
+from meshtrain.services.trainer.parallel.mesh import Mesh, init_process_group  # noqa: E402
+from meshtrain.services.trainer.parallel.tensor import parallelize  # noqa: E402
 
 
 def main() -> None:

@@ -34,9 +34,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.dataloader.indexed import IndexedDataset, IndexedDatasetWriter
-from services.dataloader.loader import LocalBatchSource
-from services.dataloader.spec import DatasetSpec, open_dataset
+from meshtrain.services.dataloader.indexed import IndexedDataset, IndexedDatasetWriter
+from meshtrain.services.dataloader.loader import LocalBatchSource
+from meshtrain.services.dataloader.spec import DatasetSpec, open_dataset
 
 
 def table(title: str, header: list[str], rows: list[list]) -> None:
@@ -77,8 +77,8 @@ def hf_bpe_to_tiktoken(hf_json: Path, out: Path) -> Path:
 
 
 def bench_tokenize(work: Path, corpus_mb: float, workers_list: list[int]) -> dict:
-    from services.dataloader.preprocess import default_corpus_files, preprocess_files
-    from services.dataloader.tokenizers import build_tokenizer, train_bpe
+    from meshtrain.services.dataloader.preprocess import default_corpus_files, preprocess_files
+    from meshtrain.services.dataloader.tokenizers import build_tokenizer, train_bpe
 
     files = default_corpus_files(int(corpus_mb * 1e6))
     jsonl = work / "corpus.jsonl"
@@ -134,7 +134,7 @@ def bench_index(work: Path, num_samples: int, seq_length: int) -> dict:
 
 
 def _start_worker(port_file: Path) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "services.dataloader.rpc.server", "--port", "0"],
+    proc = subprocess.Popen([sys.executable, "-m", "meshtrain.services.dataloader.rpc.server", "--port", "0"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     line = proc.stdout.readline()
     return proc, line.split("listening on ", 1)[1].strip()
@@ -143,10 +143,10 @@ def _start_worker(port_file: Path) -> tuple[subprocess.Popen, str]:
 def bench_stream(work: Path, workers_list: list[int], seq_length: int, mbs: int, seconds: float) -> dict:
     import grpc
 
-    from protos.dataloader.v1 import dataloader_pb2 as pb
-    from protos.dataloader.v1 import dataloader_pb2_grpc as pb_grpc
-    from services.common.grpc_utils import channel_options
-    from services.dataloader.rpc.servicer import spec_to_proto
+    from meshtrain.protos.dataloader.v1 import dataloader_pb2 as pb
+    from meshtrain.protos.dataloader.v1 import dataloader_pb2_grpc as pb_grpc
+    from meshtrain.services.common.grpc_utils import channel_options
+    from meshtrain.services.dataloader.rpc.servicer import spec_to_proto
 
     prefix = _synthetic(work / "stream", 7, docs=50_000, mean_len=1000)
     gbs = mbs * 8
@@ -211,7 +211,7 @@ def bench_stream(work: Path, workers_list: list[int], seq_length: int, mbs: int,
 
 
 def bench_wait(work: Path, seq_length: int, mbs: int, accum: int, compute_ms: float, steps: int) -> dict:
-    from services.dataloader.rpc.client import ServiceBatchSource
+    from meshtrain.services.dataloader.rpc.client import ServiceBatchSource
 
     prefix = _synthetic(work / "wait", 9, docs=50_000, mean_len=1000)
     gbs = mbs * accum

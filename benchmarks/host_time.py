@@ -23,9 +23,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.common.logging import setup_logging
-from services.trainer.config import load_config
-from services.trainer.train import Trainer
+from meshtrain.services.common.logging import setup_logging
+from meshtrain.services.trainer.config import load_config
+from meshtrain.services.trainer.train import Trainer
 
 BLOCKING = ("Synchronize", "cudaMemcpy", "cudaHostAlloc", "cudaFreeHost", "cudaMallocHost", "cudaFree",
             "cudaMalloc", "cudaHostRegister")

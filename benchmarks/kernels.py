@@ -50,7 +50,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import reference
+from meshtrain.kernels import reference
 
 BF16 = torch.bfloat16
 
@@ -117,7 +117,7 @@ def same_size_copy_ms(nbytes: int) -> float:
 
 
 def _triton(op: str) -> Callable:
-    return getattr(importlib.import_module(f"kernels.{op if op != 'linear_cross_entropy' else 'cross_entropy'}"), op)
+    return getattr(importlib.import_module(f"meshtrain.kernels.{op if op != 'linear_cross_entropy' else 'cross_entropy'}"), op)
 
 
 def _case(op: str):
@@ -197,7 +197,7 @@ def autotune_choices() -> dict[str, str]:
     import triton
 
     choices = {}
-    for module in ("kernels.rms_norm", "kernels.layer_norm", "kernels.rope"):
+    for module in ("meshtrain.kernels.rms_norm", "meshtrain.kernels.layer_norm", "meshtrain.kernels.rope"):
         mod = sys.modules.get(module)
         for name, obj in vars(mod).items() if mod else ():
             if isinstance(obj, triton.runtime.Autotuner):
@@ -291,7 +291,7 @@ def run(ops: list[str], use_compile: bool, budget_s: float, rounds: int) -> dict
             args = None
             torch.cuda.empty_cache()
     results = list(best.values())
-    ce_module = sys.modules.get("kernels.cross_entropy")
+    ce_module = sys.modules.get("meshtrain.kernels.cross_entropy")
     if ce_module is not None and getattr(ce_module, "_MM_FP32_OUT", None) is not None:
         notes.append(f"linear_cross_entropy: fp32 weight-grad accumulation through out_dtype matmuls: "
                      f"{ce_module._MM_FP32_OUT}")

@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.train_throughput import baseline_step, meshtrain_step  # noqa: E402
-from services.common.logging import setup_logging  # noqa: E402
+from meshtrain.services.common.logging import setup_logging  # noqa: E402
 
 REPO = str(Path(__file__).resolve().parents[1])
 TORCH_DIR = os.path.dirname(torch.__file__)

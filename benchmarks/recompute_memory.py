@@ -24,9 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.trainer.config import ParallelConfig, load_config, replace  # noqa: E402
-from services.trainer.model.gpt import GPT  # noqa: E402
-from services.trainer.parallel import recompute  # noqa: E402
+from meshtrain.services.trainer.config import ParallelConfig, load_config, replace  # noqa: E402
+from meshtrain.services.trainer.model.gpt import GPT  # noqa: E402
+from meshtrain.services.trainer.parallel import recompute  # noqa: E402
 
 PLANS = {
     "none": {},

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from services.trainer.parallel import mappings as M
+from meshtrain.services.trainer.parallel import mappings as M
 
 
 def _timer(device: torch.device):

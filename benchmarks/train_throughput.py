@@ -39,13 +39,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import kernels  # noqa: E402
+from meshtrain import kernels  # noqa: E402
 from benchmarks.baseline_gpt import BaselineGPT, make_optimizer  # noqa: E402
 from benchmarks.step_breakdown import format_breakdown, profile_steps  # noqa: E402
-from services.common.logging import setup_logging  # noqa: E402
-from services.trainer.config import load_config  # noqa: E402
-from services.trainer.metrics import peak_tflops  # noqa: E402
-from services.trainer.train import Trainer  # noqa: E402
+from meshtrain.services.common.logging import setup_logging  # noqa: E402
+from meshtrain.services.trainer.config import load_config  # noqa: E402
+from meshtrain.services.trainer.metrics import peak_tflops  # noqa: E402
+from meshtrain.services.trainer.train import Trainer  # noqa: E402
 
 
 def sync(device: torch.device) -> None:

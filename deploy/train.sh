@@ -34,6 +34,6 @@ fi
 if [ -n "${RDZV_ENDPOINT:-}" ]; then
     exec torchrun --nnodes="${NNODES:?set NNODES with RDZV_ENDPOINT}" --nproc-per-node="$NPROC_PER_NODE" \
         --rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="${RDZV_ID:-meshtrain}" \
-        -m services.cli train "$@"
+        -m meshtrain.services.cli train "$@"
 fi
-exec torchrun --standalone --nproc-per-node="$NPROC_PER_NODE" -m services.cli train "$@"
+exec torchrun --standalone --nproc-per-node="$NPROC_PER_NODE" -m meshtrain.services.cli train "$@"

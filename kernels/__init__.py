@@ -3,7 +3,7 @@
 The model calls ops through this module, never through a specific implementation. CUDA
 tensors take the Triton kernel of `kernels/<op>.py` (registered in `_FAST` the first time an
 op runs on CUDA, so importing this package never needs Triton); everything else takes
-`kernels.reference` (plain torch: the spec and the CPU path). `MESHTRAIN_KERNELS=reference`
+`meshtrain.kernels.reference` (plain torch: the spec and the CPU path). `MESHTRAIN_KERNELS=reference`
 forces the reference everywhere; `=triton` makes a missing Triton kernel an error instead of
 a silent fallback.
 
@@ -18,6 +18,10 @@ Inductor then fuses itself.
 
 from __future__ import annotations
 
+if __name__ != "meshtrain.kernels":  # one name per file: this folder installs as meshtrain.kernels
+    raise ImportError(f"import meshtrain.kernels{__name__[len('kernels'):]}, not {__name__}: the repository's "
+                      "kernels/ folder is the package meshtrain.kernels")
+
 import importlib
 import os
 import sys
@@ -26,19 +30,19 @@ from collections.abc import Callable
 
 import torch
 
-from kernels import reference
+from meshtrain.kernels import reference
 
 OPS = ("rms_norm", "layer_norm", "gelu", "swiglu", "rope", "cross_entropy", "linear_cross_entropy")
 
 # op -> module holding its Triton implementation (a function of the same name).
 _TRITON_MODULES = {
-    "rms_norm": "kernels.rms_norm",
-    "layer_norm": "kernels.layer_norm",
-    "gelu": "kernels.gelu",
-    "swiglu": "kernels.swiglu",
-    "rope": "kernels.rope",
-    "cross_entropy": "kernels.cross_entropy",
-    "linear_cross_entropy": "kernels.cross_entropy",
+    "rms_norm": "meshtrain.kernels.rms_norm",
+    "layer_norm": "meshtrain.kernels.layer_norm",
+    "gelu": "meshtrain.kernels.gelu",
+    "swiglu": "meshtrain.kernels.swiglu",
+    "rope": "meshtrain.kernels.rope",
+    "cross_entropy": "meshtrain.kernels.cross_entropy",
+    "linear_cross_entropy": "meshtrain.kernels.cross_entropy",
 }
 
 # ops that take their Triton kernel inside a compiled region in 'auto' mode (set_mode narrows it)
@@ -175,8 +179,8 @@ class _Package(types.ModuleType):
 
     Each op and the file holding its kernel share a name, and Python's import system sets a
     package attribute to a submodule when the submodule loads; without this guard the first
-    Triton import would replace `kernels.rms_norm` (what the model calls) by a module. Reach
-    the kernel modules with `from kernels.rms_norm import rms_norm`.
+    Triton import would replace `meshtrain.kernels.rms_norm` (what the model calls) by a module. Reach
+    the kernel modules with `from meshtrain.kernels.rms_norm import rms_norm`.
     """
 
     def __setattr__(self, name, value):

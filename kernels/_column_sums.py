@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._launch import autotuning, wrap_triton
+from meshtrain.kernels._launch import autotuning, wrap_triton
 
 _CONFIGS = [triton.Config({"COLS": c, "PARTS": p}, num_warps=w)
             for c, p, w in ((32, 32, 4), (16, 64, 4), (64, 32, 4), (32, 64, 8), (128, 16, 4), (16, 32, 2))]

@@ -30,7 +30,7 @@ like F.cross_entropy's default; any other label outside the vocabulary is an err
 the device. Eager autograd goes through `_CrossEntropy` and
 `_LinearCrossEntropy`; torch.compile through the custom ops `meshtrain::cross_entropy` and
 `meshtrain::linear_cross_entropy` (opaque nodes with fake implementations for shapes).
-Spec: `kernels.reference.cross_entropy` and `kernels.reference.linear_cross_entropy`.
+Spec: `meshtrain.kernels.reference.cross_entropy` and `meshtrain.kernels.reference.linear_cross_entropy`.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._launch import as_rows, kernel_op, tracing, wrap_triton
-from kernels.reference import compute_dtype
+from meshtrain.kernels._launch import as_rows, kernel_op, tracing, wrap_triton
+from meshtrain.kernels.reference import compute_dtype
 
 IGNORE_INDEX = -100
 # Vocabulary block per loop iteration; tests lower it to exercise the multi-block path.

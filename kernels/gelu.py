@@ -6,7 +6,7 @@ both ends. Forward saves only x; backward recomputes sigmoid(2u) rather than sto
 since recomputing is cheaper than another full-size tensor read. Math in fp32, results in
 x's dtype. Eager autograd goes through `_GELU`, torch.compile through the custom op
 `meshtrain::gelu` (one opaque node, fake implementation for shapes). Spec:
-`kernels.reference.gelu`.
+`meshtrain.kernels.reference.gelu`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._launch import kernel_op, wrap_triton
+from meshtrain.kernels._launch import kernel_op, wrap_triton
 
 BLOCK = 1024
 

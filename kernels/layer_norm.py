@@ -9,7 +9,7 @@ launch, `kernels/_column_sums.py`) instead of contended atomics. The bias is opt
 size and row-count bucket), use int32 offsets unless a tensor passes 2^31 elements, and drop
 the column mask when the hidden size is a power of two. Eager autograd goes through
 `_LayerNorm`, torch.compile through the custom op `meshtrain::layer_norm` (one opaque node,
-fake implementation for shapes). Spec: `kernels.reference.layer_norm`.
+fake implementation for shapes). Spec: `meshtrain.kernels.reference.layer_norm`.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._column_sums import column_sums
-from kernels._launch import (
+from meshtrain.kernels._column_sums import column_sums
+from meshtrain.kernels._launch import (
     _row_tile,
     as_rows,
     kernel_op,

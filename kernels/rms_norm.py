@@ -16,7 +16,7 @@ is a power of two (`EVEN_COLS`).
 Two entry points share the launchers: eager autograd goes through `_RMSNorm` (the fewest
 Python layers per call), torch.compile through the custom op `meshtrain::rms_norm`, which
 Dynamo records as one opaque node (no graph break) with a fake implementation for shapes.
-Spec: `kernels.reference.rms_norm`.
+Spec: `meshtrain.kernels.reference.rms_norm`.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._column_sums import column_sums
-from kernels._launch import (
+from meshtrain.kernels._column_sums import column_sums
+from meshtrain.kernels._launch import (
     _row_tile_interleaved,
     as_rows,
     kernel_op,

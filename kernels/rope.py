@@ -13,7 +13,7 @@ both (`BACKWARD` flag). The kernel is autotuned over positions per program and w
 heads, head_dim, sequence-length bucket; `_configs`); it only writes a fresh output, so
 autotune's repeated launches are harmless. Eager autograd goes through `_RoPE`, torch.compile
 through the custom op `meshtrain::rope` (one opaque node, fake implementation for shapes).
-Spec: `kernels.reference.rope`.
+Spec: `meshtrain.kernels.reference.rope`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._launch import autotuning, kernel_op, row_bucket, wrap_triton
+from meshtrain.kernels._launch import autotuning, kernel_op, row_bucket, wrap_triton
 
 
 def _heuristic(block_h: int, block_d: int, seq: int) -> triton.Config:

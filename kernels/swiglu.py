@@ -6,7 +6,7 @@ Backward recomputes sigmoid(gate) from the saved input (cheaper than storing it)
 the gradients of both halves into one fused (..., 2F) tensor, the shape the linear's
 backward expects. Math in fp32, results in the input's dtype. Eager autograd goes through
 `_SwiGLU`, torch.compile through the custom op `meshtrain::swiglu` (one opaque node, fake
-implementation for shapes). Spec: `kernels.reference.swiglu`.
+implementation for shapes). Spec: `meshtrain.kernels.reference.swiglu`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._launch import as_rows, kernel_op, wrap_triton
+from meshtrain.kernels._launch import as_rows, kernel_op, wrap_triton
 
 
 @triton.jit

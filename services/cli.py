@@ -14,17 +14,17 @@ from __future__ import annotations
 import argparse
 import sys
 
-from services.checkpoint import cli as ckpt_cli
-from services.common.errors import ConfigError, MeshtrainError
-from services.common.logging import setup_logging
-from services.dataloader import cli as data_cli
-from services.launcher import cli as launcher_cli
-from services.launcher.ranks import FAILURE_GRACE_S
+from meshtrain.services.checkpoint import cli as ckpt_cli
+from meshtrain.services.common.errors import ConfigError, MeshtrainError
+from meshtrain.services.common.logging import setup_logging
+from meshtrain.services.dataloader import cli as data_cli
+from meshtrain.services.launcher import cli as launcher_cli
+from meshtrain.services.launcher.ranks import FAILURE_GRACE_S
 
 
 def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
-    from services.trainer.config import config_help, load_config
-    from services.trainer.train import train
+    from meshtrain.services.trainer.config import config_help, load_config
+    from meshtrain.services.trainer.train import train
 
     if args.help_config:
         print(config_help())
@@ -65,8 +65,8 @@ def launch_local_ranks(nproc: int, rest: list[str], grace_s: float | None = None
         rest: the trainer's arguments.
         grace_s: seconds the ranks get to checkpoint after a stop before SIGKILL (None: no limit).
     """
-    from services.launcher.ranks import run_local_ranks
-    from services.trainer.config import load_config
+    from meshtrain.services.launcher.ranks import run_local_ranks
+    from meshtrain.services.trainer.config import load_config
 
     if grace_s is not None and not grace_s > 0:
         raise ConfigError(f"--grace must be a positive number of seconds, got {grace_s}")

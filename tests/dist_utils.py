@@ -16,7 +16,7 @@ import traceback
 
 import torch.multiprocessing as mp
 
-from services.launcher.topology import free_port
+from meshtrain.services.launcher.topology import free_port
 
 
 def _entry(fn, rank, world, port, args, queue, store_path):

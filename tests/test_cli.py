@@ -19,10 +19,10 @@ TINY = str(ROOT / "deploy" / "configs" / "tiny.toml")
 
 
 def meshtrain(*args, cwd=None):
-    # ROOT first on the path: from another working directory `-m services.cli` would otherwise
+    # ROOT first on the path: from another working directory `-m meshtrain.services.cli` would otherwise
     # import whichever checkout the environment has installed, not this one.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run([sys.executable, "-m", "services.cli", *map(str, args)], cwd=cwd or ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "meshtrain.services.cli", *map(str, args)], cwd=cwd or ROOT, env=env,
                           capture_output=True, text=True, timeout=600, check=False)
 
 
@@ -100,7 +100,7 @@ def test_srun_without_master_addr_or_port_is_a_user_error(tmp_path, missing):
     env.update(SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_LOCALID="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
     for name in missing:
         del env[name]
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "train", "--config", TINY, "--train-iters", "1",
+    proc = subprocess.run([sys.executable, "-m", "meshtrain.services.cli", "train", "--config", TINY, "--train-iters", "1",
                            "--run-dir", str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=120, check=False)
     assert proc.returncode == 2, proc.stderr
@@ -122,7 +122,7 @@ def test_kernel_mode_that_cannot_run_is_a_user_error(tmp_path, flags, env, named
     naming the setting before anything is built, not a traceback from the first forward."""
     environ = {k: v for k, v in os.environ.items() if k != "MESHTRAIN_KERNELS"} | env
     run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "train", "--config", TINY, "--train-iters", "1",
+    proc = subprocess.run([sys.executable, "-m", "meshtrain.services.cli", "train", "--config", TINY, "--train-iters", "1",
                            "--run-dir", str(run), *flags], cwd=ROOT, env=environ, capture_output=True, text=True,
                           timeout=300, check=False)
     assert proc.returncode == 2, proc.stderr
@@ -173,8 +173,8 @@ def test_data_from_another_tokenizer_is_a_user_error(tmp_path):
 @pytest.mark.parametrize("nproc", ["0", "-2"])
 def test_nproc_per_node_below_one_is_refused(nproc, monkeypatch, capsys):
     # it fell through to a single in-process run, exit 0, as if the flag were not given
-    import services.trainer.train as trainer
-    from services.cli import main
+    import meshtrain.services.trainer.train as trainer
+    from meshtrain.services.cli import main
 
     monkeypatch.setattr(trainer, "train", lambda job: pytest.fail("a single process trained"))
     assert main(["train", "--nproc-per-node", nproc, "--config", TINY]) == 2
@@ -194,7 +194,7 @@ def test_preprocess_and_train_tokenizer(tmp_path):
     out = meshtrain("data", "preprocess", "--input", docs, "--output-prefix", tmp_path / "ds", "--tokenizer", "byte",
                     "--append-eod")
     assert out.returncode == 0, out.stderr
-    from services.dataloader.indexed import IndexedDataset
+    from meshtrain.services.dataloader.indexed import IndexedDataset
 
     ds = IndexedDataset(str(tmp_path / "ds"))
     assert len(ds) == 30 and ds[0][-1] == 256  # EOD appended
@@ -238,7 +238,7 @@ def test_sigterm_saves_exits_0_and_resume_continues_identically(tmp_path):
     whole = meshtrain("train", "--config", TINY, "--run-dir", tmp_path / "whole", *small)
     assert whole.returncode == 0, whole.stderr[-2000:]
     ckpt = tmp_path / "ckpt"
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "train", "--config", TINY, "--save", str(ckpt),
+    proc = subprocess.Popen([sys.executable, "-m", "meshtrain.services.cli", "train", "--config", TINY, "--save", str(ckpt),
                              "--run-dir", str(tmp_path / "a"), *small], cwd=ROOT, stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "a" / "metrics.jsonl"
     deadline = time.time() + 120
@@ -267,8 +267,8 @@ def _errors(text: str) -> list[str]:
 # to be printed), or while the interpreter exits (an atexit hook registered before the run's own).
 _LATE_SIGTERM_CHILD = """
 import atexit, os, signal, sys, time
-import services.trainer.train as T
-from services.cli import main
+import meshtrain.services.trainer.train as T
+from meshtrain.services.cli import main
 
 def late_sigterm():
     os.kill(os.getpid(), signal.SIGTERM)
@@ -332,9 +332,9 @@ def test_a_run_dir_config_written_under_up_trains_outside_up_and_up_still_resume
 # in flight when the interrupt lands).
 _CTRL_C_CHILD = """
 import os, signal, sys, time
-import services.checkpoint.async_save as A
-import services.trainer.train as T
-from services.cli import main
+import meshtrain.services.checkpoint.async_save as A
+import meshtrain.services.trainer.train as T
+from meshtrain.services.cli import main
 
 upload = A.AsyncSaver._upload
 def slow_upload(self, *args, **kwargs):

@@ -89,7 +89,7 @@ def _launch_two_ranks(tmp_path, cache):
     run = tmp_path / "run"
     args = small_job_args(cache, run, **{"train.train_iters": 100_000, "train.eval_interval": 0})
     with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "train", "--nproc-per-node", "2", *args],
+        proc = subprocess.Popen([sys.executable, "-m", "meshtrain.services.cli", "train", "--nproc-per-node", "2", *args],
                                 cwd=ROOT, stdout=out, stderr=err)
     _steps_logged(proc, tmp_path, run / "metrics.jsonl", timeout=120)
     pids = _rank_pids(proc.pid)
@@ -157,7 +157,7 @@ def test_nproc_per_node_stop_before_training_began_is_a_clean_stop(tmp_path, cor
     run = tmp_path / "run"
     args = small_job_args(corpus_cache, run, **{"train.train_iters": 100_000, "train.eval_interval": 0})
     with open(tmp_path / "stderr", "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "train", "--nproc-per-node", "2", *args],
+        proc = subprocess.Popen([sys.executable, "-m", "meshtrain.services.cli", "train", "--nproc-per-node", "2", *args],
                                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
     pids = _both_ranks_started(proc, tmp_path)
     proc.send_signal(signal.SIGTERM)
@@ -174,7 +174,7 @@ def _two_ranks(tmp_path: Path, args: list[str]):
     """`meshtrain train --nproc-per-node 2 ARGS` running, its stderr in tmp_path/stderr; every
     rank and the launcher are SIGKILLed on the way out (a stopped rank too)."""
     with open(tmp_path / "stderr", "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "train", "--nproc-per-node", "2", *args],
+        proc = subprocess.Popen([sys.executable, "-m", "meshtrain.services.cli", "train", "--nproc-per-node", "2", *args],
                                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
     try:
         yield proc

@@ -22,10 +22,10 @@ import time
 
 import pytest
 
-from services.checkpoint.reader import list_checkpoints
-from services.dataloader.preprocess import prepare_default_dataset
-from services.launcher.up import UpOptions, run_up
-from services.trainer.rpc.client import ControlClient
+from meshtrain.services.checkpoint.reader import list_checkpoints
+from meshtrain.services.dataloader.preprocess import prepare_default_dataset
+from meshtrain.services.launcher.up import UpOptions, run_up
+from meshtrain.services.trainer.rpc.client import ControlClient
 from tests.services.checkpoint.s3server import S3Server, find_weed
 from tests.services.trainer.conftest import small_job_args
 

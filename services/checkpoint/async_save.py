@@ -12,7 +12,7 @@ again, or commits again; every writer of the save does so on its own, and one th
 its fragment before the restart has nothing to redo (the fragment is in storage).
 
 The sink is what differs between the embedded default and service mode: `StorageSink(root)`
-writes straight to storage; `services.checkpoint.rpc.client.CheckpointClient` streams to the
+writes straight to storage; `meshtrain.services.checkpoint.rpc.client.CheckpointClient` streams to the
 checkpoint service. Both offer `writer(step, save_id, writer_id, num_writers)` (an object with
 `write(spec, data)` and `finish(error=None)`) and `commit(step, save_id, num_writers,
 metadata, timeout)`.
@@ -30,11 +30,11 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from services.checkpoint import layout
-from services.checkpoint.sharded import SaveResult, ShardWriter, commit
-from services.checkpoint.shards import ShardSpec
-from services.checkpoint.store import Root, open_root
-from services.common.errors import (
+from meshtrain.services.checkpoint import layout
+from meshtrain.services.checkpoint.sharded import SaveResult, ShardWriter, commit
+from meshtrain.services.checkpoint.shards import ShardSpec
+from meshtrain.services.checkpoint.store import Root, open_root
+from meshtrain.services.common.errors import (
     CheckpointError,
     SaveForgottenError,
     is_lasting_storage_error,

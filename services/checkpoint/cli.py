@@ -19,11 +19,11 @@ import functools
 import json
 from collections.abc import Callable
 
-from services.common.errors import CheckpointError, is_storage_error
+from meshtrain.services.common.errors import CheckpointError, is_storage_error
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from services.checkpoint.reader import list_checkpoints
+    from meshtrain.services.checkpoint.reader import list_checkpoints
 
     steps = list_checkpoints(args.root)
     if not steps:
@@ -34,7 +34,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from services.checkpoint.reader import list_checkpoints, read_manifest
+    from meshtrain.services.checkpoint.reader import list_checkpoints, read_manifest
 
     steps = list_checkpoints(args.root)
     step = args.step if args.step is not None else (steps[-1] if steps else None)
@@ -62,14 +62,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from services.checkpoint.rpc.server import run
+    from meshtrain.services.checkpoint.rpc.server import run
 
     return run(args)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from services.checkpoint.maintenance import unreadable_manifests, verify_checkpoint
-    from services.checkpoint.reader import list_checkpoints
+    from meshtrain.services.checkpoint.maintenance import unreadable_manifests, verify_checkpoint
+    from meshtrain.services.checkpoint.reader import list_checkpoints
 
     steps = list_checkpoints(args.root)
     # Steps whose manifest is damaged look uncommitted to every reader: --all names them all,
@@ -92,7 +92,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_delete(args: argparse.Namespace) -> int:
-    from services.checkpoint.maintenance import apply_retention, delete_checkpoint
+    from meshtrain.services.checkpoint.maintenance import apply_retention, delete_checkpoint
 
     if args.step is not None:
         if args.keep_last is not None or args.keep_every:
@@ -160,7 +160,7 @@ def _storage_errors(func: Callable[[argparse.Namespace], int]) -> Callable[[argp
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add `ckpt` and its subcommands to the top-level parser."""
-    from services.checkpoint.convert_cli import register_subcommands
+    from meshtrain.services.checkpoint.convert_cli import register_subcommands
 
     c = sub.add_parser("ckpt", help="serve, inspect, verify, delete, convert, import and export checkpoints")
     csub = c.add_subparsers(dest="ckpt_cmd", required=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.errors import ConfigError
+from meshtrain.services.common.errors import ConfigError
 
 
 @dataclass

@@ -25,14 +25,14 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from services.checkpoint import layout
-from services.checkpoint.reader import latest_step, read_manifest, read_tensor
-from services.checkpoint.sharded import ShardWriter, begin_save, commit, is_committed
-from services.checkpoint.shards import ShardSpec
-from services.checkpoint.store import open_root, same_root
-from services.common.config import build
-from services.common.errors import CheckpointError
-from services.trainer.config import ModelConfig
+from meshtrain.services.checkpoint import layout
+from meshtrain.services.checkpoint.reader import latest_step, read_manifest, read_tensor
+from meshtrain.services.checkpoint.sharded import ShardWriter, begin_save, commit, is_committed
+from meshtrain.services.checkpoint.shards import ShardSpec
+from meshtrain.services.checkpoint.store import open_root, same_root
+from meshtrain.services.common.config import build
+from meshtrain.services.common.errors import CheckpointError
+from meshtrain.services.trainer.config import ModelConfig
 
 log = logging.getLogger(__name__)
 

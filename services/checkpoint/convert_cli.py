@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 
-from services.common.errors import CheckpointError
+from meshtrain.services.common.errors import CheckpointError
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     """Exports a training checkpoint as a Hugging Face folder."""
-    from services.checkpoint.hf import export_hf
+    from meshtrain.services.checkpoint.hf import export_hf
 
     _check_format(args.format)
     export_hf(args.src, args.dst, step=args.step, tokenizer=args.tokenizer)
@@ -32,8 +32,8 @@ def cmd_import(args: argparse.Namespace) -> int:
     """Imports a Hugging Face folder as a step-0 training checkpoint; prints how to train on."""
     import tomli_w
 
-    from services.checkpoint.hf import import_hf
-    from services.checkpoint.reader import read_manifest
+    from meshtrain.services.checkpoint.hf import import_hf
+    from meshtrain.services.checkpoint.reader import read_manifest
 
     _check_format(args.format)
     url = import_hf(args.src, args.dst, seed=args.seed)
@@ -57,7 +57,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     """Rewrites a checkpoint: dtype, optimizer state, shard shapes for a target layout."""
-    from services.checkpoint.convert import convert
+    from meshtrain.services.checkpoint.convert import convert
 
     result = convert(
         args.src, args.dst, dtype=args.dtype, drop_optimizer=args.drop_optimizer,

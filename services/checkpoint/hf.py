@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from services.checkpoint import hf_tokenizer
-from services.checkpoint.convert import (
+from meshtrain.services.checkpoint import hf_tokenizer
+from meshtrain.services.checkpoint.convert import (
     TORCH_DTYPES,
     TensorSpec,
     model_config,
@@ -41,17 +41,17 @@ from services.checkpoint.convert import (
     save_streaming,
     tensor_specs,
 )
-from services.checkpoint.hf_files import open_safetensors, read_json, safetensors_files
-from services.checkpoint.reader import list_checkpoints, read_manifest, read_tensor
-from services.checkpoint.store import open_root, remove_tree
-from services.common.builds import local_build_dir, remove_dead_builds
-from services.common.config import build, to_dict
-from services.common.errors import CheckpointError
-from services.trainer.config import JobConfig, ModelConfig
+from meshtrain.services.checkpoint.hf_files import open_safetensors, read_json, safetensors_files
+from meshtrain.services.checkpoint.reader import list_checkpoints, read_manifest, read_tensor
+from meshtrain.services.checkpoint.store import open_root, remove_tree
+from meshtrain.services.common.builds import local_build_dir, remove_dead_builds
+from meshtrain.services.common.config import build, to_dict
+from meshtrain.services.common.errors import CheckpointError
+from meshtrain.services.trainer.config import JobConfig, ModelConfig
 
 log = logging.getLogger(__name__)
 
-TRAIN_FORMAT = "meshtrain-train/1"  # services.trainer.checkpointing.FORMAT
+TRAIN_FORMAT = "meshtrain-train/1"  # meshtrain.services.trainer.checkpointing.FORMAT
 _ST_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
               "int32": "I32", "uint8": "U8", "bool": "BOOL"}
 # HF tensors that are derived buffers, not weights: old GPT-2 files carry the causal mask,

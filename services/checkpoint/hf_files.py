@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from services.common.errors import CheckpointError
+from meshtrain.services.common.errors import CheckpointError
 
 
 def safetensors_files(src: Path) -> dict[str, str]:

@@ -9,9 +9,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from services.common.errors import CheckpointError
-from services.dataloader.tokenizers import EOD_TOKEN, ByteTokenizer
-from services.trainer.config import ModelConfig
+from meshtrain.services.common.errors import CheckpointError
+from meshtrain.services.dataloader.tokenizers import EOD_TOKEN, ByteTokenizer
+from meshtrain.services.trainer.config import ModelConfig
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from services.common.errors import CheckpointError
+from meshtrain.services.common.errors import CheckpointError
 
 # Inner zarr chunks are capped so one decode never needs a multi-GB buffer; the shard (one
 # stored object) can still be far larger than this.

@@ -16,17 +16,17 @@ from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
-from services.checkpoint.reader import list_checkpoints, read_manifest
-from services.checkpoint.sharded import abort_save, is_committed
-from services.checkpoint.store import (
+from meshtrain.services.checkpoint.reader import list_checkpoints, read_manifest
+from meshtrain.services.checkpoint.sharded import abort_save, is_committed
+from meshtrain.services.checkpoint.store import (
     MANIFEST_NAME,
     join,
     open_root,
     parse_step_dirname,
     remove_tree,
 )
-from services.checkpoint.verified import fetch_verified
-from services.common.errors import CheckpointError
+from meshtrain.services.checkpoint.verified import fetch_verified
+from meshtrain.services.common.errors import CheckpointError
 
 
 def delete_checkpoint(root: str, step: int) -> bool:

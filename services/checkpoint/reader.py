@@ -7,7 +7,7 @@ the bytes verified. `read_tensor` fetches only the shard objects its slice touch
 stacked array, one layer's shard), so reading one tensor does not read the rest. `read_box`
 of a box that cuts a shard (a load in another layout) fetches only that shard's index and
 the inner chunks it needs, with range reads, each checked against its own crc32 in the
-manifest (`services.checkpoint.verified`), so a resharded load reads about the bytes it
+manifest (`meshtrain.services.checkpoint.verified`), so a resharded load reads about the bytes it
 needs, not whole shards.
 """
 
@@ -23,9 +23,9 @@ import zarr
 from zarr.core.buffer import default_buffer_prototype
 from zarr.storage import MemoryStore
 
-from services.checkpoint import layout
-from services.checkpoint.sharded import CHECKSUM, FORMAT, READABLE_VERSIONS
-from services.checkpoint.store import (
+from meshtrain.services.checkpoint import layout
+from meshtrain.services.checkpoint.sharded import CHECKSUM, FORMAT, READABLE_VERSIONS
+from meshtrain.services.checkpoint.store import (
     MANIFEST_NAME,
     Root,
     join,
@@ -33,8 +33,8 @@ from services.checkpoint.store import (
     parse_step_dirname,
     read_bytes,
 )
-from services.checkpoint.verified import fetch_verified, read_box_direct
-from services.common.errors import CheckpointError
+from meshtrain.services.checkpoint.verified import fetch_verified, read_box_direct
+from meshtrain.services.common.errors import CheckpointError
 
 Index = Any  # an int, slice, Ellipsis, or a tuple of them (numpy-style basic indexing)
 

@@ -40,10 +40,10 @@ import torch
 import zarr
 from zarr.storage import MemoryStore
 
-from services.checkpoint import layout
-from services.checkpoint.crc import checksum
-from services.checkpoint.shards import ArrayMeta, ShardSpec, check_tiling, encode_box
-from services.checkpoint.store import (
+from meshtrain.services.checkpoint import layout
+from meshtrain.services.checkpoint.crc import checksum
+from meshtrain.services.checkpoint.shards import ArrayMeta, ShardSpec, check_tiling, encode_box
+from meshtrain.services.checkpoint.store import (
     MANIFEST_NAME,
     Root,
     join,
@@ -52,7 +52,7 @@ from services.checkpoint.store import (
     remove_tree,
     write_bytes_atomic,
 )
-from services.common.errors import CheckpointError
+from meshtrain.services.common.errors import CheckpointError
 
 FORMAT = "meshtrain-checkpoint"
 # 2: shard objects also list the crc32 of each inner chunk and of the shard index, so partial

@@ -22,9 +22,9 @@ import numpy as np
 import zarr
 from zarr.storage import MemoryStore
 
-from services.checkpoint import layout
-from services.checkpoint.crc import checksum, crc32_combine
-from services.common.errors import CheckpointError
+from meshtrain.services.checkpoint import layout
+from meshtrain.services.checkpoint.crc import checksum, crc32_combine
+from meshtrain.services.common.errors import CheckpointError
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from fsspec.implementations.local import LocalFileSystem
 from zarr.abc.store import Store
 from zarr.storage import FsspecStore, LocalStore
 
-from services.common.errors import CheckpointError
+from meshtrain.services.common.errors import CheckpointError
 
 MANIFEST_NAME = "manifest.json"
 _STEP_RE = re.compile(r"^step_(\d{8,})$")

@@ -6,7 +6,7 @@ whole object's size and crc32 (and, for `ckpt verify`, its shard index and every
 chunks, index at the end) without zarr, fetching whole shards the box covers and, of a shard
 the box only cuts, just its index and the inner chunks it needs (range reads, each chunk
 checked against its own crc32), so a load in another layout reads about the bytes it needs.
-`services.checkpoint.reader` is the public API over these.
+`meshtrain.services.checkpoint.reader` is the public API over these.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from services.checkpoint.crc import checksum
-from services.checkpoint.sharded import CHECKSUM, CHUNK_CHECKSUMS, INDEX_CHECKSUM
-from services.checkpoint.shards import EMPTY_CHUNK, index_nbytes
-from services.checkpoint.store import Root, join, read_bytes
-from services.common.errors import CheckpointError
+from meshtrain.services.checkpoint.crc import checksum
+from meshtrain.services.checkpoint.sharded import CHECKSUM, CHUNK_CHECKSUMS, INDEX_CHECKSUM
+from meshtrain.services.checkpoint.shards import EMPTY_CHUNK, index_nbytes
+from meshtrain.services.checkpoint.store import Root, join, read_bytes
+from meshtrain.services.common.errors import CheckpointError
 
 
 def fetch_verified(root: Root, step: int, array_name: str, objects: dict[str, Any], key: str,

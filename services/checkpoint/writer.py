@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from services.checkpoint import layout
-from services.checkpoint.sharded import (  # noqa: F401  (re-exported: the format constants)
+from meshtrain.services.checkpoint import layout
+from meshtrain.services.checkpoint.sharded import (  # noqa: F401  (re-exported: the format constants)
     CHECKSUM,
     FORMAT,
     FORMAT_VERSION,
@@ -27,9 +27,9 @@ from services.checkpoint.sharded import (  # noqa: F401  (re-exported: the forma
     checksum,
     commit,
 )
-from services.checkpoint.shards import ShardSpec
-from services.checkpoint.store import open_root
-from services.common.errors import CheckpointError
+from meshtrain.services.checkpoint.shards import ShardSpec
+from meshtrain.services.checkpoint.store import open_root
+from meshtrain.services.common.errors import CheckpointError
 
 
 def single_writer_boxes(spec: layout.ArraySpec) -> list[tuple[ShardSpec, str, int | None]]:

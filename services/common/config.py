@@ -25,7 +25,7 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import tomli_w
 
-from services.common.errors import ConfigError
+from meshtrain.services.common.errors import ConfigError
 
 
 def _describe(tp: Any) -> str:

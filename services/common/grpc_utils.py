@@ -34,7 +34,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.errors import (
+from meshtrain.services.common.errors import (
     LASTING_METADATA,
     CheckpointError,
     ConfigError,
@@ -43,7 +43,7 @@ from services.common.errors import (
     MeshtrainError,
     StorageUnavailableError,
 )
-from services.common.signals import relayed_signals
+from meshtrain.services.common.signals import relayed_signals
 
 log = logging.getLogger("meshtrain.grpc")
 
@@ -377,7 +377,7 @@ def make_server(
         max_message_bytes: message limit in both directions.
         error_table: extra (exception class, status code) pairs for `ErrorInterceptor`.
         interceptors: run before `ErrorInterceptor` (outermost first), e.g. a
-            `services.common.metrics.MetricsInterceptor`, which then sees mapped status codes.
+            `meshtrain.services.common.metrics.MetricsInterceptor`, which then sees mapped status codes.
         translate_error: `ErrorInterceptor`'s `translate` (e.g. storage errors -> UNAVAILABLE).
 
     Returns:

@@ -22,7 +22,7 @@ import time
 import grpc
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
-from services.common.errors import ConfigError
+from meshtrain.services.common.errors import ConfigError
 
 # One set of collectors per process (the default registry refuses duplicates); servers in the
 # same process are told apart by the `service` label.

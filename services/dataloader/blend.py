@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from services.common.errors import DataError
-from services.dataloader.index_cache import cached_arrays
+from meshtrain.services.common.errors import DataError
+from meshtrain.services.dataloader.index_cache import cached_arrays
 
 _SOURCE = Path(__file__).with_name("_blend.c")
 _lib_lock = threading.Lock()

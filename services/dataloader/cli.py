@@ -14,7 +14,7 @@ import signal
 import sys
 from pathlib import Path
 
-from services.common.errors import DataError
+from meshtrain.services.common.errors import DataError
 
 
 def expand_inputs(patterns: list[str]) -> list[Path]:
@@ -66,8 +66,8 @@ def _raise_stopped(signum: int, _frame) -> None:
 
 
 def cmd_preprocess(args: argparse.Namespace) -> int:
-    from services.dataloader.preprocess import preprocess_files
-    from services.dataloader.tokenizers import build_tokenizer
+    from meshtrain.services.dataloader.preprocess import preprocess_files
+    from meshtrain.services.dataloader.tokenizers import build_tokenizer
 
     tokenizer = build_tokenizer(args.tokenizer)
     # Killed outright by SIGTERM, a run left its partial .bin.tmp-* behind, and its --workers
@@ -89,7 +89,7 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
 
 
 def cmd_train_tokenizer(args: argparse.Namespace) -> int:
-    from services.dataloader.tokenizers import train_bpe
+    from meshtrain.services.dataloader.tokenizers import train_bpe
 
     tok = train_bpe([str(p) for p in expand_inputs(args.input)], args.vocab_size, args.output, args.json_key)
     print(f"wrote {args.output} (vocabulary {tok.vocab_size})")
@@ -138,6 +138,6 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from services.dataloader.rpc.server import run
+    from meshtrain.services.dataloader.rpc.server import run
 
     return run(args)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.common.errors import ConfigError, DataError
+from meshtrain.services.common.errors import ConfigError, DataError
 
 
 @dataclass
@@ -49,7 +49,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         if self.data_path:
-            from services.dataloader.spec import parse_data_path
+            from meshtrain.services.dataloader.spec import parse_data_path
 
             try:
                 parse_data_path(self.data_path)

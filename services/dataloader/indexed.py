@@ -33,8 +33,8 @@ from typing import Self
 
 import numpy as np
 
-from services.common.builds import local_build_dir, remove_dead_builds
-from services.common.errors import DataError, DataUnavailableError
+from meshtrain.services.common.builds import local_build_dir, remove_dead_builds
+from meshtrain.services.common.errors import DataError, DataUnavailableError
 
 log = logging.getLogger("meshtrain.data")
 

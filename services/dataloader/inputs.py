@@ -13,7 +13,7 @@ import logging
 from collections.abc import Iterator
 from pathlib import Path
 
-from services.common.errors import DataError
+from meshtrain.services.common.errors import DataError
 
 log = logging.getLogger("meshtrain.data")
 

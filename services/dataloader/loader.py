@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from services.common.errors import DataError
+from meshtrain.services.common.errors import DataError
 
 if TYPE_CHECKING:  # torch is imported where batches are made: data workers never need it
     import torch

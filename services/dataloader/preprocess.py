@@ -30,15 +30,15 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.errors import DataError
-from services.dataloader.indexed import (
+from meshtrain.services.common.errors import DataError
+from meshtrain.services.dataloader.indexed import (
     IndexedDatasetWriter,
     best_dtype,
     check_output_prefix,
     local_path,
 )
-from services.dataloader.inputs import iter_documents
-from services.dataloader.tokenizers import (
+from meshtrain.services.dataloader.inputs import iter_documents
+from meshtrain.services.dataloader.tokenizers import (
     ByteTokenizer,
     Tokenizer,
     build_tokenizer,

@@ -21,9 +21,9 @@ import os
 
 import numpy as np
 
-from services.common.errors import DataError
-from services.dataloader.index_cache import array_digest, cached_arrays
-from services.dataloader.indexed import IndexedDataset
+from meshtrain.services.common.errors import DataError
+from meshtrain.services.dataloader.index_cache import array_digest, cached_arrays
+from meshtrain.services.dataloader.indexed import IndexedDataset
 
 _SPLIT_NAMES = ("train", "valid", "test")
 

@@ -21,16 +21,16 @@ from pathlib import Path
 
 import numpy as np
 
-from services.common.errors import DataError
-from services.dataloader.blend import (
+from meshtrain.services.common.errors import DataError
+from meshtrain.services.dataloader.blend import (
     BlendedDataset,
     blend_index_desc,
     normalize_weights,
     samples_needed,
 )
-from services.dataloader.index_cache import is_cached
-from services.dataloader.indexed import IndexedDataset, is_remote, local_path
-from services.dataloader.samples import (
+from meshtrain.services.dataloader.index_cache import is_cached
+from meshtrain.services.dataloader.indexed import IndexedDataset, is_remote, local_path
+from meshtrain.services.dataloader.samples import (
     GPTDataset,
     epochs_needed,
     gpt_index_desc,

@@ -19,8 +19,8 @@ import os
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from services.common.errors import DataError
-from services.dataloader.inputs import iter_documents, refuse_compressed
+from meshtrain.services.common.errors import DataError
+from meshtrain.services.dataloader.inputs import iter_documents, refuse_compressed
 
 EOD_TOKEN = "<|endoftext|>"
 # Bounded memory while training: files are fed to the trainer in pieces of about this size.

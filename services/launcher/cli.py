@@ -25,7 +25,7 @@ class _OverridesParser(argparse.ArgumentParser):
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from services.launcher.up import UpOptions, run_up
+    from meshtrain.services.launcher.up import UpOptions, run_up
 
     options = UpOptions(data_workers=args.data_workers, nproc_per_node=args.nproc_per_node,
                         checkpoint_service=not args.no_checkpoint_service, metrics=args.metrics,
@@ -50,7 +50,7 @@ def format_status(s: dict) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from services.trainer.rpc.client import ControlClient
+    from meshtrain.services.trainer.rpc.client import ControlClient
 
     with ControlClient(args.target) as client:
         status = client.status()
@@ -59,7 +59,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_save(args: argparse.Namespace) -> int:
-    from services.trainer.rpc.client import ControlClient
+    from meshtrain.services.trainer.rpc.client import ControlClient
 
     with ControlClient(args.target) as client:
         step = client.checkpoint()
@@ -68,7 +68,7 @@ def cmd_save(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    from services.trainer.rpc.client import ControlClient
+    from meshtrain.services.trainer.rpc.client import ControlClient
 
     with ControlClient(args.target) as client:
         step = client.stop()

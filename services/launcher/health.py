@@ -4,8 +4,8 @@ A gRPC child is ready when `grpc.health.v1.Health/Check` for the whole server ("
 SERVING; an HTTP child (the S3 store) when its port answers any HTTP response. Run as a
 module it is the probe of compose health checks and the Slurm scripts:
 
-    python -m services.launcher.health 127.0.0.1:7001 [--wait 120]    # exit 0 when SERVING
-    python -m services.launcher.health --http http://127.0.0.1:8333/
+    python -m meshtrain.services.launcher.health 127.0.0.1:7001 [--wait 120]    # exit 0 when SERVING
+    python -m meshtrain.services.launcher.health --http http://127.0.0.1:8333/
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import urllib.request
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.launcher.topology import Child, wait_until
+from meshtrain.services.launcher.topology import Child, wait_until
 
 
 def grpc_serving(address: str, timeout_s: float = 1.0) -> bool:
@@ -71,13 +71,13 @@ def wait_http(timeout_s: float = 60.0, stop: threading.Event | None = None):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m services.launcher.health HOST:PORT [--timeout S]`: exit 0 when SERVING.
+    """`python -m meshtrain.services.launcher.health HOST:PORT [--timeout S]`: exit 0 when SERVING.
 
     The probe of compose health checks and Slurm scripts (no grpc_health_probe binary needed).
     """
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m services.launcher.health",
+    p = argparse.ArgumentParser(prog="python -m meshtrain.services.launcher.health",
                                 description="Exit 0 when a gRPC server reports SERVING, else 1.")
     p.add_argument("address", help="HOST:PORT of a gRPC server, or with --http a URL")
     p.add_argument("--http", action="store_true", help="check that the URL answers HTTP instead")

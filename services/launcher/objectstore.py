@@ -25,8 +25,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.errors import ConfigError
-from services.launcher.topology import free_port
+from meshtrain.services.common.errors import ConfigError
+from meshtrain.services.launcher.topology import free_port
 
 
 def find_weed() -> str | None:
@@ -165,7 +165,7 @@ def make_bucket(bucket: str, endpoint: str, keys: AccessKeys, timeout_s: float =
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m services.launcher.objectstore make-bucket BUCKET [--timeout S]`: compose's s3-init.
+    """`python -m meshtrain.services.launcher.objectstore make-bucket BUCKET [--timeout S]`: compose's s3-init.
 
     Makes BUCKET on the store named by AWS_ENDPOINT_URL with AWS_ACCESS_KEY_ID /
     AWS_SECRET_ACCESS_KEY, and exits 0 when it exists (made now or before), else 2 with the
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m services.launcher.objectstore",
+    p = argparse.ArgumentParser(prog="python -m meshtrain.services.launcher.objectstore",
                                 description="Create a bucket on an S3-compatible store (idempotent).")
     sub = p.add_subparsers(dest="cmd", required=True)
     mk = sub.add_parser("make-bucket", help="create BUCKET unless it exists")

@@ -26,7 +26,7 @@ import threading
 from pathlib import Path
 from typing import TextIO, TypeVar
 
-from services.launcher.topology import Child, Topology, free_port, stop_on_signals
+from meshtrain.services.launcher.topology import Child, Topology, free_port, stop_on_signals
 
 FAILURE_GRACE_S = 15.0
 K = TypeVar("K")
@@ -74,7 +74,7 @@ def run_local_ranks(nproc: int, train_args: list[str], grace_s: float | None = N
     """
     out = out or sys.stderr
     topo = Topology(out, label="meshtrain", failure_grace_s=FAILURE_GRACE_S)
-    ranks = local_ranks(nproc, [sys.executable, "-m", "services.cli", "train", *train_args], "rank",
+    ranks = local_ranks(nproc, [sys.executable, "-m", "meshtrain.services.cli", "train", *train_args], "rank",
                         math.inf if grace_s is None else grace_s, inherit_output=True)
     stop = threading.Event()  # set by a signal
     with stop_on_signals(topo, stop, "passing SIGTERM to every rank: each checkpoints after its current step, "

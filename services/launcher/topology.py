@@ -33,8 +33,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from services.common.errors import MeshtrainError
-from services.common.signals import relayed_signals
+from meshtrain.services.common.errors import MeshtrainError
+from meshtrain.services.common.signals import relayed_signals
 
 log = logging.getLogger("meshtrain.launcher")
 

@@ -31,12 +31,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.config import load_toml
-from services.common.errors import ConfigError
-from services.launcher.health import wait_http, wait_serving
-from services.launcher.objectstore import AccessKeys, ObjectStore, require_weed
-from services.launcher.ranks import local_ranks, stopped_before_training
-from services.launcher.topology import (
+from meshtrain.services.common.config import load_toml
+from meshtrain.services.common.errors import ConfigError
+from meshtrain.services.launcher.health import wait_http, wait_serving
+from meshtrain.services.launcher.objectstore import AccessKeys, ObjectStore, require_weed
+from meshtrain.services.launcher.ranks import local_ranks, stopped_before_training
+from meshtrain.services.launcher.topology import (
     Child,
     ChildFailed,
     StopRequested,
@@ -44,9 +44,9 @@ from services.launcher.topology import (
     free_port,
     stop_on_signals,
 )
-from services.trainer.flags import parse_overrides
+from meshtrain.services.trainer.flags import parse_overrides
 
-PYTHON = [sys.executable, "-m", "services.cli"]
+PYTHON = [sys.executable, "-m", "meshtrain.services.cli"]
 
 
 @dataclass
@@ -117,8 +117,8 @@ def plan(options: UpOptions, overrides: list[str]) -> Plan:
     Raises:
         ConfigError: a bad trainer argument, or `--s3` with a save root outside the store.
     """
-    from services.trainer.config import LAUNCHER_KEYS_ENV, load_config
-    from services.trainer.run_dir import UP_PID_ENV
+    from meshtrain.services.trainer.config import LAUNCHER_KEYS_ENV, load_config
+    from meshtrain.services.trainer.run_dir import UP_PID_ENV
 
     _refuse_owned_flags(overrides, data_workers=options.data_workers > 0, service=options.checkpoint_service)
     # A bad key fails here, before any process starts; checked with the control endpoint up
@@ -200,7 +200,7 @@ def claim_run_dir(run_dir: Path):
     Raises:
         ConfigError: another `up` or a trainer holds it (naming its pid), or the folder cannot be created.
     """
-    from services.trainer.run_dir import TRAIN_LOCK, UP_LOCK, lock_file, probe_lock
+    from meshtrain.services.trainer.run_dir import TRAIN_LOCK, UP_LOCK, lock_file, probe_lock
 
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -287,7 +287,7 @@ def _resume_from(p: Plan, options: UpOptions) -> int | None:
     """
     if not options.resume or p.load_step:
         return None
-    from services.checkpoint.reader import latest_step
+    from meshtrain.services.checkpoint.reader import latest_step
 
     return latest_step(p.save)
 

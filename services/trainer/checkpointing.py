@@ -1,7 +1,7 @@
 """The trainer's state <-> checkpoint boxes: model, optimizer, RNG and data position.
 
 Every rank saves and loads only its own part of the layout-independent format
-(`services.checkpoint`): each parameter is a box of a global array (per-layer tensors stacked
+(`meshtrain.services.checkpoint`): each parameter is a box of a global array (per-layer tensors stacked
 on a leading global-layer axis; tensor-parallel shards at their global offsets, SwiGLU's fc1 as
 two boxes, one per half; padded vocabulary rows cut off), written by the dp-rank-0 replica only,
 so nothing is written twice. AdamW moments are stored per parameter (`optim.exp_avg.<name>`,
@@ -23,25 +23,25 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from services.checkpoint.async_save import AsyncSaver, StorageSink, retry
-from services.checkpoint.layout import array_key, dtype_name
-from services.checkpoint.maintenance import unreadable_manifests
-from services.checkpoint.reader import (
+from meshtrain.services.checkpoint.async_save import AsyncSaver, StorageSink, retry
+from meshtrain.services.checkpoint.layout import array_key, dtype_name
+from meshtrain.services.checkpoint.maintenance import unreadable_manifests
+from meshtrain.services.checkpoint.reader import (
     latest_step,
     list_checkpoints,
     read_box,
     read_manifest,
 )
-from services.checkpoint.sharded import begin_save
-from services.checkpoint.shards import ShardSpec
-from services.checkpoint.store import open_root
-from services.common.config import to_dict
-from services.common.errors import CheckpointError
-from services.trainer.config import JobConfig
-from services.trainer.model.gpt import GPT
-from services.trainer.parallel.data import DataParallel
-from services.trainer.parallel.mesh import Mesh
-from services.trainer.parallel.tensor import tp_split_of
+from meshtrain.services.checkpoint.sharded import begin_save
+from meshtrain.services.checkpoint.shards import ShardSpec
+from meshtrain.services.checkpoint.store import open_root
+from meshtrain.services.common.config import to_dict
+from meshtrain.services.common.errors import CheckpointError
+from meshtrain.services.trainer.config import JobConfig
+from meshtrain.services.trainer.model.gpt import GPT
+from meshtrain.services.trainer.parallel.data import DataParallel
+from meshtrain.services.trainer.parallel.mesh import Mesh
+from meshtrain.services.trainer.parallel.tensor import tp_split_of
 
 FORMAT = "meshtrain-train/1"
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -172,7 +172,7 @@ class Checkpointer:
         self.root, self.par, self.asynchronous, self.overwrite = root, par, asynchronous, overwrite
         mesh = par.mesh
         if service_address:
-            from services.checkpoint.rpc.client import CheckpointClient  # grpc only when asked for
+            from meshtrain.services.checkpoint.rpc.client import CheckpointClient  # grpc only when asked for
 
             self.sink = CheckpointClient(service_address)
         else:

@@ -17,11 +17,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from services.checkpoint.config import CheckpointConfig
-from services.common import config as cfg
-from services.common.errors import ConfigError, NotBuiltError
-from services.dataloader.config import DataConfig
-from services.trainer.flags import (  # re-exported: the command line's half
+from meshtrain.services.checkpoint.config import CheckpointConfig
+from meshtrain.services.common import config as cfg
+from meshtrain.services.common.errors import ConfigError, NotBuiltError
+from meshtrain.services.dataloader.config import DataConfig
+from meshtrain.services.trainer.flags import (  # re-exported: the command line's half
     ALIASES,
     parse_overrides,
 )

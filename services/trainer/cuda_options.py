@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from services.common.errors import ConfigError
-from services.trainer.config import TrainConfig
+from meshtrain.services.common.errors import ConfigError
+from meshtrain.services.trainer.config import TrainConfig
 
 
 def apply_cuda_options(train: TrainConfig, device: torch.device) -> None:

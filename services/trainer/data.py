@@ -15,12 +15,12 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.errors import ConfigError
-from services.dataloader.loader import BatchOptions, LocalBatchSource
-from services.dataloader.preprocess import prepare_default_dataset
-from services.dataloader.spec import DatasetSpec, open_dataset, parse_data_path
-from services.dataloader.tokenizers import absolute_spec, build_tokenizer
-from services.trainer.config import JobConfig
+from meshtrain.services.common.errors import ConfigError
+from meshtrain.services.dataloader.loader import BatchOptions, LocalBatchSource
+from meshtrain.services.dataloader.preprocess import prepare_default_dataset
+from meshtrain.services.dataloader.spec import DatasetSpec, open_dataset, parse_data_path
+from meshtrain.services.dataloader.tokenizers import absolute_spec, build_tokenizer
+from meshtrain.services.trainer.config import JobConfig
 
 log = logging.getLogger("meshtrain.data")
 
@@ -56,7 +56,7 @@ def make_source(spec: DatasetSpec, micro_batch_size: int, global_batch_size: int
         A LocalBatchSource or a ServiceBatchSource.
     """
     if addresses:
-        from services.dataloader.rpc.client import ServiceBatchSource  # grpc only when asked for
+        from meshtrain.services.dataloader.rpc.client import ServiceBatchSource  # grpc only when asked for
 
         return ServiceBatchSource(addresses, spec, micro_batch_size, global_batch_size,
                                   dp_rank, dp_size, prefetch=prefetch, options=options, **service)

@@ -1,7 +1,7 @@
 """The trainer's command line: `--config FILE`, `--section.key=value` overrides and Megatron-LM's flags.
 
 `parse_overrides` turns the words after `meshtrain train` into (config file, nested override
-table); `services.trainer.config.load_config` merges that table over the defaults and the file.
+table); `meshtrain.services.trainer.config.load_config` merges that table over the defaults and the file.
 
     parse_overrides(["--config", "a.toml", "--hidden-size", "768", "--train.bf16=true"])
     # -> ("a.toml", {"model": {"hidden_size": 768}, "train": {"bf16": True}})
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.common import config as cfg
-from services.common.errors import ConfigError
+from meshtrain.services.common import config as cfg
+from meshtrain.services.common.errors import ConfigError
 
 # Megatron-LM flag -> (dotted key, takes a value). Flags without a value set a bool to true.
 ALIASES: dict[str, tuple[str, bool]] = {

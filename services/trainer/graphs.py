@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from services.common.errors import MeshtrainError
+from meshtrain.services.common.errors import MeshtrainError
 
 
 class MicroBatchGraph:

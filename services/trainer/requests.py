@@ -27,7 +27,7 @@ import sys
 import threading
 from collections.abc import Iterator
 
-from services.common.signals import logged_until_exit, relayed_signals
+from meshtrain.services.common.signals import logged_until_exit, relayed_signals
 
 STOP_STACK_DUMP_S = 90.0
 CONTROL_STOP = "a stop request"  # the control endpoint's cause (`meshtrain stop`)

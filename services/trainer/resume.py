@@ -12,19 +12,19 @@ import logging
 
 import torch
 
-from services.checkpoint.config import CheckpointConfig
-from services.checkpoint.maintenance import unreadable_manifests
-from services.checkpoint.reader import list_checkpoints
-from services.checkpoint.store import same_root
-from services.common.errors import CheckpointError, ConfigError
-from services.trainer.checkpointing import (
+from meshtrain.services.checkpoint.config import CheckpointConfig
+from meshtrain.services.checkpoint.maintenance import unreadable_manifests
+from meshtrain.services.checkpoint.reader import list_checkpoints
+from meshtrain.services.checkpoint.store import same_root
+from meshtrain.services.common.errors import CheckpointError, ConfigError
+from meshtrain.services.trainer.checkpointing import (
     Parallel,
     TrainState,
     refuse_damaged_newer,
     restore,
 )
-from services.trainer.config import JobConfig
-from services.trainer.model.gpt import GPT
+from meshtrain.services.trainer.config import JobConfig
+from meshtrain.services.trainer.model.gpt import GPT
 
 log = logging.getLogger("meshtrain.train")
 

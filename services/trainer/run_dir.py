@@ -25,10 +25,10 @@ from pathlib import Path
 import tomli_w
 import torch.distributed as dist
 
-from services.common import config as cfg
-from services.common.errors import ConfigError
-from services.trainer.config import JobConfig
-from services.trainer.parallel.mesh import Mesh
+from meshtrain.services.common import config as cfg
+from meshtrain.services.common.errors import ConfigError
+from meshtrain.services.trainer.config import JobConfig
+from meshtrain.services.trainer.parallel.mesh import Mesh
 
 TRAIN_LOCK = ".train.lock"
 UP_LOCK = ".up.lock"

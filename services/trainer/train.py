@@ -24,37 +24,37 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import kernels
-from services.checkpoint.maintenance import apply_retention
-from services.common.errors import (
+from meshtrain import kernels
+from meshtrain.services.checkpoint.maintenance import apply_retention
+from meshtrain.services.common.errors import (
     CheckpointError,
     ConfigError,
     DataError,
     MeshtrainError,
 )
-from services.trainer import checkpointing
-from services.trainer.config import LAUNCHER_KEYS_ENV, JobConfig, replace
-from services.trainer.cuda_options import apply_cuda_options
-from services.trainer.data import build_data
-from services.trainer.graphs import MicroBatchGraph
-from services.trainer.metrics import MetricsLog, peak_tflops, plot_losses
-from services.trainer.model.gpt import GPT
-from services.trainer.optim.optimizer import build_optimizer, clip_grad_norm, set_lr
-from services.trainer.optim.schedule import lr_at
-from services.trainer.parallel import mappings, recompute
-from services.trainer.parallel.data import DataParallel, forward_units
-from services.trainer.parallel.mesh import Mesh, env_rank_world, init_process_group
-from services.trainer.parallel.tensor import parallelize
-from services.trainer.requests import (
+from meshtrain.services.trainer import checkpointing
+from meshtrain.services.trainer.config import LAUNCHER_KEYS_ENV, JobConfig, replace
+from meshtrain.services.trainer.cuda_options import apply_cuda_options
+from meshtrain.services.trainer.data import build_data
+from meshtrain.services.trainer.graphs import MicroBatchGraph
+from meshtrain.services.trainer.metrics import MetricsLog, peak_tflops, plot_losses
+from meshtrain.services.trainer.model.gpt import GPT
+from meshtrain.services.trainer.optim.optimizer import build_optimizer, clip_grad_norm, set_lr
+from meshtrain.services.trainer.optim.schedule import lr_at
+from meshtrain.services.trainer.parallel import mappings, recompute
+from meshtrain.services.trainer.parallel.data import DataParallel, forward_units
+from meshtrain.services.trainer.parallel.mesh import Mesh, env_rank_world, init_process_group
+from meshtrain.services.trainer.parallel.tensor import parallelize
+from meshtrain.services.trainer.requests import (
     CONTROL_STOP,
     RunRequests,
     cause_code,
     describe_stop,
 )
-from services.trainer.resume import refuse_a_root_with_later_steps, resume
-from services.trainer.run_dir import make_run_dir, release_run_dir, run_dir_toml
-from services.trainer.uploads import Uploader
-from services.trainer.weight_copies import WeightCopies, call_with
+from meshtrain.services.trainer.resume import refuse_a_root_with_later_steps, resume
+from meshtrain.services.trainer.run_dir import make_run_dir, release_run_dir, run_dir_toml
+from meshtrain.services.trainer.uploads import Uploader
+from meshtrain.services.trainer.weight_copies import WeightCopies, call_with
 
 log = logging.getLogger("meshtrain.train")
 
@@ -572,7 +572,7 @@ def train(job: JobConfig, until_exit: bool = False) -> TrainResult:
     trainer = Trainer(job)
     if job.train.control_port is None or not trainer.is_main:
         return trainer.run(until_exit)
-    from services.trainer.rpc.server import serve_control  # grpc only when asked for
+    from meshtrain.services.trainer.rpc.server import serve_control  # grpc only when asked for
 
     t = job.train
     try:

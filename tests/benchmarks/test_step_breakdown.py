@@ -60,7 +60,7 @@ def test_every_meshtrain_triton_kernel_is_counted_as_ours():
     # JITFunction, Autotuner, or (under TRITON_INTERPRET=1, as the kernel tests set) InterpretedFunction
     names = {_python_name(obj)
              for op in ("rms_norm", "layer_norm", "rope", "gelu", "swiglu", "cross_entropy")
-             for obj in vars(importlib.import_module(f"kernels.{op}")).values()
+             for obj in vars(importlib.import_module(f"meshtrain.kernels.{op}")).values()
              if type(obj).__module__.startswith("triton.runtime") and hasattr(obj, "fn")}
     launched = {n for n in names if not n.startswith("_row_")}  # _row_*: device helpers, inlined
     assert {"_rms_norm_fwd", "_layer_norm_bwd", "_rope_kernel", "_ce_fused_kernel"} <= launched

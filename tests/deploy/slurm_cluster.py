@@ -19,7 +19,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from services.launcher.topology import free_port
+from meshtrain.services.launcher.topology import free_port
 
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "sinfo")
 

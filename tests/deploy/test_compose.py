@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.cli import build_parser
-from services.trainer.config import load_config
+from meshtrain.services.cli import build_parser
+from meshtrain.services.trainer.config import load_config
 from tests.services.checkpoint.conftest import s3_server  # noqa: F401  (a fixture, found by name)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -73,7 +73,7 @@ def test_every_long_running_service_is_health_checked(compose):
             continue
         test = svc.get("healthcheck", {}).get("test")
         assert test and test[0] == "CMD", f"{name} has no exec-form health check"
-        if test[1:4] == ["python", "-m", "services.launcher.health"]:
+        if test[1:4] == ["python", "-m", "meshtrain.services.launcher.health"]:
             probe = next(a for a in test[4:] if not a.startswith("--"))
             port = probe.rsplit(":", 1)[1].strip("/")
             assert port in svc.get("expose", []) or any(p.endswith(f":{port}") for p in svc.get("ports", [])), \
@@ -154,7 +154,7 @@ def test_s3_init_makes_the_bucket_and_succeeds_again_on_the_old_data(compose, s3
     kept the checkpoint service and the trainer from ever starting. Refused credentials end in
     an error naming the bucket, not in a success or a hang."""
     command = compose["services"]["s3-init"]["command"]
-    assert command[:4] == ["python", "-m", "services.launcher.objectstore", "make-bucket"], command
+    assert command[:4] == ["python", "-m", "meshtrain.services.launcher.objectstore", "make-bucket"], command
     bucket = f"compose-{uuid.uuid4().hex[:8]}"
     argv = [sys.executable, *command[1:4], bucket, *command[5:]]
     env = {**os.environ, **s3_server.env()}

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from services.checkpoint.reader import list_checkpoints
-from services.dataloader.preprocess import prepare_default_dataset
-from services.launcher.up import free_port
+from meshtrain.services.checkpoint.reader import list_checkpoints
+from meshtrain.services.dataloader.preprocess import prepare_default_dataset
+from meshtrain.services.launcher.up import free_port
 from tests.deploy.slurm_cluster import SlurmCluster, missing_requirements
 from tests.services.trainer.conftest import small_job_args
 

@@ -1,9 +1,9 @@
-"""Triton GELU (tanh) and SwiGLU against `kernels.reference`, forward and backward."""
+"""Triton GELU (tanh) and SwiGLU against `meshtrain.kernels.reference`, forward and backward."""
 
 import pytest
 import torch
 
-from kernels import reference
+from meshtrain.kernels import reference
 from tests.kernels.conftest import DEVICE, TOL, needs_triton
 
 pytestmark = needs_triton
@@ -32,7 +32,7 @@ def test_gelu(dtype):
     """fp32: sigmoid(2u) vs tanh(u) agree to ~1e-7 -> 1e-5; bf16: rounding of in/out -> 2e-2.
     The odd size (5, 123, 13) leaves a partial last block; the tails (|x| up to ~12) check
     saturation."""
-    from kernels.gelu import gelu
+    from meshtrain.kernels.gelu import gelu
 
     torch.manual_seed(0)
     x = torch.randn(5, 123, 13, device=DEVICE) * 3
@@ -42,7 +42,7 @@ def test_gelu(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_swiglu(dtype):
     """(5, 7, 2*123): an odd half-width and rows not a multiple of anything; tolerances as GELU's."""
-    from kernels.swiglu import swiglu
+    from meshtrain.kernels.swiglu import swiglu
 
     torch.manual_seed(0)
     x = torch.randn(5, 7, 246, device=DEVICE) * 2
@@ -51,7 +51,7 @@ def test_swiglu(dtype):
 
 def test_swiglu_wide_rows_span_several_blocks():
     """A half-width past one 1024-wide block (1500) exercises the column grid."""
-    from kernels.swiglu import swiglu
+    from meshtrain.kernels.swiglu import swiglu
 
     x = torch.randn(3, 3000, device=DEVICE)
     _compare(swiglu, reference.swiglu, x, torch.float32)

@@ -11,7 +11,7 @@ pytestmark = needs_triton
 @pytest.mark.parametrize("parts, n", [(1, 1), (4, 300), (37, 65), (70, 1024)])
 def test_sums_both_buffers_into_their_dtypes(parts, n):
     """Odd partial counts and widths (masked tails on both axes), fp32 and bf16 outputs."""
-    from kernels._column_sums import column_sums
+    from meshtrain.kernels._column_sums import column_sums
 
     torch.manual_seed(0)
     a = torch.randn(parts, n, device=DEVICE)
@@ -23,7 +23,7 @@ def test_sums_both_buffers_into_their_dtypes(parts, n):
 
 
 def test_one_buffer():
-    from kernels._column_sums import column_sums
+    from meshtrain.kernels._column_sums import column_sums
 
     a = torch.arange(12, dtype=torch.float32, device=DEVICE).view(3, 4)
     sa, sb = column_sums(a, torch.float32)
@@ -33,7 +33,7 @@ def test_one_buffer():
 
 @pytest.mark.parametrize("case", ["not fp32", "not contiguous", "shapes differ"])
 def test_refuses_what_it_cannot_sum(case):
-    from kernels._column_sums import column_sums
+    from meshtrain.kernels._column_sums import column_sums
 
     a = torch.zeros(4, 6, device=DEVICE)
     b = None

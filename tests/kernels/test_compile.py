@@ -14,8 +14,8 @@ import importlib
 import pytest
 import torch
 
-import kernels
-from kernels import reference
+from meshtrain import kernels
+from meshtrain.kernels import reference
 from tests.kernels.conftest import DEVICE, needs_triton
 
 FP32 = {"rtol": 1e-5, "atol": 1e-5}
@@ -69,7 +69,7 @@ def test_dispatching_op_compiles_without_graph_breaks(op):
 
 
 def _triton(op):
-    module = "kernels.cross_entropy" if op == "linear_cross_entropy" else f"kernels.{op}"
+    module = "meshtrain.kernels.cross_entropy" if op == "linear_cross_entropy" else f"meshtrain.kernels.{op}"
     return getattr(importlib.import_module(module), op)
 
 
@@ -93,7 +93,7 @@ def test_triton_op_compiles_as_custom_op(op):
 
 
 def _custom_op(op):
-    module = importlib.import_module("kernels.cross_entropy" if op == "linear_cross_entropy" else f"kernels.{op}")
+    module = importlib.import_module("meshtrain.kernels.cross_entropy" if op == "linear_cross_entropy" else f"meshtrain.kernels.{op}")
     name = {"cross_entropy": "_ce_op", "linear_cross_entropy": "_lce_op"}.get(op, f"_{op}_op")
     return getattr(module, name)
 
@@ -111,7 +111,7 @@ def test_custom_op_passes_opcheck(op):
 
 @needs_triton
 def test_layer_norm_custom_op_without_bias_passes_opcheck():
-    from kernels.layer_norm import _layer_norm_op
+    from meshtrain.kernels.layer_norm import _layer_norm_op
 
     x, w = torch.randn(5, 20).to(DEVICE), torch.randn(20).to(DEVICE)
     torch.library.opcheck(_layer_norm_op, (x.requires_grad_(), w.requires_grad_(), None, 1e-5))
@@ -125,16 +125,16 @@ def test_auto_keeps_the_compiled_set_on_triton_inside_compiled_regions(monkeypat
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     try:
         kernels.set_mode("auto")
-        assert kernels.resolve("rms_norm", on_cuda=True).__module__ == "kernels.rms_norm"
+        assert kernels.resolve("rms_norm", on_cuda=True).__module__ == "meshtrain.kernels.rms_norm"
         kernels.set_mode("auto", compiled_ops={"rope", "swiglu"})
         assert kernels.resolve("rms_norm", on_cuda=True) is reference.rms_norm
-        assert kernels.resolve("rope", on_cuda=True).__module__ == "kernels.rope"
-        assert kernels.resolve("swiglu", on_cuda=True).__module__ == "kernels.swiglu"
+        assert kernels.resolve("rope", on_cuda=True).__module__ == "meshtrain.kernels.rope"
+        assert kernels.resolve("swiglu", on_cuda=True).__module__ == "meshtrain.kernels.swiglu"
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
-        assert kernels.resolve("rms_norm", on_cuda=True).__module__ == "kernels.rms_norm"
+        assert kernels.resolve("rms_norm", on_cuda=True).__module__ == "meshtrain.kernels.rms_norm"
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
         monkeypatch.setenv("MESHTRAIN_KERNELS", "triton")  # forcing Triton ignores the set
-        assert kernels.resolve("rms_norm", on_cuda=True).__module__ == "kernels.rms_norm"
+        assert kernels.resolve("rms_norm", on_cuda=True).__module__ == "meshtrain.kernels.rms_norm"
     finally:
         kernels.set_mode("auto")
 

@@ -1,4 +1,4 @@
-"""Triton cross-entropy and fused linear + cross-entropy against `kernels.reference`.
+"""Triton cross-entropy and fused linear + cross-entropy against `meshtrain.kernels.reference`.
 
 Shapes are tiny (the interpreter runs one program per token row) but odd: 123 tokens, a
 vocabulary of 77 real rows padded to 80, and `MAX_BLOCK` lowered so a row spans several
@@ -10,7 +10,7 @@ import importlib
 import pytest
 import torch
 
-from kernels import reference
+from meshtrain.kernels import reference
 from tests.kernels.conftest import DEVICE, TOL, needs_triton
 
 pytestmark = needs_triton
@@ -18,7 +18,7 @@ pytestmark = needs_triton
 
 @pytest.fixture
 def small_blocks(monkeypatch):
-    ce = importlib.import_module("kernels.cross_entropy")  # `kernels.cross_entropy` is the op
+    ce = importlib.import_module("meshtrain.kernels.cross_entropy")  # `meshtrain.kernels.cross_entropy` is the op
     monkeypatch.setattr(ce, "MAX_BLOCK", 32)  # 77 columns -> three blocks per row
 
 
@@ -35,7 +35,7 @@ def test_cross_entropy(dtype, masked, small_blocks):
     """Loss and dlogits. fp32: reductions in another order -> 1e-5. bf16 logits: both sides
     upcast the same bf16 values to fp32, so the loss agrees to fp32 rounding (1e-5) and only
     the bf16 dlogits carry bf16 rounding (2e-2)."""
-    from kernels.cross_entropy import cross_entropy
+    from meshtrain.kernels.cross_entropy import cross_entropy
 
     torch.manual_seed(0)
     logits = (3 * torch.randn(3, 41, 77, device=DEVICE)).to(dtype).requires_grad_()
@@ -56,7 +56,7 @@ def test_cross_entropy_on_the_real_columns_of_padded_logits(small_blocks):
     = ["cross_entropy"]): logits over the padded vocabulary with the padding's columns cut
     off, so each row starts 80 elements after the last but holds 77. Loss and gradient as on
     a contiguous copy; the padding's columns get no gradient."""
-    from kernels.cross_entropy import cross_entropy
+    from meshtrain.kernels.cross_entropy import cross_entropy
 
     torch.manual_seed(0)
     padded = (3 * torch.randn(2, 41, 80, device=DEVICE)).requires_grad_()
@@ -87,7 +87,7 @@ def _linear_case(dtype, masked):
 def test_linear_cross_entropy_fp32(masked, small_blocks):
     """fp32 end to end, 50 tokens a chunk (three chunks, the last short): loss, dhidden and
     dweight to 1e-5 of the fp64 reference; padded weight rows get exactly zero gradient."""
-    from kernels.cross_entropy import linear_cross_entropy
+    from meshtrain.kernels.cross_entropy import linear_cross_entropy
 
     hidden, weight, labels, mask = _linear_case(torch.float32, masked)
     loss = linear_cross_entropy(hidden, weight, labels, mask, 77, chunk_size=50)
@@ -106,7 +106,7 @@ def test_linear_cross_entropy_bf16(small_blocks):
     reference, so the loss agrees to ~1e-3 (fp32 math on the same bf16 logits, but chunked
     matmuls may round differently); the gradients go through bf16 matmuls -> 2e-2 relative,
     with dweight's absolute tolerance a little wider since it sums 123 bf16 products."""
-    from kernels.cross_entropy import linear_cross_entropy
+    from meshtrain.kernels.cross_entropy import linear_cross_entropy
 
     hidden, weight, labels, mask = _linear_case(torch.bfloat16, True)
     loss = linear_cross_entropy(hidden, weight, labels, mask, 77, chunk_size=64)
@@ -122,7 +122,7 @@ def test_linear_cross_entropy_bf16(small_blocks):
 
 def test_linear_cross_entropy_without_grad_matches_loss():
     """The loss-only path (no autograd, no gradient buffers) gives the same loss."""
-    from kernels.cross_entropy import linear_cross_entropy
+    from meshtrain.kernels.cross_entropy import linear_cross_entropy
 
     hidden, weight, labels, mask = _linear_case(torch.float32, True)
     with torch.no_grad():
@@ -134,7 +134,7 @@ def test_linear_cross_entropy_without_grad_matches_loss():
 def _call_with_a_bad_label(which: str, bad: int) -> None:
     """One loss call with `bad` as one of its labels: the fused linear + loss with and without
     autograd, or the plain loss (`which`: "linear", "linear-no-grad", "plain")."""
-    from kernels.cross_entropy import cross_entropy, linear_cross_entropy
+    from meshtrain.kernels.cross_entropy import cross_entropy, linear_cross_entropy
 
     hidden, weight, labels, _ = _linear_case(torch.float32, False)
     labels[1, 5] = bad
@@ -184,7 +184,7 @@ def test_vocab_shards_combine_to_the_full_softmax():
     """The vocab-parallel recipe of the module docstring, with two shards simulated in one
     process (a max and two sums stand in for the all-reduces): per-shard stats combine to the
     full loss, and per-shard softmax_grad_ equals the matching slice of the full gradient."""
-    from kernels.cross_entropy import logit_stats, softmax_grad_
+    from meshtrain.kernels.cross_entropy import logit_stats, softmax_grad_
 
     torch.manual_seed(0)
     logits = 3 * torch.randn(9, 77, device=DEVICE)
@@ -215,7 +215,7 @@ def test_tracing_leaves_the_fp32_accumulation_flag_alone(monkeypatch):
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    ce = importlib.import_module("kernels.cross_entropy")  # the package's attribute is the op
+    ce = importlib.import_module("meshtrain.kernels.cross_entropy")  # the package's attribute is the op
     monkeypatch.setattr(ce, "_MM_FP32_OUT", None)
     with FakeTensorMode():
         acc = torch.empty(8, 4, device="cuda", dtype=torch.float32)
@@ -230,7 +230,7 @@ def test_tracing_leaves_the_fp32_accumulation_flag_alone(monkeypatch):
 def test_linear_cross_entropy_of_no_tokens_gives_a_zero_weight_gradient():
     """No tokens (a masked-out, empty micro-batch): no chunk writes the fp32 weight-gradient
     buffer, which came back as uninitialized memory; the reference's gradient is 0."""
-    from kernels.cross_entropy import linear_cross_entropy
+    from meshtrain.kernels.cross_entropy import linear_cross_entropy
 
     h = torch.randn(0, 8, device=DEVICE, requires_grad=True)
     w = torch.randn(13, 8, device=DEVICE, requires_grad=True)
@@ -248,7 +248,7 @@ def test_linear_cross_entropy_of_no_tokens_gives_a_zero_weight_gradient():
 def test_linear_cross_entropy_refuses_a_vocab_size_past_the_weight_rows():
     """vocab_size 13 on an 11-row weight: a label 12 has no logit, and the loss came out as a
     silently wrong number (logsumexp alone); now an error naming both sizes."""
-    from kernels.cross_entropy import linear_cross_entropy
+    from meshtrain.kernels.cross_entropy import linear_cross_entropy
 
     h, w = torch.randn(5, 8, device=DEVICE), torch.randn(11, 8, device=DEVICE)
     labels = torch.tensor([0, 1, 2, 3, 12], device=DEVICE)
@@ -262,7 +262,7 @@ def test_labels_or_mask_of_another_row_count_is_an_error(which, bad):
     """6 labels (or mask values) for 5 token rows: the fused loss used to average the first 5
     losses over 6 (a silently wrong loss) and cross_entropy read the labels by index before any
     check; the reference refuses it. Now a ValueError naming the shapes, before any launch."""
-    ce = importlib.import_module("kernels.cross_entropy")
+    ce = importlib.import_module("meshtrain.kernels.cross_entropy")
     h, w = torch.randn(5, 8, device=DEVICE), torch.randn(11, 8, device=DEVICE)
     labels = torch.randint(0, 11, (6 if bad == "labels" else 5,), device=DEVICE)
     mask = torch.ones(6, device=DEVICE) if bad == "loss_mask" else None

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-import kernels
+from meshtrain import kernels
 from tests.kernels.conftest import HAS_TRITON, needs_triton
 
 
@@ -27,16 +27,16 @@ def test_every_op_registers_on_cuda(monkeypatch):
 
 @needs_triton
 def test_importing_a_kernel_module_keeps_the_dispatching_op():
-    """`kernels/rms_norm.py` shares its name with the op `kernels.rms_norm`; importing the
+    """`kernels/rms_norm.py` shares its name with the op `meshtrain.kernels.rms_norm`; importing the
     module must not replace the function the model calls."""
-    module = importlib.import_module("kernels.rms_norm")
+    module = importlib.import_module("meshtrain.kernels.rms_norm")
     assert callable(kernels.rms_norm) and kernels.rms_norm is not module
-    assert kernels.rms_norm.__module__ == "kernels"
+    assert kernels.rms_norm.__module__ == "meshtrain.kernels"
 
 
 @pytest.mark.skipif(HAS_TRITON, reason="only meaningful where Triton is missing")
 def test_auto_falls_back_without_triton():
-    from kernels import reference
+    from meshtrain.kernels import reference
 
     assert kernels.resolve("rms_norm", on_cuda=True) is reference.rms_norm
 
@@ -44,7 +44,7 @@ def test_auto_falls_back_without_triton():
 def test_the_config_knows_every_op():
     """train.compiled_triton_ops is checked against the config's copy of the op list."""
     pytest.importorskip("tomli_w", reason="the trainer's dependencies are not installed here")
-    from services.trainer.config import KERNEL_OPS
+    from meshtrain.services.trainer.config import KERNEL_OPS
 
     assert KERNEL_OPS == kernels.OPS
 
@@ -55,7 +55,7 @@ def test_reference_projection_hands_its_logits_to_the_dispatched_cross_entropy(m
     the dispatched cross_entropy on the (tokens, vocab) logits, padding rows cut off."""
     import torch
 
-    from kernels import reference
+    from meshtrain.kernels import reference
 
     seen = []
 
@@ -79,7 +79,7 @@ def test_linear_cross_entropy_compiles_whole_on_the_reference():
     trace time: no graph break."""
     import torch
 
-    from kernels import reference
+    from meshtrain.kernels import reference
 
     torch._dynamo.reset()
     h, w = torch.randn(3, 8), torch.randn(10, 8)
@@ -112,12 +112,12 @@ def test_triton_mode_without_triton_says_triton_is_missing():
     """A CUDA op in 'triton' mode where `import triton` fails (run in a fresh interpreter with
     triton blocked): the error says Triton is not installed; 'auto' takes the reference."""
     code = ("import sys; sys.modules['triton'] = None\n"
-            "import kernels\nfrom kernels import reference\n"
+            "from meshtrain import kernels\nfrom meshtrain.kernels import reference\n"
             "assert kernels.resolve('rms_norm', on_cuda=True) is reference.rms_norm\n"
             "kernels.set_mode('triton')\n"
             "try:\n    kernels.resolve('rms_norm', on_cuda=True)\n"
             "except RuntimeError as e:\n    print(e)\n")
     env = {k: v for k, v in os.environ.items() if k != "MESHTRAIN_KERNELS"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True,
-                         cwd=Path(kernels.__file__).parents[1]).stdout
+                         cwd=Path(kernels.__file__).resolve().parents[1]).stdout
     assert "'rms_norm' cannot run on Triton: Triton is not installed" in out, out

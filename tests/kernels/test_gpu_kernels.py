@@ -10,7 +10,7 @@ import importlib
 import pytest
 import torch
 
-from kernels import reference
+from meshtrain.kernels import reference
 
 pytestmark = [
     pytest.mark.gpu,
@@ -47,7 +47,7 @@ def _compare(fast, ref, inputs, dy=None, tol=BF16, grad_tol=None):
 @pytest.mark.parametrize("shape", [(8, 2048, 2048), (4, 1024, 5120), (3, 1021, 1600)])
 def test_rms_norm(shape):
     """dweight sums 10^4-10^5 bf16 rows in fp32: relative 2e-2, absolute scaled by sqrt(rows)."""
-    from kernels.rms_norm import rms_norm
+    from meshtrain.kernels.rms_norm import rms_norm
 
     x = torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(shape[-1], device="cuda", requires_grad=True)  # fp32 master weight
@@ -58,7 +58,7 @@ def test_rms_norm(shape):
 
 @pytest.mark.parametrize("shape", [(8, 1024, 768), (3, 1021, 1600)])
 def test_layer_norm(shape):
-    from kernels.layer_norm import layer_norm
+    from meshtrain.kernels.layer_norm import layer_norm
 
     x = torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(shape[-1], device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -69,14 +69,14 @@ def test_layer_norm(shape):
 
 
 def test_gelu():
-    from kernels.gelu import gelu
+    from meshtrain.kernels.gelu import gelu
 
     _compare(gelu, reference.gelu, [torch.randn(8, 1024, 3072, device="cuda", dtype=torch.bfloat16,
                                                 requires_grad=True)])
 
 
 def test_swiglu():
-    from kernels.swiglu import swiglu
+    from meshtrain.kernels.swiglu import swiglu
 
     _compare(swiglu, reference.swiglu, [torch.randn(4, 2048, 2 * 5461, device="cuda", dtype=torch.bfloat16,
                                                     requires_grad=True)])
@@ -84,7 +84,7 @@ def test_swiglu():
 
 def test_rope():
     """q as the attention layer makes it: a strided view of the fused qkv projection."""
-    from kernels.rope import rope
+    from meshtrain.kernels.rope import rope
 
     b, s, h, g, d = 4, 2048, 32, 8, 128
     qkv = torch.randn(b, s, h + 2 * g, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -105,7 +105,7 @@ def test_linear_cross_entropy_128k_vocab():
     The loss agrees to 1e-3 (same bf16 logits, fp32 softmax); dhidden and dweight come out of
     bf16 matmuls over 128k and 8k terms, hence 2e-2 relative plus a small absolute floor. Peak
     memory must stay well below the reference's full logits."""
-    from kernels.cross_entropy import linear_cross_entropy
+    from meshtrain.kernels.cross_entropy import linear_cross_entropy
 
     n, hdim, vocab, padded = 8192, 2048, 128256, 128512
     torch.manual_seed(0)
@@ -131,7 +131,7 @@ def test_linear_cross_entropy_128k_vocab():
 
 
 def test_cross_entropy_on_logits():
-    from kernels.cross_entropy import cross_entropy
+    from meshtrain.kernels.cross_entropy import cross_entropy
 
     logits = torch.randn(4096, 50304, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     labels = torch.randint(0, 50304, (4096,), device="cuda")
@@ -145,8 +145,8 @@ def test_model_with_triton_kernels_matches_reference(arch, monkeypatch):
     """One forward/backward of a small GPT under bf16 autocast with every op through Triton vs
     every op through the reference: the loss agrees to bf16 noise and so do the gradients."""
     pytest.importorskip("tomli_w", reason="the trainer's dependencies are not installed here")
-    from services.trainer.config import ModelConfig
-    from services.trainer.model import GPT
+    from meshtrain.services.trainer.config import ModelConfig
+    from meshtrain.services.trainer.model import GPT
 
     kw = dict(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=128, vocab_size=1003)
     if arch == "llama":
@@ -177,7 +177,7 @@ def test_model_with_triton_kernels_matches_reference(arch, monkeypatch):
 # ---- the custom-op path under torch.compile (Inductor), and autotuning at real shapes ----
 
 def _compiled(op):
-    module = importlib.import_module("kernels.cross_entropy" if op == "linear_cross_entropy" else f"kernels.{op}")
+    module = importlib.import_module("meshtrain.kernels.cross_entropy" if op == "linear_cross_entropy" else f"meshtrain.kernels.{op}")
     torch._dynamo.reset()
     return torch.compile(getattr(module, op), fullgraph=True)
 
@@ -250,7 +250,7 @@ def test_inductor_runs_the_config_eager_autotuning_chose(op):
 
     inputs, codes = _inductor_code(op)
     code = "\n".join(codes)
-    module = importlib.import_module(f"kernels.{op}")
+    module = importlib.import_module(f"meshtrain.kernels.{op}")
     for name in OP_KERNELS[op]:
         kernel = getattr(module, name)
         block = code.split(f"async_compile.triton('{name}'", 1)[1].split("async_compile.triton(", 1)[0]
@@ -322,7 +322,7 @@ def test_compiled_losses_at_an_odd_vocabulary_get_the_strides_they_were_traced_w
     Inductor must hand them buffers with exactly those strides: the cross-entropy over
     logits made by a matmul in the same graph, and the fused loss (whose chunk logits are its
     own intermediates), both compiled, against the fp32 reference."""
-    from kernels.cross_entropy import cross_entropy, linear_cross_entropy
+    from meshtrain.kernels.cross_entropy import cross_entropy, linear_cross_entropy
 
     n, hdim, vocab = 2048, 768, 50257
     h = torch.randn(n, hdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -347,8 +347,8 @@ def test_compiled_losses_at_an_odd_vocabulary_get_the_strides_they_were_traced_w
 
 def test_norms_autotune_at_training_shapes():
     """After one forward + backward at a training shape each norm kernel has a tuned config."""
-    from kernels.layer_norm import _layer_norm_bwd, _layer_norm_fwd, layer_norm
-    from kernels.rms_norm import _rms_norm_bwd, _rms_norm_fwd, rms_norm
+    from meshtrain.kernels.layer_norm import _layer_norm_bwd, _layer_norm_fwd, layer_norm
+    from meshtrain.kernels.rms_norm import _rms_norm_bwd, _rms_norm_fwd, rms_norm
 
     x = torch.randn(16384, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.ones(2048, device="cuda", requires_grad=True)
@@ -363,9 +363,9 @@ def test_compiled_model_auto_kernels_match_reference(arch, monkeypatch):
     """The trainer's compiled path: 'auto' under torch.compile now takes the Triton custom ops
     (no graph break at the ops); loss and gradients agree with the eager reference to bf16 noise."""
     pytest.importorskip("tomli_w", reason="the trainer's dependencies are not installed here")
-    import kernels
-    from services.trainer.config import ModelConfig
-    from services.trainer.model import GPT
+    from meshtrain import kernels
+    from meshtrain.services.trainer.config import ModelConfig
+    from meshtrain.services.trainer.model import GPT
 
     kw = dict(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=128, vocab_size=1003)
     if arch == "llama":

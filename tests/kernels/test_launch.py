@@ -12,7 +12,7 @@ pytestmark = needs_triton
 def test_pruned_space_fits_registers_and_keeps_the_heuristic(monkeypatch, block, backward):
     """On a GPU (autotuning on): every kept tile fits the per-lane budget, the untuned launch
     is always a candidate, and the space stays small enough to tune in seconds."""
-    from kernels import _launch
+    from meshtrain.kernels import _launch
 
     monkeypatch.setattr(_launch, "autotuning", lambda: True)
     kept = _launch.prune_row_configs(backward)(_launch.row_configs(backward), {"n_rows": 16384}, BLOCK=block)
@@ -27,7 +27,7 @@ def test_pruned_space_fits_registers_and_keeps_the_heuristic(monkeypatch, block,
 
 def test_prune_returns_the_heuristic_alone_without_autotuning(monkeypatch):
     """Under the interpreter (these tests) or MESHTRAIN_KERNEL_AUTOTUNE=0 nothing is timed."""
-    from kernels import _launch
+    from meshtrain.kernels import _launch
 
     monkeypatch.setattr(_launch, "autotuning", lambda: False)
     kept = _launch.prune_row_configs(False)(_launch.row_configs(False), {"n_rows": 5}, BLOCK=128)
@@ -38,7 +38,7 @@ def test_prune_returns_the_heuristic_alone_without_autotuning(monkeypatch):
 def test_reduction_programs_cover_every_row_once(rows):
     import torch
 
-    from kernels._launch import reduction_programs
+    from meshtrain.kernels._launch import reduction_programs
 
     programs, per_program = reduction_programs(rows, torch.device("cpu"))
     assert (programs - 1) * per_program < rows <= programs * per_program
@@ -49,7 +49,7 @@ def test_reduction_programs_of_no_rows_is_one_empty_program():
     weight gradient), not a division by zero."""
     import torch
 
-    from kernels._launch import reduction_programs
+    from meshtrain.kernels._launch import reduction_programs
 
     assert reduction_programs(0, torch.device("cpu")) == (1, 0)
 
@@ -61,7 +61,7 @@ def test_reduction_programs_on_a_gpu_cover_every_row_once_within_the_per_sm_budg
     REDUCTION_PROGRAMS_PER_SM) programs per SM, none of them without rows."""
     import torch
 
-    from kernels import _launch
+    from meshtrain.kernels import _launch
 
     monkeypatch.setattr(_launch, "sm_count", lambda index: 132)
     programs, per_program = _launch.reduction_programs(rows, torch.device("cuda", 0), per_sm)
@@ -79,7 +79,7 @@ def test_kernel_op_is_traced_into_on_a_gpu_build_and_opaque_under_the_interprete
     cannot be traced) the op stays one opaque node. A body of plain torch ops shows which."""
     import torch
 
-    from kernels import _launch
+    from meshtrain.kernels import _launch
 
     monkeypatch.setattr(_launch, "interpreting", lambda: interpreted)
     name = f"meshtrain_test::scaled_{'interp' if interpreted else 'gpu'}"
@@ -160,8 +160,8 @@ def test_torch_finds_each_triton_ops_kernels_for_the_compile_cache_key():
         "cross_entropy": ["_ce_fused_kernel"], "cross_entropy_backward": ["_grad_kernel"],
         "linear_cross_entropy": ["_ce_fused_kernel"],
     }
-    modules = {f"kernels.{op}": [op, f"{op}_backward"] for op in ("rms_norm", "layer_norm", "gelu", "swiglu", "rope")}
-    modules["kernels.cross_entropy"] = ["cross_entropy", "cross_entropy_backward", "linear_cross_entropy"]
+    modules = {f"meshtrain.kernels.{op}": [op, f"{op}_backward"] for op in ("rms_norm", "layer_norm", "gelu", "swiglu", "rope")}
+    modules["meshtrain.kernels.cross_entropy"] = ["cross_entropy", "cross_entropy_backward", "linear_cross_entropy"]
     found = _run_without_interpreter("import os; MODULES = os.environ['MODULES']\n" + _FIND_KERNELS,
                                      MODULES=json.dumps(modules))
     assert found == expected
@@ -174,7 +174,7 @@ def test_kernels_are_wrapped_for_tracing_only_while_a_dispatch_mode_traces(monke
     import torch
     from torch._subclasses.functional_tensor import FunctionalTensorMode
 
-    from kernels import _launch
+    from meshtrain.kernels import _launch
 
     kernel = object()
     monkeypatch.setattr(torch.library, "wrap_triton", lambda k: ("wrapped", k), raising=False)
@@ -194,8 +194,8 @@ def test_an_autotuned_kernel_reaches_inductor_with_one_config(monkeypatch):
     import triton
     from torch._subclasses.functional_tensor import FunctionalTensorMode
 
-    from kernels import _launch
-    from kernels.layer_norm import _layer_norm_fwd
+    from meshtrain.kernels import _launch
+    from meshtrain.kernels.layer_norm import _layer_norm_fwd
 
     monkeypatch.setattr(torch.library, "wrap_triton", lambda k: ("wrapped", k), raising=False)
     monkeypatch.setattr(_launch, "interpreting", lambda: False)
@@ -216,8 +216,8 @@ def test_an_autotuned_kernel_reaches_inductor_with_one_config(monkeypatch):
 _TRACE_ROPE = """
 import json, torch
 from torch._functorch.aot_autograd import aot_module_simplified
-from kernels import reference
-from kernels.rope import rope
+from meshtrain.kernels import reference
+from meshtrain.kernels.rope import rope
 
 seen = []
 

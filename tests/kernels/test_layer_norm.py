@@ -1,16 +1,16 @@
-"""Triton LayerNorm against `kernels.reference.layer_norm`: output, dx, dweight, dbias."""
+"""Triton LayerNorm against `meshtrain.kernels.reference.layer_norm`: output, dx, dweight, dbias."""
 
 import pytest
 import torch
 
-from kernels import reference
+from meshtrain.kernels import reference
 from tests.kernels.conftest import DEVICE, TOL, needs_triton
 
 pytestmark = needs_triton
 
 
 def _check(shape, dtype, bias=True, offset=0.0):
-    from kernels.layer_norm import layer_norm
+    from meshtrain.kernels.layer_norm import layer_norm
 
     torch.manual_seed(0)
     x = (torch.randn(shape, device=DEVICE) + offset).to(dtype).requires_grad_()
@@ -50,7 +50,7 @@ def test_layer_norm_several_tiles_per_backward_program():
 def test_layer_norm_fp32_without_bias_and_large_mean():
     """A mean far from zero checks the centred (two-pass) variance; 1e-4 since x_hat loses
     log2(50) bits to the offset even in fp64 rounding of the fp32 input."""
-    from kernels.layer_norm import layer_norm
+    from meshtrain.kernels.layer_norm import layer_norm
 
     torch.manual_seed(0)
     x = torch.randn(4, 50, device=DEVICE) + 50.0
@@ -68,7 +68,7 @@ def test_layer_norm_bf16():
 def test_layer_norm_empty_batch(bias):
     """No rows: an empty output and zero weight and bias gradients, as the reference gives (the
     backward's program count was a division by zero)."""
-    from kernels.layer_norm import layer_norm
+    from meshtrain.kernels.layer_norm import layer_norm
 
     x = torch.randn(0, 24, device=DEVICE, requires_grad=True)
     w = torch.randn(24, device=DEVICE, requires_grad=True)
@@ -86,7 +86,7 @@ def test_layer_norm_empty_batch(bias):
 def test_layer_norm_refuses_parameters_of_another_width(which, width):
     """A weight or bias of 20 or 30 values for hidden 24: the kernel read 24 by index and
     returned numbers where the reference (F.layer_norm) raises."""
-    from kernels.layer_norm import layer_norm
+    from meshtrain.kernels.layer_norm import layer_norm
 
     params = {"weight": torch.randn(24, device=DEVICE), "bias": torch.randn(24, device=DEVICE)}
     params[which] = torch.randn(width, device=DEVICE)

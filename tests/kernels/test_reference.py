@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-import kernels
-from kernels import reference
+from meshtrain import kernels
+from meshtrain.kernels import reference
 
 
 def test_rms_norm_formula():

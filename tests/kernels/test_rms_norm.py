@@ -1,16 +1,16 @@
-"""Triton RMSNorm against `kernels.reference.rms_norm`: output, dx and dweight."""
+"""Triton RMSNorm against `meshtrain.kernels.reference.rms_norm`: output, dx and dweight."""
 
 import pytest
 import torch
 
-from kernels import reference
+from meshtrain.kernels import reference
 from tests.kernels.conftest import DEVICE, TOL, needs_triton
 
 pytestmark = needs_triton
 
 
 def _check(shape, dtype, weight_dtype=None):
-    from kernels.rms_norm import rms_norm
+    from meshtrain.kernels.rms_norm import rms_norm
 
     torch.manual_seed(0)
     x = torch.randn(shape, device=DEVICE, dtype=dtype, requires_grad=True)
@@ -48,7 +48,7 @@ def test_rms_norm_bf16_with_fp32_weight():
 
 
 def test_rms_norm_non_contiguous_input():
-    from kernels.rms_norm import rms_norm
+    from meshtrain.kernels.rms_norm import rms_norm
 
     x = torch.randn(6, 40, device=DEVICE)[:, ::2]  # (6, 20), stride 2 along hidden
     w = torch.randn(20, device=DEVICE)
@@ -58,7 +58,7 @@ def test_rms_norm_non_contiguous_input():
 def test_rms_norm_empty_batch():
     """No rows (an empty micro-batch): an empty output, no dx and a zero weight gradient, as the
     reference gives (the backward's program count was a division by zero)."""
-    from kernels.rms_norm import rms_norm
+    from meshtrain.kernels.rms_norm import rms_norm
 
     x = torch.randn(0, 24, device=DEVICE, requires_grad=True)
     w = torch.randn(24, device=DEVICE, requires_grad=True)
@@ -72,7 +72,7 @@ def test_rms_norm_empty_batch():
 def test_rms_norm_refuses_a_weight_of_another_width(width):
     """A (20,), (30,) or (1,) weight for hidden 24: the kernel read 24 weights by index (past
     a shorter weight's end) and returned numbers where the reference raises."""
-    from kernels.rms_norm import rms_norm
+    from meshtrain.kernels.rms_norm import rms_norm
 
     with pytest.raises(ValueError, match=rf"weight of shape \({width},\) for x of shape \(3, 24\); it must be \(24,\)"):
         rms_norm(torch.randn(3, 24, device=DEVICE), torch.randn(width, device=DEVICE), 1e-6)

@@ -1,9 +1,9 @@
-"""Triton RoPE against `kernels.reference.rope`, forward and backward, on strided q/k views."""
+"""Triton RoPE against `meshtrain.kernels.reference.rope`, forward and backward, on strided q/k views."""
 
 import pytest
 import torch
 
-from kernels import reference
+from meshtrain.kernels import reference
 from tests.kernels.conftest import DEVICE, TOL, needs_triton
 
 pytestmark = needs_triton
@@ -15,7 +15,7 @@ def test_rope_on_strided_views(dtype):
     (b, heads, s, d); 3 heads, seq 131 (two position tiles, the second partial), head_dim 10
     (half 5, not a power of two).
     fp32: a two-term sum per element, exact to rounding -> 1e-5; bf16: output rounding -> 2e-2."""
-    from kernels.rope import rope
+    from meshtrain.kernels.rope import rope
 
     torch.manual_seed(0)
     b, h, s, d = 2, 3, 131, 10
@@ -36,7 +36,7 @@ def test_rope_on_strided_views(dtype):
 def test_rope_with_unequal_halves_of_the_tables():
     """The spec takes any (s, d) cos/sin, not only tables whose halves repeat; random tables
     check that each half of x meets the right half of cos and sin, forward and backward."""
-    from kernels.rope import rope
+    from meshtrain.kernels.rope import rope
 
     torch.manual_seed(0)
     x = torch.randn(1, 2, 5, 6, device=DEVICE, dtype=torch.float64).requires_grad_()

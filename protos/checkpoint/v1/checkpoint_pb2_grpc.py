@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos.checkpoint.v1 import checkpoint_pb2 as protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2
+from meshtrain.protos.checkpoint.v1 import checkpoint_pb2 as meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2
 
 GRPC_GENERATED_VERSION = '1.84.0'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/checkpoint/v1/checkpoint_pb2_grpc.py depends on'
+        + ' but the generated code in meshtrain/protos/checkpoint/v1/checkpoint_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,53 +36,53 @@ class CheckpointServiceStub:
         """
         self.BeginSave = channel.unary_unary(
                 '/meshtrain.checkpoint.v1.CheckpointService/BeginSave',
-                request_serializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.BeginSaveRequest.SerializeToString,
-                response_deserializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.BeginSaveResponse.FromString,
+                request_serializer=meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.BeginSaveRequest.SerializeToString,
+                response_deserializer=meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.BeginSaveResponse.FromString,
                 _registered_method=True)
         self.WriteShards = channel.stream_unary(
                 '/meshtrain.checkpoint.v1.CheckpointService/WriteShards',
-                request_serializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.WriteShardsRequest.SerializeToString,
-                response_deserializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.WriteShardsResponse.FromString,
+                request_serializer=meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.WriteShardsRequest.SerializeToString,
+                response_deserializer=meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.WriteShardsResponse.FromString,
                 _registered_method=True)
         self.Commit = channel.unary_unary(
                 '/meshtrain.checkpoint.v1.CheckpointService/Commit',
-                request_serializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.CommitRequest.SerializeToString,
-                response_deserializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.CommitResponse.FromString,
+                request_serializer=meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.CommitRequest.SerializeToString,
+                response_deserializer=meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.CommitResponse.FromString,
                 _registered_method=True)
         self.AbortSave = channel.unary_unary(
                 '/meshtrain.checkpoint.v1.CheckpointService/AbortSave',
-                request_serializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.AbortSaveRequest.SerializeToString,
-                response_deserializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.AbortSaveResponse.FromString,
+                request_serializer=meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.AbortSaveRequest.SerializeToString,
+                response_deserializer=meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.AbortSaveResponse.FromString,
                 _registered_method=True)
         self.ResumeSave = channel.unary_unary(
                 '/meshtrain.checkpoint.v1.CheckpointService/ResumeSave',
-                request_serializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.ResumeSaveRequest.SerializeToString,
-                response_deserializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.ResumeSaveResponse.FromString,
+                request_serializer=meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.ResumeSaveRequest.SerializeToString,
+                response_deserializer=meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.ResumeSaveResponse.FromString,
                 _registered_method=True)
         self.List = channel.unary_unary(
                 '/meshtrain.checkpoint.v1.CheckpointService/List',
-                request_serializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.ListRequest.SerializeToString,
-                response_deserializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.ListResponse.FromString,
+                request_serializer=meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.ListRequest.SerializeToString,
+                response_deserializer=meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.ListResponse.FromString,
                 _registered_method=True)
         self.Describe = channel.unary_unary(
                 '/meshtrain.checkpoint.v1.CheckpointService/Describe',
-                request_serializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.DescribeRequest.SerializeToString,
-                response_deserializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.DescribeResponse.FromString,
+                request_serializer=meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.DescribeRequest.SerializeToString,
+                response_deserializer=meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.DescribeResponse.FromString,
                 _registered_method=True)
         self.ReadSlice = channel.unary_stream(
                 '/meshtrain.checkpoint.v1.CheckpointService/ReadSlice',
-                request_serializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.ReadSliceRequest.SerializeToString,
-                response_deserializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.ReadSliceResponse.FromString,
+                request_serializer=meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.ReadSliceRequest.SerializeToString,
+                response_deserializer=meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.ReadSliceResponse.FromString,
                 _registered_method=True)
         self.Delete = channel.unary_unary(
                 '/meshtrain.checkpoint.v1.CheckpointService/Delete',
-                request_serializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.DeleteRequest.SerializeToString,
-                response_deserializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.DeleteResponse.FromString,
+                request_serializer=meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.DeleteRequest.SerializeToString,
+                response_deserializer=meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.DeleteResponse.FromString,
                 _registered_method=True)
         self.ApplyRetention = channel.unary_unary(
                 '/meshtrain.checkpoint.v1.CheckpointService/ApplyRetention',
-                request_serializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.RetentionRequest.SerializeToString,
-                response_deserializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.RetentionResponse.FromString,
+                request_serializer=meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.RetentionRequest.SerializeToString,
+                response_deserializer=meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.RetentionResponse.FromString,
                 _registered_method=True)
 
 
@@ -166,53 +166,53 @@ def add_CheckpointServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'BeginSave': grpc.unary_unary_rpc_method_handler(
                     servicer.BeginSave,
-                    request_deserializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.BeginSaveRequest.FromString,
-                    response_serializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.BeginSaveResponse.SerializeToString,
+                    request_deserializer=meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.BeginSaveRequest.FromString,
+                    response_serializer=meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.BeginSaveResponse.SerializeToString,
             ),
             'WriteShards': grpc.stream_unary_rpc_method_handler(
                     servicer.WriteShards,
-                    request_deserializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.WriteShardsRequest.FromString,
-                    response_serializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.WriteShardsResponse.SerializeToString,
+                    request_deserializer=meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.WriteShardsRequest.FromString,
+                    response_serializer=meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.WriteShardsResponse.SerializeToString,
             ),
             'Commit': grpc.unary_unary_rpc_method_handler(
                     servicer.Commit,
-                    request_deserializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.CommitRequest.FromString,
-                    response_serializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.CommitResponse.SerializeToString,
+                    request_deserializer=meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.CommitRequest.FromString,
+                    response_serializer=meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.CommitResponse.SerializeToString,
             ),
             'AbortSave': grpc.unary_unary_rpc_method_handler(
                     servicer.AbortSave,
-                    request_deserializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.AbortSaveRequest.FromString,
-                    response_serializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.AbortSaveResponse.SerializeToString,
+                    request_deserializer=meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.AbortSaveRequest.FromString,
+                    response_serializer=meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.AbortSaveResponse.SerializeToString,
             ),
             'ResumeSave': grpc.unary_unary_rpc_method_handler(
                     servicer.ResumeSave,
-                    request_deserializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.ResumeSaveRequest.FromString,
-                    response_serializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.ResumeSaveResponse.SerializeToString,
+                    request_deserializer=meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.ResumeSaveRequest.FromString,
+                    response_serializer=meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.ResumeSaveResponse.SerializeToString,
             ),
             'List': grpc.unary_unary_rpc_method_handler(
                     servicer.List,
-                    request_deserializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.ListRequest.FromString,
-                    response_serializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.ListResponse.SerializeToString,
+                    request_deserializer=meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.ListRequest.FromString,
+                    response_serializer=meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.ListResponse.SerializeToString,
             ),
             'Describe': grpc.unary_unary_rpc_method_handler(
                     servicer.Describe,
-                    request_deserializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.DescribeRequest.FromString,
-                    response_serializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.DescribeResponse.SerializeToString,
+                    request_deserializer=meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.DescribeRequest.FromString,
+                    response_serializer=meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.DescribeResponse.SerializeToString,
             ),
             'ReadSlice': grpc.unary_stream_rpc_method_handler(
                     servicer.ReadSlice,
-                    request_deserializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.ReadSliceRequest.FromString,
-                    response_serializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.ReadSliceResponse.SerializeToString,
+                    request_deserializer=meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.ReadSliceRequest.FromString,
+                    response_serializer=meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.ReadSliceResponse.SerializeToString,
             ),
             'Delete': grpc.unary_unary_rpc_method_handler(
                     servicer.Delete,
-                    request_deserializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.DeleteRequest.FromString,
-                    response_serializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.DeleteResponse.SerializeToString,
+                    request_deserializer=meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.DeleteRequest.FromString,
+                    response_serializer=meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.DeleteResponse.SerializeToString,
             ),
             'ApplyRetention': grpc.unary_unary_rpc_method_handler(
                     servicer.ApplyRetention,
-                    request_deserializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.RetentionRequest.FromString,
-                    response_serializer=protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.RetentionResponse.SerializeToString,
+                    request_deserializer=meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.RetentionRequest.FromString,
+                    response_serializer=meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.RetentionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -240,8 +240,8 @@ class CheckpointService:
             request,
             target,
             '/meshtrain.checkpoint.v1.CheckpointService/BeginSave',
-            protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.BeginSaveRequest.SerializeToString,
-            protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.BeginSaveResponse.FromString,
+            meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.BeginSaveRequest.SerializeToString,
+            meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.BeginSaveResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -267,8 +267,8 @@ class CheckpointService:
             request_iterator,
             target,
             '/meshtrain.checkpoint.v1.CheckpointService/WriteShards',
-            protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.WriteShardsRequest.SerializeToString,
-            protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.WriteShardsResponse.FromString,
+            meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.WriteShardsRequest.SerializeToString,
+            meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.WriteShardsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -294,8 +294,8 @@ class CheckpointService:
             request,
             target,
             '/meshtrain.checkpoint.v1.CheckpointService/Commit',
-            protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.CommitRequest.SerializeToString,
-            protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.CommitResponse.FromString,
+            meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.CommitRequest.SerializeToString,
+            meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.CommitResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -321,8 +321,8 @@ class CheckpointService:
             request,
             target,
             '/meshtrain.checkpoint.v1.CheckpointService/AbortSave',
-            protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.AbortSaveRequest.SerializeToString,
-            protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.AbortSaveResponse.FromString,
+            meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.AbortSaveRequest.SerializeToString,
+            meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.AbortSaveResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -348,8 +348,8 @@ class CheckpointService:
             request,
             target,
             '/meshtrain.checkpoint.v1.CheckpointService/ResumeSave',
-            protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.ResumeSaveRequest.SerializeToString,
-            protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.ResumeSaveResponse.FromString,
+            meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.ResumeSaveRequest.SerializeToString,
+            meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.ResumeSaveResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -375,8 +375,8 @@ class CheckpointService:
             request,
             target,
             '/meshtrain.checkpoint.v1.CheckpointService/List',
-            protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.ListRequest.SerializeToString,
-            protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.ListResponse.FromString,
+            meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.ListRequest.SerializeToString,
+            meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.ListResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -402,8 +402,8 @@ class CheckpointService:
             request,
             target,
             '/meshtrain.checkpoint.v1.CheckpointService/Describe',
-            protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.DescribeRequest.SerializeToString,
-            protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.DescribeResponse.FromString,
+            meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.DescribeRequest.SerializeToString,
+            meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.DescribeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -429,8 +429,8 @@ class CheckpointService:
             request,
             target,
             '/meshtrain.checkpoint.v1.CheckpointService/ReadSlice',
-            protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.ReadSliceRequest.SerializeToString,
-            protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.ReadSliceResponse.FromString,
+            meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.ReadSliceRequest.SerializeToString,
+            meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.ReadSliceResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -456,8 +456,8 @@ class CheckpointService:
             request,
             target,
             '/meshtrain.checkpoint.v1.CheckpointService/Delete',
-            protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.DeleteRequest.SerializeToString,
-            protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.DeleteResponse.FromString,
+            meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.DeleteRequest.SerializeToString,
+            meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.DeleteResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -483,8 +483,8 @@ class CheckpointService:
             request,
             target,
             '/meshtrain.checkpoint.v1.CheckpointService/ApplyRetention',
-            protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.RetentionRequest.SerializeToString,
-            protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.RetentionResponse.FromString,
+            meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.RetentionRequest.SerializeToString,
+            meshtrain_dot_protos_dot_checkpoint_dot_v1_dot_checkpoint__pb2.RetentionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos.dataloader.v1 import dataloader_pb2 as protos_dot_dataloader_dot_v1_dot_dataloader__pb2
+from meshtrain.protos.dataloader.v1 import dataloader_pb2 as meshtrain_dot_protos_dot_dataloader_dot_v1_dot_dataloader__pb2
 
 GRPC_GENERATED_VERSION = '1.84.0'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/dataloader/v1/dataloader_pb2_grpc.py depends on'
+        + ' but the generated code in meshtrain/protos/dataloader/v1/dataloader_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,13 +36,13 @@ class DataServiceStub:
         """
         self.StreamBatches = channel.unary_stream(
                 '/meshtrain.dataloader.v1.DataService/StreamBatches',
-                request_serializer=protos_dot_dataloader_dot_v1_dot_dataloader__pb2.StreamRequest.SerializeToString,
-                response_deserializer=protos_dot_dataloader_dot_v1_dot_dataloader__pb2.MicroBatch.FromString,
+                request_serializer=meshtrain_dot_protos_dot_dataloader_dot_v1_dot_dataloader__pb2.StreamRequest.SerializeToString,
+                response_deserializer=meshtrain_dot_protos_dot_dataloader_dot_v1_dot_dataloader__pb2.MicroBatch.FromString,
                 _registered_method=True)
         self.Describe = channel.unary_unary(
                 '/meshtrain.dataloader.v1.DataService/Describe',
-                request_serializer=protos_dot_dataloader_dot_v1_dot_dataloader__pb2.StreamRequest.SerializeToString,
-                response_deserializer=protos_dot_dataloader_dot_v1_dot_dataloader__pb2.DescribeResponse.FromString,
+                request_serializer=meshtrain_dot_protos_dot_dataloader_dot_v1_dot_dataloader__pb2.StreamRequest.SerializeToString,
+                response_deserializer=meshtrain_dot_protos_dot_dataloader_dot_v1_dot_dataloader__pb2.DescribeResponse.FromString,
                 _registered_method=True)
 
 
@@ -68,13 +68,13 @@ def add_DataServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'StreamBatches': grpc.unary_stream_rpc_method_handler(
                     servicer.StreamBatches,
-                    request_deserializer=protos_dot_dataloader_dot_v1_dot_dataloader__pb2.StreamRequest.FromString,
-                    response_serializer=protos_dot_dataloader_dot_v1_dot_dataloader__pb2.MicroBatch.SerializeToString,
+                    request_deserializer=meshtrain_dot_protos_dot_dataloader_dot_v1_dot_dataloader__pb2.StreamRequest.FromString,
+                    response_serializer=meshtrain_dot_protos_dot_dataloader_dot_v1_dot_dataloader__pb2.MicroBatch.SerializeToString,
             ),
             'Describe': grpc.unary_unary_rpc_method_handler(
                     servicer.Describe,
-                    request_deserializer=protos_dot_dataloader_dot_v1_dot_dataloader__pb2.StreamRequest.FromString,
-                    response_serializer=protos_dot_dataloader_dot_v1_dot_dataloader__pb2.DescribeResponse.SerializeToString,
+                    request_deserializer=meshtrain_dot_protos_dot_dataloader_dot_v1_dot_dataloader__pb2.StreamRequest.FromString,
+                    response_serializer=meshtrain_dot_protos_dot_dataloader_dot_v1_dot_dataloader__pb2.DescribeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -102,8 +102,8 @@ class DataService:
             request,
             target,
             '/meshtrain.dataloader.v1.DataService/StreamBatches',
-            protos_dot_dataloader_dot_v1_dot_dataloader__pb2.StreamRequest.SerializeToString,
-            protos_dot_dataloader_dot_v1_dot_dataloader__pb2.MicroBatch.FromString,
+            meshtrain_dot_protos_dot_dataloader_dot_v1_dot_dataloader__pb2.StreamRequest.SerializeToString,
+            meshtrain_dot_protos_dot_dataloader_dot_v1_dot_dataloader__pb2.MicroBatch.FromString,
             options,
             channel_credentials,
             insecure,
@@ -129,8 +129,8 @@ class DataService:
             request,
             target,
             '/meshtrain.dataloader.v1.DataService/Describe',
-            protos_dot_dataloader_dot_v1_dot_dataloader__pb2.StreamRequest.SerializeToString,
-            protos_dot_dataloader_dot_v1_dot_dataloader__pb2.DescribeResponse.FromString,
+            meshtrain_dot_protos_dot_dataloader_dot_v1_dot_dataloader__pb2.StreamRequest.SerializeToString,
+            meshtrain_dot_protos_dot_dataloader_dot_v1_dot_dataloader__pb2.DescribeResponse.FromString,
             options,
             channel_credentials,
             insecure,

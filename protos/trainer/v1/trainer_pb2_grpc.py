@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos.trainer.v1 import trainer_pb2 as protos_dot_trainer_dot_v1_dot_trainer__pb2
+from meshtrain.protos.trainer.v1 import trainer_pb2 as meshtrain_dot_protos_dot_trainer_dot_v1_dot_trainer__pb2
 
 GRPC_GENERATED_VERSION = '1.84.0'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/trainer/v1/trainer_pb2_grpc.py depends on'
+        + ' but the generated code in meshtrain/protos/trainer/v1/trainer_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,18 +36,18 @@ class TrainerControlStub:
         """
         self.Status = channel.unary_unary(
                 '/meshtrain.trainer.v1.TrainerControl/Status',
-                request_serializer=protos_dot_trainer_dot_v1_dot_trainer__pb2.StatusRequest.SerializeToString,
-                response_deserializer=protos_dot_trainer_dot_v1_dot_trainer__pb2.StatusResponse.FromString,
+                request_serializer=meshtrain_dot_protos_dot_trainer_dot_v1_dot_trainer__pb2.StatusRequest.SerializeToString,
+                response_deserializer=meshtrain_dot_protos_dot_trainer_dot_v1_dot_trainer__pb2.StatusResponse.FromString,
                 _registered_method=True)
         self.Checkpoint = channel.unary_unary(
                 '/meshtrain.trainer.v1.TrainerControl/Checkpoint',
-                request_serializer=protos_dot_trainer_dot_v1_dot_trainer__pb2.CheckpointRequest.SerializeToString,
-                response_deserializer=protos_dot_trainer_dot_v1_dot_trainer__pb2.CheckpointResponse.FromString,
+                request_serializer=meshtrain_dot_protos_dot_trainer_dot_v1_dot_trainer__pb2.CheckpointRequest.SerializeToString,
+                response_deserializer=meshtrain_dot_protos_dot_trainer_dot_v1_dot_trainer__pb2.CheckpointResponse.FromString,
                 _registered_method=True)
         self.Stop = channel.unary_unary(
                 '/meshtrain.trainer.v1.TrainerControl/Stop',
-                request_serializer=protos_dot_trainer_dot_v1_dot_trainer__pb2.StopRequest.SerializeToString,
-                response_deserializer=protos_dot_trainer_dot_v1_dot_trainer__pb2.StopResponse.FromString,
+                request_serializer=meshtrain_dot_protos_dot_trainer_dot_v1_dot_trainer__pb2.StopRequest.SerializeToString,
+                response_deserializer=meshtrain_dot_protos_dot_trainer_dot_v1_dot_trainer__pb2.StopResponse.FromString,
                 _registered_method=True)
 
 
@@ -80,18 +80,18 @@ def add_TrainerControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
-                    request_deserializer=protos_dot_trainer_dot_v1_dot_trainer__pb2.StatusRequest.FromString,
-                    response_serializer=protos_dot_trainer_dot_v1_dot_trainer__pb2.StatusResponse.SerializeToString,
+                    request_deserializer=meshtrain_dot_protos_dot_trainer_dot_v1_dot_trainer__pb2.StatusRequest.FromString,
+                    response_serializer=meshtrain_dot_protos_dot_trainer_dot_v1_dot_trainer__pb2.StatusResponse.SerializeToString,
             ),
             'Checkpoint': grpc.unary_unary_rpc_method_handler(
                     servicer.Checkpoint,
-                    request_deserializer=protos_dot_trainer_dot_v1_dot_trainer__pb2.CheckpointRequest.FromString,
-                    response_serializer=protos_dot_trainer_dot_v1_dot_trainer__pb2.CheckpointResponse.SerializeToString,
+                    request_deserializer=meshtrain_dot_protos_dot_trainer_dot_v1_dot_trainer__pb2.CheckpointRequest.FromString,
+                    response_serializer=meshtrain_dot_protos_dot_trainer_dot_v1_dot_trainer__pb2.CheckpointResponse.SerializeToString,
             ),
             'Stop': grpc.unary_unary_rpc_method_handler(
                     servicer.Stop,
-                    request_deserializer=protos_dot_trainer_dot_v1_dot_trainer__pb2.StopRequest.FromString,
-                    response_serializer=protos_dot_trainer_dot_v1_dot_trainer__pb2.StopResponse.SerializeToString,
+                    request_deserializer=meshtrain_dot_protos_dot_trainer_dot_v1_dot_trainer__pb2.StopRequest.FromString,
+                    response_serializer=meshtrain_dot_protos_dot_trainer_dot_v1_dot_trainer__pb2.StopResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -119,8 +119,8 @@ class TrainerControl:
             request,
             target,
             '/meshtrain.trainer.v1.TrainerControl/Status',
-            protos_dot_trainer_dot_v1_dot_trainer__pb2.StatusRequest.SerializeToString,
-            protos_dot_trainer_dot_v1_dot_trainer__pb2.StatusResponse.FromString,
+            meshtrain_dot_protos_dot_trainer_dot_v1_dot_trainer__pb2.StatusRequest.SerializeToString,
+            meshtrain_dot_protos_dot_trainer_dot_v1_dot_trainer__pb2.StatusResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -146,8 +146,8 @@ class TrainerControl:
             request,
             target,
             '/meshtrain.trainer.v1.TrainerControl/Checkpoint',
-            protos_dot_trainer_dot_v1_dot_trainer__pb2.CheckpointRequest.SerializeToString,
-            protos_dot_trainer_dot_v1_dot_trainer__pb2.CheckpointResponse.FromString,
+            meshtrain_dot_protos_dot_trainer_dot_v1_dot_trainer__pb2.CheckpointRequest.SerializeToString,
+            meshtrain_dot_protos_dot_trainer_dot_v1_dot_trainer__pb2.CheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -173,8 +173,8 @@ class TrainerControl:
             request,
             target,
             '/meshtrain.trainer.v1.TrainerControl/Stop',
-            protos_dot_trainer_dot_v1_dot_trainer__pb2.StopRequest.SerializeToString,
-            protos_dot_trainer_dot_v1_dot_trainer__pb2.StopResponse.FromString,
+            meshtrain_dot_protos_dot_trainer_dot_v1_dot_trainer__pb2.StopRequest.SerializeToString,
+            meshtrain_dot_protos_dot_trainer_dot_v1_dot_trainer__pb2.StopResponse.FromString,
             options,
             channel_credentials,
             insecure,

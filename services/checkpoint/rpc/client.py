@@ -21,14 +21,14 @@ import grpc
 import numpy as np
 import torch
 
-from protos.checkpoint.v1 import checkpoint_pb2 as pb
-from protos.checkpoint.v1 import checkpoint_pb2_grpc as pb_grpc
-from services.checkpoint import layout
-from services.checkpoint.maintenance import RetentionResult
-from services.checkpoint.sharded import SaveResult
-from services.checkpoint.shards import ShardSpec
-from services.common.errors import CheckpointError, MeshtrainError, SaveForgottenError
-from services.common.grpc_utils import (
+from meshtrain.protos.checkpoint.v1 import checkpoint_pb2 as pb
+from meshtrain.protos.checkpoint.v1 import checkpoint_pb2_grpc as pb_grpc
+from meshtrain.services.checkpoint import layout
+from meshtrain.services.checkpoint.maintenance import RetentionResult
+from meshtrain.services.checkpoint.sharded import SaveResult
+from meshtrain.services.checkpoint.shards import ShardSpec
+from meshtrain.services.common.errors import CheckpointError, MeshtrainError, SaveForgottenError
+from meshtrain.services.common.grpc_utils import (
     MAX_MESSAGE_BYTES,
     channel_options,
     is_lasting,

@@ -1,5 +1,5 @@
 """Run the checkpoint service: `meshtrain ckpt serve ROOT --port P` or
-`python -m services.checkpoint.rpc.server ROOT --port P`.
+`python -m meshtrain.services.checkpoint.rpc.server ROOT --port P`.
 
 One service serves one checkpoint root (local folder, `s3://` with endpoint and credentials
 from the environment, ...). It has the standard health service and reflection (try
@@ -14,16 +14,16 @@ import argparse
 import logging
 import sys
 
-from protos.checkpoint.v1 import checkpoint_pb2_grpc as pb_grpc
-from services.checkpoint.cli import add_serve_arguments
-from services.checkpoint.rpc.servicer import (
+from meshtrain.protos.checkpoint.v1 import checkpoint_pb2_grpc as pb_grpc
+from meshtrain.services.checkpoint.cli import add_serve_arguments
+from meshtrain.services.checkpoint.rpc.servicer import (
     SERVICE_NAME,
     CheckpointServicer,
     storage_unavailable,
 )
-from services.common.errors import ConfigError
-from services.common.grpc_utils import make_server, serve_forever
-from services.common.metrics import MetricsInterceptor, start_metrics_server
+from meshtrain.services.common.errors import ConfigError
+from meshtrain.services.common.grpc_utils import make_server, serve_forever
+from meshtrain.services.common.metrics import MetricsInterceptor, start_metrics_server
 
 log = logging.getLogger("meshtrain.checkpoint")
 

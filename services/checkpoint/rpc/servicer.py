@@ -39,17 +39,17 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
-from protos.checkpoint.v1 import checkpoint_pb2 as pb
-from protos.checkpoint.v1 import checkpoint_pb2_grpc as pb_grpc
-from services.checkpoint import layout
-from services.checkpoint.maintenance import apply_retention, delete_checkpoint
-from services.checkpoint.reader import (
+from meshtrain.protos.checkpoint.v1 import checkpoint_pb2 as pb
+from meshtrain.protos.checkpoint.v1 import checkpoint_pb2_grpc as pb_grpc
+from meshtrain.services.checkpoint import layout
+from meshtrain.services.checkpoint.maintenance import apply_retention, delete_checkpoint
+from meshtrain.services.checkpoint.reader import (
     box_entry,
     list_checkpoints,
     read_box,
     read_manifest,
 )
-from services.checkpoint.sharded import (
+from meshtrain.services.checkpoint.sharded import (
     SaveResult,
     ShardWriter,
     begin_save,
@@ -58,14 +58,14 @@ from services.checkpoint.sharded import (
     committed_by,
     resume_save,
 )
-from services.checkpoint.shards import ShardSpec
-from services.common.errors import (
+from meshtrain.services.checkpoint.shards import ShardSpec
+from meshtrain.services.common.errors import (
     CheckpointError,
     StorageUnavailableError,
     is_lasting_storage_error,
     is_storage_error,
 )
-from services.common.grpc_utils import StreamIdleError, status_details, until_idle
+from meshtrain.services.common.grpc_utils import StreamIdleError, status_details, until_idle
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CheckpointService"].full_name
 log = logging.getLogger("meshtrain.checkpoint")

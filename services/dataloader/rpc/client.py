@@ -38,14 +38,14 @@ from typing import Self
 import grpc
 import numpy as np
 
-from protos.dataloader.v1 import dataloader_pb2 as pb
-from protos.dataloader.v1 import dataloader_pb2_grpc as pb_grpc
-from services.common.errors import DataError
-from services.common.grpc_utils import channel_options, is_permanent, put_unless_stopped
-from services.dataloader.indexed import DTYPE_CODES
-from services.dataloader.loader import Batch, BatchOptions, batch_from_samples
-from services.dataloader.rpc.servicer import spec_to_proto
-from services.dataloader.spec import DatasetSpec
+from meshtrain.protos.dataloader.v1 import dataloader_pb2 as pb
+from meshtrain.protos.dataloader.v1 import dataloader_pb2_grpc as pb_grpc
+from meshtrain.services.common.errors import DataError
+from meshtrain.services.common.grpc_utils import channel_options, is_permanent, put_unless_stopped
+from meshtrain.services.dataloader.indexed import DTYPE_CODES
+from meshtrain.services.dataloader.loader import Batch, BatchOptions, batch_from_samples
+from meshtrain.services.dataloader.rpc.servicer import spec_to_proto
+from meshtrain.services.dataloader.spec import DatasetSpec
 
 log = logging.getLogger("meshtrain.data")
 

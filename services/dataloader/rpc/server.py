@@ -1,4 +1,4 @@
-"""Run a DataService worker: `meshtrain data serve --port P` or `python -m services.dataloader.rpc.server`.
+"""Run a DataService worker: `meshtrain data serve --port P` or `python -m meshtrain.services.dataloader.rpc.server`.
 
 A worker is stateless, so capacity grows by starting more of them (any port, any host that
 sees the dataset files at the same paths) and handing all addresses to the trainer's client.
@@ -12,12 +12,12 @@ import argparse
 import logging
 import sys
 
-from protos.dataloader.v1 import dataloader_pb2_grpc as pb_grpc
-from services.common.errors import ConfigError
-from services.common.grpc_utils import make_server, serve_forever
-from services.common.metrics import MetricsInterceptor, start_metrics_server
-from services.dataloader.cli import add_serve_arguments
-from services.dataloader.rpc.servicer import SERVICE_NAME, DataServicer
+from meshtrain.protos.dataloader.v1 import dataloader_pb2_grpc as pb_grpc
+from meshtrain.services.common.errors import ConfigError
+from meshtrain.services.common.grpc_utils import make_server, serve_forever
+from meshtrain.services.common.metrics import MetricsInterceptor, start_metrics_server
+from meshtrain.services.dataloader.cli import add_serve_arguments
+from meshtrain.services.dataloader.rpc.servicer import SERVICE_NAME, DataServicer
 
 log = logging.getLogger("meshtrain.data")
 

@@ -25,11 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
-from protos.dataloader.v1 import dataloader_pb2 as pb
-from protos.dataloader.v1 import dataloader_pb2_grpc as pb_grpc
-from services.common.errors import DataError, DataUnavailableError
-from services.dataloader.loader import LocalBatchSource
-from services.dataloader.spec import DatasetSpec, MemoryBudget, open_dataset
+from meshtrain.protos.dataloader.v1 import dataloader_pb2 as pb
+from meshtrain.protos.dataloader.v1 import dataloader_pb2_grpc as pb_grpc
+from meshtrain.services.common.errors import DataError, DataUnavailableError
+from meshtrain.services.dataloader.loader import LocalBatchSource
+from meshtrain.services.dataloader.spec import DatasetSpec, MemoryBudget, open_dataset
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DataService"].full_name
 # A micro-batch message stays far below the gRPC message limit; bigger requests are refused.

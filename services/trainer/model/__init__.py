@@ -1,5 +1,5 @@
 """Single-device GPT-family model; `parallel/` turns it into a sharded one."""
 
-from services.trainer.model.gpt import GPT
+from meshtrain.services.trainer.model.gpt import GPT
 
 __all__ = ["GPT"]

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import kernels
-from services.trainer.config import ModelConfig
+from meshtrain import kernels
+from meshtrain.services.trainer.config import ModelConfig
 
 BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
 """SDPA backends `model.attention_backend` can pin; 'auto' is PyTorch's own choice."""

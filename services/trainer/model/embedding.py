@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.reference import compute_dtype
-from services.trainer.config import ModelConfig
+from meshtrain.kernels.reference import compute_dtype
+from meshtrain.services.trainer.config import ModelConfig
 
 
 class Embedding(nn.Module):

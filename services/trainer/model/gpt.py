@@ -16,11 +16,11 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-import kernels
-from services.trainer.config import ModelConfig
-from services.trainer.model.attention import Attention
-from services.trainer.model.embedding import Embedding
-from services.trainer.model.mlp import MLP
+from meshtrain import kernels
+from meshtrain.services.trainer.config import ModelConfig
+from meshtrain.services.trainer.model.attention import Attention
+from meshtrain.services.trainer.model.embedding import Embedding
+from meshtrain.services.trainer.model.mlp import MLP
 
 
 class Norm(nn.Module):

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import kernels
-from services.trainer.config import ModelConfig
+from meshtrain import kernels
+from meshtrain.services.trainer.config import ModelConfig
 
 
 class MLP(nn.Module):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from services.trainer.config import OptimConfig
+from meshtrain.services.trainer.config import OptimConfig
 
 
 def lr_at(step: int, config: OptimConfig, train_iters: int) -> float:

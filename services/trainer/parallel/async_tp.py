@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from services.trainer.parallel import mappings as M
+from meshtrain.services.trainer.parallel import mappings as M
 
 SEQ_DIM = 1  # activations are (batch, seq, hidden)
 

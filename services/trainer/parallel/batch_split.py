@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from services.trainer.parallel.mappings import PendingReduction
+from meshtrain.services.trainer.parallel.mappings import PendingReduction
 
 
 @torch.library.custom_op("meshtrain::separate", mutates_args=())

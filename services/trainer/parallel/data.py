@@ -22,12 +22,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from services.common.errors import ConfigError
-from services.trainer.config import OptimConfig
-from services.trainer.optim.optimizer import is_decayed
-from services.trainer.parallel import mappings as M
-from services.trainer.parallel.mesh import Mesh
-from services.trainer.parallel.tensor import tp_split_of
+from meshtrain.services.common.errors import ConfigError
+from meshtrain.services.trainer.config import OptimConfig
+from meshtrain.services.trainer.optim.optimizer import is_decayed
+from meshtrain.services.trainer.parallel import mappings as M
+from meshtrain.services.trainer.parallel.mesh import Mesh
+from meshtrain.services.trainer.parallel.tensor import tp_split_of
 
 
 @dataclass

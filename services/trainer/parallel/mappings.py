@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import _functional_collectives as funcol
 
-from kernels.reference import compute_dtype
+from meshtrain.kernels.reference import compute_dtype
 
 Group = dist.ProcessGroup | None
 

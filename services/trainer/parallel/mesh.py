@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from services.common.errors import ConfigError, NotBuiltError
+from meshtrain.services.common.errors import ConfigError, NotBuiltError
 
 AXES = ("tp", "cp", "dp", "pp")
 

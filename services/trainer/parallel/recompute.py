@@ -15,9 +15,9 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from services.trainer.config import ParallelConfig
-from services.trainer.model.attention import CoreAttention
-from services.trainer.model.gpt import GPT
+from meshtrain.services.trainer.config import ParallelConfig
+from meshtrain.services.trainer.model.attention import CoreAttention
+from meshtrain.services.trainer.model.gpt import GPT
 
 
 class RecomputedCore(nn.Module):

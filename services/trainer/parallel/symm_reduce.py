@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from services.trainer.parallel import mappings as M
+from meshtrain.services.trainer.parallel import mappings as M
 
 # (group name, dtype, numel, device index) -> that group's symmetric buffer of that size
 _BUFFERS: dict[tuple[str, torch.dtype, int, int], torch.Tensor] = {}

@@ -19,12 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.common.errors import ConfigError
-from services.trainer.config import check_tensor_parallel
-from services.trainer.parallel import async_tp, symm_reduce
-from services.trainer.parallel import mappings as M
-from services.trainer.parallel.batch_split import interleave_halves
-from services.trainer.parallel.mesh import Mesh, refuse_unbuilt_axes
+from meshtrain.services.common.errors import ConfigError
+from meshtrain.services.trainer.config import check_tensor_parallel
+from meshtrain.services.trainer.parallel import async_tp, symm_reduce
+from meshtrain.services.trainer.parallel import mappings as M
+from meshtrain.services.trainer.parallel.batch_split import interleave_halves
+from meshtrain.services.trainer.parallel.mesh import Mesh, refuse_unbuilt_axes
 
 
 @dataclass(frozen=True)

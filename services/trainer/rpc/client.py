@@ -16,9 +16,9 @@ from typing import Self
 
 import grpc
 
-from protos.trainer.v1 import trainer_pb2 as pb
-from protos.trainer.v1 import trainer_pb2_grpc as pb_grpc
-from services.common.errors import ConfigError, MeshtrainError
+from meshtrain.protos.trainer.v1 import trainer_pb2 as pb
+from meshtrain.protos.trainer.v1 import trainer_pb2_grpc as pb_grpc
+from meshtrain.services.common.errors import ConfigError, MeshtrainError
 
 ADDR_FILE = "control.addr"
 RUN_TOKEN_KEY = "meshtrain-run"  # gRPC metadata: the run token of the control.addr the client read

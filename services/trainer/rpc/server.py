@@ -22,12 +22,12 @@ from pathlib import Path
 
 from prometheus_client import Gauge
 
-from protos.trainer.v1 import trainer_pb2_grpc as pb_grpc
-from services.common.errors import ConfigError
-from services.common.grpc_utils import make_server
-from services.common.metrics import MetricsInterceptor, start_metrics_server
-from services.trainer.rpc.client import ADDR_FILE, write_address_file
-from services.trainer.rpc.servicer import SERVICE_NAME, TrainerControlServicer
+from meshtrain.protos.trainer.v1 import trainer_pb2_grpc as pb_grpc
+from meshtrain.services.common.errors import ConfigError
+from meshtrain.services.common.grpc_utils import make_server
+from meshtrain.services.common.metrics import MetricsInterceptor, start_metrics_server
+from meshtrain.services.trainer.rpc.client import ADDR_FILE, write_address_file
+from meshtrain.services.trainer.rpc.servicer import SERVICE_NAME, TrainerControlServicer
 
 log = logging.getLogger("meshtrain.trainer")
 
@@ -75,7 +75,7 @@ def serve_control(trainer, port: int, host: str | None = None,
     """Start the control endpoint for `trainer` (rank 0 only).
 
     Args:
-        trainer: a `services.trainer.train.Trainer`.
+        trainer: a `meshtrain.services.trainer.train.Trainer`.
         port: TCP port; 0 picks a free one and writes HOST:PORT to RUN_DIR/control.addr.
         host: interface to bind; None reads $MESHTRAIN_CONTROL_HOST, else 127.0.0.1.
         metrics_port: Prometheus port (0: any free one, written to RUN_DIR/metrics.addr);

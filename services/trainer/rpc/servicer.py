@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import grpc
 
-from protos.trainer.v1 import trainer_pb2 as pb
-from protos.trainer.v1 import trainer_pb2_grpc as pb_grpc
-from services.trainer.rpc.client import RUN_TOKEN_KEY
+from meshtrain.protos.trainer.v1 import trainer_pb2 as pb
+from meshtrain.protos.trainer.v1 import trainer_pb2_grpc as pb_grpc
+from meshtrain.services.trainer.rpc.client import RUN_TOKEN_KEY
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TrainerControl"].full_name
 
@@ -28,7 +28,7 @@ def status_message(progress: dict, stop_requested: bool, checkpoint_requested: b
 
 
 class TrainerControlServicer(pb_grpc.TrainerControlServicer):
-    """Serves one `services.trainer.train.Trainer`: its `progress` dict, `request_checkpoint()`
+    """Serves one `meshtrain.services.trainer.train.Trainer`: its `progress` dict, `request_checkpoint()`
     and `request_stop()`. A call whose `meshtrain-run` metadata names another run token (read
     from a stale control.addr whose port now serves this run) is refused with
     FAILED_PRECONDITION; a call without one (HOST:PORT given directly) is served."""

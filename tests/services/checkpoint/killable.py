@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from services.checkpoint.sharded import ShardWriter, commit
-from services.checkpoint.shards import ShardSpec
+from meshtrain.services.checkpoint.sharded import ShardWriter, commit
+from meshtrain.services.checkpoint.shards import ShardSpec
 
 LAYERS, ROWS, COLS = 8, 16, 32
 NUM_WRITERS = 2
@@ -48,7 +48,7 @@ def serve(root: str, port: int) -> None:
     """A checkpoint service process on 127.0.0.1:port that runs until killed."""
     import threading
 
-    from services.checkpoint.rpc.server import start_server
+    from meshtrain.services.checkpoint.rpc.server import start_server
 
     server, _, _ = start_server(root, port=port, commit_timeout=2.0)
     threading.Event().wait()  # `server` must stay referenced: a collected server stops

@@ -7,10 +7,10 @@ import time
 
 import torch
 
-from protos.checkpoint.v1 import checkpoint_pb2 as pb
-from services.checkpoint.rpc.client import CheckpointClient
-from services.checkpoint.rpc.server import start_server
-from services.checkpoint.shards import ShardSpec
+from meshtrain.protos.checkpoint.v1 import checkpoint_pb2 as pb
+from meshtrain.services.checkpoint.rpc.client import CheckpointClient
+from meshtrain.services.checkpoint.rpc.server import start_server
+from meshtrain.services.checkpoint.shards import ShardSpec
 
 
 @contextlib.contextmanager

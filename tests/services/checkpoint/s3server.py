@@ -1,7 +1,7 @@
 """A SeaweedFS S3 server on loopback for tests and benchmarks: `ObjectStore` run as a process.
 
 The command line, identity file, free ports and bucket creation are
-`services.launcher.objectstore`'s, the same code `meshtrain up --s3` runs; this adds the
+`meshtrain.services.launcher.objectstore`'s, the same code `meshtrain up --s3` runs; this adds the
 process lifetime a test fixture needs. Data lives in a temporary folder. SeaweedFS takes ~25 s
 to exit on SIGTERM, so `stop()` sends SIGTERM, waits a short grace period, then SIGKILLs.
 """
@@ -14,9 +14,9 @@ import subprocess
 import time
 from pathlib import Path
 
-from services.launcher.health import http_answers
-from services.launcher.objectstore import AccessKeys, ObjectStore, find_weed
-from services.launcher.topology import free_port
+from meshtrain.services.launcher.health import http_answers
+from meshtrain.services.launcher.objectstore import AccessKeys, ObjectStore, find_weed
+from meshtrain.services.launcher.topology import free_port
 
 __all__ = ["S3Server", "find_weed", "free_port"]
 

@@ -6,11 +6,11 @@ import threading
 import pytest
 import torch
 
-from services.checkpoint.async_save import AsyncSaver, StorageSink, retry
-from services.checkpoint.reader import list_checkpoints, read_box
-from services.checkpoint.sharded import ShardWriter, begin_save
-from services.checkpoint.shards import ShardSpec
-from services.common.errors import CheckpointError
+from meshtrain.services.checkpoint.async_save import AsyncSaver, StorageSink, retry
+from meshtrain.services.checkpoint.reader import list_checkpoints, read_box
+from meshtrain.services.checkpoint.sharded import ShardWriter, begin_save
+from meshtrain.services.checkpoint.shards import ShardSpec
+from meshtrain.services.common.errors import CheckpointError
 
 
 def boxes_of(t, name="layers.mlp.fc1.weight"):

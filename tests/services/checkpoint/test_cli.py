@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.checkpoint.rpc.client import CheckpointClient
-from services.checkpoint.writer import save_checkpoint
-from services.cli import main
+from meshtrain.services.checkpoint.rpc.client import CheckpointClient
+from meshtrain.services.checkpoint.writer import save_checkpoint
+from meshtrain.services.cli import main
 
 
 def run(capsys, *args):
@@ -72,7 +72,7 @@ def test_serve_answers_and_stops_on_sigterm(tmp_path):
     root = str(tmp_path / "ckpt")
     save_checkpoint(root, 5, {"w": torch.ones(2)})
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "ckpt", "serve", root, "--port", "0", "--grace", "1"],
+        [sys.executable, "-m", "meshtrain.services.cli", "ckpt", "serve", root, "--port", "0", "--grace", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         line = proc.stdout.readline()

@@ -13,23 +13,23 @@ import numpy as np
 import pytest
 import torch
 
-from services.checkpoint.convert import (
+from meshtrain.services.checkpoint.convert import (
     convert,
     inspect_checkpoint,
     target_shard_shapes,
     tensor_specs,
 )
-from services.checkpoint.convert_cli import register_subcommands
-from services.checkpoint.reader import list_checkpoints, load_checkpoint, read_manifest
-from services.checkpoint.writer import save_checkpoint
-from services.common.config import to_dict
-from services.common.errors import CheckpointError
-from services.trainer import checkpointing
-from services.trainer.config import JobConfig, ModelConfig
-from services.trainer.model.gpt import GPT
-from services.trainer.optim.optimizer import build_optimizer
-from services.trainer.parallel.mesh import Mesh
-from services.trainer.parallel.tensor import TPSplit
+from meshtrain.services.checkpoint.convert_cli import register_subcommands
+from meshtrain.services.checkpoint.reader import list_checkpoints, load_checkpoint, read_manifest
+from meshtrain.services.checkpoint.writer import save_checkpoint
+from meshtrain.services.common.config import to_dict
+from meshtrain.services.common.errors import CheckpointError
+from meshtrain.services.trainer import checkpointing
+from meshtrain.services.trainer.config import JobConfig, ModelConfig
+from meshtrain.services.trainer.model.gpt import GPT
+from meshtrain.services.trainer.optim.optimizer import build_optimizer
+from meshtrain.services.trainer.parallel.mesh import Mesh
+from meshtrain.services.trainer.parallel.tensor import TPSplit
 
 from .conftest import assert_same, toy_model_state
 
@@ -255,7 +255,7 @@ def test_target_layout_must_fit_the_model():
 
 MEASURE = textwrap.dedent("""
     import json, sys
-    from services.checkpoint.convert import convert
+    from meshtrain.services.checkpoint.convert import convert
     def status(key):  # kB from /proc/self/status; VmHWM is this process's peak RSS
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
@@ -329,7 +329,7 @@ def test_convert_from_and_to_s3(s3_root, tmp_path):
 
 def test_convert_reads_the_source_manifest_once_not_once_per_tensor(tmp_path, monkeypatch):
     """On S3 every manifest read is a request; a convert fetched it again for each tensor."""
-    from services.checkpoint import reader
+    from meshtrain.services.checkpoint import reader
 
     tensors, meta = training_state()
     save_checkpoint(str(tmp_path / "a"), 9, tensors, meta)

@@ -3,7 +3,7 @@
 import random
 import zlib
 
-from services.checkpoint.crc import checksum, crc32_combine
+from meshtrain.services.checkpoint.crc import checksum, crc32_combine
 
 
 def test_combined_crc_equals_crc_of_the_concatenation():

@@ -13,16 +13,16 @@ import pytest
 import tomli_w
 import torch
 
-from services.checkpoint.hf import export_hf, import_hf
-from services.checkpoint.reader import list_checkpoints, read_manifest
-from services.checkpoint.writer import save_checkpoint
-from services.common.config import to_dict
-from services.common.errors import CheckpointError
-from services.trainer import checkpointing
-from services.trainer.config import JobConfig, ModelConfig
-from services.trainer.model.gpt import GPT
-from services.trainer.optim.optimizer import build_optimizer
-from services.trainer.parallel.mesh import Mesh
+from meshtrain.services.checkpoint.hf import export_hf, import_hf
+from meshtrain.services.checkpoint.reader import list_checkpoints, read_manifest
+from meshtrain.services.checkpoint.writer import save_checkpoint
+from meshtrain.services.common.config import to_dict
+from meshtrain.services.common.errors import CheckpointError
+from meshtrain.services.trainer import checkpointing
+from meshtrain.services.trainer.config import JobConfig, ModelConfig
+from meshtrain.services.trainer.model.gpt import GPT
+from meshtrain.services.trainer.optim.optimizer import build_optimizer
+from meshtrain.services.trainer.parallel.mesh import Mesh
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -137,7 +137,7 @@ def test_export_to_object_storage_loads_with_the_same_logits(tmp_path, s3_root):
 
 KILLED_AFTER_WEIGHTS = """
 import os, signal, sys
-from services.checkpoint import hf
+from meshtrain.services.checkpoint import hf
 def die(*args):  # called once model.safetensors is closed (uploaded), before config.json
     os.kill(os.getpid(), signal.SIGKILL)
 hf.hf_config = die
@@ -209,7 +209,7 @@ def test_local_export_killed_midway_leaves_nothing_behind_once_exported_again(tm
     assert (dst / "config.json").is_file()
 
 def test_export_ships_the_runs_tokenizer(tmp_path):
-    from services.dataloader.tokenizers import train_bpe
+    from meshtrain.services.dataloader.tokenizers import train_bpe
 
     text = tmp_path / "corpus.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
@@ -228,7 +228,7 @@ def test_export_refuses_a_tokenizer_larger_than_the_models_vocabulary(tmp_path):
     """Only the end-of-document id was checked against the vocabulary, and a trained BPE puts
     it at id 0: a larger tokenizer (another run's) was shipped, and transformers then failed
     with IndexError in the embedding on its first id past the model's rows."""
-    from services.dataloader.tokenizers import train_bpe
+    from meshtrain.services.dataloader.tokenizers import train_bpe
 
     text = tmp_path / "corpus.txt"
     text.write_text(" ".join(f"word{i} token{i * 7} piece{i % 13}" for i in range(3000)))
@@ -248,7 +248,7 @@ def test_exported_model_ends_generation_at_the_runs_end_of_document(tmp_path, se
     which transformers 4 copies into generate()'s stopping ids), GPT-2's 50256 (outside these
     vocabularies); transformers 5 takes them from generation_config.json only. Both must name the run's
     <|endoftext|>, whose id the byte tokenizer fixes at 256 though it ships no tokenizer file."""
-    from services.dataloader.tokenizers import ByteTokenizer, train_bpe
+    from meshtrain.services.dataloader.tokenizers import ByteTokenizer, train_bpe
 
     if tokenizer == "bpe":
         text = tmp_path / "corpus.txt"
@@ -520,9 +520,9 @@ def test_cli_import_tells_to_train_on_with_the_models_own_tokenizer(tmp_path, ca
     import argparse
     import tomllib
 
-    from services.checkpoint.convert_cli import register_subcommands
-    from services.dataloader.tokenizers import train_bpe
-    from services.trainer.config import load_config
+    from meshtrain.services.checkpoint.convert_cli import register_subcommands
+    from meshtrain.services.dataloader.tokenizers import train_bpe
+    from meshtrain.services.trainer.config import load_config
 
     text = tmp_path / "corpus.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
@@ -554,9 +554,9 @@ def test_cli_import_tells_to_train_on_with_the_models_own_tokenizer(tmp_path, ca
 @pytest.mark.e2e
 def test_hf_model_trains_on_in_meshtrain_and_exports_back(tmp_path):
     """HF Llama -> import -> `train --load` 3 steps -> export -> transformers loads the result."""
-    from services.dataloader.preprocess import prepare_default_dataset
-    from services.trainer.config import load_config
-    from services.trainer.train import train
+    from meshtrain.services.dataloader.preprocess import prepare_default_dataset
+    from meshtrain.services.trainer.config import load_config
+    from meshtrain.services.trainer.train import train
 
     config = transformers.LlamaConfig(
         vocab_size=257, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

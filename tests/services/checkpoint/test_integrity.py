@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
-from services.checkpoint.reader import load_checkpoint, read_manifest, read_tensor
-from services.checkpoint.writer import save_checkpoint
-from services.common.errors import CheckpointError
+from meshtrain.services.checkpoint.reader import load_checkpoint, read_manifest, read_tensor
+from meshtrain.services.checkpoint.writer import save_checkpoint
+from meshtrain.services.common.errors import CheckpointError
 
 from .conftest import toy_model_state
 

@@ -20,10 +20,10 @@ import grpc
 import pytest
 import torch
 
-from services.checkpoint.reader import list_checkpoints, read_box, read_manifest
-from services.checkpoint.rpc.client import CheckpointClient, ServiceUnavailableError
-from services.checkpoint.sharded import begin_save
-from services.common.errors import CheckpointError
+from meshtrain.services.checkpoint.reader import list_checkpoints, read_box, read_manifest
+from meshtrain.services.checkpoint.rpc.client import CheckpointClient, ServiceUnavailableError
+from meshtrain.services.checkpoint.sharded import begin_save
+from meshtrain.services.common.errors import CheckpointError
 from tests.services.checkpoint import killable
 from tests.services.checkpoint.s3server import free_port
 
@@ -34,7 +34,7 @@ COMMIT_TIMEOUT = 0.15
 def ctx():
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["tests.services.checkpoint.killable",
-                                    "services.checkpoint.rpc.server"])
+                                    "meshtrain.services.checkpoint.rpc.server"])
     return context
 
 

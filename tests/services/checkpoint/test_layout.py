@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from services.checkpoint import layout
-from services.checkpoint.layout import ArraySpec, array_key, group_tensors
-from services.common.errors import CheckpointError
+from meshtrain.services.checkpoint import layout
+from meshtrain.services.checkpoint.layout import ArraySpec, array_key, group_tensors
+from meshtrain.services.common.errors import CheckpointError
 
 
 @pytest.mark.parametrize(
@@ -65,7 +65,7 @@ def test_group_tensors_rejects_bad_input():
     # a step's "_fragments" folder is the writers' scratch, removed by the commit
     with pytest.raises(CheckpointError, match="'_fragments'"):
         group_tensors([("_fragments", (1,), "float32")])
-    from services.checkpoint.shards import ShardSpec
+    from meshtrain.services.checkpoint.shards import ShardSpec
 
     with pytest.raises(CheckpointError, match="'_fragments'"):
         ShardSpec("_fragments", (4,), "float32", (0,), (4,))

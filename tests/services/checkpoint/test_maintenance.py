@@ -7,12 +7,12 @@ import time
 import pytest
 import torch
 
-from services.checkpoint.maintenance import apply_retention
-from services.checkpoint.reader import list_checkpoints, read_box
-from services.checkpoint.rpc.servicer import ByteBudget
-from services.checkpoint.sharded import ShardWriter, begin_save, commit
-from services.checkpoint.shards import ShardSpec
-from services.common.errors import CheckpointError
+from meshtrain.services.checkpoint.maintenance import apply_retention
+from meshtrain.services.checkpoint.reader import list_checkpoints, read_box
+from meshtrain.services.checkpoint.rpc.servicer import ByteBudget
+from meshtrain.services.checkpoint.sharded import ShardWriter, begin_save, commit
+from meshtrain.services.checkpoint.shards import ShardSpec
+from meshtrain.services.common.errors import CheckpointError
 
 W = ShardSpec("w", (2,), "float32", (0,), (2,))
 

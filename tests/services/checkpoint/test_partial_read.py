@@ -17,13 +17,13 @@ import pytest
 import torch
 import zarr
 
-from services.checkpoint import shards
-from services.checkpoint.maintenance import verify_checkpoint
-from services.checkpoint.reader import read_box
-from services.checkpoint.sharded import ShardWriter, begin_save, commit
-from services.checkpoint.shards import ArrayMeta, ShardSpec, encode_box, inner_chunks
-from services.checkpoint.store import MANIFEST_NAME, open_root
-from services.common.errors import CheckpointError
+from meshtrain.services.checkpoint import shards
+from meshtrain.services.checkpoint.maintenance import verify_checkpoint
+from meshtrain.services.checkpoint.reader import read_box
+from meshtrain.services.checkpoint.sharded import ShardWriter, begin_save, commit
+from meshtrain.services.checkpoint.shards import ArrayMeta, ShardSpec, encode_box, inner_chunks
+from meshtrain.services.checkpoint.store import MANIFEST_NAME, open_root
+from meshtrain.services.common.errors import CheckpointError
 
 ARRAY = "layers.mlp.fc1.weight"
 LAYERS, ROWS, COLS = 2, 64, 32  # float32: a tp2 shard is (1, 32, 32) = 4 KiB, 8 chunks of 512 B

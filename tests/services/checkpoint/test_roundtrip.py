@@ -5,16 +5,16 @@ import pytest
 import torch
 import zarr
 
-from services.checkpoint.reader import (
+from meshtrain.services.checkpoint.reader import (
     latest_step,
     list_checkpoints,
     load_checkpoint,
     read_manifest,
     read_tensor,
 )
-from services.checkpoint.store import open_root, zarr_store
-from services.checkpoint.writer import SaveResult, save_checkpoint
-from services.common.errors import CheckpointError
+from meshtrain.services.checkpoint.store import open_root, zarr_store
+from meshtrain.services.checkpoint.writer import SaveResult, save_checkpoint
+from meshtrain.services.common.errors import CheckpointError
 
 from .conftest import NUM_LAYERS, assert_same, toy_model_state
 

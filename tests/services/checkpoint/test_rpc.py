@@ -8,17 +8,17 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from protos.checkpoint.v1 import checkpoint_pb2 as pb
-from services.checkpoint import sharded
-from services.checkpoint.async_save import AsyncSaver
-from services.checkpoint.reader import list_checkpoints, read_box
-from services.checkpoint.rpc.client import box_to_pb
-from services.checkpoint.rpc.servicer import SERVICE_NAME
-from services.checkpoint.sharded import ShardWriter
-from services.checkpoint.shards import ShardSpec
-from services.checkpoint.store import MANIFEST_NAME
-from services.checkpoint.writer import save_checkpoint
-from services.common.errors import CheckpointError
+from meshtrain.protos.checkpoint.v1 import checkpoint_pb2 as pb
+from meshtrain.services.checkpoint import sharded
+from meshtrain.services.checkpoint.async_save import AsyncSaver
+from meshtrain.services.checkpoint.reader import list_checkpoints, read_box
+from meshtrain.services.checkpoint.rpc.client import box_to_pb
+from meshtrain.services.checkpoint.rpc.servicer import SERVICE_NAME
+from meshtrain.services.checkpoint.sharded import ShardWriter
+from meshtrain.services.checkpoint.shards import ShardSpec
+from meshtrain.services.checkpoint.store import MANIFEST_NAME
+from meshtrain.services.checkpoint.writer import save_checkpoint
+from meshtrain.services.common.errors import CheckpointError
 from tests.services.checkpoint.rpc_helpers import (
     running_service,
     tp_boxes,

@@ -10,13 +10,13 @@ import grpc
 import pytest
 import torch
 
-from protos.checkpoint.v1 import checkpoint_pb2 as pb
-from services.checkpoint import sharded
-from services.checkpoint.async_save import AsyncSaver
-from services.checkpoint.rpc.client import CheckpointClient, box_to_pb
-from services.checkpoint.shards import ShardSpec
-from services.checkpoint.writer import save_checkpoint
-from services.common.errors import CheckpointError, MeshtrainError
+from meshtrain.protos.checkpoint.v1 import checkpoint_pb2 as pb
+from meshtrain.services.checkpoint import sharded
+from meshtrain.services.checkpoint.async_save import AsyncSaver
+from meshtrain.services.checkpoint.rpc.client import CheckpointClient, box_to_pb
+from meshtrain.services.checkpoint.shards import ShardSpec
+from meshtrain.services.checkpoint.writer import save_checkpoint
+from meshtrain.services.common.errors import CheckpointError, MeshtrainError
 from tests.services.checkpoint.rpc_helpers import (
     held_slot,
     running_service,
@@ -65,7 +65,7 @@ def test_a_writer_the_service_cannot_take_now_is_retried_not_failed(tmp_path):
 def test_a_read_the_service_cannot_take_now_is_unavailable_not_refused(tmp_path):
     # A response stream fails while it is read, past `_call`: read_box turned every failure
     # into a CheckpointError (never retried), also "all stream slots in use".
-    from services.checkpoint.rpc.client import ServiceUnavailableError
+    from meshtrain.services.checkpoint.rpc.client import ServiceUnavailableError
 
     root = str(tmp_path / "ckpt")
     save_checkpoint(root, 2, {"w": torch.ones(4)})

@@ -5,18 +5,18 @@ import json
 import pytest
 import torch
 
-from services.checkpoint.async_save import AsyncSaver, StorageSink
-from services.checkpoint.reader import (
+from meshtrain.services.checkpoint.async_save import AsyncSaver, StorageSink
+from meshtrain.services.checkpoint.reader import (
     list_checkpoints,
     load_checkpoint,
     read_box,
     read_manifest,
 )
-from services.checkpoint.sharded import ShardWriter, begin_save, commit
-from services.checkpoint.shards import ShardSpec
-from services.checkpoint.store import open_root
-from services.checkpoint.writer import save_checkpoint
-from services.common.errors import CheckpointError
+from meshtrain.services.checkpoint.sharded import ShardWriter, begin_save, commit
+from meshtrain.services.checkpoint.shards import ShardSpec
+from meshtrain.services.checkpoint.store import open_root
+from meshtrain.services.checkpoint.writer import save_checkpoint
+from meshtrain.services.common.errors import CheckpointError
 from tests.services.checkpoint.conftest import assert_same, toy_model_state
 
 

@@ -18,13 +18,13 @@ import time
 import pytest
 import torch
 
-from services.checkpoint.async_save import AsyncSaver
-from services.checkpoint.reader import list_checkpoints, read_box
-from services.checkpoint.rpc.client import CheckpointClient, ServiceUnavailableError
-from services.checkpoint.sharded import fragment_path
-from services.checkpoint.shards import ShardSpec
-from services.checkpoint.store import open_root
-from services.common.errors import CheckpointError
+from meshtrain.services.checkpoint.async_save import AsyncSaver
+from meshtrain.services.checkpoint.reader import list_checkpoints, read_box
+from meshtrain.services.checkpoint.rpc.client import CheckpointClient, ServiceUnavailableError
+from meshtrain.services.checkpoint.sharded import fragment_path
+from meshtrain.services.checkpoint.shards import ShardSpec
+from meshtrain.services.checkpoint.store import open_root
+from meshtrain.services.common.errors import CheckpointError
 from tests.services.checkpoint.s3server import free_port
 
 RETRY_S = 20.0  # the savers' retry time: well above a restart here (~2 s start + 1.5 s down)
@@ -47,7 +47,7 @@ class Serve:
         log = self.log_dir / f"serve-{self.starts}.log"
         with open(log, "w") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "services.cli", "ckpt", "serve", self.root, "--port", str(self.port),
+                [sys.executable, "-m", "meshtrain.services.cli", "ckpt", "serve", self.root, "--port", str(self.port),
                  "--grace", "1"], stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         while f"listening on {self.address}" not in log.read_text():

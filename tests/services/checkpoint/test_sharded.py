@@ -7,23 +7,23 @@ import pytest
 import torch
 from zarr.storage import MemoryStore
 
-from services.checkpoint import layout
-from services.checkpoint.reader import (
+from meshtrain.services.checkpoint import layout
+from meshtrain.services.checkpoint.reader import (
     list_checkpoints,
     load_checkpoint,
     read_box,
     read_manifest,
 )
-from services.checkpoint.sharded import ShardWriter, abort_save, begin_save, commit
-from services.checkpoint.shards import (
+from meshtrain.services.checkpoint.sharded import ShardWriter, abort_save, begin_save, commit
+from meshtrain.services.checkpoint.shards import (
     ArrayMeta,
     ShardSpec,
     check_tiling,
     encode_box,
     inner_chunks,
 )
-from services.checkpoint.store import open_root
-from services.common.errors import CheckpointError
+from meshtrain.services.checkpoint.store import open_root
+from meshtrain.services.common.errors import CheckpointError
 
 LAYERS, ROWS, COLS = 3, 12, 5
 

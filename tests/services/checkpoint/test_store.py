@@ -7,8 +7,8 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 from zarr.storage import FsspecStore, LocalStore
 
-from services.checkpoint import store
-from services.common.errors import CheckpointError
+from meshtrain.services.checkpoint import store
+from meshtrain.services.common.errors import CheckpointError
 
 
 def test_open_root_local_file_and_memory(tmp_path):

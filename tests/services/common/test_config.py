@@ -4,9 +4,9 @@ import dataclasses
 
 import pytest
 
-from services.common import config as cfg
-from services.common.errors import ConfigError, NotBuiltError
-from services.trainer.config import JobConfig, config_help, load_config, parse_overrides, replace
+from meshtrain.services.common import config as cfg
+from meshtrain.services.common.errors import ConfigError, NotBuiltError
+from meshtrain.services.trainer.config import JobConfig, config_help, load_config, parse_overrides, replace
 
 
 def test_defaults_build_and_round_trip_through_toml(tmp_path):

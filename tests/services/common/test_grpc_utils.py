@@ -4,13 +4,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.errors import (
+from meshtrain.services.common.errors import (
     CheckpointError,
     ConfigError,
     DataError,
     DataUnavailableError,
 )
-from services.common.grpc_utils import channel_options, make_server
+from meshtrain.services.common.grpc_utils import channel_options, make_server
 
 SERVICE = "meshtrain.test.v1.Echo"
 
@@ -146,7 +146,7 @@ def test_busy_streams_leave_health_checks_answered_and_one_more_stream_is_refuse
     import threading
     import time
 
-    from services.common.metrics import MetricsInterceptor, _metrics
+    from meshtrain.services.common.metrics import MetricsInterceptor, _metrics
 
     release = threading.Event()
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.signals import relayed_signals
+from meshtrain.services.common.signals import relayed_signals
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[3]
 # milliseconds apart.
 _NESTED = """
 import os, signal, sys, threading, time
-from services.common.signals import relayed_signals
+from meshtrain.services.common.signals import relayed_signals
 lock, seen = threading.Lock(), []
 
 def action(sig):

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from services.dataloader.indexed import IndexedDatasetWriter
-from services.dataloader.spec import DatasetSpec
-from services.launcher.topology import free_port
+from meshtrain.services.dataloader.indexed import IndexedDatasetWriter
+from meshtrain.services.dataloader.spec import DatasetSpec
+from meshtrain.services.launcher.topology import free_port
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -48,12 +48,12 @@ def batch_hash(batch) -> str:
 
 
 class WorkerProcess:
-    """`python -m services.dataloader.rpc.server` on a loopback port, as a real separate process."""
+    """`python -m meshtrain.services.dataloader.rpc.server` on a loopback port, as a real separate process."""
 
     def __init__(self, port: int | None = None):
         port = free_port() if port is None else port
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.dataloader.rpc.server", "--port", str(port), "--grace", "1"],
+            [sys.executable, "-m", "meshtrain.services.dataloader.rpc.server", "--port", str(port), "--grace", "1"],
             cwd=REPO, stdout=subprocess.PIPE, stderr=None if os.environ.get("MESHTRAIN_TEST_WORKER_STDERR") else subprocess.DEVNULL, text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )

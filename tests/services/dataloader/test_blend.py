@@ -5,11 +5,11 @@ import time
 import numpy as np
 import pytest
 
-from services.common.errors import DataError
-from services.dataloader.blend import BlendedDataset, blending_indices
-from services.dataloader.indexed import IndexedDataset, IndexedDatasetWriter
-from services.dataloader.samples import GPTDataset
-from services.dataloader.spec import DatasetSpec, open_dataset, parse_data_path
+from meshtrain.services.common.errors import DataError
+from meshtrain.services.dataloader.blend import BlendedDataset, blending_indices
+from meshtrain.services.dataloader.indexed import IndexedDataset, IndexedDatasetWriter
+from meshtrain.services.dataloader.samples import GPTDataset
+from meshtrain.services.dataloader.spec import DatasetSpec, open_dataset, parse_data_path
 
 
 def _max_share_error(weights, ds_index):

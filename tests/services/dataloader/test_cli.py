@@ -8,8 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from services.cli import main
-from services.dataloader.indexed import IndexedDataset
+from meshtrain.services.cli import main
+from meshtrain.services.dataloader.indexed import IndexedDataset
 
 from .conftest import REPO, free_port
 
@@ -97,7 +97,7 @@ def test_an_existing_file_with_glob_characters_in_its_name_is_that_file(tmp_path
 @pytest.mark.e2e
 def test_serve_command_listens_and_stops_on_sigterm():
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "data", "serve", "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "meshtrain.services.cli", "data", "serve", "--port", str(port)],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         assert proc.stdout.readline().strip() == f"listening on 127.0.0.1:{port}"
@@ -151,7 +151,7 @@ def test_preprocess_stopped_by_sigterm_leaves_no_files_and_no_workers(tmp_path, 
     big.write_text("".join(json.dumps({"text": f"lorem ipsum dolor sit amet {i} " * 20}) + "\n"
                            for i in range(400_000)))
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "data", "preprocess", "--tokenizer", "byte",
+    proc = subprocess.Popen([sys.executable, "-m", "meshtrain.services.cli", "data", "preprocess", "--tokenizer", "byte",
                              "--quiet", "--input", str(big), "--output-prefix", str(out / "ds"),
                              "--workers", str(workers)], cwd=REPO, stderr=open(tmp_path / "err", "w"))  # noqa: SIM115
     deadline = time.monotonic() + 60

@@ -12,15 +12,15 @@ from pathlib import Path
 import grpc
 import pytest
 
-from protos.dataloader.v1 import dataloader_pb2 as pb
-from protos.dataloader.v1 import dataloader_pb2_grpc as pb_grpc
-from services.common.errors import DataError
-from services.common.grpc_utils import make_server
-from services.dataloader.loader import LocalBatchSource
-from services.dataloader.rpc.client import ServiceBatchSource
-from services.dataloader.rpc.server import start_server
-from services.dataloader.rpc.servicer import SERVICE_NAME, DataServicer, spec_to_proto
-from services.dataloader.spec import DatasetSpec, open_dataset
+from meshtrain.protos.dataloader.v1 import dataloader_pb2 as pb
+from meshtrain.protos.dataloader.v1 import dataloader_pb2_grpc as pb_grpc
+from meshtrain.services.common.errors import DataError
+from meshtrain.services.common.grpc_utils import make_server
+from meshtrain.services.dataloader.loader import LocalBatchSource
+from meshtrain.services.dataloader.rpc.client import ServiceBatchSource
+from meshtrain.services.dataloader.rpc.server import start_server
+from meshtrain.services.dataloader.rpc.servicer import SERVICE_NAME, DataServicer, spec_to_proto
+from meshtrain.services.dataloader.spec import DatasetSpec, open_dataset
 
 from .conftest import batch_hash
 
@@ -373,8 +373,8 @@ def test_a_malformed_dns_target_is_refused_naming_it(blend_spec):
 
 
 def test_the_trainer_passes_the_data_config_timeouts_to_the_client(good, tmp_path):
-    from services.trainer.config import load_config
-    from services.trainer.data import build_data
+    from meshtrain.services.trainer.config import load_config
+    from meshtrain.services.trainer.data import build_data
 
     job = load_config(["--config", "deploy/configs/tiny.toml", "--data-service-addresses", good,
                        "--data.service_stall_s=7", "--data.service_give_up_s=50",
@@ -425,7 +425,7 @@ class _Status(grpc.RpcError):
 def test_unknown_from_the_transport_is_retried_unknown_from_a_handler_is_not():
     # gRPC reports some transport failures as UNKNOWN ("Stream removed": a peer died, a proxy cut
     # the stream); those must fail over like UNAVAILABLE, not end the run.
-    from services.dataloader.rpc.client import is_permanent
+    from meshtrain.services.dataloader.rpc.client import is_permanent
 
     unknown = grpc.StatusCode.UNKNOWN
     assert not is_permanent(_Status(unknown, "Stream removed"))

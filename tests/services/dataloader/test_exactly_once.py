@@ -14,9 +14,9 @@ import threading
 
 import pytest
 
-from services.dataloader.loader import LocalBatchSource
-from services.dataloader.rpc.client import ServiceBatchSource
-from services.dataloader.spec import open_dataset
+from meshtrain.services.dataloader.loader import LocalBatchSource
+from meshtrain.services.dataloader.rpc.client import ServiceBatchSource
+from meshtrain.services.dataloader.spec import open_dataset
 
 from .conftest import WorkerProcess, batch_hash
 

@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from services.common.errors import DataError
-from services.dataloader.indexed import IndexedDataset
-from services.dataloader.preprocess import preprocess_files
-from services.dataloader.tokenizers import ByteTokenizer, build_tokenizer
+from meshtrain.services.common.errors import DataError
+from meshtrain.services.dataloader.indexed import IndexedDataset
+from meshtrain.services.dataloader.preprocess import preprocess_files
+from meshtrain.services.dataloader.tokenizers import ByteTokenizer, build_tokenizer
 
 TEXT = "the theme of the thesis is that the theatre there is theirs. " * 3
 
@@ -109,7 +109,7 @@ def test_a_null_in_the_parquet_text_column_is_an_error_naming_the_row(tmp_path):
 
 def test_workers_give_identical_output(tmp_path):
     """Two spawned workers must write the very bytes one process writes (batch order is fixed)."""
-    import services.dataloader.preprocess as pre
+    import meshtrain.services.dataloader.preprocess as pre
 
     rng = np.random.default_rng(0)
     with open(tmp_path / "in.jsonl", "w") as f:

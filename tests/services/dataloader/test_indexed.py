@@ -9,9 +9,9 @@ import fsspec
 import numpy as np
 import pytest
 
-from services.common.errors import DataError, DataUnavailableError
-from services.dataloader import indexed
-from services.dataloader.indexed import (
+from meshtrain.services.common.errors import DataError, DataUnavailableError
+from meshtrain.services.dataloader import indexed
+from meshtrain.services.dataloader.indexed import (
     DTYPE_CODES,
     IndexedDataset,
     IndexedDatasetWriter,
@@ -300,7 +300,7 @@ def test_a_url_fsspec_cannot_open_is_a_data_error_naming_it(tmp_path):
     """Opening the filesystem itself raised whatever the backend does (zip: FileNotFoundError,
     tar: ReadError, github: TypeError, ftp: ConnectionRefusedError), not a DataError: the
     in-process loader showed a traceback and a worker answered UNKNOWN."""
-    from services.launcher.topology import free_port
+    from meshtrain.services.launcher.topology import free_port
 
     (tmp_path / "junk.tar").write_bytes(b"not a tar archive" * 100)
     for url in (f"zip://ds::file://{tmp_path}/none.zip", f"tar://ds::file://{tmp_path}/junk.tar", "github://x/y"):

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from services.common.errors import DataError
-from services.dataloader.indexed import IndexedDataset, IndexedDatasetWriter
-from services.dataloader.loader import LocalBatchSource
-from services.dataloader.samples import GPTDataset
+from meshtrain.services.common.errors import DataError
+from meshtrain.services.dataloader.indexed import IndexedDataset, IndexedDatasetWriter
+from meshtrain.services.dataloader.loader import LocalBatchSource
+from meshtrain.services.dataloader.samples import GPTDataset
 
 SEQ = 8
 GBS = 16
@@ -89,7 +89,7 @@ def test_errors(dataset):
 
 
 def test_eod_loss_mask_and_document_ids():
-    from services.dataloader.loader import BatchOptions, batch_from_samples
+    from meshtrain.services.dataloader.loader import BatchOptions, batch_from_samples
 
     samples = np.array([[5, 9, 1, 9, 9, 2, 3]])  # EOD = 9
     b = batch_from_samples(samples, 0, 0, BatchOptions(eod_id=9, mask_eod_loss=True, document_ids=True))

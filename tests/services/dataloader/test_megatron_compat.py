@@ -8,7 +8,7 @@ identical tokens and document structure, and files written here must read there.
 import numpy as np
 import pytest
 
-from services.dataloader.indexed import IndexedDataset, IndexedDatasetWriter
+from meshtrain.services.dataloader.indexed import IndexedDataset, IndexedDatasetWriter
 
 mcore = pytest.importorskip("megatron.core.datasets.indexed_dataset",
                             reason="megatron-core not installed (pip install megatron-core)")

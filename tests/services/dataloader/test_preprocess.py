@@ -7,15 +7,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from services.common.errors import DataError
-from services.dataloader import preprocess
-from services.dataloader.indexed import IndexedDataset
-from services.dataloader.preprocess import (
+from meshtrain.services.common.errors import DataError
+from meshtrain.services.dataloader import preprocess
+from meshtrain.services.dataloader.indexed import IndexedDataset
+from meshtrain.services.dataloader.preprocess import (
     default_corpus_files,
     prepare_default_dataset,
     preprocess_files,
 )
-from services.dataloader.tokenizers import ByteTokenizer, build_tokenizer, train_bpe
+from meshtrain.services.dataloader.tokenizers import ByteTokenizer, build_tokenizer, train_bpe
 
 
 def test_preprocess_jsonl_and_text(tmp_path):
@@ -204,9 +204,9 @@ def test_bad_inputs_and_outputs_are_named_and_nothing_is_written(tmp_path, monke
 
 _KILLED_CHILD = """
 import os, signal, sys
-from services.dataloader import indexed
-from services.dataloader.preprocess import preprocess_files
-from services.dataloader.tokenizers import ByteTokenizer
+from meshtrain.services.dataloader import indexed
+from meshtrain.services.dataloader.preprocess import preprocess_files
+from meshtrain.services.dataloader.tokenizers import ByteTokenizer
 where, src, prefix = sys.argv[1:]
 if where == "writing":
     add = indexed.IndexedDatasetWriter.add_document
@@ -296,7 +296,7 @@ def test_a_killed_preprocess_leaves_temp_files_the_next_one_removes(tmp_path):
     import sys
     import time
 
-    from services.dataloader.indexed import IndexedDatasetWriter
+    from meshtrain.services.dataloader.indexed import IndexedDatasetWriter
 
     from .conftest import REPO
 
@@ -309,7 +309,7 @@ def test_a_killed_preprocess_leaves_temp_files_the_next_one_removes(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
 
     def preprocess_cli(source):
-        return [sys.executable, "-m", "services.cli", "data", "preprocess", "--input", str(tmp_path / source),
+        return [sys.executable, "-m", "meshtrain.services.cli", "data", "preprocess", "--input", str(tmp_path / source),
                 "--output-prefix", str(out), "--tokenizer", "byte", "--quiet"]
 
     live = IndexedDatasetWriter(out)  # a live writer's (this process's) temp file, which stays

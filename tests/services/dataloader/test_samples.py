@@ -5,10 +5,10 @@ import time
 import numpy as np
 import pytest
 
-from services.common.errors import DataError
-from services.dataloader.indexed import IndexedDataset, IndexedDatasetWriter
-from services.dataloader.samples import GPTDataset, split_ranges
-from services.dataloader.spec import DatasetSpec
+from meshtrain.services.common.errors import DataError
+from meshtrain.services.dataloader.indexed import IndexedDataset, IndexedDatasetWriter
+from meshtrain.services.dataloader.samples import GPTDataset, split_ranges
+from meshtrain.services.dataloader.spec import DatasetSpec
 
 
 def _make(tmp_path, lengths, dtype=np.uint16):

@@ -11,16 +11,16 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from protos.dataloader.v1 import dataloader_pb2 as pb
-from protos.dataloader.v1 import dataloader_pb2_grpc as pb_grpc
-from services.common.errors import DataError
-from services.common.grpc_utils import make_server
-from services.dataloader.loader import LocalBatchSource
-from services.dataloader.rpc import servicer as servicer_module
-from services.dataloader.rpc.client import ServiceBatchSource
-from services.dataloader.rpc.server import start_server
-from services.dataloader.rpc.servicer import SERVICE_NAME, DataServicer, spec_to_proto
-from services.dataloader.spec import DatasetSpec, open_dataset
+from meshtrain.protos.dataloader.v1 import dataloader_pb2 as pb
+from meshtrain.protos.dataloader.v1 import dataloader_pb2_grpc as pb_grpc
+from meshtrain.services.common.errors import DataError
+from meshtrain.services.common.grpc_utils import make_server
+from meshtrain.services.dataloader.loader import LocalBatchSource
+from meshtrain.services.dataloader.rpc import servicer as servicer_module
+from meshtrain.services.dataloader.rpc.client import ServiceBatchSource
+from meshtrain.services.dataloader.rpc.server import start_server
+from meshtrain.services.dataloader.rpc.servicer import SERVICE_NAME, DataServicer, spec_to_proto
+from meshtrain.services.dataloader.spec import DatasetSpec, open_dataset
 
 from .conftest import WorkerProcess, batch_hash, write_dataset
 
@@ -374,8 +374,8 @@ def test_index_build_bytes_bounds_the_real_peak(tmp_path):
     under index_build_bytes, and not far under it (so the bound does not refuse real runs)."""
     import tracemalloc
 
-    from services.dataloader.indexed import IndexedDataset
-    from services.dataloader.samples import GPTDataset, index_build_bytes
+    from meshtrain.services.dataloader.indexed import IndexedDataset
+    from meshtrain.services.dataloader.samples import GPTDataset, index_build_bytes
 
     for n_docs, seq, n in [(60, 8, 300_000), (3000, 256, 50_000)]:
         indexed = IndexedDataset(write_dataset(tmp_path / f"d{n_docs}", seed=1, n_docs=n_docs))
@@ -393,7 +393,7 @@ def test_index_build_bytes_bounds_the_real_peak(tmp_path):
 def test_concurrent_builds_share_one_memory_budget():
     """Each request is bounded alone; builds of different specs in progress at once hold the
     same budget, so a second one that does not fit beside the first waits for it."""
-    from services.dataloader.spec import MemoryBudget
+    from meshtrain.services.dataloader.spec import MemoryBudget
 
     budget, order = MemoryBudget(100), []
     first_in, release = threading.Event(), threading.Event()
@@ -432,7 +432,7 @@ def test_the_serve_flag_sets_the_index_memory_bound(blend_spec):
 
     from .conftest import REPO
 
-    proc = subprocess.Popen([sys.executable, "-m", "services.dataloader.rpc.server", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "meshtrain.services.dataloader.rpc.server", "--port", "0",
                              "--max-index-gib", "0.01"], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
     try:
@@ -446,7 +446,7 @@ def test_the_serve_flag_sets_the_index_memory_bound(blend_spec):
     finally:
         proc.kill()
         proc.wait()
-    bad = subprocess.run([sys.executable, "-m", "services.dataloader.rpc.server", "--max-index-gib", "0"], check=False,
+    bad = subprocess.run([sys.executable, "-m", "meshtrain.services.dataloader.rpc.server", "--max-index-gib", "0"], check=False,
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "--max-index-gib 0.0 must be a positive number of GiB" in bad.stderr
 
@@ -456,8 +456,8 @@ def test_cached_datasets_hold_at_most_the_index_bound_in_memory(tmp_path):
     just built, even when written to the index cache), so 8 specs of the largest allowed index
     held 8 times the memory bound (RSS grew 45 MB a spec on a real worker, to 8 specs). Now
     stored indices are served memory-mapped, and indices kept in memory count against the bound."""
-    from services.dataloader.rpc.servicer import resident_index_bytes, spec_from_proto
-    from services.dataloader.samples import (
+    from meshtrain.services.dataloader.rpc.servicer import resident_index_bytes, spec_from_proto
+    from meshtrain.services.dataloader.samples import (
         epochs_needed,
         index_build_bytes,
         split_ranges,

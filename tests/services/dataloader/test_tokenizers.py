@@ -2,8 +2,8 @@
 
 import pytest
 
-from services.common.errors import DataError
-from services.dataloader.tokenizers import (
+from meshtrain.services.common.errors import DataError
+from meshtrain.services.dataloader.tokenizers import (
     EOD_TOKEN, ByteTokenizer, HFTokenizer, absolute_spec, build_tokenizer, train_bpe,
 )
 

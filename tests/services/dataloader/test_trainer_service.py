@@ -2,10 +2,10 @@
 
 import pytest
 
-from services.dataloader.rpc.client import ServiceBatchSource
-from services.dataloader.rpc.server import start_server
-from services.trainer.config import load_config
-from services.trainer.train import train
+from meshtrain.services.dataloader.rpc.client import ServiceBatchSource
+from meshtrain.services.dataloader.rpc.server import start_server
+from meshtrain.services.trainer.config import load_config
+from meshtrain.services.trainer.train import train
 from tests.services.trainer.conftest import corpus_cache, small_job_args  # noqa: F401 (fixture)
 
 
@@ -27,7 +27,7 @@ def test_training_through_the_service_equals_in_process(corpus_cache, tmp_path):
 
 
 def test_build_data_picks_the_service_when_given_addresses(corpus_cache, tmp_path):  # noqa: F811
-    from services.trainer.data import build_data
+    from meshtrain.services.trainer.data import build_data
 
     job = load_config(small_job_args(corpus_cache, tmp_path / "r", **{"data.service_addresses": "[\"127.0.0.1:1\"]"}))
     data = build_data(job)

@@ -11,16 +11,16 @@ import urllib.request
 
 import pytest
 
-from services.checkpoint.rpc.client import CheckpointClient
-from services.common.errors import MeshtrainError
-from services.dataloader.rpc.client import ServiceBatchSource
-from services.dataloader.spec import DatasetSpec
-from services.launcher.health import wait_serving
-from services.launcher.topology import Child, Topology
-from services.launcher.up import free_port
+from meshtrain.services.checkpoint.rpc.client import CheckpointClient
+from meshtrain.services.common.errors import MeshtrainError
+from meshtrain.services.dataloader.rpc.client import ServiceBatchSource
+from meshtrain.services.dataloader.spec import DatasetSpec
+from meshtrain.services.launcher.health import wait_serving
+from meshtrain.services.launcher.topology import Child, Topology
+from meshtrain.services.launcher.up import free_port
 from tests.services.dataloader.conftest import write_dataset
 
-MESHTRAIN = [sys.executable, "-m", "services.cli"]
+MESHTRAIN = [sys.executable, "-m", "meshtrain.services.cli"]
 
 
 def scrape(port: int) -> dict[str, float]:

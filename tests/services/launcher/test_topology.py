@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from services.launcher.health import wait_serving
-from services.launcher.topology import (
+from meshtrain.services.launcher.health import wait_serving
+from meshtrain.services.launcher.topology import (
     Child,
     ChildFailed,
     Topology,
@@ -218,7 +218,7 @@ def test_children_get_sigterm_when_the_launcher_dies(tmp_path):
     script = tmp_path / "launcher.py"
     script.write_text(
         "import sys, time\n"
-        "from services.launcher.topology import Child, Topology\n"
+        "from meshtrain.services.launcher.topology import Child, Topology\n"
         "topo = Topology()\n"
         "child = topo.start(Child('sleeper', [sys.executable, '-c', 'import time; time.sleep(300)']))\n"
         "print('child', child.process.pid, flush=True)\n"
@@ -258,7 +258,7 @@ def test_urgent_stop_skips_the_grace_period():
 
 
 def test_a_stop_while_waiting_for_a_child_to_serve_ends_the_wait():
-    from services.launcher.topology import StopRequested
+    from meshtrain.services.launcher.topology import StopRequested
 
     topo = Topology(io.StringIO())
     stop = threading.Event()

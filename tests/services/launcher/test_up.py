@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.checkpoint.writer import save_checkpoint
-from services.common.config import dumps_toml
-from services.common.errors import ConfigError
-from services.launcher.up import Plan, UpOptions, _resume_from, plan
-from services.trainer.config import LAUNCHER_KEYS_ENV, load_config
-from services.trainer.run_dir import run_dir_toml
+from meshtrain.services.checkpoint.writer import save_checkpoint
+from meshtrain.services.common.config import dumps_toml
+from meshtrain.services.common.errors import ConfigError
+from meshtrain.services.launcher.up import Plan, UpOptions, _resume_from, plan
+from meshtrain.services.trainer.config import LAUNCHER_KEYS_ENV, load_config
+from meshtrain.services.trainer.run_dir import run_dir_toml
 from tests.services.trainer.conftest import corpus_cache, small_job_args  # noqa: F401  (a fixture, found by name)
 
 ROOT = Path(__file__).parents[3]
@@ -45,7 +45,7 @@ def test_no_resume_lets_the_trainer_replace_the_roots_steps(tmp_path):
 
 
 def test_the_stores_identity_file_is_private_from_the_start(tmp_path):
-    from services.launcher.objectstore import AccessKeys, ObjectStore
+    from meshtrain.services.launcher.objectstore import AccessKeys, ObjectStore
 
     store = ObjectStore("weed", tmp_path, AccessKeys.load_or_create(tmp_path))
     store.argv()
@@ -135,7 +135,7 @@ def test_up_without_a_run_dir_picks_one_no_other_up_has(tmp_path, monkeypatch):
 
 
 def _up_argv(*args: str) -> list[str]:
-    return [sys.executable, "-m", "services.cli", "up", "--config", "deploy/configs/tiny.toml", *args]
+    return [sys.executable, "-m", "meshtrain.services.cli", "up", "--config", "deploy/configs/tiny.toml", *args]
 
 
 @pytest.mark.e2e
@@ -166,7 +166,7 @@ def test_ups_own_trainer_writes_its_run_dir_and_a_train_beside_it_is_refused(tmp
     # metrics.jsonl and config.toml. Up's lock on R must not refuse up's own trainer.
     run, env = tmp_path / "run", {**os.environ, "PYTHONPATH": str(ROOT)}
     args = small_job_args(corpus_cache, run, **{"train.train_iters": 100_000, "train.eval_interval": 0})
-    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--data-workers", "0", *args], cwd=ROOT,
+    up = subprocess.Popen([sys.executable, "-m", "meshtrain.services.cli", "up", "--data-workers", "0", *args], cwd=ROOT,
                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         for line in up.stdout:
@@ -174,7 +174,7 @@ def test_ups_own_trainer_writes_its_run_dir_and_a_train_beside_it_is_refused(tmp
                 break
         else:
             pytest.fail(f"up exited ({up.wait()}) before its trainer trained")
-        beside = subprocess.run([sys.executable, "-m", "services.cli", "train", *small_job_args(
+        beside = subprocess.run([sys.executable, "-m", "meshtrain.services.cli", "train", *small_job_args(
             corpus_cache, run, **{"train.train_iters": 3}), f"--checkpoint.save={tmp_path / 'beside'}"],
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
     finally:

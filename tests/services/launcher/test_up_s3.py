@@ -13,9 +13,9 @@ import threading
 
 import pytest
 
-from services.common.errors import ConfigError
-from services.launcher.objectstore import AccessKeys, find_weed
-from services.launcher.up import UpOptions, plan, run_up
+from meshtrain.services.common.errors import ConfigError
+from meshtrain.services.launcher.objectstore import AccessKeys, find_weed
+from meshtrain.services.launcher.up import UpOptions, plan, run_up
 from tests.services.trainer.conftest import small_job_args
 
 pytestmark = [pytest.mark.e2e]

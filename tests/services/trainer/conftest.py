@@ -2,7 +2,7 @@
 
 import pytest
 
-from services.dataloader.preprocess import prepare_default_dataset
+from meshtrain.services.dataloader.preprocess import prepare_default_dataset
 
 
 @pytest.fixture(scope="session")

@@ -16,8 +16,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from services.trainer.config import load_config
-from services.trainer.train import Trainer
+from meshtrain.services.trainer.config import load_config
+from meshtrain.services.trainer.train import Trainer
 
 WARMUP = 2  # lazy initialization (cuBLAS handles, NCCL communicators, compiled graphs) may sync
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from services.checkpoint.rpc.server import start_server
-from services.trainer.checkpointing import Checkpointer, Parallel
-from services.trainer.parallel.mesh import Mesh
+from meshtrain.services.checkpoint.rpc.server import start_server
+from meshtrain.services.trainer.checkpointing import Checkpointer, Parallel
+from meshtrain.services.trainer.parallel.mesh import Mesh
 
 
 def test_close_closes_the_channel_to_the_service(tmp_path):
@@ -29,9 +29,9 @@ def test_a_save_started_while_the_service_restarts_is_retried(corpus_cache, tmp_
     # retried through the same outage.
     import threading
 
-    from services.checkpoint.reader import list_checkpoints
-    from services.trainer.config import load_config
-    from services.trainer.train import Trainer
+    from meshtrain.services.checkpoint.reader import list_checkpoints
+    from meshtrain.services.trainer.config import load_config
+    from meshtrain.services.trainer.train import Trainer
     from tests.services.trainer.conftest import small_job_args
 
     root = str(tmp_path / "ckpt")
@@ -57,8 +57,8 @@ def test_a_save_started_while_the_service_restarts_is_retried(corpus_cache, tmp_
 
 
 def test_save_attempts_and_backoff_are_checked():
-    from services.common.errors import ConfigError
-    from services.trainer.config import load_config
+    from meshtrain.services.common.errors import ConfigError
+    from meshtrain.services.trainer.config import load_config
 
     with pytest.raises(ConfigError, match="save_attempts must be >= 1, got 0"):
         load_config(["--checkpoint.save_attempts=0"])
@@ -76,10 +76,10 @@ def _save_into_a_taken_step(rank, world, args, root):
     import torch
     import torch.distributed as dist
 
-    from services.checkpoint.writer import save_checkpoint
-    from services.common.errors import CheckpointError
-    from services.trainer.config import load_config
-    from services.trainer.train import Trainer
+    from meshtrain.services.checkpoint.writer import save_checkpoint
+    from meshtrain.services.common.errors import CheckpointError
+    from meshtrain.services.trainer.config import load_config
+    from meshtrain.services.trainer.train import Trainer
 
     trainer = Trainer(load_config(args))
     if rank == 0:
@@ -114,8 +114,8 @@ def _fail_with_a_save_in_flight(rank, world, args):
     `close_after_failure`."""
     import time
 
-    from services.trainer.config import load_config
-    from services.trainer.train import Trainer
+    from meshtrain.services.trainer.config import load_config
+    from meshtrain.services.trainer.train import Trainer
 
     trainer = Trainer(load_config(args))
     saver = trainer.checkpointer.saver
@@ -138,7 +138,7 @@ def test_a_failing_run_gives_up_its_service_mode_save_at_once(corpus_cache, tmp_
     # Without the service, close_after_failure makes rank 0 stop waiting for a writer that never
     # reports; in service mode the service's Commit kept waiting for it until its timeout (600 s),
     # so a failing run's rank 0 could not exit. Now the saver tells the service (AbortSave).
-    from services.checkpoint.rpc.client import CheckpointClient
+    from meshtrain.services.checkpoint.rpc.client import CheckpointClient
     from tests.dist_utils import run_ranks
     from tests.services.trainer.conftest import small_job_args
 

@@ -13,12 +13,12 @@ import urllib.request
 
 import pytest
 
-from services.checkpoint.reader import list_checkpoints
-from services.cli import main
-from services.common.errors import CheckpointError, ConfigError, MeshtrainError
-from services.trainer.config import load_config
-from services.trainer.rpc.client import ControlClient, resolve_address
-from services.trainer.train import train
+from meshtrain.services.checkpoint.reader import list_checkpoints
+from meshtrain.services.cli import main
+from meshtrain.services.common.errors import CheckpointError, ConfigError, MeshtrainError
+from meshtrain.services.trainer.config import load_config
+from meshtrain.services.trainer.rpc.client import ControlClient, resolve_address
+from meshtrain.services.trainer.train import train
 from tests.services.trainer.conftest import small_job_args
 
 
@@ -102,7 +102,7 @@ def test_a_save_that_fails_is_never_reported_as_the_last_checkpoint(corpus_cache
         "train.train_iters": 100_000, "train.eval_interval": 0, "train.control_port": 0,
         "checkpoint.save": str(root)})))
     try:
-        with caplog.at_level(logging.ERROR, logger="services.checkpoint"):
+        with caplog.at_level(logging.ERROR, logger="meshtrain.services.checkpoint"):
             wait_for(lambda: (run_dir / "control.addr").exists() or not bg.thread.is_alive(), what="control.addr")
             with ControlClient(str(run_dir)) as client:
                 wait_for(lambda: client.status()["step"] >= 1, what="a first step")
@@ -178,8 +178,8 @@ def test_unreachable_or_malformed_targets_are_named(tmp_path):
 def test_a_busy_metrics_port_is_a_clear_error_and_leaves_no_control_address(corpus_cache, tmp_path):
     import socket
 
-    from services.trainer.rpc.server import serve_control
-    from services.trainer.train import Trainer
+    from meshtrain.services.trainer.rpc.server import serve_control
+    from meshtrain.services.trainer.train import Trainer
 
     trainer = Trainer(load_config(small_job_args(corpus_cache, tmp_path, **{"train.train_iters": 1})))
     with socket.socket() as taken:
@@ -196,8 +196,8 @@ def test_a_checkpoint_request_made_during_a_save_is_kept_for_the_next_step(corpu
     The save is wrapped only to send the second request (over the real endpoint) at the one
     moment that matters; the save itself, the request and the loop are the real ones.
     """
-    from services.trainer.rpc.server import serve_control
-    from services.trainer.train import Trainer
+    from meshtrain.services.trainer.rpc.server import serve_control
+    from meshtrain.services.trainer.train import Trainer
 
     run_dir = tmp_path / "run"
     trainer = Trainer(load_config(small_job_args(corpus_cache, run_dir, **{
@@ -246,7 +246,7 @@ def test_a_metrics_port_without_the_control_endpoint_is_refused(corpus_cache, tm
 def test_a_stop_names_the_ranks_that_asked_and_why():
     """Each rank's cause travels as a number in the flags' all-reduce; every rank turns the
     reduced numbers back into one line."""
-    from services.trainer.requests import CONTROL_STOP, cause_code, describe_stop
+    from meshtrain.services.trainer.requests import CONTROL_STOP, cause_code, describe_stop
 
     sigterm, control = cause_code("SIGTERM"), cause_code(CONTROL_STOP)
     assert cause_code(None) == 0 and sigterm == 15 and control not in (0, sigterm)

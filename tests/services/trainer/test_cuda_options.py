@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.utils import flop_counter
 
-from services.trainer.cuda_options import _count_gqa_attention_flops
+from meshtrain.services.trainer.cuda_options import _count_gqa_attention_flops
 
 
 def test_gqa_attention_flops_are_counted_where_torch_refuses_them(monkeypatch):

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.trainer.config import load_config
-from services.trainer.train import train
+from meshtrain.services.trainer.config import load_config
+from meshtrain.services.trainer.train import train
 from tests.services.trainer.conftest import small_job_args
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -75,7 +75,7 @@ def test_accumulate_weight_grad_on_cuda_adds_fp32_sums_in_place():
     """The fused weight-gradient GEMM on CUDA: bf16 operands, the fp32 .grad read and written
     in place, no bf16 rounding of the product: its error is a small fraction of what a bf16 GEMM
     followed by the fp32 add (the hook's path) makes on the same operands."""
-    from services.trainer.weight_copies import accumulate_weight_grad
+    from meshtrain.services.trainer.weight_copies import accumulate_weight_grad
 
     torch.manual_seed(0)
     main = torch.randn(1536, 1024, device="cuda")
@@ -98,7 +98,7 @@ def test_accumulate_weight_grad_on_cuda_adds_fp32_sums_in_place():
 def test_fused_gradient_accumulation_trains_like_the_copies_hooks(corpus_cache, tmp_path):
     """Compiled in bf16 on CUDA with train.gradient_accumulation_fusion (on there by default): the
     losses follow the run whose copies' bf16 gradients a hook adds."""
-    from services.trainer.train import Trainer
+    from meshtrain.services.trainer.train import Trainer
 
     common = small_job_args(corpus_cache, tmp_path / "x", **{"train.device": "cuda", "train.bf16": True,
                                                               "train.eval_interval": 0, "train.train_iters": 20,
@@ -180,7 +180,7 @@ def test_nccl_two_gpus_match_one_gpu(layout, shared, rel, corpus_cache, tmp_path
                                                               "train.train_iters": 10})
     common = [a for a in common if not a.startswith("--log.run_dir")] + shared
     one = train(load_config(common + [f"--log.run_dir={tmp_path / 'one'}"]))
-    out = subprocess.run([sys.executable, "-m", "services.cli", "train", "--nproc-per-node", "2", *common, *layout,
+    out = subprocess.run([sys.executable, "-m", "meshtrain.services.cli", "train", "--nproc-per-node", "2", *common, *layout,
                           f"--log.run_dir={tmp_path / 'two'}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     two = _losses(tmp_path / "two")
@@ -194,7 +194,7 @@ def test_a_training_step_never_synchronizes_with_the_host(extra, corpus_cache, t
     """CUDA's sync debug mode turns any host synchronization (.item(), a D2H copy, a
     data-dependent shape) inside the step into an error; logging steps are the only place
     the loop reads values back, so the steps between them must run clean."""
-    from services.trainer.train import Trainer
+    from meshtrain.services.trainer.train import Trainer
 
     args = small_job_args(corpus_cache, tmp_path / "run", **{"train.device": "cuda", "train.bf16": True,
                                                               "train.eval_interval": 0})
@@ -234,7 +234,7 @@ def test_sharded_steps_never_synchronize_with_the_host(layout, corpus_cache, tmp
 
 def test_matmul_sm_carveout_is_set_and_training_runs(corpus_cache, tmp_path):
     """The setting reaches PyTorch (what cuBLASLt's kernels then do with it is not checked here)."""
-    from services.trainer.train import Trainer
+    from meshtrain.services.trainer.train import Trainer
 
     before = torch.backends.cuda.preferred_blas_library()
     args = small_job_args(corpus_cache, tmp_path / "run", **{"train.device": "cuda", "train.bf16": True,
@@ -260,7 +260,7 @@ def test_coordinate_descent_tuning_reaches_the_compiled_model_and_trains(corpus_
     rounding, hence the tolerance)."""
     import torch._inductor.config as inductor_config
 
-    from services.trainer.train import Trainer
+    from meshtrain.services.trainer.train import Trainer
 
     common = small_job_args(corpus_cache, tmp_path / "x", **{"train.device": "cuda", "train.bf16": True,
                                                               "train.eval_interval": 0, "train.train_iters": 12,

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from services.common.errors import ConfigError, MeshtrainError
-from services.trainer.config import load_config
-from services.trainer.graphs import MicroBatchGraph
+from meshtrain.services.common.errors import ConfigError, MeshtrainError
+from meshtrain.services.trainer.config import load_config
+from meshtrain.services.trainer.graphs import MicroBatchGraph
 from tests.services.trainer.conftest import small_job_args
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -24,7 +24,7 @@ def test_config_refuses_a_graph_on_the_cpu(corpus_cache, tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where no GPU is present")
 def test_trainer_refuses_a_graph_without_a_gpu(corpus_cache, tmp_path):
-    from services.trainer.train import Trainer
+    from meshtrain.services.trainer.train import Trainer
 
     args = small_job_args(corpus_cache, tmp_path / "run", **{"train.cuda_graph": True, "train.device": "auto"})
     with pytest.raises(ConfigError, match="train.cuda_graph needs a CUDA device; this run is on cpu"):
@@ -102,7 +102,7 @@ def test_each_replay_draws_new_dropout_masks():
 
 
 def _steps(args, n):
-    from services.trainer.train import Trainer
+    from meshtrain.services.trainer.train import Trainer
 
     trainer = Trainer(load_config(args))
     try:
@@ -146,7 +146,7 @@ def test_a_run_with_the_graph_resumes_where_it_stopped(corpus_cache, tmp_path):
     (the RNG state a checkpoint restores must give the masks the uninterrupted run drew), and
     a resume that captures afresh continues the uninterrupted run. fp32, compiled; 1e-5
     relative, not exact: SDPA's backward on the GPU may add in another order run to run."""
-    from services.trainer.train import train
+    from meshtrain.services.trainer.train import train
 
     common = {"train.device": "cuda", "train.compile": True, "train.cuda_graph": True, "train.train_iters": 10,
               "train.eval_interval": 4, "model.hidden_dropout": 0.2}

@@ -5,10 +5,10 @@ import logging
 
 import pytest
 
-from services.checkpoint.reader import list_checkpoints
-from services.common.errors import CheckpointError, ConfigError
-from services.trainer.config import load_config
-from services.trainer.train import train
+from meshtrain.services.checkpoint.reader import list_checkpoints
+from meshtrain.services.common.errors import CheckpointError, ConfigError
+from meshtrain.services.trainer.config import load_config
+from meshtrain.services.trainer.train import train
 from tests.services.trainer.conftest import small_job_args
 
 
@@ -42,7 +42,7 @@ def test_a_newest_step_with_a_damaged_manifest_is_refused_not_passed_over(corpus
         train(load_config(small_job_args(corpus_cache, tmp_path / "r2", **resume)))
     # Resuming step 2 by name (as deploy/train.sh does) is refused too while step 4's folder is
     # there, since the run's save of step 4 would fail on it; deleting the damaged step lets it on.
-    from services.checkpoint.maintenance import delete_checkpoint
+    from meshtrain.services.checkpoint.maintenance import delete_checkpoint
 
     rolled_back = {**resume, "checkpoint.load_step": 2}  # deploy/train.sh names the step it resumes
     with pytest.raises(CheckpointError, match=r"steps \[4\] after this run's start \(step 2\) .* hold a manifest"):
@@ -113,7 +113,7 @@ def test_a_resume_into_a_root_with_later_steps_is_refused_before_training(corpus
     between would leave the abandoned run's step 8 as the root's latest, which the next --load
     would resume. It is refused at the start, naming the steps and the switch; with
     checkpoint.overwrite the run goes ahead."""
-    from services.trainer.train import Trainer
+    from meshtrain.services.trainer.train import Trainer
 
     run = tmp_path / "run"
     common = {"train.train_iters": 8, "train.eval_interval": 0, "checkpoint.save_interval": 4}

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from services.common.errors import CheckpointError
-from services.trainer.config import load_config, replace
-from services.trainer.rpc.server import ControlEndpoint
-from services.trainer.run_dir import claim_run_dir, release_run_dir
-from services.trainer.train import Trainer, train
+from meshtrain.services.common.errors import CheckpointError
+from meshtrain.services.trainer.config import load_config, replace
+from meshtrain.services.trainer.rpc.server import ControlEndpoint
+from meshtrain.services.trainer.run_dir import claim_run_dir, release_run_dir
+from meshtrain.services.trainer.train import Trainer, train
 from tests.services.trainer.conftest import small_job_args
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -21,7 +21,7 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
 def _meshtrain(*args, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli", *map(str, args)], cwd=ROOT, env=ENV,
+    return subprocess.run([sys.executable, "-m", "meshtrain.services.cli", *map(str, args)], cwd=ROOT, env=ENV,
                           capture_output=True, text=True, timeout=300, check=False, **kw)
 
 
@@ -44,7 +44,7 @@ def test_a_second_train_into_a_run_dir_in_use_is_refused_and_the_folder_is_free_
     run = tmp_path / "run"
     args = small_job_args(corpus_cache, run, **{"train.train_iters": 100_000, "train.eval_interval": 0,
                                                 "train.control_port": 0})
-    first = subprocess.Popen([sys.executable, "-m", "services.cli", "train", *args,
+    first = subprocess.Popen([sys.executable, "-m", "meshtrain.services.cli", "train", *args,
                               f"--checkpoint.save={tmp_path / 'a'}"], cwd=ROOT, env=ENV,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -88,7 +88,7 @@ def test_one_rank_holds_the_run_dir_of_a_multi_rank_launch(tmp_path, corpus_cach
     assert both.returncode == 0, both.stderr[-3000:]
     assert (run / ".train.lock").exists()
 
-    holder = subprocess.Popen([sys.executable, "-m", "services.cli", "train", *small_job_args(
+    holder = subprocess.Popen([sys.executable, "-m", "meshtrain.services.cli", "train", *small_job_args(
         corpus_cache, run, **{"train.train_iters": 100_000, "train.eval_interval": 0, "train.control_port": 0}),
         f"--checkpoint.save={tmp_path / 'holder'}"], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True)
@@ -105,7 +105,7 @@ def test_one_rank_holds_the_run_dir_of_a_multi_rank_launch(tmp_path, corpus_cach
 
 def _holder_seen_from_another_process(run: Path) -> str:
     """The pid another process finds holding RUN/.train.lock, or 'None'."""
-    code = ("import sys; from pathlib import Path; from services.trainer.run_dir import probe_lock; "
+    code = ("import sys; from pathlib import Path; from meshtrain.services.trainer.run_dir import probe_lock; "
             "print(probe_lock(Path(sys.argv[1])))")
     probe = subprocess.run([sys.executable, "-c", code, str(run / ".train.lock")],
                            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120, check=True)

@@ -7,10 +7,10 @@ import re
 import pytest
 import torch
 
-from services.checkpoint.reader import list_checkpoints
-from services.common.errors import CheckpointError, ConfigError
-from services.trainer.config import load_config
-from services.trainer.train import train
+from meshtrain.services.checkpoint.reader import list_checkpoints
+from meshtrain.services.common.errors import CheckpointError, ConfigError
+from meshtrain.services.trainer.config import load_config
+from meshtrain.services.trainer.train import train
 from tests.services.trainer.conftest import small_job_args
 
 LLAMA = {"model.normalization": "rmsnorm", "model.activation": "swiglu", "model.position_embedding_type": "rope",
@@ -80,7 +80,7 @@ def test_resume_gives_identical_losses(arch, corpus_cache, tmp_path):
         assert resumed.losses[step] == full.losses[step], step
     assert resumed.eval_losses == {s: v for s, v in full.eval_losses.items() if s > 5}
     # the resumed run's final parameters are bit-identical to the uninterrupted run's
-    from services.checkpoint.reader import load_checkpoint
+    from meshtrain.services.checkpoint.reader import load_checkpoint
 
     a, meta_a = load_checkpoint(ckpt, 12)
     b, meta_b = load_checkpoint(str(tmp_path / "ck2"), 12)
@@ -106,7 +106,7 @@ def test_bf16_residual_stream_trains_like_the_fp32_one(corpus_cache, tmp_path):
 def test_saves_through_the_checkpoint_service_and_resumes(corpus_cache, tmp_path):
     """Service mode: the trainer streams its shards to a real CheckpointService on loopback;
     what the service commits resumes exactly like an embedded save (same losses)."""
-    from services.checkpoint.rpc.server import start_server
+    from meshtrain.services.checkpoint.rpc.server import start_server
 
     root = str(tmp_path / "served")
     server, port, _ = start_server(root, commit_timeout=60)
@@ -135,8 +135,8 @@ def test_retention_never_deletes_the_runs_own_latest_checkpoint(corpus_cache, tm
     # A run restarted from scratch into a root holding an earlier run's higher steps (the
     # `overwrite` case): "keep the highest steps" alone deleted the new run's step 2 before it
     # saved step 4, so meanwhile the run had no checkpoint of its own.
-    from services.checkpoint.reader import read_manifest
-    from services.checkpoint.writer import save_checkpoint
+    from meshtrain.services.checkpoint.reader import read_manifest
+    from meshtrain.services.checkpoint.writer import save_checkpoint
 
     root = str(tmp_path / "ckpt")
     for step in (2, 200):
@@ -155,9 +155,9 @@ def test_retention_never_deletes_the_runs_own_latest_checkpoint(corpus_cache, tm
 def test_a_failed_init_leaves_no_checkpoint_service_channel_open(corpus_cache, tmp_path, monkeypatch):
     # Trainer.__init__ opened its Checkpointer (a channel to the service) before the restore,
     # and nothing closed it when the restore raised.
-    from services.checkpoint.rpc.server import start_server
-    from services.trainer import checkpointing
-    from services.trainer.train import Trainer
+    from meshtrain.services.checkpoint.rpc.server import start_server
+    from meshtrain.services.trainer import checkpointing
+    from meshtrain.services.trainer.train import Trainer
 
     opened = []
 
@@ -188,8 +188,8 @@ def test_kernel_mode_follows_train_kernels_and_compile(corpus_cache, tmp_path, m
     """'auto' stays 'auto' (under compile with only train.compiled_triton_ops on Triton, the
     next test); an explicit choice is kept. ('triton' on this CPU run is refused:
     tests/test_cli.py::test_kernel_mode_that_cannot_run_is_a_user_error.)"""
-    import kernels
-    from services.trainer.train import Trainer
+    from meshtrain import kernels
+    from meshtrain.services.trainer.train import Trainer
 
     monkeypatch.delenv("MESHTRAIN_KERNELS", raising=False)
     trainer = Trainer(load_config(small_job_args(corpus_cache, tmp_path / "run", **{
@@ -207,8 +207,8 @@ def test_compiled_triton_ops_pick_the_ops_on_triton_inside_compiled_graphs(corpu
     """Under compile with kernels='auto', the ops of train.compiled_triton_ops (default RoPE and
     SwiGLU) take Triton inside the compiled graph, the rest Inductor's fusion of the reference;
     an empty list keeps every op on the reference."""
-    import kernels
-    from services.trainer.train import Trainer
+    from meshtrain import kernels
+    from meshtrain.services.trainer.train import Trainer
 
     monkeypatch.delenv("MESHTRAIN_KERNELS", raising=False)
     overrides = {"train.compile": True} | ({} if ops is None else {"train.compiled_triton_ops": ops})
@@ -229,8 +229,8 @@ def test_compiled_triton_ops_are_checked():
 
 
 def test_a_stop_between_log_steps_logs_its_losses_and_later_requests_are_refused(corpus_cache, tmp_path):
-    from services.common.errors import MeshtrainError
-    from services.trainer.train import Trainer
+    from meshtrain.services.common.errors import MeshtrainError
+    from meshtrain.services.trainer.train import Trainer
 
     job = load_config(small_job_args(corpus_cache, tmp_path, **{
         "train.train_iters": 12, "train.eval_interval": 0, "log.log_interval": 4,
@@ -265,7 +265,7 @@ def test_a_stop_still_saves_after_an_earlier_save_failed(corpus_cache, tmp_path,
     import shutil
     import time
 
-    from services.trainer.train import Trainer
+    from meshtrain.services.trainer.train import Trainer
 
     root = tmp_path / "ckpt"
     job = load_config(small_job_args(corpus_cache, tmp_path / "run", **{
@@ -302,7 +302,7 @@ def test_a_stop_still_saves_after_an_earlier_save_failed(corpus_cache, tmp_path,
 ])
 def test_compile_option_is_refused_without_compile_or_off_cuda(corpus_cache, tmp_path, option, without_compile,
                                                                  off_cuda):
-    from services.trainer.train import Trainer
+    from meshtrain.services.trainer.train import Trainer
 
     with pytest.raises(ConfigError, match=without_compile):
         load_config(small_job_args(corpus_cache, tmp_path / "a", **{f"train.{option}": True}))
@@ -313,7 +313,7 @@ def test_compile_option_is_refused_without_compile_or_off_cuda(corpus_cache, tmp
 
 
 def test_matmul_sm_carveout_is_refused_off_cuda_and_below_zero(corpus_cache, tmp_path):
-    from services.trainer.train import Trainer
+    from meshtrain.services.trainer.train import Trainer
 
     with pytest.raises(ConfigError, match="matmul_sm_carveout must be >= 0"):
         load_config(small_job_args(corpus_cache, tmp_path / "a", **{"train.matmul_sm_carveout": -1}))
@@ -345,9 +345,9 @@ def test_eval_loss_is_the_mean_over_every_counted_token(corpus_cache, tmp_path):
     eval batches), not the mean of the micro-batches' means."""
     import numpy as np
 
-    from services.dataloader.indexed import IndexedDataset, IndexedDatasetWriter
-    from services.dataloader.preprocess import prepare_default_dataset
-    from services.trainer.train import Trainer
+    from meshtrain.services.dataloader.indexed import IndexedDataset, IndexedDatasetWriter
+    from meshtrain.services.dataloader.preprocess import prepare_default_dataset
+    from meshtrain.services.trainer.train import Trainer
 
     # the corpus's text cut into short documents, each ending in EOD (256): many per micro-batch
     text = IndexedDataset(prepare_default_dataset(corpus_cache, tokenizer="byte", max_bytes=400_000).prefix)
@@ -380,7 +380,7 @@ def test_eval_set_is_eval_iters_global_batches_whatever_the_micro_batch_and_dp_s
     """--eval-iters counts global batches, as in Megatron: the held-out samples are
     eval_iters x global_batch_size, the same set when a resumed run changes the micro-batch size
     or the data-parallel size (which keep the global batch), split over the dp ranks."""
-    from services.trainer.data import build_data
+    from meshtrain.services.trainer.data import build_data
 
     def valid_rows(mbs: int, dp: int) -> list[tuple[int, ...]]:
         job = load_config(small_job_args(corpus_cache, tmp_path / "run", **{"train.micro_batch_size": mbs}))
@@ -398,8 +398,8 @@ def test_eval_set_is_eval_iters_global_batches_whatever_the_micro_batch_and_dp_s
 
 _STOP_CHILD = """
 import os, signal, sys, time
-from services.trainer import requests, train as T
-from services.trainer.config import load_config
+from meshtrain.services.trainer import requests, train as T
+from meshtrain.services.trainer.config import load_config
 requests.STOP_STACK_DUMP_S = 0.5
 trainer = T.Trainer(load_config(sys.argv[2:]))
 step_fn = trainer.train_step

@@ -7,7 +7,7 @@ that uses the uploader is covered there too (test_gpu.py, including the no-host-
 import pytest
 import torch
 
-from services.trainer.uploads import Uploader
+from meshtrain.services.trainer.uploads import Uploader
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

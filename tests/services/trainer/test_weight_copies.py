@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from services.common.errors import ConfigError
-from services.trainer.config import load_config
-from services.trainer.train import Trainer
-from services.trainer.weight_copies import (
+from meshtrain.services.common.errors import ConfigError
+from meshtrain.services.trainer.config import load_config
+from meshtrain.services.trainer.train import Trainer
+from meshtrain.services.trainer.weight_copies import (
     MainGradLinear,
     WeightCopies,
     accumulate_weight_grad,
@@ -187,7 +187,7 @@ def test_compiled_fused_gradient_accumulation_adds_in_place_without_recompiling(
 def test_a_fused_run_resumes_where_it_stopped(corpus_cache, tmp_path):
     """Evaluation and a checkpoint between steps, then a resume: the restored parameters get
     fresh copies and .grads, and the resumed losses equal the uninterrupted run's."""
-    from services.trainer.train import train
+    from meshtrain.services.trainer.train import train
 
     common = dict(LLAMA, **{"train.bf16": True, "train.gradient_accumulation_fusion": True, "train.train_iters": 4,
                             "train.eval_interval": 2})

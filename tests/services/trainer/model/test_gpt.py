@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.trainer.config import ModelConfig
-from services.trainer.model import GPT
+from meshtrain.services.trainer.config import ModelConfig
+from meshtrain.services.trainer.model import GPT
 
 GPT2 = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=301)
 LLAMA = dict(GPT2, normalization="rmsnorm", activation="swiglu", position_embedding_type="rope",
@@ -88,7 +88,7 @@ def test_attention_matches_naive_per_head_reference(kw):
                          ids=["pinned-math", "auto-expanded-kv", "math-expanded-kv"])
 def test_pinned_attention_backend_and_expanded_kv_match_naive_reference(backend, expand):
     """A pinned SDPA backend (and expanding KV heads instead of enable_gqa) computes the same."""
-    from services.trainer.model import attention
+    from meshtrain.services.trainer.model import attention
     model = build(**LLAMA, attention_backend=backend)
     assert model.layers[0].attention.core.backend == backend
     x = torch.randn(2, 12, 64)
@@ -101,8 +101,8 @@ def test_pinned_attention_backend_and_expanded_kv_match_naive_reference(backend,
 
 
 def test_unknown_attention_backend_is_refused():
-    from services.common.errors import ConfigError
-    from services.trainer.config import load_config
+    from meshtrain.services.common.errors import ConfigError
+    from meshtrain.services.trainer.config import load_config
     with pytest.raises(ConfigError, match="model.attention_backend: got 'flash3'"):
         load_config(["--model.attention_backend=flash3"])
 

@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-from services.trainer.config import ModelConfig, OptimConfig
-from services.trainer.model import GPT
-from services.trainer.optim.optimizer import build_optimizer, clip_grad_norm, is_decayed
-from services.trainer.optim.schedule import lr_at
+from meshtrain.services.trainer.config import ModelConfig, OptimConfig
+from meshtrain.services.trainer.model import GPT
+from meshtrain.services.trainer.optim.optimizer import build_optimizer, clip_grad_norm, is_decayed
+from meshtrain.services.trainer.optim.schedule import lr_at
 
 
 def test_warmup_then_cosine_to_min():

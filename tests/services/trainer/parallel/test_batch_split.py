@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from benchmarks.compile_graph_breaks import inductor_order
-from services.common.errors import ConfigError
-from services.trainer.config import ModelConfig, load_config
-from services.trainer.model import GPT
-from services.trainer.parallel.mappings import PendingReduction
-from services.trainer.parallel.mesh import Mesh
-from services.trainer.parallel.tensor import parallelize
+from meshtrain.services.common.errors import ConfigError
+from meshtrain.services.trainer.config import ModelConfig, load_config
+from meshtrain.services.trainer.model import GPT
+from meshtrain.services.trainer.parallel.mappings import PendingReduction
+from meshtrain.services.trainer.parallel.mesh import Mesh
+from meshtrain.services.trainer.parallel.tensor import parallelize
 from tests.dist_utils import run_ranks
 
 CFG = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2, "seq_length": 16,

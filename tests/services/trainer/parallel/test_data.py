@@ -5,10 +5,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from services.trainer.config import ModelConfig, OptimConfig
-from services.trainer.model import GPT
-from services.trainer.parallel.data import DataParallel, forward_units
-from services.trainer.parallel.mesh import Mesh
+from meshtrain.services.trainer.config import ModelConfig, OptimConfig
+from meshtrain.services.trainer.model import GPT
+from meshtrain.services.trainer.parallel.data import DataParallel, forward_units
+from meshtrain.services.trainer.parallel.mesh import Mesh
 from tests.dist_utils import run_ranks
 
 CFG = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=97,
@@ -68,7 +68,7 @@ def test_forward_units_cover_every_parameter_once_in_forward_order():
 
 
 def test_a_parameter_that_is_not_fp32_is_refused_by_name():
-    from services.common.errors import ConfigError
+    from meshtrain.services.common.errors import ConfigError
 
     model = GPT(ModelConfig(**CFG))
     model.final_norm.weight.data = model.final_norm.weight.data.bfloat16()
@@ -77,7 +77,7 @@ def test_a_parameter_that_is_not_fp32_is_refused_by_name():
 
 
 def _global_norm(rank, world, dist_opt, max_norm):
-    from services.trainer.parallel.tensor import parallelize
+    from meshtrain.services.trainer.parallel.tensor import parallelize
     torch.manual_seed(0)
     model = GPT(ModelConfig(**CFG, normalization="rmsnorm", num_query_groups=2))
     mesh = Mesh.build(tp=2)

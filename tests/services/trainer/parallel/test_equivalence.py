@@ -13,9 +13,9 @@ so tiny gradient differences on near-zero gradients move parameters by up to ~lr
 import pytest
 import torch
 
-from services.checkpoint.reader import load_checkpoint
-from services.trainer.config import load_config
-from services.trainer.train import train
+from meshtrain.services.checkpoint.reader import load_checkpoint
+from meshtrain.services.trainer.config import load_config
+from meshtrain.services.trainer.train import train
 from tests.dist_utils import run_ranks
 from tests.services.trainer.conftest import small_job_args
 

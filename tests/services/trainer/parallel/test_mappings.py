@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from services.trainer.parallel import mappings as M
+from meshtrain.services.trainer.parallel import mappings as M
 from tests.dist_utils import run_ranks
 
 pytestmark = pytest.mark.dist

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from services.trainer.config import ModelConfig, ParallelConfig
-from services.trainer.model import GPT
-from services.trainer.parallel import recompute
+from meshtrain.services.trainer.config import ModelConfig, ParallelConfig
+from meshtrain.services.trainer.model import GPT
+from meshtrain.services.trainer.parallel import recompute
 
 CFG = dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, seq_length=32,
            vocab_size=200, normalization="rmsnorm", activation="swiglu", position_embedding_type="rope",

@@ -10,12 +10,12 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from services.common.errors import ConfigError
-from services.trainer.config import ModelConfig, load_config
-from services.trainer.model import GPT
-from services.trainer.parallel import symm_reduce
-from services.trainer.parallel.mesh import Mesh
-from services.trainer.parallel.tensor import parallelize
+from meshtrain.services.common.errors import ConfigError
+from meshtrain.services.trainer.config import ModelConfig, load_config
+from meshtrain.services.trainer.model import GPT
+from meshtrain.services.trainer.parallel import symm_reduce
+from meshtrain.services.trainer.parallel.mesh import Mesh
+from meshtrain.services.trainer.parallel.tensor import parallelize
 from tests.services.trainer.parallel.test_tensor import GPT2
 
 TP2 = ["--tensor-model-parallel-size", "2"]

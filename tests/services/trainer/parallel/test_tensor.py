@@ -9,11 +9,11 @@ differs (tolerance 1e-10). Also checks the parts of parallelize a user can get w
 import pytest
 import torch
 
-from services.common.errors import ConfigError
-from services.trainer.config import ModelConfig, load_config
-from services.trainer.model import GPT
-from services.trainer.parallel.mesh import Mesh
-from services.trainer.parallel.tensor import TPSplit, gather_tp, parallelize
+from meshtrain.services.common.errors import ConfigError
+from meshtrain.services.trainer.config import ModelConfig, load_config
+from meshtrain.services.trainer.model import GPT
+from meshtrain.services.trainer.parallel.mesh import Mesh
+from meshtrain.services.trainer.parallel.tensor import TPSplit, gather_tp, parallelize
 from tests.dist_utils import run_ranks
 
 CFG = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, seq_length=16,
@@ -94,8 +94,8 @@ def test_unbuilt_parallelism_is_refused_not_trained_as_data_parallel(axis):
     """A mesh with a pipeline, context or expert axis (built by Mesh.build or the Megatron-style
     initialize_model_parallel) was sharded over tp alone, and its ranks trained as plain
     replicas of one another; both entry points now refuse it, as the trainer's config does."""
-    from services.common.errors import NotBuiltError
-    from services.trainer.parallel.mesh import initialize_model_parallel
+    from meshtrain.services.common.errors import NotBuiltError
+    from meshtrain.services.trainer.parallel.mesh import initialize_model_parallel
 
     with pytest.raises(NotBuiltError, match=f"{axis}=2: this parallelism is not built"):
         parallelize(GPT(ModelConfig(**CFG)), Mesh(**{axis: 2, "dp": 2 if axis == "ep" else 1}, rank=0))

@@ -1,0 +1,1 @@
+"""meshtrain: Megatron-style training of GPT-family language models."""
