@@ -151,6 +151,12 @@ class DataParallel:
         if not (self.sync_enabled and self.overlap_grad):
             return
         bucket, i = self.bucket_of[id(p)]
+        if bucket.reduce_handle is not None:  # a second backward into a bucket already sent
+            raise RuntimeError(
+                f"gradient of {self.names[p]} accumulated after its bucket's reduction was launched: with "
+                "overlap_grad_reduce, run all but a step's last micro-batch under no_sync() (or iterate them "
+                "through DistributedDataParallel.accumulate()), and call finish_grad_sync() (optimizer.step()) "
+                "before the next backward")
         bucket.ready.add(i)
         if len(bucket.ready) == len(bucket.params) and bucket.reduce_handle is None:
             self._launch_reduce(bucket)
