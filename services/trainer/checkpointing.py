@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from meshtrain.services.checkpoint.async_save import AsyncSaver, StorageSink, retry
 from meshtrain.services.checkpoint.layout import array_key, dtype_name
@@ -135,16 +136,20 @@ def pieces(name: str, local_shape: tuple[int, ...], param: torch.Tensor, mesh: M
     return out
 
 
-def _moments(model: GPT, optimizer: torch.optim.Optimizer, par: Parallel) -> dict[str, dict[str, torch.Tensor]]:
+def _moments(model: GPT, optimizer: torch.optim.Optimizer | None, par: Parallel) -> dict[str, dict[str, torch.Tensor]]:
     if par.ddp is not None and par.ddp.dist_opt:
         return par.ddp.full_optimizer_state()  # collective over dp
+    if optimizer is None:
+        return {}
     names = {p: n for n, p in model.named_parameters()}
     return {names[p]: {k: st[k] for k in ("exp_avg", "exp_avg_sq")} for p, st in optimizer.state.items()}
 
 
-def _optimizer_step(optimizer: torch.optim.Optimizer, par: Parallel) -> int:
+def _optimizer_step(optimizer: torch.optim.Optimizer | None, par: Parallel) -> int:
     if par.ddp is not None and par.ddp.dist_opt:
         return par.ddp.optimizer_step_count()
+    if optimizer is None:
+        return 0
     steps = {int(st["step"]) for st in optimizer.state.values()} or {0}
     if len(steps) != 1:
         raise CheckpointError(f"optimizer parameters disagree on their step count: {sorted(steps)}")
@@ -208,7 +213,7 @@ class Checkpointer:
         """URL of checkpoint `step` under this run's save root."""
         return open_root(self.root).step_url(step)
 
-    def save(self, model: GPT, optimizer: torch.optim.Optimizer, state: TrainState, job: JobConfig,
+    def save(self, model: GPT, optimizer: torch.optim.Optimizer | None, state: TrainState, job: JobConfig,
              extra: dict[str, Any]) -> str:
         """Start saving checkpoint `state.iteration` (collective); returns its URL on every rank."""
         mesh, v, layers = self.par.mesh, model.vocab_size, model.config.num_layers
@@ -349,11 +354,12 @@ def refuse_damaged_newer(root: str, latest: int | None) -> None:
         f"be read ({damaged[first]}); " + " or ".join(choices) + f", after `meshtrain ckpt verify {root} --all`")
 
 
-def restore(root: str, model: GPT, optimizer: torch.optim.Optimizer, par: Parallel,
+def restore(root: str, model: GPT, optimizer: torch.optim.Optimizer | None, par: Parallel,
             step: int | None = None) -> tuple[TrainState, dict]:
     """Load checkpoint `step` (latest committed if None) into `model` and `optimizer` in place.
 
-    Each rank reads only the boxes its shards cover.
+    Each rank reads only the boxes its shards cover. `optimizer` None: the weights only (the
+    RNG states are restored all the same).
 
     Raises:
         CheckpointError: the checkpoint is missing, corrupt or does not fit the model.
@@ -398,7 +404,7 @@ def restore(root: str, model: GPT, optimizer: torch.optim.Optimizer, par: Parall
         for name, p in params.items():
             read_into(name, p.data, p)
     opt_step = meta["optimizer_step"]
-    if opt_step > 0:
+    if opt_step > 0 and optimizer is not None:
         moments = {}
         for name, p in params.items():
             moments[name] = {}
@@ -427,3 +433,76 @@ def restore(root: str, model: GPT, optimizer: torch.optim.Optimizer, par: Parall
     name, keys, *rest = meta["rng_numpy"]
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
     return TrainState(meta["iteration"], meta["consumed_samples"]), meta
+
+
+def _unwrap(model: nn.Module, optimizer, mesh: Mesh | None):
+    """(GPT, torch optimizer or None, Parallel) from what a hand-written loop holds: a GPT or
+    its DistributedDataParallel wrapper, an optimizer or the wrapper's DistributedOptimizer."""
+    from meshtrain.services.trainer.parallel.ddp import DistributedDataParallel, DistributedOptimizer
+
+    ddp = None
+    if isinstance(model, DistributedDataParallel):
+        ddp, mesh, model = model.ddp, model.mesh, model.module
+    if isinstance(optimizer, DistributedOptimizer):
+        optimizer = optimizer.inner
+    if not isinstance(model, GPT):
+        raise CheckpointError(f"checkpoints hold a meshtrain GPT (or its DistributedDataParallel), not a "
+                              f"{type(model).__name__}")
+    return model, optimizer, Parallel(mesh if mesh is not None else Mesh.single(), ddp)
+
+
+def save_checkpoint(root: str, step: int, model: nn.Module, optimizer, *, mesh: Mesh | None = None,
+                    consumed_samples: int = 0, job: JobConfig | None = None, service_address: str | None = None,
+                    overwrite: bool = False) -> str:
+    """Save a committed checkpoint of step `step` and return its URL (collective: every rank calls it).
+
+    The same format `meshtrain train` writes: any layout loads it, `meshtrain ckpt export`
+    exports it, `meshtrain train --load` resumes from it.
+
+    Args:
+        root: checkpoint root (a folder, `file://`, `s3://bucket/prefix`, `memory://`).
+        step: the step to save as (the number of optimizer steps taken).
+        model: a GPT (sharded by `parallelize` or not) or its `DistributedDataParallel`.
+        optimizer: its optimizer (the wrapper's, or a torch AdamW); None saves the weights only.
+        mesh: the layout (taken from a DistributedDataParallel; unset: one process).
+        consumed_samples: samples trained on so far, recorded for a resume.
+        job: the config recorded with the checkpoint (unset: the model's, defaults elsewhere).
+        service_address: stream the shards to a checkpoint service (`meshtrain ckpt serve`)
+            instead of writing storage from this process.
+        overwrite: replace a committed checkpoint of the same step.
+
+    Returns:
+        The checkpoint's URL, once it is committed.
+    """
+    gpt, opt, par = _unwrap(model, optimizer, mesh)
+    saver = Checkpointer(root, par, asynchronous=False, service_address=service_address, overwrite=overwrite)
+    try:
+        return saver.save(gpt, opt, TrainState(step, consumed_samples), job or JobConfig(model=gpt.config), {})
+    except BaseException:
+        saver.close_after_failure()
+        raise
+    finally:
+        saver.close()
+
+
+def load_checkpoint(root: str, model: nn.Module, optimizer=None, *, mesh: Mesh | None = None,
+                    step: int | None = None) -> TrainState:
+    """Load checkpoint `step` (unset: the newest committed one) into `model` and `optimizer`, in
+    place, whatever layout saved it (collective only in that every rank reads its own part).
+
+    Args:
+        root: checkpoint root.
+        model: a GPT (sharded or not) or its `DistributedDataParallel`.
+        optimizer: its optimizer, to restore the Adam moments too; None: the weights only.
+        mesh: the layout (taken from a DistributedDataParallel; unset: one process).
+        step: which step; unset: the newest committed one.
+
+    Returns:
+        The step and consumed samples the checkpoint recorded.
+
+    Raises:
+        CheckpointError: no such checkpoint, a corrupt one, or one that does not fit the model.
+    """
+    gpt, opt, par = _unwrap(model, optimizer, mesh)
+    state, _ = restore(root, gpt, opt, par, step)
+    return state
