@@ -1,1 +1,92 @@
-"""meshtrain: Megatron-style training of GPT-family language models."""
+"""meshtrain: Megatron-style training of GPT-family language models.
+
+The names below are the public API (documented in docs/api.md); every other module is internal
+and may change. They are imported on first use, so `import meshtrain` stays light: a data or
+checkpoint worker that imports the package never loads torch or the trainer.
+
+    import meshtrain as mt
+
+    mesh = mt.initialize_model_parallel(tensor_model_parallel_size=2)   # torchrun's environment
+    job = mt.JobConfig(model=mt.ModelConfig(num_layers=4, hidden_size=128, num_attention_heads=4))
+    model = mt.parallelize(mt.GPT(job.model), mesh, sequence_parallel=True)
+    model = mt.DistributedDataParallel(model, mesh, job.optim, distributed_optimizer=True)
+    ...
+    mt.save_checkpoint("ckpt", step, model, model.optimizer)
+
+The repository's folders services/, kernels/ and protos/ are the packages meshtrain.services,
+meshtrain.kernels and meshtrain.protos; this folder links to them.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_T = "meshtrain.services.trainer"
+_D = "meshtrain.services.dataloader"
+_EXPORTS = {
+    # the mesh
+    "Mesh": f"{_T}.parallel.mesh",
+    "initialize_model_parallel": f"{_T}.parallel.mesh",
+    "init_process_group": f"{_T}.parallel.mesh",
+    # configs
+    "JobConfig": f"{_T}.config",
+    "ModelConfig": f"{_T}.config",
+    "TrainConfig": f"{_T}.config",
+    "OptimConfig": f"{_T}.config",
+    "ParallelConfig": f"{_T}.config",
+    "DataConfig": f"{_T}.config",
+    "CheckpointConfig": f"{_T}.config",
+    "LogConfig": f"{_T}.config",
+    "load_config": f"{_T}.config",
+    # the model and its sharding
+    "GPT": f"{_T}.model.gpt",
+    "parallelize": f"{_T}.parallel.tensor",
+    "apply_recompute": f"{_T}.parallel.recompute",
+    "DistributedDataParallel": f"{_T}.parallel.ddp",
+    "DistributedOptimizer": f"{_T}.parallel.ddp",
+    # optimizer and schedule
+    "build_optimizer": f"{_T}.optim.optimizer",
+    "set_lr": f"{_T}.optim.optimizer",
+    "lr_at": f"{_T}.optim.schedule",
+    # data
+    "build_data": f"{_T}.data",
+    "make_source": f"{_T}.data",
+    "TrainData": f"{_T}.data",
+    "DatasetSpec": f"{_D}.spec",
+    "Batch": f"{_D}.loader",
+    "LocalBatchSource": f"{_D}.loader",
+    "ServiceBatchSource": f"{_D}.rpc.client",
+    "start_data_worker": f"{_D}.rpc.server",
+    # checkpoints
+    "save_checkpoint": f"{_T}.checkpointing",
+    "load_checkpoint": f"{_T}.checkpointing",
+    "TrainState": f"{_T}.checkpointing",
+    "start_checkpoint_service": "meshtrain.services.checkpoint.rpc.server",
+    # the training loop
+    "train": f"{_T}.train",
+    "Trainer": f"{_T}.train",
+    "TrainResult": f"{_T}.train",
+    # errors a user can cause
+    "MeshtrainError": "meshtrain.services.common.errors",
+    "ConfigError": "meshtrain.services.common.errors",
+    "DataError": "meshtrain.services.common.errors",
+    "CheckpointError": "meshtrain.services.common.errors",
+}
+_RENAMED = {"apply_recompute": "apply", "start_data_worker": "start_server", "start_checkpoint_service": "start_server"}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'meshtrain' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), _RENAMED.get(name, name))
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
