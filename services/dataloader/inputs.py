@@ -141,8 +141,12 @@ def iter_documents(path: Path, json_key: str) -> Iterator[str]:
 
 
 def _iter_parquet(path: Path, column: str) -> Iterator[str]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{path}: reading Parquet needs pyarrow, which is not installed "
+                        "(pip install 'meshtrain[parquet]')") from None
 
     try:
         pf = pq.ParquetFile(path)

@@ -127,9 +127,15 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def plot_losses(run_dir: Path) -> Path:
-    """Write RUN_DIR/loss.png (train loss per logged step, eval loss markers); returns its path."""
-    import matplotlib
+def plot_losses(run_dir: Path) -> Path | None:
+    """Write RUN_DIR/loss.png (train loss per logged step, eval loss markers); returns its path,
+    or None, with a warning, where matplotlib (the `plot` extra) is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        log.warning(
+            "no loss.png: matplotlib is not installed (pip install 'meshtrain[plot]', or --log.plot=false)")
+        return None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

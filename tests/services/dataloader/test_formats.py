@@ -94,6 +94,14 @@ def test_parquet_input(tmp_path):
         preprocess_files([tmp_path / "in.parquet"], tmp_path / "o2", ByteTokenizer(), json_key="body")
 
 
+def test_parquet_without_pyarrow_names_the_extra(tmp_path, monkeypatch):
+    """pyarrow is the `parquet` extra: without it, a .parquet input says what to install."""
+    (tmp_path / "in.parquet").write_bytes(b"PAR1")
+    monkeypatch.setitem(__import__("sys").modules, "pyarrow", None)  # `import pyarrow` raises ImportError
+    with pytest.raises(DataError, match=r"in.parquet: reading Parquet needs pyarrow.*meshtrain\[parquet\]"):
+        preprocess_files([tmp_path / "in.parquet"], tmp_path / "out", ByteTokenizer())
+
+
 def test_a_null_in_the_parquet_text_column_is_an_error_naming_the_row(tmp_path):
     # it used to be dropped silently (3 rows, 2 documents) where JSONL's null is a DataError
     import pyarrow as pa
