@@ -14,8 +14,8 @@ PYTEST := $(BIN)/python -m pytest
 
 # torch is installed first and pinned, so resolving the project's `torch>=` floor never
 # pulls another build. Where pip's index has only PyPI's Linux wheel (the multi-GB CUDA
-# build), set TORCH_INDEX=https://download.pytorch.org/whl/cpu for the CPU one; these machines'
-# pip finds the CPU build locally and cannot reach that index.
+# build), set TORCH_INDEX=https://download.pytorch.org/whl/cpu for the CPU one (leave it unset
+# where pip already finds a CPU build, e.g. from a local wheel cache or mirror).
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip

