@@ -20,8 +20,34 @@ meshtrain.kernels and meshtrain.protos; this folder links to them.
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
+import os
+import sys
 
 __version__ = "0.1.0"
+
+
+def _hide_repository_folders() -> None:
+    """Mark the bare names `services`, `kernels` and `protos` absent where they would find this
+    checkout's folders (its root on sys.path: pytest, `python -c` run in it).
+
+    Those folders are meshtrain.services, meshtrain.kernels and meshtrain.protos, never
+    packages of their own (their `__init__` refuses such an import). With None in sys.modules,
+    `import kernels` fails as a missing module, and a probe for another distribution of that
+    name finds none (transformers imports any `kernels` it can find, looking for Hugging Face's)
+    instead of running into ours. A name that finds something else is left alone.
+    """
+    here = os.path.dirname(os.path.abspath(__file__))
+    for name in ("services", "kernels", "protos"):
+        if name in sys.modules:
+            continue
+        spec = importlib.machinery.PathFinder.find_spec(name)
+        ours = os.path.realpath(os.path.join(here, name, "__init__.py"))
+        if spec is not None and spec.origin and os.path.realpath(spec.origin) == ours:
+            sys.modules[name] = None
+
+
+_hide_repository_folders()
 
 _T = "meshtrain.services.trainer"
 _D = "meshtrain.services.dataloader"

@@ -52,6 +52,16 @@ def test_a_folder_imported_by_its_bare_name_fails_naming_the_package(folder):
     assert f"ImportError: import meshtrain.{folder}, not {folder}" in out.stderr, out.stderr[-2000:]
 
 
+@pytest.mark.parametrize("folder", ["services", "kernels", "protos"])
+def test_after_import_meshtrain_the_bare_names_are_absent_not_ours(folder):
+    """From the repository root, once meshtrain is imported a probe for another package of that
+    name finds nothing (transformers looks for Hugging Face's `kernels` and imports what it finds)."""
+    code = (f"import importlib.util, meshtrain\nassert importlib.util.find_spec({folder!r}) is None\n"
+            f"try:\n    import {folder}\nexcept ModuleNotFoundError:\n    print('absent')\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "absent", out.stderr[-2000:]
+
+
 def test_every_module_imports_under_one_name_and_no_file_under_two():
     code = """
 import importlib, pkgutil, sys, meshtrain
