@@ -369,7 +369,7 @@ def main() -> None:
         "kernels": job.train.kernels, "compiled_triton_ops": job.train.compiled_triton_ops,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
         "world_size": world, "parallel": {k: getattr(job.parallel, k) for k in (
-            "tp", "sequence_parallel", "tp_async_grad_reduce", "tp_batch_split", "use_distributed_optimizer",
+            "tp", "sequence_parallel", "tp_comm_overlap", "tp_async_grad_reduce", "use_distributed_optimizer",
             "overlap_grad_reduce", "overlap_param_gather", "grad_reduce_dtype", "recompute_granularity")},
         "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "results": rows,
         "env": {k: v for k, v in os.environ.items()

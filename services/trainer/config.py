@@ -364,22 +364,13 @@ class ParallelConfig:
     overlap (Megatron's asynchronous tensor-parallel all-reduce, on by default there too). Same
     arithmetic; +1.5% tokens/s at llama-1b TP=2 on two H200s (one same-job comparison). Nothing to do at tp=1;
     tp_comm_overlap, which fuses these collectives with the GEMMs instead, takes precedence."""
-    tp_batch_split: bool = False
-    """Run the blocks on two halves of each micro-batch (split along the batch), interleaved branch
-    by branch, so each half's row-parallel reductions (all-reduce, or reduce-scatter with
-    sequence parallelism) are in flight while the other half computes: the forward-pass
-    counterpart of tp_async_grad_reduce (as DeepSpeed's Domino). Same arithmetic per sample.
-    Needs tp > 1 and micro-batches of 2 or more samples to overlap anything; not with
-    tp_comm_overlap, nor with overlap_param_gather (whose waits and per-block compile follow
-    whole blocks), nor with full recompute. Measured slower on two H200s at llama-1b: off."""
     tp_reduce_impl: Literal["nccl", "symm_mem"] = "nccl"
     """How the row-parallel linears all-reduce their output in forward (tp > 1 without
     sequence parallelism): 'nccl', or 'symm_mem', PyTorch's symmetric-memory two-shot
     all-reduce (peer loads over NVLink; CUDA + NCCL only; services/trainer/parallel/symm_reduce.py).
     Same sum. On two H200s: 1.04x NCCL's ring at llama-1b's 32 MB in isolation, and no faster
     end to end (BENCHMARKS.md), so off by default. Not with sequence_parallel (its
-    reduce-scatters stay on NCCL) nor with tp_batch_split (whose reductions are launched and
-    waited for apart)."""
+    reduce-scatters stay on NCCL)."""
     distributed_timeout_minutes: float = 10.0
     """How long a collective waits for a peer rank before it raises and the rank exits 1
     (--distributed-timeout-minutes, as Megatron). A rank that dies is noticed at once (its
@@ -422,22 +413,9 @@ class ParallelConfig:
             raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1")
         if self.tp_comm_overlap and not self.sequence_parallel:
             raise ConfigError("parallel.tp_comm_overlap needs parallel.sequence_parallel")
-        if self.tp_batch_split and self.tp == 1:
-            raise ConfigError("parallel.tp_batch_split needs parallel.tp > 1")
-        if self.tp_batch_split and self.tp_comm_overlap:
-            raise ConfigError("parallel.tp_batch_split and parallel.tp_comm_overlap both overlap the row-parallel "
-                              "reductions: choose one")
         if not self.distributed_timeout_minutes > 0:
             raise ConfigError(f"parallel.distributed_timeout_minutes must be a positive number of minutes, "
                               f"got {self.distributed_timeout_minutes}")
-        if self.tp_batch_split and self.recompute_granularity == "full":
-            raise ConfigError("parallel.tp_batch_split with parallel.recompute_granularity='full' is not supported: "
-                              "recompute stops at the last saved tensor and would leave the other half's last "
-                              "reduction launched and never waited for (use 'selective', or no split)")
-        if self.tp_batch_split and self.overlap_param_gather:
-            raise ConfigError("parallel.tp_batch_split runs the blocks' halves interleaved, but "
-                              "parallel.overlap_param_gather waits for parameters (and compiles) block by block: "
-                              "choose one")
         if self.tp_reduce_impl == "symm_mem":
             if self.tp == 1:
                 raise ConfigError("parallel.tp_reduce_impl='symm_mem' needs parallel.tp > 1")
@@ -445,9 +423,6 @@ class ParallelConfig:
                 raise ConfigError("parallel.tp_reduce_impl='symm_mem' replaces the forward all-reduce of tensor "
                                   "parallelism without sequence parallelism; with parallel.sequence_parallel the "
                                   "reduce-scatters stay on NCCL: set one of them")
-            if self.tp_batch_split:
-                raise ConfigError("parallel.tp_reduce_impl='symm_mem' with parallel.tp_batch_split is not supported: "
-                                  "the split launches its reductions on NCCL and waits for them later")
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ConfigError("parallel.overlap_param_gather needs parallel.use_distributed_optimizer")
         self._resolve_recompute_plan()
@@ -550,6 +525,29 @@ def check_tensor_parallel(model: ModelConfig, tp: int, sequence_parallel: bool) 
         )
 
 
+REMOVED_KEYS: dict[str, tuple[Any, str]] = {
+    "parallel.tp_batch_split": (False, "splitting each micro-batch to hide TP's forward reductions measured "
+                                       "slower at llama-1b TP=2 on two H200s"),
+}
+"""Options that were removed: the value every config written before held (their default) and
+why they went (BENCHMARKS.md has the measurements). A run directory's config.toml holds every
+key and is meant to be read again (`--config RUN/config.toml`), so that value is dropped with a
+warning; any other value asked for the removed behaviour and is refused."""
+
+
+def _drop_removed_keys(table: dict[str, Any]) -> dict[str, Any]:
+    for dotted, (old_default, why) in REMOVED_KEYS.items():
+        section, _, key = dotted.partition(".")
+        values = table.get(section)
+        if not isinstance(values, dict) or key not in values:
+            continue
+        if values[key] != old_default:
+            raise ConfigError(f"{dotted}={values[key]!r}: the option was removed ({why}); remove the key")
+        log.warning("%s=%r: the option was removed (%s); read as absent: remove the key", dotted, old_default, why)
+        table = {**table, section: {k: v for k, v in values.items() if k != key}}
+    return table
+
+
 def load_config(args: list[str] | None = None, base: dict[str, Any] | None = None) -> JobConfig:
     """Build a JobConfig from a TOML file and command-line overrides.
 
@@ -565,7 +563,7 @@ def load_config(args: list[str] | None = None, base: dict[str, Any] | None = Non
     if config_file:
         table = cfg.deep_merge(table, cfg.load_toml(config_file))
     table = cfg.deep_merge(table, overrides)
-    return cfg.build(JobConfig, table)
+    return cfg.build(JobConfig, _drop_removed_keys(table))
 
 
 LAUNCHER_KEYS_ENV = "MESHTRAIN_LAUNCHER_KEYS"

@@ -197,8 +197,7 @@ class Trainer:
         self.num_parameters = model.num_parameters()
         recompute.apply(model, job.parallel)
         parallelize(model, self.mesh, job.parallel.sequence_parallel, job.parallel.tp_comm_overlap, self.device,
-                    async_grad_reduce=job.parallel.tp_async_grad_reduce, batch_split=job.parallel.tp_batch_split,
-                    reduce_impl=job.parallel.tp_reduce_impl)
+                    async_grad_reduce=job.parallel.tp_async_grad_reduce, reduce_impl=job.parallel.tp_reduce_impl)
         self.model = model.to(self.device)
         p = job.parallel
         self.ddp = None

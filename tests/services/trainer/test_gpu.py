@@ -145,14 +145,6 @@ def test_bf16_residual_stream_trains_like_the_fp32_one(arch, corpus_cache, tmp_p
     # all-reduce (compiled), on NCCL.
     (TP2_SP + ["--parallel.tp_async_grad_reduce=true"], [], 1e-4),
     (["--tensor-model-parallel-size", "2", "--parallel.tp_async_grad_reduce=true"], ["--train.compile=true"], 1e-4),
-    # Row-parallel reductions of one half of each micro-batch in flight during the other's compute.
-    (["--tensor-model-parallel-size", "2", "--parallel.tp_async_grad_reduce=true", "--parallel.tp_batch_split=true"],
-     ["--train.compile=true"], 1e-4),
-    (TP2_SP + ["--parallel.tp_batch_split=true"], [], 1e-4),
-    # Inductor's overlap scheduler reorders the compiled graphs around the collectives (GQA: its
-    # runtime estimate counts grouped-query attention through the trainer's FLOP shim on torch 2.11).
-    (["--tensor-model-parallel-size", "2", "--parallel.tp_batch_split=true", "--train.compile_overlap_scheduling=true"],
-     ["--train.compile=true", "--model.num_query_groups=2"], 1e-4),
     (["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"], [], 1e-4),
     # Compiled (per block, and the head on its own, under overlap_param_gather).
     (["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],
@@ -170,8 +162,7 @@ def test_bf16_residual_stream_trains_like_the_fp32_one(arch, corpus_cache, tmp_p
     # default) on each rank's heads and FFN shard, on both sides.
     (["--tensor-model-parallel-size", "2"], ["--train.compile=true"] + LLAMA, 1e-4),
 ], ids=["tp2-sp-sync-grad", "tp2-sp-compiled", "tp2-compiled", "tp2-sp-comm-overlap", "tp2-sp-async-grad",
-        "tp2-async-grad-compiled", "tp2-async-grad-batch-split-compiled", "tp2-sp-batch-split",
-        "tp2-batch-split-overlap-scheduling", "dp2-zero1-overlap", "dp2-zero1-overlap-compiled",
+        "tp2-async-grad-compiled", "dp2-zero1-overlap", "dp2-zero1-overlap-compiled",
         "dp2-zero1-bf16-grad-reduce", "tp2-sp-bf16", "tp2-symm-reduce", "tp2-symm-reduce-compiled",
         "tp2-llama-triton-ops-compiled"])
 def test_nccl_two_gpus_match_one_gpu(layout, shared, rel, corpus_cache, tmp_path):

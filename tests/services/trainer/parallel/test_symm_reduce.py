@@ -28,8 +28,6 @@ def test_config_accepts_symm_mem_only_where_it_replaces_an_all_reduce():
         load_config(["--tp-reduce-impl", "symm_mem"])
     with pytest.raises(ConfigError, match="reduce-scatters stay on NCCL"):
         load_config(TP2 + ["--sequence-parallel", "--tp-reduce-impl", "symm_mem"])
-    with pytest.raises(ConfigError, match="tp_batch_split is not supported"):
-        load_config(TP2 + ["--parallel.tp_batch_split=true", "--tp-reduce-impl", "symm_mem"])
     with pytest.raises(ConfigError, match="tp_reduce_impl"):
         load_config(TP2 + ["--tp-reduce-impl", "gloo"])
 
