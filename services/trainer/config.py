@@ -213,11 +213,6 @@ class TrainConfig:
     bottleneck, it changed nothing measurable (BENCHMARKS.md)."""
     compile: bool = False
     """Wrap the model in torch.compile."""
-    compile_overlap_scheduling: bool = False
-    """Under train.compile on CUDA: let Inductor's overlap scheduler reorder each compiled graph
-    so that its collectives (the tensor-parallel all-reduces and reduce-scatters) run beside
-    independent compute (torch._inductor.config.aten_distributed_optimizations.
-    enable_overlap_scheduling, process-wide). It times kernels on the device, so CUDA only."""
     compile_coordinate_descent_tuning: bool = False
     """Under train.compile on CUDA: Inductor tunes each Triton kernel it generates for the model
     (the fused norm, activation, cast and loss kernels) by coordinate descent over its launch
@@ -285,8 +280,6 @@ class TrainConfig:
         if self.compile_coordinate_descent_tuning and not self.compile:
             raise ConfigError("train.compile_coordinate_descent_tuning tunes compiled kernels: it needs "
                               "train.compile=true")
-        if self.compile_overlap_scheduling and not self.compile:
-            raise ConfigError("train.compile_overlap_scheduling reorders compiled graphs: it needs train.compile=true")
         if self.metrics_port is not None and self.control_port is None:
             # the metrics are served beside the control endpoint; without it nothing would be
             raise ConfigError(f"train.metrics_port={self.metrics_port} serves Prometheus metrics beside the control "
@@ -528,6 +521,8 @@ def check_tensor_parallel(model: ModelConfig, tp: int, sequence_parallel: bool) 
 REMOVED_KEYS: dict[str, tuple[Any, str]] = {
     "parallel.tp_batch_split": (False, "splitting each micro-batch to hide TP's forward reductions measured "
                                        "slower at llama-1b TP=2 on two H200s"),
+    "train.compile_overlap_scheduling": (False, "Inductor's overlap scheduler gained nothing at llama-1b TP=2 on "
+                                                "two H200s"),
 }
 """Options that were removed: the value every config written before held (their default) and
 why they went (BENCHMARKS.md has the measurements). A run directory's config.toml holds every
