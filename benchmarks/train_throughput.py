@@ -364,7 +364,6 @@ def main() -> None:
         "seq_length": job.model.seq_length, "micro_batch_size": job.train.micro_batch_size,
         "global_batch_size": job.train.global_batch_size, "bf16": job.train.bf16, "compile": job.train.compile,
         "cuda_graph": job.train.cuda_graph,
-        "matmul_sm_carveout": job.train.matmul_sm_carveout,
         "kernels": job.train.kernels, "compiled_triton_ops": job.train.compiled_triton_ops,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
         "world_size": world, "parallel": {k: getattr(job.parallel, k) for k in (

@@ -220,12 +220,6 @@ class TrainConfig:
     this model's graphs only). Costs compile time: gpt2-125m's first step took about 2.5 minutes
     longer on an H200. Measured there 1.012x on gpt2-125m and 1.001x on llama-1b (BENCHMARKS.md),
     so it is off by default."""
-    matmul_sm_carveout: int = 0
-    """CUDA: ask cuBLASLt's matmuls (and Inductor's persistent templates) to target N fewer SMs
-    than the device has (0: all), so that a collective launched beside a persistent GEMM can get
-    SMs at once instead of waiting for it to finish. PyTorch's experimental SM carveout, a hint
-    to cuBLASLt's kernel choice, not a reservation; process-wide, and the cuBLASLt backend is
-    selected so that it applies. Costs GEMM speed when nothing overlaps."""
     kernels: Literal["auto", "reference", "triton"] = "auto"
     """Fused-op implementation: 'auto' takes the Triton kernels on CUDA in eager mode, and
     under train.compile the plain-torch reference (Inductor fuses it with its neighbours; on an
@@ -262,8 +256,6 @@ class TrainConfig:
                 f"train.global_batch_size={self.global_batch_size} must be a multiple of "
                 f"train.micro_batch_size={self.micro_batch_size}"
             )
-        if self.matmul_sm_carveout < 0:
-            raise ConfigError(f"train.matmul_sm_carveout must be >= 0, got {self.matmul_sm_carveout}")
         unknown = [op for op in self.compiled_triton_ops if op not in KERNEL_OPS]
         if unknown:
             raise ConfigError(f"train.compiled_triton_ops: unknown op {unknown[0]!r}; the ops are "
@@ -523,6 +515,8 @@ REMOVED_KEYS: dict[str, tuple[Any, str]] = {
                                        "slower at llama-1b TP=2 on two H200s"),
     "train.compile_overlap_scheduling": (False, "Inductor's overlap scheduler gained nothing at llama-1b TP=2 on "
                                                 "two H200s"),
+    "train.matmul_sm_carveout": (0, "leaving SMs free of matmuls for NCCL measured slower at llama-1b TP=2 on "
+                                    "two H200s"),
 }
 """Options that were removed: the value every config written before held (their default) and
 why they went (BENCHMARKS.md has the measurements). A run directory's config.toml holds every
@@ -536,7 +530,7 @@ def _drop_removed_keys(table: dict[str, Any]) -> dict[str, Any]:
         values = table.get(section)
         if not isinstance(values, dict) or key not in values:
             continue
-        if values[key] != old_default:
+        if type(values[key]) is not type(old_default) or values[key] != old_default:
             raise ConfigError(f"{dotted}={values[key]!r}: the option was removed ({why}); remove the key")
         log.warning("%s=%r: the option was removed (%s); read as absent: remove the key", dotted, old_default, why)
         table = {**table, section: {k: v for k, v in values.items() if k != key}}

@@ -223,27 +223,6 @@ def test_sharded_steps_never_synchronize_with_the_host(layout, corpus_cache, tmp
     assert out.returncode == 0, out.stderr[-3000:]
 
 
-def test_matmul_sm_carveout_is_set_and_training_runs(corpus_cache, tmp_path):
-    """The setting reaches PyTorch (what cuBLASLt's kernels then do with it is not checked here)."""
-    from meshtrain.services.trainer.train import Trainer
-
-    before = torch.backends.cuda.preferred_blas_library()
-    args = small_job_args(corpus_cache, tmp_path / "run", **{"train.device": "cuda", "train.bf16": True,
-                                                              "train.eval_interval": 0, "train.matmul_sm_carveout": 16})
-    trainer = None
-    try:
-        trainer = Trainer(load_config(args))
-        assert torch._C._get_sm_carveout_experimental() == 16
-        assert torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublaslt
-        losses = [trainer.train_step(step)[0].item() for step in range(3)]
-        assert all(0 < loss < 10 for loss in losses)
-    finally:
-        torch._C._set_sm_carveout_experimental(None)
-        torch.backends.cuda.preferred_blas_library(before)
-        if trainer is not None:
-            trainer.checkpointer.close()
-
-
 def test_coordinate_descent_tuning_reaches_the_compiled_model_and_trains(corpus_cache, tmp_path):
     """train.compile_coordinate_descent_tuning is in the compiled callable's Inductor options
     (this model's graphs only, not the process's config), and the tuned model's losses follow

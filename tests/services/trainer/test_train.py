@@ -307,17 +307,6 @@ def test_coordinate_descent_tuning_is_refused_without_compile_or_off_cuda(corpus
         Trainer(job)
 
 
-def test_matmul_sm_carveout_is_refused_off_cuda_and_below_zero(corpus_cache, tmp_path):
-    from meshtrain.services.trainer.train import Trainer
-
-    with pytest.raises(ConfigError, match="matmul_sm_carveout must be >= 0"):
-        load_config(small_job_args(corpus_cache, tmp_path / "a", **{"train.matmul_sm_carveout": -1}))
-    job = load_config(small_job_args(corpus_cache, tmp_path / "b", **{"train.matmul_sm_carveout": 8,
-                                                                      "train.device": "cpu"}))
-    with pytest.raises(ConfigError, match="leaves GPU SMs to collectives; this run is on cpu"):
-        Trainer(job)
-
-
 def test_resume_into_the_same_run_dir_from_an_earlier_checkpoint_logs_each_step_once(corpus_cache, tmp_path):
     """A run logged steps 1..8 and checkpointed at 4, then died (or is rolled back with --ckpt-step):
     resumed into the same run directory, metrics.jsonl holds each step once, the resumed run's."""
