@@ -349,13 +349,6 @@ class ParallelConfig:
     overlap (Megatron's asynchronous tensor-parallel all-reduce, on by default there too). Same
     arithmetic; +1.5% tokens/s at llama-1b TP=2 on two H200s (one same-job comparison). Nothing to do at tp=1;
     tp_comm_overlap, which fuses these collectives with the GEMMs instead, takes precedence."""
-    tp_reduce_impl: Literal["nccl", "symm_mem"] = "nccl"
-    """How the row-parallel linears all-reduce their output in forward (tp > 1 without
-    sequence parallelism): 'nccl', or 'symm_mem', PyTorch's symmetric-memory two-shot
-    all-reduce (peer loads over NVLink; CUDA + NCCL only; services/trainer/parallel/symm_reduce.py).
-    Same sum. On two H200s: 1.04x NCCL's ring at llama-1b's 32 MB in isolation, and no faster
-    end to end (BENCHMARKS.md), so off by default. Not with sequence_parallel (its
-    reduce-scatters stay on NCCL)."""
     distributed_timeout_minutes: float = 10.0
     """How long a collective waits for a peer rank before it raises and the rank exits 1
     (--distributed-timeout-minutes, as Megatron). A rank that dies is noticed at once (its
@@ -401,13 +394,6 @@ class ParallelConfig:
         if not self.distributed_timeout_minutes > 0:
             raise ConfigError(f"parallel.distributed_timeout_minutes must be a positive number of minutes, "
                               f"got {self.distributed_timeout_minutes}")
-        if self.tp_reduce_impl == "symm_mem":
-            if self.tp == 1:
-                raise ConfigError("parallel.tp_reduce_impl='symm_mem' needs parallel.tp > 1")
-            if self.sequence_parallel:
-                raise ConfigError("parallel.tp_reduce_impl='symm_mem' replaces the forward all-reduce of tensor "
-                                  "parallelism without sequence parallelism; with parallel.sequence_parallel the "
-                                  "reduce-scatters stay on NCCL: set one of them")
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ConfigError("parallel.overlap_param_gather needs parallel.use_distributed_optimizer")
         self._resolve_recompute_plan()
@@ -517,6 +503,8 @@ REMOVED_KEYS: dict[str, tuple[Any, str]] = {
                                                 "two H200s"),
     "train.matmul_sm_carveout": (0, "leaving SMs free of matmuls for NCCL measured slower at llama-1b TP=2 on "
                                     "two H200s"),
+    "parallel.tp_reduce_impl": ("nccl", "the symmetric-memory forward all-reduce was no faster than NCCL's end to "
+                                        "end at llama-1b TP=2 on two H200s"),
 }
 """Options that were removed: the value every config written before held (their default) and
 why they went (BENCHMARKS.md has the measurements). A run directory's config.toml holds every

@@ -205,7 +205,7 @@ class Trainer:
         self.num_parameters = model.num_parameters()
         recompute.apply(model, job.parallel)
         parallelize(model, self.mesh, job.parallel.sequence_parallel, job.parallel.tp_comm_overlap, self.device,
-                    async_grad_reduce=job.parallel.tp_async_grad_reduce, reduce_impl=job.parallel.tp_reduce_impl)
+                    async_grad_reduce=job.parallel.tp_async_grad_reduce)
         self.model = model.to(self.device)
         p = job.parallel
         self.ddp = None

@@ -21,7 +21,7 @@ from torch import nn
 
 from meshtrain.services.common.errors import ConfigError
 from meshtrain.services.trainer.config import check_tensor_parallel
-from meshtrain.services.trainer.parallel import async_tp, symm_reduce
+from meshtrain.services.trainer.parallel import async_tp
 from meshtrain.services.trainer.parallel import mappings as M
 from meshtrain.services.trainer.parallel.mesh import Mesh, refuse_unbuilt_axes
 
@@ -116,11 +116,9 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """y = sum_r x_r W_r^T + b: input features split over tp; output reduced (or reduce-scattered)."""
 
-    def __init__(self, full: nn.Linear, mesh: Mesh, sequence_parallel: bool, overlap: bool = False,
-                 symm_reduce: bool = False):
+    def __init__(self, full: nn.Linear, mesh: Mesh, sequence_parallel: bool, overlap: bool = False):
         super().__init__()
         self.group, self.sp, self.overlap = mesh.group("tp"), sequence_parallel, overlap
-        self.symm_reduce = symm_reduce  # forward all-reduce through symmetric memory (no SP)
         split = TPSplit(1)
         self.weight = _param(split.shard(full.weight, mesh.tp_rank, mesh.tp), split)
         # The bias is added after the reduction, once: replicated (per seq shard under SP).
@@ -134,8 +132,6 @@ class RowParallelLinear(nn.Module):
             y = F.linear(x, self.weight)
             if self.sp:
                 y = M.reduce_scatter_to_sequence(y, self.group)
-            elif self.symm_reduce:
-                y = symm_reduce.reduce_from_region(y, self.group)
             else:
                 y = M.reduce_from_region(y, self.group)
         # in y's dtype: an fp32 bias added to autocast's bf16 output would promote the residual
@@ -243,7 +239,7 @@ class VocabParallelHead(nn.Module):
 
 def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False,
                 comm_overlap: bool = False, device: torch.device | None = None,
-                async_grad_reduce: bool = False, reduce_impl: str = "nccl") -> nn.Module:
+                async_grad_reduce: bool = False) -> nn.Module:
     """Shard `model` (a GPT built with full weights) over mesh.tp, in place; returns it.
 
     Args:
@@ -255,16 +251,12 @@ def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False,
         device: where the model will run (checked for `comm_overlap`).
         async_grad_reduce: column-parallel linears reduce their input gradient while computing
             their weight gradient (ignored where `comm_overlap` fuses the two already).
-        reduce_impl: 'nccl', or 'symm_mem': the row-parallel linears' forward all-reduce (no
-            sequence parallelism) through symmetric memory (services/trainer/parallel/symm_reduce.py;
-            CUDA + NCCL only).
 
     Raises:
         NotBuiltError: a mesh with pp, cp or ep other than 1 (not built: its ranks would train
             as plain data-parallel replicas).
         ConfigError: head or group counts that tp does not divide, sequence parallelism
-            with a sequence length tp does not divide, comm_overlap where it cannot run,
-            reduce_impl 'symm_mem' where it cannot run or with sequence parallelism.
+            with a sequence length tp does not divide, or comm_overlap where it cannot run.
     """
     refuse_unbuilt_axes(pp=mesh.pp, cp=mesh.cp, ep=mesh.ep)
     tp = mesh.tp
@@ -275,16 +267,6 @@ def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False,
         why = async_tp.check_available(mesh.group("tp"), device or torch.device("cpu"))
         if why:
             raise ConfigError(f"parallel.tp_comm_overlap: {why}")
-    symm = reduce_impl == "symm_mem"
-    if reduce_impl not in ("nccl", "symm_mem"):
-        raise ConfigError(f"tp reduce_impl must be 'nccl' or 'symm_mem', got {reduce_impl!r}")
-    if symm and sequence_parallel:
-        raise ConfigError("parallel.tp_reduce_impl='symm_mem' replaces the forward all-reduce without sequence "
-                          "parallelism")
-    if symm and tp > 1:
-        why = symm_reduce.check_available(mesh.group("tp"), device or torch.device("cpu"))
-        if why:
-            raise ConfigError(f"parallel.tp_reduce_impl='symm_mem': {why}")
     if tp == 1:
         if sequence_parallel:
             raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1")
@@ -303,13 +285,11 @@ def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False,
             att = layer.attention
             att.qkv = ColumnParallelLinear(att.qkv, mesh, sequence_parallel, overlap=comm_overlap,
                                            async_grad=async_grad_reduce)
-            att.proj = RowParallelLinear(att.proj, mesh, sequence_parallel, overlap=comm_overlap,
-                                         symm_reduce=symm)
+            att.proj = RowParallelLinear(att.proj, mesh, sequence_parallel, overlap=comm_overlap)
             att.heads, att.groups = att.heads // tp, att.groups // tp
             layer.mlp.fc1 = ColumnParallelLinear(layer.mlp.fc1, mesh, sequence_parallel, halves=layer.mlp.swiglu,
                                                  overlap=comm_overlap, async_grad=async_grad_reduce)
-            layer.mlp.fc2 = RowParallelLinear(layer.mlp.fc2, mesh, sequence_parallel, overlap=comm_overlap,
-                                              symm_reduce=symm)
+            layer.mlp.fc2 = RowParallelLinear(layer.mlp.fc2, mesh, sequence_parallel, overlap=comm_overlap)
         if sequence_parallel:
             for name, p in model.named_parameters():
                 if "norm" in name:

@@ -207,7 +207,7 @@ def test_a_config_written_before_recompute_keys_were_unset_still_loads(granulari
 
 # A value of each removed option other than the default it had: it asked for the removed behaviour.
 REMOVED_NOT_DEFAULT = {"parallel.tp_batch_split": True, "train.compile_overlap_scheduling": True,
-                       "train.matmul_sm_carveout": 16}
+                       "train.matmul_sm_carveout": 16, "parallel.tp_reduce_impl": "symm_mem"}
 
 
 @pytest.mark.parametrize("key", sorted(REMOVED_KEYS))

@@ -155,16 +155,12 @@ def test_bf16_residual_stream_trains_like_the_fp32_one(arch, corpus_cache, tmp_p
     # bf16 autocast: the linears' collectives move bf16 (one GPU never rounds their sums to
     # bf16), so a bf16 tolerance.
     (TP2_SP, ["--train.bf16=true"], 1e-2),
-    # The row-parallel forward all-reduce through symmetric memory (two-shot, peer loads).
-    (["--tensor-model-parallel-size", "2", "--tp-reduce-impl", "symm_mem"], [], 1e-4),
-    (["--tensor-model-parallel-size", "2", "--tp-reduce-impl", "symm_mem"], ["--train.compile=true"], 1e-4),
     # Llama-style, compiled: RoPE and SwiGLU on Triton inside the graph (train.compiled_triton_ops'
     # default) on each rank's heads and FFN shard, on both sides.
     (["--tensor-model-parallel-size", "2"], ["--train.compile=true"] + LLAMA, 1e-4),
 ], ids=["tp2-sp-sync-grad", "tp2-sp-compiled", "tp2-compiled", "tp2-sp-comm-overlap", "tp2-sp-async-grad",
         "tp2-async-grad-compiled", "dp2-zero1-overlap", "dp2-zero1-overlap-compiled",
-        "dp2-zero1-bf16-grad-reduce", "tp2-sp-bf16", "tp2-symm-reduce", "tp2-symm-reduce-compiled",
-        "tp2-llama-triton-ops-compiled"])
+        "dp2-zero1-bf16-grad-reduce", "tp2-sp-bf16", "tp2-llama-triton-ops-compiled"])
 def test_nccl_two_gpus_match_one_gpu(layout, shared, rel, corpus_cache, tmp_path):
     """fp32 on CUDA: NCCL reduction order differs from one GPU's, so 1e-4 relative."""
     common = small_job_args(corpus_cache, tmp_path / "x", **{"train.device": "cuda", "train.eval_interval": 0,
@@ -210,9 +206,7 @@ def test_a_training_step_never_synchronizes_with_the_host(extra, corpus_cache, t
     ["--overlap-grad-reduce"],
     ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],
     ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather", "--train.compile=true"],
-    ["--tensor-model-parallel-size", "2", "--tp-reduce-impl", "symm_mem", "--train.compile=true"],
-], ids=["tp2", "tp2-sp", "tp2-compiled", "dp2-overlap", "dp2-zero1-overlap", "dp2-zero1-overlap-compiled",
-        "tp2-symm-reduce-compiled"])
+], ids=["tp2", "tp2-sp", "tp2-compiled", "dp2-overlap", "dp2-zero1-overlap", "dp2-zero1-overlap-compiled"])
 def test_sharded_steps_never_synchronize_with_the_host(layout, corpus_cache, tmp_path):
     """As the single-GPU test, for each sharded path on NCCL (tests/services/trainer/sync_free_steps.py)."""
     args = small_job_args(corpus_cache, tmp_path / "run", **{"train.device": "cuda", "train.bf16": True,
