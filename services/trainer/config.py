@@ -342,7 +342,9 @@ class ParallelConfig:
     """Shard norm/dropout regions along the sequence (needs tp > 1)."""
     tp_comm_overlap: bool = False
     """With sequence_parallel on CUDA/NCCL: overlap each linear's all-gather / reduce-scatter
-    with its matmul (PyTorch symmetric-memory fused ops), as Megatron's --tp-comm-overlap."""
+    with its matmul (PyTorch symmetric-memory fused ops), as Megatron's --tp-comm-overlap. Exact,
+    but at llama-1b TP=2 + SP on two H200s it trained at 0.99x one GPU against 1.39x without it
+    (BENCHMARKS.md), so off; kept because Megatron users ask for it by that flag."""
     tp_async_grad_reduce: bool = True
     """Column-parallel linears launch the reduction of their input gradient (reduce-scatter with
     sequence parallelism, else all-reduce) before computing their weight gradient, so the two
@@ -368,7 +370,9 @@ class ParallelConfig:
     partial sums are rounded to bf16, and the result is copied back into the fp32 buffers).
     Accumulation over micro-batches stays fp32 (Megatron's --grad-reduce-in-bf16, also accepted,
     makes the buffers themselves bf16); the copies cost 2 bytes per parameter (ZeRO-1: plus
-    2/dp) while the reductions are in flight. No effect at dp=1."""
+    2/dp) while the reductions are in flight. No effect at dp=1. At llama-1b DP=2 + ZeRO-1 on two
+    H200s no faster than fp32, whose reduction already runs under the backward (BENCHMARKS.md);
+    kept as Megatron's option for links where it does not (not measured here)."""
     recompute_granularity: Literal["none", "full", "selective"] = "none"
     """Activation recompute: whole blocks ('full') or only the attention core ('selective')."""
     recompute_method: Literal["uniform", "block"] | None = None
