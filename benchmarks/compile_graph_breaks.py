@@ -1,7 +1,7 @@
 """How torch.compile sees the (tensor-parallel) model: graphs and graph breaks per forward.
 
     torchrun --nproc-per-node 2 benchmarks/compile_graph_breaks.py --tp 2 [--sequence-parallel]
-        [--async-grad-reduce] [--batch-split] [--op-order]
+        [--async-grad-reduce] [--op-order]
     python benchmarks/compile_graph_breaks.py            # tp=1 reference
 
 Runs `torch._dynamo.explain` on a small Llama-style model (CPU, gloo when distributed) and
@@ -39,7 +39,6 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--async-grad-reduce", action="store_true", help="parallel.tp_async_grad_reduce")
-    p.add_argument("--batch-split", action="store_true", help="parallel.tp_batch_split")
     p.add_argument("--op-order", action="store_true", help="print collectives / waits / matmuls in graph order")
     p.add_argument("--layers", type=int, default=2)
     args = p.parse_args()
@@ -50,14 +49,13 @@ def main() -> None:
                       position_embedding_type="rope", add_bias_linear=False,
                       untie_embeddings_and_output_weights=True)
     torch.manual_seed(0)
-    model = parallelize(GPT(cfg), mesh, args.sequence_parallel, async_grad_reduce=args.async_grad_reduce,
-                        batch_split=args.batch_split)
+    model = parallelize(GPT(cfg), mesh, args.sequence_parallel, async_grad_reduce=args.async_grad_reduce)
     tokens = torch.randint(0, 1000, (2, 64))
     explanation = torch._dynamo.explain(model)(tokens, tokens)
     reasons = collections.Counter(str(b.reason).splitlines()[0][:110] for b in explanation.break_reasons)
     if mesh.rank == 0:
         print(f"tp={args.tp} sequence_parallel={args.sequence_parallel} "
-              f"async_grad_reduce={args.async_grad_reduce} batch_split={args.batch_split} layers={args.layers}: "
+              f"async_grad_reduce={args.async_grad_reduce} layers={args.layers}: "
               f"{explanation.graph_count} graphs, {explanation.graph_break_count} graph breaks")
         for reason, n in reasons.most_common():
             print(f"  {n:3d} x {reason}")

@@ -364,12 +364,10 @@ def main() -> None:
         "seq_length": job.model.seq_length, "micro_batch_size": job.train.micro_batch_size,
         "global_batch_size": job.train.global_batch_size, "bf16": job.train.bf16, "compile": job.train.compile,
         "cuda_graph": job.train.cuda_graph,
-        "compile_overlap_scheduling": job.train.compile_overlap_scheduling,
-        "matmul_sm_carveout": job.train.matmul_sm_carveout,
         "kernels": job.train.kernels, "compiled_triton_ops": job.train.compiled_triton_ops,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
         "world_size": world, "parallel": {k: getattr(job.parallel, k) for k in (
-            "tp", "sequence_parallel", "tp_async_grad_reduce", "tp_batch_split", "use_distributed_optimizer",
+            "tp", "sequence_parallel", "tp_comm_overlap", "tp_async_grad_reduce", "use_distributed_optimizer",
             "overlap_grad_reduce", "overlap_param_gather", "grad_reduce_dtype", "recompute_granularity")},
         "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "results": rows,
         "env": {k: v for k, v in os.environ.items()

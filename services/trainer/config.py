@@ -213,11 +213,6 @@ class TrainConfig:
     bottleneck, it changed nothing measurable (BENCHMARKS.md)."""
     compile: bool = False
     """Wrap the model in torch.compile."""
-    compile_overlap_scheduling: bool = False
-    """Under train.compile on CUDA: let Inductor's overlap scheduler reorder each compiled graph
-    so that its collectives (the tensor-parallel all-reduces and reduce-scatters) run beside
-    independent compute (torch._inductor.config.aten_distributed_optimizations.
-    enable_overlap_scheduling, process-wide). It times kernels on the device, so CUDA only."""
     compile_coordinate_descent_tuning: bool = False
     """Under train.compile on CUDA: Inductor tunes each Triton kernel it generates for the model
     (the fused norm, activation, cast and loss kernels) by coordinate descent over its launch
@@ -225,12 +220,6 @@ class TrainConfig:
     this model's graphs only). Costs compile time: gpt2-125m's first step took about 2.5 minutes
     longer on an H200. Measured there 1.012x on gpt2-125m and 1.001x on llama-1b (BENCHMARKS.md),
     so it is off by default."""
-    matmul_sm_carveout: int = 0
-    """CUDA: ask cuBLASLt's matmuls (and Inductor's persistent templates) to target N fewer SMs
-    than the device has (0: all), so that a collective launched beside a persistent GEMM can get
-    SMs at once instead of waiting for it to finish. PyTorch's experimental SM carveout, a hint
-    to cuBLASLt's kernel choice, not a reservation; process-wide, and the cuBLASLt backend is
-    selected so that it applies. Costs GEMM speed when nothing overlaps."""
     kernels: Literal["auto", "reference", "triton"] = "auto"
     """Fused-op implementation: 'auto' takes the Triton kernels on CUDA in eager mode, and
     under train.compile the plain-torch reference (Inductor fuses it with its neighbours; on an
@@ -267,8 +256,6 @@ class TrainConfig:
                 f"train.global_batch_size={self.global_batch_size} must be a multiple of "
                 f"train.micro_batch_size={self.micro_batch_size}"
             )
-        if self.matmul_sm_carveout < 0:
-            raise ConfigError(f"train.matmul_sm_carveout must be >= 0, got {self.matmul_sm_carveout}")
         unknown = [op for op in self.compiled_triton_ops if op not in KERNEL_OPS]
         if unknown:
             raise ConfigError(f"train.compiled_triton_ops: unknown op {unknown[0]!r}; the ops are "
@@ -285,8 +272,6 @@ class TrainConfig:
         if self.compile_coordinate_descent_tuning and not self.compile:
             raise ConfigError("train.compile_coordinate_descent_tuning tunes compiled kernels: it needs "
                               "train.compile=true")
-        if self.compile_overlap_scheduling and not self.compile:
-            raise ConfigError("train.compile_overlap_scheduling reorders compiled graphs: it needs train.compile=true")
         if self.metrics_port is not None and self.control_port is None:
             # the metrics are served beside the control endpoint; without it nothing would be
             raise ConfigError(f"train.metrics_port={self.metrics_port} serves Prometheus metrics beside the control "
@@ -357,29 +342,15 @@ class ParallelConfig:
     """Shard norm/dropout regions along the sequence (needs tp > 1)."""
     tp_comm_overlap: bool = False
     """With sequence_parallel on CUDA/NCCL: overlap each linear's all-gather / reduce-scatter
-    with its matmul (PyTorch symmetric-memory fused ops), as Megatron's --tp-comm-overlap."""
+    with its matmul (PyTorch symmetric-memory fused ops), as Megatron's --tp-comm-overlap. Exact,
+    but at llama-1b TP=2 + SP on two H200s it trained at 0.99x one GPU against 1.39x without it
+    (BENCHMARKS.md), so off; kept because Megatron users ask for it by that flag."""
     tp_async_grad_reduce: bool = True
     """Column-parallel linears launch the reduction of their input gradient (reduce-scatter with
     sequence parallelism, else all-reduce) before computing their weight gradient, so the two
     overlap (Megatron's asynchronous tensor-parallel all-reduce, on by default there too). Same
     arithmetic; +1.5% tokens/s at llama-1b TP=2 on two H200s (one same-job comparison). Nothing to do at tp=1;
     tp_comm_overlap, which fuses these collectives with the GEMMs instead, takes precedence."""
-    tp_batch_split: bool = False
-    """Run the blocks on two halves of each micro-batch (split along the batch), interleaved branch
-    by branch, so each half's row-parallel reductions (all-reduce, or reduce-scatter with
-    sequence parallelism) are in flight while the other half computes: the forward-pass
-    counterpart of tp_async_grad_reduce (as DeepSpeed's Domino). Same arithmetic per sample.
-    Needs tp > 1 and micro-batches of 2 or more samples to overlap anything; not with
-    tp_comm_overlap, nor with overlap_param_gather (whose waits and per-block compile follow
-    whole blocks), nor with full recompute. Measured slower on two H200s at llama-1b: off."""
-    tp_reduce_impl: Literal["nccl", "symm_mem"] = "nccl"
-    """How the row-parallel linears all-reduce their output in forward (tp > 1 without
-    sequence parallelism): 'nccl', or 'symm_mem', PyTorch's symmetric-memory two-shot
-    all-reduce (peer loads over NVLink; CUDA + NCCL only; services/trainer/parallel/symm_reduce.py).
-    Same sum. On two H200s: 1.04x NCCL's ring at llama-1b's 32 MB in isolation, and no faster
-    end to end (BENCHMARKS.md), so off by default. Not with sequence_parallel (its
-    reduce-scatters stay on NCCL) nor with tp_batch_split (whose reductions are launched and
-    waited for apart)."""
     distributed_timeout_minutes: float = 10.0
     """How long a collective waits for a peer rank before it raises and the rank exits 1
     (--distributed-timeout-minutes, as Megatron). A rank that dies is noticed at once (its
@@ -399,7 +370,9 @@ class ParallelConfig:
     partial sums are rounded to bf16, and the result is copied back into the fp32 buffers).
     Accumulation over micro-batches stays fp32 (Megatron's --grad-reduce-in-bf16, also accepted,
     makes the buffers themselves bf16); the copies cost 2 bytes per parameter (ZeRO-1: plus
-    2/dp) while the reductions are in flight. No effect at dp=1."""
+    2/dp) while the reductions are in flight. No effect at dp=1. At llama-1b DP=2 + ZeRO-1 on two
+    H200s no faster than fp32, whose reduction already runs under the backward (BENCHMARKS.md);
+    kept as Megatron's option for links where it does not (not measured here)."""
     recompute_granularity: Literal["none", "full", "selective"] = "none"
     """Activation recompute: whole blocks ('full') or only the attention core ('selective')."""
     recompute_method: Literal["uniform", "block"] | None = None
@@ -422,32 +395,9 @@ class ParallelConfig:
             raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1")
         if self.tp_comm_overlap and not self.sequence_parallel:
             raise ConfigError("parallel.tp_comm_overlap needs parallel.sequence_parallel")
-        if self.tp_batch_split and self.tp == 1:
-            raise ConfigError("parallel.tp_batch_split needs parallel.tp > 1")
-        if self.tp_batch_split and self.tp_comm_overlap:
-            raise ConfigError("parallel.tp_batch_split and parallel.tp_comm_overlap both overlap the row-parallel "
-                              "reductions: choose one")
         if not self.distributed_timeout_minutes > 0:
             raise ConfigError(f"parallel.distributed_timeout_minutes must be a positive number of minutes, "
                               f"got {self.distributed_timeout_minutes}")
-        if self.tp_batch_split and self.recompute_granularity == "full":
-            raise ConfigError("parallel.tp_batch_split with parallel.recompute_granularity='full' is not supported: "
-                              "recompute stops at the last saved tensor and would leave the other half's last "
-                              "reduction launched and never waited for (use 'selective', or no split)")
-        if self.tp_batch_split and self.overlap_param_gather:
-            raise ConfigError("parallel.tp_batch_split runs the blocks' halves interleaved, but "
-                              "parallel.overlap_param_gather waits for parameters (and compiles) block by block: "
-                              "choose one")
-        if self.tp_reduce_impl == "symm_mem":
-            if self.tp == 1:
-                raise ConfigError("parallel.tp_reduce_impl='symm_mem' needs parallel.tp > 1")
-            if self.sequence_parallel:
-                raise ConfigError("parallel.tp_reduce_impl='symm_mem' replaces the forward all-reduce of tensor "
-                                  "parallelism without sequence parallelism; with parallel.sequence_parallel the "
-                                  "reduce-scatters stay on NCCL: set one of them")
-            if self.tp_batch_split:
-                raise ConfigError("parallel.tp_reduce_impl='symm_mem' with parallel.tp_batch_split is not supported: "
-                                  "the split launches its reductions on NCCL and waits for them later")
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ConfigError("parallel.overlap_param_gather needs parallel.use_distributed_optimizer")
         self._resolve_recompute_plan()
@@ -550,6 +500,35 @@ def check_tensor_parallel(model: ModelConfig, tp: int, sequence_parallel: bool) 
         )
 
 
+REMOVED_KEYS: dict[str, tuple[Any, str]] = {
+    "parallel.tp_batch_split": (False, "splitting each micro-batch to hide TP's forward reductions measured "
+                                       "slower at llama-1b TP=2 on two H200s"),
+    "train.compile_overlap_scheduling": (False, "Inductor's overlap scheduler gained nothing at llama-1b TP=2 on "
+                                                "two H200s"),
+    "train.matmul_sm_carveout": (0, "leaving SMs free of matmuls for NCCL measured slower at llama-1b TP=2 on "
+                                    "two H200s"),
+    "parallel.tp_reduce_impl": ("nccl", "the symmetric-memory forward all-reduce was no faster than NCCL's end to "
+                                        "end at llama-1b TP=2 on two H200s"),
+}
+"""Options that were removed: the value every config written before held (their default) and
+why they went (BENCHMARKS.md has the measurements). A run directory's config.toml holds every
+key and is meant to be read again (`--config RUN/config.toml`), so that value is dropped with a
+warning; any other value asked for the removed behaviour and is refused."""
+
+
+def _drop_removed_keys(table: dict[str, Any]) -> dict[str, Any]:
+    for dotted, (old_default, why) in REMOVED_KEYS.items():
+        section, _, key = dotted.partition(".")
+        values = table.get(section)
+        if not isinstance(values, dict) or key not in values:
+            continue
+        if type(values[key]) is not type(old_default) or values[key] != old_default:
+            raise ConfigError(f"{dotted}={values[key]!r}: the option was removed ({why}); remove the key")
+        log.warning("%s=%r: the option was removed (%s); read as absent: remove the key", dotted, old_default, why)
+        table = {**table, section: {k: v for k, v in values.items() if k != key}}
+    return table
+
+
 def load_config(args: list[str] | None = None, base: dict[str, Any] | None = None) -> JobConfig:
     """Build a JobConfig from a TOML file and command-line overrides.
 
@@ -565,7 +544,7 @@ def load_config(args: list[str] | None = None, base: dict[str, Any] | None = Non
     if config_file:
         table = cfg.deep_merge(table, cfg.load_toml(config_file))
     table = cfg.deep_merge(table, overrides)
-    return cfg.build(JobConfig, table)
+    return cfg.build(JobConfig, _drop_removed_keys(table))
 
 
 LAUNCHER_KEYS_ENV = "MESHTRAIN_LAUNCHER_KEYS"

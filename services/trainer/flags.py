@@ -65,7 +65,6 @@ ALIASES: dict[str, tuple[str, bool]] = {
     "--expert-model-parallel-size": ("parallel.ep", True),
     "--sequence-parallel": ("parallel.sequence_parallel", False),
     "--tp-comm-overlap": ("parallel.tp_comm_overlap", False),
-    "--tp-reduce-impl": ("parallel.tp_reduce_impl", True),
     "--distributed-timeout-minutes": ("parallel.distributed_timeout_minutes", True),
     "--use-distributed-optimizer": ("parallel.use_distributed_optimizer", False),
     "--overlap-grad-reduce": ("parallel.overlap_grad_reduce", False),

@@ -34,7 +34,6 @@ from meshtrain.services.common.errors import (
 )
 from meshtrain.services.trainer import checkpointing
 from meshtrain.services.trainer.config import LAUNCHER_KEYS_ENV, JobConfig, replace
-from meshtrain.services.trainer.cuda_options import apply_cuda_options
 from meshtrain.services.trainer.data import build_data
 from meshtrain.services.trainer.graphs import MicroBatchGraph
 from meshtrain.services.trainer.metrics import MetricsLog, peak_tflops, plot_losses
@@ -109,6 +108,15 @@ def check_attention_backend(backend: str, device: torch.device) -> None:
                           "use 'auto', 'flash' or 'math'")
 
 
+def check_coordinate_descent_tuning(on: bool, device: torch.device) -> None:
+    """Refuse Inductor's coordinate-descent tuning off CUDA, before anything is built: it times
+    the Triton kernels Inductor generates on the device. (The tuning itself is the compiled
+    model's own option, set where the trainer compiles it.)"""
+    if on and device.type != "cuda":
+        raise ConfigError(f"train.compile_coordinate_descent_tuning tunes the Triton kernels Inductor generates "
+                          f"for a CUDA device; this run is on {device}")
+
+
 def build_mesh(job: JobConfig, device: torch.device) -> Mesh:
     """The mesh for this process: trivial when alone, else from torchrun/Slurm's environment."""
     _, world, _ = env_rank_world()
@@ -152,7 +160,7 @@ class Trainer:
         self.device = pick_device(job.train.device)
         check_kernel_mode(self.device)
         check_attention_backend(job.model.attention_backend, self.device)
-        apply_cuda_options(job.train, self.device)
+        check_coordinate_descent_tuning(job.train.compile_coordinate_descent_tuning, self.device)
         self.uploader = Uploader(self.device)
         self.mesh = build_mesh(job, self.device)
         self.is_main = self.mesh.rank == 0
@@ -197,8 +205,7 @@ class Trainer:
         self.num_parameters = model.num_parameters()
         recompute.apply(model, job.parallel)
         parallelize(model, self.mesh, job.parallel.sequence_parallel, job.parallel.tp_comm_overlap, self.device,
-                    async_grad_reduce=job.parallel.tp_async_grad_reduce, batch_split=job.parallel.tp_batch_split,
-                    reduce_impl=job.parallel.tp_reduce_impl)
+                    async_grad_reduce=job.parallel.tp_async_grad_reduce)
         self.model = model.to(self.device)
         p = job.parallel
         self.ddp = None

@@ -11,9 +11,9 @@ gradients:
     gather_from_sequence  fwd: all-gather (seq)      bwd: reduce-scatter (seq)
     reduce_scatter_to_sequence  fwd: reduce-scatter (seq)  bwd: all-gather (seq)
 
-`start_reduction` / `PendingReduction.wait` split reduce_from_region (or, with sequence
-parallelism, reduce_scatter_to_sequence) into a launch and a wait, so that other work can run
-while the collective is in flight (`parallel.tp_batch_split`).
+`launch_sum` / `wait_sum` split the sum over tp into a launch and a wait, so that the
+column-parallel linears' backward computes the weight gradient while its input gradient is
+reduced (`parallel.tp_async_grad_reduce`).
 
 Activations are batch-first, so the sequence dim is 1: (batch, seq/tp, hidden). With a group
 of size 1 (or None) every region is the identity. The CPU tests run the same collective calls
@@ -191,59 +191,3 @@ def wait_sum(pending: torch.Tensor, sp: bool) -> torch.Tensor:
     """The finished sum of a `launch_sum`, batch-first again."""
     done = torch.ops._c10d_functional.wait_tensor(pending)
     return done.movedim(0, SEQ_DIM) if sp else done
-
-
-class _LaunchReduction(torch.autograd.Function):
-    """fwd: launch the sum over tp (all-reduce, or reduce-scatter along the sequence) and return
-    its in-flight result, laid out sequence-first for the reduce-scatter; bwd: the adjoint
-    (identity, or all-gather along the sequence). The result is garbage until waited on."""
-
-    @staticmethod
-    def forward(ctx, x, group, sp):
-        ctx.group, ctx.sp = group, sp
-        return launch_sum(x, group, sp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if not ctx.sp:
-            return grad, None, None
-        full = funcol.all_gather_tensor(grad.contiguous(), 0, ctx.group)
-        full = full.wait() if isinstance(full, funcol.AsyncCollectiveTensor) else full
-        return full.movedim(0, SEQ_DIM), None, None
-
-
-class _WaitReduction(torch.autograd.Function):
-    """fwd: wait for a launched reduction (and restore the batch-first layout); bwd: identity."""
-
-    @staticmethod
-    def forward(ctx, pending, sp):
-        ctx.sp = sp
-        return wait_sum(pending, sp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return (grad.movedim(SEQ_DIM, 0) if ctx.sp else grad), None
-
-
-class PendingReduction:
-    """A row-parallel output whose sum over tp is in flight; `wait()` gives the finished tensor.
-
-    Not a tensor on purpose: the in-flight buffer must not be read before the wait, and any
-    tensor operation on this object fails instead of reading it.
-    """
-
-    def __init__(self, pending: torch.Tensor, sp: bool, bias: torch.Tensor | None, inflight: bool = True):
-        self.pending, self.sp, self.bias, self.inflight = pending, sp, bias, inflight
-
-    def wait(self) -> torch.Tensor:
-        y = _WaitReduction.apply(self.pending, self.sp) if self.inflight else self.pending
-        return y + self.bias.to(y.dtype) if self.bias is not None else y  # as RowParallelLinear's
-
-
-def start_reduction(x: torch.Tensor, group: Group, sequence_parallel: bool,
-                    bias: torch.Tensor | None = None) -> PendingReduction:
-    """Launch reduce_from_region(x) (reduce_scatter_to_sequence(x) with sequence parallelism),
-    plus `bias` after it; the result comes from the returned object's `wait()`."""
-    if _size(group) == 1:
-        return PendingReduction(x, False, bias, inflight=False)
-    return PendingReduction(_LaunchReduction.apply(x, group, sequence_parallel), sequence_parallel, bias)

@@ -21,9 +21,8 @@ from torch import nn
 
 from meshtrain.services.common.errors import ConfigError
 from meshtrain.services.trainer.config import check_tensor_parallel
-from meshtrain.services.trainer.parallel import async_tp, symm_reduce
+from meshtrain.services.trainer.parallel import async_tp
 from meshtrain.services.trainer.parallel import mappings as M
-from meshtrain.services.trainer.parallel.batch_split import interleave_halves
 from meshtrain.services.trainer.parallel.mesh import Mesh, refuse_unbuilt_axes
 
 
@@ -117,29 +116,22 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """y = sum_r x_r W_r^T + b: input features split over tp; output reduced (or reduce-scattered)."""
 
-    def __init__(self, full: nn.Linear, mesh: Mesh, sequence_parallel: bool, overlap: bool = False,
-                 defer_reduction: bool = False, symm_reduce: bool = False):
+    def __init__(self, full: nn.Linear, mesh: Mesh, sequence_parallel: bool, overlap: bool = False):
         super().__init__()
         self.group, self.sp, self.overlap = mesh.group("tp"), sequence_parallel, overlap
-        self.defer_reduction = defer_reduction  # forward returns a PendingReduction (batch_split)
-        self.symm_reduce = symm_reduce  # forward all-reduce through symmetric memory (no SP)
         split = TPSplit(1)
         self.weight = _param(split.shard(full.weight, mesh.tp_rank, mesh.tp), split)
         # The bias is added after the reduction, once: replicated (per seq shard under SP).
         self.bias = _param(full.bias, None, sequence_parallel) if full.bias is not None else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | M.PendingReduction:
-        """x (b, s, in/tp) -> (b, s/tp or s, out); with defer_reduction, that tensor to wait for."""
-        if self.defer_reduction:
-            return M.start_reduction(F.linear(x, self.weight), self.group, self.sp, self.bias)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (b, s, in/tp) -> (b, s/tp or s, out)."""
         if self.overlap:
             y = async_tp.linear_reduce_scatter(x, self.weight, self.group)
         else:
             y = F.linear(x, self.weight)
             if self.sp:
                 y = M.reduce_scatter_to_sequence(y, self.group)
-            elif self.symm_reduce:
-                y = symm_reduce.reduce_from_region(y, self.group)
             else:
                 y = M.reduce_from_region(y, self.group)
         # in y's dtype: an fp32 bias added to autocast's bf16 output would promote the residual
@@ -247,8 +239,7 @@ class VocabParallelHead(nn.Module):
 
 def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False,
                 comm_overlap: bool = False, device: torch.device | None = None,
-                async_grad_reduce: bool = False, batch_split: bool = False,
-                reduce_impl: str = "nccl") -> nn.Module:
+                async_grad_reduce: bool = False) -> nn.Module:
     """Shard `model` (a GPT built with full weights) over mesh.tp, in place; returns it.
 
     Args:
@@ -260,43 +251,22 @@ def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False,
         device: where the model will run (checked for `comm_overlap`).
         async_grad_reduce: column-parallel linears reduce their input gradient while computing
             their weight gradient (ignored where `comm_overlap` fuses the two already).
-        batch_split: run the blocks on two halves of each micro-batch, interleaved, so each
-            half's row-parallel reductions overlap the other half's compute
-            (see services/trainer/parallel/batch_split.py).
-        reduce_impl: 'nccl', or 'symm_mem': the row-parallel linears' forward all-reduce (no
-            sequence parallelism) through symmetric memory (services/trainer/parallel/symm_reduce.py;
-            CUDA + NCCL only).
 
     Raises:
         NotBuiltError: a mesh with pp, cp or ep other than 1 (not built: its ranks would train
             as plain data-parallel replicas).
         ConfigError: head or group counts that tp does not divide, sequence parallelism
-            with a sequence length tp does not divide, comm_overlap where it cannot run, or
-            batch_split together with comm_overlap, reduce_impl 'symm_mem' where it cannot run
-            or with sequence parallelism or batch_split.
+            with a sequence length tp does not divide, or comm_overlap where it cannot run.
     """
     refuse_unbuilt_axes(pp=mesh.pp, cp=mesh.cp, ep=mesh.ep)
     tp = mesh.tp
     cfg = model.config
-    if batch_split and comm_overlap:
-        raise ConfigError("parallel.tp_batch_split and parallel.tp_comm_overlap both overlap the row-parallel "
-                          "reductions: choose one")
     if comm_overlap:
         if not sequence_parallel:
             raise ConfigError("parallel.tp_comm_overlap needs parallel.sequence_parallel")
         why = async_tp.check_available(mesh.group("tp"), device or torch.device("cpu"))
         if why:
             raise ConfigError(f"parallel.tp_comm_overlap: {why}")
-    symm = reduce_impl == "symm_mem"
-    if reduce_impl not in ("nccl", "symm_mem"):
-        raise ConfigError(f"tp reduce_impl must be 'nccl' or 'symm_mem', got {reduce_impl!r}")
-    if symm and (sequence_parallel or batch_split):
-        raise ConfigError("parallel.tp_reduce_impl='symm_mem' replaces the forward all-reduce without sequence "
-                          "parallelism and without tp_batch_split")
-    if symm and tp > 1:
-        why = symm_reduce.check_available(mesh.group("tp"), device or torch.device("cpu"))
-        if why:
-            raise ConfigError(f"parallel.tp_reduce_impl='symm_mem': {why}")
     if tp == 1:
         if sequence_parallel:
             raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1")
@@ -315,15 +285,11 @@ def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False,
             att = layer.attention
             att.qkv = ColumnParallelLinear(att.qkv, mesh, sequence_parallel, overlap=comm_overlap,
                                            async_grad=async_grad_reduce)
-            att.proj = RowParallelLinear(att.proj, mesh, sequence_parallel, overlap=comm_overlap,
-                                         defer_reduction=batch_split, symm_reduce=symm)
+            att.proj = RowParallelLinear(att.proj, mesh, sequence_parallel, overlap=comm_overlap)
             att.heads, att.groups = att.heads // tp, att.groups // tp
             layer.mlp.fc1 = ColumnParallelLinear(layer.mlp.fc1, mesh, sequence_parallel, halves=layer.mlp.swiglu,
                                                  overlap=comm_overlap, async_grad=async_grad_reduce)
-            layer.mlp.fc2 = RowParallelLinear(layer.mlp.fc2, mesh, sequence_parallel, overlap=comm_overlap,
-                                              defer_reduction=batch_split, symm_reduce=symm)
-        if batch_split:
-            interleave_halves(model)
+            layer.mlp.fc2 = RowParallelLinear(layer.mlp.fc2, mesh, sequence_parallel, overlap=comm_overlap)
         if sequence_parallel:
             for name, p in model.named_parameters():
                 if "norm" in name:

@@ -3,10 +3,18 @@
 import dataclasses
 
 import pytest
+import tomli_w
 
 from meshtrain.services.common import config as cfg
 from meshtrain.services.common.errors import ConfigError, NotBuiltError
-from meshtrain.services.trainer.config import JobConfig, config_help, load_config, parse_overrides, replace
+from meshtrain.services.trainer.config import (
+    REMOVED_KEYS,
+    JobConfig,
+    config_help,
+    load_config,
+    parse_overrides,
+    replace,
+)
 
 
 def test_defaults_build_and_round_trip_through_toml(tmp_path):
@@ -195,6 +203,29 @@ def test_a_config_written_before_recompute_keys_were_unset_still_loads(granulari
     again = tmp_path / "again.toml"
     again.write_text(cfg.dumps_toml(load_config(["--config", str(path)])))
     assert load_config(["--config", str(again)]).parallel == p
+
+
+# A value of each removed option other than the default it had: it asked for the removed behaviour.
+REMOVED_NOT_DEFAULT = {"parallel.tp_batch_split": True, "train.compile_overlap_scheduling": True,
+                       "train.matmul_sm_carveout": 16, "parallel.tp_reduce_impl": "symm_mem"}
+
+
+@pytest.mark.parametrize("key", sorted(REMOVED_KEYS))
+def test_a_config_written_before_an_option_was_removed_still_loads(key, tmp_path, caplog):
+    # A run's config.toml holds every key, the removed option's too, at its old default.
+    section, _, name = key.partition(".")
+    old_default = REMOVED_KEYS[key][0]
+    table = cfg.to_dict(load_config([]))
+    table[section][name] = old_default
+    path = tmp_path / "config.toml"
+    path.write_text(tomli_w.dumps(table))
+    with caplog.at_level("WARNING", logger="meshtrain.config"):
+        assert load_config(["--config", str(path)]) == load_config([])
+    assert f"{key}={old_default!r}: the option was removed" in caplog.text
+    table[section][name] = REMOVED_NOT_DEFAULT[key]
+    path.write_text(tomli_w.dumps(table))
+    with pytest.raises(ConfigError, match=f"^{key}=.*: the option was removed"):
+        load_config(["--config", str(path)])
 
 
 def test_validation_messages_name_keys():

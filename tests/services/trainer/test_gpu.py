@@ -145,14 +145,6 @@ def test_bf16_residual_stream_trains_like_the_fp32_one(arch, corpus_cache, tmp_p
     # all-reduce (compiled), on NCCL.
     (TP2_SP + ["--parallel.tp_async_grad_reduce=true"], [], 1e-4),
     (["--tensor-model-parallel-size", "2", "--parallel.tp_async_grad_reduce=true"], ["--train.compile=true"], 1e-4),
-    # Row-parallel reductions of one half of each micro-batch in flight during the other's compute.
-    (["--tensor-model-parallel-size", "2", "--parallel.tp_async_grad_reduce=true", "--parallel.tp_batch_split=true"],
-     ["--train.compile=true"], 1e-4),
-    (TP2_SP + ["--parallel.tp_batch_split=true"], [], 1e-4),
-    # Inductor's overlap scheduler reorders the compiled graphs around the collectives (GQA: its
-    # runtime estimate counts grouped-query attention through the trainer's FLOP shim on torch 2.11).
-    (["--tensor-model-parallel-size", "2", "--parallel.tp_batch_split=true", "--train.compile_overlap_scheduling=true"],
-     ["--train.compile=true", "--model.num_query_groups=2"], 1e-4),
     (["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"], [], 1e-4),
     # Compiled (per block, and the head on its own, under overlap_param_gather).
     (["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],
@@ -163,17 +155,12 @@ def test_bf16_residual_stream_trains_like_the_fp32_one(arch, corpus_cache, tmp_p
     # bf16 autocast: the linears' collectives move bf16 (one GPU never rounds their sums to
     # bf16), so a bf16 tolerance.
     (TP2_SP, ["--train.bf16=true"], 1e-2),
-    # The row-parallel forward all-reduce through symmetric memory (two-shot, peer loads).
-    (["--tensor-model-parallel-size", "2", "--tp-reduce-impl", "symm_mem"], [], 1e-4),
-    (["--tensor-model-parallel-size", "2", "--tp-reduce-impl", "symm_mem"], ["--train.compile=true"], 1e-4),
     # Llama-style, compiled: RoPE and SwiGLU on Triton inside the graph (train.compiled_triton_ops'
     # default) on each rank's heads and FFN shard, on both sides.
     (["--tensor-model-parallel-size", "2"], ["--train.compile=true"] + LLAMA, 1e-4),
 ], ids=["tp2-sp-sync-grad", "tp2-sp-compiled", "tp2-compiled", "tp2-sp-comm-overlap", "tp2-sp-async-grad",
-        "tp2-async-grad-compiled", "tp2-async-grad-batch-split-compiled", "tp2-sp-batch-split",
-        "tp2-batch-split-overlap-scheduling", "dp2-zero1-overlap", "dp2-zero1-overlap-compiled",
-        "dp2-zero1-bf16-grad-reduce", "tp2-sp-bf16", "tp2-symm-reduce", "tp2-symm-reduce-compiled",
-        "tp2-llama-triton-ops-compiled"])
+        "tp2-async-grad-compiled", "dp2-zero1-overlap", "dp2-zero1-overlap-compiled",
+        "dp2-zero1-bf16-grad-reduce", "tp2-sp-bf16", "tp2-llama-triton-ops-compiled"])
 def test_nccl_two_gpus_match_one_gpu(layout, shared, rel, corpus_cache, tmp_path):
     """fp32 on CUDA: NCCL reduction order differs from one GPU's, so 1e-4 relative."""
     common = small_job_args(corpus_cache, tmp_path / "x", **{"train.device": "cuda", "train.eval_interval": 0,
@@ -219,9 +206,7 @@ def test_a_training_step_never_synchronizes_with_the_host(extra, corpus_cache, t
     ["--overlap-grad-reduce"],
     ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],
     ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather", "--train.compile=true"],
-    ["--tensor-model-parallel-size", "2", "--tp-reduce-impl", "symm_mem", "--train.compile=true"],
-], ids=["tp2", "tp2-sp", "tp2-compiled", "dp2-overlap", "dp2-zero1-overlap", "dp2-zero1-overlap-compiled",
-        "tp2-symm-reduce-compiled"])
+], ids=["tp2", "tp2-sp", "tp2-compiled", "dp2-overlap", "dp2-zero1-overlap", "dp2-zero1-overlap-compiled"])
 def test_sharded_steps_never_synchronize_with_the_host(layout, corpus_cache, tmp_path):
     """As the single-GPU test, for each sharded path on NCCL (tests/services/trainer/sync_free_steps.py)."""
     args = small_job_args(corpus_cache, tmp_path / "run", **{"train.device": "cuda", "train.bf16": True,
@@ -230,27 +215,6 @@ def test_sharded_steps_never_synchronize_with_the_host(layout, corpus_cache, tmp
                           "-m", "tests.services.trainer.sync_free_steps", *args, *layout],
                          cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
-
-
-def test_matmul_sm_carveout_is_set_and_training_runs(corpus_cache, tmp_path):
-    """The setting reaches PyTorch (what cuBLASLt's kernels then do with it is not checked here)."""
-    from meshtrain.services.trainer.train import Trainer
-
-    before = torch.backends.cuda.preferred_blas_library()
-    args = small_job_args(corpus_cache, tmp_path / "run", **{"train.device": "cuda", "train.bf16": True,
-                                                              "train.eval_interval": 0, "train.matmul_sm_carveout": 16})
-    trainer = None
-    try:
-        trainer = Trainer(load_config(args))
-        assert torch._C._get_sm_carveout_experimental() == 16
-        assert torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublaslt
-        losses = [trainer.train_step(step)[0].item() for step in range(3)]
-        assert all(0 < loss < 10 for loss in losses)
-    finally:
-        torch._C._set_sm_carveout_experimental(None)
-        torch.backends.cuda.preferred_blas_library(before)
-        if trainer is not None:
-            trainer.checkpointer.close()
 
 
 def test_coordinate_descent_tuning_reaches_the_compiled_model_and_trains(corpus_cache, tmp_path):

@@ -60,8 +60,6 @@ CASES = {
     # tp_async_grad_reduce is on by default (every tp case above uses it): the plain path too
     "tp2-sp-sync-grad": (2, "llama", {"parallel.tp": 2, "parallel.sequence_parallel": True,
                                       "parallel.tp_async_grad_reduce": False}),
-    "tp2-async-grad-batch-split": (2, "llama", {"parallel.tp": 2, "parallel.tp_async_grad_reduce": True,
-                                                "parallel.tp_batch_split": True}),
 }
 
 

@@ -23,13 +23,13 @@ GPT2 = dict(CFG, num_query_groups=None, normalization="layernorm", activation="g
             position_embedding_type="learned", add_bias_linear=True, untie_embeddings_and_output_weights=False)
 
 
-def _grads(rank, world, cfg, sequence_parallel, async_grad=False, batch_split=False, batch=2):
+def _grads(rank, world, cfg, sequence_parallel, async_grad=False):
     torch.manual_seed(0)
     model = GPT(ModelConfig(**cfg)).double()
-    tokens = torch.randint(0, 203, (batch, 16), generator=torch.Generator().manual_seed(1))
-    labels = torch.randint(0, 203, (batch, 16), generator=torch.Generator().manual_seed(2))
+    tokens = torch.randint(0, 203, (2, 16), generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(0, 203, (2, 16), generator=torch.Generator().manual_seed(2))
     mesh = Mesh.build(tp=world)
-    parallelize(model, mesh, sequence_parallel, async_grad_reduce=async_grad, batch_split=batch_split)
+    parallelize(model, mesh, sequence_parallel, async_grad_reduce=async_grad)
     loss = model(tokens, labels)
     loss.backward()
     logits = model(tokens)
@@ -44,26 +44,21 @@ def _grads(rank, world, cfg, sequence_parallel, async_grad=False, batch_split=Fa
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("cfg,sp,async_grad,batch_split,batch", [
-    (CFG, False, False, False, 2), (CFG, True, False, False, 2), (GPT2, True, False, False, 2),
+@pytest.mark.parametrize("cfg,sp,async_grad", [
+    (CFG, False, False), (CFG, True, False), (GPT2, True, False),
     # column-parallel input gradients reduced during the weight-gradient GEMM
-    (CFG, False, True, False, 2), (CFG, True, True, False, 2), (GPT2, False, True, False, 2),
-    (GPT2, True, True, False, 2),
-    # row-parallel reductions of one half of the batch in flight while the other computes
-    (CFG, False, False, True, 3), (CFG, True, True, True, 2), (GPT2, False, True, True, 4),
-    (GPT2, True, False, True, 3), (CFG, False, False, True, 1),
+    (CFG, False, True), (CFG, True, True), (GPT2, False, True), (GPT2, True, True),
 ], ids=["llama", "llama-sp", "gpt2-sp", "llama-async-grad", "llama-sp-async-grad", "gpt2-async-grad",
-        "gpt2-sp-async-grad", "llama-batch-split", "llama-sp-async-grad-batch-split",
-        "gpt2-async-grad-batch-split", "gpt2-sp-batch-split", "llama-batch-split-of-one"])
-def test_sharded_gradients_equal_unsharded(cfg, sp, async_grad, batch_split, batch):
+        "gpt2-sp-async-grad"])
+def test_sharded_gradients_equal_unsharded(cfg, sp, async_grad):
     torch.manual_seed(0)
     ref = GPT(ModelConfig(**cfg)).double()
-    tokens = torch.randint(0, 203, (batch, 16), generator=torch.Generator().manual_seed(1))
-    labels = torch.randint(0, 203, (batch, 16), generator=torch.Generator().manual_seed(2))
+    tokens = torch.randint(0, 203, (2, 16), generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(0, 203, (2, 16), generator=torch.Generator().manual_seed(2))
     ref_loss = ref(tokens, labels)
     ref_loss.backward()
     ref_logits = ref(tokens).detach()
-    for loss, logits, grads in run_ranks(_grads, 2, cfg, sp, async_grad, batch_split, batch):
+    for loss, logits, grads in run_ranks(_grads, 2, cfg, sp, async_grad):
         assert loss == pytest.approx(ref_loss.item(), rel=1e-12)
         torch.testing.assert_close(logits, ref_logits, rtol=1e-10, atol=1e-10)
         for name, p in ref.named_parameters():
@@ -236,8 +231,7 @@ def test_activation_collectives_move_bf16_under_autocast(sp, async_grad, fp32_re
 
 
 def _stream_dtype(model, tokens):
-    """The residual stream's dtype where it reaches the final norm, in one bf16-autocast forward
-    (a hook on the blocks would miss batch-split runs, which call their branches directly)."""
+    """The residual stream's dtype where it reaches the final norm, in one bf16-autocast forward."""
     seen = []
     hook = model.final_norm.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
     try:
@@ -248,17 +242,16 @@ def _stream_dtype(model, tokens):
     return seen
 
 
-def _sharded_stream_dtype(rank, world, sequence_parallel, batch_split):
+def _sharded_stream_dtype(rank, world, sequence_parallel):
     torch.manual_seed(0)
     model = GPT(ModelConfig(**GPT2, fp32_residual_connection=False))
-    parallelize(model, Mesh.build(tp=world), sequence_parallel, batch_split=batch_split)
+    parallelize(model, Mesh.build(tp=world), sequence_parallel)
     return _stream_dtype(model, torch.randint(0, 203, (2, 16), generator=torch.Generator().manual_seed(1)))
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("sp,batch_split", [(False, False), (True, False), (False, True), (True, True)],
-                         ids=["tp", "tp-sp", "tp-batch-split", "tp-sp-batch-split"])
-def test_row_parallel_bias_keeps_the_bf16_stream(sp, batch_split):
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp-sp"])
+def test_row_parallel_bias_keeps_the_bf16_stream(sp):
     """The row-parallel bias (fp32, added once after the sum over tp) is added in the output's
     dtype: with model.fp32_residual_connection off the stream stays bf16 under tp, as it does in
     one process, where autocast adds the bias inside the linear. Added as fp32, it promoted
@@ -267,5 +260,5 @@ def test_row_parallel_bias_keeps_the_bf16_stream(sp, batch_split):
     ref = GPT(ModelConfig(**GPT2, fp32_residual_connection=False))
     expected = _stream_dtype(ref, torch.randint(0, 203, (2, 16), generator=torch.Generator().manual_seed(1)))
     assert expected == [torch.bfloat16]
-    for got in run_ranks(_sharded_stream_dtype, 2, sp, batch_split):
+    for got in run_ranks(_sharded_stream_dtype, 2, sp):
         assert got == expected
