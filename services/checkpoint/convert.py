@@ -32,7 +32,7 @@ from meshtrain.services.checkpoint.shards import ShardSpec
 from meshtrain.services.checkpoint.store import open_root, same_root
 from meshtrain.services.common.config import build
 from meshtrain.services.common.errors import CheckpointError
-from meshtrain.services.trainer.config import ModelConfig
+from meshtrain.services.common.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 

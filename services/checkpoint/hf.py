@@ -47,7 +47,7 @@ from meshtrain.services.checkpoint.store import open_root, remove_tree
 from meshtrain.services.common.builds import local_build_dir, remove_dead_builds
 from meshtrain.services.common.config import build, to_dict
 from meshtrain.services.common.errors import CheckpointError
-from meshtrain.services.trainer.config import JobConfig, ModelConfig
+from meshtrain.services.common.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -499,7 +499,7 @@ def import_hf(src_dir: str, dst_root: str, seed: int = 1234) -> str:
     tokenizer = src / "tokenizer.json"
     metadata = {
         "format": TRAIN_FORMAT, "iteration": 0, "consumed_samples": 0, "optimizer_step": 0,
-        "config": to_dict(JobConfig(model=model)),
+        "config": {"model": to_dict(model)},  # an import has an architecture, no training settings
         "rng_python": random.Random(seed).getstate(),
         "rng_numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
         "tokenizer": str(tokenizer.resolve()) if tokenizer.is_file() else None,

@@ -11,7 +11,7 @@ from typing import Any
 
 from meshtrain.services.common.errors import CheckpointError
 from meshtrain.services.dataloader.tokenizers import EOD_TOKEN, ByteTokenizer
-from meshtrain.services.trainer.config import ModelConfig
+from meshtrain.services.common.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 

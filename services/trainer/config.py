@@ -20,6 +20,7 @@ from typing import Any, Literal
 from meshtrain.services.checkpoint.config import CheckpointConfig
 from meshtrain.services.common import config as cfg
 from meshtrain.services.common.errors import ConfigError, NotBuiltError
+from meshtrain.services.common.model_config import ModelConfig  # re-exported: the job's `model` section
 from meshtrain.services.dataloader.config import DataConfig
 from meshtrain.services.trainer.flags import (  # re-exported: the command line's half
     ALIASES,
@@ -27,137 +28,6 @@ from meshtrain.services.trainer.flags import (  # re-exported: the command line'
 )
 
 log = logging.getLogger("meshtrain.config")
-
-
-@dataclass
-class ModelConfig:
-    """Architecture of the GPT family (GPT-2 style and Llama style are both settings of it)."""
-
-    num_layers: int = 2
-    """Number of transformer blocks."""
-    hidden_size: int = 128
-    """Width of the residual stream."""
-    num_attention_heads: int = 4
-    """Query heads per attention layer."""
-    num_query_groups: int | None = None
-    """Key/value heads for grouped-query attention; unset means one per query head (MHA)."""
-    ffn_hidden_size: int | None = None
-    """MLP inner width; unset: 4*hidden for GELU, 8/3*hidden rounded down to 64 for SwiGLU
-    (Megatron-LM's rule for --swiglu, so the same flags build the same shapes)."""
-    seq_length: int = 256
-    """Tokens per training sample."""
-    max_position_embeddings: int | None = None
-    """Rows of the learned position table (learned positions only); unset: seq_length."""
-    vocab_size: int | None = None
-    """Vocabulary size; unset: taken from the tokenizer."""
-    make_vocab_size_divisible_by: int = 128
-    """Pad the embedding/output rows to a multiple of this (padding never reaches the loss)."""
-    normalization: Literal["layernorm", "rmsnorm"] = "layernorm"
-    """LayerNorm (GPT-2) or RMSNorm (Llama)."""
-    norm_epsilon: float = 1e-5
-    """Epsilon inside the normalization."""
-    activation: Literal["gelu", "swiglu"] = "gelu"
-    """MLP activation: GELU (GPT-2) or SwiGLU with fused gate/up projection (Llama)."""
-    position_embedding_type: Literal["learned", "rope"] = "learned"
-    """Learned absolute positions (GPT-2) or rotary embeddings (Llama)."""
-    rotary_base: float = 10000.0
-    """RoPE base frequency."""
-    add_bias_linear: bool = True
-    """Biases in the linear layers (GPT-2: true, Llama: false)."""
-    untie_embeddings_and_output_weights: bool = False
-    """Separate output projection instead of reusing the word embedding (Llama: true)."""
-    init_method_std: float = 0.02
-    """Std of the normal init; residual output projections use std/sqrt(2*num_layers)."""
-    hidden_dropout: float = 0.0
-    """Dropout on the residual branches."""
-    attention_dropout: float = 0.0
-    """Dropout on attention probabilities."""
-    attention_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
-    """SDPA backend of the attention core: 'auto' lets PyTorch pick; the others pin one (and
-    fail where it cannot run the shape). Backends without native grouped-query support get
-    the key/value heads expanded. See benchmarks/attention_backends.py for the trade."""
-    fp32_residual_connection: bool = False
-    """Under train.bf16, keep the residual stream (embedding output, block sums, their gradients)
-    in fp32, as plain autocast does. Off (the default, as in Megatron-LM) it is stored in bf16,
-    computed in fp32: half the bytes read and written. gpt2-125m on an H200: 4.7% faster, mean
-    losses within 1.1% over 200 steps (BENCHMARKS.md). Without autocast: no effect."""
-    transformer_impl: Literal["local", "transformer_engine"] = "local"
-    """Layer backend: meshtrain's own layers, or Transformer Engine (not built)."""
-
-    def __post_init__(self) -> None:
-        for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
-            if getattr(self, key) <= 0:
-                raise ConfigError(f"model.{key} must be positive, got {getattr(self, key)}")
-        if self.hidden_size % self.num_attention_heads:
-            raise ConfigError(
-                f"model.hidden_size={self.hidden_size} must be divisible by "
-                f"model.num_attention_heads={self.num_attention_heads}"
-            )
-        if self.num_query_groups is not None and self.num_query_groups <= 0:  # 0 read as unset: MHA
-            raise ConfigError(f"model.num_query_groups must be positive (unset for one per head), "
-                              f"got {self.num_query_groups}")
-        if self.make_vocab_size_divisible_by <= 0:
-            raise ConfigError(f"model.make_vocab_size_divisible_by must be positive, "
-                              f"got {self.make_vocab_size_divisible_by}")
-        groups = self.groups
-        if self.num_attention_heads % groups:
-            raise ConfigError(
-                f"model.num_query_groups={self.num_query_groups} must divide "
-                f"model.num_attention_heads={self.num_attention_heads}"
-            )
-        if self.ffn_size <= 0:
-            raise ConfigError(f"model.ffn_hidden_size must be positive, got {self.ffn_size}"
-                              + ("" if self.ffn_hidden_size is not None else
-                                 f" (8/3 of hidden_size={self.hidden_size}, rounded down to 64: set it)"))
-        if self.position_embedding_type == "rope" and self.head_dim % 2:
-            raise ConfigError(f"model: RoPE needs an even head dim, got {self.head_dim}")
-        if self.max_position_embeddings is not None and self.max_position_embeddings < self.seq_length:
-            raise ConfigError(
-                f"model.max_position_embeddings={self.max_position_embeddings} is shorter than "
-                f"model.seq_length={self.seq_length}"
-            )
-        # Ranges the layers and torch's AdamW enforce only once the model is built (a traceback
-        # after the data is ready), or not at all (a rotary base <= 0 trains on NaN).
-        for key in ("hidden_dropout", "attention_dropout"):
-            if not 0 <= getattr(self, key) <= 1:
-                raise ConfigError(f"model.{key} is a probability: it must be in [0, 1], got {getattr(self, key)}")
-        if not 0 <= self.init_method_std < math.inf:
-            raise ConfigError(f"model.init_method_std must be >= 0, got {self.init_method_std}")
-        if not 0 < self.rotary_base < math.inf:
-            raise ConfigError(f"model.rotary_base must be positive, got {self.rotary_base}")
-        if not 0 <= self.norm_epsilon < math.inf:
-            raise ConfigError(f"model.norm_epsilon must be >= 0, got {self.norm_epsilon}")
-        if self.transformer_impl != "local":
-            raise NotBuiltError(
-                "model.transformer_impl='transformer_engine' is not built yet (Transformer Engine layers "
-                "are not wired in); use 'local'"
-            )
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    @property
-    def groups(self) -> int:
-        """Key/value heads (num_query_groups, or num_attention_heads for plain MHA)."""
-        return self.num_query_groups or self.num_attention_heads
-
-    @property
-    def ffn_size(self) -> int:
-        if self.ffn_hidden_size is not None:
-            return self.ffn_hidden_size
-        if self.activation == "swiglu":
-            return 8 * self.hidden_size // 3 // 64 * 64
-        return 4 * self.hidden_size
-
-    @property
-    def max_positions(self) -> int:
-        return self.max_position_embeddings or self.seq_length
-
-    def padded_vocab_size(self) -> int:
-        assert self.vocab_size is not None, "vocab_size is resolved from the tokenizer first"
-        m = self.make_vocab_size_divisible_by
-        return -(-self.vocab_size // m) * m
 
 
 KERNEL_OPS = ("rms_norm", "layer_norm", "gelu", "swiglu", "rope", "cross_entropy", "linear_cross_entropy")
