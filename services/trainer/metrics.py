@@ -1,8 +1,9 @@
 """The run directory's metrics: metrics.jsonl, the progress display, MFU and loss.png.
 
-`metrics.jsonl` holds one JSON object per logged step with at least `step`, `loss`, `lr`,
-`grad_norm`, `tokens_per_s`, `step_time_s`, `consumed_samples` and, where the device's peak
-is known, `mfu`; evaluation adds objects with `eval_loss`. On a terminal a progress bar shows
+`metrics.jsonl` holds one JSON object per logged step (every `log.log_interval` steps, the
+run's first and last step too) with at least `step`, `time` (Unix seconds, float), `loss`,
+`lr`, `grad_norm`, `tokens_per_s`, `step_time_s`, `consumed_samples` and, where the device's
+peak is known, `mfu`; evaluation adds objects with `step`, `time` and `eval_loss`. On a terminal a progress bar shows
 step, loss, tokens/s and ETA; elsewhere the same goes out as plain log lines.
 """
 
@@ -71,6 +72,8 @@ class MetricsLog:
         """Record a training step and update the display."""
         if self.silent:
             return
+        # Wall-clock time of the row, so curves from runs (or resumes) can be lined up in time.
+        record = {**record, "time": record.get("time", time.time())}
         self.write(record)
         eta = format_duration((self.total - record["step"]) * record["step_time_s"])
         if self.bar is not None:

@@ -541,7 +541,9 @@ class Trainer:
             pending.append((loss, grad_norm))
             n = step + 1
             self.progress["step"] = n  # a Python int: no host sync
-            if n % job.log.log_interval == 0 or n == t.train_iters:
+            # The first step this run computes is logged too: the run summary shows its loss,
+            # and metrics.jsonl must hold every loss the summary reports.
+            if n % job.log.log_interval == 0 or n == t.train_iters or n == start + 1:
                 log_pending(n)
             pause_start = time.perf_counter()
             if self.data.valid is not None and (n % t.eval_interval == 0 or n == t.train_iters):

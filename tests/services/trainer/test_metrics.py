@@ -26,3 +26,16 @@ def test_without_matplotlib_there_is_no_plot_and_a_warning_names_the_extra(tmp_p
         assert plot_losses(tmp_path) is None
     assert not (tmp_path / "loss.png").exists()
     assert "meshtrain[plot]" in caplog.text
+
+
+def test_every_row_carries_a_unix_timestamp(tmp_path):
+    from meshtrain.services.trainer.metrics import MetricsLog, read_metrics
+    import time
+
+    before = time.time()
+    m = MetricsLog(tmp_path, total_steps=2, start_step=0, progress="lines")
+    m.step({"step": 1, "loss": 5.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 10.0, "step_time_s": 0.1})
+    m.eval(1, 4.9)
+    m.close()
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert len(rows) == 2 and all(isinstance(r["time"], float) and before <= r["time"] <= time.time() for r in rows)

@@ -3,6 +3,7 @@
 import json
 import logging
 import re
+import time
 
 import pytest
 import torch
@@ -37,7 +38,10 @@ def test_run_directory_contract(corpus_cache, tmp_path):
     assert config.model.vocab_size == 257 and config.checkpoint.save == str(run / "checkpoints")
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]
-    assert [r["step"] for r in steps] == [2, 4, 6]
+    assert [r["step"] for r in steps] == [1, 2, 4, 6]  # step 1 too: the summary's first loss
+    assert steps[0]["loss"] == result.losses[1]
+    for r in records:
+        assert isinstance(r["time"], float) and abs(r["time"] - time.time()) < 3600
     for r in steps:
         assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "consumed_samples"} <= set(r)
         assert r["consumed_samples"] == r["step"] * 16 and r["tokens_per_s"] > 0
