@@ -6,9 +6,21 @@ batches from DataService workers (`meshtrain data serve`) instead of reading the
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from meshtrain.services.common.errors import ConfigError, DataError
+
+
+def user_cache_dir() -> str:
+    """The user's cache folder for meshtrain: `$MESHTRAIN_CACHE`, else `$XDG_CACHE_HOME/meshtrain`,
+    else `~/.cache/meshtrain`. Per user rather than per working directory, so the examples,
+    `make run` and runs started from anywhere build the default corpus and tokenizer once."""
+    explicit = os.environ.get("MESHTRAIN_CACHE")
+    if explicit:
+        return os.path.abspath(os.path.expanduser(explicit))
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return os.path.join(os.path.abspath(base), "meshtrain")
 
 
 @dataclass
@@ -28,8 +40,9 @@ class DataConfig:
     """How much of the Python standard library's source the default corpus takes."""
     split: str = "969,30,1"
     """Train/valid/test weights over documents, Megatron style."""
-    cache_dir: str = ".cache/meshtrain"
-    """Where the default corpus, its tokenizer and its dataset are built and cached."""
+    cache_dir: str = field(default_factory=user_cache_dir)
+    """Where the default corpus, its tokenizer and its dataset are built and cached (default:
+    `$MESHTRAIN_CACHE`, else `$XDG_CACHE_HOME/meshtrain`, else `~/.cache/meshtrain`)."""
     service_addresses: list[str] = field(default_factory=list)
     """Data service workers (`host:port`, or one `dns:///name:port` resolving to several);
     empty: read in-process. Workers must see the dataset files at the same paths."""
