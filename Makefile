@@ -7,10 +7,17 @@ TORCH_INDEX ?=
 CONSTRAINTS ?= constraints.txt
 VENV := .venv
 BIN := $(VENV)/bin
+# Two environments in one venv, each with its own stamp: running needs only the extras of
+# `make run` (loss.png, and the object store of ARGS="--s3"); the tests add theirs (Triton,
+# transformers, megatron-core, ...: most of the download) on top. So `make test` after
+# `make run` installs only the difference, and `make run` after `make test` nothing.
+RUN_EXTRAS := plot,s3
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
+TEST_STAMP := $(VENV)/.installed-$(TORCH_VERSION)-test
+PIP_C := $(if $(CONSTRAINTS),-c "$(CONSTRAINTS)")
 PYTEST := $(BIN)/python -m pytest
 
-.PHONY: install lock run test test-fast test-slow test-gpu protos system-deps clean
+.PHONY: install install-test lock run test test-fast test-slow test-gpu protos system-deps clean
 
 # torch is installed first and pinned, so resolving the project's `torch>=` floor never
 # pulls another build. Where pip's index has only PyPI's Linux wheel (the multi-GB CUDA
@@ -20,10 +27,16 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)")
-	$(BIN)/python -m pip install -q -e ".[test]" $(if $(CONSTRAINTS),-c "$(CONSTRAINTS)")
+	$(BIN)/python -m pip install -q -e ".[$(RUN_EXTRAS)]" $(PIP_C)
+	touch $@
+
+# The run extras again, so pip keeps what is installed and adds only the test extra.
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -e ".[$(RUN_EXTRAS),test]" $(PIP_C)
 	touch $@
 
 install: $(STAMP)
+install-test: $(TEST_STAMP)
 
 # Re-resolve the dependencies to the newest versions pyproject.toml allows, run the tests,
 # and only when they pass write those versions to constraints.txt (commit it with the change
@@ -47,17 +60,17 @@ run: $(STAMP)
 
 # Everything but slow and GPU tests (what CI runs). pytest exits 5 when it ran no test,
 # and make treats that as the failure it is.
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(PYTEST) -m "not slow and not gpu" -q
 
 # Seconds: no multi-process, end-to-end or slow tests.
-test-fast: $(STAMP)
+test-fast: $(TEST_STAMP)
 	$(PYTEST) -m "not slow and not gpu and not dist and not e2e" -q
 
-test-slow: $(STAMP)
+test-slow: $(TEST_STAMP)
 	$(PYTEST) -m "slow" -q
 
-test-gpu: $(STAMP)
+test-gpu: $(TEST_STAMP)
 	$(PYTEST) -m "gpu" -q
 
 # Optional, as root on Debian/Ubuntu: docker-compose and a single-node Slurm for the deploy
