@@ -71,8 +71,12 @@ def test_load_errors_name_the_problem(corpus_cache, tmp_path):
         train(load_config(wider))
     done = small_job_args(corpus_cache, tmp_path / "r4", **{"checkpoint.load": ckpt, "train.train_iters": 2,
                                                             "train.eval_interval": 0})
+    finished = train(load_config(done))  # a relaunch of a finished run succeeds, doing nothing
+    assert finished.losses == {} and not finished.stopped_early
+    before = small_job_args(corpus_cache, tmp_path / "r6", **{"checkpoint.load": ckpt, "train.train_iters": 1,
+                                                              "train.eval_interval": 0})
     with pytest.raises(CheckpointError, match="raise --train-iters"):
-        train(load_config(done))
+        train(load_config(before))
     bigger_batch = small_job_args(corpus_cache, tmp_path / "r5", **{
         "checkpoint.load": ckpt, "train.train_iters": 3, "train.global_batch_size": 32, "train.eval_interval": 0})
     with pytest.raises(ConfigError, match="consumed 32 samples in 2 steps.*skipped or repeated"):
