@@ -166,3 +166,13 @@ def test_resuming_with_another_sample_stream_warns(corpus_cache, tmp_path, caplo
     with caplog.at_level(logging.WARNING, logger="meshtrain"):
         train(load_config(resumed))
     assert f"{key} changed from" in caplog.text
+
+
+def test_rerunning_a_first_command_into_a_saved_root_suggests_load(corpus_cache, tmp_path):
+    from meshtrain.services.trainer.train import Trainer
+
+    common = {"train.train_iters": 2, "train.eval_interval": 0, "checkpoint.save_interval": 2,
+              "checkpoint.save": str(tmp_path / "ckpt")}
+    train(load_config(small_job_args(corpus_cache, tmp_path / "run1", **common)))
+    with pytest.raises(CheckpointError, match=r"to resume them pass --load .*ckpt; .*overwrite"):
+        Trainer(load_config(small_job_args(corpus_cache, tmp_path / "run2", **common)))
