@@ -67,8 +67,13 @@ def test_load_errors_name_the_problem(corpus_cache, tmp_path):
     ckpt = str(tmp_path / "r2" / "checkpoints")
     wider = small_job_args(corpus_cache, tmp_path / "r3", **{"checkpoint.load": ckpt, "model.hidden_size": 128,
                                                              "train.eval_interval": 0})
-    with pytest.raises(CheckpointError, match="shape"):
+    with pytest.raises(CheckpointError, match="shape") as e:
         train(load_config(wider))
+    assert "vocabulary" not in str(e.value)
+    other_vocab = small_job_args(corpus_cache, tmp_path / "r7", **{"checkpoint.load": ckpt, "model.vocab_size": 300,
+                                                                   "train.eval_interval": 0})
+    with pytest.raises(CheckpointError, match=r"vocabulary differs .*--config RUN/config.toml"):
+        train(load_config(other_vocab))
     done = small_job_args(corpus_cache, tmp_path / "r4", **{"checkpoint.load": ckpt, "train.train_iters": 2,
                                                             "train.eval_interval": 0})
     finished = train(load_config(done))  # a relaunch of a finished run succeeds, doing nothing
