@@ -130,3 +130,9 @@ def test_no_checkpoint_is_an_error_that_tells_a_missing_path_from_an_empty_folde
     assert code == 2 and "no such path" in out and len(out.strip().splitlines()) == 1
     code, out = run(capsys, command, tmp_path)
     assert code == 2 and "no committed checkpoint under" in out and len(out.strip().splitlines()) == 1
+
+
+def test_export_and_import_default_format_to_hf(tmp_path, capsys):
+    # --format was required though 'hf' is its only value: argparse stopped the command
+    code, out = run(capsys, "export", tmp_path / "nothing", tmp_path / "out")
+    assert code == 2 and "--format" not in out
