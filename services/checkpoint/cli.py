@@ -17,17 +17,29 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 from collections.abc import Callable
 
 from meshtrain.services.common.errors import CheckpointError, is_storage_error
+
+
+def _no_checkpoint(root: str) -> CheckpointError:
+    """The error for a ROOT without a committed checkpoint. A local path that does not exist is
+    usually a typo, so it is told apart from a real folder that holds no checkpoint; object
+    store prefixes have no "exists" to ask, so they get the second message."""
+    local = root[len("file://"):] if root.startswith("file://") else root
+    if "://" not in local and not os.path.exists(local):
+        return CheckpointError(f"{root}: no such path; check the checkpoint root")
+    return CheckpointError(f"no committed checkpoint under {root}; pass the run's checkpoint "
+                           f"root (its --save folder)")
 
 
 def cmd_list(args: argparse.Namespace) -> int:
     from meshtrain.services.checkpoint.reader import list_checkpoints
 
     steps = list_checkpoints(args.root)
-    if not steps:
-        print(f"no committed checkpoint under {args.root}")
+    if not steps:  # an error, as in inspect and verify: scripts test the exit status
+        raise _no_checkpoint(args.root)
     for step in steps:
         print(step)
     return 0
@@ -39,7 +51,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     steps = list_checkpoints(args.root)
     step = args.step if args.step is not None else (steps[-1] if steps else None)
     if step is None:
-        raise CheckpointError(f"no committed checkpoint under {args.root}")
+        raise _no_checkpoint(args.root)
     manifest = read_manifest(args.root, step)
     if args.json:
         print(json.dumps(manifest, indent=2))
@@ -81,7 +93,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         steps = steps[-1:]
         unreadable = {s: why for s, why in unreadable.items() if not steps or s > steps[0]}
     if not steps and not unreadable:
-        raise CheckpointError(f"no committed checkpoint under {args.root}")
+        raise _no_checkpoint(args.root)
     for step in steps:
         count = verify_checkpoint(args.root, step)
         print(f"step {step}: {count} objects verified")

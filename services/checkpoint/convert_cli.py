@@ -77,7 +77,7 @@ def register_subcommands(ckpt_subparsers: argparse._SubParsersAction) -> None:
         ckpt_subparsers: what `add_subparsers()` of the `ckpt` parser returned.
     """
     exp = ckpt_subparsers.add_parser("export", help="write a checkpoint as a Hugging Face model folder")
-    exp.add_argument("--format", required=True, help="only 'hf' (safetensors + config.json)")
+    exp.add_argument("--format", default="hf", help="hf, the only format and the default (safetensors + config.json)")
     exp.add_argument("src", help="checkpoint root")
     exp.add_argument("dst", help="folder to create")
     exp.add_argument("--step", type=int, help="step to export (default: the latest)")
@@ -85,7 +85,7 @@ def register_subcommands(ckpt_subparsers: argparse._SubParsersAction) -> None:
     exp.set_defaults(func=cmd_export)
 
     imp = ckpt_subparsers.add_parser("import", help="turn a Hugging Face model folder into a checkpoint")
-    imp.add_argument("--format", required=True, help="only 'hf' (Llama or GPT-2 safetensors)")
+    imp.add_argument("--format", default="hf", help="hf, the only format and the default (Llama or GPT-2 safetensors)")
     imp.add_argument("src", help="Hugging Face model folder")
     imp.add_argument("dst", help="checkpoint root to write step 0 into")
     imp.add_argument("--seed", type=int, default=1234, help="seeds the stored RNG states")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import difflib
 import inspect
 import math
 import textwrap
@@ -124,6 +125,12 @@ def _is_section(tp: Any) -> bool:
     return dataclasses.is_dataclass(tp) and isinstance(tp, type)
 
 
+def close_matches(word: str, candidates: list[str], n: int = 3) -> list[str]:
+    """The candidates closest to a mistyped `word`, best first. A typo is the usual cause of an
+    unknown key, and the one or two near names answer it where a list of every key buries it."""
+    return difflib.get_close_matches(word, candidates, n=n, cutoff=0.6)
+
+
 def build(cls: type, table: dict[str, Any], prefix: str = "") -> Any:
     """Instantiate dataclass `cls` from a (possibly nested) dict, checking every key and type.
 
@@ -141,8 +148,10 @@ def build(cls: type, table: dict[str, Any], prefix: str = "") -> Any:
     for key, value in table.items():
         dotted = f"{prefix}{key}"
         if key not in fields:
-            allowed = ", ".join(sorted(fields))
-            raise ConfigError(f"unknown key {dotted!r}; allowed keys here: {allowed}")
+            near = close_matches(key, list(fields))
+            hint = (f"did you mean {' or '.join(repr(prefix + m) for m in near)}?" if near
+                    else "no key of this section is close (`meshtrain train --help-config` lists them)")
+            raise ConfigError(f"unknown key {dotted!r}; {hint}")
         tp = hints[key]
         if _is_section(tp):
             if not isinstance(value, dict):

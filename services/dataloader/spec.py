@@ -209,7 +209,11 @@ def open_dataset(spec: DatasetSpec, cache: bool = True, max_index_bytes: int | N
         indexed = IndexedDataset(prefix)
         begin, end = split_ranges(indexed.num_documents, spec.split)[split]
         if end <= begin:
-            raise DataError(f"{prefix}: split {spec.split!r} leaves the {spec.split_name} split empty")
+            # The default 969,30,1 gives a small dataset's valid/test splits no whole document:
+            # name a split that does, rather than leave the user to work out the arithmetic.
+            fix = {"valid": "90,10,0", "test": "90,5,5"}.get(spec.split_name, "100,0,0")
+            raise DataError(f"{prefix}: split {spec.split!r} leaves the {spec.split_name} split of its "
+                            f"{indexed.num_documents} documents empty; pass e.g. --split {fix}")
         opened.append((indexed, begin, end))
         di = indexed.document_indices
         tokens = int(indexed.sequence_lengths[di[begin]:di[end]].sum(dtype=np.int64))

@@ -415,6 +415,14 @@ def build_tokenizer(spec: str | os.PathLike) -> Tokenizer:
         return HFTokenizer(path)
     if path.is_dir() and (path / "tokenizer.json").is_file():
         return HFTokenizer(path / "tokenizer.json")
+    # A spec that is not a keyword is a path; a mistyped one is far likelier than an unknown
+    # format, so say the path is missing rather than list the formats.
+    if not path.exists():
+        raise DataError(f"tokenizer file {s!r} does not exist: check the path, or pass "
+                        f"--tokenizer byte for the built-in byte tokenizer")
+    if path.is_dir():
+        raise DataError(f"tokenizer folder {s!r} holds no tokenizer.json: name the tokenizer "
+                        f"file itself")
     raise DataError(
         f"tokenizer spec {s!r} is not understood: expected 'byte', a tokenizer.json (or its "
         f"folder), a .tiktoken file or tiktoken:PATH, a SentencePiece .model or sentencepiece:PATH"

@@ -394,9 +394,17 @@ def restore(root: str, model: GPT, optimizer: torch.optim.Optimizer | None, par:
             entry = arrays.get(spec.array)
             if entry is None or tuple(entry["shape"]) != spec.global_shape:
                 have = tuple(entry["shape"]) if entry else None
+                hint = ""
+                if (have and len(have) == len(spec.global_shape) and have[1:] == spec.global_shape[1:]
+                        and have[0] != spec.global_shape[0] and spec.global_shape[0] == v):
+                    # Only the vocabulary differs: the usual cause is a resume without the run's
+                    # data flags (another --tokenizer, hence another vocab_size).
+                    hint = (f"; the vocabulary differs ({have[0]} saved, {v} now), most likely a resume "
+                            f"without the run's data flags: pass --config RUN/config.toml (or the "
+                            f"run's --tokenizer / --vocab-size)")
                 raise CheckpointError(
                     f"{root}: tensor {name!r} is stored as {spec.array!r} of shape {have}; the model "
-                    f"needs shape {spec.global_shape}")
+                    f"needs shape {spec.global_shape}{hint}")
             box = read_box(root, step, spec.array, spec.offsets, spec.shape, manifest)
             dst[piece.local].copy_(box.view(dst[piece.local].shape))
 

@@ -399,6 +399,30 @@ def _drop_removed_keys(table: dict[str, Any]) -> dict[str, Any]:
     return table
 
 
+def _leaves(table: dict[str, Any], prefix: str = "") -> list[str]:
+    out = []
+    for key, value in table.items():
+        out.extend(_leaves(value, f"{prefix}{key}.") if isinstance(value, dict) else [prefix + key])
+    return out
+
+
+def _check_flag_keys(overrides: dict[str, Any]) -> None:
+    """Refuse a mistyped `--section.key` flag here, where it can be named as the flag it was
+    and matched against every key of every section (`--modle.num_layers` finds
+    `--model.num_layers`), rather than later as a key of one section."""
+    known = [row[0] for row in cfg.describe_keys(JobConfig)]
+    allowed = set(known) | set(REMOVED_KEYS)
+    for dotted in _leaves(overrides):
+        parts = dotted.split(".")
+        # a prefix that is a key is a table-valued field given a nested value: build checks it
+        if any(".".join(parts[:i]) in allowed for i in range(1, len(parts) + 1)):
+            continue
+        near = cfg.close_matches(dotted, known)
+        hint = (f"did you mean {' or '.join('--' + m for m in near)}?" if near
+                else "`meshtrain train --help-config` lists the keys")
+        raise ConfigError(f"unknown flag --{dotted}; {hint}")
+
+
 def load_config(args: list[str] | None = None, base: dict[str, Any] | None = None) -> JobConfig:
     """Build a JobConfig from a TOML file and command-line overrides.
 
@@ -410,6 +434,7 @@ def load_config(args: list[str] | None = None, base: dict[str, Any] | None = Non
         The validated JobConfig.
     """
     config_file, overrides = parse_overrides(list(args or []))
+    _check_flag_keys(overrides)
     table: dict[str, Any] = dict(base or {})
     if config_file:
         table = cfg.deep_merge(table, cfg.load_toml(config_file))

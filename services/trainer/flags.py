@@ -149,9 +149,9 @@ def parse_overrides(args: list[str]) -> tuple[str | None, dict[str, Any]]:
             key = name[2:].replace("-", "_")
             cfg.set_dotted(table, key, _value_for(key, take_value()))
         else:
-            raise ConfigError(
-                f"unknown flag {name}; use --section.key=value (see --help-config) or one of the "
-                f"Megatron aliases: {' '.join(sorted(ALIASES))}"
-            )
+            near = cfg.close_matches(name, ["--config", *ALIASES])
+            hint = (f"did you mean {' or '.join(near)}?" if near
+                    else "use --section.key=value (see --help-config for the keys and aliases)")
+            raise ConfigError(f"unknown flag {name}; {hint}")
         i += 1
     return config_file, table

@@ -134,5 +134,7 @@ def refuse_a_root_with_later_steps(c: CheckpointConfig, start: int) -> None:
         raise CheckpointError(
             f"checkpoint steps {shown} after this run's start (step {start}) already exist under {c.save!r}: "
             "its saves (scheduled, or a stop's final one) would meet them, and the next --load would resume "
-            "from them rather than from this run; pass --checkpoint.overwrite=true to share the root anyway, "
-            "or --save another root")
+            "from them rather than from this run; "
+            # a first command run again (no --load) most likely meant to resume those steps
+            + (f"to resume them pass --load {c.save}; " if not c.load else "")
+            + "pass --checkpoint.overwrite=true to share the root anyway, or --save another root")

@@ -470,7 +470,14 @@ class Trainer:
         job, t = self.job, self.job.train
         result = TrainResult(self.run_dir, rank=self.mesh.rank)
         start = self.state.iteration
-        if start >= t.train_iters:
+        if start == t.train_iters:
+            # A relaunch of a finished run (a requeue after the last save): success, as in
+            # Megatron-LM, so requeue scripts and `meshtrain up` do not see a failure.
+            self.checkpointer.close()  # the run ends here: nothing to save
+            log.info("the run already finished: its checkpoint is at train.train_iters=%d; nothing to "
+                     "do (raise --train-iters to continue it)", start)
+            return result
+        if start > t.train_iters:
             self.checkpointer.close()  # the run ends here: nothing to save
             raise CheckpointError(
                 f"checkpoint is at step {start}, which is not before train.train_iters={t.train_iters}; "

@@ -41,6 +41,9 @@ def resolve_target(target: str) -> tuple[str, str | None]:
     if path.is_dir():
         addr_file = path / ADDR_FILE
         if not addr_file.exists():
+            ended = _ended_run(path)
+            if ended:
+                raise ConfigError(ended)
             raise ConfigError(f"{path} has no {ADDR_FILE}: is the run training with "
                               "--train.control_port set (0: any free port)?")
         lines = addr_file.read_text().split()
@@ -50,6 +53,30 @@ def resolve_target(target: str) -> tuple[str, str | None]:
     if not _is_address(target):
         raise ConfigError(f"{target!r} is neither a run directory nor HOST:PORT")
     return target, None
+
+
+def _ended_run(path: Path) -> str | None:
+    """A line saying the run in `path` has ended, from its metrics.jsonl, or None. A finished
+    run removes its control.addr, so asking for --train.control_port would mislead."""
+    import json
+    import tomllib
+
+    last = None
+    try:
+        for line in (path / "metrics.jsonl").read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and "step" in record and record.get("loss") is not None:
+                last = record
+        iters = tomllib.loads((path / "config.toml").read_text()).get("train", {}).get("train_iters")
+    except (OSError, ValueError):
+        iters = None
+    if last is None:
+        return None
+    done = "has finished" if iters is not None and last["step"] >= iters else "has ended (no control endpoint)"
+    return f"{path}: the run {done}: last step {last['step']}, loss {float(last['loss']):.4f}"
 
 
 def resolve_address(target: str) -> str:

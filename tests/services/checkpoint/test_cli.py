@@ -122,3 +122,17 @@ def test_verify_reports_a_step_whose_manifest_is_damaged(tmp_path, capsys):
     newest.write_text(newest.read_text().replace('"format_version": ', '"format_version": 9'))
     code, out = run(capsys, "verify", root)
     assert code == 2 and "step 1: " in out and "checkpoint step 3 under" in out and "format_version 9" in out, out
+
+
+@pytest.mark.parametrize("command", ["list", "inspect", "verify"])
+def test_no_checkpoint_is_an_error_that_tells_a_missing_path_from_an_empty_folder(tmp_path, capsys, command):
+    code, out = run(capsys, command, tmp_path / "typo")
+    assert code == 2 and "no such path" in out and len(out.strip().splitlines()) == 1
+    code, out = run(capsys, command, tmp_path)
+    assert code == 2 and "no committed checkpoint under" in out and len(out.strip().splitlines()) == 1
+
+
+def test_export_and_import_default_format_to_hf(tmp_path, capsys):
+    # --format was required though 'hf' is its only value: argparse stopped the command
+    code, out = run(capsys, "export", tmp_path / "nothing", tmp_path / "out")
+    assert code == 2 and "--format" not in out

@@ -92,10 +92,23 @@ def test_megatron_value_spellings():
 
 
 def test_unknown_key_names_key_and_allowed():
-    with pytest.raises(ConfigError, match=r"unknown key 'model\.hiden_size'.*hidden_size"):
+    with pytest.raises(ConfigError, match=r"unknown flag --model\.hiden_size; did you mean --model\.hidden_size"):
         load_config(["--model.hiden_size=3"])
-    with pytest.raises(ConfigError, match=r"unknown key 'modle'"):
+    with pytest.raises(ConfigError, match=r"unknown flag --modle\.hidden_size; did you mean --model\.hidden_size"):
         load_config(["--modle.hidden_size=3"])
+
+
+def test_unknown_key_suggests_the_closest_keys_not_the_whole_list():
+    # a key from a TOML file: named as a key, with its near names only
+    with pytest.raises(ConfigError) as e:
+        load_config([], base={"model": {"num_layer": 2}})
+    msg = str(e.value)
+    assert "did you mean 'model.num_layers'" in msg and "hidden_size" not in msg and "\n" not in msg
+    with pytest.raises(ConfigError, match=r"unknown flag --num_layers; did you mean --num-layers"):
+        load_config(["--num_layers", "2"])
+    with pytest.raises(ConfigError) as e:
+        load_config(["--model.xyzzy=1"])
+    assert "help-config" in str(e.value) and "hidden_size" not in str(e.value)
 
 
 def test_unknown_key_in_file_names_key(tmp_path):

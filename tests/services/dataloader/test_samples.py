@@ -120,3 +120,12 @@ def test_ten_million_sample_index_builds_fast(tmp_path):
     ds = GPTDataset(indexed, np.arange(500), 128, 10_000_000, seed=1)
     assert time.perf_counter() - t < 20
     assert len(ds) == 10_000_000 and ds[9_999_999].shape == (129,)
+
+
+def test_an_empty_validation_split_names_a_split_to_pass(tmp_path):
+    from meshtrain.services.dataloader.spec import open_dataset
+
+    _make(tmp_path, [20] * 10)
+    spec = DatasetSpec((str(tmp_path / "ds"),), (1.0,), 8, 4, 1, split_name="valid")
+    with pytest.raises(DataError, match=r"leaves the valid split of its 10 documents empty; pass e.g. --split 90,10,0"):
+        open_dataset(spec, cache=False)

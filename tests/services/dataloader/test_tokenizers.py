@@ -60,7 +60,7 @@ def test_build_tokenizer_specs(tmp_path, corpus):
     by_file = build_tokenizer(tok.spec)
     by_dir = build_tokenizer(tmp_path / "tok")
     assert by_file.encode(TEXTS[0]) == by_dir.encode(TEXTS[0]) == tok.encode(TEXTS[0])
-    with pytest.raises(DataError, match="byte.*tokenizer.json"):
+    with pytest.raises(DataError, match="does not exist.*byte"):
         build_tokenizer(str(tmp_path / "nowhere"))
     with pytest.raises(DataError, match="byte"):
         build_tokenizer("gpt2")
@@ -104,3 +104,11 @@ def test_absolute_spec_names_the_same_file_from_any_working_directory(tmp_path, 
     assert absolute_spec("tiktoken:enc.tiktoken") == f"tiktoken:{tmp_path / 'enc.tiktoken'}"
     assert absolute_spec("sentencepiece:sp.model") == f"sentencepiece:{tmp_path / 'sp.model'}"
     assert absolute_spec("/abs/tokenizer.json") == "/abs/tokenizer.json"
+
+
+def test_a_missing_tokenizer_file_is_named_as_missing(tmp_path):
+    with pytest.raises(DataError, match="does not exist") as e:
+        build_tokenizer(tmp_path / "nope.json")
+    assert "not understood" not in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(DataError, match="holds no tokenizer.json"):
+        build_tokenizer(tmp_path)

@@ -253,3 +253,18 @@ def test_a_stop_names_the_ranks_that_asked_and_why():
     assert describe_stop([0, sigterm]) == "SIGTERM to rank 1"
     assert describe_stop([sigterm, control, 0, sigterm]) == "SIGTERM to ranks 0, 3; a stop request to rank 1"
     assert describe_stop([sigterm] * 10, limit=3) == "SIGTERM to ranks 0, 1, 2 and 7 more"
+
+
+def test_status_of_a_finished_run_says_it_finished_with_its_last_step_and_loss(tmp_path):
+    from meshtrain.services.common.errors import ConfigError
+    from meshtrain.services.trainer.rpc.client import resolve_target
+
+    (tmp_path / "config.toml").write_text("[train]\ntrain_iters = 20\n")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 10, "loss": 5.5}\n{"step": 20, "loss": 4.25}\n')
+    with pytest.raises(ConfigError) as e:
+        resolve_target(str(tmp_path))
+    assert "the run has finished: last step 20, loss 4.2500" in str(e.value)
+    assert "control_port" not in str(e.value)
+    (tmp_path / "metrics.jsonl").unlink()  # no metrics: still the control_port question
+    with pytest.raises(ConfigError, match="control_port"):
+        resolve_target(str(tmp_path))

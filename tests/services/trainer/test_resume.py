@@ -67,12 +67,21 @@ def test_load_errors_name_the_problem(corpus_cache, tmp_path):
     ckpt = str(tmp_path / "r2" / "checkpoints")
     wider = small_job_args(corpus_cache, tmp_path / "r3", **{"checkpoint.load": ckpt, "model.hidden_size": 128,
                                                              "train.eval_interval": 0})
-    with pytest.raises(CheckpointError, match="shape"):
+    with pytest.raises(CheckpointError, match="shape") as e:
         train(load_config(wider))
+    assert "vocabulary" not in str(e.value)
+    other_vocab = small_job_args(corpus_cache, tmp_path / "r7", **{"checkpoint.load": ckpt, "model.vocab_size": 300,
+                                                                   "train.eval_interval": 0})
+    with pytest.raises(CheckpointError, match=r"vocabulary differs .*--config RUN/config.toml"):
+        train(load_config(other_vocab))
     done = small_job_args(corpus_cache, tmp_path / "r4", **{"checkpoint.load": ckpt, "train.train_iters": 2,
                                                             "train.eval_interval": 0})
+    finished = train(load_config(done))  # a relaunch of a finished run succeeds, doing nothing
+    assert finished.losses == {} and not finished.stopped_early
+    before = small_job_args(corpus_cache, tmp_path / "r6", **{"checkpoint.load": ckpt, "train.train_iters": 1,
+                                                              "train.eval_interval": 0})
     with pytest.raises(CheckpointError, match="raise --train-iters"):
-        train(load_config(done))
+        train(load_config(before))
     bigger_batch = small_job_args(corpus_cache, tmp_path / "r5", **{
         "checkpoint.load": ckpt, "train.train_iters": 3, "train.global_batch_size": 32, "train.eval_interval": 0})
     with pytest.raises(ConfigError, match="consumed 32 samples in 2 steps.*skipped or repeated"):
@@ -162,3 +171,13 @@ def test_resuming_with_another_sample_stream_warns(corpus_cache, tmp_path, caplo
     with caplog.at_level(logging.WARNING, logger="meshtrain"):
         train(load_config(resumed))
     assert f"{key} changed from" in caplog.text
+
+
+def test_rerunning_a_first_command_into_a_saved_root_suggests_load(corpus_cache, tmp_path):
+    from meshtrain.services.trainer.train import Trainer
+
+    common = {"train.train_iters": 2, "train.eval_interval": 0, "checkpoint.save_interval": 2,
+              "checkpoint.save": str(tmp_path / "ckpt")}
+    train(load_config(small_job_args(corpus_cache, tmp_path / "run1", **common)))
+    with pytest.raises(CheckpointError, match=r"to resume them pass --load .*ckpt; .*overwrite"):
+        Trainer(load_config(small_job_args(corpus_cache, tmp_path / "run2", **common)))
