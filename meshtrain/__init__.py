@@ -89,6 +89,8 @@ _EXPORTS = {
     "save_checkpoint": f"{_T}.checkpointing",
     "load_checkpoint": f"{_T}.checkpointing",
     "TrainState": f"{_T}.checkpointing",
+    # sampling
+    "generate": f"{_T}.generate",
     "start_checkpoint_service": "meshtrain.services.checkpoint.rpc.server",
     # the training loop
     "train": f"{_T}.train",

@@ -20,6 +20,7 @@ from meshtrain.services.common.logging import setup_logging
 from meshtrain.services.dataloader import cli as data_cli
 from meshtrain.services.launcher import cli as launcher_cli
 from meshtrain.services.launcher.ranks import FAILURE_GRACE_S
+from meshtrain.services.trainer import generate_cli
 
 
 def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
@@ -92,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     data_cli.register(sub)
     ckpt_cli.register(sub)
     launcher_cli.register(sub)
+    generate_cli.register(sub)
     return p
 
 

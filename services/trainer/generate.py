@@ -1,0 +1,155 @@
+"""Sampling from a single-device GPT with a key/value cache.
+
+The decode path here reuses the model's own modules and weights (norms, projections, MLPs,
+embeddings, RoPE tables) but runs its own attention step, so the training forward stays
+untouched: the prompt is run once (prefill), each layer's keys and values are kept, and every
+new token then costs one position through the network instead of the whole sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from meshtrain import kernels
+from meshtrain.services.common.errors import ConfigError
+
+
+class KVCache:
+    """Per-layer keys and values of the positions decoded so far: (batch, groups, len, d)."""
+
+    def __init__(self, num_layers: int):
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.length = 0
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys[layer] is None:
+            self.keys[layer], self.values[layer] = k, v
+        else:
+            self.keys[layer] = torch.cat([self.keys[layer], k], dim=2)
+            self.values[layer] = torch.cat([self.values[layer], v], dim=2)
+        return self.keys[layer], self.values[layer]
+
+
+def _attention_step(attn, x: torch.Tensor, rope, cache: KVCache, layer: int) -> torch.Tensor:
+    """The model's Attention on new positions x (b, s, hidden), attending to cache + themselves."""
+    per_group = attn.heads // attn.groups
+    start = cache.length
+    qkv = attn.qkv(x)
+    b, s, _ = qkv.shape
+    qkv = qkv.view(b, s, attn.groups, per_group + 2, attn.head_dim)  # fused per-group layout
+    q = qkv[:, :, :, :per_group].reshape(b, s, attn.heads, attn.head_dim)  # (b, s, heads, d)
+    k, v = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]  # (b, s, groups, d)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads|groups, s, d)
+    if rope is not None:
+        # The new positions are start..start+s-1, so their rotation starts at the cache length.
+        cos, sin = rope[0][start:start + s], rope[1][start:start + s]
+        q, k = kernels.rope(q, cos, sin), kernels.rope(k, cos, sin)
+    k, v = cache.append(layer, k, v)  # (b, groups, start+s, d)
+    # Query head j uses key/value group j // per_group (the fused layout's order).
+    k, v = k.repeat_interleave(per_group, 1), v.repeat_interleave(per_group, 1)  # (b, heads, t, d)
+    total = start + s
+    # Causal with an offset: new position i (absolute start+i) sees keys 0..start+i. SDPA's
+    # is_causal aligns top-left, which is wrong once the cache is non-empty, so pass a mask.
+    mask = torch.ones(s, total, dtype=torch.bool, device=x.device).tril(diagonal=start)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (b, heads, s, d)
+    return attn.proj(out.transpose(1, 2).reshape(b, s, attn.heads * attn.head_dim))
+
+
+def context_length(model) -> int:
+    """Positions the model can take: its RoPE table's length, or its learned position rows."""
+    if model.rope_cos is not None:
+        return model.rope_cos.shape[0]
+    return model.config.max_positions
+
+
+@torch.no_grad()
+def forward_cached(model, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """Logits (b, s, vocab) of new tokens (b, s) placed after the `cache.length` cached positions."""
+    s = tokens.shape[1]
+    start = cache.length
+    if start + s > context_length(model):
+        raise ConfigError(f"sequence of {start + s} tokens exceeds the model's {context_length(model)} positions")
+    emb = model.embedding
+    x = emb.word_embeddings(tokens)
+    if emb.position_embeddings is not None:
+        positions = torch.arange(start, start + s, device=tokens.device)
+        x = x + emb.position_embeddings(positions)  # (s, hidden) broadcast over batch
+    rope = (model.rope_cos, model.rope_sin) if model.rope_cos is not None else None
+    for i, block in enumerate(model.layers):
+        x = x + _attention_step(block.attention, block.input_norm(x), rope, cache, i)
+        x = x + block.mlp(block.pre_mlp_norm(x))
+    cache.length += s
+    h = model.final_norm(x)
+    # Padded vocabulary rows are never real tokens: keep them out of sampling.
+    return model.head.logits(h, model.output_weight)[..., :model.vocab_size]
+
+
+def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
+    """logits (b, vocab) with everything outside the top k / the nucleus of mass p set to -inf."""
+    if top_k is not None and top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # (b, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the mass before it already reaches p (the best one always stays).
+        drop = probs.cumsum(-1) - probs >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return logits
+
+
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    if temperature < 0:
+        raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if top_k is not None and top_k < 0:
+        raise ConfigError(f"top_k must be >= 0, got {top_k}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ConfigError(f"top_p must be in (0, 1], got {top_p}")
+
+
+@torch.no_grad()
+def generate(model, tokens: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+             top_k: int | None = None, top_p: float | None = None,
+             generator: torch.Generator | None = None, eod_id: int | None = None) -> torch.Tensor:
+    """Sample `max_new_tokens` tokens after `tokens` with a KV cache.
+
+    Args:
+        model: a single-device GPT (put in eval mode here: no dropout while sampling).
+        tokens: (batch, seq) or (seq,) int64 prompt ids.
+        max_new_tokens: tokens to add (fewer if the model's positions run out).
+        temperature: softmax temperature; 0 picks the most likely token (greedy).
+        top_k: keep only the k most likely tokens (None/0: all).
+        top_p: keep the smallest set of tokens with probability mass >= p (None/1: all).
+        generator: the torch.Generator to draw from (reproducible samples).
+        eod_id: stop a row once it emits this id (it is kept); None: never stop early.
+
+    Returns:
+        (batch, seq + new) int64: the prompt followed by the sampled tokens.
+    """
+    check_sampling(temperature, top_k, top_p)
+    squeeze = tokens.dim() == 1
+    out = tokens.unsqueeze(0) if squeeze else tokens
+    model.eval()
+    limit = context_length(model)
+    steps = max(0, min(max_new_tokens, limit - out.shape[1]))
+    cache = KVCache(len(model.layers))
+    logits = forward_cached(model, out, cache)[:, -1]  # prefill: (b, vocab) of the next token
+    done = torch.zeros(out.shape[0], dtype=torch.bool, device=out.device)
+    for step in range(steps):
+        logits = logits.float()
+        if temperature == 0:
+            nxt = logits.argmax(-1)  # (b,)
+        else:
+            probs = filter_logits(logits / temperature, top_k, top_p).softmax(-1)
+            nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (b,)
+        if eod_id is not None:
+            nxt = torch.where(done, torch.full_like(nxt, eod_id), nxt)
+            done |= nxt == eod_id
+        out = torch.cat([out, nxt[:, None]], dim=1)
+        if step + 1 == steps or (eod_id is not None and bool(done.all())):
+            break
+        logits = forward_cached(model, nxt[:, None], cache)[:, -1]
+    return out[0] if squeeze else out
