@@ -75,12 +75,34 @@ def launch_local_ranks(nproc: int, rest: list[str], grace_s: float | None = None
     return run_local_ranks(nproc, rest, grace_s)
 
 
+# The options a new user needs first (the trainer parses them; --help-config lists them all).
+TRAIN_FIRST_OPTIONS = """the options most runs set first (--help-config lists every key and alias):
+  --config FILE                  a TOML job config, e.g. deploy/configs/tiny.toml
+  --data-path PREFIX [...]       preprocessed dataset prefix(es), '0.7 A 0.3 B' to blend
+                                 (default: the embedded corpus)
+  --tokenizer SPEC               the tokenizer the data was preprocessed with
+  --split 90,10,0                train/valid/test shares of the documents
+  --train-iters N                optimizer steps in all
+  --micro-batch-size N           samples per forward/backward on one rank
+  --global-batch-size N          samples per optimizer step over all ranks
+  --lr LR                        peak learning rate
+  --bf16                         bf16 autocast (fp32 master weights)
+  --tensor-model-parallel-size N
+  --sequence-parallel
+  --use-distributed-optimizer    ZeRO-1 over the data-parallel ranks
+  --save ROOT / --load ROOT      checkpoint root to write / to resume from
+  --save-interval N              steps between checkpoints
+  --run-dir DIR                  where config.toml and metrics.jsonl go (default: runs/<time>)
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="meshtrain", description="Megatron-style GPT training.")
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="train a model (overrides: --section.key=value or Megatron flags)",
                        description="Train a GPT. Every config key can be overridden as --section.key=value; "
-                                   "see --help-config for the keys and the Megatron-style aliases.")
+                                   "see --help-config for the keys and the Megatron-style aliases.",
+                       epilog=TRAIN_FIRST_OPTIONS, formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("--help-config", action="store_true", help="list every config key and alias, then exit")
     t.add_argument("--nproc-per-node", type=int, default=1,
                    help="run this many local ranks, each a child process with torchrun's environment; "
