@@ -20,7 +20,7 @@ NPROC_PER_NODE="${NPROC_PER_NODE:-1}"
 # time limit ends the job first. A torch that predates the variable ignores it (30 s).
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-170}"
 
-if ! steps=$(meshtrain ckpt list "$SAVE_ROOT"); then
+if ! steps=$(meshtrain ckpt list --allow-empty "$SAVE_ROOT"); then
     echo "train.sh: cannot list $SAVE_ROOT; not starting (the run would start over)" >&2
     exit 1
 fi

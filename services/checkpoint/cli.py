@@ -38,7 +38,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     from meshtrain.services.checkpoint.reader import list_checkpoints
 
     steps = list_checkpoints(args.root)
-    if not steps:  # an error, as in inspect and verify: scripts test the exit status
+    if not steps and not args.allow_empty:  # an error, as in inspect and verify: scripts test the exit status
         raise _no_checkpoint(args.root)
     for step in steps:
         print(step)
@@ -197,6 +197,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     dele.set_defaults(func=cmd_delete)
     ls = csub.add_parser("list", help="committed checkpoint steps under ROOT")
     ls.add_argument("root")
+    ls.add_argument("--allow-empty", action="store_true",
+                    help="a root without a committed checkpoint (or not created yet) lists nothing and exits 0, "
+                         "for scripts that start a run there; storage that cannot be read is still an error")
     ls.set_defaults(func=cmd_list)
     ins = csub.add_parser("inspect", help="tensors, shapes, dtypes and metadata of one checkpoint")
     ins.add_argument("root")

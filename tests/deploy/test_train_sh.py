@@ -15,7 +15,9 @@ def run_train_sh(tmp_path, steps_output: str | None, *args: str, env: dict | Non
     bin_dir.mkdir(exist_ok=True)
     ckpt_list = (f"printf '{steps_output}'" if steps_output is not None
                  else "echo 'meshtrain: error: could not connect' >&2; exit 2")
-    (bin_dir / "meshtrain").write_text(f"#!/bin/sh\n{ckpt_list}\n")
+    # without --allow-empty, `ckpt list` of a root with no checkpoint is an error (exit 2)
+    allow_empty = '[ "$3" = --allow-empty ] || { echo "meshtrain: error: no committed checkpoint" >&2; exit 2; }'
+    (bin_dir / "meshtrain").write_text(f"#!/bin/sh\n{allow_empty}\n{ckpt_list}\n")
     (bin_dir / "torchrun").write_text('#!/bin/sh\necho "shutdown timeout: ${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-unset}" >&2\n'
                                       'for a in "$@"; do echo "$a"; done\n')
     for f in bin_dir.iterdir():
@@ -35,7 +37,7 @@ def test_a_requeued_job_resumes_from_its_own_latest_checkpoint_over_a_starting_l
 
 
 def test_a_fresh_root_starts_from_the_callers_arguments(tmp_path):
-    r = run_train_sh(tmp_path, "no committed checkpoint under s3://b/run1/ckpt\\n", "--load", "/models/init")
+    r = run_train_sh(tmp_path, "", "--load", "/models/init")  # what `ckpt list --allow-empty` prints there
     assert r.returncode == 0, r.stderr
     argv = r.stdout.split()
     assert argv[-4:] == ["--load", "/models/init", "--save", "s3://b/run1/ckpt"]

@@ -132,6 +132,13 @@ def test_no_checkpoint_is_an_error_that_tells_a_missing_path_from_an_empty_folde
     assert code == 2 and "no committed checkpoint under" in out and len(out.strip().splitlines()) == 1
 
 
+def test_list_allow_empty_lists_nothing_for_a_root_without_checkpoints(tmp_path, capsys):
+    """deploy/train.sh starts a run in a root that may not exist yet: it asks with --allow-empty."""
+    for root in (tmp_path / "not-yet", tmp_path):
+        code, out = run(capsys, "list", "--allow-empty", root)
+        assert code == 0 and out == ""
+
+
 def test_export_and_import_default_format_to_hf(tmp_path, capsys):
     # --format was required though 'hf' is its only value: argparse stopped the command
     code, out = run(capsys, "export", tmp_path / "nothing", tmp_path / "out")

@@ -37,7 +37,7 @@ def test_preprocess_workers_and_tokenizer(tmp_path, capsys):
 
 @pytest.mark.parametrize("args,match", [
     (["--input", "nothing-*.jsonl", "--tokenizer", "byte"], "matches no file"),
-    (["--input", "{jsonl}", "--tokenizer", "nope.bin"], "tokenizer spec 'nope.bin'"),
+    (["--input", "{jsonl}", "--tokenizer", "nope.bin"], "tokenizer file 'nope.bin' does not exist"),
     (["--input", "{jsonl}", "--tokenizer", "byte", "--json-key", "body"], "no key 'body'"),
     (["--input", "{jsonl}", "--tokenizer", "byte", "--workers", "0"], "workers=0"),
 ])
