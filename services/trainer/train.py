@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from meshtrain import kernels
 from meshtrain.services.checkpoint.maintenance import apply_retention
+from meshtrain.services.checkpoint.store import open_root
 from meshtrain.services.common.errors import (
     CheckpointError,
     ConfigError,
@@ -476,6 +477,7 @@ class Trainer:
             self.checkpointer.close()  # the run ends here: nothing to save
             log.info("the run already finished: its checkpoint is at train.train_iters=%d; nothing to "
                      "do (raise --train-iters to continue it)", start)
+            result.checkpoint = open_root(job.checkpoint.load).step_url(start)  # the one it loaded
             return result
         if start > t.train_iters:
             self.checkpointer.close()  # the run ends here: nothing to save

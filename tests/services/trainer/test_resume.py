@@ -78,6 +78,7 @@ def test_load_errors_name_the_problem(corpus_cache, tmp_path):
                                                             "train.eval_interval": 0})
     finished = train(load_config(done))  # a relaunch of a finished run succeeds, doing nothing
     assert finished.losses == {} and not finished.stopped_early
+    assert finished.checkpoint is not None and finished.checkpoint.endswith("step_00000002")  # the one it loaded
     before = small_job_args(corpus_cache, tmp_path / "r6", **{"checkpoint.load": ckpt, "train.train_iters": 1,
                                                               "train.eval_interval": 0})
     with pytest.raises(CheckpointError, match="raise --train-iters"):
