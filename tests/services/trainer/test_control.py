@@ -90,7 +90,7 @@ def test_status_checkpoint_and_stop(long_run, capsys):
     assert result.checkpoint.endswith(f"step_{steps[-1]:08d}") and len(steps) == 2
     # a finished run is not reachable any more, and says so by name
     assert not (run_dir / "control.addr").exists()
-    with pytest.raises(ConfigError, match="no control.addr"):
+    with pytest.raises(ConfigError, match=r"the run has ended \(no control endpoint\): last step \d+, loss"):
         resolve_address(str(run_dir))
 
 
