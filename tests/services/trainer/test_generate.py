@@ -11,15 +11,7 @@ import meshtrain
 from meshtrain.services.trainer.config import DataConfig, JobConfig, ModelConfig
 from meshtrain.services.trainer.generate import KVCache, filter_logits, forward_cached, generate
 from meshtrain.services.trainer.model import GPT
-
-GPT2 = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=301)
-LLAMA = dict(GPT2, normalization="rmsnorm", activation="swiglu", position_embedding_type="rope",
-             add_bias_linear=False, untie_embeddings_and_output_weights=True, num_query_groups=2)
-
-
-def build(**kw):
-    torch.manual_seed(0)
-    return GPT(ModelConfig(**kw)).eval()
+from tests.services.trainer.model.test_gpt import GPT2, LLAMA, build  # the model tests' two tiny shapes
 
 
 @pytest.mark.parametrize("kw", [GPT2, LLAMA], ids=["gpt2", "llama-gqa"])
