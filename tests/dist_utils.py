@@ -12,6 +12,7 @@ import pickle
 import queue as queue_mod
 import shutil
 import tempfile
+import time
 import traceback
 
 import torch.multiprocessing as mp
@@ -40,8 +41,12 @@ def _entry(fn, rank, world, port, args, queue, store_path):
         queue.put((rank, "error", traceback.format_exc()))
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 240.0) -> list:
-    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; returns results by rank."""
+def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, errors: str = "raise") -> list:
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; returns results by rank.
+
+    errors: "raise" re-raises the first rank error; "return" waits for every rank and returns,
+    for a rank that failed, {"error": its traceback, "at": time.monotonic() when it arrived}.
+    """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -59,9 +64,9 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0) -> list:
             except queue_mod.Empty:
                 missing = sorted(set(range(world_size)) - set(results))
                 raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f} s") from None
-            if status == "error":
+            if status == "error" and errors == "raise":
                 raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            results[rank] = pickle.loads(payload)
+            results[rank] = {"error": payload, "at": time.monotonic()} if status == "error" else pickle.loads(payload)
     finally:
         for p in procs:
             p.join(timeout=10)

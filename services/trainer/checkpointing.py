@@ -221,8 +221,10 @@ class Checkpointer:
         moments = _moments(model, optimizer, self.par)
         boxes: list[tuple[ShardSpec, torch.Tensor]] = []
         if mesh.dp_rank == 0:  # dp replicas hold the same values: one of them writes
-            tensors = [(n, p.detach(), p) for n, p in params.items()]
-            tensors += [(f"optim.{k}.{n}", t, params[n]) for n, m in moments.items() for k, t in m.items()]
+            # (the last pipeline stage's copy of a tied embedding is the first stage's, written there)
+            own = {n: p for n, p in params.items() if not getattr(p, "pipeline_copy", False)}
+            tensors = [(n, p.detach(), p) for n, p in own.items()]
+            tensors += [(f"optim.{k}.{n}", t, own[n]) for n, m in moments.items() if n in own for k, t in m.items()]
             for name, local, param in tensors:
                 for piece in pieces(name, tuple(local.shape), param, mesh, v, layers):
                     boxes.append((piece.spec, local[piece.local].reshape(piece.spec.shape)))
@@ -299,6 +301,12 @@ class Checkpointer:
         finally:
             if self.service:
                 self.sink.close()
+
+
+def model_parameter_names(config) -> set[str]:
+    """Every parameter name of the whole GPT of `config` (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        return {n for n, _ in GPT(config).named_parameters()}
 
 
 def _check_model(root: str, meta: dict, model: GPT) -> None:
@@ -382,7 +390,9 @@ def restore(root: str, model: GPT, optimizer: torch.optim.Optimizer | None, par:
     missing = [n for n in params if n not in stored]
     if missing:
         raise CheckpointError(f"{root}: checkpoint lacks parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    extra = [n for n in stored if not n.startswith(("optim.", "rng.")) and n not in params]
+    # A pipeline stage holds some of the model's parameters: compare with the whole model's names.
+    names = params if mesh.pp == 1 else model_parameter_names(model.config)
+    extra = [n for n in stored if not n.startswith(("optim.", "rng.")) and n not in names]
     if extra:
         raise CheckpointError(f"{root}: checkpoint has tensors the model does not: {extra[:5]}")
     _check_model(root, meta, model)

@@ -203,7 +203,24 @@ class ParallelConfig:
     tp: int = 1
     """Tensor-parallel degree (--tensor-model-parallel-size)."""
     pp: int = 1
-    """Pipeline-parallel degree (--pipeline-model-parallel-size); not built yet: must be 1."""
+    """Pipeline-parallel degree (--pipeline-model-parallel-size): blocks split over pp stages."""
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Model chunks per pipeline rank, for the interleaved schedule (Megatron's flag of the same
+    name); unset: 1, or num_layers / (pp x num_layers_per_virtual_pipeline_stage)."""
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    """Blocks per virtual pipeline stage (Megatron's flag); the other way to set the chunks."""
+    decoder_first_pipeline_num_layers: int | None = None
+    """Blocks on the first pipeline stage when they do not split evenly (Megatron's flag); the
+    stages without a fixed count share the rest evenly."""
+    decoder_last_pipeline_num_layers: int | None = None
+    """Blocks on the last pipeline stage (Megatron's flag)."""
+    pipeline_layout: list[int] | None = None
+    """Explicit block counts per virtual pipeline stage, in stage order (pp x chunks entries,
+    0 allowed); overrides the even split and the first/last counts."""
+    pipeline_schedule: Literal["auto", "none", "gpipe", "1f1b", "interleaved", "zb-h1"] = "auto"
+    """Pipeline schedule: 'auto' is 1f1b, or interleaved with more than one chunk per rank (as
+    Megatron); 'zb-h1' splits the backward and defers the weight gradients into the bubble;
+    'gpipe' runs every forward first; 'none' one micro-batch at a time (a reference)."""
     cp: int = 1
     """Context-parallel degree (--context-parallel-size); not built yet: must be 1."""
     ep: int = 1
@@ -254,13 +271,15 @@ class ParallelConfig:
     ('block'). Unset with 'full': 1."""
 
     def __post_init__(self) -> None:
-        for key in ("pp", "cp", "ep"):
+        for key in ("cp", "ep"):
             if getattr(self, key) != 1:
                 raise NotBuiltError(
                     f"parallel.{key}={getattr(self, key)}: this parallelism is not built yet (value must be 1)"
                 )
-        if self.tp < 1:
-            raise ConfigError(f"parallel.tp must be >= 1, got {self.tp}")
+        for key in ("tp", "pp"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"parallel.{key} must be >= 1, got {getattr(self, key)}")
+        self._check_pipeline()
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1")
         if self.tp_comm_overlap and not self.sequence_parallel:
@@ -273,6 +292,48 @@ class ParallelConfig:
         self._resolve_recompute_plan()
         if self.ddp_bucket_size <= 0:
             raise ConfigError(f"parallel.ddp_bucket_size must be positive, got {self.ddp_bucket_size}")
+
+    def _check_pipeline(self) -> None:
+        """Refuse pipeline settings that a pp of 1 would ignore, or that contradict each other."""
+        keys = ("virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+                "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "pipeline_layout")
+        given = [k for k in keys if getattr(self, k) is not None]
+        if self.pp == 1 and (given or self.pipeline_schedule not in ("auto", "none")):
+            what = given[0] if given else f"pipeline_schedule={self.pipeline_schedule!r}"
+            raise ConfigError(f"parallel.{what} applies to pipeline parallelism; parallel.pp is 1")
+        if self.virtual_pipeline_model_parallel_size is not None and self.num_layers_per_virtual_pipeline_stage:
+            raise ConfigError("set one of parallel.virtual_pipeline_model_parallel_size and "
+                              "parallel.num_layers_per_virtual_pipeline_stage, not both")
+        for k in ("virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage"):
+            if getattr(self, k) is not None and getattr(self, k) < 1:
+                raise ConfigError(f"parallel.{k} must be >= 1, got {getattr(self, k)}")
+        if self.pipeline_layout is not None and (self.decoder_first_pipeline_num_layers is not None
+                                                 or self.decoder_last_pipeline_num_layers is not None):
+            raise ConfigError("parallel.pipeline_layout lists every stage's blocks; leave "
+                              "decoder_first/last_pipeline_num_layers unset with it")
+
+    def pipeline_chunks(self, num_layers: int) -> int:
+        """Model chunks per pipeline rank (virtual stages), from whichever setting is given."""
+        if self.virtual_pipeline_model_parallel_size is not None:
+            return self.virtual_pipeline_model_parallel_size
+        if self.num_layers_per_virtual_pipeline_stage is not None:
+            per = self.num_layers_per_virtual_pipeline_stage
+            if num_layers % (self.pp * per):
+                raise ConfigError(f"model.num_layers={num_layers} is not a multiple of parallel.pp={self.pp} x "
+                                  f"num_layers_per_virtual_pipeline_stage={per}")
+            return num_layers // (self.pp * per)
+        if self.pipeline_layout is not None:
+            if len(self.pipeline_layout) % self.pp:
+                raise ConfigError(f"parallel.pipeline_layout has {len(self.pipeline_layout)} entries, not a "
+                                  f"multiple of parallel.pp={self.pp}")
+            return len(self.pipeline_layout) // self.pp
+        return 1
+
+    def resolved_pipeline_schedule(self, num_layers: int) -> str:
+        """The schedule 'auto' stands for here (1f1b, or interleaved with chunks)."""
+        if self.pipeline_schedule != "auto":
+            return self.pipeline_schedule
+        return "interleaved" if self.pipeline_chunks(num_layers) > 1 else "1f1b"
 
     def _resolve_recompute_plan(self) -> None:
         """Refuse a method or layer count that the granularity would ignore; fill in 'full''s defaults.

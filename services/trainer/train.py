@@ -44,6 +44,7 @@ from meshtrain.services.trainer.optim.schedule import lr_at
 from meshtrain.services.trainer.parallel import mappings, recompute
 from meshtrain.services.trainer.parallel.data import DataParallel, forward_units
 from meshtrain.services.trainer.parallel.mesh import Mesh, env_rank_world, init_process_group
+from meshtrain.services.trainer.parallel.pipeline.engine import build_pipeline
 from meshtrain.services.trainer.parallel.tensor import parallelize
 from meshtrain.services.trainer.requests import (
     CONTROL_STOP,
@@ -122,9 +123,11 @@ def build_mesh(job: JobConfig, device: torch.device) -> Mesh:
     """The mesh for this process: trivial when alone, else from torchrun/Slurm's environment."""
     _, world, _ = env_rank_world()
     if world == 1:
-        if job.parallel.tp != 1:
-            raise ConfigError(f"parallel.tp={job.parallel.tp} needs {job.parallel.tp} processes; launch with "
-                              f"`meshtrain train --nproc-per-node N` or torchrun")
+        for axis in ("tp", "pp"):
+            n = getattr(job.parallel, axis)
+            if n != 1:
+                raise ConfigError(f"parallel.{axis}={n} needs {n} processes; launch with "
+                                  f"`meshtrain train --nproc-per-node N` or torchrun")
         return Mesh.single()
     timeout_s = job.parallel.distributed_timeout_minutes * 60
     init_process_group("nccl" if device.type == "cuda" else "gloo", timeout_s=timeout_s)
@@ -207,6 +210,10 @@ class Trainer:
         recompute.apply(model, job.parallel)
         parallelize(model, self.mesh, job.parallel.sequence_parallel, job.parallel.tp_comm_overlap, self.device,
                     async_grad_reduce=job.parallel.tp_async_grad_reduce)
+        self.pipeline = None
+        if self.mesh.pp > 1:  # this rank's chunks of the model, and the runtime that runs its schedule
+            self.pipeline = build_pipeline(model, self.mesh, job, self.device)
+            model = self.pipeline.stage
         self.model = model.to(self.device)
         p = job.parallel
         self.ddp = None
@@ -214,8 +221,12 @@ class Trainer:
             self.ddp = DataParallel(
                 self.model, self.mesh, job.optim, distributed_optimizer=p.use_distributed_optimizer,
                 overlap_grad_reduce=p.overlap_grad_reduce, overlap_param_gather=p.overlap_param_gather,
-                bucket_size=p.ddp_bucket_size, gather_units=forward_units(model),
-                reduce_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[p.grad_reduce_dtype])
+                bucket_size=p.ddp_bucket_size,
+                gather_units=self.pipeline.stage.forward_units() if self.pipeline else forward_units(model),
+                reduce_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[p.grad_reduce_dtype],
+                tied=self.pipeline.tied_weight() if self.pipeline else None)
+            if self.pipeline is not None:
+                self.pipeline.ddp = self.ddp
         self.optimizer = self.ddp.optimizer if self.ddp and self.ddp.optimizer else build_optimizer(self.model, job.optim)
         self.par = checkpointing.Parallel(self.mesh, self.ddp)
         c = job.checkpoint
@@ -237,10 +248,10 @@ class Trainer:
                 f"GEMMs, and this job has none ({self.mesh.world_size} ranks: the copies run in a single process)")
         self.forward = self.model
         compile_options = {"coordinate_descent_tuning": True} if job.train.compile_coordinate_descent_tuning else None
-        if job.train.compile and p.overlap_param_gather:
+        if job.train.compile and (p.overlap_param_gather or self.pipeline is not None):
             # Per-block compile keeps the all-gather waits (forward pre-hooks) outside the
             # compiled graphs, so they cost no graph breaks.
-            for layer in self.model.layers:
+            for layer in (self.model.layers.values() if self.pipeline else self.model.layers):
                 layer.compile(options=compile_options)
             # And the output projection + loss: left eager, its matmuls ran a slow legacy GEMM
             # kernel and its softmax unfused (llama-1b, ZeRO-1 + overlap on 2 H200s: 1.70x one
@@ -256,6 +267,8 @@ class Trainer:
         self.autocast = (
             torch.autocast(self.device.type, dtype=torch.bfloat16) if job.train.bf16 else contextlib.nullcontext()
         )
+        if self.pipeline is not None:
+            self.pipeline.autocast = self.autocast
         self.graph = None
         if job.train.cuda_graph:
             if self.device.type != "cuda":
@@ -275,9 +288,10 @@ class Trainer:
             precision += ", bf16 weight copies"
             if self.weight_copies.fused:
                 precision += " with fused gradient accumulation"
-        log.info("model: %.2fM parameters, %.3g FLOPs/token, device %s%s; mesh tp=%d dp=%d (world %d)%s",
-                 self.num_parameters / 1e6, self.flops_per_token, self.device, precision, m.tp, m.dp, m.world_size,
-                 ", sequence parallel" if p.sequence_parallel else "")
+        log.info("model: %.2fM parameters, %.3g FLOPs/token, device %s%s; mesh tp=%d pp=%d dp=%d (world %d)%s%s",
+                 self.num_parameters / 1e6, self.flops_per_token, self.device, precision, m.tp, m.pp, m.dp,
+                 m.world_size, ", sequence parallel" if p.sequence_parallel else "",
+                 f", {self.pipeline.describe()}" if self.pipeline else "")
         if not c.overwrite:
             refuse_a_root_with_later_steps(c, self.state.iteration)
         # Opened last, so an __init__ that fails (a restore, a config check) leaves no channel to
@@ -368,23 +382,18 @@ class Trainer:
 
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over the global batch of `step` (0-based); returns (loss, grad_norm) on device."""
-        micro = self.data.train.micro_batches(step)
+        # a middle pipeline stage reads no data: it receives activations and sends gradients
+        reads = self.pipeline is None or self.pipeline.reads_data
+        micro = self.data.train.micro_batches(step) if reads else None
         set_lr(self.optimizer, lr_at(step, self.job.optim, self.job.train.train_iters))
         copies = None
         if self.weight_copies is not None:
             self.weight_copies.refresh()  # this step's weights: after the last update or a load
             copies = self.weight_copies.copies
-        total = torch.zeros((), device=self.device)
-        for i, inputs in enumerate(self._on_device(micro)):
-            if self.graph is not None:
-                if not self.graph.captured:  # the first step's start: gradients are zero
-                    self.graph.capture(*inputs)
-                total += self.graph.replay(*inputs)
-                continue
-            last = i == len(micro) - 1
-            sync = self.ddp.no_sync() if self.ddp is not None and not last else contextlib.nullcontext()
-            with sync:
-                total += self._micro_batch(copies, len(micro), *inputs)
+        if self.pipeline is not None:
+            total = self.pipeline.step(self._pipeline_inputs(micro, self.pipeline.n_micro))
+        else:
+            total = self._accumulate(micro, copies)
         if self.ddp is not None:
             self.ddp.finish_grad_sync()
             grad_norm = self.ddp.grad_norm_and_clip(self.job.optim.clip_grad)
@@ -397,6 +406,26 @@ class Trainer:
             # a captured graph adds into the .grad tensors it was captured with: keep them
             self.optimizer.zero_grad(set_to_none=self.graph is None)
         return total, grad_norm
+
+    def _pipeline_inputs(self, micro, n: int):
+        """Each of `n` micro-batches on the device for the stages that read data (`micro`), n
+        Nones for the others (`micro` None)."""
+        return list(self._on_device(micro)) if micro is not None else [None] * n
+
+    def _accumulate(self, micro, copies) -> torch.Tensor:
+        """Forward and backward of every micro-batch of a step (no pipeline); the step's loss."""
+        total = torch.zeros((), device=self.device)
+        for i, inputs in enumerate(self._on_device(micro)):
+            if self.graph is not None:
+                if not self.graph.captured:  # the first step's start: gradients are zero
+                    self.graph.capture(*inputs)
+                total += self.graph.replay(*inputs)
+                continue
+            last = i == len(micro) - 1
+            sync = self.ddp.no_sync() if self.ddp is not None and not last else contextlib.nullcontext()
+            with sync:
+                total += self._micro_batch(copies, len(micro), *inputs)
+        return total
 
     def _micro_batch(self, copies, n_micro: int, tokens, labels, mask) -> torch.Tensor:
         """Forward and backward of one of a step's `n_micro` micro-batches; its (detached) share of the loss."""
@@ -411,7 +440,14 @@ class Trainer:
         self.model.eval()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         counted = torch.zeros((), dtype=torch.float64, device=self.device)
-        for tokens, labels, mask in self._on_device(self.data.valid.micro_batches(0)):
+        if self.pipeline is not None:  # on the last stage; the others add zeros
+            t = self.job.train
+            n = t.eval_iters * t.global_batch_size // (t.micro_batch_size * self.mesh.dp)
+            micro = self.data.valid.micro_batches(0) if self.pipeline.reads_data else None
+            total, counted = self.pipeline.runtime.forward_only(self._pipeline_inputs(micro, n))
+            sums = mappings.all_reduce(torch.stack([total, counted]), self.mesh.group("pp"))
+            total, counted = sums[0], sums[1]
+        for tokens, labels, mask in self._on_device(self.data.valid.micro_batches(0)) if self.pipeline is None else ():
             with self.autocast:
                 loss = self.forward(tokens, labels, mask).float()  # mean over this micro-batch's counted tokens
             # Weighted by the tokens each micro-batch counts (Megatron sums loss and token count
@@ -521,6 +557,8 @@ class Trainer:
             """Record the steps since the last log, ending with step n (one host sync)."""
             nonlocal last_time, last_step, paused
             stacked = torch.stack([p[0] for p in pending])
+            if self.mesh.pp > 1:  # the last stage computed the losses; the others hold zeros
+                stacked = mappings.all_reduce(stacked, self.mesh.group("pp"))
             if self.mesh.dp > 1:  # each dp rank saw 1/dp of the batch: average
                 stacked = mappings.all_reduce(stacked, self.mesh.group("dp")) / self.mesh.dp
             losses = stacked.tolist()  # the one host sync

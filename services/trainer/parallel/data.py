@@ -10,7 +10,7 @@ reduce-scatters them, so each dp rank receives the sum for its 1/dp slice of eve
 updates only that slice (Adam moments exist only for it) and all-gathers the updated
 parameters, optionally overlapped with the next forward (`overlap_param_gather`). Gradients of sequence-parallel
 parameters (norms, row-parallel biases) are first summed over tp. Gradient clipping uses the
-true global norm over tp and dp, counting replicated parameters once.
+true global norm over tp, dp and pp, counting replicated parameters once.
 """
 
 from __future__ import annotations
@@ -77,13 +77,16 @@ class DataParallel:
         gather_units: for overlap_param_gather, (module, params) pairs: the module's forward
             pre-hook waits for the all-gathers of the buckets holding those params. Unset: the
             whole model waits before its forward (correct, but no overlap).
+        tied: under pipeline parallelism, the word embedding of the first stage or its copy on
+            the last (`PipelineStage`): in a bucket of its own, its gradient summed over the
+            mesh's "pp_ends" group before the data-parallel reduction, so both stay equal.
     """
 
     def __init__(self, model: nn.Module, mesh: Mesh, optim: OptimConfig, *, distributed_optimizer: bool = False,
                  overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
                  bucket_size: int = 40_000_000,
                  gather_units: list[tuple[nn.Module, list[nn.Parameter]]] | None = None,
-                 reduce_dtype: torch.dtype = torch.float32):
+                 reduce_dtype: torch.dtype = torch.float32, tied: nn.Parameter | None = None):
         if reduce_dtype not in (torch.float32, torch.bfloat16):
             raise ConfigError(f"gradients are reduced in fp32 or bf16, not {reduce_dtype}")
         self.model, self.mesh, self.optim_config = model, mesh, optim
@@ -99,7 +102,11 @@ class DataParallel:
         if odd:  # the flat buffers are fp32: a bf16 parameter would be silently upcast or refused
             raise ConfigError(f"data parallelism keeps fp32 parameters and gradients (bf16 comes from "
                               f"autocast: train.bf16); {odd[0]} is {dict(model.named_parameters())[odd[0]].dtype}")
-        self.buckets = self._make_buckets(list(reversed(params)), bucket_size)  # backward order
+        self.tied = tied if tied is not None and mesh.group("pp_ends") is not None else None
+        ordered = [p for p in reversed(params) if p is not self.tied]  # backward order
+        self.buckets = self._make_buckets(ordered, bucket_size)
+        if self.tied is not None:  # alone: launched only after the sum over the pipeline ends
+            self.buckets += self._make_buckets([self.tied], self.tied.numel())
         self.bucket_of = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -148,7 +155,15 @@ class DataParallel:
             self.sync_enabled = True
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
-        if not (self.sync_enabled and self.overlap_grad):
+        if self.sync_enabled:
+            self.grad_ready(p)
+
+    def grad_ready(self, p: nn.Parameter) -> None:
+        """`p`'s gradient for this step is final: with overlap_grad_reduce, its bucket's
+        reduction starts once every gradient in the bucket is. Called by autograd's hook on the
+        last micro-batch, and by whoever adds into a gradient outside autograd (the deferred
+        weight gradients of zero-bubble pipeline schedules)."""
+        if not self.overlap_grad or p is self.tied:
             return
         bucket, i = self.bucket_of[id(p)]
         if bucket.reduce_handle is not None:  # a second backward into a bucket already sent
@@ -191,6 +206,8 @@ class DataParallel:
 
     def finish_grad_sync(self) -> None:
         """Complete every bucket's reduction (launching those not yet launched)."""
+        if self.tied is not None:  # first and last stage: the sum of both uses of the embedding
+            M.all_reduce(self.tied.grad, self.mesh.group("pp_ends"))  # in place: a contiguous view
         for b in self.buckets:
             if b.reduce_handle is None:
                 self._launch_reduce(b)
@@ -273,9 +290,11 @@ class DataParallel:
     def grad_norm_and_clip(self, max_norm: float) -> torch.Tensor:
         """Global L2 norm of the gradients the optimizer will apply; clips them when max_norm > 0."""
         if self.dist_opt:
-            items = [(piece.grad, tp_split_of(p) is not None) for piece, p, _, _ in self.pieces]
+            items = [(piece.grad, tp_split_of(p) is not None) for piece, p, _, _ in self.pieces
+                     if not getattr(p, "pipeline_copy", False)]
         else:
-            items = [(p.grad, tp_split_of(p) is not None) for b in self.buckets for p in b.params]
+            items = [(p.grad, tp_split_of(p) is not None) for b in self.buckets for p in b.params
+                     if not getattr(p, "pipeline_copy", False)]
         device = self.buckets[0].grad.device
         # [tp-sharded, tp-replicated] sums of squares; one multi-tensor norm per kind (a few
         # kernels, not a few per parameter: the step's tail is host-bound enough as it is).
@@ -285,10 +304,13 @@ class DataParallel:
         if self.dist_opt:
             M.all_reduce(sq, self.dp_group)
         total = M.all_reduce(sq[:1].clone(), self.tp_group)[0] + sq[1]
+        if self.mesh.pp > 1:  # every stage's share (the last stage's embedding copy left out above)
+            total = M.all_reduce(total, self.mesh.group("pp"))
         norm = total.sqrt()
         if max_norm > 0:
             coeff = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-            grads = [g for g, _ in items]
+            grads = [piece.grad for piece, *_ in self.pieces] if self.dist_opt else [
+                p.grad for b in self.buckets for p in b.params]
             torch._foreach_mul_(grads, coeff)
         return norm
 

@@ -12,8 +12,8 @@ that communicates takes a `Mesh` (or one of its groups) as an argument.
     mesh = Mesh.build(tp=2)                    # dp = world / tp
     mesh = initialize_model_parallel(2)        # Megatron-flavoured spelling of the same two lines
 
-Only tp and dp are built: the engine has no pipeline, context or expert parallelism yet, so
-`initialize_model_parallel` and `tensor.parallelize` refuse pp, cp or ep other than 1 (as the
+tp, dp and pp are built: the engine has no context or expert parallelism yet, so
+`initialize_model_parallel` and `tensor.parallelize` refuse cp or ep other than 1 (as the
 trainer's config does). `Mesh.build` still lays out every axis, for the rank arithmetic.
 """
 
@@ -82,7 +82,9 @@ class Mesh:
     Attributes:
         tp, cp, dp, pp, ep: degrees. `*_rank` are this rank's coordinates.
         groups: axis name -> ProcessGroup (None when running alone); also "dp_cp" (gradient
-            reduction), "mp" (tp×pp: model-parallel, for norms of sharded tensors), "world".
+            reduction), "mp" (tp×pp: model-parallel, for norms of sharded tensors), "world", and
+            with pp > 1 "pp_ends" (the first and the last pipeline stage of this rank's pipeline:
+            the tied word embedding's gradient is summed over it; absent on middle stages).
     """
 
     tp: int = 1
@@ -170,6 +172,12 @@ class Mesh:
                 g = dist.new_group(m, timeout=datetime.timedelta(seconds=timeout_s)) if world > 1 else None
                 if rank in m:
                     mesh.groups[name] = g
+        if pp > 1:
+            ends = [[m[0], m[-1]] for m in mesh._members(("pp",))]
+            for m in ends:
+                g = dist.new_group(m, timeout=datetime.timedelta(seconds=timeout_s))
+                if rank in m:
+                    mesh.groups["pp_ends"], mesh.ranks["pp_ends"] = g, m
         return mesh
 
     def _members(self, axes: tuple[str, ...]) -> list[list[int]]:
@@ -202,18 +210,18 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     """Megatron-style entry point: init the process group from the environment, return the Mesh.
 
     Raises:
-        NotBuiltError: a pipeline, context or expert degree other than 1 (not built yet: a mesh
-            with such an axis would train, each of its ranks a plain data-parallel replica).
+        NotBuiltError: a context or expert degree other than 1 (not built yet: a mesh with such
+            an axis would train, each of its ranks a plain data-parallel replica).
     """
-    refuse_unbuilt_axes(pp=pipeline_model_parallel_size, cp=context_parallel_size, ep=expert_model_parallel_size)
+    refuse_unbuilt_axes(cp=context_parallel_size, ep=expert_model_parallel_size)
     init_process_group()
     return Mesh.build(tp=tensor_model_parallel_size, pp=pipeline_model_parallel_size,
                       cp=context_parallel_size, ep=expert_model_parallel_size)
 
 
 def refuse_unbuilt_axes(**degrees: int) -> None:
-    """NotBuiltError unless every given degree (pp, cp, ep) is 1: that parallelism is not built."""
+    """NotBuiltError unless every given degree (cp, ep) is 1: that parallelism is not built."""
     for axis, degree in degrees.items():
         if degree != 1:
             raise NotBuiltError(f"{axis}={degree}: this parallelism is not built yet (value must be 1); "
-                                "meshtrain shards over tp and dp only")
+                                "meshtrain shards over tp, pp and dp only")

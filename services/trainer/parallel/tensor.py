@@ -96,6 +96,7 @@ class ColumnParallelLinear(nn.Module):
                  overlap: bool = False, async_grad: bool = False):
         super().__init__()
         self.group, self.sp, self.overlap, self.async_grad = mesh.group("tp"), sequence_parallel, overlap, async_grad
+        self.linear = F.linear  # a zero-bubble pipeline swaps in one that defers dW
         split = TPSplit(0, halves=halves)
         self.weight = _param(split.shard(full.weight, mesh.tp_rank, mesh.tp), split)
         self.bias = _param(split.shard(full.bias, mesh.tp_rank, mesh.tp), split) if full.bias is not None else None
@@ -110,7 +111,7 @@ class ColumnParallelLinear(nn.Module):
                 return _ColumnLinearAsyncGrad.apply(x, w, b, self.group, self.sp)
         x = M.to_compute_dtype(x)  # gather (and reduce the gradient) in bf16 under autocast
         x = M.gather_from_sequence(x, self.group) if self.sp else M.copy_to_region(x, self.group)
-        return F.linear(x, self.weight, self.bias)
+        return self.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -119,6 +120,7 @@ class RowParallelLinear(nn.Module):
     def __init__(self, full: nn.Linear, mesh: Mesh, sequence_parallel: bool, overlap: bool = False):
         super().__init__()
         self.group, self.sp, self.overlap = mesh.group("tp"), sequence_parallel, overlap
+        self.linear = F.linear  # a zero-bubble pipeline swaps in one that defers dW
         split = TPSplit(1)
         self.weight = _param(split.shard(full.weight, mesh.tp_rank, mesh.tp), split)
         # The bias is added after the reduction, once: replicated (per seq shard under SP).
@@ -129,7 +131,7 @@ class RowParallelLinear(nn.Module):
         if self.overlap:
             y = async_tp.linear_reduce_scatter(x, self.weight, self.group)
         else:
-            y = F.linear(x, self.weight)
+            y = self.linear(x, self.weight, None)
             if self.sp:
                 y = M.reduce_scatter_to_sequence(y, self.group)
             else:
@@ -253,12 +255,12 @@ def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False,
             their weight gradient (ignored where `comm_overlap` fuses the two already).
 
     Raises:
-        NotBuiltError: a mesh with pp, cp or ep other than 1 (not built: its ranks would train
-            as plain data-parallel replicas).
+        NotBuiltError: a mesh with cp or ep other than 1 (not built: its ranks would train as
+            plain data-parallel replicas).
         ConfigError: head or group counts that tp does not divide, sequence parallelism
             with a sequence length tp does not divide, or comm_overlap where it cannot run.
     """
-    refuse_unbuilt_axes(pp=mesh.pp, cp=mesh.cp, ep=mesh.ep)
+    refuse_unbuilt_axes(cp=mesh.cp, ep=mesh.ep)
     tp = mesh.tp
     cfg = model.config
     if comm_overlap:

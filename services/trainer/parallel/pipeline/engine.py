@@ -1,0 +1,131 @@
+"""Building a job's pipeline: split the model, pick and check the schedule, wire the runtime.
+
+    pipeline = build_pipeline(model, mesh, job, device)   # model: full GPT, tensor-parallel already
+    pipeline.stage                                         # this rank's chunks (an nn.Module)
+    loss = pipeline.step(micro_batches)                    # one step's forward and backward
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from meshtrain.services.common.errors import ConfigError
+from meshtrain.services.trainer.config import JobConfig
+from meshtrain.services.trainer.model.gpt import GPT
+from meshtrain.services.trainer.parallel.mesh import Mesh
+from meshtrain.services.trainer.parallel.pipeline.runtime import PipelineRuntime
+from meshtrain.services.trainer.parallel.pipeline.stage import PipelineStage, stage_layers
+from meshtrain.services.trainer.parallel.pipeline.zero_bubble import DeferrableLinear, WeightGradStore
+from meshtrain.services.trainer.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+
+
+class Pipeline:
+    """A rank's stage and runtime, and what the trainer asks of them."""
+
+    def __init__(self, stage: PipelineStage, runtime: PipelineRuntime, schedule: str):
+        self.stage, self.runtime, self.schedule = stage, runtime, schedule
+
+    @property
+    def n_micro(self) -> int:
+        return self.runtime.n_micro
+
+    @property
+    def reads_data(self) -> bool:
+        """The first stage needs tokens, the last labels and the loss mask; middle stages nothing."""
+        return self.stage.is_first or self.stage.is_last
+
+    @property
+    def ddp(self):
+        return self.runtime.ddp
+
+    @ddp.setter
+    def ddp(self, ddp) -> None:
+        self.runtime.ddp = ddp
+        if self.runtime.store is not None:
+            self.runtime.store.on_ready = ddp.grad_ready
+
+    @property
+    def autocast(self):
+        return self.runtime.autocast
+
+    @autocast.setter
+    def autocast(self, ctx) -> None:
+        self.runtime.autocast = ctx
+
+    def tied_weight(self) -> nn.Parameter | None:
+        """The word embedding this rank shares with the other end of the pipeline (tied
+        embeddings: the first stage's, or the last stage's copy), else None."""
+        s = self.stage
+        if s.config.untie_embeddings_and_output_weights or s.embedding is None:
+            return None
+        return s.embedding.word_embeddings.weight
+
+    def step(self, micro) -> torch.Tensor:
+        return self.runtime.step(micro)
+
+    def describe(self) -> str:
+        s = self.stage
+        chunks = ", ".join(f"{r.start}-{r.stop - 1}" if len(r) else "none" for r in s.chunk_layers)
+        return (f"pipeline stage {s.pp_rank}/{s.pp} ({self.schedule}, {self.n_micro} micro-batches, "
+                f"blocks {chunks})")
+
+
+def _defer_weight_grads(stage: PipelineStage, store: WeightGradStore) -> None:
+    """Route every block linear through `store` (zero-bubble schedules); names do not change."""
+    for layer in stage.layers.values():
+        for parent, name in ((layer.attention, "qkv"), (layer.attention, "proj"), (layer.mlp, "fc1"),
+                             (layer.mlp, "fc2")):
+            module = getattr(parent, name)
+            if isinstance(module, nn.Linear):
+                setattr(parent, name, DeferrableLinear(module, store))
+            elif isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                module.linear = store.linear
+                module.async_grad = False  # its fused backward computes dW on the spot
+            else:
+                raise ConfigError(f"zero-bubble schedules cannot defer the weight gradient of {type(module).__name__}")
+
+
+def activation_shape(job: JobConfig, tp: int) -> tuple[tuple[int, ...], torch.dtype]:
+    """What flows between stages: (micro_batch, seq or seq/tp with sequence parallelism, hidden),
+    in the residual stream's dtype (bf16 under bf16 autocast unless fp32_residual_connection)."""
+    m, p = job.model, job.parallel
+    seq = m.seq_length // tp if p.sequence_parallel else m.seq_length
+    bf16 = job.train.bf16 and not m.fp32_residual_connection
+    return (job.train.micro_batch_size, seq, m.hidden_size), torch.bfloat16 if bf16 else torch.float32
+
+
+def build_pipeline(model: GPT, mesh: Mesh, job: JobConfig, device: torch.device) -> Pipeline:
+    """This rank's stage of `model` and a runtime for the job's schedule (see the module docstring).
+
+    Raises:
+        ConfigError: a layout that does not split, a schedule that cannot run these sizes, or a
+            setting the schedule cannot compose with.
+    """
+    p, t = job.parallel, job.train
+    chunks = p.pipeline_chunks(job.model.num_layers)
+    schedule = p.resolved_pipeline_schedule(job.model.num_layers)
+    if chunks > 1 and schedule != "interleaved":
+        raise ConfigError(f"parallel.pipeline_schedule={schedule!r} runs one model chunk per rank; with "
+                          f"{chunks} virtual stages per rank use 'interleaved' (or 'auto')")
+    if schedule == "interleaved" and chunks == 1:
+        raise ConfigError("parallel.pipeline_schedule='interleaved' needs virtual stages: set "
+                          "parallel.virtual_pipeline_model_parallel_size or num_layers_per_virtual_pipeline_stage")
+    if schedule == "zb-h1":
+        if t.compile:
+            raise ConfigError("parallel.pipeline_schedule='zb-h1' defers weight gradients through Python closures, "
+                              "which torch.compile cannot trace: leave train.compile off or use '1f1b'")
+        if p.tp_comm_overlap:
+            raise ConfigError("parallel.pipeline_schedule='zb-h1' and parallel.tp_comm_overlap both take over the "
+                              "linears' backward: use one of them")
+    stages = stage_layers(job.model.num_layers, mesh.pp, chunks, p.decoder_first_pipeline_num_layers,
+                          p.decoder_last_pipeline_num_layers, p.pipeline_layout)
+    stage = PipelineStage(model, mesh.pp_rank, mesh.pp, stages, p)
+    store = None
+    if schedule == "zb-h1":
+        store = WeightGradStore()
+        _defer_weight_grads(stage, store)
+    n_micro = t.global_batch_size // (t.micro_batch_size * mesh.dp)
+    shape, dtype = activation_shape(job, mesh.tp)
+    runtime = PipelineRuntime(stage, mesh, schedule, n_micro, shape, dtype, device, weight_store=store)
+    return Pipeline(stage, runtime, schedule)

@@ -1,0 +1,233 @@
+"""The pipeline runtime: executes one rank's schedule (`schedules.build`) for a training step.
+
+Compute actions (F, B, I, W) run the rank's `PipelineStage` chunks; each run of consecutive
+comm actions is posted as one `batch_isend_irecv` and waited for before the next compute
+action, exactly as `schedules.validate` models it. Activations and their gradients have a
+shape known before the step, (micro_batch, seq or seq/tp under sequence parallelism, hidden),
+in the dtype of the residual stream, so receivers allocate without a shape handshake; a
+tensor of another shape or dtype about to be sent is an error naming both.
+
+Data parallelism: the gradient reduction of a chunk's parameters may start (with
+overlap_grad_reduce) in its last backward action on this rank; earlier ones accumulate
+without communicating. Zero-bubble schedules defer the linear layers' weight gradients to W
+actions (`zero_bubble.WeightGradStore`).
+
+Every action can be timed (`record=True`): `timeline` then holds (action, start, end) per
+action of the last step, from which `benchmarks/pipeline_bubble.py` draws the step and
+measures the idle fraction of each stage.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from meshtrain.services.common.errors import ConfigError
+from meshtrain.services.trainer.parallel.mesh import Mesh
+from meshtrain.services.trainer.parallel.pipeline import schedules
+from meshtrain.services.trainer.parallel.pipeline.schedules import Action
+from meshtrain.services.trainer.parallel.pipeline.stage import PipelineStage
+from meshtrain.services.trainer.parallel.pipeline.zero_bubble import WeightGradStore
+
+COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+
+
+class PipelineRuntime:
+    """Runs a schedule on this rank.
+
+    Args:
+        stage: this rank's chunks.
+        mesh: the layout (the pp group gives the neighbours' global ranks).
+        schedule: a name in `schedules.SCHEDULES`.
+        n_micro: micro-batches per step on this data-parallel rank.
+        act_shape, act_dtype: what flows between stages.
+        device: where activations live.
+        ddp: the DataParallel wrapper (its reductions are started by the last backward of a chunk).
+        autocast: the context the forward runs under (bf16 autocast or a null context).
+        weight_store: for split-backward schedules, the store the stage's linears defer into.
+    """
+
+    def __init__(self, stage: PipelineStage, mesh: Mesh, schedule: str, n_micro: int, act_shape: tuple[int, ...],
+                 act_dtype: torch.dtype, device: torch.device, ddp=None, autocast=None,
+                 weight_store: WeightGradStore | None = None):
+        import contextlib
+
+        pp, v = mesh.pp, stage.virtual
+        try:
+            plan = schedules.build(schedule, pp, n_micro, v)
+            schedules.validate(plan, pp, n_micro, v)
+        except schedules.ScheduleError as e:
+            raise ConfigError(f"parallel.pipeline_schedule={schedule!r} with pp={pp}, {v} virtual stages and "
+                              f"{n_micro} micro-batches per step: {e}") from None
+        self.stage, self.mesh, self.n_micro = stage, mesh, n_micro
+        self.actions: list[Action] = plan[stage.pp_rank]
+        self.split_backward = any(a.kind == "I" for a in self.actions)
+        if self.split_backward and weight_store is None:
+            raise ValueError(f"schedule {schedule!r} splits the backward: pass a weight_store")
+        self.store = weight_store
+        ranks = mesh.ranks["pp"]
+        self.next = ranks[(stage.pp_rank + 1) % pp]
+        self.prev = ranks[(stage.pp_rank - 1) % pp]
+        self.act_shape, self.act_dtype, self.device = tuple(act_shape), act_dtype, device
+        self.ddp = ddp
+        self.autocast = autocast if autocast is not None else contextlib.nullcontext()
+        # the index of each chunk's last action that adds into its gradients
+        self.final: dict[str, dict[int, int]] = {"B": {}, "I": {}, "W": {}}
+        for i, a in enumerate(self.actions):
+            if a.kind in self.final:
+                self.final[a.kind][a.chunk] = i
+        self.record = False
+        self.timeline: list[tuple[Action, float, float]] = []
+        self.peak_in_flight = 0
+
+    # ------------------------------------------------------------------ one step
+    def step(self, micro: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]) -> torch.Tensor:
+        """Forward and backward of a step's micro-batches; the sum of their loss shares.
+
+        `micro[m]` is (tokens, labels, loss_mask) on the device for stages that read data (the
+        first needs tokens, the last labels and the mask), None elsewhere. Returns the step's
+        loss (the mean over micro-batches) on the last stage, 0 elsewhere.
+        """
+        stage = self.stage
+        total = torch.zeros((), device=self.device)
+        inputs: dict[tuple[int, int], torch.Tensor] = {}    # received activations (or tokens)
+        outputs: dict[tuple[int, int], torch.Tensor] = {}   # chunk outputs / loss shares
+        grad_out: dict[tuple[int, int], torch.Tensor] = {}  # received output gradients
+        grad_in: dict[tuple[int, int], torch.Tensor] = {}   # input gradients to send back
+        batch: list[tuple[Action, dist.P2POp]] = []
+        keep: list[torch.Tensor] = []
+        self.timeline = []
+        self.peak_in_flight = 0
+        in_flight = 0
+        sync_default = self.ddp.sync_enabled if self.ddp is not None else True
+
+        def flush() -> None:
+            if not batch:
+                return
+            t0 = self._now()
+            for work in dist.batch_isend_irecv([op for _, op in batch]):
+                work.wait()
+            if self.record:
+                t1 = self._now()
+                self.timeline += [(a, t0, t1) for a, _ in batch]
+            batch.clear()
+            keep.clear()
+
+        try:
+            for i, a in enumerate(self.actions):
+                key = (a.micro, a.chunk)
+                if a.kind in COMM:
+                    if a.kind == "RECV_F":
+                        buf = torch.empty(self.act_shape, dtype=self.act_dtype, device=self.device)
+                        inputs[key] = buf
+                        batch.append((a, dist.P2POp(dist.irecv, buf, self.prev)))
+                    elif a.kind == "RECV_B":
+                        buf = torch.empty(self.act_shape, dtype=self.act_dtype, device=self.device)
+                        grad_out[key] = buf
+                        batch.append((a, dist.P2POp(dist.irecv, buf, self.next)))
+                    else:
+                        t = (outputs[key].detach() if a.kind == "SEND_F" else grad_in.pop(key)).contiguous()
+                        self._check(a, t)
+                        keep.append(t)
+                        peer = self.next if a.kind == "SEND_F" else self.prev
+                        batch.append((a, dist.P2POp(dist.isend, t, peer)))
+                    continue
+                flush()
+                t0 = self._now()
+                if a.kind == "F":
+                    x = self._forward_input(micro, a, inputs)
+                    labels = mask = None
+                    if stage.chunk_is_last(a.chunk):
+                        _, labels, mask = micro[a.micro]
+                    with self.autocast:
+                        y = stage.forward_chunk(a.chunk, x, labels, mask)
+                    if stage.chunk_is_last(a.chunk):
+                        y = y / self.n_micro
+                        total += y.detach()
+                    outputs[key] = y
+                    in_flight += 1
+                    self.peak_in_flight = max(self.peak_in_flight, in_flight)
+                elif a.kind in ("B", "I"):
+                    if self.ddp is not None:
+                        self.ddp.sync_enabled = self.final[a.kind].get(a.chunk) == i
+                    y = outputs.pop(key)
+                    grad = None if stage.chunk_is_last(a.chunk) else grad_out.pop(key)
+                    if a.kind == "I":
+                        self.store.begin(key)
+                    try:
+                        torch.autograd.backward(y, grad)
+                    finally:
+                        if a.kind == "I":
+                            self.store.end()
+                    x = inputs.pop(key)
+                    if not stage.chunk_is_first(a.chunk):
+                        grad_in[key] = x.grad
+                    if a.kind == "B":
+                        in_flight -= 1
+                else:  # W
+                    self.store.run(key, final=self.final["W"].get(a.chunk) == i)
+                    in_flight -= 1
+                if self.record:
+                    self.timeline.append((a, t0, self._now()))
+            flush()
+        finally:
+            if self.ddp is not None:
+                self.ddp.sync_enabled = sync_default
+        return total
+
+    def _forward_input(self, micro, a: Action, inputs) -> torch.Tensor:
+        key = (a.micro, a.chunk)
+        if self.stage.chunk_is_first(a.chunk):
+            tokens = micro[a.micro][0]
+            inputs[key] = tokens
+            return tokens
+        x = inputs[key]
+        x.requires_grad_()
+        return x
+
+    def _check(self, a: Action, t: torch.Tensor) -> None:
+        if tuple(t.shape) != self.act_shape or t.dtype != self.act_dtype:
+            raise RuntimeError(
+                f"pipeline rank {self.stage.pp_rank}: {a} would send a {t.dtype} tensor of shape {tuple(t.shape)}; "
+                f"the peer expects {self.act_dtype} of shape {self.act_shape} (micro_batch, seq, hidden)")
+
+    def _now(self) -> float:
+        if self.record and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def forward_only(self, micro: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every micro-batch through every stage in order, no backward: on the last stage
+        (sum of token-weighted losses, tokens counted) in float64, zeros elsewhere."""
+        stage, pp = self.stage, self.mesh.pp
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        counted = torch.zeros((), dtype=torch.float64, device=self.device)
+        for m in range(len(micro)):
+            for s in range(pp * stage.virtual):
+                if s % pp != stage.pp_rank:
+                    continue
+                c = s // pp
+                if stage.chunk_is_first(c):
+                    x = micro[m][0]
+                else:
+                    x = torch.empty(self.act_shape, dtype=self.act_dtype, device=self.device)
+                    dist.recv(x, self.prev)
+                labels = mask = None
+                if stage.chunk_is_last(c):
+                    _, labels, mask = micro[m]
+                with self.autocast:
+                    y = stage.forward_chunk(c, x, labels, mask)
+                if stage.chunk_is_last(c):
+                    n = mask.sum(dtype=torch.float64)
+                    total += y.double() * n
+                    counted += n
+                else:
+                    y = y.contiguous()
+                    self._check(Action("SEND_F", m, c), y)
+                    dist.send(y, self.next)
+        return total, counted
