@@ -71,8 +71,10 @@ def test_a_run_on_the_embedded_corpus_exports_its_tokenizer_from_any_working_dir
 def test_user_errors_exit_2_with_the_key_named(tmp_path):
     bad = meshtrain("train", "--config", TINY, "--model.hidden_sz=3")
     assert bad.returncode == 2 and "model.hidden_sz" in bad.stderr and "Traceback" not in bad.stderr
-    tp = meshtrain("train", "--pipeline-model-parallel-size", "2")
-    assert tp.returncode == 2 and "not built yet" in tp.stderr
+    cp = meshtrain("train", "--context-parallel-size", "2")
+    assert cp.returncode == 2 and "not built yet" in cp.stderr
+    pp = meshtrain("train", "--config", TINY, "--pipeline-model-parallel-size", "2")
+    assert pp.returncode == 2 and "parallel.pp=2 needs 2 processes" in pp.stderr
     missing = meshtrain("train", "--config", tmp_path / "nope.toml")
     assert missing.returncode == 2 and "nope.toml" in missing.stderr
     empty = meshtrain("ckpt", "inspect", tmp_path)

@@ -148,7 +148,6 @@ def test_missing_config_file_and_bad_toml(tmp_path):
 
 
 @pytest.mark.parametrize("args", [
-    ["--pipeline-model-parallel-size", "2"],
     ["--context-parallel-size", "2"],
     ["--expert-model-parallel-size", "2"],
     ["--transformer-impl", "transformer_engine"],

@@ -84,9 +84,9 @@ def test_parallelize_rejects_what_it_cannot_shard():
         parallelize(GPT(ModelConfig(**dict(GPT2, attention_dropout=0.1))), Mesh(tp=2, rank=0, ranks={"tp": [0, 1]}))
 
 
-@pytest.mark.parametrize("axis", ["pp", "cp", "ep"])
+@pytest.mark.parametrize("axis", ["cp", "ep"])
 def test_unbuilt_parallelism_is_refused_not_trained_as_data_parallel(axis):
-    """A mesh with a pipeline, context or expert axis (built by Mesh.build or the Megatron-style
+    """A mesh with a context or expert axis (built by Mesh.build or the Megatron-style
     initialize_model_parallel) was sharded over tp alone, and its ranks trained as plain
     replicas of one another; both entry points now refuse it, as the trainer's config does."""
     from meshtrain.services.common.errors import NotBuiltError
@@ -94,7 +94,7 @@ def test_unbuilt_parallelism_is_refused_not_trained_as_data_parallel(axis):
 
     with pytest.raises(NotBuiltError, match=f"{axis}=2: this parallelism is not built"):
         parallelize(GPT(ModelConfig(**CFG)), Mesh(**{axis: 2, "dp": 2 if axis == "ep" else 1}, rank=0))
-    sizes = {"pp": "pipeline_model_parallel_size", "cp": "context_parallel_size", "ep": "expert_model_parallel_size"}
+    sizes = {"cp": "context_parallel_size", "ep": "expert_model_parallel_size"}
     with pytest.raises(NotBuiltError, match=f"{axis}=2"):
         initialize_model_parallel(**{sizes[axis]: 2})
 
