@@ -158,9 +158,18 @@ def test_bf16_residual_stream_trains_like_the_fp32_one(arch, corpus_cache, tmp_p
     # Llama-style, compiled: RoPE and SwiGLU on Triton inside the graph (train.compiled_triton_ops'
     # default) on each rank's heads and FFN shard, on both sides.
     (["--tensor-model-parallel-size", "2"], ["--train.compile=true"] + LLAMA, 1e-4),
+    # Pipeline stages on NCCL: batched point-to-point transfers; compiled per block; the
+    # zero-bubble schedule's deferred weight gradients in bf16; interleaved chunks.
+    (["--pipeline-model-parallel-size", "2"], ["--model.num_layers=4"], 1e-4),
+    (["--pipeline-model-parallel-size", "2"], ["--model.num_layers=4", "--train.compile=true"], 1e-4),
+    (["--pipeline-model-parallel-size", "2", "--parallel.pipeline_schedule=zb-h1"],
+     ["--model.num_layers=4", "--train.bf16=true"], 1e-2),
+    (["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"],
+     ["--model.num_layers=4"] + LLAMA, 1e-4),
 ], ids=["tp2-sp-sync-grad", "tp2-sp-compiled", "tp2-compiled", "tp2-sp-comm-overlap", "tp2-sp-async-grad",
         "tp2-async-grad-compiled", "dp2-zero1-overlap", "dp2-zero1-overlap-compiled",
-        "dp2-zero1-bf16-grad-reduce", "tp2-sp-bf16", "tp2-llama-triton-ops-compiled"])
+        "dp2-zero1-bf16-grad-reduce", "tp2-sp-bf16", "tp2-llama-triton-ops-compiled", "pp2-1f1b", "pp2-compiled",
+        "pp2-zb-h1-bf16", "pp2-interleaved-llama"])
 def test_nccl_two_gpus_match_one_gpu(layout, shared, rel, corpus_cache, tmp_path):
     """fp32 on CUDA: NCCL reduction order differs from one GPU's, so 1e-4 relative."""
     common = small_job_args(corpus_cache, tmp_path / "x", **{"train.device": "cuda", "train.eval_interval": 0,

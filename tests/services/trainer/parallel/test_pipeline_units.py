@@ -124,3 +124,31 @@ def test_zero_bubble_under_autocast_adds_into_fp32_gradients():
     assert lin.weight.grad.dtype == torch.float32
     expected = torch.ones(3, 4).t() @ x.detach()
     torch.testing.assert_close(lin.weight.grad, expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_zero_bubble_deferral_on_cuda_bf16_equals_plain_backward():
+    """On CUDA, autograd runs backward on its device thread; under bf16 autocast the deferred
+    dW (W action) adds into the fp32 gradients what a plain backward would."""
+    torch.manual_seed(0)
+    plain = GPT(CONFIG).cuda()
+    torch.manual_seed(0)
+    store = WeightGradStore()
+    stage = PipelineStage(GPT(CONFIG).cuda(), 0, 1, stage_layers(4, 1), ParallelConfig())
+    _defer_weight_grads(stage, store)
+    tokens, labels = torch.randint(0, 50, (2, 16), device="cuda"), torch.randint(0, 50, (2, 16), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        plain_loss = plain(tokens, labels)
+    plain_loss.backward()
+    store.begin((0, 0))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = stage.forward_chunk(0, tokens, labels)
+    loss.backward()
+    store.end()
+    assert stage.layers["0"].mlp.fc1.weight.grad is None
+    store.run((0, 0), final=True)
+    grads = dict(plain.named_parameters())
+    for name, p in stage.named_parameters():
+        assert p.grad.dtype == torch.float32, name
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=2e-2, atol=1e-4, msg=name)
