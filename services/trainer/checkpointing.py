@@ -236,6 +236,13 @@ class Checkpointer:
                 # alike, so one state restores them all (other visible devices are never used).
                 cuda = torch.cuda.get_rng_state().unsqueeze(0)
                 boxes.append((ShardSpec("rng.torch_cuda", tuple(cuda.shape), "uint8", (0, 0), tuple(cuda.shape)), cuda))
+        if mesh.pp > 1 and mesh.tp_rank == 0 and mesh.dp_rank == 0:
+            # Pipeline stages draw dropout from their generators in different amounts: each
+            # stage's own states, one row per stage, so a resume at the same pp is exact.
+            r = mesh.pp_rank
+            for array, gen in _rng_states().items():
+                boxes.append((ShardSpec(f"{array}_by_stage", (mesh.pp, *gen.shape), "uint8", (r, *[0] * gen.dim()),
+                                        (1, *gen.shape)), gen.unsqueeze(0)))
         np_state = np.random.get_state()
         metadata = {
             "format": FORMAT,
@@ -301,6 +308,14 @@ class Checkpointer:
         finally:
             if self.service:
                 self.sink.close()
+
+
+def _rng_states() -> dict[str, torch.Tensor]:
+    """This process's torch generator states by array name (CUDA: this rank's device, once used)."""
+    states = {"rng.torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["rng.torch_cuda"] = torch.cuda.get_rng_state()
+    return states
 
 
 def model_parameter_names(config) -> set[str]:
@@ -441,7 +456,15 @@ def restore(root: str, model: GPT, optimizer: torch.optim.Optimizer | None, par:
                 }
     rng = arrays["rng.torch_cpu"]["shape"]
     torch.set_rng_state(read_box(root, step, "rng.torch_cpu", (0,), tuple(rng), manifest))
-    if "rng.torch_cuda" in arrays and torch.cuda.is_available():
+    staged = arrays.get("rng.torch_cpu_by_stage")
+    if staged is not None and staged["shape"][0] == mesh.pp:  # saved at this pp: this stage's own
+        for array, gen in _rng_states().items():
+            entry = arrays.get(f"{array}_by_stage")
+            if entry is not None and tuple(entry["shape"][1:]) == tuple(gen.shape):
+                row = read_box(root, step, f"{array}_by_stage", (mesh.pp_rank, *[0] * gen.dim()),
+                               (1, *gen.shape), manifest)[0]
+                (torch.set_rng_state if array == "rng.torch_cpu" else torch.cuda.set_rng_state)(row)
+    elif "rng.torch_cuda" in arrays and torch.cuda.is_available():
         shape = tuple(arrays["rng.torch_cuda"]["shape"])
         # Row 0: the saving rank's device (older checkpoints stored every visible device, of
         # which rank 0 only ever advanced its own, device 0). Set on this rank's device.

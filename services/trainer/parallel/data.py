@@ -155,7 +155,9 @@ class DataParallel:
             self.sync_enabled = True
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
-        if self.sync_enabled:
+        # autograd's hook fires even for a gradient a zero-bubble schedule deferred (its backward
+        # returned None): that one is final only when the W action calls grad_ready itself
+        if self.sync_enabled and not getattr(p, "grad_deferred", False):
             self.grad_ready(p)
 
     def grad_ready(self, p: nn.Parameter) -> None:

@@ -77,6 +77,7 @@ def _defer_weight_grads(stage: PipelineStage, store: WeightGradStore) -> None:
         for parent, name in ((layer.attention, "qkv"), (layer.attention, "proj"), (layer.mlp, "fc1"),
                              (layer.mlp, "fc2")):
             module = getattr(parent, name)
+            module.weight.grad_deferred = True  # DataParallel: final in W, not in autograd's hook
             if isinstance(module, nn.Linear):
                 setattr(parent, name, DeferrableLinear(module, store))
             elif isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
@@ -120,6 +121,10 @@ def build_pipeline(model: GPT, mesh: Mesh, job: JobConfig, device: torch.device)
                               "linears' backward: use one of them")
     stages = stage_layers(job.model.num_layers, mesh.pp, chunks, p.decoder_first_pipeline_num_layers,
                           p.decoder_last_pipeline_num_layers, p.pipeline_layout)
+    for r in range(1, mesh.pp - 1):  # checked for every rank on every rank: all refuse alike
+        if not any(len(stages[c * mesh.pp + r]) for c in range(chunks)):
+            raise ConfigError(f"parallel.pipeline_layout={p.pipeline_layout} leaves pipeline rank {r} without "
+                              "blocks, and a middle rank holds no embedding or head: give it at least one block")
     stage = PipelineStage(model, mesh.pp_rank, mesh.pp, stages, p)
     store = None
     if schedule == "zb-h1":

@@ -44,18 +44,21 @@ def _reference(corpus_cache, tmp_path_factory, arch: dict, shape: dict):
     return _references[key]
 
 
-def _check(got, results, ref, ref_tensors, steps=range(1, STEPS + 1)):
+def _check(got, results, ref, ref_tensors, steps=range(1, STEPS + 1), bf16=False):
+    """fp32: losses to 1e-6 relative, tensors to 2e-5; bf16 (sums over dp in another order, each
+    rounded to bf16 downstream): 2e-2 and 5e-3."""
+    rel, atol = (2e-2, 5e-3) if bf16 else (1e-6, 2e-5)
     assert sorted(got["losses"]) == list(steps)
     for step in steps:
-        assert got["losses"][step] == pytest.approx(ref.losses[step], rel=1e-6, abs=1e-7), f"step {step}"
+        assert got["losses"][step] == pytest.approx(ref.losses[step], rel=rel, abs=1e-7), f"step {step}"
     for step, loss in got["eval"].items():
-        assert loss == pytest.approx(ref.eval_losses[step], rel=1e-6, abs=1e-7), f"eval step {step}"
+        assert loss == pytest.approx(ref.eval_losses[step], rel=rel, abs=1e-7), f"eval step {step}"
     assert all(r["losses"] == got["losses"] for r in results)  # every rank reports the last stage's losses
     tensors, _ = load_checkpoint(got["checkpoint"].rsplit("/", 1)[0], max(steps))
-    assert set(tensors) == set(ref_tensors)
+    assert {n for n in tensors if not n.startswith("rng.")} == {n for n in ref_tensors if not n.startswith("rng.")}
     for name, ref_t in ref_tensors.items():
         if not name.startswith("rng."):
-            torch.testing.assert_close(tensors[name], ref_t, rtol=0, atol=2e-5, msg=name)
+            torch.testing.assert_close(tensors[name], ref_t, rtol=0, atol=atol, msg=name)
 
 
 # name: (world, arch, shape (changes the reference), parallel settings)
@@ -77,6 +80,9 @@ CASES = {
                           {"parallel.pp": 2, "parallel.decoder_first_pipeline_num_layers": 1}),
     "pp2-tp2-sp": (4, "llama", {}, {"parallel.pp": 2, "parallel.tp": 2, "parallel.sequence_parallel": True}),
     "pp2-tp2-zb-h1-tied": (4, "gpt2", {}, {"parallel.pp": 2, "parallel.tp": 2, "parallel.pipeline_schedule": "zb-h1"}),
+    "pp2-dp2-zb-h1-zero1-overlap-bf16": (4, "llama", {"train.bf16": True}, {
+        "parallel.pp": 2, "parallel.pipeline_schedule": "zb-h1", "parallel.use_distributed_optimizer": True,
+        "parallel.overlap_grad_reduce": True}),
     "pp2-dp2-zero1-overlap-recompute": (4, "gpt2", {}, {
         "parallel.pp": 2, "parallel.use_distributed_optimizer": True, "parallel.overlap_grad_reduce": True,
         "parallel.overlap_param_gather": True, "parallel.recompute_granularity": "full"}),
@@ -92,7 +98,7 @@ def _run_case(case, cases, corpus_cache, tmp_path, tmp_path_factory):
     ref, ref_tensors = _reference(corpus_cache, tmp_path_factory, arch, shape)
     args = small_job_args(corpus_cache, tmp_path / "run", **{**COMMON, **shape}, **arch, **extra)
     results = run_ranks(_rank_train, world, args, timeout=400)
-    _check(results[0], results, ref, ref_tensors)
+    _check(results[0], results, ref, ref_tensors, bf16=bool(shape.get("train.bf16")))
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -173,3 +179,18 @@ def test_a_rank_failing_mid_schedule_ends_every_rank_and_its_error_comes_first(c
     assert "injected failure in rank 1's forward" in results[1]["error"]
     assert "error" in results[0], results[0]
     assert results[1]["at"] <= results[0]["at"] < results[1]["at"] + 50, results
+
+
+def test_resume_with_dropout_at_the_same_pp_is_exact(corpus_cache, tmp_path):
+    """Each stage draws dropout masks from its own generator, in its own amounts: each stage's
+    state is saved (a row per stage) and restored, so a pp=2 run with dropout resumed from step
+    3 repeats the uninterrupted run's losses exactly."""
+    extra = {**COMMON, "parallel.pp": 2, "model.hidden_dropout": 0.1, "model.attention_dropout": 0.1,
+             "train.eval_interval": 0, "checkpoint.save_interval": 3}
+    whole = run_ranks(_rank_train, 2, small_job_args(corpus_cache, tmp_path / "whole", **extra), timeout=400)[0]
+    root = whole["checkpoint"].rsplit("/", 1)[0]
+    resumed = run_ranks(_rank_train, 2, small_job_args(corpus_cache, tmp_path / "resumed", **{
+        **extra, "checkpoint.load": root, "checkpoint.load_step": 3, "checkpoint.save": str(tmp_path / "ck")}),
+        timeout=400)[0]
+    assert sorted(resumed["losses"]) == [4, 5, 6]
+    assert all(resumed["losses"][s] == whole["losses"][s] for s in (4, 5, 6)), (resumed["losses"], whole["losses"])

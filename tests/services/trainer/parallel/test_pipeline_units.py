@@ -152,3 +152,18 @@ def test_zero_bubble_deferral_on_cuda_bf16_equals_plain_backward():
     for name, p in stage.named_parameters():
         assert p.grad.dtype == torch.float32, name
         torch.testing.assert_close(p.grad, grads[name].grad, rtol=2e-2, atol=1e-4, msg=name)
+
+
+def test_a_middle_rank_without_blocks_is_refused_on_every_rank():
+    """An explicit layout may leave a stage empty, but a middle rank with no block would hold no
+    parameter at all: every rank refuses it the same way (none waits for it in a collective)."""
+    from meshtrain.services.trainer.parallel.mesh import Mesh
+    from meshtrain.services.trainer.parallel.pipeline.engine import build_pipeline
+
+    job = load_config(["--pipeline-model-parallel-size=3", "--model.num_layers=4", "--model.vocab_size=50",
+                       "--parallel.pipeline_layout=[2, 0, 2]", "--train.micro_batch_size=1",
+                       "--train.global_batch_size=3"])
+    for rank in range(3):
+        mesh = Mesh(pp=3, rank=rank, ranks={"pp": [0, 1, 2]})
+        with pytest.raises(ConfigError, match="leaves pipeline rank 1 without blocks"):
+            build_pipeline(GPT(job.model), mesh, job, torch.device("cpu"))
