@@ -8,7 +8,9 @@ machine with at least pp free cores), builds a GPT whose blocks dominate the ste
 vocabulary, so the first and last stage do little besides their blocks), splits it into
 stages and runs the real `PipelineRuntime` with every action timed. From the last of a few
 steps it reports, per rank, the bubble as idle time over busy time ((makespan - busy) / busy,
-Megatron's bubble ratio: (p-1)/m for 1F1B, (p-1)/(v*m) interleaved), next to the ideal, and
+Megatron's bubble ratio: (p-1)/m for 1F1B, (p-1)/(v*m) interleaved) and against the
+slowest stage's compute (makespan / its busy time - 1: stages are not equally heavy, the last
+also computes the loss), next to the ideal, and
 on stage 0 the peak number of micro-batches in flight and the peak bytes of activations
 saved for backward (tensors autograd keeps, parameters excluded). A PNG per run draws the
 step's timeline, one row per rank.
@@ -131,14 +133,18 @@ def measure(cfg: dict) -> dict:
         busy = sum(e - s for _, kind, s, e in r["timeline"] if kind in COMPUTE)
         bubbles.append((makespan - busy) / busy)
     p, m, v = cfg["pp"], cfg["micro"], cfg["virtual"]
-    ideal = (p - 1) / (v * m) if cfg["schedule"] in ("1f1b", "interleaved") else None
+    ideal = (p - 1) / (v * m) if cfg["schedule"] in ("1f1b", "interleaved", "gpipe") else None
+    busiest = max(sum(e - s for _, kind, s, e in r["timeline"] if kind in COMPUTE) for r in ranks)
     result = {**cfg, "makespan_s": makespan, "bubble_ratio_per_rank": bubbles,
               "bubble_ratio_mean": sum(bubbles) / len(bubbles), "ideal_bubble_ratio": ideal,
+              # against the slowest stage's compute: what the step loses to the schedule, when
+              # stages are not equally heavy (the last one also computes the loss)
+              "bubble_ratio_bottleneck": makespan / busiest - 1,
               "peak_in_flight_stage0": ranks[0]["peak_in_flight"],
               "peak_saved_mb_stage0": ranks[0]["peak_saved_bytes"] / 2**20,
               "timeline": {r["rank"]: [(n, s - start, e - start) for n, _, s, e in r["timeline"]] for r in ranks}}
     if ideal:
-        result["measured_over_ideal"] = result["bubble_ratio_mean"] / ideal
+        result["bottleneck_over_ideal"] = result["bubble_ratio_bottleneck"] / ideal
     return result
 
 
@@ -161,7 +167,7 @@ def plot(result: dict, path: str) -> None:
     ax.invert_yaxis()
     ax.set_xlabel("seconds (F blue, B/I green, W orange, communication grey)")
     ax.set_title(f"{result['schedule']} pp={result['pp']} v={result['virtual']} m={result['micro']}: "
-                 f"bubble ratio {result['bubble_ratio_mean']:.3f}"
+                 f"bubble ratio {result['bubble_ratio_mean']:.3f}, bottleneck {result['bubble_ratio_bottleneck']:.3f}"
                  + (f" (ideal {result['ideal_bubble_ratio']:.3f})" if result["ideal_bubble_ratio"] else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -196,6 +202,7 @@ def main() -> None:
                        "layers_per_stage": max(layers_per_stage, 1), "threads": args.threads, "steps": args.steps}
                 r = measure(cfg)
                 print(f"{schedule:12s} pp={pp} v={v} m={m}: bubble {r['bubble_ratio_mean']:.3f} "
+                      f"(bottleneck {r['bubble_ratio_bottleneck']:.3f}) "
                       f"(ideal {r['ideal_bubble_ratio'] if r['ideal_bubble_ratio'] is not None else '-'}) "
                       f"in flight {r['peak_in_flight_stage0']}, saved {r['peak_saved_mb_stage0']:.1f} MB, "
                       f"step {r['makespan_s']:.2f} s", flush=True)
