@@ -1,8 +1,11 @@
 """The pipeline runtime: executes one rank's schedule (`schedules.build`) for a training step.
 
 Compute actions (F, B, I, W) run the rank's `PipelineStage` chunks; each run of consecutive
-comm actions is posted as one `batch_isend_irecv` and waited for before the next compute
-action, exactly as `schedules.validate` models it. Activations and their gradients have a
+comm actions is posted as one `batch_isend_irecv`, in the order `schedules.validate` checked
+for deadlock freedom. Waits come as late as they can: a receive is waited for just before the
+compute that needs it, a send only at the end of the step, so a rank keeps computing while its
+transfers are in flight (posting order is what the validation covers; waiting later can only
+let ranks progress further). Activations and their gradients have a
 shape known before the step, (micro_batch, seq or seq/tp under sequence parallelism, hidden),
 in the dtype of the residual stream, so receivers allocate without a shape handshake; a
 tensor of another shape or dtype about to be sent is an error naming both.
@@ -97,7 +100,8 @@ class PipelineRuntime:
         grad_out: dict[tuple[int, int], torch.Tensor] = {}  # received output gradients
         grad_in: dict[tuple[int, int], torch.Tensor] = {}   # input gradients to send back
         batch: list[tuple[Action, dist.P2POp]] = []
-        keep: list[torch.Tensor] = []
+        sends: list[tuple[object, torch.Tensor]] = []  # in flight until the step ends (buffers kept alive)
+        recvs: dict[tuple[str, int, int], object] = {}  # ("F"|"B", micro, chunk) -> the receive it needs
         self.timeline = []
         self.peak_in_flight = 0
         in_flight = 0
@@ -107,13 +111,24 @@ class PipelineRuntime:
             if not batch:
                 return
             t0 = self._now()
-            for work in dist.batch_isend_irecv([op for _, op in batch]):
-                work.wait()
+            works = dist.batch_isend_irecv([op for _, op in batch])
+            for (a, op), work in zip(batch, works):
+                if a.kind in ("SEND_F", "SEND_B"):
+                    sends.append((work, op.tensor))
+                else:
+                    recvs[("F" if a.kind == "RECV_F" else "B", a.micro, a.chunk)] = work
             if self.record:
                 t1 = self._now()
                 self.timeline += [(a, t0, t1) for a, _ in batch]
             batch.clear()
-            keep.clear()
+
+        def wait_for(kind: str, key: tuple[int, int]) -> None:
+            work = recvs.pop((kind, *key), None)
+            if work is not None:
+                t0 = self._now()
+                work.wait()
+                if self.record:
+                    self.timeline.append((Action("WAIT", *key), t0, self._now()))
 
         try:
             for i, a in enumerate(self.actions):
@@ -130,11 +145,12 @@ class PipelineRuntime:
                     else:
                         t = (outputs[key].detach() if a.kind == "SEND_F" else grad_in.pop(key)).contiguous()
                         self._check(a, t)
-                        keep.append(t)
                         peer = self.next if a.kind == "SEND_F" else self.prev
                         batch.append((a, dist.P2POp(dist.isend, t, peer)))
                     continue
                 flush()
+                if a.kind in ("F", "B", "I"):
+                    wait_for("F" if a.kind == "F" else "B", key)
                 t0 = self._now()
                 if a.kind == "F":
                     x = self._forward_input(micro, a, inputs)
@@ -172,6 +188,8 @@ class PipelineRuntime:
                 if self.record:
                     self.timeline.append((a, t0, self._now()))
             flush()
+            for work in list(recvs.values()) + [w for w, _ in sends]:
+                work.wait()
         finally:
             if self.ddp is not None:
                 self.ddp.sync_enabled = sync_default
