@@ -6,8 +6,8 @@
 For each (schedule, pp, m) it starts pp gloo processes (one thread each, so put it on a
 machine with at least pp free cores), builds a GPT whose blocks dominate the step (a small
 vocabulary, so the first and last stage do little besides their blocks), splits it into
-stages and runs the real `PipelineRuntime` with every action timed. From the last of a few
-steps it reports, per rank, the bubble as idle time over busy time ((makespan - busy) / busy,
+stages and runs the real `PipelineRuntime` with every action timed. From the median of
+`--steps` steps (after a warm-up step) it reports, per rank, the bubble as idle time over busy time ((makespan - busy) / busy,
 Megatron's bubble ratio: (p-1)/m for 1F1B, (p-1)/(v*m) interleaved) and against the
 slowest stage's compute (makespan / its busy time - 1: stages are not equally heavy, the last
 also computes the loss), next to the ideal, and
@@ -94,18 +94,17 @@ def _rank(rank, world, store, cfg, queue):
     micro = [(torch.randint(0, cfg["vocab"], (mb, seq), generator=g),
               torch.randint(0, cfg["vocab"], (mb, seq), generator=g), torch.ones(mb, seq)) for _ in range(m)]
     saved = SavedBytes(list(stage.parameters()))
-    for i in range(cfg["steps"]):
-        last = i == cfg["steps"] - 1
-        runtime.record = last
+    timelines = []
+    for i in range(cfg["steps"] + 1):  # the first is a warm-up
+        runtime.record = i > 0
         dist.barrier()
-        t0 = time.perf_counter()
         with saved.hooks():
             runtime.step(micro)
         for p in stage.parameters():
             p.grad = None
-        step_s = time.perf_counter() - t0
-    timeline = [(str(a), a.kind, s, e) for a, s, e in runtime.timeline]
-    out = {"rank": rank, "timeline": timeline, "step_s": step_s, "peak_in_flight": runtime.peak_in_flight,
+        if i > 0:
+            timelines.append([(str(a), a.kind, s, e) for a, s, e in runtime.timeline])
+    out = {"rank": rank, "timelines": timelines, "peak_in_flight": runtime.peak_in_flight,
            "peak_saved_bytes": saved.peak}
     gathered = [None] * world
     dist.all_gather_object(gathered, out)
@@ -125,24 +124,28 @@ def measure(cfg: dict) -> dict:
     ranks = queue.get(timeout=1200)
     for p in procs:
         p.join()
-    start = min(s for r in ranks for _, kind, s, _ in r["timeline"])
-    end = max(e for r in ranks for _, kind, _, e in r["timeline"])
-    makespan = end - start
-    bubbles = []
-    for r in ranks:
-        busy = sum(e - s for _, kind, s, e in r["timeline"] if kind in COMPUTE)
-        bubbles.append((makespan - busy) / busy)
     p, m, v = cfg["pp"], cfg["micro"], cfg["virtual"]
     ideal = (p - 1) / (v * m) if cfg["schedule"] in ("1f1b", "interleaved", "gpipe") else None
-    busiest = max(sum(e - s for _, kind, s, e in r["timeline"] if kind in COMPUTE) for r in ranks)
-    result = {**cfg, "makespan_s": makespan, "bubble_ratio_per_rank": bubbles,
-              "bubble_ratio_mean": sum(bubbles) / len(bubbles), "ideal_bubble_ratio": ideal,
-              # against the slowest stage's compute: what the step loses to the schedule, when
-              # stages are not equally heavy (the last one also computes the loss)
-              "bubble_ratio_bottleneck": makespan / busiest - 1,
+    steps = []
+    for k in range(cfg["steps"]):
+        lines = {r["rank"]: r["timelines"][k] for r in ranks}
+        start = min(s for tl in lines.values() for _, _, s, _ in tl)
+        makespan = max(e for tl in lines.values() for _, _, _, e in tl) - start
+        busy = [sum(e - s for _, kind, s, e in lines[r] if kind in COMPUTE) for r in sorted(lines)]
+        bubbles = [(makespan - b) / b for b in busy]
+        steps.append({"makespan_s": makespan, "bubble_ratio_per_rank": bubbles,
+                      "bubble_ratio_mean": sum(bubbles) / len(bubbles),
+                      # against the slowest stage's compute: what the step loses to the schedule
+                      # when stages are not equally heavy (the last one also computes the loss)
+                      "bubble_ratio_bottleneck": makespan / max(busy) - 1,
+                      "timeline": {r: [(n, s - start, e - start) for n, _, s, e in tl] for r, tl in lines.items()}})
+    # the median step by its mean bubble (CPU ranks share caches and memory bandwidth: steps vary)
+    steps.sort(key=lambda st: st["bubble_ratio_mean"])
+    median = steps[len(steps) // 2]
+    result = {**cfg, **median, "ideal_bubble_ratio": ideal,
+              "bubble_ratio_mean_all_steps": [st["bubble_ratio_mean"] for st in steps],
               "peak_in_flight_stage0": ranks[0]["peak_in_flight"],
-              "peak_saved_mb_stage0": ranks[0]["peak_saved_bytes"] / 2**20,
-              "timeline": {r["rank"]: [(n, s - start, e - start) for n, _, s, e in r["timeline"]] for r in ranks}}
+              "peak_saved_mb_stage0": ranks[0]["peak_saved_bytes"] / 2**20}
     if ideal:
         result["bottleneck_over_ideal"] = result["bubble_ratio_bottleneck"] / ideal
     return result
