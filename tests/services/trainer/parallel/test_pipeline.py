@@ -87,9 +87,13 @@ CASES = {
         "parallel.pp": 2, "parallel.use_distributed_optimizer": True, "parallel.overlap_grad_reduce": True,
         "parallel.overlap_param_gather": True, "parallel.recompute_granularity": "full"}),
 }
-SLOW = {"pp2-tp2-dp2-interleaved": (8, "llama", {}, {
-    "parallel.pp": 2, "parallel.tp": 2, "parallel.virtual_pipeline_model_parallel_size": 2,
-    "parallel.use_distributed_optimizer": True, "parallel.overlap_grad_reduce": True})}
+SLOW = {
+    "pp2-tp2-dp2-interleaved": (8, "llama", {}, {
+        "parallel.pp": 2, "parallel.tp": 2, "parallel.virtual_pipeline_model_parallel_size": 2,
+        "parallel.use_distributed_optimizer": True, "parallel.overlap_grad_reduce": True}),
+    # torch.compile per block on every stage (Inductor's CPU code: minutes to compile on 2 cores)
+    "pp2-compiled": (2, "gpt2", {}, {"parallel.pp": 2, "train.compile": True}),
+}
 
 
 def _run_case(case, cases, corpus_cache, tmp_path, tmp_path_factory):
