@@ -225,8 +225,6 @@ class Trainer:
                 gather_units=self.pipeline.stage.forward_units() if self.pipeline else forward_units(model),
                 reduce_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[p.grad_reduce_dtype],
                 tied=self.pipeline.tied_weight() if self.pipeline else None)
-            if self.pipeline is not None:
-                self.pipeline.ddp = self.ddp
         self.optimizer = self.ddp.optimizer if self.ddp and self.ddp.optimizer else build_optimizer(self.model, job.optim)
         self.par = checkpointing.Parallel(self.mesh, self.ddp)
         c = job.checkpoint
@@ -268,7 +266,7 @@ class Trainer:
             torch.autocast(self.device.type, dtype=torch.bfloat16) if job.train.bf16 else contextlib.nullcontext()
         )
         if self.pipeline is not None:
-            self.pipeline.autocast = self.autocast
+            self.pipeline.attach(self.ddp, self.autocast)
         self.graph = None
         if job.train.cuda_graph:
             if self.device.type != "cuda":
@@ -438,29 +436,35 @@ class Trainer:
     def evaluate(self) -> float:
         assert self.data.valid is not None
         self.model.eval()
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        counted = torch.zeros((), dtype=torch.float64, device=self.device)
-        if self.pipeline is not None:  # on the last stage; the others add zeros
-            t = self.job.train
-            n = t.eval_iters * t.global_batch_size // (t.micro_batch_size * self.mesh.dp)
-            micro = self.data.valid.micro_batches(0) if self.pipeline.reads_data else None
-            total, counted = self.pipeline.runtime.forward_only(self._pipeline_inputs(micro, n))
-            sums = mappings.all_reduce(torch.stack([total, counted]), self.mesh.group("pp"))
-            total, counted = sums[0], sums[1]
-        for tokens, labels, mask in self._on_device(self.data.valid.micro_batches(0)) if self.pipeline is None else ():
-            with self.autocast:
-                loss = self.forward(tokens, labels, mask).float()  # mean over this micro-batch's counted tokens
-            # Weighted by the tokens each micro-batch counts (Megatron sums loss and token count
-            # over the eval batches): with EOD masked they differ, and a mean of means would not
-            # be the loss per token.
-            n = mask.sum(dtype=torch.float64)
-            total += loss.double() * n
-            counted += n
+        if self.pipeline is not None:
+            total, counted = self._pipeline_eval_sums()
+        else:
+            total = torch.zeros((), dtype=torch.float64, device=self.device)
+            counted = torch.zeros((), dtype=torch.float64, device=self.device)
+            for tokens, labels, mask in self._on_device(self.data.valid.micro_batches(0)):
+                with self.autocast:
+                    loss = self.forward(tokens, labels, mask).float()  # mean over this micro-batch's counted tokens
+                # Weighted by the tokens each micro-batch counts (Megatron sums loss and token count
+                # over the eval batches): with EOD masked they differ, and a mean of means would not
+                # be the loss per token.
+                n = mask.sum(dtype=torch.float64)
+                total += loss.double() * n
+                counted += n
         self.model.train()
         if self.mesh.dp > 1:  # each dp rank evaluated its share of the eval batches
             sums = mappings.all_reduce(torch.stack([total, counted]), self.mesh.group("dp"))
             total, counted = sums[0], sums[1]
         return (total / counted.clamp(min=1.0)).item()  # identical on every rank
+
+    def _pipeline_eval_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token-weighted loss sum, tokens counted) of this dp rank's eval batches through the
+        pipeline: computed on the last stage, shared with the others over pp."""
+        t = self.job.train
+        n = t.eval_iters * t.global_batch_size // (t.micro_batch_size * self.mesh.dp)
+        micro = self.data.valid.micro_batches(0) if self.pipeline.reads_data else None
+        total, counted = self.pipeline.runtime.forward_only(self._pipeline_inputs(micro, n))
+        sums = mappings.all_reduce(torch.stack([total, counted]), self.mesh.group("pp"))
+        return sums[0], sums[1]
 
     def save(self) -> str:
         """Start saving the current state (asynchronous unless checkpoint.async_save is off)."""

@@ -291,12 +291,11 @@ class DataParallel:
     # ---------------------------------------------------------------- norms
     def grad_norm_and_clip(self, max_norm: float) -> torch.Tensor:
         """Global L2 norm of the gradients the optimizer will apply; clips them when max_norm > 0."""
-        if self.dist_opt:
-            items = [(piece.grad, tp_split_of(p) is not None) for piece, p, _, _ in self.pieces
-                     if not getattr(p, "pipeline_copy", False)]
-        else:
-            items = [(p.grad, tp_split_of(p) is not None) for b in self.buckets for p in b.params
-                     if not getattr(p, "pipeline_copy", False)]
+        # (gradient the optimizer applies, its parameter): a slice of it under ZeRO-1
+        grads = ([(piece.grad, p) for piece, p, _, _ in self.pieces] if self.dist_opt
+                 else [(p.grad, p) for b in self.buckets for p in b.params])
+        # the last pipeline stage's copy of a tied embedding is counted once, on the first stage
+        items = [(g, tp_split_of(p) is not None) for g, p in grads if not getattr(p, "pipeline_copy", False)]
         device = self.buckets[0].grad.device
         # [tp-sharded, tp-replicated] sums of squares; one multi-tensor norm per kind (a few
         # kernels, not a few per parameter: the step's tail is host-bound enough as it is).
@@ -311,9 +310,7 @@ class DataParallel:
         norm = total.sqrt()
         if max_norm > 0:
             coeff = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-            grads = [piece.grad for piece, *_ in self.pieces] if self.dist_opt else [
-                p.grad for b in self.buckets for p in b.params]
-            torch._foreach_mul_(grads, coeff)
+            torch._foreach_mul_([g for g, _ in grads], coeff)
         return norm
 
     # ---------------------------------------------------------------- checkpoint support

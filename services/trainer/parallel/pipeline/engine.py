@@ -35,23 +35,13 @@ class Pipeline:
         """The first stage needs tokens, the last labels and the loss mask; middle stages nothing."""
         return self.stage.is_first or self.stage.is_last
 
-    @property
-    def ddp(self):
-        return self.runtime.ddp
-
-    @ddp.setter
-    def ddp(self, ddp) -> None:
-        self.runtime.ddp = ddp
+    def attach(self, ddp, autocast) -> None:
+        """Wire in what the trainer builds after the stage: data parallelism (its reductions start
+        in a chunk's last backward; deferred weight gradients report to it) and the forward's
+        autocast context."""
+        self.runtime.ddp, self.runtime.autocast = ddp, autocast
         if self.runtime.store is not None:
             self.runtime.store.on_ready = ddp.grad_ready
-
-    @property
-    def autocast(self):
-        return self.runtime.autocast
-
-    @autocast.setter
-    def autocast(self, ctx) -> None:
-        self.runtime.autocast = ctx
 
     def tied_weight(self) -> nn.Parameter | None:
         """The word embedding this rank shares with the other end of the pipeline (tied

@@ -22,6 +22,7 @@ measures the idle fraction of each stage.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -55,8 +56,6 @@ class PipelineRuntime:
     def __init__(self, stage: PipelineStage, mesh: Mesh, schedule: str, n_micro: int, act_shape: tuple[int, ...],
                  act_dtype: torch.dtype, device: torch.device, ddp=None, autocast=None,
                  weight_store: WeightGradStore | None = None):
-        import contextlib
-
         pp, v = mesh.pp, stage.virtual
         try:
             plan = schedules.build(schedule, pp, n_micro, v)
