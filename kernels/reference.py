@@ -111,3 +111,67 @@ def linear_cross_entropy(
         # an H200: +1.8 GB at the peak; BENCHMARKS.md)
         logits = logits[..., :vocab_size]
     return (ce or cross_entropy)(logits, labels, loss_mask)
+
+
+def _expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """(b, groups, s, d) key/value heads repeated to (b, heads, s, d): query head j uses group j // (heads/groups)."""
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def _fold_kv(g: torch.Tensor, groups: int) -> torch.Tensor:
+    """The inverse of `_expand_kv` for gradients: the heads sharing a group summed into it."""
+    b, h, s, d = g.shape
+    return g if h == groups else g.view(b, groups, h // groups, s, d).sum(2)
+
+
+def _attention_scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float | None) -> torch.Tensor:
+    """fp32 (b, heads, sq, sk) scaled scores, -inf above the diagonal when causal (sq == sk)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    s = torch.matmul(_acc(q), _acc(_expand_kv(k, q.shape[1])).transpose(-1, -2)) * scale
+    if causal:
+        sq, sk = s.shape[-2:]
+        s = s.masked_fill(torch.ones(sq, sk, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
+
+
+def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                  scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one block that also returns its row log-sum-exp, the quantity two blocks'
+    partial outputs are merged by (context parallelism). Materializes the (sq, sk) scores in
+    fp32: the specification, not a kernel.
+
+    Args:
+        q: (batch, heads, sq, d); k, v: (batch, groups, sk, d), heads a multiple of groups.
+        causal: mask keys after each query (sq == sk, aligned at the start).
+        scale: score scale; default 1/sqrt(d).
+
+    Returns:
+        out (batch, heads, sq, d) in q's dtype, lse (batch, heads, sq) fp32: log sum_k exp(score).
+    """
+    s = _attention_scores(q, k, causal, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), _acc(_expand_kv(v, q.shape[1])))
+    return out.to(q.dtype), lse
+
+
+def attention_lse_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           out: torch.Tensor, lse: torch.Tensor, causal: bool,
+                           scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of one block given the *final* output and log-sum-exp of its query rows.
+
+    With `out` and `lse` of the whole attention (every key block merged), the result is this
+    block's exact share of dq and its keys' full dk, dv: P = exp(S - lse) is the block's slice of
+    the global softmax, and D = rowsum(dout * out) is the global correction term.
+
+    Returns:
+        dq (batch, heads, sq, d), dk, dv (batch, groups, sk, d), fp32.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    p = torch.exp(_attention_scores(q, k, causal, scale) - lse.unsqueeze(-1))  # (b, h, sq, sk)
+    do = _acc(dout)
+    dv = torch.matmul(p.transpose(-1, -2), do)
+    dp = torch.matmul(do, _acc(_expand_kv(v, q.shape[1])).transpose(-1, -2))
+    ds = p * (dp - (do * _acc(out)).sum(-1, keepdim=True)) * scale
+    dq = torch.matmul(ds, _acc(_expand_kv(k, q.shape[1])))
+    dk = torch.matmul(ds.transpose(-1, -2), _acc(q))
+    return dq, _fold_kv(dk, k.shape[1]), _fold_kv(dv, k.shape[1])
