@@ -6,6 +6,10 @@ rank r takes `[r*mbs, (r+1)*mbs)`. Nothing is stateful, so any worker can serve 
 any step and resuming at step g is exact. This is the in-process path; the gRPC client returns
 the same `Batch` objects.
 
+Under context parallelism (cp) the cp ranks of one data-parallel rank read the same samples and
+each keeps only its positions of the sequence (`context_positions`: chunks i and 2cp-1-i of
+2cp, Megatron's causal load balance); the data service sends only those two chunks.
+
     src = LocalBatchSource(train, micro_batch_size=4, global_batch_size=32, dp_rank=r, dp_size=2)
     for batch in src.micro_batches(step): ...   # 4 micro-batches of (4, seq_length)
 """
@@ -13,7 +17,6 @@ the same `Batch` objects.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -53,6 +56,59 @@ class BatchOptions:
             raise DataError("mask_eod_loss and document_ids need the tokenizer's eod_id")
 
 
+def context_chunks(seq_length: int, cp_rank: int, cp_size: int) -> tuple[tuple[int, int], ...]:
+    """The [start, end) ranges of the sequence that context-parallel rank `cp_rank` holds, in order.
+
+    The sequence is cut into 2*cp_size chunks of c = seq_length / (2*cp_size) tokens and rank i
+    holds chunks i and 2*cp_size-1-i (an early and a late one, so causal attention costs every
+    rank the same); with cp_size 1, the whole sequence.
+
+    Args:
+        seq_length: tokens per training sequence.
+        cp_rank: this rank's context-parallel index, in [0, cp_size).
+        cp_size: context-parallel ranks.
+
+    Returns:
+        ((0, seq_length),) for cp_size 1, else ((i*c, (i+1)*c), ((2cp-1-i)*c, (2cp-i)*c)).
+
+    Raises:
+        DataError: cp_size < 1, cp_rank outside [0, cp_size), or seq_length not divisible by
+            2*cp_size.
+    """
+    if cp_size < 1:
+        raise DataError(f"cp_size={cp_size} must be >= 1")
+    if not 0 <= cp_rank < cp_size:
+        raise DataError(f"cp_rank={cp_rank} is outside [0, cp_size={cp_size})")
+    if cp_size == 1:
+        return ((0, seq_length),)
+    if seq_length < 1 or seq_length % (2 * cp_size):
+        raise DataError(f"seq_length={seq_length} is not a positive multiple of 2 x cp_size={cp_size} "
+                        f"(context parallelism cuts each sequence into 2 x cp_size equal chunks)")
+    c = seq_length // (2 * cp_size)
+    late = 2 * cp_size - 1 - cp_rank
+    return ((cp_rank * c, (cp_rank + 1) * c), (late * c, (late + 1) * c))
+
+
+def context_positions(seq_length: int, cp_rank: int, cp_size: int) -> np.ndarray:
+    """Positions in the full sequence of context-parallel rank `cp_rank`'s tokens, in its order.
+
+    Args:
+        seq_length: tokens per training sequence.
+        cp_rank: this rank's context-parallel index, in [0, cp_size).
+        cp_size: context-parallel ranks (1: the whole sequence).
+
+    Returns:
+        (seq_length // cp_size,) int64: chunk cp_rank then chunk 2*cp_size-1-cp_rank of the
+        sequence cut into 2*cp_size equal chunks (see `context_chunks`); arange(seq_length)
+        for cp_size 1.
+
+    Raises:
+        DataError: as `context_chunks`.
+    """
+    return np.concatenate([np.arange(a, b, dtype=np.int64)
+                           for a, b in context_chunks(seq_length, cp_rank, cp_size)])
+
+
 class LocalBatchSource:
     """Serves one data-parallel rank's micro-batches straight from a GPTDataset."""
 
@@ -64,14 +120,20 @@ class LocalBatchSource:
         dp_rank: int = 0,
         dp_size: int = 1,
         options: BatchOptions | None = None,
+        cp_rank: int = 0,
+        cp_size: int = 1,
     ):
         """Args:
-        dataset: shuffled samples: a GPTDataset or BlendedDataset (`len`, `[i]` -> (seq+1,)).
+        dataset: shuffled samples: a GPTDataset or BlendedDataset (`len`, `[i]` -> (seq+1,),
+            `seq_length`).
         micro_batch_size: samples per micro-batch per rank (mbs).
         global_batch_size: samples per optimizer step over all ranks (gbs).
         dp_rank: this rank's data-parallel index.
         dp_size: data-parallel ranks.
         options: loss-mask and document-boundary options (default: neither).
+        cp_rank: this rank's context-parallel index; its batches hold only the sequence
+            positions `context_positions(seq_length, cp_rank, cp_size)`.
+        cp_size: context-parallel ranks (they all read the samples of one dp rank).
         """
         if micro_batch_size < 1 or dp_size < 1 or global_batch_size < 1:
             raise DataError(
@@ -85,12 +147,20 @@ class LocalBatchSource:
             )
         if not 0 <= dp_rank < dp_size:
             raise DataError(f"dp_rank={dp_rank} is outside [0, dp_size={dp_size})")
+        self.options = options or BatchOptions()
+        self.chunks = None  # cp 1: the whole sequence (and any dataset with `[i]` will do)
+        if cp_size != 1 or cp_rank != 0:
+            self.chunks = context_chunks(dataset.seq_length, cp_rank, cp_size)  # ((a, b), (a2, b2))
+        if cp_size > 1 and self.options.document_ids:
+            raise DataError(f"document ids are not served under context parallelism (cp_size={cp_size}): "
+                            f"a rank's chunks do not show the EODs before them")
         self.dataset = dataset
+        self.cp_rank = cp_rank
+        self.cp_size = cp_size
         self.micro_batch_size = micro_batch_size
         self.global_batch_size = global_batch_size
         self.dp_rank = dp_rank
         self.dp_size = dp_size
-        self.options = options or BatchOptions()
 
     @property
     def num_micro_batches(self) -> int:
@@ -148,6 +218,23 @@ class LocalBatchSource:
             self.dataset.read_into(int(i), out[row])
         return out
 
+    def payload(self, step: int, microbatch: int) -> np.ndarray:
+        """The token ids the data service sends for this rank's micro-batch.
+
+        Args:
+            step: global batch index (0-based).
+            microbatch: micro-batch index in `[0, num_micro_batches)`.
+
+        Returns:
+            With cp_size 1, `samples(step, microbatch)`: (micro_batch_size, seq_length + 1).
+            Otherwise this cp rank's two chunks [a, b), each with the token after it (the last
+            label): (micro_batch_size, 2, seq_length / (2 cp_size) + 1). Dataset token dtype.
+        """
+        samples = self.samples(step, microbatch)  # (mbs, seq + 1)
+        if self.cp_size == 1:
+            return samples
+        return np.stack([samples[:, a:b + 1] for a, b in self.chunks], axis=1)  # (mbs, 2, c + 1)
+
     def get(self, step: int, microbatch: int) -> Batch:
         """This rank's micro-batch `microbatch` of global step `step`.
 
@@ -156,9 +243,12 @@ class LocalBatchSource:
             microbatch: micro-batch index in `[0, num_micro_batches)`.
 
         Returns:
-            A Batch of shape (micro_batch_size, seq_length).
+            A Batch of shape (micro_batch_size, seq_length // cp_size): the full batch's columns
+            at `context_positions(seq_length, cp_rank, cp_size)`.
         """
-        return batch_from_samples(self.samples(step, microbatch), step, microbatch, self.options)
+        if self.cp_size == 1:
+            return batch_from_samples(self.samples(step, microbatch), step, microbatch, self.options)
+        return batch_from_segments(self.payload(step, microbatch), step, microbatch, self.options)
 
     def micro_batches(self, step: int) -> list[Batch]:
         """All of this rank's micro-batches for one step, in order.
@@ -189,8 +279,41 @@ def batch_from_samples(samples: np.ndarray, step: int, microbatch: int,
     import torch
 
     t = torch.from_numpy(np.asarray(samples, dtype=np.int64))  # (mbs, seq + 1) int64
-    tokens = t[:, :-1].contiguous()  # (mbs, seq)
-    labels = t[:, 1:].contiguous()  # (mbs, seq)
+    return _batch(t[:, :-1].contiguous(), t[:, 1:].contiguous(), step, microbatch, options)
+
+
+def batch_from_segments(segments: np.ndarray, step: int, microbatch: int,
+                        options: BatchOptions | None = None) -> Batch:
+    """A context-parallel rank's Batch from its chunks of the samples, each with its next token.
+
+    Args:
+        segments: (micro_batch_size, n_chunks, c + 1) token ids of any integer dtype: chunk k
+            is the samples' tokens [a_k, b_k + 1) (`LocalBatchSource.payload`).
+        step: global batch index.
+        microbatch: micro-batch index within the step.
+        options: EOD loss masking (document ids are refused: a chunk does not show the EODs
+            before it).
+
+    Returns:
+        A Batch whose tokens/labels/loss mask, (micro_batch_size, n_chunks * c), are the chunks'
+        inputs and next-token labels side by side: the columns of `batch_from_samples` on the
+        full samples at the chunks' positions.
+    """
+    import torch
+
+    if options is not None and options.document_ids:
+        raise DataError("document ids are not served under context parallelism")
+    t = torch.from_numpy(np.asarray(segments, dtype=np.int64))  # (mbs, n_chunks, c + 1) int64
+    mbs = t.shape[0]
+    tokens = t[:, :, :-1].reshape(mbs, -1)  # (mbs, n_chunks * c), a copy: chunks are not contiguous
+    labels = t[:, :, 1:].reshape(mbs, -1)  # (mbs, n_chunks * c)
+    return _batch(tokens, labels, step, microbatch, options)
+
+
+def _batch(tokens, labels, step: int, microbatch: int, options: BatchOptions | None) -> Batch:
+    """A Batch of int64 (mbs, seq) inputs and labels, with its loss mask and document ids."""
+    import torch
+
     loss_mask = torch.ones(tokens.shape, dtype=torch.float32)
     document_ids = None
     if options is not None and options.eod_id is not None:

@@ -38,7 +38,8 @@ class TrainData:
 
 def make_source(spec: DatasetSpec, micro_batch_size: int, global_batch_size: int,
                 dp_rank: int = 0, dp_size: int = 1, addresses: list[str] | None = None,
-                prefetch: int = 8, options: BatchOptions | None = None, **service):
+                prefetch: int = 8, options: BatchOptions | None = None, cp_rank: int = 0, cp_size: int = 1,
+                **service):
     """One rank's batch source for a spec: in-process, or the service when given addresses.
 
     Args:
@@ -50,6 +51,8 @@ def make_source(spec: DatasetSpec, micro_batch_size: int, global_batch_size: int
         addresses: DataService workers; None or empty reads in-process.
         prefetch: micro-batches the service client fetches ahead.
         options: EOD loss masking / document ids for the batches.
+        cp_rank, cp_size: this rank's context-parallel coordinate; its batches hold only its
+            chunks of each sequence (`context_positions`), and the service sends only those.
         service: more ServiceBatchSource settings (stall_s, give_up_s, open_timeout_s).
 
     Returns:
@@ -59,18 +62,21 @@ def make_source(spec: DatasetSpec, micro_batch_size: int, global_batch_size: int
         from meshtrain.services.dataloader.rpc.client import ServiceBatchSource  # grpc only when asked for
 
         return ServiceBatchSource(addresses, spec, micro_batch_size, global_batch_size,
-                                  dp_rank, dp_size, prefetch=prefetch, options=options, **service)
+                                  dp_rank, dp_size, prefetch=prefetch, options=options, cp_rank=cp_rank,
+                                  cp_size=cp_size, **service)
     return LocalBatchSource(open_dataset(spec), micro_batch_size, global_batch_size, dp_rank, dp_size,
-                            options=options)
+                            options=options, cp_rank=cp_rank, cp_size=cp_size)
 
 
-def build_data(job: JobConfig, dp_rank: int = 0, dp_size: int = 1) -> TrainData:
+def build_data(job: JobConfig, dp_rank: int = 0, dp_size: int = 1, cp_rank: int = 0, cp_size: int = 1) -> TrainData:
     """Open (or build) the dataset for `job` and the sample streams for its splits.
 
     Args:
         job: the job config (its `data`, `model.seq_length` and `train` sections).
         dp_rank, dp_size: this rank's data-parallel coordinate; the train stream is split over
             dp ranks (Megatron's order), and so is the evaluation set.
+        cp_rank, cp_size: this rank's context-parallel coordinate: the cp ranks of a dp rank
+            read the same samples and each gets only its chunks of every sequence.
 
     Returns:
         TrainData with the train source and, when evaluation is on, the valid source.
@@ -109,7 +115,7 @@ def build_data(job: JobConfig, dp_rank: int = 0, dp_size: int = 1) -> TrainData:
 
     train = make_source(spec("train", t.train_iters * t.global_batch_size), t.micro_batch_size,
                         t.global_batch_size, dp_rank, dp_size, addresses=addresses, prefetch=d.prefetch,
-                        options=options, **service)
+                        options=options, cp_rank=cp_rank, cp_size=cp_size, **service)
     valid = None
     if t.eval_interval > 0:
         # Megatron's unit: eval_iters global batches, split over the dp ranks like a training
@@ -117,7 +123,7 @@ def build_data(job: JobConfig, dp_rank: int = 0, dp_size: int = 1) -> TrainData:
         # or data-parallel size (the global batch size cannot change across a resume).
         n = t.eval_iters * t.global_batch_size
         valid = make_source(spec("valid", n), t.micro_batch_size, n, dp_rank, dp_size, addresses=addresses,
-                            prefetch=d.prefetch, options=options, **service)
+                            prefetch=d.prefetch, options=options, cp_rank=cp_rank, cp_size=cp_size, **service)
     log.info("data: %s (weights %s), tokenizer %s, vocab %d, %s", prefixes, weights, tokenizer_spec,
              vocab_size, f"service {addresses}" if addresses else "in-process")
     return TrainData(train, valid, vocab_size, tokenizer_spec, prefixes[0])

@@ -25,7 +25,7 @@ class DatasetSpec(_message.Message):
     def __init__(self, prefixes: _Optional[_Iterable[str]] = ..., weights: _Optional[_Iterable[float]] = ..., seq_length: _Optional[int] = ..., num_samples: _Optional[int] = ..., seed: _Optional[int] = ..., split: _Optional[str] = ..., split_name: _Optional[str] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
-    __slots__ = ("spec", "dp_rank", "dp_size", "micro_batch_size", "global_batch_size", "start_step", "start_microbatch", "end_step")
+    __slots__ = ("spec", "dp_rank", "dp_size", "micro_batch_size", "global_batch_size", "start_step", "start_microbatch", "end_step", "cp_rank", "cp_size")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     DP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,8 @@ class StreamRequest(_message.Message):
     START_STEP_FIELD_NUMBER: _ClassVar[int]
     START_MICROBATCH_FIELD_NUMBER: _ClassVar[int]
     END_STEP_FIELD_NUMBER: _ClassVar[int]
+    CP_RANK_FIELD_NUMBER: _ClassVar[int]
+    CP_SIZE_FIELD_NUMBER: _ClassVar[int]
     spec: DatasetSpec
     dp_rank: int
     dp_size: int
@@ -42,7 +44,9 @@ class StreamRequest(_message.Message):
     start_step: int
     start_microbatch: int
     end_step: int
-    def __init__(self, spec: _Optional[_Union[DatasetSpec, _Mapping]] = ..., dp_rank: _Optional[int] = ..., dp_size: _Optional[int] = ..., micro_batch_size: _Optional[int] = ..., global_batch_size: _Optional[int] = ..., start_step: _Optional[int] = ..., start_microbatch: _Optional[int] = ..., end_step: _Optional[int] = ...) -> None: ...
+    cp_rank: int
+    cp_size: int
+    def __init__(self, spec: _Optional[_Union[DatasetSpec, _Mapping]] = ..., dp_rank: _Optional[int] = ..., dp_size: _Optional[int] = ..., micro_batch_size: _Optional[int] = ..., global_batch_size: _Optional[int] = ..., start_step: _Optional[int] = ..., start_microbatch: _Optional[int] = ..., end_step: _Optional[int] = ..., cp_rank: _Optional[int] = ..., cp_size: _Optional[int] = ...) -> None: ...
 
 class MicroBatch(_message.Message):
     __slots__ = ("step", "microbatch", "dtype", "shape", "samples")

@@ -15,10 +15,14 @@ is seen), into the workers it names; each worker gets its own channel, so the De
 stream of one attempt reach the same worker (a round-robin channel sent them to different ones:
 the streaming worker then built its indices inside the stream, under `stall_s`).
 A request the server rejects (INVALID_ARGUMENT, ...), or fails on with an error it does not map
-(UNKNOWN: the same on every worker), is raised in the trainer's thread with the server's message; so is a run of failures, with no micro-batch in between, that has gone on
-for `give_up_s` after every worker was tried. That clock starts at the first failure, not at the
+(UNKNOWN: the same on every worker), is raised in the trainer's thread with the server's
+message; so is a run of failures, with no micro-batch in between, that has gone on for
+`give_up_s` after every worker was tried. That clock starts at the first failure, not at the
 last micro-batch (the trainer may have computed on prefetched ones for minutes in between), and
 stops while a worker opens the dataset successfully (a build may take minutes).
+Under context parallelism (`cp_size` > 1) the worker sends only the rank's two chunks of each
+sample, each with its next token, and the client checks it got exactly that shape (a worker
+that predates cp sends whole samples: an error, never a batch of the wrong positions).
 
     src = ServiceBatchSource(["127.0.0.1:7001", "127.0.0.1:7002"], spec, micro_batch_size=4,
                              global_batch_size=32, dp_rank=r, dp_size=8)
@@ -43,7 +47,13 @@ from meshtrain.protos.dataloader.v1 import dataloader_pb2_grpc as pb_grpc
 from meshtrain.services.common.errors import DataError
 from meshtrain.services.common.grpc_utils import channel_options, is_permanent, put_unless_stopped
 from meshtrain.services.dataloader.indexed import DTYPE_CODES
-from meshtrain.services.dataloader.loader import Batch, BatchOptions, batch_from_samples
+from meshtrain.services.dataloader.loader import (
+    Batch,
+    BatchOptions,
+    batch_from_samples,
+    batch_from_segments,
+    context_chunks,
+)
 from meshtrain.services.dataloader.rpc.servicer import spec_to_proto
 from meshtrain.services.dataloader.spec import DatasetSpec
 
@@ -105,6 +115,8 @@ class ServiceBatchSource:
         options: BatchOptions | None = None,
         stall_s: float | None = None,
         open_timeout_s: float = 900.0,
+        cp_rank: int = 0,
+        cp_size: int = 1,
     ):
         """Args:
         addresses: worker addresses (`host:port`), tried in turn; a `dns:///name:port`
@@ -125,6 +137,9 @@ class ServiceBatchSource:
             the trainer waits for it (default: give_up_s / 4).
         open_timeout_s: how long a worker may take to open the dataset (build or load its
             indices) before the next one is tried; a failed open is a failure like any other.
+        cp_rank: this rank's context-parallel index; batches hold only the positions
+            `context_positions(spec.seq_length, cp_rank, cp_size)`, and only those are sent.
+        cp_size: context-parallel ranks (they all read the samples of one dp rank).
         """
         if not addresses:
             raise DataError("ServiceBatchSource needs at least one worker address")
@@ -139,6 +154,10 @@ class ServiceBatchSource:
             raise DataError(f"prefetch={prefetch} must be >= 1 and give_up_s={give_up_s}, stall_s={stall_s}, "
                             f"open_timeout_s={open_timeout_s} positive")
         spec.validate()
+        self.chunks = context_chunks(spec.seq_length, cp_rank, cp_size)  # raises on bad cp values
+        if cp_size > 1 and options is not None and options.document_ids:
+            raise DataError(f"document ids are not served under context parallelism (cp_size={cp_size}): "
+                            f"a rank's chunks do not show the EODs before them")
         for address in addresses:
             if address.startswith("dns:"):
                 _dns_host_port(address)  # a malformed target fails here, not at the first attempt
@@ -148,6 +167,8 @@ class ServiceBatchSource:
         self.global_batch_size = global_batch_size
         self.dp_rank = dp_rank
         self.dp_size = dp_size
+        self.cp_rank = cp_rank
+        self.cp_size = cp_size
         self.prefetch = prefetch
         self.backoff_s = backoff_s
         self.give_up_s = give_up_s
@@ -183,27 +204,42 @@ class ServiceBatchSource:
         return pb.StreamRequest(
             spec=spec_to_proto(self.spec), dp_rank=self.dp_rank, dp_size=self.dp_size,
             micro_batch_size=self.micro_batch_size, global_batch_size=self.global_batch_size,
-            start_step=step, start_microbatch=microbatch)
+            start_step=step, start_microbatch=microbatch, cp_rank=self.cp_rank, cp_size=self.cp_size)
 
     def _stub(self, address: str) -> pb_grpc.DataServiceStub:
         if address not in self._channels:  # pick_first: one worker per channel (see resolve_workers)
             self._channels[address] = grpc.insecure_channel(address, options=channel_options())
         return pb_grpc.DataServiceStub(self._channels[address])
 
+    @property
+    def payload_shape(self) -> tuple[int, ...]:
+        """The shape of a micro-batch message's tokens: (mbs, seq + 1), or under context
+        parallelism (mbs, 2, seq / (2 cp) + 1), the rank's two chunks each with its next token."""
+        if self.cp_size == 1:
+            return (self.micro_batch_size, self.spec.seq_length + 1)
+        (a, b), _ = self.chunks
+        return (self.micro_batch_size, len(self.chunks), b - a + 1)
+
     def _samples(self, msg: pb.MicroBatch, address: str) -> np.ndarray:
-        """The (mbs, seq + 1) samples of a message, checked against what was asked for: a
-        malformed one raised numpy's bare ValueError, and one with another dtype name than
-        its bytes were decoded as garbage tokens."""
-        want = (self.micro_batch_size, self.spec.seq_length + 1)
+        """The `payload_shape` tokens of a message, checked against what was asked for: a
+        malformed one raised numpy's bare ValueError, one with another dtype name than its
+        bytes were decoded as garbage tokens, and whole samples from a worker that ignored
+        the cp fields would have been read as the wrong positions."""
+        want = self.payload_shape
         where = f"worker {address} sent step {msg.step} micro-batch {msg.microbatch}"
         dtype = next((d for d in DTYPE_CODES.values() if d.name == msg.dtype), None)
         if dtype is None:
             raise DataError(f"{where} as dtype {msg.dtype!r}, not a token dtype of the MMIDIDX format")
         if tuple(msg.shape) != want:
-            raise DataError(f"{where} of shape {tuple(msg.shape)}, expected {want}")
-        if len(msg.samples) != want[0] * want[1] * dtype.itemsize:
+            cp = ""
+            if self.cp_size > 1:
+                cp = (f" (the chunks of cp_rank={self.cp_rank} of cp_size={self.cp_size}; a worker that "
+                      f"predates context parallelism sends whole samples: upgrade it)")
+            raise DataError(f"{where} of shape {tuple(msg.shape)}, expected {want}{cp}")
+        n = int(np.prod(want))
+        if len(msg.samples) != n * dtype.itemsize:
             raise DataError(f"{where} with {len(msg.samples)} bytes, expected "
-                            f"{want[0] * want[1] * dtype.itemsize} for {want} {dtype.name}")
+                            f"{n * dtype.itemsize} for {want} {dtype.name}")
         return np.frombuffer(msg.samples, dtype=dtype.newbyteorder("<")).reshape(want)
 
     @staticmethod
@@ -249,7 +285,7 @@ class ServiceBatchSource:
                     if (msg.step, msg.microbatch) != pos:
                         raise DataError(f"worker {address} sent step {msg.step} micro-batch "
                                         f"{msg.microbatch}, expected {pos}")
-                    samples = self._samples(msg, address)  # (mbs, seq + 1)
+                    samples = self._samples(msg, address)  # (mbs, seq + 1) or (mbs, 2, c + 1)
                     if not self._put(q, (pos, samples), stop):
                         return
                     pos = (pos[0] + 1, 0) if pos[1] + 1 == nmb else (pos[0], pos[1] + 1)
@@ -362,7 +398,9 @@ class ServiceBatchSource:
         pos, samples = item
         assert pos == self._next, f"client queue out of order: got {pos}, expected {self._next}"
         self._next = (pos[0] + 1, 0) if pos[1] + 1 == self.num_micro_batches else (pos[0], pos[1] + 1)
-        return batch_from_samples(samples, pos[0], pos[1], self.options)
+        if self.cp_size == 1:
+            return batch_from_samples(samples, pos[0], pos[1], self.options)
+        return batch_from_segments(samples, pos[0], pos[1], self.options)
 
     def micro_batches(self, step: int) -> list[Batch]:
         """All of this rank's micro-batches for one step, in order.

@@ -2,7 +2,9 @@
 
 A worker keeps no per-client state: each stream request carries the dataset spec, the rank
 and batch sizes and the first (step, micro-batch) wanted, and the worker computes those
-micro-batches with `LocalBatchSource`, exactly as the in-process path does. Opened datasets
+micro-batches with `LocalBatchSource`, exactly as the in-process path does. Under context
+parallelism (`cp_size` > 1) it sends each sample's two chunks the cp rank holds, not the whole
+sample. Opened datasets
 (and their sample indices) are kept in a small LRU, so many streams over the same spec share
 one build: while a spec is being built, other requests for it wait for that build instead of
 starting their own (all ranks connect at job start; N builds would cost N times the memory
@@ -167,11 +169,19 @@ class DataServicer(pb_grpc.DataServiceServicer):
         if not req.HasField("spec"):
             raise DataError("StreamRequest has no dataset spec")
         spec = spec_from_proto(req.spec)
-        mbs_bytes = req.micro_batch_size * (spec.seq_length + 1) * 4  # int32 worst case
+        cp_rank, cp_size = int(req.cp_rank), int(req.cp_size) or 1  # 0: a client that predates cp
+        if cp_rank >= cp_size:
+            raise DataError(f"cp_rank={cp_rank} is outside [0, cp_size={cp_size})")
+        if cp_size > 1 and spec.seq_length % (2 * cp_size):
+            raise DataError(f"seq_length={spec.seq_length} is not divisible by 2 x cp_size={cp_size} "
+                            f"(context parallelism cuts each sequence into 2 x cp_size equal chunks)")
+        # a message's tokens: the whole sample, or two chunks of seq/(2 cp) each with its next token
+        row = spec.seq_length + 1 if cp_size == 1 else spec.seq_length // cp_size + 2
+        mbs_bytes = req.micro_batch_size * row * 4  # int32 worst case
         if mbs_bytes > MAX_BATCH_BYTES:
             raise DataError(
-                f"micro_batch_size={req.micro_batch_size} x (seq_length {spec.seq_length} + 1) "
-                f"makes {mbs_bytes} byte messages, over the {MAX_BATCH_BYTES} limit"
+                f"micro_batch_size={req.micro_batch_size} x {row} tokens (seq_length {spec.seq_length}, "
+                f"cp_size {cp_size}) makes {mbs_bytes} byte messages, over the {MAX_BATCH_BYTES} limit"
             )
         if req.dp_size < 1 or req.dp_rank >= req.dp_size:
             raise DataError(f"dp_rank={req.dp_rank} is outside [0, dp_size={req.dp_size})")
@@ -182,8 +192,8 @@ class DataServicer(pb_grpc.DataServiceServicer):
         if req.global_batch_size % (req.micro_batch_size * req.dp_size):
             raise DataError(f"global_batch_size={req.global_batch_size} is not divisible by "
                             f"micro_batch_size={req.micro_batch_size} x dp_size={req.dp_size}")
-        return LocalBatchSource(self._dataset(spec), int(req.micro_batch_size),
-                                int(req.global_batch_size), int(req.dp_rank), int(req.dp_size))
+        return LocalBatchSource(self._dataset(spec), int(req.micro_batch_size), int(req.global_batch_size),
+                                int(req.dp_rank), int(req.dp_size), cp_rank=cp_rank, cp_size=cp_size)
 
     def Describe(self, request: pb.StreamRequest, context) -> pb.DescribeResponse:
         src = self._source(request)
@@ -204,7 +214,7 @@ class DataServicer(pb_grpc.DataServiceServicer):
         if step >= src.num_steps:
             raise DataError(f"start_step={step} is past the dataset's {src.num_steps} steps")
         while step < end and context.is_active():
-            samples = src.samples(step, mb)  # (mbs, seq + 1) dataset dtype
+            samples = src.payload(step, mb)  # (mbs, seq + 1), or (mbs, 2, seq/(2 cp) + 1) under cp
             samples = samples.astype(samples.dtype.newbyteorder("<"), copy=False)
             yield pb.MicroBatch(step=step, microbatch=mb, dtype=samples.dtype.name,
                                 shape=list(samples.shape), samples=samples.tobytes())

@@ -16,7 +16,7 @@ from meshtrain.protos.dataloader.v1 import dataloader_pb2 as pb
 from meshtrain.protos.dataloader.v1 import dataloader_pb2_grpc as pb_grpc
 from meshtrain.services.common.errors import DataError
 from meshtrain.services.common.grpc_utils import make_server
-from meshtrain.services.dataloader.loader import LocalBatchSource
+from meshtrain.services.dataloader.loader import BatchOptions, LocalBatchSource
 from meshtrain.services.dataloader.rpc.client import ServiceBatchSource
 from meshtrain.services.dataloader.rpc.server import start_server
 from meshtrain.services.dataloader.rpc.servicer import SERVICE_NAME, DataServicer, spec_to_proto
@@ -162,6 +162,9 @@ def test_a_paused_reader_is_not_cut_off_for_its_keepalive_pings(good, blend_spec
     ({"global_batch_size": -16}, "positive multiple"),
     ({"prefetch": 0}, "prefetch=0"),
     ({"stall_s": 0.0}, "stall_s=0.0"),
+    ({"cp_rank": 2, "cp_size": 2}, r"cp_rank=2 is outside \[0, cp_size=2\)"),
+    ({"cp_size": 3}, r"seq_length=32 .* 2 x cp_size=3"),
+    ({"cp_size": 2, "options": BatchOptions(eod_id=0, document_ids=True)}, "document ids are not served"),
 ])
 def test_arguments_it_cannot_work_with_are_refused(blend_spec, kw, match):
     args = {"micro_batch_size": 2, "global_batch_size": 16, "dp_rank": 0, "dp_size": 2, **kw}
@@ -464,6 +467,30 @@ def test_a_malformed_micro_batch_is_a_clear_error_naming_the_worker(blend_spec, 
     try:
         with ServiceBatchSource([f"127.0.0.1:{port}"], blend_spec, 2, 16, 0, 2) as remote, \
                 pytest.raises(DataError, match=f"worker 127.0.0.1:{port} sent step 0 micro-batch 0 {match}"):
+            remote.micro_batches(0)
+    finally:
+        srv.stop(0)
+
+
+class _PredatesCp(DataServicer):
+    """A worker of the version before context parallelism: it does not know the cp fields and
+    streams whole samples whatever they say."""
+
+    def StreamBatches(self, request, context):
+        old = pb.StreamRequest()
+        old.CopyFrom(request)
+        old.ClearField("cp_rank")
+        old.ClearField("cp_size")
+        return super().StreamBatches(old, context)
+
+
+def test_whole_samples_from_a_worker_that_ignores_cp_are_a_clear_error_not_wrong_positions(blend_spec):
+    srv, address = _serve(_PredatesCp())
+    try:
+        with ServiceBatchSource([address], blend_spec, 2, 16, 0, 2, cp_rank=1, cp_size=2) as remote, \
+                pytest.raises(DataError, match=rf"worker {address} sent step 0 micro-batch 0 of shape "
+                                               rf"\(2, 33\), expected \(2, 2, 9\) \(the chunks of cp_rank=1 of "
+                                               rf"cp_size=2; a worker that predates context parallelism"):
             remote.micro_batches(0)
     finally:
         srv.stop(0)

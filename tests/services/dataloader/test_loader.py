@@ -1,4 +1,5 @@
-"""LocalBatchSource: Megatron sampler order, data-parallel partition, purity, bounds."""
+"""LocalBatchSource: Megatron sampler order, data-parallel partition, context-parallel slices,
+purity, bounds."""
 
 import random
 
@@ -8,7 +9,7 @@ import torch
 
 from meshtrain.services.common.errors import DataError
 from meshtrain.services.dataloader.indexed import IndexedDataset, IndexedDatasetWriter
-from meshtrain.services.dataloader.loader import LocalBatchSource
+from meshtrain.services.dataloader.loader import BatchOptions, LocalBatchSource, context_positions
 from meshtrain.services.dataloader.samples import GPTDataset
 
 SEQ = 8
@@ -100,3 +101,86 @@ def test_eod_loss_mask_and_document_ids():
     assert plain.document_ids is None and plain.loss_mask.sum() == 6
     with pytest.raises(DataError, match="eod_id"):
         BatchOptions(mask_eod_loss=True)
+
+
+@pytest.mark.parametrize("seq,cp,rank,want", [
+    (8, 1, 0, list(range(8))),
+    (8, 2, 0, [0, 1, 6, 7]),
+    (8, 2, 1, [2, 3, 4, 5]),
+    (16, 4, 0, [0, 1, 14, 15]),
+    (16, 4, 1, [2, 3, 12, 13]),
+    (16, 4, 3, [6, 7, 8, 9]),
+    (7, 1, 0, list(range(7))),  # cp 1 cuts nothing, so any length does
+])
+def test_context_positions_layout(seq, cp, rank, want):
+    got = context_positions(seq, rank, cp)
+    assert got.dtype == np.int64 and got.tolist() == want
+
+
+@pytest.mark.parametrize("seq,cp", [(8, 1), (8, 2), (8, 4), (24, 2), (24, 4), (64, 4)])
+def test_context_positions_of_all_ranks_cover_the_sequence_once(seq, cp):
+    ranks = [context_positions(seq, r, cp) for r in range(cp)]
+    assert all(len(p) == seq // cp for p in ranks)
+    assert sorted(np.concatenate(ranks).tolist()) == list(range(seq))
+
+
+@pytest.mark.parametrize("seq,rank,cp,match", [
+    (10, 0, 4, r"seq_length=10 .* 2 x cp_size=4"),
+    (12, 0, 4, r"seq_length=12 .* 2 x cp_size=4"),
+    (8, 2, 2, r"cp_rank=2 is outside \[0, cp_size=2\)"),
+    (8, -1, 2, r"cp_rank=-1 is outside \[0, cp_size=2\)"),
+    (8, 1, 1, r"cp_rank=1 is outside \[0, cp_size=1\)"),
+    (8, 0, 0, r"cp_size=0 must be >= 1"),
+])
+def test_context_positions_errors_name_the_values(seq, rank, cp, match):
+    with pytest.raises(DataError, match=match):
+        context_positions(seq, rank, cp)
+
+
+@pytest.fixture(scope="module")
+def eod_dataset(tmp_path_factory):
+    """seq 16 over a 6-token vocabulary, so EOD (token 3) is common in every sample."""
+    path = tmp_path_factory.mktemp("loader-cp") / "ds"
+    rng = np.random.default_rng(1)
+    with IndexedDatasetWriter(path, np.uint16) as w:
+        for n in rng.integers(1, 40, size=40):
+            w.add_document(rng.integers(0, 6, size=n))
+    indexed = IndexedDataset(path)
+    return GPTDataset(indexed, np.arange(indexed.num_documents), 16, 4 * GBS, seed=3)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_parallel_batches_are_the_full_batch_columns(eod_dataset, cp):
+    options = BatchOptions(eod_id=3, mask_eod_loss=True)
+    full = LocalBatchSource(eod_dataset, 2, GBS, dp_rank=1, dp_size=2, options=options)
+    masked = 0
+    for rank in range(cp):
+        pos = torch.from_numpy(context_positions(16, rank, cp))
+        src = LocalBatchSource(eod_dataset, 2, GBS, dp_rank=1, dp_size=2, options=options, cp_rank=rank, cp_size=cp)
+        assert src.num_micro_batches == full.num_micro_batches
+        for step in (0, 3):
+            for got, want in zip(src.micro_batches(step), full.micro_batches(step), strict=True):
+                assert got.tokens.shape == got.labels.shape == got.loss_mask.shape == (2, 16 // cp)
+                assert torch.equal(got.tokens, want.tokens[:, pos])
+                assert torch.equal(got.labels, want.labels[:, pos])
+                assert torch.equal(got.loss_mask, want.loss_mask[:, pos])
+                assert (got.step, got.microbatch) == (want.step, want.microbatch) and got.document_ids is None
+                masked += int((got.loss_mask == 0).sum())
+    assert masked > 0  # EOD masking was exercised
+
+
+def test_context_parallel_payload_is_each_chunk_with_its_next_token(eod_dataset):
+    src = LocalBatchSource(eod_dataset, 2, GBS, cp_rank=1, cp_size=2)  # chunks [4, 8) and [8, 12)
+    samples, payload = src.samples(2, 1), src.payload(2, 1)
+    assert payload.shape == (2, 2, 5) and payload.dtype == samples.dtype
+    assert np.array_equal(payload[:, 0], samples[:, 4:9]) and np.array_equal(payload[:, 1], samples[:, 8:13])
+    assert np.array_equal(LocalBatchSource(eod_dataset, 2, GBS).payload(2, 1), samples)
+
+
+def test_context_parallel_source_errors(eod_dataset):
+    with pytest.raises(DataError, match=r"seq_length=16 .* cp_size=3"):
+        LocalBatchSource(eod_dataset, 2, GBS, cp_rank=0, cp_size=3)
+    with pytest.raises(DataError, match=r"cp_rank=2 is outside \[0, cp_size=2\)"):
+        LocalBatchSource(eod_dataset, 2, GBS, cp_rank=2, cp_size=2)
+    with pytest.raises(DataError, match="document ids are not served under context parallelism"):
+        LocalBatchSource(eod_dataset, 2, GBS, options=BatchOptions(eod_id=3, document_ids=True), cp_rank=0, cp_size=2)

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -15,7 +16,7 @@ from meshtrain.protos.dataloader.v1 import dataloader_pb2 as pb
 from meshtrain.protos.dataloader.v1 import dataloader_pb2_grpc as pb_grpc
 from meshtrain.services.common.errors import DataError
 from meshtrain.services.common.grpc_utils import make_server
-from meshtrain.services.dataloader.loader import LocalBatchSource
+from meshtrain.services.dataloader.loader import BatchOptions, LocalBatchSource
 from meshtrain.services.dataloader.rpc import servicer as servicer_module
 from meshtrain.services.dataloader.rpc.client import ServiceBatchSource
 from meshtrain.services.dataloader.rpc.server import start_server
@@ -60,6 +61,38 @@ def test_wire_is_raw_bytes_of_the_token_dtype(server, blend_spec):
     assert (info.num_samples, info.num_steps, info.num_micro_batches) == (1024, 64, 4)
 
 
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_parallel_stream_equals_the_local_slice(server, blend_spec, cp):
+    full = LocalBatchSource(open_dataset(blend_spec), 2, 16, 1, 2)
+    options = BatchOptions(eod_id=int(full.samples(0, 0)[0, 3]), mask_eod_loss=True)  # a token that occurs
+    for rank in range(cp):
+        local = LocalBatchSource(open_dataset(blend_spec), 2, 16, 1, 2, options=options, cp_rank=rank, cp_size=cp)
+        with ServiceBatchSource([server], blend_spec, 2, 16, 1, 2, prefetch=3, options=options,
+                                cp_rank=rank, cp_size=cp) as remote:
+            for step in [0, 1, 40, 2]:
+                for got, want in zip(remote.micro_batches(step), local.micro_batches(step), strict=True):
+                    assert got.tokens.shape == (2, 32 // cp)
+                    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.labels, want.labels)
+                    assert torch.equal(got.loss_mask, want.loss_mask)
+                    assert (got.step, got.microbatch) == (want.step, want.microbatch)
+    assert options.eod_id in full.samples(0, 0)[0, :-1]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_parallel_wire_carries_only_the_ranks_chunks(server, blend_spec, cp):
+    stub = pb_grpc.DataServiceStub(grpc.insecure_channel(server))
+    c = 32 // (2 * cp)
+    for rank in range(cp):
+        msg = next(stub.StreamBatches(_request(blend_spec, start_step=5, start_microbatch=1, cp_rank=rank, cp_size=cp)))
+        assert (msg.dtype, list(msg.shape)) == ("uint16", [2, 2, c + 1])
+        # about 1/cp of the 2 x 33 tokens of whole samples: seq/cp + 2 tokens a sample
+        assert len(msg.samples) == 2 * (32 // cp + 2) * 2 < 2 * 33 * 2 / cp + 2 * 2 * 2
+        want = LocalBatchSource(open_dataset(blend_spec), 2, 16, 0, 2, cp_rank=rank, cp_size=cp).payload(5, 1)
+        assert np.array_equal(np.frombuffer(msg.samples, "<u2").reshape(2, 2, c + 1), want)
+    # a client that predates cp (fields 0) still gets whole samples
+    assert list(next(stub.StreamBatches(_request(blend_spec))).shape) == [2, 33]
+
+
 def test_end_step_stops_the_stream_and_0_means_to_the_end(server, blend_spec):
     stub = pb_grpc.DataServiceStub(grpc.insecure_channel(server))
     for start, end, steps in [(5, 7, [5, 6]), (62, 0, [62, 63]), (62, 100, [62, 63])]:
@@ -77,6 +110,10 @@ def test_end_step_stops_the_stream_and_0_means_to_the_end(server, blend_spec):
     ({"start_step": 5, "end_step": 5}, "end_step=5 is not after start_step=5"),
     ({"start_step": 64, "end_step": 70}, "past"),
     ({"start_microbatch": 4}, "start_microbatch"),
+    ({"cp_rank": 2, "cp_size": 2}, "cp_rank=2 is outside [0, cp_size=2)"),
+    ({"cp_rank": 1}, "cp_rank=1 is outside [0, cp_size=1)"),  # cp_size 0 means 1
+    ({"cp_size": 3}, "seq_length=32 is not divisible by 2 x cp_size=3"),
+    ({"cp_size": 32}, "seq_length=32 is not divisible by 2 x cp_size=32"),
 ])
 def test_bad_requests_are_invalid_argument(server, blend_spec, change, match):
     stub = pb_grpc.DataServiceStub(grpc.insecure_channel(server))
@@ -446,8 +483,8 @@ def test_the_serve_flag_sets_the_index_memory_bound(blend_spec):
     finally:
         proc.kill()
         proc.wait()
-    bad = subprocess.run([sys.executable, "-m", "meshtrain.services.dataloader.rpc.server", "--max-index-gib", "0"], check=False,
-                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    bad = subprocess.run([sys.executable, "-m", "meshtrain.services.dataloader.rpc.server", "--max-index-gib", "0"],
+                         check=False, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "--max-index-gib 0.0 must be a positive number of GiB" in bad.stderr
 
 

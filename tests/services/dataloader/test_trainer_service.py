@@ -33,3 +33,37 @@ def test_build_data_picks_the_service_when_given_addresses(corpus_cache, tmp_pat
     data = build_data(job)
     assert isinstance(data.train, ServiceBatchSource) and isinstance(data.valid, ServiceBatchSource)
     assert data.train.num_micro_batches == 2
+
+
+def test_build_data_gives_each_context_parallel_rank_its_chunks_in_process_and_from_the_service(
+        corpus_cache, tmp_path):  # noqa: F811
+    import torch
+
+    from meshtrain.services.dataloader.loader import context_positions
+    from meshtrain.services.trainer.data import build_data
+
+    job = load_config(small_job_args(corpus_cache, tmp_path / "r", **{"data.eod_mask_loss": True}))
+    full = build_data(job, dp_rank=1, dp_size=2)
+    server, port, _ = start_server(0)
+    try:
+        service_job = load_config(small_job_args(corpus_cache, tmp_path / "s", **{
+            "data.eod_mask_loss": True, "data.service_addresses": f"[\"127.0.0.1:{port}\"]"}))
+        for rank in range(2):
+            pos = torch.from_numpy(context_positions(64, rank, 2))
+            local = build_data(job, dp_rank=1, dp_size=2, cp_rank=rank, cp_size=2)
+            remote = build_data(service_job, dp_rank=1, dp_size=2, cp_rank=rank, cp_size=2)
+            try:
+                for split, step in (("train", 1), ("valid", 0)):
+                    want = getattr(full, split).micro_batches(step)
+                    for source in (getattr(local, split), getattr(remote, split)):
+                        assert (source.cp_rank, source.cp_size) == (rank, 2)
+                        for got, w in zip(source.micro_batches(step), want, strict=True):
+                            assert got.tokens.shape == (8, 32)
+                            assert torch.equal(got.tokens, w.tokens[:, pos])
+                            assert torch.equal(got.labels, w.labels[:, pos])
+                            assert torch.equal(got.loss_mask, w.loss_mask[:, pos])
+            finally:
+                remote.train.close()
+                remote.valid.close()
+    finally:
+        server.stop(0)
