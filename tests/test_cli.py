@@ -71,10 +71,12 @@ def test_a_run_on_the_embedded_corpus_exports_its_tokenizer_from_any_working_dir
 def test_user_errors_exit_2_with_the_key_named(tmp_path):
     bad = meshtrain("train", "--config", TINY, "--model.hidden_sz=3")
     assert bad.returncode == 2 and "model.hidden_sz" in bad.stderr and "Traceback" not in bad.stderr
-    cp = meshtrain("train", "--context-parallel-size", "2")
-    assert cp.returncode == 2 and "not built yet" in cp.stderr
+    ep = meshtrain("train", "--expert-model-parallel-size", "2")
+    assert ep.returncode == 2 and "not built yet" in ep.stderr
     pp = meshtrain("train", "--config", TINY, "--pipeline-model-parallel-size", "2")
     assert pp.returncode == 2 and "parallel.pp=2 needs 2 processes" in pp.stderr
+    cp = meshtrain("train", "--config", TINY, "--context-parallel-size", "2")
+    assert cp.returncode == 2 and "parallel.cp=2 needs 2 processes" in cp.stderr
     missing = meshtrain("train", "--config", tmp_path / "nope.toml")
     assert missing.returncode == 2 and "nope.toml" in missing.stderr
     empty = meshtrain("ckpt", "inspect", tmp_path)

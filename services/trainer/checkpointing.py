@@ -220,7 +220,7 @@ class Checkpointer:
         params = dict(model.named_parameters())
         moments = _moments(model, optimizer, self.par)
         boxes: list[tuple[ShardSpec, torch.Tensor]] = []
-        if mesh.dp_rank == 0:  # dp replicas hold the same values: one of them writes
+        if mesh.dp_rank == 0 and mesh.cp_rank == 0:  # dp and cp replicas hold the same values: one writes
             # (the last pipeline stage's copy of a tied embedding is the first stage's, written there)
             own = {n: p for n, p in params.items() if not getattr(p, "pipeline_copy", False)}
             tensors = [(n, p.detach(), p) for n, p in own.items()]
@@ -236,7 +236,7 @@ class Checkpointer:
                 # alike, so one state restores them all (other visible devices are never used).
                 cuda = torch.cuda.get_rng_state().unsqueeze(0)
                 boxes.append((ShardSpec("rng.torch_cuda", tuple(cuda.shape), "uint8", (0, 0), tuple(cuda.shape)), cuda))
-        if mesh.pp > 1 and mesh.tp_rank == 0 and mesh.dp_rank == 0:
+        if mesh.pp > 1 and mesh.tp_rank == 0 and mesh.dp_rank == 0 and mesh.cp_rank == 0:
             # Pipeline stages draw dropout from their generators in different amounts: each
             # stage's own states, one row per stage, so a resume at the same pp is exact.
             r = mesh.pp_rank
@@ -250,7 +250,7 @@ class Checkpointer:
             "consumed_samples": state.consumed_samples,
             "optimizer_step": _optimizer_step(optimizer, self.par),
             "config": to_dict(job),
-            "layout": {"tp": mesh.tp, "dp": mesh.dp, "pp": mesh.pp, "world_size": mesh.world_size},
+            "layout": {"tp": mesh.tp, "cp": mesh.cp, "dp": mesh.dp, "pp": mesh.pp, "world_size": mesh.world_size},
             "rng_python": random.getstate(),
             "rng_numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
             **extra,

@@ -222,7 +222,17 @@ class ParallelConfig:
     Megatron); 'zb-h1' splits the backward and defers the weight gradients into the bubble;
     'gpipe' runs every forward first; 'none' one micro-batch at a time (a reference)."""
     cp: int = 1
-    """Context-parallel degree (--context-parallel-size); not built yet: must be 1."""
+    """Context-parallel degree (--context-parallel-size): each sequence split over cp ranks, in
+    2·cp chunks with rank i holding chunks i and 2·cp−1−i (causal load balance)."""
+    cp_comm_type: Literal["p2p", "a2a", "a2a+p2p"] = "p2p"
+    """How context-parallel attention exchanges data (--cp-comm-type): 'p2p' rotates key/value
+    blocks around a ring overlapped with attention; 'a2a' swaps sequence for heads with
+    all-to-alls (DeepSpeed-Ulysses: the heads per tp rank must split over cp, or the key/value
+    heads repeat to it); 'a2a+p2p' all-to-all inside groups of
+    hierarchical_context_parallel_sizes[0] ranks and a ring across them."""
+    hierarchical_context_parallel_sizes: list[int] | None = None
+    """For cp_comm_type 'a2a+p2p': [all-to-all size, ring size], product cp
+    (--hierarchical-context-parallel-sizes)."""
     ep: int = 1
     """Expert-parallel degree (--expert-model-parallel-size); not built yet: must be 1."""
     sequence_parallel: bool = False
@@ -271,15 +281,13 @@ class ParallelConfig:
     ('block'). Unset with 'full': 1."""
 
     def __post_init__(self) -> None:
-        for key in ("cp", "ep"):
-            if getattr(self, key) != 1:
-                raise NotBuiltError(
-                    f"parallel.{key}={getattr(self, key)}: this parallelism is not built yet (value must be 1)"
-                )
-        for key in ("tp", "pp"):
+        if self.ep != 1:
+            raise NotBuiltError(f"parallel.ep={self.ep}: this parallelism is not built yet (value must be 1)")
+        for key in ("tp", "pp", "cp"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"parallel.{key} must be >= 1, got {getattr(self, key)}")
         self._check_pipeline()
+        self._check_context()
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1")
         if self.tp_comm_overlap and not self.sequence_parallel:
@@ -292,6 +300,28 @@ class ParallelConfig:
         self._resolve_recompute_plan()
         if self.ddp_bucket_size <= 0:
             raise ConfigError(f"parallel.ddp_bucket_size must be positive, got {self.ddp_bucket_size}")
+
+    def _check_context(self) -> None:
+        """Refuse a hierarchical split that does not match cp_comm_type or multiply to cp."""
+        sizes = self.hierarchical_context_parallel_sizes
+        if self.cp_comm_type == "a2a+p2p":
+            if self.cp == 1:
+                raise ConfigError("parallel.cp_comm_type='a2a+p2p' needs parallel.cp > 1")
+            if sizes is None or len(sizes) != 2 or sizes[0] * sizes[1] != self.cp or min(sizes) < 1:
+                raise ConfigError(f"parallel.cp_comm_type='a2a+p2p' needs parallel.hierarchical_context_parallel_sizes "
+                                  f"= [all-to-all size, ring size] multiplying to parallel.cp={self.cp}, got {sizes}")
+        elif sizes is not None:
+            raise ConfigError("parallel.hierarchical_context_parallel_sizes is for cp_comm_type='a2a+p2p'; "
+                              f"cp_comm_type is {self.cp_comm_type!r}")
+
+    @property
+    def cp_a2a_size(self) -> int:
+        """Context-parallel ranks one all-to-all spans (1 with the ring alone)."""
+        if self.cp_comm_type == "a2a":
+            return self.cp
+        if self.cp_comm_type == "a2a+p2p":
+            return self.hierarchical_context_parallel_sizes[0]
+        return 1
 
     def _check_pipeline(self) -> None:
         """Refuse pipeline settings that a pp of 1 would ignore, or that contradict each other."""
@@ -402,6 +432,42 @@ class JobConfig:
     def __post_init__(self) -> None:
         # Known from the config alone: refused here, not once every rank has built its data.
         check_tensor_parallel(self.model, self.parallel.tp, self.parallel.sequence_parallel)
+        check_context_parallel(self.model, self.parallel)
+
+
+def check_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """What context parallelism needs of the model: a sequence that splits into 2·cp chunks (per
+    tp rank too with sequence parallelism), heads that split over the all-to-all, no dropout
+    (the attention blocks carry no dropout RNG; hidden dropout would draw the same mask on
+    every cp rank), no pinned cuDNN or memory-efficient backend (the blocks run the flash
+    kernel, which returns the log-sum-exp they merge by).
+
+    Raises:
+        ConfigError: naming the setting.
+    """
+    p = parallel
+    if p.cp == 1:
+        return
+    if model.attention_dropout > 0 or model.hidden_dropout > 0:
+        raise ConfigError("context parallelism has no per-rank dropout RNG: set model.attention_dropout=0 and "
+                          "model.hidden_dropout=0 with parallel.cp > 1")
+    if model.attention_backend in ("cudnn", "efficient"):
+        raise ConfigError(f"with parallel.cp > 1 attention runs blockwise on the flash kernel (or 'math', the "
+                          f"reference); model.attention_backend={model.attention_backend!r} is not used there")
+    split = 2 * p.cp * (p.tp if p.sequence_parallel else 1)
+    if model.seq_length % split:
+        what = f"2 x cp x tp = {split}" if p.sequence_parallel else f"2 x cp = {split}"
+        raise ConfigError(f"context parallelism cuts each sequence into 2 x cp chunks: model.seq_length="
+                          f"{model.seq_length} must be a multiple of {what}")
+    a2a = p.cp_a2a_size
+    if a2a > 1:
+        heads, kv = model.num_attention_heads // p.tp, model.groups // p.tp
+        if heads % a2a:
+            raise ConfigError(f"parallel.cp_comm_type={p.cp_comm_type!r} splits the attention heads over {a2a} "
+                              f"ranks: {heads} heads per tensor-parallel rank are not a multiple of {a2a}")
+        if kv % a2a and a2a % kv:
+            raise ConfigError(f"parallel.cp_comm_type={p.cp_comm_type!r} over {a2a} ranks: {kv} key/value heads "
+                              f"per tensor-parallel rank neither split over {a2a} ranks nor repeat evenly to them")
 
 
 def check_tensor_parallel(model: ModelConfig, tp: int, sequence_parallel: bool) -> None:

@@ -66,6 +66,8 @@ ALIASES: dict[str, tuple[str, bool]] = {
     "--decoder-first-pipeline-num-layers": ("parallel.decoder_first_pipeline_num_layers", True),
     "--decoder-last-pipeline-num-layers": ("parallel.decoder_last_pipeline_num_layers", True),
     "--context-parallel-size": ("parallel.cp", True),
+    "--cp-comm-type": ("parallel.cp_comm_type", True),
+    "--hierarchical-context-parallel-sizes": ("parallel.hierarchical_context_parallel_sizes", True),
     "--expert-model-parallel-size": ("parallel.ep", True),
     "--sequence-parallel": ("parallel.sequence_parallel", False),
     "--tp-comm-overlap": ("parallel.tp_comm_overlap", False),
@@ -85,6 +87,10 @@ ALIASES: dict[str, tuple[str, bool]] = {
     "--run-dir": ("log.run_dir", True),
     "--log-interval": ("log.log_interval", True),
 }
+
+# Megatron flags taking one or more words (nargs="+"); those of _STRING_LISTS stay strings.
+_MULTI_WORD = {"--data-path", "--data-service-addresses", "--hierarchical-context-parallel-sizes"}
+_STRING_LISTS = {"data.data_path", "data.service_addresses"}
 
 # Keys whose values are strings even when they look like numbers or booleans.
 _STRING_KEYS = {"data.tokenizer", "data.split", "checkpoint.save", "checkpoint.load", "log.run_dir"}
@@ -139,14 +145,14 @@ def parse_overrides(args: list[str]) -> tuple[str | None, dict[str, Any]]:
                     raise ConfigError(f"{name} is a switch and takes no value")
                 key, _, fixed = target.partition("=")
                 cfg.set_dotted(table, key, cfg.parse_value(fixed) if fixed else True)
-            elif name in ("--data-path", "--data-service-addresses") and not eq:
+            elif name in _MULTI_WORD and not eq:
                 words = []
                 while i + 1 < len(args) and not args[i + 1].startswith("--"):
                     i += 1
                     words.append(args[i])
                 if not words:
                     raise ConfigError(f"{name} needs a value")
-                cfg.set_dotted(table, target, words)
+                cfg.set_dotted(table, target, words if target in _STRING_LISTS else [cfg.parse_value(w) for w in words])
             else:
                 cfg.set_dotted(table, target, _value_for(target, take_value()))
         elif "." in name[2:]:

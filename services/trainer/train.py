@@ -42,6 +42,7 @@ from meshtrain.services.trainer.model.gpt import GPT
 from meshtrain.services.trainer.optim.optimizer import build_optimizer, clip_grad_norm, set_lr
 from meshtrain.services.trainer.optim.schedule import lr_at
 from meshtrain.services.trainer.parallel import mappings, recompute
+from meshtrain.services.trainer.parallel.context import parallelize_context, token_count
 from meshtrain.services.trainer.parallel.data import DataParallel, forward_units
 from meshtrain.services.trainer.parallel.mesh import Mesh, env_rank_world, init_process_group
 from meshtrain.services.trainer.parallel.pipeline.engine import build_pipeline
@@ -123,7 +124,7 @@ def build_mesh(job: JobConfig, device: torch.device) -> Mesh:
     """The mesh for this process: trivial when alone, else from torchrun/Slurm's environment."""
     _, world, _ = env_rank_world()
     if world == 1:
-        for axis in ("tp", "pp"):
+        for axis in ("tp", "pp", "cp"):
             n = getattr(job.parallel, axis)
             if n != 1:
                 raise ConfigError(f"parallel.{axis}={n} needs {n} processes; launch with "
@@ -132,7 +133,7 @@ def build_mesh(job: JobConfig, device: torch.device) -> Mesh:
     timeout_s = job.parallel.distributed_timeout_minutes * 60
     init_process_group("nccl" if device.type == "cuda" else "gloo", timeout_s=timeout_s)
     return Mesh.build(tp=job.parallel.tp, pp=job.parallel.pp, cp=job.parallel.cp, ep=job.parallel.ep,
-                      timeout_s=timeout_s)
+                      timeout_s=timeout_s, cp_a2a=job.parallel.cp_a2a_size)
 
 
 def seed_everything(seed: int) -> None:
@@ -193,7 +194,9 @@ class Trainer:
     def _build(self, job: JobConfig) -> None:
         """The rest of `__init__`, once the run directory is held: data, model, optimizer,
         restore and checkpointer."""
-        self.data = build_data(job, dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp)
+        # context-parallel peers read the same samples, each only its chunks of them
+        self.data = build_data(job, dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp,
+                               cp_rank=self.mesh.cp_rank, cp_size=self.mesh.cp)
         if job.model.vocab_size is None:
             job = replace(job, model={"vocab_size": self.data.vocab_size})
         if job.checkpoint.save is None:
@@ -207,6 +210,7 @@ class Trainer:
         model = GPT(job.model)  # full weights, same seed on every rank: sharding slices them
         self.flops_per_token = model.flops_per_token()
         self.num_parameters = model.num_parameters()
+        parallelize_context(model, self.mesh, job.parallel.cp_comm_type)
         recompute.apply(model, job.parallel)
         parallelize(model, self.mesh, job.parallel.sequence_parallel, job.parallel.tp_comm_overlap, self.device,
                     async_grad_reduce=job.parallel.tp_async_grad_reduce)
@@ -286,9 +290,11 @@ class Trainer:
             precision += ", bf16 weight copies"
             if self.weight_copies.fused:
                 precision += " with fused gradient accumulation"
-        log.info("model: %.2fM parameters, %.3g FLOPs/token, device %s%s; mesh tp=%d pp=%d dp=%d (world %d)%s%s",
-                 self.num_parameters / 1e6, self.flops_per_token, self.device, precision, m.tp, m.pp, m.dp,
+        log.info("model: %.2fM parameters, %.3g FLOPs/token, device %s%s; "
+                 "mesh tp=%d cp=%d pp=%d dp=%d (world %d)%s%s%s",
+                 self.num_parameters / 1e6, self.flops_per_token, self.device, precision, m.tp, m.cp, m.pp, m.dp,
                  m.world_size, ", sequence parallel" if p.sequence_parallel else "",
+                 f", context parallel {p.cp_comm_type}" if m.cp > 1 else "",
                  f", {self.pipeline.describe()}" if self.pipeline else "")
         if not c.overwrite:
             refuse_a_root_with_later_steps(c, self.state.iteration)
@@ -447,10 +453,12 @@ class Trainer:
                 # Weighted by the tokens each micro-batch counts (Megatron sums loss and token count
                 # over the eval batches): with EOD masked they differ, and a mean of means would not
                 # be the loss per token.
-                n = mask.sum(dtype=torch.float64)
+                n = token_count(self.model.context, mask)  # over the cp group: the share's divisor
                 total += loss.double() * n
                 counted += n
         self.model.train()
+        if self.mesh.cp > 1:  # each cp rank's loss was its share: their weighted sum is the micro-batch's
+            total = mappings.all_reduce(total, self.mesh.group("cp"))
         if self.mesh.dp > 1:  # each dp rank evaluated its share of the eval batches
             sums = mappings.all_reduce(torch.stack([total, counted]), self.mesh.group("dp"))
             total, counted = sums[0], sums[1]
@@ -563,6 +571,8 @@ class Trainer:
             stacked = torch.stack([p[0] for p in pending])
             if self.mesh.pp > 1:  # the last stage computed the losses; the others hold zeros
                 stacked = mappings.all_reduce(stacked, self.mesh.group("pp"))
+            if self.mesh.cp > 1:  # each cp rank's loss is its share of the mean
+                stacked = mappings.all_reduce(stacked, self.mesh.group("cp"))
             if self.mesh.dp > 1:  # each dp rank saw 1/dp of the batch: average
                 stacked = mappings.all_reduce(stacked, self.mesh.group("dp")) / self.mesh.dp
             losses = stacked.tolist()  # the one host sync

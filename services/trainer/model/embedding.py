@@ -27,15 +27,19 @@ class Embedding(nn.Module):
         self.dropout = nn.Dropout(config.hidden_dropout)
         self.fp32_residual = config.fp32_residual_connection
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (batch, seq) int64 -> (batch, seq, hidden): the residual stream's first value.
+
+        `positions` (seq,): the tokens' positions in their sequence (default 0, 1, ...; a
+        context-parallel rank holds chunks from its middle).
 
         In the tables' dtype, or under autocast with `fp32_residual_connection` off, in
         autocast's dtype (the lookups and the position sum in fp32, then one rounding).
         """
         x = self.word_embeddings(tokens)
         if self.position_embeddings is not None:
-            positions = torch.arange(tokens.shape[1], device=tokens.device)
+            if positions is None:
+                positions = torch.arange(tokens.shape[1], device=tokens.device)
             x = x + self.position_embeddings(positions)  # (seq, hidden) broadcast over batch
         x = self.dropout(x)
         if not self.fp32_residual:

@@ -61,6 +61,15 @@ class LMHead(nn.Module):
         return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
+def rope_tables(cos: torch.Tensor | None, sin: torch.Tensor | None,
+                positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The (cos, sin) rows blocks rotate by: the first rows (a whole sequence from position 0),
+    or those of `positions` (a context-parallel rank's tokens); None without RoPE."""
+    if cos is None:
+        return None
+    return (cos, sin) if positions is None else (cos[positions], sin[positions])
+
+
 class TransformerBlock(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
@@ -108,6 +117,9 @@ class GPT(nn.Module):
         # input and is recomputed in backward.
         self.recompute_layers: frozenset[int] = frozenset()
         self.recompute_chunk = 1
+        # Context parallelism (set by parallel.context.parallelize_context): this rank holds some
+        # chunks of each sequence; it gives their positions and this rank's share of the loss.
+        self.context = None
         self.reset_parameters()
 
     @torch.no_grad()
@@ -136,8 +148,9 @@ class GPT(nn.Module):
         """tokens (batch, seq) -> final-norm hidden states (batch, seq, hidden)."""
         if tokens.shape[1] > self.config.seq_length:
             raise ValueError(f"sequence of {tokens.shape[1]} tokens exceeds model.seq_length={self.config.seq_length}")
-        rope = (self.rope_cos, self.rope_sin) if self.rope_cos is not None else None
-        x = self.embedding(tokens)
+        positions = self.context.positions(tokens.shape[1], tokens.device) if self.context is not None else None
+        rope = rope_tables(self.rope_cos, self.rope_sin, positions)
+        x = self.embedding(tokens, positions)
         for start, end, recompute in self.layer_chunks():
             if recompute and torch.is_grad_enabled():
                 x = torch.utils.checkpoint.checkpoint(self._run_layers, start, end, x, rope, use_reentrant=False)
@@ -173,7 +186,8 @@ class GPT(nn.Module):
         """
         h = self.hidden_states(tokens)
         if labels is not None:
-            return self.head.loss(h, self.output_weight, labels, loss_mask)
+            loss = self.head.loss(h, self.output_weight, labels, loss_mask)
+            return loss if self.context is None else self.context.loss_share(loss, labels, loss_mask)
         return self.head.logits(h, self.output_weight)  # (b, s, vocab)
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:

@@ -9,7 +9,9 @@ the bytes, copied back after. Plain DP all-reduces the buckets; the distributed 
 reduce-scatters them, so each dp rank receives the sum for its 1/dp slice of every bucket,
 updates only that slice (Adam moments exist only for it) and all-gathers the updated
 parameters, optionally overlapped with the next forward (`overlap_param_gather`). Gradients of sequence-parallel
-parameters (norms, row-parallel biases) are first summed over tp. Gradient clipping uses the
+parameters (norms, row-parallel biases) are first summed over tp. With context parallelism the
+reduction and the ZeRO-1 shards span dp x cp (the cp ranks' gradients are shares of one
+sample's, summed; the mean is over dp). Gradient clipping uses the
 true global norm over tp, dp and pp, counting replicated parameters once.
 """
 
@@ -93,8 +95,12 @@ class DataParallel:
         self.reduce_dtype = reduce_dtype
         self.dist_opt = distributed_optimizer
         self.overlap_grad, self.overlap_param = overlap_grad_reduce, overlap_param_gather and distributed_optimizer
-        self.dp_group, self.tp_group = mesh.group("dp"), mesh.group("tp")
-        self.dp, self.dp_rank = mesh.dp, mesh.dp_rank
+        # Reduced (and, ZeRO-1, sharded) over dp x cp: context-parallel ranks hold the same
+        # parameters and each a share of every sample's loss, so their gradients are summed;
+        # the mean is over the data-parallel replicas only (`mean_over`).
+        self.dp_group, self.tp_group = mesh.group("dp_cp"), mesh.group("tp")
+        self.dp, self.dp_rank = mesh.dp * mesh.cp, mesh.ranks["dp_cp"].index(mesh.rank)
+        self.mean_over = mesh.dp
         self.sync_enabled = True
         self.names = {p: n for n, p in model.named_parameters()}
         params = [p for p in model.parameters() if p.requires_grad]
@@ -196,11 +202,11 @@ class DataParallel:
                 send.copy_(b.grad)
                 recv = torch.empty(recv.numel(), dtype=self.reduce_dtype, device=recv.device)
             else:  # plain DP: the mean's division, in fp32, and the rounding in one pass
-                torch.div(b.grad, self.dp, out=send)
+                torch.div(b.grad, self.mean_over, out=send)
                 recv = send
             b.wire = (send, recv)
         elif not self.dist_opt:
-            b.grad.div_(self.dp)
+            b.grad.div_(self.mean_over)
         if self.dist_opt:  # each rank receives the sum of its 1/dp slice (NCCL and gloo alike)
             b.reduce_handle = dist.reduce_scatter_tensor(recv, send, group=self.dp_group, async_op=True)
         else:
@@ -221,8 +227,8 @@ class DataParallel:
                 b.wire = None
             if self.dist_opt and self.dp == 1:  # nothing was reduce-scattered: the slice is the whole
                 b.local_grad.copy_(b.grad)
-            elif self.dist_opt:  # the mean over dp, taken on this rank's slice only (1/dp of the bytes)
-                b.local_grad.div_(self.dp)
+            elif self.dist_opt:  # the mean over dp, taken on this rank's slice only (1/(dp·cp) of the bytes)
+                b.local_grad.div_(self.mean_over)
             b.reduce_handle = None
             b.ready.clear()
 

@@ -12,9 +12,9 @@ that communicates takes a `Mesh` (or one of its groups) as an argument.
     mesh = Mesh.build(tp=2)                    # dp = world / tp
     mesh = initialize_model_parallel(2)        # Megatron-flavoured spelling of the same two lines
 
-tp, dp and pp are built: the engine has no context or expert parallelism yet, so
-`initialize_model_parallel` and `tensor.parallelize` refuse cp or ep other than 1 (as the
-trainer's config does). `Mesh.build` still lays out every axis, for the rank arithmetic.
+tp, cp, dp and pp are built: the engine has no expert parallelism yet, so
+`initialize_model_parallel` refuses ep other than 1 (as the trainer's config does). `Mesh.build`
+still lays out every axis, for the rank arithmetic.
 """
 
 from __future__ import annotations
@@ -139,15 +139,18 @@ class Mesh:
     @staticmethod
     def single() -> "Mesh":
         """The trivial mesh of one process (no groups; collectives become no-ops)."""
-        return Mesh(ranks={name: [0] for name in (*AXES, "dp_cp", "mp", "world")})
+        return Mesh(ranks={name: [0] for name in (*AXES, "dp_cp", "mp", "world", "cp_a2a", "cp_ring")})
 
     @staticmethod
     def build(tp: int = 1, dp: int | None = None, pp: int = 1, cp: int = 1, ep: int = 1,
-              timeout_s: float = TIMEOUT_S) -> "Mesh":
+              timeout_s: float = TIMEOUT_S, cp_a2a: int = 1) -> "Mesh":
         """Create every group for the current process group (collective: all ranks call it).
 
         Args:
             tp, pp, cp, ep: degrees; dp defaults to world / (tp·pp·cp).
+            cp_a2a: context parallelism's all-to-all size (it divides cp): groups "cp_a2a" of
+                that many consecutive cp ranks and "cp_ring" across them (1: the ring is the
+                whole cp group; cp: the all-to-all is).
             timeout_s: how long the groups' collectives wait for a peer before raising. Passed
                 explicitly: `new_group` does not inherit the world group's timeout but takes
                 torch's default (30 min), so a hung peer held every tp/dp collective that long.
@@ -160,6 +163,8 @@ class Mesh:
         dp = dp if dp is not None else world // model
         if tp * cp * dp * pp != world:
             raise ConfigError(f"tp*cp*dp*pp = {tp}*{cp}*{dp}*{pp} != world size {world}")
+        if cp % cp_a2a:
+            raise ConfigError(f"the context-parallel all-to-all size {cp_a2a} must divide parallel.cp={cp}")
         if (dp * cp) % ep:
             raise ConfigError(f"parallel.ep={ep} must divide dp*cp = {dp * cp}")
         mesh = Mesh(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, rank=rank)
@@ -172,6 +177,7 @@ class Mesh:
                 g = dist.new_group(m, timeout=datetime.timedelta(seconds=timeout_s)) if world > 1 else None
                 if rank in m:
                     mesh.groups[name] = g
+        mesh._build_cp_subgroups(cp_a2a, timeout_s)
         if pp > 1:
             ends = [[m[0], m[-1]] for m in mesh._members(("pp",))]
             for m in ends:
@@ -179,6 +185,25 @@ class Mesh:
                 if rank in m:
                     mesh.groups["pp_ends"], mesh.ranks["pp_ends"] = g, m
         return mesh
+
+    def _build_cp_subgroups(self, a2a: int, timeout_s: float) -> None:
+        """"cp_a2a" (consecutive cp ranks) and "cp_ring" (every a2a-th): the whole cp group or
+        this rank alone when the other is; new groups only for a hierarchical split."""
+        cp_ranks, alone = self.ranks["cp"], [self.rank]
+        ring = self.cp // a2a
+        if a2a in (1, self.cp):
+            whole, single = ("cp_ring", "cp_a2a") if a2a == 1 else ("cp_a2a", "cp_ring")
+            self.ranks[whole], self.groups[whole] = cp_ranks, self.groups.get("cp")
+            self.ranks[single], self.groups[single] = alone, None
+            return
+        for name, members in (("cp_a2a", [[m[g * a2a + i] for i in range(a2a)] for m in self._members(("cp",))
+                                          for g in range(ring)]),
+                              ("cp_ring", [[m[g * a2a + i] for g in range(ring)] for m in self._members(("cp",))
+                                           for i in range(a2a)])):
+            for m in members:
+                g = dist.new_group(m, timeout=datetime.timedelta(seconds=timeout_s))
+                if self.rank in m:
+                    self.groups[name], self.ranks[name] = g, m
 
     def _members(self, axes: tuple[str, ...]) -> list[list[int]]:
         """All rank lists that vary along `axes` with the other coordinates fixed."""
@@ -210,18 +235,18 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     """Megatron-style entry point: init the process group from the environment, return the Mesh.
 
     Raises:
-        NotBuiltError: a context or expert degree other than 1 (not built yet: a mesh with such
-            an axis would train, each of its ranks a plain data-parallel replica).
+        NotBuiltError: an expert degree other than 1 (not built yet: a mesh with such an axis
+            would train, each of its ranks a plain data-parallel replica).
     """
-    refuse_unbuilt_axes(cp=context_parallel_size, ep=expert_model_parallel_size)
+    refuse_unbuilt_axes(ep=expert_model_parallel_size)
     init_process_group()
     return Mesh.build(tp=tensor_model_parallel_size, pp=pipeline_model_parallel_size,
                       cp=context_parallel_size, ep=expert_model_parallel_size)
 
 
 def refuse_unbuilt_axes(**degrees: int) -> None:
-    """NotBuiltError unless every given degree (cp, ep) is 1: that parallelism is not built."""
+    """NotBuiltError unless every given degree (ep) is 1: that parallelism is not built."""
     for axis, degree in degrees.items():
         if degree != 1:
             raise NotBuiltError(f"{axis}={degree}: this parallelism is not built yet (value must be 1); "
-                                "meshtrain shards over tp, pp and dp only")
+                                "meshtrain shards over tp, cp, pp and dp only")

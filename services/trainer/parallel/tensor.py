@@ -255,12 +255,17 @@ def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False,
             their weight gradient (ignored where `comm_overlap` fuses the two already).
 
     Raises:
-        NotBuiltError: a mesh with cp or ep other than 1 (not built: its ranks would train as
-            plain data-parallel replicas).
-        ConfigError: head or group counts that tp does not divide, sequence parallelism
-            with a sequence length tp does not divide, or comm_overlap where it cannot run.
+        NotBuiltError: a mesh with ep other than 1 (not built: its ranks would train as plain
+            data-parallel replicas).
+        ConfigError: a mesh with cp > 1 and a model not made context parallel first
+            (`context.parallelize_context`: else each cp rank attends within its own tokens);
+            head or group counts that tp does not divide, sequence parallelism with a sequence
+            length tp does not divide, or comm_overlap where it cannot run.
     """
-    refuse_unbuilt_axes(cp=mesh.cp, ep=mesh.ep)
+    refuse_unbuilt_axes(ep=mesh.ep)
+    if mesh.cp > 1 and getattr(model, "context", None) is None:
+        raise ConfigError(f"the mesh has cp={mesh.cp}: make the model context parallel first "
+                          "(parallel.context.parallelize_context), or each cp rank attends only within its own tokens")
     tp = mesh.tp
     cfg = model.config
     if comm_overlap:

@@ -148,7 +148,6 @@ def test_missing_config_file_and_bad_toml(tmp_path):
 
 
 @pytest.mark.parametrize("args", [
-    ["--context-parallel-size", "2"],
     ["--expert-model-parallel-size", "2"],
     ["--transformer-impl", "transformer_engine"],
 ])
@@ -171,6 +170,57 @@ def test_parallel_flags_map_and_validate():
     assert load_config(["--grad-reduce-in-bf16"]).parallel.grad_reduce_dtype == "bf16"
     with pytest.raises(ConfigError, match="grad_reduce_dtype"):
         load_config(["--parallel.grad_reduce_dtype=fp16"])
+
+
+def test_context_parallel_flags_map_to_the_config():
+    p = load_config(["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
+                     "--hierarchical-context-parallel-sizes", "2", "2"]).parallel
+    assert (p.cp, p.cp_comm_type, p.hierarchical_context_parallel_sizes, p.cp_a2a_size) == (4, "a2a+p2p", [2, 2], 2)
+    p = load_config(["--context-parallel-size", "2", "--cp-comm-type", "a2a"]).parallel
+    assert (p.cp, p.cp_comm_type, p.hierarchical_context_parallel_sizes, p.cp_a2a_size) == (2, "a2a", None, 2)
+    assert load_config(["--context-parallel-size", "2"]).parallel.cp_comm_type == "p2p"
+
+
+CP = ["--model.seq_length=64", "--model.num_attention_heads=4"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--context-parallel-size", "4", "--model.seq_length=36"],
+     r"model\.seq_length=36 must be a multiple of 2 x cp = 8"),
+    (["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+      "--model.seq_length=36"], r"model\.seq_length=36 must be a multiple of 2 x cp x tp = 8"),
+    (["--context-parallel-size", "8", "--cp-comm-type", "a2a"], r"4 heads per tensor-parallel rank .* multiple of 8"),
+    (["--context-parallel-size", "2", "--tensor-model-parallel-size", "4", "--cp-comm-type", "a2a"],
+     r"1 heads per tensor-parallel rank .* multiple of 2"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a", "--model.num_attention_heads=12",
+      "--model.hidden_size=96", "--model.num_query_groups=3"],
+     r"3 key/value heads per tensor-parallel rank neither split"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p"], r"hierarchical_context_parallel_sizes.*got None"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "4"],
+     r"multiplying to parallel\.cp=4, got \[2, 4\]"),
+    (["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "1", "1"],
+     r"a2a\+p2p' needs parallel\.cp > 1"),
+    (["--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "2", "2"],
+     r"hierarchical_context_parallel_sizes is for cp_comm_type='a2a\+p2p'; cp_comm_type is 'p2p'"),
+    (["--context-parallel-size", "2", "--model.attention_dropout=0.1"], r"model\.attention_dropout=0"),
+    (["--context-parallel-size", "2", "--model.hidden_dropout=0.1"], r"model\.hidden_dropout=0"),
+    (["--context-parallel-size", "2", "--model.attention_backend=cudnn"], r"model\.attention_backend='cudnn'"),
+    (["--context-parallel-size", "0"], r"parallel\.cp must be >= 1, got 0"),
+])
+def test_context_parallel_settings_it_cannot_run_are_refused(args, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(CP + args)
+
+
+def test_context_parallel_without_its_processes_is_refused(monkeypatch):
+    import torch
+
+    from meshtrain.services.trainer.train import build_mesh
+
+    for name in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ConfigError, match=r"parallel\.cp=2 needs 2 processes"):
+        build_mesh(load_config(CP + ["--context-parallel-size", "2"]), torch.device("cpu"))
 
 
 @pytest.mark.parametrize("args, message", [

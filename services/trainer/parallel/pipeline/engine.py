@@ -78,10 +78,12 @@ def _defer_weight_grads(stage: PipelineStage, store: WeightGradStore) -> None:
 
 
 def activation_shape(job: JobConfig, tp: int) -> tuple[tuple[int, ...], torch.dtype]:
-    """What flows between stages: (micro_batch, seq or seq/tp with sequence parallelism, hidden),
-    in the residual stream's dtype (bf16 under bf16 autocast unless fp32_residual_connection)."""
+    """What flows between stages: (micro_batch, this rank's tokens: seq/cp, over tp too with
+    sequence parallelism, hidden), in the residual stream's dtype (bf16 under bf16 autocast
+    unless fp32_residual_connection)."""
     m, p = job.model, job.parallel
-    seq = m.seq_length // tp if p.sequence_parallel else m.seq_length
+    seq = m.seq_length // p.cp
+    seq = seq // tp if p.sequence_parallel else seq
     bf16 = job.train.bf16 and not m.fp32_residual_connection
     return (job.train.micro_batch_size, seq, m.hidden_size), torch.bfloat16 if bf16 else torch.float32
 

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.services.common.errors import ConfigError
+from meshtrain.services.trainer.parallel.context import token_count
 from meshtrain.services.trainer.parallel.mesh import Mesh
 from meshtrain.services.trainer.parallel.pipeline import schedules
 from meshtrain.services.trainer.parallel.pipeline.schedules import Action
@@ -220,7 +221,8 @@ class PipelineRuntime:
     def forward_only(self, micro: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every micro-batch through every stage in order, no backward: on the last stage
-        (sum of token-weighted losses, tokens counted) in float64, zeros elsewhere."""
+        (sum of token-weighted losses, tokens counted) in float64, zeros elsewhere. Under context
+        parallelism each cp rank's sum is its share: the caller sums them over cp."""
         stage, pp = self.stage, self.mesh.pp
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         counted = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -240,7 +242,7 @@ class PipelineRuntime:
                 with self.autocast:
                     y = stage.forward_chunk(c, x, labels, mask)
                 if stage.chunk_is_last(c):
-                    n = mask.sum(dtype=torch.float64)
+                    n = token_count(stage.context, mask)
                     total += y.double() * n
                     counted += n
                 else:

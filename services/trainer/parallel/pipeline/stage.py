@@ -25,7 +25,7 @@ from torch import nn
 
 from meshtrain.services.common.errors import ConfigError
 from meshtrain.services.trainer.config import ParallelConfig
-from meshtrain.services.trainer.model.gpt import GPT
+from meshtrain.services.trainer.model.gpt import GPT, rope_tables
 
 
 def stage_layers(num_layers: int, pp: int, virtual: int = 1, first: int | None = None, last: int | None = None,
@@ -105,6 +105,7 @@ class PipelineStage(nn.Module):
             self.register_buffer("rope_sin", model.rope_sin, persistent=False)
         else:
             self.rope_cos = self.rope_sin = None
+        self.context = model.context  # context parallelism: positions and the loss share
         self.runs = [self._recompute_runs(r, parallel) for r in self.chunk_layers]
         self.num_layers_total = model.config.num_layers
 
@@ -142,11 +143,14 @@ class PipelineStage(nn.Module):
                       loss_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Chunk `chunk` of this rank: tokens or the previous stage's activations in; the next
         stage's activations, or on the last stage the mean token loss (logits without labels), out."""
+        positions = None
+        if self.context is not None:  # training sequences are whole: this rank's share of seq_length
+            positions = self.context.positions(self.config.seq_length // self.context.cp, x.device)
         if self.chunk_is_first(chunk):
             if x.shape[1] > self.config.seq_length:
                 raise ValueError(f"sequence of {x.shape[1]} tokens exceeds model.seq_length={self.config.seq_length}")
-            x = self.embedding(x)
-        rope = (self.rope_cos, self.rope_sin) if self.rope_cos is not None else None
+            x = self.embedding(x, positions)
+        rope = rope_tables(self.rope_cos, self.rope_sin, positions)
         for ids, recompute in self.runs[chunk]:
             if recompute and torch.is_grad_enabled():
                 x = torch.utils.checkpoint.checkpoint(self._run, ids, x, rope, use_reentrant=False)
@@ -156,7 +160,8 @@ class PipelineStage(nn.Module):
             return x
         h = self.final_norm(x)
         if labels is not None:
-            return self.head.loss(h, self.output_weight, labels, loss_mask)
+            loss = self.head.loss(h, self.output_weight, labels, loss_mask)
+            return loss if self.context is None else self.context.loss_share(loss, labels, loss_mask)
         return self.head.logits(h, self.output_weight)
 
     def forward_units(self) -> list[tuple[nn.Module, list[nn.Parameter]]]:

@@ -84,19 +84,24 @@ def test_parallelize_rejects_what_it_cannot_shard():
         parallelize(GPT(ModelConfig(**dict(GPT2, attention_dropout=0.1))), Mesh(tp=2, rank=0, ranks={"tp": [0, 1]}))
 
 
-@pytest.mark.parametrize("axis", ["cp", "ep"])
-def test_unbuilt_parallelism_is_refused_not_trained_as_data_parallel(axis):
-    """A mesh with a context or expert axis (built by Mesh.build or the Megatron-style
+def test_unbuilt_parallelism_is_refused_not_trained_as_data_parallel():
+    """A mesh with an expert axis (built by Mesh.build or the Megatron-style
     initialize_model_parallel) was sharded over tp alone, and its ranks trained as plain
     replicas of one another; both entry points now refuse it, as the trainer's config does."""
     from meshtrain.services.common.errors import NotBuiltError
     from meshtrain.services.trainer.parallel.mesh import initialize_model_parallel
 
-    with pytest.raises(NotBuiltError, match=f"{axis}=2: this parallelism is not built"):
-        parallelize(GPT(ModelConfig(**CFG)), Mesh(**{axis: 2, "dp": 2 if axis == "ep" else 1}, rank=0))
-    sizes = {"cp": "context_parallel_size", "ep": "expert_model_parallel_size"}
-    with pytest.raises(NotBuiltError, match=f"{axis}=2"):
-        initialize_model_parallel(**{sizes[axis]: 2})
+    with pytest.raises(NotBuiltError, match="ep=2: this parallelism is not built"):
+        parallelize(GPT(ModelConfig(**CFG)), Mesh(ep=2, dp=2, rank=0))
+    with pytest.raises(NotBuiltError, match="ep=2"):
+        initialize_model_parallel(expert_model_parallel_size=2)
+
+
+def test_a_context_parallel_mesh_needs_a_context_parallel_model():
+    """cp is built, but by parallelize_context: a plain model on a cp mesh would attend only
+    within each rank's own tokens, so tensor.parallelize refuses it."""
+    with pytest.raises(ConfigError, match="cp=2: make the model context parallel first"):
+        parallelize(GPT(ModelConfig(**CFG)), Mesh(cp=2, rank=0))
 
 
 def test_tp_comm_overlap_is_refused_where_it_cannot_run():
