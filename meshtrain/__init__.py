@@ -69,6 +69,7 @@ _EXPORTS = {
     # the model and its sharding
     "GPT": f"{_T}.model.gpt",
     "parallelize": f"{_T}.parallel.tensor",
+    "parallelize_context": f"{_T}.parallel.context",
     "apply_recompute": f"{_T}.parallel.recompute",
     "DistributedDataParallel": f"{_T}.parallel.ddp",
     "DistributedOptimizer": f"{_T}.parallel.ddp",
@@ -82,6 +83,7 @@ _EXPORTS = {
     "TrainData": f"{_T}.data",
     "DatasetSpec": f"{_D}.spec",
     "Batch": f"{_D}.loader",
+    "context_positions": f"{_D}.loader",
     "LocalBatchSource": f"{_D}.loader",
     "ServiceBatchSource": f"{_D}.rpc.client",
     "start_data_worker": f"{_D}.rpc.server",

@@ -65,6 +65,12 @@ class ContextParallel:
         a2a_ranks, ring_ranks = mesh.ranks["cp_a2a"], mesh.ranks["cp_ring"]
         self.a2a, self.a2a_rank = len(a2a_ranks), a2a_ranks.index(mesh.rank)
         self.ring, self.ring_rank = len(ring_ranks), ring_ranks.index(mesh.rank)
+        wants = {"p2p": "1", "a2a": f"cp={self.cp}", "a2a+p2p": "a size strictly between 1 and cp"}[comm_type]
+        fits = {"p2p": self.a2a == 1, "a2a": self.a2a == self.cp, "a2a+p2p": 1 < self.a2a < self.cp}[comm_type]
+        if self.cp > 1 and not fits:
+            raise ConfigError(f"cp_comm_type={comm_type!r} needs a mesh whose context-parallel all-to-all spans "
+                              f"{wants} ranks; this one was built with {self.a2a} (Mesh.build(cp_a2a=...), or "
+                              "initialize_model_parallel(cp_comm_type=..., hierarchical_context_parallel_sizes=...))")
         self.next = ring_ranks[(self.ring_rank + 1) % self.ring]
         self.prev = ring_ranks[(self.ring_rank - 1) % self.ring]
         self._positions: dict[tuple[int, str], torch.Tensor] = {}
@@ -277,10 +283,19 @@ class ContextAttention(CoreAttention):
         return out
 
 
-def parallelize_context(model: nn.Module, mesh: Mesh, comm_type: str) -> ContextParallel | None:
+def parallelize_context(model: nn.Module, mesh: Mesh, comm_type: str = "p2p") -> ContextParallel | None:
     """Make `model` (a GPT, before recompute and tensor parallelism) context parallel over
     `mesh.cp`: its attention cores exchange keys and values, its positions and loss follow the
-    layout. Returns the ContextParallel (None, and nothing changed, at cp=1)."""
+    layout. Returns the ContextParallel (None, and nothing changed, at cp=1).
+
+    Then feed each rank the columns `context_positions(seq, mesh.cp_rank, mesh.cp)` of every
+    batch (`build_data(..., cp_rank=, cp_size=)` does), reduce gradients over dp x cp
+    (`DistributedDataParallel` does), and sum the returned losses over the "cp" group to
+    report the micro-batch's mean: each rank's loss is its share of it.
+
+    Raises:
+        ConfigError: a comm type the mesh's cp groups were not built for, or attention dropout.
+    """
     if mesh.cp == 1:
         return None
     cp = ContextParallel(mesh, comm_type)

@@ -231,17 +231,31 @@ class Mesh:
 
 
 def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
-                              context_parallel_size: int = 1, expert_model_parallel_size: int = 1) -> Mesh:
+                              context_parallel_size: int = 1, expert_model_parallel_size: int = 1,
+                              cp_comm_type: str = "p2p",
+                              hierarchical_context_parallel_sizes: list[int] | None = None) -> Mesh:
     """Megatron-style entry point: init the process group from the environment, return the Mesh.
+
+    `cp_comm_type` ('p2p', 'a2a', 'a2a+p2p' with `hierarchical_context_parallel_sizes` =
+    [all-to-all size, ring size]) lays out the context-parallel groups the model's
+    `parallelize_context(model, mesh, cp_comm_type)` will use.
 
     Raises:
         NotBuiltError: an expert degree other than 1 (not built yet: a mesh with such an axis
             would train, each of its ranks a plain data-parallel replica).
     """
     refuse_unbuilt_axes(ep=expert_model_parallel_size)
+    if cp_comm_type == "a2a+p2p":
+        sizes = hierarchical_context_parallel_sizes
+        if not sizes or len(sizes) != 2 or sizes[0] * sizes[1] != context_parallel_size:
+            raise ConfigError(f"cp_comm_type='a2a+p2p' needs hierarchical_context_parallel_sizes = [all-to-all size, "
+                              f"ring size] multiplying to context_parallel_size={context_parallel_size}, got {sizes}")
+        a2a = sizes[0]
+    else:
+        a2a = context_parallel_size if cp_comm_type == "a2a" else 1
     init_process_group()
     return Mesh.build(tp=tensor_model_parallel_size, pp=pipeline_model_parallel_size,
-                      cp=context_parallel_size, ep=expert_model_parallel_size)
+                      cp=context_parallel_size, ep=expert_model_parallel_size, cp_a2a=a2a)
 
 
 def refuse_unbuilt_axes(**degrees: int) -> None:

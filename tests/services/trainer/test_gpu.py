@@ -166,10 +166,15 @@ def test_bf16_residual_stream_trains_like_the_fp32_one(arch, corpus_cache, tmp_p
      ["--model.num_layers=4", "--train.bf16=true"], 1e-2),
     (["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"],
      ["--model.num_layers=4"] + LLAMA, 1e-4),
+    # Context parallel on NCCL: the ring's batched transfers overlapped with the flash blocks
+    # (bf16: the flash kernels), the fp32 reference blocks, and the all-to-alls compiled around.
+    (["--context-parallel-size", "2"], ["--train.bf16=true"] + LLAMA, 1e-2),
+    (["--context-parallel-size", "2"], LLAMA, 1e-4),
+    (["--context-parallel-size", "2", "--cp-comm-type", "a2a"], ["--train.compile=true", "--train.bf16=true"], 1e-2),
 ], ids=["tp2-sp-sync-grad", "tp2-sp-compiled", "tp2-compiled", "tp2-sp-comm-overlap", "tp2-sp-async-grad",
         "tp2-async-grad-compiled", "dp2-zero1-overlap", "dp2-zero1-overlap-compiled",
         "dp2-zero1-bf16-grad-reduce", "tp2-sp-bf16", "tp2-llama-triton-ops-compiled", "pp2-1f1b", "pp2-compiled",
-        "pp2-zb-h1-bf16", "pp2-interleaved-llama"])
+        "pp2-zb-h1-bf16", "pp2-interleaved-llama", "cp2-p2p-bf16-llama", "cp2-p2p-llama", "cp2-a2a-compiled-bf16"])
 def test_nccl_two_gpus_match_one_gpu(layout, shared, rel, corpus_cache, tmp_path):
     """fp32 on CUDA: NCCL reduction order differs from one GPU's, so 1e-4 relative."""
     common = small_job_args(corpus_cache, tmp_path / "x", **{"train.device": "cuda", "train.eval_interval": 0,

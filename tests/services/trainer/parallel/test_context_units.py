@@ -134,3 +134,31 @@ def test_flash_blocks_on_cuda_match_the_fp32_reference(causal):
     for name, a, b in zip(("dq", "dk", "dv"), got, want):
         assert a.shape == b.shape, name
         torch.testing.assert_close(a.float(), b, rtol=5e-2, atol=5e-2, msg=name)
+
+
+def _rank_mismatched_mesh(rank, world):
+    from meshtrain.services.trainer.parallel.context import ContextParallel
+    from meshtrain.services.trainer.parallel.mesh import Mesh
+
+    mesh = Mesh.build(cp=world)  # laid out for the ring: no all-to-all group
+    ContextParallel(mesh, "p2p")
+    try:
+        ContextParallel(mesh, "a2a")
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.dist
+def test_a_comm_type_the_mesh_was_not_laid_out_for_is_refused():
+    """A ring mesh asked for all-to-all would silently run the ring: refused, naming the fix."""
+    messages = run_ranks(_rank_mismatched_mesh, 2)
+    assert all(m and "cp_comm_type='a2a'" in m and "cp_a2a" in m for m in messages), messages
+
+
+def test_initialize_model_parallel_refuses_a_hierarchy_that_does_not_multiply_to_cp():
+    from meshtrain.services.trainer.parallel.mesh import initialize_model_parallel
+
+    with pytest.raises(ConfigError, match="hierarchical_context_parallel_sizes"):
+        initialize_model_parallel(context_parallel_size=4, cp_comm_type="a2a+p2p",
+                                  hierarchical_context_parallel_sizes=[2, 3])
