@@ -99,7 +99,7 @@ class DataParallel:
         # parameters and each a share of every sample's loss, so their gradients are summed;
         # the mean is over the data-parallel replicas only (`mean_over`).
         self.dp_group, self.tp_group = mesh.group("dp_cp"), mesh.group("tp")
-        self.dp, self.dp_rank = mesh.dp * mesh.cp, mesh.ranks["dp_cp"].index(mesh.rank)
+        self.dp, self.dp_rank = mesh.dp * mesh.cp, mesh.ranks.get("dp_cp", [mesh.rank]).index(mesh.rank)
         self.mean_over = mesh.dp
         self.sync_enabled = True
         self.names = {p: n for n, p in model.named_parameters()}
