@@ -1,6 +1,6 @@
 """`meshtrain ckpt ...`: serve, list, inspect, verify, delete, convert, import and export checkpoints.
 
-    meshtrain ckpt serve ROOT [--port P] [--host H] [--commit-timeout S] ...
+    meshtrain ckpt serve ROOT [--port P] [--host H] [--commit-timeout S] [--token-file F] [--tls-cert C --tls-key K] ...
     meshtrain ckpt list ROOT
     meshtrain ckpt inspect ROOT [--step N] [--json]
     meshtrain ckpt verify ROOT [--step N | --all]
@@ -21,6 +21,7 @@ import os
 from collections.abc import Callable
 
 from meshtrain.services.common.errors import CheckpointError, is_storage_error
+from meshtrain.services.common.security import add_server_arguments
 
 
 def _no_checkpoint(root: str) -> CheckpointError:
@@ -144,10 +145,18 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream-idle-timeout", type=float, default=120.0,
                    help="seconds a writer's stream may send nothing before it is aborted and its "
                         "share of the in-flight memory freed for the other writers (0: never)")
+    p.add_argument("--max-writers", type=int, default=65536,
+                   help="most writers one save may have (BeginSave's num_writers; default 65536)")
+    p.add_argument("--max-commit-timeout", type=float, default=3600.0,
+                   help="longest a commit waits for its writers, whatever its client asks (default 3600 s)")
+    p.add_argument("--max-commits", type=int, default=4,
+                   help="commits waiting at once; one more is refused with RESOURCE_EXHAUSTED, so waiting "
+                        "commits never take the slots health checks need (default 4)")
     p.add_argument("--grace", type=float, default=5.0, help="seconds granted on SIGTERM")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics (requests, bytes, latency, queue depth) on this "
                         "port at /metrics (0: any free port, printed); off unless given")
+    add_server_arguments(p)  # --token-file, --tls-cert, --tls-key, --tls-client-ca, --insecure
 
 
 def _storage_errors(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from meshtrain.services.common.errors import CheckpointError
+from meshtrain.services.common.sanitize import loggable
 
 # Inner zarr chunks are capped so one decode never needs a multi-GB buffer; the shard (one
 # stored object) can still be far larger than this.
@@ -41,7 +42,8 @@ _BY_TORCH = {torch_dtype: name for name, (torch_dtype, _) in _DTYPES.items()}
 # (zarr v3 reserves "__"; "_fragments" and any other "_" folder of a step are ours: an array
 # there would be deleted by the commit that lists it), and nothing that could shadow the files
 # we keep beside the arrays.
-_NAME_RE = re.compile(r"^[A-Za-z0-9\-][A-Za-z0-9_.\-]*$")
+_NAME_RE = re.compile(r"[A-Za-z0-9\-][A-Za-z0-9_.\-]*")  # fullmatch: "$" let a final newline in
+MAX_NAME_CHARS = 255  # a folder name
 _RESERVED_NAMES = {"zarr.json", "manifest.json"}
 
 
@@ -170,10 +172,11 @@ def check_name(name: str) -> None:
     Args:
         name: the tensor name to check.
     """
-    if not isinstance(name, str) or not _NAME_RE.match(name) or name in _RESERVED_NAMES:
+    if (not isinstance(name, str) or len(name) > MAX_NAME_CHARS or not _NAME_RE.fullmatch(name)
+            or name in _RESERVED_NAMES):
         raise CheckpointError(
-            f"tensor name {name!r} is not allowed: use letters, digits, '_', '-' and '.', "
-            "not starting with '.' or '_', and not 'zarr.json' or 'manifest.json'"
+            f"tensor name {loggable(name)} is not allowed: use 1 to {MAX_NAME_CHARS} letters, digits, "
+            "'_', '-' and '.', not starting with '.' or '_', and not 'zarr.json' or 'manifest.json'"
         )
 
 

@@ -49,6 +49,12 @@ def delete_checkpoint(root: str, step: int) -> bool:
     return True
 
 
+def keep_every_needs_keep_last(keep_every: int, keep_last: int | None) -> str:
+    """The refusal of a retention with keep_every but no keep_last (the CLI's, the service's)."""
+    return (f"keep_every {keep_every} needs keep_last N with N >= 1 (got "
+            f"{'none' if keep_last is None else keep_last}), or the newest checkpoints would be deleted too")
+
+
 def retained(steps: Iterable[int], keep_last: int, keep_every: int) -> set[int]:
     """Which committed steps a retention policy keeps.
 
@@ -67,6 +73,9 @@ def retained(steps: Iterable[int], keep_last: int, keep_every: int) -> set[int]:
         raise CheckpointError(
             f"retention keep_last={keep_last} keep_every={keep_every}: both must be >= 0"
         )
+    if keep_every and not keep_last:
+        # alone it would delete every step that is not a multiple of K, the newest included
+        raise CheckpointError(keep_every_needs_keep_last(keep_every, keep_last))
     steps = sorted(steps)
     if keep_last == 0 and keep_every == 0:
         return set(steps)

@@ -42,6 +42,7 @@ from zarr.storage import MemoryStore
 
 from meshtrain.services.checkpoint import layout
 from meshtrain.services.checkpoint.crc import checksum
+from meshtrain.services.checkpoint.nofollow import open_beneath, refuse_symlinks
 from meshtrain.services.checkpoint.shards import ArrayMeta, ShardSpec, check_tiling, encode_box
 from meshtrain.services.checkpoint.store import (
     MANIFEST_NAME,
@@ -53,6 +54,7 @@ from meshtrain.services.checkpoint.store import (
     write_bytes_atomic,
 )
 from meshtrain.services.common.errors import CheckpointError
+from meshtrain.services.common.sanitize import loggable
 
 FORMAT = "meshtrain-checkpoint"
 # 2: shard objects also list the crc32 of each inner chunk and of the shard index, so partial
@@ -67,7 +69,7 @@ CHUNK_CHECKSUMS = "chunk_crc32"  # per inner chunk, C order over the shard's chu
 INDEX_CHECKSUM = "index_crc32"  # the shard index (the object's last 16 * chunks + 4 bytes)
 FRAGMENTS = "_fragments"
 BEGUN = "begun.json"  # beside the fragments of a save: the step's folder is that save's
-_SAVE_ID_RE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
+_SAVE_ID_RE = re.compile(r"[A-Za-z0-9_\-]{1,64}")  # fullmatch: "$" let a final newline in
 
 log = logging.getLogger(__name__)
 
@@ -95,9 +97,9 @@ class SaveResult:
 
 def check_save_id(save_id: str) -> str:
     """Returns `save_id` or raises CheckpointError: it becomes a folder name, so no '/' or '..'."""
-    if not isinstance(save_id, str) or not _SAVE_ID_RE.match(save_id):
+    if not isinstance(save_id, str) or not _SAVE_ID_RE.fullmatch(save_id):
         raise CheckpointError(
-            f"save id {save_id!r} is not allowed: use 1-64 letters, digits, '_' or '-'"
+            f"save id {loggable(save_id, 80)} is not allowed: use 1-64 letters, digits, '_' or '-'"
         )
     return save_id
 
@@ -282,8 +284,8 @@ def put_object(root: Root, path: str, parts: list[bytes | memoryview]) -> None:
     data it lists in a machine crash (the manifest itself is fsynced and renamed last).
     """
     if root.is_local:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as f:
+        # never through a symlink below the root: one planted in the step folder led outside it
+        with os.fdopen(open_beneath(root.path, path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as f:
             f.writelines(parts)
             f.flush()
             os.fsync(f.fileno())
@@ -293,6 +295,8 @@ def put_object(root: Root, path: str, parts: list[bytes | memoryview]) -> None:
 
 def _read_fragments(root: Root, step: int, save_id: str) -> dict[int, dict[str, Any]]:
     folder = join(root.step_path(step), FRAGMENTS, save_id)
+    if root.is_local:  # a fragment linked to a file elsewhere is not read
+        refuse_symlinks(root.path, folder)
     root.fs.invalidate_cache(folder)
     try:
         names = root.fs.ls(folder, detail=False)
@@ -301,7 +305,7 @@ def _read_fragments(root: Root, step: int, save_id: str) -> dict[int, dict[str, 
     found = {}
     for name in names:
         base = name.rstrip("/").rsplit("/", 1)[-1]
-        match = re.match(r"^writer_(\d{5})\.json$", base)
+        match = re.fullmatch(r"writer_(\d{5})\.json", base)
         if match:
             found[int(match.group(1))] = json.loads(read_bytes(root, name))
     return found
@@ -368,7 +372,7 @@ def commit(
             raise CheckpointError(f"save of step {step} aborted: writers reported errors {failed}")
         if len(fragments) >= num_writers:
             break
-        missing = sorted(set(range(num_writers)) - set(fragments))
+        missing = _missing(fragments, num_writers)
         reason = cancelled() if cancelled is not None else None
         if reason:
             raise CheckpointError(
@@ -390,6 +394,8 @@ def commit(
             )
     if is_committed(root, step):
         raise CheckpointError(f"checkpoint step {step} under {root.url!r} is already committed")
+    if root.is_local:  # before anything in the folder is listed, read, written or deleted
+        refuse_symlinks(root.path, root.step_path(step))
 
     # array name -> (meta, boxes, object records)
     arrays: dict[str, tuple[ArrayMeta, list[ShardSpec], dict[str, dict[str, int]]]] = {}
@@ -450,6 +456,19 @@ def commit(
         result.url, result.num_arrays, result.num_objects, num_writers, result.bytes_written / 1e6,
     )
     return result
+
+
+def _missing(fragments: dict[int, Any], num_writers: int, shown: int = 20) -> str:
+    """The writers that have not reported, for a message: the first `shown` of them and how
+    many there are (never a list as long as a save's writers)."""
+    missing = []
+    for w in range(num_writers):
+        if w not in fragments:
+            missing.append(w)
+            if len(missing) == shown:
+                break
+    count = num_writers - len([w for w in fragments if 0 <= w < num_writers])
+    return str(missing) if count <= shown else f"{str(missing)[:-1]}, ...] ({count} of {num_writers})"
 
 
 def _result(root: Root, step: int, manifest: dict, manifest_bytes: int, seconds: float) -> SaveResult:

@@ -11,6 +11,7 @@ bytes in memory, tiling checks); `sharded.py` does the storage I/O.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import struct
@@ -25,6 +26,7 @@ from zarr.storage import MemoryStore
 from meshtrain.services.checkpoint import layout
 from meshtrain.services.checkpoint.crc import checksum, crc32_combine
 from meshtrain.services.common.errors import CheckpointError
+from meshtrain.services.common.sanitize import loggable
 
 
 @dataclass(frozen=True)
@@ -91,16 +93,28 @@ class ShardSpec:
         return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.shape))
 
 
+# Dims of an array (numpy's limit), and elements of one: numpy and zarr index with int64.
+MAX_NDIM = 32
+MAX_ELEMENTS = 2**62
+
+
 def validate(spec: ShardSpec) -> None:
-    """Raises CheckpointError naming the array unless `spec` is a well-formed box.
+    """Raises CheckpointError naming the array unless `spec` is a well-formed box: inside its
+    array, aligned to a shard grid that fits the array (no shard larger than the array along a
+    dim of nonzero size), every size bounded (at most `MAX_NDIM` dims, `MAX_ELEMENTS` elements).
 
     Args:
         spec: the box.
     """
     layout.check_name(spec.array)
+    if len(spec.global_shape) > MAX_NDIM:
+        raise CheckpointError(f"array {spec.array!r}: {len(spec.global_shape)} dims, over the limit of {MAX_NDIM}")
     where = f"box {spec.offsets}+{spec.shape} of array {spec.array!r}"
     if spec.dtype not in layout._DTYPES:
-        raise CheckpointError(f"{where}: dtype {spec.dtype!r} is not supported")
+        raise CheckpointError(f"{where}: dtype {loggable(spec.dtype, 40)} is not supported")
+    if any(n < 0 for n in spec.global_shape) or math.prod(spec.global_shape) > MAX_ELEMENTS:
+        raise CheckpointError(f"{where}: global shape {spec.global_shape} must be sizes >= 0 of at most "
+                              f"{MAX_ELEMENTS} elements in all")
     ndim = len(spec.global_shape)
     if len(spec.offsets) != ndim or len(spec.shape) != ndim:
         raise CheckpointError(
@@ -125,6 +139,11 @@ def validate(spec: ShardSpec) -> None:
             raise CheckpointError(
                 f"{where}: offset {o} of dim {d} is at the end of the array (size {n}); a box "
                 "must hold at least one element along every dim of nonzero size"
+            )
+        if g > n:
+            raise CheckpointError(
+                f"{where}: shard size {g} of dim {d} is larger than the array's {n}; a shard grid "
+                "lies inside its array"
             )
         if g <= 0 or o % g:
             raise CheckpointError(
@@ -190,8 +209,14 @@ def inner_chunks(
     return tuple(chunk)
 
 
+# Trial division stops here: exact for every n below 2^32; a larger n with no factor this small
+# is treated as prime (its dim is not cut), so a client's 2^61-1 costs no seconds of division.
+_LARGEST_TRIAL_FACTOR = 2**16
+
+
+@functools.lru_cache(maxsize=1024)
 def _smallest_factor(n: int) -> int:
-    for f in range(2, math.isqrt(n) + 1):
+    for f in range(2, min(math.isqrt(n), _LARGEST_TRIAL_FACTOR) + 1):
         if n % f == 0:
             return f
     return n

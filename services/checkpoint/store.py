@@ -21,10 +21,11 @@ from fsspec.implementations.local import LocalFileSystem
 from zarr.abc.store import Store
 from zarr.storage import FsspecStore, LocalStore
 
+from meshtrain.services.checkpoint.nofollow import makedirs_beneath, open_beneath
 from meshtrain.services.common.errors import CheckpointError
 
 MANIFEST_NAME = "manifest.json"
-_STEP_RE = re.compile(r"^step_(\d{8,})$")
+_STEP_RE = re.compile(r"step_(\d{8,})")  # fullmatch: "$" let a final newline in
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,7 @@ def step_dirname(step: int) -> str:
 
 def parse_step_dirname(name: str) -> int | None:
     """Returns the step of a folder name like `step_00000050`, or None if it is not one."""
-    match = _STEP_RE.match(name)
+    match = _STEP_RE.fullmatch(name)
     return int(match.group(1)) if match else None
 
 
@@ -140,9 +141,10 @@ def write_bytes_atomic(root: Root, path: str, data: bytes) -> None:
         root.fs.pipe_file(path, data)
         return
     tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    # no symlink below the root is followed (one planted in a step folder led outside it)
+    makedirs_beneath(root.path, os.path.dirname(path))
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(open_beneath(root.path, tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as f:
             f.write(data)
             f.flush()
             # fsync before rename: otherwise a crash can leave the new name with empty contents.

@@ -6,6 +6,7 @@ gRPC shells map these classes to status codes; the CLI prints the message and ex
 """
 
 import errno
+import os
 
 
 class MeshtrainError(Exception):
@@ -14,6 +15,11 @@ class MeshtrainError(Exception):
 
 class ConfigError(MeshtrainError, ValueError):
     """A config key, value or flag is unknown, of the wrong type, or not allowed."""
+
+
+class InvalidRequestError(MeshtrainError, ValueError):
+    """A field of a request to a service is malformed or over a bound the service sets (the
+    gRPC shells answer INVALID_ARGUMENT, naming the field)."""
 
 
 class NotBuiltError(ConfigError):
@@ -60,10 +66,18 @@ def is_storage_error(exc: BaseException) -> bool:
     return isinstance(exc, OSError) or type(exc).__module__.startswith(_STORAGE_MODULES)
 
 
+# errno values of storage that is full: no space left (ENOSPC), or the user's quota spent (EDQUOT).
+_DISK_FULL_ERRNOS = frozenset(e for e in (errno.ENOSPC, getattr(errno, "EDQUOT", None)) if e is not None)
+# What the OS says for them: an error that crossed a process (a checkpoint service's answer, a
+# writer's error in its fragment) keeps only its text.
+_DISK_FULL_TEXTS = tuple(os.strerror(e) for e in sorted(_DISK_FULL_ERRNOS))
+
 # errno values of storage failing the same way on every try: a path through a file, a
-# directory where a file goes, a denied or read-only location, a name too long.
+# directory where a file goes, a denied or read-only location, a name too long, a file larger
+# than the filesystem takes; and a full disk, which space may be freed on, but not within the
+# seconds of a retry, where each try only writes the same bytes into it again.
 _LASTING_ERRNOS = frozenset({errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.EROFS,
-                             errno.ENAMETOOLONG, errno.ELOOP})
+                             errno.ENAMETOOLONG, errno.ELOOP, errno.EFBIG}) | _DISK_FULL_ERRNOS
 
 
 def is_lasting_storage_error(exc: BaseException) -> bool:
@@ -78,8 +92,36 @@ def is_lasting_storage_error(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in _LASTING_ERRNOS
 
 
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether `exc`, or an error it was raised from, is storage being full (ENOSPC, EDQUOT):
+    an OSError saying so, a DiskFullError, or an error whose message quotes the OS's words for
+    it (all that is left of it once it crossed a process: a checkpoint service's answer, the
+    error a writer reported in its fragment)."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, DiskFullError) or (isinstance(cause, OSError) and cause.errno in _DISK_FULL_ERRNOS):
+            return True
+        if any(text in str(cause) for text in _DISK_FULL_TEXTS):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False
+
+
 class CheckpointError(MeshtrainError):
     """A checkpoint is missing, uncommitted, corrupt, or does not match the model."""
+
+
+class DiskFullError(CheckpointError):
+    """A save failed because its storage is full (ENOSPC; EDQUOT: a quota spent).
+
+    Lasting (`is_lasting_storage_error`): tried `checkpoint.save_attempts` times, not for the
+    retry time. Nothing of the save is committed, and what it had stored is removed; a training
+    run says so at every logged step and trains on (the next save tries again), but the failure
+    of its final save ends it."""
+
+    lasting = True
 
 
 class SaveForgottenError(CheckpointError):

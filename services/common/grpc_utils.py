@@ -12,7 +12,10 @@ recognises, so clients do not retry it.
 `serve_forever` runs a started server until SIGTERM or SIGINT, marks it NOT_SERVING in the
 health service first, and stops it with a grace period so streams in flight finish.
 `channel_options` gives clients the matching size limits and keepalive (`server_options`
-lets servers accept those pings on a stream that is paused).
+lets servers accept those pings on a stream that is paused). Authentication and TLS
+(`meshtrain.services.common.security.ServerSecurity`) are `make_server`'s too: it refuses to bind
+an address beyond loopback without authentication, serves TLS when given a certificate, and
+checks each call's token against its method's scope.
 
     server, port = make_server([lambda s: add_MyServicer_to_server(impl, s)],
                                ["meshtrain.x.v1.MyService"], port=0)
@@ -40,9 +43,12 @@ from meshtrain.services.common.errors import (
     ConfigError,
     DataError,
     DataUnavailableError,
+    InvalidRequestError,
     MeshtrainError,
     StorageUnavailableError,
 )
+from meshtrain.services.common.sanitize import UndecodableRequests
+from meshtrain.services.common.security import Scope, ServerSecurity
 from meshtrain.services.common.signals import relayed_signals
 
 log = logging.getLogger("meshtrain.grpc")
@@ -51,6 +57,7 @@ MAX_MESSAGE_BYTES = 64 << 20  # both ends raise gRPC's 4 MiB default to this
 
 # Most specific class first; the first isinstance match wins.
 ERROR_CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
+    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
     (DataUnavailableError, grpc.StatusCode.UNAVAILABLE),  # storage, not the request: try again
     (StorageUnavailableError, grpc.StatusCode.UNAVAILABLE),
@@ -187,7 +194,7 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         code = status_for(exc, self.table)
         if code is None:
             raise exc
-        log.info("rpc error %s: %s", code.name, exc)
+        log.info("rpc error %s: %s", code.name, status_details(str(exc), 500))  # may quote a client's strings
         if getattr(exc, "lasting", False) is True:
             context.set_trailing_metadata((LASTING_METADATA,))
         context.abort(code, status_details(str(exc)))
@@ -364,14 +371,18 @@ def make_server(
     error_table: list | None = None,
     interceptors: Iterable[grpc.ServerInterceptor] = (),
     translate_error: Callable[[Exception], MeshtrainError | None] | None = None,
+    security: ServerSecurity | None = None,
+    scopes: dict[str, Scope] | None = None,
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
-    """Build and start a server with health, reflection, size limits and error mapping.
+    """Build and start a server with health, reflection, size limits, error mapping and, as
+    `security` says, TLS and token or client-certificate checks.
 
     Args:
         add_servicers: callables that register servicers on the server.
         service_names: full names of those services (for health and reflection).
         port: TCP port; 0 picks a free one.
-        host: interface to bind ("127.0.0.1" by default; "0.0.0.0" to serve the network).
+        host: interface to bind ("127.0.0.1" by default; "0.0.0.0" to serve the network, which
+            needs `security` to authenticate callers or to be `insecure`).
         max_workers: streams served at once (each holds a thread); one more is refused with
             RESOURCE_EXHAUSTED. Unary RPCs (health checks) get `UNARY_RESERVE` slots besides.
         max_message_bytes: message limit in both directions.
@@ -379,14 +390,25 @@ def make_server(
         interceptors: run before `ErrorInterceptor` (outermost first), e.g. a
             `meshtrain.services.common.metrics.MetricsInterceptor`, which then sees mapped status codes.
         translate_error: `ErrorInterceptor`'s `translate` (e.g. storage errors -> UNAVAILABLE).
+        security: tokens, TLS files, insecure; None: no authentication, plaintext, loopback only.
+        scopes: full method name -> scope it needs (`security.method_scopes`); a method missing
+            from it needs admin, except the health check and reflection.
 
     Returns:
         (server, bound port, health servicer); the server is started and SERVING.
+
+    Raises:
+        ConfigError: the address cannot be bound, or is beyond loopback without authentication.
     """
+    security = security or ServerSecurity()
+    security.check_bind(host, port)
+    auth = security.interceptor(scopes or {})
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers + UNARY_RESERVE),
-        interceptors=[*interceptors, StreamLimit(max_workers),
-                      ErrorInterceptor(error_table, translate_error)],
+        # After the caller's (metrics count refused calls too), before the stream limit: a call
+        # that is refused never holds a stream slot.
+        interceptors=[*interceptors, *([auth] if auth else []), StreamLimit(max_workers),
+                      UndecodableRequests(), ErrorInterceptor(error_table, translate_error)],
         options=server_options(max_message_bytes),
         maximum_concurrent_rpcs=max_workers + UNARY_RESERVE,
     )
@@ -399,8 +421,12 @@ def make_server(
         names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
         server,
     )
+    credentials = security.server_credentials()
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        if credentials is None:
+            bound = server.add_insecure_port(f"{host}:{port}")
+        else:
+            bound = server.add_secure_port(f"{host}:{port}", credentials)
     except RuntimeError as e:  # grpc raises a bare RuntimeError when bind fails
         raise ConfigError(f"cannot bind gRPC server to {host}:{port} (in use or not allowed): {e}") from None
     if bound == 0:

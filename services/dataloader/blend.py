@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from meshtrain.services.common.errors import DataError
-from meshtrain.services.dataloader.index_cache import cached_arrays
+from meshtrain.services.dataloader.index_cache import cache_key, cached_arrays
 
 _SOURCE = Path(__file__).with_name("_blend.c")
 _lib_lock = threading.Lock()
@@ -144,7 +144,8 @@ class BlendedDataset:
         weights: one weight per dataset.
         num_samples: samples in the blend.
         name: split name for error messages.
-        cache_dir: where to cache the blending index; None: no cache.
+        cache_dir: where to cache the blending index (a folder or an `index_cache.IndexCache`);
+            None: no cache.
         """
         self.weights = normalize_weights(weights)
         if len(datasets) != self.weights.size:
@@ -157,6 +158,7 @@ class BlendedDataset:
         if any(d.seq_length != self.seq_length for d in live):
             raise DataError(f"blended datasets [{name}] have different seq_length")
         desc = blend_index_desc(self.weights, self.num_samples)
+        self.index_key = cache_key(desc)  # its entry in an index cache
         arrays = cached_arrays(cache_dir, desc, lambda: dict(zip(
             ("dataset_index", "dataset_sample_index"), blending_indices(self.weights, self.num_samples))))
         self.dataset_index = arrays["dataset_index"]

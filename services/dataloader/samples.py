@@ -22,7 +22,7 @@ import os
 import numpy as np
 
 from meshtrain.services.common.errors import DataError
-from meshtrain.services.dataloader.index_cache import array_digest, cached_arrays
+from meshtrain.services.dataloader.index_cache import array_digest, cache_key, cached_arrays
 from meshtrain.services.dataloader.indexed import IndexedDataset
 
 _SPLIT_NAMES = ("train", "valid", "test")
@@ -116,7 +116,8 @@ class GPTDataset:
         num_samples: samples to provide (epochs are added until they fit).
         seed: seed of the document and sample shuffles.
         name: split name used in error messages.
-        cache_dir: folder where the indices are cached (see `index_cache`); None: no cache.
+        cache_dir: folder where the indices are cached, or an `index_cache.IndexCache`;
+            None: no cache.
         """
         self.indexed = indexed
         self.name = name
@@ -154,6 +155,7 @@ class GPTDataset:
         self.num_epochs = epochs_needed(tokens_per_epoch, self.seq_length, self.num_samples)
 
         desc = gpt_index_desc(indexed, documents, self.seq_length, self.num_samples, self.seed)
+        self.index_key = cache_key(desc)  # its entry in an index cache
         arrays = cached_arrays(cache_dir, desc, lambda: self._build_indices(documents))
         self.doc_idx = arrays["doc_idx"]
         self.sample_idx = arrays["sample_idx"]

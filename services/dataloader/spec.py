@@ -28,7 +28,7 @@ from meshtrain.services.dataloader.blend import (
     normalize_weights,
     samples_needed,
 )
-from meshtrain.services.dataloader.index_cache import is_cached
+from meshtrain.services.dataloader.index_cache import IndexCache, is_cached
 from meshtrain.services.dataloader.indexed import IndexedDataset, is_remote, local_path
 from meshtrain.services.dataloader.samples import (
     GPTDataset,
@@ -171,22 +171,32 @@ def _gib(nbytes: int) -> str:
 
 
 def open_dataset(spec: DatasetSpec, cache: bool = True, max_index_bytes: int | None = None,
-                 budget: MemoryBudget | None = None) -> GPTDataset | BlendedDataset:
+                 budget: MemoryBudget | None = None,
+                 index_cache: IndexCache | None = None) -> GPTDataset | BlendedDataset:
     """Open the datasets a spec names and build (or load cached) sample indices.
 
     Args:
         spec: the stream to build.
-        cache: cache indices beside each dataset (see `index_cache`).
+        cache: cache indices: in `index_cache` if given, else beside each dataset
+            (`index_cache_dir`).
         max_index_bytes: refuse (DataError naming the numbers) a spec whose indices would take
             more memory than this to build (`index_build_bytes`; indices found in the cache are
             loaded, not built, and count for nothing), checked once the datasets' headers are
             read and before any index array is allocated; None: no limit.
         budget: held for the estimated bytes while the indices are built.
+        index_cache: the one folder (with a quota) where every index is cached, instead of
+            beside the datasets (a data worker's: clients choose what it builds).
 
     Returns:
         A GPTDataset for one prefix, else a BlendedDataset of one GPTDataset per prefix.
     """
     spec.validate()
+
+    def cache_for(prefix: str) -> IndexCache | str | None:
+        if not cache:
+            return None
+        return index_cache if index_cache is not None else index_cache_dir(prefix)
+
     split = SPLITS.index(spec.split_name)
     weights = normalize_weights(spec.weights)
     if len(spec.prefixes) == 1:
@@ -198,7 +208,7 @@ def open_dataset(spec: DatasetSpec, cache: bool = True, max_index_bytes: int | N
     opened: list[tuple[IndexedDataset, int, int] | None] = []
     # Indices already in the cache are memory-mapped, not built: they take no build memory.
     need_bytes = 0
-    if len(spec.prefixes) > 1 and not is_cached(index_cache_dir(spec.prefixes[0]) if cache else None,
+    if len(spec.prefixes) > 1 and not is_cached(cache_for(spec.prefixes[0]),
                                                 blend_index_desc(normalize_weights(weights), spec.num_samples)):
         need_bytes = 10 * spec.num_samples  # the blend's index: int16 + int64 a sample
     sizes = []
@@ -218,7 +228,7 @@ def open_dataset(spec: DatasetSpec, cache: bool = True, max_index_bytes: int | N
         di = indexed.document_indices
         tokens = int(indexed.sequence_lengths[di[begin]:di[end]].sum(dtype=np.int64))
         desc = gpt_index_desc(indexed, np.arange(begin, end, dtype=np.int64), spec.seq_length, need, spec.seed)
-        if tokens > spec.seq_length and not is_cached(index_cache_dir(prefix) if cache else None, desc):
+        if tokens > spec.seq_length and not is_cached(cache_for(prefix), desc):
             # (a split too short for one sample: GPTDataset says so)
             epochs = epochs_needed(tokens, spec.seq_length, need)
             need_bytes += index_build_bytes(epochs, end - begin, need)
@@ -240,8 +250,8 @@ def open_dataset(spec: DatasetSpec, cache: bool = True, max_index_bytes: int | N
             indexed, begin, end = part
             parts.append(GPTDataset(indexed, np.arange(begin, end, dtype=np.int64), spec.seq_length,
                                     need, spec.seed, name=spec.split_name,
-                                    cache_dir=index_cache_dir(prefix) if cache else None))
+                                    cache_dir=cache_for(prefix)))
         if len(parts) == 1:
             return parts[0]
-        cache_dir = index_cache_dir(spec.prefixes[0]) if cache else None
-        return BlendedDataset(parts, weights, spec.num_samples, name=spec.split_name, cache_dir=cache_dir)
+        return BlendedDataset(parts, weights, spec.num_samples, name=spec.split_name,
+                              cache_dir=cache_for(spec.prefixes[0]))

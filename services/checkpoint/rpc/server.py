@@ -5,7 +5,11 @@ One service serves one checkpoint root (local folder, `s3://` with endpoint and 
 from the environment, ...). It has the standard health service and reflection (try
 `grpcurl -plaintext 127.0.0.1:P list`), binds 127.0.0.1 unless told otherwise, and stops
 gracefully on SIGTERM: saves in flight get the grace period, and a save cut short is simply
-not committed.
+not committed. With `--token-file` (or $MESHTRAIN_TOKEN) every call needs a token of the
+method's scope (`SCOPES`: reads need read, saves write, deleting or replacing a committed step
+admin); `--tls-cert/--tls-key` serve TLS and `--tls-client-ca` requires client certificates
+(`meshtrain.services.common.security`). An interface other than loopback needs a token or client
+certificates, or `--insecure`.
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ import sys
 from meshtrain.protos.checkpoint.v1 import checkpoint_pb2_grpc as pb_grpc
 from meshtrain.services.checkpoint.cli import add_serve_arguments
 from meshtrain.services.checkpoint.rpc.servicer import (
+    MAX_COMMIT_TIMEOUT,
+    MAX_COMMITS,
+    MAX_WRITERS,
     SERVICE_NAME,
     CheckpointServicer,
     storage_unavailable,
@@ -24,14 +31,26 @@ from meshtrain.services.checkpoint.rpc.servicer import (
 from meshtrain.services.common.errors import ConfigError
 from meshtrain.services.common.grpc_utils import make_server, serve_forever
 from meshtrain.services.common.metrics import MetricsInterceptor, start_metrics_server
+from meshtrain.services.common.security import ADMIN, READ, WRITE, ServerSecurity, method_scopes
 
 log = logging.getLogger("meshtrain.checkpoint")
+
+# The scope each method needs (admin implies write implies read). BeginSave replacing a committed
+# step is admin's, like deleting one: a write token may add checkpoints, not destroy them.
+SCOPES = method_scopes(SERVICE_NAME, {
+    "List": READ, "Describe": READ, "ReadSlice": READ,
+    "BeginSave": lambda request: ADMIN if request.overwrite else WRITE,
+    "WriteShards": WRITE, "Commit": WRITE, "AbortSave": WRITE, "ResumeSave": WRITE,
+    "Delete": ADMIN, "ApplyRetention": ADMIN,
+})
 
 
 def start_server(root: str, port: int = 0, host: str = "127.0.0.1", max_streams: int = 16,
                  commit_timeout: float = 600.0, max_chunk_bytes: int = 4 << 20,
                  max_inflight_bytes: int = 1 << 30, metrics: bool = False,
-                 stream_idle_timeout: float = 120.0):
+                 stream_idle_timeout: float = 120.0, max_writers: int = MAX_WRITERS,
+                 max_commit_timeout: float = MAX_COMMIT_TIMEOUT, max_commits: int = MAX_COMMITS,
+                 security: ServerSecurity | None = None):
     """Starts a CheckpointService in this process.
 
     Args:
@@ -44,19 +63,25 @@ def start_server(root: str, port: int = 0, host: str = "127.0.0.1", max_streams:
         max_inflight_bytes: box bytes held in memory at once over all streams.
         metrics: record Prometheus RPC metrics (served by `start_metrics_server`).
         stream_idle_timeout: seconds a writer's stream may send nothing before it is aborted
-            and its share of the in-flight budget freed (0: never).
+            and its share of the in-flight budget freed, or a slice's reader may take nothing
+            before its stream is cancelled (0: never).
+        max_writers: the most writers one save may have.
+        max_commit_timeout: the longest a Commit waits for its writers, whatever it asks.
+        max_commits: Commits waiting at once (one more: RESOURCE_EXHAUSTED).
+        security: tokens and TLS (None: none, loopback only).
 
     Returns:
         (server, bound port, health servicer).
     """
     servicer = CheckpointServicer(root, commit_timeout, max_chunk_bytes, max_inflight_bytes,
-                                  stream_idle_timeout)
+                                  stream_idle_timeout, max_writers=max_writers,
+                                  max_commit_timeout=max_commit_timeout, max_commits=max_commits)
     return make_server(
         [lambda s: pb_grpc.add_CheckpointServiceServicer_to_server(servicer, s)],
         [SERVICE_NAME], port=port, host=host, max_workers=max_streams,
         max_message_bytes=max(2 * max_chunk_bytes, 8 << 20),
         interceptors=[MetricsInterceptor("checkpoint", max_streams)] if metrics else [],
-        translate_error=storage_unavailable(root),
+        translate_error=storage_unavailable(root), security=security, scopes=SCOPES,
     )
 
 
@@ -67,7 +92,9 @@ def run(args: argparse.Namespace) -> int:
         args.root, args.port, args.host, args.max_streams, args.commit_timeout,
         int(args.max_chunk_mb * 2**20), int(args.max_inflight_mb * 2**20),
         metrics=getattr(args, "metrics_port", None) is not None,
-        stream_idle_timeout=args.stream_idle_timeout)
+        stream_idle_timeout=args.stream_idle_timeout, max_writers=args.max_writers,
+        max_commit_timeout=args.max_commit_timeout, max_commits=args.max_commits,
+        security=ServerSecurity.from_args(args))
     if getattr(args, "metrics_port", None) is not None:
         try:
             _, metrics_port = start_metrics_server(args.metrics_port, args.host)

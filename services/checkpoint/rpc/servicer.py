@@ -22,6 +22,17 @@ failure, and the retry reaches `commit` again, which finishes the save or, when 
 attempt's manifest did land, recognises its own commit and returns its result. Saves that
 ended are remembered (boundedly), so a late call of one is told what happened to it, not that
 its id is unknown.
+
+Every size a client chooses is bounded before anything is allocated for it, and a bad field is
+INVALID_ARGUMENT naming it: `num_writers` (at most `max_writers`), a box's shape and shard grid
+(inside the array, a shard no larger than the in-flight limit), strings (names, save ids,
+metadata), steps. Waits end when their client goes: a Commit whose client disconnected stops
+waiting for writers within a second (its save stays, for the client's retry), its timeout is
+capped at `max_commit_timeout`, and at most `max_commits` commits wait at once, so waiting
+commits never take the slots health checks need. A ReadSlice whose client takes nothing for
+`stream_idle_timeout` seconds is cancelled. On a local root no symlink inside a step folder is
+followed: writes open every folder with O_NOFOLLOW, and a commit or a read refuses a step
+folder holding one.
 """
 
 from __future__ import annotations
@@ -42,7 +53,12 @@ import numpy as np
 from meshtrain.protos.checkpoint.v1 import checkpoint_pb2 as pb
 from meshtrain.protos.checkpoint.v1 import checkpoint_pb2_grpc as pb_grpc
 from meshtrain.services.checkpoint import layout
-from meshtrain.services.checkpoint.maintenance import apply_retention, delete_checkpoint
+from meshtrain.services.checkpoint.maintenance import (
+    apply_retention,
+    delete_checkpoint,
+    keep_every_needs_keep_last,
+)
+from meshtrain.services.checkpoint.nofollow import refuse_symlinks
 from meshtrain.services.checkpoint.reader import (
     box_entry,
     list_checkpoints,
@@ -58,17 +74,54 @@ from meshtrain.services.checkpoint.sharded import (
     committed_by,
     resume_save,
 )
-from meshtrain.services.checkpoint.shards import ShardSpec
+from meshtrain.services.checkpoint.shards import MAX_NDIM, ShardSpec
+from meshtrain.services.checkpoint.store import open_root
 from meshtrain.services.common.errors import (
     CheckpointError,
+    ConfigError,
+    InvalidRequestError,
     StorageUnavailableError,
     is_lasting_storage_error,
     is_storage_error,
 )
 from meshtrain.services.common.grpc_utils import StreamIdleError, status_details, until_idle
+from meshtrain.services.common.sanitize import check_text, loggable, quiet_undecodable_requests
+from meshtrain.services.common.stream_guards import IdleReaper
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CheckpointService"].full_name
 log = logging.getLogger("meshtrain.checkpoint")
+
+# Defaults of the service's bounds (`ckpt serve` flags).
+MAX_WRITERS = 65536  # --max-writers: writers of one save (ranks of a run)
+MAX_COMMIT_TIMEOUT = 3600.0  # --max-commit-timeout: seconds a Commit may ask to wait
+MAX_COMMITS = 4  # --max-commits: Commits waiting at once (below grpc_utils.UNARY_RESERVE)
+MAX_METADATA_BYTES = 1 << 20  # a commit's user metadata, stored in the manifest
+MAX_REASON_CHARS = 1000  # an AbortSave reason or a writer's error, quoted in refusals
+
+
+class _CallerGone(Exception):
+    """The client of a waiting call went away (cancelled, disconnected, past its deadline)."""
+
+
+def _wait_for(lock: threading.Lock, context) -> None:
+    """Acquires `lock`, waiting only while the RPC's client is still there (_CallerGone)."""
+    while not lock.acquire(timeout=0.5):
+        if not context.is_active():
+            raise _CallerGone()
+
+
+def _step(step: int, field_name: str = "step") -> int:
+    if step < 0:
+        raise InvalidRequestError(f"{field_name}={step} must be >= 0")
+    return int(step)
+
+
+def _save_id(value: str) -> str:
+    """A request's save id, checked (INVALID_ARGUMENT naming it otherwise)."""
+    try:
+        return check_save_id(value)
+    except CheckpointError as e:
+        raise InvalidRequestError(str(e)) from None
 
 
 class ByteBudget:
@@ -93,10 +146,11 @@ class ByteBudget:
                 past its deadline) stops waiting instead of holding its thread and RPC slot.
 
         Raises:
-            CheckpointError: `nbytes` can never fit, or the caller went away while waiting.
+            InvalidRequestError: `nbytes` can never fit.
+            CheckpointError: the caller went away while waiting.
         """
-        if nbytes > self.limit:
-            raise CheckpointError(
+        if nbytes > self.limit:  # a size the client chose
+            raise InvalidRequestError(
                 f"{what} is {nbytes} bytes, over the service's in-flight limit of {self.limit}; "
                 "use smaller boxes or start the service with a larger --max-inflight-mb"
             )
@@ -142,12 +196,32 @@ class _Save:
     abort_reason: str | None = None  # AbortSave's: its commit stops waiting for writers
 
 
-def box_from_pb(box: pb.Box) -> ShardSpec:
-    """A protobuf Box -> ShardSpec (validated)."""
-    return ShardSpec(
-        box.array, tuple(box.global_shape), box.dtype, tuple(box.offsets), tuple(box.shape),
-        grid=tuple(box.grid) or None, stacked=box.stacked if box.HasField("stacked") else None,
-    )
+def box_from_pb(box: pb.Box, max_shard_bytes: int | None = None) -> ShardSpec:
+    """A protobuf Box -> ShardSpec, validated (InvalidRequestError naming what is wrong): its
+    fields bounded before anything is computed from them, the box inside its array, its shard
+    grid consistent with the array and, with `max_shard_bytes`, no larger than that (a shard
+    is what encoding an edge box allocates, and what the array's other boxes are)."""
+    check_text(box.array, "box.array", 255, InvalidRequestError)
+    check_text(box.dtype, "box.dtype", 16, InvalidRequestError)
+    for name in ("global_shape", "offsets", "shape", "grid"):
+        if len(getattr(box, name)) > MAX_NDIM:
+            raise InvalidRequestError(f"box.{name} of array {box.array!r} has {len(getattr(box, name))} dims, "
+                                      f"over the limit of {MAX_NDIM}")
+    try:
+        spec = ShardSpec(
+            box.array, tuple(box.global_shape), box.dtype, tuple(box.offsets), tuple(box.shape),
+            grid=tuple(box.grid) or None, stacked=box.stacked if box.HasField("stacked") else None,
+        )
+    except CheckpointError as e:
+        raise InvalidRequestError(str(e)) from None
+    if max_shard_bytes is not None:
+        shard = math.prod(max(1, g) for g in spec.grid_shape) * layout._DTYPES[spec.dtype][1].itemsize
+        if shard > max_shard_bytes:
+            raise InvalidRequestError(
+                f"box.grid {spec.grid_shape} of array {spec.array!r} makes {shard}-byte shards, over the "
+                f"service's in-flight limit of {max_shard_bytes} bytes (--max-inflight-mb): no box of such a "
+                "grid could be taken")
+    return spec
 
 
 class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
@@ -159,12 +233,29 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         max_chunk_bytes: largest data chunk accepted or sent.
         max_inflight_bytes: cap on box bytes held in memory over all streams.
         stream_idle_timeout: seconds a WriteShards stream may send nothing before it is
-            aborted (ABORTED, which the writer retries) and its box's budget freed; 0: never.
+            aborted (ABORTED, which the writer retries) and its box's budget freed, or a
+            ReadSlice stream's client may take nothing before it is cancelled; 0: never.
+        max_writers: the most writers one save may have.
+        max_commit_timeout: the longest a Commit waits for writers, whatever it asks for.
+        max_commits: Commits waiting at once; one more is refused with RESOURCE_EXHAUSTED.
     """
 
     def __init__(self, root: str, commit_timeout: float = 600.0, max_chunk_bytes: int = 4 << 20,
-                 max_inflight_bytes: int = 1 << 30, stream_idle_timeout: float = 120.0):
+                 max_inflight_bytes: int = 1 << 30, stream_idle_timeout: float = 120.0,
+                 max_writers: int = MAX_WRITERS, max_commit_timeout: float = MAX_COMMIT_TIMEOUT,
+                 max_commits: int = MAX_COMMITS):
+        quiet_undecodable_requests()
+        if max_writers < 1 or max_commits < 1 or not 0 < max_commit_timeout < math.inf:
+            raise ConfigError(f"--max-writers {max_writers} and --max-commits {max_commits} must be >= 1 and "
+                              f"--max-commit-timeout {max_commit_timeout} a positive number of seconds")
         self.root = root
+        self.max_writers = max_writers
+        self.max_commit_timeout = max_commit_timeout
+        self.max_commits = max_commits
+        self._commit_slots = threading.BoundedSemaphore(max_commits)
+        self._reaper = IdleReaper(stream_idle_timeout, "--stream-idle-timeout")
+        opened = open_root(root)
+        self._local_path = opened.path if opened.is_local else None  # where symlinks are refused
         self.commit_timeout = commit_timeout
         self.stream_idle_timeout = stream_idle_timeout
         self.max_chunk_bytes = max_chunk_bytes
@@ -227,9 +318,20 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             log.warning("save %s of step %d abandoned (no commit within %.0f s); forgotten",
                         save_id, save.step, 2 * self.commit_timeout)
 
+    def _num_writers(self, num_writers: int) -> int:
+        if not 1 <= num_writers <= self.max_writers:
+            raise InvalidRequestError(f"num_writers={num_writers} must be in [1, {self.max_writers}] "
+                                      f"(the service's --max-writers)")
+        return num_writers
+
+    def _no_symlinks(self, step: int) -> None:
+        """On a local root: refuses (CheckpointError) a step folder holding a symlink."""
+        if self._local_path is not None:
+            refuse_symlinks(self._local_path, open_root(self.root).step_path(step))
+
     def BeginSave(self, request, context):
-        if request.num_writers < 1:
-            raise CheckpointError(f"num_writers must be >= 1, got {request.num_writers}")
+        _step(request.step)
+        self._num_writers(request.num_writers)
         with self._begin_lock:
             return self._begin(request)
 
@@ -257,9 +359,9 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         return pb.BeginSaveResponse(save_id=save_id)
 
     def ResumeSave(self, request, context):
-        save_id = check_save_id(request.save_id)
-        if request.num_writers < 1:
-            raise CheckpointError(f"num_writers must be >= 1, got {request.num_writers}")
+        save_id = _save_id(request.save_id)
+        _step(request.step)
+        self._num_writers(request.num_writers)
         with self._begin_lock:
             with self._lock:
                 if save_id in self._saves:  # another writer of the save resumed it already
@@ -290,8 +392,11 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                           "(the service's --stream-idle-timeout); aborted")
         if first is None or first.WhichOneof("part") != "header":
             raise CheckpointError("a WriteShards stream must start with a header")
-        save_id = check_save_id(first.header.save_id)
+        save_id = _save_id(first.header.save_id)
         save = self._save(save_id, context)
+        if not 0 <= first.header.writer_id < save.num_writers:
+            raise InvalidRequestError(f"writer_id={first.header.writer_id} is outside [0, {save.num_writers}) "
+                                      f"(save {save_id!r} has {save.num_writers} writers)")
         writer = ShardWriter(self.root, save.step, save_id, first.header.writer_id,
                              save.num_writers)
         boxes = total = 0
@@ -304,7 +409,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                         raise CheckpointError(
                             f"box {spec.offsets} of array {spec.array!r} ended after {filled} of "
                             f"{len(buf)} bytes")
-                    spec = box_from_pb(msg.box)
+                    spec = box_from_pb(msg.box, self.budget.limit)
                     nbytes = math.prod(spec.shape) * layout._DTYPES[spec.dtype][1].itemsize
                     self.budget.acquire(nbytes, f"box {spec.offsets} of array {spec.array!r}", context.is_active)
                     buf, filled = bytearray(nbytes), 0
@@ -323,7 +428,8 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                     buf[filled:filled + size] = msg.chunk
                     filled += size
                 elif kind == "error":  # an empty text must still fail the save
-                    writer.finish(error=msg.error or f"writer {first.header.writer_id} reported an error")
+                    error = msg.error[:MAX_REASON_CHARS]  # quoted in the commit's refusal
+                    writer.finish(error=error or f"writer {first.header.writer_id} reported an error")
                     return pb.WriteShardsResponse(boxes=boxes, bytes=total)
                 else:
                     raise CheckpointError(f"unexpected {kind!r} message inside a WriteShards stream")
@@ -354,7 +460,29 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         return pb.WriteShardsResponse(boxes=boxes, bytes=total)
 
     def Commit(self, request, context):
-        save_id = check_save_id(request.save_id)
+        save_id = _save_id(request.save_id)
+        _step(request.step)
+        if not (math.isfinite(request.timeout_s) and request.timeout_s >= 0):
+            # NaN never passed the deadline: the commit waited forever for a missing writer,
+            # holding a thread and keeping the save from expiring
+            raise InvalidRequestError(f"commit timeout_s must be a finite number of seconds >= 0 "
+                                      f"(0: the service's default), got {request.timeout_s!r}")
+        if len(request.metadata_json) > MAX_METADATA_BYTES:
+            raise InvalidRequestError(f"commit metadata_json is {len(request.metadata_json)} characters, over "
+                                      f"the limit of {MAX_METADATA_BYTES}")
+        if not self._commit_slots.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"all {self.max_commits} commit slots of this service are in use (--max-commits); "
+                          "try again")
+        try:
+            return self._commit(request, save_id, context)
+        except _CallerGone:
+            log.info("commit of save %s: its client went away; the save stays for a retry", save_id)
+            context.abort(grpc.StatusCode.CANCELLED, f"the client of the commit of save {save_id!r} went away")
+        finally:
+            self._commit_slots.release()
+
+    def _commit(self, request, save_id: str, context) -> pb.CommitResponse:
         with self._lock:  # a committed save stays known, so a retried Commit reaches `commit` again
             save = self._saves.get(save_id) or self._committed.get(save_id)
         if save is None and request.step > 0:
@@ -365,19 +493,22 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                 return _commit_response(done)
         if save is None:
             save = self._save(save_id, context)  # aborts, saying why
-        if not (math.isfinite(request.timeout_s) and request.timeout_s >= 0):
-            # NaN never passed the deadline: the commit waited forever for a missing writer,
-            # holding a thread and keeping the save from expiring
-            raise CheckpointError(f"commit timeout_s must be a finite number of seconds >= 0 "
-                                  f"(0: the service's default), got {request.timeout_s!r}")
         try:
             metadata = json.loads(request.metadata_json or "{}")
         except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
-            raise CheckpointError(f"commit metadata is not JSON: {e}") from e
+            raise InvalidRequestError(f"commit metadata_json is not JSON: {e}") from e
         if not isinstance(metadata, dict):  # readers look keys up in it
-            raise CheckpointError(f"commit metadata must be a JSON object, got {type(metadata).__name__}: "
-                                  f"{request.metadata_json[:100]!r}")
-        with save.commit_lock:  # a second Commit of this save (a client retrying) waits for the first
+            raise InvalidRequestError(f"commit metadata_json must be a JSON object, got "
+                                      f"{type(metadata).__name__}: {loggable(request.metadata_json, 100)}")
+        timeout = min(request.timeout_s or self.commit_timeout, self.max_commit_timeout)
+
+        def cancelled() -> str | None:
+            if not context.is_active():
+                raise _CallerGone()
+            return save.abort_reason if save_id in self._saves else "its save was superseded by a newer BeginSave"
+
+        _wait_for(save.commit_lock, context)  # a second Commit of this save (a client retrying) waits for the first
+        try:
             with self._lock:
                 current = save_id in self._saves or save_id in self._committed
             if not current:  # superseded while this call waited for the lock
@@ -385,9 +516,9 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             try:
                 # `commit` returns the result again for a step this save already committed
                 result = commit(self.root, save.step, save_id, save.num_writers, metadata,
-                                timeout=request.timeout_s or self.commit_timeout,
-                                cancelled=lambda: save.abort_reason if save_id in self._saves
-                                else "its save was superseded by a newer BeginSave")
+                                timeout=timeout, cancelled=cancelled)
+            except _CallerGone:  # not the save's fault: it stays, for the client's retry
+                raise
             except CheckpointError as e:
                 # A definite refusal: trying again cannot help, so the save ends here, and a
                 # later call of it (a retry whose first reply was lost) gets this cause.
@@ -404,32 +535,54 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             with self._lock:  # one step: a retry finds the save in one table or the other
                 self._remember(self._committed, save_id, save)
                 self._saves.pop(save_id, None)
+        finally:
+            save.commit_lock.release()
         return _commit_response(result)
 
     def AbortSave(self, request, context):
-        save_id = check_save_id(request.save_id)
-        reason = request.reason or "its client aborted it"
+        save_id = _save_id(request.save_id)
+        reason = request.reason[:MAX_REASON_CHARS] or "its client aborted it"  # quoted in refusals
         with self._lock:
             save = self._saves.get(save_id)
             if save is None:  # committed, ended already, or unknown (a restarted service)
                 return pb.AbortSaveResponse(aborted=False)
             save.abort_reason = reason
-        log.warning("save %s of step %d given up: %s", save_id, save.step, reason)
+        log.warning("save %s of step %d given up: %s", save_id, save.step, loggable(reason))
         # A commit under way sees the reason at its next look for fragments, and one that comes
         # later at its first: it commits the save if every writer has reported, else ends it at
         # once (as a trainer's own commit does when its run fails). Waiting for one under way
         # means the step is settled, one way or the other, when this returns.
-        with save.commit_lock, self._lock:
-            committed = save_id in self._committed
+        try:
+            _wait_for(save.commit_lock, context)
+        except _CallerGone:
+            return pb.AbortSaveResponse(aborted=True)  # nobody reads it
+        try:
+            with self._lock:
+                committed = save_id in self._committed
+        finally:
+            save.commit_lock.release()
         return pb.AbortSaveResponse(aborted=not committed)
 
     def List(self, request, context):
         return pb.ListResponse(steps=list_checkpoints(self.root))
 
     def Describe(self, request, context):
+        self._no_symlinks(_step(request.step))
         return pb.DescribeResponse(manifest_json=json.dumps(read_manifest(self.root, request.step)))
 
     def ReadSlice(self, request, context):
+        _step(request.step)
+        check_text(request.array, "array", 255, InvalidRequestError)
+        if len(request.shape) > MAX_NDIM or len(request.offsets) > MAX_NDIM:
+            raise InvalidRequestError(f"offsets and shape of a slice of {request.array!r} have at most "
+                                      f"{MAX_NDIM} dims, got {len(request.offsets)} and {len(request.shape)}")
+        if any(n < 0 for n in request.shape):
+            raise InvalidRequestError(f"shape {list(request.shape)} of a slice of {request.array!r} must be >= 0")
+        self._no_symlinks(request.step)
+        yield from self._reaper.watch(self._read_slice(request, context), context,
+                                      f"ReadSlice of {request.array!r} at step {request.step}")
+
+    def _read_slice(self, request, context):
         shape, offsets = tuple(request.shape), tuple(request.offsets)
         manifest = read_manifest(self.root, request.step)
         # the request is checked before it is priced: an unknown array or a box outside it is
@@ -447,12 +600,18 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             self.budget.release(nbytes)
 
     def Delete(self, request, context):
+        _step(request.step)
         with self._lock:  # held while deleting: no save of the step can begin meanwhile
             if self._busy(request.step):
                 raise CheckpointError(f"step {request.step} is being saved; delete it after its commit")
             return pb.DeleteResponse(deleted=delete_checkpoint(self.root, request.step))
 
     def ApplyRetention(self, request, context):
+        if request.keep_last < 0 or request.keep_every < 0:
+            raise InvalidRequestError(f"retention keep_last={request.keep_last} keep_every={request.keep_every}: "
+                                      "both must be >= 0")
+        if request.keep_every and not request.keep_last:  # as `ckpt delete` refuses it
+            raise InvalidRequestError(keep_every_needs_keep_last(request.keep_every, request.keep_last))
         with self._lock:
             self._expire()
             busy = [s.step for s in self._saves.values()]

@@ -3,7 +3,10 @@
 A worker is stateless, so capacity grows by starting more of them (any port, any host that
 sees the dataset files at the same paths) and handing all addresses to the trainer's client.
 The server has the standard health service and reflection (try
-`grpcurl -plaintext 127.0.0.1:P list`) and stops gracefully on SIGTERM.
+`grpcurl -plaintext 127.0.0.1:P list`) and stops gracefully on SIGTERM. With `--token-file` (or
+$MESHTRAIN_TOKEN) every call needs a token of scope read; `--tls-cert/--tls-key` serve TLS and
+`--tls-client-ca` requires client certificates (`meshtrain.services.common.security`). An
+interface other than loopback needs a token or client certificates, or `--insecure`.
 """
 
 from __future__ import annotations
@@ -16,33 +19,40 @@ from meshtrain.protos.dataloader.v1 import dataloader_pb2_grpc as pb_grpc
 from meshtrain.services.common.errors import ConfigError
 from meshtrain.services.common.grpc_utils import make_server, serve_forever
 from meshtrain.services.common.metrics import MetricsInterceptor, start_metrics_server
+from meshtrain.services.common.security import READ, ServerSecurity, method_scopes
 from meshtrain.services.dataloader.cli import add_serve_arguments
-from meshtrain.services.dataloader.rpc.servicer import SERVICE_NAME, DataServicer
+from meshtrain.services.dataloader.rpc.servicer import SERVICE_NAME, DataLimits, DataServicer
 
 log = logging.getLogger("meshtrain.data")
 
+SCOPES = method_scopes(SERVICE_NAME, {"StreamBatches": READ, "Describe": READ})
+
 
 def start_server(port: int = 0, host: str = "127.0.0.1", max_workers: int = 16,
-                 cache_indices: bool = True, metrics: bool = False, max_index_bytes: int | None = None):
+                 cache_indices: bool = True, metrics: bool = False, max_index_bytes: int | None = None,
+                 limits: DataLimits | None = None, security: ServerSecurity | None = None):
     """Start a DataService worker in this process.
 
     Args:
         port: TCP port; 0 picks a free one.
         host: interface to bind; 127.0.0.1 unless serving other machines.
         max_workers: concurrent streams served.
-        cache_indices: cache sample indices beside the datasets.
+        cache_indices: cache sample indices (in `limits.index_cache_dir`).
         metrics: record Prometheus RPC metrics (served by `start_metrics_server`).
         max_index_bytes: memory sample-index builds may take, one request's and all at once
             (None: half the machine's memory; see `DataServicer`).
+        limits: what clients may ask for (None: `DataLimits()`): num_samples, the index
+            cache's folder and quota, stream idle timeout, streams per client.
+        security: tokens and TLS (None: none, loopback only).
 
     Returns:
         (server, bound port, health servicer).
     """
-    servicer = DataServicer(cache_indices=cache_indices, max_index_bytes=max_index_bytes)
+    servicer = DataServicer(cache_indices=cache_indices, max_index_bytes=max_index_bytes, limits=limits)
     interceptors = [MetricsInterceptor("data", max_workers)] if metrics else []
     return make_server([lambda s: pb_grpc.add_DataServiceServicer_to_server(servicer, s)],
                        [SERVICE_NAME], port=port, host=host, max_workers=max_workers,
-                       interceptors=interceptors)
+                       interceptors=interceptors, security=security, scopes=SCOPES)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,7 +71,12 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-index-gib {max_index_gib} must be a positive number of GiB")
     server, port, health = start_server(
         args.port, args.host, args.max_streams, metrics=metrics,
-        max_index_bytes=None if max_index_gib is None else int(max_index_gib * 2**30))
+        max_index_bytes=None if max_index_gib is None else int(max_index_gib * 2**30),
+        limits=DataLimits(max_samples=args.max_samples, index_cache_dir=args.index_cache_dir,
+                          index_cache_bytes=int(args.index_cache_gib * 2**30),
+                          stream_idle_timeout=args.stream_idle_timeout,
+                          max_streams_per_client=args.max_streams_per_client),
+        security=ServerSecurity.from_args(args))
     if metrics:
         try:
             _, metrics_port = start_metrics_server(args.metrics_port, args.host)

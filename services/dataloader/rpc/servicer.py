@@ -15,6 +15,13 @@ request whose sample index would take more than `max_index_bytes` to build is re
 datasets' headers are read, before anything is allocated, and builds in progress together stay
 within the same bound (a build that does not fit waits), so no request can take the worker's
 memory.
+
+Everything else a client chooses is bounded too (`DataLimits`): strings are checked before they
+are used (length, no NUL or control character), `num_samples` is capped, indices go to one cache
+folder of the worker's with a size quota (never beside the datasets, where each new seed left
+one more entry), a client's concurrent streams are capped by its host, and a stream whose
+client takes no message for `stream_idle_timeout` seconds is cancelled, so clients that connect
+and never read cannot hold the stream slots.
 """
 
 from __future__ import annotations
@@ -23,15 +30,21 @@ import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from meshtrain.protos.dataloader.v1 import dataloader_pb2 as pb
 from meshtrain.protos.dataloader.v1 import dataloader_pb2_grpc as pb_grpc
-from meshtrain.services.common.errors import DataError, DataUnavailableError
+from meshtrain.services.common.errors import ConfigError, DataError, DataUnavailableError
+from meshtrain.services.common.sanitize import check_text, loggable, quiet_undecodable_requests
+from meshtrain.services.common.stream_guards import IdleReaper, PeerLimit
+from meshtrain.services.dataloader.blend import MAX_DATASETS
+from meshtrain.services.dataloader.config import user_cache_dir
+from meshtrain.services.dataloader.index_cache import IndexCache
 from meshtrain.services.dataloader.loader import LocalBatchSource
-from meshtrain.services.dataloader.spec import DatasetSpec, MemoryBudget, open_dataset
+from meshtrain.services.dataloader.spec import MAX_SAMPLES, SPLITS, DatasetSpec, MemoryBudget, open_dataset
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DataService"].full_name
 # A micro-batch message stays far below the gRPC message limit; bigger requests are refused.
@@ -46,22 +59,65 @@ MAX_DATASETS_CACHED = 8
 # worker sets; zip/tar and `a::b` chains open whole archives or caches; and their failures
 # escaped as UNKNOWN, which clients retried as if the worker were down.
 SERVED_SCHEMES = ("file", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "memory")
+MAX_PREFIX_CHARS = 4096  # PATH_MAX
+MAX_SPLIT_CHARS = 256  # "969,30,1"-style weights
+
+
+def default_index_cache_dir() -> str:
+    """Where a data worker caches sample indices unless told (`data serve --index-cache-dir`):
+    `index` in the user's meshtrain cache folder (`$MESHTRAIN_CACHE`, ...; see `user_cache_dir`)."""
+    return os.path.join(user_cache_dir(), "index")
+
+
+@dataclass(frozen=True)
+class DataLimits:
+    """What a data worker allows its clients (each a `data serve` flag).
+
+    Attributes:
+        max_samples: the largest `num_samples` a request may name (`--max-samples`).
+        index_cache_dir: the one folder where sample indices are cached (`--index-cache-dir`;
+            None: `default_index_cache_dir()`); never beside the datasets.
+        index_cache_bytes: the most bytes the cached indices may take; the least recently used
+            ones not read by a live stream are evicted to make room (`--index-cache-gib`).
+        stream_idle_timeout: seconds a stream's client may take no message before the stream is
+            cancelled (`--stream-idle-timeout`; 0: never). A trainer pausing (a checkpoint, an
+            evaluation) longer than this reconnects when it reads again, where it left off.
+        max_streams_per_client: streams one client host may hold at once
+            (`--max-streams-per-client`; 0: no limit).
+    """
+
+    max_samples: int = 2**32
+    index_cache_dir: str | None = None
+    index_cache_bytes: int = 32 << 30
+    stream_idle_timeout: float = 300.0
+    max_streams_per_client: int = 16
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_samples <= MAX_SAMPLES:
+            raise ConfigError(f"--max-samples {self.max_samples} must be in [1, 2^36]")
+        if not self.index_cache_bytes > 0:
+            raise ConfigError(f"--index-cache-gib must be > 0, got {self.index_cache_bytes} bytes")
+        if not 0 <= self.stream_idle_timeout < float("inf"):
+            raise ConfigError(f"--stream-idle-timeout {self.stream_idle_timeout} must be a number of seconds >= 0")
+        if self.max_streams_per_client < 0:
+            raise ConfigError(f"--max-streams-per-client {self.max_streams_per_client} must be >= 0")
 
 
 def check_served(prefix: str) -> None:
     """Raise DataError unless `prefix` is a local path or a URL of a `SERVED_SCHEMES` store."""
     served = "a local path or a " + ", ".join(f"{s}://" for s in SERVED_SCHEMES) + " URL"
+    shown = loggable(prefix)
     if not prefix.strip():
-        raise DataError(f"dataset prefix {prefix!r} is empty; give {served}")
+        raise DataError(f"dataset prefix {shown} is empty; give {served}")
     if "::" in prefix:
-        raise DataError(f"dataset prefix {prefix!r} chains fsspec protocols ('::'); this worker serves {served}")
+        raise DataError(f"dataset prefix {shown} chains fsspec protocols ('::'); this worker serves {served}")
     scheme, sep, rest = prefix.partition("://")
     if not sep:
         return
     if scheme.lower() not in SERVED_SCHEMES:
-        raise DataError(f"dataset prefix {prefix!r}: scheme {scheme}:// is not served; give {served}")
+        raise DataError(f"dataset prefix {shown}: scheme {scheme}:// is not served; give {served}")
     if scheme.lower() != "file" and not rest.strip("/"):
-        raise DataError(f"dataset prefix {prefix!r} names no bucket or path after {scheme}://")
+        raise DataError(f"dataset prefix {shown} names no bucket or path after {scheme}://")
 
 
 def default_max_index_bytes() -> int:
@@ -87,10 +143,23 @@ def resident_index_bytes(ds) -> int:
     return own + sum(resident_index_bytes(d) for d in getattr(ds, "datasets", ()) if d is not None)
 
 
-def spec_from_proto(m: pb.DatasetSpec) -> DatasetSpec:
-    """A DatasetSpec from its message, validated (its prefixes are ones a worker serves)."""
-    for prefix in m.prefixes:
+def spec_from_proto(m: pb.DatasetSpec, max_samples: int = MAX_SAMPLES) -> DatasetSpec:
+    """A DatasetSpec from its message, validated: every field within its bounds (strings of
+    bounded length without control characters, at most `max_samples` samples), its prefixes
+    ones a worker serves. Raises DataError naming the field."""
+    if not 1 <= len(m.prefixes) <= MAX_DATASETS:
+        raise DataError(f"spec.prefixes has {len(m.prefixes)} entries; give 1 to {MAX_DATASETS}")
+    if len(m.weights) != len(m.prefixes):
+        raise DataError(f"spec.weights has {len(m.weights)} entries for {len(m.prefixes)} prefixes")
+    for i, prefix in enumerate(m.prefixes):
+        check_text(prefix, f"spec.prefixes[{i}]", MAX_PREFIX_CHARS, DataError, allow_empty=True)
         check_served(prefix)
+    check_text(m.split, "spec.split", MAX_SPLIT_CHARS, DataError, allow_empty=True)
+    if m.split_name and m.split_name not in SPLITS:
+        raise DataError(f"spec.split_name {loggable(m.split_name, 20)} is not one of {SPLITS}")
+    if m.num_samples > max_samples:
+        raise DataError(f"spec.num_samples={m.num_samples} is over this data worker's limit of {max_samples} "
+                        f"(`data serve --max-samples`)")
     spec = DatasetSpec(
         prefixes=tuple(m.prefixes), weights=tuple(m.weights), seq_length=int(m.seq_length),
         num_samples=int(m.num_samples), seed=int(m.seed), split=m.split or "969,30,1",
@@ -98,6 +167,12 @@ def spec_from_proto(m: pb.DatasetSpec) -> DatasetSpec:
     )
     spec.validate()
     return spec
+
+
+def index_keys(ds) -> list[str]:
+    """The index-cache entries a dataset reads (a blend's and its parts')."""
+    keys = [ds.index_key] if getattr(ds, "index_key", None) else []
+    return keys + [k for d in getattr(ds, "datasets", ()) if d is not None for k in index_keys(d)]
 
 
 def spec_to_proto(spec: DatasetSpec) -> pb.DatasetSpec:
@@ -110,13 +185,20 @@ def spec_to_proto(spec: DatasetSpec) -> pb.DatasetSpec:
 class DataServicer(pb_grpc.DataServiceServicer):
     """Serves any rank's micro-batches from any step; stateless apart from a dataset cache."""
 
-    def __init__(self, cache_indices: bool = True, max_index_bytes: int | None = None):
+    def __init__(self, cache_indices: bool = True, max_index_bytes: int | None = None,
+                 limits: DataLimits | None = None):
         """Args:
-        cache_indices: cache sample indices beside the datasets (see `index_cache`).
+        cache_indices: cache sample indices in `limits.index_cache_dir` (see `index_cache`).
         max_index_bytes: the most memory one request's sample index may take to build, and
             all builds in progress together (None: `default_max_index_bytes()`); a request
             over it is refused, a build that does not fit beside the others waits for them.
+        limits: what clients are allowed (None: `DataLimits()`'s defaults).
         """
+        quiet_undecodable_requests()
+        self.limits = limits = DataLimits() if limits is None else limits
+        self.index_cache = IndexCache(limits.index_cache_dir or default_index_cache_dir(), limits.index_cache_bytes)
+        self._peer_streams = PeerLimit(limits.max_streams_per_client, "--max-streams-per-client")
+        self._reaper = IdleReaper(limits.stream_idle_timeout, "--stream-idle-timeout")
         self.cache_indices = cache_indices
         self.max_index_bytes = default_max_index_bytes() if max_index_bytes is None else int(max_index_bytes)
         self._budget = MemoryBudget(self.max_index_bytes)
@@ -143,7 +225,7 @@ class DataServicer(pb_grpc.DataServiceServicer):
         try:
             try:
                 ds = open_dataset(spec, cache=self.cache_indices, max_index_bytes=self.max_index_bytes,
-                                  budget=self._budget)
+                                  budget=self._budget, index_cache=self.index_cache)
             except MemoryError as e:  # this worker's memory, not the request: another may have it
                 raise DataUnavailableError(
                     f"building the sample index of {list(spec.prefixes)} (num_samples={spec.num_samples}) "
@@ -168,7 +250,7 @@ class DataServicer(pb_grpc.DataServiceServicer):
     def _source(self, req: pb.StreamRequest) -> LocalBatchSource:
         if not req.HasField("spec"):
             raise DataError("StreamRequest has no dataset spec")
-        spec = spec_from_proto(req.spec)
+        spec = spec_from_proto(req.spec, self.limits.max_samples)
         cp_rank, cp_size = int(req.cp_rank), int(req.cp_size) or 1  # 0: a client that predates cp
         if cp_rank >= cp_size:
             raise DataError(f"cp_rank={cp_rank} is outside [0, cp_size={cp_size})")
@@ -201,6 +283,10 @@ class DataServicer(pb_grpc.DataServiceServicer):
                                    num_micro_batches=src.num_micro_batches)
 
     def StreamBatches(self, request: pb.StreamRequest, context):
+        with self._peer_streams.hold(context):  # before anything is opened or built for it
+            yield from self._stream(request, context)
+
+    def _stream(self, request: pb.StreamRequest, context):
         step, mb = int(request.start_step), int(request.start_microbatch)
         # end_step 0 means "until the dataset runs out"; any other end at or before the start
         # would be an empty stream, which a client cannot tell from running out of data
@@ -213,6 +299,13 @@ class DataServicer(pb_grpc.DataServiceServicer):
             raise DataError(f"start_microbatch={mb} is outside [0, {src.num_micro_batches})")
         if step >= src.num_steps:
             raise DataError(f"start_step={step} is past the dataset's {src.num_steps} steps")
+        with self.index_cache.pinned(index_keys(src.dataset)):  # not evicted while streamed
+            what = f"stream of dp rank {request.dp_rank} from step {step}"
+            yield from self._reaper.watch(self._batches(src, step, mb, end, context), context, what)
+
+    @staticmethod
+    def _batches(src: LocalBatchSource, step: int, mb: int, end: int, context):
+        """The stream's messages from (step, micro-batch) up to step `end`."""
         while step < end and context.is_active():
             samples = src.payload(step, mb)  # (mbs, seq + 1), or (mbs, 2, seq/(2 cp) + 1) under cp
             samples = samples.astype(samples.dtype.newbyteorder("<"), copy=False)

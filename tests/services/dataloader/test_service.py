@@ -20,7 +20,7 @@ from meshtrain.services.dataloader.loader import BatchOptions, LocalBatchSource
 from meshtrain.services.dataloader.rpc import servicer as servicer_module
 from meshtrain.services.dataloader.rpc.client import ServiceBatchSource
 from meshtrain.services.dataloader.rpc.server import start_server
-from meshtrain.services.dataloader.rpc.servicer import SERVICE_NAME, DataServicer, spec_to_proto
+from meshtrain.services.dataloader.rpc.servicer import SERVICE_NAME, DataLimits, DataServicer, spec_to_proto
 from meshtrain.services.dataloader.spec import DatasetSpec, open_dataset
 
 from .conftest import WorkerProcess, batch_hash, write_dataset
@@ -365,10 +365,10 @@ def test_a_sample_index_over_the_workers_memory_bound_is_refused_before_it_is_bu
     OOM-killed). A spec over the bound is refused from the datasets' headers, naming the numbers,
     and writes nothing; one under it is served."""
     prefix = write_dataset(tmp_path / "small", seed=5)
-    srv, port, _ = start_server(0, max_index_bytes=64 << 20)
+    srv, port, _ = start_server(0, max_index_bytes=64 << 20, limits=DataLimits(index_cache_dir=str(tmp_path / "ix")))
     try:
         stub = pb_grpc.DataServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
-        for n in (2**36, 2**22):  # 2^22 samples of 8 tokens: ~200 MB of index
+        for n in (2**32, 2**22):  # 2^22 samples of 8 tokens: ~200 MB of index
             spec = pb.DatasetSpec(prefixes=[prefix], weights=[1], seq_length=8, num_samples=n)
             with pytest.raises(grpc.RpcError) as e:
                 stub.Describe(pb.StreamRequest(spec=spec, dp_size=1, micro_batch_size=1, global_batch_size=1),
@@ -382,7 +382,7 @@ def test_a_sample_index_over_the_workers_memory_bound_is_refused_before_it_is_bu
         with pytest.raises(grpc.RpcError) as e:
             stub.Describe(pb.StreamRequest(spec=spec, dp_size=1, micro_batch_size=1, global_batch_size=1))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "limit of 0.0625 GiB" in e.value.details()
-        assert not (tmp_path / ".meshtrain-index").exists()  # nothing was built
+        assert not (tmp_path / ".meshtrain-index").exists() and not (tmp_path / "ix").exists()  # nothing built
         spec = pb.DatasetSpec(prefixes=[prefix], weights=[1], seq_length=8, num_samples=10_000)
         ok = stub.Describe(pb.StreamRequest(spec=spec, dp_size=1, micro_batch_size=1, global_batch_size=1))
         assert ok.num_samples == 10_000
@@ -397,13 +397,13 @@ def test_an_index_already_cached_is_served_whatever_the_bound(tmp_path):
     spec = pb.DatasetSpec(prefixes=[prefix], weights=[1], seq_length=8, num_samples=2**22)
     request = pb.StreamRequest(spec=spec, dp_size=1, micro_batch_size=1, global_batch_size=1)
     for bound in (1 << 30, 64 << 20):  # builds and caches it; then under a bound it is over
-        srv, port, _ = start_server(0, max_index_bytes=bound)
+        srv, port, _ = start_server(0, max_index_bytes=bound, limits=DataLimits(index_cache_dir=str(tmp_path / "ix")))
         try:
             stub = pb_grpc.DataServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
             assert stub.Describe(request, timeout=120).num_samples == 2**22
         finally:
             srv.stop(0)
-    assert (tmp_path / ".meshtrain-index").is_dir()
+    assert (tmp_path / "ix").is_dir() and not (tmp_path / ".meshtrain-index").exists()  # the worker's own folder
 
 
 def test_index_build_bytes_bounds_the_real_peak(tmp_path):
