@@ -5,6 +5,9 @@
     meshtrain save RUN_DIR|HOST:PORT              # checkpoint after the current step, keep training
     meshtrain stop RUN_DIR|HOST:PORT              # checkpoint, then end the run (exit 0)
 
+status, save and stop take --token-file, --tls-ca, --tls-cert, --tls-key and --tls-server-name
+for an endpoint with authentication or TLS; without them, a RUN_DIR's config.toml names its files.
+
 Building these parsers imports neither grpc nor torch; the commands import what they use.
 """
 
@@ -12,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
+
+from meshtrain.services.common.security import ClientSecurity, add_client_arguments
 
 
 class _OverridesParser(argparse.ArgumentParser):
@@ -49,10 +54,16 @@ def format_status(s: dict) -> str:
     return "\n".join(lines)
 
 
+def _security(args: argparse.Namespace):
+    """The token and TLS flags, or None (the run directory's own, or $MESHTRAIN_TOKEN) when none is given."""
+    given = (args.token_file, args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+    return ClientSecurity.from_args(args) if any(given) else None
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from meshtrain.services.trainer.rpc.client import ControlClient
 
-    with ControlClient(args.target) as client:
+    with ControlClient(args.target, security=_security(args)) as client:
         status = client.status()
     print(json.dumps(status) if args.json else format_status(status))
     return 0
@@ -61,7 +72,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_save(args: argparse.Namespace) -> int:
     from meshtrain.services.trainer.rpc.client import ControlClient
 
-    with ControlClient(args.target) as client:
+    with ControlClient(args.target, security=_security(args)) as client:
         step = client.checkpoint()
     print(f"checkpoint requested at step {step}: saved after the current step")
     return 0
@@ -70,7 +81,7 @@ def cmd_save(args: argparse.Namespace) -> int:
 def cmd_stop(args: argparse.Namespace) -> int:
     from meshtrain.services.trainer.rpc.client import ControlClient
 
-    with ControlClient(args.target) as client:
+    with ControlClient(args.target, security=_security(args)) as client:
         step = client.stop()
     print(f"stop requested at step {step}: the trainer checkpoints after the current step and exits")
     return 0
@@ -106,4 +117,5 @@ def register(sub: argparse._SubParsersAction) -> None:
         p.add_argument("target", help="the run directory (its control.addr) or HOST:PORT")
         if name == "status":
             p.add_argument("--json", action="store_true", help="one JSON object")
+        add_client_arguments(p)
         p.set_defaults(func=func)

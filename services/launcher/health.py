@@ -6,6 +6,10 @@ module it is the probe of compose health checks and the Slurm scripts:
 
     python -m meshtrain.services.launcher.health 127.0.0.1:7001 [--wait 120]    # exit 0 when SERVING
     python -m meshtrain.services.launcher.health --http http://127.0.0.1:8333/
+    python -m meshtrain.services.launcher.health 127.0.0.1:7001 --tls-ca ca.pem [--tls-cert c.pem --tls-key c.key]
+
+The health check needs no token; a server that serves TLS needs `--tls-ca` (and, with mutual
+TLS, a client certificate).
 """
 
 from __future__ import annotations
@@ -19,17 +23,19 @@ import urllib.request
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from meshtrain.services.common.security import ClientSecurity, add_client_arguments
 from meshtrain.services.launcher.topology import Child, wait_until
 
 
-def grpc_serving(address: str, timeout_s: float = 1.0) -> bool:
+def grpc_serving(address: str, timeout_s: float = 1.0, security: ClientSecurity | None = None) -> bool:
     """True when the server at `address` reports SERVING for "" (the whole server).
 
     Args:
         address: HOST:PORT.
         timeout_s: deadline of the check.
+        security: TLS settings for a server that serves TLS (None: plaintext).
     """
-    with grpc.insecure_channel(address) as channel:
+    with (security or ClientSecurity()).channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
@@ -83,9 +89,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--http", action="store_true", help="check that the URL answers HTTP instead")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds for the check")
     p.add_argument("--wait", type=float, default=0.0, help="keep trying this many seconds")
+    add_client_arguments(p)
     args = p.parse_args(argv)
     deadline = time.monotonic() + args.wait
-    check = http_answers if args.http else grpc_serving
+    if args.http:
+        check = http_answers
+    else:
+        security = ClientSecurity.from_args(args)
+        check = lambda address, timeout: grpc_serving(address, timeout, security)  # noqa: E731
     while not check(args.address, args.timeout):
         if time.monotonic() >= deadline:
             print(f"{args.address}: not serving", file=sys.stderr)

@@ -15,6 +15,12 @@ its own SIGTERM on shutdown (checkpoint, exit 0) and its own exit status. All
 ports are free ports on 127.0.0.1. An `s3://` save root reads AWS_ENDPOINT_URL and credentials
 from the environment (set by `--s3` for its own store), which every child inherits.
 
+Each run gets a fresh bearer token (`secrets.token_urlsafe`), written to RUN_DIR/auth.token
+(mode 0600, as 'admin TOKEN') once the run directory is claimed: the services are started with
+`--token-file` on it and the trainer with `--auth.token_file`, so every call between them,
+and `meshtrain status|save|stop RUN_DIR` (which find the file through RUN_DIR/config.toml),
+carries it; the token itself is in no argument, log line or config.
+
 A launch whose save root already holds a committed checkpoint resumes from the newest one
 (also when `--checkpoint.load` names another root; not with `--checkpoint.load_step` or
 `--no-resume`): stopping `up` and running the same command again with the same
@@ -25,6 +31,7 @@ is refused, naming the first one's pid, before it starts anything.
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 import threading
 import time
@@ -94,6 +101,7 @@ class Plan:
         store_child: its process, started before the services (None without `--s3`).
         loads: whether the trainer config already names a checkpoint to load.
         load_step: whether it also names the step to load.
+        token_file: the run's token file (written by `run_up`, once the run directory is its own).
     """
 
     services: list[Child]
@@ -104,6 +112,19 @@ class Plan:
     store_child: Child | None = None
     loads: bool = False
     load_step: bool = False
+    token_file: Path | None = None
+
+
+TOKEN_FILE = "auth.token"
+
+
+def write_token_file(path: Path) -> None:
+    """A fresh admin token for this run in `path`, readable by its owner only (replacing an
+    earlier run's: a token lives as long as one `up`)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
+        f.write(f"admin {secrets.token_urlsafe(32)}\n")
 
 
 def plan(options: UpOptions, overrides: list[str]) -> Plan:
@@ -137,15 +158,17 @@ def plan(options: UpOptions, overrides: list[str]) -> Plan:
         store_child = Child("s3", store.argv(), port=store.port, role="store", grace_s=3.0)
     save = job.checkpoint.save or (f"s3://{options.s3_bucket}/checkpoints" if store else str(run_dir / "checkpoints"))
     metrics = ["--metrics-port", "0"] if options.metrics else []
+    token_file = Path(os.path.abspath(run_dir / TOKEN_FILE))  # absolute: config.toml outlives this cwd
+    auth = ["--token-file", str(token_file)]
     services: list[Child] = []
     for i in range(options.data_workers):
         port = free_port()
         # Stateless and interchangeable: if one dies the trainer fails over to its peers and
         # the launcher brings it back on the same port.
-        services.append(Child(f"data-{i}", PYTHON + ["data", "serve", "--port", str(port), *metrics],
+        services.append(Child(f"data-{i}", PYTHON + ["data", "serve", "--port", str(port), *metrics, *auth],
                               port=port, restart=True, grace_s=5.0))
     trainer_args = [*overrides, f"--log.run_dir={run_dir}", f"--checkpoint.save={save}",
-                    "--train.control_port=0"]
+                    "--train.control_port=0", f"--auth.token_file={token_file}"]
     if services:  # the data workers only, so far
         trainer_args += ["--data-service-addresses", *[f"127.0.0.1:{c.port}" for c in services]]
     if options.checkpoint_service:
@@ -153,7 +176,7 @@ def plan(options: UpOptions, overrides: list[str]) -> Plan:
         # Its state is in storage (the committed checkpoints stay): brought back on its port, it
         # takes a save in flight when it died up again, as the ranks retry it for
         # checkpoint.save_retry_timeout_s (resending their boxes), and the run's next save finds it.
-        services.append(Child("ckpt", PYTHON + ["ckpt", "serve", save, "--port", str(port), *metrics],
+        services.append(Child("ckpt", PYTHON + ["ckpt", "serve", save, "--port", str(port), *metrics, *auth],
                               port=port, restart=True, grace_s=15.0))
         trainer_args.append(f"--checkpoint.service_address=127.0.0.1:{port}")
     trainers = local_ranks(options.nproc_per_node, PYTHON + ["train", *trainer_args], "trainer",
@@ -168,7 +191,8 @@ def plan(options: UpOptions, overrides: list[str]) -> Plan:
         for child in trainers:
             child.argv.append("--checkpoint.overwrite=true")
     return Plan(services, trainers, run_dir, save, store, store_child,
-                loads=job.checkpoint.load is not None, load_step=job.checkpoint.load_step is not None)
+                loads=job.checkpoint.load is not None, load_step=job.checkpoint.load_step is not None,
+                token_file=token_file)
 
 
 def _new_default_run_dir() -> Path:
@@ -307,6 +331,10 @@ def run_up(options: UpOptions, overrides: list[str], out=None,
     """
     p = plan(options, overrides)
     with claim_run_dir(p.run_dir):
+        try:
+            write_token_file(p.token_file)
+        except OSError as e:
+            raise ConfigError(f"meshtrain up: cannot write the run's token file {p.token_file}: {e.strerror}") from None
         return _run_up(p, options, out, stop)
 
 

@@ -1,9 +1,10 @@
 """The trainer's job config: one dataclass per component, TOML files, overrides and aliases.
 
-A job config has the sections `model`, `data`, `train`, `optim`, `parallel`, `checkpoint`
-and `log`; each component receives only its own section. Sources apply in order: defaults,
-the `--config FILE` TOML, then command-line overrides, either `--section.key=value` or a
-Megatron-style alias (`--hidden-size 768`, `--bf16`). Unknown keys, wrong types and flags for
+A job config has the sections `model`, `data`, `train`, `optim`, `parallel`, `checkpoint`,
+`log` and `auth` (tokens and TLS for the services and the control endpoint); each component
+receives only its own section. Sources apply in order: defaults, the `--config FILE` TOML,
+then command-line overrides, either `--section.key=value` or a Megatron-style alias
+(`--hidden-size 768`, `--bf16`). Unknown keys, wrong types and flags for
 features that are not built yet are errors that name the key.
 
     meshtrain train --config deploy/configs/tiny.toml --train-iters 50 --model.num_layers=4
@@ -21,6 +22,7 @@ from meshtrain.services.checkpoint.config import CheckpointConfig
 from meshtrain.services.common import config as cfg
 from meshtrain.services.common.errors import ConfigError, NotBuiltError
 from meshtrain.services.common.model_config import ModelConfig  # re-exported: the job's `model` section
+from meshtrain.services.common.security import AuthConfig
 from meshtrain.services.dataloader.config import DataConfig
 from meshtrain.services.trainer.flags import (  # re-exported: the command line's half
     ALIASES,
@@ -428,6 +430,9 @@ class JobConfig:
     """Checkpointing."""
     log: LogConfig = field(default_factory=LogConfig)
     """Run directory and logging."""
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    """Tokens and TLS: what the trainer sends to the data and checkpoint services, and what its
+    control endpoint requires (file paths only; no secret is part of the config)."""
 
     def __post_init__(self) -> None:
         # Known from the config alone: refused here, not once every rank has built its data.

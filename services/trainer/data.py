@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshtrain.services.common.errors import ConfigError
+from meshtrain.services.common.security import ClientSecurity
 from meshtrain.services.dataloader.loader import BatchOptions, LocalBatchSource
 from meshtrain.services.dataloader.preprocess import prepare_default_dataset
 from meshtrain.services.dataloader.spec import DatasetSpec, open_dataset, parse_data_path
@@ -53,7 +54,7 @@ def make_source(spec: DatasetSpec, micro_batch_size: int, global_batch_size: int
         options: EOD loss masking / document ids for the batches.
         cp_rank, cp_size: this rank's context-parallel coordinate; its batches hold only its
             chunks of each sequence (`context_positions`), and the service sends only those.
-        service: more ServiceBatchSource settings (stall_s, give_up_s, open_timeout_s).
+        service: more ServiceBatchSource settings (stall_s, give_up_s, open_timeout_s, security).
 
     Returns:
         A LocalBatchSource or a ServiceBatchSource.
@@ -107,7 +108,8 @@ def build_data(job: JobConfig, dp_rank: int = 0, dp_size: int = 1, cp_rank: int 
     addresses = list(d.service_addresses)
     options = BatchOptions(eod_id=eod_id, mask_eod_loss=d.eod_mask_loss)
     service = {"stall_s": d.service_stall_s, "give_up_s": d.service_give_up_s,
-               "open_timeout_s": d.service_open_timeout_s} if addresses else {}
+               "open_timeout_s": d.service_open_timeout_s,
+               "security": ClientSecurity.from_config(job.auth)} if addresses else {}
 
     def spec(split_name: str, num_samples: int) -> DatasetSpec:
         return DatasetSpec(tuple(prefixes), tuple(weights), job.model.seq_length, num_samples,

@@ -58,7 +58,7 @@ def test_docker_compose_config_accepts_the_file(tmp_path):
                             cwd=tmp_path, timeout=60, check=False)
     assert result.returncode == 0, result.stderr
     resolved = yaml.safe_load(result.stdout)
-    assert set(resolved["services"]) == {"s3", "s3-init", "dataloader", "checkpoint", "trainer"}
+    assert set(resolved["services"]) == {"auth-init", "s3", "s3-init", "dataloader", "checkpoint", "trainer"}
     scaled = subprocess.run([binary, "-f", str(COMPOSE), "config", "--services"], capture_output=True,
                             text=True, cwd=tmp_path, timeout=60, check=False)
     assert "dataloader" in scaled.stdout.split()
@@ -137,6 +137,18 @@ def test_commands_parse_with_the_real_cli(compose):
                       + ["--save", compose["services"]["trainer"]["environment"]["SAVE_ROOT"]])
     assert job.checkpoint.service_address == "checkpoint:7002"
     assert job.train.control_port == 7003
+
+
+def test_services_require_the_token_auth_init_writes_and_the_trainer_sends_it(compose):
+    services = compose["services"]
+    assert "umask 077" in services["auth-init"]["command"][-1]
+    for name in ("dataloader", "checkpoint"):
+        command = services[name]["command"]
+        assert command[command.index("--token-file") + 1] == "/secrets/token"
+        assert "secrets:/secrets:ro" in services[name]["volumes"]
+        assert services[name]["depends_on"]["auth-init"] == {"condition": "service_completed_successfully"}
+    assert "--auth.token_file=/secrets/token" in services["trainer"]["command"]
+    assert "secrets:/secrets:ro" in services["trainer"]["volumes"]
 
 
 def test_dockerfile_installs_what_the_commands_use():

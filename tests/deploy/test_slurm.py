@@ -10,6 +10,7 @@ installed or not running as root.
 
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -28,7 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def sourced(services_file: Path) -> dict[str, str]:
     """The variables of SERVICES_FILE as train.sbatch gets them: sourced by bash."""
-    names = ("DATA_ADDRESSES", "CKPT_ADDRESS", "SAVE_ROOT")
+    names = ("DATA_ADDRESSES", "CKPT_ADDRESS", "SAVE_ROOT", "TOKEN_FILE")
     out = subprocess.run(["bash", "-c", 'set -euo pipefail; source "$1"; shift; for n; do printf "%s\\0" "${!n}"; done',
                           "_", str(services_file), *names], capture_output=True, text=True, check=True, timeout=30)
     return dict(zip(names, out.stdout.split("\0"), strict=False))
@@ -139,7 +140,12 @@ def test_the_services_file_keeps_a_save_root_with_a_space_whole(tmp_path):
         published = sourced(services_file)
         assert published["SAVE_ROOT"] == save_root
         assert len(published["DATA_ADDRESSES"].split()) == 2
+        token_file = Path(published["TOKEN_FILE"])  # a fresh token for the job, private to its user
+        assert token_file == Path(f"{services_file}.token") and stat.S_IMODE(token_file.stat().st_mode) == 0o600
+        scope, token = token_file.read_text().split()
+        assert scope == "admin" and len(token) == 64
     finally:
         job.send_signal(signal.SIGTERM)
         out, _ = job.communicate(timeout=60)
     assert job.returncode == 0, out
+    assert not token_file.exists() and token not in out

@@ -8,6 +8,10 @@ the save; `resume_save` takes it up again) or ServiceUnavailableError (transient
     client = CheckpointClient("127.0.0.1:50051")
     saver = AsyncSaver(client, writer_id=rank, num_writers=world)
     saver.save(step, save_id, boxes, committer=(rank == 0), metadata=meta)
+
+A service that authenticates callers or serves TLS takes a `ClientSecurity` (the token to send,
+the CA that verifies the service, a client certificate); without one, $MESHTRAIN_TOKEN is sent
+if set. A refused token is a CheckpointError (UNAUTHENTICATED or PERMISSION_DENIED), never retried.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from meshtrain.services.common.grpc_utils import (
     is_lasting,
     is_permanent,
 )
+from meshtrain.services.common.security import ClientSecurity
 
 
 def box_to_pb(spec: ShardSpec) -> pb.Box:
@@ -125,14 +130,16 @@ class CheckpointClient:
     Args:
         address: "host:port".
         chunk_bytes: data bytes per message (must not exceed the server's chunk limit).
+        security: token and TLS settings (None: plaintext, $MESHTRAIN_TOKEN if set).
     """
 
-    def __init__(self, address: str, chunk_bytes: int = 4 << 20):
+    def __init__(self, address: str, chunk_bytes: int = 4 << 20, security: ClientSecurity | None = None):
         self.address = address
         self.chunk_bytes = chunk_bytes
-        self.channel = grpc.insecure_channel(
+        security = security if security is not None else ClientSecurity.from_files()
+        self.channel = security.channel(
             # Receive what any server sends: its --max-chunk-mb may be larger than ours.
-            address, options=channel_options(max(2 * chunk_bytes, MAX_MESSAGE_BYTES)) + [
+            address, channel_options(max(2 * chunk_bytes, MAX_MESSAGE_BYTES)) + [
                 # Reconnect to a restarted service within a second: gRPC's default backoff grows
                 # to 120 s, and calls fail at once meanwhile, so a save retrying through a 30 s
                 # restart found the service back only ~15 s after it was.

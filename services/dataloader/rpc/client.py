@@ -24,6 +24,10 @@ Under context parallelism (`cp_size` > 1) the worker sends only the rank's two c
 sample, each with its next token, and the client checks it got exactly that shape (a worker
 that predates cp sends whole samples: an error, never a batch of the wrong positions).
 
+A worker that authenticates callers or serves TLS takes `security` (a `ClientSecurity`: the
+token to send, the CA, a client certificate); without it, $MESHTRAIN_TOKEN is sent if set. A
+refused token (UNAUTHENTICATED, PERMISSION_DENIED) is raised at once, like any permanent error.
+
     src = ServiceBatchSource(["127.0.0.1:7001", "127.0.0.1:7002"], spec, micro_batch_size=4,
                              global_batch_size=32, dp_rank=r, dp_size=8)
     for step in range(start, n): batches = src.micro_batches(step)
@@ -46,6 +50,7 @@ from meshtrain.protos.dataloader.v1 import dataloader_pb2 as pb
 from meshtrain.protos.dataloader.v1 import dataloader_pb2_grpc as pb_grpc
 from meshtrain.services.common.errors import DataError
 from meshtrain.services.common.grpc_utils import channel_options, is_permanent, put_unless_stopped
+from meshtrain.services.common.security import ClientSecurity
 from meshtrain.services.dataloader.indexed import DTYPE_CODES
 from meshtrain.services.dataloader.loader import (
     Batch,
@@ -117,6 +122,7 @@ class ServiceBatchSource:
         open_timeout_s: float = 900.0,
         cp_rank: int = 0,
         cp_size: int = 1,
+        security: ClientSecurity | None = None,
     ):
         """Args:
         addresses: worker addresses (`host:port`), tried in turn; a `dns:///name:port`
@@ -140,6 +146,7 @@ class ServiceBatchSource:
         cp_rank: this rank's context-parallel index; batches hold only the positions
             `context_positions(spec.seq_length, cp_rank, cp_size)`, and only those are sent.
         cp_size: context-parallel ranks (they all read the samples of one dp rank).
+        security: token and TLS settings for every worker (None: plaintext, $MESHTRAIN_TOKEN if set).
         """
         if not addresses:
             raise DataError("ServiceBatchSource needs at least one worker address")
@@ -162,6 +169,7 @@ class ServiceBatchSource:
             if address.startswith("dns:"):
                 _dns_host_port(address)  # a malformed target fails here, not at the first attempt
         self.addresses = list(addresses)
+        self.security = security if security is not None else ClientSecurity.from_files()
         self.spec = spec
         self.micro_batch_size = micro_batch_size
         self.global_batch_size = global_batch_size
@@ -208,7 +216,7 @@ class ServiceBatchSource:
 
     def _stub(self, address: str) -> pb_grpc.DataServiceStub:
         if address not in self._channels:  # pick_first: one worker per channel (see resolve_workers)
-            self._channels[address] = grpc.insecure_channel(address, options=channel_options())
+            self._channels[address] = self.security.channel(address, channel_options())
         return pb_grpc.DataServiceStub(self._channels[address])
 
     @property

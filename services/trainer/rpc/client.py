@@ -6,11 +6,19 @@ token, a random id of the endpoint: the client sends it with every call (metadat
 `meshtrain-run`) and the endpoint refuses a token not its own. A trainer killed outright leaves
 its control.addr behind, and its port may since serve another run (a fixed
 `train.control_port` always does); without the token, `meshtrain stop OLD_RUN_DIR` would stop
-that other run.
+that other run. A call without a run token is refused too, so HOST:PORT alone reaches no
+endpoint, and control.addr is private to its user (mode 0600).
+
+An endpoint started with `auth.token_file` (or $MESHTRAIN_TOKEN) or TLS (`auth.tls_cert_file`)
+wants a bearer token or a certificate besides (`meshtrain.services.common.security`). The
+client takes a `ClientSecurity`; without one, given a run directory it reads the paths in the
+`[auth]` section of RUN_DIR/config.toml (the run's token file, its CA, its certificate), else
+$MESHTRAIN_TOKEN.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Self
 
@@ -19,14 +27,19 @@ import grpc
 from meshtrain.protos.trainer.v1 import trainer_pb2 as pb
 from meshtrain.protos.trainer.v1 import trainer_pb2_grpc as pb_grpc
 from meshtrain.services.common.errors import ConfigError, MeshtrainError
+from meshtrain.services.common.security import ClientSecurity
 
 ADDR_FILE = "control.addr"
 RUN_TOKEN_KEY = "meshtrain-run"  # gRPC metadata: the run token of the control.addr the client read
 
 
 def write_address_file(run_dir: Path, address: str, token: str) -> None:
-    """RUN_DIR/control.addr: the endpoint's HOST:PORT, then its run token, one per line."""
-    (run_dir / ADDR_FILE).write_text(f"{address}\n{token}\n")
+    """RUN_DIR/control.addr: the endpoint's HOST:PORT, then its run token, one per line; readable
+    by its owner only (the run token lets its holder stop the run)."""
+    fd = os.open(run_dir / ADDR_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(fd, 0o600)  # a file left by an earlier run keeps its mode otherwise
+        f.write(f"{address}\n{token}\n")
 
 
 def resolve_target(target: str) -> tuple[str, str | None]:
@@ -79,6 +92,23 @@ def _ended_run(path: Path) -> str | None:
     return f"{path}: the run {done}: last step {last['step']}, loss {float(last['loss']):.4f}"
 
 
+def run_security(target: str) -> ClientSecurity:
+    """The security of a client of `target`: for a run directory whose config.toml has an `[auth]`
+    section, its token file, CA and certificate (paths relative to the current directory);
+    otherwise $MESHTRAIN_TOKEN, if set."""
+    import tomllib
+
+    auth = {}
+    config = Path(target) / "config.toml"
+    if Path(target).is_dir() and config.exists():
+        try:
+            auth = tomllib.loads(config.read_text()).get("auth") or {}
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"cannot read the [auth] section of {config}: {e}") from None
+    return ClientSecurity.from_files(auth.get("token_file"), auth.get("tls_ca_file"), auth.get("tls_cert_file"),
+                                     auth.get("tls_key_file"), auth.get("tls_server_name"))
+
+
 def resolve_address(target: str) -> str:
     """`HOST:PORT` for `target`, which is either that or a run directory holding control.addr."""
     return resolve_target(target)[0]
@@ -95,13 +125,15 @@ class ControlClient:
     Args:
         target: HOST:PORT or a run directory.
         timeout_s: deadline of each call.
+        security: bearer token and TLS (None: `run_security(target)`).
     """
 
-    def __init__(self, target: str, timeout_s: float = 10.0):
+    def __init__(self, target: str, timeout_s: float = 10.0, security: ClientSecurity | None = None):
         self.address, token = resolve_target(target)
         self.metadata = ((RUN_TOKEN_KEY, token),) if token else None
         self.timeout_s = timeout_s
-        self.channel = grpc.insecure_channel(self.address)
+        security = security if security is not None else run_security(target)
+        self.channel = security.channel(self.address)
         self.stub = pb_grpc.TrainerControlStub(self.channel)
 
     def status(self) -> dict:

@@ -10,6 +10,10 @@ run directory resolves to an address (a call carrying another run's token is ref
 With `train.metrics_port` (else $MESHTRAIN_METRICS_PORT; 0: any free port, written to
 RUN_DIR/metrics.addr) the trainer's step, loss and tokens/s are exported as Prometheus gauges
 there, with the endpoint's RPC metrics.
+Every call needs the run token; with `auth.token_file` (or $MESHTRAIN_TOKEN) a bearer token as
+well, of scope read for Status and admin for Checkpoint and Stop; `auth.tls_cert_file` serves TLS
+and `auth.tls_client_ca_file` requires client certificates. An interface other than loopback
+needs a token or client certificates, or `auth.insecure`.
 """
 
 from __future__ import annotations
@@ -26,6 +30,14 @@ from meshtrain.protos.trainer.v1 import trainer_pb2_grpc as pb_grpc
 from meshtrain.services.common.errors import ConfigError
 from meshtrain.services.common.grpc_utils import make_server
 from meshtrain.services.common.metrics import MetricsInterceptor, start_metrics_server
+from meshtrain.services.common.security import (
+    ADMIN,
+    READ,
+    TOKEN_ENV,
+    AuthConfig,
+    ServerSecurity,
+    method_scopes,
+)
 from meshtrain.services.trainer.rpc.client import ADDR_FILE, write_address_file
 from meshtrain.services.trainer.rpc.servicer import SERVICE_NAME, TrainerControlServicer
 
@@ -34,6 +46,7 @@ log = logging.getLogger("meshtrain.trainer")
 METRICS_PORT_ENV = "MESHTRAIN_METRICS_PORT"
 HOST_ENV = "MESHTRAIN_CONTROL_HOST"  # 0.0.0.0 in a container whose port is published
 METRICS_ADDR_FILE = "metrics.addr"
+SCOPES = method_scopes(SERVICE_NAME, {"Status": READ, "Checkpoint": ADMIN, "Stop": ADMIN})
 
 _gauges: dict[str, Gauge] = {}
 
@@ -71,7 +84,7 @@ class ControlEndpoint:
 
 
 def serve_control(trainer, port: int, host: str | None = None,
-                  metrics_port: int | None = None) -> ControlEndpoint:
+                  metrics_port: int | None = None, auth: AuthConfig | None = None) -> ControlEndpoint:
     """Start the control endpoint for `trainer` (rank 0 only).
 
     Args:
@@ -80,19 +93,27 @@ def serve_control(trainer, port: int, host: str | None = None,
         host: interface to bind; None reads $MESHTRAIN_CONTROL_HOST, else 127.0.0.1.
         metrics_port: Prometheus port (0: any free one, written to RUN_DIR/metrics.addr);
             None reads $MESHTRAIN_METRICS_PORT, and without it no metrics are served.
+        auth: the job's `[auth]` section: the tokens (`token_file`, else $MESHTRAIN_TOKEN) and TLS
+            files the endpoint serves with, and whether it may bind beyond loopback without them.
 
     Returns:
         The started `ControlEndpoint`.
     """
-    token = secrets.token_hex(8)  # this endpoint's run token (services/trainer/rpc/client.py)
+    token = secrets.token_hex(16)  # this endpoint's run token (services/trainer/rpc/client.py)
     servicer = TrainerControlServicer(trainer, token)
     host = host or os.environ.get(HOST_ENV) or "127.0.0.1"
     if metrics_port is None and os.environ.get(METRICS_PORT_ENV):
         metrics_port = int(os.environ[METRICS_PORT_ENV])
     interceptors = [MetricsInterceptor("trainer", 4)] if metrics_port is not None else []
+    auth = auth or AuthConfig()
+    security = ServerSecurity.from_files(
+        auth.token_file, auth.tls_cert_file, auth.tls_key_file, auth.tls_client_ca_file, auth.insecure,
+        settings=(f"the control endpoint (train.control_host, ${HOST_ENV}) a token file (auth.token_file, or "
+                  f"${TOKEN_ENV}) or mutual TLS (auth.tls_cert_file, auth.tls_key_file, auth.tls_client_ca_file)",
+                  "auth.insecure=true"))
     server, bound, _ = make_server([lambda s: pb_grpc.add_TrainerControlServicer_to_server(servicer, s)],
                                    [SERVICE_NAME], port=port, host=host, max_workers=4,
-                                   interceptors=interceptors)
+                                   interceptors=interceptors, security=security, scopes=SCOPES)
     run_dir = Path(trainer.run_dir)
     endpoint = ControlEndpoint(f"{host}:{bound}", server, run_dir)
     if metrics_port is not None:  # first: a busy port must not leave a control.addr behind

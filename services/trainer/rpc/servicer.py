@@ -7,6 +7,8 @@ request as pending until the loop has acted on it.
 
 from __future__ import annotations
 
+import hmac
+
 import grpc
 
 from meshtrain.protos.trainer.v1 import trainer_pb2 as pb
@@ -29,9 +31,11 @@ def status_message(progress: dict, stop_requested: bool, checkpoint_requested: b
 
 class TrainerControlServicer(pb_grpc.TrainerControlServicer):
     """Serves one `meshtrain.services.trainer.train.Trainer`: its `progress` dict, `request_checkpoint()`
-    and `request_stop()`. A call whose `meshtrain-run` metadata names another run token (read
-    from a stale control.addr whose port now serves this run) is refused with
-    FAILED_PRECONDITION; a call without one (HOST:PORT given directly) is served."""
+    and `request_stop()`. Every call must carry the run token (`meshtrain-run` metadata, from
+    RUN_DIR/control.addr): one without it is refused with UNAUTHENTICATED, one naming another
+    run's token (read from a stale control.addr whose port now serves this run) with
+    FAILED_PRECONDITION. Bearer tokens and TLS, when configured, are checked before this
+    (`meshtrain.services.common.security`)."""
 
     def __init__(self, trainer, token: str | None = None):
         self.trainer = trainer
@@ -52,8 +56,14 @@ class TrainerControlServicer(pb_grpc.TrainerControlServicer):
         return pb.StopResponse(step=int(self.trainer.progress["step"]))
 
     def _check_run(self, context) -> None:
-        sent = dict(context.invocation_metadata()).get(RUN_TOKEN_KEY)
-        if sent is not None and self.token is not None and sent != self.token:
+        if self.token is None:
+            return
+        sent = dict(context.invocation_metadata() or ()).get(RUN_TOKEN_KEY)
+        if sent is None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          f"calls to this control endpoint must carry its run token ({RUN_TOKEN_KEY} metadata, from "
+                          f"the run directory's control.addr): give the run directory, not HOST:PORT")
+        if not hmac.compare_digest(sent.encode(), self.token.encode()):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"this endpoint serves another run (run {self.trainer.run_dir}): the control.addr "
                           "that named it is stale, left by a trainer that ended without removing it")

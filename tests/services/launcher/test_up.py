@@ -3,6 +3,7 @@
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import tomllib
@@ -132,6 +133,36 @@ def test_up_without_a_run_dir_picks_one_no_other_up_has(tmp_path, monkeypatch):
     first, second = plan(UpOptions(), args).run_dir, plan(UpOptions(), args).run_dir
     assert first != second
     assert first.is_dir() and second.is_dir()
+
+
+def test_up_gives_its_services_and_trainer_the_runs_token_file_and_writes_it_only_once_the_run_is_its_own(tmp_path):
+    run = tmp_path / "run"
+    p = plan(UpOptions(data_workers=2), ["--config", "deploy/configs/tiny.toml", f"--log.run_dir={run}"])
+    token_file = os.path.abspath(run / "auth.token")
+    assert len(p.services) == 3 and all(c.argv[-2:] == ["--token-file", token_file] for c in p.services)
+    assert all(f"--auth.token_file={token_file}" in c.argv for c in p.trainers)
+    assert not os.path.exists(token_file)  # a second up on the run directory must not replace the first's
+
+
+@pytest.mark.e2e
+def test_up_trains_with_a_token_that_no_log_or_file_of_the_run_shows(tmp_path, corpus_cache):  # noqa: F811
+    run, env = tmp_path / "run", {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("MESHTRAIN_TOKEN", None)
+    args = small_job_args(corpus_cache, run, **{"train.train_iters": 6, "train.eval_interval": 0,
+                                                "checkpoint.save_interval": 3})
+    out = subprocess.run(_up_argv("--data-workers", "1", "--metrics", *args), cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=600, check=False)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    token_file = run / "auth.token"
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    scope, token = token_file.read_text().split()
+    assert scope == "admin" and len(token) >= 32
+    assert tomllib.loads((run / "config.toml").read_text())["auth"]["token_file"] == os.path.abspath(token_file)
+    assert token not in out.stdout + out.stderr
+    files = [p for p in tmp_path.rglob("*") if p.is_file() and p != token_file]
+    assert [str(p) for p in files if token.encode() in p.read_bytes()] == []
+    assert subprocess.run([sys.executable, "-m", "meshtrain.services.cli", "ckpt", "list", str(run / "checkpoints")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120).stdout.split() == ["3", "6"]
 
 
 def _up_argv(*args: str) -> list[str]:

@@ -7,6 +7,7 @@
 
 import logging
 import shutil
+import stat
 import threading
 import time
 import urllib.request
@@ -16,6 +17,7 @@ import pytest
 from meshtrain.services.checkpoint.reader import list_checkpoints
 from meshtrain.services.cli import main
 from meshtrain.services.common.errors import CheckpointError, ConfigError, MeshtrainError
+from meshtrain.services.common.security import ClientSecurity
 from meshtrain.services.trainer.config import load_config
 from meshtrain.services.trainer.rpc.client import ControlClient, resolve_address
 from meshtrain.services.trainer.train import train
@@ -154,13 +156,62 @@ def test_a_stale_control_address_does_not_reach_the_run_now_on_its_port(long_run
     assert main(["stop", str(old)]) == 2 and main(["save", str(old)]) == 2
     with ControlClient(str(run_dir)) as client:
         assert not client.status()["stop_requested"] and not client.status()["checkpoint_requested"]
-    with ControlClient(address) as client:  # HOST:PORT given directly carries no token: served
-        assert client.status()["train_iters"] == 100_000
-    (old / "control.addr").write_text(f"{address}\n")  # a file from before tokens: served as before
-    with ControlClient(str(old)) as client:
-        assert client.status()["train_iters"] == 100_000
+    # Without a run token a call is refused too: HOST:PORT given directly, or a file from before tokens.
+    (old / "control.addr").write_text(f"{address}\n")
+    for target in (address, str(old)):
+        with pytest.raises(MeshtrainError, match="UNAUTHENTICATED: calls to this control endpoint must carry its run "
+                                                 "token"):
+            ControlClient(target).stop()
+    assert stat.S_IMODE((run_dir / "control.addr").stat().st_mode) == 0o600  # the token lets its holder stop the run
+    with ControlClient(str(run_dir)) as client:
+        assert not client.status()["stop_requested"]
         client.stop()
     bg.join()
+
+
+def _token_files(tmp_path) -> dict[str, str]:
+    """The control endpoint's token file (a read and an admin token) and one file per token."""
+    tokens = {"read": "r" * 16 + "-control-read", "admin": "a" * 16 + "-control-admin"}
+    files = {"server": tmp_path / "tokens"}
+    files["server"].write_text("".join(f"{scope} {token}\n" for scope, token in tokens.items()))
+    for scope, token in tokens.items():
+        files[scope] = tmp_path / f"{scope}.token"
+        files[scope].write_text(token + "\n")
+    for path in files.values():
+        path.chmod(0o600)
+    return {name: str(path) for name, path in files.items()}
+
+
+def test_a_control_endpoint_with_tokens_wants_a_bearer_token_of_the_methods_scope(corpus_cache, tmp_path):
+    files = _token_files(tmp_path)
+    run_dir = tmp_path / "run"
+    job = load_config(small_job_args(corpus_cache, run_dir, **{
+        "train.train_iters": 100_000, "train.eval_interval": 0, "train.control_port": 0,
+        "auth.token_file": files["server"]}))
+    bg = Background(job)
+    wait_for(lambda: (run_dir / "control.addr").exists() or not bg.thread.is_alive(), what="control.addr")
+    admin = ClientSecurity.from_files(files["admin"])
+    try:
+        with pytest.raises(MeshtrainError, match="UNAUTHENTICATED: .*Status needs a bearer token with scope read"):
+            ControlClient(str(run_dir), security=ClientSecurity()).status()
+        with ControlClient(str(run_dir), security=ClientSecurity.from_files(files["read"])) as client:
+            assert client.status()["train_iters"] == 100_000
+            with pytest.raises(MeshtrainError, match="PERMISSION_DENIED: .*/Stop needs scope admin; the token sent has "
+                                                     "scope read"):
+                client.stop()
+        assert main(["status", str(run_dir), "--token-file", files["read"]]) == 0
+        assert main(["stop", str(run_dir), "--token-file", files["read"]]) == 2
+    finally:
+        ControlClient(str(run_dir), security=admin).stop()
+        bg.join()
+
+
+def test_a_control_endpoint_beyond_loopback_needs_authentication(corpus_cache, tmp_path):
+    job = load_config(small_job_args(corpus_cache, tmp_path / "run", **{
+        "train.train_iters": 2, "train.control_port": 0, "train.control_host": "0.0.0.0"}))
+    with pytest.raises(ConfigError, match=r"refusing to serve 0\.0\.0\.0:0 without authentication.*auth\.token_file"
+                                          r".*auth\.insecure=true"):
+        train(job)
 
 
 def test_unreachable_or_malformed_targets_are_named(tmp_path):
