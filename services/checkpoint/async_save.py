@@ -11,6 +11,12 @@ save (SaveForgottenError): the saver resumes it there (`sink.resume_save`) and s
 again, or commits again; every writer of the save does so on its own, and one that had stored
 its fragment before the restart has nothing to redo (the fragment is in storage).
 
+A save that fails because its storage is full (DiskFullError: ENOSPC, EDQUOT) is tried
+`attempts` times only, and what it had stored is removed: every writer removes its own objects
+(so its error report fits), and the only writer of a save the whole uncommitted step folder
+(with several, `Checkpointer` does that once they have all ended). A full disk is thus not kept
+full by a save that cannot commit.
+
 The sink is what differs between the embedded default and service mode: `StorageSink(root)`
 writes straight to storage; `meshtrain.services.checkpoint.rpc.client.CheckpointClient` streams to the
 checkpoint service. Both offer `writer(step, save_id, writer_id, num_writers)` (an object with
@@ -31,12 +37,14 @@ import numpy as np
 import torch
 
 from meshtrain.services.checkpoint import layout
-from meshtrain.services.checkpoint.sharded import SaveResult, ShardWriter, commit
+from meshtrain.services.checkpoint.sharded import SaveResult, ShardWriter, abort_save, commit, is_committed
 from meshtrain.services.checkpoint.shards import ShardSpec
-from meshtrain.services.checkpoint.store import Root, open_root
+from meshtrain.services.checkpoint.store import Root, join, open_root
 from meshtrain.services.common.errors import (
     CheckpointError,
+    DiskFullError,
     SaveForgottenError,
+    is_disk_full,
     is_lasting_storage_error,
 )
 
@@ -88,8 +96,9 @@ def retry(what: str, fn: Callable[[], Any], attempts: int, backoff: float, timeo
 
     Domain errors (CheckpointError: bad input, overlap, ...) are not retried: trying again
     cannot fix them. Anything else (I/O, network) is; storage failing in a way waiting does
-    not change (`is_lasting_storage_error`: a path through a file, EACCES, EROFS) is tried
-    `attempts` times only, not for `timeout`, which is there to outlast an outage.
+    not change (`is_lasting_storage_error`: a path through a file, EACCES, EROFS, a full disk)
+    is tried `attempts` times only, not for `timeout`, which is there to outlast an outage; a
+    full disk is then raised as a DiskFullError.
 
     Args:
         what: description for the log and the final error.
@@ -111,8 +120,13 @@ def retry(what: str, fn: Callable[[], Any], attempts: int, backoff: float, timeo
         except Exception as e:
             attempt += 1
             elapsed = time.monotonic() - start
-            if attempt >= attempts and (elapsed >= timeout or is_lasting_storage_error(e)):
-                raise CheckpointError(f"{what} failed after {attempt} attempts: {e!r} (tried for {elapsed:.1f} s)") from e
+            full = is_disk_full(e)
+            if attempt >= attempts and (elapsed >= timeout or full or is_lasting_storage_error(e)):
+                if full:
+                    raise DiskFullError(f"{what} failed after {attempt} attempts: disk full: {e!r} "
+                                        f"(tried for {elapsed:.1f} s)") from e
+                raise CheckpointError(f"{what} failed after {attempt} attempts: {e!r} "
+                                      f"(tried for {elapsed:.1f} s)") from e
             log.warning("%s failed (attempt %d, %.1f s of at least %d attempts and %g s), retrying: %r",
                         what, attempt, elapsed, attempts, timeout, e)
             time.sleep(min(backoff * 2 ** min(attempt - 1, 30), max(backoff, MAX_RETRY_SLEEP_S)))
@@ -178,6 +192,16 @@ class AsyncSaver:
             self._upload, step, save_id, snapshot, committer, metadata
         )
 
+    def outcome(self) -> tuple[bool, BaseException | None]:
+        """(whether `wait` would not block, the error it would raise) without waiting: no save
+        in flight, or the one in flight has ended."""
+        pending = self._pending
+        if pending is None:
+            return True, None
+        if not pending.done():
+            return False, None
+        return True, pending.exception()
+
     def wait(self) -> SaveResult | None:
         """Blocks until the save in flight is stored (and committed, on the committer).
 
@@ -185,7 +209,7 @@ class AsyncSaver:
             The SaveResult on the committer, else None (also when nothing was in flight).
 
         Raises:
-            CheckpointError: that save failed after its retries.
+            CheckpointError: that save failed after its retries (DiskFullError: its storage is full).
         """
         pending, self._pending = self._pending, None
         return None if pending is None else pending.result()
@@ -240,23 +264,72 @@ class AsyncSaver:
             self._retry(f"storing the fragment of writer {self.writer_id} (step {step})",
                         writer.finish, step, save_id, done_if_committed=True)
         except Exception as e:
+            full = is_disk_full(e)
+            if full:  # frees the space, so that the report below fits
+                self._remove_stored(step, snapshot)
             try:  # tell the committer, so it aborts now instead of at its timeout
                 writer.finish(error=f"writer {self.writer_id}: {e}")
             except Exception as report_error:  # noqa: BLE001 - the raise below reports the cause
                 log.warning("could not report the failure to the committer: %r", report_error)
             log.error("checkpoint save of step %d failed: %s", step, e)
-            raise
+            if not full:
+                raise
+            self._remove_step(step)
+            if isinstance(e, DiskFullError):
+                raise
+            raise DiskFullError(f"checkpoint save of step {step} failed: disk full: {e}") from e
         if not committer:
             return None
         cancel = ({"cancelled": lambda: "the run failed" if self._abandoned.is_set() else None}
                   if isinstance(self.sink, StorageSink) else {})
-        result = self._retry(
-            f"committing step {step}",
-            lambda: self.sink.commit(step, save_id, self.num_writers, metadata, self.commit_timeout, **cancel),
-            step, save_id,
-        )
+        try:
+            result = self._retry(
+                f"committing step {step}",
+                lambda: self.sink.commit(step, save_id, self.num_writers, metadata, self.commit_timeout, **cancel),
+                step, save_id,
+            )
+        except Exception as e:
+            if not is_disk_full(e):  # a writer's disk-full report, or the commit's own writes
+                raise
+            self._remove_step(step)
+            if isinstance(e, DiskFullError):
+                raise
+            raise DiskFullError(f"checkpoint save of step {step} failed: disk full: {e}") from e
         self.last_committed = step
         return result
+
+    def _remove_stored(self, step: int, snapshot: list[tuple[ShardSpec, torch.Tensor]]) -> None:
+        """After this writer's part of a save failed with the disk full: removes the objects it
+        stored of it (their space is what the disk lacks), unless the step is committed (by
+        another save, whose objects they now are). Best effort. Storage of its own only: a
+        checkpoint service's storage is the service's."""
+        if not isinstance(self.sink, StorageSink):
+            return
+        root = self.sink.root
+        try:
+            if is_committed(root, step):
+                return
+            paths = [join(root.step_path(step), spec.array, spec.key) for spec, _ in snapshot]
+            stored = [p for p in paths if root.fs.exists(p)]
+            if stored:
+                root.fs.rm(stored)
+        except Exception as e:  # noqa: BLE001 - the save's own error is the one raised
+            log.warning("could not remove what the failed save of step %d stored under %s: %r", step, root.url, e)
+
+    def _remove_step(self, step: int) -> None:
+        """After a save failed with the disk full, where this is its only writer: removes the
+        step's uncommitted folder (`sharded.abort_save`: never a committed step's). With several
+        writers the others may still be writing into it: the caller removes it once they have
+        all ended (`Checkpointer`). Best effort."""
+        if not isinstance(self.sink, StorageSink) or self.num_writers != 1:
+            return
+        try:
+            if abort_save(self.sink.root, step):
+                log.info("removed the uncommitted folder of the failed save of step %d under %s",
+                         step, self.sink.root.url)
+        except Exception as e:  # noqa: BLE001 - the save's own error is the one raised
+            log.warning("could not remove the folder of the failed save of step %d under %s: %r",
+                        step, self.sink.root.url, e)
 
     def _retry(self, what: str, fn: Callable[[], Any], step: int, save_id: str,
                done_if_committed: bool = False) -> Any:

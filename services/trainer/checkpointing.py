@@ -8,8 +8,10 @@ so nothing is written twice. AdamW moments are stored per parameter (`optim.exp_
 `optim.exp_avg_sq.<name>`), whole even under the distributed optimizer. Scalars (iteration,
 consumed samples, optimizer step, config, RNG of Python/NumPy) are manifest metadata; global
 rank 0 commits once every rank has reported. Saves are asynchronous (`AsyncSaver`): the
-training stall is the device-to-host copy. Loading reads exactly the boxes a rank needs, so
-any tp/dp layout loads any checkpoint and a resumed run continues with identical losses.
+training stall is the device-to-host copy; one that fails with the disk full (DiskFullError) is
+recorded (`Checkpointer.disk_full`), not raised by the next save, so the run trains on. Loading
+reads exactly the boxes a rank needs, so any tp/dp layout loads any checkpoint and a resumed run
+continues with identical losses.
 """
 
 from __future__ import annotations
@@ -33,11 +35,12 @@ from meshtrain.services.checkpoint.reader import (
     read_box,
     read_manifest,
 )
-from meshtrain.services.checkpoint.sharded import begin_save
+from meshtrain.services.checkpoint.sharded import abort_save, begin_save
 from meshtrain.services.checkpoint.shards import ShardSpec
 from meshtrain.services.checkpoint.store import open_root
 from meshtrain.services.common.config import to_dict
-from meshtrain.services.common.errors import CheckpointError
+from meshtrain.services.common.errors import CheckpointError, DiskFullError
+from meshtrain.services.common.security import ClientSecurity
 from meshtrain.services.trainer.config import JobConfig
 from meshtrain.services.trainer.model.gpt import GPT
 from meshtrain.services.trainer.parallel.data import DataParallel
@@ -169,17 +172,18 @@ class Checkpointer:
         attempts: tries for each stored object, a save's start and its commit (`checkpoint.save_attempts`).
         backoff: first retry sleep in seconds, doubling each retry (`checkpoint.save_retry_backoff_s`).
         retry_timeout: keep retrying for this many seconds, at least (`checkpoint.save_retry_timeout_s`).
+        security: token and TLS for the checkpoint service (`auth`; None: $MESHTRAIN_TOKEN if set).
     """
 
     def __init__(self, root: str, par: Parallel, asynchronous: bool = True, service_address: str | None = None,
                  overwrite: bool = False, resumed_step: int | None = None, attempts: int = 3,
-                 backoff: float = 0.2, retry_timeout: float = 0.0):
+                 backoff: float = 0.2, retry_timeout: float = 0.0, security: ClientSecurity | None = None):
         self.root, self.par, self.asynchronous, self.overwrite = root, par, asynchronous, overwrite
         mesh = par.mesh
         if service_address:
             from meshtrain.services.checkpoint.rpc.client import CheckpointClient  # grpc only when asked for
 
-            self.sink = CheckpointClient(service_address)
+            self.sink = CheckpointClient(service_address, security=security)
         else:
             self.sink = StorageSink(root)
         self.service = bool(service_address)
@@ -187,6 +191,10 @@ class Checkpointer:
                                 backoff=backoff, retry_timeout=retry_timeout)
         self.resumed_step = resumed_step
         self._committed_url: tuple[int, str] | None = None  # (step, URL) of `committed_url`
+        self._saving: int | None = None  # the step of the save in flight
+        # (step, error) of the newest save that failed with the disk full, until a save commits
+        self.disk_full: tuple[int, DiskFullError] | None = None
+        self._leftovers: list[int] = []  # rank 0: folders of such saves, removed once every rank has settled
 
     @property
     def own_latest_step(self) -> int | None:
@@ -255,11 +263,15 @@ class Checkpointer:
             "rng_numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
             **extra,
         }
-        self.saver.wait()  # one save in flight: the previous one must have committed (or raise)
+        self.settle()  # one save in flight: the previous one must have committed (or raise, unless disk full)
+        if mesh.distributed:
+            dist.barrier()  # every rank's uploads have ended: nothing writes into a failed save's folder now
+        if mesh.rank == 0:
+            self._remove_leftovers()
         # Rank 0 starts the save, retried like its writes and commit (a transient storage or
         # service error must not cost a stop its checkpoint), and tells every rank the id or
         # the failure, so no rank waits for an id that never comes.
-        started: list[tuple[str | None, str | None]] = [(None, None)]
+        started: list[tuple[str | None, str | None, bool]] = [(None, None, False)]
         if mesh.rank == 0:
             def begin() -> str:
                 if self.service:
@@ -267,26 +279,103 @@ class Checkpointer:
                 return begin_save(self.root, state.iteration, overwrite=self.overwrite)
             try:
                 started[0] = (retry(f"starting the save of step {state.iteration}", begin, self.saver.attempts,
-                                    self.saver.backoff, self.saver.retry_timeout), None)
+                                    self.saver.backoff, self.saver.retry_timeout), None, False)
             except CheckpointError as e:
                 if not mesh.distributed:
+                    if isinstance(e, DiskFullError):
+                        raise self._note_disk_full(state.iteration, e) from e
                     raise
-                started[0] = (None, str(e))
+                started[0] = (None, str(e), isinstance(e, DiskFullError))
         if mesh.distributed:
             dist.broadcast_object_list(started, src=0)
-        save_id, error = started[0]
+        save_id, error, full = started[0]
         if error is not None:
-            raise CheckpointError(error)
+            raise self._note_disk_full(state.iteration, DiskFullError(error)) if full else CheckpointError(error)
         self.saver.save(state.iteration, save_id, boxes, committer=mesh.rank == 0, metadata=metadata)
+        self._saving = state.iteration
         if not self.asynchronous:
             self.wait()
         return self.step_url(state.iteration)
 
     def wait(self) -> None:
-        """Block until the save in flight is stored and committed on every rank (collective)."""
-        self.saver.wait()
+        """Block until the save in flight is stored and committed on every rank (collective).
+
+        Raises:
+            CheckpointError: that save failed (DiskFullError: its storage is full; recorded in
+                `disk_full` too).
+        """
+        step = self._saving
+        self.settle()
         if self.par.mesh.distributed:
             dist.barrier()
+        if self.par.mesh.rank == 0:
+            self._remove_leftovers()
+        if step is not None and self.disk_full is not None and self.disk_full[0] == step:
+            raise self.disk_full[1]
+
+    def settle(self) -> None:
+        """Waits for this rank's part of the save in flight (not collective). One that failed
+        with the disk full is recorded in `disk_full` and logged, not raised: a run trains on,
+        and its next save tries again (the first that commits clears it, logging that saves
+        recovered).
+
+        Raises:
+            CheckpointError: the save failed otherwise.
+        """
+        step, self._saving = self._saving, None
+        try:
+            self.saver.wait()
+        except DiskFullError as e:
+            self._note_disk_full(step, e)
+            return
+        if step is None or self.disk_full is None:
+            return
+        if self.saver.last_committed == step:
+            log.warning("checkpoint saves recovered: step %d is committed under %s (the save of step %d had failed: "
+                        "disk full)", step, self.root, self.disk_full[0])
+            self.disk_full = None
+        elif self.par.mesh.rank != 0:
+            self.disk_full = None  # its part of this save is stored; rank 0 commits it, and says so
+
+    def poll(self) -> tuple[int, DiskFullError] | None:
+        """`settle`s a save that has ended, committed or failed with the disk full (never
+        blocks; another failure is left for the next `save` to raise); returns `disk_full`."""
+        ended, error = self.saver.outcome()
+        if ended and (error is None or isinstance(error, DiskFullError)):
+            self.settle()
+        return self.disk_full
+
+    def _note_disk_full(self, step: int | None, error: DiskFullError) -> DiskFullError:
+        """Records and logs that the save of `step` failed with the disk full; returns the error
+        to raise where it is raised, naming the root, the step and the latest committed one."""
+        mesh = self.par.mesh
+        via = f" (through the checkpoint service at {self.sink.address})" if self.service else ""
+        latest = ""
+        if mesh.rank == 0:  # the committer knows
+            own = self.own_latest_step
+            latest = (f"; the latest committed checkpoint is step {own}" if own is not None
+                      else "; this run has no committed checkpoint yet")
+        full = DiskFullError(f"checkpoint step {step} was not saved: disk full under {self.root}{via}: {error}; "
+                             f"nothing of it was committed{latest}")
+        full.__cause__ = error
+        self.disk_full = (step, full)
+        if mesh.rank == 0 and mesh.distributed and not self.service and step is not None:
+            self._leftovers.append(step)
+        log.error("%s", full)
+        return full
+
+    def _remove_leftovers(self) -> None:
+        """Rank 0, once no rank writes into them: removes the uncommitted folders of saves that
+        failed with the disk full (a save's only writer removed its own at once). Never a
+        committed step's (`sharded.abort_save`). Best effort."""
+        while self._leftovers:
+            step = self._leftovers.pop()
+            try:
+                if abort_save(self.sink.root, step):
+                    log.info("removed the uncommitted folder of the failed save of step %d under %s", step, self.root)
+            except Exception as e:  # noqa: BLE001 - leftovers are ignored by readers, collected by retention
+                log.warning("could not remove the folder of the failed save of step %d under %s: %r",
+                            step, self.root, e)
 
     def close_after_failure(self) -> None:
         """`close` for a run that is failing (a peer died, a collective raised): the save in

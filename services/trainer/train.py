@@ -31,8 +31,10 @@ from meshtrain.services.common.errors import (
     CheckpointError,
     ConfigError,
     DataError,
+    DiskFullError,
     MeshtrainError,
 )
+from meshtrain.services.common.security import ClientSecurity
 from meshtrain.services.trainer import checkpointing
 from meshtrain.services.trainer.config import LAUNCHER_KEYS_ENV, JobConfig, replace
 from meshtrain.services.trainer.data import build_data
@@ -303,7 +305,9 @@ class Trainer:
         self.checkpointer = checkpointing.Checkpointer(c.save, self.par, c.async_save, c.service_address,
                                                        overwrite=c.overwrite, resumed_step=resumed_here,
                                                        attempts=c.save_attempts, backoff=c.save_retry_backoff_s,
-                                                       retry_timeout=c.save_retry_timeout_s)
+                                                       retry_timeout=c.save_retry_timeout_s,
+                                                       security=ClientSecurity.from_config(job.auth)
+                                                       if c.service_address else None)
         # Requests from other threads (SIGTERM's relay, the control endpoint), acted on between steps.
         self.requests = RunRequests()
         self.stop_cause: str | None = None  # the agreed stop's cause, which ranks asked and why
@@ -474,17 +478,26 @@ class Trainer:
         sums = mappings.all_reduce(torch.stack([total, counted]), self.mesh.group("pp"))
         return sums[0], sums[1]
 
-    def save(self) -> str:
-        """Start saving the current state (asynchronous unless checkpoint.async_save is off)."""
+    def save(self) -> str | None:
+        """Start saving the current state (asynchronous unless checkpoint.async_save is off).
+
+        A save that fails with the disk full (DiskFullError) is logged and left to the next one
+        (None is returned), unless it is the run's last (at train.train_iters, or a stop's): the
+        run ends with that error. Earlier saves' failures are recorded (`Checkpointer.disk_full`)."""
         c = self.job.checkpoint
         if self.ddp is not None:  # with overlap_param_gather the last step's gathers may be in flight
             self.ddp.wait_param_gather()
         if c.keep_last and self.is_main:
-            self.checkpointer.saver.wait()  # retention looks at committed saves only
+            self.checkpointer.settle()  # retention looks at committed saves only
             own = self.checkpointer.own_latest_step
             apply_retention(c.save, c.keep_last, c.keep_every, protect=() if own is None else (own,))
-        url = self.checkpointer.save(self.model, self.optimizer, self.state, self.job,
-                                     {"tokenizer": self.data.tokenizer, "data_prefix": self.data.prefix})
+        try:
+            url = self.checkpointer.save(self.model, self.optimizer, self.state, self.job,
+                                         {"tokenizer": self.data.tokenizer, "data_prefix": self.data.prefix})
+        except DiskFullError:
+            if self.state.iteration >= self.job.train.train_iters or self.stop_cause is not None:
+                raise
+            return None  # logged; the warning goes on at every logged step until a save commits
         log.info("checkpoint step %d %s: %s (stall %.0f ms)", self.state.iteration,
                  "saving in the background" if c.async_save else "committed", url,
                  self.checkpointer.saver.last_stall_s * 1e3)
@@ -495,7 +508,7 @@ class Trainer:
         the run its last chance to checkpoint (storage may have recovered since). If the stop's
         save fails too, that error ends the run."""
         try:
-            self.checkpointer.saver.wait()
+            self.checkpointer.settle()  # a save that failed with the disk full is logged there
         except CheckpointError as e:
             log.error("an earlier checkpoint was not committed (%s); saving the stop's checkpoint anyway", e)
 
@@ -589,7 +602,13 @@ class Trainer:
             if self.peak:  # per device: the global batch's FLOPs shared by every rank
                 record["mfu"] = self.flops_per_token * record["tokens_per_s"] / (
                     self.peak * 1e12 * self.mesh.world_size)
+            disk_full = self.checkpointer.poll()  # a save that ended since: recovered, or failed
+            if disk_full is not None and self.is_main:
+                record["checkpoint_error"] = str(disk_full[1])
             metrics.step(record)
+            if disk_full is not None and self.is_main:  # on every logged step until a save commits
+                log.warning("the last checkpoint save failed (%s); training goes on, and the next save tries again",
+                            disk_full[1])
             self.progress.update(loss=losses[-1], tokens_per_s=record["tokens_per_s"],
                                  eta_s=(t.train_iters - n) * step_time)
             pending.clear()
@@ -622,7 +641,7 @@ class Trainer:
                 self.requests.checkpoint_started()
                 if stop:
                     self._settle_previous_save()
-                result.checkpoint = self.save()
+                result.checkpoint = self.save() or result.checkpoint
             # Only a committed save is reported: one still in flight may yet fail.
             self.progress["last_checkpoint"] = self.checkpointer.committed_url
             paused += time.perf_counter() - pause_start
@@ -646,7 +665,8 @@ def train(job: JobConfig, until_exit: bool = False) -> TrainResult:
 
     t = job.train
     try:
-        endpoint = serve_control(trainer, t.control_port, host=t.control_host, metrics_port=t.metrics_port)
+        endpoint = serve_control(trainer, t.control_port, host=t.control_host, metrics_port=t.metrics_port,
+                                 auth=job.auth)
     except BaseException:
         trainer.checkpointer.close()  # `run`, which would close it and release the folder, never starts
         trainer.release_run_dir()
