@@ -98,8 +98,12 @@ class DataParallel:
         # Reduced (and, ZeRO-1, sharded) over dp x cp: context-parallel ranks hold the same
         # parameters and each a share of every sample's loss, so their gradients are summed;
         # the mean is over the data-parallel replicas only (`mean_over`).
-        self.dp_group, self.tp_group = mesh.group("dp_cp"), mesh.group("tp")
-        self.dp, self.dp_rank = mesh.dp * mesh.cp, mesh.ranks.get("dp_cp", [mesh.rank]).index(mesh.rank)
+        self.tp_group = mesh.group("tp")
+        if mesh.cp > 1:
+            self.dp_group = mesh.group("dp_cp")
+            self.dp, self.dp_rank = mesh.dp * mesh.cp, mesh.ranks["dp_cp"].index(mesh.rank)
+        else:  # the dp group itself (dp_cp has the same members), as the caller's own collectives use
+            self.dp_group, self.dp, self.dp_rank = mesh.group("dp"), mesh.dp, mesh.dp_rank
         self.mean_over = mesh.dp
         self.sync_enabled = True
         self.names = {p: n for n, p in model.named_parameters()}
