@@ -164,14 +164,17 @@ def _wait(reqs: list) -> None:
         r.wait()
 
 
-def _block(cp: ContextParallel, step: int) -> str:
-    """Which part of the attention step `step` computes: the key/value block held then is the one
-    of ring rank (ring_rank - step) mod ring. 'diagonal': this rank's own block, causal; 'front':
-    a lower rank's block, whose first chunk every local query sees and whose second none does;
-    'back': a higher rank's block, which only the local second chunk sees, whole."""
+def _block(cp: ContextParallel, step: int, half: int) -> tuple[slice, slice, bool]:
+    """(query rows, key rows, causal) of the attention step `step` computes: the key/value block
+    held then is the one of ring rank (ring_rank - step) mod ring. Step 0: this rank's own block,
+    causal. A lower rank's block: its first chunk, which every local query sees whole (its second
+    none does). A higher rank's block: whole, seen only by the local second chunk."""
+    every = slice(None)
     if step == 0:
-        return "diagonal"
-    return "front" if (cp.ring_rank - step) % cp.ring < cp.ring_rank else "back"
+        return every, every, True
+    if (cp.ring_rank - step) % cp.ring < cp.ring_rank:
+        return every, slice(0, half), False
+    return slice(half, None), every, False
 
 
 class _RingAttention(torch.autograd.Function):
@@ -188,16 +191,9 @@ class _RingAttention(torch.autograd.Function):
             reqs = []
             if step < cp.ring - 1:
                 kv_next, reqs = _exchange(kv, cp, tag=0)
-            part = _block(cp, step)
-            if part == "diagonal":
-                o, l_ = blocks.attention_forward(q, kv[0], kv[1], True, impl)
-                blocks.merge(out, lse, o, l_)
-            elif part == "front":
-                o, l_ = blocks.attention_forward(q, kv[0][:, :, :half], kv[1][:, :, :half], False, impl)
-                blocks.merge(out, lse, o, l_)
-            else:
-                o, l_ = blocks.attention_forward(q[:, :, half:], kv[0], kv[1], False, impl)
-                blocks.merge(out[:, :, half:], lse[:, :, half:], o, l_)
+            qs, ks, causal = _block(cp, step, half)
+            o, l_ = blocks.attention_forward(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], causal, impl)
+            blocks.merge(out[:, :, qs], lse[:, :, qs], o, l_)
             _wait(reqs)
             if reqs:
                 kv = kv_next
@@ -220,27 +216,17 @@ class _RingAttention(torch.autograd.Function):
             kv_reqs = []
             if step < cp.ring - 1:
                 kv_next, kv_reqs = _exchange(kv, cp, tag=0)
-            part = _block(cp, step)
-            if part == "diagonal":
-                gq, gk, gv = blocks.attention_backward(dout, q, kv[0], kv[1], out, lse, True, impl)
-                dq.add_(gq)
+            qs, ks, causal = _block(cp, step, half)
+            gq, gk, gv = blocks.attention_backward(dout[:, :, qs], q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks],
+                                                   out[:, :, qs], lse[:, :, qs], causal, impl)
+            dq[:, :, qs].add_(gq)
+            if step == 0:  # this rank's own block: its accumulator starts here
                 dkv = torch.stack([gk, gv]).float()
-            elif part == "front":
-                gq, gk, gv = blocks.attention_backward(dout, q, kv[0][:, :, :half], kv[1][:, :, :half], out, lse,
-                                                       False, impl)
-                dq.add_(gq)
-                _wait(dkv_reqs)
-                dkv = dkv_in
-                dkv[0][:, :, :half].add_(gk)
-                dkv[1][:, :, :half].add_(gv)
             else:
-                gq, gk, gv = blocks.attention_backward(dout[:, :, half:], q[:, :, half:], kv[0], kv[1],
-                                                       out[:, :, half:], lse[:, :, half:], False, impl)
-                dq[:, :, half:].add_(gq)
                 _wait(dkv_reqs)
                 dkv = dkv_in
-                dkv[0].add_(gk)
-                dkv[1].add_(gv)
+                dkv[0][:, :, ks].add_(gk)
+                dkv[1][:, :, ks].add_(gv)
             # the accumulator goes on with the block it belongs to; after the last step it goes home
             dkv_in, dkv_reqs = _exchange(dkv, cp, tag=1)
             _wait(kv_reqs)
