@@ -69,6 +69,48 @@ class ModelConfig:
     losses within 1.1% over 200 steps (BENCHMARKS.md). Without autocast: no effect."""
     transformer_impl: Literal["local", "transformer_engine"] = "local"
     """Layer backend: meshtrain's own layers, or Transformer Engine (not built)."""
+    num_experts: int | None = None
+    """Experts per mixture-of-experts layer (--num-experts); unset: every feed-forward block is dense."""
+    moe_layer_freq: int | list[int] = 1
+    """Which blocks are MoE (--moe-layer-freq): an int k makes every k-th block MoE (blocks 0, k,
+    2k, ...); a list of num_layers 0/1 entries names them one by one (1: MoE)."""
+    moe_ffn_hidden_size: int | None = None
+    """Each expert's inner width (--moe-ffn-hidden-size); unset: model.ffn_size."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to (--moe-router-topk)."""
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    """Router scores: softmax over the experts (Mixtral, Qwen-MoE) or a sigmoid per expert
+    (DeepSeek-V3; the chosen scores are renormalized to sum to 1 when topk > 1)."""
+    moe_router_pre_softmax: bool = False
+    """Softmax: over all experts before the top-k (Qwen-MoE: weights need not sum to 1); off, the
+    top-k logits are softmaxed among themselves (Mixtral: weights sum to 1)."""
+    moe_router_topk_scaling_factor: float | None = None
+    """Multiply the routing weights by this (DeepSeek-V3's routed_scaling_factor); unset: 1."""
+    moe_aux_loss_coeff: float = 0.0
+    """Load-balancing loss coefficient (Switch/GShard form: E * sum_i f_i * P_i, with f_i the
+    share of routed tokens and P_i the mean score of expert i over the global batch)."""
+    moe_z_loss_coeff: float | None = None
+    """Router z-loss coefficient (mean squared logsumexp of the router logits); unset: none."""
+    moe_expert_capacity_factor: float | None = None
+    """Unset: dropless (every routed token is computed). Set: each expert takes at most
+    ceil(factor * tokens * topk / experts) tokens per micro-batch and rank; the rest are dropped
+    by moe_token_drop_policy (their residual passes through)."""
+    moe_token_drop_policy: Literal["probs", "position"] = "probs"
+    """Under a capacity: an expert keeps its highest-scored tokens (probs) or its earliest (position)."""
+    moe_router_enable_expert_bias: bool = False
+    """Auxiliary-loss-free load balancing (DeepSeek-V3): a per-expert bias added to the scores for
+    choosing experts only, moved by moe_router_bias_update_rate after every optimizer step
+    toward balance (up for experts under their mean load, down for those over)."""
+    moe_router_bias_update_rate: float = 1e-3
+    """Step of the expert-bias update (--moe-router-bias-update-rate)."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """Inner width of the shared expert every token also passes through (Qwen-MoE, DeepSeek);
+    unset: none."""
+    moe_shared_expert_gate: bool = False
+    """Scale the shared expert's output by sigmoid(x . w) of a learned (1, hidden) gate (Qwen2-MoE)."""
+    moe_grouped_gemm: bool = True
+    """Experts as grouped GEMMs (torch._grouped_mm on CUDA bf16 where the device supports it);
+    off, or where it cannot run, a loop over the experts computes the same."""
 
     def __post_init__(self) -> None:
         for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
@@ -113,11 +155,56 @@ class ModelConfig:
             raise ConfigError(f"model.rotary_base must be positive, got {self.rotary_base}")
         if not 0 <= self.norm_epsilon < math.inf:
             raise ConfigError(f"model.norm_epsilon must be >= 0, got {self.norm_epsilon}")
+        self._check_moe()
         if self.transformer_impl != "local":
             raise NotBuiltError(
                 "model.transformer_impl='transformer_engine' is not built yet (Transformer Engine layers "
                 "are not wired in); use 'local'"
             )
+
+    def _check_moe(self) -> None:
+        if self.num_experts is None:
+            return
+        if self.num_experts <= 0:
+            raise ConfigError(f"model.num_experts must be positive (unset: dense), got {self.num_experts}")
+        if not 1 <= self.moe_router_topk <= self.num_experts:
+            raise ConfigError(f"model.moe_router_topk={self.moe_router_topk} must be in [1, "
+                              f"model.num_experts={self.num_experts}]")
+        freq = self.moe_layer_freq
+        if isinstance(freq, int):
+            if freq <= 0:
+                raise ConfigError(f"model.moe_layer_freq must be positive, got {freq}")
+        elif len(freq) != self.num_layers or any(v not in (0, 1) for v in freq):
+            raise ConfigError(f"model.moe_layer_freq as a list needs num_layers={self.num_layers} entries of 0 or 1, "
+                              f"got {freq}")
+        for key in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+            v = getattr(self, key)
+            if v is not None and v <= 0:
+                raise ConfigError(f"model.{key} must be positive, got {v}")
+        if self.moe_shared_expert_gate and self.moe_shared_expert_intermediate_size is None:
+            raise ConfigError("model.moe_shared_expert_gate gates the shared expert: it needs "
+                              "model.moe_shared_expert_intermediate_size")
+        for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate"):
+            v = getattr(self, key)
+            if v is not None and not 0 <= v < math.inf:
+                raise ConfigError(f"model.{key} must be >= 0, got {v}")
+        cf = self.moe_expert_capacity_factor
+        if cf is not None and not 0 < cf < math.inf:
+            raise ConfigError(f"model.moe_expert_capacity_factor must be positive (unset: dropless), got {cf}")
+        if self.moe_router_pre_softmax and self.moe_router_score_function != "softmax":
+            raise ConfigError("model.moe_router_pre_softmax applies to the softmax score function only")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global block `layer` has a mixture of experts instead of the dense MLP."""
+        if self.num_experts is None:
+            return False
+        freq = self.moe_layer_freq
+        return layer % freq == 0 if isinstance(freq, int) else bool(freq[layer])
+
+    @property
+    def moe_ffn_size(self) -> int:
+        """Each expert's inner width."""
+        return self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.ffn_size
 
     @property
     def head_dim(self) -> int:

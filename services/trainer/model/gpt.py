@@ -21,6 +21,7 @@ from meshtrain.services.trainer.config import ModelConfig
 from meshtrain.services.trainer.model.attention import Attention
 from meshtrain.services.trainer.model.embedding import Embedding
 from meshtrain.services.trainer.model.mlp import MLP
+from meshtrain.services.trainer.model.moe import MoE
 
 
 class Norm(nn.Module):
@@ -71,14 +72,15 @@ def rope_tables(cos: torch.Tensor | None, sin: torch.Tensor | None,
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); `mlp` is a mixture of experts in
+    the blocks `config.is_moe_layer(layer)` names."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer: int = 0):
         super().__init__()
         self.input_norm = Norm(config)
         self.attention = Attention(config)
         self.pre_mlp_norm = Norm(config)
-        self.mlp = MLP(config)
+        self.mlp = MoE(config) if config.is_moe_layer(layer) else MLP(config)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
@@ -97,7 +99,7 @@ class GPT(nn.Module):
         self.config = config
         self.vocab_size = config.vocab_size
         self.embedding = Embedding(config)
-        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.num_layers))
         self.final_norm = Norm(config)
         self.output_layer = (
             nn.Linear(config.hidden_size, config.padded_vocab_size(), bias=False)
@@ -130,9 +132,10 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "router.expert_bias")):
                 p.zero_()
-            elif name.endswith(("attention.proj.weight", "mlp.fc2.weight")):
+            elif name.endswith(("attention.proj.weight", "mlp.fc2.weight", "experts.fc2.weight",
+                                "shared_expert.fc2.weight")):
                 p.normal_(0.0, scaled)
             else:
                 p.normal_(0.0, std)
@@ -201,8 +204,19 @@ class GPT(nn.Module):
                 total -= self.embedding.position_embeddings.weight.numel()
         return total
 
+    def inactive_parameters(self) -> int:
+        """Expert weights a token does not pass through: (experts - topk) of every MoE block's
+        experts (expert parallelism holds a slice of them: counted from the config, not this rank)."""
+        c = self.config
+        if c.num_experts is None:
+            return 0
+        per_expert = (3 if c.activation == "swiglu" else 2) * c.moe_ffn_size * c.hidden_size
+        moe_blocks = sum(c.is_moe_layer(i) for i in range(c.num_layers))
+        return moe_blocks * (c.num_experts - c.moe_router_topk) * per_expert
+
     def flops_per_token(self, seq_length: int | None = None) -> float:
-        """Training FLOPs per token: 6N + 12·L·s·h (N: weights that do matmuls, incl. the LM head).
+        """Training FLOPs per token: 6N + 12·L·s·h (N: weights that do matmuls, incl. the LM head;
+        with experts, the active ones: top-k of each MoE block's experts).
 
         The head multiplies by a (vocab x hidden) matrix once per token, tied or not; the input
         embedding is a lookup and does no matmul. (An untied head used to be counted twice,
@@ -212,5 +226,5 @@ class GPT(nn.Module):
         s = seq_length or c.seq_length
         head = self.vocab_size * c.hidden_size
         untied_head = head if self.output_layer is not None else 0  # already in the count below
-        matmul_params = self.num_parameters(exclude_embeddings=True) - untied_head + head
+        matmul_params = self.num_parameters(exclude_embeddings=True) - untied_head + head - self.inactive_parameters()
         return 6.0 * matmul_params + 12.0 * c.num_layers * s * c.hidden_size

@@ -16,12 +16,12 @@ from meshtrain.services.trainer.config import ModelConfig
 class MLP(nn.Module):
     """fc1 -> activation -> fc2."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, ffn_size: int | None = None):
         super().__init__()
         self.swiglu = config.activation == "swiglu"
-        fc1_out = 2 * config.ffn_size if self.swiglu else config.ffn_size
-        self.fc1 = nn.Linear(config.hidden_size, fc1_out, bias=config.add_bias_linear)
-        self.fc2 = nn.Linear(config.ffn_size, config.hidden_size, bias=config.add_bias_linear)
+        ffn = config.ffn_size if ffn_size is None else ffn_size  # a MoE's shared expert has its own width
+        self.fc1 = nn.Linear(config.hidden_size, 2 * ffn if self.swiglu else ffn, bias=config.add_bias_linear)
+        self.fc2 = nn.Linear(ffn, config.hidden_size, bias=config.add_bias_linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (batch, seq, hidden) -> (batch, seq, hidden)."""
