@@ -15,7 +15,7 @@ Parameters (canonical checkpoint names, experts numbered globally on the leading
 
     mlp.router.weight            (experts, hidden)           fp32 routing logits
     mlp.router.expert_bias       (experts,)                  auxiliary-loss-free balance (no gradient)
-    mlp.experts.fc1.weight       (experts, 2*moe_ffn, hidden) [gate; up] per expert (SwiGLU), or (experts, moe_ffn, hidden)
+    mlp.experts.fc1.weight       (experts, 2*moe_ffn, hidden) [gate; up] per expert (SwiGLU; GELU: moe_ffn rows)
     mlp.experts.fc2.weight       (experts, hidden, moe_ffn)
     mlp.shared_expert.fc{1,2}.*  a dense MLP of moe_shared_expert_intermediate_size
     mlp.shared_expert_gate.weight (1, hidden)

@@ -139,7 +139,7 @@ class Mesh:
     @staticmethod
     def single() -> "Mesh":
         """The trivial mesh of one process (no groups; collectives become no-ops)."""
-        return Mesh(ranks={name: [0] for name in (*AXES, "dp_cp", "mp", "world", "cp_a2a", "cp_ring")})
+        return Mesh(ranks={name: [0] for name in (*AXES, "dp_cp", "mp", "world", "cp_a2a", "cp_ring", "ep", "edp")})
 
     @staticmethod
     def build(tp: int = 1, dp: int | None = None, pp: int = 1, cp: int = 1, ep: int = 1,
@@ -178,6 +178,7 @@ class Mesh:
                 if rank in m:
                     mesh.groups[name] = g
         mesh._build_cp_subgroups(cp_a2a, timeout_s)
+        mesh._build_expert_groups(timeout_s)
         if pp > 1:
             ends = [[m[0], m[-1]] for m in mesh._members(("pp",))]
             for m in ends:
@@ -204,6 +205,35 @@ class Mesh:
                 g = dist.new_group(m, timeout=datetime.timedelta(seconds=timeout_s))
                 if self.rank in m:
                     self.groups[name], self.ranks[name] = g, m
+
+    def _build_expert_groups(self, timeout_s: float) -> None:
+        """"ep" (ep consecutive ranks of a dp x cp group, cp fastest: the ranks that split the
+        experts) and "edp" (every ep-th: the ranks holding the same experts, over which expert
+        gradients are reduced); with ep 1 they are this rank alone and the dp x cp group."""
+        if self.ep == 1:
+            self.ranks["ep"], self.groups["ep"] = [self.rank], None
+            self.ranks["edp"], self.groups["edp"] = self.ranks["dp_cp"], self.groups.get("dp_cp")
+            return
+        n = self.dp * self.cp
+        for name, pick in (("ep", lambda m: [[m[g * self.ep + i] for i in range(self.ep)]
+                                             for g in range(n // self.ep)]),
+                           ("edp", lambda m: [[m[g * self.ep + i] for g in range(n // self.ep)]
+                                              for i in range(self.ep)])):
+            for members in self._members(("cp", "dp")):
+                for m in pick(members):
+                    g = dist.new_group(m, timeout=datetime.timedelta(seconds=timeout_s))
+                    if self.rank in m:
+                        self.groups[name], self.ranks[name] = g, m
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's index in its expert-parallel group (which slice of the experts it holds)."""
+        return self.ranks.get("ep", [self.rank]).index(self.rank)
+
+    @property
+    def edp_rank(self) -> int:
+        """This rank's index among the ranks holding the same experts (0 writes them to checkpoints)."""
+        return self.ranks.get("edp", [self.rank]).index(self.rank)
 
     def _members(self, axes: tuple[str, ...]) -> list[list[int]]:
         """All rank lists that vary along `axes` with the other coordinates fixed."""
