@@ -237,6 +237,13 @@ class LocalDispatcher:
 
 
 # ----------------------------------------------------------------------------- aux losses
+def _in_backward() -> bool:
+    """Whether this code runs inside an autograd backward pass: a forward there is activation
+    recompute (torch.utils.checkpoint, reentrant or not, reruns the block while unpacking the
+    tensors the backward needs), never a training step's own forward."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class _InjectAuxGrad(torch.autograd.Function):
     """Identity on `x`; in backward, also d(aux)/d(aux) = scale, so `aux` is trained without
     being added to the reported loss."""
@@ -313,14 +320,22 @@ class MoE(nn.Module):
             if self.shared_expert_gate is not None:
                 shared = shared * torch.sigmoid(self.shared_expert_gate(x))
             y = y + shared.to(y.dtype)
+        # Under activation recompute this forward runs twice: once in the forward pass, once
+        # inside the backward (torch.utils.checkpoint rebuilding the block's activations). The
+        # rerun must rebuild the same autograd graph (the aux terms' saved tensors included), but
+        # its outputs are thrown away, so its _InjectAuxGrad is never backpropagated: the aux
+        # gradient comes once, through the first pass's graph. Statistics count the first pass only.
+        recomputing = _in_backward()
         if torch.is_grad_enabled() and self.training:
-            y = self._with_aux_losses(y, logits, scores, routing)
-        self._record(routing)
+            y = self._with_aux_losses(y, logits, scores, routing, record=not recomputing)
+        if self.training and not recomputing:  # evaluation and generation leave the step's statistics alone
+            self._record(routing)
         return y
 
     def _with_aux_losses(self, y: torch.Tensor, logits: torch.Tensor, scores: torch.Tensor,
-                         routing: Routing) -> torch.Tensor:
-        """Attach the load-balancing and z-loss gradients to `y` (values unchanged)."""
+                         routing: Routing, record: bool = True) -> torch.Tensor:
+        """Attach the load-balancing and z-loss gradients to `y` (values unchanged); add their
+        values to the step's statistics when `record`."""
         c = self.config
         terms = []
         tokens = torch.tensor(float(logits.shape[0]), device=logits.device)
@@ -342,10 +357,11 @@ class MoE(nn.Module):
         if not terms:
             return y
         aux = torch.stack(terms)
-        self.stats.aux_loss = self.stats.aux_loss.to(aux.device) + (terms[0].detach() if c.moe_aux_loss_coeff > 0
-                                                                    else 0.0)
-        if c.moe_z_loss_coeff:
-            self.stats.z_loss = self.stats.z_loss.to(aux.device) + terms[-1].detach()
+        if record:
+            if c.moe_aux_loss_coeff > 0:
+                self.stats.aux_loss = self.stats.aux_loss.to(aux.device) + terms[0].detach()
+            if c.moe_z_loss_coeff:
+                self.stats.z_loss = self.stats.z_loss.to(aux.device) + terms[-1].detach()
         return _InjectAuxGrad.apply(y, aux.sum() * self.aux_share_scale, self.loss_scale)
 
     @torch.no_grad()
