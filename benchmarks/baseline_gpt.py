@@ -15,8 +15,59 @@ import torch.nn.functional as F
 from torch import nn
 
 
-class Block(nn.Module):
+class LoopMoE(nn.Module):
+    """A plain mixture of experts as a PyTorch user writes it (Mixtral's reference shape): softmax
+    router, top-k renormalized, then a Python loop over the experts, each gathering its tokens
+    with `torch.where`, running a SwiGLU/GELU MLP and scattering back with `index_add_`. Under
+    torch.compile the data-dependent token counts are captured as dynamic shapes."""
+
     def __init__(self, c):
+        super().__init__()
+        h, f, e = c.hidden_size, c.moe_ffn_size, c.num_experts
+        self.topk, self.swiglu = c.moe_router_topk, c.activation == "swiglu"
+        self.gate = nn.Linear(h, e, bias=False)
+        self.up = nn.ModuleList(nn.Linear(h, 2 * f if self.swiglu else f, bias=False) for _ in range(e))
+        self.down = nn.ModuleList(nn.Linear(f, h, bias=False) for _ in range(e))
+
+    def forward(self, x):
+        b, s, h = x.shape
+        x = x.reshape(b * s, h)
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        w, sel = torch.topk(probs, self.topk, dim=-1)
+        w = (w / w.sum(-1, keepdim=True)).to(x.dtype)
+        out = torch.zeros_like(x)
+        for e, (up, down) in enumerate(zip(self.up, self.down)):
+            tok, slot = torch.where(sel == e)
+            y = up(x[tok])
+            if self.swiglu:
+                g, u = y.chunk(2, dim=-1)
+                y = F.silu(g) * u
+            else:
+                y = F.gelu(y, approximate="tanh")
+            out.index_add_(0, tok, (down(y) * w[tok, slot, None]).to(out.dtype))
+        return out.view(b, s, h)
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, c, f: int):
+        super().__init__()
+        h, bias = c.hidden_size, c.add_bias_linear
+        self.swiglu = c.activation == "swiglu"
+        self.up = nn.Linear(h, 2 * f if self.swiglu else f, bias=bias)
+        self.down = nn.Linear(f, h, bias=bias)
+
+    def forward(self, x):
+        y = self.up(x)
+        if self.swiglu:
+            g, u = y.chunk(2, dim=-1)
+            y = F.silu(g) * u
+        else:
+            y = F.gelu(y, approximate="tanh")
+        return self.down(y)
+
+
+class Block(nn.Module):
+    def __init__(self, c, layer: int = 0):
         super().__init__()
         self.c = c
         h, d = c.hidden_size, c.head_dim
@@ -27,10 +78,9 @@ class Block(nn.Module):
         self.q = nn.Linear(h, self.nh * d, bias=bias)
         self.kv = nn.Linear(h, 2 * self.nkv * d, bias=bias)
         self.o = nn.Linear(self.nh * d, h, bias=bias)
-        self.swiglu = c.activation == "swiglu"
-        f = c.ffn_size
-        self.up = nn.Linear(h, 2 * f if self.swiglu else f, bias=bias)
-        self.down = nn.Linear(f, h, bias=bias)
+        moe = c.num_experts is not None and (layer % c.moe_layer_freq == 0 if isinstance(c.moe_layer_freq, int)
+                                              else c.moe_layer_freq[layer])
+        self.mlp = LoopMoE(c) if moe else DenseMLP(c, c.ffn_size)
 
     def forward(self, x, cos, sin):
         b, s, _ = x.shape
@@ -45,13 +95,7 @@ class Block(nn.Module):
             q, k = rot(q), rot(k)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.nkv != self.nh)
         x = x + self.o(a.transpose(1, 2).reshape(b, s, -1))
-        y = self.up(self.ln2(x))
-        if self.swiglu:
-            g, u = y.chunk(2, dim=-1)
-            y = F.silu(g) * u
-        else:
-            y = F.gelu(y, approximate="tanh")
-        return x + self.down(y)
+        return x + self.mlp(self.ln2(x))
 
 
 class BaselineGPT(nn.Module):
@@ -65,7 +109,7 @@ class BaselineGPT(nn.Module):
         v = c.padded_vocab_size()
         self.wte = nn.Embedding(v, c.hidden_size)
         self.wpe = nn.Embedding(c.seq_length, c.hidden_size) if c.position_embedding_type == "learned" else None
-        self.blocks = nn.ModuleList(Block(c) for _ in range(c.num_layers))
+        self.blocks = nn.ModuleList(Block(c, i) for i in range(c.num_layers))
         self.ln_f = nn.RMSNorm(c.hidden_size) if c.normalization == "rmsnorm" else nn.LayerNorm(c.hidden_size)
         self.head = nn.Linear(c.hidden_size, v, bias=False)
         if not c.untie_embeddings_and_output_weights:
@@ -81,7 +125,8 @@ class BaselineGPT(nn.Module):
             self.cos = self.sin = None
         for name, p in self.named_parameters():
             if p.ndim >= 2:
-                std = 0.02 / math.sqrt(2 * c.num_layers) if name.endswith(("o.weight", "down.weight")) else 0.02
+                down = name.endswith(("o.weight", "down.weight")) or ".down." in name
+                std = 0.02 / math.sqrt(2 * c.num_layers) if down else 0.02
                 nn.init.normal_(p, 0.0, std)
 
     def forward(self, idx, targets):
