@@ -72,7 +72,7 @@ def test_user_errors_exit_2_with_the_key_named(tmp_path):
     bad = meshtrain("train", "--config", TINY, "--model.hidden_sz=3")
     assert bad.returncode == 2 and "model.hidden_sz" in bad.stderr and "Traceback" not in bad.stderr
     ep = meshtrain("train", "--expert-model-parallel-size", "2")
-    assert ep.returncode == 2 and "not built yet" in ep.stderr
+    assert ep.returncode == 2 and "parallel.ep=2" in ep.stderr and "model.num_experts" in ep.stderr
     pp = meshtrain("train", "--config", TINY, "--pipeline-model-parallel-size", "2")
     assert pp.returncode == 2 and "parallel.pp=2 needs 2 processes" in pp.stderr
     cp = meshtrain("train", "--config", TINY, "--context-parallel-size", "2")

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from meshtrain.services.checkpoint.config import CheckpointConfig
 from meshtrain.services.common import config as cfg
-from meshtrain.services.common.errors import ConfigError, NotBuiltError
+from meshtrain.services.common.errors import ConfigError
 from meshtrain.services.common.model_config import ModelConfig  # re-exported: the job's `model` section
 from meshtrain.services.common.security import AuthConfig
 from meshtrain.services.dataloader.config import DataConfig
@@ -236,7 +236,14 @@ class ParallelConfig:
     """For cp_comm_type 'a2a+p2p': [all-to-all size, ring size], product cp
     (--hierarchical-context-parallel-sizes)."""
     ep: int = 1
-    """Expert-parallel degree (--expert-model-parallel-size); not built yet: must be 1."""
+    """Expert-parallel degree (--expert-model-parallel-size): each MoE layer's experts are split
+    over ep consecutive ranks of a dp x cp group (num_experts / ep each), tokens travel to them by
+    all-to-all, and their gradients are averaged over the ranks holding the same experts. Must
+    divide dp x cp and model.num_experts; needs model.num_experts."""
+    expert_tensor_parallel_size: int | None = None
+    """Tensor-parallel degree of the expert weights (--expert-tensor-parallel-size); unset: tp.
+    Only tp itself is supported (each expert's inner width split over the tp ranks, as the dense
+    MLP's); another value is refused."""
     sequence_parallel: bool = False
     """Shard norm/dropout regions along the sequence (needs tp > 1)."""
     tp_comm_overlap: bool = False
@@ -283,11 +290,13 @@ class ParallelConfig:
     ('block'). Unset with 'full': 1."""
 
     def __post_init__(self) -> None:
-        if self.ep != 1:
-            raise NotBuiltError(f"parallel.ep={self.ep}: this parallelism is not built yet (value must be 1)")
-        for key in ("tp", "pp", "cp"):
+        for key in ("tp", "pp", "cp", "ep"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"parallel.{key} must be >= 1, got {getattr(self, key)}")
+        etp = self.expert_tensor_parallel_size
+        if etp is not None and etp != self.tp:
+            raise ConfigError(f"parallel.expert_tensor_parallel_size={etp}: only the tensor-parallel degree itself "
+                              f"(parallel.tp={self.tp}) is supported; leave it unset")
         self._check_pipeline()
         self._check_context()
         if self.sequence_parallel and self.tp == 1:
@@ -438,6 +447,39 @@ class JobConfig:
         # Known from the config alone: refused here, not once every rank has built its data.
         check_tensor_parallel(self.model, self.parallel.tp, self.parallel.sequence_parallel)
         check_context_parallel(self.model, self.parallel)
+        check_experts(self.model, self.parallel, self.train)
+
+
+def check_experts(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> None:
+    """What a mixture of experts needs of the layout and the loop (the layout's dp x cp, which
+    ep must divide, is known once the world size is: `Mesh.build` checks that).
+
+    Raises:
+        ConfigError: naming the keys that do not fit together.
+    """
+    p, e = parallel, model.num_experts
+    if e is None:
+        if p.ep > 1:
+            raise ConfigError(f"parallel.ep={p.ep} splits the experts of MoE layers, but model.num_experts is unset "
+                              "(a dense model): set model.num_experts or parallel.ep=1")
+        return
+    if e % p.ep:
+        raise ConfigError(f"parallel.ep={p.ep} must divide model.num_experts={e} (each ep rank holds the same "
+                          "number of experts)")
+    if model.moe_expert_capacity_factor is not None and p.cp > 1:
+        raise ConfigError(f"model.moe_expert_capacity_factor caps each expert's tokens per sequence, and with "
+                          f"parallel.cp={p.cp} a rank holds only chunks of each sequence: leave the factor unset "
+                          "(dropless) or parallel.cp=1")
+    if p.tp > 1:
+        for key, width in (("moe_ffn_hidden_size", model.moe_ffn_size),
+                           ("moe_shared_expert_intermediate_size", model.moe_shared_expert_intermediate_size)):
+            if width is not None and width % p.tp:
+                raise ConfigError(f"parallel.tp={p.tp} must divide model.{key}={width} (each expert's inner "
+                                  "width is split over the tensor-parallel ranks)")
+    if train.cuda_graph:
+        raise ConfigError("train.cuda_graph cannot capture a mixture of experts (model.num_experts is set): the "
+                          "expert GEMMs and the token exchange need the per-expert counts on the host; leave "
+                          "train.cuda_graph off")
 
 
 def check_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:

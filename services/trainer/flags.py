@@ -9,6 +9,7 @@ table); `meshtrain.services.trainer.config.load_config` merges that table over t
 
 from __future__ import annotations
 
+import ast
 from typing import Any
 
 from meshtrain.services.common import config as cfg
@@ -36,6 +37,24 @@ ALIASES: dict[str, tuple[str, bool]] = {
     "--swiglu": ("model.activation=swiglu", False),
     "--disable-bias-linear": ("model.add_bias_linear=false", False),
     "--untie-embeddings-and-output-weights": ("model.untie_embeddings_and_output_weights", False),
+    "--num-experts": ("model.num_experts", True),
+    "--moe-layer-freq": ("model.moe_layer_freq", True),
+    "--moe-ffn-hidden-size": ("model.moe_ffn_hidden_size", True),
+    "--moe-router-topk": ("model.moe_router_topk", True),
+    "--moe-router-score-function": ("model.moe_router_score_function", True),
+    "--moe-router-pre-softmax": ("model.moe_router_pre_softmax", False),
+    "--moe-router-topk-scaling-factor": ("model.moe_router_topk_scaling_factor", True),
+    "--moe-aux-loss-coeff": ("model.moe_aux_loss_coeff", True),
+    "--moe-z-loss-coeff": ("model.moe_z_loss_coeff", True),
+    "--moe-expert-capacity-factor": ("model.moe_expert_capacity_factor", True),
+    "--moe-token-drop-policy": ("model.moe_token_drop_policy", True),
+    "--moe-router-enable-expert-bias": ("model.moe_router_enable_expert_bias", False),
+    "--moe-router-bias-update-rate": ("model.moe_router_bias_update_rate", True),
+    "--moe-shared-expert-intermediate-size": ("model.moe_shared_expert_intermediate_size", True),
+    "--moe-shared-expert-gate": ("model.moe_shared_expert_gate", False),
+    "--moe-grouped-gemm": ("model.moe_grouped_gemm", False),
+    # aux_loss: the load-balancing loss of model.moe_aux_loss_coeff; none: that coefficient 0
+    "--moe-router-load-balancing-type": ("model.moe_aux_loss_coeff", True),
     "--data-path": ("data.data_path", True),
     "--data-service-addresses": ("data.service_addresses", True),
     "--tokenizer": ("data.tokenizer", True),
@@ -69,6 +88,7 @@ ALIASES: dict[str, tuple[str, bool]] = {
     "--cp-comm-type": ("parallel.cp_comm_type", True),
     "--hierarchical-context-parallel-sizes": ("parallel.hierarchical_context_parallel_sizes", True),
     "--expert-model-parallel-size": ("parallel.ep", True),
+    "--expert-tensor-parallel-size": ("parallel.expert_tensor_parallel_size", True),
     "--sequence-parallel": ("parallel.sequence_parallel", False),
     "--tp-comm-overlap": ("parallel.tp_comm_overlap", False),
     "--distributed-timeout-minutes": ("parallel.distributed_timeout_minutes", True),
@@ -100,10 +120,62 @@ _STRING_KEYS = {"data.tokenizer", "data.split", "checkpoint.save", "checkpoint.l
 _VALUE_SPELLINGS = {"LayerNorm": "layernorm", "RMSNorm": "rmsnorm", "learned_absolute": "learned"}
 
 
+_LIST_LIMIT = 100_000
+"""Most entries a --moe-layer-freq expression may build (a layer list; bounds `[1]*10**12`)."""
+
+
+def parse_layer_freq(text: str) -> int | list[int]:
+    """--moe-layer-freq: an int (every k-th block is MoE), a list of 0/1 per block, or Megatron's
+    Python-like expression of lists such as `([1]*3+[0])*2` (read without eval: only integers,
+    lists, parentheses, + of lists and * of a list by an integer).
+
+    Raises:
+        ConfigError: naming the flag and what in the text is not allowed.
+    """
+    try:
+        tree = ast.parse(text.strip(), mode="eval").body
+    except SyntaxError:
+        raise ConfigError(f"--moe-layer-freq={text!r} is neither an integer, a list nor a list expression "
+                          "such as ([1]*3+[0])*2") from None
+
+    def value(node: ast.AST) -> int | list[int]:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, (ast.List, ast.Tuple)):
+            items = [value(e) for e in node.elts]
+            if any(not isinstance(v, int) for v in items):
+                raise ConfigError(f"--moe-layer-freq={text!r}: lists hold integers only (no nested lists)")
+            return items
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Add):
+                if isinstance(left, list) and isinstance(right, list):
+                    return _bounded(left + right)
+                raise ConfigError(f"--moe-layer-freq={text!r}: + joins two lists")
+            if isinstance(left, int) and isinstance(right, list):
+                left, right = right, left
+            if isinstance(left, list) and isinstance(right, int):
+                if right < 0 or len(left) * right > _LIST_LIMIT:
+                    raise ConfigError(f"--moe-layer-freq={text!r}: a list repeated {right} times")
+                return left * right
+            raise ConfigError(f"--moe-layer-freq={text!r}: * repeats a list by an integer")
+        raise ConfigError(f"--moe-layer-freq={text!r}: only integers, lists, + and * are allowed, "
+                          f"not {ast.unparse(node)!r}")
+
+    def _bounded(items: list[int]) -> list[int]:
+        if len(items) > _LIST_LIMIT:
+            raise ConfigError(f"--moe-layer-freq={text!r} builds more than {_LIST_LIMIT} entries")
+        return items
+
+    return value(tree)
+
+
 def _value_for(key: str, text: str) -> Any:
     text = _VALUE_SPELLINGS.get(text, text)
     if key in _STRING_KEYS:
         return text
+    if key == "model.moe_layer_freq":
+        return parse_layer_freq(text)
     if key in ("data.data_path", "data.service_addresses"):
         return cfg.parse_value(text) if text.lstrip().startswith("[") else [text]
     return cfg.parse_value(text)
@@ -120,6 +192,7 @@ def parse_overrides(args: list[str]) -> tuple[str | None, dict[str, Any]]:
     """
     config_file: str | None = None
     table: dict[str, Any] = {}
+    balancing: str | None = None  # --moe-router-load-balancing-type, applied at the end
     i = 0
     while i < len(args):
         word = args[i]
@@ -138,6 +211,13 @@ def parse_overrides(args: list[str]) -> tuple[str | None, dict[str, Any]]:
 
         if name == "--config":
             config_file = take_value()
+        elif name == "--moe-router-load-balancing-type":
+            balancing = take_value()
+            if balancing not in ("aux_loss", "none"):
+                raise ConfigError(
+                    f"--moe-router-load-balancing-type={balancing!r} is not supported: 'aux_loss' (the load-"
+                    "balancing loss over the global micro-batch, weighted by --moe-aux-loss-coeff) or 'none' "
+                    "(no such loss; --moe-router-enable-expert-bias balances without one)")
         elif name in ALIASES:
             target, has_value = ALIASES[name]
             if not has_value:
@@ -164,4 +244,10 @@ def parse_overrides(args: list[str]) -> tuple[str | None, dict[str, Any]]:
                     else "use --section.key=value (see --help-config for the keys and aliases)")
             raise ConfigError(f"unknown flag {name}; {hint}")
         i += 1
+    if balancing == "none":  # Megatron ignores the coefficient then; here a contradiction is refused
+        coeff = table.get("model", {}).get("moe_aux_loss_coeff", 0)
+        if coeff:
+            raise ConfigError(f"--moe-router-load-balancing-type=none turns the load-balancing loss off, but "
+                              f"--moe-aux-loss-coeff={coeff} asks for it: give one of them")
+        cfg.set_dotted(table, "model.moe_aux_loss_coeff", 0.0)
     return config_file, table

@@ -148,7 +148,6 @@ def test_missing_config_file_and_bad_toml(tmp_path):
 
 
 @pytest.mark.parametrize("args", [
-    ["--expert-model-parallel-size", "2"],
     ["--transformer-impl", "transformer_engine"],
 ])
 def test_unbuilt_features_are_rejected_not_ignored(args):

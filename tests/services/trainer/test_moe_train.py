@@ -1,0 +1,96 @@
+"""Training a mixture of experts: Megatron's MoE flags, the config checks, the loop's statistics,
+MFU, recompute and pipeline parallelism against one process, and the CLI end to end."""
+
+from pathlib import Path
+
+import pytest
+
+from meshtrain.services.common.errors import ConfigError
+from meshtrain.services.trainer.config import config_help, load_config
+from meshtrain.services.trainer.flags import parse_layer_freq
+
+REPO = Path(__file__).resolve().parents[3]
+
+# ----------------------------------------------------------------------------- flags and config
+
+
+def test_megatron_moe_flags_map_to_the_model_keys():
+    job = load_config([
+        "--num-layers", "4", "--num-experts", "8", "--moe-router-topk", "1", "--moe-ffn-hidden-size", "96",
+        "--moe-layer-freq", "([1]*1+[0])*2", "--moe-shared-expert-intermediate-size", "64",
+        "--moe-shared-expert-gate", "--moe-router-score-function", "sigmoid", "--moe-router-topk-scaling-factor",
+        "2.5", "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3", "--moe-expert-capacity-factor", "1.25",
+        "--moe-token-drop-policy", "position", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate",
+        "1e-4", "--moe-grouped-gemm", "--moe-router-load-balancing-type", "aux_loss",
+        "--expert-tensor-parallel-size", "1"])
+    m = job.model
+    assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.moe_layer_freq) == (8, 1, 96, [1, 0, 1, 0])
+    assert (m.moe_shared_expert_intermediate_size, m.moe_shared_expert_gate, m.moe_router_score_function) == (
+        64, True, "sigmoid")
+    assert (m.moe_router_topk_scaling_factor, m.moe_aux_loss_coeff, m.moe_z_loss_coeff) == (2.5, 1e-2, 1e-3)
+    assert (m.moe_expert_capacity_factor, m.moe_token_drop_policy) == (1.25, "position")
+    assert (m.moe_router_enable_expert_bias, m.moe_router_bias_update_rate, m.moe_grouped_gemm) == (True, 1e-4, True)
+    assert job.parallel.expert_tensor_parallel_size == 1
+    assert [m.is_moe_layer(i) for i in range(4)] == [True, False, True, False]
+    assert load_config(["--num-experts", "4", "--moe-router-pre-softmax"]).model.moe_router_pre_softmax
+    assert load_config(["--num-experts", "4", "--moe-layer-freq", "2"]).model.moe_layer_freq == 2
+    assert load_config(["--num-layers", "3", "--num-experts", "4", "--model.moe_layer_freq=[0,1,1]"]
+                       ).model.moe_layer_freq == [0, 1, 1]
+
+
+def test_load_balancing_type_none_turns_the_aux_loss_off_and_others_are_refused():
+    none = load_config(["--num-experts", "4", "--moe-router-load-balancing-type", "none"])
+    assert none.model.moe_aux_loss_coeff == 0.0
+    with pytest.raises(ConfigError, match="load-balancing-type=none.*moe-aux-loss-coeff=0.01"):
+        load_config(["--num-experts", "4", "--moe-aux-loss-coeff", "0.01", "--moe-router-load-balancing-type",
+                     "none"])
+    for other in ("seq_aux_loss", "sinkhorn"):
+        with pytest.raises(ConfigError, match=f"load-balancing-type='{other}' is not supported"):
+            load_config(["--num-experts", "4", "--moe-router-load-balancing-type", other])
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("1", 1), ("[1,0,1]", [1, 0, 1]), ("([1]*3+[0])*2", [1, 1, 1, 0, 1, 1, 1, 0]), ("2*[0,1]", [0, 1, 0, 1]),
+    ("[0]+[1]*2", [0, 1, 1]),
+])
+def test_layer_freq_expressions_are_read_without_eval(text, expected):
+    assert parse_layer_freq(text) == expected
+
+
+@pytest.mark.parametrize("text,why", [
+    ("__import__('os').system('true')", "only integers, lists"), ("[1]*-1", "only integers"),
+    ("[1]*10**12", "only integers"), ("[1]*1000000", "repeated 1000000 times"), ("[[1]]", "no nested lists"),
+    ("[1]+2", r"\+ joins two lists"), ("[1]*[2]", r"\* repeats a list"), ("([1]", "neither an integer"),
+    ("[1.5]", "only integers"), ("[True]", "only integers"),
+])
+def test_bad_layer_freq_expressions_are_refused_by_name(text, why):
+    with pytest.raises(ConfigError, match=f"--moe-layer-freq.*{why}"):
+        parse_layer_freq(text)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--expert-model-parallel-size", "2"], "parallel.ep=2 splits the experts.*model.num_experts is unset"),
+    (["--num-experts", "6", "--expert-model-parallel-size", "4"], "parallel.ep=4 must divide model.num_experts=6"),
+    (["--num-experts", "4", "--moe-expert-capacity-factor", "1", "--context-parallel-size", "2"],
+     "moe_expert_capacity_factor.*parallel.cp=2"),
+    (["--num-experts", "4", "--expert-tensor-parallel-size", "2"],
+     r"expert_tensor_parallel_size=2: only .*parallel.tp=1"),
+    (["--num-experts", "4", "--tensor-model-parallel-size", "2", "--moe-ffn-hidden-size", "33",
+      "--ffn-hidden-size", "64"], "parallel.tp=2 must divide model.moe_ffn_hidden_size=33"),
+    (["--num-experts", "4", "--train.cuda_graph=true"], "train.cuda_graph cannot capture a mixture of experts"),
+    (["--expert-model-parallel-size", "0"], "parallel.ep must be >= 1"),
+])
+def test_combinations_that_cannot_work_are_refused_naming_the_keys(args, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(args)
+
+
+def test_expert_parallel_config_is_accepted_and_documented():
+    job = load_config(["--num-experts", "8", "--expert-model-parallel-size", "4", "--tensor-model-parallel-size",
+                       "2", "--expert-tensor-parallel-size", "2"])
+    assert (job.parallel.ep, job.parallel.expert_tensor_parallel_size) == (4, 2)
+    text = config_help()
+    for key in ("--parallel.expert_tensor_parallel_size", "--parallel.ep", "--model.num_experts",
+                "--model.moe_layer_freq"):
+        assert key in text
+    assert "--moe-router-load-balancing-type" in text and "--expert-tensor-parallel-size" in text
