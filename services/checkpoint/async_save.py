@@ -2,7 +2,10 @@
 
 `AsyncSaver.save(...)` waits for the previous save, copies each box the writer owns into a
 host buffer (pinned when CUDA is available; allocated on first use and reused by later saves
-of the same boxes), and returns: the training stall is that device-to-host copy. A background
+of the same boxes), and returns: the training stall is that device-to-host copy. Pinning is
+slow (about half a second per GB on an H200 host), so a run that will save calls
+`prepare(specs)` once its boxes are known: a background thread allocates their buffers while
+training runs, and the first save finds them ready (it waits for any still being allocated). A background
 thread then stores the boxes through a *sink*, writes the writer's fragment and, on the
 committing writer, commits. A failed store is retried with backoff (`attempts` tries, and for
 `retry_timeout` seconds at least); if it still fails, the error is kept and raised by the next
@@ -157,6 +160,9 @@ class AsyncSaver:
         self.commit_timeout = commit_timeout
         self.pin = torch.cuda.is_available()
         self._buffers: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+        self._preparing: threading.Thread | None = None
+        self._prepare_error: BaseException | None = None
+        self.prepared_s: float | None = None  # how long `prepare`'s allocation took, once done
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-upload")
         self._pending: Future | None = None
         self._abandoned = threading.Event()  # `abandon`: the committer stops waiting for missing writers
@@ -165,6 +171,41 @@ class AsyncSaver:
         # The step of the newest save this saver committed (committer only; None before):
         # retention must never delete it, whatever steps other runs left in the root.
         self.last_committed: int | None = None
+
+    def prepare(self, specs: Sequence[ShardSpec]) -> None:
+        """Allocate the host buffers of these boxes on a background thread, so the first save
+        does not (its stall would otherwise include pinning them). Call it only in a run that
+        will save: the buffers stay held for the saver's life. Boxes a save later brings that
+        were not prepared are allocated then, as without `prepare`."""
+        if self._preparing is not None:
+            raise CheckpointError("AsyncSaver.prepare was already called")
+        wanted = [(spec, layout.torch_dtype(spec.dtype)) for spec in specs]
+
+        def allocate() -> None:
+            start = time.perf_counter()
+            try:
+                for spec, dtype in wanted:
+                    key = (spec.array, spec.offsets)
+                    if key not in self._buffers:
+                        buf = torch.empty(spec.shape, dtype=dtype, pin_memory=self.pin)
+                        if not self.pin:  # pinning maps every page; plain memory is mapped at first touch
+                            buf.zero_()
+                        self._buffers[key] = buf
+            except BaseException as e:  # noqa: BLE001 -- reported at the first save, which then allocates
+                self._prepare_error = e
+            self.prepared_s = time.perf_counter() - start
+
+        self._preparing = threading.Thread(target=allocate, name="ckpt-prepare", daemon=True)
+        self._preparing.start()
+
+    def _prepared(self) -> None:
+        """Wait for `prepare`'s allocation to end (a save must not race it for the buffers)."""
+        if self._preparing is not None:
+            self._preparing.join()
+            if self._prepare_error is not None:
+                log.warning("preparing the checkpoint buffers failed (%s); the save allocates them",
+                            self._prepare_error)
+                self._prepare_error = None
 
     def save(self, step: int, save_id: str, boxes: Sequence[tuple[ShardSpec, torch.Tensor]],
              committer: bool = False, metadata: dict | None = None) -> None:
@@ -183,6 +224,7 @@ class AsyncSaver:
         """
         self.wait()
         start = time.perf_counter()
+        self._prepared()
         snapshot = [(spec, self._snapshot(spec, tensor)) for spec, tensor in boxes]
         if self.pin and any(t.is_cuda for _, t in boxes):
             torch.cuda.synchronize()  # the non_blocking copies must land before we return

@@ -197,6 +197,17 @@ def dtype_name(dtype: torch.dtype) -> str:
     return _BY_TORCH[dtype]
 
 
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a logical dtype name (`dtype_name`'s inverse).
+
+    Raises:
+        CheckpointError: the name is not a supported dtype.
+    """
+    if name not in _DTYPES:
+        raise CheckpointError(f"dtype {name!r} is not supported; supported: {', '.join(_DTYPES)}")
+    return _DTYPES[name][0]
+
+
 def as_stored(data: torch.Tensor | np.ndarray, dtype: str, what: str) -> np.ndarray:
     """`data` for a box of logical `dtype` as the array stored for it, refusing any other dtype.
 

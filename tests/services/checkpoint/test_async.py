@@ -45,6 +45,43 @@ def test_buffers_are_reused_and_saves_are_serialised(root):
     assert torch.equal(read_box(root, 2, "layers.mlp.fc1.weight", (0, 0, 0), (2, 4, 5)), weights)
 
 
+def test_prepared_buffers_are_the_ones_the_first_save_fills(root):
+    weights = torch.randn(3, 4, 5)
+    boxes = boxes_of(weights)
+    saver = AsyncSaver(StorageSink(root))
+    saver.prepare([spec for spec, _ in boxes[:2]])  # the third box is not announced
+    saver._preparing.join()
+    prepared = dict(saver._buffers)
+    assert len(prepared) == 2 and saver.prepared_s is not None
+    saver.save(1, begin_save(root, 1), boxes, committer=True)
+    assert all(saver._buffers[k] is v for k, v in prepared.items())
+    assert len(saver._buffers) == 3  # the unannounced box got its buffer at the save
+    saver.close()
+    assert torch.equal(read_box(root, 1, "layers.mlp.fc1.weight", (0, 0, 0), (3, 4, 5)), weights)
+    with pytest.raises(CheckpointError, match="already called"):
+        saver.prepare([])
+
+
+def test_a_failed_prepare_leaves_the_save_to_allocate(root, caplog, monkeypatch):
+    weights = torch.randn(2, 4, 5)
+    boxes = boxes_of(weights)
+    empty = torch.empty
+
+    def out_of_pinned_memory(*args, **kwargs):
+        raise RuntimeError("CUDA error: out of memory (pinned host allocation)")
+
+    saver = AsyncSaver(StorageSink(root))
+    monkeypatch.setattr(torch, "empty", out_of_pinned_memory)
+    saver.prepare([spec for spec, _ in boxes])
+    saver._preparing.join()
+    monkeypatch.setattr(torch, "empty", empty)
+    assert saver._buffers == {}
+    saver.save(1, begin_save(root, 1), boxes, committer=True)
+    saver.close()
+    assert "preparing the checkpoint buffers failed" in caplog.text
+    assert torch.equal(read_box(root, 1, "layers.mlp.fc1.weight", (0, 0, 0), (2, 4, 5)), weights)
+
+
 def test_two_async_writers_and_a_committer(root):
     full = torch.randn(2, 6, 3)
     save_id = begin_save(root, 4)
