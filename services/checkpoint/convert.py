@@ -346,9 +346,12 @@ def target_shard_shapes(specs: dict[str, TensorSpec], model: ModelConfig,
     `attention.proj` and `mlp.fc2` weights by columns; `mlp.fc1` rows in ffn/tp chunks (the
     gate and up halves are each split in tp, so 2*tp chunks); the word embedding and output
     layer by vocabulary rows, ceil(vocab / (divisor*tp)) * divisor per rank as Megatron pads
-    the vocabulary; everything else (norms, position embeddings, row-parallel biases, RNG) is
-    replicated, so one shard. Optimizer moments follow their parameter. Pipeline stages own
-    whole layers, and stacked arrays already hold one layer per shard, so pp only has to fit.
+    the vocabulary; experts (`mlp.experts.fc1/fc2`, experts on the leading axis) in
+    num_experts/ep experts per shard, and within each expert split in tp as a dense MLP (the
+    shared expert is one); everything else (norms, position embeddings, row-parallel biases,
+    routers and their expert bias, RNG) is replicated, so one shard. Optimizer moments follow
+    their parameter. Pipeline stages own whole layers, and stacked arrays already hold one layer
+    per shard, so pp only has to fit.
 
     Args:
         specs: tensor name -> (shape, dtype), as from `tensor_specs`.
@@ -362,17 +365,26 @@ def target_shard_shapes(specs: dict[str, TensorSpec], model: ModelConfig,
         array's shard shape is (1, *this).
 
     Raises:
-        CheckpointError: a degree is not positive or does not divide what it splits.
+        CheckpointError: a degree is not positive or does not divide what it splits (ep: the
+            experts; a model without experts refuses ep > 1).
     """
     for key, value in (("tp", tp), ("pp", pp), ("ep", ep)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise CheckpointError(f"target {key} must be a positive int, got {value!r}")
     if pp > model.num_layers:
         raise CheckpointError(f"target pp={pp} exceeds model.num_layers={model.num_layers}")
-    if ep > 1:
+    experts = model.num_experts
+    if ep > 1 and experts is None:
         raise CheckpointError(f"target ep={ep}: this model has no experts to split")
-    for what, size in (("model.num_query_groups", model.groups), ("ffn size", model.ffn_size),
-                       ("model.hidden_size", model.hidden_size)):
+    if experts is not None and experts % ep:
+        raise CheckpointError(f"target ep={ep} does not divide model.num_experts={experts}")
+    sizes = [("model.num_query_groups", model.groups), ("ffn size", model.ffn_size),
+             ("model.hidden_size", model.hidden_size)]
+    if experts is not None:
+        sizes.append(("expert ffn size (model.moe_ffn_hidden_size)", model.moe_ffn_size))
+        if model.moe_shared_expert_intermediate_size:
+            sizes.append(("model.moe_shared_expert_intermediate_size", model.moe_shared_expert_intermediate_size))
+    for what, size in sizes:
         if size % tp:
             raise CheckpointError(f"target tp={tp} does not divide {what}={size}")
     per_group_rows = (model.num_attention_heads // model.groups + 2) * model.head_dim
@@ -389,8 +401,14 @@ def target_shard_shapes(specs: dict[str, TensorSpec], model: ModelConfig,
             shard[0] = model.groups // tp * per_group_rows
         elif rest in ("mlp.fc1.weight", "mlp.fc1.bias"):
             shard[0] = model.ffn_size // tp
-        elif rest == "attention.proj.weight" or rest == "mlp.fc2.weight":
+        elif rest in ("mlp.shared_expert.fc1.weight", "mlp.shared_expert.fc1.bias"):
+            shard[0] = model.moe_shared_expert_intermediate_size // tp
+        elif rest in ("attention.proj.weight", "mlp.fc2.weight", "mlp.shared_expert.fc2.weight"):
             shard[1] = shape[1] // tp
+        elif rest == "mlp.experts.fc1.weight":  # (experts, [gate; up] or ffn, hidden)
+            shard[0], shard[1] = shape[0] // ep, model.moe_ffn_size // tp
+        elif rest == "mlp.experts.fc2.weight":  # (experts, hidden, ffn)
+            shard[0], shard[2] = shape[0] // ep, shape[2] // tp
         elif rest in ("embedding.word_embeddings.weight", "output_layer.weight"):
             shard[0] = min(vocab_rows, shape[0])
         plan[name] = tuple(shard)

@@ -2,15 +2,18 @@
 
 Every rank saves and loads only its own part of the layout-independent format
 (`meshtrain.services.checkpoint`): each parameter is a box of a global array (per-layer tensors stacked
-on a leading global-layer axis; tensor-parallel shards at their global offsets, SwiGLU's fc1 as
-two boxes, one per half; padded vocabulary rows cut off), written by the dp-rank-0 replica only,
-so nothing is written twice. AdamW moments are stored per parameter (`optim.exp_avg.<name>`,
-`optim.exp_avg_sq.<name>`), whole even under the distributed optimizer. Scalars (iteration,
+on a leading global-layer axis when every layer 0..n-1 holds them, else one array per layer, as
+the experts of MoE blocks between dense ones; tensor-parallel shards at their global offsets,
+SwiGLU's fc1 as two boxes, one per half; padded vocabulary rows cut off; an expert-parallel
+rank's experts at their global expert ids), written by the dp-rank-0 replica only (experts: by
+each ep rank's replica of edp rank 0), so nothing is written twice. AdamW moments are stored per
+parameter (`optim.exp_avg.<name>`, `optim.exp_avg_sq.<name>`), whole even under the distributed
+optimizer; frozen parameters (the router's expert bias) have none. Scalars (iteration,
 consumed samples, optimizer step, config, RNG of Python/NumPy) are manifest metadata; global
 rank 0 commits once every rank has reported. Saves are asynchronous (`AsyncSaver`): the
 training stall is the device-to-host copy; one that fails with the disk full (DiskFullError) is
 recorded (`Checkpointer.disk_full`), not raised by the next save, so the run trains on. Loading
-reads exactly the boxes a rank needs, so any tp/dp layout loads any checkpoint and a resumed run
+reads exactly the boxes a rank needs, so any tp/dp/ep layout loads any checkpoint and a resumed run
 continues with identical losses.
 """
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,17 +80,78 @@ class Piece:
     local: tuple[slice, ...]  # where the box lies in the local tensor
 
 
+@dataclass(frozen=True)
+class Place:
+    """Where a tensor lies in a checkpoint: its array and, when stacked, its row of the layer axis.
+
+    Attributes:
+        array: the array name.
+        layer: the global layer (row of the leading layer axis) for a stacked array, else None.
+        layer_count: the stacked array's layer axis, else None.
+    """
+
+    array: str
+    layer: int | None = None
+    layer_count: int | None = None
+
+
+def layer_stacks(names: Iterable[str]) -> dict[str, int]:
+    """Stacked array name -> layers, for the per-layer tensors of a whole model's `names`.
+
+    A family of per-layer tensors (`layers.<i>.<rest>`) is stacked on a leading global-layer
+    axis when the layers holding it are exactly 0..n-1 (the rule of `layout.group_tensors`, so
+    `ckpt convert` and HF import store the same arrays). A family only some blocks hold (the
+    experts of every other block, or the dense MLPs between them) would leave holes in such an
+    axis, which no committed array may have: it is stored as one array per layer, named with its
+    layer number (`layers.1.mlp.experts.fc1.weight`). Each layer's box is one object either way.
+    """
+    layers: dict[str, set[int]] = {}
+    for name in names:
+        array, layer = array_key(name)
+        if layer is not None:
+            layers.setdefault(array, set()).add(layer)
+    return {a: len(ls) for a, ls in layers.items() if ls == set(range(len(ls)))}
+
+
+def save_place(name: str, stacks: dict[str, int]) -> Place:
+    """Where the trainer stores tensor `name` (a parameter, or `optim.<moment>.<parameter>`),
+    given the model's `layer_stacks`."""
+    array, layer = array_key(name)
+    if layer is None:
+        return Place(name)
+    pname = name.split(".", 2)[2] if name.startswith("optim.") else name
+    count = stacks.get(array_key(pname)[0])
+    return Place(array, layer, count) if count is not None else Place(name)
+
+
+def stored_places(manifest: dict[str, Any]) -> dict[str, Place]:
+    """Where each tensor of a checkpoint lies, from its manifest (whatever grouping wrote it)."""
+    out: dict[str, Place] = {}
+    for array, entry in manifest["arrays"].items():
+        count = entry.get("layer_count")
+        for i, tensor in enumerate(entry.get("tensors", [])):
+            out[tensor] = Place(array, i, count) if count is not None else Place(array)
+    return out
+
+
+def is_expert(param: torch.Tensor) -> bool:
+    """Whether `param` is an expert weight split over expert-parallel ranks (`expert_shard` set)."""
+    return getattr(param, "expert_shard", None) is not None
+
+
 def pieces(name: str, local_shape: tuple[int, ...], param: torch.Tensor, mesh: Mesh, vocab_size: int,
-           num_layers: int, reading: bool = False) -> list[Piece]:
+           place: Place, reading: bool = False) -> list[Piece]:
     """The boxes of global arrays that this rank's `local_shape` tensor named `name` covers.
 
     Args:
         name: canonical tensor name (a parameter's, or `optim.<moment>.<parameter>`).
-        local_shape: shape of this rank's tensor (a tensor-parallel shard, vocabulary padded).
-        param: the parameter it belongs to (carries its `tp_split`).
+        local_shape: shape of this rank's tensor (a tensor-parallel shard, vocabulary padded,
+            an expert-parallel rank's experts).
+        param: the parameter it belongs to (carries its `tp_split`, and `expert_shard =
+            (first expert, experts in all)` when its leading axis holds some of the experts).
         mesh: the layout; for writing, replicated tensors are covered by tp rank 0 only.
         vocab_size: rows of vocabulary tensors in the checkpoint (padding is never stored).
-        num_layers: the global-layer axis of stacked arrays.
+        place: the array holding the tensor, and its layer row when stacked.
         reading: every rank needs the replicated tensors it holds.
     """
     split = tp_split_of(param) if mesh.tp > 1 else None
@@ -125,17 +190,26 @@ def pieces(name: str, local_shape: tuple[int, ...], param: torch.Tensor, mesh: M
             offsets = [0] * len(local_shape)
             offsets[d] = r * n
             boxes.append((offsets, list(local_shape), full, None))
-    array, layer = array_key(name)
+    shard = getattr(param, "expert_shard", None)
+    if shard is not None:  # (local experts, ...) are rows first.. of the global expert axis
+        first, total = shard
+        if not 0 <= first <= first + local_shape[0] <= total:
+            raise CheckpointError(f"parameter {pname!r}: expert_shard {shard} does not fit its "
+                                  f"{local_shape[0]} local experts")
+        gshape[0] = total
+        for offsets, *_ in boxes:
+            offsets[0] += first
     dtype = dtype_name(param.dtype)
     out = []
     for offsets, shape, local, grid in boxes:
-        if layer is not None:  # stacked: leading global-layer axis
-            offsets, shape, gs = [layer, *offsets], [1, *shape], [num_layers, *gshape]
+        if place.layer_count is not None:  # stacked: leading global-layer axis
+            offsets, shape, gs = [place.layer, *offsets], [1, *shape], [place.layer_count, *gshape]
             grid = [1, *grid] if grid is not None else None
         else:
             gs = gshape
-        out.append(Piece(ShardSpec(array, tuple(gs), dtype, tuple(offsets), tuple(shape),
-                                   tuple(grid) if grid else None), tuple(local)))
+        out.append(Piece(ShardSpec(place.array, tuple(gs), dtype, tuple(offsets), tuple(shape),
+                                   tuple(grid) if grid else None, stacked=place.layer_count is not None),
+                         tuple(local)))
     return out
 
 
@@ -224,18 +298,23 @@ class Checkpointer:
     def save(self, model: GPT, optimizer: torch.optim.Optimizer | None, state: TrainState, job: JobConfig,
              extra: dict[str, Any]) -> str:
         """Start saving checkpoint `state.iteration` (collective); returns its URL on every rank."""
-        mesh, v, layers = self.par.mesh, model.vocab_size, model.config.num_layers
+        mesh, v = self.par.mesh, model.vocab_size
         params = dict(model.named_parameters())
         moments = _moments(model, optimizer, self.par)
+        stacks = layer_stacks(params if mesh.pp == 1 else model_parameter_names(model.config))
         boxes: list[tuple[ShardSpec, torch.Tensor]] = []
-        if mesh.dp_rank == 0 and mesh.cp_rank == 0:  # dp and cp replicas hold the same values: one writes
-            # (the last pipeline stage's copy of a tied embedding is the first stage's, written there)
-            own = {n: p for n, p in params.items() if not getattr(p, "pipeline_copy", False)}
-            tensors = [(n, p.detach(), p) for n, p in own.items()]
-            tensors += [(f"optim.{k}.{n}", t, own[n]) for n, m in moments.items() if n in own for k, t in m.items()]
-            for name, local, param in tensors:
-                for piece in pieces(name, tuple(local.shape), param, mesh, v, layers):
-                    boxes.append((piece.spec, local[piece.local].reshape(piece.spec.shape)))
+        # dp and cp replicas hold the same values: one writes. Experts are split over the ep
+        # ranks of a dp x cp group: each ep rank's replica in the first such group (edp rank 0)
+        # writes its own. (The last pipeline stage's copy of a tied embedding is the first
+        # stage's, written there.)
+        first_replica = mesh.dp_rank == 0 and mesh.cp_rank == 0
+        own = {n: p for n, p in params.items() if not getattr(p, "pipeline_copy", False)
+               and (mesh.edp_rank == 0 if is_expert(p) else first_replica)}
+        tensors = [(n, p.detach(), p) for n, p in own.items()]
+        tensors += [(f"optim.{k}.{n}", t, own[n]) for n, m in moments.items() if n in own for k, t in m.items()]
+        for name, local, param in tensors:
+            for piece in pieces(name, tuple(local.shape), param, mesh, v, save_place(name, stacks)):
+                boxes.append((piece.spec, local[piece.local].reshape(piece.spec.shape)))
         if mesh.rank == 0:
             rng = torch.get_rng_state()
             boxes.append((ShardSpec("rng.torch_cpu", tuple(rng.shape), "uint8", (0,), tuple(rng.shape)), rng))
@@ -258,7 +337,8 @@ class Checkpointer:
             "consumed_samples": state.consumed_samples,
             "optimizer_step": _optimizer_step(optimizer, self.par),
             "config": to_dict(job),
-            "layout": {"tp": mesh.tp, "cp": mesh.cp, "dp": mesh.dp, "pp": mesh.pp, "world_size": mesh.world_size},
+            "layout": {"tp": mesh.tp, "cp": mesh.cp, "dp": mesh.dp, "pp": mesh.pp, "ep": mesh.ep,
+                       "world_size": mesh.world_size},
             "rng_python": random.getstate(),
             "rng_numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
             **extra,
@@ -488,9 +568,10 @@ def restore(root: str, model: GPT, optimizer: torch.optim.Optimizer | None, par:
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{root}: not a meshtrain training checkpoint (format {meta.get('format')!r})")
     arrays = manifest["arrays"]
-    mesh, v, layers = par.mesh, model.vocab_size, model.config.num_layers
+    mesh, v = par.mesh, model.vocab_size
     params = dict(model.named_parameters())
-    stored = {t for a in arrays.values() for t in a.get("tensors", [])}
+    places = stored_places(manifest)
+    stored = set(places)
     missing = [n for n in params if n not in stored]
     if missing:
         raise CheckpointError(f"{root}: checkpoint lacks parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}")
@@ -503,7 +584,11 @@ def restore(root: str, model: GPT, optimizer: torch.optim.Optimizer | None, par:
 
     def read_into(name: str, dst: torch.Tensor, param: torch.Tensor) -> None:
         dst.zero_()  # padded vocabulary rows are not stored: they restart at zero
-        for piece in pieces(name, tuple(dst.shape), param, mesh, v, layers, reading=True):
+        if name not in places:
+            raise CheckpointError(f"{root}: checkpoint step {step} has no tensor {name!r} (optimizer_step "
+                                  f"{meta.get('optimizer_step')}); load the weights only (no optimizer) or "
+                                  "another step")
+        for piece in pieces(name, tuple(dst.shape), param, mesh, v, places[name], reading=True):
             spec = piece.spec
             entry = arrays.get(spec.array)
             if entry is None or tuple(entry["shape"]) != spec.global_shape:
@@ -527,8 +612,10 @@ def restore(root: str, model: GPT, optimizer: torch.optim.Optimizer | None, par:
             read_into(name, p.data, p)
     opt_step = meta["optimizer_step"]
     if opt_step > 0 and optimizer is not None:
+        # Frozen parameters (the router's expert bias, moved by its own rule) have no moments.
+        trained = {n: p for n, p in params.items() if p.requires_grad}
         moments = {}
-        for name, p in params.items():
+        for name, p in trained.items():
             moments[name] = {}
             for k in ("exp_avg", "exp_avg_sq"):
                 t = torch.zeros_like(p.data, dtype=torch.float32)
@@ -538,7 +625,7 @@ def restore(root: str, model: GPT, optimizer: torch.optim.Optimizer | None, par:
             par.ddp.load_optimizer_state(moments, opt_step)
         else:
             fused = any(g.get("fused") for g in optimizer.param_groups)
-            for name, p in params.items():
+            for name, p in trained.items():
                 optimizer.state[p] = {
                     "step": torch.tensor(float(opt_step), device=p.device if fused else "cpu"),
                     **{k: v.to(p.device) for k, v in moments[name].items()},

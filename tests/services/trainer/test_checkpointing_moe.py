@@ -1,0 +1,174 @@
+"""Checkpoints of mixture-of-experts models: experts by global id, any expert-parallel layout.
+
+A model whose blocks alternate dense and MoE (so neither the experts nor the dense MLPs are
+held by every layer), with a gated shared expert and the auxiliary-loss-free expert bias, is
+trained, saved mid-run and restored into a fresh model: the continued losses must equal the
+uninterrupted run's exactly (same process, same order of operations, so bit-identical).
+The expert-parallel case saves at ep=4, resumes at ep=1, saves, resumes at ep=2, and compares
+every loss with one uninterrupted single-process run.
+"""
+
+import pytest
+import torch
+
+from meshtrain.services.checkpoint.maintenance import verify_checkpoint
+from meshtrain.services.checkpoint.reader import read_manifest
+from meshtrain.services.common.errors import CheckpointError
+from meshtrain.services.trainer.checkpointing import (
+    Place,
+    layer_stacks,
+    load_checkpoint,
+    pieces,
+    save_checkpoint,
+    save_place,
+)
+from meshtrain.services.trainer.config import ModelConfig
+from meshtrain.services.trainer.model.gpt import GPT
+from meshtrain.services.trainer.model.moe import moe_layers
+from meshtrain.services.trainer.parallel.mesh import Mesh
+
+MOE = dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
+           seq_length=16, vocab_size=100, normalization="rmsnorm", activation="swiglu",
+           position_embedding_type="rope", add_bias_linear=False, untie_embeddings_and_output_weights=True,
+           num_experts=4, moe_layer_freq=[0, 1, 0, 1], moe_ffn_hidden_size=24, moe_router_topk=2,
+           moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001, moe_shared_expert_intermediate_size=32,
+           moe_shared_expert_gate=True, moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.05)
+VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def batches(n: int, seed: int = 3, batch: int = 2, seq: int = 16, vocab: int = 100) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (batch, seq + 1), generator=g) for _ in range(n)]
+
+
+def build(seed: int = 0, **overrides) -> tuple[GPT, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = GPT(ModelConfig(**{**MOE, **overrides}))
+    return model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+
+
+def train(model: GPT, optimizer: torch.optim.Optimizer, data: list[torch.Tensor]) -> list[float]:
+    """One optimizer step per sample batch, then the expert-bias update, as the trainer does."""
+    losses = []
+    for sample in data:
+        optimizer.zero_grad()
+        loss = model(sample[:, :-1], sample[:, 1:])
+        loss.backward()
+        optimizer.step()
+        for _, layer in moe_layers(model):
+            layer.update_expert_bias()
+            layer.reset_stats()
+        losses.append(loss.item())
+    return losses
+
+
+def test_moe_model_resumes_with_identical_losses(tmp_path):
+    data = batches(6)
+    model, optimizer = build()
+    whole = train(model, optimizer, data)
+
+    model, optimizer = build()
+    first = train(model, optimizer, data[:3])
+    assert first == whole[:3]
+    bias = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith("expert_bias")}
+    assert bias and all(b.abs().sum() > 0 for b in bias.values())  # the bias moved: its restore matters
+    root = str(tmp_path / "ckpt")
+    save_checkpoint(root, 3, model, optimizer)
+
+    fresh, fresh_opt = build(seed=1)  # other weights: every one must come from the checkpoint
+    assert load_checkpoint(root, fresh, fresh_opt).iteration == 3
+    restored = dict(fresh.named_parameters())
+    for name, p in model.named_parameters():
+        rows = slice(0, 100) if name in VOCAB else slice(None)  # padded vocabulary rows are not stored
+        assert torch.equal(p[rows], restored[name][rows]), name
+    assert train(fresh, fresh_opt, data[3:]) == whole[3:]
+
+
+def test_experts_are_stored_by_global_id_and_families_some_layers_lack_per_layer(tmp_path):
+    model, optimizer = build()
+    train(model, optimizer, batches(1))
+    root = str(tmp_path / "ckpt")
+    save_checkpoint(root, 1, model, optimizer)
+    assert verify_checkpoint(root, 1) > 0
+    arrays = read_manifest(root, 1)["arrays"]
+    # every block has attention and norms: one stacked array each
+    assert arrays["layers.attention.qkv.weight"]["layer_count"] == 4
+    # blocks 1 and 3 hold experts, 0 and 2 dense MLPs: one array per layer, no stacked axis with holes
+    for i in (1, 3):
+        entry = arrays[f"layers.{i}.mlp.experts.fc1.weight"]
+        assert entry["layer_count"] is None and entry["shape"] == [4, 48, 32]
+        assert arrays[f"optim.exp_avg.layers.{i}.mlp.experts.fc2.weight"]["shape"] == [4, 32, 24]
+        assert arrays[f"layers.{i}.mlp.router.expert_bias"]["shape"] == [4]
+        assert f"optim.exp_avg.layers.{i}.mlp.router.expert_bias" not in arrays  # no gradient, no moments
+        assert f"layers.{i}.mlp.fc1.weight" not in arrays
+    for i in (0, 2):
+        assert arrays[f"layers.{i}.mlp.fc1.weight"]["shape"] == [96, 32]
+    assert not any(a.startswith("layers.mlp.") for a in arrays)
+
+
+def test_a_family_held_by_the_first_layers_only_is_stacked_over_them():
+    names = [f"layers.{i}.mlp.experts.fc1.weight" for i in (0, 1)] + [f"layers.{i}.mlp.fc1.weight" for i in (2, 3)]
+    names += [f"layers.{i}.input_norm.weight" for i in range(4)] + ["final_norm.weight"]
+    stacks = layer_stacks(names)
+    assert stacks == {"layers.mlp.experts.fc1.weight": 2, "layers.input_norm.weight": 4}
+    assert save_place("optim.exp_avg.layers.1.mlp.experts.fc1.weight", stacks) == \
+        Place("optim.exp_avg.layers.mlp.experts.fc1.weight", 1, 2)
+    assert save_place("layers.3.mlp.fc1.weight", stacks) == Place("layers.3.mlp.fc1.weight")
+    assert save_place("final_norm.weight", stacks) == Place("final_norm.weight")
+
+
+def test_an_expert_shard_is_its_rows_of_the_global_expert_axis():
+    param = torch.nn.Parameter(torch.zeros(2, 6, 5))
+    param.expert_shard = (4, 8)  # experts 4 and 5 of 8
+    (piece,) = pieces("layers.mlp.experts.fc2.weight", (2, 6, 5), param, Mesh.single(), 100,
+                      Place("layers.mlp.experts.fc2.weight", 3, 4))
+    assert piece.spec.global_shape == (4, 8, 6, 5)
+    assert piece.spec.offsets == (3, 4, 0, 0) and piece.spec.shape == (1, 2, 6, 5)
+    param.expert_shard = (7, 8)
+    with pytest.raises(CheckpointError, match=r"expert_shard \(7, 8\) does not fit its 2 local experts"):
+        pieces("x", (2, 6, 5), param, Mesh.single(), 100, Place("x"))
+
+
+def test_restore_refuses_a_model_with_experts_in_other_blocks(tmp_path):
+    model, optimizer = build()
+    train(model, optimizer, batches(1))
+    root = str(tmp_path / "ckpt")
+    save_checkpoint(root, 1, model, optimizer)
+    dense, dense_opt = build(moe_layer_freq=[1, 1, 0, 1])  # block 0 holds experts here
+    with pytest.raises(CheckpointError, match="checkpoint lacks parameters"):
+        load_checkpoint(root, dense, dense_opt)
+
+
+def test_convert_lays_experts_out_for_a_target_ep_and_tp_and_the_result_resumes(tmp_path):
+    from meshtrain.services.checkpoint.convert import convert, inspect_checkpoint
+
+    data = batches(4)
+    model, optimizer = build()
+    whole = train(model, optimizer, data)
+    model, optimizer = build()
+    train(model, optimizer, data[:2])
+    src, dst = str(tmp_path / "a"), str(tmp_path / "b")
+    save_checkpoint(src, 2, model, optimizer)
+    convert(src, dst, target_tp=2, target_ep=2, progress=False)
+    arrays = read_manifest(dst, 2)["arrays"]
+    # 2 experts per shard; within each, gate and up halves split in 2 (12 of 24 rows) / fc2's columns
+    assert arrays["layers.1.mlp.experts.fc1.weight"]["shards"] == [2, 12, 32]
+    assert arrays["optim.exp_avg_sq.layers.3.mlp.experts.fc2.weight"]["shards"] == [2, 32, 12]
+    assert arrays["layers.1.mlp.shared_expert.fc1.weight"]["shards"] == [16, 32]
+    assert arrays["layers.3.mlp.router.weight"]["shards"] == [4, 32]  # replicated
+    assert arrays["layers.2.mlp.fc1.weight"]["shards"] == [24, 32]
+    assert verify_checkpoint(dst, 2) > 0
+    shown = inspect_checkpoint(dst)
+    assert shown["tensors"]["layers.1.mlp.experts.fc1.weight"]["shape"] == [4, 48, 32]
+    assert shown["provenance"]["converted_from"]["target_ep"] == 2
+    fresh, fresh_opt = build(seed=1)
+    load_checkpoint(dst, fresh, fresh_opt)
+    assert train(fresh, fresh_opt, data[2:]) == whole[2:]
+
+    narrow = str(tmp_path / "bf16")
+    convert(src, narrow, dtype="bf16", drop_optimizer=True, progress=False)
+    assert read_manifest(narrow, 2)["arrays"]["layers.3.mlp.experts.fc2.weight"]["dtype"] == "bfloat16"
+    with pytest.raises(CheckpointError, match="target ep=3 does not divide model.num_experts=4"):
+        convert(src, str(tmp_path / "c"), target_ep=3, progress=False)
+    with pytest.raises(CheckpointError, match=r"target tp=5 does not divide"):
+        convert(src, str(tmp_path / "c"), target_tp=5, progress=False)
