@@ -83,12 +83,20 @@ class Rule:
 
 
 def architecture(model: ModelConfig) -> str:
-    """Names the HF architecture a model maps to: "llama" or "gpt2".
+    """Names the HF architecture a model maps to: "llama", "mixtral" or "gpt2".
 
     Raises:
         CheckpointError: the combination of settings has no HF equivalent; names them.
     """
     style = (model.normalization, model.activation, model.position_embedding_type)
+    if model.num_experts is not None:
+        if style != ("rmsnorm", "swiglu", "rope"):
+            raise CheckpointError(
+                f"model.normalization={model.normalization!r}, model.activation={model.activation!r}, "
+                f"model.position_embedding_type={model.position_embedding_type!r} with experts map to no Hugging "
+                "Face architecture: Mixtral is rmsnorm+swiglu+rope")
+        _check_mixtral(model)
+        return "mixtral"
     if style == ("rmsnorm", "swiglu", "rope"):
         return "llama"
     if style == ("layernorm", "gelu", "learned"):
@@ -105,6 +113,35 @@ def architecture(model: ModelConfig) -> str:
         "architecture: Llama is rmsnorm+swiglu+rope, GPT-2 is layernorm+gelu+learned")
 
 
+def _check_mixtral(model: ModelConfig) -> None:
+    """Raises CheckpointError naming each setting of a MoE model `MixtralForCausalLM` cannot
+    compute: Mixtral has experts in every block, no shared expert, no linear biases, and routes
+    by the softmax of the top-k router logits (weights summing to 1), with no expert bias."""
+    why = []
+    dense = [i for i in range(model.num_layers) if not model.is_moe_layer(i)]
+    if dense:
+        why.append(f"model.moe_layer_freq={model.moe_layer_freq!r} leaves blocks {dense[:8]} dense (Mixtral has "
+                   "experts in every block)")
+    if model.moe_shared_expert_intermediate_size:
+        why.append(f"model.moe_shared_expert_intermediate_size={model.moe_shared_expert_intermediate_size} (Mixtral "
+                   "has no shared expert; Qwen2-MoE has one, but its published form has biases on q/k/v only, "
+                   "which meshtrain cannot express)")
+    if model.add_bias_linear:
+        why.append("model.add_bias_linear=true (Mixtral has no linear biases)")
+    if model.moe_router_score_function != "softmax" or model.moe_router_pre_softmax:
+        why.append(f"model.moe_router_score_function={model.moe_router_score_function!r} with "
+                   f"moe_router_pre_softmax={model.moe_router_pre_softmax} (Mixtral: softmax of the top-k logits, "
+                   "pre_softmax off)")
+    if model.moe_router_topk_scaling_factor not in (None, 1.0):
+        why.append(f"model.moe_router_topk_scaling_factor={model.moe_router_topk_scaling_factor} (Mixtral's "
+                   "routing weights sum to 1)")
+    if model.moe_router_enable_expert_bias:
+        why.append("model.moe_router_enable_expert_bias=true (Mixtral has no expert bias in its routing)")
+    if why:
+        raise CheckpointError("this mixture-of-experts model maps to no Hugging Face architecture MixtralForCausalLM "
+                              "can load: " + "; ".join(why))
+
+
 def hf_config(model: ModelConfig, dtype: str, eod: int | None = None) -> dict[str, Any]:
     """The `config.json` of a model.
 
@@ -119,6 +156,8 @@ def hf_config(model: ModelConfig, dtype: str, eod: int | None = None) -> dict[st
         CheckpointError: the model maps to no HF architecture.
     """
     arch = architecture(model)
+    if arch == "mixtral":
+        return _mixtral_config(model, dtype, eod)
     if arch == "llama":
         if model.hidden_dropout:
             # Dropout changes training only; the exported model computes the same function.
@@ -154,8 +193,38 @@ def hf_config(model: ModelConfig, dtype: str, eod: int | None = None) -> dict[st
     }
 
 
+def _mixtral_config(model: ModelConfig, dtype: str, eod: int | None) -> dict[str, Any]:
+    """The `config.json` of a model `_check_mixtral` accepts. Settings of training only, which
+    the exported model computes the same without, are dropped with a warning."""
+    dropped = {"model.hidden_dropout": model.hidden_dropout, "model.moe_z_loss_coeff": model.moe_z_loss_coeff,
+               "model.moe_expert_capacity_factor (Mixtral computes every routed token)":
+                   model.moe_expert_capacity_factor}
+    for key, value in dropped.items():
+        if value:
+            log.warning("%s=%s has no MixtralConfig field; dropped", key, value)
+    return {
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+        "vocab_size": model.vocab_size, "hidden_size": model.hidden_size,
+        "intermediate_size": model.moe_ffn_size, "num_hidden_layers": model.num_layers,
+        "num_attention_heads": model.num_attention_heads,
+        "num_key_value_heads": model.groups, "head_dim": model.head_dim,
+        "hidden_act": "silu", "max_position_embeddings": model.seq_length,
+        "rms_norm_eps": model.norm_epsilon,
+        "rope_theta": model.rotary_base,
+        "rope_parameters": {"rope_type": "default", "rope_theta": model.rotary_base},
+        "sliding_window": None, "attention_dropout": model.attention_dropout,
+        "num_local_experts": model.num_experts, "num_experts_per_tok": model.moe_router_topk,
+        # HF adds the load-balancing loss only when the router logits are output.
+        "router_aux_loss_coef": model.moe_aux_loss_coeff, "output_router_logits": model.moe_aux_loss_coeff > 0,
+        "router_jitter_noise": 0.0,
+        "tie_word_embeddings": not model.untie_embeddings_and_output_weights,
+        "initializer_range": model.init_method_std, "torch_dtype": dtype,
+        "bos_token_id": eod, "eos_token_id": eod,
+    }
+
+
 def model_from_hf(config: dict[str, Any]) -> ModelConfig:
-    """The ModelConfig of an HF `config.json` (Llama or GPT-2).
+    """The ModelConfig of an HF `config.json` (Llama, Mixtral or GPT-2).
 
     Raises:
         CheckpointError: another architecture, or a setting meshtrain cannot express; names it.
@@ -182,7 +251,11 @@ def _model_from_hf(config: dict[str, Any]) -> ModelConfig:
             raise CheckpointError(f"HF config {key}={value!r} is not a positive integer")
         return value
 
-    if kind == "llama":
+    if kind == "qwen2_moe":
+        raise CheckpointError(
+            "HF model_type 'qwen2_moe' cannot be expressed in meshtrain: Qwen2-MoE puts biases on the q/k/v "
+            "projections only (qkv_bias), and model.add_bias_linear gives every linear layer a bias or none")
+    if kind in ("llama", "mixtral"):
         heads, hidden = count("num_attention_heads"), count("hidden_size")
         need("hidden_act", lambda v: v == "silu", "'silu'")
         need("head_dim", lambda v: v in (None, hidden // heads), f"hidden_size/heads = {hidden // heads}")
@@ -190,8 +263,11 @@ def _model_from_hf(config: dict[str, Any]) -> ModelConfig:
         if rope.get("rope_type", rope.get("type", "default")) != "default":
             raise CheckpointError(f"HF config rope scaling {rope!r} cannot be expressed in meshtrain "
                                   "(only plain RoPE)")
-        bias = need("attention_bias", lambda v: v == config.get("mlp_bias", False),
-                    f"the same value as mlp_bias={config.get('mlp_bias', False)!r}", False)
+        if kind == "mixtral":  # no linear biases, no mlp_bias key
+            bias = False
+        else:
+            bias = need("attention_bias", lambda v: v == config.get("mlp_bias", False),
+                        f"the same value as mlp_bias={config.get('mlp_bias', False)!r}", False)
         table = {
             "num_layers": config["num_hidden_layers"], "hidden_size": hidden,
             "num_attention_heads": heads,
@@ -205,6 +281,8 @@ def _model_from_hf(config: dict[str, Any]) -> ModelConfig:
             "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", False),
             "attention_dropout": float(config.get("attention_dropout", 0.0)),
         }
+        if kind == "mixtral":
+            table.update(_mixtral_moe(config, count))
     elif kind == "gpt2":
         need("activation_function", lambda v: v in ("gelu_new", "gelu_pytorch_tanh"),
              "tanh-approximate GELU: 'gelu_new'", "gelu_new")
@@ -223,11 +301,34 @@ def _model_from_hf(config: dict[str, Any]) -> ModelConfig:
             "attention_dropout": float(config.get("attn_pdrop", 0.0)),
         }
     else:
-        raise CheckpointError(f"HF model_type {kind!r} is not supported; only 'llama' and 'gpt2'")
+        raise CheckpointError(f"HF model_type {kind!r} is not supported; only 'llama', 'mixtral' and 'gpt2'")
     try:
         return build(ModelConfig, table, "model.")
     except (ValueError, KeyError) as e:
         raise CheckpointError(f"HF config does not make a valid meshtrain model: {e}") from e
+
+
+def _mixtral_moe(config: dict[str, Any], count: Callable[[str], int]) -> dict[str, Any]:
+    """The MoE settings of a Mixtral `config.json`, refusing what meshtrain computes otherwise."""
+    window, seq = config.get("sliding_window"), config["max_position_embeddings"]
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < seq):
+        # Attention beyond the window is masked there; meshtrain attends to the whole sequence.
+        raise CheckpointError(f"HF config sliding_window={window!r} cannot be expressed in meshtrain (it attends "
+                              f"to the whole sequence: needs null, or at least max_position_embeddings={seq})")
+    if config.get("router_jitter_noise"):
+        log.warning("HF config router_jitter_noise=%s (multiplicative noise on the router input in training) "
+                    "has no meshtrain setting; dropped", config["router_jitter_noise"])
+    coeff = config.get("router_aux_loss_coef", 0.001)
+    if isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or coeff < 0:
+        raise CheckpointError(f"HF config router_aux_loss_coef={coeff!r} is not a number >= 0")
+    experts = count("num_local_experts")
+    return {
+        "num_experts": experts, "moe_router_topk": count("num_experts_per_tok"),
+        "moe_ffn_hidden_size": count("intermediate_size"), "moe_layer_freq": 1,
+        "moe_router_score_function": "softmax", "moe_router_pre_softmax": False,
+        # HF adds the load-balancing loss only when it outputs the router logits.
+        "moe_aux_loss_coeff": float(coeff) if config.get("output_router_logits", False) else 0.0,
+    }
 
 
 def rules(model: ModelConfig) -> list[Rule]:
@@ -265,8 +366,19 @@ def rules(model: ModelConfig) -> list[Rule]:
                  vv.reshape(groups, 1, d, *rest)]
         return torch.cat(parts, dim=1).reshape(qkv_rows, *rest)  # per group: [q heads; k; v]
 
+    def experts(ours: str, theirs: str) -> None:
+        # fc1 (experts, [gate; up], hidden) -> w1 (gate), w3 (up) of each expert; fc2 -> w2.
+        e, f = model.num_experts, model.moe_ffn_size
+        names = tuple(f"{theirs}experts.{j}.{w}.weight" for j in range(e) for w in ("w1", "w3"))
+        out.append(Rule(ours + "experts.fc1.weight", (e, 2 * f, h), names, ((f, h),) * (2 * e),
+                        lambda t: [c.contiguous() for x in t for c in x.chunk(2, dim=0)],
+                        lambda ts: torch.stack([torch.cat(ts[2 * j:2 * j + 2], dim=0) for j in range(e)])))
+        out.append(Rule(ours + "experts.fc2.weight", (e, h, f),
+                        tuple(f"{theirs}experts.{j}.w2.weight" for j in range(e)), ((h, f),) * e,
+                        lambda t: [x.contiguous() for x in t], lambda ts: torch.stack(ts)))
+
     suffixes = ("weight", "bias") if model.add_bias_linear else ("weight",)
-    if arch == "llama":
+    if arch in ("llama", "mixtral"):
         same("embedding.word_embeddings.weight", "model.embed_tokens.weight", (v, h))
         for i in range(model.num_layers):
             ours, theirs = f"layers.{i}.", f"model.layers.{i}."
@@ -281,6 +393,10 @@ def rules(model: ModelConfig) -> list[Rule]:
                 same(ours + f"attention.proj.{s}", theirs + f"self_attn.o_proj.{s}",
                      (h, h) if s == "weight" else (h,))
             same(ours + "pre_mlp_norm.weight", theirs + "post_attention_layernorm.weight", (h,))
+            if arch == "mixtral":
+                same(ours + "mlp.router.weight", theirs + "block_sparse_moe.gate.weight", (model.num_experts, h))
+                experts(ours + "mlp.", theirs + "block_sparse_moe.")
+                continue
             for s in suffixes:
                 tail = (h,) if s == "weight" else ()
                 out.append(Rule(
