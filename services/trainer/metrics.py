@@ -5,6 +5,13 @@ run's first and last step too) with at least `step`, `time` (Unix seconds, float
 `lr`, `grad_norm`, `tokens_per_s`, `step_time_s`, `consumed_samples` and, where the device's
 peak is known, `mfu`; evaluation adds objects with `step`, `time` and `eval_loss`. On a terminal a progress bar shows
 step, loss, tokens/s and ETA; elsewhere the same goes out as plain log lines.
+
+A mixture of experts adds its routers' statistics of the logged step, over the global batch
+(`RouterStats`): `moe/layer<i>/tokens_per_expert_max_over_mean` (the busiest expert's routed
+tokens over the mean: 1 is perfect balance), `moe/layer<i>/dropped` (token choices over an
+expert's capacity), and `moe/aux_loss`, `moe/z_loss` (summed over the layers, mean over the
+micro-batches: the auxiliary losses whose gradients the step trained with; `loss` stays the
+language-model loss).
 """
 
 from __future__ import annotations
@@ -14,10 +21,17 @@ import logging
 import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshtrain.services.trainer.config import ModelConfig
+from meshtrain.services.trainer.model.gpt import GPT
+from meshtrain.services.trainer.model.moe import MoEStats, moe_layers
 
 log = logging.getLogger("meshtrain.train")
 
@@ -35,6 +49,102 @@ def peak_tflops(device: torch.device, configured: float | None) -> float | None:
             if key in name:
                 return value
     return None
+
+
+@dataclass
+class ModelSize:
+    """What the whole model (every rank's shards together) computes and holds."""
+
+    flops_per_token: float
+    """Training FLOPs per token (`GPT.flops_per_token`: active expert weights only)."""
+    parameters: int
+    """Every parameter, every expert counted."""
+    active_parameters: int
+    """Parameters one token passes through (top-k of each MoE block's experts)."""
+
+
+def model_size(config: ModelConfig) -> ModelSize:
+    """`ModelSize` of the model `config` describes, from a copy built on the meta device (no
+    memory, no compute): independent of how this rank's model is sharded (tp, pp, ep), so MFU and
+    the logged sizes are the same at any layout."""
+    with torch.device("meta"):
+        model = GPT(config)
+    total = model.num_parameters()
+    return ModelSize(model.flops_per_token(), total, total - model.inactive_parameters())
+
+
+def _global_layer(name: str) -> int:
+    """`layers.<i>.mlp` (GPT or a pipeline stage: i is global) -> i."""
+    parts = name.split(".")
+    return int(parts[parts.index("layers") + 1])
+
+
+class RouterStats:
+    """The MoE routers' statistics of the last step, summed over the ranks of the global batch.
+
+    After every optimizer step `end_step` moves each layer's expert bias (from the step's routed
+    counts) and takes the layer's statistics, leaving it empty for the next step (no host sync);
+    on logged steps `metrics` reduces them (one all-reduce over dp x cp, one over pp) and returns
+    the `moe/...` entries of metrics.jsonl.
+
+    Args:
+        model: this rank's model or pipeline stage.
+        num_layers: blocks in the whole model (pipeline stages hold some of them).
+        batch_group: the ranks of one global batch (dp x cp), over which counts add up; its
+            ranks' MoE blocks have `stats_group` set to it for the aux losses, or None alone.
+        pp_group: the pipeline group (each stage holds its blocks' statistics), or None.
+    """
+
+    def __init__(self, model: nn.Module, num_layers: int, batch_group: dist.ProcessGroup | None,
+                 pp_group: dist.ProcessGroup | None = None):
+        self.layers = [(_global_layer(name), m) for name, m in moe_layers(model)]
+        self.num_layers = num_layers
+        self.batch_group, self.pp_group = batch_group, pp_group
+        self.last: list[tuple[int, MoEStats, bool]] = []  # (global block, its statistics, aux shared)
+
+    def end_step(self) -> None:
+        """After the optimizer step: expert-bias updates, then the step's statistics put aside."""
+        for _, m in self.layers:
+            m.update_expert_bias(self.batch_group)
+        self.last = [(i, m.reset_stats(), m.stats_group is not None) for i, m in self.layers]
+
+    def metrics(self, config: ModelConfig, device: torch.device) -> dict[str, float]:
+        """The last step's `moe/...` metrics (identical on every rank); {} for a dense model."""
+        ids = [i for i in range(self.num_layers) if config.is_moe_layer(i)]
+        if not ids:
+            return {}
+        e = config.num_experts
+        batch_size = _group_size(self.batch_group)
+        # per global block: routed (E), kept (E), aux, z (per micro-batch, this rank's part)
+        table = torch.zeros(self.num_layers, 2 * e + 2, dtype=torch.float64, device=device)
+        for i, st, shared in self.last:
+            n = max(st.micro_batches, 1)
+            # aux values are this rank's share of the global micro-batch's loss when the layer's
+            # statistics group spans the batch; alone, whole losses, averaged over the ranks
+            weight = 1.0 if shared else 1.0 / batch_size
+            table[i, :e] = st.routed_per_expert.to(device, torch.float64)
+            table[i, e:2 * e] = st.tokens_per_expert.to(device, torch.float64)
+            table[i, 2 * e] = st.aux_loss.to(device, torch.float64) * weight / n
+            table[i, 2 * e + 1] = st.z_loss.to(device, torch.float64) * weight / n
+        for group in (self.batch_group, self.pp_group):
+            if _group_size(group) > 1:
+                dist.all_reduce(table, group=group)
+        rows = table[ids].tolist()  # the one host sync
+        out: dict[str, float] = {}
+        for i, row in zip(ids, rows):
+            routed, kept = row[:e], row[e:2 * e]
+            mean = sum(routed) / e
+            out[f"moe/layer{i}/tokens_per_expert_max_over_mean"] = max(routed) / mean if mean else 0.0
+            out[f"moe/layer{i}/dropped"] = int(round(sum(routed) - sum(kept)))
+        if config.moe_aux_loss_coeff > 0:
+            out["moe/aux_loss"] = sum(row[2 * e] for row in rows)
+        if config.moe_z_loss_coeff:
+            out["moe/z_loss"] = sum(row[2 * e + 1] for row in rows)
+        return out
+
+
+def _group_size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
 
 
 def format_duration(seconds: float) -> str:

@@ -39,8 +39,9 @@ from meshtrain.services.trainer import checkpointing
 from meshtrain.services.trainer.config import LAUNCHER_KEYS_ENV, JobConfig, replace
 from meshtrain.services.trainer.data import build_data
 from meshtrain.services.trainer.graphs import MicroBatchGraph
-from meshtrain.services.trainer.metrics import MetricsLog, peak_tflops, plot_losses
+from meshtrain.services.trainer.metrics import MetricsLog, RouterStats, model_size, peak_tflops, plot_losses
 from meshtrain.services.trainer.model.gpt import GPT
+from meshtrain.services.trainer.model.moe import set_moe_loss_scale
 from meshtrain.services.trainer.optim.optimizer import build_optimizer, clip_grad_norm, set_lr
 from meshtrain.services.trainer.optim.schedule import lr_at
 from meshtrain.services.trainer.parallel import mappings, recompute
@@ -126,7 +127,7 @@ def build_mesh(job: JobConfig, device: torch.device) -> Mesh:
     """The mesh for this process: trivial when alone, else from torchrun/Slurm's environment."""
     _, world, _ = env_rank_world()
     if world == 1:
-        for axis in ("tp", "pp", "cp"):
+        for axis in ("tp", "pp", "cp", "ep"):
             n = getattr(job.parallel, axis)
             if n != 1:
                 raise ConfigError(f"parallel.{axis}={n} needs {n} processes; launch with "
@@ -210,17 +211,24 @@ class Trainer:
 
         seed_everything(job.train.seed)
         model = GPT(job.model)  # full weights, same seed on every rank: sharding slices them
-        self.flops_per_token = model.flops_per_token()
-        self.num_parameters = model.num_parameters()
+        size = model_size(job.model)  # of the whole model, whatever this rank holds of it
+        self.flops_per_token, self.num_parameters = size.flops_per_token, size.parameters
+        self.active_parameters = size.active_parameters
         parallelize_context(model, self.mesh, job.parallel.cp_comm_type)
         recompute.apply(model, job.parallel)
         parallelize(model, self.mesh, job.parallel.sequence_parallel, job.parallel.tp_comm_overlap, self.device,
                     async_grad_reduce=job.parallel.tp_async_grad_reduce)
         self.pipeline = None
         if self.mesh.pp > 1:  # this rank's chunks of the model, and the runtime that runs its schedule
-            self.pipeline = build_pipeline(model, self.mesh, job, self.device)
+            self.pipeline = build_pipeline(model, self.mesh, job, self.device)  # scales the MoE aux losses too
             model = self.pipeline.stage
+        else:  # each micro-batch's loss is divided by their number: the aux losses' gradients too
+            set_moe_loss_scale(model, self.mesh.dp * job.train.micro_batch_size / job.train.global_batch_size)
         self.model = model.to(self.device)
+        # the ranks of one global batch: routing counts add up over them
+        batch_group = self.mesh.group("dp_cp") if self.mesh.cp > 1 else self.mesh.group("dp")
+        self.router_stats = RouterStats(self.model, job.model.num_layers, batch_group,
+                                        self.mesh.group("pp") if self.mesh.pp > 1 else None)
         p = job.parallel
         self.ddp = None
         if self.mesh.distributed:
@@ -231,7 +239,8 @@ class Trainer:
                 gather_units=self.pipeline.stage.forward_units() if self.pipeline else forward_units(model),
                 reduce_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[p.grad_reduce_dtype],
                 tied=self.pipeline.tied_weight() if self.pipeline else None)
-        self.optimizer = self.ddp.optimizer if self.ddp and self.ddp.optimizer else build_optimizer(self.model, job.optim)
+        self.optimizer = (self.ddp.optimizer if self.ddp and self.ddp.optimizer
+                          else build_optimizer(self.model, job.optim))
         self.par = checkpointing.Parallel(self.mesh, self.ddp)
         c = job.checkpoint
         self.state, resumed_here = resume(job, self.model, self.optimizer, self.par)
@@ -292,10 +301,12 @@ class Trainer:
             precision += ", bf16 weight copies"
             if self.weight_copies.fused:
                 precision += " with fused gradient accumulation"
-        log.info("model: %.2fM parameters, %.3g FLOPs/token, device %s%s; "
-                 "mesh tp=%d cp=%d pp=%d dp=%d (world %d)%s%s%s",
-                 self.num_parameters / 1e6, self.flops_per_token, self.device, precision, m.tp, m.cp, m.pp, m.dp,
-                 m.world_size, ", sequence parallel" if p.sequence_parallel else "",
+        active = (f" ({self.active_parameters / 1e6:.2f}M active: top-{job.model.moe_router_topk} of "
+                  f"{job.model.num_experts} experts)" if job.model.num_experts else "")
+        log.info("model: %.2fM parameters%s, %.3g FLOPs/token, device %s%s; "
+                 "mesh tp=%d cp=%d pp=%d dp=%d ep=%d (world %d)%s%s%s",
+                 self.num_parameters / 1e6, active, self.flops_per_token, self.device, precision, m.tp, m.cp, m.pp,
+                 m.dp, m.ep, m.world_size, ", sequence parallel" if p.sequence_parallel else "",
                  f", context parallel {p.cp_comm_type}" if m.cp > 1 else "",
                  f", {self.pipeline.describe()}" if self.pipeline else "")
         if not c.overwrite:
@@ -413,6 +424,7 @@ class Trainer:
             self.optimizer.step()
             # a captured graph adds into the .grad tensors it was captured with: keep them
             self.optimizer.zero_grad(set_to_none=self.graph is None)
+        self.router_stats.end_step()  # expert biases move by this step's loads; its statistics kept for the log
         return total, grad_norm
 
     def _pipeline_inputs(self, micro, n: int):
@@ -602,6 +614,7 @@ class Trainer:
             if self.peak:  # per device: the global batch's FLOPs shared by every rank
                 record["mfu"] = self.flops_per_token * record["tokens_per_s"] / (
                     self.peak * 1e12 * self.mesh.world_size)
+            record.update(self.router_stats.metrics(job.model, self.device))  # the MoE routers' (every rank)
             disk_full = self.checkpointer.poll()  # a save that ended since: recovered, or failed
             if disk_full is not None and self.is_main:
                 record["checkpoint_error"] = str(disk_full[1])

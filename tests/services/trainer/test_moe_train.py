@@ -1,13 +1,19 @@
 """Training a mixture of experts: Megatron's MoE flags, the config checks, the loop's statistics,
 MFU, recompute and pipeline parallelism against one process, and the CLI end to end."""
 
+import math
 from pathlib import Path
 
 import pytest
 
 from meshtrain.services.common.errors import ConfigError
-from meshtrain.services.trainer.config import config_help, load_config
+from meshtrain.services.trainer.config import ModelConfig, config_help, load_config
 from meshtrain.services.trainer.flags import parse_layer_freq
+from meshtrain.services.trainer.metrics import model_size, read_metrics
+from meshtrain.services.trainer.model.gpt import GPT
+from meshtrain.services.trainer.model.moe import moe_layers
+from meshtrain.services.trainer.train import Trainer
+from tests.services.trainer.conftest import small_job_args
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -94,3 +100,75 @@ def test_expert_parallel_config_is_accepted_and_documented():
                 "--model.moe_layer_freq"):
         assert key in text
     assert "--moe-router-load-balancing-type" in text and "--expert-tensor-parallel-size" in text
+
+
+# ----------------------------------------------------------------------------- the loop (one process)
+MOE = {"model.num_layers": 3, "model.hidden_size": 32, "model.seq_length": 32, "model.num_experts": 4,
+       "model.moe_router_topk": 2, "model.moe_ffn_hidden_size": 32, "model.moe_layer_freq": "[1,0,1]",
+       "model.moe_aux_loss_coeff": 0.01, "model.moe_z_loss_coeff": 0.001, "train.micro_batch_size": 4,
+       "train.global_batch_size": 8, "train.train_iters": 4, "train.eval_interval": 2, "train.eval_iters": 1}
+
+
+def _train(corpus_cache, run_dir, **extra):
+    trainer = Trainer(load_config(small_job_args(corpus_cache, run_dir, **{**MOE, **extra})))
+    result = trainer.run()
+    return trainer, result, read_metrics(run_dir / "metrics.jsonl")
+
+
+def _moe_keys(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k.startswith("moe/")}
+
+
+def test_router_statistics_are_logged_and_the_loss_stays_the_language_model_loss(corpus_cache, tmp_path):
+    """fp32 on CPU: the aux losses change no forward value, so the first step's loss is the same
+    bit for bit with and without them; their gradients make the later steps differ."""
+    capped, result, rows = _train(corpus_cache, tmp_path / "capped", **{"model.moe_expert_capacity_factor": 1.0,
+                                                                       "model.moe_router_enable_expert_bias": True})
+    steps = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    for r in steps:
+        keys = _moe_keys(r)
+        assert set(keys) == {f"moe/layer{i}/{what}" for i in (0, 2) for what in
+                             ("tokens_per_expert_max_over_mean", "dropped")} | {"moe/aux_loss", "moe/z_loss"}
+        for i in (0, 2):
+            assert keys[f"moe/layer{i}/tokens_per_expert_max_over_mean"] >= 1.0
+            # capacity 1.0: ceil(32 tokens x 2 / 4 experts) = 16 choices per expert and sequence
+            assert 0 < keys[f"moe/layer{i}/dropped"] < 8 * 32 * 2
+        # two layers, each about coeff x 1 (the Switch loss is 1 at perfect balance, at most E)
+        assert 0.01 < keys["moe/aux_loss"] < 2 * 0.01 * 4
+        assert keys["moe/z_loss"] > 0
+    assert math.isfinite(steps[-1]["loss"]) and steps[-1]["loss"] < steps[0]["loss"]
+    biases = [m.router.expert_bias for _, m in moe_layers(capped.model)]
+    assert len(biases) == 2 and all(b.abs().sum() > 0 for b in biases)  # moved after every step
+    # each step's statistics were taken (not summed into the next step's)
+    assert all(m.stats.micro_batches == 0 for _, m in moe_layers(capped.model))
+
+    _, plain, plain_rows = _train(corpus_cache, tmp_path / "plain", **{
+        "model.moe_expert_capacity_factor": 1.0, "model.moe_router_enable_expert_bias": True,
+        "model.moe_aux_loss_coeff": 0.0, "model.moe_z_loss_coeff": 0.0})
+    assert plain.losses[1] == result.losses[1]
+    assert plain.losses[4] != result.losses[4]
+    first = _moe_keys(plain_rows[0])
+    assert "moe/aux_loss" not in first and "moe/z_loss" not in first
+
+
+def test_full_recompute_trains_the_same(corpus_cache, tmp_path):
+    """Dropless, full recompute of every block: the same losses and router statistics, exactly."""
+    _, ref, ref_rows = _train(corpus_cache, tmp_path / "ref")
+    _, got, rows = _train(corpus_cache, tmp_path / "rc", **{"parallel.recompute_granularity": "full"})
+    assert got.losses == ref.losses and got.eval_losses == ref.eval_losses
+    stats = [_moe_keys(r) for r in rows if "loss" in r]
+    assert stats == [_moe_keys(r) for r in ref_rows if "loss" in r]
+    assert all(s["moe/layer0/dropped"] == s["moe/layer2/dropped"] == 0 for s in stats)
+
+
+def test_flops_count_active_experts_of_the_whole_model():
+    config = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=256, activation="swiglu",
+                         num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=48, moe_layer_freq=2)
+    size = model_size(config)
+    full = GPT(config)
+    assert size.flops_per_token == full.flops_per_token() and size.parameters == full.num_parameters()
+    per_expert = 3 * 48 * 64
+    assert size.parameters - size.active_parameters == 2 * (8 - 2) * per_expert  # two MoE blocks, six idle experts
+    everyone = model_size(ModelConfig(**{**vars(config), "moe_router_topk": 8}))
+    assert everyone.flops_per_token - size.flops_per_token == 6 * 2 * (8 - 2) * per_expert

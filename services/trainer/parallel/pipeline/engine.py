@@ -13,6 +13,7 @@ from torch import nn
 from meshtrain.services.common.errors import ConfigError
 from meshtrain.services.trainer.config import JobConfig
 from meshtrain.services.trainer.model.gpt import GPT
+from meshtrain.services.trainer.model.moe import MoE
 from meshtrain.services.trainer.parallel.mesh import Mesh
 from meshtrain.services.trainer.parallel.pipeline.runtime import PipelineRuntime
 from meshtrain.services.trainer.parallel.pipeline.stage import PipelineStage, stage_layers
@@ -62,10 +63,16 @@ class Pipeline:
 
 
 def _defer_weight_grads(stage: PipelineStage, store: WeightGradStore) -> None:
-    """Route every block linear through `store` (zero-bubble schedules); names do not change."""
+    """Route every block linear through `store` (zero-bubble schedules); names do not change.
+
+    In a MoE block the attention and the shared expert's linears are deferred; the router and
+    the stacked expert GEMMs compute their weight gradients in the backward-input action."""
     for layer in stage.layers.values():
-        for parent, name in ((layer.attention, "qkv"), (layer.attention, "proj"), (layer.mlp, "fc1"),
-                             (layer.mlp, "fc2")):
+        mlps = [layer.mlp] if not isinstance(layer.mlp, MoE) else (
+            [layer.mlp.shared_expert] if layer.mlp.shared_expert is not None else [])
+        linears = [(layer.attention, "qkv"), (layer.attention, "proj")]
+        linears += [(mlp, name) for mlp in mlps for name in ("fc1", "fc2")]
+        for parent, name in linears:
             module = getattr(parent, name)
             module.weight.grad_deferred = True  # DataParallel: final in W, not in autograd's hook
             if isinstance(module, nn.Linear):

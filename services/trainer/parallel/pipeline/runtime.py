@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.services.common.errors import ConfigError
+from meshtrain.services.trainer.model.moe import set_moe_loss_scale
 from meshtrain.services.trainer.parallel.context import token_count
 from meshtrain.services.trainer.parallel.mesh import Mesh
 from meshtrain.services.trainer.parallel.pipeline import schedules
@@ -65,6 +66,9 @@ class PipelineRuntime:
             raise ConfigError(f"parallel.pipeline_schedule={schedule!r} with pp={pp}, {v} virtual stages and "
                               f"{n_micro} micro-batches per step: {e}") from None
         self.stage, self.mesh, self.n_micro = stage, mesh, n_micro
+        # the last stage divides each micro-batch's loss by n_micro; the MoE blocks of every stage
+        # (those without the head too) scale their aux losses' gradients alike
+        set_moe_loss_scale(stage, 1.0 / n_micro)
         self.actions: list[Action] = plan[stage.pp_rank]
         self.split_backward = any(a.kind == "I" for a in self.actions)
         if self.split_backward and weight_store is None:
