@@ -2,7 +2,7 @@
 
     python benchmarks/checkpoint_stall.py --mb 1024 --out result.json     # CUDA if available
 
-Builds `--mb` MB of bf16 per-layer boxes on the device (CUDA when available, else CPU) and
+Builds `--mb` MB of bf16 per-layer boxes of `--box-mb` each on the device (CUDA when available, else CPU) and
 saves them `--repeat` times with `AsyncSaver` to a local temp folder. The stall is what
 `save()` blocks for: the copy into reused host buffers (pinned on CUDA); the upload runs
 behind it and is waited for before the next save, outside the timed part. The first save
@@ -37,21 +37,23 @@ from meshtrain.services.checkpoint.async_save import AsyncSaver, StorageSink
 from meshtrain.services.checkpoint.sharded import begin_save
 from meshtrain.services.checkpoint.shards import ShardSpec
 
-ROWS, COLS = 4096, 1024  # one bf16 (rows, cols) slice per layer: 8 MiB
+COLS = 1024  # each box is one bf16 (rows, COLS) slice of a stacked array
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mb", type=float, default=512, help="per-rank state in MB")
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--box-mb", type=float, default=8, help="size of each bf16 box (one per layer slice)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--local-dir", default=None, help="where uploads go (default: a temp dir)")
     p.add_argument("--out", help="write the JSON result here")
     args = p.parse_args()
 
-    layers = max(1, round(args.mb * 2**20 / (ROWS * COLS * 2)))
-    full = torch.randn(layers, ROWS, COLS, device=args.device).to(torch.bfloat16)
-    boxes = [(ShardSpec("layers.w", tuple(full.shape), "bfloat16", (i, 0, 0), (1, ROWS, COLS)),
+    rows = max(1, round(args.box_mb * 2**20 / (COLS * 2)))
+    layers = max(1, round(args.mb * 2**20 / (rows * COLS * 2)))
+    full = torch.randn(layers, rows, COLS, device=args.device).to(torch.bfloat16)
+    boxes = [(ShardSpec("layers.w", tuple(full.shape), "bfloat16", (i, 0, 0), (1, rows, COLS)),
               full[i:i + 1]) for i in range(layers)]
     gb = full.numel() * 2 / 1e9
     with tempfile.TemporaryDirectory(dir=args.local_dir) as tmp:

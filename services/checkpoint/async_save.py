@@ -5,7 +5,9 @@ host buffer (pinned when CUDA is available; allocated on first use and reused by
 of the same boxes), and returns: the training stall is that device-to-host copy. Pinning is
 slow (about half a second per GB on an H200 host), so a run that will save calls
 `prepare(specs)` once its boxes are known: a background thread allocates their buffers while
-training runs, and the first save finds them ready (it waits for any still being allocated). A background
+training runs, pausing after each as long as it took (pinning holds the CUDA driver's lock, and
+back-to-back allocations starved the training thread), and the first save finds them ready (it
+waits for any still being allocated). A background
 thread then stores the boxes through a *sink*, writes the writer's fragment and, on the
 committing writer, commits. A failed store is retried with backoff (`attempts` tries, and for
 `retry_timeout` seconds at least); if it still fails, the error is kept and raised by the next
@@ -135,6 +137,10 @@ def retry(what: str, fn: Callable[[], Any], attempts: int, backoff: float, timeo
             time.sleep(min(backoff * 2 ** min(attempt - 1, 30), max(backoff, MAX_RETRY_SLEEP_S)))
 
 
+PREPARE_PAUSE_S = 0.002
+"""Least pause of `AsyncSaver.prepare` after each buffer it allocates (see there)."""
+
+
 class AsyncSaver:
     """Saves one writer's boxes in the background; one save in flight at a time.
 
@@ -187,10 +193,15 @@ class AsyncSaver:
                 for spec, dtype in wanted:
                     key = (spec.array, spec.offsets)
                     if key not in self._buffers:
+                        t0 = time.perf_counter()
                         buf = torch.empty(spec.shape, dtype=dtype, pin_memory=self.pin)
                         if not self.pin:  # pinning maps every page; plain memory is mapped at first touch
                             buf.zero_()
                         self._buffers[key] = buf
+                        # Pinning holds the CUDA driver's lock: allocated back to back, the buffers
+                        # starved the training thread's launches (an H200 lost as much device time
+                        # as the pinning took); a pause as long as each allocation lets it in.
+                        time.sleep(max(PREPARE_PAUSE_S, time.perf_counter() - t0))
             except BaseException as e:  # noqa: BLE001 -- reported at the first save, which then allocates
                 self._prepare_error = e
             self.prepared_s = time.perf_counter() - start
