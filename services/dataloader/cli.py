@@ -1,6 +1,8 @@
 """`meshtrain data ...`: build datasets and tokenizers from the command line.
 
     meshtrain data preprocess --input 'docs/*.jsonl' --output-prefix data/docs --tokenizer byte --append-eod
+    meshtrain data preprocess --input docs.jsonl --output-prefix data/docs --append-eod \
+        --tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt
     meshtrain data train-tokenizer --input 'docs/*.txt' --vocab-size 8192 --output tok.json
     meshtrain data serve --port 7001        # a DataService worker (gRPC), until SIGTERM
 """
@@ -70,7 +72,7 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
     from meshtrain.services.dataloader.preprocess import preprocess_files
     from meshtrain.services.dataloader.tokenizers import build_tokenizer
 
-    tokenizer = build_tokenizer(args.tokenizer)
+    tokenizer = build_tokenizer(tokenizer_spec_from_args(args))
     # Killed outright by SIGTERM, a run left its partial .bin.tmp-* behind, and its --workers
     # processes ran on as orphans; raised here, the writer and the pool clean up as for Ctrl-C.
     previous = {s: signal.signal(s, _raise_stopped) for s in (signal.SIGTERM, signal.SIGHUP)}
@@ -89,6 +91,24 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
     return 0
 
 
+def tokenizer_spec_from_args(args: argparse.Namespace) -> str:
+    """The tokenizer spec of `--tokenizer`, or of Megatron's `--tokenizer-type` and its file flags."""
+    from meshtrain.services.dataloader.megatron_tokenizers import FLAG_OF, megatron_spec
+
+    megatron = {key: getattr(args, key) for key in FLAG_OF}
+    if args.tokenizer_type is None:
+        if args.tokenizer is None:
+            raise DataError("name the tokenizer: --tokenizer SPEC, or Megatron's --tokenizer-type with its "
+                            "--vocab-file/--merge-file/--tokenizer-model/--vocab-size")
+        given = [FLAG_OF[key] for key, value in megatron.items() if value is not None]
+        if given:
+            raise DataError(f"{given[0]} is given without --tokenizer-type, which reads it")
+        return args.tokenizer
+    if args.tokenizer is not None:
+        raise DataError("--tokenizer and --tokenizer-type both name the tokenizer; give one of them")
+    return megatron_spec(args.tokenizer_type, **megatron, prefix="--")
+
+
 def cmd_train_tokenizer(args: argparse.Namespace) -> int:
     from meshtrain.services.dataloader.tokenizers import train_bpe
 
@@ -105,8 +125,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     pre.add_argument("--input", nargs="+", required=True,
                      help="files or glob patterns; each must match a file, and a file matched twice is read once")
     pre.add_argument("--output-prefix", required=True)
-    pre.add_argument("--tokenizer", required=True,
-                     help="'byte', a tokenizer.json, a .tiktoken file or a SentencePiece .model")
+    pre.add_argument("--tokenizer", default=None,
+                     help="'byte', a tokenizer.json, a .tiktoken file or a SentencePiece .model "
+                          "(or Megatron's --tokenizer-type and its file flags instead)")
+    pre.add_argument("--tokenizer-type", default=None,
+                     help="Megatron's name: GPT2BPETokenizer, HuggingFaceTokenizer, SentencePieceTokenizer, "
+                          "GPTSentencePieceTokenizer, TikTokenizer or NullTokenizer")
+    pre.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer's vocab.json")
+    pre.add_argument("--merge-file", default=None, help="GPT2BPETokenizer's merges.txt")
+    pre.add_argument("--tokenizer-model", default=None,
+                     help="the tokenizer.json (or folder), SentencePiece .model or TikTokenizer vocabulary")
+    pre.add_argument("--vocab-size", type=int, default=None,
+                     help="NullTokenizer's ids (EOD is this id), or TikTokenizer's vocabulary")
+    pre.add_argument("--tiktoken-pattern", default=None, choices=["v1", "v2"],
+                     help="TikTokenizer's split pattern (default v2)")
+    pre.add_argument("--tiktoken-num-special-tokens", type=int, default=None,
+                     help="TikTokenizer's special ids before the merge ranks (default 1000)")
     pre.add_argument("--json-key", default="text")
     pre.add_argument("--append-eod", action="store_true", help="end each document with the EOD token")
     pre.add_argument("--workers", type=int, default=1, help="tokenizing processes (same output for any N)")
@@ -132,7 +166,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grace", type=float, default=5.0, help="seconds streams get on SIGTERM")
     p.add_argument("--max-index-gib", type=float, default=None,
                    help="memory (GiB) building one request's sample index may take, and all builds "
-                        "at once; a request needing more is refused (default: half the RAM; indices already cached count for nothing)")
+                        "at once; a request needing more is refused (default: half the RAM; indices already cached "
+                        "count for nothing)")
     p.add_argument("--max-samples", type=int, default=2**32,
                    help="largest num_samples a request may name (default 2^32)")
     p.add_argument("--index-cache-dir", default=None,

@@ -34,6 +34,29 @@ class DataConfig:
     tokenizer: str = "bpe"
     """'bpe' (trained on the default corpus), 'byte', or the path of the tokenizer the dataset was
     built with: a Hugging Face tokenizer.json, a *.tiktoken file or a SentencePiece *.model."""
+    tokenizer_type: str | None = None
+    """Megatron's `--tokenizer-type`, the other way to name the tokenizer (not together with
+    `tokenizer`, which it sets): GPT2BPETokenizer (`vocab_file` + `merge_file`),
+    HuggingFaceTokenizer (`tokenizer_model`: a tokenizer.json or its folder),
+    SentencePieceTokenizer or GPTSentencePieceTokenizer (`tokenizer_model`: a *.model),
+    TikTokenizer (`tokenizer_model`: a *.tiktoken file or megatron-core's JSON vocabulary;
+    `vocab_size`, `tiktoken_pattern`, `tiktoken_num_special_tokens`), NullTokenizer
+    (`vocab_size`: text is whitespace-separated ids below it, EOD is `vocab_size`)."""
+    vocab_file: str | None = None
+    """GPT2BPETokenizer's `vocab.json` (Megatron `--vocab-file`)."""
+    merge_file: str | None = None
+    """GPT2BPETokenizer's `merges.txt` (Megatron `--merge-file`)."""
+    tokenizer_model: str | None = None
+    """The tokenizer file (or folder) of HuggingFaceTokenizer, SentencePieceTokenizer and
+    TikTokenizer (Megatron `--tokenizer-model`)."""
+    vocab_size: int | None = None
+    """NullTokenizer's ids (the vocabulary is one more, for EOD) or TikTokenizer's vocabulary,
+    specials included (default: the file's, at most 2^17)."""
+    tiktoken_pattern: str | None = None
+    """TikTokenizer's split pattern, 'v1' or 'v2' (default 'v2'; Megatron `--tiktoken-pattern`)."""
+    tiktoken_num_special_tokens: int | None = None
+    """TikTokenizer's block of special ids before the merge ranks (default 1000; Megatron
+    `--tiktoken-num-special-tokens`)."""
     default_vocab_size: int = 4096
     """Vocabulary of the BPE trained for the embedded default corpus."""
     default_corpus_bytes: int = 8_000_000
@@ -73,9 +96,29 @@ class DataConfig:
         for name in ("service_stall_s", "service_give_up_s", "service_open_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"data.{name}={getattr(self, name)} must be > 0")
+        self._resolve_tokenizer_type()
         if self.data_path and self.tokenizer == "bpe":
             raise ConfigError(
                 "data.tokenizer='bpe' means the BPE trained for the embedded corpus; with "
                 "data.data_path give 'byte' or the tokenizer the dataset was built with (tokenizer.json, "
                 "*.tiktoken, *.model)"
             )
+
+    def _resolve_tokenizer_type(self) -> None:
+        """With `tokenizer_type` set, put the spec its keys name into `tokenizer`."""
+        from meshtrain.services.dataloader.megatron_tokenizers import FLAG_OF, megatron_spec
+
+        if self.tokenizer_type is None:
+            for key in FLAG_OF:
+                if getattr(self, key) is not None:
+                    raise ConfigError(f"data.{key} is given without data.tokenizer_type, which reads it")
+            return
+        try:
+            spec = megatron_spec(self.tokenizer_type, **{k: getattr(self, k) for k in FLAG_OF}, prefix="data.")
+        except DataError as e:
+            raise ConfigError(str(e)) from None
+        # a resolved config (config.toml of a run) holds both, naming the same tokenizer
+        if self.tokenizer not in ("bpe", spec):
+            raise ConfigError(f"data.tokenizer={self.tokenizer!r} and data.tokenizer_type={self.tokenizer_type!r} "
+                              "both name the tokenizer; give one of them")
+        self.tokenizer = spec

@@ -4,8 +4,10 @@ Every tokenizer has the same small surface (`vocab_size`, `eod_id`, `encode`, `e
 `decode`, `spec`) so preprocessing and the trainer never care which one they hold. A tokenizer
 is named by a *spec* string: `"byte"`, the path of a Hugging Face `tokenizer.json` (or a folder
 holding one), a tiktoken BPE file (`*.tiktoken`, or `tiktoken:PATH`), or a SentencePiece model
-(`*.model`, or `sentencepiece:PATH`); `build_tokenizer(spec)` turns a spec back into a tokenizer, which is how the spec travels
-in configs and over the wire.
+(`*.model`, or `sentencepiece:PATH`), or one of Megatron's tokenizer types
+(`gpt2bpe:VOCAB_JSON,MERGES_TXT`, `null:VOCAB_SIZE`, `megatron-tiktoken:PATH,...`; see
+`megatron_tokenizers.py`); `build_tokenizer(spec)` turns a spec back into a tokenizer, which is
+how the spec travels in configs and over the wire.
 
     tok = train_bpe(["a.txt", "b.txt"], vocab_size=4096, output_path="out/tokenizer.json")
     build_tokenizer(tok.spec).encode("hello")
@@ -14,7 +16,6 @@ in configs and over the wire.
 from __future__ import annotations
 
 import abc
-
 import os
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -349,7 +350,8 @@ def train_bpe(files: list[str | os.PathLike], vocab_size: int, output_path: str 
     Returns:
         The trained tokenizer, loaded back from `output_path`.
     """
-    from tokenizers import Tokenizer as HFRaw, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HFRaw
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     if vocab_size < 257 + 1:
         raise DataError(
@@ -384,6 +386,11 @@ def absolute_spec(spec: str | os.PathLike) -> str:
     s = str(spec)
     if s == "byte":
         return s
+    from meshtrain.services.dataloader.megatron_tokenizers import absolute_megatron_spec
+
+    megatron = absolute_megatron_spec(s)
+    if megatron is not None:
+        return megatron
     for kind in ("tiktoken:", "sentencepiece:"):
         if s.startswith(kind):
             return kind + os.path.abspath(s[len(kind):])
@@ -397,11 +404,17 @@ def build_tokenizer(spec: str | os.PathLike) -> Tokenizer:
         spec: see the module docstring for the accepted forms.
 
     Returns:
-        A ByteTokenizer, HFTokenizer, TiktokenTokenizer or SentencePieceTokenizer.
+        A ByteTokenizer, HFTokenizer, TiktokenTokenizer, SentencePieceTokenizer, or one of
+        `megatron_tokenizers`' GPT2BPETokenizer, NullTokenizer, MegatronTiktokenTokenizer.
     """
     s = str(spec)
     if s == "byte":
         return ByteTokenizer()
+    from meshtrain.services.dataloader.megatron_tokenizers import build_megatron_tokenizer
+
+    megatron = build_megatron_tokenizer(s)
+    if megatron is not None:
+        return megatron
     if s.startswith("tiktoken:"):
         return TiktokenTokenizer(s[len("tiktoken:"):])
     if s.startswith("sentencepiece:"):
@@ -425,5 +438,6 @@ def build_tokenizer(spec: str | os.PathLike) -> Tokenizer:
                         f"file itself")
     raise DataError(
         f"tokenizer spec {s!r} is not understood: expected 'byte', a tokenizer.json (or its "
-        f"folder), a .tiktoken file or tiktoken:PATH, a SentencePiece .model or sentencepiece:PATH"
+        f"folder), a .tiktoken file or tiktoken:PATH, a SentencePiece .model or sentencepiece:PATH, "
+        f"gpt2bpe:VOCAB_JSON,MERGES_TXT, null:VOCAB_SIZE or megatron-tiktoken:PATH"
     )
