@@ -184,7 +184,8 @@ def pieces(name: str, local_shape: tuple[int, ...], param: torch.Tensor, mesh: M
             start, stop = r * n, min((r + 1) * n, vocab_size)
             if start < stop:
                 shape = [stop - start, *local_shape[1:]]
-                grid = list(local_shape) if stop - start < n else None
+                # a short last box says the grid; a vocabulary within one rank's rows is one box
+                grid = list(local_shape) if stop - start < n <= vocab_size else None
                 boxes.append(([start] + [0] * (len(local_shape) - 1), shape, [slice(0, stop - start)] + full[1:], grid))
         else:
             offsets = [0] * len(local_shape)

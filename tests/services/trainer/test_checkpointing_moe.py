@@ -178,17 +178,22 @@ def test_convert_lays_experts_out_for_a_target_ep_and_tp_and_the_result_resumes(
 EP_STEPS = 6
 
 
-def _ep_job(model_settings: dict):
+def _ep_job(model_settings: dict, distributed_optimizer: bool = False):
     """A data-parallel MoE model on this process's mesh, as the trainer builds it."""
     from meshtrain.services.trainer.config import OptimConfig
     from meshtrain.services.trainer.parallel.ddp import DistributedDataParallel
 
     def make(mesh: Mesh):
         from meshtrain.services.trainer.parallel.expert import parallelize_experts
+        from meshtrain.services.trainer.parallel.tensor import parallelize
 
         torch.manual_seed(0)
-        model = parallelize_experts(GPT(ModelConfig(**model_settings)), mesh)
-        ddp = DistributedDataParallel(model, mesh, OptimConfig(lr=3e-3, weight_decay=0.1, clip_grad=0.0))
+        model = GPT(ModelConfig(**model_settings))
+        if mesh.tp > 1:
+            parallelize(model, mesh)
+        model = parallelize_experts(model, mesh)
+        ddp = DistributedDataParallel(model, mesh, OptimConfig(lr=3e-3, weight_decay=0.1, clip_grad=0.0),
+                                      distributed_optimizer=distributed_optimizer)
         return ddp, ddp.optimizer
     return make
 
@@ -208,18 +213,18 @@ def _train_share(ddp, optimizer, mesh: Mesh, data: list[torch.Tensor]) -> list[f
             layer.update_expert_bias(layer.stats_group)
             layer.reset_stats()
         loss = loss.detach()
-        if mesh.distributed:
-            dist.all_reduce(loss)
+        if mesh.dp > 1:  # tp ranks hold the same loss
+            dist.all_reduce(loss, group=mesh.group("dp"))
             loss /= mesh.dp
         losses.append(loss.item())
     return losses
 
 
-def _ep_segment(rank, world, root, ep, load_step, start, stop):
-    mesh = Mesh.build(ep=ep)
-    ddp, optimizer = _ep_job(MOE)(mesh)
+def _ep_segment(rank, world, root, ep, load_step, start, stop, tp=1, distributed_optimizer=False):
+    mesh = Mesh.build(tp=tp, ep=ep)
+    ddp, optimizer = _ep_job(MOE, distributed_optimizer)(mesh)
     experts = dict(ddp.module.named_parameters())["layers.1.mlp.experts.fc1.weight"]
-    assert experts.shape[0] == 4 // ep
+    assert experts.shape[:2] == (4 // ep, 48 // tp)
     if load_step is not None:
         assert load_checkpoint(root, ddp, optimizer, step=load_step).iteration == load_step
     losses = _train_share(ddp, optimizer, mesh, batches(EP_STEPS, batch=4)[start:stop])
@@ -250,4 +255,26 @@ def test_resumes_across_expert_parallel_sizes_with_the_uninterrupted_losses(tmp_
     save_checkpoint(root, 4, ddp, optimizer)
     got += run_ranks(_ep_segment, 4, root, 2, 4, 4, 6)[0]
     assert verify_checkpoint(root, 6) > 0
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(whole), rtol=1e-5, atol=0)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_a_tensor_and_expert_parallel_zero1_checkpoint_resumes_on_one_process(tmp_path):
+    """tp=2 x dp=2 with ep=2 and the distributed optimizer: each expert weight is written as
+    (its ep rank's experts) x (its tp rank's gate and up halves, or fc2 columns), the moments
+    gathered over edp; one process resumes from it. Tolerance as above, plus the tensor-parallel
+    partial sums."""
+    from tests.dist_utils import run_ranks
+
+    data = batches(EP_STEPS, batch=4)
+    make = _ep_job(MOE)
+    ddp, optimizer = make(Mesh.single())
+    whole = _train_share(ddp, optimizer, Mesh.single(), data)
+
+    root = str(tmp_path / "ckpt")
+    got = run_ranks(_ep_segment, 4, root, 2, None, 0, 3, 2, True)[0]
+    ddp, optimizer = make(Mesh.single())
+    assert load_checkpoint(root, ddp, optimizer, step=3).iteration == 3
+    got += _train_share(ddp, optimizer, Mesh.single(), data[3:])
     torch.testing.assert_close(torch.tensor(got), torch.tensor(whole), rtol=1e-5, atol=0)
