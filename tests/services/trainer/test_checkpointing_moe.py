@@ -129,6 +129,26 @@ def test_an_expert_shard_is_its_rows_of_the_global_expert_axis():
         pieces("x", (2, 6, 5), param, Mesh.single(), 100, Place("x"))
 
 
+def test_tensor_parallel_expert_and_vocabulary_boxes():
+    from meshtrain.services.trainer.parallel.tensor import TPSplit
+
+    fc1 = torch.nn.Parameter(torch.zeros(2, 12, 5))  # 2 local experts, [gate; up] halves of 6 rows each
+    fc1.expert_shard, fc1.tp_split = (2, 4), TPSplit(1, halves=True)
+    got = pieces("layers.3.mlp.experts.fc1.weight", (2, 12, 5), fc1, Mesh(tp=2, ep=2, rank=1), 100,
+                 Place("layers.3.mlp.experts.fc1.weight"))
+    # tp rank 1 of 2: rows 6..11 of the gate half and 18..23 of the up half, experts 2..3 of 4
+    assert [(p.spec.offsets, p.spec.shape) for p in got] == [((2, 6, 0), (2, 6, 5)), ((2, 18, 0), (2, 6, 5))]
+    assert all(p.spec.global_shape == (4, 24, 5) for p in got)
+    # a vocabulary of 100 within tp rank 0's 128 padded rows: one box, the whole array
+    emb = torch.nn.Parameter(torch.zeros(128, 8))
+    emb.tp_split = TPSplit(0, vocab=True)
+    (box,) = pieces("embedding.word_embeddings.weight", (128, 8), emb, Mesh(tp=2, rank=0), 100,
+                    Place("embedding.word_embeddings.weight"))
+    assert (box.spec.global_shape, box.spec.shape, box.spec.grid) == ((100, 8), (100, 8), None)
+    assert pieces("embedding.word_embeddings.weight", (128, 8), emb, Mesh(tp=2, rank=1), 100,
+                  Place("embedding.word_embeddings.weight")) == []
+
+
 def test_restore_refuses_a_model_with_experts_in_other_blocks(tmp_path):
     model, optimizer = build()
     train(model, optimizer, batches(1))
