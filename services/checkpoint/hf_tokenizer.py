@@ -9,18 +9,35 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from meshtrain.services.common.errors import CheckpointError
-from meshtrain.services.dataloader.tokenizers import EOD_TOKEN, ByteTokenizer
+from meshtrain.services.common.errors import CheckpointError, DataError
 from meshtrain.services.common.model_config import ModelConfig
+from meshtrain.services.dataloader.tokenizers import EOD_TOKEN, ByteTokenizer, build_tokenizer
 
 log = logging.getLogger(__name__)
 
 
+# Specs of tokenizers with no tokenizer.json form: the export goes without one (EOD still known).
+_NO_HF_FORM = ("tiktoken:", "sentencepiece:", "null:", "megatron-tiktoken:")
+_NO_HF_SUFFIXES = (".tiktoken", ".model")
+
+
+def _has_no_hf_form(spec: str) -> bool:
+    return spec.startswith(_NO_HF_FORM) or spec.endswith(_NO_HF_SUFFIXES)
+
+
 def tokenizer_file(spec: str | None, where: str) -> Path | None:
-    """The tokenizer.json a run used, or None when it has none (the byte tokenizer)."""
+    """The tokenizer.json a run used, or None when it has none (the byte tokenizer, tiktoken,
+    SentencePiece and null tokenizers). GPT-2's vocab.json + merges.txt (`gpt2bpe:` specs) are
+    written as a tokenizer.json first, in a folder removed when the process ends."""
     if spec in (None, "byte"):
         if spec == "byte":
             log.warning("%s: the byte tokenizer has no Hugging Face form; exporting without one", where)
+        return None
+    if spec.startswith("gpt2bpe:"):
+        return _gpt2bpe_tokenizer_json(spec, where)
+    if _has_no_hf_form(spec):
+        log.warning("%s: the tokenizer %r has no Hugging Face tokenizer.json form; exporting without one",
+                    where, spec)
         return None
     path = Path(spec)
     if path.is_dir():
@@ -41,6 +58,11 @@ def eod_id(path: Path | None, spec: str | None, model: ModelConfig, where: str) 
     """
     if path is None:
         eod = ByteTokenizer().eod_id if spec == "byte" else None  # the byte tokenizer ships no file
+        if spec is not None and _has_no_hf_form(spec):
+            try:
+                eod = build_tokenizer(spec).eod_id
+            except DataError as e:
+                log.warning("%s: cannot read the run's tokenizer %r (%s); exporting without its EOD id", where, spec, e)
     else:
         tokenizer = _load(path, where)
         size = tokenizer.get_vocab_size(with_added_tokens=True)
@@ -73,3 +95,22 @@ def _load(path: Path, where: str) -> Any:
         return Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises a bare Exception on a malformed file
         raise CheckpointError(f"{where}: tokenizer {str(path)!r} is not a tokenizer.json ({e})") from e
+
+
+def _gpt2bpe_tokenizer_json(spec: str, where: str) -> Path:
+    """GPT-2's vocab.json + merges.txt of a `gpt2bpe:` spec as a tokenizer.json, with
+    `<|endoftext|>` marked special (so transformers takes it for bos/eos)."""
+    import atexit
+    import shutil
+    import tempfile
+
+    try:
+        tokenizer = build_tokenizer(spec)
+    except DataError as e:
+        raise CheckpointError(f"{where}: the run's tokenizer {spec!r} cannot be read here ({e}); "
+                              "pass a tokenizer.json with --tokenizer") from None
+    folder = tempfile.mkdtemp(prefix="meshtrain-gpt2bpe-")
+    atexit.register(shutil.rmtree, folder, True)
+    path = Path(folder) / "tokenizer.json"
+    tokenizer.save_tokenizer_json(path)
+    return path

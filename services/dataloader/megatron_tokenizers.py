@@ -233,8 +233,14 @@ class GPT2BPETokenizer(Tokenizer):
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
     def save_tokenizer_json(self, path: str | os.PathLike) -> None:
-        """Write the same tokenizer as a Hugging Face `tokenizer.json` (for exports)."""
-        self._tok.save(str(path))
+        """Write the same tokenizer as a Hugging Face `tokenizer.json` (for exports), with
+        `<|endoftext|>` marked special so transformers takes it for bos/eos."""
+        from tokenizers import AddedToken
+        from tokenizers import Tokenizer as HFRaw
+
+        copy = HFRaw.from_str(self._tok.to_str())
+        copy.add_special_tokens([AddedToken(EOD_TOKEN, special=True, normalized=False)])
+        copy.save(str(path))
 
 
 class NullTokenizer(Tokenizer):

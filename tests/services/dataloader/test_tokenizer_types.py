@@ -292,3 +292,27 @@ def test_preprocess_cli_with_megatron_flags(gpt2_files, tmp_path, capsys):
         assert main(common + ["--output-prefix", str(tmp_path / "bad")] + extra) != 0
         assert match in capsys.readouterr().err
         assert not (tmp_path / "bad.bin").exists()
+
+
+def test_hf_export_tokenizer_of_megatron_types(gpt2_files, caplog):
+    """A run's gpt2bpe tokenizer exports as a tokenizer.json with the same ids; the kinds with no
+    tokenizer.json form export without one, but with their EOD id."""
+    from tokenizers import Tokenizer
+
+    from meshtrain.services.checkpoint import hf_tokenizer
+    from meshtrain.services.common.model_config import ModelConfig
+
+    vocab, merges = gpt2_files
+    spec = megatron_spec("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges)
+    ours = build_tokenizer(spec)
+    model = ModelConfig(vocab_size=512, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32)
+    path = hf_tokenizer.tokenizer_file(spec, "test")
+    exported = Tokenizer.from_file(str(path))
+    for text in TEXTS:
+        assert exported.encode(text, add_special_tokens=False).ids == ours.encode(text)
+    assert hf_tokenizer.eod_id(path, spec, model, "test") == ours.eod_id
+    config = hf_tokenizer.tokenizer_config(path, model, "test")
+    assert config["eos_token"] == config["bos_token"] == EOD_TOKEN
+    assert hf_tokenizer.tokenizer_file("null:100", "test") is None
+    assert "no Hugging Face tokenizer.json form" in caplog.text
+    assert hf_tokenizer.eod_id(None, "null:100", model, "test") == 100
