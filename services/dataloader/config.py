@@ -33,7 +33,8 @@ class DataConfig:
     default corpus."""
     tokenizer: str = "bpe"
     """'bpe' (trained on the default corpus), 'byte', or the path of the tokenizer the dataset was
-    built with: a Hugging Face tokenizer.json, a *.tiktoken file or a SentencePiece *.model."""
+    built with: a Hugging Face tokenizer.json, a *.tiktoken file or a SentencePiece *.model; or
+    a spec such as gpt2bpe:VOCAB,MERGES or null:VOCAB_SIZE (set from `tokenizer_type`)."""
     tokenizer_type: str | None = None
     """Megatron's `--tokenizer-type`, the other way to name the tokenizer (not together with
     `tokenizer`, which it sets): GPT2BPETokenizer (`vocab_file` + `merge_file`),
@@ -122,3 +123,7 @@ class DataConfig:
             raise ConfigError(f"data.tokenizer={self.tokenizer!r} and data.tokenizer_type={self.tokenizer_type!r} "
                               "both name the tokenizer; give one of them")
         self.tokenizer = spec
+        # absolute, so a run's config.toml read from another folder names the same files
+        for key in ("vocab_file", "merge_file", "tokenizer_model"):
+            if getattr(self, key):
+                setattr(self, key, os.path.abspath(getattr(self, key)))

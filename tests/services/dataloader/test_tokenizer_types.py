@@ -8,6 +8,7 @@ lines, a SentencePiece model trained on them, tiktoken ranks written out by hand
 import base64
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -254,6 +255,9 @@ def test_data_config_keys(gpt2_files):
                        merge_file=merges, data_path=["x"])
     assert again.tokenizer == config.tokenizer
     assert DataConfig(tokenizer_type="NullTokenizer", vocab_size=50, data_path=["x"]).tokenizer == "null:50"
+    relative = DataConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=os.path.relpath(vocab),
+                          merge_file=os.path.relpath(merges))
+    assert relative.vocab_file == str(Path(vocab).resolve()) and relative.tokenizer == config.tokenizer
     with pytest.raises(ConfigError, match="both name the tokenizer"):
         DataConfig(tokenizer="byte", tokenizer_type="NullTokenizer", vocab_size=50)
     with pytest.raises(ConfigError, match="data.tokenizer_type=GPT2BPETokenizer needs data.merge_file"):
