@@ -86,7 +86,7 @@ def register_subcommands(ckpt_subparsers: argparse._SubParsersAction) -> None:
 
     imp = ckpt_subparsers.add_parser("import", help="turn a Hugging Face model folder into a checkpoint")
     imp.add_argument("--format", default="hf",
-                     help="hf, the only format and the default (Llama, Mixtral or GPT-2 safetensors)")
+                     help="hf, the only format and the default (Llama, Mixtral, Qwen2-MoE or GPT-2 safetensors)")
     imp.add_argument("src", help="Hugging Face model folder")
     imp.add_argument("dst", help="checkpoint root to write step 0 into")
     imp.add_argument("--seed", type=int, default=1234, help="seeds the stored RNG states")

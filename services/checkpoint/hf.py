@@ -1,4 +1,5 @@
-"""Hugging Face <-> meshtrain checkpoints: `LlamaForCausalLM` and `GPT2LMHeadModel`.
+"""Hugging Face <-> meshtrain checkpoints: `LlamaForCausalLM`, `GPT2LMHeadModel`, and for
+mixture-of-experts models `MixtralForCausalLM` and `Qwen2MoeForCausalLM` (`hf_moe.py`).
 
 `export_hf(src_root, dst_dir)` turns a training checkpoint into a folder `transformers` loads
 (`model.safetensors`, `config.json`, `generation_config.json` when the end-of-document id is
@@ -42,6 +43,7 @@ from meshtrain.services.checkpoint.convert import (
     tensor_specs,
 )
 from meshtrain.services.checkpoint.hf_files import open_safetensors, read_json, safetensors_files
+from meshtrain.services.checkpoint.hf_moe import moe_architecture, moe_block, moe_from_hf, moe_hf_config
 from meshtrain.services.checkpoint.reader import list_checkpoints, read_manifest, read_tensor
 from meshtrain.services.checkpoint.store import open_root, remove_tree
 from meshtrain.services.common.builds import local_build_dir, remove_dead_builds
@@ -83,20 +85,14 @@ class Rule:
 
 
 def architecture(model: ModelConfig) -> str:
-    """Names the HF architecture a model maps to: "llama", "mixtral" or "gpt2".
+    """Names the HF architecture a model maps to: "llama", "mixtral", "qwen2_moe" or "gpt2".
 
     Raises:
         CheckpointError: the combination of settings has no HF equivalent; names them.
     """
     style = (model.normalization, model.activation, model.position_embedding_type)
     if model.num_experts is not None:
-        if style != ("rmsnorm", "swiglu", "rope"):
-            raise CheckpointError(
-                f"model.normalization={model.normalization!r}, model.activation={model.activation!r}, "
-                f"model.position_embedding_type={model.position_embedding_type!r} with experts map to no Hugging "
-                "Face architecture: Mixtral is rmsnorm+swiglu+rope")
-        _check_mixtral(model)
-        return "mixtral"
+        return moe_architecture(model)
     if style == ("rmsnorm", "swiglu", "rope"):
         return "llama"
     if style == ("layernorm", "gelu", "learned"):
@@ -113,35 +109,6 @@ def architecture(model: ModelConfig) -> str:
         "architecture: Llama is rmsnorm+swiglu+rope, GPT-2 is layernorm+gelu+learned")
 
 
-def _check_mixtral(model: ModelConfig) -> None:
-    """Raises CheckpointError naming each setting of a MoE model `MixtralForCausalLM` cannot
-    compute: Mixtral has experts in every block, no shared expert, no linear biases, and routes
-    by the softmax of the top-k router logits (weights summing to 1), with no expert bias."""
-    why = []
-    dense = [i for i in range(model.num_layers) if not model.is_moe_layer(i)]
-    if dense:
-        why.append(f"model.moe_layer_freq={model.moe_layer_freq!r} leaves blocks {dense[:8]} dense (Mixtral has "
-                   "experts in every block)")
-    if model.moe_shared_expert_intermediate_size:
-        why.append(f"model.moe_shared_expert_intermediate_size={model.moe_shared_expert_intermediate_size} (Mixtral "
-                   "has no shared expert; Qwen2-MoE has one, but its published form has biases on q/k/v only, "
-                   "which meshtrain cannot express)")
-    if model.add_bias_linear:
-        why.append("model.add_bias_linear=true (Mixtral has no linear biases)")
-    if model.moe_router_score_function != "softmax" or model.moe_router_pre_softmax:
-        why.append(f"model.moe_router_score_function={model.moe_router_score_function!r} with "
-                   f"moe_router_pre_softmax={model.moe_router_pre_softmax} (Mixtral: softmax of the top-k logits, "
-                   "pre_softmax off)")
-    if model.moe_router_topk_scaling_factor not in (None, 1.0):
-        why.append(f"model.moe_router_topk_scaling_factor={model.moe_router_topk_scaling_factor} (Mixtral's "
-                   "routing weights sum to 1)")
-    if model.moe_router_enable_expert_bias:
-        why.append("model.moe_router_enable_expert_bias=true (Mixtral has no expert bias in its routing)")
-    if why:
-        raise CheckpointError("this mixture-of-experts model maps to no Hugging Face architecture MixtralForCausalLM "
-                              "can load: " + "; ".join(why))
-
-
 def hf_config(model: ModelConfig, dtype: str, eod: int | None = None) -> dict[str, Any]:
     """The `config.json` of a model.
 
@@ -156,13 +123,11 @@ def hf_config(model: ModelConfig, dtype: str, eod: int | None = None) -> dict[st
         CheckpointError: the model maps to no HF architecture.
     """
     arch = architecture(model)
-    if arch == "mixtral":
-        return _mixtral_config(model, dtype, eod)
-    if arch == "llama":
-        if model.hidden_dropout:
+    if arch in ("llama", "mixtral", "qwen2_moe"):
+        if model.hidden_dropout and arch == "llama":
             # Dropout changes training only; the exported model computes the same function.
             log.warning("model.hidden_dropout=%s has no LlamaConfig field; dropped", model.hidden_dropout)
-        return {
+        llama = {
             "architectures": ["LlamaForCausalLM"], "model_type": "llama",
             "vocab_size": model.vocab_size, "hidden_size": model.hidden_size,
             "intermediate_size": model.ffn_size, "num_hidden_layers": model.num_layers,
@@ -179,6 +144,7 @@ def hf_config(model: ModelConfig, dtype: str, eod: int | None = None) -> dict[st
             "initializer_range": model.init_method_std, "torch_dtype": dtype,
             "bos_token_id": eod, "eos_token_id": eod,
         }
+        return llama if arch == "llama" else moe_hf_config(model, arch, llama)
     return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
         "vocab_size": model.vocab_size, "n_embd": model.hidden_size, "n_layer": model.num_layers,
@@ -193,38 +159,8 @@ def hf_config(model: ModelConfig, dtype: str, eod: int | None = None) -> dict[st
     }
 
 
-def _mixtral_config(model: ModelConfig, dtype: str, eod: int | None) -> dict[str, Any]:
-    """The `config.json` of a model `_check_mixtral` accepts. Settings of training only, which
-    the exported model computes the same without, are dropped with a warning."""
-    dropped = {"model.hidden_dropout": model.hidden_dropout, "model.moe_z_loss_coeff": model.moe_z_loss_coeff,
-               "model.moe_expert_capacity_factor (Mixtral computes every routed token)":
-                   model.moe_expert_capacity_factor}
-    for key, value in dropped.items():
-        if value:
-            log.warning("%s=%s has no MixtralConfig field; dropped", key, value)
-    return {
-        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
-        "vocab_size": model.vocab_size, "hidden_size": model.hidden_size,
-        "intermediate_size": model.moe_ffn_size, "num_hidden_layers": model.num_layers,
-        "num_attention_heads": model.num_attention_heads,
-        "num_key_value_heads": model.groups, "head_dim": model.head_dim,
-        "hidden_act": "silu", "max_position_embeddings": model.seq_length,
-        "rms_norm_eps": model.norm_epsilon,
-        "rope_theta": model.rotary_base,
-        "rope_parameters": {"rope_type": "default", "rope_theta": model.rotary_base},
-        "sliding_window": None, "attention_dropout": model.attention_dropout,
-        "num_local_experts": model.num_experts, "num_experts_per_tok": model.moe_router_topk,
-        # HF adds the load-balancing loss only when the router logits are output.
-        "router_aux_loss_coef": model.moe_aux_loss_coeff, "output_router_logits": model.moe_aux_loss_coeff > 0,
-        "router_jitter_noise": 0.0,
-        "tie_word_embeddings": not model.untie_embeddings_and_output_weights,
-        "initializer_range": model.init_method_std, "torch_dtype": dtype,
-        "bos_token_id": eod, "eos_token_id": eod,
-    }
-
-
 def model_from_hf(config: dict[str, Any]) -> ModelConfig:
-    """The ModelConfig of an HF `config.json` (Llama, Mixtral or GPT-2).
+    """The ModelConfig of an HF `config.json` (Llama, Mixtral, Qwen2-MoE or GPT-2).
 
     Raises:
         CheckpointError: another architecture, or a setting meshtrain cannot express; names it.
@@ -251,11 +187,7 @@ def _model_from_hf(config: dict[str, Any]) -> ModelConfig:
             raise CheckpointError(f"HF config {key}={value!r} is not a positive integer")
         return value
 
-    if kind == "qwen2_moe":
-        raise CheckpointError(
-            "HF model_type 'qwen2_moe' cannot be expressed in meshtrain: Qwen2-MoE puts biases on the q/k/v "
-            "projections only (qkv_bias), and model.add_bias_linear gives every linear layer a bias or none")
-    if kind in ("llama", "mixtral"):
+    if kind in ("llama", "mixtral", "qwen2_moe"):
         heads, hidden = count("num_attention_heads"), count("hidden_size")
         need("hidden_act", lambda v: v == "silu", "'silu'")
         need("head_dim", lambda v: v in (None, hidden // heads), f"hidden_size/heads = {hidden // heads}")
@@ -263,7 +195,7 @@ def _model_from_hf(config: dict[str, Any]) -> ModelConfig:
         if rope.get("rope_type", rope.get("type", "default")) != "default":
             raise CheckpointError(f"HF config rope scaling {rope!r} cannot be expressed in meshtrain "
                                   "(only plain RoPE)")
-        if kind == "mixtral":  # no linear biases, no mlp_bias key
+        if kind != "llama":  # no linear biases (Qwen2-MoE's q/k/v ones are refused by name), no mlp_bias key
             bias = False
         else:
             bias = need("attention_bias", lambda v: v == config.get("mlp_bias", False),
@@ -281,8 +213,8 @@ def _model_from_hf(config: dict[str, Any]) -> ModelConfig:
             "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", False),
             "attention_dropout": float(config.get("attention_dropout", 0.0)),
         }
-        if kind == "mixtral":
-            table.update(_mixtral_moe(config, count))
+        if kind != "llama":
+            table.update(moe_from_hf(kind, config, count))
     elif kind == "gpt2":
         need("activation_function", lambda v: v in ("gelu_new", "gelu_pytorch_tanh"),
              "tanh-approximate GELU: 'gelu_new'", "gelu_new")
@@ -301,34 +233,12 @@ def _model_from_hf(config: dict[str, Any]) -> ModelConfig:
             "attention_dropout": float(config.get("attn_pdrop", 0.0)),
         }
     else:
-        raise CheckpointError(f"HF model_type {kind!r} is not supported; only 'llama', 'mixtral' and 'gpt2'")
+        raise CheckpointError(f"HF model_type {kind!r} is not supported; only 'llama', 'mixtral', 'qwen2_moe' "
+                              "and 'gpt2'")
     try:
         return build(ModelConfig, table, "model.")
     except (ValueError, KeyError) as e:
         raise CheckpointError(f"HF config does not make a valid meshtrain model: {e}") from e
-
-
-def _mixtral_moe(config: dict[str, Any], count: Callable[[str], int]) -> dict[str, Any]:
-    """The MoE settings of a Mixtral `config.json`, refusing what meshtrain computes otherwise."""
-    window, seq = config.get("sliding_window"), config["max_position_embeddings"]
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < seq):
-        # Attention beyond the window is masked there; meshtrain attends to the whole sequence.
-        raise CheckpointError(f"HF config sliding_window={window!r} cannot be expressed in meshtrain (it attends "
-                              f"to the whole sequence: needs null, or at least max_position_embeddings={seq})")
-    if config.get("router_jitter_noise"):
-        log.warning("HF config router_jitter_noise=%s (multiplicative noise on the router input in training) "
-                    "has no meshtrain setting; dropped", config["router_jitter_noise"])
-    coeff = config.get("router_aux_loss_coef", 0.001)
-    if isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or coeff < 0:
-        raise CheckpointError(f"HF config router_aux_loss_coef={coeff!r} is not a number >= 0")
-    experts = count("num_local_experts")
-    return {
-        "num_experts": experts, "moe_router_topk": count("num_experts_per_tok"),
-        "moe_ffn_hidden_size": count("intermediate_size"), "moe_layer_freq": 1,
-        "moe_router_score_function": "softmax", "moe_router_pre_softmax": False,
-        # HF adds the load-balancing loss only when it outputs the router logits.
-        "moe_aux_loss_coeff": float(coeff) if config.get("output_router_logits", False) else 0.0,
-    }
 
 
 def rules(model: ModelConfig) -> list[Rule]:
@@ -366,19 +276,8 @@ def rules(model: ModelConfig) -> list[Rule]:
                  vv.reshape(groups, 1, d, *rest)]
         return torch.cat(parts, dim=1).reshape(qkv_rows, *rest)  # per group: [q heads; k; v]
 
-    def experts(ours: str, theirs: str) -> None:
-        # fc1 (experts, [gate; up], hidden) -> w1 (gate), w3 (up) of each expert; fc2 -> w2.
-        e, f = model.num_experts, model.moe_ffn_size
-        names = tuple(f"{theirs}experts.{j}.{w}.weight" for j in range(e) for w in ("w1", "w3"))
-        out.append(Rule(ours + "experts.fc1.weight", (e, 2 * f, h), names, ((f, h),) * (2 * e),
-                        lambda t: [c.contiguous() for x in t for c in x.chunk(2, dim=0)],
-                        lambda ts: torch.stack([torch.cat(ts[2 * j:2 * j + 2], dim=0) for j in range(e)])))
-        out.append(Rule(ours + "experts.fc2.weight", (e, h, f),
-                        tuple(f"{theirs}experts.{j}.w2.weight" for j in range(e)), ((h, f),) * e,
-                        lambda t: [x.contiguous() for x in t], lambda ts: torch.stack(ts)))
-
     suffixes = ("weight", "bias") if model.add_bias_linear else ("weight",)
-    if arch in ("llama", "mixtral"):
+    if arch in ("llama", "mixtral", "qwen2_moe"):
         same("embedding.word_embeddings.weight", "model.embed_tokens.weight", (v, h))
         for i in range(model.num_layers):
             ours, theirs = f"layers.{i}.", f"model.layers.{i}."
@@ -393,9 +292,8 @@ def rules(model: ModelConfig) -> list[Rule]:
                 same(ours + f"attention.proj.{s}", theirs + f"self_attn.o_proj.{s}",
                      (h, h) if s == "weight" else (h,))
             same(ours + "pre_mlp_norm.weight", theirs + "post_attention_layernorm.weight", (h,))
-            if arch == "mixtral":
-                same(ours + "mlp.router.weight", theirs + "block_sparse_moe.gate.weight", (model.num_experts, h))
-                experts(ours + "mlp.", theirs + "block_sparse_moe.")
+            if arch != "llama" and model.is_moe_layer(i):
+                out.extend(Rule(*m) for m in moe_block(model, arch, ours + "mlp.", theirs))
                 continue
             for s in suffixes:
                 tail = (h,) if s == "weight" else ()

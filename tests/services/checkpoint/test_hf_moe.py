@@ -1,7 +1,8 @@
-"""Hugging Face export/import of mixture-of-experts models (Mixtral), verified against `transformers`.
+"""Hugging Face export/import of mixture-of-experts models, verified against `transformers`.
 
-A small random meshtrain MoE model is exported and loaded as `MixtralForCausalLM`, and a small
-random `MixtralForCausalLM` is imported into meshtrain's `GPT`; in both directions the logits on
+Small random meshtrain MoE models are exported and loaded as `MixtralForCausalLM` or (with a
+gated shared expert) `Qwen2MoeForCausalLM`, and small random HF models of both are imported into
+meshtrain's `GPT`; in both directions the logits on
 the same tokens must agree. fp32 throughout: 1e-4 absolute covers summation-order differences
 between the two attention and expert implementations on logits of size ~10, where a wrong expert
 order or a swapped gate/up half is O(1). Random weights of scale 0.2 make the router's top-k
@@ -124,15 +125,15 @@ def test_round_trip_mixtral_meshtrain_mixtral_is_bit_exact(tmp_path, dtype, tie)
 
 @pytest.mark.parametrize("change, match", [
     ({"moe_layer_freq": 2}, r"moe_layer_freq=2 leaves blocks \[1\] dense"),
-    ({"moe_shared_expert_intermediate_size": 32}, "no shared expert; Qwen2-MoE .* biases on q/k/v only"),
-    ({"moe_router_pre_softmax": True}, "moe_router_pre_softmax=True"),
+    ({"moe_shared_expert_intermediate_size": 32}, "Qwen2MoeForCausalLM: .*moe_shared_expert_gate=false"),
+    ({"moe_router_pre_softmax": True}, "MixtralForCausalLM: model.moe_router_pre_softmax=true"),
     ({"moe_router_score_function": "sigmoid"}, "moe_router_score_function='sigmoid'"),
     ({"moe_router_enable_expert_bias": True}, "no expert bias"),
     ({"moe_router_topk_scaling_factor": 2.5}, "moe_router_topk_scaling_factor=2.5"),
     ({"add_bias_linear": True}, "add_bias_linear=true"),
-    ({"normalization": "layernorm"}, "Mixtral is rmsnorm"),
+    ({"normalization": "layernorm"}, "Mixtral and Qwen2-MoE are rmsnorm"),
 ])
-def test_export_refuses_moe_models_mixtral_cannot_compute(tmp_path, change, match):
+def test_export_refuses_moe_models_hf_cannot_compute(tmp_path, change, match):
     model = random_model({**MIXTRAL, **change})
     root = str(tmp_path / "ckpt")
     checkpointing.save_checkpoint(root, 1, model, None)
@@ -146,7 +147,8 @@ def test_export_refuses_moe_models_mixtral_cannot_compute(tmp_path, change, matc
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({"num_local_experts": 0}, "num_local_experts=0 is not a positive integer"),
     ({"router_aux_loss_coef": "big"}, "router_aux_loss_coef='big' is not a number"),
-    ({"model_type": "qwen2_moe"}, "Qwen2-MoE puts biases on the q/k/v projections only"),
+    ({"model_type": "qwen2_moe", "qkv_bias": True}, "qkv_bias=true .* biases on the q/k/v projections only"),
+    ({"model_type": "qwen2_moe"}, "qkv_bias=true"),  # the default, as in every published Qwen2-MoE
 ])
 def test_import_refuses_moe_configs_meshtrain_cannot_express(change, match):
     config = transformers.MixtralConfig(vocab_size=300, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
@@ -164,3 +166,65 @@ def test_import_maps_the_router_settings():
     assert (model.num_experts, model.moe_router_topk) == (8, 3)
     assert model.moe_aux_loss_coeff == 0.0  # output_router_logits false: HF adds no load-balancing loss
     assert all(model.is_moe_layer(i) for i in range(2)) and model.moe_shared_expert_intermediate_size is None
+
+
+QWEN = {**MIXTRAL, "num_layers": 3, "moe_layer_freq": [1, 0, 1], "moe_shared_expert_intermediate_size": 40,
+        "moe_shared_expert_gate": True, "moe_router_pre_softmax": True}
+
+
+def hf_qwen2_moe(tmp_path, dtype=torch.float32, **extra):
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
+        shared_expert_intermediate_size=40, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=32, rope_theta=5000.0, rms_norm_eps=1e-6, num_experts=4, num_experts_per_tok=2,
+        qkv_bias=False, mlp_only_layers=[1], tie_word_embeddings=False, **extra)
+    torch.manual_seed(0)
+    model = transformers.Qwen2MoeForCausalLM(config).to(dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(str(tmp_path / "src"))
+    return tmp_path / "src", model
+
+
+@pytest.mark.parametrize("settings", [QWEN, {**QWEN, "moe_router_pre_softmax": False, "moe_layer_freq": 1}],
+                         ids=["full-softmax-dense-block", "norm-topk"])
+def test_export_with_a_gated_shared_expert_loads_as_qwen2_moe_with_the_same_logits(tmp_path, settings):
+    model = random_model(settings)
+    root = str(tmp_path / "ckpt")
+    checkpointing.save_checkpoint(root, 5, model, None)
+    dst = tmp_path / "hf"
+    export_hf(root, str(dst))
+    config = json.loads((dst / "config.json").read_text())
+    assert config["norm_topk_prob"] is not settings["moe_router_pre_softmax"] and config["qkv_bias"] is False
+    assert config["mlp_only_layers"] == ([1] if settings["moe_layer_freq"] != 1 else [])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(dst), dtype=torch.float32)
+    assert type(hf).__name__ == "Qwen2MoeForCausalLM"
+    tokens = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(1))
+    hf.eval()
+    with torch.no_grad():
+        theirs = hf(tokens).logits
+    ours = logits(model, tokens)
+    assert ours.abs().max() > 0.5
+    torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=1e-4)
+
+
+def test_import_of_qwen2_moe_without_qkv_bias_gives_the_same_logits_and_round_trips(tmp_path):
+    src, hf = hf_qwen2_moe(tmp_path)
+    root = str(tmp_path / "ckpt")
+    import_hf(str(src), root)
+    config = ModelConfig(**read_manifest(root, 0)["metadata"]["config"]["model"])
+    assert config.moe_layer_freq == [1, 0, 1] and config.moe_router_pre_softmax
+    assert (config.moe_shared_expert_intermediate_size, config.ffn_size, config.moe_ffn_size) == (40, 96, 48)
+    model = GPT(config)
+    checkpointing.restore(root, model, None, checkpointing.Parallel(Mesh.single()))
+    tokens = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(2))
+    hf.eval()
+    with torch.no_grad():
+        theirs = hf(tokens).logits
+    torch.testing.assert_close(logits(model, tokens), theirs, atol=1e-4, rtol=1e-4)
+    export_hf(root, str(tmp_path / "back"))
+    before = safetensors_torch.load_file(str(src / "model.safetensors"))
+    after = safetensors_torch.load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert sorted(before) == sorted(after)
+    assert all(torch.equal(after[n], t) for n, t in before.items())
