@@ -11,7 +11,7 @@ from typing import Any
 
 from meshtrain.services.common.errors import CheckpointError, DataError
 from meshtrain.services.common.model_config import ModelConfig
-from meshtrain.services.dataloader.tokenizers import EOD_TOKEN, ByteTokenizer, build_tokenizer
+from meshtrain.services.dataloader.tokenizers import EOD_TOKEN, ByteTokenizer, HFTokenizer, build_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,11 @@ def eod_id(path: Path | None, spec: str | None, model: ModelConfig, where: str) 
             raise CheckpointError(f"{where}: tokenizer {str(path)!r} has {size} tokens, more than the model's "
                                   f"vocabulary of {model.vocab_size}: it is not this model's tokenizer")
         eod = tokenizer.token_to_id(EOD_TOKEN)
+        if eod is None:  # a model's own tokenizer: the run's EOD was its eos_token
+            try:
+                eod = HFTokenizer(path).eod_id
+            except DataError:
+                eod = None
     if eod is not None and eod >= model.vocab_size:
         raise CheckpointError(f"{where}: tokenizer {str(path or spec)!r} has {EOD_TOKEN} at id {eod}, outside the "
                               f"model's vocabulary of {model.vocab_size}: it is not this model's tokenizer")

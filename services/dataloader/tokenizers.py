@@ -111,7 +111,8 @@ class ByteTokenizer(Tokenizer):
 
 
 class HFTokenizer(Tokenizer):
-    """A Hugging Face `tokenizers` `tokenizer.json`; EOD is its `<|endoftext|>` token."""
+    """A Hugging Face `tokenizers` `tokenizer.json`; EOD is its `<|endoftext|>` token, else the
+    `eos_token` of the `tokenizer_config.json` beside it."""
 
     name = "hf"
 
@@ -130,7 +131,13 @@ class HFTokenizer(Tokenizer):
             raise DataError(f"{self.path}: not a valid Hugging Face tokenizer.json ({e})") from e
         eod = self._tok.token_to_id(EOD_TOKEN)
         if eod is None:
-            raise DataError(f"{self.path}: tokenizer has no {EOD_TOKEN} token to mark document ends")
+            # a model's own tokenizer (Llama's, Mistral's) ends documents with its eos_token, as
+            # Megatron's HuggingFaceTokenizer does
+            eos = _eos_token(self.path.parent / "tokenizer_config.json")
+            eod = None if eos is None else self._tok.token_to_id(eos)
+        if eod is None:
+            raise DataError(f"{self.path}: tokenizer has no {EOD_TOKEN} token, nor an eos_token (in a "
+                            "tokenizer_config.json beside it) that it holds, to mark document ends")
         self._eod = int(eod)
         # A document that merely mentions "<|endoftext|>" (code, docs) must not get a document
         # boundary in its middle: special tokens in the text are encoded as text, as the byte
@@ -160,6 +167,22 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def _eos_token(config_path: Path) -> str | None:
+    """The `eos_token` a Hugging Face `tokenizer_config.json` names, or None (no file, no key)."""
+    import json
+
+    if not config_path.is_file():
+        return None
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise DataError(f"{config_path}: not valid JSON ({e})") from None
+    eos = config.get("eos_token") if isinstance(config, dict) else None
+    if isinstance(eos, dict):  # an AddedToken written out: {"content": "</s>", ...}
+        eos = eos.get("content")
+    return eos if isinstance(eos, str) and eos else None
 
 
 # The split pattern of tiktoken's cl100k encoding: a .tiktoken file holds only the merge

@@ -320,3 +320,21 @@ def test_hf_export_tokenizer_of_megatron_types(gpt2_files, caplog):
     assert hf_tokenizer.tokenizer_file("null:100", "test") is None
     assert "no Hugging Face tokenizer.json form" in caplog.text
     assert hf_tokenizer.eod_id(None, "null:100", model, "test") == 100
+
+
+def test_huggingface_type_eod_from_eos_token(tmp_path):
+    """A model's own tokenizer without <|endoftext|> (Llama's, Mistral's) ends documents with the
+    eos_token of its tokenizer_config.json, as Megatron's HuggingFaceTokenizer does."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{c: 3 + i for i, c in enumerate("abcdefgh ")}}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    folder = tmp_path / "model"
+    folder.mkdir()
+    raw.save(str(folder / "tokenizer.json"))
+    with pytest.raises(DataError, match="nor an eos_token"):
+        build_tokenizer(megatron_spec("HuggingFaceTokenizer", tokenizer_model=str(folder)))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "</s>"}}))
+    tok = build_tokenizer(megatron_spec("HuggingFaceTokenizer", tokenizer_model=str(folder)))
+    assert tok.eod_id == 2 and tok.encode("bad") == [4, 3, 6]
