@@ -12,8 +12,11 @@ from meshtrain.services.trainer.flags import parse_layer_freq
 from meshtrain.services.trainer.metrics import model_size, read_metrics
 from meshtrain.services.trainer.model.gpt import GPT
 from meshtrain.services.trainer.model.moe import moe_layers
-from meshtrain.services.trainer.train import Trainer
+from meshtrain.services.trainer.train import Trainer, train
+from tests.dist_utils import run_ranks
 from tests.services.trainer.conftest import small_job_args
+from tests.services.trainer.parallel.test_equivalence import LLAMA
+from tests.services.trainer.parallel.test_pipeline import COMMON, STEPS, _check, _reference
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -172,3 +175,91 @@ def test_flops_count_active_experts_of_the_whole_model():
     assert size.parameters - size.active_parameters == 2 * (8 - 2) * per_expert  # two MoE blocks, six idle experts
     everyone = model_size(ModelConfig(**{**vars(config), "moe_router_topk": 8}))
     assert everyone.flops_per_token - size.flops_per_token == 6 * 2 * (8 - 2) * per_expert
+
+
+# ----------------------------------------------------------------------------- several ranks (gloo)
+# Llama-style MoE on both pipeline stages (block 0 on the stage without the head), with every
+# statistic and balancing feature on: aux and z-loss, a capacity, the expert bias, a gated
+# shared expert.
+MOE_ARCH = {**LLAMA, "model.num_experts": 4, "model.moe_router_topk": 2, "model.moe_ffn_hidden_size": 32,
+            "model.moe_layer_freq": "[1,0,1,1]", "model.moe_aux_loss_coeff": 0.01, "model.moe_z_loss_coeff": 0.001,
+            "model.moe_expert_capacity_factor": 1.5, "model.moe_router_enable_expert_bias": True,
+            "model.moe_router_bias_update_rate": 0.01, "model.moe_shared_expert_intermediate_size": 32,
+            "model.moe_shared_expert_gate": True}
+
+# The aux loss is computed over the global micro-batch (micro-batch i of every dp rank together):
+# with dp = 2 and one micro-batch of 2 samples per rank that is the whole global batch of 4,
+# which one process computes as one micro-batch of 4 (a nonlinear loss: other splits differ).
+DP_REF = {"train.global_batch_size": 4, "train.micro_batch_size": 4}
+DP = {"train.global_batch_size": 4, "train.micro_batch_size": 2}
+
+# name: (world, reference shape, parallel settings)
+SLOW_CASES = {
+    "pp2-1f1b": (2, {}, {"parallel.pp": 2}),
+    "dp2-ep2": (2, DP_REF, {**DP, "parallel.ep": 2}),
+    "pp2-zb-h1-recompute": (2, {}, {"parallel.pp": 2, "parallel.pipeline_schedule": "zb-h1",
+                                    "parallel.recompute_granularity": "full"}),
+    "dp2-ep1-zero1-overlap": (2, DP_REF, {**DP, "parallel.use_distributed_optimizer": True,
+                                          "parallel.overlap_grad_reduce": True}),
+    "pp2-dp2-ep2": (4, DP_REF, {**DP, "parallel.pp": 2, "parallel.ep": 2}),
+}
+
+
+def _rank_moe(rank, world, args):
+    trainer = Trainer(load_config(args))
+    result = trainer.run()
+    return {"losses": result.losses, "eval": result.eval_losses, "checkpoint": result.checkpoint,
+            "flops": trainer.flops_per_token, "parameters": trainer.num_parameters,
+            "model": dict(vars(trainer.job.model))}
+
+
+def _moe_case(cases, case, corpus_cache, tmp_path, tmp_path_factory):
+    world, shape, extra = cases[case]
+    ref, ref_tensors = _reference(corpus_cache, tmp_path_factory, MOE_ARCH, shape)
+    run = tmp_path / "run"
+    results = run_ranks(_rank_moe, world, small_job_args(corpus_cache, run, **{**COMMON, **MOE_ARCH, **extra}),
+                        timeout=400)
+    _check(results[0], results, ref, ref_tensors)
+    ref_rows = [_moe_keys(r) for r in read_metrics(ref.run_dir / "metrics.jsonl") if "loss" in r]
+    rows = [_moe_keys(r) for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
+    assert len(rows) == len(ref_rows) == STEPS and set(rows[0]) == set(ref_rows[0])
+    assert {k for k in rows[0] if k.endswith("dropped")} == {f"moe/layer{i}/dropped" for i in (0, 2, 3)}
+    for got, want in zip(rows, ref_rows):
+        for key, value in want.items():  # counts exact; loss values to float32 rounding
+            assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-9), key
+    full = GPT(ModelConfig(**results[0]["model"]))
+    for r in results:  # every rank reports the whole model's FLOPs and size, not its shard's
+        assert (r["flops"], r["parameters"]) == (full.flops_per_token(), full.num_parameters())
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(SLOW_CASES))
+def test_moe_training_matches_one_process(case, corpus_cache, tmp_path, tmp_path_factory):
+    """Six steps: losses to 1e-6, parameters and moments to 2e-5 (test_pipeline's tolerances:
+    fp32, sums in another order), router statistics to float32 rounding."""
+    _moe_case(SLOW_CASES, case, corpus_cache, tmp_path, tmp_path_factory)
+
+
+def _rank_losses(rank, world, args):
+    trainer = Trainer(load_config(args))
+    return trainer.run().losses
+
+
+@pytest.mark.dist
+def test_moe_blocks_on_both_pipeline_stages_train_as_one_process(corpus_cache, tmp_path):
+    """pp = 2, block 0 (MoE) on the stage without the head: its aux gradients must arrive scaled
+    by the pipeline's micro-batch count (1/4), or the router's update and the later losses
+    differ. Three steps, fp32: losses to 1e-6 relative, router statistics to float32 rounding."""
+    quick = {**COMMON, **MOE_ARCH, "model.hidden_size": 32, "model.seq_length": 32, "train.train_iters": 3,
+             "train.eval_interval": 100, "model.moe_aux_loss_coeff": 0.1}
+    ref = train(load_config(small_job_args(corpus_cache, tmp_path / "ref", **quick)))
+    losses = run_ranks(_rank_losses, 2, small_job_args(corpus_cache, tmp_path / "pp2", **quick,
+                                                       **{"parallel.pp": 2}), timeout=300)
+    for got in losses:
+        assert got == pytest.approx(ref.losses, rel=1e-6)
+    ref_rows = [_moe_keys(r) for r in read_metrics(tmp_path / "ref" / "metrics.jsonl") if "loss" in r]
+    rows = [_moe_keys(r) for r in read_metrics(tmp_path / "pp2" / "metrics.jsonl") if "loss" in r]
+    assert len(rows) == 3 and set(rows[0]) == set(ref_rows[0]) and "moe/layer0/dropped" in rows[0]
+    for got, want in zip(rows, ref_rows):
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-9)
