@@ -64,6 +64,11 @@ class DataConfig:
     """How much of the Python standard library's source the default corpus takes."""
     split: str = "969,30,1"
     """Train/valid/test weights over documents, Megatron style."""
+    sample_order: str = "meshtrain"
+    """How the document order, sample index and sample shuffle are built: 'meshtrain' (each
+    epoch's documents shuffled on their own) or 'megatron' (megatron-core GPTDataset's indices
+    bit for bit, for the same seed, seq_length, number of samples and split). Changing it
+    changes which samples every step trains on, so keep it across a resume."""
     cache_dir: str = field(default_factory=user_cache_dir)
     """Where the default corpus, its tokenizer and its dataset are built and cached (default:
     `$MESHTRAIN_CACHE`, else `$XDG_CACHE_HOME/meshtrain`, else `~/.cache/meshtrain`)."""
@@ -92,6 +97,12 @@ class DataConfig:
                 parse_data_path(self.data_path)
             except DataError as e:
                 raise ConfigError(f"data.data_path: {e}") from None
+        from meshtrain.services.dataloader.samples import check_sample_order
+
+        try:
+            check_sample_order(self.sample_order, "data.sample_order")
+        except DataError as e:
+            raise ConfigError(str(e)) from None
         if self.prefetch < 1:
             raise ConfigError(f"data.prefetch={self.prefetch} must be >= 1")
         for name in ("service_stall_s", "service_give_up_s", "service_open_timeout_s"):

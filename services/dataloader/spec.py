@@ -1,7 +1,8 @@
 """Which samples a job trains on, as one value: `DatasetSpec`, and `open_dataset` to build them.
 
 A spec names the dataset prefixes and their blending weights, the train/valid/test split,
-which split, `seq_length`, `num_samples` and the seed. It is all a data worker needs to
+which split, `seq_length`, `num_samples`, the seed and the recipe of the sample order
+(`sample_order`: meshtrain's, or Megatron's GPTDataset bit for bit). It is all a data worker needs to
 reproduce a stream bit for bit, so the trainer sends it over the wire and the in-process path
 uses it too. `parse_data_path` reads Megatron's `--data-path` convention: either one or more
 prefixes (equal weights), or alternating `WEIGHT PREFIX` pairs.
@@ -32,9 +33,11 @@ from meshtrain.services.dataloader.index_cache import IndexCache, is_cached
 from meshtrain.services.dataloader.indexed import IndexedDataset, is_remote, local_path
 from meshtrain.services.dataloader.samples import (
     GPTDataset,
+    check_sample_order,
     epochs_needed,
     gpt_index_desc,
     index_build_bytes,
+    megatron_total_samples,
     split_ranges,
 )
 
@@ -103,6 +106,9 @@ class DatasetSpec:
     seed: int
     split: str = "969,30,1"
     split_name: str = "train"
+    sample_order: str = "meshtrain"
+    """"meshtrain" or "megatron" (megatron-core GPTDataset's indices, bit for bit; see
+    `samples.GPTDataset`)."""
 
     @classmethod
     def from_data_path(cls, data_path: list[str], **kw) -> "DatasetSpec":
@@ -125,6 +131,7 @@ class DatasetSpec:
         if self.split_name not in SPLITS:
             raise DataError(f"split_name {self.split_name!r} is not one of {SPLITS}")
         split_ranges(1_000_000, self.split)  # validates the split string's syntax
+        check_sample_order(self.sample_order)
 
 
 def index_cache_dir(prefix: str) -> str:
@@ -188,7 +195,10 @@ def open_dataset(spec: DatasetSpec, cache: bool = True, max_index_bytes: int | N
             beside the datasets (a data worker's: clients choose what it builds).
 
     Returns:
-        A GPTDataset for one prefix, else a BlendedDataset of one GPTDataset per prefix.
+        A GPTDataset for one prefix, else a BlendedDataset of one GPTDataset per prefix. With
+        `sample_order` "megatron" each GPTDataset is Megatron's for the samples asked of it (the
+        split counts sequences, Megatron's unit); a blend still interleaves them in meshtrain's
+        order.
     """
     spec.validate()
 
@@ -198,6 +208,7 @@ def open_dataset(spec: DatasetSpec, cache: bool = True, max_index_bytes: int | N
         return index_cache if index_cache is not None else index_cache_dir(prefix)
 
     split = SPLITS.index(spec.split_name)
+    megatron = spec.sample_order == "megatron"
     weights = normalize_weights(spec.weights)
     if len(spec.prefixes) == 1:
         needs = [spec.num_samples]
@@ -217,21 +228,25 @@ def open_dataset(spec: DatasetSpec, cache: bool = True, max_index_bytes: int | N
             opened.append(None)  # weight 0: never drawn, so never opened
             continue
         indexed = IndexedDataset(prefix)
-        begin, end = split_ranges(indexed.num_documents, spec.split)[split]
+        units = len(indexed) if megatron else indexed.num_documents  # Megatron splits sequences
+        begin, end = split_ranges(units, spec.split)[split]
         if end <= begin:
             # The default 969,30,1 gives a small dataset's valid/test splits no whole document:
             # name a split that does, rather than leave the user to work out the arithmetic.
             fix = {"valid": "90,10,0", "test": "90,5,5"}.get(spec.split_name, "100,0,0")
             raise DataError(f"{prefix}: split {spec.split!r} leaves the {spec.split_name} split of its "
-                            f"{indexed.num_documents} documents empty; pass e.g. --split {fix}")
+                            f"{units} {'sequences' if megatron else 'documents'} empty; pass e.g. --split {fix}")
         opened.append((indexed, begin, end))
-        di = indexed.document_indices
+        di = np.arange(units + 1) if megatron else indexed.document_indices
         tokens = int(indexed.sequence_lengths[di[begin]:di[end]].sum(dtype=np.int64))
-        desc = gpt_index_desc(indexed, np.arange(begin, end, dtype=np.int64), spec.seq_length, need, spec.seed)
+        desc = gpt_index_desc(indexed, np.arange(begin, end, dtype=np.int64), spec.seq_length, need, spec.seed,
+                              spec.sample_order)
         if tokens > spec.seq_length and not is_cached(cache_for(prefix), desc):
             # (a split too short for one sample: GPTDataset says so)
             epochs = epochs_needed(tokens, spec.seq_length, need)
-            need_bytes += index_build_bytes(epochs, end - begin, need)
+            # Megatron's sample index covers every whole sample of the epochs, not only `need`
+            indexed_samples = megatron_total_samples(tokens, spec.seq_length, epochs) + 1 if megatron else need
+            need_bytes += index_build_bytes(epochs, end - begin, indexed_samples)
             sizes.append(f"{prefix}: {need} samples = {epochs} epochs of {end - begin} documents "
                          f"({tokens} tokens)")
     if max_index_bytes is not None and need_bytes > max_index_bytes:
@@ -250,7 +265,7 @@ def open_dataset(spec: DatasetSpec, cache: bool = True, max_index_bytes: int | N
             indexed, begin, end = part
             parts.append(GPTDataset(indexed, np.arange(begin, end, dtype=np.int64), spec.seq_length,
                                     need, spec.seed, name=spec.split_name,
-                                    cache_dir=cache_for(prefix)))
+                                    cache_dir=cache_for(prefix), sample_order=spec.sample_order))
         if len(parts) == 1:
             return parts[0]
         return BlendedDataset(parts, weights, spec.num_samples, name=spec.split_name,

@@ -113,7 +113,7 @@ def build_data(job: JobConfig, dp_rank: int = 0, dp_size: int = 1, cp_rank: int 
 
     def spec(split_name: str, num_samples: int) -> DatasetSpec:
         return DatasetSpec(tuple(prefixes), tuple(weights), job.model.seq_length, num_samples,
-                           t.seed, split=d.split, split_name=split_name)
+                           t.seed, split=d.split, split_name=split_name, sample_order=d.sample_order)
 
     train = make_source(spec("train", t.train_iters * t.global_batch_size), t.micro_batch_size,
                         t.global_batch_size, dp_rank, dp_size, addresses=addresses, prefetch=d.prefetch,

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DatasetSpec(_message.Message):
-    __slots__ = ("prefixes", "weights", "seq_length", "num_samples", "seed", "split", "split_name")
+    __slots__ = ("prefixes", "weights", "seq_length", "num_samples", "seed", "split", "split_name", "sample_order")
     PREFIXES_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     SEQ_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -15,6 +15,7 @@ class DatasetSpec(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     SPLIT_FIELD_NUMBER: _ClassVar[int]
     SPLIT_NAME_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_ORDER_FIELD_NUMBER: _ClassVar[int]
     prefixes: _containers.RepeatedScalarFieldContainer[str]
     weights: _containers.RepeatedScalarFieldContainer[float]
     seq_length: int
@@ -22,7 +23,8 @@ class DatasetSpec(_message.Message):
     seed: int
     split: str
     split_name: str
-    def __init__(self, prefixes: _Optional[_Iterable[str]] = ..., weights: _Optional[_Iterable[float]] = ..., seq_length: _Optional[int] = ..., num_samples: _Optional[int] = ..., seed: _Optional[int] = ..., split: _Optional[str] = ..., split_name: _Optional[str] = ...) -> None: ...
+    sample_order: str
+    def __init__(self, prefixes: _Optional[_Iterable[str]] = ..., weights: _Optional[_Iterable[float]] = ..., seq_length: _Optional[int] = ..., num_samples: _Optional[int] = ..., seed: _Optional[int] = ..., split: _Optional[str] = ..., split_name: _Optional[str] = ..., sample_order: _Optional[str] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
     __slots__ = ("spec", "dp_rank", "dp_size", "micro_batch_size", "global_batch_size", "start_step", "start_microbatch", "end_step", "cp_rank", "cp_size")

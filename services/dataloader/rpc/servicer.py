@@ -163,7 +163,7 @@ def spec_from_proto(m: pb.DatasetSpec, max_samples: int = MAX_SAMPLES) -> Datase
     spec = DatasetSpec(
         prefixes=tuple(m.prefixes), weights=tuple(m.weights), seq_length=int(m.seq_length),
         num_samples=int(m.num_samples), seed=int(m.seed), split=m.split or "969,30,1",
-        split_name=m.split_name or "train",
+        split_name=m.split_name or "train", sample_order=m.sample_order or "meshtrain",
     )
     spec.validate()
     return spec
@@ -179,7 +179,8 @@ def spec_to_proto(spec: DatasetSpec) -> pb.DatasetSpec:
     """The message form of a DatasetSpec."""
     return pb.DatasetSpec(prefixes=list(spec.prefixes), weights=list(spec.weights),
                           seq_length=spec.seq_length, num_samples=spec.num_samples,
-                          seed=spec.seed, split=spec.split, split_name=spec.split_name)
+                          seed=spec.seed, split=spec.split, split_name=spec.split_name,
+                          sample_order=spec.sample_order)
 
 
 class DataServicer(pb_grpc.DataServiceServicer):
