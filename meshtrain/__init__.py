@@ -70,6 +70,7 @@ _EXPORTS = {
     "GPT": f"{_T}.model.gpt",
     "parallelize": f"{_T}.parallel.tensor",
     "parallelize_context": f"{_T}.parallel.context",
+    "parallelize_experts": f"{_T}.parallel.expert",
     "apply_recompute": f"{_T}.parallel.recompute",
     "DistributedDataParallel": f"{_T}.parallel.ddp",
     "DistributedOptimizer": f"{_T}.parallel.ddp",

@@ -13,6 +13,12 @@ parameters (norms, row-parallel biases) are first summed over tp. With context p
 reduction and the ZeRO-1 shards span dp x cp (the cp ranks' gradients are shares of one
 sample's, summed; the mean is over dp). Gradient clipping uses the
 true global norm over tp, dp and pp, counting replicated parameters once.
+
+Expert parallelism (`expert.parallelize_experts`): the weights of a rank's experts (marked
+`expert_shard`) go into buckets of their own, reduced (and, ZeRO-1, sharded) over the "edp"
+group, the dp·cp/ep ranks holding the same experts. Each rank's expert gradient already sums
+the gradients of its ep group's losses (the all-to-all's backward brings them), so the sum over
+edp covers every rank's loss once, and the divisor stays dp, as for every other parameter.
 """
 
 from __future__ import annotations
@@ -46,6 +52,15 @@ class Bucket:
     reduce_handle: object | None = None
     gather_handle: object | None = None
     wire: tuple[torch.Tensor, torch.Tensor] | None = None  # (sent, received) in grad_reduce_dtype while in flight
+    group: dist.ProcessGroup | None = None  # reduced (ZeRO-1: sharded) over these ranks
+    shards: int = 1  # ranks in `group`; numel is a multiple of it
+    shard_rank: int = 0  # this rank's index in `group`: its ZeRO-1 slice
+    expert: bool = False  # holds expert weights (group: edp)
+
+    def slice_of(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's ZeRO-1 slice of a flat buffer of the bucket's size."""
+        n = self.numel // self.shards
+        return flat[self.shard_rank * n: (self.shard_rank + 1) * n]
 
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         p = self.params[i]
@@ -105,6 +120,8 @@ class DataParallel:
         else:  # the dp group itself (dp_cp has the same members), as the caller's own collectives use
             self.dp_group, self.dp, self.dp_rank = mesh.group("dp"), mesh.dp, mesh.dp_rank
         self.mean_over = mesh.dp
+        # Expert weights (split over ep): reduced over the ranks holding the same experts.
+        self.edp_group, self.edp, self.edp_rank = mesh.group("edp"), mesh.size("edp"), mesh.edp_rank
         self.sync_enabled = True
         self.names = {p: n for n, p in model.named_parameters()}
         params = [p for p in model.parameters() if p.requires_grad]
@@ -114,7 +131,11 @@ class DataParallel:
                               f"autocast: train.bf16); {odd[0]} is {dict(model.named_parameters())[odd[0]].dtype}")
         self.tied = tied if tied is not None and mesh.group("pp_ends") is not None else None
         ordered = [p for p in reversed(params) if p is not self.tied]  # backward order
-        self.buckets = self._make_buckets(ordered, bucket_size)
+        experts = [p for p in ordered if self._is_expert(p)]
+        self.buckets = (self._make_buckets([p for p in ordered if not self._is_expert(p)], bucket_size)
+                        + self._make_buckets(experts, bucket_size, expert=True))
+        first = {id(p): i for i, p in enumerate(ordered)}
+        self.buckets.sort(key=lambda b: first[id(b.params[0])])  # backward order across both kinds
         if self.tied is not None:  # alone: launched only after the sum over the pipeline ends
             self.buckets += self._make_buckets([self.tied], self.tied.numel())
         self.bucket_of = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
@@ -125,7 +146,11 @@ class DataParallel:
             self._install_gather_waits(gather_units or [(model, list(model.parameters()))])
 
     # ---------------------------------------------------------------- buckets
-    def _make_buckets(self, params: list[nn.Parameter], bucket_size: int) -> list[Bucket]:
+    def _is_expert(self, p: nn.Parameter) -> bool:
+        """An expert weight split over ep (with ep 1 experts are reduced as every other parameter)."""
+        return self.mesh.ep > 1 and getattr(p, "expert_shard", None) is not None
+
+    def _make_buckets(self, params: list[nn.Parameter], bucket_size: int, expert: bool = False) -> list[Bucket]:
         runs, run, size = [], [], 0
         for p in params:
             run.append(p)
@@ -141,12 +166,15 @@ class DataParallel:
             for p in run:
                 offsets.append(off)
                 off += p.numel()
-            numel = -(-off // self.dp) * self.dp
+            group, shards, rank = ((self.edp_group, self.edp, self.edp_rank) if expert
+                                   else (self.dp_group, self.dp, self.dp_rank))
+            numel = -(-off // shards) * shards
             device = run[0].device
-            b = Bucket(run, offsets, numel, torch.zeros(numel, dtype=torch.float32, device=device))
+            b = Bucket(run, offsets, numel, torch.zeros(numel, dtype=torch.float32, device=device),
+                       group=group, shards=shards, shard_rank=rank, expert=expert)
             if self.dist_opt:
                 b.param_flat = torch.zeros(numel, dtype=run[0].dtype, device=device)
-                b.local_grad = torch.zeros(numel // self.dp, dtype=torch.float32, device=device)
+                b.local_grad = torch.zeros(numel // shards, dtype=torch.float32, device=device)
             for i, p in enumerate(run):
                 if b.param_flat is not None:
                     b.view(b.param_flat, i).copy_(p.data)
@@ -196,7 +224,9 @@ class DataParallel:
             for g in sp:
                 g.copy_(flat[off: off + g.numel()].view_as(g))
                 off += g.numel()
-        if self.dp == 1:
+        if b.shards == 1:  # nothing to exchange (expert buckets with ep = dp x cp): only the mean
+            if self.mean_over != 1:
+                b.grad.div_(self.mean_over)
             b.reduce_handle = True
             return
         send, recv = b.grad, (b.local_grad if self.dist_opt else b.grad)
@@ -212,9 +242,9 @@ class DataParallel:
         elif not self.dist_opt:
             b.grad.div_(self.mean_over)
         if self.dist_opt:  # each rank receives the sum of its 1/dp slice (NCCL and gloo alike)
-            b.reduce_handle = dist.reduce_scatter_tensor(recv, send, group=self.dp_group, async_op=True)
+            b.reduce_handle = dist.reduce_scatter_tensor(recv, send, group=b.group, async_op=True)
         else:
-            b.reduce_handle = dist.all_reduce(send, group=self.dp_group, async_op=True)
+            b.reduce_handle = dist.all_reduce(send, group=b.group, async_op=True)
 
     def finish_grad_sync(self) -> None:
         """Complete every bucket's reduction (launching those not yet launched)."""
@@ -229,7 +259,7 @@ class DataParallel:
             if b.wire is not None:  # back from the wire's dtype into the fp32 buffers
                 (b.local_grad if self.dist_opt else b.grad).copy_(b.wire[1])
                 b.wire = None
-            if self.dist_opt and self.dp == 1:  # nothing was reduce-scattered: the slice is the whole
+            if self.dist_opt and b.shards == 1:  # nothing was reduce-scattered: the slice is the whole
                 b.local_grad.copy_(b.grad)
             elif self.dist_opt:  # the mean over dp, taken on this rank's slice only (1/(dp·cp) of the bytes)
                 b.local_grad.div_(self.mean_over)
@@ -248,8 +278,8 @@ class DataParallel:
         self.pieces: list[tuple[nn.Parameter, nn.Parameter, int, int]] = []  # (piece, param, lo, hi) flat coords
         decay, no_decay = [], []
         for b in self.buckets:
-            n = b.numel // self.dp
-            lo_r, hi_r = self.dp_rank * n, (self.dp_rank + 1) * n
+            n = b.numel // b.shards
+            lo_r, hi_r = b.shard_rank * n, (b.shard_rank + 1) * n
             for i, p in enumerate(b.params):
                 lo, hi = max(lo_r, b.offsets[i]), min(hi_r, b.offsets[i] + p.numel())
                 if lo >= hi:
@@ -273,13 +303,13 @@ class DataParallel:
         of the flat parameters is the input, at its own offset in the output (as NCCL and gloo
         allow), so no copy of it is made.
         """
-        if not self.dist_opt or self.dp == 1:
+        if not self.dist_opt:
             return
         for b in reversed(self.buckets):
-            n = b.numel // self.dp
-            b.gather_handle = dist.all_gather_into_tensor(
-                b.param_flat, b.param_flat[self.dp_rank * n: (self.dp_rank + 1) * n], group=self.dp_group,
-                async_op=self.overlap_param)
+            if b.shards == 1:
+                continue
+            b.gather_handle = dist.all_gather_into_tensor(b.param_flat, b.slice_of(b.param_flat), group=b.group,
+                                                          async_op=self.overlap_param)
         if not self.overlap_param:
             for b in self.buckets:
                 b.gather_handle = None
@@ -305,16 +335,20 @@ class DataParallel:
         grads = ([(piece.grad, p) for piece, p, _, _ in self.pieces] if self.dist_opt
                  else [(p.grad, p) for b in self.buckets for p in b.params])
         # the last pipeline stage's copy of a tied embedding is counted once, on the first stage
-        items = [(g, tp_split_of(p) is not None) for g, p in grads if not getattr(p, "pipeline_copy", False)]
+        items = [(g, tp_split_of(p) is not None, self._is_expert(p)) for g, p in grads
+                 if not getattr(p, "pipeline_copy", False)]
         device = self.buckets[0].grad.device
-        # [tp-sharded, tp-replicated] sums of squares; one multi-tensor norm per kind (a few
-        # kernels, not a few per parameter: the step's tail is host-bound enough as it is).
+        # [tp-sharded, tp-replicated] x [dense, expert] sums of squares; one multi-tensor norm per
+        # kind (a few kernels, not a few per parameter: the step's tail is host-bound enough as it is).
         sq = torch.stack([
             torch.stack(torch._foreach_norm(gs)).square().sum() if gs else torch.zeros((), device=device)
-            for gs in ([g for g, sharded in items if sharded], [g for g, sharded in items if not sharded])])
-        if self.dist_opt:
-            M.all_reduce(sq, self.dp_group)
-        total = M.all_reduce(sq[:1].clone(), self.tp_group)[0] + sq[1]
+            for gs in ([g for g, sh, ex in items if sh == sharded and ex == expert]
+                       for expert in (False, True) for sharded in (True, False))])
+        if self.dist_opt:  # ZeRO-1 slices: dense ones over dp x cp, expert ones over edp and each ep rank's
+            M.all_reduce(sq, self.dp_group)  # own experts: the dp x cp group covers both exactly once
+        elif self.mesh.ep > 1:  # whole gradients, replicated over edp: each ep rank's experts once
+            sq[2:] = M.all_reduce(sq[2:].clone(), self.mesh.group("ep"))
+        total = M.all_reduce((sq[0] + sq[2]).view(1), self.tp_group)[0] + sq[1] + sq[3]
         if self.mesh.pp > 1:  # every stage's share (the last stage's embedding copy left out above)
             total = M.all_reduce(total, self.mesh.group("pp"))
         norm = total.sqrt()
@@ -325,14 +359,15 @@ class DataParallel:
 
     # ---------------------------------------------------------------- checkpoint support
     def full_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Per-parameter Adam moments, whole (gathered over dp), keyed by parameter name."""
+        """Per-parameter Adam moments, whole (gathered over dp; expert weights over edp: this
+        rank's experts), keyed by parameter name."""
         out: dict[str, dict[str, torch.Tensor]] = {}
         by_param = {id(p): [] for b in self.buckets for p in b.params}
         for piece, p, lo, hi in self.pieces:
             by_param[id(p)].append((piece, lo, hi))
         for b in self.buckets:
-            n = b.numel // self.dp
-            lo_r = self.dp_rank * n
+            n = b.numel // b.shards
+            lo_r = b.shard_rank * n
             for key in ("exp_avg", "exp_avg_sq"):
                 local = torch.zeros(n, dtype=torch.float32, device=b.grad.device)
                 for i, p in enumerate(b.params):
@@ -341,7 +376,7 @@ class DataParallel:
                         if st:
                             start = b.offsets[i] + lo - lo_r
                             local[start: start + (hi - lo)] = st[key]
-                full = M.all_gather(local, 0, self.dp_group)
+                full = M.all_gather(local, 0, b.group)
                 for i, p in enumerate(b.params):
                     out.setdefault(self.names[p], {})[key] = b.view(full, i).clone()
         return out

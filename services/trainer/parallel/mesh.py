@@ -5,16 +5,19 @@ Rank order is Megatron's default `tp-cp-ep-dp-pp` with tp fastest:
     global_rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
 
 so tensor-parallel peers are neighbours (same node, fastest links). Expert parallelism folds ep
-out of dp×cp for MoE layers (ep must divide dp×cp). There are no module-level groups: code
-that communicates takes a `Mesh` (or one of its groups) as an argument.
+out of dp×cp for MoE layers (ep must divide dp×cp): group "ep" is ep consecutive ranks of a
+dp×cp group (cp fastest), which split each MoE block's experts and exchange tokens by
+all-to-all; group "edp" is the ranks holding the same experts (every ep-th rank of the dp×cp
+group, dp·cp/ep of them), over which the experts' gradients are averaged. Every other
+parameter is replicated over the whole dp×cp group as without experts. For example tp=2,
+dp=4, ep=2 on 8 ranks: dp×cp groups {0,2,4,6} and {1,3,5,7}; ep groups {0,2} {4,6} {1,3}
+{5,7}; edp groups {0,4} {2,6} {1,5} {3,7}. There are no module-level groups: code that
+communicates takes a `Mesh` (or one of its groups) as an argument.
 
     init_process_group()                       # under torchrun / srun: reads RANK, WORLD_SIZE, ...
     mesh = Mesh.build(tp=2)                    # dp = world / tp
     mesh = initialize_model_parallel(2)        # Megatron-flavoured spelling of the same two lines
-
-tp, cp, dp and pp are built: the engine has no expert parallelism yet, so
-`initialize_model_parallel` refuses ep other than 1 (as the trainer's config does). `Mesh.build`
-still lays out every axis, for the rank arithmetic.
+    mesh = initialize_model_parallel(expert_model_parallel_size=2)   # experts split over 2 dp ranks
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from meshtrain.services.common.errors import ConfigError, NotBuiltError
+from meshtrain.services.common.errors import ConfigError
 
 AXES = ("tp", "cp", "dp", "pp")
 
@@ -268,13 +271,12 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
 
     `cp_comm_type` ('p2p', 'a2a', 'a2a+p2p' with `hierarchical_context_parallel_sizes` =
     [all-to-all size, ring size]) lays out the context-parallel groups the model's
-    `parallelize_context(model, mesh, cp_comm_type)` will use.
+    `parallelize_context(model, mesh, cp_comm_type)` will use. `expert_model_parallel_size`
+    lays out the "ep" and "edp" groups `expert.parallelize_experts(model, mesh)` uses.
 
     Raises:
-        NotBuiltError: an expert degree other than 1 (not built yet: a mesh with such an axis
-            would train, each of its ranks a plain data-parallel replica).
+        ConfigError: degrees that do not fit the world size (ep must divide dp x cp).
     """
-    refuse_unbuilt_axes(ep=expert_model_parallel_size)
     if cp_comm_type == "a2a+p2p":
         sizes = hierarchical_context_parallel_sizes
         if not sizes or len(sizes) != 2 or sizes[0] * sizes[1] != context_parallel_size:
@@ -287,10 +289,3 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     return Mesh.build(tp=tensor_model_parallel_size, pp=pipeline_model_parallel_size,
                       cp=context_parallel_size, ep=expert_model_parallel_size, cp_a2a=a2a)
 
-
-def refuse_unbuilt_axes(**degrees: int) -> None:
-    """NotBuiltError unless every given degree (ep) is 1: that parallelism is not built."""
-    for axis, degree in degrees.items():
-        if degree != 1:
-            raise NotBuiltError(f"{axis}={degree}: this parallelism is not built yet (value must be 1); "
-                                "meshtrain shards over tp, cp, pp and dp only")

@@ -9,6 +9,15 @@ gathers the full logits. Parameter names do not change; a parameter's `tp_split`
 says how it is sharded (see `TPSplit`) so checkpoints can gather or slice it. With sequence
 parallelism, activations between blocks are (batch, seq/tp, hidden) and norm weights and
 row-parallel biases (marked `sequence_parallel`) need their gradients summed over tp.
+
+A mixture-of-experts block is one tensor-parallel region (`parallelize_moe`): its input is
+gathered whole over tp (all-gathered along the sequence under sequence parallelism), every tp
+rank routes the same tokens with the replicated router, each expert's inner width is split as
+the dense MLP's (fc1 by halves on dim 1, fc2 on dim 2 of the stacked weights), and the block's
+output, a per-rank partial sum, is reduced once (reduce-scattered under sequence parallelism).
+Everything inside the region computes a share: the replicated router and shared-expert gate
+get per-rank shares of their gradients (marked `sequence_parallel`, summed over tp like the
+norms), and the auxiliary losses are injected 1/tp on each rank.
 """
 
 from __future__ import annotations
@@ -21,9 +30,10 @@ from torch import nn
 
 from meshtrain.services.common.errors import ConfigError
 from meshtrain.services.trainer.config import check_tensor_parallel
+from meshtrain.services.trainer.model.moe import MoE
 from meshtrain.services.trainer.parallel import async_tp
 from meshtrain.services.trainer.parallel import mappings as M
-from meshtrain.services.trainer.parallel.mesh import Mesh, refuse_unbuilt_axes
+from meshtrain.services.trainer.parallel.mesh import Mesh
 
 
 @dataclass(frozen=True)
@@ -60,6 +70,21 @@ def _param(t: torch.Tensor, split: TPSplit | None = None, sequence_parallel: boo
     return p
 
 
+SHARD_ATTRS = ("tp_split", "sequence_parallel", "expert_shard")
+"""The attributes saying how a parameter is sharded; a parameter cut again keeps them."""
+
+
+def reshard_param(old: nn.Parameter, t: torch.Tensor, **attrs) -> nn.Parameter:
+    """A new parameter holding `t` (a slice of `old`), with `old`'s sharding attributes and `attrs`."""
+    p = nn.Parameter(t.detach().clone().contiguous(), requires_grad=old.requires_grad)
+    for name in SHARD_ATTRS:
+        if hasattr(old, name):
+            setattr(p, name, getattr(old, name))
+    for name, value in attrs.items():
+        setattr(p, name, value)
+    return p
+
+
 class _ColumnLinearAsyncGrad(torch.autograd.Function):
     """Column-parallel linear whose backward reduces the input gradient during the dW GEMM.
 
@@ -93,9 +118,12 @@ class ColumnParallelLinear(nn.Module):
     """y = x W_r^T + b_r: output features split over tp; input replicated (or seq-gathered)."""
 
     def __init__(self, full: nn.Linear, mesh: Mesh, sequence_parallel: bool, halves: bool = False,
-                 overlap: bool = False, async_grad: bool = False):
+                 overlap: bool = False, async_grad: bool = False, in_region: bool = False):
+        """`in_region`: inside a region that gathered the input already and reduces its gradient
+        (a MoE block): no collective here."""
         super().__init__()
         self.group, self.sp, self.overlap, self.async_grad = mesh.group("tp"), sequence_parallel, overlap, async_grad
+        self.in_region = in_region
         self.linear = F.linear  # a zero-bubble pipeline swaps in one that defers dW
         split = TPSplit(0, halves=halves)
         self.weight = _param(split.shard(full.weight, mesh.tp_rank, mesh.tp), split)
@@ -103,6 +131,8 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (b, s/tp or s, in) -> (b, s, out/tp)."""
+        if self.in_region:
+            return self.linear(x, self.weight, self.bias)
         if self.overlap:
             return async_tp.gather_linear(x, self.weight, self.bias, self.group)
         if self.async_grad:
@@ -117,17 +147,24 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """y = sum_r x_r W_r^T + b: input features split over tp; output reduced (or reduce-scattered)."""
 
-    def __init__(self, full: nn.Linear, mesh: Mesh, sequence_parallel: bool, overlap: bool = False):
+    def __init__(self, full: nn.Linear, mesh: Mesh, sequence_parallel: bool, overlap: bool = False,
+                 in_region: bool = False):
+        """`in_region`: inside a region that reduces the output itself (a MoE block): the output
+        is this rank's share, bias/tp included (the bias's gradient is then a share too)."""
         super().__init__()
         self.group, self.sp, self.overlap = mesh.group("tp"), sequence_parallel, overlap
+        self.in_region, self.tp = in_region, mesh.tp
         self.linear = F.linear  # a zero-bubble pipeline swaps in one that defers dW
         split = TPSplit(1)
         self.weight = _param(split.shard(full.weight, mesh.tp_rank, mesh.tp), split)
         # The bias is added after the reduction, once: replicated (per seq shard under SP).
-        self.bias = _param(full.bias, None, sequence_parallel) if full.bias is not None else None
+        self.bias = (_param(full.bias, None, sequence_parallel or in_region) if full.bias is not None else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (b, s, in/tp) -> (b, s/tp or s, out)."""
+        """x (b, s, in/tp) -> (b, s/tp or s, out); `in_region`: (b, s, out), this rank's share."""
+        if self.in_region:
+            y = self.linear(x, self.weight, None)
+            return y + (self.bias / self.tp).to(y.dtype) if self.bias is not None else y
         if self.overlap:
             y = async_tp.linear_reduce_scatter(x, self.weight, self.group)
         else:
@@ -254,15 +291,15 @@ def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False,
         async_grad_reduce: column-parallel linears reduce their input gradient while computing
             their weight gradient (ignored where `comm_overlap` fuses the two already).
 
+    Mixture-of-experts blocks become tensor-parallel regions (`parallelize_moe`); their experts
+    are split over ep by `expert.parallelize_experts`, before or after this.
+
     Raises:
-        NotBuiltError: a mesh with ep other than 1 (not built: its ranks would train as plain
-            data-parallel replicas).
         ConfigError: a mesh with cp > 1 and a model not made context parallel first
             (`context.parallelize_context`: else each cp rank attends within its own tokens);
             head or group counts that tp does not divide, sequence parallelism with a sequence
             length tp does not divide, or comm_overlap where it cannot run.
     """
-    refuse_unbuilt_axes(ep=mesh.ep)
     if mesh.cp > 1 and getattr(model, "context", None) is None:
         raise ConfigError(f"the mesh has cp={mesh.cp}: make the model context parallel first "
                           "(parallel.context.parallelize_context), or each cp rank attends only within its own tokens")
@@ -279,6 +316,7 @@ def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False,
             raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1")
         return model
     check_tensor_parallel(cfg, tp, sequence_parallel)
+    check_moe_tensor_parallel(cfg, tp)
     with torch.no_grad():
         emb = model.embedding
         emb.word_embeddings = VocabParallelEmbedding(emb.word_embeddings, mesh, cfg.make_vocab_size_divisible_by)
@@ -294,6 +332,9 @@ def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False,
                                            async_grad=async_grad_reduce)
             att.proj = RowParallelLinear(att.proj, mesh, sequence_parallel, overlap=comm_overlap)
             att.heads, att.groups = att.heads // tp, att.groups // tp
+            if isinstance(layer.mlp, MoE):
+                parallelize_moe(layer.mlp, mesh, sequence_parallel)
+                continue
             layer.mlp.fc1 = ColumnParallelLinear(layer.mlp.fc1, mesh, sequence_parallel, halves=layer.mlp.swiglu,
                                                  overlap=comm_overlap, async_grad=async_grad_reduce)
             layer.mlp.fc2 = RowParallelLinear(layer.mlp.fc2, mesh, sequence_parallel, overlap=comm_overlap)
@@ -304,6 +345,66 @@ def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False,
             group = mesh.group("tp")
             model.embedding.register_forward_hook(lambda _m, _i, out: M.scatter_to_sequence(out, group))
     return model
+
+
+def check_moe_tensor_parallel(cfg, tp: int) -> None:
+    """ConfigError unless tp divides each expert's and the shared expert's inner width."""
+    if cfg.num_experts is None or tp == 1:
+        return
+    for key, width in (("model.moe_ffn_hidden_size", cfg.moe_ffn_size),
+                       ("model.moe_shared_expert_intermediate_size", cfg.moe_shared_expert_intermediate_size)):
+        if width is not None and width % tp:
+            raise ConfigError(f"parallel.tp={tp} (the expert tensor-parallel size) must divide {key}={width}")
+
+
+def parallelize_moe(moe: MoE, mesh: Mesh, sequence_parallel: bool) -> None:
+    """Make one MoE block a tensor-parallel region over mesh.tp, in place (see the module docstring).
+
+    The stacked expert weights keep their leading (local) expert axis: fc1 (experts, 2*ffn/tp or
+    ffn/tp, hidden) split on dim 1 by halves for SwiGLU, fc2 (experts, hidden, ffn/tp) on dim 2.
+    They are marked `expert_shard` (first global expert, experts) if expert parallelism has not
+    already done so.
+    """
+    tp, rank, group = mesh.tp, mesh.tp_rank, mesh.group("tp")
+    check_moe_tensor_parallel(moe.config, tp)
+    ex = moe.experts
+    if tp_split_of(ex.fc1.weight) is not None:
+        raise ConfigError("this MoE block is tensor parallel already (parallelize ran on it twice)")
+    shard = (ex.first_expert, moe.num_experts)
+    fc1, fc2 = TPSplit(1, halves=ex.swiglu), TPSplit(2)
+    ex.fc1.weight = reshard_param(ex.fc1.weight, fc1.shard(ex.fc1.weight, rank, tp), tp_split=fc1,
+                                  expert_shard=getattr(ex.fc1.weight, "expert_shard", shard))
+    ex.fc2.weight = reshard_param(ex.fc2.weight, fc2.shard(ex.fc2.weight, rank, tp), tp_split=fc2,
+                                  expert_shard=getattr(ex.fc2.weight, "expert_shard", shard))
+    if moe.shared_expert is not None:
+        se = moe.shared_expert
+        se.fc1 = ColumnParallelLinear(se.fc1, mesh, sequence_parallel, halves=se.swiglu, in_region=True)
+        se.fc2 = RowParallelLinear(se.fc2, mesh, sequence_parallel, in_region=True)
+    # Replicated, but each rank's gradient is its share (the outputs they scale are partial).
+    moe.router.weight.sequence_parallel = True  # type: ignore[attr-defined]
+    if moe.shared_expert_gate is not None:
+        moe.shared_expert_gate.weight.sequence_parallel = True  # type: ignore[attr-defined]
+    if sequence_parallel:  # (b, s/tp, h) in and out; the block sees (b, s, h)
+        moe.register_forward_pre_hook(lambda _m, args: (M.gather_from_sequence(args[0], group), *args[1:]))
+        moe.register_forward_hook(lambda _m, _args, y: M.reduce_scatter_to_sequence(y, group))
+    else:
+        moe.register_forward_pre_hook(lambda _m, args: (M.copy_to_region(args[0], group), *args[1:]))
+        moe.register_forward_hook(lambda _m, _args, y: M.reduce_from_region(y, group))
+    moe.tp_region = tp  # type: ignore[attr-defined]
+    set_moe_shares(moe, mesh)
+
+
+def set_moe_shares(moe: MoE, mesh: Mesh) -> None:
+    """Point a MoE block's statistics at the ranks sharing its global micro-batch and scale its
+    auxiliary-loss share so the data-parallel gradient comes out as one process's.
+
+    The load-balancing counts and token totals are summed over the dp x cp group (every rank's
+    share of the loss then adds up to the global micro-batch's loss); DataParallel sums the
+    gradients over dp x cp and divides by dp, so each share is injected dp times, and 1/tp more
+    inside a tensor-parallel region, whose gradients are summed over tp.
+    """
+    moe.stats_group = mesh.group("dp_cp") if mesh.size("dp_cp") > 1 else None
+    moe.aux_share_scale = mesh.dp / getattr(moe, "tp_region", 1)
 
 
 def gather_tp(local: torch.Tensor, param: torch.Tensor, mesh: Mesh) -> torch.Tensor:

@@ -84,16 +84,12 @@ def test_parallelize_rejects_what_it_cannot_shard():
         parallelize(GPT(ModelConfig(**dict(GPT2, attention_dropout=0.1))), Mesh(tp=2, rank=0, ranks={"tp": [0, 1]}))
 
 
-def test_unbuilt_parallelism_is_refused_not_trained_as_data_parallel():
-    """A mesh with an expert axis (built by Mesh.build or the Megatron-style
-    initialize_model_parallel) was sharded over tp alone, and its ranks trained as plain
-    replicas of one another; both entry points now refuse it, as the trainer's config does."""
-    from meshtrain.services.common.errors import NotBuiltError
+def test_an_expert_degree_that_does_not_fit_the_world_is_refused():
+    """Expert parallelism is built (parallel/expert.py, tested in test_expert.py); one process
+    has no dp x cp ranks to split the experts over."""
     from meshtrain.services.trainer.parallel.mesh import initialize_model_parallel
 
-    with pytest.raises(NotBuiltError, match="ep=2: this parallelism is not built"):
-        parallelize(GPT(ModelConfig(**CFG)), Mesh(ep=2, dp=2, rank=0))
-    with pytest.raises(NotBuiltError, match="ep=2"):
+    with pytest.raises(ConfigError, match=r"parallel.ep=2 must divide dp\*cp = 1"):
         initialize_model_parallel(expert_model_parallel_size=2)
 
 
