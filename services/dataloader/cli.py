@@ -130,7 +130,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                           "(or Megatron's --tokenizer-type and its file flags instead)")
     pre.add_argument("--tokenizer-type", default=None,
                      help="Megatron's name: GPT2BPETokenizer, HuggingFaceTokenizer, SentencePieceTokenizer, "
-                          "GPTSentencePieceTokenizer, TikTokenizer or NullTokenizer")
+                          "GPTSentencePieceTokenizer, Llama2Tokenizer, TikTokenizer or NullTokenizer")
     pre.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer's vocab.json")
     pre.add_argument("--merge-file", default=None, help="GPT2BPETokenizer's merges.txt")
     pre.add_argument("--tokenizer-model", default=None,

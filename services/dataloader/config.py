@@ -39,7 +39,7 @@ class DataConfig:
     """Megatron's `--tokenizer-type`, the other way to name the tokenizer (not together with
     `tokenizer`, which it sets): GPT2BPETokenizer (`vocab_file` + `merge_file`),
     HuggingFaceTokenizer (`tokenizer_model`: a tokenizer.json or its folder),
-    SentencePieceTokenizer or GPTSentencePieceTokenizer (`tokenizer_model`: a *.model),
+    SentencePieceTokenizer, GPTSentencePieceTokenizer or Llama2Tokenizer (`tokenizer_model`: a *.model),
     TikTokenizer (`tokenizer_model`: a *.tiktoken file or megatron-core's JSON vocabulary;
     `vocab_size`, `tiktoken_pattern`, `tiktoken_num_special_tokens`), NullTokenizer
     (`vocab_size`: text is whitespace-separated ids below it, EOD is `vocab_size`)."""

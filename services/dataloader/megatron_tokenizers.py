@@ -7,7 +7,7 @@ tokenizer spec (the one string that travels in configs, over gRPC and into check
 
     GPT2BPETokenizer      gpt2bpe:VOCAB_JSON,MERGES_TXT       GPT-2's byte-level BPE, EOD <|endoftext|>
     HuggingFaceTokenizer  PATH (tokenizer.json or its folder)  as `--tokenizer PATH`
-    SentencePieceTokenizer / GPTSentencePieceTokenizer
+    SentencePieceTokenizer / GPTSentencePieceTokenizer / Llama2Tokenizer
                           sentencepiece:PATH                  EOD = the model's end of sentence
     TikTokenizer          megatron-tiktoken:PATH,pattern=v2,num_special_tokens=1000,vocab_size=N
     NullTokenizer         null:VOCAB_SIZE                     text is integer ids; EOD = VOCAB_SIZE
@@ -41,6 +41,7 @@ TOKENIZER_TYPES = {
     "HuggingFaceTokenizer": ("tokenizer_model",),
     "SentencePieceTokenizer": ("tokenizer_model",),
     "GPTSentencePieceTokenizer": ("tokenizer_model",),
+    "Llama2Tokenizer": ("tokenizer_model",),
     "TikTokenizer": ("tokenizer_model",),
     "NullTokenizer": ("vocab_size",),
 }
@@ -134,7 +135,8 @@ def megatron_spec(tokenizer_type: str, *, vocab_file: str | None = None, merge_f
         if os.path.isdir(model) and not os.path.isfile(os.path.join(model, "tokenizer.json")):
             raise DataError(f"{name('tokenizer_model')}={tokenizer_model!r} is a folder without a tokenizer.json")
         return model
-    if tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
+    if tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):
+        # megatron-core reads all three with one SentencePiece wrapper: no BOS added, EOD = eos
         return f"sentencepiece:{model}"
     # TikTokenizer
     _check_path_for_spec(model, name("tokenizer_model"))

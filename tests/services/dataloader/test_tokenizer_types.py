@@ -220,16 +220,20 @@ def sp_model(tmp_path_factory):
     return folder / "sp.model"
 
 
-@pytest.mark.parametrize("kind", ["SentencePieceTokenizer", "GPTSentencePieceTokenizer"])
+@pytest.mark.parametrize("kind", ["SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"])
 def test_sentencepiece_type(sp_model, kind):
-    import sentencepiece as spm
+    from megatron.core.tokenizers.text.libraries.sentencepiece_tokenizer import (
+        SentencePieceTokenizer as MegatronSentencePiece,
+    )
 
     spec = megatron_spec(kind, tokenizer_model=str(sp_model))
     assert spec == f"sentencepiece:{sp_model.resolve()}"
     tok = build_tokenizer(spec)
-    raw = spm.SentencePieceProcessor(model_file=str(sp_model))
-    assert isinstance(tok, SentencePieceTokenizer) and tok.eod_id == raw.eos_id()
-    assert tok.encode(TEXTS[0]) == raw.encode(TEXTS[0]) and tok.spec == spec
+    reference = MegatronSentencePiece(str(sp_model))
+    assert isinstance(tok, SentencePieceTokenizer) and tok.spec == spec
+    assert tok.eod_id == reference.eos_id and tok.vocab_size == reference.vocab_size
+    for text in TEXTS:
+        assert tok.encode(text) == reference.text_to_ids(text), text
     with pytest.raises(DataError, match="--vocab-file is not read by --tokenizer-type=" + kind):
         megatron_spec(kind, tokenizer_model=str(sp_model), vocab_file=str(sp_model), prefix="--")
 
