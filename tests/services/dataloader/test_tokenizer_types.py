@@ -60,7 +60,48 @@ def gpt2_files(tmp_path_factory):
     return vocab, merges
 
 
+def _reference_gpt2_encode(text: str, vocab_file: str, merge_file: str) -> list[int]:
+    """GPT-2's encoder written out in plain Python (its split regex, its byte -> symbol map, and
+    merges applied lowest rank first), independent of the `tokenizers` library."""
+    import regex
+
+    vocab = json.loads(Path(vocab_file).read_text(encoding="utf-8"))
+    lines = [m for m in Path(merge_file).read_text(encoding="utf-8").split("\n")[1:] if m]
+    ranks = {tuple(m.split(" ")): r for r, m in enumerate(lines)}
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    symbol, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            symbol[b] = chr(b)
+        else:
+            symbol[b] = chr(256 + extra)
+            extra += 1
+    pattern = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
+    ids = []
+    for piece in pattern.findall(text):
+        word = [symbol[b] for b in piece.encode("utf-8")]
+        while len(word) > 1:
+            pairs = [(ranks.get(pair, len(ranks)), i) for i, pair in enumerate(zip(word, word[1:]))]
+            best = min(pairs)[0]
+            if best == len(ranks):
+                break
+            first, second = lines[best].split(" ")
+            merged, i = [], 0
+            while i < len(word):
+                if i + 1 < len(word) and word[i] == first and word[i + 1] == second:
+                    merged.append(first + second)
+                    i += 2
+                else:
+                    merged.append(word[i])
+                    i += 1
+            word = merged
+        ids.extend(vocab[w] for w in word)
+    return ids
+
+
 def test_gpt2bpe_matches_transformers_gpt2_tokenizer(gpt2_files):
+    """transformers' GPT2Tokenizer runs on the same `tokenizers` library, so GPT-2's algorithm is
+    also written out in plain Python and compared."""
     from transformers import GPT2Tokenizer
 
     vocab, merges = gpt2_files
@@ -71,6 +112,7 @@ def test_gpt2bpe_matches_transformers_gpt2_tokenizer(gpt2_files):
     for text in TEXTS + ["".join(TEXTS)]:
         ids = ours.encode(text)
         assert ids == theirs.encode(text, add_special_tokens=False), text
+        assert ids == _reference_gpt2_encode(text, vocab, merges), text
         assert ours.decode(ids) == text
     assert ours.encode_batch(TEXTS) == [ours.encode(t) for t in TEXTS]
     # as Megatron's GPT-2 tokenizer: the special token's text inside a document is plain text
