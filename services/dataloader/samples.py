@@ -7,7 +7,9 @@ tokens = s[:-1], labels = s[1:] cover the stream without gaps) and may cross doc
 boundaries. Samples are then served in a seeded shuffled order. All three index arrays
 (document order, sample starts, shuffle) are built with vectorized numpy, so millions of
 samples take a second or two; everything is a pure function of (dataset, documents,
-seq_length, num_samples, seed).
+seq_length, num_samples, seed, sample_order). `sample_order="megatron"` builds megatron-core
+GPTDataset's own three indices instead, bit for bit (see `GPTDataset`), and `split_ranges`
+computes Megatron's split edges with its floating-point arithmetic.
 
     ranges = split_ranges(ds.num_documents, "969,30,1")
     train = GPTDataset(ds, np.arange(*ranges[0]), seq_length=1024, num_samples=N, seed=1234)
@@ -59,7 +61,10 @@ def split_ranges(num_documents: int, split: str = "969,30,1") -> list[tuple[int,
     # same split: normalize each weight first, then add the fractions up in Python floats, and
     # round each edge half to even (`round`). Summing the raw weights first (90+5 = 95, /100)
     # rounds some sizes differently (0.9 + 0.05 is 0.9500000000000001, not 0.95).
-    fractions = (np.asarray(weights, dtype=np.float64) / np.sum(weights, dtype=np.float64)).tolist()
+    total = 0.0
+    for w in weights:  # in order, as numpy.sum adds three numbers (Python's sum compensates since 3.12)
+        total += w
+    fractions = [w / total for w in weights]
     cum = [0.0]
     for f in fractions:
         cum.append(cum[-1] + f)
@@ -139,6 +144,7 @@ class GPTDataset:
             of the epochs plus the end of the last, as Megatron's `sample_index`.
         shuffle_idx: unshuffled sample served at each index: (num_samples,), or with
             "megatron" Megatron's `shuffle_index` over all samples of the epochs (uint32).
+        separate_final_epoch: whether the last epoch was shuffled apart ("megatron" only).
     """
 
     def __init__(
@@ -211,6 +217,7 @@ class GPTDataset:
         desc = gpt_index_desc(indexed, documents, self.seq_length, self.num_samples, self.seed, sample_order)
         self.index_key = cache_key(desc)  # its entry in an index cache
         build = self._build_megatron_indices if megatron else self._build_indices
+        self.separate_final_epoch = megatron and self._megatron_separates_final_epoch()
         arrays = cached_arrays(cache_dir, desc, lambda: build(documents))
         self.doc_idx = arrays["doc_idx"]
         self.sample_idx = arrays["sample_idx"]
@@ -239,17 +246,23 @@ class GPTDataset:
         shuffle_idx = perm.astype(np.int32) if self.num_samples < 2**31 else perm
         return {"doc_idx": doc_idx, "sample_idx": sample_idx, "shuffle_idx": shuffle_idx}
 
+    def _megatron_separates_final_epoch(self) -> bool:
+        """Megatron's `separate_final_epoch`: the last epoch is shuffled apart when less than
+        80% of its samples are used."""
+        if self.num_epochs == 1:
+            return False
+        tokens, seq = self.tokens_per_epoch, self.seq_length
+        from_last = self.num_samples - megatron_total_samples(tokens, seq, self.num_epochs - 1)
+        return from_last < int(_MEGATRON_SEPARATE_EPOCH_SHARE * megatron_total_samples(tokens, seq, 1))
+
     def _build_megatron_indices(self, documents: np.ndarray) -> dict[str, np.ndarray]:
         """megatron-core GPTDataset's three indices, bit for bit, vectorized: its document index
         (`_build_document_index`), sample index (`helpers.build_sample_idx`, a C++ loop there)
         and shuffle index (`_build_shuffle_index`), drawn from one RandomState in that order."""
         tokens, epochs, seq = self.tokens_per_epoch, self.num_epochs, self.seq_length
-        # samples the epochs before the last hold; with one epoch nothing is set apart
+        # samples the epochs before the last hold (with one epoch nothing is set apart)
         before_last = megatron_total_samples(tokens, seq, epochs - 1) if epochs > 1 else 0
-        separate = False
-        if epochs > 1:
-            per_epoch = megatron_total_samples(tokens, seq, 1)
-            separate = self.num_samples - before_last < int(_MEGATRON_SEPARATE_EPOCH_SHARE * per_epoch)
+        separate = self.separate_final_epoch
         rng = np.random.RandomState(self.seed)
         docs = documents.astype(np.int32)
         if separate:
