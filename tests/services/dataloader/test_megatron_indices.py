@@ -201,3 +201,27 @@ def test_sample_order_is_checked_and_travels(tmp_path):
     assert message.sample_order == "megatron" and spec_from_proto(message) == spec
     message.ClearField("sample_order")  # what a client that predates the field sends
     assert spec_from_proto(message).sample_order == "meshtrain"
+
+
+def test_megatron_order_over_grpc_equals_in_process(tmp_path):
+    """A data worker builds the order the spec names: its stream equals the in-process
+    batches for any rank and step, and differs from meshtrain's order."""
+    from meshtrain.services.dataloader.rpc.client import ServiceBatchSource
+    from meshtrain.services.dataloader.rpc.server import start_server
+
+    a = _write_ours(tmp_path / "a", 1, 80, 50, False)
+    b = _write_ours(tmp_path / "b", 2, 50, 70, False)
+    spec = DatasetSpec((a, b), (0.4, 0.6), 16, 64 * 16, 5, split="90,5,5", sample_order="megatron")
+    srv, port, _ = start_server(0)
+    try:
+        for rank in (0, 1):
+            local = LocalBatchSource(open_dataset(spec), 2, 16, rank, 2)
+            other = LocalBatchSource(open_dataset(replace(spec, sample_order="meshtrain")), 2, 16, rank, 2)
+            with ServiceBatchSource([f"127.0.0.1:{port}"], spec, 2, 16, rank, 2, prefetch=2) as remote:
+                for step in (0, 1, 50, 7):
+                    for got, want, mesh in zip(remote.micro_batches(step), local.micro_batches(step),
+                                               other.micro_batches(step), strict=True):
+                        assert np.array_equal(got.tokens, want.tokens) and np.array_equal(got.labels, want.labels)
+                        assert not np.array_equal(got.tokens, mesh.tokens)
+    finally:
+        srv.stop(0)
