@@ -65,11 +65,13 @@ class MicroBatch(_message.Message):
     def __init__(self, step: _Optional[int] = ..., microbatch: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., samples: _Optional[bytes] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("num_samples", "num_steps", "num_micro_batches")
+    __slots__ = ("num_samples", "num_steps", "num_micro_batches", "sample_order")
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     NUM_MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_ORDER_FIELD_NUMBER: _ClassVar[int]
     num_samples: int
     num_steps: int
     num_micro_batches: int
-    def __init__(self, num_samples: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_micro_batches: _Optional[int] = ...) -> None: ...
+    sample_order: str
+    def __init__(self, num_samples: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_micro_batches: _Optional[int] = ..., sample_order: _Optional[str] = ...) -> None: ...

@@ -280,7 +280,12 @@ class ServiceBatchSource:
                                                                   timeout=self.open_timeout_s)
                     self._opening = opening
                 opened_since = time.monotonic()
-                opening.result()  # the worker has the dataset open: streaming starts at once
+                info = opening.result()  # the worker has the dataset open: streaming starts at once
+                if (info.sample_order or "meshtrain") != self.spec.sample_order:
+                    # a worker older than the field ignores it and would serve meshtrain's order
+                    raise DataError(f"data worker {address} serves sample_order "
+                                    f"{info.sample_order or 'meshtrain'!r}, not the {self.spec.sample_order!r} "
+                                    f"this run asks for: upgrade it")
                 if failing_since is not None:  # opening is not a stall
                     failing_since += time.monotonic() - opened_since
                 call = self._stub(address).StreamBatches(self._request(*pos))

@@ -281,7 +281,8 @@ class DataServicer(pb_grpc.DataServiceServicer):
     def Describe(self, request: pb.StreamRequest, context) -> pb.DescribeResponse:
         src = self._source(request)
         return pb.DescribeResponse(num_samples=len(src.dataset), num_steps=src.num_steps,
-                                   num_micro_batches=src.num_micro_batches)
+                                   num_micro_batches=src.num_micro_batches,
+                                   sample_order=request.spec.sample_order or "meshtrain")  # as built
 
     def StreamBatches(self, request: pb.StreamRequest, context):
         with self._peer_streams.hold(context):  # before anything is opened or built for it

@@ -225,3 +225,31 @@ def test_megatron_order_over_grpc_equals_in_process(tmp_path):
                         assert not np.array_equal(got.tokens, mesh.tokens)
     finally:
         srv.stop(0)
+
+
+def test_a_worker_that_predates_the_order_is_refused(tmp_path):
+    """A worker older than the field ignores it and would stream meshtrain's order: its
+    Describe answer has no order, and the client stops with an error rather than train on it."""
+    from meshtrain.protos.dataloader.v1 import dataloader_pb2_grpc as pb_grpc
+    from meshtrain.services.common.grpc_utils import make_server
+    from meshtrain.services.dataloader.rpc.client import ServiceBatchSource
+    from meshtrain.services.dataloader.rpc.servicer import SERVICE_NAME, DataServicer
+
+    class Older(DataServicer):
+        def Describe(self, request, context):
+            request.spec.ClearField("sample_order")  # it never read the field
+            reply = super().Describe(request, context)
+            reply.ClearField("sample_order")
+            return reply
+
+    a = _write_ours(tmp_path / "a", 1, 80, 50, False)
+    spec = DatasetSpec((a,), (1.0,), 16, 64, 5, split="90,5,5", sample_order="megatron")
+    srv, port, _ = make_server([lambda s: pb_grpc.add_DataServiceServicer_to_server(Older(), s)], [SERVICE_NAME])
+    try:
+        with ServiceBatchSource([f"127.0.0.1:{port}"], spec, 2, 16, 0, 1, prefetch=2) as remote:
+            with pytest.raises(DataError, match="serves sample_order 'meshtrain', not the 'megatron'.*upgrade"):
+                remote.micro_batches(0)
+        with ServiceBatchSource([f"127.0.0.1:{port}"], replace(spec, sample_order="meshtrain"), 2, 16, 0, 1) as remote:
+            assert len(remote.micro_batches(0)) == 8  # meshtrain's order is what it serves
+    finally:
+        srv.stop(0)
