@@ -253,3 +253,21 @@ def test_a_worker_that_predates_the_order_is_refused(tmp_path):
             assert len(remote.micro_batches(0)) == 8  # meshtrain's order is what it serves
     finally:
         srv.stop(0)
+
+
+def test_the_trainer_config_reaches_the_dataset(tmp_path):
+    """`--data.sample_order=megatron` on the trainer's command line: its train stream is
+    Megatron's GPTDataset for train_iters x global_batch_size samples and the run's seed."""
+    from meshtrain.services.trainer.config import load_config
+    from meshtrain.services.trainer.data import build_data
+
+    prefix = _write_ours(tmp_path / "t", 8, 80, 50, False)
+    job = load_config(["--data-path", prefix, "--tokenizer", "byte", "--seq-length", "16", "--split", "90,5,5",
+                       "--data.sample_order=megatron", "--seed", "21", "--train-iters", "10",
+                       "--global-batch-size", "8", "--micro-batch-size", "2"])
+    train = build_data(job).train
+    assert train.dataset.sample_order == "megatron"
+    theirs = _megatron_splits(prefix, 21, 16, (80, 1, 1), "90,5,5", tmp_path / "mcache")[0]
+    batch = train.get(3, 2)  # samples 3*8 + 2*2 + (0, 1)
+    for j in range(2):
+        assert np.array_equal(batch.tokens[j].numpy(), theirs[28 + j]["tokens"].numpy())
