@@ -89,6 +89,8 @@ def index_build_bytes(num_epochs: int, num_documents: int, num_samples: int) -> 
     keys, their argsort, doc_idx); the sample index then holds doc_idx, its prefix sums and
     at most six 8-byte values per sample (starts, positions, offsets, their int64 stack and
     its narrowed copy). Both phases are counted whole, so the bound holds for either peak.
+    Megatron's recipe holds less per document slot (int32 ids, shuffled in place); give it
+    the samples its index holds (`megatron_total_samples` + 1), not the ones asked for.
     """
     return 24 * num_epochs * num_documents + 48 * num_samples
 
