@@ -501,9 +501,10 @@ def _check_model(root: str, meta: dict, model: GPT) -> None:
     QKV weight has (heads + 2*groups) * hidden/heads rows, the same for every head count at a
     fixed heads/groups ratio (3*hidden for plain MHA), so GPT-2's 12 heads load into a 4-head
     model with every shape matching and the rows read as other heads' queries, keys and values.
-    Warns when the RoPE base or the norm epsilon differ: the weights then compute another
-    function (an imported Llama 3 resumed without rope_theta=500000), but a new RoPE base is
-    also how a context is extended on purpose.
+    Warns when the RoPE base, the norm epsilon or a MoE model's routing (top-k, score function,
+    pre-softmax, scaling) differ: the weights then compute another function (an imported Llama 3
+    resumed without rope_theta=500000), but a new RoPE base is also how a context is extended on
+    purpose.
     """
     saved = (meta.get("config") or {}).get("model")
     if not isinstance(saved, dict) or "num_attention_heads" not in saved:
@@ -518,6 +519,9 @@ def _check_model(root: str, meta: dict, model: GPT) -> None:
             "weights would be read as other heads (the shapes happen to match); set model.num_attention_heads "
             "and model.num_query_groups as saved (`meshtrain ckpt inspect` shows the saved config)")
     keys = ["norm_epsilon"] + (["rotary_base"] if c.position_embedding_type == "rope" else [])
+    if c.num_experts is not None:  # the routing: same weights, other experts chosen or weighted
+        keys += ["moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax",
+                 "moe_router_topk_scaling_factor"]
     for key in keys:
         if key in saved and saved[key] != getattr(c, key):
             log.warning("%s: the checkpoint's model was saved with model.%s=%s, this run has %s: the weights "

@@ -330,3 +330,13 @@ def test_a_trainer_moe_run_resumes_with_identical_losses(corpus_cache, tmp_path)
     for name, t in a.items():
         if not name.startswith("rng."):
             assert torch.equal(t, b[name]), name
+
+
+def test_restore_warns_when_the_routing_differs_from_the_saved_model(tmp_path, caplog):
+    model, optimizer = build()
+    root = str(tmp_path / "ckpt")
+    save_checkpoint(root, 0, model, None)
+    other, _ = build(moe_router_topk=1)
+    with caplog.at_level("WARNING", logger="meshtrain.checkpoint"):
+        load_checkpoint(root, other)
+    assert "saved with model.moe_router_topk=2, this run has 1" in caplog.text
