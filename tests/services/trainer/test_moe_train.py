@@ -2,6 +2,9 @@
 MFU, recompute and pipeline parallelism against one process, and the CLI end to end."""
 
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -263,3 +266,27 @@ def test_moe_blocks_on_both_pipeline_stages_train_as_one_process(corpus_cache, t
     assert len(rows) == 3 and set(rows[0]) == set(ref_rows[0]) and "moe/layer0/dropped" in rows[0]
     for got, want in zip(rows, ref_rows):
         assert got == pytest.approx(want, rel=1e-5, abs=1e-9)
+
+
+# ----------------------------------------------------------------------------- the CLI end to end
+@pytest.mark.e2e
+def test_moe_tiny_config_trains_from_the_command_line(corpus_cache, tmp_path):
+    """deploy/configs/moe-tiny.toml as shipped (on the test corpus, byte-level, for speed): the
+    loss falls over 12 steps and every logged row holds the routers' statistics."""
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(
+        [sys.executable, "-m", "meshtrain.services.cli", "train", "--config", str(REPO / "deploy" / "configs" /
+                                                                                "moe-tiny.toml"),
+         "--train-iters", "12", "--eval-interval", "12", "--lr-warmup-iters", "2", "--log-interval", "1",
+         "--data.tokenizer=byte", f"--data.cache_dir={corpus_cache}", "--data.default_corpus_bytes=400000",
+         "--data.split=80,20,0", "--log.plot=false", "--run-dir", str(run)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "active: top-2 of 8 experts" in proc.stderr
+    rows = [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    expected = {f"moe/layer{i}/{what}" for i in range(4) for what in ("tokens_per_expert_max_over_mean", "dropped")}
+    for r in rows:
+        assert set(_moe_keys(r)) == expected | {"moe/aux_loss", "moe/z_loss"}
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.5
