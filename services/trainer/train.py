@@ -47,6 +47,7 @@ from meshtrain.services.trainer.optim.schedule import lr_at
 from meshtrain.services.trainer.parallel import mappings, recompute
 from meshtrain.services.trainer.parallel.context import parallelize_context, token_count
 from meshtrain.services.trainer.parallel.data import DataParallel, forward_units
+from meshtrain.services.trainer.parallel.expert import parallelize_experts
 from meshtrain.services.trainer.parallel.mesh import Mesh, env_rank_world, init_process_group
 from meshtrain.services.trainer.parallel.pipeline.engine import build_pipeline
 from meshtrain.services.trainer.parallel.tensor import parallelize
@@ -218,6 +219,7 @@ class Trainer:
         recompute.apply(model, job.parallel)
         parallelize(model, self.mesh, job.parallel.sequence_parallel, job.parallel.tp_comm_overlap, self.device,
                     async_grad_reduce=job.parallel.tp_async_grad_reduce)
+        parallelize_experts(model, self.mesh)  # this ep rank's experts; MoE statistics over dp x cp
         self.pipeline = None
         if self.mesh.pp > 1:  # this rank's chunks of the model, and the runtime that runs its schedule
             self.pipeline = build_pipeline(model, self.mesh, job, self.device)  # scales the MoE aux losses too
