@@ -8,7 +8,8 @@ micro-batch. A single process runs the same steps on the whole micro-batches. Co
 step's loss, every gradient after the reduction (gathered over tp and ep into global
 coordinates, before clipping), the gradient norm (clipping is active: clip_grad 0.5), and
 every parameter after the last update, the expert bias included (it moves by the step's
-routed counts summed over the ranks of one global batch).
+routed counts summed over the ranks of one global batch); under ZeRO-1 also the Adam moments
+`full_optimizer_state()` gathers for checkpoints.
 
 The cases cover top-1 and top-2 routing, dropless and per-sequence capacity (both drop
 policies), the aux and z losses (their gradients through `aux_share_scale` and the statistics
@@ -134,7 +135,9 @@ def _reference(cfg: dict):
         for _, moe in moe_layers(model):
             moe.update_expert_bias()
             moe.reset_stats()
-    return losses, grads, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
+    moments = {n: {k: opt.state[p][k].clone() for k in ("exp_avg", "exp_avg_sq")}
+               for n, p in model.named_parameters() if p.requires_grad}
+    return losses, grads, norms, {n: p.detach().clone() for n, p in model.named_parameters()}, moments
 
 
 def _global(t: torch.Tensor, p: torch.Tensor, mesh: Mesh) -> torch.Tensor:
@@ -189,7 +192,12 @@ def _sharded(rank, world, case: Case):
             moe.reset_stats()
         losses.append((M.all_reduce(total, mesh.group("dp")) / mesh.dp).item())
     params = {n: _global(p.detach(), p, mesh).clone() for n, p in model.named_parameters()}
-    return losses, grads, norms, params
+    moments = None
+    if ddp.dist_opt:  # what checkpointing saves: each rank's whole moments of the parameters it holds
+        named = dict(model.named_parameters())
+        moments = {n: {k: _global(v, named[n], mesh) for k, v in st.items()}
+                   for n, st in ddp.full_optimizer_state().items()}
+    return losses, grads, norms, params, moments
 
 
 def _close(got: torch.Tensor, ref: torch.Tensor, what: str, atol: float) -> None:
@@ -198,8 +206,8 @@ def _close(got: torch.Tensor, ref: torch.Tensor, what: str, atol: float) -> None
 
 
 def _check_case(case: Case) -> None:
-    ref_losses, ref_grads, ref_norms, ref_params = _reference(case.model)
-    for losses, grads, norms, params in run_ranks(_sharded, case.world, case, timeout=300):
+    ref_losses, ref_grads, ref_norms, ref_params, ref_moments = _reference(case.model)
+    for losses, grads, norms, params, moments in run_ranks(_sharded, case.world, case, timeout=300):
         assert losses == pytest.approx(ref_losses, rel=1e-5)
         for step in range(STEPS):
             assert set(grads[step]) == set(ref_grads[step])
@@ -210,6 +218,11 @@ def _check_case(case: Case) -> None:
         assert set(params) == set(ref_params)
         for name, ref in ref_params.items():
             _close(params[name], ref, name, 1e-5)
+        if moments is not None:  # ZeRO-1: Adam's moments gathered from the shards, by parameter
+            assert set(moments) == set(ref_moments)
+            for name, ref in ref_moments.items():
+                for key in ("exp_avg", "exp_avg_sq"):
+                    _close(moments[name][key], ref[key], f"{key} {name}", 1e-4 * float(ref[key].abs().max()))
 
 
 @pytest.mark.dist
