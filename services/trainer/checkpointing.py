@@ -296,12 +296,11 @@ class Checkpointer:
         """URL of checkpoint `step` under this run's save root."""
         return open_root(self.root).step_url(step)
 
-    def save(self, model: GPT, optimizer: torch.optim.Optimizer | None, state: TrainState, job: JobConfig,
-             extra: dict[str, Any]) -> str:
-        """Start saving checkpoint `state.iteration` (collective); returns its URL on every rank."""
+    def _tensor_boxes(self, model: GPT, moments: dict[str, dict[str, torch.Tensor]]
+                      ) -> list[tuple[ShardSpec, torch.Tensor]]:
+        """(box, tensor) of every parameter and moment this rank writes."""
         mesh, v = self.par.mesh, model.vocab_size
         params = dict(model.named_parameters())
-        moments = _moments(model, optimizer, self.par)
         stacks = layer_stacks(params if mesh.pp == 1 else model_parameter_names(model.config))
         boxes: list[tuple[ShardSpec, torch.Tensor]] = []
         # dp and cp replicas hold the same values: one writes. Experts are split over the ep
@@ -316,6 +315,23 @@ class Checkpointer:
         for name, local, param in tensors:
             for piece in pieces(name, tuple(local.shape), param, mesh, v, save_place(name, stacks)):
                 boxes.append((piece.spec, local[piece.local].reshape(piece.spec.shape)))
+        return boxes
+
+    def prepare(self, model: GPT, optimizer: torch.optim.Optimizer | None) -> None:
+        """Start allocating the host buffers of this rank's parameter and moment boxes in the
+        background (`AsyncSaver.prepare`), so the first save stalls no longer than the others.
+        Call it once the model and optimizer are built, in a run that will save. The moments
+        are fp32 like their parameters and may not exist yet (AdamW creates them at its first
+        step): their boxes are laid out from the parameters."""
+        trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        stand_in = {n: {"exp_avg": p, "exp_avg_sq": p} for n, p in trained.items()} if optimizer is not None else {}
+        self.saver.prepare([spec for spec, _ in self._tensor_boxes(model, stand_in)])
+
+    def save(self, model: GPT, optimizer: torch.optim.Optimizer | None, state: TrainState, job: JobConfig,
+             extra: dict[str, Any]) -> str:
+        """Start saving checkpoint `state.iteration` (collective); returns its URL on every rank."""
+        mesh = self.par.mesh
+        boxes = self._tensor_boxes(model, _moments(model, optimizer, self.par))
         if mesh.rank == 0:
             rng = torch.get_rng_state()
             boxes.append((ShardSpec("rng.torch_cpu", tuple(rng.shape), "uint8", (0,), tuple(rng.shape)), rng))

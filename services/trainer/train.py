@@ -321,6 +321,8 @@ class Trainer:
                                                        retry_timeout=c.save_retry_timeout_s,
                                                        security=ClientSecurity.from_config(job.auth)
                                                        if c.service_address else None)
+        if c.save and self.state.iteration < job.train.train_iters:  # the run saves, at its end at the latest
+            self.checkpointer.prepare(self.model, self.optimizer)
         # Requests from other threads (SIGTERM's relay, the control endpoint), acted on between steps.
         self.requests = RunRequests()
         self.stop_cause: str | None = None  # the agreed stop's cause, which ranks asked and why

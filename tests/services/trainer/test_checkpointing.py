@@ -154,3 +154,32 @@ def test_a_failing_run_gives_up_its_service_mode_save_at_once(corpus_cache, tmp_
             client.begin_save(4, num_writers=1)  # the step is free for a later save
     finally:
         server.stop(0)
+
+
+@pytest.mark.parametrize("zero1", [False, True])
+def test_the_first_save_fills_the_buffers_prepared_when_the_trainer_was_built(corpus_cache, tmp_path, zero1):
+    # A run that saves lays out its boxes once the model is built (before AdamW has moments)
+    # and allocates their host buffers in the background: the first save must find every
+    # parameter and moment box among them, so its stall is a copy, not an allocation.
+    from meshtrain.services.trainer.config import load_config
+    from meshtrain.services.trainer.train import Trainer
+    from tests.services.trainer.conftest import small_job_args
+
+    extra = {"parallel.use_distributed_optimizer": True} if zero1 else {}
+    trainer = Trainer(load_config(small_job_args(corpus_cache, tmp_path / "run", **{
+        "checkpoint.save": str(tmp_path / "ckpt"), **extra})))
+    saver = trainer.checkpointer.saver
+    try:
+        saver._preparing.join()
+        prepared = dict(saver._buffers)
+        names = {key[0] for key in prepared}
+        assert any(n.startswith("optim.exp_avg_sq.") for n in names) and "embedding.word_embeddings.weight" in names
+        trainer.train_step(0)
+        trainer.state.iteration = 1
+        trainer.save()
+        trainer.checkpointer.wait()
+        fresh = {key for key in saver._buffers if key not in prepared}
+        assert {name for name, _ in fresh} <= {"rng.torch_cpu"}  # only the generator state was not known ahead
+        assert all(saver._buffers[k] is buf for k, buf in prepared.items())
+    finally:
+        trainer.checkpointer.close()
