@@ -58,6 +58,12 @@ ALIASES: dict[str, tuple[str, bool]] = {
     "--data-path": ("data.data_path", True),
     "--data-service-addresses": ("data.service_addresses", True),
     "--tokenizer": ("data.tokenizer", True),
+    "--tokenizer-type": ("data.tokenizer_type", True),
+    "--vocab-file": ("data.vocab_file", True),
+    "--merge-file": ("data.merge_file", True),
+    "--tokenizer-model": ("data.tokenizer_model", True),
+    "--tiktoken-pattern": ("data.tiktoken_pattern", True),
+    "--tiktoken-num-special-tokens": ("data.tiktoken_num_special_tokens", True),
     "--split": ("data.split", True),
     "--micro-batch-size": ("train.micro_batch_size", True),
     "--global-batch-size": ("train.global_batch_size", True),
@@ -113,7 +119,14 @@ _MULTI_WORD = {"--data-path", "--data-service-addresses", "--hierarchical-contex
 _STRING_LISTS = {"data.data_path", "data.service_addresses"}
 
 # Keys whose values are strings even when they look like numbers or booleans.
-_STRING_KEYS = {"data.tokenizer", "data.split", "checkpoint.save", "checkpoint.load", "log.run_dir"}
+_STRING_KEYS = {"data.tokenizer", "data.split", "checkpoint.save", "checkpoint.load", "log.run_dir",
+                "data.tokenizer_type", "data.vocab_file", "data.merge_file", "data.tokenizer_model",
+                "data.tiktoken_pattern"}
+
+# Tokenizer types whose vocabulary Megatron's --vocab-size gives; with one of them named by
+# --tokenizer-type, --vocab-size is the tokenizer's (data.vocab_size) and the model's vocabulary
+# follows from it, as in Megatron, rather than model.vocab_size.
+_VOCAB_SIZE_TOKENIZERS = ("NullTokenizer", "TikTokenizer")
 
 
 # Megatron spellings of choice values -> ours.
@@ -244,6 +257,11 @@ def parse_overrides(args: list[str]) -> tuple[str | None, dict[str, Any]]:
                     else "use --section.key=value (see --help-config for the keys and aliases)")
             raise ConfigError(f"unknown flag {name}; {hint}")
         i += 1
+    data = table.get("data", {})
+    if data.get("tokenizer_type") in _VOCAB_SIZE_TOKENIZERS and "vocab_size" in table.get("model", {}):
+        data["vocab_size"] = table["model"].pop("vocab_size")
+        if not table["model"]:
+            del table["model"]
     if balancing == "none":  # Megatron ignores the coefficient then; here a contradiction is refused
         coeff = table.get("model", {}).get("moe_aux_loss_coeff", 0)
         if coeff:
