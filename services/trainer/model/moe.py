@@ -358,12 +358,21 @@ class MoE(nn.Module):
             return y
         aux = torch.stack(terms)
         if record:
-            if c.moe_aux_loss_coeff > 0:
-                self.stats.aux_loss = self.stats.aux_loss.to(aux.device) + terms[0].detach()
-            if c.moe_z_loss_coeff:
-                self.stats.z_loss = self.stats.z_loss.to(aux.device) + terms[-1].detach()
+            self._record_aux(terms[0].detach() if c.moe_aux_loss_coeff > 0 else None,
+                             terms[-1].detach() if c.moe_z_loss_coeff else None)
         return _InjectAuxGrad.apply(y, aux.sum() * self.aux_share_scale, self.loss_scale)
 
+    # Statistics are bookkeeping on Python objects: kept out of compiled graphs, where a counter
+    # that changes every micro-batch made Dynamo recompile the block until its recompile limit.
+    @torch.compiler.disable
+    @torch.no_grad()
+    def _record_aux(self, aux: torch.Tensor | None, z: torch.Tensor | None) -> None:
+        if aux is not None:
+            self.stats.aux_loss = self.stats.aux_loss.to(aux.device) + aux
+        if z is not None:
+            self.stats.z_loss = self.stats.z_loss.to(z.device) + z
+
+    @torch.compiler.disable
     @torch.no_grad()
     def _record(self, routing: Routing) -> None:
         st = self.stats
