@@ -219,7 +219,7 @@ def test_nproc_per_node_launches_tensor_parallel_ranks(tmp_path):
     out = meshtrain("train", "--nproc-per-node", "2", "--config", TINY, "--tensor-model-parallel-size", "2",
                     "--sequence-parallel", "--run-dir", run, *small)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "mesh tp=2 cp=1 pp=1 dp=1 (world 2)" in out.stderr
+    assert "mesh tp=2 cp=1 pp=1 dp=1 ep=1 (world 2)" in out.stderr
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r][-1] == 3
     assert meshtrain("ckpt", "list", run / "checkpoints").stdout.split() == ["3"]

@@ -167,6 +167,7 @@ class AsyncSaver:
         self.pin = torch.cuda.is_available()
         self._buffers: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
         self._preparing: threading.Thread | None = None
+        self._stop_preparing = threading.Event()  # `close`: allocate nothing more, so the thread ends
         self._prepare_error: BaseException | None = None
         self.prepared_s: float | None = None  # how long `prepare`'s allocation took, once done
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-upload")
@@ -191,6 +192,8 @@ class AsyncSaver:
             start = time.perf_counter()
             try:
                 for spec, dtype in wanted:
+                    if self._stop_preparing.is_set():
+                        break
                     key = (spec.array, spec.offsets)
                     if key not in self._buffers:
                         t0 = time.perf_counter()
@@ -201,12 +204,14 @@ class AsyncSaver:
                         # Pinning holds the CUDA driver's lock: allocated back to back, the buffers
                         # starved the training thread's launches (an H200 lost as much device time
                         # as the pinning took); a pause as long as each allocation lets it in.
-                        time.sleep(max(PREPARE_PAUSE_S, time.perf_counter() - t0))
+                        self._stop_preparing.wait(max(PREPARE_PAUSE_S, time.perf_counter() - t0))
             except BaseException as e:  # noqa: BLE001 -- reported at the first save, which then allocates
                 self._prepare_error = e
             self.prepared_s = time.perf_counter() - start
 
-        self._preparing = threading.Thread(target=allocate, name="ckpt-prepare", daemon=True)
+        # Not a daemon: `close` stops and joins it, so the process never exits (a failing run
+        # included) with the thread inside a torch call, which aborted the interpreter at exit.
+        self._preparing = threading.Thread(target=allocate, name="ckpt-prepare")
         self._preparing.start()
 
     def _prepared(self) -> None:
@@ -284,10 +289,13 @@ class AsyncSaver:
             log.warning("could not tell the checkpoint service to give up save %s: %s", in_flight[0], e)
 
     def close(self) -> None:
-        """Waits for the save in flight and stops the upload thread."""
+        """Stops preparing buffers, waits for the save in flight and stops the upload thread."""
+        self._stop_preparing.set()
         try:
             self.wait()
         finally:
+            if self._preparing is not None:
+                self._preparing.join()
             self._pool.shutdown(wait=True)
 
     def _snapshot(self, spec: ShardSpec, tensor: torch.Tensor) -> torch.Tensor:

@@ -680,6 +680,7 @@ def _unwrap(model: nn.Module, optimizer, mesh: Mesh | None):
 
     ddp = None
     if isinstance(model, DistributedDataParallel):
+        model.finish_param_sync()  # a ZeRO-1 step's parameters may still be on their way
         ddp, mesh, model = model.ddp, model.mesh, model.module
     if isinstance(optimizer, DistributedOptimizer):
         optimizer = optimizer.inner

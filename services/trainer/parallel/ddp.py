@@ -111,6 +111,17 @@ class DistributedDataParallel(nn.Module):
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
+    def finish_param_sync(self) -> None:
+        """Wait for the parameter all-gathers still in flight. With `overlap_param_gather` the
+        updated parameters of `optimizer.step()` arrive during the next forward; read them
+        outside a forward (after the last step, say) only after this. `state_dict()` and
+        `save_checkpoint` call it themselves."""
+        self.ddp.wait_param_gather()
+
+    def state_dict(self, *args, **kwargs):
+        self.finish_param_sync()
+        return super().state_dict(*args, **kwargs)
+
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Accumulate gradients without communicating (all but a step's last micro-batch)."""
         return self.ddp.no_sync()

@@ -75,6 +75,9 @@ def _wrapped(rank, world, tp, options):
         if mesh.dp > 1:
             dist.all_reduce(total, group=mesh.group("dp"))
         losses.append((total / mesh.dp).item())
+    # The last step's all-gathers may still be in flight (overlap_param_gather): under load they
+    # were, and the weights read here were the previous step's.
+    model.finish_param_sync()
     weights = {n: gather_tp(p.detach(), p, mesh).clone() for n, p in model.module.named_parameters()}
     return losses, norms, weights
 
