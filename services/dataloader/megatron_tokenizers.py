@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Iterable
 
 from meshtrain.services.common.errors import DataError
-from meshtrain.services.dataloader.tokenizers import EOD_TOKEN, Tokenizer, read_tiktoken_ranks
+from meshtrain.services.dataloader.tokenizers import EOD_TOKEN, RustTokenizer, Tokenizer, read_tiktoken_ranks
 
 #: Megatron's --tokenizer-type values meshtrain reads, each with the file flags it needs.
 TOKENIZER_TYPES = {
@@ -155,7 +155,7 @@ def megatron_spec(tokenizer_type: str, *, vocab_file: str | None = None, merge_f
         raise DataError(f"{type_key}=TikTokenizer, {name('tokenizer_model')}={tokenizer_model!r}: {e}") from None
 
 
-class GPT2BPETokenizer(Tokenizer):
+class GPT2BPETokenizer(RustTokenizer):
     """GPT-2's byte-level BPE from its `vocab.json` + `merges.txt`; EOD is `<|endoftext|>`."""
 
     name = "gpt2bpe"
@@ -217,22 +217,6 @@ class GPT2BPETokenizer(Tokenizer):
     def spec(self) -> str:
         return f"gpt2bpe:{self.vocab_file},{self.merge_file}"
 
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab
-
-    @property
-    def eod_id(self) -> int:
-        return self._eod
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch_fast(list(texts), add_special_tokens=False)]
-
-    def decode(self, ids: Iterable[int]) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
     def save_tokenizer_json(self, path: str | os.PathLike) -> None:
         """Write the same tokenizer as a Hugging Face `tokenizer.json` (for exports), with
