@@ -391,6 +391,15 @@ class Fuzzer:
             self.failures.append(f"after {self.calls} calls: {what} failed: {type(e).__name__}: {e}"[:2000])
             return False
 
+    def periodic_checks(self, health_every: int, health_names: Iterable[str], client_every: int, what: str,
+                   fn: Callable[[], None]) -> None:
+        """After a fuzzed call: every `health_every` calls a health probe, every `client_every`
+        the well-behaved client's check `fn` (both recorded as failures when they fail)."""
+        if self.calls % health_every == 0:
+            self.check_health(health_names)
+        if self.calls % client_every == 0:
+            self.check(what, fn)
+
     def problems(self, limit: int = 8) -> list[str]:
         """Lines describing every bad status and failed check (empty when all went well).
 

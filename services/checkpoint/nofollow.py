@@ -13,6 +13,7 @@ The root itself may be a symlink: its operator chose it.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -46,10 +47,8 @@ def _open_dir(fd: int, name: str, where: str, base: str, create: bool) -> int:
     except FileNotFoundError as e:
         if not create:
             raise _named(e, where) from None
-        try:
+        with contextlib.suppress(FileExistsError):  # another writer made it meanwhile
             os.mkdir(name, dir_fd=fd)
-        except FileExistsError:
-            pass  # another writer made it meanwhile
         return _open_dir(fd, name, where, base, create=False)
     except OSError as e:
         if e.errno in (errno.ELOOP, errno.ENOTDIR) and stat.S_ISLNK(

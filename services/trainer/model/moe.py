@@ -67,10 +67,6 @@ class Routing:
     counts: torch.Tensor
     routed: torch.Tensor
 
-    @property
-    def dropped(self) -> int:
-        return int(self.routed.sum() - self.counts.sum())
-
 
 class Router(nn.Module):
     """Top-k router with softmax or sigmoid scores, optional pre-softmax, scaling and expert bias."""

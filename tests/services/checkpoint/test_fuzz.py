@@ -198,10 +198,8 @@ def fuzz_checkpoint_service(fuzzer: Fuzzer, rng: random.Random, calls: int, good
                 state.begun(fuzzer.last_response, pb.BeginSaveRequest.FromString(payload))  # begun, though odd
             elif method == "Commit" and isinstance(shown, pb.CommitRequest):
                 state.end(shown.save_id)
-        if fuzzer.calls % HEALTH_EVERY == 0:
-            fuzzer.check_health(("", SERVICE_NAME))
-        if fuzzer.calls % CLIENT_EVERY == 0:
-            fuzzer.check("the well-behaved client's save -> commit -> load", good)
+        fuzzer.periodic_checks(HEALTH_EVERY, ("", SERVICE_NAME), CLIENT_EVERY,
+                               "the well-behaved client's save -> commit -> load", good)
 
 
 pytestmark = pytest.mark.e2e  # a real server process per test

@@ -283,29 +283,29 @@ def test_exported_model_ends_generation_at_the_runs_end_of_document(tmp_path, se
     assert out[0, 3:].tolist() == [2] * 5, "token 2 is an ordinary token"
 
 
+def save_random_hf(cls, config, tmp_path, dtype=torch.float32):
+    """(folder, model): a transformers `cls` built from `config` with every parameter random
+    (scale 0.2), saved to tmp_path/src."""
+    torch.manual_seed(0)
+    model = cls(config).to(dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(str(tmp_path / "src"))
+    return tmp_path / "src", model
+
+
 def hf_llama(tmp_path, dtype=torch.bfloat16, tie=False):
     config = transformers.LlamaConfig(
         vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
         rope_theta=5000.0, tie_word_embeddings=tie, rms_norm_eps=1e-6)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).to(dtype)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.2)
-    model.save_pretrained(str(tmp_path / "src"))
-    return tmp_path / "src"
+    return save_random_hf(transformers.LlamaForCausalLM, config, tmp_path, dtype)[0]
 
 
 def hf_gpt2(tmp_path):
     config = transformers.GPT2Config(vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=40)
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.2)
-    model.save_pretrained(str(tmp_path / "src"))
-    return tmp_path / "src"
+    return save_random_hf(transformers.GPT2LMHeadModel, config, tmp_path)[0]
 
 
 @pytest.mark.parametrize("make", [hf_llama, hf_gpt2, lambda p: hf_llama(p, torch.float32, tie=True)],

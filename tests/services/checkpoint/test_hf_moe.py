@@ -22,6 +22,8 @@ from meshtrain.services.trainer.config import JobConfig, ModelConfig
 from meshtrain.services.trainer.model.gpt import GPT
 from meshtrain.services.trainer.optim.optimizer import build_optimizer
 from meshtrain.services.trainer.parallel.mesh import Mesh
+from tests.services.checkpoint.test_hf import meshtrain_logits as logits
+from tests.services.checkpoint.test_hf import random_model, save_random_hf
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -33,34 +35,12 @@ MIXTRAL = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_qu
            "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 48, "moe_aux_loss_coeff": 0.02}
 
 
-def random_model(settings: dict, seed: int = 0) -> GPT:
-    """A GPT with every parameter random (norm weights too, so each one matters)."""
-    torch.manual_seed(seed)
-    model = GPT(ModelConfig(**settings))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.2)
-    return model
-
-
-def logits(model: GPT, tokens: torch.Tensor) -> torch.Tensor:
-    model.eval()
-    with torch.no_grad():
-        return model(tokens)
-
-
 def hf_mixtral(tmp_path, dtype=torch.float32, tie=False, **extra):
     config = transformers.MixtralConfig(
         vocab_size=300, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=32, rope_theta=5000.0, rms_norm_eps=1e-6,
         num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=tie, **extra)
-    torch.manual_seed(0)
-    model = transformers.MixtralForCausalLM(config).to(dtype)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.2)
-    model.save_pretrained(str(tmp_path / "src"))
-    return tmp_path / "src", model
+    return save_random_hf(transformers.MixtralForCausalLM, config, tmp_path, dtype)
 
 
 @pytest.mark.parametrize("settings", [MIXTRAL, {**MIXTRAL, "untie_embeddings_and_output_weights": False,
@@ -178,13 +158,7 @@ def hf_qwen2_moe(tmp_path, dtype=torch.float32, **extra):
         shared_expert_intermediate_size=40, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=32, rope_theta=5000.0, rms_norm_eps=1e-6, num_experts=4, num_experts_per_tok=2,
         qkv_bias=False, mlp_only_layers=[1], tie_word_embeddings=False, **extra)
-    torch.manual_seed(0)
-    model = transformers.Qwen2MoeForCausalLM(config).to(dtype)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.2)
-    model.save_pretrained(str(tmp_path / "src"))
-    return tmp_path / "src", model
+    return save_random_hf(transformers.Qwen2MoeForCausalLM, config, tmp_path, dtype)
 
 
 @pytest.mark.parametrize("settings", [QWEN, {**QWEN, "moe_router_pre_softmax": False, "moe_layer_freq": 1}],

@@ -80,10 +80,8 @@ def fuzz_data_service(fuzzer: Fuzzer, rng: random.Random, templates: list[pb.Str
             fuzzer.unary_stream(method, payload, max_messages=rng.choice([1, 3]), metadata=metadata, shown=shown)
         else:
             fuzzer.unary(method, payload, metadata=metadata, shown=shown)
-        if fuzzer.calls % HEALTH_EVERY == 0:
-            fuzzer.check_health(("", SERVICE_NAME))
-        if fuzzer.calls % CLIENT_EVERY == 0:
-            fuzzer.check("the well-behaved client's micro-batch", good)
+        fuzzer.periodic_checks(HEALTH_EVERY, ("", SERVICE_NAME), CLIENT_EVERY,
+                               "the well-behaved client's micro-batch", good)
 
 
 pytestmark = pytest.mark.e2e  # a real server process per test

@@ -107,10 +107,7 @@ def fuzz_control(fuzzer: Fuzzer, rng: random.Random, calls: int, token: str, goo
         if rng.random() < 0.01:
             method = rng.choice(["Nope", "status", "Stop/x"])
         fuzzer.unary(method, payload, metadata=metadata)
-        if fuzzer.calls % HEALTH_EVERY == 0:
-            fuzzer.check_health(("", SERVICE_NAME))
-        if fuzzer.calls % CLIENT_EVERY == 0:
-            fuzzer.check("the well-behaved client's Status", good)
+        fuzzer.periodic_checks(HEALTH_EVERY, ("", SERVICE_NAME), CLIENT_EVERY, "the well-behaved client's Status", good)
 
 
 @pytest.mark.parametrize("calls,auth", [(2_000, True), pytest.param(20_000, False, marks=pytest.mark.slow),
