@@ -17,6 +17,7 @@ import contextlib
 import errno
 import os
 import stat
+import uuid
 
 from meshtrain.services.common.errors import CheckpointError
 
@@ -102,6 +103,39 @@ def open_beneath(base: str, path: str, flags: int, mode: int = 0o644) -> int:
             raise _refusal(path, base) from None
         raise _named(e, path) from None
     finally:
+        os.close(fd)
+
+
+def create_beneath(base: str, path: str, data: bytes) -> bool:
+    """Creates the file `path` inside `base` holding `data`, only if no such file exists, and
+    all at once: the bytes go to a temporary name first (fsynced), which is then hard-linked to
+    `path` (link fails when the name exists, so two callers can never both create it, and
+    readers never see a partial file). No symlink below `base` is followed.
+
+    Returns:
+        True when this call created `path`, False when it existed already (left untouched).
+
+    Raises:
+        CheckpointError: a component below `base` is a symlink, or `path` is not inside `base`.
+    """
+    parts = _parts(base, path)
+    fd = _walk(base, parts[:-1], create=True)
+    tmp = f"{parts[-1]}.tmp-{uuid.uuid4().hex}"
+    try:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644,
+                               dir_fd=fd), "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, parts[-1], src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
+        except FileExistsError:
+            return False
+        os.fsync(fd)  # the new name survives a crash
+        return True
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=fd)
         os.close(fd)
 
 

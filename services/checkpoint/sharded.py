@@ -10,7 +10,11 @@ Protocol for one save of step S (all writers agree on a `save_id`, e.g. rank 0 c
 2. one committer (`commit`) waits for all `num_writers` fragments (timeout -> abort, nothing
    committed), checks that the boxes of every array tile it exactly, checks every object's
    size against one listing of the folder, writes each array's zarr.json and the group's
-   (deterministic bytes, so nobody races on them), and writes `manifest.json` last: the commit.
+   (deterministic bytes, so nobody races on them), and creates `manifest.json` last, only if
+   absent (`store.write_bytes_exclusive`): the commit. Two committers racing on one step (two
+   checkpoint service replicas, a retry beside its first attempt) cannot both commit it: the
+   loser reads the winner's manifest and returns its result when it was the same save, else
+   raises a CheckpointError naming the save that committed.
 
 Writers never write the same object (a box is one shard), so the protocol needs no locks and
 works on object stores, where a PUT is atomic and last-writer-wins. Readers only trust steps
@@ -18,9 +22,11 @@ with a manifest, so a kill at any point leaves earlier checkpoints loadable.
 
 `begin_save(..., resumable=True)` (the checkpoint service's) also stores
 `step_S/_fragments/<save_id>/begun.json`, which says in storage that the folder belongs to
-that save: a checkpoint service restarted mid-save has forgotten the
+that save and how many writers it has: a checkpoint service restarted mid-save has forgotten the
 save id, and `resume_save` lets it take the save up again only while that marker is there (a
-newer `begin_save` of the step clears the folder, marker included; the commit removes it).
+newer `begin_save` of the step clears the folder, marker included; the commit removes it). A
+replica of the service that did not see `begin_save` adopts the save from the same marker
+(`read_begun`): what a commit needs is in storage, not in one process's memory.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ from meshtrain.services.checkpoint.store import (
     read_bytes,
     remove_tree,
     write_bytes_atomic,
+    write_bytes_exclusive,
 )
 from meshtrain.services.common.errors import CheckpointError
 from meshtrain.services.common.sanitize import loggable
@@ -111,7 +118,8 @@ def is_committed(root: Root, step: int) -> bool:
     return root.fs.exists(path)
 
 
-def begin_save(root: str | Root, step: int, overwrite: bool = False, resumable: bool = False) -> str:
+def begin_save(root: str | Root, step: int, overwrite: bool = False, resumable: bool = False,
+               num_writers: int | None = None) -> str:
     """Prepares the folder of `step` for a new save and returns a fresh save id.
 
     Call once (e.g. on rank 0) before any writer starts, and hand the id to every writer.
@@ -121,7 +129,9 @@ def begin_save(root: str | Root, step: int, overwrite: bool = False, resumable: 
         step: the step to save.
         overwrite: replace a committed checkpoint of this step instead of refusing.
         resumable: mark the folder as this save's, so that `resume_save` can take it up again
-            (a checkpoint service restarted mid-save).
+            (a checkpoint service restarted mid-save) and another service replica adopt it.
+        num_writers: with `resumable`, the save's writer count, recorded in the marker (what a
+            replica that adopts the save commits with).
 
     Returns:
         The save id.
@@ -144,9 +154,43 @@ def begin_save(root: str | Root, step: int, overwrite: bool = False, resumable: 
     remove_tree(root, step_path)
     save_id = uuid.uuid4().hex
     if resumable:
-        write_bytes_atomic(root, join(step_path, FRAGMENTS, save_id, BEGUN),
-                           json.dumps({"save_id": save_id, "step": step}).encode())
+        marker = {"save_id": save_id, "step": step}
+        if num_writers is not None:
+            marker["num_writers"] = num_writers
+        write_bytes_atomic(root, begun_path(root, step, save_id), json.dumps(marker).encode())
     return save_id
+
+
+def begun_path(root: Root, step: int, save_id: str) -> str:
+    """Where `begin_save(..., resumable=True)` leaves the marker of save `save_id`."""
+    return join(root.step_path(step), FRAGMENTS, save_id, BEGUN)
+
+
+def read_begun(root: str | Root, step: int, save_id: str) -> dict[str, Any] | None:
+    """The marker of a resumable save of `step` (its `save_id`, `step` and, when recorded,
+    `num_writers`), or None when the folder no longer holds that save (or never did).
+
+    Raises:
+        CheckpointError: the marker is there but is not one (not JSON, another save's or step's).
+    """
+    root = open_root(root) if isinstance(root, str) else root
+    check_save_id(save_id)
+    path = begun_path(root, step, save_id)
+    if root.is_local:
+        refuse_symlinks(root.path, root.step_path(step))
+    root.fs.invalidate_cache(join(root.step_path(step), FRAGMENTS, save_id))
+    try:
+        marker = json.loads(read_bytes(root, path))
+    except FileNotFoundError:
+        return None
+    except ValueError as e:
+        raise CheckpointError(f"the marker {path} of save {save_id} is not JSON: {e}") from e
+    num_writers = marker.get("num_writers") if isinstance(marker, dict) else None
+    if (not isinstance(marker, dict) or marker.get("save_id") != save_id or marker.get("step") != step
+            or not (num_writers is None or (isinstance(num_writers, int) and num_writers >= 1))):
+        raise CheckpointError(f"the marker {path} does not describe save {save_id} of step {step}: "
+                              f"{loggable(str(marker), 200)}")
+    return marker
 
 
 def resume_save(root: str | Root, step: int, save_id: str) -> SaveResult | None:
@@ -175,12 +219,10 @@ def resume_save(root: str | Root, step: int, save_id: str) -> SaveResult | None:
     if is_committed(root, step):
         raise CheckpointError(f"save {save_id} of step {step} cannot be resumed: the step under {root.url!r} "
                               "was committed by another save")
-    marker = join(root.step_path(step), FRAGMENTS, save_id, BEGUN)
-    root.fs.invalidate_cache(join(root.step_path(step), FRAGMENTS, save_id))
-    if not root.fs.exists(marker):
+    if read_begun(root, step, save_id) is None:
         raise CheckpointError(
-            f"save {save_id} of step {step} cannot be resumed: {marker} is gone (a newer save of the step "
-            "began, or retention collected the unfinished folder); begin a new save")
+            f"save {save_id} of step {step} cannot be resumed: {begun_path(root, step, save_id)} is gone (a "
+            "newer save of the step began, or retention collected the unfinished folder); begin a new save")
     return None
 
 
@@ -320,6 +362,7 @@ def commit(
     timeout: float = 600.0,
     poll: float = 0.01,
     cancelled: Callable[[], str | None] | None = None,
+    require_marker: bool = False,
 ) -> SaveResult:
     """Waits for every writer's fragment, validates the save and writes the manifest.
 
@@ -338,14 +381,17 @@ def commit(
             writers that have not reported (the service's save was superseded, its folder about
             to be cleared; the trainer's run failed, so a dead writer never will); a reason aborts
             the save, as at the timeout. A save whose fragments are all in is still committed.
+        require_marker: the save was begun resumable: refuse it (a newer save of the step cleared
+            its folder) when its marker is gone before the metadata is written.
 
     Returns:
-        A SaveResult.
+        A SaveResult: this commit's, or that of the same save's commit that won a race with it.
 
     Raises:
         CheckpointError: a writer did not report in time or reported an error, boxes overlap
             or leave holes, an object is missing or of the wrong size, or the metadata is not
-            JSON. Nothing is committed then; earlier checkpoints are untouched.
+            JSON, or another save committed the step first. Nothing is committed then; earlier
+            checkpoints are untouched.
     """
     start = time.perf_counter()
     root = open_root(root) if isinstance(root, str) else root
@@ -363,7 +409,7 @@ def commit(
         log.info("checkpoint %s was already committed by save %s", done.url, save_id)
         return done
     if is_committed(root, step):  # by another save: no point waiting for fragments
-        raise CheckpointError(f"checkpoint step {step} under {root.url!r} is already committed")
+        return _lost(root, step, save_id)
     deadline = time.monotonic() + timeout
     while True:
         fragments = _read_fragments(root, step, save_id)
@@ -393,9 +439,12 @@ def commit(
                 f"{fragment['num_writers']}, the committer expects {num_writers}"
             )
     if is_committed(root, step):
-        raise CheckpointError(f"checkpoint step {step} under {root.url!r} is already committed")
+        return _lost(root, step, save_id)
     if root.is_local:  # before anything in the folder is listed, read, written or deleted
         refuse_symlinks(root.path, root.step_path(step))
+    if require_marker and read_begun(root, step, save_id) is None:
+        raise CheckpointError(f"save {save_id} of step {step} under {root.url!r} was superseded: its folder "
+                              "no longer holds it (a newer save of the step began); nothing was committed")
 
     # array name -> (meta, boxes, object records)
     arrays: dict[str, tuple[ArrayMeta, list[ShardSpec], dict[str, dict[str, int]]]] = {}
@@ -447,7 +496,8 @@ def commit(
         entry["objects"] = {"zarr.json": {"size": len(data), CHECKSUM: checksum(data)}, **objects}
         manifest["arrays"][name] = dict(sorted(entry.items()))
     data = json.dumps(manifest, indent=1, sort_keys=True).encode()
-    write_bytes_atomic(root, join(step_path, MANIFEST_NAME), data)
+    if not write_bytes_exclusive(root, join(step_path, MANIFEST_NAME), data):
+        return _lost(root, step, save_id)
 
     _remove_unlisted(root, step_path, manifest, stored)
     result = _result(root, step, manifest, len(data), time.perf_counter() - start)
@@ -456,6 +506,21 @@ def commit(
         result.url, result.num_arrays, result.num_objects, num_writers, result.bytes_written / 1e6,
     )
     return result
+
+
+def _lost(root: Root, step: int, save_id: str) -> SaveResult:
+    """A commit found the step's manifest there before its own: the result of that commit when
+    it was this save's (a twin committer won the race), else a CheckpointError naming the winner."""
+    done = committed_by(root, step, save_id)
+    if done is not None:
+        log.info("checkpoint %s was committed by save %s on another committer", done.url, save_id)
+        return done
+    try:
+        winner = json.loads(read_bytes(root, join(root.step_path(step), MANIFEST_NAME))).get("save_id")
+    except (OSError, ValueError, AttributeError):
+        winner = None
+    raise CheckpointError(f"checkpoint step {step} under {root.url!r} is already committed, by save "
+                          f"{loggable(str(winner), 80)}, not by save {save_id}; this save is not committed")
 
 
 def _missing(fragments: dict[int, Any], num_writers: int, shown: int = 20) -> str:

@@ -5,7 +5,11 @@ the root URL (plain local path, `file://`, `memory://`; `s3://` needs only s3fs 
 object stores need no special code. Small files (the manifest) are written atomically: to a
 temporary name and renamed on a local disk, a single PUT elsewhere (object-store PUTs are
 atomic; a rename there would be a copy plus delete). Zarr sees the same storage through a
-`LocalStore` on local disk and an `FsspecStore` otherwise.
+`LocalStore` on local disk and an `FsspecStore` otherwise. The manifest, which is the commit,
+is created only if absent (`write_bytes_exclusive`): a hard link of a finished temporary file on
+a local disk, a conditional PUT (`If-None-Match: *`) on S3, a lock-guarded check on memory://,
+so two committers of one step can never both commit it. An S3 store that ignores the condition
+is found by a probe before its first such write and refused with an error naming it.
 """
 
 from __future__ import annotations
@@ -13,15 +17,17 @@ from __future__ import annotations
 import os
 import posixpath
 import re
+import threading
 import uuid
 from dataclasses import dataclass
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+from fsspec.implementations.memory import MemoryFileSystem
 from zarr.abc.store import Store
 from zarr.storage import FsspecStore, LocalStore
 
-from meshtrain.services.checkpoint.nofollow import makedirs_beneath, open_beneath
+from meshtrain.services.checkpoint.nofollow import create_beneath, makedirs_beneath, open_beneath
 from meshtrain.services.common.errors import CheckpointError
 
 MANIFEST_NAME = "manifest.json"
@@ -154,6 +160,92 @@ def write_bytes_atomic(root: Root, path: str, data: bytes) -> None:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+_MEMORY_CREATE = threading.Lock()  # memory:// has no atomic create: check and write under one lock
+_CONDITIONAL: dict[tuple[str, str], bool] = {}  # (filesystem, bucket) -> honors If-None-Match
+_PROBE_LOCK = threading.Lock()
+
+
+def write_bytes_exclusive(root: Root, path: str, data: bytes) -> bool:
+    """Writes a small file only if no file of that name exists, atomically: of several callers
+    racing on one path (other threads, processes or machines), exactly one creates it.
+
+    Args:
+        root: the root whose filesystem holds `path`.
+        path: destination path.
+        data: file contents.
+
+    Returns:
+        True when this call created the file, False when one existed (it is left as it was).
+
+    Raises:
+        CheckpointError: the store cannot create a file only if absent (an S3 server ignoring
+            `If-None-Match: *`, a filesystem without a known way), so a race could not be ruled out.
+    """
+    if root.is_local:
+        return create_beneath(root.path, path, data)
+    if isinstance(root.fs, MemoryFileSystem):
+        with _MEMORY_CREATE:
+            if root.fs.exists(path):
+                return False
+            root.fs.pipe_file(path, data)
+            return True
+    if not _is_s3(root):
+        raise CheckpointError(
+            f"checkpoint root {root.url!r}: its filesystem ({type(root.fs).__name__}) offers no atomic "
+            "create-if-absent, so a commit could race another; use a local folder, s3:// or memory://")
+    _require_conditional_writes(root, path)
+    try:
+        root.fs.pipe_file(path, data, mode="create")
+    except OSError as e:
+        if _precondition_failed(e):
+            return False
+        raise
+    return True
+
+
+def _is_s3(root: Root) -> bool:
+    return "s3" in (root.fs.protocol if isinstance(root.fs.protocol, tuple) else (root.fs.protocol,))
+
+
+def _precondition_failed(e: OSError) -> bool:
+    """Whether a conditional PUT was refused because the object exists: s3fs raises
+    FileExistsError when the server names the condition, else an OSError caused by botocore's
+    ClientError with code PreconditionFailed (HTTP 412), as SeaweedFS answers."""
+    if isinstance(e, FileExistsError):
+        return True
+    response = getattr(e.__cause__, "response", None) or {}
+    error = response.get("Error", {})
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return error.get("Code") in ("PreconditionFailed", "412") or status == 412
+
+
+def _require_conditional_writes(root: Root, path: str) -> None:
+    """Probes, once per bucket, that the S3 server refuses a second `If-None-Match: *` PUT of
+    an object; raises CheckpointError naming the store when it does not."""
+    bucket = path.split("/", 1)[0]
+    key = (repr(root.fs.storage_options.get("endpoint_url")) + type(root.fs).__name__, bucket)
+    with _PROBE_LOCK:
+        known = _CONDITIONAL.get(key)
+        if known is None:
+            probe = join(root.path, f".conditional-write-probe-{uuid.uuid4().hex}")
+            root.fs.pipe_file(probe, b"1", mode="create")
+            try:
+                root.fs.pipe_file(probe, b"2", mode="create")
+                known = False
+            except OSError as e:
+                if not _precondition_failed(e):
+                    raise
+                known = True
+            finally:
+                root.fs.rm(probe)
+            _CONDITIONAL[key] = known
+    if not known:
+        raise CheckpointError(
+            f"the object store of {root.url!r} ignored a conditional PUT (If-None-Match: *): it cannot "
+            "create the manifest only if absent, so two committers could both commit a step; use a store "
+            "that supports conditional writes (AWS S3, SeaweedFS, MinIO, Ceph RGW of recent versions)")
 
 
 def _fsync_dir(path: str) -> None:
