@@ -10,7 +10,9 @@ micro-batches in-process, the trainer's wait against the in-process loader.
 Parts: tokenize (tokens/s with 1..N preprocess workers, HF BPE with the Rust thread pool
 off, so one worker is one core), index (10 M samples blended over 10 datasets, cold build and
 cached load), stream (MB/s and micro-batches/s per worker process on loopback, one client
-per worker), wait (a simulated trainer step of fixed compute time: how long each step waits
+per worker), ranks (samples/s that 1 and 2 workers deliver to 8 data-parallel ranks through
+the trainer's own client, spread over the workers, against the same ranks in-process), wait
+(a simulated trainer step of fixed compute time: how long each step waits
 for its batches, in-process vs through the service).
 """
 
@@ -210,6 +212,65 @@ def bench_stream(work: Path, workers_list: list[int], seq_length: int, mbs: int,
     return {"seq_length": seq_length, "micro_batch_size": mbs, "in_process": local, "service": results}
 
 
+def bench_ranks(work: Path, workers_list: list[int], ranks: int, seq_length: int, mbs: int, seconds: float) -> dict:
+    """Samples/s delivered to `ranks` data-parallel ranks (the trainer's real client, one thread
+    each in this process) by 1, 2, ... workers, against the same ranks reading in-process."""
+    from meshtrain.services.dataloader.rpc.client import ServiceBatchSource
+
+    prefix = _synthetic(work / "ranks", 11, docs=50_000, mean_len=1000)
+    gbs = mbs * ranks
+    spec = DatasetSpec((prefix,), (1.0,), seq_length, num_samples=gbs * 20000, seed=1, split="1")
+    open_dataset(spec)  # builds the index cache the workers will load
+
+    def measure(sources) -> dict:
+        counts = [0] * len(sources)
+        stop = threading.Event()
+
+        def read(i: int) -> None:
+            step = 0
+            while not stop.is_set():
+                counts[i] += sum(b.tokens.shape[0] for b in sources[i].micro_batches(step))
+                step += 1
+
+        threads = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(len(sources))]
+        for th in threads:
+            th.start()
+        time.sleep(min(2.0, seconds / 3))  # warm-up: index load, connections
+        before, t = list(counts), time.perf_counter()
+        time.sleep(seconds)
+        dt, after = time.perf_counter() - t, list(counts)
+        stop.set()
+        for th in threads:
+            th.join(timeout=30)
+        per_rank = [(a - b) / dt for a, b in zip(after, before)]
+        return {"samples_per_s": sum(per_rank), "min_rank_samples_per_s": min(per_rank)}
+
+    local = measure([LocalBatchSource(open_dataset(spec), mbs, gbs, r, ranks) for r in range(ranks)])
+    results = []
+    for w in workers_list:
+        procs = [_start_worker(work / f"r{i}") for i in range(w)]
+        addresses = [addr for _, addr in procs]
+        sources = [ServiceBatchSource(addresses, spec, mbs, gbs, r, ranks, rebalance_s=0) for r in range(ranks)]
+        try:
+            r = measure(sources)
+            r["streams_per_worker"] = [sum(s.current_address == a for s in sources) for a in addresses]
+        finally:
+            for s in sources:
+                s.close()
+            for p, _ in procs:
+                p.terminate()
+                p.wait()
+        r.update(workers=w, vs_in_process=r["samples_per_s"] / local["samples_per_s"])
+        results.append(r)
+    rows = [["in-process", f"{local['samples_per_s']:.0f}", f"{local['min_rank_samples_per_s']:.0f}", "-", "1.00"]]
+    rows += [[r["workers"], f"{r['samples_per_s']:.0f}", f"{r['min_rank_samples_per_s']:.0f}",
+              "/".join(map(str, r["streams_per_worker"])), f"{r['vs_in_process']:.2f}"] for r in results]
+    table(f"{ranks} ranks on loopback: samples of {seq_length + 1} tokens, micro-batch {mbs}",
+          ["workers", "samples/s", "slowest rank", "streams per worker", "vs in-process"], rows)
+    return {"ranks": ranks, "seq_length": seq_length, "micro_batch_size": mbs, "in_process": local,
+            "service": results}
+
+
 def bench_wait(work: Path, seq_length: int, mbs: int, accum: int, compute_ms: float, steps: int) -> dict:
     from meshtrain.services.dataloader.rpc.client import ServiceBatchSource
 
@@ -247,13 +308,15 @@ def bench_wait(work: Path, seq_length: int, mbs: int, accum: int, compute_ms: fl
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--parts", nargs="+", default=["tokenize", "index", "stream", "wait"],
-                   choices=["tokenize", "index", "stream", "wait"])
+    p.add_argument("--parts", nargs="+", default=["tokenize", "index", "stream", "ranks", "wait"],
+                   choices=["tokenize", "index", "stream", "ranks", "wait"])
     p.add_argument("--out", default=None, help="JSON results file")
     p.add_argument("--corpus-mb", type=float, default=20)
     p.add_argument("--tokenize-workers", type=int, nargs="+", default=[1, 2])
     p.add_argument("--index-samples", type=int, default=10_000_000)
     p.add_argument("--stream-workers", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--ranks", type=int, default=8, help="data-parallel ranks of the ranks part")
+    p.add_argument("--ranks-workers", type=int, nargs="+", default=[1, 2])
     p.add_argument("--seq-length", type=int, default=4096)
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--seconds", type=float, default=5.0)
@@ -272,6 +335,9 @@ def main() -> int:
         if "stream" in args.parts:
             results["stream"] = bench_stream(work, args.stream_workers, args.seq_length,
                                              args.micro_batch_size, args.seconds)
+        if "ranks" in args.parts:
+            results["ranks"] = bench_ranks(work, args.ranks_workers, args.ranks, args.seq_length,
+                                           args.micro_batch_size, args.seconds)
         if "wait" in args.parts:
             results["wait"] = bench_wait(work, 2048, args.micro_batch_size, 8, args.wait_compute_ms,
                                          args.wait_steps)

@@ -3,8 +3,9 @@ SIGTERM with a committed checkpoint, resumes, and matches an uninterrupted run l
 
 Topology: 2 data workers, the checkpoint service saving to a SeaweedFS S3 server on loopback,
 and a 4-rank CPU trainer (tp=2 x dp=2) on a ~0.1M-parameter model over the byte-level corpus.
-Midway one data worker (the one dp rank 1 streams from) is SIGKILLed: its ranks retry on the
-other worker while the launcher restarts it, and nothing else changes. Then the launcher gets
+Midway one data worker (the one dp rank 1 streams from) is SIGKILLed: the rank that pulls for
+that tp group retries on the other worker while the launcher restarts it, and nothing else
+changes. Then the launcher gets
 the stop a SIGTERM gives it: the trainer ranks are SIGTERMed first, commit a checkpoint after
 the current step and exit 0. A second `up` resumes from the S3 root to the end. The
 uninterrupted run uses the same tp=2 x dp=2 layout (gloo's reductions then add in the same
@@ -122,16 +123,18 @@ def test_preempted_topology_resumes_to_an_uninterrupted_runs_losses(s3, tmp_path
     wait_for(control.exists, first, "the control endpoint")
     client = ControlClient(str(tmp_path / "part1"))
     wait_for(lambda: client.status()["step"] >= 12, first, "step 12")
-    os.kill(first.pid("data-0"), signal.SIGKILL)  # dp rank 1 streams from data-0
-    wait_for(lambda: "[up] data-0 exited with status -9 (SIGKILL); restarting it" in first.out.text(),
-             first, "the launcher to restart data-0")
+    # dp rank 1 streams from data-1 (its slot, 1, of 2 workers); rank 2 pulls for its tp group
+    os.kill(first.pid("data-1"), signal.SIGKILL)
+    wait_for(lambda: "[up] data-1 exited with status -9 (SIGKILL); restarting it" in first.out.text(),
+             first, "the launcher to restart data-1")
     wait_for(lambda: client.status()["step"] >= 25, first, "step 25")
     first.stop.set()  # what SIGTERM/Ctrl-C to `meshtrain up` does
     assert first.join() == 0, first.out.text()[-4000:]
     client.close()
     log = first.out.text()
     (tmp_path / "part1.log").write_text(log)  # kept with the test's tmp_path for a failure's post-mortem
-    assert re.search(r"\[trainer-[23]\] .*data worker 127\.0\.0\.1:\d+ failed \(\w+\); resuming at", log), log[-4000:]
+    assert re.search(r"\[trainer-2\] .*data worker 127\.0\.0\.1:\d+ failed \(\w+\); resuming at", log), log[-4000:]
+    assert not re.search(r"\[trainer-3\] .*data worker", log), "tp rank 1 pulled instead of sharing its peer's batches"
     assert "[up] error" not in log
     part1 = losses(tmp_path / "part1")
     stopped = max(part1)

@@ -439,7 +439,7 @@ def make_server(
 
 def serve_forever(server: grpc.Server, health_servicer: health.HealthServicer | None = None,
                   grace_s: float = 5.0, on_ready: Callable[[], None] | None = None,
-                  exit_process: bool = True) -> None:
+                  exit_process: bool = True, on_stopping: Callable[[], None] | None = None) -> None:
     """Block until SIGTERM/SIGINT, then stop gracefully.
 
     Health turns NOT_SERVING first so load balancers stop routing new streams here, then
@@ -451,6 +451,8 @@ def serve_forever(server: grpc.Server, health_servicer: health.HealthServicer | 
         grace_s: seconds granted to RPCs in flight.
         on_ready: called once the signal handlers are in place, e.g. to announce the port:
             a supervisor that sends SIGTERM right after the announcement then gets a clean stop.
+        on_stopping: called when the signal arrives, before the grace period, e.g. to withdraw
+            an announcement so that clients stop choosing this server.
         exit_process: once stopped, make sure the process can exit: a handler thread still
             blocked in a stream that gRPC cancelled (seen: a data stream waiting on flow
             control) would otherwise keep the interpreter alive at exit, joining it forever.
@@ -467,6 +469,8 @@ def serve_forever(server: grpc.Server, health_servicer: health.HealthServicer | 
         if on_ready is not None:
             on_ready()
         stop.wait()
+        if on_stopping is not None:
+            on_stopping()
         if health_servicer is not None:
             health_servicer.enter_graceful_shutdown()
         server.stop(grace_s).wait(grace_s + 5.0)

@@ -184,6 +184,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics (requests, bytes, latency, queue depth) on this "
                         "port at /metrics (0: any free port, printed); off unless given")
+    p.add_argument("--announce", default=None, metavar="DIR",
+                   help="once serving, announce this worker in the folder DIR (on a shared file system); "
+                        "trainers given dir:DIR find every worker announced there, joined later ones too")
+    p.add_argument("--advertise", default=None, metavar="HOST",
+                   help="the host name or address trainers reach this worker by, for --announce "
+                        "(default: --host, or this machine's name when bound to all interfaces)")
     add_server_arguments(p)  # --token-file, --tls-cert, --tls-key, --tls-client-ca, --insecure
 
 

@@ -73,8 +73,10 @@ class DataConfig:
     """Where the default corpus, its tokenizer and its dataset are built and cached (default:
     `$MESHTRAIN_CACHE`, else `$XDG_CACHE_HOME/meshtrain`, else `~/.cache/meshtrain`)."""
     service_addresses: list[str] = field(default_factory=list)
-    """Data service workers (`host:port`, or one `dns:///name:port` resolving to several);
-    empty: read in-process. Workers must see the dataset files at the same paths."""
+    """Data service workers: `host:port`, `dns:///name:port` (every address the name resolves
+    to), or `dir:PATH` (every worker announced in that shared folder by `meshtrain data serve
+    --announce PATH`); empty: read in-process. Workers must see the dataset files at the same
+    paths. Ranks spread over the live workers; tensor-parallel peers pull once per group."""
     prefetch: int = 8
     """Micro-batches the service client fetches ahead on its background thread."""
     service_stall_s: float = 30.0
@@ -86,6 +88,9 @@ class DataConfig:
     service_open_timeout_s: float = 900.0
     """How long a worker may take to open the dataset (build its sample indices) before the
     next one is tried; an open that succeeds is not counted toward `service_give_up_s`."""
+    service_rebalance_s: float = 10.0
+    """How often (seconds) a rank resolves the addresses again and moves its stream to the
+    worker its place now falls on (workers joined or left); 0: move only when a worker fails."""
     eod_mask_loss: bool = False
     """Zero the loss where the input token is end-of-document (Megatron `--eod-mask-loss`)."""
 
@@ -108,6 +113,16 @@ class DataConfig:
         for name in ("service_stall_s", "service_give_up_s", "service_open_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"data.{name}={getattr(self, name)} must be > 0")
+        if not 0 <= self.service_rebalance_s < float("inf"):
+            raise ConfigError(f"data.service_rebalance_s={self.service_rebalance_s} must be >= 0 (0: never)")
+        if self.service_addresses:
+            from meshtrain.services.dataloader.rpc.discovery import check_address
+
+            for address in self.service_addresses:
+                try:
+                    check_address(address)
+                except DataError as e:
+                    raise ConfigError(f"data.service_addresses: {e}") from None
         self._resolve_tokenizer_type()
         if self.data_path and self.tokenizer == "bpe":
             raise ConfigError(

@@ -7,6 +7,8 @@ kinds of source have the same `micro_batches(step)` / `num_micro_batches` interf
 `LocalBatchSource` reading the files in this process, or, when `data.service_addresses` is
 set, a `ServiceBatchSource` streaming the same batches, bit for bit, from DataService
 workers. Batches are a pure function of (dataset spec, seed, step), which makes resume exact.
+From the service, the ranks that pull are spread over the workers by their `spread` slot, and
+a tensor-parallel group pulls once: its first rank reads and shares (`GroupSharedSource`).
 """
 
 from __future__ import annotations
@@ -69,7 +71,55 @@ def make_source(spec: DatasetSpec, micro_batch_size: int, global_batch_size: int
                             options=options, cp_rank=cp_rank, cp_size=cp_size)
 
 
-def build_data(job: JobConfig, dp_rank: int = 0, dp_size: int = 1, cp_rank: int = 0, cp_size: int = 1) -> TrainData:
+# A peer waits this long in the broadcast for the rank that pulls (which may itself wait up to
+# the client's give_up_s for a worker, and then broadcasts its failure).
+_SHARE_TIMEOUT_S = 1800.0
+
+
+@dataclass(frozen=True)
+class Sharing:
+    """How a rank's tensor-parallel group shares service batches: `group` (gloo, the peers),
+    `src` (the global rank that pulls), and whether this rank is it."""
+
+    group: object
+    src: int
+    reads: bool
+
+
+def placement(mesh, uses_service: bool) -> tuple[tuple[int, int] | None, Sharing | None]:
+    """Where this rank's batches come from on the data service: its `spread` slot among the
+    ranks that pull (the first rank of each tensor-parallel group, for each dp and cp rank, on
+    the first and the last pipeline stage) and, with tp > 1, its group's `Sharing`.
+
+    Collective when it makes groups (data service and tp > 1): every rank calls it, in order.
+    """
+    if not uses_service:
+        return None, None
+    ends = 2 if mesh.pp > 1 else 1
+    end = 1 if mesh.pp > 1 and mesh.pp_rank == mesh.pp - 1 else 0
+    spread = ((end * mesh.dp + mesh.dp_rank) * mesh.cp + mesh.cp_rank, ends * mesh.dp * mesh.cp)
+    if mesh.tp == 1:
+        return spread, None
+    import datetime
+
+    import torch.distributed as dist
+
+    sharing = None
+    for members in mesh._members(("tp",)):  # new_group is collective: every rank makes every group
+        group = dist.new_group(members, backend="gloo", timeout=datetime.timedelta(seconds=_SHARE_TIMEOUT_S))
+        if mesh.rank in members:
+            sharing = Sharing(group, members[0], reads=mesh.rank == members[0])
+    return spread, sharing
+
+
+def _shared(source, sharing: Sharing):
+    from meshtrain.services.trainer.shared_batches import GroupSharedSource
+
+    return GroupSharedSource(source if sharing.reads else None, sharing.group, sharing.src, shape_of=source)
+
+
+def build_data(job: JobConfig, dp_rank: int = 0, dp_size: int = 1, cp_rank: int = 0, cp_size: int = 1,
+               spread: tuple[int, int] | None = None, sharing: Sharing | None = None) -> TrainData:
     """Open (or build) the dataset for `job` and the sample streams for its splits.
 
     Args:
@@ -78,6 +128,10 @@ def build_data(job: JobConfig, dp_rank: int = 0, dp_size: int = 1, cp_rank: int 
             dp ranks (Megatron's order), and so is the evaluation set.
         cp_rank, cp_size: this rank's context-parallel coordinate: the cp ranks of a dp rank
             read the same samples and each gets only its chunks of every sequence.
+        spread: (slot, slots) of this rank among the ranks that pull from the data service
+            (None: by dp and cp rank); it streams from live worker `slot mod count`.
+        sharing: with the data service, this rank's tensor-parallel group pulls once and shares
+            (None: every rank pulls its own).
 
     Returns:
         TrainData with the train source and, when evaluation is on, the valid source.
@@ -108,8 +162,8 @@ def build_data(job: JobConfig, dp_rank: int = 0, dp_size: int = 1, cp_rank: int 
     addresses = list(d.service_addresses)
     options = BatchOptions(eod_id=eod_id, mask_eod_loss=d.eod_mask_loss)
     service = {"stall_s": d.service_stall_s, "give_up_s": d.service_give_up_s,
-               "open_timeout_s": d.service_open_timeout_s,
-               "security": ClientSecurity.from_config(job.auth)} if addresses else {}
+               "open_timeout_s": d.service_open_timeout_s, "rebalance_s": d.service_rebalance_s,
+               "spread": spread, "security": ClientSecurity.from_config(job.auth)} if addresses else {}
 
     def spec(split_name: str, num_samples: int) -> DatasetSpec:
         return DatasetSpec(tuple(prefixes), tuple(weights), job.model.seq_length, num_samples,
@@ -126,6 +180,8 @@ def build_data(job: JobConfig, dp_rank: int = 0, dp_size: int = 1, cp_rank: int 
         n = t.eval_iters * t.global_batch_size
         valid = make_source(spec("valid", n), t.micro_batch_size, n, dp_rank, dp_size, addresses=addresses,
                             prefetch=d.prefetch, options=options, cp_rank=cp_rank, cp_size=cp_size, **service)
+    if addresses and sharing is not None:
+        train, valid = (None if src is None else _shared(src, sharing) for src in (train, valid))
     log.info("data: %s (weights %s), tokenizer %s, vocab %d, %s", prefixes, weights, tokenizer_spec,
              vocab_size, f"service {addresses}" if addresses else "in-process")
     return TrainData(train, valid, vocab_size, tokenizer_spec, prefixes[0])

@@ -18,6 +18,7 @@ import functools
 import logging
 import os
 import time
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,9 +38,16 @@ from meshtrain.services.common.errors import (
 from meshtrain.services.common.security import ClientSecurity
 from meshtrain.services.trainer import checkpointing
 from meshtrain.services.trainer.config import LAUNCHER_KEYS_ENV, JobConfig, replace
-from meshtrain.services.trainer.data import build_data
+from meshtrain.services.trainer.data import build_data, placement
 from meshtrain.services.trainer.graphs import MicroBatchGraph
-from meshtrain.services.trainer.metrics import MetricsLog, RouterStats, model_size, peak_tflops, plot_losses
+from meshtrain.services.trainer.metrics import (
+    MetricsLog,
+    RouterStats,
+    memory_metrics,
+    model_size,
+    peak_tflops,
+    plot_losses,
+)
 from meshtrain.services.trainer.model.gpt import GPT
 from meshtrain.services.trainer.model.moe import set_moe_loss_scale
 from meshtrain.services.trainer.optim.optimizer import build_optimizer, clip_grad_norm, set_lr
@@ -59,6 +67,7 @@ from meshtrain.services.trainer.requests import (
 )
 from meshtrain.services.trainer.resume import refuse_a_root_with_later_steps, resume
 from meshtrain.services.trainer.run_dir import make_run_dir, release_run_dir, run_dir_toml
+from meshtrain.services.trainer.tracking import open_trackers, require_packages
 from meshtrain.services.trainer.uploads import Uploader
 from meshtrain.services.trainer.weight_copies import WeightCopies, call_with
 
@@ -198,9 +207,11 @@ class Trainer:
     def _build(self, job: JobConfig) -> None:
         """The rest of `__init__`, once the run directory is held: data, model, optimizer,
         restore and checkpointer."""
-        # context-parallel peers read the same samples, each only its chunks of them
+        # context-parallel peers read the same samples, each only its chunks of them; from the
+        # service, a tensor-parallel group pulls once and shares
+        spread, sharing = placement(self.mesh, bool(job.data.service_addresses))
         self.data = build_data(job, dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp,
-                               cp_rank=self.mesh.cp_rank, cp_size=self.mesh.cp)
+                               cp_rank=self.mesh.cp_rank, cp_size=self.mesh.cp, spread=spread, sharing=sharing)
         if job.model.vocab_size is None:
             job = replace(job, model={"vocab_size": self.data.vocab_size})
         if job.checkpoint.save is None:
@@ -563,7 +574,14 @@ class Trainer:
                 "raise --train-iters to continue"
             )
         tokens_per_step = t.global_batch_size * job.model.seq_length
-        metrics = MetricsLog(self.run_dir, t.train_iters, start, job.log.progress if self.is_main else "none")
+        try:
+            require_packages(job.log)  # every rank: none goes on to wait for a main rank that stopped here
+            trackers = open_trackers(job.log, self.run_dir, tomllib.loads(run_dir_toml(job))) if self.is_main else []
+        except BaseException:
+            self.checkpointer.close()  # the run ends before its loop: nothing to save
+            raise
+        metrics = MetricsLog(self.run_dir, t.train_iters, start, job.log.progress if self.is_main else "none",
+                             trackers)
         with self.requests.sigterm_stops(until_exit):
             failed = True
             try:
@@ -618,6 +636,7 @@ class Trainer:
             if self.peak:  # per device: the global batch's FLOPs shared by every rank
                 record["mfu"] = self.flops_per_token * record["tokens_per_s"] / (
                     self.peak * 1e12 * self.mesh.world_size)
+            record.update(memory_metrics(self.device))
             record.update(self.router_stats.metrics(job.model, self.device))  # the MoE routers' (every rank)
             disk_full = self.checkpointer.poll()  # a save that ended since: recovered, or failed
             if disk_full is not None and self.is_main:

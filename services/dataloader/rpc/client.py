@@ -3,17 +3,24 @@
 `micro_batches(step)` returns the same `Batch` objects the in-process loader makes, bit for
 bit. A background thread keeps one server stream open and `prefetch` micro-batches ahead in
 a bounded queue. When a stream breaks (worker killed, network gone) the thread backs off
-exponentially, moves to the next address and asks for the stream again starting at exactly
-the next micro-batch it has not received, so none is repeated or missed; every message's
-(step, micro-batch) is checked against the one expected. Each connection first asks the
+exponentially, benches that worker for `bench_s`, and asks another for the stream again
+starting at exactly the next micro-batch it has not received, so none is repeated or missed;
+every message's (step, micro-batch) is checked against the one expected.
+
+Clients spread over the workers: each has a slot (`spread`, by default its dp and cp rank)
+and streams from live worker `slot mod count` of the sorted worker list, so every worker
+serves its share. Every `rebalance_s` a streaming client resolves its addresses again and,
+when its slot now falls on another worker (one joined, one left, a benched one is back),
+moves its stream there at the next micro-batch, exactly as after a failure. Each connection first asks the
 worker to open the dataset (`Describe`, which may build sample indices: minutes for a large
 blend, so it has its own `open_timeout_s`); a worker that then keeps its stream open but sends
 nothing while the trainer waits (a hung handler still answers keepalive pings) is dropped the
 same way after `stall_s`, and a stream that ends before the dataset does is a failure too.
-A `dns:///name:port` target is resolved here, at each connection attempt (so a rescaled service
-is seen), into the workers it names; each worker gets its own channel, so the Describe and the
-stream of one attempt reach the same worker (a round-robin channel sent them to different ones:
-the streaming worker then built its indices inside the stream, under `stall_s`).
+A `dns:///name:port` or `dir:PATH` target (`discovery`) is resolved here, at each connection
+attempt and rebalance (so a rescaled service is seen), into the workers it names; each worker
+gets its own channel, so the Describe and the stream of one attempt reach the same worker (a
+round-robin channel sent them to different ones: the streaming worker then built its indices
+inside the stream, under `stall_s`).
 A request the server rejects (INVALID_ARGUMENT, ...), or fails on with an error it does not map
 (UNKNOWN: the same on every worker), is raised in the trainer's thread with the server's
 message; so is a run of failures, with no micro-batch in between, that has gone on for
@@ -36,9 +43,9 @@ refused token (UNAUTHENTICATED, PERMISSION_DENIED) is raised at once, like any p
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import random
-import socket
 import threading
 import time
 from typing import Self
@@ -59,12 +66,15 @@ from meshtrain.services.dataloader.loader import (
     batch_from_segments,
     context_chunks,
 )
+from meshtrain.services.dataloader.rpc.discovery import check_address, resolve_workers
 from meshtrain.services.dataloader.rpc.servicer import spec_to_proto
 from meshtrain.services.dataloader.spec import DatasetSpec
 
 log = logging.getLogger("meshtrain.data")
 
 _END = object()  # the stream reached the end of the dataset
+
+
 class _Failure:
     def __init__(self, exc: BaseException):
         self.exc = exc
@@ -74,33 +84,8 @@ class _EndedEarly(Exception):
     """A stream that ended cleanly before the dataset's last step (a worker or proxy cut it)."""
 
 
-def _dns_host_port(target: str) -> tuple[str, str]:
-    """(name, port) of a `dns:[//authority/]name:port` target."""
-    rest = target[len("dns:"):]
-    if rest.startswith("//"):  # an authority (the DNS server to ask), usually empty
-        rest = rest[2:].partition("/")[2]
-    host, sep, port = rest.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise DataError(f"data service address {target!r} must be dns:///name:port")
-    return host.strip("[]"), port
-
-
-def resolve_workers(address: str) -> list[str]:
-    """The workers an address names now: `host:port` itself; a `dns:` target the `ip:port` of
-    each address its name resolves to, sorted so that every rank sees them in one order.
-
-    A name that does not resolve (yet: a service still starting) is returned as it is, so the
-    attempt fails as an unreachable worker does and the next attempt resolves it again.
-    """
-    if not address.startswith("dns:"):
-        return [address]
-    host, port = _dns_host_port(address)
-    try:
-        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-    except OSError:  # socket.gaierror: the name is not known (yet)
-        return [address]
-    ips = sorted({info[4][0] for info in infos})
-    return [f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips] or [address]
+class _NoWorkers(Exception):
+    """The addresses name no worker now (a `dir:` folder nobody has announced in yet)."""
 
 
 class ServiceBatchSource:
@@ -123,6 +108,9 @@ class ServiceBatchSource:
         cp_rank: int = 0,
         cp_size: int = 1,
         security: ClientSecurity | None = None,
+        spread: tuple[int, int] | None = None,
+        rebalance_s: float = 10.0,
+        bench_s: float = 60.0,
     ):
         """Args:
         addresses: worker addresses (`host:port`), tried in turn; a `dns:///name:port`
@@ -147,6 +135,14 @@ class ServiceBatchSource:
             `context_positions(spec.seq_length, cp_rank, cp_size)`, and only those are sent.
         cp_size: context-parallel ranks (they all read the samples of one dp rank).
         security: token and TLS settings for every worker (None: plaintext, $MESHTRAIN_TOKEN if set).
+        spread: (slot, slots): this client's place among all the clients of the run that pull
+            from the service (default: dp_rank * cp_size + cp_rank of dp_size * cp_size); it
+            streams from live worker `slot % len(live workers)`.
+        rebalance_s: how often (seconds) a streaming client resolves the addresses again and
+            moves to the worker its slot now falls on (a worker joined, or one it had left after
+            a failure is back), at exactly the next micro-batch; 0: only on failure.
+        bench_s: how long a worker that failed (unreachable, stalled, ended early) is passed
+            over when choosing one, unless every worker has failed.
         """
         if not addresses:
             raise DataError("ServiceBatchSource needs at least one worker address")
@@ -157,17 +153,20 @@ class ServiceBatchSource:
         if not 0 <= dp_rank < dp_size:
             raise DataError(f"dp_rank={dp_rank} is outside [0, dp_size={dp_size})")
         stall_s = give_up_s / 4 if stall_s is None else stall_s
-        if prefetch < 1 or give_up_s <= 0 or stall_s <= 0 or open_timeout_s <= 0:
-            raise DataError(f"prefetch={prefetch} must be >= 1 and give_up_s={give_up_s}, stall_s={stall_s}, "
-                            f"open_timeout_s={open_timeout_s} positive")
+        if prefetch < 1 or give_up_s <= 0 or stall_s <= 0 or open_timeout_s <= 0 or rebalance_s < 0 or bench_s < 0:
+            raise DataError(f"prefetch={prefetch} must be >= 1, give_up_s={give_up_s}, stall_s={stall_s} and "
+                            f"open_timeout_s={open_timeout_s} positive, rebalance_s={rebalance_s} and "
+                            f"bench_s={bench_s} not negative")
+        spread = (dp_rank * cp_size + cp_rank, dp_size * cp_size) if spread is None else tuple(spread)
+        if len(spread) != 2 or not 0 <= spread[0] < spread[1]:
+            raise DataError(f"spread={spread} must be (slot, slots) with 0 <= slot < slots")
         spec.validate()
         self.chunks = context_chunks(spec.seq_length, cp_rank, cp_size)  # raises on bad cp values
         if cp_size > 1 and options is not None and options.document_ids:
             raise DataError(f"document ids are not served under context parallelism (cp_size={cp_size}): "
                             f"a rank's chunks do not show the EODs before them")
         for address in addresses:
-            if address.startswith("dns:"):
-                _dns_host_port(address)  # a malformed target fails here, not at the first attempt
+            check_address(address)  # a malformed target fails here, not at the first attempt
         self.addresses = list(addresses)
         self.security = security if security is not None else ClientSecurity.from_files()
         self.spec = spec
@@ -182,8 +181,12 @@ class ServiceBatchSource:
         self.give_up_s = give_up_s
         self.stall_s = stall_s
         self.open_timeout_s = open_timeout_s
+        self.spread = spread
+        self.rebalance_s = rebalance_s
+        self.bench_s = bench_s
         self.options = options or BatchOptions()
         self.reconnects = 0  # streams reopened after a failure (for tests and logs)
+        self.moves = 0  # streams moved to another worker by a rebalance
         self.current_address: str | None = None  # the worker streaming to us now
         self._channels: dict[str, grpc.Channel] = {}
         self._thread: threading.Thread | None = None
@@ -254,24 +257,41 @@ class ServiceBatchSource:
     def _put(q: queue.Queue, item, stop: threading.Event) -> bool:
         return put_unless_stopped(q, item, stop)
 
+    def _workers(self) -> list[str]:
+        """Every worker the addresses name now (a rescale or a new announcement shows here)."""
+        return [w for a in self.addresses for w in resolve_workers(a)]
+
+    def _choose(self, workers: list[str], benched: dict[str, float]) -> str:
+        """The worker this client should stream from: its `spread` slot over the workers that
+        have not failed in the last `bench_s` (if every one has: the one that failed longest
+        ago, so retries go round). Every client sees the same sorted list,
+        so n clients over k live workers load each with n/k streams, give or take one."""
+        now = time.monotonic()
+        live = [w for w in workers if now - benched.get(w, -math.inf) >= self.bench_s]
+        if not live:
+            return min(workers, key=lambda w: benched.get(w, -math.inf))
+        index, _ = self.spread
+        return live[index % len(live)]
+
     def _produce(self, step: int, microbatch: int, stop: threading.Event, q: queue.Queue) -> None:
-        """Background thread: stream from (step, microbatch) on into `q`, failing over as needed."""
+        """Background thread: stream from (step, microbatch) on into `q`, failing over as needed
+        and moving to the worker `_choose` picks when the workers change (every `rebalance_s`)."""
         pos = (step, microbatch)
-        which = None  # index of the worker to try, counted over the resolved list
         delay = self.backoff_s[0]
         # The give-up clock: when the current run of consecutive failures began (None while
         # streams deliver), and the workers tried since. Measured from the last micro-batch
         # instead, it counted the trainer's compute on prefetched batches as time without data.
         failing_since: float | None = None
         tried: set[str] = set()
+        benched: dict[str, float] = {}  # worker -> when it last failed
         nmb = self.num_micro_batches
         while not stop.is_set():
-            workers = [w for a in self.addresses for w in resolve_workers(a)]  # a rescale shows here
-            if which is None:
-                which = random.Random(self.dp_rank).randrange(len(workers))  # spread ranks
-            address = workers[which % len(workers)]
+            workers = self._workers()
             call = None
+            address = self._choose(workers, benched) if workers else f"(none announced in {self.addresses})"
             try:
+                if not workers:
+                    raise _NoWorkers(f"no data worker is announced at {self.addresses} yet")
                 with self._lock:
                     if stop.is_set():
                         return
@@ -294,6 +314,8 @@ class ServiceBatchSource:
                         call.cancel()
                         return
                     self._call, self._opening = call, None
+                moved = False
+                next_check = time.monotonic() + self.rebalance_s
                 for msg in call:
                     if (msg.step, msg.microbatch) != pos:
                         raise DataError(f"worker {address} sent step {msg.step} micro-batch "
@@ -304,6 +326,19 @@ class ServiceBatchSource:
                     pos = (pos[0] + 1, 0) if pos[1] + 1 == nmb else (pos[0], pos[1] + 1)
                     delay, failing_since = self.backoff_s[0], None
                     tried.clear()
+                    if self.rebalance_s and time.monotonic() >= next_check and pos[0] < self.num_steps:
+                        next_check = time.monotonic() + self.rebalance_s
+                        workers = self._workers()
+                        want = self._choose(workers, benched) if workers else address
+                        if want != address:  # the stream goes on there from exactly `pos`
+                            log.info("data: moving from worker %s to %s at step %d micro-batch %d (%d workers)",
+                                     address, want, pos[0], pos[1], len(workers))
+                            self.moves += 1
+                            call.cancel()
+                            moved = True
+                            break
+                if moved:
+                    continue
                 if pos[0] < self.num_steps:  # ended cleanly, but short of the dataset's end
                     raise _EndedEarly(f"worker {address} ended its stream at step {pos[0]} micro-batch "
                                       f"{pos[1]}, before the dataset's {self.num_steps} steps")
@@ -311,11 +346,11 @@ class ServiceBatchSource:
                 return
             except grpc.FutureCancelledError:  # only a halt cancels the Describe
                 return
-            except (grpc.RpcError, _EndedEarly) as e:
+            except (grpc.RpcError, _EndedEarly, _NoWorkers) as e:
                 if stop.is_set():
                     return
-                if isinstance(e, _EndedEarly):
-                    what, why = "ended early", str(e)
+                if isinstance(e, (_EndedEarly, _NoWorkers)):
+                    what, why = type(e).__name__, str(e)
                 elif call is not None and call is self._stalled_call:
                     what, why = "stalled", f"sent nothing for {self.stall_s:.0f}s while the trainer waited"
                 else:
@@ -326,7 +361,9 @@ class ServiceBatchSource:
                     what, why = e.code().name, f"{e.code().name}: {e.details()}"
                 now = time.monotonic()
                 failing_since = now if failing_since is None else failing_since
-                tried.add(address)
+                if workers:
+                    tried.add(address)
+                    benched[address] = now
                 if now - failing_since > self.give_up_s and tried.issuperset(workers):
                     self._put(q, _Failure(DataError(
                         f"no data worker of {self.addresses} served anything for {self.give_up_s:.0f}s; "
@@ -334,7 +371,6 @@ class ServiceBatchSource:
                     return
                 self.reconnects += 1
                 log.warning("data worker %s failed (%s); resuming at %s elsewhere", address, what, pos)
-                which += 1
                 # jitter keeps ranks that lost the same worker from reconnecting in lockstep
                 stop.wait(delay * (0.5 + random.random()))
                 delay = min(delay * 2, self.backoff_s[1])

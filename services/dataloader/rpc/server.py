@@ -6,12 +6,15 @@ The server has the standard health service and reflection (try
 `grpcurl -plaintext 127.0.0.1:P list`) and stops gracefully on SIGTERM. With `--token-file` (or
 $MESHTRAIN_TOKEN) every call needs a token of scope read; `--tls-cert/--tls-key` serve TLS and
 `--tls-client-ca` requires client certificates (`meshtrain.services.common.security`). An
-interface other than loopback needs a token or client certificates, or `--insecure`.
+interface other than loopback needs a token or client certificates, or `--insecure`. With
+`--announce DIR` the worker writes its address into DIR once it serves and withdraws it when
+SIGTERM arrives, so trainers given `dir:DIR` find it (`discovery`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 
@@ -21,6 +24,7 @@ from meshtrain.services.common.grpc_utils import make_server, serve_forever
 from meshtrain.services.common.metrics import MetricsInterceptor, start_metrics_server
 from meshtrain.services.common.security import READ, ServerSecurity, method_scopes
 from meshtrain.services.dataloader.cli import add_serve_arguments
+from meshtrain.services.dataloader.rpc.discovery import advertised_host, announce
 from meshtrain.services.dataloader.rpc.servicer import SERVICE_NAME, DataLimits, DataServicer
 
 log = logging.getLogger("meshtrain.data")
@@ -84,8 +88,17 @@ def run(args: argparse.Namespace) -> int:
             server.stop(0)  # the gRPC port is already bound: release it before exiting
             raise
         print(f"metrics on http://{args.host}:{metrics_port}/metrics", flush=True)
-    serve_forever(server, health, grace_s=args.grace,
-                  on_ready=lambda: print(f"listening on {args.host}:{port}", flush=True))
+    announcement = contextlib.ExitStack()
+
+    def ready() -> None:
+        if getattr(args, "announce", None):
+            address = f"{args.advertise or advertised_host(args.host)}:{port}"
+            path = announcement.enter_context(announce(args.announce, address))
+            log.info("announced as %s in %s", address, path)
+        print(f"listening on {args.host}:{port}", flush=True)
+
+    with announcement:
+        serve_forever(server, health, grace_s=args.grace, on_ready=ready, on_stopping=announcement.close)
     return 0
 
 

@@ -50,10 +50,11 @@ def batch_hash(batch) -> str:
 class WorkerProcess:
     """`python -m meshtrain.services.dataloader.rpc.server` on a loopback port, as a real separate process."""
 
-    def __init__(self, port: int | None = None):
+    def __init__(self, port: int | None = None, args: tuple[str, ...] = ()):
         port = free_port() if port is None else port
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "meshtrain.services.dataloader.rpc.server", "--port", str(port), "--grace", "1"],
+            [sys.executable, "-m", "meshtrain.services.dataloader.rpc.server", "--port", str(port), "--grace", "1",
+             *args],
             cwd=REPO, stdout=subprocess.PIPE, stderr=None if os.environ.get("MESHTRAIN_TEST_WORKER_STDERR") else subprocess.DEVNULL, text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
