@@ -27,6 +27,15 @@ class ModelConfig:
     """Query heads per attention layer."""
     num_query_groups: int | None = None
     """Key/value heads for grouped-query attention; unset means one per query head (MHA)."""
+    kv_channels: int | None = None
+    """Width of each attention head (--kv-channels); unset: hidden_size / num_attention_heads. Set,
+    the heads need not tile the hidden size (Qwen3: 128-wide heads with hidden_size 1024 and 16 heads)."""
+    qkv_bias: bool = False
+    """Biases on the query/key/value projection alone (--add-qkv-bias; Qwen2), where
+    add_bias_linear is off; with add_bias_linear on, every linear layer has one already."""
+    qk_norm: bool = False
+    """Normalize each query and key head over its width before RoPE (--qk-layernorm; Qwen3), with
+    the model's normalization and a learned (head_dim,) weight per layer shared by the heads."""
     ffn_hidden_size: int | None = None
     """MLP inner width; unset: 4*hidden for GELU, 8/3*hidden rounded down to 64 for SwiGLU
     (Megatron-LM's rule for --swiglu, so the same flags build the same shapes)."""
@@ -48,6 +57,18 @@ class ModelConfig:
     """Learned absolute positions (GPT-2) or rotary embeddings (Llama)."""
     rotary_base: float = 10000.0
     """RoPE base frequency."""
+    rope_scaling_factor: float | None = None
+    """Llama 3 RoPE scaling (--use-rope-scaling, --rope-scaling-factor): frequencies whose
+    wavelength exceeds original_max_positions / low_freq_factor are divided by this factor, those
+    shorter than original_max_positions / high_freq_factor kept, those between blended smoothly;
+    unset: plain RoPE. Llama 3.1/3.3: 8, Llama 3.2: 32."""
+    rope_scaling_low_freq_factor: float = 1.0
+    """Llama 3 RoPE scaling: the long-wavelength bound is original_max_positions / this."""
+    rope_scaling_high_freq_factor: float = 4.0
+    """Llama 3 RoPE scaling: the short-wavelength bound is original_max_positions / this (greater
+    than rope_scaling_low_freq_factor)."""
+    rope_scaling_original_max_positions: int = 8192
+    """Llama 3 RoPE scaling: the context length the model was first trained at."""
     add_bias_linear: bool = True
     """Biases in the linear layers (GPT-2: true, Llama: false)."""
     untie_embeddings_and_output_weights: bool = False
@@ -116,10 +137,13 @@ class ModelConfig:
         for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"model.{key} must be positive, got {getattr(self, key)}")
-        if self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is not None and self.kv_channels <= 0:
+            raise ConfigError(f"model.kv_channels must be positive (unset: hidden_size / num_attention_heads), "
+                              f"got {self.kv_channels}")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"model.hidden_size={self.hidden_size} must be divisible by "
-                f"model.num_attention_heads={self.num_attention_heads}"
+                f"model.num_attention_heads={self.num_attention_heads} (or set model.kv_channels)"
             )
         if self.num_query_groups is not None and self.num_query_groups <= 0:  # 0 read as unset: MHA
             raise ConfigError(f"model.num_query_groups must be positive (unset for one per head), "
@@ -155,12 +179,29 @@ class ModelConfig:
             raise ConfigError(f"model.rotary_base must be positive, got {self.rotary_base}")
         if not 0 <= self.norm_epsilon < math.inf:
             raise ConfigError(f"model.norm_epsilon must be >= 0, got {self.norm_epsilon}")
+        self._check_rope_scaling()
         self._check_moe()
         if self.transformer_impl != "local":
             raise NotBuiltError(
                 "model.transformer_impl='transformer_engine' is not built yet (Transformer Engine layers "
                 "are not wired in); use 'local'"
             )
+
+    def _check_rope_scaling(self) -> None:
+        factor = self.rope_scaling_factor
+        if factor is None:
+            return
+        if self.position_embedding_type != "rope":
+            raise ConfigError("model.rope_scaling_factor scales RoPE: it needs model.position_embedding_type='rope'")
+        if not 1 <= factor < math.inf:
+            raise ConfigError(f"model.rope_scaling_factor must be >= 1 (unset: plain RoPE), got {factor}")
+        low, high = self.rope_scaling_low_freq_factor, self.rope_scaling_high_freq_factor
+        if not 0 < low < high < math.inf:
+            raise ConfigError(f"model.rope_scaling_low_freq_factor={low} and model.rope_scaling_high_freq_factor="
+                              f"{high} must satisfy 0 < low < high")
+        if self.rope_scaling_original_max_positions <= 0:
+            raise ConfigError(f"model.rope_scaling_original_max_positions must be positive, "
+                              f"got {self.rope_scaling_original_max_positions}")
 
     def _check_moe(self) -> None:
         if self.num_experts is None:
@@ -208,7 +249,8 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        """Width of each attention head (kv_channels, or hidden_size / num_attention_heads)."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     @property
     def groups(self) -> int:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -517,7 +517,7 @@ def _check_model(root: str, meta: dict, model: GPT) -> None:
     QKV weight has (heads + 2*groups) * hidden/heads rows, the same for every head count at a
     fixed heads/groups ratio (3*hidden for plain MHA), so GPT-2's 12 heads load into a 4-head
     model with every shape matching and the rows read as other heads' queries, keys and values.
-    Warns when the RoPE base, the norm epsilon or a MoE model's routing (top-k, score function,
+    Warns when the RoPE base or scaling, the norm epsilon or a MoE model's routing (top-k, score function,
     pre-softmax, scaling) differ: the weights then compute another function (an imported Llama 3
     resumed without rope_theta=500000), but a new RoPE base is also how a context is extended on
     purpose.
@@ -534,15 +534,19 @@ def _check_model(root: str, meta: dict, model: GPT) -> None:
             f"model.num_attention_heads={c.num_attention_heads} in {c.groups} query groups here: its attention "
             "weights would be read as other heads (the shapes happen to match); set model.num_attention_heads "
             "and model.num_query_groups as saved (`meshtrain ckpt inspect` shows the saved config)")
-    keys = ["norm_epsilon"] + (["rotary_base"] if c.position_embedding_type == "rope" else [])
+    rope = ["rotary_base", "rope_scaling_factor", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
+            "rope_scaling_original_max_positions"]
+    keys = ["norm_epsilon"] + (rope if c.position_embedding_type == "rope" else [])
     if c.num_experts is not None:  # the routing: same weights, other experts chosen or weighted
         keys += ["moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax",
                  "moe_router_topk_scaling_factor"]
+    defaults = {f.name: f.default for f in fields(c)}  # a saved config leaves out keys set to None
     for key in keys:
-        if key in saved and saved[key] != getattr(c, key):
+        value = saved.get(key, defaults[key])
+        if value != getattr(c, key):
             log.warning("%s: the checkpoint's model was saved with model.%s=%s, this run has %s: the weights "
                         "compute another function from here on (set it as saved unless the change is meant)",
-                        root, key, saved[key], getattr(c, key))
+                        root, key, value, getattr(c, key))
 
 
 def refuse_damaged_newer(root: str, latest: int | None) -> None:

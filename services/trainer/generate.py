@@ -36,12 +36,8 @@ def _attention_step(attn, x: torch.Tensor, rope, cache: KVCache, layer: int) -> 
     """The model's Attention on new positions x (b, s, hidden), attending to cache + themselves."""
     per_group = attn.heads // attn.groups
     start = cache.length
-    qkv = attn.qkv(x)
-    b, s, _ = qkv.shape
-    qkv = qkv.view(b, s, attn.groups, per_group + 2, attn.head_dim)  # fused per-group layout
-    q = qkv[:, :, :, :per_group].reshape(b, s, attn.heads, attn.head_dim)  # (b, s, heads, d)
-    k, v = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]  # (b, s, groups, d)
-    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads|groups, s, d)
+    q, k, v = attn.project(x)  # (b, heads|groups, s, d), q/k normalized where the model does
+    b, _, s, _ = q.shape
     if rope is not None:
         # The new positions are start..start+s-1, so their rotation starts at the cache length.
         cos, sin = rope[0][start:start + s], rope[1][start:start + s]

@@ -1,9 +1,11 @@
 """Causal self-attention with a fused QKV projection, grouped-query heads and optional RoPE.
 
-The fused QKV weight is laid out per query group: for each of the `groups` KV heads, its
-`heads/groups` query heads, then its key head, then its value head. This is the canonical
-order checkpoints store, and it makes a tensor-parallel split by query groups a contiguous
-slice of rows. The attention core is `scaled_dot_product_attention` (flash / cuDNN on GPU).
+The fused QKV weight (and its bias, with `model.qkv_bias` or `model.add_bias_linear`) is laid
+out per query group: for each of the `groups` KV heads, its `heads/groups` query heads, then its
+key head, then its value head. This is the canonical order checkpoints store, and it makes a
+tensor-parallel split by query groups a contiguous slice of rows. With `model.qk_norm` each
+query and key head is normalized over its width (one weight per layer, shared by the heads)
+before RoPE. The attention core is `scaled_dot_product_attention` (flash / cuDNN on GPU).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from meshtrain import kernels
 from meshtrain.services.trainer.config import ModelConfig
+from meshtrain.services.trainer.model.norm import Norm
 
 BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
 """SDPA backends `model.attention_backend` can pin; 'auto' is PyTorch's own choice."""
@@ -72,19 +75,29 @@ class Attention(nn.Module):
         self.groups = config.groups
         self.head_dim = config.head_dim
         qkv_out = (self.heads + 2 * self.groups) * self.head_dim
-        self.qkv = nn.Linear(config.hidden_size, qkv_out, bias=config.add_bias_linear)
+        self.qkv = nn.Linear(config.hidden_size, qkv_out, bias=config.add_bias_linear or config.qkv_bias)
+        # Per-head norms: tensor parallelism leaves them whole (each rank normalizes its own heads).
+        self.q_norm = Norm(config, self.head_dim) if config.qk_norm else None
+        self.k_norm = Norm(config, self.head_dim) if config.qk_norm else None
         self.core = CoreAttention(config.attention_dropout, config.attention_backend)
         self.proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=config.add_bias_linear)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        """x (batch, seq, hidden) -> (batch, seq, hidden)."""
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (batch, seq, hidden) -> q (b, heads, s, d), k and v (b, groups, s, d), before RoPE."""
         per_group = self.heads // self.groups
         qkv = self.qkv(x)
         b, s, _ = qkv.shape  # s is the full sequence even when x is a sequence-parallel shard
         qkv = qkv.view(b, s, self.groups, per_group + 2, self.head_dim)
         q = qkv[:, :, :, :per_group].reshape(b, s, self.heads, self.head_dim)  # (b, s, heads, d)
         k, v = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]  # (b, s, groups, d)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads|groups, s, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # over d, per head
+        return tuple(t.transpose(1, 2) for t in (q, k, v))  # (b, heads|groups, s, d)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """x (batch, seq, hidden) -> (batch, seq, hidden)."""
+        q, k, v = self.project(x)
+        b, _, s, _ = q.shape
         if rope is not None:
             cos, sin = rope
             q, k = kernels.rope(q, cos[:s], sin[:s]), kernels.rope(k, cos[:s], sin[:s])

@@ -1,7 +1,8 @@
 """The GPT family on one device: GPT-2 style and Llama style are settings of one model.
 
 GPT-2: LayerNorm, GELU, learned positions, biases, tied embeddings. Llama: RMSNorm, SwiGLU,
-RoPE, grouped-query attention, no biases, untied output. Parameter names are the canonical
+RoPE (optionally Llama 3 scaled), grouped-query attention, no biases, untied output; Qwen2 adds
+q/k/v biases, Qwen3 per-head q/k norms and a head width of its own. Parameter names are the canonical
 names checkpoints use (`layers.<i>.attention.qkv.weight`, ...). Parallelism never reaches in
 here: `parallel/` swaps or wraps modules (e.g. `recompute.apply`).
 
@@ -22,22 +23,8 @@ from meshtrain.services.trainer.model.attention import Attention
 from meshtrain.services.trainer.model.embedding import Embedding
 from meshtrain.services.trainer.model.mlp import MLP
 from meshtrain.services.trainer.model.moe import MoE
-
-
-class Norm(nn.Module):
-    """LayerNorm (weight + bias) or RMSNorm (weight only), through `kernels`."""
-
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.rms = config.normalization == "rmsnorm"
-        self.eps = config.norm_epsilon
-        self.weight = nn.Parameter(torch.ones(config.hidden_size))
-        self.bias = None if self.rms else nn.Parameter(torch.zeros(config.hidden_size))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.rms:
-            return kernels.rms_norm(x, self.weight, self.eps)
-        return kernels.layer_norm(x, self.weight, self.bias, self.eps)
+from meshtrain.services.trainer.model.norm import Norm
+from meshtrain.services.trainer.model.rotary import rotary_tables
 
 
 class LMHead(nn.Module):
@@ -108,7 +95,7 @@ class GPT(nn.Module):
         self.head = LMHead(config.vocab_size)
         self.rope_cos: torch.Tensor | None
         if config.position_embedding_type == "rope":
-            cos, sin = kernels.rope_cos_sin(config.seq_length, config.head_dim, config.rotary_base)
+            cos, sin = rotary_tables(config)
             # Derived from the config, so not part of the state dict (persistent=False).
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
@@ -215,8 +202,9 @@ class GPT(nn.Module):
         return moe_blocks * (c.num_experts - c.moe_router_topk) * per_expert
 
     def flops_per_token(self, seq_length: int | None = None) -> float:
-        """Training FLOPs per token: 6N + 12·L·s·h (N: weights that do matmuls, incl. the LM head;
-        with experts, the active ones: top-k of each MoE block's experts).
+        """Training FLOPs per token: 6N + 12·L·s·a (N: weights that do matmuls, incl. the LM head;
+        with experts, the active ones: top-k of each MoE block's experts; a: the attention width,
+        heads x head_dim, the hidden size unless model.kv_channels sets another head width).
 
         The head multiplies by a (vocab x hidden) matrix once per token, tied or not; the input
         embedding is a lookup and does no matmul. (An untied head used to be counted twice,
@@ -227,4 +215,4 @@ class GPT(nn.Module):
         head = self.vocab_size * c.hidden_size
         untied_head = head if self.output_layer is not None else 0  # already in the count below
         matmul_params = self.num_parameters(exclude_embeddings=True) - untied_head + head - self.inactive_parameters()
-        return 6.0 * matmul_params + 12.0 * c.num_layers * s * c.hidden_size
+        return 6.0 * matmul_params + 12.0 * c.num_layers * s * c.num_attention_heads * c.head_dim

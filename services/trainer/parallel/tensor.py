@@ -8,7 +8,10 @@ word embedding vocab-parallel, and the LM head a vocab-parallel cross-entropy th
 gathers the full logits. Parameter names do not change; a parameter's `tp_split` attribute
 says how it is sharded (see `TPSplit`) so checkpoints can gather or slice it. With sequence
 parallelism, activations between blocks are (batch, seq/tp, hidden) and norm weights and
-row-parallel biases (marked `sequence_parallel`) need their gradients summed over tp.
+row-parallel biases (marked `sequence_parallel`) need their gradients summed over tp. The fused
+QKV's bias (`model.qkv_bias`) splits with its rows; per-head q/k norm weights (`model.qk_norm`)
+stay whole, and as each rank normalizes only its own heads they are marked to be summed over tp
+with or without sequence parallelism.
 
 A mixture-of-experts block is one tensor-parallel region (`parallelize_moe`): its input is
 gathered whole over tp (all-gathered along the sequence under sequence parallelism), every tp
@@ -332,6 +335,9 @@ def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False,
                                            async_grad=async_grad_reduce)
             att.proj = RowParallelLinear(att.proj, mesh, sequence_parallel, overlap=comm_overlap)
             att.heads, att.groups = att.heads // tp, att.groups // tp
+            for norm in (att.q_norm, att.k_norm):  # replicated, but each rank's heads give a share
+                for p in norm.parameters() if norm is not None else ():
+                    p.sequence_parallel = True  # type: ignore[attr-defined]  # summed over tp
             if isinstance(layer.mlp, MoE):
                 parallelize_moe(layer.mlp, mesh, sequence_parallel)
                 continue

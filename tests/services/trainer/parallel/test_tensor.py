@@ -21,11 +21,25 @@ CFG = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups
            position_embedding_type="rope", add_bias_linear=False, untie_embeddings_and_output_weights=True)
 GPT2 = dict(CFG, num_query_groups=None, normalization="layernorm", activation="gelu",
             position_embedding_type="learned", add_bias_linear=True, untie_embeddings_and_output_weights=False)
+# Qwen3-like: q/k/v bias split with the qkv rows, q/k norms replicated (their gradients are
+# per-rank shares: summed over tp), a head width other than hidden/heads, Llama 3 RoPE scaling.
+QWEN3 = dict(CFG, qkv_bias=True, qk_norm=True, kv_channels=24, rope_scaling_factor=4.0,
+             rope_scaling_original_max_positions=8)
+
+
+def _model(cfg) -> GPT:
+    """fp64; biases and norm weights random too, so the split of each one is exercised."""
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(**cfg)).double()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith((".bias", "norm.weight")):
+                p.copy_(torch.randn_like(p) * 0.3 + (name.endswith(".weight")))
+    return model
 
 
 def _grads(rank, world, cfg, sequence_parallel, async_grad=False):
-    torch.manual_seed(0)
-    model = GPT(ModelConfig(**cfg)).double()
+    model = _model(cfg)
     tokens = torch.randint(0, 203, (2, 16), generator=torch.Generator().manual_seed(1))
     labels = torch.randint(0, 203, (2, 16), generator=torch.Generator().manual_seed(2))
     mesh = Mesh.build(tp=world)
@@ -48,11 +62,11 @@ def _grads(rank, world, cfg, sequence_parallel, async_grad=False):
     (CFG, False, False), (CFG, True, False), (GPT2, True, False),
     # column-parallel input gradients reduced during the weight-gradient GEMM
     (CFG, False, True), (CFG, True, True), (GPT2, False, True), (GPT2, True, True),
+    (QWEN3, False, False), (QWEN3, True, False), (dict(QWEN3, normalization="layernorm"), False, False),
 ], ids=["llama", "llama-sp", "gpt2-sp", "llama-async-grad", "llama-sp-async-grad", "gpt2-async-grad",
-        "gpt2-sp-async-grad"])
+        "gpt2-sp-async-grad", "qwen3", "qwen3-sp", "qk-layernorm"])
 def test_sharded_gradients_equal_unsharded(cfg, sp, async_grad):
-    torch.manual_seed(0)
-    ref = GPT(ModelConfig(**cfg)).double()
+    ref = _model(cfg)
     tokens = torch.randint(0, 203, (2, 16), generator=torch.Generator().manual_seed(1))
     labels = torch.randint(0, 203, (2, 16), generator=torch.Generator().manual_seed(2))
     ref_loss = ref(tokens, labels)
