@@ -1,7 +1,9 @@
 """`meshtrain ckpt export|import|convert`: Hugging Face export/import and checkpoint rewriting.
 
-    meshtrain ckpt export --format hf SRC DST [--step N] [--tokenizer FILE]
-    meshtrain ckpt import --format hf SRC DST
+    meshtrain ckpt export --format hf SRC DST [--step N] [--tokenizer FILE] [--max-shard-size 5GB]
+        [--architecture llama|mistral|qwen2|qwen3]
+    meshtrain ckpt import --format hf SRC DST [--seq-length N] [--revision REV] [--cache-dir DIR]
+        (SRC: a folder, or a repo id org/name found in the Hugging Face cache, offline)
     meshtrain ckpt convert SRC DST [--step N] [--dtype bf16|fp32|fp16] [--drop-optimizer]
         [--target-tensor-parallel-size N] [--target-pipeline-parallel-size N]
         [--target-expert-parallel-size N]
@@ -23,7 +25,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     from meshtrain.services.checkpoint.hf import export_hf
 
     _check_format(args.format)
-    export_hf(args.src, args.dst, step=args.step, tokenizer=args.tokenizer)
+    export_hf(args.src, args.dst, step=args.step, tokenizer=args.tokenizer, max_shard_size=args.max_shard_size,
+              arch=args.architecture)
     print(f"exported {args.src} to {args.dst} (Hugging Face safetensors + config.json)")
     return 0
 
@@ -36,7 +39,8 @@ def cmd_import(args: argparse.Namespace) -> int:
     from meshtrain.services.checkpoint.reader import read_manifest
 
     _check_format(args.format)
-    url = import_hf(args.src, args.dst, seed=args.seed)
+    url = import_hf(args.src, args.dst, seed=args.seed, seq_length=args.seq_length, revision=args.revision,
+                    cache_dir=args.cache_dir)
     meta = read_manifest(args.dst, 0)["metadata"]
     settings = {"model": meta["config"]["model"]}
     print(f"imported {args.src} as {url}")
@@ -82,14 +86,27 @@ def register_subcommands(ckpt_subparsers: argparse._SubParsersAction) -> None:
     exp.add_argument("dst", help="folder to create")
     exp.add_argument("--step", type=int, help="step to export (default: the latest)")
     exp.add_argument("--tokenizer", help="tokenizer.json to ship instead of the run's")
+    exp.add_argument("--max-shard-size", default="5GB",
+                     help="most tensor bytes per safetensors file, e.g. 5GB (the default), 500MB, 2GiB; a larger "
+                          "model is written in shards with model.safetensors.index.json")
+    exp.add_argument("--architecture", choices=["llama", "mistral", "qwen2", "qwen3"],
+                     help="Hugging Face model_type of a dense RoPE model (default: the one its settings name; "
+                          "a Llama-shaped model imported from Mistral exports as Mistral)")
     exp.set_defaults(func=cmd_export)
 
     imp = ckpt_subparsers.add_parser("import", help="turn a Hugging Face model folder into a checkpoint")
     imp.add_argument("--format", default="hf",
-                     help="hf, the only format and the default (Llama, Mixtral, Qwen2-MoE or GPT-2 safetensors)")
-    imp.add_argument("src", help="Hugging Face model folder")
+                     help="hf, the only format and the default (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE "
+                          "or GPT-2 safetensors)")
+    imp.add_argument("src", help="Hugging Face model folder, or a repo id (org/name) in the Hugging Face cache")
     imp.add_argument("dst", help="checkpoint root to write step 0 into")
     imp.add_argument("--seed", type=int, default=1234, help="seeds the stored RNG states")
+    imp.add_argument("--seq-length", type=int,
+                     help="the model's sequence length (default: max_position_embeddings); a Mistral sliding "
+                          "window is accepted when it covers this length")
+    imp.add_argument("--revision", help="cached branch, tag or commit of a repo id (default: main)")
+    imp.add_argument("--cache-dir", help="Hugging Face hub cache (default: $HF_HUB_CACHE, $HF_HOME/hub, "
+                                         "~/.cache/huggingface/hub)")
     imp.set_defaults(func=cmd_import)
 
     conv = ckpt_subparsers.add_parser("convert", help="rewrite a checkpoint (dtype, optimizer, layout)")

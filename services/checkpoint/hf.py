@@ -1,21 +1,24 @@
-"""Hugging Face <-> meshtrain checkpoints: `LlamaForCausalLM`, `GPT2LMHeadModel`, and for
-mixture-of-experts models `MixtralForCausalLM` and `Qwen2MoeForCausalLM` (`hf_moe.py`).
+"""Hugging Face <-> meshtrain checkpoints: `LlamaForCausalLM` (Llama 3 RoPE scaling included),
+`MistralForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM` (`hf_llama.py`), `GPT2LMHeadModel`,
+and for mixture-of-experts models `MixtralForCausalLM` and `Qwen2MoeForCausalLM` (`hf_moe.py`).
 
 `export_hf(src_root, dst_dir)` turns a training checkpoint into a folder `transformers` loads
-(`model.safetensors`, `config.json`, `generation_config.json` when the end-of-document id is
-known, and the run's `tokenizer.json` with a `tokenizer_config.json`); `import_hf(src_dir,
-dst_root)` turns such a folder into a step-0 training checkpoint (fresh RNG, no optimizer
-state) that `meshtrain train --load` continues.
+(safetensors shards of at most `max_shard_size` with their index, or one `model.safetensors`;
+`config.json`, `generation_config.json` when the end-of-document id is known, and the run's
+`tokenizer.json` with a `tokenizer_config.json`); `import_hf(src, dst_root)` turns such a
+folder, or a repo id found in the local Hugging Face cache (`hf_files.model_folder`), into a
+step-0 training checkpoint (fresh RNG, no optimizer state) that `meshtrain train --load` continues.
 The mapping is a list of `Rule`s, one per meshtrain tensor, each naming the HF tensors it
 becomes and the two conversions: the fused QKV (stored per query group) splits into q/k/v,
 the SwiGLU [gate; up] into gate_proj/up_proj, and GPT-2's Conv1D weights are transposed
 (its c_attn is [q; k; v]). Every tensor is planned and shape-checked before anything is
 written; an unmapped, missing or misshapen tensor is an error, and the export is built in a
 temporary folder that is renamed into place only when complete. Both directions stream one
-tensor at a time: export writes safetensors itself (the header is computed from the plan).
+tensor at a time: export writes safetensors itself (`hf_write.py`: headers from the plan).
 
     export_hf("runs/a/checkpoints", "out/hf")        # then AutoModelForCausalLM.from_pretrained
     import_hf("out/hf", "runs/b/checkpoints")         # then meshtrain train --load ...
+    import_hf("Qwen/Qwen3-0.6B", "runs/c/checkpoints")  # from ~/.cache/huggingface/hub, offline
 """
 
 from __future__ import annotations
@@ -24,10 +27,8 @@ import json
 import logging
 import posixpath
 import random
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -35,15 +36,29 @@ import torch
 
 from meshtrain.services.checkpoint import hf_tokenizer
 from meshtrain.services.checkpoint.convert import (
-    TORCH_DTYPES,
     TensorSpec,
     model_config,
     resolve_step,
     save_streaming,
     tensor_specs,
 )
-from meshtrain.services.checkpoint.hf_files import open_safetensors, read_json, safetensors_files
+from meshtrain.services.checkpoint.hf_files import model_folder, open_safetensors, read_json, safetensors_files
+from meshtrain.services.checkpoint.hf_llama import (
+    DENSE,
+    FAMILY,
+    dense_architecture,
+    dense_hf_config,
+    llama_config,
+    llama_family_table,
+)
 from meshtrain.services.checkpoint.hf_moe import moe_architecture, moe_block, moe_from_hf, moe_hf_config
+from meshtrain.services.checkpoint.hf_write import (
+    DEFAULT_MAX_SHARD_SIZE,
+    LOGICAL,
+    parse_size,
+    plan_shards,
+    write_shards,
+)
 from meshtrain.services.checkpoint.reader import list_checkpoints, read_manifest, read_tensor
 from meshtrain.services.checkpoint.store import open_root, remove_tree
 from meshtrain.services.common.builds import local_build_dir, remove_dead_builds
@@ -54,8 +69,6 @@ from meshtrain.services.common.model_config import ModelConfig
 log = logging.getLogger(__name__)
 
 TRAIN_FORMAT = "meshtrain-train/1"  # meshtrain.services.trainer.checkpointing.FORMAT
-_ST_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
-              "int32": "I32", "uint8": "U8", "bool": "BOOL"}
 # HF tensors that are derived buffers, not weights: old GPT-2 files carry the causal mask,
 # old Llama files the RoPE inverse frequencies. They are skipped on import.
 _DERIVED = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
@@ -84,32 +97,49 @@ class Rule:
     from_hf: Callable[[list[torch.Tensor]], torch.Tensor]
 
 
-def architecture(model: ModelConfig) -> str:
-    """Names the HF architecture a model maps to: "llama", "mixtral", "qwen2_moe" or "gpt2".
+def architecture(model: ModelConfig, requested: str | None = None) -> str:
+    """Names the HF model_type a model maps to: "llama", "mistral", "qwen2", "qwen3", "mixtral",
+    "qwen2_moe" or "gpt2".
+
+    Args:
+        model: the architecture.
+        requested: the model_type to export as (a dense Llama-shaped model is also a Mistral);
+            None: the one the settings name.
 
     Raises:
-        CheckpointError: the combination of settings has no HF equivalent; names them.
+        CheckpointError: the combination of settings has no HF equivalent, or not the requested
+            one; names them.
     """
     style = (model.normalization, model.activation, model.position_embedding_type)
     if model.num_experts is not None:
-        return moe_architecture(model)
-    if style == ("rmsnorm", "swiglu", "rope"):
-        return "llama"
-    if style == ("layernorm", "gelu", "learned"):
+        arch = moe_architecture(model)
+    elif style == ("rmsnorm", "swiglu", "rope"):
+        arch = dense_architecture(model, requested)
+    elif style == ("layernorm", "gelu", "learned"):
+        why = []
         if not model.add_bias_linear:
-            raise CheckpointError("model.add_bias_linear=false: GPT2LMHeadModel always has linear biases")
+            why.append("model.add_bias_linear=false: GPT2LMHeadModel always has linear biases")
         if model.groups != model.num_attention_heads:
-            raise CheckpointError(
-                f"model.num_query_groups={model.num_query_groups}: GPT2LMHeadModel has no "
-                "grouped-query attention (groups must equal heads)")
-        return "gpt2"
-    raise CheckpointError(
-        f"model.normalization={model.normalization!r}, model.activation={model.activation!r}, "
-        f"model.position_embedding_type={model.position_embedding_type!r} map to no Hugging Face "
-        "architecture: Llama is rmsnorm+swiglu+rope, GPT-2 is layernorm+gelu+learned")
+            why.append(f"model.num_query_groups={model.num_query_groups}: GPT2LMHeadModel has no grouped-query "
+                       "attention (groups must equal heads)")
+        if model.kv_channels not in (None, model.hidden_size // model.num_attention_heads):
+            why.append(f"model.kv_channels={model.kv_channels}: GPT2LMHeadModel's heads are hidden/heads wide")
+        if model.qk_norm:
+            why.append("model.qk_norm=true: GPT2LMHeadModel has no q/k norms")
+        if why:
+            raise CheckpointError("; ".join(why))
+        arch = "gpt2"
+    else:
+        raise CheckpointError(
+            f"model.normalization={model.normalization!r}, model.activation={model.activation!r}, "
+            f"model.position_embedding_type={model.position_embedding_type!r} map to no Hugging Face "
+            "architecture: Llama is rmsnorm+swiglu+rope, GPT-2 is layernorm+gelu+learned")
+    if requested is not None and arch != requested:
+        raise CheckpointError(f"this model exports as {arch!r}, not the requested {requested!r}")
+    return arch
 
 
-def hf_config(model: ModelConfig, dtype: str, eod: int | None = None) -> dict[str, Any]:
+def hf_config(model: ModelConfig, dtype: str, eod: int | None = None, arch: str | None = None) -> dict[str, Any]:
     """The `config.json` of a model.
 
     Args:
@@ -118,33 +148,16 @@ def hf_config(model: ModelConfig, dtype: str, eod: int | None = None) -> dict[st
         eod: the tokenizer's end-of-document id, written as bos and eos (as GPT-2 does); None
             is written too, since a missing key means HF's own default (Llama's 1 and 2,
             GPT-2's 50256), which is some other token here.
+        arch: the model_type to write (see `architecture`); None: the model's own.
 
     Raises:
-        CheckpointError: the model maps to no HF architecture.
+        CheckpointError: the model maps to no HF architecture (or not to `arch`).
     """
-    arch = architecture(model)
-    if arch in ("llama", "mixtral", "qwen2_moe"):
-        if model.hidden_dropout and arch == "llama":
-            # Dropout changes training only; the exported model computes the same function.
-            log.warning("model.hidden_dropout=%s has no LlamaConfig field; dropped", model.hidden_dropout)
-        llama = {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            "vocab_size": model.vocab_size, "hidden_size": model.hidden_size,
-            "intermediate_size": model.ffn_size, "num_hidden_layers": model.num_layers,
-            "num_attention_heads": model.num_attention_heads,
-            "num_key_value_heads": model.groups, "head_dim": model.head_dim,
-            "hidden_act": "silu", "max_position_embeddings": model.seq_length,
-            "rms_norm_eps": model.norm_epsilon,
-            # transformers >= 5 reads rope_parameters, older versions rope_theta: write both.
-            "rope_theta": model.rotary_base,
-            "rope_parameters": {"rope_type": "default", "rope_theta": model.rotary_base},
-            "attention_bias": model.add_bias_linear, "mlp_bias": model.add_bias_linear,
-            "attention_dropout": model.attention_dropout,
-            "tie_word_embeddings": not model.untie_embeddings_and_output_weights,
-            "initializer_range": model.init_method_std, "torch_dtype": dtype,
-            "bos_token_id": eod, "eos_token_id": eod,
-        }
-        return llama if arch == "llama" else moe_hf_config(model, arch, llama)
+    arch = architecture(model, arch)
+    if arch in DENSE:
+        return dense_hf_config(model, arch, dtype, eod)
+    if arch in FAMILY:
+        return moe_hf_config(model, arch, llama_config(model, dtype, eod))
     return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
         "vocab_size": model.vocab_size, "n_embd": model.hidden_size, "n_layer": model.num_layers,
@@ -159,19 +172,27 @@ def hf_config(model: ModelConfig, dtype: str, eod: int | None = None) -> dict[st
     }
 
 
-def model_from_hf(config: dict[str, Any]) -> ModelConfig:
-    """The ModelConfig of an HF `config.json` (Llama, Mixtral, Qwen2-MoE or GPT-2).
+def model_from_hf(config: dict[str, Any], seq_length: int | None = None) -> ModelConfig:
+    """The ModelConfig of an HF `config.json` (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE or GPT-2).
+
+    Args:
+        config: the HF config.
+        seq_length: the model's sequence length (Llama family); None: max_position_embeddings. A
+            sliding window is accepted only where it covers the whole sequence.
 
     Raises:
         CheckpointError: another architecture, or a setting meshtrain cannot express; names it.
     """
+    if seq_length is not None and (isinstance(seq_length, bool) or not isinstance(seq_length, int)
+                                   or seq_length < 1):
+        raise CheckpointError(f"sequence length {seq_length!r} is not a positive integer")
     try:
-        return _model_from_hf(config)
+        return _model_from_hf(config, seq_length)
     except KeyError as e:
         raise CheckpointError(f"HF config has no {e.args[0]!r} (model_type {config.get('model_type')!r})") from None
 
 
-def _model_from_hf(config: dict[str, Any]) -> ModelConfig:
+def _model_from_hf(config: dict[str, Any], seq_length: int | None) -> ModelConfig:
     kind = config.get("model_type")
 
     def need(key: str, ok: Callable[[Any], bool], allowed: str, default: Any = None) -> Any:
@@ -187,39 +208,17 @@ def _model_from_hf(config: dict[str, Any]) -> ModelConfig:
             raise CheckpointError(f"HF config {key}={value!r} is not a positive integer")
         return value
 
-    if kind in ("llama", "mixtral", "qwen2_moe"):
-        heads, hidden = count("num_attention_heads"), count("hidden_size")
-        need("hidden_act", lambda v: v == "silu", "'silu'")
-        need("head_dim", lambda v: v in (None, hidden // heads), f"hidden_size/heads = {hidden // heads}")
-        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise CheckpointError(f"HF config rope scaling {rope!r} cannot be expressed in meshtrain "
-                                  "(only plain RoPE)")
-        if kind != "llama":  # no linear biases (Qwen2-MoE's q/k/v ones are refused by name), no mlp_bias key
-            bias = False
-        else:
-            bias = need("attention_bias", lambda v: v == config.get("mlp_bias", False),
-                        f"the same value as mlp_bias={config.get('mlp_bias', False)!r}", False)
-        table = {
-            "num_layers": config["num_hidden_layers"], "hidden_size": hidden,
-            "num_attention_heads": heads,
-            "num_query_groups": config.get("num_key_value_heads") or heads,
-            "ffn_hidden_size": config["intermediate_size"],
-            "seq_length": config["max_position_embeddings"], "vocab_size": config["vocab_size"],
-            "normalization": "rmsnorm", "norm_epsilon": config.get("rms_norm_eps", 1e-6),
-            "activation": "swiglu", "position_embedding_type": "rope",
-            "rotary_base": float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
-            "add_bias_linear": bool(bias),
-            "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", False),
-            "attention_dropout": float(config.get("attention_dropout", 0.0)),
-        }
-        if kind != "llama":
+    if kind in FAMILY:
+        table = llama_family_table(kind, config, count, seq_length)
+        if kind in ("mixtral", "qwen2_moe"):
             table.update(moe_from_hf(kind, config, count))
     elif kind == "gpt2":
         need("activation_function", lambda v: v in ("gelu_new", "gelu_pytorch_tanh"),
              "tanh-approximate GELU: 'gelu_new'", "gelu_new")
         need("scale_attn_weights", lambda v: v is True, "true", True)
         need("scale_attn_by_inverse_layer_idx", lambda v: v is False, "false", False)
+        if seq_length is not None:
+            raise CheckpointError("a sequence length applies to RoPE models; GPT-2's is its n_positions")
         hidden = config["n_embd"]
         table = {
             "num_layers": config["n_layer"], "hidden_size": hidden,
@@ -233,7 +232,7 @@ def _model_from_hf(config: dict[str, Any]) -> ModelConfig:
             "attention_dropout": float(config.get("attn_pdrop", 0.0)),
         }
     else:
-        raise CheckpointError(f"HF model_type {kind!r} is not supported; only 'llama', 'mixtral', 'qwen2_moe' "
+        raise CheckpointError(f"HF model_type {kind!r} is not supported; only {', '.join(map(repr, FAMILY))} "
                               "and 'gpt2'")
     try:
         return build(ModelConfig, table, "model.")
@@ -241,13 +240,17 @@ def _model_from_hf(config: dict[str, Any]) -> ModelConfig:
         raise CheckpointError(f"HF config does not make a valid meshtrain model: {e}") from e
 
 
-def rules(model: ModelConfig) -> list[Rule]:
+def rules(model: ModelConfig, arch: str | None = None) -> list[Rule]:
     """The mapping of every meshtrain parameter of `model` to HF tensors, in file order.
 
+    Args:
+        model: the architecture.
+        arch: the HF model_type (see `architecture`); None: the model's own.
+
     Raises:
-        CheckpointError: the model maps to no HF architecture.
+        CheckpointError: the model maps to no HF architecture (or not to `arch`).
     """
-    arch = architecture(model)
+    arch = architecture(model, arch)
     h, v, ffn, d = model.hidden_size, model.vocab_size, model.ffn_size, model.head_dim
     heads, groups = model.num_attention_heads, model.groups
     per = heads // groups
@@ -277,22 +280,27 @@ def rules(model: ModelConfig) -> list[Rule]:
         return torch.cat(parts, dim=1).reshape(qkv_rows, *rest)  # per group: [q heads; k; v]
 
     suffixes = ("weight", "bias") if model.add_bias_linear else ("weight",)
-    if arch in ("llama", "mixtral", "qwen2_moe"):
+    qkv_suffixes = ("weight", "bias") if model.add_bias_linear or model.qkv_bias else ("weight",)
+    if arch in FAMILY:
         same("embedding.word_embeddings.weight", "model.embed_tokens.weight", (v, h))
         for i in range(model.num_layers):
             ours, theirs = f"layers.{i}.", f"model.layers.{i}."
             same(ours + "input_norm.weight", theirs + "input_layernorm.weight", (h,))
-            for s in suffixes:
+            for s in qkv_suffixes:
                 tail = (h,) if s == "weight" else ()
                 out.append(Rule(
                     ours + f"attention.qkv.{s}", (qkv_rows, *tail),
                     tuple(theirs + f"self_attn.{p}_proj.{s}" for p in "qkv"),
                     ((heads * d, *tail), (groups * d, *tail), (groups * d, *tail)),
                     split_qkv, fuse_qkv))
+            if model.qk_norm:  # Qwen3: one RMSNorm weight over head_dim each, shared by the heads
+                same(ours + "attention.q_norm.weight", theirs + "self_attn.q_norm.weight", (d,))
+                same(ours + "attention.k_norm.weight", theirs + "self_attn.k_norm.weight", (d,))
+            for s in suffixes:
                 same(ours + f"attention.proj.{s}", theirs + f"self_attn.o_proj.{s}",
-                     (h, h) if s == "weight" else (h,))
+                     (h, heads * d) if s == "weight" else (h,))
             same(ours + "pre_mlp_norm.weight", theirs + "post_attention_layernorm.weight", (h,))
-            if arch != "llama" and model.is_moe_layer(i):
+            if arch not in DENSE and model.is_moe_layer(i):
                 out.extend(Rule(*m) for m in moe_block(model, arch, ours + "mlp.", theirs))
                 continue
             for s in suffixes:
@@ -337,7 +345,8 @@ def rules(model: ModelConfig) -> list[Rule]:
 
 
 def export_hf(src_root: str, dst_dir: str, step: int | None = None,
-              tokenizer: str | None = None) -> str:
+              tokenizer: str | None = None, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+              arch: str | None = None) -> str:
     """Writes a training checkpoint as a Hugging Face model folder.
 
     Args:
@@ -346,6 +355,10 @@ def export_hf(src_root: str, dst_dir: str, step: int | None = None,
             what an interrupted export to an object store left (marked `INCOMPLETE`): replaced.
         step: the step; None exports the latest committed one.
         tokenizer: a `tokenizer.json` (or folder holding one) to ship instead of the run's.
+        max_shard_size: bytes of tensor data per safetensors file (an int, or "5GB", "500MB",
+            "2GiB"); a model over it is written in shards with `model.safetensors.index.json`.
+        arch: the HF model_type to write ("mistral" for a Llama-shaped model that came from
+            one); None: the one the model's settings name (see `architecture`).
 
     Returns:
         `dst_dir`.
@@ -360,7 +373,14 @@ def export_hf(src_root: str, dst_dir: str, step: int | None = None,
     manifest = read_manifest(src_root, step)
     specs, metadata = tensor_specs(manifest), manifest["metadata"]
     model = model_config(metadata, specs, where)
-    plan = rules(model)
+    limit = parse_size(max_shard_size)
+    origin = (metadata.get("imported_from") or {}).get("architecture")
+    if arch is None and origin in DENSE:  # an imported Mistral exports as a Mistral while it still is one
+        try:
+            arch = architecture(model, origin)
+        except CheckpointError:
+            pass
+    plan = rules(model, arch)
     _check_tensors({r.ours: r.shape for r in plan}, specs, where, ignore=("optim.", "rng."))
     dtypes = {specs[r.ours][1] for r in plan}
     if len(dtypes) != 1:
@@ -393,10 +413,15 @@ def export_hf(src_root: str, dst_dir: str, step: int | None = None,
         fs.makedirs(out, exist_ok=True)  # object stores have no folders to make
     else:
         fs.pipe_file(marker, b"an export to this prefix began and has not finished\n")
+    shards = plan_shards(((n, shape) for r in plan for n, shape in zip(r.theirs, r.hf_shapes)), dtype, limit)
+
+    def produced():  # (HF name, tensor) in the plan's order, one meshtrain tensor read at a time
+        for rule in plan:
+            yield from zip(rule.theirs, rule.to_hf(read_tensor(src_root, step, rule.ours, manifest=manifest)))
+
     try:
-        with fs.open(posixpath.join(out, "model.safetensors"), "wb") as f:
-            _write_safetensors(f, plan, dtype, lambda name: read_tensor(src_root, step, name, manifest=manifest))
-        config = hf_config(model, dtype, eod)
+        write_shards(fs, out, shards, dtype, produced())
+        config = hf_config(model, dtype, eod, arch)
         files = {}
         if eod is not None:
             # transformers 5 takes generate()'s stopping ids from here only, not config.json.
@@ -421,12 +446,14 @@ def export_hf(src_root: str, dst_dir: str, step: int | None = None,
             except FileNotFoundError:
                 pass
         raise
-    log.info("exported %s to %s (%s, %s)", where, dst_dir, config["architectures"][0], dtype)
+    log.info("exported %s to %s (%s, %s, %d safetensors file%s)", where, dst_dir, config["architectures"][0], dtype,
+             len(shards), "" if len(shards) == 1 else "s")
     return dst_dir
 
 
-def import_hf(src_dir: str, dst_root: str, seed: int = 1234) -> str:
-    """Writes a Hugging Face Llama / GPT-2 folder as a step-0 meshtrain training checkpoint.
+def import_hf(src_dir: str, dst_root: str, seed: int = 1234, seq_length: int | None = None,
+              revision: str | None = None, cache_dir: str | None = None) -> str:
+    """Writes a Hugging Face model folder as a step-0 meshtrain training checkpoint.
 
     The checkpoint holds the weights, `metadata.config` (a whole job config whose model
     section comes from `config.json`), no optimizer state (`optimizer_step` 0), and RNG states
@@ -434,28 +461,28 @@ def import_hf(src_dir: str, dst_root: str, seed: int = 1234) -> str:
 
     Args:
         src_dir: local folder with `config.json` and `model.safetensors` (or a sharded
-            `model.safetensors.index.json`).
+            `model.safetensors.index.json`), or a repo id (`org/name`) or `models--org--name`
+            folder of the Hugging Face cache, read offline (`hf_files.model_folder`).
         dst_root: checkpoint root URL, holding no committed checkpoint.
         seed: seeds the stored RNG states.
+        seq_length: the model's sequence length (RoPE models); None: max_position_embeddings.
+        revision: a cached branch, tag or commit of a repo id; None: main.
+        cache_dir: the hub cache; None: HF_HUB_CACHE, HF_HOME/hub or ~/.cache/huggingface/hub.
 
     Returns:
         The URL of the committed checkpoint.
 
     Raises:
-        CheckpointError: the config cannot be expressed, a tensor is missing, unmapped or of
-            the wrong shape or mixed dtype, or `dst_root` already holds a committed checkpoint
-            (of any step: `train --load` would resume the latest, not step 0).
+        CheckpointError: the source is not found, the config cannot be expressed, a tensor is
+            missing, unmapped or of the wrong shape or mixed dtype, or `dst_root` already holds a
+            committed checkpoint (of any step: `train --load` would resume the latest, not step 0).
     """
-    if "://" in src_dir and not src_dir.startswith("file://"):
-        # safetensors maps local files; Path() would also turn s3://b/x into s3:/b/x and say it
-        # holds no config.json
-        raise CheckpointError(f"{src_dir!r}: import reads a local folder, not a URL; copy the folder "
-                              "here first (e.g. `aws s3 sync URL DIR`) and import DIR")
-    src = Path(src_dir.removeprefix("file://"))
+    src = model_folder(src_dir, revision, cache_dir)
     config_path = src / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"{src}: no config.json, so not a Hugging Face model folder")
-    model = model_from_hf(read_json(config_path))
+    hf = read_json(config_path)
+    model = model_from_hf(hf, seq_length)
     existing = list_checkpoints(dst_root)
     if existing:
         # Step 0 would be passed over by `train --load`, which resumes the latest step.
@@ -468,8 +495,9 @@ def import_hf(src_dir: str, dst_root: str, seed: int = 1234) -> str:
     if missing:
         raise CheckpointError(f"{src}: the safetensors index names files that are not there: {missing}")
     handles = {f: open_safetensors(src / f) for f in set(files.values())}
-    plan = rules(model)
-    gpt2 = architecture(model) == "gpt2"
+    kind = hf["model_type"]  # model_from_hf accepted it: one `architecture` names
+    plan = rules(model, kind)
+    gpt2 = kind == "gpt2"
 
     def canonical(name: str) -> str:
         # Old GPT-2 files name tensors without the "transformer." prefix.
@@ -482,7 +510,7 @@ def import_hf(src_dir: str, dst_root: str, seed: int = 1234) -> str:
             raise CheckpointError(f"{src}: model.safetensors.index.json puts tensor {original!r} in "
                                   f"{files[original]}, which does not hold it (a shard from another download?)")
         tensor_slice = handles[files[original]].get_slice(original)
-        dtype = _LOGICAL.get(tensor_slice.get_dtype())
+        dtype = LOGICAL.get(tensor_slice.get_dtype())
         if dtype is None:
             raise CheckpointError(f"{src}: tensor {original!r} has unsupported dtype {tensor_slice.get_dtype()}")
         found[name] = (tuple(tensor_slice.get_shape()), dtype)
@@ -516,15 +544,12 @@ def import_hf(src_dir: str, dst_root: str, seed: int = 1234) -> str:
         "config": {"model": to_dict(model)},  # an import has an architecture, no training settings
         "rng_python": random.Random(seed).getstate(),
         "rng_numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
-        "tokenizer": str(tokenizer.resolve()) if tokenizer.is_file() else None,
-        "imported_from": {"url": str(src.resolve()), "format": "hf",
-                          "architecture": architecture(model)},
+        # the folder resolved, not the file: in the hub cache the file is a link to a blob
+        "tokenizer": str(src.resolve() / "tokenizer.json") if tokenizer.is_file() else None,
+        "imported_from": {"url": str(src.resolve()), "format": "hf", "architecture": kind},
     }
     url, _ = save_streaming(dst_root, 0, specs, load, metadata, desc="import")
     return url
-
-
-_LOGICAL = {st: name for name, st in _ST_DTYPES.items()}
 
 
 def _check_tensors(wanted: dict[str, tuple[int, ...]], have: dict[str, TensorSpec], where: str,
@@ -539,39 +564,3 @@ def _check_tensors(wanted: dict[str, tuple[int, ...]], have: dict[str, TensorSpe
     unmapped = sorted(n for n in have if n not in wanted and not (ignore and n.startswith(ignore)))
     if unmapped:
         raise CheckpointError(f"{where}: tensors with no mapping {unmapped[:5]}")
-
-
-def _write_safetensors(f: Any, plan: list[Rule], dtype: str,
-                       read: Callable[[str], torch.Tensor]) -> None:
-    """Streams a safetensors file: the header from the plan, then each tensor as produced.
-
-    The format is an 8-byte little-endian header length, a JSON header of
-    name -> {dtype, shape, data_offsets}, then the raw little-endian bytes back to back.
-    """
-    itemsize = TORCH_DTYPES[dtype].itemsize
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for rule in plan:
-        for name, shape in zip(rule.theirs, rule.hf_shapes):
-            size = int(np.prod(shape, dtype=np.int64)) * itemsize
-            header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape),
-                            "data_offsets": [offset, offset + size]}
-            offset += size
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the reference writer pads the header to 8 bytes
-    f.write(struct.pack("<Q", len(raw)))
-    f.write(raw)
-    written = 0
-    for rule in plan:
-        produced = rule.to_hf(read(rule.ours))
-        for name, shape, tensor in zip(rule.theirs, rule.hf_shapes, produced):
-            if tuple(tensor.shape) != tuple(shape) or tensor.dtype != TORCH_DTYPES[dtype]:
-                raise CheckpointError(f"HF tensor {name!r} came out {tuple(tensor.shape)} {tensor.dtype}, "
-                                      f"planned {tuple(shape)} {dtype}")
-            if tensor.numel():
-                # A view of the tensor's own memory: no bytes copy of the largest tensor.
-                data = tensor.contiguous().view(torch.uint8).numpy()
-                f.write(data.data)
-                written += data.nbytes
-    if written != offset:
-        raise CheckpointError(f"safetensors data is {written} bytes, the header promises {offset}")

@@ -14,8 +14,8 @@ hidden, ffn); HF files hold one tensor per expert and projection:
 Mixtral routes by the softmax of the top-k logits (meshtrain's moe_router_pre_softmax off);
 Qwen2-MoE by the softmax over all experts, renormalized over the top k only with
 `norm_topk_prob` (so norm_topk_prob false is moe_router_pre_softmax on). Published Qwen2-MoE
-models put biases on q/k/v only (`qkv_bias`), which meshtrain cannot express (model.add_bias_linear
-covers every linear layer): such files are refused; with `qkv_bias` false they map exactly.
+models put biases on q/k/v only (`qkv_bias`): meshtrain's model.qkv_bias. The attention, norms,
+RoPE and sliding window are read as for the dense Llama family (`hf_llama.py`).
 """
 
 from __future__ import annotations
@@ -53,6 +53,11 @@ def moe_architecture(model: ModelConfig) -> str:
     why = []
     if model.add_bias_linear:
         why.append("model.add_bias_linear=true (no linear biases there)")
+    if model.qkv_bias and not qwen:
+        why.append("model.qkv_bias=true (Mixtral has no q/k/v biases; Qwen2-MoE, which has, also has a shared "
+                   "expert)")
+    if model.qk_norm:
+        why.append("model.qk_norm=true (no q/k norms there)")
     if model.moe_router_score_function != "softmax":
         why.append(f"model.moe_router_score_function={model.moe_router_score_function!r} (its router is a softmax)")
     if model.moe_router_topk_scaling_factor not in (None, 1.0):
@@ -100,7 +105,7 @@ def moe_hf_config(model: ModelConfig, arch: str, base: dict[str, Any]) -> dict[s
                     "intermediate_size": model.ffn_size, "moe_intermediate_size": model.moe_ffn_size,
                     "num_experts": model.num_experts,
                     "shared_expert_intermediate_size": model.moe_shared_expert_intermediate_size,
-                    "norm_topk_prob": not model.moe_router_pre_softmax, "qkv_bias": False,
+                    "norm_topk_prob": not model.moe_router_pre_softmax, "qkv_bias": model.qkv_bias,
                     "decoder_sparse_step": 1,
                     "mlp_only_layers": [i for i in range(model.num_layers) if not model.is_moe_layer(i)],
                     "use_sliding_window": False, "sliding_window": None, "max_window_layers": model.num_layers})
@@ -118,12 +123,6 @@ def moe_from_hf(kind: str, config: dict[str, Any], count: Callable[[str], int]) 
     Raises:
         CheckpointError: a setting meshtrain computes otherwise; names it and why.
     """
-    seq = config["max_position_embeddings"]
-    window = config.get("sliding_window") if kind == "mixtral" or config.get("use_sliding_window") else None
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < seq):
-        # Attention beyond the window is masked there; meshtrain attends to the whole sequence.
-        raise CheckpointError(f"HF config sliding_window={window!r} cannot be expressed in meshtrain (it attends "
-                              f"to the whole sequence: needs null, or at least max_position_embeddings={seq})")
     if config.get("router_jitter_noise"):
         log.warning("HF config router_jitter_noise=%s (multiplicative noise on the router input in training) "
                     "has no meshtrain setting; dropped", config["router_jitter_noise"])
@@ -139,10 +138,6 @@ def moe_from_hf(kind: str, config: dict[str, Any], count: Callable[[str], int]) 
         table.update({"num_experts": count("num_local_experts"), "moe_ffn_hidden_size": count("intermediate_size"),
                       "moe_layer_freq": 1, "moe_router_pre_softmax": False})
         return table
-    if config.get("qkv_bias", True):
-        raise CheckpointError(
-            "HF Qwen2-MoE config qkv_bias=true cannot be expressed in meshtrain: it puts biases on the q/k/v "
-            "projections only, and model.add_bias_linear gives every linear layer a bias or none")
     experts, step = count("num_experts"), count("decoder_sparse_step") if "decoder_sparse_step" in config else 1
     skip = config.get("mlp_only_layers") or []
     if not isinstance(skip, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in skip):

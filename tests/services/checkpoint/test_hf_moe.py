@@ -111,6 +111,8 @@ def test_round_trip_mixtral_meshtrain_mixtral_is_bit_exact(tmp_path, dtype, tie)
     ({"moe_router_enable_expert_bias": True}, "no expert bias"),
     ({"moe_router_topk_scaling_factor": 2.5}, "moe_router_topk_scaling_factor=2.5"),
     ({"add_bias_linear": True}, "add_bias_linear=true"),
+    ({"qkv_bias": True}, "MixtralForCausalLM: model.qkv_bias=true"),
+    ({"qk_norm": True}, "model.qk_norm=true"),
     ({"normalization": "layernorm"}, "Mixtral and Qwen2-MoE are rmsnorm"),
 ])
 def test_export_refuses_moe_models_hf_cannot_compute(tmp_path, change, match):
@@ -123,12 +125,10 @@ def test_export_refuses_moe_models_hf_cannot_compute(tmp_path, change, match):
 
 
 @pytest.mark.parametrize("change, match", [
-    ({"sliding_window": 16}, "sliding_window=16 cannot be expressed .* at least max_position_embeddings=32"),
+    ({"sliding_window": 16}, r"sliding_window=16 cannot be expressed .* sequence length of 32 .*--seq-length 16"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({"num_local_experts": 0}, "num_local_experts=0 is not a positive integer"),
     ({"router_aux_loss_coef": "big"}, "router_aux_loss_coef='big' is not a number"),
-    ({"model_type": "qwen2_moe", "qkv_bias": True}, "qkv_bias=true .* biases on the q/k/v projections only"),
-    ({"model_type": "qwen2_moe"}, "qkv_bias=true"),  # the default, as in every published Qwen2-MoE
 ])
 def test_import_refuses_moe_configs_meshtrain_cannot_express(change, match):
     config = transformers.MixtralConfig(vocab_size=300, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
@@ -157,7 +157,7 @@ def hf_qwen2_moe(tmp_path, dtype=torch.float32, **extra):
         vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
         shared_expert_intermediate_size=40, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=32, rope_theta=5000.0, rms_norm_eps=1e-6, num_experts=4, num_experts_per_tok=2,
-        qkv_bias=False, mlp_only_layers=[1], tie_word_embeddings=False, **extra)
+        mlp_only_layers=[1], tie_word_embeddings=False, **{"qkv_bias": False, **extra})
     return save_random_hf(transformers.Qwen2MoeForCausalLM, config, tmp_path, dtype)
 
 
@@ -202,3 +202,23 @@ def test_import_of_qwen2_moe_without_qkv_bias_gives_the_same_logits_and_round_tr
     after = safetensors_torch.load_file(str(tmp_path / "back" / "model.safetensors"))
     assert sorted(before) == sorted(after)
     assert all(torch.equal(after[n], t) for n, t in before.items())
+
+
+def test_qwen2_moe_with_qkv_bias_imports_exports_and_keeps_transformers_logits(tmp_path):
+    """Published Qwen2-MoE models bias q/k/v only (qkv_bias, the HF default): model.qkv_bias."""
+    src, hf = hf_qwen2_moe(tmp_path, qkv_bias=True)
+    assert hf.model.layers[0].self_attn.q_proj.bias is not None
+    root = str(tmp_path / "ckpt")
+    import_hf(str(src), root)
+    config = ModelConfig(**read_manifest(root, 0)["metadata"]["config"]["model"])
+    assert config.qkv_bias and not config.add_bias_linear
+    model = GPT(config)
+    checkpointing.restore(root, model, None, checkpointing.Parallel(Mesh.single()))
+    tokens = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(logits(model, tokens), hf.eval()(tokens).logits, atol=1e-4, rtol=1e-4)
+    export_hf(root, str(tmp_path / "back"))
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["qkv_bias"] is True
+    before = safetensors_torch.load_file(str(src / "model.safetensors"))
+    after = safetensors_torch.load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert sorted(before) == sorted(after) and all(torch.equal(after[n], t) for n, t in before.items())
