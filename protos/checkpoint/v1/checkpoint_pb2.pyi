@@ -35,18 +35,22 @@ class BeginSaveRequest(_message.Message):
     def __init__(self, step: _Optional[int] = ..., num_writers: _Optional[int] = ..., overwrite: _Optional[bool] = ...) -> None: ...
 
 class BeginSaveResponse(_message.Message):
-    __slots__ = ("save_id",)
+    __slots__ = ("save_id", "root")
     SAVE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
     save_id: str
-    def __init__(self, save_id: _Optional[str] = ...) -> None: ...
+    root: str
+    def __init__(self, save_id: _Optional[str] = ..., root: _Optional[str] = ...) -> None: ...
 
 class WriteHeader(_message.Message):
-    __slots__ = ("save_id", "writer_id")
+    __slots__ = ("save_id", "writer_id", "step")
     SAVE_ID_FIELD_NUMBER: _ClassVar[int]
     WRITER_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     save_id: str
     writer_id: int
-    def __init__(self, save_id: _Optional[str] = ..., writer_id: _Optional[int] = ...) -> None: ...
+    step: int
+    def __init__(self, save_id: _Optional[str] = ..., writer_id: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
 class WriteShardsRequest(_message.Message):
     __slots__ = ("header", "box", "chunk", "error")

@@ -10,7 +10,14 @@ table keyed by save id; a restarted service has forgotten them, and their writer
 committer get NOT_FOUND, upon which they ResumeSave: the service takes the save up again if the
 step's folder still belongs to it (`sharded.resume_save`), and the writers resend their boxes
 (the previous checkpoint is untouched either way). BeginSave and ResumeSave run one at a time,
-so a save is never resumed beside a newer save of its step. A failing
+so a save is never resumed beside a newer save of its step. Replicas of the service serving one
+root share nothing but storage: a WriteShards whose header names the step, or a Commit, of a save
+this replica has not seen adopts it from its marker (`sharded.read_begun`: the step's folder
+still belongs to that save, and the marker holds its writer count), ending any save of the step
+it knew whose marker is gone (a newer save of the step began on another replica); a save's
+marker is checked again before each writer's fragment is stored, while its commit waits, and
+before the commit writes anything, so a superseded save neither reports nor commits. Which
+committer commits is decided by storage (the manifest is created only if absent). A failing
 run gives its save up with AbortSave: its commit, under way or to come, stops waiting for
 writers that have not reported (a save whose writers all reported is still committed), so the
 committer is not held for the commit timeout by a dead writer.
@@ -72,6 +79,7 @@ from meshtrain.services.checkpoint.sharded import (
     check_save_id,
     commit,
     committed_by,
+    read_begun,
     resume_save,
 )
 from meshtrain.services.checkpoint.shards import MAX_NDIM, ShardSpec
@@ -97,6 +105,7 @@ MAX_COMMIT_TIMEOUT = 3600.0  # --max-commit-timeout: seconds a Commit may ask to
 MAX_COMMITS = 4  # --max-commits: Commits waiting at once (below grpc_utils.UNARY_RESERVE)
 MAX_METADATA_BYTES = 1 << 20  # a commit's user metadata, stored in the manifest
 MAX_REASON_CHARS = 1000  # an AbortSave reason or a writer's error, quoted in refusals
+MARKER_CHECK_S = 2.0  # a waiting commit looks this often whether its save still owns the step's folder
 
 
 class _CallerGone(Exception):
@@ -194,6 +203,7 @@ class _Save:
     started: float = field(default_factory=time.monotonic)
     commit_lock: threading.Lock = field(default_factory=threading.Lock)
     abort_reason: str | None = None  # AbortSave's: its commit stops waiting for writers
+    adopted: bool = False  # begun by another replica (or before a restart), taken up from its marker
 
 
 def box_from_pb(box: pb.Box, max_shard_bytes: int | None = None) -> ShardSpec:
@@ -353,34 +363,86 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             # metadata and finishes: then the step is committed and begin_save treats it so.
             with save.commit_lock:
                 pass
-        save_id = begin_save(self.root, request.step, overwrite=request.overwrite, resumable=True)
+        save_id = begin_save(self.root, request.step, overwrite=request.overwrite, resumable=True,
+                             num_writers=request.num_writers)
         with self._lock:
             self._saves[save_id] = _Save(request.step, request.num_writers)
-        return pb.BeginSaveResponse(save_id=save_id)
+        return pb.BeginSaveResponse(save_id=save_id, root=self.root)
+
+    def _adopt(self, save_id: str, step: int, num_writers: int | None = None) -> _Save | None:
+        """Takes up a save this replica has not seen (begun on another replica, or before this
+        one restarted) from its marker in storage, so any replica can serve any call of a save.
+
+        Args:
+            save_id: the save.
+            step: the step the caller says it saves.
+            num_writers: the caller's writer count (ResumeSave's), checked against the marker's,
+                or used where an older marker lacks one.
+
+        Returns:
+            The save, now in progress here; None when storage does not hold it in progress (it
+            committed, its folder was cleared, or its marker predates writer counts): the call
+            then answers as for an unknown save, and the client's ResumeSave learns why.
+
+        Raises:
+            CheckpointError: a save of the step that this replica knows still owns the folder.
+            InvalidRequestError: `num_writers` differs from the marker's.
+        """
+        with self._begin_lock:
+            with self._lock:
+                known = self._saves.get(save_id)
+                if known is not None or save_id in self._committed or save_id in self._ended:
+                    return known
+                others = [k for k, v in self._saves.items() if v.step == step]
+            marker = read_begun(self.root, step, save_id)
+            if marker is None:
+                return None
+            count = marker.get("num_writers", num_writers)
+            if count is None:
+                return None
+            if num_writers is not None and num_writers != count:
+                raise InvalidRequestError(f"num_writers={num_writers} differs from the {count} writers save "
+                                          f"{save_id!r} of step {step} was begun with")
+            self._num_writers(count)
+            for other in others:
+                if read_begun(self.root, step, other) is not None:
+                    raise CheckpointError(f"save {save_id} of step {step} cannot be taken up: save {other} of that "
+                                          "step has begun since; begin a new save")
+                with self._lock:
+                    if self._saves.pop(other, None) is not None:
+                        self._remember(self._ended, other, (step, "was superseded by a newer save of the same step"))
+                log.warning("save %s of step %d superseded by save %s (begun elsewhere)", other, step, save_id)
+            save = _Save(step, count, adopted=True)
+            with self._lock:
+                self._saves[save_id] = save
+        log.info("save %s of step %d taken up from its marker in storage (%d writers)", save_id, step, count)
+        return save
 
     def ResumeSave(self, request, context):
         save_id = _save_id(request.save_id)
         _step(request.step)
         self._num_writers(request.num_writers)
-        with self._begin_lock:
-            with self._lock:
-                if save_id in self._saves:  # another writer of the save resumed it already
-                    return pb.ResumeSaveResponse(committed=False)
-                if save_id in self._committed:
-                    return pb.ResumeSaveResponse(committed=True)
-                ended = save_id in self._ended
-                other = [k for k, v in self._saves.items() if v.step == request.step]
-            if ended:
-                self._save(save_id, context)  # aborts, saying why it ended
-            if other:
-                raise CheckpointError(f"save {save_id} of step {request.step} cannot be resumed: save "
-                                      f"{other[0]} of that step has begun since; begin a new save")
-            if resume_save(self.root, request.step, save_id) is not None:
+        with self._lock:
+            if save_id in self._saves:  # another writer of the save resumed it already
+                return pb.ResumeSaveResponse(committed=False)
+            if save_id in self._committed:
                 return pb.ResumeSaveResponse(committed=True)
-            with self._lock:
-                self._saves[save_id] = _Save(request.step, request.num_writers)
-        log.warning("save %s of step %d resumed (begun before this service started); its writers resend "
-                    "their boxes", save_id, request.step)
+            ended = save_id in self._ended
+            others = [k for k, v in self._saves.items() if v.step == request.step]
+        if ended:
+            self._save(save_id, context)  # aborts, saying why it ended
+        for other in others:  # a save of the step known here, and still owning its folder, is newer
+            if read_begun(self.root, request.step, other) is not None:
+                raise CheckpointError(f"save {save_id} of step {request.step} cannot be resumed: save {other} of "
+                                      "that step has begun since; begin a new save")
+        # raises, saying why, for a save storage no longer holds
+        if resume_save(self.root, request.step, save_id) is not None:
+            return pb.ResumeSaveResponse(committed=True)
+        if self._adopt(save_id, request.step, request.num_writers) is None:
+            raise CheckpointError(f"save {save_id} of step {request.step} cannot be resumed: its folder changed "
+                                  "while it was being taken up; begin a new save")
+        log.warning("save %s of step %d resumed (begun before this service started, or on another replica); its "
+                    "writers resend their boxes", save_id, request.step)
         return pb.ResumeSaveResponse(committed=False)
 
     def WriteShards(self, request_iterator, context):
@@ -393,7 +455,11 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         if first is None or first.WhichOneof("part") != "header":
             raise CheckpointError("a WriteShards stream must start with a header")
         save_id = _save_id(first.header.save_id)
+        if first.header.HasField("step"):  # a save begun elsewhere is taken up here
+            self._adopt(save_id, _step(first.header.step, "header.step"))
         save = self._save(save_id, context)
+        if first.header.HasField("step") and first.header.step != save.step:
+            raise InvalidRequestError(f"header.step={first.header.step}, but save {save_id!r} saves step {save.step}")
         if not 0 <= first.header.writer_id < save.num_writers:
             raise InvalidRequestError(f"writer_id={first.header.writer_id} is outside [0, {save.num_writers}) "
                                       f"(save {save_id!r} has {save.num_writers} writers)")
@@ -456,6 +522,10 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             if buf is not None:
                 self.budget.release(len(buf))
         self._save(save_id, context)  # a superseded save's fragment must not be stored either
+        if read_begun(self.root, save.step, save_id) is None:  # superseded on another replica
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, status_details(
+                f"save {save_id!r} of step {save.step} was superseded (a newer save of the step cleared its "
+                "folder); its writes are refused (begin a new save)"))
         writer.finish()
         return pb.WriteShardsResponse(boxes=boxes, bytes=total)
 
@@ -485,12 +555,14 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
     def _commit(self, request, save_id: str, context) -> pb.CommitResponse:
         with self._lock:  # a committed save stays known, so a retried Commit reaches `commit` again
             save = self._saves.get(save_id) or self._committed.get(save_id)
-        if save is None and request.step > 0:
-            # A restart forgot the save; its commit may have landed before the reply reached
-            # the client, whose retry this is: the manifest, which records the save id, says so.
+        if save is None:
+            # A restart forgot the save (or another replica served it); its commit may have
+            # landed before the reply reached the client, whose retry this is: the manifest,
+            # which records the save id, says so.
             done = committed_by(self.root, request.step, save_id)
             if done is not None:
                 return _commit_response(done)
+            save = self._adopt(save_id, request.step)
         if save is None:
             save = self._save(save_id, context)  # aborts, saying why
         try:
@@ -502,10 +574,18 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                                       f"{type(metadata).__name__}: {loggable(request.metadata_json, 100)}")
         timeout = min(request.timeout_s or self.commit_timeout, self.max_commit_timeout)
 
+        checked = [time.monotonic()]
+
         def cancelled() -> str | None:
             if not context.is_active():
                 raise _CallerGone()
-            return save.abort_reason if save_id in self._saves else "its save was superseded by a newer BeginSave"
+            if save_id not in self._saves:
+                return "its save was superseded by a newer BeginSave"
+            if time.monotonic() - checked[0] > MARKER_CHECK_S:  # a newer save of the step, begun elsewhere
+                checked[0] = time.monotonic()
+                if read_begun(self.root, save.step, save_id) is None:
+                    return "its folder was taken by a newer save of the step"
+            return save.abort_reason
 
         _wait_for(save.commit_lock, context)  # a second Commit of this save (a client retrying) waits for the first
         try:
@@ -516,7 +596,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             try:
                 # `commit` returns the result again for a step this save already committed
                 result = commit(self.root, save.step, save_id, save.num_writers, metadata,
-                                timeout=timeout, cancelled=cancelled)
+                                timeout=timeout, cancelled=cancelled, require_marker=True)
             except _CallerGone:  # not the save's fault: it stays, for the client's retry
                 raise
             except CheckpointError as e:

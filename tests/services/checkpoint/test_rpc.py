@@ -209,7 +209,7 @@ def test_a_commit_that_fails_on_storage_is_retried_to_the_end(service, monkeypat
     # still know the save, so the retry commits it, or finds its own commit, as embedded
     # mode's retry does (it used to drop the save and answer NOT_FOUND "unknown save id").
     root, client, _ = service
-    real, failed = sharded.write_bytes_atomic, []
+    real, failed = sharded.write_bytes_exclusive, []
 
     def fails_once(root_, path, data):
         if path.endswith(MANIFEST_NAME) and not failed:
@@ -219,7 +219,7 @@ def test_a_commit_that_fails_on_storage_is_retried_to_the_end(service, monkeypat
             raise OSError("connection reset while writing the manifest")
         return real(root_, path, data)
 
-    monkeypatch.setattr(sharded, "write_bytes_atomic", fails_once)
+    monkeypatch.setattr(sharded, "write_bytes_exclusive", fails_once)
     full = torch.randn(2, 8, 4).to(torch.bfloat16)
     saver = AsyncSaver(client, 0, 1, backoff=0.01, commit_timeout=5)
     saver.save(4, client.begin_save(4), tp_boxes(full, 0, 1), committer=True, metadata={})
