@@ -160,10 +160,21 @@ class OptimConfig:
     """Learning rate at the end of the decay."""
     lr_warmup_iters: int = 0
     """Linear warmup steps from 0 to lr."""
+    lr_warmup_fraction: float | None = None
+    """Warmup as a fraction of the decay length (--lr-warmup-fraction): lr_decay_iters (unset:
+    train_iters) x this, rounded down to whole steps; instead of lr_warmup_iters."""
     lr_decay_iters: int | None = None
     """Steps over which to decay to min_lr; unset: train_iters."""
-    lr_decay_style: Literal["cosine", "linear", "constant"] = "cosine"
-    """Shape of the decay after warmup."""
+    lr_decay_style: Literal["cosine", "linear", "constant", "wsd", "inverse-square-root"] = "cosine"
+    """Shape of the decay after warmup. 'wsd' (warmup-stable-decay; Megatron's WSD) holds lr until
+    the last lr_wsd_decay_iters steps of the decay, then decays to min_lr in lr_wsd_decay_style;
+    'inverse-square-root' is lr x sqrt(warmup / step), never below min_lr."""
+    lr_wsd_decay_style: Literal["exponential", "linear", "cosine", "minus_sqrt"] = "exponential"
+    """With lr_decay_style='wsd': the shape of the final decay over progress p from 0 to 1:
+    exponential 2 x 0.5^p - 1, linear 1 - p, cosine (1 + cos(pi p)) / 2, minus_sqrt 1 - sqrt(p)
+    (of lr - min_lr, above min_lr)."""
+    lr_wsd_decay_iters: int | None = None
+    """With lr_decay_style='wsd' (required then): steps of the final decay, ending at lr_decay_iters."""
     weight_decay: float = 0.1
     """Decoupled weight decay on matrices (never on norms or biases)."""
     decay_embeddings: bool = False
@@ -191,6 +202,17 @@ class OptimConfig:
             raise ConfigError(f"optim.clip_grad must be >= 0, got {self.clip_grad}")
         if self.lr_warmup_iters < 0:
             raise ConfigError(f"optim.lr_warmup_iters must be >= 0, got {self.lr_warmup_iters}")
+        if self.lr_warmup_fraction is not None:
+            if not 0 <= self.lr_warmup_fraction < 1:
+                raise ConfigError(f"optim.lr_warmup_fraction must be in [0, 1), got {self.lr_warmup_fraction}")
+            if self.lr_warmup_iters:
+                raise ConfigError("set one of optim.lr_warmup_iters and optim.lr_warmup_fraction, not both")
+        if self.lr_decay_style == "wsd":
+            if self.lr_wsd_decay_iters is None or self.lr_wsd_decay_iters <= 0:
+                raise ConfigError("optim.lr_decay_style='wsd' needs optim.lr_wsd_decay_iters, the steps of its final "
+                                  f"decay (--lr-wsd-decay-iters), > 0; got {self.lr_wsd_decay_iters}")
+        elif self.lr_wsd_decay_iters is not None:
+            raise ConfigError(f"optim.lr_wsd_decay_iters applies to lr_decay_style='wsd', not {self.lr_decay_style!r}")
         # An explicit decay length the warmup reaches would leave lr at its peak for good (the
         # schedule has nothing to decay over); 0 would silently mean "unset".
         if self.lr_decay_iters is not None and self.lr_decay_iters <= self.lr_warmup_iters:
@@ -415,10 +437,25 @@ class LogConfig:
     """'auto': a progress bar on a terminal, plain log lines otherwise."""
     plot: bool = True
     """Write loss.png (train and eval loss) at the end."""
+    tensorboard_dir: str | None = None
+    """Also write the scalars of metrics.jsonl as TensorBoard events to this folder
+    (--tensorboard-dir; needs the `tensorboard` extra); unset: none."""
+    wandb_project: str | None = None
+    """Also log the scalars of metrics.jsonl to this Weights & Biases project (--wandb-project;
+    needs the `wandb` extra; WANDB_MODE=offline writes the run locally); unset: none."""
+    wandb_exp_name: str | None = None
+    """W&B run name (--wandb-exp-name); unset: the run directory's name."""
+    wandb_save_dir: str | None = None
+    """Folder for W&B's local files (--wandb-save-dir); unset: RUN_DIR/wandb."""
+    wandb_entity: str | None = None
+    """W&B team or user (--wandb-entity); unset: W&B's default."""
 
     def __post_init__(self) -> None:
         if self.log_interval <= 0:
             raise ConfigError(f"log.log_interval must be positive, got {self.log_interval}")
+        for key in ("wandb_exp_name", "wandb_save_dir", "wandb_entity"):
+            if getattr(self, key) is not None and self.wandb_project is None:
+                raise ConfigError(f"log.{key} is a W&B setting: it needs log.wandb_project (--wandb-project)")
 
 
 @dataclass

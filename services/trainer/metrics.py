@@ -2,9 +2,12 @@
 
 `metrics.jsonl` holds one JSON object per logged step (every `log.log_interval` steps, the
 run's first and last step too) with at least `step`, `time` (Unix seconds, float), `loss`,
-`lr`, `grad_norm`, `tokens_per_s`, `step_time_s`, `consumed_samples` and, where the device's
-peak is known, `mfu`; evaluation adds objects with `step`, `time` and `eval_loss`. On a terminal a progress bar shows
-step, loss, tokens/s and ETA; elsewhere the same goes out as plain log lines.
+`lr`, `grad_norm`, `tokens_per_s`, `step_time_s`, `consumed_samples`, `max_rss_gib` (the process's
+peak resident host memory), on CUDA `mem_max_allocated_gib` (peak device memory allocated by
+tensors) and, where the device's peak is known, `mfu`; evaluation adds objects with `step`, `time`
+and `eval_loss`. On a terminal a progress bar shows step, loss, tokens/s and ETA; elsewhere the
+same goes out as plain log lines. The same scalars go to TensorBoard and W&B where asked for
+(`tracking.py`).
 
 A mixture of experts adds its routers' statistics of the logged step, over the global batch
 (`RouterStats`): `moe/layer<i>/tokens_per_expert_max_over_mean` (the busiest expert's routed
@@ -19,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import resource
 import sys
 import time
 from dataclasses import dataclass
@@ -32,6 +36,7 @@ from torch import nn
 from meshtrain.services.trainer.config import ModelConfig
 from meshtrain.services.trainer.model.gpt import GPT
 from meshtrain.services.trainer.model.moe import MoEStats, moe_layers
+from meshtrain.services.trainer.tracking import Tracker, close_trackers, scalars
 
 log = logging.getLogger("meshtrain.train")
 
@@ -147,6 +152,15 @@ def _group_size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
+def memory_metrics(device: torch.device) -> dict[str, float]:
+    """Peak memory so far: the process's resident host memory, and on CUDA the device memory
+    tensors have held (the caching allocator's peak; what an out-of-memory error runs into)."""
+    out = {"max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}  # KiB on Linux
+    if device.type == "cuda":
+        out["mem_max_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    return out
+
+
 def format_duration(seconds: float) -> str:
     if not math.isfinite(seconds):
         return "?"
@@ -159,10 +173,13 @@ def format_duration(seconds: float) -> str:
 class MetricsLog:
     """Appends records to RUN_DIR/metrics.jsonl and shows progress (bar or lines)."""
 
-    def __init__(self, run_dir: Path, total_steps: int, start_step: int, progress: str):
-        """progress: 'auto' | 'bar' | 'lines', or 'none' on ranks that write nothing."""
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int, progress: str,
+                 trackers: list[Tracker] | None = None):
+        """progress: 'auto' | 'bar' | 'lines', or 'none' on ranks that write nothing.
+        trackers: TensorBoard / W&B, given the same scalars as each row (closed by `close`)."""
         self.path = run_dir / "metrics.jsonl"
         self.silent = progress == "none"
+        self.trackers = list(trackers or [])
         if not self.silent:
             _drop_rows_after(self.path, start_step)
         self.file = None if self.silent else self.path.open("a", buffering=1)
@@ -177,6 +194,10 @@ class MetricsLog:
     def write(self, record: dict[str, Any]) -> None:
         if self.file is not None:
             self.file.write(json.dumps(record) + "\n")
+        if self.trackers:
+            values = scalars(record)
+            for tracker in self.trackers:
+                tracker.log(record["step"], values)
 
     def step(self, record: dict[str, Any]) -> None:
         """Record a training step and update the display."""
@@ -212,6 +233,8 @@ class MetricsLog:
             self.bar.close()
         if self.file is not None:
             self.file.close()
+        close_trackers(self.trackers)
+        self.trackers = []
 
 
 def _drop_rows_after(path: Path, step: int) -> None:
