@@ -10,10 +10,15 @@ table); `meshtrain.services.trainer.config.load_config` merges that table over t
 from __future__ import annotations
 
 import ast
+import logging
+import re
 from typing import Any
 
 from meshtrain.services.common import config as cfg
 from meshtrain.services.common.errors import ConfigError
+from meshtrain.services.trainer import megatron_flags
+
+log = logging.getLogger("meshtrain.config")
 
 # Megatron-LM flag -> (dotted key, takes a value). Flags without a value set a bool to true.
 ALIASES: dict[str, tuple[str, bool]] = {
@@ -21,18 +26,22 @@ ALIASES: dict[str, tuple[str, bool]] = {
     "--hidden-size": ("model.hidden_size", True),
     "--num-attention-heads": ("model.num_attention_heads", True),
     "--num-query-groups": ("model.num_query_groups", True),
+    "--kv-channels": ("model.kv_channels", True),
+    "--add-qkv-bias": ("model.qkv_bias", False),
+    "--qk-layernorm": ("model.qk_norm", False),
     "--ffn-hidden-size": ("model.ffn_hidden_size", True),
     "--seq-length": ("model.seq_length", True),
     "--max-position-embeddings": ("model.max_position_embeddings", True),
     "--vocab-size": ("model.vocab_size", True),
     "--make-vocab-size-divisible-by": ("model.make_vocab_size_divisible_by", True),
     "--normalization": ("model.normalization", True),
+    "--norm-epsilon": ("model.norm_epsilon", True),
     "--position-embedding-type": ("model.position_embedding_type", True),
     "--rotary-base": ("model.rotary_base", True),
     "--init-method-std": ("model.init_method_std", True),
     "--hidden-dropout": ("model.hidden_dropout", True),
     "--attention-dropout": ("model.attention_dropout", True),
-    "--transformer-impl": ("model.transformer_impl", True),
+    "--attention-backend": ("model.attention_backend", True),
     "--fp32-residual-connection": ("model.fp32_residual_connection", False),
     "--swiglu": ("model.activation=swiglu", False),
     "--disable-bias-linear": ("model.add_bias_linear=false", False),
@@ -65,7 +74,10 @@ ALIASES: dict[str, tuple[str, bool]] = {
     "--tiktoken-pattern": ("data.tiktoken_pattern", True),
     "--tiktoken-num-special-tokens": ("data.tiktoken_num_special_tokens", True),
     "--split": ("data.split", True),
+    "--data-cache-path": ("data.cache_dir", True),
+    "--eod-mask-loss": ("data.eod_mask_loss", False),
     "--micro-batch-size": ("train.micro_batch_size", True),
+    "--batch-size": ("train.micro_batch_size", True),  # Megatron's old name of --micro-batch-size
     "--global-batch-size": ("train.global_batch_size", True),
     "--train-iters": ("train.train_iters", True),
     "--eval-interval": ("train.eval_interval", True),
@@ -79,6 +91,9 @@ ALIASES: dict[str, tuple[str, bool]] = {
     "--lr-warmup-iters": ("optim.lr_warmup_iters", True),
     "--lr-decay-iters": ("optim.lr_decay_iters", True),
     "--lr-decay-style": ("optim.lr_decay_style", True),
+    "--lr-warmup-fraction": ("optim.lr_warmup_fraction", True),
+    "--lr-wsd-decay-style": ("optim.lr_wsd_decay_style", True),
+    "--lr-wsd-decay-iters": ("optim.lr_wsd_decay_iters", True),
     "--weight-decay": ("optim.weight_decay", True),
     "--adam-beta1": ("optim.adam_beta1", True),
     "--adam-beta2": ("optim.adam_beta2", True),
@@ -104,14 +119,22 @@ ALIASES: dict[str, tuple[str, bool]] = {
     "--ddp-bucket-size": ("parallel.ddp_bucket_size", True),
     "--grad-reduce-in-bf16": ("parallel.grad_reduce_dtype=bf16", False),
     "--recompute-granularity": ("parallel.recompute_granularity", True),
+    "--recompute-activations": ("parallel.recompute_granularity=selective", False),
+    "--checkpoint-activations": ("parallel.recompute_granularity=full", False),  # Megatron's old name
     "--recompute-method": ("parallel.recompute_method", True),
     "--recompute-num-layers": ("parallel.recompute_num_layers", True),
     "--save": ("checkpoint.save", True),
     "--load": ("checkpoint.load", True),
     "--save-interval": ("checkpoint.save_interval", True),
     "--ckpt-step": ("checkpoint.load_step", True),
+    "--async-save": ("checkpoint.async_save", False),
     "--run-dir": ("log.run_dir", True),
     "--log-interval": ("log.log_interval", True),
+    "--tensorboard-dir": ("log.tensorboard_dir", True),
+    "--wandb-project": ("log.wandb_project", True),
+    "--wandb-exp-name": ("log.wandb_exp_name", True),
+    "--wandb-save-dir": ("log.wandb_save_dir", True),
+    "--wandb-entity": ("log.wandb_entity", True),
 }
 
 # Megatron flags taking one or more words (nargs="+"); those of _STRING_LISTS stay strings.
@@ -121,7 +144,8 @@ _STRING_LISTS = {"data.data_path", "data.service_addresses"}
 # Keys whose values are strings even when they look like numbers or booleans.
 _STRING_KEYS = {"data.tokenizer", "data.split", "checkpoint.save", "checkpoint.load", "log.run_dir",
                 "data.tokenizer_type", "data.vocab_file", "data.merge_file", "data.tokenizer_model",
-                "data.tiktoken_pattern"}
+                "data.tiktoken_pattern", "data.cache_dir", "log.tensorboard_dir", "log.wandb_project",
+                "log.wandb_exp_name", "log.wandb_save_dir", "log.wandb_entity"}
 
 # Tokenizer types whose vocabulary Megatron's --vocab-size gives; with one of them named by
 # --tokenizer-type, --vocab-size is the tokenizer's (data.vocab_size) and the model's vocabulary
@@ -130,8 +154,19 @@ _VOCAB_SIZE_TOKENIZERS = ("NullTokenizer", "TikTokenizer")
 
 
 # Megatron spellings of choice values -> ours.
-_VALUE_SPELLINGS = {"LayerNorm": "layernorm", "RMSNorm": "rmsnorm", "learned_absolute": "learned"}
+_VALUE_SPELLINGS = {"LayerNorm": "layernorm", "RMSNorm": "rmsnorm", "learned_absolute": "learned", "WSD": "wsd"}
+# ... and per key: Megatron's attention backends (Transformer Engine's fused attention is cuDNN's).
+_KEY_SPELLINGS = {"model.attention_backend": {"fused": "cudnn", "unfused": "math", "local": "math"}}
 
+# Megatron's sample-counted flags -> the iteration-counted key each becomes (samples / global batch).
+_SAMPLE_FLAGS = {"--train-samples": "train.train_iters", "--lr-decay-samples": "optim.lr_decay_iters",
+                 "--lr-warmup-samples": "optim.lr_warmup_iters", "--lr-wsd-decay-samples": "optim.lr_wsd_decay_iters"}
+
+# Flags accepted with one value only: (that value, why no other is).
+_ONLY_VALUE = {"--rotary-percent": (1.0, "rotary embeddings cover the whole head (partial RoPE is not built)")}
+
+
+_PYTHON_FLOAT = re.compile(r"[+-]?(\d+\.\d*|\.\d+)([eE][+-]?\d+)?")
 
 _LIST_LIMIT = 100_000
 """Most entries a --moe-layer-freq expression may build (a layer list; bounds `[1]*10**12`)."""
@@ -184,28 +219,34 @@ def parse_layer_freq(text: str) -> int | list[int]:
 
 
 def _value_for(key: str, text: str) -> Any:
-    text = _VALUE_SPELLINGS.get(text, text)
+    text = _KEY_SPELLINGS.get(key, {}).get(text, _VALUE_SPELLINGS.get(text, text))
     if key in _STRING_KEYS:
         return text
     if key == "model.moe_layer_freq":
         return parse_layer_freq(text)
     if key in ("data.data_path", "data.service_addresses"):
         return cfg.parse_value(text) if text.lstrip().startswith("[") else [text]
-    return cfg.parse_value(text)
+    value = cfg.parse_value(text)
+    if isinstance(value, str) and _PYTHON_FLOAT.fullmatch(text):
+        return float(text)  # Megatron's argparse reads Python numbers: .001 and 1. are not TOML
+    return value
 
 
 def parse_overrides(args: list[str]) -> tuple[str | None, dict[str, Any]]:
     """Turn command-line words into (config file, nested override table).
 
-    Accepts `--config FILE`, `--section.key=value` / `--section.key value`, and the Megatron
-    aliases in `ALIASES`. `--data-path` takes one or more words, like Megatron's.
+    Accepts `--config FILE`, `--section.key=value` / `--section.key value`, the Megatron
+    aliases in `ALIASES`, and the Megatron flags of `megatron_flags`: those without effect here
+    are accepted with a warning, those of features meshtrain does not have are refused, every one
+    of them named in one error. `--data-path` takes one or more words, like Megatron's.
 
     Raises:
-        ConfigError: for an unknown flag or a flag missing its value.
+        ConfigError: for an unknown or refused flag, or a flag missing its value.
     """
     config_file: str | None = None
     table: dict[str, Any] = {}
-    balancing: str | None = None  # --moe-router-load-balancing-type, applied at the end
+    megatron: dict[str, Any] = {}  # flags applied once every word is read (they depend on others)
+    refused: dict[str, str] = {}
     i = 0
     while i < len(args):
         word = args[i]
@@ -222,15 +263,28 @@ def parse_overrides(args: list[str]) -> tuple[str | None, dict[str, Any]]:
             i += 1
             return args[i]
 
+        def take_words() -> list[str]:
+            nonlocal i
+            words = [inline] if eq else []
+            while not eq and i + 1 < len(args) and not args[i + 1].startswith("--"):
+                i += 1
+                words.append(args[i])
+            return words
+
+        known = megatron_flags.classify(name) if name not in ALIASES else None
         if name == "--config":
             config_file = take_value()
-        elif name == "--moe-router-load-balancing-type":
-            balancing = take_value()
-            if balancing not in ("aux_loss", "none"):
-                raise ConfigError(
-                    f"--moe-router-load-balancing-type={balancing!r} is not supported: 'aux_loss' (the load-"
-                    "balancing loss over the global micro-batch, weighted by --moe-aux-loss-coeff) or 'none' "
-                    "(no such loss; --moe-router-enable-expert-bias balances without one)")
+        elif name in _DEFERRED_SWITCHES:
+            if eq:
+                raise ConfigError(f"{name} is a switch and takes no value")
+            megatron[name] = True
+        elif name in _DEFERRED_VALUES:
+            megatron[name] = take_value()
+        elif name in _ONLY_VALUE:
+            value, why = _ONLY_VALUE[name]
+            given = cfg.parse_value(take_value())
+            if given != value:
+                refused[name] = f"only {value} is accepted: {why}"
         elif name in ALIASES:
             target, has_value = ALIASES[name]
             if not has_value:
@@ -239,33 +293,114 @@ def parse_overrides(args: list[str]) -> tuple[str | None, dict[str, Any]]:
                 key, _, fixed = target.partition("=")
                 cfg.set_dotted(table, key, cfg.parse_value(fixed) if fixed else True)
             elif name in _MULTI_WORD and not eq:
-                words = []
-                while i + 1 < len(args) and not args[i + 1].startswith("--"):
-                    i += 1
-                    words.append(args[i])
+                words = take_words()
                 if not words:
                     raise ConfigError(f"{name} needs a value")
                 cfg.set_dotted(table, target, words if target in _STRING_LISTS else [cfg.parse_value(w) for w in words])
             else:
                 cfg.set_dotted(table, target, _value_for(target, take_value()))
+        elif known is not None and known[0] == "no_effect":
+            if megatron_flags.NO_EFFECT[name][0]:
+                take_value()
+            elif eq:
+                raise ConfigError(f"{name} is a switch and takes no value")
+            log.warning("%s: accepted without effect: %s", name, known[1])
+        elif known is not None:
+            take_words()  # its value, if any: the flag is refused below with the others
+            refused[name] = f"meshtrain has {known[1]}" if known[1].startswith("no ") else known[1]
         elif "." in name[2:]:
             key = name[2:].replace("-", "_")
             cfg.set_dotted(table, key, _value_for(key, take_value()))
         else:
-            near = cfg.close_matches(name, ["--config", *ALIASES])
+            near = cfg.close_matches(name, ["--config", *ALIASES, *_DEFERRED_SWITCHES, *_DEFERRED_VALUES])
             hint = (f"did you mean {' or '.join(near)}?" if near
                     else "use --section.key=value (see --help-config for the keys and aliases)")
             raise ConfigError(f"unknown flag {name}; {hint}")
         i += 1
-    data = table.get("data", {})
-    if data.get("tokenizer_type") in _VOCAB_SIZE_TOKENIZERS and "vocab_size" in table.get("model", {}):
-        data["vocab_size"] = table["model"].pop("vocab_size")
-        if not table["model"]:
-            del table["model"]
+    if refused:
+        lines = "\n".join(f"  {flag}: {why}" for flag, why in refused.items())
+        raise ConfigError(f"{len(refused)} Megatron-LM flag(s) of features meshtrain does not have "
+                          f"(remove them to go on):\n{lines}")
+    _apply_deferred(table, megatron)
+    return config_file, table
+
+
+# Megatron flags whose meaning depends on other flags of the command line (`_apply_deferred`).
+_DEFERRED_SWITCHES = ("--group-query-attention", "--use-rope-scaling")
+_DEFERRED_VALUES = ("--moe-router-load-balancing-type", "--rope-scaling-factor", *_SAMPLE_FLAGS)
+
+
+def _apply_deferred(table: dict[str, Any], flags: dict[str, Any]) -> None:
+    """Apply the Megatron flags that read other flags of the same command line."""
+    model, data = table.setdefault("model", {}), table.setdefault("data", {})  # empty ones dropped at the end
+    if data.get("tokenizer_type") in _VOCAB_SIZE_TOKENIZERS and "vocab_size" in model:
+        cfg.set_dotted(table, "data.vocab_size", model.pop("vocab_size"))
+    if "vocab_file" in data and "merge_file" in data and "tokenizer_type" not in data:
+        # Megatron's GPT-3 example names no type; the one type that reads a merge file is GPT-2's BPE
+        log.warning("--vocab-file and --merge-file without --tokenizer-type: GPT2BPETokenizer, the tokenizer "
+                    "that reads both")
+        data["tokenizer_type"] = "GPT2BPETokenizer"
+    for key in ("tiktoken_pattern", "tiktoken_num_special_tokens"):  # read by TikTokenizer alone
+        if key in data and data.get("tokenizer_type", "TikTokenizer") != "TikTokenizer":
+            log.warning("--%s applies to --tokenizer-type TikTokenizer: not used with %s (Megatron-LM ignores it "
+                        "too)", key.replace("_", "-"), data["tokenizer_type"])
+            del data[key]
+    # Megatron reads --num-query-groups (default 1) only with --group-query-attention.
+    if flags.get("--group-query-attention"):
+        model.setdefault("num_query_groups", 1)
+    elif "num_query_groups" in model:
+        log.warning("--num-query-groups=%s without --group-query-attention: applied here, where Megatron-LM "
+                    "would ignore it (multi-head attention)", model["num_query_groups"])
+    if "--rope-scaling-factor" in flags and not flags.get("--use-rope-scaling"):
+        raise ConfigError("--rope-scaling-factor applies with --use-rope-scaling (Megatron-LM ignores it "
+                          "otherwise): add --use-rope-scaling, or remove the factor")
+    if flags.get("--use-rope-scaling"):  # Megatron's default factor: 8 (Llama 3.1)
+        model["rope_scaling_factor"] = cfg.parse_value(flags.get("--rope-scaling-factor", "8.0"))
+    # Megatron turns sequence parallelism off at tensor-parallel size 1 (nothing to split over).
+    if table.get("parallel", {}).get("sequence_parallel") and table["parallel"].get("tp") == 1:
+        log.warning("--sequence-parallel with --tensor-model-parallel-size 1: off, as in Megatron-LM")
+        del table["parallel"]["sequence_parallel"]
+    _apply_sample_counts(table, flags)
+    balancing = flags.get("--moe-router-load-balancing-type")
+    if balancing is not None and balancing not in ("aux_loss", "none"):
+        raise ConfigError(
+            f"--moe-router-load-balancing-type={balancing!r} is not supported: 'aux_loss' (the load-"
+            "balancing loss over the global micro-batch, weighted by --moe-aux-loss-coeff) or 'none' "
+            "(no such loss; --moe-router-enable-expert-bias balances without one)")
     if balancing == "none":  # Megatron ignores the coefficient then; here a contradiction is refused
-        coeff = table.get("model", {}).get("moe_aux_loss_coeff", 0)
+        coeff = model.get("moe_aux_loss_coeff", 0)
         if coeff:
             raise ConfigError(f"--moe-router-load-balancing-type=none turns the load-balancing loss off, but "
                               f"--moe-aux-loss-coeff={coeff} asks for it: give one of them")
         cfg.set_dotted(table, "model.moe_aux_loss_coeff", 0.0)
-    return config_file, table
+    for section in ("model", "data"):
+        if not table[section]:
+            del table[section]
+
+
+def _apply_sample_counts(table: dict[str, Any], flags: dict[str, Any]) -> None:
+    """Megatron's sample-counted length and schedule (--train-samples, --lr-*-samples) in optimizer
+    steps of --global-batch-size samples: the run length as Megatron counts it (samples // batch),
+    the schedule's lengths rounded to whole steps (Megatron's schedule advances by a batch a step,
+    so it can end within one step of where this one does; a warning says when)."""
+    given = [flag for flag in _SAMPLE_FLAGS if flag in flags]
+    if not given:
+        return
+    batch = table.get("train", {}).get("global_batch_size")
+    if not isinstance(batch, int) or batch <= 0:
+        raise ConfigError(f"{given[0]} counts samples: give --global-batch-size on the same command line to turn "
+                          "it into optimizer steps")
+    for flag in given:
+        key = _SAMPLE_FLAGS[flag]
+        section, _, name = key.partition(".")
+        iters_flag = "--" + name.replace("_", "-")
+        if name in table.get(section, {}):
+            raise ConfigError(f"{flag} and {iters_flag} both set {key}: give one of them")
+        samples = cfg.parse_value(flags[flag])
+        if type(samples) is not int or samples < 0:
+            raise ConfigError(f"{flag} must be a number of samples (an integer >= 0), got {flags[flag]!r}")
+        steps = samples // batch if flag == "--train-samples" else round(samples / batch)
+        if flag != "--train-samples" and steps * batch != samples:
+            log.warning("%s=%d is %.2f steps of %d samples: %s=%d", flag, samples, samples / batch, batch,
+                        iters_flag, steps)
+        cfg.set_dotted(table, key, steps)

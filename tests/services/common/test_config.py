@@ -148,7 +148,7 @@ def test_missing_config_file_and_bad_toml(tmp_path):
 
 
 @pytest.mark.parametrize("args", [
-    ["--transformer-impl", "transformer_engine"],
+    ["--model.transformer_impl=transformer_engine"],  # Megatron's --transformer-impl is a no-op (test_flags.py)
 ])
 def test_unbuilt_features_are_rejected_not_ignored(args):
     with pytest.raises(NotBuiltError, match="not built yet"):
