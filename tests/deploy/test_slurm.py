@@ -20,6 +20,7 @@ import pytest
 
 from meshtrain.services.checkpoint.reader import list_checkpoints
 from meshtrain.services.dataloader.preprocess import prepare_default_dataset
+from meshtrain.services.dataloader.rpc.discovery import announced, resolve_workers
 from meshtrain.services.launcher.up import free_port
 from tests.deploy.slurm_cluster import SlurmCluster, missing_requirements
 from tests.services.trainer.conftest import small_job_args
@@ -72,7 +73,8 @@ def test_services_job_and_preempted_training_job_requeue_and_resume(cluster, tmp
            "SAVE_ROOT": str(tmp_path / "ckpt"), "DATA_WORKERS": "2", "DATA_PORT": str(free_port()),
            "CKPT_PORT": str(free_port()), "BIND": "127.0.0.1", "NPROC_PER_NODE": "2",
            "RDZV_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    services_log, train_log = tmp_path / "services.out", tmp_path / "train.out"
+    services_log, train_log, more_log = tmp_path / "services.out", tmp_path / "train.out", tmp_path / "more.out"
+    more = None
     services = cluster.run(["sbatch", "--parsable", "--export=ALL", f"--output={services_log}",
                             "--cpus-per-task=2", "deploy/slurm/services.sbatch"],
                            cwd=REPO, env=env).stdout.strip()
@@ -80,9 +82,16 @@ def test_services_job_and_preempted_training_job_requeue_and_resume(cluster, tmp
         wait_for((tmp_path / "services.env").exists, "the services' addresses", logs=[services_log])
         published = sourced(tmp_path / "services.env")
         host = published["CKPT_ADDRESS"].rsplit(":", 1)[0]
-        assert published["DATA_ADDRESSES"].split() == [
-            f"{host}:{int(env['DATA_PORT']) + i}" for i in range(2)]
+        workers_dir = tmp_path / "services.env.workers"
+        assert published["DATA_ADDRESSES"] == f"dir:{workers_dir}"
+        assert resolve_workers(published["DATA_ADDRESSES"]) == sorted(
+            f"{host}:{int(env['DATA_PORT']) + i}" for i in range(2))
         assert published["CKPT_ADDRESS"] == f"{host}:{env['CKPT_PORT']}"
+        # a worker added by a job of its own announces itself beside the services job's two
+        more = cluster.run(["sbatch", "--parsable", "--export=ALL", f"--output={more_log}", "--cpus-per-task=1",
+                            "deploy/slurm/data-workers.sbatch"], cwd=REPO,
+                           env={**env, "DATA_WORKERS": "1", "DATA_PORT": str(free_port())}).stdout.strip()
+        wait_for(lambda: len(announced(workers_dir)) == 3, "the added worker's announcement", logs=[more_log])
 
         cache = tmp_path / "corpus"
         prepare_default_dataset(cache, tokenizer="byte", max_bytes=400_000)
@@ -111,10 +120,15 @@ def test_services_job_and_preempted_training_job_requeue_and_resume(cluster, tmp
         assert f"train.sh: resuming from {tmp_path / 'ckpt'}" in log, excerpt(log)
         assert list_checkpoints(str(tmp_path / "ckpt")) == [step, 120], excerpt(log)
     finally:
-        cluster.run(["scancel", "--signal=TERM", "--full", services], check=False)
-    wait_for(lambda: cluster.job_field(services, "JobState") in (None, "COMPLETED", "CANCELLED"),
-             "the services job to stop", logs=[services_log])
+        for extra in (more, services):
+            if extra is not None:
+                cluster.run(["scancel", "--signal=TERM", "--full", extra], check=False)
+    for extra, log_file in ((more, more_log), (services, services_log)):
+        if extra is not None:
+            wait_for(lambda: cluster.job_field(extra, "JobState") in (None, "COMPLETED", "CANCELLED"),  # noqa: B023
+                     "the services jobs to stop", logs=[log_file])
     assert not (tmp_path / "services.env").exists()  # a stopped service job withdraws its addresses
+    assert announced(tmp_path / "services.env.workers") == []  # and every worker its announcement
 
 
 def test_the_services_file_keeps_a_save_root_with_a_space_whole(tmp_path):
@@ -139,7 +153,7 @@ def test_the_services_file_keeps_a_save_root_with_a_space_whole(tmp_path):
         assert services_file.exists(), "services.sbatch published no services file"
         published = sourced(services_file)
         assert published["SAVE_ROOT"] == save_root
-        assert len(published["DATA_ADDRESSES"].split()) == 2
+        assert published["DATA_ADDRESSES"] == f"dir:{services_file}.workers"  # where the workers announce
         token_file = Path(published["TOKEN_FILE"])  # a fresh token for the job, private to its user
         assert token_file == Path(f"{services_file}.token") and stat.S_IMODE(token_file.stat().st_mode) == 0o600
         scope, token = token_file.read_text().split()

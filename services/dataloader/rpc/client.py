@@ -258,8 +258,8 @@ class ServiceBatchSource:
         return put_unless_stopped(q, item, stop)
 
     def _workers(self) -> list[str]:
-        """Every worker the addresses name now (a rescale or a new announcement shows here)."""
-        return [w for a in self.addresses for w in resolve_workers(a)]
+        """Every worker the addresses name now, each once (a rescale or a new announcement shows here)."""
+        return list(dict.fromkeys(w for a in self.addresses for w in resolve_workers(a)))
 
     def _choose(self, workers: list[str], benched: dict[str, float]) -> str:
         """The worker this client should stream from: its `spread` slot over the workers that
