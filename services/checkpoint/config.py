@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshtrain.services.common.errors import ConfigError
+from meshtrain.services.checkpoint.rpc.replicas import parse_addresses
+from meshtrain.services.common.errors import CheckpointError, ConfigError
 
 
 @dataclass
@@ -27,7 +28,14 @@ class CheckpointConfig:
     """Return to training after the device-to-host copy; upload and commit in the background."""
     service_address: str | None = None
     """host:port of a CheckpointService to stream shards to (its root is the service's own;
-    `save` must name the same root so the run can list and load it)."""
+    `save` must name the same root so the run can list and load it), or of several replicas of
+    it serving one root: `host:port,host:port` or `dns:///name:port` (ranks are spread over
+    them; a replica that fails is replaced by another, the save in flight carries on)."""
+    service_direct: bool = False
+    """With service_address: the direct data plane. Ranks store their shards straight into
+    `save`, which must be the service's root, and the service only grants and commits each save
+    (for clusters where the service would be the bottleneck; every rank needs the storage's
+    credentials)."""
     keep_last: int = 0
     """Before each save, keep only the N checkpoints with the highest steps (0: keep all). The
     run's own most recent checkpoint is kept besides, even where an earlier run's higher
@@ -64,5 +72,13 @@ class CheckpointConfig:
             raise ConfigError(f"checkpoint.save_retry_backoff_s must be in [0, 3600], got {self.save_retry_backoff_s}")
         if not 0 <= self.save_retry_timeout_s <= 86400:  # also refuses NaN
             raise ConfigError(f"checkpoint.save_retry_timeout_s must be in [0, 86400], got {self.save_retry_timeout_s}")
+        if self.service_direct and not self.service_address:
+            raise ConfigError("checkpoint.service_direct needs checkpoint.service_address (the service that "
+                              "grants and commits the saves)")
+        if self.service_address:
+            try:
+                parse_addresses(self.service_address)
+            except CheckpointError as e:
+                raise ConfigError(f"checkpoint.service_address: {e}") from None
         if self.keep_every and not self.keep_last:
             raise ConfigError("checkpoint.keep_every needs checkpoint.keep_last")

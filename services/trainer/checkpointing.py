@@ -241,7 +241,10 @@ class Checkpointer:
         root: checkpoint root URL.
         par: the layout.
         asynchronous: return from `save` after the device-to-host copy (else after the commit).
-        service_address: a CheckpointService to stream boxes to, instead of writing storage.
+        service_address: a CheckpointService to stream boxes to, instead of writing storage: one
+            `host:port`, or several replicas (`host:port,host:port`, `dns:///name:port`).
+        direct: with `service_address`, the direct data plane: ranks store their boxes into
+            `root` themselves, the service grants and commits each save (`checkpoint.service_direct`).
         overwrite: replace committed checkpoints of the same steps (`checkpoint.overwrite`).
         resumed_step: the step the run resumed from, when it loaded from this same root.
         attempts: tries for each stored object, a save's start and its commit (`checkpoint.save_attempts`).
@@ -252,13 +255,14 @@ class Checkpointer:
 
     def __init__(self, root: str, par: Parallel, asynchronous: bool = True, service_address: str | None = None,
                  overwrite: bool = False, resumed_step: int | None = None, attempts: int = 3,
-                 backoff: float = 0.2, retry_timeout: float = 0.0, security: ClientSecurity | None = None):
+                 backoff: float = 0.2, retry_timeout: float = 0.0, security: ClientSecurity | None = None,
+                 direct: bool = False):
         self.root, self.par, self.asynchronous, self.overwrite = root, par, asynchronous, overwrite
         mesh = par.mesh
         if service_address:
             from meshtrain.services.checkpoint.rpc.client import CheckpointClient  # grpc only when asked for
 
-            self.sink = CheckpointClient(service_address, security=security)
+            self.sink = CheckpointClient(service_address, security=security, direct_root=root if direct else None)
         else:
             self.sink = StorageSink(root)
         self.service = bool(service_address)

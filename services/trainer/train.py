@@ -329,7 +329,7 @@ class Trainer:
         self.checkpointer = checkpointing.Checkpointer(c.save, self.par, c.async_save, c.service_address,
                                                        overwrite=c.overwrite, resumed_step=resumed_here,
                                                        attempts=c.save_attempts, backoff=c.save_retry_backoff_s,
-                                                       retry_timeout=c.save_retry_timeout_s,
+                                                       retry_timeout=c.save_retry_timeout_s, direct=c.service_direct,
                                                        security=ClientSecurity.from_config(job.auth)
                                                        if c.service_address else None)
         if c.save and self.state.iteration < job.train.train_iters:  # the run saves, at its end at the latest

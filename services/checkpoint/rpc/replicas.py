@@ -19,11 +19,14 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-import grpc
-
-from meshtrain.protos.checkpoint.v1 import checkpoint_pb2_grpc as pb_grpc
 from meshtrain.services.common.errors import CheckpointError
+
+if TYPE_CHECKING:  # the config checks addresses with `parse_addresses`: no grpc for that
+    import grpc
+
+    from meshtrain.protos.checkpoint.v1.checkpoint_pb2_grpc import CheckpointServiceStub
 
 RESOLVE_EVERY_S = 2.0  # a dns: target is looked up again after this long
 
@@ -96,9 +99,10 @@ class Replicas:
         self.make_channel = make_channel
         self.down_s = down_s
         self._lock = threading.Lock()
-        self._stubs: dict[str, tuple[grpc.Channel, pb_grpc.CheckpointServiceStub]] = {}
+        self._stubs: dict[str, tuple[grpc.Channel, CheckpointServiceStub]] = {}
         self._down: dict[str, float] = {}  # target -> until (monotonic)
         self._resolved: tuple[float, list[str]] | None = None
+        self._closed = False
 
     def targets(self) -> list[str]:
         """Every replica now, in the order all ranks agree on."""
@@ -125,9 +129,13 @@ class Replicas:
             down = {t for t, until in self._down.items() if until > now}
         return [t for t in ordered if t not in down] + [t for t in ordered if t in down]
 
-    def stub(self, target: str) -> pb_grpc.CheckpointServiceStub:
+    def stub(self, target: str) -> CheckpointServiceStub:
         """The stub of one replica (its channel opened at first use)."""
+        from meshtrain.protos.checkpoint.v1 import checkpoint_pb2_grpc as pb_grpc
+
         with self._lock:
+            if self._closed:
+                raise ValueError("the checkpoint client was closed: no call on a closed channel")
             found = self._stubs.get(target)
             if found is None:
                 channel = self.make_channel(target)
@@ -141,6 +149,6 @@ class Replicas:
 
     def close(self) -> None:
         with self._lock:
-            stubs, self._stubs = self._stubs, {}
+            stubs, self._stubs, self._closed = self._stubs, {}, True
         for channel, _ in stubs.values():
             channel.close()
