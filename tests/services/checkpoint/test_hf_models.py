@@ -195,3 +195,55 @@ def test_export_refuses_an_architecture_that_cannot_compute_the_model(tmp_path, 
     with pytest.raises(CheckpointError, match=match):
         export_hf(root, str(tmp_path / "hf"), arch=arch)
     assert not (tmp_path / "hf").exists()
+
+
+# config.json of published models (their weights are not needed to check the mapping)
+LLAMA31_8B = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
+              "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+              "num_key_value_heads": 8, "max_position_embeddings": 131072, "vocab_size": 128256,
+              "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
+              "attention_bias": False, "mlp_bias": False,
+              "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
+MISTRAL_7B = {"model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 32768,
+              "vocab_size": 32000, "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+              "sliding_window": 4096, "tie_word_embeddings": False}
+QWEN25_05B = {"model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+              "num_attention_heads": 14, "num_key_value_heads": 2, "max_position_embeddings": 32768,
+              "vocab_size": 151936, "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+              "sliding_window": 32768, "use_sliding_window": False, "max_window_layers": 21,
+              "tie_word_embeddings": True}
+QWEN3_06B = {"model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+             "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960,
+             "vocab_size": 151936, "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+             "attention_bias": False, "use_sliding_window": False, "sliding_window": None, "max_window_layers": 28,
+             "tie_word_embeddings": True}
+
+
+@pytest.mark.parametrize("config, seq, expect, total, non_embedding", [
+    (LLAMA31_8B, 8192, {"rope_scaling_factor": 8.0, "rope_scaling_original_max_positions": 8192,
+                        "rotary_base": 500000.0, "kv_channels": None}, 8_030_261_248, None),
+    (MISTRAL_7B, 4096, {"seq_length": 4096, "qkv_bias": False}, 7_241_732_096, None),
+    (QWEN25_05B, 1024, {"qkv_bias": True, "add_bias_linear": False,
+                        "untie_embeddings_and_output_weights": False}, 0.49e9, 0.36e9),
+    (QWEN3_06B, 2048, {"qk_norm": True, "kv_channels": 128, "num_query_groups": 8}, 0.6e9, 0.44e9),
+], ids=["llama-3.1-8b", "mistral-7b-v0.1", "qwen2.5-0.5b", "qwen3-0.6b"])
+def test_published_configs_map_to_models_of_their_size(config, seq, expect, total, non_embedding):
+    """The parameter counts of the published weights (Llama and Mistral: their safetensors' exact
+    count; Qwen: the model cards' two-digit figures, total and non-embedding, to 1%): every shape
+    the settings imply (Qwen3's 128-wide heads in a 1024-wide model, Qwen2's q/k/v biases) is right."""
+    model = model_from_hf(config, seq_length=seq)
+    assert {k: getattr(model, k) for k in expect} == expect
+    with torch.device("meta"):
+        built = GPT(model)
+    if non_embedding is None:
+        assert built.num_parameters() == total
+    else:
+        assert built.num_parameters() == pytest.approx(total, rel=0.01)
+        assert built.num_parameters(exclude_embeddings=True) == pytest.approx(non_embedding, rel=0.01)
+
+
+def test_mistral_7b_at_its_full_length_is_refused_for_its_window():
+    with pytest.raises(CheckpointError, match=r"sliding_window=4096 .* sequence length of 32768 .*--seq-length 4096"):
+        model_from_hf(MISTRAL_7B)
