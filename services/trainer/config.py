@@ -26,8 +26,10 @@ from meshtrain.services.common.security import AuthConfig
 from meshtrain.services.dataloader.config import DataConfig
 from meshtrain.services.trainer.flags import (  # re-exported: the command line's half
     ALIASES,
+    accepted_flags,
     parse_overrides,
 )
+from meshtrain.services.trainer.megatron_flags import NO_EFFECT
 
 log = logging.getLogger("meshtrain.config")
 
@@ -673,8 +675,10 @@ def config_help() -> str:
         lines.append(f"  --{key}  ({tp}; default {default})")
         if doc:
             lines.extend(f"      {line}" for line in doc.splitlines())
-    aliases = ", ".join(sorted(ALIASES))
-    return "Config keys:\n" + "\n".join(lines) + f"\n\nMegatron aliases: {aliases}\n"
+    aliases = ", ".join(accepted_flags())
+    no_effect = ", ".join(sorted(NO_EFFECT))
+    return ("Config keys:\n" + "\n".join(lines) + f"\n\nMegatron aliases: {aliases}\n"
+            f"\nMegatron flags accepted without effect (with a warning): {no_effect}\n")
 
 
 __all__ = [

@@ -330,6 +330,11 @@ _DEFERRED_SWITCHES = ("--group-query-attention", "--use-rope-scaling")
 _DEFERRED_VALUES = ("--moe-router-load-balancing-type", "--rope-scaling-factor", *_SAMPLE_FLAGS)
 
 
+def accepted_flags() -> list[str]:
+    """Every Megatron flag that sets a key here (for `--help-config`)."""
+    return sorted({*ALIASES, *_DEFERRED_SWITCHES, *_DEFERRED_VALUES, *_ONLY_VALUE})
+
+
 def _apply_deferred(table: dict[str, Any], flags: dict[str, Any]) -> None:
     """Apply the Megatron flags that read other flags of the same command line."""
     model, data = table.setdefault("model", {}), table.setdefault("data", {})  # empty ones dropped at the end

@@ -42,9 +42,10 @@ def gpt3_args(data_path, vocab, merges, ckpt, tensorboard, tp=2, pp=2):
     return model + training + parallel + data + logging_
 
 
-def llama3_args(ckpt, tensorboard, cache):
-    """The Llama 3 8B FP8 example's arrays with its mock-data branch, in its order; 32 layers of 4096
-    -> 2 of 64 (head width 16), 8192 tokens -> 32, its sample counts -> a few batches of 8."""
+def llama3_args(ckpt, tensorboard, cache, data_path=None, tokenizer_model=None):
+    """The Llama 3 8B FP8 example's arrays, in its order, with its mock-data branch (or with
+    `data_path` its real-data one); 32 layers of 4096 -> 2 of 64 (head width 16), 8192 tokens
+    -> 32, its sample counts -> a few batches of 8, a 128256-token vocabulary -> 512."""
     model = ["--use-mcore-models", "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "160",
              "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",
              "--kv-channels", "16", "--seq-length", "32", "--max-position-embeddings", "32",
@@ -62,9 +63,15 @@ def llama3_args(ckpt, tensorboard, cache):
            "--fp8-param-gather"]
     parallel = ["--tensor-model-parallel-size", "1", "--context-parallel-size", "1", "--sequence-parallel"]
     ddp = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
-    data = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128256", "--data-cache-path",
-            str(cache), "--tiktoken-pattern", "v2", "--split", "99,1,0", "--no-create-attention-mask-in-dataloader",
-            "--no-mmap-bin-files", "--num-workers", "1"]
+    if data_path is None:
+        data = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128256", "--data-cache-path",
+                str(cache), "--tiktoken-pattern", "v2", "--split", "99,1,0",
+                "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files", "--num-workers", "1"]
+    else:
+        data = ["--data-path", str(data_path), "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                str(tokenizer_model), "--data-cache-path", str(cache), "--split", "99,1,0",
+                "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files", "--num-workers", "1",
+                "--vocab-size", "512"]
     logging_ = ["--log-interval", "1", "--eval-iters", "32", "--eval-interval", "100", "--save-interval", "1000",
                 "--log-throughput", "--profile", "--profile-step-start", "4", "--profile-step-end", "6",
                 "--ckpt-format", "torch_dist", "--distributed-timeout-minutes", "60", "--save", str(ckpt),
@@ -297,10 +304,7 @@ def test_the_gpt3_example_trains_from_the_command_line(tmp_path, gpt2_files):
     prefix = preprocess_files(default_corpus_files(80_000), tmp_path / "corpus_text_document",
                               GPT2BPETokenizer(str(vocab), str(merges)))
     args = without(gpt3_args(prefix, vocab, merges, tmp_path / "ckpt", tmp_path / "tb", tp=1, pp=1), GPT3_REFUSED)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, "-m", "meshtrain.services.cli", "train", *args, "--run-dir",
-                           str(tmp_path / "run")], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=600, check=False)
+    proc = run_cli([*args, "--run-dir", str(tmp_path / "run")], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "GPT2BPETokenizer, the tokenizer that reads both" in proc.stderr
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
@@ -314,3 +318,38 @@ def test_the_gpt3_example_trains_from_the_command_line(tmp_path, gpt2_files):
     events.Reload()
     assert [e.step for e in events.Scalars("loss")] == [1, 2, 3]
     assert list_checkpoints(str(tmp_path / "ckpt")) == [3]  # --save, at the last step
+
+
+def run_cli(args, cwd):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-m", "meshtrain.services.cli", "train", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600, check=False)
+
+
+@pytest.mark.e2e
+def test_the_llama3_example_trains_from_the_command_line(tmp_path):
+    """The Llama 3 8B example's list with its real-data branch (a Hugging Face tokenizer.json and an
+    indexed dataset built with it), less its refused flags, with the CPU's attention backend:
+    grouped-query attention with explicit head width, RoPE, SwiGLU, RMSNorm, untied embeddings,
+    bf16, ZeRO-1 and the sample-counted schedule train 3 steps on CPU; the run's config.toml holds
+    what the flags meant."""
+    from meshtrain.services.dataloader.preprocess import default_corpus_files, preprocess_files
+    from meshtrain.services.dataloader.tokenizers import train_bpe
+
+    text = "".join(path.read_text() for path in default_corpus_files(80_000))
+    docs = tmp_path / "docs.jsonl"  # 300-character documents: --split 99,1,0 leaves some for validation
+    docs.write_text("".join(json.dumps({"text": text[i:i + 300]}) + "\n" for i in range(0, len(text), 300)))
+    tokenizer = train_bpe([docs], 300, tmp_path / "tokenizer.json")
+    prefix = preprocess_files([docs], tmp_path / "corpus_text_document", tokenizer)
+    args = llama3_args(tmp_path / "ckpt", tmp_path / "tb", tmp_path / "cache", prefix, tmp_path / "tokenizer.json")
+    args[args.index("fused")] = "auto"  # --attention-backend fused is cuDNN's, which runs on CUDA only
+    proc = run_cli([*without(args, LLAMA_REFUSED - {"--mock-data"}), "--run-dir", str(tmp_path / "run")], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
+    # --lr-warmup-samples 8 = 1 step, then cosine over --lr-decay-samples 20 -> 2 steps, then min_lr
+    assert [r["lr"] for r in rows if "lr" in r] == pytest.approx([1.5e-4, 1.5e-4, 1e-5])
+    job = load_config(["--config", str(tmp_path / "run" / "config.toml")])
+    assert (job.model.num_query_groups, job.model.kv_channels, job.model.rotary_base, job.train.bf16,
+            job.parallel.use_distributed_optimizer) == (2, 16, 1e6, True, True)
+    assert list_checkpoints(str(tmp_path / "ckpt")) == [3]
