@@ -234,7 +234,7 @@ class CheckpointClient:
     def abort_save(self, save_id: str, reason: str = "its client aborted it", timeout: float = 60.0) -> bool:
         """Gives a save up: its commit, under way or to come, stops waiting for writers that
         have not reported (it commits only if all have, else refuses naming `reason`). Asked of
-        the replica the save's commit goes to.
+        every replica, since the commit may have moved from the one its save id picks.
 
         Args:
             save_id: the save.
@@ -246,7 +246,19 @@ class CheckpointClient:
             committed, had ended, or the service does not know it).
         """
         request = pb.AbortSaveRequest(save_id=save_id, reason=reason)
-        return self._call("AbortSave", "AbortSave", lambda: request, key=save_id, timeout=timeout).aborted
+        targets = self.replicas.order(save_id)
+        if len(targets) == 1:
+            return self._call("AbortSave", "AbortSave", lambda: request, key=save_id, timeout=timeout).aborted
+        futures = [(t, self.replicas.stub(t).AbortSave.future(request, timeout=timeout)) for t in targets]
+        aborted, errors = False, []
+        for target, future in futures:
+            try:
+                aborted |= future.result().aborted
+            except grpc.RpcError as e:
+                errors.append(_error(target, "AbortSave", e))
+        if len(errors) == len(targets):
+            raise errors[0]
+        return aborted
 
     def list(self) -> list[int]:
         """Committed steps, ascending."""

@@ -11,6 +11,7 @@ import glob
 import json
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -161,6 +162,25 @@ def test_two_replicas_asked_to_commit_one_step(tmp_path):
             assert outcomes[second].step == 7
             assert isinstance(outcomes[first], CheckpointError)
     assert read_manifest(root, 7)["save_id"] == second and same_values(root, 7, "w", 2.0)
+
+
+def test_abort_reaches_the_replica_whose_commit_waits(tmp_path):
+    root = str(tmp_path / "ckpt")
+    with replicas(root) as (a, b):
+        with CheckpointClient(a) as ca, CheckpointClient(b) as cb, CheckpointClient([a, b]) as both:
+            save_id = ca.begin_save(11, num_writers=2)
+            writer = ca.writer(11, save_id, 0, 2)
+            writer.write(*box("w", 1.0))
+            writer.finish()  # writer 1 never reports
+            outcome = []
+            waiting = threading.Thread(target=lambda: outcome.append(pytest.raises(CheckpointError, cb.commit, 11,
+                                                                                   save_id, 2, timeout=60)))
+            waiting.start()
+            time.sleep(1.0)  # replica b has adopted the save and waits for writer 1
+            assert both.abort_save(save_id, "the run failed", timeout=30) is True
+            waiting.join(30)
+            assert not waiting.is_alive() and "the run failed" in str(outcome[0].value)
+    assert list_checkpoints(root) == []
 
 
 def test_the_direct_data_plane(tmp_path):
