@@ -84,7 +84,7 @@ def llama_config(model: ModelConfig, dtype: str, eod: int | None) -> dict[str, A
         "intermediate_size": model.ffn_size, "num_hidden_layers": model.num_layers,
         "num_attention_heads": model.num_attention_heads,
         "num_key_value_heads": model.groups, "head_dim": model.head_dim,
-        "hidden_act": "silu", "max_position_embeddings": model.seq_length,
+        "hidden_act": "silu", "max_position_embeddings": model.max_positions,
         "rms_norm_eps": model.norm_epsilon,
         # transformers >= 5 reads rope_parameters, older versions rope_theta and rope_scaling: write all.
         "rope_theta": model.rotary_base, "rope_parameters": rope,
@@ -142,7 +142,7 @@ def llama_family_table(kind: str, config: dict[str, Any], count: Callable[[str],
         raise CheckpointError(f"HF config head_dim={head_dim!r} is not a positive integer")
     positions = count("max_position_embeddings")
     seq = positions if seq_length is None else seq_length
-    _check_window(kind, config, seq, positions)
+    window = _check_window(kind, config, seq, positions)
     bias = {"add_bias_linear": False, "qkv_bias": False, "qk_norm": kind == "qwen3"}
     if kind == "llama":
         bias["add_bias_linear"] = bool(need(
@@ -160,6 +160,9 @@ def llama_family_table(kind: str, config: dict[str, Any], count: Callable[[str],
         "num_query_groups": config.get("num_key_value_heads") or heads,
         "kv_channels": head_dim if head_dim not in (None, hidden // heads) or hidden % heads else None,
         "ffn_hidden_size": config["intermediate_size"], "seq_length": seq, "vocab_size": config["vocab_size"],
+        # The model's own context, kept for its export, unless a window (covering seq) was dropped:
+        # beyond seq the export then states no more than meshtrain computes.
+        "max_position_embeddings": positions if window is None and seq < positions else None,
         "normalization": "rmsnorm", "norm_epsilon": config.get("rms_norm_eps", 1e-6),
         "activation": "swiglu", "position_embedding_type": "rope",
         "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", False),
@@ -191,9 +194,10 @@ def _rope_table(config: dict[str, Any]) -> dict[str, Any]:
     return table
 
 
-def _check_window(kind: str, config: dict[str, Any], seq: int, positions: int) -> None:
-    """Refuses a sliding window that masks part of a `seq`-token sequence (HF's token i sees
-    the `window` positions up to and including i: a sequence no longer than it is unmasked)."""
+def _check_window(kind: str, config: dict[str, Any], seq: int, positions: int) -> int | None:
+    """The sliding window in effect (None: none); refuses one that masks part of a `seq`-token
+    sequence (HF's token i sees the `window` positions up to and including i: a sequence no
+    longer than it is unmasked)."""
     if kind in ("mistral", "mixtral"):
         window = config.get("sliding_window")
     elif kind in ("qwen2", "qwen3", "qwen2_moe") and config.get("use_sliding_window"):
@@ -204,7 +208,7 @@ def _check_window(kind: str, config: dict[str, Any], seq: int, positions: int) -
     else:
         window = None
     if window is None:
-        return
+        return None
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise CheckpointError(f"HF config sliding_window={window!r} is not a positive integer or null")
     if window < seq:
@@ -213,3 +217,4 @@ def _check_window(kind: str, config: dict[str, Any], seq: int, positions: int) -
             f"(max_position_embeddings={positions}): meshtrain attends to the whole sequence, which the window "
             f"would mask; import with a sequence length of at most {window} (--seq-length {window}), where the "
             "window covers every token")
+    return window

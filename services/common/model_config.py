@@ -42,7 +42,9 @@ class ModelConfig:
     seq_length: int = 256
     """Tokens per training sample."""
     max_position_embeddings: int | None = None
-    """Rows of the learned position table (learned positions only); unset: seq_length."""
+    """Learned positions: rows of the position table. RoPE: the context the weights were made for,
+    written as Hugging Face's max_position_embeddings on export (an import at a shorter seq_length
+    keeps the model's own here). Unset: seq_length."""
     vocab_size: int | None = None
     """Vocabulary size; unset: taken from the tokenizer."""
     make_vocab_size_divisible_by: int = 128

@@ -138,6 +138,22 @@ def test_import_gives_transformers_logits_and_round_trips_bit_exact(tmp_path, ma
     assert back["model_type"] == original["model_type"] == meta["imported_from"]["architecture"]
 
 
+def test_an_import_at_a_shorter_sequence_keeps_the_models_context_for_its_export(tmp_path):
+    """Llama 3.1 (131072 positions) is imported to train at 8192; its export must still say
+    131072 (transformers warns when the rope scaling's original length is not below it)."""
+    src = hf_llama3(tmp_path)
+    root = str(tmp_path / "ckpt")
+    import_hf(str(src), root, seq_length=16)
+    model = restored(root)
+    assert (model.config.seq_length, model.config.max_position_embeddings) == (16, 32)
+    tokens = TOKENS[:, :16]
+    torch.testing.assert_close(meshtrain_logits(model, tokens), hf_logits(src, tokens), atol=1e-4, rtol=1e-4)
+    export_hf(root, str(tmp_path / "back"))
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["max_position_embeddings"] == 32
+    import_hf(str(src), str(tmp_path / "longer"), seq_length=64)  # beyond it: the context grows with it
+    assert restored(str(tmp_path / "longer")).config.max_position_embeddings is None
+
+
 def test_a_sliding_window_shorter_than_the_sequence_is_refused_unless_the_sequence_fits_in_it(tmp_path):
     src = hf_mistral(tmp_path, sliding_window=16)
     with pytest.raises(CheckpointError, match=r"sliding_window=16 .* sequence length of 32 .*--seq-length 16"):
@@ -146,6 +162,11 @@ def test_a_sliding_window_shorter_than_the_sequence_is_refused_unless_the_sequen
     import_hf(str(src), root, seq_length=16)
     model = restored(root)
     assert model.config.seq_length == 16
+    # the window is gone from the model: its export claims no context beyond what meshtrain computes
+    assert model.config.max_position_embeddings is None
+    export_hf(root, str(tmp_path / "back"))
+    back = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert (back["max_position_embeddings"], back["sliding_window"]) == (16, None)
     # 16 tokens inside a 16-token window: HF masks nothing either
     tokens = TOKENS[:, :16]
     torch.testing.assert_close(meshtrain_logits(model, tokens), hf_logits(src, tokens), atol=1e-4, rtol=1e-4)
