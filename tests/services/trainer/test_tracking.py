@@ -78,6 +78,8 @@ def test_wandb_offline_run_holds_the_rows_scalars(corpus_cache, tmp_path, monkey
     pytest.importorskip("wandb", reason="the wandb extra is not installed")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
+    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):  # nothing written to the home folder
+        monkeypatch.setenv(name, str(tmp_path / name.lower()))
     rows = short_run(corpus_cache, tmp_path, **{"log.wandb_project": "meshtrain-test"})
     (path,) = glob.glob(str(tmp_path / "run" / "wandb" / "wandb" / "offline-run-*" / "run-*.wandb"))
     records = read_wandb_records(path)
