@@ -78,9 +78,10 @@ def _walk(base: str, parts: list[str], create: bool) -> int:
     return fd
 
 
-def open_beneath(base: str, path: str, flags: int, mode: int = 0o644) -> int:
+def open_beneath(base: str, path: str, flags: int, mode: int = 0o644, create_dirs: bool = True) -> int:
     """Opens the file `path` inside the folder `base` without following a symlink at any
-    component below `base` (missing folders on the way are created).
+    component below `base` (missing folders on the way are created, unless not `create_dirs`:
+    FileNotFoundError then).
 
     Args:
         base: the checkpoint root's local path.
@@ -95,7 +96,7 @@ def open_beneath(base: str, path: str, flags: int, mode: int = 0o644) -> int:
         CheckpointError: a component below `base` is a symlink, or `path` is not inside `base`.
     """
     parts = _parts(base, path)
-    fd = _walk(base, parts[:-1], create=True)
+    fd = _walk(base, parts[:-1], create=create_dirs)
     try:
         return os.open(parts[-1], flags | os.O_NOFOLLOW, mode, dir_fd=fd)
     except OSError as e:

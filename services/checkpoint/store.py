@@ -18,6 +18,7 @@ import os
 import posixpath
 import re
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -162,6 +163,7 @@ def write_bytes_atomic(root: Root, path: str, data: bytes) -> None:
             os.remove(tmp)
 
 
+CONFLICT_RETRIES = 5  # conditional PUTs answered 409 (a racing write) asked again
 _MEMORY_CREATE = threading.Lock()  # memory:// has no atomic create: check and write under one lock
 _CONDITIONAL: dict[tuple[str, str], bool] = {}  # (filesystem, bucket) -> honors If-None-Match
 _PROBE_LOCK = threading.Lock()
@@ -196,13 +198,19 @@ def write_bytes_exclusive(root: Root, path: str, data: bytes) -> bool:
             f"checkpoint root {root.url!r}: its filesystem ({type(root.fs).__name__}) offers no atomic "
             "create-if-absent, so a commit could race another; use a local folder, s3:// or memory://")
     _require_conditional_writes(root, path)
-    try:
-        root.fs.pipe_file(path, data, mode="create")
-    except OSError as e:
-        if _precondition_failed(e):
-            return False
-        raise
-    return True
+    for attempt in range(CONFLICT_RETRIES + 1):
+        try:
+            root.fs.pipe_file(path, data, mode="create")
+            return True
+        except OSError as e:
+            if _precondition_failed(e):
+                return False
+            if not _conflict(e) or attempt == CONFLICT_RETRIES:
+                raise
+        # S3 answers 409 to a conditional PUT racing another write of the key: asked again,
+        # it answers 412 (the other write landed) or creates the object
+        time.sleep(0.05 * 2**attempt)
+    raise AssertionError("unreachable")
 
 
 def _is_s3(root: Root) -> bool:
@@ -219,6 +227,14 @@ def _precondition_failed(e: OSError) -> bool:
     error = response.get("Error", {})
     status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
     return error.get("Code") in ("PreconditionFailed", "412") or status == 412
+
+
+def _conflict(e: OSError) -> bool:
+    """Whether a conditional PUT was refused for racing another write of the key (HTTP 409
+    ConditionalRequestConflict): worth asking again."""
+    response = getattr(e.__cause__, "response", None) or {}
+    code = response.get("Error", {}).get("Code")
+    return code == "ConditionalRequestConflict" or response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 409
 
 
 def _require_conditional_writes(root: Root, path: str) -> None:

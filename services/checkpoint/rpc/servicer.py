@@ -79,6 +79,7 @@ from meshtrain.services.checkpoint.sharded import (
     check_save_id,
     commit,
     committed_by,
+    is_committed,
     read_begun,
     resume_save,
 )
@@ -394,7 +395,8 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                 if known is not None or save_id in self._committed or save_id in self._ended:
                     return known
                 others = [k for k, v in self._saves.items() if v.step == step]
-            marker = read_begun(self.root, step, save_id)
+            # a committed step's folder may still hold the marker (the commit died before tidying up)
+            marker = None if is_committed(open_root(self.root), step) else read_begun(self.root, step, save_id)
             if marker is None:
                 return None
             count = marker.get("num_writers", num_writers)
