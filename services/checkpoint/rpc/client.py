@@ -165,6 +165,11 @@ class CheckpointClient:
         """The first replica's stub (for calls made by hand)."""
         return self.replicas.stub(self.replicas.order(0)[0])
 
+    @property
+    def channel(self) -> grpc.Channel:
+        """The first replica's channel (to wait until it is ready, say)."""
+        return self.replicas.channel(self.replicas.order(0)[0])
+
     def _call(self, what: str, method: str, request: Callable[[], object], key: int | str = 0,
               save_id: str | None = None, prefer: str | None = None, **kwargs):
         """Calls `method` on the replica `key` picks; on a failure worth a retry, on the next

@@ -131,6 +131,13 @@ class Replicas:
 
     def stub(self, target: str) -> CheckpointServiceStub:
         """The stub of one replica (its channel opened at first use)."""
+        return self._open(target)[1]
+
+    def channel(self, target: str) -> grpc.Channel:
+        """The channel to one replica (opened at first use)."""
+        return self._open(target)[0]
+
+    def _open(self, target: str) -> tuple[grpc.Channel, CheckpointServiceStub]:
         from meshtrain.protos.checkpoint.v1 import checkpoint_pb2_grpc as pb_grpc
 
         with self._lock:
@@ -140,7 +147,7 @@ class Replicas:
             if found is None:
                 channel = self.make_channel(target)
                 found = self._stubs[target] = (channel, pb_grpc.CheckpointServiceStub(channel))
-            return found[1]
+            return found
 
     def mark_down(self, target: str) -> None:
         """`target` failed a call: try it last for `down_s` seconds."""
