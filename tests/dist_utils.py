@@ -41,18 +41,21 @@ def _entry(fn, rank, world, port, args, queue, store_path):
         queue.put((rank, "error", traceback.format_exc()))
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, errors: str = "raise") -> list:
+def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, errors: str = "raise",
+              daemon: bool = True) -> list:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; returns results by rank.
 
     errors: "raise" re-raises the first rank error; "return" waits for every rank and returns,
     for a rank that failed, {"error": its traceback, "at": time.monotonic() when it arrived}.
+    daemon: False for ranks that start processes of their own (megatron-core's checkpoint
+    writer does); they are still killed when they outlive the timeout.
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     store_dir = tempfile.mkdtemp(prefix="run_ranks-")
     store_path = os.path.join(store_dir, "store")
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, args, queue, store_path), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, args, queue, store_path), daemon=daemon)
              for r in range(world_size)]
     for p in procs:
         p.start()

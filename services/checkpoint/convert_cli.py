@@ -1,14 +1,21 @@
-"""`meshtrain ckpt export|import|convert`: Hugging Face export/import and checkpoint rewriting.
+"""`meshtrain ckpt export|import|convert`: Hugging Face and Megatron Core export/import, checkpoint rewriting.
 
     meshtrain ckpt export --format hf SRC DST [--step N] [--tokenizer FILE] [--max-shard-size 5GB]
         [--architecture llama|mistral|qwen2|qwen3]
     meshtrain ckpt import --format hf SRC DST [--seq-length N] [--revision REV] [--cache-dir DIR]
         (SRC: a folder, or a repo id org/name found in the Hugging Face cache, offline)
+    meshtrain ckpt export --format megatron SRC DST [--step N] [--padded-vocab-size N]
+    meshtrain ckpt import --format megatron SRC DST [--iteration N] [--num-attention-heads N]
+        [--num-query-groups N] [--kv-channels N] [--normalization LayerNorm|RMSNorm] [--norm-epsilon X]
+        [--swiglu] [--openai-gelu] [--position-embedding-type learned_absolute|rope] [--rotary-base X]
+        [--seq-length N] [--untie-embeddings-and-output-weights] [--vocab-size N]
+        (SRC: a megatron-core torch_dist folder, or a Megatron-LM checkpoint root)
     meshtrain ckpt convert SRC DST [--step N] [--dtype bf16|fp32|fp16] [--drop-optimizer]
         [--target-tensor-parallel-size N] [--target-pipeline-parallel-size N]
         [--target-expert-parallel-size N]
 
-`register_subcommands(ckpt_subparsers)` adds the three commands to the `ckpt` parser; each
+The Megatron architecture flags are needed only where the checkpoint has no saved `args`
+(`megatron_args.py`). `register_subcommands(ckpt_subparsers)` adds the three commands to the `ckpt` parser; each
 sets `func` to a handler taking the parsed namespace and returning an exit code. Errors are
 `MeshtrainError`s, which the top-level CLI prints and turns into exit status 2.
 """
@@ -21,10 +28,18 @@ from meshtrain.services.common.errors import CheckpointError
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    """Exports a training checkpoint as a Hugging Face folder."""
+    """Exports a training checkpoint as a Hugging Face folder or a Megatron Core torch_dist checkpoint."""
     from meshtrain.services.checkpoint.hf import export_hf
 
-    _check_format(args.format)
+    _check_format(args.format, args, _HF_EXPORT, ["padded_vocab_size"])
+    if args.format == "megatron":
+        from meshtrain.services.checkpoint.megatron import export_megatron
+
+        _, flags = export_megatron(args.src, args.dst, step=args.step, padded_vocab_size=args.padded_vocab_size)
+        print(f"exported {args.src} to {args.dst} (megatron-core torch_dist, a release checkpoint: "
+              f"{args.dst}/release)\nload it in Megatron-LM with --load {args.dst} and these model flags (plus "
+              f"your tokenizer's):\n  {' '.join(flags)}")
+        return 0
     export_hf(args.src, args.dst, step=args.step, tokenizer=args.tokenizer, max_shard_size=args.max_shard_size,
               arch=args.architecture)
     print(f"exported {args.src} to {args.dst} (Hugging Face safetensors + config.json)")
@@ -38,7 +53,9 @@ def cmd_import(args: argparse.Namespace) -> int:
     from meshtrain.services.checkpoint.hf import import_hf
     from meshtrain.services.checkpoint.reader import read_manifest
 
-    _check_format(args.format)
+    _check_format(args.format, args, _HF_IMPORT, _MEGATRON_IMPORT)
+    if args.format == "megatron":
+        return _import_megatron(args)
     url = import_hf(args.src, args.dst, seed=args.seed, seq_length=args.seq_length, revision=args.revision,
                     cache_dir=args.cache_dir)
     meta = read_manifest(args.dst, 0)["metadata"]
@@ -81,7 +98,9 @@ def register_subcommands(ckpt_subparsers: argparse._SubParsersAction) -> None:
         ckpt_subparsers: what `add_subparsers()` of the `ckpt` parser returned.
     """
     exp = ckpt_subparsers.add_parser("export", help="write a checkpoint as a Hugging Face model folder")
-    exp.add_argument("--format", default="hf", help="hf, the only format and the default (safetensors + config.json)")
+    exp.add_argument("--format", default="hf", choices=["hf", "megatron"],
+                     help="hf (the default: safetensors + config.json) or megatron (a megatron-core torch_dist "
+                          "release checkpoint)")
     exp.add_argument("src", help="checkpoint root")
     exp.add_argument("dst", help="folder to create")
     exp.add_argument("--step", type=int, help="step to export (default: the latest)")
@@ -92,13 +111,18 @@ def register_subcommands(ckpt_subparsers: argparse._SubParsersAction) -> None:
     exp.add_argument("--architecture", choices=["llama", "mistral", "qwen2", "qwen3"],
                      help="Hugging Face model_type of a dense RoPE model (default: the one its settings name; "
                           "a Llama-shaped model imported from Mistral exports as Mistral)")
+    exp.add_argument("--padded-vocab-size", type=int,
+                     help="megatron: embedding and output rows, as Megatron-LM pads the tokenizer's vocabulary "
+                          "(a multiple of make_vocab_size_divisible_by x TP; default: the model's own padding)")
     exp.set_defaults(func=cmd_export)
 
     imp = ckpt_subparsers.add_parser("import", help="turn a Hugging Face model folder into a checkpoint")
-    imp.add_argument("--format", default="hf",
-                     help="hf, the only format and the default (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE "
-                          "or GPT-2 safetensors)")
-    imp.add_argument("src", help="Hugging Face model folder, or a repo id (org/name) in the Hugging Face cache")
+    imp.add_argument("--format", default="hf", choices=["hf", "megatron"],
+                     help="hf (the default: Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE or GPT-2 "
+                          "safetensors) or megatron (a megatron-core torch_dist checkpoint of a GPT model)")
+    imp.add_argument("src", help="Hugging Face model folder, or a repo id (org/name) in the Hugging Face cache; "
+                                 "megatron: a torch_dist folder, or a Megatron-LM root with "
+                                 "latest_checkpointed_iteration.txt")
     imp.add_argument("dst", help="checkpoint root to write step 0 into")
     imp.add_argument("--seed", type=int, default=1234, help="seeds the stored RNG states")
     imp.add_argument("--seq-length", type=int,
@@ -107,6 +131,24 @@ def register_subcommands(ckpt_subparsers: argparse._SubParsersAction) -> None:
     imp.add_argument("--revision", help="cached branch, tag or commit of a repo id (default: main)")
     imp.add_argument("--cache-dir", help="Hugging Face hub cache (default: $HF_HUB_CACHE, $HF_HOME/hub, "
                                          "~/.cache/huggingface/hub)")
+    meg = imp.add_argument_group("megatron", "Megatron-LM's flags, for a checkpoint without saved args (they "
+                                             "override the saved ones)")
+    meg.add_argument("--iteration", type=int, help="the iter_NNNNNNN folder under a root (default: the tracker's)")
+    meg.add_argument("--num-attention-heads", type=int)
+    meg.add_argument("--num-query-groups", type=int, help="default: from the fused qkv rows")
+    meg.add_argument("--kv-channels", type=int, help="head width (default: hidden size / heads)")
+    meg.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], help="default: from the norms' biases")
+    meg.add_argument("--norm-epsilon", type=float, help="default: 1e-5, Megatron's")
+    meg.add_argument("--swiglu", action="store_const", const=True, help="checked against linear_fc1's rows")
+    meg.add_argument("--openai-gelu", action="store_const", const=True,
+                     help="the GELU is tanh-approximate, as meshtrain's (without it: the exact one, noted)")
+    meg.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"],
+                     help="default: from the position table's presence")
+    meg.add_argument("--rotary-base", type=float, help="RoPE base; needed for a RoPE model without saved args")
+    meg.add_argument("--untie-embeddings-and-output-weights", action="store_const", const=True,
+                     help="checked against output_layer.weight's presence")
+    meg.add_argument("--vocab-size", type=int, help="the tokenizer's vocabulary: drops Megatron-LM's padding rows "
+                                                    "(default: every embedding row)")
     imp.set_defaults(func=cmd_import)
 
     conv = ckpt_subparsers.add_parser("convert", help="rewrite a checkpoint (dtype, optimizer, layout)")
@@ -121,6 +163,37 @@ def register_subcommands(ckpt_subparsers: argparse._SubParsersAction) -> None:
     conv.set_defaults(func=cmd_convert)
 
 
-def _check_format(fmt: str) -> None:
-    if fmt != "hf":
-        raise CheckpointError(f"--format {fmt!r} is not supported; only 'hf'")
+def _import_megatron(args: argparse.Namespace) -> int:
+    import tomli_w
+
+    from meshtrain.services.checkpoint.megatron import import_megatron
+    from meshtrain.services.checkpoint.reader import read_manifest
+
+    flags = {name: getattr(args, name) for name in _MEGATRON_IMPORT if name != "iteration"}
+    flags["seq_length"] = args.seq_length
+    url = import_megatron(args.src, args.dst, iteration=args.iteration, flags=flags, seed=args.seed)
+    meta = read_manifest(args.dst, 0)["metadata"]
+    print(f"imported {args.src} as {url} (model weights; Megatron's optimizer state is not imported)")
+    for note in meta["imported_from"]["notes"]:
+        print(f"note: {note}")
+    print(f"continue with: meshtrain train --load {args.dst} --data-path PREFIX and these settings, plus "
+          "data.tokenizer set to the tokenizer the model was trained with:\n")
+    print(tomli_w.dumps({"model": meta["config"]["model"]}))
+    return 0
+
+
+# Options of one format only, by their argparse dest; the other format refuses them.
+_HF_EXPORT = ["tokenizer", "architecture"]
+_HF_IMPORT = ["revision", "cache_dir"]
+_MEGATRON_IMPORT = ["iteration", "num_attention_heads", "num_query_groups", "kv_channels", "normalization",
+                    "norm_epsilon", "swiglu", "openai_gelu", "position_embedding_type", "rotary_base",
+                    "untie_embeddings_and_output_weights", "vocab_size"]
+
+
+def _check_format(fmt: str, args: argparse.Namespace, hf_only: list[str], megatron_only: list[str]) -> None:
+    if fmt not in ("hf", "megatron"):
+        raise CheckpointError(f"--format {fmt!r} is not supported; use 'hf' or 'megatron'")
+    other = megatron_only if fmt == "hf" else hf_only
+    given = [f"--{name.replace('_', '-')}" for name in other if getattr(args, name, None) is not None]
+    if given:
+        raise CheckpointError(f"{', '.join(given)} do{'es' if len(given) == 1 else ''} not apply to --format {fmt}")
