@@ -265,7 +265,7 @@ def convert(src: str, dst: str, dtype: str | None = None, drop_optimizer: bool =
     for name, (shape, dt) in specs.items():
         if drop_optimizer and name.startswith("optim."):
             continue
-        is_param = not name.startswith(("optim.", "rng."))
+        is_param = not name.startswith(layout.NON_PARAMETER)
         out[name] = (shape, target if target and is_param and dt in _FLOAT_DTYPES else dt)
     if drop_optimizer and "optimizer_step" in metadata:
         metadata["optimizer_step"] = 0

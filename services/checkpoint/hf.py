@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from meshtrain.services.checkpoint import hf_tokenizer
+from meshtrain.services.checkpoint import hf_tokenizer, layout
 from meshtrain.services.checkpoint.convert import (
     TensorSpec,
     model_config,
@@ -61,6 +61,7 @@ from meshtrain.services.checkpoint.hf_write import (
 )
 from meshtrain.services.checkpoint.reader import list_checkpoints, read_manifest, read_tensor
 from meshtrain.services.checkpoint.store import open_root, remove_tree
+from meshtrain.services.checkpoint.tokenizer_store import METADATA_KEY, tokenizer_boxes, tokenizer_spec
 from meshtrain.services.common.builds import local_build_dir, remove_dead_builds
 from meshtrain.services.common.config import build, to_dict
 from meshtrain.services.common.errors import CheckpointError
@@ -381,13 +382,13 @@ def export_hf(src_root: str, dst_dir: str, step: int | None = None,
         except CheckpointError:
             pass
     plan = rules(model, arch)
-    _check_tensors({r.ours: r.shape for r in plan}, specs, where, ignore=("optim.", "rng."))
+    _check_tensors({r.ours: r.shape for r in plan}, specs, where, ignore=layout.NON_PARAMETER)
     dtypes = {specs[r.ours][1] for r in plan}
     if len(dtypes) != 1:
         raise CheckpointError(f"{where}: parameters have mixed dtypes {sorted(dtypes)}; "
                               "convert to one with `ckpt convert --dtype` first")
     dtype = dtypes.pop()
-    spec = tokenizer if tokenizer is not None else metadata.get("tokenizer")
+    spec = tokenizer if tokenizer is not None else tokenizer_spec(src_root, step, metadata, manifest)
     tokenizer_file = hf_tokenizer.tokenizer_file(spec, where)
     eod = hf_tokenizer.eod_id(tokenizer_file, spec, model, where)
 
@@ -529,23 +530,31 @@ def import_hf(src_dir: str, dst_root: str, seed: int = 1234, seq_length: int | N
 
     by_ours = {r.ours: r for r in plan}
 
+    tokenizer = src / "tokenizer.json"
+    # the folder resolved, not the file: in the hub cache the file is a link to a blob
+    tokenizer_path = str(src.resolve() / "tokenizer.json") if tokenizer.is_file() else None
+    carried, record = tokenizer_boxes(tokenizer_path)  # the checkpoint carries the file itself
+    carried_tensors = {box.array: tensor for box, tensor in carried}
+
     def load(name: str) -> torch.Tensor:
         if name == "rng.torch_cpu":
             return torch.Generator().manual_seed(seed).get_state()
+        if name in carried_tensors:
+            return carried_tensors[name]
         rule = by_ours[name]
         return rule.from_hf([read_hf(t) for t in rule.theirs]).contiguous()
 
     specs: dict[str, TensorSpec] = {r.ours: (r.shape, dtype) for r in plan}
     specs["rng.torch_cpu"] = (tuple(torch.get_rng_state().shape), "uint8")
+    specs.update({box.array: (box.global_shape, box.dtype) for box, _ in carried})
     np_state = np.random.RandomState(seed).get_state()
-    tokenizer = src / "tokenizer.json"
     metadata = {
         "format": TRAIN_FORMAT, "iteration": 0, "consumed_samples": 0, "optimizer_step": 0,
         "config": {"model": to_dict(model)},  # an import has an architecture, no training settings
         "rng_python": random.Random(seed).getstate(),
         "rng_numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
-        # the folder resolved, not the file: in the hub cache the file is a link to a blob
-        "tokenizer": str(src.resolve() / "tokenizer.json") if tokenizer.is_file() else None,
+        "tokenizer": tokenizer_path,
+        **({METADATA_KEY: record} if record else {}),
         "imported_from": {"url": str(src.resolve()), "format": "hf", "architecture": kind},
     }
     url, _ = save_streaming(dst_root, 0, specs, load, metadata, desc="import")

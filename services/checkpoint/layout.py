@@ -21,6 +21,10 @@ import torch
 from meshtrain.services.common.errors import CheckpointError
 from meshtrain.services.common.sanitize import loggable
 
+# Array-name prefixes of what a checkpoint holds besides the model's parameters: optimizer
+# moments, RNG states, and the tokenizer's files (`tokenizer_store.py`).
+NON_PARAMETER = ("optim.", "rng.", "tokenizer.")
+
 # Inner zarr chunks are capped so one decode never needs a multi-GB buffer; the shard (one
 # stored object) can still be far larger than this.
 MAX_CHUNK_BYTES = 64 * 2**20

@@ -114,9 +114,7 @@ def tokenizer_spec(root: str, step: int, metadata: dict[str, Any], manifest: dic
     """The spec to read checkpoint `step`'s tokenizer with: the files it carries, else (a
     checkpoint saved before they were carried, or an import without one) the recorded spec."""
     spec = carried_spec(root, step, metadata, manifest=manifest)
-    if spec is not None:
-        return spec
-    return metadata.get("tokenizer") or ((metadata.get("config") or {}).get("data") or {}).get("tokenizer")
+    return spec if spec is not None else metadata.get("tokenizer")
 
 
 def _sha256(path: Path) -> str:

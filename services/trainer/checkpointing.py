@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshtrain.services.checkpoint.async_save import AsyncSaver, StorageSink, retry
-from meshtrain.services.checkpoint.layout import array_key, dtype_name
+from meshtrain.services.checkpoint.layout import NON_PARAMETER, array_key, dtype_name
 from meshtrain.services.checkpoint.maintenance import unreadable_manifests
 from meshtrain.services.checkpoint.reader import (
     latest_step,
@@ -42,6 +42,7 @@ from meshtrain.services.checkpoint.reader import (
 from meshtrain.services.checkpoint.sharded import abort_save, begin_save
 from meshtrain.services.checkpoint.shards import ShardSpec
 from meshtrain.services.checkpoint.store import open_root
+from meshtrain.services.checkpoint.tokenizer_store import METADATA_KEY, tokenizer_boxes
 from meshtrain.services.common.config import to_dict
 from meshtrain.services.common.errors import CheckpointError, DiskFullError
 from meshtrain.services.common.security import ClientSecurity
@@ -274,6 +275,7 @@ class Checkpointer:
         # (step, error) of the newest save that failed with the disk full, until a save commits
         self.disk_full: tuple[int, DiskFullError] | None = None
         self._leftovers: list[int] = []  # rank 0: folders of such saves, removed once every rank has settled
+        self._tokenizer: tuple | None = None  # rank 0: (spec, boxes, record) of the carried tokenizer files
 
     @property
     def own_latest_step(self) -> int | None:
@@ -321,6 +323,19 @@ class Checkpointer:
                 boxes.append((piece.spec, local[piece.local].reshape(piece.spec.shape)))
         return boxes
 
+    def _tokenizer_files(self, spec: str | None) -> tuple[list[tuple[ShardSpec, torch.Tensor]], dict | None]:
+        """The boxes carrying the run's tokenizer files and their metadata record, read at the
+        first save and kept (the files the run started with, whatever happens to them later).
+        A tokenizer that cannot be read costs its copy, never the checkpoint: a warning, and
+        the checkpoint records the spec alone."""
+        if self._tokenizer is None or self._tokenizer[0] != spec:
+            try:
+                self._tokenizer = (spec, *tokenizer_boxes(spec))
+            except CheckpointError as e:
+                log.warning("%s; the checkpoints record its spec only", e)
+                self._tokenizer = (spec, [], None)
+        return self._tokenizer[1], self._tokenizer[2]
+
     def prepare(self, model: GPT, optimizer: torch.optim.Optimizer | None) -> None:
         """Start allocating the host buffers of this rank's parameter and moment boxes in the
         background (`AsyncSaver.prepare`), so the first save stalls no longer than the others.
@@ -351,6 +366,10 @@ class Checkpointer:
             for array, gen in _rng_states().items():
                 boxes.append((ShardSpec(f"{array}_by_stage", (mesh.pp, *gen.shape), "uint8", (r, *[0] * gen.dim()),
                                         (1, *gen.shape)), gen.unsqueeze(0)))
+        carried = None
+        if mesh.rank == 0:
+            tokenizer_files, carried = self._tokenizer_files(extra.get("tokenizer"))
+            boxes += tokenizer_files
         np_state = np.random.get_state()
         metadata = {
             "format": FORMAT,
@@ -363,6 +382,7 @@ class Checkpointer:
             "rng_python": random.getstate(),
             "rng_numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
             **extra,
+            **({METADATA_KEY: carried} if carried else {}),
         }
         self.settle()  # one save in flight: the previous one must have committed (or raise, unless disk full)
         if mesh.distributed:
@@ -606,7 +626,7 @@ def restore(root: str, model: GPT, optimizer: torch.optim.Optimizer | None, par:
         raise CheckpointError(f"{root}: checkpoint lacks parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     # A pipeline stage holds some of the model's parameters: compare with the whole model's names.
     names = params if mesh.pp == 1 else model_parameter_names(model.config)
-    extra = [n for n in stored if not n.startswith(("optim.", "rng.")) and n not in names]
+    extra = [n for n in stored if not n.startswith(NON_PARAMETER) and n not in names]
     if extra:
         raise CheckpointError(f"{root}: checkpoint has tensors the model does not: {extra[:5]}")
     _check_model(root, meta, model)

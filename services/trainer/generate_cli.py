@@ -35,10 +35,15 @@ def register(sub) -> None:
     g.set_defaults(func=cmd_generate)
 
 
-def _tokenizer_spec(args: argparse.Namespace, metadata: dict) -> str:
+def _tokenizer_spec(args: argparse.Namespace, step: int, manifest: dict) -> str:
+    """--tokenizer, else the files the checkpoint carries, else the spec it records."""
     if args.tokenizer:
         return args.tokenizer
-    spec = metadata.get("tokenizer") or ((metadata.get("config") or {}).get("data") or {}).get("tokenizer")
+    from meshtrain.services.checkpoint.tokenizer_store import tokenizer_spec
+
+    metadata = manifest.get("metadata", {})
+    spec = (tokenizer_spec(args.load, step, metadata, manifest)
+            or ((metadata.get("config") or {}).get("data") or {}).get("tokenizer"))
     if not spec:
         raise ConfigError(f"{args.load}: the checkpoint records no tokenizer; pass --tokenizer")
     return spec
@@ -67,7 +72,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     manifest = read_manifest(args.load, step)
     metadata = manifest.get("metadata", {})
     config = model_config(metadata, tensor_specs(manifest), f"{args.load} step {step}")
-    tokenizer = build_tokenizer(_tokenizer_spec(args, metadata))
+    tokenizer = build_tokenizer(_tokenizer_spec(args, step, manifest))
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device here")
