@@ -27,6 +27,7 @@ import json
 import logging
 import random
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from meshtrain.services.checkpoint.convert import model_config, resolve_step, save_streaming, tensor_specs
 from meshtrain.services.checkpoint.megatron_args import (
+    check_exportable,
     megatron_flags,
     model_from_megatron,
     read_common,
@@ -84,11 +86,9 @@ def rules(model: ModelConfig) -> list[Rule]:
     """The mapping of every meshtrain parameter of `model` to Megatron Core's GPTModel keys.
 
     Raises:
-        CheckpointError: the model has mixture-of-experts layers (not mapped).
+        CheckpointError: the model has mixture-of-experts layers, or RoPE scaling Megatron cannot express.
     """
-    if model.num_experts is not None:
-        raise CheckpointError("model.num_experts is set: mixture-of-experts layers have no Megatron mapping here "
-                              "(only dense GPT and Llama-style models)")
+    check_exportable(model)
     h, v, ffn, d = model.hidden_size, model.vocab_size, model.ffn_size, model.head_dim
     qkv_rows = (model.num_attention_heads + 2 * model.groups) * d
     fc1_rows = 2 * ffn if model.activation == "swiglu" else ffn
@@ -189,7 +189,9 @@ def _read_dcp(folder: Path, key: str, meta: TensorStorageMetadata) -> torch.Tens
     """One whole tensor of the checkpoint, assembled from every rank's chunks."""
     tensor = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
     try:
-        dcp.load({key: tensor}, storage_reader=FileSystemReader(str(folder)), no_dist=True)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({key: tensor}, storage_reader=FileSystemReader(str(folder)), no_dist=True)
     except (Exception, CheckpointException) as e:  # DCP's, a BaseException, wraps a missing or short file
         raise CheckpointError(f"{folder}: reading tensor {key!r} failed, a data file is missing or corrupt "
                               f"({type(e).__name__}: {str(e)[:300]})") from None
@@ -339,7 +341,8 @@ def export_megatron(src_root: str, dst_dir: str, step: int | None = None,
         (dst_dir, the Megatron-LM flags that build the same model).
 
     Raises:
-        CheckpointError: the model maps to no Megatron GPTModel here (MoE), a tensor is missing or
+        CheckpointError: the model maps to no Megatron GPTModel here (MoE, RoPE scaling bounds of
+            its own), a tensor is missing or
             misshapen, the padded vocabulary is smaller than the vocabulary, or `dst_dir` exists.
     """
     step = resolve_step(src_root, step)
@@ -384,7 +387,9 @@ def export_megatron(src_root: str, dst_dir: str, step: int | None = None,
     release = build / "release"
     try:
         release.mkdir(parents=True)
-        dcp.save(state, storage_writer=FileSystemWriter(str(release), single_file_per_rank=True), no_dist=True)
+        with warnings.catch_warnings():  # DCP warns that no_dist means one process: it is meant
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(state, storage_writer=FileSystemWriter(str(release), single_file_per_rank=True), no_dist=True)
         torch.save({"checkpoint_version": 3.0, "iteration": 0}, release / "common.pt")
         (release / "metadata.json").write_text(json.dumps(BACKEND))
         (build / TRACKER).write_text("release")

@@ -230,11 +230,26 @@ def model_from_megatron(args: Any, flags: dict[str, Any], keys: dict[str, tuple[
             table["rope_scaling_factor"] = float(facts.get("rope_scaling_factor", 8.0))
     if not seen["swiglu"] and not facts.get("openai_gelu"):
         notes.append("the checkpoint's GELU is the exact (erf) one, which meshtrain computes with the tanh "
-                     "approximation (--openai-gelu): activations differ by at most ~5e-4")
+                     "approximation (--openai-gelu): the two differ by at most 4.7e-4 per activation")
     try:
         return build(ModelConfig, table, "model."), notes
     except (ValueError, KeyError) as e:
         raise CheckpointError(f"{folder}: the settings do not make a valid meshtrain model: {e}") from e
+
+
+def check_exportable(model: ModelConfig) -> None:
+    """Raises CheckpointError naming what a Megatron GPTModel cannot compute: MoE layers, and Llama 3
+    RoPE scaling with other bounds than Megatron's fixed ones (low 1, high 4, original 8192)."""
+    if model.num_experts is not None:
+        raise CheckpointError("model.num_experts is set: mixture-of-experts layers have no Megatron mapping here "
+                              "(only dense GPT and Llama-style models)")
+    if model.rope_scaling_factor is not None:
+        bounds = (model.rope_scaling_low_freq_factor, model.rope_scaling_high_freq_factor,
+                  model.rope_scaling_original_max_positions)
+        if bounds != (1.0, 4.0, 8192):
+            raise CheckpointError(
+                f"model.rope_scaling_low_freq_factor, high_freq_factor, original_max_positions = {bounds}: Megatron's "
+                "--use-rope-scaling fixes them at (1, 4, 8192)")
 
 
 def megatron_flags(model: ModelConfig) -> list[str]:

@@ -31,6 +31,7 @@ from tests.dist_utils import run_ranks
 
 pytest.importorskip("megatron.core")
 pytest.importorskip("psutil")  # megatron-core's torch_dist writer needs it (it hangs without)
+pytestmark = pytest.mark.dist  # megatron-core runs in spawned gloo ranks (the module's fixture too)
 
 GPT_SETTINGS = {"normalization": "LayerNorm", "swiglu": False, "position_embedding_type": "learned_absolute",
                 "num_query_groups": None, "add_bias_linear": True, "untie": False}
@@ -46,7 +47,7 @@ def _cpu_only_cuda_calls() -> None:
         torch.cuda.current_device = lambda: "cpu"
 
 
-def _build(settings: dict, tp: int, vocab_rows: int = VOCAB):
+def _build(settings: dict, tp: int, vocab_rows: int = VOCAB, pp: int = 1):
     """A megatron-core GPTModel of `settings` on this rank, after initializing model parallelism."""
     import torch.nn.functional as F
     from megatron.core import parallel_state
@@ -56,7 +57,7 @@ def _build(settings: dict, tp: int, vocab_rows: int = VOCAB):
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.utils import openai_gelu
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     # megatron-core's inference tracker: dropout-free forwards need no per-rank CUDA RNG streams.
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     swiglu = settings["swiglu"]
@@ -64,13 +65,16 @@ def _build(settings: dict, tp: int, vocab_rows: int = VOCAB):
         num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=FFN,
         num_query_groups=settings["num_query_groups"], normalization=settings["normalization"],
         layernorm_epsilon=1e-5, gated_linear_unit=swiglu, activation_func=F.silu if swiglu else openai_gelu,
-        add_bias_linear=settings["add_bias_linear"], tensor_model_parallel_size=tp, use_cpu_initialization=True,
-        params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0)
+        add_bias_linear=settings["add_bias_linear"], tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        pipeline_dtype=torch.float32, use_cpu_initialization=True, params_dtype=torch.float32, hidden_dropout=0.0,
+        attention_dropout=0.0)
     spec = get_gpt_layer_local_spec(normalization=settings["normalization"])
     return GPTModel(config, spec, vocab_size=vocab_rows, max_sequence_length=SEQ + 4,
                     position_embedding_type="learned_absolute" if settings["position_embedding_type"] != "rope"
                     else "rope", rotary_base=ROPE_BASE, parallel_output=False,
-                    share_embeddings_and_output_weights=not settings["untie"])
+                    share_embeddings_and_output_weights=not settings["untie"],
+                    pre_process=parallel_state.is_pipeline_first_stage(),
+                    post_process=parallel_state.is_pipeline_last_stage())
 
 
 def _logits(model) -> torch.Tensor:
@@ -121,7 +125,24 @@ def _save_megatron(rank: int, world: int, settings: dict, path: str, layout: str
     return logits
 
 
-def _load_megatron(rank: int, world: int, settings: dict, path: str, vocab_rows: int) -> torch.Tensor:
+def _save_pp(rank: int, world: int, path: str) -> None:
+    """Rank body: one pipeline stage of a random Llama-style GPTModel, saved with its stage's layers."""
+    from megatron.core import dist_checkpointing
+
+    _cpu_only_cuda_calls()
+    model = _build(LLAMA_SETTINGS, 1, pp=world)
+    torch.manual_seed(11 + rank)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if "layernorm.weight" in name else 0.0))
+    if rank == 0:
+        os.makedirs(path)
+    torch.distributed.barrier()
+    dist_checkpointing.save(model.sharded_state_dict(), path)
+
+
+def _load_megatron(rank: int, world: int, settings: dict, path: str, vocab_rows: int,
+                   exported: bool = True) -> torch.Tensor:
     """Rank body: a fresh GPTModel filled by dist_checkpointing.load from `path`; returns its logits."""
     from megatron.core import dist_checkpointing
 
@@ -129,7 +150,8 @@ def _load_megatron(rank: int, world: int, settings: dict, path: str, vocab_rows:
     model = _build(settings, world, vocab_rows)
     # Shaped as Megatron-LM's load_checkpoint asks: the model's tensors under "model", common.pt beside.
     loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, path)
-    assert loaded["checkpoint_version"] == 3.0 and loaded["iteration"] == 0
+    if exported:
+        assert loaded["checkpoint_version"] == 3.0 and loaded["iteration"] == 0
     model.load_state_dict(loaded["model"])
     return _logits(model)
 
@@ -150,7 +172,6 @@ FLAGS = {"gpt": {"num_attention_heads": HEADS, "openai_gelu": True},
          "llama": {"num_attention_heads": HEADS, "rotary_base": ROPE_BASE, "seq_length": SEQ}}
 
 
-@pytest.mark.dist
 @pytest.mark.parametrize("layout", ["folder", "training"])
 @pytest.mark.parametrize("name, settings", [("gpt", GPT_SETTINGS), ("llama", LLAMA_SETTINGS)])
 def test_import_gives_megatron_cores_logits_and_export_loads_back(tmp_path, name, settings, layout):
@@ -170,6 +191,9 @@ def test_import_gives_megatron_cores_logits_and_export_loads_back(tmp_path, name
     dst = tmp_path / "exported"
     _, flags = export_megatron(root, str(dst))
     assert (dst / "latest_checkpointed_iteration.txt").read_text() == "release"
+    assert sorted(p.name for p in (dst / "release").iterdir()) == [
+        ".metadata", "__0_0.distcp", "common.pt", "metadata.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "exported", "megatron"]  # no build folder left
     assert "--num-attention-heads" in flags
     rows = 384  # the vocabulary padded to a multiple of 128, as Megatron-LM pads it
     (back,) = run_ranks(_load_megatron, 1, settings, str(dst / "release"), rows)
@@ -177,7 +201,6 @@ def test_import_gives_megatron_cores_logits_and_export_loads_back(tmp_path, name
     assert back[..., VOCAB:].abs().max() == 0  # the zero padding rows of a tied or untied output
 
 
-@pytest.mark.dist
 def test_tp2_sharded_save_imports_on_one_process(tmp_path):
     """Two tensor-parallel ranks save the Llama-style model (GQA's query groups and SwiGLU's
     gate/up halves are split between them); one process without a process group imports it."""
@@ -186,6 +209,20 @@ def test_tp2_sharded_save_imports_on_one_process(tmp_path):
     root = str(tmp_path / "ckpt")
     import_megatron(src, root)
     torch.testing.assert_close(_meshtrain_logits(root), theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_pp2_sharded_save_imports_as_megatron_core_reads_it_at_pp1(tmp_path):
+    """Two pipeline stages save a layer each (the embedding on the first, the output layer on
+    the last); megatron-core itself loads the folder into one unsplit GPTModel, whose logits the
+    import must give."""
+    src = str(tmp_path / "megatron")
+    run_ranks(_save_pp, 2, src, daemon=False)
+    (theirs,) = run_ranks(_load_megatron, 1, LLAMA_SETTINGS, src, VOCAB, False)
+    root = str(tmp_path / "ckpt")
+    import_megatron(src, root, flags=FLAGS["llama"])
+    ours = _meshtrain_logits(root)
+    assert ours.abs().max() > 1.0
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
 
 
 @pytest.fixture(scope="module")
@@ -295,3 +332,16 @@ def test_cli_imports_with_flags_and_exports_with_the_megatron_flags(gpt_folder, 
     assert tuple(meta["decoder.layers.self_attention.linear_qkv.weight"].size) == (LAYERS, 3 * HIDDEN, HIDDEN)
     with pytest.raises(CheckpointError, match="already exists"):
         run("export", "--format", "megatron", root, str(tmp_path / "mc"))
+
+
+@pytest.mark.parametrize("settings, match", [
+    ({"num_experts": 4}, "mixture-of-experts"),
+    ({"rope_scaling_factor": 8.0, "rope_scaling_original_max_positions": 4096}, r"fixes them at \(1, 4, 8192\)"),
+])
+def test_export_refuses_what_a_megatron_gptmodel_cannot_compute(settings, match):
+    from meshtrain.services.checkpoint.megatron import rules
+
+    base = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 300, "seq_length": 16,
+            "normalization": "rmsnorm", "activation": "swiglu", "position_embedding_type": "rope"}
+    with pytest.raises(CheckpointError, match=match):
+        rules(ModelConfig(**base, **settings))
