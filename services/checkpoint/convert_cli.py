@@ -98,7 +98,7 @@ def register_subcommands(ckpt_subparsers: argparse._SubParsersAction) -> None:
         ckpt_subparsers: what `add_subparsers()` of the `ckpt` parser returned.
     """
     exp = ckpt_subparsers.add_parser("export", help="write a checkpoint as a Hugging Face model folder")
-    exp.add_argument("--format", default="hf", choices=["hf", "megatron"],
+    exp.add_argument("--format", default="hf",
                      help="hf (the default: safetensors + config.json) or megatron (a megatron-core torch_dist "
                           "release checkpoint)")
     exp.add_argument("src", help="checkpoint root")
@@ -117,7 +117,7 @@ def register_subcommands(ckpt_subparsers: argparse._SubParsersAction) -> None:
     exp.set_defaults(func=cmd_export)
 
     imp = ckpt_subparsers.add_parser("import", help="turn a Hugging Face model folder into a checkpoint")
-    imp.add_argument("--format", default="hf", choices=["hf", "megatron"],
+    imp.add_argument("--format", default="hf",
                      help="hf (the default: Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE or GPT-2 "
                           "safetensors) or megatron (a megatron-core torch_dist checkpoint of a GPT model)")
     imp.add_argument("src", help="Hugging Face model folder, or a repo id (org/name) in the Hugging Face cache; "

@@ -4,12 +4,14 @@ attention, untied output).
 
 A `torch_dist` folder is a torch.distributed.checkpoint (DCP) checkpoint: `.metadata`, the
 `__R_T.distcp` data files, `common.pt` (the non-tensor state: Megatron-LM's `args`, `iteration`)
-and `metadata.json` naming the backend. Tensors are stored whole, in global coordinates, whatever
-the TP/PP degrees that wrote them, and per-layer tensors are stacked on a leading layer axis
+and `metadata.json` naming the backend. Each rank writes its chunks of tensors indexed in global
+coordinates, so DCP reassembles whole tensors whatever the TP/PP degrees that wrote them, and
+per-layer tensors are stacked on a leading layer axis
 (`decoder.layers.self_attention.linear_qkv.weight` is (num_layers, rows, hidden)). The fused qkv
 rows are per query group [its q heads; k; v] and SwiGLU's `linear_fc1` is [gate; up] -- meshtrain's
-canonical orders, so the weights map one to one; layer norms are stored under the TE names
-(`linear_qkv.layer_norm_weight`) or the local ones (`input_layernorm.weight`). `import_megatron`
+canonical orders, so the weights map one to one; layer norms are saved under the TE names
+(`linear_qkv.layer_norm_weight`; the local layer spec maps its own to them), and the local ones
+(`input_layernorm.weight`) are accepted too. `import_megatron`
 reads such a folder on one process, with no process group, one stacked tensor at a time through
 the DCP API, and writes a step-0 meshtrain checkpoint (no optimizer state); `export_megatron`
 writes the reverse as a Megatron-LM `release` checkpoint (`DST/release/` and

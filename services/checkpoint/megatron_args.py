@@ -184,7 +184,7 @@ def model_from_megatron(args: Any, flags: dict[str, Any], keys: dict[str, tuple[
     if qkv_rows % d:
         raise CheckpointError(f"{folder}: fused qkv rows {qkv_rows} are no whole number of {d}-wide heads: check "
                               "--num-attention-heads and --kv-channels (the head width)")
-    if facts.get("group_query_attention") or (args is None and "num_query_groups" in facts):
+    if facts.get("group_query_attention") or flags.get("num_query_groups") is not None:
         groups = facts.get("num_query_groups")
     elif args is not None:
         groups = heads

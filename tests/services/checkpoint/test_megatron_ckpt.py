@@ -117,7 +117,17 @@ def _save_megatron(rank: int, world: int, settings: dict, path: str, layout: str
             untie_embeddings_and_output_weights=settings["untie"], tensor_model_parallel_size=world,
             pipeline_model_parallel_size=1, attention_backend=AttnBackend.auto, params_dtype=torch.float32,
             hidden_dropout=0.1, attention_dropout=0.1, make_vocab_size_divisible_by=128)
-        state = {"args": args, "checkpoint_version": 3.0, "iteration": 100, "model": model.sharded_state_dict()}
+        from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+        # Beside the model, as Megatron-LM saves them: an optimizer moment (keyed "optimizer.state..."),
+        # each rank's RNG state (a ShardedObject); the import must pass over both.
+        embedding = model.embedding.word_embeddings.weight  # (vocab/tp, hidden): this rank's rows
+        moment = ShardedTensor.from_rank_offsets("optimizer.state.exp_avg.embedding.word_embeddings.weight",
+                                                 torch.zeros_like(embedding), (0, rank, world))
+        rng = ShardedObject("rng_state", {"random_rng_state": torch.get_rng_state()}, (world,), (rank,),
+                            replica_id=0)
+        state = {"args": args, "checkpoint_version": 3.0, "iteration": 100, "model": model.sharded_state_dict(),
+                 "optimizer": {"state": {"exp_avg": moment}}, "rng_state": rng}
         dist_checkpointing.save(state, f"{path}/iter_0000100")
         if rank == 0:
             with open(f"{path}/latest_checkpointed_iteration.txt", "w") as f:
@@ -206,6 +216,11 @@ def test_tp2_sharded_save_imports_on_one_process(tmp_path):
     gate/up halves are split between them); one process without a process group imports it."""
     src = str(tmp_path / "megatron")
     theirs = run_ranks(_save_megatron, 2, LLAMA_SETTINGS, src, "training", daemon=False)[0]
+    import torch.distributed.checkpoint as dcp
+
+    saved = dcp.FileSystemReader(f"{src}/iter_0000100").read_metadata().state_dict_metadata
+    assert "optimizer.state.exp_avg.embedding.word_embeddings.weight" in saved  # passed over by the import
+    assert any(k.startswith("rng_state/") for k in saved)
     root = str(tmp_path / "ckpt")
     import_megatron(src, root)
     torch.testing.assert_close(_meshtrain_logits(root), theirs, atol=1e-4, rtol=1e-4)
