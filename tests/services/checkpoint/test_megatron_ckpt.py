@@ -348,6 +348,14 @@ def test_cli_imports_with_flags_and_exports_with_the_megatron_flags(gpt_folder, 
     with pytest.raises(CheckpointError, match="already exists"):
         run("export", "--format", "megatron", root, str(tmp_path / "mc"))
 
+    # The export's root (tracker: release) imports back bit-exact, its padding rows dropped again.
+    again = str(tmp_path / "again")
+    run("import", "--format", "megatron", str(tmp_path / "mc"), again, "--num-attention-heads", str(HEADS),
+        "--openai-gelu", "--vocab-size", "290")
+    assert read_manifest(again, 0)["metadata"]["config"]["model"] == model
+    for name in ("embedding.word_embeddings.weight", "layers.1.attention.qkv.weight", "final_norm.bias"):
+        assert torch.equal(read_tensor(again, 0, name), read_tensor(root, 0, name))
+
 
 @pytest.mark.parametrize("settings, match", [
     ({"num_experts": 4}, "mixture-of-experts"),
