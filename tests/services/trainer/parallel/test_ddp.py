@@ -109,7 +109,10 @@ def test_one_process_through_the_wrapper_is_the_plain_loop():
     assert losses == pytest.approx(ref_losses, rel=1e-6)
     assert norms == pytest.approx(ref_norms, rel=1e-6)
     for name, ref in ref_weights.items():
-        torch.testing.assert_close(weights[name], ref, rtol=1e-6, atol=1e-7)
+        # the key bias moves by Adam-scaled rounding (module docstring): the tensor-parallel
+        # layers add the q/k/v bias in another order than the plain model does
+        atol = 2e-5 if name.endswith("attention.qkv.bias") else 1e-6
+        torch.testing.assert_close(weights[name], ref, rtol=1e-6, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_a_second_backward_into_a_bucket_already_sent_is_refused():
