@@ -8,6 +8,7 @@ from that checkpoint and finishes. Skipped, with the reason, where slurm-wlm and
 installed or not running as root.
 """
 
+import json
 import os
 import signal
 import stat
@@ -72,7 +73,8 @@ def test_services_job_and_preempted_training_job_requeue_and_resume(cluster, tmp
     env = {"PATH": f"{venv_bin}:/usr/bin:/bin:/usr/sbin:/sbin", "SERVICES_FILE": str(tmp_path / "services.env"),
            "SAVE_ROOT": str(tmp_path / "ckpt"), "DATA_WORKERS": "2", "DATA_PORT": str(free_port()),
            "CKPT_PORT": str(free_port()), "BIND": "127.0.0.1", "NPROC_PER_NODE": "2",
-           "RDZV_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+           "RDZV_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
+           "DEVICE": "cpu", "RUNS_ROOT": str(tmp_path / "runs")}
     services_log, train_log, more_log = tmp_path / "services.out", tmp_path / "train.out", tmp_path / "more.out"
     more = None
     services = cluster.run(["sbatch", "--parsable", "--export=ALL", f"--output={services_log}",
@@ -95,13 +97,14 @@ def test_services_job_and_preempted_training_job_requeue_and_resume(cluster, tmp
 
         cache = tmp_path / "corpus"
         prepare_default_dataset(cache, tokenizer="byte", max_bytes=400_000)
-        run_dir = tmp_path / "run"
-        args = small_job_args(cache, run_dir, **{"train.train_iters": 120, "train.eval_interval": 0,
-                                                 "checkpoint.save_interval": 1000})
+        # no --log.run_dir: the job's own, runs/slurm-JOBID, the same folder after the requeue
+        args = [a for a in small_job_args(cache, tmp_path / "unused", **{
+            "train.train_iters": 120, "train.eval_interval": 0, "checkpoint.save_interval": 1000})
+            if not a.startswith("--log.run_dir=")]
         job = cluster.run(["sbatch", "--parsable", "--export=ALL", f"--output={train_log}",
                            "--cpus-per-task=2", "deploy/slurm/train.sbatch", *args],
                           cwd=REPO, env=env).stdout.strip()
-        metrics = run_dir / "metrics.jsonl"
+        metrics = tmp_path / "runs" / f"slurm-{job}" / "metrics.jsonl"
         wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 15,
                  "15 logged steps", logs=[train_log, services_log])
         # what --signal=B:TERM@120 does before the time limit
@@ -119,6 +122,8 @@ def test_services_job_and_preempted_training_job_requeue_and_resume(cluster, tmp
         assert 15 <= step < 120, excerpt(log)
         assert f"train.sh: resuming from {tmp_path / 'ckpt'}" in log, excerpt(log)
         assert list_checkpoints(str(tmp_path / "ckpt")) == [step, 120], excerpt(log)
+        steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+        assert steps[-1] == 120 and step + 1 in steps, steps  # both runs of the job wrote here
     finally:
         for extra in (more, services):
             if extra is not None:
@@ -129,6 +134,20 @@ def test_services_job_and_preempted_training_job_requeue_and_resume(cluster, tmp
                      "the services jobs to stop", logs=[log_file])
     assert not (tmp_path / "services.env").exists()  # a stopped service job withdraws its addresses
     assert announced(tmp_path / "services.env.workers") == []  # and every worker its announcement
+
+
+@pytest.mark.e2e
+def test_a_training_job_without_gpus_stops_at_once_unless_cpu_is_meant(cluster, tmp_path):
+    services_file = tmp_path / "services.env"
+    services_file.write_text("DATA_ADDRESSES=127.0.0.1:1\nCKPT_ADDRESS=127.0.0.1:2\nSAVE_ROOT=/nowhere\n")
+    log = tmp_path / "train.out"
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin:/usr/sbin:/sbin", "SERVICES_FILE": str(services_file)}
+    job = cluster.run(["sbatch", "--parsable", "--export=ALL", f"--output={log}", "--no-requeue",
+                       "deploy/slurm/train.sbatch", "--config", "deploy/configs/tiny.toml"],
+                      cwd=REPO, env=env).stdout.strip()
+    wait_for(lambda: cluster.job_field(job, "JobState") in ("FAILED", "COMPLETED"), "the job to end", logs=[log])
+    assert cluster.job_field(job, "JobState") == "FAILED"
+    assert "no GPU is allocated to job" in log.read_text() and "DEVICE=cpu" in log.read_text()
 
 
 def test_the_services_file_keeps_a_save_root_with_a_space_whole(tmp_path):
