@@ -8,7 +8,8 @@
 # stopped instead of starting over. These go after the caller's arguments, so the run's own
 # checkpoints win over a `--load` it was started from (e.g. pretrained weights). A root that
 # cannot be listed (storage down, bad keys) stops the job: starting over would lose the run.
-# One node: torchrun --standalone. Several: set NNODES and RDZV_ENDPOINT (HOST:PORT of a node
+# TRAIN_ARGS adds training options from the environment, split at spaces (compose passes it:
+# TRAIN_ARGS="--train.train_iters=1000 --optim.lr=3e-4"). One node: torchrun --standalone. Several: set NNODES and RDZV_ENDPOINT (HOST:PORT of a node
 # of the job) for torchrun's c10d rendezvous; RDZV_ID names the job.
 set -eu
 : "${SAVE_ROOT:?set SAVE_ROOT to the checkpoint root (a folder or s3://bucket/prefix)}"
@@ -19,6 +20,9 @@ NPROC_PER_NODE="${NPROC_PER_NODE:-1}"
 # inside compose's grace (torchrun, not Docker, does the killing and reports it); on Slurm the
 # time limit ends the job first. A torch that predates the variable ignores it (30 s).
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-170}"
+
+# shellcheck disable=SC2086  # split on purpose: one option per word
+[ -n "${TRAIN_ARGS:-}" ] && set -- "$@" ${TRAIN_ARGS}
 
 if ! steps=$(meshtrain ckpt list --allow-empty "$SAVE_ROOT"); then
     echo "train.sh: cannot list $SAVE_ROOT; not starting (the run would start over)" >&2

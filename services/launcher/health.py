@@ -14,6 +14,7 @@ TLS, a client certificate).
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -85,12 +86,24 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m meshtrain.services.launcher.health",
                                 description="Exit 0 when a gRPC server reports SERVING, else 1.")
-    p.add_argument("address", help="HOST:PORT of a gRPC server, or with --http a URL")
+    p.add_argument("address", nargs="?", help="HOST:PORT of a gRPC server, or with --http a URL")
+    p.add_argument("--from-env", action="store_true",
+                   help="probe what $MESHTRAIN_HEALTH names (HOST:PORT, or an http:// URL); healthy when it "
+                        "is unset (a container image's HEALTHCHECK: only services set it)")
     p.add_argument("--http", action="store_true", help="check that the URL answers HTTP instead")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds for the check")
     p.add_argument("--wait", type=float, default=0.0, help="keep trying this many seconds")
     add_client_arguments(p)
     args = p.parse_args(argv)
+    if args.from_env:
+        if args.address:
+            p.error("--from-env takes no address")
+        args.address = os.environ.get("MESHTRAIN_HEALTH", "").strip()
+        if not args.address:
+            return 0
+        args.http = args.address.startswith(("http://", "https://"))
+    elif not args.address:
+        p.error("an address is required (or --from-env)")
     deadline = time.monotonic() + args.wait
     if args.http:
         check = http_answers

