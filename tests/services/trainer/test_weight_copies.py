@@ -52,6 +52,7 @@ def test_copies_train_bit_for_bit_like_autocast(arch, corpus_cache, tmp_path):
         assert torch.equal(params_c[name], p), name
 
 
+@pytest.mark.slow  # Inductor on CPU compiles two models: a minute (the GPU tests compile on every run)
 def test_compiled_copies_train_like_compiled_autocast(corpus_cache, tmp_path):
     """Compiled (Inductor on CPU), the copies are graph inputs; its fusions may round a little
     differently from the autocast graph's, so a bf16 tolerance."""
@@ -155,6 +156,7 @@ def test_fused_gradient_accumulation_trains_like_the_copies_hooks(arch, corpus_c
         assert (params_f[name] - p).abs().max() <= adam_bound, name
 
 
+@pytest.mark.slow  # Inductor on CPU, twice; the uncompiled fused accumulation tests stay in the suite
 @pytest.mark.parametrize("recompute", ["none", "full"])
 def test_compiled_fused_gradient_accumulation_adds_in_place_without_recompiling(recompute, corpus_cache, tmp_path):
     """Compiled (Inductor on CPU): the backward calls the op on the fp32 .grad itself (a copy of

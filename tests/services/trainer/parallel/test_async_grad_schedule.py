@@ -33,6 +33,7 @@ def _overlapped(inflight, kind):
     return sum(1 for k, n in inflight if k == kind and n)
 
 
+@pytest.mark.slow  # compiles the block on 2 ranks: a minute
 @pytest.mark.dist
 def test_async_input_gradient_reduction_has_the_weight_gradient_matmul_in_flight():
     overlapped = run_ranks(_schedule, 2, True)[0]["backward"][1]
