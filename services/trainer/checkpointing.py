@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -31,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshtrain.services.checkpoint.async_save import AsyncSaver, StorageSink, retry
-from meshtrain.services.checkpoint.layout import NON_PARAMETER, array_key, dtype_name
+from meshtrain.services.checkpoint.layout import NON_PARAMETER
 from meshtrain.services.checkpoint.maintenance import unreadable_manifests
 from meshtrain.services.checkpoint.reader import (
     latest_step,
@@ -46,14 +45,13 @@ from meshtrain.services.checkpoint.tokenizer_store import METADATA_KEY, tokenize
 from meshtrain.services.common.config import to_dict
 from meshtrain.services.common.errors import CheckpointError, DiskFullError
 from meshtrain.services.common.security import ClientSecurity
+from meshtrain.services.trainer.checkpoint_boxes import is_expert, layer_stacks, pieces, save_place, stored_places
 from meshtrain.services.trainer.config import JobConfig
 from meshtrain.services.trainer.model.gpt import GPT
 from meshtrain.services.trainer.parallel.data import DataParallel
 from meshtrain.services.trainer.parallel.mesh import Mesh
-from meshtrain.services.trainer.parallel.tensor import tp_split_of
 
 FORMAT = "meshtrain-train/1"
-_VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 log = logging.getLogger("meshtrain.checkpoint")
 
 
@@ -71,148 +69,6 @@ class Parallel:
 
     mesh: Mesh
     ddp: DataParallel | None = None
-
-
-@dataclass
-class Piece:
-    """Part of a rank's local tensor that is one box of a global array."""
-
-    spec: ShardSpec
-    local: tuple[slice, ...]  # where the box lies in the local tensor
-
-
-@dataclass(frozen=True)
-class Place:
-    """Where a tensor lies in a checkpoint: its array and, when stacked, its row of the layer axis.
-
-    Attributes:
-        array: the array name.
-        layer: the global layer (row of the leading layer axis) for a stacked array, else None.
-        layer_count: the stacked array's layer axis, else None.
-    """
-
-    array: str
-    layer: int | None = None
-    layer_count: int | None = None
-
-
-def layer_stacks(names: Iterable[str]) -> dict[str, int]:
-    """Stacked array name -> layers, for the per-layer tensors of a whole model's `names`.
-
-    A family of per-layer tensors (`layers.<i>.<rest>`) is stacked on a leading global-layer
-    axis when the layers holding it are exactly 0..n-1 (the rule of `layout.group_tensors`, so
-    `ckpt convert` and HF import store the same arrays). A family only some blocks hold (the
-    experts of every other block, or the dense MLPs between them) would leave holes in such an
-    axis, which no committed array may have: it is stored as one array per layer, named with its
-    layer number (`layers.1.mlp.experts.fc1.weight`). Each layer's box is one object either way.
-    """
-    layers: dict[str, set[int]] = {}
-    for name in names:
-        array, layer = array_key(name)
-        if layer is not None:
-            layers.setdefault(array, set()).add(layer)
-    return {a: len(ls) for a, ls in layers.items() if ls == set(range(len(ls)))}
-
-
-def save_place(name: str, stacks: dict[str, int]) -> Place:
-    """Where the trainer stores tensor `name` (a parameter, or `optim.<moment>.<parameter>`),
-    given the model's `layer_stacks`."""
-    array, layer = array_key(name)
-    if layer is None:
-        return Place(name)
-    pname = name.split(".", 2)[2] if name.startswith("optim.") else name
-    count = stacks.get(array_key(pname)[0])
-    return Place(array, layer, count) if count is not None else Place(name)
-
-
-def stored_places(manifest: dict[str, Any]) -> dict[str, Place]:
-    """Where each tensor of a checkpoint lies, from its manifest (whatever grouping wrote it)."""
-    out: dict[str, Place] = {}
-    for array, entry in manifest["arrays"].items():
-        count = entry.get("layer_count")
-        for i, tensor in enumerate(entry.get("tensors", [])):
-            out[tensor] = Place(array, i, count) if count is not None else Place(array)
-    return out
-
-
-def is_expert(param: torch.Tensor) -> bool:
-    """Whether `param` is an expert weight split over expert-parallel ranks (`expert_shard` set)."""
-    return getattr(param, "expert_shard", None) is not None
-
-
-def pieces(name: str, local_shape: tuple[int, ...], param: torch.Tensor, mesh: Mesh, vocab_size: int,
-           place: Place, reading: bool = False) -> list[Piece]:
-    """The boxes of global arrays that this rank's `local_shape` tensor named `name` covers.
-
-    Args:
-        name: canonical tensor name (a parameter's, or `optim.<moment>.<parameter>`).
-        local_shape: shape of this rank's tensor (a tensor-parallel shard, vocabulary padded,
-            an expert-parallel rank's experts).
-        param: the parameter it belongs to (carries its `tp_split`, and `expert_shard =
-            (first expert, experts in all)` when its leading axis holds some of the experts).
-        mesh: the layout; for writing, replicated tensors are covered by tp rank 0 only.
-        vocab_size: rows of vocabulary tensors in the checkpoint (padding is never stored).
-        place: the array holding the tensor, and its layer row when stacked.
-        reading: every rank needs the replicated tensors it holds.
-    """
-    split = tp_split_of(param) if mesh.tp > 1 else None
-    pname = name.split(".", 2)[2] if name.startswith("optim.") else name
-    full = [slice(None)] * len(local_shape)
-    boxes: list[tuple[list[int], list[int], list[slice], list[int] | None]] = []  # offsets, shape, local, grid
-    gshape = list(local_shape)
-    if split is None:
-        if mesh.tp_rank != 0 and not reading:
-            return []
-        shape = list(local_shape)
-        if pname in _VOCAB:
-            shape[0] = gshape[0] = vocab_size
-        boxes.append(([0] * len(shape), shape, [slice(0, n) for n in shape], None))
-    else:
-        d, r, n = split.dim, mesh.tp_rank, local_shape[split.dim]
-        gshape[d] = n * mesh.tp
-        if split.halves:
-            half = n // 2
-            for k in range(2):
-                offsets = [0] * len(local_shape)
-                offsets[d] = k * half * mesh.tp + r * half
-                local = list(full)
-                local[d] = slice(k * half, (k + 1) * half)
-                shape = list(local_shape)
-                shape[d] = half
-                boxes.append((offsets, shape, local, None))
-        elif split.vocab:
-            gshape[0] = vocab_size
-            start, stop = r * n, min((r + 1) * n, vocab_size)
-            if start < stop:
-                shape = [stop - start, *local_shape[1:]]
-                # a short last box says the grid; a vocabulary within one rank's rows is one box
-                grid = list(local_shape) if stop - start < n <= vocab_size else None
-                boxes.append(([start] + [0] * (len(local_shape) - 1), shape, [slice(0, stop - start)] + full[1:], grid))
-        else:
-            offsets = [0] * len(local_shape)
-            offsets[d] = r * n
-            boxes.append((offsets, list(local_shape), full, None))
-    shard = getattr(param, "expert_shard", None)
-    if shard is not None:  # (local experts, ...) are rows first.. of the global expert axis
-        first, total = shard
-        if not 0 <= first <= first + local_shape[0] <= total:
-            raise CheckpointError(f"parameter {pname!r}: expert_shard {shard} does not fit its "
-                                  f"{local_shape[0]} local experts")
-        gshape[0] = total
-        for offsets, *_ in boxes:
-            offsets[0] += first
-    dtype = dtype_name(param.dtype)
-    out = []
-    for offsets, shape, local, grid in boxes:
-        if place.layer_count is not None:  # stacked: leading global-layer axis
-            offsets, shape, gs = [place.layer, *offsets], [1, *shape], [place.layer_count, *gshape]
-            grid = [1, *grid] if grid is not None else None
-        else:
-            gs = gshape
-        out.append(Piece(ShardSpec(place.array, tuple(gs), dtype, tuple(offsets), tuple(shape),
-                                   tuple(grid) if grid else None, stacked=place.layer_count is not None),
-                         tuple(local)))
-    return out
 
 
 def _moments(model: GPT, optimizer: torch.optim.Optimizer | None, par: Parallel) -> dict[str, dict[str, torch.Tensor]]:

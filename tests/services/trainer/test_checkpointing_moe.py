@@ -14,14 +14,8 @@ import torch
 from meshtrain.services.checkpoint.maintenance import verify_checkpoint
 from meshtrain.services.checkpoint.reader import read_manifest
 from meshtrain.services.common.errors import CheckpointError
-from meshtrain.services.trainer.checkpointing import (
-    Place,
-    layer_stacks,
-    load_checkpoint,
-    pieces,
-    save_checkpoint,
-    save_place,
-)
+from meshtrain.services.trainer.checkpoint_boxes import Place, layer_stacks, pieces, save_place
+from meshtrain.services.trainer.checkpointing import load_checkpoint, save_checkpoint
 from meshtrain.services.trainer.config import ModelConfig
 from meshtrain.services.trainer.model.gpt import GPT
 from meshtrain.services.trainer.model.moe import moe_layers
