@@ -14,13 +14,13 @@ replica. Each replica has its own channel: a call and its retry reach the replic
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 import zlib
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from meshtrain.services.common import addresses
 from meshtrain.services.common.errors import CheckpointError
 
 if TYPE_CHECKING:  # the config checks addresses with `parse_addresses`: no grpc for that
@@ -32,14 +32,11 @@ RESOLVE_EVERY_S = 2.0  # a dns: target is looked up again after this long
 
 
 def _dns_host_port(target: str) -> tuple[str, int]:
-    """(name, port) of a `dns:[//authority/]name:port` target."""
-    rest = target[len("dns:"):]
-    if rest.startswith("//"):  # an authority (the DNS server to ask), usually empty
-        rest = rest[2:].partition("/")[2]
-    host, sep, port = rest.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise CheckpointError(f"checkpoint service address {target!r} must be dns:///name:port")
-    return host.strip("[]"), int(port)
+    """(name, port) of a `dns:[//authority/]name:port` target (CheckpointError when malformed)."""
+    try:
+        return addresses.dns_host_port(target)
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint service address {e}") from None
 
 
 def parse_addresses(address: str | Sequence[str]) -> list[str]:
@@ -70,13 +67,8 @@ def resolve(entry: str) -> list[str]:
     resolve (yet) is returned as it is: calls to it fail as to an unreachable replica."""
     if not entry.startswith("dns:"):
         return [entry]
-    host, port = _dns_host_port(entry)
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except OSError:
-        return [entry]
-    ips = sorted({info[4][0] for info in infos})
-    return [f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips] or [entry]
+    _dns_host_port(entry)
+    return addresses.resolve_dns(entry)
 
 
 def key_of(value: int | str) -> int:

@@ -28,6 +28,7 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 
+from meshtrain.services.common import addresses
 from meshtrain.services.common.errors import DataError
 
 SUFFIX = ".worker"
@@ -35,15 +36,12 @@ SUFFIX = ".worker"
 _ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):[0-9]{1,5}$")
 
 
-def dns_host_port(target: str) -> tuple[str, str]:
-    """(name, port) of a `dns:[//authority/]name:port` target."""
-    rest = target[len("dns:"):]
-    if rest.startswith("//"):  # an authority (the DNS server to ask), usually empty
-        rest = rest[2:].partition("/")[2]
-    host, sep, port = rest.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise DataError(f"data service address {target!r} must be dns:///name:port")
-    return host.strip("[]"), port
+def dns_host_port(target: str) -> tuple[str, int]:
+    """(name, port) of a `dns:[//authority/]name:port` target (DataError when malformed)."""
+    try:
+        return addresses.dns_host_port(target)
+    except ValueError as e:
+        raise DataError(f"data service address {e}") from None
 
 
 def announce_dir(target: str) -> Path:
@@ -78,13 +76,8 @@ def resolve_workers(address: str) -> list[str]:
         return announced(announce_dir(address))
     if not address.startswith("dns:"):
         return [address]
-    host, port = dns_host_port(address)
-    try:
-        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-    except OSError:  # socket.gaierror: the name is not known (yet)
-        return [address]
-    ips = sorted({info[4][0] for info in infos})
-    return [f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips] or [address]
+    dns_host_port(address)  # a malformed target is named as the data service's
+    return addresses.resolve_dns(address)
 
 
 def announced(folder: Path) -> list[str]:
