@@ -126,6 +126,32 @@ def model_config(metadata: dict[str, Any], specs: dict[str, TensorSpec], where: 
         raise CheckpointError(f"{where}: config.model is not valid: {e}") from e
 
 
+@dataclass
+class Source:
+    """A committed training checkpoint opened for export: its step, manifest, tensors, metadata
+    and model, and how error messages name it."""
+
+    step: int
+    where: str
+    manifest: dict[str, Any]
+    specs: dict[str, TensorSpec]
+    metadata: dict[str, Any]
+    model: ModelConfig
+
+
+def open_source(root: str, step: int | None) -> Source:
+    """Step `step` (default: the latest) of `root`, with its model rebuilt from the metadata.
+
+    Raises:
+        CheckpointError: no committed checkpoint there, or its metadata holds no valid model.
+    """
+    step = resolve_step(root, step)
+    where = f"checkpoint step {step} under {root!r}"
+    manifest = read_manifest(root, step)
+    specs, metadata = tensor_specs(manifest), manifest["metadata"]
+    return Source(step, where, manifest, specs, metadata, model_config(metadata, specs, where))
+
+
 def save_streaming(dst: str, step: int, specs: dict[str, TensorSpec],
                    load: Callable[[str], torch.Tensor], metadata: dict[str, Any],
                    grids: dict[str, tuple[int, ...]] | None = None,

@@ -37,10 +37,8 @@ import torch
 from meshtrain.services.checkpoint import hf_tokenizer, layout
 from meshtrain.services.checkpoint.convert import (
     TensorSpec,
-    model_config,
-    resolve_step,
+    open_source,
     save_streaming,
-    tensor_specs,
 )
 from meshtrain.services.checkpoint.hf_files import model_folder, open_safetensors, read_json, safetensors_files
 from meshtrain.services.checkpoint.hf_llama import (
@@ -59,7 +57,7 @@ from meshtrain.services.checkpoint.hf_write import (
     plan_shards,
     write_shards,
 )
-from meshtrain.services.checkpoint.reader import list_checkpoints, read_manifest, read_tensor
+from meshtrain.services.checkpoint.reader import list_checkpoints, read_tensor
 from meshtrain.services.checkpoint.store import open_root, remove_tree
 from meshtrain.services.checkpoint.tokenizer_store import METADATA_KEY, tokenizer_boxes, tokenizer_spec
 from meshtrain.services.common.builds import local_build_dir, remove_dead_builds
@@ -369,11 +367,9 @@ def export_hf(src_root: str, dst_dir: str, step: int | None = None,
             of the wrong shape or of mixed dtype, the run's tokenizer file is gone, or
             `dst_dir` exists. Nothing is left at `dst_dir` then.
     """
-    step = resolve_step(src_root, step)
-    where = f"checkpoint step {step} under {src_root!r}"
-    manifest = read_manifest(src_root, step)
-    specs, metadata = tensor_specs(manifest), manifest["metadata"]
-    model = model_config(metadata, specs, where)
+    source = open_source(src_root, step)
+    step, where, manifest, specs, metadata, model = (source.step, source.where, source.manifest, source.specs,
+                                                      source.metadata, source.model)
     limit = parse_size(max_shard_size)
     origin = (metadata.get("imported_from") or {}).get("architecture")
     if arch is None and origin in DENSE:  # an imported Mistral exports as a Mistral while it still is one

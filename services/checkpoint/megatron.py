@@ -41,7 +41,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from meshtrain.services.checkpoint.convert import model_config, resolve_step, save_streaming, tensor_specs
+from meshtrain.services.checkpoint.convert import open_source, save_streaming
 from meshtrain.services.checkpoint.megatron_args import (
     check_exportable,
     megatron_flags,
@@ -49,7 +49,7 @@ from meshtrain.services.checkpoint.megatron_args import (
     read_common,
     refuse_unsupported_keys,
 )
-from meshtrain.services.checkpoint.reader import list_checkpoints, read_manifest, read_tensor
+from meshtrain.services.checkpoint.reader import list_checkpoints, read_tensor
 from meshtrain.services.common.builds import local_build_dir, remove_dead_builds
 from meshtrain.services.common.config import to_dict
 from meshtrain.services.common.errors import CheckpointError
@@ -347,11 +347,8 @@ def export_megatron(src_root: str, dst_dir: str, step: int | None = None,
             its own), a tensor is missing or
             misshapen, the padded vocabulary is smaller than the vocabulary, or `dst_dir` exists.
     """
-    step = resolve_step(src_root, step)
-    where = f"checkpoint step {step} under {src_root!r}"
-    manifest = read_manifest(src_root, step)
-    specs, metadata = tensor_specs(manifest), manifest["metadata"]
-    model = model_config(metadata, specs, where)
+    source = open_source(src_root, step)
+    step, where, manifest, specs, model = source.step, source.where, source.manifest, source.specs, source.model
     plan = rules(model)
     rows = model.padded_vocab_size() if padded_vocab_size is None else padded_vocab_size
     if rows < model.vocab_size:
