@@ -413,6 +413,20 @@ def commit(
         return done
     if is_committed(root, step):  # by another save: no point waiting for fragments
         return _lost(root, step, save_id)
+    try:
+        return _commit(root, step, save_id, num_writers, metadata, timeout, poll, cancelled, require_marker, start)
+    except FileNotFoundError:
+        # Another committer won meanwhile and cleared the fragments and objects its manifest
+        # does not list, which this one was reading: its commit is the answer, not a lost file.
+        if is_committed(root, step):
+            return _lost(root, step, save_id)
+        raise
+
+
+def _commit(root: Root, step: int, save_id: str, num_writers: int, metadata: dict[str, Any], timeout: float,
+            poll: float, cancelled: Callable[[], str | None] | None, require_marker: bool,
+            start: float) -> SaveResult:
+    """`commit` once its arguments are checked and the step is not committed yet."""
     deadline = time.monotonic() + timeout
     while True:
         fragments = _read_fragments(root, step, save_id)

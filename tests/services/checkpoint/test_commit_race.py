@@ -148,3 +148,29 @@ def test_a_filesystem_without_atomic_create_is_refused(tmp_path):
     r = open_root(root)
     with pytest.raises(CheckpointError, match="create-if-absent"):
         write_bytes_exclusive(r, join(r.path, "manifest.json"), json.dumps({}).encode())
+
+
+def test_a_loser_whose_files_the_winner_cleared_is_told_the_winner(tmp_path, monkeypatch):
+    """The race seen on S3 under load: a committer past its first look at the manifest reads
+    fragments the winner's commit has just removed. It gets the winner named, not the
+    FileNotFoundError of a fragment that is gone."""
+    from meshtrain.services.checkpoint import sharded
+
+    root = str(tmp_path / "ckpt")
+    winner, loser = begin_save(root, 9), uuid.uuid4().hex
+    _stage(root, 9, winner, 1.0)
+    _stage(root, 9, loser, 2.0)
+    commit(root, 9, winner, 1, timeout=30)
+    real, read = sharded.is_committed, []
+
+    def is_committed(r, s):  # the loser's looks before its read came before the winner's manifest
+        return bool(read) and real(r, s)
+
+    def gone(*args):
+        read.append(args)
+        raise FileNotFoundError("fragment removed by the winner's commit")
+
+    monkeypatch.setattr(sharded, "is_committed", is_committed)
+    monkeypatch.setattr(sharded, "_read_fragments", gone)
+    with pytest.raises(CheckpointError, match=f"already committed, by save '{winner}', not by save {loser}"):
+        commit(root, 9, loser, 1, timeout=30)
