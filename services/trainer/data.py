@@ -100,16 +100,8 @@ def placement(mesh, uses_service: bool) -> tuple[tuple[int, int] | None, Sharing
     spread = ((end * mesh.dp + mesh.dp_rank) * mesh.cp + mesh.cp_rank, ends * mesh.dp * mesh.cp)
     if mesh.tp == 1:
         return spread, None
-    import datetime
-
-    import torch.distributed as dist
-
-    sharing = None
-    for members in mesh._members(("tp",)):  # new_group is collective: every rank makes every group
-        group = dist.new_group(members, backend="gloo", timeout=datetime.timedelta(seconds=_SHARE_TIMEOUT_S))
-        if mesh.rank in members:
-            sharing = Sharing(group, members[0], reads=mesh.rank == members[0])
-    return spread, sharing
+    group, members = mesh.host_group("tp", timeout_s=_SHARE_TIMEOUT_S)
+    return spread, Sharing(group, members[0], reads=mesh.rank == members[0])
 
 
 def _shared(source, sharing: Sharing):

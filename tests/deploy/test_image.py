@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from meshtrain.services.launcher.topology import free_port
 from tests.deploy import docker_image as di
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(2400)]  # builds and a stack: minutes
@@ -86,7 +87,7 @@ class Stack:
     def __init__(self, image: str, tmp_path: Path):
         self.project = f"mt{uuid.uuid4().hex[:8]}"
         self.env = {"PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin", "MESHTRAIN_IMAGE": image,
-                    "RUN_NAME": "r1", "TRAINER_CONTROL_PORT": str(di_free_port()),
+                    "RUN_NAME": "r1", "TRAINER_CONTROL_PORT": str(free_port()),
                     "TRAIN_ARGS": "--train.train_iters=30 --checkpoint.save_interval=10 --train.eval_interval=0 "
                                   "--log.log_interval=1"}
 
@@ -104,12 +105,6 @@ class Stack:
     def trainer_state(self) -> dict:
         cid = self.compose("ps", "-q", "trainer").stdout.strip()
         return json.loads(di.run(["docker", "inspect", cid]).stdout)[0]["State"]
-
-
-def di_free_port() -> int:
-    from meshtrain.services.launcher.topology import free_port
-
-    return free_port()
 
 
 def _wait(cond, what, stack, timeout=600.0):

@@ -228,6 +228,16 @@ class Mesh:
                     if self.rank in m:
                         self.groups[name], self.ranks[name] = g, m
 
+    def host_group(self, axis: str, timeout_s: float = TIMEOUT_S) -> tuple[dist.ProcessGroup, list[int]]:
+        """A gloo group (host tensors, whatever the backend) of this rank's `axis` group, and its
+        ranks. Collective: every rank calls it, and every such group of the axis is made."""
+        mine = None
+        for members in self._members((axis,)):  # new_group is collective: every rank makes every group
+            group = dist.new_group(members, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+            if self.rank in members:
+                mine = (group, members)
+        return mine
+
     @property
     def ep_rank(self) -> int:
         """This rank's index in its expert-parallel group (which slice of the experts it holds)."""
