@@ -3,7 +3,9 @@
 Same architecture family and shapes as meshtrain's model for a given ModelConfig (GPT-2
 style or Llama style), built the way a careful PyTorch user would: SDPA attention, bf16
 autocast, fused AdamW, torch.compile. It shares no code with `services/trainer/model`, so a
-benchmark against it measures meshtrain's engineering, not a copy of itself.
+benchmark against it measures meshtrain's engineering, not a copy of itself. `convert_to_float8`
+turns its blocks' linear layers into torchao's float8 training layers (the output head stays in
+bf16), the FP8 baseline a PyTorch user would reach for; torchao is imported only then.
 """
 
 from __future__ import annotations
@@ -72,7 +74,10 @@ class Block(nn.Module):
         self.c = c
         h, d = c.hidden_size, c.head_dim
         self.nh, self.nkv, self.d = c.num_attention_heads, c.groups, d
-        norm = (lambda: nn.RMSNorm(h, eps=c.norm_epsilon)) if c.normalization == "rmsnorm" else (lambda: nn.LayerNorm(h))
+        if c.normalization == "rmsnorm":
+            norm = lambda: nn.RMSNorm(h, eps=c.norm_epsilon)  # noqa: E731
+        else:
+            norm = lambda: nn.LayerNorm(h)  # noqa: E731
         bias = c.add_bias_linear
         self.ln1, self.ln2 = norm(), norm()
         self.q = nn.Linear(h, self.nh * d, bias=bias)
@@ -140,6 +145,44 @@ class BaselineGPT(nn.Module):
             x = blk(x, self.cos, self.sin)
         logits = self.head(self.ln_f(x))[..., : self.c.vocab_size]
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+FLOAT8_RECIPES = ("tensorwise", "rowwise")
+"""torchao's float8 training recipes `convert_to_float8` accepts (Float8LinearConfig.from_recipe_name):
+one scale per tensor, or one per row of each GEMM operand (finer, slower scaling)."""
+
+
+def convert_to_float8(model: BaselineGPT, recipe: str) -> list[str]:
+    """Swap the linear layers of `model`'s blocks for torchao's `Float8Linear` in place (dynamic
+    scaling, `recipe` of FLOAT8_RECIPES), as torchao's float8 training guide does; the output head
+    stays a plain linear, like the output layer of every FP8 recipe. A linear whose in or out
+    features are not a multiple of 16 (a small MoE router) stays too: the float8 GEMM
+    (torch._scaled_mm) cannot take it. Call it before building the optimizer and compiling.
+
+    Args:
+        model: the baseline, on its device.
+        recipe: "tensorwise" or "rowwise".
+
+    Returns:
+        The names of the converted layers.
+    """
+    if recipe not in FLOAT8_RECIPES:
+        raise ValueError(f"float8 recipe must be one of {', '.join(FLOAT8_RECIPES)}, got {recipe!r}")
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as e:
+        raise ImportError("the float8 baseline needs torchao (pip install torchao; meshtrain's `test` extra "
+                          f"pins the version its tests use): {e}") from e
+    converted = []
+
+    def chosen(linear: nn.Linear, name: str) -> bool:  # torchao asks this of every nn.Linear by its name
+        ok = name.startswith("blocks.") and linear.in_features % 16 == 0 and linear.out_features % 16 == 0
+        if ok:
+            converted.append(name)
+        return ok
+
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe), module_filter_fn=chosen)
+    return converted
 
 
 def make_optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:

@@ -18,7 +18,9 @@ table's s/step is the mean over the timed steps (tokens/s and the ratios come fr
 the median step, and "spread" the slowest step over the fastest, less one. Each ratio is also
 given from the median steps (`*_median` in the JSON), which one stalled step does not move, and
 each row counts the CUDA allocator's events inside its timed steps (`allocator`: cache releases,
-syncs, cudaMalloc and cudaFree calls).
+syncs, cudaMalloc and cudaFree calls). `--baseline-float8 tensorwise|rowwise` adds the baseline with
+torchao's float8 linear layers (the FP8 target a PyTorch user has at hand), with meshtrain's ratio to
+it, and with `--variant` (e.g. meshtrain's own FP8) the variant's ratio to it too.
 """
 
 from __future__ import annotations
@@ -34,14 +36,15 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from meshtrain import kernels  # noqa: E402
-from benchmarks.baseline_gpt import BaselineGPT, make_optimizer  # noqa: E402
+from benchmarks.baseline_gpt import FLOAT8_RECIPES, BaselineGPT, convert_to_float8, make_optimizer  # noqa: E402
 from benchmarks.step_breakdown import format_breakdown, profile_steps  # noqa: E402
+from meshtrain import kernels  # noqa: E402
 from meshtrain.services.common.logging import setup_logging  # noqa: E402
 from meshtrain.services.trainer.config import load_config  # noqa: E402
 from meshtrain.services.trainer.metrics import peak_tflops  # noqa: E402
@@ -179,12 +182,34 @@ def trace_path(args, name: str) -> str | None:
     return str(Path(args.trace_dir) / f"{name}-rank{os.environ.get('RANK', '0')}.json")
 
 
-def baseline_step(job, bf16_residual: bool = False):
-    """(step(i), device, losses): the plain baseline's step on random tokens, each step's last micro-batch
-    loss (divided by the micro-batch count) appended."""
+class Baseline(NamedTuple):
+    """One plain-PyTorch side of the run: its row's name, a short key (trace files), whether its
+    residual stream is cast to bf16, and its torchao float8 recipe (None: no float8)."""
+
+    name: str
+    key: str
+    bf16_residual: bool = False
+    float8: str | None = None
+
+
+PLAIN = Baseline("baseline (plain torch)", "baseline")
+BF16_RESIDUAL = Baseline("baseline, bf16 residual", "baseline-bf16-residual", bf16_residual=True)
+
+
+def float8_baseline(recipe: str) -> Baseline:
+    return Baseline(f"baseline + torchao float8 ({recipe})", f"baseline-float8-{recipe}", float8=recipe)
+
+
+def baseline_step(job, spec: Baseline = PLAIN):
+    """(step(i), device, losses, info): the plain baseline's step on random tokens, each step's last
+    micro-batch loss (divided by the micro-batch count) appended; `info` goes into its row (the float8
+    recipe and how many linear layers it converted)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
-    model = BaselineGPT(job.model, bf16_residual).to(device)
+    model = BaselineGPT(job.model, spec.bf16_residual).to(device)
+    info = {}
+    if spec.float8:
+        info = {"float8": spec.float8, "float8_layers": len(convert_to_float8(model, spec.float8))}
     opt = make_optimizer(model, job.optim.lr, job.optim.weight_decay)
     fwd = torch.compile(model) if job.train.compile else model
     t = job.train
@@ -206,43 +231,43 @@ def baseline_step(job, bf16_residual: bool = False):
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
 
-    return step, device, losses
+    return step, device, losses, info
 
 
-def baseline_row(job, losses, timed: dict) -> dict:
-    """The baseline's result row: the timing and the last step's loss (the whole batch's)."""
+def baseline_row(job, losses, timed: dict, info: dict) -> dict:
+    """The baseline's result row: the timing, the last step's loss (the whole batch's) and `info`."""
     n_micro = job.train.global_batch_size // job.train.micro_batch_size
-    return {**timed, "loss_last": (losses[-1] * n_micro).item()}
+    return {**timed, "loss_last": (losses[-1] * n_micro).item(), **info}
 
 
-def run_baseline(args, job, bf16_residual: bool = False) -> dict:
-    step, device, losses = baseline_step(job, bf16_residual)
+def run_baseline(args, job, spec: Baseline) -> dict:
+    step, device, losses, info = baseline_step(job, spec)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     warm_up(step, args.warmup, device)
     timed = time_steps(step, args.warmup, args.steps, device)
-    out = {**baseline_row(job, losses, timed),
+    out = {**baseline_row(job, losses, timed, info),
            "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None}
     if args.profile_steps:
         out["breakdown"] = profile_steps(step, args.warmup + args.steps, args.profile_steps, device,
-                                         trace_path(args, "baseline"))
+                                         trace_path(args, spec.key))
         out["breakdown"]["timed_ms"] = timed["step_time_s"] * 1e3
     return out
 
 
-def run_rounds(args, overrides, baselines: list[tuple[str, bool]], variant: str | None) -> tuple[dict, object]:
+def run_rounds(args, overrides, baselines: list[Baseline], variant: str | None) -> tuple[dict, object]:
     """--rounds R: build every side first and keep them all, warm each up, then time `steps` steps of
     each side in turn, R times over (the order rotating by one side a round). A drift of the
     machine over the run (clocks, a neighbour) then falls on every side alike, and the per-round
     ratios show how far one round's ratio can be trusted. Every side's weights, optimizer state and
     compiled graphs stay resident together, so peak memory is the process's, not a side's."""
-    sides = {}  # name -> (step, device, losses, trainer or None)
+    sides = {}  # name -> (step, device, losses, trainer or the baseline's row info)
     trainer, step, losses = meshtrain_step(args, overrides)
     sides["meshtrain"] = (step, trainer.device, losses, trainer)
     job = trainer.job
-    for name, bf16_residual in baselines:
-        step, device, losses = baseline_step(job, bf16_residual)
-        sides[name] = (step, device, losses, None)
+    for spec in baselines:
+        step, device, losses, info = baseline_step(job, spec)
+        sides[spec.name] = (step, device, losses, info)
     if variant:
         before = kernels.configured()
         other, step, losses = meshtrain_step(*variant_inputs(args, overrides))
@@ -267,10 +292,10 @@ def run_rounds(args, overrides, baselines: list[tuple[str, bool]], variant: str 
                   "round_step_time_s": [one["step_time_s"] for one in timed[name]],
                   "round_allocator": [one["allocator"] for one in timed[name]],
                   "allocator": _total(one["allocator"] for one in timed[name]), "peak_mem_gb": None}
-        if owner is not None:
-            rows[name] = meshtrain_row(owner, losses, merged)
+        if isinstance(owner, dict):
+            rows[name] = baseline_row(job, losses, merged, owner)
         else:
-            rows[name] = baseline_row(job, losses, merged)
+            rows[name] = meshtrain_row(owner, losses, merged)
     return rows, job
 
 
@@ -290,7 +315,7 @@ def release(job, reset: bool = True) -> None:
         torch.cuda.empty_cache()
 
 
-def run_sequential(args, overrides, baselines: list[tuple[str, bool]], variant: str | None) -> tuple[dict | None, object]:
+def run_sequential(args, overrides, baselines: list[Baseline], variant: str | None) -> tuple[dict | None, object]:
     """The default: each side built, timed and released in turn (one side's memory at a time).
     Rows are None on ranks other than 0, which only take part in meshtrain's run."""
     mesh, job = run_meshtrain(args, overrides)
@@ -298,9 +323,10 @@ def run_sequential(args, overrides, baselines: list[tuple[str, bool]], variant: 
         return None, job
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rows = {f"meshtrain x{world}" if world > 1 else "meshtrain": mesh}
-    for name, bf16_residual in baselines:
-        release(job, reset=bf16_residual)  # the bf16-stream baseline compiles afresh: the plain one's graphs go
-        rows[name] = run_baseline(args, job, bf16_residual)
+    for spec in baselines:
+        # the bf16-stream and float8 baselines compile afresh: the graphs before them go
+        release(job, reset=spec.bf16_residual or spec.float8 is not None)
+        rows[spec.name] = run_baseline(args, job, spec)
     if variant:
         release(job)
         rows[variant], _ = run_meshtrain(*variant_inputs(args, overrides))
@@ -318,6 +344,10 @@ def main() -> None:
     p.add_argument("--baseline-bf16-residual", action="store_true",
                    help="also run the baseline with its residual stream cast to bf16 (the plain baseline "
                         "stays the ratio's denominator; this row shows what that cast alone is worth)")
+    p.add_argument("--baseline-float8", choices=FLOAT8_RECIPES, metavar="RECIPE",
+                   help="also run the plain baseline with its blocks' linear layers in torchao's float8 training "
+                        f"(recipe: {' or '.join(FLOAT8_RECIPES)}; the output head stays bf16), and report "
+                        "meshtrain's ratio to it (needs torchao; not under torchrun; --skip-baseline leaves it)")
     p.add_argument("--variant", metavar="FLAGS",
                    help="one process: after meshtrain, run meshtrain again with these overrides added (one "
                         "string, e.g. --variant=--no-gradient-accumulation-fusion) and report meshtrain's ratio "
@@ -341,9 +371,13 @@ def main() -> None:
         p.error("--rounds must be at least 1")
     if args.rounds > 1 and (world > 1 or args.profile_steps):
         p.error("--rounds interleaves the sides of one process: not with torchrun or --profile-steps")
-    baselines = [] if args.skip_baseline or world > 1 else [("baseline (plain torch)", False)]
+    if args.baseline_float8 and world > 1:
+        p.error("--baseline-float8 runs in one process, not under torchrun")
+    baselines = [] if args.skip_baseline or world > 1 else [PLAIN]
     if baselines and args.baseline_bf16_residual:
-        baselines.append(("baseline, bf16 residual", True))
+        baselines.append(BF16_RESIDUAL)
+    if args.baseline_float8:
+        baselines.append(float8_baseline(args.baseline_float8))
     variant = f"meshtrain {args.variant}" if args.variant else None
     if args.rounds > 1:
         rows, job = run_rounds(args, overrides, baselines, variant)
@@ -373,23 +407,24 @@ def main() -> None:
         "env": {k: v for k, v in os.environ.items()
                 if k.startswith(("NCCL_", "TORCH_NCCL_")) or k == "CUDA_DEVICE_MAX_CONNECTIONS"},
     }
-    if "baseline (plain torch)" in rows:
-        result["ratio_tokens_per_s"] = rows["meshtrain"]["tokens_per_s"] / rows["baseline (plain torch)"]["tokens_per_s"]
-    if "baseline, bf16 residual" in rows:
-        result["ratio_vs_bf16_residual_baseline"] = (rows["meshtrain"]["tokens_per_s"]
-                                                     / rows["baseline, bf16 residual"]["tokens_per_s"])
     if variant:
         result["variant"] = args.variant
-        result["ratio_vs_variant"] = rows["meshtrain"]["tokens_per_s"] / rows[variant]["tokens_per_s"]
-    versus = {"ratio_tokens_per_s": "baseline (plain torch)",
-              "ratio_vs_bf16_residual_baseline": "baseline, bf16 residual", "ratio_vs_variant": variant}
-    for key, other in versus.items():
-        if key not in result:
-            continue
+    float8 = float8_baseline(args.baseline_float8).name if args.baseline_float8 else None
+    versus = {  # key -> (the faster-is-larger side, the side it is divided by): the ratio of their tokens/s
+        "ratio_tokens_per_s": ("meshtrain", PLAIN.name),
+        "ratio_vs_bf16_residual_baseline": ("meshtrain", BF16_RESIDUAL.name),
+        "ratio_vs_variant": ("meshtrain", variant),
+        "ratio_vs_float8_baseline": ("meshtrain", float8),
+        "variant_ratio_vs_float8_baseline": (variant, float8),  # meshtrain with --variant (FP8) against it
+        "float8_baseline_speedup": (float8, PLAIN.name),  # what torchao's float8 is worth to the plain model
+    }
+    versus = {key: pair for key, pair in versus.items() if pair[0] in rows and pair[1] in rows}
+    for key, (side, other) in versus.items():
+        result[key] = rows[side]["tokens_per_s"] / rows[other]["tokens_per_s"]
         # the same ratio from the median steps: one stalled step moves the mean, not this
-        result[key + "_median"] = rows[other]["step_time_median_s"] / rows["meshtrain"]["step_time_median_s"]
+        result[key + "_median"] = rows[other]["step_time_median_s"] / rows[side]["step_time_median_s"]
         if args.rounds > 1:  # each round's ratio, from that round's mean step times
-            result[key + "_rounds"] = [o / m for m, o in zip(rows["meshtrain"]["round_step_time_s"],
+            result[key + "_rounds"] = [o / m for m, o in zip(rows[side]["round_step_time_s"],
                                                               rows[other]["round_step_time_s"], strict=True)]
     if args.single_gpu_json:  # scaling efficiency against a 1-GPU run recorded earlier in the same job
         single = json.loads(Path(args.single_gpu_json).read_text())["results"]["meshtrain"]["tokens_per_s"]
@@ -412,6 +447,12 @@ def main() -> None:
         print(f"ratio meshtrain / bf16-residual baseline: {result['ratio_vs_bf16_residual_baseline']:.3f}")
     if variant:
         print(f"ratio meshtrain / meshtrain {args.variant}: {result['ratio_vs_variant']:.3f}")
+    if "ratio_vs_float8_baseline" in result:
+        print(f"ratio meshtrain / {float8}: {result['ratio_vs_float8_baseline']:.3f}")
+    if "variant_ratio_vs_float8_baseline" in result:
+        print(f"ratio meshtrain {args.variant} / {float8}: {result['variant_ratio_vs_float8_baseline']:.3f}")
+    if "float8_baseline_speedup" in result:
+        print(f"ratio {float8} / baseline (plain torch): {result['float8_baseline_speedup']:.3f}")
     for key in versus:
         if key + "_median" in result:
             print(f"{key} from the median steps: {result[key + '_median']:.3f}")
@@ -422,7 +463,8 @@ def main() -> None:
             counts = ", ".join(f"{key} {n}" for key, n in r["allocator"].items() if n)
             print(f"note: {name}: the CUDA allocator inside the timed steps: {counts} (its slowest steps may be these)")
     if "speedup_vs_1gpu" in result:
-        print(f"speedup vs 1 GPU: {result['speedup_vs_1gpu']:.3f}x (scaling efficiency {result['scaling_efficiency']:.3f})")
+        print(f"speedup vs 1 GPU: {result['speedup_vs_1gpu']:.3f}x "
+              f"(scaling efficiency {result['scaling_efficiency']:.3f})")
     for name, r in rows.items():
         if "breakdown" in r:
             print(format_breakdown(name, r["breakdown"]))

@@ -34,7 +34,8 @@ def test_variant_runs_meshtrain_again_with_its_flags_in_the_same_process(tmp_pat
         assert row["step_time_median_s"] == pytest.approx(sum(row["step_times_s"]) / 2)
         assert row["step_time_s"] >= row["step_time_median_s"] * 0.99
         assert row["allocator"] is None  # the CUDA allocator's counts: none on CPU
-    assert result["ratio_vs_variant"] == pytest.approx(rows["meshtrain"]["tokens_per_s"] / rows[variant]["tokens_per_s"])
+    assert result["ratio_vs_variant"] == pytest.approx(
+        rows["meshtrain"]["tokens_per_s"] / rows[variant]["tokens_per_s"])
     assert result["ratio_vs_variant_median"] == pytest.approx(
         rows[variant]["step_time_median_s"] / rows["meshtrain"]["step_time_median_s"])
     assert f"ratio meshtrain / {variant}:" in done.stdout
@@ -74,7 +75,8 @@ def test_rounds_interleave_every_side_and_report_each_rounds_ratio(tmp_path):
     mesh, base = rows["meshtrain"], rows["baseline (plain torch)"]
     assert result["ratio_tokens_per_s_rounds"] == pytest.approx(
         [b / m for m, b in zip(mesh["round_step_time_s"], base["round_step_time_s"])])
-    assert mesh["step_time_median_s"] == pytest.approx(sum(sorted(mesh["step_times_s"])[2:4]) / 2)  # of all rounds' steps
+    # the median of all rounds' steps
+    assert mesh["step_time_median_s"] == pytest.approx(sum(sorted(mesh["step_times_s"])[2:4]) / 2)
     assert result["ratio_tokens_per_s_median"] == pytest.approx(base["step_time_median_s"] / mesh["step_time_median_s"])
     assert len(result["ratio_vs_variant_rounds"]) == 3
     # each meshtrain side reports its own run's losses: the same first step (data, init), its own learning rate after
@@ -92,3 +94,39 @@ def test_rounds_refuse_a_variant_that_changes_the_kernel_choice(tmp_path):
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode != 0 and "changes the kernel choice" in done.stderr
     assert "time this variant with --rounds 1" in done.stderr and not (tmp_path / "out.json").exists()
+
+
+@pytest.mark.e2e
+def test_float8_baseline_is_a_side_of_its_own_with_its_ratios(tmp_path):
+    pytest.importorskip("torchao.float8", reason="torchao is not installed (the `test` extra has it)")
+    out = tmp_path / "out.json"
+    cmd = [sys.executable, "benchmarks/train_throughput.py", *TINY, "--train.micro_batch_size=4",
+           "--train.global_batch_size=8", "--steps", "2", "--warmup", "1", "--baseline-float8", "rowwise",
+           "--variant=--optim.lr=1e-2", "--run-dir", str(tmp_path / "run"), "--out", str(out),
+           f"--data.cache_dir={tmp_path / 'cache'}"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    rows = result["results"]
+    mesh, plain = rows["meshtrain"], rows["baseline (plain torch)"]
+    variant, float8 = rows["meshtrain --optim.lr=1e-2"], rows["baseline + torchao float8 (rowwise)"]
+    assert len(rows) == 4
+    # 2 blocks x (q, kv, o, up, down); the head stays plain. Same init and batches as the plain baseline, so after
+    # two steps the loss is the plain one's within float8's rounding
+    assert float8["float8"] == "rowwise" and float8["float8_layers"] == 10 and "float8" not in plain
+    assert float8["loss_last"] == pytest.approx(plain["loss_last"], rel=2e-2)
+    for key, (side, other) in {"ratio_vs_float8_baseline": (mesh, float8),
+                               "variant_ratio_vs_float8_baseline": (variant, float8),
+                               "float8_baseline_speedup": (float8, plain),
+                               "ratio_tokens_per_s": (mesh, plain)}.items():
+        assert result[key] == pytest.approx(side["tokens_per_s"] / other["tokens_per_s"]), key
+        assert result[key + "_median"] == pytest.approx(other["step_time_median_s"] / side["step_time_median_s"]), key
+    assert "ratio meshtrain / baseline + torchao float8 (rowwise):" in done.stdout
+    assert "ratio meshtrain --optim.lr=1e-2 / baseline + torchao float8 (rowwise):" in done.stdout
+
+
+def test_float8_baseline_names_its_recipes(tmp_path):
+    done = subprocess.run([sys.executable, "benchmarks/train_throughput.py", "--config", "deploy/configs/tiny.toml",
+                           "--baseline-float8", "delayed"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert done.returncode == 2 and "invalid choice: 'delayed'" in done.stderr
