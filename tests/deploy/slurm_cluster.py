@@ -5,8 +5,10 @@ Everything lives in one temporary folder: the munge socket (slurm.conf's
 `slurm.conf` (found through SLURM_CONF). Ports are free ones on loopback. The node declares
 more CPUs than the machine has (`SlurmdParameters=config_overrides`) so several tasks fit on
 2 cores. `cred_expire=10`: a requeued job waits out its old credential before it may start
-again (default 120 s; starting it earlier fails with "Job credential revoked"). Needs root (slurmd launches jobs as the submitting user) and Debian's slurm-wlm and
-munge (deploy/install-test-deps.sh). `stop()` ends only the daemons this object started and the job processes they spawned.
+again (default 120 s; starting it earlier fails with "Job credential revoked"). Needs root
+(slurmd launches jobs as the submitting user) and Debian's slurm-wlm and munge
+(deploy/install-test-deps.sh). `stop()` ends only the daemons this object started and the job
+processes they spawned. tests/deploy/slurm_nodes.py builds several nodes on this one.
 """
 
 from __future__ import annotations
@@ -91,6 +93,12 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
     def start(self, timeout: float = 60.0) -> None:
         """Start munged, slurmctld and slurmd; return when the node is idle."""
         self.write_config()
+        self._start_controller(timeout)
+        self._spawn(["slurmd", "-D"], "slurmd")
+        self.wait_idle(timeout)
+
+    def _start_controller(self, timeout: float) -> None:
+        """munged (its own socket and a copy of the system's key) and slurmctld."""
         d = self.dir
         key = d / "munge" / "munge.key"
         shutil.copy("/etc/munge/munge.key", key)
@@ -100,9 +108,13 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
                      f"--log-file={d}/munge/munged.log", f"--seed-file={d}/munge/munged.seed"], "munged")
         self._wait(lambda: (d / "munge" / "munge.socket").exists(), timeout, "munged socket")
         self._spawn(["slurmctld", "-D", "-i"], "slurmctld")
-        self._spawn(["slurmd", "-D"], "slurmd")
-        self._wait(lambda: self.run(["sinfo", "-h", "-o", "%T"], check=False).stdout.strip() == "idle",
-                   timeout, "the node to be idle")
+
+    def wait_idle(self, timeout: float = 60.0) -> None:
+        """Return when every node of the cluster reports idle."""
+        def idle() -> bool:
+            states = self.run(["sinfo", "-h", "-N", "-o", "%T"], check=False).stdout.split()
+            return bool(states) and all(s == "idle" for s in states)
+        self._wait(idle, timeout, "the nodes to be idle")
 
     def _spawn(self, argv: list[str], name: str) -> None:
         out = open(self.dir / f"{name}.stdout", "wb")  # noqa: SIM115 -- open for the daemon's life

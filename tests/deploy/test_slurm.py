@@ -182,3 +182,69 @@ def test_the_services_file_keeps_a_save_root_with_a_space_whole(tmp_path):
         out, _ = job.communicate(timeout=60)
     assert job.returncode == 0, out
     assert not token_file.exists() and token not in out
+
+
+def job_time(cluster, job: str, field: str) -> float:
+    """A time field of `scontrol show job` (StartTime, EndTime: local time, to the second) as epoch seconds."""
+    return time.mktime(time.strptime(cluster.job_field(job, field), "%Y-%m-%dT%H:%M:%S"))
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+@pytest.mark.dist
+def test_the_preemption_timer_checkpoints_before_the_time_limit(cluster, tmp_path):
+    """A 2-minute job whose lead, computed from its model and a write bandwidth set low
+    (0.03 MB/s: the small model's 1.4 MB checkpoint then needs ~48 s), is longer than the
+    fallback `--signal` (5 s here): the job's log shows the lead, the timer's SIGTERM comes
+    that long before the limit, and the checkpoint commits before it; the job requeues itself
+    rather than being ended by the limit."""
+    from meshtrain.services.launcher.slurm_preempt import compute_lead
+
+    venv_bin = Path(sys.executable).parent
+    env = {"PATH": f"{venv_bin}:/usr/bin:/bin:/usr/sbin:/sbin", "SERVICES_FILE": str(tmp_path / "services.env"),
+           "SAVE_ROOT": str(tmp_path / "ckpt"), "DATA_WORKERS": "1", "DATA_PORT": str(free_port()),
+           "CKPT_PORT": str(free_port()), "BIND": "127.0.0.1", "NPROC_PER_NODE": "1",
+           "RDZV_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
+           "DEVICE": "cpu", "RUNS_ROOT": str(tmp_path / "runs"), "CKPT_WRITE_MB_S": "0.03", "PREEMPT_MARGIN_S": "10"}
+    services_log, train_log = tmp_path / "services.out", tmp_path / "train.out"
+    services = cluster.run(["sbatch", "--parsable", "--export=ALL", f"--output={services_log}",
+                            "--cpus-per-task=2", "deploy/slurm/services.sbatch"], cwd=REPO, env=env).stdout.strip()
+    job = None
+    try:
+        wait_for((tmp_path / "services.env").exists, "the services' addresses", logs=[services_log])
+        cache = tmp_path / "corpus"
+        prepare_default_dataset(cache, tokenizer="byte", max_bytes=400_000)
+        args = [a for a in small_job_args(cache, tmp_path / "unused", **{
+            "train.train_iters": 100_000, "train.eval_interval": 0, "checkpoint.save_interval": 100_000})
+            if not a.startswith("--log.run_dir=")]
+        lead = compute_lead(args, write_mb_s=0.03, margin_s=10).seconds  # no run yet: no step time
+        assert 40 < lead < 90, lead
+        job = cluster.run(["sbatch", "--parsable", "--export=ALL", f"--output={train_log}", "--time=2",
+                           "--signal=B:TERM@5", "--cpus-per-task=2", "deploy/slurm/train.sbatch", *args],
+                          cwd=REPO, env=env).stdout.strip()
+        wait_for(lambda: cluster.job_field(job, "JobState") == "RUNNING", "the job to start", logs=[train_log])
+        end = job_time(cluster, job, "EndTime")
+        assert end - job_time(cluster, job, "StartTime") == 120
+        wait_for(lambda: cluster.job_field(job, "Restarts") == "1", "the job to requeue itself", timeout=240,
+                 logs=[train_log, services_log])
+        log = train_log.read_text()
+        assert f"lead {lead} s" in log and f"SIGTERM {lead} s before the time limit" in log, excerpt(log)
+        fired = [line for line in log.splitlines() if "the checkpoint needs" in line]
+        assert fired and int(fired[0].split("preemption timer: ")[1].split()[0]) <= lead, excerpt(log)
+        stopped = [line for line in log.splitlines() if "stopped at step" in line]
+        assert stopped, excerpt(log)
+        step = int(stopped[0].split("stopped at step ")[1].split()[0])
+        assert list_checkpoints(str(tmp_path / "ckpt")) == [step], excerpt(log)
+        committed = (tmp_path / "ckpt").glob(f"step_{step:08d}/manifest.json")
+        commit_time = max(p.stat().st_mtime for p in committed)
+        # committed before the limit, and not long after the timer's SIGTERM (the write is fast
+        # here: the lead's bandwidth is set low on purpose)
+        assert end - lead - 5 <= commit_time < end, (end, lead, commit_time)
+        assert "TIMEOUT" not in (cluster.job_field(job, "JobState") or "")
+    finally:
+        if job is not None:  # requeued, pending: a signal cannot reach it, a cancel does
+            cluster.run(["scancel", job], check=False)
+        cluster.run(["scancel", "--signal=TERM", "--full", services], check=False)
+    for extra in (job, services):
+        wait_for(lambda: cluster.job_field(extra, "JobState") in (None, "COMPLETED", "CANCELLED"),  # noqa: B023
+                 "the jobs to stop", logs=[train_log, services_log])
