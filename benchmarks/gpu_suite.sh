@@ -45,6 +45,26 @@
 #              of a small grid, against the current one
 #   host-time  benchmarks/host_time.py on gpt2-125m and llama-1b: host time per step against the
 #              wall, and the CUDA runtime calls that can block the host inside two steps
+#   fp8        FP8 training (not in the default list; needs torchao for the float8 baseline:
+#              python3 -m pip install --no-deps .whl/torchao-0.18.0-*.whl). Rows, in order:
+#                fp8-tests         pytest -m gpu -k fp8 (FP8 layers against bf16, scaling on the GPU)
+#                fp8-llama-1b      train_throughput.py on llama-1b, four sides built and timed in turn
+#                                  (--rounds 1: one side's memory at a time): meshtrain bf16, meshtrain
+#                                  FP8 (--variant), the plain baseline in bf16 and with torchao's float8
+#                                  (--baseline-float8); the FP8 speedup and every ratio in the JSON
+#                fp8-llama3-8b-8layers  the same on benchmarks/configs/llama3-8b-8layers.toml (eight
+#                                  Llama-3-8B-wide blocks, mb2 x 4)
+#                fp8-loss-curve    benchmarks/fp8_loss_curve.py: gpt2-350m, bf16 and FP8 for
+#                                  FP8_LOSS_STEPS steps (default 1000) at seq 1024, mb8 x 1; JSON + PNG
+#              FP8_FLAGS: meshtrain's FP8 flags (default --train.fp8=hybrid --train.fp8_recipe=tensorwise;
+#              the loss curve takes the format and recipe from them); FLOAT8_RECIPE: torchao's recipe
+#              (default tensorwise). FP8_TRAIN_FLAGS: more flags for both throughput rows (e.g.
+#              --train.micro_batch_size=8); FP8_LOSS_FLAGS: more flags for fp8_loss_curve.py (e.g.
+#              --global-batch-size 16, or --data.default_corpus_bytes=4000000 for a cached corpus).
+#              FP8_ROWS="fp8-tests fp8-llama-1b" runs those rows only. Expected on
+#              one H200 (compilation included): tests 1-3 min, llama-1b ~6 min, the 8B-wide ~4 min, the loss
+#              curve ~5 min; where one command may run 10 minutes at most, run the rows in three calls:
+#              FP8_ROWS="fp8-tests fp8-llama-1b", then "fp8-llama3-8b-8layers", then "fp8-loss-curve".
 # NCCL and CUDA environment variables set for the script (NCCL_*, TORCH_NCCL_*,
 # CUDA_DEVICE_MAX_CONNECTIONS) reach every row, and train_throughput.py records them in its JSON;
 # give such a run its own OUT_DIR, with its own 1gpu row.
@@ -97,6 +117,58 @@ where() {  # where NAME: the step breakdown a profiled row printed
 
 chosen() {  # chosen NAME LIST: whether NAME is in the space-separated LIST (an empty LIST chooses all)
   [ -z "$2" ] || [[ " $2 " == *" $1 "* ]]
+}
+
+fp8_summary() {  # fp8_summary NAME: the FP8 ratios of a train_throughput JSON
+  python3 - "$out/$1.json" <<'EOF'
+import json, sys
+try:
+    d = json.load(open(sys.argv[1]))
+except OSError:
+    sys.exit(0)
+say = {"ratio_vs_variant": ("meshtrain FP8 / meshtrain bf16", True),
+       "variant_ratio_vs_float8_baseline": ("meshtrain FP8 / plain + torchao float8", False),
+       "ratio_vs_float8_baseline": ("meshtrain bf16 / plain + torchao float8", False),
+       "float8_baseline_speedup": ("plain + torchao float8 / plain bf16", False),
+       "ratio_tokens_per_s": ("meshtrain bf16 / plain bf16", False)}
+for key, (words, inverse) in say.items():
+    if key in d:
+        mean, median = (1 / d[key], 1 / d[key + "_median"]) if inverse else (d[key], d[key + "_median"])
+        print(f"  {words:<42} {mean:.3f}x (median steps {median:.3f}x)")
+EOF
+}
+
+fp8() {
+  local fp8_flags=${FP8_FLAGS:---train.fp8=hybrid --train.fp8_recipe=tensorwise}
+  local float8="--baseline-float8 ${FLOAT8_RECIPE:-tensorwise}"
+  if ! python3 -c "import torchao.float8" 2>/dev/null; then
+    echo "fp8: torchao is not importable: no float8 baseline (python3 -m pip install --no-deps .whl/torchao-*.whl)"
+    float8=""
+  fi
+  if chosen fp8-tests "${FP8_ROWS:-}"; then
+    job fp8-tests 420 python3 -m pytest -m gpu -k fp8 -v -p no:cacheprovider --durations 10 tests
+    grep -E "passed|failed|error" "$out/fp8-tests.log" | tail -n 3
+  fi
+  local spec name config steps limit
+  for spec in "fp8-llama-1b|deploy/configs/llama-1b.toml|--steps 6 --warmup 3|560" \
+      "fp8-llama3-8b-8layers|benchmarks/configs/llama3-8b-8layers.toml|--steps 10 --warmup 3|420"; do
+    IFS="|" read -r name config steps limit <<< "$spec"
+    chosen "$name" "${FP8_ROWS:-}" || continue
+    job "$name" "$limit" python3 benchmarks/train_throughput.py --config "$config" \
+      --data.default_corpus_bytes=4000000 $steps --rounds 1 $float8 --variant="$fp8_flags" ${FP8_TRAIN_FLAGS:-} \
+      --out "$out/$name.json" --run-dir "$runs/$name"
+    sed -n '/^impl/,/^ratio/p' "$out/$name.log" 2>/dev/null | grep -v "^ratio"
+    fp8_summary "$name"
+  done
+  if chosen fp8-loss-curve "${FP8_ROWS:-}"; then
+    local format recipe
+    format=$(grep -o -- "--train.fp8=[a-z0-9]*" <<< "$fp8_flags" | cut -d= -f2)
+    recipe=$(grep -o -- "--train.fp8_recipe=[a-z]*" <<< "$fp8_flags" | cut -d= -f2)
+    job fp8-loss-curve 560 python3 benchmarks/fp8_loss_curve.py --steps "${FP8_LOSS_STEPS:-1000}" \
+      --fp8-format "${format:-hybrid}" ${recipe:+--fp8-recipe "$recipe"} --timeout-s 270 ${FP8_LOSS_FLAGS:-} \
+      --run-dir "$runs/fp8-loss-curve" --out "$out/fp8-loss-curve.json" --plot "$out/fp8-loss-curve.png"
+    tail -n 4 "$out/fp8-loss-curve.log"
+  fi
 }
 
 scaling() {
@@ -165,6 +237,8 @@ for suite in $suites; do
     ce-sweep)
       job ce-sweep 360 python3 benchmarks/ce_launch_sweep.py --out "$out/ce-sweep.json"
       tail -n 80 "$out/ce-sweep.log" ;;
+    fp8)
+      fp8 ;;
     host-time)
       for cfg in gpt2-125m llama-1b; do
         job "host-time-$cfg" 300 python3 benchmarks/host_time.py --config "deploy/configs/$cfg.toml" \
@@ -172,6 +246,6 @@ for suite in $suites; do
           --run-dir "$runs/host-time-$cfg"
         tail -3 "$out/host-time-$cfg.log" 2>/dev/null
       done ;;
-    *) echo "unknown suite: $suite (suites: tests train kernels scaling ce-sweep host-time)"; exit 2 ;;
+    *) echo "unknown suite: $suite (suites: tests train kernels scaling ce-sweep host-time fp8)"; exit 2 ;;
   esac
 done
