@@ -49,9 +49,11 @@
 #              python3 -m pip install --no-deps .whl/torchao-0.18.0-*.whl). Rows, in order:
 #                fp8-tests         pytest -m gpu -k fp8 (FP8 layers against bf16, scaling on the GPU)
 #                fp8-llama-1b      train_throughput.py on llama-1b, four sides built and timed in turn
-#                                  (--rounds 1: one side's memory at a time): meshtrain bf16, meshtrain
-#                                  FP8 (--variant), the plain baseline in bf16 and with torchao's float8
-#                                  (--baseline-float8); the FP8 speedup and every ratio in the JSON
+#                                  (--rounds 1: one side's memory at a time): meshtrain bf16, the plain
+#                                  baseline in bf16, meshtrain FP8 (--variant), and last the plain
+#                                  baseline with torchao's float8 (--baseline-float8; last because
+#                                  torchao patches Inductor's codegen for the process); the FP8 speedup
+#                                  and every ratio in the JSON
 #                fp8-llama3-8b-8layers  the same on benchmarks/configs/llama3-8b-8layers.toml (eight
 #                                  Llama-3-8B-wide blocks, mb2 x 4)
 #                fp8-loss-curve    benchmarks/fp8_loss_curve.py: gpt2-350m, bf16 and FP8 for

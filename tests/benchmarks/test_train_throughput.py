@@ -110,7 +110,9 @@ def test_float8_baseline_is_a_side_of_its_own_with_its_ratios(tmp_path):
     rows = result["results"]
     mesh, plain = rows["meshtrain"], rows["baseline (plain torch)"]
     variant, float8 = rows["meshtrain --optim.lr=1e-2"], rows["baseline + torchao float8 (rowwise)"]
-    assert len(rows) == 4
+    # the float8 baseline runs last: torchao patches Inductor's codegen for the process, and the others compile first
+    assert list(rows) == ["meshtrain", "baseline (plain torch)", "meshtrain --optim.lr=1e-2",
+                          "baseline + torchao float8 (rowwise)"]
     # 2 blocks x (q, kv, o, up, down); the head stays plain. Same init and batches as the plain baseline, so after
     # two steps the loss is the plain one's within float8's rounding
     assert float8["float8"] == "rowwise" and float8["float8_layers"] == 10 and "float8" not in plain
