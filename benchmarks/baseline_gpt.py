@@ -157,7 +157,9 @@ def convert_to_float8(model: BaselineGPT, recipe: str) -> list[str]:
     scaling, `recipe` of FLOAT8_RECIPES), as torchao's float8 training guide does; the output head
     stays a plain linear, like the output layer of every FP8 recipe. A linear whose in or out
     features are not a multiple of 16 (a small MoE router) stays too: the float8 GEMM
-    (torch._scaled_mm) cannot take it. Call it before building the optimizer and compiling.
+    (torch._scaled_mm) cannot take it. Call it before building the optimizer and compiling. torchao
+    also patches Inductor's Triton min/max codegen here, for every graph the process compiles from
+    then on (its workaround for a Triton fp8 miscompile; the same values).
 
     Args:
         model: the baseline, on its device.
