@@ -74,6 +74,30 @@ class TrainConfig:
     without it, gpt2-125m at 1.006x and gpt2-350m at 1.008x (BENCHMARKS.md).
     Unset: on wherever the copies are on and the device is CUDA; true asks for it (on any
     device), false turns it off."""
+    fp8: Literal["e4m3", "hybrid"] | None = None
+    """Train the transformer blocks' dense linear layers on FP8 GEMMs (--fp8-format): 'e4m3'
+    everywhere, or 'hybrid' (e4m3 activations and weights, e5m2 gradients). Needs train.bf16:
+    everything else stays bf16 autocast with fp32 master weights and optimizer state (the output
+    layer, embeddings, norms, attention and MoE experts too), so checkpoints are the same as a
+    bf16 run's and load either way (services/trainer/fp8/). Unset: off."""
+    fp8_recipe: Literal["tensorwise", "rowwise", "delayed"] = "tensorwise"
+    """FP8 scaling (--fp8-recipe): 'tensorwise' scales each tensor by its current amax; 'rowwise'
+    each row of every GEMM operand along the summed dimension (finer, slower; train.fp8='e4m3'
+    only); 'delayed' by the largest amax of the last fp8_amax_history_len steps (Transformer
+    Engine's default; its first step, and a resumed run's, scale by the current amax)."""
+    fp8_amax_history_len: int = 1024
+    """'delayed': steps of amax history (--fp8-amax-history-len)."""
+    fp8_amax_compute_algo: Literal["max", "most_recent"] = "max"
+    """'delayed': scale from the history's largest amax or its newest (--fp8-amax-compute-algo)."""
+    fp8_margin: int = 0
+    """Scale down by 2^margin below the format's largest value (--fp8-margin)."""
+    fp8_bf16_first_last: bool = False
+    """Keep the first fp8_bf16_layers_at_start and last fp8_bf16_layers_at_end blocks in bf16
+    (--first-last-layers-bf16)."""
+    fp8_bf16_layers_at_start: int = 1
+    """With fp8_bf16_first_last: blocks at the start kept bf16 (--num-layers-at-start-in-bf16)."""
+    fp8_bf16_layers_at_end: int = 1
+    """With fp8_bf16_first_last: blocks at the end kept bf16 (--num-layers-at-end-in-bf16)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """'auto' picks CUDA when present."""
     cuda_graph: bool = False
@@ -140,6 +164,18 @@ class TrainConfig:
         if self.gradient_accumulation_fusion and not (self.bf16 and self.bf16_weight_copies is not False):
             raise ConfigError("train.gradient_accumulation_fusion adds the bf16 weight copies' gradients into the fp32 "
                               "gradients: it needs train.bf16=true and train.bf16_weight_copies left on")
+        if self.fp8 is not None:
+            if not self.bf16:
+                raise ConfigError(f"train.fp8={self.fp8!r} runs the linear layers in FP8 inside bf16 autocast: it "
+                                  "needs train.bf16=true (--bf16)")
+            if self.fp8_recipe == "rowwise" and self.fp8 != "e4m3":
+                raise ConfigError(f"train.fp8_recipe='rowwise' casts gradients to e4m3 (row-scaled FP8 GEMMs take "
+                                  f"e4m3 operands only): set train.fp8='e4m3', not {self.fp8!r}")
+            for key in ("fp8_amax_history_len", "fp8_bf16_layers_at_start", "fp8_bf16_layers_at_end",
+                        "fp8_margin"):
+                if getattr(self, key) < (1 if key == "fp8_amax_history_len" else 0):
+                    raise ConfigError(f"train.{key} must be >= {1 if key == 'fp8_amax_history_len' else 0}, "
+                                      f"got {getattr(self, key)}")
         if self.cuda_graph and self.device == "cpu":
             raise ConfigError("train.cuda_graph captures the step as a CUDA graph: it needs a CUDA device, but "
                               "train.device='cpu'")
@@ -487,6 +523,23 @@ class JobConfig:
         check_tensor_parallel(self.model, self.parallel.tp, self.parallel.sequence_parallel)
         check_context_parallel(self.model, self.parallel)
         check_experts(self.model, self.parallel, self.train)
+        check_fp8(self.train, self.parallel)
+
+
+def check_fp8(train: TrainConfig, parallel: ParallelConfig) -> None:
+    """What FP8 does not combine with (train.fp8's own values are checked by TrainConfig)."""
+    if train.fp8 is None:
+        return
+    if parallel.tp_comm_overlap:
+        raise ConfigError("train.fp8 does not combine with parallel.tp_comm_overlap: its fused all-gather/"
+                          "reduce-scatter GEMMs are bf16; leave one off")
+    if parallel.pipeline_schedule == "zb-h1":
+        raise ConfigError("train.fp8 does not combine with parallel.pipeline_schedule='zb-h1' (the deferred weight "
+                          "gradients are bf16 GEMMs); use 1f1b or interleaved")
+    if train.cuda_graph and train.fp8_recipe == "delayed":
+        raise ConfigError("train.fp8_recipe='delayed' switches from current to historical scales after the first "
+                          "step, which a CUDA graph captured then would never see: use tensorwise with "
+                          "train.cuda_graph")
 
 
 def check_experts(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> None:

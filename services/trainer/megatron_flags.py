@@ -132,9 +132,8 @@ NOT_BUILT: dict[str, tuple[str, ...]] = {
     "no fp16 mixed precision (loss scaling): use --bf16": (
         "--fp16", "--loss-scale", "--initial-loss-scale", "--min-loss-scale", "--loss-scale-window",
         "--hysteresis", "--fp16-lm-cross-entropy"),
-    _FP8: ("--fp8-param-gather", "--fp4-param-gather", "--te-precision-config-file", "--first-last-layers-bf16",
-           "--num-layers-at-start-in-bf16", "--num-layers-at-end-in-bf16", "--reuse-grad-buf-for-mxfp8-param-ag",
-           "--keep-fp8-transpose-cache"),
+    _FP8: ("--fp8-param-gather", "--fp4-param-gather", "--te-precision-config-file",
+           "--reuse-grad-buf-for-mxfp8-param-ag", "--keep-fp8-transpose-cache"),
     _RAMPUP: ("--rampup-batch-size", "--step-batch-size-schedule", "--decrease-batch-size-if-needed"),
     _PROFILE: ("--profile", "--profile-step-start", "--profile-step-end", "--use-pytorch-profiler",
                "--profile-ranks", "--record-memory-history", "--pytorch-profiler-collect-shapes",

@@ -39,6 +39,7 @@ from meshtrain.services.common.security import ClientSecurity
 from meshtrain.services.trainer import checkpointing
 from meshtrain.services.trainer.config import LAUNCHER_KEYS_ENV, JobConfig, replace
 from meshtrain.services.trainer.data import build_data, placement
+from meshtrain.services.trainer.fp8 import build_fp8
 from meshtrain.services.trainer.graphs import MicroBatchGraph
 from meshtrain.services.trainer.metrics import (
     MetricsLog,
@@ -230,6 +231,7 @@ class Trainer:
         recompute.apply(model, job.parallel)
         parallelize(model, self.mesh, job.parallel.sequence_parallel, job.parallel.tp_comm_overlap, self.device,
                     async_grad_reduce=job.parallel.tp_async_grad_reduce)
+        self.fp8 = build_fp8(model, job.train, self.mesh, self.device)  # after tp sharded them, before pp splits
         parallelize_experts(model, self.mesh)  # this ep rank's experts; MoE statistics over dp x cp
         self.pipeline = None
         if self.mesh.pp > 1:  # this rank's chunks of the model, and the runtime that runs its schedule
@@ -310,6 +312,8 @@ class Trainer:
         self.peak = peak_tflops(self.device, job.train.peak_tflops)
         m = self.mesh
         precision = ", bf16 autocast" if job.train.bf16 else ""
+        if self.fp8 is not None:
+            precision += f", {self.fp8.describe()}"
         if self.weight_copies is not None:
             precision += ", bf16 weight copies"
             if self.weight_copies.fused:
@@ -439,6 +443,8 @@ class Trainer:
             self.optimizer.step()
             # a captured graph adds into the .grad tensors it was captured with: keep them
             self.optimizer.zero_grad(set_to_none=self.graph is None)
+        if self.fp8 is not None:
+            self.fp8.step_end()  # delayed scaling: the next step's scales from this step's amaxes
         self.router_stats.end_step()  # expert biases move by this step's loads; its statistics kept for the log
         return total, grad_norm
 

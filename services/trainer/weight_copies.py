@@ -60,8 +60,10 @@ class WeightCopies:
         for module_name, module in model.named_modules(remove_duplicate=False):
             if not isinstance(module, nn.Linear):
                 continue
-            if fuse_weight_grads and module.weight.requires_grad and type(module) in (nn.Linear, MainGradLinear):
-                module.__class__ = MainGradLinear
+            fusable = type(module) in (nn.Linear, MainGradLinear) or getattr(module, "adds_into_main_grad", False)
+            if fuse_weight_grads and module.weight.requires_grad and fusable:
+                if type(module) is nn.Linear:
+                    module.__class__ = MainGradLinear
                 module.main_weight = (module.weight,)
                 self._main_grads[id(module.weight)] = module.weight
             for param_name, param in module.named_parameters(recurse=False):

@@ -1,0 +1,160 @@
+"""Which layers train in FP8, putting them there, and the per-step update of delayed scaling.
+
+`apply_fp8` turns the transformer blocks' dense linear layers (fused QKV, the attention output
+projection, fc1 and fc2) into FP8 layers, after tensor parallelism has sharded them and before a
+pipeline splits the model. Always bf16: the output layer (its logits feed the loss) and the
+embeddings; mixture-of-experts blocks (their grouped expert GEMMs and routers); the first and
+last `bf16_layers_at_start/end` blocks when asked; and any weight whose local shape cuBLAS's FP8
+GEMM refuses (a dimension not a multiple of 16), named in the log. Parameters, their names and
+the state dict do not change, so checkpoints of FP8 and bf16 runs load into each other.
+
+Delayed scaling keeps one stacked state for the model (`DelayedState`); `Fp8Model.step_end()`,
+called once per optimizer step after the backward, reduces the step's amaxes to their max over
+the ranks holding the same layers (tensor and data/context parallel peers, so every replica
+casts alike), turns the histories into the next step's scales and starts a new history entry.
+The history is not checkpointed: a resumed run rebuilds it, its first step scaling by the
+current amax as a new run's does.
+
+    fp8 = apply_fp8(model, Recipe("hybrid", "delayed"), mesh)   # None: no layer qualified
+    ...backward of every micro-batch...
+    fp8.step_end()
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshtrain.services.common.errors import ConfigError
+from meshtrain.services.trainer.fp8.linear import DelayedState, Fp8Gemm, Fp8Linear, Groups, fp8_ready_shape
+from meshtrain.services.trainer.fp8.scaling import Recipe, roll_history, scale_from_history
+from meshtrain.services.trainer.parallel.mesh import Mesh
+
+log = logging.getLogger(__name__)
+
+DENSE_LINEARS = (("attention", "qkv"), ("attention", "proj"), ("mlp", "fc1"), ("mlp", "fc2"))
+"""(submodule, linear) of each block that may run in FP8."""
+
+
+@dataclass
+class Fp8Model:
+    """What `apply_fp8` did: the FP8 layers' names and the delayed-scaling state (if any)."""
+
+    recipe: Recipe
+    layers: list[str]
+    kept: list[str] = field(default_factory=list)  # dense linears left in bf16, with the reason
+    delayed: DelayedState | None = None
+    groups: tuple[dist.ProcessGroup | None, ...] = ()
+
+    @torch.no_grad()
+    def step_end(self) -> None:
+        """Delayed scaling: the next step's scales from the history, after every backward of
+        this step (a no-op for the dynamic recipes)."""
+        state = self.delayed
+        if state is None:
+            return
+        current = state.history[..., 0].contiguous()  # (layers, 3)
+        for group in self.groups:
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(current, op=dist.ReduceOp.MAX, group=group)
+        state.history[..., 0] = current
+        role_max = torch.tensor(self.recipe.dtypes.role_max(), device=current.device)
+        state.scale.copy_(scale_from_history(state.history, role_max, self.recipe.amax_compute_algo,
+                                             self.recipe.margin, state.scale))
+        roll_history(state.history)
+        state.ready = True
+
+    def describe(self) -> str:
+        return f"FP8 {self.recipe.format} {self.recipe.recipe} on {len(self.layers)} linear layers"
+
+
+def _blocks(model: nn.Module) -> list[tuple[int, nn.Module]]:
+    layers = model.layers
+    items = layers.items() if isinstance(layers, nn.ModuleDict) else enumerate(layers)
+    return [(int(i), block) for i, block in items]
+
+
+def build_fp8(model: nn.Module, train, mesh: Mesh, device: torch.device) -> Fp8Model | None:
+    """`apply_fp8` as the job's `train` section asks (None when train.fp8 is unset)."""
+    if train.fp8 is None:
+        return None
+    recipe = Recipe(train.fp8, train.fp8_recipe, train.fp8_amax_history_len, train.fp8_amax_compute_algo,
+                    train.fp8_margin)
+    first_last = train.fp8_bf16_first_last
+    return apply_fp8(model, recipe, mesh, train.fp8_bf16_layers_at_start if first_last else 0,
+                     train.fp8_bf16_layers_at_end if first_last else 0, device)
+
+
+def apply_fp8(model: nn.Module, recipe: Recipe, mesh: Mesh, bf16_layers_at_start: int = 0,
+              bf16_layers_at_end: int = 0, device: torch.device | None = None) -> Fp8Model | None:
+    """Put the eligible linear layers of `model` (a GPT, tensor-parallel or not) on FP8.
+
+    `device`: where the model will train (the delayed state lives there); default: the weights'.
+
+    Returns:
+        The `Fp8Model` handle, or None when no layer qualified (logged).
+
+    Raises:
+        ConfigError: a layer is already FP8, or the bf16 blocks cover the whole model.
+    """
+    blocks = _blocks(model)
+    n = len(blocks)
+    if bf16_layers_at_start + bf16_layers_at_end >= n:
+        raise ConfigError(f"train.fp8: {bf16_layers_at_start} first and {bf16_layers_at_end} last blocks kept in bf16 "
+                          f"leave none of the model's {n} blocks for FP8")
+    chosen: list[tuple[str, nn.Module]] = []
+    kept: list[str] = []
+    for i, block in blocks:
+        for sub, name in DENSE_LINEARS:
+            layer = getattr(getattr(block, sub, None), name, None)
+            if layer is None:  # a mixture-of-experts block has no fc1/fc2
+                continue
+            full = f"layers.{i}.{sub}.{name}"
+            if i < bf16_layers_at_start or i >= n - bf16_layers_at_end:
+                kept.append(f"{full} (bf16 block)")
+                continue
+            out_f, in_f = layer.weight.shape
+            if not fp8_ready_shape(in_f, out_f):
+                kept.append(f"{full} (local weight {out_f}x{in_f}: FP8 GEMMs need multiples of 16)")
+                continue
+            chosen.append((full, layer))
+    if kept:
+        log.info("FP8: %d dense linear layers stay bf16: %s", len(kept), "; ".join(kept[:6]) +
+                 (f"; and {len(kept) - 6} more" if len(kept) > 6 else ""))
+    if not chosen:
+        log.warning("train.fp8: no linear layer qualifies for FP8; the run trains in bf16")
+        return None
+    device = device if device is not None else chosen[0][1].weight.device
+    state = DelayedState(len(chosen), recipe.amax_history_len, device) if recipe.recipe == "delayed" else None
+    for index, (name, layer) in enumerate(chosen):
+        delayed = (state, index) if state is not None else None
+        if isinstance(layer, Fp8Linear) or isinstance(getattr(layer, "linear", None), Fp8Gemm):
+            raise ConfigError(f"{name} is already an FP8 layer")
+        if type(layer) is nn.Linear:
+            layer.__class__ = Fp8Linear
+            layer.fp8 = Fp8Gemm(recipe, Groups(), delayed)
+        else:  # tensor parallel: column- or row-parallel, whose `linear` is the GEMM
+            layer.linear = Fp8Gemm(recipe, _tp_groups(layer, mesh), delayed)
+            if hasattr(layer, "async_grad"):
+                layer.async_grad = False  # its fused backward runs bf16 GEMMs; the plain path takes FP8
+    groups = (mesh.group("tp"), mesh.group("dp_cp")) if state is not None else ()
+    return Fp8Model(recipe, [name for name, _ in chosen], kept, state, groups)
+
+
+def _tp_groups(layer: nn.Module, mesh: Mesh) -> Groups:
+    """The amax groups of a tensor-parallel layer: its sharded weight and the tensor whose
+    dimension it splits (a column-parallel output gradient, a row-parallel input)."""
+    from meshtrain.services.trainer.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+
+    tp = mesh.group("tp") if mesh.tp > 1 else None
+    if getattr(layer, "overlap", False):
+        raise ConfigError("train.fp8 does not combine with parallel.tp_comm_overlap (its fused GEMMs are bf16)")
+    if isinstance(layer, ColumnParallelLinear):
+        return Groups(input=None, weight=tp, grad_output=tp)
+    if isinstance(layer, RowParallelLinear):
+        return Groups(input=tp, weight=tp, grad_output=None)
+    raise ConfigError(f"train.fp8: cannot run a {type(layer).__name__} in FP8")

@@ -1,0 +1,248 @@
+"""FP8 linear layers: y = x W^T + b with all three GEMMs on FP8 operands (`torch._scaled_mm`).
+
+Forward: x and W are scaled and cast to the format's forward dtype (e4m3), multiplied with
+bf16 output, and dequantized by the reciprocal scales inside the GEMM. Backward: the output
+gradient is cast to the backward dtype (e5m2 under 'hybrid') and dx = dy·W and dW = dyᵀ·x run
+as FP8 GEMMs too, from the forward's FP8 copies of x and W (tensorwise and delayed: nothing is
+cast twice) or from their bf16 values re-cast along the other dimension (rowwise: each scale
+belongs to a row of the dimension the GEMM sums over, so dx and dW need W and x scaled per
+column). The fp32 master weights, their gradients and the optimizer never change dtype: W
+arrives as the fp32 parameter or its bf16 weight copy, and dW leaves as a bf16 GEMM result
+added to the fp32 gradient (straight into it when gradient accumulation fusion gives the main
+gradient).
+
+Tensor parallelism: a tensor whose shard differs per rank (a column-parallel weight and its
+output gradient, a row-parallel weight and its input) takes the max of the ranks' amaxes, so
+every rank uses the scale one process would (tensorwise; delayed scaling reduces its whole
+history once per step instead); rowwise scales stay per shard.
+
+    gemm = Fp8Gemm(recipe)                 # one per layer (the delayed state is per layer)
+    y = gemm(x, weight, bias)              # the F.linear signature
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import _functional_collectives as funcol
+
+from meshtrain.services.trainer.fp8.scaling import Recipe, amax, amax_to_scale, cast_to_fp8
+
+E4M3 = torch.float8_e4m3fn
+
+
+@dataclass(frozen=True)
+class Groups:
+    """The tensor-parallel group over which each tensor's amax is reduced (None: the tensor is
+    the same on every rank, or alone)."""
+
+    input: dist.ProcessGroup | None = None
+    weight: dist.ProcessGroup | None = None
+    grad_output: dist.ProcessGroup | None = None
+
+
+def _reduced_amax(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    a = amax(x)
+    if group is None or dist.get_world_size(group) == 1:
+        return a
+    out = funcol.all_reduce(a, "max", group)
+    return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
+
+
+def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+               fast_accum: bool = False) -> torch.Tensor:
+    """(a · scale_a) @ (b · scale_b) in bf16, a and b FP8 (a row-major, b column-major; each
+    scale a scalar or one per row of a / column of b). On CUDA one cuBLAS FP8 GEMM; elsewhere
+    (PyTorch's CPU FP8 GEMM is a scalar loop, seconds for a small layer) the same FP8 values
+    dequantized and multiplied in fp32, exact products summed in another order."""
+    if a.is_cuda:
+        return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16,
+                                use_fast_accum=fast_accum)
+    return ((a.float() * scale_a) @ (b.float() * scale_b)).to(torch.bfloat16)
+
+
+def _col_major(t: torch.Tensor) -> torch.Tensor:
+    """The same matrix laid out column-major (what `_scaled_mm` wants as its second operand)."""
+    return t.t().contiguous().t()
+
+
+class _TensorScaled(torch.autograd.Function):
+    """One scale per tensor: the current amax (dynamic) or the delayed state's scale."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, main_grad, recipe: Recipe, groups: Groups, history, scale, delayed: bool):
+        fmt, w_dtype = recipe.dtypes, weight.dtype
+        # from bf16 whatever arrives (an fp32 master weight, its bf16 copy): one rounding path
+        x2, weight = x.reshape(-1, x.shape[-1]).to(torch.bfloat16), weight.to(torch.bfloat16)  # (M, K), (N, K)
+        ax, aw = _reduced_amax(x2, groups.input), _reduced_amax(weight, groups.weight)
+        if history is not None:  # record this micro-batch's amaxes for the next steps' scales
+            history[0, 0] = torch.maximum(history[0, 0], ax)
+            history[1, 0] = torch.maximum(history[1, 0], aw)
+        if delayed:
+            sx, sw = scale[0], scale[1]
+        else:
+            sx = amax_to_scale(ax, fmt.forward_max, recipe.margin)
+            sw = amax_to_scale(aw, fmt.forward_max, recipe.margin)
+        xq, wq = cast_to_fp8(x2, sx, fmt.forward), cast_to_fp8(weight, sw, fmt.forward)  # (M, K), (N, K)
+        y = _scaled_mm(xq, wq.t(), sx.reciprocal(), sw.reciprocal(), fast_accum=True)  # (M, N)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        ctx.save_for_backward(xq, wq, sx, sw)
+        # Not saved (autograd would check their versions): the main gradient of a tied weight
+        # and the stacked history other layers write into change between forward and backward.
+        ctx.main_grad, ctx.history, ctx.scale = main_grad, history, scale
+        ctx.recipe, ctx.groups, ctx.delayed = recipe, groups, delayed
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, w_dtype
+        ctx.has_bias, ctx.fused = bias is not None, main_grad is not None
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        xq, wq, sx, sw = ctx.saved_tensors
+        main_grad, history, scale = ctx.main_grad, ctx.history, ctx.scale
+        recipe = ctx.recipe
+        fmt = recipe.dtypes
+        dy2 = dy.reshape(-1, dy.shape[-1]).to(torch.bfloat16)  # (M, N)
+        ady = _reduced_amax(dy2, ctx.groups.grad_output)
+        if history is not None:
+            history[2, 0] = torch.maximum(history[2, 0], ady)
+        sdy = scale[2] if ctx.delayed else amax_to_scale(ady, fmt.backward_max, recipe.margin)
+        dyq = cast_to_fp8(dy2, sdy, fmt.backward)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = _scaled_mm(dyq, _col_major(wq), sdy.reciprocal(), sw.reciprocal())  # (M, N) @ (N, K)
+            dx = dx.view(ctx.x_shape).to(ctx.x_dtype)
+        if ctx.fused or ctx.needs_input_grad[1]:
+            dw = _scaled_mm(dyq.t().contiguous(), _col_major(xq), sdy.reciprocal(), sx.reciprocal())  # (N, M) @ (M, K)
+            if ctx.fused:
+                main_grad.add_(dw)
+                dw = None
+            else:
+                dw = dw.to(ctx.w_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy2.sum(0)
+        return dx, dw, db, None, None, None, None, None, None
+
+
+class _RowScaled(torch.autograd.Function):
+    """One scale per row of each GEMM operand along the summed dimension (e4m3 everywhere)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, main_grad, recipe: Recipe):
+        m = recipe.dtypes.forward_max
+        x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # (M, K)
+        w = weight.to(torch.bfloat16)  # (N, K)
+        sx = amax_to_scale(amax(x2, dim=1), m, recipe.margin)  # (M, 1)
+        sw = amax_to_scale(amax(w, dim=1), m, recipe.margin)  # (N, 1)
+        y = _scaled_mm(cast_to_fp8(x2, sx, E4M3), cast_to_fp8(w, sw, E4M3).t(), sx.reciprocal(),
+                       sw.reciprocal().reshape(1, -1), fast_accum=True)  # (M, N)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        ctx.save_for_backward(x2, w)
+        ctx.main_grad = main_grad  # not saved: a tied weight's backward adds into it meanwhile
+        ctx.recipe, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = recipe, x.shape, x.dtype, weight.dtype
+        ctx.has_bias, ctx.fused = bias is not None, main_grad is not None
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, w = ctx.saved_tensors
+        main_grad = ctx.main_grad
+        m, margin = ctx.recipe.dtypes.forward_max, ctx.recipe.margin
+        dy2 = dy.reshape(-1, dy.shape[-1]).to(torch.bfloat16)  # (M, N)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:  # dx = dy W: sums over N
+            s_dy = amax_to_scale(amax(dy2, dim=1), m, margin)  # (M, 1)
+            s_w = amax_to_scale(amax(w, dim=0), m, margin)  # (1, K)
+            dx = _scaled_mm(cast_to_fp8(dy2, s_dy, E4M3), _col_major(cast_to_fp8(w, s_w, E4M3)),
+                            s_dy.reciprocal(), s_w.reciprocal())
+            dx = dx.view(ctx.x_shape).to(ctx.x_dtype)
+        if ctx.fused or ctx.needs_input_grad[1]:  # dW = dy^T x: sums over M
+            s_dy = amax_to_scale(amax(dy2, dim=0), m, margin)  # (1, N)
+            s_x = amax_to_scale(amax(x2, dim=0), m, margin)  # (1, K)
+            dw = _scaled_mm(cast_to_fp8(dy2, s_dy, E4M3).t().contiguous(), _col_major(cast_to_fp8(x2, s_x, E4M3)),
+                            s_dy.reciprocal().reshape(-1, 1), s_x.reciprocal())  # (N, M) @ (M, K)
+            if ctx.fused:
+                main_grad.add_(dw)
+                dw = None
+            else:
+                dw = dw.to(ctx.w_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy2.sum(0)
+        return dx, dw, db, None, None
+
+
+class DelayedState:
+    """The amax histories and scales of every delayed-scaling layer of a model, stacked, so the
+    once-per-step update is a few kernels and one reduction whatever the layer count.
+
+    history: (layers, 3, L) fp32, entry 0 the current step's (raised by every cast); scale:
+    (layers, 3) the scales this step casts with. `ready` turns true after the first step: until
+    then the layers scale by the current amax (no history yet), as 'tensorwise'.
+    """
+
+    def __init__(self, layers: int, history_len: int, device: torch.device):
+        self.history = torch.zeros(layers, 3, history_len, device=device)
+        self.scale = torch.ones(layers, 3, device=device)
+        self.ready = False
+
+
+class Fp8Gemm:
+    """`F.linear(x, weight, bias)` on FP8 operands for one layer (see the module doc).
+
+    Args:
+        recipe: the scaling recipe and formats.
+        groups: tensor-parallel amax groups (tensorwise).
+        delayed: the model's `DelayedState` and this layer's index in it (recipe 'delayed').
+    """
+
+    def __init__(self, recipe: Recipe, groups: Groups = Groups(), delayed: tuple[DelayedState, int] | None = None):
+        if (recipe.recipe == "delayed") != (delayed is not None):
+            raise ValueError("a delayed-scaling FP8 layer needs its state (and only it does)")
+        self.recipe, self.groups, self.delayed = recipe, groups, delayed
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 main_grad: torch.Tensor | None = None) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            if self.recipe.recipe == "rowwise":
+                return _RowScaled.apply(x, weight, bias, main_grad, self.recipe)
+            history = scale = None
+            ready = False
+            if self.delayed is not None:
+                state, i = self.delayed
+                scale, ready = state.scale[i], state.ready
+                history = state.history[i] if torch.is_grad_enabled() else None  # evaluation records nothing
+            return _TensorScaled.apply(x, weight, bias, main_grad, self.recipe, self.groups, history, scale, ready)
+
+
+class Fp8Linear(nn.Linear):
+    """An `nn.Linear` (same parameters and state dict) whose forward runs `Fp8Gemm`.
+
+    Under bf16 weight copies it is handed the bf16 copy; with gradient accumulation fusion
+    (`main_weight` set by `WeightCopies`) the weight gradient goes into the fp32 weight's
+    `.grad` inside the backward, as `MainGradLinear` does.
+    """
+
+    adds_into_main_grad = True  # WeightCopies may fuse its gradient accumulation
+    fp8: Fp8Gemm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        main_grad = None
+        main = getattr(self, "main_weight", None)
+        if main is not None and self.weight is not main[0] and torch.is_grad_enabled():
+            main_grad = main[0].grad
+            if main_grad is None:
+                raise RuntimeError(f"{tuple(main[0].shape)} weight: its fused gradient needs an fp32 .grad to add "
+                                   "into; WeightCopies.refresh() allocates it")
+        return self.fp8(x, self.weight, self.bias, main_grad)
+
+
+def fp8_ready_shape(in_features: int, out_features: int) -> bool:
+    """Whether cuBLAS's FP8 GEMM takes this weight (both dimensions multiples of 16)."""
+    return in_features % 16 == 0 and out_features % 16 == 0
+
+
+__all__ = ["DelayedState", "Fp8Gemm", "Fp8Linear", "Groups", "fp8_ready_shape"]
