@@ -59,7 +59,7 @@
 #                fp8-loss-curve    benchmarks/fp8_loss_curve.py: gpt2-350m, bf16 and FP8 for
 #                                  FP8_LOSS_STEPS steps (default 1000) at seq 1024, mb8 x 1; JSON + PNG
 #              FP8_FLAGS: meshtrain's FP8 flags (default --train.fp8=hybrid --train.fp8_recipe=tensorwise;
-#              the loss curve takes the format and recipe from them); FLOAT8_RECIPE: torchao's recipe
+#              the loss curve's FP8 run gets them too); FLOAT8_RECIPE: torchao's recipe
 #              (default tensorwise). FP8_TRAIN_FLAGS: more flags for both throughput rows (e.g.
 #              --train.micro_batch_size=8); FP8_LOSS_FLAGS: more flags for fp8_loss_curve.py (e.g.
 #              --global-batch-size 16, or --data.default_corpus_bytes=4000000 for a cached corpus).
@@ -163,11 +163,13 @@ fp8() {
     fp8_summary "$name"
   done
   if chosen fp8-loss-curve "${FP8_ROWS:-}"; then
-    local format recipe
+    local format recipe rest
     format=$(grep -o -- "--train.fp8=[a-z0-9]*" <<< "$fp8_flags" | cut -d= -f2)
     recipe=$(grep -o -- "--train.fp8_recipe=[a-z]*" <<< "$fp8_flags" | cut -d= -f2)
+    rest=$(sed -E 's/--train\.fp8(_recipe)?=[a-z0-9]+//g; s/^ +//; s/ +$//' <<< "$fp8_flags")
     job fp8-loss-curve 560 python3 benchmarks/fp8_loss_curve.py --steps "${FP8_LOSS_STEPS:-1000}" \
-      --fp8-format "${format:-hybrid}" ${recipe:+--fp8-recipe "$recipe"} --timeout-s 270 ${FP8_LOSS_FLAGS:-} \
+      --fp8-format "${format:-hybrid}" ${recipe:+--fp8-recipe "$recipe"} --fp8-extra="$rest" --timeout-s 270 \
+      ${FP8_LOSS_FLAGS:-} \
       --run-dir "$runs/fp8-loss-curve" --out "$out/fp8-loss-curve.json" --plot "$out/fp8-loss-curve.png"
     tail -n 4 "$out/fp8-loss-curve.log"
   fi

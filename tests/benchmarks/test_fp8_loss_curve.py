@@ -46,14 +46,15 @@ def png_size(path) -> tuple[int, int]:
 def test_bf16_and_fp8_runs_are_read_compared_and_plotted(tmp_path):
     out, png = tmp_path / "curve.json", tmp_path / "curve.png"
     result = curve.main([*TINY, "--steps", "5", "--tail", "3", "--skip", "1", "--smooth", "2", "--fp8-recipe",
-                         "tensorwise", "--run-dir", str(tmp_path / "runs"), "--out", str(out), "--plot", str(png),
-                         f"--data.cache_dir={tmp_path / 'cache'}"])
+                         "tensorwise", "--fp8-extra=--train.fp8_margin=1", "--run-dir", str(tmp_path / "runs"),
+                         "--out", str(out), "--plot", str(png), f"--data.cache_dir={tmp_path / 'cache'}"])
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     bf16, fp8 = result["runs"]["bf16"], result["runs"]["fp8"]
     # the flags reached each run: its resolved config.toml says so
     assert fp8["fp8"]["fp8"] == "hybrid" and fp8["fp8"]["fp8_recipe"] == "tensorwise" and "fp8" not in bf16["fp8"]
+    assert fp8["fp8"]["fp8_margin"] == 1 and bf16["fp8"]["fp8_margin"] == 0  # --fp8-extra: the FP8 run's alone
     assert (bf16["micro_batch_size"], bf16["global_batch_size"], bf16["seq_length"]) == (2, 4, 32)
-    assert result["fp8_flags"] == "--train.fp8=hybrid --train.fp8_recipe=tensorwise"
+    assert result["fp8_flags"] == "--train.fp8=hybrid --train.fp8_recipe=tensorwise --train.fp8_margin=1"
     for name, run in result["runs"].items():
         records = logged(tmp_path / "runs" / name)
         assert run["losses"] == [r["loss"] for r in records] and len(records) == 5
