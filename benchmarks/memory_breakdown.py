@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.train_throughput import baseline_step, meshtrain_step  # noqa: E402
+from benchmarks.train_throughput import BF16_RESIDUAL, PLAIN, baseline_step, meshtrain_step  # noqa: E402
 from meshtrain.services.common.logging import setup_logging  # noqa: E402
 
 REPO = str(Path(__file__).resolve().parents[1])
@@ -192,7 +192,8 @@ def main() -> None:
         torch._dynamo.reset()
         gc.collect()
         torch.cuda.empty_cache()
-        results["baseline"] = measure(lambda: baseline_step(job, args.baseline_bf16_residual)[0], args.warmup)
+        spec = BF16_RESIDUAL if args.baseline_bf16_residual else PLAIN
+        results["baseline"] = measure(lambda: baseline_step(job, spec)[0], args.warmup)
     for name, r in results.items():
         print_groups(name, r, args.top)
     out = {"config": args.config, "overrides": overrides, "warmup": args.warmup,
