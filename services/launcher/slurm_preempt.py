@@ -8,9 +8,10 @@ sends SIGTERM to the batch script `lead` seconds before the job's end, re-readin
 from Slurm (`squeue -o %L`) so a limit changed while the job runs is followed. The lead covers
 the steps until the ranks act on the signal (they agree to stop at the next logging step), the
 write of a checkpoint (fp32 weights and both AdamW moments: 12 bytes a trained parameter, 4 a
-frozen one) at the storage's write bandwidth, and a margin for the commit and the requeue:
+frozen one) at the storage's write bandwidth, twice where periodic saves are asynchronous (the
+final save waits for one still uploading), and a margin for the commit and the requeue:
 
-    lead = (log_interval + 1) * step_time + checkpoint_bytes / write_bandwidth + margin
+    lead = (log_interval + 1) * step_time + writes * checkpoint_bytes / write_bandwidth + margin
 
     python -m meshtrain.services.launcher.slurm_preempt lead [--write-mb-s 200] [--margin-s 60] \\
         [--step-time-s S] [--run-dir DIR] -- --config deploy/configs/gpt2-125m.toml [train overrides]
@@ -58,17 +59,20 @@ class Lead:
     step_time_s: float
     steps_to_stop: int
     margin_s: float
+    writes: int = 1
+    """Checkpoint writes to wait for: 2 where a periodic asynchronous save may still be uploading."""
 
     @property
     def write_s(self) -> float:
-        return self.checkpoint_bytes / (self.write_mb_s * 1e6)
+        return self.writes * self.checkpoint_bytes / (self.write_mb_s * 1e6)
 
     @property
     def seconds(self) -> int:
         return math.ceil(self.steps_to_stop * self.step_time_s + self.write_s + self.margin_s)
 
     def explain(self) -> str:
-        return (f"{self.parameters:,} parameters, checkpoint {self.checkpoint_bytes / 1e6:,.1f} MB at "
+        times = "" if self.writes == 1 else f"{self.writes} x "
+        return (f"{self.parameters:,} parameters, {times}checkpoint {self.checkpoint_bytes / 1e6:,.1f} MB at "
                 f"{self.write_mb_s:g} MB/s = {self.write_s:.1f} s; {self.steps_to_stop} steps of "
                 f"{self.step_time_s:.2f} s; margin {self.margin_s:g} s: lead {self.seconds} s")
 
@@ -152,7 +156,9 @@ def compute_lead(train_args: list[str], write_mb_s: float = DEFAULT_WRITE_MB_S, 
         folder = job.log.run_dir or run_dir
         step_time_s = (logged_step_time(Path(folder)) if folder else None) or 0.0
     parameters, size = checkpoint_size(job)
-    return Lead(parameters, size, write_mb_s, step_time_s, job.log.log_interval + 1, margin_s)
+    c = job.checkpoint
+    writes = 2 if c.save_interval > 0 and c.async_save else 1
+    return Lead(parameters, size, write_mb_s, step_time_s, job.log.log_interval + 1, margin_s, writes)
 
 
 def parse_time_left(text: str) -> int | None:

@@ -194,10 +194,10 @@ def job_time(cluster, job: str, field: str) -> float:
 @pytest.mark.dist
 def test_the_preemption_timer_checkpoints_before_the_time_limit(cluster, tmp_path):
     """A 2-minute job whose lead, computed from its model and a write bandwidth set low
-    (0.03 MB/s: the small model's 1.4 MB checkpoint then needs ~48 s), is longer than the
-    fallback `--signal` (5 s here): the job's log shows the lead, the timer's SIGTERM comes
-    that long before the limit, and the checkpoint commits before it; the job requeues itself
-    rather than being ended by the limit."""
+    (0.06 MB/s: the small model's 1.4 MB checkpoint then needs ~24 s, counted twice with
+    periodic asynchronous saves), is longer than the fallback `--signal` (5 s here): the job's
+    log shows the lead, the timer's SIGTERM comes that long before the limit, and the
+    checkpoint commits before it; the job requeues itself rather than being ended by the limit."""
     from meshtrain.services.launcher.slurm_preempt import compute_lead
 
     venv_bin = Path(sys.executable).parent
@@ -205,7 +205,7 @@ def test_the_preemption_timer_checkpoints_before_the_time_limit(cluster, tmp_pat
            "SAVE_ROOT": str(tmp_path / "ckpt"), "DATA_WORKERS": "1", "DATA_PORT": str(free_port()),
            "CKPT_PORT": str(free_port()), "BIND": "127.0.0.1", "NPROC_PER_NODE": "1",
            "RDZV_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
-           "DEVICE": "cpu", "RUNS_ROOT": str(tmp_path / "runs"), "CKPT_WRITE_MB_S": "0.03", "PREEMPT_MARGIN_S": "10"}
+           "DEVICE": "cpu", "RUNS_ROOT": str(tmp_path / "runs"), "CKPT_WRITE_MB_S": "0.06", "PREEMPT_MARGIN_S": "10"}
     services_log, train_log = tmp_path / "services.out", tmp_path / "train.out"
     services = cluster.run(["sbatch", "--parsable", "--export=ALL", f"--output={services_log}",
                             "--cpus-per-task=2", "deploy/slurm/services.sbatch"], cwd=REPO, env=env).stdout.strip()
@@ -217,7 +217,7 @@ def test_the_preemption_timer_checkpoints_before_the_time_limit(cluster, tmp_pat
         args = [a for a in small_job_args(cache, tmp_path / "unused", **{
             "train.train_iters": 100_000, "train.eval_interval": 0, "checkpoint.save_interval": 100_000})
             if not a.startswith("--log.run_dir=")]
-        lead = compute_lead(args, write_mb_s=0.03, margin_s=10).seconds  # no run yet: no step time
+        lead = compute_lead(args, write_mb_s=0.06, margin_s=10).seconds  # no run yet: no step time
         assert 40 < lead < 90, lead
         job = cluster.run(["sbatch", "--parsable", "--export=ALL", f"--output={train_log}", "--time=2",
                            "--signal=B:TERM@5", "--cpus-per-task=2", "deploy/slurm/train.sbatch", *args],

@@ -47,8 +47,11 @@ def test_the_lead_counts_weights_and_both_adam_moments_at_the_write_bandwidth(mo
     assert lead.parameters == n
     assert lead.checkpoint_bytes == 12 * n
     assert lead.steps_to_stop == 11  # log_interval 10: the ranks stop at the next logging step
-    assert lead.seconds == -(-(11 * 0.5 + 12 * n / 2e6 + 30) // 1)
-    assert f"lead {lead.seconds} s" in lead.explain()
+    assert lead.writes == 2  # save_interval 100, asynchronous: a periodic save may be uploading
+    assert lead.seconds == -(-(11 * 0.5 + 2 * 12 * n / 2e6 + 30) // 1)
+    assert f"lead {lead.seconds} s" in lead.explain() and "2 x checkpoint" in lead.explain()
+    for only_final in (["--checkpoint.save_interval=0"], ["--checkpoint.async_save=false"]):
+        assert compute_lead([*TINY, *only_final], write_mb_s=2.0, margin_s=30, step_time_s=0.5).writes == 1
     # overrides count: a wider model needs a longer lead
     wider = compute_lead([*TINY, "--model.hidden_size=256"], write_mb_s=2.0, margin_s=30, step_time_s=0.5)
     assert wider.parameters == gpt2_parameters(4, 256, 4096, 128) and wider.seconds > lead.seconds
@@ -77,7 +80,8 @@ def test_bad_settings_and_arguments_are_errors_naming_them(monkeypatch, capsys):
 
 def test_the_command_prints_the_lead_alone_on_stdout():
     out = subprocess.run([sys.executable, "-m", "meshtrain.services.launcher.slurm_preempt", "lead",
-                          "--write-mb-s", "1", "--margin-s", "5", "--step-time-s", "0", "--", *TINY],
+                          "--write-mb-s", "1", "--margin-s", "5", "--step-time-s", "0", "--", *TINY,
+                          "--checkpoint.save_interval=0"],
                          capture_output=True, text=True, timeout=120, check=True,
                          cwd=REPO)
     n = gpt2_parameters(4, 128, 4096, 128)
