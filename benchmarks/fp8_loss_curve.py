@@ -68,8 +68,10 @@ def train(name: str, flags: list[str], run_base: Path, timeout_s: float | None) 
     start = time.perf_counter()
     with open(log_path, "w") as log:
         try:
-            done = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
-                                  env={**os.environ, "PYTHONUNBUFFERED": "1"}, check=False)
+            # in this directory, as the paths given are; this checkout's meshtrain whether installed or not
+            path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+            done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
+                                  env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}, check=False)
             failed = f"exit {done.returncode}" if done.returncode else None
         except subprocess.TimeoutExpired:
             failed = f"still running after {timeout_s} s"
