@@ -101,8 +101,8 @@ def refused_flags(args) -> set[str]:
 
 GPT3_REFUSED = {"--fp16", "--step-batch-size-schedule"}
 LLAMA_REFUSED = {"--apply-layernorm-1p", "--decoupled-lr", "--decoupled-min-lr", "--calculate-per-token-loss",
-                 "--exit-duration-in-mins", "--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo",
-                 "--fp8-param-gather", "--mock-data", "--profile", "--profile-step-start", "--profile-step-end"}
+                 "--exit-duration-in-mins", "--fp8-param-gather", "--mock-data", "--profile", "--profile-step-start",
+                 "--profile-step-end"}
 
 
 @pytest.fixture
@@ -166,6 +166,8 @@ def test_the_llama3_example_parses_to_what_it_means(tmp_path, caplog):
     assert "--lr-warmup-samples" not in caplog.text
     assert (t.bf16, p.grad_reduce_dtype, p.use_distributed_optimizer, p.overlap_grad_reduce,
             p.overlap_param_gather) == (True, "bf16", True, True, True)
+    assert (t.fp8, t.fp8_recipe, t.fp8_amax_history_len, t.fp8_amax_compute_algo) == (
+        "hybrid", "tensorwise", 1024, "max")
     assert (p.tp, p.cp, p.sequence_parallel, p.distributed_timeout_minutes) == (1, 1, False, 60.0)
     assert "--sequence-parallel with --tensor-model-parallel-size 1: off" in caplog.text
     assert (d.tokenizer, d.vocab_size, d.tiktoken_pattern, d.split, d.cache_dir) == (
@@ -351,5 +353,5 @@ def test_the_llama3_example_trains_from_the_command_line(tmp_path):
     assert [r["lr"] for r in rows if "lr" in r] == pytest.approx([1.5e-4, 1.5e-4, 1e-5])
     job = load_config(["--config", str(tmp_path / "run" / "config.toml")])
     assert (job.model.num_query_groups, job.model.kv_channels, job.model.rotary_base, job.train.bf16,
-            job.parallel.use_distributed_optimizer) == (2, 16, 1e6, True, True)
+            job.parallel.use_distributed_optimizer, job.train.fp8) == (2, 16, 1e6, True, True, "hybrid")
     assert list_checkpoints(str(tmp_path / "ckpt")) == [3]
