@@ -100,6 +100,20 @@ def test_fp8_training_follows_bf16(recipe, fmt, corpus_cache, tmp_path):
     assert _losses(fp8) != _losses(bf16)  # FP8 really ran
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_recompute_reruns_the_same_fp8_forward(recipe, corpus_cache, tmp_path):
+    """Full recompute: the second forward (on the fp32 weights, after the copies are put back)
+    casts the same FP8 values, and records no new amax (the max is idempotent): losses equal
+    the run without recompute exactly."""
+    common = dict(LLAMA, **{"train.bf16": True, "train.eval_interval": 0, "train.train_iters": 6,
+                            "train.fp8": "hybrid", "train.fp8_recipe": recipe,
+                            "train.gradient_accumulation_fusion": True})
+    plain = train(load_config(small_job_args(corpus_cache, tmp_path / "plain", **common)))
+    again = train(load_config(small_job_args(corpus_cache, tmp_path / "again", **common,
+                                             **{"parallel.recompute_granularity": "full"})))
+    assert again.losses == plain.losses
+
+
 def test_checkpoints_load_across_fp8_and_bf16(corpus_cache, tmp_path):
     """An FP8 run's checkpoint resumes a bf16 run and the reverse: the same arrays, and the
     resumed run continues from the saved parameters."""
