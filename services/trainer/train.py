@@ -40,6 +40,7 @@ from meshtrain.services.trainer import checkpointing
 from meshtrain.services.trainer.config import LAUNCHER_KEYS_ENV, JobConfig, replace
 from meshtrain.services.trainer.data import build_data, placement
 from meshtrain.services.trainer.fp8 import build_fp8
+from meshtrain.services.trainer.fp8.weights import Fp8WeightCache
 from meshtrain.services.trainer.graphs import MicroBatchGraph
 from meshtrain.services.trainer.metrics import (
     MetricsLog,
@@ -274,6 +275,8 @@ class Trainer:
             raise ConfigError(
                 f"train.gradient_accumulation_fusion adds into the fp32 gradients from the bf16 weight copies' "
                 f"GEMMs, and this job has none ({self.mesh.world_size} ranks: the copies run in a single process)")
+        # this step's FP8 weights, cast with the copies once a step (services/trainer/fp8/weights.py)
+        self.fp8_weights = Fp8WeightCache.for_run(self.model, self.fp8) if self.weight_copies is not None else None
         self.forward = self.model
         compile_options = {"coordinate_descent_tuning": True} if job.train.compile_coordinate_descent_tuning else None
         if job.train.compile and (p.overlap_param_gather or self.pipeline is not None):
@@ -305,7 +308,7 @@ class Trainer:
                 raise ConfigError(
                     f"train.cuda_graph runs in a single process; this job has {self.mesh.world_size} ranks, whose "
                     "gradient reductions and collectives are not captured: leave it off or run one process")
-            copies = self.weight_copies.copies if self.weight_copies is not None else None
+            copies = self._copies() if self.weight_copies is not None else None
             n_micro = job.train.global_batch_size // job.train.micro_batch_size
             self.graph = MicroBatchGraph(functools.partial(self._micro_batch, copies, n_micro),
                                          list(self.model.parameters()), self.device)
@@ -427,7 +430,9 @@ class Trainer:
         copies = None
         if self.weight_copies is not None:
             self.weight_copies.refresh()  # this step's weights: after the last update or a load
-            copies = self.weight_copies.copies
+            if self.fp8_weights is not None:
+                self.fp8_weights.refresh(self.weight_copies.copies)
+            copies = self._copies()
         if self.pipeline is not None:
             total = self.pipeline.step(self._pipeline_inputs(micro, self.pipeline.n_micro))
         else:
@@ -447,6 +452,13 @@ class Trainer:
             self.fp8.step_end()  # delayed scaling: the next step's scales from this step's amaxes
         self.router_stats.end_step()  # expert biases move by this step's loads; its statistics kept for the log
         return total, grad_norm
+
+    def _copies(self) -> dict[str, torch.Tensor]:
+        """What the model trains on in place of its parameters: the weight copies, and the
+        FP8 weights cast from them where there are any (both refreshed in place each step)."""
+        if self.fp8_weights is None:
+            return self.weight_copies.copies
+        return {**self.weight_copies.copies, **self.fp8_weights.entries}
 
     def _pipeline_inputs(self, micro, n: int):
         """Each of `n` micro-batches on the device for the stages that read data (`micro`), n

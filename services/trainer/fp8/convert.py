@@ -136,7 +136,7 @@ def apply_fp8(model: nn.Module, recipe: Recipe, mesh: Mesh, bf16_layers_at_start
             raise ConfigError(f"{name} is already an FP8 layer")
         if type(layer) is nn.Linear:
             layer.__class__ = Fp8Linear
-            layer.fp8 = Fp8Gemm(recipe, Groups(), delayed)
+            layer.make_fp8(Fp8Gemm(recipe, Groups(), delayed))
         else:  # tensor parallel: column- or row-parallel, whose `linear` is the GEMM
             layer.linear = Fp8Gemm(recipe, _tp_groups(layer, mesh), delayed)
             if hasattr(layer, "async_grad"):

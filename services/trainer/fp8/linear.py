@@ -73,24 +73,31 @@ class _TensorScaled(torch.autograd.Function):
     """One scale per tensor: the current amax (dynamic) or the delayed state's scale."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, main_grad, recipe: Recipe, groups: Groups, history, scale, delayed: bool):
+    def forward(ctx, x, weight, bias, main_grad, recipe: Recipe, groups: Groups, history, scale, delayed: bool,
+                wq=None, wq_t=None, sw=None):
+        """wq, wq_t, sw: the weight already cast this step (`Fp8WeightCache`: wq (N, K) and its
+        transpose (K, N), both FP8, and its scale); None: cast here."""
         fmt, w_dtype = recipe.dtypes, weight.dtype
         # from bf16 whatever arrives (an fp32 master weight, its bf16 copy): one rounding path
-        x2, weight = x.reshape(-1, x.shape[-1]).to(torch.bfloat16), weight.to(torch.bfloat16)  # (M, K), (N, K)
-        ax, aw = _reduced_amax(x2, groups.input), _reduced_amax(weight, groups.weight)
+        x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # (M, K)
+        ax = _reduced_amax(x2, groups.input)
         if history is not None:  # record this micro-batch's amaxes for the next steps' scales
             history[0, 0] = torch.maximum(history[0, 0], ax)
-            history[1, 0] = torch.maximum(history[1, 0], aw)
-        if delayed:
-            sx, sw = scale[0], scale[1]
-        else:
-            sx = amax_to_scale(ax, fmt.forward_max, recipe.margin)
-            sw = amax_to_scale(aw, fmt.forward_max, recipe.margin)
-        xq, wq = cast_to_fp8(x2, sx, fmt.forward), cast_to_fp8(weight, sw, fmt.forward)  # (M, K), (N, K)
+        sx = scale[0] if delayed else amax_to_scale(ax, fmt.forward_max, recipe.margin)
+        if wq is None:
+            weight = weight.to(torch.bfloat16)  # (N, K)
+            aw = _reduced_amax(weight, groups.weight)
+            if history is not None:
+                history[1, 0] = torch.maximum(history[1, 0], aw)
+            sw = scale[1] if delayed else amax_to_scale(aw, fmt.forward_max, recipe.margin)
+            wq = cast_to_fp8(weight, sw, fmt.forward)
+        xq = cast_to_fp8(x2, sx, fmt.forward)  # (M, K)
         y = _scaled_mm(xq, wq.t(), sx.reciprocal(), sw.reciprocal(), fast_accum=True)  # (M, N)
         if bias is not None:
             y = y + bias.to(y.dtype)
-        ctx.save_for_backward(xq, wq, sx, sw)
+        # W's transpose (K, N) is the input gradient's operand; cast here or given, the same tensor
+        # is saved either way (activation recompute checks that the rerun saves alike)
+        ctx.save_for_backward(xq, wq.t().contiguous() if wq_t is None else wq_t, sx, sw)
         # Not saved (autograd would check their versions): the main gradient of a tied weight
         # and the stacked history other layers write into change between forward and backward.
         ctx.main_grad, ctx.history, ctx.scale = main_grad, history, scale
@@ -101,7 +108,8 @@ class _TensorScaled(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        xq, wq, sx, sw = ctx.saved_tensors
+        xq, wq_t, sx, sw = ctx.saved_tensors
+        w_col = wq_t.t()  # W (N, K), column-major
         main_grad, history, scale = ctx.main_grad, ctx.history, ctx.scale
         recipe = ctx.recipe
         fmt = recipe.dtypes
@@ -113,7 +121,7 @@ class _TensorScaled(torch.autograd.Function):
         dyq = cast_to_fp8(dy2, sdy, fmt.backward)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            dx = _scaled_mm(dyq, _col_major(wq), sdy.reciprocal(), sw.reciprocal())  # (M, N) @ (N, K)
+            dx = _scaled_mm(dyq, w_col, sdy.reciprocal(), sw.reciprocal())  # (M, N) @ (N, K)
             dx = dx.view(ctx.x_shape).to(ctx.x_dtype)
         if ctx.fused or ctx.needs_input_grad[1]:
             dw = _scaled_mm(dyq.t().contiguous(), _col_major(xq), sdy.reciprocal(), sx.reciprocal())  # (N, M) @ (M, K)
@@ -124,7 +132,7 @@ class _TensorScaled(torch.autograd.Function):
                 dw = dw.to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
-        return dx, dw, db, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None, None
 
 
 class _RowScaled(torch.autograd.Function):
@@ -205,7 +213,9 @@ class Fp8Gemm:
         self.recipe, self.groups, self.delayed = recipe, groups, delayed
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 main_grad: torch.Tensor | None = None) -> torch.Tensor:
+                 main_grad: torch.Tensor | None = None,
+                 cast: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """`cast`: (FP8 weight, its transpose, its scale) from `Fp8WeightCache` (not rowwise)."""
         with torch.autocast(x.device.type, enabled=False):
             if self.recipe.recipe == "rowwise":
                 return _RowScaled.apply(x, weight, bias, main_grad, self.recipe)
@@ -215,7 +225,8 @@ class Fp8Gemm:
                 state, i = self.delayed
                 scale, ready = state.scale[i], state.ready
                 history = state.history[i] if torch.is_grad_enabled() else None  # evaluation records nothing
-            return _TensorScaled.apply(x, weight, bias, main_grad, self.recipe, self.groups, history, scale, ready)
+            return _TensorScaled.apply(x, weight, bias, main_grad, self.recipe, self.groups, history, scale, ready,
+                                       *(cast or (None, None, None)))
 
 
 class Fp8Linear(nn.Linear):
@@ -228,6 +239,16 @@ class Fp8Linear(nn.Linear):
 
     adds_into_main_grad = True  # WeightCopies may fuse its gradient accumulation
     fp8: Fp8Gemm
+    # Empty, except where `Fp8WeightCache` passes this step's cast weight in (by functional_call)
+    fp8_weight: torch.Tensor
+    fp8_weight_t: torch.Tensor
+    fp8_weight_scale: torch.Tensor
+
+    def make_fp8(self, gemm: Fp8Gemm) -> None:
+        """Turn this `nn.Linear` (already of this class) into an FP8 layer running `gemm`."""
+        self.fp8 = gemm
+        for name in ("fp8_weight", "fp8_weight_t", "fp8_weight_scale"):
+            self.register_buffer(name, torch.empty(0, device=self.weight.device), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         main_grad = None
@@ -237,7 +258,10 @@ class Fp8Linear(nn.Linear):
             if main_grad is None:
                 raise RuntimeError(f"{tuple(main[0].shape)} weight: its fused gradient needs an fp32 .grad to add "
                                    "into; WeightCopies.refresh() allocates it")
-        return self.fp8(x, self.weight, self.bias, main_grad)
+        cast = None
+        if self.fp8_weight.numel():  # given this step's cast (training on the weight copies)
+            cast = (self.fp8_weight, self.fp8_weight_t, self.fp8_weight_scale)
+        return self.fp8(x, self.weight, self.bias, main_grad, cast)
 
 
 def fp8_ready_shape(in_features: int, out_features: int) -> bool:

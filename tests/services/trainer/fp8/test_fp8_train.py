@@ -114,6 +114,22 @@ def test_recompute_reruns_the_same_fp8_forward(recipe, corpus_cache, tmp_path):
     assert again.losses == plain.losses
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_weights_cast_once_a_step_train_as_weights_cast_in_every_layer_call(recipe, corpus_cache, tmp_path):
+    """Fp8WeightCache (with the bf16 weight copies) against no copies, where each layer casts
+    its fp32 weight itself in every micro-batch: the same losses, exactly."""
+    common = dict(LLAMA, **{"train.bf16": True, "train.eval_interval": 0, "train.train_iters": 6,
+                            "train.fp8": "hybrid", "train.fp8_recipe": recipe})
+    args = small_job_args(corpus_cache, tmp_path / "cached", **common)
+    trainer = Trainer(load_config(args))
+    assert trainer.fp8_weights is not None and len(trainer.fp8_weights.entries) == 3 * 4 * 2
+    trainer.release_run_dir()
+    cached = train(load_config(args))
+    uncached = train(load_config(small_job_args(corpus_cache, tmp_path / "uncached", **common,
+                                                **{"train.bf16_weight_copies": False})))
+    assert cached.losses == uncached.losses
+
+
 def test_checkpoints_load_across_fp8_and_bf16(corpus_cache, tmp_path):
     """An FP8 run's checkpoint resumes a bf16 run and the reverse: the same arrays, and the
     resumed run continues from the saved parameters."""

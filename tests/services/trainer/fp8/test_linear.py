@@ -144,7 +144,7 @@ def test_fused_accumulation_adds_into_the_main_gradient():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64))
     model[0].__class__ = Fp8Linear
-    model[0].fp8 = Fp8Gemm(Recipe("hybrid", "tensorwise"))
+    model[0].make_fp8(Fp8Gemm(Recipe("hybrid", "tensorwise")))
     copies = WeightCopies(model, torch.bfloat16, fuse_weight_grads=True)
     assert copies.fused
     x1, x2 = torch.randn(8, 32), torch.randn(8, 32)

@@ -1,0 +1,73 @@
+"""FP8 weights cast once per optimizer step, beside the bf16 weight copies.
+
+Under bf16 weight copies (one process) a weight does not change between the micro-batches of a
+step, yet an FP8 layer would take its amax, cast it and transpose it in every micro-batch's
+forward. `Fp8WeightCache` does that once per step, right after `WeightCopies.refresh`, into
+buffers allocated once: per FP8 layer the e4m3 weight (N, K), its transpose (K, N) (the
+column-major operand of the input-gradient GEMM) and its scale. The trainer hands them to the
+model with the copies (`entries`, names `<layer>.fp8_weight*`, which `functional_call` puts in
+place of the layers' empty buffers); anything that runs the model without them (evaluation,
+activation recompute's second forward, a multi-process run) casts in the layer as before, to the
+same values: the cast is of the same bf16 weight with the same scale. Delayed scaling records
+the weight's amax here, once per step instead of once per micro-batch (the max is the same).
+Rowwise scaling has no per-tensor weight cast to keep, and is left out.
+
+    cache = Fp8WeightCache(model, fp8)     # None-safe: `for_run` returns None where it does not apply
+    copies.refresh(); cache.refresh(copies.copies)
+    loss = call_with(model, {**copies.copies, **cache.entries}, ...)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from meshtrain.services.trainer.fp8.convert import Fp8Model
+from meshtrain.services.trainer.fp8.linear import Fp8Linear
+from meshtrain.services.trainer.fp8.scaling import amax, amax_to_scale, cast_to_fp8
+
+
+class Fp8WeightCache:
+    """This step's FP8 weights of a model's `Fp8Linear` layers (see the module doc)."""
+
+    def __init__(self, model: nn.Module, fp8: Fp8Model):
+        self.fp8 = fp8
+        self.entries: dict[str, torch.Tensor] = {}
+        self._layers: list[tuple[str, Fp8Linear, int | None]] = []  # (name, layer, delayed index)
+        fmt = fp8.recipe.dtypes.forward
+        for name, layer in model.named_modules():
+            if not isinstance(layer, Fp8Linear):
+                continue
+            w = layer.weight
+            delayed = layer.fp8.delayed
+            self._layers.append((name, layer, delayed[1] if delayed is not None else None))
+            self.entries[f"{name}.fp8_weight"] = torch.empty(w.shape, dtype=fmt, device=w.device)
+            self.entries[f"{name}.fp8_weight_t"] = torch.empty(w.shape[::-1], dtype=fmt, device=w.device)
+            self.entries[f"{name}.fp8_weight_scale"] = torch.empty((), device=w.device)
+
+    @staticmethod
+    def for_run(model: nn.Module, fp8: Fp8Model | None) -> "Fp8WeightCache | None":
+        """A cache where one applies: FP8 layers with one scale per tensor."""
+        if fp8 is None or fp8.recipe.recipe == "rowwise":
+            return None
+        cache = Fp8WeightCache(model, fp8)
+        return cache if cache._layers else None
+
+    @torch.no_grad()
+    def refresh(self, copies: dict[str, torch.Tensor]) -> None:
+        """Cast each layer's weight copy (`copies`: `WeightCopies.copies`) into the buffers."""
+        recipe = self.fp8.recipe
+        fmt, state = recipe.dtypes, self.fp8.delayed
+        for name, _, index in self._layers:
+            w = copies[f"{name}.weight"].to(torch.bfloat16)  # (N, K)
+            aw = amax(w)
+            if index is not None:
+                state.history[index, 1, 0] = torch.maximum(state.history[index, 1, 0], aw)
+            scale = self.entries[f"{name}.fp8_weight_scale"]
+            if index is not None and state.ready:
+                scale.copy_(state.scale[index, 1])
+            else:
+                scale.copy_(amax_to_scale(aw, fmt.forward_max, recipe.margin))
+            wq = self.entries[f"{name}.fp8_weight"]
+            wq.copy_(cast_to_fp8(w, scale, fmt.forward))
+            self.entries[f"{name}.fp8_weight_t"].copy_(wq.t())
