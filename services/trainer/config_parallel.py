@@ -1,0 +1,338 @@
+"""The job config's `parallel` section, and the checks across sections that a layout implies.
+
+`ParallelConfig` holds the parallel layout (tp, pp, cp, ep; dp is what the world size leaves),
+the pipeline's chunks and schedule, data-parallel overlap and the recompute plan, and refuses
+settings that contradict each other. The `check_*` functions refuse what the model, the loop or
+FP8 need of that layout and can be told from the config alone: `JobConfig` runs them when it is
+built, and `parallel/tensor.py` runs `check_tensor_parallel` again for callers that shard a model
+directly. Both are re-exported by `meshtrain.services.trainer.config`, where callers import them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from meshtrain.services.common.errors import ConfigError
+from meshtrain.services.common.model_config import ModelConfig
+
+if TYPE_CHECKING:  # config.py imports this module: TrainConfig is named in annotations only
+    from meshtrain.services.trainer.config import TrainConfig
+
+log = logging.getLogger("meshtrain.config")
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel layout and memory plan. dp is whatever world size the other degrees leave."""
+
+    tp: int = 1
+    """Tensor-parallel degree (--tensor-model-parallel-size)."""
+    pp: int = 1
+    """Pipeline-parallel degree (--pipeline-model-parallel-size): blocks split over pp stages."""
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Model chunks per pipeline rank, for the interleaved schedule (Megatron's flag of the same
+    name); unset: 1, or num_layers / (pp x num_layers_per_virtual_pipeline_stage)."""
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    """Blocks per virtual pipeline stage (Megatron's flag); the other way to set the chunks."""
+    decoder_first_pipeline_num_layers: int | None = None
+    """Blocks on the first pipeline stage when they do not split evenly (Megatron's flag); the
+    stages without a fixed count share the rest evenly."""
+    decoder_last_pipeline_num_layers: int | None = None
+    """Blocks on the last pipeline stage (Megatron's flag)."""
+    pipeline_layout: list[int] | None = None
+    """Explicit block counts per virtual pipeline stage, in stage order (pp x chunks entries,
+    0 allowed); overrides the even split and the first/last counts."""
+    pipeline_schedule: Literal["auto", "none", "gpipe", "1f1b", "interleaved", "zb-h1"] = "auto"
+    """Pipeline schedule: 'auto' is 1f1b, or interleaved with more than one chunk per rank (as
+    Megatron); 'zb-h1' splits the backward and defers the weight gradients into the bubble;
+    'gpipe' runs every forward first; 'none' one micro-batch at a time (a reference)."""
+    cp: int = 1
+    """Context-parallel degree (--context-parallel-size): each sequence split over cp ranks, in
+    2·cp chunks with rank i holding chunks i and 2·cp−1−i (causal load balance)."""
+    cp_comm_type: Literal["p2p", "a2a", "a2a+p2p"] = "p2p"
+    """How context-parallel attention exchanges data (--cp-comm-type): 'p2p' rotates key/value
+    blocks around a ring overlapped with attention; 'a2a' swaps sequence for heads with
+    all-to-alls (DeepSpeed-Ulysses: the heads per tp rank must split over cp, or the key/value
+    heads repeat to it); 'a2a+p2p' all-to-all inside groups of
+    hierarchical_context_parallel_sizes[0] ranks and a ring across them."""
+    hierarchical_context_parallel_sizes: list[int] | None = None
+    """For cp_comm_type 'a2a+p2p': [all-to-all size, ring size], product cp
+    (--hierarchical-context-parallel-sizes)."""
+    ep: int = 1
+    """Expert-parallel degree (--expert-model-parallel-size): each MoE layer's experts are split
+    over ep consecutive ranks of a dp x cp group (num_experts / ep each), tokens travel to them by
+    all-to-all, and their gradients are averaged over the ranks holding the same experts. Must
+    divide dp x cp and model.num_experts; needs model.num_experts."""
+    expert_tensor_parallel_size: int | None = None
+    """Tensor-parallel degree of the expert weights (--expert-tensor-parallel-size); unset: tp.
+    Only tp itself is supported (each expert's inner width split over the tp ranks, as the dense
+    MLP's); another value is refused."""
+    sequence_parallel: bool = False
+    """Shard norm/dropout regions along the sequence (needs tp > 1)."""
+    tp_comm_overlap: bool = False
+    """With sequence_parallel on CUDA/NCCL: overlap each linear's all-gather / reduce-scatter
+    with its matmul (PyTorch symmetric-memory fused ops), as Megatron's --tp-comm-overlap. Exact,
+    but at llama-1b TP=2 + SP on two H200s it trained at 0.99x one GPU against 1.39x without it
+    (BENCHMARKS.md), so off; kept because Megatron users ask for it by that flag."""
+    tp_async_grad_reduce: bool = True
+    """Column-parallel linears launch the reduction of their input gradient (reduce-scatter with
+    sequence parallelism, else all-reduce) before computing their weight gradient, so the two
+    overlap (Megatron's asynchronous tensor-parallel all-reduce, on by default there too). Same
+    arithmetic; +1.5% tokens/s at llama-1b TP=2 on two H200s (one same-job comparison). Nothing to do at tp=1;
+    tp_comm_overlap, which fuses these collectives with the GEMMs instead, takes precedence."""
+    distributed_timeout_minutes: float = 10.0
+    """How long a collective waits for a peer rank before it raises and the rank exits 1
+    (--distributed-timeout-minutes, as Megatron). A rank that dies is noticed at once (its
+    connections close); one that hangs (SIGSTOP, stuck storage, a deadlock) only through this
+    timeout, on the ranks waiting for it: the job ends after it (plus the launcher's 15 s)."""
+    use_distributed_optimizer: bool = False
+    """Shard Adam state over data-parallel ranks (ZeRO-1): reduce-scatter grads, all-gather params."""
+    overlap_grad_reduce: bool = False
+    """Reduce each gradient bucket as soon as backward has finished it."""
+    overlap_param_gather: bool = False
+    """Distributed optimizer: all-gather each bucket's parameters just before the forward uses them."""
+    ddp_bucket_size: int = 40_000_000
+    """Elements per gradient bucket."""
+    grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    """What the data-parallel gradient reduction sends: the fp32 gradients as accumulated, or a
+    bf16 copy of each bucket (half the bytes on the wire; each rank's contribution and the
+    partial sums are rounded to bf16, and the result is copied back into the fp32 buffers).
+    Accumulation over micro-batches stays fp32 (Megatron's --grad-reduce-in-bf16, also accepted,
+    makes the buffers themselves bf16); the copies cost 2 bytes per parameter (ZeRO-1: plus
+    2/dp) while the reductions are in flight. No effect at dp=1. At llama-1b DP=2 + ZeRO-1 on two
+    H200s no faster than fp32, whose reduction already runs under the backward (BENCHMARKS.md);
+    kept as Megatron's option for links where it does not (not measured here)."""
+    recompute_granularity: Literal["none", "full", "selective"] = "none"
+    """Activation recompute: whole blocks ('full') or only the attention core ('selective')."""
+    recompute_method: Literal["uniform", "block"] | None = None
+    """'full' only (refused otherwise; Megatron-LM refuses it with 'selective'): 'uniform'
+    recomputes every chunk of recompute_num_layers blocks; 'block' recomputes the first
+    recompute_num_layers blocks and stores the rest. Unset with 'full': 'uniform'."""
+    recompute_num_layers: int | None = None
+    """'full' only (refused otherwise): chunk size ('uniform') or number of recomputed blocks
+    ('block'). Unset with 'full': 1."""
+
+    def __post_init__(self) -> None:
+        for key in ("tp", "pp", "cp", "ep"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"parallel.{key} must be >= 1, got {getattr(self, key)}")
+        etp = self.expert_tensor_parallel_size
+        if etp is not None and etp != self.tp:
+            raise ConfigError(f"parallel.expert_tensor_parallel_size={etp}: only the tensor-parallel degree itself "
+                              f"(parallel.tp={self.tp}) is supported; leave it unset")
+        self._check_pipeline()
+        self._check_context()
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1")
+        if self.tp_comm_overlap and not self.sequence_parallel:
+            raise ConfigError("parallel.tp_comm_overlap needs parallel.sequence_parallel")
+        if not self.distributed_timeout_minutes > 0:
+            raise ConfigError(f"parallel.distributed_timeout_minutes must be a positive number of minutes, "
+                              f"got {self.distributed_timeout_minutes}")
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ConfigError("parallel.overlap_param_gather needs parallel.use_distributed_optimizer")
+        self._resolve_recompute_plan()
+        if self.ddp_bucket_size <= 0:
+            raise ConfigError(f"parallel.ddp_bucket_size must be positive, got {self.ddp_bucket_size}")
+
+    def _check_context(self) -> None:
+        """Refuse a hierarchical split that does not match cp_comm_type or multiply to cp."""
+        sizes = self.hierarchical_context_parallel_sizes
+        if self.cp_comm_type == "a2a+p2p":
+            if self.cp == 1:
+                raise ConfigError("parallel.cp_comm_type='a2a+p2p' needs parallel.cp > 1")
+            if sizes is None or len(sizes) != 2 or sizes[0] * sizes[1] != self.cp or min(sizes) < 1:
+                raise ConfigError(f"parallel.cp_comm_type='a2a+p2p' needs parallel.hierarchical_context_parallel_sizes "
+                                  f"= [all-to-all size, ring size] multiplying to parallel.cp={self.cp}, got {sizes}")
+        elif sizes is not None:
+            raise ConfigError("parallel.hierarchical_context_parallel_sizes is for cp_comm_type='a2a+p2p'; "
+                              f"cp_comm_type is {self.cp_comm_type!r}")
+
+    @property
+    def cp_a2a_size(self) -> int:
+        """Context-parallel ranks one all-to-all spans (1 with the ring alone)."""
+        if self.cp_comm_type == "a2a":
+            return self.cp
+        if self.cp_comm_type == "a2a+p2p":
+            return self.hierarchical_context_parallel_sizes[0]
+        return 1
+
+    def _check_pipeline(self) -> None:
+        """Refuse pipeline settings that a pp of 1 would ignore, or that contradict each other."""
+        keys = ("virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+                "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "pipeline_layout")
+        given = [k for k in keys if getattr(self, k) is not None]
+        if self.pp == 1 and (given or self.pipeline_schedule not in ("auto", "none")):
+            what = given[0] if given else f"pipeline_schedule={self.pipeline_schedule!r}"
+            raise ConfigError(f"parallel.{what} applies to pipeline parallelism; parallel.pp is 1")
+        if self.virtual_pipeline_model_parallel_size is not None and self.num_layers_per_virtual_pipeline_stage:
+            raise ConfigError("set one of parallel.virtual_pipeline_model_parallel_size and "
+                              "parallel.num_layers_per_virtual_pipeline_stage, not both")
+        for k in ("virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage"):
+            if getattr(self, k) is not None and getattr(self, k) < 1:
+                raise ConfigError(f"parallel.{k} must be >= 1, got {getattr(self, k)}")
+        if self.pipeline_layout is not None and (self.decoder_first_pipeline_num_layers is not None
+                                                 or self.decoder_last_pipeline_num_layers is not None):
+            raise ConfigError("parallel.pipeline_layout lists every stage's blocks; leave "
+                              "decoder_first/last_pipeline_num_layers unset with it")
+
+    def pipeline_chunks(self, num_layers: int) -> int:
+        """Model chunks per pipeline rank (virtual stages), from whichever setting is given."""
+        if self.virtual_pipeline_model_parallel_size is not None:
+            return self.virtual_pipeline_model_parallel_size
+        if self.num_layers_per_virtual_pipeline_stage is not None:
+            per = self.num_layers_per_virtual_pipeline_stage
+            if num_layers % (self.pp * per):
+                raise ConfigError(f"model.num_layers={num_layers} is not a multiple of parallel.pp={self.pp} x "
+                                  f"num_layers_per_virtual_pipeline_stage={per}")
+            return num_layers // (self.pp * per)
+        if self.pipeline_layout is not None:
+            if len(self.pipeline_layout) % self.pp:
+                raise ConfigError(f"parallel.pipeline_layout has {len(self.pipeline_layout)} entries, not a "
+                                  f"multiple of parallel.pp={self.pp}")
+            return len(self.pipeline_layout) // self.pp
+        return 1
+
+    def resolved_pipeline_schedule(self, num_layers: int) -> str:
+        """The schedule 'auto' stands for here (1f1b, or interleaved with chunks)."""
+        if self.pipeline_schedule != "auto":
+            return self.pipeline_schedule
+        return "interleaved" if self.pipeline_chunks(num_layers) > 1 else "1f1b"
+
+    def _resolve_recompute_plan(self) -> None:
+        """Refuse a method or layer count that the granularity would ignore; fill in 'full''s defaults.
+
+        Megatron-LM refuses recompute_method and recompute_num_layers with 'selective'; with no
+        recompute it ignores them, which here is refused too (nothing is silently ignored).
+        """
+        if self.recompute_num_layers is not None and self.recompute_num_layers <= 0:
+            raise ConfigError(f"parallel.recompute_num_layers must be positive, got {self.recompute_num_layers}")
+        if self.recompute_granularity == "full":
+            self.recompute_method = self.recompute_method or "uniform"
+            self.recompute_num_layers = self.recompute_num_layers or 1
+            return
+        if (self.recompute_method, self.recompute_num_layers) == ("uniform", 1):
+            # The defaults of both keys before they became unset: every config.toml written then
+            # holds them, whatever the granularity, and must still load (`--config RUN/config.toml`).
+            log.warning("parallel.recompute_method='uniform' and parallel.recompute_num_layers=1 have no effect "
+                        "with parallel.recompute_granularity=%r (a config written before they defaulted to "
+                        "unset); read as unset: remove them", self.recompute_granularity)
+            self.recompute_method = self.recompute_num_layers = None
+        given = [f"parallel.{key}={getattr(self, key)!r}" for key in ("recompute_method", "recompute_num_layers")
+                 if getattr(self, key) is not None]
+        if given:
+            raise ConfigError(f"{' and '.join(given)} {'apply' if len(given) > 1 else 'applies'} to "
+                              f"parallel.recompute_granularity='full' only, got {self.recompute_granularity!r}: "
+                              "set --recompute-granularity full, or leave them unset")
+
+
+def check_fp8(train: TrainConfig, parallel: ParallelConfig) -> None:
+    """What FP8 does not combine with (train.fp8's own values are checked by TrainConfig)."""
+    if train.fp8 is None:
+        return
+    if parallel.tp_comm_overlap:
+        raise ConfigError("train.fp8 does not combine with parallel.tp_comm_overlap: its fused all-gather/"
+                          "reduce-scatter GEMMs are bf16; leave one off")
+    if parallel.pipeline_schedule == "zb-h1":
+        raise ConfigError("train.fp8 does not combine with parallel.pipeline_schedule='zb-h1' (the deferred weight "
+                          "gradients are bf16 GEMMs); use 1f1b or interleaved")
+    if train.cuda_graph and train.fp8_recipe == "delayed":
+        raise ConfigError("train.fp8_recipe='delayed' switches from current to historical scales after the first "
+                          "step, which a CUDA graph captured then would never see: use tensorwise with "
+                          "train.cuda_graph")
+
+
+def check_experts(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> None:
+    """What a mixture of experts needs of the layout and the loop (the layout's dp x cp, which
+    ep must divide, is known once the world size is: `Mesh.build` checks that).
+
+    Raises:
+        ConfigError: naming the keys that do not fit together.
+    """
+    p, e = parallel, model.num_experts
+    if e is None:
+        if p.ep > 1:
+            raise ConfigError(f"parallel.ep={p.ep} splits the experts of MoE layers, but model.num_experts is unset "
+                              "(a dense model): set model.num_experts or parallel.ep=1")
+        return
+    if e % p.ep:
+        raise ConfigError(f"parallel.ep={p.ep} must divide model.num_experts={e} (each ep rank holds the same "
+                          "number of experts)")
+    if model.moe_expert_capacity_factor is not None and p.cp > 1:
+        raise ConfigError(f"model.moe_expert_capacity_factor caps each expert's tokens per sequence, and with "
+                          f"parallel.cp={p.cp} a rank holds only chunks of each sequence: leave the factor unset "
+                          "(dropless) or parallel.cp=1")
+    if p.tp > 1:
+        for key, width in (("moe_ffn_hidden_size", model.moe_ffn_size),
+                           ("moe_shared_expert_intermediate_size", model.moe_shared_expert_intermediate_size)):
+            if width is not None and width % p.tp:
+                raise ConfigError(f"parallel.tp={p.tp} must divide model.{key}={width} (each expert's inner "
+                                  "width is split over the tensor-parallel ranks)")
+    if train.cuda_graph:
+        raise ConfigError("train.cuda_graph cannot capture a mixture of experts (model.num_experts is set): the "
+                          "expert GEMMs and the token exchange need the per-expert counts on the host; leave "
+                          "train.cuda_graph off")
+
+
+def check_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """What context parallelism needs of the model: a sequence that splits into 2·cp chunks (per
+    tp rank too with sequence parallelism), heads that split over the all-to-all, no dropout
+    (the attention blocks carry no dropout RNG; hidden dropout would draw the same mask on
+    every cp rank), no pinned cuDNN or memory-efficient backend (the blocks run the flash
+    kernel, which returns the log-sum-exp they merge by).
+
+    Raises:
+        ConfigError: naming the setting.
+    """
+    p = parallel
+    if p.cp == 1:
+        return
+    if model.attention_dropout > 0 or model.hidden_dropout > 0:
+        raise ConfigError("context parallelism has no per-rank dropout RNG: set model.attention_dropout=0 and "
+                          "model.hidden_dropout=0 with parallel.cp > 1")
+    if model.attention_backend in ("cudnn", "efficient"):
+        raise ConfigError(f"with parallel.cp > 1 attention runs blockwise on the flash kernel (or 'math', the "
+                          f"reference); model.attention_backend={model.attention_backend!r} is not used there")
+    split = 2 * p.cp * (p.tp if p.sequence_parallel else 1)
+    if model.seq_length % split:
+        what = f"2 x cp x tp = {split}" if p.sequence_parallel else f"2 x cp = {split}"
+        raise ConfigError(f"context parallelism cuts each sequence into 2 x cp chunks: model.seq_length="
+                          f"{model.seq_length} must be a multiple of {what}")
+    a2a = p.cp_a2a_size
+    if a2a > 1:
+        heads, kv = model.num_attention_heads // p.tp, model.groups // p.tp
+        if heads % a2a:
+            raise ConfigError(f"parallel.cp_comm_type={p.cp_comm_type!r} splits the attention heads over {a2a} "
+                              f"ranks: {heads} heads per tensor-parallel rank are not a multiple of {a2a}")
+        if kv % a2a and a2a % kv:
+            raise ConfigError(f"parallel.cp_comm_type={p.cp_comm_type!r} over {a2a} ranks: {kv} key/value heads "
+                              f"per tensor-parallel rank neither split over {a2a} ranks nor repeat evenly to them")
+
+
+def check_tensor_parallel(model: ModelConfig, tp: int, sequence_parallel: bool) -> None:
+    """What tensor parallelism of degree `tp` needs of the model's shapes and settings.
+
+    JobConfig refuses these at parse time, before any rank starts; `parallel/tensor.py` checks
+    again for callers that shard a model directly.
+
+    Raises:
+        ConfigError: naming parallel.tp and the model key it does not fit.
+    """
+    if tp == 1:
+        return
+    if model.num_attention_heads % tp or model.groups % tp:
+        raise ConfigError(
+            f"parallel.tp={tp} must divide model.num_attention_heads={model.num_attention_heads} and the "
+            f"number of query groups ({model.groups}); replicating KV heads across tp ranks is not supported"
+        )
+    if model.ffn_size % tp:
+        raise ConfigError(f"parallel.tp={tp} must divide the MLP width {model.ffn_size} (model.ffn_hidden_size)")
+    if sequence_parallel and model.seq_length % tp:
+        raise ConfigError(f"sequence parallelism: parallel.tp={tp} must divide model.seq_length={model.seq_length}")
+    if model.attention_dropout > 0 or (sequence_parallel and model.hidden_dropout > 0):
+        raise ConfigError(
+            "dropout inside tensor-parallel regions needs a per-rank RNG tracker, which is not built: "
+            "set model.attention_dropout=0 (and model.hidden_dropout=0 with sequence parallelism)"
+        )
