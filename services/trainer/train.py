@@ -8,7 +8,8 @@ clips the global gradient norm, and updates with the learning rate of that step.
 keeps losses on the device and synchronizes with the host only on logging steps. A run
 stopped at step k and resumed from its checkpoint produces exactly the same losses as one
 that never stopped (CPU, fp32): data is a pure function of the step, and model, optimizer
-and RNG states are restored bit for bit.
+and RNG states are restored bit for bit. The steps that put a `Trainer` together (device, mesh,
+the sharded model and its wrappers, the checkpointer) are in `setup.py`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from meshtrain import kernels
 from meshtrain.services.checkpoint.maintenance import apply_retention
 from meshtrain.services.checkpoint.store import open_root
 from meshtrain.services.common.errors import (
@@ -35,11 +35,9 @@ from meshtrain.services.common.errors import (
     DiskFullError,
     MeshtrainError,
 )
-from meshtrain.services.common.security import ClientSecurity
 from meshtrain.services.trainer import checkpointing
 from meshtrain.services.trainer.config import LAUNCHER_KEYS_ENV, JobConfig, replace
 from meshtrain.services.trainer.data import build_data, placement
-from meshtrain.services.trainer.fp8 import build_fp8
 from meshtrain.services.trainer.fp8.weights import Fp8WeightCache
 from meshtrain.services.trainer.graphs import MicroBatchGraph
 from meshtrain.services.trainer.metrics import (
@@ -50,17 +48,10 @@ from meshtrain.services.trainer.metrics import (
     peak_tflops,
     plot_losses,
 )
-from meshtrain.services.trainer.model.gpt import GPT
-from meshtrain.services.trainer.model.moe import set_moe_loss_scale
 from meshtrain.services.trainer.optim.optimizer import build_optimizer, clip_grad_norm, set_lr
 from meshtrain.services.trainer.optim.schedule import lr_at
-from meshtrain.services.trainer.parallel import mappings, recompute
-from meshtrain.services.trainer.parallel.context import parallelize_context, token_count
-from meshtrain.services.trainer.parallel.data import DataParallel, forward_units
-from meshtrain.services.trainer.parallel.expert import parallelize_experts
-from meshtrain.services.trainer.parallel.mesh import Mesh, env_rank_world, init_process_group
-from meshtrain.services.trainer.parallel.pipeline.engine import build_pipeline
-from meshtrain.services.trainer.parallel.tensor import parallelize
+from meshtrain.services.trainer.parallel import mappings
+from meshtrain.services.trainer.parallel.context import token_count
 from meshtrain.services.trainer.requests import (
     CONTROL_STOP,
     RunRequests,
@@ -69,9 +60,26 @@ from meshtrain.services.trainer.requests import (
 )
 from meshtrain.services.trainer.resume import refuse_a_root_with_later_steps, resume
 from meshtrain.services.trainer.run_dir import make_run_dir, release_run_dir, run_dir_toml
+from meshtrain.services.trainer.setup import (  # build_mesh, pick_device, ...: importable from here too
+    build_data_parallel,
+    build_mesh,
+    build_model,
+    build_weight_copies,
+    check_attention_backend,
+    check_coordinate_descent_tuning,
+    check_cuda_graph,
+    check_kernel_mode,
+    compile_model,
+    compile_options,
+    log_model_summary,
+    open_checkpointer,
+    pick_device,
+    seed_everything,
+    set_kernel_mode,
+)
 from meshtrain.services.trainer.tracking import open_trackers, require_packages
 from meshtrain.services.trainer.uploads import Uploader
-from meshtrain.services.trainer.weight_copies import WeightCopies, call_with
+from meshtrain.services.trainer.weight_copies import call_with
 
 log = logging.getLogger("meshtrain.train")
 
@@ -93,90 +101,11 @@ class TrainResult:
     """True when a stop request (SIGTERM, the control endpoint) ended the run before train_iters."""
 
 
-def pick_device(choice: str) -> torch.device:
-    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise ConfigError("train.device='cuda' but no CUDA device is available")
-        torch.cuda.set_device(env_rank_world()[2])
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def check_kernel_mode(device: torch.device) -> None:
-    """Refuse a kernel mode this run cannot dispatch, before anything is built: an unknown
-    $MESHTRAIN_KERNELS, or 'triton' (train.kernels or the variable) off CUDA, where every fused op
-    would raise at the first forward (the Triton kernels serve CUDA tensors only)."""
-    try:
-        mode = kernels.mode()
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    if mode == "triton" and device.type != "cuda":
-        env = os.environ.get("MESHTRAIN_KERNELS")
-        source = f"MESHTRAIN_KERNELS={env}" if env else "train.kernels='triton'"
-        raise ConfigError(f"{source} runs every fused op on its Triton kernel, on CUDA only; this run is on "
-                          f"{device.type}: use 'auto' or 'reference'")
-
-
-def check_attention_backend(backend: str, device: torch.device) -> None:
-    """Refuse an SDPA backend pinned where PyTorch has none (cuDNN and memory-efficient
-    attention are CUDA only), before anything is built, instead of SDPA's "No viable backend"
-    traceback at the first forward."""
-    if backend in ("cudnn", "efficient") and device.type != "cuda":
-        raise ConfigError(f"model.attention_backend={backend!r} runs on CUDA only; this run is on {device.type}: "
-                          "use 'auto', 'flash' or 'math'")
-
-
-def check_coordinate_descent_tuning(on: bool, device: torch.device) -> None:
-    """Refuse Inductor's coordinate-descent tuning off CUDA, before anything is built: it times
-    the Triton kernels Inductor generates on the device. (The tuning itself is the compiled
-    model's own option, set where the trainer compiles it.)"""
-    if on and device.type != "cuda":
-        raise ConfigError(f"train.compile_coordinate_descent_tuning tunes the Triton kernels Inductor generates "
-                          f"for a CUDA device; this run is on {device}")
-
-
-def build_mesh(job: JobConfig, device: torch.device) -> Mesh:
-    """The mesh for this process: trivial when alone, else from torchrun/Slurm's environment."""
-    _, world, _ = env_rank_world()
-    if world == 1:
-        for axis in ("tp", "pp", "cp", "ep"):
-            n = getattr(job.parallel, axis)
-            if n != 1:
-                raise ConfigError(f"parallel.{axis}={n} needs {n} processes; launch with "
-                                  f"`meshtrain train --nproc-per-node N` or torchrun")
-        return Mesh.single()
-    timeout_s = job.parallel.distributed_timeout_minutes * 60
-    init_process_group("nccl" if device.type == "cuda" else "gloo", timeout_s=timeout_s)
-    return Mesh.build(tp=job.parallel.tp, pp=job.parallel.pp, cp=job.parallel.cp, ep=job.parallel.ep,
-                      timeout_s=timeout_s, cp_a2a=job.parallel.cp_a2a_size)
-
-
-def seed_everything(seed: int) -> None:
-    import random
-
-    import numpy as np
-
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
 class Trainer:
     """Owns the model, optimizer, data and run directory of one job."""
 
     def __init__(self, job: JobConfig):
-        # 'auto' under compile takes the reference ops and lets Inductor fuse them (every op on
-        # Triton trained llama-1b at 0.97x the plain compiled baseline on an H200, BENCHMARKS.md),
-        # except train.compiled_triton_ops (RoPE and SwiGLU by default: 1.01-1.02x);
-        # `kernels = "triton"` forces them all.
-        t = job.train
-        if t.kernels == "auto" and t.compile:
-            if t.compiled_triton_ops:
-                kernels.set_mode("auto", set(t.compiled_triton_ops))
-            else:
-                kernels.set_mode("reference")
-        else:
-            kernels.set_mode(t.kernels)
+        set_kernel_mode(job.train)
         self.device = pick_device(job.train.device)
         check_kernel_mode(self.device)
         check_attention_backend(job.model.attention_backend, self.device)
@@ -224,77 +153,31 @@ class Trainer:
             (self.run_dir / "config.toml").write_text(run_dir_toml(job, launcher_keys))
 
         seed_everything(job.train.seed)
-        model = GPT(job.model)  # full weights, same seed on every rank: sharding slices them
+        self.model, self.fp8, self.pipeline = build_model(job, self.mesh, self.device)  # this rank's share
         size = model_size(job.model)  # of the whole model, whatever this rank holds of it
         self.flops_per_token, self.num_parameters = size.flops_per_token, size.parameters
         self.active_parameters = size.active_parameters
-        parallelize_context(model, self.mesh, job.parallel.cp_comm_type)
-        recompute.apply(model, job.parallel)
-        parallelize(model, self.mesh, job.parallel.sequence_parallel, job.parallel.tp_comm_overlap, self.device,
-                    async_grad_reduce=job.parallel.tp_async_grad_reduce)
-        self.fp8 = build_fp8(model, job.train, self.mesh, self.device)  # after tp sharded them, before pp splits
-        parallelize_experts(model, self.mesh)  # this ep rank's experts; MoE statistics over dp x cp
-        self.pipeline = None
-        if self.mesh.pp > 1:  # this rank's chunks of the model, and the runtime that runs its schedule
-            self.pipeline = build_pipeline(model, self.mesh, job, self.device)  # scales the MoE aux losses too
-            model = self.pipeline.stage
-        else:  # each micro-batch's loss is divided by their number: the aux losses' gradients too
-            set_moe_loss_scale(model, self.mesh.dp * job.train.micro_batch_size / job.train.global_batch_size)
-        self.model = model.to(self.device)
         # the ranks of one global batch: routing counts add up over them
         batch_group = self.mesh.group("dp_cp") if self.mesh.cp > 1 else self.mesh.group("dp")
         self.router_stats = RouterStats(self.model, job.model.num_layers, batch_group,
                                         self.mesh.group("pp") if self.mesh.pp > 1 else None)
         p = job.parallel
-        self.ddp = None
-        if self.mesh.distributed:
-            self.ddp = DataParallel(
-                self.model, self.mesh, job.optim, distributed_optimizer=p.use_distributed_optimizer,
-                overlap_grad_reduce=p.overlap_grad_reduce, overlap_param_gather=p.overlap_param_gather,
-                bucket_size=p.ddp_bucket_size,
-                gather_units=self.pipeline.stage.forward_units() if self.pipeline else forward_units(model),
-                reduce_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[p.grad_reduce_dtype],
-                tied=self.pipeline.tied_weight() if self.pipeline else None)
+        self.ddp = build_data_parallel(self.model, self.mesh, p, job.optim, self.pipeline)
         self.optimizer = (self.ddp.optimizer if self.ddp and self.ddp.optimizer
                           else build_optimizer(self.model, job.optim))
         self.par = checkpointing.Parallel(self.mesh, self.ddp)
         c = job.checkpoint
         self.state, resumed_here = resume(job, self.model, self.optimizer, self.par)
-        self.weight_copies = None
-        copies = job.train.bf16_weight_copies
-        if copies and self.mesh.distributed:
-            raise ConfigError(
-                f"train.bf16_weight_copies runs in a single process; this job has {self.mesh.world_size} "
-                f"ranks (tp={self.mesh.tp}, dp={self.mesh.dp}), whose gradient reductions hook the fp32 "
-                "parameters: leave it unset or run one process")
-        fusion = job.train.gradient_accumulation_fusion
-        if copies or (copies is None and job.train.bf16 and not self.mesh.distributed):
-            fuse = fusion if fusion is not None else self.device.type == "cuda"
-            self.weight_copies = WeightCopies(self.model, torch.bfloat16, fuse_weight_grads=fuse)
-        elif fusion:
-            raise ConfigError(
-                f"train.gradient_accumulation_fusion adds into the fp32 gradients from the bf16 weight copies' "
-                f"GEMMs, and this job has none ({self.mesh.world_size} ranks: the copies run in a single process)")
+        self.weight_copies = build_weight_copies(self.model, job.train, self.mesh, self.device)
         # this step's FP8 weights, cast with the copies once a step (services/trainer/fp8/weights.py)
         self.fp8_weights = Fp8WeightCache.for_run(self.model, self.fp8) if self.weight_copies is not None else None
-        self.forward = self.model
-        compile_options = {"coordinate_descent_tuning": True} if job.train.compile_coordinate_descent_tuning else None
-        if job.train.compile and (p.overlap_param_gather or self.pipeline is not None):
-            # Per-block compile keeps the all-gather waits (forward pre-hooks) outside the
-            # compiled graphs, so they cost no graph breaks.
-            for layer in (self.model.layers.values() if self.pipeline else self.model.layers):
-                layer.compile(options=compile_options)
-            # And the output projection + loss: left eager, its matmuls ran a slow legacy GEMM
-            # kernel and its softmax unfused (llama-1b, ZeRO-1 + overlap on 2 H200s: 1.70x one
-            # GPU; with the head compiled 1.91x).
-            self.model.head.loss = torch.compile(self.model.head.loss, options=compile_options)
-        elif job.train.compile:
-            self.forward = torch.compile(self.model, options=compile_options)
+        options = compile_options(job.train)
+        self.forward = compile_model(self.model, job.train, options, self.pipeline is not None, p.overlap_param_gather)
         if self.weight_copies is None:
             self.train_forward = lambda copies, *batch: self.forward(*batch)
         else:
             on_copies = functools.partial(call_with, self.model)
-            self.train_forward = torch.compile(on_copies, options=compile_options) if job.train.compile else on_copies
+            self.train_forward = torch.compile(on_copies, options=options) if job.train.compile else on_copies
         self.autocast = (
             torch.autocast(self.device.type, dtype=torch.bfloat16) if job.train.bf16 else contextlib.nullcontext()
         )
@@ -302,43 +185,18 @@ class Trainer:
             self.pipeline.attach(self.ddp, self.autocast)
         self.graph = None
         if job.train.cuda_graph:
-            if self.device.type != "cuda":
-                raise ConfigError(f"train.cuda_graph needs a CUDA device; this run is on {self.device}")
-            if self.mesh.distributed:
-                raise ConfigError(
-                    f"train.cuda_graph runs in a single process; this job has {self.mesh.world_size} ranks, whose "
-                    "gradient reductions and collectives are not captured: leave it off or run one process")
+            check_cuda_graph(self.device, self.mesh)
             copies = self._copies() if self.weight_copies is not None else None
             n_micro = job.train.global_batch_size // job.train.micro_batch_size
             self.graph = MicroBatchGraph(functools.partial(self._micro_batch, copies, n_micro),
                                          list(self.model.parameters()), self.device)
         self.peak = peak_tflops(self.device, job.train.peak_tflops)
-        m = self.mesh
-        precision = ", bf16 autocast" if job.train.bf16 else ""
-        if self.fp8 is not None:
-            precision += f", {self.fp8.describe()}"
-        if self.weight_copies is not None:
-            precision += ", bf16 weight copies"
-            if self.weight_copies.fused:
-                precision += " with fused gradient accumulation"
-        active = (f" ({self.active_parameters / 1e6:.2f}M active: top-{job.model.moe_router_topk} of "
-                  f"{job.model.num_experts} experts)" if job.model.num_experts else "")
-        log.info("model: %.2fM parameters%s, %.3g FLOPs/token, device %s%s; "
-                 "mesh tp=%d cp=%d pp=%d dp=%d ep=%d (world %d)%s%s%s",
-                 self.num_parameters / 1e6, active, self.flops_per_token, self.device, precision, m.tp, m.cp, m.pp,
-                 m.dp, m.ep, m.world_size, ", sequence parallel" if p.sequence_parallel else "",
-                 f", context parallel {p.cp_comm_type}" if m.cp > 1 else "",
-                 f", {self.pipeline.describe()}" if self.pipeline else "")
+        log_model_summary(job, self.mesh, self.device, size, self.fp8, self.weight_copies, self.pipeline)
         if not c.overwrite:
             refuse_a_root_with_later_steps(c, self.state.iteration)
         # Opened last, so an __init__ that fails (a restore, a config check) leaves no channel to
         # the checkpoint service open; `run` closes it.
-        self.checkpointer = checkpointing.Checkpointer(c.save, self.par, c.async_save, c.service_address,
-                                                       overwrite=c.overwrite, resumed_step=resumed_here,
-                                                       attempts=c.save_attempts, backoff=c.save_retry_backoff_s,
-                                                       retry_timeout=c.save_retry_timeout_s, direct=c.service_direct,
-                                                       security=ClientSecurity.from_config(job.auth)
-                                                       if c.service_address else None)
+        self.checkpointer = open_checkpointer(c, self.par, resumed_here, job.auth)
         if c.save and self.state.iteration < job.train.train_iters:  # the run saves, at its end at the latest
             self.checkpointer.prepare(self.model, self.optimizer)
         # Requests from other threads (SIGTERM's relay, the control endpoint), acted on between steps.
