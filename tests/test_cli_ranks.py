@@ -47,9 +47,16 @@ def _wait_while_running(proc, tmp_path: Path, ready, timeout: float) -> None:
 
 
 def _both_ranks_started(proc, tmp_path: Path) -> dict[int, int]:
-    """{rank: pid} once the launcher has started both ranks."""
-    _wait_while_running(proc, tmp_path, lambda: len(_rank_pids(proc.pid)) >= 2, 60)
-    return _rank_pids(proc.pid)
+    """{rank: pid} once the launcher has started both ranks. What a scan found is kept: a rank
+    caught while /proc could not read its environment (it was starting) drops out of the next."""
+    found: dict[int, int] = {}
+
+    def ready() -> bool:
+        found.update(_rank_pids(proc.pid))
+        return {0, 1} <= found.keys()
+
+    _wait_while_running(proc, tmp_path, ready, 60)
+    return found
 
 
 def _steps_logged(proc, tmp_path: Path, metrics: Path, steps: int = 3, timeout: float = 60) -> None:
