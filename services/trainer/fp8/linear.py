@@ -216,6 +216,14 @@ class Fp8Gemm:
                  main_grad: torch.Tensor | None = None,
                  cast: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """`cast`: (FP8 weight, its transpose, its scale) from `Fp8WeightCache` (not rowwise)."""
+        tokens = x.numel() // x.shape[-1]
+        if x.is_cuda and tokens % 16:
+            # cuBLAS's FP8 GEMM takes dimensions in multiples of 16, the token count (the weight
+            # gradient's summed dimension) too: zero rows, which change no amax and no sum
+            rows = x.reshape(tokens, x.shape[-1])
+            padded = torch.cat([rows, rows.new_zeros(-tokens % 16, x.shape[-1])])
+            y = self(padded, weight, bias, main_grad, cast)[:tokens]
+            return y.reshape(*x.shape[:-1], y.shape[-1])
         with torch.autocast(x.device.type, enabled=False):
             if self.recipe.recipe == "rowwise":
                 return _RowScaled.apply(x, weight, bias, main_grad, self.recipe)

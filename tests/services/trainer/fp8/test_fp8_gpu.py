@@ -88,3 +88,17 @@ def test_compiled_fp8_training_follows_bf16(recipe, corpus_cache, tmp_path):
     assert fp8.losses[30] < fp8.losses[1] - 1.0
     for step, loss in bf16.losses.items():
         assert fp8.losses[step] == pytest.approx(loss, rel=0.02), step
+
+
+def test_a_token_count_off_the_multiple_of_16_is_padded():
+    """cuBLAS refuses FP8 GEMMs whose dimensions are not multiples of 16; 100 tokens are padded
+    with zero rows, which leave the result and the gradients those of the 100 rows."""
+    x, w, dy = _operands(2048, 2048)
+    x, dy = x.detach()[:100].requires_grad_(), dy[:100]
+    gemm = Fp8Gemm(Recipe("hybrid", "tensorwise"))
+    y = gemm(x, w)
+    dx, dw = torch.autograd.grad(y, (x, w), dy)
+    assert y.shape == (100, 2048) and dx.shape == x.shape
+    ref = F.linear(x, w.bfloat16())
+    rdx, rdw = torch.autograd.grad(ref, (x, w), dy)
+    assert _rel(y, ref) < 0.04 and _rel(dx, rdx) < 0.08 and _rel(dw, rdw) < 0.08
