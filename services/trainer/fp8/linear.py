@@ -64,6 +64,15 @@ def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b:
     return ((a.float() * scale_a) @ (b.float() * scale_b)).to(torch.bfloat16)
 
 
+def _deliver_weight_grad(ctx, main_grad: torch.Tensor | None, dw: torch.Tensor) -> torch.Tensor | None:
+    """The weight gradient for autograd (in the weight's dtype), or None once added into the
+    fused main gradient."""
+    if ctx.fused:
+        main_grad.add_(dw)
+        return None
+    return dw.to(ctx.w_dtype)
+
+
 def _col_major(t: torch.Tensor) -> torch.Tensor:
     """The same matrix laid out column-major (what `_scaled_mm` wants as its second operand)."""
     return t.t().contiguous().t()
@@ -125,11 +134,7 @@ class _TensorScaled(torch.autograd.Function):
             dx = dx.view(ctx.x_shape).to(ctx.x_dtype)
         if ctx.fused or ctx.needs_input_grad[1]:
             dw = _scaled_mm(dyq.t().contiguous(), _col_major(xq), sdy.reciprocal(), sx.reciprocal())  # (N, M) @ (M, K)
-            if ctx.fused:
-                main_grad.add_(dw)
-                dw = None
-            else:
-                dw = dw.to(ctx.w_dtype)
+            dw = _deliver_weight_grad(ctx, main_grad, dw)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
         return dx, dw, db, None, None, None, None, None, None, None, None, None
@@ -173,11 +178,7 @@ class _RowScaled(torch.autograd.Function):
             s_x = amax_to_scale(amax(x2, dim=0), m, margin)  # (1, K)
             dw = _scaled_mm(cast_to_fp8(dy2, s_dy, E4M3).t().contiguous(), _col_major(cast_to_fp8(x2, s_x, E4M3)),
                             s_dy.reciprocal().reshape(-1, 1), s_x.reciprocal())  # (N, M) @ (M, K)
-            if ctx.fused:
-                main_grad.add_(dw)
-                dw = None
-            else:
-                dw = dw.to(ctx.w_dtype)
+            dw = _deliver_weight_grad(ctx, main_grad, dw)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
         return dx, dw, db, None, None
