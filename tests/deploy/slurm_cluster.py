@@ -38,6 +38,24 @@ def missing_requirements() -> str | None:
     return None
 
 
+SCHEDULING = """\
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SlurmdParameters=config_overrides
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+MpiDefault=none
+ReturnToService=2
+JobRequeue=1
+KillWait=60
+SchedulerParameters=sched_interval=1
+"""
+"""The slurm.conf lines every test cluster shares: no cgroups, no accounting, requeue, a
+scheduler pass every second."""
+
 class SlurmCluster:
     """One node, one partition ("debug"), `cpus` CPUs declared.
 
@@ -73,20 +91,7 @@ SlurmctldPidFile={d}/slurmctld.pid
 SlurmdPidFile={d}/slurmd.pid
 SlurmctldLogFile={d}/slurmctld.log
 SlurmdLogFile={d}/slurmd.log
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_CPU
-SlurmdParameters=config_overrides
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/none
-MpiDefault=none
-ReturnToService=2
-JobRequeue=1
-KillWait=60
-SchedulerParameters=sched_interval=1
-NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory=1000 State=UNKNOWN
+{SCHEDULING}NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory=1000 State=UNKNOWN
 PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
 """)
 

@@ -21,7 +21,7 @@ import subprocess
 from pathlib import Path
 
 from meshtrain.services.launcher.topology import free_port
-from tests.deploy.slurm_cluster import SlurmCluster, missing_requirements
+from tests.deploy.slurm_cluster import SCHEDULING, SlurmCluster, missing_requirements
 
 
 def missing_network_requirements() -> str | None:
@@ -98,20 +98,7 @@ SlurmctldPidFile={d}/slurmctld.pid
 SlurmdPidFile={d}/slurmd-%n.pid
 SlurmctldLogFile={d}/slurmctld.log
 SlurmdLogFile={d}/slurmd-%n.log
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_CPU
-SlurmdParameters=config_overrides
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/none
-MpiDefault=none
-ReturnToService=2
-JobRequeue=1
-KillWait=60
-SchedulerParameters=sched_interval=1
-{nodes}
+{SCHEDULING}{nodes}
 PartitionName=debug Nodes={",".join(self.names)} Default=YES MaxTime=INFINITE State=UP
 """)
 
