@@ -328,16 +328,24 @@ def run_sequential(args, overrides, baselines: list[Baseline], variant: str | No
         return None, job
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rows = {f"meshtrain x{world}" if world > 1 else "meshtrain": mesh}
+    _done(next(iter(rows)), mesh)
     for spec in [b for b in baselines if not b.float8]:
         release(job, reset=spec.bf16_residual)  # the bf16-stream baseline compiles afresh: the plain one's graphs go
-        rows[spec.name] = run_baseline(args, job, spec)
+        rows[spec.name] = _done(spec.name, run_baseline(args, job, spec))
     if variant:
         release(job)
         rows[variant], _ = run_meshtrain(*variant_inputs(args, overrides))
+        _done(variant, rows[variant])
     for spec in [b for b in baselines if b.float8]:
         release(job)
-        rows[spec.name] = run_baseline(args, job, spec)
+        rows[spec.name] = _done(spec.name, run_baseline(args, job, spec))
     return rows, job
+
+
+def _done(name: str, row: dict) -> dict:
+    """Say a side's step time as soon as it is timed: a run cut short (a time limit) still tells."""
+    print(f"timed {name}: {row['step_time_s']:.4f} s/step (median {row['step_time_median_s']:.4f})", flush=True)
+    return row
 
 
 def main() -> None:

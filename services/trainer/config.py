@@ -91,12 +91,16 @@ class TrainConfig:
     fp8_recipe: Literal["tensorwise", "rowwise", "delayed"] = "tensorwise"
     """FP8 scaling (--fp8-recipe): 'tensorwise' scales each tensor by its current amax; 'rowwise'
     each row of every GEMM operand along the summed dimension (finer, slower; train.fp8='e4m3'
-    only); 'delayed' by the largest amax of the last fp8_amax_history_len steps (Transformer
-    Engine's default; its first step, and a resumed run's, scale by the current amax)."""
-    fp8_amax_history_len: int = 1024
-    """'delayed': steps of amax history (--fp8-amax-history-len)."""
-    fp8_amax_compute_algo: Literal["max", "most_recent"] = "max"
-    """'delayed': scale from the history's largest amax or its newest (--fp8-amax-compute-algo)."""
+    only); 'delayed' by the amax of earlier steps (Transformer Engine's DelayedScaling; its first
+    step, and a resumed run's, scale by the current amax)."""
+    fp8_amax_history_len: int = 1
+    """'delayed': steps of amax history (--fp8-amax-history-len; Megatron's default, 1: the
+    previous step's amax)."""
+    fp8_amax_compute_algo: Literal["max", "most_recent"] = "most_recent"
+    """'delayed': scale from the history's newest amax (Megatron's default) or its largest,
+    'max' (--fp8-amax-compute-algo). 'max' over a long history (Transformer Engine's own default,
+    1024 steps) keeps the largest amax seen; while activations grow early in training it lags
+    them, and values above it saturate (docs/performance.md, "FP8")."""
     fp8_margin: int = 0
     """Scale down by 2^margin below the format's largest value (--fp8-margin)."""
     fp8_bf16_first_last: bool = False

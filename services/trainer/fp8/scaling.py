@@ -66,8 +66,8 @@ class Recipe:
 
     format: str = "hybrid"
     recipe: str = "tensorwise"
-    amax_history_len: int = 1024
-    amax_compute_algo: str = "max"
+    amax_history_len: int = 1
+    amax_compute_algo: str = "most_recent"
     margin: int = 0
 
     def __post_init__(self) -> None:

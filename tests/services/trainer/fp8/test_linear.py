@@ -84,7 +84,8 @@ def test_a_row_of_outliers_costs_other_rows_nothing_under_rowwise():
 
 def _delayed_layer(history_len=4):
     state = DelayedState(1, history_len, torch.device("cpu"))
-    return Fp8Gemm(Recipe("hybrid", "delayed", amax_history_len=history_len), delayed=(state, 0)), state
+    recipe = Recipe("hybrid", "delayed", amax_history_len=history_len, amax_compute_algo="max")
+    return Fp8Gemm(recipe, delayed=(state, 0)), state
 
 
 def test_delayed_scaling_records_amaxes_and_scales_from_them_after_the_first_step():
