@@ -110,6 +110,11 @@ class TrainConfig:
     """With fp8_bf16_first_last: blocks at the start kept bf16 (--num-layers-at-start-in-bf16)."""
     fp8_bf16_layers_at_end: int = 1
     """With fp8_bf16_first_last: blocks at the end kept bf16 (--num-layers-at-end-in-bf16)."""
+    fp8_all_gather: bool = True
+    """Under sequence parallelism, the FP8 column-parallel layers (QKV, fc1) cast their input
+    chunk to FP8 before the sequence all-gather: half the bytes of the bf16 gather, the same
+    values reach the GEMM, and the cast and amax run on the chunk only (tensorwise and delayed;
+    rowwise gathers in bf16). false: gather in bf16, then cast."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """'auto' picks CUDA when present."""
     cuda_graph: bool = False

@@ -86,14 +86,17 @@ def build_fp8(model: nn.Module, train, mesh: Mesh, device: torch.device) -> Fp8M
                     train.fp8_margin)
     first_last = train.fp8_bf16_first_last
     return apply_fp8(model, recipe, mesh, train.fp8_bf16_layers_at_start if first_last else 0,
-                     train.fp8_bf16_layers_at_end if first_last else 0, device)
+                     train.fp8_bf16_layers_at_end if first_last else 0, device, all_gather=train.fp8_all_gather)
 
 
 def apply_fp8(model: nn.Module, recipe: Recipe, mesh: Mesh, bf16_layers_at_start: int = 0,
-              bf16_layers_at_end: int = 0, device: torch.device | None = None) -> Fp8Model | None:
+              bf16_layers_at_end: int = 0, device: torch.device | None = None,
+              all_gather: bool = True) -> Fp8Model | None:
     """Put the eligible linear layers of `model` (a GPT, tensor-parallel or not) on FP8.
 
     `device`: where the model will train (the delayed state lives there); default: the weights'.
+    `all_gather`: under sequence parallelism, column-parallel layers all-gather their input in FP8
+    (tensorwise and delayed recipes; train.fp8_all_gather).
 
     Returns:
         The `Fp8Model` handle, or None when no layer qualified (logged).
@@ -138,23 +141,28 @@ def apply_fp8(model: nn.Module, recipe: Recipe, mesh: Mesh, bf16_layers_at_start
             layer.__class__ = Fp8Linear
             layer.make_fp8(Fp8Gemm(recipe, Groups(), delayed))
         else:  # tensor parallel: column- or row-parallel, whose `linear` is the GEMM
-            layer.linear = Fp8Gemm(recipe, _tp_groups(layer, mesh), delayed)
+            layer.linear = _tp_gemm(layer, mesh, recipe, delayed, all_gather)
             if hasattr(layer, "async_grad"):
                 layer.async_grad = False  # its fused backward runs bf16 GEMMs; the plain path takes FP8
     groups = (mesh.group("tp"), mesh.group("dp_cp")) if state is not None else ()
     return Fp8Model(recipe, [name for name, _ in chosen], kept, state, groups)
 
 
-def _tp_groups(layer: nn.Module, mesh: Mesh) -> Groups:
-    """The amax groups of a tensor-parallel layer: its sharded weight and the tensor whose
-    dimension it splits (a column-parallel output gradient, a row-parallel input)."""
+def _tp_gemm(layer: nn.Module, mesh: Mesh, recipe: Recipe, delayed: tuple[DelayedState, int] | None,
+             all_gather: bool) -> Fp8Gemm:
+    """The FP8 GEMM of a tensor-parallel layer, with its amax groups: its sharded weight and the
+    tensor whose dimension it splits (a column-parallel output gradient, a row-parallel input),
+    and under sequence parallelism with `all_gather` a column-parallel input, which then arrives
+    as the rank's sequence chunk and is gathered in FP8."""
     from meshtrain.services.trainer.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
     tp = mesh.group("tp") if mesh.tp > 1 else None
     if getattr(layer, "overlap", False):
         raise ConfigError("train.fp8 does not combine with parallel.tp_comm_overlap (its fused GEMMs are bf16)")
     if isinstance(layer, ColumnParallelLinear):
-        return Groups(input=None, weight=tp, grad_output=tp)
+        if all_gather and tp is not None and layer.sp and not layer.in_region and recipe.recipe != "rowwise":
+            return Fp8Gemm(recipe, Groups(input=tp, weight=tp, grad_output=tp), delayed, seq_group=tp)
+        return Fp8Gemm(recipe, Groups(input=None, weight=tp, grad_output=tp), delayed)
     if isinstance(layer, RowParallelLinear):
-        return Groups(input=tp, weight=tp, grad_output=None)
+        return Fp8Gemm(recipe, Groups(input=tp, weight=tp, grad_output=None), delayed)
     raise ConfigError(f"train.fp8: cannot run a {type(layer).__name__} in FP8")

@@ -13,8 +13,12 @@ gradient).
 
 Tensor parallelism: a tensor whose shard differs per rank (a column-parallel weight and its
 output gradient, a row-parallel weight and its input) takes the max of the ranks' amaxes, so
-every rank uses the scale one process would (tensorwise; delayed scaling reduces its whole
-history once per step instead); rowwise scales stay per shard.
+every rank uses the scale one process would (tensorwise; delayed scaling casts with the scale
+of earlier steps and reduces its whole history once per step instead); rowwise scales stay per
+shard. Under sequence parallelism a column-parallel layer may take its input as the rank's
+sequence chunk (`Fp8Gemm(seq_group=...)`): the chunk is cast with the scale of the whole input and
+all-gathered as FP8 bytes (half the bytes of bf16, and the same values as casting after a bf16
+gather); its input gradient is reduce-scattered in bf16.
 
     gemm = Fp8Gemm(recipe)                 # one per layer (the delayed state is per layer)
     y = gemm(x, weight, bias)              # the F.linear signature
@@ -30,6 +34,7 @@ from torch import nn
 from torch.distributed import _functional_collectives as funcol
 
 from meshtrain.services.trainer.fp8.scaling import Recipe, amax, amax_to_scale, cast_to_fp8
+from meshtrain.services.trainer.parallel import mappings as M
 
 E4M3 = torch.float8_e4m3fn
 
@@ -73,6 +78,13 @@ def _deliver_weight_grad(ctx, main_grad: torch.Tensor | None, dw: torch.Tensor) 
     return dw.to(ctx.w_dtype)
 
 
+def _gather_sequence(xq: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Size]:
+    """All-gather FP8 activations (b, s/tp, K) along the sequence as bytes (collectives take no
+    FP8 dtype): the (b·s, K) row-major GEMM operand, and the gathered (b, s, K) shape."""
+    full = M.all_gather(xq.view(torch.uint8), M.SEQ_DIM, group).view(xq.dtype)  # (b, s, K), a strided view
+    return full.reshape(-1, full.shape[-1]), full.shape
+
+
 def _col_major(t: torch.Tensor) -> torch.Tensor:
     """The same matrix laid out column-major (what `_scaled_mm` wants as its second operand)."""
     return t.t().contiguous().t()
@@ -83,24 +95,31 @@ class _TensorScaled(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, main_grad, recipe: Recipe, groups: Groups, history, scale, delayed: bool,
-                wq=None, wq_t=None, sw=None):
+                wq=None, wq_t=None, sw=None, seq_group=None):
         """wq, wq_t, sw: the weight already cast this step (`Fp8WeightCache`: wq (N, K) and its
-        transpose (K, N), both FP8, and its scale); None: cast here."""
+        transpose (K, N), both FP8, and its scale); None: cast here. seq_group: x is this rank's
+        sequence chunk (b, s/tp, K), cast to FP8 and all-gathered along the sequence over this
+        group before the GEMM (sequence parallelism); its gradient is reduce-scattered back."""
         fmt, w_dtype = recipe.dtypes, weight.dtype
         # from bf16 whatever arrives (an fp32 master weight, its bf16 copy): one rounding path
-        x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # (M, K)
-        ax = _reduced_amax(x2, groups.input)
+        x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # (M, K), M this rank's tokens
+        # delayed scaling casts with the history's scale: the amax is only recorded, and step_end
+        # reduces the history over tp, so no collective is needed here (but on the first step)
+        ax = _reduced_amax(x2, None if delayed else groups.input)
         if history is not None:  # record this micro-batch's amaxes for the next steps' scales
             history[0, 0] = torch.maximum(history[0, 0], ax)
         sx = scale[0] if delayed else amax_to_scale(ax, fmt.forward_max, recipe.margin)
         if wq is None:
             weight = weight.to(torch.bfloat16)  # (N, K)
-            aw = _reduced_amax(weight, groups.weight)
+            aw = _reduced_amax(weight, None if delayed else groups.weight)
             if history is not None:
                 history[1, 0] = torch.maximum(history[1, 0], aw)
             sw = scale[1] if delayed else amax_to_scale(aw, fmt.forward_max, recipe.margin)
             wq = cast_to_fp8(weight, sw, fmt.forward)
         xq = cast_to_fp8(x2, sx, fmt.forward)  # (M, K)
+        x_shape = x.shape
+        if seq_group is not None:  # gather the FP8 bytes: half of bf16's, the same values as casting after
+            xq, x_shape = _gather_sequence(xq.view(x.shape), seq_group)  # (tp·M, K), (b, s, K)
         y = _scaled_mm(xq, wq.t(), sx.reciprocal(), sw.reciprocal(), fast_accum=True)  # (M, N)
         if bias is not None:
             y = y + bias.to(y.dtype)
@@ -110,10 +129,10 @@ class _TensorScaled(torch.autograd.Function):
         # Not saved (autograd would check their versions): the main gradient of a tied weight
         # and the stacked history other layers write into change between forward and backward.
         ctx.main_grad, ctx.history, ctx.scale = main_grad, history, scale
-        ctx.recipe, ctx.groups, ctx.delayed = recipe, groups, delayed
-        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, w_dtype
+        ctx.recipe, ctx.groups, ctx.delayed, ctx.seq_group = recipe, groups, delayed, seq_group
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x_shape, x.dtype, w_dtype
         ctx.has_bias, ctx.fused = bias is not None, main_grad is not None
-        return y.view(*x.shape[:-1], y.shape[-1])
+        return y.view(*x_shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
@@ -123,7 +142,7 @@ class _TensorScaled(torch.autograd.Function):
         recipe = ctx.recipe
         fmt = recipe.dtypes
         dy2 = dy.reshape(-1, dy.shape[-1]).to(torch.bfloat16)  # (M, N)
-        ady = _reduced_amax(dy2, ctx.groups.grad_output)
+        ady = _reduced_amax(dy2, None if ctx.delayed else ctx.groups.grad_output)
         if history is not None:
             history[2, 0] = torch.maximum(history[2, 0], ady)
         sdy = scale[2] if ctx.delayed else amax_to_scale(ady, fmt.backward_max, recipe.margin)
@@ -132,12 +151,14 @@ class _TensorScaled(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = _scaled_mm(dyq, w_col, sdy.reciprocal(), sw.reciprocal())  # (M, N) @ (N, K)
             dx = dx.view(ctx.x_shape).to(ctx.x_dtype)
+            if ctx.seq_group is not None:  # the gather's adjoint: sum over tp, keep this rank's chunk
+                dx = M.reduce_scatter(dx, M.SEQ_DIM, ctx.seq_group)  # (b, s/tp, K)
         if ctx.fused or ctx.needs_input_grad[1]:
             dw = _scaled_mm(dyq.t().contiguous(), _col_major(xq), sdy.reciprocal(), sx.reciprocal())  # (N, M) @ (M, K)
             dw = _deliver_weight_grad(ctx, main_grad, dw)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
-        return dx, dw, db, None, None, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None, None, None
 
 
 class _RowScaled(torch.autograd.Function):
@@ -206,25 +227,46 @@ class Fp8Gemm:
         recipe: the scaling recipe and formats.
         groups: tensor-parallel amax groups (tensorwise).
         delayed: the model's `DelayedState` and this layer's index in it (recipe 'delayed').
+        seq_group: sequence parallelism's group, for a column-parallel layer that gathers its
+            input itself: x arrives as this rank's sequence chunk and is all-gathered in FP8
+            (`gathers_sequence`). Where the bytes cannot be gathered in FP8 (rowwise scales, or a
+            gathered token count cuBLAS refuses) it is gathered in bf16 first, as without FP8.
     """
 
-    def __init__(self, recipe: Recipe, groups: Groups = Groups(), delayed: tuple[DelayedState, int] | None = None):
+    def __init__(self, recipe: Recipe, groups: Groups = Groups(), delayed: tuple[DelayedState, int] | None = None,
+                 seq_group: dist.ProcessGroup | None = None):
         if (recipe.recipe == "delayed") != (delayed is not None):
             raise ValueError("a delayed-scaling FP8 layer needs its state (and only it does)")
-        self.recipe, self.groups, self.delayed = recipe, groups, delayed
+        if seq_group is not None and groups.input is not seq_group:
+            raise ValueError("an FP8 layer that gathers its input reduces the input's amax over that group")
+        self.recipe, self.groups, self.delayed, self.seq_group = recipe, groups, delayed, seq_group
+
+    @property
+    def gathers_sequence(self) -> bool:
+        """Whether x arrives as a sequence chunk that this GEMM gathers (see the class doc)."""
+        return self.seq_group is not None
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  main_grad: torch.Tensor | None = None,
                  cast: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """`cast`: (FP8 weight, its transpose, its scale) from `Fp8WeightCache` (not rowwise)."""
+        seq_group = self.seq_group if self.seq_group is not None and dist.get_world_size(self.seq_group) > 1 else None
+        if seq_group is not None:
+            gathered = x.numel() // x.shape[-1] * dist.get_world_size(seq_group)
+            if self.recipe.recipe != "rowwise" and not (x.is_cuda and gathered % 16):
+                return self._gemm(x, weight, bias, main_grad, cast, seq_group)
+            x = M.gather_from_sequence(x, seq_group)  # in bf16, then as an input that arrived whole
         tokens = x.numel() // x.shape[-1]
         if x.is_cuda and tokens % 16:
             # cuBLAS's FP8 GEMM takes dimensions in multiples of 16, the token count (the weight
             # gradient's summed dimension) too: zero rows, which change no amax and no sum
             rows = x.reshape(tokens, x.shape[-1])
             padded = torch.cat([rows, rows.new_zeros(-tokens % 16, x.shape[-1])])
-            y = self(padded, weight, bias, main_grad, cast)[:tokens]
+            y = self._gemm(padded, weight, bias, main_grad, cast, None)[:tokens]
             return y.reshape(*x.shape[:-1], y.shape[-1])
+        return self._gemm(x, weight, bias, main_grad, cast, None)
+
+    def _gemm(self, x, weight, bias, main_grad, cast, seq_group) -> torch.Tensor:
         with torch.autocast(x.device.type, enabled=False):
             if self.recipe.recipe == "rowwise":
                 return _RowScaled.apply(x, weight, bias, main_grad, self.recipe)
@@ -235,7 +277,7 @@ class Fp8Gemm:
                 scale, ready = state.scale[i], state.ready
                 history = state.history[i] if torch.is_grad_enabled() else None  # evaluation records nothing
             return _TensorScaled.apply(x, weight, bias, main_grad, self.recipe, self.groups, history, scale, ready,
-                                       *(cast or (None, None, None)))
+                                       *(cast or (None, None, None)), seq_group)
 
 
 class Fp8Linear(nn.Linear):

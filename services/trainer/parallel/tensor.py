@@ -143,6 +143,8 @@ class ColumnParallelLinear(nn.Module):
             with torch.autocast(x.device.type, enabled=False):
                 return _ColumnLinearAsyncGrad.apply(x, w, b, self.group, self.sp)
         x = M.to_compute_dtype(x)  # gather (and reduce the gradient) in bf16 under autocast
+        if self.sp and getattr(self.linear, "gathers_sequence", False):
+            return self.linear(x, self.weight, self.bias)  # an FP8 GEMM gathers the chunks itself, in FP8
         x = M.gather_from_sequence(x, self.group) if self.sp else M.copy_to_region(x, self.group)
         return self.linear(x, self.weight, self.bias)
 

@@ -11,9 +11,13 @@ row-parallel layer's input rows scaled by their shard's amax): 3e-4 measured, bo
 """
 
 import pytest
+import torch
 
+from meshtrain.services.checkpoint.reader import load_checkpoint
 from meshtrain.services.trainer.config import load_config
-from meshtrain.services.trainer.train import train
+from meshtrain.services.trainer.fp8 import Fp8Gemm
+from meshtrain.services.trainer.parallel.tensor import ColumnParallelLinear
+from meshtrain.services.trainer.train import Trainer, train
 from tests.dist_utils import run_ranks
 from tests.services.trainer.conftest import small_job_args
 
@@ -35,6 +39,8 @@ CASES = {
     "tp2-sp-tensorwise": (2, LLAMA, {"train.fp8_recipe": "tensorwise", "parallel.tp": 2,
                                      "parallel.sequence_parallel": True}, 3e-4),
     "tp2-gpt2-delayed": (2, {}, {"train.fp8_recipe": "delayed", "parallel.tp": 2}, 3e-4),
+    "tp2-sp-delayed": (2, LLAMA, {"train.fp8_recipe": "delayed", "parallel.tp": 2,
+                                  "parallel.sequence_parallel": True}, 3e-4),
     "dp2-zero1-overlap-delayed": (2, LLAMA, {"train.fp8_recipe": "delayed", "parallel.use_distributed_optimizer": True,
                                              "parallel.overlap_grad_reduce": True}, 1e-4),
     "pp2-tensorwise": (2, LLAMA, {"train.fp8_recipe": "tensorwise", "parallel.pp": 2}, 1e-6),
@@ -53,3 +59,36 @@ def test_fp8_sharded_training_follows_one_process(case, corpus_cache, tmp_path):
     assert sorted(losses) == list(range(1, 9))
     worst = max(abs(losses[s] - one[s]) / one[s] for s in one)
     assert worst < rel, case
+
+
+def _rank_train_gathering(rank, world, args):
+    """(losses, checkpoint URL, whether each FP8 column-parallel layer gathers its input itself)."""
+    trainer = Trainer(load_config(args))
+    gathers = [m.linear.gathers_sequence for m in trainer.model.modules()
+               if isinstance(m, ColumnParallelLinear) and isinstance(m.linear, Fp8Gemm)]
+    trainer.release_run_dir()
+    result = train(load_config(args))
+    return result.losses, result.checkpoint, gathers
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_fp8_all_gather_trains_exactly_as_gathering_in_bf16(recipe, corpus_cache, tmp_path):
+    """tp2 + sp: the column-parallel layers' input chunks cast to FP8 and all-gathered as bytes,
+    against gathered in bf16 and cast after. The scale is the whole input's either way (the
+    chunks' amaxes max-reduced over tp, or the history's), so the same FP8 values reach every
+    GEMM and the input gradient is reduce-scattered in the same bf16: the losses, and the
+    parameters and both Adam moments after 4 steps, are identical."""
+    runs = {}
+    for gather in (True, False):
+        args = small_job_args(corpus_cache, tmp_path / f"gather-{gather}", **LLAMA, **{
+            **COMMON, "train.train_iters": 4, "train.fp8": "hybrid", "train.fp8_recipe": recipe, "parallel.tp": 2,
+            "parallel.sequence_parallel": True, "train.fp8_all_gather": gather})
+        got = run_ranks(_rank_train_gathering, 2, args, timeout=400)
+        losses, url, gathers = got[0]
+        assert len(gathers) == 2 * 4 and set(gathers) == {gather}  # QKV and fc1 of each of the 4 blocks
+        runs[gather] = (losses, load_checkpoint(url.rsplit("/", 1)[0], 4))
+    (on_losses, (on, _)), (off_losses, (off, _)) = runs[True], runs[False]
+    assert on_losses == off_losses and sorted(on_losses) == [1, 2, 3, 4]
+    assert set(on) == set(off) and any("exp_avg_sq" in name for name in on), sorted(on)[:8]
+    for name in on:
+        torch.testing.assert_close(on[name], off[name], rtol=0, atol=0, msg=name)
