@@ -39,6 +39,11 @@
 #                dp2-zero1-bf16-reduce  the same with --grad-reduce-in-bf16
 #                dp2-zero1-gbs128       the same at global batch 128: each GPU runs the one-GPU row's
 #                                       micro-batches (weak scaling; dp2-zero1 keeps the batch)
+#                1gpu-fp8               one GPU in FP8 (hybrid, tensorwise): the fp8-* rows' reference
+#                fp8-dp2-zero1          FP8 with DP=2 + ZeRO-1, both overlaps
+#                fp8-tp2-sp             FP8 with TP=2 + SP, inputs all-gathered in FP8, profiled
+#                fp8-tp2-sp-bf16-gather the same gathering in bf16 (train.fp8_all_gather=false)
+#                fp8-tp2-sp-delayed     TP=2 + SP with delayed scaling (no amax collective in the step)
 #              SCALING_ROWS="1gpu tp2" runs those rows only; SCALING_MBS=N runs every row, the
 #              one-GPU one too, at micro-batch N (names end in -mbsN: like is compared with like).
 #   ce-sweep   benchmarks/ce_launch_sweep.py: the cross-entropy kernels under every launch setting
@@ -183,10 +188,13 @@ scaling() {
   B="$B --steps 6 --warmup 3 --skip-baseline ${mbs:+--train.micro_batch_size=$mbs}"
   local TP="--tensor-model-parallel-size 2"
   local ZERO="--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather"  # ZeRO-1, both overlaps
-  if chosen 1gpu "${SCALING_ROWS:-}"; then
-    job "1gpu$s" 240 python3 $B --out "$out/1gpu$s.json" --run-dir "$runs/1gpu$s"
-    row "1gpu$s"
-  fi
+  local F8="--fp8-format hybrid --fp8-recipe tensorwise"
+  local ref
+  for ref in "1gpu|" "1gpu-fp8|$F8"; do  # the reference rows: bf16, and FP8 for the fp8-* rows
+    chosen "${ref%%|*}" "${SCALING_ROWS:-}" || continue
+    job "${ref%%|*}$s" 240 python3 $B ${ref#*|} --out "$out/${ref%%|*}$s.json" --run-dir "$runs/${ref%%|*}$s"
+    row "${ref%%|*}$s"
+  done
   local spec name flags
   for spec in "tp2|$TP --profile-steps 1" \
       "tp2-sync-grad|$TP --parallel.tp_async_grad_reduce=false" \
@@ -195,12 +203,18 @@ scaling() {
       "dp2|" \
       "dp2-zero1|$ZERO --profile-steps 1" \
       "dp2-zero1-bf16-reduce|$ZERO --grad-reduce-in-bf16" \
-      "dp2-zero1-gbs128|$ZERO --train.global_batch_size=128"; do
+      "dp2-zero1-gbs128|$ZERO --train.global_batch_size=128" \
+      "fp8-dp2-zero1|$ZERO $F8" \
+      "fp8-tp2-sp|$TP --sequence-parallel $F8 --profile-steps 1" \
+      "fp8-tp2-sp-bf16-gather|$TP --sequence-parallel $F8 --train.fp8_all_gather=false" \
+      "fp8-tp2-sp-delayed|$TP --sequence-parallel --fp8-format hybrid --fp8-recipe delayed"; do
     name=${spec%%|*} flags=${spec#*|}
     chosen "$name" "${SCALING_ROWS:-}" || continue
+    ref=1gpu$s
+    [[ $name == fp8-* ]] && ref=1gpu-fp8$s  # FP8 rows scale against one GPU in FP8
     name=$name$s
-    if [ ! -f "$out/1gpu$s.json" ]; then echo "$name: needs the 1gpu$s row in $out"; continue; fi
-    job "$name" 270 torchrun --standalone --nproc-per-node 2 $B $flags --single-gpu-json "$out/1gpu$s.json" \
+    if [ ! -f "$out/$ref.json" ]; then echo "$name: needs the $ref row in $out"; continue; fi
+    job "$name" 270 torchrun --standalone --nproc-per-node 2 $B $flags --single-gpu-json "$out/$ref.json" \
       --out "$out/$name.json" --run-dir "$runs/$name"
     row "$name"
     where "$name"
