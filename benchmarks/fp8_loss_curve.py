@@ -143,8 +143,12 @@ def compare(bf16: dict, fp8: dict, tail: int, tolerance: float) -> dict:
     """The result's comparison: FP8's tail mean relative to bf16's, and its speed relative to bf16's."""
     a, b = bf16["tail_mean_loss"], fp8["tail_mean_loss"]
     rel = (b - a) / a if a is not None and b is not None else None
+    steps = [(i + 1, (y - x) / x) for i, (x, y) in enumerate(zip(bf16["losses"], fp8["losses"], strict=True))
+             if x is not None and y is not None]
+    worst = max(steps, key=lambda p: abs(p[1]), default=(None, None))
     return {"tail_steps": tail, "tail_mean_loss_rel_diff": rel, "tolerance": tolerance,
             "within_tolerance": rel is not None and abs(rel) <= tolerance,
+            "worst_step": worst[0], "worst_step_rel_diff": worst[1],  # the largest per-step gap, and where
             "fp8_speedup": fp8["tokens_per_s"] / bf16["tokens_per_s"]}
 
 
@@ -250,6 +254,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"FP8 vs bf16: last-{args.tail} mean " + (f"{rel * 100:+.3f}%" if rel is not None else "n/a")
           + f" ({'within' if result['within_tolerance'] else 'NOT within'} {args.tolerance:.1%}), "
           f"speed {result['fp8_speedup']:.3f}x")
+    if result["worst_step"] is not None:
+        print(f"largest per-step gap: {result['worst_step_rel_diff'] * 100:+.2f}% at step {result['worst_step']}")
     print(f"wrote {args.out} and {args.plot}")
     return result
 

@@ -66,6 +66,9 @@ def test_bf16_and_fp8_runs_are_read_compared_and_plotted(tmp_path):
     assert result["tail_mean_loss_rel_diff"] == pytest.approx(rel)
     assert result["within_tolerance"] == (abs(rel) <= 0.01)
     assert result["fp8_speedup"] == pytest.approx(fp8["tokens_per_s"] / bf16["tokens_per_s"])
+    gaps = [(b - a) / a for a, b in zip(bf16["losses"], fp8["losses"])]
+    worst = max(range(5), key=lambda i: abs(gaps[i]))
+    assert (result["worst_step"], result["worst_step_rel_diff"]) == (worst + 1, pytest.approx(gaps[worst]))
     assert png_size(png) == (880, 660)
     assert (tmp_path / "runs" / "fp8.log").read_text().count("step 5/5") == 1
 
@@ -129,6 +132,7 @@ def test_a_diverged_run_is_written_as_nulls_and_never_within_tolerance():
     assert ok["tail_mean_loss"] == 4.5 and ok["tokens_per_s"] == 10.0
     result = curve.compare(ok, run, tail=2, tolerance=0.01)
     assert result["tail_mean_loss_rel_diff"] is None and not result["within_tolerance"]
+    assert (result["worst_step"], result["worst_step_rel_diff"]) == (1, 0.0)  # the non-finite steps left out
 
 
 def test_smooth_is_a_trailing_mean():
