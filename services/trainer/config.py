@@ -98,9 +98,8 @@ class TrainConfig:
     previous step's amax)."""
     fp8_amax_compute_algo: Literal["max", "most_recent"] = "most_recent"
     """'delayed': scale from the history's newest amax (Megatron's default) or its largest,
-    'max' (--fp8-amax-compute-algo). 'max' over a long history (Transformer Engine's own default,
-    1024 steps) keeps the largest amax seen; while activations grow early in training it lags
-    them, and values above it saturate (docs/performance.md, "FP8")."""
+    'max' (--fp8-amax-compute-algo; Transformer Engine's own default is 'max' over 1024 steps,
+    compared in docs/performance.md, "FP8")."""
     fp8_margin: int = 0
     """Scale down by 2^margin below the format's largest value (--fp8-margin)."""
     fp8_bf16_first_last: bool = False
