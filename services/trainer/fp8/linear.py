@@ -103,15 +103,13 @@ class _TensorScaled(torch.autograd.Function):
         fmt, w_dtype = recipe.dtypes, weight.dtype
         # from bf16 whatever arrives (an fp32 master weight, its bf16 copy): one rounding path
         x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # (M, K), M this rank's tokens
-        # delayed scaling casts with the history's scale: the amax is only recorded, and step_end
-        # reduces the history over tp, so no collective is needed here (but on the first step)
-        ax = _reduced_amax(x2, None if delayed else groups.input)
+        ax = _reduced_amax(x2, groups.input)
         if history is not None:  # record this micro-batch's amaxes for the next steps' scales
             history[0, 0] = torch.maximum(history[0, 0], ax)
         sx = scale[0] if delayed else amax_to_scale(ax, fmt.forward_max, recipe.margin)
         if wq is None:
             weight = weight.to(torch.bfloat16)  # (N, K)
-            aw = _reduced_amax(weight, None if delayed else groups.weight)
+            aw = _reduced_amax(weight, groups.weight)
             if history is not None:
                 history[1, 0] = torch.maximum(history[1, 0], aw)
             sw = scale[1] if delayed else amax_to_scale(aw, fmt.forward_max, recipe.margin)
@@ -142,7 +140,7 @@ class _TensorScaled(torch.autograd.Function):
         recipe = ctx.recipe
         fmt = recipe.dtypes
         dy2 = dy.reshape(-1, dy.shape[-1]).to(torch.bfloat16)  # (M, N)
-        ady = _reduced_amax(dy2, None if ctx.delayed else ctx.groups.grad_output)
+        ady = _reduced_amax(dy2, ctx.groups.grad_output)
         if history is not None:
             history[2, 0] = torch.maximum(history[2, 0], ady)
         sdy = scale[2] if ctx.delayed else amax_to_scale(ady, fmt.backward_max, recipe.margin)
@@ -250,7 +248,7 @@ class Fp8Gemm:
                  main_grad: torch.Tensor | None = None,
                  cast: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """`cast`: (FP8 weight, its transpose, its scale) from `Fp8WeightCache` (not rowwise)."""
-        seq_group = self.seq_group if self.seq_group is not None and dist.get_world_size(self.seq_group) > 1 else None
+        seq_group = self.seq_group
         if seq_group is not None:
             gathered = x.numel() // x.shape[-1] * dist.get_world_size(seq_group)
             if self.recipe.recipe != "rowwise" and not (x.is_cuda and gathered % 16):
@@ -272,11 +270,14 @@ class Fp8Gemm:
                 return _RowScaled.apply(x, weight, bias, main_grad, self.recipe)
             history = scale = None
             ready = False
+            groups = self.groups
             if self.delayed is not None:
                 state, i = self.delayed
                 scale, ready = state.scale[i], state.ready
                 history = state.history[i] if torch.is_grad_enabled() else None  # evaluation records nothing
-            return _TensorScaled.apply(x, weight, bias, main_grad, self.recipe, self.groups, history, scale, ready,
+                if ready:  # casts with the history's scale: the amaxes are only recorded, and
+                    groups = Groups()  # step_end reduces the history over tp, so no collective here
+            return _TensorScaled.apply(x, weight, bias, main_grad, self.recipe, groups, history, scale, ready,
                                        *(cast or (None, None, None)), seq_group)
 
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from meshtrain.services.trainer.config import load_config
 from meshtrain.services.trainer.fp8 import Fp8Gemm, Recipe
-from meshtrain.services.trainer.fp8.scaling import amax, amax_to_scale, cast_to_fp8
+from meshtrain.services.trainer.fp8.scaling import FORMATS, amax, amax_to_scale, cast_to_fp8
 from meshtrain.services.trainer.train import Trainer, train
 from tests.services.trainer.conftest import small_job_args
 
@@ -91,7 +91,7 @@ def test_compiled_delayed_scaling_records_every_amax_and_scales_from_it(algo, co
                                                         "train.fp8_amax_compute_algo": algo})
     trainer = Trainer(job)
     state = trainer.fp8.delayed
-    maxes = torch.tensor([448.0, 448.0, 57344.0], device="cuda")
+    maxes = torch.tensor(FORMATS["hybrid"].role_max(), device="cuda")  # fp8_max of input, weight, gradient
     try:
         for step in range(3):
             trainer.train_step(step)

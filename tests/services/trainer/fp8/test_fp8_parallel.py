@@ -66,8 +66,7 @@ def _rank_train_gathering(rank, world, args):
     trainer = Trainer(load_config(args))
     gathers = [m.linear.gathers_sequence for m in trainer.model.modules()
                if isinstance(m, ColumnParallelLinear) and isinstance(m.linear, Fp8Gemm)]
-    trainer.release_run_dir()
-    result = train(load_config(args))
+    result = trainer.run()
     return result.losses, result.checkpoint, gathers
 
 
