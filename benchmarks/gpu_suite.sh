@@ -72,6 +72,8 @@
 #              one H200 (compilation included): tests 1-3 min, llama-1b ~6 min, the 8B-wide ~4 min, the loss
 #              curve ~5 min; where one command may run 10 minutes at most, run the rows in three calls:
 #              FP8_ROWS="fp8-tests fp8-llama3-8b-8layers", then "fp8-llama-1b", then "fp8-loss-curve".
+#              A fresh H100 was slower: the loss curve took 5.7 min, and llama-1b's bf16 and FP8 sides
+#              took 8 min together (each line "timed ..." says when its side finished).
 # NCCL and CUDA environment variables set for the script (NCCL_*, TORCH_NCCL_*,
 # CUDA_DEVICE_MAX_CONNECTIONS) reach every row, and train_throughput.py records them in its JSON;
 # give such a run its own OUT_DIR, with its own 1gpu row.

@@ -20,7 +20,10 @@ given from the median steps (`*_median` in the JSON), which one stalled step doe
 each row counts the CUDA allocator's events inside its timed steps (`allocator`: cache releases,
 syncs, cudaMalloc and cudaFree calls). `--baseline-float8 tensorwise|rowwise` adds the baseline with
 torchao's float8 linear layers (the FP8 target a PyTorch user has at hand), with meshtrain's ratio to
-it, and with `--variant` (e.g. meshtrain's own FP8) the variant's ratio to it too.
+it, and with `--variant` (e.g. meshtrain's own FP8) the variant's ratio to it too. `--variant` may be
+given more than once (FP8 recipes side by side): each variant is a side of its own, and a variant
+that fails to build or train (a refused option, a CUDA graph that cannot be captured) is reported
+as failed while the others are still timed.
 """
 
 from __future__ import annotations
@@ -142,10 +145,17 @@ def meshtrain_step(args, overrides):
     return trainer, step, losses
 
 
-def variant_inputs(args, overrides) -> tuple[argparse.Namespace, list[str]]:
-    """(args, overrides) for meshtrain's --variant run: its own run directory, the variant's flags added."""
-    return (argparse.Namespace(**{**vars(args), "run_dir": args.run_dir + "-variant"}),
-            overrides + shlex.split(args.variant))
+def variant_inputs(args, overrides, index: int) -> tuple[argparse.Namespace, list[str]]:
+    """(args, overrides) for meshtrain's run of the `index`-th --variant: its own run directory, the
+    variant's flags added."""
+    suffix = "-variant" if index == 0 else f"-variant{index + 1}"
+    return (argparse.Namespace(**{**vars(args), "run_dir": args.run_dir + suffix}),
+            overrides + shlex.split(args.variant[index]))
+
+
+def variant_name(flags: str) -> str:
+    """A --variant's side in the table and the JSON."""
+    return f"meshtrain {flags}"
 
 
 def meshtrain_row(trainer, losses, timed: dict) -> dict:
@@ -255,7 +265,7 @@ def run_baseline(args, job, spec: Baseline) -> dict:
     return out
 
 
-def run_rounds(args, overrides, baselines: list[Baseline], variant: str | None) -> tuple[dict, object]:
+def run_rounds(args, overrides, baselines: list[Baseline]) -> tuple[dict, object]:
     """--rounds R: build every side first and keep them all, warm each up, then time `steps` steps of
     each side in turn, R times over (the order rotating by one side a round). A drift of the
     machine over the run (clocks, a neighbour) then falls on every side alike, and the per-round
@@ -270,14 +280,14 @@ def run_rounds(args, overrides, baselines: list[Baseline], variant: str | None) 
     for spec in baselines:
         step, device, losses, info = baseline_step(job, spec)
         sides[spec.name] = (step, device, losses, info)
-    if variant:
+    for index, flags in enumerate(args.variant):
         before = kernels.configured()
-        other, step, losses = meshtrain_step(*variant_inputs(args, overrides))
+        other, step, losses = meshtrain_step(*variant_inputs(args, overrides, index))
         if kernels.configured() != before:
-            raise SystemExit(f"--rounds keeps every side's compiled graphs together, and --variant={args.variant} "
+            raise SystemExit(f"--rounds keeps every side's compiled graphs together, and --variant={flags} "
                              f"changes the kernel choice ({before} -> {kernels.configured()}), which drops them "
                              "(kernels.set_mode): time this variant with --rounds 1")
-        sides[variant] = (step, other.device, losses, other)
+        sides[variant_name(flags)] = (step, other.device, losses, other)
     for step, device, _, _ in sides.values():
         warm_up(step, args.warmup, device)
     names = list(sides)
@@ -317,9 +327,11 @@ def release(job, reset: bool = True) -> None:
         torch.cuda.empty_cache()
 
 
-def run_sequential(args, overrides, baselines: list[Baseline], variant: str | None) -> tuple[dict | None, object]:
+def run_sequential(args, overrides, baselines: list[Baseline],
+                   failed: dict[str, str]) -> tuple[dict | None, object]:
     """The default: each side built, timed and released in turn (one side's memory at a time).
-    Rows are None on ranks other than 0, which only take part in meshtrain's run. The float8
+    Rows are None on ranks other than 0, which only take part in meshtrain's run. A variant that
+    raises goes into `failed` (its name -> the error) and the next side runs. The float8
     baseline goes last: torchao's conversion patches Inductor's Triton min/max codegen for the
     whole process (a workaround for a Triton fp8 miscompile), and the sides before it compile
     as they would without it."""
@@ -332,19 +344,30 @@ def run_sequential(args, overrides, baselines: list[Baseline], variant: str | No
     for spec in [b for b in baselines if not b.float8]:
         release(job, reset=spec.bf16_residual)  # the bf16-stream baseline compiles afresh: the plain one's graphs go
         rows[spec.name] = _done(spec.name, run_baseline(args, job, spec))
-    if variant:
+    for index, flags in enumerate(args.variant):
         release(job)
-        rows[variant], _ = run_meshtrain(*variant_inputs(args, overrides))
-        _done(variant, rows[variant])
+        name = variant_name(flags)
+        try:
+            rows[name], _ = run_meshtrain(*variant_inputs(args, overrides, index))
+        except Exception as e:  # noqa: BLE001 (any failure of one variant: the other sides still count)
+            failed[name] = f"{type(e).__name__}: {e}"
+            print(f"failed {name}: {failed[name]} ({time.monotonic() - STARTED:.0f} s into the run)", flush=True)
+            continue
+        _done(name, rows[name])
     for spec in [b for b in baselines if b.float8]:
         release(job)
         rows[spec.name] = _done(spec.name, run_baseline(args, job, spec))
     return rows, job
 
 
+STARTED = time.monotonic()
+
+
 def _done(name: str, row: dict) -> dict:
-    """Say a side's step time as soon as it is timed: a run cut short (a time limit) still tells."""
-    print(f"timed {name}: {row['step_time_s']:.4f} s/step (median {row['step_time_median_s']:.4f})", flush=True)
+    """Say a side's step time as soon as it is timed, and when since the script started (a side's
+    build and compilation show as the gap): a run cut short (a time limit) still tells."""
+    print(f"timed {name}: {row['step_time_s']:.4f} s/step (median {row['step_time_median_s']:.4f}), "
+          f"{time.monotonic() - STARTED:.0f} s into the run", flush=True)
     return row
 
 
@@ -363,10 +386,11 @@ def main() -> None:
                    help="also run the plain baseline with its blocks' linear layers in torchao's float8 training "
                         f"(recipe: {' or '.join(FLOAT8_RECIPES)}; the output head stays bf16), and report "
                         "meshtrain's ratio to it (needs torchao; not under torchrun; --skip-baseline leaves it)")
-    p.add_argument("--variant", metavar="FLAGS",
+    p.add_argument("--variant", metavar="FLAGS", action="append", default=[],
                    help="one process: after meshtrain, run meshtrain again with these overrides added (one "
                         "string, e.g. --variant=--no-gradient-accumulation-fusion) and report meshtrain's ratio "
-                        "to it: what one option is worth, both sides measured in the same process")
+                        "to it: what one option is worth, both sides measured in the same process. Repeatable: "
+                        "each variant is its own side, with its speedup over meshtrain in the JSON's `variants`")
     p.add_argument("--rounds", type=int, default=1,
                    help="one process: keep every side built and time --steps steps of each in turn, this many "
                         "times over (per-round ratios in the JSON; needs the memory of all sides at once)")
@@ -380,8 +404,10 @@ def main() -> None:
         p.error(f"--profile-steps must be between 0 and {PROFILE_MAX}")
     setup_logging("WARNING")
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.variant is not None and (world > 1 or not shlex.split(args.variant)):
+    if args.variant and (world > 1 or not all(shlex.split(flags) for flags in args.variant)):
         p.error("--variant needs one process and at least one override")
+    if len(set(args.variant)) < len(args.variant):
+        p.error("--variant: each variant once")
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
     if args.rounds > 1 and (world > 1 or args.profile_steps):
@@ -393,11 +419,11 @@ def main() -> None:
         baselines.append(BF16_RESIDUAL)
     if args.baseline_float8:
         baselines.append(float8_baseline(args.baseline_float8))
-    variant = f"meshtrain {args.variant}" if args.variant else None
+    failed: dict[str, str] = {}
     if args.rounds > 1:
-        rows, job = run_rounds(args, overrides, baselines, variant)
+        rows, job = run_rounds(args, overrides, baselines)
     else:
-        rows, job = run_sequential(args, overrides, baselines, variant)
+        rows, job = run_sequential(args, overrides, baselines, failed)
     if rows is None:  # not rank 0
         return
     mesh = rows[next(iter(rows))]
@@ -422,8 +448,9 @@ def main() -> None:
         "env": {k: v for k, v in os.environ.items()
                 if k.startswith(("NCCL_", "TORCH_NCCL_")) or k == "CUDA_DEVICE_MAX_CONNECTIONS"},
     }
+    variant = variant_name(args.variant[0]) if args.variant else None  # the first: the ratio keys below
     if variant:
-        result["variant"] = args.variant
+        result["variant"] = args.variant[0]
     float8 = float8_baseline(args.baseline_float8).name if args.baseline_float8 else None
     versus = {  # key -> (the faster-is-larger side, the side it is divided by): the ratio of their tokens/s
         "ratio_tokens_per_s": ("meshtrain", PLAIN.name),
@@ -434,6 +461,19 @@ def main() -> None:
         "float8_baseline_speedup": (float8, PLAIN.name),  # what torchao's float8 is worth to the plain model
     }
     versus = {key: pair for key, pair in versus.items() if pair[0] in rows and pair[1] in rows}
+    if len(args.variant) > 1 or failed:  # every variant: its speedup over meshtrain (and over torchao float8)
+        result["variants"] = {}
+        for flags in args.variant:
+            name = variant_name(flags)
+            if name in failed:
+                result["variants"][flags] = {"failed": failed[name]}
+                continue
+            one = {"speedup_vs_meshtrain": rows[name]["tokens_per_s"] / rows["meshtrain"]["tokens_per_s"],
+                   "speedup_vs_meshtrain_median": rows["meshtrain"]["step_time_median_s"]
+                   / rows[name]["step_time_median_s"]}
+            if float8 in rows:
+                one["ratio_vs_float8_baseline"] = rows[name]["tokens_per_s"] / rows[float8]["tokens_per_s"]
+            result["variants"][flags] = one
     for key, (side, other) in versus.items():
         result[key] = rows[side]["tokens_per_s"] / rows[other]["tokens_per_s"]
         # the same ratio from the median steps: one stalled step moves the mean, not this
@@ -460,12 +500,12 @@ def main() -> None:
         print(f"ratio meshtrain / baseline: {result['ratio_tokens_per_s']:.3f}")
     if "ratio_vs_bf16_residual_baseline" in result:
         print(f"ratio meshtrain / bf16-residual baseline: {result['ratio_vs_bf16_residual_baseline']:.3f}")
-    if variant:
-        print(f"ratio meshtrain / meshtrain {args.variant}: {result['ratio_vs_variant']:.3f}")
+    if "ratio_vs_variant" in result:
+        print(f"ratio meshtrain / {variant}: {result['ratio_vs_variant']:.3f}")
     if "ratio_vs_float8_baseline" in result:
         print(f"ratio meshtrain / {float8}: {result['ratio_vs_float8_baseline']:.3f}")
     if "variant_ratio_vs_float8_baseline" in result:
-        print(f"ratio meshtrain {args.variant} / {float8}: {result['variant_ratio_vs_float8_baseline']:.3f}")
+        print(f"ratio {variant} / {float8}: {result['variant_ratio_vs_float8_baseline']:.3f}")
     if "float8_baseline_speedup" in result:
         print(f"ratio {float8} / baseline (plain torch): {result['float8_baseline_speedup']:.3f}")
     for key in versus:
@@ -477,6 +517,13 @@ def main() -> None:
         if r["allocator"] and any(r["allocator"].values()):
             counts = ", ".join(f"{key} {n}" for key, n in r["allocator"].items() if n)
             print(f"note: {name}: the CUDA allocator inside the timed steps: {counts} (its slowest steps may be these)")
+    for flags, one in result.get("variants", {}).items():
+        if "failed" in one:
+            print(f"variant {flags}: failed ({one['failed']})")
+            continue
+        against = (f", {one['ratio_vs_float8_baseline']:.3f}x {float8}" if "ratio_vs_float8_baseline" in one else "")
+        print(f"variant {flags}: {one['speedup_vs_meshtrain']:.3f}x meshtrain (median steps "
+              f"{one['speedup_vs_meshtrain_median']:.3f}x){against}")
     if "speedup_vs_1gpu" in result:
         print(f"speedup vs 1 GPU: {result['speedup_vs_1gpu']:.3f}x "
               f"(scaling efficiency {result['scaling_efficiency']:.3f})")

@@ -52,6 +52,41 @@ TINY = ["--config", "deploy/configs/tiny.toml", "--data.tokenizer=byte", "--data
 
 
 @pytest.mark.e2e
+def test_several_variants_are_each_a_side_and_a_failing_one_is_reported_not_fatal(tmp_path):
+    """Two --variant sides and one that cannot train (a CUDA graph on CPU): the two are timed, each
+    with its speedup over meshtrain, and the third is named as failed with its error."""
+    out = tmp_path / "out.json"
+    cmd = [sys.executable, "benchmarks/train_throughput.py", *TINY, "--steps", "2", "--warmup", "1",
+           "--skip-baseline", "--run-dir", str(tmp_path / "run"), "--out", str(out),
+           "--variant=--optim.lr=1e-2", "--variant=--train.cuda_graph=true", "--variant=--optim.lr=3e-2",
+           f"--data.cache_dir={tmp_path / 'cache'}"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    rows = result["results"]
+    assert set(rows) == {"meshtrain", "meshtrain --optim.lr=1e-2", "meshtrain --optim.lr=3e-2"}
+    assert rows["meshtrain --optim.lr=1e-2"]["loss_last"] != rows["meshtrain --optim.lr=3e-2"]["loss_last"]
+    assert sorted((tmp_path).glob("run-variant*")) == [tmp_path / "run-variant", tmp_path / "run-variant3"]
+    variants = result["variants"]
+    assert list(variants) == ["--optim.lr=1e-2", "--train.cuda_graph=true", "--optim.lr=3e-2"]
+    assert "cuda_graph" in variants["--train.cuda_graph=true"]["failed"]
+    for flags in ("--optim.lr=1e-2", "--optim.lr=3e-2"):
+        assert variants[flags]["speedup_vs_meshtrain"] == pytest.approx(
+            rows[f"meshtrain {flags}"]["tokens_per_s"] / rows["meshtrain"]["tokens_per_s"])
+    assert result["variant"] == "--optim.lr=1e-2"  # the first keeps the single-variant keys
+    assert result["ratio_vs_variant"] == pytest.approx(1 / variants["--optim.lr=1e-2"]["speedup_vs_meshtrain"])
+    assert "failed meshtrain --train.cuda_graph=true:" in done.stdout
+    assert "variant --optim.lr=3e-2: " in done.stdout
+
+
+def test_a_variant_given_twice_is_refused(tmp_path):
+    done = subprocess.run([sys.executable, "benchmarks/train_throughput.py", "--config", "deploy/configs/tiny.toml",
+                           "--variant=--optim.lr=1e-2", "--variant=--optim.lr=1e-2"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2 and "each variant once" in done.stderr
+
+
+@pytest.mark.e2e
 def test_rounds_interleave_every_side_and_report_each_rounds_ratio(tmp_path):
     out = tmp_path / "out.json"
     cmd = [sys.executable, "benchmarks/train_throughput.py", *TINY, "--steps", "2", "--warmup", "1", "--rounds", "3",

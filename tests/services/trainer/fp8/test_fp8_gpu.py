@@ -107,14 +107,22 @@ def test_compiled_delayed_scaling_records_every_amax_and_scales_from_it(algo, co
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "rowwise"])
 def test_compiled_fp8_training_follows_bf16(recipe, corpus_cache, tmp_path):
     """A Llama-style model compiled on CUDA with bf16 weight copies and fused gradient
-    accumulation: FP8 losses within 2% of bf16's at every step, and falling (delayed at its
-    defaults, Megatron's: the previous step's amax)."""
+    accumulation (delayed at its defaults, Megatron's: the previous step's amax): FP8 losses
+    falling, within 5% of bf16's at every step, and the mean of the last 10 steps within 1%.
+
+    The per-step band is wide because this small model's loss falls by a third within a few
+    steps, and FP8's rounding moves the trajectory a step ahead or behind: single steps 2-4% apart
+    (-3.8% at step 7 on CPU; -2.1% at step 21 and +2.2% at step 18 on an H100), while the runs end
+    level. A scaling or layout error shows as O(1) and training that does not fall."""
     fmt = "e4m3" if recipe == "rowwise" else "hybrid"
     bf16 = train(_llama_job(corpus_cache, tmp_path / "bf16"))
     fp8 = train(_llama_job(corpus_cache, tmp_path / "fp8", **{"train.fp8": fmt, "train.fp8_recipe": recipe}))
     assert fp8.losses[30] < fp8.losses[1] - 1.0
     for step, loss in bf16.losses.items():
-        assert fp8.losses[step] == pytest.approx(loss, rel=0.02), step
+        assert fp8.losses[step] == pytest.approx(loss, rel=0.05), step
+    tail = range(21, 31)
+    mean_fp8, mean_bf16 = (sum(run.losses[s] for s in tail) / len(tail) for run in (fp8, bf16))
+    assert mean_fp8 == pytest.approx(mean_bf16, rel=0.01)
 
 
 def test_a_token_count_off_the_multiple_of_16_is_padded():
