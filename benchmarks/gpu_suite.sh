@@ -68,7 +68,9 @@
 #              (default tensorwise). FP8_TRAIN_FLAGS: more flags for both throughput rows (e.g.
 #              --train.micro_batch_size=8); FP8_LOSS_FLAGS: more flags for fp8_loss_curve.py (e.g.
 #              --global-batch-size 16, or --data.default_corpus_bytes=4000000 for a cached corpus).
-#              FP8_ROWS="fp8-tests fp8-llama-1b" runs those rows only. Expected on
+#              FP8_MORE_VARIANTS: more meshtrain sides for the throughput rows, flag sets separated by '|'
+#              (e.g. "--train.fp8=hybrid --train.fp8_recipe=delayed|--train.fp8=hybrid --train.cuda_graph=true"),
+#              each with its speedup over bf16. FP8_ROWS="fp8-tests fp8-llama-1b" runs those rows only. Expected on
 #              one H200 (compilation included): tests 1-3 min, llama-1b ~6 min, the 8B-wide ~4 min, the loss
 #              curve ~5 min; where one command may run 10 minutes at most, run the rows in three calls:
 #              FP8_ROWS="fp8-tests fp8-llama3-8b-8layers", then "fp8-llama-1b", then "fp8-loss-curve".
@@ -144,6 +146,12 @@ for key, (words, inverse) in say.items():
     if key in d:
         mean, median = (1 / d[key], 1 / d[key + "_median"]) if inverse else (d[key], d[key + "_median"])
         print(f"  {words:<42} {mean:.3f}x (median steps {median:.3f}x)")
+for flags, one in d.get("variants", {}).items():
+    if "failed" in one:
+        print(f"  meshtrain {flags}: failed ({one['failed'][:200]})")
+    else:
+        print(f"  meshtrain {flags} / meshtrain bf16: {one['speedup_vs_meshtrain']:.3f}x "
+              f"(median steps {one['speedup_vs_meshtrain_median']:.3f}x)")
 EOF
 }
 
@@ -158,13 +166,18 @@ fp8() {
     job fp8-tests 420 python3 -m pytest -m gpu -k fp8 -v -p no:cacheprovider --durations 10 tests
     grep -E "passed|failed|error" "$out/fp8-tests.log" | tail -n 3
   fi
+  local more=() one v  # FP8_MORE_VARIANTS: further meshtrain sides, '|'-separated flag sets
+  if [ -n "${FP8_MORE_VARIANTS:-}" ]; then
+    IFS="|" read -ra one <<< "$FP8_MORE_VARIANTS"
+    for v in "${one[@]}"; do more+=("--variant=$v"); done
+  fi
   local spec name config steps limit
   for spec in "fp8-llama-1b|deploy/configs/llama-1b.toml|--steps 6 --warmup 3|560" \
       "fp8-llama3-8b-8layers|benchmarks/configs/llama3-8b-8layers.toml|--steps 10 --warmup 3|420"; do
     IFS="|" read -r name config steps limit <<< "$spec"
     chosen "$name" "${FP8_ROWS:-}" || continue
     job "$name" "$limit" python3 benchmarks/train_throughput.py --config "$config" \
-      --data.default_corpus_bytes=4000000 $steps --rounds 1 $float8 --variant="$fp8_flags" ${FP8_TRAIN_FLAGS:-} \
+      --data.default_corpus_bytes=4000000 $steps --rounds 1 $float8 --variant="$fp8_flags" "${more[@]}" ${FP8_TRAIN_FLAGS:-} \
       --out "$out/$name.json" --run-dir "$runs/$name"
     sed -n '/^impl/,/^ratio/p' "$out/$name.log" 2>/dev/null | grep -v "^ratio"
     fp8_summary "$name"
