@@ -21,9 +21,9 @@ each row counts the CUDA allocator's events inside its timed steps (`allocator`:
 syncs, cudaMalloc and cudaFree calls). `--baseline-float8 tensorwise|rowwise` adds the baseline with
 torchao's float8 linear layers (the FP8 target a PyTorch user has at hand), with meshtrain's ratio to
 it, and with `--variant` (e.g. meshtrain's own FP8) the variant's ratio to it too. `--variant` may be
-given more than once (FP8 recipes side by side): each variant is a side of its own, and a variant
-that fails to build or train (a refused option, a CUDA graph that cannot be captured) is reported
-as failed while the others are still timed.
+given more than once (FP8 recipes side by side): each variant is a side of its own, and (sides in
+turn, `--rounds 1`) a variant that fails to build or train (a refused option, a CUDA graph that
+cannot be captured) is reported as failed while the others are still timed.
 """
 
 from __future__ import annotations
