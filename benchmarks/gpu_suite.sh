@@ -44,6 +44,15 @@
 #                fp8-tp2-sp             FP8 with TP=2 + SP, inputs all-gathered in FP8, profiled
 #                fp8-tp2-sp-bf16-gather the same gathering in bf16 (train.fp8_all_gather=false)
 #                fp8-tp2-sp-delayed     TP=2 + SP with delayed scaling (no amax collective in the step)
+#                pp2-1f1b, pp2-interleaved (2 chunks a stage), pp2-zb-h1
+#                                       PP=2 with each schedule, profiled (device idle: the bubble, against
+#                                       (p-1)/m = 1/16 for 1F1B at 16 micro-batches, 1/32 interleaved)
+#                1gpu-s32k              one GPU at sequence 32k (micro-batch 1, global 8, full recompute):
+#                                       the cp2-* rows' reference
+#                cp2-p2p, cp2-a2a       CP=2 at 32k with each comm type (a2a+p2p needs cp >= 4), profiled
+#                cp2-p2p-s64k, cp2-p2p-s128k  CP=2 at 64k and 128k (tokens/s and peak memory per GPU)
+#                1gpu-moe               one GPU on deploy/configs/moe.toml: the ep2-* rows' reference
+#                ep2-moe                EP=2 (and DP=2) on the moe config, profiled (all-to-all time)
 #              SCALING_ROWS="1gpu tp2" runs those rows only; SCALING_MBS=N runs every row, the
 #              one-GPU one too, at micro-batch N (names end in -mbsN: like is compared with like).
 #   ce-sweep   benchmarks/ce_launch_sweep.py: the cross-entropy kernels under every launch setting
@@ -204,10 +213,15 @@ scaling() {
   local TP="--tensor-model-parallel-size 2"
   local ZERO="--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather"  # ZeRO-1, both overlaps
   local F8="--fp8-format hybrid --fp8-recipe tensorwise"
+  # sequence 32k: one sequence a micro-batch, 8 a step, every block recomputed (what fits one GPU)
+  local S32="--model.seq_length=32768 --train.micro_batch_size=1"
+  S32="$S32 --train.global_batch_size=8 --parallel.recompute_granularity=full"
+  local MOE="--config deploy/configs/moe.toml"  # the last --config counts
   local ref
-  for ref in "1gpu|" "1gpu-fp8|$F8"; do  # the reference rows: bf16, and FP8 for the fp8-* rows
+  # the reference rows, one GPU: bf16, FP8 for the fp8-* rows, sequence 32k for cp2-*, the MoE for ep2-*
+  for ref in "1gpu|" "1gpu-fp8|$F8" "1gpu-s32k|$S32" "1gpu-moe|$MOE"; do
     chosen "${ref%%|*}" "${SCALING_ROWS:-}" || continue
-    job "${ref%%|*}$s" 240 python3 $B ${ref#*|} --out "$out/${ref%%|*}$s.json" --run-dir "$runs/${ref%%|*}$s"
+    job "${ref%%|*}$s" 360 python3 $B ${ref#*|} --out "$out/${ref%%|*}$s.json" --run-dir "$runs/${ref%%|*}$s"
     row "${ref%%|*}$s"
   done
   local spec name flags
@@ -222,11 +236,23 @@ scaling() {
       "fp8-dp2-zero1|$ZERO $F8" \
       "fp8-tp2-sp|$TP --sequence-parallel $F8 --profile-steps 1" \
       "fp8-tp2-sp-bf16-gather|$TP --sequence-parallel $F8 --train.fp8_all_gather=false" \
-      "fp8-tp2-sp-delayed|$TP --sequence-parallel --fp8-format hybrid --fp8-recipe delayed"; do
+      "fp8-tp2-sp-delayed|$TP --sequence-parallel --fp8-format hybrid --fp8-recipe delayed" \
+      "pp2-1f1b|--parallel.pp=2 --parallel.pipeline_schedule=1f1b --profile-steps 1" \
+      "pp2-interleaved|--parallel.pp=2 --parallel.virtual_pipeline_model_parallel_size=2 --profile-steps 1" \
+      "pp2-zb-h1|--parallel.pp=2 --parallel.pipeline_schedule=zb-h1 --profile-steps 1" \
+      "cp2-p2p|$S32 --parallel.cp=2 --parallel.cp_comm_type=p2p --profile-steps 1" \
+      "cp2-a2a|$S32 --parallel.cp=2 --parallel.cp_comm_type=a2a --profile-steps 1" \
+      "cp2-p2p-s64k|$S32 --model.seq_length=65536 --train.global_batch_size=4 --parallel.cp=2" \
+      "cp2-p2p-s128k|$S32 --model.seq_length=131072 --train.global_batch_size=2 --steps 3 --warmup 2 --parallel.cp=2" \
+      "ep2-moe|$MOE --parallel.ep=2 --profile-steps 1"; do
     name=${spec%%|*} flags=${spec#*|}
     chosen "$name" "${SCALING_ROWS:-}" || continue
     ref=1gpu$s
-    [[ $name == fp8-* ]] && ref=1gpu-fp8$s  # FP8 rows scale against one GPU in FP8
+    case $name in  # each row scales against one GPU running its own job
+      fp8-*) ref=1gpu-fp8$s ;;
+      cp2-*) ref=1gpu-s32k$s ;;
+      ep2-*) ref=1gpu-moe$s ;;
+    esac
     name=$name$s
     if [ ! -f "$out/$ref.json" ]; then echo "$name: needs the $ref row in $out"; continue; fi
     job "$name" 270 torchrun --standalone --nproc-per-node 2 $B $flags --single-gpu-json "$out/$ref.json" \

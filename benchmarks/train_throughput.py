@@ -165,7 +165,7 @@ def meshtrain_row(trainer, losses, timed: dict) -> dict:
         torch.distributed.all_reduce(first_last, group=trainer.mesh.group("dp"))
         first_last /= trainer.mesh.dp
     return {**timed, "loss_first": first_last[0].item(), "loss_last": first_last[1].item(),
-            "flops_per_token": trainer.flops_per_token, "params": trainer.model.num_parameters(),
+            "flops_per_token": trainer.flops_per_token, "params": trainer.num_parameters,  # the whole model's
             "bf16_weight_copies": trainer.weight_copies is not None,
             "gradient_accumulation_fusion": trainer.weight_copies is not None and trainer.weight_copies.fused}
 

@@ -37,6 +37,8 @@ def _losses(run: Path) -> dict[int, float]:
 
 
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+MOE = ["--model.num_experts=4", "--model.moe_router_topk=2", "--model.moe_ffn_hidden_size=64"]
+FP8 = ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
 LLAMA = ["--model.normalization=rmsnorm", "--model.activation=swiglu", "--model.position_embedding_type=rope",
          "--model.num_query_groups=2", "--model.add_bias_linear=false"]
 
@@ -171,10 +173,18 @@ def test_bf16_residual_stream_trains_like_the_fp32_one(arch, corpus_cache, tmp_p
     (["--context-parallel-size", "2"], ["--train.bf16=true"] + LLAMA, 1e-2),
     (["--context-parallel-size", "2"], LLAMA, 1e-4),
     (["--context-parallel-size", "2", "--cp-comm-type", "a2a"], ["--train.compile=true", "--train.bf16=true"], 1e-2),
+    # Experts split over the two GPUs (and dp=2): the token all-to-alls on NCCL.
+    (["--expert-model-parallel-size", "2"], LLAMA + MOE, 1e-4),
+    # FP8 on both sides (bf16 autocast): the amax max-reduced over tp and the inputs all-gathered
+    # as FP8 bytes; delayed scaling's history reduced over dp once a step, with ZeRO-1.
+    (TP2_SP, ["--train.bf16=true"] + LLAMA + FP8, 2e-2),
+    (["--use-distributed-optimizer", "--overlap-grad-reduce"], ["--train.bf16=true", "--train.compile=true"] + LLAMA
+     + ["--fp8-format", "hybrid", "--fp8-recipe", "delayed"], 2e-2),
 ], ids=["tp2-sp-sync-grad", "tp2-sp-compiled", "tp2-compiled", "tp2-sp-comm-overlap", "tp2-sp-async-grad",
         "tp2-async-grad-compiled", "dp2-zero1-overlap", "dp2-zero1-overlap-compiled",
         "dp2-zero1-bf16-grad-reduce", "tp2-sp-bf16", "tp2-llama-triton-ops-compiled", "pp2-1f1b", "pp2-compiled",
-        "pp2-zb-h1-bf16", "pp2-interleaved-llama", "cp2-p2p-bf16-llama", "cp2-p2p-llama", "cp2-a2a-compiled-bf16"])
+        "pp2-zb-h1-bf16", "pp2-interleaved-llama", "cp2-p2p-bf16-llama", "cp2-p2p-llama", "cp2-a2a-compiled-bf16",
+        "ep2-moe-llama", "fp8-tp2-sp", "fp8-dp2-zero1-delayed-compiled"])
 def test_nccl_two_gpus_match_one_gpu(layout, shared, rel, corpus_cache, tmp_path):
     """fp32 on CUDA: NCCL reduction order differs from one GPU's, so 1e-4 relative."""
     common = small_job_args(corpus_cache, tmp_path / "x", **{"train.device": "cuda", "train.eval_interval": 0,
@@ -187,6 +197,55 @@ def test_nccl_two_gpus_match_one_gpu(layout, shared, rel, corpus_cache, tmp_path
     two = _losses(tmp_path / "two")
     for step, loss in one.losses.items():
         assert two[step] == pytest.approx(loss, rel=rel), step
+
+
+@pytest.mark.dist
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_nccl_checkpoint_saved_at_tp2_resumes_at_pp2_and_exports_with_one_gpus_logits(corpus_cache, tmp_path):
+    """Layout independence on NCCL: saved at step 5 by tp=2 + sp on two GPUs, resumed there at
+    pp=2; steps 6..10 follow the uninterrupted one-GPU run (fp32, 1e-4 as above), and the pp
+    run's last checkpoint, exported to Hugging Face, loads in transformers with the logits of
+    the one-GPU run's export (and the same tensors)."""
+    from safetensors.torch import load_file
+
+    from meshtrain.services.checkpoint.hf import export_hf
+
+    transformers = pytest.importorskip("transformers")
+    common = small_job_args(corpus_cache, tmp_path / "x", **{"train.device": "cuda", "train.eval_interval": 0,
+                                                              "train.train_iters": 10, "model.num_layers": 4})
+    common = [a for a in common if not a.startswith("--log.run_dir")] + LLAMA
+
+    def ck(name: str) -> list[str]:
+        return [f"--checkpoint.save={tmp_path / ('ck-' + name)}", f"--log.run_dir={tmp_path / name}"]
+
+    one = train(load_config(common + ck("one") + ["--checkpoint.save_interval=5"]))
+
+    def two_gpus(name: str, *flags: str) -> dict[int, float]:
+        out = subprocess.run([sys.executable, "-m", "meshtrain.services.cli", "train", "--nproc-per-node", "2",
+                              *common, *flags, *ck(name)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return _losses(tmp_path / name)
+
+    saved = two_gpus("tp2", *TP2_SP, "--checkpoint.save_interval=5")
+    resumed = two_gpus("pp2", "--pipeline-model-parallel-size", "2", f"--checkpoint.load={tmp_path / 'ck-tp2'}",
+                       "--checkpoint.load_step=5")
+    assert sorted(saved) == list(range(1, 11)) and sorted(resumed) == list(range(6, 11))
+    for step, loss in one.losses.items():
+        assert (saved if step <= 5 else resumed)[step] == pytest.approx(loss, rel=1e-4), step
+    export_hf(str(tmp_path / "ck-pp2"), str(tmp_path / "hf-pp2"), 10)
+    export_hf(str(tmp_path / "ck-one"), str(tmp_path / "hf-one"), 10)
+    ours, theirs = (load_file(tmp_path / name / "model.safetensors") for name in ("hf-pp2", "hf-one"))
+    assert set(ours) == set(theirs)
+    for name, t in theirs.items():
+        torch.testing.assert_close(ours[name], t, rtol=0, atol=1e-4, msg=name)
+    tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for name in ("hf-pp2", "hf-one"):
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / name), dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits.append(hf(tokens).logits)
+    assert logits[1].abs().max() > 1.0  # not a comparison of near-zero outputs
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.parametrize("extra", [[], ["--train.cuda_graph=true"], ["--no-gradient-accumulation-fusion"]],
