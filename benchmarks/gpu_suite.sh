@@ -55,6 +55,20 @@
 #                ep2-moe                EP=2 (and DP=2) on the moe config, profiled (all-to-all time)
 #              SCALING_ROWS="1gpu tp2" runs those rows only; SCALING_MBS=N runs every row, the
 #              one-GPU one too, at micro-batch N (names end in -mbsN: like is compared with like).
+#   nodescale  four or eight GPUs of one host (N: 8 where there are 8, else 4), each row against a one-GPU
+#              row of OUT_DIR (the 1gpu* rows run first, on one GPU; an existing JSON is reused
+#              only when the row is skipped with NODE_ROWS):
+#                1gpu, 1gpu-fp8         llama-1b, bf16 and FP8 (tensorwise)
+#                1gpu-8b-8layers(-fp8)  eight Llama-3-8B-wide blocks: the 8B rows' per-GPU reference
+#                1gpu-moe, 1gpu-s64k    deploy/configs/moe.toml; llama-1b at sequence 64k
+#                dpN-zero1-weak         DP=N + ZeRO-1, global batch 64*N: weak scaling (goal >= 90%)
+#                3d-tp2-pp2-dpN/4(-fp8) TP=2 + SP x PP=2 interleaved x DP with ZeRO-1, llama-1b, bf16 and
+#                                       FP8 (goal: MFU per GPU within 10% of the one-GPU row)
+#                llama3-8b-tp2-pp2-dpN/4(-fp8)  the same layout on benchmarks/configs/llama3-8b.toml
+#                                       (~7.2B: too large for one GPU's optimizer state)
+#                moe-epN                EP=N on the moe config (all-to-all time in the profile)
+#                cp4-s64k               CP=4 at sequence 64k, on four GPUs
+#              NODE_ROWS="1gpu dp8-zero1-weak" runs those rows only.
 #   ce-sweep   benchmarks/ce_launch_sweep.py: the cross-entropy kernels under every launch setting
 #              of a small grid, against the current one
 #   host-time  benchmarks/host_time.py on gpt2-125m and llama-1b: host time per step against the
@@ -262,6 +276,48 @@ scaling() {
   done
 }
 
+nodescale() {  # four or eight GPUs of one host, each row against a one-GPU row of OUT_DIR
+  if [ "$ngpu" -lt 4 ]; then echo "nodescale: needs 4 or 8 GPUs"; return; fi
+  local n=$(( ngpu >= 8 ? 8 : 4 ))
+  local B="benchmarks/train_throughput.py --data.default_corpus_bytes=4000000 --steps 6 --warmup 3 --skip-baseline"
+  local L="$B --config deploy/configs/llama-1b.toml"
+  local W="$B --config benchmarks/configs/llama3-8b-8layers.toml"
+  local TP="--tensor-model-parallel-size 2 --sequence-parallel"
+  local ZERO="--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather"
+  local F8="--fp8-format hybrid --fp8-recipe tensorwise"
+  local PP="--parallel.pp=2 --parallel.virtual_pipeline_model_parallel_size=2"  # interleaved, 2 chunks a stage
+  local S64="--model.seq_length=65536 --train.micro_batch_size=1 --train.global_batch_size=4"
+  S64="$S64 --parallel.recompute_granularity=full"
+  local spec name cmd flags ref
+  # the one-GPU rows (name|command): llama-1b bf16 and FP8, the 8B-wide blocks bf16 and FP8, the MoE,
+  # llama-1b at 64k
+  for spec in "1gpu|$L" "1gpu-fp8|$L $F8" "1gpu-8b-8layers|$W" "1gpu-8b-8layers-fp8|$W $F8" \
+      "1gpu-moe|$L --config deploy/configs/moe.toml" "1gpu-s64k|$L $S64"; do
+    name=${spec%%|*}
+    chosen "$name" "${NODE_ROWS:-}" || continue
+    job "$name" 420 python3 ${spec#*|} --out "$out/$name.json" --run-dir "$runs/$name"
+    row "$name"
+  done
+  # the rows on n GPUs (name|reference|command flags)
+  for spec in "dp$n-zero1-weak|1gpu|$L $ZERO --train.global_batch_size=$((64 * n))" \
+      "3d-tp2-pp2-dp$((n / 4))|1gpu|$L $TP $PP $ZERO --profile-steps 1" \
+      "3d-tp2-pp2-dp$((n / 4))-fp8|1gpu-fp8|$L $TP $PP $ZERO $F8" \
+      "llama3-8b-tp2-pp2-dp$((n / 4))|1gpu-8b-8layers|$B --config benchmarks/configs/llama3-8b.toml $TP $PP $ZERO" \
+      "llama3-8b-tp2-pp2-dp$((n / 4))-fp8|1gpu-8b-8layers-fp8|$B --config benchmarks/configs/llama3-8b.toml $TP $PP $ZERO $F8" \
+      "moe-ep$n|1gpu-moe|$L --config deploy/configs/moe.toml --parallel.ep=$n --profile-steps 1" \
+      "cp4-s64k|1gpu-s64k|$L $S64 --parallel.cp=4 --profile-steps 1"; do
+    IFS="|" read -r name ref cmd <<< "$spec"
+    chosen "$name" "${NODE_ROWS:-}" || continue
+    if [ ! -f "$out/$ref.json" ]; then echo "$name: needs the $ref row in $out"; continue; fi
+    local procs=$n
+    [[ $name == cp4-* ]] && procs=4
+    job "$name" 560 torchrun --standalone --nproc-per-node "$procs" $cmd --single-gpu-json "$out/$ref.json" \
+      --out "$out/$name.json" --run-dir "$runs/$name"
+    row "$name"
+    where "$name"
+  done
+}
+
 for suite in $suites; do
   case $suite in
     tests)
@@ -293,6 +349,8 @@ for suite in $suites; do
       tail -n 30 "$out/kernels.log" ;;
     scaling)
       scaling ;;
+    nodescale)
+      nodescale ;;
     ce-sweep)
       job ce-sweep 360 python3 benchmarks/ce_launch_sweep.py --out "$out/ce-sweep.json"
       tail -n 80 "$out/ce-sweep.log" ;;
@@ -305,6 +363,6 @@ for suite in $suites; do
           --run-dir "$runs/host-time-$cfg"
         tail -3 "$out/host-time-$cfg.log" 2>/dev/null
       done ;;
-    *) echo "unknown suite: $suite (suites: tests train kernels scaling ce-sweep host-time fp8)"; exit 2 ;;
+    *) echo "unknown suite: $suite (suites: tests train kernels scaling nodescale ce-sweep host-time fp8)"; exit 2 ;;
   esac
 done
