@@ -68,7 +68,9 @@
 #                                       (~7.2B: too large for one GPU's optimizer state)
 #                moe-epN                EP=N on the moe config (all-to-all time in the profile)
 #                cp4-s64k               CP=4 at sequence 64k, on four GPUs
-#              NODE_ROWS="1gpu dp8-zero1-weak" runs those rows only.
+#              NODE_ROWS="1gpu dp8-zero1-weak" runs those rows only. Checkpoints across layouts (saved
+#              at tp2 x pp2, resumed at cp2 x dp2 with ZeRO-1 and on one GPU, exported to Hugging Face) are
+#              a test: TESTS_K=crosses_layouts bash benchmarks/gpu_suite.sh OUT tests.
 #   ce-sweep   benchmarks/ce_launch_sweep.py: the cross-entropy kernels under every launch setting
 #              of a small grid, against the current one
 #   host-time  benchmarks/host_time.py on gpt2-125m and llama-1b: host time per step against the

@@ -200,12 +200,19 @@ def test_nccl_two_gpus_match_one_gpu(layout, shared, rel, corpus_cache, tmp_path
 
 
 @pytest.mark.dist
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_nccl_checkpoint_saved_at_tp2_resumes_at_pp2_and_exports_with_one_gpus_logits(corpus_cache, tmp_path):
-    """Layout independence on NCCL: saved at step 5 by tp=2 + sp on two GPUs, resumed there at
-    pp=2; steps 6..10 follow the uninterrupted one-GPU run (fp32, 1e-4 as above), and the pp
-    run's last checkpoint, exported to Hugging Face, loads in transformers with the logits of
-    the one-GPU run's export (and the same tensors)."""
+@pytest.mark.parametrize("world,saved_at,resumed_at", [
+    (2, TP2_SP, ["--pipeline-model-parallel-size", "2"]),
+    (4, TP2_SP + ["--pipeline-model-parallel-size", "2"],
+     ["--context-parallel-size", "2", "--use-distributed-optimizer", "--overlap-grad-reduce"]),
+], ids=["tp2-to-pp2", "tp2-pp2-to-cp2-dp2-zero1"])
+def test_nccl_checkpoint_crosses_layouts_and_exports_with_one_gpus_logits(world, saved_at, resumed_at,
+                                                                          corpus_cache, tmp_path):
+    """Layout independence on NCCL: saved at step 5 by one layout on `world` GPUs, resumed there
+    at another and on one GPU; steps 6..10 follow the uninterrupted one-GPU run (fp32, 1e-4 as
+    above), and the resumed run's last checkpoint, exported to Hugging Face, loads in
+    transformers with the logits of the one-GPU run's export (and the same tensors)."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
     from safetensors.torch import load_file
 
     from meshtrain.services.checkpoint.hf import export_hf
@@ -220,27 +227,31 @@ def test_nccl_checkpoint_saved_at_tp2_resumes_at_pp2_and_exports_with_one_gpus_l
 
     one = train(load_config(common + ck("one") + ["--checkpoint.save_interval=5"]))
 
-    def two_gpus(name: str, *flags: str) -> dict[int, float]:
-        out = subprocess.run([sys.executable, "-m", "meshtrain.services.cli", "train", "--nproc-per-node", "2",
+    def sharded(name: str, *flags: str) -> dict[int, float]:
+        out = subprocess.run([sys.executable, "-m", "meshtrain.services.cli", "train", "--nproc-per-node", str(world),
                               *common, *flags, *ck(name)], cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert out.returncode == 0, out.stderr[-3000:]
         return _losses(tmp_path / name)
 
-    saved = two_gpus("tp2", *TP2_SP, "--checkpoint.save_interval=5")
-    resumed = two_gpus("pp2", "--pipeline-model-parallel-size", "2", f"--checkpoint.load={tmp_path / 'ck-tp2'}",
-                       "--checkpoint.load_step=5")
-    assert sorted(saved) == list(range(1, 11)) and sorted(resumed) == list(range(6, 11))
+    load = [f"--checkpoint.load={tmp_path / 'ck-saved'}", "--checkpoint.load_step=5"]
+    saved = sharded("saved", *saved_at, "--checkpoint.save_interval=5")
+    resumed = sharded("resumed", *resumed_at, *load)
+    alone = train(load_config(common + ck("alone") + load)).losses  # the same checkpoint on one GPU
+    assert sorted(saved) == list(range(1, 11)) and sorted(resumed) == sorted(alone) == list(range(6, 11))
     for step, loss in one.losses.items():
-        assert (saved if step <= 5 else resumed)[step] == pytest.approx(loss, rel=1e-4), step
-    export_hf(str(tmp_path / "ck-pp2"), str(tmp_path / "hf-pp2"), 10)
+        assert saved[step] == pytest.approx(loss, rel=1e-4), step
+        if step > 5:
+            assert resumed[step] == pytest.approx(loss, rel=1e-4), step
+            assert alone[step] == pytest.approx(loss, rel=1e-4), step
+    export_hf(str(tmp_path / "ck-resumed"), str(tmp_path / "hf-resumed"), 10)
     export_hf(str(tmp_path / "ck-one"), str(tmp_path / "hf-one"), 10)
-    ours, theirs = (load_file(tmp_path / name / "model.safetensors") for name in ("hf-pp2", "hf-one"))
+    ours, theirs = (load_file(tmp_path / name / "model.safetensors") for name in ("hf-resumed", "hf-one"))
     assert set(ours) == set(theirs)
     for name, t in theirs.items():
         torch.testing.assert_close(ours[name], t, rtol=0, atol=1e-4, msg=name)
     tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
     logits = []
-    for name in ("hf-pp2", "hf-one"):
+    for name in ("hf-resumed", "hf-one"):
         hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / name), dtype=torch.float32).eval()
         with torch.no_grad():
             logits.append(hf(tokens).logits)
