@@ -151,6 +151,16 @@ where() {  # where NAME: the step breakdown a profiled row printed
   grep -A20 "where a step goes" "$out/$1.log" 2>/dev/null | head -n 21
 }
 
+sharded_row() {  # sharded_row NAME REF PROCS LIMIT ARGS...: torchrun ARGS on PROCS GPUs, against OUT/REF.json
+  local name=$1 ref=$2 procs=$3 limit=$4
+  shift 4
+  if [ ! -f "$out/$ref.json" ]; then echo "$name: needs the $ref row in $out"; return; fi
+  job "$name" "$limit" torchrun --standalone --nproc-per-node "$procs" "$@" --single-gpu-json "$out/$ref.json" \
+    --out "$out/$name.json" --run-dir "$runs/$name"
+  row "$name"
+  where "$name"
+}
+
 chosen() {  # chosen NAME LIST: whether NAME is in the space-separated LIST (an empty LIST chooses all)
   [ -z "$2" ] || [[ " $2 " == *" $1 "* ]]
 }
@@ -269,12 +279,7 @@ scaling() {
       cp2-*) ref=1gpu-s32k$s ;;
       ep2-*) ref=1gpu-moe$s ;;
     esac
-    name=$name$s
-    if [ ! -f "$out/$ref.json" ]; then echo "$name: needs the $ref row in $out"; continue; fi
-    job "$name" 270 torchrun --standalone --nproc-per-node 2 $B $flags --single-gpu-json "$out/$ref.json" \
-      --out "$out/$name.json" --run-dir "$runs/$name"
-    row "$name"
-    where "$name"
+    sharded_row "$name$s" "$ref" 2 270 $B $flags
   done
 }
 
@@ -290,7 +295,7 @@ nodescale() {  # four or eight GPUs of one host, each row against a one-GPU row 
   local PP="--parallel.pp=2 --parallel.virtual_pipeline_model_parallel_size=2"  # interleaved, 2 chunks a stage
   local S64="--model.seq_length=65536 --train.micro_batch_size=1 --train.global_batch_size=4"
   S64="$S64 --parallel.recompute_granularity=full"
-  local spec name cmd flags ref
+  local spec name cmd ref
   # the one-GPU rows (name|command): llama-1b bf16 and FP8, the 8B-wide blocks bf16 and FP8, the MoE,
   # llama-1b at 64k
   for spec in "1gpu|$L" "1gpu-fp8|$L $F8" "1gpu-8b-8layers|$W" "1gpu-8b-8layers-fp8|$W $F8" \
@@ -310,13 +315,7 @@ nodescale() {  # four or eight GPUs of one host, each row against a one-GPU row 
       "cp4-s64k|1gpu-s64k|$L $S64 --parallel.cp=4 --profile-steps 1"; do
     IFS="|" read -r name ref cmd <<< "$spec"
     chosen "$name" "${NODE_ROWS:-}" || continue
-    if [ ! -f "$out/$ref.json" ]; then echo "$name: needs the $ref row in $out"; continue; fi
-    local procs=$n
-    [[ $name == cp4-* ]] && procs=4
-    job "$name" 560 torchrun --standalone --nproc-per-node "$procs" $cmd --single-gpu-json "$out/$ref.json" \
-      --out "$out/$name.json" --run-dir "$runs/$name"
-    row "$name"
-    where "$name"
+    sharded_row "$name" "$ref" "$([[ $name == cp4-* ]] && echo 4 || echo "$n")" 560 $cmd
   done
 }
 

@@ -360,6 +360,13 @@ def run_sequential(args, overrides, baselines: list[Baseline],
     return rows, job
 
 
+def ratio(rows: dict, side: str, other: str) -> tuple[float, float]:
+    """How much faster `side` is than `other`: from their tokens/s, and from their median steps
+    (which one stalled step does not move)."""
+    return (rows[side]["tokens_per_s"] / rows[other]["tokens_per_s"],
+            rows[other]["step_time_median_s"] / rows[side]["step_time_median_s"])
+
+
 STARTED = time.monotonic()
 
 
@@ -468,16 +475,12 @@ def main() -> None:
             if name in failed:
                 result["variants"][flags] = {"failed": failed[name]}
                 continue
-            one = {"speedup_vs_meshtrain": rows[name]["tokens_per_s"] / rows["meshtrain"]["tokens_per_s"],
-                   "speedup_vs_meshtrain_median": rows["meshtrain"]["step_time_median_s"]
-                   / rows[name]["step_time_median_s"]}
+            one = dict(zip(("speedup_vs_meshtrain", "speedup_vs_meshtrain_median"), ratio(rows, name, "meshtrain")))
             if float8 in rows:
-                one["ratio_vs_float8_baseline"] = rows[name]["tokens_per_s"] / rows[float8]["tokens_per_s"]
+                one["ratio_vs_float8_baseline"] = ratio(rows, name, float8)[0]
             result["variants"][flags] = one
     for key, (side, other) in versus.items():
-        result[key] = rows[side]["tokens_per_s"] / rows[other]["tokens_per_s"]
-        # the same ratio from the median steps: one stalled step moves the mean, not this
-        result[key + "_median"] = rows[other]["step_time_median_s"] / rows[side]["step_time_median_s"]
+        result[key], result[key + "_median"] = ratio(rows, side, other)
         if args.rounds > 1:  # each round's ratio, from that round's mean step times
             result[key + "_rounds"] = [o / m for m, o in zip(rows[side]["round_step_time_s"],
                                                               rows[other]["round_step_time_s"], strict=True)]

@@ -36,6 +36,14 @@ def _losses(run: Path) -> dict[int, float]:
             if "loss" in r}
 
 
+def _train_on_gpus(world: int, args: list[str], run_dir: Path) -> dict[int, float]:
+    """`meshtrain train --nproc-per-node WORLD ARGS` into `run_dir` (NCCL); its losses by step."""
+    out = subprocess.run([sys.executable, "-m", "meshtrain.services.cli", "train", "--nproc-per-node", str(world),
+                          *args, f"--log.run_dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return _losses(run_dir)
+
+
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 MOE = ["--model.num_experts=4", "--model.moe_router_topk=2", "--model.moe_ffn_hidden_size=64"]
 FP8 = ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
@@ -191,10 +199,7 @@ def test_nccl_two_gpus_match_one_gpu(layout, shared, rel, corpus_cache, tmp_path
                                                               "train.train_iters": 10})
     common = [a for a in common if not a.startswith("--log.run_dir")] + shared
     one = train(load_config(common + [f"--log.run_dir={tmp_path / 'one'}"]))
-    out = subprocess.run([sys.executable, "-m", "meshtrain.services.cli", "train", "--nproc-per-node", "2", *common, *layout,
-                          f"--log.run_dir={tmp_path / 'two'}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    two = _losses(tmp_path / "two")
+    two = _train_on_gpus(2, common + layout, tmp_path / "two")
     for step, loss in one.losses.items():
         assert two[step] == pytest.approx(loss, rel=rel), step
 
@@ -223,20 +228,15 @@ def test_nccl_checkpoint_crosses_layouts_and_exports_with_one_gpus_logits(world,
     common = [a for a in common if not a.startswith("--log.run_dir")] + LLAMA
 
     def ck(name: str) -> list[str]:
-        return [f"--checkpoint.save={tmp_path / ('ck-' + name)}", f"--log.run_dir={tmp_path / name}"]
+        return [f"--checkpoint.save={tmp_path / ('ck-' + name)}"]
 
-    one = train(load_config(common + ck("one") + ["--checkpoint.save_interval=5"]))
-
-    def sharded(name: str, *flags: str) -> dict[int, float]:
-        out = subprocess.run([sys.executable, "-m", "meshtrain.services.cli", "train", "--nproc-per-node", str(world),
-                              *common, *flags, *ck(name)], cwd=ROOT, capture_output=True, text=True, timeout=600)
-        assert out.returncode == 0, out.stderr[-3000:]
-        return _losses(tmp_path / name)
-
+    every5 = ["--checkpoint.save_interval=5"]
+    one = train(load_config(common + ck("one") + every5 + [f"--log.run_dir={tmp_path / 'one'}"]))
     load = [f"--checkpoint.load={tmp_path / 'ck-saved'}", "--checkpoint.load_step=5"]
-    saved = sharded("saved", *saved_at, "--checkpoint.save_interval=5")
-    resumed = sharded("resumed", *resumed_at, *load)
-    alone = train(load_config(common + ck("alone") + load)).losses  # the same checkpoint on one GPU
+    saved = _train_on_gpus(world, common + saved_at + every5 + ck("saved"), tmp_path / "saved")
+    resumed = _train_on_gpus(world, common + resumed_at + load + ck("resumed"), tmp_path / "resumed")
+    alone = train(load_config(common + ck("alone") + load  # the same checkpoint on one GPU
+                              + [f"--log.run_dir={tmp_path / 'alone'}"])).losses
     assert sorted(saved) == list(range(1, 11)) and sorted(resumed) == sorted(alone) == list(range(6, 11))
     for step, loss in one.losses.items():
         assert saved[step] == pytest.approx(loss, rel=1e-4), step
