@@ -24,7 +24,7 @@ from meshtrain.services.checkpoint.rpc.replicas import Replicas, key_of, parse_a
 from meshtrain.services.checkpoint.rpc.server import start_server
 from meshtrain.services.checkpoint.shards import ShardSpec
 from meshtrain.services.common.errors import CheckpointError
-from tests.services.checkpoint.test_service_restart import Serve, layered, same, wait_for
+from tests.services.checkpoint.test_service_restart import PausingClient, Serve, layered, same, wait_for
 
 
 @contextlib.contextmanager
@@ -212,21 +212,25 @@ def test_a_replica_killed_mid_save_is_replaced_and_the_save_commits(tmp_path):
     writers = 4
     arrays = [layered(f"w{w}", seed=10 + w, layers=24) for w in range(writers)]
     clients = [CheckpointClient(address) for _ in range(writers)]  # one per rank, as in training
+    go = threading.Event()
     try:
-        savers = [AsyncSaver(c, w, writers, attempts=3, backoff=0.2, retry_timeout=20, commit_timeout=60)
-                  for w, c in enumerate(clients)]
         save_id = clients[0].begin_save(2, num_writers=writers)
         # writers spread over both replicas; the one that commits the save is the one killed
         chosen = [clients[w].replicas.order(w)[0] for w in range(writers)]
         assert set(chosen) == {s.address for s in services}
         victim = next(s for s in services if s.address == clients[0].replicas.order(save_id)[0])
         its_writers = [w for w in range(writers) if chosen[w] == victim.address]
+        # the victim's writers send half their boxes, then wait for the kill
+        sinks = [PausingClient(c, 12, go) if w in its_writers else c for w, c in enumerate(clients)]
+        savers = [AsyncSaver(s, w, writers, attempts=3, backoff=0.2, retry_timeout=20, commit_timeout=60)
+                  for w, s in enumerate(sinks)]
         for w, saver in enumerate(savers):
             saver.save(2, save_id, arrays[w][1], committer=w == 0, metadata={"step": 2})
         stored = [os.path.join(root, "step_00000002", f"w{w}", "c") for w in its_writers]
         wait_for("a box of the victim's writers stored", lambda: any(glob.glob(f"{d}/*") for d in stored))
         victim.kill()
         assert sum(len(glob.glob(f"{d}/*")) for d in stored) < 24 * len(its_writers)  # it died mid-save
+        go.set()
         assert list_checkpoints(root) == []
         for saver in savers[1:]:
             assert saver.wait() is None
@@ -234,6 +238,7 @@ def test_a_replica_killed_mid_save_is_replaced_and_the_save_commits(tmp_path):
         for saver in savers:
             saver.close()
     finally:
+        go.set()
         for c in clients:
             c.close()
         for s in services:

@@ -4,7 +4,8 @@ the previous checkpoint stays loadable and nothing partial is listed meanwhile. 
 never comes back fails the save within the retry time, naming its address and what was done.
 
 The service is a real `meshtrain ckpt serve` process; the kill is timed by what it has stored
-(a writer's first box object, a writer's fragment), so it lands inside the save every time.
+(a writer's first box object, a writer's fragment), and the stream cut by it is held half sent
+until the kill (`Paused`), so it lands inside the save every time, however fast the service.
 """
 
 import contextlib
@@ -13,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -20,7 +22,7 @@ import torch
 
 from meshtrain.services.checkpoint.async_save import AsyncSaver
 from meshtrain.services.checkpoint.reader import list_checkpoints, read_box
-from meshtrain.services.checkpoint.rpc.client import CheckpointClient, ServiceUnavailableError
+from meshtrain.services.checkpoint.rpc.client import CheckpointClient, RemoteWriter, ServiceUnavailableError
 from meshtrain.services.checkpoint.sharded import fragment_path
 from meshtrain.services.checkpoint.shards import ShardSpec
 from meshtrain.services.checkpoint.store import open_root
@@ -74,13 +76,53 @@ def serve(tmp_path):
         service.stop()
 
 
+class Paused(RemoteWriter):
+    """A writer whose first WriteShards stream stops after `at` boxes until `go` is set: the test
+    kills a replica with part of each of its writers' boxes stored and the rest still to come,
+    however fast the replica stores them. A retried stream runs straight through."""
+
+    def __init__(self, client: CheckpointClient, save_id: str, writer_id: int, step: int, at: int,
+                 go: threading.Event):
+        super().__init__(client, save_id, writer_id, step)
+        self.at, self.go, self.streams = at, go, 0
+
+    def _messages(self, error):
+        self.streams += 1
+        boxes = 0
+        for message in super()._messages(error):
+            if message.HasField("box"):
+                if boxes == self.at and self.streams == 1:
+                    self.go.wait()
+                boxes += 1
+            yield message
+
+
+class PausingClient:
+    """A checkpoint client whose writers are `Paused` ones."""
+
+    def __init__(self, client: CheckpointClient, at: int, go: threading.Event):
+        self.client, self.at, self.go = client, at, go
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+    def writer(self, step: int, save_id: str, writer_id: int, num_writers: int) -> Paused:
+        return Paused(self.client, save_id, writer_id, step, self.at, self.go)
+
+
 @contextlib.contextmanager
-def saver(service: Serve, writer_id: int = 0, num_writers: int = 1, retry_timeout: float = RETRY_S):
+def saver(service: Serve, writer_id: int = 0, num_writers: int = 1, retry_timeout: float = RETRY_S,
+          pause_at: int | None = None, go: threading.Event | None = None):
+    """A client and saver of `service`; with `pause_at`, the saver's first stream stops after
+    that many boxes until `go` is set (set on the way out, so the upload thread ends)."""
     with CheckpointClient(service.address) as client:
-        s = AsyncSaver(client, writer_id, num_writers, attempts=3, backoff=0.2, retry_timeout=retry_timeout)
+        sink = client if pause_at is None else PausingClient(client, pause_at, go)
+        s = AsyncSaver(sink, writer_id, num_writers, attempts=3, backoff=0.2, retry_timeout=retry_timeout)
         try:
             yield client, s
         finally:
+            if go is not None:
+                go.set()
             s._pool.shutdown(wait=True)
 
 
@@ -118,7 +160,8 @@ def test_a_save_cut_by_a_service_restart_is_resumed_and_commits(serve, tmp_path)
     before = committed_step_one(serve)
     full, boxes = layered("w", seed=2, layers=64)
     stored = os.path.join(root, "step_00000002", "w", "c")
-    with saver(serve) as (client, s):
+    go = threading.Event()
+    with saver(serve, pause_at=32, go=go) as (client, s):
         save_id = client.begin_save(2)
         s.save(2, save_id, boxes, committer=True, metadata={"step": 2})
         wait_for("the first box stored", lambda: glob.glob(f"{stored}/*"))
@@ -127,6 +170,7 @@ def test_a_save_cut_by_a_service_restart_is_resumed_and_commits(serve, tmp_path)
         assert not os.path.exists(fragment_path(open_root(root), 2, save_id, 0))
         assert len(glob.glob(f"{stored}/*")) < len(boxes)
         assert list_checkpoints(root) == [1] and same(root, 1, "w", before)  # nothing partial listed
+        go.set()
         time.sleep(1.5)
         serve.start()
         result = s.wait()
@@ -145,7 +189,8 @@ def test_two_writers_resume_a_save_cut_by_a_service_restart(serve, tmp_path):
     before = committed_step_one(serve)
     small, small_boxes = layered("small", seed=3, layers=2, rows=8, cols=8)
     big, big_boxes = layered("big", seed=4, layers=48)
-    with saver(serve, 0, 2) as (client0, s0), saver(serve, 1, 2) as (_, s1):
+    go = threading.Event()
+    with saver(serve, 0, 2) as (client0, s0), saver(serve, 1, 2, pause_at=24, go=go) as (_, s1):
         save_id = client0.begin_save(2, num_writers=2)
         s0.save(2, save_id, small_boxes, committer=True, metadata={"step": 2})
         wait_for("writer 0's fragment", lambda: os.path.exists(fragment_path(open_root(root), 2, save_id, 0)))
@@ -154,6 +199,7 @@ def test_two_writers_resume_a_save_cut_by_a_service_restart(serve, tmp_path):
         serve.kill()
         assert not os.path.exists(fragment_path(open_root(root), 2, save_id, 1))  # writer 1 was cut off
         assert list_checkpoints(root) == [1] and same(root, 1, "w", before)
+        go.set()
         time.sleep(1.5)
         serve.start()
         assert s1.wait() is None
@@ -167,11 +213,13 @@ def test_a_service_that_never_comes_back_fails_the_save_within_the_retry_time(se
     root = serve.root
     before = committed_step_one(serve)
     _, boxes = layered("w", seed=2, layers=64)
-    with saver(serve, retry_timeout=3.0) as (client, s):
+    go = threading.Event()
+    with saver(serve, retry_timeout=3.0, pause_at=32, go=go) as (client, s):
         s.save(2, client.begin_save(2), boxes, committer=True)
         wait_for("the first box stored", lambda: glob.glob(os.path.join(root, "step_00000002", "w", "c", "*")))
         start = time.monotonic()
         serve.kill()
+        go.set()
         with pytest.raises(CheckpointError) as e:
             s.wait()
         took = time.monotonic() - start
