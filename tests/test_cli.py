@@ -352,6 +352,9 @@ def save_then_ctrl_c(self):
     os.kill(os.getpid(), signal.SIGINT)
     return url
 T.Trainer.save = save_then_ctrl_c
+# as in a terminal: a shell without job control starts background jobs with SIGINT ignored,
+# and Python then installs no KeyboardInterrupt handler
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.exit(main(["train", *sys.argv[1:]]))
 """
 
