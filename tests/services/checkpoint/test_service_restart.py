@@ -78,8 +78,8 @@ def serve(tmp_path):
 
 class Paused(RemoteWriter):
     """A writer whose first WriteShards stream stops after `at` boxes until `go` is set: the test
-    kills a replica with part of each of its writers' boxes stored and the rest still to come,
-    however fast the replica stores them. A retried stream runs straight through."""
+    kills the service (or replica) with part of the writer's boxes stored and the rest still to
+    come, however fast the service stores them. A retried stream runs straight through."""
 
     def __init__(self, client: CheckpointClient, save_id: str, writer_id: int, step: int, at: int,
                  go: threading.Event):
