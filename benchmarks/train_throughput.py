@@ -124,6 +124,7 @@ def _mark(device: torch.device):
 
 
 PROFILE_MAX = 4
+STARTED = time.monotonic()  # "N s into the run" in each side's line: its build and compilation show as the gap
 """Steps `--profile-steps` may add. The run is planned for warmup + steps + PROFILE_MAX steps
 whether it profiles or not: train.train_iters decides the sample order and the LR schedule,
 so a profiled run must not plan a different length than the unprofiled rows it is compared
@@ -365,9 +366,6 @@ def ratio(rows: dict, side: str, other: str) -> tuple[float, float]:
     (which one stalled step does not move)."""
     return (rows[side]["tokens_per_s"] / rows[other]["tokens_per_s"],
             rows[other]["step_time_median_s"] / rows[side]["step_time_median_s"])
-
-
-STARTED = time.monotonic()
 
 
 def _done(name: str, row: dict) -> dict:

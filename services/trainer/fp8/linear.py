@@ -248,12 +248,11 @@ class Fp8Gemm:
                  main_grad: torch.Tensor | None = None,
                  cast: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """`cast`: (FP8 weight, its transpose, its scale) from `Fp8WeightCache` (not rowwise)."""
-        seq_group = self.seq_group
-        if seq_group is not None:
-            gathered = x.numel() // x.shape[-1] * dist.get_world_size(seq_group)
+        if self.seq_group is not None:
+            gathered = x.numel() // x.shape[-1] * dist.get_world_size(self.seq_group)
             if self.recipe.recipe != "rowwise" and not (x.is_cuda and gathered % 16):
-                return self._gemm(x, weight, bias, main_grad, cast, seq_group)
-            x = M.gather_from_sequence(x, seq_group)  # in bf16, then as an input that arrived whole
+                return self._gemm(x, weight, bias, main_grad, cast, self.seq_group)
+            x = M.gather_from_sequence(x, self.seq_group)  # in bf16, then as an input that arrived whole
         tokens = x.numel() // x.shape[-1]
         if x.is_cuda and tokens % 16:
             # cuBLAS's FP8 GEMM takes dimensions in multiples of 16, the token count (the weight
