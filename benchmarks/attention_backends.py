@@ -49,9 +49,21 @@ def time_ms(fn, iters: int) -> float:
 
 def run_case(shape, backend: str, iters: int) -> dict:
     b, h, g, s, d = shape
-    q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
-    k = torch.randn(b, s, g, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
-    v = torch.randn(b, s, g, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+    q = (
+        torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
+        .transpose(1, 2)
+        .requires_grad_()
+    )
+    k = (
+        torch.randn(b, s, g, d, device="cuda", dtype=torch.bfloat16)
+        .transpose(1, 2)
+        .requires_grad_()
+    )
+    v = (
+        torch.randn(b, s, g, d, device="cuda", dtype=torch.bfloat16)
+        .transpose(1, 2)
+        .requires_grad_()
+    )
     grad = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16)
 
     def fwd():
@@ -68,8 +80,13 @@ def run_case(shape, backend: str, iters: int) -> dict:
     f_ms = time_ms(fwd, iters)
     fb_ms = time_ms(fwd_bwd, iters)
     flops_fwd = 4 * b * h * s * s * d / 2  # causal: half the score matrix
-    return {"backend": backend, "fwd_ms": f_ms, "fwd_bwd_ms": fb_ms,
-            "fwd_tflops": flops_fwd / f_ms / 1e9, "fwd_bwd_tflops": 3.5 * flops_fwd / fb_ms / 1e9}
+    return {
+        "backend": backend,
+        "fwd_ms": f_ms,
+        "fwd_bwd_ms": fb_ms,
+        "fwd_tflops": flops_fwd / f_ms / 1e9,
+        "fwd_bwd_tflops": 3.5 * flops_fwd / fb_ms / 1e9,
+    }
 
 
 def reference_check(shape, backend: str) -> float:
@@ -79,8 +96,12 @@ def reference_check(shape, backend: str) -> float:
     q = torch.randn(1, h, s, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(1, g, s, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(1, g, s, d, device="cuda", dtype=torch.bfloat16)
-    ref = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(h // g, 1),
-                                         v.float().repeat_interleave(h // g, 1), is_causal=True)
+    ref = F.scaled_dot_product_attention(
+        q.float(),
+        k.float().repeat_interleave(h // g, 1),
+        v.float().repeat_interleave(h // g, 1),
+        is_causal=True,
+    )
     return (sdpa(q, k, v, 0.0, backend).float() - ref).abs().max().item()
 
 
@@ -101,16 +122,24 @@ def main() -> None:
                 r["max_abs_err_vs_fp32"] = reference_check(shape, backend)
             rows.append({"shape": name, **r})
     base = {r["shape"]: r for r in rows if r["backend"] == "auto"}
-    print(f"{'shape':18} {'backend':16} {'fwd ms':>8} {'fwd+bwd ms':>11} {'TFLOP/s':>8} {'vs auto':>8}  err")
+    print(
+        f"{'shape':18} {'backend':16} {'fwd ms':>8} {'fwd+bwd ms':>11} {'TFLOP/s':>8} {'vs auto':>8}  err"
+    )
     for r in rows:
         if "error" in r:
             print(f"{r['shape']:18} {r['backend']:16} refused: {r['error'][:70]}")
             continue
         r["speedup_vs_auto"] = base[r["shape"]]["fwd_bwd_ms"] / r["fwd_bwd_ms"]
-        print(f"{r['shape']:18} {r['backend']:16} {r['fwd_ms']:8.3f} {r['fwd_bwd_ms']:11.3f} "
-              f"{r['fwd_bwd_tflops']:8.1f} {r['speedup_vs_auto']:7.2f}x  {r['max_abs_err_vs_fp32']:.2e}")
-    meta = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "host": platform.node(),
-            "cudnn": torch.backends.cudnn.version()}
+        print(
+            f"{r['shape']:18} {r['backend']:16} {r['fwd_ms']:8.3f} {r['fwd_bwd_ms']:11.3f} "
+            f"{r['fwd_bwd_tflops']:8.1f} {r['speedup_vs_auto']:7.2f}x  {r['max_abs_err_vs_fp32']:.2e}"
+        )
+    meta = {
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(),
+        "host": platform.node(),
+        "cudnn": torch.backends.cudnn.version(),
+    }
     Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 
 

@@ -28,7 +28,9 @@ class LoopMoE(nn.Module):
         h, f, e = c.hidden_size, c.moe_ffn_size, c.num_experts
         self.topk, self.swiglu = c.moe_router_topk, c.activation == "swiglu"
         self.gate = nn.Linear(h, e, bias=False)
-        self.up = nn.ModuleList(nn.Linear(h, 2 * f if self.swiglu else f, bias=False) for _ in range(e))
+        self.up = nn.ModuleList(
+            nn.Linear(h, 2 * f if self.swiglu else f, bias=False) for _ in range(e)
+        )
         self.down = nn.ModuleList(nn.Linear(f, h, bias=False) for _ in range(e))
 
     def forward(self, x):
@@ -83,8 +85,11 @@ class Block(nn.Module):
         self.q = nn.Linear(h, self.nh * d, bias=bias)
         self.kv = nn.Linear(h, 2 * self.nkv * d, bias=bias)
         self.o = nn.Linear(self.nh * d, h, bias=bias)
-        moe = c.num_experts is not None and (layer % c.moe_layer_freq == 0 if isinstance(c.moe_layer_freq, int)
-                                              else c.moe_layer_freq[layer])
+        moe = c.num_experts is not None and (
+            layer % c.moe_layer_freq == 0
+            if isinstance(c.moe_layer_freq, int)
+            else c.moe_layer_freq[layer]
+        )
         self.mlp = LoopMoE(c) if moe else DenseMLP(c, c.ffn_size)
 
     def forward(self, x, cos, sin):
@@ -94,9 +99,11 @@ class Block(nn.Module):
         k, v = self.kv(y).view(b, s, 2, self.nkv, self.d).unbind(2)
         k, v = k.transpose(1, 2), v.transpose(1, 2)
         if cos is not None:
+
             def rot(t):
                 t1, t2 = t.chunk(2, dim=-1)
                 return t * cos + torch.cat([-t2, t1], -1) * sin
+
             q, k = rot(q), rot(k)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.nkv != self.nh)
         x = x + self.o(a.transpose(1, 2).reshape(b, s, -1))
@@ -113,9 +120,17 @@ class BaselineGPT(nn.Module):
         self.bf16_residual = bf16_residual
         v = c.padded_vocab_size()
         self.wte = nn.Embedding(v, c.hidden_size)
-        self.wpe = nn.Embedding(c.seq_length, c.hidden_size) if c.position_embedding_type == "learned" else None
+        self.wpe = (
+            nn.Embedding(c.seq_length, c.hidden_size)
+            if c.position_embedding_type == "learned"
+            else None
+        )
         self.blocks = nn.ModuleList(Block(c, i) for i in range(c.num_layers))
-        self.ln_f = nn.RMSNorm(c.hidden_size) if c.normalization == "rmsnorm" else nn.LayerNorm(c.hidden_size)
+        self.ln_f = (
+            nn.RMSNorm(c.hidden_size)
+            if c.normalization == "rmsnorm"
+            else nn.LayerNorm(c.hidden_size)
+        )
         self.head = nn.Linear(c.hidden_size, v, bias=False)
         if not c.untie_embeddings_and_output_weights:
             self.head.weight = self.wte.weight
@@ -169,26 +184,42 @@ def convert_to_float8(model: BaselineGPT, recipe: str) -> list[str]:
         The names of the converted layers.
     """
     if recipe not in FLOAT8_RECIPES:
-        raise ValueError(f"float8 recipe must be one of {', '.join(FLOAT8_RECIPES)}, got {recipe!r}")
+        raise ValueError(
+            f"float8 recipe must be one of {', '.join(FLOAT8_RECIPES)}, got {recipe!r}"
+        )
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError as e:
-        raise ImportError("the float8 baseline needs torchao (pip install torchao; meshtrain's `test` extra "
-                          f"pins the version its tests use): {e}") from e
+        raise ImportError(
+            "the float8 baseline needs torchao (pip install torchao; meshtrain's `test` extra "
+            f"pins the version its tests use): {e}"
+        ) from e
     converted = []
 
-    def chosen(linear: nn.Linear, name: str) -> bool:  # torchao asks this of every nn.Linear by its name
-        ok = name.startswith("blocks.") and linear.in_features % 16 == 0 and linear.out_features % 16 == 0
+    def chosen(
+        linear: nn.Linear, name: str
+    ) -> bool:  # torchao asks this of every nn.Linear by its name
+        ok = (
+            name.startswith("blocks.")
+            and linear.in_features % 16 == 0
+            and linear.out_features % 16 == 0
+        )
         if ok:
             converted.append(name)
         return ok
 
-    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe), module_filter_fn=chosen)
+    convert_to_float8_training(
+        model, config=Float8LinearConfig.from_recipe_name(recipe), module_filter_fn=chosen
+    )
     return converted
 
 
 def make_optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
     decay = [p for p in model.parameters() if p.ndim >= 2]
     rest = [p for p in model.parameters() if p.ndim < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}],
-                             lr=lr, betas=(0.9, 0.95), fused=True)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.95),
+        fused=True,
+    )

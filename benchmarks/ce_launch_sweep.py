@@ -77,10 +77,19 @@ def time_setting(ce, launch: dict, rows: int, vocab: int) -> dict[str, float]:
         ce.launch_config = original
 
 
-def cells(times: dict[str, float], base: dict[str, float], moved: dict[str, int], copy_gbps: float) -> dict:
+def cells(
+    times: dict[str, float], base: dict[str, float], moved: dict[str, int], copy_gbps: float
+) -> dict:
     """{kernel: ms, GB/s, fraction of copy bandwidth, speedup over the default's time}."""
-    return {k: {"ms": ms, "gbps": moved[k] / ms / 1e6, "frac_of_copy": moved[k] / ms / 1e6 / copy_gbps,
-                "speedup_vs_default": base[k] / ms} for k, ms in times.items()}
+    return {
+        k: {
+            "ms": ms,
+            "gbps": moved[k] / ms / 1e6,
+            "frac_of_copy": moved[k] / ms / 1e6 / copy_gbps,
+            "speedup_vs_default": base[k] / ms,
+        }
+        for k, ms in times.items()
+    }
 
 
 def main() -> None:
@@ -93,13 +102,22 @@ def main() -> None:
         sys.exit("benchmarks/ce_launch_sweep.py needs a CUDA GPU")
     import triton
 
-    ce = importlib.import_module("meshtrain.kernels.cross_entropy")  # the package's `cross_entropy` is the dispatching op
+    ce = importlib.import_module(
+        "meshtrain.kernels.cross_entropy"
+    )  # the package's `cross_entropy` is the dispatching op
 
     start = time.time()
     copy = copy_bandwidth()
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "host": platform.node(), "date": time.strftime("%Y-%m-%d"), "copy_gbps": copy, "rows": args.rows,
-              "results": []}
+    report = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "host": platform.node(),
+        "date": time.strftime("%Y-%m-%d"),
+        "copy_gbps": copy,
+        "rows": args.rows,
+        "results": [],
+    }
     print(f"{report['device']}  copy {copy:,.0f} GB/s  rows {args.rows}")
     for vocab in (int(v) for v in args.vocab.split(",")):
         nbytes = args.rows * vocab * 2
@@ -108,19 +126,33 @@ def main() -> None:
         base = time_setting(ce, default, args.rows, vocab)
 
         # the default is always a row: timed once, and listed even where it is outside the grid
-        timed = [(default, base)] + [(lc, time_setting(ce, lc, args.rows, vocab))
-                                     for lc in settings(vocab) if lc != default]
-        rows = [{"vocab": vocab, "launch": lc, "default": lc == default, **cells(times, base, moved, copy)}
-                for lc, times in timed]
+        timed = [(default, base)] + [
+            (lc, time_setting(ce, lc, args.rows, vocab)) for lc in settings(vocab) if lc != default
+        ]
+        rows = [
+            {
+                "vocab": vocab,
+                "launch": lc,
+                "default": lc == default,
+                **cells(times, base, moved, copy),
+            }
+            for lc, times in timed
+        ]
         report["results"].extend(rows)
         print(f"\nvocab {vocab}: ms (% of copy, speedup vs default); * = the current default")
-        print(f"{'BLOCK':>6} {'warps':>5} {'stages':>6} | {'stats':>22} | {'grad':>22} | {'fused':>22}")
+        print(
+            f"{'BLOCK':>6} {'warps':>5} {'stages':>6} | {'stats':>22} | {'grad':>22} | {'fused':>22}"
+        )
         for r in sorted(rows, key=lambda r: r["stats"]["ms"] + r["grad"]["ms"]):
             lc = r["launch"]
-            line = " | ".join(f"{r[k]['ms']:7.3f} ({r[k]['frac_of_copy']:4.0%}, {r[k]['speedup_vs_default']:4.2f}x)"
-                               for k in ("stats", "grad", "fused"))
-            print(f"{lc['BLOCK']:>6} {lc['num_warps']:>5} {lc.get('num_stages', '-')!s:>6} | {line}"
-                  f"{' *' if r['default'] else ''}")
+            line = " | ".join(
+                f"{r[k]['ms']:7.3f} ({r[k]['frac_of_copy']:4.0%}, {r[k]['speedup_vs_default']:4.2f}x)"
+                for k in ("stats", "grad", "fused")
+            )
+            print(
+                f"{lc['BLOCK']:>6} {lc['num_warps']:>5} {lc.get('num_stages', '-')!s:>6} | {line}"
+                f"{' *' if r['default'] else ''}"
+            )
     report["seconds"] = time.time() - start
     print(f"total {report['seconds']:.0f}s")
     if args.out:

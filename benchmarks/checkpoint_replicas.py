@@ -52,8 +52,13 @@ def _boxes(writer_id: int, layers: int, rows: int):
 
     g = torch.Generator().manual_seed(writer_id)
     full = torch.randn(layers, rows, COLS, generator=g).to(torch.bfloat16)  # (layers, rows, cols)
-    return [(ShardSpec(f"w{writer_id}", tuple(full.shape), "bfloat16", (i, 0, 0), (1, rows, COLS)), full[i:i + 1])
-            for i in range(layers)]
+    return [
+        (
+            ShardSpec(f"w{writer_id}", tuple(full.shape), "bfloat16", (i, 0, 0), (1, rows, COLS)),
+            full[i : i + 1],
+        )
+        for i in range(layers)
+    ]
 
 
 def _writer(conn, writer_id: int, writers: int, layers: int, rows: int) -> None:
@@ -82,7 +87,9 @@ def _writer(conn, writer_id: int, writers: int, layers: int, rows: int) -> None:
                 if mode == "direct":
                     writer = ShardWriter(root, step, save_id, writer_id, writers)
                 else:
-                    client = clients.get(address) or clients.setdefault(address, CheckpointClient(address))
+                    client = clients.get(address) or clients.setdefault(
+                        address, CheckpointClient(address)
+                    )
                     writer = client.writer(step, save_id, writer_id, writers)
                 for spec, data in boxes:
                     writer.write(spec, data)
@@ -100,9 +107,26 @@ def _serve(root: str, log_dir: Path, n: int, env: dict) -> tuple[list[subprocess
     for i in range(n):
         log = log_dir / f"replica{i}.log"
         with open(log, "w") as out:
-            procs.append(subprocess.Popen([sys.executable, "-m", "meshtrain.services.cli", "ckpt", "serve", root,
-                                           "--port", "0", "--grace", "1"], stdout=out, stderr=subprocess.STDOUT,
-                                          cwd=REPO, env=env))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "meshtrain.services.cli",
+                        "ckpt",
+                        "serve",
+                        root,
+                        "--port",
+                        "0",
+                        "--grace",
+                        "1",
+                    ],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    cwd=REPO,
+                    env=env,
+                )
+            )
         deadline = time.monotonic() + 60
         while "listening on" not in log.read_text():
             if procs[-1].poll() is not None or time.monotonic() > deadline:
@@ -113,7 +137,9 @@ def _serve(root: str, log_dir: Path, n: int, env: dict) -> tuple[list[subprocess
     return procs, addresses
 
 
-def bench(root: str, writers: int, layers: int, rows: int, repeat: int, work: Path, warmup: int = 1) -> dict:
+def bench(
+    root: str, writers: int, layers: int, rows: int, repeat: int, work: Path, warmup: int = 1
+) -> dict:
     """Runs every mode `warmup` times untimed, then `repeat` times timed, into `root`; returns
     per-mode figures."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
@@ -122,7 +148,9 @@ def bench(root: str, writers: int, layers: int, rows: int, repeat: int, work: Pa
     pipes, workers = [], []
     for w in range(writers):
         parent, child = ctx.Pipe()
-        workers.append(ctx.Process(target=_writer, args=(child, w, writers, layers, rows), daemon=True))
+        workers.append(
+            ctx.Process(target=_writer, args=(child, w, writers, layers, rows), daemon=True)
+        )
         workers[-1].start()
         pipes.append(parent)
     for p in pipes:
@@ -144,7 +172,9 @@ def bench(root: str, writers: int, layers: int, rows: int, repeat: int, work: Pa
                 address = {"replicas-2": ",".join(addresses)}.get(mode, addresses[0])
                 client = CheckpointClient(address) if mode != "plain" else None
                 start = time.perf_counter()
-                save_id = client.begin_save(step, num_writers=writers) if client else uuid.uuid4().hex
+                save_id = (
+                    client.begin_save(step, num_writers=writers) if client else uuid.uuid4().hex
+                )
                 for p in pipes:
                     p.send((mode, root, address, step, save_id, plain))
                 if client is not None:
@@ -171,9 +201,12 @@ def bench(root: str, writers: int, layers: int, rows: int, repeat: int, work: Pa
     out = {}
     for mode, times in seconds.items():
         median = nbytes / 1e6 / statistics.median(times)
-        out[mode] = {"seconds": [round(t, 4) for t in times], "mb_per_s_median": round(median, 1),
-                     "mb_per_s_best": round(nbytes / 1e6 / min(times), 1),
-                     "mb_per_s_per_replica": round(median / carriers[mode], 1) if carriers[mode] else None}
+        out[mode] = {
+            "seconds": [round(t, 4) for t in times],
+            "mb_per_s_median": round(median, 1),
+            "mb_per_s_best": round(nbytes / 1e6 / min(times), 1),
+            "mb_per_s_per_replica": round(median / carriers[mode], 1) if carriers[mode] else None,
+        }
     base = out["plain"]["mb_per_s_median"]
     for mode in MODES:
         out[mode]["vs_plain"] = round(out[mode]["mb_per_s_median"] / base, 3)
@@ -187,10 +220,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--box-mb", type=float, default=8, help="MB per box (one object each)")
     p.add_argument("--repeat", type=int, default=3, help="timed rounds of all modes")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
-    p.add_argument("--local-dir", default=None, help="folder for the file:// root (default: a temp dir)")
-    p.add_argument("--s3", action="store_true", help="also an s3:// root on a SeaweedFS started on loopback")
-    p.add_argument("--out", default=None,
-                   help="JSON path (default benchmarks/results/<date>-cpu-checkpoint-replicas.json)")
+    p.add_argument(
+        "--local-dir", default=None, help="folder for the file:// root (default: a temp dir)"
+    )
+    p.add_argument(
+        "--s3", action="store_true", help="also an s3:// root on a SeaweedFS started on loopback"
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        help="JSON path (default benchmarks/results/<date>-cpu-checkpoint-replicas.json)",
+    )
     args = p.parse_args(argv)
     if args.writers < 1 or args.mb <= 0 or args.box_mb <= 0 or args.repeat < 1 or args.warmup < 0:
         p.error("--writers and --repeat must be >= 1, --warmup >= 0, --mb and --box-mb > 0")
@@ -199,7 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="ckpt-replicas-"))
     results = {}
     local = Path(args.local_dir or work) / "ckpt"
-    results["file"] = bench(f"file://{local}", args.writers, layers, rows, args.repeat, work, args.warmup)
+    results["file"] = bench(
+        f"file://{local}", args.writers, layers, rows, args.repeat, work, args.warmup
+    )
     if args.s3:
         from tests.services.checkpoint.s3server import S3Server, find_weed
 
@@ -211,25 +253,53 @@ def main(argv: list[str] | None = None) -> int:
         server.start()
         try:
             os.environ.update(server.env())
-            results["s3"] = bench(f"s3://{server.bucket}/bench-{uuid.uuid4().hex}", args.writers, layers, rows,
-                                  args.repeat, work, args.warmup)
+            results["s3"] = bench(
+                f"s3://{server.bucket}/bench-{uuid.uuid4().hex}",
+                args.writers,
+                layers,
+                rows,
+                args.repeat,
+                work,
+                args.warmup,
+            )
         finally:
             server.stop()
-    print(f"{args.writers} writers, {layers * args.writers} boxes of {rows * COLS * 2 / 1e6:.2f} MB "
-          f"({results['file']['bytes'] / 1e6:.0f} MB a save), {os.cpu_count()} CPUs, median of {args.repeat} "
-          f"after {args.warmup} untimed")
+    print(
+        f"{args.writers} writers, {layers * args.writers} boxes of {rows * COLS * 2 / 1e6:.2f} MB "
+        f"({results['file']['bytes'] / 1e6:.0f} MB a save), {os.cpu_count()} CPUs, median of {args.repeat} "
+        f"after {args.warmup} untimed"
+    )
     print(f"{'root':<6} {'mode':<12} {'MB/s':>8} {'best':>8} {'per replica':>12} {'vs plain':>9}")
     for target, res in results.items():
         for mode, m in res["modes"].items():
             per = f"{m['mb_per_s_per_replica']:.1f}" if m["mb_per_s_per_replica"] else "-"
-            print(f"{target:<6} {mode:<12} {m['mb_per_s_median']:>8.1f} {m['mb_per_s_best']:>8.1f} {per:>12} "
-                  f"{m['vs_plain']:>9.2f}")
+            print(
+                f"{target:<6} {mode:<12} {m['mb_per_s_median']:>8.1f} {m['mb_per_s_best']:>8.1f} {per:>12} "
+                f"{m['vs_plain']:>9.2f}"
+            )
     today = datetime.date.today().isoformat()
-    out = Path(args.out or REPO / "benchmarks" / "results" / f"{today}-cpu-checkpoint-replicas.json")
-    out.write_text(json.dumps({
-        "benchmark": "checkpoint_replicas", "date": today, "host": platform.node(), "cpus": os.cpu_count(),
-        "python": platform.python_version(), "writers": args.writers, "box_mb": rows * COLS * 2 / 1e6,
-        "boxes_per_writer": layers, "repeat": args.repeat, "warmup": args.warmup, "results": results}, indent=1) + "\n")
+    out = Path(
+        args.out or REPO / "benchmarks" / "results" / f"{today}-cpu-checkpoint-replicas.json"
+    )
+    out.write_text(
+        json.dumps(
+            {
+                "benchmark": "checkpoint_replicas",
+                "date": today,
+                "host": platform.node(),
+                "cpus": os.cpu_count(),
+                "python": platform.python_version(),
+                "writers": args.writers,
+                "box_mb": rows * COLS * 2 / 1e6,
+                "boxes_per_writer": layers,
+                "repeat": args.repeat,
+                "warmup": args.warmup,
+                "results": results,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     print(f"wrote {out}")
     return 0
 

@@ -44,7 +44,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mb", type=float, default=512, help="per-rank state in MB")
     p.add_argument("--repeat", type=int, default=5)
-    p.add_argument("--box-mb", type=float, default=8, help="size of each bf16 box (one per layer slice)")
+    p.add_argument(
+        "--box-mb", type=float, default=8, help="size of each bf16 box (one per layer slice)"
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--local-dir", default=None, help="where uploads go (default: a temp dir)")
     p.add_argument("--out", help="write the JSON result here")
@@ -53,8 +55,13 @@ def main() -> int:
     rows = max(1, round(args.box_mb * 2**20 / (COLS * 2)))
     layers = max(1, round(args.mb * 2**20 / (rows * COLS * 2)))
     full = torch.randn(layers, rows, COLS, device=args.device).to(torch.bfloat16)
-    boxes = [(ShardSpec("layers.w", tuple(full.shape), "bfloat16", (i, 0, 0), (1, rows, COLS)),
-              full[i:i + 1]) for i in range(layers)]
+    boxes = [
+        (
+            ShardSpec("layers.w", tuple(full.shape), "bfloat16", (i, 0, 0), (1, rows, COLS)),
+            full[i : i + 1],
+        )
+        for i in range(layers)
+    ]
     gb = full.numel() * 2 / 1e9
     with tempfile.TemporaryDirectory(dir=args.local_dir) as tmp:
         root = os.path.join(tmp, "ckpt")
@@ -92,22 +99,35 @@ def main() -> int:
         "persist_MBps_best": gb * 1e3 / min(persists[1:]),
     }
     if prepared is not None:
-        result["prepared"] = {**prepared, "first_stall_ms_per_gb": prepared["first_stall_s"] * 1e3 / gb,
-                              "first_over_steady": prepared["first_stall_s"] / statistics.median(steady)}
-    print(f"{'device':<6} {'GB':>6} {'first ms/GB':>12} {'stall ms/GB best':>17} "
-          f"{'median':>8} {'bare copy ms/GB':>16} {'persist MB/s':>13}")
-    print(f"{args.device:<6} {gb:6.2f} {result['first_stall_ms_per_gb']:12.1f} "
-          f"{result['stall_ms_per_gb_best']:17.1f} {result['stall_ms_per_gb_median']:8.1f} "
-          f"{result['bare_copy_ms_per_gb_best']:16.1f} {result['persist_MBps_best']:13.1f}")
-    record = {"benchmark": "checkpoint_stall", "host": platform.node(), "cpus": os.cpu_count(),
-              "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-              "result": result}
+        result["prepared"] = {
+            **prepared,
+            "first_stall_ms_per_gb": prepared["first_stall_s"] * 1e3 / gb,
+            "first_over_steady": prepared["first_stall_s"] / statistics.median(steady),
+        }
+    print(
+        f"{'device':<6} {'GB':>6} {'first ms/GB':>12} {'stall ms/GB best':>17} "
+        f"{'median':>8} {'bare copy ms/GB':>16} {'persist MB/s':>13}"
+    )
+    print(
+        f"{args.device:<6} {gb:6.2f} {result['first_stall_ms_per_gb']:12.1f} "
+        f"{result['stall_ms_per_gb_best']:17.1f} {result['stall_ms_per_gb_median']:8.1f} "
+        f"{result['bare_copy_ms_per_gb_best']:16.1f} {result['persist_MBps_best']:13.1f}"
+    )
+    record = {
+        "benchmark": "checkpoint_stall",
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "result": result,
+    }
     if prepared is not None:
         r = result["prepared"]
-        print(f"prepared: allocation {r['allocate_s']:.2f} s in the background; first save "
-              f"{r['first_stall_ms_per_gb']:.1f} ms/GB = {r['first_over_steady']:.2f}x the steady stall; "
-              f"device loop {r['loop_ms_while_preparing']:.2f} ms/iter while preparing, "
-              f"{r['loop_ms_after']:.2f} after")
+        print(
+            f"prepared: allocation {r['allocate_s']:.2f} s in the background; first save "
+            f"{r['first_stall_ms_per_gb']:.1f} ms/GB = {r['first_over_steady']:.2f}x the steady stall; "
+            f"device loop {r['loop_ms_while_preparing']:.2f} ms/iter while preparing, "
+            f"{r['loop_ms_after']:.2f} after"
+        )
     print(json.dumps(record))
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=1))
@@ -138,8 +158,13 @@ def measure_prepared(boxes, args) -> dict:
         saver.save(0, begin_save(root, 0), boxes, committer=True)
         first = saver.last_stall_s
         saver.close()
-    return {"allocate_s": saver.prepared_s, "loop_ms_while_preparing": during, "loop_iters_while_preparing": n_during,
-            "loop_ms_after": after, "first_stall_s": first}
+    return {
+        "allocate_s": saver.prepared_s,
+        "loop_ms_while_preparing": during,
+        "loop_iters_while_preparing": n_during,
+        "loop_ms_after": after,
+        "first_stall_s": first,
+    }
 
 
 if __name__ == "__main__":

@@ -39,37 +39,65 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--async-grad-reduce", action="store_true", help="parallel.tp_async_grad_reduce")
-    p.add_argument("--op-order", action="store_true", help="print collectives / waits / matmuls in graph order")
+    p.add_argument(
+        "--op-order", action="store_true", help="print collectives / waits / matmuls in graph order"
+    )
     p.add_argument("--layers", type=int, default=2)
     args = p.parse_args()
     init_process_group("gloo")
     mesh = Mesh.build(tp=args.tp) if dist.is_initialized() else Mesh.single()
-    cfg = ModelConfig(num_layers=args.layers, hidden_size=128, num_attention_heads=4, num_query_groups=2,
-                      seq_length=64, vocab_size=1000, normalization="rmsnorm", activation="swiglu",
-                      position_embedding_type="rope", add_bias_linear=False,
-                      untie_embeddings_and_output_weights=True)
+    cfg = ModelConfig(
+        num_layers=args.layers,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_query_groups=2,
+        seq_length=64,
+        vocab_size=1000,
+        normalization="rmsnorm",
+        activation="swiglu",
+        position_embedding_type="rope",
+        add_bias_linear=False,
+        untie_embeddings_and_output_weights=True,
+    )
     torch.manual_seed(0)
-    model = parallelize(GPT(cfg), mesh, args.sequence_parallel, async_grad_reduce=args.async_grad_reduce)
+    model = parallelize(
+        GPT(cfg), mesh, args.sequence_parallel, async_grad_reduce=args.async_grad_reduce
+    )
     tokens = torch.randint(0, 1000, (2, 64))
     explanation = torch._dynamo.explain(model)(tokens, tokens)
-    reasons = collections.Counter(str(b.reason).splitlines()[0][:110] for b in explanation.break_reasons)
+    reasons = collections.Counter(
+        str(b.reason).splitlines()[0][:110] for b in explanation.break_reasons
+    )
     if mesh.rank == 0:
-        print(f"tp={args.tp} sequence_parallel={args.sequence_parallel} "
-              f"async_grad_reduce={args.async_grad_reduce} layers={args.layers}: "
-              f"{explanation.graph_count} graphs, {explanation.graph_break_count} graph breaks")
+        print(
+            f"tp={args.tp} sequence_parallel={args.sequence_parallel} "
+            f"async_grad_reduce={args.async_grad_reduce} layers={args.layers}: "
+            f"{explanation.graph_count} graphs, {explanation.graph_break_count} graph breaks"
+        )
         for reason, n in reasons.most_common():
             print(f"  {n:3d} x {reason}")
     if args.op_order:
-        for where, graphs in (("AOT graph", op_order(model, tokens, tokens)),
-                              ("Inductor code", inductor_order(model, tokens, tokens))):
+        for where, graphs in (
+            ("AOT graph", op_order(model, tokens, tokens)),
+            ("Inductor code", inductor_order(model, tokens, tokens)),
+        ):
             if mesh.rank == 0:
                 for name, (seq, inflight) in graphs.items():
                     hidden = sum(1 for _, n in inflight if n)
-                    print(f"{where}, {name}: {hidden} of {len(inflight)} collectives have matmuls in flight\n  {seq}")
+                    print(
+                        f"{where}, {name}: {hidden} of {len(inflight)} collectives have matmuls in flight\n  {seq}"
+                    )
 
 
-SHORT = {"all_reduce": "AR", "reduce_scatter_tensor": "RS", "all_gather_into_tensor": "AG", "wait_tensor": "w",
-         "mm": "mm", "addmm": "mm", "bmm": "mm"}
+SHORT = {
+    "all_reduce": "AR",
+    "reduce_scatter_tensor": "RS",
+    "all_gather_into_tensor": "AG",
+    "wait_tensor": "w",
+    "mm": "mm",
+    "addmm": "mm",
+    "bmm": "mm",
+}
 COLLECTIVES = ("AR", "RS", "AG")
 Schedule = tuple[str, list[tuple[str, int]]]
 
@@ -104,24 +132,40 @@ def op_order(model: torch.nn.Module, *inputs: torch.Tensor) -> dict[str, Schedul
         def compile_fn(gm, _inputs):
             events = []
             for node in gm.graph.nodes:
-                op = SHORT.get(getattr(node.target, "__name__", "").split(".")[0]) if node.op == "call_function" else None
+                op = (
+                    SHORT.get(getattr(node.target, "__name__", "").split(".")[0])
+                    if node.op == "call_function"
+                    else None
+                )
                 if op is not None:
                     events.append((op, node.args[0] if op == "w" else node))
             graphs[name] = _schedule(events)
             return make_boxed_func(gm.forward)
+
         return compile_fn
 
-    compiled = torch.compile(model, backend=aot_autograd(fw_compiler=recorder("forward"),
-                                                         bw_compiler=recorder("backward")))
+    compiled = torch.compile(
+        model,
+        backend=aot_autograd(fw_compiler=recorder("forward"), bw_compiler=recorder("backward")),
+    )
     compiled(*inputs).backward()
     return graphs
 
 
-_LAUNCH = re.compile(r"(?:(buf\d+) = )?torch\.ops\._c10d_functional\.(all_reduce_|all_reduce|reduce_scatter_tensor|"
-                     r"all_gather_into_tensor)\.default\((?:reinterpret_tensor\()?(\w+)")
-_WAIT = re.compile(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((?:reinterpret_tensor\()?(\w+)")
+_LAUNCH = re.compile(
+    r"(?:(buf\d+) = )?torch\.ops\._c10d_functional\.(all_reduce_|all_reduce|reduce_scatter_tensor|"
+    r"all_gather_into_tensor)\.default\((?:reinterpret_tensor\()?(\w+)"
+)
+_WAIT = re.compile(
+    r"torch\.ops\._c10d_functional\.wait_tensor\.default\((?:reinterpret_tensor\()?(\w+)"
+)
 _MM = re.compile(r"extern_kernels\.(mm|addmm|bmm)\(")
-_KINDS = {"all_reduce_": "AR", "all_reduce": "AR", "reduce_scatter_tensor": "RS", "all_gather_into_tensor": "AG"}
+_KINDS = {
+    "all_reduce_": "AR",
+    "all_reduce": "AR",
+    "reduce_scatter_tensor": "RS",
+    "all_gather_into_tensor": "AG",
+}
 
 
 def inductor_order(model: torch.nn.Module, *inputs: torch.Tensor) -> dict[str, Schedule]:
@@ -143,12 +187,15 @@ def inductor_order(model: torch.nn.Module, *inputs: torch.Tensor) -> dict[str, S
                 result, op, arg = m.groups()
                 buffers.add(result or arg)
                 events.append((_KINDS[op], result or arg))
-            elif (m := _WAIT.search(line)) and m.group(1) in buffers:  # waits of launches seen above
+            elif (m := _WAIT.search(line)) and m.group(
+                1
+            ) in buffers:  # waits of launches seen above
                 events.append(("w", m.group(1)))
             elif _MM.search(line):
                 events.append(("mm", None))
         out[name] = _schedule(events)
     return out
+
 
 if __name__ == "__main__":
     main()

@@ -36,9 +36,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from meshtrain.services.dataloader.indexed import IndexedDataset, IndexedDatasetWriter
-from meshtrain.services.dataloader.loader import LocalBatchSource
-from meshtrain.services.dataloader.spec import DatasetSpec, open_dataset
+from meshtrain.services.dataloader.indexed import IndexedDataset, IndexedDatasetWriter  # noqa: E402 (after the sys.path entry)
+from meshtrain.services.dataloader.loader import LocalBatchSource  # noqa: E402 (after the sys.path entry)
+from meshtrain.services.dataloader.spec import DatasetSpec, open_dataset  # noqa: E402 (after the sys.path entry)
 
 
 def table(title: str, header: list[str], rows: list[list]) -> None:
@@ -96,16 +96,35 @@ def bench_tokenize(work: Path, corpus_mb: float, workers_list: list[int]) -> dic
             prefix = preprocess_files([jsonl], work / f"{name}{w}", tok, workers=w)
             dt = time.perf_counter() - t
             n = IndexedDataset(prefix).num_tokens
-            out.append({"tokenizer": name, "workers": w, "tokens": n, "seconds": dt,
-                        "tokens_per_s": n / dt, "tokens_per_s_per_worker": n / dt / w})
+            out.append(
+                {
+                    "tokenizer": name,
+                    "workers": w,
+                    "tokens": n,
+                    "seconds": dt,
+                    "tokens_per_s": n / dt,
+                    "tokens_per_s_per_worker": n / dt / w,
+                }
+            )
     rows = []
     for r in out:
         base = next(x["tokens_per_s"] for x in out if x["tokenizer"] == r["tokenizer"])
-        rows.append([r["tokenizer"], r["workers"], f"{r['tokens']:,}", f"{r['seconds']:.2f}",
-                     f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s_per_worker']:,.0f}",
-                     f"{r['tokens_per_s'] / base:.2f}x"])
-    table(f"tokenize ({jsonl.stat().st_size / 1e6:.0f} MB of stdlib source as JSONL, BPE 8192, end to end)",
-          ["tokenizer", "workers", "tokens", "s", "tokens/s", "per worker", "vs 1"], rows)
+        rows.append(
+            [
+                r["tokenizer"],
+                r["workers"],
+                f"{r['tokens']:,}",
+                f"{r['seconds']:.2f}",
+                f"{r['tokens_per_s']:,.0f}",
+                f"{r['tokens_per_s_per_worker']:,.0f}",
+                f"{r['tokens_per_s'] / base:.2f}x",
+            ]
+        )
+    table(
+        f"tokenize ({jsonl.stat().st_size / 1e6:.0f} MB of stdlib source as JSONL, BPE 8192, end to end)",
+        ["tokenizer", "workers", "tokens", "s", "tokens/s", "per worker", "vs 1"],
+        rows,
+    )
     return {"corpus_bytes": jsonl.stat().st_size, "runs": out}
 
 
@@ -128,21 +147,36 @@ def bench_index(work: Path, num_samples: int, seq_length: int) -> dict:
     t = time.perf_counter()
     ds = open_dataset(spec, cache=True)
     warm = time.perf_counter() - t
-    table(f"index build: {num_samples:,} samples of {seq_length} over 10 datasets",
-          ["cold build s", "cached load s"], [[f"{cold:.2f}", f"{warm:.3f}"]])
+    table(
+        f"index build: {num_samples:,} samples of {seq_length} over 10 datasets",
+        ["cold build s", "cached load s"],
+        [[f"{cold:.2f}", f"{warm:.3f}"]],
+    )
     assert len(ds) == num_samples
-    return {"num_samples": num_samples, "datasets": 10, "seq_length": seq_length,
-            "cold_s": cold, "cached_s": warm}
+    return {
+        "num_samples": num_samples,
+        "datasets": 10,
+        "seq_length": seq_length,
+        "cold_s": cold,
+        "cached_s": warm,
+    }
 
 
 def _start_worker(port_file: Path) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "meshtrain.services.dataloader.rpc.server", "--port", "0"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "meshtrain.services.dataloader.rpc.server", "--port", "0"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     line = proc.stdout.readline()
     return proc, line.split("listening on ", 1)[1].strip()
 
 
-def bench_stream(work: Path, workers_list: list[int], seq_length: int, mbs: int, seconds: float) -> dict:
+def bench_stream(
+    work: Path, workers_list: list[int], seq_length: int, mbs: int, seconds: float
+) -> dict:
     import grpc
 
     from meshtrain.protos.dataloader.v1 import dataloader_pb2 as pb
@@ -161,7 +195,10 @@ def bench_stream(work: Path, workers_list: list[int], seq_length: int, mbs: int,
     while time.perf_counter() - t < seconds:
         nbytes += src.samples((n // 8) % src.num_steps, n % 8).nbytes
         n += 1
-    local = {"mb_per_s": nbytes / (time.perf_counter() - t) / 1e6, "batches_per_s": n / (time.perf_counter() - t)}
+    local = {
+        "mb_per_s": nbytes / (time.perf_counter() - t) / 1e6,
+        "batches_per_s": n / (time.perf_counter() - t),
+    }
 
     results = []
     for w in workers_list:
@@ -169,9 +206,16 @@ def bench_stream(work: Path, workers_list: list[int], seq_length: int, mbs: int,
         counts = [[0, 0] for _ in range(w)]
 
         def client(i: int, address: str, stop: threading.Event, w: int, counts: list) -> None:
-            stub = pb_grpc.DataServiceStub(grpc.insecure_channel(address, options=channel_options()))
-            req = pb.StreamRequest(spec=spec_to_proto(spec), dp_rank=i, dp_size=w, micro_batch_size=mbs,
-                                   global_batch_size=mbs * w * 8)
+            stub = pb_grpc.DataServiceStub(
+                grpc.insecure_channel(address, options=channel_options())
+            )
+            req = pb.StreamRequest(
+                spec=spec_to_proto(spec),
+                dp_rank=i,
+                dp_size=w,
+                micro_batch_size=mbs,
+                global_batch_size=mbs * w * 8,
+            )
             call = stub.StreamBatches(req)
             for msg in call:
                 counts[i][0] += 1
@@ -183,8 +227,10 @@ def bench_stream(work: Path, workers_list: list[int], seq_length: int, mbs: int,
         # the clients share this process: gRPC's C core does the I/O off the GIL and the Python
         # work per message is a few microseconds, so the workers, not the clients, are measured
         stop = threading.Event()
-        threads = [threading.Thread(target=client, args=(i, addr, stop, w, counts))
-                   for i, (_, addr) in enumerate(procs)]
+        threads = [
+            threading.Thread(target=client, args=(i, addr, stop, w, counts))
+            for i, (_, addr) in enumerate(procs)
+        ]
         for th in threads:
             th.start()
         time.sleep(min(2.0, seconds / 3))  # warm-up: index load, connection
@@ -201,18 +247,43 @@ def bench_stream(work: Path, workers_list: list[int], seq_length: int, mbs: int,
             p.wait()
         mb = sum(a[1] - b[1] for a, b in zip(after, before)) / dt / 1e6
         bs = sum(a[0] - b[0] for a, b in zip(after, before)) / dt
-        results.append({"workers": w, "mb_per_s": mb, "batches_per_s": bs,
-                        "mb_per_s_per_worker": mb / w, "batches_per_s_per_worker": bs / w})
+        results.append(
+            {
+                "workers": w,
+                "mb_per_s": mb,
+                "batches_per_s": bs,
+                "mb_per_s_per_worker": mb / w,
+                "batches_per_s_per_worker": bs / w,
+            }
+        )
     rows = [["in-process", f"{local['mb_per_s']:.0f}", f"{local['batches_per_s']:.0f}", "-", "-"]]
-    rows += [[r["workers"], f"{r['mb_per_s']:.0f}", f"{r['batches_per_s']:.0f}",
-              f"{r['mb_per_s_per_worker']:.0f}", f"{r['batches_per_s_per_worker']:.0f}"] for r in results]
-    table(f"stream on loopback: micro-batch {mbs} x {seq_length + 1} uint16 "
-          f"({mbs * (seq_length + 1) * 2 / 1e3:.0f} kB)", ["workers", "MB/s", "batches/s", "MB/s/worker",
-                                                             "batches/s/worker"], rows)
-    return {"seq_length": seq_length, "micro_batch_size": mbs, "in_process": local, "service": results}
+    rows += [
+        [
+            r["workers"],
+            f"{r['mb_per_s']:.0f}",
+            f"{r['batches_per_s']:.0f}",
+            f"{r['mb_per_s_per_worker']:.0f}",
+            f"{r['batches_per_s_per_worker']:.0f}",
+        ]
+        for r in results
+    ]
+    table(
+        f"stream on loopback: micro-batch {mbs} x {seq_length + 1} uint16 "
+        f"({mbs * (seq_length + 1) * 2 / 1e3:.0f} kB)",
+        ["workers", "MB/s", "batches/s", "MB/s/worker", "batches/s/worker"],
+        rows,
+    )
+    return {
+        "seq_length": seq_length,
+        "micro_batch_size": mbs,
+        "in_process": local,
+        "service": results,
+    }
 
 
-def bench_ranks(work: Path, workers_list: list[int], ranks: int, seq_length: int, mbs: int, seconds: float) -> dict:
+def bench_ranks(
+    work: Path, workers_list: list[int], ranks: int, seq_length: int, mbs: int, seconds: float
+) -> dict:
     """Samples/s delivered to `ranks` data-parallel ranks (the trainer's real client, one thread
     each in this process) by 1, 2, ... workers, against the same ranks reading in-process."""
     from meshtrain.services.dataloader.rpc.client import ServiceBatchSource
@@ -232,7 +303,9 @@ def bench_ranks(work: Path, workers_list: list[int], ranks: int, seq_length: int
                 counts[i] += sum(b.tokens.shape[0] for b in sources[i].micro_batches(step))
                 step += 1
 
-        threads = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(len(sources))]
+        threads = [
+            threading.Thread(target=read, args=(i,), daemon=True) for i in range(len(sources))
+        ]
         for th in threads:
             th.start()
         time.sleep(min(2.0, seconds / 3))  # warm-up: index load, connections
@@ -245,15 +318,22 @@ def bench_ranks(work: Path, workers_list: list[int], ranks: int, seq_length: int
         per_rank = [(a - b) / dt for a, b in zip(after, before)]
         return {"samples_per_s": sum(per_rank), "min_rank_samples_per_s": min(per_rank)}
 
-    local = measure([LocalBatchSource(open_dataset(spec), mbs, gbs, r, ranks) for r in range(ranks)])
+    local = measure(
+        [LocalBatchSource(open_dataset(spec), mbs, gbs, r, ranks) for r in range(ranks)]
+    )
     results = []
     for w in workers_list:
         procs = [_start_worker(work / f"r{i}") for i in range(w)]
         addresses = [addr for _, addr in procs]
-        sources = [ServiceBatchSource(addresses, spec, mbs, gbs, r, ranks, rebalance_s=0) for r in range(ranks)]
+        sources = [
+            ServiceBatchSource(addresses, spec, mbs, gbs, r, ranks, rebalance_s=0)
+            for r in range(ranks)
+        ]
         try:
             r = measure(sources)
-            r["streams_per_worker"] = [sum(s.current_address == a for s in sources) for a in addresses]
+            r["streams_per_worker"] = [
+                sum(s.current_address == a for s in sources) for a in addresses
+            ]
         finally:
             for s in sources:
                 s.close()
@@ -262,21 +342,49 @@ def bench_ranks(work: Path, workers_list: list[int], ranks: int, seq_length: int
                 p.wait()
         r.update(workers=w, vs_in_process=r["samples_per_s"] / local["samples_per_s"])
         results.append(r)
-    rows = [["in-process", f"{local['samples_per_s']:.0f}", f"{local['min_rank_samples_per_s']:.0f}", "-", "1.00"]]
-    rows += [[r["workers"], f"{r['samples_per_s']:.0f}", f"{r['min_rank_samples_per_s']:.0f}",
-              "/".join(map(str, r["streams_per_worker"])), f"{r['vs_in_process']:.2f}"] for r in results]
-    table(f"{ranks} ranks on loopback: samples of {seq_length + 1} tokens, micro-batch {mbs}",
-          ["workers", "samples/s", "slowest rank", "streams per worker", "vs in-process"], rows)
-    return {"ranks": ranks, "seq_length": seq_length, "micro_batch_size": mbs, "in_process": local,
-            "service": results}
+    rows = [
+        [
+            "in-process",
+            f"{local['samples_per_s']:.0f}",
+            f"{local['min_rank_samples_per_s']:.0f}",
+            "-",
+            "1.00",
+        ]
+    ]
+    rows += [
+        [
+            r["workers"],
+            f"{r['samples_per_s']:.0f}",
+            f"{r['min_rank_samples_per_s']:.0f}",
+            "/".join(map(str, r["streams_per_worker"])),
+            f"{r['vs_in_process']:.2f}",
+        ]
+        for r in results
+    ]
+    table(
+        f"{ranks} ranks on loopback: samples of {seq_length + 1} tokens, micro-batch {mbs}",
+        ["workers", "samples/s", "slowest rank", "streams per worker", "vs in-process"],
+        rows,
+    )
+    return {
+        "ranks": ranks,
+        "seq_length": seq_length,
+        "micro_batch_size": mbs,
+        "in_process": local,
+        "service": results,
+    }
 
 
-def bench_wait(work: Path, seq_length: int, mbs: int, accum: int, compute_ms: float, steps: int) -> dict:
+def bench_wait(
+    work: Path, seq_length: int, mbs: int, accum: int, compute_ms: float, steps: int
+) -> dict:
     from meshtrain.services.dataloader.rpc.client import ServiceBatchSource
 
     prefix = _synthetic(work / "wait", 9, docs=50_000, mean_len=1000)
     gbs = mbs * accum
-    spec = DatasetSpec((prefix,), (1.0,), seq_length, num_samples=gbs * (steps + 2), seed=1, split="1")
+    spec = DatasetSpec(
+        (prefix,), (1.0,), seq_length, num_samples=gbs * (steps + 2), seed=1, split="1"
+    )
     proc, address = _start_worker(work / "w")
 
     def run(source) -> list[float]:
@@ -295,21 +403,48 @@ def bench_wait(work: Path, seq_length: int, mbs: int, accum: int, compute_ms: fl
     finally:
         proc.terminate()
         proc.wait()
-    out = {"seq_length": seq_length, "micro_batch_size": mbs, "accumulation": accum,
-           "compute_ms": compute_ms, "steps": steps,
-           "in_process_wait_ms": {"mean": 1e3 * float(np.mean(local)), "p99": 1e3 * float(np.percentile(local, 99))},
-           "service_wait_ms": {"mean": 1e3 * float(np.mean(service)), "p99": 1e3 * float(np.percentile(service, 99))}}
-    table(f"trainer wait per step ({accum} micro-batches of {mbs} x {seq_length}, {compute_ms:.0f} ms compute/step)",
-          ["source", "mean ms", "p99 ms"],
-          [["in-process", f"{out['in_process_wait_ms']['mean']:.2f}", f"{out['in_process_wait_ms']['p99']:.2f}"],
-           ["service", f"{out['service_wait_ms']['mean']:.2f}", f"{out['service_wait_ms']['p99']:.2f}"]])
+    out = {
+        "seq_length": seq_length,
+        "micro_batch_size": mbs,
+        "accumulation": accum,
+        "compute_ms": compute_ms,
+        "steps": steps,
+        "in_process_wait_ms": {
+            "mean": 1e3 * float(np.mean(local)),
+            "p99": 1e3 * float(np.percentile(local, 99)),
+        },
+        "service_wait_ms": {
+            "mean": 1e3 * float(np.mean(service)),
+            "p99": 1e3 * float(np.percentile(service, 99)),
+        },
+    }
+    table(
+        f"trainer wait per step ({accum} micro-batches of {mbs} x {seq_length}, {compute_ms:.0f} ms compute/step)",
+        ["source", "mean ms", "p99 ms"],
+        [
+            [
+                "in-process",
+                f"{out['in_process_wait_ms']['mean']:.2f}",
+                f"{out['in_process_wait_ms']['p99']:.2f}",
+            ],
+            [
+                "service",
+                f"{out['service_wait_ms']['mean']:.2f}",
+                f"{out['service_wait_ms']['p99']:.2f}",
+            ],
+        ],
+    )
     return out
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--parts", nargs="+", default=["tokenize", "index", "stream", "ranks", "wait"],
-                   choices=["tokenize", "index", "stream", "ranks", "wait"])
+    p.add_argument(
+        "--parts",
+        nargs="+",
+        default=["tokenize", "index", "stream", "ranks", "wait"],
+        choices=["tokenize", "index", "stream", "ranks", "wait"],
+    )
     p.add_argument("--out", default=None, help="JSON results file")
     p.add_argument("--corpus-mb", type=float, default=20)
     p.add_argument("--tokenize-workers", type=int, nargs="+", default=[1, 2])
@@ -323,9 +458,14 @@ def main() -> int:
     p.add_argument("--wait-compute-ms", type=float, default=50.0)
     p.add_argument("--wait-steps", type=int, default=40)
     args = p.parse_args()
-    results = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                           "python": platform.python_version()},
-               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    results = {
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+        },
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
     with tempfile.TemporaryDirectory(prefix="meshtrain-bench-") as tmp:
         work = Path(tmp)
         if "tokenize" in args.parts:
@@ -333,14 +473,22 @@ def main() -> int:
         if "index" in args.parts:
             results["index"] = bench_index(work, args.index_samples, 1024)
         if "stream" in args.parts:
-            results["stream"] = bench_stream(work, args.stream_workers, args.seq_length,
-                                             args.micro_batch_size, args.seconds)
+            results["stream"] = bench_stream(
+                work, args.stream_workers, args.seq_length, args.micro_batch_size, args.seconds
+            )
         if "ranks" in args.parts:
-            results["ranks"] = bench_ranks(work, args.ranks_workers, args.ranks, args.seq_length,
-                                           args.micro_batch_size, args.seconds)
+            results["ranks"] = bench_ranks(
+                work,
+                args.ranks_workers,
+                args.ranks,
+                args.seq_length,
+                args.micro_batch_size,
+                args.seconds,
+            )
         if "wait" in args.parts:
-            results["wait"] = bench_wait(work, 2048, args.micro_batch_size, 8, args.wait_compute_ms,
-                                         args.wait_steps)
+            results["wait"] = bench_wait(
+                work, 2048, args.micro_batch_size, 8, args.wait_compute_ms, args.wait_steps
+            )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(results, indent=1))

@@ -27,8 +27,16 @@ from meshtrain.services.common.logging import setup_logging
 from meshtrain.services.trainer.config import load_config
 from meshtrain.services.trainer.train import Trainer
 
-BLOCKING = ("Synchronize", "cudaMemcpy", "cudaHostAlloc", "cudaFreeHost", "cudaMallocHost", "cudaFree",
-            "cudaMalloc", "cudaHostRegister")
+BLOCKING = (
+    "Synchronize",
+    "cudaMemcpy",
+    "cudaHostAlloc",
+    "cudaFreeHost",
+    "cudaMallocHost",
+    "cudaFree",
+    "cudaMalloc",
+    "cudaHostRegister",
+)
 """Substrings of CUDA runtime calls that can wait for the device (the async variants excluded below)."""
 
 
@@ -62,8 +70,19 @@ def main() -> None:
     args, overrides = p.parse_known_args()
     setup_logging("WARNING")
     iters = args.warmup + args.steps + 2
-    job = load_config(["--config", args.config, "--train-iters", str(iters), "--eval-interval", "0",
-                       "--run-dir", args.run_dir, *overrides])
+    job = load_config(
+        [
+            "--config",
+            args.config,
+            "--train-iters",
+            str(iters),
+            "--eval-interval",
+            "0",
+            "--run-dir",
+            args.run_dir,
+            *overrides,
+        ]
+    )
     trainer = Trainer(job)
     sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
     for i in range(args.warmup):
@@ -77,15 +96,24 @@ def main() -> None:
     wall = time.perf_counter() - start
     calls = blocking_calls(trainer, args.warmup + args.steps, 2)
     result = {
-        "config": args.config, "overrides": overrides, "steps": args.steps, "device": str(trainer.device),
-        "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-        "host_ms_per_step": host / args.steps * 1e3, "wall_ms_per_step": wall / args.steps * 1e3,
+        "config": args.config,
+        "overrides": overrides,
+        "steps": args.steps,
+        "device": str(trainer.device),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "host_ms_per_step": host / args.steps * 1e3,
+        "wall_ms_per_step": wall / args.steps * 1e3,
         "blocking_calls_in_2_steps": calls,
     }
     Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"{args.config}: host {result['host_ms_per_step']:.1f} ms/step, wall {result['wall_ms_per_step']:.1f} ms/step")
-    print("blocking CUDA runtime calls in 2 profiled steps:",
-          ", ".join(f"{n} x{c['count']} ({c['ms']:.2f} ms)" for n, c in calls.items()) or "none")
+    print(
+        f"{args.config}: host {result['host_ms_per_step']:.1f} ms/step, wall {result['wall_ms_per_step']:.1f} ms/step"
+    )
+    print(
+        "blocking CUDA runtime calls in 2 profiled steps:",
+        ", ".join(f"{n} x{c['count']} ({c['ms']:.2f} ms)" for n, c in calls.items()) or "none",
+    )
     print(f"wrote {args.out}")
 
 

@@ -73,8 +73,11 @@ def _device_busy_us(calls: Callable[[], None]) -> float:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         calls()
         torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()
-               if e.device_type == torch.autograd.DeviceType.CUDA)
+    return sum(
+        e.self_device_time_total
+        for e in prof.key_averages()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
 
 
 def device_ms(fn: Callable[[], object], reps: int = 10) -> float:
@@ -89,6 +92,7 @@ def device_ms(fn: Callable[[], object], reps: int = 10) -> float:
                 flush.zero_()
                 if with_fn:
                     fn()
+
         return calls
 
     fn()  # not the first call: lazy allocations and caches settle outside the profile
@@ -117,7 +121,12 @@ def same_size_copy_ms(nbytes: int) -> float:
 
 
 def _triton(op: str) -> Callable:
-    return getattr(importlib.import_module(f"meshtrain.kernels.{op if op != 'linear_cross_entropy' else 'cross_entropy'}"), op)
+    return getattr(
+        importlib.import_module(
+            f"meshtrain.kernels.{op if op != 'linear_cross_entropy' else 'cross_entropy'}"
+        ),
+        op,
+    )
 
 
 def _case(op: str):
@@ -129,37 +138,67 @@ def _case(op: str):
 
     if op == "rms_norm":
         h = 2048
-        return (lambda: [randn(rows, h), randn(h, dtype=torch.float32), 1e-5],
-                2 * rows * h * 2, 3 * rows * h * 2, f"x ({rows}, {h}) bf16, w fp32")
+        return (
+            lambda: [randn(rows, h), randn(h, dtype=torch.float32), 1e-5],
+            2 * rows * h * 2,
+            3 * rows * h * 2,
+            f"x ({rows}, {h}) bf16, w fp32",
+        )
     if op == "layer_norm":
         h = 1024
-        return (lambda: [randn(rows, h), randn(h), randn(h), 1e-5],
-                2 * rows * h * 2, 3 * rows * h * 2, f"x ({rows}, {h}) bf16 + bias")
+        return (
+            lambda: [randn(rows, h), randn(h), randn(h), 1e-5],
+            2 * rows * h * 2,
+            3 * rows * h * 2,
+            f"x ({rows}, {h}) bf16 + bias",
+        )
     if op == "gelu":
         f = 4096
         return (lambda: [randn(rows, f)], 2 * rows * f * 2, 3 * rows * f * 2, f"({rows}, {f}) bf16")
     if op == "swiglu":
         f = 5632
-        return (lambda: [randn(rows, 2 * f)], 3 * rows * f * 2, 5 * rows * f * 2, f"({rows}, 2x{f}) bf16")
+        return (
+            lambda: [randn(rows, 2 * f)],
+            3 * rows * f * 2,
+            5 * rows * f * 2,
+            f"({rows}, 2x{f}) bf16",
+        )
     if op == "rope":
         b, s, heads, groups, d = 8, 2048, 16, 16, 128
         cos, sin = reference.rope_cos_sin(s, d, 10000.0, device="cuda")
 
         def build():
             qkv = randn(b, s, heads + 2 * groups, d, grad=False)
-            return [qkv[:, :, :heads].transpose(1, 2).requires_grad_(), cos, sin]  # strided q, as in the model
+            return [
+                qkv[:, :, :heads].transpose(1, 2).requires_grad_(),
+                cos,
+                sin,
+            ]  # strided q, as in the model
 
         n = b * heads * s * d
         return build, 2 * n * 2, 2 * n * 2, f"q ({b}, {heads}, {s}, {d}) bf16, strided"
     if op == "cross_entropy":
         n, v = 8192, 128256
-        return (lambda: [randn(n, v), torch.randint(0, v, (n,), device="cuda")],
-                n * v * 2, 2 * n * v * 2, f"logits ({n}, {v}) bf16")
+        return (
+            lambda: [randn(n, v), torch.randint(0, v, (n,), device="cuda")],
+            n * v * 2,
+            2 * n * v * 2,
+            f"logits ({n}, {v}) bf16",
+        )
     if op == "linear_cross_entropy":
         n, h, v, padded = 8192, 2048, 128256, 128512
-        return (lambda: [randn(n, h), (0.02 * randn(padded, h, grad=False)).requires_grad_(),
-                         torch.randint(0, v, (n,), device="cuda"), None, v],
-                None, None, f"h ({n}, {h}), w ({padded}, {h}) bf16, vocab {v}")
+        return (
+            lambda: [
+                randn(n, h),
+                (0.02 * randn(padded, h, grad=False)).requires_grad_(),
+                torch.randint(0, v, (n,), device="cuda"),
+                None,
+                v,
+            ],
+            None,
+            None,
+            f"h ({n}, {h}), w ({padded}, {h}) bf16, vocab {v}",
+        )
     raise ValueError(op)
 
 
@@ -180,8 +219,10 @@ def device_fwd_bwd(fn: Callable, args: list) -> tuple[float, float]:
     """(forward, backward) GPU kernel milliseconds per call (`device_ms`)."""
     out = fn(*args)
     dy = torch.randn_like(out) if out.dim() else torch.ones_like(out)
-    return (device_ms(lambda: fn(*args)),
-            device_ms(lambda: torch.autograd.grad(out, _differentiable(args), dy, retain_graph=True)))
+    return (
+        device_ms(lambda: fn(*args)),
+        device_ms(lambda: torch.autograd.grad(out, _differentiable(args), dy, retain_graph=True)),
+    )
 
 
 def warm(fn: Callable, args: list) -> None:
@@ -197,7 +238,11 @@ def autotune_choices() -> dict[str, str]:
     import triton
 
     choices = {}
-    for module in ("meshtrain.kernels.rms_norm", "meshtrain.kernels.layer_norm", "meshtrain.kernels.rope"):
+    for module in (
+        "meshtrain.kernels.rms_norm",
+        "meshtrain.kernels.layer_norm",
+        "meshtrain.kernels.rope",
+    ):
         mod = sys.modules.get(module)
         for name, obj in vars(mod).items() if mod else ():
             if isinstance(obj, triton.runtime.Autotuner):
@@ -260,21 +305,35 @@ def run(ops: list[str], use_compile: bool, budget_s: float, rounds: int) -> dict
                         row["gbps"] = 3 * args[0].numel() * 2 / ms / 1e6
                     else:
                         n, h = args[0].shape
-                        row["tflops"] = 3 * 2 * n * h * args[4] / ms / 1e9  # logits matmul + its two grads
+                        row["tflops"] = (
+                            3 * 2 * n * h * args[4] / ms / 1e9
+                        )  # logits matmul + its two grads
                     keep(row)
                     if impl not in memory.get(op, {}):
                         memory.setdefault(op, {})[impl] = peak_memory(fn, args)
                 else:
                     fwd, bwd = time_fwd_bwd(fn, args)
                     for name, ms, nbytes in (("fwd", fwd, fwd_bytes), ("bwd", bwd, bwd_bytes)):
-                        keep({"op": op, "impl": impl, "shape": label, "pass": name, "ms": ms,
-                              "gbps": nbytes / ms / 1e6})
+                        keep(
+                            {
+                                "op": op,
+                                "impl": impl,
+                                "shape": label,
+                                "pass": name,
+                                "ms": ms,
+                                "gbps": nbytes / ms / 1e6,
+                            }
+                        )
                 args = None  # free this implementation's inputs before the next one's
                 torch.cuda.empty_cache()
         for impl, fn in impls.items():  # device-only time, once per implementation
             args = build()
             if ce:
-                passes = {"fwd+bwd": device_ms(lambda: torch.autograd.grad(fn(*args), _differentiable(args)))}
+                passes = {
+                    "fwd+bwd": device_ms(
+                        lambda: torch.autograd.grad(fn(*args), _differentiable(args))
+                    )
+                }
             else:
                 passes = dict(zip(("fwd", "bwd"), device_fwd_bwd(fn, args)))
             for name, dev in passes.items():
@@ -293,8 +352,10 @@ def run(ops: list[str], use_compile: bool, budget_s: float, rounds: int) -> dict
     results = list(best.values())
     ce_module = sys.modules.get("meshtrain.kernels.cross_entropy")
     if ce_module is not None and getattr(ce_module, "_MM_FP32_OUT", None) is not None:
-        notes.append(f"linear_cross_entropy: fp32 weight-grad accumulation through out_dtype matmuls: "
-                     f"{ce_module._MM_FP32_OUT}")
+        notes.append(
+            f"linear_cross_entropy: fp32 weight-grad accumulation through out_dtype matmuls: "
+            f"{ce_module._MM_FP32_OUT}"
+        )
     for r in results:
         if "gbps" in r:
             r["frac_of_copy"] = r["gbps"] / copy_gbps
@@ -307,19 +368,29 @@ def run(ops: list[str], use_compile: bool, budget_s: float, rounds: int) -> dict
                 if "dev_ms" in r and "dev_ms" in other:
                     r[f"dev_speedup_vs_{base}"] = other["dev_ms"] / r["dev_ms"]
     return dict(
-        device=torch.cuda.get_device_name(), torch=torch.__version__,
-        triton=importlib.import_module("triton").__version__, python=platform.python_version(),
-        copy_gbps=copy_gbps, rounds=rounds, results=results, peak_memory_bytes=memory, notes=notes,
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=importlib.import_module("triton").__version__,
+        python=platform.python_version(),
+        copy_gbps=copy_gbps,
+        rounds=rounds,
+        results=results,
+        peak_memory_bytes=memory,
+        notes=notes,
         autotune=autotune_choices(),
         seconds=time.time() - start,
     )
 
 
 def print_table(report: dict) -> None:
-    print(f"{report['device']}  torch {report['torch']}  triton {report['triton']}  "
-          f"copy {report['copy_gbps']:.0f} GB/s")
-    print(f"{'op':<22}{'pass':<9}{'impl':<17}{'ms':>9}{'GB/s':>9}{'%copy':>7}{'TFLOP/s':>9}"
-          f"{'x eager':>9}{'x comp':>8}{'dev ms':>9}{'dev %copy':>10}{'dev %same':>10}{'dev x comp':>11}")
+    print(
+        f"{report['device']}  torch {report['torch']}  triton {report['triton']}  "
+        f"copy {report['copy_gbps']:.0f} GB/s"
+    )
+    print(
+        f"{'op':<22}{'pass':<9}{'impl':<17}{'ms':>9}{'GB/s':>9}{'%copy':>7}{'TFLOP/s':>9}"
+        f"{'x eager':>9}{'x comp':>8}{'dev ms':>9}{'dev %copy':>10}{'dev %same':>10}{'dev x comp':>11}"
+    )
     for r in report["results"]:
         gbps = f"{r['gbps']:.0f}" if "gbps" in r else ""
         frac = f"{100 * r['frac_of_copy']:.0f}" if "frac_of_copy" in r else ""
@@ -328,10 +399,16 @@ def print_table(report: dict) -> None:
         sc = f"{r['speedup_vs_compiled']:.2f}" if "speedup_vs_compiled" in r else ""
         dev = f"{r['dev_ms']:.3f}" if "dev_ms" in r else ""
         dfrac = f"{100 * r['dev_frac_of_copy']:.0f}" if "dev_frac_of_copy" in r else ""
-        dsame = f"{100 * r['dev_frac_of_same_size_copy']:.0f}" if "dev_frac_of_same_size_copy" in r else ""
+        dsame = (
+            f"{100 * r['dev_frac_of_same_size_copy']:.0f}"
+            if "dev_frac_of_same_size_copy" in r
+            else ""
+        )
         dc = f"{r['dev_speedup_vs_compiled']:.2f}" if "dev_speedup_vs_compiled" in r else ""
-        print(f"{r['op']:<22}{r['pass']:<9}{r['impl']:<17}{r['ms']:>9.3f}{gbps:>9}{frac:>7}{tf:>9}"
-              f"{se:>9}{sc:>8}{dev:>9}{dfrac:>10}{dsame:>10}{dc:>11}")
+        print(
+            f"{r['op']:<22}{r['pass']:<9}{r['impl']:<17}{r['ms']:>9.3f}{gbps:>9}{frac:>7}{tf:>9}"
+            f"{se:>9}{sc:>8}{dev:>9}{dfrac:>10}{dsame:>10}{dc:>11}"
+        )
     for kernel, config in report.get("autotune", {}).items():
         print(f"autotune {kernel}: {config}")
     for op, mem in report["peak_memory_bytes"].items():
@@ -347,12 +424,21 @@ def main() -> None:
     torch._functorch.config.donated_buffer = False
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="JSON file to write")
-    parser.add_argument("--ops", default="rms_norm,layer_norm,gelu,swiglu,rope,cross_entropy,linear_cross_entropy")
-    parser.add_argument("--no-compile", action="store_true",
-                        help="skip torch.compile (of the reference and of the Triton custom ops)")
+    parser.add_argument(
+        "--ops", default="rms_norm,layer_norm,gelu,swiglu,rope,cross_entropy,linear_cross_entropy"
+    )
+    parser.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="skip torch.compile (of the reference and of the Triton custom ops)",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="timing rounds; the fastest is kept")
-    parser.add_argument("--budget-s", type=float, default=200.0,
-                        help="stop compiling new baselines after this many seconds (keeps the run under ~4 min)")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=200.0,
+        help="stop compiling new baselines after this many seconds (keeps the run under ~4 min)",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA GPU")

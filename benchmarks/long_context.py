@@ -62,10 +62,15 @@ def ring_emulated(q, k, v, dout, cp: int):
     c = s // (2 * cp)
 
     def idx(r):
-        return torch.cat([torch.arange(r * c, (r + 1) * c), torch.arange((2 * cp - 1 - r) * c, (2 * cp - r) * c)])
+        return torch.cat(
+            [torch.arange(r * c, (r + 1) * c), torch.arange((2 * cp - 1 - r) * c, (2 * cp - r) * c)]
+        )
 
     pos = [idx(r).to(q.device) for r in range(cp)]
-    outs, grads = torch.empty_like(q), [torch.zeros(t.shape, dtype=torch.float32, device=q.device) for t in (q, k, v)]
+    outs, grads = (
+        torch.empty_like(q),
+        [torch.zeros(t.shape, dtype=torch.float32, device=q.device) for t in (q, k, v)],
+    )
     for r in range(cp):
         ql, dl = q[:, :, pos[r]], dout[:, :, pos[r]]
         out = torch.zeros(ql.shape, dtype=torch.float32, device=q.device)
@@ -81,16 +86,26 @@ def ring_emulated(q, k, v, dout, cp: int):
             else:
                 part = (slice(c, None), slice(None), False)
             qs, ks, causal = part
-            blocks.merge(out[:, :, qs], lse[:, :, qs], *blocks.attention_forward(ql[:, :, qs], kl[:, :, ks],
-                                                                                  vl[:, :, ks], causal))
+            blocks.merge(
+                out[:, :, qs],
+                lse[:, :, qs],
+                *blocks.attention_forward(ql[:, :, qs], kl[:, :, ks], vl[:, :, ks], causal),
+            )
             parts.append((src, qs, ks, causal))
         o = out.to(q.dtype)
         outs[:, :, pos[r]] = o
         dq = torch.zeros(ql.shape, dtype=torch.float32, device=q.device)
         for src, qs, ks, causal in parts:
             kl, vl = k[:, :, pos[src]], v[:, :, pos[src]]
-            gq, gk, gv = blocks.attention_backward(dl[:, :, qs], ql[:, :, qs], kl[:, :, ks], vl[:, :, ks],
-                                                   o[:, :, qs], lse[:, :, qs], causal)
+            gq, gk, gv = blocks.attention_backward(
+                dl[:, :, qs],
+                ql[:, :, qs],
+                kl[:, :, ks],
+                vl[:, :, ks],
+                o[:, :, qs],
+                lse[:, :, qs],
+                causal,
+            )
             dq[:, :, qs] += gq.float()
             grads[1][:, :, pos[src][ks]] += gk.float()
             grads[2][:, :, pos[src][ks]] += gv.float()
@@ -103,14 +118,18 @@ def attention(args) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     gen = torch.Generator(device).manual_seed(0)
     b, h, g, d, s = 1, args.heads, args.groups, args.head_dim, args.seq
-    q, k, v = (torch.randn(b, n, s, d, device=device, dtype=dtype, generator=gen) for n in (h, g, g))
+    q, k, v = (
+        torch.randn(b, n, s, d, device=device, dtype=dtype, generator=gen) for n in (h, g, g)
+    )
     dout = torch.randn(b, h, s, d, device=device, dtype=dtype, generator=gen)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
 
     def one_call():
         for t in leaves:
             t.grad = None
-        out = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            *leaves, is_causal=True, enable_gqa=True
+        )
         out.backward(dout)
         return out
 
@@ -124,13 +143,27 @@ def attention(args) -> dict:
         for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
             err[name] = (got - want).abs().max().item()
         t = _timed(lambda cp=cp: ring_emulated(q, k, v, dout, cp), args.iters)
-        rows.append({"cp": cp, "max_abs_error": err, "blocks_fwd_bwd_s": t, "ratio_to_one_call": t / base_s})
+        rows.append(
+            {"cp": cp, "max_abs_error": err, "blocks_fwd_bwd_s": t, "ratio_to_one_call": t / base_s}
+        )
         print(json.dumps(rows[-1]), flush=True)
-    scale = {"ref_out_abs_max": ref_out.float().abs().max().item(),
-             "ref_grad_abs_max": [g_.abs().max().item() for g_ in ref_grads]}
-    return {"bench": "cp-attention-blocks", "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-            "torch": torch.__version__, "seq": s, "heads": h, "groups": g, "head_dim": d, "dtype": str(dtype),
-            "one_flash_call_fwd_bwd_s": base_s, "scale": scale, "rows": rows}
+    scale = {
+        "ref_out_abs_max": ref_out.float().abs().max().item(),
+        "ref_grad_abs_max": [g_.abs().max().item() for g_ in ref_grads],
+    }
+    return {
+        "bench": "cp-attention-blocks",
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "seq": s,
+        "heads": h,
+        "groups": g,
+        "head_dim": d,
+        "dtype": str(dtype),
+        "one_flash_call_fwd_bwd_s": base_s,
+        "scale": scale,
+        "rows": rows,
+    }
 
 
 def train_one(config: str, seq: int, steps: int, warmup: int, extra: list[str]) -> dict:
@@ -139,10 +172,21 @@ def train_one(config: str, seq: int, steps: int, warmup: int, extra: list[str]) 
     from meshtrain.services.trainer.train import Trainer
 
     run = tempfile.mkdtemp(prefix="long-context-")
-    args = ["--config", config, f"--model.seq_length={seq}", "--model.vocab_size=32768", "--data.tokenizer=byte",
-            "--train.micro_batch_size=1", "--train.global_batch_size=1", f"--train.train_iters={warmup + steps}",
-            "--train.eval_interval=0", "--parallel.recompute_granularity=full", f"--log.run_dir={run}",
-            "--log.plot=false", *extra]
+    args = [
+        "--config",
+        config,
+        f"--model.seq_length={seq}",
+        "--model.vocab_size=32768",
+        "--data.tokenizer=byte",
+        "--train.micro_batch_size=1",
+        "--train.global_batch_size=1",
+        f"--train.train_iters={warmup + steps}",
+        "--train.eval_interval=0",
+        "--parallel.recompute_granularity=full",
+        f"--log.run_dir={run}",
+        "--log.plot=false",
+        *extra,
+    ]
     trainer = Trainer(load_config(args))
     first = [float(trainer.train_step(i)[0]) for i in range(warmup)]
     _sync()
@@ -152,33 +196,62 @@ def train_one(config: str, seq: int, steps: int, warmup: int, extra: list[str]) 
     _sync()
     step_s = (time.perf_counter() - start) / steps
     tokens_s = seq / step_s
-    return {"seq": seq, "step_s": step_s, "tokens_per_s": tokens_s,
-            "mfu": trainer.flops_per_token * tokens_s / (trainer.peak * 1e12) if trainer.peak else None,
-            "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
-            "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
-            "losses": first + [float(x) for x in losses], "parameters": trainer.num_parameters}
+    return {
+        "seq": seq,
+        "step_s": step_s,
+        "tokens_per_s": tokens_s,
+        "mfu": trainer.flops_per_token * tokens_s / (trainer.peak * 1e12) if trainer.peak else None,
+        "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+        "losses": first + [float(x) for x in losses],
+        "parameters": trainer.num_parameters,
+    }
 
 
 def train(args) -> dict:
     rows = []
     for seq in args.seq:
-        cmd = [sys.executable, __file__, "train-one", "--config", args.config, "--seq", str(seq),
-               "--steps", str(args.steps), "--warmup", str(args.warmup), *[f"--extra={e}" for e in args.extra]]
+        cmd = [
+            sys.executable,
+            __file__,
+            "train-one",
+            "--config",
+            args.config,
+            "--seq",
+            str(seq),
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            *[f"--extra={e}" for e in args.extra],
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
         if proc.returncode == 0 and lines:
             rows.append(json.loads(lines[-1]))
         else:
             oom = "OutOfMemoryError" in proc.stderr or "out of memory" in proc.stderr
-            rows.append({"seq": seq, "error": "out of memory" if oom else proc.stderr.strip().splitlines()[-1:]})
+            rows.append(
+                {
+                    "seq": seq,
+                    "error": "out of memory" if oom else proc.stderr.strip().splitlines()[-1:],
+                }
+            )
         print(json.dumps(rows[-1]), flush=True)
-    return {"bench": "long-context-train", "config": args.config, "recompute": "full uniform 1",
-            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "torch": torch.__version__, "rows": rows}
+    return {
+        "bench": "long-context-train",
+        "config": args.config,
+        "recompute": "full uniform 1",
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "rows": rows,
+    }
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("attention")
     a.add_argument("--seq", type=int, default=32768)
@@ -194,8 +267,12 @@ def main() -> None:
     t.add_argument("--steps", type=int, default=3)
     t.add_argument("--warmup", type=int, default=2)
     t.add_argument("--timeout", type=float, default=900)
-    t.add_argument("--extra", action="append", default=[],
-                   help="a trainer flag for every row, e.g. --extra=--train.compile=false")
+    t.add_argument(
+        "--extra",
+        action="append",
+        default=[],
+        help="a trainer flag for every row, e.g. --extra=--train.compile=false",
+    )
     t.add_argument("--out")
     o = sub.add_parser("train-one")
     o.add_argument("--config")
@@ -205,7 +282,10 @@ def main() -> None:
     o.add_argument("--extra", action="append", default=[])
     args = ap.parse_args()
     if args.cmd == "train-one":
-        print(json.dumps(train_one(args.config, args.seq, args.steps, args.warmup, args.extra)), flush=True)
+        print(
+            json.dumps(train_one(args.config, args.seq, args.steps, args.warmup, args.extra)),
+            flush=True,
+        )
         return
     result = attention(args) if args.cmd == "attention" else train(args)
     if args.out:

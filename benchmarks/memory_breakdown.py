@@ -48,8 +48,9 @@ reached this many (the allocator's ring buffer then overwrites its oldest) is re
 
 
 def _library(filename: str) -> bool:
-    return (filename.startswith((TORCH_DIR, STDLIB_DIR, "<"))
-            or any(d in filename for d in ("site-packages", "dist-packages")))
+    return filename.startswith((TORCH_DIR, STDLIB_DIR, "<")) or any(
+        d in filename for d in ("site-packages", "dist-packages")
+    )
 
 
 def site_and_owner(frames: list[dict]) -> tuple[str, str]:
@@ -69,14 +70,22 @@ def site_and_owner(frames: list[dict]) -> tuple[str, str]:
             source = linecache.getline(name, f.get("line", 0)).strip()
             if source:
                 site += f"  [{source[:120]}]"
-        owner = next((f"{_short(g['filename'])}:{g.get('line', 0)} {g.get('name', '')}" for g in frames[i:]
-                      if g.get("filename", "").startswith(REPO) and not _library(g["filename"])), "")
+        owner = next(
+            (
+                f"{_short(g['filename'])}:{g.get('line', 0)} {g.get('name', '')}"
+                for g in frames[i:]
+                if g.get("filename", "").startswith(REPO) and not _library(g["filename"])
+            ),
+            "",
+        )
         break
     return site, owner
 
 
 def _short(filename: str) -> str:
-    return os.path.relpath(filename, REPO) if filename.startswith(REPO) else os.path.basename(filename)
+    return (
+        os.path.relpath(filename, REPO) if filename.startswith(REPO) else os.path.basename(filename)
+    )
 
 
 def peak_live(trace: list[dict], start: int, base: int = 0) -> tuple[int, int, dict[int, dict]]:
@@ -101,7 +110,9 @@ def peak_live(trace: list[dict], start: int, base: int = 0) -> tuple[int, int, d
         elif action in ("free_requested", "free_completed") and e["addr"] in live:
             total -= live.pop(e["addr"])["size"]
     if at < 0:
-        raise ValueError(f"no allocation at or after trace entry {start}: the measured step allocated nothing")
+        raise ValueError(
+            f"no allocation at or after trace entry {start}: the measured step allocated nothing"
+        )
     return peak, at, peak_set
 
 
@@ -120,7 +131,9 @@ def measure(build: Callable[[], Callable[[int], object]], warmup: int) -> dict:
     """Record from before `build()` (which returns step(i)), run `warmup` steps, then one step; its peak, grouped."""
     device = torch.cuda.current_device()
     base = torch.cuda.memory_allocated(device)
-    torch.cuda.memory._record_memory_history("all", context="alloc", stacks="python", max_entries=MAX_ENTRIES)
+    torch.cuda.memory._record_memory_history(
+        "all", context="alloc", stacks="python", max_entries=MAX_ENTRIES
+    )
     try:
         step = build()
         for i in range(warmup):
@@ -136,12 +149,21 @@ def measure(build: Callable[[], Callable[[int], object]], warmup: int) -> dict:
     finally:
         torch.cuda.memory._record_memory_history(None)
     if len(trace) >= MAX_ENTRIES:
-        raise RuntimeError(f"the allocator trace reached {MAX_ENTRIES} entries and lost its oldest: "
-                           "raise MAX_ENTRIES or use fewer warm-up steps")
+        raise RuntimeError(
+            f"the allocator trace reached {MAX_ENTRIES} entries and lost its oldest: "
+            "raise MAX_ENTRIES or use fewer warm-up steps"
+        )
     peak, at, live = peak_live(trace, start, base)
     groups = group(live)
-    return {"peak_bytes": peak, "max_memory_allocated": reported, "max_memory_reserved": reserved,
-            "base_bytes": base, "trace_entries": len(trace), "peak_entry": at, "groups": groups}
+    return {
+        "peak_bytes": peak,
+        "max_memory_allocated": reported,
+        "max_memory_reserved": reserved,
+        "base_bytes": base,
+        "trace_entries": len(trace),
+        "peak_entry": at,
+        "groups": groups,
+    }
 
 
 def _trace(device: int) -> list[dict]:
@@ -151,35 +173,47 @@ def _trace(device: int) -> list[dict]:
 
 def print_groups(name: str, result: dict, top: int) -> None:
     gb = 1e9
-    print(f"\n{name}: peak {result['peak_bytes'] / gb:.3f} GB from the trace "
-          f"(max_memory_allocated {result['max_memory_allocated'] / gb:.3f}, reserved "
-          f"{result['max_memory_reserved'] / gb:.3f})")
+    print(
+        f"\n{name}: peak {result['peak_bytes'] / gb:.3f} GB from the trace "
+        f"(max_memory_allocated {result['max_memory_allocated'] / gb:.3f}, reserved "
+        f"{result['max_memory_reserved'] / gb:.3f})"
+    )
     print(f"{'GB':>8}{'blocks':>8}  site  <-  owner")
     for g in result["groups"][:top]:
         print(f"{g['bytes'] / gb:>8.3f}{g['blocks']:>8}  {g['site']}  <-  {g['owner']}")
     rest = result["groups"][top:]
     if rest:
-        print(f"{sum(g['bytes'] for g in rest) / gb:>8.3f}{sum(g['blocks'] for g in rest):>8}  "
-              f"({len(rest)} other sites)")
+        print(
+            f"{sum(g['bytes'] for g in rest) / gb:>8.3f}{sum(g['blocks'] for g in rest):>8}  "
+            f"({len(rest)} other sites)"
+        )
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True)
-    p.add_argument("--warmup", type=int, default=3, help="steps before the measured one (compile, autotune)")
+    p.add_argument(
+        "--warmup", type=int, default=3, help="steps before the measured one (compile, autotune)"
+    )
     p.add_argument("--run-dir", default="runs/bench-memory")
     p.add_argument("--out", default="memory_breakdown.json")
     p.add_argument("--top", type=int, default=25, help="groups printed per side (the JSON has all)")
     p.add_argument("--skip-baseline", action="store_true")
-    p.add_argument("--baseline-bf16-residual", action="store_true",
-                   help="the baseline with its residual stream in bf16 (meshtrain's default), not fp32")
+    p.add_argument(
+        "--baseline-bf16-residual",
+        action="store_true",
+        help="the baseline with its residual stream in bf16 (meshtrain's default), not fp32",
+    )
     args, overrides = p.parse_known_args()
     if not torch.cuda.is_available():
         p.error("needs a CUDA device (the allocator history is CUDA's)")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         p.error("a 1-GPU tool: run it with python, not torchrun")
     setup_logging("WARNING")
-    args.steps, args.rounds = 1, 1  # meshtrain_step plans the run's length from warmup + rounds x steps
+    args.steps, args.rounds = (
+        1,
+        1,
+    )  # meshtrain_step plans the run's length from warmup + rounds x steps
     holder = {}
 
     def build_meshtrain():
@@ -196,9 +230,16 @@ def main() -> None:
         results["baseline"] = measure(lambda: baseline_step(job, spec)[0], args.warmup)
     for name, r in results.items():
         print_groups(name, r, args.top)
-    out = {"config": args.config, "overrides": overrides, "warmup": args.warmup,
-           "baseline_bf16_residual": args.baseline_bf16_residual, "device": torch.cuda.get_device_name(),
-           "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "results": results}
+    out = {
+        "config": args.config,
+        "overrides": overrides,
+        "warmup": args.warmup,
+        "baseline_bf16_residual": args.baseline_bf16_residual,
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "results": results,
+    }
     Path(args.out).write_text(json.dumps(out, indent=2))
     print(f"wrote {args.out}")
 

@@ -43,7 +43,11 @@ def _timed(fn, iters: int) -> float:
 
 def counts_for(rows: int, experts: int, skew: bool) -> torch.Tensor:
     """Rows per expert summing to `rows`: equal, or proportional to e+1."""
-    share = torch.arange(1, experts + 1, dtype=torch.float64) if skew else torch.ones(experts, dtype=torch.float64)
+    share = (
+        torch.arange(1, experts + 1, dtype=torch.float64)
+        if skew
+        else torch.ones(experts, dtype=torch.float64)
+    )
     c = torch.floor(share / share.sum() * rows).long()
     c[-1] += rows - c.sum()
     return c
@@ -52,7 +56,9 @@ def counts_for(rows: int, experts: int, skew: bool) -> torch.Tensor:
 def measure(rows: int, k_in: int, n_out: int, experts: int, skew: bool, iters: int) -> dict:
     dev = torch.device("cuda")
     x = torch.randn(rows, k_in, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    w = (torch.randn(experts, n_out, k_in, device=dev, dtype=torch.bfloat16) * 0.02).requires_grad_()
+    w = (
+        torch.randn(experts, n_out, k_in, device=dev, dtype=torch.bfloat16) * 0.02
+    ).requires_grad_()
     dense_w = (torch.randn(n_out, k_in, device=dev, dtype=torch.bfloat16) * 0.02).requires_grad_()
     counts = counts_for(rows, experts, skew).to(dev)
     gy = torch.randn(rows, n_out, device=dev, dtype=torch.bfloat16)
@@ -62,25 +68,36 @@ def measure(rows: int, k_in: int, n_out: int, experts: int, skew: bool, iters: i
         def run():
             y = f()
             torch.autograd.backward(y, gy)
+
         return run
 
     grouped = lambda: grouped_linear(x, w, counts, grouped=True)  # noqa: E731
     loop = lambda: grouped_linear_loop(x, w, counts)  # noqa: E731
     dense = lambda: x @ dense_w.t()  # noqa: E731
     with torch.no_grad():
-        diff = grouped_linear(x, w, counts, True).float() - grouped_linear_loop(x, w, counts).float()
+        diff = (
+            grouped_linear(x, w, counts, True).float() - grouped_linear_loop(x, w, counts).float()
+        )
         err = diff.abs().max().item()
     out = {"rows": rows, "k": k_in, "n": n_out, "skew": skew, "max_abs_err_vs_loop": err}
     for name, f in (("grouped", grouped), ("dense", dense), ("loop", loop)):
         with torch.no_grad():
             t_fwd = _timed(f, iters)
         t_all = _timed(fwd_bwd(f), iters)
-        out[name] = {"fwd_ms": t_fwd * 1e3, "fwd_tflops": flops_fwd / t_fwd / 1e12,
-                     "fwd_bwd_ms": t_all * 1e3, "fwd_bwd_tflops": 3 * flops_fwd / t_all / 1e12}
+        out[name] = {
+            "fwd_ms": t_fwd * 1e3,
+            "fwd_tflops": flops_fwd / t_fwd / 1e12,
+            "fwd_bwd_ms": t_all * 1e3,
+            "fwd_bwd_tflops": 3 * flops_fwd / t_all / 1e12,
+        }
         x.grad = w.grad = dense_w.grad = None
     out["grouped_over_dense_fwd"] = out["grouped"]["fwd_tflops"] / out["dense"]["fwd_tflops"]
-    out["grouped_over_dense_fwd_bwd"] = out["grouped"]["fwd_bwd_tflops"] / out["dense"]["fwd_bwd_tflops"]
-    out["grouped_over_loop_fwd_bwd"] = out["grouped"]["fwd_bwd_tflops"] / out["loop"]["fwd_bwd_tflops"]
+    out["grouped_over_dense_fwd_bwd"] = (
+        out["grouped"]["fwd_bwd_tflops"] / out["dense"]["fwd_bwd_tflops"]
+    )
+    out["grouped_over_loop_fwd_bwd"] = (
+        out["grouped"]["fwd_bwd_tflops"] / out["loop"]["fwd_bwd_tflops"]
+    )
     return out
 
 
@@ -90,7 +107,9 @@ def main() -> None:
     p.add_argument("--moe-ffn", type=int, default=4096)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--topk", type=int, default=2)
-    p.add_argument("--tokens", type=int, default=16384, help="tokens of one micro-batch (batch x seq)")
+    p.add_argument(
+        "--tokens", type=int, default=16384, help="tokens of one micro-batch (batch x seq)"
+    )
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--out", default="moe_gemm.json")
     a = p.parse_args()
@@ -103,14 +122,25 @@ def main() -> None:
             r = measure(rows, k_in, n_out, a.experts, skew, a.iters)
             r["projection"] = name
             results.append(r)
-            print(f"{name} {'skewed' if skew else 'balanced':8s} rows={rows} {k_in}->{n_out}: grouped "
-                  f"{r['grouped']['fwd_bwd_tflops']:.0f} TFLOP/s fwd+bwd ({r['grouped']['fwd_tflops']:.0f} fwd), "
-                  f"dense {r['dense']['fwd_bwd_tflops']:.0f} ({r['dense']['fwd_tflops']:.0f}), "
-                  f"loop {r['loop']['fwd_bwd_tflops']:.0f}; grouped/dense {r['grouped_over_dense_fwd_bwd']:.3f} "
-                  f"fwd+bwd, {r['grouped_over_dense_fwd']:.3f} fwd; err {r['max_abs_err_vs_loop']:.2e}")
-    Path(a.out).write_text(json.dumps({
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "host": platform.node(),
-        "args": vars(a), "results": results}, indent=2))
+            print(
+                f"{name} {'skewed' if skew else 'balanced':8s} rows={rows} {k_in}->{n_out}: grouped "
+                f"{r['grouped']['fwd_bwd_tflops']:.0f} TFLOP/s fwd+bwd ({r['grouped']['fwd_tflops']:.0f} fwd), "
+                f"dense {r['dense']['fwd_bwd_tflops']:.0f} ({r['dense']['fwd_tflops']:.0f}), "
+                f"loop {r['loop']['fwd_bwd_tflops']:.0f}; grouped/dense {r['grouped_over_dense_fwd_bwd']:.3f} "
+                f"fwd+bwd, {r['grouped_over_dense_fwd']:.3f} fwd; err {r['max_abs_err_vs_loop']:.2e}"
+            )
+    Path(a.out).write_text(
+        json.dumps(
+            {
+                "device": torch.cuda.get_device_name(),
+                "torch": torch.__version__,
+                "host": platform.node(),
+                "args": vars(a),
+                "results": results,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

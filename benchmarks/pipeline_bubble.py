@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import tempfile
-import time
 import weakref
 
 import torch
@@ -79,20 +78,43 @@ def _rank(rank, world, store, cfg, queue):
     pp, v, m = world, cfg["virtual"], cfg["micro"]
     mesh = Mesh.build(pp=pp)
     layers = pp * v * cfg["layers_per_stage"]
-    mc = ModelConfig(num_layers=layers, hidden_size=cfg["hidden"], num_attention_heads=cfg["heads"],
-                     seq_length=cfg["seq"], vocab_size=cfg["vocab"], hidden_dropout=0.0, attention_dropout=0.0)
+    mc = ModelConfig(
+        num_layers=layers,
+        hidden_size=cfg["hidden"],
+        num_attention_heads=cfg["heads"],
+        seq_length=cfg["seq"],
+        vocab_size=cfg["vocab"],
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     torch.manual_seed(0)
-    stage = PipelineStage(GPT(mc), mesh.pp_rank, pp, stage_layers(layers, pp, v), ParallelConfig(pp=pp))
+    stage = PipelineStage(
+        GPT(mc), mesh.pp_rank, pp, stage_layers(layers, pp, v), ParallelConfig(pp=pp)
+    )
     store = None
     if cfg["schedule"] == "zb-h1":
         store = WeightGradStore()
         _defer_weight_grads(stage, store)
     mb, seq = cfg["micro_batch"], cfg["seq"]
-    runtime = PipelineRuntime(stage, mesh, cfg["schedule"], m, (mb, seq, cfg["hidden"]), torch.float32,
-                              torch.device("cpu"), weight_store=store)
+    runtime = PipelineRuntime(
+        stage,
+        mesh,
+        cfg["schedule"],
+        m,
+        (mb, seq, cfg["hidden"]),
+        torch.float32,
+        torch.device("cpu"),
+        weight_store=store,
+    )
     g = torch.Generator().manual_seed(1)
-    micro = [(torch.randint(0, cfg["vocab"], (mb, seq), generator=g),
-              torch.randint(0, cfg["vocab"], (mb, seq), generator=g), torch.ones(mb, seq)) for _ in range(m)]
+    micro = [
+        (
+            torch.randint(0, cfg["vocab"], (mb, seq), generator=g),
+            torch.randint(0, cfg["vocab"], (mb, seq), generator=g),
+            torch.ones(mb, seq),
+        )
+        for _ in range(m)
+    ]
     saved = SavedBytes(list(stage.parameters()))
     timelines = []
     for i in range(cfg["steps"] + 1):  # the first is a warm-up
@@ -104,8 +126,12 @@ def _rank(rank, world, store, cfg, queue):
             p.grad = None
         if i > 0:
             timelines.append([(str(a), a.kind, s, e) for a, s, e in runtime.timeline])
-    out = {"rank": rank, "timelines": timelines, "peak_in_flight": runtime.peak_in_flight,
-           "peak_saved_bytes": saved.peak}
+    out = {
+        "rank": rank,
+        "timelines": timelines,
+        "peak_in_flight": runtime.peak_in_flight,
+        "peak_saved_bytes": saved.peak,
+    }
     gathered = [None] * world
     dist.all_gather_object(gathered, out)
     if rank == 0:
@@ -118,7 +144,9 @@ def measure(cfg: dict) -> dict:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     store = os.path.join(tempfile.mkdtemp(prefix="bubble-"), "store")
-    procs = [ctx.Process(target=_rank, args=(r, cfg["pp"], store, cfg, queue)) for r in range(cfg["pp"])]
+    procs = [
+        ctx.Process(target=_rank, args=(r, cfg["pp"], store, cfg, queue)) for r in range(cfg["pp"])
+    ]
     for p in procs:
         p.start()
     ranks = queue.get(timeout=1200)
@@ -133,19 +161,30 @@ def measure(cfg: dict) -> dict:
         makespan = max(e for tl in lines.values() for _, _, _, e in tl) - start
         busy = [sum(e - s for _, kind, s, e in lines[r] if kind in COMPUTE) for r in sorted(lines)]
         bubbles = [(makespan - b) / b for b in busy]
-        steps.append({"makespan_s": makespan, "bubble_ratio_per_rank": bubbles,
-                      "bubble_ratio_mean": sum(bubbles) / len(bubbles),
-                      # against the slowest stage's compute: what the step loses to the schedule
-                      # when stages are not equally heavy (the last one also computes the loss)
-                      "bubble_ratio_bottleneck": makespan / max(busy) - 1,
-                      "timeline": {r: [(n, s - start, e - start) for n, _, s, e in tl] for r, tl in lines.items()}})
+        steps.append(
+            {
+                "makespan_s": makespan,
+                "bubble_ratio_per_rank": bubbles,
+                "bubble_ratio_mean": sum(bubbles) / len(bubbles),
+                # against the slowest stage's compute: what the step loses to the schedule
+                # when stages are not equally heavy (the last one also computes the loss)
+                "bubble_ratio_bottleneck": makespan / max(busy) - 1,
+                "timeline": {
+                    r: [(n, s - start, e - start) for n, _, s, e in tl] for r, tl in lines.items()
+                },
+            }
+        )
     # the median step by its mean bubble (CPU ranks share caches and memory bandwidth: steps vary)
     steps.sort(key=lambda st: st["bubble_ratio_mean"])
     median = steps[len(steps) // 2]
-    result = {**cfg, **median, "ideal_bubble_ratio": ideal,
-              "bubble_ratio_mean_all_steps": [st["bubble_ratio_mean"] for st in steps],
-              "peak_in_flight_stage0": ranks[0]["peak_in_flight"],
-              "peak_saved_mb_stage0": ranks[0]["peak_saved_bytes"] / 2**20}
+    result = {
+        **cfg,
+        **median,
+        "ideal_bubble_ratio": ideal,
+        "bubble_ratio_mean_all_steps": [st["bubble_ratio_mean"] for st in steps],
+        "peak_in_flight_stage0": ranks[0]["peak_in_flight"],
+        "peak_saved_mb_stage0": ranks[0]["peak_saved_bytes"] / 2**20,
+    }
     if ideal:
         result["bottleneck_over_ideal"] = result["bubble_ratio_bottleneck"] / ideal
     return result
@@ -162,23 +201,39 @@ def plot(result: dict, path: str) -> None:
     for rank, actions in result["timeline"].items():
         for name, s, e in actions:
             kind = name.rstrip("0123456789.")
-            ax.broken_barh([(s, e - s)], (int(rank) - 0.4, 0.8), color=colors.get(kind, "#BBBBBB"),
-                           edgecolor="white", linewidth=0.3)
+            ax.broken_barh(
+                [(s, e - s)],
+                (int(rank) - 0.4, 0.8),
+                color=colors.get(kind, "#BBBBBB"),
+                edgecolor="white",
+                linewidth=0.3,
+            )
             if kind in colors and e - s > result["makespan_s"] / 60:
-                ax.text((s + e) / 2, int(rank), name.split(".")[0][len(kind):], ha="center", va="center", fontsize=6)
+                ax.text(
+                    (s + e) / 2,
+                    int(rank),
+                    name.split(".")[0][len(kind) :],
+                    ha="center",
+                    va="center",
+                    fontsize=6,
+                )
     ax.set_yticks(range(result["pp"]), [f"rank {r}" for r in range(result["pp"])])
     ax.invert_yaxis()
     ax.set_xlabel("seconds (F blue, B/I green, W orange, communication grey)")
-    ax.set_title(f"{result['schedule']} pp={result['pp']} v={result['virtual']} m={result['micro']}: "
-                 f"bubble ratio {result['bubble_ratio_mean']:.3f}, bottleneck {result['bubble_ratio_bottleneck']:.3f}"
-                 + (f" (ideal {result['ideal_bubble_ratio']:.3f})" if result["ideal_bubble_ratio"] else ""))
+    ax.set_title(
+        f"{result['schedule']} pp={result['pp']} v={result['virtual']} m={result['micro']}: "
+        f"bubble ratio {result['bubble_ratio_mean']:.3f}, bottleneck {result['bubble_ratio_bottleneck']:.3f}"
+        + (f" (ideal {result['ideal_bubble_ratio']:.3f})" if result["ideal_bubble_ratio"] else "")
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", required=True)
     ap.add_argument("--png-dir")
     ap.add_argument("--pp", type=int, nargs="+", default=[2, 4])
@@ -199,23 +254,42 @@ def main() -> None:
         for m in args.micro:
             for schedule in args.schedules:
                 v = args.virtual if schedule == "interleaved" else 1
-                layers_per_stage = args.layers_per_stage // v if schedule == "interleaved" else args.layers_per_stage
-                cfg = {"schedule": schedule, "pp": pp, "micro": m, "virtual": v, "hidden": args.hidden,
-                       "heads": args.heads, "seq": args.seq, "vocab": args.vocab, "micro_batch": args.micro_batch,
-                       "layers_per_stage": max(layers_per_stage, 1), "threads": args.threads, "steps": args.steps}
+                layers_per_stage = (
+                    args.layers_per_stage // v
+                    if schedule == "interleaved"
+                    else args.layers_per_stage
+                )
+                cfg = {
+                    "schedule": schedule,
+                    "pp": pp,
+                    "micro": m,
+                    "virtual": v,
+                    "hidden": args.hidden,
+                    "heads": args.heads,
+                    "seq": args.seq,
+                    "vocab": args.vocab,
+                    "micro_batch": args.micro_batch,
+                    "layers_per_stage": max(layers_per_stage, 1),
+                    "threads": args.threads,
+                    "steps": args.steps,
+                }
                 r = measure(cfg)
-                print(f"{schedule:12s} pp={pp} v={v} m={m}: bubble {r['bubble_ratio_mean']:.3f} "
-                      f"(bottleneck {r['bubble_ratio_bottleneck']:.3f}) "
-                      f"(ideal {r['ideal_bubble_ratio'] if r['ideal_bubble_ratio'] is not None else '-'}) "
-                      f"in flight {r['peak_in_flight_stage0']}, saved {r['peak_saved_mb_stage0']:.1f} MB, "
-                      f"step {r['makespan_s']:.2f} s", flush=True)
+                print(
+                    f"{schedule:12s} pp={pp} v={v} m={m}: bubble {r['bubble_ratio_mean']:.3f} "
+                    f"(bottleneck {r['bubble_ratio_bottleneck']:.3f}) "
+                    f"(ideal {r['ideal_bubble_ratio'] if r['ideal_bubble_ratio'] is not None else '-'}) "
+                    f"in flight {r['peak_in_flight_stage0']}, saved {r['peak_saved_mb_stage0']:.1f} MB, "
+                    f"step {r['makespan_s']:.2f} s",
+                    flush=True,
+                )
                 if args.png_dir:
                     os.makedirs(args.png_dir, exist_ok=True)
                     plot(r, os.path.join(args.png_dir, f"bubble-{schedule}-pp{pp}-v{v}-m{m}.png"))
                 results.append(r)
     with open(args.out, "w") as f:
-        json.dump({"cpus": os.cpu_count(), "torch": torch.__version__,
-                   "results": results}, f, indent=1)
+        json.dump(
+            {"cpus": os.cpu_count(), "torch": torch.__version__, "results": results}, f, indent=1
+        )
 
 
 if __name__ == "__main__":

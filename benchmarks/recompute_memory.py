@@ -31,7 +31,11 @@ from meshtrain.services.trainer.parallel import recompute  # noqa: E402
 PLANS = {
     "none": {},
     "selective": {"recompute_granularity": "selective"},
-    "full-uniform-1": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+    "full-uniform-1": {
+        "recompute_granularity": "full",
+        "recompute_method": "uniform",
+        "recompute_num_layers": 1,
+    },
     "full-block-half": {"recompute_granularity": "full", "recompute_method": "block"},
 }
 
@@ -81,7 +85,9 @@ def main() -> None:
     p.add_argument("--config", required=True)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--out", default="recompute_memory.json")
-    p.add_argument("--plan", help=argparse.SUPPRESS)  # internal: one plan in this process, JSON on stdout
+    p.add_argument(
+        "--plan", help=argparse.SUPPRESS
+    )  # internal: one plan in this process, JSON on stdout
     args, overrides = p.parse_known_args()
     job = load_config(["--config", args.config, *overrides])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -93,17 +99,38 @@ def main() -> None:
     else:  # a process's peak RSS never goes down: one fresh process per plan
         rows = {}
         for name in PLANS:
-            cmd = [sys.executable, __file__, "--config", args.config, "--iters", str(args.iters), "--plan", name,
-                   *overrides]
-            rows[name] = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+            cmd = [
+                sys.executable,
+                __file__,
+                "--config",
+                args.config,
+                "--iters",
+                str(args.iters),
+                "--plan",
+                name,
+                *overrides,
+            ]
+            rows[name] = json.loads(
+                subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            )
     base = rows["none"]
-    print(f"\n{args.config}  micro-batch {job.train.micro_batch_size} x seq {job.model.seq_length}  {device}")
-    print(f"{'plan':<18}{'peak GB':>9}{'act. GB':>9}{'act. ratio':>11}{'fwd+bwd s':>11}{'time ratio':>11}")
+    print(
+        f"\n{args.config}  micro-batch {job.train.micro_batch_size} x seq {job.model.seq_length}  {device}"
+    )
+    print(
+        f"{'plan':<18}{'peak GB':>9}{'act. GB':>9}{'act. ratio':>11}{'fwd+bwd s':>11}{'time ratio':>11}"
+    )
     for name, r in rows.items():
-        ratio = r["activation_gb"] / base["activation_gb"] if base["activation_gb"] else float("nan")
-        print(f"{name:<18}{r['peak_gb']:>9.2f}{r['activation_gb']:>9.2f}{ratio:>11.2f}"
-              f"{r['fwd_bwd_s']:>11.3f}{r['fwd_bwd_s'] / base['fwd_bwd_s']:>11.2f}")
-    Path(args.out).write_text(json.dumps({"config": args.config, "device": str(device), "results": rows}, indent=2))
+        ratio = (
+            r["activation_gb"] / base["activation_gb"] if base["activation_gb"] else float("nan")
+        )
+        print(
+            f"{name:<18}{r['peak_gb']:>9.2f}{r['activation_gb']:>9.2f}{ratio:>11.2f}"
+            f"{r['fwd_bwd_s']:>11.3f}{r['fwd_bwd_s'] / base['fwd_bwd_s']:>11.2f}"
+        )
+    Path(args.out).write_text(
+        json.dumps({"config": args.config, "device": str(device), "results": rows}, indent=2)
+    )
 
 
 if __name__ == "__main__":

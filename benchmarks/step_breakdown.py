@@ -40,14 +40,34 @@ import torch
 # "..._all_gather_into_tensor_..." for a collective's input copy), which are not attention or comm.
 KINDS: list[tuple[str, re.Pattern]] = [
     ("inductor triton", re.compile(r"^triton_(poi|red|per)_")),
-    ("meshtrain triton", re.compile(r"^_(gelu|swiglu|rms_norm|layer_norm|rope|ce|stats|grad)_?\w*$")),
-    ("comm", re.compile(r"nccl|gloo|c10d|all_?gather|reduce_?scatter|all_?reduce|allgather|reducescatter"
-                        r"|broadcast|record_param_comms|symm|memcpy ptop|memcpy peer", re.IGNORECASE)),
+    (
+        "meshtrain triton",
+        re.compile(r"^_(gelu|swiglu|rms_norm|layer_norm|rope|ce|stats|grad)_?\w*$"),
+    ),
+    (
+        "comm",
+        re.compile(
+            r"nccl|gloo|c10d|all_?gather|reduce_?scatter|all_?reduce|allgather|reducescatter"
+            r"|broadcast|record_param_comms|symm|memcpy ptop|memcpy peer",
+            re.IGNORECASE,
+        ),
+    ),
     ("attention", re.compile(r"flash|fmha|sdpa|attention|_efficient_attention", re.IGNORECASE)),
-    ("gemm", re.compile(r"gemm|nvjet|xmma|cutlass|cublas|triton_tem|^aten::(mm|addmm|bmm|baddbmm|matmul|linear)$"
-                        r"|^sm\d+_", re.IGNORECASE)),
+    (
+        "gemm",
+        re.compile(
+            r"gemm|nvjet|xmma|cutlass|cublas|triton_tem|^aten::(mm|addmm|bmm|baddbmm|matmul|linear)$"
+            r"|^sm\d+_",
+            re.IGNORECASE,
+        ),
+    ),
     ("optimizer", re.compile(r"adam|multi_tensor_apply|^aten::_foreach", re.IGNORECASE)),
-    ("copy", re.compile(r"memcpy|memset|copy_|^aten::(copy_|to|_to_copy|contiguous|clone)$", re.IGNORECASE)),
+    (
+        "copy",
+        re.compile(
+            r"memcpy|memset|copy_|^aten::(copy_|to|_to_copy|contiguous|clone)$", re.IGNORECASE
+        ),
+    ),
     ("other aten", re.compile(r"elementwise|reduce_kernel|vectorized|^aten::", re.IGNORECASE)),
 ]
 KIND_NAMES = [k for k, _ in KINDS] + ["other"]
@@ -78,7 +98,9 @@ def length(merged: Sequence[tuple[float, float]]) -> float:
     return sum(e - s for s, e in merged)
 
 
-def subtract(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+def subtract(
+    a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]]
+) -> list[tuple[float, float]]:
     """The parts of union `a` that union `b` does not cover (both from `merge`)."""
     out = []
     j = 0
@@ -125,7 +147,9 @@ class Span:
     end_us: float
 
 
-def breakdown(spans: Sequence[Span], wall_us: float, steps: int, source: str = "gpu kernels") -> dict:
+def breakdown(
+    spans: Sequence[Span], wall_us: float, steps: int, source: str = "gpu kernels"
+) -> dict:
     """Reduce spans recorded over `steps` steps of `wall_us` total to per-step milliseconds.
 
     Returns:
@@ -157,7 +181,9 @@ def breakdown(spans: Sequence[Span], wall_us: float, steps: int, source: str = "
     starts = [a for a, _ in compute_u]
     for sp in spans:  # each collective's own time with no compute beside it
         if classify(sp.name) == "comm":
-            first = max(bisect.bisect_right(starts, sp.start_us) - 1, 0)  # the compute interval it starts in or after
+            first = max(
+                bisect.bisect_right(starts, sp.start_us) - 1, 0
+            )  # the compute interval it starts in or after
             beside = overlap([(sp.start_us, sp.end_us)], compute_u[first:])
             exposed_by[sp.name] = exposed_by.get(sp.name, 0.0) + sp.end_us - sp.start_us - beside
     origin = busy_u[0][0] if busy_u else 0.0
@@ -166,12 +192,21 @@ def breakdown(spans: Sequence[Span], wall_us: float, steps: int, source: str = "
         ranked = sorted(intervals, key=lambda iv: iv[0] - iv[1])[:n]
         return [((a - origin) / 1e3, (b - a) / 1e3) for a, b in ranked]
 
-    return {"source": source, "wall_ms": wall_us / per, "busy_ms": busy / per, "idle_ms": max(wall_us - busy, 0.0) / per,
-            "kinds": {k: v / per for k, v in kinds.items() if v > 0},
-            "comm_ms": comm_total / per, "comm_exposed_ms": (comm_total - overlap(comm_u, compute_u)) / per,
-            "top": [(n, v / per) for n, v in top],
-            "exposed_by_comm": [(n, v / per) for n, v in sorted(exposed_by.items(), key=lambda kv: -kv[1])[:6] if v > 0],
-            "idle_gaps": longest(gaps(busy_u)), "exposed_stretches": longest(subtract(comm_u, compute_u))}
+    return {
+        "source": source,
+        "wall_ms": wall_us / per,
+        "busy_ms": busy / per,
+        "idle_ms": max(wall_us - busy, 0.0) / per,
+        "kinds": {k: v / per for k, v in kinds.items() if v > 0},
+        "comm_ms": comm_total / per,
+        "comm_exposed_ms": (comm_total - overlap(comm_u, compute_u)) / per,
+        "top": [(n, v / per) for n, v in top],
+        "exposed_by_comm": [
+            (n, v / per) for n, v in sorted(exposed_by.items(), key=lambda kv: -kv[1])[:6] if v > 0
+        ],
+        "idle_gaps": longest(gaps(busy_u)),
+        "exposed_stretches": longest(subtract(comm_u, compute_u)),
+    }
 
 
 def _outermost_op(e) -> bool:
@@ -192,14 +227,23 @@ def spans_from_profile(prof, on_gpu: bool) -> list[Span]:
 
     spans = []
     for e in prof.events():
-        keep = e.device_type == DeviceType.CUDA if on_gpu else e.device_type == DeviceType.CPU and _outermost_op(e)
+        keep = (
+            e.device_type == DeviceType.CUDA
+            if on_gpu
+            else e.device_type == DeviceType.CPU and _outermost_op(e)
+        )
         if keep:
             spans.append(Span(e.name, e.time_range.start, e.time_range.end))
     return spans
 
 
-def profile_steps(step_fn: Callable[[int], object], first_step: int, steps: int, device: torch.device,
-                  trace_path: str | None = None) -> dict:
+def profile_steps(
+    step_fn: Callable[[int], object],
+    first_step: int,
+    steps: int,
+    device: torch.device,
+    trace_path: str | None = None,
+) -> dict:
     """Run `step_fn(i)` for i in [first_step, first_step + steps) under the profiler.
 
     Args:
@@ -229,8 +273,12 @@ def profile_steps(step_fn: Callable[[int], object], first_step: int, steps: int,
         wall_us = (time.perf_counter() - start) * 1e6
     if trace_path:
         prof.export_chrome_trace(trace_path)
-    return breakdown(spans_from_profile(prof, on_gpu), wall_us, steps,
-                     "gpu kernels" if on_gpu else "host ops (no GPU)")
+    return breakdown(
+        spans_from_profile(prof, on_gpu),
+        wall_us,
+        steps,
+        "gpu kernels" if on_gpu else "host ops (no GPU)",
+    )
 
 
 def format_breakdown(title: str, r: dict) -> str:
@@ -240,17 +288,28 @@ def format_breakdown(title: str, r: dict) -> str:
     def row(label: str, ms: float) -> str:
         return f"  {label:<22}{ms:>10.2f}{100 * ms / wall if wall else 0:>8.1f}%"
 
-    lines = [f"{title}: where a step goes ({r['source']}), ms per step",
-             row("wall (profiled)", wall), row("busy (any kernel)", r["busy_ms"]),
-             row("idle (host-bound)", r["idle_ms"])]
+    lines = [
+        f"{title}: where a step goes ({r['source']}), ms per step",
+        row("wall (profiled)", wall),
+        row("busy (any kernel)", r["busy_ms"]),
+        row("idle (host-bound)", r["idle_ms"]),
+    ]
     if "timed_ms" in r:  # the same step unprofiled: how much the profiler itself added
         lines.insert(1, row("step (unprofiled)", r["timed_ms"]))
     lines += [row(k, r["kinds"][k]) for k in KIND_NAMES if k in r["kinds"]]
     lines += [row("comm (union)", r["comm_ms"]), row("comm exposed", r["comm_exposed_ms"])]
     lines.append("  top kernels: " + "; ".join(f"{n[:60]} {ms:.2f}" for n, ms in r["top"][:6]))
     if r.get("exposed_by_comm"):
-        lines.append("  exposed comm by kernel: " + "; ".join(f"{n[:60]} {ms:.2f}" for n, ms in r["exposed_by_comm"]))
-    for key, label in (("idle_gaps", "longest idle gaps"), ("exposed_stretches", "longest exposed comm")):
+        lines.append(
+            "  exposed comm by kernel: "
+            + "; ".join(f"{n[:60]} {ms:.2f}" for n, ms in r["exposed_by_comm"])
+        )
+    for key, label in (
+        ("idle_gaps", "longest idle gaps"),
+        ("exposed_stretches", "longest exposed comm"),
+    ):
         if r.get(key):
-            lines.append(f"  {label} (at ms: ms): " + ", ".join(f"{at:.1f}: {ms:.2f}" for at, ms in r[key]))
+            lines.append(
+                f"  {label} (at ms: ms): " + ", ".join(f"{at:.1f}: {ms:.2f}" for at, ms in r[key])
+            )
     return "\n".join(lines)

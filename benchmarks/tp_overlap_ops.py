@@ -35,6 +35,7 @@ from meshtrain.services.trainer.parallel import mappings as M
 
 def _timer(device: torch.device):
     if device.type == "cuda":
+
         def measure(fn, iters: int) -> float:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -44,11 +45,13 @@ def _timer(device: torch.device):
             end.synchronize()
             return start.elapsed_time(end) / iters
     else:
+
         def measure(fn, iters: int) -> float:
             t = time.perf_counter()
             for _ in range(iters):
                 fn()
             return (time.perf_counter() - t) * 1e3 / iters
+
     return measure
 
 
@@ -66,10 +69,12 @@ def time_ms(fn, device: torch.device, iters: int, rounds: int) -> float:
 
 def linears(b: int, s: int, h: int, qkv: int, ffn: int, tp: int) -> list[dict]:
     """(name, kind, in, out) of each sharded linear of a block, per rank."""
-    return [{"name": "qkv", "kind": "column", "fan_in": h, "fan_out": qkv // tp},
-            {"name": "attn-out", "kind": "row", "fan_in": h // tp, "fan_out": h},
-            {"name": "fc1", "kind": "column", "fan_in": h, "fan_out": 2 * ffn // tp},
-            {"name": "fc2", "kind": "row", "fan_in": ffn // tp, "fan_out": h}]
+    return [
+        {"name": "qkv", "kind": "column", "fan_in": h, "fan_out": qkv // tp},
+        {"name": "attn-out", "kind": "row", "fan_in": h // tp, "fan_out": h},
+        {"name": "fc1", "kind": "column", "fan_in": h, "fan_out": 2 * ffn // tp},
+        {"name": "fc2", "kind": "row", "fan_in": ffn // tp, "fan_out": h},
+    ]
 
 
 def variants(lin: dict, b: int, s: int, group, device, dtype, fused: bool) -> dict:
@@ -109,8 +114,12 @@ def variants(lin: dict, b: int, s: int, group, device, dtype, fused: bool) -> di
     for key in ("nccl-sf", "fused-bf", "fused-sf"):
         if key in run:
             got = run[key]().float()
-            torch.testing.assert_close(got.transpose(0, 1) if key.endswith("-sf") else got, want,
-                                       msg=f"{lin['name']} {key} differs from nccl-bf", **tol)
+            torch.testing.assert_close(
+                got.transpose(0, 1) if key.endswith("-sf") else got,
+                want,
+                msg=f"{lin['name']} {key} differs from nccl-bf",
+                **tol,
+            )
     return run
 
 
@@ -120,15 +129,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--qkv", type=int, default=4096, help="fused qkv width: (heads + 2 kv groups) x head dim")
+    p.add_argument(
+        "--qkv", type=int, default=4096, help="fused qkv width: (heads + 2 kv groups) x head dim"
+    )
     p.add_argument("--ffn", type=int, default=5632)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--out", default="tp_overlap_ops.json")
     args = p.parse_args(argv)
 
-    device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", "0"))) if args.device == "cuda" \
+    device = (
+        torch.device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
+        if args.device == "cuda"
         else torch.device("cpu")
+    )
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -137,7 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     if fused:
         import torch.distributed._symmetric_memory as symm
 
-        enable = getattr(symm, "enable_symm_mem_for_group", None)  # where this torch still asks for it
+        enable = getattr(
+            symm, "enable_symm_mem_for_group", None
+        )  # where this torch still asks for it
         if enable is not None:
             enable(group.group_name)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -148,19 +164,35 @@ def main(argv: list[str] | None = None) -> int:
         times = {k: time_ms(fn, device, args.iters, args.rounds) for k, fn in run.items()}
         rows.append(dict(lin, **{f"{k}_ms": v for k, v in times.items()}))
     if dist.get_rank() == 0:
-        keys = [k for k in ("gemm", "comm", "nccl-bf", "nccl-sf", "fused-bf", "fused-sf") if f"{k}_ms" in rows[0]]
-        print(f"tp={tp} micro-batch {args.micro_batch} x seq {args.seq}, {dtype}, {device.type}; ms per call")
+        keys = [
+            k
+            for k in ("gemm", "comm", "nccl-bf", "nccl-sf", "fused-bf", "fused-sf")
+            if f"{k}_ms" in rows[0]
+        ]
+        print(
+            f"tp={tp} micro-batch {args.micro_batch} x seq {args.seq}, {dtype}, {device.type}; ms per call"
+        )
         print(f"{'linear':10} {'kind':7} " + " ".join(f"{k:>9}" for k in keys) + "  best/nccl-bf")
         total = {k: 0.0 for k in keys}
         for r in rows:
             for k in keys:
                 total[k] += r[f"{k}_ms"]
             best = min(r[f"{k}_ms"] for k in keys if k not in ("gemm", "comm"))
-            print(f"{r['name']:10} {r['kind']:7} " + " ".join(f"{r[k + '_ms']:9.3f}" for k in keys)
-                  + f"  {best / r['nccl-bf_ms']:.2f}")
+            print(
+                f"{r['name']:10} {r['kind']:7} "
+                + " ".join(f"{r[k + '_ms']:9.3f}" for k in keys)
+                + f"  {best / r['nccl-bf_ms']:.2f}"
+            )
         print(f"{'block':18} " + " ".join(f"{total[k]:9.3f}" for k in keys))
-        info = {"device": torch.cuda.get_device_name(device) if fused else "cpu", "torch": torch.__version__,
-                    "tp": tp, "dtype": str(dtype), "args": vars(args), "rows": rows, "block_total_ms": total}
+        info = {
+            "device": torch.cuda.get_device_name(device) if fused else "cpu",
+            "torch": torch.__version__,
+            "tp": tp,
+            "dtype": str(dtype),
+            "args": vars(args),
+            "rows": rows,
+            "block_total_ms": total,
+        }
         with open(args.out, "w") as f:
             json.dump(info, f, indent=1)
         print(f"wrote {args.out}")

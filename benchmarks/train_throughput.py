@@ -92,8 +92,12 @@ def time_steps(step_fn, first: int, steps: int, device: torch.device) -> dict:
     else:
         each = [b - a for a, b in itertools.pairwise(marks)]
         allocator = None
-    return {"step_time_s": total / steps, "step_times_s": each, "step_time_median_s": statistics.median(each),
-            "allocator": allocator}
+    return {
+        "step_time_s": total / steps,
+        "step_times_s": each,
+        "step_time_median_s": statistics.median(each),
+        "allocator": allocator,
+    }
 
 
 ALLOCATOR_COUNTS = {  # JSON name -> torch.cuda.memory_stats() counter
@@ -124,7 +128,9 @@ def _mark(device: torch.device):
 
 
 PROFILE_MAX = 4
-STARTED = time.monotonic()  # "N s into the run" in each side's line: its build and compilation show as the gap
+STARTED = (
+    time.monotonic()
+)  # "N s into the run" in each side's line: its build and compilation show as the gap
 """Steps `--profile-steps` may add. The run is planned for warmup + steps + PROFILE_MAX steps
 whether it profiles or not: train.train_iters decides the sample order and the LR schedule,
 so a profiled run must not plan a different length than the unprofiled rows it is compared
@@ -134,8 +140,19 @@ with (it once did, and its losses differed from theirs from the first step)."""
 def meshtrain_step(args, overrides):
     """(trainer, step(i), losses): meshtrain's real loop step on the config, each step's loss appended."""
     planned = args.warmup + args.rounds * args.steps + PROFILE_MAX
-    job = load_config(["--config", args.config, "--train-iters", str(planned),
-                       "--eval-interval", "0", "--run-dir", args.run_dir, *overrides])
+    job = load_config(
+        [
+            "--config",
+            args.config,
+            "--train-iters",
+            str(planned),
+            "--eval-interval",
+            "0",
+            "--run-dir",
+            args.run_dir,
+            *overrides,
+        ]
+    )
     trainer = Trainer(job)
     losses = []
 
@@ -150,8 +167,10 @@ def variant_inputs(args, overrides, index: int) -> tuple[argparse.Namespace, lis
     """(args, overrides) for meshtrain's run of the `index`-th --variant: its own run directory, the
     variant's flags added."""
     suffix = "-variant" if index == 0 else f"-variant{index + 1}"
-    return (argparse.Namespace(**{**vars(args), "run_dir": args.run_dir + suffix}),
-            overrides + shlex.split(args.variant[index]))
+    return (
+        argparse.Namespace(**{**vars(args), "run_dir": args.run_dir + suffix}),
+        overrides + shlex.split(args.variant[index]),
+    )
 
 
 def variant_name(flags: str) -> str:
@@ -165,10 +184,16 @@ def meshtrain_row(trainer, losses, timed: dict) -> dict:
     if trainer.mesh.dp > 1:  # each dp rank's loss covers its share of the batch: report the batch's
         torch.distributed.all_reduce(first_last, group=trainer.mesh.group("dp"))
         first_last /= trainer.mesh.dp
-    return {**timed, "loss_first": first_last[0].item(), "loss_last": first_last[1].item(),
-            "flops_per_token": trainer.flops_per_token, "params": trainer.num_parameters,  # the whole model's
-            "bf16_weight_copies": trainer.weight_copies is not None,
-            "gradient_accumulation_fusion": trainer.weight_copies is not None and trainer.weight_copies.fused}
+    return {
+        **timed,
+        "loss_first": first_last[0].item(),
+        "loss_last": first_last[1].item(),
+        "flops_per_token": trainer.flops_per_token,
+        "params": trainer.num_parameters,  # the whole model's
+        "bf16_weight_copies": trainer.weight_copies is not None,
+        "gradient_accumulation_fusion": trainer.weight_copies is not None
+        and trainer.weight_copies.fused,
+    }
 
 
 def run_meshtrain(args, overrides) -> dict:
@@ -177,11 +202,20 @@ def run_meshtrain(args, overrides) -> dict:
         torch.cuda.reset_peak_memory_stats()
     warm_up(step, args.warmup, trainer.device)
     timed = time_steps(step, args.warmup, args.steps, trainer.device)
-    out = {**meshtrain_row(trainer, losses, timed),
-           "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None}
+    out = {
+        **meshtrain_row(trainer, losses, timed),
+        "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9
+        if torch.cuda.is_available()
+        else None,
+    }
     if args.profile_steps:
-        out["breakdown"] = profile_steps(step, args.warmup + args.steps, args.profile_steps, trainer.device,
-                                         trace_path(args, "meshtrain"))
+        out["breakdown"] = profile_steps(
+            step,
+            args.warmup + args.steps,
+            args.profile_steps,
+            trainer.device,
+            trace_path(args, "meshtrain"),
+        )
         out["breakdown"]["timed_ms"] = timed["step_time_s"] * 1e3
     return out, trainer.job
 
@@ -208,7 +242,9 @@ BF16_RESIDUAL = Baseline("baseline, bf16 residual", "baseline-bf16-residual", bf
 
 
 def float8_baseline(recipe: str) -> Baseline:
-    return Baseline(f"baseline + torchao float8 ({recipe})", f"baseline-float8-{recipe}", float8=recipe)
+    return Baseline(
+        f"baseline + torchao float8 ({recipe})", f"baseline-float8-{recipe}", float8=recipe
+    )
 
 
 def baseline_step(job, spec: Baseline = PLAIN):
@@ -228,7 +264,10 @@ def baseline_step(job, spec: Baseline = PLAIN):
     shape = (t.micro_batch_size, job.model.seq_length)
     vocab = job.model.vocab_size
     gen = torch.Generator(device=device).manual_seed(0)
-    batches = [torch.randint(0, vocab, (shape[0], shape[1] + 1), device=device, generator=gen) for _ in range(4)]
+    batches = [
+        torch.randint(0, vocab, (shape[0], shape[1] + 1), device=device, generator=gen)
+        for _ in range(4)
+    ]
     losses = []
 
     def step(i):
@@ -257,11 +296,16 @@ def run_baseline(args, job, spec: Baseline) -> dict:
         torch.cuda.reset_peak_memory_stats()
     warm_up(step, args.warmup, device)
     timed = time_steps(step, args.warmup, args.steps, device)
-    out = {**baseline_row(job, losses, timed, info),
-           "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None}
+    out = {
+        **baseline_row(job, losses, timed, info),
+        "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9
+        if torch.cuda.is_available()
+        else None,
+    }
     if args.profile_steps:
-        out["breakdown"] = profile_steps(step, args.warmup + args.steps, args.profile_steps, device,
-                                         trace_path(args, spec.key))
+        out["breakdown"] = profile_steps(
+            step, args.warmup + args.steps, args.profile_steps, device, trace_path(args, spec.key)
+        )
         out["breakdown"]["timed_ms"] = timed["step_time_s"] * 1e3
     return out
 
@@ -285,26 +329,32 @@ def run_rounds(args, overrides, baselines: list[Baseline]) -> tuple[dict, object
         before = kernels.configured()
         other, step, losses = meshtrain_step(*variant_inputs(args, overrides, index))
         if kernels.configured() != before:
-            raise SystemExit(f"--rounds keeps every side's compiled graphs together, and --variant={flags} "
-                             f"changes the kernel choice ({before} -> {kernels.configured()}), which drops them "
-                             "(kernels.set_mode): time this variant with --rounds 1")
+            raise SystemExit(
+                f"--rounds keeps every side's compiled graphs together, and --variant={flags} "
+                f"changes the kernel choice ({before} -> {kernels.configured()}), which drops them "
+                "(kernels.set_mode): time this variant with --rounds 1"
+            )
         sides[variant_name(flags)] = (step, other.device, losses, other)
     for step, device, _, _ in sides.values():
         warm_up(step, args.warmup, device)
     names = list(sides)
     timed = {name: [] for name in names}
     for r in range(args.rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             step, device, _, _ = sides[name]
             timed[name].append(time_steps(step, args.warmup + r * args.steps, args.steps, device))
     rows = {}
     for name, (_, _, losses, owner) in sides.items():
         each = [t for one in timed[name] for t in one["step_times_s"]]
-        merged = {"step_time_s": statistics.fmean(one["step_time_s"] for one in timed[name]),
-                  "step_times_s": each, "step_time_median_s": statistics.median(each),
-                  "round_step_time_s": [one["step_time_s"] for one in timed[name]],
-                  "round_allocator": [one["allocator"] for one in timed[name]],
-                  "allocator": _total(one["allocator"] for one in timed[name]), "peak_mem_gb": None}
+        merged = {
+            "step_time_s": statistics.fmean(one["step_time_s"] for one in timed[name]),
+            "step_times_s": each,
+            "step_time_median_s": statistics.median(each),
+            "round_step_time_s": [one["step_time_s"] for one in timed[name]],
+            "round_allocator": [one["allocator"] for one in timed[name]],
+            "allocator": _total(one["allocator"] for one in timed[name]),
+            "peak_mem_gb": None,
+        }
         if isinstance(owner, dict):
             rows[name] = baseline_row(job, losses, merged, owner)
         else:
@@ -315,7 +365,9 @@ def run_rounds(args, overrides, baselines: list[Baseline]) -> tuple[dict, object
 def _total(counts) -> dict | None:
     """Per-round allocator counts summed, None where they are (off CUDA)."""
     counts = list(counts)
-    return None if None in counts else {key: sum(c[key] for c in counts) for key in ALLOCATOR_COUNTS}
+    return (
+        None if None in counts else {key: sum(c[key] for c in counts) for key in ALLOCATOR_COUNTS}
+    )
 
 
 def release(job, reset: bool = True) -> None:
@@ -328,8 +380,9 @@ def release(job, reset: bool = True) -> None:
         torch.cuda.empty_cache()
 
 
-def run_sequential(args, overrides, baselines: list[Baseline],
-                   failed: dict[str, str]) -> tuple[dict | None, object]:
+def run_sequential(
+    args, overrides, baselines: list[Baseline], failed: dict[str, str]
+) -> tuple[dict | None, object]:
     """The default: each side built, timed and released in turn (one side's memory at a time).
     Rows are None on ranks other than 0, which only take part in meshtrain's run. A variant that
     raises goes into `failed` (its name -> the error) and the next side runs. The float8
@@ -343,7 +396,9 @@ def run_sequential(args, overrides, baselines: list[Baseline],
     rows = {f"meshtrain x{world}" if world > 1 else "meshtrain": mesh}
     _done(next(iter(rows)), mesh)
     for spec in [b for b in baselines if not b.float8]:
-        release(job, reset=spec.bf16_residual)  # the bf16-stream baseline compiles afresh: the plain one's graphs go
+        release(
+            job, reset=spec.bf16_residual
+        )  # the bf16-stream baseline compiles afresh: the plain one's graphs go
         rows[spec.name] = _done(spec.name, run_baseline(args, job, spec))
     for index, flags in enumerate(args.variant):
         release(job)
@@ -352,7 +407,10 @@ def run_sequential(args, overrides, baselines: list[Baseline],
             rows[name], _ = run_meshtrain(*variant_inputs(args, overrides, index))
         except Exception as e:  # noqa: BLE001 (any failure of one variant: the other sides still count)
             failed[name] = f"{type(e).__name__}: {e}"
-            print(f"failed {name}: {failed[name]} ({time.monotonic() - STARTED:.0f} s into the run)", flush=True)
+            print(
+                f"failed {name}: {failed[name]} ({time.monotonic() - STARTED:.0f} s into the run)",
+                flush=True,
+            )
             continue
         _done(name, rows[name])
     for spec in [b for b in baselines if b.float8]:
@@ -364,15 +422,20 @@ def run_sequential(args, overrides, baselines: list[Baseline],
 def ratio(rows: dict, side: str, other: str) -> tuple[float, float]:
     """How much faster `side` is than `other`: from their tokens/s, and from their median steps
     (which one stalled step does not move)."""
-    return (rows[side]["tokens_per_s"] / rows[other]["tokens_per_s"],
-            rows[other]["step_time_median_s"] / rows[side]["step_time_median_s"])
+    return (
+        rows[side]["tokens_per_s"] / rows[other]["tokens_per_s"],
+        rows[other]["step_time_median_s"] / rows[side]["step_time_median_s"],
+    )
 
 
 def _done(name: str, row: dict) -> dict:
     """Say a side's step time as soon as it is timed, and when since the script started (a side's
     build and compilation show as the gap): a run cut short (a time limit) still tells."""
-    print(f"timed {name}: {row['step_time_s']:.4f} s/step (median {row['step_time_median_s']:.4f}), "
-          f"{time.monotonic() - STARTED:.0f} s into the run", flush=True)
+    print(
+        f"timed {name}: {row['step_time_s']:.4f} s/step (median {row['step_time_median_s']:.4f}), "
+        f"{time.monotonic() - STARTED:.0f} s into the run",
+        flush=True,
+    )
     return row
 
 
@@ -380,29 +443,53 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True)
     p.add_argument("--steps", type=int, default=100, help="timed optimizer steps")
-    p.add_argument("--warmup", type=int, default=10, help="untimed steps first (compile, allocator)")
+    p.add_argument(
+        "--warmup", type=int, default=10, help="untimed steps first (compile, allocator)"
+    )
     p.add_argument("--run-dir", default="runs/bench")
     p.add_argument("--out", default="train_throughput.json")
     p.add_argument("--skip-baseline", action="store_true")
-    p.add_argument("--baseline-bf16-residual", action="store_true",
-                   help="also run the baseline with its residual stream cast to bf16 (the plain baseline "
-                        "stays the ratio's denominator; this row shows what that cast alone is worth)")
-    p.add_argument("--baseline-float8", choices=FLOAT8_RECIPES, metavar="RECIPE",
-                   help="also run the plain baseline with its blocks' linear layers in torchao's float8 training "
-                        f"(recipe: {' or '.join(FLOAT8_RECIPES)}; the output head stays bf16), and report "
-                        "meshtrain's ratio to it (needs torchao; not under torchrun; --skip-baseline leaves it)")
-    p.add_argument("--variant", metavar="FLAGS", action="append", default=[],
-                   help="one process: after meshtrain, run meshtrain again with these overrides added (one "
-                        "string, e.g. --variant=--no-gradient-accumulation-fusion) and report meshtrain's ratio "
-                        "to it: what one option is worth, both sides measured in the same process. Repeatable: "
-                        "each variant is its own side, with its speedup over meshtrain in the JSON's `variants`")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="one process: keep every side built and time --steps steps of each in turn, this many "
-                        "times over (per-round ratios in the JSON; needs the memory of all sides at once)")
-    p.add_argument("--single-gpu-json", help="a 1-GPU result of this script, for speedup / scaling efficiency")
-    p.add_argument("--profile-steps", type=int, default=0,
-                   help="after timing, profile this many more steps of each side: kernel time by kind, "
-                        "device idle, exposed communication (benchmarks/step_breakdown.py)")
+    p.add_argument(
+        "--baseline-bf16-residual",
+        action="store_true",
+        help="also run the baseline with its residual stream cast to bf16 (the plain baseline "
+        "stays the ratio's denominator; this row shows what that cast alone is worth)",
+    )
+    p.add_argument(
+        "--baseline-float8",
+        choices=FLOAT8_RECIPES,
+        metavar="RECIPE",
+        help="also run the plain baseline with its blocks' linear layers in torchao's float8 training "
+        f"(recipe: {' or '.join(FLOAT8_RECIPES)}; the output head stays bf16), and report "
+        "meshtrain's ratio to it (needs torchao; not under torchrun; --skip-baseline leaves it)",
+    )
+    p.add_argument(
+        "--variant",
+        metavar="FLAGS",
+        action="append",
+        default=[],
+        help="one process: after meshtrain, run meshtrain again with these overrides added (one "
+        "string, e.g. --variant=--no-gradient-accumulation-fusion) and report meshtrain's ratio "
+        "to it: what one option is worth, both sides measured in the same process. Repeatable: "
+        "each variant is its own side, with its speedup over meshtrain in the JSON's `variants`",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="one process: keep every side built and time --steps steps of each in turn, this many "
+        "times over (per-round ratios in the JSON; needs the memory of all sides at once)",
+    )
+    p.add_argument(
+        "--single-gpu-json", help="a 1-GPU result of this script, for speedup / scaling efficiency"
+    )
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="after timing, profile this many more steps of each side: kernel time by kind, "
+        "device idle, exposed communication (benchmarks/step_breakdown.py)",
+    )
     p.add_argument("--trace-dir", help="with --profile-steps, also write Chrome traces here")
     args, overrides = p.parse_known_args()
     if not 0 <= args.profile_steps <= PROFILE_MAX:
@@ -416,7 +503,9 @@ def main() -> None:
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
     if args.rounds > 1 and (world > 1 or args.profile_steps):
-        p.error("--rounds interleaves the sides of one process: not with torchrun or --profile-steps")
+        p.error(
+            "--rounds interleaves the sides of one process: not with torchrun or --profile-steps"
+        )
     if args.baseline_float8 and world > 1:
         p.error("--baseline-float8 runs in one process, not under torchrun")
     baselines = [] if args.skip_baseline or world > 1 else [PLAIN]
@@ -437,23 +526,53 @@ def main() -> None:
     tokens = job.train.global_batch_size * job.model.seq_length
     for r in rows.values():
         r["tokens_per_s"] = tokens / r["step_time_s"]
-        r["mfu"] = mesh["flops_per_token"] * r["tokens_per_s"] / (peak * 1e12 * world) if peak else None
+        r["mfu"] = (
+            mesh["flops_per_token"] * r["tokens_per_s"] / (peak * 1e12 * world) if peak else None
+        )
     result = {
-        "config": args.config, "overrides": overrides, "steps": args.steps, "warmup": args.warmup,
+        "config": args.config,
+        "overrides": overrides,
+        "steps": args.steps,
+        "warmup": args.warmup,
         "rounds": args.rounds,
-        "seq_length": job.model.seq_length, "micro_batch_size": job.train.micro_batch_size,
-        "global_batch_size": job.train.global_batch_size, "bf16": job.train.bf16, "compile": job.train.compile,
+        "seq_length": job.model.seq_length,
+        "micro_batch_size": job.train.micro_batch_size,
+        "global_batch_size": job.train.global_batch_size,
+        "bf16": job.train.bf16,
+        "compile": job.train.compile,
         "cuda_graph": job.train.cuda_graph,
-        "kernels": job.train.kernels, "compiled_triton_ops": job.train.compiled_triton_ops,
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
-        "world_size": world, "parallel": {k: getattr(job.parallel, k) for k in (
-            "tp", "sequence_parallel", "tp_comm_overlap", "tp_async_grad_reduce", "use_distributed_optimizer",
-            "overlap_grad_reduce", "overlap_param_gather", "grad_reduce_dtype", "recompute_granularity")},
-        "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "results": rows,
-        "env": {k: v for k, v in os.environ.items()
-                if k.startswith(("NCCL_", "TORCH_NCCL_")) or k == "CUDA_DEVICE_MAX_CONNECTIONS"},
+        "kernels": job.train.kernels,
+        "compiled_triton_ops": job.train.compiled_triton_ops,
+        "device": torch.cuda.get_device_name()
+        if device.type == "cuda"
+        else platform.processor() or "cpu",
+        "world_size": world,
+        "parallel": {
+            k: getattr(job.parallel, k)
+            for k in (
+                "tp",
+                "sequence_parallel",
+                "tp_comm_overlap",
+                "tp_async_grad_reduce",
+                "use_distributed_optimizer",
+                "overlap_grad_reduce",
+                "overlap_param_gather",
+                "grad_reduce_dtype",
+                "recompute_granularity",
+            )
+        },
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "results": rows,
+        "env": {
+            k: v
+            for k, v in os.environ.items()
+            if k.startswith(("NCCL_", "TORCH_NCCL_")) or k == "CUDA_DEVICE_MAX_CONNECTIONS"
+        },
     }
-    variant = variant_name(args.variant[0]) if args.variant else None  # the first: the ratio keys below
+    variant = (
+        variant_name(args.variant[0]) if args.variant else None
+    )  # the first: the ratio keys below
     if variant:
         result["variant"] = args.variant[0]
     float8 = float8_baseline(args.baseline_float8).name if args.baseline_float8 else None
@@ -462,45 +581,74 @@ def main() -> None:
         "ratio_vs_bf16_residual_baseline": ("meshtrain", BF16_RESIDUAL.name),
         "ratio_vs_variant": ("meshtrain", variant),
         "ratio_vs_float8_baseline": ("meshtrain", float8),
-        "variant_ratio_vs_float8_baseline": (variant, float8),  # meshtrain with --variant (FP8) against it
-        "float8_baseline_speedup": (float8, PLAIN.name),  # what torchao's float8 is worth to the plain model
+        "variant_ratio_vs_float8_baseline": (
+            variant,
+            float8,
+        ),  # meshtrain with --variant (FP8) against it
+        "float8_baseline_speedup": (
+            float8,
+            PLAIN.name,
+        ),  # what torchao's float8 is worth to the plain model
     }
     versus = {key: pair for key, pair in versus.items() if pair[0] in rows and pair[1] in rows}
-    if len(args.variant) > 1 or failed:  # every variant: its speedup over meshtrain (and over torchao float8)
+    if (
+        len(args.variant) > 1 or failed
+    ):  # every variant: its speedup over meshtrain (and over torchao float8)
         result["variants"] = {}
         for flags in args.variant:
             name = variant_name(flags)
             if name in failed:
                 result["variants"][flags] = {"failed": failed[name]}
                 continue
-            one = dict(zip(("speedup_vs_meshtrain", "speedup_vs_meshtrain_median"), ratio(rows, name, "meshtrain")))
+            one = dict(
+                zip(
+                    ("speedup_vs_meshtrain", "speedup_vs_meshtrain_median"),
+                    ratio(rows, name, "meshtrain"),
+                )
+            )
             if float8 in rows:
                 one["ratio_vs_float8_baseline"] = ratio(rows, name, float8)[0]
             result["variants"][flags] = one
     for key, (side, other) in versus.items():
         result[key], result[key + "_median"] = ratio(rows, side, other)
         if args.rounds > 1:  # each round's ratio, from that round's mean step times
-            result[key + "_rounds"] = [o / m for m, o in zip(rows[side]["round_step_time_s"],
-                                                              rows[other]["round_step_time_s"], strict=True)]
-    if args.single_gpu_json:  # scaling efficiency against a 1-GPU run recorded earlier in the same job
-        single = json.loads(Path(args.single_gpu_json).read_text())["results"]["meshtrain"]["tokens_per_s"]
+            result[key + "_rounds"] = [
+                o / m
+                for m, o in zip(
+                    rows[side]["round_step_time_s"], rows[other]["round_step_time_s"], strict=True
+                )
+            ]
+    if (
+        args.single_gpu_json
+    ):  # scaling efficiency against a 1-GPU run recorded earlier in the same job
+        single = json.loads(Path(args.single_gpu_json).read_text())["results"]["meshtrain"][
+            "tokens_per_s"
+        ]
         result["speedup_vs_1gpu"] = rows[next(iter(rows))]["tokens_per_s"] / single
         result["scaling_efficiency"] = result["speedup_vs_1gpu"] / world
     Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"\n{args.config}  seq {job.model.seq_length}  mbs {job.train.micro_batch_size}  "
-          f"gbs {job.train.global_batch_size}  {result['device']}")
+    print(
+        f"\n{args.config}  seq {job.model.seq_length}  mbs {job.train.micro_batch_size}  "
+        f"gbs {job.train.global_batch_size}  {result['device']}"
+    )
     width = max(24, *(len(name) + 2 for name in rows))
-    print(f"{'impl':<{width}}{'tokens/s':>12}{'MFU':>8}{'s/step':>9}{'median':>9}{'spread':>8}{'peak GB':>9}")
+    print(
+        f"{'impl':<{width}}{'tokens/s':>12}{'MFU':>8}{'s/step':>9}{'median':>9}{'spread':>8}{'peak GB':>9}"
+    )
     for name, r in rows.items():
         mfu = f"{r['mfu'] * 100:.1f}%" if r["mfu"] is not None else "-"
         mem = f"{r['peak_mem_gb']:.1f}" if r["peak_mem_gb"] is not None else "-"
         spread = f"{(max(r['step_times_s']) / min(r['step_times_s']) - 1) * 100:.1f}%"
-        print(f"{name:<{width}}{r['tokens_per_s']:>12,.0f}{mfu:>8}{r['step_time_s']:>9.3f}"
-              f"{r['step_time_median_s']:>9.3f}{spread:>8}{mem:>9}")
+        print(
+            f"{name:<{width}}{r['tokens_per_s']:>12,.0f}{mfu:>8}{r['step_time_s']:>9.3f}"
+            f"{r['step_time_median_s']:>9.3f}{spread:>8}{mem:>9}"
+        )
     if "ratio_tokens_per_s" in result:
         print(f"ratio meshtrain / baseline: {result['ratio_tokens_per_s']:.3f}")
     if "ratio_vs_bf16_residual_baseline" in result:
-        print(f"ratio meshtrain / bf16-residual baseline: {result['ratio_vs_bf16_residual_baseline']:.3f}")
+        print(
+            f"ratio meshtrain / bf16-residual baseline: {result['ratio_vs_bf16_residual_baseline']:.3f}"
+        )
     if "ratio_vs_variant" in result:
         print(f"ratio meshtrain / {variant}: {result['ratio_vs_variant']:.3f}")
     if "ratio_vs_float8_baseline" in result:
@@ -517,17 +665,27 @@ def main() -> None:
     for name, r in rows.items():
         if r["allocator"] and any(r["allocator"].values()):
             counts = ", ".join(f"{key} {n}" for key, n in r["allocator"].items() if n)
-            print(f"note: {name}: the CUDA allocator inside the timed steps: {counts} (its slowest steps may be these)")
+            print(
+                f"note: {name}: the CUDA allocator inside the timed steps: {counts} (its slowest steps may be these)"
+            )
     for flags, one in result.get("variants", {}).items():
         if "failed" in one:
             print(f"variant {flags}: failed ({one['failed']})")
             continue
-        against = (f", {one['ratio_vs_float8_baseline']:.3f}x {float8}" if "ratio_vs_float8_baseline" in one else "")
-        print(f"variant {flags}: {one['speedup_vs_meshtrain']:.3f}x meshtrain (median steps "
-              f"{one['speedup_vs_meshtrain_median']:.3f}x){against}")
+        against = (
+            f", {one['ratio_vs_float8_baseline']:.3f}x {float8}"
+            if "ratio_vs_float8_baseline" in one
+            else ""
+        )
+        print(
+            f"variant {flags}: {one['speedup_vs_meshtrain']:.3f}x meshtrain (median steps "
+            f"{one['speedup_vs_meshtrain_median']:.3f}x){against}"
+        )
     if "speedup_vs_1gpu" in result:
-        print(f"speedup vs 1 GPU: {result['speedup_vs_1gpu']:.3f}x "
-              f"(scaling efficiency {result['scaling_efficiency']:.3f})")
+        print(
+            f"speedup vs 1 GPU: {result['speedup_vs_1gpu']:.3f}x "
+            f"(scaling efficiency {result['scaling_efficiency']:.3f})"
+        )
     for name, r in rows.items():
         if "breakdown" in r:
             print(format_breakdown(name, r["breakdown"]))

@@ -6,14 +6,18 @@ storage directly, at any layout.
     python examples/checkpoint_service.py --root ROOT --address 127.0.0.1:7002
     python examples/checkpoint_service.py          # its own service on loopback, ROOT a new temp folder
 """
+
 import argparse
 import tempfile
 
 import torch
+
 import meshtrain as mt
 
 p = argparse.ArgumentParser()
-p.add_argument("--root", default=None, help="the root the service writes (a folder, file://, s3://...)")
+p.add_argument(
+    "--root", default=None, help="the root the service writes (a folder, file://, s3://...)"
+)
 p.add_argument("--address", default=None, help="HOST:PORT of the service serving ROOT")
 args = p.parse_args()
 
@@ -25,7 +29,9 @@ if args.address is None:  # a service in this process, on a free port (what `ckp
 elif args.root is None:
     p.error("--address needs the --root that service writes")
 
-config = mt.ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=256)
+config = mt.ModelConfig(
+    num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=256
+)
 torch.manual_seed(0)
 model = mt.GPT(config)
 optimizer = mt.build_optimizer(model, mt.OptimConfig(lr=1e-3))
@@ -33,7 +39,9 @@ tokens = torch.randint(0, 256, (4, 33))
 model(tokens[:, :-1], tokens[:, 1:]).backward()  # one step, so the optimizer has moments to save
 optimizer.step()
 try:
-    url = mt.save_checkpoint(args.root, 1, model, optimizer, service_address=args.address, overwrite=True)
+    url = mt.save_checkpoint(
+        args.root, 1, model, optimizer, service_address=args.address, overwrite=True
+    )
 finally:
     if server is not None:
         server.stop(grace=1).wait()
@@ -43,9 +51,15 @@ torch.manual_seed(1)
 fresh = mt.GPT(config)  # other weights until the load
 fresh_optimizer = mt.build_optimizer(fresh, mt.OptimConfig(lr=1e-3))
 state = mt.load_checkpoint(args.root, fresh, fresh_optimizer)
-weights = all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters(), strict=True))
-moments = all(torch.equal(optimizer.state[a]["exp_avg_sq"], fresh_optimizer.state[b]["exp_avg_sq"])
-              for a, b in zip(model.parameters(), fresh.parameters(), strict=True))
-print(f"loaded step {state.iteration}: weights identical: {weights}, Adam moments identical: {moments}")
+weights = all(
+    torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters(), strict=True)
+)
+moments = all(
+    torch.equal(optimizer.state[a]["exp_avg_sq"], fresh_optimizer.state[b]["exp_avg_sq"])
+    for a, b in zip(model.parameters(), fresh.parameters(), strict=True)
+)
+print(
+    f"loaded step {state.iteration}: weights identical: {weights}, Adam moments identical: {moments}"
+)
 if not (weights and moments):
     raise SystemExit("the reloaded checkpoint differs from what was saved")

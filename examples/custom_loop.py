@@ -4,10 +4,12 @@ data -> steps -> checkpoint -> reload. CPU (gloo) or GPU (NCCL), one process or 
     python examples/custom_loop.py
     torchrun --nproc-per-node 2 examples/custom_loop.py --tp 2    # --tp 1: two data-parallel ranks
 """
+
 import argparse
 import dataclasses
 
 import torch
+
 import meshtrain as mt
 
 p = argparse.ArgumentParser()
@@ -15,18 +17,30 @@ p.add_argument("--tp", type=int, default=1), p.add_argument("--steps", type=int,
 p.add_argument("--save", default="runs/custom_loop/checkpoints")
 args = p.parse_args()
 
-mesh = mt.initialize_model_parallel(tensor_model_parallel_size=args.tp)  # torchrun's environment, else one rank
-device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+mesh = mt.initialize_model_parallel(
+    tensor_model_parallel_size=args.tp
+)  # torchrun's environment, else one rank
+device = (
+    torch.device("cuda", torch.cuda.current_device())
+    if torch.cuda.is_available()
+    else torch.device("cpu")
+)
 job = mt.JobConfig(  # data: the embedded corpus (Python's own source, BPE 4096) unless data.data_path is set
     model=mt.ModelConfig(num_layers=2, hidden_size=128, num_attention_heads=4, seq_length=128),
-    train=mt.TrainConfig(micro_batch_size=4, global_batch_size=16, train_iters=args.steps, eval_interval=0),
-    optim=mt.OptimConfig(lr=2e-3, min_lr=2e-4, lr_warmup_iters=5), parallel=mt.ParallelConfig(tp=args.tp))
+    train=mt.TrainConfig(
+        micro_batch_size=4, global_batch_size=16, train_iters=args.steps, eval_interval=0
+    ),
+    optim=mt.OptimConfig(lr=2e-3, min_lr=2e-4, lr_warmup_iters=5),
+    parallel=mt.ParallelConfig(tp=args.tp),
+)
 data = mt.build_data(job, dp_rank=mesh.dp_rank, dp_size=mesh.dp)  # this rank's share of each step
 config = dataclasses.replace(job.model, vocab_size=data.vocab_size)
 
 
 def build(seed: int) -> mt.DistributedDataParallel:
-    torch.manual_seed(seed)  # the same full weights on every rank: parallelize keeps each rank's slice
+    torch.manual_seed(
+        seed
+    )  # the same full weights on every rank: parallelize keeps each rank's slice
     model = mt.parallelize(mt.GPT(config), mesh, sequence_parallel=args.tp > 1).to(device)
     return mt.DistributedDataParallel(model, mesh, job.optim, distributed_optimizer=mesh.dp > 1)
 
@@ -57,4 +71,6 @@ with torch.no_grad():
     state = mt.load_checkpoint(args.save, fresh, fresh.optimizer)
     after = fresh(*probe).item()
 if mesh.rank == 0:
-    print(f"saved {url}\nreloaded step {state.iteration}: probe loss {before!r} before, {after!r} after")
+    print(
+        f"saved {url}\nreloaded step {state.iteration}: probe loss {before!r} before, {after!r} after"
+    )

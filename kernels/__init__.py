@@ -19,8 +19,10 @@ Inductor then fuses itself.
 from __future__ import annotations
 
 if __name__ != "meshtrain.kernels":  # one name per file: this folder installs as meshtrain.kernels
-    raise ImportError(f"import meshtrain.kernels{__name__[len('kernels'):]}, not {__name__}: the repository's "
-                      "kernels/ folder is the package meshtrain.kernels")
+    raise ImportError(
+        f"import meshtrain.kernels{__name__[len('kernels') :]}, not {__name__}: the repository's "
+        "kernels/ folder is the package meshtrain.kernels"
+    )
 
 import importlib
 import os
@@ -94,7 +96,9 @@ def set_mode(value: str, compiled_ops: frozenset[str] | set[str] | None = None) 
         raise ValueError(f"kernel mode {value!r}; allowed: {', '.join(_MODES)}")
     ops = frozenset(OPS if compiled_ops is None else compiled_ops)
     if ops - set(OPS):
-        raise ValueError(f"no compiled Triton op {min(ops - set(OPS))!r}; the ops are {', '.join(OPS)}")
+        raise ValueError(
+            f"no compiled Triton op {min(ops - set(OPS))!r}; the ops are {', '.join(OPS)}"
+        )
     if (value, ops) != (_configured, _compiled_ops):
         # A compiled graph reads mode() once, while it is traced, and bakes the choice in without
         # a guard: graphs compiled under the old choice would go on being reused. Drop them.
@@ -136,7 +140,9 @@ def resolve(op: str, on_cuda: bool) -> Callable:
             why = "Triton is not installed here (pip install triton)"
         else:
             why = "it has no Triton kernel"
-        raise RuntimeError(f"{source}, but op {op!r} cannot run on Triton: {why}; use 'auto' or 'reference'")
+        raise RuntimeError(
+            f"{source}, but op {op!r} cannot run on Triton: {why}; use 'auto' or 'reference'"
+        )
     return getattr(reference, op)
 
 
@@ -159,8 +165,14 @@ rope = _dispatching("rope")
 cross_entropy = _dispatching("cross_entropy")
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                         loss_mask: torch.Tensor | None = None, vocab_size: int | None = None, **kwargs):
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    loss_mask: torch.Tensor | None = None,
+    vocab_size: int | None = None,
+    **kwargs,
+):
     impl = resolve("linear_cross_entropy", hidden.is_cuda)
     if impl is reference.linear_cross_entropy:
         # the plain projection, then whichever cross-entropy this place takes: under

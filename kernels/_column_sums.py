@@ -22,10 +22,16 @@ import triton.language as tl
 
 from meshtrain.kernels._launch import autotuning, wrap_triton
 
-_CONFIGS = [triton.Config({"COLS": c, "PARTS": p}, num_warps=w)
-            for c, p, w in ((32, 32, 4), (16, 64, 4), (64, 32, 4), (32, 64, 8), (128, 16, 4), (16, 32, 2))]
-_CONFIGS += [triton.Config({"COLS": c, "PARTS": p}, num_warps=w)
-             for c in (4, 8, 16, 32) for p in (128, 256) for w in (4, 8)]
+_CONFIGS = [
+    triton.Config({"COLS": c, "PARTS": p}, num_warps=w)
+    for c, p, w in ((32, 32, 4), (16, 64, 4), (64, 32, 4), (32, 64, 8), (128, 16, 4), (16, 32, 2))
+]
+_CONFIGS += [
+    triton.Config({"COLS": c, "PARTS": p}, num_warps=w)
+    for c in (4, 8, 16, 32)
+    for p in (128, 256)
+    for w in (4, 8)
+]
 """(columns per program, partial rows per tile, warps); the first is the untuned launch.
 
 The second list gives narrow column slices (more programs: at hidden 768-1024 a 32-column slice
@@ -38,10 +44,21 @@ def _prune(configs, named_args, **kwargs):
     return configs if autotuning() else configs[:1]
 
 
-@triton.autotune(configs=_CONFIGS, key=["n_cols", "n_parts"], prune_configs_by={"early_config_prune": _prune})
+@triton.autotune(
+    configs=_CONFIGS, key=["n_cols", "n_parts"], prune_configs_by={"early_config_prune": _prune}
+)
 @triton.jit
-def _column_sums(a_ptr, b_ptr, out_a_ptr, out_b_ptr, n_parts, n_cols,
-                 HAS_B: tl.constexpr, COLS: tl.constexpr, PARTS: tl.constexpr):
+def _column_sums(
+    a_ptr,
+    b_ptr,
+    out_a_ptr,
+    out_b_ptr,
+    n_parts,
+    n_cols,
+    HAS_B: tl.constexpr,
+    COLS: tl.constexpr,
+    PARTS: tl.constexpr,
+):
     cols = tl.program_id(0) * COLS + tl.arange(0, COLS)
     cols_ok = cols < n_cols
     acc_a = tl.zeros((PARTS, COLS), dtype=tl.float32)
@@ -55,11 +72,17 @@ def _column_sums(a_ptr, b_ptr, out_a_ptr, out_b_ptr, n_parts, n_cols,
             acc_b += tl.load(b_ptr + offs, mask=mask, other=0.0)
     tl.store(out_a_ptr + cols, tl.sum(acc_a, axis=0).to(out_a_ptr.dtype.element_ty), mask=cols_ok)
     if HAS_B:
-        tl.store(out_b_ptr + cols, tl.sum(acc_b, axis=0).to(out_b_ptr.dtype.element_ty), mask=cols_ok)
+        tl.store(
+            out_b_ptr + cols, tl.sum(acc_b, axis=0).to(out_b_ptr.dtype.element_ty), mask=cols_ok
+        )
 
 
-def column_sums(a: torch.Tensor, a_dtype: torch.dtype, b: torch.Tensor | None = None,
-                b_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def column_sums(
+    a: torch.Tensor,
+    a_dtype: torch.dtype,
+    b: torch.Tensor | None = None,
+    b_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(a.sum(0) in a_dtype, b.sum(0) in b_dtype or None), summed in fp32 in one launch.
 
     Args:
@@ -69,12 +92,23 @@ def column_sums(a: torch.Tensor, a_dtype: torch.dtype, b: torch.Tensor | None = 
         b_dtype: dtype of the second result (required with `b`).
     """
     parts, n = a.shape
-    bad_b = b is not None and (b.shape != a.shape or not b.is_contiguous() or b.dtype != torch.float32)
+    bad_b = b is not None and (
+        b.shape != a.shape or not b.is_contiguous() or b.dtype != torch.float32
+    )
     if not a.is_contiguous() or a.dtype != torch.float32 or bad_b:
-        raise ValueError(f"column_sums takes contiguous fp32 partials of one shape, got {a.shape} {a.dtype}"
-                         f"{'' if b is None else f' and {b.shape}'}")
+        raise ValueError(
+            f"column_sums takes contiguous fp32 partials of one shape, got {a.shape} {a.dtype}"
+            f"{'' if b is None else f' and {b.shape}'}"
+        )
     out_a = torch.empty(n, dtype=a_dtype, device=a.device)
     out_b = None if b is None else torch.empty(n, dtype=b_dtype, device=a.device)
     wrap_triton(_column_sums)[lambda meta: (triton.cdiv(n, meta["COLS"]),)](
-        a, a if b is None else b, out_a, out_a if out_b is None else out_b, parts, n, HAS_B=b is not None)
+        a,
+        a if b is None else b,
+        out_a,
+        out_a if out_b is None else out_b,
+        parts,
+        n,
+        HAS_B=b is not None,
+    )
     return out_a, out_b

@@ -91,9 +91,14 @@ def _eager_choice(kernel, grid, args, kwargs):
         return None
     if any(t.device.type == "cpu" for t in tensors):
         return None
-    if not all(isinstance(a, (torch.Tensor, int, float, bool, type(None))) for a in (*args, *kwargs.values())):
+    if not all(
+        isinstance(a, (torch.Tensor, int, float, bool, type(None)))
+        for a in (*args, *kwargs.values())
+    ):
         return None
-    with torch.utils._python_dispatch._disable_current_modes():  # out of fake / proxy tracing: real launches
+    with (
+        torch.utils._python_dispatch._disable_current_modes()
+    ):  # out of fake / proxy tracing: real launches
         kernel[grid](*map(_scratch_like, args), **{k: _scratch_like(v) for k, v in kwargs.items()})
     return kernel.best_config
 
@@ -113,9 +118,12 @@ def _with_config(kernel, config):
     """An autotuner over `kernel`'s function with `config` alone (one per kernel and config)."""
     key = (id(kernel), str(config))
     if key not in _ONE_CONFIG:
-        _ONE_CONFIG[key] = triton.autotune(configs=[config], key=list(kernel.keys),
-                                           reset_to_zero=getattr(kernel, "reset_to_zero", None) or None,
-                                           restore_value=getattr(kernel, "restore_value", None) or None)(kernel.fn)
+        _ONE_CONFIG[key] = triton.autotune(
+            configs=[config],
+            key=list(kernel.keys),
+            reset_to_zero=getattr(kernel, "reset_to_zero", None) or None,
+            restore_value=getattr(kernel, "restore_value", None) or None,
+        )(kernel.fn)
     return _ONE_CONFIG[key]
 
 
@@ -133,6 +141,7 @@ def kernel_op(name: str):
     on a torch without `triton_op` (before 2.6). Either way the op's fake implementation is the
     one the caller registers.
     """
+
     def register(fn):
         if interpreting() or not hasattr(torch.library, "triton_op"):
             return torch.library.custom_op(name, mutates_args=())(fn)
@@ -187,8 +196,11 @@ def row_configs(backward: bool) -> list[triton.Config]:
     a tile ahead itself, which measured faster on an H200 than Triton's software pipelining
     of the plain loop (3 stages) at every hidden size tried (768-4096; BENCHMARKS.md).
     """
-    return [triton.Config({"ROWS": r}, num_warps=w, num_stages=1)
-            for r in (1, 2, 4, 8, 16, 32) for w in (1, 2, 4, 8, 16)]
+    return [
+        triton.Config({"ROWS": r}, num_warps=w, num_stages=1)
+        for r in (1, 2, 4, 8, 16, 32)
+        for w in (1, 2, 4, 8, 16)
+    ]
 
 
 def prune_row_configs(backward: bool):
@@ -214,9 +226,16 @@ def prune_row_configs(backward: bool):
             rows = c.kwargs["ROWS"]
             tile = rows * block
             per_lane = tile // (32 * c.num_warps)
-            fits = rows <= rows_cap and tile <= max(max_tile, block) and min_per_lane <= per_lane <= max_per_lane
-            if fits and (rows, c.num_warps, c.num_stages) != (default.kwargs["ROWS"], default.num_warps,
-                                                              default.num_stages):
+            fits = (
+                rows <= rows_cap
+                and tile <= max(max_tile, block)
+                and min_per_lane <= per_lane <= max_per_lane
+            )
+            if fits and (rows, c.num_warps, c.num_stages) != (
+                default.kwargs["ROWS"],
+                default.num_warps,
+                default.num_stages,
+            ):
                 keep.append(c)
         return keep
 
@@ -236,7 +255,9 @@ fewer, longer programs keep the loop's next loads in flight with fewer partial r
 """
 
 
-def reduction_programs(rows: int, device: torch.device, per_sm: int | None = None) -> tuple[int, int]:
+def reduction_programs(
+    rows: int, device: torch.device, per_sm: int | None = None
+) -> tuple[int, int]:
     """(programs, rows each) for a kernel that also reduces a per-column sum (norm weight grads).
 
     Each program walks its rows tile by tile (a contiguous run, `_row_tile`, or every
@@ -258,7 +279,9 @@ def reduction_programs(rows: int, device: torch.device, per_sm: int | None = Non
 
 
 @triton.jit
-def _row_tile(start, end, cols_ok, ROWS: tl.constexpr, EVEN_COLS: tl.constexpr, INT64: tl.constexpr):
+def _row_tile(
+    start, end, cols_ok, ROWS: tl.constexpr, EVEN_COLS: tl.constexpr, INT64: tl.constexpr
+):
     """(rows, mask) of the tile of ROWS rows from `start`, rows at or past `end` masked off.
 
     For the norms' backward loops, which compute each tile's offsets a tile ahead. The mask
@@ -275,7 +298,9 @@ def _row_tile(start, end, cols_ok, ROWS: tl.constexpr, EVEN_COLS: tl.constexpr, 
 
 
 @triton.jit
-def _row_tile_interleaved(k, n_rows, cols_ok, ROWS: tl.constexpr, EVEN_COLS: tl.constexpr, INT64: tl.constexpr):
+def _row_tile_interleaved(
+    k, n_rows, cols_ok, ROWS: tl.constexpr, EVEN_COLS: tl.constexpr, INT64: tl.constexpr
+):
     """(rows, mask) of this program's tile of ROWS rows from its k-th, rows past `n_rows` masked off.
 
     Program p of P takes rows p, p + P, p + 2P, ...: the programs in flight read neighbouring

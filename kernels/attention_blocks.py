@@ -37,15 +37,18 @@ def _use_reference(q: torch.Tensor, impl: str) -> bool:
     return q.device.type != "cpu"
 
 
-def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                      impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+def attention_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, impl: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One block: q (b, heads, sq, d), k/v (b, groups, sk, d) -> out (b, heads, sq, d) in q's
     dtype, lse (b, heads, sq) fp32. `causal` masks keys after each query (sq == sk)."""
     if _use_reference(q, impl):
         return reference.attention_lse(q, k, v, causal)
     heads = q.shape[1]
     k, v = _expand_kv(k, heads), _expand_kv(v, heads)
-    if q.is_cuda:  # the kernel reads its operands as dense (b, h, s, d): a strided slice would be misread
+    if (
+        q.is_cuda
+    ):  # the kernel reads its operands as dense (b, h, s, d): a strided slice would be misread
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)[:2]
     else:
@@ -53,9 +56,16 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     return out, lse.float()
 
 
-def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       out: torch.Tensor, lse: torch.Tensor, causal: bool,
-                       impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    impl: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One block's gradients given the final `out` (q's dtype) and `lse` (fp32) of its query
     rows: dq (b, heads, sq, d), dk/dv (b, groups, sk, d), in q's dtype (the reference: fp32)."""
     if _use_reference(q, impl):
@@ -66,19 +76,25 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         dout, q, ke, ve, out, lse = (t.contiguous() for t in (dout, q, ke, ve, out, lse))
         # no variable-length offsets, no dropout RNG state: None, as the forward returns them
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, ke, ve, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, None, None)
+            dout, q, ke, ve, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, None, None
+        )
     else:
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, ke, ve, out, lse, 0.0, causal)
+            dout, q, ke, ve, out, lse, 0.0, causal
+        )
     return dq, _fold_kv(dk, groups), _fold_kv(dv, groups)
 
 
-def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+def merge(
+    out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
+) -> None:
     """Fold one block's partial attention into the running (out, lse), in place, in fp32.
 
     out (b, h, s, d) fp32 and lse (b, h, s) fp32 start as zeros and -inf; after every key block
     of a query row has been merged they hold the row's softmax attention and log-sum-exp.
     """
     new = torch.logaddexp(lse, block_lse)
-    out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(block_out.float() * torch.exp(block_lse - new).unsqueeze(-1))
+    out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(
+        block_out.float() * torch.exp(block_lse - new).unsqueeze(-1)
+    )
     lse.copy_(new)

@@ -86,8 +86,18 @@ def _row_grad(row_ptr, out_ptr, n_cols, label_local, lse, scale, BLOCK: tl.const
 
 @triton.jit
 def _ce_fused_kernel(
-    logits_ptr, grad_ptr, labels_ptr, scale_ptr, loss_ptr, lse_ptr, logits_stride, grad_stride, n_cols,
-    IGNORE: tl.constexpr, COMPUTE_GRAD: tl.constexpr, BLOCK: tl.constexpr,
+    logits_ptr,
+    grad_ptr,
+    labels_ptr,
+    scale_ptr,
+    loss_ptr,
+    lse_ptr,
+    logits_stride,
+    grad_stride,
+    n_cols,
+    IGNORE: tl.constexpr,
+    COMPUTE_GRAD: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     label = tl.load(labels_ptr + row)
@@ -103,8 +113,17 @@ def _ce_fused_kernel(
 
 
 @triton.jit
-def _stats_kernel(logits_ptr, labels_ptr, m_ptr, s_ptr, t_ptr, logits_stride, n_cols, vocab_start,
-                  BLOCK: tl.constexpr):
+def _stats_kernel(
+    logits_ptr,
+    labels_ptr,
+    m_ptr,
+    s_ptr,
+    t_ptr,
+    logits_stride,
+    n_cols,
+    vocab_start,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     label_local = tl.load(labels_ptr + row) - vocab_start  # outside [0, n_cols) on other shards
     m, s, t = _row_stats(logits_ptr + row * logits_stride, n_cols, label_local, BLOCK)
@@ -114,13 +133,31 @@ def _stats_kernel(logits_ptr, labels_ptr, m_ptr, s_ptr, t_ptr, logits_stride, n_
 
 
 @triton.jit
-def _grad_kernel(logits_ptr, grad_ptr, labels_ptr, lse_ptr, scale_ptr, logits_stride, grad_stride, n_cols,
-                 vocab_start, IGNORE: tl.constexpr, BLOCK: tl.constexpr):
+def _grad_kernel(
+    logits_ptr,
+    grad_ptr,
+    labels_ptr,
+    lse_ptr,
+    scale_ptr,
+    logits_stride,
+    grad_stride,
+    n_cols,
+    vocab_start,
+    IGNORE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     label = tl.load(labels_ptr + row)
     scale = tl.where(label == IGNORE, 0.0, tl.load(scale_ptr + row))
-    _row_grad(logits_ptr + row * logits_stride, grad_ptr + row * grad_stride, n_cols, label - vocab_start,
-              tl.load(lse_ptr + row), scale, BLOCK)
+    _row_grad(
+        logits_ptr + row * logits_stride,
+        grad_ptr + row * grad_stride,
+        n_cols,
+        label - vocab_start,
+        tl.load(lse_ptr + row),
+        scale,
+        BLOCK,
+    )
 
 
 def launch_config(n_cols: int) -> dict:
@@ -137,8 +174,12 @@ def launch_config(n_cols: int) -> dict:
 
 # ---- per-chunk building blocks (single device and vocab-parallel) ----
 
+
 def fused_loss_and_grad_(
-    logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor | None, grad_out: torch.Tensor | None = None,
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    scale: torch.Tensor | None,
+    grad_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row loss and logsumexp of a full-vocabulary chunk; optionally its scaled dlogits.
 
@@ -157,8 +198,18 @@ def fused_loss_and_grad_(
     lse = torch.empty_like(loss)
     grad = logits if grad_out is None else grad_out
     wrap_triton(_ce_fused_kernel)[(rows,)](
-        logits, grad, labels, scale if scale is not None else loss, loss, lse, logits.stride(0), grad.stride(0), n,
-        IGNORE=IGNORE_INDEX, COMPUTE_GRAD=scale is not None, **launch_config(n),
+        logits,
+        grad,
+        labels,
+        scale if scale is not None else loss,
+        loss,
+        lse,
+        logits.stride(0),
+        grad.stride(0),
+        n,
+        IGNORE=IGNORE_INDEX,
+        COMPUTE_GRAD=scale is not None,
+        **launch_config(n),
     )
     return loss, lse
 
@@ -176,13 +227,18 @@ def logit_stats(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int = 0
     """
     rows, n = logits.shape
     m, s, t = (torch.empty(rows, dtype=torch.float32, device=logits.device) for _ in range(3))
-    wrap_triton(_stats_kernel)[(rows,)](logits, labels, m, s, t, logits.stride(0), n, vocab_start,
-                                        **launch_config(n))
+    wrap_triton(_stats_kernel)[(rows,)](
+        logits, labels, m, s, t, logits.stride(0), n, vocab_start, **launch_config(n)
+    )
     return m, s, t
 
 
 def softmax_grad_(
-    logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor, vocab_start: int = 0,
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    lse: torch.Tensor,
+    scale: torch.Tensor,
+    vocab_start: int = 0,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(exp(logits - lse) - one_hot(labels - vocab_start)) * scale, in place unless `out` is given.
@@ -200,8 +256,19 @@ def softmax_grad_(
     """
     rows, n = logits.shape
     out = logits if out is None else out
-    wrap_triton(_grad_kernel)[(rows,)](logits, out, labels, lse, scale, logits.stride(0), out.stride(0), n,
-                                       vocab_start, IGNORE=IGNORE_INDEX, **launch_config(n))
+    wrap_triton(_grad_kernel)[(rows,)](
+        logits,
+        out,
+        labels,
+        lse,
+        scale,
+        logits.stride(0),
+        out.stride(0),
+        n,
+        vocab_start,
+        IGNORE=IGNORE_INDEX,
+        **launch_config(n),
+    )
     return out
 
 
@@ -213,7 +280,9 @@ def _check_labels(labels: torch.Tensor, vocab_size: int) -> None:
     without its -1; the reference (F.cross_entropy) and the vocab-parallel loss refuse it.
     """
     ok = (labels >= 0) & (labels < vocab_size) | (labels == IGNORE_INDEX)
-    torch._assert_async(ok.all(), "a label is outside the vocabulary (and not the ignore index -100)")
+    torch._assert_async(
+        ok.all(), "a label is outside the vocabulary (and not the ignore index -100)"
+    )
 
 
 def _check_rows(rows: int, labels: torch.Tensor, loss_mask: torch.Tensor | None, what: str) -> None:
@@ -224,7 +293,9 @@ def _check_rows(rows: int, labels: torch.Tensor, loss_mask: torch.Tensor | None,
     """
     for name, t in (("labels", labels), ("loss_mask", loss_mask)):
         if t is not None and t.numel() != rows:
-            raise ValueError(f"{name} of shape {tuple(t.shape)} ({t.numel()} values) for the {rows} rows of {what}")
+            raise ValueError(
+                f"{name} of shape {tuple(t.shape)} ({t.numel()} values) for the {rows} rows of {what}"
+            )
 
 
 def _row_weights(labels: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
@@ -238,9 +309,15 @@ def _row_weights(labels: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.
 
 # ---- cross_entropy on given logits ----
 
+
 def _ce_forward(logits, labels, loss_mask):
     """(mean loss, lse (rows,), row weights (rows,)), all fp32."""
-    _check_rows(logits.numel() // max(1, logits.shape[-1]), labels, loss_mask, f"logits {tuple(logits.shape)}")
+    _check_rows(
+        logits.numel() // max(1, logits.shape[-1]),
+        labels,
+        loss_mask,
+        f"logits {tuple(logits.shape)}",
+    )
     labels1 = labels.reshape(-1).contiguous()
     _check_labels(labels1, logits.shape[-1])
     weights = _row_weights(labels1, loss_mask)
@@ -250,8 +327,13 @@ def _ce_forward(logits, labels, loss_mask):
 
 def _ce_backward(grad, logits, labels, weights, lse):
     x2 = as_rows(logits)
-    dx = softmax_grad_(x2, labels.reshape(-1).contiguous(), lse, weights * grad,
-                       out=torch.empty(x2.shape, dtype=x2.dtype, device=x2.device))
+    dx = softmax_grad_(
+        x2,
+        labels.reshape(-1).contiguous(),
+        lse,
+        weights * grad,
+        out=torch.empty(x2.shape, dtype=x2.dtype, device=x2.device),
+    )
     return dx.view(logits.shape)
 
 
@@ -268,8 +350,9 @@ class _CrossEntropy(torch.autograd.Function):
 
 
 @kernel_op("meshtrain::cross_entropy")
-def _ce_op(logits: torch.Tensor, labels: torch.Tensor,
-           loss_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _ce_op(
+    logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _ce_forward(logits, labels, loss_mask)
 
 
@@ -277,12 +360,21 @@ def _ce_op(logits: torch.Tensor, labels: torch.Tensor,
 def _(logits, labels, loss_mask):
     rows = labels.numel()
     fp32 = {"dtype": torch.float32}
-    return logits.new_empty((), **fp32), logits.new_empty(rows, **fp32), logits.new_empty(rows, **fp32)
+    return (
+        logits.new_empty((), **fp32),
+        logits.new_empty(rows, **fp32),
+        logits.new_empty(rows, **fp32),
+    )
 
 
 @kernel_op("meshtrain::cross_entropy_backward")
-def _ce_backward_op(grad: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-                    lse: torch.Tensor) -> torch.Tensor:
+def _ce_backward_op(
+    grad: torch.Tensor,
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    lse: torch.Tensor,
+) -> torch.Tensor:
     return _ce_backward(grad, logits, labels, weights, lse)
 
 
@@ -303,7 +395,9 @@ def _ce_op_backward(ctx, grad, _dlse, _dweights):
 _ce_op.register_autograd(_ce_op_backward, setup_context=_ce_setup)
 
 
-def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+def cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Mean token cross-entropy in fp32, weighted by `loss_mask` when given.
 
     Args:
@@ -320,6 +414,7 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.T
 
 
 # ---- fused output projection + cross_entropy ----
+
 
 def _chunk_rows(rows: int, vocab: int, itemsize: int, chunk_size: int | None) -> int:
     if chunk_size is not None:
@@ -380,12 +475,14 @@ def _linear_ce(hidden, weight, labels, loss_mask, vocab_size, chunk_size, dtype,
     if want_grads:
         grad_w = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
         # padding rows get no gradient; without tokens no row does (no chunk writes it)
-        grad_w[vocab_size if rows else 0:].zero_()
+        grad_w[vocab_size if rows else 0 :].zero_()
     for start in range(0, rows, step):
         end = min(start + step, rows)
         h_c = h2[start:end]
         logits = h_c @ w.t()  # (chunk, vocab)
-        loss_rows, _ = fused_loss_and_grad_(logits, labels1[start:end], weights[start:end] if want_grads else None)
+        loss_rows, _ = fused_loss_and_grad_(
+            logits, labels1[start:end], weights[start:end] if want_grads else None
+        )
         loss += (loss_rows * weights[start:end]).sum()
         if want_grads:
             # logits now hold dlogits = (softmax - one_hot) * row weight
@@ -404,11 +501,17 @@ def _scale_grads(ctx, grad, grad_h, grad_w, in_place: bool):
     shape, dtype = ctx.hidden_meta
     dh = dw = None
     if ctx.needs_input_grad[0]:
-        dh = torch.mul(grad_h, grad, out=torch.empty(grad_h.shape, dtype=dtype, device=grad_h.device))
+        dh = torch.mul(
+            grad_h, grad, out=torch.empty(grad_h.shape, dtype=dtype, device=grad_h.device)
+        )
         dh = dh.view(shape)
     if ctx.needs_input_grad[1]:
         if ctx.weight_dtype != torch.float32:
-            dw = torch.mul(grad_w, grad, out=torch.empty(grad_w.shape, dtype=ctx.weight_dtype, device=grad_w.device))
+            dw = torch.mul(
+                grad_w,
+                grad,
+                out=torch.empty(grad_w.shape, dtype=ctx.weight_dtype, device=grad_w.device),
+            )
         else:
             dw = grad_w.mul_(grad) if in_place else grad_w * grad
     return dh, dw
@@ -417,8 +520,9 @@ def _scale_grads(ctx, grad, grad_h, grad_w, in_place: bool):
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, loss_mask, vocab_size, chunk_size):
-        loss, grad_h, grad_w = _linear_ce(hidden, weight, labels, loss_mask, vocab_size, chunk_size,
-                                          compute_dtype(hidden), True)
+        loss, grad_h, grad_w = _linear_ce(
+            hidden, weight, labels, loss_mask, vocab_size, chunk_size, compute_dtype(hidden), True
+        )
         ctx.save_for_backward(grad_h, grad_w)
         ctx.hidden_meta = (hidden.shape, hidden.dtype)
         ctx.weight_dtype = weight.dtype
@@ -431,12 +535,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 
 @kernel_op("meshtrain::linear_cross_entropy")
-def _lce_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None,
-            vocab_size: int, chunk_size: int | None, compute_dtype: torch.dtype,
-            want_grads: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _lce_op(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    loss_mask: torch.Tensor | None,
+    vocab_size: int,
+    chunk_size: int | None,
+    compute_dtype: torch.dtype,
+    want_grads: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, grad_hidden, grad_weight); without `want_grads` the gradients are empty (0,) tensors."""
-    loss, grad_h, grad_w = _linear_ce(hidden, weight, labels, loss_mask, vocab_size, chunk_size,
-                                      compute_dtype, want_grads)
+    loss, grad_h, grad_w = _linear_ce(
+        hidden, weight, labels, loss_mask, vocab_size, chunk_size, compute_dtype, want_grads
+    )
     if not want_grads:
         grad_h, grad_w = hidden.new_empty(0), hidden.new_empty(0)  # outputs may not alias
     return loss, grad_h, grad_w
@@ -448,8 +560,11 @@ def _(hidden, weight, labels, loss_mask, vocab_size, chunk_size, compute_dtype, 
     if not want_grads:
         return loss, hidden.new_empty(0), hidden.new_empty(0)
     tokens = math.prod(hidden.shape[:-1])
-    return (loss, hidden.new_empty((tokens, hidden.shape[-1]), dtype=compute_dtype),
-            weight.new_empty(weight.shape, dtype=torch.float32))
+    return (
+        loss,
+        hidden.new_empty((tokens, hidden.shape[-1]), dtype=compute_dtype),
+        weight.new_empty(weight.shape, dtype=torch.float32),
+    )
 
 
 def _lce_setup(ctx, inputs, output):
@@ -468,8 +583,13 @@ _lce_op.register_autograd(_lce_op_backward, setup_context=_lce_setup)
 
 
 def linear_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-    loss_mask: torch.Tensor | None = None, vocab_size: int | None = None, *, chunk_size: int | None = None,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    loss_mask: torch.Tensor | None = None,
+    vocab_size: int | None = None,
+    *,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Output projection followed by cross-entropy; rows of `weight` past `vocab_size` are padding.
 
@@ -488,13 +608,24 @@ def linear_cross_entropy(
     if not 0 < vocab_size <= weight.shape[0]:
         # more than the weight's rows: labels past its last row would find no logit and give a
         # silently wrong loss (logsumexp alone), not an error
-        raise ValueError(f"linear_cross_entropy: vocab_size {vocab_size} outside 1..{weight.shape[0]}, "
-                         f"the output weight's rows ({tuple(weight.shape)})")
+        raise ValueError(
+            f"linear_cross_entropy: vocab_size {vocab_size} outside 1..{weight.shape[0]}, "
+            f"the output weight's rows ({tuple(weight.shape)})"
+        )
     want_grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     if torch.compiler.is_compiling():
-        return _lce_op(hidden, weight, labels, loss_mask, vocab_size, chunk_size, compute_dtype(hidden),
-                       want_grads)[0]
+        return _lce_op(
+            hidden,
+            weight,
+            labels,
+            loss_mask,
+            vocab_size,
+            chunk_size,
+            compute_dtype(hidden),
+            want_grads,
+        )[0]
     if not want_grads:
-        return _linear_ce(hidden, weight, labels, loss_mask, vocab_size, chunk_size, compute_dtype(hidden),
-                          False)[0]
+        return _linear_ce(
+            hidden, weight, labels, loss_mask, vocab_size, chunk_size, compute_dtype(hidden), False
+        )[0]
     return _LinearCrossEntropy.apply(hidden, weight, labels, loss_mask, vocab_size, chunk_size)

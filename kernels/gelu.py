@@ -74,6 +74,7 @@ class _GELU(torch.autograd.Function):
 
 # ---- the same launchers as custom ops, for torch.compile ----
 
+
 @kernel_op("meshtrain::gelu")
 def _gelu_op(x: torch.Tensor) -> torch.Tensor:
     return _forward(x)

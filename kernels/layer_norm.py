@@ -35,12 +35,29 @@ from meshtrain.kernels._launch import (
 )
 
 
-@triton.autotune(configs=row_configs(backward=False), key=["n_cols", "row_bucket"],
-                 prune_configs_by={"early_config_prune": prune_row_configs(backward=False)})
+@triton.autotune(
+    configs=row_configs(backward=False),
+    key=["n_cols", "row_bucket"],
+    prune_configs_by={"early_config_prune": prune_row_configs(backward=False)},
+)
 @triton.jit
 def _layer_norm_fwd(
-    x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, x_stride, y_stride, n_rows, n_cols, row_bucket, eps,
-    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, EVEN_COLS: tl.constexpr, INT64: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    mean_ptr,
+    rstd_ptr,
+    x_stride,
+    y_stride,
+    n_rows,
+    n_cols,
+    row_bucket,
+    eps,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    EVEN_COLS: tl.constexpr,
+    INT64: tl.constexpr,
     ROWS: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -53,7 +70,9 @@ def _layer_norm_fwd(
         mask = row_ok[:, None]
     else:
         mask = row_ok[:, None] & cols_ok[None, :]
-    x = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0).to(
+        tl.float32
+    )
     mean = tl.sum(x, axis=1) / n_cols
     # two-pass variance (centre first): E[x^2] - mean^2 cancels badly when |mean| >> std
     xc = x - mean[:, None]
@@ -67,16 +86,37 @@ def _layer_norm_fwd(
         y += tl.load(b_ptr + cols, mask=cols_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(mean_ptr + rows, mean, mask=row_ok)
     tl.store(rstd_ptr + rows, rstd, mask=row_ok)
-    tl.store(y_ptr + rows[:, None] * y_stride + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        y_ptr + rows[:, None] * y_stride + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask
+    )
 
 
-@triton.autotune(configs=row_configs(backward=True), key=["n_cols", "row_bucket"],
-                 prune_configs_by={"early_config_prune": prune_row_configs(backward=True)})
+@triton.autotune(
+    configs=row_configs(backward=True),
+    key=["n_cols", "row_bucket"],
+    prune_configs_by={"early_config_prune": prune_row_configs(backward=True)},
+)
 @triton.jit
 def _layer_norm_bwd(
-    dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, db_partial_ptr,
-    dy_stride, x_stride, dx_stride, n_rows, n_cols, row_bucket, rows_per_program,
-    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, EVEN_COLS: tl.constexpr, INT64: tl.constexpr,
+    dy_ptr,
+    x_ptr,
+    w_ptr,
+    mean_ptr,
+    rstd_ptr,
+    dx_ptr,
+    dw_partial_ptr,
+    db_partial_ptr,
+    dy_stride,
+    x_stride,
+    dx_stride,
+    n_rows,
+    n_cols,
+    row_bucket,
+    rows_per_program,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    EVEN_COLS: tl.constexpr,
+    INT64: tl.constexpr,
     ROWS: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -97,9 +137,15 @@ def _layer_norm_bwd(
     for start in range(0, rows_per_program, ROWS):
         x, dy = x_next.to(tl.float32), dy_next.to(tl.float32)
         mean, rstd = mean_next[:, None], rstd_next[:, None]
-        rows_after, mask_after = _row_tile(first + start + ROWS, end, cols_ok, ROWS, EVEN_COLS, INT64)
-        x_next = tl.load(x_ptr + rows_after[:, None] * x_stride + cols[None, :], mask=mask_after, other=0.0)
-        dy_next = tl.load(dy_ptr + rows_after[:, None] * dy_stride + cols[None, :], mask=mask_after, other=0.0)
+        rows_after, mask_after = _row_tile(
+            first + start + ROWS, end, cols_ok, ROWS, EVEN_COLS, INT64
+        )
+        x_next = tl.load(
+            x_ptr + rows_after[:, None] * x_stride + cols[None, :], mask=mask_after, other=0.0
+        )
+        dy_next = tl.load(
+            dy_ptr + rows_after[:, None] * dy_stride + cols[None, :], mask=mask_after, other=0.0
+        )
         mean_next = tl.load(mean_ptr + rows_after, mask=rows_after < end, other=0.0)
         rstd_next = tl.load(rstd_ptr + rows_after, mask=rows_after < end, other=0.0)
         # masked lanes: x = 0 gives -mean * rstd, kept out of the sums below (dy and w are 0
@@ -110,7 +156,11 @@ def _layer_norm_bwd(
         c1 = (tl.sum(x_hat * wdy, axis=1) / n_cols)[:, None]
         c2 = (tl.sum(wdy, axis=1) / n_cols)[:, None]
         dx = (wdy - x_hat * c1 - c2) * rstd
-        tl.store(dx_ptr + rows[:, None] * dx_stride + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(
+            dx_ptr + rows[:, None] * dx_stride + cols[None, :],
+            dx.to(dx_ptr.dtype.element_ty),
+            mask=mask,
+        )
         dw += tl.sum(dy * x_hat, axis=0)
         if HAS_BIAS:
             db += tl.sum(dy, axis=0)
@@ -126,17 +176,33 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, e
     rows, n = x2.shape
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None and t.shape != (n,):  # the kernel reads `n` values by index
-            raise ValueError(f"layer_norm: {name} of shape {tuple(t.shape)} for x of shape {tuple(x.shape)}; "
-                             f"it must be ({n},)")
+            raise ValueError(
+                f"layer_norm: {name} of shape {tuple(t.shape)} for x of shape {tuple(x.shape)}; "
+                f"it must be ({n},)"
+            )
     weight = weight.contiguous()
     y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     mean = torch.empty(rows, dtype=torch.float32, device=x.device)
     rstd = torch.empty_like(mean)
     block = row_block(n)
     wrap_triton(_layer_norm_fwd)[lambda meta: (triton.cdiv(rows, meta["ROWS"]),)](
-        x2, weight, weight if bias is None else bias.contiguous(), y, mean, rstd, x2.stride(0), y.stride(0),
-        rows, n, row_bucket(rows), eps,
-        HAS_BIAS=bias is not None, BLOCK=block, EVEN_COLS=block == n, INT64=needs_int64(x2, y))
+        x2,
+        weight,
+        weight if bias is None else bias.contiguous(),
+        y,
+        mean,
+        rstd,
+        x2.stride(0),
+        y.stride(0),
+        rows,
+        n,
+        row_bucket(rows),
+        eps,
+        HAS_BIAS=bias is not None,
+        BLOCK=block,
+        EVEN_COLS=block == n,
+        INT64=needs_int64(x2, y),
+    )
     return y.view(x.shape), mean, rstd
 
 
@@ -151,9 +217,26 @@ def _backward(dy, x, weight, mean, rstd, bias_dtype: torch.dtype | None):
     dw_partial = torch.empty((programs, n), dtype=torch.float32, device=x2.device)
     db_partial = torch.empty_like(dw_partial) if has_bias else dw_partial
     wrap_triton(_layer_norm_bwd)[(programs,)](
-        dy2, x2, weight.contiguous(), mean, rstd, dx, dw_partial, db_partial, dy2.stride(0), x2.stride(0),
-        dx.stride(0), rows, n, row_bucket(rows), per_program,
-        HAS_BIAS=has_bias, BLOCK=block, EVEN_COLS=block == n, INT64=needs_int64(dy2, x2, dx))
+        dy2,
+        x2,
+        weight.contiguous(),
+        mean,
+        rstd,
+        dx,
+        dw_partial,
+        db_partial,
+        dy2.stride(0),
+        x2.stride(0),
+        dx.stride(0),
+        rows,
+        n,
+        row_bucket(rows),
+        per_program,
+        HAS_BIAS=has_bias,
+        BLOCK=block,
+        EVEN_COLS=block == n,
+        INT64=needs_int64(dy2, x2, dx),
+    )
     dw, db = column_sums(dw_partial, weight.dtype, db_partial if has_bias else None, bias_dtype)
     return dx.view(x.shape), dw, db
 
@@ -175,29 +258,44 @@ class _LayerNorm(torch.autograd.Function):
 
 # ---- the same launchers as custom ops, for torch.compile ----
 
+
 @kernel_op("meshtrain::layer_norm")
-def _layer_norm_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                   eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _layer_norm_op(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _forward(x, weight, bias, eps)
 
 
 @_layer_norm_op.register_fake
 def _(x, weight, bias, eps):
     rows = math.prod(x.shape[:-1])
-    return x.new_empty(x.shape), x.new_empty(rows, dtype=torch.float32), x.new_empty(rows, dtype=torch.float32)
+    return (
+        x.new_empty(x.shape),
+        x.new_empty(rows, dtype=torch.float32),
+        x.new_empty(rows, dtype=torch.float32),
+    )
 
 
 @kernel_op("meshtrain::layer_norm_backward")
-def _layer_norm_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor,
-                            rstd: torch.Tensor, bias_dtype: torch.dtype | None,
-                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _layer_norm_backward_op(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    bias_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dx, dw, db = _backward(dy, x, weight, mean, rstd, bias_dtype)
     return dx, dw, dw.new_empty(0) if db is None else db  # an op returns tensors: empty for no bias
 
 
 @_layer_norm_backward_op.register_fake
 def _(dy, x, weight, mean, rstd, bias_dtype):
-    db = weight.new_empty(0) if bias_dtype is None else weight.new_empty(weight.shape, dtype=bias_dtype)
+    db = (
+        weight.new_empty(0)
+        if bias_dtype is None
+        else weight.new_empty(weight.shape, dtype=bias_dtype)
+    )
     return x.new_empty(x.shape), torch.empty_like(weight), db
 
 
@@ -216,7 +314,9 @@ def _op_backward(ctx, dy, _dmean, _drstd):
 _layer_norm_op.register_autograd(_op_backward, setup_context=_setup)
 
 
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+def layer_norm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
+) -> torch.Tensor:
     """LayerNorm over the last dim with affine weight and optional bias, statistics in fp32.
 
     Args:

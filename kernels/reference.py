@@ -37,7 +37,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (y * _acc(weight)).to(x.dtype)
 
 
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+def layer_norm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
+) -> torch.Tensor:
     """LayerNorm over the last dim with affine weight and optional bias."""
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
@@ -53,9 +55,13 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def rope_cos_sin(seq_len: int, head_dim: int, base: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    seq_len: int, head_dim: int, base: float, device=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables for rotary embeddings, each (seq_len, head_dim), in fp32."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    inv_freq = 1.0 / (
+        base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    )
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)  # (seq, head_dim): halves share frequencies
     return angles.cos(), angles.sin()
@@ -73,7 +79,9 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return (_acc(x) * cos + _acc(rotated) * sin).to(x.dtype)
 
 
-def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+def cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Mean token cross-entropy in fp32, weighted by `loss_mask` when given.
 
     Args:
@@ -89,8 +97,13 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.T
 
 
 def linear_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-    loss_mask: torch.Tensor | None = None, vocab_size: int | None = None, *, ce=None,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    loss_mask: torch.Tensor | None = None,
+    vocab_size: int | None = None,
+    *,
+    ce=None,
 ) -> torch.Tensor:
     """Output projection followed by cross-entropy; rows of `weight` past `vocab_size` are padding.
 
@@ -124,18 +137,23 @@ def _fold_kv(g: torch.Tensor, groups: int) -> torch.Tensor:
     return g if h == groups else g.view(b, groups, h // groups, s, d).sum(2)
 
 
-def _attention_scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float | None) -> torch.Tensor:
+def _attention_scores(
+    q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float | None
+) -> torch.Tensor:
     """fp32 (b, heads, sq, sk) scaled scores, -inf above the diagonal when causal (sq == sk)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     s = torch.matmul(_acc(q), _acc(_expand_kv(k, q.shape[1])).transpose(-1, -2)) * scale
     if causal:
         sq, sk = s.shape[-2:]
-        s = s.masked_fill(torch.ones(sq, sk, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+        s = s.masked_fill(
+            torch.ones(sq, sk, dtype=torch.bool, device=s.device).triu(1), float("-inf")
+        )
     return s
 
 
-def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                  scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one block that also returns its row log-sum-exp, the quantity two blocks'
     partial outputs are merged by (context parallelism). Materializes the (sq, sk) scores in
     fp32: the specification, not a kernel.
@@ -154,9 +172,16 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     return out.to(q.dtype), lse
 
 
-def attention_lse_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           out: torch.Tensor, lse: torch.Tensor, causal: bool,
-                           scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def attention_lse_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one block given the *final* output and log-sum-exp of its query rows.
 
     With `out` and `lse` of the whole attention (every key block merged), the result is this

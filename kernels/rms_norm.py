@@ -41,18 +41,34 @@ from meshtrain.kernels._launch import (
     wrap_triton,
 )
 
-
 BACKWARD_PROGRAMS_PER_SM = 2
 """Programs per SM of the backward kernel. In an H200 sweep of interleaved backward loops, two
 were as fast as four or faster at hidden 2048-4096 (BENCHMARKS.md, kernels "Sixth run");
 LayerNorm keeps contiguous runs at `_launch.REDUCTION_PROGRAMS_PER_SM`."""
 
 
-@triton.autotune(configs=row_configs(backward=False), key=["n_cols", "row_bucket"],
-                 prune_configs_by={"early_config_prune": prune_row_configs(backward=False)})
+@triton.autotune(
+    configs=row_configs(backward=False),
+    key=["n_cols", "row_bucket"],
+    prune_configs_by={"early_config_prune": prune_row_configs(backward=False)},
+)
 @triton.jit
-def _rms_norm_fwd(x_ptr, w_ptr, y_ptr, rstd_ptr, x_stride, y_stride, n_rows, n_cols, row_bucket, eps,
-                  BLOCK: tl.constexpr, EVEN_COLS: tl.constexpr, INT64: tl.constexpr, ROWS: tl.constexpr):
+def _rms_norm_fwd(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    rstd_ptr,
+    x_stride,
+    y_stride,
+    n_rows,
+    n_cols,
+    row_bucket,
+    eps,
+    BLOCK: tl.constexpr,
+    EVEN_COLS: tl.constexpr,
+    INT64: tl.constexpr,
+    ROWS: tl.constexpr,
+):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     if INT64:
         rows = rows.to(tl.int64)
@@ -64,21 +80,42 @@ def _rms_norm_fwd(x_ptr, w_ptr, y_ptr, rstd_ptr, x_stride, y_stride, n_rows, n_c
     else:
         mask = row_ok[:, None] & (cols < n_cols)[None, :]
         w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-    x = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0).to(
+        tl.float32
+    )
     # eps in fp32 (Inductor passes it as fp64: kernels/layer_norm.py)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + tl.cast(eps, tl.float32))  # (ROWS,)
     tl.store(rstd_ptr + rows, rstd, mask=row_ok)
     y = x * rstd[:, None] * w[None, :]
-    tl.store(y_ptr + rows[:, None] * y_stride + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        y_ptr + rows[:, None] * y_stride + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask
+    )
 
 
-@triton.autotune(configs=row_configs(backward=True), key=["n_cols", "row_bucket"],
-                 prune_configs_by={"early_config_prune": prune_row_configs(backward=True)})
+@triton.autotune(
+    configs=row_configs(backward=True),
+    key=["n_cols", "row_bucket"],
+    prune_configs_by={"early_config_prune": prune_row_configs(backward=True)},
+)
 @triton.jit
 def _rms_norm_bwd(
-    dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, dy_stride, x_stride, dx_stride,
-    n_rows, n_cols, row_bucket, rows_per_program,
-    BLOCK: tl.constexpr, EVEN_COLS: tl.constexpr, INT64: tl.constexpr, ROWS: tl.constexpr,
+    dy_ptr,
+    x_ptr,
+    w_ptr,
+    rstd_ptr,
+    dx_ptr,
+    dw_partial_ptr,
+    dy_stride,
+    x_stride,
+    dx_stride,
+    n_rows,
+    n_cols,
+    row_bucket,
+    rows_per_program,
+    BLOCK: tl.constexpr,
+    EVEN_COLS: tl.constexpr,
+    INT64: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -97,33 +134,59 @@ def _rms_norm_bwd(
     rstd_next = tl.load(rstd_ptr + rows, mask=rows < n_rows, other=0.0)
     for start in range(0, rows_per_program, ROWS):
         x, dy, rstd = x_next.to(tl.float32), dy_next.to(tl.float32), rstd_next[:, None]
-        rows_after, mask_after = _row_tile_interleaved(start + ROWS, n_rows, cols_ok, ROWS, EVEN_COLS, INT64)
-        x_next = tl.load(x_ptr + rows_after[:, None] * x_stride + cols[None, :], mask=mask_after, other=0.0)
-        dy_next = tl.load(dy_ptr + rows_after[:, None] * dy_stride + cols[None, :], mask=mask_after, other=0.0)
+        rows_after, mask_after = _row_tile_interleaved(
+            start + ROWS, n_rows, cols_ok, ROWS, EVEN_COLS, INT64
+        )
+        x_next = tl.load(
+            x_ptr + rows_after[:, None] * x_stride + cols[None, :], mask=mask_after, other=0.0
+        )
+        dy_next = tl.load(
+            dy_ptr + rows_after[:, None] * dy_stride + cols[None, :], mask=mask_after, other=0.0
+        )
         rstd_next = tl.load(rstd_ptr + rows_after, mask=rows_after < n_rows, other=0.0)
         x_hat = x * rstd
         wdy = w[None, :] * dy
         # d/dx of x*rstd: the rstd term plus the term through mean(x^2)
         dx = rstd * (wdy - x_hat * (tl.sum(x_hat * wdy, axis=1) / n_cols)[:, None])
-        tl.store(dx_ptr + rows[:, None] * dx_stride + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(
+            dx_ptr + rows[:, None] * dx_stride + cols[None, :],
+            dx.to(dx_ptr.dtype.element_ty),
+            mask=mask,
+        )
         dw += tl.sum(dy * x_hat, axis=0)
         rows, mask = rows_after, mask_after
     tl.store(dw_partial_ptr + pid * n_cols + cols, dw, mask=cols_ok)
 
 
-def _forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(
+    x: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(y shaped like x, contiguous; rstd (rows,) fp32)."""
     x2 = as_rows(x)
     rows, n = x2.shape
     if weight.shape != (n,):  # the kernel reads `n` weights by index, past a shorter one's end
-        raise ValueError(f"rms_norm: weight of shape {tuple(weight.shape)} for x of shape {tuple(x.shape)}; "
-                         f"it must be ({n},)")
+        raise ValueError(
+            f"rms_norm: weight of shape {tuple(weight.shape)} for x of shape {tuple(x.shape)}; "
+            f"it must be ({n},)"
+        )
     y = torch.empty((rows, n), dtype=x2.dtype, device=x2.device)
     rstd = torch.empty(rows, dtype=torch.float32, device=x2.device)
     block = row_block(n)
     wrap_triton(_rms_norm_fwd)[lambda meta: (triton.cdiv(rows, meta["ROWS"]),)](
-        x2, weight.contiguous(), y, rstd, x2.stride(0), y.stride(0), rows, n, row_bucket(rows), eps,
-        BLOCK=block, EVEN_COLS=block == n, INT64=needs_int64(x2, y))
+        x2,
+        weight.contiguous(),
+        y,
+        rstd,
+        x2.stride(0),
+        y.stride(0),
+        rows,
+        n,
+        row_bucket(rows),
+        eps,
+        BLOCK=block,
+        EVEN_COLS=block == n,
+        INT64=needs_int64(x2, y),
+    )
     return y.view(x.shape), rstd
 
 
@@ -136,8 +199,23 @@ def _backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: tor
     programs, per_program = reduction_programs(rows, x2.device, BACKWARD_PROGRAMS_PER_SM)
     partial = torch.empty((programs, n), dtype=torch.float32, device=x2.device)
     wrap_triton(_rms_norm_bwd)[(programs,)](
-        dy2, x2, weight.contiguous(), rstd, dx, partial, dy2.stride(0), x2.stride(0), dx.stride(0),
-        rows, n, row_bucket(rows), per_program, BLOCK=block, EVEN_COLS=block == n, INT64=needs_int64(dy2, x2, dx))
+        dy2,
+        x2,
+        weight.contiguous(),
+        rstd,
+        dx,
+        partial,
+        dy2.stride(0),
+        x2.stride(0),
+        dx.stride(0),
+        rows,
+        n,
+        row_bucket(rows),
+        per_program,
+        BLOCK=block,
+        EVEN_COLS=block == n,
+        INT64=needs_int64(dy2, x2, dx),
+    )
     return dx.view(x.shape), column_sums(partial, weight.dtype)[0]
 
 
@@ -157,8 +235,11 @@ class _RMSNorm(torch.autograd.Function):
 
 # ---- the same launchers as custom ops, for torch.compile ----
 
+
 @kernel_op("meshtrain::rms_norm")
-def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _rms_norm_op(
+    x: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     return _forward(x, weight, eps)
 
 
@@ -168,8 +249,9 @@ def _(x, weight, eps):
 
 
 @kernel_op("meshtrain::rms_norm_backward")
-def _rms_norm_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                          rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _rms_norm_backward_op(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     return _backward(dy, x, weight, rstd)
 
 

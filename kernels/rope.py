@@ -43,21 +43,46 @@ def _prune(configs, named_args, **kwargs):
     for c in configs:
         pos = c.kwargs["POS"]
         tile = pos * block_h * block_d
-        if (pos <= row_bucket(seq) and 1024 <= tile <= 16384 and 4 <= tile // (32 * c.num_warps) <= 64
-                and (pos, c.num_warps) != (default.kwargs["POS"], default.num_warps)):
+        if (
+            pos <= row_bucket(seq)
+            and 1024 <= tile <= 16384
+            and 4 <= tile // (32 * c.num_warps) <= 64
+            and (pos, c.num_warps) != (default.kwargs["POS"], default.num_warps)
+        ):
             keep.append(c)
     return keep
 
 
-_configs = [triton.Config({"POS": p}, num_warps=w) for p in (1, 2, 4, 8, 16, 32, 64) for w in (2, 4, 8, 16)]
+_configs = [
+    triton.Config({"POS": p}, num_warps=w) for p in (1, 2, 4, 8, 16, 32, 64) for w in (2, 4, 8, 16)
+]
 
 
-@triton.autotune(configs=_configs, key=["seq_bucket", "n_heads", "half"], prune_configs_by={"early_config_prune": _prune})
+@triton.autotune(
+    configs=_configs,
+    key=["seq_bucket", "n_heads", "half"],
+    prune_configs_by={"early_config_prune": _prune},
+)
 @triton.jit
 def _rope_kernel(
-    x_ptr, cos_ptr, sin_ptr, y_ptr,
-    x_sb, x_sh, x_ss, y_sb, y_sh, y_ss, seq, seq_bucket, n_heads, half,
-    BACKWARD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, POS: tl.constexpr,
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    y_ptr,
+    x_sb,
+    x_sh,
+    x_ss,
+    y_sb,
+    y_sh,
+    y_ss,
+    seq,
+    seq_bucket,
+    n_heads,
+    half,
+    BACKWARD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    POS: tl.constexpr,
 ):
     # a tile of POS positions x every head, flattened to (POS * BLOCK_H, BLOCK_D) rows
     r = tl.arange(0, POS * BLOCK_H)
@@ -92,8 +117,23 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: boo
     y = torch.empty((b, h, s, d), dtype=x.dtype, device=x.device)
     block_h, block_d = triton.next_power_of_2(h), triton.next_power_of_2(d // 2)
     wrap_triton(_rope_kernel)[lambda meta: (triton.cdiv(s, meta["POS"]), b)](
-        x, cos, sin, y, x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2),
-        s, row_bucket(s), h, d // 2, BACKWARD=backward, BLOCK_H=block_h, BLOCK_D=block_d,
+        x,
+        cos,
+        sin,
+        y,
+        x.stride(0),
+        x.stride(1),
+        x.stride(2),
+        y.stride(0),
+        y.stride(1),
+        y.stride(2),
+        s,
+        row_bucket(s),
+        h,
+        d // 2,
+        BACKWARD=backward,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
     )
     return y
 
@@ -112,6 +152,7 @@ class _RoPE(torch.autograd.Function):
 
 
 # ---- the same launcher as custom ops, for torch.compile ----
+
 
 @kernel_op("meshtrain::rope")
 def _rope_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -155,9 +196,16 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     Returns:
         (batch, heads, seq, head_dim), contiguous, in x's dtype.
     """
-    if x.dim() != 4 or x.shape[-1] % 2 or cos.shape != (x.shape[2], x.shape[3]) or sin.shape != cos.shape:
-        raise ValueError(f"rope needs x (b, h, s, even d) and cos/sin (s, d); got {tuple(x.shape)}, "
-                         f"{tuple(cos.shape)}, {tuple(sin.shape)}")
+    if (
+        x.dim() != 4
+        or x.shape[-1] % 2
+        or cos.shape != (x.shape[2], x.shape[3])
+        or sin.shape != cos.shape
+    ):
+        raise ValueError(
+            f"rope needs x (b, h, s, even d) and cos/sin (s, d); got {tuple(x.shape)}, "
+            f"{tuple(cos.shape)}, {tuple(sin.shape)}"
+        )
     if torch.compiler.is_compiling():
         return _rope_op(x, cos, sin)
     return _RoPE.apply(x, cos, sin)

@@ -42,7 +42,9 @@ def _swiglu_fwd(gu_ptr, y_ptr, gu_stride, y_stride, width, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_bwd(dy_ptr, gu_ptr, dgu_ptr, dy_stride, gu_stride, dgu_stride, width, BLOCK: tl.constexpr):
+def _swiglu_bwd(
+    dy_ptr, gu_ptr, dgu_ptr, dy_stride, gu_stride, dgu_stride, width, BLOCK: tl.constexpr
+):
     row, cols = _row_and_cols(width, BLOCK)
     mask = cols < width
     gate = tl.load(gu_ptr + row * gu_stride + cols, mask=mask, other=0.0).to(tl.float32)
@@ -53,7 +55,11 @@ def _swiglu_bwd(dy_ptr, gu_ptr, dgu_ptr, dy_stride, gu_stride, dgu_stride, width
     # silu'(g) = s + g s (1 - s)
     dgate = dy * up * s * (1.0 + gate * (1.0 - s))
     tl.store(dgu_ptr + row * dgu_stride + cols, dgate.to(dgu_ptr.dtype.element_ty), mask=mask)
-    tl.store(dgu_ptr + row * dgu_stride + width + cols, (dy * silu).to(dgu_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        dgu_ptr + row * dgu_stride + width + cols,
+        (dy * silu).to(dgu_ptr.dtype.element_ty),
+        mask=mask,
+    )
 
 
 def _block(width: int) -> int:
@@ -68,7 +74,8 @@ def _forward(gate_up: torch.Tensor) -> torch.Tensor:
     y = torch.empty((rows, width), dtype=gu.dtype, device=gu.device)
     block = _block(width)
     wrap_triton(_swiglu_fwd)[(rows * triton.cdiv(width, block),)](
-        gu, y, gu.stride(0), y.stride(0), width, BLOCK=block, num_warps=4)
+        gu, y, gu.stride(0), y.stride(0), width, BLOCK=block, num_warps=4
+    )
     return y.view(*gate_up.shape[:-1], width)
 
 
@@ -78,7 +85,8 @@ def _backward(dy: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     dgu = torch.empty((rows, 2 * width), dtype=gu.dtype, device=gu.device)
     block = _block(width)
     wrap_triton(_swiglu_bwd)[(rows * triton.cdiv(width, block),)](
-        dy2, gu, dgu, dy2.stride(0), gu.stride(0), dgu.stride(0), width, BLOCK=block, num_warps=4)
+        dy2, gu, dgu, dy2.stride(0), gu.stride(0), dgu.stride(0), width, BLOCK=block, num_warps=4
+    )
     return dgu.view(gate_up.shape)
 
 
@@ -95,6 +103,7 @@ class _SwiGLU(torch.autograd.Function):
 
 
 # ---- the same launchers as custom ops, for torch.compile ----
+
 
 @kernel_op("meshtrain::swiglu")
 def _swiglu_op(gate_up: torch.Tensor) -> torch.Tensor:

@@ -105,7 +105,11 @@ _EXPORTS = {
     "DataError": "meshtrain.services.common.errors",
     "CheckpointError": "meshtrain.services.common.errors",
 }
-_RENAMED = {"apply_recompute": "apply", "start_data_worker": "start_server", "start_checkpoint_service": "start_server"}
+_RENAMED = {
+    "apply_recompute": "apply",
+    "start_data_worker": "start_server",
+    "start_checkpoint_service": "start_server",
+}
 
 __all__ = sorted(_EXPORTS)
 

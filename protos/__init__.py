@@ -9,5 +9,7 @@ grpcio >= 1.84 and protobuf >= 7.35. Only each service's `rpc/` imports them.
 """
 
 if __name__ != "meshtrain.protos":  # one name per file: this folder installs as meshtrain.protos
-    raise ImportError(f"import meshtrain.protos{__name__[len('protos'):]}, not {__name__}: the repository's "
-                      "protos/ folder is the package meshtrain.protos")
+    raise ImportError(
+        f"import meshtrain.protos{__name__[len('protos') :]}, not {__name__}: the repository's "
+        "protos/ folder is the package meshtrain.protos"
+    )

@@ -35,8 +35,10 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     if args.nproc_per_node > 1:
         return launch_local_ranks(args.nproc_per_node, rest, args.grace)
     if args.grace is not None:
-        raise ConfigError("--grace applies to the ranks of --nproc-per-node N > 1 only "
-                          "(one process is stopped by SIGTERM directly)")
+        raise ConfigError(
+            "--grace applies to the ranks of --nproc-per-node N > 1 only "
+            "(one process is stopped by SIGTERM directly)"
+        )
     job = load_config(rest)  # validate before anything starts
     result = train(job, until_exit=True)  # the process ends with the run: a late SIGTERM is logged
     if result.rank != 0:
@@ -50,8 +52,10 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
         print(f"loss curve    : {result.plot}")
     print(f"checkpoint    : {result.checkpoint}")
     if steps:
-        print(f"loss          : {result.losses[steps[0]]:.4f} at step {steps[0]} -> "
-              f"{result.losses[steps[-1]]:.4f} at step {steps[-1]}")
+        print(
+            f"loss          : {result.losses[steps[0]]:.4f} at step {steps[0]} -> "
+            f"{result.losses[steps[-1]]:.4f} at step {steps[-1]}"
+        )
     if result.eval_losses:
         last = max(result.eval_losses)
         print(f"eval loss     : {result.eval_losses[last]:.4f} at step {last}")
@@ -99,19 +103,34 @@ TRAIN_FIRST_OPTIONS = """the options most runs set first (--help-config lists ev
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="meshtrain", description="Megatron-style GPT training.")
     sub = p.add_subparsers(dest="cmd", required=True)
-    t = sub.add_parser("train", help="train a model (overrides: --section.key=value or Megatron flags)",
-                       description="Train a GPT. Every config key can be overridden as --section.key=value; "
-                                   "see --help-config for the keys and the Megatron-style aliases.",
-                       epilog=TRAIN_FIRST_OPTIONS, formatter_class=argparse.RawDescriptionHelpFormatter)
-    t.add_argument("--help-config", action="store_true", help="list every config key and alias, then exit")
-    t.add_argument("--nproc-per-node", type=int, default=1,
-                   help="run this many local ranks, each a child process with torchrun's environment; "
-                        "SIGINT/SIGTERM/SIGHUP reach each rank once as SIGTERM (checkpoint, exit 0), a "
-                        f"rank that fails stops the others (SIGKILL after {FAILURE_GRACE_S:.0f} s); exit 0 "
-                        "only if every rank exited 0. Plain torchrun works too")
-    t.add_argument("--grace", type=float, default=None, metavar="SECONDS",
-                   help="with --nproc-per-node: seconds the ranks get to checkpoint and exit after a stop "
-                        "signal before SIGKILL (default: no limit; a second signal stops them at once)")
+    t = sub.add_parser(
+        "train",
+        help="train a model (overrides: --section.key=value or Megatron flags)",
+        description="Train a GPT. Every config key can be overridden as --section.key=value; "
+        "see --help-config for the keys and the Megatron-style aliases.",
+        epilog=TRAIN_FIRST_OPTIONS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    t.add_argument(
+        "--help-config", action="store_true", help="list every config key and alias, then exit"
+    )
+    t.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=1,
+        help="run this many local ranks, each a child process with torchrun's environment; "
+        "SIGINT/SIGTERM/SIGHUP reach each rank once as SIGTERM (checkpoint, exit 0), a "
+        f"rank that fails stops the others (SIGKILL after {FAILURE_GRACE_S:.0f} s); exit 0 "
+        "only if every rank exited 0. Plain torchrun works too",
+    )
+    t.add_argument(
+        "--grace",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="with --nproc-per-node: seconds the ranks get to checkpoint and exit after a stop "
+        "signal before SIGKILL (default: no limit; a second signal stops them at once)",
+    )
     data_cli.register(sub)
     ckpt_cli.register(sub)
     launcher_cli.register(sub)

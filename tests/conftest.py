@@ -18,7 +18,9 @@ from pathlib import Path
 
 import torch
 
-os.environ.setdefault("MESHTRAIN_CACHE", str(Path(__file__).resolve().parents[1] / ".cache" / "meshtrain"))
+os.environ.setdefault(
+    "MESHTRAIN_CACHE", str(Path(__file__).resolve().parents[1] / ".cache" / "meshtrain")
+)
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

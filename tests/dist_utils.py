@@ -23,14 +23,22 @@ from meshtrain.services.launcher.topology import free_port
 def _entry(fn, rank, world, port, args, queue, store_path):
     # The environment is what torchrun would set (code under test reads it); the rendezvous
     # itself goes through a file, so no TCP port can be taken by another test meanwhile.
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        OMP_NUM_THREADS="1",
+    )
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world
+        )
         result = fn(rank, world, *args)
         # Plain pickle: tensors travel inline, not as shared-memory handles the parent would have
         # to fetch from this process (which may have exited by then).
@@ -41,8 +49,9 @@ def _entry(fn, rank, world, port, args, queue, store_path):
         queue.put((rank, "error", traceback.format_exc()))
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, errors: str = "raise",
-              daemon: bool = True) -> list:
+def run_ranks(
+    fn, world_size: int, *args, timeout: float = 240.0, errors: str = "raise", daemon: bool = True
+) -> list:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; returns results by rank.
 
     errors: "raise" re-raises the first rank error; "return" waits for every rank and returns,
@@ -55,8 +64,12 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, errors: str = 
     port = free_port()
     store_dir = tempfile.mkdtemp(prefix="run_ranks-")
     store_path = os.path.join(store_dir, "store")
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, args, queue, store_path), daemon=daemon)
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_entry, args=(fn, r, world_size, port, args, queue, store_path), daemon=daemon
+        )
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results: dict[int, object] = {}
@@ -66,10 +79,16 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, errors: str = 
                 rank, status, payload = queue.get(timeout=timeout)
             except queue_mod.Empty:
                 missing = sorted(set(range(world_size)) - set(results))
-                raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f} s") from None
+                raise TimeoutError(
+                    f"ranks {missing} did not finish within {timeout:.0f} s"
+                ) from None
             if status == "error" and errors == "raise":
                 raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            results[rank] = {"error": payload, "at": time.monotonic()} if status == "error" else pickle.loads(payload)
+            results[rank] = (
+                {"error": payload, "at": time.monotonic()}
+                if status == "error"
+                else pickle.loads(payload)
+            )
     finally:
         for p in procs:
             p.join(timeout=10)

@@ -25,10 +25,15 @@ def small_disk(path: Path, size_mb: int) -> Iterator[Path]:
     path.mkdir(parents=True, exist_ok=True)
     if os.geteuid() != 0:
         pytest.skip("a full disk is tested on a small tmpfs, and mounting one needs root")
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(path)],
-                             capture_output=True, text=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
     if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs to fill up here: {mounted.stderr.strip() or mounted.returncode}")
+        pytest.skip(
+            f"cannot mount a tmpfs to fill up here: {mounted.stderr.strip() or mounted.returncode}"
+        )
     try:
         yield path
     finally:
@@ -38,7 +43,9 @@ def small_disk(path: Path, size_mb: int) -> Iterator[Path]:
             time.sleep(0.3)
         else:
             detached = subprocess.run(["umount", "-l", str(path)], capture_output=True, text=True)
-            assert detached.returncode == 0, f"cannot unmount the tmpfs on {path}: {detached.stderr.strip()}"
+            assert detached.returncode == 0, (
+                f"cannot unmount the tmpfs on {path}: {detached.stderr.strip()}"
+            )
 
 
 def free_bytes(path: Path) -> int:
@@ -51,7 +58,9 @@ def fill(path: Path, leave: int) -> Path:
     """Allocates a filler file in folder `path` that leaves about `leave` bytes free; returns it."""
     filler = path / "filler"
     size = free_bytes(path) - leave
-    assert size > 0, f"{path} has only {free_bytes(path)} bytes free, less than the {leave} to leave"
+    assert size > 0, (
+        f"{path} has only {free_bytes(path)} bytes free, less than the {leave} to leave"
+    )
     fd = os.open(filler, os.O_CREAT | os.O_WRONLY, 0o644)
     try:
         os.posix_fallocate(fd, 0, size)

@@ -42,7 +42,9 @@ def _wait_while_running(proc, tmp_path: Path, ready, timeout: float) -> None:
     launcher `proc` exits or `timeout` seconds pass first."""
     deadline = time.monotonic() + timeout
     while not ready():
-        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()[-3000:]
+        assert proc.poll() is None and time.monotonic() < deadline, (
+            tmp_path / "stderr"
+        ).read_text()[-3000:]
         time.sleep(0.02)
 
 
@@ -61,8 +63,12 @@ def _both_ranks_started(proc, tmp_path: Path) -> dict[int, int]:
 
 def _steps_logged(proc, tmp_path: Path, metrics: Path, steps: int = 3, timeout: float = 60) -> None:
     """Return once `metrics` (a run's metrics.jsonl) holds `steps` records."""
-    _wait_while_running(proc, tmp_path,
-                        lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= steps, timeout)
+    _wait_while_running(
+        proc,
+        tmp_path,
+        lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= steps,
+        timeout,
+    )
 
 
 def _signal_rank(proc, pid: int, sig: int, timeout: float) -> tuple[int, float]:
@@ -96,8 +102,20 @@ def _launch_two_ranks(tmp_path, cache):
     run = tmp_path / "run"
     args = small_job_args(cache, run, **{"train.train_iters": 100_000, "train.eval_interval": 0})
     with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "meshtrain.services.cli", "train", "--nproc-per-node", "2", *args],
-                                cwd=ROOT, stdout=out, stderr=err)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "meshtrain.services.cli",
+                "train",
+                "--nproc-per-node",
+                "2",
+                *args,
+            ],
+            cwd=ROOT,
+            stdout=out,
+            stderr=err,
+        )
     _steps_logged(proc, tmp_path, run / "metrics.jsonl", timeout=120)
     pids = _rank_pids(proc.pid)
     assert sorted(pids) == [0, 1], pids
@@ -118,13 +136,18 @@ def test_nproc_per_node_sigterm_commits_a_checkpoint_and_exits_0(tmp_path, corpu
     steps = meshtrain("ckpt", "list", run / "checkpoints").stdout.split()
     assert len(steps) == 1 and 3 <= int(steps[0]) < 100_000, (steps, err[-3000:])
     # rank 0's summary reaches the launcher's stdout as it is
-    assert f"checkpoint    : {run / 'checkpoints'}/step_{int(steps[0]):08d}" in (tmp_path / "stdout").read_text()
+    assert (
+        f"checkpoint    : {run / 'checkpoints'}/step_{int(steps[0]):08d}"
+        in (tmp_path / "stdout").read_text()
+    )
     assert all(_gone(pid) for pid in pids.values())
 
 
 @pytest.mark.e2e
 @pytest.mark.dist
-def test_nproc_per_node_sigterm_to_one_rank_stops_all_and_every_rank_names_it(tmp_path, corpus_cache):  # noqa: F811
+def test_nproc_per_node_sigterm_to_one_rank_stops_all_and_every_rank_names_it(
+    tmp_path, corpus_cache
+):  # noqa: F811
     """SIGTERM to rank 1 alone (a node's agent, or a user's `kill`): the ranks agree to stop
     (one checkpoint, exit 0), and each rank's line names the rank and the signal; rank 0 said
     only "another rank's stop request" before."""
@@ -134,7 +157,9 @@ def test_nproc_per_node_sigterm_to_one_rank_stops_all_and_every_rank_names_it(tm
     err = (tmp_path / "stderr").read_text()
     assert code == 0, err[-3000:]
     stops = [line for line in err.splitlines() if "saving a checkpoint after step" in line]
-    assert len(stops) == 2 and all("SIGTERM to rank 1: saving" in line for line in stops), err[-3000:]
+    assert len(stops) == 2 and all("SIGTERM to rank 1: saving" in line for line in stops), err[
+        -3000:
+    ]
     assert len(meshtrain("ckpt", "list", run / "checkpoints").stdout.split()) == 1
     assert all(_gone(pid) for pid in pids.values())
 
@@ -150,7 +175,9 @@ def test_nproc_per_node_rank_that_dies_stops_the_others_and_is_named(tmp_path, c
     err = (tmp_path / "stderr").read_text()
     assert code == 1, err[-3000:]
     errors = _errors(err)
-    assert len(errors) == 1 and re.match(r"meshtrain: error: rank 1 failed \(killed by SIGKILL\)", errors[0]), err[-3000:]
+    assert len(errors) == 1 and re.match(
+        r"meshtrain: error: rank 1 failed \(killed by SIGKILL\)", errors[0]
+    ), err[-3000:]
     assert all(_gone(pid) for pid in pids.values())
 
 
@@ -162,17 +189,36 @@ def test_nproc_per_node_stop_before_training_began_is_a_clean_stop(tmp_path, cor
     launcher counts that as the stop it was asked for, as `meshtrain up` does: exit 0, no
     checkpoint, and a line saying which ranks stopped before training started."""
     run = tmp_path / "run"
-    args = small_job_args(corpus_cache, run, **{"train.train_iters": 100_000, "train.eval_interval": 0})
+    args = small_job_args(
+        corpus_cache, run, **{"train.train_iters": 100_000, "train.eval_interval": 0}
+    )
     with open(tmp_path / "stderr", "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "meshtrain.services.cli", "train", "--nproc-per-node", "2", *args],
-                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "meshtrain.services.cli",
+                "train",
+                "--nproc-per-node",
+                "2",
+                *args,
+            ],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
     pids = _both_ranks_started(proc, tmp_path)
     proc.send_signal(signal.SIGTERM)
     code = proc.wait(timeout=120)
     err = (tmp_path / "stderr").read_text()
     assert code == 0, err[-3000:]
-    assert "rank 0, rank 1 stopped before training started" in err and "error" not in err, err[-3000:]
-    assert not (run / "checkpoints").exists() or not meshtrain("ckpt", "list", run / "checkpoints").stdout.split()
+    assert "rank 0, rank 1 stopped before training started" in err and "error" not in err, err[
+        -3000:
+    ]
+    assert (
+        not (run / "checkpoints").exists()
+        or not meshtrain("ckpt", "list", run / "checkpoints").stdout.split()
+    )
     assert all(_gone(pid) for pid in pids.values())
 
 
@@ -181,8 +227,20 @@ def _two_ranks(tmp_path: Path, args: list[str]):
     """`meshtrain train --nproc-per-node 2 ARGS` running, its stderr in tmp_path/stderr; every
     rank and the launcher are SIGKILLed on the way out (a stopped rank too)."""
     with open(tmp_path / "stderr", "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "meshtrain.services.cli", "train", "--nproc-per-node", "2", *args],
-                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "meshtrain.services.cli",
+                "train",
+                "--nproc-per-node",
+                "2",
+                *args,
+            ],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
     try:
         yield proc
     finally:
@@ -205,10 +263,15 @@ def _rank1_frozen_mid_save(proc, ckpt: Path, rank1: int, limit_s: float = 90.0) 
         step = fresh[0]
         seen.add(step.name)
         os.kill(rank1, signal.SIGSTOP)
-        if not list(step.glob("_fragments/*/writer_00001.json")) and not (step / "manifest.json").exists():
+        if (
+            not list(step.glob("_fragments/*/writer_00001.json"))
+            and not (step / "manifest.json").exists()
+        ):
             return step
         os.kill(rank1, signal.SIGCONT)
-    raise AssertionError(f"no save of {ckpt} caught with rank 1's fragment still unwritten in {limit_s:.0f} s")
+    raise AssertionError(
+        f"no save of {ckpt} caught with rank 1's fragment still unwritten in {limit_s:.0f} s"
+    )
 
 
 @pytest.mark.e2e
@@ -221,20 +284,32 @@ def test_nproc_per_node_rank_killed_mid_save_fails_fast_and_commits_nothing(tmp_
     the save up at once: rank 0 exits 1 by itself within seconds, saying the save of that step
     was abandoned, and the step is not committed (`ckpt list` does not show it)."""
     run, ckpt = tmp_path / "run", tmp_path / "ckpt"
-    args = small_job_args(corpus_cache, run, **{"train.train_iters": 100_000, "train.eval_interval": 0,
-                                               "model.hidden_size": 128, "parallel.tp": 2,
-                                               "checkpoint.save": str(ckpt), "checkpoint.save_interval": 2})
+    args = small_job_args(
+        corpus_cache,
+        run,
+        **{
+            "train.train_iters": 100_000,
+            "train.eval_interval": 0,
+            "model.hidden_size": 128,
+            "parallel.tp": 2,
+            "checkpoint.save": str(ckpt),
+            "checkpoint.save_interval": 2,
+        },
+    )
     with _two_ranks(tmp_path, args) as proc:
         pids = _both_ranks_started(proc, tmp_path)
         step = _rank1_frozen_mid_save(proc, ckpt, pids[1])
         code, took = _signal_rank(proc, pids[1], signal.SIGKILL, 60)
     err, errors = _error_lines(tmp_path)
-    assert code == 1 and errors == ["meshtrain: error: rank 1 failed (killed by SIGKILL), then rank 0 (exit status 1)"], \
-        err[-3000:]
+    assert code == 1 and errors == [
+        "meshtrain: error: rank 1 failed (killed by SIGKILL), then rank 0 (exit status 1)"
+    ], err[-3000:]
     assert took < 10, (took, err[-3000:])
-    assert re.search(rf"save \w+ of step {int(step.name[5:])} under .* abandoned: writers \[1\] had not reported when "
-                     "the run failed", err), \
-        err[-3000:]
+    assert re.search(
+        rf"save \w+ of step {int(step.name[5:])} under .* abandoned: writers \[1\] had not reported when "
+        "the run failed",
+        err,
+    ), err[-3000:]
     committed = meshtrain("ckpt", "list", ckpt).stdout.split()
     assert str(int(step.name[5:])) not in committed, committed
     assert all(_gone(pid) for pid in pids.values())
@@ -243,21 +318,32 @@ def test_nproc_per_node_rank_killed_mid_save_fails_fast_and_commits_nothing(tmp_
 @pytest.mark.slow  # waits out a distributed timeout
 @pytest.mark.e2e
 @pytest.mark.dist
-def test_nproc_per_node_hung_rank_ends_the_job_after_the_distributed_timeout(tmp_path, corpus_cache):  # noqa: F811
+def test_nproc_per_node_hung_rank_ends_the_job_after_the_distributed_timeout(
+    tmp_path, corpus_cache
+):  # noqa: F811
     """Rank 1 SIGSTOPped (a hung peer: its connections stay open, so nothing fails at once):
     rank 0's next collective raises after parallel.distributed_timeout_minutes (here 6 s), it
     exits 1 and the launcher SIGKILLs the hung rank 15 s later. The tp and dp groups used to take
     torch's 30-minute default instead of the world group's timeout, so the job hung 30 min."""
     run = tmp_path / "run"
-    args = small_job_args(corpus_cache, run, **{"train.train_iters": 100_000, "train.eval_interval": 0,
-                                               "parallel.distributed_timeout_minutes": 0.1})
+    args = small_job_args(
+        corpus_cache,
+        run,
+        **{
+            "train.train_iters": 100_000,
+            "train.eval_interval": 0,
+            "parallel.distributed_timeout_minutes": 0.1,
+        },
+    )
     with _two_ranks(tmp_path, args) as proc:
         _steps_logged(proc, tmp_path, run / "metrics.jsonl")
         pids = _rank_pids(proc.pid)
         code, took = _signal_rank(proc, pids[1], signal.SIGSTOP, 45)
     err, errors = _error_lines(tmp_path)
-    expected = ("meshtrain: error: rank 0 failed (exit status 1), then rank 1 (hung: stopped by a signal (SIGSTOP?) "
-                "when the others failed, then killed by SIGKILL)")
+    expected = (
+        "meshtrain: error: rank 0 failed (exit status 1), then rank 1 (hung: stopped by a signal (SIGSTOP?) "
+        "when the others failed, then killed by SIGKILL)"
+    )
     assert code == 1 and errors == [expected], err[-3000:]
     assert "Timed out waiting 6000ms" in err, err[-3000:]
     assert 6 <= took < 6 + 15 + 10, took

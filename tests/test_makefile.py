@@ -12,8 +12,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _torch_install_line(tmp_path: Path, *make_vars: str) -> str:
-    out = subprocess.run(["make", "-n", "-B", "install", f"VENV={tmp_path / 'venv'}", *make_vars], cwd=ROOT,
-                         check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["make", "-n", "-B", "install", f"VENV={tmp_path / 'venv'}", *make_vars],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     lines = [line for line in out.splitlines() if '"torch==' in line]
     assert len(lines) == 1, out
     return lines[0]
@@ -28,8 +33,13 @@ def test_torch_comes_from_the_configured_index_or_the_one_named_by_torch_index(t
 
 
 def _pip_installs(tmp_path: Path, target: str) -> list[str]:
-    out = subprocess.run(["make", "-n", target, f"VENV={tmp_path / 'venv'}"], cwd=ROOT,
-                         check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["make", "-n", target, f"VENV={tmp_path / 'venv'}"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     return [line for line in out.splitlines() if "pip install" in line and "-e " in line]
 
 
@@ -50,11 +60,24 @@ def test_test_after_run_adds_only_the_test_extra_and_run_after_test_installs_not
     venv.mkdir()
     # a venv `make run` built: newer than pyproject.toml and constraints.txt
     (venv / ".installed-2.13.0").touch()
-    installs = [line for line in subprocess.run(
-        ["make", "-n", "test", f"VENV={venv}", "TORCH_VERSION=2.13.0"], cwd=ROOT, check=True,
-        capture_output=True, text=True).stdout.splitlines() if "pip install" in line]
+    installs = [
+        line
+        for line in subprocess.run(
+            ["make", "-n", "test", f"VENV={venv}", "TORCH_VERSION=2.13.0"],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.splitlines()
+        if "pip install" in line
+    ]
     assert len(installs) == 1 and ",test]" in installs[0] and "torch==" not in installs[0], installs
     (venv / ".installed-2.13.0-test").touch()
-    out = subprocess.run(["make", "-n", "run", f"VENV={venv}", "TORCH_VERSION=2.13.0"], cwd=ROOT, check=True,
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["make", "-n", "run", f"VENV={venv}", "TORCH_VERSION=2.13.0"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     assert "pip install" not in out and "meshtrain up" in out, out

@@ -27,27 +27,63 @@ def test_a_wheel_installs_meshtrain_and_nothing_else_at_the_top(tmp_path):
     src.mkdir()
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, src / name)
-    for name in ("meshtrain", "services", "kernels", "protos"):  # links kept as links, as git checks them out
-        shutil.copytree(ROOT / name, src / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
-    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                          "-w", str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=300)
+    for name in (
+        "meshtrain",
+        "services",
+        "kernels",
+        "protos",
+    ):  # links kept as links, as git checks them out
+        shutil.copytree(
+            ROOT / name, src / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__")
+        )
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path / "dist"),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     (wheel,) = (tmp_path / "dist").glob("meshtrain-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names}
     assert tops == {"meshtrain", next(t for t in tops if t.endswith(".dist-info"))}, sorted(tops)
-    for needed in ("meshtrain/__init__.py", "meshtrain/services/trainer/train.py", "meshtrain/kernels/rms_norm.py",
-                   "meshtrain/protos/dataloader/v1/dataloader_pb2.py", "meshtrain/protos/dataloader/v1/dataloader.proto",
-                   "meshtrain/services/dataloader/_blend.c"):
+    for needed in (
+        "meshtrain/__init__.py",
+        "meshtrain/services/trainer/train.py",
+        "meshtrain/kernels/rms_norm.py",
+        "meshtrain/protos/dataloader/v1/dataloader_pb2.py",
+        "meshtrain/protos/dataloader/v1/dataloader.proto",
+        "meshtrain/services/dataloader/_blend.c",
+    ):
         assert needed in names, needed
-    entry = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
+    entry = (
+        zipfile.ZipFile(wheel)
+        .read(next(n for n in names if n.endswith("entry_points.txt")))
+        .decode()
+    )
     assert "meshtrain = meshtrain.services.cli:main" in entry
 
 
 @pytest.mark.parametrize("folder", ["services", "kernels", "protos"])
 def test_a_folder_imported_by_its_bare_name_fails_naming_the_package(folder):
-    out = subprocess.run([sys.executable, "-c", f"import {folder}"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", f"import {folder}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode != 0
     assert f"ImportError: import meshtrain.{folder}, not {folder}" in out.stderr, out.stderr[-2000:]
 
@@ -56,9 +92,13 @@ def test_a_folder_imported_by_its_bare_name_fails_naming_the_package(folder):
 def test_after_import_meshtrain_the_bare_names_are_absent_not_ours(folder):
     """From the repository root, once meshtrain is imported a probe for another package of that
     name finds nothing (transformers looks for Hugging Face's `kernels` and imports what it finds)."""
-    code = (f"import importlib.util, meshtrain\nassert importlib.util.find_spec({folder!r}) is None\n"
-            f"try:\n    import {folder}\nexcept ModuleNotFoundError:\n    print('absent')\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    code = (
+        f"import importlib.util, meshtrain\nassert importlib.util.find_spec({folder!r}) is None\n"
+        f"try:\n    import {folder}\nexcept ModuleNotFoundError:\n    print('absent')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert out.stdout.strip() == "absent", out.stderr[-2000:]
 
 
@@ -78,7 +118,9 @@ for name, module in list(sys.modules.items()):
         files[real] = name
 print(len(names), len(files))
 """
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     walked, loaded = map(int, out.stdout.split())
     assert walked > 100 and loaded > 100
@@ -96,6 +138,14 @@ def test_the_public_api_resolves_every_name_it_exports():
 
 def test_importing_meshtrain_loads_neither_torch_nor_grpc():
     """A data or checkpoint worker imports the package first: the API is imported on first use."""
-    out = subprocess.run([sys.executable, "-c", "import sys, meshtrain; print('torch' in sys.modules, 'grpc' in sys.modules)"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, meshtrain; print('torch' in sys.modules, 'grpc' in sys.modules)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.stdout.split() == ["False", "False"], out.stderr

@@ -78,8 +78,12 @@ class Up:
 def wait_for(predicate, up, what, timeout=120):
     deadline = time.monotonic() + timeout
     while not predicate():
-        assert up.thread.is_alive(), f"topology ended while waiting for {what}:\n{up.out.text()[-4000:]}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{up.out.text()[-4000:]}"
+        assert up.thread.is_alive(), (
+            f"topology ended while waiting for {what}:\n{up.out.text()[-4000:]}"
+        )
+        assert time.monotonic() < deadline, (
+            f"timed out waiting for {what}:\n{up.out.text()[-4000:]}"
+        )
         time.sleep(0.05)
 
 
@@ -114,27 +118,42 @@ def test_preempted_topology_resumes_to_an_uninterrupted_runs_losses(s3, tmp_path
     cache = tmp_path / "corpus"
     prepare_default_dataset(cache, tokenizer="byte", max_bytes=400_000)
     root = f"s3://{s3.bucket}/topology"
-    common = {"train.train_iters": ITERS, "train.eval_interval": 0, "parallel.tp": 2,
-              "checkpoint.save_interval": 10}
+    common = {
+        "train.train_iters": ITERS,
+        "train.eval_interval": 0,
+        "parallel.tp": 2,
+        "checkpoint.save_interval": 10,
+    }
     options = UpOptions(data_workers=2, nproc_per_node=4, trainer_grace_s=60)
 
-    first = Up(options, small_job_args(cache, tmp_path / "part1", **common, **{"checkpoint.save": root}))
+    first = Up(
+        options, small_job_args(cache, tmp_path / "part1", **common, **{"checkpoint.save": root})
+    )
     control = tmp_path / "part1" / "control.addr"
     wait_for(control.exists, first, "the control endpoint")
     client = ControlClient(str(tmp_path / "part1"))
     wait_for(lambda: client.status()["step"] >= 12, first, "step 12")
     # dp rank 1 streams from data-1 (its slot, 1, of 2 workers); rank 2 pulls for its tp group
     os.kill(first.pid("data-1"), signal.SIGKILL)
-    wait_for(lambda: "[up] data-1 exited with status -9 (SIGKILL); restarting it" in first.out.text(),
-             first, "the launcher to restart data-1")
+    wait_for(
+        lambda: "[up] data-1 exited with status -9 (SIGKILL); restarting it" in first.out.text(),
+        first,
+        "the launcher to restart data-1",
+    )
     wait_for(lambda: client.status()["step"] >= 25, first, "step 25")
     first.stop.set()  # what SIGTERM/Ctrl-C to `meshtrain up` does
     assert first.join() == 0, first.out.text()[-4000:]
     client.close()
     log = first.out.text()
-    (tmp_path / "part1.log").write_text(log)  # kept with the test's tmp_path for a failure's post-mortem
-    assert re.search(r"\[trainer-2\] .*data worker 127\.0\.0\.1:\d+ failed \(\w+\); resuming at", log), log[-4000:]
-    assert not re.search(r"\[trainer-3\] .*data worker", log), "tp rank 1 pulled instead of sharing its peer's batches"
+    (tmp_path / "part1.log").write_text(
+        log
+    )  # kept with the test's tmp_path for a failure's post-mortem
+    assert re.search(
+        r"\[trainer-2\] .*data worker 127\.0\.0\.1:\d+ failed \(\w+\); resuming at", log
+    ), log[-4000:]
+    assert not re.search(r"\[trainer-3\] .*data worker", log), (
+        "tp rank 1 pulled instead of sharing its peer's batches"
+    )
     assert "[up] error" not in log
     part1 = losses(tmp_path / "part1")
     stopped = max(part1)
@@ -142,14 +161,23 @@ def test_preempted_topology_resumes_to_an_uninterrupted_runs_losses(s3, tmp_path
     assert f"stopped at step {stopped} on request" in log
     assert list_checkpoints(root)[-1] == stopped  # the final checkpoint is committed
 
-    second = Up(options, small_job_args(cache, tmp_path / "part2", **common,
-                                        **{"checkpoint.save": root, "checkpoint.load": root}))
+    second = Up(
+        options,
+        small_job_args(
+            cache,
+            tmp_path / "part2",
+            **common,
+            **{"checkpoint.save": root, "checkpoint.load": root},
+        ),
+    )
     run_until(second, tmp_path / "part2", stopped + 15)
     part2 = losses(tmp_path / "part2")
     assert min(part2) == stopped + 1
 
-    whole = Up(UpOptions(data_workers=0, nproc_per_node=4, checkpoint_service=False),
-               small_job_args(cache, tmp_path / "whole", **common))
+    whole = Up(
+        UpOptions(data_workers=0, nproc_per_node=4, checkpoint_service=False),
+        small_job_args(cache, tmp_path / "whole", **common),
+    )
     run_until(whole, tmp_path / "whole", stopped + 15)
     uninterrupted = losses(tmp_path / "whole")
     last = min(max(part2), max(uninterrupted))
@@ -167,18 +195,35 @@ def test_a_checkpoint_service_that_dies_between_saves_is_restarted_and_the_run_s
     prepare_default_dataset(cache, tokenizer="byte", max_bytes=400_000)
     root = tmp_path / "ckpt"
     # a save's start is retried over ~6 s (0.2 s doubling), more than a restart takes
-    args = small_job_args(cache, tmp_path / "run", **{"train.train_iters": ITERS, "train.eval_interval": 0,
-                                                      "checkpoint.save": str(root), "checkpoint.save_interval": 20,
-                                                      "checkpoint.save_attempts": 6})
+    args = small_job_args(
+        cache,
+        tmp_path / "run",
+        **{
+            "train.train_iters": ITERS,
+            "train.eval_interval": 0,
+            "checkpoint.save": str(root),
+            "checkpoint.save_interval": 20,
+            "checkpoint.save_attempts": 6,
+        },
+    )
     up = Up(UpOptions(data_workers=0), args)
     wait_for(lambda: list_checkpoints(str(root)), up, "a first committed checkpoint")
     first = list_checkpoints(str(root))[-1]
     os.kill(up.pid("ckpt"), signal.SIGKILL)
-    wait_for(lambda: "[up] ckpt exited with status -9 (SIGKILL); restarting it" in up.out.text(), up,
-             "the launcher to restart the checkpoint service")
-    wait_for(lambda: list_checkpoints(str(root))[-1] >= first + 40, up, "two saves through the restarted service")
+    wait_for(
+        lambda: "[up] ckpt exited with status -9 (SIGKILL); restarting it" in up.out.text(),
+        up,
+        "the launcher to restart the checkpoint service",
+    )
+    wait_for(
+        lambda: list_checkpoints(str(root))[-1] >= first + 40,
+        up,
+        "two saves through the restarted service",
+    )
     up.stop.set()
     assert up.join() == 0, up.out.text()[-4000:]
     log = up.out.text()
     assert "[up] error" not in log, log[-4000:]
-    assert re.search(r"\[up\] started ckpt \(pid \d+\)[\s\S]*\[up\] started ckpt \(pid \d+\)", log), log[-4000:]
+    assert re.search(
+        r"\[up\] started ckpt \(pid \d+\)[\s\S]*\[up\] started ckpt \(pid \d+\)", log
+    ), log[-4000:]

@@ -23,7 +23,11 @@ def requirements(pyproject: str, extras: str) -> list[str]:
         reqs += project["optional-dependencies"][extra]
     reqs += data["build-system"]["requires"]  # the sources are installed without build isolation
     # torch comes first, from its own index, and stays what it is
-    return [r for r in dict.fromkeys(reqs) if re.match(r"[A-Za-z0-9._-]+", r.strip()).group().lower() != "torch"]
+    return [
+        r
+        for r in dict.fromkeys(reqs)
+        if re.match(r"[A-Za-z0-9._-]+", r.strip()).group().lower() != "torch"
+    ]
 
 
 if __name__ == "__main__":

@@ -42,7 +42,13 @@ import numpy as np
 import torch
 
 from meshtrain.services.checkpoint import layout
-from meshtrain.services.checkpoint.sharded import SaveResult, ShardWriter, abort_save, commit, is_committed
+from meshtrain.services.checkpoint.sharded import (
+    SaveResult,
+    ShardWriter,
+    abort_save,
+    commit,
+    is_committed,
+)
 from meshtrain.services.checkpoint.shards import ShardSpec
 from meshtrain.services.checkpoint.store import Root, join, open_root
 from meshtrain.services.common.errors import (
@@ -69,8 +75,9 @@ class Sink(Protocol):
 
     def writer(self, step: int, save_id: str, writer_id: int, num_writers: int) -> BoxWriter: ...
 
-    def commit(self, step: int, save_id: str, num_writers: int, metadata: dict | None,
-               timeout: float) -> SaveResult: ...
+    def commit(
+        self, step: int, save_id: str, num_writers: int, metadata: dict | None, timeout: float
+    ) -> SaveResult: ...
 
 
 class StorageSink:
@@ -86,15 +93,24 @@ class StorageSink:
     def writer(self, step: int, save_id: str, writer_id: int, num_writers: int) -> ShardWriter:
         return ShardWriter(self.root, step, save_id, writer_id, num_writers)
 
-    def commit(self, step: int, save_id: str, num_writers: int, metadata: dict | None,
-               timeout: float, cancelled: Callable[[], str | None] | None = None) -> SaveResult:
+    def commit(
+        self,
+        step: int,
+        save_id: str,
+        num_writers: int,
+        metadata: dict | None,
+        timeout: float,
+        cancelled: Callable[[], str | None] | None = None,
+    ) -> SaveResult:
         return commit(self.root, step, save_id, num_writers, metadata, timeout, cancelled=cancelled)
 
 
 MAX_RETRY_SLEEP_S = 2.0  # a retry waiting out an outage looks again this often, at least
 
 
-def retry(what: str, fn: Callable[[], Any], attempts: int, backoff: float, timeout: float = 0.0) -> Any:
+def retry(
+    what: str, fn: Callable[[], Any], attempts: int, backoff: float, timeout: float = 0.0
+) -> Any:
     """Calls `fn` until it succeeds: at least `attempts` times, and for `timeout` seconds after
     the first try; sleeps `backoff * 2**i` between tries, at most MAX_RETRY_SLEEP_S (or
     `backoff`, if larger), so a service back after an outage is found within seconds.
@@ -128,12 +144,22 @@ def retry(what: str, fn: Callable[[], Any], attempts: int, backoff: float, timeo
             full = is_disk_full(e)
             if attempt >= attempts and (elapsed >= timeout or full or is_lasting_storage_error(e)):
                 if full:
-                    raise DiskFullError(f"{what} failed after {attempt} attempts: disk full: {e!r} "
-                                        f"(tried for {elapsed:.1f} s)") from e
-                raise CheckpointError(f"{what} failed after {attempt} attempts: {e!r} "
-                                      f"(tried for {elapsed:.1f} s)") from e
-            log.warning("%s failed (attempt %d, %.1f s of at least %d attempts and %g s), retrying: %r",
-                        what, attempt, elapsed, attempts, timeout, e)
+                    raise DiskFullError(
+                        f"{what} failed after {attempt} attempts: disk full: {e!r} "
+                        f"(tried for {elapsed:.1f} s)"
+                    ) from e
+                raise CheckpointError(
+                    f"{what} failed after {attempt} attempts: {e!r} (tried for {elapsed:.1f} s)"
+                ) from e
+            log.warning(
+                "%s failed (attempt %d, %.1f s of at least %d attempts and %g s), retrying: %r",
+                what,
+                attempt,
+                elapsed,
+                attempts,
+                timeout,
+                e,
+            )
             time.sleep(min(backoff * 2 ** min(attempt - 1, 30), max(backoff, MAX_RETRY_SLEEP_S)))
 
 
@@ -155,8 +181,16 @@ class AsyncSaver:
             checkpoint service forgot) for this many seconds, however many attempts that takes.
     """
 
-    def __init__(self, sink: Sink, writer_id: int = 0, num_writers: int = 1, attempts: int = 3,
-                 backoff: float = 0.2, commit_timeout: float = 600.0, retry_timeout: float = 0.0):
+    def __init__(
+        self,
+        sink: Sink,
+        writer_id: int = 0,
+        num_writers: int = 1,
+        attempts: int = 3,
+        backoff: float = 0.2,
+        commit_timeout: float = 600.0,
+        retry_timeout: float = 0.0,
+    ):
         self.sink = sink
         self.writer_id = writer_id
         self.num_writers = num_writers
@@ -167,12 +201,16 @@ class AsyncSaver:
         self.pin = torch.cuda.is_available()
         self._buffers: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
         self._preparing: threading.Thread | None = None
-        self._stop_preparing = threading.Event()  # `close`: allocate nothing more, so the thread ends
+        self._stop_preparing = (
+            threading.Event()
+        )  # `close`: allocate nothing more, so the thread ends
         self._prepare_error: BaseException | None = None
         self.prepared_s: float | None = None  # how long `prepare`'s allocation took, once done
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-upload")
         self._pending: Future | None = None
-        self._abandoned = threading.Event()  # `abandon`: the committer stops waiting for missing writers
+        self._abandoned = (
+            threading.Event()
+        )  # `abandon`: the committer stops waiting for missing writers
         self._in_flight: tuple[str, bool] | None = None  # (save id, committer) of the last `save`
         self.last_stall_s = 0.0
         # The step of the newest save this saver committed (committer only; None before):
@@ -198,7 +236,9 @@ class AsyncSaver:
                     if key not in self._buffers:
                         t0 = time.perf_counter()
                         buf = torch.empty(spec.shape, dtype=dtype, pin_memory=self.pin)
-                        if not self.pin:  # pinning maps every page; plain memory is mapped at first touch
+                        if (
+                            not self.pin
+                        ):  # pinning maps every page; plain memory is mapped at first touch
                             buf.zero_()
                         self._buffers[key] = buf
                         # Pinning holds the CUDA driver's lock: allocated back to back, the buffers
@@ -219,12 +259,20 @@ class AsyncSaver:
         if self._preparing is not None:
             self._preparing.join()
             if self._prepare_error is not None:
-                log.warning("preparing the checkpoint buffers failed (%s); the save allocates them",
-                            self._prepare_error)
+                log.warning(
+                    "preparing the checkpoint buffers failed (%s); the save allocates them",
+                    self._prepare_error,
+                )
                 self._prepare_error = None
 
-    def save(self, step: int, save_id: str, boxes: Sequence[tuple[ShardSpec, torch.Tensor]],
-             committer: bool = False, metadata: dict | None = None) -> None:
+    def save(
+        self,
+        step: int,
+        save_id: str,
+        boxes: Sequence[tuple[ShardSpec, torch.Tensor]],
+        committer: bool = False,
+        metadata: dict | None = None,
+    ) -> None:
         """Snapshots `boxes` and starts storing them; returns once the snapshot is taken.
 
         Args:
@@ -281,12 +329,20 @@ class AsyncSaver:
         self._abandoned.set()
         pending, in_flight = self._pending, self._in_flight
         abort = getattr(self.sink, "abort_save", None)
-        if abort is None or pending is None or pending.done() or in_flight is None or not in_flight[1]:
+        if (
+            abort is None
+            or pending is None
+            or pending.done()
+            or in_flight is None
+            or not in_flight[1]
+        ):
             return
         try:
             abort(in_flight[0], "the run failed")
         except Exception as e:  # noqa: BLE001 -- the commit then runs to its timeout, as before
-            log.warning("could not tell the checkpoint service to give up save %s: %s", in_flight[0], e)
+            log.warning(
+                "could not tell the checkpoint service to give up save %s: %s", in_flight[0], e
+            )
 
     def close(self) -> None:
         """Stops preparing buffers, waits for the save in flight and stops the upload thread."""
@@ -314,16 +370,31 @@ class AsyncSaver:
         buf.copy_(tensor.detach(), non_blocking=self.pin)
         return buf
 
-    def _upload(self, step: int, save_id: str, snapshot: list[tuple[ShardSpec, torch.Tensor]],
-                committer: bool, metadata: dict | None) -> SaveResult | None:
+    def _upload(
+        self,
+        step: int,
+        save_id: str,
+        snapshot: list[tuple[ShardSpec, torch.Tensor]],
+        committer: bool,
+        metadata: dict | None,
+    ) -> SaveResult | None:
         writer = self.sink.writer(step, save_id, self.writer_id, self.num_writers)
         try:
             for spec, buf in snapshot:
                 data = layout.to_stored(buf)
-                self._retry(f"storing box {spec.offsets} of array {spec.array!r} (step {step})",
-                            lambda spec=spec, data=data: writer.write(spec, data), step, save_id)
-            self._retry(f"storing the fragment of writer {self.writer_id} (step {step})",
-                        writer.finish, step, save_id, done_if_committed=True)
+                self._retry(
+                    f"storing box {spec.offsets} of array {spec.array!r} (step {step})",
+                    lambda spec=spec, data=data: writer.write(spec, data),
+                    step,
+                    save_id,
+                )
+            self._retry(
+                f"storing the fragment of writer {self.writer_id} (step {step})",
+                writer.finish,
+                step,
+                save_id,
+                done_if_committed=True,
+            )
         except Exception as e:
             full = is_disk_full(e)
             if full:  # frees the space, so that the report below fits
@@ -341,13 +412,19 @@ class AsyncSaver:
             raise DiskFullError(f"checkpoint save of step {step} failed: disk full: {e}") from e
         if not committer:
             return None
-        cancel = ({"cancelled": lambda: "the run failed" if self._abandoned.is_set() else None}
-                  if isinstance(self.sink, StorageSink) else {})
+        cancel = (
+            {"cancelled": lambda: "the run failed" if self._abandoned.is_set() else None}
+            if isinstance(self.sink, StorageSink)
+            else {}
+        )
         try:
             result = self._retry(
                 f"committing step {step}",
-                lambda: self.sink.commit(step, save_id, self.num_writers, metadata, self.commit_timeout, **cancel),
-                step, save_id,
+                lambda: self.sink.commit(
+                    step, save_id, self.num_writers, metadata, self.commit_timeout, **cancel
+                ),
+                step,
+                save_id,
             )
         except Exception as e:
             if not is_disk_full(e):  # a writer's disk-full report, or the commit's own writes
@@ -375,7 +452,12 @@ class AsyncSaver:
             if stored:
                 root.fs.rm(stored)
         except Exception as e:  # noqa: BLE001 - the save's own error is the one raised
-            log.warning("could not remove what the failed save of step %d stored under %s: %r", step, root.url, e)
+            log.warning(
+                "could not remove what the failed save of step %d stored under %s: %r",
+                step,
+                root.url,
+                e,
+            )
 
     def _remove_step(self, step: int) -> None:
         """After a save failed with the disk full, where this is its only writer: removes the
@@ -386,14 +468,27 @@ class AsyncSaver:
             return
         try:
             if abort_save(self.sink.root, step):
-                log.info("removed the uncommitted folder of the failed save of step %d under %s",
-                         step, self.sink.root.url)
+                log.info(
+                    "removed the uncommitted folder of the failed save of step %d under %s",
+                    step,
+                    self.sink.root.url,
+                )
         except Exception as e:  # noqa: BLE001 - the save's own error is the one raised
-            log.warning("could not remove the folder of the failed save of step %d under %s: %r",
-                        step, self.sink.root.url, e)
+            log.warning(
+                "could not remove the folder of the failed save of step %d under %s: %r",
+                step,
+                self.sink.root.url,
+                e,
+            )
 
-    def _retry(self, what: str, fn: Callable[[], Any], step: int, save_id: str,
-               done_if_committed: bool = False) -> Any:
+    def _retry(
+        self,
+        what: str,
+        fn: Callable[[], Any],
+        step: int,
+        save_id: str,
+        done_if_committed: bool = False,
+    ) -> Any:
         """`retry(fn)`; when the sink has forgotten the save (its checkpoint service restarted
         mid-save), resumes the save there and calls `fn` again: it resends this writer's boxes
         (a writer's stream carries them all) or commits again. With `done_if_committed`, a save
@@ -407,12 +502,19 @@ class AsyncSaver:
             except SaveForgottenError as e:
                 resume = getattr(self.sink, "resume_save", None)
                 resumes += 1
-                if (resume is None or self._abandoned.is_set()
-                        or (resumes > self.attempts and time.monotonic() - start > self.retry_timeout)):
+                if (
+                    resume is None
+                    or self._abandoned.is_set()
+                    or (resumes > self.attempts and time.monotonic() - start > self.retry_timeout)
+                ):
                     raise
                 log.warning("%s: %s; resuming save %s there and trying again", what, e, save_id)
-                committed = retry(f"resuming save {save_id} of step {step} ({what})",
-                                  lambda resume=resume: resume(step, save_id, self.num_writers),
-                                  self.attempts, self.backoff, self.retry_timeout)
+                committed = retry(
+                    f"resuming save {save_id} of step {step} ({what})",
+                    lambda resume=resume: resume(step, save_id, self.num_writers),
+                    self.attempts,
+                    self.backoff,
+                    self.retry_timeout,
+                )
                 if committed and done_if_committed:
                     return None

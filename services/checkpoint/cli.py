@@ -28,18 +28,21 @@ def _no_checkpoint(root: str) -> CheckpointError:
     """The error for a ROOT without a committed checkpoint. A local path that does not exist is
     usually a typo, so it is told apart from a real folder that holds no checkpoint; object
     store prefixes have no "exists" to ask, so they get the second message."""
-    local = root[len("file://"):] if root.startswith("file://") else root
+    local = root[len("file://") :] if root.startswith("file://") else root
     if "://" not in local and not os.path.exists(local):
         return CheckpointError(f"{root}: no such path; check the checkpoint root")
-    return CheckpointError(f"no committed checkpoint under {root}; pass the run's checkpoint "
-                           f"root (its --save folder)")
+    return CheckpointError(
+        f"no committed checkpoint under {root}; pass the run's checkpoint root (its --save folder)"
+    )
 
 
 def cmd_list(args: argparse.Namespace) -> int:
     from meshtrain.services.checkpoint.reader import list_checkpoints
 
     steps = list_checkpoints(args.root)
-    if not steps and not args.allow_empty:  # an error, as in inspect and verify: scripts test the exit status
+    if (
+        not steps and not args.allow_empty
+    ):  # an error, as in inspect and verify: scripts test the exit status
         raise _no_checkpoint(args.root)
     for step in steps:
         print(step)
@@ -69,7 +72,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         size = sum(o["size"] for o in array.get("objects", {}).values())
         total += size
         layers = f"  [{array['layer_count']} layers]" if array.get("layer_count") else ""
-        print(f"    {name:<55} {array['dtype']:<9} {tuple(array['shape'])!s:<22} {size / 1e6:9.2f} MB{layers}")
+        print(
+            f"    {name:<55} {array['dtype']:<9} {tuple(array['shape'])!s:<22} {size / 1e6:9.2f} MB{layers}"
+        )
     print(f"  total: {total / 1e6:.2f} MB")
     return 0
 
@@ -99,8 +104,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
         count = verify_checkpoint(args.root, step)
         print(f"step {step}: {count} objects verified")
     if unreadable:
-        raise CheckpointError("steps whose manifest.json cannot be read (readers skip them): "
-                              + "; ".join(unreadable.values()))
+        raise CheckpointError(
+            "steps whose manifest.json cannot be read (readers skip them): "
+            + "; ".join(unreadable.values())
+        )
     return 0
 
 
@@ -115,19 +122,27 @@ def cmd_delete(args: argparse.Namespace) -> int:
         print(f"deleted step {args.step}")
         return 0
     if args.keep_last is None and not args.keep_every and not args.collect_leftovers:
-        raise CheckpointError("ckpt delete: give --step N, or --keep-last N [--keep-every K], "
-                              "and/or --collect-leftovers")
+        raise CheckpointError(
+            "ckpt delete: give --step N, or --keep-last N [--keep-every K], "
+            "and/or --collect-leftovers"
+        )
     if args.keep_every and not args.keep_last:
         # alone it would delete every step that is not a multiple of K, the newest included
         # (as `checkpoint.keep_every` needs `checkpoint.keep_last`)
-        raise CheckpointError(f"ckpt delete: --keep-every {args.keep_every} needs --keep-last N with N >= 1 "
-                              f"(got {'none' if args.keep_last is None else args.keep_last}), or the "
-                              "newest checkpoints would be deleted too")
+        raise CheckpointError(
+            f"ckpt delete: --keep-every {args.keep_every} needs --keep-last N with N >= 1 "
+            f"(got {'none' if args.keep_last is None else args.keep_last}), or the "
+            "newest checkpoints would be deleted too"
+        )
     # From the command line a save in progress (a live run's) is indistinguishable from a
     # crashed one's leftovers: those are removed only when asked for.
-    result = apply_retention(args.root, args.keep_last or 0, args.keep_every, collect=args.collect_leftovers)
-    print(f"deleted steps {result.deleted}"
-          + (f"; removed uncommitted leftovers {result.collected}" if args.collect_leftovers else ""))
+    result = apply_retention(
+        args.root, args.keep_last or 0, args.keep_every, collect=args.collect_leftovers
+    )
+    print(
+        f"deleted steps {result.deleted}"
+        + (f"; removed uncommitted leftovers {result.collected}" if args.collect_leftovers else "")
+    )
     return 0
 
 
@@ -137,29 +152,59 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=0, help="TCP port (0: any free one)")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind")
     p.add_argument("--max-streams", type=int, default=16, help="concurrent RPCs")
-    p.add_argument("--commit-timeout", type=float, default=600.0,
-                   help="seconds a commit waits for every writer before aborting")
+    p.add_argument(
+        "--commit-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a commit waits for every writer before aborting",
+    )
     p.add_argument("--max-chunk-mb", type=float, default=4.0, help="largest data chunk")
-    p.add_argument("--max-inflight-mb", type=float, default=1024.0,
-                   help="box data held in memory at once, over all streams")
-    p.add_argument("--stream-idle-timeout", type=float, default=120.0,
-                   help="seconds a writer's stream may send nothing before it is aborted and its "
-                        "share of the in-flight memory freed for the other writers (0: never)")
-    p.add_argument("--max-writers", type=int, default=65536,
-                   help="most writers one save may have (BeginSave's num_writers; default 65536)")
-    p.add_argument("--max-commit-timeout", type=float, default=3600.0,
-                   help="longest a commit waits for its writers, whatever its client asks (default 3600 s)")
-    p.add_argument("--max-commits", type=int, default=4,
-                   help="commits waiting at once; one more is refused with RESOURCE_EXHAUSTED, so waiting "
-                        "commits never take the slots health checks need (default 4)")
+    p.add_argument(
+        "--max-inflight-mb",
+        type=float,
+        default=1024.0,
+        help="box data held in memory at once, over all streams",
+    )
+    p.add_argument(
+        "--stream-idle-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a writer's stream may send nothing before it is aborted and its "
+        "share of the in-flight memory freed for the other writers (0: never)",
+    )
+    p.add_argument(
+        "--max-writers",
+        type=int,
+        default=65536,
+        help="most writers one save may have (BeginSave's num_writers; default 65536)",
+    )
+    p.add_argument(
+        "--max-commit-timeout",
+        type=float,
+        default=3600.0,
+        help="longest a commit waits for its writers, whatever its client asks (default 3600 s)",
+    )
+    p.add_argument(
+        "--max-commits",
+        type=int,
+        default=4,
+        help="commits waiting at once; one more is refused with RESOURCE_EXHAUSTED, so waiting "
+        "commits never take the slots health checks need (default 4)",
+    )
     p.add_argument("--grace", type=float, default=5.0, help="seconds granted on SIGTERM")
-    p.add_argument("--metrics-port", type=int, default=None,
-                   help="serve Prometheus metrics (requests, bytes, latency, queue depth) on this "
-                        "port at /metrics (0: any free port, printed); off unless given")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics (requests, bytes, latency, queue depth) on this "
+        "port at /metrics (0: any free port, printed); off unless given",
+    )
     add_server_arguments(p)  # --token-file, --tls-cert, --tls-key, --tls-client-ca, --insecure
 
 
-def _storage_errors(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+def _storage_errors(
+    func: Callable[[argparse.Namespace], int],
+) -> Callable[[argparse.Namespace], int]:
     """Turns what storage raises (a destination that is a file, a full disk, wrong S3 keys or
     endpoint) into a CheckpointError naming the command's paths: a user's setup error, not a
     traceback. botocore's connection errors are not OSErrors, so they are matched by module."""
@@ -173,8 +218,12 @@ def _storage_errors(func: Callable[[argparse.Namespace], int]) -> Callable[[argp
         except Exception as e:
             if not is_storage_error(e):
                 raise
-            where = " ".join(str(getattr(args, k)) for k in ("root", "src", "dst") if getattr(args, k, None))
-            raise CheckpointError(f"ckpt {args.ckpt_cmd} {where}: storage failed: {type(e).__name__}: {e}") from e
+            where = " ".join(
+                str(getattr(args, k)) for k in ("root", "src", "dst") if getattr(args, k, None)
+            )
+            raise CheckpointError(
+                f"ckpt {args.ckpt_cmd} {where}: storage failed: {type(e).__name__}: {e}"
+            ) from e
 
     return run
 
@@ -183,7 +232,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Add `ckpt` and its subcommands to the top-level parser."""
     from meshtrain.services.checkpoint.convert_cli import register_subcommands
 
-    c = sub.add_parser("ckpt", help="serve, inspect, verify, delete, convert, import and export checkpoints")
+    c = sub.add_parser(
+        "ckpt", help="serve, inspect, verify, delete, convert, import and export checkpoints"
+    )
     csub = c.add_subparsers(dest="ckpt_cmd", required=True)
     register_subcommands(csub)
     srv = csub.add_parser("serve", help="run the gRPC CheckpointService for ROOT")
@@ -199,16 +250,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     dele.add_argument("root")
     dele.add_argument("--step", type=int, help="delete this step")
     dele.add_argument("--keep-last", type=int, help="keep the newest N committed steps")
-    dele.add_argument("--keep-every", type=int, default=0, help="with --keep-last: also keep multiples of K")
-    dele.add_argument("--collect-leftovers", action="store_true",
-                      help="also remove uncommitted step folders (crashed saves); only when no run is "
-                           "saving into ROOT: a save in progress looks the same")
+    dele.add_argument(
+        "--keep-every", type=int, default=0, help="with --keep-last: also keep multiples of K"
+    )
+    dele.add_argument(
+        "--collect-leftovers",
+        action="store_true",
+        help="also remove uncommitted step folders (crashed saves); only when no run is "
+        "saving into ROOT: a save in progress looks the same",
+    )
     dele.set_defaults(func=cmd_delete)
     ls = csub.add_parser("list", help="committed checkpoint steps under ROOT")
     ls.add_argument("root")
-    ls.add_argument("--allow-empty", action="store_true",
-                    help="a root without a committed checkpoint (or not created yet) lists nothing and exits 0, "
-                         "for scripts that start a run there; storage that cannot be read is still an error")
+    ls.add_argument(
+        "--allow-empty",
+        action="store_true",
+        help="a root without a committed checkpoint (or not created yet) lists nothing and exits 0, "
+        "for scripts that start a run there; storage that cannot be read is still an error",
+    )
     ls.set_defaults(func=cmd_list)
     ins = csub.add_parser("inspect", help="tensors, shapes, dtypes and metadata of one checkpoint")
     ins.add_argument("root")

@@ -1,5 +1,4 @@
-"""The checkpoint config section (`[checkpoint]`): where checkpoints go and where a run resumes from.
-"""
+"""The checkpoint config section (`[checkpoint]`): where checkpoints go and where a run resumes from."""
 
 from __future__ import annotations
 
@@ -69,12 +68,18 @@ class CheckpointConfig:
         if self.save_attempts < 1:
             raise ConfigError(f"checkpoint.save_attempts must be >= 1, got {self.save_attempts}")
         if not 0 <= self.save_retry_backoff_s <= 3600:  # also refuses NaN
-            raise ConfigError(f"checkpoint.save_retry_backoff_s must be in [0, 3600], got {self.save_retry_backoff_s}")
+            raise ConfigError(
+                f"checkpoint.save_retry_backoff_s must be in [0, 3600], got {self.save_retry_backoff_s}"
+            )
         if not 0 <= self.save_retry_timeout_s <= 86400:  # also refuses NaN
-            raise ConfigError(f"checkpoint.save_retry_timeout_s must be in [0, 86400], got {self.save_retry_timeout_s}")
+            raise ConfigError(
+                f"checkpoint.save_retry_timeout_s must be in [0, 86400], got {self.save_retry_timeout_s}"
+            )
         if self.service_direct and not self.service_address:
-            raise ConfigError("checkpoint.service_direct needs checkpoint.service_address (the service that "
-                              "grants and commits the saves)")
+            raise ConfigError(
+                "checkpoint.service_direct needs checkpoint.service_address (the service that "
+                "grants and commits the saves)"
+            )
         if self.service_address:
             try:
                 parse_addresses(self.service_address)

@@ -37,13 +37,29 @@ from meshtrain.services.common.model_config import ModelConfig
 log = logging.getLogger(__name__)
 
 # User-facing dtype spellings -> logical dtype names of the checkpoint format.
-DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32",
-          "fp16": "float16", "float16": "float16"}
+DTYPES = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp32": "float32",
+    "float32": "float32",
+    "fp16": "float16",
+    "float16": "float16",
+}
 _FLOAT_DTYPES = {"bfloat16", "float32", "float16"}
 # Logical dtype name -> torch dtype (the inverse of `layout.dtype_name`).
-TORCH_DTYPES = {name: dtype for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.int64,
-                                          torch.int32, torch.uint8, torch.bool)
-                for name in [layout.dtype_name(dtype)]}
+TORCH_DTYPES = {
+    name: dtype
+    for dtype in (
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.uint8,
+        torch.bool,
+    )
+    for name in [layout.dtype_name(dtype)]
+}
 
 TensorSpec = tuple[tuple[int, ...], str]  # (tensor shape, logical dtype name)
 
@@ -115,8 +131,10 @@ def model_config(metadata: dict[str, Any], specs: dict[str, TensorSpec], where: 
     """
     table = (metadata.get("config") or {}).get("model")
     if not isinstance(table, dict):
-        raise CheckpointError(f"{where}: metadata has no config.model, so the architecture is unknown "
-                              "(is this a meshtrain training checkpoint?)")
+        raise CheckpointError(
+            f"{where}: metadata has no config.model, so the architecture is unknown "
+            "(is this a meshtrain training checkpoint?)"
+        )
     table = dict(table)
     if "vocab_size" not in table and "embedding.word_embeddings.weight" in specs:
         table["vocab_size"] = specs["embedding.word_embeddings.weight"][0][0]
@@ -152,10 +170,16 @@ def open_source(root: str, step: int | None) -> Source:
     return Source(step, where, manifest, specs, metadata, model_config(metadata, specs, where))
 
 
-def save_streaming(dst: str, step: int, specs: dict[str, TensorSpec],
-                   load: Callable[[str], torch.Tensor], metadata: dict[str, Any],
-                   grids: dict[str, tuple[int, ...]] | None = None,
-                   progress: bool = False, desc: str = "save") -> tuple[str, int]:
+def save_streaming(
+    dst: str,
+    step: int,
+    specs: dict[str, TensorSpec],
+    load: Callable[[str], torch.Tensor],
+    metadata: dict[str, Any],
+    grids: dict[str, tuple[int, ...]] | None = None,
+    progress: bool = False,
+    desc: str = "save",
+) -> tuple[str, int]:
     """Saves a checkpoint reading one tensor at a time, with chosen shard shapes, and checks it.
 
     Uses the checkpoint library's multi-writer protocol with a single writer: each tensor is
@@ -185,8 +209,10 @@ def save_streaming(dst: str, step: int, specs: dict[str, TensorSpec],
     total = sum(_nbytes(shape, dtype) for shape, dtype in specs.values())
     root = open_root(dst)
     if is_committed(root, step):  # begin_save's own message points at the trainer's switch
-        raise CheckpointError(f"checkpoint step {step} already exists under {dst!r}: write to another root, or "
-                              f"delete it first (meshtrain ckpt delete {dst} --step {step})")
+        raise CheckpointError(
+            f"checkpoint step {step} already exists under {dst!r}: write to another root, or "
+            f"delete it first (meshtrain ckpt delete {dst} --step {step})"
+        )
     save_id = begin_save(root, step)
     writer = ShardWriter(root, step, save_id, writer_id=0, num_writers=1)
     written = 0
@@ -197,19 +223,37 @@ def save_streaming(dst: str, step: int, specs: dict[str, TensorSpec],
             for layer, name in enumerate(array.tensors):
                 tensor = load(name)
                 want_shape, want_dtype = specs[name]
-                if tuple(tensor.shape) != tuple(want_shape) or tensor.dtype != TORCH_DTYPES[want_dtype]:
+                if (
+                    tuple(tensor.shape) != tuple(want_shape)
+                    or tensor.dtype != TORCH_DTYPES[want_dtype]
+                ):
                     raise CheckpointError(
                         f"tensor {name!r} came out as {tuple(tensor.shape)} {tensor.dtype}, "
-                        f"expected {tuple(want_shape)} {want_dtype}")
+                        f"expected {tuple(want_shape)} {want_dtype}"
+                    )
                 for offsets, shape in _boxes(tuple(want_shape), tuple(grid)):
                     part = tensor[tuple(slice(o, o + n) for o, n in zip(offsets, shape))]
                     if stacked:  # (1, *box): this layer's slice of the stacked array
-                        box = ShardSpec(array.name, array.shape, want_dtype, (layer, *offsets),
-                                        (1, *shape), (1, *grid), stacked=True)
+                        box = ShardSpec(
+                            array.name,
+                            array.shape,
+                            want_dtype,
+                            (layer, *offsets),
+                            (1, *shape),
+                            (1, *grid),
+                            stacked=True,
+                        )
                         part = part.unsqueeze(0)
                     else:
-                        box = ShardSpec(array.name, array.shape, want_dtype, offsets, shape,
-                                        tuple(grid), stacked=False)
+                        box = ShardSpec(
+                            array.name,
+                            array.shape,
+                            want_dtype,
+                            offsets,
+                            shape,
+                            tuple(grid),
+                            stacked=False,
+                        )
                     writer.write(box, part)
                 nbytes = tensor.numel() * tensor.element_size()
                 written += nbytes
@@ -221,25 +265,39 @@ def save_streaming(dst: str, step: int, specs: dict[str, TensorSpec],
     planned = {n: (tuple(s), d) for n, (s, d) in specs.items()}
     if stored != planned:
         wrong = sorted(set(stored.items()) ^ set(planned.items()))[:5]
-        raise CheckpointError(f"{result.url}: the committed manifest does not match the plan: {wrong}")
+        raise CheckpointError(
+            f"{result.url}: the committed manifest does not match the plan: {wrong}"
+        )
     return result.url, written
 
 
-def _boxes(shape: tuple[int, ...], grid: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+def _boxes(
+    shape: tuple[int, ...], grid: tuple[int, ...]
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """(offsets, shape) of every box of a tensor cut on `grid`; one box when it is empty."""
     if 0 in shape or not shape:
         return [((0,) * len(shape), shape)]
     counts = [-(-n // g) for n, g in zip(shape, grid)]
     return [
-        (tuple(c * g for c, g in zip(coords, grid)),
-         tuple(min(g, n - c * g) for c, g, n in zip(coords, grid, shape)))
+        (
+            tuple(c * g for c, g in zip(coords, grid)),
+            tuple(min(g, n - c * g) for c, g, n in zip(coords, grid, shape)),
+        )
         for coords in itertools.product(*map(range, counts))
     ]
 
 
-def convert(src: str, dst: str, dtype: str | None = None, drop_optimizer: bool = False,
-            target_tp: int = 1, target_pp: int = 1, target_ep: int = 1,
-            step: int | None = None, progress: bool = True) -> ConvertResult:
+def convert(
+    src: str,
+    dst: str,
+    dtype: str | None = None,
+    drop_optimizer: bool = False,
+    target_tp: int = 1,
+    target_pp: int = 1,
+    target_ep: int = 1,
+    step: int | None = None,
+    progress: bool = True,
+) -> ConvertResult:
     """Copies a checkpoint into another root, streaming, optionally changing dtype and contents.
 
     Only model parameters change dtype: optimizer moments stay as they are (Adam's second
@@ -272,8 +330,10 @@ def convert(src: str, dst: str, dtype: str | None = None, drop_optimizer: bool =
     if same_root(src, dst):
         # The step is kept, so it would land on itself; `save_streaming`'s hint (delete the
         # step at the destination first) would delete the source.
-        raise CheckpointError(f"convert destination {dst!r} is the source root {src!r}: the converted step {step} "
-                              "would replace the checkpoint it is read from; write to another root")
+        raise CheckpointError(
+            f"convert destination {dst!r} is the source root {src!r}: the converted step {step} "
+            "would replace the checkpoint it is read from; write to another root"
+        )
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
     target = DTYPES.get(dtype) if dtype else None
@@ -284,8 +344,9 @@ def convert(src: str, dst: str, dtype: str | None = None, drop_optimizer: bool =
 
     grids = None
     if (target_tp, target_pp, target_ep) != (1, 1, 1):
-        grids = target_shard_shapes(specs, model_config(metadata, specs, where),
-                                    target_tp, target_pp, target_ep)
+        grids = target_shard_shapes(
+            specs, model_config(metadata, specs, where), target_tp, target_pp, target_ep
+        )
 
     out: dict[str, TensorSpec] = {}
     for name, (shape, dt) in specs.items():
@@ -296,8 +357,13 @@ def convert(src: str, dst: str, dtype: str | None = None, drop_optimizer: bool =
     if drop_optimizer and "optimizer_step" in metadata:
         metadata["optimizer_step"] = 0
     metadata["converted_from"] = {
-        "url": src, "step": step, "dtype": target, "drop_optimizer": drop_optimizer,
-        "target_tp": target_tp, "target_pp": target_pp, "target_ep": target_ep,
+        "url": src,
+        "step": step,
+        "dtype": target,
+        "drop_optimizer": drop_optimizer,
+        "target_tp": target_tp,
+        "target_pp": target_pp,
+        "target_ep": target_ep,
     }
 
     def load(name: str) -> torch.Tensor:
@@ -305,7 +371,9 @@ def convert(src: str, dst: str, dtype: str | None = None, drop_optimizer: bool =
         want = TORCH_DTYPES[out[name][1]]
         return tensor if tensor.dtype == want else _narrowed(name, tensor, want)
 
-    url, written = save_streaming(dst, step, out, load, metadata, grids, progress, f"convert step {step}")
+    url, written = save_streaming(
+        dst, step, out, load, metadata, grids, progress, f"convert step {step}"
+    )
     read = sum(_nbytes(*specs[n]) for n in out)
     return ConvertResult(url, step, len(out), read, written, time.perf_counter() - start)
 
@@ -330,9 +398,13 @@ def _narrowed(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tens
     if not overflowed.numel():
         return out  # they only round to the largest value, or were inf already
     worst = overflowed[overflowed.abs().argmax()].item()
-    hint = "; convert to bfloat16 instead, which has float32's range" if dtype == torch.float16 else ""
-    raise CheckpointError(f"tensor {name!r} holds {worst:.4g}, beyond {layout.dtype_name(dtype)}'s largest value "
-                          f"{limit:.6g}: the conversion would store inf{hint}")
+    hint = (
+        "; convert to bfloat16 instead, which has float32's range" if dtype == torch.float16 else ""
+    )
+    raise CheckpointError(
+        f"tensor {name!r} holds {worst:.4g}, beyond {layout.dtype_name(dtype)}'s largest value "
+        f"{limit:.6g}: the conversion would store inf{hint}"
+    )
 
 
 def inspect_checkpoint(root: str, step: int | None = None) -> dict[str, Any]:
@@ -351,20 +423,32 @@ def inspect_checkpoint(root: str, step: int | None = None) -> dict[str, Any]:
     step = resolve_step(root, step)
     manifest = read_manifest(root, step)
     meta = dict(manifest["metadata"])
-    tensors = {name: {"shape": list(shape), "dtype": dtype, "bytes": _nbytes(shape, dtype)}
-               for name, (shape, dtype) in tensor_specs(manifest).items()}
+    tensors = {
+        name: {"shape": list(shape), "dtype": dtype, "bytes": _nbytes(shape, dtype)}
+        for name, (shape, dtype) in tensor_specs(manifest).items()
+    }
     stored = sum(o["size"] for a in manifest["arrays"].values() for o in a["objects"].values())
-    provenance = {k: meta.pop(k) for k in ("converted_from", "imported_from") if k in meta} or "training"
+    provenance = {
+        k: meta.pop(k) for k in ("converted_from", "imported_from") if k in meta
+    } or "training"
     config = meta.pop("config", None)
     for bulky in ("rng_python", "rng_numpy"):
         meta.pop(bulky, None)
-    return {"step": step, "created_unix": manifest.get("created_unix"), "tensors": tensors,
-            "bytes": sum(t["bytes"] for t in tensors.values()), "stored_bytes": stored,
-            "config": config, "provenance": provenance, "metadata": meta}
+    return {
+        "step": step,
+        "created_unix": manifest.get("created_unix"),
+        "tensors": tensors,
+        "bytes": sum(t["bytes"] for t in tensors.values()),
+        "stored_bytes": stored,
+        "config": config,
+        "provenance": provenance,
+        "metadata": meta,
+    }
 
 
-def target_shard_shapes(specs: dict[str, TensorSpec], model: ModelConfig,
-                        tp: int = 1, pp: int = 1, ep: int = 1) -> dict[str, tuple[int, ...]]:
+def target_shard_shapes(
+    specs: dict[str, TensorSpec], model: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1
+) -> dict[str, tuple[int, ...]]:
     """Per tensor, the shard shape under which each rank of a target layout reads whole shards.
 
     Megatron's tensor-parallel splits, in the checkpoint's canonical order: `attention.qkv`
@@ -404,22 +488,36 @@ def target_shard_shapes(specs: dict[str, TensorSpec], model: ModelConfig,
         raise CheckpointError(f"target ep={ep}: this model has no experts to split")
     if experts is not None and experts % ep:
         raise CheckpointError(f"target ep={ep} does not divide model.num_experts={experts}")
-    sizes = [("model.num_query_groups", model.groups), ("ffn size", model.ffn_size),
-             ("model.hidden_size", model.hidden_size)]
+    sizes = [
+        ("model.num_query_groups", model.groups),
+        ("ffn size", model.ffn_size),
+        ("model.hidden_size", model.hidden_size),
+    ]
     if experts is not None:
         sizes.append(("expert ffn size (model.moe_ffn_hidden_size)", model.moe_ffn_size))
         if model.moe_shared_expert_intermediate_size:
-            sizes.append(("model.moe_shared_expert_intermediate_size", model.moe_shared_expert_intermediate_size))
+            sizes.append(
+                (
+                    "model.moe_shared_expert_intermediate_size",
+                    model.moe_shared_expert_intermediate_size,
+                )
+            )
     for what, size in sizes:
         if size % tp:
             raise CheckpointError(f"target tp={tp} does not divide {what}={size}")
     per_group_rows = (model.num_attention_heads // model.groups + 2) * model.head_dim
-    vocab_rows = -(-model.vocab_size // (model.make_vocab_size_divisible_by * tp)) \
+    vocab_rows = (
+        -(-model.vocab_size // (model.make_vocab_size_divisible_by * tp))
         * model.make_vocab_size_divisible_by
+    )
 
     plan: dict[str, tuple[int, ...]] = {}
     for name, (shape, _) in specs.items():
-        param = name.split(".", 2)[2] if name.startswith(("optim.exp_avg.", "optim.exp_avg_sq.")) else name
+        param = (
+            name.split(".", 2)[2]
+            if name.startswith(("optim.exp_avg.", "optim.exp_avg_sq."))
+            else name
+        )
         _, layer = layout.array_key(param)
         rest = param.split(".", 2)[2] if layer is not None else param
         shard = list(shape)

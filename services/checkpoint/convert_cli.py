@@ -35,13 +35,23 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.format == "megatron":
         from meshtrain.services.checkpoint.megatron import export_megatron
 
-        _, flags = export_megatron(args.src, args.dst, step=args.step, padded_vocab_size=args.padded_vocab_size)
-        print(f"exported {args.src} to {args.dst} (megatron-core torch_dist, a release checkpoint: "
-              f"{args.dst}/release)\nload it in Megatron-LM with --load {args.dst} and these model flags (plus "
-              f"your tokenizer's):\n  {' '.join(flags)}")
+        _, flags = export_megatron(
+            args.src, args.dst, step=args.step, padded_vocab_size=args.padded_vocab_size
+        )
+        print(
+            f"exported {args.src} to {args.dst} (megatron-core torch_dist, a release checkpoint: "
+            f"{args.dst}/release)\nload it in Megatron-LM with --load {args.dst} and these model flags (plus "
+            f"your tokenizer's):\n  {' '.join(flags)}"
+        )
         return 0
-    export_hf(args.src, args.dst, step=args.step, tokenizer=args.tokenizer, max_shard_size=args.max_shard_size,
-              arch=args.architecture)
+    export_hf(
+        args.src,
+        args.dst,
+        step=args.step,
+        tokenizer=args.tokenizer,
+        max_shard_size=args.max_shard_size,
+        arch=args.architecture,
+    )
     print(f"exported {args.src} to {args.dst} (Hugging Face safetensors + config.json)")
     return 0
 
@@ -56,8 +66,14 @@ def cmd_import(args: argparse.Namespace) -> int:
     _check_format(args.format, args, _HF_IMPORT, _MEGATRON_IMPORT)
     if args.format == "megatron":
         return _import_megatron(args)
-    url = import_hf(args.src, args.dst, seed=args.seed, seq_length=args.seq_length, revision=args.revision,
-                    cache_dir=args.cache_dir)
+    url = import_hf(
+        args.src,
+        args.dst,
+        seed=args.seed,
+        seq_length=args.seq_length,
+        revision=args.revision,
+        cache_dir=args.cache_dir,
+    )
     meta = read_manifest(args.dst, 0)["metadata"]
     settings = {"model": meta["config"]["model"]}
     print(f"imported {args.src} as {url}")
@@ -65,13 +81,17 @@ def cmd_import(args: argparse.Namespace) -> int:
     # checkpoint's: without these it trains the imported weights on another tokenizer's ids.
     if meta.get("tokenizer"):
         settings["data"] = {"tokenizer": meta["tokenizer"]}
-        print(f"continue with: meshtrain train --load {args.dst} --data-path PREFIX and these settings, PREFIX "
-              f"being data tokenized with the model's own tokenizer (meshtrain data preprocess ... --tokenizer "
-              f"{meta['tokenizer']}):\n")
+        print(
+            f"continue with: meshtrain train --load {args.dst} --data-path PREFIX and these settings, PREFIX "
+            f"being data tokenized with the model's own tokenizer (meshtrain data preprocess ... --tokenizer "
+            f"{meta['tokenizer']}):\n"
+        )
     else:
-        print(f"continue with: meshtrain train --load {args.dst} and these settings; {args.src} has no "
-              "tokenizer.json, so also set data.tokenizer (and --data-path) to the tokenizer the model was "
-              "trained with:\n")
+        print(
+            f"continue with: meshtrain train --load {args.dst} and these settings; {args.src} has no "
+            "tokenizer.json, so also set data.tokenizer (and --data-path) to the tokenizer the model was "
+            "trained with:\n"
+        )
     print(tomli_w.dumps(settings))
     return 0
 
@@ -81,13 +101,21 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from meshtrain.services.checkpoint.convert import convert
 
     result = convert(
-        args.src, args.dst, dtype=args.dtype, drop_optimizer=args.drop_optimizer,
-        target_tp=args.target_tp, target_pp=args.target_pp, target_ep=args.target_ep,
-        step=args.step, progress=True,
+        args.src,
+        args.dst,
+        dtype=args.dtype,
+        drop_optimizer=args.drop_optimizer,
+        target_tp=args.target_tp,
+        target_pp=args.target_pp,
+        target_ep=args.target_ep,
+        step=args.step,
+        progress=True,
     )
     rate = result.bytes_read / max(result.seconds, 1e-9) / 1e9
-    print(f"converted step {result.step}: {result.tensors} tensors, {result.bytes_read / 1e9:.2f} GB read, "
-          f"{result.bytes_written / 1e9:.2f} GB written in {result.seconds:.1f} s ({rate:.2f} GB/s) -> {result.url}")
+    print(
+        f"converted step {result.step}: {result.tensors} tensors, {result.bytes_read / 1e9:.2f} GB read, "
+        f"{result.bytes_written / 1e9:.2f} GB written in {result.seconds:.1f} s ({rate:.2f} GB/s) -> {result.url}"
+    )
     return 0
 
 
@@ -97,66 +125,127 @@ def register_subcommands(ckpt_subparsers: argparse._SubParsersAction) -> None:
     Args:
         ckpt_subparsers: what `add_subparsers()` of the `ckpt` parser returned.
     """
-    exp = ckpt_subparsers.add_parser("export", help="write a checkpoint as a Hugging Face model folder")
-    exp.add_argument("--format", default="hf",
-                     help="hf (the default: safetensors + config.json) or megatron (a megatron-core torch_dist "
-                          "release checkpoint)")
+    exp = ckpt_subparsers.add_parser(
+        "export", help="write a checkpoint as a Hugging Face model folder"
+    )
+    exp.add_argument(
+        "--format",
+        default="hf",
+        help="hf (the default: safetensors + config.json) or megatron (a megatron-core torch_dist "
+        "release checkpoint)",
+    )
     exp.add_argument("src", help="checkpoint root")
     exp.add_argument("dst", help="folder to create")
     exp.add_argument("--step", type=int, help="step to export (default: the latest)")
     exp.add_argument("--tokenizer", help="tokenizer.json to ship instead of the run's")
-    exp.add_argument("--max-shard-size", default="5GB",
-                     help="most tensor bytes per safetensors file, e.g. 5GB (the default), 500MB, 2GiB; a larger "
-                          "model is written in shards with model.safetensors.index.json")
-    exp.add_argument("--architecture", choices=["llama", "mistral", "qwen2", "qwen3"],
-                     help="Hugging Face model_type of a dense RoPE model (default: the one its settings name; "
-                          "a Llama-shaped model imported from Mistral exports as Mistral)")
-    exp.add_argument("--padded-vocab-size", type=int,
-                     help="megatron: embedding and output rows, as Megatron-LM pads the tokenizer's vocabulary "
-                          "(a multiple of make_vocab_size_divisible_by x TP; default: the model's own padding)")
+    exp.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="most tensor bytes per safetensors file, e.g. 5GB (the default), 500MB, 2GiB; a larger "
+        "model is written in shards with model.safetensors.index.json",
+    )
+    exp.add_argument(
+        "--architecture",
+        choices=["llama", "mistral", "qwen2", "qwen3"],
+        help="Hugging Face model_type of a dense RoPE model (default: the one its settings name; "
+        "a Llama-shaped model imported from Mistral exports as Mistral)",
+    )
+    exp.add_argument(
+        "--padded-vocab-size",
+        type=int,
+        help="megatron: embedding and output rows, as Megatron-LM pads the tokenizer's vocabulary "
+        "(a multiple of make_vocab_size_divisible_by x TP; default: the model's own padding)",
+    )
     exp.set_defaults(func=cmd_export)
 
-    imp = ckpt_subparsers.add_parser("import", help="turn a Hugging Face model folder into a checkpoint")
-    imp.add_argument("--format", default="hf",
-                     help="hf (the default: Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE or GPT-2 "
-                          "safetensors) or megatron (a megatron-core torch_dist checkpoint of a GPT model)")
-    imp.add_argument("src", help="Hugging Face model folder, or a repo id (org/name) in the Hugging Face cache; "
-                                 "megatron: a torch_dist folder, or a Megatron-LM root with "
-                                 "latest_checkpointed_iteration.txt")
+    imp = ckpt_subparsers.add_parser(
+        "import", help="turn a Hugging Face model folder into a checkpoint"
+    )
+    imp.add_argument(
+        "--format",
+        default="hf",
+        help="hf (the default: Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE or GPT-2 "
+        "safetensors) or megatron (a megatron-core torch_dist checkpoint of a GPT model)",
+    )
+    imp.add_argument(
+        "src",
+        help="Hugging Face model folder, or a repo id (org/name) in the Hugging Face cache; "
+        "megatron: a torch_dist folder, or a Megatron-LM root with "
+        "latest_checkpointed_iteration.txt",
+    )
     imp.add_argument("dst", help="checkpoint root to write step 0 into")
     imp.add_argument("--seed", type=int, default=1234, help="seeds the stored RNG states")
-    imp.add_argument("--seq-length", type=int,
-                     help="the model's sequence length (default: max_position_embeddings); a Mistral sliding "
-                          "window is accepted when it covers this length")
+    imp.add_argument(
+        "--seq-length",
+        type=int,
+        help="the model's sequence length (default: max_position_embeddings); a Mistral sliding "
+        "window is accepted when it covers this length",
+    )
     imp.add_argument("--revision", help="cached branch, tag or commit of a repo id (default: main)")
-    imp.add_argument("--cache-dir", help="Hugging Face hub cache (default: $HF_HUB_CACHE, $HF_HOME/hub, "
-                                         "~/.cache/huggingface/hub)")
-    meg = imp.add_argument_group("megatron", "Megatron-LM's flags, for a checkpoint without saved args (they "
-                                             "override the saved ones)")
-    meg.add_argument("--iteration", type=int, help="the iter_NNNNNNN folder under a root (default: the tracker's)")
+    imp.add_argument(
+        "--cache-dir",
+        help="Hugging Face hub cache (default: $HF_HUB_CACHE, $HF_HOME/hub, "
+        "~/.cache/huggingface/hub)",
+    )
+    meg = imp.add_argument_group(
+        "megatron",
+        "Megatron-LM's flags, for a checkpoint without saved args (they override the saved ones)",
+    )
+    meg.add_argument(
+        "--iteration",
+        type=int,
+        help="the iter_NNNNNNN folder under a root (default: the tracker's)",
+    )
     meg.add_argument("--num-attention-heads", type=int)
     meg.add_argument("--num-query-groups", type=int, help="default: from the fused qkv rows")
     meg.add_argument("--kv-channels", type=int, help="head width (default: hidden size / heads)")
-    meg.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], help="default: from the norms' biases")
+    meg.add_argument(
+        "--normalization", choices=["LayerNorm", "RMSNorm"], help="default: from the norms' biases"
+    )
     meg.add_argument("--norm-epsilon", type=float, help="default: 1e-5, Megatron's")
-    meg.add_argument("--swiglu", action="store_const", const=True, help="checked against linear_fc1's rows")
-    meg.add_argument("--openai-gelu", action="store_const", const=True,
-                     help="the GELU is tanh-approximate, as meshtrain's (without it: the exact one, noted)")
-    meg.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"],
-                     help="default: from the position table's presence")
-    meg.add_argument("--rotary-base", type=float, help="RoPE base; needed for a RoPE model without saved args")
-    meg.add_argument("--untie-embeddings-and-output-weights", action="store_const", const=True,
-                     help="checked against output_layer.weight's presence")
-    meg.add_argument("--vocab-size", type=int, help="the tokenizer's vocabulary: drops Megatron-LM's padding rows "
-                                                    "(default: every embedding row)")
+    meg.add_argument(
+        "--swiglu", action="store_const", const=True, help="checked against linear_fc1's rows"
+    )
+    meg.add_argument(
+        "--openai-gelu",
+        action="store_const",
+        const=True,
+        help="the GELU is tanh-approximate, as meshtrain's (without it: the exact one, noted)",
+    )
+    meg.add_argument(
+        "--position-embedding-type",
+        choices=["learned_absolute", "rope"],
+        help="default: from the position table's presence",
+    )
+    meg.add_argument(
+        "--rotary-base", type=float, help="RoPE base; needed for a RoPE model without saved args"
+    )
+    meg.add_argument(
+        "--untie-embeddings-and-output-weights",
+        action="store_const",
+        const=True,
+        help="checked against output_layer.weight's presence",
+    )
+    meg.add_argument(
+        "--vocab-size",
+        type=int,
+        help="the tokenizer's vocabulary: drops Megatron-LM's padding rows "
+        "(default: every embedding row)",
+    )
     imp.set_defaults(func=cmd_import)
 
-    conv = ckpt_subparsers.add_parser("convert", help="rewrite a checkpoint (dtype, optimizer, layout)")
+    conv = ckpt_subparsers.add_parser(
+        "convert", help="rewrite a checkpoint (dtype, optimizer, layout)"
+    )
     conv.add_argument("src", help="source checkpoint root")
     conv.add_argument("dst", help="destination checkpoint root")
     conv.add_argument("--step", type=int, help="step to convert (default: the latest)")
-    conv.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], help="dtype of the model parameters")
-    conv.add_argument("--drop-optimizer", action="store_true", help="leave out the optimizer moments")
+    conv.add_argument(
+        "--dtype", choices=["bf16", "fp32", "fp16"], help="dtype of the model parameters"
+    )
+    conv.add_argument(
+        "--drop-optimizer", action="store_true", help="leave out the optimizer moments"
+    )
     conv.add_argument("--target-tensor-parallel-size", dest="target_tp", type=int, default=1)
     conv.add_argument("--target-pipeline-parallel-size", dest="target_pp", type=int, default=1)
     conv.add_argument("--target-expert-parallel-size", dest="target_ep", type=int, default=1)
@@ -173,11 +262,15 @@ def _import_megatron(args: argparse.Namespace) -> int:
     flags["seq_length"] = args.seq_length
     url = import_megatron(args.src, args.dst, iteration=args.iteration, flags=flags, seed=args.seed)
     meta = read_manifest(args.dst, 0)["metadata"]
-    print(f"imported {args.src} as {url} (model weights; Megatron's optimizer state is not imported)")
+    print(
+        f"imported {args.src} as {url} (model weights; Megatron's optimizer state is not imported)"
+    )
     for note in meta["imported_from"]["notes"]:
         print(f"note: {note}")
-    print(f"continue with: meshtrain train --load {args.dst} --data-path PREFIX and these settings, plus "
-          "data.tokenizer set to the tokenizer the model was trained with:\n")
+    print(
+        f"continue with: meshtrain train --load {args.dst} --data-path PREFIX and these settings, plus "
+        "data.tokenizer set to the tokenizer the model was trained with:\n"
+    )
     print(tomli_w.dumps({"model": meta["config"]["model"]}))
     return 0
 
@@ -185,15 +278,32 @@ def _import_megatron(args: argparse.Namespace) -> int:
 # Options of one format only, by their argparse dest; the other format refuses them.
 _HF_EXPORT = ["tokenizer", "architecture"]
 _HF_IMPORT = ["revision", "cache_dir"]
-_MEGATRON_IMPORT = ["iteration", "num_attention_heads", "num_query_groups", "kv_channels", "normalization",
-                    "norm_epsilon", "swiglu", "openai_gelu", "position_embedding_type", "rotary_base",
-                    "untie_embeddings_and_output_weights", "vocab_size"]
+_MEGATRON_IMPORT = [
+    "iteration",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "normalization",
+    "norm_epsilon",
+    "swiglu",
+    "openai_gelu",
+    "position_embedding_type",
+    "rotary_base",
+    "untie_embeddings_and_output_weights",
+    "vocab_size",
+]
 
 
-def _check_format(fmt: str, args: argparse.Namespace, hf_only: list[str], megatron_only: list[str]) -> None:
+def _check_format(
+    fmt: str, args: argparse.Namespace, hf_only: list[str], megatron_only: list[str]
+) -> None:
     if fmt not in ("hf", "megatron"):
         raise CheckpointError(f"--format {fmt!r} is not supported; use 'hf' or 'megatron'")
     other = megatron_only if fmt == "hf" else hf_only
-    given = [f"--{name.replace('_', '-')}" for name in other if getattr(args, name, None) is not None]
+    given = [
+        f"--{name.replace('_', '-')}" for name in other if getattr(args, name, None) is not None
+    ]
     if given:
-        raise CheckpointError(f"{', '.join(given)} do{'es' if len(given) == 1 else ''} not apply to --format {fmt}")
+        raise CheckpointError(
+            f"{', '.join(given)} do{'es' if len(given) == 1 else ''} not apply to --format {fmt}"
+        )

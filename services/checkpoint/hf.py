@@ -40,7 +40,12 @@ from meshtrain.services.checkpoint.convert import (
     open_source,
     save_streaming,
 )
-from meshtrain.services.checkpoint.hf_files import model_folder, open_safetensors, read_json, safetensors_files
+from meshtrain.services.checkpoint.hf_files import (
+    model_folder,
+    open_safetensors,
+    read_json,
+    safetensors_files,
+)
 from meshtrain.services.checkpoint.hf_llama import (
     DENSE,
     FAMILY,
@@ -49,7 +54,12 @@ from meshtrain.services.checkpoint.hf_llama import (
     llama_config,
     llama_family_table,
 )
-from meshtrain.services.checkpoint.hf_moe import moe_architecture, moe_block, moe_from_hf, moe_hf_config
+from meshtrain.services.checkpoint.hf_moe import (
+    moe_architecture,
+    moe_block,
+    moe_from_hf,
+    moe_hf_config,
+)
 from meshtrain.services.checkpoint.hf_write import (
     DEFAULT_MAX_SHARD_SIZE,
     LOGICAL,
@@ -59,7 +69,11 @@ from meshtrain.services.checkpoint.hf_write import (
 )
 from meshtrain.services.checkpoint.reader import list_checkpoints, read_tensor
 from meshtrain.services.checkpoint.store import open_root, remove_tree
-from meshtrain.services.checkpoint.tokenizer_store import METADATA_KEY, tokenizer_boxes, tokenizer_spec
+from meshtrain.services.checkpoint.tokenizer_store import (
+    METADATA_KEY,
+    tokenizer_boxes,
+    tokenizer_spec,
+)
 from meshtrain.services.common.builds import local_build_dir, remove_dead_builds
 from meshtrain.services.common.config import build, to_dict
 from meshtrain.services.common.errors import CheckpointError
@@ -119,10 +133,14 @@ def architecture(model: ModelConfig, requested: str | None = None) -> str:
         if not model.add_bias_linear:
             why.append("model.add_bias_linear=false: GPT2LMHeadModel always has linear biases")
         if model.groups != model.num_attention_heads:
-            why.append(f"model.num_query_groups={model.num_query_groups}: GPT2LMHeadModel has no grouped-query "
-                       "attention (groups must equal heads)")
+            why.append(
+                f"model.num_query_groups={model.num_query_groups}: GPT2LMHeadModel has no grouped-query "
+                "attention (groups must equal heads)"
+            )
         if model.kv_channels not in (None, model.hidden_size // model.num_attention_heads):
-            why.append(f"model.kv_channels={model.kv_channels}: GPT2LMHeadModel's heads are hidden/heads wide")
+            why.append(
+                f"model.kv_channels={model.kv_channels}: GPT2LMHeadModel's heads are hidden/heads wide"
+            )
         if model.qk_norm:
             why.append("model.qk_norm=true: GPT2LMHeadModel has no q/k norms")
         if why:
@@ -132,13 +150,16 @@ def architecture(model: ModelConfig, requested: str | None = None) -> str:
         raise CheckpointError(
             f"model.normalization={model.normalization!r}, model.activation={model.activation!r}, "
             f"model.position_embedding_type={model.position_embedding_type!r} map to no Hugging Face "
-            "architecture: Llama is rmsnorm+swiglu+rope, GPT-2 is layernorm+gelu+learned")
+            "architecture: Llama is rmsnorm+swiglu+rope, GPT-2 is layernorm+gelu+learned"
+        )
     if requested is not None and arch != requested:
         raise CheckpointError(f"this model exports as {arch!r}, not the requested {requested!r}")
     return arch
 
 
-def hf_config(model: ModelConfig, dtype: str, eod: int | None = None, arch: str | None = None) -> dict[str, Any]:
+def hf_config(
+    model: ModelConfig, dtype: str, eod: int | None = None, arch: str | None = None
+) -> dict[str, Any]:
     """The `config.json` of a model.
 
     Args:
@@ -158,16 +179,26 @@ def hf_config(model: ModelConfig, dtype: str, eod: int | None = None, arch: str 
     if arch in FAMILY:
         return moe_hf_config(model, arch, llama_config(model, dtype, eod))
     return {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-        "vocab_size": model.vocab_size, "n_embd": model.hidden_size, "n_layer": model.num_layers,
-        "n_head": model.num_attention_heads, "n_inner": model.ffn_size,
-        "n_positions": model.max_positions, "layer_norm_epsilon": model.norm_epsilon,
-        "activation_function": "gelu_new", "resid_pdrop": model.hidden_dropout,
-        "embd_pdrop": model.hidden_dropout, "attn_pdrop": model.attention_dropout,
-        "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": model.vocab_size,
+        "n_embd": model.hidden_size,
+        "n_layer": model.num_layers,
+        "n_head": model.num_attention_heads,
+        "n_inner": model.ffn_size,
+        "n_positions": model.max_positions,
+        "layer_norm_epsilon": model.norm_epsilon,
+        "activation_function": "gelu_new",
+        "resid_pdrop": model.hidden_dropout,
+        "embd_pdrop": model.hidden_dropout,
+        "attn_pdrop": model.attention_dropout,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
         "tie_word_embeddings": not model.untie_embeddings_and_output_weights,
-        "initializer_range": model.init_method_std, "torch_dtype": dtype,
-        "bos_token_id": eod, "eos_token_id": eod,
+        "initializer_range": model.init_method_std,
+        "torch_dtype": dtype,
+        "bos_token_id": eod,
+        "eos_token_id": eod,
     }
 
 
@@ -182,13 +213,16 @@ def model_from_hf(config: dict[str, Any], seq_length: int | None = None) -> Mode
     Raises:
         CheckpointError: another architecture, or a setting meshtrain cannot express; names it.
     """
-    if seq_length is not None and (isinstance(seq_length, bool) or not isinstance(seq_length, int)
-                                   or seq_length < 1):
+    if seq_length is not None and (
+        isinstance(seq_length, bool) or not isinstance(seq_length, int) or seq_length < 1
+    ):
         raise CheckpointError(f"sequence length {seq_length!r} is not a positive integer")
     try:
         return _model_from_hf(config, seq_length)
     except KeyError as e:
-        raise CheckpointError(f"HF config has no {e.args[0]!r} (model_type {config.get('model_type')!r})") from None
+        raise CheckpointError(
+            f"HF config has no {e.args[0]!r} (model_type {config.get('model_type')!r})"
+        ) from None
 
 
 def _model_from_hf(config: dict[str, Any], seq_length: int | None) -> ModelConfig:
@@ -197,7 +231,9 @@ def _model_from_hf(config: dict[str, Any], seq_length: int | None) -> ModelConfi
     def need(key: str, ok: Callable[[Any], bool], allowed: str, default: Any = None) -> Any:
         value = config.get(key, default)
         if not ok(value):
-            raise CheckpointError(f"HF config {key}={value!r} cannot be expressed in meshtrain (needs {allowed})")
+            raise CheckpointError(
+                f"HF config {key}={value!r} cannot be expressed in meshtrain (needs {allowed})"
+            )
         return value
 
     def count(key: str) -> int:
@@ -212,27 +248,41 @@ def _model_from_hf(config: dict[str, Any], seq_length: int | None) -> ModelConfi
         if kind in ("mixtral", "qwen2_moe"):
             table.update(moe_from_hf(kind, config, count))
     elif kind == "gpt2":
-        need("activation_function", lambda v: v in ("gelu_new", "gelu_pytorch_tanh"),
-             "tanh-approximate GELU: 'gelu_new'", "gelu_new")
+        need(
+            "activation_function",
+            lambda v: v in ("gelu_new", "gelu_pytorch_tanh"),
+            "tanh-approximate GELU: 'gelu_new'",
+            "gelu_new",
+        )
         need("scale_attn_weights", lambda v: v is True, "true", True)
         need("scale_attn_by_inverse_layer_idx", lambda v: v is False, "false", False)
         if seq_length is not None:
-            raise CheckpointError("a sequence length applies to RoPE models; GPT-2's is its n_positions")
+            raise CheckpointError(
+                "a sequence length applies to RoPE models; GPT-2's is its n_positions"
+            )
         hidden = config["n_embd"]
         table = {
-            "num_layers": config["n_layer"], "hidden_size": hidden,
-            "num_attention_heads": config["n_head"], "ffn_hidden_size": config.get("n_inner") or 4 * hidden,
-            "seq_length": config["n_positions"], "max_position_embeddings": config["n_positions"],
-            "vocab_size": config["vocab_size"], "normalization": "layernorm",
-            "norm_epsilon": config.get("layer_norm_epsilon", 1e-5), "activation": "gelu",
-            "position_embedding_type": "learned", "add_bias_linear": True,
+            "num_layers": config["n_layer"],
+            "hidden_size": hidden,
+            "num_attention_heads": config["n_head"],
+            "ffn_hidden_size": config.get("n_inner") or 4 * hidden,
+            "seq_length": config["n_positions"],
+            "max_position_embeddings": config["n_positions"],
+            "vocab_size": config["vocab_size"],
+            "normalization": "layernorm",
+            "norm_epsilon": config.get("layer_norm_epsilon", 1e-5),
+            "activation": "gelu",
+            "position_embedding_type": "learned",
+            "add_bias_linear": True,
             "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", True),
             "hidden_dropout": float(config.get("resid_pdrop", 0.0)),
             "attention_dropout": float(config.get("attn_pdrop", 0.0)),
         }
     else:
-        raise CheckpointError(f"HF model_type {kind!r} is not supported; only {', '.join(map(repr, FAMILY))} "
-                              "and 'gpt2'")
+        raise CheckpointError(
+            f"HF model_type {kind!r} is not supported; only {', '.join(map(repr, FAMILY))} "
+            "and 'gpt2'"
+        )
     try:
         return build(ModelConfig, table, "model.")
     except (ValueError, KeyError) as e:
@@ -261,21 +311,34 @@ def rules(model: ModelConfig, arch: str | None = None) -> list[Rule]:
 
     def transposed(ours: str, theirs: str, shape: tuple[int, int]) -> None:
         # GPT-2's Conv1D stores (in, out), the transpose of a Linear's (out, in).
-        out.append(Rule(ours, shape, (theirs,), (shape[::-1],),
-                        lambda t: [t.t().contiguous()], lambda ts: ts[0].t().contiguous()))
+        out.append(
+            Rule(
+                ours,
+                shape,
+                (theirs,),
+                (shape[::-1],),
+                lambda t: [t.t().contiguous()],
+                lambda ts: ts[0].t().contiguous(),
+            )
+        )
 
     def split_qkv(t: torch.Tensor) -> list[torch.Tensor]:
         rest = t.shape[1:]
         g = t.reshape(groups, per + 2, d, *rest)  # (groups, per+2, head_dim, [hidden])
-        return [g[:, :per].reshape(heads * d, *rest).contiguous(),
-                g[:, per].reshape(groups * d, *rest).contiguous(),
-                g[:, per + 1].reshape(groups * d, *rest).contiguous()]
+        return [
+            g[:, :per].reshape(heads * d, *rest).contiguous(),
+            g[:, per].reshape(groups * d, *rest).contiguous(),
+            g[:, per + 1].reshape(groups * d, *rest).contiguous(),
+        ]
 
     def fuse_qkv(ts: list[torch.Tensor]) -> torch.Tensor:
         q, k, vv = ts
         rest = q.shape[1:]
-        parts = [q.reshape(groups, per, d, *rest), k.reshape(groups, 1, d, *rest),
-                 vv.reshape(groups, 1, d, *rest)]
+        parts = [
+            q.reshape(groups, per, d, *rest),
+            k.reshape(groups, 1, d, *rest),
+            vv.reshape(groups, 1, d, *rest),
+        ]
         return torch.cat(parts, dim=1).reshape(qkv_rows, *rest)  # per group: [q heads; k; v]
 
     suffixes = ("weight", "bias") if model.add_bias_linear else ("weight",)
@@ -287,47 +350,80 @@ def rules(model: ModelConfig, arch: str | None = None) -> list[Rule]:
             same(ours + "input_norm.weight", theirs + "input_layernorm.weight", (h,))
             for s in qkv_suffixes:
                 tail = (h,) if s == "weight" else ()
-                out.append(Rule(
-                    ours + f"attention.qkv.{s}", (qkv_rows, *tail),
-                    tuple(theirs + f"self_attn.{p}_proj.{s}" for p in "qkv"),
-                    ((heads * d, *tail), (groups * d, *tail), (groups * d, *tail)),
-                    split_qkv, fuse_qkv))
+                out.append(
+                    Rule(
+                        ours + f"attention.qkv.{s}",
+                        (qkv_rows, *tail),
+                        tuple(theirs + f"self_attn.{p}_proj.{s}" for p in "qkv"),
+                        ((heads * d, *tail), (groups * d, *tail), (groups * d, *tail)),
+                        split_qkv,
+                        fuse_qkv,
+                    )
+                )
             if model.qk_norm:  # Qwen3: one RMSNorm weight over head_dim each, shared by the heads
                 same(ours + "attention.q_norm.weight", theirs + "self_attn.q_norm.weight", (d,))
                 same(ours + "attention.k_norm.weight", theirs + "self_attn.k_norm.weight", (d,))
             for s in suffixes:
-                same(ours + f"attention.proj.{s}", theirs + f"self_attn.o_proj.{s}",
-                     (h, heads * d) if s == "weight" else (h,))
+                same(
+                    ours + f"attention.proj.{s}",
+                    theirs + f"self_attn.o_proj.{s}",
+                    (h, heads * d) if s == "weight" else (h,),
+                )
             same(ours + "pre_mlp_norm.weight", theirs + "post_attention_layernorm.weight", (h,))
             if arch not in DENSE and model.is_moe_layer(i):
                 out.extend(Rule(*m) for m in moe_block(model, arch, ours + "mlp.", theirs))
                 continue
             for s in suffixes:
                 tail = (h,) if s == "weight" else ()
-                out.append(Rule(
-                    ours + f"mlp.fc1.{s}", (2 * ffn, *tail),
-                    (theirs + f"mlp.gate_proj.{s}", theirs + f"mlp.up_proj.{s}"),
-                    ((ffn, *tail), (ffn, *tail)),
-                    lambda t: [c.contiguous() for c in t.chunk(2, dim=0)],  # [gate; up]
-                    lambda ts: torch.cat(ts, dim=0)))
-                same(ours + f"mlp.fc2.{s}", theirs + f"mlp.down_proj.{s}",
-                     (h, ffn) if s == "weight" else (h,))
+                out.append(
+                    Rule(
+                        ours + f"mlp.fc1.{s}",
+                        (2 * ffn, *tail),
+                        (theirs + f"mlp.gate_proj.{s}", theirs + f"mlp.up_proj.{s}"),
+                        ((ffn, *tail), (ffn, *tail)),
+                        lambda t: [c.contiguous() for c in t.chunk(2, dim=0)],  # [gate; up]
+                        lambda ts: torch.cat(ts, dim=0),
+                    )
+                )
+                same(
+                    ours + f"mlp.fc2.{s}",
+                    theirs + f"mlp.down_proj.{s}",
+                    (h, ffn) if s == "weight" else (h,),
+                )
         same("final_norm.weight", "model.norm.weight", (h,))
     else:
         same("embedding.word_embeddings.weight", "transformer.wte.weight", (v, h))
-        same("embedding.position_embeddings.weight", "transformer.wpe.weight", (model.max_positions, h))
+        same(
+            "embedding.position_embeddings.weight",
+            "transformer.wpe.weight",
+            (model.max_positions, h),
+        )
         for i in range(model.num_layers):
             ours, theirs = f"layers.{i}.", f"transformer.h.{i}."
             same(ours + "input_norm.weight", theirs + "ln_1.weight", (h,))
             same(ours + "input_norm.bias", theirs + "ln_1.bias", (h,))
             # per == 1 here, so the per-group order is per head [q_h; k_h; v_h]; c_attn wants
             # [q; k; v] (and its weight transposed).
-            out.append(Rule(ours + "attention.qkv.weight", (3 * h, h), (theirs + "attn.c_attn.weight",),
-                            ((h, 3 * h),), lambda t: [torch.cat(split_qkv(t), dim=0).t().contiguous()],
-                            lambda ts: fuse_qkv(list(ts[0].t().chunk(3, dim=0))).contiguous()))
-            out.append(Rule(ours + "attention.qkv.bias", (3 * h,), (theirs + "attn.c_attn.bias",),
-                            ((3 * h,),), lambda t: [torch.cat(split_qkv(t), dim=0)],
-                            lambda ts: fuse_qkv(list(ts[0].chunk(3, dim=0)))))
+            out.append(
+                Rule(
+                    ours + "attention.qkv.weight",
+                    (3 * h, h),
+                    (theirs + "attn.c_attn.weight",),
+                    ((h, 3 * h),),
+                    lambda t: [torch.cat(split_qkv(t), dim=0).t().contiguous()],
+                    lambda ts: fuse_qkv(list(ts[0].t().chunk(3, dim=0))).contiguous(),
+                )
+            )
+            out.append(
+                Rule(
+                    ours + "attention.qkv.bias",
+                    (3 * h,),
+                    (theirs + "attn.c_attn.bias",),
+                    ((3 * h,),),
+                    lambda t: [torch.cat(split_qkv(t), dim=0)],
+                    lambda ts: fuse_qkv(list(ts[0].chunk(3, dim=0))),
+                )
+            )
             transposed(ours + "attention.proj.weight", theirs + "attn.c_proj.weight", (h, h))
             same(ours + "attention.proj.bias", theirs + "attn.c_proj.bias", (h,))
             same(ours + "pre_mlp_norm.weight", theirs + "ln_2.weight", (h,))
@@ -343,9 +439,14 @@ def rules(model: ModelConfig, arch: str | None = None) -> list[Rule]:
     return out
 
 
-def export_hf(src_root: str, dst_dir: str, step: int | None = None,
-              tokenizer: str | None = None, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-              arch: str | None = None) -> str:
+def export_hf(
+    src_root: str,
+    dst_dir: str,
+    step: int | None = None,
+    tokenizer: str | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    arch: str | None = None,
+) -> str:
     """Writes a training checkpoint as a Hugging Face model folder.
 
     Args:
@@ -368,11 +469,19 @@ def export_hf(src_root: str, dst_dir: str, step: int | None = None,
             `dst_dir` exists. Nothing is left at `dst_dir` then.
     """
     source = open_source(src_root, step)
-    step, where, manifest, specs, metadata, model = (source.step, source.where, source.manifest, source.specs,
-                                                      source.metadata, source.model)
+    step, where, manifest, specs, metadata, model = (
+        source.step,
+        source.where,
+        source.manifest,
+        source.specs,
+        source.metadata,
+        source.model,
+    )
     limit = parse_size(max_shard_size)
     origin = (metadata.get("imported_from") or {}).get("architecture")
-    if arch is None and origin in DENSE:  # an imported Mistral exports as a Mistral while it still is one
+    if (
+        arch is None and origin in DENSE
+    ):  # an imported Mistral exports as a Mistral while it still is one
         try:
             arch = architecture(model, origin)
         except CheckpointError:
@@ -381,10 +490,14 @@ def export_hf(src_root: str, dst_dir: str, step: int | None = None,
     _check_tensors({r.ours: r.shape for r in plan}, specs, where, ignore=layout.NON_PARAMETER)
     dtypes = {specs[r.ours][1] for r in plan}
     if len(dtypes) != 1:
-        raise CheckpointError(f"{where}: parameters have mixed dtypes {sorted(dtypes)}; "
-                              "convert to one with `ckpt convert --dtype` first")
+        raise CheckpointError(
+            f"{where}: parameters have mixed dtypes {sorted(dtypes)}; "
+            "convert to one with `ckpt convert --dtype` first"
+        )
     dtype = dtypes.pop()
-    spec = tokenizer if tokenizer is not None else tokenizer_spec(src_root, step, metadata, manifest)
+    spec = (
+        tokenizer if tokenizer is not None else tokenizer_spec(src_root, step, metadata, manifest)
+    )
     tokenizer_file = hf_tokenizer.tokenizer_file(spec, where)
     eod = hf_tokenizer.eod_id(tokenizer_file, spec, model, where)
 
@@ -410,11 +523,15 @@ def export_hf(src_root: str, dst_dir: str, step: int | None = None,
         fs.makedirs(out, exist_ok=True)  # object stores have no folders to make
     else:
         fs.pipe_file(marker, b"an export to this prefix began and has not finished\n")
-    shards = plan_shards(((n, shape) for r in plan for n, shape in zip(r.theirs, r.hf_shapes)), dtype, limit)
+    shards = plan_shards(
+        ((n, shape) for r in plan for n, shape in zip(r.theirs, r.hf_shapes)), dtype, limit
+    )
 
     def produced():  # (HF name, tensor) in the plan's order, one meshtrain tensor read at a time
         for rule in plan:
-            yield from zip(rule.theirs, rule.to_hf(read_tensor(src_root, step, rule.ours, manifest=manifest)))
+            yield from zip(
+                rule.theirs, rule.to_hf(read_tensor(src_root, step, rule.ours, manifest=manifest))
+            )
 
     try:
         write_shards(fs, out, shards, dtype, produced())
@@ -425,7 +542,9 @@ def export_hf(src_root: str, dst_dir: str, step: int | None = None,
             files["generation_config.json"] = {"bos_token_id": eod, "eos_token_id": eod}
         if tokenizer_file is not None:
             fs.put_file(str(tokenizer_file), posixpath.join(out, "tokenizer.json"))
-            files["tokenizer_config.json"] = hf_tokenizer.tokenizer_config(tokenizer_file, model, where)
+            files["tokenizer_config.json"] = hf_tokenizer.tokenizer_config(
+                tokenizer_file, model, where
+            )
         files["config.json"] = config  # last
         for name, content in files.items():
             fs.pipe_file(posixpath.join(out, name), json.dumps(content, indent=2).encode())
@@ -443,13 +562,26 @@ def export_hf(src_root: str, dst_dir: str, step: int | None = None,
             except FileNotFoundError:
                 pass
         raise
-    log.info("exported %s to %s (%s, %s, %d safetensors file%s)", where, dst_dir, config["architectures"][0], dtype,
-             len(shards), "" if len(shards) == 1 else "s")
+    log.info(
+        "exported %s to %s (%s, %s, %d safetensors file%s)",
+        where,
+        dst_dir,
+        config["architectures"][0],
+        dtype,
+        len(shards),
+        "" if len(shards) == 1 else "s",
+    )
     return dst_dir
 
 
-def import_hf(src_dir: str, dst_root: str, seed: int = 1234, seq_length: int | None = None,
-              revision: str | None = None, cache_dir: str | None = None) -> str:
+def import_hf(
+    src_dir: str,
+    dst_root: str,
+    seed: int = 1234,
+    seq_length: int | None = None,
+    revision: str | None = None,
+    cache_dir: str | None = None,
+) -> str:
     """Writes a Hugging Face model folder as a step-0 meshtrain training checkpoint.
 
     The checkpoint holds the weights, `metadata.config` (a whole job config whose model
@@ -486,11 +618,14 @@ def import_hf(src_dir: str, dst_root: str, seed: int = 1234, seq_length: int | N
         raise CheckpointError(
             f"{dst_root!r} already holds committed checkpoints {existing[:5]}{' ...' if len(existing) > 5 else ''}: "
             "`meshtrain train --load` would resume the latest of them, not the import (step 0); import into an "
-            "empty root")
+            "empty root"
+        )
     files = safetensors_files(src)
     missing = sorted(f for f in set(files.values()) if not (src / f).is_file())
     if missing:
-        raise CheckpointError(f"{src}: the safetensors index names files that are not there: {missing}")
+        raise CheckpointError(
+            f"{src}: the safetensors index names files that are not there: {missing}"
+        )
     handles = {f: open_safetensors(src / f) for f in set(files.values())}
     kind = hf["model_type"]  # model_from_hf accepted it: one `architecture` names
     plan = rules(model, kind)
@@ -498,18 +633,26 @@ def import_hf(src_dir: str, dst_root: str, seed: int = 1234, seq_length: int | N
 
     def canonical(name: str) -> str:
         # Old GPT-2 files name tensors without the "transformer." prefix.
-        return f"transformer.{name}" if gpt2 and not name.startswith(("transformer.", "lm_head.")) else name
+        return (
+            f"transformer.{name}"
+            if gpt2 and not name.startswith(("transformer.", "lm_head."))
+            else name
+        )
 
     stored = {canonical(n): n for n in files if not n.endswith(_DERIVED)}
     found: dict[str, TensorSpec] = {}
     for name, original in stored.items():
         if original not in handles[files[original]].keys():  # noqa: SIM118 (not a dict)
-            raise CheckpointError(f"{src}: model.safetensors.index.json puts tensor {original!r} in "
-                                  f"{files[original]}, which does not hold it (a shard from another download?)")
+            raise CheckpointError(
+                f"{src}: model.safetensors.index.json puts tensor {original!r} in "
+                f"{files[original]}, which does not hold it (a shard from another download?)"
+            )
         tensor_slice = handles[files[original]].get_slice(original)
         dtype = LOGICAL.get(tensor_slice.get_dtype())
         if dtype is None:
-            raise CheckpointError(f"{src}: tensor {original!r} has unsupported dtype {tensor_slice.get_dtype()}")
+            raise CheckpointError(
+                f"{src}: tensor {original!r} has unsupported dtype {tensor_slice.get_dtype()}"
+            )
         found[name] = (tuple(tensor_slice.get_shape()), dtype)
     if not model.untie_embeddings_and_output_weights:
         found.pop("lm_head.weight", None)  # tied: HF ignores a stored copy, so do we
@@ -545,7 +688,10 @@ def import_hf(src_dir: str, dst_root: str, seed: int = 1234, seq_length: int | N
     specs.update({box.array: (box.global_shape, box.dtype) for box, _ in carried})
     np_state = np.random.RandomState(seed).get_state()
     metadata = {
-        "format": TRAIN_FORMAT, "iteration": 0, "consumed_samples": 0, "optimizer_step": 0,
+        "format": TRAIN_FORMAT,
+        "iteration": 0,
+        "consumed_samples": 0,
+        "optimizer_step": 0,
         "config": {"model": to_dict(model)},  # an import has an architecture, no training settings
         "rng_python": random.Random(seed).getstate(),
         "rng_numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
@@ -557,13 +703,23 @@ def import_hf(src_dir: str, dst_root: str, seed: int = 1234, seq_length: int | N
     return url
 
 
-def _check_tensors(wanted: dict[str, tuple[int, ...]], have: dict[str, TensorSpec], where: str,
-                   ignore: tuple[str, ...]) -> None:
+def _check_tensors(
+    wanted: dict[str, tuple[int, ...]],
+    have: dict[str, TensorSpec],
+    where: str,
+    ignore: tuple[str, ...],
+) -> None:
     """Raises CheckpointError naming missing, misshapen and unmapped tensors."""
     missing = sorted(set(wanted) - set(have))
     if missing:
-        raise CheckpointError(f"{where}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    wrong = [f"{n} is {have[n][0]}, expected {s}" for n, s in wanted.items() if tuple(have[n][0]) != tuple(s)]
+        raise CheckpointError(
+            f"{where}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}"
+        )
+    wrong = [
+        f"{n} is {have[n][0]}, expected {s}"
+        for n, s in wanted.items()
+        if tuple(have[n][0]) != tuple(s)
+    ]
     if wrong:
         raise CheckpointError(f"{where}: wrong shapes: {'; '.join(wrong[:5])}")
     unmapped = sorted(n for n in have if n not in wanted and not (ignore and n.startswith(ignore)))

@@ -40,24 +40,30 @@ def model_folder(src: str, revision: str | None = None, cache_dir: str | None = 
     if "://" in src and not src.startswith("file://"):
         # safetensors maps local files; Path() would also turn s3://b/x into s3:/b/x and say it
         # holds no config.json
-        raise CheckpointError(f"{src!r}: import reads a local folder, not a URL; copy the folder "
-                              "here first (e.g. `aws s3 sync URL DIR`) and import DIR")
+        raise CheckpointError(
+            f"{src!r}: import reads a local folder, not a URL; copy the folder "
+            "here first (e.g. `aws s3 sync URL DIR`) and import DIR"
+        )
     path = Path(src.removeprefix("file://")).expanduser()
     if path.is_dir():
         if (path / "snapshots").is_dir() and path.name.startswith("models--"):
             return _snapshot(path, revision)
         if revision is not None:
-            raise CheckpointError(f"{src}: a revision ({revision!r}) picks a snapshot of a repo id or of a cache "
-                                  "folder models--org--name, not of a plain folder")
+            raise CheckpointError(
+                f"{src}: a revision ({revision!r}) picks a snapshot of a repo id or of a cache "
+                "folder models--org--name, not of a plain folder"
+            )
         return path
     if path.exists() or not _REPO_ID.fullmatch(src):
         raise CheckpointError(f"{src}: no such folder, and not a Hugging Face repo id (org/name)")
     cache = Path(cache_dir).expanduser() if cache_dir else hub_cache()
     repo = cache / ("models--" + src.replace("/", "--"))
     if not repo.is_dir():
-        raise CheckpointError(f"{src}: no such folder, and the Hugging Face cache {cache} holds no {repo.name} "
-                              "(import reads the cache offline: download it first, e.g. "
-                              f"`hf download {src}`, or pass the folder)")
+        raise CheckpointError(
+            f"{src}: no such folder, and the Hugging Face cache {cache} holds no {repo.name} "
+            "(import reads the cache offline: download it first, e.g. "
+            f"`hf download {src}`, or pass the folder)"
+        )
     return _snapshot(repo, revision)
 
 
@@ -65,7 +71,9 @@ def hub_cache() -> Path:
     """The Hugging Face hub cache folder, from the environment as the hub library reads it."""
     if os.environ.get("HF_HUB_CACHE"):
         return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface"
+    )
     return Path(home).expanduser() / "hub"
 
 
@@ -76,15 +84,26 @@ def _snapshot(repo: Path, revision: str | None) -> Path:
     if not _COMMIT.fullmatch(revision):
         ref = repo / "refs" / revision
         if not ref.is_file():
-            refs = sorted(str(p.relative_to(repo / "refs")) for p in (repo / "refs").rglob("*") if p.is_file()) \
-                if (repo / "refs").is_dir() else []
-            raise CheckpointError(f"{repo}: no ref {revision!r} in the cache (refs there: {refs or 'none'}); "
-                                  "name a cached branch, tag or commit")
+            refs = (
+                sorted(
+                    str(p.relative_to(repo / "refs"))
+                    for p in (repo / "refs").rglob("*")
+                    if p.is_file()
+                )
+                if (repo / "refs").is_dir()
+                else []
+            )
+            raise CheckpointError(
+                f"{repo}: no ref {revision!r} in the cache (refs there: {refs or 'none'}); "
+                "name a cached branch, tag or commit"
+            )
         commit = ref.read_text().strip()
     folder = repo / "snapshots" / commit
     if not (folder / "config.json").is_file():
-        raise CheckpointError(f"{repo}: the snapshot of {revision!r} ({folder}) holds no config.json: "
-                              "a partial download? fetch it again")
+        raise CheckpointError(
+            f"{repo}: the snapshot of {revision!r} ({folder}) holds no config.json: "
+            "a partial download? fetch it again"
+        )
     return folder
 
 
@@ -119,8 +138,10 @@ def open_safetensors(path: Path) -> Any:
     try:
         return safe_open(str(path), framework="pt")
     except Exception as e:  # safetensors raises its own SafetensorError (or OSError) on a bad file
-        raise CheckpointError(f"{path}: not a readable safetensors file ({e}); an interrupted download? "
-                              "fetch it again") from e
+        raise CheckpointError(
+            f"{path}: not a readable safetensors file ({e}); an interrupted download? "
+            "fetch it again"
+        ) from e
 
 
 def _safe_open() -> Callable[..., Any]:
@@ -128,6 +149,8 @@ def _safe_open() -> Callable[..., Any]:
     try:
         from safetensors import safe_open
     except ImportError as e:
-        raise CheckpointError("importing Hugging Face weights needs the safetensors package "
-                              "(pip install 'safetensors>=0.4.3')") from e
+        raise CheckpointError(
+            "importing Hugging Face weights needs the safetensors package "
+            "(pip install 'safetensors>=0.4.3')"
+        ) from e
     return safe_open

@@ -11,7 +11,12 @@ from typing import Any
 
 from meshtrain.services.common.errors import CheckpointError, DataError
 from meshtrain.services.common.model_config import ModelConfig
-from meshtrain.services.dataloader.tokenizers import EOD_TOKEN, ByteTokenizer, HFTokenizer, build_tokenizer
+from meshtrain.services.dataloader.tokenizers import (
+    EOD_TOKEN,
+    ByteTokenizer,
+    HFTokenizer,
+    build_tokenizer,
+)
 
 log = logging.getLogger(__name__)
 
@@ -31,20 +36,27 @@ def tokenizer_file(spec: str | None, where: str) -> Path | None:
     written as a tokenizer.json first, in a folder removed when the process ends."""
     if spec in (None, "byte"):
         if spec == "byte":
-            log.warning("%s: the byte tokenizer has no Hugging Face form; exporting without one", where)
+            log.warning(
+                "%s: the byte tokenizer has no Hugging Face form; exporting without one", where
+            )
         return None
     if spec.startswith("gpt2bpe:"):
         return _gpt2bpe_tokenizer_json(spec, where)
     if _has_no_hf_form(spec):
-        log.warning("%s: the tokenizer %r has no Hugging Face tokenizer.json form; exporting without one",
-                    where, spec)
+        log.warning(
+            "%s: the tokenizer %r has no Hugging Face tokenizer.json form; exporting without one",
+            where,
+            spec,
+        )
         return None
     path = Path(spec)
     if path.is_dir():
         path = path / "tokenizer.json"
     if not path.is_file():
-        raise CheckpointError(f"{where}: the run's tokenizer {spec!r} is not a readable tokenizer.json "
-                              "here; pass the file with --tokenizer")
+        raise CheckpointError(
+            f"{where}: the run's tokenizer {spec!r} is not a readable tokenizer.json "
+            "here; pass the file with --tokenizer"
+        )
     return path
 
 
@@ -62,14 +74,21 @@ def eod_id(path: Path | None, spec: str | None, model: ModelConfig, where: str) 
             try:
                 eod = build_tokenizer(spec).eod_id
             except DataError as e:
-                log.warning("%s: cannot read the run's tokenizer %r (%s); exporting without its EOD id", where, spec, e)
+                log.warning(
+                    "%s: cannot read the run's tokenizer %r (%s); exporting without its EOD id",
+                    where,
+                    spec,
+                    e,
+                )
     else:
         tokenizer = _load(path, where)
         size = tokenizer.get_vocab_size(with_added_tokens=True)
         if size > model.vocab_size:
             # its ids past the model's rows crash the exported model (IndexError in the embedding)
-            raise CheckpointError(f"{where}: tokenizer {str(path)!r} has {size} tokens, more than the model's "
-                                  f"vocabulary of {model.vocab_size}: it is not this model's tokenizer")
+            raise CheckpointError(
+                f"{where}: tokenizer {str(path)!r} has {size} tokens, more than the model's "
+                f"vocabulary of {model.vocab_size}: it is not this model's tokenizer"
+            )
         eod = tokenizer.token_to_id(EOD_TOKEN)
         if eod is None:  # a model's own tokenizer: the run's EOD was its eos_token
             try:
@@ -77,16 +96,22 @@ def eod_id(path: Path | None, spec: str | None, model: ModelConfig, where: str) 
             except DataError:
                 eod = None
     if eod is not None and eod >= model.vocab_size:
-        raise CheckpointError(f"{where}: tokenizer {str(path or spec)!r} has {EOD_TOKEN} at id {eod}, outside the "
-                              f"model's vocabulary of {model.vocab_size}: it is not this model's tokenizer")
+        raise CheckpointError(
+            f"{where}: tokenizer {str(path or spec)!r} has {EOD_TOKEN} at id {eod}, outside the "
+            f"model's vocabulary of {model.vocab_size}: it is not this model's tokenizer"
+        )
     return eod
 
 
 def tokenizer_config(path: Path, model: ModelConfig, where: str) -> dict[str, Any]:
     """A `tokenizer_config.json` that makes `AutoTokenizer` load `tokenizer.json` as a fast tokenizer."""
-    special = {t.content for t in _load(path, where).get_added_tokens_decoder().values() if t.special}
-    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast",
-                              "model_max_length": model.seq_length}
+    special = {
+        t.content for t in _load(path, where).get_added_tokens_decoder().values() if t.special
+    }
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": model.seq_length,
+    }
     if EOD_TOKEN in special:
         config.update(bos_token=EOD_TOKEN, eos_token=EOD_TOKEN)
     return config
@@ -99,7 +124,9 @@ def _load(path: Path, where: str) -> Any:
     try:
         return Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises a bare Exception on a malformed file
-        raise CheckpointError(f"{where}: tokenizer {str(path)!r} is not a tokenizer.json ({e})") from e
+        raise CheckpointError(
+            f"{where}: tokenizer {str(path)!r} is not a tokenizer.json ({e})"
+        ) from e
 
 
 def _gpt2bpe_tokenizer_json(spec: str, where: str) -> Path:
@@ -112,8 +139,10 @@ def _gpt2bpe_tokenizer_json(spec: str, where: str) -> Path:
     try:
         tokenizer = build_tokenizer(spec)
     except DataError as e:
-        raise CheckpointError(f"{where}: the run's tokenizer {spec!r} cannot be read here ({e}); "
-                              "pass a tokenizer.json with --tokenizer") from None
+        raise CheckpointError(
+            f"{where}: the run's tokenizer {spec!r} cannot be read here ({e}); "
+            "pass a tokenizer.json with --tokenizer"
+        ) from None
     folder = tempfile.mkdtemp(prefix="meshtrain-gpt2bpe-")
     atexit.register(shutil.rmtree, folder, True)
     path = Path(folder) / "tokenizer.json"

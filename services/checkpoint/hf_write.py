@@ -28,16 +28,33 @@ import torch
 from meshtrain.services.checkpoint.convert import TORCH_DTYPES
 from meshtrain.services.common.errors import CheckpointError
 
-ST_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
-             "int32": "I32", "uint8": "U8", "bool": "BOOL"}
+ST_DTYPES = {
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "uint8": "U8",
+    "bool": "BOOL",
+}
 """meshtrain dtype name -> safetensors dtype code."""
 LOGICAL = {st: name for name, st in ST_DTYPES.items()}
 """safetensors dtype code -> meshtrain dtype name."""
 INDEX = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
 """transformers' default shard limit, "5GB" (decimal)."""
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_size(size: int | str) -> int:
@@ -54,7 +71,9 @@ def parse_size(size: int | str) -> int:
     else:
         match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", str(size), re.IGNORECASE)
         if match is None:
-            raise CheckpointError(f"max shard size {size!r} is not a size (e.g. 5GB, 500MB, 2GiB or a byte count)")
+            raise CheckpointError(
+                f"max shard size {size!r} is not a size (e.g. 5GB, 500MB, 2GiB or a byte count)"
+            )
         value = int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
     if value <= 0:
         raise CheckpointError(f"max shard size must be positive, got {size!r}")
@@ -69,7 +88,9 @@ class Shard:
     tensors: tuple[tuple[str, tuple[int, ...]], ...]
 
 
-def plan_shards(tensors: Iterable[tuple[str, tuple[int, ...]]], dtype: str, max_shard_size: int) -> list[Shard]:
+def plan_shards(
+    tensors: Iterable[tuple[str, tuple[int, ...]]], dtype: str, max_shard_size: int
+) -> list[Shard]:
     """The shards of an export: tensors in order, each shard at most `max_shard_size` bytes of
     data unless a single tensor is larger.
 
@@ -91,19 +112,30 @@ def plan_shards(tensors: Iterable[tuple[str, tuple[int, ...]]], dtype: str, max_
     if len(groups) == 1:
         return [Shard("model.safetensors", tuple(groups[0]))]
     n = len(groups)
-    return [Shard(f"model-{i + 1:05d}-of-{n:05d}.safetensors", tuple(g)) for i, g in enumerate(groups)]
+    return [
+        Shard(f"model-{i + 1:05d}-of-{n:05d}.safetensors", tuple(g)) for i, g in enumerate(groups)
+    ]
 
 
 def index(shards: list[Shard], dtype: str) -> dict[str, Any]:
     """The `model.safetensors.index.json` of several shards."""
     itemsize = TORCH_DTYPES[dtype].itemsize
-    total = sum(int(np.prod(shape, dtype=np.int64)) * itemsize for s in shards for _, shape in s.tensors)
-    return {"metadata": {"total_size": total},
-            "weight_map": {name: s.file for s in shards for name, _ in s.tensors}}
+    total = sum(
+        int(np.prod(shape, dtype=np.int64)) * itemsize for s in shards for _, shape in s.tensors
+    )
+    return {
+        "metadata": {"total_size": total},
+        "weight_map": {name: s.file for s in shards for name, _ in s.tensors},
+    }
 
 
-def write_shards(fs: Any, folder: str, shards: list[Shard], dtype: str,
-                 produced: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+def write_shards(
+    fs: Any,
+    folder: str,
+    shards: list[Shard],
+    dtype: str,
+    produced: Iterable[tuple[str, torch.Tensor]],
+) -> list[str]:
     """Streams every shard into `folder`, then the index when there are several.
 
     Args:
@@ -130,7 +162,9 @@ def write_shards(fs: Any, folder: str, shards: list[Shard], dtype: str,
     if extra is not None:
         raise CheckpointError(f"HF tensor {extra[0]!r} was produced but not planned")
     if len(shards) > 1:
-        fs.pipe_file(posixpath.join(folder, INDEX), json.dumps(index(shards, dtype), indent=2).encode())
+        fs.pipe_file(
+            posixpath.join(folder, INDEX), json.dumps(index(shards, dtype), indent=2).encode()
+        )
         files.append(INDEX)
     return files
 
@@ -143,7 +177,11 @@ def _write_one(f: Any, shard: Shard, dtype: str, stream) -> None:
     offset = 0
     for name, shape in shard.tensors:
         size = int(np.prod(shape, dtype=np.int64)) * itemsize
-        header[name] = {"dtype": ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        header[name] = {
+            "dtype": ST_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the reference writer pads the header to 8 bytes
@@ -156,12 +194,16 @@ def _write_one(f: Any, shard: Shard, dtype: str, stream) -> None:
             raise CheckpointError(f"HF tensor {name!r} was planned but not produced")
         got_name, tensor = got
         if got_name != name or tuple(tensor.shape) != shape or tensor.dtype != torch_dtype:
-            raise CheckpointError(f"HF tensor {got_name!r} came out {tuple(tensor.shape)} {tensor.dtype}, "
-                                  f"planned {name!r} {shape} {dtype}")
+            raise CheckpointError(
+                f"HF tensor {got_name!r} came out {tuple(tensor.shape)} {tensor.dtype}, "
+                f"planned {name!r} {shape} {dtype}"
+            )
         if tensor.numel():
             # A view of the tensor's own memory: no bytes copy of the largest tensor.
             data = tensor.contiguous().view(torch.uint8).numpy()
             f.write(data.data)
             written += data.nbytes
     if written != offset:
-        raise CheckpointError(f"{shard.file}: data is {written} bytes, the header promises {offset}")
+        raise CheckpointError(
+            f"{shard.file}: data is {written} bytes, the header promises {offset}"
+        )

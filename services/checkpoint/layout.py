@@ -176,8 +176,12 @@ def check_name(name: str) -> None:
     Args:
         name: the tensor name to check.
     """
-    if (not isinstance(name, str) or len(name) > MAX_NAME_CHARS or not _NAME_RE.fullmatch(name)
-            or name in _RESERVED_NAMES):
+    if (
+        not isinstance(name, str)
+        or len(name) > MAX_NAME_CHARS
+        or not _NAME_RE.fullmatch(name)
+        or name in _RESERVED_NAMES
+    ):
         raise CheckpointError(
             f"tensor name {loggable(name)} is not allowed: use 1 to {MAX_NAME_CHARS} letters, digits, "
             "'_', '-' and '.', not starting with '.' or '_', and not 'zarr.json' or 'manifest.json'"
@@ -230,7 +234,9 @@ def as_stored(data: torch.Tensor | np.ndarray, dtype: str, what: str) -> np.ndar
         return to_stored(data)
     want = _DTYPES[dtype][1]
     if np.asarray(data).dtype != want:
-        raise CheckpointError(f"{what} is {dtype} (stored as {want}) but got a numpy array of {np.asarray(data).dtype}")
+        raise CheckpointError(
+            f"{what} is {dtype} (stored as {want}) but got a numpy array of {np.asarray(data).dtype}"
+        )
     return np.asarray(data)
 
 

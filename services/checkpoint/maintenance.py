@@ -51,8 +51,10 @@ def delete_checkpoint(root: str, step: int) -> bool:
 
 def keep_every_needs_keep_last(keep_every: int, keep_last: int | None) -> str:
     """The refusal of a retention with keep_every but no keep_last (the CLI's, the service's)."""
-    return (f"keep_every {keep_every} needs keep_last N with N >= 1 (got "
-            f"{'none' if keep_last is None else keep_last}), or the newest checkpoints would be deleted too")
+    return (
+        f"keep_every {keep_every} needs keep_last N with N >= 1 (got "
+        f"{'none' if keep_last is None else keep_last}), or the newest checkpoints would be deleted too"
+    )
 
 
 def retained(steps: Iterable[int], keep_last: int, keep_every: int) -> set[int]:
@@ -98,10 +100,15 @@ class RetentionResult:
     collected: list[int] = field(default_factory=list)
 
 
-def apply_retention(root: str, keep_last: int, keep_every: int = 0,
-                    in_progress: Iterable[int] = (),
-                    guard: Callable[[int], AbstractContextManager[bool]] | None = None,
-                    collect: bool = True, protect: Iterable[int] = ()) -> RetentionResult:
+def apply_retention(
+    root: str,
+    keep_last: int,
+    keep_every: int = 0,
+    in_progress: Iterable[int] = (),
+    guard: Callable[[int], AbstractContextManager[bool]] | None = None,
+    collect: bool = True,
+    protect: Iterable[int] = (),
+) -> RetentionResult:
     """Applies a retention policy and collects uncommitted leftovers.
 
     Args:

@@ -59,11 +59,20 @@ log = logging.getLogger(__name__)
 
 TRACKER = "latest_checkpointed_iteration.txt"
 TRAIN_FORMAT = "meshtrain-train/1"
-BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
-           "common_backend_version": 1}
+BACKEND = {
+    "sharded_backend": "torch_dist",
+    "sharded_backend_version": 1,
+    "common_backend": "torch",
+    "common_backend_version": 1,
+}
 """metadata.json of a megatron-core torch_dist checkpoint."""
 VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
-_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+_LINEARS = (
+    "self_attention.linear_qkv",
+    "self_attention.linear_proj",
+    "mlp.linear_fc1",
+    "mlp.linear_fc2",
+)
 
 
 @dataclass(frozen=True)
@@ -94,34 +103,92 @@ def rules(model: ModelConfig) -> list[Rule]:
     h, v, ffn, d = model.hidden_size, model.vocab_size, model.ffn_size, model.head_dim
     qkv_rows = (model.num_attention_heads + 2 * model.groups) * d
     fc1_rows = 2 * ffn if model.activation == "swiglu" else ffn
-    out = [Rule("embedding.word_embeddings.weight", ("embedding.word_embeddings.weight",), (v, h), False)]
+    out = [
+        Rule(
+            "embedding.word_embeddings.weight", ("embedding.word_embeddings.weight",), (v, h), False
+        )
+    ]
     if model.position_embedding_type == "learned":
-        out.append(Rule("embedding.position_embeddings.weight", ("embedding.position_embeddings.weight",),
-                        (model.max_positions, h), False))
+        out.append(
+            Rule(
+                "embedding.position_embeddings.weight",
+                ("embedding.position_embeddings.weight",),
+                (model.max_positions, h),
+                False,
+            )
+        )
     norms = ("weight", "bias") if model.normalization == "layernorm" else ("weight",)
     for s in norms:
-        out.append(Rule(f"layers.{{i}}.input_norm.{s}", (f"decoder.layers.self_attention.linear_qkv.layer_norm_{s}",
-                                                        f"decoder.layers.input_layernorm.{s}"), (h,), True))
+        out.append(
+            Rule(
+                f"layers.{{i}}.input_norm.{s}",
+                (
+                    f"decoder.layers.self_attention.linear_qkv.layer_norm_{s}",
+                    f"decoder.layers.input_layernorm.{s}",
+                ),
+                (h,),
+                True,
+            )
+        )
     qkv_suffixes = ("weight", "bias") if model.add_bias_linear or model.qkv_bias else ("weight",)
     for s in qkv_suffixes:
-        out.append(Rule(f"layers.{{i}}.attention.qkv.{s}", (f"decoder.layers.self_attention.linear_qkv.{s}",),
-                        (qkv_rows, h) if s == "weight" else (qkv_rows,), True))
+        out.append(
+            Rule(
+                f"layers.{{i}}.attention.qkv.{s}",
+                (f"decoder.layers.self_attention.linear_qkv.{s}",),
+                (qkv_rows, h) if s == "weight" else (qkv_rows,),
+                True,
+            )
+        )
     if model.qk_norm:
         for p in "qk":
-            out.append(Rule(f"layers.{{i}}.attention.{p}_norm.weight",
-                            (f"decoder.layers.self_attention.{p}_layernorm.weight",), (d,), True))
+            out.append(
+                Rule(
+                    f"layers.{{i}}.attention.{p}_norm.weight",
+                    (f"decoder.layers.self_attention.{p}_layernorm.weight",),
+                    (d,),
+                    True,
+                )
+            )
     biases = ("weight", "bias") if model.add_bias_linear else ("weight",)
     for s in biases:
-        out.append(Rule(f"layers.{{i}}.attention.proj.{s}", (f"decoder.layers.self_attention.linear_proj.{s}",),
-                        (h, model.num_attention_heads * d) if s == "weight" else (h,), True))
+        out.append(
+            Rule(
+                f"layers.{{i}}.attention.proj.{s}",
+                (f"decoder.layers.self_attention.linear_proj.{s}",),
+                (h, model.num_attention_heads * d) if s == "weight" else (h,),
+                True,
+            )
+        )
     for s in norms:
-        out.append(Rule(f"layers.{{i}}.pre_mlp_norm.{s}", (f"decoder.layers.mlp.linear_fc1.layer_norm_{s}",
-                                                          f"decoder.layers.pre_mlp_layernorm.{s}"), (h,), True))
+        out.append(
+            Rule(
+                f"layers.{{i}}.pre_mlp_norm.{s}",
+                (
+                    f"decoder.layers.mlp.linear_fc1.layer_norm_{s}",
+                    f"decoder.layers.pre_mlp_layernorm.{s}",
+                ),
+                (h,),
+                True,
+            )
+        )
     for s in biases:
-        out.append(Rule(f"layers.{{i}}.mlp.fc1.{s}", (f"decoder.layers.mlp.linear_fc1.{s}",),
-                        (fc1_rows, h) if s == "weight" else (fc1_rows,), True))
-        out.append(Rule(f"layers.{{i}}.mlp.fc2.{s}", (f"decoder.layers.mlp.linear_fc2.{s}",),
-                        (h, ffn) if s == "weight" else (h,), True))
+        out.append(
+            Rule(
+                f"layers.{{i}}.mlp.fc1.{s}",
+                (f"decoder.layers.mlp.linear_fc1.{s}",),
+                (fc1_rows, h) if s == "weight" else (fc1_rows,),
+                True,
+            )
+        )
+        out.append(
+            Rule(
+                f"layers.{{i}}.mlp.fc2.{s}",
+                (f"decoder.layers.mlp.linear_fc2.{s}",),
+                (h, ffn) if s == "weight" else (h,),
+                True,
+            )
+        )
     for s in norms:
         out.append(Rule(f"final_norm.{s}", (f"decoder.final_layernorm.{s}",), (h,), False))
     if model.untie_embeddings_and_output_weights:
@@ -156,13 +223,19 @@ def checkpoint_folder(src: str, iteration: int | None = None) -> tuple[Path, int
             iteration = int(text)
             folder = root / f"iter_{iteration:07d}"
         else:
-            raise CheckpointError(f"{tracker}: holds {text[:40]!r}, neither an iteration number nor 'release'")
+            raise CheckpointError(
+                f"{tracker}: holds {text[:40]!r}, neither an iteration number nor 'release'"
+            )
     else:
-        raise CheckpointError(f"{src}: neither a torch_dist checkpoint folder (no .metadata) nor a Megatron-LM "
-                              f"checkpoint root (no {TRACKER})")
+        raise CheckpointError(
+            f"{src}: neither a torch_dist checkpoint folder (no .metadata) nor a Megatron-LM "
+            f"checkpoint root (no {TRACKER})"
+        )
     if not (folder / ".metadata").is_file():
-        raise CheckpointError(f"{folder}: no .metadata, so not a torch_dist checkpoint folder"
-                              + ("" if folder.is_dir() else " (the folder is not there)"))
+        raise CheckpointError(
+            f"{folder}: no .metadata, so not a torch_dist checkpoint folder"
+            + ("" if folder.is_dir() else " (the folder is not there)")
+        )
     return folder, iteration
 
 
@@ -175,16 +248,22 @@ def _check_backend(folder: Path) -> None:
     except (ValueError, AttributeError) as e:
         raise CheckpointError(f"{path}: not a JSON object ({e})") from None
     if backend != "torch_dist":
-        raise CheckpointError(f"{path}: sharded_backend {backend!r} is not supported; only 'torch_dist'")
+        raise CheckpointError(
+            f"{path}: sharded_backend {backend!r} is not supported; only 'torch_dist'"
+        )
 
 
 def _tensor_metadata(folder: Path) -> dict[str, TensorStorageMetadata]:
     try:
         meta = FileSystemReader(str(folder)).read_metadata()
     except Exception as e:  # a truncated or foreign .metadata unpickles into anything
-        raise CheckpointError(f"{folder}/.metadata: not readable as a torch.distributed.checkpoint index "
-                              f"({type(e).__name__}: {e})") from None
-    return {k: v for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+        raise CheckpointError(
+            f"{folder}/.metadata: not readable as a torch.distributed.checkpoint index "
+            f"({type(e).__name__}: {e})"
+        ) from None
+    return {
+        k: v for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)
+    }
 
 
 def _read_dcp(folder: Path, key: str, meta: TensorStorageMetadata) -> torch.Tensor:
@@ -194,14 +273,24 @@ def _read_dcp(folder: Path, key: str, meta: TensorStorageMetadata) -> torch.Tens
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load({key: tensor}, storage_reader=FileSystemReader(str(folder)), no_dist=True)
-    except (Exception, CheckpointException) as e:  # DCP's, a BaseException, wraps a missing or short file
-        raise CheckpointError(f"{folder}: reading tensor {key!r} failed, a data file is missing or corrupt "
-                              f"({type(e).__name__}: {str(e)[:300]})") from None
+    except (
+        Exception,
+        CheckpointException,
+    ) as e:  # DCP's, a BaseException, wraps a missing or short file
+        raise CheckpointError(
+            f"{folder}: reading tensor {key!r} failed, a data file is missing or corrupt "
+            f"({type(e).__name__}: {str(e)[:300]})"
+        ) from None
     return tensor
 
 
-def import_megatron(src: str, dst_root: str, iteration: int | None = None, flags: dict[str, Any] | None = None,
-                    seed: int = 1234) -> str:
+def import_megatron(
+    src: str,
+    dst_root: str,
+    iteration: int | None = None,
+    flags: dict[str, Any] | None = None,
+    seed: int = 1234,
+) -> str:
     """Writes a megatron-core torch_dist checkpoint's model weights as a step-0 meshtrain checkpoint.
 
     Args:
@@ -224,16 +313,21 @@ def import_megatron(src: str, dst_root: str, iteration: int | None = None, flags
     _check_backend(folder)
     common = read_common(folder)
     metas = _tensor_metadata(folder)
-    model_keys = {k: tuple(m.size) for k, m in metas.items() if k.startswith(("embedding.", "decoder.",
-                                                                                "output_layer.", "mtp."))}
+    model_keys = {
+        k: tuple(m.size)
+        for k, m in metas.items()
+        if k.startswith(("embedding.", "decoder.", "output_layer.", "mtp."))
+    }
     refuse_unsupported_keys(model_keys, folder)
     args = common.get("args")
     model, notes = model_from_megatron(args, flags or {}, model_keys, folder)
     existing = list_checkpoints(dst_root)
     if existing:
-        raise CheckpointError(f"{dst_root!r} already holds committed checkpoints {existing[:5]}: `meshtrain train "
-                              "--load` would resume the latest of them, not the import (step 0); import into an "
-                              "empty root")
+        raise CheckpointError(
+            f"{dst_root!r} already holds committed checkpoints {existing[:5]}: `meshtrain train "
+            "--load` would resume the latest of them, not the import (step 0); import into an "
+            "empty root"
+        )
     plan = rules(model)
     found: dict[str, str] = {}  # rule.ours -> the Megatron key holding it
     for rule in plan:
@@ -241,13 +335,17 @@ def import_megatron(src: str, dst_root: str, iteration: int | None = None, flags
         if key is None and rule.ours.startswith("layers.{i}.mlp.fc1."):
             key = _singleton_fc1(rule, model_keys)
         if key is None:
-            raise CheckpointError(f"{folder}: missing tensor {rule.theirs[0]!r} (meshtrain {rule.ours})")
+            raise CheckpointError(
+                f"{folder}: missing tensor {rule.theirs[0]!r} (meshtrain {rule.ours})"
+            )
         found[rule.ours] = key
     used = {k for key in found.values() for k in key.split("|")}
     unmapped = sorted(k for k in model_keys if k not in used)
     if unmapped:
-        raise CheckpointError(f"{folder}: tensors with no mapping {unmapped[:5]} (a feature meshtrain does not "
-                              "import, or settings that disagree with the tensors)")
+        raise CheckpointError(
+            f"{folder}: tensors with no mapping {unmapped[:5]} (a feature meshtrain does not "
+            "import, or settings that disagree with the tensors)"
+        )
     for rule in plan:
         key = found[rule.ours]
         have = _joined(key, model_keys) if "|" in key else model_keys[key]
@@ -257,11 +355,15 @@ def import_megatron(src: str, dst_root: str, iteration: int | None = None, flags
         else:
             ok = tuple(have) == want
         if not ok:
-            raise CheckpointError(f"{folder}: tensor {key!r} is {tuple(have)}, expected {want} for this architecture")
+            raise CheckpointError(
+                f"{folder}: tensor {key!r} is {tuple(have)}, expected {want} for this architecture"
+            )
     dtypes = {metas[k].properties.dtype for key in found.values() for k in key.split("|")}
     if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
-        raise CheckpointError(f"{folder}: model tensors have dtypes {sorted(map(str, dtypes))}; one float dtype "
-                              "is needed")
+        raise CheckpointError(
+            f"{folder}: model tensors have dtypes {sorted(map(str, dtypes))}; one float dtype "
+            "is needed"
+        )
     dtype = dtypes.pop()
 
     specs: dict[str, tuple[tuple[int, ...], str]] = {}
@@ -283,7 +385,9 @@ def import_megatron(src: str, dst_root: str, iteration: int | None = None, flags
         if key not in cache:  # the stacked tensor serves every layer; keep only the current one
             cache.clear()
             parts = [_read_dcp(folder, k, metas[k]) for k in key.split("|")]
-            cache[key] = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]  # (layers, [gate; up], hidden)
+            cache[key] = (
+                torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+            )  # (layers, [gate; up], hidden)
         full = cache[key]
         tensor = full[layer] if layer is not None else full
         if rule.ours in VOCAB_ROWS:
@@ -292,13 +396,20 @@ def import_megatron(src: str, dst_root: str, iteration: int | None = None, flags
 
     np_state = np.random.RandomState(seed).get_state()
     metadata = {
-        "format": TRAIN_FORMAT, "iteration": 0, "consumed_samples": 0, "optimizer_step": 0,
+        "format": TRAIN_FORMAT,
+        "iteration": 0,
+        "consumed_samples": 0,
+        "optimizer_step": 0,
         "config": {"model": to_dict(model)},
         "rng_python": random.Random(seed).getstate(),
         "rng_numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
         "tokenizer": None,
-        "imported_from": {"url": str(folder.resolve()), "format": "megatron", "iteration": iteration,
-                          "notes": notes},
+        "imported_from": {
+            "url": str(folder.resolve()),
+            "format": "megatron",
+            "iteration": iteration,
+            "notes": notes,
+        },
     }
     for note in notes:
         log.warning("%s: %s", folder, note)
@@ -321,8 +432,9 @@ def _joined(key: str, keys: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
     return (w[0], 2 * w[1], *w[2:])
 
 
-def export_megatron(src_root: str, dst_dir: str, step: int | None = None,
-                    padded_vocab_size: int | None = None) -> tuple[str, list[str]]:
+def export_megatron(
+    src_root: str, dst_dir: str, step: int | None = None, padded_vocab_size: int | None = None
+) -> tuple[str, list[str]]:
     """Writes a meshtrain checkpoint's weights as a megatron-core torch_dist `release` checkpoint.
 
     `DST/latest_checkpointed_iteration.txt` says `release` and `DST/release/` is the torch_dist
@@ -348,26 +460,40 @@ def export_megatron(src_root: str, dst_dir: str, step: int | None = None,
             misshapen, the padded vocabulary is smaller than the vocabulary, or `dst_dir` exists.
     """
     source = open_source(src_root, step)
-    step, where, manifest, specs, model = source.step, source.where, source.manifest, source.specs, source.model
+    step, where, manifest, specs, model = (
+        source.step,
+        source.where,
+        source.manifest,
+        source.specs,
+        source.model,
+    )
     plan = rules(model)
     rows = model.padded_vocab_size() if padded_vocab_size is None else padded_vocab_size
     if rows < model.vocab_size:
-        raise CheckpointError(f"padded vocabulary size {rows} is smaller than model.vocab_size={model.vocab_size}")
+        raise CheckpointError(
+            f"padded vocabulary size {rows} is smaller than model.vocab_size={model.vocab_size}"
+        )
     for rule in plan:
         for i in range(model.num_layers) if rule.layered else [None]:
             name = rule.ours.format(i=i) if i is not None else rule.ours
             if name not in specs:
                 raise CheckpointError(f"{where}: missing tensor {name!r}")
             if tuple(specs[name][0]) != rule.shape:
-                raise CheckpointError(f"{where}: tensor {name!r} is {tuple(specs[name][0])}, expected {rule.shape}")
+                raise CheckpointError(
+                    f"{where}: tensor {name!r} is {tuple(specs[name][0])}, expected {rule.shape}"
+                )
     dst = Path(dst_dir)
     if dst.exists():
         raise CheckpointError(f"export destination {dst_dir!r} already exists")
     state: dict[str, Any] = {}
     for rule in plan:
         if rule.layered:  # (layers, *shape): Megatron stacks the layers on a leading axis
-            tensor = torch.stack([read_tensor(src_root, step, rule.ours.format(i=i), manifest=manifest)
-                                  for i in range(model.num_layers)])
+            tensor = torch.stack(
+                [
+                    read_tensor(src_root, step, rule.ours.format(i=i), manifest=manifest)
+                    for i in range(model.num_layers)
+                ]
+            )
         else:
             tensor = read_tensor(src_root, step, rule.ours, manifest=manifest)
         if rule.ours in VOCAB_ROWS and rows > tensor.shape[0]:
@@ -388,7 +514,11 @@ def export_megatron(src_root: str, dst_dir: str, step: int | None = None,
         release.mkdir(parents=True)
         with warnings.catch_warnings():  # DCP warns that no_dist means one process: it is meant
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save(state, storage_writer=FileSystemWriter(str(release), single_file_per_rank=True), no_dist=True)
+            dcp.save(
+                state,
+                storage_writer=FileSystemWriter(str(release), single_file_per_rank=True),
+                no_dist=True,
+            )
         torch.save({"checkpoint_version": 3.0, "iteration": 0}, release / "common.pt")
         (release / "metadata.json").write_text(json.dumps(BACKEND))
         (build / TRACKER).write_text("release")
@@ -398,4 +528,3 @@ def export_megatron(src_root: str, dst_dir: str, step: int | None = None,
         raise
     log.info("exported %s to %s (megatron-core torch_dist, release)", where, dst_dir)
     return dst_dir, megatron_flags(model)
-

@@ -33,22 +33,54 @@ EMBEDDING = "embedding.word_embeddings.weight"
 POSITIONS = "embedding.position_embeddings.weight"
 # Megatron argument names read from the saved args (flags use the same names).
 ARG_NAMES = (
-    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention",
-    "num_query_groups", "kv_channels", "seq_length", "max_position_embeddings", "position_embedding_type",
-    "rotary_base", "rotary_percent", "rotary_interleaved", "use_rope_scaling", "rope_scaling_factor",
-    "normalization", "norm_epsilon", "swiglu", "openai_gelu", "squared_relu", "apply_layernorm_1p",
-    "add_bias_linear", "add_qkv_bias", "qk_layernorm", "untie_embeddings_and_output_weights", "num_experts",
-    "multi_latent_attention", "hidden_dropout", "attention_dropout", "init_method_std",
-    "make_vocab_size_divisible_by", "vocab_size", "padded_vocab_size",
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "group_query_attention",
+    "num_query_groups",
+    "kv_channels",
+    "seq_length",
+    "max_position_embeddings",
+    "position_embedding_type",
+    "rotary_base",
+    "rotary_percent",
+    "rotary_interleaved",
+    "use_rope_scaling",
+    "rope_scaling_factor",
+    "normalization",
+    "norm_epsilon",
+    "swiglu",
+    "openai_gelu",
+    "squared_relu",
+    "apply_layernorm_1p",
+    "add_bias_linear",
+    "add_qkv_bias",
+    "qk_layernorm",
+    "untie_embeddings_and_output_weights",
+    "num_experts",
+    "multi_latent_attention",
+    "hidden_dropout",
+    "attention_dropout",
+    "init_method_std",
+    "make_vocab_size_divisible_by",
+    "vocab_size",
+    "padded_vocab_size",
 )
-_SAFE = {"argparse.Namespace": argparse.Namespace, "types.SimpleNamespace": types.SimpleNamespace,
-         "pathlib.PosixPath": pathlib.PosixPath}
+_SAFE = {
+    "argparse.Namespace": argparse.Namespace,
+    "types.SimpleNamespace": types.SimpleNamespace,
+    "pathlib.PosixPath": pathlib.PosixPath,
+}
 # Key fragments of features that have no meshtrain mapping, and what to call them.
 _UNSUPPORTED = (
-    (".mlp.router.", "mixture-of-experts layers"), (".mlp.experts.", "mixture-of-experts layers"),
+    (".mlp.router.", "mixture-of-experts layers"),
+    (".mlp.experts.", "mixture-of-experts layers"),
     (".mlp.shared_experts.", "mixture-of-experts layers"),
-    ("linear_q_down_proj", "multi-latent attention (MLA)"), ("linear_kv_down_proj", "multi-latent attention (MLA)"),
-    ("linear_q_up_proj", "multi-latent attention (MLA)"), ("linear_kv_up_proj", "multi-latent attention (MLA)"),
+    ("linear_q_down_proj", "multi-latent attention (MLA)"),
+    ("linear_kv_down_proj", "multi-latent attention (MLA)"),
+    ("linear_q_up_proj", "multi-latent attention (MLA)"),
+    ("linear_kv_up_proj", "multi-latent attention (MLA)"),
 )
 
 
@@ -77,9 +109,13 @@ def read_common(folder: Path) -> dict[str, Any]:
         with torch.serialization.safe_globals(allowed):
             common = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise CheckpointError(f"{path}: not readable ({type(e).__name__}: {str(e)[:300]})") from None
+        raise CheckpointError(
+            f"{path}: not readable ({type(e).__name__}: {str(e)[:300]})"
+        ) from None
     if not isinstance(common, dict):
-        raise CheckpointError(f"{path}: holds a {type(common).__name__}, not the dict megatron-core writes")
+        raise CheckpointError(
+            f"{path}: holds a {type(common).__name__}, not the dict megatron-core writes"
+        )
     return common
 
 
@@ -87,11 +123,15 @@ def refuse_unsupported_keys(keys: dict[str, tuple[int, ...]], folder: Path) -> N
     """Raises CheckpointError naming a feature whose tensors meshtrain cannot import (MoE, MLA, MTP)."""
     for key in keys:
         if key.startswith("mtp."):
-            raise CheckpointError(f"{folder}: multi-token prediction layers ({key!r}) are not supported")
+            raise CheckpointError(
+                f"{folder}: multi-token prediction layers ({key!r}) are not supported"
+            )
         for fragment, what in _UNSUPPORTED:
             if fragment in key:
-                raise CheckpointError(f"{folder}: {what} ({key!r}) are not supported; only dense GPT and "
-                                      "Llama-style models import")
+                raise CheckpointError(
+                    f"{folder}: {what} ({key!r}) are not supported; only dense GPT and "
+                    "Llama-style models import"
+                )
 
 
 def _facts(args: Any, flags: dict[str, Any]) -> dict[str, Any]:
@@ -134,8 +174,9 @@ def _refuse(facts: dict[str, Any], folder: Path) -> None:
         raise CheckpointError(f"{folder}: settings meshtrain cannot express: {'; '.join(why)}")
 
 
-def model_from_megatron(args: Any, flags: dict[str, Any], keys: dict[str, tuple[int, ...]],
-                        folder: Path) -> tuple[ModelConfig, list[str]]:
+def model_from_megatron(
+    args: Any, flags: dict[str, Any], keys: dict[str, tuple[int, ...]], folder: Path
+) -> tuple[ModelConfig, list[str]]:
     """The ModelConfig of a checkpoint, and notes on what meshtrain computes differently.
 
     Args:
@@ -152,7 +193,9 @@ def model_from_megatron(args: Any, flags: dict[str, Any], keys: dict[str, tuple[
     _refuse(facts, folder)
     for key in (QKV, FC2, EMBEDDING):
         if key not in keys:
-            raise CheckpointError(f"{folder}: missing tensor {key!r}, so not a megatron-core GPTModel checkpoint")
+            raise CheckpointError(
+                f"{folder}: missing tensor {key!r}, so not a megatron-core GPTModel checkpoint"
+            )
     layers, qkv_rows, hidden = keys[QKV]
     rows, ffn = keys[EMBEDDING][0], keys[FC2][2]
     fc1_rows = keys[FC1][1] if FC1 in keys else keys.get(FC1 + "_w", (0, 0))[1] * 2
@@ -163,27 +206,42 @@ def model_from_megatron(args: Any, flags: dict[str, Any], keys: dict[str, tuple[
         "add_bias_linear": "decoder.layers.self_attention.linear_proj.bias" in keys,
         "qk_layernorm": "decoder.layers.self_attention.q_layernorm.weight" in keys,
         "untie_embeddings_and_output_weights": "output_layer.weight" in keys,
-        "num_layers": layers, "hidden_size": hidden, "ffn_hidden_size": ffn,
+        "num_layers": layers,
+        "hidden_size": hidden,
+        "ffn_hidden_size": ffn,
     }
     said = dict(facts)
     said["normalization"] = str(facts.get("normalization", seen["normalization"])).lower()
     said["position_embedding_type"] = {"learned_absolute": "learned"}.get(
-        facts.get("position_embedding_type"), facts.get("position_embedding_type", seen["position_embedding_type"]))
-    wrong = [f"{k}={said[k]!r} but the tensors say {v!r}" for k, v in seen.items()
-             if k in said and type(v)(said[k]) != v]
+        facts.get("position_embedding_type"),
+        facts.get("position_embedding_type", seen["position_embedding_type"]),
+    )
+    wrong = [
+        f"{k}={said[k]!r} but the tensors say {v!r}"
+        for k, v in seen.items()
+        if k in said and type(v)(said[k]) != v
+    ]
     if wrong:
-        raise CheckpointError(f"{folder}: the settings disagree with the tensors: {'; '.join(wrong)}")
+        raise CheckpointError(
+            f"{folder}: the settings disagree with the tensors: {'; '.join(wrong)}"
+        )
     heads = facts.get("num_attention_heads")
     if heads is None:
-        raise CheckpointError(f"{folder}: the number of attention heads is unknown (the checkpoint has no saved "
-                              "args): give --num-attention-heads")
+        raise CheckpointError(
+            f"{folder}: the number of attention heads is unknown (the checkpoint has no saved "
+            "args): give --num-attention-heads"
+        )
     d = facts.get("kv_channels") or (hidden // heads if hidden % heads == 0 else None)
     if d is None:
-        raise CheckpointError(f"{folder}: hidden size {hidden} is no multiple of {heads} heads: check "
-                              "--num-attention-heads, or give --kv-channels (the head width)")
+        raise CheckpointError(
+            f"{folder}: hidden size {hidden} is no multiple of {heads} heads: check "
+            "--num-attention-heads, or give --kv-channels (the head width)"
+        )
     if qkv_rows % d:
-        raise CheckpointError(f"{folder}: fused qkv rows {qkv_rows} are no whole number of {d}-wide heads: check "
-                              "--num-attention-heads and --kv-channels (the head width)")
+        raise CheckpointError(
+            f"{folder}: fused qkv rows {qkv_rows} are no whole number of {d}-wide heads: check "
+            "--num-attention-heads and --kv-channels (the head width)"
+        )
     if facts.get("group_query_attention") or flags.get("num_query_groups") is not None:
         groups = facts.get("num_query_groups")
     elif args is not None:
@@ -191,27 +249,37 @@ def model_from_megatron(args: Any, flags: dict[str, Any], keys: dict[str, tuple[
     else:
         groups = (qkv_rows // d - heads) // 2  # rows = (heads + 2 * groups) * head_dim
     if not groups or groups < 1 or (heads + 2 * groups) * d != qkv_rows:
-        raise CheckpointError(f"{folder}: fused qkv rows {qkv_rows} do not match {heads} heads of width {d} and "
-                              f"{groups} query groups: check --num-attention-heads, --num-query-groups and "
-                              "--kv-channels")
+        raise CheckpointError(
+            f"{folder}: fused qkv rows {qkv_rows} do not match {heads} heads of width {d} and "
+            f"{groups} query groups: check --num-attention-heads, --num-query-groups and "
+            "--kv-channels"
+        )
     learned = seen["position_embedding_type"] == "learned"
     positions = keys[POSITIONS][0] if learned else None
     seq = facts.get("seq_length", positions)
     if seq is None:
-        raise CheckpointError(f"{folder}: the sequence length of this RoPE model is unknown (no saved args): give "
-                              "--seq-length")
+        raise CheckpointError(
+            f"{folder}: the sequence length of this RoPE model is unknown (no saved args): give "
+            "--seq-length"
+        )
     notes = []
     table: dict[str, Any] = {
-        "num_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
+        "num_layers": layers,
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
         "num_query_groups": groups if groups != heads else None,
-        "kv_channels": d if d * heads != hidden else None, "ffn_hidden_size": ffn,
-        "seq_length": min(seq, positions) if learned else seq, "max_position_embeddings": positions,
-        "vocab_size": facts.get("vocab_size", rows), "normalization": seen["normalization"],
+        "kv_channels": d if d * heads != hidden else None,
+        "ffn_hidden_size": ffn,
+        "seq_length": min(seq, positions) if learned else seq,
+        "max_position_embeddings": positions,
+        "vocab_size": facts.get("vocab_size", rows),
+        "normalization": seen["normalization"],
         "norm_epsilon": float(facts.get("norm_epsilon", 1e-5)),
         "activation": "swiglu" if seen["swiglu"] else "gelu",
         "position_embedding_type": seen["position_embedding_type"],
         "add_bias_linear": seen["add_bias_linear"],
-        "qkv_bias": not seen["add_bias_linear"] and "decoder.layers.self_attention.linear_qkv.bias" in keys,
+        "qkv_bias": not seen["add_bias_linear"]
+        and "decoder.layers.self_attention.linear_qkv.bias" in keys,
         "qk_norm": seen["qk_layernorm"],
         "untie_embeddings_and_output_weights": seen["untie_embeddings_and_output_weights"],
         "hidden_dropout": float(facts.get("hidden_dropout", 0.0)),
@@ -220,55 +288,88 @@ def model_from_megatron(args: Any, flags: dict[str, Any], keys: dict[str, tuple[
         "make_vocab_size_divisible_by": int(facts.get("make_vocab_size_divisible_by", 128)),
     }
     if table["vocab_size"] > rows:
-        raise CheckpointError(f"{folder}: vocab_size={table['vocab_size']} exceeds the embedding's {rows} rows")
+        raise CheckpointError(
+            f"{folder}: vocab_size={table['vocab_size']} exceeds the embedding's {rows} rows"
+        )
     if not learned:
         if "rotary_base" not in facts and args is None:
-            raise CheckpointError(f"{folder}: the RoPE base is unknown (no saved args): give --rotary-base "
-                                  "(Megatron's default is 10000; Llama 3 used 500000)")
+            raise CheckpointError(
+                f"{folder}: the RoPE base is unknown (no saved args): give --rotary-base "
+                "(Megatron's default is 10000; Llama 3 used 500000)"
+            )
         table["rotary_base"] = float(facts.get("rotary_base", 10000))
         if facts.get("use_rope_scaling"):
             table["rope_scaling_factor"] = float(facts.get("rope_scaling_factor", 8.0))
     if not seen["swiglu"] and not facts.get("openai_gelu"):
-        notes.append("the checkpoint's GELU is the exact (erf) one, which meshtrain computes with the tanh "
-                     "approximation (--openai-gelu): the two differ by at most 4.7e-4 per activation")
+        notes.append(
+            "the checkpoint's GELU is the exact (erf) one, which meshtrain computes with the tanh "
+            "approximation (--openai-gelu): the two differ by at most 4.7e-4 per activation"
+        )
     try:
         return build(ModelConfig, table, "model."), notes
     except (ValueError, KeyError) as e:
-        raise CheckpointError(f"{folder}: the settings do not make a valid meshtrain model: {e}") from e
+        raise CheckpointError(
+            f"{folder}: the settings do not make a valid meshtrain model: {e}"
+        ) from e
 
 
 def check_exportable(model: ModelConfig) -> None:
     """Raises CheckpointError naming what a Megatron GPTModel cannot compute: MoE layers, and Llama 3
     RoPE scaling with other bounds than Megatron's fixed ones (low 1, high 4, original 8192)."""
     if model.num_experts is not None:
-        raise CheckpointError("model.num_experts is set: mixture-of-experts layers have no Megatron mapping here "
-                              "(only dense GPT and Llama-style models)")
+        raise CheckpointError(
+            "model.num_experts is set: mixture-of-experts layers have no Megatron mapping here "
+            "(only dense GPT and Llama-style models)"
+        )
     if model.rope_scaling_factor is not None:
-        bounds = (model.rope_scaling_low_freq_factor, model.rope_scaling_high_freq_factor,
-                  model.rope_scaling_original_max_positions)
+        bounds = (
+            model.rope_scaling_low_freq_factor,
+            model.rope_scaling_high_freq_factor,
+            model.rope_scaling_original_max_positions,
+        )
         if bounds != (1.0, 4.0, 8192):
             raise CheckpointError(
                 f"model.rope_scaling_low_freq_factor, high_freq_factor, original_max_positions = {bounds}: Megatron's "
-                "--use-rope-scaling fixes them at (1, 4, 8192)")
+                "--use-rope-scaling fixes them at (1, 4, 8192)"
+            )
 
 
 def megatron_flags(model: ModelConfig) -> list[str]:
     """The Megatron-LM flags that build a GPTModel computing `model`, the tokenizer's aside (from
     it Megatron-LM pads the vocabulary to a multiple of make_vocab_size_divisible_by x TP rows)."""
-    out = ["--num-layers", model.num_layers, "--hidden-size", model.hidden_size,
-           "--ffn-hidden-size", model.ffn_size, "--num-attention-heads", model.num_attention_heads]
+    out = [
+        "--num-layers",
+        model.num_layers,
+        "--hidden-size",
+        model.hidden_size,
+        "--ffn-hidden-size",
+        model.ffn_size,
+        "--num-attention-heads",
+        model.num_attention_heads,
+    ]
     if model.groups != model.num_attention_heads:
         out += ["--group-query-attention", "--num-query-groups", model.groups]
     if model.head_dim * model.num_attention_heads != model.hidden_size:
         out += ["--kv-channels", model.head_dim]
-    out += ["--seq-length", model.seq_length, "--max-position-embeddings", model.max_positions,
-            "--normalization", "LayerNorm" if model.normalization == "layernorm" else "RMSNorm",
-            "--norm-epsilon", model.norm_epsilon]
+    out += [
+        "--seq-length",
+        model.seq_length,
+        "--max-position-embeddings",
+        model.max_positions,
+        "--normalization",
+        "LayerNorm" if model.normalization == "layernorm" else "RMSNorm",
+        "--norm-epsilon",
+        model.norm_epsilon,
+    ]
     out += ["--swiglu"] if model.activation == "swiglu" else ["--openai-gelu"]
     if model.position_embedding_type == "rope":
         out += ["--position-embedding-type", "rope", "--rotary-base", _number(model.rotary_base)]
         if model.rope_scaling_factor is not None:
-            out += ["--use-rope-scaling", "--rope-scaling-factor", _number(model.rope_scaling_factor)]
+            out += [
+                "--use-rope-scaling",
+                "--rope-scaling-factor",
+                _number(model.rope_scaling_factor),
+            ]
     else:
         out += ["--position-embedding-type", "learned_absolute"]
     if not model.add_bias_linear:
@@ -279,7 +380,12 @@ def megatron_flags(model: ModelConfig) -> list[str]:
         out.append("--qk-layernorm")
     if model.untie_embeddings_and_output_weights:
         out.append("--untie-embeddings-and-output-weights")
-    out += ["--make-vocab-size-divisible-by", model.make_vocab_size_divisible_by, "--ckpt-format", "torch_dist"]
+    out += [
+        "--make-vocab-size-divisible-by",
+        model.make_vocab_size_divisible_by,
+        "--ckpt-format",
+        "torch_dist",
+    ]
     return [str(x) for x in out]
 
 

@@ -24,8 +24,10 @@ from meshtrain.services.common.errors import CheckpointError
 
 def _refusal(link: str, base: str, more: int = 0) -> CheckpointError:
     return CheckpointError(
-        f"{link} is a symlink inside the checkpoint root {base}" + (f" (and {more} more)" if more else "")
-        + "; meshtrain never follows one there (it did not make it): remove it")
+        f"{link} is a symlink inside the checkpoint root {base}"
+        + (f" (and {more} more)" if more else "")
+        + "; meshtrain never follows one there (it did not make it): remove it"
+    )
 
 
 def _named(e: OSError, path: str) -> OSError:
@@ -53,7 +55,8 @@ def _open_dir(fd: int, name: str, where: str, base: str, create: bool) -> int:
         return _open_dir(fd, name, where, base, create=False)
     except OSError as e:
         if e.errno in (errno.ELOOP, errno.ENOTDIR) and stat.S_ISLNK(
-                os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+            os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
+        ):
             raise _refusal(where, base) from None
         raise _named(e, where) from None
 
@@ -69,7 +72,7 @@ def _walk(base: str, parts: list[str], create: bool) -> int:
         fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
     try:
         for i, name in enumerate(parts):
-            child = _open_dir(fd, name, os.path.join(base, *parts[:i + 1]), base, create)
+            child = _open_dir(fd, name, os.path.join(base, *parts[: i + 1]), base, create)
             os.close(fd)
             fd = child
     except BaseException:
@@ -78,7 +81,9 @@ def _walk(base: str, parts: list[str], create: bool) -> int:
     return fd
 
 
-def open_beneath(base: str, path: str, flags: int, mode: int = 0o644, create_dirs: bool = True) -> int:
+def open_beneath(
+    base: str, path: str, flags: int, mode: int = 0o644, create_dirs: bool = True
+) -> int:
     """Opens the file `path` inside the folder `base` without following a symlink at any
     component below `base` (missing folders on the way are created, unless not `create_dirs`:
     FileNotFoundError then).
@@ -123,8 +128,10 @@ def create_beneath(base: str, path: str, data: bytes) -> bool:
     fd = _walk(base, parts[:-1], create=True)
     tmp = f"{parts[-1]}.tmp-{uuid.uuid4().hex}"
     try:
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644,
-                               dir_fd=fd), "wb") as f:
+        with os.fdopen(
+            os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=fd),
+            "wb",
+        ) as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -152,10 +159,12 @@ def refuse_symlinks(base: str, folder: str) -> None:
     none."""
     parts = _parts(base, folder)
     for i in range(len(parts)):
-        if os.path.islink(os.path.join(base, *parts[:i + 1])):
-            raise _refusal(os.path.join(base, *parts[:i + 1]), base)
+        if os.path.islink(os.path.join(base, *parts[: i + 1])):
+            raise _refusal(os.path.join(base, *parts[: i + 1]), base)
     links = []
     for top, dirs, files in os.walk(folder, followlinks=False):
-        links += [os.path.join(top, n) for n in dirs + files if os.path.islink(os.path.join(top, n))]
+        links += [
+            os.path.join(top, n) for n in dirs + files if os.path.islink(os.path.join(top, n))
+        ]
     if links:
         raise _refusal(links[0], base, len(links) - 1)

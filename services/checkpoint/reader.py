@@ -142,7 +142,9 @@ def load_checkpoint(
                 if direct is None:
                     break
                 name = entry["tensors"][0 if layer is None else layer]
-                tensors[name] = layout.from_stored(direct if layer is None else direct[0], entry["dtype"])
+                tensors[name] = layout.from_stored(
+                    direct if layer is None else direct[0], entry["dtype"]
+                )
             else:
                 continue
         if entry["layer_count"] is None:
@@ -157,8 +159,9 @@ def load_checkpoint(
     return {name: tensors[name] for name in wanted}, manifest["metadata"]
 
 
-def read_tensor(root: str, step: int, name: str, index: Index = None,
-                manifest: dict[str, Any] | None = None) -> torch.Tensor:
+def read_tensor(
+    root: str, step: int, name: str, index: Index = None, manifest: dict[str, Any] | None = None
+) -> torch.Tensor:
     """Reads one tensor, or a slice of it, without reading the other tensors.
 
     Args:
@@ -185,7 +188,9 @@ def read_tensor(root: str, step: int, name: str, index: Index = None,
     entry = manifest["arrays"][array_name]
     tensor_shape = entry["shape"][1:] if layer is not None else entry["shape"]
     if index is None and tensor_shape and 0 not in entry["shape"]:
-        offsets = (0,) * len(entry["shape"]) if layer is None else (layer,) + (0,) * len(tensor_shape)
+        offsets = (
+            (0,) * len(entry["shape"]) if layer is None else (layer,) + (0,) * len(tensor_shape)
+        )
         box = tuple(entry["shape"]) if layer is None else (1, *tensor_shape)
         direct = read_box_direct(store_root, step, array_name, entry, offsets, box)
         if direct is not None:
@@ -202,8 +207,14 @@ def read_tensor(root: str, step: int, name: str, index: Index = None,
         raise CheckpointError(f"bad index {index!r} for tensor {name!r}: {e}") from e
 
 
-def box_entry(root: str, step: int, manifest: dict[str, Any], array: str,
-              offsets: tuple[int, ...], shape: tuple[int, ...]) -> dict[str, Any]:
+def box_entry(
+    root: str,
+    step: int,
+    manifest: dict[str, Any],
+    array: str,
+    offsets: tuple[int, ...],
+    shape: tuple[int, ...],
+) -> dict[str, Any]:
     """The manifest entry of `array`, once the box is known to lie inside it.
 
     The checks `read_box` makes before it reads: a server sizing its memory for a read calls
@@ -228,8 +239,10 @@ def box_entry(root: str, step: int, manifest: dict[str, Any], array: str,
         raise CheckpointError(f"checkpoint step {step} under {root!r} has no array {array!r}")
     offsets, shape = tuple(int(o) for o in offsets), tuple(int(s) for s in shape)
     dims = entry["shape"]
-    if len(offsets) != len(dims) or len(shape) != len(dims) or any(
-        o < 0 or s < 0 or o + s > n for o, s, n in zip(offsets, shape, dims)
+    if (
+        len(offsets) != len(dims)
+        or len(shape) != len(dims)
+        or any(o < 0 or s < 0 or o + s > n for o, s, n in zip(offsets, shape, dims))
     ):
         raise CheckpointError(
             f"box offsets {offsets} shape {shape} is outside array {array!r} of shape {tuple(dims)}"
@@ -238,7 +251,11 @@ def box_entry(root: str, step: int, manifest: dict[str, Any], array: str,
 
 
 def read_box(
-    root: str, step: int, array: str, offsets: tuple[int, ...], shape: tuple[int, ...],
+    root: str,
+    step: int,
+    array: str,
+    offsets: tuple[int, ...],
+    shape: tuple[int, ...],
     manifest: dict[str, Any] | None = None,
 ) -> torch.Tensor:
     """Reads any box of an array, whatever shard grid it was saved with (resharded loads).
@@ -299,8 +316,10 @@ def _load_manifest(root: Root, step: int, strict: bool = False) -> dict[str, Any
             f"this reader supports {', '.join(map(str, READABLE_VERSIONS))}"
         )
     if manifest.get("step") != step or manifest.get("checksum") != CHECKSUM:
-        return fail(f"{MANIFEST_NAME} has step {manifest.get('step')!r} / checksum "
-                    f"{manifest.get('checksum')!r}, expected {step} / {CHECKSUM}")
+        return fail(
+            f"{MANIFEST_NAME} has step {manifest.get('step')!r} / checksum "
+            f"{manifest.get('checksum')!r}, expected {step} / {CHECKSUM}"
+        )
     return manifest
 
 
@@ -317,9 +336,7 @@ def _all_region(entry: dict[str, Any]) -> list[list[tuple[int, int]] | None]:
     return [None] * len(entry["shape"])
 
 
-def _index_region(
-    index: tuple, shape: list[int], name: str
-) -> list[list[tuple[int, int]] | None]:
+def _index_region(index: tuple, shape: list[int], name: str) -> list[list[tuple[int, int]] | None]:
     """Per dim, the inclusive (first, last) element spans a basic index touches.
 
     None means all of the dim (or an index kind we do not analyse). Only used to pick which
@@ -383,7 +400,8 @@ def _open_verified(
 
     def fetch(key: str) -> None:
         contents[f"{array_name}/{key}"] = prototype.buffer.from_bytes(
-            fetch_verified(root, step, array_name, entry["objects"], key))
+            fetch_verified(root, step, array_name, entry["objects"], key)
+        )
 
     # Metadata first: the shard keys below come from the manifest, which must agree with it.
     fetch("zarr.json")

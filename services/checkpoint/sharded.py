@@ -118,8 +118,13 @@ def is_committed(root: Root, step: int) -> bool:
     return root.fs.exists(path)
 
 
-def begin_save(root: str | Root, step: int, overwrite: bool = False, resumable: bool = False,
-               num_writers: int | None = None) -> str:
+def begin_save(
+    root: str | Root,
+    step: int,
+    overwrite: bool = False,
+    resumable: bool = False,
+    num_writers: int | None = None,
+) -> str:
     """Prepares the folder of `step` for a new save and returns a fresh save id.
 
     Call once (e.g. on rank 0) before any writer starts, and hand the id to every writer.
@@ -179,7 +184,9 @@ def read_begun(root: str | Root, step: int, save_id: str) -> dict[str, Any] | No
     root.fs.invalidate_cache(join(root.step_path(step), FRAGMENTS, save_id))
     try:
         if root.is_local:  # asked per writer and while a commit waits: no walk of the step folder
-            with os.fdopen(open_beneath(root.path, path, os.O_RDONLY, create_dirs=False), "rb") as f:
+            with os.fdopen(
+                open_beneath(root.path, path, os.O_RDONLY, create_dirs=False), "rb"
+            ) as f:
                 data = f.read()
         else:
             data = read_bytes(root, path)
@@ -189,10 +196,16 @@ def read_begun(root: str | Root, step: int, save_id: str) -> dict[str, Any] | No
     except ValueError as e:
         raise CheckpointError(f"the marker {path} of save {save_id} is not JSON: {e}") from e
     num_writers = marker.get("num_writers") if isinstance(marker, dict) else None
-    if (not isinstance(marker, dict) or marker.get("save_id") != save_id or marker.get("step") != step
-            or not (num_writers is None or (isinstance(num_writers, int) and num_writers >= 1))):
-        raise CheckpointError(f"the marker {path} does not describe save {save_id} of step {step}: "
-                              f"{loggable(str(marker), 200)}")
+    if (
+        not isinstance(marker, dict)
+        or marker.get("save_id") != save_id
+        or marker.get("step") != step
+        or not (num_writers is None or (isinstance(num_writers, int) and num_writers >= 1))
+    ):
+        raise CheckpointError(
+            f"the marker {path} does not describe save {save_id} of step {step}: "
+            f"{loggable(str(marker), 200)}"
+        )
     return marker
 
 
@@ -220,12 +233,15 @@ def resume_save(root: str | Root, step: int, save_id: str) -> SaveResult | None:
     if done is not None:
         return done
     if is_committed(root, step):
-        raise CheckpointError(f"save {save_id} of step {step} cannot be resumed: the step under {root.url!r} "
-                              "was committed by another save")
+        raise CheckpointError(
+            f"save {save_id} of step {step} cannot be resumed: the step under {root.url!r} "
+            "was committed by another save"
+        )
     if read_begun(root, step, save_id) is None:
         raise CheckpointError(
             f"save {save_id} of step {step} cannot be resumed: {begun_path(root, step, save_id)} is gone (a "
-            "newer save of the step began, or retention collected the unfinished folder); begin a new save")
+            "newer save of the step began, or retention collected the unfinished folder); begin a new save"
+        )
     return None
 
 
@@ -245,7 +261,9 @@ class ShardWriter:
         self.step = step
         self.save_id = check_save_id(save_id)
         if not (isinstance(num_writers, int) and num_writers >= 1 and 0 <= writer_id < num_writers):
-            raise CheckpointError(f"writer_id {writer_id!r} of num_writers {num_writers!r} is invalid")
+            raise CheckpointError(
+                f"writer_id {writer_id!r} of num_writers {num_writers!r} is invalid"
+            )
         self.writer_id = writer_id
         self.num_writers = num_writers
         self.step_path = self.root.step_path(step)
@@ -274,7 +292,9 @@ class ShardWriter:
                     "call begin_save(..., overwrite=True) before writing it again"
                 )
             self._checked = True
-        data = layout.as_stored(data, spec.dtype, f"box {spec.offsets}+{spec.shape} of array {spec.array!r}")
+        data = layout.as_stored(
+            data, spec.dtype, f"box {spec.offsets}+{spec.shape} of array {spec.array!r}"
+        )
         encoded = encode_box(spec, data)
         record = {
             "array": spec.array,
@@ -330,7 +350,9 @@ def put_object(root: Root, path: str, parts: list[bytes | memoryview]) -> None:
     """
     if root.is_local:
         # never through a symlink below the root: one planted in the step folder led outside it
-        with os.fdopen(open_beneath(root.path, path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as f:
+        with os.fdopen(
+            open_beneath(root.path, path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb"
+        ) as f:
             f.writelines(parts)
             f.flush()
             os.fsync(f.fileno())
@@ -401,8 +423,9 @@ def commit(
     check_save_id(save_id)
     metadata = {} if metadata is None else metadata
     if not isinstance(metadata, dict):  # readers look keys up in it
-        raise CheckpointError(f"checkpoint metadata for step {step} must be a dict, got "
-                              f"{type(metadata).__name__}")
+        raise CheckpointError(
+            f"checkpoint metadata for step {step} must be a dict, got {type(metadata).__name__}"
+        )
     try:
         json.dumps(metadata, allow_nan=False)
     except (TypeError, ValueError) as e:
@@ -414,7 +437,18 @@ def commit(
     if is_committed(root, step):  # by another save: no point waiting for fragments
         return _lost(root, step, save_id)
     try:
-        return _commit(root, step, save_id, num_writers, metadata, timeout, poll, cancelled, require_marker, start)
+        return _commit(
+            root,
+            step,
+            save_id,
+            num_writers,
+            metadata,
+            timeout,
+            poll,
+            cancelled,
+            require_marker,
+            start,
+        )
     except FileNotFoundError:
         # Another committer won meanwhile and cleared the fragments and objects its manifest
         # does not list, which this one was reading: its commit is the answer, not a lost file.
@@ -423,9 +457,18 @@ def commit(
         raise
 
 
-def _commit(root: Root, step: int, save_id: str, num_writers: int, metadata: dict[str, Any], timeout: float,
-            poll: float, cancelled: Callable[[], str | None] | None, require_marker: bool,
-            start: float) -> SaveResult:
+def _commit(
+    root: Root,
+    step: int,
+    save_id: str,
+    num_writers: int,
+    metadata: dict[str, Any],
+    timeout: float,
+    poll: float,
+    cancelled: Callable[[], str | None] | None,
+    require_marker: bool,
+    start: float,
+) -> SaveResult:
     """`commit` once its arguments are checked and the step is not committed yet."""
     deadline = time.monotonic() + timeout
     while True:
@@ -460,22 +503,32 @@ def _commit(root: Root, step: int, save_id: str, num_writers: int, metadata: dic
     if root.is_local:  # before anything in the folder is listed, read, written or deleted
         refuse_symlinks(root.path, root.step_path(step))
     if require_marker and read_begun(root, step, save_id) is None:
-        raise CheckpointError(f"save {save_id} of step {step} under {root.url!r} was superseded: its folder "
-                              "no longer holds it (a newer save of the step began); nothing was committed")
+        raise CheckpointError(
+            f"save {save_id} of step {step} under {root.url!r} was superseded: its folder "
+            "no longer holds it (a newer save of the step began); nothing was committed"
+        )
 
     # array name -> (meta, boxes, object records)
     arrays: dict[str, tuple[ArrayMeta, list[ShardSpec], dict[str, dict[str, int]]]] = {}
     for fragment in fragments.values():
         for rec in fragment["boxes"]:
             spec = ShardSpec(
-                rec["array"], tuple(rec["global_shape"]), rec["dtype"], tuple(rec["offsets"]),
-                tuple(rec["shape"]), tuple(rec["grid"]), rec["stacked"],
+                rec["array"],
+                tuple(rec["global_shape"]),
+                rec["dtype"],
+                tuple(rec["offsets"]),
+                tuple(rec["shape"]),
+                tuple(rec["grid"]),
+                rec["stacked"],
             )
             meta, boxes, objects = arrays.setdefault(spec.array, (ArrayMeta.of(spec), [], {}))
             boxes.append(spec)
             if rec["size"]:
-                objects[rec["key"]] = {k: rec[k] for k in ("size", CHECKSUM, CHUNK_CHECKSUMS,
-                                                            INDEX_CHECKSUM) if k in rec}
+                objects[rec["key"]] = {
+                    k: rec[k]
+                    for k in ("size", CHECKSUM, CHUNK_CHECKSUMS, INDEX_CHECKSUM)
+                    if k in rec
+                }
     for meta, boxes, _ in arrays.values():
         check_tiling(meta, boxes)
 
@@ -520,7 +573,11 @@ def _commit(root: Root, step: int, save_id: str, num_writers: int, metadata: dic
     result = _result(root, step, manifest, len(data), time.perf_counter() - start)
     log.info(
         "committed checkpoint %s: %d arrays, %d objects from %d writers, %.1f MB",
-        result.url, result.num_arrays, result.num_objects, num_writers, result.bytes_written / 1e6,
+        result.url,
+        result.num_arrays,
+        result.num_objects,
+        num_writers,
+        result.bytes_written / 1e6,
     )
     return result
 
@@ -533,11 +590,15 @@ def _lost(root: Root, step: int, save_id: str) -> SaveResult:
         log.info("checkpoint %s was committed by save %s on another committer", done.url, save_id)
         return done
     try:
-        winner = json.loads(read_bytes(root, join(root.step_path(step), MANIFEST_NAME))).get("save_id")
+        winner = json.loads(read_bytes(root, join(root.step_path(step), MANIFEST_NAME))).get(
+            "save_id"
+        )
     except (OSError, ValueError, AttributeError):
         winner = None
-    raise CheckpointError(f"checkpoint step {step} under {root.url!r} is already committed, by save "
-                          f"{loggable(str(winner), 80)}, not by save {save_id}; this save is not committed")
+    raise CheckpointError(
+        f"checkpoint step {step} under {root.url!r} is already committed, by save "
+        f"{loggable(str(winner), 80)}, not by save {save_id}; this save is not committed"
+    )
 
 
 def _missing(fragments: dict[int, Any], num_writers: int, shown: int = 20) -> str:
@@ -550,15 +611,24 @@ def _missing(fragments: dict[int, Any], num_writers: int, shown: int = 20) -> st
             if len(missing) == shown:
                 break
     count = num_writers - len([w for w in fragments if 0 <= w < num_writers])
-    return str(missing) if count <= shown else f"{str(missing)[:-1]}, ...] ({count} of {num_writers})"
+    return (
+        str(missing) if count <= shown else f"{str(missing)[:-1]}, ...] ({count} of {num_writers})"
+    )
 
 
-def _result(root: Root, step: int, manifest: dict, manifest_bytes: int, seconds: float) -> SaveResult:
+def _result(
+    root: Root, step: int, manifest: dict, manifest_bytes: int, seconds: float
+) -> SaveResult:
     entries = [o for a in manifest["arrays"].values() for o in a["objects"].values()]
     entries += list(manifest["objects"].values())
-    return SaveResult(url=root.step_url(step), step=step, num_arrays=len(manifest["arrays"]),
-                      num_objects=len(entries), bytes_written=manifest_bytes + sum(o["size"] for o in entries),
-                      seconds=seconds)
+    return SaveResult(
+        url=root.step_url(step),
+        step=step,
+        num_arrays=len(manifest["arrays"]),
+        num_objects=len(entries),
+        bytes_written=manifest_bytes + sum(o["size"] for o in entries),
+        seconds=seconds,
+    )
 
 
 def committed_by(root: str | Root, step: int, save_id: str) -> SaveResult | None:
@@ -585,7 +655,9 @@ def _sizes(root: Root, path: str) -> dict[str, int]:
     except FileNotFoundError:
         return {}
     prefix = path.rstrip("/") + "/"
-    return {p[len(prefix):]: int(info["size"]) for p, info in found.items() if p.startswith(prefix)}
+    return {
+        p[len(prefix) :]: int(info["size"]) for p, info in found.items() if p.startswith(prefix)
+    }
 
 
 def _group_metadata(step: int) -> bytes:
@@ -605,8 +677,11 @@ def _remove_unlisted(root: Root, step_path: str, manifest: dict, stored: dict[st
         listed.update(f"{name}/{key}" for key in entry["objects"])
     try:
         remove_tree(root, join(step_path, FRAGMENTS))
-        stale = [join(step_path, rel) for rel in stored if rel not in listed
-                 and not rel.startswith(FRAGMENTS + "/")]
+        stale = [
+            join(step_path, rel)
+            for rel in stored
+            if rel not in listed and not rel.startswith(FRAGMENTS + "/")
+        ]
         if stale:
             root.fs.rm(stale)
     except OSError as e:

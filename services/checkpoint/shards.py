@@ -108,13 +108,17 @@ def validate(spec: ShardSpec) -> None:
     """
     layout.check_name(spec.array)
     if len(spec.global_shape) > MAX_NDIM:
-        raise CheckpointError(f"array {spec.array!r}: {len(spec.global_shape)} dims, over the limit of {MAX_NDIM}")
+        raise CheckpointError(
+            f"array {spec.array!r}: {len(spec.global_shape)} dims, over the limit of {MAX_NDIM}"
+        )
     where = f"box {spec.offsets}+{spec.shape} of array {spec.array!r}"
     if spec.dtype not in layout._DTYPES:
         raise CheckpointError(f"{where}: dtype {loggable(spec.dtype, 40)} is not supported")
     if any(n < 0 for n in spec.global_shape) or math.prod(spec.global_shape) > MAX_ELEMENTS:
-        raise CheckpointError(f"{where}: global shape {spec.global_shape} must be sizes >= 0 of at most "
-                              f"{MAX_ELEMENTS} elements in all")
+        raise CheckpointError(
+            f"{where}: global shape {spec.global_shape} must be sizes >= 0 of at most "
+            f"{MAX_ELEMENTS} elements in all"
+        )
     ndim = len(spec.global_shape)
     if len(spec.offsets) != ndim or len(spec.shape) != ndim:
         raise CheckpointError(
@@ -130,7 +134,9 @@ def validate(spec: ShardSpec) -> None:
         raise CheckpointError(f"{where}: grid {grid} must have {ndim} dims")
     for d, (o, s, g, n) in enumerate(zip(spec.offsets, spec.shape, grid, spec.global_shape)):
         if n < 0 or o < 0 or s < 0 or o + s > n:
-            raise CheckpointError(f"{where} lies outside global shape {spec.global_shape} (dim {d})")
+            raise CheckpointError(
+                f"{where} lies outside global shape {spec.global_shape} (dim {d})"
+            )
         if n == 0:
             continue
         if o == n:
@@ -197,8 +203,11 @@ def inner_chunks(
     cut = [d for d in range(len(chunk)) if global_shape and 1 < chunk[d] < global_shape[d]]
     cut = cut or [d for d in range(len(chunk)) if chunk[d] > 1]
     while nbytes() > target:
-        options = [d for d in cut if chunk[d] > 1
-                   and nbytes() // _smallest_factor(chunk[d]) >= MIN_CHUNK_BYTES]
+        options = [
+            d
+            for d in cut
+            if chunk[d] > 1 and nbytes() // _smallest_factor(chunk[d]) >= MIN_CHUNK_BYTES
+        ]
         if not options:
             break
         axis = max(options, key=lambda d: (chunk[d], -d))
@@ -361,10 +370,13 @@ def encode_box(spec: ShardSpec, data: np.ndarray) -> EncodedBox | None:
     n = math.prod(g // c for g, c in zip(meta.grid, meta.chunks))
     index = np.frombuffer(obj, dtype="<u8", count=2 * n, offset=len(obj) - index_nbytes(n))
     view = memoryview(obj)
-    crcs = [None if int(off) == EMPTY_CHUNK else checksum(view[int(off):int(off) + int(size)])
-            for off, size in index.reshape(n, 2)]
-    return EncodedBox([obj], len(obj), checksum(obj), crcs,
-                      checksum(view[len(obj) - index_nbytes(n):]))
+    crcs = [
+        None if int(off) == EMPTY_CHUNK else checksum(view[int(off) : int(off) + int(size)])
+        for off, size in index.reshape(n, 2)
+    ]
+    return EncodedBox(
+        [obj], len(obj), checksum(obj), crcs, checksum(view[len(obj) - index_nbytes(n) :])
+    )
 
 
 def _encode_plain_shard(data: np.ndarray, chunks: tuple[int, ...]) -> EncodedBox:
@@ -385,7 +397,9 @@ def _encode_plain_shard(data: np.ndarray, chunks: tuple[int, ...]) -> EncodedBox
     entries: list[int] = []
     offset = crc = 0
     for coords in itertools.product(*map(range, per_shard)):
-        piece = np.ascontiguousarray(body[tuple(slice(i * c, (i + 1) * c) for i, c in zip(coords, chunks))])
+        piece = np.ascontiguousarray(
+            body[tuple(slice(i * c, (i + 1) * c) for i, c in zip(coords, chunks))]
+        )
         view = memoryview(piece.reshape(-1)).cast("B")
         chunk_crc = checksum(view)
         parts.append(view)
@@ -396,13 +410,14 @@ def _encode_plain_shard(data: np.ndarray, chunks: tuple[int, ...]) -> EncodedBox
     index = np.array(entries, dtype="<u8").tobytes()
     index += struct.pack("<I", google_crc32c.value(index))
     cut = [d for d, (n, c) in enumerate(zip(body.shape, chunks)) if c < n]
-    if len(cut) <= 1 and all(c == 1 for c in chunks[:cut[0] if cut else 0]):
+    if len(cut) <= 1 and all(c == 1 for c in chunks[: cut[0] if cut else 0]):
         # Chunks are consecutive runs of `body`: one part, so one write call, not one a chunk.
         parts = [memoryview(body.reshape(-1)).cast("B")]
     parts.append(index)
     index_crc = checksum(index)
-    return EncodedBox(parts, offset + len(index), crc32_combine(crc, index_crc, len(index)),
-                      crcs, index_crc)
+    return EncodedBox(
+        parts, offset + len(index), crc32_combine(crc, index_crc, len(index)), crcs, index_crc
+    )
 
 
 def _cells(counts: list[int]) -> Iterator[tuple[int, ...]]:

@@ -79,8 +79,11 @@ def open_root(url: str) -> Root:
         # fsspec caches filesystem instances by their arguments; with the endpoint and keys only
         # in the environment, a later root on another endpoint would reuse the first one's
         # client. Passing them makes them part of the key (they are never written anywhere).
-        for option, names in (("endpoint_url", ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")),
-                              ("key", ("AWS_ACCESS_KEY_ID",)), ("secret", ("AWS_SECRET_ACCESS_KEY",))):
+        for option, names in (
+            ("endpoint_url", ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")),
+            ("key", ("AWS_ACCESS_KEY_ID",)),
+            ("secret", ("AWS_SECRET_ACCESS_KEY",)),
+        ):
             value = next((os.environ[n] for n in names if os.environ.get(n)), None)
             if value:
                 options[option] = value
@@ -151,7 +154,9 @@ def write_bytes_atomic(root: Root, path: str, data: bytes) -> None:
     # no symlink below the root is followed (one planted in a step folder led outside it)
     makedirs_beneath(root.path, os.path.dirname(path))
     try:
-        with os.fdopen(open_beneath(root.path, tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as f:
+        with os.fdopen(
+            open_beneath(root.path, tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb"
+        ) as f:
             f.write(data)
             f.flush()
             # fsync before rename: otherwise a crash can leave the new name with empty contents.
@@ -196,7 +201,8 @@ def write_bytes_exclusive(root: Root, path: str, data: bytes) -> bool:
     if not _is_s3(root):
         raise CheckpointError(
             f"checkpoint root {root.url!r}: its filesystem ({type(root.fs).__name__}) offers no atomic "
-            "create-if-absent, so a commit could race another; use a local folder, s3:// or memory://")
+            "create-if-absent, so a commit could race another; use a local folder, s3:// or memory://"
+        )
     _require_conditional_writes(root, path)
     for attempt in range(CONFLICT_RETRIES + 1):
         try:
@@ -214,7 +220,9 @@ def write_bytes_exclusive(root: Root, path: str, data: bytes) -> bool:
 
 
 def _is_s3(root: Root) -> bool:
-    return "s3" in (root.fs.protocol if isinstance(root.fs.protocol, tuple) else (root.fs.protocol,))
+    return "s3" in (
+        root.fs.protocol if isinstance(root.fs.protocol, tuple) else (root.fs.protocol,)
+    )
 
 
 def _precondition_failed(e: OSError) -> bool:
@@ -234,7 +242,10 @@ def _conflict(e: OSError) -> bool:
     ConditionalRequestConflict): worth asking again."""
     response = getattr(e.__cause__, "response", None) or {}
     code = response.get("Error", {}).get("Code")
-    return code == "ConditionalRequestConflict" or response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 409
+    return (
+        code == "ConditionalRequestConflict"
+        or response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 409
+    )
 
 
 def _require_conditional_writes(root: Root, path: str) -> None:
@@ -261,7 +272,8 @@ def _require_conditional_writes(root: Root, path: str) -> None:
         raise CheckpointError(
             f"the object store of {root.url!r} ignored a conditional PUT (If-None-Match: *): it cannot "
             "create the manifest only if absent, so two committers could both commit a step; use a store "
-            "that supports conditional writes (AWS S3, SeaweedFS, MinIO, Ceph RGW of recent versions)")
+            "that supports conditional writes (AWS S3, SeaweedFS, MinIO, Ceph RGW of recent versions)"
+        )
 
 
 def _fsync_dir(path: str) -> None:

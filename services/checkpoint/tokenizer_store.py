@@ -36,7 +36,9 @@ PREFIX = "tokenizer."  # array names of carried files: not parameters, not optim
 METADATA_KEY = "tokenizer_files"
 
 
-def tokenizer_boxes(spec: str | None) -> tuple[list[tuple[ShardSpec, torch.Tensor]], dict[str, Any] | None]:
+def tokenizer_boxes(
+    spec: str | None,
+) -> tuple[list[tuple[ShardSpec, torch.Tensor]], dict[str, Any] | None]:
     """The boxes that carry the files of `spec`, and the metadata record naming them
     (([], None) for a spec with no files: the byte and null tokenizers).
 
@@ -56,11 +58,20 @@ def tokenizer_boxes(spec: str | None) -> tuple[list[tuple[ShardSpec, torch.Tenso
     for i, (name, path) in enumerate(files.items()):
         data = path.read_bytes()
         if not data:
-            raise CheckpointError(f"cannot carry the run's tokenizer in the checkpoint: {str(path)!r} is empty")
+            raise CheckpointError(
+                f"cannot carry the run's tokenizer in the checkpoint: {str(path)!r} is empty"
+            )
         array = f"{PREFIX}file{i}"
         tensor = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy())  # (bytes,)
         boxes.append((ShardSpec(array, (len(data),), "uint8", (0,), (len(data),)), tensor))
-        entries.append({"name": name, "array": array, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+        entries.append(
+            {
+                "name": name,
+                "array": array,
+                "bytes": len(data),
+                "sha256": hashlib.sha256(data).hexdigest(),
+            }
+        )
     return boxes, {"spec": str(spec), "files": entries}
 
 
@@ -70,8 +81,13 @@ def _cache_root() -> Path:
     return Path(user_cache_dir()) / "tokenizers"
 
 
-def carried_spec(root: str, step: int, metadata: dict[str, Any], folder: str | os.PathLike | None = None,
-                 manifest: dict[str, Any] | None = None) -> str | None:
+def carried_spec(
+    root: str,
+    step: int,
+    metadata: dict[str, Any],
+    folder: str | os.PathLike | None = None,
+    manifest: dict[str, Any] | None = None,
+) -> str | None:
     """The tokenizer spec of the files checkpoint `step` carries, unpacked into `folder`
     (default: a folder named by the files' digest under the meshtrain cache), or None when the
     checkpoint carries none.
@@ -96,11 +112,15 @@ def carried_spec(root: str, step: int, metadata: dict[str, Any], folder: str | o
         try:
             data = read_tensor(root, step, entry["array"], manifest=manifest).numpy().tobytes()
         except (KeyError, CheckpointError) as e:
-            raise CheckpointError(f"{where}: the carried tokenizer file {entry['name']!r} "
-                                  f"({entry['array']}) cannot be read: {e}") from None
+            raise CheckpointError(
+                f"{where}: the carried tokenizer file {entry['name']!r} "
+                f"({entry['array']}) cannot be read: {e}"
+            ) from None
         if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
-            raise CheckpointError(f"{where}: the carried tokenizer file {entry['name']!r} does not match its "
-                                  "recorded size and sha256")
+            raise CheckpointError(
+                f"{where}: the carried tokenizer file {entry['name']!r} does not match its "
+                "recorded size and sha256"
+            )
         folder.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{entry['name']}.")
         with os.fdopen(fd, "wb") as f:
@@ -109,8 +129,9 @@ def carried_spec(root: str, step: int, metadata: dict[str, Any], folder: str | o
     return rebase_spec(record["spec"], [e["name"] for e in entries], folder)
 
 
-def tokenizer_spec(root: str, step: int, metadata: dict[str, Any], manifest: dict[str, Any] | None = None
-                   ) -> str | None:
+def tokenizer_spec(
+    root: str, step: int, metadata: dict[str, Any], manifest: dict[str, Any] | None = None
+) -> str | None:
     """The spec to read checkpoint `step`'s tokenizer with: the files it carries, else (a
     checkpoint saved before they were carried, or an import without one) the recorded spec."""
     spec = carried_spec(root, step, metadata, manifest=manifest)

@@ -25,8 +25,9 @@ from meshtrain.services.checkpoint.store import Root, join, read_bytes
 from meshtrain.services.common.errors import CheckpointError
 
 
-def fetch_verified(root: Root, step: int, array_name: str, objects: dict[str, Any], key: str,
-                   chunks: bool = False) -> bytes:
+def fetch_verified(
+    root: Root, step: int, array_name: str, objects: dict[str, Any], key: str, chunks: bool = False
+) -> bytes:
     """One stored object, checked against the size and checksum its manifest entry lists.
 
     Args:
@@ -51,12 +52,13 @@ def fetch_verified(root: Root, step: int, array_name: str, objects: dict[str, An
         raise CheckpointError(f"{where} is missing") from e
     _check_object(where, data, expected)
     if chunks and CHUNK_CHECKSUMS in expected:
-        index = _check_index(where, data[len(data) - index_nbytes(len(expected[CHUNK_CHECKSUMS])):],
-                             expected)
+        index = _check_index(
+            where, data[len(data) - index_nbytes(len(expected[CHUNK_CHECKSUMS])) :], expected
+        )
         view = memoryview(data)
         for i, (off, nbytes) in enumerate(index):
             if off != EMPTY_CHUNK:
-                _check_chunk(where, i, view[off:off + nbytes], expected)
+                _check_chunk(where, i, view[off : off + nbytes], expected)
     return data
 
 
@@ -89,8 +91,13 @@ def _check_index(where: str, data: bytes, expected: dict[str, Any]) -> list[tupl
     return pairs
 
 
-def _check_chunk(where: str, i: int, data: bytes | memoryview, expected: dict[str, Any],
-                 coords: tuple[int, ...] | None = None) -> None:
+def _check_chunk(
+    where: str,
+    i: int,
+    data: bytes | memoryview,
+    expected: dict[str, Any],
+    coords: tuple[int, ...] | None = None,
+) -> None:
     want = expected[CHUNK_CHECKSUMS][i]
     if want is None or checksum(data) != want:
         name = f"chunk {i}" if coords is None else f"chunk {i} {coords}"
@@ -115,8 +122,14 @@ class _NotPlain(Exception):
     """The shard is not in meshtrain's plain layout after all: let zarr decode it."""
 
 
-def read_box_direct(root: Root, step: int, array_name: str, entry: dict[str, Any],
-                     offsets: tuple[int, ...], shape: tuple[int, ...]) -> np.ndarray | None:
+def read_box_direct(
+    root: Root,
+    step: int,
+    array_name: str,
+    entry: dict[str, Any],
+    offsets: tuple[int, ...],
+    shape: tuple[int, ...],
+) -> np.ndarray | None:
     """Reads a box straight out of verified shard bytes (None: not meshtrain's plain layout).
 
     A shard the box covers whole is fetched whole and checked against the object's crc32.
@@ -132,10 +145,13 @@ def read_box_direct(root: Root, step: int, array_name: str, entry: dict[str, Any
     if len(codecs) != 1 or codecs[0].get("name") != "sharding_indexed" or not shape:
         return None
     conf = codecs[0]["configuration"]
-    if (conf.get("codecs") != _PLAIN_INNER or conf.get("index_codecs") != _PLAIN_INDEX
-            or conf.get("index_location", "end") != "end"
-            or list(meta["shape"]) != list(entry["shape"])
-            or np.dtype(meta["data_type"]) != np.dtype(entry["stored_dtype"])):
+    if (
+        conf.get("codecs") != _PLAIN_INNER
+        or conf.get("index_codecs") != _PLAIN_INDEX
+        or conf.get("index_location", "end") != "end"
+        or list(meta["shape"]) != list(entry["shape"])
+        or np.dtype(meta["data_type"]) != np.dtype(entry["stored_dtype"])
+    ):
         return None
     outer = meta["chunk_grid"]["configuration"]["chunk_shape"]
     inner = conf["chunk_shape"]
@@ -173,13 +189,18 @@ def read_box_direct(root: Root, step: int, array_name: str, entry: dict[str, Any
         for shard in itertools.product(*shard_ranges):
             key = "c/" + "/".join(map(str, shard))
             origin = [c * g for c, g in zip(shard, outer)]
-            inner_ranges = [range(max(o, so) // i - so // i, (min(e, so + g) - 1) // i - so // i + 1)
-                            for o, e, so, g, i in zip(offsets, end, origin, outer, inner)]
+            inner_ranges = [
+                range(max(o, so) // i - so // i, (min(e, so + g) - 1) // i - so // i + 1)
+                for o, e, so, g, i in zip(offsets, end, origin, outer, inner)
+            ]
             needed = list(itertools.product(*inner_ranges))
             obj = entry["objects"].get(key, {})
             crcs = obj.get(CHUNK_CHECKSUMS)
-            partial = (crcs is not None and len(crcs) == n_inner
-                       and len(needed) < sum(c is not None for c in crcs))
+            partial = (
+                crcs is not None
+                and len(crcs) == n_inner
+                and len(needed) < sum(c is not None for c in crcs)
+            )
             plans.append((key, shard, needed, partial))
             batch_bytes += len(needed) * chunk_nbytes if partial else obj.get("size", 0)
             if batch_bytes >= (0 if root.is_local else _BATCH_BYTES):
@@ -192,8 +213,16 @@ def read_box_direct(root: Root, step: int, array_name: str, entry: dict[str, Any
     return out
 
 
-def _fetch_and_place(root: Root, step: int, array_name: str, entry: dict[str, Any],
-                     plans: list, per_shard: list[int], chunk_nbytes: int, place) -> None:
+def _fetch_and_place(
+    root: Root,
+    step: int,
+    array_name: str,
+    entry: dict[str, Any],
+    plans: list,
+    per_shard: list[int],
+    chunk_nbytes: int,
+    place,
+) -> None:
     """Fetches one batch of `_read_box_direct`'s shards, verifies every byte, places the chunks."""
     objects = entry["objects"]
     folder = join(root.step_path(step), array_name)
@@ -202,7 +231,9 @@ def _fetch_and_place(root: Root, step: int, array_name: str, entry: dict[str, An
     def fetch(keys: list[str], starts: list, ends: list) -> list[bytes]:
         for key in keys:
             if key not in objects:
-                raise CheckpointError(f"{_where(root, step, array_name, key)} is not listed in the manifest")
+                raise CheckpointError(
+                    f"{_where(root, step, array_name, key)} is not listed in the manifest"
+                )
         found = root.fs.cat_ranges([join(folder, k) for k in keys], starts, ends) if keys else []
         for key, data in zip(keys, found):
             if isinstance(data, FileNotFoundError):
@@ -215,8 +246,10 @@ def _fetch_and_place(root: Root, step: int, array_name: str, entry: dict[str, An
     partial = [p for p in plans if p[3]]
     sizes = [objects[key]["size"] if key in objects else 0 for key, *_ in partial]
     index_bytes = fetch([p[0] for p in partial], [s - index_nbytes(n_inner) for s in sizes], sizes)
-    indexes = {key: _check_index(_where(root, step, array_name, key), data, objects[key])
-               for (key, *_), data in zip(partial, index_bytes)}
+    indexes = {
+        key: _check_index(_where(root, step, array_name, key), data, objects[key])
+        for (key, *_), data in zip(partial, index_bytes)
+    }
 
     # Round 2: whole shards, and runs of adjacent needed chunks of the others.
     keys, starts, ends = [], [], []
@@ -230,8 +263,11 @@ def _fetch_and_place(root: Root, step: int, array_name: str, entry: dict[str, An
             add(key, None, None, (shard, needed, None))
             continue
         index = indexes[key]
-        located = sorted((index[i][0], i, sub) for sub in needed
-                         for i in [int(np.ravel_multi_index(sub, per_shard))])
+        located = sorted(
+            (index[i][0], i, sub)
+            for sub in needed
+            for i in [int(np.ravel_multi_index(sub, per_shard))]
+        )
         run: list = []
         for off, i, sub in located + [(None, None, None)]:
             if run and (off is None or off != run[-1][0] + index[run[-1][1]][1]):
@@ -251,13 +287,15 @@ def _fetch_and_place(root: Root, step: int, array_name: str, entry: dict[str, An
             body = len(data) - index_nbytes(n_inner)
             if body < 0:
                 raise _NotPlain
-            index = np.frombuffer(data, dtype="<u8", count=2 * n_inner, offset=body).reshape(n_inner, 2)
+            index = np.frombuffer(data, dtype="<u8", count=2 * n_inner, offset=body).reshape(
+                n_inner, 2
+            )
             for sub in needed:
                 off, nbytes = (int(v) for v in index[int(np.ravel_multi_index(sub, per_shard))])
-                place(shard, sub, None if off == EMPTY_CHUNK else view[off:off + nbytes])
+                place(shard, sub, None if off == EMPTY_CHUNK else view[off : off + nbytes])
             continue
         base = run[0][0]
         for off, i, sub in run:
-            chunk = view[off - base:off - base + indexes[key][i][1]]
+            chunk = view[off - base : off - base + indexes[key][i][1]]
             _check_chunk(where, i, chunk, objects[key], sub)
             place(shard, sub, chunk)

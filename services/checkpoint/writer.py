@@ -43,13 +43,24 @@ def single_writer_boxes(spec: layout.ArraySpec) -> list[tuple[ShardSpec, str, in
     """
     stacked = spec.layer_count is not None
     if not stacked:
-        box = ShardSpec(spec.name, spec.shape, spec.dtype, (0,) * len(spec.shape), spec.shape,
-                        stacked=False)
+        box = ShardSpec(
+            spec.name, spec.shape, spec.dtype, (0,) * len(spec.shape), spec.shape, stacked=False
+        )
         return [(box, spec.tensors[0], None)]
     slice_shape = (1, *spec.tensor_shape)
     return [
-        (ShardSpec(spec.name, spec.shape, spec.dtype, (i, *(0,) * len(spec.tensor_shape)),
-                   slice_shape, stacked=True), name, i)
+        (
+            ShardSpec(
+                spec.name,
+                spec.shape,
+                spec.dtype,
+                (i, *(0,) * len(spec.tensor_shape)),
+                slice_shape,
+                stacked=True,
+            ),
+            name,
+            i,
+        )
         for i, name in enumerate(spec.tensors)
     ]
 
@@ -87,7 +98,9 @@ def save_checkpoint(
         raise CheckpointError(f"checkpoint metadata for step {step} is not JSON: {e}") from e
     for name, tensor in tensors.items():
         if not isinstance(tensor, torch.Tensor):
-            raise CheckpointError(f"tensor {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+            raise CheckpointError(
+                f"tensor {name!r} is a {type(tensor).__name__}, not a torch.Tensor"
+            )
     specs = layout.group_tensors(
         (name, tuple(t.shape), layout.dtype_name(t.dtype)) for name, t in tensors.items()
     )

@@ -19,7 +19,7 @@ def dns_host_port(target: str) -> tuple[str, int]:
     Raises:
         ValueError: the target has no name or no port in 1..65535.
     """
-    rest = target[len("dns:"):]
+    rest = target[len("dns:") :]
     if rest.startswith("//"):  # an authority (the DNS server to ask), usually empty
         rest = rest[2:].partition("/")[2]
     host, sep, port = rest.rpartition(":")

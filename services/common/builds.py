@@ -39,7 +39,7 @@ def remove_dead_builds(path: str) -> list[str]:
     removed = []
     host = socket.gethostname()
     for found in glob.glob(glob.escape(path) + ".tmp-*"):
-        match = re.fullmatch(r"(.*)-(\d+)-[0-9a-f]{32}", found[len(path) + len(".tmp-"):])
+        match = re.fullmatch(r"(.*)-(\d+)-[0-9a-f]{32}", found[len(path) + len(".tmp-") :])
         if match is None or match.group(1) != host:
             continue
         try:

@@ -149,8 +149,11 @@ def build(cls: type, table: dict[str, Any], prefix: str = "") -> Any:
         dotted = f"{prefix}{key}"
         if key not in fields:
             near = close_matches(key, list(fields))
-            hint = (f"did you mean {' or '.join(repr(prefix + m) for m in near)}?" if near
-                    else "no key of this section is close (`meshtrain train --help-config` lists them)")
+            hint = (
+                f"did you mean {' or '.join(repr(prefix + m) for m in near)}?"
+                if near
+                else "no key of this section is close (`meshtrain train --help-config` lists them)"
+            )
             raise ConfigError(f"unknown key {dotted!r}; {hint}")
         tp = hints[key]
         if _is_section(tp):

@@ -67,7 +67,9 @@ def is_storage_error(exc: BaseException) -> bool:
 
 
 # errno values of storage that is full: no space left (ENOSPC), or the user's quota spent (EDQUOT).
-_DISK_FULL_ERRNOS = frozenset(e for e in (errno.ENOSPC, getattr(errno, "EDQUOT", None)) if e is not None)
+_DISK_FULL_ERRNOS = frozenset(
+    e for e in (errno.ENOSPC, getattr(errno, "EDQUOT", None)) if e is not None
+)
 # What the OS says for them: an error that crossed a process (a checkpoint service's answer, a
 # writer's error in its fragment) keeps only its text.
 _DISK_FULL_TEXTS = tuple(os.strerror(e) for e in sorted(_DISK_FULL_ERRNOS))
@@ -76,8 +78,21 @@ _DISK_FULL_TEXTS = tuple(os.strerror(e) for e in sorted(_DISK_FULL_ERRNOS))
 # directory where a file goes, a denied or read-only location, a name too long, a file larger
 # than the filesystem takes; and a full disk, which space may be freed on, but not within the
 # seconds of a retry, where each try only writes the same bytes into it again.
-_LASTING_ERRNOS = frozenset({errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.EROFS,
-                             errno.ENAMETOOLONG, errno.ELOOP, errno.EFBIG}) | _DISK_FULL_ERRNOS
+_LASTING_ERRNOS = (
+    frozenset(
+        {
+            errno.ENOTDIR,
+            errno.EISDIR,
+            errno.EACCES,
+            errno.EPERM,
+            errno.EROFS,
+            errno.ENAMETOOLONG,
+            errno.ELOOP,
+            errno.EFBIG,
+        }
+    )
+    | _DISK_FULL_ERRNOS
+)
 
 
 def is_lasting_storage_error(exc: BaseException) -> bool:
@@ -101,7 +116,9 @@ def is_disk_full(exc: BaseException) -> bool:
     cause: BaseException | None = exc
     while cause is not None and id(cause) not in seen:
         seen.add(id(cause))
-        if isinstance(cause, DiskFullError) or (isinstance(cause, OSError) and cause.errno in _DISK_FULL_ERRNOS):
+        if isinstance(cause, DiskFullError) or (
+            isinstance(cause, OSError) and cause.errno in _DISK_FULL_ERRNOS
+        ):
             return True
         if any(text in str(cause) for text in _DISK_FULL_TEXTS):
             return True

@@ -102,11 +102,17 @@ def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str
 
 # Codes meaning "this server cannot do it now": worth retrying, or trying another server.
 # Anything else is the request's fault (INVALID_ARGUMENT, FAILED_PRECONDITION, NOT_FOUND, ...).
-TRANSIENT_CODES = frozenset({
-    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.ABORTED,
-})
+TRANSIENT_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.ABORTED,
+    }
+)
 
 # How gRPC's server words the UNKNOWN it sends when a handler raised an exception that nothing
 # mapped to a status (a bug, or a request nothing validated).
@@ -173,8 +179,11 @@ class ErrorInterceptor(grpc.ServerInterceptor):
     they are bugs, not bad requests. Either way the message is cut to `MAX_DETAILS_BYTES`.
     """
 
-    def __init__(self, table: list[tuple[type[BaseException], grpc.StatusCode]] | None = None,
-                 translate: Callable[[Exception], MeshtrainError | None] | None = None):
+    def __init__(
+        self,
+        table: list[tuple[type[BaseException], grpc.StatusCode]] | None = None,
+        translate: Callable[[Exception], MeshtrainError | None] | None = None,
+    ):
         """Args:
         table: extra (exception class, status) pairs checked before `ERROR_CODES`.
         translate: the domain error for another exception (e.g. a storage OSError: a
@@ -194,7 +203,9 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         code = status_for(exc, self.table)
         if code is None:
             raise exc
-        log.info("rpc error %s: %s", code.name, status_details(str(exc), 500))  # may quote a client's strings
+        log.info(
+            "rpc error %s: %s", code.name, status_details(str(exc), 500)
+        )  # may quote a client's strings
         if getattr(exc, "lasting", False) is True:
             context.set_trailing_metadata((LASTING_METADATA,))
         context.abort(code, status_details(str(exc)))
@@ -202,6 +213,7 @@ class ErrorInterceptor(grpc.ServerInterceptor):
     def _guard(self, inner, streams_responses: bool):
         """`inner` with domain errors mapped, for a method returning a response or a stream."""
         if streams_responses:
+
             def guarded_stream(request, context):
                 try:
                     yield from inner(request, context)
@@ -312,7 +324,9 @@ def rewrap_handler(handler: grpc.RpcMethodHandler, around: Callable) -> grpc.Rpc
     ):
         inner = getattr(handler, kind)
         if inner is not None:
-            return make(around(inner, streams), handler.request_deserializer, handler.response_serializer)
+            return make(
+                around(inner, streams), handler.request_deserializer, handler.response_serializer
+            )
     return handler
 
 
@@ -331,11 +345,14 @@ class StreamLimit(grpc.ServerInterceptor):
 
     def _take(self, context) -> None:
         if not self._slots.acquire(blocking=False):
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"all {self.max_streams} stream slots of this server are in use")
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"all {self.max_streams} stream slots of this server are in use",
+            )
 
     def _limited(self, inner, streams_responses: bool):
         if streams_responses:
+
             def streaming(request, context):
                 self._take(context)
                 try:
@@ -407,8 +424,13 @@ def make_server(
         futures.ThreadPoolExecutor(max_workers=max_workers + UNARY_RESERVE),
         # After the caller's (metrics count refused calls too), before the stream limit: a call
         # that is refused never holds a stream slot.
-        interceptors=[*interceptors, *([auth] if auth else []), StreamLimit(max_workers),
-                      UndecodableRequests(), ErrorInterceptor(error_table, translate_error)],
+        interceptors=[
+            *interceptors,
+            *([auth] if auth else []),
+            StreamLimit(max_workers),
+            UndecodableRequests(),
+            ErrorInterceptor(error_table, translate_error),
+        ],
         options=server_options(max_message_bytes),
         maximum_concurrent_rpcs=max_workers + UNARY_RESERVE,
     )
@@ -418,7 +440,8 @@ def make_server(
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+        names
+        + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
         server,
     )
     credentials = security.server_credentials()
@@ -428,7 +451,9 @@ def make_server(
         else:
             bound = server.add_secure_port(f"{host}:{port}", credentials)
     except RuntimeError as e:  # grpc raises a bare RuntimeError when bind fails
-        raise ConfigError(f"cannot bind gRPC server to {host}:{port} (in use or not allowed): {e}") from None
+        raise ConfigError(
+            f"cannot bind gRPC server to {host}:{port} (in use or not allowed): {e}"
+        ) from None
     if bound == 0:
         raise ConfigError(f"cannot bind gRPC server to {host}:{port} (in use or not allowed)")
     server.start()
@@ -437,9 +462,14 @@ def make_server(
     return server, bound, health_servicer
 
 
-def serve_forever(server: grpc.Server, health_servicer: health.HealthServicer | None = None,
-                  grace_s: float = 5.0, on_ready: Callable[[], None] | None = None,
-                  exit_process: bool = True, on_stopping: Callable[[], None] | None = None) -> None:
+def serve_forever(
+    server: grpc.Server,
+    health_servicer: health.HealthServicer | None = None,
+    grace_s: float = 5.0,
+    on_ready: Callable[[], None] | None = None,
+    exit_process: bool = True,
+    on_stopping: Callable[[], None] | None = None,
+) -> None:
     """Block until SIGTERM/SIGINT, then stop gracefully.
 
     Health turns NOT_SERVING first so load balancers stop routing new streams here, then
@@ -459,13 +489,19 @@ def serve_forever(server: grpc.Server, health_servicer: health.HealthServicer | 
     """
     stop = threading.Event()
 
-    def on_signal(sig: signal.Signals) -> None:  # on the relay thread (a handler must not set an Event)
+    def on_signal(
+        sig: signal.Signals,
+    ) -> None:  # on the relay thread (a handler must not set an Event)
         log.info("%s: stopping gRPC server (grace %.1fs)", sig.name, grace_s)
         stop.set()
 
-    with relayed_signals((signal.SIGTERM, signal.SIGINT), on_signal, name="grpc-stop-relay") as installed:
+    with relayed_signals(
+        (signal.SIGTERM, signal.SIGINT), on_signal, name="grpc-stop-relay"
+    ) as installed:
         if not installed:
-            raise RuntimeError("serve_forever waits for SIGTERM or SIGINT, which only the main thread can handle")
+            raise RuntimeError(
+                "serve_forever waits for SIGTERM or SIGINT, which only the main thread can handle"
+            )
         if on_ready is not None:
             on_ready()
         stop.wait()
@@ -488,8 +524,10 @@ def _exit_when_stuck(timeout_s: float) -> None:
 
     def watchdog() -> None:
         time.sleep(timeout_s)
-        log.warning("still running %.0f s after the server stopped (a handler thread is stuck); exiting",
-                    timeout_s)
+        log.warning(
+            "still running %.0f s after the server stopped (a handler thread is stuck); exiting",
+            timeout_s,
+        )
         logging.shutdown()
         os._exit(0)
 

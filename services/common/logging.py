@@ -25,7 +25,9 @@ def setup_logging(level: str | None = None) -> None:
     root = logging.getLogger()
     if not any(getattr(h, "_meshtrain", False) for h in root.handlers):
         handler = _StderrHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+        handler.setFormatter(
+            logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+        )
         handler._meshtrain = True  # type: ignore[attr-defined]
         root.addHandler(handler)
     root.setLevel(level)

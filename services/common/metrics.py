@@ -35,14 +35,23 @@ def _metrics() -> dict[str, object]:
         if not _collectors:
             labels = ["service", "method"]
             _collectors.update(
-                requests=Counter("meshtrain_rpc_requests", "RPCs finished, by status code",
-                                 labels + ["code"]),
+                requests=Counter(
+                    "meshtrain_rpc_requests", "RPCs finished, by status code", labels + ["code"]
+                ),
                 received=Counter("meshtrain_rpc_received_bytes", "request bytes received", labels),
                 sent=Counter("meshtrain_rpc_sent_bytes", "response bytes sent", labels),
-                latency=Histogram("meshtrain_rpc_latency_seconds", "RPC duration (a stream: its whole life)",
-                                  labels, buckets=(.001, .005, .01, .05, .1, .5, 1, 5, 30, 120, 600)),
-                in_flight=Gauge("meshtrain_rpc_in_flight", "RPCs in progress (queue depth)", labels),
-                capacity=Gauge("meshtrain_rpc_capacity", "RPCs the server runs at once", ["service"]),
+                latency=Histogram(
+                    "meshtrain_rpc_latency_seconds",
+                    "RPC duration (a stream: its whole life)",
+                    labels,
+                    buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30, 120, 600),
+                ),
+                in_flight=Gauge(
+                    "meshtrain_rpc_in_flight", "RPCs in progress (queue depth)", labels
+                ),
+                capacity=Gauge(
+                    "meshtrain_rpc_capacity", "RPCs the server runs at once", ["service"]
+                ),
             )
         return _collectors
 
@@ -135,7 +144,8 @@ class MetricsInterceptor(grpc.ServerInterceptor):
                 return run_unary(inner_uu, request, context)
 
             return grpc.unary_unary_rpc_method_handler(
-                unary_unary, handler.request_deserializer, handler.response_serializer)
+                unary_unary, handler.request_deserializer, handler.response_serializer
+            )
         if handler.unary_stream:
             inner_us = handler.unary_stream
 
@@ -144,7 +154,8 @@ class MetricsInterceptor(grpc.ServerInterceptor):
                 yield from run_stream(inner_us, request, context)
 
             return grpc.unary_stream_rpc_method_handler(
-                unary_stream, handler.request_deserializer, handler.response_serializer)
+                unary_stream, handler.request_deserializer, handler.response_serializer
+            )
         if handler.stream_unary:
             inner_su = handler.stream_unary
 
@@ -152,14 +163,16 @@ class MetricsInterceptor(grpc.ServerInterceptor):
                 return run_unary(inner_su, count_requests(request_iterator), context)
 
             return grpc.stream_unary_rpc_method_handler(
-                stream_unary, handler.request_deserializer, handler.response_serializer)
+                stream_unary, handler.request_deserializer, handler.response_serializer
+            )
         inner_ss = handler.stream_stream
 
         def stream_stream(request_iterator, context):
             yield from run_stream(inner_ss, count_requests(request_iterator), context)
 
         return grpc.stream_stream_rpc_method_handler(
-            stream_stream, handler.request_deserializer, handler.response_serializer)
+            stream_stream, handler.request_deserializer, handler.response_serializer
+        )
 
 
 def start_metrics_server(port: int = 0, host: str = "127.0.0.1"):
@@ -178,6 +191,8 @@ def start_metrics_server(port: int = 0, host: str = "127.0.0.1"):
     try:
         server, _thread = start_http_server(port, addr=host)
     except OSError as e:
-        raise ConfigError(f"cannot serve Prometheus metrics on {host}:{port} (--metrics-port; in use or "
-                          f"not allowed): {e}") from None
+        raise ConfigError(
+            f"cannot serve Prometheus metrics on {host}:{port} (--metrics-port; in use or "
+            f"not allowed): {e}"
+        ) from None
     return server, server.server_port

@@ -140,19 +140,25 @@ class ModelConfig:
             if getattr(self, key) <= 0:
                 raise ConfigError(f"model.{key} must be positive, got {getattr(self, key)}")
         if self.kv_channels is not None and self.kv_channels <= 0:
-            raise ConfigError(f"model.kv_channels must be positive (unset: hidden_size / num_attention_heads), "
-                              f"got {self.kv_channels}")
+            raise ConfigError(
+                f"model.kv_channels must be positive (unset: hidden_size / num_attention_heads), "
+                f"got {self.kv_channels}"
+            )
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"model.hidden_size={self.hidden_size} must be divisible by "
                 f"model.num_attention_heads={self.num_attention_heads} (or set model.kv_channels)"
             )
         if self.num_query_groups is not None and self.num_query_groups <= 0:  # 0 read as unset: MHA
-            raise ConfigError(f"model.num_query_groups must be positive (unset for one per head), "
-                              f"got {self.num_query_groups}")
+            raise ConfigError(
+                f"model.num_query_groups must be positive (unset for one per head), "
+                f"got {self.num_query_groups}"
+            )
         if self.make_vocab_size_divisible_by <= 0:
-            raise ConfigError(f"model.make_vocab_size_divisible_by must be positive, "
-                              f"got {self.make_vocab_size_divisible_by}")
+            raise ConfigError(
+                f"model.make_vocab_size_divisible_by must be positive, "
+                f"got {self.make_vocab_size_divisible_by}"
+            )
         groups = self.groups
         if self.num_attention_heads % groups:
             raise ConfigError(
@@ -160,12 +166,20 @@ class ModelConfig:
                 f"model.num_attention_heads={self.num_attention_heads}"
             )
         if self.ffn_size <= 0:
-            raise ConfigError(f"model.ffn_hidden_size must be positive, got {self.ffn_size}"
-                              + ("" if self.ffn_hidden_size is not None else
-                                 f" (8/3 of hidden_size={self.hidden_size}, rounded down to 64: set it)"))
+            raise ConfigError(
+                f"model.ffn_hidden_size must be positive, got {self.ffn_size}"
+                + (
+                    ""
+                    if self.ffn_hidden_size is not None
+                    else f" (8/3 of hidden_size={self.hidden_size}, rounded down to 64: set it)"
+                )
+            )
         if self.position_embedding_type == "rope" and self.head_dim % 2:
             raise ConfigError(f"model: RoPE needs an even head dim, got {self.head_dim}")
-        if self.max_position_embeddings is not None and self.max_position_embeddings < self.seq_length:
+        if (
+            self.max_position_embeddings is not None
+            and self.max_position_embeddings < self.seq_length
+        ):
             raise ConfigError(
                 f"model.max_position_embeddings={self.max_position_embeddings} is shorter than "
                 f"model.seq_length={self.seq_length}"
@@ -174,7 +188,9 @@ class ModelConfig:
         # after the data is ready), or not at all (a rotary base <= 0 trains on NaN).
         for key in ("hidden_dropout", "attention_dropout"):
             if not 0 <= getattr(self, key) <= 1:
-                raise ConfigError(f"model.{key} is a probability: it must be in [0, 1], got {getattr(self, key)}")
+                raise ConfigError(
+                    f"model.{key} is a probability: it must be in [0, 1], got {getattr(self, key)}"
+                )
         if not 0 <= self.init_method_std < math.inf:
             raise ConfigError(f"model.init_method_std must be >= 0, got {self.init_method_std}")
         if not 0 < self.rotary_base < math.inf:
@@ -194,48 +210,68 @@ class ModelConfig:
         if factor is None:
             return
         if self.position_embedding_type != "rope":
-            raise ConfigError("model.rope_scaling_factor scales RoPE: it needs model.position_embedding_type='rope'")
+            raise ConfigError(
+                "model.rope_scaling_factor scales RoPE: it needs model.position_embedding_type='rope'"
+            )
         if not 1 <= factor < math.inf:
-            raise ConfigError(f"model.rope_scaling_factor must be >= 1 (unset: plain RoPE), got {factor}")
+            raise ConfigError(
+                f"model.rope_scaling_factor must be >= 1 (unset: plain RoPE), got {factor}"
+            )
         low, high = self.rope_scaling_low_freq_factor, self.rope_scaling_high_freq_factor
         if not 0 < low < high < math.inf:
-            raise ConfigError(f"model.rope_scaling_low_freq_factor={low} and model.rope_scaling_high_freq_factor="
-                              f"{high} must satisfy 0 < low < high")
+            raise ConfigError(
+                f"model.rope_scaling_low_freq_factor={low} and model.rope_scaling_high_freq_factor="
+                f"{high} must satisfy 0 < low < high"
+            )
         if self.rope_scaling_original_max_positions <= 0:
-            raise ConfigError(f"model.rope_scaling_original_max_positions must be positive, "
-                              f"got {self.rope_scaling_original_max_positions}")
+            raise ConfigError(
+                f"model.rope_scaling_original_max_positions must be positive, "
+                f"got {self.rope_scaling_original_max_positions}"
+            )
 
     def _check_moe(self) -> None:
         if self.num_experts is None:
             return
         if self.num_experts <= 0:
-            raise ConfigError(f"model.num_experts must be positive (unset: dense), got {self.num_experts}")
+            raise ConfigError(
+                f"model.num_experts must be positive (unset: dense), got {self.num_experts}"
+            )
         if not 1 <= self.moe_router_topk <= self.num_experts:
-            raise ConfigError(f"model.moe_router_topk={self.moe_router_topk} must be in [1, "
-                              f"model.num_experts={self.num_experts}]")
+            raise ConfigError(
+                f"model.moe_router_topk={self.moe_router_topk} must be in [1, "
+                f"model.num_experts={self.num_experts}]"
+            )
         freq = self.moe_layer_freq
         if isinstance(freq, int):
             if freq <= 0:
                 raise ConfigError(f"model.moe_layer_freq must be positive, got {freq}")
         elif len(freq) != self.num_layers or any(v not in (0, 1) for v in freq):
-            raise ConfigError(f"model.moe_layer_freq as a list needs num_layers={self.num_layers} entries of 0 or 1, "
-                              f"got {freq}")
+            raise ConfigError(
+                f"model.moe_layer_freq as a list needs num_layers={self.num_layers} entries of 0 or 1, "
+                f"got {freq}"
+            )
         for key in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
             v = getattr(self, key)
             if v is not None and v <= 0:
                 raise ConfigError(f"model.{key} must be positive, got {v}")
         if self.moe_shared_expert_gate and self.moe_shared_expert_intermediate_size is None:
-            raise ConfigError("model.moe_shared_expert_gate gates the shared expert: it needs "
-                              "model.moe_shared_expert_intermediate_size")
+            raise ConfigError(
+                "model.moe_shared_expert_gate gates the shared expert: it needs "
+                "model.moe_shared_expert_intermediate_size"
+            )
         for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate"):
             v = getattr(self, key)
             if v is not None and not 0 <= v < math.inf:
                 raise ConfigError(f"model.{key} must be >= 0, got {v}")
         cf = self.moe_expert_capacity_factor
         if cf is not None and not 0 < cf < math.inf:
-            raise ConfigError(f"model.moe_expert_capacity_factor must be positive (unset: dropless), got {cf}")
+            raise ConfigError(
+                f"model.moe_expert_capacity_factor must be positive (unset: dropless), got {cf}"
+            )
         if self.moe_router_pre_softmax and self.moe_router_score_function != "softmax":
-            raise ConfigError("model.moe_router_pre_softmax applies to the softmax score function only")
+            raise ConfigError(
+                "model.moe_router_pre_softmax applies to the softmax score function only"
+            )
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether global block `layer` has a mixture of experts instead of the dense MLP."""

@@ -57,8 +57,9 @@ def text_problem(value: str, max_chars: int, allow_empty: bool = False) -> str |
     return None
 
 
-def check_text(value: str, field: str, max_chars: int, error: type[Exception],
-               allow_empty: bool = False) -> str:
+def check_text(
+    value: str, field: str, max_chars: int, error: type[Exception], allow_empty: bool = False
+) -> str:
     """Returns `value`, or raises `error` naming `field` and what is wrong with it (see
     `text_problem`), the value quoted through `loggable`.
 
@@ -85,7 +86,9 @@ class _OneLineUndecodable(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.msg == _UNDECODABLE and record.exc_info:
             exc = record.exc_info[1]
-            record.msg = "dropped a request that could not be decoded (its client gets INTERNAL): %s: %s"
+            record.msg = (
+                "dropped a request that could not be decoded (its client gets INTERNAL): %s: %s"
+            )
             record.args = (type(exc).__name__, loggable(str(exc)))
             record.exc_info = None
             record.exc_text = None
@@ -139,11 +142,17 @@ class UndecodableRequests(grpc.ServerInterceptor):
         method = handler_call_details.method
 
         def refuse(context, bad: Undecodable):
-            log.warning("refused a request to %s that does not decode as its message type: %s: %s", method,
-                        type(bad.exc).__name__, loggable(str(bad.exc)))
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"the request to {method} does not decode as its message type: "
-                          f"{type(bad.exc).__name__}: {str(bad.exc)[:LOG_LIMIT]}")
+            log.warning(
+                "refused a request to %s that does not decode as its message type: %s: %s",
+                method,
+                type(bad.exc).__name__,
+                loggable(str(bad.exc)),
+            )
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the request to {method} does not decode as its message type: "
+                f"{type(bad.exc).__name__}: {str(bad.exc)[:LOG_LIMIT]}",
+            )
 
         def checked(requests, context):
             for request in requests:
@@ -151,20 +160,27 @@ class UndecodableRequests(grpc.ServerInterceptor):
                     refuse(context, request)
                 yield request
 
-        for kind, make in (("unary_unary", grpc.unary_unary_rpc_method_handler),
-                           ("unary_stream", grpc.unary_stream_rpc_method_handler),
-                           ("stream_unary", grpc.stream_unary_rpc_method_handler),
-                           ("stream_stream", grpc.stream_stream_rpc_method_handler)):
+        for kind, make in (
+            ("unary_unary", grpc.unary_unary_rpc_method_handler),
+            ("unary_stream", grpc.unary_stream_rpc_method_handler),
+            ("stream_unary", grpc.stream_unary_rpc_method_handler),
+            ("stream_stream", grpc.stream_stream_rpc_method_handler),
+        ):
             inner = getattr(handler, kind)
             if inner is None:
                 continue
             if handler.request_streaming:
+
                 def behaviour(requests, context, inner=inner):
                     return inner(checked(requests, context), context)
             else:
+
                 def behaviour(request, context, inner=inner):
                     if isinstance(request, Undecodable):
                         refuse(context, request)
                     return inner(request, context)
-            return make(behaviour, _tolerant(handler.request_deserializer), handler.response_serializer)
+
+            return make(
+                behaviour, _tolerant(handler.request_deserializer), handler.response_serializer
+            )
         return handler

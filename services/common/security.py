@@ -77,9 +77,13 @@ def read_token_file(path: str) -> dict[str, str]:
             lines = f.read().splitlines()
         mode = os.stat(path).st_mode
     except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"cannot read the token file {path}: {getattr(e, 'strerror', None) or e}") from None
+        raise ConfigError(
+            f"cannot read the token file {path}: {getattr(e, 'strerror', None) or e}"
+        ) from None
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        log.warning("token file %s can be read by other users (mode %o): chmod 600 it", path, mode & 0o777)
+        log.warning(
+            "token file %s can be read by other users (mode %o): chmod 600 it", path, mode & 0o777
+        )
     tokens: dict[str, str] = {}
     for number, line in enumerate(lines, 1):
         words = line.split()
@@ -88,9 +92,11 @@ def read_token_file(path: str) -> dict[str, str]:
         if len(words) == 1:
             words = [ADMIN, words[0]]
         if len(words) != 2 or words[0] not in SCOPE_RANK:
-            raise ConfigError(f"token file {path} line {number}: expected 'TOKEN' or 'SCOPE TOKEN' with SCOPE one of "
-                              f"{', '.join(SCOPE_RANK)}; got {len(words)} words"
-                              + (", the first not a scope" if len(words) == 2 else ""))
+            raise ConfigError(
+                f"token file {path} line {number}: expected 'TOKEN' or 'SCOPE TOKEN' with SCOPE one of "
+                f"{', '.join(SCOPE_RANK)}; got {len(words)} words"
+                + (", the first not a scope" if len(words) == 2 else "")
+            )
         check_token(words[1], f"token file {path} line {number}")
         tokens[words[1]] = words[0]
     if not tokens:
@@ -103,8 +109,10 @@ def check_token(token: str, where: str) -> None:
     if not token.isascii() or not token.isprintable() or " " in token:
         raise ConfigError(f"{where}: a token must be printable ASCII without spaces")
     if len(token) < 16:
-        raise ConfigError(f"{where}: the token is {len(token)} characters; use at least 16 "
-                          "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')")
+        raise ConfigError(
+            f"{where}: the token is {len(token)} characters; use at least 16 "
+            "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')"
+        )
 
 
 def server_tokens(token_file: str | None) -> dict[str, str]:
@@ -127,8 +135,10 @@ def client_token(token_file: str | None) -> str | None:
     if token_file:
         tokens = read_token_file(token_file)
         if len(tokens) > 1:
-            raise ConfigError(f"token file {token_file} holds {len(tokens)} tokens; a client's file holds the one "
-                              "it sends")
+            raise ConfigError(
+                f"token file {token_file} holds {len(tokens)} tokens; a client's file holds the one "
+                "it sends"
+            )
         return next(iter(tokens))
     token = os.environ.get(TOKEN_ENV)
     if token:
@@ -174,25 +184,46 @@ class ServerSecurity:
     tls_key_file: str | None = None
     tls_client_ca_file: str | None = None
     insecure: bool = False
-    settings: tuple[str, str] = field(default=(
-        f"a token file (--token-file, or ${TOKEN_ENV}) or mutual TLS (--tls-cert, --tls-key, --tls-client-ca)",
-        "--insecure"), repr=False)
+    settings: tuple[str, str] = field(
+        default=(
+            f"a token file (--token-file, or ${TOKEN_ENV}) or mutual TLS (--tls-cert, --tls-key, --tls-client-ca)",
+            "--insecure",
+        ),
+        repr=False,
+    )
 
     def __post_init__(self) -> None:
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ConfigError("TLS needs both a certificate and its key (--tls-cert and --tls-key)")
         if self.tls_client_ca_file and not self.tls_cert_file:
-            raise ConfigError("--tls-client-ca (mutual TLS) needs the server's own --tls-cert and --tls-key")
+            raise ConfigError(
+                "--tls-client-ca (mutual TLS) needs the server's own --tls-cert and --tls-key"
+            )
         for token, scope in self.tokens.items():
             if scope not in SCOPE_RANK:
-                raise ConfigError(f"unknown token scope {scope!r}; the scopes are {', '.join(SCOPE_RANK)}")
+                raise ConfigError(
+                    f"unknown token scope {scope!r}; the scopes are {', '.join(SCOPE_RANK)}"
+                )
 
     @classmethod
-    def from_files(cls, token_file: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
-                   tls_client_ca: str | None = None, insecure: bool = False, **kwargs) -> ServerSecurity:
+    def from_files(
+        cls,
+        token_file: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        tls_client_ca: str | None = None,
+        insecure: bool = False,
+        **kwargs,
+    ) -> ServerSecurity:
         """Read the token file (or $MESHTRAIN_TOKEN) and check the TLS files can be read."""
-        security = cls(server_tokens(token_file), tls_cert, tls_key, tls_client_ca, insecure, **kwargs)
-        for path, what in ((tls_cert, "TLS certificate"), (tls_key, "TLS key"), (tls_client_ca, "client CA")):
+        security = cls(
+            server_tokens(token_file), tls_cert, tls_key, tls_client_ca, insecure, **kwargs
+        )
+        for path, what in (
+            (tls_cert, "TLS certificate"),
+            (tls_key, "TLS key"),
+            (tls_client_ca, "client CA"),
+        ):
             if path:
                 _read(path, what)
         return security
@@ -200,9 +231,13 @@ class ServerSecurity:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerSecurity:
         """From the flags `add_server_arguments` defines (absent ones: unset)."""
-        return cls.from_files(*(getattr(args, name, None) for name in ("token_file", "tls_cert", "tls_key",
-                                                                        "tls_client_ca")),
-                              insecure=bool(getattr(args, "insecure", False)))
+        return cls.from_files(
+            *(
+                getattr(args, name, None)
+                for name in ("token_file", "tls_cert", "tls_key", "tls_client_ca")
+            ),
+            insecure=bool(getattr(args, "insecure", False)),
+        )
 
     @property
     def authenticates(self) -> bool:
@@ -216,7 +251,8 @@ class ServerSecurity:
         how, insecure = self.settings
         raise ConfigError(
             f"refusing to serve {host}:{port} without authentication: an address other than loopback is "
-            f"reachable from other machines. Give {how}, bind 127.0.0.1, or set {insecure} to serve it open")
+            f"reachable from other machines. Give {how}, bind 127.0.0.1, or set {insecure} to serve it open"
+        )
 
     def server_credentials(self):
         """grpc server credentials for TLS (None without a certificate)."""
@@ -227,7 +263,9 @@ class ServerSecurity:
         client_ca = _read(self.tls_client_ca_file, "client CA") if self.tls_client_ca_file else None
         return grpc.ssl_server_credentials(
             [(_read(self.tls_key_file, "TLS key"), _read(self.tls_cert_file, "TLS certificate"))],
-            root_certificates=client_ca, require_client_auth=client_ca is not None)
+            root_certificates=client_ca,
+            require_client_auth=client_ca is not None,
+        )
 
     def interceptor(self, scopes: dict[str, Scope]) -> AuthInterceptor | None:
         """The interceptor enforcing `scopes` (full method name -> scope), or None when callers
@@ -272,25 +310,34 @@ class AuthInterceptor:
         if not self._tokens:  # mutual TLS alone: the handshake verified a client certificate
             if context.auth_context().get("x509_pem_cert"):
                 return ADMIN
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          f"{method} needs a client certificate signed by this server's client CA")
+            context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"{method} needs a client certificate signed by this server's client CA",
+            )
         sent = None
         for key, value in context.invocation_metadata() or ():
             if key == AUTH_METADATA:
                 sent = value
         if sent is None:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          f"{method} needs a bearer token with scope {need} (metadata '{AUTH_METADATA}: Bearer "
-                          f"TOKEN'); the call carried none")
+            context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"{method} needs a bearer token with scope {need} (metadata '{AUTH_METADATA}: Bearer "
+                f"TOKEN'); the call carried none",
+            )
         scheme, _, token = (sent if isinstance(sent, str) else "").partition(" ")
         granted = None
         candidate = token.strip().encode()
-        for accepted, scope in self._tokens:  # every one compared: the time does not tell which matched
+        for (
+            accepted,
+            scope,
+        ) in self._tokens:  # every one compared: the time does not tell which matched
             if hmac.compare_digest(candidate, accepted) and scheme.lower() == "bearer":
                 granted = scope
         if granted is None:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          f"{method}: the bearer token sent is not one this server accepts")
+            context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"{method}: the bearer token sent is not one this server accepts",
+            )
         return granted
 
     def _check(self, context, method: str, need: str) -> None:
@@ -298,8 +345,10 @@ class AuthInterceptor:
 
         granted = self._granted(context, method, need)
         if SCOPE_RANK[granted] < SCOPE_RANK[need]:
-            context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                          f"{method} needs scope {need}; the token sent has scope {granted}")
+            context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{method} needs scope {need}; the token sent has scope {granted}",
+            )
 
     def _scope(self, method: str) -> Scope:
         if method in self.scopes:
@@ -326,11 +375,13 @@ class AuthInterceptor:
 
         def around(inner, streams_responses: bool):
             if handler.request_streaming:
+
                 def checked_requests(request_iterator, context):
                     self._check(context, method, need(None))
                     return inner(request_iterator, context)
 
                 if streams_responses:
+
                     def checked_requests_stream(request_iterator, context):
                         self._check(context, method, need(None))
                         yield from inner(request_iterator, context)
@@ -338,6 +389,7 @@ class AuthInterceptor:
                     return checked_requests_stream
                 return checked_requests
             if streams_responses:
+
                 def checked_stream(request, context):
                     self._check(context, method, need(request))
                     yield from inner(request, context)
@@ -356,27 +408,49 @@ class AuthInterceptor:
 def add_server_arguments(p: argparse.ArgumentParser) -> None:
     """The authentication and TLS flags of `meshtrain data serve` and `meshtrain ckpt serve`."""
     g = p.add_argument_group("authentication and TLS")
-    g.add_argument("--token-file", default=None,
-                   help=f"bearer tokens callers must send, one per line as 'SCOPE TOKEN' (read, write, admin) or "
-                        f"'TOKEN' (admin); default: ${TOKEN_ENV} (scope admin) if set, else no tokens")
-    g.add_argument("--tls-cert", default=None, help="PEM certificate the server presents (turns TLS on)")
+    g.add_argument(
+        "--token-file",
+        default=None,
+        help=f"bearer tokens callers must send, one per line as 'SCOPE TOKEN' (read, write, admin) or "
+        f"'TOKEN' (admin); default: ${TOKEN_ENV} (scope admin) if set, else no tokens",
+    )
+    g.add_argument(
+        "--tls-cert", default=None, help="PEM certificate the server presents (turns TLS on)"
+    )
     g.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    g.add_argument("--tls-client-ca", default=None,
-                   help="PEM CA: clients must present a certificate it signed (mutual TLS; every scope "
-                        "unless --token-file is given too)")
-    g.add_argument("--insecure", action="store_true",
-                   help="serve an address other than loopback without authentication")
+    g.add_argument(
+        "--tls-client-ca",
+        default=None,
+        help="PEM CA: clients must present a certificate it signed (mutual TLS; every scope "
+        "unless --token-file is given too)",
+    )
+    g.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve an address other than loopback without authentication",
+    )
 
 
 def add_client_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of a command-line client (`meshtrain status`, the health probe)."""
     g = p.add_argument_group("authentication and TLS")
-    g.add_argument("--token-file", default=None, help=f"file holding the bearer token to send (default: ${TOKEN_ENV})")
-    g.add_argument("--tls-ca", default=None, help="PEM CA that verifies the server's certificate (turns TLS on)")
+    g.add_argument(
+        "--token-file",
+        default=None,
+        help=f"file holding the bearer token to send (default: ${TOKEN_ENV})",
+    )
+    g.add_argument(
+        "--tls-ca",
+        default=None,
+        help="PEM CA that verifies the server's certificate (turns TLS on)",
+    )
     g.add_argument("--tls-cert", default=None, help="PEM client certificate (mutual TLS)")
     g.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    g.add_argument("--tls-server-name", default=None,
-                   help="name to verify the server's certificate against, when it is not the address's host")
+    g.add_argument(
+        "--tls-server-name",
+        default=None,
+        help="name to verify the server's certificate against, when it is not the address's host",
+    )
 
 
 @dataclass
@@ -400,15 +474,27 @@ class ClientSecurity:
 
     def __post_init__(self) -> None:
         if bool(self.cert_file) != bool(self.key_file):
-            raise ConfigError("a client certificate needs its key, and a key its certificate "
-                              "(auth.tls_cert_file and auth.tls_key_file, or --tls-cert and --tls-key)")
+            raise ConfigError(
+                "a client certificate needs its key, and a key its certificate "
+                "(auth.tls_cert_file and auth.tls_key_file, or --tls-cert and --tls-key)"
+            )
 
     @classmethod
-    def from_files(cls, token_file: str | None = None, ca_file: str | None = None, cert_file: str | None = None,
-                   key_file: str | None = None, server_name: str | None = None) -> ClientSecurity:
+    def from_files(
+        cls,
+        token_file: str | None = None,
+        ca_file: str | None = None,
+        cert_file: str | None = None,
+        key_file: str | None = None,
+        server_name: str | None = None,
+    ) -> ClientSecurity:
         """Read the token (`token_file`, else $MESHTRAIN_TOKEN) and check the TLS files can be read."""
         security = cls(client_token(token_file), ca_file, cert_file, key_file, server_name)
-        for path, what in ((ca_file, "CA"), (cert_file, "client certificate"), (key_file, "client key")):
+        for path, what in (
+            (ca_file, "CA"),
+            (cert_file, "client certificate"),
+            (key_file, "client key"),
+        ):
             if path:
                 _read(path, what)
         return security
@@ -416,15 +502,22 @@ class ClientSecurity:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ClientSecurity:
         """From the flags `add_client_arguments` defines."""
-        return cls.from_files(args.token_file, args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+        return cls.from_files(
+            args.token_file, args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name
+        )
 
     @classmethod
     def from_config(cls, auth: AuthConfig | None) -> ClientSecurity:
         """From the trainer's `[auth]` section (None: $MESHTRAIN_TOKEN only)."""
         if auth is None:
             return cls.from_files()
-        return cls.from_files(auth.token_file, auth.tls_ca_file, auth.tls_cert_file, auth.tls_key_file,
-                              auth.tls_server_name)
+        return cls.from_files(
+            auth.token_file,
+            auth.tls_ca_file,
+            auth.tls_cert_file,
+            auth.tls_key_file,
+            auth.tls_server_name,
+        )
 
     @property
     def tls(self) -> bool:
@@ -439,7 +532,10 @@ class ClientSecurity:
             credentials = grpc.ssl_channel_credentials(
                 root_certificates=_read(self.ca_file, "CA") if self.ca_file else None,
                 private_key=_read(self.key_file, "client key") if self.key_file else None,
-                certificate_chain=_read(self.cert_file, "client certificate") if self.cert_file else None)
+                certificate_chain=_read(self.cert_file, "client certificate")
+                if self.cert_file
+                else None,
+            )
             if self.server_name:
                 options.append(("grpc.ssl_target_name_override", self.server_name))
             channel = grpc.secure_channel(address, credentials, options=options)
@@ -458,8 +554,12 @@ def _bearer_interceptor(token: str):
 
     header = (AUTH_METADATA, f"Bearer {token}")
 
-    class BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                      grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    class BearerToken(
+        grpc.UnaryUnaryClientInterceptor,
+        grpc.UnaryStreamClientInterceptor,
+        grpc.StreamUnaryClientInterceptor,
+        grpc.StreamStreamClientInterceptor,
+    ):
         def _details(self, details):
             return details._replace(metadata=[*(details.metadata or ()), header])
 
@@ -510,7 +610,11 @@ class AuthConfig:
 
     def __post_init__(self) -> None:
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
-            raise ConfigError("auth.tls_cert_file and auth.tls_key_file go together: set both or neither")
+            raise ConfigError(
+                "auth.tls_cert_file and auth.tls_key_file go together: set both or neither"
+            )
         if self.tls_client_ca_file and not self.tls_cert_file:
-            raise ConfigError("auth.tls_client_ca_file (mutual TLS on the control endpoint) needs "
-                              "auth.tls_cert_file and auth.tls_key_file")
+            raise ConfigError(
+                "auth.tls_client_ca_file (mutual TLS on the control endpoint) needs "
+                "auth.tls_cert_file and auth.tls_key_file"
+            )

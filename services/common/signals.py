@@ -35,7 +35,9 @@ def _relay(run: Callable[[int], None], name: str) -> tuple[Callable, int, thread
     started thread that reads the pipe and calls `run(number)` for each, in arrival order, until
     the write end is closed)."""
     read_end, write_end = os.pipe()
-    os.set_blocking(write_end, False)  # a handler never blocks: a full pipe already holds ~64k signals
+    os.set_blocking(
+        write_end, False
+    )  # a handler never blocks: a full pipe already holds ~64k signals
 
     def relay() -> None:
         with os.fdopen(read_end, "rb", buffering=0) as pipe:
@@ -53,8 +55,11 @@ def _relay(run: Callable[[int], None], name: str) -> tuple[Callable, int, thread
 
 
 @contextlib.contextmanager
-def relayed_signals(signals: Iterable[signal.Signals], action: Callable[[signal.Signals], None],
-                    name: str = "signal-relay") -> Iterator[bool]:
+def relayed_signals(
+    signals: Iterable[signal.Signals],
+    action: Callable[[signal.Signals], None],
+    name: str = "signal-relay",
+) -> Iterator[bool]:
     """While inside, each of `signals` runs `action(signal)` on a relay thread, in arrival order.
 
     Handlers are installed on the main thread only (Python's rule); elsewhere (a test calling
@@ -114,7 +119,9 @@ def logged_until_exit(signals: Iterable[signal.Signals], message: str) -> bool:
     if threading.current_thread() is not threading.main_thread():
         return False
     signals = list(signals)
-    on_signal, _, _ = _relay(lambda number: log.warning(message, signal.Signals(number).name), "signals-until-exit")
+    on_signal, _, _ = _relay(
+        lambda number: log.warning(message, signal.Signals(number).name), "signals-until-exit"
+    )
 
     def ignore() -> None:
         for s in signals:

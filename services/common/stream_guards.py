@@ -65,9 +65,11 @@ class PeerLimit:
             if taken:
                 self._held[host] += 1
         if not taken:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"client {host} already holds {self.limit} streams of this server, the most "
-                          f"one client may ({self.flag} {self.limit}); end one first or use another server")
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"client {host} already holds {self.limit} streams of this server, the most "
+                f"one client may ({self.flag} {self.limit}); end one first or use another server",
+            )
         try:
             yield
         finally:
@@ -98,12 +100,16 @@ class IdleReaper:
     def __init__(self, idle_s: float | None, flag: str = "--stream-idle-timeout"):
         self.idle_s = float(idle_s or 0)
         self.flag = flag
-        self._waiting: dict[int, list] = {}  # id -> [suspended since (monotonic) or None, context, what]
+        self._waiting: dict[
+            int, list
+        ] = {}  # id -> [suspended since (monotonic) or None, context, what]
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.reaped = 0  # streams cancelled (for tests and logs)
 
-    def watch(self, responses: Iterable, context: grpc.ServicerContext, what: str = "a stream") -> Iterator:
+    def watch(
+        self, responses: Iterable, context: grpc.ServicerContext, what: str = "a stream"
+    ) -> Iterator:
         """`responses`, passed on; the stream is cancelled when its client leaves a message
         untaken for `idle_s` seconds (its generator then ends at that `yield`)."""
         if not self.idle_s:
@@ -134,11 +140,20 @@ class IdleReaper:
             time.sleep(period)
             now = time.monotonic()
             with self._lock:
-                stale = [e for e in self._waiting.values() if e[0] is not None and now - e[0] > self.idle_s]
+                stale = [
+                    e
+                    for e in self._waiting.values()
+                    if e[0] is not None and now - e[0] > self.idle_s
+                ]
                 for e in stale:  # cancelled once: its generator ends and unregisters itself
                     e[0] = None
             for _, context, what in stale:
                 self.reaped += 1
-                log.warning("%s: its client %s took no message for %g s (%s); cancelled", what,
-                            peer_host(context.peer()), self.idle_s, self.flag)
+                log.warning(
+                    "%s: its client %s took no message for %g s (%s); cancelled",
+                    what,
+                    peer_host(context.peer()),
+                    self.idle_s,
+                    self.flag,
+                )
                 context.cancel()

@@ -58,8 +58,12 @@ def _load_library() -> ctypes.CDLL:
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
             os.close(fd)
             try:
-                subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", tmp, str(_SOURCE)],
-                               check=True, capture_output=True, text=True)
+                subprocess.run(
+                    [cc, "-O2", "-shared", "-fPIC", "-o", tmp, str(_SOURCE)],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                )
             except (OSError, subprocess.CalledProcessError) as e:
                 os.unlink(tmp)
                 detail = getattr(e, "stderr", "") or str(e)
@@ -69,8 +73,13 @@ def _load_library() -> ctypes.CDLL:
             os.replace(tmp, out)  # atomic: concurrent builders each produce the same library
         lib = ctypes.CDLL(str(out))
         lib.meshtrain_blend.restype = ctypes.c_int
-        lib.meshtrain_blend.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                        ctypes.c_void_p, ctypes.c_void_p]
+        lib.meshtrain_blend.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+        ]
         _lib = lib
         return lib
 
@@ -115,8 +124,9 @@ def blending_indices(weights, num_samples: int) -> tuple[np.ndarray, np.ndarray]
         raise DataError(f"num_samples={num_samples} is negative")
     ds_index = np.empty(num_samples, dtype=np.int16)
     ds_sample = np.empty(num_samples, dtype=np.int64)
-    rc = _load_library().meshtrain_blend(w.ctypes.data, w.size, num_samples,
-                                         ds_index.ctypes.data, ds_sample.ctypes.data)
+    rc = _load_library().meshtrain_blend(
+        w.ctypes.data, w.size, num_samples, ds_index.ctypes.data, ds_sample.ctypes.data
+    )
     if rc != 0:
         raise DataError(f"blending {w.size} datasets failed (code {rc}); weights {w.tolist()}")
     return ds_index, ds_sample
@@ -130,14 +140,24 @@ def samples_needed(weights, num_samples: int) -> list[int]:
 
 def blend_index_desc(weights: np.ndarray, num_samples: int) -> dict:
     """What a blend's index depends on (normalized weights): its cache entry's description."""
-    return {"kind": "blend", "weights": np.asarray(weights).tolist(), "num_samples": int(num_samples)}
+    return {
+        "kind": "blend",
+        "weights": np.asarray(weights).tolist(),
+        "num_samples": int(num_samples),
+    }
 
 
 class BlendedDataset:
     """Several sample datasets interleaved by weight; indexable like a GPTDataset."""
 
-    def __init__(self, datasets: list, weights, num_samples: int, name: str = "train",
-                 cache_dir: str | os.PathLike | None = None):
+    def __init__(
+        self,
+        datasets: list,
+        weights,
+        num_samples: int,
+        name: str = "train",
+        cache_dir: str | os.PathLike | None = None,
+    ):
         """Args:
         datasets: GPTDataset-like objects (`__getitem__`, `__len__`, `seq_length`); a dataset
             with weight 0 may be None.
@@ -159,8 +179,16 @@ class BlendedDataset:
             raise DataError(f"blended datasets [{name}] have different seq_length")
         desc = blend_index_desc(self.weights, self.num_samples)
         self.index_key = cache_key(desc)  # its entry in an index cache
-        arrays = cached_arrays(cache_dir, desc, lambda: dict(zip(
-            ("dataset_index", "dataset_sample_index"), blending_indices(self.weights, self.num_samples))))
+        arrays = cached_arrays(
+            cache_dir,
+            desc,
+            lambda: dict(
+                zip(
+                    ("dataset_index", "dataset_sample_index"),
+                    blending_indices(self.weights, self.num_samples),
+                )
+            ),
+        )
         self.dataset_index = arrays["dataset_index"]
         self.dataset_sample_index = arrays["dataset_sample_index"]
         for d, need in enumerate(samples_needed(self.weights, self.num_samples)):
@@ -181,13 +209,17 @@ class BlendedDataset:
     def __getitem__(self, i: int) -> np.ndarray:
         """Sample i of the blend: (seq_length + 1,) int64 token ids."""
         if not 0 <= i < self.num_samples:
-            raise IndexError(f"blend [{self.name}]: sample {i} out of range [0, {self.num_samples})")
+            raise IndexError(
+                f"blend [{self.name}]: sample {i} out of range [0, {self.num_samples})"
+            )
         d = int(self.dataset_index[i])
         return self.datasets[d][int(self.dataset_sample_index[i])]
 
     def read_into(self, i: int, out: np.ndarray) -> None:
         """Write sample i of the blend into `out` ((seq_length + 1,) buffer)."""
         if not 0 <= i < self.num_samples:
-            raise IndexError(f"blend [{self.name}]: sample {i} out of range [0, {self.num_samples})")
+            raise IndexError(
+                f"blend [{self.name}]: sample {i} out of range [0, {self.num_samples})"
+            )
         d = int(self.dataset_index[i])
         self.datasets[d].read_into(int(self.dataset_sample_index[i]), out)

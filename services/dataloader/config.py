@@ -114,7 +114,9 @@ class DataConfig:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"data.{name}={getattr(self, name)} must be > 0")
         if not 0 <= self.service_rebalance_s < float("inf"):
-            raise ConfigError(f"data.service_rebalance_s={self.service_rebalance_s} must be >= 0 (0: never)")
+            raise ConfigError(
+                f"data.service_rebalance_s={self.service_rebalance_s} must be >= 0 (0: never)"
+            )
         if self.service_addresses:
             from meshtrain.services.dataloader.rpc.discovery import check_address
 
@@ -138,16 +140,22 @@ class DataConfig:
         if self.tokenizer_type is None:
             for key in FLAG_OF:
                 if getattr(self, key) is not None:
-                    raise ConfigError(f"data.{key} is given without data.tokenizer_type, which reads it")
+                    raise ConfigError(
+                        f"data.{key} is given without data.tokenizer_type, which reads it"
+                    )
             return
         try:
-            spec = megatron_spec(self.tokenizer_type, **{k: getattr(self, k) for k in FLAG_OF}, prefix="data.")
+            spec = megatron_spec(
+                self.tokenizer_type, **{k: getattr(self, k) for k in FLAG_OF}, prefix="data."
+            )
         except DataError as e:
             raise ConfigError(str(e)) from None
         # a resolved config (config.toml of a run) holds both, naming the same tokenizer
         if self.tokenizer not in ("bpe", spec):
-            raise ConfigError(f"data.tokenizer={self.tokenizer!r} and data.tokenizer_type={self.tokenizer_type!r} "
-                              "both name the tokenizer; give one of them")
+            raise ConfigError(
+                f"data.tokenizer={self.tokenizer!r} and data.tokenizer_type={self.tokenizer_type!r} "
+                "both name the tokenizer; give one of them"
+            )
         self.tokenizer = spec
         # absolute, so a run's config.toml read from another folder names the same files
         for key in ("vocab_file", "merge_file", "tokenizer_model"):

@@ -93,7 +93,7 @@ class IndexCache:
             except FileNotFoundError:  # evicted or replaced meanwhile
                 continue
             if e.name.endswith(".json"):
-                manifests[e.name[:-len(".json")]] = st
+                manifests[e.name[: -len(".json")]] = st
             elif e.name.endswith(".npy") and "-" in e.name:
                 sizes[e.name.split("-", 1)[0]] += st.st_size
         return {key: (sizes[key] + st.st_size, st.st_mtime) for key, st in manifests.items()}
@@ -150,8 +150,12 @@ class IndexCache:
             if _TMP not in path.name:  # another thread's build of the entry, renamed soon
                 path.unlink(missing_ok=True)
         self.evicted += 1
-        log.info("index cache %s: evicted entry %s to stay within its quota of %d bytes",
-                 self.folder, key, self.quota_bytes)
+        log.info(
+            "index cache %s: evicted entry %s to stay within its quota of %d bytes",
+            self.folder,
+            key,
+            self.quota_bytes,
+        )
 
 
 def is_cached(folder: str | os.PathLike | IndexCache | None, desc: dict) -> bool:
@@ -196,8 +200,13 @@ def cached_arrays(
     if quota is not None:
         nbytes = sum(a.nbytes for a in arrays.values())
         if not quota.make_room(nbytes):
-            log.warning("index cache %s: no room for a %d-byte entry within its quota of %d bytes beside "
-                        "the entries in use; indices kept in memory only", folder, nbytes, quota.quota_bytes)
+            log.warning(
+                "index cache %s: no room for a %d-byte entry within its quota of %d bytes beside "
+                "the entries in use; indices kept in memory only",
+                folder,
+                nbytes,
+                quota.quota_bytes,
+            )
             return arrays
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -209,7 +218,9 @@ def cached_arrays(
             os.replace(tmp, folder / f"{key}-{name}.npy")
         # the manifest is written last: it is what makes the entry visible
         tmp = folder / f"{key}{tag}.json"
-        tmp.write_text(json.dumps({"arrays": sorted(arrays), "desc": desc}, sort_keys=True, indent=1))
+        tmp.write_text(
+            json.dumps({"arrays": sorted(arrays), "desc": desc}, sort_keys=True, indent=1)
+        )
         os.replace(tmp, manifest)
         # the stored copies, memory-mapped: a data worker keeps several datasets open, and built
         # arrays held each index in its heap for as long as the dataset stayed cached

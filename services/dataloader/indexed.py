@@ -111,7 +111,9 @@ class _RangeReader:
                 f"{self._path}: range read of tokens [{start}, {stop}) failed ({type(e).__name__}: {e})"
             ) from e
         if len(data) != (stop - start) * item:
-            raise DataError(f"{self._path}: range read returned {len(data)} of {(stop - start) * item} bytes")
+            raise DataError(
+                f"{self._path}: range read returned {len(data)} of {(stop - start) * item} bytes"
+            )
         return np.frombuffer(data, dtype=self._dtype)
 
 
@@ -129,13 +131,17 @@ def check_output_prefix(prefix: str | os.PathLike) -> None:
     scheme (`s3:/bucket/x.bin`), and a folder (`data/`) got hidden files `data/.bin`."""
     s = str(prefix)
     if is_remote(s):
-        raise DataError(f"output prefix {s!r}: datasets are written to local files only; write it "
-                        f"locally, then copy PREFIX.bin and PREFIX.idx there (e.g. aws s3 cp)")
+        raise DataError(
+            f"output prefix {s!r}: datasets are written to local files only; write it "
+            f"locally, then copy PREFIX.bin and PREFIX.idx there (e.g. aws s3 cp)"
+        )
     local = local_path(s)
     if not local or local.endswith(("/", os.sep)) or Path(local).is_dir():
         example = os.path.join(local or ".", "corpus")
-        raise DataError(f"output prefix {s!r} is a folder; name the dataset inside it, e.g. {example!r} "
-                        f"(which writes {example}.bin and {example}.idx)")
+        raise DataError(
+            f"output prefix {s!r} is a folder; name the dataset inside it, e.g. {example!r} "
+            f"(which writes {example}.bin and {example}.idx)"
+        )
 
 
 class IndexedDatasetWriter:
@@ -168,12 +174,19 @@ class IndexedDatasetWriter:
             self._bin_path.parent.mkdir(parents=True, exist_ok=True)
             for final in (self._bin_path, self._idx_path):
                 for dead in remove_dead_builds(str(final)):
-                    log.warning("removed %s, left by a writer of %s that was killed", dead, self.prefix)
+                    log.warning(
+                        "removed %s, left by a writer of %s that was killed", dead, self.prefix
+                    )
             self._bin = open(self._bin_tmp, "wb")  # noqa: SIM115 - open until finalize/abort close it
         except OSError as e:  # a parent that is a file, no permission: a traceback before
-            why = (f"{e.filename} is a file, not a folder" if isinstance(e, (FileExistsError, NotADirectoryError))
-                   else f"{e.strerror or e}: {e.filename or self._bin_path}")
-            raise DataError(f"output prefix {self.prefix!r}: cannot write {self._bin_path} ({why})") from e
+            why = (
+                f"{e.filename} is a file, not a folder"
+                if isinstance(e, (FileExistsError, NotADirectoryError))
+                else f"{e.strerror or e}: {e.filename or self._bin_path}"
+            )
+            raise DataError(
+                f"output prefix {self.prefix!r}: cannot write {self._bin_path} ({why})"
+            ) from e
         self._lengths = array("i")  # int32, Megatron's sequence length type
         self._closed = False
         if self.dtype.kind in "iu":
@@ -241,7 +254,9 @@ class IndexedDatasetWriter:
     def _write_index(self) -> None:
         """Close `.bin` and write the whole index to the temporary `.idx`."""
         self._bin.close()
-        lengths = np.frombuffer(self._lengths, dtype=np.int32) if self._lengths else np.zeros(0, np.int32)
+        lengths = (
+            np.frombuffer(self._lengths, dtype=np.int32) if self._lengths else np.zeros(0, np.int32)
+        )
         n = lengths.size
         pointers = np.zeros(n, dtype=np.int64)
         if n > 1:
@@ -299,9 +314,13 @@ class IndexedDataset:
             # Not only ImportError/ValueError: constructors raise whatever their backend does
             # (zip: FileNotFoundError, tar: ReadError, github: TypeError), which escaped as a bug
             except (ConnectionError, TimeoutError) as e:  # a constructor that connects (ftp)
-                raise DataUnavailableError(f"{self.prefix}: connecting failed ({type(e).__name__}: {e})") from e
+                raise DataUnavailableError(
+                    f"{self.prefix}: connecting failed ({type(e).__name__}: {e})"
+                ) from e
             except Exception as e:
-                raise DataError(f"{self.prefix}: cannot open this URL with fsspec ({type(e).__name__}: {e})") from e
+                raise DataError(
+                    f"{self.prefix}: cannot open this URL with fsspec ({type(e).__name__}: {e})"
+                ) from e
             # the URLs as given name the files in messages; fsspec's own paths drop the protocol
             self.bin_path, self.idx_path = self.prefix + ".bin", self.prefix + ".idx"
             self._remote = (root + ".bin", root + ".idx")
@@ -315,12 +334,16 @@ class IndexedDataset:
                     raise DataError(f"{url}: indexed dataset file is missing") from None
                 except PermissionError as e:  # credentials: another try does not help
                     raise DataError(f"{url}: access denied ({e})") from e
-                except Exception as e:  # backends raise their own types (botocore's are not OSError)
+                except (
+                    Exception
+                ) as e:  # backends raise their own types (botocore's are not OSError)
                     raise DataUnavailableError(
                         f"{url}: the store failed to answer whether the file exists ({type(e).__name__}: {e})"
                     ) from e
                 if info.get("type") != "file":
-                    raise DataError(f"{url}: indexed dataset file is missing (a {info.get('type')} is there)")
+                    raise DataError(
+                        f"{url}: indexed dataset file is missing (a {info.get('type')} is there)"
+                    )
                 self._bin_size = int(info.get("size") or 0)  # the .bin's, read last
         else:
             self.bin_path, self.idx_path = _paths(self.prefix)
@@ -330,7 +353,9 @@ class IndexedDataset:
                 except FileNotFoundError:
                     raise DataError(f"{p}: indexed dataset file is missing") from None
                 except OSError as e:
-                    raise DataError(f"{p}: cannot open the indexed dataset file ({e.strerror})") from None
+                    raise DataError(
+                        f"{p}: cannot open the indexed dataset file ({e.strerror})"
+                    ) from None
                 if not p.is_file():
                     raise DataError(f"{p}: indexed dataset file is missing (not a regular file)")
         self._read_index()
@@ -344,7 +369,9 @@ class IndexedDataset:
             except FileNotFoundError:
                 raise DataError(f"{path}: indexed dataset file is missing") from None
             except Exception as e:  # as in the open above: backends raise their own types
-                raise DataUnavailableError(f"{path}: reading the index failed ({type(e).__name__}: {e})") from e
+                raise DataUnavailableError(
+                    f"{path}: reading the index failed ({type(e).__name__}: {e})"
+                ) from e
             size, header = len(blob), blob[:HEADER_SIZE]
         else:
             size = path.stat().st_size
@@ -352,7 +379,7 @@ class IndexedDataset:
                 header = f.read(HEADER_SIZE)
         if len(header) < len(MAGIC) or header[: len(MAGIC)] != MAGIC:
             raise DataError(
-                f"{path}: bad magic {header[:len(MAGIC)]!r}, expected {MAGIC!r} (not an MMIDIDX index)"
+                f"{path}: bad magic {header[: len(MAGIC)]!r}, expected {MAGIC!r} (not an MMIDIDX index)"
             )
         if len(header) < HEADER_SIZE:
             raise DataError(f"{path}: truncated header ({len(header)} of {HEADER_SIZE} bytes)")
@@ -371,7 +398,11 @@ class IndexedDataset:
                 f"entries) says {expected}; the file is truncated or has trailing data"
             )
         # one map (or buffer) for the whole index; the three arrays are views into it
-        buf = np.frombuffer(blob, np.uint8) if self._fs is not None else np.memmap(path, dtype=np.uint8, mode="r")
+        buf = (
+            np.frombuffer(blob, np.uint8)
+            if self._fs is not None
+            else np.memmap(path, dtype=np.uint8, mode="r")
+        )
         off = HEADER_SIZE
         self._lengths = np.frombuffer(buf, dtype="<i4", count=n, offset=off)  # (N,)
         off += 4 * n
@@ -385,7 +416,9 @@ class IndexedDataset:
         lengths, pointers = self._lengths, self._pointers
         if n:
             if lengths.min() < 0:
-                raise DataError(f"{path}: negative sequence length at sequence {int(np.argmin(lengths))}")
+                raise DataError(
+                    f"{path}: negative sequence length at sequence {int(np.argmin(lengths))}"
+                )
             expected = np.zeros(n, dtype=np.int64)
             expected[1:] = np.cumsum(lengths[:-1], dtype=np.int64) * self._dtype.itemsize
             bad = np.nonzero(pointers != expected)[0]

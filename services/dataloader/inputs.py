@@ -41,7 +41,9 @@ class _Utf8Lines:
                 else:
                     bad = False
                 pieces = [text]
-                if "\r" in text:  # CRLF and lone CR end lines, as in text mode (not str.splitlines's
+                if (
+                    "\r" in text
+                ):  # CRLF and lone CR end lines, as in text mode (not str.splitlines's
                     # other line ends, such as U+2028, which a JSON string may hold as it is)
                     *ended, tail = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
                     pieces = [piece + "\n" for piece in ended] + ([tail] if tail else [])
@@ -54,9 +56,14 @@ class _Utf8Lines:
 
     def warn(self) -> None:
         if self.bad_lines:
-            log.warning("%s:%d: bytes that are not UTF-8 replaced with U+FFFD (%d line%s of the file; "
-                        "convert it to UTF-8 first, e.g. iconv -f latin1 -t utf-8)", self.path, self.first_bad,
-                        self.bad_lines, "" if self.bad_lines == 1 else "s")
+            log.warning(
+                "%s:%d: bytes that are not UTF-8 replaced with U+FFFD (%d line%s of the file; "
+                "convert it to UTF-8 first, e.g. iconv -f latin1 -t utf-8)",
+                self.path,
+                self.first_bad,
+                self.bad_lines,
+                "" if self.bad_lines == 1 else "s",
+            )
 
 
 def decode_text(path: Path, data: bytes) -> str:
@@ -66,8 +73,13 @@ def decode_text(path: Path, data: bytes) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
-        log.warning("%s:%d: bytes that are not UTF-8 replaced with U+FFFD (first at byte %d; convert the "
-                    "file to UTF-8 first, e.g. iconv -f latin1 -t utf-8)", path, line, e.start)
+        log.warning(
+            "%s:%d: bytes that are not UTF-8 replaced with U+FFFD (first at byte %d; convert the "
+            "file to UTF-8 first, e.g. iconv -f latin1 -t utf-8)",
+            path,
+            line,
+            e.start,
+        )
         return data.decode("utf-8", errors="replace")
 
 
@@ -84,8 +96,12 @@ def _without_lone_surrogates(text: str) -> str:
 # Leading bytes of compressed files: read as text, one would be tokenized as binary noise
 # (a `.jsonl.gz` made one document of garbage, silently). None is valid UTF-8 text's start
 # but zip's, whose control characters no text file begins with.
-_COMPRESSED_MAGIC = {b"\x1f\x8b": "gzip", b"\x28\xb5\x2f\xfd": "zstd", b"\xfd7zXZ\x00": "xz",
-                     b"PK\x03\x04": "zip"}
+_COMPRESSED_MAGIC = {
+    b"\x1f\x8b": "gzip",
+    b"\x28\xb5\x2f\xfd": "zstd",
+    b"\xfd7zXZ\x00": "xz",
+    b"PK\x03\x04": "zip",
+}
 
 
 def refuse_compressed(path: Path) -> None:
@@ -96,8 +112,10 @@ def refuse_compressed(path: Path) -> None:
     if kind is None and head[:3] == b"BZh" and head[4:10] == b"1AY&SY":  # bzip2 + its block magic
         kind = "bzip2"
     if kind is not None:
-        raise DataError(f"{path}: is {kind}-compressed; decompress it first (inputs are read as "
-                        f"plain text, JSONL or Parquet)")
+        raise DataError(
+            f"{path}: is {kind}-compressed; decompress it first (inputs are read as "
+            f"plain text, JSONL or Parquet)"
+        )
 
 
 def iter_documents(path: Path, json_key: str) -> Iterator[str]:
@@ -124,12 +142,16 @@ def iter_documents(path: Path, json_key: str) -> Iterator[str]:
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{lineno}: not a JSON object per line ({e.msg})") from e
             if not isinstance(obj, dict):
-                raise DataError(f"{path}:{lineno}: is a JSON {type(obj).__name__}, not an object with key {json_key!r}")
+                raise DataError(
+                    f"{path}:{lineno}: is a JSON {type(obj).__name__}, not an object with key {json_key!r}"
+                )
             if json_key not in obj:
                 raise DataError(f"{path}:{lineno}: JSON document has no key {json_key!r}")
             text = obj[json_key]
             if not isinstance(text, str):
-                raise DataError(f"{path}:{lineno}: {json_key!r} is {type(text).__name__}, not a string")
+                raise DataError(
+                    f"{path}:{lineno}: {json_key!r} is {type(text).__name__}, not a string"
+                )
             yield _without_lone_surrogates(text)
         lines.warn()
     elif path.suffix == ".parquet":
@@ -145,24 +167,34 @@ def _iter_parquet(path: Path, column: str) -> Iterator[str]:
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
-        raise DataError(f"{path}: reading Parquet needs pyarrow, which is not installed "
-                        "(pip install 'meshtrain[parquet]')") from None
+        raise DataError(
+            f"{path}: reading Parquet needs pyarrow, which is not installed "
+            "(pip install 'meshtrain[parquet]')"
+        ) from None
 
     try:
         pf = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as e:
         raise DataError(f"{path}: not a readable Parquet file ({e})") from e
     if column not in pf.schema_arrow.names:
-        raise DataError(f"{path}: Parquet file has no column {column!r} (columns: {pf.schema_arrow.names})")
+        raise DataError(
+            f"{path}: Parquet file has no column {column!r} (columns: {pf.schema_arrow.names})"
+        )
     if not pa.types.is_string(pf.schema_arrow.field(column).type) and not pa.types.is_large_string(
         pf.schema_arrow.field(column).type
     ):
-        raise DataError(f"{path}: Parquet column {column!r} is {pf.schema_arrow.field(column).type}, not string")
+        raise DataError(
+            f"{path}: Parquet column {column!r} is {pf.schema_arrow.field(column).type}, not string"
+        )
     # row groups are read a few thousand rows at a time, so memory stays bounded
     row = 0
     for batch in pf.iter_batches(batch_size=1024, columns=[column]):
         for text in batch.column(0).to_pylist():
-            if text is None:  # dropping it would lose a document silently; JSONL's null is an error too
-                raise DataError(f"{path}: row {row} (counting from 0): {column!r} is null, not a string")
+            if (
+                text is None
+            ):  # dropping it would lose a document silently; JSONL's null is an error too
+                raise DataError(
+                    f"{path}: row {row} (counting from 0): {column!r} is null, not a string"
+                )
             yield text
             row += 1

@@ -36,7 +36,9 @@ class Batch:
     loss_mask: torch.Tensor  # (micro_batch, seq) float32, 1 where the loss counts
     step: int  # global batch index (0-based)
     microbatch: int  # index within the step's micro-batches
-    document_ids: torch.Tensor | None = None  # (micro_batch, seq) int32, +1 after each EOD; None if not asked
+    document_ids: torch.Tensor | None = (
+        None  # (micro_batch, seq) int32, +1 after each EOD; None if not asked
+    )
 
 
 @dataclass(frozen=True)
@@ -82,8 +84,10 @@ def context_chunks(seq_length: int, cp_rank: int, cp_size: int) -> tuple[tuple[i
     if cp_size == 1:
         return ((0, seq_length),)
     if seq_length < 1 or seq_length % (2 * cp_size):
-        raise DataError(f"seq_length={seq_length} is not a positive multiple of 2 x cp_size={cp_size} "
-                        f"(context parallelism cuts each sequence into 2 x cp_size equal chunks)")
+        raise DataError(
+            f"seq_length={seq_length} is not a positive multiple of 2 x cp_size={cp_size} "
+            f"(context parallelism cuts each sequence into 2 x cp_size equal chunks)"
+        )
     c = seq_length // (2 * cp_size)
     late = 2 * cp_size - 1 - cp_rank
     return ((cp_rank * c, (cp_rank + 1) * c), (late * c, (late + 1) * c))
@@ -105,8 +109,9 @@ def context_positions(seq_length: int, cp_rank: int, cp_size: int) -> np.ndarray
     Raises:
         DataError: as `context_chunks`.
     """
-    return np.concatenate([np.arange(a, b, dtype=np.int64)
-                           for a, b in context_chunks(seq_length, cp_rank, cp_size)])
+    return np.concatenate(
+        [np.arange(a, b, dtype=np.int64) for a, b in context_chunks(seq_length, cp_rank, cp_size)]
+    )
 
 
 class LocalBatchSource:
@@ -152,8 +157,10 @@ class LocalBatchSource:
         if cp_size != 1 or cp_rank != 0:
             self.chunks = context_chunks(dataset.seq_length, cp_rank, cp_size)  # ((a, b), (a2, b2))
         if cp_size > 1 and self.options.document_ids:
-            raise DataError(f"document ids are not served under context parallelism (cp_size={cp_size}): "
-                            f"a rank's chunks do not show the EODs before them")
+            raise DataError(
+                f"document ids are not served under context parallelism (cp_size={cp_size}): "
+                f"a rank's chunks do not show the EODs before them"
+            )
         self.dataset = dataset
         self.cp_rank = cp_rank
         self.cp_size = cp_size
@@ -233,7 +240,7 @@ class LocalBatchSource:
         samples = self.samples(step, microbatch)  # (mbs, seq + 1)
         if self.cp_size == 1:
             return samples
-        return np.stack([samples[:, a:b + 1] for a, b in self.chunks], axis=1)  # (mbs, 2, c + 1)
+        return np.stack([samples[:, a : b + 1] for a, b in self.chunks], axis=1)  # (mbs, 2, c + 1)
 
     def get(self, step: int, microbatch: int) -> Batch:
         """This rank's micro-batch `microbatch` of global step `step`.
@@ -247,7 +254,9 @@ class LocalBatchSource:
             at `context_positions(seq_length, cp_rank, cp_size)`.
         """
         if self.cp_size == 1:
-            return batch_from_samples(self.samples(step, microbatch), step, microbatch, self.options)
+            return batch_from_samples(
+                self.samples(step, microbatch), step, microbatch, self.options
+            )
         return batch_from_segments(self.payload(step, microbatch), step, microbatch, self.options)
 
     def micro_batches(self, step: int) -> list[Batch]:
@@ -262,8 +271,9 @@ class LocalBatchSource:
         return [self.get(step, m) for m in range(self.num_micro_batches)]
 
 
-def batch_from_samples(samples: np.ndarray, step: int, microbatch: int,
-                       options: BatchOptions | None = None) -> Batch:
+def batch_from_samples(
+    samples: np.ndarray, step: int, microbatch: int, options: BatchOptions | None = None
+) -> Batch:
     """Split (mbs, seq + 1) samples into a Batch of inputs and next-token labels.
 
     Args:
@@ -282,8 +292,9 @@ def batch_from_samples(samples: np.ndarray, step: int, microbatch: int,
     return _batch(t[:, :-1].contiguous(), t[:, 1:].contiguous(), step, microbatch, options)
 
 
-def batch_from_segments(segments: np.ndarray, step: int, microbatch: int,
-                        options: BatchOptions | None = None) -> Batch:
+def batch_from_segments(
+    segments: np.ndarray, step: int, microbatch: int, options: BatchOptions | None = None
+) -> Batch:
     """A context-parallel rank's Batch from its chunks of the samples, each with its next token.
 
     Args:
@@ -324,5 +335,11 @@ def _batch(tokens, labels, step: int, microbatch: int, options: BatchOptions | N
             # a document starts after each EOD: count the EODs strictly before each position
             ends = torch.cumsum(is_eod, dim=1, dtype=torch.int32)  # (mbs, seq)
             document_ids = ends - is_eod.to(torch.int32)
-    return Batch(tokens=tokens, labels=labels, loss_mask=loss_mask, step=step, microbatch=microbatch,
-                 document_ids=document_ids)
+    return Batch(
+        tokens=tokens,
+        labels=labels,
+        loss_mask=loss_mask,
+        step=step,
+        microbatch=microbatch,
+        document_ids=document_ids,
+    )

@@ -33,7 +33,12 @@ from pathlib import Path
 from typing import Iterable
 
 from meshtrain.services.common.errors import DataError
-from meshtrain.services.dataloader.tokenizers import EOD_TOKEN, RustTokenizer, Tokenizer, read_tiktoken_ranks
+from meshtrain.services.dataloader.tokenizers import (
+    EOD_TOKEN,
+    RustTokenizer,
+    Tokenizer,
+    read_tiktoken_ranks,
+)
 
 #: Megatron's --tokenizer-type values meshtrain reads, each with the file flags it needs.
 TOKENIZER_TYPES = {
@@ -46,18 +51,25 @@ TOKENIZER_TYPES = {
     "NullTokenizer": ("vocab_size",),
 }
 # The flag each data-config key stands for, for error messages a command-line user can act on.
-FLAG_OF = {"vocab_file": "--vocab-file", "merge_file": "--merge-file", "tokenizer_model": "--tokenizer-model",
-           "vocab_size": "--vocab-size", "tiktoken_pattern": "--tiktoken-pattern",
-           "tiktoken_num_special_tokens": "--tiktoken-num-special-tokens"}
+FLAG_OF = {
+    "vocab_file": "--vocab-file",
+    "merge_file": "--merge-file",
+    "tokenizer_model": "--tokenizer-model",
+    "vocab_size": "--vocab-size",
+    "tiktoken_pattern": "--tiktoken-pattern",
+    "tiktoken_num_special_tokens": "--tiktoken-num-special-tokens",
+}
 
 # megatron-core's TikTokenTokenizer: its split patterns, the special tokens it puts first (padded
 # with <SPECIAL_i> up to num_special_tokens), and its default vocabulary. The patterns must be
 # exactly these for the ids to match.
 TIKTOKEN_PATTERNS = {
     "v1": r"[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+",
-    "v2": (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-           r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-           r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+    "v2": (
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+        r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+        r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    ),
 }
 TIKTOKEN_SPECIALS = ("<unk>", "<s>", "</s>", "<mask>", "<pad>", "<cls>", "<sep>")
 TIKTOKEN_DEFAULT_VOCAB = 2**17
@@ -66,14 +78,23 @@ TIKTOKEN_DEFAULT_SPECIALS = 1000
 
 def _check_path_for_spec(path: str, what: str) -> None:
     if "," in path:
-        raise DataError(f"{what} {path!r} holds a ',', which separates the parts of a tokenizer spec; "
-                        "rename or link the file")
+        raise DataError(
+            f"{what} {path!r} holds a ',', which separates the parts of a tokenizer spec; "
+            "rename or link the file"
+        )
 
 
-def megatron_spec(tokenizer_type: str, *, vocab_file: str | None = None, merge_file: str | None = None,
-                  tokenizer_model: str | None = None, vocab_size: int | None = None,
-                  tiktoken_pattern: str | None = None, tiktoken_num_special_tokens: int | None = None,
-                  prefix: str = "") -> str:
+def megatron_spec(
+    tokenizer_type: str,
+    *,
+    vocab_file: str | None = None,
+    merge_file: str | None = None,
+    tokenizer_model: str | None = None,
+    vocab_size: int | None = None,
+    tiktoken_pattern: str | None = None,
+    tiktoken_num_special_tokens: int | None = None,
+    prefix: str = "",
+) -> str:
     """The tokenizer spec for Megatron's tokenizer settings.
 
     Only the settings a type reads may be given: a file flag a type does not read (a merge file
@@ -94,17 +115,28 @@ def megatron_spec(tokenizer_type: str, *, vocab_file: str | None = None, merge_f
     Returns:
         A spec `build_tokenizer` accepts. Paths are made absolute.
     """
+
     def name(key: str) -> str:
         return FLAG_OF[key] if prefix == "--" else prefix + key
 
     type_key = "--tokenizer-type" if prefix == "--" else prefix + "tokenizer_type"
     if tokenizer_type not in TOKENIZER_TYPES:
-        hint = (" (BERT and T5 tokenizers are not supported: meshtrain trains GPT models)"
-                if tokenizer_type.startswith("Bert") else "")
-        raise DataError(f"{type_key}={tokenizer_type!r} is not one of {', '.join(TOKENIZER_TYPES)}{hint}")
-    given = {"vocab_file": vocab_file, "merge_file": merge_file, "tokenizer_model": tokenizer_model,
-             "vocab_size": vocab_size, "tiktoken_pattern": tiktoken_pattern,
-             "tiktoken_num_special_tokens": tiktoken_num_special_tokens}
+        hint = (
+            " (BERT and T5 tokenizers are not supported: meshtrain trains GPT models)"
+            if tokenizer_type.startswith("Bert")
+            else ""
+        )
+        raise DataError(
+            f"{type_key}={tokenizer_type!r} is not one of {', '.join(TOKENIZER_TYPES)}{hint}"
+        )
+    given = {
+        "vocab_file": vocab_file,
+        "merge_file": merge_file,
+        "tokenizer_model": tokenizer_model,
+        "vocab_size": vocab_size,
+        "tiktoken_pattern": tiktoken_pattern,
+        "tiktoken_num_special_tokens": tiktoken_num_special_tokens,
+    }
     needed = TOKENIZER_TYPES[tokenizer_type]
     optional: tuple[str, ...] = ()
     if tokenizer_type == "TikTokenizer":
@@ -114,8 +146,10 @@ def megatron_spec(tokenizer_type: str, *, vocab_file: str | None = None, merge_f
             raise DataError(f"{type_key}={tokenizer_type} needs {name(key)}")
     for key, value in given.items():
         if value is not None and value != "" and key not in needed and key not in optional:
-            raise DataError(f"{name(key)} is not read by {type_key}={tokenizer_type} "
-                            f"(it reads {', '.join(name(k) for k in needed + optional)})")
+            raise DataError(
+                f"{name(key)} is not read by {type_key}={tokenizer_type} "
+                f"(it reads {', '.join(name(k) for k in needed + optional)})"
+            )
     for key in ("vocab_file", "merge_file", "tokenizer_model"):
         path = given[key]
         if path and not os.path.exists(path):
@@ -128,12 +162,16 @@ def megatron_spec(tokenizer_type: str, *, vocab_file: str | None = None, merge_f
         return f"gpt2bpe:{vocab},{merges}"
     if tokenizer_type == "NullTokenizer":
         if vocab_size < 1:
-            raise DataError(f"{name('vocab_size')}={vocab_size} must be >= 1 for {type_key}=NullTokenizer")
+            raise DataError(
+                f"{name('vocab_size')}={vocab_size} must be >= 1 for {type_key}=NullTokenizer"
+            )
         return f"null:{vocab_size}"
     model = os.path.abspath(tokenizer_model)
     if tokenizer_type == "HuggingFaceTokenizer":
         if os.path.isdir(model) and not os.path.isfile(os.path.join(model, "tokenizer.json")):
-            raise DataError(f"{name('tokenizer_model')}={tokenizer_model!r} is a folder without a tokenizer.json")
+            raise DataError(
+                f"{name('tokenizer_model')}={tokenizer_model!r} is a folder without a tokenizer.json"
+            )
         return model
     if tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):
         # megatron-core reads all three with one SentencePiece wrapper: no BOS added, EOD = eos
@@ -142,8 +180,14 @@ def megatron_spec(tokenizer_type: str, *, vocab_file: str | None = None, merge_f
     _check_path_for_spec(model, name("tokenizer_model"))
     pattern = tiktoken_pattern or "v2"
     if pattern not in TIKTOKEN_PATTERNS:
-        raise DataError(f"{name('tiktoken_pattern')}={pattern!r} is not one of {', '.join(TIKTOKEN_PATTERNS)}")
-    specials = TIKTOKEN_DEFAULT_SPECIALS if tiktoken_num_special_tokens is None else tiktoken_num_special_tokens
+        raise DataError(
+            f"{name('tiktoken_pattern')}={pattern!r} is not one of {', '.join(TIKTOKEN_PATTERNS)}"
+        )
+    specials = (
+        TIKTOKEN_DEFAULT_SPECIALS
+        if tiktoken_num_special_tokens is None
+        else tiktoken_num_special_tokens
+    )
     spec = f"megatron-tiktoken:{model},pattern={pattern},num_special_tokens={specials}"
     if vocab_size is not None:
         spec += f",vocab_size={vocab_size}"
@@ -152,7 +196,9 @@ def megatron_spec(tokenizer_type: str, *, vocab_file: str | None = None, merge_f
     try:
         return MegatronTiktokenTokenizer.from_spec(spec).spec
     except DataError as e:
-        raise DataError(f"{type_key}=TikTokenizer, {name('tokenizer_model')}={tokenizer_model!r}: {e}") from None
+        raise DataError(
+            f"{type_key}=TikTokenizer, {name('tokenizer_model')}={tokenizer_model!r}: {e}"
+        ) from None
 
 
 class GPT2BPETokenizer(RustTokenizer):
@@ -172,11 +218,15 @@ class GPT2BPETokenizer(RustTokenizer):
         vocab = self._read_vocab(self.vocab_file)
         merges = self._read_merges(self.merge_file)
         if EOD_TOKEN not in vocab:
-            raise DataError(f"{self.vocab_file}: vocabulary has no {EOD_TOKEN} token to mark document ends")
+            raise DataError(
+                f"{self.vocab_file}: vocabulary has no {EOD_TOKEN} token to mark document ends"
+            )
         try:
             model = models.BPE(vocab, merges)
         except Exception as e:  # the Rust side raises a bare Exception naming the bad merge
-            raise DataError(f"{self.merge_file}: merges do not fit the vocabulary {self.vocab_file} ({e})") from e
+            raise DataError(
+                f"{self.merge_file}: merges do not fit the vocabulary {self.vocab_file} ({e})"
+            ) from e
         tok = HFRaw(model)
         # GPT-2's split regex, no leading space added, bytes mapped to printable symbols
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -193,7 +243,9 @@ class GPT2BPETokenizer(RustTokenizer):
             vocab = json.loads(path.read_text(encoding="utf-8"))
         except (ValueError, UnicodeDecodeError) as e:
             raise DataError(f"{path}: not a JSON vocabulary ({e})") from None
-        if not isinstance(vocab, dict) or not all(isinstance(v, int) and v >= 0 for v in vocab.values()):
+        if not isinstance(vocab, dict) or not all(
+            isinstance(v, int) and v >= 0 for v in vocab.values()
+        ):
             raise DataError(f"{path}: a vocab file is a JSON object of token -> non-negative id")
         if len(set(vocab.values())) != len(vocab):
             raise DataError(f"{path}: two tokens share an id")
@@ -209,14 +261,15 @@ class GPT2BPETokenizer(RustTokenizer):
                 continue
             parts = line.split(" ")
             if len(parts) != 2:
-                raise DataError(f"{path}:{lineno}: a merge line is two tokens separated by one space, got {line!r}")
+                raise DataError(
+                    f"{path}:{lineno}: a merge line is two tokens separated by one space, got {line!r}"
+                )
             merges.append((parts[0], parts[1]))
         return merges
 
     @property
     def spec(self) -> str:
         return f"gpt2bpe:{self.vocab_file},{self.merge_file}"
-
 
     def save_tokenizer_json(self, path: str | os.PathLike) -> None:
         """Write the same tokenizer as a Hugging Face `tokenizer.json` (for exports), with
@@ -264,10 +317,14 @@ class NullTokenizer(Tokenizer):
             try:
                 i = int(word)
             except ValueError:
-                raise DataError(f"null tokenizer: {word[:40]!r} is not an integer id (its text is "
-                                "whitespace-separated ids)") from None
+                raise DataError(
+                    f"null tokenizer: {word[:40]!r} is not an integer id (its text is "
+                    "whitespace-separated ids)"
+                ) from None
             if not 0 <= i <= self._ids:
-                raise DataError(f"null tokenizer: id {i} is outside its vocabulary of {self._ids + 1}")
+                raise DataError(
+                    f"null tokenizer: id {i} is outside its vocabulary of {self._ids + 1}"
+                )
             ids.append(i)
         return ids
 
@@ -283,20 +340,26 @@ def read_megatron_tiktoken_json(path: Path) -> dict[bytes, int]:
     except (ValueError, UnicodeDecodeError) as e:
         raise DataError(f"{path}: not a JSON vocabulary ({e})") from None
     if not isinstance(items, list) or not items:
-        raise DataError(f"{path}: a TikTokenizer vocabulary is a non-empty JSON list of "
-                        '{"rank", "token_bytes", "token_str"} objects')
+        raise DataError(
+            f"{path}: a TikTokenizer vocabulary is a non-empty JSON list of "
+            '{"rank", "token_bytes", "token_str"} objects'
+        )
     ranks: dict[bytes, int] = {}
     for i, item in enumerate(items):
         if not isinstance(item, dict) or set(item) != {"rank", "token_bytes", "token_str"}:
             raise DataError(f"{path}: entry {i} is not a {{rank, token_bytes, token_str}} object")
         if item["rank"] != i:
-            raise DataError(f"{path}: entry {i} has rank {item['rank']!r}; ranks must be 0, 1, 2, ... in order")
+            raise DataError(
+                f"{path}: entry {i} has rank {item['rank']!r}; ranks must be 0, 1, 2, ... in order"
+            )
         try:
             token = base64.b64decode(item["token_bytes"], validate=True)
         except (binascii.Error, TypeError, ValueError) as e:
             raise DataError(f"{path}: entry {i}: token_bytes is not base64 ({e})") from None
         if i < 256 and token != bytes([i]):
-            raise DataError(f"{path}: entry {i} must be the single byte 0x{i:02x} (the first 256 ranks are the bytes)")
+            raise DataError(
+                f"{path}: entry {i} must be the single byte 0x{i:02x} (the first 256 ranks are the bytes)"
+            )
         if token in ranks:
             raise DataError(f"{path}: entry {i} repeats the token of rank {ranks[token]}")
         ranks[token] = i
@@ -309,8 +372,13 @@ class MegatronTiktokenTokenizer(Tokenizer):
 
     name = "megatron-tiktoken"
 
-    def __init__(self, path: str | os.PathLike, pattern: str = "v2",
-                 num_special_tokens: int = TIKTOKEN_DEFAULT_SPECIALS, vocab_size: int | None = None):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        pattern: str = "v2",
+        num_special_tokens: int = TIKTOKEN_DEFAULT_SPECIALS,
+        vocab_size: int | None = None,
+    ):
         """Args:
         path: a `.tiktoken` ranks file or megatron-core's JSON vocabulary (`*.json`).
         pattern: the split pattern, `v1` or `v2`.
@@ -322,10 +390,14 @@ class MegatronTiktokenTokenizer(Tokenizer):
 
         self.path = Path(path)
         if pattern not in TIKTOKEN_PATTERNS:
-            raise DataError(f"tiktoken pattern {pattern!r} is not one of {', '.join(TIKTOKEN_PATTERNS)}")
+            raise DataError(
+                f"tiktoken pattern {pattern!r} is not one of {', '.join(TIKTOKEN_PATTERNS)}"
+            )
         if num_special_tokens < len(TIKTOKEN_SPECIALS):
-            raise DataError(f"num_special_tokens={num_special_tokens} is fewer than the "
-                            f"{len(TIKTOKEN_SPECIALS)} named special tokens {', '.join(TIKTOKEN_SPECIALS)}")
+            raise DataError(
+                f"num_special_tokens={num_special_tokens} is fewer than the "
+                f"{len(TIKTOKEN_SPECIALS)} named special tokens {', '.join(TIKTOKEN_SPECIALS)}"
+            )
         if not self.path.is_file():
             raise DataError(f"{self.path}: TikTokenizer vocabulary file is missing")
         if self.path.suffix == ".json":
@@ -337,50 +409,70 @@ class MegatronTiktokenTokenizer(Tokenizer):
             vocab_size = min(TIKTOKEN_DEFAULT_VOCAB, num_special_tokens + top)
         inner = vocab_size - num_special_tokens
         if inner < 256:
-            raise DataError(f"vocab_size={vocab_size} leaves {inner} ids after {num_special_tokens} special "
-                            "tokens; the 256 single bytes need at least 256")
+            raise DataError(
+                f"vocab_size={vocab_size} leaves {inner} ids after {num_special_tokens} special "
+                "tokens; the 256 single bytes need at least 256"
+            )
         if inner > top:
-            raise DataError(f"vocab_size={vocab_size} needs {inner} ranks after {num_special_tokens} special "
-                            f"tokens, but {self.path} has ranks only up to {top - 1}")
+            raise DataError(
+                f"vocab_size={vocab_size} needs {inner} ranks after {num_special_tokens} special "
+                f"tokens, but {self.path} has ranks only up to {top - 1}"
+            )
         kept = {t: r + num_special_tokens for t, r in ranks.items() if r < inner}
         missing = [i for i in range(256) if bytes([i]) not in kept]
         if missing:
-            raise DataError(f"{self.path}: the first {inner} ranks lack {len(missing)} of the 256 single bytes "
-                            f"(e.g. 0x{missing[0]:02x}); text holding them could not be encoded")
-        specials = list(TIKTOKEN_SPECIALS) + [f"<SPECIAL_{i}>" for i in range(len(TIKTOKEN_SPECIALS),
-                                                                              num_special_tokens)]
+            raise DataError(
+                f"{self.path}: the first {inner} ranks lack {len(missing)} of the 256 single bytes "
+                f"(e.g. 0x{missing[0]:02x}); text holding them could not be encoded"
+            )
+        specials = list(TIKTOKEN_SPECIALS) + [
+            f"<SPECIAL_{i}>" for i in range(len(TIKTOKEN_SPECIALS), num_special_tokens)
+        ]
         self.pattern, self.num_special_tokens, self._vocab = pattern, num_special_tokens, vocab_size
         try:
-            self._enc = tiktoken.Encoding(name=self.path.stem, pat_str=TIKTOKEN_PATTERNS[pattern],
-                                          mergeable_ranks=kept,
-                                          special_tokens={t: i for i, t in enumerate(specials)})
+            self._enc = tiktoken.Encoding(
+                name=self.path.stem,
+                pat_str=TIKTOKEN_PATTERNS[pattern],
+                mergeable_ranks=kept,
+                special_tokens={t: i for i, t in enumerate(specials)},
+            )
         except ValueError as e:
             raise DataError(f"{self.path}: not a usable TikTokenizer vocabulary ({e})") from e
 
     @classmethod
     def from_spec(cls, spec: str) -> "MegatronTiktokenTokenizer":
         """The tokenizer of a `megatron-tiktoken:PATH,key=value,...` spec."""
-        body = spec[len("megatron-tiktoken:"):]
+        body = spec[len("megatron-tiktoken:") :]
         path, *options = body.split(",")
         kwargs: dict[str, object] = {}
         for option in options:
             key, sep, value = option.partition("=")
-            if not sep or key not in ("pattern", "num_special_tokens", "vocab_size") or key in kwargs:
-                raise DataError(f"tokenizer spec {spec!r}: {option!r} is not one of pattern=, "
-                                "num_special_tokens=, vocab_size= (each once)")
+            if (
+                not sep
+                or key not in ("pattern", "num_special_tokens", "vocab_size")
+                or key in kwargs
+            ):
+                raise DataError(
+                    f"tokenizer spec {spec!r}: {option!r} is not one of pattern=, "
+                    "num_special_tokens=, vocab_size= (each once)"
+                )
             if key == "pattern":
                 kwargs[key] = value
             else:
                 try:
                     kwargs[key] = int(value)
                 except ValueError:
-                    raise DataError(f"tokenizer spec {spec!r}: {key}={value!r} is not an integer") from None
+                    raise DataError(
+                        f"tokenizer spec {spec!r}: {key}={value!r} is not an integer"
+                    ) from None
         return cls(path, **kwargs)
 
     @property
     def spec(self) -> str:
-        return (f"megatron-tiktoken:{self.path},pattern={self.pattern},"
-                f"num_special_tokens={self.num_special_tokens},vocab_size={self._vocab}")
+        return (
+            f"megatron-tiktoken:{self.path},pattern={self.pattern},"
+            f"num_special_tokens={self.num_special_tokens},vocab_size={self._vocab}"
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -403,15 +495,17 @@ class MegatronTiktokenTokenizer(Tokenizer):
 def build_megatron_tokenizer(spec: str) -> Tokenizer | None:
     """The tokenizer of a `gpt2bpe:`, `null:` or `megatron-tiktoken:` spec; None for other specs."""
     if spec.startswith("gpt2bpe:"):
-        paths = spec[len("gpt2bpe:"):].split(",")
+        paths = spec[len("gpt2bpe:") :].split(",")
         if len(paths) != 2 or not all(paths):
             raise DataError(f"tokenizer spec {spec!r}: expected gpt2bpe:VOCAB_JSON,MERGES_TXT")
         return GPT2BPETokenizer(*paths)
     if spec.startswith("null:"):
         try:
-            size = int(spec[len("null:"):])
+            size = int(spec[len("null:") :])
         except ValueError:
-            raise DataError(f"tokenizer spec {spec!r}: expected null:VOCAB_SIZE (an integer)") from None
+            raise DataError(
+                f"tokenizer spec {spec!r}: expected null:VOCAB_SIZE (an integer)"
+            ) from None
         return NullTokenizer(size)
     if spec.startswith("megatron-tiktoken:"):
         return MegatronTiktokenTokenizer.from_spec(spec)
@@ -421,11 +515,11 @@ def build_megatron_tokenizer(spec: str) -> Tokenizer | None:
 def absolute_megatron_spec(spec: str) -> str | None:
     """`spec` with its files made absolute, for the specs `build_megatron_tokenizer` reads; None for others."""
     if spec.startswith("gpt2bpe:"):
-        paths = spec[len("gpt2bpe:"):].split(",")
+        paths = spec[len("gpt2bpe:") :].split(",")
         return "gpt2bpe:" + ",".join(os.path.abspath(p) for p in paths)
     if spec.startswith("null:"):
         return spec
     if spec.startswith("megatron-tiktoken:"):
-        path, sep, options = spec[len("megatron-tiktoken:"):].partition(",")
+        path, sep, options = spec[len("megatron-tiktoken:") :].partition(",")
         return f"megatron-tiktoken:{os.path.abspath(path)}{sep}{options}"
     return None

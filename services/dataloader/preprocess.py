@@ -45,7 +45,15 @@ from meshtrain.services.dataloader.tokenizers import (
     train_bpe,
 )
 
-_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
+_SKIP_DIRS = {
+    "site-packages",
+    "dist-packages",
+    "test",
+    "tests",
+    "idlelib",
+    "lib2to3",
+    "__pycache__",
+}
 # Documents per encode_batch call, and the text bytes at which a batch is flushed early:
 # large enough to keep the Rust tokenizer's threads busy, small enough to bound memory.
 _BATCH_DOCS = 256
@@ -113,7 +121,9 @@ _worker_tokenizer: Tokenizer | None = None
 def _init_worker(spec: str, parent: int) -> None:
     global _worker_tokenizer
     _worker_tokenizer = build_tokenizer(spec)
-    threading.Thread(target=_exit_with_parent, args=(parent,), name="parent-watch", daemon=True).start()
+    threading.Thread(
+        target=_exit_with_parent, args=(parent,), name="parent-watch", daemon=True
+    ).start()
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -162,13 +172,18 @@ def preprocess_files(
         raise DataError(f"no input files to preprocess into {output_prefix}")
     prefix = str(output_prefix)
     check_output_prefix(prefix)
-    outputs = {p.resolve(): p for p in (Path(local_path(prefix) + ".bin"), Path(local_path(prefix) + ".idx"))}
+    outputs = {
+        p.resolve(): p
+        for p in (Path(local_path(prefix) + ".bin"), Path(local_path(prefix) + ".idx"))
+    }
     for path in inputs:
         # `--input 'corpus/*' --output-prefix corpus/all` run twice read the first run's
         # all.bin and all.idx as two text documents of binary noise
         if Path(path).resolve() in outputs:
-            raise DataError(f"input {str(path)!r} is a file of the output dataset {prefix!r} (from an earlier "
-                            "run?); leave it out of --input, or write the dataset elsewhere")
+            raise DataError(
+                f"input {str(path)!r} is a file of the output dataset {prefix!r} (from an earlier "
+                "run?); leave it out of --input, or write the dataset elsewhere"
+            )
     from tqdm import tqdm
 
     bar = tqdm(unit=" docs", disable=not progress, desc=Path(prefix).name)
@@ -188,8 +203,12 @@ def preprocess_files(
         else:
             # spawn, not fork: the Rust tokenizers' thread pools do not survive a fork
             ctx = multiprocessing.get_context("spawn")
-            with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
-                                     initargs=(tokenizer.spec, os.getpid())) as pool:
+            with ProcessPoolExecutor(
+                workers,
+                mp_context=ctx,
+                initializer=_init_worker,
+                initargs=(tokenizer.spec, os.getpid()),
+            ) as pool:
                 pending: list[Future] = []
                 for batch in _iter_batches(inputs, json_key):
                     pending.append(pool.submit(_encode_in_worker, batch))
@@ -198,9 +217,13 @@ def preprocess_files(
                 for fut in pending:
                     write(fut.result())
         if writer.num_documents == 0:  # raised inside: the writer removes what it wrote
-            names = ", ".join(map(str, inputs[:3])) + (f" and {len(inputs) - 3} more" if len(inputs) > 3 else "")
-            raise DataError(f"no documents in {names}: every input is empty"
-                            f"{'' if append_eod else ' or holds only empty documents'}; nothing written to {prefix}")
+            names = ", ".join(map(str, inputs[:3])) + (
+                f" and {len(inputs) - 3} more" if len(inputs) > 3 else ""
+            )
+            raise DataError(
+                f"no documents in {names}: every input is empty"
+                f"{'' if append_eod else ' or holds only empty documents'}; nothing written to {prefix}"
+            )
     bar.close()
     return prefix
 
@@ -233,7 +256,9 @@ def _load_cached(folder: Path) -> DefaultDataset:
     spec = meta["tokenizer_spec"]
     if spec != "byte":
         spec = str(folder / spec)  # stored relative, so the folder can move
-    return DefaultDataset(str(folder / _DATA_NAME), spec, int(meta["vocab_size"]), int(meta["eod_id"]))
+    return DefaultDataset(
+        str(folder / _DATA_NAME), spec, int(meta["vocab_size"]), int(meta["eod_id"])
+    )
 
 
 def prepare_default_dataset(
@@ -275,8 +300,13 @@ def prepare_default_dataset(
         else:
             tok, spec = ByteTokenizer(), "byte"
         preprocess_files(files, tmp / _DATA_NAME, tok)
-        meta = {"tokenizer_spec": spec, "vocab_size": tok.vocab_size, "eod_id": tok.eod_id,
-                "num_files": len(files), "key": key}
+        meta = {
+            "tokenizer_spec": spec,
+            "vocab_size": tok.vocab_size,
+            "eod_id": tok.eod_id,
+            "num_files": len(files),
+            "key": key,
+        }
         (tmp / _META_NAME).write_text(json.dumps(meta, indent=1))
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be shared
         try:

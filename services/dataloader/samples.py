@@ -62,7 +62,9 @@ def split_ranges(num_documents: int, split: str = "969,30,1") -> list[tuple[int,
     # round each edge half to even (`round`). Summing the raw weights first (90+5 = 95, /100)
     # rounds some sizes differently (0.9 + 0.05 is 0.9500000000000001, not 0.95).
     total = 0.0
-    for w in weights:  # in order, as numpy.sum adds three numbers (Python's sum compensates since 3.12)
+    for (
+        w
+    ) in weights:  # in order, as numpy.sum adds three numbers (Python's sum compensates since 3.12)
         total += w
     fractions = [w / total for w in weights]
     cum = [0.0]
@@ -72,7 +74,9 @@ def split_ranges(num_documents: int, split: str = "969,30,1") -> list[tuple[int,
     edges = [int(round(c * float(num_documents))) for c in cum[:-1]] + [num_documents]
     ranges = [(edges[i], edges[i + 1]) for i in range(3)]
     if ranges[0][1] <= ranges[0][0]:
-        raise DataError(f"split {split!r} over {num_documents} documents leaves the train split empty")
+        raise DataError(
+            f"split {split!r} over {num_documents} documents leaves the train split empty"
+        )
     return ranges
 
 
@@ -108,8 +112,14 @@ def check_sample_order(sample_order: str, what: str = "sample_order") -> None:
         raise DataError(f"{what}={shown!r} is not one of {SAMPLE_ORDERS}")
 
 
-def gpt_index_desc(indexed, documents: np.ndarray, seq_length: int, num_samples: int, seed: int,
-                   sample_order: str = "meshtrain") -> dict:
+def gpt_index_desc(
+    indexed,
+    documents: np.ndarray,
+    seq_length: int,
+    num_samples: int,
+    seed: int,
+    sample_order: str = "meshtrain",
+) -> dict:
     """What a GPTDataset's indices depend on: their cache entry's description (`index_cache`)."""
     desc = {
         "kind": "gpt",
@@ -191,16 +201,22 @@ class GPTDataset:
             raise DataError(f"{where}: the split has no documents")
         units = len(indexed) if megatron else indexed.num_documents
         if documents.min() < 0 or documents.max() >= units:
-            raise DataError(f"{where}: {'sequence' if megatron else 'document'} ids outside [0, {units})")
+            raise DataError(
+                f"{where}: {'sequence' if megatron else 'document'} ids outside [0, {units})"
+            )
         if megatron and units > np.iinfo(np.int32).max:
-            raise DataError(f"{where}: sample_order 'megatron' indexes sequences as int32, as Megatron "
-                            f"does; this dataset has {units}")
+            raise DataError(
+                f"{where}: sample_order 'megatron' indexes sequences as int32, as Megatron "
+                f"does; this dataset has {units}"
+            )
 
         # Token offset and length of every document in the flat `.bin` stream. Sequences are
         # contiguous (IndexedDataset validates pointers), so prefix sums of lengths locate them.
         seq_cum = np.zeros(len(indexed) + 1, dtype=np.int64)
         np.cumsum(indexed.sequence_lengths, out=seq_cum[1:])
-        di = np.arange(len(indexed) + 1) if megatron else indexed.document_indices  # Megatron's unit: a sequence
+        di = (
+            np.arange(len(indexed) + 1) if megatron else indexed.document_indices
+        )  # Megatron's unit: a sequence
         self._doc_start = seq_cum[di[:-1]]  # (all units,)
         self._doc_len = seq_cum[di[1:]] - self._doc_start  # (all units,)
 
@@ -216,7 +232,9 @@ class GPTDataset:
         self.tokens_per_epoch = tokens_per_epoch
         self.num_epochs = epochs_needed(tokens_per_epoch, self.seq_length, self.num_samples)
 
-        desc = gpt_index_desc(indexed, documents, self.seq_length, self.num_samples, self.seed, sample_order)
+        desc = gpt_index_desc(
+            indexed, documents, self.seq_length, self.num_samples, self.seed, sample_order
+        )
         self.index_key = cache_key(desc)  # its entry in an index cache
         build = self._build_megatron_indices if megatron else self._build_indices
         self.separate_final_epoch = megatron and self._megatron_separates_final_epoch()
@@ -255,7 +273,9 @@ class GPTDataset:
             return False
         tokens, seq = self.tokens_per_epoch, self.seq_length
         from_last = self.num_samples - megatron_total_samples(tokens, seq, self.num_epochs - 1)
-        return from_last < int(_MEGATRON_SEPARATE_EPOCH_SHARE * megatron_total_samples(tokens, seq, 1))
+        return from_last < int(
+            _MEGATRON_SEPARATE_EPOCH_SHARE * megatron_total_samples(tokens, seq, 1)
+        )
 
     def _build_megatron_indices(self, documents: np.ndarray) -> dict[str, np.ndarray]:
         """megatron-core GPTDataset's three indices, bit for bit, vectorized: its document index

@@ -68,7 +68,9 @@ def parse_data_path(data_path: list[str]) -> tuple[list[str], list[float]]:
         prefixes, weights = items, [1.0] * len(items)
     else:
         if len(items) % 2:
-            raise DataError(f"data_path {items} mixes weights and prefixes: give WEIGHT PREFIX pairs")
+            raise DataError(
+                f"data_path {items} mixes weights and prefixes: give WEIGHT PREFIX pairs"
+            )
         weights, prefixes = [], []
         for w, p in zip(items[::2], items[1::2]):
             if number(w) is None or number(p) is not None:
@@ -86,7 +88,9 @@ def _refuse_repeated_prefixes(prefixes: list[str] | tuple[str, ...], source: str
         key = p.rstrip("/") if is_remote(p) else os.path.realpath(local_path(p))
         if key in seen:
             # listing one dataset twice silently doubles its share; say so instead
-            raise DataError(f"{source} lists dataset {p!r} twice (also as {seen[key]!r}); merge the weights")
+            raise DataError(
+                f"{source} lists dataset {p!r} twice (also as {seen[key]!r}); merge the weights"
+            )
         seen[key] = p
 
 
@@ -119,7 +123,9 @@ class DatasetSpec:
     def validate(self) -> None:
         """Check the fields that need no file opened; raises DataError naming the field."""
         if len(self.prefixes) != len(self.weights) or not self.prefixes:
-            raise DataError(f"spec has {len(self.prefixes)} prefixes and {len(self.weights)} weights")
+            raise DataError(
+                f"spec has {len(self.prefixes)} prefixes and {len(self.weights)} weights"
+            )
         _refuse_repeated_prefixes(self.prefixes, "spec")
         normalize_weights(self.weights, list(self.prefixes))
         if self.seq_length < 1:
@@ -142,7 +148,9 @@ def index_cache_dir(prefix: str) -> str:
     between datasets is safe, and writing next to the data would cost requests on every open.
     """
     if is_remote(prefix):
-        return os.environ.get("MESHTRAIN_INDEX_CACHE") or os.path.expanduser("~/.cache/meshtrain/index")
+        return os.environ.get("MESHTRAIN_INDEX_CACHE") or os.path.expanduser(
+            "~/.cache/meshtrain/index"
+        )
     return str(Path(local_path(prefix)).parent / INDEX_CACHE_DIR)
 
 
@@ -177,9 +185,13 @@ def _gib(nbytes: int) -> str:
     return f"{nbytes / 2**30:.3g} GiB"
 
 
-def open_dataset(spec: DatasetSpec, cache: bool = True, max_index_bytes: int | None = None,
-                 budget: MemoryBudget | None = None,
-                 index_cache: IndexCache | None = None) -> GPTDataset | BlendedDataset:
+def open_dataset(
+    spec: DatasetSpec,
+    cache: bool = True,
+    max_index_bytes: int | None = None,
+    budget: MemoryBudget | None = None,
+    index_cache: IndexCache | None = None,
+) -> GPTDataset | BlendedDataset:
     """Open the datasets a spec names and build (or load cached) sample indices.
 
     Args:
@@ -219,8 +231,9 @@ def open_dataset(spec: DatasetSpec, cache: bool = True, max_index_bytes: int | N
     opened: list[tuple[IndexedDataset, int, int] | None] = []
     # Indices already in the cache are memory-mapped, not built: they take no build memory.
     need_bytes = 0
-    if len(spec.prefixes) > 1 and not is_cached(cache_for(spec.prefixes[0]),
-                                                blend_index_desc(normalize_weights(weights), spec.num_samples)):
+    if len(spec.prefixes) > 1 and not is_cached(
+        cache_for(spec.prefixes[0]), blend_index_desc(normalize_weights(weights), spec.num_samples)
+    ):
         need_bytes = 10 * spec.num_samples  # the blend's index: int16 + int64 a sample
     sizes = []
     for prefix, need in zip(spec.prefixes, needs):
@@ -234,27 +247,40 @@ def open_dataset(spec: DatasetSpec, cache: bool = True, max_index_bytes: int | N
             # The default 969,30,1 gives a small dataset's valid/test splits no whole document:
             # name a split that does, rather than leave the user to work out the arithmetic.
             fix = {"valid": "90,10,0", "test": "90,5,5"}.get(spec.split_name, "100,0,0")
-            raise DataError(f"{prefix}: split {spec.split!r} leaves the {spec.split_name} split of its "
-                            f"{units} {'sequences' if megatron else 'documents'} empty; pass e.g. --split {fix}")
+            raise DataError(
+                f"{prefix}: split {spec.split!r} leaves the {spec.split_name} split of its "
+                f"{units} {'sequences' if megatron else 'documents'} empty; pass e.g. --split {fix}"
+            )
         opened.append((indexed, begin, end))
         di = np.arange(units + 1) if megatron else indexed.document_indices
-        tokens = int(indexed.sequence_lengths[di[begin]:di[end]].sum(dtype=np.int64))
-        desc = gpt_index_desc(indexed, np.arange(begin, end, dtype=np.int64), spec.seq_length, need, spec.seed,
-                              spec.sample_order)
+        tokens = int(indexed.sequence_lengths[di[begin] : di[end]].sum(dtype=np.int64))
+        desc = gpt_index_desc(
+            indexed,
+            np.arange(begin, end, dtype=np.int64),
+            spec.seq_length,
+            need,
+            spec.seed,
+            spec.sample_order,
+        )
         if tokens > spec.seq_length and not is_cached(cache_for(prefix), desc):
             # (a split too short for one sample: GPTDataset says so)
             epochs = epochs_needed(tokens, spec.seq_length, need)
             # Megatron's sample index covers every whole sample of the epochs, not only `need`
-            indexed_samples = megatron_total_samples(tokens, spec.seq_length, epochs) + 1 if megatron else need
+            indexed_samples = (
+                megatron_total_samples(tokens, spec.seq_length, epochs) + 1 if megatron else need
+            )
             need_bytes += index_build_bytes(epochs, end - begin, indexed_samples)
-            sizes.append(f"{prefix}: {need} samples = {epochs} epochs of {end - begin} documents "
-                         f"({tokens} tokens)")
+            sizes.append(
+                f"{prefix}: {need} samples = {epochs} epochs of {end - begin} documents "
+                f"({tokens} tokens)"
+            )
     if max_index_bytes is not None and need_bytes > max_index_bytes:
         raise DataError(
             f"num_samples={spec.num_samples} at seq_length={spec.seq_length} needs a sample index of "
             f"{_gib(need_bytes)} ({need_bytes} bytes) to build, over this data worker's limit of "
             f"{_gib(max_index_bytes)} ({max_index_bytes} bytes; `data serve --max-index-gib`): "
-            + "; ".join(sizes) + ". Ask for fewer samples (or a longer seq_length)"
+            + "; ".join(sizes)
+            + ". Ask for fewer samples (or a longer seq_length)"
         )
     with budget.hold(need_bytes) if budget is not None else nullcontext():
         parts: list[GPTDataset | None] = []
@@ -263,10 +289,24 @@ def open_dataset(spec: DatasetSpec, cache: bool = True, max_index_bytes: int | N
                 parts.append(None)
                 continue
             indexed, begin, end = part
-            parts.append(GPTDataset(indexed, np.arange(begin, end, dtype=np.int64), spec.seq_length,
-                                    need, spec.seed, name=spec.split_name,
-                                    cache_dir=cache_for(prefix), sample_order=spec.sample_order))
+            parts.append(
+                GPTDataset(
+                    indexed,
+                    np.arange(begin, end, dtype=np.int64),
+                    spec.seq_length,
+                    need,
+                    spec.seed,
+                    name=spec.split_name,
+                    cache_dir=cache_for(prefix),
+                    sample_order=spec.sample_order,
+                )
+            )
         if len(parts) == 1:
             return parts[0]
-        return BlendedDataset(parts, weights, spec.num_samples, name=spec.split_name,
-                              cache_dir=cache_for(spec.prefixes[0]))
+        return BlendedDataset(
+            parts,
+            weights,
+            spec.num_samples,
+            name=spec.split_name,
+            cache_dir=cache_for(spec.prefixes[0]),
+        )

@@ -25,12 +25,12 @@ def _paths(spec: str) -> list[str]:
     if spec == "byte" or spec.startswith("null:"):
         return []
     if spec.startswith("gpt2bpe:"):
-        return spec[len("gpt2bpe:"):].split(",")
+        return spec[len("gpt2bpe:") :].split(",")
     if spec.startswith("megatron-tiktoken:"):
-        return [spec[len("megatron-tiktoken:"):].split(",")[0]]
+        return [spec[len("megatron-tiktoken:") :].split(",")[0]]
     for prefix in ("tiktoken:", "sentencepiece:"):
         if spec.startswith(prefix):
-            return [spec[len(prefix):]]
+            return [spec[len(prefix) :]]
     return [spec]
 
 
@@ -69,14 +69,16 @@ def rebase_spec(spec: str, names: list[str] | dict[str, Path], folder: str | os.
     paths = _paths(spec)
     names = list(names)
     if len(paths) != len(names):
-        raise DataError(f"tokenizer spec {spec!r} names {len(paths)} files, but {len(names)} were carried ({names})")
+        raise DataError(
+            f"tokenizer spec {spec!r} names {len(paths)} files, but {len(names)} were carried ({names})"
+        )
     if not paths:
         return spec
     moved = [str(Path(folder) / name) for name in names]
     if spec.startswith("gpt2bpe:"):
         return "gpt2bpe:" + ",".join(moved)
     if spec.startswith("megatron-tiktoken:"):
-        rest = spec[len("megatron-tiktoken:"):].split(",", 1)
+        rest = spec[len("megatron-tiktoken:") :].split(",", 1)
         return "megatron-tiktoken:" + ",".join([moved[0], *rest[1:]])
     for prefix in ("tiktoken:", "sentencepiece:"):
         if spec.startswith(prefix):

@@ -164,8 +164,10 @@ class HFTokenizer(RustTokenizer):
             eos = _eos_token(self.path.parent / "tokenizer_config.json")
             eod = None if eos is None else self._tok.token_to_id(eos)
         if eod is None:
-            raise DataError(f"{self.path}: tokenizer has no {EOD_TOKEN} token, nor an eos_token (in a "
-                            "tokenizer_config.json beside it) that it holds, to mark document ends")
+            raise DataError(
+                f"{self.path}: tokenizer has no {EOD_TOKEN} token, nor an eos_token (in a "
+                "tokenizer_config.json beside it) that it holds, to mark document ends"
+            )
         self._eod = int(eod)
         # A document that merely mentions "<|endoftext|>" (code, docs) must not get a document
         # boundary in its middle: special tokens in the text are encoded as text, as the byte
@@ -176,7 +178,6 @@ class HFTokenizer(RustTokenizer):
     @property
     def spec(self) -> str:
         return str(self.path)
-
 
 
 def _eos_token(config_path: Path) -> str | None:
@@ -235,7 +236,9 @@ def read_tiktoken_ranks(path: str | os.PathLike) -> dict[bytes, int]:
         if not 0 <= rank < 2**32 - 1:
             raise DataError(f"{p}:{lineno}: rank {rank} is outside [0, 2^32 - 1)")
         if rank in line_of_rank:
-            raise DataError(f"{p}:{lineno}: rank {rank} is already given on line {line_of_rank[rank]}")
+            raise DataError(
+                f"{p}:{lineno}: rank {rank} is already given on line {line_of_rank[rank]}"
+            )
         if token in ranks:
             raise DataError(f"{p}:{lineno}: token {token!r} is already given (rank {ranks[token]})")
         ranks[token] = rank
@@ -246,8 +249,10 @@ def read_tiktoken_ranks(path: str | os.PathLike) -> dict[bytes, int]:
     missing = [i for i in range(256) if bytes([i]) not in ranks]
     if missing:
         shown = ", ".join(f"0x{i:02x}" for i in missing[:8]) + (", ..." if len(missing) > 8 else "")
-        raise DataError(f"{p}: tiktoken BPE file has no token for {len(missing)} of the 256 single bytes "
-                        f"({shown}); text holding them could not be encoded")
+        raise DataError(
+            f"{p}: tiktoken BPE file has no token for {len(missing)} of the 256 single bytes "
+            f"({shown}); text holding them could not be encoded"
+        )
     return ranks
 
 
@@ -267,7 +272,9 @@ class TiktokenTokenizer(Tokenizer):
         self._eod = max(ranks.values()) + 1
         try:
             self._enc = tiktoken.Encoding(
-                name=self.path.stem, pat_str=TIKTOKEN_PATTERN, mergeable_ranks=ranks,
+                name=self.path.stem,
+                pat_str=TIKTOKEN_PATTERN,
+                mergeable_ranks=ranks,
                 special_tokens={EOD_TOKEN: self._eod},
             )
         except ValueError as e:
@@ -367,8 +374,12 @@ def _iter_text_chunks(files: list[str | os.PathLike], json_key: str = "text") ->
             yield "".join(buf)
 
 
-def train_bpe(files: list[str | os.PathLike], vocab_size: int, output_path: str | os.PathLike,
-              json_key: str = "text") -> HFTokenizer:
+def train_bpe(
+    files: list[str | os.PathLike],
+    vocab_size: int,
+    output_path: str | os.PathLike,
+    json_key: str = "text",
+) -> HFTokenizer:
     """Train a byte-level BPE (GPT-2 style) on text files and save it as `tokenizer.json`.
 
     Args:
@@ -426,7 +437,7 @@ def absolute_spec(spec: str | os.PathLike) -> str:
         return megatron
     for kind in ("tiktoken:", "sentencepiece:"):
         if s.startswith(kind):
-            return kind + os.path.abspath(s[len(kind):])
+            return kind + os.path.abspath(s[len(kind) :])
     return os.path.abspath(s)
 
 
@@ -449,9 +460,9 @@ def build_tokenizer(spec: str | os.PathLike) -> Tokenizer:
     if megatron is not None:
         return megatron
     if s.startswith("tiktoken:"):
-        return TiktokenTokenizer(s[len("tiktoken:"):])
+        return TiktokenTokenizer(s[len("tiktoken:") :])
     if s.startswith("sentencepiece:"):
-        return SentencePieceTokenizer(s[len("sentencepiece:"):])
+        return SentencePieceTokenizer(s[len("sentencepiece:") :])
     path = Path(s)
     if path.is_file():
         if path.suffix == ".tiktoken":
@@ -464,11 +475,14 @@ def build_tokenizer(spec: str | os.PathLike) -> Tokenizer:
     # A spec that is not a keyword is a path; a mistyped one is far likelier than an unknown
     # format, so say the path is missing rather than list the formats.
     if not path.exists():
-        raise DataError(f"tokenizer file {s!r} does not exist: check the path, or pass "
-                        f"--tokenizer byte for the built-in byte tokenizer")
+        raise DataError(
+            f"tokenizer file {s!r} does not exist: check the path, or pass "
+            f"--tokenizer byte for the built-in byte tokenizer"
+        )
     if path.is_dir():
-        raise DataError(f"tokenizer folder {s!r} holds no tokenizer.json: name the tokenizer "
-                        f"file itself")
+        raise DataError(
+            f"tokenizer folder {s!r} holds no tokenizer.json: name the tokenizer file itself"
+        )
     raise DataError(
         f"tokenizer spec {s!r} is not understood: expected 'byte', a tokenizer.json (or its "
         f"folder), a .tiktoken file or tiktoken:PATH, a SentencePiece .model or sentencepiece:PATH, "

@@ -32,23 +32,37 @@ class _OverridesParser(argparse.ArgumentParser):
 def cmd_up(args: argparse.Namespace) -> int:
     from meshtrain.services.launcher.up import UpOptions, run_up
 
-    options = UpOptions(data_workers=args.data_workers, nproc_per_node=args.nproc_per_node,
-                        checkpoint_service=not args.no_checkpoint_service, metrics=args.metrics,
-                        trainer_grace_s=args.grace, s3=args.s3, resume=not args.no_resume)
+    options = UpOptions(
+        data_workers=args.data_workers,
+        nproc_per_node=args.nproc_per_node,
+        checkpoint_service=not args.no_checkpoint_service,
+        metrics=args.metrics,
+        trainer_grace_s=args.grace,
+        s3=args.s3,
+        resume=not args.no_resume,
+    )
     return run_up(options, args.overrides)
 
 
 def format_status(s: dict) -> str:
     """The human-readable form of a `ControlClient.status()` dict."""
+
     def num(value, fmt):
         return "-" if value is None else format(value, fmt)
+
     eta = "-" if s["eta_s"] is None else f"{s['eta_s'] / 60:.1f} min"
-    lines = [f"step            : {s['step']} / {s['train_iters']}",
-             f"loss            : {num(s['loss'], '.4f')}",
-             f"tokens/s        : {num(s['tokens_per_s'], ',.0f')}",
-             f"eta             : {eta}",
-             f"last checkpoint : {s['last_checkpoint'] or '-'}"]
-    pending = [name for name, on in (("stop", s["stop_requested"]), ("checkpoint", s["checkpoint_requested"])) if on]
+    lines = [
+        f"step            : {s['step']} / {s['train_iters']}",
+        f"loss            : {num(s['loss'], '.4f')}",
+        f"tokens/s        : {num(s['tokens_per_s'], ',.0f')}",
+        f"eta             : {eta}",
+        f"last checkpoint : {s['last_checkpoint'] or '-'}",
+    ]
+    pending = [
+        name
+        for name, on in (("stop", s["stop_requested"]), ("checkpoint", s["checkpoint_requested"]))
+        if on
+    ]
     if pending:
         lines.append(f"pending         : {', '.join(pending)} (after the current step)")
     return "\n".join(lines)
@@ -83,37 +97,62 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
     with ControlClient(args.target, security=_security(args)) as client:
         step = client.stop()
-    print(f"stop requested at step {step}: the trainer checkpoints after the current step and exits")
+    print(
+        f"stop requested at step {step}: the trainer checkpoints after the current step and exits"
+    )
     return 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add `up`, `status`, `save` and `stop` to the `meshtrain` command line."""
     up = sub.add_parser(
-        "up", help="run data workers, the checkpoint service and the trainer as local processes",
+        "up",
+        help="run data workers, the checkpoint service and the trainer as local processes",
         description="Start the training topology locally: N data workers, the checkpoint service "
-                    "and K trainer ranks, health-checked in that order, logs prefixed by process. "
-                    "Other arguments (--config FILE, --section.key=value, Megatron flags) go to "
-                    "the trainer. Ctrl-C/SIGTERM: the trainer checkpoints, then all stop; the same "
-                    "command with the same --log.run_dir resumes.")
+        "and K trainer ranks, health-checked in that order, logs prefixed by process. "
+        "Other arguments (--config FILE, --section.key=value, Megatron flags) go to "
+        "the trainer. Ctrl-C/SIGTERM: the trainer checkpoints, then all stop; the same "
+        "command with the same --log.run_dir resumes.",
+    )
     up.__class__ = _OverridesParser  # argparse builds subparsers itself; only the class changes
-    up.add_argument("--data-workers", type=int, default=1, help="DataService workers (0: data in-process)")
+    up.add_argument(
+        "--data-workers", type=int, default=1, help="DataService workers (0: data in-process)"
+    )
     up.add_argument("--nproc-per-node", type=int, default=1, help="trainer ranks")
-    up.add_argument("--no-checkpoint-service", action="store_true",
-                    help="ranks write checkpoints directly instead of through the service")
-    up.add_argument("--s3", action="store_true",
-                    help="start a local S3-compatible store (SeaweedFS, data in RUN_DIR/s3) first and "
-                         "checkpoint into s3://meshtrain/checkpoints")
-    up.add_argument("--no-resume", action="store_true",
-                    help="start from scratch even if the save root holds a committed checkpoint")
-    up.add_argument("--metrics", action="store_true", help="Prometheus metrics on every service (ports logged)")
-    up.add_argument("--grace", type=float, default=120.0,
-                    help="seconds the trainer gets to checkpoint after SIGTERM before SIGKILL")
+    up.add_argument(
+        "--no-checkpoint-service",
+        action="store_true",
+        help="ranks write checkpoints directly instead of through the service",
+    )
+    up.add_argument(
+        "--s3",
+        action="store_true",
+        help="start a local S3-compatible store (SeaweedFS, data in RUN_DIR/s3) first and "
+        "checkpoint into s3://meshtrain/checkpoints",
+    )
+    up.add_argument(
+        "--no-resume",
+        action="store_true",
+        help="start from scratch even if the save root holds a committed checkpoint",
+    )
+    up.add_argument(
+        "--metrics", action="store_true", help="Prometheus metrics on every service (ports logged)"
+    )
+    up.add_argument(
+        "--grace",
+        type=float,
+        default=120.0,
+        help="seconds the trainer gets to checkpoint after SIGTERM before SIGKILL",
+    )
     up.set_defaults(func=cmd_up, overrides=[])
-    for name, func, doc in (("status", cmd_status, "show a training run's progress"),
-                            ("save", cmd_save, "ask a training run to checkpoint after the current step"),
-                            ("stop", cmd_stop, "ask a training run to checkpoint and exit")):
-        p = sub.add_parser(name, help=doc, description=f"{doc[0].upper()}{doc[1:]} through its control endpoint.")
+    for name, func, doc in (
+        ("status", cmd_status, "show a training run's progress"),
+        ("save", cmd_save, "ask a training run to checkpoint after the current step"),
+        ("stop", cmd_stop, "ask a training run to checkpoint and exit"),
+    ):
+        p = sub.add_parser(
+            name, help=doc, description=f"{doc[0].upper()}{doc[1:]} through its control endpoint."
+        )
         p.add_argument("target", help="the run directory (its control.addr) or HOST:PORT")
         if name == "status":
             p.add_argument("--json", action="store_true", help="one JSON object")

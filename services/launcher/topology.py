@@ -139,8 +139,14 @@ class Topology:
             SIGTERM before SIGKILL (at most; less if their own grace is shorter).
     """
 
-    def __init__(self, out: TextIO | None = None, max_restarts: int = 5, label: str = "up",
-                 failure_grace_s: float = 15.0, restart_window_s: float = 600.0):
+    def __init__(
+        self,
+        out: TextIO | None = None,
+        max_restarts: int = 5,
+        label: str = "up",
+        failure_grace_s: float = 15.0,
+        restart_window_s: float = 600.0,
+    ):
         self.out = out or sys.stdout
         self.max_restarts = max_restarts
         self.restart_window_s = restart_window_s
@@ -177,19 +183,32 @@ class Topology:
             The child, running.
         """
         env = {**os.environ, **child.env, "PYTHONUNBUFFERED": "1"}
-        piped = {} if child.inherit_output else {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}
+        piped = (
+            {} if child.inherit_output else {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}
+        )
         # Own session: a terminal's Ctrl-C reaches only us, and we stop children in order.
-        child.process = subprocess.Popen(_dies_with_us(child.argv), env=env, stdin=subprocess.DEVNULL,
-                                         start_new_session=True, **piped)
+        child.process = subprocess.Popen(
+            _dies_with_us(child.argv),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            **piped,
+        )
         if not child.inherit_output:
-            pump = threading.Thread(target=self._pump, args=(child.name, child.process.stdout),
-                                    name=f"log-{child.name}", daemon=True)
+            pump = threading.Thread(
+                target=self._pump,
+                args=(child.name, child.process.stdout),
+                name=f"log-{child.name}",
+                daemon=True,
+            )
             pump.start()
             self._pumps.append(pump)
         if child not in self.children:
             self.children.append(child)
-        self.say(f"started {child.name} (pid {child.process.pid})"
-                 + (f" on 127.0.0.1:{child.port}" if child.port else ""))
+        self.say(
+            f"started {child.name} (pid {child.process.pid})"
+            + (f" on 127.0.0.1:{child.port}" if child.port else "")
+        )
         if wait is not None:
             wait(child)
         return child
@@ -199,8 +218,12 @@ class Topology:
             self._write(name, raw.decode("utf-8", "replace").rstrip("\n"))
         stream.close()
 
-    def supervise(self, stop: threading.Event, restart_wait: Callable[[Child], None] | None = None,
-                  poll_s: float = 0.2) -> int:
+    def supervise(
+        self,
+        stop: threading.Event,
+        restart_wait: Callable[[Child], None] | None = None,
+        poll_s: float = 0.2,
+    ) -> int:
         """Watch the children until the trainer finishes, `stop` is set, or one dies on its own.
 
         Args:
@@ -224,10 +247,15 @@ class Topology:
                     continue
                 self.failed = child
                 recent = len(child.restarted_at) if child.restart else 0
-                again = (f" after {recent} restart{'s' * (recent != 1)} in the last {self.restart_window_s:.0f} s"
-                         if recent else "")
-                self.say(f"error: {child.name} exited unexpectedly with status {_describe(code)}{again}; "
-                         "stopping the topology")
+                again = (
+                    f" after {recent} restart{'s' * (recent != 1)} in the last {self.restart_window_s:.0f} s"
+                    if recent
+                    else ""
+                )
+                self.say(
+                    f"error: {child.name} exited unexpectedly with status {_describe(code)}{again}; "
+                    "stopping the topology"
+                )
                 return 1
             if trainers and all(c.process.poll() == 0 for c in trainers):
                 self.say("trainer finished")
@@ -241,8 +269,10 @@ class Topology:
             return False
         child.restarted_at.append(now)
         child.restarts += 1
-        self.say(f"{child.name} exited with status {_describe(code)}; restarting it "
-                 f"({len(child.restarted_at)}/{self.max_restarts}); its clients retry or fail over meanwhile")
+        self.say(
+            f"{child.name} exited with status {_describe(code)}; restarting it "
+            f"({len(child.restarted_at)}/{self.max_restarts}); its clients retry or fail over meanwhile"
+        )
         try:
             self.start(child, wait)
         except ChildFailed as e:
@@ -282,7 +312,11 @@ class Topology:
         now = time.monotonic()
         deadline, why = {}, {}
         for c in group:
-            grace = trainer_grace_s if (c.role == "trainer" and trainer_grace_s is not None) else c.grace_s
+            grace = (
+                trainer_grace_s
+                if (c.role == "trainer" and trainer_grace_s is not None)
+                else c.grace_s
+            )
             deadline[c.name], why[c.name] = now + grace, f"still running after {grace:.0f} s"
         cut = False
         while running := [c for c in group if c.process.poll() is None]:
@@ -295,14 +329,20 @@ class Topology:
                 cut_short = [c for c in running if c.role == "trainer" and deadline[c.name] > limit]
                 for c in cut_short:
                     deadline[c.name] = limit
-                    why[c.name] = f"still running {self.failure_grace_s:.0f} s after {failed.name} failed"
+                    why[c.name] = (
+                        f"still running {self.failure_grace_s:.0f} s after {failed.name} failed"
+                    )
                 if cut_short:
-                    self.say(f"{failed.name} exited with status {_describe(failed.process.returncode)}; giving "
-                             f"{', '.join(c.name for c in cut_short)} {self.failure_grace_s:.0f} s to exit "
-                             "before SIGKILL")
+                    self.say(
+                        f"{failed.name} exited with status {_describe(failed.process.returncode)}; giving "
+                        f"{', '.join(c.name for c in cut_short)} {self.failure_grace_s:.0f} s to exit "
+                        "before SIGKILL"
+                    )
             for c in running:
                 if self.urgent.is_set() or now >= deadline[c.name]:
-                    self.say(f"{c.name} {'stopping now' if self.urgent.is_set() else why[c.name]}: SIGKILL")
+                    self.say(
+                        f"{c.name} {'stopping now' if self.urgent.is_set() else why[c.name]}: SIGKILL"
+                    )
                     _signal(c.process, signal.SIGKILL)
                     c.process.wait()
             self.urgent.wait(0.2)
@@ -338,7 +378,10 @@ def stop_on_signals(topo: Topology, stop: threading.Event, first: str) -> Iterat
         stop: the event the run watches.
         first: what the first signal does, for its line ("stopping (trainer first, ...)").
     """
-    def on_signal(sig: signal.Signals) -> None:  # on the relay thread: it may wait for the output lock
+
+    def on_signal(
+        sig: signal.Signals,
+    ) -> None:  # on the relay thread: it may wait for the output lock
         if stop.is_set():
             topo.urgent.set()
             topo.say(f"received {sig.name} again: stopping now (SIGKILL, no checkpoint)")
@@ -346,12 +389,20 @@ def stop_on_signals(topo: Topology, stop: threading.Event, first: str) -> Iterat
             stop.set()
             topo.say(f"received {sig.name}: {first}")
 
-    with relayed_signals((signal.SIGINT, signal.SIGTERM, signal.SIGHUP), on_signal, name="launcher-signals"):
+    with relayed_signals(
+        (signal.SIGINT, signal.SIGTERM, signal.SIGHUP), on_signal, name="launcher-signals"
+    ):
         yield
 
 
-def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str, child: Child,
-               poll_s: float = 0.2, stop: threading.Event | None = None) -> None:
+def wait_until(
+    predicate: Callable[[], bool],
+    timeout_s: float,
+    what: str,
+    child: Child,
+    poll_s: float = 0.2,
+    stop: threading.Event | None = None,
+) -> None:
     """Poll `predicate` until true; fail if `child` exits first or `timeout_s` passes.
 
     Raises:
@@ -370,5 +421,7 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str, child
         time.sleep(poll_s)
     code = child.process.poll()
     if code is not None:  # something else answered in its place (e.g. its port was taken)
-        raise ChildFailed(f"{child.name} exited with status {_describe(code)}, yet something is {what}: "
-                          "another process holds its port")
+        raise ChildFailed(
+            f"{child.name} exited with status {_describe(code)}, yet something is {what}: "
+            "another process holds its port"
+        )

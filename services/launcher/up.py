@@ -84,8 +84,10 @@ class UpOptions:
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1 or self.data_workers < 0:
-            raise ConfigError(f"up needs --nproc-per-node >= 1 (got {self.nproc_per_node}) and "
-                              f"--data-workers >= 0 (got {self.data_workers})")
+            raise ConfigError(
+                f"up needs --nproc-per-node >= 1 (got {self.nproc_per_node}) and "
+                f"--data-workers >= 0 (got {self.data_workers})"
+            )
 
 
 @dataclass
@@ -141,7 +143,9 @@ def plan(options: UpOptions, overrides: list[str]) -> Plan:
     from meshtrain.services.trainer.config import LAUNCHER_KEYS_ENV, load_config
     from meshtrain.services.trainer.run_dir import UP_PID_ENV
 
-    _refuse_owned_flags(overrides, data_workers=options.data_workers > 0, service=options.checkpoint_service)
+    _refuse_owned_flags(
+        overrides, data_workers=options.data_workers > 0, service=options.checkpoint_service
+    )
     # A bad key fails here, before any process starts; checked with the control endpoint up
     # gives the trainer, which train.metrics_port needs.
     job = load_config([*overrides, "--train.control_port=0"])
@@ -149,26 +153,44 @@ def plan(options: UpOptions, overrides: list[str]) -> Plan:
     store = store_child = None
     if options.s3:
         if job.checkpoint.save and not job.checkpoint.save.startswith(f"s3://{options.s3_bucket}/"):
-            raise ConfigError(f"--s3 keeps checkpoints in its own store under s3://{options.s3_bucket}/; "
-                              f"checkpoint.save={job.checkpoint.save!r} is elsewhere (leave it unset, "
-                              "or drop --s3 to use an existing store)")
+            raise ConfigError(
+                f"--s3 keeps checkpoints in its own store under s3://{options.s3_bucket}/; "
+                f"checkpoint.save={job.checkpoint.save!r} is elsewhere (leave it unset, "
+                "or drop --s3 to use an existing store)"
+            )
         folder = run_dir / "s3"
         store = ObjectStore(require_weed(), folder, AccessKeys.load_or_create(folder))
         # weed takes ~25 s to exit on SIGTERM; what it acknowledged is on disk, so 3 s will do.
         store_child = Child("s3", store.argv(), port=store.port, role="store", grace_s=3.0)
-    save = job.checkpoint.save or (f"s3://{options.s3_bucket}/checkpoints" if store else str(run_dir / "checkpoints"))
+    save = job.checkpoint.save or (
+        f"s3://{options.s3_bucket}/checkpoints" if store else str(run_dir / "checkpoints")
+    )
     metrics = ["--metrics-port", "0"] if options.metrics else []
-    token_file = Path(os.path.abspath(run_dir / TOKEN_FILE))  # absolute: config.toml outlives this cwd
+    token_file = Path(
+        os.path.abspath(run_dir / TOKEN_FILE)
+    )  # absolute: config.toml outlives this cwd
     auth = ["--token-file", str(token_file)]
     services: list[Child] = []
     for i in range(options.data_workers):
         port = free_port()
         # Stateless and interchangeable: if one dies the trainer fails over to its peers and
         # the launcher brings it back on the same port.
-        services.append(Child(f"data-{i}", PYTHON + ["data", "serve", "--port", str(port), *metrics, *auth],
-                              port=port, restart=True, grace_s=5.0))
-    trainer_args = [*overrides, f"--log.run_dir={run_dir}", f"--checkpoint.save={save}",
-                    "--train.control_port=0", f"--auth.token_file={token_file}"]
+        services.append(
+            Child(
+                f"data-{i}",
+                PYTHON + ["data", "serve", "--port", str(port), *metrics, *auth],
+                port=port,
+                restart=True,
+                grace_s=5.0,
+            )
+        )
+    trainer_args = [
+        *overrides,
+        f"--log.run_dir={run_dir}",
+        f"--checkpoint.save={save}",
+        "--train.control_port=0",
+        f"--auth.token_file={token_file}",
+    ]
     if services:  # the data workers only, so far
         trainer_args += ["--data-service-addresses", *[f"127.0.0.1:{c.port}" for c in services]]
     if options.checkpoint_service:
@@ -176,11 +198,22 @@ def plan(options: UpOptions, overrides: list[str]) -> Plan:
         # Its state is in storage (the committed checkpoints stay): brought back on its port, it
         # takes a save in flight when it died up again, as the ranks retry it for
         # checkpoint.save_retry_timeout_s (resending their boxes), and the run's next save finds it.
-        services.append(Child("ckpt", PYTHON + ["ckpt", "serve", save, "--port", str(port), *metrics, *auth],
-                              port=port, restart=True, grace_s=15.0))
+        services.append(
+            Child(
+                "ckpt",
+                PYTHON + ["ckpt", "serve", save, "--port", str(port), *metrics, *auth],
+                port=port,
+                restart=True,
+                grace_s=15.0,
+            )
+        )
         trainer_args.append(f"--checkpoint.service_address=127.0.0.1:{port}")
-    trainers = local_ranks(options.nproc_per_node, PYTHON + ["train", *trainer_args], "trainer",
-                           options.trainer_grace_s)
+    trainers = local_ranks(
+        options.nproc_per_node,
+        PYTHON + ["train", *trainer_args],
+        "trainer",
+        options.trainer_grace_s,
+    )
     # Addresses of our own services, which end with us: kept out of RUN/config.toml.
     launcher_keys = ["data.service_addresses"] * (options.data_workers > 0)
     launcher_keys += ["checkpoint.service_address"] * options.checkpoint_service
@@ -190,9 +223,17 @@ def plan(options: UpOptions, overrides: list[str]) -> Plan:
     if not options.resume:  # from scratch into a root that may hold an earlier run's steps
         for child in trainers:
             child.argv.append("--checkpoint.overwrite=true")
-    return Plan(services, trainers, run_dir, save, store, store_child,
-                loads=job.checkpoint.load is not None, load_step=job.checkpoint.load_step is not None,
-                token_file=token_file)
+    return Plan(
+        services,
+        trainers,
+        run_dir,
+        save,
+        store,
+        store_child,
+        loads=job.checkpoint.load is not None,
+        load_step=job.checkpoint.load_step is not None,
+        token_file=token_file,
+    )
 
 
 def _new_default_run_dir() -> Path:
@@ -207,8 +248,12 @@ def _new_default_run_dir() -> Path:
         except FileExistsError:
             continue
         except OSError as e:
-            raise ConfigError(f"meshtrain up: cannot create the run directory {path}: {e.strerror}") from None
-    raise ConfigError(f"meshtrain up: no free run directory name runs/{stamp}-up-N; set --log.run_dir")
+            raise ConfigError(
+                f"meshtrain up: cannot create the run directory {path}: {e.strerror}"
+            ) from None
+    raise ConfigError(
+        f"meshtrain up: no free run directory name runs/{stamp}-up-N; set --log.run_dir"
+    )
 
 
 def claim_run_dir(run_dir: Path):
@@ -229,16 +274,22 @@ def claim_run_dir(run_dir: Path):
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ConfigError(f"meshtrain up: cannot use the run directory {run_dir}: {e.strerror}") from None
+        raise ConfigError(
+            f"meshtrain up: cannot use the run directory {run_dir}: {e.strerror}"
+        ) from None
     lock = lock_file(run_dir / UP_LOCK)
     if isinstance(lock, str):
-        raise ConfigError(f"meshtrain up: {run_dir} is in use by another meshtrain up (pid {lock}); stop it "
-                          f"first (`meshtrain stop {run_dir}`) or give this run another --log.run_dir")
+        raise ConfigError(
+            f"meshtrain up: {run_dir} is in use by another meshtrain up (pid {lock}); stop it "
+            f"first (`meshtrain stop {run_dir}`) or give this run another --log.run_dir"
+        )
     trainer = probe_lock(run_dir / TRAIN_LOCK)
     if trainer is not None:
         lock.close()
-        raise ConfigError(f"meshtrain up: {run_dir} is in use by a trainer (pid {trainer}); stop it first "
-                          f"(`meshtrain stop {run_dir}`) or give this run another --log.run_dir")
+        raise ConfigError(
+            f"meshtrain up: {run_dir} is in use by a trainer (pid {trainer}); stop it first "
+            f"(`meshtrain stop {run_dir}`) or give this run another --log.run_dir"
+        )
     lock.seek(0)
     lock.truncate()
     lock.write(f"{os.getpid()}\n")
@@ -250,13 +301,18 @@ def _refuse_owned_flags(overrides: list[str], data_workers: bool, service: bool)
     """`up` sets where the trainer finds its services and serves its endpoint; the same flags
     (or keys of the `--config` file) from the user would be overridden without a word, so they
     are refused instead."""
-    owned = {"--train.control_port": "up serves the control endpoint on a free port (see RUN_DIR/control.addr)"}
+    owned = {
+        "--train.control_port": "up serves the control endpoint on a free port (see RUN_DIR/control.addr)"
+    }
     if data_workers:
-        owned["--data-service-addresses"] = "up points the trainer at its own data workers (--data-workers 0: none)"
+        owned["--data-service-addresses"] = (
+            "up points the trainer at its own data workers (--data-workers 0: none)"
+        )
         owned["--data.service_addresses"] = owned["--data-service-addresses"]
     if service:
-        owned["--checkpoint.service_address"] = ("up points the trainer at its own checkpoint service "
-                                                 "(--no-checkpoint-service: none)")
+        owned["--checkpoint.service_address"] = (
+            "up points the trainer at its own checkpoint service (--no-checkpoint-service: none)"
+        )
     for arg in overrides:
         flag = arg.split("=", 1)[0]
         if flag.startswith("--") and "." in flag:  # the loader reads --section.some-key as some_key
@@ -279,12 +335,17 @@ def _refuse_owned_keys(config_file: str, owned: dict[str, str]) -> None:
     table = load_toml(config_file)
     log = table.get("log")
     run_dir = log.get("run_dir") if isinstance(log, dict) else None
-    if isinstance(run_dir, str) and Path(config_file).resolve() == (Path(run_dir) / "config.toml").resolve():
+    if (
+        isinstance(run_dir, str)
+        and Path(config_file).resolve() == (Path(run_dir) / "config.toml").resolve()
+    ):
         return
     for flag, why in owned.items():
         section, _, key = flag[2:].partition(".")
         if key and isinstance(table.get(section), dict) and key in table[section]:
-            raise ConfigError(f"meshtrain up: {section}.{key} in {config_file} is set by up itself: {why}")
+            raise ConfigError(
+                f"meshtrain up: {section}.{key} in {config_file} is set by up itself: {why}"
+            )
 
 
 def _start_services(topo: Topology, p: Plan, options: UpOptions, stop: threading.Event) -> None:
@@ -293,8 +354,10 @@ def _start_services(topo: Topology, p: Plan, options: UpOptions, stop: threading
     if p.store is not None:
         topo.start(p.store_child, wait_http(options.start_timeout_s, stop))
         p.store.make_bucket(options.s3_bucket, options.start_timeout_s)
-        topo.say(f"object store {p.store.endpoint} serving bucket {options.s3_bucket} "
-                 f"(data and keys in {p.store.folder})")
+        topo.say(
+            f"object store {p.store.endpoint} serving bucket {options.s3_bucket} "
+            f"(data and keys in {p.store.folder})"
+        )
     serving = wait_serving(options.start_timeout_s, stop)
     for child in p.services:
         if stop.is_set():
@@ -316,8 +379,9 @@ def _resume_from(p: Plan, options: UpOptions) -> int | None:
     return latest_step(p.save)
 
 
-def run_up(options: UpOptions, overrides: list[str], out=None,
-           stop: threading.Event | None = None) -> int:
+def run_up(
+    options: UpOptions, overrides: list[str], out=None, stop: threading.Event | None = None
+) -> int:
     """Run the topology until the trainer finishes, SIGINT/SIGTERM, or a child fails.
 
     Args:
@@ -334,14 +398,18 @@ def run_up(options: UpOptions, overrides: list[str], out=None,
         try:
             write_token_file(p.token_file)
         except OSError as e:
-            raise ConfigError(f"meshtrain up: cannot write the run's token file {p.token_file}: {e.strerror}") from None
+            raise ConfigError(
+                f"meshtrain up: cannot write the run's token file {p.token_file}: {e.strerror}"
+            ) from None
         return _run_up(p, options, out, stop)
 
 
 def _run_up(p: Plan, options: UpOptions, out, stop: threading.Event | None) -> int:
     topo = Topology(out)
     stop = stop or threading.Event()
-    with stop_on_signals(topo, stop, "stopping (trainer first, it checkpoints; again to stop at once)"):
+    with stop_on_signals(
+        topo, stop, "stopping (trainer first, it checkpoints; again to stop at once)"
+    ):
         code, statuses = _run(topo, p, options, stop)
     failed = {n: c for n, c in statuses.items() if n.startswith("trainer") and c not in (0, None)}
     early = stopped_before_training(topo, stop, failed)
@@ -355,7 +423,9 @@ def _run_up(p: Plan, options: UpOptions, out, stop: threading.Event | None) -> i
     return code
 
 
-def _run(topo: Topology, p: Plan, options: UpOptions, stop: threading.Event) -> tuple[int, dict[str, int | None]]:
+def _run(
+    topo: Topology, p: Plan, options: UpOptions, stop: threading.Event
+) -> tuple[int, dict[str, int | None]]:
     """Start the plan's processes, supervise them, stop them: (exit status so far, each child's status)."""
     code = 1
     # The store's endpoint and keys, for this process (listing the save root) and every child.
@@ -373,7 +443,9 @@ def _run(topo: Topology, p: Plan, options: UpOptions, stop: threading.Event) -> 
                     child.argv.append(f"--checkpoint.load={p.save}")
             for child in p.trainers:
                 topo.start(child)
-            topo.say(f"trainer started: `meshtrain status {p.run_dir}` / `meshtrain stop {p.run_dir}`")
+            topo.say(
+                f"trainer started: `meshtrain status {p.run_dir}` / `meshtrain stop {p.run_dir}`"
+            )
             code = topo.supervise(stop, restart_wait=wait_serving(options.start_timeout_s, stop))
         else:
             code = 0

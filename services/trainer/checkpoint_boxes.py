@@ -96,8 +96,15 @@ def is_expert(param: torch.Tensor) -> bool:
     return getattr(param, "expert_shard", None) is not None
 
 
-def pieces(name: str, local_shape: tuple[int, ...], param: torch.Tensor, mesh: Mesh, vocab_size: int,
-           place: Place, reading: bool = False) -> list[Piece]:
+def pieces(
+    name: str,
+    local_shape: tuple[int, ...],
+    param: torch.Tensor,
+    mesh: Mesh,
+    vocab_size: int,
+    place: Place,
+    reading: bool = False,
+) -> list[Piece]:
     """The boxes of global arrays that this rank's `local_shape` tensor named `name` covers.
 
     Args:
@@ -114,7 +121,9 @@ def pieces(name: str, local_shape: tuple[int, ...], param: torch.Tensor, mesh: M
     split = tp_split_of(param) if mesh.tp > 1 else None
     pname = name.split(".", 2)[2] if name.startswith("optim.") else name
     full = [slice(None)] * len(local_shape)
-    boxes: list[tuple[list[int], list[int], list[slice], list[int] | None]] = []  # offsets, shape, local, grid
+    boxes: list[
+        tuple[list[int], list[int], list[slice], list[int] | None]
+    ] = []  # offsets, shape, local, grid
     gshape = list(local_shape)
     if split is None:
         if mesh.tp_rank != 0 and not reading:
@@ -143,7 +152,14 @@ def pieces(name: str, local_shape: tuple[int, ...], param: torch.Tensor, mesh: M
                 shape = [stop - start, *local_shape[1:]]
                 # a short last box says the grid; a vocabulary within one rank's rows is one box
                 grid = list(local_shape) if stop - start < n <= vocab_size else None
-                boxes.append(([start] + [0] * (len(local_shape) - 1), shape, [slice(0, stop - start)] + full[1:], grid))
+                boxes.append(
+                    (
+                        [start] + [0] * (len(local_shape) - 1),
+                        shape,
+                        [slice(0, stop - start)] + full[1:],
+                        grid,
+                    )
+                )
         else:
             offsets = [0] * len(local_shape)
             offsets[d] = r * n
@@ -152,8 +168,10 @@ def pieces(name: str, local_shape: tuple[int, ...], param: torch.Tensor, mesh: M
     if shard is not None:  # (local experts, ...) are rows first.. of the global expert axis
         first, total = shard
         if not 0 <= first <= first + local_shape[0] <= total:
-            raise CheckpointError(f"parameter {pname!r}: expert_shard {shard} does not fit its "
-                                  f"{local_shape[0]} local experts")
+            raise CheckpointError(
+                f"parameter {pname!r}: expert_shard {shard} does not fit its "
+                f"{local_shape[0]} local experts"
+            )
         gshape[0] = total
         for offsets, *_ in boxes:
             offsets[0] += first
@@ -165,7 +183,18 @@ def pieces(name: str, local_shape: tuple[int, ...], param: torch.Tensor, mesh: M
             grid = [1, *grid] if grid is not None else None
         else:
             gs = gshape
-        out.append(Piece(ShardSpec(place.array, tuple(gs), dtype, tuple(offsets), tuple(shape),
-                                   tuple(grid) if grid else None, stacked=place.layer_count is not None),
-                         tuple(local)))
+        out.append(
+            Piece(
+                ShardSpec(
+                    place.array,
+                    tuple(gs),
+                    dtype,
+                    tuple(offsets),
+                    tuple(shape),
+                    tuple(grid) if grid else None,
+                    stacked=place.layer_count is not None,
+                ),
+                tuple(local),
+            )
+        )
     return out

@@ -45,7 +45,13 @@ from meshtrain.services.checkpoint.tokenizer_store import METADATA_KEY, tokenize
 from meshtrain.services.common.config import to_dict
 from meshtrain.services.common.errors import CheckpointError, DiskFullError
 from meshtrain.services.common.security import ClientSecurity
-from meshtrain.services.trainer.checkpoint_boxes import is_expert, layer_stacks, pieces, save_place, stored_places
+from meshtrain.services.trainer.checkpoint_boxes import (
+    is_expert,
+    layer_stacks,
+    pieces,
+    save_place,
+    stored_places,
+)
 from meshtrain.services.trainer.config import JobConfig
 from meshtrain.services.trainer.model.gpt import GPT
 from meshtrain.services.trainer.parallel.data import DataParallel
@@ -71,13 +77,17 @@ class Parallel:
     ddp: DataParallel | None = None
 
 
-def _moments(model: GPT, optimizer: torch.optim.Optimizer | None, par: Parallel) -> dict[str, dict[str, torch.Tensor]]:
+def _moments(
+    model: GPT, optimizer: torch.optim.Optimizer | None, par: Parallel
+) -> dict[str, dict[str, torch.Tensor]]:
     if par.ddp is not None and par.ddp.dist_opt:
         return par.ddp.full_optimizer_state()  # collective over dp
     if optimizer is None:
         return {}
     names = {p: n for n, p in model.named_parameters()}
-    return {names[p]: {k: st[k] for k in ("exp_avg", "exp_avg_sq")} for p, st in optimizer.state.items()}
+    return {
+        names[p]: {k: st[k] for k in ("exp_avg", "exp_avg_sq")} for p, st in optimizer.state.items()
+    }
 
 
 def _optimizer_step(optimizer: torch.optim.Optimizer | None, par: Parallel) -> int:
@@ -110,28 +120,52 @@ class Checkpointer:
         security: token and TLS for the checkpoint service (`auth`; None: $MESHTRAIN_TOKEN if set).
     """
 
-    def __init__(self, root: str, par: Parallel, asynchronous: bool = True, service_address: str | None = None,
-                 overwrite: bool = False, resumed_step: int | None = None, attempts: int = 3,
-                 backoff: float = 0.2, retry_timeout: float = 0.0, security: ClientSecurity | None = None,
-                 direct: bool = False):
+    def __init__(
+        self,
+        root: str,
+        par: Parallel,
+        asynchronous: bool = True,
+        service_address: str | None = None,
+        overwrite: bool = False,
+        resumed_step: int | None = None,
+        attempts: int = 3,
+        backoff: float = 0.2,
+        retry_timeout: float = 0.0,
+        security: ClientSecurity | None = None,
+        direct: bool = False,
+    ):
         self.root, self.par, self.asynchronous, self.overwrite = root, par, asynchronous, overwrite
         mesh = par.mesh
         if service_address:
-            from meshtrain.services.checkpoint.rpc.client import CheckpointClient  # grpc only when asked for
+            from meshtrain.services.checkpoint.rpc.client import (
+                CheckpointClient,
+            )  # grpc only when asked for
 
-            self.sink = CheckpointClient(service_address, security=security, direct_root=root if direct else None)
+            self.sink = CheckpointClient(
+                service_address, security=security, direct_root=root if direct else None
+            )
         else:
             self.sink = StorageSink(root)
         self.service = bool(service_address)
-        self.saver = AsyncSaver(self.sink, writer_id=mesh.rank, num_writers=mesh.world_size, attempts=attempts,
-                                backoff=backoff, retry_timeout=retry_timeout)
+        self.saver = AsyncSaver(
+            self.sink,
+            writer_id=mesh.rank,
+            num_writers=mesh.world_size,
+            attempts=attempts,
+            backoff=backoff,
+            retry_timeout=retry_timeout,
+        )
         self.resumed_step = resumed_step
         self._committed_url: tuple[int, str] | None = None  # (step, URL) of `committed_url`
         self._saving: int | None = None  # the step of the save in flight
         # (step, error) of the newest save that failed with the disk full, until a save commits
         self.disk_full: tuple[int, DiskFullError] | None = None
-        self._leftovers: list[int] = []  # rank 0: folders of such saves, removed once every rank has settled
-        self._tokenizer: tuple | None = None  # rank 0: (spec, boxes, record) of the carried tokenizer files
+        self._leftovers: list[
+            int
+        ] = []  # rank 0: folders of such saves, removed once every rank has settled
+        self._tokenizer: tuple | None = (
+            None  # rank 0: (spec, boxes, record) of the carried tokenizer files
+        )
 
     @property
     def own_latest_step(self) -> int | None:
@@ -158,8 +192,9 @@ class Checkpointer:
         """URL of checkpoint `step` under this run's save root."""
         return open_root(self.root).step_url(step)
 
-    def _tensor_boxes(self, model: GPT, moments: dict[str, dict[str, torch.Tensor]]
-                      ) -> list[tuple[ShardSpec, torch.Tensor]]:
+    def _tensor_boxes(
+        self, model: GPT, moments: dict[str, dict[str, torch.Tensor]]
+    ) -> list[tuple[ShardSpec, torch.Tensor]]:
         """(box, tensor) of every parameter and moment this rank writes."""
         mesh, v = self.par.mesh, model.vocab_size
         params = dict(model.named_parameters())
@@ -170,16 +205,27 @@ class Checkpointer:
         # writes its own. (The last pipeline stage's copy of a tied embedding is the first
         # stage's, written there.)
         first_replica = mesh.dp_rank == 0 and mesh.cp_rank == 0
-        own = {n: p for n, p in params.items() if not getattr(p, "pipeline_copy", False)
-               and (mesh.edp_rank == 0 if is_expert(p) else first_replica)}
+        own = {
+            n: p
+            for n, p in params.items()
+            if not getattr(p, "pipeline_copy", False)
+            and (mesh.edp_rank == 0 if is_expert(p) else first_replica)
+        }
         tensors = [(n, p.detach(), p) for n, p in own.items()]
-        tensors += [(f"optim.{k}.{n}", t, own[n]) for n, m in moments.items() if n in own for k, t in m.items()]
+        tensors += [
+            (f"optim.{k}.{n}", t, own[n])
+            for n, m in moments.items()
+            if n in own
+            for k, t in m.items()
+        ]
         for name, local, param in tensors:
             for piece in pieces(name, tuple(local.shape), param, mesh, v, save_place(name, stacks)):
                 boxes.append((piece.spec, local[piece.local].reshape(piece.spec.shape)))
         return boxes
 
-    def _tokenizer_files(self, spec: str | None) -> tuple[list[tuple[ShardSpec, torch.Tensor]], dict | None]:
+    def _tokenizer_files(
+        self, spec: str | None
+    ) -> tuple[list[tuple[ShardSpec, torch.Tensor]], dict | None]:
         """The boxes carrying the run's tokenizer files and their metadata record, read at the
         first save and kept (the files the run started with, whatever happens to them later).
         A tokenizer that cannot be read costs its copy, never the checkpoint: a warning, and
@@ -199,29 +245,58 @@ class Checkpointer:
         are fp32 like their parameters and may not exist yet (AdamW creates them at its first
         step): their boxes are laid out from the parameters."""
         trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
-        stand_in = {n: {"exp_avg": p, "exp_avg_sq": p} for n, p in trained.items()} if optimizer is not None else {}
+        stand_in = (
+            {n: {"exp_avg": p, "exp_avg_sq": p} for n, p in trained.items()}
+            if optimizer is not None
+            else {}
+        )
         self.saver.prepare([spec for spec, _ in self._tensor_boxes(model, stand_in)])
 
-    def save(self, model: GPT, optimizer: torch.optim.Optimizer | None, state: TrainState, job: JobConfig,
-             extra: dict[str, Any]) -> str:
+    def save(
+        self,
+        model: GPT,
+        optimizer: torch.optim.Optimizer | None,
+        state: TrainState,
+        job: JobConfig,
+        extra: dict[str, Any],
+    ) -> str:
         """Start saving checkpoint `state.iteration` (collective); returns its URL on every rank."""
         mesh = self.par.mesh
         boxes = self._tensor_boxes(model, _moments(model, optimizer, self.par))
         if mesh.rank == 0:
             rng = torch.get_rng_state()
-            boxes.append((ShardSpec("rng.torch_cpu", tuple(rng.shape), "uint8", (0,), tuple(rng.shape)), rng))
+            boxes.append(
+                (ShardSpec("rng.torch_cpu", tuple(rng.shape), "uint8", (0,), tuple(rng.shape)), rng)
+            )
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 # This rank's own device: every rank seeds and advances its device's generator
                 # alike, so one state restores them all (other visible devices are never used).
                 cuda = torch.cuda.get_rng_state().unsqueeze(0)
-                boxes.append((ShardSpec("rng.torch_cuda", tuple(cuda.shape), "uint8", (0, 0), tuple(cuda.shape)), cuda))
+                boxes.append(
+                    (
+                        ShardSpec(
+                            "rng.torch_cuda", tuple(cuda.shape), "uint8", (0, 0), tuple(cuda.shape)
+                        ),
+                        cuda,
+                    )
+                )
         if mesh.pp > 1 and mesh.tp_rank == 0 and mesh.dp_rank == 0 and mesh.cp_rank == 0:
             # Pipeline stages draw dropout from their generators in different amounts: each
             # stage's own states, one row per stage, so a resume at the same pp is exact.
             r = mesh.pp_rank
             for array, gen in _rng_states().items():
-                boxes.append((ShardSpec(f"{array}_by_stage", (mesh.pp, *gen.shape), "uint8", (r, *[0] * gen.dim()),
-                                        (1, *gen.shape)), gen.unsqueeze(0)))
+                boxes.append(
+                    (
+                        ShardSpec(
+                            f"{array}_by_stage",
+                            (mesh.pp, *gen.shape),
+                            "uint8",
+                            (r, *[0] * gen.dim()),
+                            (1, *gen.shape),
+                        ),
+                        gen.unsqueeze(0),
+                    )
+                )
         carried = None
         if mesh.rank == 0:
             tokenizer_files, carried = self._tokenizer_files(extra.get("tokenizer"))
@@ -233,8 +308,14 @@ class Checkpointer:
             "consumed_samples": state.consumed_samples,
             "optimizer_step": _optimizer_step(optimizer, self.par),
             "config": to_dict(job),
-            "layout": {"tp": mesh.tp, "cp": mesh.cp, "dp": mesh.dp, "pp": mesh.pp, "ep": mesh.ep,
-                       "world_size": mesh.world_size},
+            "layout": {
+                "tp": mesh.tp,
+                "cp": mesh.cp,
+                "dp": mesh.dp,
+                "pp": mesh.pp,
+                "ep": mesh.ep,
+                "world_size": mesh.world_size,
+            },
             "rng_python": random.getstate(),
             "rng_numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
             **extra,
@@ -250,13 +331,26 @@ class Checkpointer:
         # the failure, so no rank waits for an id that never comes.
         started: list[tuple[str | None, str | None, bool]] = [(None, None, False)]
         if mesh.rank == 0:
+
             def begin() -> str:
                 if self.service:
-                    return self.sink.begin_save(state.iteration, mesh.world_size, overwrite=self.overwrite)
+                    return self.sink.begin_save(
+                        state.iteration, mesh.world_size, overwrite=self.overwrite
+                    )
                 return begin_save(self.root, state.iteration, overwrite=self.overwrite)
+
             try:
-                started[0] = (retry(f"starting the save of step {state.iteration}", begin, self.saver.attempts,
-                                    self.saver.backoff, self.saver.retry_timeout), None, False)
+                started[0] = (
+                    retry(
+                        f"starting the save of step {state.iteration}",
+                        begin,
+                        self.saver.attempts,
+                        self.saver.backoff,
+                        self.saver.retry_timeout,
+                    ),
+                    None,
+                    False,
+                )
             except CheckpointError as e:
                 if not mesh.distributed:
                     if isinstance(e, DiskFullError):
@@ -267,8 +361,14 @@ class Checkpointer:
             dist.broadcast_object_list(started, src=0)
         save_id, error, full = started[0]
         if error is not None:
-            raise self._note_disk_full(state.iteration, DiskFullError(error)) if full else CheckpointError(error)
-        self.saver.save(state.iteration, save_id, boxes, committer=mesh.rank == 0, metadata=metadata)
+            raise (
+                self._note_disk_full(state.iteration, DiskFullError(error))
+                if full
+                else CheckpointError(error)
+            )
+        self.saver.save(
+            state.iteration, save_id, boxes, committer=mesh.rank == 0, metadata=metadata
+        )
         self._saving = state.iteration
         if not self.asynchronous:
             self.wait()
@@ -308,8 +408,13 @@ class Checkpointer:
         if step is None or self.disk_full is None:
             return
         if self.saver.last_committed == step:
-            log.warning("checkpoint saves recovered: step %d is committed under %s (the save of step %d had failed: "
-                        "disk full)", step, self.root, self.disk_full[0])
+            log.warning(
+                "checkpoint saves recovered: step %d is committed under %s (the save of step %d had failed: "
+                "disk full)",
+                step,
+                self.root,
+                self.disk_full[0],
+            )
             self.disk_full = None
         elif self.par.mesh.rank != 0:
             self.disk_full = None  # its part of this save is stored; rank 0 commits it, and says so
@@ -330,10 +435,15 @@ class Checkpointer:
         latest = ""
         if mesh.rank == 0:  # the committer knows
             own = self.own_latest_step
-            latest = (f"; the latest committed checkpoint is step {own}" if own is not None
-                      else "; this run has no committed checkpoint yet")
-        full = DiskFullError(f"checkpoint step {step} was not saved: disk full under {self.root}{via}: {error}; "
-                             f"nothing of it was committed{latest}")
+            latest = (
+                f"; the latest committed checkpoint is step {own}"
+                if own is not None
+                else "; this run has no committed checkpoint yet"
+            )
+        full = DiskFullError(
+            f"checkpoint step {step} was not saved: disk full under {self.root}{via}: {error}; "
+            f"nothing of it was committed{latest}"
+        )
         full.__cause__ = error
         self.disk_full = (step, full)
         if mesh.rank == 0 and mesh.distributed and not self.service and step is not None:
@@ -349,10 +459,18 @@ class Checkpointer:
             step = self._leftovers.pop()
             try:
                 if abort_save(self.sink.root, step):
-                    log.info("removed the uncommitted folder of the failed save of step %d under %s", step, self.root)
+                    log.info(
+                        "removed the uncommitted folder of the failed save of step %d under %s",
+                        step,
+                        self.root,
+                    )
             except Exception as e:  # noqa: BLE001 - leftovers are ignored by readers, collected by retention
-                log.warning("could not remove the folder of the failed save of step %d under %s: %r",
-                            step, self.root, e)
+                log.warning(
+                    "could not remove the folder of the failed save of step %d under %s: %r",
+                    step,
+                    self.root,
+                    e,
+                )
 
     def close_after_failure(self) -> None:
         """`close` for a run that is failing (a peer died, a collective raised): the save in
@@ -413,20 +531,35 @@ def _check_model(root: str, meta: dict, model: GPT) -> None:
             f"{root}: the checkpoint's model has num_attention_heads={heads} in {groups} query groups, but "
             f"model.num_attention_heads={c.num_attention_heads} in {c.groups} query groups here: its attention "
             "weights would be read as other heads (the shapes happen to match); set model.num_attention_heads "
-            "and model.num_query_groups as saved (`meshtrain ckpt inspect` shows the saved config)")
-    rope = ["rotary_base", "rope_scaling_factor", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
-            "rope_scaling_original_max_positions"]
+            "and model.num_query_groups as saved (`meshtrain ckpt inspect` shows the saved config)"
+        )
+    rope = [
+        "rotary_base",
+        "rope_scaling_factor",
+        "rope_scaling_low_freq_factor",
+        "rope_scaling_high_freq_factor",
+        "rope_scaling_original_max_positions",
+    ]
     keys = ["norm_epsilon"] + (rope if c.position_embedding_type == "rope" else [])
     if c.num_experts is not None:  # the routing: same weights, other experts chosen or weighted
-        keys += ["moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax",
-                 "moe_router_topk_scaling_factor"]
+        keys += [
+            "moe_router_topk",
+            "moe_router_score_function",
+            "moe_router_pre_softmax",
+            "moe_router_topk_scaling_factor",
+        ]
     defaults = {f.name: f.default for f in fields(c)}  # a saved config leaves out keys set to None
     for key in keys:
         value = saved.get(key, defaults[key])
         if value != getattr(c, key):
-            log.warning("%s: the checkpoint's model was saved with model.%s=%s, this run has %s: the weights "
-                        "compute another function from here on (set it as saved unless the change is meant)",
-                        root, key, value, getattr(c, key))
+            log.warning(
+                "%s: the checkpoint's model was saved with model.%s=%s, this run has %s: the weights "
+                "compute another function from here on (set it as saved unless the change is meant)",
+                root,
+                key,
+                value,
+                getattr(c, key),
+            )
 
 
 def refuse_damaged_newer(root: str, latest: int | None) -> None:
@@ -439,20 +572,32 @@ def refuse_damaged_newer(root: str, latest: int | None) -> None:
     the run would fail hours later when its save of the damaged step finds the folder taken.
     That is the operator's call: resume the older step on purpose, or delete the damaged one.
     """
-    damaged = {s: why for s, why in unreadable_manifests(root).items() if latest is None or s > latest}
+    damaged = {
+        s: why for s, why in unreadable_manifests(root).items() if latest is None or s > latest
+    }
     if not damaged:
         return
     first = min(damaged)
     older = "no committed step" if latest is None else f"committed step {latest}"
-    choices = [] if latest is None else [f"resume step {latest} on purpose with --ckpt-step {latest}"]
+    choices = (
+        [] if latest is None else [f"resume step {latest} on purpose with --ckpt-step {latest}"]
+    )
     choices.append(f"delete the damaged step (meshtrain ckpt delete {root} --step {first})")
     raise CheckpointError(
         f"{root}: checkpoint step(s) {sorted(damaged)}, newer than {older}, hold a manifest.json that cannot "
-        f"be read ({damaged[first]}); " + " or ".join(choices) + f", after `meshtrain ckpt verify {root} --all`")
+        f"be read ({damaged[first]}); "
+        + " or ".join(choices)
+        + f", after `meshtrain ckpt verify {root} --all`"
+    )
 
 
-def restore(root: str, model: GPT, optimizer: torch.optim.Optimizer | None, par: Parallel,
-            step: int | None = None) -> tuple[TrainState, dict]:
+def restore(
+    root: str,
+    model: GPT,
+    optimizer: torch.optim.Optimizer | None,
+    par: Parallel,
+    step: int | None = None,
+) -> tuple[TrainState, dict]:
     """Load checkpoint `step` (latest committed if None) into `model` and `optimizer` in place.
 
     Each rank reads only the boxes its shards cover. `optimizer` None: the weights only (the
@@ -471,7 +616,9 @@ def restore(root: str, model: GPT, optimizer: torch.optim.Optimizer | None, par:
     manifest = read_manifest(root, step)
     meta = manifest.get("metadata", {})
     if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{root}: not a meshtrain training checkpoint (format {meta.get('format')!r})")
+        raise CheckpointError(
+            f"{root}: not a meshtrain training checkpoint (format {meta.get('format')!r})"
+        )
     arrays = manifest["arrays"]
     mesh, v = par.mesh, model.vocab_size
     params = dict(model.named_parameters())
@@ -479,7 +626,9 @@ def restore(root: str, model: GPT, optimizer: torch.optim.Optimizer | None, par:
     stored = set(places)
     missing = [n for n in params if n not in stored]
     if missing:
-        raise CheckpointError(f"{root}: checkpoint lacks parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        raise CheckpointError(
+            f"{root}: checkpoint lacks parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}"
+        )
     # A pipeline stage holds some of the model's parameters: compare with the whole model's names.
     names = params if mesh.pp == 1 else model_parameter_names(model.config)
     extra = [n for n in stored if not n.startswith(NON_PARAMETER) and n not in names]
@@ -490,25 +639,35 @@ def restore(root: str, model: GPT, optimizer: torch.optim.Optimizer | None, par:
     def read_into(name: str, dst: torch.Tensor, param: torch.Tensor) -> None:
         dst.zero_()  # padded vocabulary rows are not stored: they restart at zero
         if name not in places:
-            raise CheckpointError(f"{root}: checkpoint step {step} has no tensor {name!r} (optimizer_step "
-                                  f"{meta.get('optimizer_step')}); load the weights only (no optimizer) or "
-                                  "another step")
+            raise CheckpointError(
+                f"{root}: checkpoint step {step} has no tensor {name!r} (optimizer_step "
+                f"{meta.get('optimizer_step')}); load the weights only (no optimizer) or "
+                "another step"
+            )
         for piece in pieces(name, tuple(dst.shape), param, mesh, v, places[name], reading=True):
             spec = piece.spec
             entry = arrays.get(spec.array)
             if entry is None or tuple(entry["shape"]) != spec.global_shape:
                 have = tuple(entry["shape"]) if entry else None
                 hint = ""
-                if (have and len(have) == len(spec.global_shape) and have[1:] == spec.global_shape[1:]
-                        and have[0] != spec.global_shape[0] and spec.global_shape[0] == v):
+                if (
+                    have
+                    and len(have) == len(spec.global_shape)
+                    and have[1:] == spec.global_shape[1:]
+                    and have[0] != spec.global_shape[0]
+                    and spec.global_shape[0] == v
+                ):
                     # Only the vocabulary differs: the usual cause is a resume without the run's
                     # data flags (another --tokenizer, hence another vocab_size).
-                    hint = (f"; the vocabulary differs ({have[0]} saved, {v} now), most likely a resume "
-                            f"without the run's data flags: pass --config RUN/config.toml (or the "
-                            f"run's --tokenizer / --vocab-size)")
+                    hint = (
+                        f"; the vocabulary differs ({have[0]} saved, {v} now), most likely a resume "
+                        f"without the run's data flags: pass --config RUN/config.toml (or the "
+                        f"run's --tokenizer / --vocab-size)"
+                    )
                 raise CheckpointError(
                     f"{root}: tensor {name!r} is stored as {spec.array!r} of shape {have}; the model "
-                    f"needs shape {spec.global_shape}{hint}")
+                    f"needs shape {spec.global_shape}{hint}"
+                )
             box = read_box(root, step, spec.array, spec.offsets, spec.shape, manifest)
             dst[piece.local].copy_(box.view(dst[piece.local].shape))
 
@@ -542,8 +701,14 @@ def restore(root: str, model: GPT, optimizer: torch.optim.Optimizer | None, par:
         for array, gen in _rng_states().items():
             entry = arrays.get(f"{array}_by_stage")
             if entry is not None and tuple(entry["shape"][1:]) == tuple(gen.shape):
-                row = read_box(root, step, f"{array}_by_stage", (mesh.pp_rank, *[0] * gen.dim()),
-                               (1, *gen.shape), manifest)[0]
+                row = read_box(
+                    root,
+                    step,
+                    f"{array}_by_stage",
+                    (mesh.pp_rank, *[0] * gen.dim()),
+                    (1, *gen.shape),
+                    manifest,
+                )[0]
                 (torch.set_rng_state if array == "rng.torch_cpu" else torch.cuda.set_rng_state)(row)
     elif "rng.torch_cuda" in arrays and torch.cuda.is_available():
         shape = tuple(arrays["rng.torch_cuda"]["shape"])
@@ -560,7 +725,10 @@ def restore(root: str, model: GPT, optimizer: torch.optim.Optimizer | None, par:
 def _unwrap(model: nn.Module, optimizer, mesh: Mesh | None):
     """(GPT, torch optimizer or None, Parallel) from what a hand-written loop holds: a GPT or
     its DistributedDataParallel wrapper, an optimizer or the wrapper's DistributedOptimizer."""
-    from meshtrain.services.trainer.parallel.ddp import DistributedDataParallel, DistributedOptimizer
+    from meshtrain.services.trainer.parallel.ddp import (
+        DistributedDataParallel,
+        DistributedOptimizer,
+    )
 
     ddp = None
     if isinstance(model, DistributedDataParallel):
@@ -569,14 +737,25 @@ def _unwrap(model: nn.Module, optimizer, mesh: Mesh | None):
     if isinstance(optimizer, DistributedOptimizer):
         optimizer = optimizer.inner
     if not isinstance(model, GPT):
-        raise CheckpointError(f"checkpoints hold a meshtrain GPT (or its DistributedDataParallel), not a "
-                              f"{type(model).__name__}")
+        raise CheckpointError(
+            f"checkpoints hold a meshtrain GPT (or its DistributedDataParallel), not a "
+            f"{type(model).__name__}"
+        )
     return model, optimizer, Parallel(mesh if mesh is not None else Mesh.single(), ddp)
 
 
-def save_checkpoint(root: str, step: int, model: nn.Module, optimizer, *, mesh: Mesh | None = None,
-                    consumed_samples: int = 0, job: JobConfig | None = None, service_address: str | None = None,
-                    overwrite: bool = False) -> str:
+def save_checkpoint(
+    root: str,
+    step: int,
+    model: nn.Module,
+    optimizer,
+    *,
+    mesh: Mesh | None = None,
+    consumed_samples: int = 0,
+    job: JobConfig | None = None,
+    service_address: str | None = None,
+    overwrite: bool = False,
+) -> str:
     """Save a committed checkpoint of step `step` and return its URL (collective: every rank calls it).
 
     The same format `meshtrain train` writes: any layout loads it, `meshtrain ckpt export`
@@ -598,9 +777,13 @@ def save_checkpoint(root: str, step: int, model: nn.Module, optimizer, *, mesh: 
         The checkpoint's URL, once it is committed.
     """
     gpt, opt, par = _unwrap(model, optimizer, mesh)
-    saver = Checkpointer(root, par, asynchronous=False, service_address=service_address, overwrite=overwrite)
+    saver = Checkpointer(
+        root, par, asynchronous=False, service_address=service_address, overwrite=overwrite
+    )
     try:
-        return saver.save(gpt, opt, TrainState(step, consumed_samples), job or JobConfig(model=gpt.config), {})
+        return saver.save(
+            gpt, opt, TrainState(step, consumed_samples), job or JobConfig(model=gpt.config), {}
+        )
     except BaseException:
         saver.close_after_failure()
         raise
@@ -608,8 +791,14 @@ def save_checkpoint(root: str, step: int, model: nn.Module, optimizer, *, mesh: 
         saver.close()
 
 
-def load_checkpoint(root: str, model: nn.Module, optimizer=None, *, mesh: Mesh | None = None,
-                    step: int | None = None) -> TrainState:
+def load_checkpoint(
+    root: str,
+    model: nn.Module,
+    optimizer=None,
+    *,
+    mesh: Mesh | None = None,
+    step: int | None = None,
+) -> TrainState:
     """Load checkpoint `step` (unset: the newest committed one) into `model` and `optimizer`, in
     place, whatever layout saved it (collective only in that every rank reads its own part).
 

@@ -22,7 +22,9 @@ from typing import Any, Literal
 from meshtrain.services.checkpoint.config import CheckpointConfig
 from meshtrain.services.common import config as cfg
 from meshtrain.services.common.errors import ConfigError
-from meshtrain.services.common.model_config import ModelConfig  # re-exported: the job's `model` section
+from meshtrain.services.common.model_config import (
+    ModelConfig,
+)  # re-exported: the job's `model` section
 from meshtrain.services.common.security import AuthConfig
 from meshtrain.services.dataloader.config import DataConfig
 from meshtrain.services.trainer.config_parallel import (  # re-exported: the `parallel` section and its checks
@@ -42,7 +44,15 @@ from meshtrain.services.trainer.megatron_flags import NO_EFFECT
 log = logging.getLogger("meshtrain.config")
 
 
-KERNEL_OPS = ("rms_norm", "layer_norm", "gelu", "swiglu", "rope", "cross_entropy", "linear_cross_entropy")
+KERNEL_OPS = (
+    "rms_norm",
+    "layer_norm",
+    "gelu",
+    "swiglu",
+    "rope",
+    "cross_entropy",
+    "linear_cross_entropy",
+)
 """The fused ops of `kernels` (kernels.OPS; kept here so the config needs no torch)."""
 
 
@@ -172,36 +182,60 @@ class TrainConfig:
             )
         unknown = [op for op in self.compiled_triton_ops if op not in KERNEL_OPS]
         if unknown:
-            raise ConfigError(f"train.compiled_triton_ops: unknown op {unknown[0]!r}; the ops are "
-                              f"{', '.join(KERNEL_OPS)}")
+            raise ConfigError(
+                f"train.compiled_triton_ops: unknown op {unknown[0]!r}; the ops are "
+                f"{', '.join(KERNEL_OPS)}"
+            )
         if self.bf16_weight_copies and not self.bf16:
-            raise ConfigError("train.bf16_weight_copies keeps bf16 copies of the weights for bf16 autocast: "
-                              "it needs train.bf16=true")
-        if self.gradient_accumulation_fusion and not (self.bf16 and self.bf16_weight_copies is not False):
-            raise ConfigError("train.gradient_accumulation_fusion adds the bf16 weight copies' gradients into the fp32 "
-                              "gradients: it needs train.bf16=true and train.bf16_weight_copies left on")
+            raise ConfigError(
+                "train.bf16_weight_copies keeps bf16 copies of the weights for bf16 autocast: "
+                "it needs train.bf16=true"
+            )
+        if self.gradient_accumulation_fusion and not (
+            self.bf16 and self.bf16_weight_copies is not False
+        ):
+            raise ConfigError(
+                "train.gradient_accumulation_fusion adds the bf16 weight copies' gradients into the fp32 "
+                "gradients: it needs train.bf16=true and train.bf16_weight_copies left on"
+            )
         if self.fp8 is not None:
             if not self.bf16:
-                raise ConfigError(f"train.fp8={self.fp8!r} runs the linear layers in FP8 inside bf16 autocast: it "
-                                  "needs train.bf16=true (--bf16)")
+                raise ConfigError(
+                    f"train.fp8={self.fp8!r} runs the linear layers in FP8 inside bf16 autocast: it "
+                    "needs train.bf16=true (--bf16)"
+                )
             if self.fp8_recipe == "rowwise" and self.fp8 != "e4m3":
-                raise ConfigError(f"train.fp8_recipe='rowwise' casts gradients to e4m3 (row-scaled FP8 GEMMs take "
-                                  f"e4m3 operands only): set train.fp8='e4m3', not {self.fp8!r}")
-            for key in ("fp8_amax_history_len", "fp8_bf16_layers_at_start", "fp8_bf16_layers_at_end",
-                        "fp8_margin"):
+                raise ConfigError(
+                    f"train.fp8_recipe='rowwise' casts gradients to e4m3 (row-scaled FP8 GEMMs take "
+                    f"e4m3 operands only): set train.fp8='e4m3', not {self.fp8!r}"
+                )
+            for key in (
+                "fp8_amax_history_len",
+                "fp8_bf16_layers_at_start",
+                "fp8_bf16_layers_at_end",
+                "fp8_margin",
+            ):
                 if getattr(self, key) < (1 if key == "fp8_amax_history_len" else 0):
-                    raise ConfigError(f"train.{key} must be >= {1 if key == 'fp8_amax_history_len' else 0}, "
-                                      f"got {getattr(self, key)}")
+                    raise ConfigError(
+                        f"train.{key} must be >= {1 if key == 'fp8_amax_history_len' else 0}, "
+                        f"got {getattr(self, key)}"
+                    )
         if self.cuda_graph and self.device == "cpu":
-            raise ConfigError("train.cuda_graph captures the step as a CUDA graph: it needs a CUDA device, but "
-                              "train.device='cpu'")
+            raise ConfigError(
+                "train.cuda_graph captures the step as a CUDA graph: it needs a CUDA device, but "
+                "train.device='cpu'"
+            )
         if self.compile_coordinate_descent_tuning and not self.compile:
-            raise ConfigError("train.compile_coordinate_descent_tuning tunes compiled kernels: it needs "
-                              "train.compile=true")
+            raise ConfigError(
+                "train.compile_coordinate_descent_tuning tunes compiled kernels: it needs "
+                "train.compile=true"
+            )
         if self.metrics_port is not None and self.control_port is None:
             # the metrics are served beside the control endpoint; without it nothing would be
-            raise ConfigError(f"train.metrics_port={self.metrics_port} serves Prometheus metrics beside the control "
-                              "endpoint: it needs train.control_port set too (0: any free port)")
+            raise ConfigError(
+                f"train.metrics_port={self.metrics_port} serves Prometheus metrics beside the control "
+                "endpoint: it needs train.control_port set too (0: any free port)"
+            )
 
 
 @dataclass
@@ -244,7 +278,9 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         if not (0 <= self.min_lr <= self.lr < math.inf):
-            raise ConfigError(f"optim: need 0 <= min_lr <= lr, got lr={self.lr} min_lr={self.min_lr}")
+            raise ConfigError(
+                f"optim: need 0 <= min_lr <= lr, got lr={self.lr} min_lr={self.min_lr}"
+            )
         for key in ("adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, key) < 1:
                 raise ConfigError(f"optim.{key} must be in [0, 1), got {getattr(self, key)}")
@@ -258,20 +294,30 @@ class OptimConfig:
             raise ConfigError(f"optim.lr_warmup_iters must be >= 0, got {self.lr_warmup_iters}")
         if self.lr_warmup_fraction is not None:
             if not 0 <= self.lr_warmup_fraction < 1:
-                raise ConfigError(f"optim.lr_warmup_fraction must be in [0, 1), got {self.lr_warmup_fraction}")
+                raise ConfigError(
+                    f"optim.lr_warmup_fraction must be in [0, 1), got {self.lr_warmup_fraction}"
+                )
             if self.lr_warmup_iters:
-                raise ConfigError("set one of optim.lr_warmup_iters and optim.lr_warmup_fraction, not both")
+                raise ConfigError(
+                    "set one of optim.lr_warmup_iters and optim.lr_warmup_fraction, not both"
+                )
         if self.lr_decay_style == "wsd":
             if self.lr_wsd_decay_iters is None or self.lr_wsd_decay_iters <= 0:
-                raise ConfigError("optim.lr_decay_style='wsd' needs optim.lr_wsd_decay_iters, the steps of its final "
-                                  f"decay (--lr-wsd-decay-iters), > 0; got {self.lr_wsd_decay_iters}")
+                raise ConfigError(
+                    "optim.lr_decay_style='wsd' needs optim.lr_wsd_decay_iters, the steps of its final "
+                    f"decay (--lr-wsd-decay-iters), > 0; got {self.lr_wsd_decay_iters}"
+                )
         elif self.lr_wsd_decay_iters is not None:
-            raise ConfigError(f"optim.lr_wsd_decay_iters applies to lr_decay_style='wsd', not {self.lr_decay_style!r}")
+            raise ConfigError(
+                f"optim.lr_wsd_decay_iters applies to lr_decay_style='wsd', not {self.lr_decay_style!r}"
+            )
         # An explicit decay length the warmup reaches would leave lr at its peak for good (the
         # schedule has nothing to decay over); 0 would silently mean "unset".
         if self.lr_decay_iters is not None and self.lr_decay_iters <= self.lr_warmup_iters:
-            raise ConfigError(f"optim.lr_decay_iters={self.lr_decay_iters} must be greater than "
-                              f"optim.lr_warmup_iters={self.lr_warmup_iters} (unset: train_iters)")
+            raise ConfigError(
+                f"optim.lr_decay_iters={self.lr_decay_iters} must be greater than "
+                f"optim.lr_warmup_iters={self.lr_warmup_iters} (unset: train_iters)"
+            )
 
 
 @dataclass
@@ -304,7 +350,9 @@ class LogConfig:
             raise ConfigError(f"log.log_interval must be positive, got {self.log_interval}")
         for key in ("wandb_exp_name", "wandb_save_dir", "wandb_entity"):
             if getattr(self, key) is not None and self.wandb_project is None:
-                raise ConfigError(f"log.{key} is a W&B setting: it needs log.wandb_project (--wandb-project)")
+                raise ConfigError(
+                    f"log.{key} is a W&B setting: it needs log.wandb_project (--wandb-project)"
+                )
 
 
 @dataclass
@@ -338,14 +386,24 @@ class JobConfig:
 
 
 REMOVED_KEYS: dict[str, tuple[Any, str]] = {
-    "parallel.tp_batch_split": (False, "splitting each micro-batch to hide TP's forward reductions measured "
-                                       "slower at llama-1b TP=2 on two H200s"),
-    "train.compile_overlap_scheduling": (False, "Inductor's overlap scheduler gained nothing at llama-1b TP=2 on "
-                                                "two H200s"),
-    "train.matmul_sm_carveout": (0, "leaving SMs free of matmuls for NCCL measured slower at llama-1b TP=2 on "
-                                    "two H200s"),
-    "parallel.tp_reduce_impl": ("nccl", "the symmetric-memory forward all-reduce was no faster than NCCL's end to "
-                                        "end at llama-1b TP=2 on two H200s"),
+    "parallel.tp_batch_split": (
+        False,
+        "splitting each micro-batch to hide TP's forward reductions measured "
+        "slower at llama-1b TP=2 on two H200s",
+    ),
+    "train.compile_overlap_scheduling": (
+        False,
+        "Inductor's overlap scheduler gained nothing at llama-1b TP=2 on two H200s",
+    ),
+    "train.matmul_sm_carveout": (
+        0,
+        "leaving SMs free of matmuls for NCCL measured slower at llama-1b TP=2 on two H200s",
+    ),
+    "parallel.tp_reduce_impl": (
+        "nccl",
+        "the symmetric-memory forward all-reduce was no faster than NCCL's end to "
+        "end at llama-1b TP=2 on two H200s",
+    ),
 }
 """Options that were removed: the value every config written before held (their default) and
 why they went (BENCHMARKS.md has the measurements). A run directory's config.toml holds every
@@ -360,8 +418,15 @@ def _drop_removed_keys(table: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(values, dict) or key not in values:
             continue
         if type(values[key]) is not type(old_default) or values[key] != old_default:
-            raise ConfigError(f"{dotted}={values[key]!r}: the option was removed ({why}); remove the key")
-        log.warning("%s=%r: the option was removed (%s); read as absent: remove the key", dotted, old_default, why)
+            raise ConfigError(
+                f"{dotted}={values[key]!r}: the option was removed ({why}); remove the key"
+            )
+        log.warning(
+            "%s=%r: the option was removed (%s); read as absent: remove the key",
+            dotted,
+            old_default,
+            why,
+        )
         table = {**table, section: {k: v for k, v in values.items() if k != key}}
     return table
 
@@ -385,8 +450,11 @@ def _check_flag_keys(overrides: dict[str, Any]) -> None:
         if any(".".join(parts[:i]) in allowed for i in range(1, len(parts) + 1)):
             continue
         near = cfg.close_matches(dotted, known)
-        hint = (f"did you mean {' or '.join('--' + m for m in near)}?" if near
-                else "`meshtrain train --help-config` lists the keys")
+        hint = (
+            f"did you mean {' or '.join('--' + m for m in near)}?"
+            if near
+            else "`meshtrain train --help-config` lists the keys"
+        )
         raise ConfigError(f"unknown flag --{dotted}; {hint}")
 
 
@@ -431,12 +499,24 @@ def config_help() -> str:
             lines.extend(f"      {line}" for line in doc.splitlines())
     aliases = ", ".join(accepted_flags())
     no_effect = ", ".join(sorted(NO_EFFECT))
-    return ("Config keys:\n" + "\n".join(lines) + f"\n\nMegatron aliases: {aliases}\n"
-            f"\nMegatron flags accepted without effect (with a warning): {no_effect}\n")
+    return (
+        "Config keys:\n" + "\n".join(lines) + f"\n\nMegatron aliases: {aliases}\n"
+        f"\nMegatron flags accepted without effect (with a warning): {no_effect}\n"
+    )
 
 
 __all__ = [
-    "JobConfig", "ModelConfig", "DataConfig", "TrainConfig", "OptimConfig", "ParallelConfig",
-    "CheckpointConfig", "LogConfig", "ALIASES", "load_config", "parse_overrides", "replace",
+    "JobConfig",
+    "ModelConfig",
+    "DataConfig",
+    "TrainConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "CheckpointConfig",
+    "LogConfig",
+    "ALIASES",
+    "load_config",
+    "parse_overrides",
+    "replace",
     "config_help",
 ]

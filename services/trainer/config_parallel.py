@@ -120,8 +120,10 @@ class ParallelConfig:
                 raise ConfigError(f"parallel.{key} must be >= 1, got {getattr(self, key)}")
         etp = self.expert_tensor_parallel_size
         if etp is not None and etp != self.tp:
-            raise ConfigError(f"parallel.expert_tensor_parallel_size={etp}: only the tensor-parallel degree itself "
-                              f"(parallel.tp={self.tp}) is supported; leave it unset")
+            raise ConfigError(
+                f"parallel.expert_tensor_parallel_size={etp}: only the tensor-parallel degree itself "
+                f"(parallel.tp={self.tp}) is supported; leave it unset"
+            )
         self._check_pipeline()
         self._check_context()
         if self.sequence_parallel and self.tp == 1:
@@ -129,13 +131,19 @@ class ParallelConfig:
         if self.tp_comm_overlap and not self.sequence_parallel:
             raise ConfigError("parallel.tp_comm_overlap needs parallel.sequence_parallel")
         if not self.distributed_timeout_minutes > 0:
-            raise ConfigError(f"parallel.distributed_timeout_minutes must be a positive number of minutes, "
-                              f"got {self.distributed_timeout_minutes}")
+            raise ConfigError(
+                f"parallel.distributed_timeout_minutes must be a positive number of minutes, "
+                f"got {self.distributed_timeout_minutes}"
+            )
         if self.overlap_param_gather and not self.use_distributed_optimizer:
-            raise ConfigError("parallel.overlap_param_gather needs parallel.use_distributed_optimizer")
+            raise ConfigError(
+                "parallel.overlap_param_gather needs parallel.use_distributed_optimizer"
+            )
         self._resolve_recompute_plan()
         if self.ddp_bucket_size <= 0:
-            raise ConfigError(f"parallel.ddp_bucket_size must be positive, got {self.ddp_bucket_size}")
+            raise ConfigError(
+                f"parallel.ddp_bucket_size must be positive, got {self.ddp_bucket_size}"
+            )
 
     def _check_context(self) -> None:
         """Refuse a hierarchical split that does not match cp_comm_type or multiply to cp."""
@@ -144,11 +152,15 @@ class ParallelConfig:
             if self.cp == 1:
                 raise ConfigError("parallel.cp_comm_type='a2a+p2p' needs parallel.cp > 1")
             if sizes is None or len(sizes) != 2 or sizes[0] * sizes[1] != self.cp or min(sizes) < 1:
-                raise ConfigError(f"parallel.cp_comm_type='a2a+p2p' needs parallel.hierarchical_context_parallel_sizes "
-                                  f"= [all-to-all size, ring size] multiplying to parallel.cp={self.cp}, got {sizes}")
+                raise ConfigError(
+                    f"parallel.cp_comm_type='a2a+p2p' needs parallel.hierarchical_context_parallel_sizes "
+                    f"= [all-to-all size, ring size] multiplying to parallel.cp={self.cp}, got {sizes}"
+                )
         elif sizes is not None:
-            raise ConfigError("parallel.hierarchical_context_parallel_sizes is for cp_comm_type='a2a+p2p'; "
-                              f"cp_comm_type is {self.cp_comm_type!r}")
+            raise ConfigError(
+                "parallel.hierarchical_context_parallel_sizes is for cp_comm_type='a2a+p2p'; "
+                f"cp_comm_type is {self.cp_comm_type!r}"
+            )
 
     @property
     def cp_a2a_size(self) -> int:
@@ -161,22 +173,36 @@ class ParallelConfig:
 
     def _check_pipeline(self) -> None:
         """Refuse pipeline settings that a pp of 1 would ignore, or that contradict each other."""
-        keys = ("virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
-                "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "pipeline_layout")
+        keys = (
+            "virtual_pipeline_model_parallel_size",
+            "num_layers_per_virtual_pipeline_stage",
+            "decoder_first_pipeline_num_layers",
+            "decoder_last_pipeline_num_layers",
+            "pipeline_layout",
+        )
         given = [k for k in keys if getattr(self, k) is not None]
         if self.pp == 1 and (given or self.pipeline_schedule not in ("auto", "none")):
             what = given[0] if given else f"pipeline_schedule={self.pipeline_schedule!r}"
             raise ConfigError(f"parallel.{what} applies to pipeline parallelism; parallel.pp is 1")
-        if self.virtual_pipeline_model_parallel_size is not None and self.num_layers_per_virtual_pipeline_stage:
-            raise ConfigError("set one of parallel.virtual_pipeline_model_parallel_size and "
-                              "parallel.num_layers_per_virtual_pipeline_stage, not both")
+        if (
+            self.virtual_pipeline_model_parallel_size is not None
+            and self.num_layers_per_virtual_pipeline_stage
+        ):
+            raise ConfigError(
+                "set one of parallel.virtual_pipeline_model_parallel_size and "
+                "parallel.num_layers_per_virtual_pipeline_stage, not both"
+            )
         for k in ("virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage"):
             if getattr(self, k) is not None and getattr(self, k) < 1:
                 raise ConfigError(f"parallel.{k} must be >= 1, got {getattr(self, k)}")
-        if self.pipeline_layout is not None and (self.decoder_first_pipeline_num_layers is not None
-                                                 or self.decoder_last_pipeline_num_layers is not None):
-            raise ConfigError("parallel.pipeline_layout lists every stage's blocks; leave "
-                              "decoder_first/last_pipeline_num_layers unset with it")
+        if self.pipeline_layout is not None and (
+            self.decoder_first_pipeline_num_layers is not None
+            or self.decoder_last_pipeline_num_layers is not None
+        ):
+            raise ConfigError(
+                "parallel.pipeline_layout lists every stage's blocks; leave "
+                "decoder_first/last_pipeline_num_layers unset with it"
+            )
 
     def pipeline_chunks(self, num_layers: int) -> int:
         """Model chunks per pipeline rank (virtual stages), from whichever setting is given."""
@@ -185,13 +211,17 @@ class ParallelConfig:
         if self.num_layers_per_virtual_pipeline_stage is not None:
             per = self.num_layers_per_virtual_pipeline_stage
             if num_layers % (self.pp * per):
-                raise ConfigError(f"model.num_layers={num_layers} is not a multiple of parallel.pp={self.pp} x "
-                                  f"num_layers_per_virtual_pipeline_stage={per}")
+                raise ConfigError(
+                    f"model.num_layers={num_layers} is not a multiple of parallel.pp={self.pp} x "
+                    f"num_layers_per_virtual_pipeline_stage={per}"
+                )
             return num_layers // (self.pp * per)
         if self.pipeline_layout is not None:
             if len(self.pipeline_layout) % self.pp:
-                raise ConfigError(f"parallel.pipeline_layout has {len(self.pipeline_layout)} entries, not a "
-                                  f"multiple of parallel.pp={self.pp}")
+                raise ConfigError(
+                    f"parallel.pipeline_layout has {len(self.pipeline_layout)} entries, not a "
+                    f"multiple of parallel.pp={self.pp}"
+                )
             return len(self.pipeline_layout) // self.pp
         return 1
 
@@ -208,7 +238,9 @@ class ParallelConfig:
         recompute it ignores them, which here is refused too (nothing is silently ignored).
         """
         if self.recompute_num_layers is not None and self.recompute_num_layers <= 0:
-            raise ConfigError(f"parallel.recompute_num_layers must be positive, got {self.recompute_num_layers}")
+            raise ConfigError(
+                f"parallel.recompute_num_layers must be positive, got {self.recompute_num_layers}"
+            )
         if self.recompute_granularity == "full":
             self.recompute_method = self.recompute_method or "uniform"
             self.recompute_num_layers = self.recompute_num_layers or 1
@@ -216,16 +248,24 @@ class ParallelConfig:
         if (self.recompute_method, self.recompute_num_layers) == ("uniform", 1):
             # The defaults of both keys before they became unset: every config.toml written then
             # holds them, whatever the granularity, and must still load (`--config RUN/config.toml`).
-            log.warning("parallel.recompute_method='uniform' and parallel.recompute_num_layers=1 have no effect "
-                        "with parallel.recompute_granularity=%r (a config written before they defaulted to "
-                        "unset); read as unset: remove them", self.recompute_granularity)
+            log.warning(
+                "parallel.recompute_method='uniform' and parallel.recompute_num_layers=1 have no effect "
+                "with parallel.recompute_granularity=%r (a config written before they defaulted to "
+                "unset); read as unset: remove them",
+                self.recompute_granularity,
+            )
             self.recompute_method = self.recompute_num_layers = None
-        given = [f"parallel.{key}={getattr(self, key)!r}" for key in ("recompute_method", "recompute_num_layers")
-                 if getattr(self, key) is not None]
+        given = [
+            f"parallel.{key}={getattr(self, key)!r}"
+            for key in ("recompute_method", "recompute_num_layers")
+            if getattr(self, key) is not None
+        ]
         if given:
-            raise ConfigError(f"{' and '.join(given)} {'apply' if len(given) > 1 else 'applies'} to "
-                              f"parallel.recompute_granularity='full' only, got {self.recompute_granularity!r}: "
-                              "set --recompute-granularity full, or leave them unset")
+            raise ConfigError(
+                f"{' and '.join(given)} {'apply' if len(given) > 1 else 'applies'} to "
+                f"parallel.recompute_granularity='full' only, got {self.recompute_granularity!r}: "
+                "set --recompute-granularity full, or leave them unset"
+            )
 
 
 def check_fp8(train: TrainConfig, parallel: ParallelConfig) -> None:
@@ -233,15 +273,21 @@ def check_fp8(train: TrainConfig, parallel: ParallelConfig) -> None:
     if train.fp8 is None:
         return
     if parallel.tp_comm_overlap:
-        raise ConfigError("train.fp8 does not combine with parallel.tp_comm_overlap: its fused all-gather/"
-                          "reduce-scatter GEMMs are bf16; leave one off")
+        raise ConfigError(
+            "train.fp8 does not combine with parallel.tp_comm_overlap: its fused all-gather/"
+            "reduce-scatter GEMMs are bf16; leave one off"
+        )
     if parallel.pipeline_schedule == "zb-h1":
-        raise ConfigError("train.fp8 does not combine with parallel.pipeline_schedule='zb-h1' (the deferred weight "
-                          "gradients are bf16 GEMMs); use 1f1b or interleaved")
+        raise ConfigError(
+            "train.fp8 does not combine with parallel.pipeline_schedule='zb-h1' (the deferred weight "
+            "gradients are bf16 GEMMs); use 1f1b or interleaved"
+        )
     if train.cuda_graph and train.fp8_recipe == "delayed":
-        raise ConfigError("train.fp8_recipe='delayed' switches from current to historical scales after the first "
-                          "step, which a CUDA graph captured then would never see: use tensorwise with "
-                          "train.cuda_graph")
+        raise ConfigError(
+            "train.fp8_recipe='delayed' switches from current to historical scales after the first "
+            "step, which a CUDA graph captured then would never see: use tensorwise with "
+            "train.cuda_graph"
+        )
 
 
 def check_experts(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> None:
@@ -254,26 +300,38 @@ def check_experts(model: ModelConfig, parallel: ParallelConfig, train: TrainConf
     p, e = parallel, model.num_experts
     if e is None:
         if p.ep > 1:
-            raise ConfigError(f"parallel.ep={p.ep} splits the experts of MoE layers, but model.num_experts is unset "
-                              "(a dense model): set model.num_experts or parallel.ep=1")
+            raise ConfigError(
+                f"parallel.ep={p.ep} splits the experts of MoE layers, but model.num_experts is unset "
+                "(a dense model): set model.num_experts or parallel.ep=1"
+            )
         return
     if e % p.ep:
-        raise ConfigError(f"parallel.ep={p.ep} must divide model.num_experts={e} (each ep rank holds the same "
-                          "number of experts)")
+        raise ConfigError(
+            f"parallel.ep={p.ep} must divide model.num_experts={e} (each ep rank holds the same "
+            "number of experts)"
+        )
     if model.moe_expert_capacity_factor is not None and p.cp > 1:
-        raise ConfigError(f"model.moe_expert_capacity_factor caps each expert's tokens per sequence, and with "
-                          f"parallel.cp={p.cp} a rank holds only chunks of each sequence: leave the factor unset "
-                          "(dropless) or parallel.cp=1")
+        raise ConfigError(
+            f"model.moe_expert_capacity_factor caps each expert's tokens per sequence, and with "
+            f"parallel.cp={p.cp} a rank holds only chunks of each sequence: leave the factor unset "
+            "(dropless) or parallel.cp=1"
+        )
     if p.tp > 1:
-        for key, width in (("moe_ffn_hidden_size", model.moe_ffn_size),
-                           ("moe_shared_expert_intermediate_size", model.moe_shared_expert_intermediate_size)):
+        for key, width in (
+            ("moe_ffn_hidden_size", model.moe_ffn_size),
+            ("moe_shared_expert_intermediate_size", model.moe_shared_expert_intermediate_size),
+        ):
             if width is not None and width % p.tp:
-                raise ConfigError(f"parallel.tp={p.tp} must divide model.{key}={width} (each expert's inner "
-                                  "width is split over the tensor-parallel ranks)")
+                raise ConfigError(
+                    f"parallel.tp={p.tp} must divide model.{key}={width} (each expert's inner "
+                    "width is split over the tensor-parallel ranks)"
+                )
     if train.cuda_graph:
-        raise ConfigError("train.cuda_graph cannot capture a mixture of experts (model.num_experts is set): the "
-                          "expert GEMMs and the token exchange need the per-expert counts on the host; leave "
-                          "train.cuda_graph off")
+        raise ConfigError(
+            "train.cuda_graph cannot capture a mixture of experts (model.num_experts is set): the "
+            "expert GEMMs and the token exchange need the per-expert counts on the host; leave "
+            "train.cuda_graph off"
+        )
 
 
 def check_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
@@ -290,25 +348,35 @@ def check_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> None
     if p.cp == 1:
         return
     if model.attention_dropout > 0 or model.hidden_dropout > 0:
-        raise ConfigError("context parallelism has no per-rank dropout RNG: set model.attention_dropout=0 and "
-                          "model.hidden_dropout=0 with parallel.cp > 1")
+        raise ConfigError(
+            "context parallelism has no per-rank dropout RNG: set model.attention_dropout=0 and "
+            "model.hidden_dropout=0 with parallel.cp > 1"
+        )
     if model.attention_backend in ("cudnn", "efficient"):
-        raise ConfigError(f"with parallel.cp > 1 attention runs blockwise on the flash kernel (or 'math', the "
-                          f"reference); model.attention_backend={model.attention_backend!r} is not used there")
+        raise ConfigError(
+            f"with parallel.cp > 1 attention runs blockwise on the flash kernel (or 'math', the "
+            f"reference); model.attention_backend={model.attention_backend!r} is not used there"
+        )
     split = 2 * p.cp * (p.tp if p.sequence_parallel else 1)
     if model.seq_length % split:
         what = f"2 x cp x tp = {split}" if p.sequence_parallel else f"2 x cp = {split}"
-        raise ConfigError(f"context parallelism cuts each sequence into 2 x cp chunks: model.seq_length="
-                          f"{model.seq_length} must be a multiple of {what}")
+        raise ConfigError(
+            f"context parallelism cuts each sequence into 2 x cp chunks: model.seq_length="
+            f"{model.seq_length} must be a multiple of {what}"
+        )
     a2a = p.cp_a2a_size
     if a2a > 1:
         heads, kv = model.num_attention_heads // p.tp, model.groups // p.tp
         if heads % a2a:
-            raise ConfigError(f"parallel.cp_comm_type={p.cp_comm_type!r} splits the attention heads over {a2a} "
-                              f"ranks: {heads} heads per tensor-parallel rank are not a multiple of {a2a}")
+            raise ConfigError(
+                f"parallel.cp_comm_type={p.cp_comm_type!r} splits the attention heads over {a2a} "
+                f"ranks: {heads} heads per tensor-parallel rank are not a multiple of {a2a}"
+            )
         if kv % a2a and a2a % kv:
-            raise ConfigError(f"parallel.cp_comm_type={p.cp_comm_type!r} over {a2a} ranks: {kv} key/value heads "
-                              f"per tensor-parallel rank neither split over {a2a} ranks nor repeat evenly to them")
+            raise ConfigError(
+                f"parallel.cp_comm_type={p.cp_comm_type!r} over {a2a} ranks: {kv} key/value heads "
+                f"per tensor-parallel rank neither split over {a2a} ranks nor repeat evenly to them"
+            )
 
 
 def check_tensor_parallel(model: ModelConfig, tp: int, sequence_parallel: bool) -> None:
@@ -328,9 +396,13 @@ def check_tensor_parallel(model: ModelConfig, tp: int, sequence_parallel: bool) 
             f"number of query groups ({model.groups}); replicating KV heads across tp ranks is not supported"
         )
     if model.ffn_size % tp:
-        raise ConfigError(f"parallel.tp={tp} must divide the MLP width {model.ffn_size} (model.ffn_hidden_size)")
+        raise ConfigError(
+            f"parallel.tp={tp} must divide the MLP width {model.ffn_size} (model.ffn_hidden_size)"
+        )
     if sequence_parallel and model.seq_length % tp:
-        raise ConfigError(f"sequence parallelism: parallel.tp={tp} must divide model.seq_length={model.seq_length}")
+        raise ConfigError(
+            f"sequence parallelism: parallel.tp={tp} must divide model.seq_length={model.seq_length}"
+        )
     if model.attention_dropout > 0 or (sequence_parallel and model.hidden_dropout > 0):
         raise ConfigError(
             "dropout inside tensor-parallel regions needs a per-rank RNG tracker, which is not built: "

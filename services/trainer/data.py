@@ -39,10 +39,19 @@ class TrainData:
     prefix: str  # the first (or only) dataset prefix
 
 
-def make_source(spec: DatasetSpec, micro_batch_size: int, global_batch_size: int,
-                dp_rank: int = 0, dp_size: int = 1, addresses: list[str] | None = None,
-                prefetch: int = 8, options: BatchOptions | None = None, cp_rank: int = 0, cp_size: int = 1,
-                **service):
+def make_source(
+    spec: DatasetSpec,
+    micro_batch_size: int,
+    global_batch_size: int,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    addresses: list[str] | None = None,
+    prefetch: int = 8,
+    options: BatchOptions | None = None,
+    cp_rank: int = 0,
+    cp_size: int = 1,
+    **service,
+):
     """One rank's batch source for a spec: in-process, or the service when given addresses.
 
     Args:
@@ -62,13 +71,33 @@ def make_source(spec: DatasetSpec, micro_batch_size: int, global_batch_size: int
         A LocalBatchSource or a ServiceBatchSource.
     """
     if addresses:
-        from meshtrain.services.dataloader.rpc.client import ServiceBatchSource  # grpc only when asked for
+        from meshtrain.services.dataloader.rpc.client import (
+            ServiceBatchSource,
+        )  # grpc only when asked for
 
-        return ServiceBatchSource(addresses, spec, micro_batch_size, global_batch_size,
-                                  dp_rank, dp_size, prefetch=prefetch, options=options, cp_rank=cp_rank,
-                                  cp_size=cp_size, **service)
-    return LocalBatchSource(open_dataset(spec), micro_batch_size, global_batch_size, dp_rank, dp_size,
-                            options=options, cp_rank=cp_rank, cp_size=cp_size)
+        return ServiceBatchSource(
+            addresses,
+            spec,
+            micro_batch_size,
+            global_batch_size,
+            dp_rank,
+            dp_size,
+            prefetch=prefetch,
+            options=options,
+            cp_rank=cp_rank,
+            cp_size=cp_size,
+            **service,
+        )
+    return LocalBatchSource(
+        open_dataset(spec),
+        micro_batch_size,
+        global_batch_size,
+        dp_rank,
+        dp_size,
+        options=options,
+        cp_rank=cp_rank,
+        cp_size=cp_size,
+    )
 
 
 # A peer waits this long in the broadcast for the rank that pulls (which may itself wait up to
@@ -107,11 +136,20 @@ def placement(mesh, uses_service: bool) -> tuple[tuple[int, int] | None, Sharing
 def _shared(source, sharing: Sharing):
     from meshtrain.services.trainer.shared_batches import GroupSharedSource
 
-    return GroupSharedSource(source if sharing.reads else None, sharing.group, sharing.src, shape_of=source)
+    return GroupSharedSource(
+        source if sharing.reads else None, sharing.group, sharing.src, shape_of=source
+    )
 
 
-def build_data(job: JobConfig, dp_rank: int = 0, dp_size: int = 1, cp_rank: int = 0, cp_size: int = 1,
-               spread: tuple[int, int] | None = None, sharing: Sharing | None = None) -> TrainData:
+def build_data(
+    job: JobConfig,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    cp_rank: int = 0,
+    cp_size: int = 1,
+    spread: tuple[int, int] | None = None,
+    sharing: Sharing | None = None,
+) -> TrainData:
     """Open (or build) the dataset for `job` and the sample streams for its splits.
 
     Args:
@@ -136,11 +174,17 @@ def build_data(job: JobConfig, dp_rank: int = 0, dp_size: int = 1, cp_rank: int 
         vocab_size, eod_id = tok.vocab_size, tok.eod_id
     else:
         default = prepare_default_dataset(
-            Path(d.cache_dir), tokenizer=d.tokenizer, vocab_size=d.default_vocab_size,
+            Path(d.cache_dir),
+            tokenizer=d.tokenizer,
+            vocab_size=d.default_vocab_size,
             max_bytes=d.default_corpus_bytes,
         )
         prefixes, weights = [default.prefix], [1.0]
-        tokenizer_spec, vocab_size, eod_id = default.tokenizer_spec, default.vocab_size, default.eod_id
+        tokenizer_spec, vocab_size, eod_id = (
+            default.tokenizer_spec,
+            default.vocab_size,
+            default.eod_id,
+        )
     # Recorded in every checkpoint; a path relative to this working directory (the embedded
     # corpus's `.cache/meshtrain/...`, or `--tokenizer tok.json`) would not be found by a
     # `meshtrain ckpt export` run from anywhere else.
@@ -153,27 +197,71 @@ def build_data(job: JobConfig, dp_rank: int = 0, dp_size: int = 1, cp_rank: int 
     t = job.train
     addresses = list(d.service_addresses)
     options = BatchOptions(eod_id=eod_id, mask_eod_loss=d.eod_mask_loss)
-    service = {"stall_s": d.service_stall_s, "give_up_s": d.service_give_up_s,
-               "open_timeout_s": d.service_open_timeout_s, "rebalance_s": d.service_rebalance_s,
-               "spread": spread, "security": ClientSecurity.from_config(job.auth)} if addresses else {}
+    service = (
+        {
+            "stall_s": d.service_stall_s,
+            "give_up_s": d.service_give_up_s,
+            "open_timeout_s": d.service_open_timeout_s,
+            "rebalance_s": d.service_rebalance_s,
+            "spread": spread,
+            "security": ClientSecurity.from_config(job.auth),
+        }
+        if addresses
+        else {}
+    )
 
     def spec(split_name: str, num_samples: int) -> DatasetSpec:
-        return DatasetSpec(tuple(prefixes), tuple(weights), job.model.seq_length, num_samples,
-                           t.seed, split=d.split, split_name=split_name, sample_order=d.sample_order)
+        return DatasetSpec(
+            tuple(prefixes),
+            tuple(weights),
+            job.model.seq_length,
+            num_samples,
+            t.seed,
+            split=d.split,
+            split_name=split_name,
+            sample_order=d.sample_order,
+        )
 
-    train = make_source(spec("train", t.train_iters * t.global_batch_size), t.micro_batch_size,
-                        t.global_batch_size, dp_rank, dp_size, addresses=addresses, prefetch=d.prefetch,
-                        options=options, cp_rank=cp_rank, cp_size=cp_size, **service)
+    train = make_source(
+        spec("train", t.train_iters * t.global_batch_size),
+        t.micro_batch_size,
+        t.global_batch_size,
+        dp_rank,
+        dp_size,
+        addresses=addresses,
+        prefetch=d.prefetch,
+        options=options,
+        cp_rank=cp_rank,
+        cp_size=cp_size,
+        **service,
+    )
     valid = None
     if t.eval_interval > 0:
         # Megatron's unit: eval_iters global batches, split over the dp ranks like a training
         # step, so the held-out set does not change when a resumed run changes the micro-batch
         # or data-parallel size (the global batch size cannot change across a resume).
         n = t.eval_iters * t.global_batch_size
-        valid = make_source(spec("valid", n), t.micro_batch_size, n, dp_rank, dp_size, addresses=addresses,
-                            prefetch=d.prefetch, options=options, cp_rank=cp_rank, cp_size=cp_size, **service)
+        valid = make_source(
+            spec("valid", n),
+            t.micro_batch_size,
+            n,
+            dp_rank,
+            dp_size,
+            addresses=addresses,
+            prefetch=d.prefetch,
+            options=options,
+            cp_rank=cp_rank,
+            cp_size=cp_size,
+            **service,
+        )
     if addresses and sharing is not None:
         train, valid = (None if src is None else _shared(src, sharing) for src in (train, valid))
-    log.info("data: %s (weights %s), tokenizer %s, vocab %d, %s", prefixes, weights, tokenizer_spec,
-             vocab_size, f"service {addresses}" if addresses else "in-process")
+    log.info(
+        "data: %s (weights %s), tokenizer %s, vocab %d, %s",
+        prefixes,
+        weights,
+        tokenizer_spec,
+        vocab_size,
+        f"service {addresses}" if addresses else "in-process",
+    )
     return TrainData(train, valid, vocab_size, tokenizer_spec, prefixes[0])

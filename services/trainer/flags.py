@@ -109,8 +109,14 @@ ALIASES: dict[str, tuple[str, bool]] = {
     "--clip-grad": ("optim.clip_grad", True),
     "--tensor-model-parallel-size": ("parallel.tp", True),
     "--pipeline-model-parallel-size": ("parallel.pp", True),
-    "--virtual-pipeline-model-parallel-size": ("parallel.virtual_pipeline_model_parallel_size", True),
-    "--num-layers-per-virtual-pipeline-stage": ("parallel.num_layers_per_virtual_pipeline_stage", True),
+    "--virtual-pipeline-model-parallel-size": (
+        "parallel.virtual_pipeline_model_parallel_size",
+        True,
+    ),
+    "--num-layers-per-virtual-pipeline-stage": (
+        "parallel.num_layers_per_virtual_pipeline_stage",
+        True,
+    ),
     "--decoder-first-pipeline-num-layers": ("parallel.decoder_first_pipeline_num_layers", True),
     "--decoder-last-pipeline-num-layers": ("parallel.decoder_last_pipeline_num_layers", True),
     "--context-parallel-size": ("parallel.cp", True),
@@ -128,7 +134,10 @@ ALIASES: dict[str, tuple[str, bool]] = {
     "--grad-reduce-in-bf16": ("parallel.grad_reduce_dtype=bf16", False),
     "--recompute-granularity": ("parallel.recompute_granularity", True),
     "--recompute-activations": ("parallel.recompute_granularity=selective", False),
-    "--checkpoint-activations": ("parallel.recompute_granularity=full", False),  # Megatron's old name
+    "--checkpoint-activations": (
+        "parallel.recompute_granularity=full",
+        False,
+    ),  # Megatron's old name
     "--recompute-method": ("parallel.recompute_method", True),
     "--recompute-num-layers": ("parallel.recompute_num_layers", True),
     "--save": ("checkpoint.save", True),
@@ -150,10 +159,24 @@ _MULTI_WORD = {"--data-path", "--data-service-addresses", "--hierarchical-contex
 _STRING_LISTS = {"data.data_path", "data.service_addresses"}
 
 # Keys whose values are strings even when they look like numbers or booleans.
-_STRING_KEYS = {"data.tokenizer", "data.split", "checkpoint.save", "checkpoint.load", "log.run_dir",
-                "data.tokenizer_type", "data.vocab_file", "data.merge_file", "data.tokenizer_model",
-                "data.tiktoken_pattern", "data.cache_dir", "log.tensorboard_dir", "log.wandb_project",
-                "log.wandb_exp_name", "log.wandb_save_dir", "log.wandb_entity"}
+_STRING_KEYS = {
+    "data.tokenizer",
+    "data.split",
+    "checkpoint.save",
+    "checkpoint.load",
+    "log.run_dir",
+    "data.tokenizer_type",
+    "data.vocab_file",
+    "data.merge_file",
+    "data.tokenizer_model",
+    "data.tiktoken_pattern",
+    "data.cache_dir",
+    "log.tensorboard_dir",
+    "log.wandb_project",
+    "log.wandb_exp_name",
+    "log.wandb_save_dir",
+    "log.wandb_entity",
+}
 
 # Tokenizer types whose vocabulary Megatron's --vocab-size gives; with one of them named by
 # --tokenizer-type, --vocab-size is the tokenizer's (data.vocab_size) and the model's vocabulary
@@ -162,16 +185,27 @@ _VOCAB_SIZE_TOKENIZERS = ("NullTokenizer", "TikTokenizer")
 
 
 # Megatron spellings of choice values -> ours.
-_VALUE_SPELLINGS = {"LayerNorm": "layernorm", "RMSNorm": "rmsnorm", "learned_absolute": "learned", "WSD": "wsd"}
+_VALUE_SPELLINGS = {
+    "LayerNorm": "layernorm",
+    "RMSNorm": "rmsnorm",
+    "learned_absolute": "learned",
+    "WSD": "wsd",
+}
 # ... and per key: Megatron's attention backends (Transformer Engine's fused attention is cuDNN's).
 _KEY_SPELLINGS = {"model.attention_backend": {"fused": "cudnn", "unfused": "math", "local": "math"}}
 
 # Megatron's sample-counted flags -> the iteration-counted key each becomes (samples / global batch).
-_SAMPLE_FLAGS = {"--train-samples": "train.train_iters", "--lr-decay-samples": "optim.lr_decay_iters",
-                 "--lr-warmup-samples": "optim.lr_warmup_iters", "--lr-wsd-decay-samples": "optim.lr_wsd_decay_iters"}
+_SAMPLE_FLAGS = {
+    "--train-samples": "train.train_iters",
+    "--lr-decay-samples": "optim.lr_decay_iters",
+    "--lr-warmup-samples": "optim.lr_warmup_iters",
+    "--lr-wsd-decay-samples": "optim.lr_wsd_decay_iters",
+}
 
 # Flags accepted with one value only: (that value, why no other is).
-_ONLY_VALUE = {"--rotary-percent": (1.0, "rotary embeddings cover the whole head (partial RoPE is not built)")}
+_ONLY_VALUE = {
+    "--rotary-percent": (1.0, "rotary embeddings cover the whole head (partial RoPE is not built)")
+}
 
 
 _PYTHON_FLOAT = re.compile(r"[+-]?(\d+\.\d*|\.\d+)([eE][+-]?\d+)?")
@@ -191,8 +225,10 @@ def parse_layer_freq(text: str) -> int | list[int]:
     try:
         tree = ast.parse(text.strip(), mode="eval").body
     except SyntaxError:
-        raise ConfigError(f"--moe-layer-freq={text!r} is neither an integer, a list nor a list expression "
-                          "such as ([1]*3+[0])*2") from None
+        raise ConfigError(
+            f"--moe-layer-freq={text!r} is neither an integer, a list nor a list expression "
+            "such as ([1]*3+[0])*2"
+        ) from None
 
     def value(node: ast.AST) -> int | list[int]:
         if isinstance(node, ast.Constant) and type(node.value) is int:
@@ -200,7 +236,9 @@ def parse_layer_freq(text: str) -> int | list[int]:
         if isinstance(node, (ast.List, ast.Tuple)):
             items = [value(e) for e in node.elts]
             if any(not isinstance(v, int) for v in items):
-                raise ConfigError(f"--moe-layer-freq={text!r}: lists hold integers only (no nested lists)")
+                raise ConfigError(
+                    f"--moe-layer-freq={text!r}: lists hold integers only (no nested lists)"
+                )
             return items
         if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
             left, right = value(node.left), value(node.right)
@@ -215,8 +253,10 @@ def parse_layer_freq(text: str) -> int | list[int]:
                     raise ConfigError(f"--moe-layer-freq={text!r}: a list repeated {right} times")
                 return left * right
             raise ConfigError(f"--moe-layer-freq={text!r}: * repeats a list by an integer")
-        raise ConfigError(f"--moe-layer-freq={text!r}: only integers, lists, + and * are allowed, "
-                          f"not {ast.unparse(node)!r}")
+        raise ConfigError(
+            f"--moe-layer-freq={text!r}: only integers, lists, + and * are allowed, "
+            f"not {ast.unparse(node)!r}"
+        )
 
     def _bounded(items: list[int]) -> list[int]:
         if len(items) > _LIST_LIMIT:
@@ -259,7 +299,9 @@ def parse_overrides(args: list[str]) -> tuple[str | None, dict[str, Any]]:
     while i < len(args):
         word = args[i]
         if not word.startswith("--"):
-            raise ConfigError(f"unexpected argument {word!r}; overrides look like --section.key=value")
+            raise ConfigError(
+                f"unexpected argument {word!r}; overrides look like --section.key=value"
+            )
         name, eq, inline = word.partition("=")
 
         def take_value() -> str:
@@ -304,7 +346,11 @@ def parse_overrides(args: list[str]) -> tuple[str | None, dict[str, Any]]:
                 words = take_words()
                 if not words:
                     raise ConfigError(f"{name} needs a value")
-                cfg.set_dotted(table, target, words if target in _STRING_LISTS else [cfg.parse_value(w) for w in words])
+                cfg.set_dotted(
+                    table,
+                    target,
+                    words if target in _STRING_LISTS else [cfg.parse_value(w) for w in words],
+                )
             else:
                 cfg.set_dotted(table, target, _value_for(target, take_value()))
         elif known is not None and known[0] == "no_effect":
@@ -320,15 +366,22 @@ def parse_overrides(args: list[str]) -> tuple[str | None, dict[str, Any]]:
             key = name[2:].replace("-", "_")
             cfg.set_dotted(table, key, _value_for(key, take_value()))
         else:
-            near = cfg.close_matches(name, ["--config", *ALIASES, *_DEFERRED_SWITCHES, *_DEFERRED_VALUES])
-            hint = (f"did you mean {' or '.join(near)}?" if near
-                    else "use --section.key=value (see --help-config for the keys and aliases)")
+            near = cfg.close_matches(
+                name, ["--config", *ALIASES, *_DEFERRED_SWITCHES, *_DEFERRED_VALUES]
+            )
+            hint = (
+                f"did you mean {' or '.join(near)}?"
+                if near
+                else "use --section.key=value (see --help-config for the keys and aliases)"
+            )
             raise ConfigError(f"unknown flag {name}; {hint}")
         i += 1
     if refused:
         lines = "\n".join(f"  {flag}: {why}" for flag, why in refused.items())
-        raise ConfigError(f"{len(refused)} Megatron-LM flag(s) of features meshtrain does not have "
-                          f"(remove them to go on):\n{lines}")
+        raise ConfigError(
+            f"{len(refused)} Megatron-LM flag(s) of features meshtrain does not have "
+            f"(remove them to go on):\n{lines}"
+        )
     _apply_deferred(table, megatron)
     return config_file, table
 
@@ -345,33 +398,49 @@ def accepted_flags() -> list[str]:
 
 def _apply_deferred(table: dict[str, Any], flags: dict[str, Any]) -> None:
     """Apply the Megatron flags that read other flags of the same command line."""
-    model, data = table.setdefault("model", {}), table.setdefault("data", {})  # empty ones dropped at the end
+    model, data = (
+        table.setdefault("model", {}),
+        table.setdefault("data", {}),
+    )  # empty ones dropped at the end
     if data.get("tokenizer_type") in _VOCAB_SIZE_TOKENIZERS and "vocab_size" in model:
         cfg.set_dotted(table, "data.vocab_size", model.pop("vocab_size"))
     if "vocab_file" in data and "merge_file" in data and "tokenizer_type" not in data:
         # Megatron's GPT-3 example names no type; the one type that reads a merge file is GPT-2's BPE
-        log.warning("--vocab-file and --merge-file without --tokenizer-type: GPT2BPETokenizer, the tokenizer "
-                    "that reads both")
+        log.warning(
+            "--vocab-file and --merge-file without --tokenizer-type: GPT2BPETokenizer, the tokenizer "
+            "that reads both"
+        )
         data["tokenizer_type"] = "GPT2BPETokenizer"
     for key in ("tiktoken_pattern", "tiktoken_num_special_tokens"):  # read by TikTokenizer alone
         if key in data and data.get("tokenizer_type", "TikTokenizer") != "TikTokenizer":
-            log.warning("--%s applies to --tokenizer-type TikTokenizer: not used with %s (Megatron-LM ignores it "
-                        "too)", key.replace("_", "-"), data["tokenizer_type"])
+            log.warning(
+                "--%s applies to --tokenizer-type TikTokenizer: not used with %s (Megatron-LM ignores it "
+                "too)",
+                key.replace("_", "-"),
+                data["tokenizer_type"],
+            )
             del data[key]
     # Megatron reads --num-query-groups (default 1) only with --group-query-attention.
     if flags.get("--group-query-attention"):
         model.setdefault("num_query_groups", 1)
     elif "num_query_groups" in model:
-        log.warning("--num-query-groups=%s without --group-query-attention: applied here, where Megatron-LM "
-                    "would ignore it (multi-head attention)", model["num_query_groups"])
+        log.warning(
+            "--num-query-groups=%s without --group-query-attention: applied here, where Megatron-LM "
+            "would ignore it (multi-head attention)",
+            model["num_query_groups"],
+        )
     if "--rope-scaling-factor" in flags and not flags.get("--use-rope-scaling"):
-        raise ConfigError("--rope-scaling-factor applies with --use-rope-scaling (Megatron-LM ignores it "
-                          "otherwise): add --use-rope-scaling, or remove the factor")
+        raise ConfigError(
+            "--rope-scaling-factor applies with --use-rope-scaling (Megatron-LM ignores it "
+            "otherwise): add --use-rope-scaling, or remove the factor"
+        )
     if flags.get("--use-rope-scaling"):  # Megatron's default factor: 8 (Llama 3.1)
         model["rope_scaling_factor"] = cfg.parse_value(flags.get("--rope-scaling-factor", "8.0"))
     # Megatron turns sequence parallelism off at tensor-parallel size 1 (nothing to split over).
     if table.get("parallel", {}).get("sequence_parallel") and table["parallel"].get("tp") == 1:
-        log.warning("--sequence-parallel with --tensor-model-parallel-size 1: off, as in Megatron-LM")
+        log.warning(
+            "--sequence-parallel with --tensor-model-parallel-size 1: off, as in Megatron-LM"
+        )
         del table["parallel"]["sequence_parallel"]
     _apply_sample_counts(table, flags)
     balancing = flags.get("--moe-router-load-balancing-type")
@@ -379,12 +448,17 @@ def _apply_deferred(table: dict[str, Any], flags: dict[str, Any]) -> None:
         raise ConfigError(
             f"--moe-router-load-balancing-type={balancing!r} is not supported: 'aux_loss' (the load-"
             "balancing loss over the global micro-batch, weighted by --moe-aux-loss-coeff) or 'none' "
-            "(no such loss; --moe-router-enable-expert-bias balances without one)")
-    if balancing == "none":  # Megatron ignores the coefficient then; here a contradiction is refused
+            "(no such loss; --moe-router-enable-expert-bias balances without one)"
+        )
+    if (
+        balancing == "none"
+    ):  # Megatron ignores the coefficient then; here a contradiction is refused
         coeff = model.get("moe_aux_loss_coeff", 0)
         if coeff:
-            raise ConfigError(f"--moe-router-load-balancing-type=none turns the load-balancing loss off, but "
-                              f"--moe-aux-loss-coeff={coeff} asks for it: give one of them")
+            raise ConfigError(
+                f"--moe-router-load-balancing-type=none turns the load-balancing loss off, but "
+                f"--moe-aux-loss-coeff={coeff} asks for it: give one of them"
+            )
         cfg.set_dotted(table, "model.moe_aux_loss_coeff", 0.0)
     for section in ("model", "data"):
         if not table[section]:
@@ -401,8 +475,10 @@ def _apply_sample_counts(table: dict[str, Any], flags: dict[str, Any]) -> None:
         return
     batch = table.get("train", {}).get("global_batch_size")
     if not isinstance(batch, int) or batch <= 0:
-        raise ConfigError(f"{given[0]} counts samples: give --global-batch-size on the same command line to turn "
-                          "it into optimizer steps")
+        raise ConfigError(
+            f"{given[0]} counts samples: give --global-batch-size on the same command line to turn "
+            "it into optimizer steps"
+        )
     for flag in given:
         key = _SAMPLE_FLAGS[flag]
         section, _, name = key.partition(".")
@@ -411,9 +487,18 @@ def _apply_sample_counts(table: dict[str, Any], flags: dict[str, Any]) -> None:
             raise ConfigError(f"{flag} and {iters_flag} both set {key}: give one of them")
         samples = cfg.parse_value(flags[flag])
         if type(samples) is not int or samples < 0:
-            raise ConfigError(f"{flag} must be a number of samples (an integer >= 0), got {flags[flag]!r}")
+            raise ConfigError(
+                f"{flag} must be a number of samples (an integer >= 0), got {flags[flag]!r}"
+            )
         steps = samples // batch if flag == "--train-samples" else round(samples / batch)
         if flag != "--train-samples" and steps * batch != samples:
-            log.warning("%s=%d is %.2f steps of %d samples: %s=%d", flag, samples, samples / batch, batch,
-                        iters_flag, steps)
+            log.warning(
+                "%s=%d is %.2f steps of %d samples: %s=%d",
+                flag,
+                samples,
+                samples / batch,
+                batch,
+                iters_flag,
+                steps,
+            )
         cfg.set_dotted(table, key, steps)

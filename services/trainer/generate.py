@@ -23,7 +23,9 @@ class KVCache:
         self.values: list[torch.Tensor | None] = [None] * num_layers
         self.length = 0
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def append(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.keys[layer] is None:
             self.keys[layer], self.values[layer] = k, v
         else:
@@ -40,7 +42,7 @@ def _attention_step(attn, x: torch.Tensor, rope, cache: KVCache, layer: int) -> 
     b, _, s, _ = q.shape
     if rope is not None:
         # The new positions are start..start+s-1, so their rotation starts at the cache length.
-        cos, sin = rope[0][start:start + s], rope[1][start:start + s]
+        cos, sin = rope[0][start : start + s], rope[1][start : start + s]
         q, k = kernels.rope(q, cos, sin), kernels.rope(k, cos, sin)
     k, v = cache.append(layer, k, v)  # (b, groups, start+s, d)
     # Query head j uses key/value group j // per_group (the fused layout's order).
@@ -66,7 +68,9 @@ def forward_cached(model, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
     s = tokens.shape[1]
     start = cache.length
     if start + s > context_length(model):
-        raise ConfigError(f"sequence of {start + s} tokens exceeds the model's {context_length(model)} positions")
+        raise ConfigError(
+            f"sequence of {start + s} tokens exceeds the model's {context_length(model)} positions"
+        )
     emb = model.embedding
     x = emb.word_embeddings(tokens)
     if emb.position_embeddings is not None:
@@ -79,10 +83,12 @@ def forward_cached(model, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
     cache.length += s
     h = model.final_norm(x)
     # Padded vocabulary rows are never real tokens: keep them out of sampling.
-    return model.head.logits(h, model.output_weight)[..., :model.vocab_size]
+    return model.head.logits(h, model.output_weight)[..., : model.vocab_size]
 
 
-def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
+def filter_logits(
+    logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None
+) -> torch.Tensor:
     """logits (b, vocab) with everything outside the top k / the nucleus of mass p set to -inf."""
     if top_k is not None and top_k > 0 and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # (b, 1)
@@ -107,9 +113,16 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -
 
 
 @torch.no_grad()
-def generate(model, tokens: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int | None = None, top_p: float | None = None,
-             generator: torch.Generator | None = None, eod_id: int | None = None) -> torch.Tensor:
+def generate(
+    model,
+    tokens: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+    eod_id: int | None = None,
+) -> torch.Tensor:
     """Sample `max_new_tokens` tokens after `tokens` with a KV cache.
 
     Args:

@@ -17,21 +17,33 @@ log = logging.getLogger(__name__)
 
 
 def register(sub) -> None:
-    g = sub.add_parser("generate", help="sample text from a checkpoint",
-                       description="Sample a continuation of --prompt from a committed checkpoint; "
-                                   "prints prompt + continuation to stdout.")
+    g = sub.add_parser(
+        "generate",
+        help="sample text from a checkpoint",
+        description="Sample a continuation of --prompt from a committed checkpoint; "
+        "prints prompt + continuation to stdout.",
+    )
     g.add_argument("--load", required=True, metavar="ROOT", help="checkpoint root")
     g.add_argument("--prompt", required=True, help="text to continue")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0: all)")
     g.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1]")
-    g.add_argument("--seed", type=int, default=None, help="seed of the sampler (reproducible samples)")
-    g.add_argument("--ckpt-step", type=int, default=None, help="which step (default: newest committed)")
+    g.add_argument(
+        "--seed", type=int, default=None, help="seed of the sampler (reproducible samples)"
+    )
+    g.add_argument(
+        "--ckpt-step", type=int, default=None, help="which step (default: newest committed)"
+    )
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    g.add_argument("--tokenizer", default=None,
-                   help="tokenizer spec (default: the one the checkpoint records; 'byte' for bytes)")
-    g.add_argument("--num-samples", type=int, default=1, help="samples to draw, each printed on its own")
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer spec (default: the one the checkpoint records; 'byte' for bytes)",
+    )
+    g.add_argument(
+        "--num-samples", type=int, default=1, help="samples to draw, each printed on its own"
+    )
     g.set_defaults(func=cmd_generate)
 
 
@@ -42,8 +54,9 @@ def _tokenizer_spec(args: argparse.Namespace, step: int, manifest: dict) -> str:
     from meshtrain.services.checkpoint.tokenizer_store import tokenizer_spec
 
     metadata = manifest.get("metadata", {})
-    spec = (tokenizer_spec(args.load, step, metadata, manifest)
-            or ((metadata.get("config") or {}).get("data") or {}).get("tokenizer"))
+    spec = tokenizer_spec(args.load, step, metadata, manifest) or (
+        (metadata.get("config") or {}).get("data") or {}
+    ).get("tokenizer")
     if not spec:
         raise ConfigError(f"{args.load}: the checkpoint records no tokenizer; pass --tokenizer")
     return spec
@@ -68,7 +81,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CheckpointError(f"no committed checkpoint under {args.load}")
     step = args.ckpt_step if args.ckpt_step is not None else steps[-1]
     if step not in steps:
-        raise CheckpointError(f"no committed checkpoint of step {step} under {args.load} (have {steps})")
+        raise CheckpointError(
+            f"no committed checkpoint of step {step} under {args.load} (have {steps})"
+        )
     manifest = read_manifest(args.load, step)
     metadata = manifest.get("metadata", {})
     config = model_config(metadata, tensor_specs(manifest), f"{args.load} step {step}")
@@ -80,7 +95,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model = GPT(config)
     load_checkpoint(args.load, model, step=step)
     model.to(device).eval()
-    log.info("loaded %s step %d (%d parameters) on %s", args.load, step, model.num_parameters(), device)
+    log.info(
+        "loaded %s step %d (%d parameters) on %s", args.load, step, model.num_parameters(), device
+    )
 
     ids = tokenizer.encode(args.prompt)
     if not ids:
@@ -88,15 +105,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
     limit = context_length(model)
     if len(ids) >= limit:
         # Keep the most recent context, with room for at least one new token.
-        log.warning("prompt of %d tokens exceeds the model's %d positions: keeping its last %d",
-                    len(ids), limit, limit - 1)
-        ids = ids[-(limit - 1):]
+        log.warning(
+            "prompt of %d tokens exceeds the model's %d positions: keeping its last %d",
+            len(ids),
+            limit,
+            limit - 1,
+        )
+        ids = ids[-(limit - 1) :]
     generator = None
     if args.seed is not None:
         generator = torch.Generator(device=device).manual_seed(args.seed)
     prompt = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=device)  # (n, s)
-    out = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                   top_p=args.top_p, generator=generator)
+    out = generate(
+        model,
+        prompt,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        generator=generator,
+    )
     for row in out.tolist():
         sys.stdout.write(tokenizer.decode(row) + "\n")
     sys.stdout.flush()

@@ -55,12 +55,19 @@ class MicroBatchGraph:
             compiled backward's first call and any autotuning on the way).
     """
 
-    def __init__(self, run: Callable[..., torch.Tensor], params: Sequence[nn.Parameter], device: torch.device,
-                 warmup: int = 2):
+    def __init__(
+        self,
+        run: Callable[..., torch.Tensor],
+        params: Sequence[nn.Parameter],
+        device: torch.device,
+        warmup: int = 2,
+    ):
         if device.type != "cuda":
             raise MeshtrainError(f"a CUDA graph needs a CUDA device, got {device}")
         if warmup < 1:
-            raise ValueError(f"warmup must be >= 1 (compilation and autotuning cannot be captured), got {warmup}")
+            raise ValueError(
+                f"warmup must be >= 1 (compilation and autotuning cannot be captured), got {warmup}"
+            )
         self.run = run
         self.params = [p for p in params if p.requires_grad]
         self.device = device
@@ -111,10 +118,13 @@ class MicroBatchGraph:
             raise MeshtrainError(
                 f"capturing the micro-batch's forward and backward as a CUDA graph failed: {e}. Something in the "
                 "step cannot be captured (a host synchronization, a data-dependent shape, an allocation outside "
-                "the graph's pool); train without it: train.cuda_graph=false") from e
+                "the graph's pool); train without it: train.cuda_graph=false"
+            ) from e
         if not isinstance(loss, torch.Tensor) or loss.device != self.device:
-            raise MeshtrainError(f"the captured micro-batch must return its loss as a tensor on {self.device}, "
-                                 f"got {type(loss).__name__}")
+            raise MeshtrainError(
+                f"the captured micro-batch must return its loss as a tensor on {self.device}, "
+                f"got {type(loss).__name__}"
+            )
         self._check_grads("capture")
         self.graph, self._loss = graph, loss
 
@@ -132,12 +142,15 @@ class MicroBatchGraph:
         if self.graph is None or self._loss is None:
             raise MeshtrainError("replay before capture: call capture() at the first step's start")
         if len(inputs) != len(self._inputs):
-            raise MeshtrainError(f"the graph was captured with {len(self._inputs)} inputs, got {len(inputs)}")
+            raise MeshtrainError(
+                f"the graph was captured with {len(self._inputs)} inputs, got {len(inputs)}"
+            )
         for k, (static, t) in enumerate(zip(self._inputs, inputs)):
             if t.shape != static.shape or t.dtype != static.dtype:
                 raise MeshtrainError(
                     f"micro-batch input {k} is {tuple(t.shape)} {t.dtype}, but the graph was captured for "
-                    f"{tuple(static.shape)} {static.dtype}: a CUDA graph replays fixed shapes")
+                    f"{tuple(static.shape)} {static.dtype}: a CUDA graph replays fixed shapes"
+                )
             static.copy_(t, non_blocking=True)
         self._check_grads("replay")
         self.graph.replay()
@@ -149,4 +162,5 @@ class MicroBatchGraph:
                 raise MeshtrainError(
                     f"a parameter of shape {tuple(p.shape)} had its .grad {'dropped' if p.grad is None else 'replaced'} "
                     f"at the {when}; the graph adds into the tensors it captured: zero gradients in place "
-                    "(zero_grad(set_to_none=False)) while it is in use")
+                    "(zero_grad(set_to_none=False)) while it is in use"
+                )

@@ -100,12 +100,19 @@ class RouterStats:
         pp_group: the pipeline group (each stage holds its blocks' statistics), or None.
     """
 
-    def __init__(self, model: nn.Module, num_layers: int, batch_group: dist.ProcessGroup | None,
-                 pp_group: dist.ProcessGroup | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        num_layers: int,
+        batch_group: dist.ProcessGroup | None,
+        pp_group: dist.ProcessGroup | None = None,
+    ):
         self.layers = [(_global_layer(name), m) for name, m in moe_layers(model)]
         self.num_layers = num_layers
         self.batch_group, self.pp_group = batch_group, pp_group
-        self.last: list[tuple[int, MoEStats, bool]] = []  # (global block, its statistics, aux shared)
+        self.last: list[
+            tuple[int, MoEStats, bool]
+        ] = []  # (global block, its statistics, aux shared)
 
     def end_step(self) -> None:
         """After the optimizer step: expert-bias updates, then the step's statistics put aside."""
@@ -128,7 +135,7 @@ class RouterStats:
             # statistics group spans the batch; alone, whole losses, averaged over the ranks
             weight = 1.0 if shared else 1.0 / batch_size
             table[i, :e] = st.routed_per_expert.to(device, torch.float64)
-            table[i, e:2 * e] = st.tokens_per_expert.to(device, torch.float64)
+            table[i, e : 2 * e] = st.tokens_per_expert.to(device, torch.float64)
             table[i, 2 * e] = st.aux_loss.to(device, torch.float64) * weight / n
             table[i, 2 * e + 1] = st.z_loss.to(device, torch.float64) * weight / n
         for group in (self.batch_group, self.pp_group):
@@ -137,9 +144,11 @@ class RouterStats:
         rows = table[ids].tolist()  # the one host sync
         out: dict[str, float] = {}
         for i, row in zip(ids, rows):
-            routed, kept = row[:e], row[e:2 * e]
+            routed, kept = row[:e], row[e : 2 * e]
             mean = sum(routed) / e
-            out[f"moe/layer{i}/tokens_per_expert_max_over_mean"] = max(routed) / mean if mean else 0.0
+            out[f"moe/layer{i}/tokens_per_expert_max_over_mean"] = (
+                max(routed) / mean if mean else 0.0
+            )
             out[f"moe/layer{i}/dropped"] = int(round(sum(routed) - sum(kept)))
         if config.moe_aux_loss_coeff > 0:
             out["moe/aux_loss"] = sum(row[2 * e] for row in rows)
@@ -155,7 +164,9 @@ def _group_size(group: dist.ProcessGroup | None) -> int:
 def memory_metrics(device: torch.device) -> dict[str, float]:
     """Peak memory so far: the process's resident host memory, and on CUDA the device memory
     tensors have held (the caching allocator's peak; what an out-of-memory error runs into)."""
-    out = {"max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}  # KiB on Linux
+    out = {
+        "max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    }  # KiB on Linux
     if device.type == "cuda":
         out["mem_max_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     return out
@@ -173,8 +184,14 @@ def format_duration(seconds: float) -> str:
 class MetricsLog:
     """Appends records to RUN_DIR/metrics.jsonl and shows progress (bar or lines)."""
 
-    def __init__(self, run_dir: Path, total_steps: int, start_step: int, progress: str,
-                 trackers: list[Tracker] | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        total_steps: int,
+        start_step: int,
+        progress: str,
+        trackers: list[Tracker] | None = None,
+    ):
         """progress: 'auto' | 'bar' | 'lines', or 'none' on ranks that write nothing.
         trackers: TensorBoard / W&B, given the same scalars as each row (closed by `close`)."""
         self.path = run_dir / "metrics.jsonl"
@@ -209,13 +226,22 @@ class MetricsLog:
         eta = format_duration((self.total - record["step"]) * record["step_time_s"])
         if self.bar is not None:
             self.bar.n = record["step"]
-            self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}", eta=eta)
+            self.bar.set_postfix(
+                loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}", eta=eta
+            )
         else:
             mfu = f" | MFU {record['mfu'] * 100:.1f}%" if "mfu" in record else ""
             log.info(
                 "step %d/%d | loss %.4f | lr %.2e | grad_norm %.3f | %s tok/s | %.3f s/step%s | ETA %s",
-                record["step"], self.total, record["loss"], record["lr"], record["grad_norm"],
-                f"{record['tokens_per_s']:,.0f}", record["step_time_s"], mfu, eta,
+                record["step"],
+                self.total,
+                record["loss"],
+                record["lr"],
+                record["grad_norm"],
+                f"{record['tokens_per_s']:,.0f}",
+                record["step_time_s"],
+                mfu,
+                eta,
             )
 
     def eval(self, step: int, loss: float) -> None:
@@ -256,7 +282,12 @@ def _drop_rows_after(path: Path, step: int) -> None:
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(kept))
         tmp.replace(path)  # atomic: a crash here leaves the old file or the new one
-        log.info("%s: dropped %d rows after step %d, which this run logs again", path, len(lines) - len(kept), step)
+        log.info(
+            "%s: dropped %d rows after step %d, which this run logs again",
+            path,
+            len(lines) - len(kept),
+            step,
+        )
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -270,7 +301,8 @@ def plot_losses(run_dir: Path) -> Path | None:
         import matplotlib
     except ImportError:
         log.warning(
-            "no loss.png: matplotlib is not installed (pip install 'meshtrain[plot]', or --log.plot=false)")
+            "no loss.png: matplotlib is not installed (pip install 'meshtrain[plot]', or --log.plot=false)"
+        )
         return None
 
     matplotlib.use("Agg")

@@ -63,7 +63,9 @@ def describe_stop(codes: list[int], limit: int = 8) -> str:
             by_cause.setdefault(code, []).append(rank)
     parts = []
     for code, ranks in by_cause.items():
-        listed = ", ".join(map(str, ranks[:limit])) + (f" and {len(ranks) - limit} more" if len(ranks) > limit else "")
+        listed = ", ".join(map(str, ranks[:limit])) + (
+            f" and {len(ranks) - limit} more" if len(ranks) > limit else ""
+        )
         parts.append(f"{cause_of(code)} to rank{'s' if len(ranks) > 1 else ''} {listed}")
     return "; ".join(parts) or "a stop request from an unnamed rank"
 
@@ -101,7 +103,11 @@ class RunRequests:
                 try:
                     faulthandler.dump_traceback_later(STOP_STACK_DUMP_S, file=sys.stderr)
                     self._dump_armed = True
-                except (AttributeError, ValueError, OSError):  # no stderr with a file descriptor (embedded)
+                except (
+                    AttributeError,
+                    ValueError,
+                    OSError,
+                ):  # no stderr with a file descriptor (embedded)
                     pass
             self._stop.set()
 
@@ -131,7 +137,9 @@ class RunRequests:
             until_exit: the process ends with the run: from the end of the block until it
                 exits, SIGTERM stays only logged rather than killing it.
         """
-        with relayed_signals([signal.SIGTERM], lambda s: self.stop(s.name), name="sigterm-relay") as installed:
+        with relayed_signals(
+            [signal.SIGTERM], lambda s: self.stop(s.name), name="sigterm-relay"
+        ) as installed:
             try:
                 yield
             finally:

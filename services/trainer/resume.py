@@ -29,8 +29,9 @@ from meshtrain.services.trainer.model.gpt import GPT
 log = logging.getLogger("meshtrain.train")
 
 
-def resume(job: JobConfig, model: GPT, optimizer: torch.optim.Optimizer,
-           par: Parallel) -> tuple[TrainState, int | None]:
+def resume(
+    job: JobConfig, model: GPT, optimizer: torch.optim.Optimizer, par: Parallel
+) -> tuple[TrainState, int | None]:
     """Load `checkpoint.load` into `model` and `optimizer` in place, checked against the job.
 
     Returns:
@@ -46,12 +47,20 @@ def resume(job: JobConfig, model: GPT, optimizer: torch.optim.Optimizer,
         # from) or an explicit step that is missing stays an error: a mistyped path must not
         # silently train from scratch.
         refuse_damaged_newer(c.load, None)  # nor may a root whose steps are damaged
-        log.warning("no committed checkpoint under %s, the root this run saves into: starting from step 0 "
-                    "(--load of the root a run saves into resumes it once it holds one)", c.load)
+        log.warning(
+            "no committed checkpoint under %s, the root this run saves into: starting from step 0 "
+            "(--load of the root a run saves into resumes it once it holds one)",
+            c.load,
+        )
         return TrainState(), None
     state, meta = restore(c.load, model, optimizer, par, c.load_step)
     check_continuation(job, state, meta)
-    log.info("resumed from %s at step %d (%d samples consumed)", c.load, state.iteration, state.consumed_samples)
+    log.info(
+        "resumed from %s at step %d (%d samples consumed)",
+        c.load,
+        state.iteration,
+        state.consumed_samples,
+    )
     return state, state.iteration if same_root(c.load, c.save) else None
 
 
@@ -70,44 +79,68 @@ def check_continuation(job: JobConfig, state: TrainState, meta: dict) -> None:
             f"the checkpoint consumed {state.consumed_samples} samples in {state.iteration} steps, but "
             f"train.global_batch_size={t.global_batch_size} would put step {state.iteration} at sample "
             f"{state.iteration * t.global_batch_size}: samples would be skipped or repeated; resume with "
-            "the checkpoint's global batch size")
+            "the checkpoint's global batch size"
+        )
     before = meta.get("config", {}).get("train", {}).get("train_iters")
     if before is not None and before != t.train_iters:
-        log.warning("train.train_iters changed from %d to %d since the checkpoint: the sample order and the "
-                    "LR schedule follow it, so this continues a different run than the one saved (keep it "
-                    "unchanged for an exact continuation; optim.lr_decay_iters fixes the schedule alone)",
-                    before, t.train_iters)
+        log.warning(
+            "train.train_iters changed from %d to %d since the checkpoint: the sample order and the "
+            "LR schedule follow it, so this continues a different run than the one saved (keep it "
+            "unchanged for an exact continuation; optim.lr_decay_iters fixes the schedule alone)",
+            before,
+            t.train_iters,
+        )
     saved = meta.get("config", {})
     # What else decides the samples a step takes, and which documents evaluation holds out.
-    for section, key in (("train", "seed"), ("data", "split"), ("data", "data_path"), ("model", "seq_length")):
+    for section, key in (
+        ("train", "seed"),
+        ("data", "split"),
+        ("data", "data_path"),
+        ("model", "seq_length"),
+    ):
         was, now = saved.get(section, {}).get(key), getattr(getattr(job, section), key)
         if was is not None and was != now:
-            log.warning("%s.%s changed from %s to %s since the checkpoint: the samples each step takes (and "
-                        "the documents held out for evaluation) follow it, so the steps from here skip and "
-                        "repeat samples of the saved run's order (keep it unchanged for an exact continuation)",
-                        section, key, was, now)
+            log.warning(
+                "%s.%s changed from %s to %s since the checkpoint: the samples each step takes (and "
+                "the documents held out for evaluation) follow it, so the steps from here skip and "
+                "repeat samples of the saved run's order (keep it unchanged for an exact continuation)",
+                section,
+                key,
+                was,
+                now,
+            )
     # The LR schedule is recomputed from the config at every step (not stored), so a changed
     # setting moves the rate at once; Megatron refuses this without
     # --override-opt_param-scheduler, here it is a warning (a lower peak LR after a loss spike
     # is deliberate practice).
-    changed = [f"optim.{key} {saved['optim'][key]} -> {getattr(job.optim, key)}"
-               for key in ("lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style")
-               if key in saved.get("optim", {}) and saved["optim"][key] != getattr(job.optim, key)]
+    changed = [
+        f"optim.{key} {saved['optim'][key]} -> {getattr(job.optim, key)}"
+        for key in ("lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style")
+        if key in saved.get("optim", {}) and saved["optim"][key] != getattr(job.optim, key)
+    ]
     if changed:
-        log.warning("the LR schedule changed since the checkpoint (%s): the learning rate from step %d follows "
-                    "the new schedule, not the saved run's (keep them unchanged for an exact continuation)",
-                    ", ".join(changed), state.iteration + 1)
+        log.warning(
+            "the LR schedule changed since the checkpoint (%s): the learning rate from step %d follows "
+            "the new schedule, not the saved run's (keep them unchanged for an exact continuation)",
+            ", ".join(changed),
+            state.iteration + 1,
+        )
     if t.bf16 and saved.get("train", {}).get("bf16"):
         # Checkpoints from before the setting existed trained with plain autocast's fp32 stream.
         was = saved.get("model", {}).get("fp32_residual_connection", True)
         now = job.model.fp32_residual_connection
         if was != now:
             dtype = {True: "fp32", False: "bf16"}
-            log.warning("model.fp32_residual_connection changed from %s to %s since the checkpoint: its "
-                        "residual stream was %s, this run's is %s, so the numerics change from here on "
-                        "(%s --fp32-residual-connection to keep the checkpoint's)",
-                        was, now, dtype[was], dtype[now], "pass" if was else "drop")
-
+            log.warning(
+                "model.fp32_residual_connection changed from %s to %s since the checkpoint: its "
+                "residual stream was %s, this run's is %s, so the numerics change from here on "
+                "(%s --fp32-residual-connection to keep the checkpoint's)",
+                was,
+                now,
+                dtype[was],
+                dtype[now],
+                "pass" if was else "drop",
+            )
 
 
 def refuse_a_root_with_later_steps(c: CheckpointConfig, start: int) -> None:
@@ -127,7 +160,8 @@ def refuse_a_root_with_later_steps(c: CheckpointConfig, start: int) -> None:
             f"checkpoint steps {damaged[:5]}{' ...' if len(damaged) > 5 else ''} after this run's start (step "
             f"{start}) under {c.save!r} hold a manifest.json that cannot be read (`meshtrain ckpt verify "
             f"{c.save} --all`): the run's save of such a step would fail; delete them (meshtrain ckpt delete "
-            f"{c.save} --step N), pass --checkpoint.overwrite=true, or --save another root")
+            f"{c.save} --step N), pass --checkpoint.overwrite=true, or --save another root"
+        )
     later = [s for s in list_checkpoints(c.save) if s > start]
     if later:
         shown = f"{later[:5]}{' ...' if len(later) > 5 else ''}"
@@ -137,4 +171,5 @@ def refuse_a_root_with_later_steps(c: CheckpointConfig, start: int) -> None:
             "from them rather than from this run; "
             # a first command run again (no --load) most likely meant to resume those steps
             + (f"to resume them pass --load {c.save}; " if not c.load else "")
-            + "pass --checkpoint.overwrite=true to share the root anyway, or --save another root")
+            + "pass --checkpoint.overwrite=true to share the root anyway, or --save another root"
+        )

@@ -61,7 +61,9 @@ def _new_run_dir(configured: str | None) -> Path:
         try:
             path.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise ConfigError(f"cannot create the run directory {path} (log.run_dir): {e.strerror}") from None
+            raise ConfigError(
+                f"cannot create the run directory {path} (log.run_dir): {e.strerror}"
+            ) from None
     else:
         path = _new_default_run_dir()
     claim_run_dir(path)
@@ -97,15 +99,19 @@ def claim_run_dir(run_dir: Path) -> None:
         return
     lock = lock_file(run_dir / TRAIN_LOCK)
     if isinstance(lock, str):
-        raise ConfigError(f"run directory {run_dir} is in use by another trainer (pid {lock}); stop it first "
-                          f"(`meshtrain stop {run_dir}`) or give this run another --log.run_dir")
+        raise ConfigError(
+            f"run directory {run_dir} is in use by another trainer (pid {lock}); stop it first "
+            f"(`meshtrain stop {run_dir}`) or give this run another --log.run_dir"
+        )
     # Taken with ours held (and `up` takes its own before looking at ours), so of a trainer and
     # an `up` starting together at least one sees the other.
     up = probe_lock(run_dir / UP_LOCK)
     if up is not None and up != os.environ.get(UP_PID_ENV):
         lock.close()
-        raise ConfigError(f"run directory {run_dir} is in use by meshtrain up (pid {up}); stop it first "
-                          f"(`meshtrain stop {run_dir}`, or Ctrl-C the up) or give this run another --log.run_dir")
+        raise ConfigError(
+            f"run directory {run_dir} is in use by meshtrain up (pid {up}); stop it first "
+            f"(`meshtrain stop {run_dir}`, or Ctrl-C the up) or give this run another --log.run_dir"
+        )
     lock.seek(0)
     lock.truncate()
     lock.write(f"{os.getpid()}\n")
@@ -137,7 +143,9 @@ def lock_file(path: Path, mode: int = fcntl.LOCK_EX):
     try:
         lock = open(path, "a+")  # noqa: SIM115 -- held open for as long as the process runs
     except OSError as e:
-        raise ConfigError(f"cannot lock the run directory {path.parent} ({path}): {e.strerror}") from None
+        raise ConfigError(
+            f"cannot lock the run directory {path.parent} ({path}): {e.strerror}"
+        ) from None
     try:
         fcntl.flock(lock, mode | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -166,13 +174,18 @@ def run_dir_toml(job: JobConfig, launcher_keys: list[str] | tuple[str, ...] = ()
     comment names (under `meshtrain up`: its data workers' and checkpoint service's addresses,
     dead once it exits, where `meshtrain train --config RUN/config.toml` would retry them)."""
     table = cfg.to_dict(job)
-    left_out = [key for key in launcher_keys
-                if table.get(key.partition(".")[0], {}).pop(key.partition(".")[2], None) is not None]
+    left_out = [
+        key
+        for key in launcher_keys
+        if table.get(key.partition(".")[0], {}).pop(key.partition(".")[2], None) is not None
+    ]
     text = tomli_w.dumps(table)
     if not left_out:
         return text
-    note = (f"Left out: {', '.join(left_out)}, which `meshtrain up` pointed at its own services (they "
-            "end with it). `meshtrain up --config` this file (or the command that started the run) resumes "
-            "the run with new ones; `meshtrain train --config` this file reads the data in-process and "
-            "writes checkpoints straight to checkpoint.save.")
+    note = (
+        f"Left out: {', '.join(left_out)}, which `meshtrain up` pointed at its own services (they "
+        "end with it). `meshtrain up --config` this file (or the command that started the run) resumes "
+        "the run with new ones; `meshtrain train --config` this file reads the data in-process and "
+        "writes checkpoints straight to checkpoint.save."
+    )
     return textwrap.fill(note, 96, initial_indent="# ", subsequent_indent="# ") + "\n" + text

@@ -74,8 +74,10 @@ def check_kernel_mode(device: torch.device) -> None:
     if mode == "triton" and device.type != "cuda":
         env = os.environ.get("MESHTRAIN_KERNELS")
         source = f"MESHTRAIN_KERNELS={env}" if env else "train.kernels='triton'"
-        raise ConfigError(f"{source} runs every fused op on its Triton kernel, on CUDA only; this run is on "
-                          f"{device.type}: use 'auto' or 'reference'")
+        raise ConfigError(
+            f"{source} runs every fused op on its Triton kernel, on CUDA only; this run is on "
+            f"{device.type}: use 'auto' or 'reference'"
+        )
 
 
 def check_attention_backend(backend: str, device: torch.device) -> None:
@@ -83,8 +85,10 @@ def check_attention_backend(backend: str, device: torch.device) -> None:
     attention are CUDA only), before anything is built, instead of SDPA's "No viable backend"
     traceback at the first forward."""
     if backend in ("cudnn", "efficient") and device.type != "cuda":
-        raise ConfigError(f"model.attention_backend={backend!r} runs on CUDA only; this run is on {device.type}: "
-                          "use 'auto', 'flash' or 'math'")
+        raise ConfigError(
+            f"model.attention_backend={backend!r} runs on CUDA only; this run is on {device.type}: "
+            "use 'auto', 'flash' or 'math'"
+        )
 
 
 def check_coordinate_descent_tuning(on: bool, device: torch.device) -> None:
@@ -92,8 +96,10 @@ def check_coordinate_descent_tuning(on: bool, device: torch.device) -> None:
     the Triton kernels Inductor generates on the device. (The tuning itself is the compiled
     model's own option, set where the trainer compiles it.)"""
     if on and device.type != "cuda":
-        raise ConfigError(f"train.compile_coordinate_descent_tuning tunes the Triton kernels Inductor generates "
-                          f"for a CUDA device; this run is on {device}")
+        raise ConfigError(
+            f"train.compile_coordinate_descent_tuning tunes the Triton kernels Inductor generates "
+            f"for a CUDA device; this run is on {device}"
+        )
 
 
 def build_mesh(job: JobConfig, device: torch.device) -> Mesh:
@@ -103,13 +109,21 @@ def build_mesh(job: JobConfig, device: torch.device) -> Mesh:
         for axis in ("tp", "pp", "cp", "ep"):
             n = getattr(job.parallel, axis)
             if n != 1:
-                raise ConfigError(f"parallel.{axis}={n} needs {n} processes; launch with "
-                                  f"`meshtrain train --nproc-per-node N` or torchrun")
+                raise ConfigError(
+                    f"parallel.{axis}={n} needs {n} processes; launch with "
+                    f"`meshtrain train --nproc-per-node N` or torchrun"
+                )
         return Mesh.single()
     timeout_s = job.parallel.distributed_timeout_minutes * 60
     init_process_group("nccl" if device.type == "cuda" else "gloo", timeout_s=timeout_s)
-    return Mesh.build(tp=job.parallel.tp, pp=job.parallel.pp, cp=job.parallel.cp, ep=job.parallel.ep,
-                      timeout_s=timeout_s, cp_a2a=job.parallel.cp_a2a_size)
+    return Mesh.build(
+        tp=job.parallel.tp,
+        pp=job.parallel.pp,
+        cp=job.parallel.cp,
+        ep=job.parallel.ep,
+        timeout_s=timeout_s,
+        cp_a2a=job.parallel.cp_a2a_size,
+    )
 
 
 def seed_everything(seed: int) -> None:
@@ -122,8 +136,9 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_model(job: JobConfig, mesh: Mesh, device: torch.device
-                ) -> tuple[torch.nn.Module, Fp8Model | None, Pipeline | None]:
+def build_model(
+    job: JobConfig, mesh: Mesh, device: torch.device
+) -> tuple[torch.nn.Module, Fp8Model | None, Pipeline | None]:
     """This rank's share of the job's model, on `device`: built whole from the current RNG state
     (the same on every rank), then sharded over the mesh's cp, tp and ep groups, its dense linears
     swapped for FP8 ones with train.fp8, and cut to this rank's pipeline chunks with pp > 1.
@@ -135,8 +150,14 @@ def build_model(job: JobConfig, mesh: Mesh, device: torch.device
     model = GPT(job.model)  # full weights, same seed on every rank: sharding slices them
     parallelize_context(model, mesh, job.parallel.cp_comm_type)
     recompute.apply(model, job.parallel)
-    parallelize(model, mesh, job.parallel.sequence_parallel, job.parallel.tp_comm_overlap, device,
-                async_grad_reduce=job.parallel.tp_async_grad_reduce)
+    parallelize(
+        model,
+        mesh,
+        job.parallel.sequence_parallel,
+        job.parallel.tp_comm_overlap,
+        device,
+        async_grad_reduce=job.parallel.tp_async_grad_reduce,
+    )
     fp8 = build_fp8(model, job.train, mesh, device)  # after tp sharded them, before pp splits
     parallelize_experts(model, mesh)  # this ep rank's experts; MoE statistics over dp x cp
     pipeline = None
@@ -144,28 +165,41 @@ def build_model(job: JobConfig, mesh: Mesh, device: torch.device
         pipeline = build_pipeline(model, mesh, job, device)  # scales the MoE aux losses too
         model = pipeline.stage
     else:  # each micro-batch's loss is divided by their number: the aux losses' gradients too
-        set_moe_loss_scale(model, mesh.dp * job.train.micro_batch_size / job.train.global_batch_size)
+        set_moe_loss_scale(
+            model, mesh.dp * job.train.micro_batch_size / job.train.global_batch_size
+        )
     return model.to(device), fp8, pipeline
 
 
-def build_data_parallel(model: torch.nn.Module, mesh: Mesh, parallel: ParallelConfig, optim: OptimConfig,
-                        pipeline: Pipeline | None) -> DataParallel | None:
+def build_data_parallel(
+    model: torch.nn.Module,
+    mesh: Mesh,
+    parallel: ParallelConfig,
+    optim: OptimConfig,
+    pipeline: Pipeline | None,
+) -> DataParallel | None:
     """The data-parallel wrapper of this rank's `model` (its pipeline stage with `pipeline`), or
     None in a single process."""
     if not mesh.distributed:
         return None
     p = parallel
     return DataParallel(
-        model, mesh, optim, distributed_optimizer=p.use_distributed_optimizer,
-        overlap_grad_reduce=p.overlap_grad_reduce, overlap_param_gather=p.overlap_param_gather,
+        model,
+        mesh,
+        optim,
+        distributed_optimizer=p.use_distributed_optimizer,
+        overlap_grad_reduce=p.overlap_grad_reduce,
+        overlap_param_gather=p.overlap_param_gather,
         bucket_size=p.ddp_bucket_size,
         gather_units=pipeline.stage.forward_units() if pipeline else forward_units(model),
         reduce_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[p.grad_reduce_dtype],
-        tied=pipeline.tied_weight() if pipeline else None)
+        tied=pipeline.tied_weight() if pipeline else None,
+    )
 
 
-def build_weight_copies(model: torch.nn.Module, train: TrainConfig, mesh: Mesh,
-                        device: torch.device) -> WeightCopies | None:
+def build_weight_copies(
+    model: torch.nn.Module, train: TrainConfig, mesh: Mesh, device: torch.device
+) -> WeightCopies | None:
     """The bf16 weight copies train.bf16_weight_copies asks for (unset: under train.bf16 in a
     single process), with train.gradient_accumulation_fusion (unset: on CUDA); None without.
 
@@ -177,7 +211,8 @@ def build_weight_copies(model: torch.nn.Module, train: TrainConfig, mesh: Mesh,
         raise ConfigError(
             f"train.bf16_weight_copies runs in a single process; this job has {mesh.world_size} "
             f"ranks (tp={mesh.tp}, dp={mesh.dp}), whose gradient reductions hook the fp32 "
-            "parameters: leave it unset or run one process")
+            "parameters: leave it unset or run one process"
+        )
     fusion = train.gradient_accumulation_fusion
     if copies or (copies is None and train.bf16 and not mesh.distributed):
         fuse = fusion if fusion is not None else device.type == "cuda"
@@ -185,7 +220,8 @@ def build_weight_copies(model: torch.nn.Module, train: TrainConfig, mesh: Mesh,
     if fusion:
         raise ConfigError(
             f"train.gradient_accumulation_fusion adds into the fp32 gradients from the bf16 weight copies' "
-            f"GEMMs, and this job has none ({mesh.world_size} ranks: the copies run in a single process)")
+            f"GEMMs, and this job has none ({mesh.world_size} ranks: the copies run in a single process)"
+        )
     return None
 
 
@@ -194,15 +230,20 @@ def compile_options(train: TrainConfig) -> dict[str, bool] | None:
     return {"coordinate_descent_tuning": True} if train.compile_coordinate_descent_tuning else None
 
 
-def compile_model(model: torch.nn.Module, train: TrainConfig, options: dict[str, bool] | None,
-                  pipelined: bool, overlap_param_gather: bool) -> torch.nn.Module:
+def compile_model(
+    model: torch.nn.Module,
+    train: TrainConfig,
+    options: dict[str, bool] | None,
+    pipelined: bool,
+    overlap_param_gather: bool,
+) -> torch.nn.Module:
     """What a step runs the model through: under train.compile the compiled model, or, with a
     pipeline or parallel.overlap_param_gather, the model itself with each block and the loss head
     compiled in place; without train.compile the model."""
     if train.compile and (overlap_param_gather or pipelined):
         # Per-block compile keeps the all-gather waits (forward pre-hooks) outside the
         # compiled graphs, so they cost no graph breaks.
-        for layer in (model.layers.values() if pipelined else model.layers):
+        for layer in model.layers.values() if pipelined else model.layers:
             layer.compile(options=options)
         # And the output projection + loss: left eager, its matmuls ran a slow legacy GEMM
         # kernel and its softmax unfused (llama-1b, ZeRO-1 + overlap on 2 H200s: 1.70x one
@@ -220,11 +261,19 @@ def check_cuda_graph(device: torch.device, mesh: Mesh) -> None:
     if mesh.distributed:
         raise ConfigError(
             f"train.cuda_graph runs in a single process; this job has {mesh.world_size} ranks, whose "
-            "gradient reductions and collectives are not captured: leave it off or run one process")
+            "gradient reductions and collectives are not captured: leave it off or run one process"
+        )
 
 
-def log_model_summary(job: JobConfig, mesh: Mesh, device: torch.device, size: ModelSize, fp8: Fp8Model | None,
-                      weight_copies: WeightCopies | None, pipeline: Pipeline | None) -> None:
+def log_model_summary(
+    job: JobConfig,
+    mesh: Mesh,
+    device: torch.device,
+    size: ModelSize,
+    fp8: Fp8Model | None,
+    weight_copies: WeightCopies | None,
+    pipeline: Pipeline | None,
+) -> None:
     """Log the model's size, precision and parallel layout in one line."""
     m, p = mesh, job.parallel
     precision = ", bf16 autocast" if job.train.bf16 else ""
@@ -234,22 +283,47 @@ def log_model_summary(job: JobConfig, mesh: Mesh, device: torch.device, size: Mo
         precision += ", bf16 weight copies"
         if weight_copies.fused:
             precision += " with fused gradient accumulation"
-    active = (f" ({size.active_parameters / 1e6:.2f}M active: top-{job.model.moe_router_topk} of "
-              f"{job.model.num_experts} experts)" if job.model.num_experts else "")
-    log.info("model: %.2fM parameters%s, %.3g FLOPs/token, device %s%s; "
-             "mesh tp=%d cp=%d pp=%d dp=%d ep=%d (world %d)%s%s%s",
-             size.parameters / 1e6, active, size.flops_per_token, device, precision, m.tp, m.cp, m.pp,
-             m.dp, m.ep, m.world_size, ", sequence parallel" if p.sequence_parallel else "",
-             f", context parallel {p.cp_comm_type}" if m.cp > 1 else "",
-             f", {pipeline.describe()}" if pipeline else "")
+    active = (
+        f" ({size.active_parameters / 1e6:.2f}M active: top-{job.model.moe_router_topk} of "
+        f"{job.model.num_experts} experts)"
+        if job.model.num_experts
+        else ""
+    )
+    log.info(
+        "model: %.2fM parameters%s, %.3g FLOPs/token, device %s%s; "
+        "mesh tp=%d cp=%d pp=%d dp=%d ep=%d (world %d)%s%s%s",
+        size.parameters / 1e6,
+        active,
+        size.flops_per_token,
+        device,
+        precision,
+        m.tp,
+        m.cp,
+        m.pp,
+        m.dp,
+        m.ep,
+        m.world_size,
+        ", sequence parallel" if p.sequence_parallel else "",
+        f", context parallel {p.cp_comm_type}" if m.cp > 1 else "",
+        f", {pipeline.describe()}" if pipeline else "",
+    )
 
 
-def open_checkpointer(c: CheckpointConfig, par: checkpointing.Parallel, resumed_step: int | None,
-                      auth: AuthConfig) -> checkpointing.Checkpointer:
+def open_checkpointer(
+    c: CheckpointConfig, par: checkpointing.Parallel, resumed_step: int | None, auth: AuthConfig
+) -> checkpointing.Checkpointer:
     """The checkpointer of checkpoint section `c`: local, or through the checkpoint service
     (checkpoint.service_address) with the client credentials of `auth`."""
-    return checkpointing.Checkpointer(c.save, par, c.async_save, c.service_address,
-                                      overwrite=c.overwrite, resumed_step=resumed_step,
-                                      attempts=c.save_attempts, backoff=c.save_retry_backoff_s,
-                                      retry_timeout=c.save_retry_timeout_s, direct=c.service_direct,
-                                      security=ClientSecurity.from_config(auth) if c.service_address else None)
+    return checkpointing.Checkpointer(
+        c.save,
+        par,
+        c.async_save,
+        c.service_address,
+        overwrite=c.overwrite,
+        resumed_step=resumed_step,
+        attempts=c.save_attempts,
+        backoff=c.save_retry_backoff_s,
+        retry_timeout=c.save_retry_timeout_s,
+        direct=c.service_direct,
+        security=ClientSecurity.from_config(auth) if c.service_address else None,
+    )

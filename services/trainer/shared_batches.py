@@ -94,17 +94,28 @@ class GroupSharedSource:
         dist.broadcast(header, self.src, group=self.group)
         status, n, mbs, positions, planes, sent_step = header.tolist()
         if status == _FAILED:
-            raise DataError(f"rank {self.src}, which reads the data for its tensor-parallel group, failed to "
-                            f"read step {step}: its log says why")
+            raise DataError(
+                f"rank {self.src}, which reads the data for its tensor-parallel group, failed to "
+                f"read step {step}: its log says why"
+            )
         if sent_step != step:
-            raise DataError(f"rank {self.src} shared step {sent_step} while this rank asked for step {step}: "
-                            "the tensor-parallel peers are out of step")
+            raise DataError(
+                f"rank {self.src} shared step {sent_step} while this rank asked for step {step}: "
+                "the tensor-parallel peers are out of step"
+            )
         payload = torch.empty(n, planes, mbs, positions, dtype=torch.int32)
         dist.broadcast(payload, self.src, group=self.group)
-        return [Batch(tokens=payload[i, 0].long(), labels=payload[i, 1].long(),
-                      loss_mask=payload[i, 2].clone().view(torch.float32), step=step, microbatch=i,
-                      document_ids=payload[i, 3].clone() if planes == 4 else None)
-                for i in range(n)]
+        return [
+            Batch(
+                tokens=payload[i, 0].long(),
+                labels=payload[i, 1].long(),
+                loss_mask=payload[i, 2].clone().view(torch.float32),
+                step=step,
+                microbatch=i,
+                document_ids=payload[i, 3].clone() if planes == 4 else None,
+            )
+            for i in range(n)
+        ]
 
     def close(self) -> None:
         closer = getattr(self.source, "close", None)

@@ -31,9 +31,14 @@ _NOT_SCALARS = ("step", "time")
 
 def scalars(record: dict[str, Any]) -> dict[str, float]:
     """The plottable entries of a metrics.jsonl row: finite numbers other than its step and time."""
-    return {key: float(value) for key, value in record.items()
-            if key not in _NOT_SCALARS and isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value)}
+    return {
+        key: float(value)
+        for key, value in record.items()
+        if key not in _NOT_SCALARS
+        and isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+    }
 
 
 class Tracker(Protocol):
@@ -49,8 +54,10 @@ class TensorBoardTracker:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise ConfigError(f"log.tensorboard_dir={log_dir!r} (--tensorboard-dir) needs the tensorboard package: "
-                              "pip install 'meshtrain[tensorboard]'") from None
+            raise ConfigError(
+                f"log.tensorboard_dir={log_dir!r} (--tensorboard-dir) needs the tensorboard package: "
+                "pip install 'meshtrain[tensorboard]'"
+            ) from None
         self.writer = SummaryWriter(log_dir=log_dir)
 
     def log(self, step: int, values: dict[str, float]) -> None:
@@ -70,16 +77,27 @@ class WandbTracker:
         try:
             import wandb
         except ImportError:
-            raise ConfigError(f"log.wandb_project={config.wandb_project!r} (--wandb-project) needs the wandb package: "
-                              "pip install 'meshtrain[wandb]'") from None
+            raise ConfigError(
+                f"log.wandb_project={config.wandb_project!r} (--wandb-project) needs the wandb package: "
+                "pip install 'meshtrain[wandb]'"
+            ) from None
         save_dir = Path(config.wandb_save_dir) if config.wandb_save_dir else run_dir / "wandb"
         save_dir.mkdir(parents=True, exist_ok=True)
         id_file = run_dir / "wandb_run_id"
-        run_id = id_file.read_text().strip() if id_file.is_file() else "".join(
-            secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))  # W&B's id alphabet
-        self.run = wandb.init(project=config.wandb_project, entity=config.wandb_entity,
-                              name=config.wandb_exp_name or run_dir.name, dir=str(save_dir), id=run_id,
-                              resume="allow", config=job_config)
+        run_id = (
+            id_file.read_text().strip()
+            if id_file.is_file()
+            else "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+        )  # W&B's id alphabet
+        self.run = wandb.init(
+            project=config.wandb_project,
+            entity=config.wandb_entity,
+            name=config.wandb_exp_name or run_dir.name,
+            dir=str(save_dir),
+            id=run_id,
+            resume="allow",
+            config=job_config,
+        )
         id_file.write_text(run_id + "\n")
 
     def log(self, step: int, values: dict[str, float]) -> None:
@@ -103,8 +121,10 @@ def require_packages(config: LogConfig) -> None:
     for key, module, extra in _PACKAGES:
         if getattr(config, key) and importlib.util.find_spec(module) is None:
             flag = "--" + key.replace("_", "-")
-            raise ConfigError(f"log.{key}={getattr(config, key)!r} ({flag}) needs the {module} package: "
-                              f"pip install 'meshtrain[{extra}]'")
+            raise ConfigError(
+                f"log.{key}={getattr(config, key)!r} ({flag}) needs the {module} package: "
+                f"pip install 'meshtrain[{extra}]'"
+            )
 
 
 def open_trackers(config: LogConfig, run_dir: Path, job_config: dict[str, Any]) -> list[Tracker]:

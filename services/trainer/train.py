@@ -119,7 +119,8 @@ class Trainer:
         if t.global_batch_size % (t.micro_batch_size * self.mesh.dp):
             raise ConfigError(
                 f"train.global_batch_size={t.global_batch_size} must be a multiple of "
-                f"train.micro_batch_size={t.micro_batch_size} x data-parallel size {self.mesh.dp}")
+                f"train.micro_batch_size={t.micro_batch_size} x data-parallel size {self.mesh.dp}"
+            )
         self.run_dir = make_run_dir(job.log.run_dir, self.mesh)
         self._run_dir_released = False
         try:
@@ -141,8 +142,15 @@ class Trainer:
         # context-parallel peers read the same samples, each only its chunks of them; from the
         # service, a tensor-parallel group pulls once and shares
         spread, sharing = placement(self.mesh, bool(job.data.service_addresses))
-        self.data = build_data(job, dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp,
-                               cp_rank=self.mesh.cp_rank, cp_size=self.mesh.cp, spread=spread, sharing=sharing)
+        self.data = build_data(
+            job,
+            dp_rank=self.mesh.dp_rank,
+            dp_size=self.mesh.dp,
+            cp_rank=self.mesh.cp_rank,
+            cp_size=self.mesh.cp,
+            spread=spread,
+            sharing=sharing,
+        )
         if job.model.vocab_size is None:
             job = replace(job, model={"vocab_size": self.data.vocab_size})
         if job.checkpoint.save is None:
@@ -153,33 +161,50 @@ class Trainer:
             (self.run_dir / "config.toml").write_text(run_dir_toml(job, launcher_keys))
 
         seed_everything(job.train.seed)
-        self.model, self.fp8, self.pipeline = build_model(job, self.mesh, self.device)  # this rank's share
+        self.model, self.fp8, self.pipeline = build_model(
+            job, self.mesh, self.device
+        )  # this rank's share
         size = model_size(job.model)  # of the whole model, whatever this rank holds of it
         self.flops_per_token, self.num_parameters = size.flops_per_token, size.parameters
         self.active_parameters = size.active_parameters
         # the ranks of one global batch: routing counts add up over them
         batch_group = self.mesh.group("dp_cp") if self.mesh.cp > 1 else self.mesh.group("dp")
-        self.router_stats = RouterStats(self.model, job.model.num_layers, batch_group,
-                                        self.mesh.group("pp") if self.mesh.pp > 1 else None)
+        self.router_stats = RouterStats(
+            self.model,
+            job.model.num_layers,
+            batch_group,
+            self.mesh.group("pp") if self.mesh.pp > 1 else None,
+        )
         p = job.parallel
         self.ddp = build_data_parallel(self.model, self.mesh, p, job.optim, self.pipeline)
-        self.optimizer = (self.ddp.optimizer if self.ddp and self.ddp.optimizer
-                          else build_optimizer(self.model, job.optim))
+        self.optimizer = (
+            self.ddp.optimizer
+            if self.ddp and self.ddp.optimizer
+            else build_optimizer(self.model, job.optim)
+        )
         self.par = checkpointing.Parallel(self.mesh, self.ddp)
         c = job.checkpoint
         self.state, resumed_here = resume(job, self.model, self.optimizer, self.par)
         self.weight_copies = build_weight_copies(self.model, job.train, self.mesh, self.device)
         # this step's FP8 weights, cast with the copies once a step (services/trainer/fp8/weights.py)
-        self.fp8_weights = Fp8WeightCache.for_run(self.model, self.fp8) if self.weight_copies is not None else None
+        self.fp8_weights = (
+            Fp8WeightCache.for_run(self.model, self.fp8) if self.weight_copies is not None else None
+        )
         options = compile_options(job.train)
-        self.forward = compile_model(self.model, job.train, options, self.pipeline is not None, p.overlap_param_gather)
+        self.forward = compile_model(
+            self.model, job.train, options, self.pipeline is not None, p.overlap_param_gather
+        )
         if self.weight_copies is None:
             self.train_forward = lambda copies, *batch: self.forward(*batch)
         else:
             on_copies = functools.partial(call_with, self.model)
-            self.train_forward = torch.compile(on_copies, options=options) if job.train.compile else on_copies
+            self.train_forward = (
+                torch.compile(on_copies, options=options) if job.train.compile else on_copies
+            )
         self.autocast = (
-            torch.autocast(self.device.type, dtype=torch.bfloat16) if job.train.bf16 else contextlib.nullcontext()
+            torch.autocast(self.device.type, dtype=torch.bfloat16)
+            if job.train.bf16
+            else contextlib.nullcontext()
         )
         if self.pipeline is not None:
             self.pipeline.attach(self.ddp, self.autocast)
@@ -188,23 +213,35 @@ class Trainer:
             check_cuda_graph(self.device, self.mesh)
             copies = self._copies() if self.weight_copies is not None else None
             n_micro = job.train.global_batch_size // job.train.micro_batch_size
-            self.graph = MicroBatchGraph(functools.partial(self._micro_batch, copies, n_micro),
-                                         list(self.model.parameters()), self.device)
+            self.graph = MicroBatchGraph(
+                functools.partial(self._micro_batch, copies, n_micro),
+                list(self.model.parameters()),
+                self.device,
+            )
         self.peak = peak_tflops(self.device, job.train.peak_tflops)
-        log_model_summary(job, self.mesh, self.device, size, self.fp8, self.weight_copies, self.pipeline)
+        log_model_summary(
+            job, self.mesh, self.device, size, self.fp8, self.weight_copies, self.pipeline
+        )
         if not c.overwrite:
             refuse_a_root_with_later_steps(c, self.state.iteration)
         # Opened last, so an __init__ that fails (a restore, a config check) leaves no channel to
         # the checkpoint service open; `run` closes it.
         self.checkpointer = open_checkpointer(c, self.par, resumed_here, job.auth)
-        if c.save and self.state.iteration < job.train.train_iters:  # the run saves, at its end at the latest
+        if (
+            c.save and self.state.iteration < job.train.train_iters
+        ):  # the run saves, at its end at the latest
             self.checkpointer.prepare(self.model, self.optimizer)
         # Requests from other threads (SIGTERM's relay, the control endpoint), acted on between steps.
         self.requests = RunRequests()
         self.stop_cause: str | None = None  # the agreed stop's cause, which ranks asked and why
         self.progress: dict[str, float | int | str | None] = {
-            "step": self.state.iteration, "train_iters": job.train.train_iters, "loss": None,
-            "tokens_per_s": None, "eta_s": None, "last_checkpoint": None}
+            "step": self.state.iteration,
+            "train_iters": job.train.train_iters,
+            "loss": None,
+            "tokens_per_s": None,
+            "eta_s": None,
+            "last_checkpoint": None,
+        }
 
     def request_stop(self) -> None:
         """Save a checkpoint after the current step and end the run (what SIGTERM does).
@@ -227,8 +264,10 @@ class Trainer:
     def _refuse_if_finished(self, what: str) -> None:
         if self.requests.ended:
             last = self.progress.get("last_checkpoint")
-            raise MeshtrainError(f"the run's training loop has ended at step {self.progress['step']}, so no {what} "
-                                 f"will follow; its last checkpoint is {last or 'none'}")
+            raise MeshtrainError(
+                f"the run's training loop has ended at step {self.progress['step']}, so no {what} "
+                f"will follow; its last checkpoint is {last or 'none'}"
+            )
 
     def pending_requests(self) -> tuple[bool, bool]:
         """(stop requested, checkpoint requested) and not yet acted on, on this rank."""
@@ -269,15 +308,19 @@ class Trainer:
         """Refuse a token id past the model's vocabulary (data tokenized with another tokenizer
         than data.tokenizer), naming it, instead of an embedding IndexError or a CUDA device
         assert. On the host tensors, before the upload: no device synchronization."""
-        if batch.tokens.device.type != "cpu":  # already uploaded (the max would wait for the device)
+        if (
+            batch.tokens.device.type != "cpu"
+        ):  # already uploaded (the max would wait for the device)
             return
         vocab = self.job.model.vocab_size
         top = max(int(batch.tokens.max()), int(batch.labels.max()))
         if top >= vocab:
             data = " ".join(map(str, self.job.data.data_path)) or self.data.prefix
-            raise DataError(f"token id {top} is outside the model's vocabulary of {vocab} (tokenizer "
-                            f"{self.data.tokenizer}): the data {data} was preprocessed with another tokenizer; "
-                            "give that one as --tokenizer")
+            raise DataError(
+                f"token id {top} is outside the model's vocabulary of {vocab} (tokenizer "
+                f"{self.data.tokenizer}): the data {data} was preprocessed with another tokenizer; "
+                "give that one as --tokenizer"
+            )
 
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over the global batch of `step` (0-based); returns (loss, grad_norm) on device."""
@@ -333,7 +376,11 @@ class Trainer:
                 total += self.graph.replay(*inputs)
                 continue
             last = i == len(micro) - 1
-            sync = self.ddp.no_sync() if self.ddp is not None and not last else contextlib.nullcontext()
+            sync = (
+                self.ddp.no_sync()
+                if self.ddp is not None and not last
+                else contextlib.nullcontext()
+            )
             with sync:
                 total += self._micro_batch(copies, len(micro), *inputs)
         return total
@@ -356,7 +403,9 @@ class Trainer:
             counted = torch.zeros((), dtype=torch.float64, device=self.device)
             for tokens, labels, mask in self._on_device(self.data.valid.micro_batches(0)):
                 with self.autocast:
-                    loss = self.forward(tokens, labels, mask).float()  # mean over this micro-batch's counted tokens
+                    loss = self.forward(
+                        tokens, labels, mask
+                    ).float()  # mean over this micro-batch's counted tokens
                 # Weighted by the tokens each micro-batch counts (Megatron sums loss and token count
                 # over the eval batches): with EOD masked they differ, and a mean of means would not
                 # be the loss per token.
@@ -364,7 +413,9 @@ class Trainer:
                 total += loss.double() * n
                 counted += n
         self.model.train()
-        if self.mesh.cp > 1:  # each cp rank's loss was its share: their weighted sum is the micro-batch's
+        if (
+            self.mesh.cp > 1
+        ):  # each cp rank's loss was its share: their weighted sum is the micro-batch's
             total = mappings.all_reduce(total, self.mesh.group("cp"))
         if self.mesh.dp > 1:  # each dp rank evaluated its share of the eval batches
             sums = mappings.all_reduce(torch.stack([total, counted]), self.mesh.group("dp"))
@@ -388,22 +439,35 @@ class Trainer:
         (None is returned), unless it is the run's last (at train.train_iters, or a stop's): the
         run ends with that error. Earlier saves' failures are recorded (`Checkpointer.disk_full`)."""
         c = self.job.checkpoint
-        if self.ddp is not None:  # with overlap_param_gather the last step's gathers may be in flight
+        if (
+            self.ddp is not None
+        ):  # with overlap_param_gather the last step's gathers may be in flight
             self.ddp.wait_param_gather()
         if c.keep_last and self.is_main:
             self.checkpointer.settle()  # retention looks at committed saves only
             own = self.checkpointer.own_latest_step
-            apply_retention(c.save, c.keep_last, c.keep_every, protect=() if own is None else (own,))
+            apply_retention(
+                c.save, c.keep_last, c.keep_every, protect=() if own is None else (own,)
+            )
         try:
-            url = self.checkpointer.save(self.model, self.optimizer, self.state, self.job,
-                                         {"tokenizer": self.data.tokenizer, "data_prefix": self.data.prefix})
+            url = self.checkpointer.save(
+                self.model,
+                self.optimizer,
+                self.state,
+                self.job,
+                {"tokenizer": self.data.tokenizer, "data_prefix": self.data.prefix},
+            )
         except DiskFullError:
             if self.state.iteration >= self.job.train.train_iters or self.stop_cause is not None:
                 raise
             return None  # logged; the warning goes on at every logged step until a save commits
-        log.info("checkpoint step %d %s: %s (stall %.0f ms)", self.state.iteration,
-                 "saving in the background" if c.async_save else "committed", url,
-                 self.checkpointer.saver.last_stall_s * 1e3)
+        log.info(
+            "checkpoint step %d %s: %s (stall %.0f ms)",
+            self.state.iteration,
+            "saving in the background" if c.async_save else "committed",
+            url,
+            self.checkpointer.saver.last_stall_s * 1e3,
+        )
         return url
 
     def _settle_previous_save(self) -> None:
@@ -413,7 +477,10 @@ class Trainer:
         try:
             self.checkpointer.settle()  # a save that failed with the disk full is logged there
         except CheckpointError as e:
-            log.error("an earlier checkpoint was not committed (%s); saving the stop's checkpoint anyway", e)
+            log.error(
+                "an earlier checkpoint was not committed (%s); saving the stop's checkpoint anyway",
+                e,
+            )
 
     def run(self, until_exit: bool = False, keep_run_dir: bool = False) -> TrainResult:
         """Train to `train.train_iters` steps, or until a stop; SIGTERM is a stop meanwhile.
@@ -439,8 +506,11 @@ class Trainer:
             # A relaunch of a finished run (a requeue after the last save): success, as in
             # Megatron-LM, so requeue scripts and `meshtrain up` do not see a failure.
             self.checkpointer.close()  # the run ends here: nothing to save
-            log.info("the run already finished: its checkpoint is at train.train_iters=%d; nothing to "
-                     "do (raise --train-iters to continue it)", start)
+            log.info(
+                "the run already finished: its checkpoint is at train.train_iters=%d; nothing to "
+                "do (raise --train-iters to continue it)",
+                start,
+            )
             result.checkpoint = open_root(job.checkpoint.load).step_url(start)  # the one it loaded
             return result
         if start > t.train_iters:
@@ -451,13 +521,24 @@ class Trainer:
             )
         tokens_per_step = t.global_batch_size * job.model.seq_length
         try:
-            require_packages(job.log)  # every rank: none goes on to wait for a main rank that stopped here
-            trackers = open_trackers(job.log, self.run_dir, tomllib.loads(run_dir_toml(job))) if self.is_main else []
+            require_packages(
+                job.log
+            )  # every rank: none goes on to wait for a main rank that stopped here
+            trackers = (
+                open_trackers(job.log, self.run_dir, tomllib.loads(run_dir_toml(job)))
+                if self.is_main
+                else []
+            )
         except BaseException:
             self.checkpointer.close()  # the run ends before its loop: nothing to save
             raise
-        metrics = MetricsLog(self.run_dir, t.train_iters, start, job.log.progress if self.is_main else "none",
-                             trackers)
+        metrics = MetricsLog(
+            self.run_dir,
+            t.train_iters,
+            start,
+            job.log.progress if self.is_main else "none",
+            trackers,
+        )
         with self.requests.sigterm_stops(until_exit):
             failed = True
             try:
@@ -482,7 +563,9 @@ class Trainer:
             result.plot = plot_losses(self.run_dir)
         return result
 
-    def _loop(self, result: TrainResult, metrics: MetricsLog, start: int, tokens_per_step: int) -> None:
+    def _loop(
+        self, result: TrainResult, metrics: MetricsLog, start: int, tokens_per_step: int
+    ) -> None:
         job, t = self.job, self.job.train
         pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         last_time, last_step = time.perf_counter(), start
@@ -505,24 +588,38 @@ class Trainer:
             for k, value in enumerate(losses):
                 result.losses[last_step + k + 1] = value
             record = {
-                "step": n, "loss": losses[-1], "lr": lr_at(n - 1, job.optim, t.train_iters),
-                "grad_norm": norm, "tokens_per_s": tokens_per_step / step_time,
-                "step_time_s": step_time, "consumed_samples": self.state.consumed_samples,
+                "step": n,
+                "loss": losses[-1],
+                "lr": lr_at(n - 1, job.optim, t.train_iters),
+                "grad_norm": norm,
+                "tokens_per_s": tokens_per_step / step_time,
+                "step_time_s": step_time,
+                "consumed_samples": self.state.consumed_samples,
             }
             if self.peak:  # per device: the global batch's FLOPs shared by every rank
-                record["mfu"] = self.flops_per_token * record["tokens_per_s"] / (
-                    self.peak * 1e12 * self.mesh.world_size)
+                record["mfu"] = (
+                    self.flops_per_token
+                    * record["tokens_per_s"]
+                    / (self.peak * 1e12 * self.mesh.world_size)
+                )
             record.update(memory_metrics(self.device))
-            record.update(self.router_stats.metrics(job.model, self.device))  # the MoE routers' (every rank)
+            record.update(
+                self.router_stats.metrics(job.model, self.device)
+            )  # the MoE routers' (every rank)
             disk_full = self.checkpointer.poll()  # a save that ended since: recovered, or failed
             if disk_full is not None and self.is_main:
                 record["checkpoint_error"] = str(disk_full[1])
             metrics.step(record)
             if disk_full is not None and self.is_main:  # on every logged step until a save commits
-                log.warning("the last checkpoint save failed (%s); training goes on, and the next save tries again",
-                            disk_full[1])
-            self.progress.update(loss=losses[-1], tokens_per_s=record["tokens_per_s"],
-                                 eta_s=(t.train_iters - n) * step_time)
+                log.warning(
+                    "the last checkpoint save failed (%s); training goes on, and the next save tries again",
+                    disk_full[1],
+                )
+            self.progress.update(
+                loss=losses[-1],
+                tokens_per_s=record["tokens_per_s"],
+                eta_s=(t.train_iters - n) * step_time,
+            )
             pending.clear()
             last_time, last_step, paused = time.perf_counter(), n, 0.0
 
@@ -545,7 +642,9 @@ class Trainer:
             if stop and pending:  # alone, a stop is acted on at any step: log what it ran first
                 log_pending(n)
             if stop:
-                log.warning("%s: saving a checkpoint after step %d, then stopping", self.stop_cause, n)
+                log.warning(
+                    "%s: saving a checkpoint after step %d, then stopping", self.stop_cause, n
+                )
             interval = job.checkpoint.save_interval
             if (interval and n % interval == 0) or n == t.train_iters or stop or checkpoint_now:
                 # Cleared before saving: this save answers the requests made so far, and one that
@@ -558,7 +657,9 @@ class Trainer:
             self.progress["last_checkpoint"] = self.checkpointer.committed_url
             paused += time.perf_counter() - pause_start
             if stop and n < t.train_iters:
-                log.warning("stopped at step %d on request; resume with --load %s", n, job.checkpoint.save)
+                log.warning(
+                    "stopped at step %d on request; resume with --load %s", n, job.checkpoint.save
+                )
                 result.stopped_early = True
                 return
 
@@ -577,8 +678,9 @@ def train(job: JobConfig, until_exit: bool = False) -> TrainResult:
 
     t = job.train
     try:
-        endpoint = serve_control(trainer, t.control_port, host=t.control_host, metrics_port=t.metrics_port,
-                                 auth=job.auth)
+        endpoint = serve_control(
+            trainer, t.control_port, host=t.control_host, metrics_port=t.metrics_port, auth=job.auth
+        )
     except BaseException:
         trainer.checkpointer.close()  # `run`, which would close it and release the folder, never starts
         trainer.release_run_dir()

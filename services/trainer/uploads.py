@@ -32,7 +32,9 @@ class Uploader:
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
-    def upload(self, batches: Sequence[Sequence[torch.Tensor]]) -> Iterator[tuple[torch.Tensor, ...]]:
+    def upload(
+        self, batches: Sequence[Sequence[torch.Tensor]]
+    ) -> Iterator[tuple[torch.Tensor, ...]]:
         """Each micro-batch's tensors on the device, in order; every copy is issued before the first is yielded.
 
         Args:
@@ -54,8 +56,12 @@ class Uploader:
             for tensors in batches:
                 # pinned staging, so the copy is asynchronous; the host allocator keeps each
                 # pinned buffer until the copy stream's copy of it has run
-                on_device = tuple(t if t.device == self.device else t.pin_memory().to(self.device, non_blocking=True)
-                                  for t in tensors)
+                on_device = tuple(
+                    t
+                    if t.device == self.device
+                    else t.pin_memory().to(self.device, non_blocking=True)
+                    for t in tensors
+                )
                 done = torch.cuda.Event()
                 done.record(self.stream)
                 staged.append((on_device, done))

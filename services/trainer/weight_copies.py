@@ -53,14 +53,22 @@ class WeightCopies:
     """
 
     def __init__(self, model: nn.Module, dtype: torch.dtype, fuse_weight_grads: bool = False):
-        self.copies: dict[str, torch.Tensor] = {}  # parameter name -> copy (what functional_call takes)
-        self._pairs: list[tuple[torch.Tensor, nn.Parameter]] = []  # (copy, fp32 parameter), one per parameter
-        self._main_grads: dict[int, nn.Parameter] = {}  # the fused weights, whose .grad the GEMMs add into
+        self.copies: dict[
+            str, torch.Tensor
+        ] = {}  # parameter name -> copy (what functional_call takes)
+        self._pairs: list[
+            tuple[torch.Tensor, nn.Parameter]
+        ] = []  # (copy, fp32 parameter), one per parameter
+        self._main_grads: dict[
+            int, nn.Parameter
+        ] = {}  # the fused weights, whose .grad the GEMMs add into
         by_param: dict[int, torch.Tensor] = {}
         for module_name, module in model.named_modules(remove_duplicate=False):
             if not isinstance(module, nn.Linear):
                 continue
-            fusable = type(module) in (nn.Linear, MainGradLinear) or getattr(module, "adds_into_main_grad", False)
+            fusable = type(module) in (nn.Linear, MainGradLinear) or getattr(
+                module, "adds_into_main_grad", False
+            )
             if fuse_weight_grads and module.weight.requires_grad and fusable:
                 if type(module) is nn.Linear:
                     module.__class__ = MainGradLinear
@@ -71,8 +79,10 @@ class WeightCopies:
                 copy = by_param.get(id(param))
                 if copy is None:
                     if not param.is_floating_point() or param.dtype == dtype:
-                        raise ValueError(f"{name}: weight copies need a floating-point parameter wider than "
-                                         f"{dtype}, got {param.dtype}")
+                        raise ValueError(
+                            f"{name}: weight copies need a floating-point parameter wider than "
+                            f"{dtype}, got {param.dtype}"
+                        )
                     copy = torch.empty_like(param, dtype=dtype).requires_grad_(param.requires_grad)
                     if param.requires_grad:
                         copy.register_post_accumulate_grad_hook(_accumulate_into(param))
@@ -103,7 +113,6 @@ class WeightCopies:
         return sum(p.numel() for _, p in self._pairs)
 
 
-
 def call_with(model: nn.Module, copies: dict[str, torch.Tensor], *args, **kwargs):
     """`model(*args, **kwargs)` with `copies` (a `WeightCopies.copies`) in place of those parameters.
 
@@ -130,7 +139,9 @@ def _accumulate_into(param: nn.Parameter):
 
 
 @torch.library.custom_op("meshtrain::accumulate_weight_grad", mutates_args=("main_grad",))
-def accumulate_weight_grad(main_grad: torch.Tensor, grad_output: torch.Tensor, inputs: torch.Tensor) -> None:
+def accumulate_weight_grad(
+    main_grad: torch.Tensor, grad_output: torch.Tensor, inputs: torch.Tensor
+) -> None:
     """main_grad += grad_output^T @ inputs, summed over every leading dimension, in main_grad's dtype.
 
     On CUDA with bf16/fp16 operands and an fp32 `main_grad` it is one cuBLAS GEMM that reads
@@ -141,8 +152,12 @@ def accumulate_weight_grad(main_grad: torch.Tensor, grad_output: torch.Tensor, i
     """
     dy = grad_output.reshape(-1, grad_output.shape[-1])
     x = inputs.reshape(-1, inputs.shape[-1])
-    if (main_grad.is_cuda and main_grad.dtype == torch.float32 and dy.dtype == x.dtype
-            and dy.dtype in (torch.bfloat16, torch.float16)):
+    if (
+        main_grad.is_cuda
+        and main_grad.dtype == torch.float32
+        and dy.dtype == x.dtype
+        and dy.dtype in (torch.bfloat16, torch.float16)
+    ):
         torch.addmm(main_grad, dy.t(), x, out_dtype=torch.float32, out=main_grad)
     else:  # .to is a no-op where the dtypes already match
         main_grad.addmm_(dy.t().to(main_grad.dtype), x.to(main_grad.dtype))
@@ -167,7 +182,11 @@ class _LinearIntoMainGrad(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         accumulate_weight_grad(ctx.main_grad, dy, x)
         dx = (dy @ weight).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
-        db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        db = (
+            dy.reshape(-1, dy.shape[-1]).sum(0)
+            if ctx.has_bias and ctx.needs_input_grad[2]
+            else None
+        )
         return dx, None, db, None
 
 
@@ -182,19 +201,26 @@ class MainGradLinear(nn.Linear):
     yet) it is `nn.Linear`.
     """
 
-    main_weight: tuple[nn.Parameter]  # the fp32 weight, in a tuple so that it is not registered twice
+    main_weight: tuple[
+        nn.Parameter
+    ]  # the fp32 weight, in a tuple so that it is not registered twice
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         main = self.main_weight[0]
         weight, bias = self.weight, self.bias
         if weight.dtype == main.dtype:
             device = x.device.type
-            if not (torch.is_grad_enabled() and torch.is_autocast_enabled(device) and main.grad is not None):
+            if not (
+                torch.is_grad_enabled()
+                and torch.is_autocast_enabled(device)
+                and main.grad is not None
+            ):
                 return super().forward(x)
             dtype = torch.get_autocast_dtype(device)
             weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
         elif main.grad is None:
-            raise RuntimeError(f"{tuple(main.shape)} weight: its fused gradient needs an fp32 .grad to add into; "
-                               "WeightCopies.refresh() allocates it (call it after zero_grad(set_to_none=True))")
+            raise RuntimeError(
+                f"{tuple(main.shape)} weight: its fused gradient needs an fp32 .grad to add into; "
+                "WeightCopies.refresh() allocates it (call it after zero_grad(set_to_none=True))"
+            )
         return _LinearIntoMainGrad.apply(x, weight, bias, main.grad)
-

@@ -15,20 +15,37 @@ from torch import nn
 from benchmarks.baseline_gpt import BaselineGPT, convert_to_float8
 from meshtrain.services.common.model_config import ModelConfig
 
-float8 = pytest.importorskip("torchao.float8.float8_linear", reason="torchao is not installed (`test` extra)")
+float8 = pytest.importorskip(
+    "torchao.float8.float8_linear", reason="torchao is not installed (`test` extra)"
+)
 
 BLOCK_LINEARS = ("q", "kv", "o", "mlp.up", "mlp.down")
 
 
 def llama(**kw) -> ModelConfig:
     """Llama-style at a shape every float8 GEMM takes (each dimension a multiple of 16); vocab 100 pads to 128."""
-    return ModelConfig(**{"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
-                          "ffn_hidden_size": 96, "seq_length": 32, "vocab_size": 100, "normalization": "rmsnorm",
-                          "activation": "swiglu", "position_embedding_type": "rope", "add_bias_linear": False,
-                          "untie_embeddings_and_output_weights": True, **kw})
+    return ModelConfig(
+        **{
+            "num_layers": 2,
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "num_query_groups": 2,
+            "ffn_hidden_size": 96,
+            "seq_length": 32,
+            "vocab_size": 100,
+            "normalization": "rmsnorm",
+            "activation": "swiglu",
+            "position_embedding_type": "rope",
+            "add_bias_linear": False,
+            "untie_embeddings_and_output_weights": True,
+            **kw,
+        }
+    )
 
 
-def loss_and_grads(model: nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def loss_and_grads(
+    model: nn.Module, tokens: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = model(tokens[:, :-1], tokens[:, 1:])
     loss.backward()
@@ -52,7 +69,9 @@ def test_blocks_linears_become_float8_and_train_close_to_bf16(recipe):
         if name in converted:
             assert isinstance(module, float8.Float8Linear), name
         elif isinstance(module, nn.Linear) and name != "head":
-            raise AssertionError(f"{name} should have been converted or be the head, is {type(module)}")
+            raise AssertionError(
+                f"{name} should have been converted or be the head, is {type(module)}"
+            )
     assert type(model.head) is nn.Linear  # untouched: the output layer stays in bf16
     assert model.head.weight is not None and model.head.out_features == 128
 
@@ -78,9 +97,15 @@ def test_a_router_too_narrow_for_the_float8_gemm_stays_a_plain_linear():
 
 def test_bad_recipe_and_missing_torchao_are_named(monkeypatch):
     model = BaselineGPT(llama())
-    with pytest.raises(ValueError, match="float8 recipe must be one of tensorwise, rowwise, got 'delayed'"):
+    with pytest.raises(
+        ValueError, match="float8 recipe must be one of tensorwise, rowwise, got 'delayed'"
+    ):
         convert_to_float8(model, "delayed")
-    monkeypatch.setitem(sys.modules, "torchao.float8", None)  # what Python does for a package not installed
+    monkeypatch.setitem(
+        sys.modules, "torchao.float8", None
+    )  # what Python does for a package not installed
     with pytest.raises(ImportError, match="the float8 baseline needs torchao"):
         convert_to_float8(model, "tensorwise")
-    assert all(type(m) is nn.Linear for m in model.modules() if isinstance(m, nn.Linear))  # nothing half-converted
+    assert all(
+        type(m) is nn.Linear for m in model.modules() if isinstance(m, nn.Linear)
+    )  # nothing half-converted

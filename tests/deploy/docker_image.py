@@ -31,7 +31,9 @@ def run(argv: list[str], timeout: float = 1800, **kw) -> subprocess.CompletedPro
     """Run a command; on failure raise with the end of its output."""
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kw)
     if proc.returncode:
-        raise RuntimeError(f"{' '.join(argv[:6])}... exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-4000:]}")
+        raise RuntimeError(
+            f"{' '.join(argv[:6])}... exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-4000:]}"
+        )
     return proc
 
 
@@ -50,16 +52,28 @@ def missing() -> str | None:
 
 def base_image() -> str:
     """The Debian base image, made once: debootstrap's minbase with Python, imported."""
-    if subprocess.run(["docker", "image", "inspect", BASE_IMAGE], capture_output=True).returncode == 0:
+    if (
+        subprocess.run(["docker", "image", "inspect", BASE_IMAGE], capture_output=True).returncode
+        == 0
+    ):
         return BASE_IMAGE
     rootfs = CACHE / "bookworm-rootfs"
     if not (rootfs / "usr" / "bin" / "python3").exists():
         shutil.rmtree(rootfs, ignore_errors=True)
         rootfs.parent.mkdir(parents=True, exist_ok=True)
-        run(["debootstrap", "--variant=minbase", "--include=python3,python3-venv,ca-certificates", "bookworm",
-             str(rootfs), "http://deb.debian.org/debian"], timeout=3600)
+        run(
+            [
+                "debootstrap",
+                "--variant=minbase",
+                "--include=python3,python3-venv,ca-certificates",
+                "bookworm",
+                str(rootfs),
+                "http://deb.debian.org/debian",
+            ],
+            timeout=3600,
+        )
     tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
-    run(["docker", "import", "--change", "CMD [\"/bin/bash\"]", "-", BASE_IMAGE], stdin=tar.stdout)
+    run(["docker", "import", "--change", 'CMD ["/bin/bash"]', "-", BASE_IMAGE], stdin=tar.stdout)
     tar.wait()
     return BASE_IMAGE
 
@@ -72,7 +86,17 @@ def wheelhouse() -> Path:
     house = CACHE / "wheelhouse"
     house.mkdir(parents=True, exist_ok=True)
     reqs = requirements(str(REPO / "pyproject.toml"), "s3,plot")
-    pip = [sys.executable, "-m", "pip", "download", "-q", "-d", str(house), "--only-binary", ":all:"]
+    pip = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "-q",
+        "-d",
+        str(house),
+        "--only-binary",
+        ":all:",
+    ]
     run(pip + [f"torch=={TORCH_VERSION}"])
     run(pip + ["-c", str(REPO / "constraints.txt"), *reqs])
     return house
@@ -109,6 +133,26 @@ def build(context: Path, tag: str) -> str:
     """`docker build` of deploy/Dockerfile in `context` (cpu variant, the Debian base, the
     wheelhouse); returns its output."""
     base, url = base_image(), served(wheelhouse())
-    return run(["docker", "build", "--network", "host", "-f", "deploy/Dockerfile", "--build-arg", f"BASE={base}",
-                "--build-arg", "VARIANT=cpu", "--build-arg", f"TORCH_VERSION={TORCH_VERSION}",
-                "--build-arg", f"WHEELHOUSE={url}", "-t", tag, "."], cwd=context, timeout=3600).stdout
+    return run(
+        [
+            "docker",
+            "build",
+            "--network",
+            "host",
+            "-f",
+            "deploy/Dockerfile",
+            "--build-arg",
+            f"BASE={base}",
+            "--build-arg",
+            "VARIANT=cpu",
+            "--build-arg",
+            f"TORCH_VERSION={TORCH_VERSION}",
+            "--build-arg",
+            f"WHEELHOUSE={url}",
+            "-t",
+            tag,
+            ".",
+        ],
+        cwd=context,
+        timeout=3600,
+    ).stdout

@@ -56,6 +56,7 @@ SchedulerParameters=sched_interval=1
 """The slurm.conf lines every test cluster shares: no cgroups, no accounting, requeue, a
 scheduler pass every second."""
 
+
 class SlurmCluster:
     """One node, one partition ("debug"), `cpus` CPUs declared.
 
@@ -108,39 +109,63 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
         key = d / "munge" / "munge.key"
         shutil.copy("/etc/munge/munge.key", key)
         os.chmod(key, 0o400)
-        self._spawn(["munged", "--foreground", "--force", f"--key-file={key}",
-                     f"--socket={d}/munge/munge.socket", f"--pid-file={d}/munge/munged.pid",
-                     f"--log-file={d}/munge/munged.log", f"--seed-file={d}/munge/munged.seed"], "munged")
+        self._spawn(
+            [
+                "munged",
+                "--foreground",
+                "--force",
+                f"--key-file={key}",
+                f"--socket={d}/munge/munge.socket",
+                f"--pid-file={d}/munge/munged.pid",
+                f"--log-file={d}/munge/munged.log",
+                f"--seed-file={d}/munge/munged.seed",
+            ],
+            "munged",
+        )
         self._wait(lambda: (d / "munge" / "munge.socket").exists(), timeout, "munged socket")
         self._spawn(["slurmctld", "-D", "-i"], "slurmctld")
 
     def wait_idle(self, timeout: float = 60.0) -> None:
         """Return when every node of the cluster reports idle."""
+
         def idle() -> bool:
             states = self.run(["sinfo", "-h", "-N", "-o", "%T"], check=False).stdout.split()
             return bool(states) and all(s == "idle" for s in states)
+
         self._wait(idle, timeout, "the nodes to be idle")
 
     def _spawn(self, argv: list[str], name: str) -> None:
         out = open(self.dir / f"{name}.stdout", "wb")  # noqa: SIM115 -- open for the daemon's life
-        self.processes.append(subprocess.Popen(argv, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                               start_new_session=True))
+        self.processes.append(
+            subprocess.Popen(
+                argv, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        )
 
     def _wait(self, predicate, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
         while not predicate():
             for p in self.processes:
                 if p.poll() is not None:
-                    raise RuntimeError(f"{p.args[0]} exited with {p.returncode} while waiting for {what}; "
-                                       f"logs in {self.dir}")
+                    raise RuntimeError(
+                        f"{p.args[0]} exited with {p.returncode} while waiting for {what}; "
+                        f"logs in {self.dir}"
+                    )
             if time.monotonic() > deadline:
                 raise RuntimeError(f"timed out waiting for {what}; logs in {self.dir}")
             time.sleep(0.3)
 
     def run(self, argv: list[str], check: bool = True, **kw) -> subprocess.CompletedProcess:
         """Run a Slurm client command against this cluster."""
-        result = subprocess.run(argv, env={**self.env, **kw.pop("env", {})}, capture_output=True,
-                                text=True, timeout=60, check=False, **kw)
+        result = subprocess.run(
+            argv,
+            env={**self.env, **kw.pop("env", {})},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+            **kw,
+        )
         if check and result.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)} failed ({result.returncode}): {result.stderr}")
         return result

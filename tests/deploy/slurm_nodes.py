@@ -33,7 +33,9 @@ def missing_network_requirements() -> str | None:
         if shutil.which(tool) is None:
             return f"`{tool}` is not installed (iproute2, util-linux)"
     probe = f"mtprobe{os.getpid() % 100000}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, check=False)
+    made = subprocess.run(
+        ["ip", "netns", "add", probe], capture_output=True, text=True, check=False
+    )
     if made.returncode != 0:
         return f"`ip netns add` fails here: {made.stderr.strip()}"
     subprocess.run(["ip", "netns", "del", probe], capture_output=True, check=False)
@@ -48,7 +50,9 @@ def _ip(*args: str) -> None:
 
 def free_subnet() -> str:
     """The first 10.77.N (N in 0..254) no address of the machine is in."""
-    used = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True, check=True).stdout
+    used = subprocess.run(
+        ["ip", "-4", "-o", "addr"], capture_output=True, text=True, check=True
+    ).stdout
     taken = {int(m) for m in re.findall(r"inet 10\.77\.(\d+)\.", used)}
     for n in range(255):
         if n not in taken:
@@ -80,8 +84,10 @@ class SlurmNodes(SlurmCluster):
         d = self.dir
         for sub in ("state", "spool", "munge"):
             (d / sub).mkdir(parents=True, exist_ok=True)
-        nodes = "\n".join(f"NodeName={n} NodeAddr={a} CPUs={self.cpus} RealMemory=1000 State=UNKNOWN"
-                          for n, a in self.addresses.items())
+        nodes = "\n".join(
+            f"NodeName={n} NodeAddr={a} CPUs={self.cpus} RealMemory=1000 State=UNKNOWN"
+            for n, a in self.addresses.items()
+        )
         (d / "slurm.conf").write_text(f"""\
 ClusterName=meshtrainnodes
 SlurmctldHost={self.node}({self.controller_address})
@@ -137,10 +143,25 @@ PartitionName=debug Nodes={",".join(self.names)} Default=YES MaxTime=INFINITE St
             # cgroup file system slurmd needs); a private mount namespace puts the nodes' hosts
             # file over /etc/hosts for slurmd and its jobs alone. `unshare` and `sh` exec: the
             # process started is slurmd itself (stop() signals its group).
-            self._spawn(["nsenter", f"--net=/run/netns/{ns}", "unshare", "--uts", "--mount",
-                         "--propagation", "private", "--", "sh", "-c",
-                         'mount --bind "$2" /etc/hosts && hostname "$1" && exec slurmd -D -N "$1"',
-                         "sh", name, str(self.dir / "hosts")], f"slurmd-{name}")
+            self._spawn(
+                [
+                    "nsenter",
+                    f"--net=/run/netns/{ns}",
+                    "unshare",
+                    "--uts",
+                    "--mount",
+                    "--propagation",
+                    "private",
+                    "--",
+                    "sh",
+                    "-c",
+                    'mount --bind "$2" /etc/hosts && hostname "$1" && exec slurmd -D -N "$1"',
+                    "sh",
+                    name,
+                    str(self.dir / "hosts"),
+                ],
+                f"slurmd-{name}",
+            )
         self.wait_idle(timeout)
 
     def stop(self) -> None:
@@ -149,8 +170,14 @@ PartitionName=debug Nodes={",".join(self.names)} Default=YES MaxTime=INFINITE St
             super().stop()
         finally:
             if self._network_up:
-                for i in range(len(self.names)):  # a veth goes with its peer; the namespace would take it later
-                    subprocess.run(["ip", "link", "del", f"{self.bridge}v{i + 1}"], capture_output=True, check=False)
+                for i in range(
+                    len(self.names)
+                ):  # a veth goes with its peer; the namespace would take it later
+                    subprocess.run(
+                        ["ip", "link", "del", f"{self.bridge}v{i + 1}"],
+                        capture_output=True,
+                        check=False,
+                    )
                 for ns in self.namespaces.values():
                     subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
                 subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, check=False)

@@ -31,20 +31,25 @@ VARIABLE = re.compile(r"\$\{(\w+)(?::([-?])([^}]*))?\}")
 
 def env_file() -> dict[str, str]:
     """deploy/compose.env's settings (KEY=VALUE lines; # comments)."""
-    pairs = (line.split("=", 1) for line in ENV_FILE.read_text().splitlines()
-             if line.strip() and not line.lstrip().startswith("#"))
+    pairs = (
+        line.split("=", 1)
+        for line in ENV_FILE.read_text().splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    )
     return {k.strip(): v.strip() for k, v in pairs}
 
 
 def interpolate(value, env):
     """Compose's `${VAR}`, `${VAR:-default}` and `${VAR:?error}` with `env` (`$$` is a literal `$`)."""
     if isinstance(value, str):
+
         def sub(m):
             if env.get(m.group(1)):
                 return env[m.group(1)]
             if m.group(2) == "?":
                 raise AssertionError(f"{m.group(1)} is required: {m.group(3)}")
             return m.group(3) or ""
+
         return VARIABLE.sub(sub, value).replace("$$", "$")
     if isinstance(value, list):
         return [interpolate(v, env) for v in value]
@@ -77,35 +82,74 @@ def train_args(command: list[str]) -> list[str]:
 def test_docker_compose_config_accepts_the_file(tmp_path):
     binary = shutil.which("docker-compose")
     if binary is None:
-        pytest.skip("docker-compose not installed (Debian package docker-compose; deploy/install-test-deps.sh)")
+        pytest.skip(
+            "docker-compose not installed (Debian package docker-compose; deploy/install-test-deps.sh)"
+        )
     env_args = ["--env-file", str(ENV_FILE)]
-    result = subprocess.run([binary, *env_args, "-f", str(COMPOSE), "config"], capture_output=True, text=True,
-                            cwd=tmp_path, timeout=60, check=False)
+    result = subprocess.run(
+        [binary, *env_args, "-f", str(COMPOSE), "config"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
     resolved = yaml.safe_load(result.stdout)
-    assert set(resolved["services"]) == {"auth-init", "s3", "s3-init", "dataloader", "checkpoint", "trainer",
-                                         "prometheus"}
+    assert set(resolved["services"]) == {
+        "auth-init",
+        "s3",
+        "s3-init",
+        "dataloader",
+        "checkpoint",
+        "trainer",
+        "prometheus",
+    }
     assert resolved["services"]["prometheus"]["profiles"] == ["monitoring"]
-    assert "devices" not in str(resolved["services"]["trainer"].get("deploy"))  # starts on a host without GPUs
-    scaled = subprocess.run([binary, *env_args, "-f", str(COMPOSE), "config", "--services"], capture_output=True,
-                            text=True, cwd=tmp_path, timeout=60, check=False)
+    assert "devices" not in str(
+        resolved["services"]["trainer"].get("deploy")
+    )  # starts on a host without GPUs
+    scaled = subprocess.run(
+        [binary, *env_args, "-f", str(COMPOSE), "config", "--services"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+        check=False,
+    )
     assert "dataloader" in scaled.stdout.split()
-    gpu = subprocess.run([binary, *env_args, "-f", str(COMPOSE), "-f", str(GPU), "config"], capture_output=True,
-                         text=True, cwd=tmp_path, timeout=60, check=False)
+    gpu = subprocess.run(
+        [binary, *env_args, "-f", str(COMPOSE), "-f", str(GPU), "config"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+        check=False,
+    )
     assert gpu.returncode == 0, gpu.stderr
     trainer = yaml.safe_load(gpu.stdout)["services"]["trainer"]
     assert trainer["deploy"]["resources"]["reservations"]["devices"][0]["driver"] == "nvidia"
     assert "--train.device=cuda" in trainer["command"]
-    missing = subprocess.run([binary, "-f", str(COMPOSE), "config"], capture_output=True, text=True,
-                             cwd=tmp_path, timeout=60, check=False, env={"PATH": os.environ["PATH"]})
+    missing = subprocess.run(
+        [binary, "-f", str(COMPOSE), "config"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+        check=False,
+        env={"PATH": os.environ["PATH"]},
+    )
     assert missing.returncode != 0 and "S3_ACCESS_KEY" in missing.stderr
 
 
 def test_every_long_running_service_is_health_checked(compose):
     for name, svc in compose["services"].items():
         if svc.get("restart") == "no":  # a one-shot job: others wait for its success instead
-            waiting = [s for s in compose["services"].values()
-                       if svc_dep(s, name) == "service_completed_successfully"]
+            waiting = [
+                s
+                for s in compose["services"].values()
+                if svc_dep(s, name) == "service_completed_successfully"
+            ]
             assert waiting, f"nobody waits for one-shot {name}"
             continue
         test = svc.get("healthcheck", {}).get("test")
@@ -113,8 +157,9 @@ def test_every_long_running_service_is_health_checked(compose):
         if test[1:4] == ["python", "-m", "meshtrain.services.launcher.health"]:
             probe = next(a for a in test[4:] if not a.startswith("--"))
             port = probe.rsplit(":", 1)[1].strip("/")
-            assert port in svc.get("expose", []) or any(p.endswith(f":{port}") for p in svc.get("ports", [])), \
-                f"{name} probes port {port} it does not expose"
+            assert port in svc.get("expose", []) or any(
+                p.endswith(f":{port}") for p in svc.get("ports", [])
+            ), f"{name} probes port {port} it does not expose"
 
 
 def svc_dep(svc, name):
@@ -175,8 +220,10 @@ def test_commands_parse_with_the_real_cli(compose):
     assert parser.parse_known_args(["train", *command])[0].cmd == "train"
     config = REPO / command[command.index("--config") + 1]
     assert config.exists()
-    job = load_config([a.replace("deploy/configs/", f"{REPO}/deploy/configs/") for a in command]
-                      + ["--save", compose["services"]["trainer"]["environment"]["SAVE_ROOT"]])
+    job = load_config(
+        [a.replace("deploy/configs/", f"{REPO}/deploy/configs/") for a in command]
+        + ["--save", compose["services"]["trainer"]["environment"]["SAVE_ROOT"]]
+    )
     assert job.checkpoint.service_address == "checkpoint:7002"
     assert job.train.control_port == 7003
 
@@ -188,7 +235,9 @@ def test_services_require_the_token_auth_init_writes_and_the_trainer_sends_it(co
         command = services[name]["command"]
         assert command[command.index("--token-file") + 1] == "/secrets/token"
         assert "secrets:/secrets:ro" in services[name]["volumes"]
-        assert services[name]["depends_on"]["auth-init"] == {"condition": "service_completed_successfully"}
+        assert services[name]["depends_on"]["auth-init"] == {
+            "condition": "service_completed_successfully"
+        }
     assert "--auth.token_file=/secrets/token" in services["trainer"]["command"]
     assert "secrets:/secrets:ro" in services["trainer"]["volumes"]
 
@@ -212,21 +261,37 @@ def test_s3_init_makes_the_bucket_and_succeeds_again_on_the_old_data(compose, s3
     kept the checkpoint service and the trainer from ever starting. Refused credentials end in
     an error naming the bucket, not in a success or a hang."""
     command = compose["services"]["s3-init"]["command"]
-    assert command[:4] == ["python", "-m", "meshtrain.services.launcher.objectstore", "make-bucket"], command
+    assert command[:4] == [
+        "python",
+        "-m",
+        "meshtrain.services.launcher.objectstore",
+        "make-bucket",
+    ], command
     bucket = f"compose-{uuid.uuid4().hex[:8]}"
     argv = [sys.executable, *command[1:4], bucket, *command[5:]]
     env = {**os.environ, **s3_server.env()}
 
     def s3_init(environment, *extra):
-        return subprocess.run(argv + list(extra), env=environment, cwd=REPO, capture_output=True, text=True,
-                              timeout=300, check=False)
+        return subprocess.run(
+            argv + list(extra),
+            env=environment,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
 
     first = s3_init(env)
     assert first.returncode == 0, first.stderr
     import s3fs
 
-    fs = s3fs.S3FileSystem(key=env["AWS_ACCESS_KEY_ID"], secret=env["AWS_SECRET_ACCESS_KEY"], skip_instance_cache=True,
-                           client_kwargs={"endpoint_url": env["AWS_ENDPOINT_URL"], "region_name": "us-east-1"})
+    fs = s3fs.S3FileSystem(
+        key=env["AWS_ACCESS_KEY_ID"],
+        secret=env["AWS_SECRET_ACCESS_KEY"],
+        skip_instance_cache=True,
+        client_kwargs={"endpoint_url": env["AWS_ENDPOINT_URL"], "region_name": "us-east-1"},
+    )
     assert fs.exists(bucket)
     again = s3_init(env)
     assert again.returncode == 0, again.stderr

@@ -32,8 +32,20 @@ REPO = Path(__file__).resolve().parents[2]
 def sourced(services_file: Path) -> dict[str, str]:
     """The variables of SERVICES_FILE as train.sbatch gets them: sourced by bash."""
     names = ("DATA_ADDRESSES", "CKPT_ADDRESS", "SAVE_ROOT", "TOKEN_FILE")
-    out = subprocess.run(["bash", "-c", 'set -euo pipefail; source "$1"; shift; for n; do printf "%s\\0" "${!n}"; done',
-                          "_", str(services_file), *names], capture_output=True, text=True, check=True, timeout=30)
+    out = subprocess.run(
+        [
+            "bash",
+            "-c",
+            'set -euo pipefail; source "$1"; shift; for n; do printf "%s\\0" "${!n}"; done',
+            "_",
+            str(services_file),
+            *names,
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    )
     return dict(zip(names, out.stdout.split("\0"), strict=False))
 
 
@@ -54,7 +66,9 @@ def excerpt(log: str) -> str:
     """The end of a job's log, after any stack dump a rank wrote on a stop that hung (the
     trainer's faulthandler dump, 90 s after the signal): where a stuck rank was."""
     dumps = [part[:4000] for part in log.split("Timeout (")[1:]]
-    return "".join(f"--- stack dump\nTimeout ({d}\n" for d in dumps) + "--- log tail\n" + log[-3000:]
+    return (
+        "".join(f"--- stack dump\nTimeout ({d}\n" for d in dumps) + "--- log tail\n" + log[-3000:]
+    )
 
 
 def wait_for(predicate, what, timeout=180, logs=()):
@@ -70,16 +84,39 @@ def wait_for(predicate, what, timeout=180, logs=()):
 @pytest.mark.dist
 def test_services_job_and_preempted_training_job_requeue_and_resume(cluster, tmp_path):
     venv_bin = Path(sys.executable).parent
-    env = {"PATH": f"{venv_bin}:/usr/bin:/bin:/usr/sbin:/sbin", "SERVICES_FILE": str(tmp_path / "services.env"),
-           "SAVE_ROOT": str(tmp_path / "ckpt"), "DATA_WORKERS": "2", "DATA_PORT": str(free_port()),
-           "CKPT_PORT": str(free_port()), "BIND": "127.0.0.1", "NPROC_PER_NODE": "2",
-           "RDZV_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
-           "DEVICE": "cpu", "RUNS_ROOT": str(tmp_path / "runs")}
-    services_log, train_log, more_log = tmp_path / "services.out", tmp_path / "train.out", tmp_path / "more.out"
+    env = {
+        "PATH": f"{venv_bin}:/usr/bin:/bin:/usr/sbin:/sbin",
+        "SERVICES_FILE": str(tmp_path / "services.env"),
+        "SAVE_ROOT": str(tmp_path / "ckpt"),
+        "DATA_WORKERS": "2",
+        "DATA_PORT": str(free_port()),
+        "CKPT_PORT": str(free_port()),
+        "BIND": "127.0.0.1",
+        "NPROC_PER_NODE": "2",
+        "RDZV_PORT": str(free_port()),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(REPO),
+        "DEVICE": "cpu",
+        "RUNS_ROOT": str(tmp_path / "runs"),
+    }
+    services_log, train_log, more_log = (
+        tmp_path / "services.out",
+        tmp_path / "train.out",
+        tmp_path / "more.out",
+    )
     more = None
-    services = cluster.run(["sbatch", "--parsable", "--export=ALL", f"--output={services_log}",
-                            "--cpus-per-task=2", "deploy/slurm/services.sbatch"],
-                           cwd=REPO, env=env).stdout.strip()
+    services = cluster.run(
+        [
+            "sbatch",
+            "--parsable",
+            "--export=ALL",
+            f"--output={services_log}",
+            "--cpus-per-task=2",
+            "deploy/slurm/services.sbatch",
+        ],
+        cwd=REPO,
+        env=env,
+    ).stdout.strip()
     try:
         wait_for((tmp_path / "services.env").exists, "the services' addresses", logs=[services_log])
         published = sourced(tmp_path / "services.env")
@@ -87,32 +124,76 @@ def test_services_job_and_preempted_training_job_requeue_and_resume(cluster, tmp
         workers_dir = tmp_path / "services.env.workers"
         assert published["DATA_ADDRESSES"] == f"dir:{workers_dir}"
         assert resolve_workers(published["DATA_ADDRESSES"]) == sorted(
-            f"{host}:{int(env['DATA_PORT']) + i}" for i in range(2))
+            f"{host}:{int(env['DATA_PORT']) + i}" for i in range(2)
+        )
         assert published["CKPT_ADDRESS"] == f"{host}:{env['CKPT_PORT']}"
         # a worker added by a job of its own announces itself beside the services job's two
-        more = cluster.run(["sbatch", "--parsable", "--export=ALL", f"--output={more_log}", "--cpus-per-task=1",
-                            "deploy/slurm/data-workers.sbatch"], cwd=REPO,
-                           env={**env, "DATA_WORKERS": "1", "DATA_PORT": str(free_port())}).stdout.strip()
-        wait_for(lambda: len(announced(workers_dir)) == 3, "the added worker's announcement", logs=[more_log])
+        more = cluster.run(
+            [
+                "sbatch",
+                "--parsable",
+                "--export=ALL",
+                f"--output={more_log}",
+                "--cpus-per-task=1",
+                "deploy/slurm/data-workers.sbatch",
+            ],
+            cwd=REPO,
+            env={**env, "DATA_WORKERS": "1", "DATA_PORT": str(free_port())},
+        ).stdout.strip()
+        wait_for(
+            lambda: len(announced(workers_dir)) == 3,
+            "the added worker's announcement",
+            logs=[more_log],
+        )
 
         cache = tmp_path / "corpus"
         prepare_default_dataset(cache, tokenizer="byte", max_bytes=400_000)
         # no --log.run_dir: the job's own, runs/slurm-JOBID, the same folder after the requeue
-        args = [a for a in small_job_args(cache, tmp_path / "unused", **{
-            "train.train_iters": 120, "train.eval_interval": 0, "checkpoint.save_interval": 1000})
-            if not a.startswith("--log.run_dir=")]
-        job = cluster.run(["sbatch", "--parsable", "--export=ALL", f"--output={train_log}",
-                           "--cpus-per-task=2", "deploy/slurm/train.sbatch", *args],
-                          cwd=REPO, env=env).stdout.strip()
+        args = [
+            a
+            for a in small_job_args(
+                cache,
+                tmp_path / "unused",
+                **{
+                    "train.train_iters": 120,
+                    "train.eval_interval": 0,
+                    "checkpoint.save_interval": 1000,
+                },
+            )
+            if not a.startswith("--log.run_dir=")
+        ]
+        job = cluster.run(
+            [
+                "sbatch",
+                "--parsable",
+                "--export=ALL",
+                f"--output={train_log}",
+                "--cpus-per-task=2",
+                "deploy/slurm/train.sbatch",
+                *args,
+            ],
+            cwd=REPO,
+            env=env,
+        ).stdout.strip()
         metrics = tmp_path / "runs" / f"slurm-{job}" / "metrics.jsonl"
-        wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 15,
-                 "15 logged steps", logs=[train_log, services_log])
+        wait_for(
+            lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 15,
+            "15 logged steps",
+            logs=[train_log, services_log],
+        )
         # what --signal=B:TERM@120 does before the time limit
         cluster.run(["scancel", "--batch", "--signal=TERM", job])
-        wait_for(lambda: cluster.job_field(job, "Restarts") == "1", "the job to requeue itself",
-                 logs=[train_log])
-        wait_for(lambda: cluster.job_field(job, "JobState") == "COMPLETED", "the requeued run to finish",
-                 timeout=240, logs=[train_log, services_log])
+        wait_for(
+            lambda: cluster.job_field(job, "Restarts") == "1",
+            "the job to requeue itself",
+            logs=[train_log],
+        )
+        wait_for(
+            lambda: cluster.job_field(job, "JobState") == "COMPLETED",
+            "the requeued run to finish",
+            timeout=240,
+            logs=[train_log, services_log],
+        )
         log = train_log.read_text()
         assert cluster.job_field(job, "ExitCode") == "0:0", excerpt(log)
         assert "train: SIGTERM: ranks checkpoint and exit" in log, excerpt(log)
@@ -130,8 +211,11 @@ def test_services_job_and_preempted_training_job_requeue_and_resume(cluster, tmp
                 cluster.run(["scancel", "--signal=TERM", "--full", extra], check=False)
     for extra, log_file in ((more, more_log), (services, services_log)):
         if extra is not None:
-            wait_for(lambda: cluster.job_field(extra, "JobState") in (None, "COMPLETED", "CANCELLED"),  # noqa: B023
-                     "the services jobs to stop", logs=[log_file])
+            wait_for(
+                lambda: cluster.job_field(extra, "JobState") in (None, "COMPLETED", "CANCELLED"),  # noqa: B023
+                "the services jobs to stop",
+                logs=[log_file],
+            )
     assert not (tmp_path / "services.env").exists()  # a stopped service job withdraws its addresses
     assert announced(tmp_path / "services.env.workers") == []  # and every worker its announcement
 
@@ -139,13 +223,33 @@ def test_services_job_and_preempted_training_job_requeue_and_resume(cluster, tmp
 @pytest.mark.e2e
 def test_a_training_job_without_gpus_stops_at_once_unless_cpu_is_meant(cluster, tmp_path):
     services_file = tmp_path / "services.env"
-    services_file.write_text("DATA_ADDRESSES=127.0.0.1:1\nCKPT_ADDRESS=127.0.0.1:2\nSAVE_ROOT=/nowhere\n")
+    services_file.write_text(
+        "DATA_ADDRESSES=127.0.0.1:1\nCKPT_ADDRESS=127.0.0.1:2\nSAVE_ROOT=/nowhere\n"
+    )
     log = tmp_path / "train.out"
-    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin:/usr/sbin:/sbin", "SERVICES_FILE": str(services_file)}
-    job = cluster.run(["sbatch", "--parsable", "--export=ALL", f"--output={log}", "--no-requeue",
-                       "deploy/slurm/train.sbatch", "--config", "deploy/configs/tiny.toml"],
-                      cwd=REPO, env=env).stdout.strip()
-    wait_for(lambda: cluster.job_field(job, "JobState") in ("FAILED", "COMPLETED"), "the job to end", logs=[log])
+    env = {
+        "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin:/usr/sbin:/sbin",
+        "SERVICES_FILE": str(services_file),
+    }
+    job = cluster.run(
+        [
+            "sbatch",
+            "--parsable",
+            "--export=ALL",
+            f"--output={log}",
+            "--no-requeue",
+            "deploy/slurm/train.sbatch",
+            "--config",
+            "deploy/configs/tiny.toml",
+        ],
+        cwd=REPO,
+        env=env,
+    ).stdout.strip()
+    wait_for(
+        lambda: cluster.job_field(job, "JobState") in ("FAILED", "COMPLETED"),
+        "the job to end",
+        logs=[log],
+    )
     assert cluster.job_field(job, "JobState") == "FAILED"
     assert "no GPU is allocated to job" in log.read_text() and "DEVICE=cpu" in log.read_text()
 
@@ -161,10 +265,23 @@ def test_the_services_file_keeps_a_save_root_with_a_space_whole(tmp_path):
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     services_file, save_root = tmp_path / "services.env", str(tmp_path / "my run" / "ckpt$1")
-    env = {**os.environ, "SERVICES_FILE": str(services_file), "SAVE_ROOT": save_root, "DATA_WORKERS": "2",
-           "MESHTRAIN": str(bin_dir / "meshtrain"), "PYTHON": str(bin_dir / "probe"), "STOP_GRACE_S": "5"}
-    job = subprocess.Popen(["bash", str(REPO / "deploy/slurm/services.sbatch")], env=env, cwd=tmp_path,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = {
+        **os.environ,
+        "SERVICES_FILE": str(services_file),
+        "SAVE_ROOT": save_root,
+        "DATA_WORKERS": "2",
+        "MESHTRAIN": str(bin_dir / "meshtrain"),
+        "PYTHON": str(bin_dir / "probe"),
+        "STOP_GRACE_S": "5",
+    }
+    job = subprocess.Popen(
+        ["bash", str(REPO / "deploy/slurm/services.sbatch")],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while not services_file.exists() and job.poll() is None and time.monotonic() < deadline:
@@ -172,9 +289,14 @@ def test_the_services_file_keeps_a_save_root_with_a_space_whole(tmp_path):
         assert services_file.exists(), "services.sbatch published no services file"
         published = sourced(services_file)
         assert published["SAVE_ROOT"] == save_root
-        assert published["DATA_ADDRESSES"] == f"dir:{services_file}.workers"  # where the workers announce
+        assert (
+            published["DATA_ADDRESSES"] == f"dir:{services_file}.workers"
+        )  # where the workers announce
         token_file = Path(published["TOKEN_FILE"])  # a fresh token for the job, private to its user
-        assert token_file == Path(f"{services_file}.token") and stat.S_IMODE(token_file.stat().st_mode) == 0o600
+        assert (
+            token_file == Path(f"{services_file}.token")
+            and stat.S_IMODE(token_file.stat().st_mode) == 0o600
+        )
         scope, token = token_file.read_text().split()
         assert scope == "admin" and len(token) == 64
     finally:
@@ -201,36 +323,92 @@ def test_the_preemption_timer_checkpoints_before_the_time_limit(cluster, tmp_pat
     from meshtrain.services.launcher.slurm_preempt import compute_lead
 
     venv_bin = Path(sys.executable).parent
-    env = {"PATH": f"{venv_bin}:/usr/bin:/bin:/usr/sbin:/sbin", "SERVICES_FILE": str(tmp_path / "services.env"),
-           "SAVE_ROOT": str(tmp_path / "ckpt"), "DATA_WORKERS": "1", "DATA_PORT": str(free_port()),
-           "CKPT_PORT": str(free_port()), "BIND": "127.0.0.1", "NPROC_PER_NODE": "1",
-           "RDZV_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
-           "DEVICE": "cpu", "RUNS_ROOT": str(tmp_path / "runs"), "CKPT_WRITE_MB_S": "0.06", "PREEMPT_MARGIN_S": "10"}
+    env = {
+        "PATH": f"{venv_bin}:/usr/bin:/bin:/usr/sbin:/sbin",
+        "SERVICES_FILE": str(tmp_path / "services.env"),
+        "SAVE_ROOT": str(tmp_path / "ckpt"),
+        "DATA_WORKERS": "1",
+        "DATA_PORT": str(free_port()),
+        "CKPT_PORT": str(free_port()),
+        "BIND": "127.0.0.1",
+        "NPROC_PER_NODE": "1",
+        "RDZV_PORT": str(free_port()),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(REPO),
+        "DEVICE": "cpu",
+        "RUNS_ROOT": str(tmp_path / "runs"),
+        "CKPT_WRITE_MB_S": "0.06",
+        "PREEMPT_MARGIN_S": "10",
+    }
     services_log, train_log = tmp_path / "services.out", tmp_path / "train.out"
-    services = cluster.run(["sbatch", "--parsable", "--export=ALL", f"--output={services_log}",
-                            "--cpus-per-task=2", "deploy/slurm/services.sbatch"], cwd=REPO, env=env).stdout.strip()
+    services = cluster.run(
+        [
+            "sbatch",
+            "--parsable",
+            "--export=ALL",
+            f"--output={services_log}",
+            "--cpus-per-task=2",
+            "deploy/slurm/services.sbatch",
+        ],
+        cwd=REPO,
+        env=env,
+    ).stdout.strip()
     job = None
     try:
         wait_for((tmp_path / "services.env").exists, "the services' addresses", logs=[services_log])
         cache = tmp_path / "corpus"
         prepare_default_dataset(cache, tokenizer="byte", max_bytes=400_000)
-        args = [a for a in small_job_args(cache, tmp_path / "unused", **{
-            "train.train_iters": 100_000, "train.eval_interval": 0, "checkpoint.save_interval": 100_000})
-            if not a.startswith("--log.run_dir=")]
+        args = [
+            a
+            for a in small_job_args(
+                cache,
+                tmp_path / "unused",
+                **{
+                    "train.train_iters": 100_000,
+                    "train.eval_interval": 0,
+                    "checkpoint.save_interval": 100_000,
+                },
+            )
+            if not a.startswith("--log.run_dir=")
+        ]
         lead = compute_lead(args, write_mb_s=0.06, margin_s=10).seconds  # no run yet: no step time
         assert 40 < lead < 90, lead
-        job = cluster.run(["sbatch", "--parsable", "--export=ALL", f"--output={train_log}", "--time=2",
-                           "--signal=B:TERM@5", "--cpus-per-task=2", "deploy/slurm/train.sbatch", *args],
-                          cwd=REPO, env=env).stdout.strip()
-        wait_for(lambda: cluster.job_field(job, "JobState") == "RUNNING", "the job to start", logs=[train_log])
+        job = cluster.run(
+            [
+                "sbatch",
+                "--parsable",
+                "--export=ALL",
+                f"--output={train_log}",
+                "--time=2",
+                "--signal=B:TERM@5",
+                "--cpus-per-task=2",
+                "deploy/slurm/train.sbatch",
+                *args,
+            ],
+            cwd=REPO,
+            env=env,
+        ).stdout.strip()
+        wait_for(
+            lambda: cluster.job_field(job, "JobState") == "RUNNING",
+            "the job to start",
+            logs=[train_log],
+        )
         end = job_time(cluster, job, "EndTime")
         assert end - job_time(cluster, job, "StartTime") == 120
-        wait_for(lambda: cluster.job_field(job, "Restarts") == "1", "the job to requeue itself", timeout=240,
-                 logs=[train_log, services_log])
+        wait_for(
+            lambda: cluster.job_field(job, "Restarts") == "1",
+            "the job to requeue itself",
+            timeout=240,
+            logs=[train_log, services_log],
+        )
         log = train_log.read_text()
-        assert f"lead {lead} s" in log and f"SIGTERM {lead} s before the time limit" in log, excerpt(log)
+        assert f"lead {lead} s" in log and f"SIGTERM {lead} s before the time limit" in log, (
+            excerpt(log)
+        )
         fired = [line for line in log.splitlines() if "the checkpoint needs" in line]
-        assert fired and int(fired[0].split("preemption timer: ")[1].split()[0]) <= lead, excerpt(log)
+        assert fired and int(fired[0].split("preemption timer: ")[1].split()[0]) <= lead, excerpt(
+            log
+        )
         stopped = [line for line in log.splitlines() if "stopped at step" in line]
         assert stopped, excerpt(log)
         step = int(stopped[0].split("stopped at step ")[1].split()[0])
@@ -246,5 +424,8 @@ def test_the_preemption_timer_checkpoints_before_the_time_limit(cluster, tmp_pat
             cluster.run(["scancel", job], check=False)
         cluster.run(["scancel", "--signal=TERM", "--full", services], check=False)
     for extra in (job, services):
-        wait_for(lambda: cluster.job_field(extra, "JobState") in (None, "COMPLETED", "CANCELLED"),  # noqa: B023
-                 "the jobs to stop", logs=[train_log, services_log])
+        wait_for(
+            lambda: cluster.job_field(extra, "JobState") in (None, "COMPLETED", "CANCELLED"),  # noqa: B023
+            "the jobs to stop",
+            logs=[train_log, services_log],
+        )

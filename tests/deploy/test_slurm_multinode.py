@@ -48,7 +48,9 @@ def job_processes(job: str, word: str) -> dict[int, dict[str, str]]:
         if not entry.name.isdigit():
             continue
         try:
-            env = dict(v.split("=", 1) for v in (entry / "environ").read_text().split("\0") if "=" in v)
+            env = dict(
+                v.split("=", 1) for v in (entry / "environ").read_text().split("\0") if "=" in v
+            )
             if env.get("SLURM_JOB_ID") == job and word in (entry / "cmdline").read_text():
                 env["netns"] = os.readlink(entry / "ns" / "net")
                 found[int(entry.name)] = env
@@ -65,42 +67,107 @@ def losses(metrics: Path) -> dict[int, float]:
 @pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.dist
-def test_two_node_job_is_preempted_requeued_and_resumes_with_the_uninterrupted_losses(nodes, tmp_path):
+def test_two_node_job_is_preempted_requeued_and_resumes_with_the_uninterrupted_losses(
+    nodes, tmp_path
+):
     venv_bin = Path(sys.executable).parent
-    base = {"PATH": f"{venv_bin}:/usr/bin:/bin:/usr/sbin:/sbin", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
-            "DEVICE": "cpu", "NPROC_PER_NODE": "1", "DATA_WORKERS": "1", "RUNS_ROOT": str(tmp_path / "runs")}
-    envs = {name: {**base, "SERVICES_FILE": str(tmp_path / f"{name}.env"), "SAVE_ROOT": str(tmp_path / f"{name}-ckpt"),
-                   "DATA_PORT": str(free_port()), "CKPT_PORT": str(free_port())} for name in ("run", "ref")}
-    logs = {f"{name}-{kind}": tmp_path / f"{name}-{kind}.out" for name in envs for kind in ("services", "train")}
+    base = {
+        "PATH": f"{venv_bin}:/usr/bin:/bin:/usr/sbin:/sbin",
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+        "DEVICE": "cpu",
+        "NPROC_PER_NODE": "1",
+        "DATA_WORKERS": "1",
+        "RUNS_ROOT": str(tmp_path / "runs"),
+    }
+    envs = {
+        name: {
+            **base,
+            "SERVICES_FILE": str(tmp_path / f"{name}.env"),
+            "SAVE_ROOT": str(tmp_path / f"{name}-ckpt"),
+            "DATA_PORT": str(free_port()),
+            "CKPT_PORT": str(free_port()),
+        }
+        for name in ("run", "ref")
+    }
+    logs = {
+        f"{name}-{kind}": tmp_path / f"{name}-{kind}.out"
+        for name in envs
+        for kind in ("services", "train")
+    }
     services, jobs = {}, {}
     try:
         for name, env in envs.items():
-            services[name] = nodes.run(["sbatch", "--parsable", "--export=ALL", f"--output={logs[name + '-services']}",
-                                        "--nodelist=node2", "--cpus-per-task=2", "deploy/slurm/services.sbatch"],
-                                       cwd=REPO, env=env).stdout.strip()
+            services[name] = nodes.run(
+                [
+                    "sbatch",
+                    "--parsable",
+                    "--export=ALL",
+                    f"--output={logs[name + '-services']}",
+                    "--nodelist=node2",
+                    "--cpus-per-task=2",
+                    "deploy/slurm/services.sbatch",
+                ],
+                cwd=REPO,
+                env=env,
+            ).stdout.strip()
         cache = tmp_path / "corpus"
         prepare_default_dataset(cache, tokenizer="byte", max_bytes=400_000)
-        args = [a for a in small_job_args(cache, tmp_path / "unused", **{
-            "train.train_iters": ITERS, "train.eval_interval": 0, "checkpoint.save_interval": 1000})
-            if not a.startswith("--log.run_dir=")]
+        args = [
+            a
+            for a in small_job_args(
+                cache,
+                tmp_path / "unused",
+                **{
+                    "train.train_iters": ITERS,
+                    "train.eval_interval": 0,
+                    "checkpoint.save_interval": 1000,
+                },
+            )
+            if not a.startswith("--log.run_dir=")
+        ]
         for name, env in envs.items():
-            wait_for(Path(env["SERVICES_FILE"]).exists, f"the {name} services' addresses",
-                     logs=[logs[name + "-services"]])
+            wait_for(
+                Path(env["SERVICES_FILE"]).exists,
+                f"the {name} services' addresses",
+                logs=[logs[name + "-services"]],
+            )
             published = sourced(Path(env["SERVICES_FILE"]))
-            assert published["CKPT_ADDRESS"] == f"node2:{env['CKPT_PORT']}"  # another node than the ranks'
-            jobs[name] = nodes.run(["sbatch", "--parsable", "--export=ALL", f"--output={logs[name + '-train']}",
-                                    "--nodes=2", "--cpus-per-task=2", "deploy/slurm/train.sbatch", *args],
-                                   cwd=REPO, env=env).stdout.strip()
+            assert (
+                published["CKPT_ADDRESS"] == f"node2:{env['CKPT_PORT']}"
+            )  # another node than the ranks'
+            jobs[name] = nodes.run(
+                [
+                    "sbatch",
+                    "--parsable",
+                    "--export=ALL",
+                    f"--output={logs[name + '-train']}",
+                    "--nodes=2",
+                    "--cpus-per-task=2",
+                    "deploy/slurm/train.sbatch",
+                    *args,
+                ],
+                cwd=REPO,
+                env=env,
+            ).stdout.strip()
         run = jobs["run"]
-        metrics = {name: tmp_path / "runs" / f"slurm-{job}" / "metrics.jsonl" for name, job in jobs.items()}
+        metrics = {
+            name: tmp_path / "runs" / f"slurm-{job}" / "metrics.jsonl" for name, job in jobs.items()
+        }
         train_logs = [logs["run-train"], logs["run-services"]]
-        wait_for(lambda: metrics["run"].exists() and len(metrics["run"].read_text().splitlines()) >= 15,
-                 "15 logged steps", logs=train_logs)
+        wait_for(
+            lambda: metrics["run"].exists() and len(metrics["run"].read_text().splitlines()) >= 15,
+            "15 logged steps",
+            logs=train_logs,
+        )
 
         # One rank in each node's network namespace (neither the machine's), both told by the
         # rendezvous that the master is node1; the services in node2's namespace.
-        ranks = {pid: env for pid, env in job_processes(run, "meshtrain.services.cli").items()
-                 if "LOCAL_RANK" in env}
+        ranks = {
+            pid: env
+            for pid, env in job_processes(run, "meshtrain.services.cli").items()
+            if "LOCAL_RANK" in env
+        }
         assert sorted(env["GROUP_RANK"] for env in ranks.values()) == ["0", "1"], ranks
         spaces = {env["netns"] for env in ranks.values()}
         root_ns = os.readlink("/proc/self/ns/net")
@@ -111,10 +178,18 @@ def test_two_node_job_is_preempted_requeued_and_resumes_with_the_uninterrupted_l
         assert service_spaces == node2, (service_spaces, node2)
 
         nodes.run(["scancel", "--batch", "--signal=TERM", run])  # what the preemption timer does
-        wait_for(lambda: nodes.job_field(run, "Restarts") == "1", "the job to requeue itself", logs=train_logs)
+        wait_for(
+            lambda: nodes.job_field(run, "Restarts") == "1",
+            "the job to requeue itself",
+            logs=train_logs,
+        )
         for name, job in jobs.items():
-            wait_for(lambda: nodes.job_field(job, "JobState") == "COMPLETED", f"the {name} run to finish",  # noqa: B023
-                     timeout=300, logs=[logs[name + "-train"], logs[name + "-services"]])
+            wait_for(
+                lambda: nodes.job_field(job, "JobState") == "COMPLETED",
+                f"the {name} run to finish",  # noqa: B023
+                timeout=300,
+                logs=[logs[name + "-train"], logs[name + "-services"]],
+            )
         log = logs["run-train"].read_text()
         assert nodes.job_field(run, "ExitCode") == "0:0", excerpt(log)
         assert f"job {run} (restart 1) on node[1-2]" in log, excerpt(log)
@@ -122,7 +197,9 @@ def test_two_node_job_is_preempted_requeued_and_resumes_with_the_uninterrupted_l
         assert stopped, excerpt(log)
         step = int(stopped[0].split("stopped at step ")[1].split()[0])
         assert 15 <= step < ITERS, excerpt(log)
-        assert f"train.sh: resuming from {envs['run']['SAVE_ROOT']} step {step}" in log, excerpt(log)
+        assert f"train.sh: resuming from {envs['run']['SAVE_ROOT']} step {step}" in log, excerpt(
+            log
+        )
         assert list_checkpoints(envs["run"]["SAVE_ROOT"]) == [step, ITERS]
         got, want = losses(metrics["run"]), losses(metrics["ref"])
         assert sorted(want) == list(range(1, ITERS + 1)) and sorted(got) == sorted(want)
@@ -133,5 +210,8 @@ def test_two_node_job_is_preempted_requeued_and_resumes_with_the_uninterrupted_l
         for job in services.values():
             nodes.run(["scancel", "--signal=TERM", "--full", job], check=False)
     for name, job in services.items():
-        wait_for(lambda: nodes.job_field(job, "JobState") in (None, "COMPLETED", "CANCELLED"),  # noqa: B023
-                 f"the {name} services job to stop", logs=[logs[name + "-services"]])
+        wait_for(
+            lambda: nodes.job_field(job, "JobState") in (None, "COMPLETED", "CANCELLED"),  # noqa: B023
+            f"the {name} services job to stop",
+            logs=[logs[name + "-services"]],
+        )

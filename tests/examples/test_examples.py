@@ -17,8 +17,12 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def _run(args: list[str], cwd: Path, timeout: float = 300) -> str:
-    proc = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{args} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    proc = subprocess.run(
+        [sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, (
+        f"{args} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
     return proc.stdout
 
 
@@ -47,7 +51,9 @@ def test_the_custom_loop_learns_reloads_exactly_and_trains_at_tp2_as_one_process
     for out in (one, tp2, dp2):
         losses = _losses(out)
         assert len(losses) == 12, out
-        assert losses[-1] < losses[0] - 0.5, losses  # ~8.3 (ln 4096) falls by more than 1 in 12 steps
+        assert losses[-1] < losses[0] - 0.5, (
+            losses
+        )  # ~8.3 (ln 4096) falls by more than 1 in 12 steps
         before, after = _reload(out)
         assert before == after  # printed with repr: every digit of the float
         assert "reloaded step 12" in out
@@ -66,7 +72,9 @@ def test_the_data_example_streams_the_in_process_batches_from_a_worker(tmp_path)
 
 @pytest.mark.e2e
 def test_the_checkpoint_example_commits_through_the_service_and_reloads_identical(tmp_path):
-    out = _run([str(EXAMPLES / "checkpoint_service.py"), "--root", str(tmp_path / "root")], tmp_path)
+    out = _run(
+        [str(EXAMPLES / "checkpoint_service.py"), "--root", str(tmp_path / "root")], tmp_path
+    )
     # --root without --address: its own service writes that root
     assert "weights identical: True, Adam moments identical: True" in out, out
     assert (tmp_path / "root" / "step_00000001" / "manifest.json").exists()

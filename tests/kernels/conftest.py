@@ -16,7 +16,9 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton)")
+needs_triton = pytest.mark.skipif(
+    not HAS_TRITON, reason="triton is not installed (pip install triton)"
+)
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 # Tolerances of a Triton result against the reference, per dtype. fp32: both sides compute in

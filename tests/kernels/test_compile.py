@@ -51,8 +51,10 @@ def _grads(out, args):
 def _check_compiled(fn, op, backend="aot_eager"):
     build = _cases()[op]
     args, ref_args = build(), None
-    ref_args = [a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
-                for a in args]
+    ref_args = [
+        a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
+        for a in args
+    ]
     torch._dynamo.reset()
     out = torch.compile(fn, fullgraph=True, backend=backend)(*args)
     expected = getattr(reference, op)(*ref_args)
@@ -69,7 +71,11 @@ def test_dispatching_op_compiles_without_graph_breaks(op):
 
 
 def _triton(op):
-    module = "meshtrain.kernels.cross_entropy" if op == "linear_cross_entropy" else f"meshtrain.kernels.{op}"
+    module = (
+        "meshtrain.kernels.cross_entropy"
+        if op == "linear_cross_entropy"
+        else f"meshtrain.kernels.{op}"
+    )
     return getattr(importlib.import_module(module), op)
 
 
@@ -93,7 +99,11 @@ def test_triton_op_compiles_as_custom_op(op):
 
 
 def _custom_op(op):
-    module = importlib.import_module("meshtrain.kernels.cross_entropy" if op == "linear_cross_entropy" else f"meshtrain.kernels.{op}")
+    module = importlib.import_module(
+        "meshtrain.kernels.cross_entropy"
+        if op == "linear_cross_entropy"
+        else f"meshtrain.kernels.{op}"
+    )
     name = {"cross_entropy": "_ce_op", "linear_cross_entropy": "_lce_op"}.get(op, f"_{op}_op")
     return getattr(module, name)
 

@@ -18,14 +18,18 @@ pytestmark = needs_triton
 
 @pytest.fixture
 def small_blocks(monkeypatch):
-    ce = importlib.import_module("meshtrain.kernels.cross_entropy")  # `meshtrain.kernels.cross_entropy` is the op
+    ce = importlib.import_module(
+        "meshtrain.kernels.cross_entropy"
+    )  # `meshtrain.kernels.cross_entropy` is the op
     monkeypatch.setattr(ce, "MAX_BLOCK", 32)  # 77 columns -> three blocks per row
 
 
 def _labels(n, vocab, ignored=True):
     labels = torch.randint(0, vocab, (n,), device=DEVICE)
     if ignored:
-        labels[3] = -100  # F.cross_entropy's default ignore_index: zero loss, still in the mean's count
+        labels[
+            3
+        ] = -100  # F.cross_entropy's default ignore_index: zero loss, still in the mean's count
     return labels
 
 
@@ -127,7 +131,9 @@ def test_linear_cross_entropy_without_grad_matches_loss():
     hidden, weight, labels, mask = _linear_case(torch.float32, True)
     with torch.no_grad():
         loss = linear_cross_entropy(hidden, weight, labels, mask, 77, chunk_size=64)
-    ref = reference.linear_cross_entropy(hidden.detach().double(), weight.detach().double(), labels, mask, 77)
+    ref = reference.linear_cross_entropy(
+        hidden.detach().double(), weight.detach().double(), labels, mask, 77
+    )
     torch.testing.assert_close(loss.double(), ref, **TOL[torch.float32])
 
 
@@ -148,7 +154,9 @@ def _call_with_a_bad_label(which: str, bad: int) -> None:
 
 
 @pytest.mark.parametrize("which", ["linear", "linear-no-grad", "plain"])
-@pytest.mark.parametrize("bad", [77, 79, -1], ids=["first-padding-row", "last-padding-row", "negative"])
+@pytest.mark.parametrize(
+    "bad", [77, 79, -1], ids=["first-padding-row", "last-padding-row", "negative"]
+)
 def test_a_label_outside_the_vocabulary_is_an_error(bad, which):
     """As in the reference (F.cross_entropy) and the vocab-parallel loss: a label in the padded
     rows (77..79 here) or a negative one other than -100 is refused, not read as a zero logit
@@ -168,12 +176,20 @@ def test_a_label_outside_the_vocabulary_is_an_error(bad, which):
         with pytest.raises(RuntimeError, match="outside the vocabulary"):
             _call_with_a_bad_label(which, bad)
         return
-    code = ("import sys, torch\n"
-            "from tests.kernels.test_cross_entropy import _call_with_a_bad_label\n"
-            "_call_with_a_bad_label(sys.argv[1], int(sys.argv[2]))\n"
-            "torch.cuda.synchronize()\n")
-    out = subprocess.run([sys.executable, "-c", code, which, str(bad)], cwd=Path(__file__).resolve().parents[2],
-                         capture_output=True, text=True, timeout=300, check=False)
+    code = (
+        "import sys, torch\n"
+        "from tests.kernels.test_cross_entropy import _call_with_a_bad_label\n"
+        "_call_with_a_bad_label(sys.argv[1], int(sys.argv[2]))\n"
+        "torch.cuda.synchronize()\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, which, str(bad)],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     # the device prints the failed assertion with its message; the host's error comes from
     # whichever CUDA call next meets the dead context (a sync, or cuBLAS's handle creation)
     assert out.returncode != 0, out.stdout + out.stderr
@@ -203,8 +219,11 @@ def test_vocab_shards_combine_to_the_full_softmax():
     (grad64,) = torch.autograd.grad(reference.cross_entropy(full, labels), full)
     for a, b in bounds:
         shard = logits[:, a:b].contiguous()
-        torch.testing.assert_close(softmax_grad_(shard, labels, lse, scale, a).double(), grad64[:, a:b],
-                                   **TOL[torch.float32])
+        torch.testing.assert_close(
+            softmax_grad_(shard, labels, lse, scale, a).double(),
+            grad64[:, a:b],
+            **TOL[torch.float32],
+        )
 
 
 def test_tracing_leaves_the_fp32_accumulation_flag_alone(monkeypatch):
@@ -215,7 +234,9 @@ def test_tracing_leaves_the_fp32_accumulation_flag_alone(monkeypatch):
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    ce = importlib.import_module("meshtrain.kernels.cross_entropy")  # the package's attribute is the op
+    ce = importlib.import_module(
+        "meshtrain.kernels.cross_entropy"
+    )  # the package's attribute is the op
     monkeypatch.setattr(ce, "_MM_FP32_OUT", None)
     with FakeTensorMode():
         acc = torch.empty(8, 4, device="cuda", dtype=torch.float32)

@@ -64,8 +64,11 @@ def test_reference_projection_hands_its_logits_to_the_dispatched_cross_entropy(m
         return reference.cross_entropy(logits, labels, loss_mask)
 
     real = kernels.resolve
-    monkeypatch.setattr(kernels, "resolve",
-                        lambda op, on_cuda: fake_triton_ce if op == "cross_entropy" else real(op, on_cuda))
+    monkeypatch.setattr(
+        kernels,
+        "resolve",
+        lambda op, on_cuda: fake_triton_ce if op == "cross_entropy" else real(op, on_cuda),
+    )
     torch.manual_seed(0)
     h, w = torch.randn(2, 5, 8), torch.randn(12, 8)  # vocabulary 10, padded to 12
     labels = torch.randint(0, 10, (2, 5))
@@ -84,7 +87,9 @@ def test_linear_cross_entropy_compiles_whole_on_the_reference():
     torch._dynamo.reset()
     h, w = torch.randn(3, 8), torch.randn(10, 8)
     labels = torch.randint(0, 10, (3,))
-    f = torch.compile(lambda a, b: kernels.linear_cross_entropy(a, b, labels, None, 10), fullgraph=True)
+    f = torch.compile(
+        lambda a, b: kernels.linear_cross_entropy(a, b, labels, None, 10), fullgraph=True
+    )
     torch.testing.assert_close(f(h, w), reference.linear_cross_entropy(h, w, labels, None, 10))
     torch._dynamo.reset()
 
@@ -98,11 +103,15 @@ def test_triton_mode_off_cuda_names_where_the_mode_came_from_and_why(monkeypatch
     monkeypatch.delenv("MESHTRAIN_KERNELS", raising=False)
     kernels.set_mode("triton")
     try:
-        with pytest.raises(RuntimeError, match=r"kernel mode 'triton' \(train.kernels\).*'rms_norm'.*not on a CUDA"):
+        with pytest.raises(
+            RuntimeError, match=r"kernel mode 'triton' \(train.kernels\).*'rms_norm'.*not on a CUDA"
+        ):
             kernels.rms_norm(torch.randn(2, 4), torch.ones(4), 1e-6)
         monkeypatch.setenv("MESHTRAIN_KERNELS", "triton")
         kernels.set_mode("auto")
-        with pytest.raises(RuntimeError, match=r"MESHTRAIN_KERNELS=triton, but op 'gelu'.*not on a CUDA"):
+        with pytest.raises(
+            RuntimeError, match=r"MESHTRAIN_KERNELS=triton, but op 'gelu'.*not on a CUDA"
+        ):
             kernels.gelu(torch.randn(3))
     finally:
         kernels.set_mode("auto")
@@ -111,13 +120,21 @@ def test_triton_mode_off_cuda_names_where_the_mode_came_from_and_why(monkeypatch
 def test_triton_mode_without_triton_says_triton_is_missing():
     """A CUDA op in 'triton' mode where `import triton` fails (run in a fresh interpreter with
     triton blocked): the error says Triton is not installed; 'auto' takes the reference."""
-    code = ("import sys; sys.modules['triton'] = None\n"
-            "from meshtrain import kernels\nfrom meshtrain.kernels import reference\n"
-            "assert kernels.resolve('rms_norm', on_cuda=True) is reference.rms_norm\n"
-            "kernels.set_mode('triton')\n"
-            "try:\n    kernels.resolve('rms_norm', on_cuda=True)\n"
-            "except RuntimeError as e:\n    print(e)\n")
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "from meshtrain import kernels\nfrom meshtrain.kernels import reference\n"
+        "assert kernels.resolve('rms_norm', on_cuda=True) is reference.rms_norm\n"
+        "kernels.set_mode('triton')\n"
+        "try:\n    kernels.resolve('rms_norm', on_cuda=True)\n"
+        "except RuntimeError as e:\n    print(e)\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != "MESHTRAIN_KERNELS"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True,
-                         cwd=Path(kernels.__file__).resolve().parents[1]).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+        cwd=Path(kernels.__file__).resolve().parents[1],
+    ).stdout
     assert "'rms_norm' cannot run on Triton: Triton is not installed" in out, out

@@ -23,7 +23,9 @@ BF16 = dict(rtol=2e-2, atol=2e-2)
 
 def _grads(fn, inputs, dy):
     out = fn(*inputs)
-    return out, torch.autograd.grad(out, [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad], dy)
+    return out, torch.autograd.grad(
+        out, [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad], dy
+    )
 
 
 def _leaf(t, grad=True):
@@ -33,12 +35,18 @@ def _leaf(t, grad=True):
 def _compare(fast, ref, inputs, dy=None, tol=BF16, grad_tol=None):
     """fast(inputs) vs ref(inputs upcast to fp32): output and every input gradient."""
     fast_in = [_leaf(t, t.requires_grad) if isinstance(t, torch.Tensor) else t for t in inputs]
-    ref_in = [_leaf(t.float(), t.requires_grad) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-              for t in inputs]
+    ref_in = [
+        _leaf(t.float(), t.requires_grad)
+        if isinstance(t, torch.Tensor) and t.is_floating_point()
+        else t
+        for t in inputs
+    ]
     y = fast(*fast_in)
     dy = torch.randn_like(y) if dy is None else dy
     y_ref, g_ref = _grads(ref, ref_in, dy.float())
-    g = torch.autograd.grad(y, [t for t in fast_in if isinstance(t, torch.Tensor) and t.requires_grad], dy)
+    g = torch.autograd.grad(
+        y, [t for t in fast_in if isinstance(t, torch.Tensor) and t.requires_grad], dy
+    )
     torch.testing.assert_close(y.float(), y_ref.float(), **tol)
     for a, b in zip(g, g_ref):
         torch.testing.assert_close(a.float(), b.float(), **(grad_tol or tol))
@@ -52,8 +60,12 @@ def test_rms_norm(shape):
     x = torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(shape[-1], device="cuda", requires_grad=True)  # fp32 master weight
     rows = x.numel() // shape[-1]
-    _compare(lambda a, b: rms_norm(a, b, 1e-5), lambda a, b: reference.rms_norm(a, b, 1e-5), [x, w],
-             grad_tol=dict(rtol=2e-2, atol=2e-2 * rows ** 0.5))
+    _compare(
+        lambda a, b: rms_norm(a, b, 1e-5),
+        lambda a, b: reference.rms_norm(a, b, 1e-5),
+        [x, w],
+        grad_tol=dict(rtol=2e-2, atol=2e-2 * rows**0.5),
+    )
 
 
 @pytest.mark.parametrize("shape", [(8, 1024, 768), (3, 1021, 1600)])
@@ -64,22 +76,32 @@ def test_layer_norm(shape):
     w = torch.randn(shape[-1], device="cuda", dtype=torch.bfloat16, requires_grad=True)
     b = torch.randn(shape[-1], device="cuda", dtype=torch.bfloat16, requires_grad=True)
     rows = x.numel() // shape[-1]
-    _compare(lambda *a: layer_norm(*a, 1e-5), lambda *a: reference.layer_norm(*a, 1e-5), [x, w, b],
-             grad_tol=dict(rtol=2e-2, atol=2e-2 * rows ** 0.5))
+    _compare(
+        lambda *a: layer_norm(*a, 1e-5),
+        lambda *a: reference.layer_norm(*a, 1e-5),
+        [x, w, b],
+        grad_tol=dict(rtol=2e-2, atol=2e-2 * rows**0.5),
+    )
 
 
 def test_gelu():
     from meshtrain.kernels.gelu import gelu
 
-    _compare(gelu, reference.gelu, [torch.randn(8, 1024, 3072, device="cuda", dtype=torch.bfloat16,
-                                                requires_grad=True)])
+    _compare(
+        gelu,
+        reference.gelu,
+        [torch.randn(8, 1024, 3072, device="cuda", dtype=torch.bfloat16, requires_grad=True)],
+    )
 
 
 def test_swiglu():
     from meshtrain.kernels.swiglu import swiglu
 
-    _compare(swiglu, reference.swiglu, [torch.randn(4, 2048, 2 * 5461, device="cuda", dtype=torch.bfloat16,
-                                                    requires_grad=True)])
+    _compare(
+        swiglu,
+        reference.swiglu,
+        [torch.randn(4, 2048, 2 * 5461, device="cuda", dtype=torch.bfloat16, requires_grad=True)],
+    )
 
 
 def test_rope():
@@ -135,9 +157,14 @@ def test_cross_entropy_on_logits():
 
     logits = torch.randn(4096, 50304, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     labels = torch.randint(0, 50304, (4096,), device="cuda")
-    _compare(lambda x: cross_entropy(x, labels), lambda x: reference.cross_entropy(x, labels), [logits],
-             dy=torch.tensor(1.0, device="cuda"), tol=dict(rtol=1e-4, atol=1e-4),
-             grad_tol=dict(rtol=2e-2, atol=1e-6))
+    _compare(
+        lambda x: cross_entropy(x, labels),
+        lambda x: reference.cross_entropy(x, labels),
+        [logits],
+        dy=torch.tensor(1.0, device="cuda"),
+        tol=dict(rtol=1e-4, atol=1e-4),
+        grad_tol=dict(rtol=2e-2, atol=1e-6),
+    )
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
@@ -150,8 +177,14 @@ def test_model_with_triton_kernels_matches_reference(arch, monkeypatch):
 
     kw = dict(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=128, vocab_size=1003)
     if arch == "llama":
-        kw.update(normalization="rmsnorm", activation="swiglu", position_embedding_type="rope",
-                  add_bias_linear=False, untie_embeddings_and_output_weights=True, num_query_groups=2)
+        kw.update(
+            normalization="rmsnorm",
+            activation="swiglu",
+            position_embedding_type="rope",
+            add_bias_linear=False,
+            untie_embeddings_and_output_weights=True,
+            num_query_groups=2,
+        )
     torch.manual_seed(0)
     model = GPT(ModelConfig(**kw)).cuda()
     tokens = torch.randint(0, 1003, (4, 128), device="cuda")
@@ -176,8 +209,13 @@ def test_model_with_triton_kernels_matches_reference(arch, monkeypatch):
 
 # ---- the custom-op path under torch.compile (Inductor), and autotuning at real shapes ----
 
+
 def _compiled(op):
-    module = importlib.import_module("meshtrain.kernels.cross_entropy" if op == "linear_cross_entropy" else f"meshtrain.kernels.{op}")
+    module = importlib.import_module(
+        "meshtrain.kernels.cross_entropy"
+        if op == "linear_cross_entropy"
+        else f"meshtrain.kernels.{op}"
+    )
     torch._dynamo.reset()
     return torch.compile(getattr(module, op), fullgraph=True)
 
@@ -187,9 +225,18 @@ def _op_inputs(op):
     rows = 4 * 2048
     bf16 = {"device": "cuda", "dtype": torch.bfloat16, "requires_grad": True}
     if op == "rms_norm":
-        return [torch.randn(rows, 2048, **bf16), torch.randn(2048, device="cuda", requires_grad=True), 1e-5]
+        return [
+            torch.randn(rows, 2048, **bf16),
+            torch.randn(2048, device="cuda", requires_grad=True),
+            1e-5,
+        ]
     if op == "layer_norm":
-        return [torch.randn(rows, 1024, **bf16), torch.randn(1024, **bf16), torch.randn(1024, **bf16), 1e-5]
+        return [
+            torch.randn(rows, 1024, **bf16),
+            torch.randn(1024, **bf16),
+            torch.randn(1024, **bf16),
+            1e-5,
+        ]
     if op == "gelu":
         return [torch.randn(rows, 4096, **bf16)]
     if op == "swiglu":
@@ -201,8 +248,11 @@ def _op_inputs(op):
 ELEMENTWISE_OPS = ["rms_norm", "layer_norm", "gelu", "swiglu", "rope"]
 # the Triton kernels each op's forward and backward launch
 OP_KERNELS = {
-    "rms_norm": ("_rms_norm_fwd", "_rms_norm_bwd"), "layer_norm": ("_layer_norm_fwd", "_layer_norm_bwd"),
-    "gelu": ("_gelu_fwd", "_gelu_bwd"), "swiglu": ("_swiglu_fwd", "_swiglu_bwd"), "rope": ("_rope_kernel",),
+    "rms_norm": ("_rms_norm_fwd", "_rms_norm_bwd"),
+    "layer_norm": ("_layer_norm_fwd", "_layer_norm_bwd"),
+    "gelu": ("_gelu_fwd", "_gelu_bwd"),
+    "swiglu": ("_swiglu_fwd", "_swiglu_bwd"),
+    "rope": ("_rope_kernel",),
 }
 
 
@@ -253,13 +303,17 @@ def test_inductor_runs_the_config_eager_autotuning_chose(op):
     module = importlib.import_module(f"meshtrain.kernels.{op}")
     for name in OP_KERNELS[op]:
         kernel = getattr(module, name)
-        block = code.split(f"async_compile.triton('{name}'", 1)[1].split("async_compile.triton(", 1)[0]
+        block = code.split(f"async_compile.triton('{name}'", 1)[1].split(
+            "async_compile.triton(", 1
+        )[0]
         configs = re.search(r"configs=\[(\{[^\]]*)\]", block).group(1)
         assert configs.count("{") == 1, f"{name}: Inductor was given {configs}"
         assert kernel.cache, name
         # eager, at the same shapes: the autotuner's cached pick
-        eager_inputs = [t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
-                        for t in inputs]
+        eager_inputs = [
+            t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+            for t in inputs
+        ]
         out = getattr(module, op)(*eager_inputs)
         if name.endswith("_bwd"):
             out.float().sum().backward()
@@ -298,7 +352,9 @@ def test_compiled_plain_loss_at_a_padded_vocabulary_holds_one_logits_gradient():
     w = (0.02 * torch.randn(padded, hdim, device="cuda")).requires_grad_()  # fp32 master weight
     labels = torch.randint(0, vocab, (n,), device="cuda")
     torch._dynamo.reset()
-    fn = torch.compile(lambda a, b: reference.linear_cross_entropy(a, b, labels, None, vocab), fullgraph=True)
+    fn = torch.compile(
+        lambda a, b: reference.linear_cross_entropy(a, b, labels, None, vocab), fullgraph=True
+    )
 
     def run():
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -333,9 +389,12 @@ def test_compiled_losses_at_an_odd_vocabulary_get_the_strides_they_were_traced_w
     dh_ref, dw_ref = torch.autograd.grad(ref, (h32, w32))
     torch._dynamo.reset()
     losses = {
-        "cross_entropy": torch.compile(lambda a, b: cross_entropy(a @ b.t(), labels), fullgraph=True),
-        "linear_cross_entropy": torch.compile(lambda a, b: linear_cross_entropy(a, b, labels, None, vocab),
-                                              fullgraph=True),
+        "cross_entropy": torch.compile(
+            lambda a, b: cross_entropy(a @ b.t(), labels), fullgraph=True
+        ),
+        "linear_cross_entropy": torch.compile(
+            lambda a, b: linear_cross_entropy(a, b, labels, None, vocab), fullgraph=True
+        ),
     }
     for name, fn in losses.items():
         loss = fn(h, w)
@@ -369,8 +428,14 @@ def test_compiled_model_auto_kernels_match_reference(arch, monkeypatch):
 
     kw = dict(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=128, vocab_size=1003)
     if arch == "llama":
-        kw.update(normalization="rmsnorm", activation="swiglu", position_embedding_type="rope",
-                  add_bias_linear=False, untie_embeddings_and_output_weights=True, num_query_groups=2)
+        kw.update(
+            normalization="rmsnorm",
+            activation="swiglu",
+            position_embedding_type="rope",
+            add_bias_linear=False,
+            untie_embeddings_and_output_weights=True,
+            num_query_groups=2,
+        )
     torch.manual_seed(0)
     model = GPT(ModelConfig(**kw)).cuda()
     tokens = torch.randint(0, 1003, (4, 128), device="cuda")
@@ -398,7 +463,9 @@ def test_compiled_model_auto_kernels_match_reference(arch, monkeypatch):
         loss_fast, grads_fast = run("auto", torch.compile(model, backend=backend))
     finally:
         kernels.set_mode("auto")
-    assert any(t.startswith("meshtrain.") for t in seen), "no Triton custom op in the compiled graph"
+    assert any(t.startswith("meshtrain.") for t in seen), (
+        "no Triton custom op in the compiled graph"
+    )
     torch.testing.assert_close(loss_fast, loss_ref, rtol=1e-2, atol=1e-2)
     for name, g in grads_ref.items():
         scale = g.abs().max().item() + 1e-12

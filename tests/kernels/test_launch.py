@@ -15,13 +15,22 @@ def test_pruned_space_fits_registers_and_keeps_the_heuristic(monkeypatch, block,
     from meshtrain.kernels import _launch
 
     monkeypatch.setattr(_launch, "autotuning", lambda: True)
-    kept = _launch.prune_row_configs(backward)(_launch.row_configs(backward), {"n_rows": 16384}, BLOCK=block)
+    kept = _launch.prune_row_configs(backward)(
+        _launch.row_configs(backward), {"n_rows": 16384}, BLOCK=block
+    )
     default = _launch.heuristic_config(block, backward)
-    key = lambda c: (c.kwargs["ROWS"], c.num_warps, c.num_stages)
+
+    def key(c):
+        return (c.kwargs["ROWS"], c.num_warps, c.num_stages)
+
     assert key(kept[0]) == key(default)
     assert 1 <= len(kept) <= 30
     for c in kept[1:]:
-        assert (8 if backward else 4) <= c.kwargs["ROWS"] * block // (32 * c.num_warps) <= (32 if backward else 64)
+        assert (
+            (8 if backward else 4)
+            <= c.kwargs["ROWS"] * block // (32 * c.num_warps)
+            <= (32 if backward else 64)
+        )
     assert len({key(c) for c in kept}) == len(kept)
 
 
@@ -56,7 +65,9 @@ def test_reduction_programs_of_no_rows_is_one_empty_program():
 
 @pytest.mark.parametrize("per_sm", [None, 1, 2, 8])
 @pytest.mark.parametrize("rows", [1, 131, 16384, 16385])
-def test_reduction_programs_on_a_gpu_cover_every_row_once_within_the_per_sm_budget(monkeypatch, rows, per_sm):
+def test_reduction_programs_on_a_gpu_cover_every_row_once_within_the_per_sm_budget(
+    monkeypatch, rows, per_sm
+):
     """On a CUDA device the count follows the SMs: at most per_sm (default
     REDUCTION_PROGRAMS_PER_SM) programs per SM, none of them without rows."""
     import torch
@@ -73,7 +84,9 @@ def test_reduction_programs_on_a_gpu_cover_every_row_once_within_the_per_sm_budg
 
 
 @pytest.mark.parametrize("interpreted", [False, True])
-def test_kernel_op_is_traced_into_on_a_gpu_build_and_opaque_under_the_interpreter(monkeypatch, interpreted):
+def test_kernel_op_is_traced_into_on_a_gpu_build_and_opaque_under_the_interpreter(
+    monkeypatch, interpreted
+):
     """`kernel_op` makes a `triton_op` when Triton compiles for a GPU: AOT autograd traces its
     body, so the compiled graph holds the body's own ops. Under the interpreter (whose kernels
     cannot be traced) the op stays one opaque node. A body of plain torch ops shows which."""
@@ -121,8 +134,14 @@ def _run_without_interpreter(code: str, **env_extra: str):
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | env_extra
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
-                         check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -152,18 +171,32 @@ def test_torch_finds_each_triton_ops_kernels_for_the_compile_cache_key():
         pytest.skip("this torch has no triton_op")
     expected = {
         # the norms' backward also sums its partials with kernels/_column_sums.py's kernel
-        "rms_norm": ["_rms_norm_fwd"], "rms_norm_backward": ["_column_sums", "_rms_norm_bwd"],
-        "layer_norm": ["_layer_norm_fwd"], "layer_norm_backward": ["_column_sums", "_layer_norm_bwd"],
-        "gelu": ["_gelu_fwd"], "gelu_backward": ["_gelu_bwd"],
-        "swiglu": ["_swiglu_fwd"], "swiglu_backward": ["_swiglu_bwd"],
-        "rope": ["_rope_kernel"], "rope_backward": ["_rope_kernel"],
-        "cross_entropy": ["_ce_fused_kernel"], "cross_entropy_backward": ["_grad_kernel"],
+        "rms_norm": ["_rms_norm_fwd"],
+        "rms_norm_backward": ["_column_sums", "_rms_norm_bwd"],
+        "layer_norm": ["_layer_norm_fwd"],
+        "layer_norm_backward": ["_column_sums", "_layer_norm_bwd"],
+        "gelu": ["_gelu_fwd"],
+        "gelu_backward": ["_gelu_bwd"],
+        "swiglu": ["_swiglu_fwd"],
+        "swiglu_backward": ["_swiglu_bwd"],
+        "rope": ["_rope_kernel"],
+        "rope_backward": ["_rope_kernel"],
+        "cross_entropy": ["_ce_fused_kernel"],
+        "cross_entropy_backward": ["_grad_kernel"],
         "linear_cross_entropy": ["_ce_fused_kernel"],
     }
-    modules = {f"meshtrain.kernels.{op}": [op, f"{op}_backward"] for op in ("rms_norm", "layer_norm", "gelu", "swiglu", "rope")}
-    modules["meshtrain.kernels.cross_entropy"] = ["cross_entropy", "cross_entropy_backward", "linear_cross_entropy"]
-    found = _run_without_interpreter("import os; MODULES = os.environ['MODULES']\n" + _FIND_KERNELS,
-                                     MODULES=json.dumps(modules))
+    modules = {
+        f"meshtrain.kernels.{op}": [op, f"{op}_backward"]
+        for op in ("rms_norm", "layer_norm", "gelu", "swiglu", "rope")
+    }
+    modules["meshtrain.kernels.cross_entropy"] = [
+        "cross_entropy",
+        "cross_entropy_backward",
+        "linear_cross_entropy",
+    ]
+    found = _run_without_interpreter(
+        "import os; MODULES = os.environ['MODULES']\n" + _FIND_KERNELS, MODULES=json.dumps(modules)
+    )
     assert found == expected
 
 
@@ -202,7 +235,9 @@ def test_an_autotuned_kernel_reaches_inductor_with_one_config(monkeypatch):
     assert len(_layer_norm_fwd.configs) > 1
     with FunctionalTensorMode():
         assert isinstance(_launch.wrap_triton(_layer_norm_fwd), _launch._TunedWhileTracing)
-    one_config = triton.autotune(configs=[_layer_norm_fwd.configs[0]], key=["n_cols"])(_layer_norm_fwd.fn)
+    one_config = triton.autotune(configs=[_layer_norm_fwd.configs[0]], key=["n_cols"])(
+        _layer_norm_fwd.fn
+    )
     with FunctionalTensorMode():  # nothing to choose: torch's wrapper straight away
         assert _launch.wrap_triton(one_config) == ("wrapped", one_config)
     chosen = _layer_norm_fwd.configs[1]

@@ -55,8 +55,12 @@ def test_layer_norm_fp32_without_bias_and_large_mean():
     torch.manual_seed(0)
     x = torch.randn(4, 50, device=DEVICE) + 50.0
     w = torch.randn(50, device=DEVICE)
-    torch.testing.assert_close(layer_norm(x, w, None, 1e-5).double(),
-                               reference.layer_norm(x.double(), w.double(), None, 1e-5), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        layer_norm(x, w, None, 1e-5).double(),
+        reference.layer_norm(x.double(), w.double(), None, 1e-5),
+        rtol=1e-4,
+        atol=1e-4,
+    )
 
 
 def test_layer_norm_bf16():
@@ -90,5 +94,7 @@ def test_layer_norm_refuses_parameters_of_another_width(which, width):
 
     params = {"weight": torch.randn(24, device=DEVICE), "bias": torch.randn(24, device=DEVICE)}
     params[which] = torch.randn(width, device=DEVICE)
-    with pytest.raises(ValueError, match=rf"{which} of shape \({width},\) for x of shape \(3, 24\)"):
+    with pytest.raises(
+        ValueError, match=rf"{which} of shape \({width},\) for x of shape \(3, 24\)"
+    ):
         layer_norm(torch.randn(3, 24, device=DEVICE), params["weight"], params["bias"], 1e-5)

@@ -19,12 +19,14 @@ def test_rope_equals_complex_rotation_of_half_pairs():
     cos, sin = reference.rope_cos_sin(s, d, 10000.0)
     out = reference.rope(x, cos.double(), sin.double())
     # rotate-half pairs element i with i + d/2; each pair is rotated by angle pos * base^(-2i/d)
-    z = torch.complex(x[..., : d // 2], x[..., d // 2:])
+    z = torch.complex(x[..., : d // 2], x[..., d // 2 :])
     freqs = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
     angle = torch.arange(s, dtype=torch.float64)[:, None] * freqs
     rotated = z * torch.polar(torch.ones_like(angle), angle)
     # the tables are fp32 (as the model uses them), so agreement is to fp32 rounding, not fp64's
-    torch.testing.assert_close(out, torch.cat([rotated.real, rotated.imag], -1), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        out, torch.cat([rotated.real, rotated.imag], -1), rtol=1e-6, atol=1e-6
+    )
 
 
 def test_rope_preserves_norm_and_relative_positions():
@@ -42,7 +44,7 @@ def test_swiglu_and_gelu():
     gate, up = x[:, :5], x[:, 5:]
     torch.testing.assert_close(reference.swiglu(x), gate * torch.sigmoid(gate) * up)
     y = torch.randn(100, dtype=torch.float64)
-    tanh_gelu = 0.5 * y * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (y + 0.044715 * y ** 3)))
+    tanh_gelu = 0.5 * y * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (y + 0.044715 * y**3)))
     torch.testing.assert_close(reference.gelu(y), tanh_gelu)
 
 
@@ -53,13 +55,17 @@ def test_linear_cross_entropy_ignores_padded_rows():
     w_padded = w.clone()
     w_padded[10:] = 100.0  # huge logits in padding rows must not matter
     expected = torch.nn.functional.cross_entropy((h @ w[:10].t()).flatten(0, 1), labels.flatten())
-    torch.testing.assert_close(reference.linear_cross_entropy(h, w_padded, labels, vocab_size=10), expected)
+    torch.testing.assert_close(
+        reference.linear_cross_entropy(h, w_padded, labels, vocab_size=10), expected
+    )
 
 
 def test_dispatch_modes(monkeypatch):
     assert kernels.resolve("rms_norm", on_cuda=False) is reference.rms_norm
     monkeypatch.setenv("MESHTRAIN_KERNELS", "triton")
-    with pytest.raises(RuntimeError, match="cannot run on Triton: its tensors are not on a CUDA device"):
+    with pytest.raises(
+        RuntimeError, match="cannot run on Triton: its tensors are not on a CUDA device"
+    ):
         kernels.resolve("rms_norm", on_cuda=False)  # Triton kernels serve CUDA tensors only
     monkeypatch.setenv("MESHTRAIN_KERNELS", "reference")
     assert kernels.resolve("rms_norm", on_cuda=True) is reference.rms_norm

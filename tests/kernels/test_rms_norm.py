@@ -14,7 +14,9 @@ def _check(shape, dtype, weight_dtype=None):
 
     torch.manual_seed(0)
     x = torch.randn(shape, device=DEVICE, dtype=dtype, requires_grad=True)
-    w = (1 + 0.1 * torch.randn(shape[-1], device=DEVICE, dtype=weight_dtype or dtype)).requires_grad_()
+    w = (
+        1 + 0.1 * torch.randn(shape[-1], device=DEVICE, dtype=weight_dtype or dtype)
+    ).requires_grad_()
     dy = torch.randn(shape, device=DEVICE, dtype=dtype)
     y = rms_norm(x, w, 1e-6)
     dx, dw = torch.autograd.grad(y, (x, w), dy)
@@ -52,7 +54,9 @@ def test_rms_norm_non_contiguous_input():
 
     x = torch.randn(6, 40, device=DEVICE)[:, ::2]  # (6, 20), stride 2 along hidden
     w = torch.randn(20, device=DEVICE)
-    torch.testing.assert_close(rms_norm(x, w, 1e-5), reference.rms_norm(x, w, 1e-5), **TOL[torch.float32])
+    torch.testing.assert_close(
+        rms_norm(x, w, 1e-5), reference.rms_norm(x, w, 1e-5), **TOL[torch.float32]
+    )
 
 
 def test_rms_norm_empty_batch():
@@ -74,5 +78,8 @@ def test_rms_norm_refuses_a_weight_of_another_width(width):
     a shorter weight's end) and returned numbers where the reference raises."""
     from meshtrain.kernels.rms_norm import rms_norm
 
-    with pytest.raises(ValueError, match=rf"weight of shape \({width},\) for x of shape \(3, 24\); it must be \(24,\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"weight of shape \({width},\) for x of shape \(3, 24\); it must be \(24,\)",
+    ):
         rms_norm(torch.randn(3, 24, device=DEVICE), torch.randn(width, device=DEVICE), 1e-6)

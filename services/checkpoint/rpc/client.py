@@ -54,8 +54,14 @@ from meshtrain.services.common.security import ClientSecurity
 
 def box_to_pb(spec: ShardSpec) -> pb.Box:
     """ShardSpec -> protobuf Box."""
-    box = pb.Box(array=spec.array, global_shape=spec.global_shape, dtype=spec.dtype,
-                 offsets=spec.offsets, shape=spec.shape, grid=spec.grid or ())
+    box = pb.Box(
+        array=spec.array,
+        global_shape=spec.global_shape,
+        dtype=spec.dtype,
+        offsets=spec.offsets,
+        shape=spec.shape,
+        grid=spec.grid or (),
+    )
     if spec.stacked is not None:
         box.stacked = spec.stacked
     return box
@@ -93,7 +99,9 @@ class RemoteWriter:
     which is safe because storing a box again replaces it.
     """
 
-    def __init__(self, client: CheckpointClient, save_id: str, writer_id: int, step: int | None = None):
+    def __init__(
+        self, client: CheckpointClient, save_id: str, writer_id: int, step: int | None = None
+    ):
         self.client = client
         self.save_id = save_id
         self.writer_id = writer_id
@@ -102,17 +110,21 @@ class RemoteWriter:
 
     def write(self, spec: ShardSpec, data: np.ndarray | torch.Tensor) -> int:
         """Queues one box (stored dtype numpy array, or a tensor of the box's dtype)."""
-        data = layout.as_stored(data, spec.dtype, f"box {spec.offsets}+{spec.shape} of array {spec.array!r}")
+        data = layout.as_stored(
+            data, spec.dtype, f"box {spec.offsets}+{spec.shape} of array {spec.array!r}"
+        )
         if tuple(data.shape) != spec.shape:
             raise CheckpointError(
                 f"box {spec.offsets}+{spec.shape} of array {spec.array!r} got data of shape "
-                f"{tuple(data.shape)}")
+                f"{tuple(data.shape)}"
+            )
         self.boxes[(spec.array, spec.offsets)] = (spec, data)
         return data.nbytes
 
     def _messages(self, error: str | None) -> Iterator[pb.WriteShardsRequest]:
-        yield pb.WriteShardsRequest(header=pb.WriteHeader(save_id=self.save_id, writer_id=self.writer_id,
-                                                          step=self.step))
+        yield pb.WriteShardsRequest(
+            header=pb.WriteHeader(save_id=self.save_id, writer_id=self.writer_id, step=self.step)
+        )
         if error is not None:
             yield pb.WriteShardsRequest(error=error)
             return
@@ -121,12 +133,17 @@ class RemoteWriter:
             yield pb.WriteShardsRequest(box=box_to_pb(spec))
             flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)  # (nbytes,)
             for start in range(0, flat.size, step):
-                yield pb.WriteShardsRequest(chunk=flat[start:start + step].tobytes())
+                yield pb.WriteShardsRequest(chunk=flat[start : start + step].tobytes())
 
     def finish(self, error: str | None = None) -> None:
         """Streams every queued box (or only the error) and stores the fragment."""
-        self.client._call(f"WriteShards (writer {self.writer_id})", "WriteShards", lambda: self._messages(error),
-                          key=self.writer_id, save_id=self.save_id)
+        self.client._call(
+            f"WriteShards (writer {self.writer_id})",
+            "WriteShards",
+            lambda: self._messages(error),
+            key=self.writer_id,
+            save_id=self.save_id,
+        )
 
 
 class CheckpointClient:
@@ -141,8 +158,14 @@ class CheckpointClient:
         down_s: how long a replica that failed a call is tried last.
     """
 
-    def __init__(self, address: str | Sequence[str], chunk_bytes: int = 4 << 20,
-                 security: ClientSecurity | None = None, direct_root: str | None = None, down_s: float = 5.0):
+    def __init__(
+        self,
+        address: str | Sequence[str],
+        chunk_bytes: int = 4 << 20,
+        security: ClientSecurity | None = None,
+        direct_root: str | None = None,
+        down_s: float = 5.0,
+    ):
         self.address = address if isinstance(address, str) else ",".join(address)
         self.chunk_bytes = chunk_bytes
         security = security if security is not None else ClientSecurity.from_files()
@@ -155,7 +178,9 @@ class CheckpointClient:
             ("grpc.initial_reconnect_backoff_ms", 200),
             ("grpc.max_reconnect_backoff_ms", 1000),
         ]
-        self.replicas = Replicas(address, lambda target: security.channel(target, options), down_s=down_s)
+        self.replicas = Replicas(
+            address, lambda target: security.channel(target, options), down_s=down_s
+        )
         self.direct_root = direct_root
         self._direct = open_root(direct_root) if direct_root else None
         self._forgotten: dict[str, str] = {}  # save id -> the replica that answered it unknown
@@ -170,8 +195,16 @@ class CheckpointClient:
         """The first replica's channel (to wait until it is ready, say)."""
         return self.replicas.channel(self.replicas.order(0)[0])
 
-    def _call(self, what: str, method: str, request: Callable[[], object], key: int | str = 0,
-              save_id: str | None = None, prefer: str | None = None, **kwargs):
+    def _call(
+        self,
+        what: str,
+        method: str,
+        request: Callable[[], object],
+        key: int | str = 0,
+        save_id: str | None = None,
+        prefer: str | None = None,
+        **kwargs,
+    ):
         """Calls `method` on the replica `key` picks; on a failure worth a retry, on the next
         replica at once (each tried once). Raises the domain error of the last failure."""
         targets = self.replicas.order(key, prefer)
@@ -182,7 +215,10 @@ class CheckpointClient:
                 error = _error(target, what, e)
                 if isinstance(error, SaveForgottenError) and save_id is not None:
                     self._forgotten[save_id] = target  # its ResumeSave goes there
-                if not isinstance(error, ServiceUnavailableError) or e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                if (
+                    not isinstance(error, ServiceUnavailableError)
+                    or e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                ):
                     raise error from e
                 if len(targets) > 1:
                     self.replicas.mark_down(target)
@@ -197,11 +233,14 @@ class CheckpointClient:
         """
         request = pb.BeginSaveRequest(step=step, num_writers=num_writers, overwrite=overwrite)
         response = self._call("BeginSave", "BeginSave", lambda: request, key=step)
-        if self.direct_root is not None and not (response.root and same_root(response.root, self.direct_root)):
+        if self.direct_root is not None and not (
+            response.root and same_root(response.root, self.direct_root)
+        ):
             raise CheckpointError(
                 f"checkpoint service {self.address} saves into {response.root or 'a root it does not name'!r}, "
                 f"not {self.direct_root!r}: writers of the direct data plane must write where it commits "
-                "(set the trainer's checkpoint.save to the service's root)")
+                "(set the trainer's checkpoint.save to the service's root)"
+            )
         return response.save_id
 
     def resume_save(self, step: int, save_id: str, num_writers: int) -> bool:
@@ -217,26 +256,44 @@ class CheckpointClient:
             CheckpointError: the save cannot be resumed (a newer save of the step began, ...).
         """
         request = pb.ResumeSaveRequest(save_id=save_id, step=step, num_writers=num_writers)
-        return self._call(f"ResumeSave of step {step}", "ResumeSave", lambda: request, key=save_id,
-                          prefer=self._forgotten.pop(save_id, None)).committed
+        return self._call(
+            f"ResumeSave of step {step}",
+            "ResumeSave",
+            lambda: request,
+            key=save_id,
+            prefer=self._forgotten.pop(save_id, None),
+        ).committed
 
-    def writer(self, step: int, save_id: str, writer_id: int, num_writers: int) -> RemoteWriter | ShardWriter:
+    def writer(
+        self, step: int, save_id: str, writer_id: int, num_writers: int
+    ) -> RemoteWriter | ShardWriter:
         """A writer handle: streams to the replica its writer id picks, or, on the direct data
         plane, stores into the root itself."""
         if self._direct is not None:
             return ShardWriter(self._direct, step, save_id, writer_id, num_writers)
         return RemoteWriter(self, save_id, writer_id, step)
 
-    def commit(self, step: int, save_id: str, num_writers: int, metadata: dict | None = None,
-               timeout: float = 600.0) -> SaveResult:
+    def commit(
+        self,
+        step: int,
+        save_id: str,
+        num_writers: int,
+        metadata: dict | None = None,
+        timeout: float = 600.0,
+    ) -> SaveResult:
         """Commits the save once all writers reported; returns what was committed."""
         # the step lets a replica that does not know the save adopt it, or find its commit
-        request = pb.CommitRequest(save_id=save_id, metadata_json=json.dumps(metadata or {}),
-                                   timeout_s=timeout, step=step)
-        r = self._call("Commit", "Commit", lambda: request, key=save_id, save_id=save_id, timeout=timeout + 60)
+        request = pb.CommitRequest(
+            save_id=save_id, metadata_json=json.dumps(metadata or {}), timeout_s=timeout, step=step
+        )
+        r = self._call(
+            "Commit", "Commit", lambda: request, key=save_id, save_id=save_id, timeout=timeout + 60
+        )
         return SaveResult(r.url, r.step, r.num_arrays, r.num_objects, r.bytes_written, r.seconds)
 
-    def abort_save(self, save_id: str, reason: str = "its client aborted it", timeout: float = 60.0) -> bool:
+    def abort_save(
+        self, save_id: str, reason: str = "its client aborted it", timeout: float = 60.0
+    ) -> bool:
         """Gives a save up: its commit, under way or to come, stops waiting for writers that
         have not reported (it commits only if all have, else refuses naming `reason`). Asked of
         every replica, since the commit may have moved from the one its save id picks.
@@ -253,8 +310,12 @@ class CheckpointClient:
         request = pb.AbortSaveRequest(save_id=save_id, reason=reason)
         targets = self.replicas.order(save_id)
         if len(targets) == 1:
-            return self._call("AbortSave", "AbortSave", lambda: request, key=save_id, timeout=timeout).aborted
-        futures = [(t, self.replicas.stub(t).AbortSave.future(request, timeout=timeout)) for t in targets]
+            return self._call(
+                "AbortSave", "AbortSave", lambda: request, key=save_id, timeout=timeout
+            ).aborted
+        futures = [
+            (t, self.replicas.stub(t).AbortSave.future(request, timeout=timeout)) for t in targets
+        ]
         aborted, errors = False, []
         for target, future in futures:
             try:
@@ -274,8 +335,9 @@ class CheckpointClient:
         response = self._call("Describe", "Describe", lambda: pb.DescribeRequest(step=step))
         return json.loads(response.manifest_json)
 
-    def read_box(self, step: int, array: str, offsets: tuple[int, ...],
-                 shape: tuple[int, ...]) -> torch.Tensor:
+    def read_box(
+        self, step: int, array: str, offsets: tuple[int, ...], shape: tuple[int, ...]
+    ) -> torch.Tensor:
         """Any box of an array (see `reader.read_box`), streamed in chunks."""
         request = pb.ReadSliceRequest(step=step, array=array, offsets=offsets, shape=shape)
         target = self.replicas.order(step)[0]  # a response stream fails when read: no failover
@@ -287,15 +349,19 @@ class CheckpointClient:
             head = next(responses)
             dtype = head.dtype
             if dtype not in layout._DTYPES or tuple(head.shape) != tuple(shape):
-                raise CheckpointError(f"ReadSlice of {array!r}: the service answered dtype {dtype!r} shape "
-                                      f"{tuple(head.shape)} for a {tuple(shape)} box")
+                raise CheckpointError(
+                    f"ReadSlice of {array!r}: the service answered dtype {dtype!r} shape "
+                    f"{tuple(head.shape)} for a {tuple(shape)} box"
+                )
             stored = layout._DTYPES[dtype][1]
             buf = bytearray(math.prod(shape) * stored.itemsize)
             filled = 0
             for msg in responses:
                 if filled + len(msg.chunk) > len(buf):
-                    raise CheckpointError(f"ReadSlice of {array!r} returned more than its {len(buf)} bytes")
-                buf[filled:filled + len(msg.chunk)] = msg.chunk
+                    raise CheckpointError(
+                        f"ReadSlice of {array!r} returned more than its {len(buf)} bytes"
+                    )
+                buf[filled : filled + len(msg.chunk)] = msg.chunk
                 filled += len(msg.chunk)
         except grpc.RpcError as e:  # a response stream fails here, not in `_call`
             raise _error(target, "ReadSlice", e) from e
@@ -309,8 +375,11 @@ class CheckpointClient:
 
     def apply_retention(self, keep_last: int, keep_every: int = 0) -> RetentionResult:
         """Keeps the last N and every K-th step; collects uncommitted leftovers."""
-        r = self._call("ApplyRetention", "ApplyRetention",
-                       lambda: pb.RetentionRequest(keep_last=keep_last, keep_every=keep_every))
+        r = self._call(
+            "ApplyRetention",
+            "ApplyRetention",
+            lambda: pb.RetentionRequest(keep_last=keep_last, keep_every=keep_every),
+        )
         return RetentionResult(deleted=list(r.deleted), collected=list(r.collected))
 
     def close(self) -> None:

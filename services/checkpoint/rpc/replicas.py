@@ -49,15 +49,19 @@ def parse_addresses(address: str | Sequence[str]) -> list[str]:
     entries = address.split(",") if isinstance(address, str) else list(address)
     entries = [e.strip() for e in entries if isinstance(e, str) and e.strip()]
     if not entries:
-        raise CheckpointError(f"checkpoint service address {address!r} names no replica: give host:port, "
-                              "several separated by commas, or dns:///name:port")
+        raise CheckpointError(
+            f"checkpoint service address {address!r} names no replica: give host:port, "
+            "several separated by commas, or dns:///name:port"
+        )
     for entry in entries:
         if entry.startswith("dns:"):
             _dns_host_port(entry)
             continue
         host, sep, port = entry.rpartition(":")
         if not sep or not host or not port.isdigit():
-            raise CheckpointError(f"checkpoint service address {entry!r} must be host:port or dns:///name:port")
+            raise CheckpointError(
+                f"checkpoint service address {entry!r} must be host:port or dns:///name:port"
+            )
     return entries
 
 
@@ -85,8 +89,12 @@ class Replicas:
         down_s: how long a replica that failed a call is tried last.
     """
 
-    def __init__(self, address: str | Sequence[str], make_channel: Callable[[str], grpc.Channel],
-                 down_s: float = 5.0):
+    def __init__(
+        self,
+        address: str | Sequence[str],
+        make_channel: Callable[[str], grpc.Channel],
+        down_s: float = 5.0,
+    ):
         self.entries = parse_addresses(address)
         self.make_channel = make_channel
         self.down_s = down_s
@@ -99,8 +107,10 @@ class Replicas:
     def targets(self) -> list[str]:
         """Every replica now, in the order all ranks agree on."""
         with self._lock:
-            if self._resolved is not None and (time.monotonic() - self._resolved[0] < RESOLVE_EVERY_S
-                                               or not any(e.startswith("dns:") for e in self.entries)):
+            if self._resolved is not None and (
+                time.monotonic() - self._resolved[0] < RESOLVE_EVERY_S
+                or not any(e.startswith("dns:") for e in self.entries)
+            ):
                 return self._resolved[1]
         found = sorted({t for entry in self.entries for t in resolve(entry)})
         with self._lock:

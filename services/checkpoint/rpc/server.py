@@ -37,20 +37,38 @@ log = logging.getLogger("meshtrain.checkpoint")
 
 # The scope each method needs (admin implies write implies read). BeginSave replacing a committed
 # step is admin's, like deleting one: a write token may add checkpoints, not destroy them.
-SCOPES = method_scopes(SERVICE_NAME, {
-    "List": READ, "Describe": READ, "ReadSlice": READ,
-    "BeginSave": lambda request: ADMIN if request.overwrite else WRITE,
-    "WriteShards": WRITE, "Commit": WRITE, "AbortSave": WRITE, "ResumeSave": WRITE,
-    "Delete": ADMIN, "ApplyRetention": ADMIN,
-})
+SCOPES = method_scopes(
+    SERVICE_NAME,
+    {
+        "List": READ,
+        "Describe": READ,
+        "ReadSlice": READ,
+        "BeginSave": lambda request: ADMIN if request.overwrite else WRITE,
+        "WriteShards": WRITE,
+        "Commit": WRITE,
+        "AbortSave": WRITE,
+        "ResumeSave": WRITE,
+        "Delete": ADMIN,
+        "ApplyRetention": ADMIN,
+    },
+)
 
 
-def start_server(root: str, port: int = 0, host: str = "127.0.0.1", max_streams: int = 16,
-                 commit_timeout: float = 600.0, max_chunk_bytes: int = 4 << 20,
-                 max_inflight_bytes: int = 1 << 30, metrics: bool = False,
-                 stream_idle_timeout: float = 120.0, max_writers: int = MAX_WRITERS,
-                 max_commit_timeout: float = MAX_COMMIT_TIMEOUT, max_commits: int = MAX_COMMITS,
-                 security: ServerSecurity | None = None):
+def start_server(
+    root: str,
+    port: int = 0,
+    host: str = "127.0.0.1",
+    max_streams: int = 16,
+    commit_timeout: float = 600.0,
+    max_chunk_bytes: int = 4 << 20,
+    max_inflight_bytes: int = 1 << 30,
+    metrics: bool = False,
+    stream_idle_timeout: float = 120.0,
+    max_writers: int = MAX_WRITERS,
+    max_commit_timeout: float = MAX_COMMIT_TIMEOUT,
+    max_commits: int = MAX_COMMITS,
+    security: ServerSecurity | None = None,
+):
     """Starts a CheckpointService in this process.
 
     Args:
@@ -73,15 +91,27 @@ def start_server(root: str, port: int = 0, host: str = "127.0.0.1", max_streams:
     Returns:
         (server, bound port, health servicer).
     """
-    servicer = CheckpointServicer(root, commit_timeout, max_chunk_bytes, max_inflight_bytes,
-                                  stream_idle_timeout, max_writers=max_writers,
-                                  max_commit_timeout=max_commit_timeout, max_commits=max_commits)
+    servicer = CheckpointServicer(
+        root,
+        commit_timeout,
+        max_chunk_bytes,
+        max_inflight_bytes,
+        stream_idle_timeout,
+        max_writers=max_writers,
+        max_commit_timeout=max_commit_timeout,
+        max_commits=max_commits,
+    )
     return make_server(
         [lambda s: pb_grpc.add_CheckpointServiceServicer_to_server(servicer, s)],
-        [SERVICE_NAME], port=port, host=host, max_workers=max_streams,
+        [SERVICE_NAME],
+        port=port,
+        host=host,
+        max_workers=max_streams,
         max_message_bytes=max(2 * max_chunk_bytes, 8 << 20),
         interceptors=[MetricsInterceptor("checkpoint", max_streams)] if metrics else [],
-        translate_error=storage_unavailable(root), security=security, scopes=SCOPES,
+        translate_error=storage_unavailable(root),
+        security=security,
+        scopes=SCOPES,
     )
 
 
@@ -89,12 +119,20 @@ def run(args: argparse.Namespace) -> int:
     """Starts the service with the parsed `serve` flags and blocks until SIGTERM/SIGINT."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     server, port, health = start_server(
-        args.root, args.port, args.host, args.max_streams, args.commit_timeout,
-        int(args.max_chunk_mb * 2**20), int(args.max_inflight_mb * 2**20),
+        args.root,
+        args.port,
+        args.host,
+        args.max_streams,
+        args.commit_timeout,
+        int(args.max_chunk_mb * 2**20),
+        int(args.max_inflight_mb * 2**20),
         metrics=getattr(args, "metrics_port", None) is not None,
-        stream_idle_timeout=args.stream_idle_timeout, max_writers=args.max_writers,
-        max_commit_timeout=args.max_commit_timeout, max_commits=args.max_commits,
-        security=ServerSecurity.from_args(args))
+        stream_idle_timeout=args.stream_idle_timeout,
+        max_writers=args.max_writers,
+        max_commit_timeout=args.max_commit_timeout,
+        max_commits=args.max_commits,
+        security=ServerSecurity.from_args(args),
+    )
     if getattr(args, "metrics_port", None) is not None:
         try:
             _, metrics_port = start_metrics_server(args.metrics_port, args.host)

@@ -106,7 +106,9 @@ MAX_COMMIT_TIMEOUT = 3600.0  # --max-commit-timeout: seconds a Commit may ask to
 MAX_COMMITS = 4  # --max-commits: Commits waiting at once (below grpc_utils.UNARY_RESERVE)
 MAX_METADATA_BYTES = 1 << 20  # a commit's user metadata, stored in the manifest
 MAX_REASON_CHARS = 1000  # an AbortSave reason or a writer's error, quoted in refusals
-MARKER_CHECK_S = 2.0  # a waiting commit looks this often whether its save still owns the step's folder
+MARKER_CHECK_S = (
+    2.0  # a waiting commit looks this often whether its save still owns the step's folder
+)
 
 
 class _CallerGone(Exception):
@@ -167,8 +169,10 @@ class ByteBudget:
         with self._cond:
             while not self._cond.wait_for(lambda: self.used + nbytes <= self.limit, timeout=0.5):
                 if not is_active():
-                    raise CheckpointError(f"{what}: the caller went away while waiting for "
-                                          f"{nbytes} bytes of the in-flight budget")
+                    raise CheckpointError(
+                        f"{what}: the caller went away while waiting for "
+                        f"{nbytes} bytes of the in-flight budget"
+                    )
             self.used += nbytes
 
     def release(self, nbytes: int) -> None:
@@ -185,16 +189,23 @@ def storage_unavailable(root: str) -> Callable[[Exception], StorageUnavailableEr
     def translate(exc: Exception) -> StorageUnavailableError | None:
         if not is_storage_error(exc):
             return None
-        return StorageUnavailableError(f"checkpoint storage {root} failed: {type(exc).__name__}: {exc}",
-                                       lasting=is_lasting_storage_error(exc))
+        return StorageUnavailableError(
+            f"checkpoint storage {root} failed: {type(exc).__name__}: {exc}",
+            lasting=is_lasting_storage_error(exc),
+        )
 
     return translate
 
 
 def _commit_response(result: SaveResult) -> pb.CommitResponse:
-    return pb.CommitResponse(url=result.url, step=result.step, num_arrays=result.num_arrays,
-                             num_objects=result.num_objects, bytes_written=result.bytes_written,
-                             seconds=result.seconds)
+    return pb.CommitResponse(
+        url=result.url,
+        step=result.step,
+        num_arrays=result.num_arrays,
+        num_objects=result.num_objects,
+        bytes_written=result.bytes_written,
+        seconds=result.seconds,
+    )
 
 
 @dataclass(eq=False)
@@ -204,7 +215,9 @@ class _Save:
     started: float = field(default_factory=time.monotonic)
     commit_lock: threading.Lock = field(default_factory=threading.Lock)
     abort_reason: str | None = None  # AbortSave's: its commit stops waiting for writers
-    adopted: bool = False  # begun by another replica (or before a restart), taken up from its marker
+    adopted: bool = (
+        False  # begun by another replica (or before a restart), taken up from its marker
+    )
 
 
 def box_from_pb(box: pb.Box, max_shard_bytes: int | None = None) -> ShardSpec:
@@ -216,22 +229,32 @@ def box_from_pb(box: pb.Box, max_shard_bytes: int | None = None) -> ShardSpec:
     check_text(box.dtype, "box.dtype", 16, InvalidRequestError)
     for name in ("global_shape", "offsets", "shape", "grid"):
         if len(getattr(box, name)) > MAX_NDIM:
-            raise InvalidRequestError(f"box.{name} of array {box.array!r} has {len(getattr(box, name))} dims, "
-                                      f"over the limit of {MAX_NDIM}")
+            raise InvalidRequestError(
+                f"box.{name} of array {box.array!r} has {len(getattr(box, name))} dims, "
+                f"over the limit of {MAX_NDIM}"
+            )
     try:
         spec = ShardSpec(
-            box.array, tuple(box.global_shape), box.dtype, tuple(box.offsets), tuple(box.shape),
-            grid=tuple(box.grid) or None, stacked=box.stacked if box.HasField("stacked") else None,
+            box.array,
+            tuple(box.global_shape),
+            box.dtype,
+            tuple(box.offsets),
+            tuple(box.shape),
+            grid=tuple(box.grid) or None,
+            stacked=box.stacked if box.HasField("stacked") else None,
         )
     except CheckpointError as e:
         raise InvalidRequestError(str(e)) from None
     if max_shard_bytes is not None:
-        shard = math.prod(max(1, g) for g in spec.grid_shape) * layout._DTYPES[spec.dtype][1].itemsize
+        shard = (
+            math.prod(max(1, g) for g in spec.grid_shape) * layout._DTYPES[spec.dtype][1].itemsize
+        )
         if shard > max_shard_bytes:
             raise InvalidRequestError(
                 f"box.grid {spec.grid_shape} of array {spec.array!r} makes {shard}-byte shards, over the "
                 f"service's in-flight limit of {max_shard_bytes} bytes (--max-inflight-mb): no box of such a "
-                "grid could be taken")
+                "grid could be taken"
+            )
     return spec
 
 
@@ -251,14 +274,23 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         max_commits: Commits waiting at once; one more is refused with RESOURCE_EXHAUSTED.
     """
 
-    def __init__(self, root: str, commit_timeout: float = 600.0, max_chunk_bytes: int = 4 << 20,
-                 max_inflight_bytes: int = 1 << 30, stream_idle_timeout: float = 120.0,
-                 max_writers: int = MAX_WRITERS, max_commit_timeout: float = MAX_COMMIT_TIMEOUT,
-                 max_commits: int = MAX_COMMITS):
+    def __init__(
+        self,
+        root: str,
+        commit_timeout: float = 600.0,
+        max_chunk_bytes: int = 4 << 20,
+        max_inflight_bytes: int = 1 << 30,
+        stream_idle_timeout: float = 120.0,
+        max_writers: int = MAX_WRITERS,
+        max_commit_timeout: float = MAX_COMMIT_TIMEOUT,
+        max_commits: int = MAX_COMMITS,
+    ):
         quiet_undecodable_requests()
         if max_writers < 1 or max_commits < 1 or not 0 < max_commit_timeout < math.inf:
-            raise ConfigError(f"--max-writers {max_writers} and --max-commits {max_commits} must be >= 1 and "
-                              f"--max-commit-timeout {max_commit_timeout} a positive number of seconds")
+            raise ConfigError(
+                f"--max-writers {max_writers} and --max-commits {max_commits} must be >= 1 and "
+                f"--max-commit-timeout {max_commit_timeout} a positive number of seconds"
+            )
         self.root = root
         self.max_writers = max_writers
         self.max_commit_timeout = max_commit_timeout
@@ -293,17 +325,27 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             if committed is not None:
                 # e.g. a writer retrying a stream whose reply was lost: the commit needed its
                 # fragment, so its first attempt was stored
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"save {save_id!r} of step {committed.step} is already committed; "
-                              "it takes no more writes")
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"save {save_id!r} of step {committed.step} is already committed; "
+                    "it takes no more writes",
+                )
             if ended is not None:
                 step, why = ended
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, status_details(
-                              f"save {save_id!r} of step {step} {why}; its writes and commits are "
-                              "refused (begin a new save)"))
-            context.abort(grpc.StatusCode.NOT_FOUND, status_details(
-                          f"unknown save id {save_id!r}: call BeginSave first, or ResumeSave for a "
-                          "save begun before this service restarted (it forgets saves in progress)"))
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    status_details(
+                        f"save {save_id!r} of step {step} {why}; its writes and commits are "
+                        "refused (begin a new save)"
+                    ),
+                )
+            context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                status_details(
+                    f"unknown save id {save_id!r}: call BeginSave first, or ResumeSave for a "
+                    "save begun before this service restarted (it forgets saves in progress)"
+                ),
+            )
         return save
 
     @staticmethod
@@ -322,17 +364,28 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         (their trainer died): their steps are no longer busy, so retention collects the
         leftovers, and late writes are refused (call with the lock held)."""
         limit = time.monotonic() - 2 * self.commit_timeout
-        for save_id in [k for k, v in self._saves.items() if v.started < limit and not v.commit_lock.locked()]:
+        for save_id in [
+            k for k, v in self._saves.items() if v.started < limit and not v.commit_lock.locked()
+        ]:
             save = self._saves.pop(save_id)
-            self._remember(self._ended, save_id,
-                           (save.step, f"was abandoned (no commit within {2 * self.commit_timeout:g} s)"))
-            log.warning("save %s of step %d abandoned (no commit within %.0f s); forgotten",
-                        save_id, save.step, 2 * self.commit_timeout)
+            self._remember(
+                self._ended,
+                save_id,
+                (save.step, f"was abandoned (no commit within {2 * self.commit_timeout:g} s)"),
+            )
+            log.warning(
+                "save %s of step %d abandoned (no commit within %.0f s); forgotten",
+                save_id,
+                save.step,
+                2 * self.commit_timeout,
+            )
 
     def _num_writers(self, num_writers: int) -> int:
         if not 1 <= num_writers <= self.max_writers:
-            raise InvalidRequestError(f"num_writers={num_writers} must be in [1, {self.max_writers}] "
-                                      f"(the service's --max-writers)")
+            raise InvalidRequestError(
+                f"num_writers={num_writers} must be in [1, {self.max_writers}] "
+                f"(the service's --max-writers)"
+            )
         return num_writers
 
     def _no_symlinks(self, step: int) -> None:
@@ -354,9 +407,14 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             old = [(k, v) for k, v in self._saves.items() if v.step == request.step]
             for old_id, _ in old:
                 del self._saves[old_id]
-                self._remember(self._ended, old_id,
-                               (request.step, "was superseded by a newer BeginSave of the same step"))
-                log.warning("save %s of step %d superseded by a newer BeginSave", old_id, request.step)
+                self._remember(
+                    self._ended,
+                    old_id,
+                    (request.step, "was superseded by a newer BeginSave of the same step"),
+                )
+                log.warning(
+                    "save %s of step %d superseded by a newer BeginSave", old_id, request.step
+                )
         for _, save in old:
             # A commit of an old save under way must not run beside the folder's removal below
             # (it wrote a manifest over shards just deleted: a committed, broken checkpoint).
@@ -364,8 +422,13 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             # metadata and finishes: then the step is committed and begin_save treats it so.
             with save.commit_lock:
                 pass
-        save_id = begin_save(self.root, request.step, overwrite=request.overwrite, resumable=True,
-                             num_writers=request.num_writers)
+        save_id = begin_save(
+            self.root,
+            request.step,
+            overwrite=request.overwrite,
+            resumable=True,
+            num_writers=request.num_writers,
+        )
         with self._lock:
             self._saves[save_id] = _Save(request.step, request.num_writers)
         return pb.BeginSaveResponse(save_id=save_id, root=self.root)
@@ -396,28 +459,50 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                     return known
                 others = [k for k, v in self._saves.items() if v.step == step]
             # a committed step's folder may still hold the marker (the commit died before tidying up)
-            marker = None if is_committed(open_root(self.root), step) else read_begun(self.root, step, save_id)
+            marker = (
+                None
+                if is_committed(open_root(self.root), step)
+                else read_begun(self.root, step, save_id)
+            )
             if marker is None:
                 return None
             count = marker.get("num_writers", num_writers)
             if count is None:
                 return None
             if num_writers is not None and num_writers != count:
-                raise InvalidRequestError(f"num_writers={num_writers} differs from the {count} writers save "
-                                          f"{save_id!r} of step {step} was begun with")
+                raise InvalidRequestError(
+                    f"num_writers={num_writers} differs from the {count} writers save "
+                    f"{save_id!r} of step {step} was begun with"
+                )
             self._num_writers(count)
             for other in others:
                 if read_begun(self.root, step, other) is not None:
-                    raise CheckpointError(f"save {save_id} of step {step} cannot be taken up: save {other} of that "
-                                          "step has begun since; begin a new save")
+                    raise CheckpointError(
+                        f"save {save_id} of step {step} cannot be taken up: save {other} of that "
+                        "step has begun since; begin a new save"
+                    )
                 with self._lock:
                     if self._saves.pop(other, None) is not None:
-                        self._remember(self._ended, other, (step, "was superseded by a newer save of the same step"))
-                log.warning("save %s of step %d superseded by save %s (begun elsewhere)", other, step, save_id)
+                        self._remember(
+                            self._ended,
+                            other,
+                            (step, "was superseded by a newer save of the same step"),
+                        )
+                log.warning(
+                    "save %s of step %d superseded by save %s (begun elsewhere)",
+                    other,
+                    step,
+                    save_id,
+                )
             save = _Save(step, count, adopted=True)
             with self._lock:
                 self._saves[save_id] = save
-        log.info("save %s of step %d taken up from its marker in storage (%d writers)", save_id, step, count)
+        log.info(
+            "save %s of step %d taken up from its marker in storage (%d writers)",
+            save_id,
+            step,
+            count,
+        )
         return save
 
     def ResumeSave(self, request, context):
@@ -435,16 +520,24 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             self._save(save_id, context)  # aborts, saying why it ended
         for other in others:  # a save of the step known here, and still owning its folder, is newer
             if read_begun(self.root, request.step, other) is not None:
-                raise CheckpointError(f"save {save_id} of step {request.step} cannot be resumed: save {other} of "
-                                      "that step has begun since; begin a new save")
+                raise CheckpointError(
+                    f"save {save_id} of step {request.step} cannot be resumed: save {other} of "
+                    "that step has begun since; begin a new save"
+                )
         # raises, saying why, for a save storage no longer holds
         if resume_save(self.root, request.step, save_id) is not None:
             return pb.ResumeSaveResponse(committed=True)
         if self._adopt(save_id, request.step, request.num_writers) is None:
-            raise CheckpointError(f"save {save_id} of step {request.step} cannot be resumed: its folder changed "
-                                  "while it was being taken up; begin a new save")
-        log.warning("save %s of step %d resumed (begun before this service started, or on another replica); its "
-                    "writers resend their boxes", save_id, request.step)
+            raise CheckpointError(
+                f"save {save_id} of step {request.step} cannot be resumed: its folder changed "
+                "while it was being taken up; begin a new save"
+            )
+        log.warning(
+            "save %s of step %d resumed (begun before this service started, or on another replica); its "
+            "writers resend their boxes",
+            save_id,
+            request.step,
+        )
         return pb.ResumeSaveResponse(committed=False)
 
     def WriteShards(self, request_iterator, context):
@@ -452,8 +545,11 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         try:
             first = next(request_iterator, None)
         except StreamIdleError as e:
-            context.abort(grpc.StatusCode.ABORTED, f"a WriteShards stream sent no header for {e.idle_s:g} s "
-                          "(the service's --stream-idle-timeout); aborted")
+            context.abort(
+                grpc.StatusCode.ABORTED,
+                f"a WriteShards stream sent no header for {e.idle_s:g} s "
+                "(the service's --stream-idle-timeout); aborted",
+            )
         if first is None or first.WhichOneof("part") != "header":
             raise CheckpointError("a WriteShards stream must start with a header")
         save_id = _save_id(first.header.save_id)
@@ -461,12 +557,17 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             self._adopt(save_id, _step(first.header.step, "header.step"))
         save = self._save(save_id, context)
         if first.header.HasField("step") and first.header.step != save.step:
-            raise InvalidRequestError(f"header.step={first.header.step}, but save {save_id!r} saves step {save.step}")
+            raise InvalidRequestError(
+                f"header.step={first.header.step}, but save {save_id!r} saves step {save.step}"
+            )
         if not 0 <= first.header.writer_id < save.num_writers:
-            raise InvalidRequestError(f"writer_id={first.header.writer_id} is outside [0, {save.num_writers}) "
-                                      f"(save {save_id!r} has {save.num_writers} writers)")
-        writer = ShardWriter(self.root, save.step, save_id, first.header.writer_id,
-                             save.num_writers)
+            raise InvalidRequestError(
+                f"writer_id={first.header.writer_id} is outside [0, {save.num_writers}) "
+                f"(save {save_id!r} has {save.num_writers} writers)"
+            )
+        writer = ShardWriter(
+            self.root, save.step, save_id, first.header.writer_id, save.num_writers
+        )
         boxes = total = 0
         spec, buf, filled = None, None, 0
         try:
@@ -476,10 +577,13 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                     if spec is not None:
                         raise CheckpointError(
                             f"box {spec.offsets} of array {spec.array!r} ended after {filled} of "
-                            f"{len(buf)} bytes")
+                            f"{len(buf)} bytes"
+                        )
                     spec = box_from_pb(msg.box, self.budget.limit)
                     nbytes = math.prod(spec.shape) * layout._DTYPES[spec.dtype][1].itemsize
-                    self.budget.acquire(nbytes, f"box {spec.offsets} of array {spec.array!r}", context.is_active)
+                    self.budget.acquire(
+                        nbytes, f"box {spec.offsets} of array {spec.array!r}", context.is_active
+                    )
                     buf, filled = bytearray(nbytes), 0
                 elif kind == "chunk":
                     if spec is None:
@@ -488,19 +592,25 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                     if size > self.max_chunk_bytes:
                         raise CheckpointError(
                             f"chunk of {size} bytes for array {spec.array!r} is over the limit "
-                            f"of {self.max_chunk_bytes} bytes")
+                            f"of {self.max_chunk_bytes} bytes"
+                        )
                     if filled + size > len(buf):
                         raise CheckpointError(
                             f"box {spec.offsets} of array {spec.array!r} got more than its "
-                            f"{len(buf)} bytes")
-                    buf[filled:filled + size] = msg.chunk
+                            f"{len(buf)} bytes"
+                        )
+                    buf[filled : filled + size] = msg.chunk
                     filled += size
                 elif kind == "error":  # an empty text must still fail the save
                     error = msg.error[:MAX_REASON_CHARS]  # quoted in the commit's refusal
-                    writer.finish(error=error or f"writer {first.header.writer_id} reported an error")
+                    writer.finish(
+                        error=error or f"writer {first.header.writer_id} reported an error"
+                    )
                     return pb.WriteShardsResponse(boxes=boxes, bytes=total)
                 else:
-                    raise CheckpointError(f"unexpected {kind!r} message inside a WriteShards stream")
+                    raise CheckpointError(
+                        f"unexpected {kind!r} message inside a WriteShards stream"
+                    )
                 if spec is not None and filled == len(buf):
                     self._save(save_id, context)  # still this step's save (not superseded)
                     stored = np.frombuffer(buf, dtype=layout._DTYPES[spec.dtype][1])
@@ -511,13 +621,19 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             if spec is not None:
                 raise CheckpointError(
                     f"stream ended inside box {spec.offsets} of array {spec.array!r} "
-                    f"({filled} of {len(buf)} bytes)")
+                    f"({filled} of {len(buf)} bytes)"
+                )
         except StreamIdleError as e:
-            where = (f"inside box {spec.offsets} of array {spec.array!r} ({filled} of {len(buf)} bytes)"
-                     if spec is not None else f"after {boxes} complete boxes")
-            message = (f"save {save_id!r} (step {save.step}): writer {first.header.writer_id} sent nothing "
-                       f"for {e.idle_s:g} s {where} (the service's --stream-idle-timeout); its stream is "
-                       "aborted and its share of the in-flight budget freed")
+            where = (
+                f"inside box {spec.offsets} of array {spec.array!r} ({filled} of {len(buf)} bytes)"
+                if spec is not None
+                else f"after {boxes} complete boxes"
+            )
+            message = (
+                f"save {save_id!r} (step {save.step}): writer {first.header.writer_id} sent nothing "
+                f"for {e.idle_s:g} s {where} (the service's --stream-idle-timeout); its stream is "
+                "aborted and its share of the in-flight budget freed"
+            )
             log.warning("%s", message)
             context.abort(grpc.StatusCode.ABORTED, status_details(message))
         finally:
@@ -525,9 +641,13 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                 self.budget.release(len(buf))
         self._save(save_id, context)  # a superseded save's fragment must not be stored either
         if read_begun(self.root, save.step, save_id) is None:  # superseded on another replica
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, status_details(
-                f"save {save_id!r} of step {save.step} was superseded (a newer save of the step cleared its "
-                "folder); its writes are refused (begin a new save)"))
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                status_details(
+                    f"save {save_id!r} of step {save.step} was superseded (a newer save of the step cleared its "
+                    "folder); its writes are refused (begin a new save)"
+                ),
+            )
         writer.finish()
         return pb.WriteShardsResponse(boxes=boxes, bytes=total)
 
@@ -537,20 +657,28 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         if not (math.isfinite(request.timeout_s) and request.timeout_s >= 0):
             # NaN never passed the deadline: the commit waited forever for a missing writer,
             # holding a thread and keeping the save from expiring
-            raise InvalidRequestError(f"commit timeout_s must be a finite number of seconds >= 0 "
-                                      f"(0: the service's default), got {request.timeout_s!r}")
+            raise InvalidRequestError(
+                f"commit timeout_s must be a finite number of seconds >= 0 "
+                f"(0: the service's default), got {request.timeout_s!r}"
+            )
         if len(request.metadata_json) > MAX_METADATA_BYTES:
-            raise InvalidRequestError(f"commit metadata_json is {len(request.metadata_json)} characters, over "
-                                      f"the limit of {MAX_METADATA_BYTES}")
+            raise InvalidRequestError(
+                f"commit metadata_json is {len(request.metadata_json)} characters, over "
+                f"the limit of {MAX_METADATA_BYTES}"
+            )
         if not self._commit_slots.acquire(blocking=False):
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"all {self.max_commits} commit slots of this service are in use (--max-commits); "
-                          "try again")
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"all {self.max_commits} commit slots of this service are in use (--max-commits); "
+                "try again",
+            )
         try:
             return self._commit(request, save_id, context)
         except _CallerGone:
             log.info("commit of save %s: its client went away; the save stays for a retry", save_id)
-            context.abort(grpc.StatusCode.CANCELLED, f"the client of the commit of save {save_id!r} went away")
+            context.abort(
+                grpc.StatusCode.CANCELLED, f"the client of the commit of save {save_id!r} went away"
+            )
         finally:
             self._commit_slots.release()
 
@@ -572,8 +700,10 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
             raise InvalidRequestError(f"commit metadata_json is not JSON: {e}") from e
         if not isinstance(metadata, dict):  # readers look keys up in it
-            raise InvalidRequestError(f"commit metadata_json must be a JSON object, got "
-                                      f"{type(metadata).__name__}: {loggable(request.metadata_json, 100)}")
+            raise InvalidRequestError(
+                f"commit metadata_json must be a JSON object, got "
+                f"{type(metadata).__name__}: {loggable(request.metadata_json, 100)}"
+            )
         timeout = min(request.timeout_s or self.commit_timeout, self.max_commit_timeout)
 
         checked = [time.monotonic()]
@@ -583,13 +713,17 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                 raise _CallerGone()
             if save_id not in self._saves:
                 return "its save was superseded by a newer BeginSave"
-            if time.monotonic() - checked[0] > MARKER_CHECK_S:  # a newer save of the step, begun elsewhere
+            if (
+                time.monotonic() - checked[0] > MARKER_CHECK_S
+            ):  # a newer save of the step, begun elsewhere
                 checked[0] = time.monotonic()
                 if read_begun(self.root, save.step, save_id) is None:
                     return "its folder was taken by a newer save of the step"
             return save.abort_reason
 
-        _wait_for(save.commit_lock, context)  # a second Commit of this save (a client retrying) waits for the first
+        _wait_for(
+            save.commit_lock, context
+        )  # a second Commit of this save (a client retrying) waits for the first
         try:
             with self._lock:
                 current = save_id in self._saves or save_id in self._committed
@@ -597,8 +731,16 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                 self._save(save_id, context)  # aborts, saying why
             try:
                 # `commit` returns the result again for a step this save already committed
-                result = commit(self.root, save.step, save_id, save.num_writers, metadata,
-                                timeout=timeout, cancelled=cancelled, require_marker=True)
+                result = commit(
+                    self.root,
+                    save.step,
+                    save_id,
+                    save.num_writers,
+                    metadata,
+                    timeout=timeout,
+                    cancelled=cancelled,
+                    require_marker=True,
+                )
             except _CallerGone:  # not the save's fault: it stays, for the client's retry
                 raise
             except CheckpointError as e:
@@ -611,8 +753,12 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             except Exception as e:
                 # Storage or network trouble: the client retries it, so the save stays and the
                 # retry reaches `commit` again (the manifest may even have landed already).
-                log.warning("commit of save %s (step %d) failed, kept for a retry: %r",
-                            save_id, save.step, e)
+                log.warning(
+                    "commit of save %s (step %d) failed, kept for a retry: %r",
+                    save_id,
+                    save.step,
+                    e,
+                )
                 raise
             with self._lock:  # one step: a retry finds the save in one table or the other
                 self._remember(self._committed, save_id, save)
@@ -656,13 +802,20 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         _step(request.step)
         check_text(request.array, "array", 255, InvalidRequestError)
         if len(request.shape) > MAX_NDIM or len(request.offsets) > MAX_NDIM:
-            raise InvalidRequestError(f"offsets and shape of a slice of {request.array!r} have at most "
-                                      f"{MAX_NDIM} dims, got {len(request.offsets)} and {len(request.shape)}")
+            raise InvalidRequestError(
+                f"offsets and shape of a slice of {request.array!r} have at most "
+                f"{MAX_NDIM} dims, got {len(request.offsets)} and {len(request.shape)}"
+            )
         if any(n < 0 for n in request.shape):
-            raise InvalidRequestError(f"shape {list(request.shape)} of a slice of {request.array!r} must be >= 0")
+            raise InvalidRequestError(
+                f"shape {list(request.shape)} of a slice of {request.array!r} must be >= 0"
+            )
         self._no_symlinks(request.step)
-        yield from self._reaper.watch(self._read_slice(request, context), context,
-                                      f"ReadSlice of {request.array!r} at step {request.step}")
+        yield from self._reaper.watch(
+            self._read_slice(request, context),
+            context,
+            f"ReadSlice of {request.array!r} at step {request.step}",
+        )
 
     def _read_slice(self, request, context):
         shape, offsets = tuple(request.shape), tuple(request.offsets)
@@ -677,7 +830,9 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             data = layout.to_stored(tensor).reshape(-1).view(np.uint8)  # (nbytes,)
             yield pb.ReadSliceResponse(dtype=layout.dtype_name(tensor.dtype), shape=shape)
             for start in range(0, len(data), self.max_chunk_bytes):
-                yield pb.ReadSliceResponse(chunk=data[start:start + self.max_chunk_bytes].tobytes())
+                yield pb.ReadSliceResponse(
+                    chunk=data[start : start + self.max_chunk_bytes].tobytes()
+                )
         finally:
             self.budget.release(nbytes)
 
@@ -685,19 +840,27 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         _step(request.step)
         with self._lock:  # held while deleting: no save of the step can begin meanwhile
             if self._busy(request.step):
-                raise CheckpointError(f"step {request.step} is being saved; delete it after its commit")
+                raise CheckpointError(
+                    f"step {request.step} is being saved; delete it after its commit"
+                )
             return pb.DeleteResponse(deleted=delete_checkpoint(self.root, request.step))
 
     def ApplyRetention(self, request, context):
         if request.keep_last < 0 or request.keep_every < 0:
-            raise InvalidRequestError(f"retention keep_last={request.keep_last} keep_every={request.keep_every}: "
-                                      "both must be >= 0")
+            raise InvalidRequestError(
+                f"retention keep_last={request.keep_last} keep_every={request.keep_every}: "
+                "both must be >= 0"
+            )
         if request.keep_every and not request.keep_last:  # as `ckpt delete` refuses it
-            raise InvalidRequestError(keep_every_needs_keep_last(request.keep_every, request.keep_last))
+            raise InvalidRequestError(
+                keep_every_needs_keep_last(request.keep_every, request.keep_last)
+            )
         with self._lock:
             self._expire()
             busy = [s.step for s in self._saves.values()]
-        result = apply_retention(self.root, request.keep_last, request.keep_every, busy, guard=self._guard)
+        result = apply_retention(
+            self.root, request.keep_last, request.keep_every, busy, guard=self._guard
+        )
         return pb.RetentionResponse(deleted=result.deleted, collected=result.collected)
 
     @contextlib.contextmanager

@@ -146,25 +146,44 @@ class ServiceBatchSource:
         """
         if not addresses:
             raise DataError("ServiceBatchSource needs at least one worker address")
-        if (micro_batch_size < 1 or dp_size < 1 or global_batch_size < 1
-                or global_batch_size % (micro_batch_size * dp_size)):
-            raise DataError(f"global_batch_size={global_batch_size} must be a positive multiple of "
-                            f"micro_batch_size={micro_batch_size} x dp_size={dp_size}")
+        if (
+            micro_batch_size < 1
+            or dp_size < 1
+            or global_batch_size < 1
+            or global_batch_size % (micro_batch_size * dp_size)
+        ):
+            raise DataError(
+                f"global_batch_size={global_batch_size} must be a positive multiple of "
+                f"micro_batch_size={micro_batch_size} x dp_size={dp_size}"
+            )
         if not 0 <= dp_rank < dp_size:
             raise DataError(f"dp_rank={dp_rank} is outside [0, dp_size={dp_size})")
         stall_s = give_up_s / 4 if stall_s is None else stall_s
-        if prefetch < 1 or give_up_s <= 0 or stall_s <= 0 or open_timeout_s <= 0 or rebalance_s < 0 or bench_s < 0:
-            raise DataError(f"prefetch={prefetch} must be >= 1, give_up_s={give_up_s}, stall_s={stall_s} and "
-                            f"open_timeout_s={open_timeout_s} positive, rebalance_s={rebalance_s} and "
-                            f"bench_s={bench_s} not negative")
-        spread = (dp_rank * cp_size + cp_rank, dp_size * cp_size) if spread is None else tuple(spread)
+        if (
+            prefetch < 1
+            or give_up_s <= 0
+            or stall_s <= 0
+            or open_timeout_s <= 0
+            or rebalance_s < 0
+            or bench_s < 0
+        ):
+            raise DataError(
+                f"prefetch={prefetch} must be >= 1, give_up_s={give_up_s}, stall_s={stall_s} and "
+                f"open_timeout_s={open_timeout_s} positive, rebalance_s={rebalance_s} and "
+                f"bench_s={bench_s} not negative"
+            )
+        spread = (
+            (dp_rank * cp_size + cp_rank, dp_size * cp_size) if spread is None else tuple(spread)
+        )
         if len(spread) != 2 or not 0 <= spread[0] < spread[1]:
             raise DataError(f"spread={spread} must be (slot, slots) with 0 <= slot < slots")
         spec.validate()
         self.chunks = context_chunks(spec.seq_length, cp_rank, cp_size)  # raises on bad cp values
         if cp_size > 1 and options is not None and options.document_ids:
-            raise DataError(f"document ids are not served under context parallelism (cp_size={cp_size}): "
-                            f"a rank's chunks do not show the EODs before them")
+            raise DataError(
+                f"document ids are not served under context parallelism (cp_size={cp_size}): "
+                f"a rank's chunks do not show the EODs before them"
+            )
         for address in addresses:
             check_address(address)  # a malformed target fails here, not at the first attempt
         self.addresses = list(addresses)
@@ -213,12 +232,21 @@ class ServiceBatchSource:
 
     def _request(self, step: int, microbatch: int) -> pb.StreamRequest:
         return pb.StreamRequest(
-            spec=spec_to_proto(self.spec), dp_rank=self.dp_rank, dp_size=self.dp_size,
-            micro_batch_size=self.micro_batch_size, global_batch_size=self.global_batch_size,
-            start_step=step, start_microbatch=microbatch, cp_rank=self.cp_rank, cp_size=self.cp_size)
+            spec=spec_to_proto(self.spec),
+            dp_rank=self.dp_rank,
+            dp_size=self.dp_size,
+            micro_batch_size=self.micro_batch_size,
+            global_batch_size=self.global_batch_size,
+            start_step=step,
+            start_microbatch=microbatch,
+            cp_rank=self.cp_rank,
+            cp_size=self.cp_size,
+        )
 
     def _stub(self, address: str) -> pb_grpc.DataServiceStub:
-        if address not in self._channels:  # pick_first: one worker per channel (see resolve_workers)
+        if (
+            address not in self._channels
+        ):  # pick_first: one worker per channel (see resolve_workers)
             self._channels[address] = self.security.channel(address, channel_options())
         return pb_grpc.DataServiceStub(self._channels[address])
 
@@ -240,17 +268,23 @@ class ServiceBatchSource:
         where = f"worker {address} sent step {msg.step} micro-batch {msg.microbatch}"
         dtype = next((d for d in DTYPE_CODES.values() if d.name == msg.dtype), None)
         if dtype is None:
-            raise DataError(f"{where} as dtype {msg.dtype!r}, not a token dtype of the MMIDIDX format")
+            raise DataError(
+                f"{where} as dtype {msg.dtype!r}, not a token dtype of the MMIDIDX format"
+            )
         if tuple(msg.shape) != want:
             cp = ""
             if self.cp_size > 1:
-                cp = (f" (the chunks of cp_rank={self.cp_rank} of cp_size={self.cp_size}; a worker that "
-                      f"predates context parallelism sends whole samples: upgrade it)")
+                cp = (
+                    f" (the chunks of cp_rank={self.cp_rank} of cp_size={self.cp_size}; a worker that "
+                    f"predates context parallelism sends whole samples: upgrade it)"
+                )
             raise DataError(f"{where} of shape {tuple(msg.shape)}, expected {want}{cp}")
         n = int(np.prod(want))
         if len(msg.samples) != n * dtype.itemsize:
-            raise DataError(f"{where} with {len(msg.samples)} bytes, expected "
-                            f"{n * dtype.itemsize} for {want} {dtype.name}")
+            raise DataError(
+                f"{where} with {len(msg.samples)} bytes, expected "
+                f"{n * dtype.itemsize} for {want} {dtype.name}"
+            )
         return np.frombuffer(msg.samples, dtype=dtype.newbyteorder("<")).reshape(want)
 
     @staticmethod
@@ -288,7 +322,11 @@ class ServiceBatchSource:
         while not stop.is_set():
             workers = self._workers()
             call = None
-            address = self._choose(workers, benched) if workers else f"(none announced in {self.addresses})"
+            address = (
+                self._choose(workers, benched)
+                if workers
+                else f"(none announced in {self.addresses})"
+            )
             try:
                 if not workers:
                     raise _NoWorkers(f"no data worker is announced at {self.addresses} yet")
@@ -296,16 +334,19 @@ class ServiceBatchSource:
                     if stop.is_set():
                         return
                     self._call, self.current_address = None, address
-                    opening = self._stub(address).Describe.future(self._request(*pos),
-                                                                  timeout=self.open_timeout_s)
+                    opening = self._stub(address).Describe.future(
+                        self._request(*pos), timeout=self.open_timeout_s
+                    )
                     self._opening = opening
                 opened_since = time.monotonic()
                 info = opening.result()  # the worker has the dataset open: streaming starts at once
                 if (info.sample_order or "meshtrain") != self.spec.sample_order:
                     # a worker older than the field ignores it and would serve meshtrain's order
-                    raise DataError(f"data worker {address} serves sample_order "
-                                    f"{info.sample_order or 'meshtrain'!r}, not the {self.spec.sample_order!r} "
-                                    f"this run asks for: upgrade it")
+                    raise DataError(
+                        f"data worker {address} serves sample_order "
+                        f"{info.sample_order or 'meshtrain'!r}, not the {self.spec.sample_order!r} "
+                        f"this run asks for: upgrade it"
+                    )
                 if failing_since is not None:  # opening is not a stall
                     failing_since += time.monotonic() - opened_since
                 call = self._stub(address).StreamBatches(self._request(*pos))
@@ -318,21 +359,33 @@ class ServiceBatchSource:
                 next_check = time.monotonic() + self.rebalance_s
                 for msg in call:
                     if (msg.step, msg.microbatch) != pos:
-                        raise DataError(f"worker {address} sent step {msg.step} micro-batch "
-                                        f"{msg.microbatch}, expected {pos}")
+                        raise DataError(
+                            f"worker {address} sent step {msg.step} micro-batch "
+                            f"{msg.microbatch}, expected {pos}"
+                        )
                     samples = self._samples(msg, address)  # (mbs, seq + 1) or (mbs, 2, c + 1)
                     if not self._put(q, (pos, samples), stop):
                         return
                     pos = (pos[0] + 1, 0) if pos[1] + 1 == nmb else (pos[0], pos[1] + 1)
                     delay, failing_since = self.backoff_s[0], None
                     tried.clear()
-                    if self.rebalance_s and time.monotonic() >= next_check and pos[0] < self.num_steps:
+                    if (
+                        self.rebalance_s
+                        and time.monotonic() >= next_check
+                        and pos[0] < self.num_steps
+                    ):
                         next_check = time.monotonic() + self.rebalance_s
                         workers = self._workers()
                         want = self._choose(workers, benched) if workers else address
                         if want != address:  # the stream goes on there from exactly `pos`
-                            log.info("data: moving from worker %s to %s at step %d micro-batch %d (%d workers)",
-                                     address, want, pos[0], pos[1], len(workers))
+                            log.info(
+                                "data: moving from worker %s to %s at step %d micro-batch %d (%d workers)",
+                                address,
+                                want,
+                                pos[0],
+                                pos[1],
+                                len(workers),
+                            )
                             self.moves += 1
                             call.cancel()
                             moved = True
@@ -340,8 +393,10 @@ class ServiceBatchSource:
                 if moved:
                     continue
                 if pos[0] < self.num_steps:  # ended cleanly, but short of the dataset's end
-                    raise _EndedEarly(f"worker {address} ended its stream at step {pos[0]} micro-batch "
-                                      f"{pos[1]}, before the dataset's {self.num_steps} steps")
+                    raise _EndedEarly(
+                        f"worker {address} ended its stream at step {pos[0]} micro-batch "
+                        f"{pos[1]}, before the dataset's {self.num_steps} steps"
+                    )
                 self._put(q, _END, stop)
                 return
             except grpc.FutureCancelledError:  # only a halt cancels the Describe
@@ -352,11 +407,19 @@ class ServiceBatchSource:
                 if isinstance(e, (_EndedEarly, _NoWorkers)):
                     what, why = type(e).__name__, str(e)
                 elif call is not None and call is self._stalled_call:
-                    what, why = "stalled", f"sent nothing for {self.stall_s:.0f}s while the trainer waited"
+                    what, why = (
+                        "stalled",
+                        f"sent nothing for {self.stall_s:.0f}s while the trainer waited",
+                    )
                 else:
                     if is_permanent(e):  # the request's fault: no other worker helps
-                        self._put(q, _Failure(DataError(f"data worker {address}: {e.code().name}: {e.details()}")),
-                                  stop)
+                        self._put(
+                            q,
+                            _Failure(
+                                DataError(f"data worker {address}: {e.code().name}: {e.details()}")
+                            ),
+                            stop,
+                        )
                         return
                     what, why = e.code().name, f"{e.code().name}: {e.details()}"
                 now = time.monotonic()
@@ -365,12 +428,21 @@ class ServiceBatchSource:
                     tried.add(address)
                     benched[address] = now
                 if now - failing_since > self.give_up_s and tried.issuperset(workers):
-                    self._put(q, _Failure(DataError(
-                        f"no data worker of {self.addresses} served anything for {self.give_up_s:.0f}s; "
-                        f"last error from {address}: {why}")), stop)
+                    self._put(
+                        q,
+                        _Failure(
+                            DataError(
+                                f"no data worker of {self.addresses} served anything for {self.give_up_s:.0f}s; "
+                                f"last error from {address}: {why}"
+                            )
+                        ),
+                        stop,
+                    )
                     return
                 self.reconnects += 1
-                log.warning("data worker %s failed (%s); resuming at %s elsewhere", address, what, pos)
+                log.warning(
+                    "data worker %s failed (%s); resuming at %s elsewhere", address, what, pos
+                )
                 # jitter keeps ranks that lost the same worker from reconnecting in lockstep
                 stop.wait(delay * (0.5 + random.random()))
                 delay = min(delay * 2, self.backoff_s[1])
@@ -386,8 +458,12 @@ class ServiceBatchSource:
             self._stop = threading.Event()
             self._queue = queue.Queue(maxsize=self.prefetch)
             self._next = (step, 0)
-            thread = threading.Thread(target=self._produce, args=(step, 0, self._stop, self._queue),
-                                      name=f"data-client-rank{self.dp_rank}", daemon=True)
+            thread = threading.Thread(
+                target=self._produce,
+                args=(step, 0, self._stop, self._queue),
+                name=f"data-client-rank{self.dp_rank}",
+                daemon=True,
+            )
             thread.start()
             self._thread = thread
 
@@ -402,8 +478,12 @@ class ServiceBatchSource:
                 pending.cancel()
         if thread is not None:
             thread.join(timeout=10)
-            if thread.is_alive():  # it has its own stop event and queue: it cannot leak into the next stream
-                log.warning("data client thread did not stop within 10 s; leaving it to exit on its own")
+            if (
+                thread.is_alive()
+            ):  # it has its own stop event and queue: it cannot leak into the next stream
+                log.warning(
+                    "data client thread did not stop within 10 s; leaving it to exit on its own"
+                )
 
     def _drop_stalled(self) -> None:
         """Cancel the current stream if it is still the one that sent nothing: its thread fails over."""
@@ -412,8 +492,11 @@ class ServiceBatchSource:
             if call is None or call is self._stalled_call:
                 return
             self._stalled_call = call
-        log.warning("data worker %s sent nothing for %.0f s while the trainer waited; failing over",
-                    self.current_address, self.stall_s)
+        log.warning(
+            "data worker %s sent nothing for %.0f s while the trainer waited; failing over",
+            self.current_address,
+            self.stall_s,
+        )
         call.cancel()
 
     def get(self) -> Batch:
@@ -434,7 +517,9 @@ class ServiceBatchSource:
                 break
             except queue.Empty:
                 if stop.is_set():
-                    raise DataError("the data client was closed while waiting for a micro-batch") from None
+                    raise DataError(
+                        "the data client was closed while waiting for a micro-batch"
+                    ) from None
                 if time.monotonic() - waited_since >= self.stall_s:
                     self._drop_stalled()
                     waited_since = time.monotonic()
@@ -446,7 +531,9 @@ class ServiceBatchSource:
             raise DataError(f"step {wanted[0]} is past the dataset's {self.num_steps} steps")
         pos, samples = item
         assert pos == self._next, f"client queue out of order: got {pos}, expected {self._next}"
-        self._next = (pos[0] + 1, 0) if pos[1] + 1 == self.num_micro_batches else (pos[0], pos[1] + 1)
+        self._next = (
+            (pos[0] + 1, 0) if pos[1] + 1 == self.num_micro_batches else (pos[0], pos[1] + 1)
+        )
         if self.cp_size == 1:
             return batch_from_samples(samples, pos[0], pos[1], self.options)
         return batch_from_segments(samples, pos[0], pos[1], self.options)

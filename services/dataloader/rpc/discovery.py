@@ -46,11 +46,13 @@ def dns_host_port(target: str) -> tuple[str, int]:
 
 def announce_dir(target: str) -> Path:
     """The folder of a `dir:PATH` target (`dir:///abs/path` is accepted too)."""
-    path = target[len("dir:"):]
+    path = target[len("dir:") :]
     if path.startswith("//"):
         path = path[2:]
     if not path:
-        raise DataError(f"data service address {target!r} must be dir:PATH (a folder workers announce in)")
+        raise DataError(
+            f"data service address {target!r} must be dir:PATH (a folder workers announce in)"
+        )
     return Path(path)
 
 

@@ -32,9 +32,16 @@ log = logging.getLogger("meshtrain.data")
 SCOPES = method_scopes(SERVICE_NAME, {"StreamBatches": READ, "Describe": READ})
 
 
-def start_server(port: int = 0, host: str = "127.0.0.1", max_workers: int = 16,
-                 cache_indices: bool = True, metrics: bool = False, max_index_bytes: int | None = None,
-                 limits: DataLimits | None = None, security: ServerSecurity | None = None):
+def start_server(
+    port: int = 0,
+    host: str = "127.0.0.1",
+    max_workers: int = 16,
+    cache_indices: bool = True,
+    metrics: bool = False,
+    max_index_bytes: int | None = None,
+    limits: DataLimits | None = None,
+    security: ServerSecurity | None = None,
+):
     """Start a DataService worker in this process.
 
     Args:
@@ -52,11 +59,20 @@ def start_server(port: int = 0, host: str = "127.0.0.1", max_workers: int = 16,
     Returns:
         (server, bound port, health servicer).
     """
-    servicer = DataServicer(cache_indices=cache_indices, max_index_bytes=max_index_bytes, limits=limits)
+    servicer = DataServicer(
+        cache_indices=cache_indices, max_index_bytes=max_index_bytes, limits=limits
+    )
     interceptors = [MetricsInterceptor("data", max_workers)] if metrics else []
-    return make_server([lambda s: pb_grpc.add_DataServiceServicer_to_server(servicer, s)],
-                       [SERVICE_NAME], port=port, host=host, max_workers=max_workers,
-                       interceptors=interceptors, security=security, scopes=SCOPES)
+    return make_server(
+        [lambda s: pb_grpc.add_DataServiceServicer_to_server(servicer, s)],
+        [SERVICE_NAME],
+        port=port,
+        host=host,
+        max_workers=max_workers,
+        interceptors=interceptors,
+        security=security,
+        scopes=SCOPES,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,13 +90,20 @@ def run(args: argparse.Namespace) -> int:
     if max_index_gib is not None and not 0 < max_index_gib < float("inf"):
         raise ConfigError(f"--max-index-gib {max_index_gib} must be a positive number of GiB")
     server, port, health = start_server(
-        args.port, args.host, args.max_streams, metrics=metrics,
+        args.port,
+        args.host,
+        args.max_streams,
+        metrics=metrics,
         max_index_bytes=None if max_index_gib is None else int(max_index_gib * 2**30),
-        limits=DataLimits(max_samples=args.max_samples, index_cache_dir=args.index_cache_dir,
-                          index_cache_bytes=int(args.index_cache_gib * 2**30),
-                          stream_idle_timeout=args.stream_idle_timeout,
-                          max_streams_per_client=args.max_streams_per_client),
-        security=ServerSecurity.from_args(args))
+        limits=DataLimits(
+            max_samples=args.max_samples,
+            index_cache_dir=args.index_cache_dir,
+            index_cache_bytes=int(args.index_cache_gib * 2**30),
+            stream_idle_timeout=args.stream_idle_timeout,
+            max_streams_per_client=args.max_streams_per_client,
+        ),
+        security=ServerSecurity.from_args(args),
+    )
     if metrics:
         try:
             _, metrics_port = start_metrics_server(args.metrics_port, args.host)
@@ -98,7 +121,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"listening on {args.host}:{port}", flush=True)
 
     with announcement:
-        serve_forever(server, health, grace_s=args.grace, on_ready=ready, on_stopping=announcement.close)
+        serve_forever(
+            server, health, grace_s=args.grace, on_ready=ready, on_stopping=announcement.close
+        )
     return 0
 
 

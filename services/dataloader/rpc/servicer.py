@@ -44,7 +44,13 @@ from meshtrain.services.dataloader.blend import MAX_DATASETS
 from meshtrain.services.dataloader.config import user_cache_dir
 from meshtrain.services.dataloader.index_cache import IndexCache
 from meshtrain.services.dataloader.loader import LocalBatchSource
-from meshtrain.services.dataloader.spec import MAX_SAMPLES, SPLITS, DatasetSpec, MemoryBudget, open_dataset
+from meshtrain.services.dataloader.spec import (
+    MAX_SAMPLES,
+    SPLITS,
+    DatasetSpec,
+    MemoryBudget,
+    open_dataset,
+)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DataService"].full_name
 # A micro-batch message stays far below the gRPC message limit; bigger requests are refused.
@@ -98,9 +104,13 @@ class DataLimits:
         if not self.index_cache_bytes > 0:
             raise ConfigError(f"--index-cache-gib must be > 0, got {self.index_cache_bytes} bytes")
         if not 0 <= self.stream_idle_timeout < float("inf"):
-            raise ConfigError(f"--stream-idle-timeout {self.stream_idle_timeout} must be a number of seconds >= 0")
+            raise ConfigError(
+                f"--stream-idle-timeout {self.stream_idle_timeout} must be a number of seconds >= 0"
+            )
         if self.max_streams_per_client < 0:
-            raise ConfigError(f"--max-streams-per-client {self.max_streams_per_client} must be >= 0")
+            raise ConfigError(
+                f"--max-streams-per-client {self.max_streams_per_client} must be >= 0"
+            )
 
 
 def check_served(prefix: str) -> None:
@@ -110,7 +120,9 @@ def check_served(prefix: str) -> None:
     if not prefix.strip():
         raise DataError(f"dataset prefix {shown} is empty; give {served}")
     if "::" in prefix:
-        raise DataError(f"dataset prefix {shown} chains fsspec protocols ('::'); this worker serves {served}")
+        raise DataError(
+            f"dataset prefix {shown} chains fsspec protocols ('::'); this worker serves {served}"
+        )
     scheme, sep, rest = prefix.partition("://")
     if not sep:
         return
@@ -137,9 +149,13 @@ def default_max_index_bytes() -> int:
 
 def resident_index_bytes(ds) -> int:
     """Bytes of a dataset's sample indices held in memory (memory-mapped cached ones: none)."""
-    arrays = [getattr(ds, n, None) for n in ("doc_idx", "sample_idx", "shuffle_idx",
-                                             "dataset_index", "dataset_sample_index")]
-    own = sum(a.nbytes for a in arrays if isinstance(a, np.ndarray) and not isinstance(a, np.memmap))
+    arrays = [
+        getattr(ds, n, None)
+        for n in ("doc_idx", "sample_idx", "shuffle_idx", "dataset_index", "dataset_sample_index")
+    ]
+    own = sum(
+        a.nbytes for a in arrays if isinstance(a, np.ndarray) and not isinstance(a, np.memmap)
+    )
     return own + sum(resident_index_bytes(d) for d in getattr(ds, "datasets", ()) if d is not None)
 
 
@@ -158,12 +174,19 @@ def spec_from_proto(m: pb.DatasetSpec, max_samples: int = MAX_SAMPLES) -> Datase
     if m.split_name and m.split_name not in SPLITS:
         raise DataError(f"spec.split_name {loggable(m.split_name, 20)} is not one of {SPLITS}")
     if m.num_samples > max_samples:
-        raise DataError(f"spec.num_samples={m.num_samples} is over this data worker's limit of {max_samples} "
-                        f"(`data serve --max-samples`)")
+        raise DataError(
+            f"spec.num_samples={m.num_samples} is over this data worker's limit of {max_samples} "
+            f"(`data serve --max-samples`)"
+        )
     spec = DatasetSpec(
-        prefixes=tuple(m.prefixes), weights=tuple(m.weights), seq_length=int(m.seq_length),
-        num_samples=int(m.num_samples), seed=int(m.seed), split=m.split or "969,30,1",
-        split_name=m.split_name or "train", sample_order=m.sample_order or "meshtrain",
+        prefixes=tuple(m.prefixes),
+        weights=tuple(m.weights),
+        seq_length=int(m.seq_length),
+        num_samples=int(m.num_samples),
+        seed=int(m.seed),
+        split=m.split or "969,30,1",
+        split_name=m.split_name or "train",
+        sample_order=m.sample_order or "meshtrain",
     )
     spec.validate()
     return spec
@@ -177,17 +200,27 @@ def index_keys(ds) -> list[str]:
 
 def spec_to_proto(spec: DatasetSpec) -> pb.DatasetSpec:
     """The message form of a DatasetSpec."""
-    return pb.DatasetSpec(prefixes=list(spec.prefixes), weights=list(spec.weights),
-                          seq_length=spec.seq_length, num_samples=spec.num_samples,
-                          seed=spec.seed, split=spec.split, split_name=spec.split_name,
-                          sample_order=spec.sample_order)
+    return pb.DatasetSpec(
+        prefixes=list(spec.prefixes),
+        weights=list(spec.weights),
+        seq_length=spec.seq_length,
+        num_samples=spec.num_samples,
+        seed=spec.seed,
+        split=spec.split,
+        split_name=spec.split_name,
+        sample_order=spec.sample_order,
+    )
 
 
 class DataServicer(pb_grpc.DataServiceServicer):
     """Serves any rank's micro-batches from any step; stateless apart from a dataset cache."""
 
-    def __init__(self, cache_indices: bool = True, max_index_bytes: int | None = None,
-                 limits: DataLimits | None = None):
+    def __init__(
+        self,
+        cache_indices: bool = True,
+        max_index_bytes: int | None = None,
+        limits: DataLimits | None = None,
+    ):
         """Args:
         cache_indices: cache sample indices in `limits.index_cache_dir` (see `index_cache`).
         max_index_bytes: the most memory one request's sample index may take to build, and
@@ -197,11 +230,15 @@ class DataServicer(pb_grpc.DataServiceServicer):
         """
         quiet_undecodable_requests()
         self.limits = limits = DataLimits() if limits is None else limits
-        self.index_cache = IndexCache(limits.index_cache_dir or default_index_cache_dir(), limits.index_cache_bytes)
+        self.index_cache = IndexCache(
+            limits.index_cache_dir or default_index_cache_dir(), limits.index_cache_bytes
+        )
         self._peer_streams = PeerLimit(limits.max_streams_per_client, "--max-streams-per-client")
         self._reaper = IdleReaper(limits.stream_idle_timeout, "--stream-idle-timeout")
         self.cache_indices = cache_indices
-        self.max_index_bytes = default_max_index_bytes() if max_index_bytes is None else int(max_index_bytes)
+        self.max_index_bytes = (
+            default_max_index_bytes() if max_index_bytes is None else int(max_index_bytes)
+        )
         self._budget = MemoryBudget(self.max_index_bytes)
         self._datasets: OrderedDict[DatasetSpec, object] = OrderedDict()
         self._building: dict[DatasetSpec, Future] = {}  # builds in progress, by spec
@@ -225,12 +262,18 @@ class DataServicer(pb_grpc.DataServiceServicer):
         # built outside the lock: a slow build must not stall streams over other specs
         try:
             try:
-                ds = open_dataset(spec, cache=self.cache_indices, max_index_bytes=self.max_index_bytes,
-                                  budget=self._budget, index_cache=self.index_cache)
+                ds = open_dataset(
+                    spec,
+                    cache=self.cache_indices,
+                    max_index_bytes=self.max_index_bytes,
+                    budget=self._budget,
+                    index_cache=self.index_cache,
+                )
             except MemoryError as e:  # this worker's memory, not the request: another may have it
                 raise DataUnavailableError(
                     f"building the sample index of {list(spec.prefixes)} (num_samples={spec.num_samples}) "
-                    f"ran out of memory on this worker: {e}") from e
+                    f"ran out of memory on this worker: {e}"
+                ) from e
         except BaseException as e:
             with self._lock:  # not cached: the next request for this spec builds again
                 del self._building[spec]
@@ -241,8 +284,9 @@ class DataServicer(pb_grpc.DataServiceServicer):
             # by count, and by the index memory they hold (indices not cached on disk stay in
             # the heap: 8 datasets of max_index_bytes each held 8 times the bound)
             while len(self._datasets) > MAX_DATASETS_CACHED or (
-                    len(self._datasets) > 1
-                    and sum(map(resident_index_bytes, self._datasets.values())) > self.max_index_bytes):
+                len(self._datasets) > 1
+                and sum(map(resident_index_bytes, self._datasets.values())) > self.max_index_bytes
+            ):
                 self._datasets.popitem(last=False)
             del self._building[spec]
         building.set_result(ds)
@@ -256,8 +300,10 @@ class DataServicer(pb_grpc.DataServiceServicer):
         if cp_rank >= cp_size:
             raise DataError(f"cp_rank={cp_rank} is outside [0, cp_size={cp_size})")
         if cp_size > 1 and spec.seq_length % (2 * cp_size):
-            raise DataError(f"seq_length={spec.seq_length} is not divisible by 2 x cp_size={cp_size} "
-                            f"(context parallelism cuts each sequence into 2 x cp_size equal chunks)")
+            raise DataError(
+                f"seq_length={spec.seq_length} is not divisible by 2 x cp_size={cp_size} "
+                f"(context parallelism cuts each sequence into 2 x cp_size equal chunks)"
+            )
         # a message's tokens: the whole sample, or two chunks of seq/(2 cp) each with its next token
         row = spec.seq_length + 1 if cp_size == 1 else spec.seq_length // cp_size + 2
         mbs_bytes = req.micro_batch_size * row * 4  # int32 worst case
@@ -270,19 +316,33 @@ class DataServicer(pb_grpc.DataServiceServicer):
             raise DataError(f"dp_rank={req.dp_rank} is outside [0, dp_size={req.dp_size})")
         # checked before opening files, so a malformed request costs nothing
         if req.micro_batch_size < 1 or req.global_batch_size < 1:
-            raise DataError(f"micro_batch_size={req.micro_batch_size} and "
-                            f"global_batch_size={req.global_batch_size} must be >= 1")
+            raise DataError(
+                f"micro_batch_size={req.micro_batch_size} and "
+                f"global_batch_size={req.global_batch_size} must be >= 1"
+            )
         if req.global_batch_size % (req.micro_batch_size * req.dp_size):
-            raise DataError(f"global_batch_size={req.global_batch_size} is not divisible by "
-                            f"micro_batch_size={req.micro_batch_size} x dp_size={req.dp_size}")
-        return LocalBatchSource(self._dataset(spec), int(req.micro_batch_size), int(req.global_batch_size),
-                                int(req.dp_rank), int(req.dp_size), cp_rank=cp_rank, cp_size=cp_size)
+            raise DataError(
+                f"global_batch_size={req.global_batch_size} is not divisible by "
+                f"micro_batch_size={req.micro_batch_size} x dp_size={req.dp_size}"
+            )
+        return LocalBatchSource(
+            self._dataset(spec),
+            int(req.micro_batch_size),
+            int(req.global_batch_size),
+            int(req.dp_rank),
+            int(req.dp_size),
+            cp_rank=cp_rank,
+            cp_size=cp_size,
+        )
 
     def Describe(self, request: pb.StreamRequest, context) -> pb.DescribeResponse:
         src = self._source(request)
-        return pb.DescribeResponse(num_samples=len(src.dataset), num_steps=src.num_steps,
-                                   num_micro_batches=src.num_micro_batches,
-                                   sample_order=request.spec.sample_order or "meshtrain")  # as built
+        return pb.DescribeResponse(
+            num_samples=len(src.dataset),
+            num_steps=src.num_steps,
+            num_micro_batches=src.num_micro_batches,
+            sample_order=request.spec.sample_order or "meshtrain",
+        )  # as built
 
     def StreamBatches(self, request: pb.StreamRequest, context):
         with self._peer_streams.hold(context):  # before anything is opened or built for it
@@ -293,8 +353,10 @@ class DataServicer(pb_grpc.DataServiceServicer):
         # end_step 0 means "until the dataset runs out"; any other end at or before the start
         # would be an empty stream, which a client cannot tell from running out of data
         if request.end_step != 0 and request.end_step <= step:
-            raise DataError(f"end_step={request.end_step} is not after start_step={step} "
-                            f"(0: until the dataset runs out)")
+            raise DataError(
+                f"end_step={request.end_step} is not after start_step={step} "
+                f"(0: until the dataset runs out)"
+            )
         src = self._source(request)
         end = src.num_steps if request.end_step == 0 else min(int(request.end_step), src.num_steps)
         if mb >= src.num_micro_batches:
@@ -311,8 +373,13 @@ class DataServicer(pb_grpc.DataServiceServicer):
         while step < end and context.is_active():
             samples = src.payload(step, mb)  # (mbs, seq + 1), or (mbs, 2, seq/(2 cp) + 1) under cp
             samples = samples.astype(samples.dtype.newbyteorder("<"), copy=False)
-            yield pb.MicroBatch(step=step, microbatch=mb, dtype=samples.dtype.name,
-                                shape=list(samples.shape), samples=samples.tobytes())
+            yield pb.MicroBatch(
+                step=step,
+                microbatch=mb,
+                dtype=samples.dtype.name,
+                shape=list(samples.shape),
+                samples=samples.tobytes(),
+            )
             mb += 1
             if mb == src.num_micro_batches:
                 step, mb = step + 1, 0

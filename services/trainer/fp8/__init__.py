@@ -10,4 +10,14 @@ from meshtrain.services.trainer.fp8.convert import Fp8Model, apply_fp8, build_fp
 from meshtrain.services.trainer.fp8.linear import DelayedState, Fp8Gemm, Fp8Linear, Groups
 from meshtrain.services.trainer.fp8.scaling import FORMATS, Recipe
 
-__all__ = ["FORMATS", "DelayedState", "Fp8Gemm", "Fp8Linear", "Fp8Model", "Groups", "Recipe", "apply_fp8", "build_fp8"]
+__all__ = [
+    "FORMATS",
+    "DelayedState",
+    "Fp8Gemm",
+    "Fp8Linear",
+    "Fp8Model",
+    "Groups",
+    "Recipe",
+    "apply_fp8",
+    "build_fp8",
+]

@@ -30,7 +30,13 @@ import torch.distributed as dist
 from torch import nn
 
 from meshtrain.services.common.errors import ConfigError
-from meshtrain.services.trainer.fp8.linear import DelayedState, Fp8Gemm, Fp8Linear, Groups, fp8_ready_shape
+from meshtrain.services.trainer.fp8.linear import (
+    DelayedState,
+    Fp8Gemm,
+    Fp8Linear,
+    Groups,
+    fp8_ready_shape,
+)
 from meshtrain.services.trainer.fp8.scaling import Recipe, roll_history, scale_from_history
 from meshtrain.services.trainer.parallel.mesh import Mesh
 
@@ -63,8 +69,15 @@ class Fp8Model:
                 dist.all_reduce(current, op=dist.ReduceOp.MAX, group=group)
         state.history[..., 0] = current
         role_max = torch.tensor(self.recipe.dtypes.role_max(), device=current.device)
-        state.scale.copy_(scale_from_history(state.history, role_max, self.recipe.amax_compute_algo,
-                                             self.recipe.margin, state.scale))
+        state.scale.copy_(
+            scale_from_history(
+                state.history,
+                role_max,
+                self.recipe.amax_compute_algo,
+                self.recipe.margin,
+                state.scale,
+            )
+        )
         roll_history(state.history)
         state.ready = True
 
@@ -82,16 +95,34 @@ def build_fp8(model: nn.Module, train, mesh: Mesh, device: torch.device) -> Fp8M
     """`apply_fp8` as the job's `train` section asks (None when train.fp8 is unset)."""
     if train.fp8 is None:
         return None
-    recipe = Recipe(train.fp8, train.fp8_recipe, train.fp8_amax_history_len, train.fp8_amax_compute_algo,
-                    train.fp8_margin)
+    recipe = Recipe(
+        train.fp8,
+        train.fp8_recipe,
+        train.fp8_amax_history_len,
+        train.fp8_amax_compute_algo,
+        train.fp8_margin,
+    )
     first_last = train.fp8_bf16_first_last
-    return apply_fp8(model, recipe, mesh, train.fp8_bf16_layers_at_start if first_last else 0,
-                     train.fp8_bf16_layers_at_end if first_last else 0, device, all_gather=train.fp8_all_gather)
+    return apply_fp8(
+        model,
+        recipe,
+        mesh,
+        train.fp8_bf16_layers_at_start if first_last else 0,
+        train.fp8_bf16_layers_at_end if first_last else 0,
+        device,
+        all_gather=train.fp8_all_gather,
+    )
 
 
-def apply_fp8(model: nn.Module, recipe: Recipe, mesh: Mesh, bf16_layers_at_start: int = 0,
-              bf16_layers_at_end: int = 0, device: torch.device | None = None,
-              all_gather: bool = True) -> Fp8Model | None:
+def apply_fp8(
+    model: nn.Module,
+    recipe: Recipe,
+    mesh: Mesh,
+    bf16_layers_at_start: int = 0,
+    bf16_layers_at_end: int = 0,
+    device: torch.device | None = None,
+    all_gather: bool = True,
+) -> Fp8Model | None:
     """Put the eligible linear layers of `model` (a GPT, tensor-parallel or not) on FP8.
 
     `device`: where the model will train (the delayed state lives there); default: the weights'.
@@ -107,8 +138,10 @@ def apply_fp8(model: nn.Module, recipe: Recipe, mesh: Mesh, bf16_layers_at_start
     blocks = _blocks(model)
     n = len(blocks)
     if bf16_layers_at_start + bf16_layers_at_end >= n:
-        raise ConfigError(f"train.fp8: {bf16_layers_at_start} first and {bf16_layers_at_end} last blocks kept in bf16 "
-                          f"leave none of the model's {n} blocks for FP8")
+        raise ConfigError(
+            f"train.fp8: {bf16_layers_at_start} first and {bf16_layers_at_end} last blocks kept in bf16 "
+            f"leave none of the model's {n} blocks for FP8"
+        )
     chosen: list[tuple[str, nn.Module]] = []
     kept: list[str] = []
     for i, block in blocks:
@@ -126,13 +159,20 @@ def apply_fp8(model: nn.Module, recipe: Recipe, mesh: Mesh, bf16_layers_at_start
                 continue
             chosen.append((full, layer))
     if kept:
-        log.info("FP8: %d dense linear layers stay bf16: %s", len(kept), "; ".join(kept[:6]) +
-                 (f"; and {len(kept) - 6} more" if len(kept) > 6 else ""))
+        log.info(
+            "FP8: %d dense linear layers stay bf16: %s",
+            len(kept),
+            "; ".join(kept[:6]) + (f"; and {len(kept) - 6} more" if len(kept) > 6 else ""),
+        )
     if not chosen:
         log.warning("train.fp8: no linear layer qualifies for FP8; the run trains in bf16")
         return None
     device = device if device is not None else chosen[0][1].weight.device
-    state = DelayedState(len(chosen), recipe.amax_history_len, device) if recipe.recipe == "delayed" else None
+    state = (
+        DelayedState(len(chosen), recipe.amax_history_len, device)
+        if recipe.recipe == "delayed"
+        else None
+    )
     for index, (name, layer) in enumerate(chosen):
         delayed = (state, index) if state is not None else None
         if isinstance(layer, Fp8Linear) or isinstance(getattr(layer, "linear", None), Fp8Gemm):
@@ -143,13 +183,20 @@ def apply_fp8(model: nn.Module, recipe: Recipe, mesh: Mesh, bf16_layers_at_start
         else:  # tensor parallel: column- or row-parallel, whose `linear` is the GEMM
             layer.linear = _tp_gemm(layer, mesh, recipe, delayed, all_gather)
             if hasattr(layer, "async_grad"):
-                layer.async_grad = False  # its fused backward runs bf16 GEMMs; the plain path takes FP8
+                layer.async_grad = (
+                    False  # its fused backward runs bf16 GEMMs; the plain path takes FP8
+                )
     groups = (mesh.group("tp"), mesh.group("dp_cp")) if state is not None else ()
     return Fp8Model(recipe, [name for name, _ in chosen], kept, state, groups)
 
 
-def _tp_gemm(layer: nn.Module, mesh: Mesh, recipe: Recipe, delayed: tuple[DelayedState, int] | None,
-             all_gather: bool) -> Fp8Gemm:
+def _tp_gemm(
+    layer: nn.Module,
+    mesh: Mesh,
+    recipe: Recipe,
+    delayed: tuple[DelayedState, int] | None,
+    all_gather: bool,
+) -> Fp8Gemm:
     """The FP8 GEMM of a tensor-parallel layer, with its amax groups: its sharded weight and the
     tensor whose dimension it splits (a column-parallel output gradient, a row-parallel input),
     and under sequence parallelism with `all_gather` a column-parallel input, which then arrives
@@ -158,10 +205,20 @@ def _tp_gemm(layer: nn.Module, mesh: Mesh, recipe: Recipe, delayed: tuple[Delaye
 
     tp = mesh.group("tp") if mesh.tp > 1 else None
     if getattr(layer, "overlap", False):
-        raise ConfigError("train.fp8 does not combine with parallel.tp_comm_overlap (its fused GEMMs are bf16)")
+        raise ConfigError(
+            "train.fp8 does not combine with parallel.tp_comm_overlap (its fused GEMMs are bf16)"
+        )
     if isinstance(layer, ColumnParallelLinear):
-        if all_gather and tp is not None and layer.sp and not layer.in_region and recipe.recipe != "rowwise":
-            return Fp8Gemm(recipe, Groups(input=tp, weight=tp, grad_output=tp), delayed, seq_group=tp)
+        if (
+            all_gather
+            and tp is not None
+            and layer.sp
+            and not layer.in_region
+            and recipe.recipe != "rowwise"
+        ):
+            return Fp8Gemm(
+                recipe, Groups(input=tp, weight=tp, grad_output=tp), delayed, seq_group=tp
+            )
         return Fp8Gemm(recipe, Groups(input=None, weight=tp, grad_output=tp), delayed)
     if isinstance(layer, RowParallelLinear):
         return Fp8Gemm(recipe, Groups(input=tp, weight=tp, grad_output=None), delayed)

@@ -57,19 +57,32 @@ def _reduced_amax(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Ten
     return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
 
 
-def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-               fast_accum: bool = False) -> torch.Tensor:
+def _scaled_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    fast_accum: bool = False,
+) -> torch.Tensor:
     """(a · scale_a) @ (b · scale_b) in bf16, a and b FP8 (a row-major, b column-major; each
     scale a scalar or one per row of a / column of b). On CUDA one cuBLAS FP8 GEMM; elsewhere
     (PyTorch's CPU FP8 GEMM is a scalar loop, seconds for a small layer) the same FP8 values
     dequantized and multiplied in fp32, exact products summed in another order."""
     if a.is_cuda:
-        return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16,
-                                use_fast_accum=fast_accum)
+        return torch._scaled_mm(
+            a,
+            b,
+            scale_a=scale_a,
+            scale_b=scale_b,
+            out_dtype=torch.bfloat16,
+            use_fast_accum=fast_accum,
+        )
     return ((a.float() * scale_a) @ (b.float() * scale_b)).to(torch.bfloat16)
 
 
-def _deliver_weight_grad(ctx, main_grad: torch.Tensor | None, dw: torch.Tensor) -> torch.Tensor | None:
+def _deliver_weight_grad(
+    ctx, main_grad: torch.Tensor | None, dw: torch.Tensor
+) -> torch.Tensor | None:
     """The weight gradient for autograd (in the weight's dtype), or None once added into the
     fused main gradient."""
     if ctx.fused:
@@ -81,7 +94,9 @@ def _deliver_weight_grad(ctx, main_grad: torch.Tensor | None, dw: torch.Tensor) 
 def _gather_sequence(xq: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Size]:
     """All-gather FP8 activations (b, s/tp, K) along the sequence as bytes (collectives take no
     FP8 dtype): the (b·s, K) row-major GEMM operand, and the gathered (b, s, K) shape."""
-    full = M.all_gather(xq.view(torch.uint8), M.SEQ_DIM, group).view(xq.dtype)  # (b, s, K), a strided view
+    full = M.all_gather(xq.view(torch.uint8), M.SEQ_DIM, group).view(
+        xq.dtype
+    )  # (b, s, K), a strided view
     return full.reshape(-1, full.shape[-1]), full.shape
 
 
@@ -94,8 +109,22 @@ class _TensorScaled(torch.autograd.Function):
     """One scale per tensor: the current amax (dynamic) or the delayed state's scale."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, main_grad, recipe: Recipe, groups: Groups, history, scale, delayed: bool,
-                wq=None, wq_t=None, sw=None, seq_group=None):
+    def forward(
+        ctx,
+        x,
+        weight,
+        bias,
+        main_grad,
+        recipe: Recipe,
+        groups: Groups,
+        history,
+        scale,
+        delayed: bool,
+        wq=None,
+        wq_t=None,
+        sw=None,
+        seq_group=None,
+    ):
         """wq, wq_t, sw: the weight already cast this step (`Fp8WeightCache`: wq (N, K) and its
         transpose (K, N), both FP8, and its scale); None: cast here. seq_group: x is this rank's
         sequence chunk (b, s/tp, K), cast to FP8 and all-gathered along the sequence over this
@@ -116,7 +145,9 @@ class _TensorScaled(torch.autograd.Function):
             wq = cast_to_fp8(weight, sw, fmt.forward)
         xq = cast_to_fp8(x2, sx, fmt.forward)  # (M, K)
         x_shape = x.shape
-        if seq_group is not None:  # gather the FP8 bytes: half of bf16's, the same values as casting after
+        if (
+            seq_group is not None
+        ):  # gather the FP8 bytes: half of bf16's, the same values as casting after
             xq, x_shape = _gather_sequence(xq.view(x.shape), seq_group)  # (tp·M, K), (b, s, K)
         y = _scaled_mm(xq, wq.t(), sx.reciprocal(), sw.reciprocal(), fast_accum=True)  # (M, N)
         if bias is not None:
@@ -149,10 +180,14 @@ class _TensorScaled(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = _scaled_mm(dyq, w_col, sdy.reciprocal(), sw.reciprocal())  # (M, N) @ (N, K)
             dx = dx.view(ctx.x_shape).to(ctx.x_dtype)
-            if ctx.seq_group is not None:  # the gather's adjoint: sum over tp, keep this rank's chunk
+            if (
+                ctx.seq_group is not None
+            ):  # the gather's adjoint: sum over tp, keep this rank's chunk
                 dx = M.reduce_scatter(dx, M.SEQ_DIM, ctx.seq_group)  # (b, s/tp, K)
         if ctx.fused or ctx.needs_input_grad[1]:
-            dw = _scaled_mm(dyq.t().contiguous(), _col_major(xq), sdy.reciprocal(), sx.reciprocal())  # (N, M) @ (M, K)
+            dw = _scaled_mm(
+                dyq.t().contiguous(), _col_major(xq), sdy.reciprocal(), sx.reciprocal()
+            )  # (N, M) @ (M, K)
             dw = _deliver_weight_grad(ctx, main_grad, dw)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
@@ -169,8 +204,13 @@ class _RowScaled(torch.autograd.Function):
         w = weight.to(torch.bfloat16)  # (N, K)
         sx = amax_to_scale(amax(x2, dim=1), m, recipe.margin)  # (M, 1)
         sw = amax_to_scale(amax(w, dim=1), m, recipe.margin)  # (N, 1)
-        y = _scaled_mm(cast_to_fp8(x2, sx, E4M3), cast_to_fp8(w, sw, E4M3).t(), sx.reciprocal(),
-                       sw.reciprocal().reshape(1, -1), fast_accum=True)  # (M, N)
+        y = _scaled_mm(
+            cast_to_fp8(x2, sx, E4M3),
+            cast_to_fp8(w, sw, E4M3).t(),
+            sx.reciprocal(),
+            sw.reciprocal().reshape(1, -1),
+            fast_accum=True,
+        )  # (M, N)
         if bias is not None:
             y = y + bias.to(y.dtype)
         ctx.save_for_backward(x2, w)
@@ -189,14 +229,22 @@ class _RowScaled(torch.autograd.Function):
         if ctx.needs_input_grad[0]:  # dx = dy W: sums over N
             s_dy = amax_to_scale(amax(dy2, dim=1), m, margin)  # (M, 1)
             s_w = amax_to_scale(amax(w, dim=0), m, margin)  # (1, K)
-            dx = _scaled_mm(cast_to_fp8(dy2, s_dy, E4M3), _col_major(cast_to_fp8(w, s_w, E4M3)),
-                            s_dy.reciprocal(), s_w.reciprocal())
+            dx = _scaled_mm(
+                cast_to_fp8(dy2, s_dy, E4M3),
+                _col_major(cast_to_fp8(w, s_w, E4M3)),
+                s_dy.reciprocal(),
+                s_w.reciprocal(),
+            )
             dx = dx.view(ctx.x_shape).to(ctx.x_dtype)
         if ctx.fused or ctx.needs_input_grad[1]:  # dW = dy^T x: sums over M
             s_dy = amax_to_scale(amax(dy2, dim=0), m, margin)  # (1, N)
             s_x = amax_to_scale(amax(x2, dim=0), m, margin)  # (1, K)
-            dw = _scaled_mm(cast_to_fp8(dy2, s_dy, E4M3).t().contiguous(), _col_major(cast_to_fp8(x2, s_x, E4M3)),
-                            s_dy.reciprocal().reshape(-1, 1), s_x.reciprocal())  # (N, M) @ (M, K)
+            dw = _scaled_mm(
+                cast_to_fp8(dy2, s_dy, E4M3).t().contiguous(),
+                _col_major(cast_to_fp8(x2, s_x, E4M3)),
+                s_dy.reciprocal().reshape(-1, 1),
+                s_x.reciprocal(),
+            )  # (N, M) @ (M, K)
             dw = _deliver_weight_grad(ctx, main_grad, dw)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
@@ -231,12 +279,19 @@ class Fp8Gemm:
             gathered token count cuBLAS refuses) it is gathered in bf16 first, as without FP8.
     """
 
-    def __init__(self, recipe: Recipe, groups: Groups = Groups(), delayed: tuple[DelayedState, int] | None = None,
-                 seq_group: dist.ProcessGroup | None = None):
+    def __init__(
+        self,
+        recipe: Recipe,
+        groups: Groups = Groups(),
+        delayed: tuple[DelayedState, int] | None = None,
+        seq_group: dist.ProcessGroup | None = None,
+    ):
         if (recipe.recipe == "delayed") != (delayed is not None):
             raise ValueError("a delayed-scaling FP8 layer needs its state (and only it does)")
         if seq_group is not None and groups.input is not seq_group:
-            raise ValueError("an FP8 layer that gathers its input reduces the input's amax over that group")
+            raise ValueError(
+                "an FP8 layer that gathers its input reduces the input's amax over that group"
+            )
         self.recipe, self.groups, self.delayed, self.seq_group = recipe, groups, delayed, seq_group
 
     @property
@@ -244,15 +299,22 @@ class Fp8Gemm:
         """Whether x arrives as a sequence chunk that this GEMM gathers (see the class doc)."""
         return self.seq_group is not None
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 main_grad: torch.Tensor | None = None,
-                 cast: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def __call__(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        main_grad: torch.Tensor | None = None,
+        cast: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """`cast`: (FP8 weight, its transpose, its scale) from `Fp8WeightCache` (not rowwise)."""
         if self.seq_group is not None:
             gathered = x.numel() // x.shape[-1] * dist.get_world_size(self.seq_group)
             if self.recipe.recipe != "rowwise" and not (x.is_cuda and gathered % 16):
                 return self._gemm(x, weight, bias, main_grad, cast, self.seq_group)
-            x = M.gather_from_sequence(x, self.seq_group)  # in bf16, then as an input that arrived whole
+            x = M.gather_from_sequence(
+                x, self.seq_group
+            )  # in bf16, then as an input that arrived whole
         tokens = x.numel() // x.shape[-1]
         if x.is_cuda and tokens % 16:
             # cuBLAS's FP8 GEMM takes dimensions in multiples of 16, the token count (the weight
@@ -273,11 +335,24 @@ class Fp8Gemm:
             if self.delayed is not None:
                 state, i = self.delayed
                 scale, ready = state.scale[i], state.ready
-                history = state.history[i] if torch.is_grad_enabled() else None  # evaluation records nothing
+                history = (
+                    state.history[i] if torch.is_grad_enabled() else None
+                )  # evaluation records nothing
                 if ready:  # casts with the history's scale: the amaxes are only recorded, and
                     groups = Groups()  # step_end reduces the history over tp, so no collective here
-            return _TensorScaled.apply(x, weight, bias, main_grad, self.recipe, groups, history, scale, ready,
-                                       *(cast or (None, None, None)), seq_group)
+            return _TensorScaled.apply(
+                x,
+                weight,
+                bias,
+                main_grad,
+                self.recipe,
+                groups,
+                history,
+                scale,
+                ready,
+                *(cast or (None, None, None)),
+                seq_group,
+            )
 
 
 class Fp8Linear(nn.Linear):
@@ -307,8 +382,10 @@ class Fp8Linear(nn.Linear):
         if main is not None and self.weight is not main[0] and torch.is_grad_enabled():
             main_grad = main[0].grad
             if main_grad is None:
-                raise RuntimeError(f"{tuple(main[0].shape)} weight: its fused gradient needs an fp32 .grad to add "
-                                   "into; WeightCopies.refresh() allocates it")
+                raise RuntimeError(
+                    f"{tuple(main[0].shape)} weight: its fused gradient needs an fp32 .grad to add "
+                    "into; WeightCopies.refresh() allocates it"
+                )
         cast = None
         if self.fp8_weight.numel():  # given this step's cast (training on the weight copies)
             cast = (self.fp8_weight, self.fp8_weight_t, self.fp8_weight_scale)

@@ -72,13 +72,21 @@ class Recipe:
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
-            raise ValueError(f"unknown FP8 format {self.format!r}; the formats are {', '.join(FORMATS)}")
+            raise ValueError(
+                f"unknown FP8 format {self.format!r}; the formats are {', '.join(FORMATS)}"
+            )
         if self.recipe not in ("tensorwise", "rowwise", "delayed"):
-            raise ValueError(f"unknown FP8 recipe {self.recipe!r}; the recipes are tensorwise, rowwise, delayed")
+            raise ValueError(
+                f"unknown FP8 recipe {self.recipe!r}; the recipes are tensorwise, rowwise, delayed"
+            )
         if self.amax_compute_algo not in ("max", "most_recent"):
-            raise ValueError(f"unknown amax compute algorithm {self.amax_compute_algo!r}: max or most_recent")
+            raise ValueError(
+                f"unknown amax compute algorithm {self.amax_compute_algo!r}: max or most_recent"
+            )
         if self.amax_history_len < 1:
-            raise ValueError(f"the amax history needs at least one entry, got {self.amax_history_len}")
+            raise ValueError(
+                f"the amax history needs at least one entry, got {self.amax_history_len}"
+            )
 
     @property
     def dtypes(self) -> Format:
@@ -87,7 +95,7 @@ class Recipe:
 
 def amax_to_scale(amax: torch.Tensor, fp8_max: float, margin: int = 0) -> torch.Tensor:
     """fp8_max / amax / 2^margin in fp32, elementwise (amax: a scalar, or one per row)."""
-    return (fp8_max / amax.float().clamp(min=AMAX_FLOOR)) / float(2 ** margin)
+    return (fp8_max / amax.float().clamp(min=AMAX_FLOOR)) / float(2**margin)
 
 
 def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -103,15 +111,16 @@ def amax(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     return (a.amax() if dim is None else a.amax(dim=dim, keepdim=True)).float()
 
 
-def scale_from_history(history: torch.Tensor, role_max: torch.Tensor, algo: str, margin: int,
-                       previous: torch.Tensor) -> torch.Tensor:
+def scale_from_history(
+    history: torch.Tensor, role_max: torch.Tensor, algo: str, margin: int, previous: torch.Tensor
+) -> torch.Tensor:
     """The delayed scales (one per row of `history`): fp8_max over the history's amax ('max':
     its largest entry, 'most_recent': entry 0), keeping `previous` where nothing was recorded.
 
     history: (..., L) fp32, entry 0 the newest step; role_max and previous broadcast to (...).
     """
     recent = history.amax(dim=-1) if algo == "max" else history[..., 0]
-    fresh = (role_max / recent.clamp(min=AMAX_FLOOR)) / float(2 ** margin)
+    fresh = (role_max / recent.clamp(min=AMAX_FLOOR)) / float(2**margin)
     return torch.where(recent > 0, fresh, previous)
 
 

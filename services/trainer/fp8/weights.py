@@ -42,7 +42,9 @@ class Fp8WeightCache:
             delayed = layer.fp8.delayed
             self._layers.append((name, layer, delayed[1] if delayed is not None else None))
             self.entries[f"{name}.fp8_weight"] = torch.empty(w.shape, dtype=fmt, device=w.device)
-            self.entries[f"{name}.fp8_weight_t"] = torch.empty(w.shape[::-1], dtype=fmt, device=w.device)
+            self.entries[f"{name}.fp8_weight_t"] = torch.empty(
+                w.shape[::-1], dtype=fmt, device=w.device
+            )
             self.entries[f"{name}.fp8_weight_scale"] = torch.empty((), device=w.device)
 
     @staticmethod

@@ -26,16 +26,24 @@ BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
 """SDPA backends `model.attention_backend` can pin; 'auto' is PyTorch's own choice."""
 
 _SDPA = {
-    "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-    "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "math": SDPBackend.MATH,
 }
 # Backends that take grouped-query attention natively (enable_gqa); the others get the key and
 # value heads expanded to one per query head first (the same function, more memory traffic).
 _NATIVE_GQA = ("auto", "flash", "math")
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, backend: str = "auto",
-         expand_kv: bool | None = None) -> torch.Tensor:
+def sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout: float,
+    backend: str = "auto",
+    expand_kv: bool | None = None,
+) -> torch.Tensor:
     """Causal attention through SDPA, pinned to `backend` unless it is 'auto'.
 
     q (batch, heads, seq, d), k/v (batch, groups, seq, d) -> (batch, heads, seq, d). Query head
@@ -48,7 +56,9 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, back
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         gqa = False
     with contextlib.nullcontext() if backend == "auto" else sdpa_kernel(_SDPA[backend]):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=gqa
+        )
 
 
 class CoreAttention(nn.Module):
@@ -75,12 +85,16 @@ class Attention(nn.Module):
         self.groups = config.groups
         self.head_dim = config.head_dim
         qkv_out = (self.heads + 2 * self.groups) * self.head_dim
-        self.qkv = nn.Linear(config.hidden_size, qkv_out, bias=config.add_bias_linear or config.qkv_bias)
+        self.qkv = nn.Linear(
+            config.hidden_size, qkv_out, bias=config.add_bias_linear or config.qkv_bias
+        )
         # Per-head norms: tensor parallelism leaves them whole (each rank normalizes its own heads).
         self.q_norm = Norm(config, self.head_dim) if config.qk_norm else None
         self.k_norm = Norm(config, self.head_dim) if config.qk_norm else None
         self.core = CoreAttention(config.attention_dropout, config.attention_backend)
-        self.proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=config.add_bias_linear)
+        self.proj = nn.Linear(
+            self.heads * self.head_dim, config.hidden_size, bias=config.add_bias_linear
+        )
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (batch, seq, hidden) -> q (b, heads, s, d), k and v (b, groups, s, d), before RoPE."""
@@ -94,7 +108,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)  # over d, per head
         return tuple(t.transpose(1, 2) for t in (q, k, v))  # (b, heads|groups, s, d)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> torch.Tensor:
         """x (batch, seq, hidden) -> (batch, seq, hidden)."""
         q, k, v = self.project(x)
         b, _, s, _ = q.shape

@@ -22,7 +22,8 @@ class Embedding(nn.Module):
         self.word_embeddings = nn.Embedding(config.padded_vocab_size(), config.hidden_size)
         self.position_embeddings = (
             nn.Embedding(config.max_positions, config.hidden_size)
-            if config.position_embedding_type == "learned" else None
+            if config.position_embedding_type == "learned"
+            else None
         )
         self.dropout = nn.Dropout(config.hidden_dropout)
         self.fp32_residual = config.fp32_residual_connection

@@ -38,8 +38,13 @@ class LMHead(nn.Module):
         super().__init__()
         self.vocab_size = vocab_size
 
-    def loss(self, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-             loss_mask: torch.Tensor | None) -> torch.Tensor:
+    def loss(
+        self,
+        h: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        loss_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
         """Mean token loss; h (batch, seq, hidden), weight (padded_vocab, hidden)."""
         return kernels.linear_cross_entropy(h, weight, labels, loss_mask, self.vocab_size)
 
@@ -49,8 +54,9 @@ class LMHead(nn.Module):
         return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
-def rope_tables(cos: torch.Tensor | None, sin: torch.Tensor | None,
-                positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+def rope_tables(
+    cos: torch.Tensor | None, sin: torch.Tensor | None, positions: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The (cos, sin) rows blocks rotate by: the first rows (a whole sequence from position 0),
     or those of `positions` (a context-parallel rank's tokens); None without RoPE."""
     if cos is None:
@@ -70,7 +76,9 @@ class TransformerBlock(nn.Module):
         self.mlp = MoE(config) if config.is_moe_layer(layer) else MLP(config)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> torch.Tensor:
         """x (batch, seq, hidden) -> (batch, seq, hidden)."""
         x = x + self.dropout(self.attention(self.input_norm(x), rope))
         return x + self.dropout(self.mlp(self.pre_mlp_norm(x)))
@@ -82,7 +90,9 @@ class GPT(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         if config.vocab_size is None:
-            raise ValueError("ModelConfig.vocab_size must be resolved (from the tokenizer) before building GPT")
+            raise ValueError(
+                "ModelConfig.vocab_size must be resolved (from the tokenizer) before building GPT"
+            )
         self.config = config
         self.vocab_size = config.vocab_size
         self.embedding = Embedding(config)
@@ -90,7 +100,8 @@ class GPT(nn.Module):
         self.final_norm = Norm(config)
         self.output_layer = (
             nn.Linear(config.hidden_size, config.padded_vocab_size(), bias=False)
-            if config.untie_embeddings_and_output_weights else None
+            if config.untie_embeddings_and_output_weights
+            else None
         )
         self.head = LMHead(config.vocab_size)
         self.rope_cos: torch.Tensor | None
@@ -121,8 +132,14 @@ class GPT(nn.Module):
                 p.fill_(1.0)
             elif name.endswith((".bias", "router.expert_bias")):
                 p.zero_()
-            elif name.endswith(("attention.proj.weight", "mlp.fc2.weight", "experts.fc2.weight",
-                                "shared_expert.fc2.weight")):
+            elif name.endswith(
+                (
+                    "attention.proj.weight",
+                    "mlp.fc2.weight",
+                    "experts.fc2.weight",
+                    "shared_expert.fc2.weight",
+                )
+            ):
                 p.normal_(0.0, scaled)
             else:
                 p.normal_(0.0, std)
@@ -137,13 +154,21 @@ class GPT(nn.Module):
     def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (batch, seq) -> final-norm hidden states (batch, seq, hidden)."""
         if tokens.shape[1] > self.config.seq_length:
-            raise ValueError(f"sequence of {tokens.shape[1]} tokens exceeds model.seq_length={self.config.seq_length}")
-        positions = self.context.positions(tokens.shape[1], tokens.device) if self.context is not None else None
+            raise ValueError(
+                f"sequence of {tokens.shape[1]} tokens exceeds model.seq_length={self.config.seq_length}"
+            )
+        positions = (
+            self.context.positions(tokens.shape[1], tokens.device)
+            if self.context is not None
+            else None
+        )
         rope = rope_tables(self.rope_cos, self.rope_sin, positions)
         x = self.embedding(tokens, positions)
         for start, end, recompute in self.layer_chunks():
             if recompute and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(self._run_layers, start, end, x, rope, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(
+                    self._run_layers, start, end, x, rope, use_reentrant=False
+                )
             else:
                 x = self._run_layers(start, end, x, rope)
         return self.final_norm(x)
@@ -165,7 +190,10 @@ class GPT(nn.Module):
         return chunks
 
     def forward(
-        self, tokens: torch.Tensor, labels: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
+        self,
+        tokens: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        loss_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Mean token loss when `labels` is given, else logits (batch, seq, vocab).
 
@@ -177,14 +205,18 @@ class GPT(nn.Module):
         h = self.hidden_states(tokens)
         if labels is not None:
             loss = self.head.loss(h, self.output_weight, labels, loss_mask)
-            return loss if self.context is None else self.context.loss_share(loss, labels, loss_mask)
+            return (
+                loss if self.context is None else self.context.loss_share(loss, labels, loss_mask)
+            )
         return self.head.logits(h, self.output_weight)  # (b, s, vocab)
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Parameter count; padded vocabulary rows are not counted."""
         h = self.config.hidden_size
         pad = self.embedding.word_embeddings.weight.shape[0] - self.vocab_size
-        total = sum(p.numel() for p in self.parameters()) - pad * h * (2 if self.output_layer is not None else 1)
+        total = sum(p.numel() for p in self.parameters()) - pad * h * (
+            2 if self.output_layer is not None else 1
+        )
         if exclude_embeddings:
             total -= self.vocab_size * h
             if self.embedding.position_embeddings is not None:
@@ -214,5 +246,10 @@ class GPT(nn.Module):
         s = seq_length or c.seq_length
         head = self.vocab_size * c.hidden_size
         untied_head = head if self.output_layer is not None else 0  # already in the count below
-        matmul_params = self.num_parameters(exclude_embeddings=True) - untied_head + head - self.inactive_parameters()
+        matmul_params = (
+            self.num_parameters(exclude_embeddings=True)
+            - untied_head
+            + head
+            - self.inactive_parameters()
+        )
         return 6.0 * matmul_params + 12.0 * c.num_layers * s * c.num_attention_heads * c.head_dim

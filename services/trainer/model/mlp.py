@@ -19,8 +19,12 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, ffn_size: int | None = None):
         super().__init__()
         self.swiglu = config.activation == "swiglu"
-        ffn = config.ffn_size if ffn_size is None else ffn_size  # a MoE's shared expert has its own width
-        self.fc1 = nn.Linear(config.hidden_size, 2 * ffn if self.swiglu else ffn, bias=config.add_bias_linear)
+        ffn = (
+            config.ffn_size if ffn_size is None else ffn_size
+        )  # a MoE's shared expert has its own width
+        self.fc1 = nn.Linear(
+            config.hidden_size, 2 * ffn if self.swiglu else ffn, bias=config.add_bias_linear
+        )
         self.fc2 = nn.Linear(ffn, config.hidden_size, bias=config.add_bias_linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -80,10 +80,15 @@ class Router(nn.Module):
         self.scaling = config.moe_router_topk_scaling_factor
         self.weight = nn.Parameter(torch.empty(e, config.hidden_size))
         # Not trained by the optimizer: moved by `update_expert_bias` after each step.
-        self.expert_bias = (nn.Parameter(torch.zeros(e), requires_grad=False)
-                            if config.moe_router_enable_expert_bias else None)
+        self.expert_bias = (
+            nn.Parameter(torch.zeros(e), requires_grad=False)
+            if config.moe_router_enable_expert_bias
+            else None
+        )
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (tokens, hidden) -> (logits (T, E) fp32, scores (T, E) fp32, experts (T, k), weights (T, k) fp32).
 
         `scores` are what the load-balancing loss averages: softmax over all experts, or the
@@ -113,8 +118,14 @@ class Router(nn.Module):
         return logits, scores, experts, weights
 
 
-def route(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, capacity: int | None,
-          drop_policy: str, tokens_per_group: int) -> Routing:
+def route(
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    num_experts: int,
+    capacity: int | None,
+    drop_policy: str,
+    tokens_per_group: int,
+) -> Routing:
     """Sort the (token, choice) pairs into expert order, dropping beyond `capacity` if set.
 
     Args:
@@ -159,11 +170,17 @@ def expert_capacity(config: ModelConfig, seq_tokens: int) -> int | None:
 # ----------------------------------------------------------------------------- experts
 def grouped_gemm_available(x: torch.Tensor) -> bool:
     """Whether `torch._grouped_mm` runs this input: CUDA, bf16/fp16, compute capability 9.0+."""
-    return (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-            and torch.cuda.get_device_capability(x.device)[0] >= 9)
+    return (
+        hasattr(torch, "_grouped_mm")
+        and x.is_cuda
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and torch.cuda.get_device_capability(x.device)[0] >= 9
+    )
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
+def grouped_linear(
+    x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, grouped: bool
+) -> torch.Tensor:
     """Rows of `x` in expert order times each expert's weight transposed.
 
     Args:
@@ -183,7 +200,9 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, 
     return grouped_linear_loop(x, w, counts)
 
 
-def grouped_linear_loop(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def grouped_linear_loop(
+    x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
     """The reference: one matmul per expert over its rows (host sync for the counts)."""
     outs = [rows @ weight[e].t() for e, rows in enumerate(torch.split(x, counts.tolist()))]
     return torch.cat(outs) if outs else x.new_zeros(0, weight.shape[1])
@@ -223,7 +242,9 @@ class GroupedExperts(nn.Module):
 class LocalDispatcher:
     """Every expert is on this rank: permuted rows go straight to the experts and back."""
 
-    def dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def dispatch(
+        self, rows: torch.Tensor, counts: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """rows (n, hidden) in global expert order, counts (experts,) -> (rows, counts) for the local experts."""
         return rows, counts
 
@@ -276,10 +297,14 @@ class MoE(nn.Module):
         self.num_experts = config.num_experts
         self.router = Router(config)
         self.experts = GroupedExperts(config)
-        self.shared_expert = (MLP(config, ffn_size=config.moe_shared_expert_intermediate_size)
-                              if config.moe_shared_expert_intermediate_size else None)
-        self.shared_expert_gate = (nn.Linear(config.hidden_size, 1, bias=False)
-                                   if config.moe_shared_expert_gate else None)
+        self.shared_expert = (
+            MLP(config, ffn_size=config.moe_shared_expert_intermediate_size)
+            if config.moe_shared_expert_intermediate_size
+            else None
+        )
+        self.shared_expert_gate = (
+            nn.Linear(config.hidden_size, 1, bias=False) if config.moe_shared_expert_gate else None
+        )
         self.dispatcher = LocalDispatcher()
         self.stats_group: dist.ProcessGroup | None = None
         self.aux_share_scale = 1.0
@@ -301,8 +326,14 @@ class MoE(nn.Module):
         b, s, h = x.shape
         flat = x.reshape(b * s, h)
         logits, scores, experts, weights = self.router(flat)
-        routing = route(experts, weights, self.num_experts, expert_capacity(self.config, s),
-                        self.config.moe_token_drop_policy, s)
+        routing = route(
+            experts,
+            weights,
+            self.num_experts,
+            expert_capacity(self.config, s),
+            self.config.moe_token_drop_policy,
+            s,
+        )
         k = experts.shape[1]
         token = routing.order // k
         rows, local_counts = self.dispatcher.dispatch(flat[token], routing.counts)
@@ -324,12 +355,20 @@ class MoE(nn.Module):
         recomputing = _in_backward()
         if torch.is_grad_enabled() and self.training:
             y = self._with_aux_losses(y, logits, scores, routing, record=not recomputing)
-        if self.training and not recomputing:  # evaluation and generation leave the step's statistics alone
+        if (
+            self.training and not recomputing
+        ):  # evaluation and generation leave the step's statistics alone
             self._record(routing)
         return y
 
-    def _with_aux_losses(self, y: torch.Tensor, logits: torch.Tensor, scores: torch.Tensor,
-                         routing: Routing, record: bool = True) -> torch.Tensor:
+    def _with_aux_losses(
+        self,
+        y: torch.Tensor,
+        logits: torch.Tensor,
+        scores: torch.Tensor,
+        routing: Routing,
+        record: bool = True,
+    ) -> torch.Tensor:
         """Attach the load-balancing and z-loss gradients to `y` (values unchanged); add their
         values to the step's statistics when `record`."""
         c = self.config
@@ -337,7 +376,9 @@ class MoE(nn.Module):
         tokens = torch.tensor(float(logits.shape[0]), device=logits.device)
         routed = routing.routed.float()
         if c.moe_aux_loss_coeff > 0 or (c.moe_z_loss_coeff or 0) > 0:
-            if self.stats_group is not None:  # global micro-batch: counts and token totals of every rank
+            if (
+                self.stats_group is not None
+            ):  # global micro-batch: counts and token totals of every rank
                 both = torch.cat([routed, tokens.view(1)])
                 dist.all_reduce(both, group=self.stats_group)
                 routed, tokens = both[:-1], both[-1]
@@ -354,8 +395,10 @@ class MoE(nn.Module):
             return y
         aux = torch.stack(terms)
         if record:
-            self._record_aux(terms[0].detach() if c.moe_aux_loss_coeff > 0 else None,
-                             terms[-1].detach() if c.moe_z_loss_coeff else None)
+            self._record_aux(
+                terms[0].detach() if c.moe_aux_loss_coeff > 0 else None,
+                terms[-1].detach() if c.moe_z_loss_coeff else None,
+            )
         return _InjectAuxGrad.apply(y, aux.sum() * self.aux_share_scale, self.loss_scale)
 
     # Statistics are bookkeeping on Python objects: kept out of compiled graphs, where a counter

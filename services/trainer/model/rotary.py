@@ -18,7 +18,9 @@ from meshtrain.services.trainer.config import ModelConfig
 def inverse_frequencies(config: ModelConfig, device=None) -> torch.Tensor:
     """(head_dim / 2,) fp32 inverse frequencies of the model's RoPE, scaled as configured."""
     d = config.head_dim
-    inv = 1.0 / (config.rotary_base ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
+    inv = 1.0 / (
+        config.rotary_base ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d)
+    )
     factor = config.rope_scaling_factor
     if factor is None:
         return inv
@@ -29,8 +31,11 @@ def inverse_frequencies(config: ModelConfig, device=None) -> torch.Tensor:
     # `factor`; well inside it keep it; between, blend linearly in original / wavelength.
     blend = ((original / wavelength - low) / (high - low)).clamp(0.0, 1.0)
     scaled = (1 - blend) * inv / factor + blend * inv
-    return torch.where(wavelength > original / low, inv / factor,
-                       torch.where(wavelength < original / high, inv, scaled))
+    return torch.where(
+        wavelength > original / low,
+        inv / factor,
+        torch.where(wavelength < original / high, inv, scaled),
+    )
 
 
 def rotary_tables(config: ModelConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:

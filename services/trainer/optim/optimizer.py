@@ -35,7 +35,10 @@ def build_optimizer(model: nn.Module, config: OptimConfig) -> torch.optim.AdamW:
     ]
     on_cuda = any(p.is_cuda for p in decay + no_decay)
     return torch.optim.AdamW(
-        groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+        groups,
+        lr=config.lr,
+        betas=(config.adam_beta1, config.adam_beta2),
+        eps=config.adam_eps,
         fused=on_cuda or None,
     )
 

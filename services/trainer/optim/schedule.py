@@ -28,7 +28,7 @@ def _wsd_coeff(style: str, progress: float) -> float:
     if style == "cosine":
         return 0.5 * (1.0 + math.cos(math.pi * progress))
     if style == "exponential":
-        return 2.0 * 0.5 ** progress - 1.0
+        return 2.0 * 0.5**progress - 1.0
     return 1.0 - math.sqrt(progress)  # minus_sqrt
 
 
@@ -59,10 +59,14 @@ def lr_at(step: int, config: OptimConfig, train_iters: int) -> float:
     if style == "wsd":
         anneal = config.lr_wsd_decay_iters
         if anneal > decay_iters - warmup:
-            raise ConfigError(f"optim.lr_wsd_decay_iters={anneal} is longer than the decay after warmup "
-                              f"({decay_iters} - {warmup} steps)")
+            raise ConfigError(
+                f"optim.lr_wsd_decay_iters={anneal} is longer than the decay after warmup "
+                f"({decay_iters} - {warmup} steps)"
+            )
         start = decay_iters - anneal  # the stable phase ends here
-        coeff = 1.0 if step <= start else _wsd_coeff(config.lr_wsd_decay_style, (step - start) / anneal)
+        coeff = (
+            1.0 if step <= start else _wsd_coeff(config.lr_wsd_decay_style, (step - start) / anneal)
+        )
     else:
         progress = (step - warmup) / (decay_iters - warmup)
         coeff = 1.0 - progress if style == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))

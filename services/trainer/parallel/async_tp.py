@@ -62,7 +62,9 @@ class _LinearReduceScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
-        gathered, (dx,) = _ops().fused_all_gather_matmul(dy.contiguous(), [w], SEQ_DIM, ctx.group_name)
+        gathered, (dx,) = _ops().fused_all_gather_matmul(
+            dy.contiguous(), [w], SEQ_DIM, ctx.group_name
+        )
         dw = gathered.flatten(0, -2).t() @ x.flatten(0, -2)
         return dx, dw, None
 
@@ -74,8 +76,9 @@ def cast_for_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
     return x.to(dtype), w.to(dtype), None if b is None else b.to(dtype)
 
 
-def gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  group: dist.ProcessGroup) -> torch.Tensor:
+def gather_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup
+) -> torch.Tensor:
     """Column-parallel linear under sequence parallelism: (b, s/tp, in) -> (b, s, out/tp)."""
     x, w, b = cast_for_linear(x, weight, bias)
     with torch.autocast(x.device.type, enabled=False):
@@ -83,7 +86,9 @@ def gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return y + b if b is not None else y
 
 
-def linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def linear_reduce_scatter(
+    x: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup
+) -> torch.Tensor:
     """Row-parallel linear under sequence parallelism: (b, s, in/tp) -> (b, s/tp, out)."""
     x, w, _ = cast_for_linear(x, weight, None)
     with torch.autocast(x.device.type, enabled=False):

@@ -58,19 +58,29 @@ class ContextParallel:
 
     def __init__(self, mesh: Mesh, comm_type: str):
         if comm_type not in COMM_TYPES:
-            raise ConfigError(f"parallel.cp_comm_type must be one of {COMM_TYPES}, got {comm_type!r}")
+            raise ConfigError(
+                f"parallel.cp_comm_type must be one of {COMM_TYPES}, got {comm_type!r}"
+            )
         self.cp, self.cp_rank, self.comm_type = mesh.cp, mesh.cp_rank, comm_type
         self.group = mesh.group("cp")
         self.a2a_group, self.ring_group = mesh.group("cp_a2a"), mesh.group("cp_ring")
         a2a_ranks, ring_ranks = mesh.ranks["cp_a2a"], mesh.ranks["cp_ring"]
         self.a2a, self.a2a_rank = len(a2a_ranks), a2a_ranks.index(mesh.rank)
         self.ring, self.ring_rank = len(ring_ranks), ring_ranks.index(mesh.rank)
-        wants = {"p2p": "1", "a2a": f"cp={self.cp}", "a2a+p2p": "a size strictly between 1 and cp"}[comm_type]
-        fits = {"p2p": self.a2a == 1, "a2a": self.a2a == self.cp, "a2a+p2p": 1 < self.a2a < self.cp}[comm_type]
+        wants = {"p2p": "1", "a2a": f"cp={self.cp}", "a2a+p2p": "a size strictly between 1 and cp"}[
+            comm_type
+        ]
+        fits = {
+            "p2p": self.a2a == 1,
+            "a2a": self.a2a == self.cp,
+            "a2a+p2p": 1 < self.a2a < self.cp,
+        }[comm_type]
         if self.cp > 1 and not fits:
-            raise ConfigError(f"cp_comm_type={comm_type!r} needs a mesh whose context-parallel all-to-all spans "
-                              f"{wants} ranks; this one was built with {self.a2a} (Mesh.build(cp_a2a=...), or "
-                              "initialize_model_parallel(cp_comm_type=..., hierarchical_context_parallel_sizes=...))")
+            raise ConfigError(
+                f"cp_comm_type={comm_type!r} needs a mesh whose context-parallel all-to-all spans "
+                f"{wants} ranks; this one was built with {self.a2a} (Mesh.build(cp_a2a=...), or "
+                "initialize_model_parallel(cp_comm_type=..., hierarchical_context_parallel_sizes=...))"
+            )
         self.next = ring_ranks[(self.ring_rank + 1) % self.ring]
         self.prev = ring_ranks[(self.ring_rank - 1) % self.ring]
         self._positions: dict[tuple[int, str], torch.Tensor] = {}
@@ -85,14 +95,16 @@ class ContextParallel:
         return self._positions[key]
 
     @torch.compiler.disable  # a collective: outside compiled graphs
-    def loss_share(self, loss: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
+    def loss_share(
+        self, loss: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None
+    ) -> torch.Tensor:
         """This rank's share of the sample's mean loss, from the mean over its own tokens.
 
         loss (a mean over the local counted tokens) x local count / count over the cp group:
         the shares of the cp ranks add up to the mean over every token of the micro-batch
         (one all-reduce of a scalar, on the data: no gradient flows through it).
         """
-        local = (labels.numel() if loss_mask is None else loss_mask.sum(dtype=torch.float32))
+        local = labels.numel() if loss_mask is None else loss_mask.sum(dtype=torch.float32)
         local = torch.as_tensor(local, dtype=torch.float32, device=loss.device)
         total = M.all_reduce(local.clone(), self.group)
         return loss * (local / total.clamp(min=1.0))
@@ -112,7 +124,9 @@ def _seq_to_heads(x: torch.Tensor, group, a: int) -> torch.Tensor:
     rank's share of the heads, in position order (the front chunks by rank, then the back ones
     in reverse rank order, which is how their positions run)."""
     b, h, s, d = x.shape
-    send = x.reshape(b, a, h // a, s, d).transpose(0, 1).contiguous()  # (a, b, H/a, 2c, d) by destination
+    send = (
+        x.reshape(b, a, h // a, s, d).transpose(0, 1).contiguous()
+    )  # (a, b, H/a, 2c, d) by destination
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)  # recv[r]: rank r's two chunks, my heads
     c = s // 2
@@ -127,7 +141,7 @@ def _heads_to_seq(y: torch.Tensor, group, a: int) -> torch.Tensor:
     b, hl, s, d = y.shape
     c = s // (2 * a)
     front = y[:, :, : a * c].reshape(b, hl, a, c, d).permute(2, 0, 1, 3, 4)
-    back = y[:, :, a * c:].reshape(b, hl, a, c, d).permute(2, 0, 1, 3, 4).flip(0)
+    back = y[:, :, a * c :].reshape(b, hl, a, c, d).permute(2, 0, 1, 3, 4).flip(0)
     send = torch.stack([front, back], dim=3).reshape(a, b, hl, 2 * c, d).contiguous()
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)  # recv[r]: my chunks, rank r's heads
@@ -145,8 +159,16 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         g = g.contiguous()
-        return (_heads_to_seq(g, ctx.group, ctx.a) if ctx.to_heads else _seq_to_heads(g, ctx.group, ctx.a)), \
-            None, None, None
+        return (
+            (
+                _heads_to_seq(g, ctx.group, ctx.a)
+                if ctx.to_heads
+                else _seq_to_heads(g, ctx.group, ctx.a)
+            ),
+            None,
+            None,
+            None,
+        )
 
 
 # ------------------------------------------------------------------------------------ ring
@@ -154,8 +176,10 @@ def _exchange(send: torch.Tensor, cp: ContextParallel, tag: int) -> tuple[torch.
     """Start sending `send` to the next ring rank and receiving the previous one's into a new
     tensor; returns (that tensor, the requests to wait on)."""
     recv = torch.empty_like(send)
-    ops = [dist.P2POp(dist.isend, send, cp.next, cp.ring_group, tag),
-           dist.P2POp(dist.irecv, recv, cp.prev, cp.ring_group, tag)]
+    ops = [
+        dist.P2POp(dist.isend, send, cp.next, cp.ring_group, tag),
+        dist.P2POp(dist.irecv, recv, cp.prev, cp.ring_group, tag),
+    ]
     return recv, dist.batch_isend_irecv(ops)
 
 
@@ -192,7 +216,9 @@ class _RingAttention(torch.autograd.Function):
             if step < cp.ring - 1:
                 kv_next, reqs = _exchange(kv, cp, tag=0)
             qs, ks, causal = _block(cp, step, half)
-            o, l_ = blocks.attention_forward(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], causal, impl)
+            o, l_ = blocks.attention_forward(
+                q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], causal, impl
+            )
             blocks.merge(out[:, :, qs], lse[:, :, qs], o, l_)
             _wait(reqs)
             if reqs:
@@ -217,8 +243,16 @@ class _RingAttention(torch.autograd.Function):
             if step < cp.ring - 1:
                 kv_next, kv_reqs = _exchange(kv, cp, tag=0)
             qs, ks, causal = _block(cp, step, half)
-            gq, gk, gv = blocks.attention_backward(dout[:, :, qs], q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks],
-                                                   out[:, :, qs], lse[:, :, qs], causal, impl)
+            gq, gk, gv = blocks.attention_backward(
+                dout[:, :, qs],
+                q[:, :, qs],
+                kv[0][:, :, ks],
+                kv[1][:, :, ks],
+                out[:, :, qs],
+                lse[:, :, qs],
+                causal,
+                impl,
+            )
             dq[:, :, qs].add_(gq)
             if step == 0:  # this rank's own block: its accumulator starts here
                 dkv = torch.stack([gk, gv]).float()
@@ -247,8 +281,10 @@ class ContextAttention(CoreAttention):
     def __init__(self, core: CoreAttention, cp: ContextParallel):
         super().__init__(core.dropout, core.backend)
         if core.dropout:
-            raise ConfigError("context parallelism does not carry attention dropout across ranks: "
-                              "set model.attention_dropout=0")
+            raise ConfigError(
+                "context parallelism does not carry attention dropout across ranks: "
+                "set model.attention_dropout=0"
+            )
         self.cp = cp
         self.impl = "math" if core.backend == "math" else "auto"
 
@@ -269,7 +305,9 @@ class ContextAttention(CoreAttention):
         return out
 
 
-def parallelize_context(model: nn.Module, mesh: Mesh, comm_type: str = "p2p") -> ContextParallel | None:
+def parallelize_context(
+    model: nn.Module, mesh: Mesh, comm_type: str = "p2p"
+) -> ContextParallel | None:
     """Make `model` (a GPT, before recompute and tensor parallelism) context parallel over
     `mesh.cp`: its attention cores exchange keys and values, its positions and loss follow the
     layout. Returns the ContextParallel (None, and nothing changed, at cp=1).

@@ -51,7 +51,9 @@ class Bucket:
     ready: set[int] = field(default_factory=set)
     reduce_handle: object | None = None
     gather_handle: object | None = None
-    wire: tuple[torch.Tensor, torch.Tensor] | None = None  # (sent, received) in grad_reduce_dtype while in flight
+    wire: tuple[torch.Tensor, torch.Tensor] | None = (
+        None  # (sent, received) in grad_reduce_dtype while in flight
+    )
     group: dist.ProcessGroup | None = None  # reduced (ZeRO-1: sharded) over these ranks
     shards: int = 1  # ranks in `group`; numel is a multiple of it
     shard_rank: int = 0  # this rank's index in `group`: its ZeRO-1 slice
@@ -60,11 +62,11 @@ class Bucket:
     def slice_of(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's ZeRO-1 slice of a flat buffer of the bucket's size."""
         n = self.numel // self.shards
-        return flat[self.shard_rank * n: (self.shard_rank + 1) * n]
+        return flat[self.shard_rank * n : (self.shard_rank + 1) * n]
 
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         p = self.params[i]
-        return flat[self.offsets[i]: self.offsets[i] + p.numel()].view_as(p)
+        return flat[self.offsets[i] : self.offsets[i] + p.numel()].view_as(p)
 
 
 def forward_units(model: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
@@ -74,9 +76,14 @@ def forward_units(model: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]
     parameters: the embedding, each block, then the final norm, whose forward runs just before
     the head multiplies by the output weight (the embedding's, when tied).
     """
-    head = [q for m in (model.final_norm, model.output_layer) if m is not None for q in m.parameters()]
-    return ([(model.embedding, list(model.embedding.parameters()))]
-            + [(layer, list(layer.parameters())) for layer in model.layers] + [(model.final_norm, head)])
+    head = [
+        q for m in (model.final_norm, model.output_layer) if m is not None for q in m.parameters()
+    ]
+    return (
+        [(model.embedding, list(model.embedding.parameters()))]
+        + [(layer, list(layer.parameters())) for layer in model.layers]
+        + [(model.final_norm, head)]
+    )
 
 
 class DataParallel:
@@ -99,17 +106,29 @@ class DataParallel:
             mesh's "pp_ends" group before the data-parallel reduction, so both stay equal.
     """
 
-    def __init__(self, model: nn.Module, mesh: Mesh, optim: OptimConfig, *, distributed_optimizer: bool = False,
-                 overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
-                 bucket_size: int = 40_000_000,
-                 gather_units: list[tuple[nn.Module, list[nn.Parameter]]] | None = None,
-                 reduce_dtype: torch.dtype = torch.float32, tied: nn.Parameter | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        mesh: Mesh,
+        optim: OptimConfig,
+        *,
+        distributed_optimizer: bool = False,
+        overlap_grad_reduce: bool = False,
+        overlap_param_gather: bool = False,
+        bucket_size: int = 40_000_000,
+        gather_units: list[tuple[nn.Module, list[nn.Parameter]]] | None = None,
+        reduce_dtype: torch.dtype = torch.float32,
+        tied: nn.Parameter | None = None,
+    ):
         if reduce_dtype not in (torch.float32, torch.bfloat16):
             raise ConfigError(f"gradients are reduced in fp32 or bf16, not {reduce_dtype}")
         self.model, self.mesh, self.optim_config = model, mesh, optim
         self.reduce_dtype = reduce_dtype
         self.dist_opt = distributed_optimizer
-        self.overlap_grad, self.overlap_param = overlap_grad_reduce, overlap_param_gather and distributed_optimizer
+        self.overlap_grad, self.overlap_param = (
+            overlap_grad_reduce,
+            overlap_param_gather and distributed_optimizer,
+        )
         # Reduced (and, ZeRO-1, sharded) over dp x cp: context-parallel ranks hold the same
         # parameters and each a share of every sample's loss, so their gradients are summed;
         # the mean is over the data-parallel replicas only (`mean_over`).
@@ -125,15 +144,20 @@ class DataParallel:
         self.sync_enabled = True
         self.names = {p: n for n, p in model.named_parameters()}
         params = [p for p in model.parameters() if p.requires_grad]
-        odd = [n for n, p in model.named_parameters() if p.requires_grad and p.dtype != torch.float32]
+        odd = [
+            n for n, p in model.named_parameters() if p.requires_grad and p.dtype != torch.float32
+        ]
         if odd:  # the flat buffers are fp32: a bf16 parameter would be silently upcast or refused
-            raise ConfigError(f"data parallelism keeps fp32 parameters and gradients (bf16 comes from "
-                              f"autocast: train.bf16); {odd[0]} is {dict(model.named_parameters())[odd[0]].dtype}")
+            raise ConfigError(
+                f"data parallelism keeps fp32 parameters and gradients (bf16 comes from "
+                f"autocast: train.bf16); {odd[0]} is {dict(model.named_parameters())[odd[0]].dtype}"
+            )
         self.tied = tied if tied is not None and mesh.group("pp_ends") is not None else None
         ordered = [p for p in reversed(params) if p is not self.tied]  # backward order
         experts = [p for p in ordered if self._is_expert(p)]
-        self.buckets = (self._make_buckets([p for p in ordered if not self._is_expert(p)], bucket_size)
-                        + self._make_buckets(experts, bucket_size, expert=True))
+        self.buckets = self._make_buckets(
+            [p for p in ordered if not self._is_expert(p)], bucket_size
+        ) + self._make_buckets(experts, bucket_size, expert=True)
         first = {id(p): i for i, p in enumerate(ordered)}
         self.buckets.sort(key=lambda b: first[id(b.params[0])])  # backward order across both kinds
         if self.tied is not None:  # alone: launched only after the sum over the pipeline ends
@@ -150,7 +174,9 @@ class DataParallel:
         """An expert weight split over ep (with ep 1 experts are reduced as every other parameter)."""
         return self.mesh.ep > 1 and getattr(p, "expert_shard", None) is not None
 
-    def _make_buckets(self, params: list[nn.Parameter], bucket_size: int, expert: bool = False) -> list[Bucket]:
+    def _make_buckets(
+        self, params: list[nn.Parameter], bucket_size: int, expert: bool = False
+    ) -> list[Bucket]:
         runs, run, size = [], [], 0
         for p in params:
             run.append(p)
@@ -166,12 +192,23 @@ class DataParallel:
             for p in run:
                 offsets.append(off)
                 off += p.numel()
-            group, shards, rank = ((self.edp_group, self.edp, self.edp_rank) if expert
-                                   else (self.dp_group, self.dp, self.dp_rank))
+            group, shards, rank = (
+                (self.edp_group, self.edp, self.edp_rank)
+                if expert
+                else (self.dp_group, self.dp, self.dp_rank)
+            )
             numel = -(-off // shards) * shards
             device = run[0].device
-            b = Bucket(run, offsets, numel, torch.zeros(numel, dtype=torch.float32, device=device),
-                       group=group, shards=shards, shard_rank=rank, expert=expert)
+            b = Bucket(
+                run,
+                offsets,
+                numel,
+                torch.zeros(numel, dtype=torch.float32, device=device),
+                group=group,
+                shards=shards,
+                shard_rank=rank,
+                expert=expert,
+            )
             if self.dist_opt:
                 b.param_flat = torch.zeros(numel, dtype=run[0].dtype, device=device)
                 b.local_grad = torch.zeros(numel // shards, dtype=torch.float32, device=device)
@@ -211,18 +248,23 @@ class DataParallel:
                 f"gradient of {self.names[p]} accumulated after its bucket's reduction was launched: with "
                 "overlap_grad_reduce, run all but a step's last micro-batch under no_sync() (or iterate them "
                 "through DistributedDataParallel.accumulate()), and call finish_grad_sync() (optimizer.step()) "
-                "before the next backward")
+                "before the next backward"
+            )
         bucket.ready.add(i)
         if len(bucket.ready) == len(bucket.params) and bucket.reduce_handle is None:
             self._launch_reduce(bucket)
 
     def _launch_reduce(self, b: Bucket) -> None:
-        sp = [b.view(b.grad, i) for i, p in enumerate(b.params) if getattr(p, "sequence_parallel", False)]
+        sp = [
+            b.view(b.grad, i)
+            for i, p in enumerate(b.params)
+            if getattr(p, "sequence_parallel", False)
+        ]
         if sp and self.mesh.tp > 1:  # norms/biases saw only their seq shard: sum over tp first
             flat = M.all_reduce(torch.cat([g.flatten() for g in sp]), self.tp_group)
             off = 0
             for g in sp:
-                g.copy_(flat[off: off + g.numel()].view_as(g))
+                g.copy_(flat[off : off + g.numel()].view_as(g))
                 off += g.numel()
         if b.shards == 1:  # nothing to exchange (expert buckets with ep = dp x cp): only the mean
             if self.mean_over != 1:
@@ -230,7 +272,9 @@ class DataParallel:
             b.reduce_handle = True
             return
         send, recv = b.grad, (b.local_grad if self.dist_opt else b.grad)
-        if self.reduce_dtype != b.grad.dtype:  # a copy in the wire's dtype, alive until finish_grad_sync
+        if (
+            self.reduce_dtype != b.grad.dtype
+        ):  # a copy in the wire's dtype, alive until finish_grad_sync
             send = torch.empty(b.numel, dtype=self.reduce_dtype, device=b.grad.device)
             if self.dist_opt:
                 send.copy_(b.grad)
@@ -259,9 +303,13 @@ class DataParallel:
             if b.wire is not None:  # back from the wire's dtype into the fp32 buffers
                 (b.local_grad if self.dist_opt else b.grad).copy_(b.wire[1])
                 b.wire = None
-            if self.dist_opt and b.shards == 1:  # nothing was reduce-scattered: the slice is the whole
+            if (
+                self.dist_opt and b.shards == 1
+            ):  # nothing was reduce-scattered: the slice is the whole
                 b.local_grad.copy_(b.grad)
-            elif self.dist_opt:  # the mean over dp, taken on this rank's slice only (1/(dp·cp) of the bytes)
+            elif (
+                self.dist_opt
+            ):  # the mean over dp, taken on this rank's slice only (1/(dp·cp) of the bytes)
                 b.local_grad.div_(self.mean_over)
             b.reduce_handle = None
             b.ready.clear()
@@ -275,7 +323,9 @@ class DataParallel:
     # ---------------------------------------------------------------- ZeRO-1
     def _build_optimizer(self) -> torch.optim.AdamW:
         """AdamW over this rank's slices ("pieces") of every bucket, grouped by weight decay."""
-        self.pieces: list[tuple[nn.Parameter, nn.Parameter, int, int]] = []  # (piece, param, lo, hi) flat coords
+        self.pieces: list[
+            tuple[nn.Parameter, nn.Parameter, int, int]
+        ] = []  # (piece, param, lo, hi) flat coords
         decay, no_decay = [], []
         for b in self.buckets:
             n = b.numel // b.shards
@@ -285,14 +335,23 @@ class DataParallel:
                 if lo >= hi:
                     continue
                 piece = nn.Parameter(b.param_flat[lo:hi])  # shares storage with the model parameter
-                piece.grad = b.local_grad[lo - lo_r: hi - lo_r]
+                piece.grad = b.local_grad[lo - lo_r : hi - lo_r]
                 self.pieces.append((piece, p, lo - b.offsets[i], hi - b.offsets[i]))
-                (decay if is_decayed(self.names[p], p, self.optim_config) else no_decay).append(piece)
+                (decay if is_decayed(self.names[p], p, self.optim_config) else no_decay).append(
+                    piece
+                )
         c = self.optim_config
         on_cuda = any(pc.is_cuda for pc, *_ in self.pieces)
         return torch.optim.AdamW(
-            [{"params": decay, "weight_decay": c.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=c.lr, betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps, fused=on_cuda or None)
+            [
+                {"params": decay, "weight_decay": c.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=c.lr,
+            betas=(c.adam_beta1, c.adam_beta2),
+            eps=c.adam_eps,
+            fused=on_cuda or None,
+        )
 
     def gather_params(self) -> None:
         """After the optimizer step: all-gather every bucket's updated slices into full parameters.
@@ -308,8 +367,9 @@ class DataParallel:
         for b in reversed(self.buckets):
             if b.shards == 1:
                 continue
-            b.gather_handle = dist.all_gather_into_tensor(b.param_flat, b.slice_of(b.param_flat), group=b.group,
-                                                          async_op=self.overlap_param)
+            b.gather_handle = dist.all_gather_into_tensor(
+                b.param_flat, b.slice_of(b.param_flat), group=b.group, async_op=self.overlap_param
+            )
         if not self.overlap_param:
             for b in self.buckets:
                 b.gather_handle = None
@@ -325,27 +385,49 @@ class DataParallel:
         for module, params in units:
             own = [p for p in params if id(p) in self.bucket_of]
             if own:
-                needed = list({id(self.bucket_of[id(p)][0]): self.bucket_of[id(p)][0] for p in own}.values())
-                module.register_forward_pre_hook(lambda _m, _a, bs=needed: self.wait_param_gather(bs))
+                needed = list(
+                    {id(self.bucket_of[id(p)][0]): self.bucket_of[id(p)][0] for p in own}.values()
+                )
+                module.register_forward_pre_hook(
+                    lambda _m, _a, bs=needed: self.wait_param_gather(bs)
+                )
 
     # ---------------------------------------------------------------- norms
     def grad_norm_and_clip(self, max_norm: float) -> torch.Tensor:
         """Global L2 norm of the gradients the optimizer will apply; clips them when max_norm > 0."""
         # (gradient the optimizer applies, its parameter): a slice of it under ZeRO-1
-        grads = ([(piece.grad, p) for piece, p, _, _ in self.pieces] if self.dist_opt
-                 else [(p.grad, p) for b in self.buckets for p in b.params])
+        grads = (
+            [(piece.grad, p) for piece, p, _, _ in self.pieces]
+            if self.dist_opt
+            else [(p.grad, p) for b in self.buckets for p in b.params]
+        )
         # the last pipeline stage's copy of a tied embedding is counted once, on the first stage
-        items = [(g, tp_split_of(p) is not None, self._is_expert(p)) for g, p in grads
-                 if not getattr(p, "pipeline_copy", False)]
+        items = [
+            (g, tp_split_of(p) is not None, self._is_expert(p))
+            for g, p in grads
+            if not getattr(p, "pipeline_copy", False)
+        ]
         device = self.buckets[0].grad.device
         # [tp-sharded, tp-replicated] x [dense, expert] sums of squares; one multi-tensor norm per
         # kind (a few kernels, not a few per parameter: the step's tail is host-bound enough as it is).
-        sq = torch.stack([
-            torch.stack(torch._foreach_norm(gs)).square().sum() if gs else torch.zeros((), device=device)
-            for gs in ([g for g, sh, ex in items if sh == sharded and ex == expert]
-                       for expert in (False, True) for sharded in (True, False))])
-        if self.dist_opt:  # ZeRO-1 slices: dense ones over dp x cp, expert ones over edp and each ep rank's
-            M.all_reduce(sq, self.dp_group)  # own experts: the dp x cp group covers both exactly once
+        sq = torch.stack(
+            [
+                torch.stack(torch._foreach_norm(gs)).square().sum()
+                if gs
+                else torch.zeros((), device=device)
+                for gs in (
+                    [g for g, sh, ex in items if sh == sharded and ex == expert]
+                    for expert in (False, True)
+                    for sharded in (True, False)
+                )
+            ]
+        )
+        if (
+            self.dist_opt
+        ):  # ZeRO-1 slices: dense ones over dp x cp, expert ones over edp and each ep rank's
+            M.all_reduce(
+                sq, self.dp_group
+            )  # own experts: the dp x cp group covers both exactly once
         elif self.mesh.ep > 1:  # whole gradients, replicated over edp: each ep rank's experts once
             sq[2:] = M.all_reduce(sq[2:].clone(), self.mesh.group("ep"))
         total = M.all_reduce((sq[0] + sq[2]).view(1), self.tp_group)[0] + sq[1] + sq[3]
@@ -375,7 +457,7 @@ class DataParallel:
                         st = self.optimizer.state.get(piece)
                         if st:
                             start = b.offsets[i] + lo - lo_r
-                            local[start: start + (hi - lo)] = st[key]
+                            local[start : start + (hi - lo)] = st[key]
                 full = M.all_gather(local, 0, b.group)
                 for i, p in enumerate(b.params):
                     out.setdefault(self.names[p], {})[key] = b.view(full, i).clone()
@@ -392,5 +474,7 @@ class DataParallel:
             }
 
     def optimizer_step_count(self) -> int:
-        steps = {int(st["step"]) for st in self.optimizer.state.values()} if self.optimizer else set()
+        steps = (
+            {int(st["step"]) for st in self.optimizer.state.values()} if self.optimizer else set()
+        )
         return steps.pop() if steps else 0

@@ -96,16 +96,34 @@ class DistributedDataParallel(nn.Module):
         reduce_dtype: what the reduction sends: torch.float32, or torch.bfloat16 (half the bytes).
     """
 
-    def __init__(self, module: nn.Module, mesh: Mesh, optim: OptimConfig, *, distributed_optimizer: bool = False,
-                 overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
-                 bucket_size: int = 40_000_000, reduce_dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        module: nn.Module,
+        mesh: Mesh,
+        optim: OptimConfig,
+        *,
+        distributed_optimizer: bool = False,
+        overlap_grad_reduce: bool = False,
+        overlap_param_gather: bool = False,
+        bucket_size: int = 40_000_000,
+        reduce_dtype: torch.dtype = torch.float32,
+    ):
         super().__init__()
         self.module, self.mesh = module, mesh
-        self.ddp = DataParallel(module, mesh, optim, distributed_optimizer=distributed_optimizer,
-                                overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
-                                bucket_size=bucket_size, reduce_dtype=reduce_dtype,
-                                gather_units=forward_units(module) if isinstance(module, GPT) else None)
-        inner = self.ddp.optimizer if self.ddp.optimizer is not None else build_optimizer(module, optim)
+        self.ddp = DataParallel(
+            module,
+            mesh,
+            optim,
+            distributed_optimizer=distributed_optimizer,
+            overlap_grad_reduce=overlap_grad_reduce,
+            overlap_param_gather=overlap_param_gather,
+            bucket_size=bucket_size,
+            reduce_dtype=reduce_dtype,
+            gather_units=forward_units(module) if isinstance(module, GPT) else None,
+        )
+        inner = (
+            self.ddp.optimizer if self.ddp.optimizer is not None else build_optimizer(module, optim)
+        )
         self.optimizer = DistributedOptimizer(self.ddp, inner, optim.clip_grad)
 
     def forward(self, *args, **kwargs):

@@ -39,8 +39,9 @@ from meshtrain.services.trainer.parallel.mesh import Mesh
 from meshtrain.services.trainer.parallel.tensor import reshard_param, set_moe_shares
 
 
-def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
-                group: dist.ProcessGroup) -> torch.Tensor:
+def _all_to_all(
+    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup
+) -> torch.Tensor:
     """Rows of `x` (in_splits[r] for rank r, in rank order) exchanged; out_splits[r] arrive from rank r."""
     x = x.contiguous()
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
@@ -62,8 +63,9 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(grad, in_splits, out_splits, ctx.group), None, None, None
 
 
-def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
-               group: dist.ProcessGroup) -> torch.Tensor:
+def all_to_all(
+    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup
+) -> torch.Tensor:
     """Differentiable all-to-all of rows: send in_splits[r] rows to rank r, receive out_splits[r] from it."""
     return _AllToAll.apply(x, out_splits, in_splits, group)
 
@@ -84,7 +86,9 @@ def expert_major_order(recv_counts: torch.Tensor, total: int) -> torch.Tensor:
     by_expert = recv_counts.t().flatten()  # block (l, s) at l*ep + s, in expert-major order
     start_source = torch.cumsum(by_source, 0) - by_source
     start_expert = torch.cumsum(by_expert, 0) - by_expert
-    block = torch.repeat_interleave(torch.arange(ep * n, device=dev), by_expert, output_size=total)  # (total,)
+    block = torch.repeat_interleave(
+        torch.arange(ep * n, device=dev), by_expert, output_size=total
+    )  # (total,)
     expert, source = block // ep, block % ep
     return torch.arange(total, device=dev) - start_expert[block] + start_source[source * n + expert]
 
@@ -102,7 +106,9 @@ class AllToAllDispatcher:
         self.group, self.ep, self.num_local = group, ep, num_experts // ep
         self._pending: tuple[list[int], list[int], torch.Tensor] | None = None
 
-    def dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def dispatch(
+        self, rows: torch.Tensor, counts: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """rows (n, hidden) in global expert order, counts (experts,) -> (rows, counts) of the local experts.
 
         Returns:
@@ -112,8 +118,10 @@ class AllToAllDispatcher:
         send = counts.view(self.ep, self.num_local).contiguous()  # (dest rank, its local expert)
         recv = torch.empty_like(send)  # (source rank, local expert)
         dist.all_to_all_single(recv, send, group=self.group)
-        splits = torch.cat([send.sum(1), recv.sum(1)]).tolist()  # the one host sync: the split sizes
-        send_splits, recv_splits = splits[: self.ep], splits[self.ep:]
+        splits = torch.cat(
+            [send.sum(1), recv.sum(1)]
+        ).tolist()  # the one host sync: the split sizes
+        send_splits, recv_splits = splits[: self.ep], splits[self.ep :]
         got = all_to_all(rows, recv_splits, send_splits, self.group)  # (m, hidden), source-major
         order = expert_major_order(recv, sum(recv_splits))
         self._pending = (send_splits, recv_splits, order)
@@ -138,7 +146,9 @@ def _local_experts(moe: MoE, ep_rank: int, ep: int) -> GroupedExperts:
     for name in ("fc1", "fc2"):
         old = getattr(full, name).weight
         # (experts, ...) -> (n, ...); a tensor-parallel split (dims 1 and 2) is kept
-        getattr(local, name).weight = reshard_param(old, old[first: first + n], expert_shard=(first, moe.num_experts))
+        getattr(local, name).weight = reshard_param(
+            old, old[first : first + n], expert_shard=(first, moe.num_experts)
+        )
     return local.to(full.fc1.weight.device)
 
 
@@ -161,19 +171,27 @@ def parallelize_experts(model: nn.Module, mesh: Mesh) -> nn.Module:
     layers = moe_layers(model)
     if not layers:
         if mesh.ep > 1:
-            raise ConfigError(f"parallel.ep={mesh.ep} splits experts, but the model has no MoE blocks "
-                              "(model.num_experts unset)")
+            raise ConfigError(
+                f"parallel.ep={mesh.ep} splits experts, but the model has no MoE blocks "
+                "(model.num_experts unset)"
+            )
         return model
     cfg = layers[0][1].config
     if cfg.num_experts % mesh.ep:
         raise ConfigError(f"parallel.ep={mesh.ep} must divide model.num_experts={cfg.num_experts}")
     if mesh.cp > 1 and cfg.moe_expert_capacity_factor is not None:
-        raise ConfigError(f"model.moe_expert_capacity_factor counts capacity per sequence, and under context "
-                          f"parallelism (parallel.cp={mesh.cp}) a rank holds only part of each: unset it "
-                          "(dropless) or train with cp=1")
+        raise ConfigError(
+            f"model.moe_expert_capacity_factor counts capacity per sequence, and under context "
+            f"parallelism (parallel.cp={mesh.cp}) a rank holds only part of each: unset it "
+            "(dropless) or train with cp=1"
+        )
     for name, moe in layers:
-        if moe.experts.num_local != moe.num_experts or not isinstance(moe.dispatcher, LocalDispatcher):
-            raise ConfigError(f"{name}: its experts are split over ep already (parallelize_experts ran twice)")
+        if moe.experts.num_local != moe.num_experts or not isinstance(
+            moe.dispatcher, LocalDispatcher
+        ):
+            raise ConfigError(
+                f"{name}: its experts are split over ep already (parallelize_experts ran twice)"
+            )
         if mesh.ep > 1:
             moe.experts = _local_experts(moe, mesh.ep_rank, mesh.ep)
             moe.dispatcher = AllToAllDispatcher(mesh.group("ep"), mesh.ep, moe.num_experts)

@@ -114,7 +114,11 @@ def _region(name: str, forward, backward) -> type[torch.autograd.Function]:
     def bwd(ctx, grad):
         return backward(grad, ctx.dim, ctx.group), None, None
 
-    return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
+    return type(
+        name,
+        (torch.autograd.Function,),
+        {"forward": staticmethod(fwd), "backward": staticmethod(bwd)},
+    )
 
 
 def _identity(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:

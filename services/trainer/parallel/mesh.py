@@ -37,9 +37,17 @@ AXES = ("tp", "cp", "dp", "pp")
 def env_rank_world() -> tuple[int, int, int]:
     """(rank, world_size, local_rank) from torchrun's or Slurm's environment; (0, 1, 0) when alone."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+        return (
+            int(os.environ["RANK"]),
+            int(os.environ["WORLD_SIZE"]),
+            int(os.environ.get("LOCAL_RANK", 0)),
+        )
     if "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ:
-        return int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"]), int(os.environ.get("SLURM_LOCALID", 0))
+        return (
+            int(os.environ["SLURM_PROCID"]),
+            int(os.environ["SLURM_NTASKS"]),
+            int(os.environ.get("SLURM_LOCALID", 0)),
+        )
     return 0, 1, 0
 
 
@@ -62,12 +70,17 @@ def init_process_group(backend: str | None = None, timeout_s: float = TIMEOUT_S)
         return
     missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
     if missing:  # torch's env:// rendezvous would raise a ValueError with a traceback
-        source = ("RANK/WORLD_SIZE" if "RANK" in os.environ and "WORLD_SIZE" in os.environ
-                  else "SLURM_PROCID/SLURM_NTASKS")
-        raise ConfigError(f"rank {rank} of {world} (from {source}) needs {' and '.join(missing)} in its "
-                          "environment to reach rank 0: under srun, export MASTER_ADDR (rank 0's host) and "
-                          "MASTER_PORT (a free port there) first; or launch with torchrun or "
-                          "`meshtrain train --nproc-per-node N`")
+        source = (
+            "RANK/WORLD_SIZE"
+            if "RANK" in os.environ and "WORLD_SIZE" in os.environ
+            else "SLURM_PROCID/SLURM_NTASKS"
+        )
+        raise ConfigError(
+            f"rank {rank} of {world} (from {source}) needs {' and '.join(missing)} in its "
+            "environment to reach rank 0: under srun, export MASTER_ADDR (rank 0's host) and "
+            "MASTER_PORT (a free port there) first; or launch with torchrun or "
+            "`meshtrain train --nproc-per-node N`"
+        )
     os.environ.setdefault("RANK", str(rank))
     os.environ.setdefault("WORLD_SIZE", str(world))
     os.environ.setdefault("LOCAL_RANK", str(local_rank))
@@ -142,11 +155,23 @@ class Mesh:
     @staticmethod
     def single() -> "Mesh":
         """The trivial mesh of one process (no groups; collectives become no-ops)."""
-        return Mesh(ranks={name: [0] for name in (*AXES, "dp_cp", "mp", "world", "cp_a2a", "cp_ring", "ep", "edp")})
+        return Mesh(
+            ranks={
+                name: [0]
+                for name in (*AXES, "dp_cp", "mp", "world", "cp_a2a", "cp_ring", "ep", "edp")
+            }
+        )
 
     @staticmethod
-    def build(tp: int = 1, dp: int | None = None, pp: int = 1, cp: int = 1, ep: int = 1,
-              timeout_s: float = TIMEOUT_S, cp_a2a: int = 1) -> "Mesh":
+    def build(
+        tp: int = 1,
+        dp: int | None = None,
+        pp: int = 1,
+        cp: int = 1,
+        ep: int = 1,
+        timeout_s: float = TIMEOUT_S,
+        cp_a2a: int = 1,
+    ) -> "Mesh":
         """Create every group for the current process group (collective: all ranks call it).
 
         Args:
@@ -167,17 +192,30 @@ class Mesh:
         if tp * cp * dp * pp != world:
             raise ConfigError(f"tp*cp*dp*pp = {tp}*{cp}*{dp}*{pp} != world size {world}")
         if cp % cp_a2a:
-            raise ConfigError(f"the context-parallel all-to-all size {cp_a2a} must divide parallel.cp={cp}")
+            raise ConfigError(
+                f"the context-parallel all-to-all size {cp_a2a} must divide parallel.cp={cp}"
+            )
         if (dp * cp) % ep:
             raise ConfigError(f"parallel.ep={ep} must divide dp*cp = {dp * cp}")
         mesh = Mesh(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, rank=rank)
-        combos = {"tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",), "dp_cp": ("cp", "dp"),
-                  "mp": ("tp", "pp"), "world": AXES}
+        combos = {
+            "tp": ("tp",),
+            "cp": ("cp",),
+            "dp": ("dp",),
+            "pp": ("pp",),
+            "dp_cp": ("cp", "dp"),
+            "mp": ("tp", "pp"),
+            "world": AXES,
+        }
         for name, axes in combos.items():
             members = mesh._members(axes)
             mesh.ranks[name] = next(m for m in members if rank in m)
             for m in members:  # new_group is collective: every rank creates every group
-                g = dist.new_group(m, timeout=datetime.timedelta(seconds=timeout_s)) if world > 1 else None
+                g = (
+                    dist.new_group(m, timeout=datetime.timedelta(seconds=timeout_s))
+                    if world > 1
+                    else None
+                )
                 if rank in m:
                     mesh.groups[name] = g
         mesh._build_cp_subgroups(cp_a2a, timeout_s)
@@ -191,7 +229,7 @@ class Mesh:
         return mesh
 
     def _build_cp_subgroups(self, a2a: int, timeout_s: float) -> None:
-        """"cp_a2a" (consecutive cp ranks) and "cp_ring" (every a2a-th): the whole cp group or
+        """ "cp_a2a" (consecutive cp ranks) and "cp_ring" (every a2a-th): the whole cp group or
         this rank alone when the other is; new groups only for a hierarchical split."""
         cp_ranks, alone = self.ranks["cp"], [self.rank]
         ring = self.cp // a2a
@@ -200,17 +238,31 @@ class Mesh:
             self.ranks[whole], self.groups[whole] = cp_ranks, self.groups.get("cp")
             self.ranks[single], self.groups[single] = alone, None
             return
-        for name, members in (("cp_a2a", [[m[g * a2a + i] for i in range(a2a)] for m in self._members(("cp",))
-                                          for g in range(ring)]),
-                              ("cp_ring", [[m[g * a2a + i] for g in range(ring)] for m in self._members(("cp",))
-                                           for i in range(a2a)])):
+        for name, members in (
+            (
+                "cp_a2a",
+                [
+                    [m[g * a2a + i] for i in range(a2a)]
+                    for m in self._members(("cp",))
+                    for g in range(ring)
+                ],
+            ),
+            (
+                "cp_ring",
+                [
+                    [m[g * a2a + i] for g in range(ring)]
+                    for m in self._members(("cp",))
+                    for i in range(a2a)
+                ],
+            ),
+        ):
             for m in members:
                 g = dist.new_group(m, timeout=datetime.timedelta(seconds=timeout_s))
                 if self.rank in m:
                     self.groups[name], self.ranks[name] = g, m
 
     def _build_expert_groups(self, timeout_s: float) -> None:
-        """"ep" (ep consecutive ranks of a dp x cp group, cp fastest: the ranks that split the
+        """ "ep" (ep consecutive ranks of a dp x cp group, cp fastest: the ranks that split the
         experts) and "edp" (every ep-th: the ranks holding the same experts, over which expert
         gradients are reduced); with ep 1 they are this rank alone and the dp x cp group."""
         if self.ep == 1:
@@ -218,22 +270,38 @@ class Mesh:
             self.ranks["edp"], self.groups["edp"] = self.ranks["dp_cp"], self.groups.get("dp_cp")
             return
         n = self.dp * self.cp
-        for name, pick in (("ep", lambda m: [[m[g * self.ep + i] for i in range(self.ep)]
-                                             for g in range(n // self.ep)]),
-                           ("edp", lambda m: [[m[g * self.ep + i] for g in range(n // self.ep)]
-                                              for i in range(self.ep)])):
+        for name, pick in (
+            (
+                "ep",
+                lambda m: [
+                    [m[g * self.ep + i] for i in range(self.ep)] for g in range(n // self.ep)
+                ],
+            ),
+            (
+                "edp",
+                lambda m: [
+                    [m[g * self.ep + i] for g in range(n // self.ep)] for i in range(self.ep)
+                ],
+            ),
+        ):
             for members in self._members(("cp", "dp")):
                 for m in pick(members):
                     g = dist.new_group(m, timeout=datetime.timedelta(seconds=timeout_s))
                     if self.rank in m:
                         self.groups[name], self.ranks[name] = g, m
 
-    def host_group(self, axis: str, timeout_s: float = TIMEOUT_S) -> tuple[dist.ProcessGroup, list[int]]:
+    def host_group(
+        self, axis: str, timeout_s: float = TIMEOUT_S
+    ) -> tuple[dist.ProcessGroup, list[int]]:
         """A gloo group (host tensors, whatever the backend) of this rank's `axis` group, and its
         ranks. Collective: every rank calls it, and every such group of the axis is made."""
         mine = None
-        for members in self._members((axis,)):  # new_group is collective: every rank makes every group
-            group = dist.new_group(members, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        for members in self._members(
+            (axis,)
+        ):  # new_group is collective: every rank makes every group
+            group = dist.new_group(
+                members, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)
+            )
             if self.rank in members:
                 mine = (group, members)
         return mine
@@ -273,10 +341,14 @@ class Mesh:
         return groups
 
 
-def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
-                              context_parallel_size: int = 1, expert_model_parallel_size: int = 1,
-                              cp_comm_type: str = "p2p",
-                              hierarchical_context_parallel_sizes: list[int] | None = None) -> Mesh:
+def initialize_model_parallel(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    context_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    cp_comm_type: str = "p2p",
+    hierarchical_context_parallel_sizes: list[int] | None = None,
+) -> Mesh:
     """Megatron-style entry point: init the process group from the environment, return the Mesh.
 
     `cp_comm_type` ('p2p', 'a2a', 'a2a+p2p' with `hierarchical_context_parallel_sizes` =
@@ -290,12 +362,18 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     if cp_comm_type == "a2a+p2p":
         sizes = hierarchical_context_parallel_sizes
         if not sizes or len(sizes) != 2 or sizes[0] * sizes[1] != context_parallel_size:
-            raise ConfigError(f"cp_comm_type='a2a+p2p' needs hierarchical_context_parallel_sizes = [all-to-all size, "
-                              f"ring size] multiplying to context_parallel_size={context_parallel_size}, got {sizes}")
+            raise ConfigError(
+                f"cp_comm_type='a2a+p2p' needs hierarchical_context_parallel_sizes = [all-to-all size, "
+                f"ring size] multiplying to context_parallel_size={context_parallel_size}, got {sizes}"
+            )
         a2a = sizes[0]
     else:
         a2a = context_parallel_size if cp_comm_type == "a2a" else 1
     init_process_group()
-    return Mesh.build(tp=tensor_model_parallel_size, pp=pipeline_model_parallel_size,
-                      cp=context_parallel_size, ep=expert_model_parallel_size, cp_a2a=a2a)
-
+    return Mesh.build(
+        tp=tensor_model_parallel_size,
+        pp=pipeline_model_parallel_size,
+        cp=context_parallel_size,
+        ep=expert_model_parallel_size,
+        cp_a2a=a2a,
+    )

@@ -54,19 +54,28 @@ class TPSplit:
     def shard(self, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
         """This rank's part of the full tensor."""
         if self.halves:
-            return torch.cat([h.chunk(size, self.dim)[rank] for h in full.chunk(2, self.dim)], self.dim)
+            return torch.cat(
+                [h.chunk(size, self.dim)[rank] for h in full.chunk(2, self.dim)], self.dim
+            )
         return full.chunk(size, self.dim)[rank]
 
     def unshard(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """The full tensor from every rank's part, in rank order."""
         if self.halves:
             halves = [p.chunk(2, self.dim) for p in parts]
-            return torch.cat([torch.cat([h[0] for h in halves], self.dim),
-                              torch.cat([h[1] for h in halves], self.dim)], self.dim)
+            return torch.cat(
+                [
+                    torch.cat([h[0] for h in halves], self.dim),
+                    torch.cat([h[1] for h in halves], self.dim),
+                ],
+                self.dim,
+            )
         return torch.cat(parts, self.dim)
 
 
-def _param(t: torch.Tensor, split: TPSplit | None = None, sequence_parallel: bool = False) -> nn.Parameter:
+def _param(
+    t: torch.Tensor, split: TPSplit | None = None, sequence_parallel: bool = False
+) -> nn.Parameter:
     p = nn.Parameter(t.detach().clone().contiguous())
     p.tp_split = split  # type: ignore[attr-defined]
     p.sequence_parallel = sequence_parallel  # type: ignore[attr-defined]
@@ -120,17 +129,34 @@ class _ColumnLinearAsyncGrad(torch.autograd.Function):
 class ColumnParallelLinear(nn.Module):
     """y = x W_r^T + b_r: output features split over tp; input replicated (or seq-gathered)."""
 
-    def __init__(self, full: nn.Linear, mesh: Mesh, sequence_parallel: bool, halves: bool = False,
-                 overlap: bool = False, async_grad: bool = False, in_region: bool = False):
+    def __init__(
+        self,
+        full: nn.Linear,
+        mesh: Mesh,
+        sequence_parallel: bool,
+        halves: bool = False,
+        overlap: bool = False,
+        async_grad: bool = False,
+        in_region: bool = False,
+    ):
         """`in_region`: inside a region that gathered the input already and reduces its gradient
         (a MoE block): no collective here."""
         super().__init__()
-        self.group, self.sp, self.overlap, self.async_grad = mesh.group("tp"), sequence_parallel, overlap, async_grad
+        self.group, self.sp, self.overlap, self.async_grad = (
+            mesh.group("tp"),
+            sequence_parallel,
+            overlap,
+            async_grad,
+        )
         self.in_region = in_region
         self.linear = F.linear  # a zero-bubble pipeline swaps in one that defers dW
         split = TPSplit(0, halves=halves)
         self.weight = _param(split.shard(full.weight, mesh.tp_rank, mesh.tp), split)
-        self.bias = _param(split.shard(full.bias, mesh.tp_rank, mesh.tp), split) if full.bias is not None else None
+        self.bias = (
+            _param(split.shard(full.bias, mesh.tp_rank, mesh.tp), split)
+            if full.bias is not None
+            else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (b, s/tp or s, in) -> (b, s, out/tp)."""
@@ -144,7 +170,9 @@ class ColumnParallelLinear(nn.Module):
                 return _ColumnLinearAsyncGrad.apply(x, w, b, self.group, self.sp)
         x = M.to_compute_dtype(x)  # gather (and reduce the gradient) in bf16 under autocast
         if self.sp and getattr(self.linear, "gathers_sequence", False):
-            return self.linear(x, self.weight, self.bias)  # an FP8 GEMM gathers the chunks itself, in FP8
+            return self.linear(
+                x, self.weight, self.bias
+            )  # an FP8 GEMM gathers the chunks itself, in FP8
         x = M.gather_from_sequence(x, self.group) if self.sp else M.copy_to_region(x, self.group)
         return self.linear(x, self.weight, self.bias)
 
@@ -152,8 +180,14 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """y = sum_r x_r W_r^T + b: input features split over tp; output reduced (or reduce-scattered)."""
 
-    def __init__(self, full: nn.Linear, mesh: Mesh, sequence_parallel: bool, overlap: bool = False,
-                 in_region: bool = False):
+    def __init__(
+        self,
+        full: nn.Linear,
+        mesh: Mesh,
+        sequence_parallel: bool,
+        overlap: bool = False,
+        in_region: bool = False,
+    ):
         """`in_region`: inside a region that reduces the output itself (a MoE block): the output
         is this rank's share, bias/tp included (the bias's gradient is then a share too)."""
         super().__init__()
@@ -163,7 +197,11 @@ class RowParallelLinear(nn.Module):
         split = TPSplit(1)
         self.weight = _param(split.shard(full.weight, mesh.tp_rank, mesh.tp), split)
         # The bias is added after the reduction, once: replicated (per seq shard under SP).
-        self.bias = (_param(full.bias, None, sequence_parallel or in_region) if full.bias is not None else None)
+        self.bias = (
+            _param(full.bias, None, sequence_parallel or in_region)
+            if full.bias is not None
+            else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (b, s, in/tp) -> (b, s/tp or s, out); `in_region`: (b, s, out), this rank's share."""
@@ -199,7 +237,9 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.group = mesh.group("tp")
         split = TPSplit(0, vocab=True)
-        self.weight = _param(split.shard(_padded_rows(full.weight, mesh.tp, multiple), mesh.tp_rank, mesh.tp), split)
+        self.weight = _param(
+            split.shard(_padded_rows(full.weight, mesh.tp, multiple), mesh.tp_rank, mesh.tp), split
+        )
         self.start = mesh.tp_rank * self.weight.shape[0]
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -225,8 +265,10 @@ class _VocabParallelCE(torch.autograd.Function):
     def forward(ctx, logits, labels, start, vocab_size, group):
         # logits: (n, V/tp) fp32, this rank's columns [start, start + V/tp)
         ignored = labels == IGNORE_INDEX
-        torch._assert_async(((labels >= 0) & (labels < vocab_size) | ignored).all(),
-                            "a label is outside the vocabulary (and not the ignore index -100)")
+        torch._assert_async(
+            ((labels >= 0) & (labels < vocab_size) | ignored).all(),
+            "a label is outside the vocabulary (and not the ignore index -100)",
+        )
         n, width = logits.shape
         cols = torch.arange(start, start + width, device=logits.device)
         logits = logits.masked_fill(cols >= vocab_size, float("-inf"))  # padding never counts
@@ -236,7 +278,9 @@ class _VocabParallelCE(torch.autograd.Function):
         local = labels - start
         mine = (local >= 0) & (local < width)
         picked = shifted.gather(1, local.clamp(0, width - 1).unsqueeze(1)).squeeze(1)
-        target = torch.where(mine, picked, torch.zeros_like(picked))  # where, not *: picked may be -inf
+        target = torch.where(
+            mine, picked, torch.zeros_like(picked)
+        )  # where, not *: picked may be -inf
         exp = shifted.exp()
         sum_exp = exp.sum(-1)
         both = torch.stack([target, sum_exp])
@@ -250,7 +294,13 @@ class _VocabParallelCE(torch.autograd.Function):
         softmax, local, mine, ignored = ctx.saved_tensors
         grad = softmax.clone()
         grad.scatter_add_(1, local.unsqueeze(1), -mine.to(grad.dtype).unsqueeze(1))
-        return grad * torch.where(ignored, torch.zeros_like(g), g).unsqueeze(-1), None, None, None, None
+        return (
+            grad * torch.where(ignored, torch.zeros_like(g), g).unsqueeze(-1),
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 class VocabParallelHead(nn.Module):
@@ -270,7 +320,9 @@ class VocabParallelHead(nn.Module):
     def loss(self, h, weight, labels, loss_mask):
         logits = self._local_logits(h, weight)
         start = self.rank * weight.shape[0]
-        losses = _VocabParallelCE.apply(logits.flatten(0, 1), labels.flatten(), start, self.vocab_size, self.group)
+        losses = _VocabParallelCE.apply(
+            logits.flatten(0, 1), labels.flatten(), start, self.vocab_size, self.group
+        )
         if loss_mask is None:
             return losses.mean()
         mask = loss_mask.flatten().to(losses.dtype)
@@ -281,9 +333,14 @@ class VocabParallelHead(nn.Module):
         return full[..., : self.vocab_size]
 
 
-def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False,
-                comm_overlap: bool = False, device: torch.device | None = None,
-                async_grad_reduce: bool = False) -> nn.Module:
+def parallelize(
+    model: nn.Module,
+    mesh: Mesh,
+    sequence_parallel: bool = False,
+    comm_overlap: bool = False,
+    device: torch.device | None = None,
+    async_grad_reduce: bool = False,
+) -> nn.Module:
     """Shard `model` (a GPT built with full weights) over mesh.tp, in place; returns it.
 
     Args:
@@ -306,8 +363,10 @@ def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False,
             length tp does not divide, or comm_overlap where it cannot run.
     """
     if mesh.cp > 1 and getattr(model, "context", None) is None:
-        raise ConfigError(f"the mesh has cp={mesh.cp}: make the model context parallel first "
-                          "(parallel.context.parallelize_context), or each cp rank attends only within its own tokens")
+        raise ConfigError(
+            f"the mesh has cp={mesh.cp}: make the model context parallel first "
+            "(parallel.context.parallelize_context), or each cp rank attends only within its own tokens"
+        )
     tp = mesh.tp
     cfg = model.config
     if comm_overlap:
@@ -324,17 +383,24 @@ def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False,
     check_moe_tensor_parallel(cfg, tp)
     with torch.no_grad():
         emb = model.embedding
-        emb.word_embeddings = VocabParallelEmbedding(emb.word_embeddings, mesh, cfg.make_vocab_size_divisible_by)
+        emb.word_embeddings = VocabParallelEmbedding(
+            emb.word_embeddings, mesh, cfg.make_vocab_size_divisible_by
+        )
         if model.output_layer is not None:
             out = model.output_layer
             split = TPSplit(0, vocab=True)
-            out.weight = _param(split.shard(_padded_rows(out.weight, tp, cfg.make_vocab_size_divisible_by),
-                                            mesh.tp_rank, tp), split)
+            out.weight = _param(
+                split.shard(
+                    _padded_rows(out.weight, tp, cfg.make_vocab_size_divisible_by), mesh.tp_rank, tp
+                ),
+                split,
+            )
         model.head = VocabParallelHead(cfg.vocab_size, mesh, sequence_parallel)
         for layer in model.layers:
             att = layer.attention
-            att.qkv = ColumnParallelLinear(att.qkv, mesh, sequence_parallel, overlap=comm_overlap,
-                                           async_grad=async_grad_reduce)
+            att.qkv = ColumnParallelLinear(
+                att.qkv, mesh, sequence_parallel, overlap=comm_overlap, async_grad=async_grad_reduce
+            )
             att.proj = RowParallelLinear(att.proj, mesh, sequence_parallel, overlap=comm_overlap)
             att.heads, att.groups = att.heads // tp, att.groups // tp
             for norm in (att.q_norm, att.k_norm):  # replicated, but each rank's heads give a share
@@ -343,15 +409,25 @@ def parallelize(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False,
             if isinstance(layer.mlp, MoE):
                 parallelize_moe(layer.mlp, mesh, sequence_parallel)
                 continue
-            layer.mlp.fc1 = ColumnParallelLinear(layer.mlp.fc1, mesh, sequence_parallel, halves=layer.mlp.swiglu,
-                                                 overlap=comm_overlap, async_grad=async_grad_reduce)
-            layer.mlp.fc2 = RowParallelLinear(layer.mlp.fc2, mesh, sequence_parallel, overlap=comm_overlap)
+            layer.mlp.fc1 = ColumnParallelLinear(
+                layer.mlp.fc1,
+                mesh,
+                sequence_parallel,
+                halves=layer.mlp.swiglu,
+                overlap=comm_overlap,
+                async_grad=async_grad_reduce,
+            )
+            layer.mlp.fc2 = RowParallelLinear(
+                layer.mlp.fc2, mesh, sequence_parallel, overlap=comm_overlap
+            )
         if sequence_parallel:
             for name, p in model.named_parameters():
                 if "norm" in name:
                     p.sequence_parallel = True  # type: ignore[attr-defined]
             group = mesh.group("tp")
-            model.embedding.register_forward_hook(lambda _m, _i, out: M.scatter_to_sequence(out, group))
+            model.embedding.register_forward_hook(
+                lambda _m, _i, out: M.scatter_to_sequence(out, group)
+            )
     return model
 
 
@@ -359,10 +435,14 @@ def check_moe_tensor_parallel(cfg, tp: int) -> None:
     """ConfigError unless tp divides each expert's and the shared expert's inner width."""
     if cfg.num_experts is None or tp == 1:
         return
-    for key, width in (("model.moe_ffn_hidden_size", cfg.moe_ffn_size),
-                       ("model.moe_shared_expert_intermediate_size", cfg.moe_shared_expert_intermediate_size)):
+    for key, width in (
+        ("model.moe_ffn_hidden_size", cfg.moe_ffn_size),
+        ("model.moe_shared_expert_intermediate_size", cfg.moe_shared_expert_intermediate_size),
+    ):
         if width is not None and width % tp:
-            raise ConfigError(f"parallel.tp={tp} (the expert tensor-parallel size) must divide {key}={width}")
+            raise ConfigError(
+                f"parallel.tp={tp} (the expert tensor-parallel size) must divide {key}={width}"
+            )
 
 
 def parallelize_moe(moe: MoE, mesh: Mesh, sequence_parallel: bool) -> None:
@@ -380,23 +460,37 @@ def parallelize_moe(moe: MoE, mesh: Mesh, sequence_parallel: bool) -> None:
         raise ConfigError("this MoE block is tensor parallel already (parallelize ran on it twice)")
     shard = (ex.first_expert, moe.num_experts)
     fc1, fc2 = TPSplit(1, halves=ex.swiglu), TPSplit(2)
-    ex.fc1.weight = reshard_param(ex.fc1.weight, fc1.shard(ex.fc1.weight, rank, tp), tp_split=fc1,
-                                  expert_shard=getattr(ex.fc1.weight, "expert_shard", shard))
-    ex.fc2.weight = reshard_param(ex.fc2.weight, fc2.shard(ex.fc2.weight, rank, tp), tp_split=fc2,
-                                  expert_shard=getattr(ex.fc2.weight, "expert_shard", shard))
+    ex.fc1.weight = reshard_param(
+        ex.fc1.weight,
+        fc1.shard(ex.fc1.weight, rank, tp),
+        tp_split=fc1,
+        expert_shard=getattr(ex.fc1.weight, "expert_shard", shard),
+    )
+    ex.fc2.weight = reshard_param(
+        ex.fc2.weight,
+        fc2.shard(ex.fc2.weight, rank, tp),
+        tp_split=fc2,
+        expert_shard=getattr(ex.fc2.weight, "expert_shard", shard),
+    )
     if moe.shared_expert is not None:
         se = moe.shared_expert
-        se.fc1 = ColumnParallelLinear(se.fc1, mesh, sequence_parallel, halves=se.swiglu, in_region=True)
+        se.fc1 = ColumnParallelLinear(
+            se.fc1, mesh, sequence_parallel, halves=se.swiglu, in_region=True
+        )
         se.fc2 = RowParallelLinear(se.fc2, mesh, sequence_parallel, in_region=True)
     # Replicated, but each rank's gradient is its share (the outputs they scale are partial).
     moe.router.weight.sequence_parallel = True  # type: ignore[attr-defined]
     if moe.shared_expert_gate is not None:
         moe.shared_expert_gate.weight.sequence_parallel = True  # type: ignore[attr-defined]
     if sequence_parallel:  # (b, s/tp, h) in and out; the block sees (b, s, h)
-        moe.register_forward_pre_hook(lambda _m, args: (M.gather_from_sequence(args[0], group), *args[1:]))
+        moe.register_forward_pre_hook(
+            lambda _m, args: (M.gather_from_sequence(args[0], group), *args[1:])
+        )
         moe.register_forward_hook(lambda _m, _args, y: M.reduce_scatter_to_sequence(y, group))
     else:
-        moe.register_forward_pre_hook(lambda _m, args: (M.copy_to_region(args[0], group), *args[1:]))
+        moe.register_forward_pre_hook(
+            lambda _m, args: (M.copy_to_region(args[0], group), *args[1:])
+        )
         moe.register_forward_hook(lambda _m, _args, y: M.reduce_from_region(y, group))
     moe.tp_region = tp  # type: ignore[attr-defined]
     set_moe_shares(moe, mesh)
@@ -426,7 +520,9 @@ def gather_tp(local: torch.Tensor, param: torch.Tensor, mesh: Mesh) -> torch.Ten
     split = tp_split_of(param)
     if split is None or mesh.tp == 1:
         return local
-    parts = M.all_gather(local.contiguous(), 0, mesh.group("tp")).chunk(mesh.tp, 0)  # each rank's shard
+    parts = M.all_gather(local.contiguous(), 0, mesh.group("tp")).chunk(
+        mesh.tp, 0
+    )  # each rank's shard
     return split.unshard(list(parts))
 
 

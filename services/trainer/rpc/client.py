@@ -57,11 +57,15 @@ def resolve_target(target: str) -> tuple[str, str | None]:
             ended = _ended_run(path)
             if ended:
                 raise ConfigError(ended)
-            raise ConfigError(f"{path} has no {ADDR_FILE}: is the run training with "
-                              "--train.control_port set (0: any free port)?")
+            raise ConfigError(
+                f"{path} has no {ADDR_FILE}: is the run training with "
+                "--train.control_port set (0: any free port)?"
+            )
         lines = addr_file.read_text().split()
         if not lines or not _is_address(lines[0]):
-            raise ConfigError(f"{addr_file} does not start with HOST:PORT (got {addr_file.read_text()[:80]!r})")
+            raise ConfigError(
+                f"{addr_file} does not start with HOST:PORT (got {addr_file.read_text()[:80]!r})"
+            )
         return lines[0], lines[1] if len(lines) > 1 else None
     if not _is_address(target):
         raise ConfigError(f"{target!r} is neither a run directory nor HOST:PORT")
@@ -83,12 +87,18 @@ def _ended_run(path: Path) -> str | None:
                 continue
             if isinstance(record, dict) and "step" in record and record.get("loss") is not None:
                 last = record
-        iters = tomllib.loads((path / "config.toml").read_text()).get("train", {}).get("train_iters")
+        iters = (
+            tomllib.loads((path / "config.toml").read_text()).get("train", {}).get("train_iters")
+        )
     except (OSError, ValueError):
         iters = None
     if last is None:
         return None
-    done = "has finished" if iters is not None and last["step"] >= iters else "has ended (no control endpoint)"
+    done = (
+        "has finished"
+        if iters is not None and last["step"] >= iters
+        else "has ended (no control endpoint)"
+    )
     return f"{path}: the run {done}: last step {last['step']}, loss {float(last['loss']):.4f}"
 
 
@@ -105,8 +115,13 @@ def run_security(target: str) -> ClientSecurity:
             auth = tomllib.loads(config.read_text()).get("auth") or {}
         except (OSError, ValueError) as e:
             raise ConfigError(f"cannot read the [auth] section of {config}: {e}") from None
-    return ClientSecurity.from_files(auth.get("token_file"), auth.get("tls_ca_file"), auth.get("tls_cert_file"),
-                                     auth.get("tls_key_file"), auth.get("tls_server_name"))
+    return ClientSecurity.from_files(
+        auth.get("token_file"),
+        auth.get("tls_ca_file"),
+        auth.get("tls_cert_file"),
+        auth.get("tls_key_file"),
+        auth.get("tls_server_name"),
+    )
 
 
 def resolve_address(target: str) -> str:
@@ -128,7 +143,9 @@ class ControlClient:
         security: bearer token and TLS (None: `run_security(target)`).
     """
 
-    def __init__(self, target: str, timeout_s: float = 10.0, security: ClientSecurity | None = None):
+    def __init__(
+        self, target: str, timeout_s: float = 10.0, security: ClientSecurity | None = None
+    ):
         self.address, token = resolve_target(target)
         self.metadata = ((RUN_TOKEN_KEY, token),) if token else None
         self.timeout_s = timeout_s
@@ -141,10 +158,15 @@ class ControlClient:
         first logged step), last_checkpoint (None before one), stop_/checkpoint_requested."""
         m = self._call(self.stub.Status, pb.StatusRequest())
         return {
-            "step": m.step, "train_iters": m.train_iters,
-            **{k: getattr(m, k) if m.HasField(k) else None for k in ("loss", "tokens_per_s", "eta_s")},
+            "step": m.step,
+            "train_iters": m.train_iters,
+            **{
+                k: getattr(m, k) if m.HasField(k) else None
+                for k in ("loss", "tokens_per_s", "eta_s")
+            },
             "last_checkpoint": m.last_checkpoint or None,
-            "stop_requested": m.stop_requested, "checkpoint_requested": m.checkpoint_requested,
+            "stop_requested": m.stop_requested,
+            "checkpoint_requested": m.checkpoint_requested,
         }
 
     def checkpoint(self) -> int:
@@ -159,7 +181,9 @@ class ControlClient:
         try:
             return method(request, timeout=self.timeout_s, metadata=self.metadata)
         except grpc.RpcError as e:
-            raise MeshtrainError(f"trainer control endpoint {self.address}: {e.code().name}: {e.details()}") from None
+            raise MeshtrainError(
+                f"trainer control endpoint {self.address}: {e.code().name}: {e.details()}"
+            ) from None
 
     def close(self) -> None:
         self.channel.close()

@@ -53,15 +53,22 @@ _gauges: dict[str, Gauge] = {}
 
 def _trainer_gauges(trainer) -> None:
     """Point the process's trainer gauges at `trainer.progress` (read at scrape time)."""
-    docs = {"step": "optimizer steps completed", "train_iters": "steps the run is configured for",
-            "loss": "training loss at the last logged step", "tokens_per_s": "training throughput",
-            "eta_s": "seconds left at the recent step time"}
+    docs = {
+        "step": "optimizer steps completed",
+        "train_iters": "steps the run is configured for",
+        "loss": "training loss at the last logged step",
+        "tokens_per_s": "training throughput",
+        "eta_s": "seconds left at the recent step time",
+    }
     for key, doc in docs.items():
         if key not in _gauges:  # the registry refuses a second gauge of the same name
             _gauges[key] = Gauge(f"meshtrain_trainer_{key}", doc)
         # NaN until the first logged step, so a dashboard shows a gap rather than a fake zero
-        _gauges[key].set_function(lambda k=key: float("nan") if trainer.progress.get(k) is None
-                                  else float(trainer.progress[k]))
+        _gauges[key].set_function(
+            lambda k=key: (
+                float("nan") if trainer.progress.get(k) is None else float(trainer.progress[k])
+            )
+        )
 
 
 @dataclass
@@ -83,8 +90,13 @@ class ControlEndpoint:
             (self.run_dir / name).unlink(missing_ok=True)
 
 
-def serve_control(trainer, port: int, host: str | None = None,
-                  metrics_port: int | None = None, auth: AuthConfig | None = None) -> ControlEndpoint:
+def serve_control(
+    trainer,
+    port: int,
+    host: str | None = None,
+    metrics_port: int | None = None,
+    auth: AuthConfig | None = None,
+) -> ControlEndpoint:
     """Start the control endpoint for `trainer` (rank 0 only).
 
     Args:
@@ -107,13 +119,27 @@ def serve_control(trainer, port: int, host: str | None = None,
     interceptors = [MetricsInterceptor("trainer", 4)] if metrics_port is not None else []
     auth = auth or AuthConfig()
     security = ServerSecurity.from_files(
-        auth.token_file, auth.tls_cert_file, auth.tls_key_file, auth.tls_client_ca_file, auth.insecure,
-        settings=(f"the control endpoint (train.control_host, ${HOST_ENV}) a token file (auth.token_file, or "
-                  f"${TOKEN_ENV}) or mutual TLS (auth.tls_cert_file, auth.tls_key_file, auth.tls_client_ca_file)",
-                  "auth.insecure=true"))
-    server, bound, _ = make_server([lambda s: pb_grpc.add_TrainerControlServicer_to_server(servicer, s)],
-                                   [SERVICE_NAME], port=port, host=host, max_workers=4,
-                                   interceptors=interceptors, security=security, scopes=SCOPES)
+        auth.token_file,
+        auth.tls_cert_file,
+        auth.tls_key_file,
+        auth.tls_client_ca_file,
+        auth.insecure,
+        settings=(
+            f"the control endpoint (train.control_host, ${HOST_ENV}) a token file (auth.token_file, or "
+            f"${TOKEN_ENV}) or mutual TLS (auth.tls_cert_file, auth.tls_key_file, auth.tls_client_ca_file)",
+            "auth.insecure=true",
+        ),
+    )
+    server, bound, _ = make_server(
+        [lambda s: pb_grpc.add_TrainerControlServicer_to_server(servicer, s)],
+        [SERVICE_NAME],
+        port=port,
+        host=host,
+        max_workers=4,
+        interceptors=interceptors,
+        security=security,
+        scopes=SCOPES,
+    )
     run_dir = Path(trainer.run_dir)
     endpoint = ControlEndpoint(f"{host}:{bound}", server, run_dir)
     if metrics_port is not None:  # first: a busy port must not leave a control.addr behind
@@ -122,12 +148,19 @@ def serve_control(trainer, port: int, host: str | None = None,
             endpoint._http, mport = start_metrics_server(metrics_port, host)
         except ConfigError as e:
             server.stop(0)
-            raise ConfigError(f"cannot serve trainer metrics on {host}:{metrics_port} "
-                              f"(--train.metrics_port / ${METRICS_PORT_ENV}): {e}") from None
+            raise ConfigError(
+                f"cannot serve trainer metrics on {host}:{metrics_port} "
+                f"(--train.metrics_port / ${METRICS_PORT_ENV}): {e}"
+            ) from None
         endpoint.metrics_address = f"{host}:{mport}"
         (run_dir / METRICS_ADDR_FILE).write_text(endpoint.metrics_address + "\n")
     # Written whatever the port: a supervisor or `meshtrain status RUN_DIR` finds it the same way.
     write_address_file(run_dir, endpoint.address, token)
-    log.info("control endpoint on %s%s", endpoint.address,
-             f", metrics on http://{endpoint.metrics_address}/metrics" if endpoint.metrics_address else "")
+    log.info(
+        "control endpoint on %s%s",
+        endpoint.address,
+        f", metrics on http://{endpoint.metrics_address}/metrics"
+        if endpoint.metrics_address
+        else "",
+    )
     return endpoint

@@ -18,11 +18,17 @@ from meshtrain.services.trainer.rpc.client import RUN_TOKEN_KEY
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TrainerControl"].full_name
 
 
-def status_message(progress: dict, stop_requested: bool, checkpoint_requested: bool) -> pb.StatusResponse:
+def status_message(
+    progress: dict, stop_requested: bool, checkpoint_requested: bool
+) -> pb.StatusResponse:
     """The Status reply for a trainer's `progress` dict (unset optional fields stay unset)."""
-    m = pb.StatusResponse(step=int(progress["step"]), train_iters=int(progress["train_iters"]),
-                          last_checkpoint=progress.get("last_checkpoint") or "",
-                          stop_requested=stop_requested, checkpoint_requested=checkpoint_requested)
+    m = pb.StatusResponse(
+        step=int(progress["step"]),
+        train_iters=int(progress["train_iters"]),
+        last_checkpoint=progress.get("last_checkpoint") or "",
+        stop_requested=stop_requested,
+        checkpoint_requested=checkpoint_requested,
+    )
     for key in ("loss", "tokens_per_s", "eta_s"):
         if progress.get(key) is not None:
             setattr(m, key, float(progress[key]))
@@ -60,10 +66,14 @@ class TrainerControlServicer(pb_grpc.TrainerControlServicer):
             return
         sent = dict(context.invocation_metadata() or ()).get(RUN_TOKEN_KEY)
         if sent is None:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          f"calls to this control endpoint must carry its run token ({RUN_TOKEN_KEY} metadata, from "
-                          f"the run directory's control.addr): give the run directory, not HOST:PORT")
+            context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"calls to this control endpoint must carry its run token ({RUN_TOKEN_KEY} metadata, from "
+                f"the run directory's control.addr): give the run directory, not HOST:PORT",
+            )
         if not hmac.compare_digest(sent.encode(), self.token.encode()):
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"this endpoint serves another run (run {self.trainer.run_dir}): the control.addr "
-                          "that named it is stale, left by a trainer that ended without removing it")
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this endpoint serves another run (run {self.trainer.run_dir}): the control.addr "
+                "that named it is stale, left by a trainer that ended without removing it",
+            )

@@ -114,5 +114,7 @@ def service(tmp_path):
     from tests.services.checkpoint.rpc_helpers import running_service
 
     root = str(tmp_path / "ckpt")
-    with running_service(root, commit_timeout=5, max_chunk_bytes=256, max_inflight_bytes=64 << 10) as (client, port):
+    with running_service(
+        root, commit_timeout=5, max_chunk_bytes=256, max_inflight_bytes=64 << 10
+    ) as (client, port):
         yield root, client, port

@@ -26,8 +26,13 @@ def boxes(step: int, writer_id: int) -> list[tuple[ShardSpec, torch.Tensor]]:
     """Writer w owns rows [w*ROWS/2, (w+1)*ROWS/2) of every layer (tensor parallel, tp=2)."""
     full, rows = expected(step), ROWS // NUM_WRITERS
     lo = writer_id * rows
-    return [(ShardSpec(ARRAY, full.shape, "bfloat16", (i, lo, 0), (1, rows, COLS)),
-             full[i:i + 1, lo:lo + rows]) for i in range(LAYERS)]
+    return [
+        (
+            ShardSpec(ARRAY, full.shape, "bfloat16", (i, lo, 0), (1, rows, COLS)),
+            full[i : i + 1, lo : lo + rows],
+        )
+        for i in range(LAYERS)
+    ]
 
 
 def run_writer(root: str, step: int, save_id: str, writer_id: int, commit_timeout: float) -> None:

@@ -27,9 +27,19 @@ def running_service(root: str, **server_options):
 
 def tp_boxes(full, writer, tp):
     rows = full.shape[1] // tp
-    return [(ShardSpec("layers.attention.qkv.weight", tuple(full.shape), "bfloat16",
-                       (i, writer * rows, 0), (1, rows, full.shape[2])),
-             full[i:i + 1, writer * rows:(writer + 1) * rows]) for i in range(full.shape[0])]
+    return [
+        (
+            ShardSpec(
+                "layers.attention.qkv.weight",
+                tuple(full.shape),
+                "bfloat16",
+                (i, writer * rows, 0),
+                (1, rows, full.shape[2]),
+            ),
+            full[i : i + 1, writer * rows : (writer + 1) * rows],
+        )
+        for i in range(full.shape[0])
+    ]
 
 
 def written_save(client, step: int) -> str:

@@ -53,12 +53,15 @@ class S3Server:
         """Starts the server and waits until its S3 port answers and the bucket exists."""
         # Open for the server's whole life, closed in stop().
         self.log = open(self.workdir / "weed.log", "wb")  # noqa: SIM115
-        self.process = subprocess.Popen(self.store.argv(), stdout=self.log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
+        self.process = subprocess.Popen(
+            self.store.argv(), stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         deadline = time.monotonic() + timeout
         while not http_answers(self.endpoint):
             if self.process.poll() is not None:
-                raise RuntimeError(f"weed exited with {self.process.returncode}; log: {self.workdir / 'weed.log'}")
+                raise RuntimeError(
+                    f"weed exited with {self.process.returncode}; log: {self.workdir / 'weed.log'}"
+                )
             if time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"weed S3 did not come up in {timeout} s")

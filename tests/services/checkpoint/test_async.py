@@ -15,8 +15,10 @@ from meshtrain.services.common.errors import CheckpointError
 
 def boxes_of(t, name="layers.mlp.fc1.weight"):
     """One box per layer of a stacked (layers, rows, cols) tensor."""
-    return [(ShardSpec(name, tuple(t.shape), "float32", (i, 0, 0), (1, *t.shape[1:])), t[i:i + 1])
-            for i in range(t.shape[0])]
+    return [
+        (ShardSpec(name, tuple(t.shape), "float32", (i, 0, 0), (1, *t.shape[1:])), t[i : i + 1])
+        for i in range(t.shape[0])
+    ]
 
 
 def test_snapshot_is_taken_before_save_returns(root):
@@ -85,11 +87,18 @@ def test_a_failed_prepare_leaves_the_save_to_allocate(root, caplog, monkeypatch)
 def test_two_async_writers_and_a_committer(root):
     full = torch.randn(2, 6, 3)
     save_id = begin_save(root, 4)
-    savers = [AsyncSaver(StorageSink(root), writer_id=w, num_writers=2, commit_timeout=20)
-              for w in range(2)]
+    savers = [
+        AsyncSaver(StorageSink(root), writer_id=w, num_writers=2, commit_timeout=20)
+        for w in range(2)
+    ]
     for w, saver in enumerate(savers):
-        boxes = [(ShardSpec("layers.w", (2, 6, 3), "float32", (i, 3 * w, 0), (1, 3, 3)),
-                  full[i:i + 1, 3 * w:3 * w + 3]) for i in range(2)]
+        boxes = [
+            (
+                ShardSpec("layers.w", (2, 6, 3), "float32", (i, 3 * w, 0), (1, 3, 3)),
+                full[i : i + 1, 3 * w : 3 * w + 3],
+            )
+            for i in range(2)
+        ]
         saver.save(4, save_id, boxes, committer=(w == 0), metadata={"w": 2})
     assert savers[1].wait() is None and savers[0].wait().num_arrays == 1
     assert torch.equal(read_box(root, 4, "layers.w", (0, 0, 0), (2, 6, 3)), full)
@@ -131,8 +140,11 @@ def test_failed_upload_is_retried(root):
 def test_failed_upload_is_raised_on_next_call_never_dropped(root):
     saver = AsyncSaver(FlakySink(root, failures=100), attempts=2, backoff=0.01)
     saver.save(1, begin_save(root, 1), boxes_of(torch.ones(2, 2, 2)), committer=True)
-    with pytest.raises(CheckpointError, match=r"storing box \(0, 0, 0\) of array "
-                       r"'layers.mlp.fc1.weight' \(step 1\) failed after 2 attempts"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"storing box \(0, 0, 0\) of array "
+        r"'layers.mlp.fc1.weight' \(step 1\) failed after 2 attempts",
+    ):
         saver.save(2, begin_save(root, 2), boxes_of(torch.ones(2, 2, 2)), committer=True)
     assert list_checkpoints(root) == []
     saver.close()
@@ -141,16 +153,23 @@ def test_failed_upload_is_raised_on_next_call_never_dropped(root):
 def test_tensor_that_does_not_match_its_box_is_rejected(root):
     saver = AsyncSaver(StorageSink(root))
     spec = ShardSpec("w", (4,), "float32", (0,), (4,))
-    with pytest.raises(CheckpointError, match=r"array 'w' \(float32\) got a tensor of shape \(3,\)"):
+    with pytest.raises(
+        CheckpointError, match=r"array 'w' \(float32\) got a tensor of shape \(3,\)"
+    ):
         saver.save(1, "id", [(spec, torch.ones(3))])
     with pytest.raises(CheckpointError, match="dtype torch.float16"):
         saver.save(1, "id", [(spec, torch.ones(4, dtype=torch.float16))])
     saver.close()
 
 
-@pytest.mark.parametrize("error", [NotADirectoryError(20, "Not a directory", "/ckpt/step_00000001"),
-                                   PermissionError(13, "Permission denied", "/ckpt"),
-                                   OSError(30, "Read-only file system", "/ckpt")])
+@pytest.mark.parametrize(
+    "error",
+    [
+        NotADirectoryError(20, "Not a directory", "/ckpt/step_00000001"),
+        PermissionError(13, "Permission denied", "/ckpt"),
+        OSError(30, "Read-only file system", "/ckpt"),
+    ],
+)
 def test_an_error_a_retry_cannot_fix_is_tried_attempts_times_not_for_the_retry_time(error):
     # save_retry_timeout_s (60 s by default) is there to wait out a restarting service or a
     # network outage. A checkpoint root that became a file, a read-only mount or a denied

@@ -41,7 +41,11 @@ def test_verify_delete_and_retention(tmp_path, capsys):
     code, out = run(capsys, "list", root)
     assert out.split() == ["2", "3"]
     code, out = run(capsys, "delete", root, "--collect-leftovers")  # only when asked
-    assert code == 0 and "removed uncommitted leftovers [9]" in out and not os.path.exists(f"{root}/step_00000009")
+    assert (
+        code == 0
+        and "removed uncommitted leftovers [9]" in out
+        and not os.path.exists(f"{root}/step_00000009")
+    )
     code, out = run(capsys, "delete", root)
     assert code == 2 and "give --step N" in out
 
@@ -53,7 +57,10 @@ def test_verify_takes_a_step_or_all_not_both(tmp_path, capsys):
         save_checkpoint(root, step, {"w": torch.ones(2)})
     with pytest.raises(SystemExit) as e:
         main(["ckpt", "verify", root, "--step", "2", "--all"])
-    assert e.value.code == 2 and "argument --all: not allowed with argument --step" in capsys.readouterr().err
+    assert (
+        e.value.code == 2
+        and "argument --all: not allowed with argument --step" in capsys.readouterr().err
+    )
 
 
 @pytest.mark.parametrize("keep_last", [[], ["--keep-last", 0]], ids=["absent", "zero"])
@@ -72,8 +79,22 @@ def test_serve_answers_and_stops_on_sigterm(tmp_path):
     root = str(tmp_path / "ckpt")
     save_checkpoint(root, 5, {"w": torch.ones(2)})
     proc = subprocess.Popen(
-        [sys.executable, "-m", "meshtrain.services.cli", "ckpt", "serve", root, "--port", "0", "--grace", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "meshtrain.services.cli",
+            "ckpt",
+            "serve",
+            root,
+            "--port",
+            "0",
+            "--grace",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         line = proc.stdout.readline()
         assert line.startswith("listening on 127.0.0.1:"), line
@@ -95,11 +116,18 @@ def test_storage_errors_are_named_not_tracebacks(tmp_path, capsys, s3_root, monk
     save_checkpoint(src, 3, {"layers.0.w": torch.ones(3)}, {})
     (tmp_path / "file").write_text("not a folder")
     code, out = run(capsys, "convert", src, tmp_path / "file")
-    assert code == 2 and f"ckpt convert {src} {tmp_path / 'file'}: storage failed: NotADirectoryError" in out, out
+    assert (
+        code == 2
+        and f"ckpt convert {src} {tmp_path / 'file'}: storage failed: NotADirectoryError" in out
+    ), out
     assert "Traceback" not in out and (tmp_path / "file").read_text() == "not a folder"
     assert run(capsys, "convert", src, s3_root)[0] == 0
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
-    for command in (["list", s3_root], ["verify", s3_root], ["convert", s3_root, tmp_path / "back"]):
+    for command in (
+        ["list", s3_root],
+        ["verify", s3_root],
+        ["convert", s3_root, tmp_path / "back"],
+    ):
         code, out = run(capsys, *command)
         assert code == 2 and f"ckpt {command[0]} {s3_root}" in out and "PermissionError" in out, out
 
@@ -116,20 +144,31 @@ def test_verify_reports_a_step_whose_manifest_is_damaged(tmp_path, capsys):
     manifest.write_bytes(manifest.read_bytes()[:50])
     code, out = run(capsys, "verify", root, "--all")
     assert code == 2 and "step 1: " in out and "step 3: " in out, out
-    assert "checkpoint step 2 under" in out and "manifest.json is incomplete or not JSON" in out, out
+    assert "checkpoint step 2 under" in out and "manifest.json is incomplete or not JSON" in out, (
+        out
+    )
     assert run(capsys, "verify", root)[0] == 0  # the latest, 3, is newer than the damage
     newest = tmp_path / "ckpt" / "step_00000003" / "manifest.json"
     newest.write_text(newest.read_text().replace('"format_version": ', '"format_version": 9'))
     code, out = run(capsys, "verify", root)
-    assert code == 2 and "step 1: " in out and "checkpoint step 3 under" in out and "format_version 9" in out, out
+    assert (
+        code == 2
+        and "step 1: " in out
+        and "checkpoint step 3 under" in out
+        and "format_version 9" in out
+    ), out
 
 
 @pytest.mark.parametrize("command", ["list", "inspect", "verify"])
-def test_no_checkpoint_is_an_error_that_tells_a_missing_path_from_an_empty_folder(tmp_path, capsys, command):
+def test_no_checkpoint_is_an_error_that_tells_a_missing_path_from_an_empty_folder(
+    tmp_path, capsys, command
+):
     code, out = run(capsys, command, tmp_path / "typo")
     assert code == 2 and "no such path" in out and len(out.strip().splitlines()) == 1
     code, out = run(capsys, command, tmp_path)
-    assert code == 2 and "no committed checkpoint under" in out and len(out.strip().splitlines()) == 1
+    assert (
+        code == 2 and "no committed checkpoint under" in out and len(out.strip().splitlines()) == 1
+    )
 
 
 def test_list_allow_empty_lists_nothing_for_a_root_without_checkpoints(tmp_path, capsys):

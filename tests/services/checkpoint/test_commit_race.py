@@ -51,7 +51,9 @@ def test_exclusive_create_has_one_winner(root):
     r = open_root(root)
     for attempt in range(5):
         path = join(r.path, f"race_{attempt}", "manifest.json")
-        won = _race(lambda i, path=path: write_bytes_exclusive(r, path, f"writer {i}".encode()), RACERS)
+        won = _race(
+            lambda i, path=path: write_bytes_exclusive(r, path, f"writer {i}".encode()), RACERS
+        )
         assert sum(w is True for w in won) == 1, won
         assert all(w is False for w in won if w is not True), won
         assert r.fs.cat_file(path) == f"writer {won.index(True)}".encode()
@@ -123,7 +125,9 @@ def _process_race(root: str, env: dict) -> None:
     winner = read_manifest(root, 7)["save_id"]
     assert outcomes[winner] == "committed"
     losers = {s: o for s, o in outcomes.items() if s != winner}
-    assert len(losers) == 3 and all(o.startswith("refused") and winner in o for o in losers.values()), outcomes
+    assert len(losers) == 3 and all(
+        o.startswith("refused") and winner in o for o in losers.values()
+    ), outcomes
 
 
 @pytest.mark.dist
@@ -172,5 +176,7 @@ def test_a_loser_whose_files_the_winner_cleared_is_told_the_winner(tmp_path, mon
 
     monkeypatch.setattr(sharded, "is_committed", is_committed)
     monkeypatch.setattr(sharded, "_read_fragments", gone)
-    with pytest.raises(CheckpointError, match=f"already committed, by save '{winner}', not by save {loser}"):
+    with pytest.raises(
+        CheckpointError, match=f"already committed, by save '{winner}', not by save {loser}"
+    ):
         commit(root, 9, loser, 1, timeout=30)

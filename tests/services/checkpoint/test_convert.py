@@ -34,10 +34,20 @@ from meshtrain.services.trainer.parallel.tensor import TPSplit
 from .conftest import assert_same, toy_model_state
 
 # Llama-style with 4 heads in 2 query groups, so a tp=2 split is by group, not by head.
-MODEL = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
-         "ffn_hidden_size": 96, "seq_length": 16, "vocab_size": 300, "normalization": "rmsnorm",
-         "activation": "swiglu", "position_embedding_type": "rope", "add_bias_linear": False,
-         "untie_embeddings_and_output_weights": True}
+MODEL = {
+    "num_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_query_groups": 2,
+    "ffn_hidden_size": 96,
+    "seq_length": 16,
+    "vocab_size": 300,
+    "normalization": "rmsnorm",
+    "activation": "swiglu",
+    "position_embedding_type": "rope",
+    "add_bias_linear": False,
+    "untie_embeddings_and_output_weights": True,
+}
 VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
@@ -53,9 +63,16 @@ def training_state(settings: dict = MODEL, seed: int = 0) -> tuple[dict[str, tor
         tensors[f"optim.exp_avg_sq.{name}"] = torch.rand_like(t)
     tensors["rng.torch_cpu"] = torch.get_rng_state()
     np_state = np.random.RandomState(seed).get_state()
-    meta = {"format": "meshtrain-train/1", "iteration": 9, "consumed_samples": 72, "optimizer_step": 9,
-            "config": to_dict(JobConfig(model=model.config)), "rng_python": random.Random(seed).getstate(),
-            "rng_numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]], "tokenizer": "byte"}
+    meta = {
+        "format": "meshtrain-train/1",
+        "iteration": 9,
+        "consumed_samples": 72,
+        "optimizer_step": 9,
+        "config": to_dict(JobConfig(model=model.config)),
+        "rng_python": random.Random(seed).getstate(),
+        "rng_numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+        "tokenizer": "byte",
+    }
     return tensors, meta
 
 
@@ -74,11 +91,22 @@ def test_plain_copy_is_bit_exact_across_filesystems(root, memory_root):
     save_checkpoint(root, 9, tensors, meta)
     result = convert(root, memory_root, progress=False)
     assert result.step == 9 and result.tensors == len(tensors)
-    assert result.bytes_read == result.bytes_written == sum(t.numel() * t.element_size() for t in tensors.values())
+    assert (
+        result.bytes_read
+        == result.bytes_written
+        == sum(t.numel() * t.element_size() for t in tensors.values())
+    )
     loaded, got_meta = load_checkpoint(memory_root, 9)
     assert_same(loaded, tensors)
-    assert got_meta["converted_from"] == {"url": root, "step": 9, "dtype": None, "drop_optimizer": False,
-                                          "target_tp": 1, "target_pp": 1, "target_ep": 1}
+    assert got_meta["converted_from"] == {
+        "url": root,
+        "step": 9,
+        "dtype": None,
+        "drop_optimizer": False,
+        "target_tp": 1,
+        "target_pp": 1,
+        "target_ep": 1,
+    }
     assert {k: got_meta[k] for k in meta} == json.loads(json.dumps(meta))  # JSON: tuples -> lists
 
 
@@ -142,7 +170,9 @@ def test_drop_optimizer_gives_a_checkpoint_the_trainer_resumes(tmp_path):
     assert manifest["metadata"]["optimizer_step"] == 0
     model = GPT(ModelConfig(**MODEL))
     optimizer = build_optimizer(model, JobConfig().optim)
-    state, _ = checkpointing.restore(str(tmp_path / "b"), model, optimizer, checkpointing.Parallel(Mesh.single()))
+    state, _ = checkpointing.restore(
+        str(tmp_path / "b"), model, optimizer, checkpointing.Parallel(Mesh.single())
+    )
     assert (state.iteration, state.consumed_samples) == (9, 72)
     assert not optimizer.state  # Adam starts afresh
     assert torch.equal(model.layers[1].mlp.fc2.weight, tensors["layers.1.mlp.fc2.weight"])
@@ -151,7 +181,9 @@ def test_drop_optimizer_gives_a_checkpoint_the_trainer_resumes(tmp_path):
 def test_inspect_shows_sizes_config_and_provenance(tmp_path):
     tensors, meta = training_state()
     save_checkpoint(str(tmp_path / "a"), 9, tensors, meta)
-    convert(str(tmp_path / "a"), str(tmp_path / "b"), dtype="bf16", drop_optimizer=True, progress=False)
+    convert(
+        str(tmp_path / "a"), str(tmp_path / "b"), dtype="bf16", drop_optimizer=True, progress=False
+    )
     info = inspect_checkpoint(str(tmp_path / "b"))
     assert info["step"] == 9
     qkv = info["tensors"]["layers.0.attention.qkv.weight"]
@@ -169,10 +201,12 @@ def test_convert_refuses_a_step_that_exists_at_the_destination(tmp_path):
     save_checkpoint(str(tmp_path / "a"), 9, tensors, meta)
     convert(str(tmp_path / "a"), str(tmp_path / "b"), progress=False)
     # the hint names what a converter can do (the trainer's --checkpoint.overwrite is no option here)
-    with pytest.raises(CheckpointError, match=r"already exists .*: write to another root, or delete it first "
-                                              r"\(meshtrain ckpt delete .* --step 9\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"already exists .*: write to another root, or delete it first "
+        r"\(meshtrain ckpt delete .* --step 9\)",
+    ):
         convert(str(tmp_path / "a"), str(tmp_path / "b"), progress=False)
-
 
 
 def test_convert_refuses_its_own_source_root_without_advising_to_delete_the_source(tmp_path):
@@ -185,17 +219,24 @@ def test_convert_refuses_its_own_source_root_without_advising_to_delete_the_sour
     save_checkpoint(root, 9, tensors, meta)
     (tmp_path / "link").symlink_to(root)
     for dst in (root, f"file://{root}/", str(tmp_path / "x" / ".." / "a"), str(tmp_path / "link")):
-        with pytest.raises(CheckpointError, match=r"is the source root .*write to another root") as e:
+        with pytest.raises(
+            CheckpointError, match=r"is the source root .*write to another root"
+        ) as e:
             convert(root, dst, dtype="bf16", progress=False)
         assert "delete" not in str(e.value)
     assert list_checkpoints(root) == [9]
     assert_same(load_checkpoint(root, 9)[0], tensors)
 
+
 # Megatron's split of each parameter kind (dim, halves, vocab), as the trainer shards it.
-SPLITS = {"attention.qkv.weight": TPSplit(0), "mlp.fc1.weight": TPSplit(0, halves=True),
-          "attention.proj.weight": TPSplit(1), "mlp.fc2.weight": TPSplit(1),
-          "embedding.word_embeddings.weight": TPSplit(0, vocab=True),
-          "output_layer.weight": TPSplit(0, vocab=True)}
+SPLITS = {
+    "attention.qkv.weight": TPSplit(0),
+    "mlp.fc1.weight": TPSplit(0, halves=True),
+    "attention.proj.weight": TPSplit(1),
+    "mlp.fc2.weight": TPSplit(1),
+    "embedding.word_embeddings.weight": TPSplit(0, vocab=True),
+    "output_layer.weight": TPSplit(0, vocab=True),
+}
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -232,11 +273,16 @@ def test_target_tp_shards_are_what_each_rank_reads(tmp_path, tp):
             if not len(owned):
                 continue  # a rank holding only padding rows reads nothing
             touched = set((owned // shard_size).tolist())
-            whole = torch.cat([torch.arange(s * shard_size, min((s + 1) * shard_size, shape[split.dim]))
-                               for s in sorted(touched)])
+            whole = torch.cat(
+                [
+                    torch.arange(s * shard_size, min((s + 1) * shard_size, shape[split.dim]))
+                    for s in sorted(touched)
+                ]
+            )
             assert torch.equal(owned, whole), f"{array_name}: tp rank {rank} reads part of a shard"
         assert len(entry["objects"]) - 1 == (entry["layer_count"] or 1) * len(
-            range(0, shape[split.dim], shard_size)), array_name
+            range(0, shape[split.dim], shard_size)
+        ), array_name
 
 
 def test_target_layout_must_fit_the_model():
@@ -277,15 +323,21 @@ def test_peak_memory_is_a_few_times_the_largest_tensor(tmp_path):
     del tensors
     out = subprocess.run(
         [sys.executable, "-c", MEASURE, str(tmp_path / "a"), str(tmp_path / "b"), "bf16"],
-        capture_output=True, text=True, check=True, timeout=120,
-        env={"MALLOC_MMAP_THRESHOLD_": str(2**20), "PATH": "/usr/bin:/bin", "PYTHONPATH": "."})
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+        env={"MALLOC_MMAP_THRESHOLD_": str(2**20), "PATH": "/usr/bin:/bin", "PYTHONPATH": "."},
+    )
     measured = json.loads(out.stdout.strip().splitlines()[-1])
     grown = measured["peak"] - measured["before"]
     # Reads hold one shard plus its decoded copy (2x), the writer one encoded box more: 2.5x
     # measured on a quiet machine, 3.4x in a fresh CI-like run (fixed overheads weigh more on an
     # 8 MiB tensor). total is 12x the largest tensor: loading everything would blow far past 4x.
     print(f"peak grew {grown / (largest * 4):.2f}x the largest tensor")
-    assert grown < 4 * largest * 4, f"peak grew {grown / 2**20:.1f} MiB for a {largest * 4 / 2**20:.0f} MiB tensor"
+    assert grown < 4 * largest * 4, (
+        f"peak grew {grown / 2**20:.1f} MiB for a {largest * 4 / 2**20:.0f} MiB tensor"
+    )
     assert total >= 12 * largest * 4
 
 
@@ -300,17 +352,29 @@ def test_cli_convert_export_import(tmp_path, capsys):
         assert args.func(args) == 0
         return capsys.readouterr().out
 
-    out = run("convert", tmp_path / "a", tmp_path / "b", "--dtype", "bf16", "--drop-optimizer",
-              "--target-tensor-parallel-size", "2")
+    out = run(
+        "convert",
+        tmp_path / "a",
+        tmp_path / "b",
+        "--dtype",
+        "bf16",
+        "--drop-optimizer",
+        "--target-tensor-parallel-size",
+        "2",
+    )
     assert "converted step 9" in out and "GB/s" in out
-    assert read_manifest(str(tmp_path / "b"), 9)["arrays"]["layers.attention.qkv.weight"]["shards"] == [1, 64, 64]
+    assert read_manifest(str(tmp_path / "b"), 9)["arrays"]["layers.attention.qkv.weight"][
+        "shards"
+    ] == [1, 64, 64]
     assert "exported" in run("export", "--format", "hf", tmp_path / "b", tmp_path / "hf")
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["torch_dtype"] == "bfloat16"
     out = run("import", "--format", "hf", tmp_path / "hf", tmp_path / "c")
     assert "num_query_groups = 2" in out
     back, _ = load_checkpoint(str(tmp_path / "c"), 0)
-    assert torch.equal(back["layers.1.attention.qkv.weight"].view(torch.int16),
-                       tensors["layers.1.attention.qkv.weight"].bfloat16().view(torch.int16))
+    assert torch.equal(
+        back["layers.1.attention.qkv.weight"].view(torch.int16),
+        tensors["layers.1.attention.qkv.weight"].bfloat16().view(torch.int16),
+    )
     with pytest.raises(CheckpointError, match="--format 'gguf'"):
         run("export", "--format", "gguf", tmp_path / "b", tmp_path / "x")
 
@@ -343,7 +407,9 @@ def test_convert_reads_the_source_manifest_once_not_once_per_tensor(tmp_path, mo
 
     monkeypatch.setattr(reader, "read_bytes", counting)
     convert(str(tmp_path / "a"), str(tmp_path / "b"), dtype="bf16", progress=False)
-    assert len(tensors) > 20 and len(fetched) <= 3, fetched  # listing the steps, then the step's own
+    assert len(tensors) > 20 and len(fetched) <= 3, (
+        fetched
+    )  # listing the steps, then the step's own
     monkeypatch.undo()
     loaded, _ = load_checkpoint(str(tmp_path / "b"), 9)
     assert set(loaded) == set(tensors)

@@ -41,7 +41,9 @@ CLIENT_EVERY = 100  # calls between the well-behaved client's save -> commit -> 
 RSS_GROWTH_LIMIT = 200 << 20
 GOOD_STEP = 900_001  # the well-behaved client's; the fuzzer's templates use FUZZ_STEPS
 FUZZ_STEPS = [0, 1, 2, 5]
-TOKEN = "fuzz-token-0123456789abcdef"  # with `auth`, the service's ($MESHTRAIN_TOKEN); calls carry it
+TOKEN = (
+    "fuzz-token-0123456789abcdef"  # with `auth`, the service's ($MESHTRAIN_TOKEN); calls carry it
+)
 
 # Valid boxes (and their bytes) the WriteShards templates start from.
 BOXES = [
@@ -51,10 +53,23 @@ BOXES = [
     (ShardSpec("fuzz.edge", (5,), "uint8", (4,), (1,), grid=(2,)), 1),
     (ShardSpec("fuzz.empty", (3, 0), "float32", (0, 0), (3, 0)), 0),
 ]
-JSON_TEXTS = ['{"a": NaN}', '{"a": Infinity}', '{"a": 1e999}', "[" * 50_000 + "]" * 50_000,
-              '{"a":' * 20_000 + "1" + "}" * 20_000, '{"a": "\\ud800"}', '{"\\u0000": 1}', '{"a": 1, "a": 2}',
-              '{"a": ' + "9" * 5000 + "}", '"text"', "null", "{}", " {} ", '{"a": [1, {"b": null}]}',
-              "{" + ", ".join(f'"k{i}": {i}' for i in range(20_000)) + "}"]
+JSON_TEXTS = [
+    '{"a": NaN}',
+    '{"a": Infinity}',
+    '{"a": 1e999}',
+    "[" * 50_000 + "]" * 50_000,
+    '{"a":' * 20_000 + "1" + "}" * 20_000,
+    '{"a": "\\ud800"}',
+    '{"\\u0000": 1}',
+    '{"a": 1, "a": 2}',
+    '{"a": ' + "9" * 5000 + "}",
+    '"text"',
+    "null",
+    "{}",
+    " {} ",
+    '{"a": [1, {"b": null}]}',
+    "{" + ", ".join(f'"k{i}": {i}' for i in range(20_000)) + "}",
+]
 
 
 class FuzzState:
@@ -67,7 +82,9 @@ class FuzzState:
     def begun(self, response: bytes, request: pb.BeginSaveRequest) -> None:
         for save in [s for s in self.live if s[1] == request.step]:  # superseded by this one
             self.end(save[0])
-        self.live.append((pb.BeginSaveResponse.FromString(response).save_id, request.step, request.num_writers))
+        self.live.append(
+            (pb.BeginSaveResponse.FromString(response).save_id, request.step, request.num_writers)
+        )
         del self.live[:-8]
 
     def end(self, save_id: str) -> None:
@@ -97,7 +114,9 @@ def write_stream(rng: random.Random, state: FuzzState) -> list[pb.WriteShardsReq
     return messages
 
 
-def fuzz_stream(rng: random.Random, messages: list[pb.WriteShardsRequest]) -> tuple[list[bytes], list]:
+def fuzz_stream(
+    rng: random.Random, messages: list[pb.WriteShardsRequest]
+) -> tuple[list[bytes], list]:
     """One change to a WriteShards stream: a message mutated or malformed, dropped, repeated,
     moved, or added; returns (payloads, what to show in a report)."""
     shown = list(messages)
@@ -132,8 +151,11 @@ def unary_template(rng: random.Random, method: str, state: FuzzState):
     """A valid request of a unary method (or ReadSlice), naming the fuzzer's saves and steps."""
     save_id, step, num_writers = state.save(rng)
     if method == "BeginSave":
-        return pb.BeginSaveRequest(step=rng.choice(FUZZ_STEPS), num_writers=rng.choice([1, 1, 1, 2]),
-                                   overwrite=rng.random() < 0.3)
+        return pb.BeginSaveRequest(
+            step=rng.choice(FUZZ_STEPS),
+            num_writers=rng.choice([1, 1, 1, 2]),
+            overwrite=rng.random() < 0.3,
+        )
     if method == "Commit":
         return pb.CommitRequest(save_id=save_id, metadata_json='{"k": 1}', timeout_s=0.3, step=step)
     if method == "AbortSave":
@@ -153,16 +175,30 @@ def unary_template(rng: random.Random, method: str, state: FuzzState):
     raise AssertionError(method)
 
 
-UNARY = ["BeginSave", "Commit", "AbortSave", "ResumeSave", "List", "Describe", "ReadSlice", "Delete",
-         "ApplyRetention"]
+UNARY = [
+    "BeginSave",
+    "Commit",
+    "AbortSave",
+    "ResumeSave",
+    "List",
+    "Describe",
+    "ReadSlice",
+    "Delete",
+    "ApplyRetention",
+]
 
 
 def fuzz_checkpoint_service(fuzzer: Fuzzer, rng: random.Random, calls: int, good) -> None:
     state = FuzzState()
     while fuzzer.calls < calls:
-        if rng.random() < 0.05 or not state.live:  # a real save of the fuzzer's, for the others to name
+        if (
+            rng.random() < 0.05 or not state.live
+        ):  # a real save of the fuzzer's, for the others to name
             request = unary_template(rng, "BeginSave", state)
-            if fuzzer.unary("BeginSave", request.SerializeToString(), shown=request) == grpc.StatusCode.OK:
+            if (
+                fuzzer.unary("BeginSave", request.SerializeToString(), shown=request)
+                == grpc.StatusCode.OK
+            ):
                 state.begun(fuzzer.last_response, request)
         elif rng.random() < 0.4:
             messages = write_stream(rng, state)
@@ -192,22 +228,41 @@ def fuzz_checkpoint_service(fuzzer: Fuzzer, rng: random.Random, calls: int, good
                 method = rng.choice(["Nope", "commit", "Commit/x"])
             metadata = rng.choice(AUTH_VARIANTS) if rng.random() < 0.05 else None
             if method == "ReadSlice":
-                fuzzer.unary_stream(method, payload, max_messages=rng.choice([1, 3]), metadata=metadata, shown=shown)
-            elif (fuzzer.unary(method, payload, metadata=metadata, shown=shown) == grpc.StatusCode.OK
-                  and method == "BeginSave"):
-                state.begun(fuzzer.last_response, pb.BeginSaveRequest.FromString(payload))  # begun, though odd
+                fuzzer.unary_stream(
+                    method, payload, max_messages=rng.choice([1, 3]), metadata=metadata, shown=shown
+                )
+            elif (
+                fuzzer.unary(method, payload, metadata=metadata, shown=shown) == grpc.StatusCode.OK
+                and method == "BeginSave"
+            ):
+                state.begun(
+                    fuzzer.last_response, pb.BeginSaveRequest.FromString(payload)
+                )  # begun, though odd
             elif method == "Commit" and isinstance(shown, pb.CommitRequest):
                 state.end(shown.save_id)
-        fuzzer.periodic_checks(HEALTH_EVERY, ("", SERVICE_NAME), CLIENT_EVERY,
-                               "the well-behaved client's save -> commit -> load", good)
+        fuzzer.periodic_checks(
+            HEALTH_EVERY,
+            ("", SERVICE_NAME),
+            CLIENT_EVERY,
+            "the well-behaved client's save -> commit -> load",
+            good,
+        )
 
 
 pytestmark = pytest.mark.e2e  # a real server process per test
 
 
-@pytest.mark.parametrize("calls,auth", [(2_000, True), pytest.param(20_000, False, marks=pytest.mark.slow),
-                                        pytest.param(20_000, True, marks=pytest.mark.slow)])
-def test_fuzzed_requests_are_refused_cleanly_and_good_clients_are_served(tmp_path, monkeypatch, calls, auth):
+@pytest.mark.parametrize(
+    "calls,auth",
+    [
+        (2_000, True),
+        pytest.param(20_000, False, marks=pytest.mark.slow),
+        pytest.param(20_000, True, marks=pytest.mark.slow),
+    ],
+)
+def test_fuzzed_requests_are_refused_cleanly_and_good_clients_are_served(
+    tmp_path, monkeypatch, calls, auth
+):
     """With `auth` the service requires a bearer token ($MESHTRAIN_TOKEN, which its client reads
     too), which most calls carry and some replace by `AUTH_VARIANTS`; without, it is the default
     loopback service."""
@@ -220,12 +275,33 @@ def test_fuzzed_requests_are_refused_cleanly_and_good_clients_are_served(tmp_pat
     repo_before = set(os.listdir(REPO))
     before = tree_snapshot(tmp_path.parent, skip=[root, log])
     # short commit and idle timeouts and small chunks: the fuzzer's 2 s deadlines outlast them
-    server = ServerProcess("meshtrain.services.checkpoint.rpc.server",
-                           [str(root), "--port", "0", "--grace", "0", "--max-streams", "8", "--commit-timeout", "1",
-                            "--max-chunk-mb", "0.0625", "--max-inflight-mb", "64", "--stream-idle-timeout", "2"],
-                           log)
-    fuzzer = Fuzzer(server.address, SERVICE_NAME, timeout_s=2.0,
-                    metadata=(("authorization", f"Bearer {TOKEN}"),) if auth else ())
+    server = ServerProcess(
+        "meshtrain.services.checkpoint.rpc.server",
+        [
+            str(root),
+            "--port",
+            "0",
+            "--grace",
+            "0",
+            "--max-streams",
+            "8",
+            "--commit-timeout",
+            "1",
+            "--max-chunk-mb",
+            "0.0625",
+            "--max-inflight-mb",
+            "64",
+            "--stream-idle-timeout",
+            "2",
+        ],
+        log,
+    )
+    fuzzer = Fuzzer(
+        server.address,
+        SERVICE_NAME,
+        timeout_s=2.0,
+        metadata=(("authorization", f"Bearer {TOKEN}"),) if auth else (),
+    )
     client = CheckpointClient(server.address)
     try:
         rounds = itertools.count()
@@ -246,7 +322,9 @@ def test_fuzzed_requests_are_refused_cleanly_and_good_clients_are_served(tmp_pat
         fuzz_checkpoint_service(fuzzer, random.Random(calls + auth), calls, good)
         fuzzer.check_health(("", SERVICE_NAME))
         fuzzer.check("the well-behaved client's save -> commit -> load", good)
-        growth = server.rss() - rss_before if server.alive() else 0  # a dead server is reported below
+        growth = (
+            server.rss() - rss_before if server.alive() else 0
+        )  # a dead server is reported below
     finally:
         client.close()
         fuzzer.close()
@@ -256,7 +334,9 @@ def test_fuzzed_requests_are_refused_cleanly_and_good_clients_are_served(tmp_pat
     if not alive:
         problems.append(f"the service died (exit status {server.proc.returncode})")
     if growth > RSS_GROWTH_LIMIT:
-        problems.append(f"the service's RSS grew by {growth / 2**20:.0f} MiB over {fuzzer.calls} calls")
+        problems.append(
+            f"the service's RSS grew by {growth / 2**20:.0f} MiB over {fuzzer.calls} calls"
+        )
     written = new_files(before, tree_snapshot(tmp_path.parent, skip=[root, log]))
     written += [f"{REPO}/{name}" for name in sorted(set(os.listdir(REPO)) - repo_before)]
     if written:

@@ -27,13 +27,34 @@ from meshtrain.services.trainer.parallel.mesh import Mesh
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-LLAMA = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
-             "ffn_hidden_size": 96, "seq_length": 32, "vocab_size": 300, "normalization": "rmsnorm",
-             "activation": "swiglu", "position_embedding_type": "rope", "rotary_base": 5000.0,
-             "add_bias_linear": False, "untie_embeddings_and_output_weights": True, "norm_epsilon": 1e-6}
-GPT2 = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32,
-            "max_position_embeddings": 40, "vocab_size": 300, "normalization": "layernorm",
-            "activation": "gelu", "position_embedding_type": "learned", "add_bias_linear": True}
+LLAMA = {
+    "num_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_query_groups": 2,
+    "ffn_hidden_size": 96,
+    "seq_length": 32,
+    "vocab_size": 300,
+    "normalization": "rmsnorm",
+    "activation": "swiglu",
+    "position_embedding_type": "rope",
+    "rotary_base": 5000.0,
+    "add_bias_linear": False,
+    "untie_embeddings_and_output_weights": True,
+    "norm_epsilon": 1e-6,
+}
+GPT2 = {
+    "num_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "seq_length": 32,
+    "max_position_embeddings": 40,
+    "vocab_size": 300,
+    "normalization": "layernorm",
+    "activation": "gelu",
+    "position_embedding_type": "learned",
+    "add_bias_linear": True,
+}
 # Tensors whose padded vocabulary rows the trainer cuts off before saving.
 VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
@@ -48,8 +69,14 @@ def random_model(settings: dict, seed: int = 0) -> GPT:
     return model
 
 
-def save_training_checkpoint(root: str, model: GPT, step: int = 7, tokenizer: str = "byte",
-                             drop: tuple[str, ...] = (), extra: dict | None = None) -> None:
+def save_training_checkpoint(
+    root: str,
+    model: GPT,
+    step: int = 7,
+    tokenizer: str = "byte",
+    drop: tuple[str, ...] = (),
+    extra: dict | None = None,
+) -> None:
     """Saves `model` the way the trainer does (unpadded vocab rows, optimizer moments, rng)."""
     v = model.vocab_size
     tensors = {}
@@ -61,8 +88,13 @@ def save_training_checkpoint(root: str, model: GPT, step: int = 7, tokenizer: st
     tensors.update(extra or {})
     for name in drop:
         del tensors[name]
-    metadata = {"format": "meshtrain-train/1", "iteration": step, "optimizer_step": step,
-                "config": to_dict(JobConfig(model=model.config)), "tokenizer": tokenizer}
+    metadata = {
+        "format": "meshtrain-train/1",
+        "iteration": step,
+        "optimizer_step": step,
+        "config": to_dict(JobConfig(model=model.config)),
+        "tokenizer": tokenizer,
+    }
     save_checkpoint(root, step, tensors, metadata)
 
 
@@ -72,13 +104,24 @@ def meshtrain_logits(model: GPT, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens)
 
 
-@pytest.mark.parametrize("name, settings, cls", [
-    ("llama-gqa-untied", LLAMA, "LlamaForCausalLM"),
-    ("llama-tied-bias", {**LLAMA, "untie_embeddings_and_output_weights": False, "add_bias_linear": True,
-                         "num_query_groups": 1}, "LlamaForCausalLM"),
-    ("gpt2-tied", GPT2, "GPT2LMHeadModel"),
-    ("gpt2-untied", {**GPT2, "untie_embeddings_and_output_weights": True}, "GPT2LMHeadModel"),
-])
+@pytest.mark.parametrize(
+    "name, settings, cls",
+    [
+        ("llama-gqa-untied", LLAMA, "LlamaForCausalLM"),
+        (
+            "llama-tied-bias",
+            {
+                **LLAMA,
+                "untie_embeddings_and_output_weights": False,
+                "add_bias_linear": True,
+                "num_query_groups": 1,
+            },
+            "LlamaForCausalLM",
+        ),
+        ("gpt2-tied", GPT2, "GPT2LMHeadModel"),
+        ("gpt2-untied", {**GPT2, "untie_embeddings_and_output_weights": True}, "GPT2LMHeadModel"),
+    ],
+)
 def test_export_loads_in_transformers_with_same_logits(tmp_path, name, settings, cls):
     """fp32 throughout; 1e-4 absolute covers summation-order differences between the two
     attention implementations on logits of size ~10 (a wrong head order or transpose is O(1))."""
@@ -115,13 +158,20 @@ def test_export_to_object_storage_loads_with_the_same_logits(tmp_path, s3_root):
     parent = path.rsplit("/", 1)[0]
     assert [p.rsplit("/", 1)[1] for p in fs.ls(parent, detail=False)] == ["hf"]
     assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(path, detail=False)) == [
-        "config.json", "generation_config.json", "model.safetensors"]
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+    ]
     fs.get(path + "/", str(tmp_path / "fetched"), recursive=True)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "fetched"), dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "fetched"), dtype=torch.float32
+    )
     tokens = torch.randint(0, model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
     hf.eval()
     with torch.no_grad():
-        torch.testing.assert_close(hf(tokens).logits, meshtrain_logits(model, tokens), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            hf(tokens).logits, meshtrain_logits(model, tokens), atol=1e-4, rtol=1e-4
+        )
 
     # the last tensor written (the output layer) corrupt: the export fails midway through the weights
     broken = tmp_path / "broken"
@@ -159,7 +209,9 @@ def test_export_to_object_storage_killed_midway_is_replaced_by_the_next_export(t
     root = str(tmp_path / "ckpt")
     save_training_checkpoint(root, model)
     dst = f"{s3_root.rsplit('/', 1)[0]}/hf"
-    killed = subprocess.run([sys.executable, "-c", KILLED_AFTER_WEIGHTS, root, dst], timeout=120, check=False)
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_AFTER_WEIGHTS, root, dst], timeout=120, check=False
+    )
     assert killed.returncode == -9
     fs, path = fsspec.core.url_to_fs(dst)
     fs.invalidate_cache()
@@ -168,12 +220,19 @@ def test_export_to_object_storage_killed_midway_is_replaced_by_the_next_export(t
     assert export_hf(root, dst) == dst
     fs.invalidate_cache()
     assert sorted(p.rsplit("/", 1)[1] for p in fs.find(path)) == [
-        "config.json", "generation_config.json", "model.safetensors"]
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+    ]
     fs.get(path + "/", str(tmp_path / "fetched"), recursive=True)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "fetched"), dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "fetched"), dtype=torch.float32
+    )
     tokens = torch.randint(0, model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        torch.testing.assert_close(hf.eval()(tokens).logits, meshtrain_logits(model, tokens), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            hf.eval()(tokens).logits, meshtrain_logits(model, tokens), atol=1e-4, rtol=1e-4
+        )
 
     other = f"{s3_root.rsplit('/', 1)[0]}/someone-elses"
     fs.pipe_file(fsspec.core.url_to_fs(other)[1] + "/model.safetensors", b"not ours")
@@ -196,17 +255,22 @@ def test_local_export_killed_midway_leaves_nothing_behind_once_exported_again(tm
     root = str(tmp_path / "ckpt")
     save_training_checkpoint(root, model)
     dst = tmp_path / "hf"
-    killed = subprocess.run([sys.executable, "-c", KILLED_AFTER_WEIGHTS, root, str(dst)], timeout=120, check=False)
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_AFTER_WEIGHTS, root, str(dst)], timeout=120, check=False
+    )
     assert killed.returncode == -9
     left = list(tmp_path.glob("hf.tmp-*"))
     assert len(left) == 1 and (left[0] / "model.safetensors").is_file() and not dst.exists()
-    live = tmp_path / f"hf.tmp-{socket.gethostname()}-{os.getpid()}-{'0' * 32}"  # this process: alive
+    live = (
+        tmp_path / f"hf.tmp-{socket.gethostname()}-{os.getpid()}-{'0' * 32}"
+    )  # this process: alive
     elsewhere = tmp_path / f"hf.tmp-another-host-4242-{'1' * 32}"  # a shared disk
     live.mkdir()
     elsewhere.mkdir()
     export_hf(root, str(dst))
     assert sorted(tmp_path.glob("hf*")) == sorted([dst, live, elsewhere])
     assert (dst / "config.json").is_file()
+
 
 def test_export_ships_the_runs_tokenizer(tmp_path):
     from meshtrain.services.dataloader.tokenizers import train_bpe
@@ -236,7 +300,10 @@ def test_export_refuses_a_tokenizer_larger_than_the_models_vocabulary(tmp_path):
     assert big.eod_id < 300 < big.vocab_size
     root = str(tmp_path / "ckpt")
     save_training_checkpoint(root, random_model(GPT2))  # vocab 300
-    with pytest.raises(CheckpointError, match=rf"has {big.vocab_size} tokens, more than the model's vocabulary of 300"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"has {big.vocab_size} tokens, more than the model's vocabulary of 300",
+    ):
         export_hf(root, str(tmp_path / "hf"), tokenizer=str(big.path))
     assert not (tmp_path / "hf").exists()
 
@@ -261,14 +328,19 @@ def test_exported_model_ends_generation_at_the_runs_end_of_document(tmp_path, se
     root = str(tmp_path / "ckpt")
     save_training_checkpoint(root, model, tokenizer=spec)
     export_hf(root, str(tmp_path / "hf"))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "hf"), dtype=torch.float32
+    ).eval()
     eod = tok.eod_id
     assert (hf.config.bos_token_id, hf.config.eos_token_id) == (eod, eod)
     assert hf.generation_config.eos_token_id == eod
 
     def always(token: int):  # replaces the head's logits: greedy decoding then picks `token`
         def hook(module, inputs, output):
-            return torch.where(torch.arange(output.shape[-1]) == token, 10.0, -10.0).expand_as(output)
+            return torch.where(torch.arange(output.shape[-1]) == token, 10.0, -10.0).expand_as(
+                output
+            )
+
         return hook
 
     prompt = torch.tensor([[5, 6, 7]])
@@ -297,9 +369,17 @@ def save_random_hf(cls, config, tmp_path, dtype=torch.float32):
 
 def hf_llama(tmp_path, dtype=torch.bfloat16, tie=False):
     config = transformers.LlamaConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-        rope_theta=5000.0, tie_word_embeddings=tie, rms_norm_eps=1e-6)
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        rope_theta=5000.0,
+        tie_word_embeddings=tie,
+        rms_norm_eps=1e-6,
+    )
     return save_random_hf(transformers.LlamaForCausalLM, config, tmp_path, dtype)[0]
 
 
@@ -308,8 +388,11 @@ def hf_gpt2(tmp_path):
     return save_random_hf(transformers.GPT2LMHeadModel, config, tmp_path)[0]
 
 
-@pytest.mark.parametrize("make", [hf_llama, hf_gpt2, lambda p: hf_llama(p, torch.float32, tie=True)],
-                         ids=["llama-bf16-untied", "gpt2-fp32", "llama-fp32-tied"])
+@pytest.mark.parametrize(
+    "make",
+    [hf_llama, hf_gpt2, lambda p: hf_llama(p, torch.float32, tie=True)],
+    ids=["llama-bf16-untied", "gpt2-fp32", "llama-fp32-tied"],
+)
 def test_round_trip_hf_meshtrain_hf_is_bit_exact(tmp_path, make):
     src = make(tmp_path)
     root = str(tmp_path / "ckpt")
@@ -331,7 +414,11 @@ def test_imported_checkpoint_restores_into_the_trainer(tmp_path):
     import_hf(str(src), root)
     meta = read_manifest(root, 0)["metadata"]
     job = JobConfig(model=ModelConfig(**meta["config"]["model"]))
-    assert (job.model.num_query_groups, job.model.rotary_base, job.model.seq_length) == (2, 5000.0, 32)
+    assert (job.model.num_query_groups, job.model.rotary_base, job.model.seq_length) == (
+        2,
+        5000.0,
+        32,
+    )
     model = GPT(job.model)
     par = checkpointing.Parallel(Mesh.single())
     state, _ = checkpointing.restore(root, model, build_optimizer(model, job.optim), par)
@@ -339,10 +426,14 @@ def test_imported_checkpoint_restores_into_the_trainer(tmp_path):
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
     tokens = torch.randint(0, 300, (1, 32), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        torch.testing.assert_close(meshtrain_logits(model, tokens), hf(tokens).logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            meshtrain_logits(model, tokens), hf(tokens).logits, atol=1e-4, rtol=1e-4
+        )
 
 
-@pytest.mark.parametrize("make, heads, groups", [(hf_gpt2, 2, None), (hf_llama, 2, 1)], ids=["gpt2", "llama-gqa"])
+@pytest.mark.parametrize(
+    "make, heads, groups", [(hf_gpt2, 2, None), (hf_llama, 2, 1)], ids=["gpt2", "llama-gqa"]
+)
 def test_restore_refuses_a_model_that_reads_the_heads_differently(tmp_path, make, heads, groups):
     """GPT-2's 4 heads of 16 and a 2-head model of 32 have the same fused QKV shape (3*hidden
     rows), as do Llama's 4 heads in 2 groups and 2 heads in 1 group: every shape matches, so
@@ -353,9 +444,14 @@ def test_restore_refuses_a_model_that_reads_the_heads_differently(tmp_path, make
     saved = ModelConfig(**read_manifest(root, 0)["metadata"]["config"]["model"])
     wrong = dataclasses.replace(saved, num_attention_heads=heads, num_query_groups=groups)
     model = GPT(wrong)
-    assert model.layers[0].attention.qkv.weight.shape == GPT(saved).layers[0].attention.qkv.weight.shape
+    assert (
+        model.layers[0].attention.qkv.weight.shape
+        == GPT(saved).layers[0].attention.qkv.weight.shape
+    )
     par = checkpointing.Parallel(Mesh.single())
-    with pytest.raises(CheckpointError, match=rf"num_attention_heads=4.*model.num_attention_heads={heads}"):
+    with pytest.raises(
+        CheckpointError, match=rf"num_attention_heads=4.*model.num_attention_heads={heads}"
+    ):
         checkpointing.restore(root, model, build_optimizer(model, JobConfig().optim), par)
 
 
@@ -379,8 +475,12 @@ def test_restore_warns_when_rope_base_or_norm_epsilon_differ_from_the_saved_mode
 
     assert restore(saved) == []
     messages = restore(dataclasses.replace(saved, rotary_base=10000.0, norm_epsilon=1e-5))
-    assert any("model.rotary_base" in m and "5000.0" in m and "10000.0" in m for m in messages), messages
-    assert any("model.norm_epsilon" in m and "1e-06" in m and "1e-05" in m for m in messages), messages
+    assert any("model.rotary_base" in m and "5000.0" in m and "10000.0" in m for m in messages), (
+        messages
+    )
+    assert any("model.norm_epsilon" in m and "1e-06" in m and "1e-05" in m for m in messages), (
+        messages
+    )
 
 
 def test_export_refuses_missing_misshapen_and_unmapped_tensors(tmp_path):
@@ -426,7 +526,9 @@ def test_import_refuses_what_meshtrain_cannot_express(tmp_path):
     config = json.loads((src / "config.json").read_text())
     bad = {**config, "rope_parameters": {"rope_type": "yarn", "rope_theta": 5000.0, "factor": 8.0}}
     (src / "config.json").write_text(json.dumps(bad))
-    with pytest.raises(CheckpointError, match="rope scaling .* only plain RoPE and Llama 3's 'llama3' scaling"):
+    with pytest.raises(
+        CheckpointError, match="rope scaling .* only plain RoPE and Llama 3's 'llama3' scaling"
+    ):
         import_hf(str(src), str(tmp_path / "a"))
     (src / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
     with pytest.raises(CheckpointError, match="hidden_act"):
@@ -434,8 +536,11 @@ def test_import_refuses_what_meshtrain_cannot_express(tmp_path):
     # a tensor the mapping does not know is an error, not silently dropped
     (src / "config.json").write_text(json.dumps(config))
     tensors = safetensors_torch.load_file(str(src / "model.safetensors"))
-    safetensors_torch.save_file({**tensors, "model.layers.0.self_attn.q_norm.weight": torch.ones(16)},
-                                str(src / "model.safetensors"), metadata={"format": "pt"})
+    safetensors_torch.save_file(
+        {**tensors, "model.layers.0.self_attn.q_norm.weight": torch.ones(16)},
+        str(src / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     with pytest.raises(CheckpointError, match="no mapping"):
         import_hf(str(src), str(tmp_path / "c"))
 
@@ -454,29 +559,38 @@ def test_import_refuses_a_root_whose_later_steps_load_would_resume_instead(tmp_p
 def test_import_names_a_broken_folder_instead_of_a_traceback(tmp_path):
     src = hf_llama(tmp_path, torch.float32)
     config = json.loads((src / "config.json").read_text())
-    (src / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "intermediate_size"}))
+    (src / "config.json").write_text(
+        json.dumps({k: v for k, v in config.items() if k != "intermediate_size"})
+    )
     with pytest.raises(CheckpointError, match="no 'intermediate_size'"):
         import_hf(str(src), str(tmp_path / "a"))
     (src / "config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="config.json: not a readable JSON file"):
         import_hf(str(src), str(tmp_path / "b"))
     (src / "config.json").write_text(json.dumps(config))
-    (src / "model.safetensors.index.json").write_text(json.dumps(
-        {"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}))
-    with pytest.raises(CheckpointError, match="names files that are not there.*model-00001-of-00002"):
+    (src / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}
+        )
+    )
+    with pytest.raises(
+        CheckpointError, match="names files that are not there.*model-00001-of-00002"
+    ):
         import_hf(str(src), str(tmp_path / "c"))
 
 
-
-
 @pytest.mark.parametrize("key, value", [("hidden_size", "64"), ("num_attention_heads", 0)])
-def test_import_names_a_config_number_of_the_wrong_type_instead_of_a_traceback(tmp_path, key, value):
+def test_import_names_a_config_number_of_the_wrong_type_instead_of_a_traceback(
+    tmp_path, key, value
+):
     """A Llama config's head size is computed before the config is validated: a string (a
     hand-edited config.json) raised TypeError, a zero ZeroDivisionError, as tracebacks."""
     src = hf_llama(tmp_path)
     config = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps({**config, key: value}))
-    with pytest.raises(CheckpointError, match=rf"HF config {key}={value!r} is not a positive integer"):
+    with pytest.raises(
+        CheckpointError, match=rf"HF config {key}={value!r} is not a positive integer"
+    ):
         import_hf(str(src), str(tmp_path / "a"))
 
 
@@ -484,11 +598,14 @@ def test_import_of_a_url_says_it_reads_local_folders_and_takes_file_urls(tmp_pat
     """Export writes to any URL, so a user imports what they exported to s3://... back: Path()
     made that 's3:/bucket/hf' and the error said it held no config.json, which it does. A
     file:// URL is a local folder and is imported (it failed the same way)."""
-    with pytest.raises(CheckpointError, match=r"'s3://bucket/hf': import reads a local folder, not a URL"):
+    with pytest.raises(
+        CheckpointError, match=r"'s3://bucket/hf': import reads a local folder, not a URL"
+    ):
         import_hf("s3://bucket/hf", str(tmp_path / "a"))
     src = hf_llama(tmp_path, torch.float32)
     import_hf(f"file://{src}", str(tmp_path / "b"))
     assert list_checkpoints(str(tmp_path / "b")) == [0]
+
 
 def test_import_names_a_truncated_or_mismatched_safetensors_file_instead_of_a_traceback(tmp_path):
     """An interrupted download leaves a safetensors file shorter than its header says, and a
@@ -497,16 +614,25 @@ def test_import_names_a_truncated_or_mismatched_safetensors_file_instead_of_a_tr
     src = hf_llama(tmp_path, torch.float32)
     whole = (src / "model.safetensors").read_bytes()
     (src / "model.safetensors").write_bytes(whole[: len(whole) // 2])
-    with pytest.raises(CheckpointError, match=r"model.safetensors: not a readable safetensors file"):
+    with pytest.raises(
+        CheckpointError, match=r"model.safetensors: not a readable safetensors file"
+    ):
         import_hf(str(src), str(tmp_path / "a"))
     (src / "model.safetensors").write_bytes(whole)
     names = list(safetensors_torch.load_file(str(src / "model.safetensors")))
-    safetensors_torch.save_file({"model.norm.weight": torch.ones(64)}, str(src / "other.safetensors"))
-    weight_map = {n: "other.safetensors" if n == "lm_head.weight" else "model.safetensors" for n in names}
+    safetensors_torch.save_file(
+        {"model.norm.weight": torch.ones(64)}, str(src / "other.safetensors")
+    )
+    weight_map = {
+        n: "other.safetensors" if n == "lm_head.weight" else "model.safetensors" for n in names
+    }
     weight_map["model.norm.weight"] = "model.safetensors"
     (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    with pytest.raises(CheckpointError, match=r"puts tensor 'lm_head.weight' in other.safetensors, which does "
-                                              r"not hold it"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"puts tensor 'lm_head.weight' in other.safetensors, which does "
+        r"not hold it",
+    ):
         import_hf(str(src), str(tmp_path / "b"))
     assert list_checkpoints(str(tmp_path / "a")) == list_checkpoints(str(tmp_path / "b")) == []
 
@@ -551,6 +677,7 @@ def test_cli_import_tells_to_train_on_with_the_models_own_tokenizer(tmp_path, ca
     head, table = settings(src, tmp_path / "ckpt2")
     assert "data" not in table and "has no tokenizer.json, so also set data.tokenizer" in head
 
+
 @pytest.mark.e2e
 def test_hf_model_trains_on_in_meshtrain_and_exports_back(tmp_path):
     """HF Llama -> import -> `train --load` 3 steps -> export -> transformers loads the result."""
@@ -559,25 +686,54 @@ def test_hf_model_trains_on_in_meshtrain_and_exports_back(tmp_path):
     from meshtrain.services.trainer.train import train
 
     config = transformers.LlamaConfig(
-        vocab_size=257, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+        vocab_size=257,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(str(tmp_path / "hf"))
     import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
     model = read_manifest(str(tmp_path / "ckpt"), 0)["metadata"]["config"]["model"]
     prepare_default_dataset(tmp_path / "corpus", tokenizer="byte", max_bytes=200_000)
-    args = [f"--model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in model.items()
-            if k in ModelConfig.__dataclass_fields__]
-    args += ["--model.seq_length=32", "--data.tokenizer=byte", f"--data.cache_dir={tmp_path / 'corpus'}",
-             "--data.default_corpus_bytes=200000", "--data.split=80,20,0", "--train.micro_batch_size=4",
-             "--train.global_batch_size=4", "--train.train_iters=3", "--train.eval_interval=0",
-             "--train.device=cpu", f"--log.run_dir={tmp_path / 'run'}", "--log.plot=false",
-             f"--checkpoint.load={tmp_path / 'ckpt'}", f"--checkpoint.save={tmp_path / 'ckpt2'}"]
+    args = [
+        f"--model.{k}={str(v).lower() if isinstance(v, bool) else v}"
+        for k, v in model.items()
+        if k in ModelConfig.__dataclass_fields__
+    ]
+    args += [
+        "--model.seq_length=32",
+        "--data.tokenizer=byte",
+        f"--data.cache_dir={tmp_path / 'corpus'}",
+        "--data.default_corpus_bytes=200000",
+        "--data.split=80,20,0",
+        "--train.micro_batch_size=4",
+        "--train.global_batch_size=4",
+        "--train.train_iters=3",
+        "--train.eval_interval=0",
+        "--train.device=cpu",
+        f"--log.run_dir={tmp_path / 'run'}",
+        "--log.plot=false",
+        f"--checkpoint.load={tmp_path / 'ckpt'}",
+        f"--checkpoint.save={tmp_path / 'ckpt2'}",
+    ]
     result = train(load_config(args))
     assert sorted(result.losses) == [1, 2, 3]
     export_hf(str(tmp_path / "ckpt2"), str(tmp_path / "hf2"))
-    trained = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf2"), dtype=torch.float32)
-    original = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
-    moved = (trained.model.layers[0].mlp.up_proj.weight - original.model.layers[0].mlp.up_proj.weight).abs().max()
+    trained = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "hf2"), dtype=torch.float32
+    )
+    original = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "hf"), dtype=torch.float32
+    )
+    moved = (
+        (trained.model.layers[0].mlp.up_proj.weight - original.model.layers[0].mlp.up_proj.weight)
+        .abs()
+        .max()
+    )
     # Adam moves a weight at most ~lr per step (3 steps at lr 3e-4); a fresh init would differ by ~0.1.
     assert 0 < moved < 0.01, "training did not start from the imported weights"

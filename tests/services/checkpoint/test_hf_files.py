@@ -72,11 +72,15 @@ def test_sharded_export_loads_in_transformers_and_imports_back(tmp_path, setting
         assert size <= 40_000 or len(tensors) == 1, (name, size)
         stored.update(tensors)
     assert sorted(stored) == sorted(index["weight_map"])
-    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in stored.values())
+    assert index["metadata"]["total_size"] == sum(
+        t.numel() * t.element_size() for t in stored.values()
+    )
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(dst), dtype=torch.float32)
     with torch.no_grad():
-        torch.testing.assert_close(hf.eval()(TOKENS).logits, meshtrain_logits(model, TOKENS), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            hf.eval()(TOKENS).logits, meshtrain_logits(model, TOKENS), atol=1e-4, rtol=1e-4
+        )
 
     back = str(tmp_path / "back")
     import_hf(str(dst), back)  # the sharded folder, through its index
@@ -99,7 +103,9 @@ def test_sharded_export_to_object_storage(tmp_path, s3_root):
     assert "model.safetensors.index.json" in names and "config.json" in names
     assert ".meshtrain-export-incomplete" not in names
     fs.get(path + "/", str(tmp_path / "fetched"), recursive=True)
-    torch.testing.assert_close(hf_logits(tmp_path / "fetched"), meshtrain_logits(model, TOKENS), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        hf_logits(tmp_path / "fetched"), meshtrain_logits(model, TOKENS), atol=1e-4, rtol=1e-4
+    )
 
 
 def lay_out_cache(cache, repo_id: str, folder, commit: str, branch: str | None = "main") -> None:
@@ -129,8 +135,11 @@ def test_import_resolves_a_repo_id_in_the_hub_cache_offline(tmp_path, monkeypatc
     train_bpe([text], vocab_size=300, output_path=main_src / "tokenizer.json")
     dev_src = hf_llama(tmp_path / "b", torch.float32)  # the same shapes; other weights below
     weights = safetensors_torch.load_file(str(dev_src / "model.safetensors"))
-    safetensors_torch.save_file({n: t.flip(-1).contiguous() for n, t in weights.items()},
-                                str(dev_src / "model.safetensors"), metadata={"format": "pt"})
+    safetensors_torch.save_file(
+        {n: t.flip(-1).contiguous() for n, t in weights.items()},
+        str(dev_src / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     assert (hf_logits(dev_src) - hf_logits(main_src)).abs().max() > 0.1
     cache = tmp_path / "hub"
     main_commit, dev_commit = "a" * 40, "b" * 40
@@ -138,25 +147,44 @@ def test_import_resolves_a_repo_id_in_the_hub_cache_offline(tmp_path, monkeypatc
     lay_out_cache(cache, "org/tiny", dev_src, dev_commit, branch="dev")
     snapshot = cache / "models--org--tiny" / "snapshots" / main_commit
     # the hub library reads this layout back as its own
-    assert hub.try_to_load_from_cache("org/tiny", "config.json", cache_dir=str(cache)) == str(snapshot / "config.json")
-    assert hub.snapshot_download("org/tiny", cache_dir=str(cache), local_files_only=True) == str(snapshot)
+    assert hub.try_to_load_from_cache("org/tiny", "config.json", cache_dir=str(cache)) == str(
+        snapshot / "config.json"
+    )
+    assert hub.snapshot_download("org/tiny", cache_dir=str(cache), local_files_only=True) == str(
+        snapshot
+    )
 
     root = str(tmp_path / "ckpt")
     import_hf("org/tiny", root, cache_dir=str(cache))
     meta = read_manifest(root, 0)["metadata"]
     assert meta["imported_from"]["url"] == str(snapshot.resolve())
-    assert meta["tokenizer"] == str(snapshot.resolve() / "tokenizer.json")  # not the blob it links to
-    torch.testing.assert_close(meshtrain_logits(restored(root), TOKENS), hf_logits(main_src), atol=1e-4, rtol=1e-4)
+    assert meta["tokenizer"] == str(
+        snapshot.resolve() / "tokenizer.json"
+    )  # not the blob it links to
+    torch.testing.assert_close(
+        meshtrain_logits(restored(root), TOKENS), hf_logits(main_src), atol=1e-4, rtol=1e-4
+    )
 
     # the cache found through the environment, as the hub library finds it
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     import_hf("org/tiny", str(tmp_path / "env"), revision="dev")
-    torch.testing.assert_close(meshtrain_logits(restored(str(tmp_path / "env")), TOKENS), hf_logits(dev_src),
-                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        meshtrain_logits(restored(str(tmp_path / "env")), TOKENS),
+        hf_logits(dev_src),
+        atol=1e-4,
+        rtol=1e-4,
+    )
     monkeypatch.delenv("HF_HUB_CACHE")
     monkeypatch.setenv("HF_HOME", str(tmp_path))  # its hub/ is the cache
-    assert cli("import", "--format", "hf", "org/tiny", str(tmp_path / "home"), "--revision", dev_commit) == 0
-    assert read_manifest(str(tmp_path / "home"), 0)["metadata"]["imported_from"]["url"].endswith(dev_commit)
+    assert (
+        cli(
+            "import", "--format", "hf", "org/tiny", str(tmp_path / "home"), "--revision", dev_commit
+        )
+        == 0
+    )
+    assert read_manifest(str(tmp_path / "home"), 0)["metadata"]["imported_from"]["url"].endswith(
+        dev_commit
+    )
     # a cache folder and a snapshot folder are folders to import too
     import_hf(str(cache / "models--org--tiny"), str(tmp_path / "repo-folder"))
     import_hf(str(snapshot), str(tmp_path / "snapshot-folder"))
@@ -164,9 +192,13 @@ def test_import_resolves_a_repo_id_in_the_hub_cache_offline(tmp_path, monkeypatc
         url = read_manifest(str(tmp_path / name), 0)["metadata"]["imported_from"]["url"]
         assert url == str(snapshot.resolve())
 
-    with pytest.raises(CheckpointError, match=r"holds no models--org--absent .*hf download org/absent"):
+    with pytest.raises(
+        CheckpointError, match=r"holds no models--org--absent .*hf download org/absent"
+    ):
         import_hf("org/absent", str(tmp_path / "x"))
-    with pytest.raises(CheckpointError, match=r"no ref 'nope' in the cache \(refs there: \['dev', 'main'\]\)"):
+    with pytest.raises(
+        CheckpointError, match=r"no ref 'nope' in the cache \(refs there: \['dev', 'main'\]\)"
+    ):
         import_hf("org/tiny", str(tmp_path / "x"), revision="nope")
     with pytest.raises(CheckpointError, match="a revision .* not of a plain folder"):
         import_hf(str(main_src), str(tmp_path / "x"), revision="dev")

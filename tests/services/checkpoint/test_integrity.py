@@ -41,13 +41,17 @@ def test_flipped_byte_in_a_shard_is_caught(root_fs, offset):
         read_tensor(url, 9, "layers.2.attention.qkv.weight")
     # reading other layers touches only their shards, so they still load
     ok = read_tensor(url, 9, "layers.1.attention.qkv.weight")
-    assert torch.equal(ok.view(torch.int16), toy_model_state()["layers.1.attention.qkv.weight"].view(torch.int16))
+    assert torch.equal(
+        ok.view(torch.int16), toy_model_state()["layers.1.attention.qkv.weight"].view(torch.int16)
+    )
 
 
 def test_flipped_byte_in_array_metadata_is_caught(root_fs):
     url, fs, step = _save(root_fs)
     _flip(fs, f"{step}/final_norm.weight/zarr.json", 10)
-    with pytest.raises(CheckpointError, match="array 'final_norm.weight' object 'zarr.json' .*corrupt"):
+    with pytest.raises(
+        CheckpointError, match="array 'final_norm.weight' object 'zarr.json' .*corrupt"
+    ):
         load_checkpoint(url, 9, names=["final_norm.weight"])
 
 

@@ -33,16 +33,20 @@ COMMIT_TIMEOUT = 0.15
 @pytest.fixture(scope="module")
 def ctx():
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["tests.services.checkpoint.killable",
-                                    "meshtrain.services.checkpoint.rpc.server"])
+    context.set_forkserver_preload(
+        ["tests.services.checkpoint.killable", "meshtrain.services.checkpoint.rpc.server"]
+    )
     return context
 
 
 def start_save(ctx, root, step):
     save_id = begin_save(root, step)
-    procs = [ctx.Process(target=killable.run_writer, args=(root, step, save_id, w, COMMIT_TIMEOUT),
-                         daemon=True)
-             for w in range(killable.NUM_WRITERS)]
+    procs = [
+        ctx.Process(
+            target=killable.run_writer, args=(root, step, save_id, w, COMMIT_TIMEOUT), daemon=True
+        )
+        for w in range(killable.NUM_WRITERS)
+    ]
     for p in procs:
         p.start()
     return procs

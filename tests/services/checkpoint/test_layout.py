@@ -1,6 +1,5 @@
 """Tensor-name -> array mapping, stacking decisions, dtypes and chunk/shard shapes."""
 
-
 import numpy as np
 import pytest
 import torch
@@ -14,7 +13,10 @@ from meshtrain.services.common.errors import CheckpointError
     "name, expected",
     [
         ("layers.3.attention.qkv.weight", ("layers.attention.qkv.weight", 3)),
-        ("optim.exp_avg.layers.3.attention.qkv.weight", ("optim.exp_avg.layers.attention.qkv.weight", 3)),
+        (
+            "optim.exp_avg.layers.3.attention.qkv.weight",
+            ("optim.exp_avg.layers.attention.qkv.weight", 3),
+        ),
         ("decoder.layers.12.mlp.fc1.bias", ("decoder.layers.mlp.fc1.bias", 12)),
         # only the first layers.<int> component is the layer (experts keep their number)
         ("layers.1.mlp.experts.layers.2.w", ("layers.mlp.experts.layers.2.w", 1)),

@@ -27,7 +27,9 @@ def _write(root, step):
 
 def test_a_leftover_that_commits_while_retention_runs_is_not_collected(tmp_path):
     root = str(tmp_path / "ckpt")
-    save_id = _write(root, 10)  # written, not yet committed: it looks like a crashed save's leftover
+    save_id = _write(
+        root, 10
+    )  # written, not yet committed: it looks like a crashed save's leftover
 
     @contextlib.contextmanager
     def commit_lands_now(step):  # the commit lands between retention's listing and its delete
@@ -93,7 +95,11 @@ def test_commit_is_idempotent_for_its_own_save_and_refuses_another(tmp_path):
     save_id = _write(root, 7)
     first = commit(root, 7, save_id, 1, {})
     again = commit(root, 7, save_id, 1, {}, timeout=1)  # a retry after the first succeeded
-    assert (again.url, again.num_objects, again.bytes_written) == (first.url, first.num_objects, first.bytes_written)
+    assert (again.url, again.num_objects, again.bytes_written) == (
+        first.url,
+        first.num_objects,
+        first.bytes_written,
+    )
     with pytest.raises(CheckpointError, match="already committed"):
         commit(root, 7, "another-save", 1, {}, timeout=1)
 

@@ -33,10 +33,22 @@ pytest.importorskip("megatron.core")
 pytest.importorskip("psutil")  # megatron-core's torch_dist writer needs it (it hangs without)
 pytestmark = pytest.mark.dist  # megatron-core runs in spawned gloo ranks (the module's fixture too)
 
-GPT_SETTINGS = {"normalization": "LayerNorm", "swiglu": False, "position_embedding_type": "learned_absolute",
-                "num_query_groups": None, "add_bias_linear": True, "untie": False}
-LLAMA_SETTINGS = {"normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope",
-                  "num_query_groups": 2, "add_bias_linear": False, "untie": True}
+GPT_SETTINGS = {
+    "normalization": "LayerNorm",
+    "swiglu": False,
+    "position_embedding_type": "learned_absolute",
+    "num_query_groups": None,
+    "add_bias_linear": True,
+    "untie": False,
+}
+LLAMA_SETTINGS = {
+    "normalization": "RMSNorm",
+    "swiglu": True,
+    "position_embedding_type": "rope",
+    "num_query_groups": 2,
+    "add_bias_linear": False,
+    "untie": True,
+}
 HIDDEN, HEADS, LAYERS, FFN, VOCAB, SEQ, ROPE_BASE = 64, 4, 2, 96, 300, 16, 5000.0
 TOKENS = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
 
@@ -57,34 +69,60 @@ def _build(settings: dict, tp: int, vocab_rows: int = VOCAB, pp: int = 1):
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.utils import openai_gelu
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+    )
     # megatron-core's inference tracker: dropout-free forwards need no per-rank CUDA RNG streams.
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     swiglu = settings["swiglu"]
     config = TransformerConfig(
-        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=FFN,
-        num_query_groups=settings["num_query_groups"], normalization=settings["normalization"],
-        layernorm_epsilon=1e-5, gated_linear_unit=swiglu, activation_func=F.silu if swiglu else openai_gelu,
-        add_bias_linear=settings["add_bias_linear"], tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        pipeline_dtype=torch.float32, use_cpu_initialization=True, params_dtype=torch.float32, hidden_dropout=0.0,
-        attention_dropout=0.0)
+        num_layers=LAYERS,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        ffn_hidden_size=FFN,
+        num_query_groups=settings["num_query_groups"],
+        normalization=settings["normalization"],
+        layernorm_epsilon=1e-5,
+        gated_linear_unit=swiglu,
+        activation_func=F.silu if swiglu else openai_gelu,
+        add_bias_linear=settings["add_bias_linear"],
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=torch.float32,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     spec = get_gpt_layer_local_spec(normalization=settings["normalization"])
-    return GPTModel(config, spec, vocab_size=vocab_rows, max_sequence_length=SEQ + 4,
-                    position_embedding_type="learned_absolute" if settings["position_embedding_type"] != "rope"
-                    else "rope", rotary_base=ROPE_BASE, parallel_output=False,
-                    share_embeddings_and_output_weights=not settings["untie"],
-                    pre_process=parallel_state.is_pipeline_first_stage(),
-                    post_process=parallel_state.is_pipeline_last_stage())
+    return GPTModel(
+        config,
+        spec,
+        vocab_size=vocab_rows,
+        max_sequence_length=SEQ + 4,
+        position_embedding_type="learned_absolute"
+        if settings["position_embedding_type"] != "rope"
+        else "rope",
+        rotary_base=ROPE_BASE,
+        parallel_output=False,
+        share_embeddings_and_output_weights=not settings["untie"],
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+    )
 
 
 def _logits(model) -> torch.Tensor:
     b, s = TOKENS.shape
     positions = torch.arange(s).expand(b, s)
-    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]  # True: masked (the future)
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[
+        None, None
+    ]  # True: masked (the future)
     model.eval()
     with torch.no_grad():
         out = model(TOKENS, positions, mask)
-    return out.transpose(0, 1) if out.shape[0] == s and out.shape[1] == b else out  # (batch, seq, vocab)
+    return (
+        out.transpose(0, 1) if out.shape[0] == s and out.shape[1] == b else out
+    )  # (batch, seq, vocab)
 
 
 def _save_megatron(rank: int, world: int, settings: dict, path: str, layout: str) -> torch.Tensor:
@@ -107,27 +145,58 @@ def _save_megatron(rank: int, world: int, settings: dict, path: str, layout: str
         from megatron.core.transformer.enums import AttnBackend
 
         args = argparse.Namespace(
-            num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS,
+            num_layers=LAYERS,
+            hidden_size=HIDDEN,
+            ffn_hidden_size=FFN,
+            num_attention_heads=HEADS,
             group_query_attention=settings["num_query_groups"] is not None,
-            num_query_groups=settings["num_query_groups"] or 1, kv_channels=HIDDEN // HEADS, seq_length=SEQ,
-            max_position_embeddings=SEQ + 4, position_embedding_type=settings["position_embedding_type"],
-            rotary_base=int(ROPE_BASE), rotary_percent=1.0, normalization=settings["normalization"],
-            norm_epsilon=1e-5, swiglu=settings["swiglu"], openai_gelu=not settings["swiglu"],
-            add_bias_linear=settings["add_bias_linear"], add_qkv_bias=False,
-            untie_embeddings_and_output_weights=settings["untie"], tensor_model_parallel_size=world,
-            pipeline_model_parallel_size=1, attention_backend=AttnBackend.auto, params_dtype=torch.float32,
-            hidden_dropout=0.1, attention_dropout=0.1, make_vocab_size_divisible_by=128)
+            num_query_groups=settings["num_query_groups"] or 1,
+            kv_channels=HIDDEN // HEADS,
+            seq_length=SEQ,
+            max_position_embeddings=SEQ + 4,
+            position_embedding_type=settings["position_embedding_type"],
+            rotary_base=int(ROPE_BASE),
+            rotary_percent=1.0,
+            normalization=settings["normalization"],
+            norm_epsilon=1e-5,
+            swiglu=settings["swiglu"],
+            openai_gelu=not settings["swiglu"],
+            add_bias_linear=settings["add_bias_linear"],
+            add_qkv_bias=False,
+            untie_embeddings_and_output_weights=settings["untie"],
+            tensor_model_parallel_size=world,
+            pipeline_model_parallel_size=1,
+            attention_backend=AttnBackend.auto,
+            params_dtype=torch.float32,
+            hidden_dropout=0.1,
+            attention_dropout=0.1,
+            make_vocab_size_divisible_by=128,
+        )
         from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
         # Beside the model, as Megatron-LM saves them: an optimizer moment (keyed "optimizer.state..."),
         # each rank's RNG state (a ShardedObject); the import must pass over both.
         embedding = model.embedding.word_embeddings.weight  # (vocab/tp, hidden): this rank's rows
-        moment = ShardedTensor.from_rank_offsets("optimizer.state.exp_avg.embedding.word_embeddings.weight",
-                                                 torch.zeros_like(embedding), (0, rank, world))
-        rng = ShardedObject("rng_state", {"random_rng_state": torch.get_rng_state()}, (world,), (rank,),
-                            replica_id=0)
-        state = {"args": args, "checkpoint_version": 3.0, "iteration": 100, "model": model.sharded_state_dict(),
-                 "optimizer": {"state": {"exp_avg": moment}}, "rng_state": rng}
+        moment = ShardedTensor.from_rank_offsets(
+            "optimizer.state.exp_avg.embedding.word_embeddings.weight",
+            torch.zeros_like(embedding),
+            (0, rank, world),
+        )
+        rng = ShardedObject(
+            "rng_state",
+            {"random_rng_state": torch.get_rng_state()},
+            (world,),
+            (rank,),
+            replica_id=0,
+        )
+        state = {
+            "args": args,
+            "checkpoint_version": 3.0,
+            "iteration": 100,
+            "model": model.sharded_state_dict(),
+            "optimizer": {"state": {"exp_avg": moment}},
+            "rng_state": rng,
+        }
         dist_checkpointing.save(state, f"{path}/iter_0000100")
         if rank == 0:
             with open(f"{path}/latest_checkpointed_iteration.txt", "w") as f:
@@ -151,8 +220,9 @@ def _save_pp(rank: int, world: int, path: str) -> None:
     dist_checkpointing.save(model.sharded_state_dict(), path)
 
 
-def _load_megatron(rank: int, world: int, settings: dict, path: str, vocab_rows: int,
-                   exported: bool = True) -> torch.Tensor:
+def _load_megatron(
+    rank: int, world: int, settings: dict, path: str, vocab_rows: int, exported: bool = True
+) -> torch.Tensor:
     """Rank body: a fresh GPTModel filled by dist_checkpointing.load from `path`; returns its logits."""
     from megatron.core import dist_checkpointing
 
@@ -178,8 +248,10 @@ def _meshtrain_logits(root: str) -> torch.Tensor:
         return model(TOKENS)
 
 
-FLAGS = {"gpt": {"num_attention_heads": HEADS, "openai_gelu": True},
-         "llama": {"num_attention_heads": HEADS, "rotary_base": ROPE_BASE, "seq_length": SEQ}}
+FLAGS = {
+    "gpt": {"num_attention_heads": HEADS, "openai_gelu": True},
+    "llama": {"num_attention_heads": HEADS, "rotary_base": ROPE_BASE, "seq_length": SEQ},
+}
 
 
 @pytest.mark.parametrize("layout", ["folder", "training"])
@@ -202,8 +274,16 @@ def test_import_gives_megatron_cores_logits_and_export_loads_back(tmp_path, name
     _, flags = export_megatron(root, str(dst))
     assert (dst / "latest_checkpointed_iteration.txt").read_text() == "release"
     assert sorted(p.name for p in (dst / "release").iterdir()) == [
-        ".metadata", "__0_0.distcp", "common.pt", "metadata.json"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "exported", "megatron"]  # no build folder left
+        ".metadata",
+        "__0_0.distcp",
+        "common.pt",
+        "metadata.json",
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ckpt",
+        "exported",
+        "megatron",
+    ]  # no build folder left
     assert "--num-attention-heads" in flags
     rows = 384  # the vocabulary padded to a multiple of 128, as Megatron-LM pads it
     (back,) = run_ranks(_load_megatron, 1, settings, str(dst / "release"), rows)
@@ -219,7 +299,9 @@ def test_tp2_sharded_save_imports_on_one_process(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     saved = dcp.FileSystemReader(f"{src}/iter_0000100").read_metadata().state_dict_metadata
-    assert "optimizer.state.exp_avg.embedding.word_embeddings.weight" in saved  # passed over by the import
+    assert (
+        "optimizer.state.exp_avg.embedding.word_embeddings.weight" in saved
+    )  # passed over by the import
     assert any(k.startswith("rng_state/") for k in saved)
     root = str(tmp_path / "ckpt")
     import_megatron(src, root)
@@ -252,25 +334,41 @@ def test_missing_facts_name_the_flag(gpt_folder, tmp_path):
         import_megatron(gpt_folder, str(tmp_path / "a"))
     with pytest.raises(CheckpointError, match="no multiple of 3 heads.*--num-attention-heads"):
         import_megatron(gpt_folder, str(tmp_path / "b"), flags={"num_attention_heads": 3})
-    with pytest.raises(CheckpointError, match="do not match.*--num-attention-heads, --num-query-groups"):
-        import_megatron(gpt_folder, str(tmp_path / "b"), flags={"num_attention_heads": HEADS, "num_query_groups": 1})
+    with pytest.raises(
+        CheckpointError, match="do not match.*--num-attention-heads, --num-query-groups"
+    ):
+        import_megatron(
+            gpt_folder,
+            str(tmp_path / "b"),
+            flags={"num_attention_heads": HEADS, "num_query_groups": 1},
+        )
     with pytest.raises(CheckpointError, match="swiglu=True but the tensors say False"):
-        import_megatron(gpt_folder, str(tmp_path / "c"), flags={"num_attention_heads": HEADS, "swiglu": True})
+        import_megatron(
+            gpt_folder, str(tmp_path / "c"), flags={"num_attention_heads": HEADS, "swiglu": True}
+        )
 
 
 def test_unsupported_features_are_named(gpt_folder, tmp_path):
     with pytest.raises(CheckpointError, match="mixture-of-experts"):
-        import_megatron(gpt_folder, str(tmp_path / "a"), flags={"num_attention_heads": HEADS, "num_experts": 8})
+        import_megatron(
+            gpt_folder, str(tmp_path / "a"), flags={"num_attention_heads": HEADS, "num_experts": 8}
+        )
     with pytest.raises(CheckpointError, match="multi-latent attention"):
-        import_megatron(gpt_folder, str(tmp_path / "b"),
-                        flags={"num_attention_heads": HEADS, "multi_latent_attention": True})
+        import_megatron(
+            gpt_folder,
+            str(tmp_path / "b"),
+            flags={"num_attention_heads": HEADS, "multi_latent_attention": True},
+        )
 
 
-@pytest.mark.parametrize("key, what", [
-    ("decoder.layers.mlp.router.weight", "mixture-of-experts layers"),
-    ("decoder.layers.self_attention.linear_q_down_proj.weight", "multi-latent attention"),
-    ("mtp.layers.0.enorm.weight", "multi-token prediction"),
-])
+@pytest.mark.parametrize(
+    "key, what",
+    [
+        ("decoder.layers.mlp.router.weight", "mixture-of-experts layers"),
+        ("decoder.layers.self_attention.linear_q_down_proj.weight", "multi-latent attention"),
+        ("mtp.layers.0.enorm.weight", "multi-token prediction"),
+    ],
+)
 def test_unsupported_tensors_are_named(gpt_folder, tmp_path, key, what):
     """A folder holding such a feature's tensor (written with DCP beside a GPT's own) is refused by name."""
     import torch.distributed.checkpoint as dcp
@@ -309,7 +407,6 @@ def test_exact_gelu_is_imported_with_a_note(gpt_folder, tmp_path):
     assert any("tanh" in n for n in notes)
 
 
-
 def test_cli_imports_with_flags_and_exports_with_the_megatron_flags(gpt_folder, tmp_path, capsys):
     """The CLI passes Megatron's flags through, refuses one that belongs to the other format,
     and the export names the Megatron-LM flags that build the model it wrote."""
@@ -324,47 +421,100 @@ def test_cli_imports_with_flags_and_exports_with_the_megatron_flags(gpt_folder, 
         return capsys.readouterr().out
 
     root = str(tmp_path / "ckpt")
-    out = run("import", "--format", "megatron", gpt_folder, root, "--num-attention-heads", str(HEADS),
-              "--openai-gelu", "--vocab-size", "290")
+    out = run(
+        "import",
+        "--format",
+        "megatron",
+        gpt_folder,
+        root,
+        "--num-attention-heads",
+        str(HEADS),
+        "--openai-gelu",
+        "--vocab-size",
+        "290",
+    )
     assert "optimizer state is not imported" in out and "note:" not in out
     model = read_manifest(root, 0)["metadata"]["config"]["model"]
     assert model["vocab_size"] == 290 and model["activation"] == "gelu"
-    assert model["position_embedding_type"] == "learned" and model["max_position_embeddings"] == SEQ + 4
+    assert (
+        model["position_embedding_type"] == "learned"
+        and model["max_position_embeddings"] == SEQ + 4
+    )
     assert tuple(read_tensor(root, 0, "embedding.word_embeddings.weight").shape) == (290, HIDDEN)
 
-    args = parser.parse_args(["import", "--format", "hf", gpt_folder, str(tmp_path / "x"), "--rotary-base", "5"])
+    args = parser.parse_args(
+        ["import", "--format", "hf", gpt_folder, str(tmp_path / "x"), "--rotary-base", "5"]
+    )
     with pytest.raises(CheckpointError, match="--rotary-base does not apply to --format hf"):
         args.func(args)
 
-    out = run("export", "--format", "megatron", root, str(tmp_path / "mc"), "--padded-vocab-size", "512")
+    out = run(
+        "export", "--format", "megatron", root, str(tmp_path / "mc"), "--padded-vocab-size", "512"
+    )
     assert f"--load {tmp_path / 'mc'}" in out
     assert "--num-attention-heads 4" in out and "--openai-gelu" in out and "--swiglu" not in out
-    assert "--position-embedding-type learned_absolute" in out and "--disable-bias-linear" not in out
+    assert (
+        "--position-embedding-type learned_absolute" in out and "--disable-bias-linear" not in out
+    )
     import torch.distributed.checkpoint as dcp
 
-    meta = dcp.FileSystemReader(str(tmp_path / "mc" / "release")).read_metadata().state_dict_metadata
+    meta = (
+        dcp.FileSystemReader(str(tmp_path / "mc" / "release")).read_metadata().state_dict_metadata
+    )
     assert tuple(meta["embedding.word_embeddings.weight"].size) == (512, HIDDEN)
-    assert tuple(meta["decoder.layers.self_attention.linear_qkv.weight"].size) == (LAYERS, 3 * HIDDEN, HIDDEN)
+    assert tuple(meta["decoder.layers.self_attention.linear_qkv.weight"].size) == (
+        LAYERS,
+        3 * HIDDEN,
+        HIDDEN,
+    )
     with pytest.raises(CheckpointError, match="already exists"):
         run("export", "--format", "megatron", root, str(tmp_path / "mc"))
 
     # The export's root (tracker: release) imports back bit-exact, its padding rows dropped again.
     again = str(tmp_path / "again")
-    run("import", "--format", "megatron", str(tmp_path / "mc"), again, "--num-attention-heads", str(HEADS),
-        "--openai-gelu", "--vocab-size", "290")
+    run(
+        "import",
+        "--format",
+        "megatron",
+        str(tmp_path / "mc"),
+        again,
+        "--num-attention-heads",
+        str(HEADS),
+        "--openai-gelu",
+        "--vocab-size",
+        "290",
+    )
     assert read_manifest(again, 0)["metadata"]["config"]["model"] == model
-    for name in ("embedding.word_embeddings.weight", "layers.1.attention.qkv.weight", "final_norm.bias"):
+    for name in (
+        "embedding.word_embeddings.weight",
+        "layers.1.attention.qkv.weight",
+        "final_norm.bias",
+    ):
         assert torch.equal(read_tensor(again, 0, name), read_tensor(root, 0, name))
 
 
-@pytest.mark.parametrize("settings, match", [
-    ({"num_experts": 4}, "mixture-of-experts"),
-    ({"rope_scaling_factor": 8.0, "rope_scaling_original_max_positions": 4096}, r"fixes them at \(1, 4, 8192\)"),
-])
+@pytest.mark.parametrize(
+    "settings, match",
+    [
+        ({"num_experts": 4}, "mixture-of-experts"),
+        (
+            {"rope_scaling_factor": 8.0, "rope_scaling_original_max_positions": 4096},
+            r"fixes them at \(1, 4, 8192\)",
+        ),
+    ],
+)
 def test_export_refuses_what_a_megatron_gptmodel_cannot_compute(settings, match):
     from meshtrain.services.checkpoint.megatron import rules
 
-    base = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 300, "seq_length": 16,
-            "normalization": "rmsnorm", "activation": "swiglu", "position_embedding_type": "rope"}
+    base = {
+        "num_layers": 2,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "vocab_size": 300,
+        "seq_length": 16,
+        "normalization": "rmsnorm",
+        "activation": "swiglu",
+        "position_embedding_type": "rope",
+    }
     with pytest.raises(CheckpointError, match=match):
         rules(ModelConfig(**base, **settings))

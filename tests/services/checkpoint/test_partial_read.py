@@ -51,7 +51,9 @@ def save(root, step, full, tp, dim=1):
             shape = [1, ROWS, COLS]
             shape[dim] = size
             box = full[tuple(slice(o, o + s) for o, s in zip(offsets, shape))]
-            writer.write(ShardSpec(ARRAY, tuple(full.shape), "float32", tuple(offsets), tuple(shape)), box)
+            writer.write(
+                ShardSpec(ARRAY, tuple(full.shape), "float32", tuple(offsets), tuple(shape)), box
+            )
         writer.finish()
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(tp)]
@@ -97,8 +99,9 @@ def test_inner_chunks_cut_the_sharded_dim(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "bool"])
-@pytest.mark.parametrize("box", [((1, 32, 0), (1, 32, 32)), ((1, 0, 16), (1, 64, 16)),
-                                 ((0, 0), (64, 32))])
+@pytest.mark.parametrize(
+    "box", [((1, 32, 0), (1, 32, 32)), ((1, 0, 16), (1, 64, 16)), ((0, 0), (64, 32))]
+)
 def test_plain_shard_matches_zarr(dtype, box):
     """Hand-built multi-chunk shards decode in zarr to the data and list true chunk crc32s.
 
@@ -119,14 +122,18 @@ def test_plain_shard_matches_zarr(dtype, box):
     n = len(encoded.chunk_crc32)
     assert n >= 4 and encoded.size == len(obj)  # chunks of >= 256 B
     assert encoded.crc32 == zlib.crc32(obj)
-    assert encoded.index_crc32 == zlib.crc32(obj[-shards.index_nbytes(n):])
+    assert encoded.index_crc32 == zlib.crc32(obj[-shards.index_nbytes(n) :])
     store = zarr.storage.MemoryStore()
     meta.empty_array(store)[spec.slices()] = stored
     theirs = store._store_dict[f"{name}/{spec.key}"].to_bytes()
     if len(shape) == 3:
         assert obj == theirs
-    store._store_dict[f"{name}/{spec.key}"] = zarr.core.buffer.default_buffer_prototype().buffer.from_bytes(obj)
-    np.testing.assert_array_equal(zarr.open_array(store, path=name, mode="r")[spec.slices()], stored)
+    store._store_dict[f"{name}/{spec.key}"] = (
+        zarr.core.buffer.default_buffer_prototype().buffer.from_bytes(obj)
+    )
+    np.testing.assert_array_equal(
+        zarr.open_array(store, path=name, mode="r")[spec.slices()], stored
+    )
 
 
 @pytest.mark.parametrize("dim", [1, 2])
@@ -142,8 +149,9 @@ def test_resharded_read_fetches_only_needed_chunks(root, monkeypatch, dim):
         offsets, shape = [0, 0, 0], list(full.shape)
         offsets[dim], shape[dim] = r * step, min(step, extent - r * step)
         box = read_box(root, 1, ARRAY, tuple(offsets), tuple(shape))
-        torch.testing.assert_close(box, full[tuple(slice(o, o + s) for o, s in zip(offsets, shape))],
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(
+            box, full[tuple(slice(o, o + s) for o, s in zip(offsets, shape))], rtol=0, atol=0
+        )
         fetched_needed += box.numel() * 4
     whole_shards = 4 * LAYERS * (full.numel() * 4 // (2 * LAYERS))  # each box touches 2 of 2 / 1
     assert fetched_needed == full.numel() * 4
@@ -157,7 +165,9 @@ def test_same_layout_read_fetches_whole_shards_once(root, monkeypatch):
     counter = CountingReads(monkeypatch, root)
     box = read_box(root, 1, ARRAY, (0, 32, 0), (LAYERS, 32, COLS))
     torch.testing.assert_close(box, full[:, 32:], rtol=0, atol=0)
-    manifest = json.loads(open_root(root).fs.cat_file(f"{open_root(root).step_path(1)}/{MANIFEST_NAME}"))
+    manifest = json.loads(
+        open_root(root).fs.cat_file(f"{open_root(root).step_path(1)}/{MANIFEST_NAME}")
+    )
     objects = manifest["arrays"][ARRAY]["objects"]
     assert counter.bytes == sum(objects[f"c/{layer}/1/0"]["size"] for layer in range(LAYERS))
 
@@ -165,7 +175,7 @@ def test_same_layout_read_fetches_whole_shards_once(root, monkeypatch):
 def _chunk_offset(url, step, key, chunk):
     path, fs = shard_path(url, step, key)
     data = fs.cat_file(path)
-    index = np.frombuffer(data[-shards.index_nbytes(8):-4], dtype="<u8").reshape(8, 2)
+    index = np.frombuffer(data[-shards.index_nbytes(8) : -4], dtype="<u8").reshape(8, 2)
     return path, fs, int(index[chunk][0])
 
 
@@ -182,10 +192,13 @@ def test_flipped_byte_in_a_chunk_is_caught_on_a_partial_read(root_fs):
     path, fs, offset = _chunk_offset(url, 2, "c/1/0/0", 5)  # rows 20:24 of layer 1
     _flip(fs, path, offset + 7)
     # A box that skips the damaged chunk still reads (each chunk is verified on its own) ...
-    torch.testing.assert_close(read_box(url, 2, ARRAY, (1, 0, 0), (1, 20, COLS)), full[1:2, :20],
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        read_box(url, 2, ARRAY, (1, 0, 0), (1, 20, COLS)), full[1:2, :20], rtol=0, atol=0
+    )
     # ... one that needs it names the array, the shard and the chunk.
-    with pytest.raises(CheckpointError, match=rf"array '{ARRAY}' object 'c/1/0/0'.* chunk 5 \(0, 5, 0\) is corrupt"):
+    with pytest.raises(
+        CheckpointError, match=rf"array '{ARRAY}' object 'c/1/0/0'.* chunk 5 \(0, 5, 0\) is corrupt"
+    ):
         read_box(url, 2, ARRAY, (1, 16, 0), (1, 30, COLS))
     with pytest.raises(CheckpointError, match=rf"array '{ARRAY}' object 'c/1/0/0'.* is corrupt"):
         read_box(url, 2, ARRAY, (0, 0, 0), (LAYERS, ROWS, COLS))  # whole shards: object crc32

@@ -24,7 +24,13 @@ from meshtrain.services.checkpoint.rpc.replicas import Replicas, key_of, parse_a
 from meshtrain.services.checkpoint.rpc.server import start_server
 from meshtrain.services.checkpoint.shards import ShardSpec
 from meshtrain.services.common.errors import CheckpointError
-from tests.services.checkpoint.test_service_restart import PausingClient, Serve, layered, same, wait_for
+from tests.services.checkpoint.test_service_restart import (
+    PausingClient,
+    Serve,
+    layered,
+    same,
+    wait_for,
+)
 
 
 @contextlib.contextmanager
@@ -48,7 +54,9 @@ def test_addresses_are_parsed_and_refused_by_name():
     for bad in ("", " , ", "nohost", "dns:///svc", "dns:///svc:0x"):
         with pytest.raises(CheckpointError, match="checkpoint service address"):
             parse_addresses(bad)
-    assert resolve("dns:///localhost:5") and all(t.endswith(":5") for t in resolve("dns:///localhost:5"))
+    assert resolve("dns:///localhost:5") and all(
+        t.endswith(":5") for t in resolve("dns:///localhost:5")
+    )
     assert key_of("abc") == key_of("abc") and key_of(7) == 7
 
 
@@ -73,7 +81,9 @@ def test_any_replica_serves_any_call_of_a_save(tmp_path):
                 writer.write(*box(f"w{w}", w + 1.0))
                 writer.finish()
             assert cb.commit(3, save_id, 2, {"by": "b"}).step == 3
-            assert ca.commit(3, save_id, 2, {"by": "b"}).step == 3  # a retry elsewhere finds the commit
+            assert (
+                ca.commit(3, save_id, 2, {"by": "b"}).step == 3
+            )  # a retry elsewhere finds the commit
             assert read_manifest(root, 3)["save_id"] == save_id
 
             # a writer of an older client (no step in its header) gets NOT_FOUND from a replica
@@ -102,7 +112,9 @@ def test_a_save_superseded_on_another_replica_neither_reports_nor_commits(tmp_pa
                 cb.commit(5, old, 1, timeout=5)
             late = cb.writer(5, old, 0, 1)
             late.write(*box("w", 9.0))
-            with pytest.raises(CheckpointError, match="superseded|ended|unknown|FAILED_PRECONDITION"):
+            with pytest.raises(
+                CheckpointError, match="superseded|ended|unknown|FAILED_PRECONDITION"
+            ):
                 late.finish()
             writer = cb.writer(5, new, 0, 1)  # replica b drops the old save and adopts the new
             writer.write(*box("w", 2.0))
@@ -128,8 +140,12 @@ def test_two_replicas_asked_to_commit_one_step(tmp_path):
             writer.write(*box("w", 6.0))
             writer.finish()
             results = {}
-            threads = [threading.Thread(target=lambda c=c, k=k: results.__setitem__(k, c.commit(6, save_id, 1, {})))
-                       for k, c in (("a", ca), ("b", cb))]
+            threads = [
+                threading.Thread(
+                    target=lambda c=c, k=k: results.__setitem__(k, c.commit(6, save_id, 1, {}))
+                )
+                for k, c in (("a", ca), ("b", cb))
+            ]
             for t in threads:
                 t.start()
             for t in threads:
@@ -154,7 +170,9 @@ def test_two_replicas_asked_to_commit_one_step(tmp_path):
                 except CheckpointError as e:
                     outcomes[save] = e
 
-            threads = [threading.Thread(target=commit, args=args) for args in ((ca, first), (cb, second))]
+            threads = [
+                threading.Thread(target=commit, args=args) for args in ((ca, first), (cb, second))
+            ]
             for t in threads:
                 t.start()
             for t in threads:
@@ -173,8 +191,11 @@ def test_abort_reaches_the_replica_whose_commit_waits(tmp_path):
             writer.write(*box("w", 1.0))
             writer.finish()  # writer 1 never reports
             outcome = []
-            waiting = threading.Thread(target=lambda: outcome.append(pytest.raises(CheckpointError, cb.commit, 11,
-                                                                                   save_id, 2, timeout=60)))
+            waiting = threading.Thread(
+                target=lambda: outcome.append(
+                    pytest.raises(CheckpointError, cb.commit, 11, save_id, 2, timeout=60)
+                )
+            )
             waiting.start()
             time.sleep(1.0)  # replica b has adopted the save and waits for writer 1
             assert both.abort_save(save_id, "the run failed", timeout=30) is True
@@ -191,13 +212,24 @@ def test_the_direct_data_plane(tmp_path):
             savers = [AsyncSaver(client, w, 2, commit_timeout=10) for w in range(2)]
             save_id = client.begin_save(8, num_writers=2)
             for w, saver in enumerate(savers):
-                saver.save(8, save_id, boxes[2 * w:2 * w + 2], committer=w == 0, metadata={"direct": True})
+                saver.save(
+                    8,
+                    save_id,
+                    boxes[2 * w : 2 * w + 2],
+                    committer=w == 0,
+                    metadata={"direct": True},
+                )
             savers[1].close()
             assert savers[0].wait().step == 8
             savers[0].close()
-            assert read_manifest(root, 8)["metadata"] == {"direct": True} and same(root, 8, "w", full)
+            assert read_manifest(root, 8)["metadata"] == {"direct": True} and same(
+                root, 8, "w", full
+            )
         with CheckpointClient(addresses, direct_root=str(tmp_path / "elsewhere")) as client:
-            with pytest.raises(CheckpointError, match="writers of the direct data plane must write where it commits"):
+            with pytest.raises(
+                CheckpointError,
+                match="writers of the direct data plane must write where it commits",
+            ):
                 client.begin_save(9)
 
 
@@ -222,14 +254,20 @@ def test_a_replica_killed_mid_save_is_replaced_and_the_save_commits(tmp_path):
         its_writers = [w for w in range(writers) if chosen[w] == victim.address]
         # the victim's writers send half their boxes, then wait for the kill
         sinks = [PausingClient(c, 12, go) if w in its_writers else c for w, c in enumerate(clients)]
-        savers = [AsyncSaver(s, w, writers, attempts=3, backoff=0.2, retry_timeout=20, commit_timeout=60)
-                  for w, s in enumerate(sinks)]
+        savers = [
+            AsyncSaver(s, w, writers, attempts=3, backoff=0.2, retry_timeout=20, commit_timeout=60)
+            for w, s in enumerate(sinks)
+        ]
         for w, saver in enumerate(savers):
             saver.save(2, save_id, arrays[w][1], committer=w == 0, metadata={"step": 2})
         stored = [os.path.join(root, "step_00000002", f"w{w}", "c") for w in its_writers]
-        wait_for("a box of the victim's writers stored", lambda: any(glob.glob(f"{d}/*") for d in stored))
+        wait_for(
+            "a box of the victim's writers stored", lambda: any(glob.glob(f"{d}/*") for d in stored)
+        )
         victim.kill()
-        assert sum(len(glob.glob(f"{d}/*")) for d in stored) < 24 * len(its_writers)  # it died mid-save
+        assert sum(len(glob.glob(f"{d}/*")) for d in stored) < 24 * len(
+            its_writers
+        )  # it died mid-save
         go.set()
         assert list_checkpoints(root) == []
         for saver in savers[1:]:

@@ -16,9 +16,20 @@ from tests.services.trainer.conftest import corpus_cache, small_job_args  # noqa
 def test_the_trainer_saves_through_two_replicas(corpus_cache, tmp_path, direct):  # noqa: F811
     root = str(tmp_path / "ckpt")
     with replicas(root) as addresses:
-        trainer = Trainer(load_config(small_job_args(corpus_cache, tmp_path / "run", **{
-            "checkpoint.save": root, "checkpoint.service_address": ",".join(addresses),
-            "checkpoint.service_direct": direct, "checkpoint.async_save": False})))
+        trainer = Trainer(
+            load_config(
+                small_job_args(
+                    corpus_cache,
+                    tmp_path / "run",
+                    **{
+                        "checkpoint.save": root,
+                        "checkpoint.service_address": ",".join(addresses),
+                        "checkpoint.service_direct": direct,
+                        "checkpoint.async_save": False,
+                    },
+                )
+            )
+        )
         try:
             trainer.train_step(0)
             trainer.state.iteration = 1
@@ -31,5 +42,9 @@ def test_the_trainer_saves_through_two_replicas(corpus_cache, tmp_path, direct):
         saved = state[name]
         # the embedding is stored at the tokenizer's vocabulary, the model's may be padded
         held = param.detach()[tuple(slice(0, n) for n in saved.shape)]
-        assert saved.dtype == held.dtype and torch.equal(saved.view(torch.int16), held.view(torch.int16)) \
-            if held.dtype == torch.bfloat16 else torch.equal(saved, held), name
+        assert (
+            saved.dtype == held.dtype
+            and torch.equal(saved.view(torch.int16), held.view(torch.int16))
+            if held.dtype == torch.bfloat16
+            else torch.equal(saved, held)
+        ), name

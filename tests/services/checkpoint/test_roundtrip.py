@@ -53,7 +53,9 @@ def test_per_layer_tensors_are_stacked(root):
     assert arrays["layers.scale"]["shape"] == [NUM_LAYERS]  # per-layer scalars stack too
     # the stored zarr attributes carry the logical dtype as well
     r = open_root(root)
-    z = zarr.open_array(zarr_store(r, r.step_path(1), read_only=True), path="layers.attention.qkv.weight")
+    z = zarr.open_array(
+        zarr_store(r, r.step_path(1), read_only=True), path="layers.attention.qkv.weight"
+    )
     assert z.attrs["logical_dtype"] == "bfloat16"
 
 
@@ -69,7 +71,9 @@ def test_load_subset_and_read_tensor_slice(root):
     got = read_tensor(root, 3, "layers.1.attention.qkv.weight", (slice(4, 20, 3), 5))
     assert torch.equal(got.view(torch.int16), w[4:20:3, 5].view(torch.int16))
     got = read_tensor(root, 3, "embedding.word_embeddings.weight", (..., slice(-3, None)))
-    assert torch.equal(got.view(torch.int16), state["embedding.word_embeddings.weight"][:, -3:].view(torch.int16))
+    assert torch.equal(
+        got.view(torch.int16), state["embedding.word_embeddings.weight"][:, -3:].view(torch.int16)
+    )
     assert read_tensor(root, 3, "optim.step").item() == 12
     assert torch.equal(read_tensor(root, 3, "final_norm.weight"), state["final_norm.weight"])
     with pytest.raises(CheckpointError, match="out of range"):

@@ -40,8 +40,10 @@ def test_two_writers_through_the_service(service):
     assert client.describe(7)["metadata"] == {"it": 7}
     got = client.read_box(7, "layers.attention.qkv.weight", (1, 4, 0), (2, 8, 8))  # > 1 chunk
     assert torch.equal(got.view(torch.int16), full[1:3, 4:12].view(torch.int16))
-    assert torch.equal(read_box(root, 7, "layers.attention.qkv.weight", (0, 0, 0), (3, 16, 8))
-                       .view(torch.int16), full.view(torch.int16))
+    assert torch.equal(
+        read_box(root, 7, "layers.attention.qkv.weight", (0, 0, 0), (3, 16, 8)).view(torch.int16),
+        full.view(torch.int16),
+    )
 
 
 def test_health_and_unknown_ids(service):
@@ -64,7 +66,10 @@ def test_health_and_unknown_ids(service):
     # a request is checked before it is priced against the in-flight limit (64 KiB here)
     with pytest.raises(CheckpointError, match="no array 'missing'"):
         client.read_box(1, "missing", (0,), (1 << 20,))
-    with pytest.raises(CheckpointError, match=r"box offsets \(0,\) shape \(1048576,\) is outside array 'w' of shape \(2,\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"box offsets \(0,\) shape \(1048576,\) is outside array 'w' of shape \(2,\)",
+    ):
         client.read_box(1, "w", (0,), (1 << 20,))
 
 
@@ -90,7 +95,9 @@ def test_bad_streams_are_rejected_and_nothing_commits(service):
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert re.search(match, info.value.details()), info.value.details()
     # a box's size is a field the client chose: INVALID_ARGUMENT naming it and the limit
-    huge = pb.WriteShardsRequest(box=box_to_pb(ShardSpec("w", (1 << 20,), "float32", (0,), (1 << 20,))))
+    huge = pb.WriteShardsRequest(
+        box=box_to_pb(ShardSpec("w", (1 << 20,), "float32", (0,), (1 << 20,)))
+    )
     with pytest.raises(grpc.RpcError) as info:
         raw_stream(client, save_id, [huge])
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -108,13 +115,16 @@ def test_delete_and_retention(service):
     for step in range(1, 8):
         save_checkpoint(root, step, {"w": torch.full((2,), float(step))})
     save_id = client.begin_save(8)  # in progress: retention must leave it alone
-    ShardWriter(root, 8, save_id, 0, 1).write(ShardSpec("w", (2,), "float32", (0,), (2,)),
-                                              torch.ones(2))
+    ShardWriter(root, 8, save_id, 0, 1).write(
+        ShardSpec("w", (2,), "float32", (0,), (2,)), torch.ones(2)
+    )
     os.makedirs(f"{root}/step_00000009/w")  # a crashed save's leftover
     result = client.apply_retention(keep_last=2, keep_every=3)
     assert result.deleted == [1, 2, 4, 5] and result.collected == [9]
     assert client.list() == [3, 6, 7]
-    assert os.path.exists(f"{root}/step_00000008/w/c/0") and not os.path.exists(f"{root}/step_00000009")
+    assert os.path.exists(f"{root}/step_00000008/w/c/0") and not os.path.exists(
+        f"{root}/step_00000009"
+    )
     assert client.delete(6) and not client.delete(6)
     assert client.list() == [3, 7]
     with pytest.raises(CheckpointError, match="keep_last=-1"):
@@ -143,8 +153,10 @@ def test_a_newer_begin_save_of_a_step_supersedes_the_older_one(service):
     assert fresh.wait().step == 5
     with pytest.raises(CheckpointError, match="superseded"):
         client.commit(5, old, 1, {}, timeout=1)
-    assert torch.equal(read_box(root, 5, "layers.attention.qkv.weight", (0, 0, 0), (2, 8, 4)).view(torch.int16),
-                       full.view(torch.int16))
+    assert torch.equal(
+        read_box(root, 5, "layers.attention.qkv.weight", (0, 0, 0), (2, 8, 4)).view(torch.int16),
+        full.view(torch.int16),
+    )
 
 
 def test_a_retried_commit_of_a_committed_save_gets_its_result_again(service):
@@ -182,7 +194,9 @@ def test_an_abandoned_save_is_forgotten_and_its_leftovers_collected(tmp_path):
     root = str(tmp_path / "ckpt")
     with running_service(root, commit_timeout=0.2) as (client, _):
         save_id = client.begin_save(8, num_writers=1)  # its trainer dies before committing
-        ShardWriter(root, 8, save_id, 0, 1).write(ShardSpec("w", (2,), "float32", (0,), (2,)), torch.ones(2))
+        ShardWriter(root, 8, save_id, 0, 1).write(
+            ShardSpec("w", (2,), "float32", (0,), (2,)), torch.ones(2)
+        )
         assert client.apply_retention(keep_last=3).collected == []  # still in progress
         time.sleep(0.6)  # past twice the commit timeout
         assert client.apply_retention(keep_last=3).collected == [8]
@@ -203,7 +217,9 @@ def test_two_commits_of_one_save_at_once_both_get_the_result(service):
 
 
 @pytest.mark.parametrize("manifest_landed", [False, True], ids=["write-failed", "reply-lost"])
-def test_a_commit_that_fails_on_storage_is_retried_to_the_end(service, monkeypatch, manifest_landed):
+def test_a_commit_that_fails_on_storage_is_retried_to_the_end(
+    service, monkeypatch, manifest_landed
+):
     # The manifest write raises OSError once: before the object landed, or after it (the PUT
     # succeeded, its reply was lost). The client retries the UNAVAILABLE status; the service must
     # still know the save, so the retry commits it, or finds its own commit, as embedded
@@ -225,8 +241,10 @@ def test_a_commit_that_fails_on_storage_is_retried_to_the_end(service, monkeypat
     saver.save(4, client.begin_save(4), tp_boxes(full, 0, 1), committer=True, metadata={})
     assert saver.wait().step == 4 and failed
     assert client.list() == [4]
-    assert torch.equal(read_box(root, 4, "layers.attention.qkv.weight", (0, 0, 0), (2, 8, 4)).view(torch.int16),
-                       full.view(torch.int16))
+    assert torch.equal(
+        read_box(root, 4, "layers.attention.qkv.weight", (0, 0, 0), (2, 8, 4)).view(torch.int16),
+        full.view(torch.int16),
+    )
 
 
 def test_calls_of_a_save_that_ended_name_what_became_of_it(service):
@@ -235,13 +253,19 @@ def test_calls_of_a_save_that_ended_name_what_became_of_it(service):
     with pytest.raises(CheckpointError, match=r"writers \[0\] did not report"):
         client.commit(9, refused, 1, {}, timeout=0.1)
     # a retry (the first reply lost) gets the refusal's cause, not "unknown save id"
-    with pytest.raises(CheckpointError, match=rf"FAILED_PRECONDITION: save '{refused}' of step 9 failed to "
-                                              r"commit: .*writers \[0\] did not report"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"FAILED_PRECONDITION: save '{refused}' of step 9 failed to "
+        r"commit: .*writers \[0\] did not report",
+    ):
         client.commit(9, refused, 1, {}, timeout=0.1)
     committed = written_save(client, 10)
     client.commit(10, committed, 1, {}, timeout=5)
-    with pytest.raises(CheckpointError, match=f"FAILED_PRECONDITION: save '{committed}' of step 10 is "
-                                              "already committed; it takes no more writes"):
+    with pytest.raises(
+        CheckpointError,
+        match=f"FAILED_PRECONDITION: save '{committed}' of step 10 is "
+        "already committed; it takes no more writes",
+    ):
         client.writer(10, committed, 0, 1).finish()  # a writer retrying after its reply was lost
     assert client.list() == [10]
 
@@ -254,7 +278,9 @@ def test_a_later_call_of_a_save_that_failed_on_a_long_error_gets_it_cut_to_fit(s
     save_id = client.begin_save(14, num_writers=1)
     raw_stream(client, save_id, [pb.WriteShardsRequest(error="E" * 20000)])
     for _ in range(2):  # the commit, then a retry of it
-        with pytest.raises(CheckpointError, match="FAILED_PRECONDITION: .*writers reported errors") as info:
+        with pytest.raises(
+            CheckpointError, match="FAILED_PRECONDITION: .*writers reported errors"
+        ) as info:
             client.commit(14, save_id, 1, {}, timeout=2)
         assert len(str(info.value)) < 2500
 
@@ -267,8 +293,10 @@ def test_a_commit_timeout_that_never_passes_is_refused(service, timeout):
     with pytest.raises(grpc.RpcError) as info:
         client.stub.Commit(pb.CommitRequest(save_id=save_id, timeout_s=timeout), timeout=3)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert f"timeout_s must be a finite number of seconds >= 0 (0: the service's default), got {timeout!r}" \
+    assert (
+        f"timeout_s must be a finite number of seconds >= 0 (0: the service's default), got {timeout!r}"
         in info.value.details()
+    )
     with pytest.raises(CheckpointError, match=r"writers \[0\] did not report within 0.1 s"):
         client.commit(15, save_id, 1, {}, timeout=0.1)  # the save was not ended by the bad request
 
@@ -288,7 +316,9 @@ def test_a_begin_save_during_a_commit_of_its_step_never_leaves_a_broken_checkpoi
         writer.write(ShardSpec(f"a{i}", (4,), "float32", (0,), (4,)), torch.full((4,), float(i)))
     writer.finish()
     results = {}
-    committer = threading.Thread(target=lambda: results.setdefault("commit", client.commit(16, save_id, 1, {}, timeout=5)))
+    committer = threading.Thread(
+        target=lambda: results.setdefault("commit", client.commit(16, save_id, 1, {}, timeout=5))
+    )
     committer.start()
     deadline = time.monotonic() + 10
     while not glob.glob(f"{root}/step_00000016/a*/zarr.json") and time.monotonic() < deadline:
@@ -323,18 +353,22 @@ def test_a_commit_waiting_for_writers_stops_when_its_save_is_superseded(service)
     new = written_save(client, 17)  # waits for the old commit to give up, not 30 s
     committer.join()
     assert time.monotonic() - start < 5
-    assert errors and re.search(f"save {old} of step 17 under .* abandoned: writers .* had not reported when "
-                                "its save was superseded", str(errors[0]))
+    assert errors and re.search(
+        f"save {old} of step 17 under .* abandoned: writers .* had not reported when "
+        "its save was superseded",
+        str(errors[0]),
+    )
     assert client.commit(17, new, 1, {}, timeout=5).step == 17
 
 
-@pytest.mark.parametrize("metadata_json, match", [
-    ("5", "commit metadata_json must be a JSON object, got int: '5'"),
-    ("[1]", "commit metadata_json must be a JSON object, got list"),
-    ("[" * 100_000, "commit metadata_json is not JSON: maximum recursion depth"),
-])
-
-
+@pytest.mark.parametrize(
+    "metadata_json, match",
+    [
+        ("5", "commit metadata_json must be a JSON object, got int: '5'"),
+        ("[1]", "commit metadata_json must be a JSON object, got list"),
+        ("[" * 100_000, "commit metadata_json is not JSON: maximum recursion depth"),
+    ],
+)
 def test_commit_metadata_must_be_a_json_object(service, metadata_json, match):
     # A number or list was committed as the manifest's metadata (`meshtrain ckpt inspect` and
     # the trainer's load then failed on it with a traceback); JSON nested too deep failed the

@@ -40,8 +40,13 @@ def test_a_restarted_service_answers_the_retry_of_a_commit_that_had_landed(tmp_p
         first = saver.wait()
     with running_service(root) as (restarted, _):  # the same root, nothing in memory
         again = restarted.commit(5, save_id, 1)
-        assert (again.url, again.step, again.num_arrays, again.num_objects, again.bytes_written) == \
-               (first.url, first.step, first.num_arrays, first.num_objects, first.bytes_written)
+        assert (
+            again.url,
+            again.step,
+            again.num_arrays,
+            again.num_objects,
+            again.bytes_written,
+        ) == (first.url, first.step, first.num_arrays, first.num_objects, first.bytes_written)
         with pytest.raises(CheckpointError, match="NOT_FOUND: unknown save id"):
             restarted.commit(5, "0123abcd", 1)  # another save's retry: step 5 is not its commit
         with pytest.raises(CheckpointError, match="NOT_FOUND: unknown save id"):
@@ -71,8 +76,10 @@ def test_a_read_the_service_cannot_take_now_is_unavailable_not_refused(tmp_path)
     save_checkpoint(root, 2, {"w": torch.ones(4)})
     with running_service(root, max_streams=1, commit_timeout=10) as (client, _):
         save_id = client.begin_save(3, num_writers=1)
-        with held_slot(client, save_id, 1.0), \
-                pytest.raises(ServiceUnavailableError, match="RESOURCE_EXHAUSTED: all 1 stream slots"):
+        with (
+            held_slot(client, save_id, 1.0),
+            pytest.raises(ServiceUnavailableError, match="RESOURCE_EXHAUSTED: all 1 stream slots"),
+        ):
             client.read_box(2, "w", (0,), (4,))
         assert torch.equal(client.read_box(2, "w", (0,), (4,)), torch.ones(4))
         with pytest.raises(CheckpointError, match="no array 'missing'"):  # still a refusal
@@ -92,11 +99,20 @@ def test_a_bug_in_a_handler_is_not_retried(service, monkeypatch):
 
     monkeypatch.setattr(sharded.ShardWriter, "finish", buggy_finish)
     saver = AsyncSaver(client, 0, 1, attempts=3, backoff=0.01, commit_timeout=5)
-    saver.save(1, client.begin_save(1), tp_boxes(torch.randn(2, 8, 4).to(torch.bfloat16), 0, 1), committer=True)
-    with pytest.raises(CheckpointError, match="UNKNOWN: Exception calling application: a bug in the handler") as info:
+    saver.save(
+        1,
+        client.begin_save(1),
+        tp_boxes(torch.randn(2, 8, 4).to(torch.bfloat16), 0, 1),
+        committer=True,
+    )
+    with pytest.raises(
+        CheckpointError, match="UNKNOWN: Exception calling application: a bug in the handler"
+    ) as info:
         saver.wait()
     assert "attempts" not in str(info.value)
-    assert [c for c in calls if c is None] == [None]  # the fragment was tried once (then the error reported)
+    assert [c for c in calls if c is None] == [
+        None
+    ]  # the fragment was tried once (then the error reported)
 
 
 def test_a_storage_error_is_unavailable_retried_and_named(service):
@@ -112,8 +128,11 @@ def test_a_storage_error_is_unavailable_retried_and_named(service):
     open(step_dir, "w").close()
     saver = AsyncSaver(client, 0, 1, attempts=3, backoff=0.01, commit_timeout=5)
     saver.save(2, save_id, tp_boxes(torch.randn(2, 8, 4).to(torch.bfloat16), 0, 1), committer=True)
-    with pytest.raises(CheckpointError, match=rf"failed after 3 attempts: .*UNAVAILABLE: checkpoint storage {root} "
-                                              rf"failed: NotADirectoryError: .*{step_dir}"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"failed after 3 attempts: .*UNAVAILABLE: checkpoint storage {root} "
+        rf"failed: NotADirectoryError: .*{step_dir}",
+    ):
         saver.wait()
 
 
@@ -129,8 +148,11 @@ def test_a_storage_error_a_retry_cannot_fix_is_tried_the_attempts_not_the_retry_
     open(step_dir, "w").close()
     saver = AsyncSaver(client, 0, 1, attempts=3, backoff=0.01, commit_timeout=5, retry_timeout=30)
     saver.save(3, save_id, tp_boxes(torch.randn(2, 8, 4).to(torch.bfloat16), 0, 1), committer=True)
-    with pytest.raises(CheckpointError, match=r"failed after 3 attempts: .*UNAVAILABLE: checkpoint storage .* "
-                                              r"failed: NotADirectoryError"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"failed after 3 attempts: .*UNAVAILABLE: checkpoint storage .* "
+        r"failed: NotADirectoryError",
+    ):
         saver.wait()
 
 
@@ -147,8 +169,13 @@ def test_a_failed_call_names_the_services_address():
         hung.bind(("127.0.0.1", 0))
         hung.listen()
         address = f"127.0.0.1:{hung.getsockname()[1]}"
-        with CheckpointClient(address) as client, pytest.raises(
-                MeshtrainError, match=re.escape(f"checkpoint service {address} AbortSave: DEADLINE_EXCEEDED")):
+        with (
+            CheckpointClient(address) as client,
+            pytest.raises(
+                MeshtrainError,
+                match=re.escape(f"checkpoint service {address} AbortSave: DEADLINE_EXCEEDED"),
+            ),
+        ):
             client.abort_save("some-save", timeout=0.5)
 
 
@@ -161,8 +188,13 @@ def test_a_stalled_writer_stream_is_aborted_and_its_budget_freed(tmp_path):
     import time
 
     root = str(tmp_path / "ckpt")
-    with running_service(root, commit_timeout=30, max_chunk_bytes=1024, max_inflight_bytes=4096,
-                         stream_idle_timeout=0.5) as (client, _):
+    with running_service(
+        root,
+        commit_timeout=30,
+        max_chunk_bytes=1024,
+        max_inflight_bytes=4096,
+        stream_idle_timeout=0.5,
+    ) as (client, _):
         stalled_id, other_id = client.begin_save(1), client.begin_save(2)
         spec = ShardSpec("w", (1024,), "float32", (0,), (1024,))  # 4096 bytes: the whole budget
         resume = threading.Event()
@@ -193,8 +225,11 @@ def test_a_stalled_writer_stream_is_aborted_and_its_budget_freed(tmp_path):
         assert failures and not resume.is_set()  # aborted while its client was still stalled
         code, details, _ = failures[0]
         assert code == grpc.StatusCode.ABORTED
-        assert re.search(rf"save '{stalled_id}' \(step 1\): writer 0 sent nothing for 0.5 s inside box \(0,\) of "
-                         r"array 'w' \(1024 of 4096 bytes\)", details), details
+        assert re.search(
+            rf"save '{stalled_id}' \(step 1\): writer 0 sent nothing for 0.5 s inside box \(0,\) of "
+            r"array 'w' \(1024 of 4096 bytes\)",
+            details,
+        ), details
         assert stored < 3, stored
         resume.set()
         thread.join(10)
@@ -216,11 +251,15 @@ def test_a_save_given_up_by_its_failing_run_stops_its_commit_at_once(tmp_path):
         time.sleep(0.5)  # writer 0's fragment is stored; its commit waits for writer 1
         start = time.monotonic()
         saver.abandon()
-        with pytest.raises(CheckpointError, match=r"abandoned: writers \[1\] had not reported when the run failed"):
+        with pytest.raises(
+            CheckpointError, match=r"abandoned: writers \[1\] had not reported when the run failed"
+        ):
             saver.wait()
         assert time.monotonic() - start < 5
         assert client.list() == [] and not client.abort_save(save_id)  # nothing left to give up
-        with pytest.raises(CheckpointError, match=f"save '{save_id}' of step 5 failed to commit: .*abandoned"):
+        with pytest.raises(
+            CheckpointError, match=f"save '{save_id}' of step 5 failed to commit: .*abandoned"
+        ):
             client.commit(5, save_id, 2, {}, timeout=1)  # a late retry is told why
         # the step is free: a new save of it commits
         again = client.begin_save(5, num_writers=2)
@@ -239,10 +278,14 @@ def test_a_save_given_up_before_its_commit_still_commits_when_every_writer_repor
 
     _, client, _ = service
     complete, incomplete = written_save(client, 6), client.begin_save(7, num_writers=1)
-    assert client.abort_save(complete, "the run failed") and client.abort_save(incomplete, "the run failed")
+    assert client.abort_save(complete, "the run failed") and client.abort_save(
+        incomplete, "the run failed"
+    )
     assert client.commit(6, complete, 1, {}, timeout=30).step == 6
     start = time.monotonic()
-    with pytest.raises(CheckpointError, match=r"writers \[0\] had not reported when the run failed"):
+    with pytest.raises(
+        CheckpointError, match=r"writers \[0\] had not reported when the run failed"
+    ):
         client.commit(7, incomplete, 1, {}, timeout=30)
     assert time.monotonic() - start < 5
     assert client.list() == [6]

@@ -54,40 +54,98 @@ def test_a_huge_num_writers_is_refused_before_anything_is_allocated(service):
     finally:
         tracemalloc.stop()
     assert "num_writers=2147483647 must be in [1, 65536]" in details and "--max-writers" in details
-    assert "num_writers=0" in invalid(client.stub.BeginSave, pb.BeginSaveRequest(step=1, num_writers=0))
+    assert "num_writers=0" in invalid(
+        client.stub.BeginSave, pb.BeginSaveRequest(step=1, num_writers=0)
+    )
     assert "step=-1" in invalid(client.stub.BeginSave, pb.BeginSaveRequest(step=-1, num_writers=1))
     assert client.list() == []
 
 
 def test_the_writer_limit_is_the_servers_option(tmp_path):
     with running_service(str(tmp_path / "ckpt"), max_writers=4) as (client, _):
-        assert "must be in [1, 4]" in invalid(client.stub.BeginSave, pb.BeginSaveRequest(step=1, num_writers=5))
-        assert "must be in [1, 4]" in invalid(client.stub.ResumeSave, pb.ResumeSaveRequest(
-            save_id="0123abcd", step=1, num_writers=5))
+        assert "must be in [1, 4]" in invalid(
+            client.stub.BeginSave, pb.BeginSaveRequest(step=1, num_writers=5)
+        )
+        assert "must be in [1, 4]" in invalid(
+            client.stub.ResumeSave, pb.ResumeSaveRequest(save_id="0123abcd", step=1, num_writers=5)
+        )
         assert client.begin_save(1, num_writers=4)
 
 
-@pytest.mark.parametrize("box, match", [
-    # a 40-byte box claiming a shard grid of 2^44: held a handler for 120 s at 3.7 GB
-    (pb.Box(array="w", global_shape=[2**44 + 1], dtype="float32", offsets=[2**44], shape=[1], grid=[2**44]),
-     r"box.grid \(17592186044416,\) of array 'w' makes 70368744177664-byte shards"),
-    (pb.Box(array="w", global_shape=[2**44], dtype="float32", offsets=[0], shape=[2**44]),
-     "makes 70368744177664-byte shards"),
-    # a prime grid: seconds of trial division choosing its chunks
-    (pb.Box(array="w", global_shape=[2**61], dtype="uint8", offsets=[2**61 - 1], shape=[1], grid=[2**61 - 1]),
-     "makes 2305843009213693951-byte shards"),
-    (pb.Box(array="w", global_shape=[5], dtype="float32", offsets=[0], shape=[5], grid=[8]),
-     "shard size 8 of dim 0 is larger than the array's 5"),
-    (pb.Box(array="w", global_shape=[4], dtype="float32", offsets=[4], shape=[0]), "at the end of the array"),
-    (pb.Box(array="w", global_shape=[-4], dtype="float32", offsets=[0], shape=[1]), "sizes >= 0"),
-    (pb.Box(array="w", global_shape=[2**40] * 2, dtype="float32", offsets=[0, 0], shape=[1, 1], grid=[1, 1]),
-     "at most 4611686018427387904 elements"),
-    (pb.Box(array="w", global_shape=[1] * 33, dtype="float32", offsets=[0] * 33, shape=[1] * 33),
-     "33 dims, over the limit of 32"),
-    (pb.Box(array="w", global_shape=[1], dtype="float128", offsets=[0], shape=[1]), "dtype 'float128'"),
-    (pb.Box(array="w\n", global_shape=[1], dtype="float32", offsets=[0], shape=[1]), "control character"),
-    (pb.Box(array="w" * 300, global_shape=[1], dtype="float32", offsets=[0], shape=[1]), "over the limit of 255"),
-])
+@pytest.mark.parametrize(
+    "box, match",
+    [
+        # a 40-byte box claiming a shard grid of 2^44: held a handler for 120 s at 3.7 GB
+        (
+            pb.Box(
+                array="w",
+                global_shape=[2**44 + 1],
+                dtype="float32",
+                offsets=[2**44],
+                shape=[1],
+                grid=[2**44],
+            ),
+            r"box.grid \(17592186044416,\) of array 'w' makes 70368744177664-byte shards",
+        ),
+        (
+            pb.Box(array="w", global_shape=[2**44], dtype="float32", offsets=[0], shape=[2**44]),
+            "makes 70368744177664-byte shards",
+        ),
+        # a prime grid: seconds of trial division choosing its chunks
+        (
+            pb.Box(
+                array="w",
+                global_shape=[2**61],
+                dtype="uint8",
+                offsets=[2**61 - 1],
+                shape=[1],
+                grid=[2**61 - 1],
+            ),
+            "makes 2305843009213693951-byte shards",
+        ),
+        (
+            pb.Box(array="w", global_shape=[5], dtype="float32", offsets=[0], shape=[5], grid=[8]),
+            "shard size 8 of dim 0 is larger than the array's 5",
+        ),
+        (
+            pb.Box(array="w", global_shape=[4], dtype="float32", offsets=[4], shape=[0]),
+            "at the end of the array",
+        ),
+        (
+            pb.Box(array="w", global_shape=[-4], dtype="float32", offsets=[0], shape=[1]),
+            "sizes >= 0",
+        ),
+        (
+            pb.Box(
+                array="w",
+                global_shape=[2**40] * 2,
+                dtype="float32",
+                offsets=[0, 0],
+                shape=[1, 1],
+                grid=[1, 1],
+            ),
+            "at most 4611686018427387904 elements",
+        ),
+        (
+            pb.Box(
+                array="w", global_shape=[1] * 33, dtype="float32", offsets=[0] * 33, shape=[1] * 33
+            ),
+            "33 dims, over the limit of 32",
+        ),
+        (
+            pb.Box(array="w", global_shape=[1], dtype="float128", offsets=[0], shape=[1]),
+            "dtype 'float128'",
+        ),
+        (
+            pb.Box(array="w\n", global_shape=[1], dtype="float32", offsets=[0], shape=[1]),
+            "control character",
+        ),
+        (
+            pb.Box(array="w" * 300, global_shape=[1], dtype="float32", offsets=[0], shape=[1]),
+            "over the limit of 255",
+        ),
+    ],
+)
 def test_a_box_is_checked_against_its_array_within_a_second(service, box, match):
     _, client, _ = service
     save_id = client.begin_save(1)
@@ -104,7 +162,9 @@ def test_a_prime_shard_size_costs_no_trial_division():
     assert (2**61 - 1) % chunk == 0
     meta = ArrayMeta.of(ShardSpec("w", (2**61,), "uint8", (2**61 - 1,), (1,), grid=(2**61 - 1,)))
     assert (2**61 - 1) % meta.chunks[0] == 0
-    assert inner_chunks((65521 * 65537, 8), 4) == inner_chunks((65521 * 65537, 8), 4)  # below 2^32: exact
+    assert inner_chunks((65521 * 65537, 8), 4) == inner_chunks(
+        (65521 * 65537, 8), 4
+    )  # below 2^32: exact
     assert time.monotonic() - start < 0.5
 
 
@@ -114,21 +174,30 @@ def test_a_commit_whose_client_left_frees_its_slot_and_its_save_stays(tmp_path):
     with running_service(root, max_commits=1, commit_timeout=5) as (client, port):
         save_id = client.begin_save(3, num_writers=2)
         client.writer(3, save_id, 0, 2).finish()  # writer 1 never reports
-        waiting = client.stub.Commit.future(pb.CommitRequest(save_id=save_id, timeout_s=1e9, step=3))
+        waiting = client.stub.Commit.future(
+            pb.CommitRequest(save_id=save_id, timeout_s=1e9, step=3)
+        )
         time.sleep(0.5)
         assert health_status(port) == health_pb2.HealthCheckResponse.SERVING
         other = written_save(client, 4)
         with pytest.raises(grpc.RpcError) as info:  # the one commit slot is taken
             client.stub.Commit(pb.CommitRequest(save_id=other, step=4), timeout=5)
-        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-commits" in info.value.details()
+        assert (
+            info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            and "--max-commits" in info.value.details()
+        )
         waiting.cancel()
         deadline = time.monotonic() + 3
         while True:  # the handler sees its client gone within a second and gives the slot back
             try:
-                assert client.stub.Commit(pb.CommitRequest(save_id=other, step=4), timeout=5).step == 4
+                assert (
+                    client.stub.Commit(pb.CommitRequest(save_id=other, step=4), timeout=5).step == 4
+                )
                 break
             except grpc.RpcError as e:
-                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline
+                assert (
+                    e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline
+                )
                 time.sleep(0.1)
         client.writer(3, save_id, 1, 2).finish()  # the save was not ended by its client leaving
         assert client.commit(3, save_id, 2, timeout=5).step == 3
@@ -156,15 +225,22 @@ def test_health_answers_while_every_stream_and_commit_slot_is_taken(tmp_path):
         waiting.cancel()
 
 
-@pytest.mark.parametrize("call, request_, match", [
-    ("Commit", pb.CommitRequest(save_id="abc\n"), "save id 'abc\\n' is not allowed"),
-    ("Commit", pb.CommitRequest(save_id="x" * 100_000), "100000 characters"),
-    ("AbortSave", pb.AbortSaveRequest(save_id="a/../b"), "is not allowed"),
-    ("ResumeSave", pb.ResumeSaveRequest(save_id="abc", step=-3, num_writers=1), "step=-3 must be >= 0"),
-    ("Describe", pb.DescribeRequest(step=-1), "step=-1"),
-    ("Delete", pb.DeleteRequest(step=-1), "step=-1"),
-    ("ApplyRetention", pb.RetentionRequest(keep_last=-1), "keep_last=-1"),
-])
+@pytest.mark.parametrize(
+    "call, request_, match",
+    [
+        ("Commit", pb.CommitRequest(save_id="abc\n"), "save id 'abc\\n' is not allowed"),
+        ("Commit", pb.CommitRequest(save_id="x" * 100_000), "100000 characters"),
+        ("AbortSave", pb.AbortSaveRequest(save_id="a/../b"), "is not allowed"),
+        (
+            "ResumeSave",
+            pb.ResumeSaveRequest(save_id="abc", step=-3, num_writers=1),
+            "step=-3 must be >= 0",
+        ),
+        ("Describe", pb.DescribeRequest(step=-1), "step=-1"),
+        ("Delete", pb.DeleteRequest(step=-1), "step=-1"),
+        ("ApplyRetention", pb.RetentionRequest(keep_last=-1), "keep_last=-1"),
+    ],
+)
 def test_a_bad_field_is_invalid_argument_naming_it(service, call, request_, match):
     _, client, _ = service
     assert match in invalid(getattr(client.stub, call), request_)
@@ -173,12 +249,18 @@ def test_a_bad_field_is_invalid_argument_naming_it(service, call, request_, matc
 def test_bad_commit_and_slice_fields_are_invalid_argument(service):
     _, client, _ = service
     save_id = written_save(client, 2)
-    assert "timeout_s" in invalid(client.stub.Commit, pb.CommitRequest(save_id=save_id, timeout_s=math.nan))
+    assert "timeout_s" in invalid(
+        client.stub.Commit, pb.CommitRequest(save_id=save_id, timeout_s=math.nan)
+    )
     assert "metadata_json is 2000000 characters" in invalid(
-        client.stub.Commit, pb.CommitRequest(save_id=save_id, metadata_json=" " * 2_000_000))
+        client.stub.Commit, pb.CommitRequest(save_id=save_id, metadata_json=" " * 2_000_000)
+    )
     assert "writer_id=3 is outside [0, 1)" in invalid(raw_stream, client, save_id, [], writer_id=3)
     assert "control character '\\x00'" in invalid(
-        lambda: list(client.stub.ReadSlice(pb.ReadSliceRequest(step=2, array="w\0x", offsets=[0], shape=[1]))))
+        lambda: list(
+            client.stub.ReadSlice(pb.ReadSliceRequest(step=2, array="w\0x", offsets=[0], shape=[1]))
+        )
+    )
     assert client.commit(2, save_id, 1, timeout=5).step == 2  # the save went on
 
 
@@ -188,8 +270,10 @@ def test_retention_refuses_keep_every_without_keep_last(service):
     for step in (1, 2, 3):
         save_checkpoint(root, step, {"w": torch.ones(2)})
     details = invalid(client.stub.ApplyRetention, pb.RetentionRequest(keep_last=0, keep_every=7))
-    assert details == ("keep_every 7 needs keep_last N with N >= 1 (got 0), or the newest checkpoints would be "
-                       "deleted too")
+    assert details == (
+        "keep_every 7 needs keep_last N with N >= 1 (got 0), or the newest checkpoints would be "
+        "deleted too"
+    )
     assert client.list() == [1, 2, 3]
 
 
@@ -198,11 +282,23 @@ def test_client_strings_are_cut_in_the_log(service, caplog):
     save_id = client.begin_save(7)
     caplog.set_level(logging.INFO)
     assert client.abort_save(save_id, reason="r" * 100_000)
-    invalid(raw_stream, client, save_id, [pb.WriteShardsRequest(box=pb.Box(
-        array="a" * 100_000, global_shape=[1], dtype="float32", offsets=[0], shape=[1]))])
+    invalid(
+        raw_stream,
+        client,
+        save_id,
+        [
+            pb.WriteShardsRequest(
+                box=pb.Box(
+                    array="a" * 100_000, global_shape=[1], dtype="float32", offsets=[0], shape=[1]
+                )
+            )
+        ],
+    )
     records = [r for r in caplog.records if r.name.startswith("meshtrain")]
     assert any("given up" in r.getMessage() for r in records)
-    assert all(len(r.getMessage()) < 1000 for r in records), max(len(r.getMessage()) for r in records)
+    assert all(len(r.getMessage()) < 1000 for r in records), max(
+        len(r.getMessage()) for r in records
+    )
 
 
 def test_an_undecodable_message_is_invalid_argument_and_one_log_line(service, caplog):
@@ -219,7 +315,11 @@ def test_an_undecodable_message_is_invalid_argument_and_one_log_line(service, ca
     for e in (info.value, streamed.value):
         assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, e.details()
         assert "does not decode as its message type: DecodeError" in e.details()
-    lines = [r for r in caplog.records if "does not decode" in r.getMessage() or r.name.startswith("grpc")]
+    lines = [
+        r
+        for r in caplog.records
+        if "does not decode" in r.getMessage() or r.name.startswith("grpc")
+    ]
     assert len(lines) == 2 and all(r.exc_info is None and r.exc_text is None for r in lines)
     assert not any("\n" in r.getMessage() or "Traceback" in r.getMessage() for r in lines)
     assert client.list() == []  # and the service goes on
@@ -232,7 +332,9 @@ def test_a_symlink_planted_in_a_step_folder_is_not_followed(tmp_path):
     with running_service(str(root)) as (client, _):
         save_id = client.begin_save(3)
         os.symlink(outside, root / "step_00000003" / "w")  # planted during the save
-        with pytest.raises(CheckpointError, match="step_00000003/w is a symlink inside the checkpoint root"):
+        with pytest.raises(
+            CheckpointError, match="step_00000003/w is a symlink inside the checkpoint root"
+        ):
             writer = client.writer(3, save_id, 0, 1)
             writer.write(ShardSpec("w", (2,), "float32", (0,), (2,)), torch.ones(2))
             writer.finish()

@@ -39,8 +39,13 @@ def test_two_writers_and_async_on_s3(s3_root):
     save_id = begin_save(s3_root, 1)
     savers = [AsyncSaver(StorageSink(s3_root), w, 2, commit_timeout=30) for w in range(2)]
     for w, saver in enumerate(savers):
-        boxes = [(ShardSpec("layers.w", (2, 8, 4), "float32", (i, 4 * w, 0), (1, 4, 4)),
-                  full[i:i + 1, 4 * w:4 * w + 4]) for i in range(2)]
+        boxes = [
+            (
+                ShardSpec("layers.w", (2, 8, 4), "float32", (i, 4 * w, 0), (1, 4, 4)),
+                full[i : i + 1, 4 * w : 4 * w + 4],
+            )
+            for i in range(2)
+        ]
         saver.save(1, save_id, boxes, committer=(w == 0))
     savers[1].close()
     assert savers[0].wait().num_arrays == 1

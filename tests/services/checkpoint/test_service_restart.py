@@ -22,7 +22,11 @@ import torch
 
 from meshtrain.services.checkpoint.async_save import AsyncSaver
 from meshtrain.services.checkpoint.reader import list_checkpoints, read_box
-from meshtrain.services.checkpoint.rpc.client import CheckpointClient, RemoteWriter, ServiceUnavailableError
+from meshtrain.services.checkpoint.rpc.client import (
+    CheckpointClient,
+    RemoteWriter,
+    ServiceUnavailableError,
+)
 from meshtrain.services.checkpoint.sharded import fragment_path
 from meshtrain.services.checkpoint.shards import ShardSpec
 from meshtrain.services.checkpoint.store import open_root
@@ -49,8 +53,21 @@ class Serve:
         log = self.log_dir / f"serve-{self.starts}.log"
         with open(log, "w") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "meshtrain.services.cli", "ckpt", "serve", self.root, "--port", str(self.port),
-                 "--grace", "1"], stdout=out, stderr=subprocess.STDOUT)
+                [
+                    sys.executable,
+                    "-m",
+                    "meshtrain.services.cli",
+                    "ckpt",
+                    "serve",
+                    self.root,
+                    "--port",
+                    str(self.port),
+                    "--grace",
+                    "1",
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
         deadline = time.monotonic() + 30
         while f"listening on {self.address}" not in log.read_text():
             assert self.proc.poll() is None and time.monotonic() < deadline, log.read_text()
@@ -81,8 +98,15 @@ class Paused(RemoteWriter):
     kills the service (or replica) with part of the writer's boxes stored and the rest still to
     come, however fast the service stores them. A retried stream runs straight through."""
 
-    def __init__(self, client: CheckpointClient, save_id: str, writer_id: int, step: int, at: int,
-                 go: threading.Event):
+    def __init__(
+        self,
+        client: CheckpointClient,
+        save_id: str,
+        writer_id: int,
+        step: int,
+        at: int,
+        go: threading.Event,
+    ):
         super().__init__(client, save_id, writer_id, step)
         self.at, self.go, self.streams = at, go, 0
 
@@ -111,13 +135,21 @@ class PausingClient:
 
 
 @contextlib.contextmanager
-def saver(service: Serve, writer_id: int = 0, num_writers: int = 1, retry_timeout: float = RETRY_S,
-          pause_at: int | None = None, go: threading.Event | None = None):
+def saver(
+    service: Serve,
+    writer_id: int = 0,
+    num_writers: int = 1,
+    retry_timeout: float = RETRY_S,
+    pause_at: int | None = None,
+    go: threading.Event | None = None,
+):
     """A client and saver of `service`; with `pause_at`, the saver's first stream stops after
     that many boxes until `go` is set (set on the way out, so the upload thread ends)."""
     with CheckpointClient(service.address) as client:
         sink = client if pause_at is None else PausingClient(client, pause_at, go)
-        s = AsyncSaver(sink, writer_id, num_writers, attempts=3, backoff=0.2, retry_timeout=retry_timeout)
+        s = AsyncSaver(
+            sink, writer_id, num_writers, attempts=3, backoff=0.2, retry_timeout=retry_timeout
+        )
         try:
             yield client, s
         finally:
@@ -128,9 +160,16 @@ def saver(service: Serve, writer_id: int = 0, num_writers: int = 1, retry_timeou
 
 def layered(name: str, seed: int, layers: int, rows: int = 512, cols: int = 1024):
     """A bf16 array of `layers` boxes of rows x cols (1 MiB each at the defaults), one box per layer."""
-    full = torch.randn(layers, rows, cols, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
-    return full, [(ShardSpec(name, tuple(full.shape), "bfloat16", (i, 0, 0), (1, rows, cols)), full[i:i + 1])
-                  for i in range(layers)]
+    full = torch.randn(layers, rows, cols, generator=torch.Generator().manual_seed(seed)).to(
+        torch.bfloat16
+    )
+    return full, [
+        (
+            ShardSpec(name, tuple(full.shape), "bfloat16", (i, 0, 0), (1, rows, cols)),
+            full[i : i + 1],
+        )
+        for i in range(layers)
+    ]
 
 
 def same(root: str, step: int, name: str, full: torch.Tensor) -> bool:
@@ -169,7 +208,9 @@ def test_a_save_cut_by_a_service_restart_is_resumed_and_commits(serve, tmp_path)
         # the kill landed inside the writer's stream: its fragment was never stored
         assert not os.path.exists(fragment_path(open_root(root), 2, save_id, 0))
         assert len(glob.glob(f"{stored}/*")) < len(boxes)
-        assert list_checkpoints(root) == [1] and same(root, 1, "w", before)  # nothing partial listed
+        assert list_checkpoints(root) == [1] and same(
+            root, 1, "w", before
+        )  # nothing partial listed
         go.set()
         time.sleep(1.5)
         serve.start()
@@ -177,7 +218,9 @@ def test_a_save_cut_by_a_service_restart_is_resumed_and_commits(serve, tmp_path)
     assert result.step == 2
     assert list_checkpoints(root) == [1, 2]
     assert same(root, 1, "w", before) and same(root, 2, "w", full)
-    assert not os.path.exists(os.path.join(root, "step_00000002", "_fragments"))  # the commit tidied up
+    assert not os.path.exists(
+        os.path.join(root, "step_00000002", "_fragments")
+    )  # the commit tidied up
 
 
 @pytest.mark.e2e
@@ -193,11 +236,19 @@ def test_two_writers_resume_a_save_cut_by_a_service_restart(serve, tmp_path):
     with saver(serve, 0, 2) as (client0, s0), saver(serve, 1, 2, pause_at=24, go=go) as (_, s1):
         save_id = client0.begin_save(2, num_writers=2)
         s0.save(2, save_id, small_boxes, committer=True, metadata={"step": 2})
-        wait_for("writer 0's fragment", lambda: os.path.exists(fragment_path(open_root(root), 2, save_id, 0)))
+        wait_for(
+            "writer 0's fragment",
+            lambda: os.path.exists(fragment_path(open_root(root), 2, save_id, 0)),
+        )
         s1.save(2, save_id, big_boxes)
-        wait_for("writer 1's first box", lambda: glob.glob(os.path.join(root, "step_00000002", "big", "c", "*")))
+        wait_for(
+            "writer 1's first box",
+            lambda: glob.glob(os.path.join(root, "step_00000002", "big", "c", "*")),
+        )
         serve.kill()
-        assert not os.path.exists(fragment_path(open_root(root), 2, save_id, 1))  # writer 1 was cut off
+        assert not os.path.exists(
+            fragment_path(open_root(root), 2, save_id, 1)
+        )  # writer 1 was cut off
         assert list_checkpoints(root) == [1] and same(root, 1, "w", before)
         go.set()
         time.sleep(1.5)
@@ -205,7 +256,9 @@ def test_two_writers_resume_a_save_cut_by_a_service_restart(serve, tmp_path):
         assert s1.wait() is None
         assert s0.wait().step == 2
     assert list_checkpoints(root) == [1, 2]
-    assert same(root, 1, "w", before) and same(root, 2, "small", small) and same(root, 2, "big", big)
+    assert (
+        same(root, 1, "w", before) and same(root, 2, "small", small) and same(root, 2, "big", big)
+    )
 
 
 @pytest.mark.e2e
@@ -216,7 +269,10 @@ def test_a_service_that_never_comes_back_fails_the_save_within_the_retry_time(se
     go = threading.Event()
     with saver(serve, retry_timeout=3.0, pause_at=32, go=go) as (client, s):
         s.save(2, client.begin_save(2), boxes, committer=True)
-        wait_for("the first box stored", lambda: glob.glob(os.path.join(root, "step_00000002", "w", "c", "*")))
+        wait_for(
+            "the first box stored",
+            lambda: glob.glob(os.path.join(root, "step_00000002", "w", "c", "*")),
+        )
         start = time.monotonic()
         serve.kill()
         go.set()
@@ -245,13 +301,20 @@ def test_resume_takes_up_only_the_save_that_owns_the_step(tmp_path):
     with running_service(root) as (client, _):  # restarted: every id forgotten
         assert client.resume_save(3, open_id, 1) is False
         assert client.resume_save(3, open_id, 1) is False  # the second writer's call
-        assert client.commit(3, open_id, 1).step == 3  # the fragment stored before the restart counts
+        assert (
+            client.commit(3, open_id, 1).step == 3
+        )  # the fragment stored before the restart counts
         assert client.resume_save(4, done_id, 1) is True
         client.begin_save(5)  # a newer save of step 5 clears the old one's folder
-        with pytest.raises(CheckpointError, match=f"save {old_id} of step 5 cannot be resumed: .* has begun since"):
+        with pytest.raises(
+            CheckpointError, match=f"save {old_id} of step 5 cannot be resumed: .* has begun since"
+        ):
             client.resume_save(5, old_id, 1)
     with running_service(root) as (client, _):
-        with pytest.raises(CheckpointError, match=f"save {old_id} of step 5 cannot be resumed: .*begun.json is gone"):
+        with pytest.raises(
+            CheckpointError,
+            match=f"save {old_id} of step 5 cannot be resumed: .*begun.json is gone",
+        ):
             client.resume_save(5, old_id, 1)
         with pytest.raises(CheckpointError, match="step 4 .* was committed by another save"):
             client.resume_save(4, "0123abcd", 1)
@@ -280,14 +343,18 @@ class LosesItsFirstReply:
                 if error is None and not outer.was_lost:
                     outer.was_lost = True
                     outer.lost()
-                    raise ServiceUnavailableError(f"checkpoint service {outer.client.address} WriteShards "
-                                                  f"(writer {writer_id}): UNAVAILABLE: Stream removed")
+                    raise ServiceUnavailableError(
+                        f"checkpoint service {outer.client.address} WriteShards "
+                        f"(writer {writer_id}): UNAVAILABLE: Stream removed"
+                    )
 
         return Writer()
 
 
 @pytest.mark.e2e
-def test_a_writer_whose_reply_was_lost_to_a_restart_after_the_commit_has_nothing_to_do(serve, tmp_path, caplog):
+def test_a_writer_whose_reply_was_lost_to_a_restart_after_the_commit_has_nothing_to_do(
+    serve, tmp_path, caplog
+):
     """Writer 1 stored its fragment, writer 0 committed, and the service died before writer 1's
     reply reached it: writer 1's retry meets a service that forgot the save, resumes it, learns
     it committed, and is done; nothing is sent or committed again."""
@@ -302,8 +369,14 @@ def test_a_writer_whose_reply_was_lost_to_a_restart_after_the_commit_has_nothing
 
     manifest = os.path.join(root, "step_00000002", "manifest.json")
     with saver(serve, 0, 2) as (client0, s0), CheckpointClient(serve.address) as client1:
-        s1 = AsyncSaver(LosesItsFirstReply(client1, restart_after_the_commit), 1, 2, attempts=3, backoff=0.2,
-                        retry_timeout=RETRY_S)
+        s1 = AsyncSaver(
+            LosesItsFirstReply(client1, restart_after_the_commit),
+            1,
+            2,
+            attempts=3,
+            backoff=0.2,
+            retry_timeout=RETRY_S,
+        )
         try:
             save_id = client0.begin_save(2, num_writers=2)
             s0.save(2, save_id, small_boxes, committer=True, metadata={"step": 2})
@@ -315,5 +388,7 @@ def test_a_writer_whose_reply_was_lost_to_a_restart_after_the_commit_has_nothing
             s1._pool.shutdown(wait=True)
     assert s1.sink.was_lost and serve.starts == 2
     assert f"resuming save {save_id} there" in caplog.text  # the retry met the forgetful service
-    assert list_checkpoints(root) == [2] and os.stat(manifest).st_mtime_ns == committed_at  # not committed again
+    assert (
+        list_checkpoints(root) == [2] and os.stat(manifest).st_mtime_ns == committed_at
+    )  # not committed again
     assert same(root, 2, "small", small) and same(root, 2, "big", big)

@@ -38,9 +38,16 @@ def tp_boxes(full, tp):
     rows = ROWS // tp
     return {
         r: [
-            (ShardSpec("layers.attention.qkv.weight", full.shape, "bfloat16",
-                       (layer, r * rows, 0), (1, rows, COLS)),
-             full[layer:layer + 1, r * rows:(r + 1) * rows])
+            (
+                ShardSpec(
+                    "layers.attention.qkv.weight",
+                    full.shape,
+                    "bfloat16",
+                    (layer, r * rows, 0),
+                    (1, rows, COLS),
+                ),
+                full[layer : layer + 1, r * rows : (r + 1) * rows],
+            )
             for layer in range(LAYERS)
         ]
         for r in range(tp)
@@ -51,6 +58,7 @@ def save_tp(root, step, full, tp, extra=None):
     save_id = begin_save(root, step)
     threads = []
     for rank, boxes in tp_boxes(full, tp).items():
+
         def run(rank=rank, boxes=boxes):
             writer = ShardWriter(root, step, save_id, rank, tp)
             for spec, data in boxes:
@@ -58,6 +66,7 @@ def save_tp(root, step, full, tp, extra=None):
             if rank == 0 and extra is not None:
                 writer.write(*extra)
             writer.finish()
+
         threads.append(threading.Thread(target=run))
     for t in threads:
         t.start()
@@ -79,11 +88,12 @@ def test_two_writers_save_and_any_layout_reads_back(root):
     # a tp=3 reader: boxes that cross the tp=2 shard boundary (rows 4:8 spans shards 0 and 1)
     for r in range(3):
         got = read_box(root, 5, "layers.attention.qkv.weight", (0, r * 4, 0), (LAYERS, 4, COLS))
-        assert torch.equal(got.view(torch.int16), full[:, r * 4:(r + 1) * 4].view(torch.int16))
+        assert torch.equal(got.view(torch.int16), full[:, r * 4 : (r + 1) * 4].view(torch.int16))
     # the single-process API sees per-layer tensors of the same checkpoint
     tensors, _ = load_checkpoint(root, 5)
-    assert torch.equal(tensors["layers.1.attention.qkv.weight"].view(torch.int16),
-                       full[1].view(torch.int16))
+    assert torch.equal(
+        tensors["layers.1.attention.qkv.weight"].view(torch.int16), full[1].view(torch.int16)
+    )
     assert torch.equal(tensors["optim.step"], scalar)
     # no fragments or other leftovers after the commit
     r = open_root(root)
@@ -97,42 +107,55 @@ def test_edge_boxes_shorter_than_the_grid(root):
     for w, start in enumerate((0, 4, 8)):
         rows = min(4, 10 - start)
         writer = ShardWriter(root, 1, save_id, w, 3)
-        writer.write(ShardSpec("w", (10, 3), "float32", (start, 0), (rows, 3), grid=(4, 3)),
-                     full[start:start + rows])
+        writer.write(
+            ShardSpec("w", (10, 3), "float32", (start, 0), (rows, 3), grid=(4, 3)),
+            full[start : start + rows],
+        )
         writer.finish()
     commit(root, 1, save_id, 3, timeout=5)
     assert torch.equal(read_box(root, 1, "w", (3, 1), (6, 2)), full[3:9, 1:3])
 
 
-@pytest.mark.parametrize("boxes, match", [
-    ([((0, 0), (4, 3)), ((0, 0), (4, 3))], "boxes overlap"),
-    ([((0, 0), (4, 3))], "has holes: 1 of 2 boxes"),
-    ([((0, 0), (4, 3)), ((4, 0), (2, 3))], "disagree on its shape/dtype/shard grid"),
-])
+@pytest.mark.parametrize(
+    "boxes, match",
+    [
+        ([((0, 0), (4, 3)), ((0, 0), (4, 3))], "boxes overlap"),
+        ([((0, 0), (4, 3))], "has holes: 1 of 2 boxes"),
+        ([((0, 0), (4, 3)), ((4, 0), (2, 3))], "disagree on its shape/dtype/shard grid"),
+    ],
+)
 def test_overlap_holes_and_mixed_grids_abort_the_commit(root, boxes, match):
     full = torch.zeros(8, 3)
     save_id = begin_save(root, 2)
     for w, (offsets, shape) in enumerate(boxes):
         writer = ShardWriter(root, 2, save_id, w, len(boxes))
-        writer.write(ShardSpec("grid.w", (8, 3), "float32", offsets, shape),
-                     full[offsets[0]:offsets[0] + shape[0]])
+        writer.write(
+            ShardSpec("grid.w", (8, 3), "float32", offsets, shape),
+            full[offsets[0] : offsets[0] + shape[0]],
+        )
         writer.finish()
     with pytest.raises(CheckpointError, match=rf"array 'grid.w'.*{match}|{match}.*'grid.w'"):
         commit(root, 2, save_id, len(boxes), timeout=5)
     assert list_checkpoints(root) == []
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"offsets": (1, 0), "shape": (4, 3)}, "not a multiple of the shard size"),
-    ({"offsets": (4, 0), "shape": (5, 3)}, "outside global shape"),
-    ({"offsets": (4, 0), "shape": (2, 3), "grid": (4, 3)}, "should be 4"),
-    ({"offsets": (8, 0), "shape": (0, 3), "grid": (4, 3)}, "offset 8 of dim 0 is at the end of the array"),
-    ({"offsets": (0,), "shape": (4,)}, "must have 2 dims"),
-    ({"array": "../evil", "offsets": (0, 0), "shape": (4, 3)}, "not allowed"),
-    ({"array": "a/b", "offsets": (0, 0), "shape": (4, 3)}, "not allowed"),
-    ({"dtype": "float64", "offsets": (0, 0), "shape": (4, 3)}, "float64"),
-    ({"offsets": (0, 0), "shape": (8, 3), "stacked": True}, "stacked=True needs a `layers`"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"offsets": (1, 0), "shape": (4, 3)}, "not a multiple of the shard size"),
+        ({"offsets": (4, 0), "shape": (5, 3)}, "outside global shape"),
+        ({"offsets": (4, 0), "shape": (2, 3), "grid": (4, 3)}, "should be 4"),
+        (
+            {"offsets": (8, 0), "shape": (0, 3), "grid": (4, 3)},
+            "offset 8 of dim 0 is at the end of the array",
+        ),
+        ({"offsets": (0,), "shape": (4,)}, "must have 2 dims"),
+        ({"array": "../evil", "offsets": (0, 0), "shape": (4, 3)}, "not allowed"),
+        ({"array": "a/b", "offsets": (0, 0), "shape": (4, 3)}, "not allowed"),
+        ({"dtype": "float64", "offsets": (0, 0), "shape": (4, 3)}, "float64"),
+        ({"offsets": (0, 0), "shape": (8, 3), "stacked": True}, "stacked=True needs a `layers`"),
+    ],
+)
 def test_bad_boxes_are_rejected_naming_the_array(kwargs, match):
     args = {"array": "w", "global_shape": (8, 3), "dtype": "float32"}
     args.update(kwargs)
@@ -150,8 +173,14 @@ def test_an_empty_box_at_the_end_cannot_stand_in_for_a_missing_one(tmp_path):
     writer = ShardWriter(root, 1, save_id, 0, 1)
     writer.write(ShardSpec("w", (8,), "float32", (0,), (4,)), torch.ones(4))
     record = writer.boxes[("w", "c/0")]
-    writer.boxes[("w", "c/2")] = {**record, "offsets": [8], "shape": [0], "key": "c/2", "size": 0,
-                                  "crc32": None}  # a fragment that lists it anyway
+    writer.boxes[("w", "c/2")] = {
+        **record,
+        "offsets": [8],
+        "shape": [0],
+        "key": "c/2",
+        "size": 0,
+        "crc32": None,
+    }  # a fragment that lists it anyway
     writer.finish()
     with pytest.raises(CheckpointError, match="at the end of the array"):
         commit(root, 1, save_id, 1, timeout=1)
@@ -192,8 +221,17 @@ def test_cancelled_commit_stops_waiting_for_a_missing_writer_but_commits_a_compl
     save_id = _step_1_committed_and_step_2_missing_writer_1(root)
     cancel = threading.Event()
     threading.Timer(0.2, cancel.set).start()
-    with pytest.raises(CheckpointError, match=r"abandoned: writers \[1\] had not reported when the run failed"):
-        commit(root, 2, save_id, 2, timeout=60, cancelled=lambda: "the run failed" if cancel.is_set() else None)
+    with pytest.raises(
+        CheckpointError, match=r"abandoned: writers \[1\] had not reported when the run failed"
+    ):
+        commit(
+            root,
+            2,
+            save_id,
+            2,
+            timeout=60,
+            cancelled=lambda: "the run failed" if cancel.is_set() else None,
+        )
     assert list_checkpoints(root) == [1]
     save_id = begin_save(root, 3)
     for w, boxes in tp_boxes(qkv_global(3), 2).items():
@@ -201,7 +239,9 @@ def test_cancelled_commit_stops_waiting_for_a_missing_writer_but_commits_a_compl
         for spec, data in boxes:
             writer.write(spec, data)
         writer.finish()
-    commit(root, 3, save_id, 2, timeout=60, cancelled=lambda: "the run failed")  # every writer is in
+    commit(
+        root, 3, save_id, 2, timeout=60, cancelled=lambda: "the run failed"
+    )  # every writer is in
     assert list_checkpoints(root) == [1, 3]
 
 
@@ -229,8 +269,9 @@ def test_missing_or_truncated_object_aborts_the_commit(root):
 def test_writers_refuse_a_committed_step_and_bad_ids(root):
     save_tp(root, 6, qkv_global(), tp=1)
     with pytest.raises(CheckpointError, match="already committed"):
-        ShardWriter(root, 6, "x", 0, 1).write(ShardSpec("w", (1,), "float32", (0,), (1,)),
-                                              torch.ones(1))
+        ShardWriter(root, 6, "x", 0, 1).write(
+            ShardSpec("w", (1,), "float32", (0,), (1,)), torch.ones(1)
+        )
     for bad in ("../x", "a/b", "", "x" * 65):
         with pytest.raises(CheckpointError, match="save id"):
             ShardWriter(root, 7, bad, 0, 1)
@@ -274,7 +315,9 @@ def test_inner_chunks_divide_the_shard(monkeypatch):
     assert inner_chunks((2, 0), 4) == (2, 1)  # zero-size dims still get positive chunks
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float16", "int64", "int32", "uint8", "bool"])
+@pytest.mark.parametrize(
+    "dtype", ["bfloat16", "float32", "float16", "int64", "int32", "uint8", "bool"]
+)
 def test_single_chunk_fast_path_matches_zarr(dtype):
     """The hand-built shard must be byte-identical to what zarr writes for the same box."""
     torch_dtype = layout._DTYPES[dtype][0]
@@ -283,4 +326,7 @@ def test_single_chunk_fast_path_matches_zarr(dtype):
     stored = layout.to_stored(data)
     store = MemoryStore()
     ArrayMeta.of(spec).empty_array(store)[spec.slices()] = stored
-    assert b"".join(encode_box(spec, stored).parts) == store._store_dict[f"layers.w/{spec.key}"].to_bytes()
+    assert (
+        b"".join(encode_box(spec, stored).parts)
+        == store._store_dict[f"layers.w/{spec.key}"].to_bytes()
+    )

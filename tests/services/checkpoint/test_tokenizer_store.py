@@ -20,13 +20,17 @@ from meshtrain.services.dataloader.tokenizers import build_tokenizer, train_bpe
 def hf_tokenizer(tmp_path):
     text = tmp_path / "corpus.txt"
     text.write_text("the quick brown fox jumps over the lazy dog\n" * 200)
-    return train_bpe([str(text)], vocab_size=300, output_path=str(tmp_path / "tok" / "tokenizer.json"))
+    return train_bpe(
+        [str(text)], vocab_size=300, output_path=str(tmp_path / "tok" / "tokenizer.json")
+    )
 
 
 def _save_with(root, spec, extra_meta=None):
     boxes, record = tokenizer_boxes(spec)
     tensors = {box.array: tensor for box, tensor in boxes}
-    save_checkpoint(root, 1, tensors, {"tokenizer": spec, METADATA_KEY: record, **(extra_meta or {})})
+    save_checkpoint(
+        root, 1, tensors, {"tokenizer": spec, METADATA_KEY: record, **(extra_meta or {})}
+    )
     return record
 
 
@@ -48,17 +52,25 @@ def test_the_carried_files_outlive_the_originals(tmp_path, hf_tokenizer, monkeyp
 def test_byte_and_old_checkpoints_fall_back_to_the_recorded_spec(tmp_path):
     root = str(tmp_path / "ckpt")
     assert tokenizer_boxes("byte") == ([], None)
-    save_checkpoint(root, 1, {"w": __import__("torch").zeros(2)}, {"tokenizer": "/old/place/tokenizer.json"})
-    assert tokenizer_spec(root, 1, read_manifest(root, 1)["metadata"]) == "/old/place/tokenizer.json"
+    save_checkpoint(
+        root, 1, {"w": __import__("torch").zeros(2)}, {"tokenizer": "/old/place/tokenizer.json"}
+    )
+    assert (
+        tokenizer_spec(root, 1, read_manifest(root, 1)["metadata"]) == "/old/place/tokenizer.json"
+    )
 
 
-def test_a_carried_file_that_does_not_match_its_record_is_refused(tmp_path, hf_tokenizer, monkeypatch):
+def test_a_carried_file_that_does_not_match_its_record_is_refused(
+    tmp_path, hf_tokenizer, monkeypatch
+):
     monkeypatch.setenv("MESHTRAIN_CACHE", str(tmp_path / "cache"))
     root = str(tmp_path / "ckpt")
     _save_with(root, hf_tokenizer.spec)
     meta = read_manifest(root, 1)["metadata"]
     meta[METADATA_KEY]["files"][0]["sha256"] = "0" * 64
-    with pytest.raises(CheckpointError, match="carried tokenizer file 'tokenizer.json' does not match"):
+    with pytest.raises(
+        CheckpointError, match="carried tokenizer file 'tokenizer.json' does not match"
+    ):
         carried_spec(root, 1, meta, folder=tmp_path / "unpack")
 
 

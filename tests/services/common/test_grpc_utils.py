@@ -17,11 +17,15 @@ SERVICE = "meshtrain.test.v1.Echo"
 
 def _fail(request, context):
     kind = request.decode()
-    raise {"data": DataError("dataset x is missing"), "config": ConfigError("key y is unknown"),
-           "unavailable": DataUnavailableError("x.bin: range read of tokens [0, 9) failed (timeout)"),
-           "checkpoint": CheckpointError("step 3 has no manifest"), "bug": RuntimeError("oops"),
-           "long": DataError("/data/" + "é" * 9000 + ".idx: indexed dataset file is missing"),
-           "long_bug": OSError(36, "File name too long", "/data/" + "x" * 20000)}[kind]
+    raise {
+        "data": DataError("dataset x is missing"),
+        "config": ConfigError("key y is unknown"),
+        "unavailable": DataUnavailableError("x.bin: range read of tokens [0, 9) failed (timeout)"),
+        "checkpoint": CheckpointError("step 3 has no manifest"),
+        "bug": RuntimeError("oops"),
+        "long": DataError("/data/" + "é" * 9000 + ".idx: indexed dataset file is missing"),
+        "long_bug": OSError(36, "File name too long", "/data/" + "x" * 20000),
+    }[kind]
 
 
 def _echo(request, context):
@@ -49,26 +53,34 @@ def _stream(request, context):
 
 @pytest.fixture(scope="module")
 def address():
-    handler = grpc.method_handlers_generic_handler(SERVICE, {
-        "Fail": grpc.unary_unary_rpc_method_handler(_fail),
-        "Echo": grpc.unary_unary_rpc_method_handler(_echo),
-        "Stream": grpc.unary_stream_rpc_method_handler(_stream),
-        "Upload": grpc.stream_unary_rpc_method_handler(_upload),
-        "Chat": grpc.stream_stream_rpc_method_handler(_chat),
-    })
-    server, port, _ = make_server([lambda s: s.add_generic_rpc_handlers((handler,))], [SERVICE], port=0)
+    handler = grpc.method_handlers_generic_handler(
+        SERVICE,
+        {
+            "Fail": grpc.unary_unary_rpc_method_handler(_fail),
+            "Echo": grpc.unary_unary_rpc_method_handler(_echo),
+            "Stream": grpc.unary_stream_rpc_method_handler(_stream),
+            "Upload": grpc.stream_unary_rpc_method_handler(_upload),
+            "Chat": grpc.stream_stream_rpc_method_handler(_chat),
+        },
+    )
+    server, port, _ = make_server(
+        [lambda s: s.add_generic_rpc_handlers((handler,))], [SERVICE], port=0
+    )
     yield f"127.0.0.1:{port}"
     server.stop(0)
 
 
-@pytest.mark.parametrize("kind,code,text", [
-    ("data", grpc.StatusCode.INVALID_ARGUMENT, "dataset x is missing"),
-    # a storage read that failed is not the request's fault: UNAVAILABLE, which clients retry
-    ("unavailable", grpc.StatusCode.UNAVAILABLE, "x.bin: range read of tokens [0, 9) failed"),
-    ("config", grpc.StatusCode.INVALID_ARGUMENT, "key y is unknown"),
-    ("checkpoint", grpc.StatusCode.FAILED_PRECONDITION, "step 3 has no manifest"),
-    ("bug", grpc.StatusCode.UNKNOWN, ""),
-])
+@pytest.mark.parametrize(
+    "kind,code,text",
+    [
+        ("data", grpc.StatusCode.INVALID_ARGUMENT, "dataset x is missing"),
+        # a storage read that failed is not the request's fault: UNAVAILABLE, which clients retry
+        ("unavailable", grpc.StatusCode.UNAVAILABLE, "x.bin: range read of tokens [0, 9) failed"),
+        ("config", grpc.StatusCode.INVALID_ARGUMENT, "key y is unknown"),
+        ("checkpoint", grpc.StatusCode.FAILED_PRECONDITION, "step 3 has no manifest"),
+        ("bug", grpc.StatusCode.UNKNOWN, ""),
+    ],
+)
 def test_domain_errors_map_to_status_codes(address, kind, code, text):
     fail = grpc.insecure_channel(address).unary_unary(f"/{SERVICE}/Fail")
     with pytest.raises(grpc.RpcError) as e:
@@ -77,11 +89,16 @@ def test_domain_errors_map_to_status_codes(address, kind, code, text):
     assert text in (e.value.details() or "")
 
 
-@pytest.mark.parametrize("kind,code,tail", [
-    ("long", grpc.StatusCode.INVALID_ARGUMENT, "é.idx: indexed dataset file is missing"),
-    ("long_bug", grpc.StatusCode.UNKNOWN, "xxx'"),
-])
-def test_a_message_too_long_for_a_status_is_cut_not_turned_into_resource_exhausted(address, kind, code, tail):
+@pytest.mark.parametrize(
+    "kind,code,tail",
+    [
+        ("long", grpc.StatusCode.INVALID_ARGUMENT, "é.idx: indexed dataset file is missing"),
+        ("long_bug", grpc.StatusCode.UNKNOWN, "xxx'"),
+    ],
+)
+def test_a_message_too_long_for_a_status_is_cut_not_turned_into_resource_exhausted(
+    address, kind, code, tail
+):
     """A status's details travel in the trailers, which gRPC caps (8 KiB soft, 16 KiB hard):
     a longer message was dropped and the call failed RESOURCE_EXHAUSTED, a code clients retry.
     Non-ASCII is percent-encoded (3 bytes per byte), the worst case for the limit."""
@@ -132,8 +149,10 @@ def test_messages_over_default_limit_pass_both_ways(address):
 
 def test_health_serving(address):
     health = health_pb2_grpc.HealthStub(grpc.insecure_channel(address))
-    assert health.Check(health_pb2.HealthCheckRequest(service=SERVICE)).status == \
-        health_pb2.HealthCheckResponse.SERVING
+    assert (
+        health.Check(health_pb2.HealthCheckRequest(service=SERVICE)).status
+        == health_pb2.HealthCheckResponse.SERVING
+    )
 
 
 def test_port_in_use_is_a_config_error(address):
@@ -154,20 +173,31 @@ def test_busy_streams_leave_health_checks_answered_and_one_more_stream_is_refuse
         yield b"open"
         release.wait(30)
 
-    handler = grpc.method_handlers_generic_handler(SERVICE, {
-        "Hold": grpc.unary_stream_rpc_method_handler(_hold)})
-    server, port, _ = make_server([lambda s: s.add_generic_rpc_handlers((handler,))], [SERVICE], port=0,
-                                  max_workers=2, interceptors=[MetricsInterceptor("limits-test", 2)])
+    handler = grpc.method_handlers_generic_handler(
+        SERVICE, {"Hold": grpc.unary_stream_rpc_method_handler(_hold)}
+    )
+    server, port, _ = make_server(
+        [lambda s: s.add_generic_rpc_handlers((handler,))],
+        [SERVICE],
+        port=0,
+        max_workers=2,
+        interceptors=[MetricsInterceptor("limits-test", 2)],
+    )
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     hold = channel.unary_stream(f"/{SERVICE}/Hold")
     try:
         streams = [hold(b"") for _ in range(2)]
         assert [next(s) for s in streams] == [b"open", b"open"]  # both stream slots taken
-        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        health = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=5
+        )
         assert health.status == health_pb2.HealthCheckResponse.SERVING
         with pytest.raises(grpc.RpcError) as e:
             next(hold(b""))
-        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "2 stream slots" in e.value.details()
+        assert (
+            e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            and "2 stream slots" in e.value.details()
+        )
         requests = _metrics()["requests"]
         assert requests.labels("limits-test", "Hold", "RESOURCE_EXHAUSTED")._value.get() == 1
         streams[0].cancel()  # a client going away is CANCELLED, not an error

@@ -17,10 +17,16 @@ def test_loggable_escapes_and_cuts():
     assert "\n" not in loggable("\n" * 500)
 
 
-@pytest.mark.parametrize("value, problem", [
-    ("", "is empty"), ("a\0b", "control character '\\x00' at position 1"), ("name\n", "'\\n' at position 4"),
-    ("x" * 11, "is 11 characters long, over the limit of 10"), ("\x7f", "control character '\\x7f'"),
-])
+@pytest.mark.parametrize(
+    "value, problem",
+    [
+        ("", "is empty"),
+        ("a\0b", "control character '\\x00' at position 1"),
+        ("name\n", "'\\n' at position 4"),
+        ("x" * 11, "is 11 characters long, over the limit of 10"),
+        ("\x7f", "control character '\\x7f'"),
+    ],
+)
 def test_check_text_names_the_field_and_the_problem(value, problem):
     with pytest.raises(InvalidRequestError) as info:
         check_text(value, "box.array", 10, InvalidRequestError)
@@ -47,9 +53,14 @@ def test_an_undecodable_request_is_one_line(caplog):
     assert len(record.getMessage()) < 400 and "Traceback" not in caplog.text
 
 
-@pytest.mark.parametrize("peer, host", [
-    ("ipv4:10.0.0.5:53312", "10.0.0.5"), ("ipv6:%5B::1%5D:4000", "::1"), ("ipv6:[fe80::1]:4", "fe80::1"),
-    ("unix:/tmp/sock", "unix:/tmp/sock"),
-])
+@pytest.mark.parametrize(
+    "peer, host",
+    [
+        ("ipv4:10.0.0.5:53312", "10.0.0.5"),
+        ("ipv6:%5B::1%5D:4000", "::1"),
+        ("ipv6:[fe80::1]:4", "fe80::1"),
+        ("unix:/tmp/sock", "unix:/tmp/sock"),
+    ],
+)
 def test_peer_host(peer, host):
     assert peer_host(peer) == host

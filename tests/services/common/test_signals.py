@@ -47,8 +47,14 @@ print(seen, flush=True)
 
 def _run_nested(mode: str) -> subprocess.CompletedProcess | None:
     try:
-        return subprocess.run([sys.executable, "-c", _NESTED, mode], cwd=ROOT, capture_output=True, text=True,
-                              timeout=30, check=False)
+        return subprocess.run(
+            [sys.executable, "-c", _NESTED, mode],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
     except subprocess.TimeoutExpired:
         return None
 
@@ -56,7 +62,9 @@ def _run_nested(mode: str) -> subprocess.CompletedProcess | None:
 def test_a_signal_during_an_action_that_holds_a_lock_waits_for_it_instead_of_deadlocking():
     done = _run_nested("relayed")
     assert done is not None, "deadlocked"
-    assert done.returncode == 0 and done.stdout.strip() == "['SIGUSR1', 'SIGUSR1']", done.stderr[-2000:]
+    assert done.returncode == 0 and done.stdout.strip() == "['SIGUSR1', 'SIGUSR1']", done.stderr[
+        -2000:
+    ]
 
 
 @pytest.mark.slow
@@ -93,7 +101,10 @@ def test_a_failing_action_is_logged_and_later_signals_are_still_handled(caplog):
         if len(seen) == 1:
             raise RuntimeError("first one fails")
 
-    with caplog.at_level(logging.ERROR, logger="meshtrain.signals"), relayed_signals([signal.SIGUSR1], action):
+    with (
+        caplog.at_level(logging.ERROR, logger="meshtrain.signals"),
+        relayed_signals([signal.SIGUSR1], action),
+    ):
         os.kill(os.getpid(), signal.SIGUSR1)
         deadline = time.monotonic() + 10
         while not seen and time.monotonic() < deadline:
@@ -107,8 +118,9 @@ def test_a_failing_action_is_logged_and_later_signals_are_still_handled(caplog):
 def test_off_the_main_thread_nothing_is_installed():
     before = signal.getsignal(signal.SIGUSR1)
     got = []
-    thread = threading.Thread(target=lambda: got.append(
-        relayed_signals([signal.SIGUSR1], lambda s: None).__enter__()))
+    thread = threading.Thread(
+        target=lambda: got.append(relayed_signals([signal.SIGUSR1], lambda s: None).__enter__())
+    )
     thread.start()
     thread.join()
     assert got == [False] and signal.getsignal(signal.SIGUSR1) == before

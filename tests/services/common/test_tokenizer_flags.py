@@ -26,11 +26,23 @@ def gpt2_files(tmp_path):
 
 def test_gpt2bpe_flags_set_the_data_keys(gpt2_files, tmp_path):
     vocab, merges = gpt2_files
-    args = ["--data-path", "corpus", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab,
-            "--merge-file", merges]
+    args = [
+        "--data-path",
+        "corpus",
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--vocab-file",
+        vocab,
+        "--merge-file",
+        merges,
+    ]
     _, table = parse_overrides(args)
-    assert table["data"] == {"data_path": ["corpus"], "tokenizer_type": "GPT2BPETokenizer",
-                             "vocab_file": vocab, "merge_file": merges}
+    assert table["data"] == {
+        "data_path": ["corpus"],
+        "tokenizer_type": "GPT2BPETokenizer",
+        "vocab_file": vocab,
+        "merge_file": merges,
+    }
     job = load_config(args)
     assert job.data.tokenizer == f"gpt2bpe:{vocab},{merges}"
     # the resolved config, as a run's config.toml holds it, loads back to the same job
@@ -40,7 +52,9 @@ def test_gpt2bpe_flags_set_the_data_keys(gpt2_files, tmp_path):
 
 
 def test_vocab_size_is_the_null_tokenizers():
-    job = load_config(["--data-path", "corpus", "--tokenizer-type", "NullTokenizer", "--vocab-size", "50"])
+    job = load_config(
+        ["--data-path", "corpus", "--tokenizer-type", "NullTokenizer", "--vocab-size", "50"]
+    )
     assert job.data.tokenizer == "null:50" and job.data.vocab_size == 50
     assert job.model.vocab_size is None  # taken from the tokenizer (51 ids: EOD is 50)
     # with any other tokenizer --vocab-size stays the model's
@@ -49,10 +63,24 @@ def test_vocab_size_is_the_null_tokenizers():
 
 def test_tokenizer_flag_errors_name_the_key(gpt2_files):
     vocab, _ = gpt2_files
-    with pytest.raises(ConfigError, match="data.tokenizer_type=GPT2BPETokenizer needs data.merge_file"):
-        load_config(["--data-path", "c", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab])
+    with pytest.raises(
+        ConfigError, match="data.tokenizer_type=GPT2BPETokenizer needs data.merge_file"
+    ):
+        load_config(
+            ["--data-path", "c", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab]
+        )
     with pytest.raises(ConfigError, match="both name the tokenizer"):
-        load_config(["--data-path", "c", "--tokenizer", "byte", "--tokenizer-type", "NullTokenizer",
-                     "--vocab-size", "9"])
+        load_config(
+            [
+                "--data-path",
+                "c",
+                "--tokenizer",
+                "byte",
+                "--tokenizer-type",
+                "NullTokenizer",
+                "--vocab-size",
+                "9",
+            ]
+        )
     with pytest.raises(ConfigError, match="data.vocab_file is given without data.tokenizer_type"):
         load_config(["--data-path", "c", "--tokenizer", "byte", "--vocab-file", vocab])

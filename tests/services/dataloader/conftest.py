@@ -30,7 +30,9 @@ def blend_spec(tmp_path_factory):
     """A two-dataset blend, 64 steps of global batch 16, seq 32."""
     d = tmp_path_factory.mktemp("service-data")
     a, b = write_dataset(d / "a", 1), write_dataset(d / "b", 2)
-    return DatasetSpec((a, b), (0.3, 0.7), seq_length=32, num_samples=64 * 16, seed=7, split="98,2,0")
+    return DatasetSpec(
+        (a, b), (0.3, 0.7), seq_length=32, num_samples=64 * 16, seed=7, split="98,2,0"
+    )
 
 
 @pytest.fixture(scope="session")
@@ -44,7 +46,9 @@ def long_spec(blend_spec):
 
 
 def batch_hash(batch) -> str:
-    return hashlib.sha256(batch.tokens.numpy().tobytes() + batch.labels.numpy().tobytes()).hexdigest()
+    return hashlib.sha256(
+        batch.tokens.numpy().tobytes() + batch.labels.numpy().tobytes()
+    ).hexdigest()
 
 
 class WorkerProcess:
@@ -53,9 +57,20 @@ class WorkerProcess:
     def __init__(self, port: int | None = None, args: tuple[str, ...] = ()):
         port = free_port() if port is None else port
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "meshtrain.services.dataloader.rpc.server", "--port", str(port), "--grace", "1",
-             *args],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=None if os.environ.get("MESHTRAIN_TEST_WORKER_STDERR") else subprocess.DEVNULL, text=True,
+            [
+                sys.executable,
+                "-m",
+                "meshtrain.services.dataloader.rpc.server",
+                "--port",
+                str(port),
+                "--grace",
+                "1",
+                *args,
+            ],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=None if os.environ.get("MESHTRAIN_TEST_WORKER_STDERR") else subprocess.DEVNULL,
+            text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         self.port = port

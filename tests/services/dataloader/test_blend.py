@@ -82,8 +82,10 @@ def test_blended_samples_come_from_their_datasets(tmp_path):
     spec = DatasetSpec((a, b), (0.25, 0.75), seq_length=16, num_samples=200, seed=3, split="1")
     blend = open_dataset(spec, cache=False)
     assert isinstance(blend, BlendedDataset)
-    parts = [GPTDataset(IndexedDataset(p), np.arange(40), 16, len(blend.datasets[i]), 3)
-             for i, p in enumerate((a, b))]
+    parts = [
+        GPTDataset(IndexedDataset(p), np.arange(40), 16, len(blend.datasets[i]), 3)
+        for i, p in enumerate((a, b))
+    ]
     for i in range(len(blend)):
         d, j = int(blend.dataset_index[i]), int(blend.dataset_sample_index[i])
         assert np.array_equal(blend[i], parts[d][j])
@@ -107,7 +109,9 @@ def test_indices_cached_by_hash_of_inputs(tmp_path):
 def test_seq_length_longer_than_data(tmp_path):
     a = _write(tmp_path / "a", 1, n_docs=3)
     with pytest.raises(DataError, match="longer than"):
-        open_dataset(DatasetSpec((a,), (1.0,), seq_length=100_000, num_samples=4, seed=1, split="1"))
+        open_dataset(
+            DatasetSpec((a,), (1.0,), seq_length=100_000, num_samples=4, seed=1, split="1")
+        )
 
 
 def test_unknown_dataset_path(tmp_path):

@@ -60,7 +60,9 @@ class _Buggy(DataServicer):
 @pytest.fixture
 def stuck():
     servicer = _Stuck()
-    srv, port, _ = make_server([lambda s: pb_grpc.add_DataServiceServicer_to_server(servicer, s)], [SERVICE_NAME])
+    srv, port, _ = make_server(
+        [lambda s: pb_grpc.add_DataServiceServicer_to_server(servicer, s)], [SERVICE_NAME]
+    )
     yield f"127.0.0.1:{port}"
     servicer.release.set()
     srv.stop(0)
@@ -86,8 +88,9 @@ def _hashes(batches):
 def test_a_worker_that_sends_nothing_is_dropped_after_stall_s(stuck, good, blend_spec):
     local = LocalBatchSource(open_dataset(blend_spec), 2, 16, 0, 2)
     t0 = time.monotonic()
-    with ServiceBatchSource(_first_tried_last(stuck, good, 0), blend_spec, 2, 16, 0, 2,
-                            stall_s=1.0, give_up_s=30) as remote:
+    with ServiceBatchSource(
+        _first_tried_last(stuck, good, 0), blend_spec, 2, 16, 0, 2, stall_s=1.0, give_up_s=30
+    ) as remote:
         got = [_hashes(remote.micro_batches(step)) for step in range(3)]
         assert remote.reconnects >= 1 and remote.current_address == good
     assert got == [_hashes(local.micro_batches(step)) for step in range(3)]
@@ -96,20 +99,34 @@ def test_a_worker_that_sends_nothing_is_dropped_after_stall_s(stuck, good, blend
 
 def test_no_worker_sending_anything_for_give_up_s_is_a_clear_error(stuck, blend_spec):
     t0 = time.monotonic()
-    with ServiceBatchSource([stuck], blend_spec, 2, 16, 0, 2, stall_s=0.5, give_up_s=2.0,
-                            backoff_s=(0.05, 0.2)) as remote, \
-            pytest.raises(DataError, match=r"no data worker of .* served anything for 2s; .*sent nothing for 0s"):
+    with (
+        ServiceBatchSource(
+            [stuck], blend_spec, 2, 16, 0, 2, stall_s=0.5, give_up_s=2.0, backoff_s=(0.05, 0.2)
+        ) as remote,
+        pytest.raises(
+            DataError, match=r"no data worker of .* served anything for 2s; .*sent nothing for 0s"
+        ),
+    ):
         remote.micro_batches(0)
     assert time.monotonic() - t0 < 15
 
 
 def test_a_stream_that_ends_before_the_dataset_is_a_failure_not_the_end(good, blend_spec):
     servicer = _Short()
-    srv, port, _ = make_server([lambda s: pb_grpc.add_DataServiceServicer_to_server(servicer, s)], [SERVICE_NAME])
+    srv, port, _ = make_server(
+        [lambda s: pb_grpc.add_DataServiceServicer_to_server(servicer, s)], [SERVICE_NAME]
+    )
     try:
         local = LocalBatchSource(open_dataset(blend_spec), 2, 16, 1, 2)
-        with ServiceBatchSource(_first_tried_last(f"127.0.0.1:{port}", good, 1), blend_spec, 2, 16, 1, 2,
-                                backoff_s=(0.01, 0.05)) as remote:
+        with ServiceBatchSource(
+            _first_tried_last(f"127.0.0.1:{port}", good, 1),
+            blend_spec,
+            2,
+            16,
+            1,
+            2,
+            backoff_s=(0.01, 0.05),
+        ) as remote:
             got = [_hashes(remote.micro_batches(step)) for step in range(4)]
             assert remote.reconnects >= 1
         assert got == [_hashes(local.micro_batches(step)) for step in range(4)]
@@ -135,7 +152,10 @@ def test_close_while_the_stream_opens_is_prompt_and_leaves_no_thread(stuck, blen
     reader.join(timeout=10)
     assert not reader.is_alive() and errors and "closed" in errors[0]
     deadline = time.monotonic() + 5
-    while any(t.name.startswith("data-client") for t in threading.enumerate()) and time.monotonic() < deadline:
+    while (
+        any(t.name.startswith("data-client") for t in threading.enumerate())
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.05)
     assert not [t.name for t in threading.enumerate() if t.name.startswith("data-client")]
 
@@ -146,26 +166,44 @@ def test_a_paused_reader_is_not_cut_off_for_its_keepalive_pings(good, blend_spec
     # early one with GOAWAY "too_many_pings" (UNAVAILABLE here).
     # 64 MB of micro-batches: far more than the flow-control windows, so the server stays blocked
     spec = replace(blend_spec, seq_length=1023, num_samples=2000 * 16)
-    channel = grpc.insecure_channel(good, options=[("grpc.keepalive_time_ms", 1000),
-                                                   ("grpc.keepalive_timeout_ms", 5000),
-                                                   ("grpc.http2.max_pings_without_data", 0)])
-    stream = pb_grpc.DataServiceStub(channel).StreamBatches(pb.StreamRequest(
-        spec=spec_to_proto(spec), dp_rank=0, dp_size=1, micro_batch_size=16, global_batch_size=16))
+    channel = grpc.insecure_channel(
+        good,
+        options=[
+            ("grpc.keepalive_time_ms", 1000),
+            ("grpc.keepalive_timeout_ms", 5000),
+            ("grpc.http2.max_pings_without_data", 0),
+        ],
+    )
+    stream = pb_grpc.DataServiceStub(channel).StreamBatches(
+        pb.StreamRequest(
+            spec=spec_to_proto(spec),
+            dp_rank=0,
+            dp_size=1,
+            micro_batch_size=16,
+            global_batch_size=16,
+        )
+    )
     assert next(stream).step == 0
     time.sleep(5)  # the reader pauses; flow control stops the server: no data, only pings
     assert [m.step for m in stream] == list(range(1, 2000))
     channel.close()
 
 
-@pytest.mark.parametrize("kw,match", [
-    ({"global_batch_size": 0}, "positive multiple"),
-    ({"global_batch_size": -16}, "positive multiple"),
-    ({"prefetch": 0}, "prefetch=0"),
-    ({"stall_s": 0.0}, "stall_s=0.0"),
-    ({"cp_rank": 2, "cp_size": 2}, r"cp_rank=2 is outside \[0, cp_size=2\)"),
-    ({"cp_size": 3}, r"seq_length=32 .* 2 x cp_size=3"),
-    ({"cp_size": 2, "options": BatchOptions(eod_id=0, document_ids=True)}, "document ids are not served"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"global_batch_size": 0}, "positive multiple"),
+        ({"global_batch_size": -16}, "positive multiple"),
+        ({"prefetch": 0}, "prefetch=0"),
+        ({"stall_s": 0.0}, "stall_s=0.0"),
+        ({"cp_rank": 2, "cp_size": 2}, r"cp_rank=2 is outside \[0, cp_size=2\)"),
+        ({"cp_size": 3}, r"seq_length=32 .* 2 x cp_size=3"),
+        (
+            {"cp_size": 2, "options": BatchOptions(eod_id=0, document_ids=True)},
+            "document ids are not served",
+        ),
+    ],
+)
 def test_arguments_it_cannot_work_with_are_refused(blend_spec, kw, match):
     args = {"micro_batch_size": 2, "global_batch_size": 16, "dp_rank": 0, "dp_size": 2, **kw}
     with pytest.raises(DataError, match=match):
@@ -173,8 +211,10 @@ def test_arguments_it_cannot_work_with_are_refused(blend_spec, kw, match):
 
 
 def test_get_before_any_stream_is_an_error_not_a_hang(blend_spec):
-    with ServiceBatchSource(["127.0.0.1:1"], blend_spec, 2, 16, 0, 2) as remote, \
-            pytest.raises(DataError, match="micro_batches"):
+    with (
+        ServiceBatchSource(["127.0.0.1:1"], blend_spec, 2, 16, 0, 2) as remote,
+        pytest.raises(DataError, match="micro_batches"),
+    ):
         remote.get()
 
 
@@ -184,16 +224,30 @@ def test_a_worker_slow_to_open_the_dataset_is_waited_for_not_dropped(good, blend
             time.sleep(3)
             return super().Describe(request, context)
 
-    srv, port, _ = make_server([lambda s: pb_grpc.add_DataServiceServicer_to_server(SlowOpen(), s)], [SERVICE_NAME])
+    srv, port, _ = make_server(
+        [lambda s: pb_grpc.add_DataServiceServicer_to_server(SlowOpen(), s)], [SERVICE_NAME]
+    )
     try:
         local = LocalBatchSource(open_dataset(blend_spec), 2, 16, 0, 2)
-        with ServiceBatchSource([f"127.0.0.1:{port}"], blend_spec, 2, 16, 0, 2, stall_s=2.5,
-                                give_up_s=2.5) as remote:  # both shorter than the 3 s open
+        with ServiceBatchSource(
+            [f"127.0.0.1:{port}"], blend_spec, 2, 16, 0, 2, stall_s=2.5, give_up_s=2.5
+        ) as remote:  # both shorter than the 3 s open
             assert _hashes(remote.micro_batches(0)) == _hashes(local.micro_batches(0))
             assert remote.reconnects == 0
-        with ServiceBatchSource([f"127.0.0.1:{port}"], blend_spec, 2, 16, 0, 2, open_timeout_s=1.0,
-                                give_up_s=2.5, backoff_s=(0.05, 0.1)) as remote, \
-                pytest.raises(DataError, match="DEADLINE_EXCEEDED"):
+        with (
+            ServiceBatchSource(
+                [f"127.0.0.1:{port}"],
+                blend_spec,
+                2,
+                16,
+                0,
+                2,
+                open_timeout_s=1.0,
+                give_up_s=2.5,
+                backoff_s=(0.05, 0.1),
+            ) as remote,
+            pytest.raises(DataError, match="DEADLINE_EXCEEDED"),
+        ):
             remote.micro_batches(0)
     finally:
         srv.stop(0)
@@ -227,7 +281,9 @@ def test_a_failed_storage_read_on_a_worker_is_retried_not_the_end_of_the_run(tmp
     monkeypatch.setattr(MemoryFileSystem, "cat_file", fails_once)
     srv, port, _ = start_server(0, cache_indices=False)
     try:
-        with ServiceBatchSource([f"127.0.0.1:{port}"], spec, 2, 4, 0, 1, backoff_s=(0.01, 0.05)) as remote:
+        with ServiceBatchSource(
+            [f"127.0.0.1:{port}"], spec, 2, 4, 0, 1, backoff_s=(0.01, 0.05)
+        ) as remote:
             assert [_hashes(remote.micro_batches(step)) for step in range(3)] == want
             assert failed and remote.reconnects == 1
     finally:
@@ -254,19 +310,32 @@ class _HangsAfter3(_Stuck):
 
 
 def _serve(servicer):
-    srv, port, _ = make_server([lambda s: pb_grpc.add_DataServiceServicer_to_server(servicer, s)], [SERVICE_NAME])
+    srv, port, _ = make_server(
+        [lambda s: pb_grpc.add_DataServiceServicer_to_server(servicer, s)], [SERVICE_NAME]
+    )
     return srv, f"127.0.0.1:{port}"
 
 
-def test_a_worker_that_times_out_opening_is_left_for_the_next_not_the_end_of_the_run(good, blend_spec):
+def test_a_worker_that_times_out_opening_is_left_for_the_next_not_the_end_of_the_run(
+    good, blend_spec
+):
     # give_up_s < open_timeout_s: the failed open used to count toward give-up, so the run ended
     # with DEADLINE_EXCEEDED before the healthy worker was ever tried
     servicer = _OpensForever()
     srv, slow = _serve(servicer)
     try:
         local = LocalBatchSource(open_dataset(blend_spec), 2, 16, 0, 2)
-        with ServiceBatchSource(_first_tried_last(slow, good, 0), blend_spec, 2, 16, 0, 2,
-                                open_timeout_s=2.0, give_up_s=1.0, backoff_s=(0.01, 0.05)) as remote:
+        with ServiceBatchSource(
+            _first_tried_last(slow, good, 0),
+            blend_spec,
+            2,
+            16,
+            0,
+            2,
+            open_timeout_s=2.0,
+            give_up_s=1.0,
+            backoff_s=(0.01, 0.05),
+        ) as remote:
             assert _hashes(remote.micro_batches(0)) == _hashes(local.micro_batches(0))
             assert remote.reconnects >= 1 and remote.current_address == good
     finally:
@@ -282,8 +351,18 @@ def test_time_the_trainer_computes_on_prefetched_batches_is_not_time_without_dat
     srv, hangs = _serve(servicer)
     try:
         local = LocalBatchSource(open_dataset(blend_spec), 2, 2, 0, 1)
-        with ServiceBatchSource(_first_tried_last(hangs, good, 0), blend_spec, 2, 2, 0, 1, prefetch=2,
-                                stall_s=1.0, give_up_s=1.5, backoff_s=(0.01, 0.05)) as remote:
+        with ServiceBatchSource(
+            _first_tried_last(hangs, good, 0),
+            blend_spec,
+            2,
+            2,
+            0,
+            1,
+            prefetch=2,
+            stall_s=1.0,
+            give_up_s=1.5,
+            backoff_s=(0.01, 0.05),
+        ) as remote:
             got = []
             for step in range(6):
                 got.append(_hashes(remote.micro_batches(step)))
@@ -318,10 +397,16 @@ def two_named_workers(monkeypatch):
     that the OS resolver answers with whatever `names` holds (no name here resolves to two
     addresses, and the client resolves names through the OS, so this is where one is made)."""
     calls = []
-    srv_a, port, _ = make_server([lambda s: pb_grpc.add_DataServiceServicer_to_server(_Recording("A", calls), s)],
-                                 [SERVICE_NAME])
-    srv_b, _, _ = make_server([lambda s: pb_grpc.add_DataServiceServicer_to_server(_Recording("B", calls), s)],
-                              [SERVICE_NAME], port=port, host="127.0.0.2")
+    srv_a, port, _ = make_server(
+        [lambda s: pb_grpc.add_DataServiceServicer_to_server(_Recording("A", calls), s)],
+        [SERVICE_NAME],
+    )
+    srv_b, _, _ = make_server(
+        [lambda s: pb_grpc.add_DataServiceServicer_to_server(_Recording("B", calls), s)],
+        [SERVICE_NAME],
+        port=port,
+        host="127.0.0.2",
+    )
     names = {"data-workers.test": ["127.0.0.1", "127.0.0.2"]}
     real = socket.getaddrinfo
 
@@ -336,26 +421,44 @@ def two_named_workers(monkeypatch):
     srv_b.stop(0)
 
 
-def test_a_dns_target_opens_and_streams_on_one_worker_and_spreads_ranks(two_named_workers, blend_spec):
+def test_a_dns_target_opens_and_streams_on_one_worker_and_spreads_ranks(
+    two_named_workers, blend_spec
+):
     # round-robin over the name's addresses sent each Describe to one worker and the stream
     # after it to the next, which then built its indices inside the stream, under stall_s
     _, port, calls, _ = two_named_workers
     for rank in (0, 1):  # slot mod count: rank 0 on the first worker (sorted), rank 1 on the second
         local = LocalBatchSource(open_dataset(blend_spec), 2, 16, rank, 2)
-        with ServiceBatchSource([f"dns:///data-workers.test:{port}"], blend_spec, 2, 16, rank, 2,
-                                give_up_s=10) as remote:
+        with ServiceBatchSource(
+            [f"dns:///data-workers.test:{port}"], blend_spec, 2, 16, rank, 2, give_up_s=10
+        ) as remote:
             assert [_hashes(remote.micro_batches(s)) for s in range(2)] == [
-                _hashes(local.micro_batches(s)) for s in range(2)]
+                _hashes(local.micro_batches(s)) for s in range(2)
+            ]
             assert remote.reconnects == 0
-    assert calls == [("A", "Describe"), ("A", "StreamBatches"), ("B", "Describe"), ("B", "StreamBatches")]
+    assert calls == [
+        ("A", "Describe"),
+        ("A", "StreamBatches"),
+        ("B", "Describe"),
+        ("B", "StreamBatches"),
+    ]
 
 
 def test_a_dns_target_is_resolved_again_when_a_worker_goes(two_named_workers, long_spec):
     servers, port, calls, names = two_named_workers
     local = LocalBatchSource(open_dataset(long_spec), 2, 16, 0, 2)
     # long_spec: a stream far longer than the flow-control windows, so stopping A breaks it
-    with ServiceBatchSource([f"dns:///data-workers.test:{port}"], long_spec, 2, 16, 0, 2, prefetch=1,
-                            backoff_s=(0.01, 0.05), give_up_s=10) as remote:
+    with ServiceBatchSource(
+        [f"dns:///data-workers.test:{port}"],
+        long_spec,
+        2,
+        16,
+        0,
+        2,
+        prefetch=1,
+        backoff_s=(0.01, 0.05),
+        give_up_s=10,
+    ) as remote:
         got = [_hashes(remote.micro_batches(0))]
         assert remote.current_address == f"127.0.0.1:{port}"
         names["data-workers.test"] = ["127.0.0.2"]  # the service was scaled down to B
@@ -379,9 +482,18 @@ def test_the_trainer_passes_the_data_config_timeouts_to_the_client(good, tmp_pat
     from meshtrain.services.trainer.config import load_config
     from meshtrain.services.trainer.data import build_data
 
-    job = load_config(["--config", "deploy/configs/tiny.toml", "--data-service-addresses", good,
-                       "--data.service_stall_s=7", "--data.service_give_up_s=50",
-                       "--data.service_open_timeout_s=60", f"--data.cache_dir={tmp_path}"])
+    job = load_config(
+        [
+            "--config",
+            "deploy/configs/tiny.toml",
+            "--data-service-addresses",
+            good,
+            "--data.service_stall_s=7",
+            "--data.service_give_up_s=50",
+            "--data.service_open_timeout_s=60",
+            f"--data.cache_dir={tmp_path}",
+        ]
+    )
     data = build_data(job)
     try:
         assert (data.train.stall_s, data.train.give_up_s, data.train.open_timeout_s) == (7, 50, 60)
@@ -398,11 +510,14 @@ def test_an_error_the_worker_does_not_map_ends_the_run_with_its_message_not_retr
     runs the same code on the same request, so the client's retries (it treated UNKNOWN as
     transient) only hid the error for give_up_s behind "no data worker served anything"."""
     servicer = _Buggy()
-    srv, port, _ = make_server([lambda s: pb_grpc.add_DataServiceServicer_to_server(servicer, s)], [SERVICE_NAME])
+    srv, port, _ = make_server(
+        [lambda s: pb_grpc.add_DataServiceServicer_to_server(servicer, s)], [SERVICE_NAME]
+    )
     try:
         started = time.monotonic()
-        with ServiceBatchSource([f"127.0.0.1:{port}"], blend_spec, 2, 16, 0, 2, give_up_s=20,
-                                backoff_s=(0.01, 0.05)) as remote:
+        with ServiceBatchSource(
+            [f"127.0.0.1:{port}"], blend_spec, 2, 16, 0, 2, give_up_s=20, backoff_s=(0.01, 0.05)
+        ) as remote:
             with pytest.raises(DataError, match=r"UNKNOWN: .*cannot handle prefix '/") as e:
                 remote.micro_batches(0)
             assert remote.reconnects == 0
@@ -435,7 +550,9 @@ def test_unknown_from_the_transport_is_retried_unknown_from_a_handler_is_not():
     assert not is_permanent(_Status(unknown, None))
     assert is_permanent(_Status(unknown, "Exception calling application: boom"))
     assert is_permanent(_Status(unknown, "Exception iterating responses: boom"))
-    assert not is_permanent(_Status(grpc.StatusCode.UNAVAILABLE, "Exception calling application: x"))
+    assert not is_permanent(
+        _Status(grpc.StatusCode.UNAVAILABLE, "Exception calling application: x")
+    )
     assert is_permanent(_Status(grpc.StatusCode.INVALID_ARGUMENT, "bad"))
 
 
@@ -452,21 +569,36 @@ class _Malformed(DataServicer):
             yield msg
 
 
-@pytest.mark.parametrize("spoil,match", [
-    (lambda m: m.shape.__setitem__(slice(None), [3, 11]), r"of shape \(3, 11\), expected \(2, 33\)"),
-    (lambda m: setattr(m, "samples", m.samples[:-1]), r"with 131 bytes, expected 132 for \(2, 33\) uint16"),
-    (lambda m: setattr(m, "dtype", "object"), r"as dtype 'object', not a token dtype"),
-    # the same bytes read as float16 made garbage tokens that trained silently
-    (lambda m: setattr(m, "dtype", "float16"), r"as dtype 'float16', not a token dtype"),
-])
+@pytest.mark.parametrize(
+    "spoil,match",
+    [
+        (
+            lambda m: m.shape.__setitem__(slice(None), [3, 11]),
+            r"of shape \(3, 11\), expected \(2, 33\)",
+        ),
+        (
+            lambda m: setattr(m, "samples", m.samples[:-1]),
+            r"with 131 bytes, expected 132 for \(2, 33\) uint16",
+        ),
+        (lambda m: setattr(m, "dtype", "object"), r"as dtype 'object', not a token dtype"),
+        # the same bytes read as float16 made garbage tokens that trained silently
+        (lambda m: setattr(m, "dtype", "float16"), r"as dtype 'float16', not a token dtype"),
+    ],
+)
 def test_a_malformed_micro_batch_is_a_clear_error_naming_the_worker(blend_spec, spoil, match):
     """numpy's bare ValueError ('cannot reshape array of size ...') reached the trainer without
     naming the worker or the batch, and a wrong dtype name was not noticed at all."""
     servicer = _Malformed(spoil)
-    srv, port, _ = make_server([lambda s: pb_grpc.add_DataServiceServicer_to_server(servicer, s)], [SERVICE_NAME])
+    srv, port, _ = make_server(
+        [lambda s: pb_grpc.add_DataServiceServicer_to_server(servicer, s)], [SERVICE_NAME]
+    )
     try:
-        with ServiceBatchSource([f"127.0.0.1:{port}"], blend_spec, 2, 16, 0, 2) as remote, \
-                pytest.raises(DataError, match=f"worker 127.0.0.1:{port} sent step 0 micro-batch 0 {match}"):
+        with (
+            ServiceBatchSource([f"127.0.0.1:{port}"], blend_spec, 2, 16, 0, 2) as remote,
+            pytest.raises(
+                DataError, match=f"worker 127.0.0.1:{port} sent step 0 micro-batch 0 {match}"
+            ),
+        ):
             remote.micro_batches(0)
     finally:
         srv.stop(0)
@@ -484,13 +616,20 @@ class _PredatesCp(DataServicer):
         return super().StreamBatches(old, context)
 
 
-def test_whole_samples_from_a_worker_that_ignores_cp_are_a_clear_error_not_wrong_positions(blend_spec):
+def test_whole_samples_from_a_worker_that_ignores_cp_are_a_clear_error_not_wrong_positions(
+    blend_spec,
+):
     srv, address = _serve(_PredatesCp())
     try:
-        with ServiceBatchSource([address], blend_spec, 2, 16, 0, 2, cp_rank=1, cp_size=2) as remote, \
-                pytest.raises(DataError, match=rf"worker {address} sent step 0 micro-batch 0 of shape "
-                                               rf"\(2, 33\), expected \(2, 2, 9\) \(the chunks of cp_rank=1 of "
-                                               rf"cp_size=2; a worker that predates context parallelism"):
+        with (
+            ServiceBatchSource([address], blend_spec, 2, 16, 0, 2, cp_rank=1, cp_size=2) as remote,
+            pytest.raises(
+                DataError,
+                match=rf"worker {address} sent step 0 micro-batch 0 of shape "
+                rf"\(2, 33\), expected \(2, 2, 9\) \(the chunks of cp_rank=1 of "
+                rf"cp_size=2; a worker that predates context parallelism",
+            ),
+        ):
             remote.micro_batches(0)
     finally:
         srv.stop(0)

@@ -25,8 +25,12 @@ GBS, MBS = 16, 2
 
 def _global_rows(batches_by_rank):
     """The step's samples over all ranks, as a sorted list of rows (order across ranks is free)."""
-    rows = [tuple(b.tokens[i].tolist()) + (int(b.labels[i, -1]),)
-            for batches in batches_by_rank for b in batches for i in range(b.tokens.shape[0])]
+    rows = [
+        tuple(b.tokens[i].tolist()) + (int(b.labels[i, -1]),)
+        for batches in batches_by_rank
+        for b in batches
+        for i in range(b.tokens.shape[0])
+    ]
     return sorted(rows)
 
 
@@ -79,14 +83,27 @@ def _run(spec, phases, kills_wanted, seed):
         for dp_size, start, end in phases:
             # a fresh set of clients per phase is a trainer restart from consumed_samples = start * GBS
             locals_ = [LocalBatchSource(dataset, MBS, GBS, r, dp_size) for r in range(dp_size)]
-            clients = [ServiceBatchSource(addresses, spec, MBS, GBS, r, dp_size, prefetch=2,
-                                          backoff_s=(0.01, 0.2), give_up_s=60) for r in range(dp_size)]
+            clients = [
+                ServiceBatchSource(
+                    addresses,
+                    spec,
+                    MBS,
+                    GBS,
+                    r,
+                    dp_size,
+                    prefetch=2,
+                    backoff_s=(0.01, 0.2),
+                    give_up_s=60,
+                )
+                for r in range(dp_size)
+            ]
             try:
                 for step in range(start, end):
                     got = [c.micro_batches(step) for c in clients]
                     for r in range(dp_size):
-                        assert [batch_hash(b) for b in got[r]] == \
-                            [batch_hash(b) for b in locals_[r].micro_batches(step)], (step, r)
+                        assert [batch_hash(b) for b in got[r]] == [
+                            batch_hash(b) for b in locals_[r].micro_batches(step)
+                        ], (step, r)
                     assert _global_rows(got) == _global_rows([reference.micro_batches(step)]), step
                     n += 1
                     if kills < kills_wanted and n % every == 0:  # mid-stream: prefetch is full
@@ -114,5 +131,7 @@ def test_sigkill_twenty_times_exactly_once_with_restart_and_dp_change(long_spec)
 @pytest.mark.e2e
 def test_sigkill_hundred_times_exactly_once(long_spec):
     """Three passes over the data (restarts to step 0 are restarts from an earlier checkpoint)."""
-    kills, reconnects = _run(long_spec, [(1, 0, 64), (2, 0, 64), (8, 0, 64)], kills_wanted=100, seed=1)
+    kills, reconnects = _run(
+        long_spec, [(1, 0, 64), (2, 0, 64), (8, 0, 64)], kills_wanted=100, seed=1
+    )
     assert kills >= 100 and reconnects >= kills

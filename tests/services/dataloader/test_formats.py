@@ -38,12 +38,18 @@ def test_tiktoken_bad_file(tmp_path):
         build_tokenizer(str(bad))
 
 
-@pytest.mark.parametrize("extra,match", [
-    ([(b"th", 5)], r"bad.tiktoken:257: rank 5 is already given on line 6"),  # tiktoken panicked
-    ([(b"th", -1)], r"bad.tiktoken:257: rank -1 is outside"),  # OverflowError
-    ([(b"th", 2**32)], r"bad.tiktoken:257: rank 4294967296 is outside"),
-    ([(b"th", 256), (b"th", 257)], r"bad.tiktoken:258: token b'th' is already given \(rank 256\)"),
-])
+@pytest.mark.parametrize(
+    "extra,match",
+    [
+        ([(b"th", 5)], r"bad.tiktoken:257: rank 5 is already given on line 6"),  # tiktoken panicked
+        ([(b"th", -1)], r"bad.tiktoken:257: rank -1 is outside"),  # OverflowError
+        ([(b"th", 2**32)], r"bad.tiktoken:257: rank 4294967296 is outside"),
+        (
+            [(b"th", 256), (b"th", 257)],
+            r"bad.tiktoken:258: token b'th' is already given \(rank 256\)",
+        ),
+    ],
+)
 def test_tiktoken_inconsistent_ranks_name_the_line(tmp_path, extra, match):
     lines = [(bytes([i]), i) for i in range(256)] + extra
     bad = tmp_path / "bad.tiktoken"
@@ -55,8 +61,12 @@ def test_tiktoken_inconsistent_ranks_name_the_line(tmp_path, extra, match):
 def test_tiktoken_without_every_single_byte_is_refused_when_loaded(tmp_path):
     """tiktoken panicked (a BaseException) on the first text holding a byte it has no token for."""
     bad = tmp_path / "bad.tiktoken"
-    bad.write_text("".join(f"{base64.b64encode(bytes([i])).decode()} {i}\n" for i in range(256) if i != 0x63))
-    with pytest.raises(DataError, match=r"bad.tiktoken: .* no token for 1 of the 256 single bytes \(0x63\)"):
+    bad.write_text(
+        "".join(f"{base64.b64encode(bytes([i])).decode()} {i}\n" for i in range(256) if i != 0x63)
+    )
+    with pytest.raises(
+        DataError, match=r"bad.tiktoken: .* no token for 1 of the 256 single bytes \(0x63\)"
+    ):
         build_tokenizer(str(bad))
 
 
@@ -67,8 +77,9 @@ def spm_model(tmp_path_factory):
     d = tmp_path_factory.mktemp("spm")
     corpus = d / "corpus.txt"
     corpus.write_text("\n".join(f"line {i} {TEXT}" for i in range(200)))
-    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(d / "m"), vocab_size=80,
-                                   model_type="bpe", minloglevel=2)
+    spm.SentencePieceTrainer.train(
+        input=str(corpus), model_prefix=str(d / "m"), vocab_size=80, model_type="bpe", minloglevel=2
+    )
     return d / "m.model"
 
 
@@ -85,20 +96,28 @@ def test_parquet_input(tmp_path):
     import pyarrow.parquet as pq
 
     texts = [f"doc {i} " * (i % 5 + 1) for i in range(30)]
-    pq.write_table(pa.table({"text": texts, "n": list(range(30))}), tmp_path / "in.parquet", row_group_size=7)
+    pq.write_table(
+        pa.table({"text": texts, "n": list(range(30))}), tmp_path / "in.parquet", row_group_size=7
+    )
     prefix = preprocess_files([tmp_path / "in.parquet"], tmp_path / "out", ByteTokenizer())
     ds = IndexedDataset(prefix)
     assert ds.num_documents == 30
     assert bytes(ds[4][:-1].astype(np.uint8)).decode() == texts[4]
     with pytest.raises(DataError, match="no column 'body'"):
-        preprocess_files([tmp_path / "in.parquet"], tmp_path / "o2", ByteTokenizer(), json_key="body")
+        preprocess_files(
+            [tmp_path / "in.parquet"], tmp_path / "o2", ByteTokenizer(), json_key="body"
+        )
 
 
 def test_parquet_without_pyarrow_names_the_extra(tmp_path, monkeypatch):
     """pyarrow is the `parquet` extra: without it, a .parquet input says what to install."""
     (tmp_path / "in.parquet").write_bytes(b"PAR1")
-    monkeypatch.setitem(__import__("sys").modules, "pyarrow", None)  # `import pyarrow` raises ImportError
-    with pytest.raises(DataError, match=r"in.parquet: reading Parquet needs pyarrow.*meshtrain\[parquet\]"):
+    monkeypatch.setitem(
+        __import__("sys").modules, "pyarrow", None
+    )  # `import pyarrow` raises ImportError
+    with pytest.raises(
+        DataError, match=r"in.parquet: reading Parquet needs pyarrow.*meshtrain\[parquet\]"
+    ):
         preprocess_files([tmp_path / "in.parquet"], tmp_path / "out", ByteTokenizer())
 
 
@@ -110,7 +129,9 @@ def test_a_null_in_the_parquet_text_column_is_an_error_naming_the_row(tmp_path):
     texts = [f"doc {i}" for i in range(1500)]  # the null sits in the second 1024-row read
     texts[1100] = None
     pq.write_table(pa.table({"text": texts}), tmp_path / "in.parquet")
-    with pytest.raises(DataError, match=r"in.parquet: row 1100 \(counting from 0\): 'text' is null"):
+    with pytest.raises(
+        DataError, match=r"in.parquet: row 1100 \(counting from 0\): 'text' is null"
+    ):
         preprocess_files([tmp_path / "in.parquet"], tmp_path / "out", ByteTokenizer())
     assert not (tmp_path / "out.idx").exists() and not (tmp_path / "out.bin").exists()
 
@@ -121,8 +142,10 @@ def test_workers_give_identical_output(tmp_path):
 
     rng = np.random.default_rng(0)
     with open(tmp_path / "in.jsonl", "w") as f:
-        f.writelines(json.dumps({"text": "x" * int(rng.integers(0, 50)) + f" doc {i}"}) + "\n"
-                     for i in range(700))  # > 2 batches of 256 documents
+        f.writelines(
+            json.dumps({"text": "x" * int(rng.integers(0, 50)) + f" doc {i}"}) + "\n"
+            for i in range(700)
+        )  # > 2 batches of 256 documents
     one = preprocess_files([tmp_path / "in.jsonl"], tmp_path / "one", ByteTokenizer(), workers=1)
     two = preprocess_files([tmp_path / "in.jsonl"], tmp_path / "two", ByteTokenizer(), workers=2)
     for ext in (".bin", ".idx"):

@@ -41,21 +41,48 @@ from tests.services.dataloader.conftest import write_dataset
 HEALTH_EVERY = 100  # calls between health probes
 CLIENT_EVERY = 50  # calls between the well-behaved client's checks
 RSS_GROWTH_LIMIT = 200 << 20
-TOKEN = "fuzz-token-0123456789abcdef"  # with `auth`, the worker's ($MESHTRAIN_TOKEN); calls carry it
+TOKEN = (
+    "fuzz-token-0123456789abcdef"  # with `auth`, the worker's ($MESHTRAIN_TOKEN); calls carry it
+)
 
 
 def prefix_variants(prefix: str) -> list[str]:
     """Spellings near a real dataset prefix: other files, the folder, other schemes, junk after it."""
     folder, name = os.path.split(prefix)
-    return [prefix + "\n", prefix + "\x00", prefix + "/", prefix + ".idx", prefix + ".bin", folder, folder + "/",
-            os.path.join(folder, "..", os.path.basename(folder), name), f"file://{prefix}", f"FILE://{prefix}",
-            f"file://{prefix}?x=1#y", f"memory://{prefix}", f"s3://fuzz-bucket{prefix}", f"gs://fuzz-bucket{prefix}",
-            prefix + "*", prefix[:-1] + "?", os.path.join(folder, ".meshtrain-index", name), "~/" + name,
-            prefix.replace("/", "//"), prefix + " ", " " + prefix, prefix.upper()]
+    return [
+        prefix + "\n",
+        prefix + "\x00",
+        prefix + "/",
+        prefix + ".idx",
+        prefix + ".bin",
+        folder,
+        folder + "/",
+        os.path.join(folder, "..", os.path.basename(folder), name),
+        f"file://{prefix}",
+        f"FILE://{prefix}",
+        f"file://{prefix}?x=1#y",
+        f"memory://{prefix}",
+        f"s3://fuzz-bucket{prefix}",
+        f"gs://fuzz-bucket{prefix}",
+        prefix + "*",
+        prefix[:-1] + "?",
+        os.path.join(folder, ".meshtrain-index", name),
+        "~/" + name,
+        prefix.replace("/", "//"),
+        prefix + " ",
+        " " + prefix,
+        prefix.upper(),
+    ]
 
 
-def fuzz_data_service(fuzzer: Fuzzer, rng: random.Random, templates: list[pb.StreamRequest],
-                      prefixes: list[str], calls: int, good) -> None:
+def fuzz_data_service(
+    fuzzer: Fuzzer,
+    rng: random.Random,
+    templates: list[pb.StreamRequest],
+    prefixes: list[str],
+    calls: int,
+    good,
+) -> None:
     """Sends `calls` fuzzed requests, probing health and the well-behaved client as it goes."""
     variants = [v for p in prefixes for v in prefix_variants(p)]
     while fuzzer.calls < calls:
@@ -65,7 +92,9 @@ def fuzz_data_service(fuzzer: Fuzzer, rng: random.Random, templates: list[pb.Str
         if r < 0.6:
             request = mutate(rng, template)
             if rng.random() < 0.15 and len(request.spec.prefixes):
-                request.spec.prefixes[rng.randrange(len(request.spec.prefixes))] = rng.choice(variants)
+                request.spec.prefixes[rng.randrange(len(request.spec.prefixes))] = rng.choice(
+                    variants
+                )
             payload, shown = request.SerializeToString(), request
         elif r < 0.7:
             request = random_message(rng, pb.StreamRequest, fill=rng.choice([0.3, 0.7, 1.0]))
@@ -74,22 +103,39 @@ def fuzz_data_service(fuzzer: Fuzzer, rng: random.Random, templates: list[pb.Str
             payload = raw_variants(rng, template.SerializeToString())
             shown = payload
         if rng.random() < 0.01:
-            method = rng.choice(["Nope", "describe", "StreamBatches/x"])  # not a method of the service
+            method = rng.choice(
+                ["Nope", "describe", "StreamBatches/x"]
+            )  # not a method of the service
         metadata = rng.choice(AUTH_VARIANTS) if rng.random() < 0.05 else None
         if method == "StreamBatches":
-            fuzzer.unary_stream(method, payload, max_messages=rng.choice([1, 3]), metadata=metadata, shown=shown)
+            fuzzer.unary_stream(
+                method, payload, max_messages=rng.choice([1, 3]), metadata=metadata, shown=shown
+            )
         else:
             fuzzer.unary(method, payload, metadata=metadata, shown=shown)
-        fuzzer.periodic_checks(HEALTH_EVERY, ("", SERVICE_NAME), CLIENT_EVERY,
-                               "the well-behaved client's micro-batch", good)
+        fuzzer.periodic_checks(
+            HEALTH_EVERY,
+            ("", SERVICE_NAME),
+            CLIENT_EVERY,
+            "the well-behaved client's micro-batch",
+            good,
+        )
 
 
 pytestmark = pytest.mark.e2e  # a real server process per test
 
 
-@pytest.mark.parametrize("calls,auth", [(2_000, True), pytest.param(20_000, False, marks=pytest.mark.slow),
-                                        pytest.param(20_000, True, marks=pytest.mark.slow)])
-def test_fuzzed_requests_are_refused_cleanly_and_good_clients_are_served(tmp_path, monkeypatch, calls, auth):
+@pytest.mark.parametrize(
+    "calls,auth",
+    [
+        (2_000, True),
+        pytest.param(20_000, False, marks=pytest.mark.slow),
+        pytest.param(20_000, True, marks=pytest.mark.slow),
+    ],
+)
+def test_fuzzed_requests_are_refused_cleanly_and_good_clients_are_served(
+    tmp_path, monkeypatch, calls, auth
+):
     """With `auth` the worker requires a bearer token ($MESHTRAIN_TOKEN), which most calls carry
     and some replace by `AUTH_VARIANTS`; without, it is the default loopback worker."""
     if auth:
@@ -99,31 +145,63 @@ def test_fuzzed_requests_are_refused_cleanly_and_good_clients_are_served(tmp_pat
     data = tmp_path / "data"
     data.mkdir()
     a, b = write_dataset(data / "a", 1), write_dataset(data / "b", 2)
-    spec = DatasetSpec((a, b), (0.3, 0.7), seq_length=32, num_samples=64 * 16, seed=7, split="98,2,0")
+    spec = DatasetSpec(
+        (a, b), (0.3, 0.7), seq_length=32, num_samples=64 * 16, seed=7, split="98,2,0"
+    )
     single = replace(spec, prefixes=(a,), weights=(1.0,), seq_length=16, num_samples=100)
     templates = [
-        pb.StreamRequest(spec=spec_to_proto(spec), dp_rank=1, dp_size=2, micro_batch_size=2, global_batch_size=16,
-                         start_step=3),
-        pb.StreamRequest(spec=spec_to_proto(spec), dp_rank=0, dp_size=2, micro_batch_size=2, global_batch_size=16,
-                         start_step=5, start_microbatch=1, end_step=9, cp_rank=1, cp_size=2),
-        pb.StreamRequest(spec=spec_to_proto(single), dp_size=1, micro_batch_size=1, global_batch_size=4),
+        pb.StreamRequest(
+            spec=spec_to_proto(spec),
+            dp_rank=1,
+            dp_size=2,
+            micro_batch_size=2,
+            global_batch_size=16,
+            start_step=3,
+        ),
+        pb.StreamRequest(
+            spec=spec_to_proto(spec),
+            dp_rank=0,
+            dp_size=2,
+            micro_batch_size=2,
+            global_batch_size=16,
+            start_step=5,
+            start_microbatch=1,
+            end_step=9,
+            cp_rank=1,
+            cp_size=2,
+        ),
+        pb.StreamRequest(
+            spec=spec_to_proto(single), dp_size=1, micro_batch_size=1, global_batch_size=4
+        ),
     ]
     # the worker's caches (sample indices), here rather than in the checkout's .cache: the fuzzer's
     # valid specs build hundreds of indices
     cache = tmp_path / "cache"
     # s3:// prefixes go to a closed loopback port (refused at once), not to the internet
-    env = {"MESHTRAIN_CACHE": str(cache), "MESHTRAIN_INDEX_CACHE": str(cache / "index"),
-           "AWS_ENDPOINT_URL": "http://127.0.0.1:9",
-           "AWS_ACCESS_KEY_ID": "fuzz", "AWS_SECRET_ACCESS_KEY": "fuzz", "AWS_MAX_ATTEMPTS": "1",
-           "AWS_EC2_METADATA_DISABLED": "true"}
+    env = {
+        "MESHTRAIN_CACHE": str(cache),
+        "MESHTRAIN_INDEX_CACHE": str(cache / "index"),
+        "AWS_ENDPOINT_URL": "http://127.0.0.1:9",
+        "AWS_ACCESS_KEY_ID": "fuzz",
+        "AWS_SECRET_ACCESS_KEY": "fuzz",
+        "AWS_MAX_ATTEMPTS": "1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
     log = tmp_path / "worker.log"
     repo_before = set(os.listdir(REPO))
     before = tree_snapshot(tmp_path.parent, skip=[data / ".meshtrain-index", cache, log])
-    server = ServerProcess("meshtrain.services.dataloader.rpc.server",
-                           ["--port", "0", "--grace", "0", "--max-streams", "8", "--max-index-gib", "0.0625"],
-                           log, env=env)
-    fuzzer = Fuzzer(server.address, SERVICE_NAME, timeout_s=2.0,
-                    metadata=(("authorization", f"Bearer {TOKEN}"),) if auth else ())
+    server = ServerProcess(
+        "meshtrain.services.dataloader.rpc.server",
+        ["--port", "0", "--grace", "0", "--max-streams", "8", "--max-index-gib", "0.0625"],
+        log,
+        env=env,
+    )
+    fuzzer = Fuzzer(
+        server.address,
+        SERVICE_NAME,
+        timeout_s=2.0,
+        metadata=(("authorization", f"Bearer {TOKEN}"),) if auth else (),
+    )
     try:
         local = LocalBatchSource(open_dataset(spec, cache=False), 2, 16, 1, 2)
         stub = pb_grpc.DataServiceStub(fuzzer.channel)
@@ -132,21 +210,34 @@ def test_fuzzed_requests_are_refused_cleanly_and_good_clients_are_served(tmp_pat
         def good():
             n = next(positions)
             step, mb = (7 * n) % 64, n % 4
-            request = pb.StreamRequest(spec=spec_to_proto(spec), dp_rank=1, dp_size=2, micro_batch_size=2,
-                                       global_batch_size=16, start_step=step, start_microbatch=mb, end_step=step + 1)
+            request = pb.StreamRequest(
+                spec=spec_to_proto(spec),
+                dp_rank=1,
+                dp_size=2,
+                micro_batch_size=2,
+                global_batch_size=16,
+                start_step=step,
+                start_microbatch=mb,
+                end_step=step + 1,
+            )
             got = list(stub.StreamBatches(request, timeout=30, metadata=fuzzer.metadata))
             want = [local.payload(step, m) for m in range(mb, 4)]
             assert [(m.step, m.microbatch) for m in got] == [(step, m) for m in range(mb, 4)]
             for msg, w in zip(got, want, strict=True):
                 assert (msg.dtype, tuple(msg.shape)) == (w.dtype.name, w.shape)
-                assert msg.samples == w.astype(w.dtype.newbyteorder("<")).tobytes(), (step, msg.microbatch)
+                assert msg.samples == w.astype(w.dtype.newbyteorder("<")).tobytes(), (
+                    step,
+                    msg.microbatch,
+                )
 
         good()  # warm: the real dataset is open and its index built before memory is measured
         rss_before = server.rss()
         fuzz_data_service(fuzzer, random.Random(calls + auth), templates, [a, b], calls, good)
         fuzzer.check_health(("", SERVICE_NAME))
         fuzzer.check("the well-behaved client's micro-batch", good)
-        growth = server.rss() - rss_before if server.alive() else 0  # a dead server is reported below
+        growth = (
+            server.rss() - rss_before if server.alive() else 0
+        )  # a dead server is reported below
     finally:
         fuzzer.close()
         alive = server.alive()
@@ -156,14 +247,24 @@ def test_fuzzed_requests_are_refused_cleanly_and_good_clients_are_served(tmp_pat
     if not alive:
         problems.append(f"the worker died (exit status {server.proc.returncode})")
     if growth > RSS_GROWTH_LIMIT:
-        problems.append(f"the worker's RSS grew by {growth / 2**20:.0f} MiB over {fuzzer.calls} calls")
-    written = new_files(before, tree_snapshot(tmp_path.parent, skip=[data / ".meshtrain-index", cache, log]))
+        problems.append(
+            f"the worker's RSS grew by {growth / 2**20:.0f} MiB over {fuzzer.calls} calls"
+        )
+    written = new_files(
+        before, tree_snapshot(tmp_path.parent, skip=[data / ".meshtrain-index", cache, log])
+    )
     written += [f"{REPO}/{name}" for name in sorted(set(os.listdir(REPO)) - repo_before)]
     if written:
         problems.append(f"files written outside the worker's index cache: {written}")
-    index_files = [f for f in [*data.rglob("*"), *cache.rglob("*")] if f.is_file() and f.parent.name != "data"]
-    print(f"\n{fuzzer.calls} calls; RSS growth {growth / 2**20:.1f} MiB; index cache: {len(index_files)} files, "
-          f"{sum(f.stat().st_size for f in index_files) / 2**20:.1f} MiB\n{fuzzer.table()}")
+    index_files = [
+        f for f in [*data.rglob("*"), *cache.rglob("*")] if f.is_file() and f.parent.name != "data"
+    ]
+    print(
+        f"\n{fuzzer.calls} calls; RSS growth {growth / 2**20:.1f} MiB; index cache: {len(index_files)} files, "
+        f"{sum(f.stat().st_size for f in index_files) / 2**20:.1f} MiB\n{fuzzer.table()}"
+    )
     assert not problems, "\n".join(problems)
     assert fuzzer.calls >= calls
-    assert fuzzer.codes[("StreamBatches", grpc.StatusCode.OK.name)] > 0  # some fuzzed requests were valid
+    assert (
+        fuzzer.codes[("StreamBatches", grpc.StatusCode.OK.name)] > 0
+    )  # some fuzzed requests were valid

@@ -69,8 +69,11 @@ def test_reads_hand_built_multi_sequence_documents(tmp_path):
     seqs = [[7, 8], [9], [10, 11, 12]]
     (tmp_path / "m.bin").write_bytes(b"".join(struct.pack(f"<{len(s)}i", *s) for s in seqs))
     (tmp_path / "m.idx").write_bytes(
-        MAGIC + struct.pack("<QBQQ", 1, 4, 3, 3) + struct.pack("<3i", 2, 1, 3)
-        + struct.pack("<3q", 0, 8, 12) + struct.pack("<3q", 0, 2, 3)
+        MAGIC
+        + struct.pack("<QBQQ", 1, 4, 3, 3)
+        + struct.pack("<3i", 2, 1, 3)
+        + struct.pack("<3q", 0, 8, 12)
+        + struct.pack("<3q", 0, 2, 3)
     )
     ds = IndexedDataset(tmp_path / "m")
     assert ds.dtype == np.int32 and ds.num_documents == 2 and len(ds) == 3
@@ -111,7 +114,10 @@ def test_writer_whose_finalize_fails_leaves_nothing(tmp_path, monkeypatch, failu
             raise OSError(errno.ENOSPC, "simulated full disk")
         real_replace(src, dst)
 
-    with pytest.raises(OSError, match="simulated full disk"), IndexedDatasetWriter(tmp_path / "ds", np.uint16) as w:
+    with (
+        pytest.raises(OSError, match="simulated full disk"),
+        IndexedDatasetWriter(tmp_path / "ds", np.uint16) as w,
+    ):
         w.add_document(np.arange(1000) % 250)
         if failure == "idx write":  # the .bin is already open: only the .idx opens after this
             monkeypatch.setattr(indexed, "open", FullDisk, raising=False)
@@ -122,7 +128,10 @@ def test_writer_whose_finalize_fails_leaves_nothing(tmp_path, monkeypatch, failu
 
 
 def test_writer_rejects_ids_that_do_not_fit(tmp_path):
-    with IndexedDatasetWriter(tmp_path / "ds", np.uint16) as w, pytest.raises(DataError, match="do not fit"):
+    with (
+        IndexedDatasetWriter(tmp_path / "ds", np.uint16) as w,
+        pytest.raises(DataError, match="do not fit"),
+    ):
         w.add_document([1, 70000])
 
 
@@ -192,8 +201,18 @@ def _missing_bin(tmp_path):
 
 @pytest.mark.parametrize(
     "corrupt",
-    [_corrupt_bad_magic, _corrupt_version, _corrupt_dtype, _corrupt_idx_short, _corrupt_idx_long,
-     _corrupt_bin_size, _corrupt_pointer, _corrupt_doc_index, _missing_idx, _missing_bin],
+    [
+        _corrupt_bad_magic,
+        _corrupt_version,
+        _corrupt_dtype,
+        _corrupt_idx_short,
+        _corrupt_idx_long,
+        _corrupt_bin_size,
+        _corrupt_pointer,
+        _corrupt_doc_index,
+        _missing_idx,
+        _missing_bin,
+    ],
 )
 def test_corruption_raises_data_error_naming_file(tmp_path, corrupt):
     prefix = _good(tmp_path)
@@ -235,9 +254,14 @@ def _endpoint_connection_error():
     return EndpointConnectionError(endpoint_url="http://127.0.0.1:1/flaky-read/ds")
 
 
-@pytest.mark.parametrize("error", [lambda: OSError(errno.ETIMEDOUT, "simulated S3 read timeout"),
-                                   _endpoint_connection_error], ids=["OSError", "botocore"])
-def test_a_failed_range_read_is_data_unavailable_naming_file_and_range(tmp_path, monkeypatch, error):
+@pytest.mark.parametrize(
+    "error",
+    [lambda: OSError(errno.ETIMEDOUT, "simulated S3 read timeout"), _endpoint_connection_error],
+    ids=["OSError", "botocore"],
+)
+def test_a_failed_range_read_is_data_unavailable_naming_file_and_range(
+    tmp_path, monkeypatch, error
+):
     """A store's timeout is worth retrying (DataUnavailableError: UNAVAILABLE on a worker), not a
     bad dataset (a plain DataError: INVALID_ARGUMENT, which ended the run). s3fs lets botocore's
     connection errors through, which are not OSError: they escaped as themselves (UNKNOWN)."""
@@ -254,15 +278,21 @@ def test_a_failed_range_read_is_data_unavailable_naming_file_and_range(tmp_path,
         raise error()
 
     monkeypatch.setattr(MemoryFileSystem, "cat_file", timeout)
-    with pytest.raises(DataUnavailableError, match=r"flaky-read/ds.bin: range read of tokens \[60, 70\) failed"):
+    with pytest.raises(
+        DataUnavailableError, match=r"flaky-read/ds.bin: range read of tokens \[60, 70\) failed"
+    ):
         ds.read_tokens(60, 10)
-    with pytest.raises(DataUnavailableError, match=r"memory://flaky-read/ds.idx: reading the index failed"):
+    with pytest.raises(
+        DataUnavailableError, match=r"memory://flaky-read/ds.idx: reading the index failed"
+    ):
         IndexedDataset("memory://flaky-read/ds")
     monkeypatch.undo()
     assert ds.read_tokens(60, 10).tolist() == list(range(10, 20))  # the next try reads
 
 
-def test_a_store_that_fails_while_opening_is_data_unavailable_not_a_missing_file(tmp_path, monkeypatch):
+def test_a_store_that_fails_while_opening_is_data_unavailable_not_a_missing_file(
+    tmp_path, monkeypatch
+):
     """fsspec's `isfile` answers False for any error, so s3fs reported a timed-out HEAD as a
     missing file: a plain DataError, INVALID_ARGUMENT on a worker, which ended the run."""
     from fsspec.implementations.memory import MemoryFileSystem
@@ -275,16 +305,22 @@ def test_a_store_that_fails_while_opening_is_data_unavailable_not_a_missing_file
     fs.mkdir("/flaky-open/dir.idx")
     # existence as s3fs (and most stores) answer it: through info(), errors swallowed
     monkeypatch.setattr(MemoryFileSystem, "isfile", AbstractFileSystem.isfile)
-    with pytest.raises(DataError, match=r"memory://flaky-open/none.idx: indexed dataset file is missing"):
+    with pytest.raises(
+        DataError, match=r"memory://flaky-open/none.idx: indexed dataset file is missing"
+    ):
         IndexedDataset("memory://flaky-open/none")
-    with pytest.raises(DataError, match=r"memory://flaky-open/dir.idx: indexed dataset file is missing"):
+    with pytest.raises(
+        DataError, match=r"memory://flaky-open/dir.idx: indexed dataset file is missing"
+    ):
         IndexedDataset("memory://flaky-open/dir")
 
     def timeout(self, path, **kw):
         raise TimeoutError(errno.ETIMEDOUT, "simulated S3 HEAD timeout")
 
     monkeypatch.setattr(MemoryFileSystem, "info", timeout)
-    with pytest.raises(DataUnavailableError, match=r"memory://flaky-open/ds.idx: the store failed .*HEAD timeout"):
+    with pytest.raises(
+        DataUnavailableError, match=r"memory://flaky-open/ds.idx: the store failed .*HEAD timeout"
+    ):
         IndexedDataset("memory://flaky-open/ds")
     monkeypatch.undo()
     assert IndexedDataset("memory://flaky-open/ds")[0].tolist() == list(range(50))
@@ -303,13 +339,19 @@ def test_a_url_fsspec_cannot_open_is_a_data_error_naming_it(tmp_path):
     from meshtrain.services.launcher.topology import free_port
 
     (tmp_path / "junk.tar").write_bytes(b"not a tar archive" * 100)
-    for url in (f"zip://ds::file://{tmp_path}/none.zip", f"tar://ds::file://{tmp_path}/junk.tar", "github://x/y"):
+    for url in (
+        f"zip://ds::file://{tmp_path}/none.zip",
+        f"tar://ds::file://{tmp_path}/junk.tar",
+        "github://x/y",
+    ):
         with pytest.raises(DataError, match=f"{url}: cannot open this URL with fsspec") as e:
             IndexedDataset(url)
         assert not isinstance(e.value, DataUnavailableError)
     # nothing listens there: the store is unreachable, which another try may not be
     url = f"ftp://127.0.0.1:{free_port()}/ds"
-    with pytest.raises(DataUnavailableError, match=f"{url}: connecting failed .*ConnectionRefusedError"):
+    with pytest.raises(
+        DataUnavailableError, match=f"{url}: connecting failed .*ConnectionRefusedError"
+    ):
         IndexedDataset(url)
 
 
@@ -318,9 +360,13 @@ def test_a_local_path_the_system_refuses_is_a_data_error_naming_it(tmp_path):
     missing file: the OSError escaped (a worker answered UNKNOWN, and its 20 kB message
     broke the status)."""
     long = str(tmp_path / ("x" * 300))
-    with pytest.raises(DataError, match=r"x\.idx: cannot open the indexed dataset file \(File name too long\)"):
+    with pytest.raises(
+        DataError, match=r"x\.idx: cannot open the indexed dataset file \(File name too long\)"
+    ):
         IndexedDataset(long)
     (tmp_path / "dir.idx").mkdir()
     (tmp_path / "dir.bin").mkdir()
-    with pytest.raises(DataError, match=r"dir\.idx: indexed dataset file is missing \(not a regular file\)"):
+    with pytest.raises(
+        DataError, match=r"dir\.idx: indexed dataset file is missing \(not a regular file\)"
+    ):
         IndexedDataset(tmp_path / "dir")

@@ -40,7 +40,9 @@ def test_announce_refuses_what_is_not_an_address(tmp_path):
 def test_the_data_config_names_a_malformed_target():
     from meshtrain.services.dataloader.config import DataConfig
 
-    with pytest.raises(ConfigError, match="data.service_addresses: .*'dns:///x' must be dns:///name:port"):
+    with pytest.raises(
+        ConfigError, match="data.service_addresses: .*'dns:///x' must be dns:///name:port"
+    ):
         DataConfig(service_addresses=["dns:///x"])
     with pytest.raises(ConfigError, match="data.service_rebalance_s=-1"):
         DataConfig(service_rebalance_s=-1)
@@ -50,7 +52,9 @@ def test_ranks_spread_evenly_over_the_workers(blend_spec):
     workers = [WorkerProcess().wait_ready() for _ in range(2)]
     try:
         addresses = [w.address for w in workers]
-        sources = [ServiceBatchSource(addresses, blend_spec, 1, 16, r, 4, give_up_s=20) for r in range(4)]
+        sources = [
+            ServiceBatchSource(addresses, blend_spec, 1, 16, r, 4, give_up_s=20) for r in range(4)
+        ]
         try:
             for r, src in enumerate(sources):
                 local = LocalBatchSource(open_dataset(blend_spec), 1, 16, r, 4)
@@ -71,10 +75,25 @@ def test_a_joining_worker_takes_its_share_and_a_killed_one_loses_no_sample(long_
     folder = tmp_path / "workers"
     first = WorkerProcess(args=("--announce", str(folder))).wait_ready()
     second = None
-    sources = [ServiceBatchSource([f"dir:{folder}"], long_spec, 2, 16, r, 2, prefetch=2, rebalance_s=0.2,
-                                  backoff_s=(0.01, 0.1), give_up_s=30, bench_s=60) for r in range(2)]
+    sources = [
+        ServiceBatchSource(
+            [f"dir:{folder}"],
+            long_spec,
+            2,
+            16,
+            r,
+            2,
+            prefetch=2,
+            rebalance_s=0.2,
+            backoff_s=(0.01, 0.1),
+            give_up_s=30,
+            bench_s=60,
+        )
+        for r in range(2)
+    ]
     got = [[], []]
     try:
+
         def step_both():
             for r, src in enumerate(sources):
                 got[r].append(_hashes(src.micro_batches(len(got[r]))))
@@ -85,14 +104,23 @@ def test_a_joining_worker_takes_its_share_and_a_killed_one_loses_no_sample(long_
         second = WorkerProcess(args=("--announce", str(folder))).wait_ready()
         assert sorted(announced(folder)) == sorted([first.address, second.address])
         ordered = sorted([first.address, second.address])
-        _wait_stepping(lambda: sources[1].current_address == ordered[1] and sources[0].current_address == ordered[0],
-                       step_both, "rank 1 to move to its slot's worker")
+        _wait_stepping(
+            lambda: (
+                sources[1].current_address == ordered[1]
+                and sources[0].current_address == ordered[0]
+            ),
+            step_both,
+            "rank 1 to move to its slot's worker",
+        )
         moved = [s.moves for s in sources]
         assert sum(moved) >= 1 and all(s.reconnects == 0 for s in sources)
         on_first = next(s for s in sources if s.current_address == first.address)
         first.kill()  # SIGKILL: its announcement is left behind
-        _wait_stepping(lambda: on_first.reconnects >= 1 and on_first.current_address == second.address,
-                       step_both, "the rank on the killed worker to fail over")
+        _wait_stepping(
+            lambda: on_first.reconnects >= 1 and on_first.current_address == second.address,
+            step_both,
+            "the rank on the killed worker to fail over",
+        )
         for _ in range(3):
             step_both()
         assert first.address in announced(folder)  # still named, but benched
@@ -116,7 +144,9 @@ def _wait_stepping(cond, step, what, timeout=60.0):
 
 def test_a_worker_withdraws_its_announcement_on_sigterm(tmp_path):
     folder = tmp_path / "workers"
-    worker = WorkerProcess(args=("--announce", str(folder), "--advertise", "127.0.0.1")).wait_ready()
+    worker = WorkerProcess(
+        args=("--announce", str(folder), "--advertise", "127.0.0.1")
+    ).wait_ready()
     try:
         assert announced(folder) == [worker.address]
         worker.proc.send_signal(signal.SIGTERM)
@@ -127,8 +157,9 @@ def test_a_worker_withdraws_its_announcement_on_sigterm(tmp_path):
 
 
 def test_no_worker_announced_for_give_up_s_is_a_clear_error(blend_spec, tmp_path):
-    src = ServiceBatchSource([f"dir:{tmp_path / 'empty'}"], blend_spec, 2, 16, 0, 2, give_up_s=1.0,
-                             backoff_s=(0.05, 0.1))
+    src = ServiceBatchSource(
+        [f"dir:{tmp_path / 'empty'}"], blend_spec, 2, 16, 0, 2, give_up_s=1.0, backoff_s=(0.05, 0.1)
+    )
     with src, pytest.raises(DataError, match=r"no data worker is announced at .*empty"):
         src.micro_batches(0)
 
@@ -138,10 +169,13 @@ def test_a_worker_announced_late_is_found(blend_spec, tmp_path):
     folder = tmp_path / "workers"
     local = LocalBatchSource(open_dataset(blend_spec), 2, 16, 0, 2)
     worker = None
-    with ServiceBatchSource([f"dir:{folder}"], blend_spec, 2, 16, 0, 2, give_up_s=60,
-                            backoff_s=(0.05, 0.2)) as src:
+    with ServiceBatchSource(
+        [f"dir:{folder}"], blend_spec, 2, 16, 0, 2, give_up_s=60, backoff_s=(0.05, 0.2)
+    ) as src:
         result = {}
-        reader = threading.Thread(target=lambda: result.setdefault("b", _hashes(src.micro_batches(0))))
+        reader = threading.Thread(
+            target=lambda: result.setdefault("b", _hashes(src.micro_batches(0)))
+        )
         reader.start()
         time.sleep(0.5)
         assert reader.is_alive()

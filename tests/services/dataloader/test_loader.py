@@ -28,7 +28,11 @@ def dataset(tmp_path_factory):
 
 
 def _rows(batches):
-    return [tuple(b.tokens[i].tolist() + [b.labels[i, -1].item()]) for b in batches for i in range(len(b.tokens))]
+    return [
+        tuple(b.tokens[i].tolist() + [b.labels[i, -1].item()])
+        for b in batches
+        for i in range(len(b.tokens))
+    ]
 
 
 def test_batch_shapes_and_shift(dataset):
@@ -62,7 +66,9 @@ def test_rank_slice_order(dataset):
     for r in range(2):
         src = LocalBatchSource(dataset, 2, GBS, dp_rank=r, dp_size=2)
         for m in range(src.num_micro_batches):
-            assert src.sample_indices(2, m).tolist() == [2 * GBS + m * 4 + r * 2 + k for k in range(2)]
+            assert src.sample_indices(2, m).tolist() == [
+                2 * GBS + m * 4 + r * 2 + k for k in range(2)
+            ]
 
 
 def test_get_is_pure(dataset):
@@ -93,7 +99,9 @@ def test_eod_loss_mask_and_document_ids():
     from meshtrain.services.dataloader.loader import BatchOptions, batch_from_samples
 
     samples = np.array([[5, 9, 1, 9, 9, 2, 3]])  # EOD = 9
-    b = batch_from_samples(samples, 0, 0, BatchOptions(eod_id=9, mask_eod_loss=True, document_ids=True))
+    b = batch_from_samples(
+        samples, 0, 0, BatchOptions(eod_id=9, mask_eod_loss=True, document_ids=True)
+    )
     assert b.tokens.tolist() == [[5, 9, 1, 9, 9, 2]]
     assert b.loss_mask.tolist() == [[1, 0, 1, 0, 0, 1]]
     assert b.document_ids.tolist() == [[0, 0, 1, 1, 2, 3]]  # the EOD closes its own document
@@ -103,15 +111,18 @@ def test_eod_loss_mask_and_document_ids():
         BatchOptions(mask_eod_loss=True)
 
 
-@pytest.mark.parametrize("seq,cp,rank,want", [
-    (8, 1, 0, list(range(8))),
-    (8, 2, 0, [0, 1, 6, 7]),
-    (8, 2, 1, [2, 3, 4, 5]),
-    (16, 4, 0, [0, 1, 14, 15]),
-    (16, 4, 1, [2, 3, 12, 13]),
-    (16, 4, 3, [6, 7, 8, 9]),
-    (7, 1, 0, list(range(7))),  # cp 1 cuts nothing, so any length does
-])
+@pytest.mark.parametrize(
+    "seq,cp,rank,want",
+    [
+        (8, 1, 0, list(range(8))),
+        (8, 2, 0, [0, 1, 6, 7]),
+        (8, 2, 1, [2, 3, 4, 5]),
+        (16, 4, 0, [0, 1, 14, 15]),
+        (16, 4, 1, [2, 3, 12, 13]),
+        (16, 4, 3, [6, 7, 8, 9]),
+        (7, 1, 0, list(range(7))),  # cp 1 cuts nothing, so any length does
+    ],
+)
 def test_context_positions_layout(seq, cp, rank, want):
     got = context_positions(seq, rank, cp)
     assert got.dtype == np.int64 and got.tolist() == want
@@ -124,14 +135,17 @@ def test_context_positions_of_all_ranks_cover_the_sequence_once(seq, cp):
     assert sorted(np.concatenate(ranks).tolist()) == list(range(seq))
 
 
-@pytest.mark.parametrize("seq,rank,cp,match", [
-    (10, 0, 4, r"seq_length=10 .* 2 x cp_size=4"),
-    (12, 0, 4, r"seq_length=12 .* 2 x cp_size=4"),
-    (8, 2, 2, r"cp_rank=2 is outside \[0, cp_size=2\)"),
-    (8, -1, 2, r"cp_rank=-1 is outside \[0, cp_size=2\)"),
-    (8, 1, 1, r"cp_rank=1 is outside \[0, cp_size=1\)"),
-    (8, 0, 0, r"cp_size=0 must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "seq,rank,cp,match",
+    [
+        (10, 0, 4, r"seq_length=10 .* 2 x cp_size=4"),
+        (12, 0, 4, r"seq_length=12 .* 2 x cp_size=4"),
+        (8, 2, 2, r"cp_rank=2 is outside \[0, cp_size=2\)"),
+        (8, -1, 2, r"cp_rank=-1 is outside \[0, cp_size=2\)"),
+        (8, 1, 1, r"cp_rank=1 is outside \[0, cp_size=1\)"),
+        (8, 0, 0, r"cp_size=0 must be >= 1"),
+    ],
+)
 def test_context_positions_errors_name_the_values(seq, rank, cp, match):
     with pytest.raises(DataError, match=match):
         context_positions(seq, rank, cp)
@@ -156,7 +170,9 @@ def test_context_parallel_batches_are_the_full_batch_columns(eod_dataset, cp):
     masked = 0
     for rank in range(cp):
         pos = torch.from_numpy(context_positions(16, rank, cp))
-        src = LocalBatchSource(eod_dataset, 2, GBS, dp_rank=1, dp_size=2, options=options, cp_rank=rank, cp_size=cp)
+        src = LocalBatchSource(
+            eod_dataset, 2, GBS, dp_rank=1, dp_size=2, options=options, cp_rank=rank, cp_size=cp
+        )
         assert src.num_micro_batches == full.num_micro_batches
         for step in (0, 3):
             for got, want in zip(src.micro_batches(step), full.micro_batches(step), strict=True):
@@ -164,7 +180,10 @@ def test_context_parallel_batches_are_the_full_batch_columns(eod_dataset, cp):
                 assert torch.equal(got.tokens, want.tokens[:, pos])
                 assert torch.equal(got.labels, want.labels[:, pos])
                 assert torch.equal(got.loss_mask, want.loss_mask[:, pos])
-                assert (got.step, got.microbatch) == (want.step, want.microbatch) and got.document_ids is None
+                assert (got.step, got.microbatch) == (
+                    want.step,
+                    want.microbatch,
+                ) and got.document_ids is None
                 masked += int((got.loss_mask == 0).sum())
     assert masked > 0  # EOD masking was exercised
 
@@ -173,7 +192,9 @@ def test_context_parallel_payload_is_each_chunk_with_its_next_token(eod_dataset)
     src = LocalBatchSource(eod_dataset, 2, GBS, cp_rank=1, cp_size=2)  # chunks [4, 8) and [8, 12)
     samples, payload = src.samples(2, 1), src.payload(2, 1)
     assert payload.shape == (2, 2, 5) and payload.dtype == samples.dtype
-    assert np.array_equal(payload[:, 0], samples[:, 4:9]) and np.array_equal(payload[:, 1], samples[:, 8:13])
+    assert np.array_equal(payload[:, 0], samples[:, 4:9]) and np.array_equal(
+        payload[:, 1], samples[:, 8:13]
+    )
     assert np.array_equal(LocalBatchSource(eod_dataset, 2, GBS).payload(2, 1), samples)
 
 
@@ -183,4 +204,11 @@ def test_context_parallel_source_errors(eod_dataset):
     with pytest.raises(DataError, match=r"cp_rank=2 is outside \[0, cp_size=2\)"):
         LocalBatchSource(eod_dataset, 2, GBS, cp_rank=2, cp_size=2)
     with pytest.raises(DataError, match="document ids are not served under context parallelism"):
-        LocalBatchSource(eod_dataset, 2, GBS, options=BatchOptions(eod_id=3, document_ids=True), cp_rank=0, cp_size=2)
+        LocalBatchSource(
+            eod_dataset,
+            2,
+            GBS,
+            options=BatchOptions(eod_id=3, document_ids=True),
+            cp_rank=0,
+            cp_size=2,
+        )

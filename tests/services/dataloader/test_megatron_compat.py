@@ -10,8 +10,10 @@ import pytest
 
 from meshtrain.services.dataloader.indexed import IndexedDataset, IndexedDatasetWriter
 
-mcore = pytest.importorskip("megatron.core.datasets.indexed_dataset",
-                            reason="megatron-core not installed (pip install megatron-core)")
+mcore = pytest.importorskip(
+    "megatron.core.datasets.indexed_dataset",
+    reason="megatron-core not installed (pip install megatron-core)",
+)
 
 
 def _docs(seed, vocab):

@@ -21,8 +21,10 @@ from meshtrain.services.dataloader.loader import LocalBatchSource
 from meshtrain.services.dataloader.samples import GPTDataset, split_ranges
 from meshtrain.services.dataloader.spec import DatasetSpec, open_dataset
 
-mcfg = pytest.importorskip("megatron.core.datasets.blended_megatron_dataset_config",
-                           reason="megatron-core not installed (pip install megatron-core)")
+mcfg = pytest.importorskip(
+    "megatron.core.datasets.blended_megatron_dataset_config",
+    reason="megatron-core not installed (pip install megatron-core)",
+)
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder  # noqa: E402
 from megatron.core.datasets.gpt_dataset import GPTDataset as MegatronGPTDataset  # noqa: E402
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig  # noqa: E402
@@ -35,7 +37,10 @@ def _megatron_edges(split: str, n: int) -> list[tuple[int, int] | None]:
     """Megatron's split of n sequences: its split matrix, and the one line of its builder
     (`_build_megatron_dataset_splits`) that turns the matrix into index ranges."""
     matrix = mcfg.convert_split_vector_to_split_matrix(mcfg.parse_and_normalize_split(split))
-    return [None if b is None else (int(round(b[0] * float(n))), int(round(b[1] * float(n)))) for b in matrix]
+    return [
+        None if b is None else (int(round(b[0] * float(n))), int(round(b[1] * float(n))))
+        for b in matrix
+    ]
 
 
 @pytest.mark.parametrize("split", SPLITS)
@@ -89,16 +94,28 @@ def _write_megatron_multi_sequence(prefix, seed, n_docs, max_len):
 
 def _megatron_splits(prefix, seed, seq_length, sizes, split, cache):
     tokenizer = types.SimpleNamespace(vocab_size=2**20, eod=0, unique_identifiers={"class": "test"})
-    config = GPTDatasetConfig(random_seed=seed, sequence_length=seq_length, blend=([prefix], None), split=split,
-                              path_to_cache=str(cache), tokenizer=tokenizer, reset_position_ids=False,
-                              reset_attention_mask=False, eod_mask_loss=False)
-    return BlendedMegatronDatasetBuilder(MegatronGPTDataset, list(sizes), lambda: True, config).build()
+    config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=([prefix], None),
+        split=split,
+        path_to_cache=str(cache),
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+    )
+    return BlendedMegatronDatasetBuilder(
+        MegatronGPTDataset, list(sizes), lambda: True, config
+    ).build()
 
 
 def _assert_same(ours: GPTDataset, theirs) -> None:
-    for a, b, name in ((ours.doc_idx, theirs.document_index, "document index"),
-                       (ours.sample_idx, theirs.sample_index, "sample index"),
-                       (ours.shuffle_idx, theirs.shuffle_index, "shuffle index")):
+    for a, b, name in (
+        (ours.doc_idx, theirs.document_index, "document index"),
+        (ours.sample_idx, theirs.sample_index, "sample index"),
+        (ours.shuffle_idx, theirs.shuffle_index, "shuffle index"),
+    ):
         assert a.dtype == b.dtype and a.shape == b.shape, (name, a.dtype, b.dtype, a.shape, b.shape)
         assert np.array_equal(a, b), name
     for k in range(len(ours)):
@@ -112,7 +129,16 @@ def _assert_same(ours: GPTDataset, theirs) -> None:
 #  per split: whether Megatron shuffles the last epoch apart)
 CASES = [
     (1234, 50, 40, 16, (100, 10, 5), "90,5,5", False, (True, False, False)),  # 2-4 epochs
-    (7, 30, 20, 8, (1000, 50, 20), "8,1,1", True, (True, False, False)),  # 6-34 epochs, empty documents
+    (
+        7,
+        30,
+        20,
+        8,
+        (1000, 50, 20),
+        "8,1,1",
+        True,
+        (True, False, False),
+    ),  # 6-34 epochs, empty documents
     (99, 1200, 100, 32, (37, 3, 3), "969,30,1", False, (False, False, False)),  # one or two epochs
     (3, 40, 60, 24, (250, 40, 40), "90,5,5", True, (True, True, False)),  # 7-14 epochs
     (2024, 64, 30, 5, (333, 21, 9), "80,15,5", False, (True, False, False)),  # odd seq_length
@@ -122,14 +148,18 @@ CASES = [
 
 
 @pytest.mark.parametrize("seed,n_docs,max_len,seq,sizes,split,empty,separate", CASES)
-def test_indices_and_samples_match_megatron(tmp_path, seed, n_docs, max_len, seq, sizes, split, empty, separate):
+def test_indices_and_samples_match_megatron(
+    tmp_path, seed, n_docs, max_len, seq, sizes, split, empty, separate
+):
     prefix = _write_ours(tmp_path / "ds", seed, n_docs, max_len, empty)
     theirs = _megatron_splits(prefix, seed, seq, sizes, split, tmp_path / "mcache")
     indexed = IndexedDataset(prefix)
     ranges = split_ranges(len(indexed), split)
     for i, m in enumerate(theirs):
         assert np.array_equal(m.indices, np.arange(*ranges[i]))
-        ours = GPTDataset(indexed, np.arange(*ranges[i]), seq, sizes[i], seed, sample_order="megatron")
+        ours = GPTDataset(
+            indexed, np.arange(*ranges[i]), seq, sizes[i], seed, sample_order="megatron"
+        )
         _assert_same(ours, m)
         if separate is None:
             assert indexed.sequence_lengths[ours.doc_idx[0]] == 0
@@ -146,8 +176,16 @@ def test_megatron_order_counts_sequences(tmp_path):
     sizes = (400, 30, 30)
     theirs = _megatron_splits(prefix, 11, 16, sizes, "90,5,5", tmp_path / "mcache")
     for i, name in enumerate(("train", "valid", "test")):
-        spec = DatasetSpec((prefix,), (1.0,), 16, sizes[i], 11, split="90,5,5", split_name=name,
-                           sample_order="megatron")
+        spec = DatasetSpec(
+            (prefix,),
+            (1.0,),
+            16,
+            sizes[i],
+            11,
+            split="90,5,5",
+            split_name=name,
+            sample_order="megatron",
+        )
         _assert_same(open_dataset(spec, cache=False), theirs[i])
 
 
@@ -163,22 +201,36 @@ def test_megatron_order_keeps_meshtrain_guarantees(tmp_path):
     fresh = open_dataset(spec, cache=False)
     theirs = _megatron_splits(a, 17, 16, (480, 1, 1), "90,5,5", tmp_path / "mcache")[0]
     _assert_same(loaded, theirs)
-    assert built.index_key == loaded.index_key != open_dataset(replace(spec, sample_order="meshtrain")).index_key
+    assert (
+        built.index_key
+        == loaded.index_key
+        != open_dataset(replace(spec, sample_order="meshtrain")).index_key
+    )
     for step in (0, 7, 14):
         for rank in (0, 1):
-            batches = [LocalBatchSource(ds, 4, 32, dp_rank=rank, dp_size=2).get(step, 3)
-                       for ds in (built, loaded, fresh)]
+            batches = [
+                LocalBatchSource(ds, 4, 32, dp_rank=rank, dp_size=2).get(step, 3)
+                for ds in (built, loaded, fresh)
+            ]
             assert all(np.array_equal(x.tokens, batches[0].tokens) for x in batches[1:])
             # (step, micro-batch, rank) -> shuffled sample step*32 + micro*8 + rank*4 + j
             first = step * 32 + 3 * 8 + rank * 4
             assert np.array_equal(batches[0].tokens[0].numpy(), theirs[first]["tokens"].numpy())
 
-    blend_spec = DatasetSpec((a, b), (0.3, 0.7), 16, 300, 17, split="90,5,5", sample_order="megatron")
+    blend_spec = DatasetSpec(
+        (a, b), (0.3, 0.7), 16, 300, 17, split="90,5,5", sample_order="megatron"
+    )
     blend = open_dataset(blend_spec, cache=False)
     for part, prefix in zip(blend.datasets, (a, b)):
         assert part.sample_order == "megatron"
-        alone = GPTDataset(IndexedDataset(prefix), np.arange(*split_ranges(len(part.indexed), "90,5,5")[0]),
-                           16, len(part), 17, sample_order="megatron")
+        alone = GPTDataset(
+            IndexedDataset(prefix),
+            np.arange(*split_ranges(len(part.indexed), "90,5,5")[0]),
+            16,
+            len(part),
+            17,
+            sample_order="megatron",
+        )
         assert np.array_equal(part.shuffle_idx, alone.shuffle_idx)
     for i in range(len(blend)):
         d, k = int(blend.dataset_index[i]), int(blend.dataset_sample_index[i])
@@ -193,8 +245,14 @@ def test_sample_order_is_checked_and_travels(tmp_path):
     with pytest.raises(DataError, match="sample_order='Megatron' is not one of"):
         DatasetSpec(("x",), (1.0,), 16, 10, 1, sample_order="Megatron").validate()
     with pytest.raises(DataError, match="sample_order"):
-        GPTDataset(IndexedDataset(_write_ours(tmp_path / "c", 3, 5, 9, False)), np.arange(5), 4, 5, 1,
-                   sample_order="random")
+        GPTDataset(
+            IndexedDataset(_write_ours(tmp_path / "c", 3, 5, 9, False)),
+            np.arange(5),
+            4,
+            5,
+            1,
+            sample_order="random",
+        )
     prefix = _write_ours(tmp_path / "d", 4, 20, 30, False)
     spec = DatasetSpec((prefix,), (1.0,), 16, 10, 1, split="90,5,5", sample_order="megatron")
     message = spec_to_proto(spec)
@@ -216,12 +274,22 @@ def test_megatron_order_over_grpc_equals_in_process(tmp_path):
     try:
         for rank in (0, 1):
             local = LocalBatchSource(open_dataset(spec), 2, 16, rank, 2)
-            other = LocalBatchSource(open_dataset(replace(spec, sample_order="meshtrain")), 2, 16, rank, 2)
-            with ServiceBatchSource([f"127.0.0.1:{port}"], spec, 2, 16, rank, 2, prefetch=2) as remote:
+            other = LocalBatchSource(
+                open_dataset(replace(spec, sample_order="meshtrain")), 2, 16, rank, 2
+            )
+            with ServiceBatchSource(
+                [f"127.0.0.1:{port}"], spec, 2, 16, rank, 2, prefetch=2
+            ) as remote:
                 for step in (0, 1, 50, 7):
-                    for got, want, mesh in zip(remote.micro_batches(step), local.micro_batches(step),
-                                               other.micro_batches(step), strict=True):
-                        assert np.array_equal(got.tokens, want.tokens) and np.array_equal(got.labels, want.labels)
+                    for got, want, mesh in zip(
+                        remote.micro_batches(step),
+                        local.micro_batches(step),
+                        other.micro_batches(step),
+                        strict=True,
+                    ):
+                        assert np.array_equal(got.tokens, want.tokens) and np.array_equal(
+                            got.labels, want.labels
+                        )
                         assert not np.array_equal(got.tokens, mesh.tokens)
     finally:
         srv.stop(0)
@@ -244,12 +312,18 @@ def test_a_worker_that_predates_the_order_is_refused(tmp_path):
 
     a = _write_ours(tmp_path / "a", 1, 80, 50, False)
     spec = DatasetSpec((a,), (1.0,), 16, 64, 5, split="90,5,5", sample_order="megatron")
-    srv, port, _ = make_server([lambda s: pb_grpc.add_DataServiceServicer_to_server(Older(), s)], [SERVICE_NAME])
+    srv, port, _ = make_server(
+        [lambda s: pb_grpc.add_DataServiceServicer_to_server(Older(), s)], [SERVICE_NAME]
+    )
     try:
         with ServiceBatchSource([f"127.0.0.1:{port}"], spec, 2, 16, 0, 1, prefetch=2) as remote:
-            with pytest.raises(DataError, match="serves sample_order 'meshtrain', not the 'megatron'.*upgrade"):
+            with pytest.raises(
+                DataError, match="serves sample_order 'meshtrain', not the 'megatron'.*upgrade"
+            ):
                 remote.micro_batches(0)
-        with ServiceBatchSource([f"127.0.0.1:{port}"], replace(spec, sample_order="meshtrain"), 2, 16, 0, 1) as remote:
+        with ServiceBatchSource(
+            [f"127.0.0.1:{port}"], replace(spec, sample_order="meshtrain"), 2, 16, 0, 1
+        ) as remote:
             assert len(remote.micro_batches(0)) == 8  # meshtrain's order is what it serves
     finally:
         srv.stop(0)
@@ -262,9 +336,27 @@ def test_the_trainer_config_reaches_the_dataset(tmp_path):
     from meshtrain.services.trainer.data import build_data
 
     prefix = _write_ours(tmp_path / "t", 8, 80, 50, False)
-    job = load_config(["--data-path", prefix, "--tokenizer", "byte", "--seq-length", "16", "--split", "90,5,5",
-                       "--data.sample_order=megatron", "--seed", "21", "--train-iters", "10",
-                       "--global-batch-size", "8", "--micro-batch-size", "2"])
+    job = load_config(
+        [
+            "--data-path",
+            prefix,
+            "--tokenizer",
+            "byte",
+            "--seq-length",
+            "16",
+            "--split",
+            "90,5,5",
+            "--data.sample_order=megatron",
+            "--seed",
+            "21",
+            "--train-iters",
+            "10",
+            "--global-batch-size",
+            "8",
+            "--micro-batch-size",
+            "2",
+        ]
+    )
     train = build_data(job).train
     assert train.dataset.sample_order == "megatron"
     theirs = _megatron_splits(prefix, 21, 16, (80, 1, 1), "90,5,5", tmp_path / "mcache")[0]

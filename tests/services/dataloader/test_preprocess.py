@@ -36,34 +36,49 @@ def test_text_files_keep_their_line_ends_byte_for_byte(tmp_path):
     # a text-mode read used to store CRLF and a lone CR as LF: the tokens were not the file's
     raw = b"a\r\nb\rc\n"
     (tmp_path / "win.txt").write_bytes(raw)
-    ds = IndexedDataset(preprocess_files([tmp_path / "win.txt"], tmp_path / "ds", ByteTokenizer(), append_eod=False))
+    ds = IndexedDataset(
+        preprocess_files([tmp_path / "win.txt"], tmp_path / "ds", ByteTokenizer(), append_eod=False)
+    )
     assert ds[0].tolist() == list(raw)
 
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_json_escaped_lone_surrogates_become_replacement_characters(tmp_path, workers):
     jl = tmp_path / "a.jsonl"
-    jl.write_text('{"text": "bad \\ud800 x"}\n{"text": "pair \\ud83d\\ude00"}\n')  # web text has these
+    jl.write_text(
+        '{"text": "bad \\ud800 x"}\n{"text": "pair \\ud83d\\ude00"}\n'
+    )  # web text has these
     sample = tmp_path / "sample.txt"
     sample.write_text("bad pair x " * 50)
     hf = train_bpe([sample], 300, tmp_path / "tokenizer.json")
     for name, tok in (("byte", ByteTokenizer()), ("hf", hf)):
-        ds = IndexedDataset(preprocess_files([jl], tmp_path / f"{name}{workers}", tok, workers=workers))
+        ds = IndexedDataset(
+            preprocess_files([jl], tmp_path / f"{name}{workers}", tok, workers=workers)
+        )
         assert [ds[i].tolist() for i in range(len(ds))] == [
-            tok.encode("bad \ufffd x") + [tok.eod_id], tok.encode("pair \U0001f600") + [tok.eod_id]]
+            tok.encode("bad \ufffd x") + [tok.eod_id],
+            tok.encode("pair \U0001f600") + [tok.eod_id],
+        ]
 
 
 def test_preprocess_without_eod_skips_empty_documents(tmp_path):
     jl = tmp_path / "a.jsonl"
     jl.write_text('{"content": "ab"}\n{"content": ""}\n{"content": "c"}\n')
-    ds = IndexedDataset(preprocess_files([jl], tmp_path / "ds", ByteTokenizer(), json_key="content", append_eod=False))
+    ds = IndexedDataset(
+        preprocess_files(
+            [jl], tmp_path / "ds", ByteTokenizer(), json_key="content", append_eod=False
+        )
+    )
     assert [ds[i].tolist() for i in range(len(ds))] == [[97, 98], [99]]
 
 
 @pytest.mark.parametrize(
     "content,match",
-    [('{"text": "ok"}\n{broken\n', r"a.jsonl:2"), ('{"body": "x"}\n', r"a.jsonl:1.*'text'"),
-     ('{"text": 5}\n', r"a.jsonl:1.*int")],
+    [
+        ('{"text": "ok"}\n{broken\n', r"a.jsonl:2"),
+        ('{"body": "x"}\n', r"a.jsonl:1.*'text'"),
+        ('{"text": 5}\n', r"a.jsonl:1.*int"),
+    ],
 )
 def test_preprocess_bad_json_names_file_and_line(tmp_path, content, match):
     jl = tmp_path / "a.jsonl"
@@ -83,9 +98,16 @@ def _zip(data: bytes) -> bytes:
     return buf.getvalue()
 
 
-@pytest.mark.parametrize("name,compress,kind", [
-    ("a.jsonl.gz", "gzip", "gzip"), ("a.jsonl.bz2", "bz2", "bzip2"), ("a.jsonl.xz", "lzma", "xz"),
-    ("a.jsonl", "gzip", "gzip"), ("a.zip", None, "zip")])
+@pytest.mark.parametrize(
+    "name,compress,kind",
+    [
+        ("a.jsonl.gz", "gzip", "gzip"),
+        ("a.jsonl.bz2", "bz2", "bzip2"),
+        ("a.jsonl.xz", "lzma", "xz"),
+        ("a.jsonl", "gzip", "gzip"),
+        ("a.zip", None, "zip"),
+    ],
+)
 def test_compressed_input_is_an_error_not_binary_noise(tmp_path, name, compress, kind):
     """A `.jsonl.gz` used to be read as one text document: its compressed bytes became the tokens."""
     import importlib
@@ -100,7 +122,9 @@ def test_compressed_input_is_an_error_not_binary_noise(tmp_path, name, compress,
 
 def test_text_that_merely_starts_like_bzip2_is_text(tmp_path):
     (tmp_path / "a.txt").write_bytes(b"BZh91AY is not a bzip2 block")
-    ds = IndexedDataset(preprocess_files([tmp_path / "a.txt"], tmp_path / "ds", ByteTokenizer(), append_eod=False))
+    ds = IndexedDataset(
+        preprocess_files([tmp_path / "a.txt"], tmp_path / "ds", ByteTokenizer(), append_eod=False)
+    )
     assert ds[0].tolist() == list(b"BZh91AY is not a bzip2 block")
 
 
@@ -172,17 +196,30 @@ def test_prepare_default_dataset_bad_tokenizer(tmp_path):
         prepare_default_dataset(tmp_path, tokenizer="gpt2")
 
 
-@pytest.mark.parametrize("inputs,prefix,match", [
-    ([], "ds", "no input files"),
-    (["empty.jsonl"], "ds", r"no documents in .*empty.jsonl: every input is empty"),
-    (["blank.txt"], "ds", r"no documents in .*blank.txt: every input is empty or holds only empty documents"),
-    (["a.txt"], "afile/ds", r"output prefix .*afile/ds.*afile is a file, not a folder"),
-    (["a.txt"], "sub/", r"output prefix .*sub/' is a folder; name the dataset inside it"),
-    (["a.txt"], "sub", r"output prefix .*sub' is a folder; name the dataset inside it"),
-    (["a.txt"], "s3://bucket/ds", r"output prefix 's3://bucket/ds': datasets are written to local files only"),
-    (["a.txt", "ds.bin"], "ds", r"input .*ds.bin' is a file of the output dataset"),
-])
-def test_bad_inputs_and_outputs_are_named_and_nothing_is_written(tmp_path, monkeypatch, inputs, prefix, match):
+@pytest.mark.parametrize(
+    "inputs,prefix,match",
+    [
+        ([], "ds", "no input files"),
+        (["empty.jsonl"], "ds", r"no documents in .*empty.jsonl: every input is empty"),
+        (
+            ["blank.txt"],
+            "ds",
+            r"no documents in .*blank.txt: every input is empty or holds only empty documents",
+        ),
+        (["a.txt"], "afile/ds", r"output prefix .*afile/ds.*afile is a file, not a folder"),
+        (["a.txt"], "sub/", r"output prefix .*sub/' is a folder; name the dataset inside it"),
+        (["a.txt"], "sub", r"output prefix .*sub' is a folder; name the dataset inside it"),
+        (
+            ["a.txt"],
+            "s3://bucket/ds",
+            r"output prefix 's3://bucket/ds': datasets are written to local files only",
+        ),
+        (["a.txt", "ds.bin"], "ds", r"input .*ds.bin' is a file of the output dataset"),
+    ],
+)
+def test_bad_inputs_and_outputs_are_named_and_nothing_is_written(
+    tmp_path, monkeypatch, inputs, prefix, match
+):
     """Each of these used to go through: an empty input made a dataset of 0 documents; a
     prefix under a file was a FileExistsError traceback; a folder prefix wrote hidden `sub/.bin`;
     an `s3://` prefix wrote a local folder named `s3:`; an earlier run's output matched by
@@ -196,10 +233,16 @@ def test_bad_inputs_and_outputs_are_named_and_nothing_is_written(tmp_path, monke
     preprocess_files(["a.txt"], "ds", ByteTokenizer())  # an earlier run's output, for the last case
     before = sorted(p for p in tmp_path.rglob("*"))
     with pytest.raises(DataError, match=match):
-        preprocess_files([tmp_path / name for name in inputs], prefix if "://" in prefix else f"{tmp_path}/{prefix}",
-                         ByteTokenizer(), append_eod="blank" not in inputs[0] if inputs else True)
+        preprocess_files(
+            [tmp_path / name for name in inputs],
+            prefix if "://" in prefix else f"{tmp_path}/{prefix}",
+            ByteTokenizer(),
+            append_eod="blank" not in inputs[0] if inputs else True,
+        )
     assert sorted(p for p in tmp_path.rglob("*")) == before
-    assert IndexedDataset(str(tmp_path / "ds"))[0].tolist()[:-1] == list(b"some text")  # the earlier one, whole
+    assert IndexedDataset(str(tmp_path / "ds"))[0].tolist()[:-1] == list(
+        b"some text"
+    )  # the earlier one, whole
 
 
 _KILLED_CHILD = """
@@ -239,9 +282,14 @@ def test_a_run_killed_midway_never_leaves_a_pair_that_looks_complete(tmp_path, w
     new.write_text('{"text": "ABCDE"}\n{"text": "FGH"}\n')  # same bytes in all, other boundaries
     prefix = tmp_path / "ds"
     preprocess_files([old], prefix, ByteTokenizer(), append_eod=False)
-    proc = subprocess.run([sys.executable, "-c", _KILLED_CHILD, where, str(new), str(prefix)],
-                          cwd=Path(__file__).resolve().parents[3], capture_output=True, text=True, timeout=120,
-                          check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLED_CHILD, where, str(new), str(prefix)],
+        cwd=Path(__file__).resolve().parents[3],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == -9, proc.stderr
     if (tmp_path / "ds.idx").exists():
         ds = IndexedDataset(str(prefix))
@@ -258,21 +306,39 @@ def test_bytes_that_are_not_utf8_are_replaced_and_named(tmp_path, caplog):
     preprocess refuses such a file outright); they are still replaced, as documented, but a
     warning names the file and the first line. Line numbering still counts CR and CRLF ends."""
     jl, txt = tmp_path / "latin1.jsonl", tmp_path / "latin1.txt"
-    jl.write_bytes(b'{"text": "fine"}\r\n{"text": "caf\xe9"}\r{"text": "ol\xe9"}\n{"text": "ok \xef\xbf\xbd"}\n')
+    jl.write_bytes(
+        b'{"text": "fine"}\r\n{"text": "caf\xe9"}\r{"text": "ol\xe9"}\n{"text": "ok \xef\xbf\xbd"}\n'
+    )
     txt.write_bytes(b"line one\nna\xefve\n")
     with caplog.at_level("WARNING", logger="meshtrain.data"):
-        ds = IndexedDataset(preprocess_files([jl, txt], tmp_path / "ds", ByteTokenizer(), append_eod=False))
+        ds = IndexedDataset(
+            preprocess_files([jl, txt], tmp_path / "ds", ByteTokenizer(), append_eod=False)
+        )
     assert [bytes(ds[i].tolist()).decode() for i in range(len(ds))] == [
-        "fine", "caf\ufffd", "ol\ufffd", "ok \ufffd", "line one\nna\ufffdve\n"]
+        "fine",
+        "caf\ufffd",
+        "ol\ufffd",
+        "ok \ufffd",
+        "line one\nna\ufffdve\n",
+    ]
     warnings = [r.getMessage() for r in caplog.records]
-    assert any(m.startswith(f"{jl}:2: bytes that are not UTF-8 replaced with U+FFFD (2 lines") for m in warnings)
-    assert any(m.startswith(f"{txt}:2: bytes that are not UTF-8 replaced with U+FFFD") for m in warnings)
-    with pytest.raises(DataError, match=r"latin1.jsonl:3: not a JSON object"):  # lone CR ends line 2
+    assert any(
+        m.startswith(f"{jl}:2: bytes that are not UTF-8 replaced with U+FFFD (2 lines")
+        for m in warnings
+    )
+    assert any(
+        m.startswith(f"{txt}:2: bytes that are not UTF-8 replaced with U+FFFD") for m in warnings
+    )
+    with pytest.raises(
+        DataError, match=r"latin1.jsonl:3: not a JSON object"
+    ):  # lone CR ends line 2
         jl.write_bytes(b'{"text": "a"}\r\n{"text": "b"}\r{broken\n')
         preprocess_files([jl], tmp_path / "ds2", ByteTokenizer())
 
 
-def test_a_jsonl_file_with_a_byte_order_mark_is_read_and_a_line_that_is_no_object_is_named(tmp_path):
+def test_a_jsonl_file_with_a_byte_order_mark_is_read_and_a_line_that_is_no_object_is_named(
+    tmp_path,
+):
     """Windows tools (PowerShell's Out-File, Excel's CSV-to-JSON) start UTF-8 files with a BOM:
     the file was refused at line 1 ("Unexpected UTF-8 BOM"). A line holding a JSON list was
     reported as having no key 'text'."""
@@ -281,7 +347,9 @@ def test_a_jsonl_file_with_a_byte_order_mark_is_read_and_a_line_that_is_no_objec
     ds = IndexedDataset(preprocess_files([jl], tmp_path / "ds", ByteTokenizer(), append_eod=False))
     assert [bytes(ds[i].tolist()) for i in range(len(ds))] == [b"bom", b"two"]
     jl.write_text('{"text": "a"}\n[1, 2]\n')
-    with pytest.raises(DataError, match=r"bom.jsonl:2: is a JSON list, not an object with key 'text'"):
+    with pytest.raises(
+        DataError, match=r"bom.jsonl:2: is a JSON list, not an object with key 'text'"
+    ):
         preprocess_files([jl], tmp_path / "ds2", ByteTokenizer())
 
 
@@ -302,21 +370,39 @@ def test_a_killed_preprocess_leaves_temp_files_the_next_one_removes(tmp_path):
 
     words = [f"w{i:04d}" for i in range(2000)]
     with open(tmp_path / "big.jsonl", "w") as f:  # ~80 MB: seconds of tokenizing on 2 cores
-        f.writelines(json.dumps({"text": " ".join(words[(i * 7 + k * 13) % 2000] for k in range(60))}) + "\n"
-                     for i in range(200_000))
+        f.writelines(
+            json.dumps({"text": " ".join(words[(i * 7 + k * 13) % 2000] for k in range(60))}) + "\n"
+            for i in range(200_000)
+        )
     (tmp_path / "small.jsonl").write_text(json.dumps({"text": "small"}) + "\n")
     out = tmp_path / "out" / "all"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
 
     def preprocess_cli(source):
-        return [sys.executable, "-m", "meshtrain.services.cli", "data", "preprocess", "--input", str(tmp_path / source),
-                "--output-prefix", str(out), "--tokenizer", "byte", "--quiet"]
+        return [
+            sys.executable,
+            "-m",
+            "meshtrain.services.cli",
+            "data",
+            "preprocess",
+            "--input",
+            str(tmp_path / source),
+            "--output-prefix",
+            str(out),
+            "--tokenizer",
+            "byte",
+            "--quiet",
+        ]
 
     live = IndexedDatasetWriter(out)  # a live writer's (this process's) temp file, which stays
-    killed = subprocess.Popen(preprocess_cli("big.jsonl"), cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    killed = subprocess.Popen(
+        preprocess_cli("big.jsonl"), cwd=REPO, env=env, stderr=subprocess.PIPE, text=True
+    )
     deadline = time.monotonic() + 120
     while not any(p.stat().st_size > 1_000_000 for p in out.parent.glob("all.bin.tmp-*")):
-        assert killed.poll() is None, f"preprocess ended ({killed.returncode}) before it was killed: {killed.stderr.read()}"
+        assert killed.poll() is None, (
+            f"preprocess ended ({killed.returncode}) before it was killed: {killed.stderr.read()}"
+        )
         assert time.monotonic() < deadline, "preprocess wrote no temp file in 120 s"
         time.sleep(0.05)
     killed.send_signal(signal.SIGKILL)
@@ -330,12 +416,21 @@ def test_a_killed_preprocess_leaves_temp_files_the_next_one_removes(tmp_path):
     for p in (elsewhere, other):
         p.write_bytes(b"x")
     try:
-        again = subprocess.run(preprocess_cli("small.jsonl")[:-1], cwd=REPO, env=env, capture_output=True, text=True,
-                               timeout=120, check=False)
+        again = subprocess.run(
+            preprocess_cli("small.jsonl")[:-1],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
         assert again.returncode == 0, again.stderr
         for p in left:
             assert not p.exists()
-            assert f"removed {p}, left by a writer of {out} that was killed" in again.stderr, again.stderr
+            assert f"removed {p}, left by a writer of {out} that was killed" in again.stderr, (
+                again.stderr
+            )
         assert live._bin_tmp.exists() and elsewhere.exists() and other.exists()
     finally:
         live.abort()

@@ -28,7 +28,9 @@ def _reference_stream(ds, docs, documents):
     stream = []
     for e in range(len(order) // n):
         epoch = order[e * n : (e + 1) * n]
-        assert sorted(epoch) == sorted(documents.tolist()), f"epoch {e} is not a permutation of the split"
+        assert sorted(epoch) == sorted(documents.tolist()), (
+            f"epoch {e} is not a permutation of the split"
+        )
         for d in epoch:
             stream.extend(docs[d])
     return stream
@@ -127,5 +129,8 @@ def test_an_empty_validation_split_names_a_split_to_pass(tmp_path):
 
     _make(tmp_path, [20] * 10)
     spec = DatasetSpec((str(tmp_path / "ds"),), (1.0,), 8, 4, 1, split_name="valid")
-    with pytest.raises(DataError, match=r"leaves the valid split of its 10 documents empty; pass e.g. --split 90,10,0"):
+    with pytest.raises(
+        DataError,
+        match=r"leaves the valid split of its 10 documents empty; pass e.g. --split 90,10,0",
+    ):
         open_dataset(spec, cache=False)

@@ -20,7 +20,12 @@ from meshtrain.services.dataloader.loader import BatchOptions, LocalBatchSource
 from meshtrain.services.dataloader.rpc import servicer as servicer_module
 from meshtrain.services.dataloader.rpc.client import ServiceBatchSource
 from meshtrain.services.dataloader.rpc.server import start_server
-from meshtrain.services.dataloader.rpc.servicer import SERVICE_NAME, DataLimits, DataServicer, spec_to_proto
+from meshtrain.services.dataloader.rpc.servicer import (
+    SERVICE_NAME,
+    DataLimits,
+    DataServicer,
+    spec_to_proto,
+)
 from meshtrain.services.dataloader.spec import DatasetSpec, open_dataset
 
 from .conftest import WorkerProcess, batch_hash, write_dataset
@@ -34,7 +39,13 @@ def server():
 
 
 def _request(spec, **kw):
-    base = {"spec": spec_to_proto(spec), "dp_rank": 0, "dp_size": 2, "micro_batch_size": 2, "global_batch_size": 16}
+    base = {
+        "spec": spec_to_proto(spec),
+        "dp_rank": 0,
+        "dp_size": 2,
+        "micro_batch_size": 2,
+        "global_batch_size": 16,
+    }
     base.update(kw)
     return pb.StreamRequest(**base)
 
@@ -64,15 +75,24 @@ def test_wire_is_raw_bytes_of_the_token_dtype(server, blend_spec):
 @pytest.mark.parametrize("cp", [2, 4])
 def test_context_parallel_stream_equals_the_local_slice(server, blend_spec, cp):
     full = LocalBatchSource(open_dataset(blend_spec), 2, 16, 1, 2)
-    options = BatchOptions(eod_id=int(full.samples(0, 0)[0, 3]), mask_eod_loss=True)  # a token that occurs
+    options = BatchOptions(
+        eod_id=int(full.samples(0, 0)[0, 3]), mask_eod_loss=True
+    )  # a token that occurs
     for rank in range(cp):
-        local = LocalBatchSource(open_dataset(blend_spec), 2, 16, 1, 2, options=options, cp_rank=rank, cp_size=cp)
-        with ServiceBatchSource([server], blend_spec, 2, 16, 1, 2, prefetch=3, options=options,
-                                cp_rank=rank, cp_size=cp) as remote:
+        local = LocalBatchSource(
+            open_dataset(blend_spec), 2, 16, 1, 2, options=options, cp_rank=rank, cp_size=cp
+        )
+        with ServiceBatchSource(
+            [server], blend_spec, 2, 16, 1, 2, prefetch=3, options=options, cp_rank=rank, cp_size=cp
+        ) as remote:
             for step in [0, 1, 40, 2]:
-                for got, want in zip(remote.micro_batches(step), local.micro_batches(step), strict=True):
+                for got, want in zip(
+                    remote.micro_batches(step), local.micro_batches(step), strict=True
+                ):
                     assert got.tokens.shape == (2, 32 // cp)
-                    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.labels, want.labels)
+                    assert torch.equal(got.tokens, want.tokens) and torch.equal(
+                        got.labels, want.labels
+                    )
                     assert torch.equal(got.loss_mask, want.loss_mask)
                     assert (got.step, got.microbatch) == (want.step, want.microbatch)
     assert options.eod_id in full.samples(0, 0)[0, :-1]
@@ -83,11 +103,17 @@ def test_context_parallel_wire_carries_only_the_ranks_chunks(server, blend_spec,
     stub = pb_grpc.DataServiceStub(grpc.insecure_channel(server))
     c = 32 // (2 * cp)
     for rank in range(cp):
-        msg = next(stub.StreamBatches(_request(blend_spec, start_step=5, start_microbatch=1, cp_rank=rank, cp_size=cp)))
+        msg = next(
+            stub.StreamBatches(
+                _request(blend_spec, start_step=5, start_microbatch=1, cp_rank=rank, cp_size=cp)
+            )
+        )
         assert (msg.dtype, list(msg.shape)) == ("uint16", [2, 2, c + 1])
         # about 1/cp of the 2 x 33 tokens of whole samples: seq/cp + 2 tokens a sample
         assert len(msg.samples) == 2 * (32 // cp + 2) * 2 < 2 * 33 * 2 / cp + 2 * 2 * 2
-        want = LocalBatchSource(open_dataset(blend_spec), 2, 16, 0, 2, cp_rank=rank, cp_size=cp).payload(5, 1)
+        want = LocalBatchSource(
+            open_dataset(blend_spec), 2, 16, 0, 2, cp_rank=rank, cp_size=cp
+        ).payload(5, 1)
         assert np.array_equal(np.frombuffer(msg.samples, "<u2").reshape(2, 2, c + 1), want)
     # a client that predates cp (fields 0) still gets whole samples
     assert list(next(stub.StreamBatches(_request(blend_spec))).shape) == [2, 33]
@@ -96,25 +122,31 @@ def test_context_parallel_wire_carries_only_the_ranks_chunks(server, blend_spec,
 def test_end_step_stops_the_stream_and_0_means_to_the_end(server, blend_spec):
     stub = pb_grpc.DataServiceStub(grpc.insecure_channel(server))
     for start, end, steps in [(5, 7, [5, 6]), (62, 0, [62, 63]), (62, 100, [62, 63])]:
-        got = [(m.step, m.microbatch) for m in stub.StreamBatches(_request(blend_spec, start_step=start, end_step=end))]
+        got = [
+            (m.step, m.microbatch)
+            for m in stub.StreamBatches(_request(blend_spec, start_step=start, end_step=end))
+        ]
         assert got == [(s, mb) for s in steps for mb in range(4)]
 
 
-@pytest.mark.parametrize("change,match", [
-    ({"dp_rank": 2}, "dp_rank=2"),
-    ({"global_batch_size": 15}, "not divisible"),
-    ({"micro_batch_size": 1 << 20}, "limit"),
-    ({"start_step": 64}, "past"),
-    # an empty or inverted window used to be an empty stream, as if the data had run out
-    ({"start_step": 5, "end_step": 3}, "end_step=3 is not after start_step=5"),
-    ({"start_step": 5, "end_step": 5}, "end_step=5 is not after start_step=5"),
-    ({"start_step": 64, "end_step": 70}, "past"),
-    ({"start_microbatch": 4}, "start_microbatch"),
-    ({"cp_rank": 2, "cp_size": 2}, "cp_rank=2 is outside [0, cp_size=2)"),
-    ({"cp_rank": 1}, "cp_rank=1 is outside [0, cp_size=1)"),  # cp_size 0 means 1
-    ({"cp_size": 3}, "seq_length=32 is not divisible by 2 x cp_size=3"),
-    ({"cp_size": 32}, "seq_length=32 is not divisible by 2 x cp_size=32"),
-])
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"dp_rank": 2}, "dp_rank=2"),
+        ({"global_batch_size": 15}, "not divisible"),
+        ({"micro_batch_size": 1 << 20}, "limit"),
+        ({"start_step": 64}, "past"),
+        # an empty or inverted window used to be an empty stream, as if the data had run out
+        ({"start_step": 5, "end_step": 3}, "end_step=3 is not after start_step=5"),
+        ({"start_step": 5, "end_step": 5}, "end_step=5 is not after start_step=5"),
+        ({"start_step": 64, "end_step": 70}, "past"),
+        ({"start_microbatch": 4}, "start_microbatch"),
+        ({"cp_rank": 2, "cp_size": 2}, "cp_rank=2 is outside [0, cp_size=2)"),
+        ({"cp_rank": 1}, "cp_rank=1 is outside [0, cp_size=1)"),  # cp_size 0 means 1
+        ({"cp_size": 3}, "seq_length=32 is not divisible by 2 x cp_size=3"),
+        ({"cp_size": 32}, "seq_length=32 is not divisible by 2 x cp_size=32"),
+    ],
+)
 def test_bad_requests_are_invalid_argument(server, blend_spec, change, match):
     stub = pb_grpc.DataServiceStub(grpc.insecure_channel(server))
     with pytest.raises(grpc.RpcError) as e:
@@ -126,17 +158,27 @@ def test_bad_requests_are_invalid_argument(server, blend_spec, change, match):
 def test_bad_specs_are_invalid_argument_and_server_keeps_serving(server, blend_spec, tmp_path):
     stub = pb_grpc.DataServiceStub(grpc.insecure_channel(server))
     bad_specs = [
-        pb.DatasetSpec(prefixes=[str(tmp_path / "missing")], weights=[1], seq_length=8, num_samples=10),
+        pb.DatasetSpec(
+            prefixes=[str(tmp_path / "missing")], weights=[1], seq_length=8, num_samples=10
+        ),
         pb.DatasetSpec(prefixes=blend_spec.prefixes, weights=[-1, 2], seq_length=8, num_samples=10),
         pb.DatasetSpec(prefixes=blend_spec.prefixes, weights=[0, 0], seq_length=8, num_samples=10),
-        pb.DatasetSpec(prefixes=blend_spec.prefixes[:1], weights=[1], seq_length=10**6, num_samples=10),
+        pb.DatasetSpec(
+            prefixes=blend_spec.prefixes[:1], weights=[1], seq_length=10**6, num_samples=10
+        ),
         # numpy cannot take this seed, and this many samples would have the worker allocate EiBs
-        pb.DatasetSpec(prefixes=blend_spec.prefixes, weights=[1, 1], seq_length=8, num_samples=10, seed=2**32),
-        pb.DatasetSpec(prefixes=blend_spec.prefixes, weights=[1, 1], seq_length=8, num_samples=2**62),
+        pb.DatasetSpec(
+            prefixes=blend_spec.prefixes, weights=[1, 1], seq_length=8, num_samples=10, seed=2**32
+        ),
+        pb.DatasetSpec(
+            prefixes=blend_spec.prefixes, weights=[1, 1], seq_length=8, num_samples=2**62
+        ),
     ]
     for spec in bad_specs:
         with pytest.raises(grpc.RpcError) as e:
-            stub.Describe(pb.StreamRequest(spec=spec, dp_size=1, micro_batch_size=1, global_batch_size=1))
+            stub.Describe(
+                pb.StreamRequest(spec=spec, dp_size=1, micro_batch_size=1, global_batch_size=1)
+            )
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
     assert stub.Describe(_request(blend_spec)).num_steps == 64
 
@@ -148,8 +190,9 @@ def test_a_spec_listing_a_dataset_twice_is_invalid_argument(server, blend_spec, 
     a = blend_spec.prefixes[0]
     again = a if spelling == "same" else os.path.join(os.path.dirname(a), ".", os.path.basename(a))
     assert (again == a) == (spelling == "same")
-    spec = pb.DatasetSpec(prefixes=[a, blend_spec.prefixes[1], again], weights=[1, 1, 1], seq_length=8,
-                          num_samples=10)
+    spec = pb.DatasetSpec(
+        prefixes=[a, blend_spec.prefixes[1], again], weights=[1, 1, 1], seq_length=8, num_samples=10
+    )
     stub = pb_grpc.DataServiceStub(grpc.insecure_channel(server))
     for call in (stub.Describe, lambda r: list(stub.StreamBatches(r))):
         with pytest.raises(grpc.RpcError) as e:
@@ -158,19 +201,22 @@ def test_a_spec_listing_a_dataset_twice_is_invalid_argument(server, blend_spec, 
         assert f"dataset {again!r} twice" in e.value.details()
 
 
-@pytest.mark.parametrize("prefix,match", [
-    ("zip://x::file:///nonexistent.zip", "chains fsspec protocols"),
-    ("simplecache::s3://bucket/ds", "chains fsspec protocols"),
-    ("zip://a", "scheme zip:// is not served"),
-    ("tar://a", "scheme tar:// is not served"),
-    ("ftp://127.0.0.1:1/a", "scheme ftp:// is not served"),
-    ("http://127.0.0.1:1/a", "scheme http:// is not served"),
-    ("HTTPS://example.invalid/a", "scheme HTTPS:// is not served"),
-    ("github://x/y", "scheme github:// is not served"),
-    ("hdfs://x/a", "scheme hdfs:// is not served"),
-    ("s3://", "names no bucket or path after s3://"),
-    ("", "is empty"),
-])
+@pytest.mark.parametrize(
+    "prefix,match",
+    [
+        ("zip://x::file:///nonexistent.zip", "chains fsspec protocols"),
+        ("simplecache::s3://bucket/ds", "chains fsspec protocols"),
+        ("zip://a", "scheme zip:// is not served"),
+        ("tar://a", "scheme tar:// is not served"),
+        ("ftp://127.0.0.1:1/a", "scheme ftp:// is not served"),
+        ("http://127.0.0.1:1/a", "scheme http:// is not served"),
+        ("HTTPS://example.invalid/a", "scheme HTTPS:// is not served"),
+        ("github://x/y", "scheme github:// is not served"),
+        ("hdfs://x/a", "scheme hdfs:// is not served"),
+        ("s3://", "names no bucket or path after s3://"),
+        ("", "is empty"),
+    ],
+)
 def test_a_prefix_the_worker_does_not_serve_is_invalid_argument(server, prefix, match):
     """Each of these reached fsspec: zip/tar/ftp/github answered UNKNOWN (retried by clients as
     if the worker were down), http:// answered 'file is missing' for a refused connection, and
@@ -179,10 +225,15 @@ def test_a_prefix_the_worker_does_not_serve_is_invalid_argument(server, prefix, 
     stub = pb_grpc.DataServiceStub(grpc.insecure_channel(server))
     for call in (stub.Describe, lambda r, timeout: list(stub.StreamBatches(r, timeout=timeout))):
         with pytest.raises(grpc.RpcError) as e:
-            call(pb.StreamRequest(spec=spec, dp_size=1, micro_batch_size=1, global_batch_size=1), timeout=10)
+            call(
+                pb.StreamRequest(spec=spec, dp_size=1, micro_batch_size=1, global_batch_size=1),
+                timeout=10,
+            )
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
         assert f"dataset prefix {prefix!r}" in e.value.details() and match in e.value.details()
-        assert "local path or a file://, s3://" in e.value.details() or not match.startswith("scheme")
+        assert "local path or a file://, s3://" in e.value.details() or not match.startswith(
+            "scheme"
+        )
 
 
 def test_an_http_prefix_cannot_hold_a_worker_on_a_silent_host(server):
@@ -198,7 +249,10 @@ def test_an_http_prefix_cannot_hold_a_worker_on_a_silent_host(server):
         spec = pb.DatasetSpec(prefixes=[url], weights=[1], seq_length=8, num_samples=10)
         stub = pb_grpc.DataServiceStub(grpc.insecure_channel(server))
         with pytest.raises(grpc.RpcError) as e:
-            stub.Describe(pb.StreamRequest(spec=spec, dp_size=1, micro_batch_size=1, global_batch_size=1), timeout=5)
+            stub.Describe(
+                pb.StreamRequest(spec=spec, dp_size=1, micro_batch_size=1, global_batch_size=1),
+                timeout=5,
+            )
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
 
 
@@ -206,8 +260,10 @@ def test_client_raises_server_message(server, blend_spec, tmp_path):
     from dataclasses import replace
 
     spec = replace(blend_spec, prefixes=(str(tmp_path / "nope"),), weights=(1.0,))
-    with ServiceBatchSource([server], spec, 2, 16, 0, 2) as remote, \
-            pytest.raises(DataError, match="INVALID_ARGUMENT.*missing"):
+    with (
+        ServiceBatchSource([server], spec, 2, 16, 0, 2) as remote,
+        pytest.raises(DataError, match="INVALID_ARGUMENT.*missing"),
+    ):
         remote.micro_batches(0)
 
 
@@ -236,7 +292,9 @@ def test_a_store_lost_after_a_dataset_opened_is_unavailable(server, tmp_path, mo
         for ext in (".bin", ".idx"):
             fsspec.filesystem("s3").put(local + ext, f"{s3.bucket}/ds{ext}")
         spec = DatasetSpec((f"s3://{s3.bucket}/ds",), (1.0,), seq_length=8, num_samples=64, seed=1)
-        request = pb.StreamRequest(spec=spec_to_proto(spec), dp_size=1, micro_batch_size=1, global_batch_size=1)
+        request = pb.StreamRequest(
+            spec=spec_to_proto(spec), dp_size=1, micro_batch_size=1, global_batch_size=1
+        )
         stub = pb_grpc.DataServiceStub(grpc.insecure_channel(server))
         assert stub.Describe(request).num_steps == 64  # the worker has the dataset open
         s3.stop(grace=0.1)
@@ -287,8 +345,9 @@ def counting(monkeypatch):
             return open_dataset(spec, cache=cache, **kw)
 
         monkeypatch.setattr(servicer_module, "open_dataset", counted_open)
-        srv, port, _ = make_server([lambda s: pb_grpc.add_DataServiceServicer_to_server(servicer, s)],
-                                   [SERVICE_NAME])
+        srv, port, _ = make_server(
+            [lambda s: pb_grpc.add_DataServiceServicer_to_server(servicer, s)], [SERVICE_NAME]
+        )
         started.append(srv)
         return servicer, f"127.0.0.1:{port}"
 
@@ -333,7 +392,9 @@ def test_health_and_reflection(server):
         resp = health.Check(health_pb2.HealthCheckRequest(service=name))
         assert resp.status == health_pb2.HealthCheckResponse.SERVING
     refl = reflection_pb2_grpc.ServerReflectionStub(ch)
-    resp = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    resp = next(
+        refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+    )
     names = {s.name for s in resp.list_services_response.service}
     assert {SERVICE_NAME, "grpc.health.v1.Health"} <= names
 
@@ -355,36 +416,57 @@ def test_dns_name_target(server, blend_spec):
     port = server.rsplit(":", 1)[1]
     local = LocalBatchSource(open_dataset(blend_spec), 2, 16, 1, 2)
     with ServiceBatchSource([f"dns:///localhost:{port}"], blend_spec, 2, 16, 1, 2) as remote:
-        assert [batch_hash(b) for b in remote.micro_batches(7)] == [batch_hash(b) for b in local.micro_batches(7)]
+        assert [batch_hash(b) for b in remote.micro_batches(7)] == [
+            batch_hash(b) for b in local.micro_batches(7)
+        ]
 
 
-def test_a_sample_index_over_the_workers_memory_bound_is_refused_before_it_is_built(blend_spec, tmp_path):
+def test_a_sample_index_over_the_workers_memory_bound_is_refused_before_it_is_built(
+    blend_spec, tmp_path
+):
     """num_samples is capped at 2^36, but the cap did not bound memory: on a small dataset the
     worker tried to allocate the index (105 GiB at once for 2^36 samples: UNKNOWN; 2^30 took
     37 s to fail; smaller ones that fit in address space but not in RAM get the worker
     OOM-killed). A spec over the bound is refused from the datasets' headers, naming the numbers,
     and writes nothing; one under it is served."""
     prefix = write_dataset(tmp_path / "small", seed=5)
-    srv, port, _ = start_server(0, max_index_bytes=64 << 20, limits=DataLimits(index_cache_dir=str(tmp_path / "ix")))
+    srv, port, _ = start_server(
+        0, max_index_bytes=64 << 20, limits=DataLimits(index_cache_dir=str(tmp_path / "ix"))
+    )
     try:
         stub = pb_grpc.DataServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
         for n in (2**32, 2**22):  # 2^22 samples of 8 tokens: ~200 MB of index
             spec = pb.DatasetSpec(prefixes=[prefix], weights=[1], seq_length=8, num_samples=n)
             with pytest.raises(grpc.RpcError) as e:
-                stub.Describe(pb.StreamRequest(spec=spec, dp_size=1, micro_batch_size=1, global_batch_size=1),
-                              timeout=20)
+                stub.Describe(
+                    pb.StreamRequest(spec=spec, dp_size=1, micro_batch_size=1, global_batch_size=1),
+                    timeout=20,
+                )
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
             assert f"num_samples={n} at seq_length=8 needs a sample index of" in e.value.details()
-            assert "over this data worker's limit of 0.0625 GiB (67108864 bytes" in e.value.details()
+            assert (
+                "over this data worker's limit of 0.0625 GiB (67108864 bytes" in e.value.details()
+            )
             assert f"{prefix}: {n} samples = " in e.value.details()
         # the blend's own index counts too: 10 bytes a sample besides its parts'
-        spec = spec_to_proto(DatasetSpec(blend_spec.prefixes, (1.0, 1.0), 8, 2**21, 1, split="98,2,0"))
+        spec = spec_to_proto(
+            DatasetSpec(blend_spec.prefixes, (1.0, 1.0), 8, 2**21, 1, split="98,2,0")
+        )
         with pytest.raises(grpc.RpcError) as e:
-            stub.Describe(pb.StreamRequest(spec=spec, dp_size=1, micro_batch_size=1, global_batch_size=1))
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "limit of 0.0625 GiB" in e.value.details()
-        assert not (tmp_path / ".meshtrain-index").exists() and not (tmp_path / "ix").exists()  # nothing built
+            stub.Describe(
+                pb.StreamRequest(spec=spec, dp_size=1, micro_batch_size=1, global_batch_size=1)
+            )
+        assert (
+            e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            and "limit of 0.0625 GiB" in e.value.details()
+        )
+        assert (
+            not (tmp_path / ".meshtrain-index").exists() and not (tmp_path / "ix").exists()
+        )  # nothing built
         spec = pb.DatasetSpec(prefixes=[prefix], weights=[1], seq_length=8, num_samples=10_000)
-        ok = stub.Describe(pb.StreamRequest(spec=spec, dp_size=1, micro_batch_size=1, global_batch_size=1))
+        ok = stub.Describe(
+            pb.StreamRequest(spec=spec, dp_size=1, micro_batch_size=1, global_batch_size=1)
+        )
         assert ok.num_samples == 10_000
     finally:
         srv.stop(0)
@@ -397,13 +479,17 @@ def test_an_index_already_cached_is_served_whatever_the_bound(tmp_path):
     spec = pb.DatasetSpec(prefixes=[prefix], weights=[1], seq_length=8, num_samples=2**22)
     request = pb.StreamRequest(spec=spec, dp_size=1, micro_batch_size=1, global_batch_size=1)
     for bound in (1 << 30, 64 << 20):  # builds and caches it; then under a bound it is over
-        srv, port, _ = start_server(0, max_index_bytes=bound, limits=DataLimits(index_cache_dir=str(tmp_path / "ix")))
+        srv, port, _ = start_server(
+            0, max_index_bytes=bound, limits=DataLimits(index_cache_dir=str(tmp_path / "ix"))
+        )
         try:
             stub = pb_grpc.DataServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
             assert stub.Describe(request, timeout=120).num_samples == 2**22
         finally:
             srv.stop(0)
-    assert (tmp_path / "ix").is_dir() and not (tmp_path / ".meshtrain-index").exists()  # the worker's own folder
+    assert (tmp_path / "ix").is_dir() and not (
+        tmp_path / ".meshtrain-index"
+    ).exists()  # the worker's own folder
 
 
 def test_index_build_bytes_bounds_the_real_peak(tmp_path):
@@ -469,23 +555,48 @@ def test_the_serve_flag_sets_the_index_memory_bound(blend_spec):
 
     from .conftest import REPO
 
-    proc = subprocess.Popen([sys.executable, "-m", "meshtrain.services.dataloader.rpc.server", "--port", "0",
-                             "--max-index-gib", "0.01"], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "meshtrain.services.dataloader.rpc.server",
+            "--port",
+            "0",
+            "--max-index-gib",
+            "0.01",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         port = int(proc.stdout.readline().rsplit(":", 1)[1])
         stub = pb_grpc.DataServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
-        spec = pb.DatasetSpec(prefixes=blend_spec.prefixes[:1], weights=[1], seq_length=8, num_samples=2**20)
+        spec = pb.DatasetSpec(
+            prefixes=blend_spec.prefixes[:1], weights=[1], seq_length=8, num_samples=2**20
+        )
         with pytest.raises(grpc.RpcError) as e:
-            stub.Describe(pb.StreamRequest(spec=spec, dp_size=1, micro_batch_size=1, global_batch_size=1), timeout=20)
+            stub.Describe(
+                pb.StreamRequest(spec=spec, dp_size=1, micro_batch_size=1, global_batch_size=1),
+                timeout=20,
+            )
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "limit of 0.01 GiB (10737418 bytes" in e.value.details()
     finally:
         proc.kill()
         proc.wait()
-    bad = subprocess.run([sys.executable, "-m", "meshtrain.services.dataloader.rpc.server", "--max-index-gib", "0"],
-                         check=False, cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert bad.returncode != 0 and "--max-index-gib 0.0 must be a positive number of GiB" in bad.stderr
+    bad = subprocess.run(
+        [sys.executable, "-m", "meshtrain.services.dataloader.rpc.server", "--max-index-gib", "0"],
+        check=False,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        bad.returncode != 0 and "--max-index-gib 0.0 must be a positive number of GiB" in bad.stderr
+    )
 
 
 def test_cached_datasets_hold_at_most_the_index_bound_in_memory(tmp_path):
@@ -504,7 +615,9 @@ def test_cached_datasets_hold_at_most_the_index_bound_in_memory(tmp_path):
     n = 50_000
 
     def request(seed):
-        spec = pb.DatasetSpec(prefixes=[prefix], weights=[1], seq_length=8, num_samples=n, seed=seed)
+        spec = pb.DatasetSpec(
+            prefixes=[prefix], weights=[1], seq_length=8, num_samples=n, seed=seed
+        )
         return pb.StreamRequest(spec=spec, dp_size=1, micro_batch_size=1, global_batch_size=1)
 
     # the bound: exactly what one of these requests takes to build, which fits ~3 indices once built
@@ -519,9 +632,13 @@ def test_cached_datasets_hold_at_most_the_index_bound_in_memory(tmp_path):
     servers = []
     try:
         for servicer in (cached, held):
-            srv, port, _ = make_server([lambda s, sv=servicer: pb_grpc.add_DataServiceServicer_to_server(sv, s)],
-                                       [SERVICE_NAME])
-            servers.append((srv, pb_grpc.DataServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))))
+            srv, port, _ = make_server(
+                [lambda s, sv=servicer: pb_grpc.add_DataServiceServicer_to_server(sv, s)],
+                [SERVICE_NAME],
+            )
+            servers.append(
+                (srv, pb_grpc.DataServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}")))
+            )
         cached_stub, held_stub = servers[0][1], servers[1][1]
         for seed in range(6):
             assert cached_stub.Describe(request(seed)).num_samples == n

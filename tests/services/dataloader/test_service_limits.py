@@ -39,13 +39,23 @@ def stub_of(address: str, options=()) -> pb_grpc.DataServiceStub:
 
 
 def request(spec: DatasetSpec, mbs: int = 16, **kw) -> pb.StreamRequest:
-    return pb.StreamRequest(spec=spec_to_proto(spec), dp_rank=0, dp_size=1, micro_batch_size=mbs,
-                            global_batch_size=16, **kw)
+    return pb.StreamRequest(
+        spec=spec_to_proto(spec),
+        dp_rank=0,
+        dp_size=1,
+        micro_batch_size=mbs,
+        global_batch_size=16,
+        **kw,
+    )
 
 
 def health(port: int) -> int:
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2).status
+        return (
+            health_pb2_grpc.HealthStub(channel)
+            .Check(health_pb2.HealthCheckRequest(), timeout=2)
+            .status
+        )
 
 
 @pytest.fixture(scope="module")
@@ -54,16 +64,25 @@ def small(tmp_path_factory) -> DatasetSpec:
     return DatasetSpec((prefix,), (1.0,), seq_length=16, num_samples=512, seed=1, split="100,0,0")
 
 
-@pytest.mark.parametrize("change, match", [
-    (dict(prefixes=["a\0b"]), "spec.prefixes[0] 'a\\x00b' holds the control character '\\x00' at position 1"),
-    (dict(prefixes=["ds\n"]), "spec.prefixes[0] 'ds\\n' holds the control character '\\n'"),
-    (dict(prefixes=["p" * 100_000]), "is 100000 characters long, over the limit of 4096"),
-    (dict(prefixes=[]), "spec.prefixes has 0 entries"),
-    (dict(weights=[1.0, 2.0]), "spec.weights has 2 entries for 1 prefixes"),
-    (dict(num_samples=2**32 + 1), "spec.num_samples=4294967297 is over this data worker's limit of 4294967296"),
-    (dict(split="9\n9"), "spec.split '9\\n9' holds the control character"),
-    (dict(split_name="train\n"), "spec.split_name 'train\\n' is not one of"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (
+            dict(prefixes=["a\0b"]),
+            "spec.prefixes[0] 'a\\x00b' holds the control character '\\x00' at position 1",
+        ),
+        (dict(prefixes=["ds\n"]), "spec.prefixes[0] 'ds\\n' holds the control character '\\n'"),
+        (dict(prefixes=["p" * 100_000]), "is 100000 characters long, over the limit of 4096"),
+        (dict(prefixes=[]), "spec.prefixes has 0 entries"),
+        (dict(weights=[1.0, 2.0]), "spec.weights has 2 entries for 1 prefixes"),
+        (
+            dict(num_samples=2**32 + 1),
+            "spec.num_samples=4294967297 is over this data worker's limit of 4294967296",
+        ),
+        (dict(split="9\n9"), "spec.split '9\\n9' holds the control character"),
+        (dict(split_name="train\n"), "spec.split_name 'train\\n' is not one of"),
+    ],
+)
 def test_bad_fields_are_invalid_argument_naming_them(tmp_path, small, change, match):
     # A NUL in a prefix failed with UNKNOWN and a traceback; "$" patterns let a final newline in.
     spec = spec_to_proto(small)
@@ -74,22 +93,33 @@ def test_bad_fields_are_invalid_argument_naming_them(tmp_path, small, change, ma
             setattr(spec, key, value)
     with worker(tmp_path) as port:
         with pytest.raises(grpc.RpcError) as info:
-            stub_of(f"127.0.0.1:{port}").Describe(pb.StreamRequest(spec=spec, dp_size=1, micro_batch_size=1,
-                                                                   global_batch_size=16), timeout=10)
+            stub_of(f"127.0.0.1:{port}").Describe(
+                pb.StreamRequest(spec=spec, dp_size=1, micro_batch_size=1, global_batch_size=16),
+                timeout=10,
+            )
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
     assert match in info.value.details() and len(info.value.details()) < 1000
 
 
 def test_the_sample_limit_is_the_workers_option(tmp_path, small):
     with worker(tmp_path, max_samples=100) as port:
-        with pytest.raises(grpc.RpcError, match="num_samples=512 is over this data worker's limit of 100 "
-                                                r"\(`data serve --max-samples`\)"):
+        with pytest.raises(
+            grpc.RpcError,
+            match="num_samples=512 is over this data worker's limit of 100 "
+            r"\(`data serve --max-samples`\)",
+        ):
             stub_of(f"127.0.0.1:{port}").Describe(request(small), timeout=10)
-        assert stub_of(f"127.0.0.1:{port}").Describe(request(replace(small, num_samples=96))).num_samples == 96
+        assert (
+            stub_of(f"127.0.0.1:{port}")
+            .Describe(request(replace(small, num_samples=96)))
+            .num_samples
+            == 96
+        )
 
 
 def test_the_index_cache_has_a_quota_evicts_the_least_recently_used_and_never_sits_beside_the_data(
-        tmp_path, small):
+    tmp_path, small
+):
     # Every (seed, num_samples) a client named left an index beside the dataset, unbounded
     # (375 MB of memory and 102 MB of disk at 2^23 samples).
     index = tmp_path / "index"
@@ -115,7 +145,9 @@ def test_the_index_cache_has_a_quota_evicts_the_least_recently_used_and_never_si
         keys = stream(port, 3)
         assert key2 not in keys and key1 in keys and len(keys) == 2
         assert IndexCache(index, 1).used_bytes() <= 2.5 * entry
-    with worker(tmp_path, index_cache_bytes=int(2.5 * entry)) as port:  # a worker that has not seed 2 open
+    with worker(
+        tmp_path, index_cache_bytes=int(2.5 * entry)
+    ) as port:  # a worker that has not seed 2 open
         assert key2 in stream(port, 2) and files(key2) == built  # rebuilt bit for bit
     assert not (Path(small.prefixes[0]).parent / ".meshtrain-index").exists()
 
@@ -129,7 +161,9 @@ def test_an_index_a_live_stream_reads_is_not_evicted(tmp_path):
     cached_arrays(cache, {"seed": 1}, build(1))
     (key1,) = cache.entries()
     with cache.pinned([key1]):
-        kept = cached_arrays(cache, {"seed": 2}, build(2))  # no room beside the pinned one: not stored
+        kept = cached_arrays(
+            cache, {"seed": 2}, build(2)
+        )  # no room beside the pinned one: not stored
         assert len(cache.entries()) == 1 and cache.evicted == 0 and kept["a"][0] == 2
     cached_arrays(cache, {"seed": 3}, build(3))  # unpinned now: evicted for it
     assert key1 not in cache.entries() and cache.evicted == 1 and cache.used_bytes() <= 3000
@@ -143,7 +177,9 @@ def long_stream(long_spec):
     return replace(long_spec, prefixes=long_spec.prefixes[:1], weights=(1.0,))
 
 
-def test_a_stream_whose_client_does_not_read_is_reaped_and_a_slow_reader_is_not(tmp_path, long_stream):
+def test_a_stream_whose_client_does_not_read_is_reaped_and_a_slow_reader_is_not(
+    tmp_path, long_stream
+):
     """40 streams that never read held all 32 stream slots, with no idle timeout. How slow a
     reader may be is relative to its flow-control window: the worker waits at a message until the
     client's window opens again, and gRPC's BDP probing grows that window to megabytes on
@@ -165,7 +201,9 @@ def test_a_stream_whose_client_does_not_read_is_reaped_and_a_slow_reader_is_not(
                 assert next(stub_of(address).StreamBatches(request(long_stream))).step == 0
                 break
             except grpc.RpcError as e:
-                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() - start < 8
+                assert (
+                    e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() - start < 8
+                )
                 time.sleep(0.2)
         with pytest.raises(grpc.RpcError) as info:
             for _ in idle:
@@ -184,7 +222,9 @@ def _ipv6_loopback() -> bool:
 
 @pytest.mark.skipif(not _ipv6_loopback(), reason="needs IPv6 loopback for a second client host")
 def test_a_clients_streams_are_capped_while_another_client_is_served(tmp_path, long_stream):
-    with worker(tmp_path, host="localhost", max_streams_per_client=1, stream_idle_timeout=0) as port:
+    with worker(
+        tmp_path, host="localhost", max_streams_per_client=1, stream_idle_timeout=0
+    ) as port:
         first = stub_of(f"127.0.0.1:{port}").StreamBatches(request(long_stream))
         next(first)
         with pytest.raises(grpc.RpcError) as info:

@@ -12,8 +12,18 @@ def _touch(path, text="x"):
     return path
 
 
-@pytest.mark.parametrize("kind", ["hf", "hf-folder", "tiktoken", "tiktoken-prefix", "sentencepiece",
-                                  "gpt2bpe", "megatron-tiktoken"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "hf",
+        "hf-folder",
+        "tiktoken",
+        "tiktoken-prefix",
+        "sentencepiece",
+        "gpt2bpe",
+        "megatron-tiktoken",
+    ],
+)
 def test_each_spec_kind_lists_its_files_and_rebases_onto_copies(tmp_path, kind):
     src = tmp_path / "src"
     spec, names = {
@@ -22,9 +32,14 @@ def test_each_spec_kind_lists_its_files_and_rebases_onto_copies(tmp_path, kind):
         "tiktoken": (str(_touch(src / "cl100k.tiktoken")), ["cl100k.tiktoken"]),
         "tiktoken-prefix": (f"tiktoken:{_touch(src / 'ranks.bpe')}", ["ranks.bpe"]),
         "sentencepiece": (f"sentencepiece:{_touch(src / 'sp.model')}", ["sp.model"]),
-        "gpt2bpe": (f"gpt2bpe:{_touch(src / 'vocab.json')},{_touch(src / 'merges.txt')}", ["vocab.json", "merges.txt"]),
-        "megatron-tiktoken": (f"megatron-tiktoken:{_touch(src / 't.json')},pattern=v2,num_special_tokens=1000",
-                              ["t.json"]),
+        "gpt2bpe": (
+            f"gpt2bpe:{_touch(src / 'vocab.json')},{_touch(src / 'merges.txt')}",
+            ["vocab.json", "merges.txt"],
+        ),
+        "megatron-tiktoken": (
+            f"megatron-tiktoken:{_touch(src / 't.json')},pattern=v2,num_special_tokens=1000",
+            ["t.json"],
+        ),
     }[kind]
     files = spec_files(spec)
     assert list(files) == names and all(p.is_file() for p in files.values())

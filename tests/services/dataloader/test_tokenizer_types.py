@@ -40,7 +40,13 @@ TEXTS = [
     "Ünïcödé — 日本語 🙂 it's we'll they've DON'T 12345 678.9",
     "def f(x):\n    return x  +  1\r\n",
     "   leading spaces and trailing   ",
-    "", " ", "\n\n\n", "a  b   c    d", "Ωmega σ ς x\u00a0y \u3000z", "🙂🙂 🙂x", "a\r\nb\rc",
+    "",
+    " ",
+    "\n\n\n",
+    "a  b   c    d",
+    "Ωmega σ ς x\u00a0y \u3000z",
+    "🙂🙂 🙂x",
+    "a\r\nb\rc",
 ]
 
 
@@ -52,8 +58,12 @@ def gpt2_files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("gpt2")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=[EOD_TOKEN], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=[EOD_TOKEN],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(TEXTS * 20, trainer=trainer)
     vocab, merges = tok.model.save(str(folder))
     assert Path(merges).read_text().startswith("#version")
@@ -68,7 +78,11 @@ def _reference_gpt2_encode(text: str, vocab_file: str, merge_file: str) -> list[
     vocab = json.loads(Path(vocab_file).read_text(encoding="utf-8"))
     lines = [m for m in Path(merge_file).read_text(encoding="utf-8").split("\n")[1:] if m]
     ranks = {tuple(m.split(" ")): r for r, m in enumerate(lines)}
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     symbol, extra = {}, 0
     for b in range(256):
         if b in printable:
@@ -76,7 +90,9 @@ def _reference_gpt2_encode(text: str, vocab_file: str, merge_file: str) -> list[
         else:
             symbol[b] = chr(256 + extra)
             extra += 1
-    pattern = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
+    pattern = regex.compile(
+        r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+    )
     ids = []
     for piece in pattern.findall(text):
         word = [symbol[b] for b in piece.encode("utf-8")]
@@ -142,10 +158,20 @@ def test_gpt2bpe_bad_files(gpt2_files, tmp_path):
         megatron_spec("GPT2BPETokenizer", merge_file=merges, prefix="data.")
     with pytest.raises(DataError, match="--merge-file='nope.txt' does not exist"):
         megatron_spec("GPT2BPETokenizer", vocab_file=vocab, merge_file="nope.txt", prefix="--")
-    with pytest.raises(DataError, match="--tokenizer-model is not read by --tokenizer-type=GPT2BPETokenizer"):
-        megatron_spec("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges, tokenizer_model=vocab, prefix="--")
+    with pytest.raises(
+        DataError, match="--tokenizer-model is not read by --tokenizer-type=GPT2BPETokenizer"
+    ):
+        megatron_spec(
+            "GPT2BPETokenizer",
+            vocab_file=vocab,
+            merge_file=merges,
+            tokenizer_model=vocab,
+            prefix="--",
+        )
     no_eod = tmp_path / "vocab.json"
-    no_eod.write_text(json.dumps({k: v for k, v in json.loads(Path(vocab).read_text()).items() if k != EOD_TOKEN}))
+    no_eod.write_text(
+        json.dumps({k: v for k, v in json.loads(Path(vocab).read_text()).items() if k != EOD_TOKEN})
+    )
     with pytest.raises(DataError, match=r"no <\|endoftext\|> token"):
         GPT2BPETokenizer(no_eod, merges)
     bad = tmp_path / "merges.txt"
@@ -203,8 +229,18 @@ def _write_tiktoken(path, tokens):
 
 
 def _write_megatron_json(path, tokens):
-    path.write_text(json.dumps([{"rank": r, "token_bytes": base64.b64encode(t).decode(),
-                                 "token_str": t.decode("utf-8", errors="replace")} for r, t in enumerate(tokens)]))
+    path.write_text(
+        json.dumps(
+            [
+                {
+                    "rank": r,
+                    "token_bytes": base64.b64encode(t).decode(),
+                    "token_str": t.decode("utf-8", errors="replace"),
+                }
+                for r, t in enumerate(tokens)
+            ]
+        )
+    )
     return path
 
 
@@ -216,19 +252,32 @@ def test_tiktokenizer_matches_megatron_core(tmp_path):
     as_tiktoken = _write_tiktoken(tmp_path / "vocab.tiktoken", tokens)
     texts = ["the thing in the theatre", "    indented\n  café", "ÿ \x00 bytes 🙂"]
     for pattern in ("v1", "v2"):
-        reference = TikTokenTokenizer(str(as_json), pattern=pattern, num_special_tokens=1000,
-                                      vocab_size=1000 + len(tokens))
+        reference = TikTokenTokenizer(
+            str(as_json), pattern=pattern, num_special_tokens=1000, vocab_size=1000 + len(tokens)
+        )
         for path in (as_json, as_tiktoken):
-            spec = megatron_spec("TikTokenizer", tokenizer_model=str(path), tiktoken_pattern=pattern)
+            spec = megatron_spec(
+                "TikTokenizer", tokenizer_model=str(path), tiktoken_pattern=pattern
+            )
             tok = build_tokenizer(spec)
             assert isinstance(tok, MegatronTiktokenTokenizer) and tok.spec == spec
-            assert (tok.vocab_size, tok.eod_id) == (reference.vocab_size, reference.eod) == (1000 + len(tokens), 2)
+            assert (
+                (tok.vocab_size, tok.eod_id)
+                == (reference.vocab_size, reference.eod)
+                == (1000 + len(tokens), 2)
+            )
             for text in texts:
                 assert tok.encode(text) == reference.text_to_ids(text), (pattern, text)
                 assert tok.decode(tok.encode(text)) == text
     # the special-token block and the vocabulary cut, as Megatron's flags set them
-    small = build_tokenizer(megatron_spec("TikTokenizer", tokenizer_model=str(as_tiktoken),
-                                          tiktoken_num_special_tokens=10, vocab_size=10 + 256 + 2))
+    small = build_tokenizer(
+        megatron_spec(
+            "TikTokenizer",
+            tokenizer_model=str(as_tiktoken),
+            tiktoken_num_special_tokens=10,
+            vocab_size=10 + 256 + 2,
+        )
+    )
     assert small.vocab_size == 268 and small.spec.endswith("num_special_tokens=10,vocab_size=268")
     assert small.encode("the") == [10 + 256, 10 + ord("e")]  # "th", "he" kept, "the" (rank 258) cut
     # special-token text inside a document is plain text: only a document's end is EOD
@@ -256,13 +305,21 @@ def sp_model(tmp_path_factory):
     spm = pytest.importorskip("sentencepiece")
     folder = tmp_path_factory.mktemp("sp")
     lines = [t for t in TEXTS if t.strip()] * 30
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_prefix=str(folder / "sp"),
-                                   vocab_size=120, model_type="bpe", character_coverage=1.0,
-                                   minloglevel=2, num_threads=1)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines),
+        model_prefix=str(folder / "sp"),
+        vocab_size=120,
+        model_type="bpe",
+        character_coverage=1.0,
+        minloglevel=2,
+        num_threads=1,
+    )
     return folder / "sp.model"
 
 
-@pytest.mark.parametrize("kind", ["SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"])
+@pytest.mark.parametrize(
+    "kind", ["SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"]
+)
 def test_sentencepiece_type(sp_model, kind):
     from megatron.core.tokenizers.text.libraries.sentencepiece_tokenizer import (
         SentencePieceTokenizer as MegatronSentencePiece,
@@ -286,27 +343,51 @@ def test_huggingface_type(tmp_path):
     train_bpe([corpus], 300, tmp_path / "tok" / "tokenizer.json")
     for model in (tmp_path / "tok", tmp_path / "tok" / "tokenizer.json"):
         tok = build_tokenizer(megatron_spec("HuggingFaceTokenizer", tokenizer_model=str(model)))
-        assert isinstance(tok, HFTokenizer) and tok.path == (tmp_path / "tok" / "tokenizer.json").resolve()
+        assert (
+            isinstance(tok, HFTokenizer)
+            and tok.path == (tmp_path / "tok" / "tokenizer.json").resolve()
+        )
     (tmp_path / "empty").mkdir()
-    with pytest.raises(DataError, match="data.tokenizer_model='.*empty' is a folder without a tokenizer.json"):
-        megatron_spec("HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "empty"), prefix="data.")
+    with pytest.raises(
+        DataError, match="data.tokenizer_model='.*empty' is a folder without a tokenizer.json"
+    ):
+        megatron_spec(
+            "HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "empty"), prefix="data."
+        )
 
 
 def test_data_config_keys(gpt2_files):
     vocab, merges = gpt2_files
     config = DataConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=vocab, merge_file=merges)
-    assert config.tokenizer == megatron_spec("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges)
+    assert config.tokenizer == megatron_spec(
+        "GPT2BPETokenizer", vocab_file=vocab, merge_file=merges
+    )
     # a resolved config (a run's config.toml) names the tokenizer both ways, the same one
-    again = DataConfig(tokenizer=config.tokenizer, tokenizer_type="GPT2BPETokenizer", vocab_file=vocab,
-                       merge_file=merges, data_path=["x"])
+    again = DataConfig(
+        tokenizer=config.tokenizer,
+        tokenizer_type="GPT2BPETokenizer",
+        vocab_file=vocab,
+        merge_file=merges,
+        data_path=["x"],
+    )
     assert again.tokenizer == config.tokenizer
-    assert DataConfig(tokenizer_type="NullTokenizer", vocab_size=50, data_path=["x"]).tokenizer == "null:50"
-    relative = DataConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=os.path.relpath(vocab),
-                          merge_file=os.path.relpath(merges))
-    assert relative.vocab_file == str(Path(vocab).resolve()) and relative.tokenizer == config.tokenizer
+    assert (
+        DataConfig(tokenizer_type="NullTokenizer", vocab_size=50, data_path=["x"]).tokenizer
+        == "null:50"
+    )
+    relative = DataConfig(
+        tokenizer_type="GPT2BPETokenizer",
+        vocab_file=os.path.relpath(vocab),
+        merge_file=os.path.relpath(merges),
+    )
+    assert (
+        relative.vocab_file == str(Path(vocab).resolve()) and relative.tokenizer == config.tokenizer
+    )
     with pytest.raises(ConfigError, match="both name the tokenizer"):
         DataConfig(tokenizer="byte", tokenizer_type="NullTokenizer", vocab_size=50)
-    with pytest.raises(ConfigError, match="data.tokenizer_type=GPT2BPETokenizer needs data.merge_file"):
+    with pytest.raises(
+        ConfigError, match="data.tokenizer_type=GPT2BPETokenizer needs data.merge_file"
+    ):
         DataConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=vocab)
     with pytest.raises(ConfigError, match="data.merge_file is given without data.tokenizer_type"):
         DataConfig(tokenizer="byte", merge_file=merges)
@@ -318,24 +399,67 @@ def test_preprocess_cli_with_megatron_flags(gpt2_files, tmp_path, capsys):
     vocab, merges = gpt2_files
     docs = ["first  document\n", "Ünïcödé 🙂 second", "third, with <|endoftext|> in it"]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    common = ["data", "preprocess", "--input", str(tmp_path / "in.jsonl"), "--quiet", "--append-eod"]
-    assert main(common + ["--output-prefix", str(tmp_path / "out"), "--tokenizer-type", "GPT2BPETokenizer",
-                          "--vocab-file", vocab, "--merge-file", merges]) == 0
+    common = [
+        "data",
+        "preprocess",
+        "--input",
+        str(tmp_path / "in.jsonl"),
+        "--quiet",
+        "--append-eod",
+    ]
+    assert (
+        main(
+            common
+            + [
+                "--output-prefix",
+                str(tmp_path / "out"),
+                "--tokenizer-type",
+                "GPT2BPETokenizer",
+                "--vocab-file",
+                vocab,
+                "--merge-file",
+                merges,
+            ]
+        )
+        == 0
+    )
     tok = GPT2BPETokenizer(vocab, merges)
     ds = IndexedDataset(tmp_path / "out")
     want = [tok.encode(d) + [tok.eod_id] for d in docs]
     assert ds.num_documents == 3
     assert np.array_equal(ds.read_tokens(0, ds.num_tokens), np.concatenate(want))
     (tmp_path / "ids.jsonl").write_text(json.dumps({"text": "1 2 3"}) + "\n")
-    assert main(["data", "preprocess", "--input", str(tmp_path / "ids.jsonl"), "--quiet", "--append-eod",
-                 "--output-prefix", str(tmp_path / "null"), "--tokenizer-type", "NullTokenizer",
-                 "--vocab-size", "10"]) == 0
+    assert (
+        main(
+            [
+                "data",
+                "preprocess",
+                "--input",
+                str(tmp_path / "ids.jsonl"),
+                "--quiet",
+                "--append-eod",
+                "--output-prefix",
+                str(tmp_path / "null"),
+                "--tokenizer-type",
+                "NullTokenizer",
+                "--vocab-size",
+                "10",
+            ]
+        )
+        == 0
+    )
     null = IndexedDataset(tmp_path / "null")
     assert null.read_tokens(0, null.num_tokens).tolist() == [1, 2, 3, 10]
     capsys.readouterr()
     for extra, match in [
-        (["--tokenizer", "byte", "--tokenizer-type", "NullTokenizer", "--vocab-size", "9"], "both name the tokenizer"),
-        (["--tokenizer", "byte", "--merge-file", merges], "--merge-file is given without --tokenizer-type"),
+        (
+            ["--tokenizer", "byte", "--tokenizer-type", "NullTokenizer", "--vocab-size", "9"],
+            "both name the tokenizer",
+        ),
+        (
+            ["--tokenizer", "byte", "--merge-file", merges],
+            "--merge-file is given without --tokenizer-type",
+        ),
         ([], "name the tokenizer: --tokenizer SPEC, or Megatron's --tokenizer-type"),
         (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab], "needs --merge-file"),
     ]:
@@ -355,7 +479,9 @@ def test_hf_export_tokenizer_of_megatron_types(gpt2_files, caplog):
     vocab, merges = gpt2_files
     spec = megatron_spec("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges)
     ours = build_tokenizer(spec)
-    model = ModelConfig(vocab_size=512, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32)
+    model = ModelConfig(
+        vocab_size=512, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32
+    )
     path = hf_tokenizer.tokenizer_file(spec, "test")
     exported = Tokenizer.from_file(str(path))
     for text in TEXTS:

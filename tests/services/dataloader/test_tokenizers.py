@@ -4,7 +4,12 @@ import pytest
 
 from meshtrain.services.common.errors import DataError
 from meshtrain.services.dataloader.tokenizers import (
-    EOD_TOKEN, ByteTokenizer, HFTokenizer, absolute_spec, build_tokenizer, train_bpe,
+    EOD_TOKEN,
+    ByteTokenizer,
+    HFTokenizer,
+    absolute_spec,
+    build_tokenizer,
+    train_bpe,
 )
 
 TEXTS = [
@@ -50,7 +55,9 @@ def test_train_bpe_round_trip_and_determinism(tmp_path, corpus):
     assert tok.encode_batch(TEXTS) == [tok.encode(t) for t in TEXTS]
     # same files, fresh trainer: the saved tokenizer must be byte-identical
     again = train_bpe(corpus, 300, tmp_path / "b" / "tokenizer.json")
-    assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (tmp_path / "b" / "tokenizer.json").read_bytes()
+    assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (
+        tmp_path / "b" / "tokenizer.json"
+    ).read_bytes()
     assert again.encode(TEXTS[2]) == tok.encode(TEXTS[2])
 
 

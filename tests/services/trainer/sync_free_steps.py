@@ -37,7 +37,9 @@ def main(argv: list[str]) -> None:
             except RuntimeError:
                 pass
             else:
-                raise SystemExit("sync_free_steps: CUDA's sync-debug 'error' mode let .item() through")
+                raise SystemExit(
+                    "sync_free_steps: CUDA's sync-debug 'error' mode let .item() through"
+                )
             for step in range(WARMUP, WARMUP + 3):
                 trainer.train_step(step)
         finally:

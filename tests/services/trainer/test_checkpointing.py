@@ -12,8 +12,9 @@ def test_close_closes_the_channel_to_the_service(tmp_path):
     # garbage collector found it (a long-lived process creating trainers leaked one per run).
     server, port, _ = start_server(str(tmp_path / "ckpt"))
     try:
-        checkpointer = Checkpointer(str(tmp_path / "ckpt"), Parallel(Mesh.single()),
-                                    service_address=f"127.0.0.1:{port}")
+        checkpointer = Checkpointer(
+            str(tmp_path / "ckpt"), Parallel(Mesh.single()), service_address=f"127.0.0.1:{port}"
+        )
         assert checkpointer.sink.list() == []  # connected
         checkpointer.close()
         with pytest.raises(ValueError, match="closed channel"):
@@ -36,9 +37,21 @@ def test_a_save_started_while_the_service_restarts_is_retried(corpus_cache, tmp_
 
     root = str(tmp_path / "ckpt")
     server, port, _ = start_server(root)
-    trainer = Trainer(load_config(small_job_args(corpus_cache, tmp_path / "run", **{
-        "checkpoint.save": root, "checkpoint.service_address": f"127.0.0.1:{port}",
-        "checkpoint.async_save": False, "checkpoint.save_attempts": 5, "checkpoint.save_retry_backoff_s": 0.5})))
+    trainer = Trainer(
+        load_config(
+            small_job_args(
+                corpus_cache,
+                tmp_path / "run",
+                **{
+                    "checkpoint.save": root,
+                    "checkpoint.service_address": f"127.0.0.1:{port}",
+                    "checkpoint.async_save": False,
+                    "checkpoint.save_attempts": 5,
+                    "checkpoint.save_retry_backoff_s": 0.5,
+                },
+            )
+        )
+    )
     restarted = []
     try:
         trainer.train_step(0)
@@ -64,7 +77,9 @@ def test_save_attempts_and_backoff_are_checked():
         load_config(["--checkpoint.save_attempts=0"])
     with pytest.raises(ConfigError, match=r"save_retry_backoff_s must be in \[0, 3600\], got -1.0"):
         load_config(["--checkpoint.save_retry_backoff_s=-1"])
-    with pytest.raises(ConfigError, match=r"save_retry_timeout_s must be in \[0, 86400\], got -1.0"):
+    with pytest.raises(
+        ConfigError, match=r"save_retry_timeout_s must be in \[0, 86400\], got -1.0"
+    ):
         load_config(["--checkpoint.save_retry_timeout_s=-1"])
     # long enough for `meshtrain up` to restart a checkpoint service mid-save
     assert load_config([]).checkpoint.save_retry_timeout_s >= 30
@@ -103,7 +118,9 @@ def test_a_save_rank_0_cannot_start_fails_on_every_rank(corpus_cache, tmp_path):
     from tests.services.trainer.conftest import small_job_args
 
     root = str(tmp_path / "ckpt")
-    args = small_job_args(corpus_cache, tmp_path / "run", **{"checkpoint.save": root, "train.eval_interval": 0})
+    args = small_job_args(
+        corpus_cache, tmp_path / "run", **{"checkpoint.save": root, "train.eval_interval": 0}
+    )
     errors = run_ranks(_save_into_a_taken_step, 2, args, root, timeout=120)
     assert all(e is not None and "step 3 already exists" in e for e in errors), errors
 
@@ -145,8 +162,15 @@ def test_a_failing_run_gives_up_its_service_mode_save_at_once(corpus_cache, tmp_
     root = str(tmp_path / "ckpt")
     server, port, _ = start_server(root)
     try:
-        args = small_job_args(corpus_cache, tmp_path / "run", **{
-            "checkpoint.save": root, "checkpoint.service_address": f"127.0.0.1:{port}", "train.eval_interval": 0})
+        args = small_job_args(
+            corpus_cache,
+            tmp_path / "run",
+            **{
+                "checkpoint.save": root,
+                "checkpoint.service_address": f"127.0.0.1:{port}",
+                "train.eval_interval": 0,
+            },
+        )
         seconds, _ = run_ranks(_fail_with_a_save_in_flight, 2, args, timeout=120)
         assert seconds < 10, seconds
         with CheckpointClient(f"127.0.0.1:{port}") as client:
@@ -157,7 +181,9 @@ def test_a_failing_run_gives_up_its_service_mode_save_at_once(corpus_cache, tmp_
 
 
 @pytest.mark.parametrize("zero1", [False, True])
-def test_the_first_save_fills_the_buffers_prepared_when_the_trainer_was_built(corpus_cache, tmp_path, zero1):
+def test_the_first_save_fills_the_buffers_prepared_when_the_trainer_was_built(
+    corpus_cache, tmp_path, zero1
+):
     # A run that saves lays out its boxes once the model is built (before AdamW has moments)
     # and allocates their host buffers in the background: the first save must find every
     # parameter and moment box among them, so its stall is a copy, not an allocation.
@@ -166,20 +192,32 @@ def test_the_first_save_fills_the_buffers_prepared_when_the_trainer_was_built(co
     from tests.services.trainer.conftest import small_job_args
 
     extra = {"parallel.use_distributed_optimizer": True} if zero1 else {}
-    trainer = Trainer(load_config(small_job_args(corpus_cache, tmp_path / "run", **{
-        "checkpoint.save": str(tmp_path / "ckpt"), **extra})))
+    trainer = Trainer(
+        load_config(
+            small_job_args(
+                corpus_cache,
+                tmp_path / "run",
+                **{"checkpoint.save": str(tmp_path / "ckpt"), **extra},
+            )
+        )
+    )
     saver = trainer.checkpointer.saver
     try:
         saver._preparing.join()
         prepared = dict(saver._buffers)
         names = {key[0] for key in prepared}
-        assert any(n.startswith("optim.exp_avg_sq.") for n in names) and "embedding.word_embeddings.weight" in names
+        assert (
+            any(n.startswith("optim.exp_avg_sq.") for n in names)
+            and "embedding.word_embeddings.weight" in names
+        )
         trainer.train_step(0)
         trainer.state.iteration = 1
         trainer.save()
         trainer.checkpointer.wait()
         fresh = {key for key in saver._buffers if key not in prepared}
-        assert {name for name, _ in fresh} <= {"rng.torch_cpu"}  # only the generator state was not known ahead
+        assert {name for name, _ in fresh} <= {
+            "rng.torch_cpu"
+        }  # only the generator state was not known ahead
         assert all(saver._buffers[k] is buf for k, buf in prepared.items())
     finally:
         trainer.checkpointer.close()

@@ -17,10 +17,23 @@ from meshtrain.services.trainer.parallel.mesh import Mesh
 from meshtrain.services.trainer.parallel.tensor import parallelize
 from tests.dist_utils import run_ranks
 
-BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=24,
-            ffn_hidden_size=96, seq_length=16, vocab_size=203, normalization="rmsnorm", activation="swiglu",
-            position_embedding_type="rope", add_bias_linear=False, untie_embeddings_and_output_weights=True,
-            rope_scaling_factor=4.0, rope_scaling_original_max_positions=8)
+BASE = dict(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    kv_channels=24,
+    ffn_hidden_size=96,
+    seq_length=16,
+    vocab_size=203,
+    normalization="rmsnorm",
+    activation="swiglu",
+    position_embedding_type="rope",
+    add_bias_linear=False,
+    untie_embeddings_and_output_weights=True,
+    rope_scaling_factor=4.0,
+    rope_scaling_original_max_positions=8,
+)
 QWEN2 = dict(BASE, qkv_bias=True)
 QWEN3 = dict(BASE, qk_norm=True)
 TOKENS = torch.randint(0, 203, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -37,7 +50,9 @@ def random_model(settings: dict, seed: int = 0) -> GPT:
 
 
 def _load_and_save_at_tp2(rank, world, settings, src, dst):
-    model = parallelize(random_model(settings, seed=1), Mesh.build(tp=world))  # other weights: all must be loaded
+    model = parallelize(
+        random_model(settings, seed=1), Mesh.build(tp=world)
+    )  # other weights: all must be loaded
     load_checkpoint(src, model, mesh=Mesh.build(tp=world))
     with torch.no_grad():
         logits = model(TOKENS)
@@ -46,8 +61,11 @@ def _load_and_save_at_tp2(rank, world, settings, src, dst):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("settings, cls", [(QWEN2, "Qwen2ForCausalLM"), (QWEN3, "Qwen3ForCausalLM")],
-                         ids=["qkv-bias", "qk-norm"])
+@pytest.mark.parametrize(
+    "settings, cls",
+    [(QWEN2, "Qwen2ForCausalLM"), (QWEN3, "Qwen3ForCausalLM")],
+    ids=["qkv-bias", "qk-norm"],
+)
 def test_qkv_bias_and_qk_norms_survive_any_tensor_parallel_layout(tmp_path, settings, cls):
     """fp32; the tp=2 logits differ from one process's only in reduction order (1e-5)."""
     whole = random_model(settings)
@@ -68,7 +86,9 @@ def test_qkv_bias_and_qk_norms_survive_any_tensor_parallel_layout(tmp_path, sett
     from meshtrain.services.checkpoint.hf import export_hf
 
     export_hf(dst, str(tmp_path / "hf"))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "hf"), dtype=torch.float32
+    ).eval()
     assert type(hf).__name__ == cls
     with torch.no_grad():
         torch.testing.assert_close(hf(TOKENS).logits, expected, atol=1e-4, rtol=1e-4)

@@ -21,16 +21,36 @@ from meshtrain.services.trainer.model.gpt import GPT
 from meshtrain.services.trainer.model.moe import moe_layers
 from meshtrain.services.trainer.parallel.mesh import Mesh
 
-MOE = dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
-           seq_length=16, vocab_size=100, normalization="rmsnorm", activation="swiglu",
-           position_embedding_type="rope", add_bias_linear=False, untie_embeddings_and_output_weights=True,
-           num_experts=4, moe_layer_freq=[0, 1, 0, 1], moe_ffn_hidden_size=24, moe_router_topk=2,
-           moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001, moe_shared_expert_intermediate_size=32,
-           moe_shared_expert_gate=True, moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.05)
+MOE = dict(
+    num_layers=4,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=48,
+    seq_length=16,
+    vocab_size=100,
+    normalization="rmsnorm",
+    activation="swiglu",
+    position_embedding_type="rope",
+    add_bias_linear=False,
+    untie_embeddings_and_output_weights=True,
+    num_experts=4,
+    moe_layer_freq=[0, 1, 0, 1],
+    moe_ffn_hidden_size=24,
+    moe_router_topk=2,
+    moe_aux_loss_coeff=0.01,
+    moe_z_loss_coeff=0.001,
+    moe_shared_expert_intermediate_size=32,
+    moe_shared_expert_gate=True,
+    moe_router_enable_expert_bias=True,
+    moe_router_bias_update_rate=0.05,
+)
 VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
-def batches(n: int, seed: int = 3, batch: int = 2, seq: int = 16, vocab: int = 100) -> list[torch.Tensor]:
+def batches(
+    n: int, seed: int = 3, batch: int = 2, seq: int = 16, vocab: int = 100
+) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (batch, seq + 1), generator=g) for _ in range(n)]
 
@@ -65,7 +85,9 @@ def test_moe_model_resumes_with_identical_losses(tmp_path):
     first = train(model, optimizer, data[:3])
     assert first == whole[:3]
     bias = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith("expert_bias")}
-    assert bias and all(b.abs().sum() > 0 for b in bias.values())  # the bias moved: its restore matters
+    assert bias and all(
+        b.abs().sum() > 0 for b in bias.values()
+    )  # the bias moved: its restore matters
     root = str(tmp_path / "ckpt")
     save_checkpoint(root, 3, model, optimizer)
 
@@ -73,7 +95,9 @@ def test_moe_model_resumes_with_identical_losses(tmp_path):
     assert load_checkpoint(root, fresh, fresh_opt).iteration == 3
     restored = dict(fresh.named_parameters())
     for name, p in model.named_parameters():
-        rows = slice(0, 100) if name in VOCAB else slice(None)  # padded vocabulary rows are not stored
+        rows = (
+            slice(0, 100) if name in VOCAB else slice(None)
+        )  # padded vocabulary rows are not stored
         assert torch.equal(p[rows], restored[name][rows]), name
     assert train(fresh, fresh_opt, data[3:]) == whole[3:]
 
@@ -93,7 +117,9 @@ def test_experts_are_stored_by_global_id_and_families_some_layers_lack_per_layer
         assert entry["layer_count"] is None and entry["shape"] == [4, 48, 32]
         assert arrays[f"optim.exp_avg.layers.{i}.mlp.experts.fc2.weight"]["shape"] == [4, 32, 24]
         assert arrays[f"layers.{i}.mlp.router.expert_bias"]["shape"] == [4]
-        assert f"optim.exp_avg.layers.{i}.mlp.router.expert_bias" not in arrays  # no gradient, no moments
+        assert (
+            f"optim.exp_avg.layers.{i}.mlp.router.expert_bias" not in arrays
+        )  # no gradient, no moments
         assert f"layers.{i}.mlp.fc1.weight" not in arrays
     for i in (0, 2):
         assert arrays[f"layers.{i}.mlp.fc1.weight"]["shape"] == [96, 32]
@@ -101,12 +127,15 @@ def test_experts_are_stored_by_global_id_and_families_some_layers_lack_per_layer
 
 
 def test_a_family_held_by_the_first_layers_only_is_stacked_over_them():
-    names = [f"layers.{i}.mlp.experts.fc1.weight" for i in (0, 1)] + [f"layers.{i}.mlp.fc1.weight" for i in (2, 3)]
+    names = [f"layers.{i}.mlp.experts.fc1.weight" for i in (0, 1)] + [
+        f"layers.{i}.mlp.fc1.weight" for i in (2, 3)
+    ]
     names += [f"layers.{i}.input_norm.weight" for i in range(4)] + ["final_norm.weight"]
     stacks = layer_stacks(names)
     assert stacks == {"layers.mlp.experts.fc1.weight": 2, "layers.input_norm.weight": 4}
-    assert save_place("optim.exp_avg.layers.1.mlp.experts.fc1.weight", stacks) == \
-        Place("optim.exp_avg.layers.mlp.experts.fc1.weight", 1, 2)
+    assert save_place("optim.exp_avg.layers.1.mlp.experts.fc1.weight", stacks) == Place(
+        "optim.exp_avg.layers.mlp.experts.fc1.weight", 1, 2
+    )
     assert save_place("layers.3.mlp.fc1.weight", stacks) == Place("layers.3.mlp.fc1.weight")
     assert save_place("final_norm.weight", stacks) == Place("final_norm.weight")
 
@@ -114,33 +143,67 @@ def test_a_family_held_by_the_first_layers_only_is_stacked_over_them():
 def test_an_expert_shard_is_its_rows_of_the_global_expert_axis():
     param = torch.nn.Parameter(torch.zeros(2, 6, 5))
     param.expert_shard = (4, 8)  # experts 4 and 5 of 8
-    (piece,) = pieces("layers.mlp.experts.fc2.weight", (2, 6, 5), param, Mesh.single(), 100,
-                      Place("layers.mlp.experts.fc2.weight", 3, 4))
+    (piece,) = pieces(
+        "layers.mlp.experts.fc2.weight",
+        (2, 6, 5),
+        param,
+        Mesh.single(),
+        100,
+        Place("layers.mlp.experts.fc2.weight", 3, 4),
+    )
     assert piece.spec.global_shape == (4, 8, 6, 5)
     assert piece.spec.offsets == (3, 4, 0, 0) and piece.spec.shape == (1, 2, 6, 5)
     param.expert_shard = (7, 8)
-    with pytest.raises(CheckpointError, match=r"expert_shard \(7, 8\) does not fit its 2 local experts"):
+    with pytest.raises(
+        CheckpointError, match=r"expert_shard \(7, 8\) does not fit its 2 local experts"
+    ):
         pieces("x", (2, 6, 5), param, Mesh.single(), 100, Place("x"))
 
 
 def test_tensor_parallel_expert_and_vocabulary_boxes():
     from meshtrain.services.trainer.parallel.tensor import TPSplit
 
-    fc1 = torch.nn.Parameter(torch.zeros(2, 12, 5))  # 2 local experts, [gate; up] halves of 6 rows each
+    fc1 = torch.nn.Parameter(
+        torch.zeros(2, 12, 5)
+    )  # 2 local experts, [gate; up] halves of 6 rows each
     fc1.expert_shard, fc1.tp_split = (2, 4), TPSplit(1, halves=True)
-    got = pieces("layers.3.mlp.experts.fc1.weight", (2, 12, 5), fc1, Mesh(tp=2, ep=2, rank=1), 100,
-                 Place("layers.3.mlp.experts.fc1.weight"))
+    got = pieces(
+        "layers.3.mlp.experts.fc1.weight",
+        (2, 12, 5),
+        fc1,
+        Mesh(tp=2, ep=2, rank=1),
+        100,
+        Place("layers.3.mlp.experts.fc1.weight"),
+    )
     # tp rank 1 of 2: rows 6..11 of the gate half and 18..23 of the up half, experts 2..3 of 4
-    assert [(p.spec.offsets, p.spec.shape) for p in got] == [((2, 6, 0), (2, 6, 5)), ((2, 18, 0), (2, 6, 5))]
+    assert [(p.spec.offsets, p.spec.shape) for p in got] == [
+        ((2, 6, 0), (2, 6, 5)),
+        ((2, 18, 0), (2, 6, 5)),
+    ]
     assert all(p.spec.global_shape == (4, 24, 5) for p in got)
     # a vocabulary of 100 within tp rank 0's 128 padded rows: one box, the whole array
     emb = torch.nn.Parameter(torch.zeros(128, 8))
     emb.tp_split = TPSplit(0, vocab=True)
-    (box,) = pieces("embedding.word_embeddings.weight", (128, 8), emb, Mesh(tp=2, rank=0), 100,
-                    Place("embedding.word_embeddings.weight"))
+    (box,) = pieces(
+        "embedding.word_embeddings.weight",
+        (128, 8),
+        emb,
+        Mesh(tp=2, rank=0),
+        100,
+        Place("embedding.word_embeddings.weight"),
+    )
     assert (box.spec.global_shape, box.spec.shape, box.spec.grid) == ((100, 8), (100, 8), None)
-    assert pieces("embedding.word_embeddings.weight", (128, 8), emb, Mesh(tp=2, rank=1), 100,
-                  Place("embedding.word_embeddings.weight")) == []
+    assert (
+        pieces(
+            "embedding.word_embeddings.weight",
+            (128, 8),
+            emb,
+            Mesh(tp=2, rank=1),
+            100,
+            Place("embedding.word_embeddings.weight"),
+        )
+        == []
+    )
 
 
 def test_restore_refuses_a_model_with_experts_in_other_blocks(tmp_path):
@@ -181,7 +244,9 @@ def test_convert_lays_experts_out_for_a_target_ep_and_tp_and_the_result_resumes(
 
     narrow = str(tmp_path / "bf16")
     convert(src, narrow, dtype="bf16", drop_optimizer=True, progress=False)
-    assert read_manifest(narrow, 2)["arrays"]["layers.3.mlp.experts.fc2.weight"]["dtype"] == "bfloat16"
+    assert (
+        read_manifest(narrow, 2)["arrays"]["layers.3.mlp.experts.fc2.weight"]["dtype"] == "bfloat16"
+    )
     with pytest.raises(CheckpointError, match="target ep=3 does not divide model.num_experts=4"):
         convert(src, str(tmp_path / "c"), target_ep=3, progress=False)
     with pytest.raises(CheckpointError, match=r"target tp=5 does not divide"):
@@ -206,9 +271,14 @@ def _ep_job(model_settings: dict, distributed_optimizer: bool = False):
         if mesh.tp > 1:
             parallelize(model, mesh)
         model = parallelize_experts(model, mesh)
-        ddp = DistributedDataParallel(model, mesh, OptimConfig(lr=3e-3, weight_decay=0.1, clip_grad=0.0),
-                                      distributed_optimizer=distributed_optimizer)
+        ddp = DistributedDataParallel(
+            model,
+            mesh,
+            OptimConfig(lr=3e-3, weight_decay=0.1, clip_grad=0.0),
+            distributed_optimizer=distributed_optimizer,
+        )
         return ddp, ddp.optimizer
+
     return make
 
 
@@ -218,7 +288,7 @@ def _train_share(ddp, optimizer, mesh: Mesh, data: list[torch.Tensor]) -> list[f
 
     losses = []
     for sample in data:
-        part = sample[mesh.dp_rank::mesh.dp]  # (global batch / dp, seq + 1)
+        part = sample[mesh.dp_rank :: mesh.dp]  # (global batch / dp, seq + 1)
         optimizer.zero_grad()
         loss = ddp(part[:, :-1], part[:, 1:])
         loss.backward()
@@ -304,23 +374,51 @@ def test_a_trainer_moe_run_resumes_with_identical_losses(corpus_cache, tmp_path)
     from meshtrain.services.trainer.train import train
     from tests.services.trainer.conftest import small_job_args
 
-    common = {"train.train_iters": 6, "train.eval_interval": 0, "model.num_experts": 4,
-              "model.moe_layer_freq": "[0,1]", "model.moe_ffn_hidden_size": 32, "model.moe_router_topk": 2,
-              "model.moe_shared_expert_intermediate_size": 32, "model.moe_shared_expert_gate": True,
-              "model.moe_router_enable_expert_bias": True, "model.moe_router_bias_update_rate": 0.01,
-              "model.moe_aux_loss_coeff": 0.01, "model.moe_z_loss_coeff": 0.001}
-    full = train(load_config(small_job_args(corpus_cache, tmp_path / "full", **common,
-                                            **{"checkpoint.save_interval": 3})))
+    common = {
+        "train.train_iters": 6,
+        "train.eval_interval": 0,
+        "model.num_experts": 4,
+        "model.moe_layer_freq": "[0,1]",
+        "model.moe_ffn_hidden_size": 32,
+        "model.moe_router_topk": 2,
+        "model.moe_shared_expert_intermediate_size": 32,
+        "model.moe_shared_expert_gate": True,
+        "model.moe_router_enable_expert_bias": True,
+        "model.moe_router_bias_update_rate": 0.01,
+        "model.moe_aux_loss_coeff": 0.01,
+        "model.moe_z_loss_coeff": 0.001,
+    }
+    full = train(
+        load_config(
+            small_job_args(
+                corpus_cache, tmp_path / "full", **common, **{"checkpoint.save_interval": 3}
+            )
+        )
+    )
     ckpt = str(tmp_path / "full" / "checkpoints")
-    resumed = train(load_config(small_job_args(
-        corpus_cache, tmp_path / "resumed", **common,
-        **{"checkpoint.load": ckpt, "checkpoint.load_step": 3, "checkpoint.save": str(tmp_path / "ck2")})))
+    resumed = train(
+        load_config(
+            small_job_args(
+                corpus_cache,
+                tmp_path / "resumed",
+                **common,
+                **{
+                    "checkpoint.load": ckpt,
+                    "checkpoint.load_step": 3,
+                    "checkpoint.save": str(tmp_path / "ck2"),
+                },
+            )
+        )
+    )
     assert sorted(resumed.losses) == [4, 5, 6]
     for step in (4, 5, 6):
         assert resumed.losses[step] == full.losses[step], step
     a, _ = read_tensors(ckpt, 6)
     b, _ = read_tensors(str(tmp_path / "ck2"), 6)
-    assert "layers.1.mlp.router.expert_bias" in a and a["layers.1.mlp.router.expert_bias"].abs().sum() > 0
+    assert (
+        "layers.1.mlp.router.expert_bias" in a
+        and a["layers.1.mlp.router.expert_bias"].abs().sum() > 0
+    )
     for name, t in a.items():
         if not name.startswith("rng."):
             assert torch.equal(t, b[name]), name

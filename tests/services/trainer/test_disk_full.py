@@ -19,7 +19,9 @@ from meshtrain.services.trainer.train import Trainer
 from tests.services.trainer.conftest import small_job_args
 from tests.small_disk import fill, small_disk
 
-ROOM = 1 << 20  # bytes left free once filled: a checkpoint of the small model takes about 2.8 MB on disk
+ROOM = (
+    1 << 20
+)  # bytes left free once filled: a checkpoint of the small model takes about 2.8 MB on disk
 
 
 def _fill_after_the_first_save(trainer, disk, saved):
@@ -41,22 +43,40 @@ def _fill_after_the_first_save(trainer, disk, saved):
 def _assert_loaded_as_saved(model, saved):
     """The loaded parameters equal those saved (the vocabulary's padding rows are not stored)."""
     for name, param in model.named_parameters():
-        rows = model.vocab_size if name in ("embedding.word_embeddings.weight", "output_layer.weight") else None
+        rows = (
+            model.vocab_size
+            if name in ("embedding.word_embeddings.weight", "output_layer.weight")
+            else None
+        )
         assert torch.equal(param[:rows], saved[name][:rows]), name
 
 
 @pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
-def test_a_run_whose_disk_fills_trains_on_says_so_and_recovers(corpus_cache, tmp_path, caplog, async_save):
+def test_a_run_whose_disk_fills_trains_on_says_so_and_recovers(
+    corpus_cache, tmp_path, caplog, async_save
+):
     # A save that found the disk full was retried as an outage (for save_retry_timeout_s) and its
     # failure, raised by the next save, stopped the run mid-way, leaving its partial files to
     # fill the disk further.
     with small_disk(tmp_path / "disk", 16) as disk:
         root = disk / "ckpt"
-        run = tmp_path / "run"  # the run directory is on another disk: only the checkpoints fill this one
-        job = load_config(small_job_args(corpus_cache, run, **{
-            "train.train_iters": 12, "train.eval_interval": 0, "checkpoint.save_interval": 2,
-            "checkpoint.save": str(root), "checkpoint.async_save": async_save,
-            "checkpoint.save_retry_timeout_s": 3600}))  # an outage's retry time: a full disk must not wait it out
+        run = (
+            tmp_path / "run"
+        )  # the run directory is on another disk: only the checkpoints fill this one
+        job = load_config(
+            small_job_args(
+                corpus_cache,
+                run,
+                **{
+                    "train.train_iters": 12,
+                    "train.eval_interval": 0,
+                    "checkpoint.save_interval": 2,
+                    "checkpoint.save": str(root),
+                    "checkpoint.async_save": async_save,
+                    "checkpoint.save_retry_timeout_s": 3600,
+                },
+            )
+        )  # an outage's retry time: a full disk must not wait it out
         trainer = Trainer(job)
         saved = {}
         _fill_after_the_first_save(trainer, disk, saved)
@@ -88,13 +108,28 @@ def test_a_run_whose_disk_fills_trains_on_says_so_and_recovers(corpus_cache, tmp
         if not async_save:
             assert min(warned) == 5 and max(warned) == 8
         for s, message in warned.items():
-            assert f"disk full under {root}" in message and "latest committed checkpoint is step 2" in message
-            assert "failed after 3 attempts: disk full" in message  # checkpoint.save_attempts, not the hour
-            assert "checkpoint step 4 was not saved" in message or "checkpoint step 6 was not saved" in message
+            assert (
+                f"disk full under {root}" in message
+                and "latest committed checkpoint is step 2" in message
+            )
+            assert (
+                "failed after 3 attempts: disk full" in message
+            )  # checkpoint.save_attempts, not the hour
+            assert (
+                "checkpoint step 4 was not saved" in message
+                or "checkpoint step 6 was not saved" in message
+            )
         assert "checkpoint step 6 was not saved" in warned[8]
-        lines = [r.getMessage() for r in caplog.records if "the last checkpoint save failed" in r.getMessage()]
-        assert len(lines) == len(warned) and all(r.levelno == logging.WARNING for r in caplog.records
-                                                 if "the last checkpoint save failed" in r.getMessage())
+        lines = [
+            r.getMessage()
+            for r in caplog.records
+            if "the last checkpoint save failed" in r.getMessage()
+        ]
+        assert len(lines) == len(warned) and all(
+            r.levelno == logging.WARNING
+            for r in caplog.records
+            if "the last checkpoint save failed" in r.getMessage()
+        )
         assert "checkpoint saves recovered: step 8 is committed" in caplog.text
 
         model = GPT(trainer.job.model)  # the step before the disk filled loads as it was saved
@@ -107,15 +142,27 @@ def test_a_run_whose_final_save_finds_the_disk_full_fails_naming_it(corpus_cache
     # one that says the disk is full, where, and which checkpoint is the latest.
     with small_disk(tmp_path / "disk", 16) as disk:
         root = disk / "ckpt"
-        job = load_config(small_job_args(corpus_cache, tmp_path / "run", **{
-            "train.train_iters": 6, "train.eval_interval": 0, "checkpoint.save_interval": 2,
-            "checkpoint.save": str(root)}))
+        job = load_config(
+            small_job_args(
+                corpus_cache,
+                tmp_path / "run",
+                **{
+                    "train.train_iters": 6,
+                    "train.eval_interval": 0,
+                    "checkpoint.save_interval": 2,
+                    "checkpoint.save": str(root),
+                },
+            )
+        )
         trainer = Trainer(job)
         saved = {}
         _fill_after_the_first_save(trainer, disk, saved)
-        with pytest.raises(DiskFullError, match=rf"checkpoint step 6 was not saved: disk full under {root}: .*No space "
-                                                r"left on device.*; nothing of it was committed; the latest committed "
-                                                r"checkpoint is step 2"):
+        with pytest.raises(
+            DiskFullError,
+            match=rf"checkpoint step 6 was not saved: disk full under {root}: .*No space "
+            r"left on device.*; nothing of it was committed; the latest committed "
+            r"checkpoint is step 2",
+        ):
             trainer.run()
         assert list_checkpoints(str(root)) == [2]
         assert os.listdir(root) == ["step_00000002"]
@@ -158,9 +205,17 @@ def test_a_tensor_parallel_run_whose_disk_fills_trains_on_on_every_rank(corpus_c
     with small_disk(tmp_path / "disk", 16) as disk:
         root = disk / "ckpt"
         run = tmp_path / "run"
-        args = small_job_args(corpus_cache, run, **{
-            "parallel.tp": 2, "train.train_iters": 12, "train.eval_interval": 0, "checkpoint.save_interval": 2,
-            "checkpoint.save": str(root)})
+        args = small_job_args(
+            corpus_cache,
+            run,
+            **{
+                "parallel.tp": 2,
+                "train.train_iters": 12,
+                "train.eval_interval": 0,
+                "checkpoint.save_interval": 2,
+                "checkpoint.save": str(root),
+            },
+        )
         results = run_ranks(_train_filling_the_disk, 2, args, str(disk), timeout=240)
         assert [losses for losses, _ in results] == [list(range(1, 13))] * 2
         assert [full for _, full in results] == [None, None]  # recovered on every rank

@@ -25,7 +25,15 @@ from meshtrain.services.trainer.rpc.server import serve_control
 from meshtrain.services.trainer.rpc.servicer import SERVICE_NAME
 from meshtrain.services.trainer.train import Trainer
 from tests import fuzz_utils
-from tests.fuzz_utils import AUTH_VARIANTS, LOG_MARKERS, Fuzzer, grouped, random_message, raw_variants, rss_bytes
+from tests.fuzz_utils import (
+    AUTH_VARIANTS,
+    LOG_MARKERS,
+    Fuzzer,
+    grouped,
+    random_message,
+    raw_variants,
+    rss_bytes,
+)
 from tests.services.trainer.conftest import small_job_args
 
 HEALTH_EVERY = 100
@@ -48,8 +56,14 @@ class _Records(logging.Handler):
         if fuzz_utils.UNPARSED_INTERNAL_OK and any(m in text for m in fuzz_utils.UNPARSED_LOGGED):
             return
         if record.exc_info or any(m in text for m in LOG_MARKERS):
-            self.found.append(f"{record.name}: {text[:300]}"
-                              + (f" ({record.exc_info[0].__name__}: {record.exc_info[1]})" if record.exc_info else ""))
+            self.found.append(
+                f"{record.name}: {text[:300]}"
+                + (
+                    f" ({record.exc_info[0].__name__}: {record.exc_info[1]})"
+                    if record.exc_info
+                    else ""
+                )
+            )
 
 
 @contextlib.contextmanager
@@ -62,7 +76,8 @@ def exceptions_logged():
         lg.addHandler(handler)
     previous = threading.excepthook
     threading.excepthook = lambda args: handler.found.append(
-        f"thread {args.thread.name if args.thread else '?'}: {args.exc_type.__name__}: {args.exc_value}")
+        f"thread {args.thread.name if args.thread else '?'}: {args.exc_type.__name__}: {args.exc_value}"
+    )
     try:
         yield handler.found
     finally:
@@ -74,13 +89,21 @@ def exceptions_logged():
 def token_variants(token: str) -> list[tuple[tuple[str, str | bytes | None], ...]]:
     """Run tokens a client may send instead of the run's: none (None drops the fuzzer's), another
     run's, malformed, long, repeated, under a binary key."""
-    return [((RUN_TOKEN_KEY, None),), ((RUN_TOKEN_KEY, "0" * len(token)),), ((RUN_TOKEN_KEY, ""),),
-            ((RUN_TOKEN_KEY, token.upper()),), ((RUN_TOKEN_KEY, token + " "),), ((RUN_TOKEN_KEY, token[:-1]),),
-            ((RUN_TOKEN_KEY, "x" * 4000),), ((RUN_TOKEN_KEY, "%00"),), ((RUN_TOKEN_KEY, "../../etc"),),
-            ((RUN_TOKEN_KEY, token), (RUN_TOKEN_KEY, "0" * len(token))),
-            ((RUN_TOKEN_KEY, "0" * len(token)), (RUN_TOKEN_KEY, token)),
-            ((RUN_TOKEN_KEY, None), (RUN_TOKEN_KEY + "-bin", b"\x00\xff" * 8)),
-            ((RUN_TOKEN_KEY, None), ("meshtrain-run-x", token))]
+    return [
+        ((RUN_TOKEN_KEY, None),),
+        ((RUN_TOKEN_KEY, "0" * len(token)),),
+        ((RUN_TOKEN_KEY, ""),),
+        ((RUN_TOKEN_KEY, token.upper()),),
+        ((RUN_TOKEN_KEY, token + " "),),
+        ((RUN_TOKEN_KEY, token[:-1]),),
+        ((RUN_TOKEN_KEY, "x" * 4000),),
+        ((RUN_TOKEN_KEY, "%00"),),
+        ((RUN_TOKEN_KEY, "../../etc"),),
+        ((RUN_TOKEN_KEY, token), (RUN_TOKEN_KEY, "0" * len(token))),
+        ((RUN_TOKEN_KEY, "0" * len(token)), (RUN_TOKEN_KEY, token)),
+        ((RUN_TOKEN_KEY, None), (RUN_TOKEN_KEY + "-bin", b"\x00\xff" * 8)),
+        ((RUN_TOKEN_KEY, None), ("meshtrain-run-x", token)),
+    ]
 
 
 def fuzz_control(fuzzer: Fuzzer, rng: random.Random, calls: int, token: str, good) -> None:
@@ -94,7 +117,9 @@ def fuzz_control(fuzzer: Fuzzer, rng: random.Random, calls: int, token: str, goo
             payload = random_message(rng, METHODS[method]).SerializeToString()
         else:
             # unknown fields (well formed) or malformed bytes
-            payload = raw_variants(rng, rng.choice([b"", b"\x08\x01", b"\x12\x03abc", b"\x19" + b"\x00" * 8]))
+            payload = raw_variants(
+                rng, rng.choice([b"", b"\x08\x01", b"\x12\x03abc", b"\x19" + b"\x00" * 8])
+            )
         r = rng.random()
         if r < 0.002:  # headers over gRPC's 8 KiB limit: the connection is reset (slow), so rarely
             metadata = ((RUN_TOKEN_KEY, "x" * 20_000),)
@@ -107,13 +132,22 @@ def fuzz_control(fuzzer: Fuzzer, rng: random.Random, calls: int, token: str, goo
         if rng.random() < 0.01:
             method = rng.choice(["Nope", "status", "Stop/x"])
         fuzzer.unary(method, payload, metadata=metadata)
-        fuzzer.periodic_checks(HEALTH_EVERY, ("", SERVICE_NAME), CLIENT_EVERY, "the well-behaved client's Status", good)
+        fuzzer.periodic_checks(
+            HEALTH_EVERY, ("", SERVICE_NAME), CLIENT_EVERY, "the well-behaved client's Status", good
+        )
 
 
-@pytest.mark.parametrize("calls,auth", [(2_000, True), pytest.param(20_000, False, marks=pytest.mark.slow),
-                                        pytest.param(20_000, True, marks=pytest.mark.slow)])
-def test_fuzzed_control_requests_are_refused_cleanly_and_status_keeps_working(corpus_cache, tmp_path, monkeypatch,
-                                                                             calls, auth):
+@pytest.mark.parametrize(
+    "calls,auth",
+    [
+        (2_000, True),
+        pytest.param(20_000, False, marks=pytest.mark.slow),
+        pytest.param(20_000, True, marks=pytest.mark.slow),
+    ],
+)
+def test_fuzzed_control_requests_are_refused_cleanly_and_status_keeps_working(
+    corpus_cache, tmp_path, monkeypatch, calls, auth
+):
     """With `auth` the endpoint also requires a bearer token ($MESHTRAIN_TOKEN, which the client
     reads too), which most calls carry and some replace by `AUTH_VARIANTS`."""
     if auth:
@@ -121,11 +155,18 @@ def test_fuzzed_control_requests_are_refused_cleanly_and_status_keeps_working(co
     else:
         monkeypatch.delenv("MESHTRAIN_TOKEN", raising=False)
     run_dir = tmp_path / "run"
-    trainer = Trainer(load_config(small_job_args(corpus_cache, run_dir, **{"train.train_iters": 10})))
+    trainer = Trainer(
+        load_config(small_job_args(corpus_cache, run_dir, **{"train.train_iters": 10}))
+    )
     endpoint = serve_control(trainer, 0, metrics_port=None)
     token = (run_dir / "control.addr").read_text().split()[1]
-    fuzzer = Fuzzer(endpoint.address, SERVICE_NAME, timeout_s=2.0, metadata=((RUN_TOKEN_KEY, token),) + (
-        (("authorization", f"Bearer {TOKEN}"),) if auth else ()))
+    fuzzer = Fuzzer(
+        endpoint.address,
+        SERVICE_NAME,
+        timeout_s=2.0,
+        metadata=((RUN_TOKEN_KEY, token),)
+        + ((("authorization", f"Bearer {TOKEN}"),) if auth else ()),
+    )
     client = ControlClient(str(run_dir))
 
     def good():
@@ -150,7 +191,9 @@ def test_fuzzed_control_requests_are_refused_cleanly_and_status_keeps_working(co
         endpoint.stop()
     problems = fuzzer.problems() + grouped(logged, "this process's log")
     if growth > RSS_GROWTH_LIMIT:
-        problems.append(f"this process's RSS grew by {growth / 2**20:.0f} MiB over {fuzzer.calls} calls")
+        problems.append(
+            f"this process's RSS grew by {growth / 2**20:.0f} MiB over {fuzzer.calls} calls"
+        )
     print(f"\n{fuzzer.calls} calls; RSS growth {growth / 2**20:.1f} MiB\n{fuzzer.table()}")
     assert not problems, "\n".join(problems)
     assert fuzzer.calls >= calls

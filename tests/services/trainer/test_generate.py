@@ -11,7 +11,11 @@ import meshtrain
 from meshtrain.services.trainer.config import DataConfig, JobConfig, ModelConfig
 from meshtrain.services.trainer.generate import KVCache, filter_logits, forward_cached, generate
 from meshtrain.services.trainer.model import GPT
-from tests.services.trainer.model.test_gpt import GPT2, LLAMA, build  # the model tests' two tiny shapes
+from tests.services.trainer.model.test_gpt import (
+    GPT2,
+    LLAMA,
+    build,
+)  # the model tests' two tiny shapes
 
 
 @pytest.mark.parametrize("kw", [GPT2, LLAMA], ids=["gpt2", "llama-gqa"])
@@ -30,7 +34,7 @@ def test_cached_decode_matches_full_recompute(kw):
     cache = KVCache(len(model.layers))
     steps = [forward_cached(model, out[:, :5], cache)]
     for i in range(5, out.shape[1]):
-        steps.append(forward_cached(model, out[:, i:i + 1], cache))
+        steps.append(forward_cached(model, out[:, i : i + 1], cache))
     with torch.no_grad():
         torch.testing.assert_close(torch.cat(steps, dim=1), model(out), atol=1e-5, rtol=1e-5)
 
@@ -71,56 +75,107 @@ TEXT = "the quick brown fox jumps over the lazy dog."
 def trained_root(tmp_path_factory):
     """A tiny byte-level model that has memorized TEXT, saved as a committed checkpoint."""
     root = str(tmp_path_factory.mktemp("ckpt"))
-    cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64, vocab_size=257,
-                      hidden_dropout=0.0, attention_dropout=0.0)
+    cfg = ModelConfig(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        seq_length=64,
+        vocab_size=257,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     torch.manual_seed(0)
     model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     ids = torch.tensor([list(TEXT.encode())])
     for _ in range(300):
-        loss = model(ids[:, :-1], labels=ids[:, 1:], loss_mask=torch.ones_like(ids[:, 1:], dtype=torch.float))
+        loss = model(
+            ids[:, :-1], labels=ids[:, 1:], loss_mask=torch.ones_like(ids[:, 1:], dtype=torch.float)
+        )
         opt.zero_grad()
         loss.backward()
         opt.step()
     assert loss.item() < 0.05
-    meshtrain.save_checkpoint(root, 300, model, opt, job=JobConfig(model=cfg, data=DataConfig(tokenizer="byte")))
+    meshtrain.save_checkpoint(
+        root, 300, model, opt, job=JobConfig(model=cfg, data=DataConfig(tokenizer="byte"))
+    )
     return root
 
 
 def cli(*args):
     env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "meshtrain", "generate", *args], capture_output=True,
-                          text=True, env=env, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "meshtrain", "generate", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
 
 
 @pytest.mark.e2e
 def test_cli_reproduces_memorized_text(trained_root):
     n = len(TEXT) - 10
-    r = cli("--load", trained_root, "--prompt", TEXT[:10], "--temperature", "0", "--max-new-tokens", str(n),
-            "--device", "cpu")
+    r = cli(
+        "--load",
+        trained_root,
+        "--prompt",
+        TEXT[:10],
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        str(n),
+        "--device",
+        "cpu",
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout == TEXT + "\n"
-    r = cli("--load", trained_root, "--prompt", TEXT[:10], "--top-k", "1", "--max-new-tokens", str(n),
-            "--device", "cpu")
+    r = cli(
+        "--load",
+        trained_root,
+        "--prompt",
+        TEXT[:10],
+        "--top-k",
+        "1",
+        "--max-new-tokens",
+        str(n),
+        "--device",
+        "cpu",
+    )
     assert r.stdout == TEXT + "\n"
 
 
 @pytest.mark.e2e
 def test_cli_seed_repeats(trained_root):
-    args = ("--load", trained_root, "--prompt", "the", "--temperature", "2", "--seed", "7",
-            "--max-new-tokens", "20", "--device", "cpu")
+    args = (
+        "--load",
+        trained_root,
+        "--prompt",
+        "the",
+        "--temperature",
+        "2",
+        "--seed",
+        "7",
+        "--max-new-tokens",
+        "20",
+        "--device",
+        "cpu",
+    )
     a, b = cli(*args), cli(*args)
     assert a.returncode == 0, a.stderr
     assert a.stdout == b.stdout
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("args, word", [
-    (("--prompt", "x"), "no committed checkpoint"),
-    (("--prompt", "x", "--temperature", "-1"), "temperature"),
-    (("--prompt", "x", "--top-p", "0"), "top_p"),
-    (("--prompt", "x", "--top-p", "1.5"), "top_p"),
-])
+@pytest.mark.parametrize(
+    "args, word",
+    [
+        (("--prompt", "x"), "no committed checkpoint"),
+        (("--prompt", "x", "--temperature", "-1"), "temperature"),
+        (("--prompt", "x", "--top-p", "0"), "top_p"),
+        (("--prompt", "x", "--top-p", "1.5"), "top_p"),
+    ],
+)
 def test_cli_bad_input(tmp_path, args, word):
     r = cli("--load", str(tmp_path), *args)
     assert r.returncode == 2

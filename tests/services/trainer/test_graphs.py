@@ -12,13 +12,20 @@ from meshtrain.services.trainer.graphs import MicroBatchGraph
 from tests.services.trainer.conftest import small_job_args
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-LLAMA = ["--model.normalization=rmsnorm", "--model.activation=swiglu", "--model.position_embedding_type=rope",
-         "--model.num_query_groups=2", "--model.add_bias_linear=false"]
+LLAMA = [
+    "--model.normalization=rmsnorm",
+    "--model.activation=swiglu",
+    "--model.position_embedding_type=rope",
+    "--model.num_query_groups=2",
+    "--model.add_bias_linear=false",
+]
 
 
 def test_config_refuses_a_graph_on_the_cpu(corpus_cache, tmp_path):
     args = small_job_args(corpus_cache, tmp_path / "run", **{"train.cuda_graph": True})
-    with pytest.raises(ConfigError, match="train.cuda_graph .* needs a CUDA device, but train.device='cpu'"):
+    with pytest.raises(
+        ConfigError, match="train.cuda_graph .* needs a CUDA device, but train.device='cpu'"
+    ):
         load_config(args)
 
 
@@ -26,8 +33,12 @@ def test_config_refuses_a_graph_on_the_cpu(corpus_cache, tmp_path):
 def test_trainer_refuses_a_graph_without_a_gpu(corpus_cache, tmp_path):
     from meshtrain.services.trainer.train import Trainer
 
-    args = small_job_args(corpus_cache, tmp_path / "run", **{"train.cuda_graph": True, "train.device": "auto"})
-    with pytest.raises(ConfigError, match="train.cuda_graph needs a CUDA device; this run is on cpu"):
+    args = small_job_args(
+        corpus_cache, tmp_path / "run", **{"train.cuda_graph": True, "train.device": "auto"}
+    )
+    with pytest.raises(
+        ConfigError, match="train.cuda_graph needs a CUDA device; this run is on cpu"
+    ):
         Trainer(load_config(args))
 
 
@@ -38,7 +49,9 @@ def test_graph_refuses_a_cpu_device():
 
 def _tiny(device, dropout=0.0):
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Dropout(dropout), nn.Linear(64, 8)).to(device)
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Dropout(dropout), nn.Linear(64, 8)).to(
+        device
+    )
 
 
 def _run(model):
@@ -46,6 +59,7 @@ def _run(model):
         loss = nn.functional.cross_entropy(model(x), y) / 2
         loss.backward()
         return loss.detach()
+
     return run
 
 
@@ -54,13 +68,18 @@ def _run(model):
 def test_replays_accumulate_the_eager_gradients():
     device = torch.device("cuda", torch.cuda.current_device())
     eager, graphed = _tiny(device), _tiny(device)
-    batches = [(torch.randn(16, 32, device=device), torch.randint(0, 8, (16,), device=device)) for _ in range(4)]
+    batches = [
+        (torch.randn(16, 32, device=device), torch.randint(0, 8, (16,), device=device))
+        for _ in range(4)
+    ]
     graph = MicroBatchGraph(_run(graphed), list(graphed.parameters()), device)
     graph.capture(*batches[0])
-    assert all(float(p.grad.abs().max()) == 0 for p in graphed.parameters())  # the warm-up left nothing behind
+    assert all(
+        float(p.grad.abs().max()) == 0 for p in graphed.parameters()
+    )  # the warm-up left nothing behind
     for step in range(2):  # two steps of two micro-batches, gradients zeroed in place between them
         mine, theirs = [], []
-        for x, y in batches[2 * step: 2 * step + 2]:
+        for x, y in batches[2 * step : 2 * step + 2]:
             theirs.append(_run(eager)(x, y))
             mine.append(graph.replay(x, y).clone())
         torch.testing.assert_close(torch.stack(mine), torch.stack(theirs))
@@ -114,19 +133,58 @@ def _steps(args, n):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("extra,rel", [
-    (["--train.bf16=true", "--train.compile=true"], 1e-3),  # GPT-2 style, Inductor's fusions, weight copies
-    (["--train.bf16=true", "--train.compile=true"] + LLAMA, 1e-3),  # RoPE and SwiGLU on Triton inside the graph
-    (["--train.bf16=true", "--train.compile=true", "--parallel.recompute_granularity=selective"], 1e-3),
-    (["--train.bf16=true", "--train.compile=true", "--parallel.recompute_granularity=full"], 1e-3),
-    (["--train.bf16=true", "--train.compile=true", "--train.bf16_weight_copies=false"], 1e-3),  # autocast casts
-    # the default on CUDA: wgrad GEMMs adding into the .grads the graph was captured with; and without
-    (["--train.bf16=true", "--train.compile=true", "--no-gradient-accumulation-fusion"] + LLAMA, 1e-3),
-    ([], 1e-5),  # eager fp32: the Triton kernels launched from Python, captured
-], ids=["gpt2-compiled-bf16", "llama-compiled-bf16", "selective-recompute", "full-recompute", "autocast",
-        "copies-hooks", "eager-fp32-triton"])
+@pytest.mark.parametrize(
+    "extra,rel",
+    [
+        (
+            ["--train.bf16=true", "--train.compile=true"],
+            1e-3,
+        ),  # GPT-2 style, Inductor's fusions, weight copies
+        (
+            ["--train.bf16=true", "--train.compile=true"] + LLAMA,
+            1e-3,
+        ),  # RoPE and SwiGLU on Triton inside the graph
+        (
+            [
+                "--train.bf16=true",
+                "--train.compile=true",
+                "--parallel.recompute_granularity=selective",
+            ],
+            1e-3,
+        ),
+        (
+            ["--train.bf16=true", "--train.compile=true", "--parallel.recompute_granularity=full"],
+            1e-3,
+        ),
+        (
+            ["--train.bf16=true", "--train.compile=true", "--train.bf16_weight_copies=false"],
+            1e-3,
+        ),  # autocast casts
+        # the default on CUDA: wgrad GEMMs adding into the .grads the graph was captured with; and without
+        (
+            ["--train.bf16=true", "--train.compile=true", "--no-gradient-accumulation-fusion"]
+            + LLAMA,
+            1e-3,
+        ),
+        ([], 1e-5),  # eager fp32: the Triton kernels launched from Python, captured
+    ],
+    ids=[
+        "gpt2-compiled-bf16",
+        "llama-compiled-bf16",
+        "selective-recompute",
+        "full-recompute",
+        "autocast",
+        "copies-hooks",
+        "eager-fp32-triton",
+    ],
+)
 def test_training_with_the_graph_follows_training_without(extra, rel, corpus_cache, tmp_path):
-    args = small_job_args(corpus_cache, tmp_path / "run", **{"train.device": "cuda", "train.eval_interval": 0}) + extra
+    args = (
+        small_job_args(
+            corpus_cache, tmp_path / "run", **{"train.device": "cuda", "train.eval_interval": 0}
+        )
+        + extra
+    )
     torch._dynamo.reset()
     plain, plain_state = _steps(args, 8)
     torch._dynamo.reset()
@@ -136,7 +194,9 @@ def test_training_with_the_graph_follows_training_without(extra, rel, corpus_cac
         assert loss == pytest.approx(want_loss, rel=rel), step
         assert norm == pytest.approx(want_norm, rel=10 * rel), step
     for name, value in plain_state.items():
-        torch.testing.assert_close(graphed_state[name], value, rtol=10 * rel, atol=10 * rel, msg=name)
+        torch.testing.assert_close(
+            graphed_state[name], value, rtol=10 * rel, atol=10 * rel, msg=name
+        )
 
 
 @pytest.mark.gpu
@@ -148,14 +208,36 @@ def test_a_run_with_the_graph_resumes_where_it_stopped(corpus_cache, tmp_path):
     relative, not exact: SDPA's backward on the GPU may add in another order run to run."""
     from meshtrain.services.trainer.train import train
 
-    common = {"train.device": "cuda", "train.compile": True, "train.cuda_graph": True, "train.train_iters": 10,
-              "train.eval_interval": 4, "model.hidden_dropout": 0.2}
-    full = train(load_config(small_job_args(corpus_cache, tmp_path / "full", **common,
-                                            **{"checkpoint.save_interval": 5})))
+    common = {
+        "train.device": "cuda",
+        "train.compile": True,
+        "train.cuda_graph": True,
+        "train.train_iters": 10,
+        "train.eval_interval": 4,
+        "model.hidden_dropout": 0.2,
+    }
+    full = train(
+        load_config(
+            small_job_args(
+                corpus_cache, tmp_path / "full", **common, **{"checkpoint.save_interval": 5}
+            )
+        )
+    )
     torch._dynamo.reset()
-    resumed = train(load_config(small_job_args(corpus_cache, tmp_path / "resumed", **common, **{
-        "checkpoint.load": str(tmp_path / "full" / "checkpoints"), "checkpoint.load_step": 5,
-        "checkpoint.save": str(tmp_path / "ck2")})))
+    resumed = train(
+        load_config(
+            small_job_args(
+                corpus_cache,
+                tmp_path / "resumed",
+                **common,
+                **{
+                    "checkpoint.load": str(tmp_path / "full" / "checkpoints"),
+                    "checkpoint.load_step": 5,
+                    "checkpoint.save": str(tmp_path / "ck2"),
+                },
+            )
+        )
+    )
     assert sorted(resumed.losses) == list(range(6, 11))
     for step in range(6, 11):
         assert resumed.losses[step] == pytest.approx(full.losses[step], rel=1e-5), step

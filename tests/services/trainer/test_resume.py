@@ -18,14 +18,28 @@ def test_load_of_the_root_saved_into_starts_fresh_while_it_is_empty(corpus_cache
     root = str(tmp_path / "ckpt")
     common = {"train.eval_interval": 0, "checkpoint.load": root, "checkpoint.save": root}
     with caplog.at_level(logging.WARNING, logger="meshtrain.train"):
-        first = train(load_config(small_job_args(corpus_cache, tmp_path / "r1", **common, **{"train.train_iters": 2})))
+        first = train(
+            load_config(
+                small_job_args(corpus_cache, tmp_path / "r1", **common, **{"train.train_iters": 2})
+            )
+        )
     assert sorted(first.losses) == [1, 2] and list_checkpoints(root) == [2]
     assert "no committed checkpoint under" in caplog.text and "starting from step 0" in caplog.text
-    again = train(load_config(small_job_args(corpus_cache, tmp_path / "r2", **common, **{"train.train_iters": 4})))
+    again = train(
+        load_config(
+            small_job_args(corpus_cache, tmp_path / "r2", **common, **{"train.train_iters": 4})
+        )
+    )
     assert sorted(again.losses) == [3, 4] and list_checkpoints(root) == [2, 4]
     # an explicit step, or a --load of another root, still has to exist
     with pytest.raises(CheckpointError, match="no committed checkpoint for step 1 under"):
-        train(load_config(small_job_args(corpus_cache, tmp_path / "r3", **common, **{"checkpoint.load_step": 1})))
+        train(
+            load_config(
+                small_job_args(
+                    corpus_cache, tmp_path / "r3", **common, **{"checkpoint.load_step": 1}
+                )
+            )
+        )
 
 
 def test_a_newest_step_with_a_damaged_manifest_is_refused_not_passed_over(corpus_cache, tmp_path):
@@ -34,18 +48,27 @@ def test_a_newest_step_with_a_damaged_manifest_is_refused_not_passed_over(corpus
     # step again ("already exists").
     root = tmp_path / "ckpt"
     common = {"train.eval_interval": 0, "checkpoint.save_interval": 2, "checkpoint.save": str(root)}
-    train(load_config(small_job_args(corpus_cache, tmp_path / "r1", **common, **{"train.train_iters": 4})))
+    train(
+        load_config(
+            small_job_args(corpus_cache, tmp_path / "r1", **common, **{"train.train_iters": 4})
+        )
+    )
     (root / "step_00000004" / "manifest.json").write_text('{"format": 2, "arr')  # damaged storage
     resume = {**common, "checkpoint.load": str(root), "train.train_iters": 6}
-    with pytest.raises(CheckpointError, match=r"step\(s\) \[4\], newer than committed step 2, hold a manifest"
-                                              r".*--ckpt-step 2.*ckpt delete .* --step 4"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"step\(s\) \[4\], newer than committed step 2, hold a manifest"
+        r".*--ckpt-step 2.*ckpt delete .* --step 4",
+    ):
         train(load_config(small_job_args(corpus_cache, tmp_path / "r2", **resume)))
     # Resuming step 2 by name (as deploy/train.sh does) is refused too while step 4's folder is
     # there, since the run's save of step 4 would fail on it; deleting the damaged step lets it on.
     from meshtrain.services.checkpoint.maintenance import delete_checkpoint
 
     rolled_back = {**resume, "checkpoint.load_step": 2}  # deploy/train.sh names the step it resumes
-    with pytest.raises(CheckpointError, match=r"steps \[4\] after this run's start \(step 2\) .* hold a manifest"):
+    with pytest.raises(
+        CheckpointError, match=r"steps \[4\] after this run's start \(step 2\) .* hold a manifest"
+    ):
         train(load_config(small_job_args(corpus_cache, tmp_path / "r2b", **rolled_back)))
     assert delete_checkpoint(str(root), 4)
     again = train(load_config(small_job_args(corpus_cache, tmp_path / "r3", **resume)))
@@ -60,40 +83,85 @@ def test_a_newest_step_with_a_damaged_manifest_is_refused_not_passed_over(corpus
 
 def test_load_errors_name_the_problem(corpus_cache, tmp_path):
     with pytest.raises(CheckpointError, match="no committed checkpoint|empty"):
-        train(load_config(small_job_args(corpus_cache, tmp_path / "r1",
-                                         **{"checkpoint.load": str(tmp_path / "nothing-here")})))
-    base = small_job_args(corpus_cache, tmp_path / "r2", **{"train.train_iters": 2, "train.eval_interval": 0})
+        train(
+            load_config(
+                small_job_args(
+                    corpus_cache,
+                    tmp_path / "r1",
+                    **{"checkpoint.load": str(tmp_path / "nothing-here")},
+                )
+            )
+        )
+    base = small_job_args(
+        corpus_cache, tmp_path / "r2", **{"train.train_iters": 2, "train.eval_interval": 0}
+    )
     train(load_config(base))
     ckpt = str(tmp_path / "r2" / "checkpoints")
-    wider = small_job_args(corpus_cache, tmp_path / "r3", **{"checkpoint.load": ckpt, "model.hidden_size": 128,
-                                                             "train.eval_interval": 0})
+    wider = small_job_args(
+        corpus_cache,
+        tmp_path / "r3",
+        **{"checkpoint.load": ckpt, "model.hidden_size": 128, "train.eval_interval": 0},
+    )
     with pytest.raises(CheckpointError, match="shape") as e:
         train(load_config(wider))
     assert "vocabulary" not in str(e.value)
-    other_vocab = small_job_args(corpus_cache, tmp_path / "r7", **{"checkpoint.load": ckpt, "model.vocab_size": 300,
-                                                                   "train.eval_interval": 0})
+    other_vocab = small_job_args(
+        corpus_cache,
+        tmp_path / "r7",
+        **{"checkpoint.load": ckpt, "model.vocab_size": 300, "train.eval_interval": 0},
+    )
     with pytest.raises(CheckpointError, match=r"vocabulary differs .*--config RUN/config.toml"):
         train(load_config(other_vocab))
-    done = small_job_args(corpus_cache, tmp_path / "r4", **{"checkpoint.load": ckpt, "train.train_iters": 2,
-                                                            "train.eval_interval": 0})
+    done = small_job_args(
+        corpus_cache,
+        tmp_path / "r4",
+        **{"checkpoint.load": ckpt, "train.train_iters": 2, "train.eval_interval": 0},
+    )
     finished = train(load_config(done))  # a relaunch of a finished run succeeds, doing nothing
     assert finished.losses == {} and not finished.stopped_early
-    assert finished.checkpoint is not None and finished.checkpoint.endswith("step_00000002")  # the one it loaded
-    before = small_job_args(corpus_cache, tmp_path / "r6", **{"checkpoint.load": ckpt, "train.train_iters": 1,
-                                                              "train.eval_interval": 0})
+    assert finished.checkpoint is not None and finished.checkpoint.endswith(
+        "step_00000002"
+    )  # the one it loaded
+    before = small_job_args(
+        corpus_cache,
+        tmp_path / "r6",
+        **{"checkpoint.load": ckpt, "train.train_iters": 1, "train.eval_interval": 0},
+    )
     with pytest.raises(CheckpointError, match="raise --train-iters"):
         train(load_config(before))
-    bigger_batch = small_job_args(corpus_cache, tmp_path / "r5", **{
-        "checkpoint.load": ckpt, "train.train_iters": 3, "train.global_batch_size": 32, "train.eval_interval": 0})
+    bigger_batch = small_job_args(
+        corpus_cache,
+        tmp_path / "r5",
+        **{
+            "checkpoint.load": ckpt,
+            "train.train_iters": 3,
+            "train.global_batch_size": 32,
+            "train.eval_interval": 0,
+        },
+    )
     with pytest.raises(ConfigError, match="consumed 32 samples in 2 steps.*skipped or repeated"):
         train(load_config(bigger_batch))
 
 
-def test_resuming_with_other_train_iters_warns_that_it_continues_a_different_run(corpus_cache, tmp_path, caplog):
-    train(load_config(small_job_args(corpus_cache, tmp_path / "a", **{"train.train_iters": 2,
-                                                                       "train.eval_interval": 0})))
-    longer = small_job_args(corpus_cache, tmp_path / "b", **{
-        "checkpoint.load": str(tmp_path / "a" / "checkpoints"), "train.train_iters": 3, "train.eval_interval": 0})
+def test_resuming_with_other_train_iters_warns_that_it_continues_a_different_run(
+    corpus_cache, tmp_path, caplog
+):
+    train(
+        load_config(
+            small_job_args(
+                corpus_cache, tmp_path / "a", **{"train.train_iters": 2, "train.eval_interval": 0}
+            )
+        )
+    )
+    longer = small_job_args(
+        corpus_cache,
+        tmp_path / "b",
+        **{
+            "checkpoint.load": str(tmp_path / "a" / "checkpoints"),
+            "train.train_iters": 3,
+            "train.eval_interval": 0,
+        },
+    )
     with caplog.at_level(logging.WARNING, logger="meshtrain"):
         result = train(load_config(longer))
     assert sorted(result.losses) == [3]
@@ -103,12 +171,29 @@ def test_resuming_with_other_train_iters_warns_that_it_continues_a_different_run
 def test_resuming_with_another_residual_stream_dtype_warns(corpus_cache, tmp_path, caplog):
     """A bf16 run saved with the fp32 stream and resumed with the (default) bf16 one is told so."""
     bf16 = {"train.bf16": True, "train.eval_interval": 0}
-    train(load_config(small_job_args(corpus_cache, tmp_path / "a", **bf16, **{
-        "train.train_iters": 2, "model.fp32_residual_connection": True})))
+    train(
+        load_config(
+            small_job_args(
+                corpus_cache,
+                tmp_path / "a",
+                **bf16,
+                **{"train.train_iters": 2, "model.fp32_residual_connection": True},
+            )
+        )
+    )
     load = {"checkpoint.load": str(tmp_path / "a" / "checkpoints"), "train.train_iters": 3}
     with caplog.at_level(logging.WARNING, logger="meshtrain"):
-        train(load_config(small_job_args(corpus_cache, tmp_path / "same", **bf16, **load,
-                                         **{"model.fp32_residual_connection": True})))
+        train(
+            load_config(
+                small_job_args(
+                    corpus_cache,
+                    tmp_path / "same",
+                    **bf16,
+                    **load,
+                    **{"model.fp32_residual_connection": True},
+                )
+            )
+        )
     assert "fp32_residual_connection" not in caplog.text
     with caplog.at_level(logging.WARNING, logger="meshtrain"):
         result = train(load_config(small_job_args(corpus_cache, tmp_path / "b", **bf16, **load)))
@@ -130,11 +215,33 @@ def test_a_resume_into_a_root_with_later_steps_is_refused_before_training(corpus
     train(load_config(small_job_args(corpus_cache, run, **common)))
     back = {"checkpoint.load": str(run / "checkpoints"), "checkpoint.load_step": 4}
     for iters in (8, 7):  # 7: no scheduled save on step 8, still the root's latest afterwards
-        with pytest.raises(CheckpointError, match=r"steps \[8\] after this run's start \(step 4\).*"
-                                                  r"checkpoint.overwrite=true"):
-            Trainer(load_config(small_job_args(corpus_cache, run, **{**common, **back, "train.train_iters": iters})))
-    result = train(load_config(small_job_args(corpus_cache, run, **{
-        **common, **back, "train.train_iters": 7, "checkpoint.save_interval": 0, "checkpoint.overwrite": True})))
+        with pytest.raises(
+            CheckpointError,
+            match=r"steps \[8\] after this run's start \(step 4\).*"
+            r"checkpoint.overwrite=true",
+        ):
+            Trainer(
+                load_config(
+                    small_job_args(
+                        corpus_cache, run, **{**common, **back, "train.train_iters": iters}
+                    )
+                )
+            )
+    result = train(
+        load_config(
+            small_job_args(
+                corpus_cache,
+                run,
+                **{
+                    **common,
+                    **back,
+                    "train.train_iters": 7,
+                    "checkpoint.save_interval": 0,
+                    "checkpoint.overwrite": True,
+                },
+            )
+        )
+    )
     assert sorted(result.losses) == [5, 6, 7]
 
 
@@ -142,21 +249,37 @@ def test_resuming_with_another_lr_schedule_warns(corpus_cache, tmp_path, caplog)
     """The LR schedule is recomputed from the config each step: a changed peak or minimum LR on
     a resume moves the rate at once (Megatron refuses it without --override-opt_param-scheduler);
     it is named in a warning, and an unchanged resume says nothing of it."""
-    saved = small_job_args(corpus_cache, tmp_path / "a", **{"train.train_iters": 2, "train.eval_interval": 0})
+    saved = small_job_args(
+        corpus_cache, tmp_path / "a", **{"train.train_iters": 2, "train.eval_interval": 0}
+    )
     train(load_config(saved))
 
     def resume(run: str, **changes) -> str:
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="meshtrain"):
-            train(load_config(small_job_args(corpus_cache, tmp_path / run, **{
-                "checkpoint.load": str(tmp_path / "a" / "checkpoints"), "train.train_iters": 3,
-                "train.eval_interval": 0, **changes})))
+            train(
+                load_config(
+                    small_job_args(
+                        corpus_cache,
+                        tmp_path / run,
+                        **{
+                            "checkpoint.load": str(tmp_path / "a" / "checkpoints"),
+                            "train.train_iters": 3,
+                            "train.eval_interval": 0,
+                            **changes,
+                        },
+                    )
+                )
+            )
         return caplog.text
 
     assert "LR schedule changed" not in resume("same")
     text = resume("lower", **{"optim.lr": 1e-4, "optim.min_lr": 1e-5})
-    assert "the LR schedule changed since the checkpoint (optim.lr 0.003 -> 0.0001, optim.min_lr 0.0003 -> 1e-05)" \
-        in text and "from step 3" in text
+    assert (
+        "the LR schedule changed since the checkpoint (optim.lr 0.003 -> 0.0001, optim.min_lr 0.0003 -> 1e-05)"
+        in text
+        and "from step 3" in text
+    )
 
 
 @pytest.mark.parametrize(("key", "value"), [("train.seed", 7), ("data.split", "70,30,0")])
@@ -164,11 +287,23 @@ def test_resuming_with_another_sample_stream_warns(corpus_cache, tmp_path, caplo
     """The seed and the split decide which samples each step takes (and which documents are held
     out): changed on a resume, the steps after it skip and repeat samples of the saved run's order,
     or train on documents its evaluations held out."""
-    train(load_config(small_job_args(corpus_cache, tmp_path / "a", **{"train.train_iters": 2,
-                                                                       "train.eval_interval": 0})))
-    resumed = small_job_args(corpus_cache, tmp_path / "b", **{
-        "checkpoint.load": str(tmp_path / "a" / "checkpoints"), "train.train_iters": 3, "train.eval_interval": 0,
-        key: value})
+    train(
+        load_config(
+            small_job_args(
+                corpus_cache, tmp_path / "a", **{"train.train_iters": 2, "train.eval_interval": 0}
+            )
+        )
+    )
+    resumed = small_job_args(
+        corpus_cache,
+        tmp_path / "b",
+        **{
+            "checkpoint.load": str(tmp_path / "a" / "checkpoints"),
+            "train.train_iters": 3,
+            "train.eval_interval": 0,
+            key: value,
+        },
+    )
     with caplog.at_level(logging.WARNING, logger="meshtrain"):
         train(load_config(resumed))
     assert f"{key} changed from" in caplog.text
@@ -177,8 +312,12 @@ def test_resuming_with_another_sample_stream_warns(corpus_cache, tmp_path, caplo
 def test_rerunning_a_first_command_into_a_saved_root_suggests_load(corpus_cache, tmp_path):
     from meshtrain.services.trainer.train import Trainer
 
-    common = {"train.train_iters": 2, "train.eval_interval": 0, "checkpoint.save_interval": 2,
-              "checkpoint.save": str(tmp_path / "ckpt")}
+    common = {
+        "train.train_iters": 2,
+        "train.eval_interval": 0,
+        "checkpoint.save_interval": 2,
+        "checkpoint.save": str(tmp_path / "ckpt"),
+    }
     train(load_config(small_job_args(corpus_cache, tmp_path / "run1", **common)))
     with pytest.raises(CheckpointError, match=r"to resume them pass --load .*ckpt; .*overwrite"):
         Trainer(load_config(small_job_args(corpus_cache, tmp_path / "run2", **common)))

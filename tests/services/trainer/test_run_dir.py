@@ -21,16 +21,26 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
 def _meshtrain(*args, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "meshtrain.services.cli", *map(str, args)], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=300, check=False, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "meshtrain.services.cli", *map(str, args)],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        **kw,
+    )
 
 
 def _wait_for(path: Path, process: subprocess.Popen, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not (path.exists() and path.stat().st_size):
         if process.poll() is not None:
-            pytest.fail(f"the first trainer exited ({process.returncode}) before writing {path}: "
-                        f"{process.communicate()[1][-3000:]}")
+            pytest.fail(
+                f"the first trainer exited ({process.returncode}) before writing {path}: "
+                f"{process.communicate()[1][-3000:]}"
+            )
         if time.monotonic() > deadline:
             pytest.fail(f"no {path} after {timeout_s} s")
         time.sleep(0.2)
@@ -38,31 +48,59 @@ def _wait_for(path: Path, process: subprocess.Popen, timeout_s: float = 120.0) -
 
 @pytest.mark.e2e
 def test_a_second_train_into_a_run_dir_in_use_is_refused_and_the_folder_is_free_once_the_first_ends(
-        tmp_path, corpus_cache):
+    tmp_path, corpus_cache
+):
     # Reproduced: a second `meshtrain train --log.run_dir R` beside a running one trained too; its
     # start dropped the first's metrics.jsonl rows and its config.toml replaced the first's.
     run = tmp_path / "run"
-    args = small_job_args(corpus_cache, run, **{"train.train_iters": 100_000, "train.eval_interval": 0,
-                                                "train.control_port": 0})
-    first = subprocess.Popen([sys.executable, "-m", "meshtrain.services.cli", "train", *args,
-                              f"--checkpoint.save={tmp_path / 'a'}"], cwd=ROOT, env=ENV,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    args = small_job_args(
+        corpus_cache,
+        run,
+        **{"train.train_iters": 100_000, "train.eval_interval": 0, "train.control_port": 0},
+    )
+    first = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "meshtrain.services.cli",
+            "train",
+            *args,
+            f"--checkpoint.save={tmp_path / 'a'}",
+        ],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         _wait_for(run / "control.addr", first)
         config = (run / "config.toml").read_text()
         # a short run: on the old code it trained to the end beside the first
-        second = _meshtrain("train", *small_job_args(corpus_cache, run, **{"train.train_iters": 3}),
-                            f"--checkpoint.save={tmp_path / 'b'}")
-        up = _meshtrain("up", *[a for a in args if not a.startswith("--train.control_port")], "--data-workers", 0)
+        second = _meshtrain(
+            "train",
+            *small_job_args(corpus_cache, run, **{"train.train_iters": 3}),
+            f"--checkpoint.save={tmp_path / 'b'}",
+        )
+        up = _meshtrain(
+            "up",
+            *[a for a in args if not a.startswith("--train.control_port")],
+            "--data-workers",
+            0,
+        )
         status = _meshtrain("status", run)
     finally:
         stop = _meshtrain("stop", run)
         _, err = first.communicate(timeout=120)
     assert second.returncode == 2, second.stderr[-3000:]
-    assert (f"run directory {run} is in use by another trainer (pid {first.pid}); stop it first "
-            f"(`meshtrain stop {run}`) or give this run another --log.run_dir") in second.stderr, second.stderr
+    assert (
+        f"run directory {run} is in use by another trainer (pid {first.pid}); stop it first "
+        f"(`meshtrain stop {run}`) or give this run another --log.run_dir"
+    ) in second.stderr, second.stderr
     assert not (tmp_path / "b").exists()
-    assert up.returncode == 2 and f"{run} is in use by a trainer (pid {first.pid})" in up.stderr, up.stderr
+    assert up.returncode == 2 and f"{run} is in use by a trainer (pid {first.pid})" in up.stderr, (
+        up.stderr
+    )
     assert (run / "config.toml").read_text() == config
     assert status.returncode == 0 and "step" in status.stdout, status.stdout + status.stderr
     assert stop.returncode == 0, stop.stderr
@@ -71,9 +109,14 @@ def test_a_second_train_into_a_run_dir_in_use_is_refused_and_the_folder_is_free_
     assert steps == list(range(1, steps[-1] + 1))  # the first's rows, all of them, once
 
     # The lock went with the process: resuming the run into its own folder is not refused.
-    again = _meshtrain("train", *small_job_args(corpus_cache, run, **{"train.train_iters": steps[-1] + 2,
-                                                                      "train.eval_interval": 0}),
-                       f"--checkpoint.load={tmp_path / 'a'}", f"--checkpoint.save={tmp_path / 'a'}")
+    again = _meshtrain(
+        "train",
+        *small_job_args(
+            corpus_cache, run, **{"train.train_iters": steps[-1] + 2, "train.eval_interval": 0}
+        ),
+        f"--checkpoint.load={tmp_path / 'a'}",
+        f"--checkpoint.save={tmp_path / 'a'}",
+    )
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from" in again.stderr
 
@@ -84,40 +127,73 @@ def test_one_rank_holds_the_run_dir_of_a_multi_rank_launch(tmp_path, corpus_cach
     each other, and a launch refused by another's run stops all its ranks."""
     run = tmp_path / "run"
     args = small_job_args(corpus_cache, run, **{"train.train_iters": 2, "train.eval_interval": 0})
-    both = _meshtrain("train", "--nproc-per-node", 2, *args, f"--checkpoint.save={tmp_path / 'ckpt'}")
+    both = _meshtrain(
+        "train", "--nproc-per-node", 2, *args, f"--checkpoint.save={tmp_path / 'ckpt'}"
+    )
     assert both.returncode == 0, both.stderr[-3000:]
     assert (run / ".train.lock").exists()
 
-    holder = subprocess.Popen([sys.executable, "-m", "meshtrain.services.cli", "train", *small_job_args(
-        corpus_cache, run, **{"train.train_iters": 100_000, "train.eval_interval": 0, "train.control_port": 0}),
-        f"--checkpoint.save={tmp_path / 'holder'}"], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "meshtrain.services.cli",
+            "train",
+            *small_job_args(
+                corpus_cache,
+                run,
+                **{"train.train_iters": 100_000, "train.eval_interval": 0, "train.control_port": 0},
+            ),
+            f"--checkpoint.save={tmp_path / 'holder'}",
+        ],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         _wait_for(run / "control.addr", holder)
-        refused = _meshtrain("train", "--nproc-per-node", 2, *args, f"--checkpoint.save={tmp_path / 'other'}")
+        refused = _meshtrain(
+            "train", "--nproc-per-node", 2, *args, f"--checkpoint.save={tmp_path / 'other'}"
+        )
     finally:
         _meshtrain("stop", run)
         holder.communicate(timeout=120)
     assert refused.returncode != 0
-    assert f"run directory {run} is in use by another trainer (pid {holder.pid})" in refused.stderr, \
-        refused.stderr[-3000:]
+    assert (
+        f"run directory {run} is in use by another trainer (pid {holder.pid})" in refused.stderr
+    ), refused.stderr[-3000:]
 
 
 def _holder_seen_from_another_process(run: Path) -> str:
     """The pid another process finds holding RUN/.train.lock, or 'None'."""
-    code = ("import sys; from pathlib import Path; from meshtrain.services.trainer.run_dir import probe_lock; "
-            "print(probe_lock(Path(sys.argv[1])))")
-    probe = subprocess.run([sys.executable, "-c", code, str(run / ".train.lock")],
-                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120, check=True)
+    code = (
+        "import sys; from pathlib import Path; from meshtrain.services.trainer.run_dir import probe_lock; "
+        "print(probe_lock(Path(sys.argv[1])))"
+    )
+    probe = subprocess.run(
+        [sys.executable, "-c", code, str(run / ".train.lock")],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     return probe.stdout.strip()
 
 
-def test_a_run_in_a_living_process_releases_its_folder_when_it_ends(tmp_path, corpus_cache, monkeypatch):
+def test_a_run_in_a_living_process_releases_its_folder_when_it_ends(
+    tmp_path, corpus_cache, monkeypatch
+):
     # Reproduced: train() called from a notebook or a script that goes on kept RUN/.train.lock
     # until that process exited, so `meshtrain train --log.run_dir RUN` (a resume) was refused
     # naming a trainer that had finished long before; so did a Trainer whose construction failed.
     run = tmp_path / "run"
-    job = load_config(small_job_args(corpus_cache, run, **{"train.train_iters": 2, "train.eval_interval": 0}))
+    job = load_config(
+        small_job_args(corpus_cache, run, **{"train.train_iters": 2, "train.eval_interval": 0})
+    )
     train(job)
     assert _holder_seen_from_another_process(run) == "None"
 

@@ -58,13 +58,22 @@ def _share(rank, world, spec, fail_at):
 
 
 def test_peers_get_the_readers_batches_and_its_failure(tmp_path):
-    spec = DatasetSpec((write_dataset(tmp_path / "a", 1),), (1.0,), seq_length=32, num_samples=64, seed=7,
-                       split="100,0,0")
+    spec = DatasetSpec(
+        (write_dataset(tmp_path / "a", 1),),
+        (1.0,),
+        seq_length=32,
+        num_samples=64,
+        seed=7,
+        split="100,0,0",
+    )
     results = run_ranks(_share, 2, spec, 1, timeout=120)
     (reader, pulls), (peer, peer_pulls) = results
     assert reader == ["ok", "no data worker served anything", "ok"]
     assert peer[0] == peer[2] == "ok"
-    assert "rank 0, which reads the data for its tensor-parallel group, failed to read step 1" in peer[1]
+    assert (
+        "rank 0, which reads the data for its tensor-parallel group, failed to read step 1"
+        in peer[1]
+    )
     assert (pulls, peer_pulls) == (2, 0)
 
 
@@ -83,11 +92,17 @@ def test_a_tensor_parallel_group_pulls_once_and_trains_as_in_process(corpus_cach
     from meshtrain.services.dataloader.rpc.server import start_server
 
     extra = {"train.train_iters": 4, "train.eval_interval": 0, "parallel.tp": 2}
-    local = run_ranks(_train, 2, small_job_args(corpus_cache, tmp_path / "local", **extra), timeout=240)
+    local = run_ranks(
+        _train, 2, small_job_args(corpus_cache, tmp_path / "local", **extra), timeout=240
+    )
     server, port, _ = start_server(0)
     try:
-        args = small_job_args(corpus_cache, tmp_path / "service", **extra,
-                              **{"data.service_addresses": f"[\"127.0.0.1:{port}\"]"})
+        args = small_job_args(
+            corpus_cache,
+            tmp_path / "service",
+            **extra,
+            **{"data.service_addresses": f'["127.0.0.1:{port}"]'},
+        )
         remote = run_ranks(_train, 2, args, timeout=240)
     finally:
         server.stop(0)

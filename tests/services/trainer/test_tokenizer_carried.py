@@ -18,17 +18,34 @@ from tests.services.trainer.conftest import small_job_args
 pytestmark = pytest.mark.e2e
 
 
-def test_export_and_generate_use_the_carried_tokenizer_after_the_original_changed(tmp_path, monkeypatch):
-    monkeypatch.setenv("MESHTRAIN_CACHE", str(tmp_path / "meshtrain-cache"))  # where carried files unpack
+def test_export_and_generate_use_the_carried_tokenizer_after_the_original_changed(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv(
+        "MESHTRAIN_CACHE", str(tmp_path / "meshtrain-cache")
+    )  # where carried files unpack
     cache = tmp_path / "corpus"
     default = prepare_default_dataset(cache, tokenizer="bpe", vocab_size=400, max_bytes=200_000)
-    original = (default.tokenizer_spec if default.tokenizer_spec.endswith(".json")
-                else f"{default.tokenizer_spec}/tokenizer.json")
+    original = (
+        default.tokenizer_spec
+        if default.tokenizer_spec.endswith(".json")
+        else f"{default.tokenizer_spec}/tokenizer.json"
+    )
     original_text = open(original).read()
     root = str(tmp_path / "ckpt")
-    args = small_job_args(cache, tmp_path / "run", **{
-        "data.tokenizer": "bpe", "data.default_vocab_size": 400, "data.default_corpus_bytes": 200_000,
-        "train.train_iters": 2, "train.eval_interval": 0, "checkpoint.save": root, "checkpoint.save_interval": 2})
+    args = small_job_args(
+        cache,
+        tmp_path / "run",
+        **{
+            "data.tokenizer": "bpe",
+            "data.default_vocab_size": 400,
+            "data.default_corpus_bytes": 200_000,
+            "train.train_iters": 2,
+            "train.eval_interval": 0,
+            "checkpoint.save": root,
+            "checkpoint.save_interval": 2,
+        },
+    )
     train(load_config(args))
     meta = read_manifest(root, 2)["metadata"]
     assert [f["name"] for f in meta[METADATA_KEY]["files"]] == ["tokenizer.json"]
@@ -42,4 +59,19 @@ def test_export_and_generate_use_the_carried_tokenizer_after_the_original_change
     shutil.rmtree(cache)  # and then it is gone
     from meshtrain.services.cli import main
 
-    assert main(["generate", "--load", root, "--prompt", "def ", "--max-new-tokens", "4", "--device", "cpu"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--load",
+                root,
+                "--prompt",
+                "def ",
+                "--max-new-tokens",
+                "4",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )

@@ -14,8 +14,14 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 
 def _batches(n: int, rows: int = 4, seq: int = 64) -> list[tuple[torch.Tensor, ...]]:
     g = torch.Generator().manual_seed(n)
-    return [(torch.randint(0, 50_000, (rows, seq), generator=g), torch.randint(0, 50_000, (rows, seq), generator=g),
-             torch.rand(rows, seq, generator=g)) for _ in range(n)]
+    return [
+        (
+            torch.randint(0, 50_000, (rows, seq), generator=g),
+            torch.randint(0, 50_000, (rows, seq), generator=g),
+            torch.rand(rows, seq, generator=g),
+        )
+        for _ in range(n)
+    ]
 
 
 def test_off_cuda_the_tensors_pass_through_in_order():

@@ -19,30 +19,51 @@ from meshtrain.services.trainer.weight_copies import (
 from tests.dist_utils import run_ranks
 from tests.services.trainer.conftest import small_job_args
 
-LLAMA = {"model.normalization": "rmsnorm", "model.activation": "swiglu", "model.position_embedding_type": "rope",
-         "model.num_query_groups": 2, "model.add_bias_linear": False, "model.untie_embeddings_and_output_weights": True}
+LLAMA = {
+    "model.normalization": "rmsnorm",
+    "model.activation": "swiglu",
+    "model.position_embedding_type": "rope",
+    "model.num_query_groups": 2,
+    "model.add_bias_linear": False,
+    "model.untie_embeddings_and_output_weights": True,
+}
 
 
-def _train(corpus_cache, run_dir, steps: int, **extra) -> tuple[list[float], dict[str, torch.Tensor], Trainer]:
+def _train(
+    corpus_cache, run_dir, steps: int, **extra
+) -> tuple[list[float], dict[str, torch.Tensor], Trainer]:
     """(losses, final fp32 parameters, trainer) of `steps` bf16 steps of two micro-batches each
     (the job is planned for one step more)."""
-    args = small_job_args(corpus_cache, run_dir, **{"train.bf16": True, "train.eval_interval": 0,
-                                                    "train.train_iters": steps + 1, **extra})
+    args = small_job_args(
+        corpus_cache,
+        run_dir,
+        **{"train.bf16": True, "train.eval_interval": 0, "train.train_iters": steps + 1, **extra},
+    )
     trainer = Trainer(load_config(args))
     losses = [trainer.train_step(step)[0].item() for step in range(steps)]
     return losses, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}, trainer
 
 
-@pytest.mark.parametrize("arch", [
-    {},
-    LLAMA,
-    dict(LLAMA, **{"parallel.recompute_granularity": "full"}),  # the recomputed forward casts the fp32 weights
-], ids=["gpt2", "llama", "llama-recompute"])
+@pytest.mark.parametrize(
+    "arch",
+    [
+        {},
+        LLAMA,
+        dict(
+            LLAMA, **{"parallel.recompute_granularity": "full"}
+        ),  # the recomputed forward casts the fp32 weights
+    ],
+    ids=["gpt2", "llama", "llama-recompute"],
+)
 def test_copies_train_bit_for_bit_like_autocast(arch, corpus_cache, tmp_path):
     """Eager on CPU the values are autocast's exactly: the same bf16 weights, and each bf16
     gradient added to an fp32 sum equals adding its exact fp32 cast."""
-    losses, params, plain = _train(corpus_cache, tmp_path / "a", 6, **arch, **{"train.bf16_weight_copies": False})
-    losses_c, params_c, trainer = _train(corpus_cache, tmp_path / "b", 6, **arch)  # on by default here
+    losses, params, plain = _train(
+        corpus_cache, tmp_path / "a", 6, **arch, **{"train.bf16_weight_copies": False}
+    )
+    losses_c, params_c, trainer = _train(
+        corpus_cache, tmp_path / "b", 6, **arch
+    )  # on by default here
     assert plain.weight_copies is None
     assert trainer.weight_copies is not None and trainer.weight_copies.numel() > 0
     assert losses[-1] < losses[0]
@@ -57,9 +78,13 @@ def test_compiled_copies_train_like_compiled_autocast(corpus_cache, tmp_path):
     """Compiled (Inductor on CPU), the copies are graph inputs; its fusions may round a little
     differently from the autocast graph's, so a bf16 tolerance."""
     extra = dict(LLAMA, **{"train.compile": True})
-    losses, params, _ = _train(corpus_cache, tmp_path / "a", 4, **extra, **{"train.bf16_weight_copies": False})
+    losses, params, _ = _train(
+        corpus_cache, tmp_path / "a", 4, **extra, **{"train.bf16_weight_copies": False}
+    )
     torch._dynamo.reset()
-    losses_c, params_c, _ = _train(corpus_cache, tmp_path / "b", 4, **extra, **{"train.bf16_weight_copies": True})
+    losses_c, params_c, _ = _train(
+        corpus_cache, tmp_path / "b", 4, **extra, **{"train.bf16_weight_copies": True}
+    )
     torch._dynamo.reset()
     assert losses_c == pytest.approx(losses, rel=1e-3)
     for name, p in params.items():
@@ -75,7 +100,9 @@ def test_a_step_refreshes_the_copies_from_the_updated_parameters(corpus_cache, t
     assert not torch.equal(copies["layers.0.mlp.fc1.weight"], weight.detach().to(torch.bfloat16))
     before = weight.detach().clone()
     trainer.train_step(2)
-    assert torch.equal(copies["layers.0.mlp.fc1.weight"], before.to(torch.bfloat16))  # cast at step 2's start
+    assert torch.equal(
+        copies["layers.0.mlp.fc1.weight"], before.to(torch.bfloat16)
+    )  # cast at step 2's start
     assert not torch.equal(weight, before)
 
 
@@ -115,7 +142,9 @@ def test_gradients_accumulate_in_fp32_across_calls():
         grads.append(model.a.weight.grad.clone())
     assert model.a.weight.grad.dtype == torch.float32
     assert copies.copies["a.weight"].grad is None
-    assert model.norm.weight.grad is not None  # the non-copied parameters get their gradients as usual
+    assert (
+        model.norm.weight.grad is not None
+    )  # the non-copied parameters get their gradients as usual
     # the same two passes through autocast of the fp32 weights
     reference = _Tied()
     reference.load_state_dict(model.state_dict())
@@ -126,24 +155,33 @@ def test_gradients_accumulate_in_fp32_across_calls():
     assert not torch.equal(grads[0], grads[1])
 
 
-@pytest.mark.parametrize("arch", [
-    {},
-    LLAMA,  # untied output layer: its weight reaches the loss without the linear's forward (the hook's path)
-    dict(LLAMA, **{"parallel.recompute_granularity": "full"}),  # the recomputed forward runs the fused linears again
-], ids=["gpt2", "llama", "llama-recompute"])
+@pytest.mark.parametrize(
+    "arch",
+    [
+        {},
+        LLAMA,  # untied output layer: its weight reaches the loss without the linear's forward (the hook's path)
+        dict(
+            LLAMA, **{"parallel.recompute_granularity": "full"}
+        ),  # the recomputed forward runs the fused linears again
+    ],
+    ids=["gpt2", "llama", "llama-recompute"],
+)
 def test_fused_gradient_accumulation_trains_like_the_copies_hooks(arch, corpus_cache, tmp_path):
     """train.gradient_accumulation_fusion: the same training as the hooks' bf16 gradients, to
     within the bf16 rounding of each micro-batch's gradient that it no longer does."""
     losses, params, hooks = _train(corpus_cache, tmp_path / "a", 6, **arch)  # unset: on CUDA only
-    losses_f, params_f, fused = _train(corpus_cache, tmp_path / "b", 6, **arch,
-                                       **{"train.gradient_accumulation_fusion": True})
+    losses_f, params_f, fused = _train(
+        corpus_cache, tmp_path / "b", 6, **arch, **{"train.gradient_accumulation_fusion": True}
+    )
     assert not hooks.weight_copies.fused and fused.weight_copies.fused
     assert isinstance(fused.model.layers[0].mlp.fc1, MainGradLinear)
     assert set(fused.model.state_dict()) == set(hooks.model.state_dict())
     assert all(c.grad is None for c in fused.weight_copies.copies.values())
     assert losses_f[-1] < losses_f[0]
     assert losses_f == pytest.approx(losses, rel=2e-3)
-    assert losses_f[1:] != losses[1:]  # the first step's loss is before any update; later ones differ
+    assert (
+        losses_f[1:] != losses[1:]
+    )  # the first step's loss is before any update; later ones differ
     # Adam moves an entry whose gradient is rounding noise (the keys' bias, which softmax
     # ignores; the embedding row of a byte the batches hardly hold) by lr-sized steps of either
     # sign, whichever way the noise falls: those may differ by up to Adam's largest steps (at
@@ -158,27 +196,47 @@ def test_fused_gradient_accumulation_trains_like_the_copies_hooks(arch, corpus_c
 
 @pytest.mark.slow  # Inductor on CPU, twice; the uncompiled fused accumulation tests stay in the suite
 @pytest.mark.parametrize("recompute", ["none", "full"])
-def test_compiled_fused_gradient_accumulation_adds_in_place_without_recompiling(recompute, corpus_cache, tmp_path):
+def test_compiled_fused_gradient_accumulation_adds_in_place_without_recompiling(
+    recompute, corpus_cache, tmp_path
+):
     """Compiled (Inductor on CPU): the backward calls the op on the fp32 .grad itself (a copy of
     the gradient would cost what the fusion saves), and the .grads a step re-allocates after
     zero_grad(set_to_none=True) do not recompile the graph. With full recompute the compiled
     backward replays the forward itself; the op still runs once per linear."""
     from torch._inductor.utils import run_and_get_code
 
-    extra = dict(LLAMA, **{"train.compile": True, "train.gradient_accumulation_fusion": True,
-                           "parallel.recompute_granularity": recompute})
-    args = small_job_args(corpus_cache, tmp_path / "a", **{"train.bf16": True, "train.eval_interval": 0,
-                                                           "train.train_iters": 5, **extra})
+    extra = dict(
+        LLAMA,
+        **{
+            "train.compile": True,
+            "train.gradient_accumulation_fusion": True,
+            "parallel.recompute_granularity": recompute,
+        },
+    )
+    args = small_job_args(
+        corpus_cache,
+        tmp_path / "a",
+        **{"train.bf16": True, "train.eval_interval": 0, "train.train_iters": 5, **extra},
+    )
     torch._dynamo.reset()
     trainer = Trainer(load_config(args))
     first, codes = run_and_get_code(lambda: trainer.train_step(0)[0].item())
     backward = [c for c in codes if "accumulate_weight_grad" in c]
     assert backward, "no compiled graph calls the fused accumulation"
-    calls = [line.strip() for c in backward for line in c.splitlines() if "ops.meshtrain.accumulate_weight_grad" in line]
+    calls = [
+        line.strip()
+        for c in backward
+        for line in c.splitlines()
+        if "ops.meshtrain.accumulate_weight_grad" in line
+    ]
     linears = sum(isinstance(m, MainGradLinear) for m in trainer.model.layers.modules())
-    assert len(calls) == linears == 2 * 4  # 2 layers x (qkv, proj, fc1, fc2); the output layer's weight
+    assert (
+        len(calls) == linears == 2 * 4
+    )  # 2 layers x (qkv, proj, fc1, fc2); the output layer's weight
     # goes to the loss, not through its forward, so its gradient takes the copy's hook
-    assert all(c.split("(", 1)[1].startswith(("primals_", "arg")) for c in calls), calls  # a graph input: the .grad
+    assert all(c.split("(", 1)[1].startswith(("primals_", "arg")) for c in calls), (
+        calls
+    )  # a graph input: the .grad
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     losses = [first] + [trainer.train_step(step)[0].item() for step in range(1, 4)]
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
@@ -191,12 +249,35 @@ def test_a_fused_run_resumes_where_it_stopped(corpus_cache, tmp_path):
     fresh copies and .grads, and the resumed losses equal the uninterrupted run's."""
     from meshtrain.services.trainer.train import train
 
-    common = dict(LLAMA, **{"train.bf16": True, "train.gradient_accumulation_fusion": True, "train.train_iters": 4,
-                            "train.eval_interval": 2})
-    full = train(load_config(small_job_args(corpus_cache, tmp_path / "full", **common,
-                                            **{"checkpoint.save_interval": 2})))
-    resumed = train(load_config(small_job_args(corpus_cache, tmp_path / "resumed", **common, **{
-        "checkpoint.load": str(tmp_path / "full" / "checkpoints"), "checkpoint.load_step": 2})))
+    common = dict(
+        LLAMA,
+        **{
+            "train.bf16": True,
+            "train.gradient_accumulation_fusion": True,
+            "train.train_iters": 4,
+            "train.eval_interval": 2,
+        },
+    )
+    full = train(
+        load_config(
+            small_job_args(
+                corpus_cache, tmp_path / "full", **common, **{"checkpoint.save_interval": 2}
+            )
+        )
+    )
+    resumed = train(
+        load_config(
+            small_job_args(
+                corpus_cache,
+                tmp_path / "resumed",
+                **common,
+                **{
+                    "checkpoint.load": str(tmp_path / "full" / "checkpoints"),
+                    "checkpoint.load_step": 2,
+                },
+            )
+        )
+    )
     assert sorted(resumed.losses) == [3, 4]
     assert [resumed.losses[s] for s in (3, 4)] == [full.losses[s] for s in (3, 4)]
     assert resumed.eval_losses[4] == full.eval_losses[4]
@@ -255,8 +336,12 @@ def test_accumulate_weight_grad_adds_over_every_leading_dimension():
     accumulate_weight_grad(main, dy, x)
     torch.testing.assert_close(main, want)
     assert main.data_ptr() == ptr
-    accumulate_weight_grad(main, dy.to(torch.bfloat16), x.to(torch.bfloat16))  # widened to fp32 off CUDA
-    torch.testing.assert_close(main, want + torch.einsum("bso,bsi->oi", dy.bfloat16().float(), x.bfloat16().float()))
+    accumulate_weight_grad(
+        main, dy.to(torch.bfloat16), x.to(torch.bfloat16)
+    )  # widened to fp32 off CUDA
+    torch.testing.assert_close(
+        main, want + torch.einsum("bso,bsi->oi", dy.bfloat16().float(), x.bfloat16().float())
+    )
 
 
 def test_a_fused_linear_without_a_grad_to_add_into_says_so():
@@ -276,9 +361,18 @@ def test_gradient_accumulation_fusion_needs_the_copies(corpus_cache, tmp_path):
     with pytest.raises(ConfigError, match="gradient_accumulation_fusion"):
         load_config(["--gradient-accumulation-fusion"])  # fp32
     with pytest.raises(ConfigError, match="bf16_weight_copies left on"):
-        load_config(["--bf16", "--gradient-accumulation-fusion", "--train.bf16_weight_copies=false"])
-    assert load_config(["--bf16", "--no-gradient-accumulation-fusion"]).train.gradient_accumulation_fusion is False
-    assert load_config(["--bf16"]).train.gradient_accumulation_fusion is None  # the Trainer picks: CUDA or not
+        load_config(
+            ["--bf16", "--gradient-accumulation-fusion", "--train.bf16_weight_copies=false"]
+        )
+    assert (
+        load_config(
+            ["--bf16", "--no-gradient-accumulation-fusion"]
+        ).train.gradient_accumulation_fusion
+        is False
+    )
+    assert (
+        load_config(["--bf16"]).train.gradient_accumulation_fusion is None
+    )  # the Trainer picks: CUDA or not
 
 
 def test_a_model_without_wide_linear_parameters_is_refused():
@@ -312,4 +406,6 @@ def test_copies_are_off_with_several_ranks_and_refused_when_asked_for(corpus_cac
     assert all(not took for took, _ in results), results
     assert all(e is not None and "single process" in e and "dp=2" in e for _, e in results), results
     results = run_ranks(_build, 2, args, "--gradient-accumulation-fusion")
-    assert all(e is not None and "2 ranks" in e and "single process" in e for _, e in results), results
+    assert all(e is not None and "2 ranks" in e and "single process" in e for _, e in results), (
+        results
+    )

@@ -1,8 +1,8 @@
 """Building a job's pipeline: split the model, pick and check the schedule, wire the runtime.
 
-    pipeline = build_pipeline(model, mesh, job, device)   # model: full GPT, tensor-parallel already
-    pipeline.stage                                         # this rank's chunks (an nn.Module)
-    loss = pipeline.step(micro_batches)                    # one step's forward and backward
+pipeline = build_pipeline(model, mesh, job, device)   # model: full GPT, tensor-parallel already
+pipeline.stage                                         # this rank's chunks (an nn.Module)
+loss = pipeline.step(micro_batches)                    # one step's forward and backward
 """
 
 from __future__ import annotations
@@ -17,7 +17,10 @@ from meshtrain.services.trainer.model.moe import MoE
 from meshtrain.services.trainer.parallel.mesh import Mesh
 from meshtrain.services.trainer.parallel.pipeline.runtime import PipelineRuntime
 from meshtrain.services.trainer.parallel.pipeline.stage import PipelineStage, stage_layers
-from meshtrain.services.trainer.parallel.pipeline.zero_bubble import DeferrableLinear, WeightGradStore
+from meshtrain.services.trainer.parallel.pipeline.zero_bubble import (
+    DeferrableLinear,
+    WeightGradStore,
+)
 from meshtrain.services.trainer.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
 
@@ -58,8 +61,10 @@ class Pipeline:
     def describe(self) -> str:
         s = self.stage
         chunks = ", ".join(f"{r.start}-{r.stop - 1}" if len(r) else "none" for r in s.chunk_layers)
-        return (f"pipeline stage {s.pp_rank}/{s.pp} ({self.schedule}, {self.n_micro} micro-batches, "
-                f"blocks {chunks})")
+        return (
+            f"pipeline stage {s.pp_rank}/{s.pp} ({self.schedule}, {self.n_micro} micro-batches, "
+            f"blocks {chunks})"
+        )
 
 
 def _defer_weight_grads(stage: PipelineStage, store: WeightGradStore) -> None:
@@ -68,8 +73,11 @@ def _defer_weight_grads(stage: PipelineStage, store: WeightGradStore) -> None:
     In a MoE block the attention and the shared expert's linears are deferred; the router and
     the stacked expert GEMMs compute their weight gradients in the backward-input action."""
     for layer in stage.layers.values():
-        mlps = [layer.mlp] if not isinstance(layer.mlp, MoE) else (
-            [layer.mlp.shared_expert] if layer.mlp.shared_expert is not None else [])
+        mlps = (
+            [layer.mlp]
+            if not isinstance(layer.mlp, MoE)
+            else ([layer.mlp.shared_expert] if layer.mlp.shared_expert is not None else [])
+        )
         linears = [(layer.attention, "qkv"), (layer.attention, "proj")]
         linears += [(mlp, name) for mlp in mlps for name in ("fc1", "fc2")]
         for parent, name in linears:
@@ -81,7 +89,9 @@ def _defer_weight_grads(stage: PipelineStage, store: WeightGradStore) -> None:
                 module.linear = store.linear
                 module.async_grad = False  # its fused backward computes dW on the spot
             else:
-                raise ConfigError(f"zero-bubble schedules cannot defer the weight gradient of {type(module).__name__}")
+                raise ConfigError(
+                    f"zero-bubble schedules cannot defer the weight gradient of {type(module).__name__}"
+                )
 
 
 def activation_shape(job: JobConfig, tp: int) -> tuple[tuple[int, ...], torch.dtype]:
@@ -92,7 +102,11 @@ def activation_shape(job: JobConfig, tp: int) -> tuple[tuple[int, ...], torch.dt
     seq = m.seq_length // p.cp
     seq = seq // tp if p.sequence_parallel else seq
     bf16 = job.train.bf16 and not m.fp32_residual_connection
-    return (job.train.micro_batch_size, seq, m.hidden_size), torch.bfloat16 if bf16 else torch.float32
+    return (
+        job.train.micro_batch_size,
+        seq,
+        m.hidden_size,
+    ), torch.bfloat16 if bf16 else torch.float32
 
 
 def build_pipeline(model: GPT, mesh: Mesh, job: JobConfig, device: torch.device) -> Pipeline:
@@ -106,24 +120,40 @@ def build_pipeline(model: GPT, mesh: Mesh, job: JobConfig, device: torch.device)
     chunks = p.pipeline_chunks(job.model.num_layers)
     schedule = p.resolved_pipeline_schedule(job.model.num_layers)
     if chunks > 1 and schedule != "interleaved":
-        raise ConfigError(f"parallel.pipeline_schedule={schedule!r} runs one model chunk per rank; with "
-                          f"{chunks} virtual stages per rank use 'interleaved' (or 'auto')")
+        raise ConfigError(
+            f"parallel.pipeline_schedule={schedule!r} runs one model chunk per rank; with "
+            f"{chunks} virtual stages per rank use 'interleaved' (or 'auto')"
+        )
     if schedule == "interleaved" and chunks == 1:
-        raise ConfigError("parallel.pipeline_schedule='interleaved' needs virtual stages: set "
-                          "parallel.virtual_pipeline_model_parallel_size or num_layers_per_virtual_pipeline_stage")
+        raise ConfigError(
+            "parallel.pipeline_schedule='interleaved' needs virtual stages: set "
+            "parallel.virtual_pipeline_model_parallel_size or num_layers_per_virtual_pipeline_stage"
+        )
     if schedule == "zb-h1":
         if t.compile:
-            raise ConfigError("parallel.pipeline_schedule='zb-h1' defers weight gradients through Python closures, "
-                              "which torch.compile cannot trace: leave train.compile off or use '1f1b'")
+            raise ConfigError(
+                "parallel.pipeline_schedule='zb-h1' defers weight gradients through Python closures, "
+                "which torch.compile cannot trace: leave train.compile off or use '1f1b'"
+            )
         if p.tp_comm_overlap:
-            raise ConfigError("parallel.pipeline_schedule='zb-h1' and parallel.tp_comm_overlap both take over the "
-                              "linears' backward: use one of them")
-    stages = stage_layers(job.model.num_layers, mesh.pp, chunks, p.decoder_first_pipeline_num_layers,
-                          p.decoder_last_pipeline_num_layers, p.pipeline_layout)
+            raise ConfigError(
+                "parallel.pipeline_schedule='zb-h1' and parallel.tp_comm_overlap both take over the "
+                "linears' backward: use one of them"
+            )
+    stages = stage_layers(
+        job.model.num_layers,
+        mesh.pp,
+        chunks,
+        p.decoder_first_pipeline_num_layers,
+        p.decoder_last_pipeline_num_layers,
+        p.pipeline_layout,
+    )
     for r in range(1, mesh.pp - 1):  # checked for every rank on every rank: all refuse alike
         if not any(len(stages[c * mesh.pp + r]) for c in range(chunks)):
-            raise ConfigError(f"parallel.pipeline_layout={p.pipeline_layout} leaves pipeline rank {r} without "
-                              "blocks, and a middle rank holds no embedding or head: give it at least one block")
+            raise ConfigError(
+                f"parallel.pipeline_layout={p.pipeline_layout} leaves pipeline rank {r} without "
+                "blocks, and a middle rank holds no embedding or head: give it at least one block"
+            )
     stage = PipelineStage(model, mesh.pp_rank, mesh.pp, stages, p)
     store = None
     if schedule == "zb-h1":
@@ -131,5 +161,7 @@ def build_pipeline(model: GPT, mesh: Mesh, job: JobConfig, device: torch.device)
         _defer_weight_grads(stage, store)
     n_micro = t.global_batch_size // (t.micro_batch_size * mesh.dp)
     shape, dtype = activation_shape(job, mesh.tp)
-    runtime = PipelineRuntime(stage, mesh, schedule, n_micro, shape, dtype, device, weight_store=store)
+    runtime = PipelineRuntime(
+        stage, mesh, schedule, n_micro, shape, dtype, device, weight_store=store
+    )
     return Pipeline(stage, runtime, schedule)

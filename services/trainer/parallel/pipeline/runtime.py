@@ -55,16 +55,28 @@ class PipelineRuntime:
         weight_store: for split-backward schedules, the store the stage's linears defer into.
     """
 
-    def __init__(self, stage: PipelineStage, mesh: Mesh, schedule: str, n_micro: int, act_shape: tuple[int, ...],
-                 act_dtype: torch.dtype, device: torch.device, ddp=None, autocast=None,
-                 weight_store: WeightGradStore | None = None):
+    def __init__(
+        self,
+        stage: PipelineStage,
+        mesh: Mesh,
+        schedule: str,
+        n_micro: int,
+        act_shape: tuple[int, ...],
+        act_dtype: torch.dtype,
+        device: torch.device,
+        ddp=None,
+        autocast=None,
+        weight_store: WeightGradStore | None = None,
+    ):
         pp, v = mesh.pp, stage.virtual
         try:
             plan = schedules.build(schedule, pp, n_micro, v)
             schedules.validate(plan, pp, n_micro, v)
         except schedules.ScheduleError as e:
-            raise ConfigError(f"parallel.pipeline_schedule={schedule!r} with pp={pp}, {v} virtual stages and "
-                              f"{n_micro} micro-batches per step: {e}") from None
+            raise ConfigError(
+                f"parallel.pipeline_schedule={schedule!r} with pp={pp}, {v} virtual stages and "
+                f"{n_micro} micro-batches per step: {e}"
+            ) from None
         self.stage, self.mesh, self.n_micro = stage, mesh, n_micro
         # the last stage divides each micro-batch's loss by n_micro; the MoE blocks of every stage
         # (those without the head too) scale their aux losses' gradients alike
@@ -90,7 +102,9 @@ class PipelineRuntime:
         self.peak_in_flight = 0
 
     # ------------------------------------------------------------------ one step
-    def step(self, micro: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]) -> torch.Tensor:
+    def step(
+        self, micro: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]
+    ) -> torch.Tensor:
         """Forward and backward of a step's micro-batches; the sum of their loss shares.
 
         `micro[m]` is (tokens, labels, loss_mask) on the device for stages that read data (the
@@ -99,13 +113,17 @@ class PipelineRuntime:
         """
         stage = self.stage
         total = torch.zeros((), device=self.device)
-        inputs: dict[tuple[int, int], torch.Tensor] = {}    # received activations (or tokens)
-        outputs: dict[tuple[int, int], torch.Tensor] = {}   # chunk outputs / loss shares
+        inputs: dict[tuple[int, int], torch.Tensor] = {}  # received activations (or tokens)
+        outputs: dict[tuple[int, int], torch.Tensor] = {}  # chunk outputs / loss shares
         grad_out: dict[tuple[int, int], torch.Tensor] = {}  # received output gradients
-        grad_in: dict[tuple[int, int], torch.Tensor] = {}   # input gradients to send back
+        grad_in: dict[tuple[int, int], torch.Tensor] = {}  # input gradients to send back
         batch: list[tuple[Action, dist.P2POp]] = []
-        sends: list[tuple[object, torch.Tensor]] = []  # in flight until the step ends (buffers kept alive)
-        recvs: dict[tuple[str, int, int], object] = {}  # ("F"|"B", micro, chunk) -> the receive it needs
+        sends: list[
+            tuple[object, torch.Tensor]
+        ] = []  # in flight until the step ends (buffers kept alive)
+        recvs: dict[
+            tuple[str, int, int], object
+        ] = {}  # ("F"|"B", micro, chunk) -> the receive it needs
         self.timeline = []
         self.peak_in_flight = 0
         in_flight = 0
@@ -147,7 +165,9 @@ class PipelineRuntime:
                         grad_out[key] = buf
                         batch.append((a, dist.P2POp(dist.irecv, buf, self.next)))
                     else:
-                        t = (outputs[key].detach() if a.kind == "SEND_F" else grad_in.pop(key)).contiguous()
+                        t = (
+                            outputs[key].detach() if a.kind == "SEND_F" else grad_in.pop(key)
+                        ).contiguous()
                         self._check(a, t)
                         peer = self.next if a.kind == "SEND_F" else self.prev
                         batch.append((a, dist.P2POp(dist.isend, t, peer)))
@@ -213,7 +233,8 @@ class PipelineRuntime:
         if tuple(t.shape) != self.act_shape or t.dtype != self.act_dtype:
             raise RuntimeError(
                 f"pipeline rank {self.stage.pp_rank}: {a} would send a {t.dtype} tensor of shape {tuple(t.shape)}; "
-                f"the peer expects {self.act_dtype} of shape {self.act_shape} (micro_batch, seq, hidden)")
+                f"the peer expects {self.act_dtype} of shape {self.act_shape} (micro_batch, seq, hidden)"
+            )
 
     def _now(self) -> float:
         if self.record and self.device.type == "cuda":
@@ -222,8 +243,9 @@ class PipelineRuntime:
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
-    def forward_only(self, micro: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_only(
+        self, micro: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every micro-batch through every stage in order, no backward: on the last stage
         (sum of token-weighted losses, tokens counted) in float64, zeros elsewhere. Under context
         parallelism each cp rank's sum is its share: the caller sums them over cp."""

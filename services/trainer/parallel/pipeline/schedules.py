@@ -78,8 +78,13 @@ def peer_of(a: Action, rank: int, pp: int) -> int:
     return (s + 1) % pp if a.kind in ("SEND_F", "RECV_B") else (s - 1) % pp
 
 
-def _with_comms(steps: Sequence[Sequence[tuple[str, int, int]]], rank: int, pp: int, v: int,
-                fuse_sends: bool = True) -> list[Action]:
+def _with_comms(
+    steps: Sequence[Sequence[tuple[str, int, int]]],
+    rank: int,
+    pp: int,
+    v: int,
+    fuse_sends: bool = True,
+) -> list[Action]:
     """One rank's actions from its compute order, grouped in steps: before each step one comm batch
     with the sends of the previous step's computes, then the recvs this step's computes need
     (a step of one compute gives "recv right before, send right after"; Megatron's interleaved
@@ -117,14 +122,20 @@ Step = tuple[tuple[str, int, int], ...]
 def _order(name: str, pp: int, m: int, v: int, r: int) -> list[Step]:
     """Rank r's compute order for schedule `name`, grouped in comm steps (see `_with_comms`)."""
     if name == "none":  # one micro-batch at a time, forward through every stage, then backward
-        return [((k, mb, c),) for mb in range(m) for k, c in
-                [("F", c) for c in range(v)] + [("B", c) for c in reversed(range(v))]]
+        return [
+            ((k, mb, c),)
+            for mb in range(m)
+            for k, c in [("F", c) for c in range(v)] + [("B", c) for c in reversed(range(v))]
+        ]
     if name == "gpipe":  # all forwards, then all backwards
         return [((k, mb, 0),) for k in "FB" for mb in range(m)]
     w = min(pp - r - 1, m)  # 1F1B's warm-up forwards
     if name == "1f1b":  # Megatron's non-interleaved 1F1B
         fb = [k for i in range(m - w) for k in (("F", w + i, 0), ("B", i, 0))]
-        return [(x,) for x in [("F", mb, 0) for mb in range(w)] + fb + [("B", i, 0) for i in range(m - w, m)]]
+        return [
+            (x,)
+            for x in [("F", mb, 0) for mb in range(w)] + fb + [("B", i, 0) for i in range(m - w, m)]
+        ]
     if name == "zb-h1":  # 1F1B with B = I + W; rank r defers up to r W's (peak stays pp)
         steps: list[Step] = [(("F", mb, 0),) for mb in range(w)]
         pending: deque[int] = deque()
@@ -136,7 +147,11 @@ def _order(name: str, pp: int, m: int, v: int, r: int) -> list[Step]:
                 step.append(("W", pending.popleft(), 0))
             # once r W's are deferred, post RECV_B for I before the F in front of it: the next
             # rank sends it while this one finishes its W (sends are not buffered)
-            steps += [tuple(step[:2]), tuple(step[2:])] if len(step) == 3 and i > r else [(x,) for x in step]
+            steps += (
+                [tuple(step[:2]), tuple(step[2:])]
+                if len(step) == 3 and i > r
+                else [(x,) for x in step]
+            )
         return steps + [(("W", i, 0),) for i in pending]
     # interleaved (Megatron-core): step k forwards table[k], backs table[k] with chunk reversed;
     # the steady state's (F, B) pairs share one comm batch, as in Megatron
@@ -145,8 +160,11 @@ def _order(name: str, pp: int, m: int, v: int, r: int) -> list[Step]:
     w = min((pp - r - 1) * 2 + (v - 1) * pp, total)
     fwd = [("F", mb, c) for mb, c in table]
     bwd = [("B", mb, v - 1 - c) for mb, c in table]
-    return ([(x,) for x in fwd[:w]] + [(fwd[k + w], bwd[k]) for k in range(total - w)]
-            + [(x,) for x in bwd[total - w:]])
+    return (
+        [(x,) for x in fwd[:w]]
+        + [(fwd[k + w], bwd[k]) for k in range(total - w)]
+        + [(x,) for x in bwd[total - w :]]
+    )
 
 
 def build(name: str, pp: int, micro: int, virtual: int = 1) -> Schedule:
@@ -161,19 +179,27 @@ def build(name: str, pp: int, micro: int, virtual: int = 1) -> Schedule:
     if name not in SCHEDULES:
         raise ScheduleError(f"unknown pipeline schedule {name!r}; known: {', '.join(SCHEDULES)}")
     if pp < 1 or micro < 1 or virtual < 1:
-        raise ScheduleError(f"need pp, micro-batches and virtual stages >= 1, got {pp}, {micro}, {virtual}")
+        raise ScheduleError(
+            f"need pp, micro-batches and virtual stages >= 1, got {pp}, {micro}, {virtual}"
+        )
     if virtual > 1 and pp == 1:
         raise ScheduleError("virtual pipeline stages need pp >= 2")
     if virtual > 1 and name in ("gpipe", "1f1b", "zb-h1"):
-        raise ScheduleError(f"schedule {name!r} takes virtual=1 (use 'interleaved' for virtual > 1)")
+        raise ScheduleError(
+            f"schedule {name!r} takes virtual=1 (use 'interleaved' for virtual > 1)"
+        )
     if name == "interleaved":
         if virtual == 1:
             name = "1f1b"
         elif micro % pp:  # Megatron-core's partial last group deadlocks under rendezvous sends
-            raise ScheduleError(f"interleaved schedule needs micro-batches to be a multiple of pp "
-                                f"(got {micro} with pp={pp})")
-    return [_with_comms(_order(name, pp, micro, virtual, r), r, pp, virtual, name != "zb-h1")
-            for r in range(pp)]
+            raise ScheduleError(
+                f"interleaved schedule needs micro-batches to be a multiple of pp "
+                f"(got {micro} with pp={pp})"
+            )
+    return [
+        _with_comms(_order(name, pp, micro, virtual, r), r, pp, virtual, name != "zb-h1")
+        for r in range(pp)
+    ]
 
 
 def _batches(actions: Sequence[Action]) -> list[list[int]]:
@@ -203,8 +229,12 @@ def _keys(actions: Sequence[Action], rank: int, pp: int) -> list[tuple | None]:
     return keys
 
 
-def simulate(schedule: Sequence[Sequence[Action]], pp: int, virtual: int = 1,
-             cost: Mapping[str, float] | None = None) -> Timeline:
+def simulate(
+    schedule: Sequence[Sequence[Action]],
+    pp: int,
+    virtual: int = 1,
+    cost: Mapping[str, float] | None = None,
+) -> Timeline:
     """Per rank, (action, start, end) under the runtime semantics (module docstring).
 
     Compute actions take `cost[kind]` (default `DEFAULT_COST`); a comm op starts when its batch is
@@ -232,7 +262,10 @@ def simulate(schedule: Sequence[Sequence[Action]], pp: int, virtual: int = 1,
                     timeline[r].append((a, clock[r], end))
                     clock[r], pos[r], progress = end, pos[r] + 1, True
                     continue
-                mine = [("S" if schedule[r][i].kind.startswith("SEND") else "R", *keys[r][i]) for i in idx]
+                mine = [
+                    ("S" if schedule[r][i].kind.startswith("SEND") else "R", *keys[r][i])
+                    for i in idx
+                ]
                 if not is_posted[r]:
                     for key in mine:
                         posted[key] = clock[r]
@@ -249,8 +282,12 @@ def simulate(schedule: Sequence[Sequence[Action]], pp: int, virtual: int = 1,
     for r in range(pp):
         if pos[r] < len(batches[r]):
             idx = batches[r][pos[r]]
-            waiting = [schedule[r][i] for i in idx if
-                       ("R" if schedule[r][i].kind.startswith("SEND") else "S", *keys[r][i]) not in posted]
+            waiting = [
+                schedule[r][i]
+                for i in idx
+                if ("R" if schedule[r][i].kind.startswith("SEND") else "S", *keys[r][i])
+                not in posted
+            ]
             stuck.append(f"rank {r} waits at {waiting[0]} (peer rank {peer_of(waiting[0], r, pp)})")
     if stuck:
         raise ScheduleError("deadlock: " + "; ".join(stuck))
@@ -312,8 +349,10 @@ def _check_rank(actions: Sequence[Action], r: int, pp: int, m: int, v: int) -> N
                 raise ScheduleError(f"rank {r}: missing {a['F']}")
             split = a["I"] in at or a["W"] in at
             if split and a["B"] in at:
-                raise ScheduleError(f"rank {r}: {a['B']} and a split backward ({a['I']}/{a['W']}) both present")
-            for k in (("I", "W") if split else ("B",)):
+                raise ScheduleError(
+                    f"rank {r}: {a['B']} and a split backward ({a['I']}/{a['W']}) both present"
+                )
+            for k in ("I", "W") if split else ("B",):
                 if a[k] not in at:
                     raise ScheduleError(f"rank {r}: missing {a[k]}")
             bwd = a["I"] if split else a["B"]
@@ -322,8 +361,10 @@ def _check_rank(actions: Sequence[Action], r: int, pp: int, m: int, v: int) -> N
                 if need and a[k] not in at:
                     raise ScheduleError(f"rank {r}: missing {a[k]} (stage {s} of {last + 1})")
                 if not need and a[k] in at:
-                    raise ScheduleError(f"rank {r}: unexpected {a[k]} (stage {s} is the "
-                                        f"{'first' if k in ('RECV_F', 'SEND_B') else 'last'})")
+                    raise ScheduleError(
+                        f"rank {r}: unexpected {a[k]} (stage {s} is the "
+                        f"{'first' if k in ('RECV_F', 'SEND_B') else 'last'})"
+                    )
             before(a["F"], bwd)
             if split:
                 before(a["I"], a["W"])
@@ -356,7 +397,7 @@ def validate(schedule: Sequence[Sequence[Action]], pp: int, micro: int, virtual:
                     sent.setdefault((r, peer), []).append(a)
                 else:
                     recv.setdefault((peer, r), []).append(a)
-    for (src, dst) in sorted(set(sent) | set(recv)):
+    for src, dst in sorted(set(sent) | set(recv)):
         sends, recvs = sent.get((src, dst), []), recv.get((src, dst), [])
         for k in range(max(len(sends), len(recvs))):
             if k >= len(sends):
@@ -366,5 +407,6 @@ def validate(schedule: Sequence[Sequence[Action]], pp: int, micro: int, virtual:
             if _message(sends[k], src, pp) != _message(recvs[k], dst, pp):
                 raise ScheduleError(
                     f"rank {src}: message #{k} to rank {dst} is {sends[k]} but rank {dst}'s recv "
-                    f"#{k} from rank {src} is {recvs[k]} (per-pair FIFO order differs)")
+                    f"#{k} from rank {src} is {recvs[k]} (per-pair FIFO order differs)"
+                )
     simulate(schedule, pp, virtual)

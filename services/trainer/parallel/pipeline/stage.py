@@ -28,8 +28,14 @@ from meshtrain.services.trainer.config import ParallelConfig
 from meshtrain.services.trainer.model.gpt import GPT, rope_tables
 
 
-def stage_layers(num_layers: int, pp: int, virtual: int = 1, first: int | None = None, last: int | None = None,
-                 explicit: list[int] | None = None) -> list[range]:
+def stage_layers(
+    num_layers: int,
+    pp: int,
+    virtual: int = 1,
+    first: int | None = None,
+    last: int | None = None,
+    explicit: list[int] | None = None,
+) -> list[range]:
     """The global blocks of each virtual stage, in stage order (pp·virtual ranges, contiguous).
 
     Raises:
@@ -40,23 +46,27 @@ def stage_layers(num_layers: int, pp: int, virtual: int = 1, first: int | None =
         if len(explicit) != n_stages or any(k < 0 for k in explicit) or sum(explicit) != num_layers:
             raise ConfigError(
                 f"parallel.pipeline_layout={list(explicit)} must list {n_stages} block counts >= 0 (pp={pp} x "
-                f"{virtual} virtual stages) adding up to model.num_layers={num_layers}")
+                f"{virtual} virtual stages) adding up to model.num_layers={num_layers}"
+            )
         counts = list(explicit)
     else:
         fixed = {0: first} if first is not None else {}
         if last is not None:
             if n_stages == 1:
-                raise ConfigError("parallel.decoder_last_pipeline_num_layers needs more than one pipeline stage")
+                raise ConfigError(
+                    "parallel.decoder_last_pipeline_num_layers needs more than one pipeline stage"
+                )
             fixed[n_stages - 1] = last
         if any(k < 0 for k in fixed.values()):
             raise ConfigError(f"decoder first/last pipeline block counts must be >= 0, got {fixed}")
         rest, others = num_layers - sum(fixed.values()), n_stages - len(fixed)
         if rest < 0 or (others and rest % others) or (not others and rest):
-            what = (f" after {sum(fixed.values())} blocks on the first/last stage" if fixed else "")
+            what = f" after {sum(fixed.values())} blocks on the first/last stage" if fixed else ""
             raise ConfigError(
                 f"model.num_layers={num_layers} does not split evenly over {others} pipeline stages{what} "
                 f"(pp={pp} x {virtual} virtual stages): change num_layers, the degrees, or set "
-                "parallel.decoder_first_pipeline_num_layers / decoder_last_pipeline_num_layers / pipeline_layout")
+                "parallel.decoder_first_pipeline_num_layers / decoder_last_pipeline_num_layers / pipeline_layout"
+            )
         counts = [fixed.get(s, rest // others if others else 0) for s in range(n_stages)]
     out, start = [], 0
     for k in counts:
@@ -84,7 +94,9 @@ class PipelineStage(nn.Module):
         parallel: the recompute plan (applied per chunk, as Megatron applies it per stage).
     """
 
-    def __init__(self, model: GPT, pp_rank: int, pp: int, stages: list[range], parallel: ParallelConfig):
+    def __init__(
+        self, model: GPT, pp_rank: int, pp: int, stages: list[range], parallel: ParallelConfig
+    ):
         super().__init__()
         if len(stages) % pp:
             raise ValueError(f"{len(stages)} virtual stages do not divide over pp={pp}")
@@ -117,7 +129,7 @@ class PipelineStage(nn.Module):
             return [(ids, False)] if ids else []
         k = parallel.recompute_num_layers
         if parallel.recompute_method == "uniform":
-            return [(ids[i:i + k], True) for i in range(0, len(ids), k)]
+            return [(ids[i : i + k], True) for i in range(0, len(ids), k)]
         return [([i], True) for i in ids[:k]] + ([(ids[k:], False)] if ids[k:] else [])
 
     @property
@@ -139,16 +151,25 @@ class PipelineStage(nn.Module):
             x = self.layers[str(i)](x, rope)
         return x
 
-    def forward_chunk(self, chunk: int, x: torch.Tensor, labels: torch.Tensor | None = None,
-                      loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_chunk(
+        self,
+        chunk: int,
+        x: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        loss_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Chunk `chunk` of this rank: tokens or the previous stage's activations in; the next
         stage's activations, or on the last stage the mean token loss (logits without labels), out."""
         positions = None
-        if self.context is not None:  # training sequences are whole: this rank's share of seq_length
+        if (
+            self.context is not None
+        ):  # training sequences are whole: this rank's share of seq_length
             positions = self.context.positions(self.config.seq_length // self.context.cp, x.device)
         if self.chunk_is_first(chunk):
             if x.shape[1] > self.config.seq_length:
-                raise ValueError(f"sequence of {x.shape[1]} tokens exceeds model.seq_length={self.config.seq_length}")
+                raise ValueError(
+                    f"sequence of {x.shape[1]} tokens exceeds model.seq_length={self.config.seq_length}"
+                )
             x = self.embedding(x, positions)
         rope = rope_tables(self.rope_cos, self.rope_sin, positions)
         for ids, recompute in self.runs[chunk]:
@@ -161,7 +182,9 @@ class PipelineStage(nn.Module):
         h = self.final_norm(x)
         if labels is not None:
             loss = self.head.loss(h, self.output_weight, labels, loss_mask)
-            return loss if self.context is None else self.context.loss_share(loss, labels, loss_mask)
+            return (
+                loss if self.context is None else self.context.loss_share(loss, labels, loss_mask)
+            )
         return self.head.logits(h, self.output_weight)
 
     def forward_units(self) -> list[tuple[nn.Module, list[nn.Parameter]]]:
@@ -171,7 +194,12 @@ class PipelineStage(nn.Module):
             units.append((self.embedding, list(self.embedding.parameters())))
         units += [(layer, list(layer.parameters())) for layer in self.layers.values()]
         if self.is_last:
-            head = [p for m in (self.final_norm, self.output_layer) if m is not None for p in m.parameters()]
+            head = [
+                p
+                for m in (self.final_norm, self.output_layer)
+                if m is not None
+                for p in m.parameters()
+            ]
             if not self.is_first and self.output_layer is None:
                 head.append(self.output_weight)
             units.append((self.final_norm, head))

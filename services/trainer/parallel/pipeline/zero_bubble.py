@@ -39,7 +39,9 @@ class WeightGradStore:
         for fn in self.pending.pop(key, []):
             fn(final)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         """F.linear whose weight gradient is deferred while `begin`..`end` is collecting."""
         param = weight
         if torch.is_autocast_enabled(x.device.type):

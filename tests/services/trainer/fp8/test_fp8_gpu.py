@@ -15,7 +15,10 @@ from meshtrain.services.trainer.train import Trainer, train
 from tests.services.trainer.conftest import small_job_args
 
 FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not FP8_GPU, reason="needs a CUDA GPU with FP8 (sm_89+)")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not FP8_GPU, reason="needs a CUDA GPU with FP8 (sm_89+)"),
+]
 
 # llama-1b's four block linears: (name, in, out); 4096 tokens (micro-batch 2 x 2048)
 LAYERS = [("qkv", 2048, 4096), ("proj", 2048, 2048), ("fc1", 2048, 11264), ("fc2", 5632, 2048)]
@@ -29,8 +32,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _operands(k: int, n: int):
     g = torch.Generator(device="cuda").manual_seed(k * 7 + n)
     x = torch.randn(TOKENS, k, device="cuda", generator=g, dtype=torch.bfloat16)
-    w = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).requires_grad_()
-    dy = torch.randn(TOKENS, n, device="cuda", generator=g, dtype=torch.bfloat16) * 1e-3  # gradient-sized
+    w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).requires_grad_()
+    dy = (
+        torch.randn(TOKENS, n, device="cuda", generator=g, dtype=torch.bfloat16) * 1e-3
+    )  # gradient-sized
     return x.requires_grad_(), w, dy
 
 
@@ -73,29 +78,54 @@ def test_each_layer_type_is_close_to_bf16(name, k, n, recipe):
 
 
 def _llama_job(corpus_cache, run_dir, **extra):
-    args = small_job_args(corpus_cache, run_dir, **{
-        "train.device": "cuda", "train.bf16": True, "train.eval_interval": 0, "train.train_iters": 30,
-        "train.compile": True, "model.hidden_size": 128, "model.normalization": "rmsnorm",
-        "model.activation": "swiglu", "model.position_embedding_type": "rope", "model.add_bias_linear": False,
-        **extra})
+    args = small_job_args(
+        corpus_cache,
+        run_dir,
+        **{
+            "train.device": "cuda",
+            "train.bf16": True,
+            "train.eval_interval": 0,
+            "train.train_iters": 30,
+            "train.compile": True,
+            "model.hidden_size": 128,
+            "model.normalization": "rmsnorm",
+            "model.activation": "swiglu",
+            "model.position_embedding_type": "rope",
+            "model.add_bias_linear": False,
+            **extra,
+        },
+    )
     return load_config(args)
 
 
 @pytest.mark.parametrize("algo", ["most_recent", "max"])
-def test_compiled_delayed_scaling_records_every_amax_and_scales_from_it(algo, corpus_cache, tmp_path):
+def test_compiled_delayed_scaling_records_every_amax_and_scales_from_it(
+    algo, corpus_cache, tmp_path
+):
     """The compiled model on CUDA (weight copies, fused accumulation): after each step every FP8
     layer's history holds the step's input, weight and output-gradient amaxes (the last recorded
     in the compiled backward), and the next scales are fp8_max over them."""
-    job = _llama_job(corpus_cache, tmp_path / "run", **{"train.fp8": "hybrid", "train.fp8_recipe": "delayed",
-                                                        "train.fp8_amax_history_len": 4,
-                                                        "train.fp8_amax_compute_algo": algo})
+    job = _llama_job(
+        corpus_cache,
+        tmp_path / "run",
+        **{
+            "train.fp8": "hybrid",
+            "train.fp8_recipe": "delayed",
+            "train.fp8_amax_history_len": 4,
+            "train.fp8_amax_compute_algo": algo,
+        },
+    )
     trainer = Trainer(job)
     state = trainer.fp8.delayed
-    maxes = torch.tensor(FORMATS["hybrid"].role_max(), device="cuda")  # fp8_max of input, weight, gradient
+    maxes = torch.tensor(
+        FORMATS["hybrid"].role_max(), device="cuda"
+    )  # fp8_max of input, weight, gradient
     try:
         for step in range(3):
             trainer.train_step(step)
-            newest = state.history[:, :, 1]  # the step just ended (entry 0 is the next one's, zeroed)
+            newest = state.history[
+                :, :, 1
+            ]  # the step just ended (entry 0 is the next one's, zeroed)
             assert (newest > 0).all(), (step, newest)
             assert (state.history[:, :, 0] == 0).all()
             seen = state.history.amax(dim=-1) if algo == "max" else newest
@@ -116,7 +146,9 @@ def test_compiled_fp8_training_follows_bf16(recipe, corpus_cache, tmp_path):
     level. A scaling or layout error shows as O(1) and training that does not fall."""
     fmt = "e4m3" if recipe == "rowwise" else "hybrid"
     bf16 = train(_llama_job(corpus_cache, tmp_path / "bf16"))
-    fp8 = train(_llama_job(corpus_cache, tmp_path / "fp8", **{"train.fp8": fmt, "train.fp8_recipe": recipe}))
+    fp8 = train(
+        _llama_job(corpus_cache, tmp_path / "fp8", **{"train.fp8": fmt, "train.fp8_recipe": recipe})
+    )
     assert fp8.losses[30] < fp8.losses[1] - 1.0
     for step, loss in bf16.losses.items():
         assert fp8.losses[step] == pytest.approx(loss, rel=0.05), step

@@ -23,12 +23,24 @@ from tests.services.trainer.conftest import small_job_args
 
 pytestmark = pytest.mark.dist
 
-LLAMA = {"model.normalization": "rmsnorm", "model.activation": "swiglu", "model.position_embedding_type": "rope",
-         "model.add_bias_linear": False, "model.untie_embeddings_and_output_weights": True,
-         "model.num_query_groups": 2}
-COMMON = {"train.train_iters": 8, "train.eval_interval": 0, "train.micro_batch_size": 2, "train.bf16": True,
-          "train.global_batch_size": 8, "model.num_attention_heads": 4, "model.num_layers": 4,
-          "parallel.ddp_bucket_size": 20000}
+LLAMA = {
+    "model.normalization": "rmsnorm",
+    "model.activation": "swiglu",
+    "model.position_embedding_type": "rope",
+    "model.add_bias_linear": False,
+    "model.untie_embeddings_and_output_weights": True,
+    "model.num_query_groups": 2,
+}
+COMMON = {
+    "train.train_iters": 8,
+    "train.eval_interval": 0,
+    "train.micro_batch_size": 2,
+    "train.bf16": True,
+    "train.global_batch_size": 8,
+    "model.num_attention_heads": 4,
+    "model.num_layers": 4,
+    "parallel.ddp_bucket_size": 20000,
+}
 
 
 def _rank_train(rank, world, args):
@@ -36,15 +48,36 @@ def _rank_train(rank, world, args):
 
 
 CASES = {
-    "tp2-sp-tensorwise": (2, LLAMA, {"train.fp8_recipe": "tensorwise", "parallel.tp": 2,
-                                     "parallel.sequence_parallel": True}, 3e-4),
+    "tp2-sp-tensorwise": (
+        2,
+        LLAMA,
+        {"train.fp8_recipe": "tensorwise", "parallel.tp": 2, "parallel.sequence_parallel": True},
+        3e-4,
+    ),
     "tp2-gpt2-delayed": (2, {}, {"train.fp8_recipe": "delayed", "parallel.tp": 2}, 3e-4),
-    "tp2-sp-delayed": (2, LLAMA, {"train.fp8_recipe": "delayed", "parallel.tp": 2,
-                                  "parallel.sequence_parallel": True}, 3e-4),
-    "dp2-zero1-overlap-delayed": (2, LLAMA, {"train.fp8_recipe": "delayed", "parallel.use_distributed_optimizer": True,
-                                             "parallel.overlap_grad_reduce": True}, 1e-4),
+    "tp2-sp-delayed": (
+        2,
+        LLAMA,
+        {"train.fp8_recipe": "delayed", "parallel.tp": 2, "parallel.sequence_parallel": True},
+        3e-4,
+    ),
+    "dp2-zero1-overlap-delayed": (
+        2,
+        LLAMA,
+        {
+            "train.fp8_recipe": "delayed",
+            "parallel.use_distributed_optimizer": True,
+            "parallel.overlap_grad_reduce": True,
+        },
+        1e-4,
+    ),
     "pp2-tensorwise": (2, LLAMA, {"train.fp8_recipe": "tensorwise", "parallel.pp": 2}, 1e-6),
-    "tp2-rowwise": (2, LLAMA, {"train.fp8": "e4m3", "train.fp8_recipe": "rowwise", "parallel.tp": 2}, 1e-3),
+    "tp2-rowwise": (
+        2,
+        LLAMA,
+        {"train.fp8": "e4m3", "train.fp8_recipe": "rowwise", "parallel.tp": 2},
+        1e-3,
+    ),
 }
 
 
@@ -52,8 +85,12 @@ CASES = {
 def test_fp8_sharded_training_follows_one_process(case, corpus_cache, tmp_path):
     world, arch, extra, rel = CASES[case]
     fp8 = {"train.fp8": "hybrid", **{k: v for k, v in extra.items() if k.startswith("train.")}}
-    one = train(load_config(small_job_args(corpus_cache, tmp_path / "one", **COMMON, **arch, **fp8))).losses
-    args = small_job_args(corpus_cache, tmp_path / "run", **COMMON, **arch, **{"train.fp8": "hybrid", **extra})
+    one = train(
+        load_config(small_job_args(corpus_cache, tmp_path / "one", **COMMON, **arch, **fp8))
+    ).losses
+    args = small_job_args(
+        corpus_cache, tmp_path / "run", **COMMON, **arch, **{"train.fp8": "hybrid", **extra}
+    )
     got = run_ranks(_rank_train, world, args, timeout=400)
     losses = next(r for r in got if r)  # the last pipeline stage's rank reports them
     assert sorted(losses) == list(range(1, 9))
@@ -64,8 +101,11 @@ def test_fp8_sharded_training_follows_one_process(case, corpus_cache, tmp_path):
 def _rank_train_gathering(rank, world, args):
     """(losses, checkpoint URL, whether each FP8 column-parallel layer gathers its input itself)."""
     trainer = Trainer(load_config(args))
-    gathers = [m.linear.gathers_sequence for m in trainer.model.modules()
-               if isinstance(m, ColumnParallelLinear) and isinstance(m.linear, Fp8Gemm)]
+    gathers = [
+        m.linear.gathers_sequence
+        for m in trainer.model.modules()
+        if isinstance(m, ColumnParallelLinear) and isinstance(m.linear, Fp8Gemm)
+    ]
     result = trainer.run()
     return result.losses, result.checkpoint, gathers
 
@@ -79,12 +119,25 @@ def test_fp8_all_gather_trains_exactly_as_gathering_in_bf16(recipe, corpus_cache
     parameters and both Adam moments after 4 steps, are identical."""
     runs = {}
     for gather in (True, False):
-        args = small_job_args(corpus_cache, tmp_path / f"gather-{gather}", **LLAMA, **{
-            **COMMON, "train.train_iters": 4, "train.fp8": "hybrid", "train.fp8_recipe": recipe, "parallel.tp": 2,
-            "parallel.sequence_parallel": True, "train.fp8_all_gather": gather})
+        args = small_job_args(
+            corpus_cache,
+            tmp_path / f"gather-{gather}",
+            **LLAMA,
+            **{
+                **COMMON,
+                "train.train_iters": 4,
+                "train.fp8": "hybrid",
+                "train.fp8_recipe": recipe,
+                "parallel.tp": 2,
+                "parallel.sequence_parallel": True,
+                "train.fp8_all_gather": gather,
+            },
+        )
         got = run_ranks(_rank_train_gathering, 2, args, timeout=400)
         losses, url, gathers = got[0]
-        assert len(gathers) == 2 * 4 and set(gathers) == {gather}  # QKV and fc1 of each of the 4 blocks
+        assert len(gathers) == 2 * 4 and set(gathers) == {
+            gather
+        }  # QKV and fc1 of each of the 4 blocks
         runs[gather] = (losses, load_checkpoint(url.rsplit("/", 1)[0], 4))
     (on_losses, (on, _)), (off_losses, (off, _)) = runs[True], runs[False]
     assert on_losses == off_losses and sorted(on_losses) == [1, 2, 3, 4]

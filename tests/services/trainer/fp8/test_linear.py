@@ -15,7 +15,14 @@ from torch import nn
 
 from meshtrain.services.trainer.fp8 import DelayedState, Fp8Gemm, Fp8Linear, Recipe
 from meshtrain.services.trainer.fp8.convert import Fp8Model
-from meshtrain.services.trainer.fp8.scaling import E4M3, E5M2, FP8_MAX, amax, amax_to_scale, cast_to_fp8
+from meshtrain.services.trainer.fp8.scaling import (
+    E4M3,
+    E5M2,
+    FP8_MAX,
+    amax,
+    amax_to_scale,
+    cast_to_fp8,
+)
 from meshtrain.services.trainer.weight_copies import WeightCopies, call_with
 
 
@@ -36,7 +43,9 @@ def _operands(m=48, k=32, n=64, seed=0):
 
 
 def _close(a, b, rtol=1e-2):
-    torch.testing.assert_close(a.float(), b.float(), rtol=rtol, atol=rtol * b.float().abs().max().item())
+    torch.testing.assert_close(
+        a.float(), b.float(), rtol=rtol, atol=rtol * b.float().abs().max().item()
+    )
 
 
 def _far(a, b):
@@ -74,7 +83,9 @@ def test_a_row_of_outliers_costs_other_rows_nothing_under_rowwise():
     """The point of rowwise scaling: one huge token does not flush the others' small values."""
     x, w, _, _ = _operands()
     x = x.detach().clone()
-    x[0, 0] *= 1e6  # one token: under one scale per tensor the others fall below e4m3's smallest value
+    x[0, 0] *= (
+        1e6  # one token: under one scale per tensor the others fall below e4m3's smallest value
+    )
     ref = F.linear(x, w.detach())
     rel = lambda y: ((y.float() - ref)[0, 1:].norm() / ref[0, 1:].norm()).item()  # noqa: E731
     with torch.no_grad():
@@ -100,7 +111,9 @@ def test_delayed_scaling_records_amaxes_and_scales_from_them_after_the_first_ste
     gemm(second.requires_grad_(), w, b).backward(dy.to(torch.bfloat16))
     xs = x.detach().bfloat16().float()
     assert state.history[0, 0, 0].item() == pytest.approx(3 * xs.abs().max().item(), rel=1e-2)
-    assert state.history[0, 1, 0].item() == pytest.approx(w.detach().bfloat16().float().abs().max().item())
+    assert state.history[0, 1, 0].item() == pytest.approx(
+        w.detach().bfloat16().float().abs().max().item()
+    )
     assert state.history[0, 2, 0].item() > 0
     handle.step_end()
     assert state.ready and state.history[0, :, 0].tolist() == [0.0, 0.0, 0.0]  # a fresh entry

@@ -29,7 +29,7 @@ def test_the_formats_are_megatrons():
 def test_scale_is_fp8_max_over_amax_over_two_to_the_margin(margin):
     values = [3.5, 0.01, 448.0, 1e4]
     got = amax_to_scale(torch.tensor(values), 448.0, margin)
-    want = [448.0 / v / 2 ** margin for v in values]
+    want = [448.0 / v / 2**margin for v in values]
     assert got.tolist() == pytest.approx(want, rel=1e-6)
 
 
@@ -75,7 +75,7 @@ def _reference_scales(history, role_max, algo, margin, previous):
         row = []
         for entries, fp8_max, prev in zip(layer, role_max, prev_row):
             recent = max(entries) if algo == "max" else entries[0]
-            row.append(fp8_max / recent / 2 ** margin if recent > 0 else prev)
+            row.append(fp8_max / recent / 2**margin if recent > 0 else prev)
         out.append(row)
     return out
 
@@ -83,11 +83,15 @@ def _reference_scales(history, role_max, algo, margin, previous):
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
 @pytest.mark.parametrize("margin", [0, 1])
 def test_delayed_scales_from_the_history(algo, margin):
-    history = [[[2.0, 8.0, 1.0], [0.0, 0.0, 0.0], [0.5, 0.25, 4.0]],
-               [[16.0, 1.0, 1.0], [3.0, 0.0, 7.0], [0.0, 0.0, 0.0]]]
+    history = [
+        [[2.0, 8.0, 1.0], [0.0, 0.0, 0.0], [0.5, 0.25, 4.0]],
+        [[16.0, 1.0, 1.0], [3.0, 0.0, 7.0], [0.0, 0.0, 0.0]],
+    ]
     previous = [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]
     role_max = [448.0, 448.0, 57344.0]
-    got = scale_from_history(torch.tensor(history), torch.tensor(role_max), algo, margin, torch.tensor(previous))
+    got = scale_from_history(
+        torch.tensor(history), torch.tensor(role_max), algo, margin, torch.tensor(previous)
+    )
     want = _reference_scales(history, role_max, algo, margin, previous)
     assert got.tolist() == [pytest.approx(row, rel=1e-6) for row in want]
 
@@ -98,12 +102,15 @@ def test_rolling_ages_every_entry_and_opens_a_zero_one():
     assert h.tolist() == [[[0.0, 1.0, 2.0]], [[0.0, 4.0, 5.0]]]
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"format": "e5m2"}, "unknown FP8 format"),
-    ({"recipe": "mxfp8"}, "unknown FP8 recipe"),
-    ({"amax_compute_algo": "mean"}, "amax compute algorithm"),
-    ({"amax_history_len": 0}, "at least one entry"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"format": "e5m2"}, "unknown FP8 format"),
+        ({"recipe": "mxfp8"}, "unknown FP8 recipe"),
+        ({"amax_compute_algo": "mean"}, "amax compute algorithm"),
+        ({"amax_history_len": 0}, "at least one entry"),
+    ],
+)
 def test_a_bad_recipe_is_refused_by_name(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Recipe(**kwargs)

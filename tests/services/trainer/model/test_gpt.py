@@ -10,8 +10,15 @@ from meshtrain.services.trainer.config import ModelConfig
 from meshtrain.services.trainer.model import GPT
 
 GPT2 = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=301)
-LLAMA = dict(GPT2, normalization="rmsnorm", activation="swiglu", position_embedding_type="rope",
-             add_bias_linear=False, untie_embeddings_and_output_weights=True, num_query_groups=2)
+LLAMA = dict(
+    GPT2,
+    normalization="rmsnorm",
+    activation="swiglu",
+    position_embedding_type="rope",
+    add_bias_linear=False,
+    untie_embeddings_and_output_weights=True,
+    num_query_groups=2,
+)
 
 
 def build(**kw):
@@ -67,10 +74,12 @@ def naive_attention_block(model, x):
         v = x @ w[grp, h // g + 1].t()
         if model.rope_cos is not None:
             cos, sin = model.rope_cos[:s], model.rope_sin[:s]
-            rot = lambda t: torch.cat([-t[..., d // 2:], t[..., : d // 2]], -1)  # noqa: E731
+            rot = lambda t: torch.cat([-t[..., d // 2 :], t[..., : d // 2]], -1)  # noqa: E731
             q, k = q * cos + rot(q) * sin, k * cos + rot(k) * sin
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(d)
-        scores = scores.masked_fill(torch.triu(torch.ones(s, s, dtype=torch.bool), 1), float("-inf"))
+        scores = scores.masked_fill(
+            torch.triu(torch.ones(s, s, dtype=torch.bool), 1), float("-inf")
+        )
         outs.append(scores.softmax(-1) @ v)
     return att.proj(torch.cat(outs, -1))
 
@@ -80,15 +89,20 @@ def test_attention_matches_naive_per_head_reference(kw):
     model = build(**kw)
     x = torch.randn(2, 12, 64)
     rope = (model.rope_cos, model.rope_sin) if model.rope_cos is not None else None
-    torch.testing.assert_close(model.layers[0].attention(x, rope), naive_attention_block(model, x),
-                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        model.layers[0].attention(x, rope), naive_attention_block(model, x), rtol=1e-4, atol=1e-5
+    )
 
 
-@pytest.mark.parametrize("backend,expand", [("math", None), ("auto", True), ("math", True)],
-                         ids=["pinned-math", "auto-expanded-kv", "math-expanded-kv"])
+@pytest.mark.parametrize(
+    "backend,expand",
+    [("math", None), ("auto", True), ("math", True)],
+    ids=["pinned-math", "auto-expanded-kv", "math-expanded-kv"],
+)
 def test_pinned_attention_backend_and_expanded_kv_match_naive_reference(backend, expand):
     """A pinned SDPA backend (and expanding KV heads instead of enable_gqa) computes the same."""
     from meshtrain.services.trainer.model import attention
+
     model = build(**LLAMA, attention_backend=backend)
     assert model.layers[0].attention.core.backend == backend
     x = torch.randn(2, 12, 64)
@@ -96,21 +110,29 @@ def test_pinned_attention_backend_and_expanded_kv_match_naive_reference(backend,
     if expand:
         core = model.layers[0].attention.core
         core.forward = lambda q, k, v: attention.sdpa(q, k, v, 0.0, backend, expand_kv=True)
-    torch.testing.assert_close(model.layers[0].attention(x, rope), naive_attention_block(model, x),
-                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        model.layers[0].attention(x, rope), naive_attention_block(model, x), rtol=1e-4, atol=1e-5
+    )
 
 
 def test_unknown_attention_backend_is_refused():
     from meshtrain.services.common.errors import ConfigError
     from meshtrain.services.trainer.config import load_config
+
     with pytest.raises(ConfigError, match="model.attention_backend: got 'flash3'"):
         load_config(["--model.attention_backend=flash3"])
 
 
 def test_canonical_parameter_names():
     names = set(dict(build(**LLAMA).named_parameters()))
-    per_layer = ["input_norm.weight", "attention.qkv.weight", "attention.proj.weight",
-                 "pre_mlp_norm.weight", "mlp.fc1.weight", "mlp.fc2.weight"]
+    per_layer = [
+        "input_norm.weight",
+        "attention.qkv.weight",
+        "attention.proj.weight",
+        "pre_mlp_norm.weight",
+        "mlp.fc1.weight",
+        "mlp.fc2.weight",
+    ]
     expected = {"embedding.word_embeddings.weight", "output_layer.weight", "final_norm.weight"}
     expected |= {f"layers.{i}.{n}" for i in range(2) for n in per_layer}
     assert names == expected
@@ -127,7 +149,11 @@ def test_fused_shapes_gqa_and_swiglu():
     assert ffn == 128  # 8/3 * 64 rounded down to 64, Megatron-LM's --swiglu width
     assert model.layers[0].mlp.fc1.weight.shape == (2 * ffn, 64)
     # Megatron-LM: int((4 * hidden * 2 / 3) / 64) * 64
-    assert [ModelConfig(**dict(LLAMA, hidden_size=h)).ffn_size for h in (1024, 2048, 4096)] == [2688, 5440, 10880]
+    assert [ModelConfig(**dict(LLAMA, hidden_size=h)).ffn_size for h in (1024, 2048, 4096)] == [
+        2688,
+        5440,
+        10880,
+    ]
 
 
 def test_init_scaled_residual_projections():
@@ -160,7 +186,9 @@ def test_flops_count_the_head_once_tied_or_untied():
     tied, untied = build(**GPT2), build(**dict(GPT2, untie_embeddings_and_output_weights=True))
     assert untied.num_parameters() == tied.num_parameters() + 301 * 64
     assert untied.flops_per_token() == tied.flops_per_token()
-    body = sum(p.numel() for n, p in untied.named_parameters() if n.startswith(("layers.", "final_norm.")))
+    body = sum(
+        p.numel() for n, p in untied.named_parameters() if n.startswith(("layers.", "final_norm."))
+    )
     assert untied.flops_per_token() == 6 * (body + 301 * 64) + 12 * 2 * 32 * 64
 
 
@@ -188,13 +216,19 @@ def test_bf16_residual_stream_under_autocast(kw):
     """Under autocast the stream between blocks is bf16 by default (fp32 parameters and gradients
     still) and fp32 with fp32_residual_connection; the loss and gradients of the two agree to
     bf16 rounding. Without autocast the setting changes nothing."""
-    loss16, grads16, stream16 = _loss_grads_and_stream(kw, autocast=True)  # the default: a bf16 stream
-    loss32, grads32, stream32 = _loss_grads_and_stream(dict(kw, fp32_residual_connection=True), autocast=True)
+    loss16, grads16, stream16 = _loss_grads_and_stream(
+        kw, autocast=True
+    )  # the default: a bf16 stream
+    loss32, grads32, stream32 = _loss_grads_and_stream(
+        dict(kw, fp32_residual_connection=True), autocast=True
+    )
     assert stream32 == [torch.float32] * 3 and stream16 == [torch.bfloat16] * 3
     assert loss16 == pytest.approx(loss32, rel=1e-3)
     for name, g in grads32.items():
         assert grads16[name].dtype == torch.float32, name
-        torch.testing.assert_close(grads16[name], g, rtol=0.1, atol=0.05 * g.abs().max().item(), msg=name)
+        torch.testing.assert_close(
+            grads16[name], g, rtol=0.1, atol=0.05 * g.abs().max().item(), msg=name
+        )
     plain = _loss_grads_and_stream(dict(kw, fp32_residual_connection=True), autocast=False)
     off = _loss_grads_and_stream(kw, autocast=False)
     assert plain[2] == off[2] == [torch.float32] * 3 and plain[0] == off[0]

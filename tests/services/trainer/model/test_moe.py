@@ -14,18 +14,39 @@ from meshtrain.services.trainer.model import GPT
 from meshtrain.services.trainer.model.moe import moe_layers, set_moe_loss_scale
 from meshtrain.services.trainer.parallel import recompute
 
-CFG = dict(num_layers=3, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=96,
-           normalization="rmsnorm", activation="swiglu", position_embedding_type="rope", add_bias_linear=False,
-           untie_embeddings_and_output_weights=True, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24,
-           moe_layer_freq=[1, 0, 1], moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01,
-           moe_expert_capacity_factor=1.0, moe_router_enable_expert_bias=True,
-           moe_shared_expert_intermediate_size=16)
+CFG = dict(
+    num_layers=3,
+    hidden_size=32,
+    num_attention_heads=4,
+    seq_length=16,
+    vocab_size=96,
+    normalization="rmsnorm",
+    activation="swiglu",
+    position_embedding_type="rope",
+    add_bias_linear=False,
+    untie_embeddings_and_output_weights=True,
+    num_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=24,
+    moe_layer_freq=[1, 0, 1],
+    moe_aux_loss_coeff=0.1,
+    moe_z_loss_coeff=0.01,
+    moe_expert_capacity_factor=1.0,
+    moe_router_enable_expert_bias=True,
+    moe_shared_expert_intermediate_size=16,
+)
 
 PLANS = {
     "none": {},
-    "full-uniform-1": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
-    "full-uniform-3": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=3),
-    "full-block-2": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2),
+    "full-uniform-1": dict(
+        recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+    ),
+    "full-uniform-3": dict(
+        recompute_granularity="full", recompute_method="uniform", recompute_num_layers=3
+    ),
+    "full-block-2": dict(
+        recompute_granularity="full", recompute_method="block", recompute_num_layers=2
+    ),
     "selective": dict(recompute_granularity="selective"),
 }
 
@@ -63,7 +84,9 @@ def test_recompute_gives_identical_losses_gradients_and_statistics(plan):
         assert got.micro_batches == ref.micro_batches == 2, name
         assert torch.equal(got.tokens_per_expert, ref.tokens_per_expert), name
         assert torch.equal(got.routed_per_expert, ref.routed_per_expert), name
-        assert int(got.routed_per_expert.sum()) == 2 * 2 * 16 * 2  # micro-batches x tokens x top-k, counted once
+        assert (
+            int(got.routed_per_expert.sum()) == 2 * 2 * 16 * 2
+        )  # micro-batches x tokens x top-k, counted once
         assert torch.equal(got.aux_loss, ref.aux_loss) and got.aux_loss > 0, name
         assert torch.equal(got.z_loss, ref.z_loss) and got.z_loss > 0, name
 

@@ -36,11 +36,15 @@ def test_weight_decay_groups():
     opt = build_optimizer(model, c)
     decayed = {n for n, p in model.named_parameters() if is_decayed(n, p, c)}
     assert "layers.0.attention.qkv.weight" in decayed and "layers.0.mlp.fc2.weight" in decayed
-    assert not any(n.endswith(".bias") or "norm" in n or n.startswith("embedding.") for n in decayed)
+    assert not any(
+        n.endswith(".bias") or "norm" in n or n.startswith("embedding.") for n in decayed
+    )
     assert opt.param_groups[0]["weight_decay"] == 0.1 and opt.param_groups[1]["weight_decay"] == 0.0
     assert len(opt.param_groups[0]["params"]) == len(decayed)
     c2 = OptimConfig(decay_embeddings=True)
-    assert is_decayed("embedding.word_embeddings.weight", model.embedding.word_embeddings.weight, c2)
+    assert is_decayed(
+        "embedding.word_embeddings.weight", model.embedding.word_embeddings.weight, c2
+    )
 
 
 def test_clip_reports_true_norm_and_clips():

@@ -13,7 +13,7 @@ from meshtrain.services.trainer.optim.schedule import lr_at, warmup_iters
 ANNEAL = {
     "linear": lambda p: 1 - p,
     "cosine": lambda p: 0.5 * (1 + math.cos(math.pi * p)),
-    "exponential": lambda p: 2 * 0.5 ** p - 1,
+    "exponential": lambda p: 2 * 0.5**p - 1,
     "minus_sqrt": lambda p: 1 - math.sqrt(p),
 }
 
@@ -21,8 +21,15 @@ ANNEAL = {
 @pytest.mark.parametrize("style", sorted(ANNEAL))
 def test_wsd_warms_up_holds_then_anneals_to_min_lr(style):
     # warmup 10, stable until step 80, anneal over the last 20 of 100 decay steps, flat after
-    c = OptimConfig(lr=2.0, min_lr=0.5, lr_warmup_iters=10, lr_decay_style="wsd", lr_wsd_decay_style=style,
-                    lr_wsd_decay_iters=20, lr_decay_iters=100)
+    c = OptimConfig(
+        lr=2.0,
+        min_lr=0.5,
+        lr_warmup_iters=10,
+        lr_decay_style="wsd",
+        lr_wsd_decay_style=style,
+        lr_wsd_decay_iters=20,
+        lr_decay_iters=100,
+    )
     assert lr_at(0, c, 150) == pytest.approx(0.2)  # warmup as with every style
     assert [lr_at(s, c, 150) for s in (10, 50, 80)] == [2.0, 2.0, 2.0]
     for step in (81, 85, 90, 99):
@@ -34,16 +41,24 @@ def test_wsd_warms_up_holds_then_anneals_to_min_lr(style):
 
 
 def test_wsd_decays_over_train_iters_when_no_decay_length_is_set():
-    c = OptimConfig(lr=1.0, min_lr=0.0, lr_decay_style="wsd", lr_wsd_decay_style="linear", lr_wsd_decay_iters=4)
-    assert [lr_at(s, c, 10) for s in range(11)] == pytest.approx([1, 1, 1, 1, 1, 1, 1, 0.75, 0.5, 0.25, 0])
+    c = OptimConfig(
+        lr=1.0, min_lr=0.0, lr_decay_style="wsd", lr_wsd_decay_style="linear", lr_wsd_decay_iters=4
+    )
+    assert [lr_at(s, c, 10) for s in range(11)] == pytest.approx(
+        [1, 1, 1, 1, 1, 1, 1, 0.75, 0.5, 0.25, 0]
+    )
 
 
 def test_wsd_is_checked():
     with pytest.raises(ConfigError, match="needs optim.lr_wsd_decay_iters"):
         OptimConfig(lr_decay_style="wsd")
-    with pytest.raises(ConfigError, match="lr_wsd_decay_iters applies to lr_decay_style='wsd', not 'cosine'"):
+    with pytest.raises(
+        ConfigError, match="lr_wsd_decay_iters applies to lr_decay_style='wsd', not 'cosine'"
+    ):
         OptimConfig(lr_wsd_decay_iters=5)
-    with pytest.raises(ConfigError, match="lr_wsd_decay_iters=50 is longer than the decay after warmup"):
+    with pytest.raises(
+        ConfigError, match="lr_wsd_decay_iters=50 is longer than the decay after warmup"
+    ):
         lr_at(20, OptimConfig(lr_decay_style="wsd", lr_wsd_decay_iters=50, lr_warmup_iters=10), 40)
 
 
@@ -60,6 +75,8 @@ def test_warmup_fraction_is_of_the_decay_length():
     assert warmup_iters(c, 1000) == 20
     assert lr_at(9, c, 1000) == pytest.approx(0.5)
     assert lr_at(19, c, 1000) == pytest.approx(1.0)
-    assert warmup_iters(OptimConfig(lr_warmup_fraction=0.25), 10) == 2  # of train_iters, rounded down
+    assert (
+        warmup_iters(OptimConfig(lr_warmup_fraction=0.25), 10) == 2
+    )  # of train_iters, rounded down
     with pytest.raises(ConfigError, match=r"lr_warmup_fraction must be in \[0, 1\)"):
         OptimConfig(lr_warmup_fraction=1.5)

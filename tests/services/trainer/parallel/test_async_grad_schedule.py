@@ -17,9 +17,19 @@ from meshtrain.services.trainer.parallel.mesh import Mesh
 from meshtrain.services.trainer.parallel.tensor import parallelize
 from tests.dist_utils import run_ranks
 
-CFG = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2, "seq_length": 16,
-       "vocab_size": 203, "normalization": "rmsnorm", "activation": "swiglu", "position_embedding_type": "rope",
-       "add_bias_linear": False, "untie_embeddings_and_output_weights": True}
+CFG = {
+    "num_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_query_groups": 2,
+    "seq_length": 16,
+    "vocab_size": 203,
+    "normalization": "rmsnorm",
+    "activation": "swiglu",
+    "position_embedding_type": "rope",
+    "add_bias_linear": False,
+    "untie_embeddings_and_output_weights": True,
+}
 
 
 def _schedule(rank, world, async_grad):

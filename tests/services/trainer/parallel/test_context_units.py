@@ -48,12 +48,18 @@ def test_blocks_merged_by_lse_equal_one_call_and_their_grads_add_up():
     torch.testing.assert_close(out, want_o, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-6)
     dout = torch.randn_like(out)
-    parts = [blocks.attention_backward(dout, q, k[:, :, sl], v[:, :, sl], out, lse, False)
-             for sl in (slice(0, 8), slice(8, 16))]
+    parts = [
+        blocks.attention_backward(dout, q, k[:, :, sl], v[:, :, sl], out, lse, False)
+        for sl in (slice(0, 8), slice(8, 16))
+    ]
     full = reference.attention_lse_backward(dout, q, k, v, want_o, want_lse, False)
     torch.testing.assert_close(parts[0][0] + parts[1][0], full[0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(torch.cat([parts[0][1], parts[1][1]], 2), full[1], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(torch.cat([parts[0][2], parts[1][2]], 2), full[2], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        torch.cat([parts[0][1], parts[1][1]], 2), full[1], rtol=1e-5, atol=1e-5
+    )
+    torch.testing.assert_close(
+        torch.cat([parts[0][2], parts[1][2]], 2), full[2], rtol=1e-5, atol=1e-5
+    )
 
 
 def _rank_attention(rank, world, comm_type, a2a, groups, tp_like_heads):
@@ -118,7 +124,7 @@ def test_flash_blocks_on_cuda_match_the_fp32_reference(causal):
     if not causal:  # the ring passes strided slices: the second half of the queries, their lse
         q = q[:, :, 128:]
     qb, kb, vb = (t.bfloat16() for t in (q, k, v))
-    qb = torch.cat([qb, qb], dim=2)[:, :, qb.shape[2]:] if not causal else qb
+    qb = torch.cat([qb, qb], dim=2)[:, :, qb.shape[2] :] if not causal else qb
     o, lse = blocks.attention_forward(qb, kb, vb, causal)
     r_o, r_lse = reference.attention_lse(q, k, v, causal)
     assert o.dtype == torch.bfloat16 and lse.dtype == torch.float32
@@ -126,8 +132,8 @@ def test_flash_blocks_on_cuda_match_the_fp32_reference(causal):
     torch.testing.assert_close(lse, r_lse, rtol=1e-2, atol=1e-2)
     dout = torch.randn_like(r_o)
     if not causal:
-        lse = torch.cat([lse, lse], dim=2)[:, :, lse.shape[2]:]
-        o = torch.cat([o, o], dim=2)[:, :, o.shape[2]:]
+        lse = torch.cat([lse, lse], dim=2)[:, :, lse.shape[2] :]
+        o = torch.cat([o, o], dim=2)[:, :, o.shape[2] :]
         assert not (lse.is_contiguous() or o.is_contiguous())
     got = blocks.attention_backward(dout.bfloat16(), qb, kb, vb, o, lse, causal)
     want = reference.attention_lse_backward(dout, q, k, v, r_o, r_lse, causal)
@@ -160,5 +166,8 @@ def test_initialize_model_parallel_refuses_a_hierarchy_that_does_not_multiply_to
     from meshtrain.services.trainer.parallel.mesh import initialize_model_parallel
 
     with pytest.raises(ConfigError, match="hierarchical_context_parallel_sizes"):
-        initialize_model_parallel(context_parallel_size=4, cp_comm_type="a2a+p2p",
-                                  hierarchical_context_parallel_sizes=[2, 3])
+        initialize_model_parallel(
+            context_parallel_size=4,
+            cp_comm_type="a2a+p2p",
+            hierarchical_context_parallel_sizes=[2, 3],
+        )

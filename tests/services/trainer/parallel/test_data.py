@@ -11,22 +11,38 @@ from meshtrain.services.trainer.parallel.data import DataParallel, forward_units
 from meshtrain.services.trainer.parallel.mesh import Mesh
 from tests.dist_utils import run_ranks
 
-CFG = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=97,
-           make_vocab_size_divisible_by=8, untie_embeddings_and_output_weights=True)
+CFG = dict(
+    num_layers=4,
+    hidden_size=32,
+    num_attention_heads=4,
+    seq_length=16,
+    vocab_size=97,
+    make_vocab_size_divisible_by=8,
+    untie_embeddings_and_output_weights=True,
+)
 
 
 def _gathers(rank, world):
     torch.manual_seed(0)
     model = GPT(ModelConfig(**CFG))
-    ddp = DataParallel(model, Mesh.build(), OptimConfig(lr=1e-3), distributed_optimizer=True,
-                       overlap_param_gather=True, bucket_size=6000, gather_units=forward_units(model))
+    ddp = DataParallel(
+        model,
+        Mesh.build(),
+        OptimConfig(lr=1e-3),
+        distributed_optimizer=True,
+        overlap_param_gather=True,
+        bucket_size=6000,
+        gather_units=forward_units(model),
+    )
     issued = []
     real = dist.all_gather_into_tensor
 
     def recording(output, src, **kw):  # the real collective, with the order noted
         i = next(i for i, b in enumerate(ddp.buckets) if b.param_flat is output)
         n = output.numel() // world
-        assert src.data_ptr() == output[rank * n:].data_ptr() and src.numel() == n  # in place: no copy
+        assert (
+            src.data_ptr() == output[rank * n :].data_ptr() and src.numel() == n
+        )  # in place: no copy
         issued.append(i)
         return real(output, src, **kw)
 
@@ -39,13 +55,22 @@ def _gathers(rank, world):
         ddp.gather_params()
     finally:
         dist.all_gather_into_tensor = real
-    embedding_buckets = {i for i, b in enumerate(ddp.buckets)
-                         if any(p is q for p in b.params for q in model.embedding.parameters())}
+    embedding_buckets = {
+        i
+        for i, b in enumerate(ddp.buckets)
+        if any(p is q for p in b.params for q in model.embedding.parameters())
+    }
     model.embedding(tokens)  # its pre-hook waits for its own buckets only
     pending_after_embedding = {i for i, b in enumerate(ddp.buckets) if b.gather_handle is not None}
     model(tokens, tokens)  # every unit has waited by the end of a forward
     pending_after_forward = {i for i, b in enumerate(ddp.buckets) if b.gather_handle is not None}
-    return len(ddp.buckets), issued, embedding_buckets, pending_after_embedding, pending_after_forward
+    return (
+        len(ddp.buckets),
+        issued,
+        embedding_buckets,
+        pending_after_embedding,
+        pending_after_forward,
+    )
 
 
 @pytest.mark.dist
@@ -78,17 +103,24 @@ def test_a_parameter_that_is_not_fp32_is_refused_by_name():
 
 def _global_norm(rank, world, dist_opt, max_norm):
     from meshtrain.services.trainer.parallel.tensor import parallelize
+
     torch.manual_seed(0)
     model = GPT(ModelConfig(**CFG, normalization="rmsnorm", num_query_groups=2))
     mesh = Mesh.build(tp=2)
     parallelize(model, mesh, sequence_parallel=True)
-    ddp = DataParallel(model, mesh, OptimConfig(lr=1e-3), distributed_optimizer=dist_opt, bucket_size=6000)
+    ddp = DataParallel(
+        model, mesh, OptimConfig(lr=1e-3), distributed_optimizer=dist_opt, bucket_size=6000
+    )
     tokens = torch.randint(0, 97, (4, 16), generator=torch.Generator().manual_seed(1))
-    mine = tokens[2 * mesh.dp_rank: 2 * mesh.dp_rank + 2]  # this dp rank's half of the batch
+    mine = tokens[2 * mesh.dp_rank : 2 * mesh.dp_rank + 2]  # this dp rank's half of the batch
     model(mine, mine).backward()
     ddp.finish_grad_sync()
     norm = ddp.grad_norm_and_clip(max_norm)
-    grads = [piece.grad for piece, *_ in ddp.pieces] if dist_opt else [p.grad for p in model.parameters()]
+    grads = (
+        [piece.grad for piece, *_ in ddp.pieces]
+        if dist_opt
+        else [p.grad for p in model.parameters()]
+    )
     return norm.item(), [g.clone() for g in grads]
 
 
@@ -109,14 +141,20 @@ def test_gradient_norm_over_tp_and_dp_is_the_unsharded_norm_and_clipping_scales_
             torch.testing.assert_close(g_c, g / 4, rtol=1e-4, atol=1e-9)
 
 
-
 def _reduced(rank, world, dist_opt, dtype, overlap=False):
     """(dtypes the collectives sent, this rank's own gradients, the reduced mean) in full-buffer
     coordinates; under ZeRO-1 only this rank's slice of each bucket is reduced (NaN elsewhere)."""
     torch.manual_seed(0)
     model = GPT(ModelConfig(**CFG))
-    ddp = DataParallel(model, Mesh.build(), OptimConfig(lr=1e-3), distributed_optimizer=dist_opt,
-                       overlap_grad_reduce=overlap, bucket_size=6000, reduce_dtype=dtype)
+    ddp = DataParallel(
+        model,
+        Mesh.build(),
+        OptimConfig(lr=1e-3),
+        distributed_optimizer=dist_opt,
+        overlap_grad_reduce=overlap,
+        bucket_size=6000,
+        reduce_dtype=dtype,
+    )
     sent = []
     real = {name: getattr(dist, name) for name in ("all_reduce", "reduce_scatter_tensor")}
 
@@ -124,6 +162,7 @@ def _reduced(rank, world, dist_opt, dtype, overlap=False):
         def call(*args, **kw):
             sent.append((args[1] if name == "reduce_scatter_tensor" else args[0]).dtype)
             return real[name](*args, **kw)
+
         return call
 
     for name in real:
@@ -141,7 +180,7 @@ def _reduced(rank, world, dist_opt, dtype, overlap=False):
         if dist_opt:
             full = torch.full((b.numel,), float("nan"))
             k = b.numel // world
-            full[rank * k:(rank + 1) * k] = b.local_grad
+            full[rank * k : (rank + 1) * k] = b.local_grad
             reduced.append(full)
         else:
             reduced.append(b.grad.clone())
@@ -157,7 +196,9 @@ def test_bf16_gradient_reduction_sends_bf16_and_stays_within_its_rounding(dist_o
     (launched after backward, or from the gradient hooks during it)."""
     fp32 = run_ranks(_reduced, 2, dist_opt, torch.float32)  # its own gradients are pre-reduction
     bf16 = run_ranks(_reduced, 2, dist_opt, torch.bfloat16, overlap)
-    magnitude = (fp32[0][1].abs() + fp32[1][1].abs()) / 2  # the two ranks' contributions to the mean
+    magnitude = (
+        fp32[0][1].abs() + fp32[1][1].abs()
+    ) / 2  # the two ranks' contributions to the mean
     for (sent32, own, exact, _), (sent16, _, rounded, wires) in zip(fp32, bf16):
         assert sent32 == {torch.float32} and sent16 == {torch.bfloat16}
         assert all(w is None for w in wires)  # no wire buffer left behind
@@ -168,4 +209,4 @@ def test_bf16_gradient_reduction_sends_bf16_and_stays_within_its_rounding(dist_o
         assert not torch.equal(rounded, exact)  # rounded: a bf16 path, not the fp32 one
         # each addend and the sum rounded once to bf16 (8 significant bits: at most 2^-8 relative
         # each), so within about 2^-7 of the addends' mean magnitude; the worst case is near it
-        assert ((rounded - exact).abs() <= 2 ** -7 * (1 + 2 ** -7) * bound + 1e-12).all()
+        assert ((rounded - exact).abs() <= 2**-7 * (1 + 2**-7) * bound + 1e-12).all()

@@ -20,15 +20,23 @@ from meshtrain.services.trainer.parallel.ddp import DistributedDataParallel
 from meshtrain.services.trainer.parallel.mesh import Mesh
 from tests.dist_utils import run_ranks
 
-CFG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=97,
-           make_vocab_size_divisible_by=8)
+CFG = dict(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    seq_length=16,
+    vocab_size=97,
+    make_vocab_size_divisible_by=8,
+)
 OPTIM = OptimConfig(lr=1e-2, clip_grad=0.5, weight_decay=0.1)
 STEPS, GLOBAL_BATCH = 3, 4
 
 
 def _batch(step: int) -> torch.Tensor:
     """The global batch of a step: (GLOBAL_BATCH, seq + 1) token ids."""
-    return torch.randint(0, 97, (GLOBAL_BATCH, 17), generator=torch.Generator().manual_seed(100 + step))
+    return torch.randint(
+        0, 97, (GLOBAL_BATCH, 17), generator=torch.Generator().manual_seed(100 + step)
+    )
 
 
 def _reference():
@@ -63,7 +71,7 @@ def _wrapped(rank, world, tp, options):
     per_rank = GLOBAL_BATCH // mesh.dp
     losses, norms = [], []
     for step in range(STEPS):
-        mine = _batch(step)[mesh.dp_rank * per_rank:(mesh.dp_rank + 1) * per_rank]
+        mine = _batch(step)[mesh.dp_rank * per_rank : (mesh.dp_rank + 1) * per_rank]
         micro = list(mine.split(1))
         total = torch.zeros(())
         for sample in model.accumulate(micro):
@@ -78,13 +86,22 @@ def _wrapped(rank, world, tp, options):
     # The last step's all-gathers may still be in flight (overlap_param_gather): under load they
     # were, and the weights read here were the previous step's.
     model.finish_param_sync()
-    weights = {n: gather_tp(p.detach(), p, mesh).clone() for n, p in model.module.named_parameters()}
+    weights = {
+        n: gather_tp(p.detach(), p, mesh).clone() for n, p in model.module.named_parameters()
+    }
     return losses, norms, weights
 
 
 CASES = {
-    "zero1-overlaps": (1, dict(distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True,
-                               bucket_size=5000)),
+    "zero1-overlaps": (
+        1,
+        dict(
+            distributed_optimizer=True,
+            overlap_grad_reduce=True,
+            overlap_param_gather=True,
+            bucket_size=5000,
+        ),
+    ),
     "plain-dp": (1, dict(bucket_size=5000)),
     "tp2-sp": (2, {}),
 }
@@ -100,7 +117,9 @@ def test_a_plain_loop_through_the_wrapper_trains_as_one_process(case):
         assert norms == pytest.approx(ref_norms, rel=1e-5)
         for name, ref in ref_weights.items():
             got = weights[name][: ref.shape[0]]  # the vocabulary rows past 97 are padding
-            torch.testing.assert_close(got, ref, rtol=1e-5, atol=2e-5, msg=lambda m, n=name: f"{n}: {m}")
+            torch.testing.assert_close(
+                got, ref, rtol=1e-5, atol=2e-5, msg=lambda m, n=name: f"{n}: {m}"
+            )
 
 
 def test_one_process_through_the_wrapper_is_the_plain_loop():
@@ -112,14 +131,18 @@ def test_one_process_through_the_wrapper_is_the_plain_loop():
         # the key bias moves by Adam-scaled rounding (module docstring): the tensor-parallel
         # layers add the q/k/v bias in another order than the plain model does
         atol = 2e-5 if name.endswith("attention.qkv.bias") else 1e-6
-        torch.testing.assert_close(weights[name], ref, rtol=1e-6, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            weights[name], ref, rtol=1e-6, atol=atol, msg=lambda m, n=name: f"{n}: {m}"
+        )
 
 
 def test_a_second_backward_into_a_bucket_already_sent_is_refused():
     """With overlap_grad_reduce each bucket's reduction starts once its last gradient is in: a
     second micro-batch outside no_sync() would add into gradients already on the wire."""
     torch.manual_seed(0)
-    model = DistributedDataParallel(GPT(ModelConfig(**CFG)), Mesh.single(), OPTIM, overlap_grad_reduce=True)
+    model = DistributedDataParallel(
+        GPT(ModelConfig(**CFG)), Mesh.single(), OPTIM, overlap_grad_reduce=True
+    )
     tokens = _batch(0)
     model(tokens[:1, :-1], tokens[:1, 1:]).backward()
     with pytest.raises(RuntimeError, match=r"no_sync\(\)"):

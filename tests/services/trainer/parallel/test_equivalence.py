@@ -21,11 +21,22 @@ from tests.services.trainer.conftest import small_job_args
 
 pytestmark = pytest.mark.dist
 
-LLAMA = {"model.normalization": "rmsnorm", "model.activation": "swiglu", "model.position_embedding_type": "rope",
-         "model.add_bias_linear": False, "model.untie_embeddings_and_output_weights": True,
-         "model.num_query_groups": 2}
-COMMON = {"train.train_iters": 10, "train.eval_interval": 5, "train.micro_batch_size": 2,
-          "train.global_batch_size": 8, "model.num_attention_heads": 4, "parallel.ddp_bucket_size": 20000}
+LLAMA = {
+    "model.normalization": "rmsnorm",
+    "model.activation": "swiglu",
+    "model.position_embedding_type": "rope",
+    "model.add_bias_linear": False,
+    "model.untie_embeddings_and_output_weights": True,
+    "model.num_query_groups": 2,
+}
+COMMON = {
+    "train.train_iters": 10,
+    "train.eval_interval": 5,
+    "train.micro_batch_size": 2,
+    "train.global_batch_size": 8,
+    "model.num_attention_heads": 4,
+    "parallel.ddp_bucket_size": 20000,
+}
 
 
 def _rank_train(rank, world, args):
@@ -40,7 +51,10 @@ def reference(corpus_cache, tmp_path_factory, arch_name, arch):
     if arch_name not in _reference_cache:
         run = tmp_path_factory.mktemp(f"ref-{arch_name}")
         result = train(load_config(small_job_args(corpus_cache, run, **COMMON, **arch)))
-        _reference_cache[arch_name] = (result, load_checkpoint(result.checkpoint.rsplit("/", 1)[0], 10)[0])
+        _reference_cache[arch_name] = (
+            result,
+            load_checkpoint(result.checkpoint.rsplit("/", 1)[0], 10)[0],
+        )
     return _reference_cache[arch_name]
 
 
@@ -49,17 +63,41 @@ CASES = {
     "tp4": (4, "gpt2", {"parallel.tp": 4}),
     "tp2-sp-gqa": (2, "llama", {"parallel.tp": 2, "parallel.sequence_parallel": True}),
     "dp2": (2, "gpt2", {}),
-    "dp2-zero1-overlap": (2, "llama", {"parallel.use_distributed_optimizer": True,
-                                       "parallel.overlap_grad_reduce": True, "parallel.overlap_param_gather": True}),
-    "tp2-dp2-sp-zero1-recompute": (4, "llama", {"parallel.tp": 2, "parallel.sequence_parallel": True,
-                                                "parallel.use_distributed_optimizer": True,
-                                                "parallel.overlap_grad_reduce": True,
-                                                "parallel.recompute_granularity": "full"}),
-    "dp2-recompute-selective": (2, "gpt2", {"parallel.recompute_granularity": "selective",
-                                            "parallel.overlap_grad_reduce": True}),
+    "dp2-zero1-overlap": (
+        2,
+        "llama",
+        {
+            "parallel.use_distributed_optimizer": True,
+            "parallel.overlap_grad_reduce": True,
+            "parallel.overlap_param_gather": True,
+        },
+    ),
+    "tp2-dp2-sp-zero1-recompute": (
+        4,
+        "llama",
+        {
+            "parallel.tp": 2,
+            "parallel.sequence_parallel": True,
+            "parallel.use_distributed_optimizer": True,
+            "parallel.overlap_grad_reduce": True,
+            "parallel.recompute_granularity": "full",
+        },
+    ),
+    "dp2-recompute-selective": (
+        2,
+        "gpt2",
+        {"parallel.recompute_granularity": "selective", "parallel.overlap_grad_reduce": True},
+    ),
     # tp_async_grad_reduce is on by default (every tp case above uses it): the plain path too
-    "tp2-sp-sync-grad": (2, "llama", {"parallel.tp": 2, "parallel.sequence_parallel": True,
-                                      "parallel.tp_async_grad_reduce": False}),
+    "tp2-sp-sync-grad": (
+        2,
+        "llama",
+        {
+            "parallel.tp": 2,
+            "parallel.sequence_parallel": True,
+            "parallel.tp_async_grad_reduce": False,
+        },
+    ),
 }
 
 
@@ -86,17 +124,35 @@ def test_sharded_training_matches_single_process(case, corpus_cache, tmp_path, t
         torch.testing.assert_close(tensors[name], ref_t, rtol=0, atol=2e-5, msg=name)
 
 
-def test_checkpoint_from_tp2_dp2_zero1_resumes_on_one_process(corpus_cache, tmp_path, tmp_path_factory):
+def test_checkpoint_from_tp2_dp2_zero1_resumes_on_one_process(
+    corpus_cache, tmp_path, tmp_path_factory
+):
     """Layout independence: saved by tp=2 x dp=2 with ZeRO-1 at step 5, resumed by a single
     process; steps 6..10 match the uninterrupted single-process run (same tolerance)."""
     ref, _ = reference(corpus_cache, tmp_path_factory, "llama", LLAMA)
-    extra = {"parallel.tp": 2, "parallel.use_distributed_optimizer": True, "checkpoint.save_interval": 5}
+    extra = {
+        "parallel.tp": 2,
+        "parallel.use_distributed_optimizer": True,
+        "checkpoint.save_interval": 5,
+    }
     args = small_job_args(corpus_cache, tmp_path / "sharded", **COMMON, **LLAMA, **extra)
     sharded = run_ranks(_rank_train, 4, args, timeout=400)[0]
     root = sharded["checkpoint"].rsplit("/", 1)[0]
-    resumed = train(load_config(small_job_args(
-        corpus_cache, tmp_path / "resumed", **COMMON, **LLAMA,
-        **{"checkpoint.load": root, "checkpoint.load_step": 5, "checkpoint.save": str(tmp_path / "ck")})))
+    resumed = train(
+        load_config(
+            small_job_args(
+                corpus_cache,
+                tmp_path / "resumed",
+                **COMMON,
+                **LLAMA,
+                **{
+                    "checkpoint.load": root,
+                    "checkpoint.load_step": 5,
+                    "checkpoint.save": str(tmp_path / "ck"),
+                },
+            )
+        )
+    )
     assert sorted(resumed.losses) == list(range(6, 11))
     for step in range(6, 11):
         assert resumed.losses[step] == pytest.approx(ref.losses[step], rel=2e-6, abs=2e-6), step
@@ -105,37 +161,67 @@ def test_checkpoint_from_tp2_dp2_zero1_resumes_on_one_process(corpus_cache, tmp_
 def test_single_process_checkpoint_resumes_on_tp2_dp2(corpus_cache, tmp_path, tmp_path_factory):
     """The other direction: saved alone at step 5, resumed with tp=2 x dp=2 + sequence parallel."""
     ref, _ = reference(corpus_cache, tmp_path_factory, "gpt2", {})
-    first = train(load_config(small_job_args(corpus_cache, tmp_path / "alone", **COMMON,
-                                             **{"checkpoint.save_interval": 5})))
+    first = train(
+        load_config(
+            small_job_args(
+                corpus_cache, tmp_path / "alone", **COMMON, **{"checkpoint.save_interval": 5}
+            )
+        )
+    )
     root = first.checkpoint.rsplit("/", 1)[0]
-    args = small_job_args(corpus_cache, tmp_path / "resumed", **COMMON,
-                          **{"parallel.tp": 2, "parallel.sequence_parallel": True, "checkpoint.load": root,
-                             "checkpoint.load_step": 5, "checkpoint.save": str(tmp_path / "ck")})
+    args = small_job_args(
+        corpus_cache,
+        tmp_path / "resumed",
+        **COMMON,
+        **{
+            "parallel.tp": 2,
+            "parallel.sequence_parallel": True,
+            "checkpoint.load": root,
+            "checkpoint.load_step": 5,
+            "checkpoint.save": str(tmp_path / "ck"),
+        },
+    )
     resumed = run_ranks(_rank_train, 4, args, timeout=400)[0]
     assert sorted(resumed["losses"]) == list(range(6, 11))
     for step in range(6, 11):
         assert resumed["losses"][step] == pytest.approx(ref.losses[step], rel=2e-6, abs=2e-6), step
 
 
-
 @pytest.mark.parametrize("case", ["dp2", "dp2-zero1-overlap", "tp2-dp2-sp-zero1"])
-def test_bf16_gradient_reduction_trains_as_the_single_process_run_to_bf16_rounding(case, corpus_cache, tmp_path,
-                                                                                  tmp_path_factory):
+def test_bf16_gradient_reduction_trains_as_the_single_process_run_to_bf16_rounding(
+    case, corpus_cache, tmp_path, tmp_path_factory
+):
     """parallel.grad_reduce_dtype='bf16': the same training as one process up to the rounding of
     the reduced gradients (exact equality is the fp32 cases' job; the gradient bound itself is in
     test_data.py). Measured: within 5e-6 over 10 steps; a rank that kept its own unreduced slice
     was off by 1e-2."""
     world, arch_name, extra = {
         "dp2": (2, "gpt2", {"parallel.overlap_grad_reduce": True}),
-        "dp2-zero1-overlap": (2, "llama", {"parallel.use_distributed_optimizer": True,
-                                           "parallel.overlap_grad_reduce": True}),
-        "tp2-dp2-sp-zero1": (4, "llama", {"parallel.tp": 2, "parallel.sequence_parallel": True,
-                                          "parallel.use_distributed_optimizer": True}),
+        "dp2-zero1-overlap": (
+            2,
+            "llama",
+            {"parallel.use_distributed_optimizer": True, "parallel.overlap_grad_reduce": True},
+        ),
+        "tp2-dp2-sp-zero1": (
+            4,
+            "llama",
+            {
+                "parallel.tp": 2,
+                "parallel.sequence_parallel": True,
+                "parallel.use_distributed_optimizer": True,
+            },
+        ),
     }[case]
     arch = LLAMA if arch_name == "llama" else {}
     ref, _ = reference(corpus_cache, tmp_path_factory, arch_name, arch)
-    args = small_job_args(corpus_cache, tmp_path / "run", **COMMON, **arch, **extra,
-                          **{"parallel.grad_reduce_dtype": "bf16"})
+    args = small_job_args(
+        corpus_cache,
+        tmp_path / "run",
+        **COMMON,
+        **arch,
+        **extra,
+        **{"parallel.grad_reduce_dtype": "bf16"},
+    )
     got = run_ranks(_rank_train, world, args, timeout=400)[0]
     assert sorted(got["losses"]) == list(range(1, 11))
     for step, loss in ref.losses.items():

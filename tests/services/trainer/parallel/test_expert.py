@@ -48,15 +48,38 @@ from meshtrain.services.trainer.parallel.recompute import apply as apply_recompu
 from meshtrain.services.trainer.parallel.tensor import gather_tp, parallelize
 from tests.dist_utils import run_ranks
 
-LLAMA = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, seq_length=16, vocab_size=97,
-             make_vocab_size_divisible_by=8, normalization="rmsnorm", activation="swiglu",
-             position_embedding_type="rope", add_bias_linear=False, untie_embeddings_and_output_weights=True,
-             moe_ffn_hidden_size=16, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3)
-GPT2 = dict(LLAMA, num_query_groups=None, normalization="layernorm", activation="gelu",
-            position_embedding_type="learned", add_bias_linear=True, untie_embeddings_and_output_weights=False)
+LLAMA = dict(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_query_groups=2,
+    seq_length=16,
+    vocab_size=97,
+    make_vocab_size_divisible_by=8,
+    normalization="rmsnorm",
+    activation="swiglu",
+    position_embedding_type="rope",
+    add_bias_linear=False,
+    untie_embeddings_and_output_weights=True,
+    moe_ffn_hidden_size=16,
+    moe_aux_loss_coeff=1e-2,
+    moe_z_loss_coeff=1e-3,
+)
+GPT2 = dict(
+    LLAMA,
+    num_query_groups=None,
+    normalization="layernorm",
+    activation="gelu",
+    position_embedding_type="learned",
+    add_bias_linear=True,
+    untie_embeddings_and_output_weights=False,
+)
 OPTIM = OptimConfig(lr=1e-2, clip_grad=0.5, weight_decay=0.1, adam_eps=1e-5)
-STEPS, MICRO, BATCH = 3, 2, 4  # optimizer steps, micro-batches per step, sequences per global micro-batch
-
+STEPS, MICRO, BATCH = (
+    3,
+    2,
+    4,
+)  # optimizer steps, micro-batches per step, sequences per global micro-batch
 
 
 @dataclass(frozen=True)
@@ -72,34 +95,106 @@ class Case:
 
 
 CASES = {
-    "ep2-top2-dropless-shared-gate": Case(2, 1, 2, dict(
-        LLAMA, num_experts=4, moe_router_topk=2, moe_shared_expert_intermediate_size=32,
-        moe_shared_expert_gate=True)),
-    "ep4-top1-capacity-expert-bias": Case(4, 1, 4, dict(
-        LLAMA, num_experts=8, moe_router_topk=1, moe_expert_capacity_factor=1.0,
-        moe_router_enable_expert_bias=True, moe_router_bias_update_rate=1e-2)),
-    "ep2-dp2-zero1-gpt2-top2-capacity-position": Case(4, 1, 2, dict(
-        GPT2, num_experts=4, moe_router_topk=2, moe_expert_capacity_factor=1.0, moe_token_drop_policy="position"),
-        ddp=dict(distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=3000)),
-    "ep2-tp2-sp-shared": Case(4, 2, 2, dict(
-        LLAMA, num_experts=4, moe_router_topk=2, moe_shared_expert_intermediate_size=32), sp=True),
-    "ep2-tp2-gpt2-shared-gate-tp-first": Case(4, 2, 2, dict(
-        GPT2, num_experts=4, moe_router_topk=2, moe_shared_expert_intermediate_size=32,
-        moe_shared_expert_gate=True), experts_first=False),
+    "ep2-top2-dropless-shared-gate": Case(
+        2,
+        1,
+        2,
+        dict(
+            LLAMA,
+            num_experts=4,
+            moe_router_topk=2,
+            moe_shared_expert_intermediate_size=32,
+            moe_shared_expert_gate=True,
+        ),
+    ),
+    "ep4-top1-capacity-expert-bias": Case(
+        4,
+        1,
+        4,
+        dict(
+            LLAMA,
+            num_experts=8,
+            moe_router_topk=1,
+            moe_expert_capacity_factor=1.0,
+            moe_router_enable_expert_bias=True,
+            moe_router_bias_update_rate=1e-2,
+        ),
+    ),
+    "ep2-dp2-zero1-gpt2-top2-capacity-position": Case(
+        4,
+        1,
+        2,
+        dict(
+            GPT2,
+            num_experts=4,
+            moe_router_topk=2,
+            moe_expert_capacity_factor=1.0,
+            moe_token_drop_policy="position",
+        ),
+        ddp=dict(distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=3000),
+    ),
+    "ep2-tp2-sp-shared": Case(
+        4,
+        2,
+        2,
+        dict(LLAMA, num_experts=4, moe_router_topk=2, moe_shared_expert_intermediate_size=32),
+        sp=True,
+    ),
+    "ep2-tp2-gpt2-shared-gate-tp-first": Case(
+        4,
+        2,
+        2,
+        dict(
+            GPT2,
+            num_experts=4,
+            moe_router_topk=2,
+            moe_shared_expert_intermediate_size=32,
+            moe_shared_expert_gate=True,
+        ),
+        experts_first=False,
+    ),
 }
 SLOW = {
-    "ep2-dp2-sigmoid-bias-zero1": Case(4, 1, 2, dict(
-        LLAMA, num_experts=4, moe_router_topk=2, moe_router_score_function="sigmoid",
-        moe_router_enable_expert_bias=True, moe_router_bias_update_rate=1e-2, moe_layer_freq=1),
-        ddp=dict(distributed_optimizer=True, bucket_size=3000)),
-    "ep1-dp2-statistics-only": Case(2, 1, 1, dict(
-        LLAMA, num_experts=4, moe_router_topk=2, moe_router_pre_softmax=True)),
-    "ep2-tp2-sp-gpt2-capacity-zero1": Case(4, 2, 2, dict(
-        GPT2, num_experts=4, moe_router_topk=1, moe_expert_capacity_factor=1.5), sp=True,
-        ddp=dict(distributed_optimizer=True), experts_first=False),
-    "ep2-recompute-full-capacity": Case(2, 1, 2, dict(
-        LLAMA, num_experts=4, moe_router_topk=2, moe_expert_capacity_factor=1.0,
-        moe_shared_expert_intermediate_size=32), recompute=True),
+    "ep2-dp2-sigmoid-bias-zero1": Case(
+        4,
+        1,
+        2,
+        dict(
+            LLAMA,
+            num_experts=4,
+            moe_router_topk=2,
+            moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True,
+            moe_router_bias_update_rate=1e-2,
+            moe_layer_freq=1,
+        ),
+        ddp=dict(distributed_optimizer=True, bucket_size=3000),
+    ),
+    "ep1-dp2-statistics-only": Case(
+        2, 1, 1, dict(LLAMA, num_experts=4, moe_router_topk=2, moe_router_pre_softmax=True)
+    ),
+    "ep2-tp2-sp-gpt2-capacity-zero1": Case(
+        4,
+        2,
+        2,
+        dict(GPT2, num_experts=4, moe_router_topk=1, moe_expert_capacity_factor=1.5),
+        sp=True,
+        ddp=dict(distributed_optimizer=True),
+        experts_first=False,
+    ),
+    "ep2-recompute-full-capacity": Case(
+        2,
+        1,
+        2,
+        dict(
+            LLAMA,
+            num_experts=4,
+            moe_router_topk=2,
+            moe_expert_capacity_factor=1.0,
+            moe_shared_expert_intermediate_size=32,
+        ),
+        recompute=True,
+    ),
 }
 
 
@@ -135,9 +230,18 @@ def _reference(cfg: dict):
         for _, moe in moe_layers(model):
             moe.update_expert_bias()
             moe.reset_stats()
-    moments = {n: {k: opt.state[p][k].clone() for k in ("exp_avg", "exp_avg_sq")}
-               for n, p in model.named_parameters() if p.requires_grad}
-    return losses, grads, norms, {n: p.detach().clone() for n, p in model.named_parameters()}, moments
+    moments = {
+        n: {k: opt.state[p][k].clone() for k in ("exp_avg", "exp_avg_sq")}
+        for n, p in model.named_parameters()
+        if p.requires_grad
+    }
+    return (
+        losses,
+        grads,
+        norms,
+        {n: p.detach().clone() for n, p in model.named_parameters()},
+        moments,
+    )
 
 
 def _global(t: torch.Tensor, p: torch.Tensor, mesh: Mesh) -> torch.Tensor:
@@ -165,8 +269,12 @@ def _sharded(rank, world, case: Case):
     else:
         parallelize_experts(parallelize(model, mesh, sequence_parallel=case.sp), mesh)
     ddp = DataParallel(model, mesh, OPTIM, **case.ddp)
-    for b in ddp.buckets:  # expert weights in buckets of their own, over the ranks holding the same experts
-        assert {getattr(p, "expert_shard", None) is not None and case.ep > 1 for p in b.params} == {b.expert}
+    for b in (
+        ddp.buckets
+    ):  # expert weights in buckets of their own, over the ranks holding the same experts
+        assert {getattr(p, "expert_shard", None) is not None and case.ep > 1 for p in b.params} == {
+            b.expert
+        }
         assert b.group is (mesh.group("edp") if b.expert else mesh.group("dp"))
     assert not any(ddp.names[p].endswith("expert_bias") for b in ddp.buckets for p in b.params)
     opt = ddp.optimizer if ddp.optimizer is not None else build_optimizer(model, OPTIM)
@@ -176,7 +284,7 @@ def _sharded(rank, world, case: Case):
     for step in range(STEPS):
         total = torch.zeros(())
         for m in range(MICRO):
-            tokens = _batch(step, m)[mesh.dp_rank * per: (mesh.dp_rank + 1) * per]
+            tokens = _batch(step, m)[mesh.dp_rank * per : (mesh.dp_rank + 1) * per]
             with ddp.no_sync() if m < MICRO - 1 else contextlib.nullcontext():
                 loss = model(tokens[:, :-1], tokens[:, 1:]) / MICRO
                 loss.backward()
@@ -193,15 +301,21 @@ def _sharded(rank, world, case: Case):
         losses.append((M.all_reduce(total, mesh.group("dp")) / mesh.dp).item())
     params = {n: _global(p.detach(), p, mesh).clone() for n, p in model.named_parameters()}
     moments = None
-    if ddp.dist_opt:  # what checkpointing saves: each rank's whole moments of the parameters it holds
+    if (
+        ddp.dist_opt
+    ):  # what checkpointing saves: each rank's whole moments of the parameters it holds
         named = dict(model.named_parameters())
-        moments = {n: {k: _global(v, named[n], mesh) for k, v in st.items()}
-                   for n, st in ddp.full_optimizer_state().items()}
+        moments = {
+            n: {k: _global(v, named[n], mesh) for k, v in st.items()}
+            for n, st in ddp.full_optimizer_state().items()
+        }
     return losses, grads, norms, params, moments
 
 
 def _close(got: torch.Tensor, ref: torch.Tensor, what: str, atol: float) -> None:
-    got = got[: ref.shape[0]] if got.shape[0] > ref.shape[0] else got  # vocabulary rows padded for tp
+    got = (
+        got[: ref.shape[0]] if got.shape[0] > ref.shape[0] else got
+    )  # vocabulary rows padded for tp
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
@@ -222,7 +336,12 @@ def _check_case(case: Case) -> None:
             assert set(moments) == set(ref_moments)
             for name, ref in ref_moments.items():
                 for key in ("exp_avg", "exp_avg_sq"):
-                    _close(moments[name][key], ref[key], f"{key} {name}", 1e-4 * float(ref[key].abs().max()))
+                    _close(
+                        moments[name][key],
+                        ref[key],
+                        f"{key} {name}",
+                        1e-4 * float(ref[key].abs().max()),
+                    )
 
 
 @pytest.mark.dist

@@ -9,10 +9,20 @@ from meshtrain.services.trainer.config import ModelConfig, ParallelConfig, load_
 from meshtrain.services.trainer.model.gpt import GPT
 from meshtrain.services.trainer.parallel.pipeline.engine import _defer_weight_grads
 from meshtrain.services.trainer.parallel.pipeline.stage import PipelineStage, stage_layers
-from meshtrain.services.trainer.parallel.pipeline.zero_bubble import DeferrableLinear, WeightGradStore
+from meshtrain.services.trainer.parallel.pipeline.zero_bubble import (
+    DeferrableLinear,
+    WeightGradStore,
+)
 
-CONFIG = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=50,
-                     hidden_dropout=0.0, attention_dropout=0.0)
+CONFIG = ModelConfig(
+    num_layers=4,
+    hidden_size=32,
+    num_attention_heads=4,
+    seq_length=16,
+    vocab_size=50,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+)
 
 
 def test_stage_layers_even_uneven_and_explicit():
@@ -31,14 +41,28 @@ def test_pipeline_settings_are_checked():
     with pytest.raises(ConfigError, match="applies to pipeline parallelism; parallel.pp is 1"):
         ParallelConfig(virtual_pipeline_model_parallel_size=2)
     with pytest.raises(ConfigError, match="not both"):
-        ParallelConfig(pp=2, virtual_pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1)
+        ParallelConfig(
+            pp=2, virtual_pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1
+        )
     assert ParallelConfig(pp=2, num_layers_per_virtual_pipeline_stage=2).pipeline_chunks(8) == 2
-    assert ParallelConfig(pp=2, virtual_pipeline_model_parallel_size=2).resolved_pipeline_schedule(8) == "interleaved"
+    assert (
+        ParallelConfig(pp=2, virtual_pipeline_model_parallel_size=2).resolved_pipeline_schedule(8)
+        == "interleaved"
+    )
     assert ParallelConfig(pp=2).resolved_pipeline_schedule(8) == "1f1b"
-    job = load_config(["--pipeline-model-parallel-size=2", "--num-layers-per-virtual-pipeline-stage=1",
-                       "--decoder-first-pipeline-num-layers=1", "--model.num_layers=3"])
-    assert (job.parallel.pp, job.parallel.num_layers_per_virtual_pipeline_stage,
-            job.parallel.decoder_first_pipeline_num_layers) == (2, 1, 1)
+    job = load_config(
+        [
+            "--pipeline-model-parallel-size=2",
+            "--num-layers-per-virtual-pipeline-stage=1",
+            "--decoder-first-pipeline-num-layers=1",
+            "--model.num_layers=3",
+        ]
+    )
+    assert (
+        job.parallel.pp,
+        job.parallel.num_layers_per_virtual_pipeline_stage,
+        job.parallel.decoder_first_pipeline_num_layers,
+    ) == (2, 1, 1)
 
 
 @pytest.mark.parametrize("untie", [False, True])
@@ -59,7 +83,9 @@ def test_chunks_chained_compute_the_whole_model(untie):
     assert sorted(ranks[1].layers) == ["1", "3"]
     assert "layers.3.attention.qkv.weight" in dict(ranks[1].named_parameters())
     ins, outs, x = [], [], tokens
-    for s in range(pp * v):  # forward through the virtual stages, as the runtime's transfers chain them
+    for s in range(
+        pp * v
+    ):  # forward through the virtual stages, as the runtime's transfers chain them
         ins.append(x)
         y = ranks[s % pp].forward_chunk(s // pp, x, labels if s == pp * v - 1 else None)
         outs.append(y)
@@ -137,7 +163,10 @@ def test_zero_bubble_deferral_on_cuda_bf16_equals_plain_backward():
     store = WeightGradStore()
     stage = PipelineStage(GPT(CONFIG).cuda(), 0, 1, stage_layers(4, 1), ParallelConfig())
     _defer_weight_grads(stage, store)
-    tokens, labels = torch.randint(0, 50, (2, 16), device="cuda"), torch.randint(0, 50, (2, 16), device="cuda")
+    tokens, labels = (
+        torch.randint(0, 50, (2, 16), device="cuda"),
+        torch.randint(0, 50, (2, 16), device="cuda"),
+    )
     with torch.autocast("cuda", dtype=torch.bfloat16):
         plain_loss = plain(tokens, labels)
     plain_loss.backward()
@@ -160,9 +189,16 @@ def test_a_middle_rank_without_blocks_is_refused_on_every_rank():
     from meshtrain.services.trainer.parallel.mesh import Mesh
     from meshtrain.services.trainer.parallel.pipeline.engine import build_pipeline
 
-    job = load_config(["--pipeline-model-parallel-size=3", "--model.num_layers=4", "--model.vocab_size=50",
-                       "--parallel.pipeline_layout=[2, 0, 2]", "--train.micro_batch_size=1",
-                       "--train.global_batch_size=3"])
+    job = load_config(
+        [
+            "--pipeline-model-parallel-size=3",
+            "--model.num_layers=4",
+            "--model.vocab_size=50",
+            "--parallel.pipeline_layout=[2, 0, 2]",
+            "--train.micro_batch_size=1",
+            "--train.global_batch_size=3",
+        ]
+    )
     for rank in range(3):
         mesh = Mesh(pp=3, rank=rank, ranks={"pp": [0, 1, 2]})
         with pytest.raises(ConfigError, match="leaves pipeline rank 1 without blocks"):

@@ -22,8 +22,13 @@ def allowed(name, pp, m, v):
     return not (name == "interleaved" and v > 1 and m % pp)
 
 
-CASES = [(n, pp, m, v) for n in S.SCHEDULES for pp in PPS for m in micros(pp)
-         for v in ((1, 2, 3) if n in ("none", "interleaved") else (1, 2))]
+CASES = [
+    (n, pp, m, v)
+    for n in S.SCHEDULES
+    for pp in PPS
+    for m in micros(pp)
+    for v in ((1, 2, 3) if n in ("none", "interleaved") else (1, 2))
+]
 
 
 @pytest.mark.parametrize("name,pp,m,v", CASES)
@@ -37,7 +42,9 @@ def test_every_schedule_validates_where_allowed_and_is_refused_elsewhere(name, p
     assert len(sched) == pp
     computes = [a for rank in sched for a in rank if not a.is_comm]
     back = "I" if name == "zb-h1" else "B"
-    assert sum(a.kind == "F" for a in computes) == sum(a.kind == back for a in computes) == pp * v * m
+    assert (
+        sum(a.kind == "F" for a in computes) == sum(a.kind == back for a in computes) == pp * v * m
+    )
 
 
 def test_refusals_name_the_requirement():
@@ -54,6 +61,7 @@ def test_refusals_name_the_requirement():
 
 # ---- validate() on hand-broken schedules -------------------------------------------------------
 
+
 def test_validate_catches_swapped_send_order():
     sched = S.build("gpipe", 2, 2)
     r0 = sched[0]
@@ -61,7 +69,9 @@ def test_validate_catches_swapped_send_order():
     r0[i], r0[j] = r0[j], r0[i]  # SEND_F1 first: F1 runs after its send now, so swap F's too
     i, j = r0.index(Action("F", 0, 0)), r0.index(Action("F", 1, 0))
     r0[i], r0[j] = r0[j], r0[i]
-    with pytest.raises(ScheduleError, match=r"rank 0: message #0 to rank 1 is SEND_F1\.0 .*RECV_F0\.0"):
+    with pytest.raises(
+        ScheduleError, match=r"rank 0: message #0 to rank 1 is SEND_F1\.0 .*RECV_F0\.0"
+    ):
         S.validate(sched, 2, 2)
 
 
@@ -77,9 +87,13 @@ def test_validate_catches_deadlock_of_two_ranks_receiving_first():
     r0 = sched[0]
     r0.remove(Action("RECV_B", 0, 0))
     r0.insert(0, Action("RECV_B", 0, 0))  # rank 0 waits for the gradient before its forward
-    with pytest.raises(ScheduleError, match=r"deadlock: rank 0 waits at RECV_B0\.0.*rank 1 waits at RECV_F0\.0"):
+    with pytest.raises(
+        ScheduleError, match=r"deadlock: rank 0 waits at RECV_B0\.0.*rank 1 waits at RECV_F0\.0"
+    ):
         S.validate(sched, 2, 1)
-    with pytest.raises(ScheduleError, match=r"deadlock: rank 0 waits at RECV_B0\.0.*rank 1 waits at RECV_F0\.0"):
+    with pytest.raises(
+        ScheduleError, match=r"deadlock: rank 0 waits at RECV_B0\.0.*rank 1 waits at RECV_F0\.0"
+    ):
         S.simulate(sched, 2)
 
 
@@ -113,6 +127,7 @@ def test_validate_catches_compute_before_its_recv_and_extra_comm():
 
 
 # ---- simulated bubbles (comm free; F=1, B=2 or F=I=W=1) ---------------------------------------
+
 
 @pytest.mark.parametrize("pp", PPS)
 def test_1f1b_bubble_is_the_closed_form(pp):
@@ -156,6 +171,7 @@ def test_none_runs_one_micro_batch_at_a_time():
 
 # ---- activation memory on rank 0 ---------------------------------------------------------------
 
+
 @pytest.mark.parametrize("pp", PPS)
 def test_peak_in_flight_on_rank_0(pp):
     for m in micros(pp):
@@ -171,16 +187,28 @@ def test_peak_in_flight_on_rank_0(pp):
 
 
 def test_peak_in_flight_counts_w_as_the_last_backward():
-    acts = [Action("F", 0, 0), Action("F", 1, 0), Action("I", 0, 0), Action("F", 2, 0),
-            Action("W", 0, 0), Action("B", 1, 0)]
+    acts = [
+        Action("F", 0, 0),
+        Action("F", 1, 0),
+        Action("I", 0, 0),
+        Action("F", 2, 0),
+        Action("W", 0, 0),
+        Action("B", 1, 0),
+    ]
     assert S.peak_in_flight(acts) == 3
 
 
 # ---- purity --------------------------------------------------------------------------------------
 
+
 def test_build_is_deterministic():
-    for name, pp, m, v in [("1f1b", 4, 9, 1), ("interleaved", 4, 8, 2), ("zb-h1", 8, 17, 1),
-                           ("gpipe", 3, 5, 1), ("none", 2, 3, 2)]:
+    for name, pp, m, v in [
+        ("1f1b", 4, 9, 1),
+        ("interleaved", 4, 8, 2),
+        ("zb-h1", 8, 17, 1),
+        ("gpipe", 3, 5, 1),
+        ("none", 2, 3, 2),
+    ]:
         a, b = S.build(name, pp, m, v), S.build(name, pp, m, v)
         assert a == b and a is not b
         assert [[str(x) for x in r] for r in a] == [[str(x) for x in r] for r in b]

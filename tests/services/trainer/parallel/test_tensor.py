@@ -16,15 +16,39 @@ from meshtrain.services.trainer.parallel.mesh import Mesh
 from meshtrain.services.trainer.parallel.tensor import TPSplit, gather_tp, parallelize
 from tests.dist_utils import run_ranks
 
-CFG = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, seq_length=16,
-           vocab_size=203, make_vocab_size_divisible_by=8, normalization="rmsnorm", activation="swiglu",
-           position_embedding_type="rope", add_bias_linear=False, untie_embeddings_and_output_weights=True)
-GPT2 = dict(CFG, num_query_groups=None, normalization="layernorm", activation="gelu",
-            position_embedding_type="learned", add_bias_linear=True, untie_embeddings_and_output_weights=False)
+CFG = dict(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    seq_length=16,
+    vocab_size=203,
+    make_vocab_size_divisible_by=8,
+    normalization="rmsnorm",
+    activation="swiglu",
+    position_embedding_type="rope",
+    add_bias_linear=False,
+    untie_embeddings_and_output_weights=True,
+)
+GPT2 = dict(
+    CFG,
+    num_query_groups=None,
+    normalization="layernorm",
+    activation="gelu",
+    position_embedding_type="learned",
+    add_bias_linear=True,
+    untie_embeddings_and_output_weights=False,
+)
 # Qwen3-like: q/k/v bias split with the qkv rows, q/k norms replicated (their gradients are
 # per-rank shares: summed over tp), a head width other than hidden/heads, Llama 3 RoPE scaling.
-QWEN3 = dict(CFG, qkv_bias=True, qk_norm=True, kv_channels=24, rope_scaling_factor=4.0,
-             rope_scaling_original_max_positions=8)
+QWEN3 = dict(
+    CFG,
+    qkv_bias=True,
+    qk_norm=True,
+    kv_channels=24,
+    rope_scaling_factor=4.0,
+    rope_scaling_original_max_positions=8,
+)
 
 
 def _model(cfg) -> GPT:
@@ -53,18 +77,43 @@ def _grads(rank, world, cfg, sequence_parallel, async_grad=False):
         if getattr(p, "sequence_parallel", False):  # what DataParallel does for SP params
             torch.distributed.all_reduce(g)
         full = gather_tp(g, p, mesh)
-        grads[name] = full[:203] if name in ("embedding.word_embeddings.weight", "output_layer.weight") else full
+        grads[name] = (
+            full[:203]
+            if name in ("embedding.word_embeddings.weight", "output_layer.weight")
+            else full
+        )
     return loss.item(), logits.detach(), grads
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("cfg,sp,async_grad", [
-    (CFG, False, False), (CFG, True, False), (GPT2, True, False),
-    # column-parallel input gradients reduced during the weight-gradient GEMM
-    (CFG, False, True), (CFG, True, True), (GPT2, False, True), (GPT2, True, True),
-    (QWEN3, False, False), (QWEN3, True, False), (dict(QWEN3, normalization="layernorm"), False, False),
-], ids=["llama", "llama-sp", "gpt2-sp", "llama-async-grad", "llama-sp-async-grad", "gpt2-async-grad",
-        "gpt2-sp-async-grad", "qwen3", "qwen3-sp", "qk-layernorm"])
+@pytest.mark.parametrize(
+    "cfg,sp,async_grad",
+    [
+        (CFG, False, False),
+        (CFG, True, False),
+        (GPT2, True, False),
+        # column-parallel input gradients reduced during the weight-gradient GEMM
+        (CFG, False, True),
+        (CFG, True, True),
+        (GPT2, False, True),
+        (GPT2, True, True),
+        (QWEN3, False, False),
+        (QWEN3, True, False),
+        (dict(QWEN3, normalization="layernorm"), False, False),
+    ],
+    ids=[
+        "llama",
+        "llama-sp",
+        "gpt2-sp",
+        "llama-async-grad",
+        "llama-sp-async-grad",
+        "gpt2-async-grad",
+        "gpt2-sp-async-grad",
+        "qwen3",
+        "qwen3-sp",
+        "qk-layernorm",
+    ],
+)
 def test_sharded_gradients_equal_unsharded(cfg, sp, async_grad):
     ref = _model(cfg)
     tokens = torch.randint(0, 203, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -76,7 +125,11 @@ def test_sharded_gradients_equal_unsharded(cfg, sp, async_grad):
         assert loss == pytest.approx(ref_loss.item(), rel=1e-12)
         torch.testing.assert_close(logits, ref_logits, rtol=1e-10, atol=1e-10)
         for name, p in ref.named_parameters():
-            g = p.grad[:203] if name in ("embedding.word_embeddings.weight", "output_layer.weight") else p.grad
+            g = (
+                p.grad[:203]
+                if name in ("embedding.word_embeddings.weight", "output_layer.weight")
+                else p.grad
+            )
             torch.testing.assert_close(grads[name], g, rtol=1e-10, atol=1e-10, msg=name)
 
 
@@ -95,7 +148,10 @@ def test_parallelize_rejects_what_it_cannot_shard():
     with pytest.raises(ConfigError, match="query groups"):
         parallelize(GPT(ModelConfig(**CFG)), mesh)  # 2 KV groups over tp=4
     with pytest.raises(ConfigError, match="dropout"):
-        parallelize(GPT(ModelConfig(**dict(GPT2, attention_dropout=0.1))), Mesh(tp=2, rank=0, ranks={"tp": [0, 1]}))
+        parallelize(
+            GPT(ModelConfig(**dict(GPT2, attention_dropout=0.1))),
+            Mesh(tp=2, rank=0, ranks={"tp": [0, 1]}),
+        )
 
 
 def test_an_expert_degree_that_does_not_fit_the_world_is_refused():
@@ -119,8 +175,13 @@ def test_tp_comm_overlap_is_refused_where_it_cannot_run():
     with pytest.raises(ConfigError, match="needs parallel.sequence_parallel"):
         parallelize(GPT(ModelConfig(**GPT2)), mesh, sequence_parallel=False, comm_overlap=True)
     with pytest.raises(ConfigError, match="tp_comm_overlap: it needs CUDA devices"):
-        parallelize(GPT(ModelConfig(**GPT2)), mesh, sequence_parallel=True, comm_overlap=True,
-                    device=torch.device("cpu"))
+        parallelize(
+            GPT(ModelConfig(**GPT2)),
+            mesh,
+            sequence_parallel=True,
+            comm_overlap=True,
+            device=torch.device("cpu"),
+        )
     with pytest.raises(ConfigError, match="tp_comm_overlap needs parallel.sequence_parallel"):
         load_config(["--tensor-model-parallel-size", "2", "--tp-comm-overlap"])
 
@@ -129,7 +190,9 @@ def test_tp_async_grad_reduce_is_on_by_default_and_comm_overlap_takes_precedence
     assert load_config([]).parallel.tp_async_grad_reduce  # nothing to overlap at tp=1: not an error
     assert not load_config(["--parallel.tp_async_grad_reduce=false"]).parallel.tp_async_grad_reduce
     # tp_comm_overlap fuses these collectives itself; the default must not make it an error.
-    job = load_config(["--tensor-model-parallel-size", "2", "--sequence-parallel", "--tp-comm-overlap"])
+    job = load_config(
+        ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--tp-comm-overlap"]
+    )
     assert job.parallel.tp_comm_overlap and job.parallel.tp_async_grad_reduce
 
 
@@ -140,8 +203,11 @@ def _ignore_index_grads(rank, world):
     tokens, labels = _ignored_batch()
     loss = model(tokens, labels)
     loss.backward()
-    qkv = gather_tp(model.layers[0].attention.qkv.weight.grad, model.layers[0].attention.qkv.weight,
-                    Mesh.build(tp=world))
+    qkv = gather_tp(
+        model.layers[0].attention.qkv.weight.grad,
+        model.layers[0].attention.qkv.weight,
+        Mesh.build(tp=world),
+    )
     bad = labels.clone()
     bad[0, 0] = 205  # in the padded rows (vocab 203 padded to 208 here): an error, not an inf
     try:
@@ -168,13 +234,16 @@ def test_label_minus_100_counts_nothing_and_labels_outside_the_vocabulary_are_er
     ref_loss.backward()
     for loss, qkv, error in run_ranks(_ignore_index_grads, 2):
         assert loss == pytest.approx(ref_loss.item(), rel=1e-12)
-        torch.testing.assert_close(qkv, ref.layers[0].attention.qkv.weight.grad, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(
+            qkv, ref.layers[0].attention.qkv.weight.grad, rtol=1e-10, atol=1e-10
+        )
         assert error is not None and "outside the vocabulary" in error
 
 
 def _autocast_run(rank, world, sequence_parallel, async_grad=False, fp32_residual=True):
     """A tp-sharded step under bf16 autocast; records the dtype every collective moved."""
     import torch.distributed as dist
+
     torch.manual_seed(0)
     model = GPT(ModelConfig(**CFG, fp32_residual_connection=fp32_residual))
     tokens = torch.randint(0, 203, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -182,15 +251,23 @@ def _autocast_run(rank, world, sequence_parallel, async_grad=False, fp32_residua
     mesh = Mesh.build(tp=world)
     parallelize(model, mesh, sequence_parallel, async_grad_reduce=async_grad)
     from torch.distributed import _functional_collectives as funcol
+
     moved = []
-    originals = {(mod, name): getattr(mod, name)
-                 for mod, name in ((dist, "all_gather_into_tensor"), (dist, "all_reduce"), (funcol, "all_reduce"))}
+    originals = {
+        (mod, name): getattr(mod, name)
+        for mod, name in (
+            (dist, "all_gather_into_tensor"),
+            (dist, "all_reduce"),
+            (funcol, "all_reduce"),
+        )
+    }
 
     def recording(mod, name):
         def call(*args, **kwargs):
             t = args[1] if name == "all_gather_into_tensor" else args[0]
             moved.append((name, t.dtype, tuple(t.shape)))
             return originals[mod, name](*args, **kwargs)
+
         return call
 
     for mod, name in originals:
@@ -209,16 +286,34 @@ def _autocast_run(rank, world, sequence_parallel, async_grad=False, fp32_residua
         if getattr(p, "sequence_parallel", False):
             dist.all_reduce(g)
         full = gather_tp(g, p, mesh)
-        grads[name] = full[:203] if name in ("embedding.word_embeddings.weight", "output_layer.weight") else full
+        grads[name] = (
+            full[:203]
+            if name in ("embedding.word_embeddings.weight", "output_layer.weight")
+            else full
+        )
     return loss.item(), grads, moved
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("sp,async_grad,fp32_residual",
-                         [(False, False, True), (True, False, True), (False, True, True), (True, True, True),
-                          (False, False, False), (True, True, False)],
-                         ids=["tp", "tp-sp", "tp-async-grad", "tp-sp-async-grad", "tp-bf16-residual",
-                              "tp-sp-async-grad-bf16-residual"])
+@pytest.mark.parametrize(
+    "sp,async_grad,fp32_residual",
+    [
+        (False, False, True),
+        (True, False, True),
+        (False, True, True),
+        (True, True, True),
+        (False, False, False),
+        (True, True, False),
+    ],
+    ids=[
+        "tp",
+        "tp-sp",
+        "tp-async-grad",
+        "tp-sp-async-grad",
+        "tp-bf16-residual",
+        "tp-sp-async-grad-bf16-residual",
+    ],
+)
 def test_activation_collectives_move_bf16_under_autocast(sp, async_grad, fp32_residual):
     """Under autocast the linears' inputs are gathered (and their gradients reduced) in bf16, not
     as the fp32 residual stream: half the bytes (an H200 profile of tp=2 showed fp32 all-gathers
@@ -234,7 +329,11 @@ def test_activation_collectives_move_bf16_under_autocast(sp, async_grad, fp32_re
     for loss, grads, moved in run_ranks(_autocast_run, 2, sp, async_grad, fp32_residual):
         assert loss == pytest.approx(ref_loss.item(), rel=2e-2)
         for name, p in ref.named_parameters():  # bf16 matmuls and bf16 sums over tp: bf16 tolerance
-            g = p.grad[:203] if name in ("embedding.word_embeddings.weight", "output_layer.weight") else p.grad
+            g = (
+                p.grad[:203]
+                if name in ("embedding.word_embeddings.weight", "output_layer.weight")
+                else p.grad
+            )
             torch.testing.assert_close(grads[name], g, rtol=5e-2, atol=2e-3, msg=name)
         hidden = [(n, d) for n, d, shape in moved if shape[-1] == 64 and len(shape) == 3]
         # The embedding's own all-reduce (its lookups, before the stream's cast) and, with sp and
@@ -261,7 +360,9 @@ def _sharded_stream_dtype(rank, world, sequence_parallel):
     torch.manual_seed(0)
     model = GPT(ModelConfig(**GPT2, fp32_residual_connection=False))
     parallelize(model, Mesh.build(tp=world), sequence_parallel)
-    return _stream_dtype(model, torch.randint(0, 203, (2, 16), generator=torch.Generator().manual_seed(1)))
+    return _stream_dtype(
+        model, torch.randint(0, 203, (2, 16), generator=torch.Generator().manual_seed(1))
+    )
 
 
 @pytest.mark.dist
@@ -273,7 +374,9 @@ def test_row_parallel_bias_keeps_the_bf16_stream(sp):
     the stream to fp32 from the first block on (twice the activation memory and traffic)."""
     torch.manual_seed(0)
     ref = GPT(ModelConfig(**GPT2, fp32_residual_connection=False))
-    expected = _stream_dtype(ref, torch.randint(0, 203, (2, 16), generator=torch.Generator().manual_seed(1)))
+    expected = _stream_dtype(
+        ref, torch.randint(0, 203, (2, 16), generator=torch.Generator().manual_seed(1))
+    )
     assert expected == [torch.bfloat16]
     for got in run_ranks(_sharded_stream_dtype, 2, sp):
         assert got == expected
