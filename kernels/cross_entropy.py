@@ -294,7 +294,8 @@ def _check_rows(rows: int, labels: torch.Tensor, loss_mask: torch.Tensor | None,
     for name, t in (("labels", labels), ("loss_mask", loss_mask)):
         if t is not None and t.numel() != rows:
             raise ValueError(
-                f"{name} of shape {tuple(t.shape)} ({t.numel()} values) for the {rows} rows of {what}"
+                f"{name} of shape {tuple(t.shape)} ({t.numel()} values) for the {rows} rows of "
+                f"{what}"
             )
 
 

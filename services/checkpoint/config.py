@@ -69,11 +69,13 @@ class CheckpointConfig:
             raise ConfigError(f"checkpoint.save_attempts must be >= 1, got {self.save_attempts}")
         if not 0 <= self.save_retry_backoff_s <= 3600:  # also refuses NaN
             raise ConfigError(
-                f"checkpoint.save_retry_backoff_s must be in [0, 3600], got {self.save_retry_backoff_s}"
+                "checkpoint.save_retry_backoff_s must be in [0, 3600], got "
+                f"{self.save_retry_backoff_s}"
             )
         if not 0 <= self.save_retry_timeout_s <= 86400:  # also refuses NaN
             raise ConfigError(
-                f"checkpoint.save_retry_timeout_s must be in [0, 86400], got {self.save_retry_timeout_s}"
+                "checkpoint.save_retry_timeout_s must be in [0, 86400], got "
+                f"{self.save_retry_timeout_s}"
             )
         if self.service_direct and not self.service_address:
             raise ConfigError(

@@ -40,8 +40,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         )
         print(
             f"exported {args.src} to {args.dst} (megatron-core torch_dist, a release checkpoint: "
-            f"{args.dst}/release)\nload it in Megatron-LM with --load {args.dst} and these model flags (plus "
-            f"your tokenizer's):\n  {' '.join(flags)}"
+            f"{args.dst}/release)\nload it in Megatron-LM with --load {args.dst} and these model "
+            f"flags (plus your tokenizer's):\n  {' '.join(flags)}"
         )
         return 0
     export_hf(
@@ -82,15 +82,15 @@ def cmd_import(args: argparse.Namespace) -> int:
     if meta.get("tokenizer"):
         settings["data"] = {"tokenizer": meta["tokenizer"]}
         print(
-            f"continue with: meshtrain train --load {args.dst} --data-path PREFIX and these settings, PREFIX "
-            f"being data tokenized with the model's own tokenizer (meshtrain data preprocess ... --tokenizer "
-            f"{meta['tokenizer']}):\n"
+            f"continue with: meshtrain train --load {args.dst} --data-path PREFIX and these "
+            "settings, PREFIX being data tokenized with the model's own tokenizer (meshtrain data "
+            f"preprocess ... --tokenizer {meta['tokenizer']}):\n"
         )
     else:
         print(
-            f"continue with: meshtrain train --load {args.dst} and these settings; {args.src} has no "
-            "tokenizer.json, so also set data.tokenizer (and --data-path) to the tokenizer the model was "
-            "trained with:\n"
+            f"continue with: meshtrain train --load {args.dst} and these settings; {args.src} has "
+            "no tokenizer.json, so also set data.tokenizer (and --data-path) to the tokenizer the "
+            "model was trained with:\n"
         )
     print(tomli_w.dumps(settings))
     return 0
@@ -113,8 +113,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
     )
     rate = result.bytes_read / max(result.seconds, 1e-9) / 1e9
     print(
-        f"converted step {result.step}: {result.tensors} tensors, {result.bytes_read / 1e9:.2f} GB read, "
-        f"{result.bytes_written / 1e9:.2f} GB written in {result.seconds:.1f} s ({rate:.2f} GB/s) -> {result.url}"
+        f"converted step {result.step}: {result.tensors} tensors, {result.bytes_read / 1e9:.2f} GB "
+        f"read, {result.bytes_written / 1e9:.2f} GB written in {result.seconds:.1f} s ({rate:.2f} "
+        f"GB/s) -> {result.url}"
     )
     return 0
 
@@ -268,8 +269,8 @@ def _import_megatron(args: argparse.Namespace) -> int:
     for note in meta["imported_from"]["notes"]:
         print(f"note: {note}")
     print(
-        f"continue with: meshtrain train --load {args.dst} --data-path PREFIX and these settings, plus "
-        "data.tokenizer set to the tokenizer the model was trained with:\n"
+        f"continue with: meshtrain train --load {args.dst} --data-path PREFIX and these settings, "
+        "plus data.tokenizer set to the tokenizer the model was trained with:\n"
     )
     print(tomli_w.dumps({"model": meta["config"]["model"]}))
     return 0

@@ -141,7 +141,8 @@ def group_tensors(tensors: Iterable[tuple[str, Sequence[int], str]]) -> dict[str
         if spec.name in specs:
             others = specs[spec.name].tensors + spec.tensors
             raise CheckpointError(
-                f"array name {spec.name!r} would hold unrelated tensors {sorted(others)}; rename one"
+                f"array name {spec.name!r} would hold unrelated tensors {sorted(others)}; rename "
+                "one"
             )
         specs[spec.name] = spec
 
@@ -183,8 +184,9 @@ def check_name(name: str) -> None:
         or name in _RESERVED_NAMES
     ):
         raise CheckpointError(
-            f"tensor name {loggable(name)} is not allowed: use 1 to {MAX_NAME_CHARS} letters, digits, "
-            "'_', '-' and '.', not starting with '.' or '_', and not 'zarr.json' or 'manifest.json'"
+            f"tensor name {loggable(name)} is not allowed: use 1 to {MAX_NAME_CHARS} letters, "
+            "digits, '_', '-' and '.', not starting with '.' or '_', and not 'zarr.json' or "
+            "'manifest.json'"
         )
 
 
@@ -235,7 +237,8 @@ def as_stored(data: torch.Tensor | np.ndarray, dtype: str, what: str) -> np.ndar
     want = _DTYPES[dtype][1]
     if np.asarray(data).dtype != want:
         raise CheckpointError(
-            f"{what} is {dtype} (stored as {want}) but got a numpy array of {np.asarray(data).dtype}"
+            f"{what} is {dtype} (stored as {want}) but got a numpy array of "
+            f"{np.asarray(data).dtype}"
         )
     return np.asarray(data)
 

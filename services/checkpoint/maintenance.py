@@ -53,7 +53,8 @@ def keep_every_needs_keep_last(keep_every: int, keep_last: int | None) -> str:
     """The refusal of a retention with keep_every but no keep_last (the CLI's, the service's)."""
     return (
         f"keep_every {keep_every} needs keep_last N with N >= 1 (got "
-        f"{'none' if keep_last is None else keep_last}), or the newest checkpoints would be deleted too"
+        f"{'none' if keep_last is None else keep_last}), or the newest checkpoints would be "
+        "deleted too"
     )
 
 

@@ -409,7 +409,8 @@ def _open_verified(
     if list(array.shape) != entry["shape"] or array.dtype != np.dtype(entry["stored_dtype"]):
         raise CheckpointError(
             f"array {array_name!r} (step {step} under {root.url!r}) is stored with shape "
-            f"{array.shape} dtype {array.dtype}, manifest says {entry['shape']} {entry['stored_dtype']}"
+            f"{array.shape} dtype {array.dtype}, manifest says {entry['shape']} "
+            f"{entry['stored_dtype']}"
         )
     for key in _shard_keys(entry, region):
         fetch(key)

@@ -239,8 +239,9 @@ def resume_save(root: str | Root, step: int, save_id: str) -> SaveResult | None:
         )
     if read_begun(root, step, save_id) is None:
         raise CheckpointError(
-            f"save {save_id} of step {step} cannot be resumed: {begun_path(root, step, save_id)} is gone (a "
-            "newer save of the step began, or retention collected the unfinished folder); begin a new save"
+            f"save {save_id} of step {step} cannot be resumed: {begun_path(root, step, save_id)} "
+            "is gone (a newer save of the step began, or retention collected the unfinished "
+            "folder); begin a new save"
         )
     return None
 
@@ -482,8 +483,9 @@ def _commit(
         reason = cancelled() if cancelled is not None else None
         if reason:
             raise CheckpointError(
-                f"save {save_id} of step {step} under {root.url!r} abandoned: writers {missing} had not "
-                f"reported when {reason}; nothing was committed, the previous checkpoint is intact"
+                f"save {save_id} of step {step} under {root.url!r} abandoned: writers {missing} "
+                f"had not reported when {reason}; nothing was committed, the previous checkpoint "
+                "is intact"
             )
         if time.monotonic() > deadline:
             raise CheckpointError(

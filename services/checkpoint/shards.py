@@ -122,7 +122,8 @@ def validate(spec: ShardSpec) -> None:
     ndim = len(spec.global_shape)
     if len(spec.offsets) != ndim or len(spec.shape) != ndim:
         raise CheckpointError(
-            f"{where}: offsets and shape must have {ndim} dims like global shape {spec.global_shape}"
+            f"{where}: offsets and shape must have {ndim} dims like global shape "
+            f"{spec.global_shape}"
         )
     if spec.stacked and (not ndim or "layers" not in spec.array.split(".")[:-1]):
         raise CheckpointError(

@@ -200,8 +200,9 @@ def write_bytes_exclusive(root: Root, path: str, data: bytes) -> bool:
             return True
     if not _is_s3(root):
         raise CheckpointError(
-            f"checkpoint root {root.url!r}: its filesystem ({type(root.fs).__name__}) offers no atomic "
-            "create-if-absent, so a commit could race another; use a local folder, s3:// or memory://"
+            f"checkpoint root {root.url!r}: its filesystem ({type(root.fs).__name__}) offers no "
+            "atomic create-if-absent, so a commit could race another; use a local folder, s3:// "
+            "or memory://"
         )
     _require_conditional_writes(root, path)
     for attempt in range(CONFLICT_RETRIES + 1):
@@ -270,9 +271,10 @@ def _require_conditional_writes(root: Root, path: str) -> None:
             _CONDITIONAL[key] = known
     if not known:
         raise CheckpointError(
-            f"the object store of {root.url!r} ignored a conditional PUT (If-None-Match: *): it cannot "
-            "create the manifest only if absent, so two committers could both commit a step; use a store "
-            "that supports conditional writes (AWS S3, SeaweedFS, MinIO, Ceph RGW of recent versions)"
+            f"the object store of {root.url!r} ignored a conditional PUT (If-None-Match: *): it "
+            "cannot create the manifest only if absent, so two committers could both commit a "
+            "step; use a store that supports conditional writes (AWS S3, SeaweedFS, MinIO, Ceph "
+            "RGW of recent versions)"
         )
 
 

@@ -201,8 +201,8 @@ class ModelConfig:
         self._check_moe()
         if self.transformer_impl != "local":
             raise NotBuiltError(
-                "model.transformer_impl='transformer_engine' is not built yet (Transformer Engine layers "
-                "are not wired in); use 'local'"
+                "model.transformer_impl='transformer_engine' is not built yet (Transformer Engine "
+                "layers are not wired in); use 'local'"
             )
 
     def _check_rope_scaling(self) -> None:
@@ -211,7 +211,8 @@ class ModelConfig:
             return
         if self.position_embedding_type != "rope":
             raise ConfigError(
-                "model.rope_scaling_factor scales RoPE: it needs model.position_embedding_type='rope'"
+                "model.rope_scaling_factor scales RoPE: it needs "
+                "model.position_embedding_type='rope'"
             )
         if not 1 <= factor < math.inf:
             raise ConfigError(
@@ -247,8 +248,8 @@ class ModelConfig:
                 raise ConfigError(f"model.moe_layer_freq must be positive, got {freq}")
         elif len(freq) != self.num_layers or any(v not in (0, 1) for v in freq):
             raise ConfigError(
-                f"model.moe_layer_freq as a list needs num_layers={self.num_layers} entries of 0 or 1, "
-                f"got {freq}"
+                f"model.moe_layer_freq as a list needs num_layers={self.num_layers} entries of 0 "
+                f"or 1, got {freq}"
             )
         for key in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
             v = getattr(self, key)

@@ -93,8 +93,8 @@ def read_token_file(path: str) -> dict[str, str]:
             words = [ADMIN, words[0]]
         if len(words) != 2 or words[0] not in SCOPE_RANK:
             raise ConfigError(
-                f"token file {path} line {number}: expected 'TOKEN' or 'SCOPE TOKEN' with SCOPE one of "
-                f"{', '.join(SCOPE_RANK)}; got {len(words)} words"
+                f"token file {path} line {number}: expected 'TOKEN' or 'SCOPE TOKEN' with SCOPE "
+                f"one of {', '.join(SCOPE_RANK)}; got {len(words)} words"
                 + (", the first not a scope" if len(words) == 2 else "")
             )
         check_token(words[1], f"token file {path} line {number}")
@@ -136,8 +136,8 @@ def client_token(token_file: str | None) -> str | None:
         tokens = read_token_file(token_file)
         if len(tokens) > 1:
             raise ConfigError(
-                f"token file {token_file} holds {len(tokens)} tokens; a client's file holds the one "
-                "it sends"
+                f"token file {token_file} holds {len(tokens)} tokens; a client's file holds the "
+                "one it sends"
             )
         return next(iter(tokens))
     token = os.environ.get(TOKEN_ENV)
@@ -186,7 +186,8 @@ class ServerSecurity:
     insecure: bool = False
     settings: tuple[str, str] = field(
         default=(
-            f"a token file (--token-file, or ${TOKEN_ENV}) or mutual TLS (--tls-cert, --tls-key, --tls-client-ca)",
+            f"a token file (--token-file, or ${TOKEN_ENV}) or mutual TLS (--tls-cert, --tls-key, "
+            "--tls-client-ca)",
             "--insecure",
         ),
         repr=False,
@@ -250,8 +251,9 @@ class ServerSecurity:
             return
         how, insecure = self.settings
         raise ConfigError(
-            f"refusing to serve {host}:{port} without authentication: an address other than loopback is "
-            f"reachable from other machines. Give {how}, bind 127.0.0.1, or set {insecure} to serve it open"
+            f"refusing to serve {host}:{port} without authentication: an address other than "
+            f"loopback is reachable from other machines. Give {how}, bind 127.0.0.1, or set "
+            f"{insecure} to serve it open"
         )
 
     def server_credentials(self):
@@ -321,8 +323,8 @@ class AuthInterceptor:
         if sent is None:
             context.abort(
                 grpc.StatusCode.UNAUTHENTICATED,
-                f"{method} needs a bearer token with scope {need} (metadata '{AUTH_METADATA}: Bearer "
-                f"TOKEN'); the call carried none",
+                f"{method} needs a bearer token with scope {need} (metadata '{AUTH_METADATA}: "
+                "Bearer TOKEN'); the call carried none",
             )
         scheme, _, token = (sent if isinstance(sent, str) else "").partition(" ")
         granted = None

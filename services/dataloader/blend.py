@@ -68,7 +68,8 @@ def _load_library() -> ctypes.CDLL:
                 os.unlink(tmp)
                 detail = getattr(e, "stderr", "") or str(e)
                 raise DataError(
-                    f"building the blending helper {_SOURCE} with C compiler {cc!r} failed: {detail}"
+                    f"building the blending helper {_SOURCE} with C compiler {cc!r} failed: "
+                    f"{detail}"
                 ) from e
             os.replace(tmp, out)  # atomic: concurrent builders each produce the same library
         lib = ctypes.CDLL(str(out))

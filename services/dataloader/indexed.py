@@ -108,7 +108,8 @@ class _RangeReader:
         # backends raise their own types (botocore's EndpointConnectionError is not one)
         except Exception as e:
             raise DataUnavailableError(
-                f"{self._path}: range read of tokens [{start}, {stop}) failed ({type(e).__name__}: {e})"
+                f"{self._path}: range read of tokens [{start}, {stop}) failed ({type(e).__name__}: "
+                f"{e})"
             ) from e
         if len(data) != (stop - start) * item:
             raise DataError(
@@ -338,7 +339,8 @@ class IndexedDataset:
                     Exception
                 ) as e:  # backends raise their own types (botocore's are not OSError)
                     raise DataUnavailableError(
-                        f"{url}: the store failed to answer whether the file exists ({type(e).__name__}: {e})"
+                        f"{url}: the store failed to answer whether the file exists "
+                        f"({type(e).__name__}: {e})"
                     ) from e
                 if info.get("type") != "file":
                     raise DataError(
@@ -379,7 +381,8 @@ class IndexedDataset:
                 header = f.read(HEADER_SIZE)
         if len(header) < len(MAGIC) or header[: len(MAGIC)] != MAGIC:
             raise DataError(
-                f"{path}: bad magic {header[: len(MAGIC)]!r}, expected {MAGIC!r} (not an MMIDIDX index)"
+                f"{path}: bad magic {header[: len(MAGIC)]!r}, expected {MAGIC!r} (not an MMIDIDX "
+                "index)"
             )
         if len(header) < HEADER_SIZE:
             raise DataError(f"{path}: truncated header ({len(header)} of {HEADER_SIZE} bytes)")
@@ -441,8 +444,8 @@ class IndexedDataset:
         size = self._bin_size if self._fs is not None else self.bin_path.stat().st_size
         if size != expected:
             raise DataError(
-                f"{self.bin_path}: data file is {size} bytes but {Path(str(self.idx_path)).name} says "
-                f"{expected} (last pointer + last length x {itemsize})"
+                f"{self.bin_path}: data file is {size} bytes but {Path(str(self.idx_path)).name} "
+                f"says {expected} (last pointer + last length x {itemsize})"
             )
         # (num_tokens,) flat token stream; np.memmap refuses empty files
         if self._fs is not None:
@@ -497,7 +500,8 @@ class IndexedDataset:
         """
         if start < 0 or length < 0 or start + length > self._tokens.size:
             raise IndexError(
-                f"{self.prefix}: token window [{start}, {start + length}) outside [0, {self._tokens.size})"
+                f"{self.prefix}: token window [{start}, {start + length}) outside [0, "
+                f"{self._tokens.size})"
             )
         return self._tokens[start : start + length]
 

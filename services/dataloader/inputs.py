@@ -143,7 +143,8 @@ def iter_documents(path: Path, json_key: str) -> Iterator[str]:
                 raise DataError(f"{path}:{lineno}: not a JSON object per line ({e.msg})") from e
             if not isinstance(obj, dict):
                 raise DataError(
-                    f"{path}:{lineno}: is a JSON {type(obj).__name__}, not an object with key {json_key!r}"
+                    f"{path}:{lineno}: is a JSON {type(obj).__name__}, not an object with key "
+                    f"{json_key!r}"
                 )
             if json_key not in obj:
                 raise DataError(f"{path}:{lineno}: JSON document has no key {json_key!r}")

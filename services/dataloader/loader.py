@@ -198,8 +198,8 @@ class LocalBatchSource:
         # the whole global batch must exist, so every rank fails on the same step
         if (step + 1) * self.global_batch_size > len(self.dataset):
             raise DataError(
-                f"step {step} needs samples up to {(step + 1) * self.global_batch_size} but dataset "
-                f"{self.dataset.name!r} has {len(self.dataset)} ({self.num_steps} steps of "
+                f"step {step} needs samples up to {(step + 1) * self.global_batch_size} but "
+                f"dataset {self.dataset.name!r} has {len(self.dataset)} ({self.num_steps} steps of "
                 f"{self.global_batch_size}); build it with more num_samples"
             )
         mbs = self.micro_batch_size

@@ -222,7 +222,8 @@ def preprocess_files(
             )
             raise DataError(
                 f"no documents in {names}: every input is empty"
-                f"{'' if append_eod else ' or holds only empty documents'}; nothing written to {prefix}"
+                f"{'' if append_eod else ' or holds only empty documents'}; nothing written to "
+                f"{prefix}"
             )
     bar.close()
     return prefix

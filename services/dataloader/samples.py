@@ -341,7 +341,8 @@ class GPTDataset:
         """
         if not 0 <= i < self.num_samples:
             raise IndexError(
-                f"{self.indexed.prefix} [{self.name}]: sample {i} out of range [0, {self.num_samples})"
+                f"{self.indexed.prefix} [{self.name}]: sample {i} out of range [0, "
+                f"{self.num_samples})"
             )
         return self.unshuffled(int(self.shuffle_idx[i]))
 
@@ -353,7 +354,8 @@ class GPTDataset:
         """
         if not 0 <= i < self.num_samples:
             raise IndexError(
-                f"{self.indexed.prefix} [{self.name}]: sample {i} out of range [0, {self.num_samples})"
+                f"{self.indexed.prefix} [{self.name}]: sample {i} out of range [0, "
+                f"{self.num_samples})"
             )
         self.unshuffled(int(self.shuffle_idx[i]), out)
 

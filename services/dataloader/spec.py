@@ -276,9 +276,9 @@ def open_dataset(
             )
     if max_index_bytes is not None and need_bytes > max_index_bytes:
         raise DataError(
-            f"num_samples={spec.num_samples} at seq_length={spec.seq_length} needs a sample index of "
-            f"{_gib(need_bytes)} ({need_bytes} bytes) to build, over this data worker's limit of "
-            f"{_gib(max_index_bytes)} ({max_index_bytes} bytes; `data serve --max-index-gib`): "
+            f"num_samples={spec.num_samples} at seq_length={spec.seq_length} needs a sample index "
+            f"of {_gib(need_bytes)} ({need_bytes} bytes) to build, over this data worker's limit "
+            f"of {_gib(max_index_bytes)} ({max_index_bytes} bytes; `data serve --max-index-gib`): "
             + "; ".join(sizes)
             + ". Ask for fewer samples (or a longer seq_length)"
         )

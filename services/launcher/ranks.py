@@ -130,8 +130,9 @@ def run_local_ranks(
     if first is not None and stopped and statuses[first.name] == -signal.SIGTERM:
         first = None
     failed.sort(key=lambda rank: ranks[rank] is not first)  # the first to fail first, then by rank
+    hung = "hung: stopped by a signal (SIGSTOP?) when the others failed, then "
     parts = [
-        f"rank {rank} ({'hung: stopped by a signal (SIGSTOP?) when the others failed, then ' if rank in frozen else ''}"
+        f"rank {rank} ({hung if rank in frozen else ''}"
         f"{_describe(statuses[ranks[rank].name], stopped)})"
         for rank in failed
     ]

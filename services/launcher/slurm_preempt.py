@@ -73,8 +73,8 @@ class Lead:
     def explain(self) -> str:
         times = "" if self.writes == 1 else f"{self.writes} x "
         return (
-            f"{self.parameters:,} parameters, {times}checkpoint {self.checkpoint_bytes / 1e6:,.1f} MB at "
-            f"{self.write_mb_s:g} MB/s = {self.write_s:.1f} s; {self.steps_to_stop} steps of "
+            f"{self.parameters:,} parameters, {times}checkpoint {self.checkpoint_bytes / 1e6:,.1f} "
+            f"MB at {self.write_mb_s:g} MB/s = {self.write_s:.1f} s; {self.steps_to_stop} steps of "
             f"{self.step_time_s:.2f} s; margin {self.margin_s:g} s: lead {self.seconds} s"
         )
 
@@ -263,8 +263,9 @@ def arm(
             continue
         if left is not None and first and left <= lead_s:
             print(
-                f"train: preemption timer: the job has {left} s, not more than the {lead_s} s a checkpoint "
-                f"needs; not armed (--signal's lead applies): give the job a longer --time",
+                f"train: preemption timer: the job has {left} s, not more than the {lead_s} s a "
+                "checkpoint needs; not armed (--signal's lead applies): give the job a longer "
+                "--time",
                 flush=True,
             )
             return "too short"

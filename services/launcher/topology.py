@@ -248,13 +248,14 @@ class Topology:
                 self.failed = child
                 recent = len(child.restarted_at) if child.restart else 0
                 again = (
-                    f" after {recent} restart{'s' * (recent != 1)} in the last {self.restart_window_s:.0f} s"
+                    f" after {recent} restart{'s' * (recent != 1)} in the last "
+                    f"{self.restart_window_s:.0f} s"
                     if recent
                     else ""
                 )
                 self.say(
-                    f"error: {child.name} exited unexpectedly with status {_describe(code)}{again}; "
-                    "stopping the topology"
+                    f"error: {child.name} exited unexpectedly with status "
+                    f"{_describe(code)}{again}; stopping the topology"
                 )
                 return 1
             if trainers and all(c.process.poll() == 0 for c in trainers):
@@ -271,7 +272,8 @@ class Topology:
         child.restarts += 1
         self.say(
             f"{child.name} exited with status {_describe(code)}; restarting it "
-            f"({len(child.restarted_at)}/{self.max_restarts}); its clients retry or fail over meanwhile"
+            f"({len(child.restarted_at)}/{self.max_restarts}); its clients retry or fail over "
+            "meanwhile"
         )
         try:
             self.start(child, wait)
@@ -334,14 +336,15 @@ class Topology:
                     )
                 if cut_short:
                     self.say(
-                        f"{failed.name} exited with status {_describe(failed.process.returncode)}; giving "
-                        f"{', '.join(c.name for c in cut_short)} {self.failure_grace_s:.0f} s to exit "
-                        "before SIGKILL"
+                        f"{failed.name} exited with status {_describe(failed.process.returncode)}; "
+                        f"giving {', '.join(c.name for c in cut_short)} {self.failure_grace_s:.0f} "
+                        "s to exit before SIGKILL"
                     )
             for c in running:
                 if self.urgent.is_set() or now >= deadline[c.name]:
                     self.say(
-                        f"{c.name} {'stopping now' if self.urgent.is_set() else why[c.name]}: SIGKILL"
+                        f"{c.name} {'stopping now' if self.urgent.is_set() else why[c.name]}: "
+                        "SIGKILL"
                     )
                     _signal(c.process, signal.SIGKILL)
                     c.process.wait()

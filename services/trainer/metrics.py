@@ -232,7 +232,8 @@ class MetricsLog:
         else:
             mfu = f" | MFU {record['mfu'] * 100:.1f}%" if "mfu" in record else ""
             log.info(
-                "step %d/%d | loss %.4f | lr %.2e | grad_norm %.3f | %s tok/s | %.3f s/step%s | ETA %s",
+                "step %d/%d | loss %.4f | lr %.2e | grad_norm %.3f | %s tok/s | %.3f s/step%s | "
+                "ETA %s",
                 record["step"],
                 self.total,
                 record["loss"],
@@ -301,7 +302,8 @@ def plot_losses(run_dir: Path) -> Path | None:
         import matplotlib
     except ImportError:
         log.warning(
-            "no loss.png: matplotlib is not installed (pip install 'meshtrain[plot]', or --log.plot=false)"
+            "no loss.png: matplotlib is not installed (pip install 'meshtrain[plot]', or "
+            "--log.plot=false)"
         )
         return None
 

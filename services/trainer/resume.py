@@ -76,17 +76,18 @@ def check_continuation(job: JobConfig, state: TrainState, meta: dict) -> None:
     t = job.train
     if state.consumed_samples != state.iteration * t.global_batch_size:
         raise ConfigError(
-            f"the checkpoint consumed {state.consumed_samples} samples in {state.iteration} steps, but "
-            f"train.global_batch_size={t.global_batch_size} would put step {state.iteration} at sample "
-            f"{state.iteration * t.global_batch_size}: samples would be skipped or repeated; resume with "
-            "the checkpoint's global batch size"
+            f"the checkpoint consumed {state.consumed_samples} samples in {state.iteration} steps, "
+            f"but train.global_batch_size={t.global_batch_size} would put step {state.iteration} "
+            f"at sample {state.iteration * t.global_batch_size}: samples would be skipped or "
+            "repeated; resume with the checkpoint's global batch size"
         )
     before = meta.get("config", {}).get("train", {}).get("train_iters")
     if before is not None and before != t.train_iters:
         log.warning(
-            "train.train_iters changed from %d to %d since the checkpoint: the sample order and the "
-            "LR schedule follow it, so this continues a different run than the one saved (keep it "
-            "unchanged for an exact continuation; optim.lr_decay_iters fixes the schedule alone)",
+            "train.train_iters changed from %d to %d since the checkpoint: the sample order and "
+            "the LR schedule follow it, so this continues a different run than the one saved "
+            "(keep it unchanged for an exact continuation; optim.lr_decay_iters fixes the "
+            "schedule alone)",
             before,
             t.train_iters,
         )
@@ -101,9 +102,10 @@ def check_continuation(job: JobConfig, state: TrainState, meta: dict) -> None:
         was, now = saved.get(section, {}).get(key), getattr(getattr(job, section), key)
         if was is not None and was != now:
             log.warning(
-                "%s.%s changed from %s to %s since the checkpoint: the samples each step takes (and "
-                "the documents held out for evaluation) follow it, so the steps from here skip and "
-                "repeat samples of the saved run's order (keep it unchanged for an exact continuation)",
+                "%s.%s changed from %s to %s since the checkpoint: the samples each step takes "
+                "(and the documents held out for evaluation) follow it, so the steps from here "
+                "skip and repeat samples of the saved run's order (keep it unchanged for an exact "
+                "continuation)",
                 section,
                 key,
                 was,
@@ -120,8 +122,9 @@ def check_continuation(job: JobConfig, state: TrainState, meta: dict) -> None:
     ]
     if changed:
         log.warning(
-            "the LR schedule changed since the checkpoint (%s): the learning rate from step %d follows "
-            "the new schedule, not the saved run's (keep them unchanged for an exact continuation)",
+            "the LR schedule changed since the checkpoint (%s): the learning rate from step %d "
+            "follows the new schedule, not the saved run's (keep them unchanged for an exact "
+            "continuation)",
             ", ".join(changed),
             state.iteration + 1,
         )
@@ -157,18 +160,19 @@ def refuse_a_root_with_later_steps(c: CheckpointConfig, start: int) -> None:
     damaged = [s for s in unreadable_manifests(c.save) if s > start]
     if damaged:  # readers skip them, but a save of their step finds the folder taken
         raise CheckpointError(
-            f"checkpoint steps {damaged[:5]}{' ...' if len(damaged) > 5 else ''} after this run's start (step "
-            f"{start}) under {c.save!r} hold a manifest.json that cannot be read (`meshtrain ckpt verify "
-            f"{c.save} --all`): the run's save of such a step would fail; delete them (meshtrain ckpt delete "
-            f"{c.save} --step N), pass --checkpoint.overwrite=true, or --save another root"
+            f"checkpoint steps {damaged[:5]}{' ...' if len(damaged) > 5 else ''} after this run's "
+            f"start (step {start}) under {c.save!r} hold a manifest.json that cannot be read "
+            f"(`meshtrain ckpt verify {c.save} --all`): the run's save of such a step would fail; "
+            f"delete them (meshtrain ckpt delete {c.save} --step N), pass "
+            "--checkpoint.overwrite=true, or --save another root"
         )
     later = [s for s in list_checkpoints(c.save) if s > start]
     if later:
         shown = f"{later[:5]}{' ...' if len(later) > 5 else ''}"
         raise CheckpointError(
-            f"checkpoint steps {shown} after this run's start (step {start}) already exist under {c.save!r}: "
-            "its saves (scheduled, or a stop's final one) would meet them, and the next --load would resume "
-            "from them rather than from this run; "
+            f"checkpoint steps {shown} after this run's start (step {start}) already exist under "
+            f"{c.save!r}: its saves (scheduled, or a stop's final one) would meet them, and the "
+            "next --load would resume from them rather than from this run; "
             # a first command run again (no --load) most likely meant to resume those steps
             + (f"to resume them pass --load {c.save}; " if not c.load else "")
             + "pass --checkpoint.overwrite=true to share the root anyway, or --save another root"

@@ -184,8 +184,8 @@ def run_dir_toml(job: JobConfig, launcher_keys: list[str] | tuple[str, ...] = ()
         return text
     note = (
         f"Left out: {', '.join(left_out)}, which `meshtrain up` pointed at its own services (they "
-        "end with it). `meshtrain up --config` this file (or the command that started the run) resumes "
-        "the run with new ones; `meshtrain train --config` this file reads the data in-process and "
-        "writes checkpoints straight to checkpoint.save."
+        "end with it). `meshtrain up --config` this file (or the command that started the run) "
+        "resumes the run with new ones; `meshtrain train --config` this file reads the data "
+        "in-process and writes checkpoints straight to checkpoint.save."
     )
     return textwrap.fill(note, 96, initial_indent="# ", subsequent_indent="# ") + "\n" + text

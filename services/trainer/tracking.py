@@ -55,8 +55,8 @@ class TensorBoardTracker:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             raise ConfigError(
-                f"log.tensorboard_dir={log_dir!r} (--tensorboard-dir) needs the tensorboard package: "
-                "pip install 'meshtrain[tensorboard]'"
+                f"log.tensorboard_dir={log_dir!r} (--tensorboard-dir) needs the tensorboard "
+                "package: pip install 'meshtrain[tensorboard]'"
             ) from None
         self.writer = SummaryWriter(log_dir=log_dir)
 
@@ -78,8 +78,8 @@ class WandbTracker:
             import wandb
         except ImportError:
             raise ConfigError(
-                f"log.wandb_project={config.wandb_project!r} (--wandb-project) needs the wandb package: "
-                "pip install 'meshtrain[wandb]'"
+                f"log.wandb_project={config.wandb_project!r} (--wandb-project) needs the wandb "
+                "package: pip install 'meshtrain[wandb]'"
             ) from None
         save_dir = Path(config.wandb_save_dir) if config.wandb_save_dir else run_dir / "wandb"
         save_dir.mkdir(parents=True, exist_ok=True)

@@ -237,9 +237,10 @@ class CheckpointClient:
             response.root and same_root(response.root, self.direct_root)
         ):
             raise CheckpointError(
-                f"checkpoint service {self.address} saves into {response.root or 'a root it does not name'!r}, "
-                f"not {self.direct_root!r}: writers of the direct data plane must write where it commits "
-                "(set the trainer's checkpoint.save to the service's root)"
+                f"checkpoint service {self.address} saves into "
+                f"{response.root or 'a root it does not name'!r}, not {self.direct_root!r}: "
+                "writers of the direct data plane must write where it commits (set the trainer's "
+                "checkpoint.save to the service's root)"
             )
         return response.save_id
 

@@ -251,9 +251,9 @@ def box_from_pb(box: pb.Box, max_shard_bytes: int | None = None) -> ShardSpec:
         )
         if shard > max_shard_bytes:
             raise InvalidRequestError(
-                f"box.grid {spec.grid_shape} of array {spec.array!r} makes {shard}-byte shards, over the "
-                f"service's in-flight limit of {max_shard_bytes} bytes (--max-inflight-mb): no box of such a "
-                "grid could be taken"
+                f"box.grid {spec.grid_shape} of array {spec.array!r} makes {shard}-byte shards, "
+                f"over the service's in-flight limit of {max_shard_bytes} bytes "
+                "(--max-inflight-mb): no box of such a grid could be taken"
             )
     return spec
 
@@ -533,8 +533,8 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                 "while it was being taken up; begin a new save"
             )
         log.warning(
-            "save %s of step %d resumed (begun before this service started, or on another replica); its "
-            "writers resend their boxes",
+            "save %s of step %d resumed (begun before this service started, or on another "
+            "replica); its writers resend their boxes",
             save_id,
             request.step,
         )
@@ -630,9 +630,9 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                 else f"after {boxes} complete boxes"
             )
             message = (
-                f"save {save_id!r} (step {save.step}): writer {first.header.writer_id} sent nothing "
-                f"for {e.idle_s:g} s {where} (the service's --stream-idle-timeout); its stream is "
-                "aborted and its share of the in-flight budget freed"
+                f"save {save_id!r} (step {save.step}): writer {first.header.writer_id} sent "
+                f"nothing for {e.idle_s:g} s {where} (the service's --stream-idle-timeout); its "
+                "stream is aborted and its share of the in-flight budget freed"
             )
             log.warning("%s", message)
             context.abort(grpc.StatusCode.ABORTED, status_details(message))
@@ -644,8 +644,8 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 status_details(
-                    f"save {save_id!r} of step {save.step} was superseded (a newer save of the step cleared its "
-                    "folder); its writes are refused (begin a new save)"
+                    f"save {save_id!r} of step {save.step} was superseded (a newer save of the "
+                    "step cleared its folder); its writes are refused (begin a new save)"
                 ),
             )
         writer.finish()

@@ -275,8 +275,8 @@ class ServiceBatchSource:
             cp = ""
             if self.cp_size > 1:
                 cp = (
-                    f" (the chunks of cp_rank={self.cp_rank} of cp_size={self.cp_size}; a worker that "
-                    f"predates context parallelism sends whole samples: upgrade it)"
+                    f" (the chunks of cp_rank={self.cp_rank} of cp_size={self.cp_size}; a worker "
+                    "that predates context parallelism sends whole samples: upgrade it)"
                 )
             raise DataError(f"{where} of shape {tuple(msg.shape)}, expected {want}{cp}")
         n = int(np.prod(want))
@@ -379,7 +379,8 @@ class ServiceBatchSource:
                         want = self._choose(workers, benched) if workers else address
                         if want != address:  # the stream goes on there from exactly `pos`
                             log.info(
-                                "data: moving from worker %s to %s at step %d micro-batch %d (%d workers)",
+                                "data: moving from worker %s to %s at step %d micro-batch %d (%d "
+                                "workers)",
                                 address,
                                 want,
                                 pos[0],
@@ -432,8 +433,8 @@ class ServiceBatchSource:
                         q,
                         _Failure(
                             DataError(
-                                f"no data worker of {self.addresses} served anything for {self.give_up_s:.0f}s; "
-                                f"last error from {address}: {why}"
+                                f"no data worker of {self.addresses} served anything for "
+                                f"{self.give_up_s:.0f}s; last error from {address}: {why}"
                             )
                         ),
                         stop,

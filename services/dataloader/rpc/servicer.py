@@ -271,8 +271,8 @@ class DataServicer(pb_grpc.DataServiceServicer):
                 )
             except MemoryError as e:  # this worker's memory, not the request: another may have it
                 raise DataUnavailableError(
-                    f"building the sample index of {list(spec.prefixes)} (num_samples={spec.num_samples}) "
-                    f"ran out of memory on this worker: {e}"
+                    f"building the sample index of {list(spec.prefixes)} "
+                    f"(num_samples={spec.num_samples}) ran out of memory on this worker: {e}"
                 ) from e
         except BaseException as e:
             with self._lock:  # not cached: the next request for this spec builds again
@@ -309,8 +309,9 @@ class DataServicer(pb_grpc.DataServiceServicer):
         mbs_bytes = req.micro_batch_size * row * 4  # int32 worst case
         if mbs_bytes > MAX_BATCH_BYTES:
             raise DataError(
-                f"micro_batch_size={req.micro_batch_size} x {row} tokens (seq_length {spec.seq_length}, "
-                f"cp_size {cp_size}) makes {mbs_bytes} byte messages, over the {MAX_BATCH_BYTES} limit"
+                f"micro_batch_size={req.micro_batch_size} x {row} tokens (seq_length "
+                f"{spec.seq_length}, cp_size {cp_size}) makes {mbs_bytes} byte messages, over the "
+                f"{MAX_BATCH_BYTES} limit"
             )
         if req.dp_size < 1 or req.dp_rank >= req.dp_size:
             raise DataError(f"dp_rank={req.dp_rank} is outside [0, dp_size={req.dp_size})")

@@ -139,8 +139,8 @@ def apply_fp8(
     n = len(blocks)
     if bf16_layers_at_start + bf16_layers_at_end >= n:
         raise ConfigError(
-            f"train.fp8: {bf16_layers_at_start} first and {bf16_layers_at_end} last blocks kept in bf16 "
-            f"leave none of the model's {n} blocks for FP8"
+            f"train.fp8: {bf16_layers_at_start} first and {bf16_layers_at_end} last blocks kept in "
+            f"bf16 leave none of the model's {n} blocks for FP8"
         )
     chosen: list[tuple[str, nn.Module]] = []
     kept: list[str] = []

@@ -155,7 +155,8 @@ class GPT(nn.Module):
         """tokens (batch, seq) -> final-norm hidden states (batch, seq, hidden)."""
         if tokens.shape[1] > self.config.seq_length:
             raise ValueError(
-                f"sequence of {tokens.shape[1]} tokens exceeds model.seq_length={self.config.seq_length}"
+                f"sequence of {tokens.shape[1]} tokens exceeds "
+                f"model.seq_length={self.config.seq_length}"
             )
         positions = (
             self.context.positions(tokens.shape[1], tokens.device)

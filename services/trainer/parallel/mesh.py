@@ -363,8 +363,9 @@ def initialize_model_parallel(
         sizes = hierarchical_context_parallel_sizes
         if not sizes or len(sizes) != 2 or sizes[0] * sizes[1] != context_parallel_size:
             raise ConfigError(
-                f"cp_comm_type='a2a+p2p' needs hierarchical_context_parallel_sizes = [all-to-all size, "
-                f"ring size] multiplying to context_parallel_size={context_parallel_size}, got {sizes}"
+                "cp_comm_type='a2a+p2p' needs hierarchical_context_parallel_sizes = [all-to-all "
+                f"size, ring size] multiplying to context_parallel_size={context_parallel_size}, "
+                f"got {sizes}"
             )
         a2a = sizes[0]
     else:

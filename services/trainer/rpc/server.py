@@ -125,8 +125,9 @@ def serve_control(
         auth.tls_client_ca_file,
         auth.insecure,
         settings=(
-            f"the control endpoint (train.control_host, ${HOST_ENV}) a token file (auth.token_file, or "
-            f"${TOKEN_ENV}) or mutual TLS (auth.tls_cert_file, auth.tls_key_file, auth.tls_client_ca_file)",
+            f"the control endpoint (train.control_host, ${HOST_ENV}) a token file "
+            f"(auth.token_file, or ${TOKEN_ENV}) or mutual TLS (auth.tls_cert_file, "
+            "auth.tls_key_file, auth.tls_client_ca_file)",
             "auth.insecure=true",
         ),
     )

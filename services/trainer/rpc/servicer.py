@@ -68,8 +68,9 @@ class TrainerControlServicer(pb_grpc.TrainerControlServicer):
         if sent is None:
             context.abort(
                 grpc.StatusCode.UNAUTHENTICATED,
-                f"calls to this control endpoint must carry its run token ({RUN_TOKEN_KEY} metadata, from "
-                f"the run directory's control.addr): give the run directory, not HOST:PORT",
+                f"calls to this control endpoint must carry its run token ({RUN_TOKEN_KEY} "
+                "metadata, from the run directory's control.addr): give the run directory, not "
+                "HOST:PORT",
             )
         if not hmac.compare_digest(sent.encode(), self.token.encode()):
             context.abort(

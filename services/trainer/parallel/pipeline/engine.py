@@ -90,7 +90,8 @@ def _defer_weight_grads(stage: PipelineStage, store: WeightGradStore) -> None:
                 module.async_grad = False  # its fused backward computes dW on the spot
             else:
                 raise ConfigError(
-                    f"zero-bubble schedules cannot defer the weight gradient of {type(module).__name__}"
+                    "zero-bubble schedules cannot defer the weight gradient of "
+                    f"{type(module).__name__}"
                 )
 
 
@@ -132,13 +133,13 @@ def build_pipeline(model: GPT, mesh: Mesh, job: JobConfig, device: torch.device)
     if schedule == "zb-h1":
         if t.compile:
             raise ConfigError(
-                "parallel.pipeline_schedule='zb-h1' defers weight gradients through Python closures, "
-                "which torch.compile cannot trace: leave train.compile off or use '1f1b'"
+                "parallel.pipeline_schedule='zb-h1' defers weight gradients through Python "
+                "closures, which torch.compile cannot trace: leave train.compile off or use '1f1b'"
             )
         if p.tp_comm_overlap:
             raise ConfigError(
-                "parallel.pipeline_schedule='zb-h1' and parallel.tp_comm_overlap both take over the "
-                "linears' backward: use one of them"
+                "parallel.pipeline_schedule='zb-h1' and parallel.tp_comm_overlap both take over "
+                "the linears' backward: use one of them"
             )
     stages = stage_layers(
         job.model.num_layers,

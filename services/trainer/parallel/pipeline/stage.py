@@ -45,8 +45,8 @@ def stage_layers(
     if explicit is not None:
         if len(explicit) != n_stages or any(k < 0 for k in explicit) or sum(explicit) != num_layers:
             raise ConfigError(
-                f"parallel.pipeline_layout={list(explicit)} must list {n_stages} block counts >= 0 (pp={pp} x "
-                f"{virtual} virtual stages) adding up to model.num_layers={num_layers}"
+                f"parallel.pipeline_layout={list(explicit)} must list {n_stages} block counts >= 0 "
+                f"(pp={pp} x {virtual} virtual stages) adding up to model.num_layers={num_layers}"
             )
         counts = list(explicit)
     else:
@@ -63,9 +63,10 @@ def stage_layers(
         if rest < 0 or (others and rest % others) or (not others and rest):
             what = f" after {sum(fixed.values())} blocks on the first/last stage" if fixed else ""
             raise ConfigError(
-                f"model.num_layers={num_layers} does not split evenly over {others} pipeline stages{what} "
-                f"(pp={pp} x {virtual} virtual stages): change num_layers, the degrees, or set "
-                "parallel.decoder_first_pipeline_num_layers / decoder_last_pipeline_num_layers / pipeline_layout"
+                f"model.num_layers={num_layers} does not split evenly over {others} pipeline "
+                f"stages{what} (pp={pp} x {virtual} virtual stages): change num_layers, the "
+                "degrees, or set parallel.decoder_first_pipeline_num_layers / "
+                "decoder_last_pipeline_num_layers / pipeline_layout"
             )
         counts = [fixed.get(s, rest // others if others else 0) for s in range(n_stages)]
     out, start = [], 0
@@ -168,7 +169,8 @@ class PipelineStage(nn.Module):
         if self.chunk_is_first(chunk):
             if x.shape[1] > self.config.seq_length:
                 raise ValueError(
-                    f"sequence of {x.shape[1]} tokens exceeds model.seq_length={self.config.seq_length}"
+                    f"sequence of {x.shape[1]} tokens exceeds "
+                    f"model.seq_length={self.config.seq_length}"
                 )
             x = self.embedding(x, positions)
         rope = rope_tables(self.rope_cos, self.rope_sin, positions)
