@@ -1,11 +1,10 @@
 """Fused ops and their dispatch.
 
-The model calls ops through this module, never through a specific implementation. CUDA
-tensors take the Triton kernel of `kernels/<op>.py` (registered in `_FAST` the first time an
-op runs on CUDA, so importing this package never needs Triton); everything else takes
-`meshtrain.kernels.reference` (plain torch: the spec and the CPU path). `MESHTRAIN_KERNELS=reference`
-forces the reference everywhere; `=triton` makes a missing Triton kernel an error instead of
-a silent fallback.
+The model calls ops through this module, never through a specific implementation. CUDA tensors take
+the Triton kernel of `kernels/<op>.py` (registered in `_FAST` the first time an op runs on CUDA, so
+importing this package never needs Triton); everything else takes `meshtrain.kernels.reference`
+(plain torch: the spec and the CPU path). `MESHTRAIN_KERNELS=reference` forces the reference
+everywhere; `=triton` makes a missing Triton kernel an error instead of a silent fallback.
 
 Under torch.compile the same choice is made while Dynamo traces: every Triton op is also a
 custom op (`meshtrain::<op>`, registered by its module) that Dynamo records as one opaque
@@ -113,7 +112,8 @@ def configured() -> tuple[str, frozenset[str]]:
 
 @torch.compiler.assume_constant_result  # read once per trace; the graph bakes in the choice
 def mode() -> str:
-    """The dispatch mode: $MESHTRAIN_KERNELS if set, else what `set_mode` chose ('auto' by default)."""
+    """The dispatch mode: $MESHTRAIN_KERNELS if set, else what `set_mode` chose ('auto' by
+    default)."""
     value = os.environ.get("MESHTRAIN_KERNELS", _configured)
     if value not in _MODES:
         raise ValueError(f"MESHTRAIN_KERNELS={value!r}; allowed: auto, reference, triton")
@@ -189,10 +189,10 @@ rope_cos_sin = reference.rope_cos_sin
 class _Package(types.ModuleType):
     """Keeps `kernels.<op>` the dispatching function once `kernels/<op>.py` is imported.
 
-    Each op and the file holding its kernel share a name, and Python's import system sets a
-    package attribute to a submodule when the submodule loads; without this guard the first
-    Triton import would replace `meshtrain.kernels.rms_norm` (what the model calls) by a module. Reach
-    the kernel modules with `from meshtrain.kernels.rms_norm import rms_norm`.
+    Each op and the file holding its kernel share a name, and Python's import system sets a package
+    attribute to a submodule when the submodule loads; without this guard the first Triton import
+    would replace `meshtrain.kernels.rms_norm` (what the model calls) by a module. Reach the kernel
+    modules with `from meshtrain.kernels.rms_norm import rms_norm`.
     """
 
     def __setattr__(self, name, value):

@@ -1,4 +1,5 @@
-"""Column sums of the norm backward kernels' fp32 partials, cast to the gradients' dtypes: one launch.
+"""Column sums of the norm backward kernels' fp32 partials, cast to the gradients' dtypes: one
+launch.
 
 The norm backward kernels (`kernels/rms_norm.py`, `kernels/layer_norm.py`) leave one fp32
 partial row per program of the weight gradient (programs x hidden), and LayerNorm a second

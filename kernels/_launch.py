@@ -104,7 +104,8 @@ def _eager_choice(kernel, grid, args, kwargs):
 
 
 def _scratch_like(a):
-    """A real tensor of `a`'s shape, strides, dtype and device (random floats, zero integers); other values as they are."""
+    """A real tensor of `a`'s shape, strides, dtype and device (random floats, zero integers); other
+    values as they are."""
     if not isinstance(a, torch.Tensor):
         return a
     t = torch.empty_strided(tuple(a.shape), tuple(a.stride()), dtype=a.dtype, device=a.device)
@@ -301,7 +302,8 @@ def _row_tile(
 def _row_tile_interleaved(
     k, n_rows, cols_ok, ROWS: tl.constexpr, EVEN_COLS: tl.constexpr, INT64: tl.constexpr
 ):
-    """(rows, mask) of this program's tile of ROWS rows from its k-th, rows past `n_rows` masked off.
+    """(rows, mask) of this program's tile of ROWS rows from its k-th, rows past `n_rows` masked
+    off.
 
     Program p of P takes rows p, p + P, p + 2P, ...: the programs in flight read neighbouring
     rows, in address order, instead of each its own contiguous run (`_row_tile`). For RMSNorm's
@@ -321,7 +323,8 @@ def _row_tile_interleaved(
 
 
 def as_rows(x: torch.Tensor) -> torch.Tensor:
-    """x as a (rows, last_dim) matrix with unit stride along the last dim (copies only if needed)."""
+    """x as a (rows, last_dim) matrix with unit stride along the last dim (copies only if
+    needed)."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()

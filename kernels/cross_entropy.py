@@ -30,7 +30,8 @@ like F.cross_entropy's default; any other label outside the vocabulary is an err
 the device. Eager autograd goes through `_CrossEntropy` and
 `_LinearCrossEntropy`; torch.compile through the custom ops `meshtrain::cross_entropy` and
 `meshtrain::linear_cross_entropy` (opaque nodes with fake implementations for shapes).
-Spec: `meshtrain.kernels.reference.cross_entropy` and `meshtrain.kernels.reference.linear_cross_entropy`.
+Spec: `meshtrain.kernels.reference.cross_entropy` and
+`meshtrain.kernels.reference.linear_cross_entropy`.
 """
 
 from __future__ import annotations
@@ -218,7 +219,8 @@ def logit_stats(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int = 0
     """Row max, sum(exp(x - max)) and the label's logit (0 when another shard owns it).
 
     Args:
-        logits: (rows, local_vocab), this rank's vocabulary slice [vocab_start, vocab_start + local_vocab).
+        logits: (rows, local_vocab), this rank's vocabulary slice [vocab_start, vocab_start +
+            local_vocab).
         labels: (rows,) int64 global ids.
         vocab_start: first global id of the slice.
 
@@ -493,7 +495,8 @@ def _linear_ce(hidden, weight, labels, loss_mask, vocab_size, chunk_size, dtype,
 
 
 def _scale_grads(ctx, grad, grad_h, grad_w, in_place: bool):
-    """(dhidden, dweight): the unit-gradient results times the incoming gradient, in the inputs' dtypes.
+    """(dhidden, dweight): the unit-gradient results times the incoming gradient, in the inputs'
+    dtypes.
 
     Scaling by a device scalar, never comparing it to 1 on the host (no sync); `out=` in the
     parameter's dtype fuses the scaling with the cast into one pass. `in_place` reuses the
@@ -546,7 +549,8 @@ def _lce_op(
     compute_dtype: torch.dtype,
     want_grads: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, grad_hidden, grad_weight); without `want_grads` the gradients are empty (0,) tensors."""
+    """(loss, grad_hidden, grad_weight); without `want_grads` the gradients are empty (0,)
+    tensors."""
     loss, grad_h, grad_w = _linear_ce(
         hidden, weight, labels, loss_mask, vocab_size, chunk_size, compute_dtype, want_grads
     )

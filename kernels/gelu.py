@@ -25,8 +25,8 @@ def _gelu_fwd(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    # literals, not module constants: a jitted kernel (and the interpreter) only sees constexpr globals;
-    # 0.79788... = sqrt(2 / pi), 0.044715 = the tanh approximation's cubic coefficient
+    # literals, not module constants: a jitted kernel (and the interpreter) only sees constexpr
+    # globals; 0.79788... = sqrt(2 / pi), 0.044715 = the tanh approximation's cubic coefficient
     s = tl.sigmoid(2.0 * 0.7978845608028654 * (x + 0.044715 * x * x * x))
     tl.store(y_ptr + offs, (x * s).to(y_ptr.dtype.element_ty), mask=mask)
 

@@ -127,7 +127,8 @@ def linear_cross_entropy(
 
 
 def _expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """(b, groups, s, d) key/value heads repeated to (b, heads, s, d): query head j uses group j // (heads/groups)."""
+    """(b, groups, s, d) key/value heads repeated to (b, heads, s, d): query head j uses group j //
+    (heads/groups)."""
     return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
 
 

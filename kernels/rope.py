@@ -1,11 +1,11 @@
 """Rotary position embedding in Triton, rotate-half convention (Hugging Face Llama's).
 
-y = x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1] on the halves of head_dim.
-One program handles a few positions of one sequence for every head at once, so each cos/sin
-row is read once per program and reused across heads. q and k arrive as strided views of the fused qkv
-projection ((b, s, heads, d) transposed to (b, heads, s, d)); the kernel reads them through
-their strides instead of copying, and writes a contiguous (b, heads, s, d) output, the layout
-SDPA prefers.
+y = x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1] on the halves of head_dim. One
+program handles a few positions of one sequence for every head at once, so each cos/sin row is read
+once per program and reused across heads. q and k arrive as strided views of the fused qkv
+projection ((b, s, heads, d) transposed to (b, heads, s, d)); the kernel reads them through their
+strides instead of copying, and writes a contiguous (b, heads, s, d) output, the layout SDPA
+prefers.
 
 Backward is the transpose of the same rotation: dx1 = c1 dy1 + s2 dy2, dx2 = c2 dy2 - s1 dy1,
 which is the forward formula with sin's halves swapped and negated, so one kernel serves

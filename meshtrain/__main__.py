@@ -1,4 +1,5 @@
-"""`python -m meshtrain ...` is the `meshtrain` command (also under torchrun: `torchrun ... -m meshtrain train`)."""
+"""`python -m meshtrain ...` is the `meshtrain` command (also under torchrun: `torchrun ... -m
+meshtrain train`)."""
 
 import sys
 

@@ -63,7 +63,8 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def launch_local_ranks(nproc: int, rest: list[str], grace_s: float | None = None) -> int:
-    """Run `meshtrain train` on `nproc` local ranks, each our own child process (`services/launcher/ranks.py`).
+    """Run `meshtrain train` on `nproc` local ranks, each our own child process
+    (`services/launcher/ranks.py`).
 
     Args:
         nproc: how many ranks.

@@ -22,11 +22,11 @@ A save that fails because its storage is full (DiskFullError: ENOSPC, EDQUOT) is
 (with several, `Checkpointer` does that once they have all ended). A full disk is thus not kept
 full by a save that cannot commit.
 
-The sink is what differs between the embedded default and service mode: `StorageSink(root)`
-writes straight to storage; `meshtrain.services.checkpoint.rpc.client.CheckpointClient` streams to the
+The sink is what differs between the embedded default and service mode: `StorageSink(root)` writes
+straight to storage; `meshtrain.services.checkpoint.rpc.client.CheckpointClient` streams to the
 checkpoint service. Both offer `writer(step, save_id, writer_id, num_writers)` (an object with
-`write(spec, data)` and `finish(error=None)`) and `commit(step, save_id, num_writers,
-metadata, timeout)`.
+`write(spec, data)` and `finish(error=None)`) and `commit(step, save_id, num_writers, metadata,
+timeout)`.
 """
 
 from __future__ import annotations
@@ -315,7 +315,8 @@ class AsyncSaver:
             The SaveResult on the committer, else None (also when nothing was in flight).
 
         Raises:
-            CheckpointError: that save failed after its retries (DiskFullError: its storage is full).
+            CheckpointError: that save failed after its retries (DiskFullError: its storage is
+                full).
         """
         pending, self._pending = self._pending, None
         return None if pending is None else pending.result()

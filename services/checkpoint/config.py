@@ -1,4 +1,5 @@
-"""The checkpoint config section (`[checkpoint]`): where checkpoints go and where a run resumes from."""
+"""The checkpoint config section (`[checkpoint]`): where checkpoints go and where a run resumes
+from."""
 
 from __future__ import annotations
 

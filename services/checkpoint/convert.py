@@ -320,8 +320,8 @@ def convert(
         A ConvertResult.
 
     Raises:
-        CheckpointError: no such checkpoint, `dst` is `src`, the step already exists at `dst`, a bad dtype, a
-            parameter holding a value the target dtype cannot (fp16 past 65504: it would be
+        CheckpointError: no such checkpoint, `dst` is `src`, the step already exists at `dst`, a bad
+            dtype, a parameter holding a value the target dtype cannot (fp16 past 65504: it would be
             stored as inf). A target degree that does not divide what it splits (see
             `target_shard_shapes`).
     """

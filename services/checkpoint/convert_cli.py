@@ -1,4 +1,5 @@
-"""`meshtrain ckpt export|import|convert`: Hugging Face and Megatron Core export/import, checkpoint rewriting.
+"""`meshtrain ckpt export|import|convert`: Hugging Face and Megatron Core export/import, checkpoint
+rewriting.
 
     meshtrain ckpt export --format hf SRC DST [--step N] [--tokenizer FILE] [--max-shard-size 5GB]
         [--architecture llama|mistral|qwen2|qwen3]
@@ -6,8 +7,9 @@
         (SRC: a folder, or a repo id org/name found in the Hugging Face cache, offline)
     meshtrain ckpt export --format megatron SRC DST [--step N] [--padded-vocab-size N]
     meshtrain ckpt import --format megatron SRC DST [--iteration N] [--num-attention-heads N]
-        [--num-query-groups N] [--kv-channels N] [--normalization LayerNorm|RMSNorm] [--norm-epsilon X]
-        [--swiglu] [--openai-gelu] [--position-embedding-type learned_absolute|rope] [--rotary-base X]
+        [--num-query-groups N] [--kv-channels N] [--normalization LayerNorm|RMSNorm]
+        [--norm-epsilon X] [--swiglu] [--openai-gelu]
+        [--position-embedding-type learned_absolute|rope] [--rotary-base X]
         [--seq-length N] [--untie-embeddings-and-output-weights] [--vocab-size N]
         (SRC: a megatron-core torch_dist folder, or a Megatron-LM checkpoint root)
     meshtrain ckpt convert SRC DST [--step N] [--dtype bf16|fp32|fp16] [--drop-optimizer]
@@ -15,9 +17,9 @@
         [--target-expert-parallel-size N]
 
 The Megatron architecture flags are needed only where the checkpoint has no saved `args`
-(`megatron_args.py`). `register_subcommands(ckpt_subparsers)` adds the three commands to the `ckpt` parser; each
-sets `func` to a handler taking the parsed namespace and returning an exit code. Errors are
-`MeshtrainError`s, which the top-level CLI prints and turns into exit status 2.
+(`megatron_args.py`). `register_subcommands(ckpt_subparsers)` adds the three commands to the `ckpt`
+parser; each sets `func` to a handler taking the parsed namespace and returning an exit code. Errors
+are `MeshtrainError`s, which the top-level CLI prints and turns into exit status 2.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from meshtrain.services.common.errors import CheckpointError
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    """Exports a training checkpoint as a Hugging Face folder or a Megatron Core torch_dist checkpoint."""
+    """Exports a training checkpoint as a Hugging Face folder or a Megatron Core torch_dist
+    checkpoint."""
     from meshtrain.services.checkpoint.hf import export_hf
 
     _check_format(args.format, args, _HF_EXPORT, ["padded_vocab_size"])
@@ -142,8 +145,8 @@ def register_subcommands(ckpt_subparsers: argparse._SubParsersAction) -> None:
     exp.add_argument(
         "--max-shard-size",
         default="5GB",
-        help="most tensor bytes per safetensors file, e.g. 5GB (the default), 500MB, 2GiB; a larger "
-        "model is written in shards with model.safetensors.index.json",
+        help="most tensor bytes per safetensors file, e.g. 5GB (the default), 500MB, 2GiB; a "
+        "larger model is written in shards with model.safetensors.index.json",
     )
     exp.add_argument(
         "--architecture",

@@ -1,12 +1,12 @@
 """Looking after a checkpoint root: delete a step, retention, collecting leftovers, verifying.
 
-Retention keeps the last `keep_last` committed steps (the highest step numbers) and every step
-that is a multiple of `keep_every`, and deletes the other committed ones, except steps the
-caller protects (the trainer protects its own most recent commit: in a root that also holds an
-earlier run's higher steps the policy alone would delete it); it also removes step folders that never
-committed (crashed or aborted saves), except those of saves still in progress. A committed
-step is deleted manifest first, so a crash half-way leaves an uncommitted folder (ignored by
-readers, collected next time), never a manifest pointing at missing objects.
+Retention keeps the last `keep_last` committed steps (the highest step numbers) and every step that
+is a multiple of `keep_every`, and deletes the other committed ones, except steps the caller
+protects (the trainer protects its own most recent commit: in a root that also holds an earlier
+run's higher steps the policy alone would delete it); it also removes step folders that never
+committed (crashed or aborted saves), except those of saves still in progress. A committed step is
+deleted manifest first, so a crash half-way leaves an uncommitted folder (ignored by readers,
+collected next time), never a manifest pointing at missing objects.
 """
 
 from __future__ import annotations

@@ -132,13 +132,13 @@ def read_box_direct(
 ) -> np.ndarray | None:
     """Reads a box straight out of verified shard bytes (None: not meshtrain's plain layout).
 
-    A shard the box covers whole is fetched whole and checked against the object's crc32.
-    Of a shard the box cuts (a resharded load), only its index and the inner chunks the box
-    touches are fetched, with range reads (adjacent chunks in one), each checked against the
-    crc32 the manifest lists for it (format 2; a version 1 manifest lists none, so whole
-    shards are fetched). On object stores shards are fetched in batches of about
-    `_BATCH_BYTES`, all ranges of a batch in one (concurrent) `cat_ranges` call; each inner chunk is a view of the fetched bytes copied
-    once into the output (zarr would hold the bytes, its chunk buffers and the output).
+    A shard the box covers whole is fetched whole and checked against the object's crc32. Of a shard
+    the box cuts (a resharded load), only its index and the inner chunks the box touches are
+    fetched, with range reads (adjacent chunks in one), each checked against the crc32 the manifest
+    lists for it (format 2; a version 1 manifest lists none, so whole shards are fetched). On object
+    stores shards are fetched in batches of about `_BATCH_BYTES`, all ranges of a batch in one
+    (concurrent) `cat_ranges` call; each inner chunk is a view of the fetched bytes copied once into
+    the output (zarr would hold the bytes, its chunk buffers and the output).
     """
     meta = json.loads(fetch_verified(root, step, array_name, entry["objects"], "zarr.json"))
     codecs = meta.get("codecs", [])

@@ -28,7 +28,8 @@ def local_build_dir(path: str) -> str:
 
 
 def remove_dead_builds(path: str) -> list[str]:
-    """Removes the `local_build_dir`s of `path` (folders or files) whose process, on this host, is gone.
+    """Removes the `local_build_dir`s of `path` (folders or files) whose process, on this host, is
+    gone.
 
     Builds of live processes, of other hosts (a shared disk), and names of any other form are
     left alone.

@@ -405,7 +405,8 @@ def make_server(
         max_message_bytes: message limit in both directions.
         error_table: extra (exception class, status code) pairs for `ErrorInterceptor`.
         interceptors: run before `ErrorInterceptor` (outermost first), e.g. a
-            `meshtrain.services.common.metrics.MetricsInterceptor`, which then sees mapped status codes.
+            `meshtrain.services.common.metrics.MetricsInterceptor`, which then sees mapped status
+            codes.
         translate_error: `ErrorInterceptor`'s `translate` (e.g. storage errors -> UNAVAILABLE).
         security: tokens, TLS files, insecure; None: no authentication, plaintext, loopback only.
         scopes: full method name -> scope it needs (`security.method_scopes`); a method missing

@@ -20,7 +20,8 @@ class _StderrHandler(logging.StreamHandler):
 
 
 def setup_logging(level: str | None = None) -> None:
-    """Configure the root logger once (idempotent); level defaults to $MESHTRAIN_LOG_LEVEL or INFO."""
+    """Configure the root logger once (idempotent); level defaults to $MESHTRAIN_LOG_LEVEL or
+    INFO."""
     level = (level or os.environ.get("MESHTRAIN_LOG_LEVEL", "INFO")).upper()
     root = logging.getLogger()
     if not any(getattr(h, "_meshtrain", False) for h in root.handlers):

@@ -1,14 +1,14 @@
 """Prometheus metrics for meshtrain's gRPC services: requests, bytes, latency, queue depth.
 
-`MetricsInterceptor` wraps every RPC of a server (all four method kinds) and records, per
-service and method: requests by final status code, bytes received and sent (serialized
-message sizes), latency (a stream's latency is its whole life) and the RPCs in progress. The
-in-progress gauge is the queue depth that matters here: a server runs at most `max_workers`
-streams at once (`meshtrain_rpc_capacity`), and a stream holds its slot until it ends, so at
-capacity a new stream is refused (RESOURCE_EXHAUSTED, counted here; clients retry or fail
-over) while unary RPCs such as health checks keep slots of their own. A stream the client
-cancels (a failover, the end of a run) or a stopping server cuts counts as CANCELLED. `start_metrics_server` serves the process's
-registry as Prometheus text on `/metrics`:
+`MetricsInterceptor` wraps every RPC of a server (all four method kinds) and records, per service
+and method: requests by final status code, bytes received and sent (serialized message sizes),
+latency (a stream's latency is its whole life) and the RPCs in progress. The in-progress gauge is
+the queue depth that matters here: a server runs at most `max_workers` streams at once
+(`meshtrain_rpc_capacity`), and a stream holds its slot until it ends, so at capacity a new stream
+is refused (RESOURCE_EXHAUSTED, counted here; clients retry or fail over) while unary RPCs such as
+health checks keep slots of their own. A stream the client cancels (a failover, the end of a run) or
+a stopping server cuts counts as CANCELLED. `start_metrics_server` serves the process's registry as
+Prometheus text on `/metrics`:
 
     server, port, health = make_server(..., interceptors=[MetricsInterceptor("data", 16)])
     http, metrics_port = start_metrics_server(9100)   # curl 127.0.0.1:9100/metrics

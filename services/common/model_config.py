@@ -29,7 +29,8 @@ class ModelConfig:
     """Key/value heads for grouped-query attention; unset means one per query head (MHA)."""
     kv_channels: int | None = None
     """Width of each attention head (--kv-channels); unset: hidden_size / num_attention_heads. Set,
-    the heads need not tile the hidden size (Qwen3: 128-wide heads with hidden_size 1024 and 16 heads)."""
+    the heads need not tile the hidden size (Qwen3: 128-wide heads with hidden_size 1024 and 16
+    heads)."""
     qkv_bias: bool = False
     """Biases on the query/key/value projection alone (--add-qkv-bias; Qwen2), where
     add_bias_linear is off; with add_bias_linear on, every linear layer has one already."""
@@ -93,7 +94,8 @@ class ModelConfig:
     transformer_impl: Literal["local", "transformer_engine"] = "local"
     """Layer backend: meshtrain's own layers, or Transformer Engine (not built)."""
     num_experts: int | None = None
-    """Experts per mixture-of-experts layer (--num-experts); unset: every feed-forward block is dense."""
+    """Experts per mixture-of-experts layer (--num-experts); unset: every feed-forward block is
+    dense."""
     moe_layer_freq: int | list[int] = 1
     """Which blocks are MoE (--moe-layer-freq): an int k makes every k-th block MoE (blocks 0, k,
     2k, ...); a list of num_layers 0/1 entries names them one by one (1: MoE)."""
@@ -119,7 +121,8 @@ class ModelConfig:
     ceil(factor * tokens * topk / experts) tokens per micro-batch and rank; the rest are dropped
     by moe_token_drop_policy (their residual passes through)."""
     moe_token_drop_policy: Literal["probs", "position"] = "probs"
-    """Under a capacity: an expert keeps its highest-scored tokens (probs) or its earliest (position)."""
+    """Under a capacity: an expert keeps its highest-scored tokens (probs) or its earliest
+    (position)."""
     moe_router_enable_expert_bias: bool = False
     """Auxiliary-loss-free load balancing (DeepSeek-V3): a per-expert bias added to the scores for
     choosing experts only, moved by moe_router_bias_update_rate after every optimizer step
@@ -130,7 +133,8 @@ class ModelConfig:
     """Inner width of the shared expert every token also passes through (Qwen-MoE, DeepSeek);
     unset: none."""
     moe_shared_expert_gate: bool = False
-    """Scale the shared expert's output by sigmoid(x . w) of a learned (1, hidden) gate (Qwen2-MoE)."""
+    """Scale the shared expert's output by sigmoid(x . w) of a learned (1, hidden) gate
+    (Qwen2-MoE)."""
     moe_grouped_gemm: bool = True
     """Experts as grouped GEMMs (torch._grouped_mm on CUDA bf16 where the device supports it);
     off, or where it cannot run, a loop over the experts computes the same."""

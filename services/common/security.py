@@ -7,7 +7,8 @@ are, which checks every call against the scope its method needs:
 
     read   data batches and Describe; checkpoint List, Describe, ReadSlice; control Status
     write  checkpoint BeginSave (overwrite=false), WriteShards, Commit, AbortSave, ResumeSave
-    admin  checkpoint Delete, ApplyRetention, BeginSave with overwrite=true; control Checkpoint, Stop
+    admin  checkpoint Delete, ApplyRetention, BeginSave with overwrite=true;
+           control Checkpoint, Stop
 
 admin implies write implies read. A call without a token, or with one the server does not
 accept, is refused with UNAUTHENTICATED; a token whose scope is too low with PERMISSION_DENIED;
@@ -116,7 +117,8 @@ def check_token(token: str, where: str) -> None:
 
 
 def server_tokens(token_file: str | None) -> dict[str, str]:
-    """The tokens a server accepts: those of `token_file`, else $MESHTRAIN_TOKEN (scope admin), else none."""
+    """The tokens a server accepts: those of `token_file`, else $MESHTRAIN_TOKEN (scope admin), else
+    none."""
     if token_file:
         return read_token_file(token_file)
     token = os.environ.get(TOKEN_ENV)
@@ -413,8 +415,8 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--token-file",
         default=None,
-        help=f"bearer tokens callers must send, one per line as 'SCOPE TOKEN' (read, write, admin) or "
-        f"'TOKEN' (admin); default: ${TOKEN_ENV} (scope admin) if set, else no tokens",
+        help="bearer tokens callers must send, one per line as 'SCOPE TOKEN' (read, write, "
+        f"admin) or 'TOKEN' (admin); default: ${TOKEN_ENV} (scope admin) if set, else no tokens",
     )
     g.add_argument(
         "--tls-cert", default=None, help="PEM certificate the server presents (turns TLS on)"
@@ -461,8 +463,8 @@ class ClientSecurity:
 
     Attributes:
         token: bearer token sent with every call (kept out of repr); None: none.
-        ca_file: PEM CA that verifies the server's certificate; TLS is on when it or `cert_file` is set
-            (with `cert_file` alone, the system's CAs verify the server).
+        ca_file: PEM CA that verifies the server's certificate; TLS is on when it or `cert_file` is
+            set (with `cert_file` alone, the system's CAs verify the server).
         cert_file: PEM client certificate (mutual TLS).
         key_file: its PEM private key.
         server_name: the name the server's certificate must carry, when not the address's host.
@@ -490,7 +492,8 @@ class ClientSecurity:
         key_file: str | None = None,
         server_name: str | None = None,
     ) -> ClientSecurity:
-        """Read the token (`token_file`, else $MESHTRAIN_TOKEN) and check the TLS files can be read."""
+        """Read the token (`token_file`, else $MESHTRAIN_TOKEN) and check the TLS files can be
+        read."""
         security = cls(client_token(token_file), ca_file, cert_file, key_file, server_name)
         for path, what in (
             (ca_file, "CA"),

@@ -151,9 +151,9 @@ def preprocess_files(
     """Tokenize text files into `OUTPUT_PREFIX.bin/.idx`.
 
     Args:
-        inputs: at least one file: `.jsonl`/`.json` files (one JSON object per line, text under `json_key`),
-            `.parquet` files (text in column `json_key`; a null is an error, as in JSONL), or
-            any other file, read as UTF-8 text (errors replaced, line ends kept byte for
+        inputs: at least one file: `.jsonl`/`.json` files (one JSON object per line, text under
+            `json_key`), `.parquet` files (text in column `json_key`; a null is an error, as in
+            JSONL), or any other file, read as UTF-8 text (errors replaced, line ends kept byte for
             byte), one document per file. A gzip, bzip2, xz, zstd or zip file is an error.
         output_prefix: dataset path without extension.
         tokenizer: tokenizer; its vocabulary picks the token dtype (`best_dtype`).
@@ -247,7 +247,8 @@ def _cache_key(files: list[Path], tokenizer: str, vocab_size: int, max_bytes: in
         "tokenizer": tokenizer,
         "vocab_size": vocab_size if tokenizer == "bpe" else 257,
         "max_bytes": max_bytes,
-        "format": 2,  # bump when the build recipe changes (2: text read without newline translation)
+        # bump when the build recipe changes (2: text read without newline translation)
+        "format": 2,
     }
     return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -254,7 +254,8 @@ class GPTDataset:
         stream_cum = np.zeros(doc_idx.size + 1, dtype=np.int64)
         np.cumsum(self._doc_len[doc_idx], out=stream_cum[1:])  # token offset of each doc_idx slot
         starts = np.arange(self.num_samples, dtype=np.int64) * self.seq_length  # (num_samples,)
-        # side="right" lands on the last slot starting at or before the token, skipping empty documents
+        # side="right" lands on the last slot starting at or before the token, skipping empty
+        # documents
         pos = np.searchsorted(stream_cum, starts, side="right") - 1
         offset = starts - stream_cum[pos]
         largest = max(doc_idx.size, int(self._doc_len.max(initial=0)))

@@ -1,11 +1,11 @@
 """Which samples a job trains on, as one value: `DatasetSpec`, and `open_dataset` to build them.
 
-A spec names the dataset prefixes and their blending weights, the train/valid/test split,
-which split, `seq_length`, `num_samples`, the seed and the recipe of the sample order
-(`sample_order`: meshtrain's, or Megatron's GPTDataset bit for bit). It is all a data worker needs to
-reproduce a stream bit for bit, so the trainer sends it over the wire and the in-process path
-uses it too. `parse_data_path` reads Megatron's `--data-path` convention: either one or more
-prefixes (equal weights), or alternating `WEIGHT PREFIX` pairs.
+A spec names the dataset prefixes and their blending weights, the train/valid/test split, which
+split, `seq_length`, `num_samples`, the seed and the recipe of the sample order (`sample_order`:
+meshtrain's, or Megatron's GPTDataset bit for bit). It is all a data worker needs to reproduce a
+stream bit for bit, so the trainer sends it over the wire and the in-process path uses it too.
+`parse_data_path` reads Megatron's `--data-path` convention: either one or more prefixes (equal
+weights), or alternating `WEIGHT PREFIX` pairs.
 
     spec = DatasetSpec.from_data_path(["0.7", "a/ds", "0.3", "b/ds"], seq_length=1024,
                                       num_samples=10_000, seed=1234)

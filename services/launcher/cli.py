@@ -1,6 +1,7 @@
 """`meshtrain up`, `meshtrain status`, `meshtrain save` and `meshtrain stop`.
 
-    meshtrain up --config deploy/configs/tiny.toml --data-workers 2 --nproc-per-node 2 [--s3] [train overrides]
+    meshtrain up --config deploy/configs/tiny.toml --data-workers 2 --nproc-per-node 2 [--s3] \\
+        [train overrides]
     meshtrain status RUN_DIR|HOST:PORT [--json]   # step, loss, tokens/s, ETA, last checkpoint
     meshtrain save RUN_DIR|HOST:PORT              # checkpoint after the current step, keep training
     meshtrain stop RUN_DIR|HOST:PORT              # checkpoint, then end the run (exit 0)
@@ -69,7 +70,8 @@ def format_status(s: dict) -> str:
 
 
 def _security(args: argparse.Namespace):
-    """The token and TLS flags, or None (the run directory's own, or $MESHTRAIN_TOKEN) when none is given."""
+    """The token and TLS flags, or None (the run directory's own, or $MESHTRAIN_TOKEN) when none is
+    given."""
     given = (args.token_file, args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
     return ClientSecurity.from_args(args) if any(given) else None
 

@@ -4,9 +4,10 @@ A gRPC child is ready when `grpc.health.v1.Health/Check` for the whole server ("
 SERVING; an HTTP child (the S3 store) when its port answers any HTTP response. Run as a
 module it is the probe of compose health checks and the Slurm scripts:
 
-    python -m meshtrain.services.launcher.health 127.0.0.1:7001 [--wait 120]    # exit 0 when SERVING
+    python -m meshtrain.services.launcher.health 127.0.0.1:7001 [--wait 120]  # exit 0 when SERVING
     python -m meshtrain.services.launcher.health --http http://127.0.0.1:8333/
-    python -m meshtrain.services.launcher.health 127.0.0.1:7001 --tls-ca ca.pem [--tls-cert c.pem --tls-key c.key]
+    python -m meshtrain.services.launcher.health 127.0.0.1:7001 --tls-ca ca.pem \\
+        [--tls-cert c.pem --tls-key c.key]
 
 The health check needs no token; a server that serves TLS needs `--tls-ca` (and, with mutual
 TLS, a client certificate).

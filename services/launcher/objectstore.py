@@ -204,7 +204,8 @@ def make_bucket(bucket: str, endpoint: str, keys: AccessKeys, timeout_s: float =
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m meshtrain.services.launcher.objectstore make-bucket BUCKET [--timeout S]`: compose's s3-init.
+    """`python -m meshtrain.services.launcher.objectstore make-bucket BUCKET [--timeout S]`:
+    compose's s3-init.
 
     Makes BUCKET on the store named by AWS_ENDPOINT_URL with AWS_ACCESS_KEY_ID /
     AWS_SECRET_ACCESS_KEY, and exits 0 when it exists (made now or before), else 2 with the

@@ -1,7 +1,8 @@
 """Trainer ranks on this machine as our own child processes: `meshtrain train --nproc-per-node N`
 runs them with `run_local_ranks`, and `meshtrain up` builds its trainer with `local_ranks`.
 
-    meshtrain train --nproc-per-node 2 --config deploy/configs/tiny.toml [--grace S] [train overrides]
+    meshtrain train --nproc-per-node 2 --config deploy/configs/tiny.toml [--grace S] \\
+        [train overrides]
 
 Each rank gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
 MASTER_ADDR=127.0.0.1, MASTER_PORT=a free port) but no torchrun agent between it and us. A stop
@@ -42,7 +43,8 @@ def local_ranks(
         argv: each rank's command (`meshtrain train ...`).
         name: their name ("trainer": "trainer-0", "trainer-1", ...; the name alone when world is 1,
             which gets no rendezvous environment and runs as a single process).
-        grace_s: seconds a rank gets to checkpoint after SIGTERM before SIGKILL (`math.inf`: no limit).
+        grace_s: seconds a rank gets to checkpoint after SIGTERM before SIGKILL (`math.inf`: no
+            limit).
         inherit_output: the ranks write to our stdout and stderr, unprefixed.
     """
     if world == 1:

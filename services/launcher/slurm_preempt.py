@@ -14,7 +14,8 @@ final save waits for one still uploading), and a margin for the commit and the r
     lead = (log_interval + 1) * step_time + writes * checkpoint_bytes / write_bandwidth + margin
 
     python -m meshtrain.services.launcher.slurm_preempt lead [--write-mb-s 200] [--margin-s 60] \\
-        [--step-time-s S] [--run-dir DIR] -- --config deploy/configs/gpt2-125m.toml [train overrides]
+        [--step-time-s S] [--run-dir DIR] -- --config deploy/configs/gpt2-125m.toml \\
+        [train overrides]
     python -m meshtrain.services.launcher.slurm_preempt arm --job JOBID --pid PID --lead SECONDS
 
 `lead` prints the seconds on stdout and the reckoning on stderr. Step time: `--step-time-s`, else
@@ -60,7 +61,8 @@ class Lead:
     steps_to_stop: int
     margin_s: float
     writes: int = 1
-    """Checkpoint writes to wait for: 2 where a periodic asynchronous save may still be uploading."""
+    """Checkpoint writes to wait for: 2 where a periodic asynchronous save may still be
+    uploading."""
 
     @property
     def write_s(self) -> float:
@@ -116,7 +118,8 @@ def checkpoint_size(job) -> tuple[int, int]:
 
 
 def logged_step_time(run_dir: Path, last: int = 20) -> float | None:
-    """The slowest step_time_s of the last `last` lines of run_dir/metrics.jsonl; None without any."""
+    """The slowest step_time_s of the last `last` lines of run_dir/metrics.jsonl; None without
+    any."""
     metrics = run_dir / "metrics.jsonl"
     try:
         lines = metrics.read_text().splitlines()[-last:]

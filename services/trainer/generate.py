@@ -64,7 +64,8 @@ def context_length(model) -> int:
 
 @torch.no_grad()
 def forward_cached(model, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
-    """Logits (b, s, vocab) of new tokens (b, s) placed after the `cache.length` cached positions."""
+    """Logits (b, s, vocab) of new tokens (b, s) placed after the `cache.length` cached
+    positions."""
     s = tokens.shape[1]
     start = cache.length
     if start + s > context_length(model):

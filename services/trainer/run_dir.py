@@ -6,12 +6,12 @@ config.toml.
     ...
     release_run_dir(run_dir)                        # rank 0, once the run has ended
 
-A run directory is one trainer's at a time: rank 0 holds an exclusive flock on
-RUN_DIR/.train.lock (holding its pid) until its run ends (`release_run_dir`) or its process
-exits, so a second `meshtrain train` into it is refused instead of interleaving metrics.jsonl
-and replacing config.toml and control.addr. Outside `meshtrain up` the trainer also refuses a folder that an `up` holds
-(RUN_DIR/.up.lock, `services/launcher/up.py`), whose own trainer may be between runs; `up`
-names its pid to its trainer ranks in UP_PID_ENV.
+A run directory is one trainer's at a time: rank 0 holds an exclusive flock on RUN_DIR/.train.lock
+(holding its pid) until its run ends (`release_run_dir`) or its process exits, so a second
+`meshtrain train` into it is refused instead of interleaving metrics.jsonl and replacing config.toml
+and control.addr. Outside `meshtrain up` the trainer also refuses a folder that an `up` holds
+(RUN_DIR/.up.lock, `services/launcher/up.py`), whose own trainer may be between runs; `up` names its
+pid to its trainer ranks in UP_PID_ENV.
 """
 
 from __future__ import annotations

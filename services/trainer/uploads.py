@@ -35,7 +35,8 @@ class Uploader:
     def upload(
         self, batches: Sequence[Sequence[torch.Tensor]]
     ) -> Iterator[tuple[torch.Tensor, ...]]:
-        """Each micro-batch's tensors on the device, in order; every copy is issued before the first is yielded.
+        """Each micro-batch's tensors on the device, in order; every copy is issued before the first
+        is yielded.
 
         Args:
             batches: one sequence of host tensors per micro-batch (e.g. tokens, labels, mask).

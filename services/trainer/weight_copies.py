@@ -105,7 +105,8 @@ class WeightCopies:
 
     @property
     def fused(self) -> bool:
-        """Whether any weight gradient is added inside its GEMM (`fuse_weight_grads` found a layer)."""
+        """Whether any weight gradient is added inside its GEMM (`fuse_weight_grads` found a
+        layer)."""
         return bool(self._main_grads)
 
     def numel(self) -> int:
@@ -114,7 +115,8 @@ class WeightCopies:
 
 
 def call_with(model: nn.Module, copies: dict[str, torch.Tensor], *args, **kwargs):
-    """`model(*args, **kwargs)` with `copies` (a `WeightCopies.copies`) in place of those parameters.
+    """`model(*args, **kwargs)` with `copies` (a `WeightCopies.copies`) in place of those
+    parameters.
 
     The copies are an argument, not looked up, so that torch.compile of this (with the model
     bound) takes them as graph inputs.
@@ -142,7 +144,8 @@ def _accumulate_into(param: nn.Parameter):
 def accumulate_weight_grad(
     main_grad: torch.Tensor, grad_output: torch.Tensor, inputs: torch.Tensor
 ) -> None:
-    """main_grad += grad_output^T @ inputs, summed over every leading dimension, in main_grad's dtype.
+    """main_grad += grad_output^T @ inputs, summed over every leading dimension, in main_grad's
+    dtype.
 
     On CUDA with bf16/fp16 operands and an fp32 `main_grad` it is one cuBLAS GEMM that reads
     and writes `main_grad` in its epilogue (fp32 output, beta = 1): no low-precision gradient is

@@ -82,7 +82,8 @@ def _error(address: str, what: str, e: grpc.RpcError) -> MeshtrainError:
     """The domain error for a failed call: ServiceUnavailableError when worth a retry; a
     CheckpointError, never retried, for a refusal or a bug in the service's handler (another
     try fails the same way, after repeating the handler's side effects). It names the service's
-    address: gRPC's own text often does not ("Stream removed (ping timeout)", "Deadline Exceeded")."""
+    address: gRPC's own text often does not ("Stream removed (ping timeout)", "Deadline
+    Exceeded")."""
     message = f"checkpoint service {address} {what}: {e.code().name}: {e.details()}"
     if e.code() == grpc.StatusCode.NOT_FOUND:  # the service's answer to a save id it does not know
         return SaveForgottenError(message)

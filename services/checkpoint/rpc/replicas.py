@@ -76,7 +76,8 @@ def resolve(entry: str) -> list[str]:
 
 
 def key_of(value: int | str) -> int:
-    """A routing key: an int as it is, a string (a save id) by its crc32, the same in every process."""
+    """A routing key: an int as it is, a string (a save id) by its crc32, the same in every
+    process."""
     return value if isinstance(value, int) else zlib.crc32(value.encode())
 
 

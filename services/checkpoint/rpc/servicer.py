@@ -458,7 +458,8 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                 if known is not None or save_id in self._committed or save_id in self._ended:
                     return known
                 others = [k for k, v in self._saves.items() if v.step == step]
-            # a committed step's folder may still hold the marker (the commit died before tidying up)
+            # a committed step's folder may still hold the marker (the commit died before tidying
+            # up)
             marker = (
                 None
                 if is_committed(open_root(self.root), step)

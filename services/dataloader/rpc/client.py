@@ -7,29 +7,27 @@ exponentially, benches that worker for `bench_s`, and asks another for the strea
 starting at exactly the next micro-batch it has not received, so none is repeated or missed;
 every message's (step, micro-batch) is checked against the one expected.
 
-Clients spread over the workers: each has a slot (`spread`, by default its dp and cp rank)
-and streams from live worker `slot mod count` of the sorted worker list, so every worker
-serves its share. Every `rebalance_s` a streaming client resolves its addresses again and,
-when its slot now falls on another worker (one joined, one left, a benched one is back),
-moves its stream there at the next micro-batch, exactly as after a failure. Each connection first asks the
-worker to open the dataset (`Describe`, which may build sample indices: minutes for a large
-blend, so it has its own `open_timeout_s`); a worker that then keeps its stream open but sends
-nothing while the trainer waits (a hung handler still answers keepalive pings) is dropped the
-same way after `stall_s`, and a stream that ends before the dataset does is a failure too.
-A `dns:///name:port` or `dir:PATH` target (`discovery`) is resolved here, at each connection
-attempt and rebalance (so a rescaled service is seen), into the workers it names; each worker
-gets its own channel, so the Describe and the stream of one attempt reach the same worker (a
-round-robin channel sent them to different ones: the streaming worker then built its indices
-inside the stream, under `stall_s`).
-A request the server rejects (INVALID_ARGUMENT, ...), or fails on with an error it does not map
-(UNKNOWN: the same on every worker), is raised in the trainer's thread with the server's
-message; so is a run of failures, with no micro-batch in between, that has gone on for
-`give_up_s` after every worker was tried. That clock starts at the first failure, not at the
-last micro-batch (the trainer may have computed on prefetched ones for minutes in between), and
-stops while a worker opens the dataset successfully (a build may take minutes).
-Under context parallelism (`cp_size` > 1) the worker sends only the rank's two chunks of each
-sample, each with its next token, and the client checks it got exactly that shape (a worker
-that predates cp sends whole samples: an error, never a batch of the wrong positions).
+Clients spread over the workers: each has a slot (`spread`, by default its dp and cp rank) and
+streams from live worker `slot mod count` of the sorted worker list, so every worker serves its
+share. Every `rebalance_s` a streaming client resolves its addresses again and, when its slot now
+falls on another worker (one joined, one left, a benched one is back), moves its stream there at the
+next micro-batch, exactly as after a failure. Each connection first asks the worker to open the
+dataset (`Describe`, which may build sample indices: minutes for a large blend, so it has its own
+`open_timeout_s`); a worker that then keeps its stream open but sends nothing while the trainer
+waits (a hung handler still answers keepalive pings) is dropped the same way after `stall_s`, and a
+stream that ends before the dataset does is a failure too. A `dns:///name:port` or `dir:PATH` target
+(`discovery`) is resolved here, at each connection attempt and rebalance (so a rescaled service is
+seen), into the workers it names; each worker gets its own channel, so the Describe and the stream
+of one attempt reach the same worker (a round-robin channel sent them to different ones: the
+streaming worker then built its indices inside the stream, under `stall_s`). A request the server
+rejects (INVALID_ARGUMENT, ...), or fails on with an error it does not map (UNKNOWN: the same on
+every worker), is raised in the trainer's thread with the server's message; so is a run of failures,
+with no micro-batch in between, that has gone on for `give_up_s` after every worker was tried. That
+clock starts at the first failure, not at the last micro-batch (the trainer may have computed on
+prefetched ones for minutes in between), and stops while a worker opens the dataset successfully (a
+build may take minutes). Under context parallelism (`cp_size` > 1) the worker sends only the rank's
+two chunks of each sample, each with its next token, and the client checks it got exactly that shape
+(a worker that predates cp sends whole samples: an error, never a batch of the wrong positions).
 
 A worker that authenticates callers or serves TLS takes `security` (a `ClientSecurity`: the
 token to send, the CA, a client certificate); without it, $MESHTRAIN_TOKEN is sent if set. A
@@ -134,7 +132,8 @@ class ServiceBatchSource:
         cp_rank: this rank's context-parallel index; batches hold only the positions
             `context_positions(spec.seq_length, cp_rank, cp_size)`, and only those are sent.
         cp_size: context-parallel ranks (they all read the samples of one dp rank).
-        security: token and TLS settings for every worker (None: plaintext, $MESHTRAIN_TOKEN if set).
+        security: token and TLS settings for every worker (None: plaintext, $MESHTRAIN_TOKEN if
+            set).
         spread: (slot, slots): this client's place among all the clients of the run that pull
             from the service (default: dp_rank * cp_size + cp_rank of dp_size * cp_size); it
             streams from live worker `slot % len(live workers)`.
@@ -292,7 +291,8 @@ class ServiceBatchSource:
         return put_unless_stopped(q, item, stop)
 
     def _workers(self) -> list[str]:
-        """Every worker the addresses name now, each once (a rescale or a new announcement shows here)."""
+        """Every worker the addresses name now, each once (a rescale or a new announcement shows
+        here)."""
         return list(dict.fromkeys(w for a in self.addresses for w in resolve_workers(a)))
 
     def _choose(self, workers: list[str], benched: dict[str, float]) -> str:
@@ -487,7 +487,8 @@ class ServiceBatchSource:
                 )
 
     def _drop_stalled(self) -> None:
-        """Cancel the current stream if it is still the one that sent nothing: its thread fails over."""
+        """Cancel the current stream if it is still the one that sent nothing: its thread fails
+        over."""
         with self._lock:
             call = self._call
             if call is None or call is self._stalled_call:

@@ -12,7 +12,7 @@ same values: the cast is of the same bf16 weight with the same scale. Delayed sc
 the weight's amax here, once per step instead of once per micro-batch (the max is the same).
 Rowwise scaling has no per-tensor weight cast to keep, and is left out.
 
-    cache = Fp8WeightCache(model, fp8)     # None-safe: `for_run` returns None where it does not apply
+    cache = Fp8WeightCache(model, fp8)  # None-safe: `for_run` returns None where it does not apply
     copies.refresh(); cache.refresh(copies.copies)
     loss = call_with(model, {**copies.copies, **cache.entries}, ...)
 """

@@ -1,8 +1,8 @@
 """The GPT family on one device: GPT-2 style and Llama style are settings of one model.
 
-GPT-2: LayerNorm, GELU, learned positions, biases, tied embeddings. Llama: RMSNorm, SwiGLU,
-RoPE (optionally Llama 3 scaled), grouped-query attention, no biases, untied output; Qwen2 adds
-q/k/v biases, Qwen3 per-head q/k norms and a head width of its own. Parameter names are the canonical
+GPT-2: LayerNorm, GELU, learned positions, biases, tied embeddings. Llama: RMSNorm, SwiGLU, RoPE
+(optionally Llama 3 scaled), grouped-query attention, no biases, untied output; Qwen2 adds q/k/v
+biases, Qwen3 per-head q/k norms and a head width of its own. Parameter names are the canonical
 names checkpoints use (`layers.<i>.attention.qkv.weight`, ...). Parallelism never reaches in
 here: `parallel/` swaps or wraps modules (e.g. `recompute.apply`).
 
@@ -226,7 +226,8 @@ class GPT(nn.Module):
 
     def inactive_parameters(self) -> int:
         """Expert weights a token does not pass through: (experts - topk) of every MoE block's
-        experts (expert parallelism holds a slice of them: counted from the config, not this rank)."""
+        experts (expert parallelism holds a slice of them: counted from the config, not this
+        rank)."""
         c = self.config
         if c.num_experts is None:
             return 0

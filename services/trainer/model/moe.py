@@ -13,9 +13,11 @@ hold the grouped path to), and added back to their tokens weighted by their rout
 
 Parameters (canonical checkpoint names, experts numbered globally on the leading axis):
 
-    mlp.router.weight            (experts, hidden)           fp32 routing logits
-    mlp.router.expert_bias       (experts,)                  auxiliary-loss-free balance (no gradient)
-    mlp.experts.fc1.weight       (experts, 2*moe_ffn, hidden) [gate; up] per expert (SwiGLU; GELU: moe_ffn rows)
+    mlp.router.weight            (experts, hidden)             fp32 routing logits
+    mlp.router.expert_bias       (experts,)                    auxiliary-loss-free balance
+                                                               (no gradient)
+    mlp.experts.fc1.weight       (experts, 2*moe_ffn, hidden)  [gate; up] per expert (SwiGLU;
+                                                               GELU: moe_ffn rows)
     mlp.experts.fc2.weight       (experts, hidden, moe_ffn)
     mlp.shared_expert.fc{1,2}.*  a dense MLP of moe_shared_expert_intermediate_size
     mlp.shared_expert_gate.weight (1, hidden)
@@ -69,7 +71,8 @@ class Routing:
 
 
 class Router(nn.Module):
-    """Top-k router with softmax or sigmoid scores, optional pre-softmax, scaling and expert bias."""
+    """Top-k router with softmax or sigmoid scores, optional pre-softmax, scaling and expert
+    bias."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -89,7 +92,8 @@ class Router(nn.Module):
     def forward(
         self, x: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (tokens, hidden) -> (logits (T, E) fp32, scores (T, E) fp32, experts (T, k), weights (T, k) fp32).
+        """x (tokens, hidden) -> (logits (T, E) fp32, scores (T, E) fp32, experts (T, k), weights
+        (T, k) fp32).
 
         `scores` are what the load-balancing loss averages: softmax over all experts, or the
         sigmoids normalized to sum to 1 per token.
@@ -233,7 +237,8 @@ class GroupedExperts(nn.Module):
         self.fc2 = _Stack(n, h, f)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x (rows, hidden) grouped by local expert (counts (num_local,) rows each) -> (rows, hidden)."""
+        """x (rows, hidden) grouped by local expert (counts (num_local,) rows each) -> (rows,
+        hidden)."""
         h = grouped_linear(x, self.fc1.weight, counts, self.grouped)
         h = kernels.swiglu(h) if self.swiglu else kernels.gelu(h)
         return grouped_linear(h, self.fc2.weight, counts, self.grouped)
@@ -245,11 +250,13 @@ class LocalDispatcher:
     def dispatch(
         self, rows: torch.Tensor, counts: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """rows (n, hidden) in global expert order, counts (experts,) -> (rows, counts) for the local experts."""
+        """rows (n, hidden) in global expert order, counts (experts,) -> (rows, counts) for the
+        local experts."""
         return rows, counts
 
     def combine(self, rows: torch.Tensor) -> torch.Tensor:
-        """The local experts' outputs -> the outputs of the rows `dispatch` was given, same order."""
+        """The local experts' outputs -> the outputs of the rows `dispatch` was given, same
+        order."""
         return rows
 
 

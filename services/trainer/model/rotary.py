@@ -39,7 +39,8 @@ def inverse_frequencies(config: ModelConfig, device=None) -> torch.Tensor:
 
 
 def rotary_tables(config: ModelConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin), each (seq_length, head_dim) fp32, in the rotate-half layout `kernels.rope` takes."""
+    """(cos, sin), each (seq_length, head_dim) fp32, in the rotate-half layout `kernels.rope`
+    takes."""
     inv = inverse_frequencies(config, device)
     angles = torch.outer(torch.arange(config.seq_length, device=device, dtype=torch.float32), inv)
     angles = torch.cat([angles, angles], dim=-1)  # (seq, head_dim): the halves share frequencies

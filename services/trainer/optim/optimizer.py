@@ -15,7 +15,8 @@ from meshtrain.services.trainer.config import OptimConfig
 
 
 def is_decayed(name: str, param: nn.Parameter, config: OptimConfig) -> bool:
-    """Whether `name` gets weight decay: matrices yes; norms, biases no; embeddings if configured."""
+    """Whether `name` gets weight decay: matrices yes; norms, biases no; embeddings if
+    configured."""
     if param.ndim < 2 or name.endswith(".bias") or "norm" in name:
         return False
     if name.startswith("embedding."):

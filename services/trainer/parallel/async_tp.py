@@ -1,4 +1,5 @@
-"""Sequence-parallel linears with their collectives overlapped with the matmuls (`parallel.tp_comm_overlap`).
+"""Sequence-parallel linears with their collectives overlapped with the matmuls
+(`parallel.tp_comm_overlap`).
 
 With sequence parallelism every column-parallel linear starts with an all-gather along the
 sequence and every row-parallel one ends with a reduce-scatter; done as separate NCCL calls,

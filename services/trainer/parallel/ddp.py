@@ -5,7 +5,9 @@
 zero_grad). Here that sequence hides behind a module and an optimizer, as Megatron Core's DDP
 wrapper and the distributed optimizer beside it do:
 
-    model = DistributedDataParallel(parallelize(GPT(cfg), mesh), mesh, optim_cfg, distributed_optimizer=True)
+    model = DistributedDataParallel(
+        parallelize(GPT(cfg), mesh), mesh, optim_cfg, distributed_optimizer=True
+    )
     optimizer = model.optimizer
     for step in range(steps):
         for tokens, labels, mask in model.accumulate(micro_batches):  # no_sync on all but the last

@@ -35,7 +35,8 @@ AXES = ("tp", "cp", "dp", "pp")
 
 
 def env_rank_world() -> tuple[int, int, int]:
-    """(rank, world_size, local_rank) from torchrun's or Slurm's environment; (0, 1, 0) when alone."""
+    """(rank, world_size, local_rank) from torchrun's or Slurm's environment; (0, 1, 0) when
+    alone."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return (
             int(os.environ["RANK"]),
@@ -313,7 +314,8 @@ class Mesh:
 
     @property
     def edp_rank(self) -> int:
-        """This rank's index among the ranks holding the same experts (0 writes them to checkpoints)."""
+        """This rank's index among the ranks holding the same experts (0 writes them to
+        checkpoints)."""
         return self.ranks.get("edp", [self.rank]).index(self.rank)
 
     def _members(self, axes: tuple[str, ...]) -> list[list[int]]:

@@ -36,12 +36,12 @@ def status_message(
 
 
 class TrainerControlServicer(pb_grpc.TrainerControlServicer):
-    """Serves one `meshtrain.services.trainer.train.Trainer`: its `progress` dict, `request_checkpoint()`
-    and `request_stop()`. Every call must carry the run token (`meshtrain-run` metadata, from
-    RUN_DIR/control.addr): one without it is refused with UNAUTHENTICATED, one naming another
-    run's token (read from a stale control.addr whose port now serves this run) with
-    FAILED_PRECONDITION. Bearer tokens and TLS, when configured, are checked before this
-    (`meshtrain.services.common.security`)."""
+    """Serves one `meshtrain.services.trainer.train.Trainer`: its `progress` dict,
+    `request_checkpoint()` and `request_stop()`. Every call must carry the run token
+    (`meshtrain-run` metadata, from RUN_DIR/control.addr): one without it is refused with
+    UNAUTHENTICATED, one naming another run's token (read from a stale control.addr whose port now
+    serves this run) with FAILED_PRECONDITION. Bearer tokens and TLS, when configured, are checked
+    before this (`meshtrain.services.common.security`)."""
 
     def __init__(self, trainer, token: str | None = None):
         self.trainer = trainer

@@ -1,1 +1,2 @@
-"""Pipeline parallelism: stages (`stage`), schedules as data (`schedules`), the runtime that runs them (`runtime`)."""
+"""Pipeline parallelism: stages (`stage`), schedules as data (`schedules`), the runtime that runs
+them (`runtime`)."""

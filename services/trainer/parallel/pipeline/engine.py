@@ -36,7 +36,8 @@ class Pipeline:
 
     @property
     def reads_data(self) -> bool:
-        """The first stage needs tokens, the last labels and the loss mask; middle stages nothing."""
+        """The first stage needs tokens, the last labels and the loss mask; middle stages
+        nothing."""
         return self.stage.is_first or self.stage.is_last
 
     def attach(self, ddp, autocast) -> None:

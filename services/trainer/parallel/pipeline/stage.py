@@ -77,7 +77,8 @@ def stage_layers(
 
 
 class _TiedHeadWeight(nn.Module):
-    """The last stage's `embedding` when tied: only the word embedding, used as the output weight."""
+    """The last stage's `embedding` when tied: only the word embedding, used as the output
+    weight."""
 
     def __init__(self, word_embeddings: nn.Module):
         super().__init__()
@@ -160,7 +161,8 @@ class PipelineStage(nn.Module):
         loss_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Chunk `chunk` of this rank: tokens or the previous stage's activations in; the next
-        stage's activations, or on the last stage the mean token loss (logits without labels), out."""
+        stage's activations, or on the last stage the mean token loss (logits without labels),
+        out."""
         positions = None
         if (
             self.context is not None
