@@ -79,7 +79,8 @@ def read_manifest(root: str, step: int) -> dict[str, Any]:
         step: the step.
 
     Returns:
-        The manifest as a dict (see DESIGN.md "Checkpoint"; `metadata` is the user's dict).
+        The manifest as a dict (see docs/architecture.md, "Checkpoint"; `metadata` is the
+        user's dict).
 
     Raises:
         CheckpointError: the step has no complete manifest (not committed) or it is invalid.

@@ -1,5 +1,5 @@
-"""The run directory (DESIGN.md, "Run directory"): the folder a run writes into, and its
-config.toml.
+"""The run directory (docs/architecture.md, "Run directory"): the folder a run writes into, and
+its config.toml.
 
     run_dir = make_run_dir(job.log.run_dir, mesh)   # same path on every rank, locked by rank 0
     (run_dir / "config.toml").write_text(run_dir_toml(job, launcher_keys))
