@@ -4,8 +4,8 @@ launch.
 The norm backward kernels (`kernels/rms_norm.py`, `kernels/layer_norm.py`) leave one fp32
 partial row per program of the weight gradient (programs x hidden), and LayerNorm a second
 buffer for the bias. Summed with torch that is a reduction kernel and a cast kernel per
-buffer: four launches for LayerNorm, at a few microseconds each against a backward pass of
-about 50 µs at hidden 1024. This kernel sums one or two buffers and writes each result
+buffer: four launches for LayerNorm, a noticeable share of a backward pass this short
+(measured: BENCHMARKS.md, 'Kernels'). This kernel sums one or two buffers and writes each result
 straight in its parameter's dtype, in one launch. Each program owns a slice of columns and
 walks every partial row in a fixed order, so the result is deterministic (no atomics).
 
@@ -36,9 +36,8 @@ _CONFIGS += [
 """(columns per program, partial rows per tile, warps); the first is the untuned launch.
 
 The second list gives narrow column slices (more programs: at hidden 768-1024 a 32-column slice
-leaves 24-32 programs for 132 SMs) over deep tiles of partial rows. On an H200 the LayerNorm
-backward's two sums of 528 partial rows took 5.8-5.9 us at hidden 768-1024 and 9.2 us at 2048
-with the first list alone, 2.8-3.5 and 4.9 us with it (BENCHMARKS.md, kernels "Ninth run")."""
+leaves 24-32 programs for 132 SMs) over deep tiles of partial rows; they roughly halve the
+LayerNorm backward's two sums (measured: BENCHMARKS.md, 'Kernel design choices')."""
 
 
 def _prune(configs, named_args, **kwargs):

@@ -62,13 +62,13 @@ def wrap_triton(kernel):
 class _TunedWhileTracing:
     """An autotuned kernel launched from a traced op, handed to Inductor with one config: eager's.
 
-    Inductor launches a user's autotuned kernel by timing every config of its list again, with
-    its own benchmarker, when the compiled graph first runs, and on an H200 its pick moved
-    from run to run: the same LayerNorm backward took 28.5 µs in one compiled graph and 35.1 µs
-    in the next (eager: 28.5 µs in both). Here the kernel is tuned while the op is traced, by
-    Triton's autotuner on scratch tensors of the traced shapes (its pruning included), and
-    Inductor gets an autotuner holding that config alone, so compiled and eager launches run
-    the same tile. Shapes that are not static fall back to Inductor's own tuning.
+    Inductor launches a user's autotuned kernel by timing every config of its list again, with its
+    own benchmarker, when the compiled graph first runs, and its pick moved from run to run, so the
+    same kernel ran slower in one compiled graph than in the next and than eager (measured:
+    BENCHMARKS.md, 'Kernel design choices'). Here the kernel is tuned while the op is traced, by
+    Triton's autotuner on scratch tensors of the traced shapes (its pruning included), and Inductor
+    gets an autotuner holding that config alone, so compiled and eager launches run the same tile.
+    Shapes that are not static fall back to Inductor's own tuning.
     """
 
     def __init__(self, kernel):
@@ -194,8 +194,8 @@ def row_configs(backward: bool) -> list[triton.Config]:
     """The autotune space of a norm kernel, before pruning to a row width.
 
     One pipeline stage throughout: forward has no loop, and backward issues each tile's loads
-    a tile ahead itself, which measured faster on an H200 than Triton's software pipelining
-    of the plain loop (3 stages) at every hidden size tried (768-4096; BENCHMARKS.md).
+    a tile ahead itself, which was faster than Triton's software pipelining of the plain loop
+    (3 stages) at every hidden size tried (measured: BENCHMARKS.md, 'Kernel design choices').
     """
     return [
         triton.Config({"ROWS": r}, num_warps=w, num_stages=1)
@@ -251,7 +251,7 @@ def sm_count(device_index: int) -> int:
 REDUCTION_PROGRAMS_PER_SM = 4
 """Programs per SM of the norms' backward kernels (`reduction_programs`).
 
-Measured on an H200 with the prefetching backward loop (BENCHMARKS.md, kernels "Fifth run"):
+Chosen with the prefetching backward loop (measured: BENCHMARKS.md, 'Kernel design choices'):
 fewer, longer programs keep the loop's next loads in flight with fewer partial rows to sum.
 """
 
@@ -307,8 +307,8 @@ def _row_tile_interleaved(
 
     Program p of P takes rows p, p + P, p + 2P, ...: the programs in flight read neighbouring
     rows, in address order, instead of each its own contiguous run (`_row_tile`). For RMSNorm's
-    backward, which it took from 60 to 56 us at (16384, 2048) on an H200 (BENCHMARKS.md, kernels
-    "Sixth run"). The mask is (ROWS, 1) when the hidden size fills the block (EVEN_COLS), else
+    backward, which it made faster (measured: BENCHMARKS.md, 'Kernel design choices'). The
+    mask is (ROWS, 1) when the hidden size fills the block (EVEN_COLS), else
     (ROWS, BLOCK).
     """
     index = k + tl.arange(0, ROWS)

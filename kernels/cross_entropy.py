@@ -6,7 +6,7 @@ Per-row kernels (one program per token row, looping over the vocabulary in block
   * `_row_grad`: a second pass writes (softmax - one_hot) * scale, in place if asked.
 The single-device kernel runs both passes in one program, saving a launch and the
 statistics' round trip; the second read still comes from DRAM at training shapes (about a
-thousand 256 KB rows are in flight at once, far more than L2 holds: BENCHMARKS.md). The two
+thousand 256 KB rows are in flight at once, far more than L2 holds). The two
 halves are also exposed separately (`logit_stats`, `softmax_grad_`) so a vocab-parallel
 version can put an all-reduce between them:
 
@@ -165,9 +165,9 @@ def launch_config(n_cols: int) -> dict:
     """The per-row kernels' launch: vocabulary block per loop iteration and warps, 32 values a lane.
 
     4096-wide blocks on 4 warps: of a grid of blocks (2k-16k), warps (4-16) and pipeline
-    stages (1-3), the fastest forward on an H200 at vocabularies 50k and 128k (8-9% faster
-    than 8192 on 8 warps at 50k, 2% at 128k), with the backward within 2% of the best
-    (`benchmarks/ce_launch_sweep.py`, BENCHMARKS.md). Stages made no difference.
+    stages (1-3), the fastest forward at vocabularies 50k and 128k, with the backward close to
+    the best; stages made no difference (`benchmarks/ce_launch_sweep.py`; measured:
+    BENCHMARKS.md, 'Kernels').
     """
     block = min(MAX_BLOCK, triton.next_power_of_2(n_cols))
     return {"BLOCK": block, "num_warps": max(1, min(4, block // 1024))}
@@ -434,8 +434,8 @@ def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool
     """acc (fp32) = a @ b when `first`, else acc += a @ b, without rounding the sum to a half dtype.
 
     CUDA builds of torch >= 2.9 let a half-precision matmul write or accumulate straight into
-    the fp32 buffer (`out_dtype`): on an H200 at a 128k vocabulary that accumulation costs
-    1.57 ms a chunk against 2.35 ms for a bf16 product added in a second pass. Elsewhere, and
+    the fp32 buffer (`out_dtype`), faster than a bf16 product added in a second pass
+    (measured: BENCHMARKS.md, 'Kernel design choices'). Elsewhere, and
     while torch.compile traces the op (torch 2.11's fake-tensor decomposition of addmm fails
     on `out_dtype`), the chunk's product is formed in the half dtype (fp32 inside the matmul)
     and added. Only an eager call's failure turns the fast path off for good, so a trace

@@ -79,7 +79,8 @@ def _layer_norm_fwd(
     if not EVEN_COLS:
         xc = tl.where(cols_ok[None, :], xc, 0.0)  # padding lanes would add mean^2 each
     # eps in fp32: Inductor passes a Python float to a kernel it launches as fp64, which made
-    # rstd and every y of the tile fp64 (forward 17% slower inside a compiled graph on an H200)
+    # rstd and every y of the tile fp64: a slower forward inside a compiled graph (measured:
+    # BENCHMARKS.md, 'Kernel design choices')
     rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / n_cols + tl.cast(eps, tl.float32))
     y = xc * rstd[:, None] * tl.load(w_ptr + cols, mask=cols_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:

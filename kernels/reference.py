@@ -120,8 +120,8 @@ def linear_cross_entropy(
     if vocab_size is not None and vocab_size < weight.shape[0]:
         # the GEMM over every row, padding included, then the padding's logits cut off: with
         # the weight sliced instead, the GEMM's N is the unaligned vocabulary, and the compiled
-        # backward held two logit-sized gradient buffers beside the saved logits (gpt2-125m on
-        # an H200: +1.8 GB at the peak; BENCHMARKS.md)
+        # backward held two logit-sized gradient buffers beside the saved logits, raising the
+        # peak (measured: BENCHMARKS.md, 'Training throughput, one GPU')
         logits = logits[..., :vocab_size]
     return (ce or cross_entropy)(logits, labels, loss_mask)
 

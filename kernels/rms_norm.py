@@ -42,9 +42,9 @@ from meshtrain.kernels._launch import (
 )
 
 BACKWARD_PROGRAMS_PER_SM = 2
-"""Programs per SM of the backward kernel. In an H200 sweep of interleaved backward loops, two
-were as fast as four or faster at hidden 2048-4096 (BENCHMARKS.md, kernels "Sixth run");
-LayerNorm keeps contiguous runs at `_launch.REDUCTION_PROGRAMS_PER_SM`."""
+"""Programs per SM of the backward kernel. In a sweep of interleaved backward loops, two were
+the best at hidden 2048-4096 (measured: BENCHMARKS.md, 'Kernel design choices'); LayerNorm keeps
+contiguous runs at `_launch.REDUCTION_PROGRAMS_PER_SM`."""
 
 
 @triton.autotune(
@@ -126,8 +126,8 @@ def _rms_norm_bwd(
     # computed in the kernel would also do on the GPU, but not under the CPU interpreter.
     # Program p takes rows p, p + P, p + 2P, ... (`_row_tile_interleaved`). Each tile's loads
     # are issued a tile ahead, so they are in flight while the previous tile reduces (the last
-    # loop's loads are all masked off: no traffic). On an H200 the two took hidden 2048 from
-    # 70% of copy bandwidth to 84%.
+    # loop's loads are all masked off: no traffic). Both brought the kernel closer to copy
+    # bandwidth (measured: BENCHMARKS.md, 'Kernel design choices').
     rows, mask = _row_tile_interleaved(0, n_rows, cols_ok, ROWS, EVEN_COLS, INT64)
     x_next = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0)
     dy_next = tl.load(dy_ptr + rows[:, None] * dy_stride + cols[None, :], mask=mask, other=0.0)

@@ -24,7 +24,7 @@ def _row_and_cols(width, BLOCK: tl.constexpr):
 
     Neighbouring programs then read neighbouring addresses, one row after another. With the
     row as the fastest grid index they read the same columns of neighbouring rows (strided
-    by the row), which measured 5% slower on an H200 at the 1.3B config's width (BENCHMARKS.md).
+    by the row), which was slower (measured: BENCHMARKS.md, 'Kernel design choices').
     """
     blocks = tl.cdiv(width, BLOCK)
     pid = tl.program_id(0).to(tl.int64)

@@ -1,20 +1,19 @@
 """Asynchronous saves: snapshot into reused host buffers, upload on a background thread.
 
-`AsyncSaver.save(...)` waits for the previous save, copies each box the writer owns into a
-host buffer (pinned when CUDA is available; allocated on first use and reused by later saves
-of the same boxes), and returns: the training stall is that device-to-host copy. Pinning is
-slow (about half a second per GB on an H200 host), so a run that will save calls
+`AsyncSaver.save(...)` waits for the previous save, copies each box the writer owns into a host
+buffer (pinned when CUDA is available; allocated on first use and reused by later saves of the same
+boxes), and returns: the training stall is that device-to-host copy. Pinning is slow (measured:
+BENCHMARKS.md, 'Checkpoints: persist, load and stall'), so a run that will save calls
 `prepare(specs)` once its boxes are known: a background thread allocates their buffers while
 training runs, pausing after each as long as it took (pinning holds the CUDA driver's lock, and
-back-to-back allocations starved the training thread), and the first save finds them ready (it
-waits for any still being allocated). A background
-thread then stores the boxes through a *sink*, writes the writer's fragment and, on the
-committing writer, commits. A failed store is retried with backoff (`attempts` tries, and for
-`retry_timeout` seconds at least); if it still fails, the error is kept and raised by the next
-`save()` or `wait()`, never dropped. A checkpoint service that restarted mid-save forgets the
-save (SaveForgottenError): the saver resumes it there (`sink.resume_save`) and sends its boxes
-again, or commits again; every writer of the save does so on its own, and one that had stored
-its fragment before the restart has nothing to redo (the fragment is in storage).
+back-to-back allocations starved the training thread), and the first save finds them ready (it waits
+for any still being allocated). A background thread then stores the boxes through a *sink*, writes
+the writer's fragment and, on the committing writer, commits. A failed store is retried with backoff
+(`attempts` tries, and for `retry_timeout` seconds at least); if it still fails, the error is kept
+and raised by the next `save()` or `wait()`, never dropped. A checkpoint service that restarted
+mid-save forgets the save (SaveForgottenError): the saver resumes it there (`sink.resume_save`) and
+sends its boxes again, or commits again; every writer of the save does so on its own, and one that
+had stored its fragment before the restart has nothing to redo (the fragment is in storage).
 
 A save that fails because its storage is full (DiskFullError: ENOSPC, EDQUOT) is tried
 `attempts` times only, and what it had stored is removed: every writer removes its own objects
@@ -242,8 +241,9 @@ class AsyncSaver:
                             buf.zero_()
                         self._buffers[key] = buf
                         # Pinning holds the CUDA driver's lock: allocated back to back, the buffers
-                        # starved the training thread's launches (an H200 lost as much device time
-                        # as the pinning took); a pause as long as each allocation lets it in.
+                        # starved the training thread's launches (measured: BENCHMARKS.md,
+                        # 'Levers tried and dropped'); a pause as long as each allocation lets
+                        # it in.
                         self._stop_preparing.wait(max(PREPARE_PAUSE_S, time.perf_counter() - t0))
             except BaseException as e:  # noqa: BLE001 -- reported at the first save, which then allocates
                 self._prepare_error = e

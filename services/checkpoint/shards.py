@@ -386,7 +386,8 @@ def _encode_plain_shard(data: np.ndarray, chunks: tuple[int, ...]) -> EncodedBox
     The zarr v3 sharding codec's layout with bytes codec, little-endian, no compression,
     index at the end: the inner chunks back to back (C order over the shard's chunk grid;
     zarr reads them through the index, whatever their order), then the index. Encoding
-    through zarr costs about 10 ms per 4 MiB in array set-up and copies; here a chunk that
+    through zarr spends its time in array set-up and copies (measured: BENCHMARKS.md,
+    'Checkpoints: persist, load and stall'); here a chunk that
     is a contiguous run of `data` (chunks cut along leading dims) is a view of it, others a
     copy. Each chunk's crc32 is taken once and combined into the whole object's.
     `test_plain_shard_matches_zarr` checks the bytes against zarr's own.

@@ -113,8 +113,8 @@ _PLAIN_INNER = [{"name": "bytes", "configuration": {"endian": "little"}}]
 _PLAIN_INDEX = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
 # Fetched bytes a box read holds at once on an object store: one batch of shards / chunk runs,
 # fetched concurrently and copied into the output before the next batch. A local disk gains
-# nothing from concurrency and loses to fresh allocations (a 64 MiB batch read 2.7x slower
-# than one shard at a time), so there a batch is one shard.
+# nothing from concurrency and loses to fresh allocations (measured: BENCHMARKS.md,
+# 'Checkpoints: persist, load and stall'), so there a batch is one shard.
 _BATCH_BYTES = 64 * 2**20
 
 

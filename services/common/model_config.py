@@ -89,8 +89,8 @@ class ModelConfig:
     fp32_residual_connection: bool = False
     """Under train.bf16, keep the residual stream (embedding output, block sums, their gradients)
     in fp32, as plain autocast does. Off (the default, as in Megatron-LM) it is stored in bf16,
-    computed in fp32: half the bytes read and written. gpt2-125m on an H200: 4.7% faster, mean
-    losses within 1.1% over 200 steps (BENCHMARKS.md). Without autocast: no effect."""
+    computed in fp32: half the bytes read and written, faster at the same loss curve (measured:
+    BENCHMARKS.md, 'Training throughput, one GPU'). Without autocast: no effect."""
     transformer_impl: Literal["local", "transformer_engine"] = "local"
     """Layer backend: meshtrain's own layers, or Transformer Engine (not built)."""
     num_experts: int | None = None

@@ -44,8 +44,9 @@ BYTES_PER_TRAINED_PARAMETER = 12
 BYTES_PER_FROZEN_PARAMETER = 4
 """fp32 weight, no moments (the router's expert bias)."""
 DEFAULT_WRITE_MB_S = 200.0
-"""Aggregate checkpoint write bandwidth when none is given: below one checkpoint-service replica
-to local disk (~250 MB/s measured, BENCHMARKS.md), above S3 on loopback (135 MB/s)."""
+"""Aggregate checkpoint write bandwidth when none is given: below what one checkpoint-service
+replica writes to local disk, above a save to S3 on loopback (measured: BENCHMARKS.md, 'Services
+at scale' and 'Checkpoints: persist, load and stall')."""
 DEFAULT_MARGIN_S = 60.0
 """Commit, process exit, requeue."""
 

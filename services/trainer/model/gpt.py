@@ -241,8 +241,8 @@ class GPT(nn.Module):
         heads x head_dim, the hidden size unless model.kv_channels sets another head width).
 
         The head multiplies by a (vocab x hidden) matrix once per token, tied or not; the input
-        embedding is a lookup and does no matmul. (An untied head used to be counted twice,
-        overstating llama-1b's MFU by 4.7%.)
+        embedding is a lookup and does no matmul. (Counting an untied head twice would overstate
+        MFU.)
         """
         c = self.config
         s = seq_length or c.seq_length
