@@ -71,6 +71,7 @@ class TrainerControlServicer(pb_grpc.TrainerControlServicer):
                 f"calls to this control endpoint must carry its run token ({RUN_TOKEN_KEY} metadata, from "
                 f"the run directory's control.addr): give the run directory, not HOST:PORT",
             )
+        assert sent is not None  # context.abort raised
         if not hmac.compare_digest(sent.encode(), self.token.encode()):
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
