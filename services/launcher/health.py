@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 import threading
 import time
 import urllib.error
@@ -118,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     elif not args.address:
         p.error("an address is required (or --from-env)")
     deadline = time.monotonic() + args.wait
+    check: Callable[[str, float], bool]
     if args.http:
         check = http_answers
     else:
