@@ -49,6 +49,7 @@ import os
 import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from meshtrain.services.common.errors import ConfigError
 from meshtrain.services.common.sanitize import Undecodable
@@ -62,7 +63,7 @@ AUTH_METADATA = "authorization"  # gRPC metadata keys are lower case
 OPEN_METHODS = frozenset({"/grpc.health.v1.Health/Check"})
 READ_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")  # Watch and reflection streams
 
-Scope = str | Callable[[object], str]  # a method's scope, or a function of its request giving it
+Scope = str | Callable[[Any], str]  # a method's scope, or a function of its request giving it
 
 
 def read_token_file(path: str) -> dict[str, str]:
