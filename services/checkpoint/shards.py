@@ -290,7 +290,9 @@ class ArrayMeta:
         if self.stacked:
             parts = self.name.split(".")
             at = parts.index("layers") + 1  # the inverse of layout.array_key
-            tensors = [".".join([*parts[:at], str(i), *parts[at:]]) for i in range(self.global_shape[0])]
+            tensors = [
+                ".".join([*parts[:at], str(i), *parts[at:]]) for i in range(self.global_shape[0])
+            ]
         else:
             tensors = [self.name]
         return {

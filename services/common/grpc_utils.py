@@ -30,9 +30,9 @@ import queue
 import signal
 import threading
 import time
-from typing import NoReturn
 from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
+from typing import NoReturn
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc

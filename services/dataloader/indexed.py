@@ -447,7 +447,9 @@ class IndexedDataset:
             )
         # (num_tokens,) flat token stream; np.memmap refuses empty files
         if self._fs is not None:
-            self._tokens: _RangeReader | np.ndarray = _RangeReader(self._fs, self._remote[0], self._dtype, size // itemsize)
+            self._tokens: _RangeReader | np.ndarray = _RangeReader(
+                self._fs, self._remote[0], self._dtype, size // itemsize
+            )
         elif size:
             self._tokens = np.memmap(self.bin_path, dtype=self._dtype, mode="r").view(np.ndarray)
         else:

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
 import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc

@@ -22,8 +22,8 @@ import logging
 import os
 import secrets
 from dataclasses import dataclass, field
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import Gauge
 
@@ -64,6 +64,7 @@ def _trainer_gauges(trainer) -> None:
     for key, doc in docs.items():
         if key not in _gauges:  # the registry refuses a second gauge of the same name
             _gauges[key] = Gauge(f"meshtrain_trainer_{key}", doc)
+
         # NaN until the first logged step, so a dashboard shows a gap rather than a fake zero
         def value(k: str = key) -> float:
             return float("nan") if trainer.progress.get(k) is None else float(trainer.progress[k])
