@@ -17,7 +17,7 @@ TEST_STAMP := $(VENV)/.installed-$(TORCH_VERSION)-test
 PIP_C := $(if $(CONSTRAINTS),-c "$(CONSTRAINTS)")
 PYTEST := $(BIN)/python -m pytest
 
-.PHONY: install install-test lock run test test-fast test-slow test-gpu protos system-deps clean
+.PHONY: install install-test lock run lint test test-fast test-slow test-gpu protos system-deps clean
 
 # torch is installed first and pinned, so resolving the project's `torch>=` floor never
 # pulls another build. Where pip's index has only PyPI's Linux wheel (the multi-GB CUDA
@@ -58,13 +58,22 @@ lock:
 run: $(STAMP)
 	$(BIN)/meshtrain up --config deploy/configs/tiny.toml $(ARGS)
 
-# Everything but slow and GPU tests (what CI runs). pytest exits 5 when it ran no test,
-# and make treats that as the failure it is.
-test: $(TEST_STAMP)
+# Lint, format and types (the tools come with the test extra): ruff's rules and formatting,
+# mypy over the library ([tool.mypy] in pyproject.toml), and the import contracts when
+# pyproject.toml declares them. Each failing command fails the target.
+lint: $(TEST_STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+	if grep -q '^\[tool\.importlinter\]' pyproject.toml; then $(BIN)/lint-imports; fi
+
+# Everything but slow and GPU tests (what CI runs), after `lint`. pytest exits 5 when it ran
+# no test, and make treats that as the failure it is.
+test: $(TEST_STAMP) lint
 	$(PYTEST) -m "not slow and not gpu" -q
 
-# Seconds: no multi-process, end-to-end or slow tests.
-test-fast: $(TEST_STAMP)
+# Seconds: no multi-process, end-to-end or slow tests (after `lint`).
+test-fast: $(TEST_STAMP) lint
 	$(PYTEST) -m "not slow and not gpu and not dist and not e2e" -q
 
 test-slow: $(TEST_STAMP)

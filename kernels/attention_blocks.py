@@ -33,7 +33,7 @@ def _use_reference(q: torch.Tensor, impl: str) -> bool:
         return True
     if q.is_cuda:
         d = q.shape[-1]
-        return q.dtype not in (torch.bfloat16, torch.float16) or d % 8 or d > 256
+        return q.dtype not in (torch.bfloat16, torch.float16) or d % 8 != 0 or d > 256
     return q.device.type != "cpu"
 
 

@@ -489,6 +489,7 @@ def _linear_ce(hidden, weight, labels, loss_mask, vocab_size, chunk_size, dtype,
         loss += (loss_rows * weights[start:end]).sum()
         if want_grads:
             # logits now hold dlogits = (softmax - one_hot) * row weight
+            assert grad_h is not None and grad_w is not None  # allocated with want_grads
             torch.mm(logits, w, out=grad_h[start:end])
             _accumulate(grad_w[:vocab_size], logits.t(), h_c, first=start == 0)
     return loss, grad_h, grad_w

@@ -44,7 +44,9 @@ def _hide_repository_folders() -> None:
         spec = importlib.machinery.PathFinder.find_spec(name)
         ours = os.path.realpath(os.path.join(here, name, "__init__.py"))
         if spec is not None and spec.origin and os.path.realpath(spec.origin) == ours:
-            sys.modules[name] = None
+            # None in sys.modules makes `import name` fail (the import system's own convention);
+            # typeshed types the dict's values as modules only
+            sys.modules[name] = None  # type: ignore[assignment]
 
 
 _hide_repository_folders()

@@ -30,6 +30,7 @@ timeout)`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -385,7 +386,7 @@ class AsyncSaver:
                 data = layout.to_stored(buf)
                 self._retry(
                     f"storing box {spec.offsets} of array {spec.array!r} (step {step})",
-                    lambda spec=spec, data=data: writer.write(spec, data),
+                    functools.partial(writer.write, spec, data),
                     step,
                     save_id,
                 )
@@ -512,7 +513,7 @@ class AsyncSaver:
                 log.warning("%s: %s; resuming save %s there and trying again", what, e, save_id)
                 committed = retry(
                     f"resuming save {save_id} of step {step} ({what})",
-                    lambda resume=resume: resume(step, save_id, self.num_writers),
+                    functools.partial(resume, step, save_id, self.num_writers),
                     self.attempts,
                     self.backoff,
                     self.retry_timeout,

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from meshtrain.services.common.errors import CheckpointError
@@ -260,7 +261,7 @@ def to_stored(tensor: torch.Tensor) -> np.ndarray:
     return cpu.numpy()
 
 
-def from_stored(array: np.ndarray, dtype: str) -> torch.Tensor:
+def from_stored(array: npt.ArrayLike, dtype: str) -> torch.Tensor:
     """Converts a stored numpy array back to a tensor of its logical dtype.
 
     Args:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 import torch
@@ -155,6 +155,7 @@ def load_checkpoint(
         region = [[(layer, layer) for layer in set(layers)]] + [None] * (len(entry["shape"]) - 1)
         array = _open_verified(store_root, step, array_name, entry, region)
         for layer in layers:
+            assert layer is not None  # a stacked array's tensors are all layers
             # One layer at a time: each tensor owns its memory, no full stack held twice.
             tensors[entry["tensors"][layer]] = layout.from_stored(array[layer], entry["dtype"])
     return {name: tensors[name] for name in wanted}, manifest["metadata"]
@@ -294,13 +295,22 @@ def read_box(
     return layout.from_stored(zarray[index], entry["dtype"])
 
 
+@overload
+def _load_manifest(root: Root, step: int, strict: Literal[True]) -> dict[str, Any]: ...
+
+
+@overload
+def _load_manifest(root: Root, step: int, strict: bool = False) -> dict[str, Any] | None: ...
+
+
 def _load_manifest(root: Root, step: int, strict: bool = False) -> dict[str, Any] | None:
     """Reads and checks a manifest; None (or CheckpointError when strict) if not committed."""
     path = join(root.step_path(step), MANIFEST_NAME)
 
-    def fail(why: str) -> None:
+    def fail(why: str) -> dict[str, Any] | None:
         if strict:
             raise CheckpointError(f"checkpoint step {step} under {root.url!r}: {why}")
+        return None
 
     try:
         manifest = json.loads(read_bytes(root, path))
@@ -380,7 +390,7 @@ def _shard_keys(entry: dict[str, Any], region: list[list[tuple[int, int]] | None
     per_dim = []
     for size, step, spans in zip(shape, outer, region):
         spans = [(0, size - 1)] if spans is None else spans
-        coords = set()
+        coords: set[int] = set()
         for first, last in spans:
             coords.update(range(first // step, last // step + 1))
         per_dim.append(sorted(coords))

@@ -297,7 +297,7 @@ class ShardWriter:
             data, spec.dtype, f"box {spec.offsets}+{spec.shape} of array {spec.array!r}"
         )
         encoded = encode_box(spec, data)
-        record = {
+        record: dict[str, Any] = {
             "array": spec.array,
             "global_shape": list(spec.global_shape),
             "dtype": spec.dtype,

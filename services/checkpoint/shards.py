@@ -291,7 +291,9 @@ class ArrayMeta:
         if self.stacked:
             parts = self.name.split(".")
             at = parts.index("layers") + 1  # the inverse of layout.array_key
-            tensors = [".".join([*parts[:at], str(i), *parts[at:]]) for i in range(layer_count)]
+            tensors = [
+                ".".join([*parts[:at], str(i), *parts[at:]]) for i in range(self.global_shape[0])
+            ]
         else:
             tensors = [self.name]
         return {
@@ -402,7 +404,7 @@ def _encode_plain_shard(data: np.ndarray, chunks: tuple[int, ...]) -> EncodedBox
         piece = np.ascontiguousarray(
             body[tuple(slice(i * c, (i + 1) * c) for i, c in zip(coords, chunks))]
         )
-        view = memoryview(piece.reshape(-1)).cast("B")
+        view = piece.reshape(-1).data.cast("B")
         chunk_crc = checksum(view)
         parts.append(view)
         crcs.append(chunk_crc)
@@ -414,7 +416,7 @@ def _encode_plain_shard(data: np.ndarray, chunks: tuple[int, ...]) -> EncodedBox
     cut = [d for d, (n, c) in enumerate(zip(body.shape, chunks)) if c < n]
     if len(cut) <= 1 and all(c == 1 for c in chunks[: cut[0] if cut else 0]):
         # Chunks are consecutive runs of `body`: one part, so one write call, not one a chunk.
-        parts = [memoryview(body.reshape(-1)).cast("B")]
+        parts = [body.reshape(-1).data.cast("B")]
     parts.append(index)
     index_crc = checksum(index)
     return EncodedBox(

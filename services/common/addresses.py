@@ -37,5 +37,5 @@ def resolve_dns(target: str) -> list[str]:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError:  # socket.gaierror: the name is not known (yet)
         return [target]
-    ips = sorted({info[4][0] for info in infos})
+    ips = sorted({str(info[4][0]) for info in infos})
     return [f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips] or [target]

@@ -246,8 +246,8 @@ def describe_keys(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]
             continue
         if f.default is not dataclasses.MISSING:
             default = repr(f.default)
-        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-            default = repr(f.default_factory())  # type: ignore[misc]
+        elif f.default_factory is not dataclasses.MISSING:
+            default = repr(f.default_factory())
         else:
             default = "(required)"
         rows.append((f"{prefix}{f.name}", _describe(tp), default, docs.get(f.name, "")))

@@ -32,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
+from typing import NoReturn
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -239,7 +240,7 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         return None if handler is None else rewrap_handler(handler, self._guard)
 
 
-def _raise_fitting(exc: Exception):
+def _raise_fitting(exc: Exception) -> NoReturn:
     """Re-raise a bug's exception for gRPC to report as UNKNOWN, its message cut to fit a status
     (a longer one, e.g. an OSError naming a 20 kB path, became RESOURCE_EXHAUSTED, retried)."""
     if len(str(exc).encode()) <= MAX_DETAILS_BYTES:

@@ -11,7 +11,7 @@ class _StderrHandler(logging.StreamHandler):
     """Writes to whatever sys.stderr is at each record (test runners swap and close it)."""
 
     @property
-    def stream(self):  # type: ignore[override]
+    def stream(self):
         return sys.stderr
 
     @stream.setter

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import grpc
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
@@ -27,10 +28,10 @@ from meshtrain.services.common.errors import ConfigError
 # One set of collectors per process (the default registry refuses duplicates); servers in the
 # same process are told apart by the `service` label.
 _lock = threading.Lock()
-_collectors: dict[str, object] = {}
+_collectors: dict[str, Any] = {}  # Counter, Gauge or Histogram
 
 
-def _metrics() -> dict[str, object]:
+def _metrics() -> dict[str, Any]:
     with _lock:
         if not _collectors:
             labels = ["service", "method"]

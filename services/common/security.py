@@ -50,6 +50,7 @@ import os
 import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from meshtrain.services.common.errors import ConfigError
 from meshtrain.services.common.sanitize import Undecodable
@@ -63,7 +64,7 @@ AUTH_METADATA = "authorization"  # gRPC metadata keys are lower case
 OPEN_METHODS = frozenset({"/grpc.health.v1.Health/Check"})
 READ_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")  # Watch and reflection streams
 
-Scope = str | Callable[[object], str]  # a method's scope, or a function of its request giving it
+Scope = str | Callable[[Any], str]  # a method's scope, or a function of its request giving it
 
 
 def read_token_file(path: str) -> dict[str, str]:
@@ -235,10 +236,10 @@ class ServerSecurity:
     def from_args(cls, args: argparse.Namespace) -> ServerSecurity:
         """From the flags `add_server_arguments` defines (absent ones: unset)."""
         return cls.from_files(
-            *(
-                getattr(args, name, None)
+            **{
+                name: getattr(args, name, None)
                 for name in ("token_file", "tls_cert", "tls_key", "tls_client_ca")
-            ),
+            },
             insecure=bool(getattr(args, "insecure", False)),
         )
 
@@ -265,6 +266,7 @@ class ServerSecurity:
         import grpc
 
         client_ca = _read(self.tls_client_ca_file, "client CA") if self.tls_client_ca_file else None
+        assert self.tls_key_file is not None  # __post_init__: a certificate comes with its key
         return grpc.ssl_server_credentials(
             [(_read(self.tls_key_file, "TLS key"), _read(self.tls_cert_file, "TLS certificate"))],
             root_certificates=client_ca,
@@ -342,6 +344,7 @@ class AuthInterceptor:
                 grpc.StatusCode.UNAUTHENTICATED,
                 f"{method}: the bearer token sent is not one this server accepts",
             )
+        assert granted is not None  # context.abort raised
         return granted
 
     def _check(self, context, method: str, need: str) -> None:

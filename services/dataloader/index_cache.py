@@ -47,7 +47,7 @@ def cache_key(desc: dict) -> str:
 def array_digest(a: np.ndarray) -> str:
     """SHA-256 of an array's dtype, shape and bytes: a content fingerprint for cache keys."""
     h = hashlib.sha256(f"{a.dtype.str}{a.shape}".encode())
-    h.update(memoryview(np.ascontiguousarray(a)).cast("B"))
+    h.update(np.ascontiguousarray(a).data.cast("B"))
     return h.hexdigest()
 
 

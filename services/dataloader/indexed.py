@@ -192,7 +192,7 @@ class IndexedDatasetWriter:
         self._closed = False
         if self.dtype.kind in "iu":
             info = np.iinfo(self.dtype)
-            self._range = (int(info.min), int(info.max))
+            self._range: tuple[int, int] | None = (int(info.min), int(info.max))
         else:
             self._range = None
 
@@ -323,7 +323,8 @@ class IndexedDataset:
                     f"{self.prefix}: cannot open this URL with fsspec ({type(e).__name__}: {e})"
                 ) from e
             # the URLs as given name the files in messages; fsspec's own paths drop the protocol
-            self.bin_path, self.idx_path = self.prefix + ".bin", self.prefix + ".idx"
+            self.bin_path: str | Path = self.prefix + ".bin"
+            self.idx_path: str | Path = self.prefix + ".idx"
             self._remote = (root + ".bin", root + ".idx")
             self._bin_size = 0
             for url, p in zip((self.idx_path, self.bin_path), (self._remote[1], self._remote[0])):
@@ -358,7 +359,7 @@ class IndexedDataset:
                     raise DataError(
                         f"{p}: cannot open the indexed dataset file ({e.strerror})"
                     ) from None
-                if not p.is_file():
+                if not Path(p).is_file():
                     raise DataError(f"{p}: indexed dataset file is missing (not a regular file)")
         self._read_index()
         self._open_bin()
@@ -376,7 +377,7 @@ class IndexedDataset:
                 ) from e
             size, header = len(blob), blob[:HEADER_SIZE]
         else:
-            size = path.stat().st_size
+            size = Path(path).stat().st_size
             with open(path, "rb") as f:
                 header = f.read(HEADER_SIZE)
         if len(header) < len(MAGIC) or header[: len(MAGIC)] != MAGIC:
@@ -441,7 +442,7 @@ class IndexedDataset:
         n = len(self._lengths)
         itemsize = self._dtype.itemsize
         expected = int(self._pointers[-1]) + int(self._lengths[-1]) * itemsize if n else 0
-        size = self._bin_size if self._fs is not None else self.bin_path.stat().st_size
+        size = self._bin_size if self._fs is not None else Path(self.bin_path).stat().st_size
         if size != expected:
             raise DataError(
                 f"{self.bin_path}: data file is {size} bytes but {Path(str(self.idx_path)).name} "
@@ -449,7 +450,9 @@ class IndexedDataset:
             )
         # (num_tokens,) flat token stream; np.memmap refuses empty files
         if self._fs is not None:
-            self._tokens = _RangeReader(self._fs, self._remote[0], self._dtype, size // itemsize)
+            self._tokens: _RangeReader | np.ndarray = _RangeReader(
+                self._fs, self._remote[0], self._dtype, size // itemsize
+            )
         elif size:
             self._tokens = np.memmap(self.bin_path, dtype=self._dtype, mode="r").view(np.ndarray)
         else:
@@ -538,7 +541,7 @@ class IndexedDataset:
         if self._fingerprint is None:
             h = hashlib.sha256(self._dtype.str.encode())
             for a in (self._lengths, self._doc_index):
-                h.update(memoryview(np.ascontiguousarray(a)).cast("B"))
+                h.update(np.ascontiguousarray(a).data.cast("B"))
             self._fingerprint = h.hexdigest()
         return self._fingerprint
 

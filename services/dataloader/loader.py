@@ -240,6 +240,7 @@ class LocalBatchSource:
         samples = self.samples(step, microbatch)  # (mbs, seq + 1)
         if self.cp_size == 1:
             return samples
+        assert self.chunks is not None  # set with cp_size > 1
         return np.stack([samples[:, a : b + 1] for a, b in self.chunks], axis=1)  # (mbs, 2, c + 1)
 
     def get(self, step: int, microbatch: int) -> Batch:

@@ -25,7 +25,7 @@ import sysconfig
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,7 +100,7 @@ def default_corpus_files(max_bytes: int) -> list[Path]:
     return out
 
 
-def _iter_batches(inputs: list[str | os.PathLike], json_key: str) -> Iterator[list[str]]:
+def _iter_batches(inputs: Sequence[str | os.PathLike], json_key: str) -> Iterator[list[str]]:
     """Documents grouped into batches; the grouping depends only on the input, never on workers."""
     batch: list[str] = []
     chars = 0
@@ -140,7 +140,7 @@ def _encode_in_worker(texts: list[str]) -> list[list[int]]:
 
 
 def preprocess_files(
-    inputs: list[str | os.PathLike],
+    inputs: Sequence[str | os.PathLike],
     output_prefix: str | os.PathLike,
     tokenizer: Tokenizer,
     json_key: str = "text",
@@ -297,7 +297,7 @@ def prepare_default_dataset(
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=cache))
     try:
         if tokenizer == "bpe":
-            tok: Tokenizer = train_bpe(files, vocab_size, tmp / "tokenizer.json")
+            tok: Tokenizer = train_bpe(list(files), vocab_size, tmp / "tokenizer.json")
             spec = "tokenizer.json"
         else:
             tok, spec = ByteTokenizer(), "byte"

@@ -302,6 +302,7 @@ def open_dataset(
                 )
             )
         if len(parts) == 1:
+            assert parts[0] is not None  # a lone dataset's weight is positive: it is opened
             return parts[0]
         return BlendedDataset(
             parts,

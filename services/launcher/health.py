@@ -21,6 +21,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -119,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     elif not args.address:
         p.error("an address is required (or --from-env)")
     deadline = time.monotonic() + args.wait
+    check: Callable[[str, float], bool]
     if args.http:
         check = http_answers
     else:

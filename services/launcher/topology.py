@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TextIO
+from typing import Any, TextIO
 
 from meshtrain.services.common.errors import MeshtrainError
 from meshtrain.services.common.signals import relayed_signals
@@ -125,6 +125,12 @@ class Child:
     restarted_at: list[float] = field(default_factory=list)  # monotonic times of recent restarts
     stopping: bool = False
 
+    @property
+    def proc(self) -> subprocess.Popen:
+        """The process of a child that `Topology` started."""
+        assert self.process is not None, f"{self.name} was never started"
+        return self.process
+
 
 class Topology:
     """Starts, watches and stops a set of `Child` processes.
@@ -183,7 +189,7 @@ class Topology:
             The child, running.
         """
         env = {**os.environ, **child.env, "PYTHONUNBUFFERED": "1"}
-        piped = (
+        piped: dict[str, Any] = (
             {} if child.inherit_output else {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}
         )
         # Own session: a terminal's Ctrl-C reaches only us, and we stop children in order.
@@ -197,7 +203,7 @@ class Topology:
         if not child.inherit_output:
             pump = threading.Thread(
                 target=self._pump,
-                args=(child.name, child.process.stdout),
+                args=(child.name, child.proc.stdout),
                 name=f"log-{child.name}",
                 daemon=True,
             )
@@ -206,7 +212,7 @@ class Topology:
         if child not in self.children:
             self.children.append(child)
         self.say(
-            f"started {child.name} (pid {child.process.pid})"
+            f"started {child.name} (pid {child.proc.pid})"
             + (f" on 127.0.0.1:{child.port}" if child.port else "")
         )
         if wait is not None:
@@ -238,7 +244,7 @@ class Topology:
         trainers = [c for c in self.children if c.role == "trainer"]
         while not stop.wait(poll_s):
             for child in self.children:
-                code = child.process.poll()
+                code = child.proc.poll()
                 if code is None or child.stopping:
                     continue
                 if child.role == "trainer" and code == 0:
@@ -258,7 +264,7 @@ class Topology:
                     f"{_describe(code)}{again}; stopping the topology"
                 )
                 return 1
-            if trainers and all(c.process.poll() == 0 for c in trainers):
+            if trainers and all(c.proc.poll() == 0 for c in trainers):
                 self.say("trainer finished")
                 return 0
         return 0
@@ -298,13 +304,13 @@ class Topology:
         for group in (trainers, services, stores):
             for c in group:
                 c.stopping = True
-                if c.process.poll() is None:
+                if c.proc.poll() is None:
                     self.say(f"stopping {c.name} (SIGTERM)")
-                    _signal(c.process, signal.SIGTERM)
+                    _signal(c.proc, signal.SIGTERM)
             self._wait_out(group, trainer_grace_s)
         for pump in self._pumps:
             pump.join(timeout=2)
-        return {c.name: c.process.returncode for c in self.children}
+        return {c.name: c.proc.returncode for c in self.children}
 
     def _wait_out(self, group: list[Child], trainer_grace_s: float | None) -> None:
         """Wait for the SIGTERMed `group` all at once, SIGKILLing each child whose grace runs out
@@ -321,9 +327,9 @@ class Topology:
             )
             deadline[c.name], why[c.name] = now + grace, f"still running after {grace:.0f} s"
         cut = False
-        while running := [c for c in group if c.process.poll() is None]:
+        while running := [c for c in group if c.proc.poll() is None]:
             now = time.monotonic()
-            failed = next((c for c in group if c.role == "trainer" and c.process.returncode), None)
+            failed = next((c for c in group if c.role == "trainer" and c.proc.returncode), None)
             if failed is not None and not cut:
                 cut = True
                 self.failed = self.failed or failed
@@ -336,7 +342,7 @@ class Topology:
                     )
                 if cut_short:
                     self.say(
-                        f"{failed.name} exited with status {_describe(failed.process.returncode)}; "
+                        f"{failed.name} exited with status {_describe(failed.proc.returncode)}; "
                         f"giving {', '.join(c.name for c in cut_short)} {self.failure_grace_s:.0f} "
                         "s to exit before SIGKILL"
                     )
@@ -346,8 +352,8 @@ class Topology:
                         f"{c.name} {'stopping now' if self.urgent.is_set() else why[c.name]}: "
                         "SIGKILL"
                     )
-                    _signal(c.process, signal.SIGKILL)
-                    c.process.wait()
+                    _signal(c.proc, signal.SIGKILL)
+                    c.proc.wait()
             self.urgent.wait(0.2)
 
 
@@ -416,13 +422,13 @@ def wait_until(
     while not predicate():
         if stop is not None and stop.is_set():
             raise StopRequested(f"stop requested while waiting for {child.name} to be {what}")
-        code = child.process.poll()
+        code = child.proc.poll()
         if code is not None:
             raise ChildFailed(f"{child.name} exited with status {_describe(code)} before {what}")
         if time.monotonic() > deadline:
             raise ChildFailed(f"{child.name} was not {what} within {timeout_s:.0f} s")
         time.sleep(poll_s)
-    code = child.process.poll()
+    code = child.proc.poll()
     if code is not None:  # something else answered in its place (e.g. its port was taken)
         raise ChildFailed(
             f"{child.name} exited with status {_describe(code)}, yet something is {what}: "

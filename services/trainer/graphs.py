@@ -96,7 +96,7 @@ class MicroBatchGraph:
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        self._grads = [p.grad for p in self.params]
+        self._grads = [p.grad for p in self.params if p.grad is not None]  # all, set above
         self._inputs = tuple(torch.empty_like(t, device=self.device) for t in inputs)
         for static, t in zip(self._inputs, inputs):
             static.copy_(t)

@@ -126,6 +126,7 @@ class RouterStats:
         if not ids:
             return {}
         e = config.num_experts
+        assert e is not None  # a MoE layer exists
         batch_size = _group_size(self.batch_group)
         # per global block: routed (E), kept (E), aux, z (per micro-batch, this rank's part)
         table = torch.zeros(self.num_layers, 2 * e + 2, dtype=torch.float64, device=device)

@@ -51,6 +51,7 @@ def make_run_dir(configured: str | None, mesh: Mesh) -> Path:
     if mesh.distributed:
         chosen = [str(_new_run_dir(configured)) if mesh.rank == 0 else None]
         dist.broadcast_object_list(chosen, src=0)
+        assert chosen[0] is not None  # rank 0's choice
         return Path(chosen[0])
     return _new_run_dir(configured)
 

@@ -346,6 +346,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                     "save begun before this service restarted (it forgets saves in progress)"
                 ),
             )
+        assert save is not None  # context.abort raised
         return save
 
     @staticmethod
@@ -570,12 +571,14 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             self.root, save.step, save_id, first.header.writer_id, save.num_writers
         )
         boxes = total = 0
-        spec, buf, filled = None, None, 0
+        spec: ShardSpec | None = None
+        buf: bytearray | None = None  # the box's bytes: set and cleared with spec
+        filled = 0
         try:
             for msg in request_iterator:
                 kind = msg.WhichOneof("part")
                 if kind == "box":
-                    if spec is not None:
+                    if spec is not None and buf is not None:
                         raise CheckpointError(
                             f"box {spec.offsets} of array {spec.array!r} ended after {filled} of "
                             f"{len(buf)} bytes"
@@ -589,6 +592,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                 elif kind == "chunk":
                     if spec is None:
                         raise CheckpointError("a data chunk arrived before any box")
+                    assert buf is not None
                     size = len(msg.chunk)
                     if size > self.max_chunk_bytes:
                         raise CheckpointError(
@@ -612,14 +616,14 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                     raise CheckpointError(
                         f"unexpected {kind!r} message inside a WriteShards stream"
                     )
-                if spec is not None and filled == len(buf):
+                if spec is not None and buf is not None and filled == len(buf):
                     self._save(save_id, context)  # still this step's save (not superseded)
                     stored = np.frombuffer(buf, dtype=layout._DTYPES[spec.dtype][1])
                     total += writer.write(spec, stored.reshape(spec.shape))
                     boxes += 1
                     self.budget.release(len(buf))
                     spec, buf = None, None
-            if spec is not None:
+            if spec is not None and buf is not None:
                 raise CheckpointError(
                     f"stream ended inside box {spec.offsets} of array {spec.array!r} "
                     f"({filled} of {len(buf)} bytes)"
@@ -627,7 +631,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         except StreamIdleError as e:
             where = (
                 f"inside box {spec.offsets} of array {spec.array!r} ({filled} of {len(buf)} bytes)"
-                if spec is not None
+                if spec is not None and buf is not None
                 else f"after {boxes} complete boxes"
             )
             message = (

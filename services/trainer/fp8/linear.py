@@ -86,6 +86,7 @@ def _deliver_weight_grad(
     """The weight gradient for autograd (in the weight's dtype), or None once added into the
     fused main gradient."""
     if ctx.fused:
+        assert main_grad is not None  # fused: the weight has a main gradient
         main_grad.add_(dw)
         return None
     return dw.to(ctx.w_dtype)

@@ -104,7 +104,7 @@ class Attention(nn.Module):
         qkv = qkv.view(b, s, self.groups, per_group + 2, self.head_dim)
         q = qkv[:, :, :, :per_group].reshape(b, s, self.heads, self.head_dim)  # (b, s, heads, d)
         k, v = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]  # (b, s, groups, d)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # set together
             q, k = self.q_norm(q), self.k_norm(k)  # over d, per head
         return tuple(t.transpose(1, 2) for t in (q, k, v))  # (b, heads|groups, s, d)
 

@@ -70,13 +70,19 @@ class Routing:
     routed: torch.Tensor
 
 
+def _num_experts(config: ModelConfig) -> int:
+    """`config.num_experts`, which every MoE module needs (ModelConfig checks it when MoE is on)."""
+    assert config.num_experts is not None, "a MoE module needs model.num_experts"
+    return config.num_experts
+
+
 class Router(nn.Module):
     """Top-k router with softmax or sigmoid scores, optional pre-softmax, scaling and expert
     bias."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        e = config.num_experts
+        e = _num_experts(config)
         self.num_experts, self.topk = e, config.moe_router_topk
         self.score_function = config.moe_router_score_function
         self.pre_softmax = config.moe_router_pre_softmax
@@ -168,7 +174,7 @@ def expert_capacity(config: ModelConfig, seq_tokens: int) -> int | None:
     f = config.moe_expert_capacity_factor
     if f is None:
         return None
-    return max(1, math.ceil(f * seq_tokens * config.moe_router_topk / config.num_experts))
+    return max(1, math.ceil(f * seq_tokens * config.moe_router_topk / _num_experts(config)))
 
 
 # ----------------------------------------------------------------------------- experts
@@ -228,7 +234,7 @@ class GroupedExperts(nn.Module):
 
     def __init__(self, config: ModelConfig, num_local: int | None = None, first_expert: int = 0):
         super().__init__()
-        n = config.num_experts if num_local is None else num_local
+        n = _num_experts(config) if num_local is None else num_local
         f, h = config.moe_ffn_size, config.hidden_size
         self.swiglu = config.activation == "swiglu"
         self.grouped = config.moe_grouped_gemm
@@ -301,7 +307,7 @@ class MoE(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.num_experts = config.num_experts
+        self.num_experts = _num_experts(config)
         self.router = Router(config)
         self.experts = GroupedExperts(config)
         self.shared_expert = (

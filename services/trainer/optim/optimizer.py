@@ -26,7 +26,8 @@ def is_decayed(name: str, param: nn.Parameter, config: OptimConfig) -> bool:
 
 def build_optimizer(model: nn.Module, config: OptimConfig) -> torch.optim.AdamW:
     """AdamW with two groups (decay / no decay); lr is set every step by the schedule."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for name, p in model.named_parameters():
         if p.requires_grad:
             (decay if is_decayed(name, p, config) else no_decay).append(p)

@@ -305,6 +305,7 @@ class Mesh:
             )
             if self.rank in members:
                 mine = (group, members)
+        assert mine is not None  # the groups of an axis cover every rank
         return mine
 
     @property

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
 
 import grpc
 
@@ -108,7 +108,7 @@ def run_security(target: str) -> ClientSecurity:
     otherwise $MESHTRAIN_TOKEN, if set."""
     import tomllib
 
-    auth = {}
+    auth: dict[str, Any] = {}
     config = Path(target) / "config.toml"
     if Path(target).is_dir() and config.exists():
         try:

@@ -23,6 +23,7 @@ import os
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import Gauge
 
@@ -63,12 +64,12 @@ def _trainer_gauges(trainer) -> None:
     for key, doc in docs.items():
         if key not in _gauges:  # the registry refuses a second gauge of the same name
             _gauges[key] = Gauge(f"meshtrain_trainer_{key}", doc)
+
         # NaN until the first logged step, so a dashboard shows a gap rather than a fake zero
-        _gauges[key].set_function(
-            lambda k=key: (
-                float("nan") if trainer.progress.get(k) is None else float(trainer.progress[k])
-            )
-        )
+        def value(k: str = key) -> float:
+            return float("nan") if trainer.progress.get(k) is None else float(trainer.progress[k])
+
+        _gauges[key].set_function(value)
 
 
 @dataclass
@@ -76,10 +77,10 @@ class ControlEndpoint:
     """A running control endpoint; `stop()` ends the gRPC and metrics servers."""
 
     address: str
-    server: object
+    server: Any  # grpc.Server
     run_dir: Path
     metrics_address: str | None = None
-    _http: object = field(default=None, repr=False)
+    _http: Any = field(default=None, repr=False)  # the metrics' HTTP server
 
     def stop(self, grace_s: float = 1.0) -> None:
         """Stop serving and remove the address files, so a finished run does not look reachable."""

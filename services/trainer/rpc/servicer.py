@@ -72,6 +72,7 @@ class TrainerControlServicer(pb_grpc.TrainerControlServicer):
                 "metadata, from the run directory's control.addr): give the run directory, not "
                 "HOST:PORT",
             )
+        assert sent is not None  # context.abort raised
         if not hmac.compare_digest(sent.encode(), self.token.encode()):
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,

@@ -160,8 +160,9 @@ def _order(name: str, pp: int, m: int, v: int, r: int) -> list[Step]:
     w = min((pp - r - 1) * 2 + (v - 1) * pp, total)
     fwd = [("F", mb, c) for mb, c in table]
     bwd = [("B", mb, v - 1 - c) for mb, c in table]
+    warm_up: list[Step] = [(x,) for x in fwd[:w]]
     return (
-        [(x,) for x in fwd[:w]]
+        warm_up
         + [(fwd[k + w], bwd[k]) for k in range(total - w)]
         + [(x,) for x in bwd[total - w :]]
     )
@@ -213,13 +214,16 @@ def _batches(actions: Sequence[Action]) -> list[list[int]]:
     return out
 
 
-def _keys(actions: Sequence[Action], rank: int, pp: int) -> list[tuple | None]:
-    """Per action, the FIFO slot of its message: (src, dst, k) for the k-th message src->dst."""
+def _keys(actions: Sequence[Action], rank: int, pp: int) -> list[tuple[int, ...]]:
+    """Per action, the FIFO slot of its message: (src, dst, k) for the k-th message src->dst.
+
+    A compute action sends nothing: its slot is the empty tuple.
+    """
     count: dict[tuple[int, int], int] = {}
-    keys: list[tuple | None] = []
+    keys: list[tuple[int, ...]] = []
     for a in actions:
         if not a.is_comm:
-            keys.append(None)
+            keys.append(())
             continue
         peer = peer_of(a, rank, pp)
         pair = (rank, peer) if a.kind.startswith("SEND") else (peer, rank)
@@ -328,14 +332,14 @@ def _message(a: Action, rank: int, pp: int) -> tuple[str, int, int]:
 def _check_rank(actions: Sequence[Action], r: int, pp: int, m: int, v: int) -> None:
     last = pp * v - 1
     at: dict[Action, int] = {}
-    for i, a in enumerate(actions):
-        if a.kind not in COMPUTE_KINDS + COMM_KINDS:
-            raise ScheduleError(f"rank {r}: unknown action kind {a.kind!r} ({a})")
-        if not (0 <= a.micro < m and 0 <= a.chunk < v):
-            raise ScheduleError(f"rank {r}: {a} is out of range (micro < {m}, chunk < {v})")
-        if a in at:
-            raise ScheduleError(f"rank {r}: duplicate {a} (actions {at[a]} and {i})")
-        at[a] = i
+    for i, act in enumerate(actions):
+        if act.kind not in COMPUTE_KINDS + COMM_KINDS:
+            raise ScheduleError(f"rank {r}: unknown action kind {act.kind!r} ({act})")
+        if not (0 <= act.micro < m and 0 <= act.chunk < v):
+            raise ScheduleError(f"rank {r}: {act} is out of range (micro < {m}, chunk < {v})")
+        if act in at:
+            raise ScheduleError(f"rank {r}: duplicate {act} (actions {at[act]} and {i})")
+        at[act] = i
 
     def before(first: Action, then: Action) -> None:
         if at[first] > at[then]:

@@ -19,12 +19,15 @@ stay identical, and neither saved nor counted twice in the gradient norm.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.utils.checkpoint
 from torch import nn
 
 from meshtrain.services.common.errors import ConfigError
 from meshtrain.services.trainer.config import ParallelConfig
+from meshtrain.services.trainer.model.embedding import Embedding
 from meshtrain.services.trainer.model.gpt import GPT, rope_tables
 
 
@@ -80,7 +83,7 @@ class _TiedHeadWeight(nn.Module):
     """The last stage's `embedding` when tied: only the word embedding, used as the output
     weight."""
 
-    def __init__(self, word_embeddings: nn.Module):
+    def __init__(self, word_embeddings: nn.Embedding):
         super().__init__()
         self.word_embeddings = word_embeddings
         word_embeddings.weight.pipeline_copy = True  # type: ignore[attr-defined]
@@ -107,7 +110,9 @@ class PipelineStage(nn.Module):
         self.chunk_layers = [stages[c * pp + pp_rank] for c in range(self.virtual)]
         self.is_first, self.is_last = pp_rank == 0, pp_rank == pp - 1
         self.layers = nn.ModuleDict({str(i): model.layers[i] for r in self.chunk_layers for i in r})
-        self.embedding = model.embedding if self.is_first else None
+        self.embedding: Embedding | _TiedHeadWeight | None = (
+            model.embedding if self.is_first else None
+        )
         self.final_norm = self.output_layer = None
         self.head = model.head
         if self.is_last:
@@ -130,6 +135,7 @@ class PipelineStage(nn.Module):
         if parallel.recompute_granularity != "full" or not ids:
             return [(ids, False)] if ids else []
         k = parallel.recompute_num_layers
+        assert k is not None  # ParallelConfig sets it with granularity 'full'
         if parallel.recompute_method == "uniform":
             return [(ids[i : i + k], True) for i in range(0, len(ids), k)]
         return [([i], True) for i in ids[:k]] + ([(ids[k:], False)] if ids[k:] else [])
@@ -138,6 +144,7 @@ class PipelineStage(nn.Module):
     def output_weight(self) -> torch.Tensor:
         if self.output_layer is not None:
             return self.output_layer.weight
+        assert self.embedding is not None  # tied: the last stage holds the word embedding
         return self.embedding.word_embeddings.weight
 
     def chunk_is_first(self, chunk: int) -> bool:
@@ -174,6 +181,7 @@ class PipelineStage(nn.Module):
                     f"sequence of {x.shape[1]} tokens exceeds "
                     f"model.seq_length={self.config.seq_length}"
                 )
+            assert self.embedding is not None
             x = self.embedding(x, positions)
         rope = rope_tables(self.rope_cos, self.rope_sin, positions)
         for ids, recompute in self.runs[chunk]:
@@ -183,6 +191,7 @@ class PipelineStage(nn.Module):
                 x = self._run(ids, x, rope)
         if not self.chunk_is_last(chunk):
             return x
+        assert self.final_norm is not None
         h = self.final_norm(x)
         if labels is not None:
             loss = self.head.loss(h, self.output_weight, labels, loss_mask)
@@ -195,6 +204,7 @@ class PipelineStage(nn.Module):
         """(module, parameters) in forward order, for the data-parallel all-gather waits."""
         units: list[tuple[nn.Module, list[nn.Parameter]]] = []
         if self.is_first:
+            assert self.embedding is not None
             units.append((self.embedding, list(self.embedding.parameters())))
         units += [(layer, list(layer.parameters())) for layer in self.layers.values()]
         if self.is_last:
@@ -205,6 +215,8 @@ class PipelineStage(nn.Module):
                 for p in m.parameters()
             ]
             if not self.is_first and self.output_layer is None:
-                head.append(self.output_weight)
+                # tied: the word embedding's weight, a Parameter
+                head.append(cast(nn.Parameter, self.output_weight))
+            assert self.final_norm is not None
             units.append((self.final_norm, head))
         return units
