@@ -74,7 +74,7 @@ def _raise_stopped(signum: int, _frame) -> None:
 
 def cmd_preprocess(args: argparse.Namespace) -> int:
     from meshtrain.services.dataloader.preprocess import preprocess_files
-    from meshtrain.services.dataloader.tokenizers import build_tokenizer
+    from meshtrain.services.dataloader.tokenizers.base import build_tokenizer
 
     tokenizer = build_tokenizer(tokenizer_spec_from_args(args))
     # Killed outright by SIGTERM, a run left its partial .bin.tmp-* behind, and its --workers
@@ -106,7 +106,7 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
 
 def tokenizer_spec_from_args(args: argparse.Namespace) -> str:
     """The tokenizer spec of `--tokenizer`, or of Megatron's `--tokenizer-type` and its file flags."""
-    from meshtrain.services.dataloader.megatron_tokenizers import FLAG_OF, megatron_spec
+    from meshtrain.services.dataloader.tokenizers.megatron import FLAG_OF, megatron_spec
 
     megatron = {key: getattr(args, key) for key in FLAG_OF}
     if args.tokenizer_type is None:
@@ -127,7 +127,7 @@ def tokenizer_spec_from_args(args: argparse.Namespace) -> str:
 
 
 def cmd_train_tokenizer(args: argparse.Namespace) -> int:
-    from meshtrain.services.dataloader.tokenizers import train_bpe
+    from meshtrain.services.dataloader.tokenizers.base import train_bpe
 
     tok = train_bpe(
         [str(p) for p in expand_inputs(args.input)], args.vocab_size, args.output, args.json_key

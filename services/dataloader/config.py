@@ -135,7 +135,7 @@ class DataConfig:
 
     def _resolve_tokenizer_type(self) -> None:
         """With `tokenizer_type` set, put the spec its keys name into `tokenizer`."""
-        from meshtrain.services.dataloader.megatron_tokenizers import FLAG_OF, megatron_spec
+        from meshtrain.services.dataloader.tokenizers.megatron import FLAG_OF, megatron_spec
 
         if self.tokenizer_type is None:
             for key in FLAG_OF:
