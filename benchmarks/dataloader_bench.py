@@ -80,7 +80,7 @@ def hf_bpe_to_tiktoken(hf_json: Path, out: Path) -> Path:
 
 def bench_tokenize(work: Path, corpus_mb: float, workers_list: list[int]) -> dict:
     from meshtrain.services.dataloader.preprocess import default_corpus_files, preprocess_files
-    from meshtrain.services.dataloader.tokenizers import build_tokenizer, train_bpe
+    from meshtrain.services.dataloader.tokenizers.base import build_tokenizer, train_bpe
 
     files = default_corpus_files(int(corpus_mb * 1e6))
     jsonl = work / "corpus.jsonl"

@@ -11,7 +11,7 @@ from typing import Any
 
 from meshtrain.services.common.errors import CheckpointError, DataError
 from meshtrain.services.common.model_config import ModelConfig
-from meshtrain.services.dataloader.tokenizers import (
+from meshtrain.services.dataloader.tokenizers.base import (
     EOD_TOKEN,
     ByteTokenizer,
     HFTokenizer,

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from meshtrain.services.common.errors import DataError
-from meshtrain.services.common.security import add_server_arguments
+from meshtrain.services.dataloader.config import ServeConfig, add_serve_arguments
 
 
 def expand_inputs(patterns: list[str]) -> list[Path]:
@@ -74,7 +74,7 @@ def _raise_stopped(signum: int, _frame) -> None:
 
 def cmd_preprocess(args: argparse.Namespace) -> int:
     from meshtrain.services.dataloader.preprocess import preprocess_files
-    from meshtrain.services.dataloader.tokenizers import build_tokenizer
+    from meshtrain.services.dataloader.tokenizers.base import build_tokenizer
 
     tokenizer = build_tokenizer(tokenizer_spec_from_args(args))
     # Killed outright by SIGTERM, a run left its partial .bin.tmp-* behind, and its --workers
@@ -106,7 +106,7 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
 
 def tokenizer_spec_from_args(args: argparse.Namespace) -> str:
     """The tokenizer spec of `--tokenizer`, or of Megatron's `--tokenizer-type` and its file flags."""
-    from meshtrain.services.dataloader.megatron_tokenizers import FLAG_OF, megatron_spec
+    from meshtrain.services.dataloader.tokenizers.megatron import FLAG_OF, megatron_spec
 
     megatron = {key: getattr(args, key) for key in FLAG_OF}
     if args.tokenizer_type is None:
@@ -127,7 +127,7 @@ def tokenizer_spec_from_args(args: argparse.Namespace) -> str:
 
 
 def cmd_train_tokenizer(args: argparse.Namespace) -> int:
-    from meshtrain.services.dataloader.tokenizers import train_bpe
+    from meshtrain.services.dataloader.tokenizers.base import train_bpe
 
     tok = train_bpe(
         [str(p) for p in expand_inputs(args.input)], args.vocab_size, args.output, args.json_key
@@ -214,77 +214,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     sv.set_defaults(func=cmd_serve)
 
 
-def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    """The `serve` flags (kept here so building the CLI never imports grpc)."""
-    p.add_argument("--port", type=int, default=0, help="TCP port (0: pick a free one and print it)")
-    p.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 for all)")
-    p.add_argument("--max-streams", type=int, default=32, help="concurrent streams served")
-    p.add_argument("--grace", type=float, default=5.0, help="seconds streams get on SIGTERM")
-    p.add_argument(
-        "--max-index-gib",
-        type=float,
-        default=None,
-        help="memory (GiB) building one request's sample index may take, and all builds "
-        "at once; a request needing more is refused (default: half the RAM; indices already cached "
-        "count for nothing)",
-    )
-    p.add_argument(
-        "--max-samples",
-        type=int,
-        default=2**32,
-        help="largest num_samples a request may name (default 2^32)",
-    )
-    p.add_argument(
-        "--index-cache-dir",
-        default=None,
-        help="the one folder where sample indices are cached, never beside the datasets "
-        "(default: index/ in $MESHTRAIN_CACHE, else ~/.cache/meshtrain)",
-    )
-    p.add_argument(
-        "--index-cache-gib",
-        type=float,
-        default=32.0,
-        help="disk the cached indices may take; the least recently used ones no stream reads "
-        "are evicted (default 32)",
-    )
-    p.add_argument(
-        "--stream-idle-timeout",
-        type=float,
-        default=300.0,
-        help="seconds a stream's client may take no message before the stream is cancelled "
-        "(it reconnects where it left off when it reads again; 0: never; default 300)",
-    )
-    p.add_argument(
-        "--max-streams-per-client",
-        type=int,
-        default=16,
-        help="streams one client host may hold at once (0: no limit; default 16)",
-    )
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
-        help="serve Prometheus metrics (requests, bytes, latency, queue depth) on this "
-        "port at /metrics (0: any free port, printed); off unless given",
-    )
-    p.add_argument(
-        "--announce",
-        default=None,
-        metavar="DIR",
-        help="once serving, announce this worker in the folder DIR (on a shared file system); "
-        "trainers given dir:DIR find every worker announced there, joined later ones too",
-    )
-    p.add_argument(
-        "--advertise",
-        default=None,
-        metavar="HOST",
-        help="the host name or address trainers reach this worker by, for --announce "
-        "(default: --host, or this machine's name when bound to all interfaces)",
-    )
-    add_server_arguments(p)  # --token-file, --tls-cert, --tls-key, --tls-client-ca, --insecure
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
+    config = ServeConfig.from_args(args)  # checked before the server's modules load
     from meshtrain.services.dataloader.rpc.server import run
 
-    return run(args)
+    return run(config)

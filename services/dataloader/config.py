@@ -1,13 +1,17 @@
-"""The dataloader's config section (`[data]`): where training tokens come from.
+"""The dataloader's configs: its section of the trainer's job config (`[data]`), where training
+tokens come from, and a DataService worker's settings (`ServeConfig`) with the flags that set them.
 
-The trainer's job config embeds it. With `service_addresses` set the trainer streams the same
-batches from DataService workers (`meshtrain data serve`) instead of reading the files itself.
+The trainer's job config embeds `DataConfig`. With `service_addresses` set the trainer streams the
+same batches from DataService workers (`meshtrain data serve`) instead of reading the files itself.
+`meshtrain data serve` (`cli.py`) and `python -m meshtrain.services.dataloader.rpc.server` both
+parse `add_serve_arguments`' flags into a `ServeConfig` and hand it to `rpc/server.run`.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from meshtrain.services.common.errors import ConfigError, DataError
 
@@ -135,7 +139,7 @@ class DataConfig:
 
     def _resolve_tokenizer_type(self) -> None:
         """With `tokenizer_type` set, put the spec its keys name into `tokenizer`."""
-        from meshtrain.services.dataloader.megatron_tokenizers import FLAG_OF, megatron_spec
+        from meshtrain.services.dataloader.tokenizers.megatron import FLAG_OF, megatron_spec
 
         if self.tokenizer_type is None:
             for key in FLAG_OF:
@@ -161,3 +165,131 @@ class DataConfig:
         for key in ("vocab_file", "merge_file", "tokenizer_model"):
             if getattr(self, key):
                 setattr(self, key, os.path.abspath(getattr(self, key)))
+
+
+@dataclass
+class ServeConfig:
+    """A DataService worker's settings, one per `meshtrain data serve` flag (`add_serve_arguments`
+    says what each means)."""
+
+    port: int = 0
+    """`--port`: TCP port (0: pick a free one and print it)."""
+    host: str = "127.0.0.1"
+    """`--host`: interface to bind."""
+    max_streams: int = 32
+    """`--max-streams`: concurrent streams served."""
+    grace: float = 5.0
+    """`--grace`: seconds streams get on SIGTERM."""
+    max_index_gib: float | None = None
+    """`--max-index-gib`: memory sample-index builds may take (None: half the RAM)."""
+    max_samples: int = 2**32
+    """`--max-samples`: largest num_samples a request may name."""
+    index_cache_dir: str | None = None
+    """`--index-cache-dir`: where sample indices are cached (None: index/ in the user's cache)."""
+    index_cache_gib: float = 32.0
+    """`--index-cache-gib`: disk the cached indices may take."""
+    stream_idle_timeout: float = 300.0
+    """`--stream-idle-timeout`: seconds a client may read nothing before its stream is cancelled."""
+    max_streams_per_client: int = 16
+    """`--max-streams-per-client`: streams one client host may hold at once (0: no limit)."""
+    metrics_port: int | None = None
+    """`--metrics-port`: serve Prometheus metrics on this port (None: off)."""
+    announce: str | None = None
+    """`--announce`: the shared folder to announce this worker in (None: not announced)."""
+    advertise: str | None = None
+    """`--advertise`: the host trainers reach this worker by, for `announce`."""
+    token_file: str | None = None
+    """`--token-file`: the bearer tokens callers must send (`common/security.py`)."""
+    tls_cert: str | None = None
+    """`--tls-cert`: PEM certificate the server presents (turns TLS on)."""
+    tls_key: str | None = None
+    """`--tls-key`: PEM private key of `tls_cert`."""
+    tls_client_ca: str | None = None
+    """`--tls-client-ca`: PEM CA that must have signed the clients' certificates."""
+    insecure: bool = False
+    """`--insecure`: serve beyond loopback without authentication."""
+
+    def __post_init__(self) -> None:
+        if self.max_index_gib is not None and not 0 < self.max_index_gib < float("inf"):
+            raise ConfigError(
+                f"--max-index-gib {self.max_index_gib} must be a positive number of GiB"
+            )
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServeConfig:
+        """From the flags `add_serve_arguments` defines (absent ones: the defaults)."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """The `serve` flags, whose values `ServeConfig.from_args` reads."""
+    # Imported here, so that a module reading DataConfig never loads the security module (and
+    # grpc with it) for flags only a worker has.
+    from meshtrain.services.common.security import add_server_arguments
+
+    p.add_argument("--port", type=int, default=0, help="TCP port (0: pick a free one and print it)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 for all)")
+    p.add_argument("--max-streams", type=int, default=32, help="concurrent streams served")
+    p.add_argument("--grace", type=float, default=5.0, help="seconds streams get on SIGTERM")
+    p.add_argument(
+        "--max-index-gib",
+        type=float,
+        default=None,
+        help="memory (GiB) building one request's sample index may take, and all builds "
+        "at once; a request needing more is refused (default: half the RAM; indices already cached "
+        "count for nothing)",
+    )
+    p.add_argument(
+        "--max-samples",
+        type=int,
+        default=2**32,
+        help="largest num_samples a request may name (default 2^32)",
+    )
+    p.add_argument(
+        "--index-cache-dir",
+        default=None,
+        help="the one folder where sample indices are cached, never beside the datasets "
+        "(default: index/ in $MESHTRAIN_CACHE, else ~/.cache/meshtrain)",
+    )
+    p.add_argument(
+        "--index-cache-gib",
+        type=float,
+        default=32.0,
+        help="disk the cached indices may take; the least recently used ones no stream reads "
+        "are evicted (default 32)",
+    )
+    p.add_argument(
+        "--stream-idle-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a stream's client may take no message before the stream is cancelled "
+        "(it reconnects where it left off when it reads again; 0: never; default 300)",
+    )
+    p.add_argument(
+        "--max-streams-per-client",
+        type=int,
+        default=16,
+        help="streams one client host may hold at once (0: no limit; default 16)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics (requests, bytes, latency, queue depth) on this "
+        "port at /metrics (0: any free port, printed); off unless given",
+    )
+    p.add_argument(
+        "--announce",
+        default=None,
+        metavar="DIR",
+        help="once serving, announce this worker in the folder DIR (on a shared file system); "
+        "trainers given dir:DIR find every worker announced there, joined later ones too",
+    )
+    p.add_argument(
+        "--advertise",
+        default=None,
+        metavar="HOST",
+        help="the host name or address trainers reach this worker by, for --announce "
+        "(default: --host, or this machine's name when bound to all interfaces)",
+    )
+    add_server_arguments(p)  # --token-file, --tls-cert, --tls-key, --tls-client-ca, --insecure

@@ -38,7 +38,7 @@ from meshtrain.services.dataloader.indexed import (
     local_path,
 )
 from meshtrain.services.dataloader.inputs import iter_documents
-from meshtrain.services.dataloader.tokenizers import (
+from meshtrain.services.dataloader.tokenizers.base import (
     ByteTokenizer,
     Tokenizer,
     build_tokenizer,

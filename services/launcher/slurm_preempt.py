@@ -93,7 +93,7 @@ def checkpoint_size(job) -> tuple[int, int]:
     """
     import torch
 
-    from meshtrain.services.dataloader.tokenizers import build_tokenizer
+    from meshtrain.services.dataloader.tokenizers.base import build_tokenizer
     from meshtrain.services.trainer.config import replace
     from meshtrain.services.trainer.model.gpt import GPT
 

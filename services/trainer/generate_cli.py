@@ -67,7 +67,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from meshtrain.services.checkpoint.convert import model_config, tensor_specs
     from meshtrain.services.checkpoint.reader import list_checkpoints, read_manifest
-    from meshtrain.services.dataloader.tokenizers import build_tokenizer
+    from meshtrain.services.dataloader.tokenizers.base import build_tokenizer
     from meshtrain.services.trainer.checkpointing import load_checkpoint
     from meshtrain.services.trainer.generate import check_sampling, context_length, generate
     from meshtrain.services.trainer.model import GPT

@@ -23,7 +23,7 @@ from meshtrain.services.common.errors import ConfigError
 from meshtrain.services.common.grpc_utils import make_server, serve_forever
 from meshtrain.services.common.metrics import MetricsInterceptor, start_metrics_server
 from meshtrain.services.common.security import READ, ServerSecurity, method_scopes
-from meshtrain.services.dataloader.cli import add_serve_arguments
+from meshtrain.services.dataloader.config import ServeConfig, add_serve_arguments
 from meshtrain.services.dataloader.rpc.discovery import advertised_host, announce
 from meshtrain.services.dataloader.rpc.servicer import SERVICE_NAME, DataLimits, DataServicer
 
@@ -79,50 +79,55 @@ def main(argv: list[str] | None = None) -> int:
     """Serve until SIGTERM; prints `listening on HOST:PORT` once ready (tests wait for it)."""
     p = argparse.ArgumentParser(prog="meshtrain data serve")
     add_serve_arguments(p)
-    return run(p.parse_args(argv))
+    return run(ServeConfig.from_args(p.parse_args(argv)))
 
 
-def run(args: argparse.Namespace) -> int:
-    """Start a worker with the parsed `serve` flags and block until SIGTERM/SIGINT."""
+def run(config: ServeConfig) -> int:
+    """Start a worker with `config` and block until SIGTERM/SIGINT."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    metrics = getattr(args, "metrics_port", None) is not None
-    max_index_gib = getattr(args, "max_index_gib", None)
-    if max_index_gib is not None and not 0 < max_index_gib < float("inf"):
-        raise ConfigError(f"--max-index-gib {max_index_gib} must be a positive number of GiB")
+    metrics = config.metrics_port is not None
     server, port, health = start_server(
-        args.port,
-        args.host,
-        args.max_streams,
+        config.port,
+        config.host,
+        config.max_streams,
         metrics=metrics,
-        max_index_bytes=None if max_index_gib is None else int(max_index_gib * 2**30),
-        limits=DataLimits(
-            max_samples=args.max_samples,
-            index_cache_dir=args.index_cache_dir,
-            index_cache_bytes=int(args.index_cache_gib * 2**30),
-            stream_idle_timeout=args.stream_idle_timeout,
-            max_streams_per_client=args.max_streams_per_client,
+        max_index_bytes=(
+            None if config.max_index_gib is None else int(config.max_index_gib * 2**30)
         ),
-        security=ServerSecurity.from_args(args),
+        limits=DataLimits(
+            max_samples=config.max_samples,
+            index_cache_dir=config.index_cache_dir,
+            index_cache_bytes=int(config.index_cache_gib * 2**30),
+            stream_idle_timeout=config.stream_idle_timeout,
+            max_streams_per_client=config.max_streams_per_client,
+        ),
+        security=ServerSecurity.from_files(
+            config.token_file,
+            config.tls_cert,
+            config.tls_key,
+            config.tls_client_ca,
+            insecure=config.insecure,
+        ),
     )
     if metrics:
         try:
-            _, metrics_port = start_metrics_server(args.metrics_port, args.host)
+            _, metrics_port = start_metrics_server(config.metrics_port, config.host)
         except ConfigError:
             server.stop(0)  # the gRPC port is already bound: release it before exiting
             raise
-        print(f"metrics on http://{args.host}:{metrics_port}/metrics", flush=True)
+        print(f"metrics on http://{config.host}:{metrics_port}/metrics", flush=True)
     announcement = contextlib.ExitStack()
 
     def ready() -> None:
-        if getattr(args, "announce", None):
-            address = f"{args.advertise or advertised_host(args.host)}:{port}"
-            path = announcement.enter_context(announce(args.announce, address))
+        if config.announce:
+            address = f"{config.advertise or advertised_host(config.host)}:{port}"
+            path = announcement.enter_context(announce(config.announce, address))
             log.info("announced as %s in %s", address, path)
-        print(f"listening on {args.host}:{port}", flush=True)
+        print(f"listening on {config.host}:{port}", flush=True)
 
     with announcement:
         serve_forever(
-            server, health, grace_s=args.grace, on_ready=ready, on_stopping=announcement.close
+            server, health, grace_s=config.grace, on_ready=ready, on_stopping=announcement.close
         )
     return 0
 

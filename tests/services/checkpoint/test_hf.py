@@ -273,7 +273,7 @@ def test_local_export_killed_midway_leaves_nothing_behind_once_exported_again(tm
 
 
 def test_export_ships_the_runs_tokenizer(tmp_path):
-    from meshtrain.services.dataloader.tokenizers import train_bpe
+    from meshtrain.services.dataloader.tokenizers.base import train_bpe
 
     text = tmp_path / "corpus.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
@@ -292,7 +292,7 @@ def test_export_refuses_a_tokenizer_larger_than_the_models_vocabulary(tmp_path):
     """Only the end-of-document id was checked against the vocabulary, and a trained BPE puts
     it at id 0: a larger tokenizer (another run's) was shipped, and transformers then failed
     with IndexError in the embedding on its first id past the model's rows."""
-    from meshtrain.services.dataloader.tokenizers import train_bpe
+    from meshtrain.services.dataloader.tokenizers.base import train_bpe
 
     text = tmp_path / "corpus.txt"
     text.write_text(" ".join(f"word{i} token{i * 7} piece{i % 13}" for i in range(3000)))
@@ -315,7 +315,7 @@ def test_exported_model_ends_generation_at_the_runs_end_of_document(tmp_path, se
     which transformers 4 copies into generate()'s stopping ids), GPT-2's 50256 (outside these
     vocabularies); transformers 5 takes them from generation_config.json only. Both must name the run's
     <|endoftext|>, whose id the byte tokenizer fixes at 256 though it ships no tokenizer file."""
-    from meshtrain.services.dataloader.tokenizers import ByteTokenizer, train_bpe
+    from meshtrain.services.dataloader.tokenizers.base import ByteTokenizer, train_bpe
 
     if tokenizer == "bpe":
         text = tmp_path / "corpus.txt"
@@ -647,7 +647,7 @@ def test_cli_import_tells_to_train_on_with_the_models_own_tokenizer(tmp_path, ca
     import tomllib
 
     from meshtrain.services.checkpoint.convert_cli import register_subcommands
-    from meshtrain.services.dataloader.tokenizers import train_bpe
+    from meshtrain.services.dataloader.tokenizers.base import train_bpe
     from meshtrain.services.trainer.config import load_config
 
     text = tmp_path / "corpus.txt"

@@ -126,7 +126,7 @@ def lay_out_cache(cache, repo_id: str, folder, commit: str, branch: str | None =
 
 
 def test_import_resolves_a_repo_id_in_the_hub_cache_offline(tmp_path, monkeypatch):
-    from meshtrain.services.dataloader.tokenizers import train_bpe
+    from meshtrain.services.dataloader.tokenizers.base import train_bpe
 
     hub = pytest.importorskip("huggingface_hub")
     main_src = hf_llama(tmp_path / "a", torch.float32)

@@ -13,7 +13,7 @@ from meshtrain.services.checkpoint.tokenizer_store import (
 )
 from meshtrain.services.checkpoint.writer import save_checkpoint
 from meshtrain.services.common.errors import CheckpointError
-from meshtrain.services.dataloader.tokenizers import build_tokenizer, train_bpe
+from meshtrain.services.dataloader.tokenizers.base import build_tokenizer, train_bpe
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import pytest
 from meshtrain.services.common.errors import DataError
 from meshtrain.services.dataloader.indexed import IndexedDataset
 from meshtrain.services.dataloader.preprocess import preprocess_files
-from meshtrain.services.dataloader.tokenizers import ByteTokenizer, build_tokenizer
+from meshtrain.services.dataloader.tokenizers.base import ByteTokenizer, build_tokenizer
 
 TEXT = "the theme of the thesis is that the theatre there is theirs. " * 3
 

@@ -15,7 +15,7 @@ from meshtrain.services.dataloader.preprocess import (
     prepare_default_dataset,
     preprocess_files,
 )
-from meshtrain.services.dataloader.tokenizers import ByteTokenizer, build_tokenizer, train_bpe
+from meshtrain.services.dataloader.tokenizers.base import ByteTokenizer, build_tokenizer, train_bpe
 
 
 def test_preprocess_jsonl_and_text(tmp_path):
@@ -249,7 +249,7 @@ _KILLED_CHILD = """
 import os, signal, sys
 from meshtrain.services.dataloader import indexed
 from meshtrain.services.dataloader.preprocess import preprocess_files
-from meshtrain.services.dataloader.tokenizers import ByteTokenizer
+from meshtrain.services.dataloader.tokenizers.base import ByteTokenizer
 where, src, prefix = sys.argv[1:]
 if where == "writing":
     add = indexed.IndexedDatasetWriter.add_document

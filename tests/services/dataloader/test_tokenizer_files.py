@@ -3,7 +3,7 @@
 import pytest
 
 from meshtrain.services.common.errors import DataError
-from meshtrain.services.dataloader.tokenizer_files import rebase_spec, spec_files
+from meshtrain.services.dataloader.tokenizers.files import rebase_spec, spec_files
 
 
 def _touch(path, text="x"):

@@ -18,19 +18,19 @@ from meshtrain.services.cli import main
 from meshtrain.services.common.errors import ConfigError, DataError
 from meshtrain.services.dataloader.config import DataConfig
 from meshtrain.services.dataloader.indexed import IndexedDataset
-from meshtrain.services.dataloader.megatron_tokenizers import (
-    GPT2BPETokenizer,
-    MegatronTiktokenTokenizer,
-    NullTokenizer,
-    megatron_spec,
-)
-from meshtrain.services.dataloader.tokenizers import (
+from meshtrain.services.dataloader.tokenizers.base import (
     EOD_TOKEN,
     HFTokenizer,
     SentencePieceTokenizer,
     absolute_spec,
     build_tokenizer,
     train_bpe,
+)
+from meshtrain.services.dataloader.tokenizers.megatron import (
+    GPT2BPETokenizer,
+    MegatronTiktokenTokenizer,
+    NullTokenizer,
+    megatron_spec,
 )
 
 # Unicode, whitespace runs, contractions, digits, CR/LF and a no-break space: the cases where a

@@ -3,7 +3,7 @@
 import pytest
 
 from meshtrain.services.common.errors import DataError
-from meshtrain.services.dataloader.tokenizers import (
+from meshtrain.services.dataloader.tokenizers.base import (
     EOD_TOKEN,
     ByteTokenizer,
     HFTokenizer,

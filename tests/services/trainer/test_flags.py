@@ -678,8 +678,8 @@ def test_the_gpt3_example_trains_from_the_command_line(tmp_path, gpt2_files):
     """The GPT-3 example's list (less its two refused flags, at tp = pp = 1 on one CPU process)
     given to `meshtrain train` as pasted: 3 steps on an indexed dataset built with its GPT-2 BPE
     files, metrics.jsonl and TensorBoard hold every step, the final checkpoint is saved."""
-    from meshtrain.services.dataloader.megatron_tokenizers import GPT2BPETokenizer
     from meshtrain.services.dataloader.preprocess import default_corpus_files, preprocess_files
+    from meshtrain.services.dataloader.tokenizers.megatron import GPT2BPETokenizer
 
     vocab, merges = gpt2_files
     prefix = preprocess_files(
@@ -731,7 +731,7 @@ def test_the_llama3_example_trains_from_the_command_line(tmp_path):
     bf16, ZeRO-1 and the sample-counted schedule train 3 steps on CPU; the run's config.toml holds
     what the flags meant."""
     from meshtrain.services.dataloader.preprocess import default_corpus_files, preprocess_files
-    from meshtrain.services.dataloader.tokenizers import train_bpe
+    from meshtrain.services.dataloader.tokenizers.base import train_bpe
 
     text = "".join(path.read_text() for path in default_corpus_files(80_000))
     docs = (

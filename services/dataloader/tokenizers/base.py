@@ -6,7 +6,7 @@ is named by a *spec* string: `"byte"`, the path of a Hugging Face `tokenizer.jso
 holding one), a tiktoken BPE file (`*.tiktoken`, or `tiktoken:PATH`), or a SentencePiece model
 (`*.model`, or `sentencepiece:PATH`), or one of Megatron's tokenizer types
 (`gpt2bpe:VOCAB_JSON,MERGES_TXT`, `null:VOCAB_SIZE`, `megatron-tiktoken:PATH,...`; see
-`megatron_tokenizers.py`); `build_tokenizer(spec)` turns a spec back into a tokenizer, which is
+`megatron.py`); `build_tokenizer(spec)` turns a spec back into a tokenizer, which is
 how the spec travels in configs and over the wire.
 
     tok = train_bpe(["a.txt", "b.txt"], vocab_size=4096, output_path="out/tokenizer.json")
@@ -430,7 +430,7 @@ def absolute_spec(spec: str | os.PathLike) -> str:
     s = str(spec)
     if s == "byte":
         return s
-    from meshtrain.services.dataloader.megatron_tokenizers import absolute_megatron_spec
+    from meshtrain.services.dataloader.tokenizers.megatron import absolute_megatron_spec
 
     megatron = absolute_megatron_spec(s)
     if megatron is not None:
@@ -449,12 +449,12 @@ def build_tokenizer(spec: str | os.PathLike) -> Tokenizer:
 
     Returns:
         A ByteTokenizer, HFTokenizer, TiktokenTokenizer, SentencePieceTokenizer, or one of
-        `megatron_tokenizers`' GPT2BPETokenizer, NullTokenizer, MegatronTiktokenTokenizer.
+        `megatron.py`'s GPT2BPETokenizer, NullTokenizer, MegatronTiktokenTokenizer.
     """
     s = str(spec)
     if s == "byte":
         return ByteTokenizer()
-    from meshtrain.services.dataloader.megatron_tokenizers import build_megatron_tokenizer
+    from meshtrain.services.dataloader.tokenizers.megatron import build_megatron_tokenizer
 
     megatron = build_megatron_tokenizer(s)
     if megatron is not None:

@@ -1,6 +1,6 @@
 """The files behind a tokenizer spec, and the same spec pointed at copies of them.
 
-A run names its tokenizer by a spec (`tokenizers.py`) that holds absolute paths: a
+A run names its tokenizer by a spec (`base.py`) that holds absolute paths: a
 `tokenizer.json` or its folder, a `.tiktoken` ranks file, a SentencePiece `.model`, GPT-2's
 `vocab.json` + `merges.txt`. A checkpoint that recorded only the spec stops working when those
 files move or change, so checkpoints carry the files themselves (`checkpoint/tokenizer_store.py`):

@@ -3,7 +3,7 @@
 Megatron picks a tokenizer with `--tokenizer-type` plus `--vocab-file`, `--merge-file`,
 `--tokenizer-model` or `--vocab-size`. `megatron_spec(...)` turns those settings into a meshtrain
 tokenizer spec (the one string that travels in configs, over gRPC and into checkpoints), and
-`build_tokenizer` in `tokenizers.py` turns the spec back into a tokenizer:
+`build_tokenizer` in `base.py` turns the spec back into a tokenizer:
 
     GPT2BPETokenizer      gpt2bpe:VOCAB_JSON,MERGES_TXT       GPT-2's byte-level BPE, EOD <|endoftext|>
     HuggingFaceTokenizer  PATH (tokenizer.json or its folder)  as `--tokenizer PATH`
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Iterable
 
 from meshtrain.services.common.errors import DataError
-from meshtrain.services.dataloader.tokenizers import (
+from meshtrain.services.dataloader.tokenizers.base import (
     EOD_TOKEN,
     RustTokenizer,
     Tokenizer,
