@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.baseline_gpt import FLOAT8_RECIPES, BaselineGPT, convert_to_float8, make_optimizer  # noqa: E402
 from benchmarks.step_breakdown import format_breakdown, profile_steps  # noqa: E402
-from meshtrain import kernels  # noqa: E402
+from meshtrain.kernels import dispatch  # noqa: E402
 from meshtrain.services.common.logging import setup_logging  # noqa: E402
 from meshtrain.services.trainer.config import load_config  # noqa: E402
 from meshtrain.services.trainer.metrics import peak_tflops  # noqa: E402
@@ -326,13 +326,13 @@ def run_rounds(args, overrides, baselines: list[Baseline]) -> tuple[dict, object
         step, device, losses, info = baseline_step(job, spec)
         sides[spec.name] = (step, device, losses, info)
     for index, flags in enumerate(args.variant):
-        before = kernels.configured()
+        before = dispatch.configured()
         other, step, losses = meshtrain_step(*variant_inputs(args, overrides, index))
-        if kernels.configured() != before:
+        if dispatch.configured() != before:
             raise SystemExit(
                 f"--rounds keeps every side's compiled graphs together, and --variant={flags} "
-                f"changes the kernel choice ({before} -> {kernels.configured()}), which drops them "
-                "(kernels.set_mode): time this variant with --rounds 1"
+                f"changes the kernel choice ({before} -> {dispatch.configured()}), which drops "
+                "them (meshtrain.kernels.dispatch.set_mode): time this variant with --rounds 1"
             )
         sides[variant_name(flags)] = (step, other.device, losses, other)
     for step, device, _, _ in sides.values():

@@ -18,10 +18,15 @@ the gradients folded back (`reference._expand_kv` / `_fold_kv`).
 
 from __future__ import annotations
 
+if not __name__.startswith("meshtrain."):  # one name per file: the folder installs under meshtrain
+    raise ImportError(
+        f"import meshtrain.{__name__}, not {__name__}: the repository's {__name__.split('.')[0]}/ "
+        f"folder is the package meshtrain.{__name__.split('.')[0]}"
+    )
+
 import torch
 
-from meshtrain import kernels
-from meshtrain.kernels import reference
+from meshtrain.kernels import dispatch, reference
 from meshtrain.kernels.reference import _expand_kv, _fold_kv
 
 IMPLS = ("auto", "flash", "math")
@@ -29,7 +34,7 @@ IMPLS = ("auto", "flash", "math")
 
 
 def _use_reference(q: torch.Tensor, impl: str) -> bool:
-    if impl == "math" or kernels.mode() == "reference":
+    if impl == "math" or dispatch.mode() == "reference":
         return True
     if q.is_cuda:
         d = q.shape[-1]

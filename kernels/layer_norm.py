@@ -14,6 +14,12 @@ fake implementation for shapes). Spec: `meshtrain.kernels.reference.layer_norm`.
 
 from __future__ import annotations
 
+if not __name__.startswith("meshtrain."):  # one name per file: the folder installs under meshtrain
+    raise ImportError(
+        f"import meshtrain.{__name__}, not {__name__}: the repository's {__name__.split('.')[0]}/ "
+        f"folder is the package meshtrain.{__name__.split('.')[0]}"
+    )
+
 import math
 
 import torch

@@ -2,11 +2,17 @@
 
 Each function here defines what the matching Triton kernel in `kernels/<op>.py` must compute
 (forward and, through autograd, backward). They are written for clarity and numerical
-safety (statistics in fp32), not speed; dispatch (`kernels/__init__.py`) uses them wherever
+safety (statistics in fp32), not speed; dispatch (`kernels/dispatch.py`) uses them wherever
 no faster implementation applies.
 """
 
 from __future__ import annotations
+
+if not __name__.startswith("meshtrain."):  # one name per file: the folder installs under meshtrain
+    raise ImportError(
+        f"import meshtrain.{__name__}, not {__name__}: the repository's {__name__.split('.')[0]}/ "
+        f"folder is the package meshtrain.{__name__.split('.')[0]}"
+    )
 
 import torch
 import torch.nn.functional as F

@@ -11,6 +11,12 @@ implementation for shapes). Spec: `meshtrain.kernels.reference.swiglu`.
 
 from __future__ import annotations
 
+if not __name__.startswith("meshtrain."):  # one name per file: the folder installs under meshtrain
+    raise ImportError(
+        f"import meshtrain.{__name__}, not {__name__}: the repository's {__name__.split('.')[0]}/ "
+        f"folder is the package meshtrain.{__name__.split('.')[0]}"
+    )
+
 import torch
 import triton
 import triton.language as tl

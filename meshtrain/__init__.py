@@ -14,42 +14,70 @@ checkpoint worker that imports the package never loads torch or the trainer.
     mt.save_checkpoint("ckpt", step, model, model.optimizer)
 
 The repository's folders services/, kernels/ and protos/ are the packages meshtrain.services,
-meshtrain.kernels and meshtrain.protos; this folder links to them.
+meshtrain.kernels and meshtrain.protos; this folder links to them. Those three have no
+`__init__.py` of their own, so from the repository's root (on sys.path in a `python -c` there)
+their bare names are empty namespace portions that any installed package of the same name
+outranks (transformers probes for Hugging Face's `kernels`); the modules in them refuse to load
+under a bare name.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.machinery
-import os
-import sys
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-
-def _hide_repository_folders() -> None:
-    """Mark the bare names `services`, `kernels` and `protos` absent where they would find this
-    checkout's folders (its root on sys.path: pytest, `python -c` run in it).
-
-    Those folders are meshtrain.services, meshtrain.kernels and meshtrain.protos, never
-    packages of their own (their `__init__` refuses such an import). With None in sys.modules,
-    `import kernels` fails as a missing module, and a probe for another distribution of that
-    name finds none (transformers imports any `kernels` it can find, looking for Hugging Face's)
-    instead of running into ours. A name that finds something else is left alone.
-    """
-    here = os.path.dirname(os.path.abspath(__file__))
-    for name in ("services", "kernels", "protos"):
-        if name in sys.modules:
-            continue
-        spec = importlib.machinery.PathFinder.find_spec(name)
-        ours = os.path.realpath(os.path.join(here, name, "__init__.py"))
-        if spec is not None and spec.origin and os.path.realpath(spec.origin) == ours:
-            # None in sys.modules makes `import name` fail (the import system's own convention);
-            # typeshed types the dict's values as modules only
-            sys.modules[name] = None  # type: ignore[assignment]
-
-
-_hide_repository_folders()
+# The public names as type checkers and IDEs see them: the same names from the same modules as
+# _EXPORTS and _RENAMED below, which `__getattr__` imports at run time (tests/test_packaging.py
+# holds the tables together; ruff's F401/F822 hold this block and __all__ together).
+if TYPE_CHECKING:
+    from meshtrain.services.checkpoint.rpc.server import start_server as start_checkpoint_service
+    from meshtrain.services.common.errors import (
+        CheckpointError,
+        ConfigError,
+        DataError,
+        MeshtrainError,
+    )
+    from meshtrain.services.dataloader.loader import Batch, LocalBatchSource, context_positions
+    from meshtrain.services.dataloader.rpc.client import ServiceBatchSource
+    from meshtrain.services.dataloader.rpc.server import start_server as start_data_worker
+    from meshtrain.services.dataloader.spec import DatasetSpec
+    from meshtrain.services.trainer.checkpointing import (
+        TrainState,
+        load_checkpoint,
+        save_checkpoint,
+    )
+    from meshtrain.services.trainer.config import (
+        CheckpointConfig,
+        DataConfig,
+        JobConfig,
+        LogConfig,
+        ModelConfig,
+        OptimConfig,
+        ParallelConfig,
+        TrainConfig,
+        load_config,
+    )
+    from meshtrain.services.trainer.data import TrainData, build_data, make_source
+    from meshtrain.services.trainer.generate import generate
+    from meshtrain.services.trainer.model.gpt import GPT
+    from meshtrain.services.trainer.optim.optimizer import build_optimizer, set_lr
+    from meshtrain.services.trainer.optim.schedule import lr_at
+    from meshtrain.services.trainer.parallel.context import parallelize_context
+    from meshtrain.services.trainer.parallel.ddp import (
+        DistributedDataParallel,
+        DistributedOptimizer,
+    )
+    from meshtrain.services.trainer.parallel.expert import parallelize_experts
+    from meshtrain.services.trainer.parallel.mesh import (
+        Mesh,
+        init_process_group,
+        initialize_model_parallel,
+    )
+    from meshtrain.services.trainer.parallel.recompute import apply as apply_recompute
+    from meshtrain.services.trainer.parallel.tensor import parallelize
+    from meshtrain.services.trainer.train import Trainer, TrainResult, train
 
 _T = "meshtrain.services.trainer"
 _D = "meshtrain.services.dataloader"
@@ -113,7 +141,51 @@ _RENAMED = {
     "start_checkpoint_service": "start_server",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "Batch",
+    "CheckpointConfig",
+    "CheckpointError",
+    "ConfigError",
+    "DataConfig",
+    "DataError",
+    "DatasetSpec",
+    "DistributedDataParallel",
+    "DistributedOptimizer",
+    "GPT",
+    "JobConfig",
+    "LocalBatchSource",
+    "LogConfig",
+    "Mesh",
+    "MeshtrainError",
+    "ModelConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "ServiceBatchSource",
+    "TrainConfig",
+    "TrainData",
+    "TrainResult",
+    "TrainState",
+    "Trainer",
+    "apply_recompute",
+    "build_data",
+    "build_optimizer",
+    "context_positions",
+    "generate",
+    "init_process_group",
+    "initialize_model_parallel",
+    "load_checkpoint",
+    "load_config",
+    "lr_at",
+    "make_source",
+    "parallelize",
+    "parallelize_context",
+    "parallelize_experts",
+    "save_checkpoint",
+    "set_lr",
+    "start_checkpoint_service",
+    "start_data_worker",
+    "train",
+]
 
 
 def __getattr__(name: str):

@@ -1,1 +1,7 @@
 """Pieces shared by every service: config loading, errors, logging, storage URLs."""
+
+if not __name__.startswith("meshtrain."):  # one name per file: the folder installs under meshtrain
+    raise ImportError(
+        f"import meshtrain.{__name__}, not {__name__}: the repository's {__name__.split('.')[0]}/ "
+        f"folder is the package meshtrain.{__name__.split('.')[0]}"
+    )

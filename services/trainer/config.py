@@ -53,7 +53,7 @@ KERNEL_OPS = (
     "cross_entropy",
     "linear_cross_entropy",
 )
-"""The fused ops of `kernels` (kernels.OPS; kept here so the config needs no torch)."""
+"""The fused ops `meshtrain.kernels.dispatch.OPS` (kept here so the config needs no torch)."""
 
 
 @dataclass

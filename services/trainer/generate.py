@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from meshtrain import kernels
+from meshtrain.kernels import dispatch
 from meshtrain.services.common.errors import ConfigError
 
 
@@ -43,7 +43,7 @@ def _attention_step(attn, x: torch.Tensor, rope, cache: KVCache, layer: int) -> 
     if rope is not None:
         # The new positions are start..start+s-1, so their rotation starts at the cache length.
         cos, sin = rope[0][start : start + s], rope[1][start : start + s]
-        q, k = kernels.rope(q, cos, sin), kernels.rope(k, cos, sin)
+        q, k = dispatch.rope(q, cos, sin), dispatch.rope(k, cos, sin)
     k, v = cache.append(layer, k, v)  # (b, groups, start+s, d)
     # Query head j uses key/value group j // per_group (the fused layout's order).
     k, v = k.repeat_interleave(per_group, 1), v.repeat_interleave(per_group, 1)  # (b, heads, t, d)

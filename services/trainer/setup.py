@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from meshtrain import kernels
+from meshtrain.kernels import dispatch
 from meshtrain.services.checkpoint.config import CheckpointConfig
 from meshtrain.services.common.errors import ConfigError
 from meshtrain.services.common.security import AuthConfig, ClientSecurity
@@ -39,7 +39,7 @@ log = logging.getLogger("meshtrain.train")  # the trainer's: the model summary i
 
 
 def set_kernel_mode(train: TrainConfig) -> None:
-    """Set the fused ops' implementation (`kernels.set_mode`) from train.kernels, train.compile
+    """Set the fused ops' implementation (`dispatch.set_mode`) from train.kernels, train.compile
     and train.compiled_triton_ops."""
     # 'auto' under compile takes the reference ops and lets Inductor fuse them (every op on
     # Triton trained llama-1b at 0.97x the plain compiled baseline on an H200, BENCHMARKS.md),
@@ -47,11 +47,11 @@ def set_kernel_mode(train: TrainConfig) -> None:
     # `kernels = "triton"` forces them all.
     if train.kernels == "auto" and train.compile:
         if train.compiled_triton_ops:
-            kernels.set_mode("auto", set(train.compiled_triton_ops))
+            dispatch.set_mode("auto", set(train.compiled_triton_ops))
         else:
-            kernels.set_mode("reference")
+            dispatch.set_mode("reference")
     else:
-        kernels.set_mode(train.kernels)
+        dispatch.set_mode(train.kernels)
 
 
 def pick_device(choice: str) -> torch.device:
@@ -68,7 +68,7 @@ def check_kernel_mode(device: torch.device) -> None:
     $MESHTRAIN_KERNELS, or 'triton' (train.kernels or the variable) off CUDA, where every fused op
     would raise at the first forward (the Triton kernels serve CUDA tensors only)."""
     try:
-        mode = kernels.mode()
+        mode = dispatch.mode()
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if mode == "triton" and device.type != "cuda":

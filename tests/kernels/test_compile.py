@@ -1,6 +1,6 @@
 """The ops under torch.compile: dispatch without graph breaks, and the Triton custom ops.
 
-On CPU, `kernels.<op>` dispatches to the reference, compiled or not; the Triton kernels are
+On CPU, `dispatch.<op>` dispatches to the reference, compiled or not; the Triton kernels are
 reached by calling `kernels/<op>.py` directly (on CPU tensors: Triton's interpreter), which
 under compile goes through the custom ops `meshtrain::<op>`. `fullgraph=True` turns any graph
 break into an error. The `aot_eager` backend traces forward and backward exactly as Inductor
@@ -14,8 +14,7 @@ import importlib
 import pytest
 import torch
 
-from meshtrain import kernels
-from meshtrain.kernels import reference
+from meshtrain.kernels import dispatch, reference
 from tests.kernels.conftest import DEVICE, needs_triton
 
 FP32 = {"rtol": 1e-5, "atol": 1e-5}
@@ -63,11 +62,11 @@ def _check_compiled(fn, op, backend="aot_eager"):
         torch.testing.assert_close(a, b, **FP32)
 
 
-@pytest.mark.parametrize("op", kernels.OPS)
+@pytest.mark.parametrize("op", dispatch.OPS)
 def test_dispatching_op_compiles_without_graph_breaks(op):
-    """What a compiled model runs: `kernels.<op>` picks its implementation while tracing (the
+    """What a compiled model runs: `dispatch.<op>` picks its implementation while tracing (the
     reference on CPU) with no graph break."""
-    _check_compiled(getattr(kernels, op), op)
+    _check_compiled(getattr(dispatch, op), op)
 
 
 def _triton(op):
@@ -80,7 +79,7 @@ def _triton(op):
 
 
 @needs_triton
-@pytest.mark.parametrize("op", kernels.OPS)
+@pytest.mark.parametrize("op", dispatch.OPS)
 def test_triton_op_compiles_as_custom_op(op):
     """The Triton implementation under compile: one `meshtrain::` node per call in the traced
     graph, forward and backward equal to the reference."""
@@ -109,7 +108,7 @@ def _custom_op(op):
 
 
 @needs_triton
-@pytest.mark.parametrize("op", kernels.OPS)
+@pytest.mark.parametrize("op", dispatch.OPS)
 def test_custom_op_passes_opcheck(op):
     """torch.library.opcheck: schema, fake (meta) implementation against the real outputs'
     shapes, dtypes and strides, autograd registration, and AOT dispatch with dynamic shapes."""
@@ -134,19 +133,19 @@ def test_auto_keeps_the_compiled_set_on_triton_inside_compiled_regions(monkeypat
     monkeypatch.delenv("MESHTRAIN_KERNELS", raising=False)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     try:
-        kernels.set_mode("auto")
-        assert kernels.resolve("rms_norm", on_cuda=True).__module__ == "meshtrain.kernels.rms_norm"
-        kernels.set_mode("auto", compiled_ops={"rope", "swiglu"})
-        assert kernels.resolve("rms_norm", on_cuda=True) is reference.rms_norm
-        assert kernels.resolve("rope", on_cuda=True).__module__ == "meshtrain.kernels.rope"
-        assert kernels.resolve("swiglu", on_cuda=True).__module__ == "meshtrain.kernels.swiglu"
+        dispatch.set_mode("auto")
+        assert dispatch.resolve("rms_norm", on_cuda=True).__module__ == "meshtrain.kernels.rms_norm"
+        dispatch.set_mode("auto", compiled_ops={"rope", "swiglu"})
+        assert dispatch.resolve("rms_norm", on_cuda=True) is reference.rms_norm
+        assert dispatch.resolve("rope", on_cuda=True).__module__ == "meshtrain.kernels.rope"
+        assert dispatch.resolve("swiglu", on_cuda=True).__module__ == "meshtrain.kernels.swiglu"
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
-        assert kernels.resolve("rms_norm", on_cuda=True).__module__ == "meshtrain.kernels.rms_norm"
+        assert dispatch.resolve("rms_norm", on_cuda=True).__module__ == "meshtrain.kernels.rms_norm"
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
         monkeypatch.setenv("MESHTRAIN_KERNELS", "triton")  # forcing Triton ignores the set
-        assert kernels.resolve("rms_norm", on_cuda=True).__module__ == "meshtrain.kernels.rms_norm"
+        assert dispatch.resolve("rms_norm", on_cuda=True).__module__ == "meshtrain.kernels.rms_norm"
     finally:
-        kernels.set_mode("auto")
+        dispatch.set_mode("auto")
 
 
 def test_a_change_of_mode_is_not_hidden_by_a_graph_compiled_before_it(monkeypatch):
@@ -162,23 +161,23 @@ def test_a_change_of_mode_is_not_hidden_by_a_graph_compiled_before_it(monkeypatc
 
     @torch.compile(backend=backend, fullgraph=True)
     def shifted(x):
-        return x + (1 if kernels.mode() == "reference" else 2)
+        return x + (1 if dispatch.mode() == "reference" else 2)
 
     x = torch.zeros(3)
     try:
-        kernels.set_mode("reference")
+        dispatch.set_mode("reference")
         assert shifted(x).tolist() == [1, 1, 1]
-        kernels.set_mode("reference")  # unchanged: the graph stays
+        dispatch.set_mode("reference")  # unchanged: the graph stays
         assert shifted(x).tolist() == [1, 1, 1] and len(traces) == 1
-        kernels.set_mode("triton")
+        dispatch.set_mode("triton")
         assert shifted(x).tolist() == [2, 2, 2] and len(traces) == 2
-        kernels.set_mode("triton", compiled_ops={"rope"})  # the compiled set alone changed
+        dispatch.set_mode("triton", compiled_ops={"rope"})  # the compiled set alone changed
         assert shifted(x).tolist() == [2, 2, 2] and len(traces) == 3
     finally:
-        kernels.set_mode("auto")
+        dispatch.set_mode("auto")
 
 
 def test_set_mode_refuses_an_unknown_compiled_op():
     with pytest.raises(ValueError, match="no compiled Triton op 'softmax'"):
-        kernels.set_mode("auto", compiled_ops={"softmax"})
-    assert kernels.mode() in ("auto", "reference", "triton")
+        dispatch.set_mode("auto", compiled_ops={"softmax"})
+    assert dispatch.mode() in ("auto", "reference", "triton")

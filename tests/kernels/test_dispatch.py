@@ -8,37 +8,37 @@ from pathlib import Path
 
 import pytest
 
-from meshtrain import kernels
+from meshtrain.kernels import dispatch
 from tests.kernels.conftest import HAS_TRITON, needs_triton
 
 
 def test_kernels_import_without_loading_triton_kernels():
-    """The package itself never imports a kernel module: CPU-only installs need no Triton."""
-    assert set(kernels._TRITON_MODULES) == set(kernels.OPS)
+    """Dispatch itself never imports a kernel module: CPU-only installs need no Triton."""
+    assert set(dispatch._TRITON_MODULES) == set(dispatch.OPS)
 
 
 @needs_triton
 def test_every_op_registers_on_cuda(monkeypatch):
     monkeypatch.setenv("MESHTRAIN_KERNELS", "triton")
-    for op in kernels.OPS:
-        fast = kernels.resolve(op, on_cuda=True)
-        assert fast is kernels._FAST[op] and fast.__module__ == kernels._TRITON_MODULES[op]
+    for op in dispatch.OPS:
+        fast = dispatch.resolve(op, on_cuda=True)
+        assert fast is dispatch._FAST[op] and fast.__module__ == dispatch._TRITON_MODULES[op]
 
 
 @needs_triton
 def test_importing_a_kernel_module_keeps_the_dispatching_op():
-    """`kernels/rms_norm.py` shares its name with the op `meshtrain.kernels.rms_norm`; importing the
-    module must not replace the function the model calls."""
+    """`kernels/rms_norm.py` shares its name with the op `dispatch.rms_norm`; importing the module
+    must not replace the function the model calls."""
     module = importlib.import_module("meshtrain.kernels.rms_norm")
-    assert callable(kernels.rms_norm) and kernels.rms_norm is not module
-    assert kernels.rms_norm.__module__ == "meshtrain.kernels"
+    assert callable(dispatch.rms_norm) and dispatch.rms_norm is not module
+    assert dispatch.rms_norm.__module__ == "meshtrain.kernels.dispatch"
 
 
 @pytest.mark.skipif(HAS_TRITON, reason="only meaningful where Triton is missing")
 def test_auto_falls_back_without_triton():
     from meshtrain.kernels import reference
 
-    assert kernels.resolve("rms_norm", on_cuda=True) is reference.rms_norm
+    assert dispatch.resolve("rms_norm", on_cuda=True) is reference.rms_norm
 
 
 def test_the_config_knows_every_op():
@@ -46,7 +46,7 @@ def test_the_config_knows_every_op():
     pytest.importorskip("tomli_w", reason="the trainer's dependencies are not installed here")
     from meshtrain.services.trainer.config import KERNEL_OPS
 
-    assert KERNEL_OPS == kernels.OPS
+    assert KERNEL_OPS == dispatch.OPS
 
 
 def test_reference_projection_hands_its_logits_to_the_dispatched_cross_entropy(monkeypatch):
@@ -63,16 +63,16 @@ def test_reference_projection_hands_its_logits_to_the_dispatched_cross_entropy(m
         seen.append(tuple(logits.shape))
         return reference.cross_entropy(logits, labels, loss_mask)
 
-    real = kernels.resolve
+    real = dispatch.resolve
     monkeypatch.setattr(
-        kernels,
+        dispatch,
         "resolve",
         lambda op, on_cuda: fake_triton_ce if op == "cross_entropy" else real(op, on_cuda),
     )
     torch.manual_seed(0)
     h, w = torch.randn(2, 5, 8), torch.randn(12, 8)  # vocabulary 10, padded to 12
     labels = torch.randint(0, 10, (2, 5))
-    loss = kernels.linear_cross_entropy(h, w, labels, None, 10)
+    loss = dispatch.linear_cross_entropy(h, w, labels, None, 10)
     assert seen == [(2, 5, 10)]
     torch.testing.assert_close(loss, reference.linear_cross_entropy(h, w, labels, None, 10))
 
@@ -88,7 +88,7 @@ def test_linear_cross_entropy_compiles_whole_on_the_reference():
     h, w = torch.randn(3, 8), torch.randn(10, 8)
     labels = torch.randint(0, 10, (3,))
     f = torch.compile(
-        lambda a, b: kernels.linear_cross_entropy(a, b, labels, None, 10), fullgraph=True
+        lambda a, b: dispatch.linear_cross_entropy(a, b, labels, None, 10), fullgraph=True
     )
     torch.testing.assert_close(f(h, w), reference.linear_cross_entropy(h, w, labels, None, 10))
     torch._dynamo.reset()
@@ -101,20 +101,20 @@ def test_triton_mode_off_cuda_names_where_the_mode_came_from_and_why(monkeypatch
     import torch
 
     monkeypatch.delenv("MESHTRAIN_KERNELS", raising=False)
-    kernels.set_mode("triton")
+    dispatch.set_mode("triton")
     try:
         with pytest.raises(
             RuntimeError, match=r"kernel mode 'triton' \(train.kernels\).*'rms_norm'.*not on a CUDA"
         ):
-            kernels.rms_norm(torch.randn(2, 4), torch.ones(4), 1e-6)
+            dispatch.rms_norm(torch.randn(2, 4), torch.ones(4), 1e-6)
         monkeypatch.setenv("MESHTRAIN_KERNELS", "triton")
-        kernels.set_mode("auto")
+        dispatch.set_mode("auto")
         with pytest.raises(
             RuntimeError, match=r"MESHTRAIN_KERNELS=triton, but op 'gelu'.*not on a CUDA"
         ):
-            kernels.gelu(torch.randn(3))
+            dispatch.gelu(torch.randn(3))
     finally:
-        kernels.set_mode("auto")
+        dispatch.set_mode("auto")
 
 
 def test_triton_mode_without_triton_says_triton_is_missing():
@@ -122,10 +122,10 @@ def test_triton_mode_without_triton_says_triton_is_missing():
     triton blocked): the error says Triton is not installed; 'auto' takes the reference."""
     code = (
         "import sys; sys.modules['triton'] = None\n"
-        "from meshtrain import kernels\nfrom meshtrain.kernels import reference\n"
-        "assert kernels.resolve('rms_norm', on_cuda=True) is reference.rms_norm\n"
-        "kernels.set_mode('triton')\n"
-        "try:\n    kernels.resolve('rms_norm', on_cuda=True)\n"
+        "from meshtrain.kernels import dispatch\nfrom meshtrain.kernels import reference\n"
+        "assert dispatch.resolve('rms_norm', on_cuda=True) is reference.rms_norm\n"
+        "dispatch.set_mode('triton')\n"
+        "try:\n    dispatch.resolve('rms_norm', on_cuda=True)\n"
         "except RuntimeError as e:\n    print(e)\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "MESHTRAIN_KERNELS"}
@@ -135,6 +135,6 @@ def test_triton_mode_without_triton_says_triton_is_missing():
         text=True,
         env=env,
         check=True,
-        cwd=Path(kernels.__file__).resolve().parents[1],
+        cwd=Path(dispatch.__file__).resolve().parents[1],
     ).stdout
     assert "'rms_norm' cannot run on Triton: Triton is not installed" in out, out

@@ -422,7 +422,7 @@ def test_compiled_model_auto_kernels_match_reference(arch, monkeypatch):
     """The trainer's compiled path: 'auto' under torch.compile now takes the Triton custom ops
     (no graph break at the ops); loss and gradients agree with the eager reference to bf16 noise."""
     pytest.importorskip("tomli_w", reason="the trainer's dependencies are not installed here")
-    from meshtrain import kernels
+    from meshtrain.kernels import dispatch
     from meshtrain.services.trainer.config import ModelConfig
     from meshtrain.services.trainer.model import GPT
 
@@ -450,7 +450,7 @@ def test_compiled_model_auto_kernels_match_reference(arch, monkeypatch):
         return compile_fx(gm, example_inputs)
 
     def run(mode, fn):
-        kernels.set_mode(mode)
+        dispatch.set_mode(mode)
         model.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = fn(tokens, labels)
@@ -462,7 +462,7 @@ def test_compiled_model_auto_kernels_match_reference(arch, monkeypatch):
         torch._dynamo.reset()
         loss_fast, grads_fast = run("auto", torch.compile(model, backend=backend))
     finally:
-        kernels.set_mode("auto")
+        dispatch.set_mode("auto")
     assert any(t.startswith("meshtrain.") for t in seen), (
         "no Triton custom op in the compiled graph"
     )

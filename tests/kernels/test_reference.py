@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from meshtrain import kernels
-from meshtrain.kernels import reference
+from meshtrain.kernels import dispatch, reference
 
 
 def test_rms_norm_formula():
@@ -61,14 +60,14 @@ def test_linear_cross_entropy_ignores_padded_rows():
 
 
 def test_dispatch_modes(monkeypatch):
-    assert kernels.resolve("rms_norm", on_cuda=False) is reference.rms_norm
+    assert dispatch.resolve("rms_norm", on_cuda=False) is reference.rms_norm
     monkeypatch.setenv("MESHTRAIN_KERNELS", "triton")
     with pytest.raises(
         RuntimeError, match="cannot run on Triton: its tensors are not on a CUDA device"
     ):
-        kernels.resolve("rms_norm", on_cuda=False)  # Triton kernels serve CUDA tensors only
+        dispatch.resolve("rms_norm", on_cuda=False)  # Triton kernels serve CUDA tensors only
     monkeypatch.setenv("MESHTRAIN_KERNELS", "reference")
-    assert kernels.resolve("rms_norm", on_cuda=True) is reference.rms_norm
+    assert dispatch.resolve("rms_norm", on_cuda=True) is reference.rms_norm
     monkeypatch.setenv("MESHTRAIN_KERNELS", "bogus")
     with pytest.raises(ValueError, match="MESHTRAIN_KERNELS"):
-        kernels.mode()
+        dispatch.mode()

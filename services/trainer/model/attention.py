@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from meshtrain import kernels
+from meshtrain.kernels import dispatch
 from meshtrain.services.trainer.config import ModelConfig
 from meshtrain.services.trainer.model.norm import Norm
 
@@ -116,7 +116,7 @@ class Attention(nn.Module):
         b, _, s, _ = q.shape
         if rope is not None:
             cos, sin = rope
-            q, k = kernels.rope(q, cos[:s], sin[:s]), kernels.rope(k, cos[:s], sin[:s])
+            q, k = dispatch.rope(q, cos[:s], sin[:s]), dispatch.rope(k, cos[:s], sin[:s])
         out = self.core(q, k, v)  # (b, heads, s, d)
         return self.proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
 

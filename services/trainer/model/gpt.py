@@ -17,7 +17,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from meshtrain import kernels
+from meshtrain.kernels import dispatch
 from meshtrain.services.trainer.config import ModelConfig
 from meshtrain.services.trainer.model.attention import Attention
 from meshtrain.services.trainer.model.embedding import Embedding
@@ -46,7 +46,7 @@ class LMHead(nn.Module):
         loss_mask: torch.Tensor | None,
     ) -> torch.Tensor:
         """Mean token loss; h (batch, seq, hidden), weight (padded_vocab, hidden)."""
-        return kernels.linear_cross_entropy(h, weight, labels, loss_mask, self.vocab_size)
+        return dispatch.linear_cross_entropy(h, weight, labels, loss_mask, self.vocab_size)
 
     def logits(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """(batch, seq, vocab) fp32 logits, padding rows cut off."""

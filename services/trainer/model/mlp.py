@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from meshtrain import kernels
+from meshtrain.kernels import dispatch
 from meshtrain.services.trainer.config import ModelConfig
 
 
@@ -30,5 +30,5 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (batch, seq, hidden) -> (batch, seq, hidden)."""
         h = self.fc1(x)  # (b, s, ffn) or (b, s, 2*ffn) = [gate | up]
-        h = kernels.swiglu(h) if self.swiglu else kernels.gelu(h)  # (b, s, ffn)
+        h = dispatch.swiglu(h) if self.swiglu else dispatch.gelu(h)  # (b, s, ffn)
         return self.fc2(h)

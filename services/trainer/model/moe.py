@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from meshtrain import kernels
+from meshtrain.kernels import dispatch
 from meshtrain.services.trainer.config import ModelConfig
 from meshtrain.services.trainer.model.mlp import MLP
 
@@ -246,7 +246,7 @@ class GroupedExperts(nn.Module):
         """x (rows, hidden) grouped by local expert (counts (num_local,) rows each) -> (rows,
         hidden)."""
         h = grouped_linear(x, self.fc1.weight, counts, self.grouped)
-        h = kernels.swiglu(h) if self.swiglu else kernels.gelu(h)
+        h = dispatch.swiglu(h) if self.swiglu else dispatch.gelu(h)
         return grouped_linear(h, self.fc2.weight, counts, self.grouped)
 
 

@@ -1,4 +1,4 @@
-"""The model's normalization layer: LayerNorm (GPT-2) or RMSNorm (Llama), through `kernels`.
+"""The model's normalization layer: LayerNorm (GPT-2) or RMSNorm (Llama), through `dispatch`.
 
 One class serves the blocks' norms over the hidden size and the per-head query/key norms
 (`model.qk_norm`, Qwen3) over the head width.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from meshtrain import kernels
+from meshtrain.kernels import dispatch
 from meshtrain.services.trainer.config import ModelConfig
 
 
@@ -28,5 +28,5 @@ class Norm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., width) -> (..., width)."""
         if self.rms:
-            return kernels.rms_norm(x, self.weight, self.eps)
-        return kernels.layer_norm(x, self.weight, self.bias, self.eps)
+            return dispatch.rms_norm(x, self.weight, self.eps)
+        return dispatch.layer_norm(x, self.weight, self.bias, self.eps)

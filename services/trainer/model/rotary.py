@@ -1,6 +1,6 @@
 """Rotary position tables of a model: plain RoPE or with Llama 3's frequency scaling.
 
-The rotation itself is `kernels.rope`; this module computes the per-position (cos, sin) tables
+The rotation itself is `dispatch.rope`; this module computes the per-position (cos, sin) tables
 it reads, from `model.rotary_base`, the head width and, when `model.rope_scaling_factor` is set,
 Llama 3's rescaling of the inverse frequencies (long wavelengths divided by the factor, short ones
 kept, a smooth blend between), as Hugging Face's `rope_type: llama3` computes them.
@@ -39,8 +39,8 @@ def inverse_frequencies(config: ModelConfig, device=None) -> torch.Tensor:
 
 
 def rotary_tables(config: ModelConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin), each (seq_length, head_dim) fp32, in the rotate-half layout `kernels.rope`
-    takes."""
+    """(cos, sin), each (seq_length, head_dim) fp32, in the rotate-half layout that
+    `dispatch.rope` takes."""
     inv = inverse_frequencies(config, device)
     angles = torch.outer(torch.arange(config.seq_length, device=device, dtype=torch.float32), inv)
     angles = torch.cat([angles, angles], dim=-1)  # (seq, head_dim): the halves share frequencies

@@ -305,7 +305,7 @@ def test_kernel_mode_follows_train_kernels_and_compile(
     """'auto' stays 'auto' (under compile with only train.compiled_triton_ops on Triton, the
     next test); an explicit choice is kept. ('triton' on this CPU run is refused:
     tests/test_cli.py::test_kernel_mode_that_cannot_run_is_a_user_error.)"""
-    from meshtrain import kernels
+    from meshtrain.kernels import dispatch
     from meshtrain.services.trainer.train import Trainer
 
     monkeypatch.delenv("MESHTRAIN_KERNELS", raising=False)
@@ -319,10 +319,10 @@ def test_kernel_mode_follows_train_kernels_and_compile(
         )
     )
     try:
-        assert kernels.mode() == expected
+        assert dispatch.mode() == expected
     finally:
         trainer.checkpointer.close()
-        kernels.set_mode("auto")
+        dispatch.set_mode("auto")
 
 
 @pytest.mark.parametrize(
@@ -334,7 +334,7 @@ def test_compiled_triton_ops_pick_the_ops_on_triton_inside_compiled_graphs(
     """Under compile with kernels='auto', the ops of train.compiled_triton_ops (default RoPE and
     SwiGLU) take Triton inside the compiled graph, the rest Inductor's fusion of the reference;
     an empty list keeps every op on the reference."""
-    from meshtrain import kernels
+    from meshtrain.kernels import dispatch
     from meshtrain.services.trainer.train import Trainer
 
     monkeypatch.delenv("MESHTRAIN_KERNELS", raising=False)
@@ -344,14 +344,14 @@ def test_compiled_triton_ops_pick_the_ops_on_triton_inside_compiled_graphs(
     trainer = Trainer(load_config(small_job_args(corpus_cache, tmp_path / "run", **overrides)))
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     try:
-        for op in kernels.OPS:
-            impl = kernels.resolve(op, on_cuda=True)
-            assert (impl is not getattr(kernels.reference, op)) == (
-                op in on_triton and kernels.triton_available()
+        for op in dispatch.OPS:
+            impl = dispatch.resolve(op, on_cuda=True)
+            assert (impl is not getattr(dispatch.reference, op)) == (
+                op in on_triton and dispatch.triton_available()
             ), op
     finally:
         trainer.checkpointer.close()
-        kernels.set_mode("auto")
+        dispatch.set_mode("auto")
 
 
 def test_compiled_triton_ops_are_checked():

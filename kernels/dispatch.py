@@ -1,10 +1,11 @@
 """Fused ops and their dispatch.
 
-The model calls ops through this module, never through a specific implementation. CUDA tensors take
-the Triton kernel of `kernels/<op>.py` (registered in `_FAST` the first time an op runs on CUDA, so
-importing this package never needs Triton); everything else takes `meshtrain.kernels.reference`
-(plain torch: the spec and the CPU path). `MESHTRAIN_KERNELS=reference` forces the reference
-everywhere; `=triton` makes a missing Triton kernel an error instead of a silent fallback.
+The model calls ops through this module, never through a specific implementation. CUDA
+tensors take the Triton kernel of `kernels/<op>.py` (registered in `_FAST` the first time an
+op runs on CUDA, so importing this module never needs Triton); everything else takes
+`meshtrain.kernels.reference` (plain torch: the spec and the CPU path). `MESHTRAIN_KERNELS=reference`
+forces the reference everywhere; `=triton` makes a missing Triton kernel an error instead of
+a silent fallback.
 
 Under torch.compile the same choice is made while Dynamo traces: every Triton op is also a
 custom op (`meshtrain::<op>`, registered by its module) that Dynamo records as one opaque
@@ -17,16 +18,14 @@ Inductor then fuses itself.
 
 from __future__ import annotations
 
-if __name__ != "meshtrain.kernels":  # one name per file: this folder installs as meshtrain.kernels
+if not __name__.startswith("meshtrain."):  # one name per file: the folder installs under meshtrain
     raise ImportError(
-        f"import meshtrain.kernels{__name__[len('kernels') :]}, not {__name__}: the repository's "
-        "kernels/ folder is the package meshtrain.kernels"
+        f"import meshtrain.{__name__}, not {__name__}: the repository's {__name__.split('.')[0]}/ "
+        f"folder is the package meshtrain.{__name__.split('.')[0]}"
     )
 
 import importlib
 import os
-import sys
-import types
 from collections.abc import Callable
 
 import torch
@@ -184,21 +183,3 @@ def linear_cross_entropy(
 
 linear_cross_entropy.__doc__ = reference.linear_cross_entropy.__doc__
 rope_cos_sin = reference.rope_cos_sin
-
-
-class _Package(types.ModuleType):
-    """Keeps `kernels.<op>` the dispatching function once `kernels/<op>.py` is imported.
-
-    Each op and the file holding its kernel share a name, and Python's import system sets a package
-    attribute to a submodule when the submodule loads; without this guard the first Triton import
-    would replace `meshtrain.kernels.rms_norm` (what the model calls) by a module. Reach the kernel
-    modules with `from meshtrain.kernels.rms_norm import rms_norm`.
-    """
-
-    def __setattr__(self, name, value):
-        if name in OPS and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
