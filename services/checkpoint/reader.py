@@ -24,7 +24,14 @@ from zarr.core.buffer import default_buffer_prototype
 from zarr.storage import MemoryStore
 
 from meshtrain.services.checkpoint import layout
-from meshtrain.services.checkpoint.sharded import CHECKSUM, FORMAT, READABLE_VERSIONS
+from meshtrain.services.checkpoint.sharded import (
+    CHECKSUM,
+    DIGEST_FROM_VERSION,
+    FORMAT,
+    MANIFEST_DIGEST,
+    READABLE_VERSIONS,
+    manifest_digest,
+)
 from meshtrain.services.checkpoint.store import (
     MANIFEST_NAME,
     Root,
@@ -33,7 +40,11 @@ from meshtrain.services.checkpoint.store import (
     parse_step_dirname,
     read_bytes,
 )
-from meshtrain.services.checkpoint.verified import fetch_verified, read_box_direct
+from meshtrain.services.checkpoint.verified import (
+    check_logical_dtype,
+    fetch_verified,
+    read_box_direct,
+)
 from meshtrain.services.common.errors import CheckpointError
 
 Index = Any  # an int, slice, Ellipsis, or a tuple of them (numpy-style basic indexing)
@@ -48,17 +59,28 @@ def list_checkpoints(root: str) -> list[int]:
     Returns:
         Steps whose folder holds a complete manifest, ascending. A missing root gives [].
     """
-    store_root = open_root(root)
+    return _scan(open_root(root))[0]
+
+
+def _scan(store_root: Root) -> tuple[list[int], dict[int, str]]:
+    """One pass over a root: the committed steps (ascending), and the step folders whose
+    manifest.json is there but refused, with the reason (ascending)."""
     try:
         entries = store_root.fs.ls(store_root.path, detail=False)
     except FileNotFoundError:
-        return []
-    steps = []
+        return [], {}
+    steps, refused = [], {}
     for entry in entries:
         step = parse_step_dirname(entry.rstrip("/").rsplit("/", 1)[-1])
-        if step is not None and _load_manifest(store_root, step) is not None:
-            steps.append(step)
-    return sorted(steps)
+        if step is None:
+            continue
+        try:
+            if _load_manifest(store_root, step, strict=True) is not None:
+                steps.append(step)
+        except CheckpointError as e:
+            if _has_manifest(store_root, step):  # else an uncommitted save: not damage
+                refused[step] = str(e)
+    return sorted(steps), dict(sorted(refused.items()))
 
 
 def latest_step(root: str) -> int | None:
@@ -90,6 +112,23 @@ def read_manifest(root: str, step: int) -> dict[str, Any]:
     return manifest
 
 
+def unreadable_manifests(root: str) -> dict[int, str]:
+    """Step folders that hold a manifest.json no reader accepts, with the reason.
+
+    A manifest is written whole or not at all (renamed into place, one PUT), so one that is
+    there but does not parse, does not match its own digest, or is of a format this version
+    cannot read, is damage or a newer writer's: readers pass over such a step as uncommitted,
+    and only this tells them apart.
+
+    Args:
+        root: root URL.
+
+    Returns:
+        Step -> why its manifest was refused.
+    """
+    return _scan(open_root(root))[1]
+
+
 def load_checkpoint(
     root: str, step: int | None = None, names: list[str] | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -108,7 +147,16 @@ def load_checkpoint(
     """
     store_root = open_root(root)
     if step is None:
-        step = latest_step(root)
+        steps, refused = _scan(store_root)
+        step = steps[-1] if steps else None
+        newer = {s: why for s, why in refused.items() if step is None or s > step}
+        if newer:
+            # Loading an older step in silence would resume from the wrong place.
+            raise CheckpointError(
+                f"the newest checkpoint(s) under {root!r} cannot be read: "
+                + "; ".join(newer.values())
+                + (f" (pass step={step} to load the newest readable one)" if step else "")
+            )
         if step is None:
             raise CheckpointError(f"no committed checkpoint under {root!r}")
     manifest = _load_manifest(store_root, step, strict=True)
@@ -293,6 +341,12 @@ def read_box(
     return layout.from_stored(zarray[index], entry["dtype"])
 
 
+def _has_manifest(root: Root, step: int) -> bool:
+    """Whether the folder of `step` holds a manifest.json at all (readable or not)."""
+    root.fs.invalidate_cache(root.step_path(step))
+    return root.fs.exists(join(root.step_path(step), MANIFEST_NAME))
+
+
 def _load_manifest(root: Root, step: int, strict: bool = False) -> dict[str, Any] | None:
     """Reads and checks a manifest; None (or CheckpointError when strict) if not committed."""
     path = join(root.step_path(step), MANIFEST_NAME)
@@ -315,6 +369,18 @@ def _load_manifest(root: Root, step: int, strict: bool = False) -> dict[str, Any
             f"{MANIFEST_NAME} has format_version {manifest.get('format_version')!r}; "
             f"this reader supports {', '.join(map(str, READABLE_VERSIONS))}"
         )
+    if manifest["format_version"] >= DIGEST_FROM_VERSION:
+        # Before any field is trusted: an edited step, iteration or dtype must not load.
+        try:
+            digest = manifest_digest(manifest)
+        except (TypeError, ValueError) as e:
+            return fail(f"{MANIFEST_NAME} holds values that are not JSON ({e})")
+        if manifest.get(MANIFEST_DIGEST) != digest:
+            return fail(
+                f"{MANIFEST_NAME} does not match its {MANIFEST_DIGEST} (the file was edited or "
+                "damaged after the commit), so none of its fields can be trusted; "
+                "`meshtrain ckpt verify` names every damaged step"
+            )
     if manifest.get("step") != step or manifest.get("checksum") != CHECKSUM:
         return fail(
             f"{MANIFEST_NAME} has step {manifest.get('step')!r} / checksum "
@@ -406,6 +472,7 @@ def _open_verified(
     # Metadata first: the shard keys below come from the manifest, which must agree with it.
     fetch("zarr.json")
     array = zarr.open_array(MemoryStore(dict(contents), read_only=True), path=array_name, mode="r")
+    check_logical_dtype(root, step, array_name, entry, dict(array.attrs))
     if list(array.shape) != entry["shape"] or array.dtype != np.dtype(entry["stored_dtype"]):
         raise CheckpointError(
             f"array {array_name!r} (step {step} under {root.url!r}) is stored with shape "

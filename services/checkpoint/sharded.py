@@ -31,6 +31,7 @@ replica of the service that did not see `begin_save` adopts the save from the sa
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -67,8 +68,13 @@ FORMAT = "meshtrain-checkpoint"
 # 2: shard objects also list the crc32 of each inner chunk and of the shard index, so partial
 # reads fetch and verify only the chunks they need. Version 1 manifests still load (whole
 # shards are fetched for them).
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+# 3: the manifest carries the sha256 of its own content (MANIFEST_DIGEST), so an edited or
+# damaged field (the step, the iteration a resume starts from, a dtype) is refused instead of
+# loaded. Versions 1 and 2 have none and still load.
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
+DIGEST_FROM_VERSION = 3
+MANIFEST_DIGEST = "manifest_sha256"
 # crc32 (zlib): the manifest guards against torn writes and bit rot, not tampering; crc32
 # runs at memory speed in the stdlib and catches every burst error up to 32 bits.
 CHECKSUM = "crc32"
@@ -109,6 +115,17 @@ def check_save_id(save_id: str) -> str:
             f"save id {loggable(save_id, 80)} is not allowed: use 1-64 letters, digits, '_' or '-'"
         )
     return save_id
+
+
+def manifest_digest(manifest: dict[str, Any]) -> str:
+    """The sha256 (hex) of a manifest's content, its own MANIFEST_DIGEST field left out.
+
+    Computed over canonical JSON (sorted keys, no spaces), so it does not depend on how the
+    manifest file is indented; floats round-trip exactly through Python's JSON.
+    """
+    content = {k: v for k, v in manifest.items() if k != MANIFEST_DIGEST}
+    canonical = json.dumps(content, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def is_committed(root: Root, step: int) -> bool:
@@ -565,6 +582,7 @@ def _commit(
         entry = meta.manifest_entry()
         entry["objects"] = {"zarr.json": {"size": len(data), CHECKSUM: checksum(data)}, **objects}
         manifest["arrays"][name] = dict(sorted(entry.items()))
+    manifest[MANIFEST_DIGEST] = manifest_digest(manifest)
     data = json.dumps(manifest, indent=1, sort_keys=True).encode()
     if not write_bytes_exclusive(root, join(step_path, MANIFEST_NAME), data):
         return _lost(root, step, save_id)

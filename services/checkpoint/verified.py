@@ -122,6 +122,19 @@ class _NotPlain(Exception):
     """The shard is not in meshtrain's plain layout after all: let zarr decode it."""
 
 
+def check_logical_dtype(
+    root: Root, step: int, array_name: str, entry: dict[str, Any], attributes: dict[str, Any]
+) -> None:
+    """Raises CheckpointError when the manifest's dtype of an array is not the one its zarr
+    metadata records: the same stored bits read as another dtype would load garbage quietly."""
+    logical = attributes.get("logical_dtype")
+    if logical is not None and logical != entry["dtype"]:
+        raise CheckpointError(
+            f"array {array_name!r} (step {step} under {root.url!r}) holds {logical} values, "
+            f"manifest says {entry['dtype']}"
+        )
+
+
 def read_box_direct(
     root: Root,
     step: int,
@@ -141,6 +154,7 @@ def read_box_direct(
     once into the output (zarr would hold the bytes, its chunk buffers and the output).
     """
     meta = json.loads(fetch_verified(root, step, array_name, entry["objects"], "zarr.json"))
+    check_logical_dtype(root, step, array_name, entry, (meta.get("attributes") or {}))
     codecs = meta.get("codecs", [])
     if len(codecs) != 1 or codecs[0].get("name") != "sharding_indexed" or not shape:
         return None
