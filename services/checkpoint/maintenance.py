@@ -17,7 +17,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 from meshtrain.services.checkpoint.reader import list_checkpoints, read_manifest
-from meshtrain.services.checkpoint.sharded import abort_save, is_committed
+from meshtrain.services.checkpoint.sharded import abort_save, data_base, is_committed
 from meshtrain.services.checkpoint.store import (
     MANIFEST_NAME,
     join,
@@ -175,6 +175,7 @@ def verify_checkpoint(root: str, step: int) -> int:
     listed = [("", key, manifest["objects"]) for key in manifest["objects"]]
     for name, entry in manifest["arrays"].items():
         listed += [(name, key, entry["objects"]) for key in entry["objects"]]
+    base = data_base(manifest)
     for array, key, objects in listed:
-        fetch_verified(store_root, step, array, objects, key, chunks=True)
+        fetch_verified(store_root, step, array, objects, key, chunks=True, base=base)
     return len(listed)

@@ -30,6 +30,7 @@ from meshtrain.services.checkpoint.sharded import (
     FORMAT,
     MANIFEST_DIGEST,
     READABLE_VERSIONS,
+    data_base,
     manifest_digest,
 )
 from meshtrain.services.checkpoint.store import (
@@ -186,7 +187,9 @@ def load_checkpoint(
             for layer in layers:
                 offsets = (0,) * len(dims) if layer is None else (layer,) + (0,) * (len(dims) - 1)
                 shape = tuple(dims) if layer is None else (1, *dims[1:])
-                direct = read_box_direct(store_root, step, array_name, entry, offsets, shape)
+                direct = read_box_direct(
+                    store_root, step, array_name, entry, offsets, shape, data_base(manifest)
+                )
                 if direct is None:
                     break
                 name = entry["tensors"][0 if layer is None else layer]
@@ -196,11 +199,13 @@ def load_checkpoint(
             else:
                 continue
         if entry["layer_count"] is None:
-            array = _open_verified(store_root, step, array_name, entry, _all_region(entry))
+            array = _open_verified(
+                store_root, step, array_name, entry, _all_region(entry), data_base(manifest)
+            )
             tensors[entry["tensors"][0]] = layout.from_stored(array[...], entry["dtype"])
             continue
         region = [[(layer, layer) for layer in set(layers)]] + [None] * (len(entry["shape"]) - 1)
-        array = _open_verified(store_root, step, array_name, entry, region)
+        array = _open_verified(store_root, step, array_name, entry, region, data_base(manifest))
         for layer in layers:
             # One layer at a time: each tensor owns its memory, no full stack held twice.
             tensors[entry["tensors"][layer]] = layout.from_stored(array[layer], entry["dtype"])
@@ -240,7 +245,9 @@ def read_tensor(
             (0,) * len(entry["shape"]) if layer is None else (layer,) + (0,) * len(tensor_shape)
         )
         box = tuple(entry["shape"]) if layer is None else (1, *tensor_shape)
-        direct = read_box_direct(store_root, step, array_name, entry, offsets, box)
+        direct = read_box_direct(
+            store_root, step, array_name, entry, offsets, box, data_base(manifest)
+        )
         if direct is not None:
             return layout.from_stored(direct if layer is None else direct[0], entry["dtype"])
     index = () if index is None else index
@@ -248,7 +255,7 @@ def read_tensor(
     region = _index_region(index, tensor_shape, name)
     if layer is not None:
         index, region = (layer, *index), [[(layer, layer)], *region]
-    array = _open_verified(store_root, step, array_name, entry, region)
+    array = _open_verified(store_root, step, array_name, entry, region, data_base(manifest))
     try:
         return layout.from_stored(array[index], entry["dtype"])
     except IndexError as e:
@@ -332,11 +339,11 @@ def read_box(
     if 0 in shape:
         empty = np.zeros(shape, dtype=np.dtype(entry["stored_dtype"]))
         return layout.from_stored(empty, entry["dtype"])
-    direct = read_box_direct(store_root, step, array, entry, offsets, shape)
+    direct = read_box_direct(store_root, step, array, entry, offsets, shape, data_base(manifest))
     if direct is not None:
         return layout.from_stored(direct, entry["dtype"])
     region = [[(o, o + s - 1)] for o, s in zip(offsets, shape)]
-    zarray = _open_verified(store_root, step, array, entry, region)
+    zarray = _open_verified(store_root, step, array, entry, region, data_base(manifest))
     index = tuple(slice(o, o + s) for o, s in zip(offsets, shape))
     return layout.from_stored(zarray[index], entry["dtype"])
 
@@ -381,6 +388,10 @@ def _load_manifest(root: Root, step: int, strict: bool = False) -> dict[str, Any
                 "damaged after the commit), so none of its fields can be trusted; "
                 "`meshtrain ckpt verify` names every damaged step"
             )
+    try:
+        data_base(manifest)
+    except CheckpointError as e:
+        return fail(str(e))
     if manifest.get("step") != step or manifest.get("checksum") != CHECKSUM:
         return fail(
             f"{MANIFEST_NAME} has step {manifest.get('step')!r} / checksum "
@@ -453,7 +464,7 @@ def _shard_keys(entry: dict[str, Any], region: list[list[tuple[int, int]] | None
 
 
 def _open_verified(
-    root: Root, step: int, array_name: str, entry: dict[str, Any], region: list
+    root: Root, step: int, array_name: str, entry: dict[str, Any], region: list, base: str = ""
 ) -> zarr.Array:
     """Fetches the array's metadata and the shards covering `region`, verifies, opens them.
 
@@ -466,7 +477,7 @@ def _open_verified(
 
     def fetch(key: str) -> None:
         contents[f"{array_name}/{key}"] = prototype.buffer.from_bytes(
-            fetch_verified(root, step, array_name, entry["objects"], key)
+            fetch_verified(root, step, array_name, entry["objects"], key, base=base)
         )
 
     # Metadata first: the shard keys below come from the manifest, which must agree with it.
