@@ -43,11 +43,15 @@ import torch
 
 from meshtrain.services.checkpoint import layout
 from meshtrain.services.checkpoint.sharded import (
+    REPLACEMENTS,
     SaveResult,
     ShardWriter,
     abort_save,
     commit,
+    committed_by,
+    data_path,
     is_committed,
+    is_replacement,
 )
 from meshtrain.services.checkpoint.shards import ShardSpec
 from meshtrain.services.checkpoint.store import Root, join, open_root
@@ -400,7 +404,7 @@ class AsyncSaver:
         except Exception as e:
             full = is_disk_full(e)
             if full:  # frees the space, so that the report below fits
-                self._remove_stored(step, snapshot)
+                self._remove_stored(step, save_id, snapshot)
             try:  # tell the committer, so it aborts now instead of at its timeout
                 writer.finish(error=f"writer {self.writer_id}: {e}")
             except Exception as report_error:  # noqa: BLE001 - the raise below reports the cause
@@ -408,7 +412,7 @@ class AsyncSaver:
             log.error("checkpoint save of step %d failed: %s", step, e)
             if not full:
                 raise
-            self._remove_step(step)
+            self._remove_step(step, save_id)
             if isinstance(e, DiskFullError):
                 raise
             raise DiskFullError(f"checkpoint save of step {step} failed: disk full: {e}") from e
@@ -431,14 +435,16 @@ class AsyncSaver:
         except Exception as e:
             if not is_disk_full(e):  # a writer's disk-full report, or the commit's own writes
                 raise
-            self._remove_step(step)
+            self._remove_step(step, save_id)
             if isinstance(e, DiskFullError):
                 raise
             raise DiskFullError(f"checkpoint save of step {step} failed: disk full: {e}") from e
         self.last_committed = step
         return result
 
-    def _remove_stored(self, step: int, snapshot: list[tuple[ShardSpec, torch.Tensor]]) -> None:
+    def _remove_stored(
+        self, step: int, save_id: str, snapshot: list[tuple[ShardSpec, torch.Tensor]]
+    ) -> None:
         """After this writer's part of a save failed with the disk full: removes the objects it
         stored of it (their space is what the disk lacks), unless the step is committed (by
         another save, whose objects they now are). Best effort. Storage of its own only: a
@@ -447,9 +453,15 @@ class AsyncSaver:
             return
         root = self.sink.root
         try:
+            folder = root.step_path(step)
             if is_committed(root, step):
-                return
-            paths = [join(root.step_path(step), spec.array, spec.key) for spec, _ in snapshot]
+                if committed_by(root, step, save_id) is not None:
+                    return  # its objects are a checkpoint's now
+                if not is_replacement(root, step, save_id):
+                    return
+                # a replacement's objects lie beside the checkpoint it was to replace
+                folder = data_path(root, step, f"{REPLACEMENTS}/{save_id}")
+            paths = [join(folder, spec.array, spec.key) for spec, _ in snapshot]
             stored = [p for p in paths if root.fs.exists(p)]
             if stored:
                 root.fs.rm(stored)
@@ -461,7 +473,7 @@ class AsyncSaver:
                 e,
             )
 
-    def _remove_step(self, step: int) -> None:
+    def _remove_step(self, step: int, save_id: str) -> None:
         """After a save failed with the disk full, where this is its only writer: removes the
         step's uncommitted folder (`sharded.abort_save`: never a committed step's). With several
         writers the others may still be writing into it: the caller removes it once they have
@@ -469,7 +481,7 @@ class AsyncSaver:
         if not isinstance(self.sink, StorageSink) or self.num_writers != 1:
             return
         try:
-            if abort_save(self.sink.root, step):
+            if abort_save(self.sink.root, step, save_id):
                 log.info(
                     "removed the uncommitted folder of the failed save of step %d under %s",
                     step,

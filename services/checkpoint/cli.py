@@ -18,6 +18,7 @@ import argparse
 import functools
 import json
 import os
+import sys
 from collections.abc import Callable
 
 from meshtrain.services.common.errors import CheckpointError, is_storage_error
@@ -37,9 +38,12 @@ def _no_checkpoint(root: str) -> CheckpointError:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from meshtrain.services.checkpoint.reader import list_checkpoints
+    from meshtrain.services.checkpoint.reader import list_checkpoints, unreadable_manifests
 
     steps = list_checkpoints(args.root)
+    for why in unreadable_manifests(args.root).values():
+        # Not listed, since no reader takes them: said so, or a damaged newest step vanishes.
+        print(f"warning: not listed: {why}", file=sys.stderr)
     if (
         not steps and not args.allow_empty
     ):  # an error, as in inspect and verify: scripts test the exit status
@@ -86,8 +90,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from meshtrain.services.checkpoint.maintenance import unreadable_manifests, verify_checkpoint
-    from meshtrain.services.checkpoint.reader import list_checkpoints
+    from meshtrain.services.checkpoint.maintenance import verify_checkpoint
+    from meshtrain.services.checkpoint.reader import list_checkpoints, unreadable_manifests
 
     steps = list_checkpoints(args.root)
     # Steps whose manifest is damaged look uncommitted to every reader: --all names them all,

@@ -17,7 +17,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 from meshtrain.services.checkpoint.reader import list_checkpoints, read_manifest
-from meshtrain.services.checkpoint.sharded import abort_save, is_committed
+from meshtrain.services.checkpoint.sharded import abort_save, data_base, is_committed
 from meshtrain.services.checkpoint.store import (
     MANIFEST_NAME,
     join,
@@ -155,37 +155,6 @@ def apply_retention(
     return result
 
 
-def unreadable_manifests(root: str) -> dict[int, str]:
-    """Step folders that hold a manifest.json no reader accepts, with the reason.
-
-    A manifest is written whole or not at all (renamed into place, one PUT), so one that is
-    there but does not parse, or is of a format this version cannot read, is damage or a newer
-    writer's: readers pass over such a step as uncommitted, and only this tells them apart.
-
-    Args:
-        root: root URL.
-
-    Returns:
-        Step -> why its manifest was refused.
-    """
-    store_root = open_root(root)
-    committed = set(list_checkpoints(root))
-    try:
-        entries = store_root.fs.ls(store_root.path, detail=False)
-    except FileNotFoundError:
-        return {}
-    found = {}
-    for entry in entries:
-        step = parse_step_dirname(entry.rstrip("/").rsplit("/", 1)[-1])
-        if step is None or step in committed or not is_committed(store_root, step):
-            continue
-        try:
-            read_manifest(root, step)
-        except CheckpointError as e:
-            found[step] = str(e)
-    return dict(sorted(found.items()))
-
-
 def verify_checkpoint(root: str, step: int) -> int:
     """Reads every object a checkpoint's manifest lists and checks its size and checksums.
 
@@ -207,6 +176,7 @@ def verify_checkpoint(root: str, step: int) -> int:
     listed = [("", key, manifest["objects"]) for key in manifest["objects"]]
     for name, entry in manifest["arrays"].items():
         listed += [(name, key, entry["objects"]) for key in entry["objects"]]
+    base = data_base(manifest)
     for array, key, objects in listed:
-        fetch_verified(store_root, step, array, objects, key, chunks=True)
+        fetch_verified(store_root, step, array, objects, key, chunks=True, base=base)
     return len(listed)

@@ -24,7 +24,15 @@ from zarr.core.buffer import default_buffer_prototype
 from zarr.storage import MemoryStore
 
 from meshtrain.services.checkpoint import layout
-from meshtrain.services.checkpoint.sharded import CHECKSUM, FORMAT, READABLE_VERSIONS
+from meshtrain.services.checkpoint.sharded import (
+    CHECKSUM,
+    DIGEST_FROM_VERSION,
+    FORMAT,
+    MANIFEST_DIGEST,
+    READABLE_VERSIONS,
+    data_base,
+    manifest_digest,
+)
 from meshtrain.services.checkpoint.store import (
     MANIFEST_NAME,
     Root,
@@ -33,7 +41,11 @@ from meshtrain.services.checkpoint.store import (
     parse_step_dirname,
     read_bytes,
 )
-from meshtrain.services.checkpoint.verified import fetch_verified, read_box_direct
+from meshtrain.services.checkpoint.verified import (
+    check_logical_dtype,
+    fetch_verified,
+    read_box_direct,
+)
 from meshtrain.services.common.errors import CheckpointError
 
 Index = Any  # an int, slice, Ellipsis, or a tuple of them (numpy-style basic indexing)
@@ -48,17 +60,28 @@ def list_checkpoints(root: str) -> list[int]:
     Returns:
         Steps whose folder holds a complete manifest, ascending. A missing root gives [].
     """
-    store_root = open_root(root)
+    return _scan(open_root(root))[0]
+
+
+def _scan(store_root: Root) -> tuple[list[int], dict[int, str]]:
+    """One pass over a root: the committed steps (ascending), and the step folders whose
+    manifest.json is there but refused, with the reason (ascending)."""
     try:
         entries = store_root.fs.ls(store_root.path, detail=False)
     except FileNotFoundError:
-        return []
-    steps = []
+        return [], {}
+    steps, refused = [], {}
     for entry in entries:
         step = parse_step_dirname(entry.rstrip("/").rsplit("/", 1)[-1])
-        if step is not None and _load_manifest(store_root, step) is not None:
-            steps.append(step)
-    return sorted(steps)
+        if step is None:
+            continue
+        try:
+            if _load_manifest(store_root, step, strict=True) is not None:
+                steps.append(step)
+        except CheckpointError as e:
+            if _has_manifest(store_root, step):  # else an uncommitted save: not damage
+                refused[step] = str(e)
+    return sorted(steps), dict(sorted(refused.items()))
 
 
 def latest_step(root: str) -> int | None:
@@ -91,6 +114,23 @@ def read_manifest(root: str, step: int) -> dict[str, Any]:
     return manifest
 
 
+def unreadable_manifests(root: str) -> dict[int, str]:
+    """Step folders that hold a manifest.json no reader accepts, with the reason.
+
+    A manifest is written whole or not at all (renamed into place, one PUT), so one that is
+    there but does not parse, does not match its own digest, or is of a format this version
+    cannot read, is damage or a newer writer's: readers pass over such a step as uncommitted,
+    and only this tells them apart.
+
+    Args:
+        root: root URL.
+
+    Returns:
+        Step -> why its manifest was refused.
+    """
+    return _scan(open_root(root))[1]
+
+
 def load_checkpoint(
     root: str, step: int | None = None, names: list[str] | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -109,7 +149,16 @@ def load_checkpoint(
     """
     store_root = open_root(root)
     if step is None:
-        step = latest_step(root)
+        steps, refused = _scan(store_root)
+        step = steps[-1] if steps else None
+        newer = {s: why for s, why in refused.items() if step is None or s > step}
+        if newer:
+            # Loading an older step in silence would resume from the wrong place.
+            raise CheckpointError(
+                f"the newest checkpoint(s) under {root!r} cannot be read: "
+                + "; ".join(newer.values())
+                + (f" (pass step={step} to load the newest readable one)" if step else "")
+            )
         if step is None:
             raise CheckpointError(f"no committed checkpoint under {root!r}")
     manifest = _load_manifest(store_root, step, strict=True)
@@ -139,7 +188,9 @@ def load_checkpoint(
             for layer in layers:
                 offsets = (0,) * len(dims) if layer is None else (layer,) + (0,) * (len(dims) - 1)
                 shape = tuple(dims) if layer is None else (1, *dims[1:])
-                direct = read_box_direct(store_root, step, array_name, entry, offsets, shape)
+                direct = read_box_direct(
+                    store_root, step, array_name, entry, offsets, shape, data_base(manifest)
+                )
                 if direct is None:
                     break
                 name = entry["tensors"][0 if layer is None else layer]
@@ -149,11 +200,13 @@ def load_checkpoint(
             else:
                 continue
         if entry["layer_count"] is None:
-            array = _open_verified(store_root, step, array_name, entry, _all_region(entry))
+            array = _open_verified(
+                store_root, step, array_name, entry, _all_region(entry), data_base(manifest)
+            )
             tensors[entry["tensors"][0]] = layout.from_stored(array[...], entry["dtype"])
             continue
         region = [[(layer, layer) for layer in set(layers)]] + [None] * (len(entry["shape"]) - 1)
-        array = _open_verified(store_root, step, array_name, entry, region)
+        array = _open_verified(store_root, step, array_name, entry, region, data_base(manifest))
         for layer in layers:
             assert layer is not None  # a stacked array's tensors are all layers
             # One layer at a time: each tensor owns its memory, no full stack held twice.
@@ -194,7 +247,9 @@ def read_tensor(
             (0,) * len(entry["shape"]) if layer is None else (layer,) + (0,) * len(tensor_shape)
         )
         box = tuple(entry["shape"]) if layer is None else (1, *tensor_shape)
-        direct = read_box_direct(store_root, step, array_name, entry, offsets, box)
+        direct = read_box_direct(
+            store_root, step, array_name, entry, offsets, box, data_base(manifest)
+        )
         if direct is not None:
             return layout.from_stored(direct if layer is None else direct[0], entry["dtype"])
     index = () if index is None else index
@@ -202,7 +257,7 @@ def read_tensor(
     region = _index_region(index, tensor_shape, name)
     if layer is not None:
         index, region = (layer, *index), [[(layer, layer)], *region]
-    array = _open_verified(store_root, step, array_name, entry, region)
+    array = _open_verified(store_root, step, array_name, entry, region, data_base(manifest))
     try:
         return layout.from_stored(array[index], entry["dtype"])
     except IndexError as e:
@@ -286,13 +341,19 @@ def read_box(
     if 0 in shape:
         empty = np.zeros(shape, dtype=np.dtype(entry["stored_dtype"]))
         return layout.from_stored(empty, entry["dtype"])
-    direct = read_box_direct(store_root, step, array, entry, offsets, shape)
+    direct = read_box_direct(store_root, step, array, entry, offsets, shape, data_base(manifest))
     if direct is not None:
         return layout.from_stored(direct, entry["dtype"])
     region = [[(o, o + s - 1)] for o, s in zip(offsets, shape)]
-    zarray = _open_verified(store_root, step, array, entry, region)
+    zarray = _open_verified(store_root, step, array, entry, region, data_base(manifest))
     index = tuple(slice(o, o + s) for o, s in zip(offsets, shape))
     return layout.from_stored(zarray[index], entry["dtype"])
+
+
+def _has_manifest(root: Root, step: int) -> bool:
+    """Whether the folder of `step` holds a manifest.json at all (readable or not)."""
+    root.fs.invalidate_cache(root.step_path(step))
+    return root.fs.exists(join(root.step_path(step), MANIFEST_NAME))
 
 
 @overload
@@ -326,6 +387,22 @@ def _load_manifest(root: Root, step: int, strict: bool = False) -> dict[str, Any
             f"{MANIFEST_NAME} has format_version {manifest.get('format_version')!r}; "
             f"this reader supports {', '.join(map(str, READABLE_VERSIONS))}"
         )
+    if manifest["format_version"] >= DIGEST_FROM_VERSION:
+        # Before any field is trusted: an edited step, iteration or dtype must not load.
+        try:
+            digest = manifest_digest(manifest)
+        except (TypeError, ValueError) as e:
+            return fail(f"{MANIFEST_NAME} holds values that are not JSON ({e})")
+        if manifest.get(MANIFEST_DIGEST) != digest:
+            return fail(
+                f"{MANIFEST_NAME} does not match its {MANIFEST_DIGEST} (the file was edited or "
+                "damaged after the commit), so none of its fields can be trusted; "
+                "`meshtrain ckpt verify` names every damaged step"
+            )
+    try:
+        data_base(manifest)
+    except CheckpointError as e:
+        return fail(str(e))
     if manifest.get("step") != step or manifest.get("checksum") != CHECKSUM:
         return fail(
             f"{MANIFEST_NAME} has step {manifest.get('step')!r} / checksum "
@@ -398,7 +475,7 @@ def _shard_keys(entry: dict[str, Any], region: list[list[tuple[int, int]] | None
 
 
 def _open_verified(
-    root: Root, step: int, array_name: str, entry: dict[str, Any], region: list
+    root: Root, step: int, array_name: str, entry: dict[str, Any], region: list, base: str = ""
 ) -> zarr.Array:
     """Fetches the array's metadata and the shards covering `region`, verifies, opens them.
 
@@ -411,12 +488,13 @@ def _open_verified(
 
     def fetch(key: str) -> None:
         contents[f"{array_name}/{key}"] = prototype.buffer.from_bytes(
-            fetch_verified(root, step, array_name, entry["objects"], key)
+            fetch_verified(root, step, array_name, entry["objects"], key, base=base)
         )
 
     # Metadata first: the shard keys below come from the manifest, which must agree with it.
     fetch("zarr.json")
     array = zarr.open_array(MemoryStore(dict(contents), read_only=True), path=array_name, mode="r")
+    check_logical_dtype(root, step, array_name, entry, dict(array.attrs))
     if list(array.shape) != entry["shape"] or array.dtype != np.dtype(entry["stored_dtype"]):
         raise CheckpointError(
             f"array {array_name!r} (step {step} under {root.url!r}) is stored with shape "

@@ -31,6 +31,7 @@ replica of the service that did not see `begin_save` adopts the save from the sa
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -67,8 +68,13 @@ FORMAT = "meshtrain-checkpoint"
 # 2: shard objects also list the crc32 of each inner chunk and of the shard index, so partial
 # reads fetch and verify only the chunks they need. Version 1 manifests still load (whole
 # shards are fetched for them).
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+# 3: the manifest carries the sha256 of its own content (MANIFEST_DIGEST), so an edited or
+# damaged field (the step, the iteration a resume starts from, a dtype) is refused instead of
+# loaded. Versions 1 and 2 have none and still load.
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
+DIGEST_FROM_VERSION = 3
+MANIFEST_DIGEST = "manifest_sha256"
 # crc32 (zlib): the manifest guards against torn writes and bit rot, not tampering; crc32
 # runs at memory speed in the stdlib and catches every burst error up to 32 bits.
 CHECKSUM = "crc32"
@@ -76,6 +82,12 @@ CHUNK_CHECKSUMS = "chunk_crc32"  # per inner chunk, C order over the shard's chu
 INDEX_CHECKSUM = "index_crc32"  # the shard index (the object's last 16 * chunks + 4 bytes)
 FRAGMENTS = "_fragments"
 BEGUN = "begun.json"  # beside the fragments of a save: the step's folder is that save's
+# A save that replaces a committed step (`overwrite`) writes its arrays under
+# step_S/_next/<save_id>/ and leaves the committed ones alone; its manifest names that folder
+# (`data`) and replaces the old manifest in one atomic write, the commit; the old arrays are
+# removed after it. REPLACES beside its fragments marks the save as a replacement.
+REPLACEMENTS = "_next"
+REPLACES = "replaces.json"
 _SAVE_ID_RE = re.compile(r"[A-Za-z0-9_\-]{1,64}")  # fullmatch: "$" let a final newline in
 
 log = logging.getLogger(__name__)
@@ -109,6 +121,56 @@ def check_save_id(save_id: str) -> str:
             f"save id {loggable(save_id, 80)} is not allowed: use 1-64 letters, digits, '_' or '-'"
         )
     return save_id
+
+
+def manifest_digest(manifest: dict[str, Any]) -> str:
+    """The sha256 (hex) of a manifest's content, its own MANIFEST_DIGEST field left out.
+
+    Computed over canonical JSON (sorted keys, no spaces), so it does not depend on how the
+    manifest file is indented; floats round-trip exactly through Python's JSON.
+    """
+    content = {k: v for k, v in manifest.items() if k != MANIFEST_DIGEST}
+    canonical = json.dumps(content, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def data_base(manifest: dict[str, Any]) -> str:
+    """Where a committed step's arrays are, relative to its folder: "" (the folder itself) or
+    `_next/<save_id>` (a step replaced by an overwrite save).
+
+    Raises:
+        CheckpointError: the manifest names any other place (never a path out of the step).
+    """
+    base = manifest.get("data", "")
+    if base == "":
+        return ""
+    parts = base.split("/") if isinstance(base, str) else []
+    if len(parts) != 2 or parts[0] != REPLACEMENTS or not _SAVE_ID_RE.fullmatch(parts[1]):
+        raise CheckpointError(f"the manifest's data folder {loggable(str(base), 80)} is not one")
+    return base
+
+
+def data_path(root: Root, step: int, base: str = "") -> str:
+    """The folder that holds the arrays of `step` (`base` from `data_base`)."""
+    return join(root.step_path(step), base) if base else root.step_path(step)
+
+
+def replaces_path(root: Root, step: int, save_id: str) -> str:
+    """Where `begin_save(..., overwrite=True)` marks save `save_id` as replacing the step."""
+    return join(root.step_path(step), FRAGMENTS, save_id, REPLACES)
+
+
+def is_replacement(root: Root, step: int, save_id: str) -> bool:
+    """Whether save `save_id` was begun to replace the committed `step` (and still may)."""
+    path = replaces_path(root, step, save_id)
+    root.fs.invalidate_cache(join(root.step_path(step), FRAGMENTS, save_id))
+    return root.fs.exists(path)
+
+
+def committed_by_another(root: Root, step: int, save_id: str) -> bool:
+    """Whether `step` is committed by a checkpoint that save `save_id` may not replace (it was
+    not begun to replace it), so the save can only be lost."""
+    return is_committed(root, step) and not is_replacement(root, step, save_id)
 
 
 def is_committed(root: Root, step: int) -> bool:
@@ -146,24 +208,61 @@ def begin_save(
     """
     root = open_root(root) if isinstance(root, str) else root
     step_path = root.step_path(step)
+    save_id = uuid.uuid4().hex
     if is_committed(root, step):
         if not overwrite:
             raise CheckpointError(
                 f"checkpoint step {step} already exists under {root.url!r} (to replace it: "
                 "--checkpoint.overwrite=true for a training run, overwrite=True in code)"
             )
-        # Uncommit first, so a crash while deleting leaves an ignored folder, not a
-        # manifest pointing at missing arrays.
-        root.fs.rm(join(step_path, MANIFEST_NAME))
-    # Leftovers of an uncommitted attempt would otherwise linger beside this one.
-    remove_tree(root, step_path)
-    save_id = uuid.uuid4().hex
+        # The committed step stays loadable until this save commits over it (REPLACEMENTS):
+        # only earlier unfinished saves' leftovers go.
+        _remove_unfinished(root, step)
+        marker = json.dumps({"save_id": save_id, "step": step}).encode()
+        write_bytes_atomic(root, replaces_path(root, step, save_id), marker)
+    else:
+        # Leftovers of an uncommitted attempt would otherwise linger beside this one.
+        remove_tree(root, step_path)
     if resumable:
         marker = {"save_id": save_id, "step": step}
         if num_writers is not None:
             marker["num_writers"] = num_writers
         write_bytes_atomic(root, begun_path(root, step, save_id), json.dumps(marker).encode())
     return save_id
+
+
+def _remove_unfinished(root: Root, step: int, keep: str | None = None) -> None:
+    """Removes what unfinished saves left in a committed step's folder: fragments and replacement
+    arrays the manifest does not name (`keep`: one save's, still under way, stays)."""
+    step_path = root.step_path(step)
+    try:
+        base = data_base(json.loads(read_bytes(root, join(step_path, MANIFEST_NAME))))
+    except (OSError, ValueError, CheckpointError):
+        base = None  # unreadable: nothing in it can be told apart, so no replacement goes
+    for folder in (FRAGMENTS, REPLACEMENTS):
+        path = join(step_path, folder)
+        root.fs.invalidate_cache(path)
+        try:
+            names = root.fs.ls(path, detail=False)
+        except FileNotFoundError:
+            continue
+        for name in names:
+            own = name.rstrip("/").rsplit("/", 1)[-1]
+            named = base is None or base == f"{REPLACEMENTS}/{own}"
+            if own == keep or (folder == REPLACEMENTS and named):
+                continue
+            remove_tree(root, join(path, own))
+        _remove_if_empty(root, path)
+
+
+def _remove_if_empty(root: Root, path: str) -> None:
+    """Removes a folder left empty (on disk; object stores have no empty folders)."""
+    root.fs.invalidate_cache(path)
+    try:
+        if not root.fs.ls(path, detail=False):
+            root.fs.rm(path, recursive=True)
+    except FileNotFoundError:
+        pass
 
 
 def begun_path(root: Root, step: int, save_id: str) -> str:
@@ -232,7 +331,7 @@ def resume_save(root: str | Root, step: int, save_id: str) -> SaveResult | None:
     done = committed_by(root, step, save_id)
     if done is not None:
         return done
-    if is_committed(root, step):
+    if committed_by_another(root, step, save_id):
         raise CheckpointError(
             f"save {save_id} of step {step} cannot be resumed: the step under {root.url!r} "
             "was committed by another save"
@@ -268,6 +367,7 @@ class ShardWriter:
         self.writer_id = writer_id
         self.num_writers = num_writers
         self.step_path = self.root.step_path(step)
+        self.data_path = self.step_path  # a replacement's own folder, once its first box is in
         self.boxes: dict[tuple[str, str], dict[str, Any]] = {}
         self._checked = False
 
@@ -286,12 +386,15 @@ class ShardWriter:
             CheckpointError: the step is already committed, or the data does not fit the box.
         """
         if not self._checked:
-            # Writing into a committed folder would corrupt a good checkpoint.
+            # Writing into a committed folder would corrupt a good checkpoint: a replacement
+            # writes beside it, anything else is refused.
             if is_committed(self.root, self.step):
-                raise CheckpointError(
-                    f"checkpoint step {self.step} under {self.root.url!r} is already committed; "
-                    "call begin_save(..., overwrite=True) before writing it again"
-                )
+                if not is_replacement(self.root, self.step, self.save_id):
+                    raise CheckpointError(
+                        f"checkpoint step {self.step} under {self.root.url!r} is already "
+                        "committed; call begin_save(..., overwrite=True) before writing it again"
+                    )
+                self.data_path = data_path(self.root, self.step, f"{REPLACEMENTS}/{self.save_id}")
             self._checked = True
         data = layout.as_stored(
             data, spec.dtype, f"box {spec.offsets}+{spec.shape} of array {spec.array!r}"
@@ -313,7 +416,7 @@ class ShardWriter:
             if encoded.chunk_crc32 is not None:
                 record[CHUNK_CHECKSUMS] = encoded.chunk_crc32
                 record[INDEX_CHECKSUM] = encoded.index_crc32
-            put_object(self.root, join(self.step_path, spec.array, spec.key), encoded.parts)
+            put_object(self.root, join(self.data_path, spec.array, spec.key), encoded.parts)
         self.boxes[(spec.array, spec.key)] = record
         return record["size"]
 
@@ -435,7 +538,7 @@ def commit(
     if done is not None:  # a retry of this very commit, whose first attempt succeeded
         log.info("checkpoint %s was already committed by save %s", done.url, save_id)
         return done
-    if is_committed(root, step):  # by another save: no point waiting for fragments
+    if committed_by_another(root, step, save_id):  # by another save: no point waiting for fragments
         return _lost(root, step, save_id)
     try:
         return _commit(
@@ -453,7 +556,7 @@ def commit(
     except FileNotFoundError:
         # Another committer won meanwhile and cleared the fragments and objects its manifest
         # does not list, which this one was reading: its commit is the answer, not a lost file.
-        if is_committed(root, step):
+        if committed_by_another(root, step, save_id) or committed_by(root, step, save_id) is not None:
             return _lost(root, step, save_id)
         raise
 
@@ -500,7 +603,8 @@ def _commit(
                 f"save of step {step}: writer {writer_id} reported num_writers "
                 f"{fragment['num_writers']}, the committer expects {num_writers}"
             )
-    if is_committed(root, step):
+    replacing = is_replacement(root, step, save_id)
+    if is_committed(root, step) and not replacing:
         return _lost(root, step, save_id)
     if root.is_local:  # before anything in the folder is listed, read, written or deleted
         refuse_symlinks(root.path, root.step_path(step))
@@ -535,7 +639,9 @@ def _commit(
         check_tiling(meta, boxes)
 
     step_path = root.step_path(step)
-    stored = _sizes(root, step_path)
+    base = f"{REPLACEMENTS}/{save_id}" if replacing else ""
+    folder = data_path(root, step, base)
+    stored = _sizes(root, folder)
     for name, (_, _, objects) in arrays.items():
         for key, obj in objects.items():
             size = stored.get(f"{name}/{key}")
@@ -558,20 +664,34 @@ def _commit(
         "objects": {},
         "metadata": metadata,
     }
+    if base:
+        manifest["data"] = base
     group_meta = _group_metadata(step)
-    write_bytes_atomic(root, join(step_path, "zarr.json"), group_meta)
+    write_bytes_atomic(root, join(folder, "zarr.json"), group_meta)
     manifest["objects"]["zarr.json"] = {"size": len(group_meta), CHECKSUM: checksum(group_meta)}
     for name, (meta, _, objects) in sorted(arrays.items()):
         data = meta.metadata_bytes()
-        write_bytes_atomic(root, join(step_path, name, "zarr.json"), data)
+        write_bytes_atomic(root, join(folder, name, "zarr.json"), data)
         entry = meta.manifest_entry()
         entry["objects"] = {"zarr.json": {"size": len(data), CHECKSUM: checksum(data)}, **objects}
         manifest["arrays"][name] = dict(sorted(entry.items()))
+    manifest[MANIFEST_DIGEST] = manifest_digest(manifest)
     data = json.dumps(manifest, indent=1, sort_keys=True).encode()
-    if not write_bytes_exclusive(root, join(step_path, MANIFEST_NAME), data):
+    if replacing and is_committed(root, step):
+        # A newer save of the step that began meanwhile removed the marker: it owns the step.
+        if not is_replacement(root, step, save_id):
+            raise CheckpointError(
+                f"save {save_id} of step {step} under {root.url!r} was superseded by a newer "
+                "save of the step; nothing was committed, the committed step is intact"
+            )
+        # The commit: readers see the old manifest (and arrays) or the new, never neither.
+        write_bytes_atomic(root, join(step_path, MANIFEST_NAME), data)
+    elif not write_bytes_exclusive(root, join(step_path, MANIFEST_NAME), data):
         return _lost(root, step, save_id)
 
-    _remove_unlisted(root, step_path, manifest, stored)
+    if base:
+        _remove_replaced(root, step_path, base)
+    _remove_unlisted(root, step_path, manifest, {} if base else stored)
     result = _result(root, step, manifest, len(data), time.perf_counter() - start)
     log.info(
         "committed checkpoint %s: %d arrays, %d objects from %d writers, %.1f MB",
@@ -670,13 +790,16 @@ def _group_metadata(step: int) -> bytes:
 
 
 def _remove_unlisted(root: Root, step_path: str, manifest: dict, stored: dict[str, int]) -> None:
-    """After the commit: drops fragments and leftovers of earlier crashed attempts.
+    """After the commit: drops fragments, leftovers of earlier crashed attempts and, after a
+    replacement, the arrays it replaced (`stored`: paths relative to the step folder).
 
     Best effort: what stays behind is ignored by readers and collected by retention.
     """
-    listed = {"zarr.json", MANIFEST_NAME}
+    base = data_base(manifest)
+    prefix = f"{base}/" if base else ""
+    listed = {f"{prefix}zarr.json", MANIFEST_NAME}
     for name, entry in manifest["arrays"].items():
-        listed.update(f"{name}/{key}" for key in entry["objects"])
+        listed.update(f"{prefix}{name}/{key}" for key in entry["objects"])
     try:
         remove_tree(root, join(step_path, FRAGMENTS))
         stale = [
@@ -690,18 +813,51 @@ def _remove_unlisted(root: Root, step_path: str, manifest: dict, stored: dict[st
         log.warning("could not remove leftovers under %s: %s", step_path, e)
 
 
-def abort_save(root: str | Root, step: int) -> bool:
-    """Removes an uncommitted step folder (a failed save's leftovers); never a committed one.
+def _remove_replaced(root: Root, step_path: str, base: str) -> None:
+    """After a replacement committed: removes the arrays it replaced, whole folders (the step's
+    own, or an earlier replacement's). Best effort, as `_remove_unlisted`."""
+    keep = {MANIFEST_NAME, REPLACEMENTS, FRAGMENTS}
+    try:
+        for folder, kept in (
+            (step_path, keep),
+            (join(step_path, REPLACEMENTS), {base.split("/", 1)[1]}),
+        ):
+            root.fs.invalidate_cache(folder)
+            for entry in root.fs.ls(folder, detail=False):
+                name = entry.rstrip("/").rsplit("/", 1)[-1]
+                if name not in kept and not name.startswith(f"{MANIFEST_NAME}.tmp-"):
+                    remove_tree(root, join(folder, name))
+    except OSError as e:
+        log.warning("could not remove the replaced arrays under %s: %s", step_path, e)
+
+
+def abort_save(root: str | Root, step: int, save_id: str | None = None) -> bool:
+    """Removes a failed save's leftovers: an uncommitted step folder, or, given the `save_id` of
+    a save that was to replace the committed step, that save's own objects. Never a committed
+    checkpoint's.
 
     Args:
         root: root URL or opened Root.
         step: the step.
+        save_id: the failed save's id (needed to reclaim a replacement's objects).
 
     Returns:
         True when something was removed.
     """
     root = open_root(root) if isinstance(root, str) else root
-    if is_committed(root, step) or not root.fs.exists(root.step_path(step)):
+    if is_committed(root, step):
+        if save_id is None or committed_by(root, step, check_save_id(save_id)) is not None:
+            return False
+        own = [
+            join(root.step_path(step), REPLACEMENTS, save_id),
+            join(root.step_path(step), FRAGMENTS, save_id),
+        ]
+        found = [path for path in own if root.fs.exists(path)]
+        for path in found:
+            remove_tree(root, path)
+            _remove_if_empty(root, path.rsplit("/", 1)[0])
+        return bool(found)
+    if not root.fs.exists(root.step_path(step)):
         return False
     remove_tree(root, root.step_path(step))
     return True

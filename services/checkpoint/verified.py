@@ -19,14 +19,25 @@ from typing import Any
 import numpy as np
 
 from meshtrain.services.checkpoint.crc import checksum
-from meshtrain.services.checkpoint.sharded import CHECKSUM, CHUNK_CHECKSUMS, INDEX_CHECKSUM
+from meshtrain.services.checkpoint.sharded import (
+    CHECKSUM,
+    CHUNK_CHECKSUMS,
+    INDEX_CHECKSUM,
+    data_path,
+)
 from meshtrain.services.checkpoint.shards import EMPTY_CHUNK, index_nbytes
 from meshtrain.services.checkpoint.store import Root, join, read_bytes
 from meshtrain.services.common.errors import CheckpointError
 
 
 def fetch_verified(
-    root: Root, step: int, array_name: str, objects: dict[str, Any], key: str, chunks: bool = False
+    root: Root,
+    step: int,
+    array_name: str,
+    objects: dict[str, Any],
+    key: str,
+    chunks: bool = False,
+    base: str = "",
 ) -> bytes:
     """One stored object, checked against the size and checksum its manifest entry lists.
 
@@ -38,6 +49,7 @@ def fetch_verified(
         key: the object's key inside the array (e.g. `c/3/0/0`, `zarr.json`).
         chunks: also check the per-chunk and index checksums the manifest lists for a shard
             (what partial reads rely on); `ckpt verify` does.
+        base: where the step's arrays are in its folder (`sharded.data_base` of the manifest).
 
     Raises:
         CheckpointError: naming the array and object: unlisted, missing, or corrupt.
@@ -47,7 +59,7 @@ def fetch_verified(
     if expected is None:
         raise CheckpointError(f"{where} is not listed in the manifest")
     try:
-        data = read_bytes(root, join(root.step_path(step), array_name, key))
+        data = read_bytes(root, join(data_path(root, step, base), array_name, key))
     except FileNotFoundError as e:
         raise CheckpointError(f"{where} is missing") from e
     _check_object(where, data, expected)
@@ -122,6 +134,19 @@ class _NotPlain(Exception):
     """The shard is not in meshtrain's plain layout after all: let zarr decode it."""
 
 
+def check_logical_dtype(
+    root: Root, step: int, array_name: str, entry: dict[str, Any], attributes: dict[str, Any]
+) -> None:
+    """Raises CheckpointError when the manifest's dtype of an array is not the one its zarr
+    metadata records: the same stored bits read as another dtype would load garbage quietly."""
+    logical = attributes.get("logical_dtype")
+    if logical is not None and logical != entry["dtype"]:
+        raise CheckpointError(
+            f"array {array_name!r} (step {step} under {root.url!r}) holds {logical} values, "
+            f"manifest says {entry['dtype']}"
+        )
+
+
 def read_box_direct(
     root: Root,
     step: int,
@@ -129,8 +154,11 @@ def read_box_direct(
     entry: dict[str, Any],
     offsets: tuple[int, ...],
     shape: tuple[int, ...],
+    base: str = "",
 ) -> np.ndarray | None:
     """Reads a box straight out of verified shard bytes (None: not meshtrain's plain layout).
+
+    `base`: where the step's arrays are in its folder (`sharded.data_base` of the manifest).
 
     A shard the box covers whole is fetched whole and checked against the object's crc32. Of a shard
     the box cuts (a resharded load), only its index and the inner chunks the box touches are
@@ -140,7 +168,10 @@ def read_box_direct(
     (concurrent) `cat_ranges` call; each inner chunk is a view of the fetched bytes copied once into
     the output (zarr would hold the bytes, its chunk buffers and the output).
     """
-    meta = json.loads(fetch_verified(root, step, array_name, entry["objects"], "zarr.json"))
+    meta = json.loads(
+        fetch_verified(root, step, array_name, entry["objects"], "zarr.json", base=base)
+    )
+    check_logical_dtype(root, step, array_name, entry, (meta.get("attributes") or {}))
     codecs = meta.get("codecs", [])
     if len(codecs) != 1 or codecs[0].get("name") != "sharding_indexed" or not shape:
         return None
@@ -181,7 +212,7 @@ def read_box_direct(
     batch_bytes = 0
 
     def run_batch() -> None:
-        _fetch_and_place(root, step, array_name, entry, plans, per_shard, chunk_nbytes, place)
+        _fetch_and_place(root, step, array_name, entry, plans, per_shard, chunk_nbytes, place, base)
         plans.clear()
 
     shard_ranges = [range(o // g, (e - 1) // g + 1) for o, e, g in zip(offsets, end, outer)]
@@ -222,10 +253,11 @@ def _fetch_and_place(
     per_shard: list[int],
     chunk_nbytes: int,
     place,
+    base: str = "",
 ) -> None:
     """Fetches one batch of `_read_box_direct`'s shards, verifies every byte, places the chunks."""
     objects = entry["objects"]
-    folder = join(root.step_path(step), array_name)
+    folder = join(data_path(root, step, base), array_name)
     n_inner = math.prod(per_shard)
 
     def fetch(keys: list[str], starts: list, ends: list) -> list[bytes]:

@@ -31,12 +31,12 @@ from torch import nn
 
 from meshtrain.services.checkpoint.async_save import AsyncSaver, StorageSink, retry
 from meshtrain.services.checkpoint.layout import NON_PARAMETER
-from meshtrain.services.checkpoint.maintenance import unreadable_manifests
 from meshtrain.services.checkpoint.reader import (
     latest_step,
     list_checkpoints,
     read_box,
     read_manifest,
+    unreadable_manifests,
 )
 from meshtrain.services.checkpoint.sharded import abort_save, begin_save
 from meshtrain.services.checkpoint.shards import ShardSpec

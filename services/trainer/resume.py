@@ -13,8 +13,7 @@ import logging
 import torch
 
 from meshtrain.services.checkpoint.config import CheckpointConfig
-from meshtrain.services.checkpoint.maintenance import unreadable_manifests
-from meshtrain.services.checkpoint.reader import list_checkpoints
+from meshtrain.services.checkpoint.reader import list_checkpoints, unreadable_manifests
 from meshtrain.services.checkpoint.store import same_root
 from meshtrain.services.common.errors import CheckpointError, ConfigError
 from meshtrain.services.trainer.checkpointing import (

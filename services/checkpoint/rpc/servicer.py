@@ -79,7 +79,7 @@ from meshtrain.services.checkpoint.sharded import (
     check_save_id,
     commit,
     committed_by,
-    is_committed,
+    committed_by_another,
     read_begun,
     resume_save,
 )
@@ -463,7 +463,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             # up)
             marker = (
                 None
-                if is_committed(open_root(self.root), step)
+                if committed_by_another(open_root(self.root), step, save_id)
                 else read_begun(self.root, step, save_id)
             )
             if marker is None:

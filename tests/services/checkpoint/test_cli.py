@@ -148,6 +148,9 @@ def test_verify_reports_a_step_whose_manifest_is_damaged(tmp_path, capsys):
         out
     )
     assert run(capsys, "verify", root)[0] == 0  # the latest, 3, is newer than the damage
+    code, out = run(capsys, "list", root)  # listed: the readable steps; named: the damaged one
+    assert code == 0 and out.split("warning")[0].split() == ["1", "3"], out
+    assert "not listed: checkpoint step 2 under" in out, out
     newest = tmp_path / "ckpt" / "step_00000003" / "manifest.json"
     newest.write_text(newest.read_text().replace('"format_version": ', '"format_version": 9'))
     code, out = run(capsys, "verify", root)

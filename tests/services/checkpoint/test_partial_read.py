@@ -20,7 +20,13 @@ import zarr
 from meshtrain.services.checkpoint import shards
 from meshtrain.services.checkpoint.maintenance import verify_checkpoint
 from meshtrain.services.checkpoint.reader import read_box
-from meshtrain.services.checkpoint.sharded import ShardWriter, begin_save, commit
+from meshtrain.services.checkpoint.sharded import (
+    MANIFEST_DIGEST,
+    ShardWriter,
+    begin_save,
+    commit,
+    manifest_digest,
+)
 from meshtrain.services.checkpoint.shards import ArrayMeta, ShardSpec, encode_box, inner_chunks
 from meshtrain.services.checkpoint.store import MANIFEST_NAME, open_root
 from meshtrain.services.common.errors import CheckpointError
@@ -224,6 +230,7 @@ def test_verify_checks_chunk_checksums(root_fs):
     manifest_path = f"{path}/step_00000004/{MANIFEST_NAME}"
     manifest = json.loads(fs.cat_file(manifest_path))
     manifest["arrays"][ARRAY]["objects"]["c/0/0/0"]["chunk_crc32"][3] ^= 1
+    manifest[MANIFEST_DIGEST] = manifest_digest(manifest)  # consistent, yet wrong about the data
     fs.pipe_file(manifest_path, json.dumps(manifest).encode())
     with pytest.raises(CheckpointError, match=r"object 'c/0/0/0'.* chunk 3 is corrupt"):
         verify_checkpoint(url, 4)
