@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtrain import kernels
-from meshtrain.services.trainer.config import ModelConfig
+from meshtrain.services.common.model_config import ModelConfig
 from meshtrain.services.trainer.model.mlp import MLP
 
 
