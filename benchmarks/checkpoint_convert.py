@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from meshtrain.services.checkpoint.convert import save_streaming
 from meshtrain.services.common import config as cfg
 from meshtrain.services.common.config import to_dict
-from meshtrain.services.trainer.config import JobConfig, ModelConfig
+from meshtrain.services.common.model_config import ModelConfig
+from meshtrain.services.trainer.config.sections import JobConfig
 from meshtrain.services.trainer.model.gpt import GPT
 
 # Runs in a child process: one command, then its wall time and peak RSS as JSON.

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from meshtrain.services.trainer.config import ModelConfig  # noqa: E402
+from meshtrain.services.common.model_config import ModelConfig  # noqa: E402
 from meshtrain.services.trainer.model.gpt import GPT  # noqa: E402
 from meshtrain.services.trainer.parallel.mesh import Mesh, init_process_group  # noqa: E402
 from meshtrain.services.trainer.parallel.tensor import parallelize  # noqa: E402

@@ -168,7 +168,7 @@ def attention(args) -> dict:
 
 def train_one(config: str, seq: int, steps: int, warmup: int, extra: list[str]) -> dict:
     """One sequence length in this process: the Trainer's steps, timed after warm-up."""
-    from meshtrain.services.trainer.config import load_config
+    from meshtrain.services.trainer.config.load import load_config
     from meshtrain.services.trainer.train import Trainer
 
     run = tempfile.mkdtemp(prefix="long-context-")

@@ -67,7 +67,8 @@ def _rank(rank, world, store, cfg, queue):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(cfg["threads"])
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    from meshtrain.services.trainer.config import ModelConfig, ParallelConfig
+    from meshtrain.services.common.model_config import ModelConfig
+    from meshtrain.services.trainer.config.parallel import ParallelConfig
     from meshtrain.services.trainer.model.gpt import GPT
     from meshtrain.services.trainer.parallel.mesh import Mesh
     from meshtrain.services.trainer.parallel.pipeline.engine import _defer_weight_grads

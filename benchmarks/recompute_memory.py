@@ -24,7 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from meshtrain.services.trainer.config import ParallelConfig, load_config, replace  # noqa: E402
+from meshtrain.services.trainer.config.load import load_config, replace  # noqa: E402
+from meshtrain.services.trainer.config.parallel import ParallelConfig  # noqa: E402
 from meshtrain.services.trainer.model.gpt import GPT  # noqa: E402
 from meshtrain.services.trainer.parallel import recompute  # noqa: E402
 

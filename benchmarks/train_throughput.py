@@ -49,7 +49,7 @@ from benchmarks.baseline_gpt import FLOAT8_RECIPES, BaselineGPT, convert_to_floa
 from benchmarks.step_breakdown import format_breakdown, profile_steps  # noqa: E402
 from meshtrain.kernels import dispatch  # noqa: E402
 from meshtrain.services.common.logging import setup_logging  # noqa: E402
-from meshtrain.services.trainer.config import load_config  # noqa: E402
+from meshtrain.services.trainer.config.load import load_config  # noqa: E402
 from meshtrain.services.trainer.metrics import peak_tflops  # noqa: E402
 from meshtrain.services.trainer.train import Trainer  # noqa: E402
 

@@ -32,6 +32,7 @@ __version__ = "0.1.0"
 # _EXPORTS and _RENAMED below, which `__getattr__` imports at run time (tests/test_packaging.py
 # holds the tables together; ruff's F401/F822 hold this block and __all__ together).
 if TYPE_CHECKING:
+    from meshtrain.services.checkpoint.config import CheckpointConfig
     from meshtrain.services.checkpoint.rpc.server import start_server as start_checkpoint_service
     from meshtrain.services.common.errors import (
         CheckpointError,
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
         DataError,
         MeshtrainError,
     )
+    from meshtrain.services.common.model_config import ModelConfig
+    from meshtrain.services.dataloader.config import DataConfig
     from meshtrain.services.dataloader.loader import Batch, LocalBatchSource, context_positions
     from meshtrain.services.dataloader.rpc.client import ServiceBatchSource
     from meshtrain.services.dataloader.rpc.server import start_server as start_data_worker
@@ -48,16 +51,13 @@ if TYPE_CHECKING:
         load_checkpoint,
         save_checkpoint,
     )
-    from meshtrain.services.trainer.config import (
-        CheckpointConfig,
-        DataConfig,
+    from meshtrain.services.trainer.config.load import load_config
+    from meshtrain.services.trainer.config.parallel import ParallelConfig
+    from meshtrain.services.trainer.config.sections import (
         JobConfig,
         LogConfig,
-        ModelConfig,
         OptimConfig,
-        ParallelConfig,
         TrainConfig,
-        load_config,
     )
     from meshtrain.services.trainer.data import TrainData, build_data, make_source
     from meshtrain.services.trainer.generate import generate
@@ -87,15 +87,15 @@ _EXPORTS = {
     "initialize_model_parallel": f"{_T}.parallel.mesh",
     "init_process_group": f"{_T}.parallel.mesh",
     # configs
-    "JobConfig": f"{_T}.config",
-    "ModelConfig": f"{_T}.config",
-    "TrainConfig": f"{_T}.config",
-    "OptimConfig": f"{_T}.config",
-    "ParallelConfig": f"{_T}.config",
-    "DataConfig": f"{_T}.config",
-    "CheckpointConfig": f"{_T}.config",
-    "LogConfig": f"{_T}.config",
-    "load_config": f"{_T}.config",
+    "JobConfig": f"{_T}.config.sections",
+    "ModelConfig": "meshtrain.services.common.model_config",
+    "TrainConfig": f"{_T}.config.sections",
+    "OptimConfig": f"{_T}.config.sections",
+    "ParallelConfig": f"{_T}.config.parallel",
+    "DataConfig": f"{_D}.config",
+    "CheckpointConfig": "meshtrain.services.checkpoint.config",
+    "LogConfig": f"{_T}.config.sections",
+    "load_config": f"{_T}.config.load",
     # the model and its sharding
     "GPT": f"{_T}.model.gpt",
     "parallelize": f"{_T}.parallel.tensor",

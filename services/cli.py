@@ -30,7 +30,7 @@ from meshtrain.services.trainer import generate_cli
 
 
 def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
-    from meshtrain.services.trainer.config import config_help, load_config
+    from meshtrain.services.trainer.config.load import config_help, load_config
     from meshtrain.services.trainer.train import train
 
     if args.help_config:
@@ -78,7 +78,7 @@ def launch_local_ranks(nproc: int, rest: list[str], grace_s: float | None = None
         grace_s: seconds the ranks get to checkpoint after a stop before SIGKILL (None: no limit).
     """
     from meshtrain.services.launcher.ranks import run_local_ranks
-    from meshtrain.services.trainer.config import load_config
+    from meshtrain.services.trainer.config.load import load_config
 
     if grace_s is not None and not grace_s > 0:
         raise ConfigError(f"--grace must be a positive number of seconds, got {grace_s}")

@@ -4,7 +4,7 @@ the trainer accepts (the trainer parses them itself, so argparse would not notic
 import re
 
 from meshtrain.services.cli import TRAIN_FIRST_OPTIONS, build_parser
-from meshtrain.services.trainer.flags import ALIASES
+from meshtrain.services.trainer.config.flags import ALIASES
 
 
 def _train_help() -> str:

@@ -556,7 +556,10 @@ def commit(
     except FileNotFoundError:
         # Another committer won meanwhile and cleared the fragments and objects its manifest
         # does not list, which this one was reading: its commit is the answer, not a lost file.
-        if committed_by_another(root, step, save_id) or committed_by(root, step, save_id) is not None:
+        if (
+            committed_by_another(root, step, save_id)
+            or committed_by(root, step, save_id) is not None
+        ):
             return _lost(root, step, save_id)
         raise
 

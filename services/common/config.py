@@ -5,7 +5,7 @@ config is a dataclass whose fields are those sections. This module fills such a 
 TOML tables and from command-line overrides, checks every value against the field's type
 annotation (`int`, `float`, `bool`, `str`, `Literal[...]`, `X | None`, `list[X]`), and raises
 `ConfigError` naming the key and what is allowed for an unknown key or a wrong type. It knows
-nothing about which sections exist: the trainer's `config.py` declares them.
+nothing about which sections exist: the trainer's `config/sections.py` declares them.
 
 Run `meshtrain train --help-config` to see every key with its documentation.
 """

@@ -2,8 +2,8 @@
 
 The trainer builds its GPT from a `ModelConfig`; the checkpoint service's Hugging Face import and
 export and `ckpt convert` read and write the same settings, so the config lives below both (the
-services never import the trainer). `meshtrain.services.trainer.config` re-exports it as the
-`model` section of a job.
+services never import the trainer). It is the `model` section of the trainer's job config
+(`meshtrain.services.trainer.config.sections.JobConfig`).
 """
 
 from __future__ import annotations

@@ -94,7 +94,7 @@ def checkpoint_size(job) -> tuple[int, int]:
     import torch
 
     from meshtrain.services.dataloader.tokenizers.base import build_tokenizer
-    from meshtrain.services.trainer.config import replace
+    from meshtrain.services.trainer.config.load import replace
     from meshtrain.services.trainer.model.gpt import GPT
 
     if job.model.vocab_size is None:
@@ -156,7 +156,7 @@ def compute_lead(
         step_time_s: seconds per training step; None: from run_dir's metrics, else 0.
         run_dir: the job's run directory, used when the arguments set no log.run_dir.
     """
-    from meshtrain.services.trainer.config import load_config
+    from meshtrain.services.trainer.config.load import load_config
 
     if write_mb_s <= 0:
         raise ConfigError(f"the checkpoint write bandwidth must be positive, got {write_mb_s} MB/s")

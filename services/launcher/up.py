@@ -51,7 +51,7 @@ from meshtrain.services.launcher.topology import (
     free_port,
     stop_on_signals,
 )
-from meshtrain.services.trainer.flags import parse_overrides
+from meshtrain.services.trainer.config.flags import parse_overrides
 
 PYTHON = [sys.executable, "-m", "meshtrain.services.cli"]
 
@@ -140,8 +140,8 @@ def plan(options: UpOptions, overrides: list[str]) -> Plan:
     Raises:
         ConfigError: a bad trainer argument, or `--s3` with a save root outside the store.
     """
-    from meshtrain.services.trainer.config import LAUNCHER_KEYS_ENV, load_config
-    from meshtrain.services.trainer.run_dir import UP_PID_ENV
+    from meshtrain.services.common.run_locks import UP_PID_ENV
+    from meshtrain.services.trainer.config.load import LAUNCHER_KEYS_ENV, load_config
 
     _refuse_owned_flags(
         overrides, data_workers=options.data_workers > 0, service=options.checkpoint_service
@@ -269,7 +269,7 @@ def claim_run_dir(run_dir: Path):
     Raises:
         ConfigError: another `up` or a trainer holds it (naming its pid), or the folder cannot be created.
     """
-    from meshtrain.services.trainer.run_dir import TRAIN_LOCK, UP_LOCK, lock_file, probe_lock
+    from meshtrain.services.common.run_locks import TRAIN_LOCK, UP_LOCK, lock_file, probe_lock
 
     try:
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -52,7 +52,7 @@ from meshtrain.services.trainer.checkpoint_boxes import (
     save_place,
     stored_places,
 )
-from meshtrain.services.trainer.config import JobConfig
+from meshtrain.services.trainer.config.sections import JobConfig
 from meshtrain.services.trainer.model.gpt import GPT
 from meshtrain.services.trainer.parallel.data import DataParallel
 from meshtrain.services.trainer.parallel.mesh import Mesh

@@ -23,7 +23,7 @@ from meshtrain.services.dataloader.loader import BatchOptions, LocalBatchSource
 from meshtrain.services.dataloader.preprocess import prepare_default_dataset
 from meshtrain.services.dataloader.spec import DatasetSpec, open_dataset, parse_data_path
 from meshtrain.services.dataloader.tokenizers.base import absolute_spec, build_tokenizer
-from meshtrain.services.trainer.config import JobConfig
+from meshtrain.services.trainer.config.sections import JobConfig
 
 log = logging.getLogger("meshtrain.data")
 

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshtrain.services.trainer.config import ModelConfig
+from meshtrain.services.common.model_config import ModelConfig
 from meshtrain.services.trainer.model.gpt import GPT
 from meshtrain.services.trainer.model.moe import MoEStats, moe_layers
 from meshtrain.services.trainer.tracking import Tracker, close_trackers, scalars

@@ -22,7 +22,7 @@ from meshtrain.services.trainer.checkpointing import (
     refuse_damaged_newer,
     restore,
 )
-from meshtrain.services.trainer.config import JobConfig
+from meshtrain.services.trainer.config.sections import JobConfig
 from meshtrain.services.trainer.model.gpt import GPT
 
 log = logging.getLogger("meshtrain.train")

@@ -6,17 +6,17 @@ its config.toml.
     ...
     release_run_dir(run_dir)                        # rank 0, once the run has ended
 
-A run directory is one trainer's at a time: rank 0 holds an exclusive flock on RUN_DIR/.train.lock
-(holding its pid) until its run ends (`release_run_dir`) or its process exits, so a second
-`meshtrain train` into it is refused instead of interleaving metrics.jsonl and replacing config.toml
-and control.addr. Outside `meshtrain up` the trainer also refuses a folder that an `up` holds
-(RUN_DIR/.up.lock, `services/launcher/up.py`), whose own trainer may be between runs; `up` names its
-pid to its trainer ranks in UP_PID_ENV.
+A run directory is one trainer's at a time: rank 0 holds an exclusive flock on
+RUN_DIR/.train.lock (holding its pid) until its run ends (`release_run_dir`) or its process
+exits, so a second `meshtrain train` into it is refused instead of interleaving metrics.jsonl
+and replacing config.toml and control.addr. Outside `meshtrain up` the trainer also refuses a
+folder that an `up` holds (RUN_DIR/.up.lock, `services/launcher/up.py`), whose own trainer may
+be between runs; `up` names its pid to its trainer ranks in UP_PID_ENV. The locks themselves are
+`services/common/run_locks.py`'s, shared with `up`.
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
 import textwrap
 import time
@@ -27,12 +27,15 @@ import torch.distributed as dist
 
 from meshtrain.services.common import config as cfg
 from meshtrain.services.common.errors import ConfigError
-from meshtrain.services.trainer.config import JobConfig
+from meshtrain.services.common.run_locks import (
+    TRAIN_LOCK,
+    UP_LOCK,
+    UP_PID_ENV,
+    lock_file,
+    probe_lock,
+)
+from meshtrain.services.trainer.config.sections import JobConfig
 from meshtrain.services.trainer.parallel.mesh import Mesh
-
-TRAIN_LOCK = ".train.lock"
-UP_LOCK = ".up.lock"
-UP_PID_ENV = "MESHTRAIN_UP_PID"  # set by `meshtrain up` for its trainer ranks: its own pid
 
 # The run directories this process holds (resolved path -> [the open lock file, how many
 # claims]). A process may build several Trainers into one folder (tests, a resume in process):
@@ -132,42 +135,6 @@ def release_run_dir(run_dir: Path) -> None:
     if held[1] == 0:
         del _held[key]
         held[0].close()  # closing the last descriptor drops the flock
-
-
-def lock_file(path: Path, mode: int = fcntl.LOCK_EX):
-    """`path` opened and flocked (`mode`: exclusive by default) without waiting: the open file,
-    or the pid written in it when another process holds it.
-
-    Raises:
-        ConfigError: it cannot be opened.
-    """
-    try:
-        lock = open(path, "a+")  # noqa: SIM115 -- held open for as long as the process runs
-    except OSError as e:
-        raise ConfigError(
-            f"cannot lock the run directory {path.parent} ({path}): {e.strerror}"
-        ) from None
-    try:
-        fcntl.flock(lock, mode | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.seek(0)
-        holder = lock.read().strip() or "unknown"
-        lock.close()
-        return holder
-    return lock
-
-
-def probe_lock(path: Path) -> str | None:
-    """The pid written in `path` if another process holds it exclusively, else None (a shared
-    flock, dropped at once: two probes never refuse each other)."""
-    if not path.exists():
-        return None
-    lock = lock_file(path, fcntl.LOCK_SH)
-    if isinstance(lock, str):
-        return lock
-    fcntl.flock(lock, fcntl.LOCK_UN)
-    lock.close()
-    return None
 
 
 def run_dir_toml(job: JobConfig, launcher_keys: list[str] | tuple[str, ...] = ()) -> str:

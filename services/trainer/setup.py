@@ -21,7 +21,8 @@ from meshtrain.services.checkpoint.config import CheckpointConfig
 from meshtrain.services.common.errors import ConfigError
 from meshtrain.services.common.security import AuthConfig, ClientSecurity
 from meshtrain.services.trainer import checkpointing
-from meshtrain.services.trainer.config import JobConfig, OptimConfig, ParallelConfig, TrainConfig
+from meshtrain.services.trainer.config.parallel import ParallelConfig
+from meshtrain.services.trainer.config.sections import JobConfig, OptimConfig, TrainConfig
 from meshtrain.services.trainer.fp8 import Fp8Model, build_fp8
 from meshtrain.services.trainer.metrics import ModelSize
 from meshtrain.services.trainer.model.gpt import GPT

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from meshtrain.services.common.errors import ConfigError
-from meshtrain.services.trainer.config import LogConfig
+from meshtrain.services.trainer.config.sections import LogConfig
 
 log = logging.getLogger("meshtrain.train")
 

@@ -36,7 +36,8 @@ from meshtrain.services.common.errors import (
     MeshtrainError,
 )
 from meshtrain.services.trainer import checkpointing
-from meshtrain.services.trainer.config import LAUNCHER_KEYS_ENV, JobConfig, replace
+from meshtrain.services.trainer.config.load import LAUNCHER_KEYS_ENV, replace
+from meshtrain.services.trainer.config.sections import JobConfig
 from meshtrain.services.trainer.data import build_data, placement
 from meshtrain.services.trainer.fp8.weights import Fp8WeightCache
 from meshtrain.services.trainer.graphs import MicroBatchGraph

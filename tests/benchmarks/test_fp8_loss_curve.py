@@ -13,7 +13,7 @@ import pytest
 
 from benchmarks import fp8_loss_curve as curve
 from meshtrain.services.common.errors import ConfigError
-from meshtrain.services.trainer.config import load_config
+from meshtrain.services.trainer.config.load import load_config
 
 pytest.importorskip("matplotlib", reason="the plot needs matplotlib (the `test` extra has it)")
 

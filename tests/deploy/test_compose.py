@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from meshtrain.services.cli import build_parser
-from meshtrain.services.trainer.config import load_config
+from meshtrain.services.trainer.config.load import load_config
 from tests.services.checkpoint.conftest import s3_server  # noqa: F401  (a fixture, found by name)
 
 REPO = Path(__file__).resolve().parents[2]

@@ -44,7 +44,7 @@ def test_auto_falls_back_without_triton():
 def test_the_config_knows_every_op():
     """train.compiled_triton_ops is checked against the config's copy of the op list."""
     pytest.importorskip("tomli_w", reason="the trainer's dependencies are not installed here")
-    from meshtrain.services.trainer.config import KERNEL_OPS
+    from meshtrain.services.trainer.config.sections import KERNEL_OPS
 
     assert KERNEL_OPS == dispatch.OPS
 

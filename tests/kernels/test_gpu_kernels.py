@@ -172,7 +172,7 @@ def test_model_with_triton_kernels_matches_reference(arch, monkeypatch):
     """One forward/backward of a small GPT under bf16 autocast with every op through Triton vs
     every op through the reference: the loss agrees to bf16 noise and so do the gradients."""
     pytest.importorskip("tomli_w", reason="the trainer's dependencies are not installed here")
-    from meshtrain.services.trainer.config import ModelConfig
+    from meshtrain.services.common.model_config import ModelConfig
     from meshtrain.services.trainer.model import GPT
 
     kw = dict(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=128, vocab_size=1003)
@@ -423,7 +423,7 @@ def test_compiled_model_auto_kernels_match_reference(arch, monkeypatch):
     (no graph break at the ops); loss and gradients agree with the eager reference to bf16 noise."""
     pytest.importorskip("tomli_w", reason="the trainer's dependencies are not installed here")
     from meshtrain.kernels import dispatch
-    from meshtrain.services.trainer.config import ModelConfig
+    from meshtrain.services.common.model_config import ModelConfig
     from meshtrain.services.trainer.model import GPT
 
     kw = dict(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=128, vocab_size=1003)

@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from meshtrain.kernels import dispatch
-from meshtrain.services.trainer.config import ModelConfig
+from meshtrain.services.common.model_config import ModelConfig
 from meshtrain.services.trainer.model.norm import Norm
 
 BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")

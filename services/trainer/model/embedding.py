@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from meshtrain.kernels.reference import compute_dtype
-from meshtrain.services.trainer.config import ModelConfig
+from meshtrain.services.common.model_config import ModelConfig
 
 
 class Embedding(nn.Module):

@@ -18,7 +18,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from meshtrain.kernels import dispatch
-from meshtrain.services.trainer.config import ModelConfig
+from meshtrain.services.common.model_config import ModelConfig
 from meshtrain.services.trainer.model.attention import Attention
 from meshtrain.services.trainer.model.embedding import Embedding
 from meshtrain.services.trainer.model.mlp import MLP

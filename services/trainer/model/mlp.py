@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from meshtrain.kernels import dispatch
-from meshtrain.services.trainer.config import ModelConfig
+from meshtrain.services.common.model_config import ModelConfig
 
 
 class MLP(nn.Module):

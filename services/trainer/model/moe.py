@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtrain.kernels import dispatch
-from meshtrain.services.trainer.config import ModelConfig
+from meshtrain.services.common.model_config import ModelConfig
 from meshtrain.services.trainer.model.mlp import MLP
 
 

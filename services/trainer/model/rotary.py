@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from meshtrain.services.trainer.config import ModelConfig
+from meshtrain.services.common.model_config import ModelConfig
 
 
 def inverse_frequencies(config: ModelConfig, device=None) -> torch.Tensor:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from meshtrain.services.trainer.config import OptimConfig
+from meshtrain.services.trainer.config.sections import OptimConfig
 
 
 def is_decayed(name: str, param: nn.Parameter, config: OptimConfig) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from meshtrain.services.common.errors import ConfigError
-from meshtrain.services.trainer.config import OptimConfig
+from meshtrain.services.trainer.config.sections import OptimConfig
 
 
 def warmup_iters(config: OptimConfig, train_iters: int) -> int:

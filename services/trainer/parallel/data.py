@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshtrain.services.common.errors import ConfigError
-from meshtrain.services.trainer.config import OptimConfig
+from meshtrain.services.trainer.config.sections import OptimConfig
 from meshtrain.services.trainer.optim.optimizer import is_decayed
 from meshtrain.services.trainer.parallel import mappings as M
 from meshtrain.services.trainer.parallel.mesh import Mesh

@@ -27,7 +27,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from meshtrain.services.trainer.config import OptimConfig
+from meshtrain.services.trainer.config.sections import OptimConfig
 from meshtrain.services.trainer.model.gpt import GPT
 from meshtrain.services.trainer.optim.optimizer import build_optimizer
 from meshtrain.services.trainer.parallel.data import DataParallel, forward_units

@@ -15,7 +15,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from meshtrain.services.trainer.config import ParallelConfig
+from meshtrain.services.trainer.config.parallel import ParallelConfig
 from meshtrain.services.trainer.model.attention import CoreAttention
 from meshtrain.services.trainer.model.gpt import GPT
 

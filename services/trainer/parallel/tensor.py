@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtrain.services.common.errors import ConfigError
-from meshtrain.services.trainer.config import check_tensor_parallel
+from meshtrain.services.trainer.config.checks import check_tensor_parallel
 from meshtrain.services.trainer.model.moe import MoE
 from meshtrain.services.trainer.parallel import async_tp
 from meshtrain.services.trainer.parallel import mappings as M

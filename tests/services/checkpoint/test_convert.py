@@ -24,8 +24,9 @@ from meshtrain.services.checkpoint.reader import list_checkpoints, load_checkpoi
 from meshtrain.services.checkpoint.writer import save_checkpoint
 from meshtrain.services.common.config import to_dict
 from meshtrain.services.common.errors import CheckpointError
+from meshtrain.services.common.model_config import ModelConfig
 from meshtrain.services.trainer import checkpointing
-from meshtrain.services.trainer.config import JobConfig, ModelConfig
+from meshtrain.services.trainer.config.sections import JobConfig
 from meshtrain.services.trainer.model.gpt import GPT
 from meshtrain.services.trainer.optim.optimizer import build_optimizer
 from meshtrain.services.trainer.parallel.mesh import Mesh

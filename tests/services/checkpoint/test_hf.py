@@ -18,8 +18,9 @@ from meshtrain.services.checkpoint.reader import list_checkpoints, read_manifest
 from meshtrain.services.checkpoint.writer import save_checkpoint
 from meshtrain.services.common.config import to_dict
 from meshtrain.services.common.errors import CheckpointError
+from meshtrain.services.common.model_config import ModelConfig
 from meshtrain.services.trainer import checkpointing
-from meshtrain.services.trainer.config import JobConfig, ModelConfig
+from meshtrain.services.trainer.config.sections import JobConfig
 from meshtrain.services.trainer.model.gpt import GPT
 from meshtrain.services.trainer.optim.optimizer import build_optimizer
 from meshtrain.services.trainer.parallel.mesh import Mesh
@@ -648,7 +649,7 @@ def test_cli_import_tells_to_train_on_with_the_models_own_tokenizer(tmp_path, ca
 
     from meshtrain.services.checkpoint.convert_cli import register_subcommands
     from meshtrain.services.dataloader.tokenizers.base import train_bpe
-    from meshtrain.services.trainer.config import load_config
+    from meshtrain.services.trainer.config.load import load_config
 
     text = tmp_path / "corpus.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
@@ -682,7 +683,7 @@ def test_cli_import_tells_to_train_on_with_the_models_own_tokenizer(tmp_path, ca
 def test_hf_model_trains_on_in_meshtrain_and_exports_back(tmp_path):
     """HF Llama -> import -> `train --load` 3 steps -> export -> transformers loads the result."""
     from meshtrain.services.dataloader.preprocess import prepare_default_dataset
-    from meshtrain.services.trainer.config import load_config
+    from meshtrain.services.trainer.config.load import load_config
     from meshtrain.services.trainer.train import train
 
     config = transformers.LlamaConfig(

@@ -15,8 +15,8 @@ import torch
 from meshtrain.services.checkpoint.hf import export_hf, import_hf, model_from_hf
 from meshtrain.services.checkpoint.reader import read_manifest
 from meshtrain.services.common.errors import CheckpointError
+from meshtrain.services.common.model_config import ModelConfig
 from meshtrain.services.trainer import checkpointing
-from meshtrain.services.trainer.config import ModelConfig
 from meshtrain.services.trainer.model.gpt import GPT
 from meshtrain.services.trainer.parallel.mesh import Mesh
 from tests.services.checkpoint.test_hf import (

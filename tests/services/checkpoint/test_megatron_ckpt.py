@@ -25,7 +25,7 @@ import torch
 from meshtrain.services.checkpoint.megatron import export_megatron, import_megatron
 from meshtrain.services.checkpoint.reader import read_manifest, read_tensor
 from meshtrain.services.common.errors import CheckpointError
-from meshtrain.services.trainer.config import ModelConfig
+from meshtrain.services.common.model_config import ModelConfig
 from meshtrain.services.trainer.model.gpt import GPT
 from tests.dist_utils import run_ranks
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from meshtrain.services.checkpoint.reader import list_checkpoints, load_checkpoint, read_manifest
-from meshtrain.services.trainer.config import load_config
+from meshtrain.services.trainer.config.load import load_config
 from meshtrain.services.trainer.train import Trainer
 from tests.services.checkpoint.test_replicas import replicas
 from tests.services.trainer.conftest import corpus_cache, small_job_args  # noqa: F401 -- the fixture

@@ -7,14 +7,9 @@ import tomli_w
 
 from meshtrain.services.common import config as cfg
 from meshtrain.services.common.errors import ConfigError, NotBuiltError
-from meshtrain.services.trainer.config import (
-    REMOVED_KEYS,
-    JobConfig,
-    config_help,
-    load_config,
-    parse_overrides,
-    replace,
-)
+from meshtrain.services.trainer.config.flags import parse_overrides
+from meshtrain.services.trainer.config.load import REMOVED_KEYS, config_help, load_config, replace
+from meshtrain.services.trainer.config.sections import JobConfig
 
 
 def test_defaults_build_and_round_trip_through_toml(tmp_path):

@@ -5,7 +5,8 @@ import pytest
 
 from meshtrain.services.common import config as cfg
 from meshtrain.services.common.errors import ConfigError
-from meshtrain.services.trainer.config import load_config, parse_overrides
+from meshtrain.services.trainer.config.flags import parse_overrides
+from meshtrain.services.trainer.config.load import load_config
 
 
 @pytest.fixture

@@ -479,7 +479,7 @@ def test_a_malformed_dns_target_is_refused_naming_it(blend_spec):
 
 
 def test_the_trainer_passes_the_data_config_timeouts_to_the_client(good, tmp_path):
-    from meshtrain.services.trainer.config import load_config
+    from meshtrain.services.trainer.config.load import load_config
     from meshtrain.services.trainer.data import build_data
 
     job = load_config(

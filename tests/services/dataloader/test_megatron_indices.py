@@ -332,7 +332,7 @@ def test_a_worker_that_predates_the_order_is_refused(tmp_path):
 def test_the_trainer_config_reaches_the_dataset(tmp_path):
     """`--data.sample_order=megatron` on the trainer's command line: its train stream is
     Megatron's GPTDataset for train_iters x global_batch_size samples and the run's seed."""
-    from meshtrain.services.trainer.config import load_config
+    from meshtrain.services.trainer.config.load import load_config
     from meshtrain.services.trainer.data import build_data
 
     prefix = _write_ours(tmp_path / "t", 8, 80, 50, False)

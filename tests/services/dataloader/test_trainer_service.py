@@ -4,7 +4,7 @@ import pytest
 
 from meshtrain.services.dataloader.rpc.client import ServiceBatchSource
 from meshtrain.services.dataloader.rpc.server import start_server
-from meshtrain.services.trainer.config import load_config
+from meshtrain.services.trainer.config.load import load_config
 from meshtrain.services.trainer.train import train
 from tests.services.trainer.conftest import corpus_cache, small_job_args  # noqa: F401 (fixture)
 

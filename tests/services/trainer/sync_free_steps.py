@@ -16,7 +16,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from meshtrain.services.trainer.config import load_config
+from meshtrain.services.trainer.config.load import load_config
 from meshtrain.services.trainer.train import Trainer
 
 WARMUP = 2  # lazy initialization (cuBLAS handles, NCCL communicators, compiled graphs) may sync

@@ -31,7 +31,7 @@ def test_a_save_started_while_the_service_restarts_is_retried(corpus_cache, tmp_
     import threading
 
     from meshtrain.services.checkpoint.reader import list_checkpoints
-    from meshtrain.services.trainer.config import load_config
+    from meshtrain.services.trainer.config.load import load_config
     from meshtrain.services.trainer.train import Trainer
     from tests.services.trainer.conftest import small_job_args
 
@@ -71,7 +71,7 @@ def test_a_save_started_while_the_service_restarts_is_retried(corpus_cache, tmp_
 
 def test_save_attempts_and_backoff_are_checked():
     from meshtrain.services.common.errors import ConfigError
-    from meshtrain.services.trainer.config import load_config
+    from meshtrain.services.trainer.config.load import load_config
 
     with pytest.raises(ConfigError, match="save_attempts must be >= 1, got 0"):
         load_config(["--checkpoint.save_attempts=0"])
@@ -93,7 +93,7 @@ def _save_into_a_taken_step(rank, world, args, root):
 
     from meshtrain.services.checkpoint.writer import save_checkpoint
     from meshtrain.services.common.errors import CheckpointError
-    from meshtrain.services.trainer.config import load_config
+    from meshtrain.services.trainer.config.load import load_config
     from meshtrain.services.trainer.train import Trainer
 
     trainer = Trainer(load_config(args))
@@ -131,7 +131,7 @@ def _fail_with_a_save_in_flight(rank, world, args):
     `close_after_failure`."""
     import time
 
-    from meshtrain.services.trainer.config import load_config
+    from meshtrain.services.trainer.config.load import load_config
     from meshtrain.services.trainer.train import Trainer
 
     trainer = Trainer(load_config(args))
@@ -187,7 +187,7 @@ def test_the_first_save_fills_the_buffers_prepared_when_the_trainer_was_built(
     # A run that saves lays out its boxes once the model is built (before AdamW has moments)
     # and allocates their host buffers in the background: the first save must find every
     # parameter and moment box among them, so its stall is a copy, not an allocation.
-    from meshtrain.services.trainer.config import load_config
+    from meshtrain.services.trainer.config.load import load_config
     from meshtrain.services.trainer.train import Trainer
     from tests.services.trainer.conftest import small_job_args
 

@@ -10,8 +10,8 @@ very same tensors and exports as a Qwen3 model transformers computes the same lo
 import pytest
 import torch
 
+from meshtrain.services.common.model_config import ModelConfig
 from meshtrain.services.trainer.checkpointing import load_checkpoint, save_checkpoint
-from meshtrain.services.trainer.config import ModelConfig
 from meshtrain.services.trainer.model.gpt import GPT
 from meshtrain.services.trainer.parallel.mesh import Mesh
 from meshtrain.services.trainer.parallel.tensor import parallelize

@@ -14,9 +14,9 @@ import torch
 from meshtrain.services.checkpoint.maintenance import verify_checkpoint
 from meshtrain.services.checkpoint.reader import read_manifest
 from meshtrain.services.common.errors import CheckpointError
+from meshtrain.services.common.model_config import ModelConfig
 from meshtrain.services.trainer.checkpoint_boxes import Place, layer_stacks, pieces, save_place
 from meshtrain.services.trainer.checkpointing import load_checkpoint, save_checkpoint
-from meshtrain.services.trainer.config import ModelConfig
 from meshtrain.services.trainer.model.gpt import GPT
 from meshtrain.services.trainer.model.moe import moe_layers
 from meshtrain.services.trainer.parallel.mesh import Mesh
@@ -259,7 +259,7 @@ EP_STEPS = 6
 
 def _ep_job(model_settings: dict, distributed_optimizer: bool = False):
     """A data-parallel MoE model on this process's mesh, as the trainer builds it."""
-    from meshtrain.services.trainer.config import OptimConfig
+    from meshtrain.services.trainer.config.sections import OptimConfig
     from meshtrain.services.trainer.parallel.ddp import DistributedDataParallel
 
     def make(mesh: Mesh):
@@ -370,7 +370,7 @@ def test_a_trainer_moe_run_resumes_with_identical_losses(corpus_cache, tmp_path)
     aux and z-loss), stopped at step 3 and resumed: steps 4..6 equal the uninterrupted run's
     exactly, and so does every saved tensor, the expert bias included."""
     from meshtrain.services.checkpoint.reader import load_checkpoint as read_tensors
-    from meshtrain.services.trainer.config import load_config
+    from meshtrain.services.trainer.config.load import load_config
     from meshtrain.services.trainer.train import train
     from tests.services.trainer.conftest import small_job_args
 

@@ -18,7 +18,7 @@ from meshtrain.services.checkpoint.reader import list_checkpoints
 from meshtrain.services.cli import main
 from meshtrain.services.common.errors import CheckpointError, ConfigError, MeshtrainError
 from meshtrain.services.common.security import ClientSecurity
-from meshtrain.services.trainer.config import load_config
+from meshtrain.services.trainer.config.load import load_config
 from meshtrain.services.trainer.rpc.client import ControlClient, resolve_address
 from meshtrain.services.trainer.train import train
 from tests.services.trainer.conftest import small_job_args

@@ -13,7 +13,7 @@ import torch
 from meshtrain.services.checkpoint.reader import latest_step, list_checkpoints
 from meshtrain.services.common.errors import DiskFullError
 from meshtrain.services.trainer.checkpointing import load_checkpoint
-from meshtrain.services.trainer.config import load_config
+from meshtrain.services.trainer.config.load import load_config
 from meshtrain.services.trainer.model.gpt import GPT
 from meshtrain.services.trainer.train import Trainer
 from tests.services.trainer.conftest import small_job_args

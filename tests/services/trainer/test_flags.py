@@ -15,9 +15,20 @@ import pytest
 
 from meshtrain.services.checkpoint.reader import list_checkpoints
 from meshtrain.services.common.errors import ConfigError
-from meshtrain.services.trainer import megatron_flags
-from meshtrain.services.trainer.config import ALIASES, load_config, parse_overrides
-from meshtrain.services.trainer.flags import _DEFERRED_SWITCHES, _DEFERRED_VALUES, _ONLY_VALUE
+from meshtrain.services.trainer.config.flags import (
+    _DEFERRED_SWITCHES,
+    _DEFERRED_VALUES,
+    _ONLY_VALUE,
+    ALIASES,
+    parse_overrides,
+)
+from meshtrain.services.trainer.config.load import load_config
+from meshtrain.services.trainer.config.megatron import (
+    NO_EFFECT,
+    NOT_BUILT,
+    NOT_BUILT_PREFIXES,
+    classify,
+)
 from meshtrain.services.trainer.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[3]
@@ -513,14 +524,14 @@ def test_no_effect_flags_take_their_value_or_none():
 
 def test_the_tables_do_not_overlap_and_every_reason_is_one_line():
     special = {*_DEFERRED_SWITCHES, *_DEFERRED_VALUES, *_ONLY_VALUE}
-    not_built = {flag for flags in megatron_flags.NOT_BUILT.values() for flag in flags}
+    not_built = {flag for flags in NOT_BUILT.values() for flag in flags}
     for flag in [*ALIASES, *special]:
-        assert megatron_flags.classify(flag) is None, flag
-    assert not set(megatron_flags.NO_EFFECT) & not_built
+        assert classify(flag) is None, flag
+    assert not set(NO_EFFECT) & not_built
     for why in [
-        *megatron_flags.NOT_BUILT,
-        *megatron_flags.NOT_BUILT_PREFIXES.values(),
-        *(why for _, why in megatron_flags.NO_EFFECT.values()),
+        *NOT_BUILT,
+        *NOT_BUILT_PREFIXES.values(),
+        *(why for _, why in NO_EFFECT.values()),
     ]:
         assert why and "\n" not in why
 

@@ -19,7 +19,7 @@ import grpc
 import pytest
 
 from meshtrain.protos.trainer.v1 import trainer_pb2 as pb
-from meshtrain.services.trainer.config import load_config
+from meshtrain.services.trainer.config.load import load_config
 from meshtrain.services.trainer.rpc.client import RUN_TOKEN_KEY, ControlClient
 from meshtrain.services.trainer.rpc.server import serve_control
 from meshtrain.services.trainer.rpc.servicer import SERVICE_NAME

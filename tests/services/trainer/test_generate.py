@@ -8,7 +8,9 @@ import pytest
 import torch
 
 import meshtrain
-from meshtrain.services.trainer.config import DataConfig, JobConfig, ModelConfig
+from meshtrain.services.common.model_config import ModelConfig
+from meshtrain.services.dataloader.config import DataConfig
+from meshtrain.services.trainer.config.sections import JobConfig
 from meshtrain.services.trainer.generate import KVCache, filter_logits, forward_cached, generate
 from meshtrain.services.trainer.model import GPT
 from tests.services.trainer.model.test_gpt import (

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshtrain.services.trainer.config import load_config
+from meshtrain.services.trainer.config.load import load_config
 from meshtrain.services.trainer.train import train
 from tests.services.trainer.conftest import small_job_args
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from meshtrain.services.common.errors import ConfigError, MeshtrainError
-from meshtrain.services.trainer.config import load_config
+from meshtrain.services.trainer.config.load import load_config
 from meshtrain.services.trainer.graphs import MicroBatchGraph
 from tests.services.trainer.conftest import small_job_args
 

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from meshtrain.services.common.errors import ConfigError
-from meshtrain.services.trainer.config import ModelConfig, config_help, load_config
-from meshtrain.services.trainer.flags import parse_layer_freq
+from meshtrain.services.common.model_config import ModelConfig
+from meshtrain.services.trainer.config.flags import parse_layer_freq
+from meshtrain.services.trainer.config.load import config_help, load_config
 from meshtrain.services.trainer.metrics import model_size, read_metrics
 from meshtrain.services.trainer.model.gpt import GPT
 from meshtrain.services.trainer.model.moe import moe_layers

@@ -7,7 +7,7 @@ import pytest
 
 from meshtrain.services.checkpoint.reader import list_checkpoints
 from meshtrain.services.common.errors import CheckpointError, ConfigError
-from meshtrain.services.trainer.config import load_config
+from meshtrain.services.trainer.config.load import load_config
 from meshtrain.services.trainer.train import train
 from tests.services.trainer.conftest import small_job_args
 

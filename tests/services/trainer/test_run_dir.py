@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from meshtrain.services.common.errors import CheckpointError
-from meshtrain.services.trainer.config import load_config, replace
+from meshtrain.services.trainer.config.load import load_config, replace
 from meshtrain.services.trainer.rpc.server import ControlEndpoint
 from meshtrain.services.trainer.run_dir import claim_run_dir, release_run_dir
 from meshtrain.services.trainer.train import Trainer, train
@@ -169,7 +169,8 @@ def test_one_rank_holds_the_run_dir_of_a_multi_rank_launch(tmp_path, corpus_cach
 def _holder_seen_from_another_process(run: Path) -> str:
     """The pid another process finds holding RUN/.train.lock, or 'None'."""
     code = (
-        "import sys; from pathlib import Path; from meshtrain.services.trainer.run_dir import probe_lock; "
+        "import sys; from pathlib import Path; "
+        "from meshtrain.services.common.run_locks import probe_lock; "
         "print(probe_lock(Path(sys.argv[1])))"
     )
     probe = subprocess.run(

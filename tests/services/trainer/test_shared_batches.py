@@ -78,7 +78,7 @@ def test_peers_get_the_readers_batches_and_its_failure(tmp_path):
 
 
 def _train(rank, world, args):
-    from meshtrain.services.trainer.config import load_config
+    from meshtrain.services.trainer.config.load import load_config
     from meshtrain.services.trainer.train import Trainer
 
     trainer = Trainer(load_config(args))

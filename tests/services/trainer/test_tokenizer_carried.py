@@ -11,7 +11,7 @@ from meshtrain.services.checkpoint.hf import export_hf
 from meshtrain.services.checkpoint.reader import read_manifest
 from meshtrain.services.checkpoint.tokenizer_store import METADATA_KEY
 from meshtrain.services.dataloader.preprocess import prepare_default_dataset
-from meshtrain.services.trainer.config import load_config
+from meshtrain.services.trainer.config.load import load_config
 from meshtrain.services.trainer.train import train
 from tests.services.trainer.conftest import small_job_args
 

@@ -11,7 +11,8 @@ import pytest
 
 from meshtrain.services.common.errors import ConfigError
 from meshtrain.services.trainer import tracking
-from meshtrain.services.trainer.config import LogConfig, load_config
+from meshtrain.services.trainer.config.load import load_config
+from meshtrain.services.trainer.config.sections import LogConfig
 from meshtrain.services.trainer.metrics import read_metrics
 from meshtrain.services.trainer.train import train
 from tests.services.trainer.conftest import small_job_args

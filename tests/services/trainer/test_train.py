@@ -10,7 +10,7 @@ import torch
 
 from meshtrain.services.checkpoint.reader import list_checkpoints
 from meshtrain.services.common.errors import CheckpointError, ConfigError
-from meshtrain.services.trainer.config import load_config
+from meshtrain.services.trainer.config.load import load_config
 from meshtrain.services.trainer.train import train
 from tests.services.trainer.conftest import small_job_args
 
@@ -582,7 +582,7 @@ def test_eval_set_is_eval_iters_global_batches_whatever_the_micro_batch_and_dp_s
 _STOP_CHILD = """
 import os, signal, sys, time
 from meshtrain.services.trainer import requests, train as T
-from meshtrain.services.trainer.config import load_config
+from meshtrain.services.trainer.config.load import load_config
 requests.STOP_STACK_DUMP_S = 0.5
 trainer = T.Trainer(load_config(sys.argv[2:]))
 step_fn = trainer.train_step

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from meshtrain.services.common.errors import ConfigError
-from meshtrain.services.trainer.config import load_config
+from meshtrain.services.trainer.config.load import load_config
 from meshtrain.services.trainer.train import Trainer
 from meshtrain.services.trainer.weight_copies import (
     MainGradLinear,

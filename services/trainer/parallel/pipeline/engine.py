@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from meshtrain.services.common.errors import ConfigError
-from meshtrain.services.trainer.config import JobConfig
+from meshtrain.services.trainer.config.sections import JobConfig
 from meshtrain.services.trainer.model.gpt import GPT
 from meshtrain.services.trainer.model.moe import MoE
 from meshtrain.services.trainer.parallel.mesh import Mesh

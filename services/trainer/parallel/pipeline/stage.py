@@ -26,7 +26,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from meshtrain.services.common.errors import ConfigError
-from meshtrain.services.trainer.config import ParallelConfig
+from meshtrain.services.trainer.config.parallel import ParallelConfig
 from meshtrain.services.trainer.model.embedding import Embedding
 from meshtrain.services.trainer.model.gpt import GPT, rope_tables
 

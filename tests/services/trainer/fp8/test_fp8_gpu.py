@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshtrain.services.trainer.config import load_config
+from meshtrain.services.trainer.config.load import load_config
 from meshtrain.services.trainer.fp8 import Fp8Gemm, Recipe
 from meshtrain.services.trainer.fp8.scaling import FORMATS, amax, amax_to_scale, cast_to_fp8
 from meshtrain.services.trainer.train import Trainer, train

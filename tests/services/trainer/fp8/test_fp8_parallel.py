@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from meshtrain.services.checkpoint.reader import load_checkpoint
-from meshtrain.services.trainer.config import load_config
+from meshtrain.services.trainer.config.load import load_config
 from meshtrain.services.trainer.fp8 import Fp8Gemm
 from meshtrain.services.trainer.parallel.tensor import ColumnParallelLinear
 from meshtrain.services.trainer.train import Trainer, train

@@ -8,7 +8,7 @@ from torch import nn
 from meshtrain.services.checkpoint.reader import load_checkpoint
 from meshtrain.services.common.errors import ConfigError
 from meshtrain.services.common.model_config import ModelConfig
-from meshtrain.services.trainer.config import load_config
+from meshtrain.services.trainer.config.load import load_config
 from meshtrain.services.trainer.fp8 import Fp8Linear, Recipe, apply_fp8
 from meshtrain.services.trainer.model import GPT
 from meshtrain.services.trainer.parallel.mesh import Mesh

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from meshtrain.services.common.errors import ConfigError
-from meshtrain.services.trainer.config import ModelConfig, ParallelConfig
+from meshtrain.services.common.model_config import ModelConfig
+from meshtrain.services.trainer.config.parallel import ParallelConfig
 from meshtrain.services.trainer.generate import KVCache, forward_cached
 from meshtrain.services.trainer.model import GPT
 from meshtrain.services.trainer.model.rotary import inverse_frequencies

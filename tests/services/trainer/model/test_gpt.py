@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshtrain.services.trainer.config import ModelConfig
+from meshtrain.services.common.model_config import ModelConfig
 from meshtrain.services.trainer.model import GPT
 
 GPT2 = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=301)
@@ -117,7 +117,7 @@ def test_pinned_attention_backend_and_expanded_kv_match_naive_reference(backend,
 
 def test_unknown_attention_backend_is_refused():
     from meshtrain.services.common.errors import ConfigError
-    from meshtrain.services.trainer.config import load_config
+    from meshtrain.services.trainer.config.load import load_config
 
     with pytest.raises(ConfigError, match="model.attention_backend: got 'flash3'"):
         load_config(["--model.attention_backend=flash3"])

@@ -9,7 +9,8 @@ losses, gradients and statistics are bit-identical, so the tests use exact equal
 import pytest
 import torch
 
-from meshtrain.services.trainer.config import ModelConfig, ParallelConfig
+from meshtrain.services.common.model_config import ModelConfig
+from meshtrain.services.trainer.config.parallel import ParallelConfig
 from meshtrain.services.trainer.model import GPT
 from meshtrain.services.trainer.model.moe import moe_layers, set_moe_loss_scale
 from meshtrain.services.trainer.parallel import recompute

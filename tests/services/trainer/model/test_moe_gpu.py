@@ -6,7 +6,7 @@ Skipped without CUDA; the grouped kernel (`torch._grouped_mm`) needs compute cap
 import pytest
 import torch
 
-from meshtrain.services.trainer.config import ModelConfig
+from meshtrain.services.common.model_config import ModelConfig
 from meshtrain.services.trainer.model.moe import (
     MoE,
     grouped_gemm_available,

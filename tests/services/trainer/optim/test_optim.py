@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from meshtrain.services.trainer.config import ModelConfig, OptimConfig
+from meshtrain.services.common.model_config import ModelConfig
+from meshtrain.services.trainer.config.sections import OptimConfig
 from meshtrain.services.trainer.model import GPT
 from meshtrain.services.trainer.optim.optimizer import build_optimizer, clip_grad_norm, is_decayed
 from meshtrain.services.trainer.optim.schedule import lr_at

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from meshtrain.services.common.errors import ConfigError
-from meshtrain.services.trainer.config import OptimConfig
+from meshtrain.services.trainer.config.sections import OptimConfig
 from meshtrain.services.trainer.optim.schedule import lr_at, warmup_iters
 
 # The anneal's share of (lr - min_lr) at progress p through it (Megatron's formulas).

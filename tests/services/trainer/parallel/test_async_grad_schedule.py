@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from benchmarks.compile_graph_breaks import inductor_order
-from meshtrain.services.trainer.config import ModelConfig
+from meshtrain.services.common.model_config import ModelConfig
 from meshtrain.services.trainer.model import GPT
 from meshtrain.services.trainer.parallel.mesh import Mesh
 from meshtrain.services.trainer.parallel.tensor import parallelize

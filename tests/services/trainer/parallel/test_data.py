@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshtrain.services.trainer.config import ModelConfig, OptimConfig
+from meshtrain.services.common.model_config import ModelConfig
+from meshtrain.services.trainer.config.sections import OptimConfig
 from meshtrain.services.trainer.model import GPT
 from meshtrain.services.trainer.parallel.data import DataParallel, forward_units
 from meshtrain.services.trainer.parallel.mesh import Mesh

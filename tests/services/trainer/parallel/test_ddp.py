@@ -13,7 +13,8 @@ up to a step of its own.
 import pytest
 import torch
 
-from meshtrain.services.trainer.config import ModelConfig, OptimConfig
+from meshtrain.services.common.model_config import ModelConfig
+from meshtrain.services.trainer.config.sections import OptimConfig
 from meshtrain.services.trainer.model import GPT
 from meshtrain.services.trainer.optim.optimizer import build_optimizer, clip_grad_norm
 from meshtrain.services.trainer.parallel.ddp import DistributedDataParallel

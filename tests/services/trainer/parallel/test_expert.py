@@ -36,7 +36,9 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from meshtrain.services.trainer.config import ModelConfig, OptimConfig, ParallelConfig
+from meshtrain.services.common.model_config import ModelConfig
+from meshtrain.services.trainer.config.parallel import ParallelConfig
+from meshtrain.services.trainer.config.sections import OptimConfig
 from meshtrain.services.trainer.model import GPT
 from meshtrain.services.trainer.model.moe import moe_layers, set_moe_loss_scale
 from meshtrain.services.trainer.optim.optimizer import build_optimizer, clip_grad_norm

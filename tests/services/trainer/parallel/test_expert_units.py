@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.services.common.errors import ConfigError
-from meshtrain.services.trainer.config import ModelConfig
+from meshtrain.services.common.model_config import ModelConfig
 from meshtrain.services.trainer.model import GPT
 from meshtrain.services.trainer.model.moe import LocalDispatcher, moe_layers
 from meshtrain.services.trainer.parallel.expert import (

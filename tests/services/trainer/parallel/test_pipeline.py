@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from meshtrain.services.checkpoint.reader import load_checkpoint
-from meshtrain.services.trainer.config import load_config
+from meshtrain.services.trainer.config.load import load_config
 from meshtrain.services.trainer.train import train
 from tests.dist_utils import run_ranks
 from tests.services.trainer.conftest import small_job_args

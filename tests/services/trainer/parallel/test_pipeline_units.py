@@ -5,7 +5,9 @@ import torch
 from torch import nn
 
 from meshtrain.services.common.errors import ConfigError
-from meshtrain.services.trainer.config import ModelConfig, ParallelConfig, load_config
+from meshtrain.services.common.model_config import ModelConfig
+from meshtrain.services.trainer.config.load import load_config
+from meshtrain.services.trainer.config.parallel import ParallelConfig
 from meshtrain.services.trainer.model.gpt import GPT
 from meshtrain.services.trainer.parallel.pipeline.engine import _defer_weight_grads
 from meshtrain.services.trainer.parallel.pipeline.stage import PipelineStage, stage_layers

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from meshtrain.services.trainer.config import ModelConfig, ParallelConfig
+from meshtrain.services.common.model_config import ModelConfig
+from meshtrain.services.trainer.config.parallel import ParallelConfig
 from meshtrain.services.trainer.model import GPT
 from meshtrain.services.trainer.parallel import recompute
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from meshtrain.services.common.errors import ConfigError
-from meshtrain.services.trainer.config import ModelConfig, load_config
+from meshtrain.services.common.model_config import ModelConfig
+from meshtrain.services.trainer.config.load import load_config
 from meshtrain.services.trainer.model import GPT
 from meshtrain.services.trainer.parallel.mesh import Mesh
 from meshtrain.services.trainer.parallel.tensor import TPSplit, gather_tp, parallelize

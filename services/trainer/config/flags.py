@@ -1,7 +1,7 @@
 """The trainer's command line: `--config FILE`, `--section.key=value` overrides and Megatron-LM's flags.
 
 `parse_overrides` turns the words after `meshtrain train` into (config file, nested override
-table); `meshtrain.services.trainer.config.load_config` merges that table over the defaults and the file.
+table); `load.load_config` merges that table over the defaults and the file.
 
     parse_overrides(["--config", "a.toml", "--hidden-size", "768", "--train.bf16=true"])
     # -> ("a.toml", {"model": {"hidden_size": 768}, "train": {"bf16": True}})
@@ -12,11 +12,12 @@ from __future__ import annotations
 import ast
 import logging
 import re
+from dataclasses import dataclass, field
 from typing import Any
 
 from meshtrain.services.common import config as cfg
 from meshtrain.services.common.errors import ConfigError
-from meshtrain.services.trainer import megatron_flags
+from meshtrain.services.trainer.config.megatron import NO_EFFECT, classify
 
 log = logging.getLogger("meshtrain.config")
 
@@ -284,106 +285,161 @@ def parse_overrides(args: list[str]) -> tuple[str | None, dict[str, Any]]:
     """Turn command-line words into (config file, nested override table).
 
     Accepts `--config FILE`, `--section.key=value` / `--section.key value`, the Megatron
-    aliases in `ALIASES`, and the Megatron flags of `megatron_flags`: those without effect here
+    aliases in `ALIASES`, and the Megatron flags of `megatron.py`: those without effect here
     are accepted with a warning, those of features meshtrain does not have are refused, every one
     of them named in one error. `--data-path` takes one or more words, like Megatron's.
 
     Raises:
         ConfigError: for an unknown or refused flag, or a flag missing its value.
     """
-    config_file: str | None = None
-    table: dict[str, Any] = {}
-    megatron: dict[str, Any] = {}  # flags applied once every word is read (they depend on others)
-    refused: dict[str, str] = {}
-    i = 0
-    while i < len(args):
-        word = args[i]
+    words = _Words(args)
+    parsed = _Parsed()
+    while words.next_flag():
+        _read_flag(words, parsed)
+    if parsed.refused:
+        lines = "\n".join(f"  {flag}: {why}" for flag, why in parsed.refused.items())
+        raise ConfigError(
+            f"{len(parsed.refused)} Megatron-LM flag(s) of features meshtrain does not have "
+            f"(remove them to go on):\n{lines}"
+        )
+    _apply_deferred(parsed.table, parsed.deferred)
+    return parsed.config_file, parsed.table
+
+
+class _Words:
+    """The command line read left to right: the current flag, then the word(s) of its value."""
+
+    def __init__(self, args: list[str]) -> None:
+        self._args = args
+        self._i = -1
+        self.name = ""
+        """The current flag, without its `=value`."""
+        self.inline: str | None = None
+        """The value written `--flag=value`; None when the flag has no `=`."""
+
+    def next_flag(self) -> bool:
+        """Step to the next flag; False at the end of the words."""
+        self._i += 1
+        if self._i >= len(self._args):
+            return False
+        word = self._args[self._i]
         if not word.startswith("--"):
             raise ConfigError(
                 f"unexpected argument {word!r}; overrides look like --section.key=value"
             )
-        name, eq, inline = word.partition("=")
+        self.name, eq, inline = word.partition("=")
+        self.inline = inline if eq else None
+        return True
 
-        def take_value() -> str:
-            nonlocal i
-            if eq:
-                return inline
-            if i + 1 >= len(args) or args[i + 1].startswith("--"):
-                raise ConfigError(f"{name} needs a value")
-            i += 1
-            return args[i]
+    def _next_is_value(self) -> bool:
+        return self._i + 1 < len(self._args) and not self._args[self._i + 1].startswith("--")
 
-        def take_words() -> list[str]:
-            nonlocal i
-            words = [inline] if eq else []
-            while not eq and i + 1 < len(args) and not args[i + 1].startswith("--"):
-                i += 1
-                words.append(args[i])
-            return words
+    def value(self) -> str:
+        """The flag's one value: after its `=`, else the next word."""
+        if self.inline is not None:
+            return self.inline
+        if not self._next_is_value():
+            raise ConfigError(f"{self.name} needs a value")
+        self._i += 1
+        return self._args[self._i]
 
-        known = megatron_flags.classify(name) if name not in ALIASES else None
-        if name == "--config":
-            config_file = take_value()
-        elif name in _DEFERRED_SWITCHES:
-            if eq:
-                raise ConfigError(f"{name} is a switch and takes no value")
-            megatron[name] = True
-        elif name in _DEFERRED_VALUES:
-            megatron[name] = take_value()
-        elif name in _ONLY_VALUE:
-            value, why = _ONLY_VALUE[name]
-            given = cfg.parse_value(take_value())
-            if given != value:
-                refused[name] = f"only {value} is accepted: {why}"
-        elif name in ALIASES:
-            target, has_value = ALIASES[name]
-            if not has_value:
-                if eq:
-                    raise ConfigError(f"{name} is a switch and takes no value")
-                key, _, fixed = target.partition("=")
-                cfg.set_dotted(table, key, cfg.parse_value(fixed) if fixed else True)
-            elif name in _MULTI_WORD and not eq:
-                words = take_words()
-                if not words:
-                    raise ConfigError(f"{name} needs a value")
-                cfg.set_dotted(
-                    table,
-                    target,
-                    words if target in _STRING_LISTS else [cfg.parse_value(w) for w in words],
-                )
-            else:
-                cfg.set_dotted(table, target, _value_for(target, take_value()))
-        elif known is not None and known[0] == "no_effect":
-            if megatron_flags.NO_EFFECT[name][0]:
-                take_value()
-            elif eq:
-                raise ConfigError(f"{name} is a switch and takes no value")
-            log.warning("%s: accepted without effect: %s", name, known[1])
-        elif known is not None:
-            take_words()  # its value, if any: the flag is refused below with the others
-            refused[name] = f"meshtrain has {known[1]}" if known[1].startswith("no ") else known[1]
-        elif "." in name[2:]:
-            key = name[2:].replace("-", "_")
-            cfg.set_dotted(table, key, _value_for(key, take_value()))
-        else:
-            near = cfg.close_matches(
-                name, ["--config", *ALIASES, *_DEFERRED_SWITCHES, *_DEFERRED_VALUES]
-            )
-            hint = (
-                f"did you mean {' or '.join(near)}?"
-                if near
-                else "use --section.key=value (see --help-config for the keys and aliases)"
-            )
-            raise ConfigError(f"unknown flag {name}; {hint}")
-        i += 1
-    if refused:
-        lines = "\n".join(f"  {flag}: {why}" for flag, why in refused.items())
-        raise ConfigError(
-            f"{len(refused)} Megatron-LM flag(s) of features meshtrain does not have "
-            f"(remove them to go on):\n{lines}"
+    def values(self) -> list[str]:
+        """The flag's value after its `=`, else every word up to the next flag (maybe none)."""
+        if self.inline is not None:
+            return [self.inline]
+        words = []
+        while self._next_is_value():
+            self._i += 1
+            words.append(self._args[self._i])
+        return words
+
+    def switch(self) -> None:
+        """Refuse a value given to a flag that takes none."""
+        if self.inline is not None:
+            raise ConfigError(f"{self.name} is a switch and takes no value")
+
+
+@dataclass
+class _Parsed:
+    """What the words have said so far."""
+
+    config_file: str | None = None
+    table: dict[str, Any] = field(default_factory=dict)
+    """The nested override table."""
+    deferred: dict[str, Any] = field(default_factory=dict)
+    """Flags applied once every word is read (they depend on others): `_apply_deferred`."""
+    refused: dict[str, str] = field(default_factory=dict)
+    """Flags of features meshtrain does not have -> why, refused together at the end."""
+
+
+def _read_flag(words: _Words, parsed: _Parsed) -> None:
+    """Read the current flag (and its value) into `parsed`."""
+    name = words.name
+    known = classify(name) if name not in ALIASES else None
+    if name == "--config":
+        parsed.config_file = words.value()
+    elif name in _DEFERRED_SWITCHES:
+        words.switch()
+        parsed.deferred[name] = True
+    elif name in _DEFERRED_VALUES:
+        parsed.deferred[name] = words.value()
+    elif name in _ONLY_VALUE:
+        value, why = _ONLY_VALUE[name]
+        given = cfg.parse_value(words.value())
+        if given != value:
+            parsed.refused[name] = f"only {value} is accepted: {why}"
+    elif name in ALIASES:
+        _read_alias(words, parsed.table)
+    elif known is not None:
+        _read_megatron_flag(words, known, parsed.refused)
+    elif "." in name[2:]:
+        key = name[2:].replace("-", "_")
+        cfg.set_dotted(parsed.table, key, _value_for(key, words.value()))
+    else:
+        near = cfg.close_matches(
+            name, ["--config", *ALIASES, *_DEFERRED_SWITCHES, *_DEFERRED_VALUES]
         )
-    _apply_deferred(table, megatron)
-    return config_file, table
+        hint = (
+            f"did you mean {' or '.join(near)}?"
+            if near
+            else "use --section.key=value (see --help-config for the keys and aliases)"
+        )
+        raise ConfigError(f"unknown flag {name}; {hint}")
+
+
+def _read_alias(words: _Words, table: dict[str, Any]) -> None:
+    """A flag of `ALIASES`: set the key it stands for."""
+    target, has_value = ALIASES[words.name]
+    if not has_value:
+        words.switch()
+        key, _, fixed = target.partition("=")
+        cfg.set_dotted(table, key, cfg.parse_value(fixed) if fixed else True)
+    elif words.name in _MULTI_WORD and words.inline is None:
+        values = words.values()
+        if not values:
+            raise ConfigError(f"{words.name} needs a value")
+        cfg.set_dotted(
+            table,
+            target,
+            values if target in _STRING_LISTS else [cfg.parse_value(w) for w in values],
+        )
+    else:
+        cfg.set_dotted(table, target, _value_for(target, words.value()))
+
+
+def _read_megatron_flag(words: _Words, known: tuple[str, str], refused: dict[str, str]) -> None:
+    """A Megatron flag of `megatron.py`: accepted with a warning when it has no effect here,
+    else noted in `refused` (with its value, if any, read past)."""
+    kind, why = known
+    if kind == "no_effect":
+        if NO_EFFECT[words.name][0]:
+            words.value()
+        else:
+            words.switch()
+        log.warning("%s: accepted without effect: %s", words.name, why)
+    else:
+        words.values()
+        refused[words.name] = f"meshtrain has {why}" if why.startswith("no ") else why
 
 
 # Megatron flags whose meaning depends on other flags of the command line (`_apply_deferred`).

@@ -1,0 +1,159 @@
+"""Checks across the job config's sections: what the model, the loop or FP8 need of the layout.
+
+Each `check_*` refuses a combination that can be told from the config alone, naming the keys
+that do not fit together. `JobConfig` runs them all when it is built; `parallel/tensor.py` runs
+`check_tensor_parallel` again for callers that shard a model directly.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from meshtrain.services.common.errors import ConfigError
+from meshtrain.services.common.model_config import ModelConfig
+from meshtrain.services.trainer.config.parallel import ParallelConfig
+
+if TYPE_CHECKING:  # sections.py imports this module: TrainConfig is named in annotations only
+    from meshtrain.services.trainer.config.sections import TrainConfig
+
+
+def check_fp8(train: TrainConfig, parallel: ParallelConfig) -> None:
+    """What FP8 does not combine with (train.fp8's own values are checked by TrainConfig)."""
+    if train.fp8 is None:
+        return
+    if parallel.tp_comm_overlap:
+        raise ConfigError(
+            "train.fp8 does not combine with parallel.tp_comm_overlap: its fused all-gather/"
+            "reduce-scatter GEMMs are bf16; leave one off"
+        )
+    if parallel.pipeline_schedule == "zb-h1":
+        raise ConfigError(
+            "train.fp8 does not combine with parallel.pipeline_schedule='zb-h1' (the deferred weight "
+            "gradients are bf16 GEMMs); use 1f1b or interleaved"
+        )
+    if train.cuda_graph and train.fp8_recipe == "delayed":
+        raise ConfigError(
+            "train.fp8_recipe='delayed' switches from current to historical scales after the first "
+            "step, which a CUDA graph captured then would never see: use tensorwise with "
+            "train.cuda_graph"
+        )
+
+
+def check_experts(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> None:
+    """What a mixture of experts needs of the layout and the loop (the layout's dp x cp, which
+    ep must divide, is known once the world size is: `Mesh.build` checks that).
+
+    Raises:
+        ConfigError: naming the keys that do not fit together.
+    """
+    p, e = parallel, model.num_experts
+    if e is None:
+        if p.ep > 1:
+            raise ConfigError(
+                f"parallel.ep={p.ep} splits the experts of MoE layers, but model.num_experts is unset "
+                "(a dense model): set model.num_experts or parallel.ep=1"
+            )
+        return
+    if e % p.ep:
+        raise ConfigError(
+            f"parallel.ep={p.ep} must divide model.num_experts={e} (each ep rank holds the same "
+            "number of experts)"
+        )
+    if model.moe_expert_capacity_factor is not None and p.cp > 1:
+        raise ConfigError(
+            f"model.moe_expert_capacity_factor caps each expert's tokens per sequence, and with "
+            f"parallel.cp={p.cp} a rank holds only chunks of each sequence: leave the factor unset "
+            "(dropless) or parallel.cp=1"
+        )
+    if p.tp > 1:
+        for key, width in (
+            ("moe_ffn_hidden_size", model.moe_ffn_size),
+            ("moe_shared_expert_intermediate_size", model.moe_shared_expert_intermediate_size),
+        ):
+            if width is not None and width % p.tp:
+                raise ConfigError(
+                    f"parallel.tp={p.tp} must divide model.{key}={width} (each expert's inner "
+                    "width is split over the tensor-parallel ranks)"
+                )
+    if train.cuda_graph:
+        raise ConfigError(
+            "train.cuda_graph cannot capture a mixture of experts (model.num_experts is set): the "
+            "expert GEMMs and the token exchange need the per-expert counts on the host; leave "
+            "train.cuda_graph off"
+        )
+
+
+def check_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """What context parallelism needs of the model: a sequence that splits into 2·cp chunks (per
+    tp rank too with sequence parallelism), heads that split over the all-to-all, no dropout
+    (the attention blocks carry no dropout RNG; hidden dropout would draw the same mask on
+    every cp rank), no pinned cuDNN or memory-efficient backend (the blocks run the flash
+    kernel, which returns the log-sum-exp they merge by).
+
+    Raises:
+        ConfigError: naming the setting.
+    """
+    p = parallel
+    if p.cp == 1:
+        return
+    if model.attention_dropout > 0 or model.hidden_dropout > 0:
+        raise ConfigError(
+            "context parallelism has no per-rank dropout RNG: set model.attention_dropout=0 and "
+            "model.hidden_dropout=0 with parallel.cp > 1"
+        )
+    if model.attention_backend in ("cudnn", "efficient"):
+        raise ConfigError(
+            f"with parallel.cp > 1 attention runs blockwise on the flash kernel (or 'math', the "
+            f"reference); model.attention_backend={model.attention_backend!r} is not used there"
+        )
+    split = 2 * p.cp * (p.tp if p.sequence_parallel else 1)
+    if model.seq_length % split:
+        what = f"2 x cp x tp = {split}" if p.sequence_parallel else f"2 x cp = {split}"
+        raise ConfigError(
+            f"context parallelism cuts each sequence into 2 x cp chunks: model.seq_length="
+            f"{model.seq_length} must be a multiple of {what}"
+        )
+    a2a = p.cp_a2a_size
+    if a2a > 1:
+        heads, kv = model.num_attention_heads // p.tp, model.groups // p.tp
+        if heads % a2a:
+            raise ConfigError(
+                f"parallel.cp_comm_type={p.cp_comm_type!r} splits the attention heads over {a2a} "
+                f"ranks: {heads} heads per tensor-parallel rank are not a multiple of {a2a}"
+            )
+        if kv % a2a and a2a % kv:
+            raise ConfigError(
+                f"parallel.cp_comm_type={p.cp_comm_type!r} over {a2a} ranks: {kv} key/value heads "
+                f"per tensor-parallel rank neither split over {a2a} ranks nor repeat evenly to them"
+            )
+
+
+def check_tensor_parallel(model: ModelConfig, tp: int, sequence_parallel: bool) -> None:
+    """What tensor parallelism of degree `tp` needs of the model's shapes and settings.
+
+    JobConfig refuses these at parse time, before any rank starts; `parallel/tensor.py` checks
+    again for callers that shard a model directly.
+
+    Raises:
+        ConfigError: naming parallel.tp and the model key it does not fit.
+    """
+    if tp == 1:
+        return
+    if model.num_attention_heads % tp or model.groups % tp:
+        raise ConfigError(
+            f"parallel.tp={tp} must divide model.num_attention_heads={model.num_attention_heads} and the "
+            f"number of query groups ({model.groups}); replicating KV heads across tp ranks is not supported"
+        )
+    if model.ffn_size % tp:
+        raise ConfigError(
+            f"parallel.tp={tp} must divide the MLP width {model.ffn_size} (model.ffn_hidden_size)"
+        )
+    if sequence_parallel and model.seq_length % tp:
+        raise ConfigError(
+            f"sequence parallelism: parallel.tp={tp} must divide model.seq_length={model.seq_length}"
+        )
+    if model.attention_dropout > 0 or (sequence_parallel and model.hidden_dropout > 0):
+        raise ConfigError(
+            "dropout inside tensor-parallel regions needs a per-rank RNG tracker, which is not built: "
+            "set model.attention_dropout=0 (and model.hidden_dropout=0 with sequence parallelism)"
+        )
