@@ -7,7 +7,7 @@ multi-writer protocol (`sharded.ShardWriter`, one writer) and drops it before th
 commits the manifest last. Source and destination are any fsspec URLs (local, `file://`,
 `memory://`, `s3://`). For a target tensor/pipeline/expert-parallel layout,
 `target_shard_shapes` picks each array's shard shape so every rank reads whole shards
-(Megatron's split rules). HF import/export lives in `hf.py` and reuses these helpers.
+(Megatron's split rules). HF import/export lives in `hf/convert.py` and reuses these helpers.
 
     convert("runs/a/checkpoints", "s3://bucket/a-bf16", dtype="bf16", drop_optimizer=True)
     pytest tests/services/checkpoint/test_convert.py

@@ -1,4 +1,4 @@
-"""The tokenizer side of a Hugging Face export (`services/checkpoint/hf.py`): which
+"""The tokenizer side of a Hugging Face export (`services/checkpoint/hf/convert.py`): which
 tokenizer.json the run used, its end-of-document id (written to config.json as bos/eos), and
 the `tokenizer_config.json` that makes `AutoTokenizer` load it as a fast tokenizer.
 """
