@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from meshtrain.services.checkpoint.shards import ShardSpec
+from meshtrain.services.checkpoint.boxes import ShardSpec
 from meshtrain.services.common.errors import CheckpointError, DataError
 from meshtrain.services.dataloader.tokenizer_files import rebase_spec, spec_files
 

@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
+from meshtrain.services.checkpoint.boxes import EMPTY_CHUNK, index_nbytes
 from meshtrain.services.checkpoint.crc import checksum
-from meshtrain.services.checkpoint.sharded import CHECKSUM, CHUNK_CHECKSUMS, INDEX_CHECKSUM
-from meshtrain.services.checkpoint.shards import EMPTY_CHUNK, index_nbytes
+from meshtrain.services.checkpoint.multiwriter import CHECKSUM, CHUNK_CHECKSUMS, INDEX_CHECKSUM
 from meshtrain.services.checkpoint.store import Root, join, read_bytes
 from meshtrain.services.common.errors import CheckpointError
 
