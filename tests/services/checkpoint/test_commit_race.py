@@ -174,8 +174,8 @@ def test_a_loser_whose_files_the_winner_cleared_is_told_the_winner(tmp_path, mon
         read.append(args)
         raise FileNotFoundError("fragment removed by the winner's commit")
 
-    monkeypatch.setattr(sharded, "is_committed", is_committed)
-    monkeypatch.setattr(sharded, "_read_fragments", gone)
+    monkeypatch.setattr(multiwriter, "is_committed", is_committed)
+    monkeypatch.setattr(multiwriter, "_read_fragments", gone)
     with pytest.raises(
         CheckpointError, match=f"already committed, by save '{winner}', not by save {loser}"
     ):

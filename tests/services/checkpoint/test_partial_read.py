@@ -31,7 +31,7 @@ LAYERS, ROWS, COLS = 2, 64, 32  # float32: a tp2 shard is (1, 32, 32) = 4 KiB, 8
 
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
-    monkeypatch.setattr(shards, "MIN_CHUNK_BYTES", 256)
+    monkeypatch.setattr(boxes, "MIN_CHUNK_BYTES", 256)
 
 
 def full_array(seed=0):

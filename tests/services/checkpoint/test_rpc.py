@@ -235,7 +235,7 @@ def test_a_commit_that_fails_on_storage_is_retried_to_the_end(
             raise OSError("connection reset while writing the manifest")
         return real(root_, path, data)
 
-    monkeypatch.setattr(sharded, "write_bytes_exclusive", fails_once)
+    monkeypatch.setattr(multiwriter, "write_bytes_exclusive", fails_once)
     full = torch.randn(2, 8, 4).to(torch.bfloat16)
     saver = AsyncSaver(client, 0, 1, backoff=0.01, commit_timeout=5)
     saver.save(4, client.begin_save(4), tp_boxes(full, 0, 1), committer=True, metadata={})
