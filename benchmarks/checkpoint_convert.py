@@ -42,7 +42,7 @@ CHILD = r"""
 import json, shutil, sys, time
 sys.path.insert(0, sys.argv[1])
 from meshtrain.services.checkpoint.convert import convert
-from meshtrain.services.checkpoint.hf import export_hf
+from meshtrain.services.checkpoint.hf.convert import export_hf
 def status(key):
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))

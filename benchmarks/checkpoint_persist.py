@@ -34,9 +34,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from meshtrain.services.checkpoint import layout
+from meshtrain.services.checkpoint.boxes import ShardSpec
+from meshtrain.services.checkpoint.multiwriter import ShardWriter, begin_save, commit, put_object
 from meshtrain.services.checkpoint.reader import read_box
-from meshtrain.services.checkpoint.sharded import ShardWriter, begin_save, commit, put_object
-from meshtrain.services.checkpoint.shards import ShardSpec
 from meshtrain.services.checkpoint.store import join, open_root, remove_tree
 
 ROWS, COLS = 4096, 1024  # one (rows, cols) bf16 matrix per layer and array: 8 MiB

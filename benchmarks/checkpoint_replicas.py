@@ -48,7 +48,7 @@ def _boxes(writer_id: int, layers: int, rows: int):
     """This writer's boxes: array `w<id>` of (layers, rows, COLS) bf16, one box per layer."""
     import torch
 
-    from meshtrain.services.checkpoint.shards import ShardSpec
+    from meshtrain.services.checkpoint.boxes import ShardSpec
 
     g = torch.Generator().manual_seed(writer_id)
     full = torch.randn(layers, rows, COLS, generator=g).to(torch.bfloat16)  # (layers, rows, cols)
@@ -64,7 +64,7 @@ def _boxes(writer_id: int, layers: int, rows: int):
 def _writer(conn, writer_id: int, writers: int, layers: int, rows: int) -> None:
     """One writer process: builds its boxes once, then does its part of each trial it is sent."""
     from meshtrain.services.checkpoint import layout
-    from meshtrain.services.checkpoint.sharded import ShardWriter
+    from meshtrain.services.checkpoint.multiwriter import ShardWriter
 
     boxes = _boxes(writer_id, layers, rows)
     clients: dict[str, CheckpointClient] = {}

@@ -34,8 +34,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from meshtrain.services.checkpoint.async_save import AsyncSaver, StorageSink
-from meshtrain.services.checkpoint.sharded import begin_save
-from meshtrain.services.checkpoint.shards import ShardSpec
+from meshtrain.services.checkpoint.boxes import ShardSpec
+from meshtrain.services.checkpoint.multiwriter import begin_save
 
 COLS = 1024  # each box is one bf16 (rows, COLS) slice of a stacked array
 

@@ -42,7 +42,8 @@ import numpy as np
 import torch
 
 from meshtrain.services.checkpoint import layout
-from meshtrain.services.checkpoint.sharded import (
+from meshtrain.services.checkpoint.boxes import ShardSpec
+from meshtrain.services.checkpoint.multiwriter import (
     REPLACEMENTS,
     SaveResult,
     ShardWriter,
@@ -53,7 +54,6 @@ from meshtrain.services.checkpoint.sharded import (
     is_committed,
     is_replacement,
 )
-from meshtrain.services.checkpoint.shards import ShardSpec
 from meshtrain.services.checkpoint.store import Root, join, open_root
 from meshtrain.services.common.errors import (
     CheckpointError,
@@ -282,7 +282,7 @@ class AsyncSaver:
 
         Args:
             step: the step.
-            save_id: the id every writer of this save shares (`sharded.begin_save`).
+            save_id: the id every writer of this save shares (`multiwriter.begin_save`).
             boxes: (box, tensor holding exactly that box) for each box this writer owns.
             committer: this writer also commits the save once all writers reported.
             metadata: manifest metadata (used by the committer only).
@@ -475,7 +475,7 @@ class AsyncSaver:
 
     def _remove_step(self, step: int, save_id: str) -> None:
         """After a save failed with the disk full, where this is its only writer: removes the
-        step's uncommitted folder (`sharded.abort_save`: never a committed step's). With several
+        step's uncommitted folder (`multiwriter.abort_save`: never a committed step's). With several
         writers the others may still be writing into it: the caller removes it once they have
         all ended (`Checkpointer`). Best effort."""
         if not isinstance(self.sink, StorageSink) or self.num_writers != 1:

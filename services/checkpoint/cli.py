@@ -21,8 +21,8 @@ import os
 import sys
 from collections.abc import Callable
 
+from meshtrain.services.checkpoint.config import ServeConfig, add_serve_arguments
 from meshtrain.services.common.errors import CheckpointError, is_storage_error
-from meshtrain.services.common.security import add_server_arguments
 
 
 def _no_checkpoint(root: str) -> CheckpointError:
@@ -86,7 +86,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from meshtrain.services.checkpoint.rpc.server import run
 
-    return run(args)
+    return run(ServeConfig.from_args(args))
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -148,62 +148,6 @@ def cmd_delete(args: argparse.Namespace) -> int:
         + (f"; removed uncommitted leftovers {result.collected}" if args.collect_leftovers else "")
     )
     return 0
-
-
-def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of `meshtrain ckpt serve`."""
-    p.add_argument("root", help="checkpoint root URL (folder, file://, s3://bucket/prefix)")
-    p.add_argument("--port", type=int, default=0, help="TCP port (0: any free one)")
-    p.add_argument("--host", default="127.0.0.1", help="interface to bind")
-    p.add_argument("--max-streams", type=int, default=16, help="concurrent RPCs")
-    p.add_argument(
-        "--commit-timeout",
-        type=float,
-        default=600.0,
-        help="seconds a commit waits for every writer before aborting",
-    )
-    p.add_argument("--max-chunk-mb", type=float, default=4.0, help="largest data chunk")
-    p.add_argument(
-        "--max-inflight-mb",
-        type=float,
-        default=1024.0,
-        help="box data held in memory at once, over all streams",
-    )
-    p.add_argument(
-        "--stream-idle-timeout",
-        type=float,
-        default=120.0,
-        help="seconds a writer's stream may send nothing before it is aborted and its "
-        "share of the in-flight memory freed for the other writers (0: never)",
-    )
-    p.add_argument(
-        "--max-writers",
-        type=int,
-        default=65536,
-        help="most writers one save may have (BeginSave's num_writers; default 65536)",
-    )
-    p.add_argument(
-        "--max-commit-timeout",
-        type=float,
-        default=3600.0,
-        help="longest a commit waits for its writers, whatever its client asks (default 3600 s)",
-    )
-    p.add_argument(
-        "--max-commits",
-        type=int,
-        default=4,
-        help="commits waiting at once; one more is refused with RESOURCE_EXHAUSTED, so waiting "
-        "commits never take the slots health checks need (default 4)",
-    )
-    p.add_argument("--grace", type=float, default=5.0, help="seconds granted on SIGTERM")
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
-        help="serve Prometheus metrics (requests, bytes, latency, queue depth) on this "
-        "port at /metrics (0: any free port, printed); off unless given",
-    )
-    add_server_arguments(p)  # --token-file, --tls-cert, --tls-key, --tls-client-ca, --insecure
 
 
 def _storage_errors(

@@ -1,12 +1,18 @@
-"""The checkpoint config section (`[checkpoint]`): where checkpoints go and where a run resumes
-from."""
+"""The checkpoint service's configs: the trainer's `[checkpoint]` section (`CheckpointConfig`:
+where checkpoints go and where a run resumes from) and the service's own (`ServeConfig`: what
+`meshtrain ckpt serve` runs with, and the flags that set it). `cli.py` and `rpc/server.py` both
+build a `ServeConfig` from those flags, so the server never imports the CLI.
+"""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 from dataclasses import dataclass
 
 from meshtrain.services.checkpoint.rpc.replicas import parse_addresses
 from meshtrain.services.common.errors import CheckpointError, ConfigError
+from meshtrain.services.common.security import add_server_arguments
 
 
 @dataclass
@@ -90,3 +96,108 @@ class CheckpointConfig:
                 raise ConfigError(f"checkpoint.service_address: {e}") from None
         if self.keep_every and not self.keep_last:
             raise ConfigError("checkpoint.keep_every needs checkpoint.keep_last")
+
+
+@dataclass
+class ServeConfig:
+    """What a CheckpointService runs with (`rpc/server.run`); `add_serve_arguments` has each
+    field's flag."""
+
+    root: str
+    """Checkpoint root URL it serves (folder, file://, s3://bucket/prefix)."""
+    port: int = 0
+    """TCP port (0: any free one)."""
+    host: str = "127.0.0.1"
+    """Interface to bind."""
+    max_streams: int = 16
+    """Concurrent RPCs."""
+    commit_timeout: float = 600.0
+    """Seconds a commit waits for every writer before aborting."""
+    max_chunk_mb: float = 4.0
+    """Largest data chunk."""
+    max_inflight_mb: float = 1024.0
+    """Box data held in memory at once, over all streams."""
+    stream_idle_timeout: float = 120.0
+    """Seconds a writer's stream may send nothing before it is aborted (0: never)."""
+    max_writers: int = 65536
+    """Most writers one save may have."""
+    max_commit_timeout: float = 3600.0
+    """Longest a commit waits for its writers, whatever its client asks."""
+    max_commits: int = 4
+    """Commits waiting at once."""
+    grace: float = 5.0
+    """Seconds granted on SIGTERM."""
+    metrics_port: int | None = None
+    """Serve Prometheus metrics on this port (0: any free port); None: off."""
+    token_file: str | None = None
+    """Bearer tokens callers must send (`meshtrain.services.common.security`)."""
+    tls_cert: str | None = None
+    """PEM certificate the server presents (turns TLS on)."""
+    tls_key: str | None = None
+    """PEM private key of tls_cert."""
+    tls_client_ca: str | None = None
+    """PEM CA that must have signed client certificates (mutual TLS)."""
+    insecure: bool = False
+    """Serve an address other than loopback without authentication."""
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServeConfig:
+        """From the flags `add_serve_arguments` defines."""
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of `meshtrain ckpt serve` (and of `python -m
+    meshtrain.services.checkpoint.rpc.server`), one per `ServeConfig` field."""
+    p.add_argument("root", help="checkpoint root URL (folder, file://, s3://bucket/prefix)")
+    p.add_argument("--port", type=int, default=0, help="TCP port (0: any free one)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind")
+    p.add_argument("--max-streams", type=int, default=16, help="concurrent RPCs")
+    p.add_argument(
+        "--commit-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a commit waits for every writer before aborting",
+    )
+    p.add_argument("--max-chunk-mb", type=float, default=4.0, help="largest data chunk")
+    p.add_argument(
+        "--max-inflight-mb",
+        type=float,
+        default=1024.0,
+        help="box data held in memory at once, over all streams",
+    )
+    p.add_argument(
+        "--stream-idle-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a writer's stream may send nothing before it is aborted and its "
+        "share of the in-flight memory freed for the other writers (0: never)",
+    )
+    p.add_argument(
+        "--max-writers",
+        type=int,
+        default=65536,
+        help="most writers one save may have (BeginSave's num_writers; default 65536)",
+    )
+    p.add_argument(
+        "--max-commit-timeout",
+        type=float,
+        default=3600.0,
+        help="longest a commit waits for its writers, whatever its client asks (default 3600 s)",
+    )
+    p.add_argument(
+        "--max-commits",
+        type=int,
+        default=4,
+        help="commits waiting at once; one more is refused with RESOURCE_EXHAUSTED, so waiting "
+        "commits never take the slots health checks need (default 4)",
+    )
+    p.add_argument("--grace", type=float, default=5.0, help="seconds granted on SIGTERM")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics (requests, bytes, latency, queue depth) on this "
+        "port at /metrics (0: any free port, printed); off unless given",
+    )
+    add_server_arguments(p)  # --token-file, --tls-cert, --tls-key, --tls-client-ca, --insecure

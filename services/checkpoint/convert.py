@@ -3,11 +3,11 @@
 `convert(src, dst)` copies a committed checkpoint into a new root tensor by tensor, so peak
 memory stays near a small multiple of the largest tensor whatever the model size:
 `save_streaming` loads one tensor, writes its shard boxes through the checkpoint library's
-multi-writer protocol (`sharded.ShardWriter`, one writer) and drops it before the next, then
+multi-writer protocol (`multiwriter.ShardWriter`, one writer) and drops it before the next, then
 commits the manifest last. Source and destination are any fsspec URLs (local, `file://`,
 `memory://`, `s3://`). For a target tensor/pipeline/expert-parallel layout,
 `target_shard_shapes` picks each array's shard shape so every rank reads whole shards
-(Megatron's split rules). HF import/export lives in `hf.py` and reuses these helpers.
+(Megatron's split rules). HF import/export lives in `hf/convert.py` and reuses these helpers.
 
     convert("runs/a/checkpoints", "s3://bucket/a-bf16", dtype="bf16", drop_optimizer=True)
     pytest tests/services/checkpoint/test_convert.py
@@ -26,9 +26,9 @@ import torch
 from tqdm import tqdm
 
 from meshtrain.services.checkpoint import layout
+from meshtrain.services.checkpoint.boxes import ShardSpec
+from meshtrain.services.checkpoint.multiwriter import ShardWriter, begin_save, commit, is_committed
 from meshtrain.services.checkpoint.reader import latest_step, read_manifest, read_tensor
-from meshtrain.services.checkpoint.sharded import ShardWriter, begin_save, commit, is_committed
-from meshtrain.services.checkpoint.shards import ShardSpec
 from meshtrain.services.checkpoint.store import open_root, same_root
 from meshtrain.services.common.config import build
 from meshtrain.services.common.errors import CheckpointError

@@ -17,9 +17,9 @@ rewriting.
         [--target-expert-parallel-size N]
 
 The Megatron architecture flags are needed only where the checkpoint has no saved `args`
-(`megatron_args.py`). `register_subcommands(ckpt_subparsers)` adds the three commands to the `ckpt`
-parser; each sets `func` to a handler taking the parsed namespace and returning an exit code. Errors
-are `MeshtrainError`s, which the top-level CLI prints and turns into exit status 2.
+(`megatron/args.py`). `register_subcommands(ckpt_subparsers)` adds the three commands to the
+`ckpt` parser; each sets `func` to a handler taking the parsed namespace and returning an exit
+code. Errors are `MeshtrainError`s, which the top-level CLI prints and turns into exit status 2.
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ from meshtrain.services.common.errors import CheckpointError
 def cmd_export(args: argparse.Namespace) -> int:
     """Exports a training checkpoint as a Hugging Face folder or a Megatron Core torch_dist
     checkpoint."""
-    from meshtrain.services.checkpoint.hf import export_hf
+    from meshtrain.services.checkpoint.hf.convert import export_hf
 
     _check_format(args.format, args, _HF_EXPORT, ["padded_vocab_size"])
     if args.format == "megatron":
-        from meshtrain.services.checkpoint.megatron import export_megatron
+        from meshtrain.services.checkpoint.megatron.torch_dist import export_megatron
 
         _, flags = export_megatron(
             args.src, args.dst, step=args.step, padded_vocab_size=args.padded_vocab_size
@@ -63,7 +63,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     """Imports a Hugging Face folder as a step-0 training checkpoint; prints how to train on."""
     import tomli_w
 
-    from meshtrain.services.checkpoint.hf import import_hf
+    from meshtrain.services.checkpoint.hf.convert import import_hf
     from meshtrain.services.checkpoint.reader import read_manifest
 
     _check_format(args.format, args, _HF_IMPORT, _MEGATRON_IMPORT)
@@ -259,7 +259,7 @@ def register_subcommands(ckpt_subparsers: argparse._SubParsersAction) -> None:
 def _import_megatron(args: argparse.Namespace) -> int:
     import tomli_w
 
-    from meshtrain.services.checkpoint.megatron import import_megatron
+    from meshtrain.services.checkpoint.megatron.torch_dist import import_megatron
     from meshtrain.services.checkpoint.reader import read_manifest
 
     flags = {name: getattr(args, name) for name in _MEGATRON_IMPORT if name != "iteration"}

@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
+from meshtrain.services.checkpoint.multiwriter import abort_save, data_base, is_committed
 from meshtrain.services.checkpoint.reader import list_checkpoints, read_manifest
-from meshtrain.services.checkpoint.sharded import abort_save, data_base, is_committed
 from meshtrain.services.checkpoint.store import (
     MANIFEST_NAME,
     join,

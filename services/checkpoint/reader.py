@@ -24,7 +24,7 @@ from zarr.core.buffer import default_buffer_prototype
 from zarr.storage import MemoryStore
 
 from meshtrain.services.checkpoint import layout
-from meshtrain.services.checkpoint.sharded import (
+from meshtrain.services.checkpoint.multiwriter import (
     CHECKSUM,
     DIGEST_FROM_VERSION,
     FORMAT,

@@ -1,6 +1,6 @@
 """Checkpoints carry their tokenizer's files, not a path to them.
 
-A run's tokenizer spec holds absolute paths (`dataloader/tokenizers/files.py`); a checkpoint
+A run's tokenizer spec holds absolute paths (`common/tokenizer_files.py`); a checkpoint
 copied to another machine, or kept after the tokenizer file was edited or deleted, would name
 files that are not there, or not the ones the model was trained with. So a save stores each
 file as a one-dimensional uint8 array (`tokenizer.file0`, ...: checksummed and committed with
@@ -26,9 +26,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from meshtrain.services.checkpoint.shards import ShardSpec
+from meshtrain.services.checkpoint.boxes import ShardSpec
+from meshtrain.services.common.cache import user_cache_dir
 from meshtrain.services.common.errors import CheckpointError, DataError
-from meshtrain.services.dataloader.tokenizers.files import rebase_spec, spec_files
+from meshtrain.services.common.tokenizer_files import rebase_spec, spec_files
 
 log = logging.getLogger("meshtrain.checkpoint")
 
@@ -76,8 +77,6 @@ def tokenizer_boxes(
 
 
 def _cache_root() -> Path:
-    from meshtrain.services.dataloader.config import user_cache_dir
-
     return Path(user_cache_dir()) / "tokenizers"
 
 

@@ -18,14 +18,14 @@ from typing import Any
 
 import numpy as np
 
+from meshtrain.services.checkpoint.boxes import EMPTY_CHUNK, index_nbytes
 from meshtrain.services.checkpoint.crc import checksum
-from meshtrain.services.checkpoint.sharded import (
+from meshtrain.services.checkpoint.multiwriter import (
     CHECKSUM,
     CHUNK_CHECKSUMS,
     INDEX_CHECKSUM,
     data_path,
 )
-from meshtrain.services.checkpoint.shards import EMPTY_CHUNK, index_nbytes
 from meshtrain.services.checkpoint.store import Root, join, read_bytes
 from meshtrain.services.common.errors import CheckpointError
 
@@ -49,7 +49,7 @@ def fetch_verified(
         key: the object's key inside the array (e.g. `c/3/0/0`, `zarr.json`).
         chunks: also check the per-chunk and index checksums the manifest lists for a shard
             (what partial reads rely on); `ckpt verify` does.
-        base: where the step's arrays are in its folder (`sharded.data_base` of the manifest).
+        base: where the step's arrays are in its folder (`multiwriter.data_base` of the manifest).
 
     Raises:
         CheckpointError: naming the array and object: unlisted, missing, or corrupt.
@@ -158,7 +158,7 @@ def read_box_direct(
 ) -> np.ndarray | None:
     """Reads a box straight out of verified shard bytes (None: not meshtrain's plain layout).
 
-    `base`: where the step's arrays are in its folder (`sharded.data_base` of the manifest).
+    `base`: where the step's arrays are in its folder (`multiwriter.data_base` of the manifest).
 
     A shard the box covers whole is fetched whole and checked against the object's crc32. Of a shard
     the box cuts (a resharded load), only its index and the inner chunks the box touches are

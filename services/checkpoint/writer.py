@@ -2,7 +2,7 @@
 
 `save_checkpoint(root, step, tensors, metadata)` groups the tensors into arrays
 (`layout.group_tensors`: per-layer tensors stacked), then runs the multi-writer protocol of
-`sharded.py` with one writer that owns every box (one box per layer slice, or per tensor) and
+`multiwriter.py` with one writer that owns every box (one box per layer slice, or per tensor) and
 commits it. A folder without a complete manifest is not a checkpoint, so a crash at any point
 leaves the previous checkpoints valid and the partial folder is ignored by readers and cleared
 by the next save of the same step.
@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from meshtrain.services.checkpoint import layout
-from meshtrain.services.checkpoint.sharded import (  # noqa: F401  (re-exported: the format constants)
+from meshtrain.services.checkpoint.boxes import ShardSpec
+from meshtrain.services.checkpoint.multiwriter import (  # noqa: F401  (re-exported: the format constants)
     CHECKSUM,
     FORMAT,
     FORMAT_VERSION,
@@ -27,7 +28,6 @@ from meshtrain.services.checkpoint.sharded import (  # noqa: F401  (re-exported:
     checksum,
     commit,
 )
-from meshtrain.services.checkpoint.shards import ShardSpec
 from meshtrain.services.checkpoint.store import open_root
 from meshtrain.services.common.errors import CheckpointError
 

@@ -1,5 +1,5 @@
 """Temporary outputs named for their host and process, and the removal of those whose process
-died: a checkpoint export's `DST.tmp-*` folder (services/checkpoint/hf.py), a preprocess's
+died: a checkpoint export's `DST.tmp-*` folder (services/checkpoint/hf/convert.py), a preprocess's
 `PREFIX.bin.tmp-*` / `PREFIX.idx.tmp-*` files (services/dataloader/indexed.py). Each is built
 under such a name and renamed into place; one killed before the rename (SIGKILL, out of
 memory) is removed by the next build of the same path instead of staying forever.

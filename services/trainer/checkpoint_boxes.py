@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
+from meshtrain.services.checkpoint.boxes import ShardSpec
 from meshtrain.services.checkpoint.layout import array_key, dtype_name
-from meshtrain.services.checkpoint.shards import ShardSpec
 from meshtrain.services.common.errors import CheckpointError
 from meshtrain.services.trainer.parallel.mesh import Mesh
 from meshtrain.services.trainer.parallel.tensor import tp_split_of

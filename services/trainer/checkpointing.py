@@ -30,7 +30,9 @@ import torch.distributed as dist
 from torch import nn
 
 from meshtrain.services.checkpoint.async_save import AsyncSaver, StorageSink, retry
+from meshtrain.services.checkpoint.boxes import ShardSpec
 from meshtrain.services.checkpoint.layout import NON_PARAMETER
+from meshtrain.services.checkpoint.multiwriter import abort_save, begin_save
 from meshtrain.services.checkpoint.reader import (
     latest_step,
     list_checkpoints,
@@ -38,8 +40,6 @@ from meshtrain.services.checkpoint.reader import (
     read_manifest,
     unreadable_manifests,
 )
-from meshtrain.services.checkpoint.sharded import abort_save, begin_save
-from meshtrain.services.checkpoint.shards import ShardSpec
 from meshtrain.services.checkpoint.store import open_root
 from meshtrain.services.checkpoint.tokenizer_store import METADATA_KEY, tokenizer_boxes
 from meshtrain.services.common.config import to_dict
@@ -454,7 +454,7 @@ class Checkpointer:
     def _remove_leftovers(self) -> None:
         """Rank 0, once no rank writes into them: removes the uncommitted folders of saves that
         failed with the disk full (a save's only writer removed its own at once). Never a
-        committed step's (`sharded.abort_save`). Best effort."""
+        committed step's (`multiwriter.abort_save`). Best effort."""
         while self._leftovers:
             step = self._leftovers.pop()
             try:

@@ -37,10 +37,10 @@ import torch
 from meshtrain.protos.checkpoint.v1 import checkpoint_pb2 as pb
 from meshtrain.protos.checkpoint.v1 import checkpoint_pb2_grpc as pb_grpc
 from meshtrain.services.checkpoint import layout
+from meshtrain.services.checkpoint.boxes import ShardSpec
 from meshtrain.services.checkpoint.maintenance import RetentionResult
+from meshtrain.services.checkpoint.multiwriter import SaveResult, ShardWriter
 from meshtrain.services.checkpoint.rpc.replicas import Replicas
-from meshtrain.services.checkpoint.sharded import SaveResult, ShardWriter
-from meshtrain.services.checkpoint.shards import ShardSpec
 from meshtrain.services.checkpoint.store import open_root, same_root
 from meshtrain.services.common.errors import CheckpointError, MeshtrainError, SaveForgottenError
 from meshtrain.services.common.grpc_utils import (

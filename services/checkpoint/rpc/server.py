@@ -19,7 +19,7 @@ import logging
 import sys
 
 from meshtrain.protos.checkpoint.v1 import checkpoint_pb2_grpc as pb_grpc
-from meshtrain.services.checkpoint.cli import add_serve_arguments
+from meshtrain.services.checkpoint.config import ServeConfig, add_serve_arguments
 from meshtrain.services.checkpoint.rpc.servicer import (
     MAX_COMMIT_TIMEOUT,
     MAX_COMMITS,
@@ -115,33 +115,39 @@ def start_server(
     )
 
 
-def run(args: argparse.Namespace) -> int:
-    """Starts the service with the parsed `serve` flags and blocks until SIGTERM/SIGINT."""
+def run(config: ServeConfig) -> int:
+    """Starts the service `config` describes and blocks until SIGTERM/SIGINT."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     server, port, health = start_server(
-        args.root,
-        args.port,
-        args.host,
-        args.max_streams,
-        args.commit_timeout,
-        int(args.max_chunk_mb * 2**20),
-        int(args.max_inflight_mb * 2**20),
-        metrics=getattr(args, "metrics_port", None) is not None,
-        stream_idle_timeout=args.stream_idle_timeout,
-        max_writers=args.max_writers,
-        max_commit_timeout=args.max_commit_timeout,
-        max_commits=args.max_commits,
-        security=ServerSecurity.from_args(args),
+        config.root,
+        config.port,
+        config.host,
+        config.max_streams,
+        config.commit_timeout,
+        int(config.max_chunk_mb * 2**20),
+        int(config.max_inflight_mb * 2**20),
+        metrics=config.metrics_port is not None,
+        stream_idle_timeout=config.stream_idle_timeout,
+        max_writers=config.max_writers,
+        max_commit_timeout=config.max_commit_timeout,
+        max_commits=config.max_commits,
+        security=ServerSecurity.from_files(
+            config.token_file,
+            config.tls_cert,
+            config.tls_key,
+            config.tls_client_ca,
+            insecure=config.insecure,
+        ),
     )
-    if getattr(args, "metrics_port", None) is not None:
+    if config.metrics_port is not None:
         try:
-            _, metrics_port = start_metrics_server(args.metrics_port, args.host)
+            _, metrics_port = start_metrics_server(config.metrics_port, config.host)
         except ConfigError:
             server.stop(0)  # the gRPC port is already bound: release it before exiting
             raise
-        print(f"metrics on http://{args.host}:{metrics_port}/metrics", flush=True)
-    print(f"listening on {args.host}:{port}", flush=True)
-    serve_forever(server, health, grace_s=args.grace)
+        print(f"metrics on http://{config.host}:{metrics_port}/metrics", flush=True)
+    print(f"listening on {config.host}:{port}", flush=True)
+    serve_forever(server, health, grace_s=config.grace)
     return 0
 
 
@@ -149,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     """Serve until SIGTERM; prints `listening on HOST:PORT` once ready (tests wait for it)."""
     p = argparse.ArgumentParser(prog="meshtrain ckpt serve")
     add_serve_arguments(p)
-    return run(p.parse_args(argv))
+    return run(ServeConfig.from_args(p.parse_args(argv)))
 
 
 if __name__ == "__main__":

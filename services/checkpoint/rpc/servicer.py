@@ -8,11 +8,11 @@ all streams: a stream waits for room instead of growing memory. A stream that se
 it cannot keep the other writers waiting. Saves in progress live in a
 table keyed by save id; a restarted service has forgotten them, and their writers and
 committer get NOT_FOUND, upon which they ResumeSave: the service takes the save up again if the
-step's folder still belongs to it (`sharded.resume_save`), and the writers resend their boxes
+step's folder still belongs to it (`multiwriter.resume_save`), and the writers resend their boxes
 (the previous checkpoint is untouched either way). BeginSave and ResumeSave run one at a time,
 so a save is never resumed beside a newer save of its step. Replicas of the service serving one
 root share nothing but storage: a WriteShards whose header names the step, or a Commit, of a save
-this replica has not seen adopts it from its marker (`sharded.read_begun`: the step's folder
+this replica has not seen adopts it from its marker (`multiwriter.read_begun`: the step's folder
 still belongs to that save, and the marker holds its writer count), ending any save of the step
 it knew whose marker is gone (a newer save of the step began on another replica); a save's
 marker is checked again before each writer's fragment is stored, while its commit waits, and
@@ -60,19 +60,13 @@ import numpy as np
 from meshtrain.protos.checkpoint.v1 import checkpoint_pb2 as pb
 from meshtrain.protos.checkpoint.v1 import checkpoint_pb2_grpc as pb_grpc
 from meshtrain.services.checkpoint import layout
+from meshtrain.services.checkpoint.boxes import MAX_NDIM, ShardSpec
 from meshtrain.services.checkpoint.maintenance import (
     apply_retention,
     delete_checkpoint,
     keep_every_needs_keep_last,
 )
-from meshtrain.services.checkpoint.nofollow import refuse_symlinks
-from meshtrain.services.checkpoint.reader import (
-    box_entry,
-    list_checkpoints,
-    read_box,
-    read_manifest,
-)
-from meshtrain.services.checkpoint.sharded import (
+from meshtrain.services.checkpoint.multiwriter import (
     SaveResult,
     ShardWriter,
     begin_save,
@@ -83,7 +77,13 @@ from meshtrain.services.checkpoint.sharded import (
     read_begun,
     resume_save,
 )
-from meshtrain.services.checkpoint.shards import MAX_NDIM, ShardSpec
+from meshtrain.services.checkpoint.nofollow import refuse_symlinks
+from meshtrain.services.checkpoint.reader import (
+    box_entry,
+    list_checkpoints,
+    read_box,
+    read_manifest,
+)
 from meshtrain.services.checkpoint.store import open_root
 from meshtrain.services.common.errors import (
     CheckpointError,

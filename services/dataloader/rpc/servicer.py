@@ -37,11 +37,11 @@ import numpy as np
 
 from meshtrain.protos.dataloader.v1 import dataloader_pb2 as pb
 from meshtrain.protos.dataloader.v1 import dataloader_pb2_grpc as pb_grpc
+from meshtrain.services.common.cache import user_cache_dir
 from meshtrain.services.common.errors import ConfigError, DataError, DataUnavailableError
 from meshtrain.services.common.sanitize import check_text, loggable, quiet_undecodable_requests
 from meshtrain.services.common.stream_guards import IdleReaper, PeerLimit
 from meshtrain.services.dataloader.blend import MAX_DATASETS
-from meshtrain.services.dataloader.config import user_cache_dir
 from meshtrain.services.dataloader.index_cache import IndexCache
 from meshtrain.services.dataloader.loader import LocalBatchSource
 from meshtrain.services.dataloader.spec import (

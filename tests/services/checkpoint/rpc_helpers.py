@@ -8,9 +8,9 @@ import time
 import torch
 
 from meshtrain.protos.checkpoint.v1 import checkpoint_pb2 as pb
+from meshtrain.services.checkpoint.boxes import ShardSpec
 from meshtrain.services.checkpoint.rpc.client import CheckpointClient
 from meshtrain.services.checkpoint.rpc.server import start_server
-from meshtrain.services.checkpoint.shards import ShardSpec
 
 
 @contextlib.contextmanager

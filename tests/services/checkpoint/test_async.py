@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from meshtrain.services.checkpoint.async_save import AsyncSaver, StorageSink, retry
+from meshtrain.services.checkpoint.boxes import ShardSpec
+from meshtrain.services.checkpoint.multiwriter import ShardWriter, begin_save
 from meshtrain.services.checkpoint.reader import list_checkpoints, read_box
-from meshtrain.services.checkpoint.sharded import ShardWriter, begin_save
-from meshtrain.services.checkpoint.shards import ShardSpec
 from meshtrain.services.common.errors import CheckpointError
 
 

@@ -11,9 +11,9 @@ import uuid
 import pytest
 import torch
 
+from meshtrain.services.checkpoint.boxes import ShardSpec
+from meshtrain.services.checkpoint.multiwriter import ShardWriter, begin_save, commit
 from meshtrain.services.checkpoint.reader import load_checkpoint, read_manifest
-from meshtrain.services.checkpoint.sharded import ShardWriter, begin_save, commit
-from meshtrain.services.checkpoint.shards import ShardSpec
 from meshtrain.services.checkpoint.store import join, open_root, write_bytes_exclusive
 from meshtrain.services.common.errors import CheckpointError
 
@@ -158,14 +158,14 @@ def test_a_loser_whose_files_the_winner_cleared_is_told_the_winner(tmp_path, mon
     """The race seen on S3 under load: a committer past its first look at the manifest reads
     fragments the winner's commit has just removed. It gets the winner named, not the
     FileNotFoundError of a fragment that is gone."""
-    from meshtrain.services.checkpoint import sharded
+    from meshtrain.services.checkpoint import multiwriter
 
     root = str(tmp_path / "ckpt")
     winner, loser = begin_save(root, 9), uuid.uuid4().hex
     _stage(root, 9, winner, 1.0)
     _stage(root, 9, loser, 2.0)
     commit(root, 9, winner, 1, timeout=30)
-    real, read = sharded.is_committed, []
+    real, read = multiwriter.is_committed, []
 
     def is_committed(r, s):  # the loser's looks before its read came before the winner's manifest
         return bool(read) and real(r, s)
@@ -174,8 +174,8 @@ def test_a_loser_whose_files_the_winner_cleared_is_told_the_winner(tmp_path, mon
         read.append(args)
         raise FileNotFoundError("fragment removed by the winner's commit")
 
-    monkeypatch.setattr(sharded, "is_committed", is_committed)
-    monkeypatch.setattr(sharded, "_read_fragments", gone)
+    monkeypatch.setattr(multiwriter, "is_committed", is_committed)
+    monkeypatch.setattr(multiwriter, "_read_fragments", gone)
     with pytest.raises(
         CheckpointError, match=f"already committed, by save '{winner}', not by save {loser}"
     ):

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from meshtrain.services.checkpoint.async_save import AsyncSaver, StorageSink, retry
+from meshtrain.services.checkpoint.boxes import ShardSpec
+from meshtrain.services.checkpoint.multiwriter import begin_save
 from meshtrain.services.checkpoint.reader import list_checkpoints, read_box
-from meshtrain.services.checkpoint.sharded import begin_save
-from meshtrain.services.checkpoint.shards import ShardSpec
 from meshtrain.services.common.errors import DiskFullError, is_lasting_storage_error
 from tests.services.checkpoint.rpc_helpers import running_service
 from tests.small_disk import fill, free_bytes, small_disk

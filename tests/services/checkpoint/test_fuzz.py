@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from meshtrain.protos.checkpoint.v1 import checkpoint_pb2 as pb
+from meshtrain.services.checkpoint.boxes import ShardSpec
 from meshtrain.services.checkpoint.rpc.client import CheckpointClient, box_to_pb
 from meshtrain.services.checkpoint.rpc.servicer import SERVICE_NAME
-from meshtrain.services.checkpoint.shards import ShardSpec
 from tests.fuzz_utils import (
     AUTH_VARIANTS,
     REPO,

@@ -13,7 +13,7 @@ import pytest
 import tomli_w
 import torch
 
-from meshtrain.services.checkpoint.hf import export_hf, import_hf
+from meshtrain.services.checkpoint.hf.convert import export_hf, import_hf
 from meshtrain.services.checkpoint.reader import list_checkpoints, read_manifest
 from meshtrain.services.checkpoint.writer import save_checkpoint
 from meshtrain.services.common.config import to_dict
@@ -188,7 +188,7 @@ def test_export_to_object_storage_loads_with_the_same_logits(tmp_path, s3_root):
 
 KILLED_AFTER_WEIGHTS = """
 import os, signal, sys
-from meshtrain.services.checkpoint import hf
+from meshtrain.services.checkpoint.hf import convert as hf
 def die(*args):  # called once model.safetensors is closed (uploaded), before config.json
     os.kill(os.getpid(), signal.SIGKILL)
 hf.hf_config = die

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from meshtrain.services.checkpoint.convert_cli import register_subcommands
-from meshtrain.services.checkpoint.hf import export_hf, import_hf
-from meshtrain.services.checkpoint.hf_write import parse_size
+from meshtrain.services.checkpoint.hf.convert import export_hf, import_hf
+from meshtrain.services.checkpoint.hf.write import parse_size
 from meshtrain.services.checkpoint.reader import read_manifest
 from meshtrain.services.common.errors import CheckpointError
 from tests.services.checkpoint.test_hf import (

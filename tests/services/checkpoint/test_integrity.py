@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from meshtrain.services.checkpoint.maintenance import verify_checkpoint
+from meshtrain.services.checkpoint.multiwriter import MANIFEST_DIGEST, manifest_digest
 from meshtrain.services.checkpoint.reader import (
     list_checkpoints,
     load_checkpoint,
@@ -17,7 +18,6 @@ from meshtrain.services.checkpoint.reader import (
     read_tensor,
     unreadable_manifests,
 )
-from meshtrain.services.checkpoint.sharded import MANIFEST_DIGEST, manifest_digest
 from meshtrain.services.checkpoint.writer import save_checkpoint
 from meshtrain.services.common.errors import CheckpointError
 

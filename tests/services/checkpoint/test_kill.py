@@ -20,9 +20,9 @@ import grpc
 import pytest
 import torch
 
+from meshtrain.services.checkpoint.multiwriter import begin_save
 from meshtrain.services.checkpoint.reader import list_checkpoints, read_box, read_manifest
 from meshtrain.services.checkpoint.rpc.client import CheckpointClient, ServiceUnavailableError
-from meshtrain.services.checkpoint.sharded import begin_save
 from meshtrain.services.common.errors import CheckpointError
 from tests.services.checkpoint import killable
 from tests.services.checkpoint.s3server import free_port

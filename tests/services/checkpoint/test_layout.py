@@ -67,7 +67,7 @@ def test_group_tensors_rejects_bad_input():
     # a step's "_fragments" folder is the writers' scratch, removed by the commit
     with pytest.raises(CheckpointError, match="'_fragments'"):
         group_tensors([("_fragments", (1,), "float32")])
-    from meshtrain.services.checkpoint.shards import ShardSpec
+    from meshtrain.services.checkpoint.boxes import ShardSpec
 
     with pytest.raises(CheckpointError, match="'_fragments'"):
         ShardSpec("_fragments", (4,), "float32", (0,), (4,))

@@ -7,11 +7,11 @@ import time
 import pytest
 import torch
 
+from meshtrain.services.checkpoint.boxes import ShardSpec
 from meshtrain.services.checkpoint.maintenance import apply_retention
+from meshtrain.services.checkpoint.multiwriter import ShardWriter, begin_save, commit
 from meshtrain.services.checkpoint.reader import list_checkpoints, read_box
 from meshtrain.services.checkpoint.rpc.servicer import ByteBudget
-from meshtrain.services.checkpoint.sharded import ShardWriter, begin_save, commit
-from meshtrain.services.checkpoint.shards import ShardSpec
 from meshtrain.services.common.errors import CheckpointError
 
 W = ShardSpec("w", (2,), "float32", (0,), (2,))

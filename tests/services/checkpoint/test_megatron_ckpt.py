@@ -22,7 +22,7 @@ import shutil
 import pytest
 import torch
 
-from meshtrain.services.checkpoint.megatron import export_megatron, import_megatron
+from meshtrain.services.checkpoint.megatron.torch_dist import export_megatron, import_megatron
 from meshtrain.services.checkpoint.reader import read_manifest, read_tensor
 from meshtrain.services.common.errors import CheckpointError
 from meshtrain.services.common.model_config import ModelConfig
@@ -504,7 +504,7 @@ def test_cli_imports_with_flags_and_exports_with_the_megatron_flags(gpt_folder, 
     ],
 )
 def test_export_refuses_what_a_megatron_gptmodel_cannot_compute(settings, match):
-    from meshtrain.services.checkpoint.megatron import rules
+    from meshtrain.services.checkpoint.megatron.torch_dist import rules
 
     base = {
         "num_layers": 2,

@@ -17,17 +17,17 @@ import pytest
 import torch
 import zarr
 
-from meshtrain.services.checkpoint import shards
+from meshtrain.services.checkpoint import boxes
+from meshtrain.services.checkpoint.boxes import ArrayMeta, ShardSpec, encode_box, inner_chunks
 from meshtrain.services.checkpoint.maintenance import verify_checkpoint
-from meshtrain.services.checkpoint.reader import read_box
-from meshtrain.services.checkpoint.sharded import (
+from meshtrain.services.checkpoint.multiwriter import (
     MANIFEST_DIGEST,
     ShardWriter,
     begin_save,
     commit,
     manifest_digest,
 )
-from meshtrain.services.checkpoint.shards import ArrayMeta, ShardSpec, encode_box, inner_chunks
+from meshtrain.services.checkpoint.reader import read_box
 from meshtrain.services.checkpoint.store import MANIFEST_NAME, open_root
 from meshtrain.services.common.errors import CheckpointError
 
@@ -37,7 +37,7 @@ LAYERS, ROWS, COLS = 2, 64, 32  # float32: a tp2 shard is (1, 32, 32) = 4 KiB, 8
 
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
-    monkeypatch.setattr(shards, "MIN_CHUNK_BYTES", 256)
+    monkeypatch.setattr(boxes, "MIN_CHUNK_BYTES", 256)
 
 
 def full_array(seed=0):
@@ -101,7 +101,7 @@ def test_inner_chunks_cut_the_sharded_dim(monkeypatch):
     assert inner_chunks((1, 4096, 4096), 2, (32, 4096, 4096)) == (1, 1024, 2048)
     assert inner_chunks((1, 64, 8), 2, (4, 128, 8)) == (1, 64, 8)  # tiny shards: one chunk
     big = inner_chunks((50304, 4096), 2, (100608, 4096))  # an embedding shard, 393 MiB
-    assert math.prod(big) * 2 <= shards.TARGET_CHUNK_BYTES and big[1] == 4096
+    assert math.prod(big) * 2 <= boxes.TARGET_CHUNK_BYTES and big[1] == 4096
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "bool"])
@@ -119,16 +119,16 @@ def test_plain_shard_matches_zarr(dtype, box):
     name = "layers.w" if len(shape) == 3 else "w"
     spec = ShardSpec(name, glob, dtype, offsets, shape)
     meta = ArrayMeta.of(spec)
-    data = (torch.randn(shape) * 50).to(shards.layout._DTYPES[dtype][0])
+    data = (torch.randn(shape) * 50).to(boxes.layout._DTYPES[dtype][0])
     if dtype == "bool":
         data = torch.rand(shape) > 0.5
-    stored = shards.layout.to_stored(data)
+    stored = boxes.layout.to_stored(data)
     encoded = encode_box(spec, stored)
     obj = b"".join(encoded.parts)
     n = len(encoded.chunk_crc32)
     assert n >= 4 and encoded.size == len(obj)  # chunks of >= 256 B
     assert encoded.crc32 == zlib.crc32(obj)
-    assert encoded.index_crc32 == zlib.crc32(obj[-shards.index_nbytes(n) :])
+    assert encoded.index_crc32 == zlib.crc32(obj[-boxes.index_nbytes(n) :])
     store = zarr.storage.MemoryStore()
     meta.empty_array(store)[spec.slices()] = stored
     theirs = store._store_dict[f"{name}/{spec.key}"].to_bytes()
@@ -181,7 +181,7 @@ def test_same_layout_read_fetches_whole_shards_once(root, monkeypatch):
 def _chunk_offset(url, step, key, chunk):
     path, fs = shard_path(url, step, key)
     data = fs.cat_file(path)
-    index = np.frombuffer(data[-shards.index_nbytes(8) : -4], dtype="<u8").reshape(8, 2)
+    index = np.frombuffer(data[-boxes.index_nbytes(8) : -4], dtype="<u8").reshape(8, 2)
     return path, fs, int(index[chunk][0])
 
 

@@ -18,11 +18,11 @@ import torch
 
 from meshtrain.protos.checkpoint.v1 import checkpoint_pb2 as pb
 from meshtrain.services.checkpoint.async_save import AsyncSaver
+from meshtrain.services.checkpoint.boxes import ShardSpec
 from meshtrain.services.checkpoint.reader import list_checkpoints, read_manifest
 from meshtrain.services.checkpoint.rpc.client import CheckpointClient
 from meshtrain.services.checkpoint.rpc.replicas import Replicas, key_of, parse_addresses, resolve
 from meshtrain.services.checkpoint.rpc.server import start_server
-from meshtrain.services.checkpoint.shards import ShardSpec
 from meshtrain.services.common.errors import CheckpointError
 from tests.services.checkpoint.test_service_restart import (
     PausingClient,

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from meshtrain.protos.checkpoint.v1 import checkpoint_pb2 as pb
-from meshtrain.services.checkpoint import sharded
+from meshtrain.services.checkpoint import multiwriter
 from meshtrain.services.checkpoint.async_save import AsyncSaver
+from meshtrain.services.checkpoint.boxes import ShardSpec
 from meshtrain.services.checkpoint.rpc.client import CheckpointClient, box_to_pb
-from meshtrain.services.checkpoint.shards import ShardSpec
 from meshtrain.services.checkpoint.writer import save_checkpoint
 from meshtrain.services.common.errors import CheckpointError, MeshtrainError
 from tests.services.checkpoint.rpc_helpers import (
@@ -97,7 +97,7 @@ def test_a_bug_in_a_handler_is_not_retried(service, monkeypatch):
         calls.append(error)
         raise ValueError("a bug in the handler")
 
-    monkeypatch.setattr(sharded.ShardWriter, "finish", buggy_finish)
+    monkeypatch.setattr(multiwriter.ShardWriter, "finish", buggy_finish)
     saver = AsyncSaver(client, 0, 1, attempts=3, backoff=0.01, commit_timeout=5)
     saver.save(
         1,
@@ -272,7 +272,7 @@ def test_a_save_given_up_by_its_failing_run_stops_its_commit_at_once(tmp_path):
 
 
 def test_a_save_given_up_before_its_commit_still_commits_when_every_writer_reported(service):
-    # As without the service (sharded.commit's `cancelled`): giving up means not waiting for
+    # As without the service (multiwriter.commit's `cancelled`): giving up means not waiting for
     # missing writers; a save whose writers all reported is committed, not thrown away.
     import time
 

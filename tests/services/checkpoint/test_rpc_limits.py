@@ -16,7 +16,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from meshtrain.protos.checkpoint.v1 import checkpoint_pb2 as pb
-from meshtrain.services.checkpoint.shards import ArrayMeta, ShardSpec, inner_chunks
+from meshtrain.services.checkpoint.boxes import ArrayMeta, ShardSpec, inner_chunks
 from meshtrain.services.checkpoint.writer import save_checkpoint
 from meshtrain.services.common.errors import CheckpointError
 from tests.services.checkpoint.rpc_helpers import held_slot, running_service, written_save

@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from meshtrain.services.checkpoint.async_save import AsyncSaver, StorageSink
+from meshtrain.services.checkpoint.boxes import ShardSpec
+from meshtrain.services.checkpoint.multiwriter import ShardWriter, begin_save, commit
 from meshtrain.services.checkpoint.reader import (
     list_checkpoints,
     load_checkpoint,
     read_box,
     read_manifest,
 )
-from meshtrain.services.checkpoint.sharded import ShardWriter, begin_save, commit
-from meshtrain.services.checkpoint.shards import ShardSpec
 from meshtrain.services.checkpoint.store import open_root
 from meshtrain.services.checkpoint.writer import save_checkpoint
 from meshtrain.services.common.errors import CheckpointError

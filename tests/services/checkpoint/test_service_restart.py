@@ -21,14 +21,14 @@ import pytest
 import torch
 
 from meshtrain.services.checkpoint.async_save import AsyncSaver
+from meshtrain.services.checkpoint.boxes import ShardSpec
+from meshtrain.services.checkpoint.multiwriter import fragment_path
 from meshtrain.services.checkpoint.reader import list_checkpoints, read_box
 from meshtrain.services.checkpoint.rpc.client import (
     CheckpointClient,
     RemoteWriter,
     ServiceUnavailableError,
 )
-from meshtrain.services.checkpoint.sharded import fragment_path
-from meshtrain.services.checkpoint.shards import ShardSpec
 from meshtrain.services.checkpoint.store import open_root
 from meshtrain.services.common.errors import CheckpointError
 from tests.services.checkpoint.s3server import free_port

@@ -256,7 +256,7 @@ def _client(address, scope, token_files):
 
 
 def _save(client, step, overwrite=False):
-    from meshtrain.services.checkpoint.shards import ShardSpec
+    from meshtrain.services.checkpoint.boxes import ShardSpec
 
     save_id = client.begin_save(step, num_writers=1, overwrite=overwrite)
     writer = client.writer(step, save_id, 0, 1)

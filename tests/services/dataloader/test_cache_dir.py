@@ -3,7 +3,8 @@ runs started anywhere (the examples, `make run`) share one build of the default 
 
 import os
 
-from meshtrain.services.dataloader.config import DataConfig, user_cache_dir
+from meshtrain.services.common.cache import user_cache_dir
+from meshtrain.services.dataloader.config import DataConfig
 
 
 def test_meshtrain_cache_wins(monkeypatch, tmp_path):

@@ -473,7 +473,7 @@ def test_hf_export_tokenizer_of_megatron_types(gpt2_files, caplog):
     tokenizer.json form export without one, but with their EOD id."""
     from tokenizers import Tokenizer
 
-    from meshtrain.services.checkpoint import hf_tokenizer
+    from meshtrain.services.checkpoint.hf import tokenizer as hf_tokenizer
     from meshtrain.services.common.model_config import ModelConfig
 
     vocab, merges = gpt2_files

@@ -83,7 +83,7 @@ def test_qkv_bias_and_qk_norms_survive_any_tensor_parallel_layout(tmp_path, sett
         assert torch.equal(ours[name][:203], p[:203]), name
 
     transformers = pytest.importorskip("transformers")
-    from meshtrain.services.checkpoint.hf import export_hf
+    from meshtrain.services.checkpoint.hf.convert import export_hf
 
     export_hf(dst, str(tmp_path / "hf"))
     hf = transformers.AutoModelForCausalLM.from_pretrained(

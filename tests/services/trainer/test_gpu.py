@@ -382,7 +382,7 @@ def test_nccl_checkpoint_crosses_layouts_and_exports_with_one_gpus_logits(
         pytest.skip(f"needs {world} GPUs")
     from safetensors.torch import load_file
 
-    from meshtrain.services.checkpoint.hf import export_hf
+    from meshtrain.services.checkpoint.hf.convert import export_hf
 
     transformers = pytest.importorskip("transformers")
     common = small_job_args(

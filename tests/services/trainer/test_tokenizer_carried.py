@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from meshtrain.services.checkpoint.hf import export_hf
+from meshtrain.services.checkpoint.hf.convert import export_hf
 from meshtrain.services.checkpoint.reader import read_manifest
 from meshtrain.services.checkpoint.tokenizer_store import METADATA_KEY
 from meshtrain.services.dataloader.preprocess import prepare_default_dataset

@@ -198,7 +198,7 @@ def test_checkpoint_from_pp2_tp2_resumes_at_pp1_pp4_and_tp1(
     Hugging Face exactly as the single-process run's does."""
     from safetensors.torch import load_file
 
-    from meshtrain.services.checkpoint.hf import export_hf
+    from meshtrain.services.checkpoint.hf.convert import export_hf
 
     ref, ref_tensors = _reference(corpus_cache, tmp_path_factory, {}, {})
     saved = run_ranks(

@@ -17,7 +17,7 @@ the DCP API, and writes a step-0 meshtrain checkpoint (no optimizer state); `exp
 writes the reverse as a Megatron-LM `release` checkpoint (`DST/release/` and
 `DST/latest_checkpointed_iteration.txt`), which `dist_checkpointing.load` and `--load DST` read.
 The architecture comes from the saved `args` where there are any, else from Megatron-style
-flags (`megatron_args.py`).
+flags (`args.py`).
 
     import_megatron("ckpts/gpt", "runs/b/checkpoints")                  # ckpts/gpt/iter_0000100 or the root
     export_megatron("runs/b/checkpoints", "out/megatron")               # then --load out/megatron
@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from meshtrain.services.checkpoint.convert import open_source, save_streaming
-from meshtrain.services.checkpoint.megatron_args import (
+from meshtrain.services.checkpoint.megatron.args import (
     check_exportable,
     megatron_flags,
     model_from_megatron,

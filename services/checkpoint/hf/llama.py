@@ -1,6 +1,6 @@
-"""The Llama family's `config.json` <-> ModelConfig, for `hf.py`: Llama (with Llama 3 RoPE
+"""The Llama family's `config.json` <-> ModelConfig, for `convert.py`: Llama (with Llama 3 RoPE
 scaling), Mistral, Qwen2 and Qwen3, and the attention and RoPE settings Mixtral and Qwen2-MoE
-(`hf_moe.py`) share with them.
+(`moe.py`) share with them.
 
 All four are RMSNorm + SwiGLU + RoPE decoders with grouped-query attention and the same tensor
 names; they differ in what the attention carries: Llama biases on every linear layer or none

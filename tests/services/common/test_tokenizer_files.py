@@ -3,7 +3,7 @@
 import pytest
 
 from meshtrain.services.common.errors import DataError
-from meshtrain.services.dataloader.tokenizers.files import rebase_spec, spec_files
+from meshtrain.services.common.tokenizer_files import rebase_spec, spec_files
 
 
 def _touch(path, text="x"):
@@ -65,3 +65,21 @@ def test_a_missing_file_and_a_name_clash_are_named(tmp_path):
         spec_files(f"gpt2bpe:{a},{b}")
     with pytest.raises(DataError, match="names 2 files, but 1 were carried"):
         rebase_spec(f"gpt2bpe:{a},{b}", ["vocab.json"], tmp_path)
+
+
+def test_spec_eod_id_is_the_dataloaders(tmp_path):
+    """The EOD id an export reads from the files is the one the run's tokenizer ended documents
+    with."""
+    import base64
+
+    from meshtrain.services.common.tokenizer_files import spec_eod_id
+    from meshtrain.services.dataloader.tokenizers import build_tokenizer
+
+    ranks = _touch(
+        tmp_path / "enc.tiktoken",
+        "\n".join(f"{base64.b64encode(bytes([i])).decode()} {i}" for i in range(256)) + "\n",
+    )
+    for spec in ("null:100", f"tiktoken:{ranks}", str(ranks)):
+        assert spec_eod_id(spec) == build_tokenizer(spec).eod_id
+    with pytest.raises(DataError, match="missing"):
+        spec_eod_id(f"tiktoken:{tmp_path / 'absent.tiktoken'}")

@@ -48,9 +48,9 @@ import zarr
 from zarr.storage import MemoryStore
 
 from meshtrain.services.checkpoint import layout
+from meshtrain.services.checkpoint.boxes import ArrayMeta, ShardSpec, check_tiling, encode_box
 from meshtrain.services.checkpoint.crc import checksum
 from meshtrain.services.checkpoint.nofollow import open_beneath, refuse_symlinks
-from meshtrain.services.checkpoint.shards import ArrayMeta, ShardSpec, check_tiling, encode_box
 from meshtrain.services.checkpoint.store import (
     MANIFEST_NAME,
     Root,

@@ -1,6 +1,8 @@
-"""The tokenizer side of a Hugging Face export (`services/checkpoint/hf.py`): which
-tokenizer.json the run used, its end-of-document id (written to config.json as bos/eos), and
-the `tokenizer_config.json` that makes `AutoTokenizer` load it as a fast tokenizer.
+"""The tokenizer side of a Hugging Face export (`convert.py`): which tokenizer.json the run
+used, its end-of-document id (written to config.json as bos/eos), and the
+`tokenizer_config.json` that makes `AutoTokenizer` load it as a fast tokenizer. The files are read
+with the tokenizer libraries directly (`services/common/tokenizer_files.py`), not through the
+dataloader's tokenizers.
 """
 
 from __future__ import annotations
@@ -11,11 +13,12 @@ from typing import Any
 
 from meshtrain.services.common.errors import CheckpointError, DataError
 from meshtrain.services.common.model_config import ModelConfig
-from meshtrain.services.dataloader.tokenizers.base import (
+from meshtrain.services.common.tokenizer_files import (
+    BYTE_EOD_ID,
     EOD_TOKEN,
-    ByteTokenizer,
-    HFTokenizer,
-    build_tokenizer,
+    eos_token,
+    gpt2bpe_tokenizer_json,
+    spec_eod_id,
 )
 
 log = logging.getLogger(__name__)
@@ -69,10 +72,10 @@ def eod_id(path: Path | None, spec: str | None, model: ModelConfig, where: str) 
             model's vocabulary (not this model's tokenizer).
     """
     if path is None:
-        eod = ByteTokenizer().eod_id if spec == "byte" else None  # the byte tokenizer ships no file
+        eod = BYTE_EOD_ID if spec == "byte" else None  # the byte tokenizer ships no file
         if spec is not None and _has_no_hf_form(spec):
             try:
-                eod = build_tokenizer(spec).eod_id
+                eod = spec_eod_id(spec)
             except DataError as e:
                 log.warning(
                     "%s: cannot read the run's tokenizer %r (%s); exporting without its EOD id",
@@ -92,9 +95,10 @@ def eod_id(path: Path | None, spec: str | None, model: ModelConfig, where: str) 
         eod = tokenizer.token_to_id(EOD_TOKEN)
         if eod is None:  # a model's own tokenizer: the run's EOD was its eos_token
             try:
-                eod = HFTokenizer(path).eod_id
+                eos = eos_token(path.parent / "tokenizer_config.json")
             except DataError:
-                eod = None
+                eos = None
+            eod = None if eos is None else tokenizer.token_to_id(eos)
     if eod is not None and eod >= model.vocab_size:
         raise CheckpointError(
             f"{where}: tokenizer {str(path or spec)!r} has {EOD_TOKEN} at id {eod}, outside the "
@@ -136,15 +140,14 @@ def _gpt2bpe_tokenizer_json(spec: str, where: str) -> Path:
     import shutil
     import tempfile
 
+    folder = tempfile.mkdtemp(prefix="meshtrain-gpt2bpe-")
+    atexit.register(shutil.rmtree, folder, True)
+    path = Path(folder) / "tokenizer.json"
     try:
-        tokenizer = build_tokenizer(spec)
+        gpt2bpe_tokenizer_json(spec, path)
     except DataError as e:
         raise CheckpointError(
             f"{where}: the run's tokenizer {spec!r} cannot be read here ({e}); "
             "pass a tokenizer.json with --tokenizer"
         ) from None
-    folder = tempfile.mkdtemp(prefix="meshtrain-gpt2bpe-")
-    atexit.register(shutil.rmtree, folder, True)
-    path = Path(folder) / "tokenizer.json"
-    tokenizer.save_tokenizer_json(path)
     return path

@@ -8,19 +8,19 @@ import torch
 from zarr.storage import MemoryStore
 
 from meshtrain.services.checkpoint import layout
-from meshtrain.services.checkpoint.reader import (
-    list_checkpoints,
-    load_checkpoint,
-    read_box,
-    read_manifest,
-)
-from meshtrain.services.checkpoint.sharded import ShardWriter, abort_save, begin_save, commit
-from meshtrain.services.checkpoint.shards import (
+from meshtrain.services.checkpoint.boxes import (
     ArrayMeta,
     ShardSpec,
     check_tiling,
     encode_box,
     inner_chunks,
+)
+from meshtrain.services.checkpoint.multiwriter import ShardWriter, abort_save, begin_save, commit
+from meshtrain.services.checkpoint.reader import (
+    list_checkpoints,
+    load_checkpoint,
+    read_box,
+    read_manifest,
 )
 from meshtrain.services.checkpoint.store import open_root
 from meshtrain.services.common.errors import CheckpointError

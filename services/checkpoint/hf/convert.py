@@ -1,12 +1,12 @@
 """Hugging Face <-> meshtrain checkpoints: `LlamaForCausalLM` (Llama 3 RoPE scaling included),
-`MistralForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM` (`hf_llama.py`), `GPT2LMHeadModel`,
-and for mixture-of-experts models `MixtralForCausalLM` and `Qwen2MoeForCausalLM` (`hf_moe.py`).
+`MistralForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM` (`llama.py`), `GPT2LMHeadModel`,
+and for mixture-of-experts models `MixtralForCausalLM` and `Qwen2MoeForCausalLM` (`moe.py`).
 
 `export_hf(src_root, dst_dir)` turns a training checkpoint into a folder `transformers` loads
 (safetensors shards of at most `max_shard_size` with their index, or one `model.safetensors`;
 `config.json`, `generation_config.json` when the end-of-document id is known, and the run's
 `tokenizer.json` with a `tokenizer_config.json`); `import_hf(src, dst_root)` turns such a
-folder, or a repo id found in the local Hugging Face cache (`hf_files.model_folder`), into a
+folder, or a repo id found in the local Hugging Face cache (`files.model_folder`), into a
 step-0 training checkpoint (fresh RNG, no optimizer state) that `meshtrain train --load` continues.
 The mapping is a list of `Rule`s, one per meshtrain tensor, each naming the HF tensors it
 becomes and the two conversions: the fused QKV (stored per query group) splits into q/k/v,
@@ -14,7 +14,7 @@ the SwiGLU [gate; up] into gate_proj/up_proj, and GPT-2's Conv1D weights are tra
 (its c_attn is [q; k; v]). Every tensor is planned and shape-checked before anything is
 written; an unmapped, missing or misshapen tensor is an error, and the export is built in a
 temporary folder that is renamed into place only when complete. Both directions stream one
-tensor at a time: export writes safetensors itself (`hf_write.py`: headers from the plan).
+tensor at a time: export writes safetensors itself (`write.py`: headers from the plan).
 
     export_hf("runs/a/checkpoints", "out/hf")        # then AutoModelForCausalLM.from_pretrained
     import_hf("out/hf", "runs/b/checkpoints")         # then meshtrain train --load ...
@@ -34,19 +34,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from meshtrain.services.checkpoint import hf_tokenizer, layout
+from meshtrain.services.checkpoint import layout
 from meshtrain.services.checkpoint.convert import (
     TensorSpec,
     open_source,
     save_streaming,
 )
-from meshtrain.services.checkpoint.hf_files import (
+from meshtrain.services.checkpoint.hf import tokenizer as hf_tokenizer
+from meshtrain.services.checkpoint.hf.files import (
     model_folder,
     open_safetensors,
     read_json,
     safetensors_files,
 )
-from meshtrain.services.checkpoint.hf_llama import (
+from meshtrain.services.checkpoint.hf.llama import (
     DENSE,
     FAMILY,
     dense_architecture,
@@ -54,13 +55,13 @@ from meshtrain.services.checkpoint.hf_llama import (
     llama_config,
     llama_family_table,
 )
-from meshtrain.services.checkpoint.hf_moe import (
+from meshtrain.services.checkpoint.hf.moe import (
     moe_architecture,
     moe_block,
     moe_from_hf,
     moe_hf_config,
 )
-from meshtrain.services.checkpoint.hf_write import (
+from meshtrain.services.checkpoint.hf.write import (
     DEFAULT_MAX_SHARD_SIZE,
     LOGICAL,
     parse_size,
@@ -591,7 +592,7 @@ def import_hf(
     Args:
         src_dir: local folder with `config.json` and `model.safetensors` (or a sharded
             `model.safetensors.index.json`), or a repo id (`org/name`) or `models--org--name`
-            folder of the Hugging Face cache, read offline (`hf_files.model_folder`).
+            folder of the Hugging Face cache, read offline (`files.model_folder`).
         dst_root: checkpoint root URL, holding no committed checkpoint.
         seed: seeds the stored RNG states.
         seq_length: the model's sequence length (RoPE models); None: max_position_embeddings.

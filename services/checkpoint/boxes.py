@@ -6,7 +6,7 @@ A `ShardSpec` names a box of one checkpoint array in global, layout-independent 
 shape is the array's zarr shard shape (its "grid"), so every box is exactly one stored object
 and writers never touch each other's objects. Boxes at the upper edge of an array may be
 shorter than the grid; they say so with `grid`. This module is pure computation (encoding into
-bytes in memory, tiling checks); `sharded.py` does the storage I/O.
+bytes in memory, tiling checks); `multiwriter.py` does the storage I/O.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""The architecture of a megatron-core torch_dist checkpoint, for `megatron.py`: its ModelConfig from
-the saved Megatron-LM `args` (in `common.pt`), from Megatron-style flags where it has none, and from
-the tensors' shapes; and the reverse, the Megatron-LM flags that build a meshtrain model.
+"""The architecture of a megatron-core torch_dist checkpoint, for `torch_dist.py`: its
+ModelConfig from the saved Megatron-LM `args` (in `common.pt`), from Megatron-style flags where
+it has none, and from the tensors' shapes; and the reverse, the Megatron-LM flags that build a
+meshtrain model.
 
 What the shapes tell is taken from them (layers, hidden and MLP widths, vocabulary rows, biases,
 LayerNorm vs RMSNorm by the norms' biases, SwiGLU by fc1's doubled rows, learned positions by

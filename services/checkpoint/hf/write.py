@@ -1,4 +1,4 @@
-"""Writing a Hugging Face export's weights as safetensors shards, for `hf.py`.
+"""Writing a Hugging Face export's weights as safetensors shards, for `convert.py`.
 
 The tensors are assigned to shards in file order, each shard holding at most `max_shard_size`
 bytes of tensor data (a tensor larger than the limit alone in its own), as transformers'

@@ -1,4 +1,4 @@
-"""Reading a Hugging Face model folder's files for `ckpt import` (`services/checkpoint/hf.py`):
+"""Reading a Hugging Face model folder's files for `ckpt import` (`convert.py`):
 where the folder is (a local path, or a repo id found in the Hugging Face cache without the
 network), which safetensors file holds each tensor, the files opened, JSON read; each fault a
 CheckpointError naming the file (an interrupted download, a shard from another one).

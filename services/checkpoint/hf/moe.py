@@ -1,4 +1,4 @@
-"""Mixture-of-experts models <-> Hugging Face Mixtral and Qwen2-MoE, for `hf.py`.
+"""Mixture-of-experts models <-> Hugging Face Mixtral and Qwen2-MoE, for `convert.py`.
 
 Which HF architecture a meshtrain MoE model is (and every setting that keeps it from being
 one), its `config.json`, the MoE part of a `ModelConfig` from such a file, and the tensor mapping
@@ -15,7 +15,7 @@ Mixtral routes by the softmax of the top-k logits (meshtrain's moe_router_pre_so
 Qwen2-MoE by the softmax over all experts, renormalized over the top k only with
 `norm_topk_prob` (so norm_topk_prob false is moe_router_pre_softmax on). Published Qwen2-MoE
 models put biases on q/k/v only (`qkv_bias`): meshtrain's model.qkv_bias. The attention, norms,
-RoPE and sliding window are read as for the dense Llama family (`hf_llama.py`).
+RoPE and sliding window are read as for the dense Llama family (`llama.py`).
 """
 
 from __future__ import annotations
