@@ -90,8 +90,8 @@ def test_a_folder_imported_by_its_bare_name_fails_naming_the_package(folder):
 
 @pytest.mark.parametrize("folder", ["services", "kernels", "protos"])
 def test_after_import_meshtrain_the_bare_names_are_absent_not_ours(folder):
-    """From the repository root, once meshtrain is imported a probe for another package of that
-    name finds nothing (transformers looks for Hugging Face's `kernels` and imports what it finds)."""
+    """From the repository root, once meshtrain is imported a probe for another package of that name
+    finds nothing (transformers looks for Hugging Face's `kernels` and imports what it finds)."""
     code = (
         f"import importlib.util, meshtrain\nassert importlib.util.find_spec({folder!r}) is None\n"
         f"try:\n    import {folder}\nexcept ModuleNotFoundError:\n    print('absent')\n"

@@ -169,7 +169,8 @@ def test_one_rank_holds_the_run_dir_of_a_multi_rank_launch(tmp_path, corpus_cach
 def _holder_seen_from_another_process(run: Path) -> str:
     """The pid another process finds holding RUN/.train.lock, or 'None'."""
     code = (
-        "import sys; from pathlib import Path; from meshtrain.services.trainer.run_dir import probe_lock; "
+        "import sys; from pathlib import Path; "
+        "from meshtrain.services.trainer.run_dir import probe_lock; "
         "print(probe_lock(Path(sys.argv[1])))"
     )
     probe = subprocess.run(
@@ -216,7 +217,8 @@ def test_a_run_in_a_living_process_releases_its_folder_when_it_ends(
     assert seen_while_stopping == [str(os.getpid())]
     assert _holder_seen_from_another_process(run) == "None" and not (run / "control.addr").exists()
 
-    # Two claims in one process (two Trainers into one folder): the folder is held until both let go.
+    # Two claims in one process (two Trainers into one folder):
+    # the folder is held until both let go.
     claim_run_dir(run)
     claim_run_dir(run)
     release_run_dir(run)
