@@ -123,7 +123,8 @@ def main() -> None:
             rows.append({"shape": name, **r})
     base = {r["shape"]: r for r in rows if r["backend"] == "auto"}
     print(
-        f"{'shape':18} {'backend':16} {'fwd ms':>8} {'fwd+bwd ms':>11} {'TFLOP/s':>8} {'vs auto':>8}  err"
+        f"{'shape':18} {'backend':16} {'fwd ms':>8} {'fwd+bwd ms':>11} "
+        f"{'TFLOP/s':>8} {'vs auto':>8}  err"
     )
     for r in rows:
         if "error" in r:
@@ -132,7 +133,8 @@ def main() -> None:
         r["speedup_vs_auto"] = base[r["shape"]]["fwd_bwd_ms"] / r["fwd_bwd_ms"]
         print(
             f"{r['shape']:18} {r['backend']:16} {r['fwd_ms']:8.3f} {r['fwd_bwd_ms']:11.3f} "
-            f"{r['fwd_bwd_tflops']:8.1f} {r['speedup_vs_auto']:7.2f}x  {r['max_abs_err_vs_fp32']:.2e}"
+            f"{r['fwd_bwd_tflops']:8.1f} {r['speedup_vs_auto']:7.2f}x  "
+            f"{r['max_abs_err_vs_fp32']:.2e}"
         )
     meta = {
         "torch": torch.__version__,

@@ -163,8 +163,9 @@ class BaselineGPT(nn.Module):
 
 
 FLOAT8_RECIPES = ("tensorwise", "rowwise")
-"""torchao's float8 training recipes `convert_to_float8` accepts (Float8LinearConfig.from_recipe_name):
-one scale per tensor, or one per row of each GEMM operand (finer, slower scaling)."""
+"""torchao's float8 training recipes `convert_to_float8` accepts
+(Float8LinearConfig.from_recipe_name): one scale per tensor, or one per row of each GEMM operand
+(finer, slower scaling)."""
 
 
 def convert_to_float8(model: BaselineGPT, recipe: str) -> list[str]:

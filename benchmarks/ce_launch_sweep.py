@@ -141,12 +141,14 @@ def main() -> None:
         report["results"].extend(rows)
         print(f"\nvocab {vocab}: ms (% of copy, speedup vs default); * = the current default")
         print(
-            f"{'BLOCK':>6} {'warps':>5} {'stages':>6} | {'stats':>22} | {'grad':>22} | {'fused':>22}"
+            f"{'BLOCK':>6} {'warps':>5} {'stages':>6} | "
+            f"{'stats':>22} | {'grad':>22} | {'fused':>22}"
         )
         for r in sorted(rows, key=lambda r: r["stats"]["ms"] + r["grad"]["ms"]):
             lc = r["launch"]
             line = " | ".join(
-                f"{r[k]['ms']:7.3f} ({r[k]['frac_of_copy']:4.0%}, {r[k]['speedup_vs_default']:4.2f}x)"
+                f"{r[k]['ms']:7.3f} ({r[k]['frac_of_copy']:4.0%}, "
+                f"{r[k]['speedup_vs_default']:4.2f}x)"
                 for k in ("stats", "grad", "fused")
             )
             print(

@@ -1,7 +1,7 @@
 """Checkpoint conversion throughput and peak memory, against a plain copy of the same bytes.
 
     python benchmarks/checkpoint_convert.py --config deploy/configs/llama-1b.toml --out result.json
-    python benchmarks/checkpoint_convert.py --num-layers 4 --optimizer     # smaller, with Adam state
+    python benchmarks/checkpoint_convert.py --num-layers 4 --optimizer  # smaller, with Adam state
 
 Builds a synthetic training checkpoint with the shapes of the config's model (fp32 parameters
 as the trainer stores them, optionally fp32 Adam moments), written with the same streaming
@@ -56,7 +56,8 @@ elif kind == "export":
 else:
     args = json.loads(kind)
     convert(src, dst, progress=False, **args)
-print(json.dumps({"seconds": time.perf_counter() - start, "rss_before": before, "peak_rss": status("VmHWM")}))
+seconds = time.perf_counter() - start
+print(json.dumps({"seconds": seconds, "rss_before": before, "peak_rss": status("VmHWM")}))
 """
 
 
@@ -192,8 +193,9 @@ def main() -> None:
         "time_unix": time.time(),
     }
     print(
-        f"\n{params / 1e9:.2f}B parameters ({model.num_layers} layers), {nbytes / 1e9:.2f} GB logical, "
-        f"largest tensor {largest / 1e6:.0f} MB, {os.cpu_count()} CPUs"
+        f"\n{params / 1e9:.2f}B parameters ({model.num_layers} layers), "
+        f"{nbytes / 1e9:.2f} GB logical, largest tensor {largest / 1e6:.0f} MB, "
+        f"{os.cpu_count()} CPUs"
     )
     print(
         "| case | seconds | GB/s | ratio to copy | peak RSS GB | RSS growth GB | growth / largest |"
@@ -201,8 +203,10 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['case']} | {r['seconds']:.1f} | {r['gb_per_s']:.2f} | {r['gb_per_s'] / rows[0]['gb_per_s']:.2f} "
-            f"| {r['peak_rss_gb']:.2f} | {r['rss_growth_gb']:.2f} | {r['growth_over_largest_tensor']:.1f}x |"
+            f"| {r['case']} | {r['seconds']:.1f} | {r['gb_per_s']:.2f} "
+            f"| {r['gb_per_s'] / rows[0]['gb_per_s']:.2f} "
+            f"| {r['peak_rss_gb']:.2f} | {r['rss_growth_gb']:.2f} "
+            f"| {r['growth_over_largest_tensor']:.1f}x |"
         )
     print(json.dumps(result, indent=2))
     if args.out:

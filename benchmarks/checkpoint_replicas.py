@@ -1,7 +1,7 @@
-"""Checkpoint MB/s committed through checkpoint service replicas, on loopback, against a plain write.
+"""Checkpoint MB/s committed through checkpoint service replicas on loopback, vs a plain write.
 
     python benchmarks/checkpoint_replicas.py --writers 8 --mb 256 --repeat 3
-    python benchmarks/checkpoint_replicas.py --writers 8 --mb 256 --s3    # on a SeaweedFS on loopback
+    python benchmarks/checkpoint_replicas.py --writers 8 --mb 256 --s3  # on a SeaweedFS on loopback
 
 `--writers` writer processes (one per rank, each with its own client, as in training) hold
 `--mb` MB of bf16 boxes together (`--box-mb` each, one array per writer). Each trial saves all
@@ -266,16 +266,16 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
     print(
         f"{args.writers} writers, {layers * args.writers} boxes of {rows * COLS * 2 / 1e6:.2f} MB "
-        f"({results['file']['bytes'] / 1e6:.0f} MB a save), {os.cpu_count()} CPUs, median of {args.repeat} "
-        f"after {args.warmup} untimed"
+        f"({results['file']['bytes'] / 1e6:.0f} MB a save), {os.cpu_count()} CPUs, "
+        f"median of {args.repeat} after {args.warmup} untimed"
     )
     print(f"{'root':<6} {'mode':<12} {'MB/s':>8} {'best':>8} {'per replica':>12} {'vs plain':>9}")
     for target, res in results.items():
         for mode, m in res["modes"].items():
             per = f"{m['mb_per_s_per_replica']:.1f}" if m["mb_per_s_per_replica"] else "-"
             print(
-                f"{target:<6} {mode:<12} {m['mb_per_s_median']:>8.1f} {m['mb_per_s_best']:>8.1f} {per:>12} "
-                f"{m['vs_plain']:>9.2f}"
+                f"{target:<6} {mode:<12} {m['mb_per_s_median']:>8.1f} {m['mb_per_s_best']:>8.1f} "
+                f"{per:>12} {m['vs_plain']:>9.2f}"
             )
     today = datetime.date.today().isoformat()
     out = Path(

@@ -2,12 +2,12 @@
 
     python benchmarks/checkpoint_stall.py --mb 1024 --out result.json     # CUDA if available
 
-Builds `--mb` MB of bf16 per-layer boxes of `--box-mb` each on the device (CUDA when available, else CPU) and
-saves them `--repeat` times with `AsyncSaver` to a local temp folder. The stall is what
-`save()` blocks for: the copy into reused host buffers (pinned on CUDA); the upload runs
-behind it and is waited for before the next save, outside the timed part. The first save
-(which allocates and pins the buffers) is reported separately. For reference it also times a
-bare `copy_` of the same tensors into the same buffers, the floor the stall can reach.
+Builds `--mb` MB of bf16 per-layer boxes of `--box-mb` each on the device (CUDA when available, else
+CPU) and saves them `--repeat` times with `AsyncSaver` to a local temp folder. The stall is what
+`save()` blocks for: the copy into reused host buffers (pinned on CUDA); the upload runs behind it
+and is waited for before the next save, outside the timed part. The first save (which allocates and
+pins the buffers) is reported separately. For reference it also times a bare `copy_` of the same
+tensors into the same buffers, the floor the stall can reach.
 
 Then the same saves with `AsyncSaver.prepare` (what a run that will save does once its model is
 built): a second saver's buffers are allocated on a background thread while the device runs a
@@ -124,7 +124,8 @@ def main() -> int:
         r = result["prepared"]
         print(
             f"prepared: allocation {r['allocate_s']:.2f} s in the background; first save "
-            f"{r['first_stall_ms_per_gb']:.1f} ms/GB = {r['first_over_steady']:.2f}x the steady stall; "
+            f"{r['first_stall_ms_per_gb']:.1f} ms/GB = "
+            f"{r['first_over_steady']:.2f}x the steady stall; "
             f"device loop {r['loop_ms_while_preparing']:.2f} ms/iter while preparing, "
             f"{r['loop_ms_after']:.2f} after"
         )

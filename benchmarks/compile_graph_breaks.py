@@ -85,7 +85,8 @@ def main() -> None:
                 for name, (seq, inflight) in graphs.items():
                     hidden = sum(1 for _, n in inflight if n)
                     print(
-                        f"{where}, {name}: {hidden} of {len(inflight)} collectives have matmuls in flight\n  {seq}"
+                        f"{where}, {name}: {hidden} of {len(inflight)} collectives "
+                        f"have matmuls in flight\n  {seq}"
                     )
 
 

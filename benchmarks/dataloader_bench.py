@@ -121,7 +121,8 @@ def bench_tokenize(work: Path, corpus_mb: float, workers_list: list[int]) -> dic
             ]
         )
     table(
-        f"tokenize ({jsonl.stat().st_size / 1e6:.0f} MB of stdlib source as JSONL, BPE 8192, end to end)",
+        f"tokenize ({jsonl.stat().st_size / 1e6:.0f} MB of stdlib source as JSONL, "
+        "BPE 8192, end to end)",
         ["tokenizer", "workers", "tokens", "s", "tokens/s", "per worker", "vs 1"],
         rows,
     )
@@ -419,7 +420,8 @@ def bench_wait(
         },
     }
     table(
-        f"trainer wait per step ({accum} micro-batches of {mbs} x {seq_length}, {compute_ms:.0f} ms compute/step)",
+        f"trainer wait per step ({accum} micro-batches of {mbs} x {seq_length}, "
+        f"{compute_ms:.0f} ms compute/step)",
         ["source", "mean ms", "p99 ms"],
         [
             [

@@ -1,8 +1,9 @@
-"""FP8 against bf16 on the loss: two real `meshtrain train` runs on the same data and seed, one plot.
+"""FP8 against bf16 on the loss: two real `meshtrain train` runs, same data and seed, one plot.
 
     python benchmarks/fp8_loss_curve.py --out fp8-loss.json --plot fp8-loss.png
     python benchmarks/fp8_loss_curve.py --config deploy/configs/llama-1b.toml --fp8-format e4m3 \
-        --fp8-recipe rowwise --steps 500 --out llama.json --plot llama.png --data.default_corpus_bytes=4000000
+        --fp8-recipe rowwise --steps 500 --out llama.json --plot llama.png \
+        --data.default_corpus_bytes=4000000
 
 Runs `meshtrain train` twice, each in its own process (the command a user runs): bf16, then the same
 job with `--train.fp8=FORMAT` (and `--train.fp8_recipe=RECIPE` where given, and the `--fp8-extra`
@@ -66,8 +67,9 @@ def run_flags(args, overrides: list[str], fp8: bool) -> list[str]:
 
 
 def train(name: str, flags: list[str], run_base: Path, timeout_s: float | None) -> Path:
-    """Run `meshtrain train FLAGS` into RUN_BASE/NAME (its output in RUN_BASE/NAME.log); returns the run
-    directory. Raises RuntimeError with the log's tail if the run fails or outlives `timeout_s`."""
+    """Run `meshtrain train FLAGS` into RUN_BASE/NAME (its output in RUN_BASE/NAME.log);
+    returns the run directory. Raises RuntimeError with the log's tail if the run fails or
+    outlives `timeout_s`."""
     run_dir = run_base / name
     if (run_dir / "metrics.jsonl").exists():
         raise FileExistsError(
@@ -89,7 +91,8 @@ def train(name: str, flags: list[str], run_base: Path, timeout_s: float | None) 
     start = time.perf_counter()
     with open(log_path, "w") as log:
         try:
-            # in this directory, as the paths given are; this checkout's meshtrain whether installed or not
+            # in this directory, as the paths given are;
+            # this checkout's meshtrain whether installed or not
             path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
             done = subprocess.run(
                 cmd,
@@ -110,8 +113,8 @@ def train(name: str, flags: list[str], run_base: Path, timeout_s: float | None) 
 
 
 def read_run(run_dir: Path, steps: int) -> dict:
-    """RUN_DIR's resolved [train] section and its metrics.jsonl records by step. Raises ValueError naming
-    the file if a step of 1..steps is missing or logged twice."""
+    """RUN_DIR's resolved [train] section and its metrics.jsonl records by step. Raises ValueError
+    naming the file if a step of 1..steps is missing or logged twice."""
     path = run_dir / "metrics.jsonl"
     records = {}
     for n, line in enumerate(path.read_text().splitlines(), 1):
@@ -143,8 +146,8 @@ def finite_or_none(x: float) -> float | None:
 
 
 def summarize(run: dict, tail: int, skip: int) -> dict:
-    """One run's row: per-step losses, the mean of the last `tail`, and tokens/s over the steps after `skip`
-    (their tokens over their time, and the median step's)."""
+    """One run's row: per-step losses, the mean of the last `tail`, and tokens/s over the steps
+    after `skip` (their tokens over their time, and the median step's)."""
     records = run["records"]
     losses = [r["loss"] for r in records]
     timed = records[skip:]
@@ -175,7 +178,8 @@ def smooth(values: list[float], window: int) -> list[float]:
 
 
 def compare(bf16: dict, fp8: dict, tail: int, tolerance: float) -> dict:
-    """The result's comparison: FP8's tail mean relative to bf16's, and its speed relative to bf16's."""
+    """The result's comparison: FP8's tail mean relative to bf16's, and its speed relative
+    to bf16's."""
     a, b = bf16["tail_mean_loss"], fp8["tail_mean_loss"]
     rel = (b - a) / a if a is not None and b is not None else None
     steps = [
@@ -196,8 +200,8 @@ def compare(bf16: dict, fp8: dict, tail: int, tolerance: float) -> dict:
 
 
 def plot(result: dict, path: Path, window: int) -> None:
-    """Loss against step for both runs (raw, faint; smoothed, solid) over the smoothed curves' relative
-    difference, with the tolerance band."""
+    """Loss against step for both runs (raw, faint; smoothed, solid) over the smoothed curves'
+    relative difference, with the tolerance band."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -251,7 +255,8 @@ def plot(result: dict, path: Path, window: int) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
-    """(the script's arguments, the flags it passes on to both runs); exits with a usage error on bad ones."""
+    """(the script's arguments, the flags it passes on to both runs); exits with a usage
+    error on bad ones."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="deploy/configs/gpt2-350m.toml")
     p.add_argument("--steps", type=int, default=1000)
@@ -270,7 +275,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         "--fp8-extra",
         default="",
         metavar="FLAGS",
-        help="more flags for the FP8 run alone, one string (e.g. '--train.fp8_bf16_first_last=true')",
+        help="more flags for the FP8 run alone, one string "
+        "(e.g. '--train.fp8_bf16_first_last=true')",
     )
     p.add_argument(
         "--tail", type=int, default=100, help="steps at the end whose mean loss is compared"
@@ -301,12 +307,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
             p.error(f"--{key.replace('_', '-')} must be at least 1, got {getattr(args, key)}")
     if args.tail > args.steps or not 0 <= args.skip < args.steps:
         p.error(
-            f"--tail ({args.tail}) must be at most --steps ({args.steps}) and --skip ({args.skip}) below it"
+            f"--tail ({args.tail}) must be at most --steps ({args.steps}) "
+            f"and --skip ({args.skip}) below it"
         )
     if args.global_batch_size % args.micro_batch_size:
         p.error(
-            f"--global-batch-size ({args.global_batch_size}) must be a multiple of --micro-batch-size "
-            f"({args.micro_batch_size})"
+            f"--global-batch-size ({args.global_batch_size}) must be a multiple of "
+            f"--micro-batch-size ({args.micro_batch_size})"
         )
     try:
         import matplotlib  # noqa: F401  (before two runs, not after)
@@ -341,7 +348,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(
             f"{name:>5}: last-{args.tail} mean loss "
             + (f"{mean:.4f}" if mean is not None else "n/a (not finite)")
-            + f"  {run['tokens_per_s']:,.0f} tokens/s (median step {run['tokens_per_s_median']:,.0f})"
+            + f"  {run['tokens_per_s']:,.0f} tokens/s "
+            f"(median step {run['tokens_per_s_median']:,.0f})"
         )
     rel = result["tail_mean_loss_rel_diff"]
     print(
@@ -352,7 +360,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     if result["worst_step"] is not None:
         print(
-            f"largest per-step gap: {result['worst_step_rel_diff'] * 100:+.2f}% at step {result['worst_step']}"
+            f"largest per-step gap: {result['worst_step_rel_diff'] * 100:+.2f}% "
+            f"at step {result['worst_step']}"
         )
     print(f"wrote {args.out} and {args.plot}")
     return result

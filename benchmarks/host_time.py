@@ -1,6 +1,7 @@
 """Is the training step host-bound? Host time per step against the wall clock, and blocking calls.
 
-    python3 benchmarks/host_time.py --config deploy/configs/gpt2-125m.toml --out host.json [overrides]
+    python3 benchmarks/host_time.py --config deploy/configs/gpt2-125m.toml --out host.json \
+        [overrides]
 
 Runs meshtrain's own step (`Trainer.train_step`) and times it on the host without
 synchronizing. When the host runs ahead, its time per step still equals the device's, because
@@ -37,11 +38,13 @@ BLOCKING = (
     "cudaMalloc",
     "cudaHostRegister",
 )
-"""Substrings of CUDA runtime calls that can wait for the device (the async variants excluded below)."""
+"""Substrings of CUDA runtime calls that can wait for the device (the async variants
+excluded below)."""
 
 
 def blocking_calls(trainer: Trainer, first: int, steps: int) -> dict[str, dict]:
-    """CUDA runtime calls that may block the host during `steps` profiled steps: {name: count, ms}."""
+    """CUDA runtime calls that may block the host during `steps` profiled steps:
+    {name: count, ms}."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -108,7 +111,8 @@ def main() -> None:
     }
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(
-        f"{args.config}: host {result['host_ms_per_step']:.1f} ms/step, wall {result['wall_ms_per_step']:.1f} ms/step"
+        f"{args.config}: host {result['host_ms_per_step']:.1f} ms/step, "
+        f"wall {result['wall_ms_per_step']:.1f} ms/step"
     )
     print(
         "blocking CUDA runtime calls in 2 profiled steps:",

@@ -298,7 +298,8 @@ def run(ops: list[str], use_compile: bool, budget_s: float, rounds: int) -> dict
             for impl, fn in impls.items():
                 args = build()
                 if ce:
-                    # the fused op computes its gradients in forward, so only forward + backward compares
+                    # the fused op computes its gradients in forward,
+                    # so only forward + backward compares
                     ms = time_fwd_and_bwd(fn, args)
                     row = {"op": op, "impl": impl, "shape": label, "pass": "fwd+bwd", "ms": ms}
                     if op == "cross_entropy":
@@ -389,7 +390,8 @@ def print_table(report: dict) -> None:
     )
     print(
         f"{'op':<22}{'pass':<9}{'impl':<17}{'ms':>9}{'GB/s':>9}{'%copy':>7}{'TFLOP/s':>9}"
-        f"{'x eager':>9}{'x comp':>8}{'dev ms':>9}{'dev %copy':>10}{'dev %same':>10}{'dev x comp':>11}"
+        f"{'x eager':>9}{'x comp':>8}{'dev ms':>9}"
+        f"{'dev %copy':>10}{'dev %same':>10}{'dev x comp':>11}"
     )
     for r in report["results"]:
         gbps = f"{r['gbps']:.0f}" if "gbps" in r else ""

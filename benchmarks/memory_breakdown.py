@@ -1,6 +1,7 @@
-"""Peak GPU memory of one training step, by the line that allocated it: meshtrain against the plain baseline.
+"""Peak GPU memory of a training step by the allocating line: meshtrain vs the plain baseline.
 
-    python benchmarks/memory_breakdown.py --config deploy/configs/gpt2-125m.toml --out mem.json [--top 25]
+    python benchmarks/memory_breakdown.py --config deploy/configs/gpt2-125m.toml --out mem.json \
+        [--top 25]
 
 For each side, in one process one after the other: the CUDA caching allocator's history is
 recorded (`torch.cuda.memory._record_memory_history`) from before the model is built, warm-up
@@ -128,7 +129,8 @@ def group(live: dict[int, dict]) -> list[dict]:
 
 
 def measure(build: Callable[[], Callable[[int], object]], warmup: int) -> dict:
-    """Record from before `build()` (which returns step(i)), run `warmup` steps, then one step; its peak, grouped."""
+    """Record from before `build()` (which returns step(i)), run `warmup` steps, then one
+    step; its peak, grouped."""
     device = torch.cuda.current_device()
     base = torch.cuda.memory_allocated(device)
     torch.cuda.memory._record_memory_history(

@@ -123,11 +123,13 @@ def main() -> None:
             r["projection"] = name
             results.append(r)
             print(
-                f"{name} {'skewed' if skew else 'balanced':8s} rows={rows} {k_in}->{n_out}: grouped "
-                f"{r['grouped']['fwd_bwd_tflops']:.0f} TFLOP/s fwd+bwd ({r['grouped']['fwd_tflops']:.0f} fwd), "
+                f"{name} {'skewed' if skew else 'balanced':8s} rows={rows} {k_in}->{n_out}: "
+                f"grouped {r['grouped']['fwd_bwd_tflops']:.0f} TFLOP/s fwd+bwd "
+                f"({r['grouped']['fwd_tflops']:.0f} fwd), "
                 f"dense {r['dense']['fwd_bwd_tflops']:.0f} ({r['dense']['fwd_tflops']:.0f}), "
-                f"loop {r['loop']['fwd_bwd_tflops']:.0f}; grouped/dense {r['grouped_over_dense_fwd_bwd']:.3f} "
-                f"fwd+bwd, {r['grouped_over_dense_fwd']:.3f} fwd; err {r['max_abs_err_vs_loop']:.2e}"
+                f"loop {r['loop']['fwd_bwd_tflops']:.0f}; "
+                f"grouped/dense {r['grouped_over_dense_fwd_bwd']:.3f} fwd+bwd, "
+                f"{r['grouped_over_dense_fwd']:.3f} fwd; err {r['max_abs_err_vs_loop']:.2e}"
             )
     Path(a.out).write_text(
         json.dumps(

@@ -3,17 +3,16 @@
     python benchmarks/pipeline_bubble.py --out bubble.json --png-dir plots/ \
         --pp 2 4 --micro 4 8 --schedules gpipe 1f1b interleaved zb-h1
 
-For each (schedule, pp, m) it starts pp gloo processes (one thread each, so put it on a
-machine with at least pp free cores), builds a GPT whose blocks dominate the step (a small
-vocabulary, so the first and last stage do little besides their blocks), splits it into
-stages and runs the real `PipelineRuntime` with every action timed. From the median of
-`--steps` steps (after a warm-up step) it reports, per rank, the bubble as idle time over busy time ((makespan - busy) / busy,
-Megatron's bubble ratio: (p-1)/m for 1F1B, (p-1)/(v*m) interleaved) and against the
-slowest stage's compute (makespan / its busy time - 1: stages are not equally heavy, the last
-also computes the loss), next to the ideal, and
-on stage 0 the peak number of micro-batches in flight and the peak bytes of activations
-saved for backward (tensors autograd keeps, parameters excluded). A PNG per run draws the
-step's timeline, one row per rank.
+For each (schedule, pp, m) it starts pp gloo processes (one thread each, so put it on a machine with
+at least pp free cores), builds a GPT whose blocks dominate the step (a small vocabulary, so the
+first and last stage do little besides their blocks), splits it into stages and runs the real
+`PipelineRuntime` with every action timed. From the median of `--steps` steps (after a warm-up step)
+it reports, per rank, the bubble as idle time over busy time ((makespan - busy) / busy, Megatron's
+bubble ratio: (p-1)/m for 1F1B, (p-1)/(v*m) interleaved) and against the slowest stage's compute
+(makespan / its busy time - 1: stages are not equally heavy, the last also computes the loss), next
+to the ideal, and on stage 0 the peak number of micro-batches in flight and the peak bytes of
+activations saved for backward (tensors autograd keeps, parameters excluded). A PNG per run draws
+the step's timeline, one row per rank.
 """
 
 from __future__ import annotations
@@ -223,7 +222,8 @@ def plot(result: dict, path: str) -> None:
     ax.set_xlabel("seconds (F blue, B/I green, W orange, communication grey)")
     ax.set_title(
         f"{result['schedule']} pp={result['pp']} v={result['virtual']} m={result['micro']}: "
-        f"bubble ratio {result['bubble_ratio_mean']:.3f}, bottleneck {result['bubble_ratio_bottleneck']:.3f}"
+        f"bubble ratio {result['bubble_ratio_mean']:.3f}, "
+        f"bottleneck {result['bubble_ratio_bottleneck']:.3f}"
         + (f" (ideal {result['ideal_bubble_ratio']:.3f})" if result["ideal_bubble_ratio"] else "")
     )
     fig.tight_layout()
@@ -278,8 +278,10 @@ def main() -> None:
                 print(
                     f"{schedule:12s} pp={pp} v={v} m={m}: bubble {r['bubble_ratio_mean']:.3f} "
                     f"(bottleneck {r['bubble_ratio_bottleneck']:.3f}) "
-                    f"(ideal {r['ideal_bubble_ratio'] if r['ideal_bubble_ratio'] is not None else '-'}) "
-                    f"in flight {r['peak_in_flight_stage0']}, saved {r['peak_saved_mb_stage0']:.1f} MB, "
+                    "(ideal "
+                    f"{r['ideal_bubble_ratio'] if r['ideal_bubble_ratio'] is not None else '-'}) "
+                    f"in flight {r['peak_in_flight_stage0']}, "
+                    f"saved {r['peak_saved_mb_stage0']:.1f} MB, "
                     f"step {r['makespan_s']:.2f} s",
                     flush=True,
                 )

@@ -116,10 +116,12 @@ def main() -> None:
             )
     base = rows["none"]
     print(
-        f"\n{args.config}  micro-batch {job.train.micro_batch_size} x seq {job.model.seq_length}  {device}"
+        f"\n{args.config}  micro-batch {job.train.micro_batch_size} "
+        f"x seq {job.model.seq_length}  {device}"
     )
     print(
-        f"{'plan':<18}{'peak GB':>9}{'act. GB':>9}{'act. ratio':>11}{'fwd+bwd s':>11}{'time ratio':>11}"
+        f"{'plan':<18}{'peak GB':>9}{'act. GB':>9}"
+        f"{'act. ratio':>11}{'fwd+bwd s':>11}{'time ratio':>11}"
     )
     for name, r in rows.items():
         ratio = (

@@ -1,4 +1,4 @@
-"""Where a training step's time goes on the GPU: kernels by kind, device idle, exposed communication.
+"""Where a GPU training step's time goes: kernels by kind, device idle, exposed communication.
 
 `profile_steps` runs a few steps under torch.profiler (CUPTI kernel records) and reduces them
 to one table per step:
@@ -153,14 +153,14 @@ def breakdown(
     """Reduce spans recorded over `steps` steps of `wall_us` total to per-step milliseconds.
 
     Returns:
-        {"source", "wall_ms", "busy_ms", "idle_ms", "kinds": {kind: ms}, "comm_ms", "comm_exposed_ms",
-         "top": [(name, ms), ...], "exposed_by_comm": [(name, ms), ...], "idle_gaps": [(at_ms, ms), ...],
-         "exposed_stretches": [(at_ms, ms), ...]} per step; kinds sum kernel time, so with streams
-        running side by side they can add up to more than busy, and so can exposed_by_comm (two
-        collectives side by side, neither beside compute) add up to more than comm_exposed_ms.
-        The gaps and stretches are the longest few over the whole window (not per step), at_ms
-        counted from its first span; the gaps are those between spans (idle before the first
-        span or after the last one counts in idle_ms only).
+        {"source", "wall_ms", "busy_ms", "idle_ms", "kinds": {kind: ms}, "comm_ms",
+         "comm_exposed_ms", "top": [(name, ms), ...], "exposed_by_comm": [(name, ms), ...],
+         "idle_gaps": [(at_ms, ms), ...], "exposed_stretches": [(at_ms, ms), ...]} per step;
+        kinds sum kernel time, so with streams running side by side they can add up to more than
+        busy, and so can exposed_by_comm (two collectives side by side, neither beside compute) add
+        up to more than comm_exposed_ms. The gaps and stretches are the longest few over the whole
+        window (not per step), at_ms counted from its first span; the gaps are those between spans
+        (idle before the first span or after the last one counts in idle_ms only).
     """
     per = 1e3 * steps  # us over all steps -> ms per step
     kinds = dict.fromkeys(KIND_NAMES, 0.0)

@@ -170,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
             if f"{k}_ms" in rows[0]
         ]
         print(
-            f"tp={tp} micro-batch {args.micro_batch} x seq {args.seq}, {dtype}, {device.type}; ms per call"
+            f"tp={tp} micro-batch {args.micro_batch} x seq {args.seq}, {dtype}, {device.type}; "
+            "ms per call"
         )
         print(f"{'linear':10} {'kind':7} " + " ".join(f"{k:>9}" for k in keys) + "  best/nccl-bf")
         total = {k: 0.0 for k in keys}

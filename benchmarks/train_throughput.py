@@ -1,8 +1,10 @@
 """End-to-end training throughput: meshtrain's trainer vs a plain compiled PyTorch GPT.
 
-    python benchmarks/train_throughput.py --config deploy/configs/gpt2-125m.toml --steps 300 --out result.json
-    torchrun --nproc-per-node 2 benchmarks/train_throughput.py --config deploy/configs/llama-1b.toml \
-        --skip-baseline --use-distributed-optimizer --overlap-grad-reduce --out dp2.json
+    python benchmarks/train_throughput.py --config deploy/configs/gpt2-125m.toml --steps 300 \
+        --out result.json
+    torchrun --nproc-per-node 2 benchmarks/train_throughput.py \
+        --config deploy/configs/llama-1b.toml --skip-baseline --use-distributed-optimizer \
+        --overlap-grad-reduce --out dp2.json
 
 Under torchrun the meshtrain side runs on every rank (tp/dp from the usual flags) and rank 0
 reports; tokens/s counts the whole global batch, MFU is per GPU.
@@ -11,19 +13,19 @@ Both sides train the same architecture with the same micro/global batch and sequ
 in bf16 autocast with fused AdamW and torch.compile, in the same process one after the other
 (with `--rounds R`: all built at once and timed in turn, R times over, so that a drift of the
 machine falls on every side alike).
-meshtrain runs its real loop step (data from its dataloader, gradient accumulation, clipping,
-LR schedule); the baseline (`baseline_gpt.py`) trains on random tokens. Compile and warm-up
-steps are excluded. Prints a table and writes JSON; the ratio is the number that counts. The
-table's s/step is the mean over the timed steps (tokens/s and the ratios come from it), "median"
-the median step, and "spread" the slowest step over the fastest, less one. Each ratio is also
-given from the median steps (`*_median` in the JSON), which one stalled step does not move, and
-each row counts the CUDA allocator's events inside its timed steps (`allocator`: cache releases,
-syncs, cudaMalloc and cudaFree calls). `--baseline-float8 tensorwise|rowwise` adds the baseline with
-torchao's float8 linear layers (the FP8 target a PyTorch user has at hand), with meshtrain's ratio to
-it, and with `--variant` (e.g. meshtrain's own FP8) the variant's ratio to it too. `--variant` may be
-given more than once (FP8 recipes side by side): each variant is a side of its own, and (sides in
-turn, `--rounds 1`) a variant that fails to build or train (a refused option, a CUDA graph that
-cannot be captured) is reported as failed while the others are still timed.
+meshtrain runs its real loop step (data from its dataloader, gradient accumulation, clipping, LR
+schedule); the baseline (`baseline_gpt.py`) trains on random tokens. Compile and warm-up steps are
+excluded. Prints a table and writes JSON; the ratio is the number that counts. The table's s/step is
+the mean over the timed steps (tokens/s and the ratios come from it), "median" the median step, and
+"spread" the slowest step over the fastest, less one. Each ratio is also given from the median steps
+(`*_median` in the JSON), which one stalled step does not move, and each row counts the CUDA
+allocator's events inside its timed steps (`allocator`: cache releases, syncs, cudaMalloc and
+cudaFree calls). `--baseline-float8 tensorwise|rowwise` adds the baseline with torchao's float8
+linear layers (the FP8 target a PyTorch user has at hand), with meshtrain's ratio to it, and with
+`--variant` (e.g. meshtrain's own FP8) the variant's ratio to it too. `--variant` may be given more
+than once (FP8 recipes side by side): each variant is a side of its own, and (sides in turn,
+`--rounds 1`) a variant that fails to build or train (a refused option, a CUDA graph that cannot be
+captured) is reported as failed while the others are still timed.
 """
 
 from __future__ import annotations
@@ -101,10 +103,14 @@ def time_steps(step_fn, first: int, steps: int, device: torch.device) -> dict:
 
 
 ALLOCATOR_COUNTS = {  # JSON name -> torch.cuda.memory_stats() counter
-    "alloc_retries": "num_alloc_retries",  # no free block: the cache released (a device-wide sync), then again
-    "sync_all_streams": "num_sync_all_streams",  # the allocator waited for every stream to free blocks
-    "device_allocs": "num_device_alloc",  # cudaMalloc / cuMemMap: new memory, host time each
-    "device_frees": "num_device_free",  # cudaFree / cuMemUnmap: a synchronization each
+    # no free block: the cache released (a device-wide sync), then again
+    "alloc_retries": "num_alloc_retries",
+    # the allocator waited for every stream to free blocks
+    "sync_all_streams": "num_sync_all_streams",
+    # cudaMalloc / cuMemMap: new memory, host time each
+    "device_allocs": "num_device_alloc",
+    # cudaFree / cuMemUnmap: a synchronization each
+    "device_frees": "num_device_free",
 }
 """The CUDA caching allocator's event counters that `time_steps` reports for its steps. Each one
 that is not 0 inside timed steps is memory management, not the step's own work: the host waits
@@ -138,7 +144,8 @@ with (it once did, and its losses differed from theirs from the first step)."""
 
 
 def meshtrain_step(args, overrides):
-    """(trainer, step(i), losses): meshtrain's real loop step on the config, each step's loss appended."""
+    """(trainer, step(i), losses): meshtrain's real loop step on the config,
+    each step's loss appended."""
     planned = args.warmup + args.rounds * args.steps + PROFILE_MAX
     job = load_config(
         [
@@ -249,8 +256,8 @@ def float8_baseline(recipe: str) -> Baseline:
 
 def baseline_step(job, spec: Baseline = PLAIN):
     """(step(i), device, losses, info): the plain baseline's step on random tokens, each step's last
-    micro-batch loss (divided by the micro-batch count) appended; `info` goes into its row (the float8
-    recipe and how many linear layers it converted)."""
+    micro-batch loss (divided by the micro-batch count) appended; `info` goes into its row (the
+    float8 recipe and how many linear layers it converted)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
     model = BaselineGPT(job.model, spec.bf16_residual).to(device)
@@ -285,7 +292,8 @@ def baseline_step(job, spec: Baseline = PLAIN):
 
 
 def baseline_row(job, losses, timed: dict, info: dict) -> dict:
-    """The baseline's result row: the timing, the last step's loss (the whole batch's) and `info`."""
+    """The baseline's result row: the timing, the last step's loss (the whole batch's)
+    and `info`."""
     n_micro = job.train.global_batch_size // job.train.micro_batch_size
     return {**timed, "loss_last": (losses[-1] * n_micro).item(), **info}
 
@@ -311,8 +319,8 @@ def run_baseline(args, job, spec: Baseline) -> dict:
 
 
 def run_rounds(args, overrides, baselines: list[Baseline]) -> tuple[dict, object]:
-    """--rounds R: build every side first and keep them all, warm each up, then time `steps` steps of
-    each side in turn, R times over (the order rotating by one side a round). A drift of the
+    """--rounds R: build every side first and keep them all, warm each up, then time `steps` steps
+    of each side in turn, R times over (the order rotating by one side a round). A drift of the
     machine over the run (clocks, a neighbour) then falls on every side alike, and the per-round
     ratios show how far one round's ratio can be trusted. Every side's weights, optimizer state and
     compiled graphs stay resident together, so peak memory is the process's, not a side's. Every
@@ -371,8 +379,8 @@ def _total(counts) -> dict | None:
 
 
 def release(job, reset: bool = True) -> None:
-    """Before the next side builds its model: the last one's memory back (it is out of scope by now),
-    and with `reset` its compiled graphs dropped."""
+    """Before the next side builds its model: the last one's memory back (it is out of scope by
+    now), and with `reset` its compiled graphs dropped."""
     if reset and job.train.compile:
         torch._dynamo.reset()
     gc.collect()
@@ -459,8 +467,8 @@ def main() -> None:
         "--baseline-float8",
         choices=FLOAT8_RECIPES,
         metavar="RECIPE",
-        help="also run the plain baseline with its blocks' linear layers in torchao's float8 training "
-        f"(recipe: {' or '.join(FLOAT8_RECIPES)}; the output head stays bf16), and report "
+        help="also run the plain baseline with its blocks' linear layers in torchao's float8 "
+        f"training (recipe: {' or '.join(FLOAT8_RECIPES)}; the output head stays bf16), and report "
         "meshtrain's ratio to it (needs torchao; not under torchrun; --skip-baseline leaves it)",
     )
     p.add_argument(
@@ -576,7 +584,8 @@ def main() -> None:
     if variant:
         result["variant"] = args.variant[0]
     float8 = float8_baseline(args.baseline_float8).name if args.baseline_float8 else None
-    versus = {  # key -> (the faster-is-larger side, the side it is divided by): the ratio of their tokens/s
+    # key -> (the faster-is-larger side, the side it is divided by): the ratio of their tokens/s
+    versus = {
         "ratio_tokens_per_s": ("meshtrain", PLAIN.name),
         "ratio_vs_bf16_residual_baseline": ("meshtrain", BF16_RESIDUAL.name),
         "ratio_vs_variant": ("meshtrain", variant),
@@ -633,7 +642,8 @@ def main() -> None:
     )
     width = max(24, *(len(name) + 2 for name in rows))
     print(
-        f"{'impl':<{width}}{'tokens/s':>12}{'MFU':>8}{'s/step':>9}{'median':>9}{'spread':>8}{'peak GB':>9}"
+        f"{'impl':<{width}}{'tokens/s':>12}{'MFU':>8}{'s/step':>9}"
+        f"{'median':>9}{'spread':>8}{'peak GB':>9}"
     )
     for name, r in rows.items():
         mfu = f"{r['mfu'] * 100:.1f}%" if r["mfu"] is not None else "-"
@@ -647,7 +657,8 @@ def main() -> None:
         print(f"ratio meshtrain / baseline: {result['ratio_tokens_per_s']:.3f}")
     if "ratio_vs_bf16_residual_baseline" in result:
         print(
-            f"ratio meshtrain / bf16-residual baseline: {result['ratio_vs_bf16_residual_baseline']:.3f}"
+            "ratio meshtrain / bf16-residual baseline: "
+            f"{result['ratio_vs_bf16_residual_baseline']:.3f}"
         )
     if "ratio_vs_variant" in result:
         print(f"ratio meshtrain / {variant}: {result['ratio_vs_variant']:.3f}")
@@ -666,7 +677,8 @@ def main() -> None:
         if r["allocator"] and any(r["allocator"].values()):
             counts = ", ".join(f"{key} {n}" for key, n in r["allocator"].items() if n)
             print(
-                f"note: {name}: the CUDA allocator inside the timed steps: {counts} (its slowest steps may be these)"
+                f"note: {name}: the CUDA allocator inside the timed steps: {counts} "
+                "(its slowest steps may be these)"
             )
     for flags, one in result.get("variants", {}).items():
         if "failed" in one:

@@ -4,7 +4,7 @@ storage directly, at any layout.
 
     meshtrain ckpt serve ROOT --port 7002 &
     python examples/checkpoint_service.py --root ROOT --address 127.0.0.1:7002
-    python examples/checkpoint_service.py          # its own service on loopback, ROOT a new temp folder
+    python examples/checkpoint_service.py  # its own service on loopback, ROOT a new temp folder
 """
 
 import argparse
@@ -59,7 +59,8 @@ moments = all(
     for a, b in zip(model.parameters(), fresh.parameters(), strict=True)
 )
 print(
-    f"loaded step {state.iteration}: weights identical: {weights}, Adam moments identical: {moments}"
+    f"loaded step {state.iteration}: weights identical: {weights}, "
+    f"Adam moments identical: {moments}"
 )
 if not (weights and moments):
     raise SystemExit("the reloaded checkpoint differs from what was saved")

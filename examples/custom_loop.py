@@ -25,7 +25,8 @@ device = (
     if torch.cuda.is_available()
     else torch.device("cpu")
 )
-job = mt.JobConfig(  # data: the embedded corpus (Python's own source, BPE 4096) unless data.data_path is set
+# data: the embedded corpus (Python's own source, BPE 4096) unless data.data_path is set
+job = mt.JobConfig(
     model=mt.ModelConfig(num_layers=2, hidden_size=128, num_attention_heads=4, seq_length=128),
     train=mt.TrainConfig(
         micro_batch_size=4, global_batch_size=16, train_iters=args.steps, eval_interval=0
@@ -72,5 +73,6 @@ with torch.no_grad():
     after = fresh(*probe).item()
 if mesh.rank == 0:
     print(
-        f"saved {url}\nreloaded step {state.iteration}: probe loss {before!r} before, {after!r} after"
+        f"saved {url}\nreloaded step {state.iteration}: "
+        f"probe loss {before!r} before, {after!r} after"
     )

@@ -2,9 +2,9 @@
 bit for bit the ones the in-process reader gives (both are a pure function of the dataset, the
 seed and the step, so any worker serves any rank from any step).
 
-    meshtrain data serve --port 7001 &                       # a worker; start as many as you like
+    meshtrain data serve --port 7001 &                   # a worker; start as many as you like
     python examples/data_service.py --address 127.0.0.1:7001 [--address ...] [--data-path PREFIX]
-    python examples/data_service.py                          # starts a worker of its own on loopback
+    python examples/data_service.py                      # starts a worker of its own on loopback
 """
 
 import argparse

@@ -366,7 +366,8 @@ def _short(msg: Message) -> str:
                 else [_clip(v) for v in vals[:3]]
             )
             parts.append(
-                f"{field.name}=[{', '.join(shown)}{', ...' if len(vals) > 3 else ''}] (len {len(vals)})"
+                f"{field.name}=[{', '.join(shown)}{', ...' if len(vals) > 3 else ''}] "
+                f"(len {len(vals)})"
             )
         else:
             parts.append(f"{field.name}={_clip(value)}")
@@ -471,7 +472,8 @@ class Fuzzer:
             self.bad.setdefault(key, (shown, details or ""))
 
     def _meta(self, metadata) -> tuple:
-        """The metadata of a call: the fuzzer's own, or `metadata` instead where it names a key of it."""
+        """The metadata of a call: the fuzzer's own,
+        or `metadata` instead where it names a key of it."""
         metadata = tuple(metadata or ())
         given = {key for key, _ in metadata}
         return tuple(m for m in self.metadata if m[0] not in given) + tuple(
@@ -495,7 +497,8 @@ class Fuzzer:
     def unary_stream(
         self, method: str, request: bytes, max_messages: int = 3, metadata=None, shown=None
     ) -> grpc.StatusCode:
-        """A server-streaming call, of which at most `max_messages` are read before it is cancelled."""
+        """A server-streaming call, of which at most `max_messages` are read
+        before it is cancelled."""
         call = self.channel.unary_stream(self._method(method), _identity, _identity)
         stream = call(request, timeout=self.timeout_s, metadata=self._meta(metadata))
         code, details, read = grpc.StatusCode.OK, None, 0
@@ -586,7 +589,8 @@ class Fuzzer:
         others = [(k, v) for k, v in self.bad.items() if v[1] != DESERIALIZE_FAILED]
         if others:
             out.append(
-                f"{len(others)} distinct UNKNOWN/INTERNAL answers (method code: request -> details):"
+                f"{len(others)} distinct UNKNOWN/INTERNAL answers "
+                "(method code: request -> details):"
             )
         for (method, code, _), (request, details) in others[:limit]:
             out.append(f"  {method} {code}: {request} -> {details[:300]!r}")

@@ -19,8 +19,8 @@ TINY = str(ROOT / "deploy" / "configs" / "tiny.toml")
 
 
 def meshtrain(*args, cwd=None):
-    # ROOT first on the path: from another working directory `-m meshtrain.services.cli` would otherwise
-    # import whichever checkout the environment has installed, not this one.
+    # ROOT first on the path: from another working directory `-m meshtrain.services.cli` would
+    # otherwise import whichever checkout the environment has installed, not this one.
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),

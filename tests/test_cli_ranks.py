@@ -306,8 +306,8 @@ def test_nproc_per_node_rank_killed_mid_save_fails_fast_and_commits_nothing(tmp_
     ], err[-3000:]
     assert took < 10, (took, err[-3000:])
     assert re.search(
-        rf"save \w+ of step {int(step.name[5:])} under .* abandoned: writers \[1\] had not reported when "
-        "the run failed",
+        rf"save \w+ of step {int(step.name[5:])} under .* abandoned: "
+        r"writers \[1\] had not reported when the run failed",
         err,
     ), err[-3000:]
     committed = meshtrain("ckpt", "list", ckpt).stdout.split()
@@ -341,8 +341,8 @@ def test_nproc_per_node_hung_rank_ends_the_job_after_the_distributed_timeout(
         code, took = _signal_rank(proc, pids[1], signal.SIGSTOP, 45)
     err, errors = _error_lines(tmp_path)
     expected = (
-        "meshtrain: error: rank 0 failed (exit status 1), then rank 1 (hung: stopped by a signal (SIGSTOP?) "
-        "when the others failed, then killed by SIGKILL)"
+        "meshtrain: error: rank 0 failed (exit status 1), then rank 1 "
+        "(hung: stopped by a signal (SIGSTOP?) when the others failed, then killed by SIGKILL)"
     )
     assert code == 1 and errors == [expected], err[-3000:]
     assert "Timed out waiting 6000ms" in err, err[-3000:]

@@ -1,8 +1,9 @@
-"""benchmarks/baseline_gpt.py's torchao float8 conversion on CPU (Float8Linear runs here through torch._scaled_mm).
+"""benchmarks/baseline_gpt.py's torchao float8 conversion on CPU
+(Float8Linear runs here through torch._scaled_mm).
 
-The layer choice (every block's linear, never the head, nothing torch._scaled_mm cannot take) and a finite,
-close forward and backward at a tiny shape; the speed is measured on the GPU (train_throughput.py
---baseline-float8).
+The layer choice (every block's linear, never the head, nothing torch._scaled_mm cannot take) and a
+finite, close forward and backward at a tiny shape; the speed is measured on the GPU
+(train_throughput.py --baseline-float8).
 """
 
 import copy
@@ -23,7 +24,8 @@ BLOCK_LINEARS = ("q", "kv", "o", "mlp.up", "mlp.down")
 
 
 def llama(**kw) -> ModelConfig:
-    """Llama-style at a shape every float8 GEMM takes (each dimension a multiple of 16); vocab 100 pads to 128."""
+    """Llama-style at a shape every float8 GEMM takes (each dimension a multiple of 16);
+    vocab 100 pads to 128."""
     return ModelConfig(
         **{
             "num_layers": 2,
@@ -54,11 +56,11 @@ def loss_and_grads(
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_blocks_linears_become_float8_and_train_close_to_bf16(recipe):
-    """Tolerances: e4m3 keeps 3 mantissa bits, e5m2 (tensorwise's gradients) 2, so each GEMM operand is rounded
-    by up to 1/16 or 1/8 of its magnitude. The loss at init (~ln 100) moved by at most 2e-4 relative over three
-    seeds (1e-2 allowed); a weight gradient, whose error grows through the layers above it, by at most 10.3% of
-    its norm for tensorwise and 8.3% for rowwise (20% allowed). A broken conversion (a lost scale, a transposed
-    operand) is off by the whole norm."""
+    """Tolerances: e4m3 keeps 3 mantissa bits, e5m2 (tensorwise's gradients) 2, so each GEMM operand
+    is rounded by up to 1/16 or 1/8 of its magnitude. The loss at init (~ln 100) moved by at most
+    2e-4 relative over three seeds (1e-2 allowed); a weight gradient, whose error grows through the
+    layers above it, by at most 10.3% of its norm for tensorwise and 8.3% for rowwise (20% allowed).
+    A broken conversion (a lost scale, a transposed operand) is off by the whole norm."""
     torch.manual_seed(0)
     plain = BaselineGPT(llama())
     model = copy.deepcopy(plain)

@@ -1,8 +1,9 @@
-"""benchmarks/fp8_loss_curve.py on CPU: real `meshtrain train` runs of a tiny model, read, compared and plotted.
+"""benchmarks/fp8_loss_curve.py on CPU: real `meshtrain train` runs of a tiny model, read,
+compared and plotted.
 
-The GPU run (gpt2-350m, 1,000 steps) is in gpu_suite.sh's fp8 suite; here the runs are a few steps long, so
-the tests check the plumbing (flags reach each run, every step is read, the numbers are the logged ones,
-the plot is written), not FP8's accuracy.
+The GPU run (gpt2-350m, 1,000 steps) is in gpu_suite.sh's fp8 suite; here the runs are a few steps
+long, so the tests check the plumbing (flags reach each run, every step is read, the numbers are the
+logged ones, the plot is written), not FP8's accuracy.
 """
 
 import json
@@ -124,8 +125,9 @@ def test_bf16_and_fp8_runs_are_read_compared_and_plotted(tmp_path):
 
 @pytest.mark.e2e
 def test_two_real_runs_read_and_plot_through_the_same_path(tmp_path):
-    """The bf16 run against a second bf16 run at another learning rate, through train/read_run/summarize/
-    compare/plot as main() does: what is read is what each run logged, whichever FP8 the tree has."""
+    """The bf16 run against a second bf16 run at another learning rate, through
+    train/read_run/summarize/compare/plot as main() does: what is read is what each run logged,
+    whichever FP8 the tree has."""
     args, overrides = curve.parse_args(
         [
             *TINY,

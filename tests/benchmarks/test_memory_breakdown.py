@@ -1,4 +1,5 @@
-"""benchmarks/memory_breakdown.py: the trace replay and the grouping by site (the GPU run itself is on the H200)."""
+"""benchmarks/memory_breakdown.py: the trace replay and the grouping by site
+(the GPU run itself is on the H200)."""
 
 import os
 import subprocess
@@ -69,9 +70,8 @@ def test_site_is_the_first_frame_outside_torch_and_owner_the_first_in_the_repo(t
         {"filename": MODEL, "line": 150, "name": "forward"},
     ]
     site, owner = site_and_owner(frames)
-    assert (
-        site
-        == "cxyz.py:2 call  [buf0 = empty_strided_cuda((16, 1024, 3072), (1, 1, 1), torch.bfloat16)]"
+    assert site == (
+        "cxyz.py:2 call  [buf0 = empty_strided_cuda((16, 1024, 3072), (1, 1, 1), torch.bfloat16)]"
     )
     assert owner == "services/trainer/model/gpt.py:150 forward"
     # a repository frame is its own site and owner, without source text

@@ -50,7 +50,8 @@ def test_merge_length_and_overlap():
         ("triton_poi_fused_all_gather_into_tensor_1", "inductor triton"),
         ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_2", "inductor triton"),
         (
-            "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor<float, 4>>",
+            "void at::native::(anonymous namespace)::multi_tensor_apply_kernel"
+            "<FusedAdamMathFunctor<float, 4>>",
             "optimizer",
         ),
         ("Memcpy DtoD (Device -> Device)", "copy"),
@@ -75,7 +76,8 @@ def _python_name(obj) -> str:
 
 
 def test_every_meshtrain_triton_kernel_is_counted_as_ours():
-    # JITFunction, Autotuner, or (under TRITON_INTERPRET=1, as the kernel tests set) InterpretedFunction
+    # JITFunction, Autotuner, or (under TRITON_INTERPRET=1, as the kernel tests set)
+    # InterpretedFunction
     names = {
         _python_name(obj)
         for op in ("rms_norm", "layer_norm", "rope", "gelu", "swiglu", "cross_entropy")

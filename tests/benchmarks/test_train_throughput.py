@@ -1,4 +1,5 @@
-"""benchmarks/train_throughput.py on CPU: the script end to end with --variant (the GPU rows are on the H200)."""
+"""benchmarks/train_throughput.py on CPU: the script end to end with --variant
+(the GPU rows are on the H200)."""
 
 import json
 import subprocess
@@ -198,8 +199,8 @@ def test_rounds_interleave_every_side_and_report_each_rounds_ratio(tmp_path):
         assert len(row["step_times_s"]) == 6 and len(row["round_step_time_s"]) == 3
         assert row["step_time_s"] == pytest.approx(sum(row["round_step_time_s"]) / 3)
         assert row["peak_mem_gb"] is None  # every side resident at once: no side's own peak
-        # the CUDA allocator's counts, per round and in all: none on CPU (tiny.toml's meshtrain; the baseline's device
-        # is CUDA where there is one)
+        # the CUDA allocator's counts, per round and in all: none on CPU (tiny.toml's meshtrain; the
+        # baseline's device is CUDA where there is one)
         if name.startswith("meshtrain") or not torch.cuda.is_available():
             assert row["round_allocator"] == [None] * 3 and row["allocator"] is None
         else:
@@ -216,7 +217,8 @@ def test_rounds_interleave_every_side_and_report_each_rounds_ratio(tmp_path):
         base["step_time_median_s"] / mesh["step_time_median_s"]
     )
     assert len(result["ratio_vs_variant_rounds"]) == 3
-    # each meshtrain side reports its own run's losses: the same first step (data, init), its own learning rate after
+    # each meshtrain side reports its own run's losses: the same first step (data, init),
+    # its own learning rate after
     assert mesh["loss_first"] == rows["meshtrain --optim.lr=1e-2"]["loss_first"]
     assert mesh["loss_last"] != rows["meshtrain --optim.lr=1e-2"]["loss_last"]
     assert "ratio_tokens_per_s by round:" in done.stdout
@@ -281,15 +283,16 @@ def test_float8_baseline_is_a_side_of_its_own_with_its_ratios(tmp_path):
     rows = result["results"]
     mesh, plain = rows["meshtrain"], rows["baseline (plain torch)"]
     variant, float8 = rows["meshtrain --optim.lr=1e-2"], rows["baseline + torchao float8 (rowwise)"]
-    # the float8 baseline runs last: torchao patches Inductor's codegen for the process, and the others compile first
+    # the float8 baseline runs last: torchao patches Inductor's codegen for the process,
+    # and the others compile first
     assert list(rows) == [
         "meshtrain",
         "baseline (plain torch)",
         "meshtrain --optim.lr=1e-2",
         "baseline + torchao float8 (rowwise)",
     ]
-    # 2 blocks x (q, kv, o, up, down); the head stays plain. Same init and batches as the plain baseline, so after
-    # two steps the loss is the plain one's within float8's rounding
+    # 2 blocks x (q, kv, o, up, down); the head stays plain. Same init and batches as the plain
+    # baseline, so after two steps the loss is the plain one's within float8's rounding
     assert float8["float8"] == "rowwise" and float8["float8_layers"] == 10 and "float8" not in plain
     assert float8["loss_last"] == pytest.approx(plain["loss_last"], rel=2e-2)
     for key, (side, other) in {

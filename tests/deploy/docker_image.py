@@ -32,7 +32,8 @@ def run(argv: list[str], timeout: float = 1800, **kw) -> subprocess.CompletedPro
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kw)
     if proc.returncode:
         raise RuntimeError(
-            f"{' '.join(argv[:6])}... exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-4000:]}"
+            f"{' '.join(argv[:6])}... exited {proc.returncode}:\n"
+            f"{(proc.stdout + proc.stderr)[-4000:]}"
         )
     return proc
 

@@ -30,7 +30,10 @@ def missing_requirements() -> str | None:
     """Why a cluster cannot start here, or None when it can."""
     absent = [b for b in BINARIES if shutil.which(b) is None]
     if absent:
-        return f"Slurm/munge not installed ({', '.join(absent)} missing; deploy/install-test-deps.sh installs them)"
+        return (
+            f"Slurm/munge not installed ({', '.join(absent)} missing; "
+            "deploy/install-test-deps.sh installs them)"
+        )
     if os.geteuid() != 0:
         return "slurmd must run as root to launch jobs"
     if not Path("/etc/munge/munge.key").exists():

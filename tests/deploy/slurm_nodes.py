@@ -133,7 +133,8 @@ PartitionName=debug Nodes={",".join(self.names)} Default=YES MaxTime=INFINITE St
         (self.dir / "hosts").write_text(hosts)
 
     def start(self, timeout: float = 60.0) -> None:
-        """Network, munged, slurmctld, then one slurmd per namespace; return when all nodes are idle."""
+        """Network, munged, slurmctld, then one slurmd per namespace;
+        return when all nodes are idle."""
         self.network_up()
         self.write_config()
         self._start_controller(timeout)

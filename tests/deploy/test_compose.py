@@ -40,7 +40,8 @@ def env_file() -> dict[str, str]:
 
 
 def interpolate(value, env):
-    """Compose's `${VAR}`, `${VAR:-default}` and `${VAR:?error}` with `env` (`$$` is a literal `$`)."""
+    """Compose's `${VAR}`, `${VAR:-default}` and `${VAR:?error}` with `env`
+    (`$$` is a literal `$`)."""
     if isinstance(value, str):
 
         def sub(m):
@@ -83,7 +84,8 @@ def test_docker_compose_config_accepts_the_file(tmp_path):
     binary = shutil.which("docker-compose")
     if binary is None:
         pytest.skip(
-            "docker-compose not installed (Debian package docker-compose; deploy/install-test-deps.sh)"
+            "docker-compose not installed "
+            "(Debian package docker-compose; deploy/install-test-deps.sh)"
         )
     env_args = ["--env-file", str(ENV_FILE)]
     result = subprocess.run(

@@ -53,8 +53,8 @@ def test_the_image_runs_as_its_own_user_with_a_health_check(image):
             "sh",
             "-c",
             "id -u && python -m meshtrain.services.launcher.health --from-env && "
-            "MESHTRAIN_HEALTH=127.0.0.1:1 python -m meshtrain.services.launcher.health --from-env --timeout 1"
-            " || echo unhealthy",
+            "MESHTRAIN_HEALTH=127.0.0.1:1 python -m meshtrain.services.launcher.health "
+            "--from-env --timeout 1 || echo unhealthy",
         ]
     ).stdout.split()
     assert out[0] == "1000" and out[-1] == "unhealthy"
@@ -64,9 +64,9 @@ def test_meshtrain_up_runs_to_its_end_in_a_container(image):
     """No network but loopback: the data worker, the checkpoint service and the trainer of `up`
     on the embedded corpus, which the container builds itself."""
     script = (
-        "meshtrain up --config deploy/configs/tiny.toml --train.train_iters=20 --train.eval_interval=10 "
-        "--log.run_dir=/runs/up > /runs/up.log 2>&1; echo exit=$?; tail -n 3 /runs/up/metrics.jsonl; "
-        "meshtrain ckpt list /runs/up/checkpoints"
+        "meshtrain up --config deploy/configs/tiny.toml --train.train_iters=20 "
+        "--train.eval_interval=10 --log.run_dir=/runs/up > /runs/up.log 2>&1; echo exit=$?; "
+        "tail -n 3 /runs/up/metrics.jsonl; meshtrain ckpt list /runs/up/checkpoints"
     )
     out = di.run(
         ["docker", "run", "--rm", "--network", "none", image, "sh", "-c", script], timeout=900
@@ -117,8 +117,8 @@ class Stack:
             "MESHTRAIN_IMAGE": image,
             "RUN_NAME": "r1",
             "TRAINER_CONTROL_PORT": str(free_port()),
-            "TRAIN_ARGS": "--train.train_iters=30 --checkpoint.save_interval=10 --train.eval_interval=0 "
-            "--log.log_interval=1",
+            "TRAIN_ARGS": "--train.train_iters=30 --checkpoint.save_interval=10 "
+            "--train.eval_interval=0 --log.log_interval=1",
         }
 
     def compose(

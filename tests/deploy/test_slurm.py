@@ -307,7 +307,8 @@ def test_the_services_file_keeps_a_save_root_with_a_space_whole(tmp_path):
 
 
 def job_time(cluster, job: str, field: str) -> float:
-    """A time field of `scontrol show job` (StartTime, EndTime: local time, to the second) as epoch seconds."""
+    """A time field of `scontrol show job` (StartTime, EndTime: local time, to the second)
+    as epoch seconds."""
     return time.mktime(time.strptime(cluster.job_field(job, field), "%Y-%m-%dT%H:%M:%S"))
 
 

@@ -1,4 +1,5 @@
-"""deploy/train.sh's resume decision, run for real with `meshtrain` and `torchrun` stubbed on PATH."""
+"""deploy/train.sh's resume decision, run for real with `meshtrain` and `torchrun`
+stubbed on PATH."""
 
 import os
 import subprocess
@@ -21,7 +22,10 @@ def run_train_sh(
         else "echo 'meshtrain: error: could not connect' >&2; exit 2"
     )
     # without --allow-empty, `ckpt list` of a root with no checkpoint is an error (exit 2)
-    allow_empty = '[ "$3" = --allow-empty ] || { echo "meshtrain: error: no committed checkpoint" >&2; exit 2; }'
+    allow_empty = (
+        '[ "$3" = --allow-empty ] || '
+        '{ echo "meshtrain: error: no committed checkpoint" >&2; exit 2; }'
+    )
     (bin_dir / "meshtrain").write_text(f"#!/bin/sh\n{allow_empty}\n{ckpt_list}\n")
     (bin_dir / "torchrun").write_text(
         '#!/bin/sh\necho "shutdown timeout: ${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-unset}" >&2\n'

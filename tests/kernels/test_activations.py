@@ -41,7 +41,8 @@ def test_gelu(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_swiglu(dtype):
-    """(5, 7, 2*123): an odd half-width and rows not a multiple of anything; tolerances as GELU's."""
+    """(5, 7, 2*123): an odd half-width and rows not a multiple of anything;
+    tolerances as GELU's."""
     from meshtrain.kernels.swiglu import swiglu
 
     torch.manual_seed(0)

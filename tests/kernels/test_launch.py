@@ -153,7 +153,8 @@ found = {}
 for module, ops in json.loads(MODULES).items():
     importlib.import_module(module)
     for op in ops:
-        found[op] = sorted(getattr(k, "fn", k).__name__ for k in get_triton_kernels_for_op("meshtrain::" + op))
+        kernels = get_triton_kernels_for_op("meshtrain::" + op)
+        found[op] = sorted(getattr(k, "fn", k).__name__ for k in kernels)
 print(json.dumps(found))
 """
 

@@ -1,4 +1,5 @@
-"""Triton RoPE against `meshtrain.kernels.reference.rope`, forward and backward, on strided q/k views."""
+"""Triton RoPE against `meshtrain.kernels.reference.rope`, forward and backward,
+on strided q/k views."""
 
 import pytest
 import torch

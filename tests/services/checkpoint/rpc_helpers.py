@@ -1,5 +1,6 @@
-"""Helpers of the checkpoint service tests (test_rpc.py, test_rpc_failures.py): a service on
-loopback with a client of it, boxes of a tensor-parallel write, a written save, a held stream slot."""
+"""Helpers of the checkpoint service tests (test_rpc.py, test_rpc_failures.py):
+a service on loopback with a client of it, boxes of a tensor-parallel write, a written save,
+a held stream slot."""
 
 import contextlib
 import threading

@@ -1,4 +1,5 @@
-"""Async saves: the snapshot is taken before save() returns, uploads run behind, failures surface."""
+"""Async saves: the snapshot is taken before save() returns, uploads run behind,
+failures surface."""
 
 import shutil
 import threading

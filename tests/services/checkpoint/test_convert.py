@@ -201,7 +201,8 @@ def test_convert_refuses_a_step_that_exists_at_the_destination(tmp_path):
     tensors, meta = training_state()
     save_checkpoint(str(tmp_path / "a"), 9, tensors, meta)
     convert(str(tmp_path / "a"), str(tmp_path / "b"), progress=False)
-    # the hint names what a converter can do (the trainer's --checkpoint.overwrite is no option here)
+    # the hint names what a converter can do
+    # (the trainer's --checkpoint.overwrite is no option here)
     with pytest.raises(
         CheckpointError,
         match=r"already exists .*: write to another root, or delete it first "

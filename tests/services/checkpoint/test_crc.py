@@ -1,4 +1,5 @@
-"""crc32_combine: the whole object's crc32 from its parts' crc32s equals zlib's over the joined bytes."""
+"""crc32_combine: the whole object's crc32 from its parts' crc32s equals zlib's
+over the joined bytes."""
 
 import random
 import zlib

@@ -174,7 +174,8 @@ def test_export_to_object_storage_loads_with_the_same_logits(tmp_path, s3_root):
             hf(tokens).logits, meshtrain_logits(model, tokens), atol=1e-4, rtol=1e-4
         )
 
-    # the last tensor written (the output layer) corrupt: the export fails midway through the weights
+    # the last tensor written (the output layer) corrupt:
+    # the export fails midway through the weights
     broken = tmp_path / "broken"
     save_training_checkpoint(str(broken), model)
     chunk = broken / "step_00000007" / "output_layer.weight" / "c" / "0" / "0"
@@ -312,10 +313,11 @@ def test_export_refuses_a_tokenizer_larger_than_the_models_vocabulary(tmp_path):
 @pytest.mark.parametrize("settings", [LLAMA, GPT2], ids=["llama", "gpt2"])
 @pytest.mark.parametrize("tokenizer", ["bpe", "byte"])
 def test_exported_model_ends_generation_at_the_runs_end_of_document(tmp_path, settings, tokenizer):
-    """Without ids in config.json HF fills in its own: Llama's eos 2 (a '"' in the BPE below,
-    which transformers 4 copies into generate()'s stopping ids), GPT-2's 50256 (outside these
-    vocabularies); transformers 5 takes them from generation_config.json only. Both must name the run's
-    <|endoftext|>, whose id the byte tokenizer fixes at 256 though it ships no tokenizer file."""
+    """Without ids in config.json HF fills in its own: Llama's eos 2 (a '"' in the BPE below, which
+    transformers 4 copies into generate()'s stopping ids), GPT-2's 50256 (outside these
+    vocabularies); transformers 5 takes them from generation_config.json only. Both must name
+    the run's <|endoftext|>, whose id the byte tokenizer fixes at 256 though it ships no
+    tokenizer file."""
     from meshtrain.services.dataloader.tokenizers.base import ByteTokenizer, train_bpe
 
     if tokenizer == "bpe":
@@ -736,5 +738,6 @@ def test_hf_model_trains_on_in_meshtrain_and_exports_back(tmp_path):
         .abs()
         .max()
     )
-    # Adam moves a weight at most ~lr per step (3 steps at lr 3e-4); a fresh init would differ by ~0.1.
+    # Adam moves a weight at most ~lr per step (3 steps at lr 3e-4);
+    # a fresh init would differ by ~0.1.
     assert 0 < moved < 0.01, "training did not start from the imported weights"

@@ -30,7 +30,8 @@ from tests.services.checkpoint.test_hf import (
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-# original_max_positions 16 < seq 32, so the scaled frequencies differ from plain ones where it shows
+# original_max_positions 16 < seq 32, so the scaled frequencies differ from plain ones
+# where it shows
 LLAMA3 = {**LLAMA, "rope_scaling_factor": 8.0, "rope_scaling_original_max_positions": 16}
 QWEN2 = {**LLAMA, "qkv_bias": True, "untie_embeddings_and_output_weights": False}
 QWEN3 = {**LLAMA, "qk_norm": True, "kv_channels": 24}
@@ -462,8 +463,9 @@ QWEN3_06B = {
 )
 def test_published_configs_map_to_models_of_their_size(config, seq, expect, total, non_embedding):
     """The parameter counts of the published weights (Llama and Mistral: their safetensors' exact
-    count; Qwen: the model cards' two-digit figures, total and non-embedding, to 1%): every shape
-    the settings imply (Qwen3's 128-wide heads in a 1024-wide model, Qwen2's q/k/v biases) is right."""
+    count; Qwen: the model cards' two-digit figures, total and non-embedding, to 1%): every
+    shape the settings imply (Qwen3's 128-wide heads in a 1024-wide model, Qwen2's q/k/v
+    biases) is right."""
     model = model_from_hf(config, seq_length=seq)
     assert {k: getattr(model, k) for k in expect} == expect
     with torch.device("meta"):

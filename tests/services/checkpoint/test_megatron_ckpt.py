@@ -8,9 +8,10 @@ meshtrain imports the folder on one process and its logits must equal megatron-c
 export must load back into a GPTModel with `dist_checkpointing.load` and give the same logits.
 
 The forwards run in eval mode under megatron-core's inference RNG tracker (no dropout, so no CUDA
-RNG streams). megatron-core's torch_dist writer calls `torch.cuda.synchronize()` and `torch.cuda.current_device()`
-unconditionally; on a CPU-only torch build the ranks turn those two into their CPU meaning (nothing
-to wait for; tensors on the CPU) before saving. Everything else is megatron-core's own code.
+RNG streams). megatron-core's torch_dist writer calls `torch.cuda.synchronize()` and
+`torch.cuda.current_device()` unconditionally; on a CPU-only torch build the ranks turn those two
+into their CPU meaning (nothing to wait for; tensors on the CPU) before saving. Everything else is
+megatron-core's own code.
 """
 
 from __future__ import annotations
@@ -141,7 +142,8 @@ def _save_megatron(rank: int, world: int, settings: dict, path: str, layout: str
     torch.distributed.barrier()
     if layout == "folder":
         dist_checkpointing.save(model.sharded_state_dict(), path)
-    else:  # what megatron.training.checkpointing.save_checkpoint writes for --ckpt-format torch_dist
+    else:
+        # what megatron.training.checkpointing.save_checkpoint writes for --ckpt-format torch_dist
         from megatron.core.transformer.enums import AttnBackend
 
         args = argparse.Namespace(
@@ -174,8 +176,9 @@ def _save_megatron(rank: int, world: int, settings: dict, path: str, layout: str
         )
         from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
-        # Beside the model, as Megatron-LM saves them: an optimizer moment (keyed "optimizer.state..."),
-        # each rank's RNG state (a ShardedObject); the import must pass over both.
+        # Beside the model, as Megatron-LM saves them: an optimizer moment
+        # (keyed "optimizer.state..."), each rank's RNG state (a ShardedObject);
+        # the import must pass over both.
         embedding = model.embedding.word_embeddings.weight  # (vocab/tp, hidden): this rank's rows
         moment = ShardedTensor.from_rank_offsets(
             "optimizer.state.exp_avg.embedding.word_embeddings.weight",
@@ -205,7 +208,8 @@ def _save_megatron(rank: int, world: int, settings: dict, path: str, layout: str
 
 
 def _save_pp(rank: int, world: int, path: str) -> None:
-    """Rank body: one pipeline stage of a random Llama-style GPTModel, saved with its stage's layers."""
+    """Rank body: one pipeline stage of a random Llama-style GPTModel,
+    saved with its stage's layers."""
     from megatron.core import dist_checkpointing
 
     _cpu_only_cuda_calls()
@@ -223,12 +227,14 @@ def _save_pp(rank: int, world: int, path: str) -> None:
 def _load_megatron(
     rank: int, world: int, settings: dict, path: str, vocab_rows: int, exported: bool = True
 ) -> torch.Tensor:
-    """Rank body: a fresh GPTModel filled by dist_checkpointing.load from `path`; returns its logits."""
+    """Rank body: a fresh GPTModel filled by dist_checkpointing.load from `path`;
+    returns its logits."""
     from megatron.core import dist_checkpointing
 
     _cpu_only_cuda_calls()
     model = _build(settings, world, vocab_rows)
-    # Shaped as Megatron-LM's load_checkpoint asks: the model's tensors under "model", common.pt beside.
+    # Shaped as Megatron-LM's load_checkpoint asks: the model's tensors under "model",
+    # common.pt beside.
     loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, path)
     if exported:
         assert loaded["checkpoint_version"] == 3.0 and loaded["iteration"] == 0
@@ -370,7 +376,8 @@ def test_unsupported_features_are_named(gpt_folder, tmp_path):
     ],
 )
 def test_unsupported_tensors_are_named(gpt_folder, tmp_path, key, what):
-    """A folder holding such a feature's tensor (written with DCP beside a GPT's own) is refused by name."""
+    """A folder holding such a feature's tensor (written with DCP beside a GPT's own)
+    is refused by name."""
     import torch.distributed.checkpoint as dcp
 
     folder = tmp_path / "extra"

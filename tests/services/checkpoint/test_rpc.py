@@ -294,8 +294,8 @@ def test_a_commit_timeout_that_never_passes_is_refused(service, timeout):
         client.stub.Commit(pb.CommitRequest(save_id=save_id, timeout_s=timeout), timeout=3)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert (
-        f"timeout_s must be a finite number of seconds >= 0 (0: the service's default), got {timeout!r}"
-        in info.value.details()
+        "timeout_s must be a finite number of seconds >= 0 (0: the service's default), "
+        f"got {timeout!r}" in info.value.details()
     )
     with pytest.raises(CheckpointError, match=r"writers \[0\] did not report within 0.1 s"):
         client.commit(15, save_id, 1, {}, timeout=0.1)  # the save was not ended by the bad request

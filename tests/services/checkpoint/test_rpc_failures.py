@@ -226,8 +226,8 @@ def test_a_stalled_writer_stream_is_aborted_and_its_budget_freed(tmp_path):
         code, details, _ = failures[0]
         assert code == grpc.StatusCode.ABORTED
         assert re.search(
-            rf"save '{stalled_id}' \(step 1\): writer 0 sent nothing for 0.5 s inside box \(0,\) of "
-            r"array 'w' \(1024 of 4096 bytes\)",
+            rf"save '{stalled_id}' \(step 1\): writer 0 sent nothing for 0.5 s "
+            r"inside box \(0,\) of array 'w' \(1024 of 4096 bytes\)",
             details,
         ), details
         assert stored < 3, stored

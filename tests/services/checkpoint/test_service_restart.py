@@ -159,7 +159,8 @@ def saver(
 
 
 def layered(name: str, seed: int, layers: int, rows: int = 512, cols: int = 1024):
-    """A bf16 array of `layers` boxes of rows x cols (1 MiB each at the defaults), one box per layer."""
+    """A bf16 array of `layers` boxes of rows x cols (1 MiB each at the defaults),
+    one box per layer."""
     full = torch.randn(layers, rows, cols, generator=torch.Generator().manual_seed(seed)).to(
         torch.bfloat16
     )

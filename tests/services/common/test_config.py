@@ -75,7 +75,8 @@ def test_megatron_aliases_map_to_keys(flag, key, value, expected):
 
 
 def test_fp32_residual_connection_is_megatrons_switch():
-    """Off by default (a bf16 stream under autocast, as in Megatron-LM); the Megatron flag turns it on."""
+    """Off by default (a bf16 stream under autocast, as in Megatron-LM);
+    the Megatron flag turns it on."""
     assert load_config([]).model.fp32_residual_connection is False
     assert load_config(["--fp32-residual-connection"]).model.fp32_residual_connection is True
 
@@ -301,7 +302,8 @@ CP = ["--model.seq_length=64", "--model.num_attention_heads=4"]
         ),
         (
             ["--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "2", "2"],
-            r"hierarchical_context_parallel_sizes is for cp_comm_type='a2a\+p2p'; cp_comm_type is 'p2p'",
+            r"hierarchical_context_parallel_sizes is for cp_comm_type='a2a\+p2p'; "
+            r"cp_comm_type is 'p2p'",
         ),
         (
             ["--context-parallel-size", "2", "--model.attention_dropout=0.1"],
@@ -337,12 +339,13 @@ def test_context_parallel_without_its_processes_is_refused(monkeypatch):
 @pytest.mark.parametrize(
     "args, message",
     [
-        # all were accepted and ignored: only 'full' reads them (Megatron-LM refuses them with 'selective')
+        # all were accepted and ignored: only 'full' reads them
+        # (Megatron-LM refuses them with 'selective')
         (
             ["--recompute-method", "block", "--recompute-num-layers", "3"],
             (
-                r"^parallel\.recompute_method='block' and parallel\.recompute_num_layers=3 apply to "
-                r"parallel\.recompute_granularity='full' only, got 'none'"
+                r"^parallel\.recompute_method='block' and parallel\.recompute_num_layers=3 "
+                r"apply to parallel\.recompute_granularity='full' only, got 'none'"
             ),
         ),
         (

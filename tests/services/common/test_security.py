@@ -290,8 +290,8 @@ def test_checkpoint_scopes(ckpt_service, token_files):
         )
         assert code == grpc.StatusCode.PERMISSION_DENIED
         assert details == (
-            "/meshtrain.checkpoint.v1.CheckpointService/BeginSave needs scope write; the token sent "
-            "has scope read"
+            "/meshtrain.checkpoint.v1.CheckpointService/BeginSave needs scope write; "
+            "the token sent has scope read"
         )
     with (
         _client(ckpt_service, "write", token_files) as writer,

@@ -1,4 +1,5 @@
-"""relayed_signals: a signal's action runs on a relay thread, so it may take locks and set events."""
+"""relayed_signals: a signal's action runs on a relay thread,
+so it may take locks and set events."""
 
 import logging
 import os

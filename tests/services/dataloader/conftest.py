@@ -52,7 +52,8 @@ def batch_hash(batch) -> str:
 
 
 class WorkerProcess:
-    """`python -m meshtrain.services.dataloader.rpc.server` on a loopback port, as a real separate process."""
+    """`python -m meshtrain.services.dataloader.rpc.server` on a loopback port,
+    as a real separate process."""
 
     def __init__(self, port: int | None = None, args: tuple[str, ...] = ()):
         port = free_port() if port is None else port

@@ -81,7 +81,8 @@ def _run(spec, phases, kills_wanted, seed):
     try:
         n = 0
         for dp_size, start, end in phases:
-            # a fresh set of clients per phase is a trainer restart from consumed_samples = start * GBS
+            # a fresh set of clients per phase is a trainer restart
+            # from consumed_samples = start * GBS
             locals_ = [LocalBatchSource(dataset, MBS, GBS, r, dp_size) for r in range(dp_size)]
             clients = [
                 ServiceBatchSource(

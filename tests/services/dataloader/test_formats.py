@@ -1,4 +1,5 @@
-"""tiktoken and SentencePiece tokenizers, Parquet input, and `--workers N` giving identical output."""
+"""tiktoken and SentencePiece tokenizers, Parquet input,
+and `--workers N` giving identical output."""
 
 import base64
 import json

@@ -47,7 +47,8 @@ TOKEN = (
 
 
 def prefix_variants(prefix: str) -> list[str]:
-    """Spellings near a real dataset prefix: other files, the folder, other schemes, junk after it."""
+    """Spellings near a real dataset prefix: other files, the folder, other schemes,
+    junk after it."""
     folder, name = os.path.split(prefix)
     return [
         prefix + "\n",
@@ -260,7 +261,8 @@ def test_fuzzed_requests_are_refused_cleanly_and_good_clients_are_served(
         f for f in [*data.rglob("*"), *cache.rglob("*")] if f.is_file() and f.parent.name != "data"
     ]
     print(
-        f"\n{fuzzer.calls} calls; RSS growth {growth / 2**20:.1f} MiB; index cache: {len(index_files)} files, "
+        f"\n{fuzzer.calls} calls; RSS growth {growth / 2**20:.1f} MiB; "
+        f"index cache: {len(index_files)} files, "
         f"{sum(f.stat().st_size for f in index_files) / 2**20:.1f} MiB\n{fuzzer.table()}"
     )
     assert not problems, "\n".join(problems)

@@ -224,7 +224,8 @@ def test_corruption_raises_data_error_naming_file(tmp_path, corrupt):
 
 
 def test_fsspec_url_reads_by_range(tmp_path):
-    """A dataset on an fsspec filesystem (memory://, as s3:// would be) reads without a local copy."""
+    """A dataset on an fsspec filesystem (memory://, as s3:// would be)
+    reads without a local copy."""
     import fsspec
 
     docs = [np.arange(n, dtype=np.uint16) * 3 for n in (5, 0, 17, 1, 40)]

@@ -109,7 +109,8 @@ def _zip(data: bytes) -> bytes:
     ],
 )
 def test_compressed_input_is_an_error_not_binary_noise(tmp_path, name, compress, kind):
-    """A `.jsonl.gz` used to be read as one text document: its compressed bytes became the tokens."""
+    """A `.jsonl.gz` used to be read as one text document:
+    its compressed bytes became the tokens."""
     import importlib
 
     data = b'{"text": "hello world"}\n'
@@ -307,7 +308,8 @@ def test_bytes_that_are_not_utf8_are_replaced_and_named(tmp_path, caplog):
     warning names the file and the first line. Line numbering still counts CR and CRLF ends."""
     jl, txt = tmp_path / "latin1.jsonl", tmp_path / "latin1.txt"
     jl.write_bytes(
-        b'{"text": "fine"}\r\n{"text": "caf\xe9"}\r{"text": "ol\xe9"}\n{"text": "ok \xef\xbf\xbd"}\n'
+        b'{"text": "fine"}\r\n{"text": "caf\xe9"}\r{"text": "ol\xe9"}\n'
+        b'{"text": "ok \xef\xbf\xbd"}\n'
     )
     txt.write_bytes(b"line one\nna\xefve\n")
     with caplog.at_level("WARNING", logger="meshtrain.data"):

@@ -412,7 +412,8 @@ def test_serve_process_stops_gracefully_on_sigterm():
 
 
 def test_dns_name_target(server, blend_spec):
-    """One `dns:///name:port` target: the client resolves the name and spreads ranks over its addresses."""
+    """One `dns:///name:port` target: the client resolves the name
+    and spreads ranks over its addresses."""
     port = server.rsplit(":", 1)[1]
     local = LocalBatchSource(open_dataset(blend_spec), 2, 16, 1, 2)
     with ServiceBatchSource([f"dns:///localhost:{port}"], blend_spec, 2, 16, 1, 2) as remote:

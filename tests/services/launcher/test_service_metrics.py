@@ -34,7 +34,8 @@ def scrape(port: int) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def services(tmp_path_factory):
-    """A data worker and a checkpoint service with metrics ports: {name: (grpc port, metrics port)}."""
+    """A data worker and a checkpoint service with metrics ports:
+    {name: (grpc port, metrics port)}."""
     tmp = tmp_path_factory.mktemp("metrics")
     topo = Topology(io.StringIO())
     ports = {}

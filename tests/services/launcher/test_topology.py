@@ -244,7 +244,8 @@ def test_children_get_sigterm_when_the_launcher_dies(tmp_path):
         "import sys, time\n"
         "from meshtrain.services.launcher.topology import Child, Topology\n"
         "topo = Topology()\n"
-        "child = topo.start(Child('sleeper', [sys.executable, '-c', 'import time; time.sleep(300)']))\n"
+        "child = topo.start(Child('sleeper', [sys.executable, '-c', "
+        "'import time; time.sleep(300)']))\n"
         "print('child', child.process.pid, flush=True)\n"
         "time.sleep(300)\n"
     )

@@ -70,7 +70,8 @@ def test_the_stores_identity_file_is_private_from_the_start(tmp_path):
         ("--train.control_port=7003", "--train.control_port"),
         ("--data-service-addresses", "--data-service-addresses"),
         ("--checkpoint.service_address=10.0.0.1:7002", "--checkpoint.service_address"),
-        # the config loader reads dashes in a dotted key as underscores: the same keys, so refused too
+        # the config loader reads dashes in a dotted key as underscores: the same keys,
+        # so refused too
         ("--train.control-port=7003", "--train.control_port"),
         ("--checkpoint.service-address=10.0.0.1:7002", "--checkpoint.service_address"),
         ("--data.service-addresses=10.0.0.1:7001", "--data.service_addresses"),
@@ -185,7 +186,7 @@ def test_up_without_a_run_dir_picks_one_no_other_up_has(tmp_path, monkeypatch):
     assert first.is_dir() and second.is_dir()
 
 
-def test_up_gives_its_services_and_trainer_the_runs_token_file_and_writes_it_only_once_the_run_is_its_own(
+def test_up_gives_its_services_and_trainer_the_runs_token_file_written_only_once_the_run_is_its_own(
     tmp_path,
 ):
     run = tmp_path / "run"
@@ -337,8 +338,8 @@ def test_ups_own_trainer_writes_its_run_dir_and_a_train_beside_it_is_refused(
         out, _ = up.communicate(timeout=120)
     assert beside.returncode == 2, beside.stderr[-3000:]
     assert re.search(
-        rf"run directory {re.escape(str(run))} is in use by another trainer \(pid \d+\); stop it first "
-        rf"\(`meshtrain stop {re.escape(str(run))}`\)",
+        rf"run directory {re.escape(str(run))} is in use by another trainer \(pid \d+\); "
+        rf"stop it first \(`meshtrain stop {re.escape(str(run))}`\)",
         beside.stderr,
     ), beside.stderr[-3000:]
     assert not (tmp_path / "beside").exists()

@@ -111,7 +111,8 @@ def test_experts_are_stored_by_global_id_and_families_some_layers_lack_per_layer
     arrays = read_manifest(root, 1)["arrays"]
     # every block has attention and norms: one stacked array each
     assert arrays["layers.attention.qkv.weight"]["layer_count"] == 4
-    # blocks 1 and 3 hold experts, 0 and 2 dense MLPs: one array per layer, no stacked axis with holes
+    # blocks 1 and 3 hold experts, 0 and 2 dense MLPs: one array per layer,
+    # no stacked axis with holes
     for i in (1, 3):
         entry = arrays[f"layers.{i}.mlp.experts.fc1.weight"]
         assert entry["layer_count"] is None and entry["shape"] == [4, 48, 32]
@@ -228,7 +229,8 @@ def test_convert_lays_experts_out_for_a_target_ep_and_tp_and_the_result_resumes(
     save_checkpoint(src, 2, model, optimizer)
     convert(src, dst, target_tp=2, target_ep=2, progress=False)
     arrays = read_manifest(dst, 2)["arrays"]
-    # 2 experts per shard; within each, gate and up halves split in 2 (12 of 24 rows) / fc2's columns
+    # 2 experts per shard; within each, gate and up halves split in 2
+    # (12 of 24 rows) / fc2's columns
     assert arrays["layers.1.mlp.experts.fc1.weight"]["shards"] == [2, 12, 32]
     assert arrays["optim.exp_avg_sq.layers.3.mlp.experts.fc2.weight"]["shards"] == [2, 32, 12]
     assert arrays["layers.1.mlp.shared_expert.fc1.weight"]["shards"] == [16, 32]

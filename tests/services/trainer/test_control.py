@@ -149,7 +149,8 @@ def test_a_save_that_fails_is_never_reported_as_the_last_checkpoint(corpus_cache
                 CheckpointError, match="Not a directory"
             ):  # the stop's save raises it
                 bg.join()
-    finally:  # a failed wait must not leave a 100k-step run behind (its thread aborted pytest's exit)
+    finally:
+        # a failed wait must not leave a 100k-step run behind (its thread aborted pytest's exit)
         if bg.thread.is_alive():
             ControlClient(str(run_dir)).stop()
             bg.thread.join(180)
@@ -195,7 +196,8 @@ def test_a_stale_control_address_does_not_reach_the_run_now_on_its_port(long_run
     assert main(["stop", str(old)]) == 2 and main(["save", str(old)]) == 2
     with ControlClient(str(run_dir)) as client:
         assert not client.status()["stop_requested"] and not client.status()["checkpoint_requested"]
-    # Without a run token a call is refused too: HOST:PORT given directly, or a file from before tokens.
+    # Without a run token a call is refused too: HOST:PORT given directly,
+    # or a file from before tokens.
     (old / "control.addr").write_text(f"{address}\n")
     for target in (address, str(old)):
         with pytest.raises(

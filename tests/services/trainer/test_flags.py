@@ -35,8 +35,8 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 def gpt3_args(data_path, vocab, merges, ckpt, tensorboard, tp=2, pp=2):
-    """The GPT-3 175B example's arrays, in its order; 96 layers of 12288 -> 4 of 64, 1536 samples -> 8,
-    tensor x pipeline parallel 8 x 16 -> tp x pp."""
+    """The GPT-3 175B example's arrays, in its order; 96 layers of 12288 -> 4 of 64,
+    1536 samples -> 8, tensor x pipeline parallel 8 x 16 -> tp x pp."""
     model = [
         "--num-layers",
         "4",
@@ -317,7 +317,8 @@ LLAMA_REFUSED = {
 
 @pytest.fixture
 def gpt2_files(tmp_path):
-    """A GPT-2 style vocab.json / merges.txt pair: the 256 byte symbols, a few merges, <|endoftext|>."""
+    """A GPT-2 style vocab.json / merges.txt pair:
+    the 256 byte symbols, a few merges, <|endoftext|>."""
     from tokenizers import pre_tokenizers
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
@@ -497,8 +498,8 @@ def test_the_refusal_names_each_flag_with_its_reason():
         "  --fp16: meshtrain has no fp16 mixed precision (loss scaling): use --bf16",
         "  --loss-scale: meshtrain has no fp16 mixed precision (loss scaling): use --bf16",
         "  --inference-max-requests: meshtrain has no inference server (see `meshtrain generate`)",
-        "  --rampup-batch-size: meshtrain has no batch-size ramp-up: the global batch size is fixed "
-        "(train.global_batch_size)",
+        "  --rampup-batch-size: meshtrain has no batch-size ramp-up: "
+        "the global batch size is fixed (train.global_batch_size)",
     ]
 
 

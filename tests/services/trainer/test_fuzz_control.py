@@ -76,7 +76,8 @@ def exceptions_logged():
         lg.addHandler(handler)
     previous = threading.excepthook
     threading.excepthook = lambda args: handler.found.append(
-        f"thread {args.thread.name if args.thread else '?'}: {args.exc_type.__name__}: {args.exc_value}"
+        f"thread {args.thread.name if args.thread else '?'}: "
+        f"{args.exc_type.__name__}: {args.exc_value}"
     )
     try:
         yield handler.found

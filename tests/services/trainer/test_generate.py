@@ -1,4 +1,5 @@
-"""Sampling: the KV-cache decode against full recomputation, the filters, and `meshtrain generate`."""
+"""Sampling: the KV-cache decode against full recomputation, the filters,
+and `meshtrain generate`."""
 
 import os
 import subprocess

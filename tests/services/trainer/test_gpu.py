@@ -94,7 +94,8 @@ def test_compiled_triton_ops_train_like_the_reference(corpus_cache, tmp_path):
     )
     common = [a for a in common if not a.startswith("--log.run_dir")] + LLAMA
     mixed = train(load_config(common + [f"--log.run_dir={tmp_path / 'mixed'}"]))
-    torch._dynamo.reset()  # the op choice is baked into the compiled graph, not guarded: compile afresh
+    # the op choice is baked into the compiled graph, not guarded: compile afresh
+    torch._dynamo.reset()
     reference = train(
         load_config(
             common + ["--train.compiled_triton_ops=[]", f"--log.run_dir={tmp_path / 'ref'}"]
@@ -272,8 +273,8 @@ def test_bf16_residual_stream_trains_like_the_fp32_one(arch, corpus_cache, tmp_p
         # bf16 autocast: the linears' collectives move bf16 (one GPU never rounds their sums to
         # bf16), so a bf16 tolerance.
         (TP2_SP, ["--train.bf16=true"], 1e-2),
-        # Llama-style, compiled: RoPE and SwiGLU on Triton inside the graph (train.compiled_triton_ops'
-        # default) on each rank's heads and FFN shard, on both sides.
+        # Llama-style, compiled: RoPE and SwiGLU on Triton inside the graph
+        # (train.compiled_triton_ops' default) on each rank's heads and FFN shard, on both sides.
         (["--tensor-model-parallel-size", "2"], ["--train.compile=true"] + LLAMA, 1e-4),
         # Pipeline stages on NCCL: batched point-to-point transfers; compiled per block; the
         # zero-bubble schedule's deferred weight gradients in bf16; interleaved chunks.
@@ -304,8 +305,9 @@ def test_bf16_residual_stream_trains_like_the_fp32_one(arch, corpus_cache, tmp_p
         ),
         # Experts split over the two GPUs (and dp=2): the token all-to-alls on NCCL.
         (["--expert-model-parallel-size", "2"], LLAMA + MOE, 1e-4),
-        # FP8 on both sides (bf16 autocast): the amax max-reduced over tp and the inputs all-gathered
-        # as FP8 bytes; delayed scaling's history reduced over dp once a step, with ZeRO-1.
+        # FP8 on both sides (bf16 autocast): the amax max-reduced over tp and the inputs
+        # all-gathered as FP8 bytes; delayed scaling's history reduced over dp once a step,
+        # with ZeRO-1.
         (TP2_SP, ["--train.bf16=true"] + LLAMA + FP8, 2e-2),
         (
             ["--use-distributed-optimizer", "--overlap-grad-reduce"],
@@ -500,7 +502,8 @@ def test_a_training_step_never_synchronizes_with_the_host(extra, corpus_cache, t
     ],
 )
 def test_sharded_steps_never_synchronize_with_the_host(layout, corpus_cache, tmp_path):
-    """As the single-GPU test, for each sharded path on NCCL (tests/services/trainer/sync_free_steps.py)."""
+    """As the single-GPU test, for each sharded path on NCCL
+    (tests/services/trainer/sync_free_steps.py)."""
     args = small_job_args(
         corpus_cache,
         tmp_path / "run",

@@ -160,7 +160,8 @@ def _steps(args, n):
             ["--train.bf16=true", "--train.compile=true", "--train.bf16_weight_copies=false"],
             1e-3,
         ),  # autocast casts
-        # the default on CUDA: wgrad GEMMs adding into the .grads the graph was captured with; and without
+        # the default on CUDA: wgrad GEMMs adding into the .grads the graph was captured with;
+        # and without
         (
             ["--train.bf16=true", "--train.compile=true", "--no-gradient-accumulation-fusion"]
             + LLAMA,

@@ -228,7 +228,7 @@ def test_expert_parallel_config_is_accepted_and_documented():
     assert "--moe-router-load-balancing-type" in text and "--expert-tensor-parallel-size" in text
 
 
-# ----------------------------------------------------------------------------- the loop (one process)
+# --------------------------------------------------------------------------- the loop (one process)
 MOE = {
     "model.num_layers": 3,
     "model.hidden_size": 32,

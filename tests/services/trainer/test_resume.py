@@ -276,7 +276,8 @@ def test_resuming_with_another_lr_schedule_warns(corpus_cache, tmp_path, caplog)
     assert "LR schedule changed" not in resume("same")
     text = resume("lower", **{"optim.lr": 1e-4, "optim.min_lr": 1e-5})
     assert (
-        "the LR schedule changed since the checkpoint (optim.lr 0.003 -> 0.0001, optim.min_lr 0.0003 -> 1e-05)"
+        "the LR schedule changed since the checkpoint "
+        "(optim.lr 0.003 -> 0.0001, optim.min_lr 0.0003 -> 1e-05)"
         in text
         and "from step 3" in text
     )

@@ -217,7 +217,8 @@ def test_a_run_in_a_living_process_releases_its_folder_when_it_ends(
     assert seen_while_stopping == [str(os.getpid())]
     assert _holder_seen_from_another_process(run) == "None" and not (run / "control.addr").exists()
 
-    # Two claims in one process (two Trainers into one folder): the folder is held until both let go.
+    # Two claims in one process (two Trainers into one folder):
+    # the folder is held until both let go.
     claim_run_dir(run)
     claim_run_dir(run)
     release_run_dir(run)

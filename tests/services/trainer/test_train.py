@@ -24,7 +24,8 @@ LLAMA = {
 }
 
 
-# llama's run is slow-marked: the gpt2 one keeps the check in the suite, and llama trains in many other tests
+# llama's run is slow-marked: the gpt2 one keeps the check in the suite,
+# and llama trains in many other tests
 @pytest.mark.parametrize(
     "arch", [{}, pytest.param(LLAMA, marks=pytest.mark.slow)], ids=["gpt2", "llama"]
 )
@@ -471,8 +472,9 @@ def test_coordinate_descent_tuning_is_refused_without_compile_or_off_cuda(corpus
 def test_resume_into_the_same_run_dir_from_an_earlier_checkpoint_logs_each_step_once(
     corpus_cache, tmp_path
 ):
-    """A run logged steps 1..8 and checkpointed at 4, then died (or is rolled back with --ckpt-step):
-    resumed into the same run directory, metrics.jsonl holds each step once, the resumed run's."""
+    """A run logged steps 1..8 and checkpointed at 4, then died (or is rolled back with
+    --ckpt-step): resumed into the same run directory, metrics.jsonl holds each step once,
+    the resumed run's."""
     run = tmp_path / "run"
     common = {"train.train_iters": 8, "train.eval_interval": 2, "checkpoint.save_interval": 4}
     train(load_config(small_job_args(corpus_cache, run, **common)))

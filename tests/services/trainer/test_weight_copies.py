@@ -73,7 +73,8 @@ def test_copies_train_bit_for_bit_like_autocast(arch, corpus_cache, tmp_path):
         assert torch.equal(params_c[name], p), name
 
 
-@pytest.mark.slow  # Inductor on CPU compiles two models: a minute (the GPU tests compile on every run)
+# Inductor on CPU compiles two models: a minute (the GPU tests compile on every run)
+@pytest.mark.slow
 def test_compiled_copies_train_like_compiled_autocast(corpus_cache, tmp_path):
     """Compiled (Inductor on CPU), the copies are graph inputs; its fusions may round a little
     differently from the autocast graph's, so a bf16 tolerance."""
@@ -159,7 +160,9 @@ def test_gradients_accumulate_in_fp32_across_calls():
     "arch",
     [
         {},
-        LLAMA,  # untied output layer: its weight reaches the loss without the linear's forward (the hook's path)
+        # untied output layer: its weight reaches the loss without the linear's forward
+        # (the hook's path)
+        LLAMA,
         dict(
             LLAMA, **{"parallel.recompute_granularity": "full"}
         ),  # the recomputed forward runs the fused linears again
@@ -194,7 +197,8 @@ def test_fused_gradient_accumulation_trains_like_the_copies_hooks(arch, corpus_c
         assert (params_f[name] - p).abs().max() <= adam_bound, name
 
 
-@pytest.mark.slow  # Inductor on CPU, twice; the uncompiled fused accumulation tests stay in the suite
+# Inductor on CPU, twice; the uncompiled fused accumulation tests stay in the suite
+@pytest.mark.slow
 @pytest.mark.parametrize("recompute", ["none", "full"])
 def test_compiled_fused_gradient_accumulation_adds_in_place_without_recompiling(
     recompute, corpus_cache, tmp_path

@@ -147,7 +147,8 @@ def test_llama3_frequencies_equal_transformers():
 
 
 def test_cached_decode_matches_the_training_forward():
-    """generate's KV-cache step runs its own attention: it must normalize q/k and add the bias too."""
+    """generate's KV-cache step runs its own attention:
+    it must normalize q/k and add the bias too."""
     model = random_model(**QWEN3)
     tokens = torch.randint(0, 301, (2, 20), generator=torch.Generator().manual_seed(3))
     cache = KVCache(len(model.layers))

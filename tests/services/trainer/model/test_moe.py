@@ -53,7 +53,8 @@ PLANS = {
 
 
 def _run(plan: dict, micro_batches: int = 2, **overrides):
-    """Two micro-batches of accumulated forward/backward; (losses, grads, stats per layer, model)."""
+    """Two micro-batches of accumulated forward/backward;
+    (losses, grads, stats per layer, model)."""
     torch.manual_seed(0)
     model = recompute.apply(GPT(ModelConfig(**{**CFG, **overrides})), ParallelConfig(**plan))
     set_moe_loss_scale(model, 1 / micro_batches)

@@ -1,4 +1,5 @@
-"""The MoE block on CUDA: grouped GEMMs match the per-expert loop, and the block matches fp32 on CPU.
+"""The MoE block on CUDA: grouped GEMMs match the per-expert loop,
+and the block matches fp32 on CPU.
 
 Skipped without CUDA; the grouped kernel (`torch._grouped_mm`) needs compute capability 9.0+.
 """

@@ -1,4 +1,5 @@
-"""Context-parallel training equals single-process training: p2p, a2a, a2a+p2p, with tp, dp, pp, recompute.
+"""Context-parallel training equals single-process training: p2p, a2a, a2a+p2p,
+with tp, dp, pp, recompute.
 
 Each case runs the real trainer (`train(job)`) on several gloo ranks and compares with a
 single-process run of the same job (fp32), as the pipeline equivalence tests do (their helpers

@@ -41,7 +41,8 @@ def _batch(step: int) -> torch.Tensor:
 
 
 def _reference():
-    """One process, the whole batch as 4 micro-batches of one sample: per-step loss and norm, final weights."""
+    """One process, the whole batch as 4 micro-batches of one sample:
+    per-step loss and norm, final weights."""
     torch.manual_seed(0)
     model = GPT(ModelConfig(**CFG))
     opt = build_optimizer(model, OPTIM)

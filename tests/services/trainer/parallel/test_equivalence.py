@@ -1,4 +1,5 @@
-"""Sharded training equals unsharded training: tp, sequence parallel, dp, ZeRO-1, overlap, recompute.
+"""Sharded training equals unsharded training: tp, sequence parallel, dp, ZeRO-1,
+overlap, recompute.
 
 Each case runs the real trainer (`train(job)`) on several gloo ranks and compares, with a
 single-process run of the same job: the loss of every one of 10 steps, the eval losses, and

@@ -1,4 +1,5 @@
-"""Expert parallelism (with data and tensor parallelism) trains as one process does on the whole batch.
+"""Expert parallelism (with data and tensor parallelism) trains as one process does
+on the whole batch.
 
 Each case spawns gloo ranks that split a MoE GPT's experts over ep (`parallelize_experts`),
 optionally its layers over tp (`parallelize`, with and without sequence parallelism), and
@@ -212,7 +213,8 @@ def _model(cfg: dict) -> GPT:
 
 
 def _reference(cfg: dict):
-    """One process, whole micro-batches: per-step losses, grads (before clipping), norms; final parameters."""
+    """One process, whole micro-batches: per-step losses, grads (before clipping), norms;
+    final parameters."""
     model = _model(cfg)
     opt = build_optimizer(model, OPTIM)
     set_moe_loss_scale(model, 1 / MICRO)
@@ -252,7 +254,8 @@ def _global(t: torch.Tensor, p: torch.Tensor, mesh: Mesh) -> torch.Tensor:
 
 
 def _reduced_grads(ddp: DataParallel, mesh: Mesh) -> dict[str, torch.Tensor]:
-    """Every gradient the optimizer is given, whole: ZeRO-1 slices gathered over their bucket's group."""
+    """Every gradient the optimizer is given, whole:
+    ZeRO-1 slices gathered over their bucket's group."""
     out = {}
     for b in ddp.buckets:
         flat = M.all_gather(b.local_grad, 0, b.group) if ddp.dist_opt else b.grad

@@ -40,7 +40,8 @@ CFG = dict(
 
 
 def _layout(monkeypatch, world: int, **degrees) -> list[Mesh]:
-    """Every rank's Mesh.build of a `world`-rank job, without processes: new_group returns the ranks."""
+    """Every rank's Mesh.build of a `world`-rank job, without processes:
+    new_group returns the ranks."""
     meshes = []
     for rank in range(world):
         monkeypatch.setattr(dist, "is_initialized", lambda: True)

@@ -1,4 +1,5 @@
-"""Pipeline pieces on one process: the block split, the stage's chunks, deferred weight gradients."""
+"""Pipeline pieces on one process: the block split, the stage's chunks,
+deferred weight gradients."""
 
 import pytest
 import torch
