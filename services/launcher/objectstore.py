@@ -28,7 +28,6 @@ from pathlib import Path
 from meshtrain.services.common.errors import ConfigError
 from meshtrain.services.launcher.topology import free_port
 
-
 VOLUME_FLAGS = ("-volume.max=0", "-master.volumeSizeLimitMB=256")
 """How every SeaweedFS meshtrain starts sizes its volumes: as many as the disk's free space
 holds (`-volume.max=0`), each of 256 MB. weed's default of 30,000 MB per volume leaves a disk of
