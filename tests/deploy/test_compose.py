@@ -337,3 +337,21 @@ def test_the_store_sizes_its_volumes_as_meshtrain_up_does(compose, tmp_path):
     )
     sbatch = (REPO / "deploy" / "slurm" / "services.sbatch").read_text()
     assert "launcher.objectstore volume-flags" in sbatch and "-volume.max" not in sbatch
+
+
+def test_system_deps_install_what_the_deploy_tests_look_for():
+    """`make system-deps` installs every tool the slow deploy tests skip without (debootstrap
+    was missing, so the image tests could never run after it)."""
+    text = (REPO / "deploy" / "install-test-deps.sh").read_text()
+    packages = set(re.search(r'^packages="([^"]*)"', text, re.MULTILINE).group(1).split())
+    # tool the tests look for -> the Debian package that has it
+    needed = {
+        "docker-compose": "docker-compose",
+        "debootstrap": "debootstrap",
+        "slurmctld": "slurm-wlm",
+        "munged": "munge",
+        "ip": "iproute2",
+        "nsenter": "util-linux",
+    }
+    assert set(needed.values()) <= packages, set(needed.values()) - packages
+    assert 'command -v docker >/dev/null 2>&1 || packages="$packages docker.io"' in text
