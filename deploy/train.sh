@@ -8,6 +8,12 @@
 # stopped instead of starting over. These go after the caller's arguments, so the run's own
 # checkpoints win over a `--load` it was started from (e.g. pretrained weights). A root that
 # cannot be listed (storage down, bad keys) stops the job: starting over would lose the run.
+# A root that takes no write (an object store without a writable volume, a read-only or full
+# disk, keys without write access) stops it with exit status 74, like a run whose saves keep
+# failing (`meshtrain train` exits 74 then): started again by compose's restart policy or a
+# requeue, the run would otherwise train up to its first save again, fail there, and so on
+# forever. CHECK_SAVE_ROOT=0 skips that write probe (e.g. keys that may only read, where the
+# checkpoint service alone writes).
 # TRAIN_ARGS adds training options from the environment, split at spaces (compose passes it:
 # TRAIN_ARGS="--train.train_iters=1000 --optim.lr=3e-4"). One node: torchrun --standalone. Several: set NNODES and RDZV_ENDPOINT (HOST:PORT of a node
 # of the job) for torchrun's c10d rendezvous; RDZV_ID names the job.
@@ -27,6 +33,10 @@ export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-170}"
 if ! steps=$(meshtrain ckpt list --allow-empty "$SAVE_ROOT"); then
     echo "train.sh: cannot list $SAVE_ROOT; not starting (the run would start over)" >&2
     exit 1
+fi
+if [ "${CHECK_SAVE_ROOT:-1}" = 1 ] && ! "${PYTHON:-python}" -m meshtrain.services.checkpoint.write_probe "$SAVE_ROOT"; then
+    echo "train.sh: $SAVE_ROOT takes no write; not starting (exit status 74: checkpoint storage failed)" >&2
+    exit 74
 fi
 set -- "$@" --save "$SAVE_ROOT"
 latest=$(printf '%s\n' "$steps" | grep -E '^[0-9]+$' | sort -n | tail -n 1 || true)

@@ -7,11 +7,16 @@
     meshtrain ckpt list|inspect ...                    (services/checkpoint/cli.py)
 
 Errors a user can cause are printed as one line naming what was wrong, with exit status 2.
+A checkpoint save whose storage kept failing through its retries (CheckpointStorageError) ends
+the command with exit status 74 (STORAGE_EXIT_STATUS, sysexits' EX_IOERR) and a line saying so:
+the run cannot keep its progress, and starting it again would only retrain what it loses.
 """
 
 from __future__ import annotations
 
-if not __name__.startswith("meshtrain."):  # one name per file: the folder installs under meshtrain
+# One name per file: the folder installs under meshtrain. `python -m meshtrain.services.cli` (what
+# deploy/train.sh has torchrun run) names the module `__main__`; its spec keeps the real name.
+if not (__spec__.name if __spec__ is not None else __name__).startswith("meshtrain."):
     raise ImportError(
         f"import meshtrain.{__name__}, not {__name__}: the repository's {__name__.split('.')[0]}/ "
         f"folder is the package meshtrain.{__name__.split('.')[0]}"
@@ -21,7 +26,12 @@ import argparse
 import sys
 
 from meshtrain.services.checkpoint import cli as ckpt_cli
-from meshtrain.services.common.errors import ConfigError, MeshtrainError
+from meshtrain.services.common.errors import (
+    STORAGE_EXIT_STATUS,
+    CheckpointStorageError,
+    ConfigError,
+    MeshtrainError,
+)
 from meshtrain.services.common.logging import setup_logging
 from meshtrain.services.dataloader import cli as data_cli
 from meshtrain.services.launcher import cli as launcher_cli
@@ -155,6 +165,14 @@ def main(argv: list[str] | None = None) -> int:
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         return args.func(args)
+    except CheckpointStorageError as e:
+        print(
+            f"meshtrain: error: checkpoint storage failed: {e}; "
+            f"stopping with exit status {STORAGE_EXIT_STATUS}, as a run that cannot save "
+            "would only train again what it loses",
+            file=sys.stderr,
+        )
+        return STORAGE_EXIT_STATUS
     except MeshtrainError as e:
         print(f"meshtrain: error: {e}", file=sys.stderr)
         return 2

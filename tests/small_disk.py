@@ -19,14 +19,23 @@ import pytest
 
 
 @contextlib.contextmanager
-def small_disk(path: Path, size_mb: int) -> Iterator[Path]:
-    """Mounts a tmpfs of `size_mb` MB on `path` (created) for the block; skips the test if it
-    cannot (not root, or mounting not permitted here)."""
+def small_disk(path: Path, size_mb: int, read_only: bool = False) -> Iterator[Path]:
+    """Mounts a tmpfs of `size_mb` MB on `path` (created) for the block, read-only (EROFS on
+    every write, even for root) with `read_only`; skips the test if it cannot (not root, or
+    mounting not permitted here)."""
     path.mkdir(parents=True, exist_ok=True)
     if os.geteuid() != 0:
         pytest.skip("a full disk is tested on a small tmpfs, and mounting one needs root")
     mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(path)],
+        [
+            "mount",
+            "-t",
+            "tmpfs",
+            "-o",
+            f"{'ro,' if read_only else ''}size={size_mb}m",
+            "tmpfs",
+            str(path),
+        ],
         capture_output=True,
         text=True,
     )

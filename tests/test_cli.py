@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.services.trainer.conftest import corpus_cache, small_job_args  # noqa: F401  (a fixture, found by name)
+from tests.small_disk import small_disk
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "deploy" / "configs" / "tiny.toml")
@@ -81,6 +82,41 @@ def test_train_then_resume_with_tiny_config(tmp_path):
 
 
 @pytest.mark.e2e
+def test_a_run_whose_checkpoint_storage_keeps_failing_exits_74_saying_so(tmp_path):
+    """A save whose storage failed through its retries (here a read-only disk: EROFS on every
+    write) ends the run with exit status 74 and a line naming the failure, not with 2, the
+    status of a user's mistake: deploy/train.sh and the Slurm job tell it apart from a crash."""
+    with small_disk(tmp_path / "ro", 1, read_only=True) as ro:
+        proc = meshtrain(
+            "train",
+            "--config",
+            TINY,
+            "--train-iters",
+            2,
+            "--save-interval",
+            1,
+            "--save",
+            ro / "ckpt",
+            "--run-dir",
+            tmp_path / "run",
+            "--micro-batch-size",
+            2,
+            "--global-batch-size",
+            2,
+            "--data.default_corpus_bytes=300000",
+            f"--data.cache_dir={tmp_path / 'cache'}",
+            "--data.default_vocab_size=512",
+            "--data.split=80,20,0",
+            "--eval-iters",
+            1,
+            "--log.plot=false",
+            "--checkpoint.save_attempts=1",
+        )
+    assert proc.returncode == 74, proc.stderr
+    assert "meshtrain: error: checkpoint storage failed:" in proc.stderr
+    assert "Read-only file system" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_a_run_on_the_embedded_corpus_exports_its_tokenizer_from_any_working_directory(tmp_path):
     """The embedded corpus is cached under the relative `.cache/meshtrain`, and its tokenizer
     was recorded in the checkpoint by that relative path: `ckpt export` run anywhere but the

@@ -57,6 +57,7 @@ from meshtrain.services.checkpoint.multiwriter import (
 from meshtrain.services.checkpoint.store import Root, join, open_root
 from meshtrain.services.common.errors import (
     CheckpointError,
+    CheckpointStorageError,
     DiskFullError,
     SaveForgottenError,
     is_disk_full,
@@ -152,7 +153,7 @@ def retry(
                         f"{what} failed after {attempt} attempts: disk full: {e!r} "
                         f"(tried for {elapsed:.1f} s)"
                     ) from e
-                raise CheckpointError(
+                raise CheckpointStorageError(
                     f"{what} failed after {attempt} attempts: {e!r} (tried for {elapsed:.1f} s)"
                 ) from e
             log.warning(

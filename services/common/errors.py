@@ -130,7 +130,19 @@ class CheckpointError(MeshtrainError):
     """A checkpoint is missing, uncommitted, corrupt, or does not match the model."""
 
 
-class DiskFullError(CheckpointError):
+class CheckpointStorageError(CheckpointError):
+    """A checkpoint save's storage (a folder, an object store, or the checkpoint service in
+    front of one) kept failing through every retry: `checkpoint.save_attempts` tries, and
+    `checkpoint.save_retry_timeout_s` seconds unless the failure is lasting. Waiting longer
+    would not help, so `meshtrain train` ends with STORAGE_EXIT_STATUS, which
+    deploy/train.sh, compose and the Slurm job do not restart from scratch on."""
+
+
+STORAGE_EXIT_STATUS = 74
+"""Exit status of `meshtrain train` ended by a CheckpointStorageError (sysexits' EX_IOERR)."""
+
+
+class DiskFullError(CheckpointStorageError):
     """A save failed because its storage is full (ENOSPC; EDQUOT: a quota spent).
 
     Lasting (`is_lasting_storage_error`): tried `checkpoint.save_attempts` times, not for the

@@ -28,6 +28,14 @@ from pathlib import Path
 from meshtrain.services.common.errors import ConfigError
 from meshtrain.services.launcher.topology import free_port
 
+VOLUME_FLAGS = ("-volume.max=0", "-master.volumeSizeLimitMB=256")
+"""How every SeaweedFS meshtrain starts sizes its volumes: as many as the disk's free space
+holds (`-volume.max=0`), each of 256 MB. weed's default of 30,000 MB per volume leaves a disk of
+tens of GB free with too few to grow the volumes a bucket needs, and every write then fails
+("No writable volumes"). `meshtrain up --s3` passes them, and deploy/compose.yaml and
+deploy/slurm/services.sbatch take them from `python -m meshtrain.services.launcher.objectstore
+volume-flags`, so all three start the store alike."""
+
 
 def find_weed() -> str | None:
     """Path of the `weed` binary: beside the running Python first (a venv's bin), then PATH."""
@@ -147,8 +155,7 @@ class ObjectStore:
             "-ip=127.0.0.1",
             "-ip.bind=127.0.0.1",
             f"-dir={data}",
-            "-volume.max=0",
-            "-master.volumeSizeLimitMB=256",
+            *VOLUME_FLAGS,
             "-s3",
             f"-s3.config={config}",
             # Side servers on fixed default ports (8181, 9101) would collide between two
@@ -205,7 +212,7 @@ def make_bucket(bucket: str, endpoint: str, keys: AccessKeys, timeout_s: float =
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m meshtrain.services.launcher.objectstore make-bucket BUCKET [--timeout S]`:
-    compose's s3-init.
+    compose's s3-init; `... volume-flags` prints VOLUME_FLAGS for a `weed server` command line.
 
     Makes BUCKET on the store named by AWS_ENDPOINT_URL with AWS_ACCESS_KEY_ID /
     AWS_SECRET_ACCESS_KEY, and exits 0 when it exists (made now or before), else 2 with the
@@ -224,7 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     mk.add_argument(
         "--timeout", type=float, default=120.0, help="seconds to keep retrying (default 120)"
     )
+    sub.add_parser("volume-flags", help="print the volume flags of `weed server` (VOLUME_FLAGS)")
     args = p.parse_args(argv)
+    if args.cmd == "volume-flags":
+        print(" ".join(VOLUME_FLAGS))
+        return 0
     missing = [
         k
         for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")

@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 from meshtrain.services.launcher.topology import free_port
@@ -40,6 +41,57 @@ def missing_network_requirements() -> str | None:
         return f"`ip netns add` fails here: {made.stderr.strip()}"
     subprocess.run(["ip", "netns", "del", probe], capture_output=True, check=False)
     return None
+
+
+class BridgedTrafficDropped(RuntimeError):
+    """The machine's firewall drops traffic between the nodes' namespaces on the bridge (or
+    between them and the controller): Slurm could not work across them, so the test is skipped
+    with this message, naming the direction and the usual cause, instead of timing out."""
+
+
+# A listener that takes one connection, run inside a network namespace (or the root one).
+_LISTEN = (
+    "import socket,sys; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1);"
+    "s.bind((sys.argv[1],int(sys.argv[2]))); s.listen(1); s.settimeout(float(sys.argv[3]));"
+    "s.accept()[0].close()"
+)
+_CONNECT = (
+    "import socket,sys; socket.create_connection((sys.argv[1],int(sys.argv[2])),"
+    "timeout=float(sys.argv[3])).close()"
+)
+
+
+def _in(ns: str | None, code: str, *args: str) -> list[str]:
+    """argv running Python `code` in namespace `ns` (None: the root namespace)."""
+    argv = [sys.executable, "-c", code, *args]
+    return argv if ns is None else ["nsenter", f"--net=/run/netns/{ns}", *argv]
+
+
+def tcp_blocked(src: str | None, dst: str | None, address: str, timeout: float = 3.0) -> bool:
+    """Whether a TCP connection from namespace `src` to `address` (a listener started in
+    namespace `dst`) fails within `timeout` seconds."""
+    port = str(20000 + os.getpid() % 20000)
+    listener = subprocess.Popen(
+        _in(dst, _LISTEN, address, port, str(timeout + 2)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        for _ in range(50):  # until it listens
+            if (
+                subprocess.run(
+                    _in(src, _CONNECT, address, port, str(timeout)), capture_output=True
+                ).returncode
+                == 0
+            ):
+                return False
+            if listener.poll() is not None:
+                return True
+        return True
+    finally:
+        if listener.poll() is None:
+            listener.kill()
+        listener.wait()
 
 
 def _ip(*args: str) -> None:
@@ -131,6 +183,26 @@ PartitionName=debug Nodes={",".join(self.names)} Default=YES MaxTime=INFINITE St
             _ip("-n", ns, "link", "set", "lo", "up")
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / "hosts").write_text(hosts)
+        self.check_traffic()
+
+    def check_traffic(self) -> None:
+        """Raises BridgedTrafficDropped when a node cannot reach another node or the controller
+        (a few seconds; what the test proper would otherwise find only at its timeout)."""
+        first, second = self.names[0], self.names[-1]
+        ns = self.namespaces
+        for what, src, dst, address in (
+            (f"{second} -> {first}", ns[second], ns[first], self.addresses[first]),
+            (f"{first} -> controller", ns[first], None, self.controller_address),
+            (f"controller -> {first}", None, ns[first], self.addresses[first]),
+        ):
+            if tcp_blocked(src, dst, address):
+                raise BridgedTrafficDropped(
+                    f"the host's firewall drops traffic on the test's bridge ({what}, TCP to "
+                    f"{address}): bridged packets pass iptables/nftables when br_netfilter is "
+                    "loaded (net.bridge.bridge-nf-call-iptables=1), and a FORWARD policy of DROP "
+                    "(Docker sets one) or an INPUT rule then drops them; allow the 10.77.0.0/16 "
+                    "test subnet or set net.bridge.bridge-nf-call-iptables=0"
+                )
 
     def start(self, timeout: float = 60.0) -> None:
         """Network, munged, slurmctld, then one slurmd per namespace;

@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from meshtrain.services.cli import build_parser
+from meshtrain.services.launcher.objectstore import VOLUME_FLAGS, AccessKeys, ObjectStore
 from meshtrain.services.trainer.config.load import load_config
 from tests.services.checkpoint.conftest import s3_server  # noqa: F401  (a fixture, found by name)
 
@@ -301,3 +302,58 @@ def test_s3_init_makes_the_bucket_and_succeeds_again_on_the_old_data(compose, s3
     assert refused.returncode == 2 and "could not create bucket" in refused.stderr, refused.stderr
     unset = s3_init({k: v for k, v in env.items() if k != "AWS_ENDPOINT_URL"})
     assert unset.returncode == 2 and "AWS_ENDPOINT_URL" in unset.stderr, unset.stderr
+
+
+def test_the_store_sizes_its_volumes_as_meshtrain_up_does(compose, tmp_path):
+    """The s3 service's own shell command, run with `weed` stubbed to print its arguments: it
+    starts SeaweedFS with the launcher's volume flags (as `meshtrain up --s3` does). With weed's
+    default 30 GB volumes a host with 54 GB free had no writable volume, and every save failed
+    ("No writable volumes"). services.sbatch takes the flags from the same place."""
+    command = compose["services"]["s3"]["command"]
+    assert command[:2] == ["sh", "-c"], command
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "weed").write_text('#!/bin/sh\nfor a in "$@"; do echo "$a"; done\n')
+    (bin_dir / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    script = command[2].replace("/tmp/s3.json", str(tmp_path / "s3.json"))
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "PYTHONPATH": str(REPO),
+        "AWS_ACCESS_KEY_ID": "k",
+        "AWS_SECRET_ACCESS_KEY": "s",
+    }
+    run = subprocess.run(
+        ["sh", "-c", script], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert run.returncode == 0, run.stderr
+    argv = run.stdout.split()
+    assert argv[0] == "server" and set(VOLUME_FLAGS) <= set(argv), argv
+    launcher = ObjectStore("weed", tmp_path / "store", AccessKeys("k", "s")).argv()
+    assert set(VOLUME_FLAGS) <= set(launcher)
+    volume_args = {a.split("=")[0] for a in VOLUME_FLAGS}
+    assert sorted(a for a in argv if a.split("=")[0] in volume_args) == sorted(
+        a for a in launcher if a.split("=")[0] in volume_args
+    )
+    sbatch = (REPO / "deploy" / "slurm" / "services.sbatch").read_text()
+    assert "launcher.objectstore volume-flags" in sbatch and "-volume.max" not in sbatch
+
+
+def test_system_deps_install_what_the_deploy_tests_look_for():
+    """`make system-deps` installs every tool the slow deploy tests skip without (debootstrap
+    was missing, so the image tests could never run after it)."""
+    text = (REPO / "deploy" / "install-test-deps.sh").read_text()
+    packages = set(re.search(r'^packages="([^"]*)"', text, re.MULTILINE).group(1).split())
+    # tool the tests look for -> the Debian package that has it
+    needed = {
+        "docker-compose": "docker-compose",
+        "debootstrap": "debootstrap",
+        "slurmctld": "slurm-wlm",
+        "munged": "munge",
+        "ip": "iproute2",
+        "nsenter": "util-linux",
+    }
+    assert set(needed.values()) <= packages, set(needed.values()) - packages
+    assert 'command -v docker >/dev/null 2>&1 || packages="$packages docker.io"' in text

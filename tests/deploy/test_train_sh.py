@@ -3,6 +3,7 @@ stubbed on PATH."""
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -31,11 +32,16 @@ def run_train_sh(
         '#!/bin/sh\necho "shutdown timeout: ${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-unset}" >&2\n'
         'for a in "$@"; do echo "$a"; done\n'
     )
+    # the write probe: succeeds unless PROBE_STATUS says otherwise
+    (bin_dir / "probe-python").write_text(
+        '#!/bin/sh\necho "probed: $*" >&2\nexit "${PROBE_STATUS:-0}"\n'
+    )
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     env = {
         **{k: v for k, v in os.environ.items() if k != "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"},
         "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "PYTHON": str(bin_dir / "probe-python"),
         "SAVE_ROOT": "s3://b/run1/ckpt",
         **(env or {}),
     }
@@ -94,3 +100,35 @@ def test_torchrun_leaves_the_ranks_the_deployments_grace_to_checkpoint_not_its_3
     assert 120 <= timeout < grace  # 120: what Slurm's --signal=B:TERM@120 leaves
     r = run_train_sh(tmp_path, "", env={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "600"})
     assert "shutdown timeout: 600" in r.stderr
+
+
+def test_a_root_that_takes_no_write_stops_the_job_with_74_before_training(tmp_path):
+    """Under compose's restart policy (or a requeue) a run whose checkpoint storage takes no
+    write trained up to its first save, failed there and started again from step 0, forever:
+    train.sh asks the storage first and exits 74 (checkpoint storage failed) without training."""
+    r = run_train_sh(tmp_path, "", env={"PROBE_STATUS": "74"})
+    assert r.returncode == 74 and r.stdout == "", r.stderr  # torchrun never ran
+    assert "probed: -m meshtrain.services.checkpoint.write_probe s3://b/run1/ckpt" in r.stderr
+    assert "s3://b/run1/ckpt takes no write; not starting (exit status 74" in r.stderr
+    skipped = run_train_sh(tmp_path, "", env={"PROBE_STATUS": "74", "CHECK_SAVE_ROOT": "0"})
+    assert skipped.returncode == 0 and "probed" not in skipped.stderr
+
+
+def test_the_write_probe_itself_on_a_folder_that_takes_writes_and_one_that_does_not(tmp_path):
+    python = [sys.executable, "-m", "meshtrain.services.checkpoint.write_probe"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    good = subprocess.run(
+        [*python, str(tmp_path / "ckpt")], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert good.returncode == 0, good.stderr
+    assert list((tmp_path / "ckpt").iterdir()) == []  # the probe object is removed
+    (tmp_path / "file").write_text("")
+    bad = subprocess.run(
+        [*python, str(tmp_path / "file" / "ckpt")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 74
+    assert f"checkpoint storage failed: {tmp_path / 'file' / 'ckpt'} takes no write" in bad.stderr

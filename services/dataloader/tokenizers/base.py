@@ -16,12 +16,15 @@ how the spec travels in configs and over the wire.
 from __future__ import annotations
 
 import abc
+import logging
 import os
 from pathlib import Path
 from typing import Iterable, Iterator
 
 from meshtrain.services.common.errors import DataError
 from meshtrain.services.dataloader.inputs import iter_documents, refuse_compressed
+
+log = logging.getLogger(__name__)
 
 EOD_TOKEN = "<|endoftext|>"
 # Bounded memory while training: files are fed to the trainer in pieces of about this size.
@@ -413,7 +416,27 @@ def train_bpe(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_iter_text_chunks(files, json_key), trainer=trainer)
+    chars = 0
+
+    def counted() -> Iterator[str]:
+        nonlocal chars
+        for chunk in _iter_text_chunks(files, json_key):
+            chars += len(chunk)
+            yield chunk
+
+    tok.train_from_iterator(counted(), trainer=trainer)
+    trained = tok.get_vocab_size()
+    if trained < vocab_size:
+        # BPE merges only pairs that occur in the text: a small text runs out of them.
+        log.warning(
+            "BPE tokenizer trained with %d tokens, fewer than the %d asked for: its training "
+            "text (%d characters) is too small for that many merges (it ran out of pairs to "
+            "merge after %d); give it more text or ask for a smaller vocabulary",
+            trained,
+            vocab_size,
+            chars,
+            trained - 257,
+        )
     out = Path(output_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")

@@ -119,3 +119,23 @@ def test_a_missing_tokenizer_file_is_named_as_missing(tmp_path):
     assert "not understood" not in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(DataError, match="holds no tokenizer.json"):
         build_tokenizer(tmp_path)
+
+
+def test_a_corpus_too_small_for_the_vocabulary_asked_is_named_in_a_warning(tmp_path, caplog):
+    """The embedded corpus trained 27,233 of the 50,257 tokens asked without a word: a BPE
+    stops merging when its text runs out of pairs, and the log now says so with both numbers."""
+    text = tmp_path / "tiny.txt"
+    text.write_text("the cat sat on the mat\n" * 20)
+    with caplog.at_level("WARNING", logger="meshtrain.services.dataloader.tokenizers.base"):
+        tok = train_bpe([text], 50257, tmp_path / "tok.json")
+    assert tok.vocab_size < 50257
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(
+        f"trained with {tok.vocab_size} tokens, fewer than the 50257 asked for" in m
+        and "too small for that many merges" in m
+        for m in warned
+    ), warned
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="meshtrain.services.dataloader.tokenizers.base"):
+        train_bpe([text], 260, tmp_path / "small.json")  # reached: nothing to say
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
