@@ -73,7 +73,7 @@ def test_spec_eod_id_is_the_dataloaders(tmp_path):
     import base64
 
     from meshtrain.services.common.tokenizer_files import spec_eod_id
-    from meshtrain.services.dataloader.tokenizers import build_tokenizer
+    from meshtrain.services.dataloader.tokenizers.base import build_tokenizer
 
     ranks = _touch(
         tmp_path / "enc.tiktoken",
