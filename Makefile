@@ -17,7 +17,7 @@ TEST_STAMP := $(VENV)/.installed-$(TORCH_VERSION)-test
 PIP_C := $(if $(CONSTRAINTS),-c "$(CONSTRAINTS)")
 PYTEST := $(BIN)/python -m pytest
 
-.PHONY: install install-test lock run lint test test-fast test-slow test-gpu protos system-deps clean
+.PHONY: install install-test lock run lint test test-fast test-slow test-gpu coverage protos system-deps clean
 
 # torch is installed first and pinned, so resolving the project's `torch>=` floor never
 # pulls another build. Where pip's index has only PyPI's Linux wheel (the multi-GB CUDA
@@ -81,6 +81,12 @@ test-slow: $(TEST_STAMP)
 
 test-gpu: $(TEST_STAMP)
 	$(PYTEST) -m "gpu" -q
+
+# Line coverage of what `make test` runs, reported per repository file (pyproject's
+# [tool.coverage]: services/, kernels/ and protos/ under one path each).
+coverage: $(TEST_STAMP)
+	$(BIN)/python -m coverage run -m pytest -m "not slow and not gpu" -q
+	$(BIN)/python -m coverage report --skip-covered --sort=cover
 
 # Optional, as root on Debian/Ubuntu: docker-compose and a single-node Slurm for the deploy
 # tests (they skip, saying why, without them).
