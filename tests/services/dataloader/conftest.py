@@ -19,8 +19,14 @@ from meshtrain.services.launcher.topology import free_port
 
 REPO = Path(__file__).resolve().parents[3]
 # What a test's data worker serves (`--allow-root`): the temporary folders tests write datasets
-# in, the cache holding the default corpus, and the bucket of the tests' S3 server.
-TEST_ROOTS = (tempfile.gettempdir(), user_cache_dir(), "s3://meshtrain-test")
+# in, the cache holding the default corpus, the bucket of the tests' S3 server and their
+# in-memory store.
+TEST_ROOTS = (
+    tempfile.gettempdir(),
+    user_cache_dir(),
+    "s3://meshtrain-test",
+    "memory://flaky-stream",
+)
 
 
 def served_limits(**kw) -> DataLimits:

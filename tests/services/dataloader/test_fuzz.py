@@ -192,7 +192,11 @@ def test_fuzzed_requests_are_refused_cleanly_and_good_clients_are_served(
     before = tree_snapshot(tmp_path.parent, skip=[data / ".meshtrain-index", cache, log])
     server = ServerProcess(
         "meshtrain.services.dataloader.rpc.server",
-        ["--port", "0", "--grace", "0", "--max-streams", "8", "--max-index-gib", "0.0625"],
+        # the data folder, and a bucket whose store refuses at once: both paths stay fuzzed
+        [
+            *("--port", "0", "--grace", "0", "--max-streams", "8", "--max-index-gib", "0.0625"),
+            *("--allow-root", str(data), "--allow-root", "s3://fuzz-bucket"),
+        ],
         log,
         env=env,
     )
