@@ -165,7 +165,11 @@ def bench_index(work: Path, num_samples: int, seq_length: int) -> dict:
 
 def _start_worker(port_file: Path) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "meshtrain.services.dataloader.rpc.server", "--port", "0"],
+        # the worker serves the benchmark's folder, where its datasets are written
+        [
+            *(sys.executable, "-m", "meshtrain.services.dataloader.rpc.server", "--port", "0"),
+            *("--allow-root", str(port_file.parent)),
+        ],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,

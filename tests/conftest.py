@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 os.environ.setdefault(
@@ -24,3 +25,17 @@ os.environ.setdefault(
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True)
+def _in_process_data_workers_serve_the_test_folders(monkeypatch):
+    """A data worker started in a test without `allow_roots` serves what a worker started there
+    by hand would (its directory and the user's cache) and the temporary folders tests write
+    their datasets in, so a test that is not about `--allow-root` need not name them."""
+    import tempfile
+
+    from meshtrain.services.dataloader import served_roots
+    from meshtrain.services.dataloader.rpc import servicer
+
+    defaults = served_roots.default_roots() + [tempfile.gettempdir()]
+    monkeypatch.setattr(servicer, "default_roots", lambda: defaults)

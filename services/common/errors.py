@@ -39,6 +39,16 @@ class DataUnavailableError(DataError):
     """
 
 
+class DataNotFoundError(DataError):
+    """A dataset's file, folder or bucket does not exist. The gRPC shells answer NOT_FOUND: not
+    worth a retry (unlike `DataUnavailableError`), and told apart from a malformed request."""
+
+
+class DataAccessDeniedError(DataError):
+    """A request names storage this data worker does not serve (outside its `--allow-root`s).
+    The gRPC shells answer PERMISSION_DENIED."""
+
+
 class StorageUnavailableError(MeshtrainError):
     """A service's storage failed (a disk, network or object-store error) while serving a
     request that was fine: the gRPC shells report it as UNAVAILABLE, which clients retry.

@@ -5,7 +5,8 @@ health-checking service (`grpc.health.v1`), server reflection, raised message-si
 both directions and `ErrorInterceptor`, which turns a `MeshtrainError` raised by core code
 into a gRPC status with the error's message (`DataError` and `ConfigError` are the caller's
 fault: INVALID_ARGUMENT, except `DataUnavailableError`, a storage read that failed: UNAVAILABLE,
-so clients try again or elsewhere; other classes map through `ERROR_CODES` or a per-server
+so clients try again or elsewhere, `DataNotFoundError`: NOT_FOUND, and `DataAccessDeniedError`,
+storage the worker does not serve: PERMISSION_DENIED; other classes map through `ERROR_CODES` or a per-server
 table; a server may also translate other exceptions, e.g. its storage's, into domain errors).
 Any other exception is a bug: gRPC answers UNKNOWN with its own wording, which `is_permanent`
 recognises, so clients do not retry it.
@@ -42,7 +43,9 @@ from meshtrain.services.common.errors import (
     LASTING_METADATA,
     CheckpointError,
     ConfigError,
+    DataAccessDeniedError,
     DataError,
+    DataNotFoundError,
     DataUnavailableError,
     InvalidRequestError,
     MeshtrainError,
@@ -61,6 +64,8 @@ ERROR_CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
     (DataUnavailableError, grpc.StatusCode.UNAVAILABLE),  # storage, not the request: try again
+    (DataNotFoundError, grpc.StatusCode.NOT_FOUND),
+    (DataAccessDeniedError, grpc.StatusCode.PERMISSION_DENIED),
     (StorageUnavailableError, grpc.StatusCode.UNAVAILABLE),
     (DataError, grpc.StatusCode.INVALID_ARGUMENT),
     (CheckpointError, grpc.StatusCode.FAILED_PRECONDITION),

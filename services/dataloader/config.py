@@ -182,6 +182,9 @@ class ServeConfig:
     """`--stream-idle-timeout`: seconds a client may read nothing before its stream is cancelled."""
     max_streams_per_client: int = 16
     """`--max-streams-per-client`: streams one client host may hold at once (0: no limit)."""
+    allow_root: list[str] | None = None
+    """`--allow-root`: folders and URL prefixes whose datasets clients may name (None: the current
+    directory and the user's meshtrain cache; see `served_roots`)."""
     metrics_port: int | None = None
     """`--metrics-port`: serve Prometheus metrics on this port (None: off)."""
     announce: str | None = None
@@ -200,6 +203,10 @@ class ServeConfig:
     """`--insecure`: serve beyond loopback without authentication."""
 
     def __post_init__(self) -> None:
+        if self.allow_root is not None:
+            from meshtrain.services.dataloader.served_roots import ServedRoots
+
+            ServedRoots(self.allow_root)  # a malformed root fails here, before the server starts
         if self.max_index_gib is not None and not 0 < self.max_index_gib < float("inf"):
             raise ConfigError(
                 f"--max-index-gib {self.max_index_gib} must be a positive number of GiB"
@@ -260,6 +267,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=16,
         help="streams one client host may hold at once (0: no limit; default 16)",
+    )
+    p.add_argument(
+        "--allow-root",
+        action="append",
+        default=None,
+        metavar="PATH_OR_URL",
+        help="a folder (or dataset prefix) or URL prefix (s3://bucket/prefix) whose datasets "
+        "clients may name; repeatable; any other prefix is refused with PERMISSION_DENIED "
+        "(default: the current directory and the user's meshtrain cache, no object storage)",
     )
     p.add_argument(
         "--metrics-port",

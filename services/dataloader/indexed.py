@@ -34,7 +34,7 @@ from typing import Self
 import numpy as np
 
 from meshtrain.services.common.builds import local_build_dir, remove_dead_builds
-from meshtrain.services.common.errors import DataError, DataUnavailableError
+from meshtrain.services.common.errors import DataError, DataNotFoundError, DataUnavailableError
 
 log = logging.getLogger("meshtrain.data")
 
@@ -77,6 +77,27 @@ def local_path(prefix: str | os.PathLike) -> str:
 def _paths(prefix: str | os.PathLike) -> tuple[Path, Path]:
     prefix = local_path(prefix)
     return Path(prefix + ".bin"), Path(prefix + ".idx")
+
+
+# What object stores answer for a bucket or key that does not exist (botocore's error codes).
+_MISSING_CODES = frozenset({"NoSuchBucket", "NoSuchKey", "NotFound", "404"})
+
+
+def names_missing(exc: BaseException) -> bool:
+    """Whether `exc`, or an error it was raised from, says the object or its bucket does not exist
+    (FileNotFoundError, or a store's NoSuchBucket/NoSuchKey/404 that no backend translated)."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, FileNotFoundError):
+            return True
+        response = getattr(cause, "response", None)
+        if isinstance(response, dict):
+            if str((response.get("Error") or {}).get("Code")) in _MISSING_CODES:
+                return True
+        cause = cause.__cause__ or cause.__context__
+    return False
 
 
 def is_remote(prefix: str | os.PathLike) -> bool:
@@ -333,12 +354,16 @@ class IndexedDataset:
                 try:
                     info = self._fs.info(p)
                 except FileNotFoundError:
-                    raise DataError(f"{url}: indexed dataset file is missing") from None
+                    raise DataNotFoundError(f"{url}: indexed dataset file is missing") from None
                 except PermissionError as e:  # credentials: another try does not help
                     raise DataError(f"{url}: access denied ({e})") from e
                 except (
                     Exception
                 ) as e:  # backends raise their own types (botocore's are not OSError)
+                    if names_missing(e):  # a bucket that does not exist: no retry finds it
+                        raise DataNotFoundError(
+                            f"{url}: indexed dataset file is missing (no such bucket or key)"
+                        ) from None
                     raise DataUnavailableError(
                         f"{url}: the store failed to answer whether the file exists "
                         f"({type(e).__name__}: {e})"
@@ -354,7 +379,7 @@ class IndexedDataset:
                 try:  # is_file raises for some errors: a name too long, a folder it may not read
                     os.stat(p)
                 except FileNotFoundError:
-                    raise DataError(f"{p}: indexed dataset file is missing") from None
+                    raise DataNotFoundError(f"{p}: indexed dataset file is missing") from None
                 except OSError as e:
                     raise DataError(
                         f"{p}: cannot open the indexed dataset file ({e.strerror})"
@@ -370,8 +395,10 @@ class IndexedDataset:
             try:
                 blob = self._fs.cat_file(self._remote[1])  # small: 20 bytes per sequence
             except FileNotFoundError:
-                raise DataError(f"{path}: indexed dataset file is missing") from None
+                raise DataNotFoundError(f"{path}: indexed dataset file is missing") from None
             except Exception as e:  # as in the open above: backends raise their own types
+                if names_missing(e):
+                    raise DataNotFoundError(f"{path}: indexed dataset file is missing") from None
                 raise DataUnavailableError(
                     f"{path}: reading the index failed ({type(e).__name__}: {e})"
                 ) from e

@@ -171,6 +171,7 @@ def plan(options: UpOptions, overrides: list[str]) -> Plan:
     )  # absolute: config.toml outlives this cwd
     auth = ["--token-file", str(token_file)]
     services: list[Child] = []
+    roots = [arg for root in data_roots(job.data) for arg in ("--allow-root", root)]
     for i in range(options.data_workers):
         port = free_port()
         # Stateless and interchangeable: if one dies the trainer fails over to its peers and
@@ -178,7 +179,7 @@ def plan(options: UpOptions, overrides: list[str]) -> Plan:
         services.append(
             Child(
                 f"data-{i}",
-                PYTHON + ["data", "serve", "--port", str(port), *metrics, *auth],
+                PYTHON + ["data", "serve", "--port", str(port), *roots, *metrics, *auth],
                 port=port,
                 restart=True,
                 grace_s=5.0,
@@ -234,6 +235,22 @@ def plan(options: UpOptions, overrides: list[str]) -> Plan:
         load_step=job.checkpoint.load_step is not None,
         token_file=token_file,
     )
+
+
+def data_roots(data) -> list[str]:
+    """What this run's data workers serve (`data serve --allow-root`): the folders holding the
+    files of each `data.data_path` prefix (resolved, so a linked dataset's target is served) or
+    the URL prefix itself, and `data.cache_dir`, where the default corpus is built."""
+    from meshtrain.services.dataloader.spec import parse_data_path
+
+    roots = [os.path.abspath(data.cache_dir)]
+    for prefix in parse_data_path(data.data_path)[0] if data.data_path else []:
+        if "://" in prefix and not prefix.startswith("file://"):
+            roots.append(prefix)
+            continue
+        for ext in (".idx", ".bin"):
+            roots.append(os.path.dirname(os.path.realpath(prefix.removeprefix("file://") + ext)))
+    return list(dict.fromkeys(roots))
 
 
 def _new_default_run_dir() -> Path:

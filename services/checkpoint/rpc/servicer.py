@@ -553,7 +553,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                 "(the service's --stream-idle-timeout); aborted",
             )
         if first is None or first.WhichOneof("part") != "header":
-            raise CheckpointError("a WriteShards stream must start with a header")
+            raise InvalidRequestError("a WriteShards stream must start with a header")
         save_id = _save_id(first.header.save_id)
         if first.header.HasField("step"):  # a save begun elsewhere is taken up here
             self._adopt(save_id, _step(first.header.step, "header.step"))
@@ -579,7 +579,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                 kind = msg.WhichOneof("part")
                 if kind == "box":
                     if spec is not None and buf is not None:
-                        raise CheckpointError(
+                        raise InvalidRequestError(
                             f"box {spec.offsets} of array {spec.array!r} ended after {filled} of "
                             f"{len(buf)} bytes"
                         )
@@ -591,16 +591,16 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                     buf, filled = bytearray(nbytes), 0
                 elif kind == "chunk":
                     if spec is None:
-                        raise CheckpointError("a data chunk arrived before any box")
+                        raise InvalidRequestError("a data chunk arrived before any box")
                     assert buf is not None
                     size = len(msg.chunk)
                     if size > self.max_chunk_bytes:
-                        raise CheckpointError(
+                        raise InvalidRequestError(
                             f"chunk of {size} bytes for array {spec.array!r} is over the limit "
                             f"of {self.max_chunk_bytes} bytes"
                         )
                     if filled + size > len(buf):
-                        raise CheckpointError(
+                        raise InvalidRequestError(
                             f"box {spec.offsets} of array {spec.array!r} got more than its "
                             f"{len(buf)} bytes"
                         )
@@ -613,7 +613,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                     )
                     return pb.WriteShardsResponse(boxes=boxes, bytes=total)
                 else:
-                    raise CheckpointError(
+                    raise InvalidRequestError(
                         f"unexpected {kind!r} message inside a WriteShards stream"
                     )
                 if spec is not None and buf is not None and filled == len(buf):
@@ -624,7 +624,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                     self.budget.release(len(buf))
                     spec, buf = None, None
             if spec is not None and buf is not None:
-                raise CheckpointError(
+                raise InvalidRequestError(
                     f"stream ended inside box {spec.offsets} of array {spec.array!r} "
                     f"({filled} of {len(buf)} bytes)"
                 )
@@ -827,7 +827,10 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         manifest = read_manifest(self.root, request.step)
         # the request is checked before it is priced: an unknown array or a box outside it is
         # the error to report, not the budget its claimed shape would exceed
-        entry = box_entry(self.root, request.step, manifest, request.array, offsets, shape)
+        try:
+            entry = box_entry(self.root, request.step, manifest, request.array, offsets, shape)
+        except CheckpointError as e:  # an array the step lacks, a box outside it: the request's
+            raise InvalidRequestError(str(e)) from None
         nbytes = math.prod(shape) * np.dtype(entry["stored_dtype"]).itemsize
         self.budget.acquire(nbytes, f"slice {shape} of array {request.array!r}", context.is_active)
         try:

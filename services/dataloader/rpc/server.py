@@ -100,6 +100,7 @@ def run(config: ServeConfig) -> int:
             index_cache_bytes=int(config.index_cache_gib * 2**30),
             stream_idle_timeout=config.stream_idle_timeout,
             max_streams_per_client=config.max_streams_per_client,
+            allow_roots=None if config.allow_root is None else tuple(config.allow_root),
         ),
         security=ServerSecurity.from_files(
             config.token_file,

@@ -11,6 +11,8 @@ starting their own (all ranks connect at job start; N builds would cost N times 
 and CPU), and a build that fails is not kept, so each waiter gets its error and the next
 request tries again. Requests are validated before any file is touched; a bad one gets
 INVALID_ARGUMENT through the `ErrorInterceptor`, and the worker keeps serving the others. A
+prefix outside the worker's `--allow-root`s (`served_roots`) is PERMISSION_DENIED, and a
+dataset that does not exist NOT_FOUND. A
 request whose sample index would take more than `max_index_bytes` to build is refused once the
 datasets' headers are read, before anything is allocated, and builds in progress together stay
 within the same bound (a build that does not fit waits), so no request can take the worker's
@@ -44,6 +46,7 @@ from meshtrain.services.common.stream_guards import IdleReaper, PeerLimit
 from meshtrain.services.dataloader.blend import MAX_DATASETS
 from meshtrain.services.dataloader.index_cache import IndexCache
 from meshtrain.services.dataloader.loader import LocalBatchSource
+from meshtrain.services.dataloader.served_roots import ServedRoots, default_roots
 from meshtrain.services.dataloader.spec import (
     MAX_SAMPLES,
     SPLITS,
@@ -90,6 +93,9 @@ class DataLimits:
             evaluation) longer than this reconnects when it reads again, where it left off.
         max_streams_per_client: streams one client host may hold at once
             (`--max-streams-per-client`; 0: no limit).
+        allow_roots: the folders and URL prefixes whose datasets clients may name
+            (`--allow-root`; None: `served_roots.default_roots()`, the worker's current
+            directory and the user's meshtrain cache); any other prefix is PERMISSION_DENIED.
     """
 
     max_samples: int = 2**32
@@ -97,6 +103,7 @@ class DataLimits:
     index_cache_bytes: int = 32 << 30
     stream_idle_timeout: float = 300.0
     max_streams_per_client: int = 16
+    allow_roots: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_samples <= MAX_SAMPLES:
@@ -159,10 +166,13 @@ def resident_index_bytes(ds) -> int:
     return own + sum(resident_index_bytes(d) for d in getattr(ds, "datasets", ()) if d is not None)
 
 
-def spec_from_proto(m: pb.DatasetSpec, max_samples: int = MAX_SAMPLES) -> DatasetSpec:
+def spec_from_proto(
+    m: pb.DatasetSpec, max_samples: int = MAX_SAMPLES, roots: ServedRoots | None = None
+) -> DatasetSpec:
     """A DatasetSpec from its message, validated: every field within its bounds (strings of
     bounded length without control characters, at most `max_samples` samples), its prefixes
-    ones a worker serves. Raises DataError naming the field."""
+    ones a worker serves (a served scheme and, with `roots`, under one of them). Raises
+    DataError naming the field (DataAccessDeniedError for a prefix outside `roots`)."""
     if not 1 <= len(m.prefixes) <= MAX_DATASETS:
         raise DataError(f"spec.prefixes has {len(m.prefixes)} entries; give 1 to {MAX_DATASETS}")
     if len(m.weights) != len(m.prefixes):
@@ -170,6 +180,8 @@ def spec_from_proto(m: pb.DatasetSpec, max_samples: int = MAX_SAMPLES) -> Datase
     for i, prefix in enumerate(m.prefixes):
         check_text(prefix, f"spec.prefixes[{i}]", MAX_PREFIX_CHARS, DataError, allow_empty=True)
         check_served(prefix)
+        if roots is not None:
+            roots.check(prefix)
     check_text(m.split, "spec.split", MAX_SPLIT_CHARS, DataError, allow_empty=True)
     if m.split_name and m.split_name not in SPLITS:
         raise DataError(f"spec.split_name {loggable(m.split_name, 20)} is not one of {SPLITS}")
@@ -233,6 +245,9 @@ class DataServicer(pb_grpc.DataServiceServicer):
         self.index_cache = IndexCache(
             limits.index_cache_dir or default_index_cache_dir(), limits.index_cache_bytes
         )
+        self.roots = ServedRoots(
+            default_roots() if limits.allow_roots is None else limits.allow_roots
+        )
         self._peer_streams = PeerLimit(limits.max_streams_per_client, "--max-streams-per-client")
         self._reaper = IdleReaper(limits.stream_idle_timeout, "--stream-idle-timeout")
         self.cache_indices = cache_indices
@@ -295,7 +310,7 @@ class DataServicer(pb_grpc.DataServiceServicer):
     def _source(self, req: pb.StreamRequest) -> LocalBatchSource:
         if not req.HasField("spec"):
             raise DataError("StreamRequest has no dataset spec")
-        spec = spec_from_proto(req.spec, self.limits.max_samples)
+        spec = spec_from_proto(req.spec, self.limits.max_samples, self.roots)
         cp_rank, cp_size = int(req.cp_rank), int(req.cp_size) or 1  # 0: a client that predates cp
         if cp_rank >= cp_size:
             raise DataError(f"cp_rank={cp_rank} is outside [0, cp_size={cp_size})")

@@ -76,6 +76,8 @@ class TrainerControlServicer(pb_grpc.TrainerControlServicer):
         if not hmac.compare_digest(sent.encode(), self.token.encode()):
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"this endpoint serves another run (run {self.trainer.run_dir}): the control.addr "
-                "that named it is stale, left by a trainer that ended without removing it",
+                # the caller proved nothing: it learns no more of this run than that it is not
+                # the one asked for (never its folder)
+                "this endpoint serves another run: the control.addr that named it is stale, "
+                "left by a trainer that ended without removing it",
             )

@@ -61,16 +61,20 @@ def test_health_and_unknown_ids(service):
     with pytest.raises(CheckpointError, match="step 3 .*not a committed checkpoint"):
         client.describe(3)
     save_checkpoint(service[0], 1, {"w": torch.ones(2)})
-    with pytest.raises(CheckpointError, match="no array 'missing'"):
+    # the request's fault (SECURITY.md: a bad field is INVALID_ARGUMENT naming it)
+    with pytest.raises(CheckpointError, match="INVALID_ARGUMENT: .*no array 'missing'"):
         client.read_box(1, "missing", (0,), (1,))
     # a request is checked before it is priced against the in-flight limit (64 KiB here)
-    with pytest.raises(CheckpointError, match="no array 'missing'"):
+    with pytest.raises(CheckpointError, match="INVALID_ARGUMENT: .*no array 'missing'"):
         client.read_box(1, "missing", (0,), (1 << 20,))
     with pytest.raises(
         CheckpointError,
-        match=r"box offsets \(0,\) shape \(1048576,\) is outside array 'w' of shape \(2,\)",
+        match=r"INVALID_ARGUMENT: box offsets \(0,\) shape \(1048576,\) is outside array 'w' "
+        r"of shape \(2,\)",
     ):
         client.read_box(1, "w", (0,), (1 << 20,))
+    with pytest.raises(CheckpointError, match=r"INVALID_ARGUMENT: box offsets \(1,\) shape \(2,\)"):
+        client.read_box(1, "w", (1,), (2,))
 
 
 def raw_stream(client, save_id, messages):
@@ -88,12 +92,23 @@ def test_bad_streams_are_rejected_and_nothing_commits(service):
         ([box] + [pb.WriteShardsRequest(chunk=b"\0" * 256)] * 2, "got more than its 400 bytes"),
         ([box, pb.WriteShardsRequest(chunk=b"\0" * 8)], "stream ended inside box"),
         ([pb.WriteShardsRequest(chunk=b"\0")], "chunk arrived before any box"),
+        ([box, pb.WriteShardsRequest(box=box_to_pb(spec))], "ended after 0 of 400 bytes"),
+        (
+            [pb.WriteShardsRequest(header=pb.WriteHeader(save_id=save_id))],
+            "unexpected 'header' message",
+        ),
     ]
+    # malformed input: INVALID_ARGUMENT, as SECURITY.md promises (not FAILED_PRECONDITION)
     for messages, match in cases:
         with pytest.raises(grpc.RpcError) as info:
             raw_stream(client, save_id, messages)
-        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
         assert re.search(match, info.value.details()), info.value.details()
+    for stream in ([], [box]):  # no header first: nothing, or a box
+        with pytest.raises(grpc.RpcError) as info:
+            client.stub.WriteShards(iter(stream))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+        assert "must start with a header" in info.value.details()
     # a box's size is a field the client chose: INVALID_ARGUMENT naming it and the limit
     huge = pb.WriteShardsRequest(
         box=box_to_pb(ShardSpec("w", (1 << 20,), "float32", (0,), (1 << 20,)))

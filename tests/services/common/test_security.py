@@ -31,7 +31,7 @@ from meshtrain.services.dataloader.rpc.client import ServiceBatchSource
 from meshtrain.services.dataloader.rpc.servicer import spec_to_proto
 from meshtrain.services.dataloader.spec import DatasetSpec
 from meshtrain.services.launcher.health import grpc_serving
-from tests.services.dataloader.conftest import write_dataset
+from tests.services.dataloader.conftest import served_limits, write_dataset
 
 TOKENS = {
     "read": "r" * 8 + "-read-token-0001",
@@ -187,7 +187,7 @@ def spec(tmp_path_factory):
 @pytest.fixture(scope="module")
 def data_service(token_files):
     server, port, _ = data_server.start_server(
-        0, security=ServerSecurity.from_files(token_files["server"])
+        0, security=ServerSecurity.from_files(token_files["server"]), limits=served_limits()
     )
     yield f"127.0.0.1:{port}"
     server.stop(0)

@@ -4,17 +4,39 @@ import hashlib
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from meshtrain.services.dataloader.config import user_cache_dir
 from meshtrain.services.dataloader.indexed import IndexedDatasetWriter
+from meshtrain.services.dataloader.rpc.servicer import DataLimits
 from meshtrain.services.dataloader.spec import DatasetSpec
 from meshtrain.services.launcher.topology import free_port
 
 REPO = Path(__file__).resolve().parents[3]
+# What a test's data worker serves (`--allow-root`): the temporary folders tests write datasets
+# in, the cache holding the default corpus, the bucket of the tests' S3 server and their
+# in-memory store.
+TEST_ROOTS = (
+    tempfile.gettempdir(),
+    user_cache_dir(),
+    "s3://meshtrain-test",
+    "memory://flaky-stream",
+)
+
+
+def served_limits(**kw) -> DataLimits:
+    """A test worker's DataLimits: `kw`, serving `TEST_ROOTS`."""
+    return DataLimits(allow_roots=TEST_ROOTS, **kw)
+
+
+def root_flags() -> list[str]:
+    """`data serve` flags serving `TEST_ROOTS`."""
+    return [arg for root in TEST_ROOTS for arg in ("--allow-root", root)]
 
 
 def write_dataset(path, seed, n_docs=60):
@@ -66,6 +88,7 @@ class WorkerProcess:
                 str(port),
                 "--grace",
                 "1",
+                *root_flags(),
                 *args,
             ],
             cwd=REPO,

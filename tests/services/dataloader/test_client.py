@@ -20,6 +20,7 @@ from meshtrain.services.dataloader.rpc.client import ServiceBatchSource
 from meshtrain.services.dataloader.rpc.server import start_server
 from meshtrain.services.dataloader.rpc.servicer import SERVICE_NAME, DataServicer, spec_to_proto
 from meshtrain.services.dataloader.spec import DatasetSpec, open_dataset
+from tests.services.dataloader.conftest import served_limits
 
 from .conftest import batch_hash
 
@@ -70,7 +71,7 @@ def stuck():
 
 @pytest.fixture(scope="module")
 def good():
-    srv, port, _ = start_server(0)
+    srv, port, _ = start_server(0, limits=served_limits())
     yield f"127.0.0.1:{port}"
     srv.stop(0)
 
@@ -279,7 +280,7 @@ def test_a_failed_storage_read_on_a_worker_is_retried_not_the_end_of_the_run(tmp
         return real_cat(self, path, start=start, end=end, **kw)
 
     monkeypatch.setattr(MemoryFileSystem, "cat_file", fails_once)
-    srv, port, _ = start_server(0, cache_indices=False)
+    srv, port, _ = start_server(0, cache_indices=False, limits=served_limits())
     try:
         with ServiceBatchSource(
             [f"127.0.0.1:{port}"], spec, 2, 4, 0, 1, backoff_s=(0.01, 0.05)

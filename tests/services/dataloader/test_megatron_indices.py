@@ -20,6 +20,7 @@ from meshtrain.services.dataloader.indexed import IndexedDataset, IndexedDataset
 from meshtrain.services.dataloader.loader import LocalBatchSource
 from meshtrain.services.dataloader.samples import GPTDataset, split_ranges
 from meshtrain.services.dataloader.spec import DatasetSpec, open_dataset
+from tests.services.dataloader.conftest import served_limits
 
 mcfg = pytest.importorskip(
     "megatron.core.datasets.blended_megatron_dataset_config",
@@ -270,7 +271,7 @@ def test_megatron_order_over_grpc_equals_in_process(tmp_path):
     a = _write_ours(tmp_path / "a", 1, 80, 50, False)
     b = _write_ours(tmp_path / "b", 2, 50, 70, False)
     spec = DatasetSpec((a, b), (0.4, 0.6), 16, 64 * 16, 5, split="90,5,5", sample_order="megatron")
-    srv, port, _ = start_server(0)
+    srv, port, _ = start_server(0, limits=served_limits())
     try:
         for rank in (0, 1):
             local = LocalBatchSource(open_dataset(spec), 2, 16, rank, 2)

@@ -27,13 +27,14 @@ from meshtrain.services.dataloader.rpc.servicer import (
     spec_to_proto,
 )
 from meshtrain.services.dataloader.spec import DatasetSpec, open_dataset
+from tests.services.dataloader.conftest import root_flags, served_limits
 
 from .conftest import WorkerProcess, batch_hash, write_dataset
 
 
 @pytest.fixture(scope="module")
 def server():
-    srv, port, _ = start_server(0)
+    srv, port, _ = start_server(0, limits=served_limits())
     yield f"127.0.0.1:{port}"
     srv.stop(0)
 
@@ -157,10 +158,15 @@ def test_bad_requests_are_invalid_argument(server, blend_spec, change, match):
 
 def test_bad_specs_are_invalid_argument_and_server_keeps_serving(server, blend_spec, tmp_path):
     stub = pb_grpc.DataServiceStub(grpc.insecure_channel(server))
+    missing = pb.DatasetSpec(
+        prefixes=[str(tmp_path / "missing")], weights=[1], seq_length=8, num_samples=10
+    )
+    with pytest.raises(grpc.RpcError) as e:  # not the request's form: a dataset not there
+        stub.Describe(
+            pb.StreamRequest(spec=missing, dp_size=1, micro_batch_size=1, global_batch_size=1)
+        )
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND, e.value.details()
     bad_specs = [
-        pb.DatasetSpec(
-            prefixes=[str(tmp_path / "missing")], weights=[1], seq_length=8, num_samples=10
-        ),
         pb.DatasetSpec(prefixes=blend_spec.prefixes, weights=[-1, 2], seq_length=8, num_samples=10),
         pb.DatasetSpec(prefixes=blend_spec.prefixes, weights=[0, 0], seq_length=8, num_samples=10),
         pb.DatasetSpec(
@@ -262,7 +268,7 @@ def test_client_raises_server_message(server, blend_spec, tmp_path):
     spec = replace(blend_spec, prefixes=(str(tmp_path / "nope"),), weights=(1.0,))
     with (
         ServiceBatchSource([server], spec, 2, 16, 0, 2) as remote,
-        pytest.raises(DataError, match="INVALID_ARGUMENT.*missing"),
+        pytest.raises(DataError, match="NOT_FOUND.*missing"),
     ):
         remote.micro_batches(0)
 
@@ -315,7 +321,7 @@ class _CountingOpens(DataServicer):
     spec (which resolves the prefixes on disk) when a failed build is dropped builds again."""
 
     def __init__(self, callers: int, fail_first: bool = False):
-        super().__init__(cache_indices=False)
+        super().__init__(cache_indices=False, limits=served_limits())
         self.callers, self.fail_first = callers, fail_first
         self.entered = 0
         self.arrived = threading.Condition()
@@ -432,7 +438,7 @@ def test_a_sample_index_over_the_workers_memory_bound_is_refused_before_it_is_bu
     and writes nothing; one under it is served."""
     prefix = write_dataset(tmp_path / "small", seed=5)
     srv, port, _ = start_server(
-        0, max_index_bytes=64 << 20, limits=DataLimits(index_cache_dir=str(tmp_path / "ix"))
+        0, max_index_bytes=64 << 20, limits=served_limits(index_cache_dir=str(tmp_path / "ix"))
     )
     try:
         stub = pb_grpc.DataServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
@@ -481,7 +487,7 @@ def test_an_index_already_cached_is_served_whatever_the_bound(tmp_path):
     request = pb.StreamRequest(spec=spec, dp_size=1, micro_batch_size=1, global_batch_size=1)
     for bound in (1 << 30, 64 << 20):  # builds and caches it; then under a bound it is over
         srv, port, _ = start_server(
-            0, max_index_bytes=bound, limits=DataLimits(index_cache_dir=str(tmp_path / "ix"))
+            0, max_index_bytes=bound, limits=served_limits(index_cache_dir=str(tmp_path / "ix"))
         )
         try:
             stub = pb_grpc.DataServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
@@ -565,6 +571,7 @@ def test_the_serve_flag_sets_the_index_memory_bound(blend_spec):
             "0",
             "--max-index-gib",
             "0.01",
+            *root_flags(),
         ],
         cwd=REPO,
         stdout=subprocess.PIPE,
@@ -628,8 +635,8 @@ def test_cached_datasets_hold_at_most_the_index_bound_in_memory(tmp_path):
     tokens = int(ds.indexed.sequence_lengths[begin:end].sum())  # one sequence per document
     build = index_build_bytes(epochs_needed(tokens, 8, n), end - begin, n)
     assert one < build < 6 * one
-    cached = DataServicer(cache_indices=True, max_index_bytes=build)
-    held = DataServicer(cache_indices=False, max_index_bytes=build)
+    cached = DataServicer(cache_indices=True, max_index_bytes=build, limits=served_limits())
+    held = DataServicer(cache_indices=False, max_index_bytes=build, limits=served_limits())
     servers = []
     try:
         for servicer in (cached, held):
@@ -651,3 +658,61 @@ def test_cached_datasets_hold_at_most_the_index_bound_in_memory(tmp_path):
     finally:
         for srv, _ in servers:
             srv.stop(0)
+
+
+def test_a_worker_serves_only_its_allowed_roots(tmp_path, blend_spec):
+    """A read-scope caller names the prefixes and the worker opens them with its own permissions
+    and credentials: only datasets under `--allow-root` are served. Everything else, a link or
+    `..` out of a root, another bucket or a sibling prefix, is PERMISSION_DENIED naming the rule
+    (not the roots) before anything is opened; a missing dataset inside a root is NOT_FOUND."""
+    from dataclasses import replace
+
+    served, outside = tmp_path / "served", tmp_path / "outside"
+    served.mkdir()
+    outside.mkdir()
+    inside = write_dataset(served / "ds", seed=5)
+    secret = write_dataset(outside / "ds", seed=6)
+    (served / "link").symlink_to(outside)
+    srv, port, _ = start_server(
+        0, limits=DataLimits(allow_roots=(str(served), "s3://bucket/corpora/"))
+    )
+    stub = pb_grpc.DataServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+    spec = replace(blend_spec, prefixes=(inside,), weights=(1.0,))
+
+    def code(prefix):
+        request = _request(replace(spec, prefixes=(prefix,)))
+        try:
+            stub.Describe(request)
+            return grpc.StatusCode.OK, ""
+        except grpc.RpcError as e:
+            return e.code(), e.details()
+
+    try:
+        assert code(inside)[0] == grpc.StatusCode.OK
+        assert code(f"file://{inside}")[0] == grpc.StatusCode.OK
+        assert code(str(served / "missing"))[0] == grpc.StatusCode.NOT_FOUND
+        for prefix in (
+            secret,
+            str(served / "link" / "ds"),
+            str(served / ".." / "outside" / "ds"),
+            "s3://bucket/corpora2/ds",
+            "s3://other/corpora/ds",
+            "s3://bucket/corpora/../x/ds",
+            "s3://bucket//corpora/ds",
+            "memory://bucket/corpora/ds",
+        ):
+            status, details = code(prefix)
+            assert status == grpc.StatusCode.PERMISSION_DENIED, (prefix, status, details)
+            assert "--allow-root" in details and str(served) not in details.replace(prefix, "")
+    finally:
+        srv.stop(0)
+
+
+def test_the_allow_root_flag_is_checked_before_the_worker_starts():
+    from meshtrain.services.common.errors import ConfigError
+    from meshtrain.services.dataloader.config import ServeConfig
+
+    assert ServeConfig(allow_root=["/data", "s3://b/x"]).allow_root == ["/data", "s3://b/x"]
+    for bad in ("", "s3://", "s3://b/../x"):
+        with pytest.raises(ConfigError, match="--allow-root"):
+            ServeConfig(allow_root=[bad])

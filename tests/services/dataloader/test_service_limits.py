@@ -19,6 +19,7 @@ from meshtrain.services.dataloader.index_cache import IndexCache, cached_arrays
 from meshtrain.services.dataloader.rpc.server import start_server
 from meshtrain.services.dataloader.rpc.servicer import DataLimits, spec_to_proto
 from meshtrain.services.dataloader.spec import DatasetSpec
+from tests.services.dataloader.conftest import TEST_ROOTS
 
 from .conftest import write_dataset
 
@@ -26,7 +27,7 @@ from .conftest import write_dataset
 @contextlib.contextmanager
 def worker(tmp_path, host="127.0.0.1", max_workers=16, **limits):
     """A data worker on loopback whose indices go to tmp_path/index; its address."""
-    limits = DataLimits(index_cache_dir=str(tmp_path / "index"), **limits)
+    limits = DataLimits(index_cache_dir=str(tmp_path / "index"), allow_roots=TEST_ROOTS, **limits)
     server, port, _ = start_server(0, host=host, max_workers=max_workers, limits=limits)
     try:
         yield port

@@ -6,6 +6,7 @@ from meshtrain.services.dataloader.rpc.client import ServiceBatchSource
 from meshtrain.services.dataloader.rpc.server import start_server
 from meshtrain.services.trainer.config.load import load_config
 from meshtrain.services.trainer.train import train
+from tests.services.dataloader.conftest import served_limits
 from tests.services.trainer.conftest import corpus_cache, small_job_args  # noqa: F401 (fixture)
 
 
@@ -14,7 +15,7 @@ def test_training_through_the_service_equals_in_process(corpus_cache, tmp_path):
     """fp32 on CPU with the same batches is deterministic, so losses must match exactly."""
     extra = {"train.train_iters": 6, "train.eval_interval": 3, "log.log_interval": 1}
     local = train(load_config(small_job_args(corpus_cache, tmp_path / "local", **extra)))
-    server, port, _ = start_server(0)
+    server, port, _ = start_server(0, limits=served_limits())
     try:
         job = load_config(
             small_job_args(
@@ -55,7 +56,7 @@ def test_build_data_gives_each_context_parallel_rank_its_chunks_in_process_and_f
 
     job = load_config(small_job_args(corpus_cache, tmp_path / "r", **{"data.eod_mask_loss": True}))
     full = build_data(job, dp_rank=1, dp_size=2)
-    server, port, _ = start_server(0)
+    server, port, _ = start_server(0, limits=served_limits())
     try:
         service_job = load_config(
             small_job_args(

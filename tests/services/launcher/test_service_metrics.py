@@ -39,7 +39,8 @@ def services(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("metrics")
     topo = Topology(io.StringIO())
     ports = {}
-    for name, argv in (("data", ["data", "serve"]), ("ckpt", ["ckpt", "serve", str(tmp / "ckpt")])):
+    data = ["data", "serve", "--allow-root", str(tmp)]  # the datasets the tests write there
+    for name, argv in (("data", data), ("ckpt", ["ckpt", "serve", str(tmp / "ckpt")])):
         port, mport = free_port(), free_port()
         topo.start(
             Child(

@@ -344,3 +344,27 @@ def test_ups_own_trainer_writes_its_run_dir_and_a_train_beside_it_is_refused(
     ), beside.stderr[-3000:]
     assert not (tmp_path / "beside").exists()
     assert up.returncode == 0, out[-3000:]
+
+
+def test_up_s_data_workers_serve_the_run_s_data_and_cache_and_nothing_else(tmp_path):
+    """A data worker serves only its --allow-root folders; `up` names the folders of the run's
+    dataset files (resolved: a linked dataset's target) and its data cache, where the default
+    corpus is built."""
+    data, store = tmp_path / "data", tmp_path / "store"
+    data.mkdir()
+    store.mkdir()
+    for ext in (".idx", ".bin"):
+        (store / f"ds{ext}").write_bytes(b"")
+        (data / f"ds{ext}").symlink_to(store / f"ds{ext}")
+    p = plan(
+        UpOptions(data_workers=1, checkpoint_service=False),
+        [
+            f"--log.run_dir={tmp_path / 'run'}",
+            f"--data.data_path={data / 'ds'}",
+            "--data.tokenizer=byte",
+            f"--data.cache_dir={tmp_path / 'cache'}",
+        ],
+    )
+    argv = p.services[0].argv
+    roots = [argv[i + 1] for i, a in enumerate(argv) if a == "--allow-root"]
+    assert roots == [str(tmp_path / "cache"), str(store)]

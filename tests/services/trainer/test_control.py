@@ -190,9 +190,11 @@ def test_a_stale_control_address_does_not_reach_the_run_now_on_its_port(long_run
     old.mkdir()
     (old / "control.addr").write_text(f"{address}\n{'0' * len(token)}\n")  # the dead run's file
     with pytest.raises(
-        MeshtrainError, match="FAILED_PRECONDITION: this endpoint serves another run .* stale"
-    ):
+        MeshtrainError, match="FAILED_PRECONDITION: this endpoint serves another run.* stale"
+    ) as refused:
         ControlClient(str(old)).stop()
+    # whoever holds a stale token learns nothing of the run now on the port: not its folder
+    assert str(tmp_path) not in str(refused.value)
     assert main(["stop", str(old)]) == 2 and main(["save", str(old)]) == 2
     with ControlClient(str(run_dir)) as client:
         assert not client.status()["stop_requested"] and not client.status()["checkpoint_requested"]

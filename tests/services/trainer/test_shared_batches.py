@@ -6,7 +6,7 @@ import pytest
 
 from meshtrain.services.dataloader.spec import DatasetSpec
 from tests.dist_utils import run_ranks
-from tests.services.dataloader.conftest import write_dataset
+from tests.services.dataloader.conftest import served_limits, write_dataset
 from tests.services.trainer.conftest import corpus_cache, small_job_args  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.dist
@@ -95,7 +95,7 @@ def test_a_tensor_parallel_group_pulls_once_and_trains_as_in_process(corpus_cach
     local = run_ranks(
         _train, 2, small_job_args(corpus_cache, tmp_path / "local", **extra), timeout=240
     )
-    server, port, _ = start_server(0)
+    server, port, _ = start_server(0, limits=served_limits())
     try:
         args = small_job_args(
             corpus_cache,
