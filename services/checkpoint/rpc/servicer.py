@@ -28,7 +28,11 @@ failed any other way (storage or network trouble) keeps its save: the client ret
 failure, and the retry reaches `commit` again, which finishes the save or, when the first
 attempt's manifest did land, recognises its own commit and returns its result. Saves that
 ended are remembered (boundedly), so a late call of one is told what happened to it, not that
-its id is unknown.
+its id is unknown. A writer's error report ends its save at once (it can never commit). The
+service reclaims the storage of a save that failed for good: a WriteShards stream failing with
+the disk full removes the boxes it stored before it answers, and a save ended by a writer's
+error or a refused commit loses its objects (`sharded.abort_save`) while the step's folder still
+belongs to it, never a committed checkpoint's nor a newer save's.
 
 Every size a client chooses is bounded before anything is allocated for it, and a bad field is
 INVALID_ARGUMENT naming it: `num_writers` (at most `max_writers`), a box's shape and shard grid
