@@ -28,7 +28,11 @@ failed any other way (storage or network trouble) keeps its save: the client ret
 failure, and the retry reaches `commit` again, which finishes the save or, when the first
 attempt's manifest did land, recognises its own commit and returns its result. Saves that
 ended are remembered (boundedly), so a late call of one is told what happened to it, not that
-its id is unknown.
+its id is unknown. A writer's error report ends its save at once (it can never commit). The
+service reclaims the storage of a save that failed for good: a WriteShards stream failing with
+the disk full removes the boxes it stored before it answers, and a save ended by a writer's
+error or a refused commit loses its objects (`multiwriter.abort_save`) while the step's folder still
+belongs to it, never a committed checkpoint's nor a newer save's.
 
 Every size a client chooses is bounded before anything is allocated for it, and a bad field is
 INVALID_ARGUMENT naming it: `num_writers` (at most `max_writers`), a box's shape and shard grid
@@ -69,6 +73,7 @@ from meshtrain.services.checkpoint.maintenance import (
 from meshtrain.services.checkpoint.multiwriter import (
     SaveResult,
     ShardWriter,
+    abort_save,
     begin_save,
     check_save_id,
     commit,
@@ -84,12 +89,13 @@ from meshtrain.services.checkpoint.reader import (
     read_box,
     read_manifest,
 )
-from meshtrain.services.checkpoint.store import open_root
+from meshtrain.services.checkpoint.store import join, open_root
 from meshtrain.services.common.errors import (
     CheckpointError,
     ConfigError,
     InvalidRequestError,
     StorageUnavailableError,
+    is_disk_full,
     is_lasting_storage_error,
     is_storage_error,
 )
@@ -574,6 +580,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         spec: ShardSpec | None = None
         buf: bytearray | None = None  # the box's bytes: set and cleared with spec
         filled = 0
+        stored: list[ShardSpec] = []  # the boxes this stream began to store, a torn one included
         try:
             for msg in request_iterator:
                 kind = msg.WhichOneof("part")
@@ -608,9 +615,16 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                     filled += size
                 elif kind == "error":  # an empty text must still fail the save
                     error = msg.error[:MAX_REASON_CHARS]  # quoted in the commit's refusal
-                    writer.finish(
-                        error=error or f"writer {first.header.writer_id} reported an error"
-                    )
+                    reported = {
+                        first.header.writer_id: error
+                        or f"writer {first.header.writer_id} reported an error"
+                    }
+                    try:  # read by a commit waiting on another replica
+                        writer.finish(error=reported[first.header.writer_id])
+                    finally:  # the save can no longer commit: it ends here, and its objects go
+                        self._end_failed(
+                            save_id, save, f"was aborted: writers reported errors {reported}"
+                        )
                     return pb.WriteShardsResponse(boxes=boxes, bytes=total)
                 else:
                     raise InvalidRequestError(
@@ -618,8 +632,9 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                     )
                 if spec is not None and buf is not None and filled == len(buf):
                     self._save(save_id, context)  # still this step's save (not superseded)
-                    stored = np.frombuffer(buf, dtype=layout._DTYPES[spec.dtype][1])
-                    total += writer.write(spec, stored.reshape(spec.shape))
+                    data = np.frombuffer(buf, dtype=layout._DTYPES[spec.dtype][1])
+                    stored.append(spec)
+                    total += writer.write(spec, data.reshape(spec.shape))
                     boxes += 1
                     self.budget.release(len(buf))
                     spec, buf = None, None
@@ -641,6 +656,10 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             )
             log.warning("%s", message)
             context.abort(grpc.StatusCode.ABORTED, status_details(message))
+        except Exception as e:
+            if is_disk_full(e):
+                self._remove_stored(save_id, save, writer, stored)
+            raise
         finally:
             if buf is not None:
                 self.budget.release(len(buf))
@@ -653,7 +672,12 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                     "step cleared its folder); its writes are refused (begin a new save)"
                 ),
             )
-        writer.finish()
+        try:
+            writer.finish()
+        except Exception as e:
+            if is_disk_full(e):
+                self._remove_stored(save_id, save, writer, stored)
+            raise
         return pb.WriteShardsResponse(boxes=boxes, bytes=total)
 
     def Commit(self, request, context):
@@ -729,6 +753,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         _wait_for(
             save.commit_lock, context
         )  # a second Commit of this save (a client retrying) waits for the first
+        refused = False
         try:
             with self._lock:
                 current = save_id in self._saves or save_id in self._committed
@@ -754,6 +779,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                 with self._lock:
                     if self._saves.pop(save_id, None) is not None:
                         self._remember(self._ended, save_id, (save.step, f"failed to commit: {e}"))
+                refused = True
                 raise
             except Exception as e:
                 # Storage or network trouble: the client retries it, so the save stays and the
@@ -770,6 +796,8 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                 self._saves.pop(save_id, None)
         finally:
             save.commit_lock.release()
+            if refused:  # what the save stored is of no use now, and may be what fills the disk
+                self._reclaim(save_id, save)
         return _commit_response(result)
 
     def AbortSave(self, request, context):
@@ -795,6 +823,76 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         finally:
             save.commit_lock.release()
         return pb.AbortSaveResponse(aborted=not committed)
+
+    def _remove_stored(
+        self, save_id: str, save: _Save, writer: ShardWriter, specs: list[ShardSpec]
+    ) -> None:
+        """After a WriteShards stream failed with the disk full: removes the objects it stored
+        of its save (their space is what the disk lacks, and a retry of the stream resends
+        them all), a torn last one included, while the step's folder still belongs to the save
+        and the save has not committed. Best effort: the stream's own error is the one
+        answered."""
+        try:
+            # no BeginSave of the step clears and retakes the folder meanwhile
+            with self._begin_lock:
+                root = open_root(self.root)
+                if not self._owns_folder(root, save_id, save.step):
+                    return
+                paths = {join(writer.data_path, spec.array, spec.key) for spec in specs}
+                found = [path for path in sorted(paths) if root.fs.exists(path)]
+                if found:
+                    root.fs.rm(found)
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            log.warning(
+                "could not remove what the failed stream of save %s (step %d) stored: %r",
+                save_id,
+                save.step,
+                e,
+            )
+
+    def _end_failed(self, save_id: str, save: _Save, why: str) -> None:
+        """A writer reported an error, so the save can never commit: it ends now (its later
+        writes and its commit are refused with `why`), and its objects are removed."""
+        with self._lock:
+            if self._saves.pop(save_id, None) is not None:
+                self._remember(self._ended, save_id, (save.step, why))
+        log.warning("save %s of step %d %s", save_id, save.step, loggable(why))
+        self._reclaim(save_id, save)
+
+    def _reclaim(self, save_id: str, save: _Save) -> None:
+        """Removes the objects of a save that ended failed (`multiwriter.abort_save`): the step's
+        folder while it still belongs to the save, or, for a save that was to replace a
+        committed step, its own objects beside that checkpoint; never a committed checkpoint's
+        nor a newer save's. Best effort: what stays is collected by retention."""
+        try:
+            # no BeginSave of the step clears and retakes the folder meanwhile
+            with self._begin_lock:
+                # a commit under way ends first: committed (then nothing is removed) or refused
+                with save.commit_lock:
+                    pass
+                root = open_root(self.root)
+                if self._owns_folder(root, save_id, save.step) and abort_save(
+                    root, save.step, save_id
+                ):
+                    log.info(
+                        "removed the objects of the failed save %s of step %d", save_id, save.step
+                    )
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            log.warning(
+                "could not remove the objects of the failed save %s of step %d: %r",
+                save_id,
+                save.step,
+                e,
+            )
+
+    @staticmethod
+    def _owns_folder(root, save_id: str, step: int) -> bool:
+        """Whether the step's folder still holds save `save_id` in progress: not committed by
+        it, and its marker there (a newer save of the step, begun on any replica, removed it)."""
+        return (
+            committed_by(root, step, save_id) is None
+            and read_begun(root, step, save_id) is not None
+        )
 
     def List(self, request, context):
         return pb.ListResponse(steps=list_checkpoints(self.root))

@@ -88,7 +88,9 @@ def test_a_save_that_fills_the_disk_fails_at_once_and_removes_what_it_stored(tmp
 
 def test_a_service_whose_disk_is_full_answers_a_lasting_error_the_saver_does_not_retry(tmp_path):
     # The service answers UNAVAILABLE (storage failing), marked lasting: the trainer's saver
-    # tries it its attempts, not for its retry time, and reports it as disk full.
+    # tries it its attempts, not for its retry time, and reports it as disk full. The service
+    # reclaims what the failed save stored (the trainer's saver cannot: the storage is the
+    # service's), so the disk is not kept full and the next save fits, with the filler still in.
     with small_disk(tmp_path / "disk", 4) as disk:
         root = str(disk / "ckpt")
         with running_service(root) as (client, _):
@@ -104,6 +106,7 @@ def test_a_service_whose_disk_is_full_answers_a_lasting_error_the_saver_does_not
             )
             saver.wait()
             fill(disk, 1 << 20)
+            before = free_bytes(disk)
             start = time.monotonic()
             saver.save(
                 2,
@@ -120,7 +123,8 @@ def test_a_service_whose_disk_is_full_answers_a_lasting_error_the_saver_does_not
                 saver.wait()
             assert time.monotonic() - start < 30
             assert client.list() == [1]
-            (disk / "filler").unlink()
+            assert not os.path.exists(os.path.join(root, "step_00000002"))
+            assert free_bytes(disk) == before  # every byte of the failed save is free again
             saver.save(
                 3,
                 client.begin_save(3),
@@ -130,3 +134,4 @@ def test_a_service_whose_disk_is_full_answers_a_lasting_error_the_saver_does_not
             )
             assert saver.wait().step == 3
             saver.close()
+            assert client.list() == [1, 3]

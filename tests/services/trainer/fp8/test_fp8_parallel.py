@@ -8,6 +8,15 @@ outputs reduced over tp, gradients reduced over dp) and the summation order. Mea
 relative, dp 2e-5, pp exact; with each tp rank scaling its shards by its own amax instead, the
 tensorwise case moved to 9e-4, which the 3e-4 bound refuses. Rowwise scales stay per shard (a
 row-parallel layer's input rows scaled by their shard's amax): 3e-4 measured, bound 1e-3.
+
+The pipeline case trains without gradient clipping: every stage computes its layers as one
+process does, but the global gradient norm is summed per stage and then over pp, in another
+order than one process sums it, so its last bit differs (3.5101843 against 3.5101845 at step 1).
+This job's norm (2 to 3.5) is over the clip (1.0) at every step, so each update was scaled by a
+coefficient one ulp apart; bf16 and FP8 casts hid that until a weight crossed a rounding
+boundary, and from then on the losses drifted apart (3.7e-5 relative by step 8, on an AMD EPYC):
+whether the 1e-6 bound held depended on the rounding of the norm on the machine at hand, not on
+the pipeline. Unclipped, the norm is only reported, and the losses match one process exactly.
 """
 
 import pytest
@@ -71,7 +80,12 @@ CASES = {
         },
         1e-4,
     ),
-    "pp2-tensorwise": (2, LLAMA, {"train.fp8_recipe": "tensorwise", "parallel.pp": 2}, 1e-6),
+    "pp2-tensorwise": (
+        2,
+        LLAMA,
+        {"train.fp8_recipe": "tensorwise", "optim.clip_grad": 0, "parallel.pp": 2},
+        1e-6,
+    ),
     "tp2-rowwise": (
         2,
         LLAMA,
@@ -84,7 +98,11 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_fp8_sharded_training_follows_one_process(case, corpus_cache, tmp_path):
     world, arch, extra, rel = CASES[case]
-    fp8 = {"train.fp8": "hybrid", **{k: v for k, v in extra.items() if k.startswith("train.")}}
+    # the one-process run takes every setting of the case but its parallel layout
+    fp8 = {
+        "train.fp8": "hybrid",
+        **{k: v for k, v in extra.items() if not k.startswith("parallel.")},
+    }
     one = train(
         load_config(small_job_args(corpus_cache, tmp_path / "one", **COMMON, **arch, **fp8))
     ).losses
