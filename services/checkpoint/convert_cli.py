@@ -7,10 +7,12 @@ rewriting.
         (SRC: a folder, or a repo id org/name found in the Hugging Face cache, offline)
     meshtrain ckpt export --format megatron SRC DST [--step N] [--padded-vocab-size N]
     meshtrain ckpt import --format megatron SRC DST [--iteration N] [--num-attention-heads N]
-        [--num-query-groups N] [--kv-channels N] [--normalization LayerNorm|RMSNorm]
-        [--norm-epsilon X] [--swiglu] [--openai-gelu]
+        [--group-query-attention] [--num-query-groups N] [--kv-channels N]
+        [--normalization LayerNorm|RMSNorm] [--norm-epsilon X] [--swiglu] [--openai-gelu]
         [--position-embedding-type learned_absolute|rope] [--rotary-base X]
-        [--seq-length N] [--untie-embeddings-and-output-weights] [--vocab-size N]
+        [--use-rope-scaling] [--rope-scaling-factor X] [--seq-length N]
+        [--untie-embeddings-and-output-weights] [--vocab-size N] [Megatron-LM's other
+        architecture flags: every flag line `ckpt export --format megatron` prints]
         (SRC: a megatron-core torch_dist folder, or a Megatron-LM checkpoint root)
     meshtrain ckpt convert SRC DST [--step N] [--dtype bf16|fp32|fp16] [--drop-optimizer]
         [--target-tensor-parallel-size N] [--target-pipeline-parallel-size N]
@@ -200,7 +202,16 @@ def register_subcommands(ckpt_subparsers: argparse._SubParsersAction) -> None:
         type=int,
         help="the iter_NNNNNNN folder under a root (default: the tracker's)",
     )
+    meg.add_argument("--num-layers", type=int, help="checked against the stacked layers")
+    meg.add_argument("--hidden-size", type=int, help="checked against the tensors")
+    meg.add_argument("--ffn-hidden-size", type=int, help="checked against linear_fc2's columns")
     meg.add_argument("--num-attention-heads", type=int)
+    meg.add_argument(
+        "--group-query-attention",
+        action="store_const",
+        const=True,
+        help="read --num-query-groups (as Megatron-LM does)",
+    )
     meg.add_argument("--num-query-groups", type=int, help="default: from the fused qkv rows")
     meg.add_argument("--kv-channels", type=int, help="head width (default: hidden size / heads)")
     meg.add_argument(
@@ -223,6 +234,41 @@ def register_subcommands(ckpt_subparsers: argparse._SubParsersAction) -> None:
     )
     meg.add_argument(
         "--rotary-base", type=float, help="RoPE base; needed for a RoPE model without saved args"
+    )
+    meg.add_argument(
+        "--use-rope-scaling", action="store_const", const=True, help="Llama 3 RoPE scaling"
+    )
+    meg.add_argument(
+        "--rope-scaling-factor", type=float, help="with --use-rope-scaling (default: 8)"
+    )
+    meg.add_argument(
+        "--max-position-embeddings",
+        type=int,
+        help="accepted as the export prints it (the position table's rows are read)",
+    )
+    meg.add_argument(
+        "--disable-bias-linear",
+        dest="add_bias_linear",
+        action="store_const",
+        const=False,
+        help="checked against the linear layers' biases",
+    )
+    meg.add_argument(
+        "--add-qkv-bias",
+        action="store_const",
+        const=True,
+        help="accepted as the export prints it (the qkv bias is read)",
+    )
+    meg.add_argument(
+        "--qk-layernorm", action="store_const", const=True, help="checked against the q/k norms"
+    )
+    meg.add_argument(
+        "--make-vocab-size-divisible-by", type=int, help="the padding multiple (default: 128)"
+    )
+    meg.add_argument(
+        "--ckpt-format",
+        choices=["torch_dist"],
+        help="accepted as the export prints it (the only format read)",
     )
     meg.add_argument(
         "--untie-embeddings-and-output-weights",
@@ -262,7 +308,11 @@ def _import_megatron(args: argparse.Namespace) -> int:
     from meshtrain.services.checkpoint.megatron.torch_dist import import_megatron
     from meshtrain.services.checkpoint.reader import read_manifest
 
-    flags = {name: getattr(args, name) for name in _MEGATRON_IMPORT if name != "iteration"}
+    flags = {
+        name: getattr(args, name)
+        for name in _MEGATRON_IMPORT
+        if name not in ("iteration", "ckpt_format")
+    }
     flags["seq_length"] = args.seq_length
     url = import_megatron(args.src, args.dst, iteration=args.iteration, flags=flags, seed=args.seed)
     meta = read_manifest(args.dst, 0)["metadata"]
@@ -284,7 +334,12 @@ _HF_EXPORT = ["tokenizer", "architecture"]
 _HF_IMPORT = ["revision", "cache_dir"]
 _MEGATRON_IMPORT = [
     "iteration",
+    "ckpt_format",
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
     "num_attention_heads",
+    "group_query_attention",
     "num_query_groups",
     "kv_channels",
     "normalization",
@@ -293,6 +348,13 @@ _MEGATRON_IMPORT = [
     "openai_gelu",
     "position_embedding_type",
     "rotary_base",
+    "use_rope_scaling",
+    "rope_scaling_factor",
+    "max_position_embeddings",
+    "add_bias_linear",
+    "add_qkv_bias",
+    "qk_layernorm",
+    "make_vocab_size_divisible_by",
     "untie_embeddings_and_output_weights",
     "vocab_size",
 ]

@@ -10,6 +10,8 @@
   `replace`, `config_help`, and the keys of removed options.
 - `flags.py`: the command line: `--config FILE`, `--section.key=value` and Megatron-LM aliases.
 - `megatron.py`: the Megatron-LM flags that map onto no key: accepted without effect or refused.
+- `megatron_defaults.py`: Megatron-LM's defaults where they differ from meshtrain's, which a
+  Megatron-LM command line takes for what it leaves out, and the rule that tells such a line.
 
 The architecture (`ModelConfig`) lives in `meshtrain.services.common.model_config`, the data and
 checkpoint sections with their services, and the typed-dataclass and TOML machinery in

@@ -443,7 +443,7 @@ def _read_megatron_flag(words: _Words, known: tuple[str, str], refused: dict[str
 
 
 # Megatron flags whose meaning depends on other flags of the command line (`_apply_deferred`).
-_DEFERRED_SWITCHES = ("--group-query-attention", "--use-rope-scaling")
+_DEFERRED_SWITCHES = ("--group-query-attention", "--use-rope-scaling", "--openai-gelu")
 _DEFERRED_VALUES = ("--moe-router-load-balancing-type", "--rope-scaling-factor", *_SAMPLE_FLAGS)
 
 
@@ -476,6 +476,14 @@ def _apply_deferred(table: dict[str, Any], flags: dict[str, Any]) -> None:
                 data["tokenizer_type"],
             )
             del data[key]
+    # meshtrain's GELU is the tanh approximation, which --openai-gelu asks for.
+    if flags.get("--openai-gelu"):
+        if model.get("activation", "gelu") != "gelu":
+            raise ConfigError(
+                f"--openai-gelu asks for a GELU MLP, but model.activation={model['activation']!r} "
+                "(--swiglu) for another: give one of them"
+            )
+        model["activation"] = "gelu"
     # Megatron reads --num-query-groups (default 1) only with --group-query-attention.
     if flags.get("--group-query-attention"):
         model.setdefault("num_query_groups", 1)

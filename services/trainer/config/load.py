@@ -19,6 +19,12 @@ from meshtrain.services.common import config as cfg
 from meshtrain.services.common.errors import ConfigError
 from meshtrain.services.trainer.config.flags import accepted_flags, parse_overrides
 from meshtrain.services.trainer.config.megatron import NO_EFFECT
+from meshtrain.services.trainer.config.megatron_defaults import (
+    DEFAULTS,
+    is_megatron_command_line,
+    report,
+    taken_table,
+)
 from meshtrain.services.trainer.config.sections import JobConfig
 
 log = logging.getLogger("meshtrain.config")
@@ -107,13 +113,41 @@ def load_config(args: list[str] | None = None, base: dict[str, Any] | None = Non
     Returns:
         The validated JobConfig.
     """
-    config_file, overrides = parse_overrides(list(args or []))
+    args = list(args or [])
+    config_file, overrides = parse_overrides(args)
     _check_flag_keys(overrides)
     table: dict[str, Any] = dict(base or {})
     if config_file:
         table = cfg.deep_merge(table, cfg.load_toml(config_file))
     table = cfg.deep_merge(table, overrides)
-    return cfg.build(JobConfig, _drop_removed_keys(table))
+    taken: list[Any] = []
+    if is_megatron_command_line(args, config_file):
+        unset = {row.key for row in DEFAULTS if not _is_set(table, row.key)}
+        note = report(unset)
+        if note:
+            log.warning("%s", note)
+        taken = [row for row in DEFAULTS if row.kind == "taken" and row.key in unset]
+        table = cfg.deep_merge(taken_table(), table)
+    try:
+        return cfg.build(JobConfig, _drop_removed_keys(table))
+    except ConfigError as e:
+        # A value the user never wrote is named as Megatron-LM's default, with the flag to change.
+        named = [row for row in taken if row.key in str(e)]
+        if not named:
+            raise
+        lines = [
+            f"{row.key}={row.value!r} is Megatron-LM's default{' ' + row.flag if row.flag else ''}"
+            ", taken because this is a Megatron-LM command line"
+            + (f": give {row.flag} to choose another" if row.flag else f": give --{row.key}")
+            for row in named
+        ]
+        raise ConfigError("\n".join([str(e), *lines])) from None
+
+
+def _is_set(table: dict[str, Any], dotted: str) -> bool:
+    section, _, key = dotted.partition(".")
+    values = table.get(section)
+    return isinstance(values, dict) and key in values
 
 
 LAUNCHER_KEYS_ENV = "MESHTRAIN_LAUNCHER_KEYS"

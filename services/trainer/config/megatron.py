@@ -302,7 +302,6 @@ NOT_BUILT: dict[str, tuple[str, ...]] = {
     _ARCH: (
         "--apply-layernorm-1p",
         "--apply-residual-connection-post-layernorm",
-        "--openai-gelu",
         "--squared-relu",
         "--quick-geglu",
         "--window-size",

@@ -340,9 +340,16 @@ def test_the_gpt3_example_parses_to_what_it_means(tmp_path, gpt2_files, caplog):
         tmp_path / "corpus_text_document", vocab, merges, tmp_path / "ckpt", tmp_path / "tb"
     )
     assert refused_flags(args) == GPT3_REFUSED
+    # Megatron-LM's default attention dropout (0.1) needs dropout inside tensor-parallel regions
+    with pytest.raises(ConfigError) as e:
+        load_config(without(args, GPT3_REFUSED))
+    assert (
+        "model.attention_dropout=0.1 is Megatron-LM's default --attention-dropout, taken because "
+        "this is a Megatron-LM command line: give --attention-dropout to choose another"
+    ) in str(e.value)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="meshtrain.config"):
-        job = load_config(without(args, GPT3_REFUSED))
+        job = load_config([*without(args, GPT3_REFUSED), "--attention-dropout", "0.0"])
     m, t, o, p, d, c, lg = (
         job.model,
         job.train,
@@ -361,6 +368,14 @@ def test_the_gpt3_example_parses_to_what_it_means(tmp_path, gpt2_files, caplog):
         m.attention_backend,
         m.init_method_std,
     ) == (4, 64, 4, 32, 32, "auto", 0.006)
+    # what the script leaves out is Megatron-LM's: dropout, decayed embeddings, the FP8 recipe
+    assert (m.hidden_dropout, m.attention_dropout, o.decay_embeddings, job.train.fp8_recipe) == (
+        0.1,
+        0.0,
+        True,
+        "delayed",
+    )
+    assert re.search(r"model\.hidden_dropout +0\.1 +\(--hidden-dropout;", caplog.text)
     assert (
         t.micro_batch_size,
         t.global_batch_size,
@@ -437,9 +452,10 @@ def test_the_llama3_example_parses_to_what_it_means(tmp_path, caplog):
         p.overlap_grad_reduce,
         p.overlap_param_gather,
     ) == (True, "bf16", True, True, True)
+    # no --fp8-recipe in the script: Megatron-LM's default, delayed scaling
     assert (t.fp8, t.fp8_recipe, t.fp8_amax_history_len, t.fp8_amax_compute_algo) == (
         "hybrid",
-        "tensorwise",
+        "delayed",
         1024,
         "max",
     )
