@@ -54,7 +54,7 @@ from meshtrain.services.trainer.checkpoint_boxes import (
 )
 from meshtrain.services.trainer.config import JobConfig
 from meshtrain.services.trainer.model.gpt import GPT
-from meshtrain.services.trainer.parallel.data import DataParallel
+from meshtrain.services.trainer.parallel.data_parallel import DataParallel
 from meshtrain.services.trainer.parallel.mesh import Mesh
 
 FORMAT = "meshtrain-train/1"

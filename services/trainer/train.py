@@ -9,7 +9,7 @@ keeps losses on the device and synchronizes with the host only on logging steps.
 stopped at step k and resumed from its checkpoint produces exactly the same losses as one
 that never stopped (CPU, fp32): data is a pure function of the step, and model, optimizer
 and RNG states are restored bit for bit. The steps that put a `Trainer` together (device, mesh,
-the sharded model and its wrappers, the checkpointer) are in `setup.py`.
+the sharded model and its wrappers, the checkpointer) are in `build.py`.
 """
 
 from __future__ import annotations
@@ -36,31 +36,7 @@ from meshtrain.services.common.errors import (
     MeshtrainError,
 )
 from meshtrain.services.trainer import checkpointing
-from meshtrain.services.trainer.config import LAUNCHER_KEYS_ENV, JobConfig, replace
-from meshtrain.services.trainer.data import build_data, placement
-from meshtrain.services.trainer.fp8.weights import Fp8WeightCache
-from meshtrain.services.trainer.graphs import MicroBatchGraph
-from meshtrain.services.trainer.metrics import (
-    MetricsLog,
-    RouterStats,
-    memory_metrics,
-    model_size,
-    peak_tflops,
-    plot_losses,
-)
-from meshtrain.services.trainer.optim.optimizer import build_optimizer, clip_grad_norm, set_lr
-from meshtrain.services.trainer.optim.schedule import lr_at
-from meshtrain.services.trainer.parallel import mappings
-from meshtrain.services.trainer.parallel.context import token_count
-from meshtrain.services.trainer.requests import (
-    CONTROL_STOP,
-    RunRequests,
-    cause_code,
-    describe_stop,
-)
-from meshtrain.services.trainer.resume import refuse_a_root_with_later_steps, resume
-from meshtrain.services.trainer.run_dir import make_run_dir, release_run_dir, run_dir_toml
-from meshtrain.services.trainer.setup import (  # build_mesh, pick_device, ...: importable from here too
+from meshtrain.services.trainer.build import (
     build_data_parallel,
     build_mesh,
     build_model,
@@ -77,8 +53,32 @@ from meshtrain.services.trainer.setup import (  # build_mesh, pick_device, ...: 
     seed_everything,
     set_kernel_mode,
 )
+from meshtrain.services.trainer.config import LAUNCHER_KEYS_ENV, JobConfig, replace
+from meshtrain.services.trainer.cuda_graphs import MicroBatchGraph
+from meshtrain.services.trainer.data import build_data, placement
+from meshtrain.services.trainer.device_uploads import Uploader
+from meshtrain.services.trainer.fp8.weights import Fp8WeightCache
+from meshtrain.services.trainer.metrics import (
+    MetricsLog,
+    RouterStats,
+    memory_metrics,
+    model_size,
+    peak_tflops,
+    plot_losses,
+)
+from meshtrain.services.trainer.optim.optimizer import build_optimizer, clip_grad_norm, set_lr
+from meshtrain.services.trainer.optim.schedule import lr_at
+from meshtrain.services.trainer.parallel import mappings
+from meshtrain.services.trainer.parallel.context import token_count
+from meshtrain.services.trainer.resume import refuse_a_root_with_later_steps, resume
+from meshtrain.services.trainer.run_dir import make_run_dir, release_run_dir, run_dir_toml
+from meshtrain.services.trainer.run_requests import (
+    CONTROL_STOP,
+    RunRequests,
+    cause_code,
+    describe_stop,
+)
 from meshtrain.services.trainer.tracking import open_trackers, require_packages
-from meshtrain.services.trainer.uploads import Uploader
 from meshtrain.services.trainer.weight_copies import call_with
 
 log = logging.getLogger("meshtrain.train")

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from meshtrain.services.trainer.config import ModelConfig, OptimConfig
 from meshtrain.services.trainer.model import GPT
-from meshtrain.services.trainer.parallel.data import DataParallel, forward_units
+from meshtrain.services.trainer.parallel.data_parallel import DataParallel, forward_units
 from meshtrain.services.trainer.parallel.mesh import Mesh
 from tests.dist_utils import run_ranks
 
