@@ -153,8 +153,9 @@ class Trainer:
             release_run_dir(self.run_dir)
 
     def _build(self, job: JobConfig) -> None:
-        """The rest of `__init__`, once the run directory is held: data, model, optimizer,
-        restore, the step's forward and checkpointer, in that order."""
+        """The rest of `__init__`, once the run directory is held: data, model, optimizer and
+        restore, the step's forward, checkpointer, in that order (the data first: the model's
+        vocabulary is its tokenizer's)."""
         self.job = self._build_data(job)
         seed_everything(self.job.train.seed)
         size = self._build_model()
