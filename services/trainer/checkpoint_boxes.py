@@ -24,7 +24,7 @@ from meshtrain.services.checkpoint.boxes import ShardSpec
 from meshtrain.services.checkpoint.layout import array_key, dtype_name
 from meshtrain.services.common.errors import CheckpointError
 from meshtrain.services.trainer.parallel.mesh import Mesh
-from meshtrain.services.trainer.parallel.tensor import tp_split_of
+from meshtrain.services.trainer.parallel.tensor import TPSplit, tp_split_of
 
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 
@@ -120,62 +120,94 @@ def pieces(
     """
     split = tp_split_of(param) if mesh.tp > 1 else None
     pname = name.split(".", 2)[2] if name.startswith("optim.") else name
+    if split is None and mesh.tp_rank != 0 and not reading:
+        return []
+    boxes, gshape = _tp_boxes(pname, local_shape, split, mesh.tp, mesh.tp_rank, vocab_size)
+    _shift_to_experts(pname, local_shape, param, boxes, gshape)
+    return _stored_pieces(boxes, gshape, place, dtype_name(param.dtype))
+
+
+_Box = tuple[list[int], list[int], list[slice], list[int] | None]  # offsets, shape, local, grid
+
+
+def _tp_boxes(
+    pname: str,
+    local_shape: tuple[int, ...],
+    split: TPSplit | None,
+    tp: int,
+    tp_rank: int,
+    vocab_size: int,
+) -> tuple[list[_Box], list[int]]:
+    """The boxes of a tensor-parallel rank's tensor (`split` None: replicated, one box), and the
+    global shape they lie in (without the layer axis)."""
     full = [slice(None)] * len(local_shape)
-    boxes: list[
-        tuple[list[int], list[int], list[slice], list[int] | None]
-    ] = []  # offsets, shape, local, grid
+    boxes: list[_Box] = []
     gshape = list(local_shape)
     if split is None:
-        if mesh.tp_rank != 0 and not reading:
-            return []
         shape = list(local_shape)
         if pname in _VOCAB:
             shape[0] = gshape[0] = vocab_size
         boxes.append(([0] * len(shape), shape, [slice(0, n) for n in shape], None))
-    else:
-        d, r, n = split.dim, mesh.tp_rank, local_shape[split.dim]
-        gshape[d] = n * mesh.tp
-        if split.halves:
-            half = n // 2
-            for k in range(2):
-                offsets = [0] * len(local_shape)
-                offsets[d] = k * half * mesh.tp + r * half
-                local = list(full)
-                local[d] = slice(k * half, (k + 1) * half)
-                shape = list(local_shape)
-                shape[d] = half
-                boxes.append((offsets, shape, local, None))
-        elif split.vocab:
-            gshape[0] = vocab_size
-            start, stop = r * n, min((r + 1) * n, vocab_size)
-            if start < stop:
-                shape = [stop - start, *local_shape[1:]]
-                # a short last box says the grid; a vocabulary within one rank's rows is one box
-                grid = list(local_shape) if stop - start < n <= vocab_size else None
-                boxes.append(
-                    (
-                        [start] + [0] * (len(local_shape) - 1),
-                        shape,
-                        [slice(0, stop - start)] + full[1:],
-                        grid,
-                    )
-                )
-        else:
+        return boxes, gshape
+    d, r, n = split.dim, tp_rank, local_shape[split.dim]
+    gshape[d] = n * tp
+    if split.halves:
+        half = n // 2
+        for k in range(2):
             offsets = [0] * len(local_shape)
-            offsets[d] = r * n
-            boxes.append((offsets, list(local_shape), full, None))
-    shard = getattr(param, "expert_shard", None)
-    if shard is not None:  # (local experts, ...) are rows first.. of the global expert axis
-        first, total = shard
-        if not 0 <= first <= first + local_shape[0] <= total:
-            raise CheckpointError(
-                f"parameter {pname!r}: expert_shard {shard} does not fit its "
-                f"{local_shape[0]} local experts"
+            offsets[d] = k * half * tp + r * half
+            local = list(full)
+            local[d] = slice(k * half, (k + 1) * half)
+            shape = list(local_shape)
+            shape[d] = half
+            boxes.append((offsets, shape, local, None))
+    elif split.vocab:
+        gshape[0] = vocab_size
+        start, stop = r * n, min((r + 1) * n, vocab_size)
+        if start < stop:
+            shape = [stop - start, *local_shape[1:]]
+            # a short last box says the grid; a vocabulary within one rank's rows is one box
+            grid = list(local_shape) if stop - start < n <= vocab_size else None
+            boxes.append(
+                (
+                    [start] + [0] * (len(local_shape) - 1),
+                    shape,
+                    [slice(0, stop - start)] + full[1:],
+                    grid,
+                )
             )
-        gshape[0] = total
-        for offsets, *_ in boxes:
-            offsets[0] += first
-    dtype = dtype_name(param.dtype)
+    else:
+        offsets = [0] * len(local_shape)
+        offsets[d] = r * n
+        boxes.append((offsets, list(local_shape), full, None))
+    return boxes, gshape
+
+
+def _shift_to_experts(
+    pname: str,
+    local_shape: tuple[int, ...],
+    param: torch.Tensor,
+    boxes: list[_Box],
+    gshape: list[int],
+) -> None:
+    """An expert-parallel rank's boxes moved (in place) to its experts' rows of the global
+    expert axis; nothing for a tensor that holds no experts."""
+    shard = getattr(param, "expert_shard", None)
+    if shard is None:
+        return
+    first, total = shard  # (local experts, ...) are rows first.. of the global expert axis
+    if not 0 <= first <= first + local_shape[0] <= total:
+        raise CheckpointError(
+            f"parameter {pname!r}: expert_shard {shard} does not fit its "
+            f"{local_shape[0]} local experts"
+        )
+    gshape[0] = total
+    for offsets, *_ in boxes:
+        offsets[0] += first
+
+
+def _stored_pieces(boxes: list[_Box], gshape: list[int], place: Place, dtype: str) -> list[Piece]:
+    """The boxes as pieces of the array at `place` (a leading global-layer axis when stacked)."""
     out = []
     for offsets, shape, local, grid in boxes:
         if place.layer_count is not None:  # stacked: leading global-layer axis

@@ -46,6 +46,7 @@ from meshtrain.services.common.config import to_dict
 from meshtrain.services.common.errors import CheckpointError, DiskFullError
 from meshtrain.services.common.security import ClientSecurity
 from meshtrain.services.trainer.checkpoint_boxes import (
+    Place,
     is_expert,
     layer_stacks,
     pieces,
@@ -54,7 +55,7 @@ from meshtrain.services.trainer.checkpoint_boxes import (
 )
 from meshtrain.services.trainer.config.sections import JobConfig
 from meshtrain.services.trainer.model.gpt import GPT
-from meshtrain.services.trainer.parallel.data import DataParallel
+from meshtrain.services.trainer.parallel.data_parallel import DataParallel
 from meshtrain.services.trainer.parallel.mesh import Mesh
 
 FORMAT = "meshtrain-train/1"
@@ -263,61 +264,13 @@ class Checkpointer:
         """Start saving checkpoint `state.iteration` (collective); returns its URL on every rank."""
         mesh = self.par.mesh
         boxes = self._tensor_boxes(model, _moments(model, optimizer, self.par))
-        if mesh.rank == 0:
-            rng = torch.get_rng_state()
-            boxes.append(
-                (ShardSpec("rng.torch_cpu", tuple(rng.shape), "uint8", (0,), tuple(rng.shape)), rng)
-            )
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
-                # This rank's own device: every rank seeds and advances its device's generator
-                # alike, so one state restores them all (other visible devices are never used).
-                cuda = torch.cuda.get_rng_state().unsqueeze(0)
-                boxes.append(
-                    (
-                        ShardSpec(
-                            "rng.torch_cuda", tuple(cuda.shape), "uint8", (0, 0), tuple(cuda.shape)
-                        ),
-                        cuda,
-                    )
-                )
-        if mesh.pp > 1 and mesh.tp_rank == 0 and mesh.dp_rank == 0 and mesh.cp_rank == 0:
-            # Pipeline stages draw dropout from their generators in different amounts: each
-            # stage's own states, one row per stage, so a resume at the same pp is exact.
-            r = mesh.pp_rank
-            for array, gen in _rng_states().items():
-                boxes.append(
-                    (
-                        ShardSpec(
-                            f"{array}_by_stage",
-                            (mesh.pp, *gen.shape),
-                            "uint8",
-                            (r, *[0] * gen.dim()),
-                            (1, *gen.shape),
-                        ),
-                        gen.unsqueeze(0),
-                    )
-                )
+        boxes += _rng_boxes(mesh)
         carried = None
         if mesh.rank == 0:
             tokenizer_files, carried = self._tokenizer_files(extra.get("tokenizer"))
             boxes += tokenizer_files
-        np_state = np.random.get_state()
         metadata = {
-            "format": FORMAT,
-            "iteration": state.iteration,
-            "consumed_samples": state.consumed_samples,
-            "optimizer_step": _optimizer_step(optimizer, self.par),
-            "config": to_dict(job),
-            "layout": {
-                "tp": mesh.tp,
-                "cp": mesh.cp,
-                "dp": mesh.dp,
-                "pp": mesh.pp,
-                "ep": mesh.ep,
-                "world_size": mesh.world_size,
-            },
-            "rng_python": random.getstate(),
-            "rng_numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+            **_metadata(state, _optimizer_step(optimizer, self.par), job, mesh),
             **extra,
             **({METADATA_KEY: carried} if carried else {}),
         }
@@ -326,23 +279,35 @@ class Checkpointer:
             dist.barrier()  # every rank's uploads have ended: nothing writes into a failed save's folder now
         if mesh.rank == 0:
             self._remove_leftovers()
-        # Rank 0 starts the save, retried like its writes and commit (a transient storage or
-        # service error must not cost a stop its checkpoint), and tells every rank the id or
-        # the failure, so no rank waits for an id that never comes.
+        save_id = self._begin_save(state.iteration)
+        self.saver.save(
+            state.iteration, save_id, boxes, committer=mesh.rank == 0, metadata=metadata
+        )
+        self._saving = state.iteration
+        if not self.asynchronous:
+            self.wait()
+        return self.step_url(state.iteration)
+
+    def _begin_save(self, step: int) -> str:
+        """The id of save `step` on every rank (collective).
+
+        Rank 0 starts the save, retried like its writes and commit (a transient storage or
+        service error must not cost a stop its checkpoint), and tells every rank the id or
+        the failure, so no rank waits for an id that never comes.
+        """
+        mesh = self.par.mesh
         started: list[tuple[str | None, str | None, bool]] = [(None, None, False)]
         if mesh.rank == 0:
 
             def begin() -> str:
                 if self.service:
-                    return self.sink.begin_save(
-                        state.iteration, mesh.world_size, overwrite=self.overwrite
-                    )
-                return begin_save(self.root, state.iteration, overwrite=self.overwrite)
+                    return self.sink.begin_save(step, mesh.world_size, overwrite=self.overwrite)
+                return begin_save(self.root, step, overwrite=self.overwrite)
 
             try:
                 started[0] = (
                     retry(
-                        f"starting the save of step {state.iteration}",
+                        f"starting the save of step {step}",
                         begin,
                         self.saver.attempts,
                         self.saver.backoff,
@@ -354,7 +319,7 @@ class Checkpointer:
             except CheckpointError as e:
                 if not mesh.distributed:
                     if isinstance(e, DiskFullError):
-                        raise self._note_disk_full(state.iteration, e) from e
+                        raise self._note_disk_full(step, e) from e
                     raise
                 started[0] = (None, str(e), isinstance(e, DiskFullError))
         if mesh.distributed:
@@ -362,17 +327,9 @@ class Checkpointer:
         save_id, error, full = started[0]
         if error is not None:
             raise (
-                self._note_disk_full(state.iteration, DiskFullError(error))
-                if full
-                else CheckpointError(error)
+                self._note_disk_full(step, DiskFullError(error)) if full else CheckpointError(error)
             )
-        self.saver.save(
-            state.iteration, save_id, boxes, committer=mesh.rank == 0, metadata=metadata
-        )
-        self._saving = state.iteration
-        if not self.asynchronous:
-            self.wait()
-        return self.step_url(state.iteration)
+        return save_id
 
     def wait(self) -> None:
         """Block until the save in flight is stored and committed on every rank (collective).
@@ -494,6 +451,70 @@ class Checkpointer:
                 self.sink.close()
 
 
+def _rng_boxes(mesh: Mesh) -> list[tuple[ShardSpec, torch.Tensor]]:
+    """The RNG states this rank saves: the torch generators' on global rank 0, and with pp > 1
+    each stage's own (written by the stage's first tp/dp/cp rank)."""
+    boxes = []
+    if mesh.rank == 0:
+        rng = torch.get_rng_state()
+        boxes.append(
+            (ShardSpec("rng.torch_cpu", tuple(rng.shape), "uint8", (0,), tuple(rng.shape)), rng)
+        )
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            # This rank's own device: every rank seeds and advances its device's generator
+            # alike, so one state restores them all (other visible devices are never used).
+            cuda = torch.cuda.get_rng_state().unsqueeze(0)
+            boxes.append(
+                (
+                    ShardSpec(
+                        "rng.torch_cuda", tuple(cuda.shape), "uint8", (0, 0), tuple(cuda.shape)
+                    ),
+                    cuda,
+                )
+            )
+    if mesh.pp > 1 and mesh.tp_rank == 0 and mesh.dp_rank == 0 and mesh.cp_rank == 0:
+        # Pipeline stages draw dropout from their generators in different amounts: each
+        # stage's own states, one row per stage, so a resume at the same pp is exact.
+        r = mesh.pp_rank
+        for array, gen in _rng_states().items():
+            boxes.append(
+                (
+                    ShardSpec(
+                        f"{array}_by_stage",
+                        (mesh.pp, *gen.shape),
+                        "uint8",
+                        (r, *[0] * gen.dim()),
+                        (1, *gen.shape),
+                    ),
+                    gen.unsqueeze(0),
+                )
+            )
+    return boxes
+
+
+def _metadata(state: TrainState, optimizer_step: int, job: JobConfig, mesh: Mesh) -> dict:
+    """A checkpoint's scalars: its step and data position, the config, the layout that wrote it
+    and the Python and NumPy RNG states."""
+    np_state = np.random.get_state()
+    return {
+        "format": FORMAT,
+        "iteration": state.iteration,
+        "consumed_samples": state.consumed_samples,
+        "optimizer_step": optimizer_step,
+        "config": to_dict(job),
+        "layout": {
+            "tp": mesh.tp,
+            "cp": mesh.cp,
+            "dp": mesh.dp,
+            "pp": mesh.pp,
+            "ep": mesh.ep,
+            "world_size": mesh.world_size,
+        },
+        "rng_python": random.getstate(),
+        "rng_numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+    }
+
+
 def _rng_states() -> dict[str, torch.Tensor]:
     """This process's torch generator states by array name (CUDA: this rank's device, once used)."""
     states = {"rng.torch_cpu": torch.get_rng_state()}
@@ -606,6 +627,25 @@ def restore(
     Raises:
         CheckpointError: the checkpoint is missing, corrupt or does not fit the model.
     """
+    step, manifest = _training_manifest(root, step)
+    meta = manifest.get("metadata", {})
+    mesh = par.mesh
+    params = dict(model.named_parameters())
+    reader = _BoxReader(root, step, manifest, stored_places(manifest), mesh, model.vocab_size)
+    _check_names(root, model, params, set(reader.places), mesh)
+    _check_model(root, meta, model)
+    with torch.no_grad():
+        for name, p in params.items():
+            reader.read_into(name, p.data, p)
+    opt_step = meta["optimizer_step"]
+    if opt_step > 0 and optimizer is not None:
+        _restore_moments(reader, params, optimizer, par, opt_step)
+    _restore_rng(root, step, manifest, mesh)
+    return TrainState(meta["iteration"], meta["consumed_samples"]), meta
+
+
+def _training_manifest(root: str, step: int | None) -> tuple[int, dict]:
+    """(step, manifest) of training checkpoint `step` under `root` (latest committed if None)."""
     if step is None:
         step = latest_step(root)
         refuse_damaged_newer(root, step)
@@ -619,11 +659,13 @@ def restore(
         raise CheckpointError(
             f"{root}: not a meshtrain training checkpoint (format {meta.get('format')!r})"
         )
-    arrays = manifest["arrays"]
-    mesh, v = par.mesh, model.vocab_size
-    params = dict(model.named_parameters())
-    places = stored_places(manifest)
-    stored = set(places)
+    return step, manifest
+
+
+def _check_names(
+    root: str, model: GPT, params: dict[str, nn.Parameter], stored: set[str], mesh: Mesh
+) -> None:
+    """Refuse a checkpoint that lacks a parameter of the model or holds one it does not have."""
     missing = [n for n in params if n not in stored]
     if missing:
         raise CheckpointError(
@@ -634,66 +676,95 @@ def restore(
     extra = [n for n in stored if not n.startswith(NON_PARAMETER) and n not in names]
     if extra:
         raise CheckpointError(f"{root}: checkpoint has tensors the model does not: {extra[:5]}")
-    _check_model(root, meta, model)
 
-    def read_into(name: str, dst: torch.Tensor, param: torch.Tensor) -> None:
+
+@dataclass
+class _BoxReader:
+    """Reads the boxes of one checkpoint that this rank's tensors cover."""
+
+    root: str
+    step: int
+    manifest: dict
+    places: dict[str, Place]
+    mesh: Mesh
+    vocab_size: int
+
+    def read_into(self, name: str, dst: torch.Tensor, param: torch.Tensor) -> None:
+        """Fill `dst`, this rank's tensor `name` (of parameter `param`), from the checkpoint."""
         dst.zero_()  # padded vocabulary rows are not stored: they restart at zero
-        if name not in places:
+        if name not in self.places:
             raise CheckpointError(
-                f"{root}: checkpoint step {step} has no tensor {name!r} (optimizer_step "
-                f"{meta.get('optimizer_step')}); load the weights only (no optimizer) or "
-                "another step"
+                f"{self.root}: checkpoint step {self.step} has no tensor {name!r} (optimizer_step "
+                f"{self.manifest.get('metadata', {}).get('optimizer_step')}); load the weights "
+                "only (no optimizer) or another step"
             )
-        for piece in pieces(name, tuple(dst.shape), param, mesh, v, places[name], reading=True):
+        place, v = self.places[name], self.vocab_size
+        for piece in pieces(name, tuple(dst.shape), param, self.mesh, v, place, reading=True):
             spec = piece.spec
-            entry = arrays.get(spec.array)
+            entry = self.manifest["arrays"].get(spec.array)
             if entry is None or tuple(entry["shape"]) != spec.global_shape:
-                have = tuple(entry["shape"]) if entry else None
-                hint = ""
-                if (
-                    have
-                    and len(have) == len(spec.global_shape)
-                    and have[1:] == spec.global_shape[1:]
-                    and have[0] != spec.global_shape[0]
-                    and spec.global_shape[0] == v
-                ):
-                    # Only the vocabulary differs: the usual cause is a resume without the run's
-                    # data flags (another --tokenizer, hence another vocab_size).
-                    hint = (
-                        f"; the vocabulary differs ({have[0]} saved, {v} now), most likely a resume "
-                        f"without the run's data flags: pass --config RUN/config.toml (or the "
-                        f"run's --tokenizer / --vocab-size)"
-                    )
-                raise CheckpointError(
-                    f"{root}: tensor {name!r} is stored as {spec.array!r} of shape {have}; the model "
-                    f"needs shape {spec.global_shape}{hint}"
-                )
-            box = read_box(root, step, spec.array, spec.offsets, spec.shape, manifest)
+                raise self._shape_error(name, spec, entry)
+            box = read_box(
+                self.root, self.step, spec.array, spec.offsets, spec.shape, self.manifest
+            )
             dst[piece.local].copy_(box.view(dst[piece.local].shape))
 
-    with torch.no_grad():
-        for name, p in params.items():
-            read_into(name, p.data, p)
-    opt_step = meta["optimizer_step"]
-    if opt_step > 0 and optimizer is not None:
-        # Frozen parameters (the router's expert bias, moved by its own rule) have no moments.
-        trained = {n: p for n, p in params.items() if p.requires_grad}
-        moments = {}
+    def _shape_error(self, name: str, spec: ShardSpec, entry: dict | None) -> CheckpointError:
+        have = tuple(entry["shape"]) if entry else None
+        v = self.vocab_size
+        hint = ""
+        if (
+            have
+            and len(have) == len(spec.global_shape)
+            and have[1:] == spec.global_shape[1:]
+            and have[0] != spec.global_shape[0]
+            and spec.global_shape[0] == v
+        ):
+            # Only the vocabulary differs: the usual cause is a resume without the run's
+            # data flags (another --tokenizer, hence another vocab_size).
+            hint = (
+                f"; the vocabulary differs ({have[0]} saved, {v} now), most likely a resume "
+                f"without the run's data flags: pass --config RUN/config.toml (or the "
+                f"run's --tokenizer / --vocab-size)"
+            )
+        return CheckpointError(
+            f"{self.root}: tensor {name!r} is stored as {spec.array!r} of shape {have}; the model "
+            f"needs shape {spec.global_shape}{hint}"
+        )
+
+
+def _restore_moments(
+    reader: _BoxReader,
+    params: dict[str, nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    par: Parallel,
+    opt_step: int,
+) -> None:
+    """AdamW's moments and step count, into the distributed optimizer or `optimizer`."""
+    # Frozen parameters (the router's expert bias, moved by its own rule) have no moments.
+    trained = {n: p for n, p in params.items() if p.requires_grad}
+    moments = {}
+    for name, p in trained.items():
+        moments[name] = {}
+        for k in ("exp_avg", "exp_avg_sq"):
+            t = torch.zeros_like(p.data, dtype=torch.float32)
+            reader.read_into(f"optim.{k}.{name}", t, p)
+            moments[name][k] = t
+    if par.ddp is not None and par.ddp.dist_opt:
+        par.ddp.load_optimizer_state(moments, opt_step)
+    else:
+        fused = any(g.get("fused") for g in optimizer.param_groups)
         for name, p in trained.items():
-            moments[name] = {}
-            for k in ("exp_avg", "exp_avg_sq"):
-                t = torch.zeros_like(p.data, dtype=torch.float32)
-                read_into(f"optim.{k}.{name}", t, p)
-                moments[name][k] = t
-        if par.ddp is not None and par.ddp.dist_opt:
-            par.ddp.load_optimizer_state(moments, opt_step)
-        else:
-            fused = any(g.get("fused") for g in optimizer.param_groups)
-            for name, p in trained.items():
-                optimizer.state[p] = {
-                    "step": torch.tensor(float(opt_step), device=p.device if fused else "cpu"),
-                    **{k: v.to(p.device) for k, v in moments[name].items()},
-                }
+            optimizer.state[p] = {
+                "step": torch.tensor(float(opt_step), device=p.device if fused else "cpu"),
+                **{k: v.to(p.device) for k, v in moments[name].items()},
+            }
+
+
+def _restore_rng(root: str, step: int, manifest: dict, mesh: Mesh) -> None:
+    """The torch (CPU, this rank's CUDA device, or this pipeline stage's own), Python and
+    NumPy RNG states the checkpoint saved."""
+    arrays, meta = manifest["arrays"], manifest.get("metadata", {})
     rng = arrays["rng.torch_cpu"]["shape"]
     torch.set_rng_state(read_box(root, step, "rng.torch_cpu", (0,), tuple(rng), manifest))
     staged = arrays.get("rng.torch_cpu_by_stage")
@@ -719,7 +790,6 @@ def restore(
     random.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in meta["rng_python"]))
     name, keys, *rest = meta["rng_numpy"]
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
-    return TrainState(meta["iteration"], meta["consumed_samples"]), meta
 
 
 def _unwrap(model: nn.Module, optimizer, mesh: Mesh | None):

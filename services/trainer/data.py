@@ -141,30 +141,12 @@ def _shared(source, sharing: Sharing):
     )
 
 
-def build_data(
-    job: JobConfig,
-    dp_rank: int = 0,
-    dp_size: int = 1,
-    cp_rank: int = 0,
-    cp_size: int = 1,
-    spread: tuple[int, int] | None = None,
-    sharing: Sharing | None = None,
-) -> TrainData:
-    """Open (or build) the dataset for `job` and the sample streams for its splits.
+def _dataset(job: JobConfig) -> tuple[list[str], list[float], str, int, int]:
+    """(prefixes, weights, tokenizer spec, vocabulary size, EOD id) of the job's dataset: the
+    `data.data_path` prefixes with `data.tokenizer`, or the embedded corpus (built on first use).
 
-    Args:
-        job: the job config (its `data`, `model.seq_length` and `train` sections).
-        dp_rank, dp_size: this rank's data-parallel coordinate; the train stream is split over
-            dp ranks (Megatron's order), and so is the evaluation set.
-        cp_rank, cp_size: this rank's context-parallel coordinate: the cp ranks of a dp rank
-            read the same samples and each gets only its chunks of every sequence.
-        spread: (slot, slots) of this rank among the ranks that pull from the data service
-            (None: by dp and cp rank); it streams from live worker `slot mod count`.
-        sharing: with the data service, this rank's tensor-parallel group pulls once and shares
-            (None: every rank pulls its own).
-
-    Returns:
-        TrainData with the train source and, when evaluation is on, the valid source.
+    Raises:
+        ConfigError: model.vocab_size is set below the tokenizer's vocabulary.
     """
     d = job.data
     if d.data_path:
@@ -194,57 +176,68 @@ def build_data(
             f"model.vocab_size={job.model.vocab_size} is smaller than the tokenizer's "
             f"vocabulary ({vocab_size}, {tokenizer_spec})"
         )
-    t = job.train
+    return prefixes, weights, tokenizer_spec, vocab_size, eod_id
+
+
+def _service_options(job: JobConfig, spread: tuple[int, int] | None) -> dict:
+    """`make_source`'s options for streaming from the data service (data.service_* and auth)."""
+    d = job.data
+    return {
+        "stall_s": d.service_stall_s,
+        "give_up_s": d.service_give_up_s,
+        "open_timeout_s": d.service_open_timeout_s,
+        "rebalance_s": d.service_rebalance_s,
+        "spread": spread,
+        "security": ClientSecurity.from_config(job.auth),
+    }
+
+
+def build_data(
+    job: JobConfig,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    cp_rank: int = 0,
+    cp_size: int = 1,
+    spread: tuple[int, int] | None = None,
+    sharing: Sharing | None = None,
+) -> TrainData:
+    """Open (or build) the dataset for `job` and the sample streams for its splits.
+
+    Args:
+        job: the job config (its `data`, `model.seq_length` and `train` sections).
+        dp_rank, dp_size: this rank's data-parallel coordinate; the train stream is split over
+            dp ranks (Megatron's order), and so is the evaluation set.
+        cp_rank, cp_size: this rank's context-parallel coordinate: the cp ranks of a dp rank
+            read the same samples and each gets only its chunks of every sequence.
+        spread: (slot, slots) of this rank among the ranks that pull from the data service
+            (None: by dp and cp rank); it streams from live worker `slot mod count`.
+        sharing: with the data service, this rank's tensor-parallel group pulls once and shares
+            (None: every rank pulls its own).
+
+    Returns:
+        TrainData with the train source and, when evaluation is on, the valid source.
+    """
+    d, t = job.data, job.train
+    prefixes, weights, tokenizer_spec, vocab_size, eod_id = _dataset(job)
     addresses = list(d.service_addresses)
     options = BatchOptions(eod_id=eod_id, mask_eod_loss=d.eod_mask_loss)
-    service = (
-        {
-            "stall_s": d.service_stall_s,
-            "give_up_s": d.service_give_up_s,
-            "open_timeout_s": d.service_open_timeout_s,
-            "rebalance_s": d.service_rebalance_s,
-            "spread": spread,
-            "security": ClientSecurity.from_config(job.auth),
-        }
-        if addresses
-        else {}
-    )
+    service = _service_options(job, spread) if addresses else {}
 
-    def spec(split_name: str, num_samples: int) -> DatasetSpec:
-        return DatasetSpec(
-            tuple(prefixes),
-            tuple(weights),
-            job.model.seq_length,
-            num_samples,
-            t.seed,
-            split=d.split,
-            split_name=split_name,
-            sample_order=d.sample_order,
-        )
-
-    train = make_source(
-        spec("train", t.train_iters * t.global_batch_size),
-        t.micro_batch_size,
-        t.global_batch_size,
-        dp_rank,
-        dp_size,
-        addresses=addresses,
-        prefetch=d.prefetch,
-        options=options,
-        cp_rank=cp_rank,
-        cp_size=cp_size,
-        **service,
-    )
-    valid = None
-    if t.eval_interval > 0:
-        # Megatron's unit: eval_iters global batches, split over the dp ranks like a training
-        # step, so the held-out set does not change when a resumed run changes the micro-batch
-        # or data-parallel size (the global batch size cannot change across a resume).
-        n = t.eval_iters * t.global_batch_size
-        valid = make_source(
-            spec("valid", n),
+    def source(split_name: str, num_samples: int, batch: int):
+        """The batch source of split `split_name`: `num_samples` samples, `batch` a step."""
+        return make_source(
+            DatasetSpec(
+                tuple(prefixes),
+                tuple(weights),
+                job.model.seq_length,
+                num_samples,
+                t.seed,
+                split=d.split,
+                split_name=split_name,
+                sample_order=d.sample_order,
+            ),
             t.micro_batch_size,
-            n,
+            batch,
             dp_rank,
             dp_size,
             addresses=addresses,
@@ -254,6 +247,15 @@ def build_data(
             cp_size=cp_size,
             **service,
         )
+
+    train = source("train", t.train_iters * t.global_batch_size, t.global_batch_size)
+    valid = None
+    if t.eval_interval > 0:
+        # Megatron's unit: eval_iters global batches, split over the dp ranks like a training
+        # step, so the held-out set does not change when a resumed run changes the micro-batch
+        # or data-parallel size (the global batch size cannot change across a resume).
+        n = t.eval_iters * t.global_batch_size
+        valid = source("valid", n, n)
     if addresses and sharing is not None:
         train, valid = (None if src is None else _shared(src, sharing) for src in (train, valid))
     log.info(

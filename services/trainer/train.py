@@ -9,7 +9,9 @@ keeps losses on the device and synchronizes with the host only on logging steps.
 stopped at step k and resumed from its checkpoint produces exactly the same losses as one
 that never stopped (CPU, fp32): data is a pure function of the step, and model, optimizer
 and RNG states are restored bit for bit. The steps that put a `Trainer` together (device, mesh,
-the sharded model and its wrappers, the checkpointer) are in `setup.py`.
+the sharded model and its wrappers, the checkpointer) are in `build.py`. `Trainer` reads in
+that order: its build (data, model, optimizer and restore, the step's forward, checkpointer),
+one `train_step`, evaluation and saving, then the loop (`run`) that logs, evaluates and saves.
 """
 
 from __future__ import annotations
@@ -36,32 +38,7 @@ from meshtrain.services.common.errors import (
     MeshtrainError,
 )
 from meshtrain.services.trainer import checkpointing
-from meshtrain.services.trainer.config.load import LAUNCHER_KEYS_ENV, replace
-from meshtrain.services.trainer.config.sections import JobConfig
-from meshtrain.services.trainer.data import build_data, placement
-from meshtrain.services.trainer.fp8.weights import Fp8WeightCache
-from meshtrain.services.trainer.graphs import MicroBatchGraph
-from meshtrain.services.trainer.metrics import (
-    MetricsLog,
-    RouterStats,
-    memory_metrics,
-    model_size,
-    peak_tflops,
-    plot_losses,
-)
-from meshtrain.services.trainer.optim.optimizer import build_optimizer, clip_grad_norm, set_lr
-from meshtrain.services.trainer.optim.schedule import lr_at
-from meshtrain.services.trainer.parallel import mappings
-from meshtrain.services.trainer.parallel.context import token_count
-from meshtrain.services.trainer.requests import (
-    CONTROL_STOP,
-    RunRequests,
-    cause_code,
-    describe_stop,
-)
-from meshtrain.services.trainer.resume import refuse_a_root_with_later_steps, resume
-from meshtrain.services.trainer.run_dir import make_run_dir, release_run_dir, run_dir_toml
-from meshtrain.services.trainer.setup import (  # build_mesh, pick_device, ...: importable from here too
+from meshtrain.services.trainer.build import (
     build_data_parallel,
     build_mesh,
     build_model,
@@ -78,8 +55,34 @@ from meshtrain.services.trainer.setup import (  # build_mesh, pick_device, ...: 
     seed_everything,
     set_kernel_mode,
 )
+from meshtrain.services.trainer.config.load import LAUNCHER_KEYS_ENV, replace
+from meshtrain.services.trainer.config.sections import JobConfig
+from meshtrain.services.trainer.cuda_graphs import MicroBatchGraph
+from meshtrain.services.trainer.data import build_data, placement
+from meshtrain.services.trainer.device_uploads import Uploader
+from meshtrain.services.trainer.fp8.weights import Fp8WeightCache
+from meshtrain.services.trainer.metrics import (
+    MetricsLog,
+    ModelSize,
+    RouterStats,
+    memory_metrics,
+    model_size,
+    peak_tflops,
+    plot_losses,
+)
+from meshtrain.services.trainer.optim.optimizer import build_optimizer, clip_grad_norm, set_lr
+from meshtrain.services.trainer.optim.schedule import lr_at
+from meshtrain.services.trainer.parallel import mappings
+from meshtrain.services.trainer.parallel.context import token_count
+from meshtrain.services.trainer.resume import refuse_a_root_with_later_steps, resume
+from meshtrain.services.trainer.run_dir import make_run_dir, release_run_dir, run_dir_toml
+from meshtrain.services.trainer.run_requests import (
+    CONTROL_STOP,
+    RunRequests,
+    cause_code,
+    describe_stop,
+)
 from meshtrain.services.trainer.tracking import open_trackers, require_packages
-from meshtrain.services.trainer.uploads import Uploader
 from meshtrain.services.trainer.weight_copies import call_with
 
 log = logging.getLogger("meshtrain.train")
@@ -100,6 +103,19 @@ class TrainResult:
     plot: Path | None = None
     stopped_early: bool = False
     """True when a stop request (SIGTERM, the control endpoint) ended the run before train_iters."""
+
+
+@dataclass
+class _LogWindow:
+    """The steps run since the last log: their (loss, grad_norm) on the device, and the clock."""
+
+    start: float
+    """perf_counter() when the last log ended."""
+    step: int
+    """The step last logged (the run's start before the first log)."""
+    pending: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    paused: float = 0.0
+    """Seconds spent in eval/save since the last log, left out of step times."""
 
 
 class Trainer:
@@ -138,8 +154,34 @@ class Trainer:
             release_run_dir(self.run_dir)
 
     def _build(self, job: JobConfig) -> None:
-        """The rest of `__init__`, once the run directory is held: data, model, optimizer,
-        restore and checkpointer."""
+        """The rest of `__init__`, once the run directory is held: data, model, optimizer and
+        restore, the step's forward, checkpointer, in that order (the data first: the model's
+        vocabulary is its tokenizer's)."""
+        self.job = self._build_data(job)
+        seed_everything(self.job.train.seed)
+        size = self._build_model()
+        resumed_here = self._build_optimizer()
+        self._build_forward()
+        self.peak = peak_tflops(self.device, self.job.train.peak_tflops)
+        log_model_summary(
+            self.job, self.mesh, self.device, size, self.fp8, self.weight_copies, self.pipeline
+        )
+        self._build_checkpointer(resumed_here)
+        # Requests from other threads (SIGTERM's relay, the control endpoint), acted on between steps.
+        self.requests = RunRequests()
+        self.stop_cause: str | None = None  # the agreed stop's cause, which ranks asked and why
+        self.progress: dict[str, float | int | str | None] = {
+            "step": self.state.iteration,
+            "train_iters": self.job.train.train_iters,
+            "loss": None,
+            "tokens_per_s": None,
+            "eta_s": None,
+            "last_checkpoint": None,
+        }
+
+    def _build_data(self, job: JobConfig) -> JobConfig:
+        """This rank's batch sources; returns the job completed by them (the vocabulary size, the
+        checkpoint folder), which rank 0 writes to RUN_DIR/config.toml."""
         # context-parallel peers read the same samples, each only its chunks of them; from the
         # service, a tensor-parallel group pulls once and shares
         spread, sharing = placement(self.mesh, bool(job.data.service_addresses))
@@ -156,16 +198,17 @@ class Trainer:
             job = replace(job, model={"vocab_size": self.data.vocab_size})
         if job.checkpoint.save is None:
             job = replace(job, checkpoint={"save": str(self.run_dir / "checkpoints")})
-        self.job = job
         if self.is_main:
             launcher_keys = os.environ.get(LAUNCHER_KEYS_ENV, "").split()
             (self.run_dir / "config.toml").write_text(run_dir_toml(job, launcher_keys))
+        return job
 
-        seed_everything(job.train.seed)
-        self.model, self.fp8, self.pipeline = build_model(
-            job, self.mesh, self.device
-        )  # this rank's share
-        size = model_size(job.model)  # of the whole model, whatever this rank holds of it
+    def _build_model(self) -> ModelSize:
+        """This rank's share of the model, parallelized over the mesh, and its routers'
+        statistics; returns the size of the whole model, whatever this rank holds of it."""
+        job = self.job
+        self.model, self.fp8, self.pipeline = build_model(job, self.mesh, self.device)
+        size = model_size(job.model)
         self.flops_per_token, self.num_parameters = size.flops_per_token, size.parameters
         self.active_parameters = size.active_parameters
         # the ranks of one global batch: routing counts add up over them
@@ -176,16 +219,28 @@ class Trainer:
             batch_group,
             self.mesh.group("pp") if self.mesh.pp > 1 else None,
         )
-        p = job.parallel
-        self.ddp = build_data_parallel(self.model, self.mesh, p, job.optim, self.pipeline)
+        return size
+
+    def _build_optimizer(self) -> int | None:
+        """The data-parallel wrapper and the optimizer, and the state they resume from; returns
+        the step resumed from this run's own checkpoint root, or None (`resume`)."""
+        job = self.job
+        self.ddp = build_data_parallel(
+            self.model, self.mesh, job.parallel, job.optim, self.pipeline
+        )
         self.optimizer = (
             self.ddp.optimizer
             if self.ddp and self.ddp.optimizer
             else build_optimizer(self.model, job.optim)
         )
         self.par = checkpointing.Parallel(self.mesh, self.ddp)
-        c = job.checkpoint
         self.state, resumed_here = resume(job, self.model, self.optimizer, self.par)
+        return resumed_here
+
+    def _build_forward(self) -> None:
+        """What a step runs the model through: the bf16 weight copies (and FP8 weights cast from
+        them), the compiled forward, autocast, the pipeline's hooks and the CUDA graph."""
+        job = self.job
         self.weight_copies = build_weight_copies(self.model, job.train, self.mesh, self.device)
         # this step's FP8 weights, cast with the copies once a step (services/trainer/fp8/weights.py)
         self.fp8_weights = (
@@ -193,7 +248,11 @@ class Trainer:
         )
         options = compile_options(job.train)
         self.forward = compile_model(
-            self.model, job.train, options, self.pipeline is not None, p.overlap_param_gather
+            self.model,
+            job.train,
+            options,
+            self.pipeline is not None,
+            job.parallel.overlap_param_gather,
         )
         if self.weight_copies is None:
             self.train_forward = lambda copies, *batch: self.forward(*batch)
@@ -219,109 +278,19 @@ class Trainer:
                 list(self.model.parameters()),
                 self.device,
             )
-        self.peak = peak_tflops(self.device, job.train.peak_tflops)
-        log_model_summary(
-            job, self.mesh, self.device, size, self.fp8, self.weight_copies, self.pipeline
-        )
+
+    def _build_checkpointer(self, resumed_here: int | None) -> None:
+        """The checkpointer, once the root is known to take this run's saves. Opened last, so an
+        __init__ that fails (a restore, a config check) leaves no channel to the checkpoint
+        service open; `run` closes it."""
+        c, job = self.job.checkpoint, self.job
         if not c.overwrite:
             refuse_a_root_with_later_steps(c, self.state.iteration)
-        # Opened last, so an __init__ that fails (a restore, a config check) leaves no channel to
-        # the checkpoint service open; `run` closes it.
         self.checkpointer = open_checkpointer(c, self.par, resumed_here, job.auth)
         if (
             c.save and self.state.iteration < job.train.train_iters
         ):  # the run saves, at its end at the latest
             self.checkpointer.prepare(self.model, self.optimizer)
-        # Requests from other threads (SIGTERM's relay, the control endpoint), acted on between steps.
-        self.requests = RunRequests()
-        self.stop_cause: str | None = None  # the agreed stop's cause, which ranks asked and why
-        self.progress: dict[str, float | int | str | None] = {
-            "step": self.state.iteration,
-            "train_iters": job.train.train_iters,
-            "loss": None,
-            "tokens_per_s": None,
-            "eta_s": None,
-            "last_checkpoint": None,
-        }
-
-    def request_stop(self) -> None:
-        """Save a checkpoint after the current step and end the run (what SIGTERM does).
-
-        Raises:
-            MeshtrainError: the training loop has already ended (nothing would act on it).
-        """
-        self._refuse_if_finished("stop")
-        self.requests.stop(CONTROL_STOP)
-
-    def request_checkpoint(self) -> None:
-        """Save a checkpoint after the current step and continue.
-
-        Raises:
-            MeshtrainError: the training loop has already ended (nothing would act on it).
-        """
-        self._refuse_if_finished("checkpoint")
-        self.requests.checkpoint()
-
-    def _refuse_if_finished(self, what: str) -> None:
-        if self.requests.ended:
-            last = self.progress.get("last_checkpoint")
-            raise MeshtrainError(
-                f"the run's training loop has ended at step {self.progress['step']}, so no {what} "
-                f"will follow; its last checkpoint is {last or 'none'}"
-            )
-
-    def pending_requests(self) -> tuple[bool, bool]:
-        """(stop requested, checkpoint requested) and not yet acted on, on this rank."""
-        return self.requests.pending()
-
-    def _agreed_requests(self, at_log_step: bool) -> tuple[bool, bool]:
-        """(stop, checkpoint) as every rank sees them: any rank's request counts for all.
-
-        Alone this is checked every step; with several ranks only on logging steps, where the
-        loop synchronizes anyway, so requests cost no extra host sync (latency: log_interval).
-        A stop sets `self.stop_cause`; with several ranks the same all-reduce carries each rank's
-        cause in a slot of its own, so every rank's log names the ranks that asked and why.
-        """
-        stop, checkpoint = self.requests.pending()
-        cause = self.requests.stop_cause if stop else None  # set before the flag, under its lock
-        if not self.mesh.distributed:
-            self.stop_cause = cause
-            return stop, checkpoint
-        if not at_log_step:
-            return False, False
-        # (stop, checkpoint, cause code of rank 0, ..., of rank world-1), MAX over the ranks
-        codes = [0.0] * dist.get_world_size()
-        codes[dist.get_rank()] = float(cause_code(cause))
-        flags = torch.tensor([float(stop), float(checkpoint), *codes], device=self.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        values = [int(v) for v in flags.tolist()]  # one host sync
-        if values[0]:
-            self.stop_cause = describe_stop(values[2:])
-        return bool(values[0]), bool(values[1])
-
-    def _on_device(self, batches):
-        """(tokens, labels, loss_mask) of each micro-batch on the device, in order (`Uploader`)."""
-        for b in batches:
-            self._check_token_ids(b)
-        return self.uploader.upload([(b.tokens, b.labels, b.loss_mask) for b in batches])
-
-    def _check_token_ids(self, batch) -> None:
-        """Refuse a token id past the model's vocabulary (data tokenized with another tokenizer
-        than data.tokenizer), naming it, instead of an embedding IndexError or a CUDA device
-        assert. On the host tensors, before the upload: no device synchronization."""
-        if (
-            batch.tokens.device.type != "cpu"
-        ):  # already uploaded (the max would wait for the device)
-            return
-        vocab = self.job.model.vocab_size
-        top = max(int(batch.tokens.max()), int(batch.labels.max()))
-        if top >= vocab:
-            data = " ".join(map(str, self.job.data.data_path)) or self.data.prefix
-            raise DataError(
-                f"token id {top} is outside the model's vocabulary of {vocab} (tokenizer "
-                f"{self.data.tokenizer}): the data {data} was preprocessed with another tokenizer; "
-                "give that one as --tokenizer"
-            )
 
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over the global batch of `step` (0-based); returns (loss, grad_norm) on device."""
@@ -392,6 +361,30 @@ class Trainer:
             loss = self.train_forward(copies, tokens, labels, mask) / n_micro
         loss.backward()
         return loss.detach()
+
+    def _on_device(self, batches):
+        """(tokens, labels, loss_mask) of each micro-batch on the device, in order (`Uploader`)."""
+        for b in batches:
+            self._check_token_ids(b)
+        return self.uploader.upload([(b.tokens, b.labels, b.loss_mask) for b in batches])
+
+    def _check_token_ids(self, batch) -> None:
+        """Refuse a token id past the model's vocabulary (data tokenized with another tokenizer
+        than data.tokenizer), naming it, instead of an embedding IndexError or a CUDA device
+        assert. On the host tensors, before the upload: no device synchronization."""
+        if (
+            batch.tokens.device.type != "cpu"
+        ):  # already uploaded (the max would wait for the device)
+            return
+        vocab = self.job.model.vocab_size
+        top = max(int(batch.tokens.max()), int(batch.labels.max()))
+        if top >= vocab:
+            data = " ".join(map(str, self.job.data.data_path)) or self.data.prefix
+            raise DataError(
+                f"token id {top} is outside the model's vocabulary of {vocab} (tokenizer "
+                f"{self.data.tokenizer}): the data {data} was preprocessed with another tokenizer; "
+                "give that one as --tokenizer"
+            )
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -567,102 +560,179 @@ class Trainer:
     def _loop(
         self, result: TrainResult, metrics: MetricsLog, start: int, tokens_per_step: int
     ) -> None:
+        """Steps `start`..train.train_iters, each logged, evaluated and saved when due; returns
+        early after the save of an agreed stop."""
         job, t = self.job, self.job.train
-        pending: list[tuple[torch.Tensor, torch.Tensor]] = []
-        last_time, last_step = time.perf_counter(), start
-        paused = 0.0  # seconds spent in eval/save since the last log, left out of step times
-
-        def log_pending(n: int) -> None:
-            """Record the steps since the last log, ending with step n (one host sync)."""
-            nonlocal last_time, last_step, paused
-            stacked = torch.stack([p[0] for p in pending])
-            if self.mesh.pp > 1:  # the last stage computed the losses; the others hold zeros
-                stacked = mappings.all_reduce(stacked, self.mesh.group("pp"))
-            if self.mesh.cp > 1:  # each cp rank's loss is its share of the mean
-                stacked = mappings.all_reduce(stacked, self.mesh.group("cp"))
-            if self.mesh.dp > 1:  # each dp rank saw 1/dp of the batch: average
-                stacked = mappings.all_reduce(stacked, self.mesh.group("dp")) / self.mesh.dp
-            losses = stacked.tolist()  # the one host sync
-            norm = pending[-1][1].item()
-            now = time.perf_counter()
-            step_time = (now - last_time - paused) / (n - last_step)
-            for k, value in enumerate(losses):
-                result.losses[last_step + k + 1] = value
-            record = {
-                "step": n,
-                "loss": losses[-1],
-                "lr": lr_at(n - 1, job.optim, t.train_iters),
-                "grad_norm": norm,
-                "tokens_per_s": tokens_per_step / step_time,
-                "step_time_s": step_time,
-                "consumed_samples": self.state.consumed_samples,
-            }
-            if self.peak:  # per device: the global batch's FLOPs shared by every rank
-                record["mfu"] = (
-                    self.flops_per_token
-                    * record["tokens_per_s"]
-                    / (self.peak * 1e12 * self.mesh.world_size)
-                )
-            record.update(memory_metrics(self.device))
-            record.update(
-                self.router_stats.metrics(job.model, self.device)
-            )  # the MoE routers' (every rank)
-            disk_full = self.checkpointer.poll()  # a save that ended since: recovered, or failed
-            if disk_full is not None and self.is_main:
-                record["checkpoint_error"] = str(disk_full[1])
-            metrics.step(record)
-            if disk_full is not None and self.is_main:  # on every logged step until a save commits
-                log.warning(
-                    "the last checkpoint save failed (%s); training goes on, and the next save tries again",
-                    disk_full[1],
-                )
-            self.progress.update(
-                loss=losses[-1],
-                tokens_per_s=record["tokens_per_s"],
-                eta_s=(t.train_iters - n) * step_time,
-            )
-            pending.clear()
-            last_time, last_step, paused = time.perf_counter(), n, 0.0
-
+        window = _LogWindow(time.perf_counter(), start)
         for step in range(start, t.train_iters):
             loss, grad_norm = self.train_step(step)
             self.state.iteration = step + 1
             self.state.consumed_samples += t.global_batch_size
-            pending.append((loss, grad_norm))
+            window.pending.append((loss, grad_norm))
             n = step + 1
             self.progress["step"] = n  # a Python int: no host sync
             # The first step this run computes is logged too: the run summary shows its loss,
             # and metrics.jsonl must hold every loss the summary reports.
             if n % job.log.log_interval == 0 or n == t.train_iters or n == start + 1:
-                log_pending(n)
+                self._log_steps(window, n, result, metrics, tokens_per_step)
             pause_start = time.perf_counter()
             if self.data.valid is not None and (n % t.eval_interval == 0 or n == t.train_iters):
                 result.eval_losses[n] = self.evaluate()
                 metrics.eval(n, result.eval_losses[n])
-            stop, checkpoint_now = self._agreed_requests(at_log_step=not pending)
-            if stop and pending:  # alone, a stop is acted on at any step: log what it ran first
-                log_pending(n)
+            stop, checkpoint_now = self._agreed_requests(at_log_step=not window.pending)
+            if stop and window.pending:  # alone, a stop is acted on at any step: log what it ran
+                self._log_steps(window, n, result, metrics, tokens_per_step)
             if stop:
                 log.warning(
                     "%s: saving a checkpoint after step %d, then stopping", self.stop_cause, n
                 )
-            interval = job.checkpoint.save_interval
-            if (interval and n % interval == 0) or n == t.train_iters or stop or checkpoint_now:
-                # Cleared before saving: this save answers the requests made so far, and one that
-                # arrives while it runs (a sync save takes a while) stays set for the next step.
-                self.requests.checkpoint_started()
-                if stop:
-                    self._settle_previous_save()
-                result.checkpoint = self.save() or result.checkpoint
-            # Only a committed save is reported: one still in flight may yet fail.
-            self.progress["last_checkpoint"] = self.checkpointer.committed_url
-            paused += time.perf_counter() - pause_start
+            self._save_if_due(n, stop or checkpoint_now, stop, result)
+            window.paused += time.perf_counter() - pause_start
             if stop and n < t.train_iters:
                 log.warning(
                     "stopped at step %d on request; resume with --load %s", n, job.checkpoint.save
                 )
                 result.stopped_early = True
                 return
+
+    def _log_steps(
+        self,
+        window: _LogWindow,
+        n: int,
+        result: TrainResult,
+        metrics: MetricsLog,
+        tokens_per_step: int,
+    ) -> None:
+        """Record the steps since the last log, ending with step n (one host sync)."""
+        losses = self._mean_losses(window.pending)  # the one host sync
+        norm = window.pending[-1][1].item()
+        now = time.perf_counter()
+        step_time = (now - window.start - window.paused) / (n - window.step)
+        for k, value in enumerate(losses):
+            result.losses[window.step + k + 1] = value
+        record = self._step_record(n, losses[-1], norm, step_time, tokens_per_step)
+        disk_full = self.checkpointer.poll()  # a save that ended since: recovered, or failed
+        if disk_full is not None and self.is_main:
+            record["checkpoint_error"] = str(disk_full[1])
+        metrics.step(record)
+        if disk_full is not None and self.is_main:  # on every logged step until a save commits
+            log.warning(
+                "the last checkpoint save failed (%s); training goes on, and the next save tries again",
+                disk_full[1],
+            )
+        self.progress.update(
+            loss=losses[-1],
+            tokens_per_s=record["tokens_per_s"],
+            eta_s=(self.job.train.train_iters - n) * step_time,
+        )
+        window.pending.clear()
+        window.start, window.step, window.paused = time.perf_counter(), n, 0.0
+
+    def _mean_losses(self, pending: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
+        """The global batch's loss of each pending step, on the host."""
+        stacked = torch.stack([p[0] for p in pending])
+        if self.mesh.pp > 1:  # the last stage computed the losses; the others hold zeros
+            stacked = mappings.all_reduce(stacked, self.mesh.group("pp"))
+        if self.mesh.cp > 1:  # each cp rank's loss is its share of the mean
+            stacked = mappings.all_reduce(stacked, self.mesh.group("cp"))
+        if self.mesh.dp > 1:  # each dp rank saw 1/dp of the batch: average
+            stacked = mappings.all_reduce(stacked, self.mesh.group("dp")) / self.mesh.dp
+        return stacked.tolist()
+
+    def _step_record(
+        self, n: int, loss: float, norm: float, step_time: float, tokens_per_step: int
+    ) -> dict:
+        """metrics.jsonl's row of step n: loss, lr, throughput, MFU, memory, MoE statistics."""
+        job, t = self.job, self.job.train
+        record = {
+            "step": n,
+            "loss": loss,
+            "lr": lr_at(n - 1, job.optim, t.train_iters),
+            "grad_norm": norm,
+            "tokens_per_s": tokens_per_step / step_time,
+            "step_time_s": step_time,
+            "consumed_samples": self.state.consumed_samples,
+        }
+        if self.peak:  # per device: the global batch's FLOPs shared by every rank
+            record["mfu"] = (
+                self.flops_per_token
+                * record["tokens_per_s"]
+                / (self.peak * 1e12 * self.mesh.world_size)
+            )
+        record.update(memory_metrics(self.device))
+        record.update(
+            self.router_stats.metrics(job.model, self.device)
+        )  # the MoE routers' (every rank)
+        return record
+
+    def _save_if_due(self, n: int, requested: bool, stop: bool, result: TrainResult) -> None:
+        """Save after step n at checkpoint.save_interval, the last step, or on request (a stop's
+        save first settles the previous one)."""
+        interval = self.job.checkpoint.save_interval
+        if (interval and n % interval == 0) or n == self.job.train.train_iters or requested:
+            # Cleared before saving: this save answers the requests made so far, and one that
+            # arrives while it runs (a sync save takes a while) stays set for the next step.
+            self.requests.checkpoint_started()
+            if stop:
+                self._settle_previous_save()
+            result.checkpoint = self.save() or result.checkpoint
+        # Only a committed save is reported: one still in flight may yet fail.
+        self.progress["last_checkpoint"] = self.checkpointer.committed_url
+
+    def request_stop(self) -> None:
+        """Save a checkpoint after the current step and end the run (what SIGTERM does).
+
+        Raises:
+            MeshtrainError: the training loop has already ended (nothing would act on it).
+        """
+        self._refuse_if_finished("stop")
+        self.requests.stop(CONTROL_STOP)
+
+    def request_checkpoint(self) -> None:
+        """Save a checkpoint after the current step and continue.
+
+        Raises:
+            MeshtrainError: the training loop has already ended (nothing would act on it).
+        """
+        self._refuse_if_finished("checkpoint")
+        self.requests.checkpoint()
+
+    def _refuse_if_finished(self, what: str) -> None:
+        if self.requests.ended:
+            last = self.progress.get("last_checkpoint")
+            raise MeshtrainError(
+                f"the run's training loop has ended at step {self.progress['step']}, so no {what} "
+                f"will follow; its last checkpoint is {last or 'none'}"
+            )
+
+    def pending_requests(self) -> tuple[bool, bool]:
+        """(stop requested, checkpoint requested) and not yet acted on, on this rank."""
+        return self.requests.pending()
+
+    def _agreed_requests(self, at_log_step: bool) -> tuple[bool, bool]:
+        """(stop, checkpoint) as every rank sees them: any rank's request counts for all.
+
+        Alone this is checked every step; with several ranks only on logging steps, where the
+        loop synchronizes anyway, so requests cost no extra host sync (latency: log_interval).
+        A stop sets `self.stop_cause`; with several ranks the same all-reduce carries each rank's
+        cause in a slot of its own, so every rank's log names the ranks that asked and why.
+        """
+        stop, checkpoint = self.requests.pending()
+        cause = self.requests.stop_cause if stop else None  # set before the flag, under its lock
+        if not self.mesh.distributed:
+            self.stop_cause = cause
+            return stop, checkpoint
+        if not at_log_step:
+            return False, False
+        # (stop, checkpoint, cause code of rank 0, ..., of rank world-1), MAX over the ranks
+        codes = [0.0] * dist.get_world_size()
+        codes[dist.get_rank()] = float(cause_code(cause))
+        flags = torch.tensor([float(stop), float(checkpoint), *codes], device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        values = [int(v) for v in flags.tolist()]  # one host sync
+        if values[0]:
+            self.stop_cause = describe_stop(values[2:])
+        return bool(values[0]), bool(values[1])
 
 
 def train(job: JobConfig, until_exit: bool = False) -> TrainResult:

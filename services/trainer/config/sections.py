@@ -112,7 +112,7 @@ class TrainConfig:
     cuda_graph: bool = False
     """CUDA, one process: capture one micro-batch's forward and backward (gradients accumulated
     inside it) as a CUDA graph at the first step and replay it for every micro-batch, launching
-    its thousands of kernels with one call (services/trainer/graphs.py). Gradients are then
+    its thousands of kernels with one call (services/trainer/cuda_graphs.py). Gradients are then
     zeroed in place instead of dropped; the graph holds one micro-batch's activations for the
     whole run, and every micro-batch must have the same shape (it does: fixed micro-batch size
     and sequence length). On an H200 it trained gpt2-125m at micro-batch 4, where the host

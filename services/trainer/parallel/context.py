@@ -122,17 +122,15 @@ def token_count(context: ContextParallel | None, loss_mask: torch.Tensor) -> tor
 def _seq_to_heads(x: torch.Tensor, group, a: int) -> torch.Tensor:
     """(b, H, 2c, d) of this rank's two chunks -> (b, H/a, 2ac, d) of the group's chunks for this
     rank's share of the heads, in position order (the front chunks by rank, then the back ones
-    in reverse rank order, which is how their positions run)."""
+    in reverse rank order, which is how their positions run). Differentiable: its backward is
+    `_heads_to_seq`'s data movement (the all-to-all reversed, the reshapes undone)."""
     b, h, s, d = x.shape
-    send = (
-        x.reshape(b, a, h // a, s, d).transpose(0, 1).contiguous()
-    )  # (a, b, H/a, 2c, d) by destination
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)  # recv[r]: rank r's two chunks, my heads
+    send = x.reshape(b, a, h // a, s, d).transpose(0, 1)  # (a, b, H/a, 2c, d) by destination
+    recv = M.all_to_all(send, group)  # recv[r]: rank r's two chunks, my heads
     c = s // 2
-    y = recv.view(a, b, h // a, 2, c, d)
-    front = y[:, :, :, 0].permute(1, 2, 0, 3, 4).reshape(b, h // a, a * c, d)
-    back = y[:, :, :, 1].flip(0).permute(1, 2, 0, 3, 4).reshape(b, h // a, a * c, d)
+    y_front, y_back = recv.view(a, b, h // a, 2, c, d).unbind(3)  # each (a, b, H/a, c, d)
+    front = y_front.permute(1, 2, 0, 3, 4).reshape(b, h // a, a * c, d)
+    back = y_back.flip(0).permute(1, 2, 0, 3, 4).reshape(b, h // a, a * c, d)
     return torch.cat([front, back], dim=2)
 
 
@@ -140,35 +138,12 @@ def _heads_to_seq(y: torch.Tensor, group, a: int) -> torch.Tensor:
     """The inverse of `_seq_to_heads`: (b, H/a, 2ac, d) -> (b, H, 2c, d)."""
     b, hl, s, d = y.shape
     c = s // (2 * a)
-    front = y[:, :, : a * c].reshape(b, hl, a, c, d).permute(2, 0, 1, 3, 4)
-    back = y[:, :, a * c :].reshape(b, hl, a, c, d).permute(2, 0, 1, 3, 4).flip(0)
-    send = torch.stack([front, back], dim=3).reshape(a, b, hl, 2 * c, d).contiguous()
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)  # recv[r]: my chunks, rank r's heads
+    y_front, y_back = y.split(a * c, dim=2)  # each (b, H/a, ac, d)
+    front = y_front.reshape(b, hl, a, c, d).permute(2, 0, 1, 3, 4)
+    back = y_back.reshape(b, hl, a, c, d).permute(2, 0, 1, 3, 4).flip(0)
+    send = torch.stack([front, back], dim=3).reshape(a, b, hl, 2 * c, d)  # (a, b, H/a, 2c, d)
+    recv = M.all_to_all(send, group)  # recv[r]: my chunks, rank r's heads
     return recv.transpose(0, 1).reshape(b, a * hl, 2 * c, d)
-
-
-class _AllToAll(torch.autograd.Function):
-    """Sequence-sharded <-> head-sharded; each direction's backward is the other."""
-
-    @staticmethod
-    def forward(ctx, x, group, a, to_heads):
-        ctx.group, ctx.a, ctx.to_heads = group, a, to_heads
-        return _seq_to_heads(x, group, a) if to_heads else _heads_to_seq(x, group, a)
-
-    @staticmethod
-    def backward(ctx, g):
-        g = g.contiguous()
-        return (
-            (
-                _heads_to_seq(g, ctx.group, ctx.a)
-                if ctx.to_heads
-                else _seq_to_heads(g, ctx.group, ctx.a)
-            ),
-            None,
-            None,
-            None,
-        )
 
 
 # ------------------------------------------------------------------------------------ ring
@@ -295,13 +270,13 @@ class ContextAttention(CoreAttention):
             groups = k.shape[1]
             if groups % cp.a2a:  # GQA with fewer kv heads than all-to-all ranks: one per rank
                 k, v = (t.repeat_interleave(cp.a2a // groups, dim=1) for t in (k, v))
-            q, k, v = (_AllToAll.apply(t, cp.a2a_group, cp.a2a, True) for t in (q, k, v))
+            q, k, v = (_seq_to_heads(t, cp.a2a_group, cp.a2a) for t in (q, k, v))
         if cp.ring > 1:
             out = _RingAttention.apply(q, k, v, cp, self.impl)
         else:
             out = sdpa(q, k, v, 0.0, self.backend)
         if cp.a2a > 1:
-            out = _AllToAll.apply(out, cp.a2a_group, cp.a2a, False)
+            out = _heads_to_seq(out, cp.a2a_group, cp.a2a)
         return out
 
 

@@ -1,6 +1,6 @@
 """The data-parallel wrapper for loops written by hand: an ordinary backward / optimizer.step().
 
-`DataParallel` (data.py) exposes the gradient-sync sequence that the trainer drives step by step
+`DataParallel` (data_parallel.py) exposes the gradient-sync sequence that the trainer drives step by step
 (no_sync on all but the last micro-batch, finish_grad_sync, clip, step, gather_params,
 zero_grad). Here that sequence hides behind a module and an optimizer, as Megatron Core's DDP
 wrapper and the distributed optimizer beside it do:
@@ -30,7 +30,7 @@ from torch import nn
 from meshtrain.services.trainer.config.sections import OptimConfig
 from meshtrain.services.trainer.model.gpt import GPT
 from meshtrain.services.trainer.optim.optimizer import build_optimizer
-from meshtrain.services.trainer.parallel.data import DataParallel, forward_units
+from meshtrain.services.trainer.parallel.data_parallel import DataParallel, forward_units
 from meshtrain.services.trainer.parallel.mesh import Mesh
 
 T = TypeVar("T")

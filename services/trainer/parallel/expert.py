@@ -13,8 +13,8 @@ the expert's output back:
       -> the inverse reorder, the reverse all-to-all
       -> rows in the order the block gave them
 
-Both all-to-alls are autograd functions (the backward of one is the other's exchange), so the
-experts' gradients come from every ep rank's tokens. The ep ranks are ep consecutive ranks of
+Both all-to-alls are differentiable (`mappings.all_to_all`: the backward of one is the other's
+exchange), so the experts' gradients come from every ep rank's tokens. The ep ranks are ep consecutive ranks of
 a dp x cp group (`Mesh`): each has its own tokens; the ranks holding the same experts ("edp")
 average the experts' gradients (`DataParallel`). Expert weight parameters carry
 `expert_shard = (first_expert, num_experts)` (and, under tensor parallelism, `tp_split`).
@@ -35,39 +35,9 @@ from torch import nn
 
 from meshtrain.services.common.errors import ConfigError
 from meshtrain.services.trainer.model.moe import GroupedExperts, LocalDispatcher, MoE, moe_layers
+from meshtrain.services.trainer.parallel import mappings as M
 from meshtrain.services.trainer.parallel.mesh import Mesh
 from meshtrain.services.trainer.parallel.tensor import reshard_param, set_moe_shares
-
-
-def _all_to_all(
-    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup
-) -> torch.Tensor:
-    """Rows of `x` (in_splits[r] for rank r, in rank order) exchanged; out_splits[r] arrive from rank r."""
-    x = x.contiguous()
-    out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
-    return out
-
-
-class _AllToAll(torch.autograd.Function):
-    """all_to_all_single along dim 0 with uneven splits; backward: the reverse exchange."""
-
-    @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        return _all_to_all(x, out_splits, in_splits, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        out_splits, in_splits = ctx.splits
-        return _all_to_all(grad, in_splits, out_splits, ctx.group), None, None, None
-
-
-def all_to_all(
-    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup
-) -> torch.Tensor:
-    """Differentiable all-to-all of rows: send in_splits[r] rows to rank r, receive out_splits[r] from it."""
-    return _AllToAll.apply(x, out_splits, in_splits, group)
 
 
 def expert_major_order(recv_counts: torch.Tensor, total: int) -> torch.Tensor:
@@ -122,7 +92,7 @@ class AllToAllDispatcher:
             [send.sum(1), recv.sum(1)]
         ).tolist()  # the one host sync: the split sizes
         send_splits, recv_splits = splits[: self.ep], splits[self.ep :]
-        got = all_to_all(rows, recv_splits, send_splits, self.group)  # (m, hidden), source-major
+        got = M.all_to_all(rows, self.group, recv_splits, send_splits)  # (m, hidden), source-major
         order = expert_major_order(recv, sum(recv_splits))
         self._pending = (send_splits, recv_splits, order)
         return got.index_select(0, order), recv.sum(0)
@@ -134,7 +104,7 @@ class AllToAllDispatcher:
         send_splits, recv_splits, order = self._pending
         self._pending = None
         source_major = rows.new_zeros(rows.shape).index_copy(0, order, rows)  # undo the reorder
-        return all_to_all(source_major, send_splits, recv_splits, self.group)
+        return M.all_to_all(source_major, self.group, send_splits, recv_splits)
 
 
 def _local_experts(moe: MoE, ep_rank: int, ep: int) -> GroupedExperts:

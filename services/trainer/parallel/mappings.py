@@ -1,4 +1,5 @@
-"""Paired communication regions for tensor and sequence parallelism (autograd functions).
+"""Every differentiable collective of the trainer: the paired communication regions of tensor
+and sequence parallelism, and the all-to-all that experts and context parallelism move rows with.
 
 Each region's backward is the adjoint of its forward, so the pairs below compose into exact
 gradients:
@@ -10,6 +11,7 @@ gradients:
     scatter_to_sequence   fwd: keep own seq chunk    bwd: all-gather (seq)
     gather_from_sequence  fwd: all-gather (seq)      bwd: reduce-scatter (seq)
     reduce_scatter_to_sequence  fwd: reduce-scatter (seq)  bwd: all-gather (seq)
+    all_to_all            fwd: exchange rows (dim 0) bwd: the reverse exchange
 
 `launch_sum` / `wait_sum` split the sum over tp into a launch and a wait, so that the
 column-parallel linears' backward computes the weight gradient while its input gradient is
@@ -176,6 +178,47 @@ def gather_from_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 def reduce_scatter_to_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
     return _ReduceScatter.apply(x, SEQ_DIM, group) if _size(group) > 1 else x
+
+
+def _exchange_rows(
+    x: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None, group: Group
+) -> torch.Tensor:
+    """Rows of `x` (in_splits[r] for rank r, in rank order) exchanged; out_splits[r] arrive from
+    rank r. Splits None: an even exchange, x.shape[0] / group size rows to and from each rank."""
+    x = x.contiguous()
+    rows = x.shape[0] if out_splits is None else sum(out_splits)
+    out = x.new_empty((rows, *x.shape[1:]))
+    dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single along dim 0 (splits uneven or None); backward: the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        return _exchange_rows(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        return _exchange_rows(grad, in_splits, out_splits, ctx.group), None, None, None
+
+
+def all_to_all(
+    x: torch.Tensor,
+    group: Group,
+    out_splits: list[int] | None = None,
+    in_splits: list[int] | None = None,
+) -> torch.Tensor:
+    """Differentiable all-to-all of rows: send in_splits[r] rows of `x` to rank r, receive
+    out_splits[r] rows from it (splits None: equal shares of dim 0, which must divide evenly).
+
+    Experts send each token row to the rank holding its expert (uneven splits); context
+    parallelism swaps sequence chunks for heads (even splits, one block per rank).
+    """
+    return _AllToAll.apply(x, out_splits, in_splits, group)
 
 
 def launch_sum(x: torch.Tensor, group: dist.ProcessGroup, sp: bool) -> torch.Tensor:

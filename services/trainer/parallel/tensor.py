@@ -362,19 +362,9 @@ def parallelize(
             head or group counts that tp does not divide, sequence parallelism with a sequence
             length tp does not divide, or comm_overlap where it cannot run.
     """
-    if mesh.cp > 1 and getattr(model, "context", None) is None:
-        raise ConfigError(
-            f"the mesh has cp={mesh.cp}: make the model context parallel first "
-            "(parallel.context.parallelize_context), or each cp rank attends only within its own tokens"
-        )
+    _check_mesh_and_overlap(model, mesh, sequence_parallel, comm_overlap, device)
     tp = mesh.tp
     cfg = model.config
-    if comm_overlap:
-        if not sequence_parallel:
-            raise ConfigError("parallel.tp_comm_overlap needs parallel.sequence_parallel")
-        why = async_tp.check_available(mesh.group("tp"), device or torch.device("cpu"))
-        if why:
-            raise ConfigError(f"parallel.tp_comm_overlap: {why}")
     if tp == 1:
         if sequence_parallel:
             raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1")
@@ -382,44 +372,9 @@ def parallelize(
     check_tensor_parallel(cfg, tp, sequence_parallel)
     check_moe_tensor_parallel(cfg, tp)
     with torch.no_grad():
-        emb = model.embedding
-        emb.word_embeddings = VocabParallelEmbedding(
-            emb.word_embeddings, mesh, cfg.make_vocab_size_divisible_by
-        )
-        if model.output_layer is not None:
-            out = model.output_layer
-            split = TPSplit(0, vocab=True)
-            out.weight = _param(
-                split.shard(
-                    _padded_rows(out.weight, tp, cfg.make_vocab_size_divisible_by), mesh.tp_rank, tp
-                ),
-                split,
-            )
-        model.head = VocabParallelHead(cfg.vocab_size, mesh, sequence_parallel)
+        _shard_vocabulary(model, mesh, sequence_parallel)
         for layer in model.layers:
-            att = layer.attention
-            att.qkv = ColumnParallelLinear(
-                att.qkv, mesh, sequence_parallel, overlap=comm_overlap, async_grad=async_grad_reduce
-            )
-            att.proj = RowParallelLinear(att.proj, mesh, sequence_parallel, overlap=comm_overlap)
-            att.heads, att.groups = att.heads // tp, att.groups // tp
-            for norm in (att.q_norm, att.k_norm):  # replicated, but each rank's heads give a share
-                for p in norm.parameters() if norm is not None else ():
-                    p.sequence_parallel = True  # type: ignore[attr-defined]  # summed over tp
-            if isinstance(layer.mlp, MoE):
-                parallelize_moe(layer.mlp, mesh, sequence_parallel)
-                continue
-            layer.mlp.fc1 = ColumnParallelLinear(
-                layer.mlp.fc1,
-                mesh,
-                sequence_parallel,
-                halves=layer.mlp.swiglu,
-                overlap=comm_overlap,
-                async_grad=async_grad_reduce,
-            )
-            layer.mlp.fc2 = RowParallelLinear(
-                layer.mlp.fc2, mesh, sequence_parallel, overlap=comm_overlap
-            )
+            _shard_block(layer, mesh, sequence_parallel, comm_overlap, async_grad_reduce)
         if sequence_parallel:
             for name, p in model.named_parameters():
                 if "norm" in name:
@@ -429,6 +384,77 @@ def parallelize(
                 lambda _m, _i, out: M.scatter_to_sequence(out, group)
             )
     return model
+
+
+def _check_mesh_and_overlap(
+    model: nn.Module,
+    mesh: Mesh,
+    sequence_parallel: bool,
+    comm_overlap: bool,
+    device: torch.device | None,
+) -> None:
+    """Refuse a cp mesh for a model not made context parallel, and comm_overlap where it cannot
+    run (without sequence parallelism, off CUDA + NCCL)."""
+    if mesh.cp > 1 and getattr(model, "context", None) is None:
+        raise ConfigError(
+            f"the mesh has cp={mesh.cp}: make the model context parallel first "
+            "(parallel.context.parallelize_context), or each cp rank attends only within its own tokens"
+        )
+    if comm_overlap:
+        if not sequence_parallel:
+            raise ConfigError("parallel.tp_comm_overlap needs parallel.sequence_parallel")
+        why = async_tp.check_available(mesh.group("tp"), device or torch.device("cpu"))
+        if why:
+            raise ConfigError(f"parallel.tp_comm_overlap: {why}")
+
+
+def _shard_vocabulary(model: nn.Module, mesh: Mesh, sequence_parallel: bool) -> None:
+    """The word embeddings, the output layer (untied) and the loss head split over tp by
+    vocabulary rows (padded to a multiple of make_vocab_size_divisible_by x tp)."""
+    tp, cfg = mesh.tp, model.config
+    emb = model.embedding
+    emb.word_embeddings = VocabParallelEmbedding(
+        emb.word_embeddings, mesh, cfg.make_vocab_size_divisible_by
+    )
+    if model.output_layer is not None:
+        out = model.output_layer
+        split = TPSplit(0, vocab=True)
+        out.weight = _param(
+            split.shard(
+                _padded_rows(out.weight, tp, cfg.make_vocab_size_divisible_by), mesh.tp_rank, tp
+            ),
+            split,
+        )
+    model.head = VocabParallelHead(cfg.vocab_size, mesh, sequence_parallel)
+
+
+def _shard_block(
+    layer: nn.Module, mesh: Mesh, sequence_parallel: bool, overlap: bool, async_grad: bool
+) -> None:
+    """One transformer block over tp: attention by heads, the MLP column- then row-parallel (a
+    MoE block as a tensor-parallel region, `parallelize_moe`)."""
+    tp = mesh.tp
+    att = layer.attention
+    att.qkv = ColumnParallelLinear(
+        att.qkv, mesh, sequence_parallel, overlap=overlap, async_grad=async_grad
+    )
+    att.proj = RowParallelLinear(att.proj, mesh, sequence_parallel, overlap=overlap)
+    att.heads, att.groups = att.heads // tp, att.groups // tp
+    for norm in (att.q_norm, att.k_norm):  # replicated, but each rank's heads give a share
+        for p in norm.parameters() if norm is not None else ():
+            p.sequence_parallel = True  # type: ignore[attr-defined]  # summed over tp
+    if isinstance(layer.mlp, MoE):
+        parallelize_moe(layer.mlp, mesh, sequence_parallel)
+        return
+    layer.mlp.fc1 = ColumnParallelLinear(
+        layer.mlp.fc1,
+        mesh,
+        sequence_parallel,
+        halves=layer.mlp.swiglu,
+        overlap=overlap,
+        async_grad=async_grad,
+    )
+    layer.mlp.fc2 = RowParallelLinear(layer.mlp.fc2, mesh, sequence_parallel, overlap=overlap)
 
 
 def check_moe_tensor_parallel(cfg, tp: int) -> None:

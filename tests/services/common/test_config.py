@@ -328,7 +328,7 @@ def test_context_parallel_settings_it_cannot_run_are_refused(args, message):
 def test_context_parallel_without_its_processes_is_refused(monkeypatch):
     import torch
 
-    from meshtrain.services.trainer.train import build_mesh
+    from meshtrain.services.trainer.build import build_mesh
 
     for name in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
         monkeypatch.delenv(name, raising=False)

@@ -387,7 +387,7 @@ def test_a_metrics_port_without_the_control_endpoint_is_refused(corpus_cache, tm
 def test_a_stop_names_the_ranks_that_asked_and_why():
     """Each rank's cause travels as a number in the flags' all-reduce; every rank turns the
     reduced numbers back into one line."""
-    from meshtrain.services.trainer.requests import CONTROL_STOP, cause_code, describe_stop
+    from meshtrain.services.trainer.run_requests import CONTROL_STOP, cause_code, describe_stop
 
     sigterm, control = cause_code("SIGTERM"), cause_code(CONTROL_STOP)
     assert cause_code(None) == 0 and sigterm == 15 and control not in (0, sigterm)

@@ -583,9 +583,9 @@ def test_eval_set_is_eval_iters_global_batches_whatever_the_micro_batch_and_dp_s
 
 _STOP_CHILD = """
 import os, signal, sys, time
-from meshtrain.services.trainer import requests, train as T
+from meshtrain.services.trainer import run_requests, train as T
 from meshtrain.services.trainer.config.load import load_config
-requests.STOP_STACK_DUMP_S = 0.5
+run_requests.STOP_STACK_DUMP_S = 0.5
 trainer = T.Trainer(load_config(sys.argv[2:]))
 step_fn = trainer.train_step
 stuck_s = float(sys.argv[1])

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,23 @@ from meshtrain.services.trainer.parallel.pipeline.stage import PipelineStage
 from meshtrain.services.trainer.parallel.pipeline.zero_bubble import WeightGradStore
 
 COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+
+
+@dataclass
+class _StepState:
+    """What one step's actions hand each other, keyed by (micro, chunk)."""
+
+    total: torch.Tensor  # the sum of the loss shares (last stage)
+    inputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # activations/tokens
+    outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # outputs/losses
+    grad_out: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # received grads
+    grad_in: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # to send back
+    batch: list[tuple[Action, dist.P2POp]] = field(default_factory=list)  # comm not yet posted
+    # in flight until the step ends (buffers kept alive)
+    sends: list[tuple[object, torch.Tensor]] = field(default_factory=list)
+    # ("F"|"B", micro, chunk) -> the receive it needs
+    recvs: dict[tuple[str, int, int], object] = field(default_factory=dict)
+    in_flight: int = 0  # forwards whose backward has not finished
 
 
 class PipelineRuntime:
@@ -111,113 +129,116 @@ class PipelineRuntime:
         first needs tokens, the last labels and the mask), None elsewhere. Returns the step's
         loss (the mean over micro-batches) on the last stage, 0 elsewhere.
         """
-        stage = self.stage
-        total = torch.zeros((), device=self.device)
-        inputs: dict[tuple[int, int], torch.Tensor] = {}  # received activations (or tokens)
-        outputs: dict[tuple[int, int], torch.Tensor] = {}  # chunk outputs / loss shares
-        grad_out: dict[tuple[int, int], torch.Tensor] = {}  # received output gradients
-        grad_in: dict[tuple[int, int], torch.Tensor] = {}  # input gradients to send back
-        batch: list[tuple[Action, dist.P2POp]] = []
-        sends: list[
-            tuple[object, torch.Tensor]
-        ] = []  # in flight until the step ends (buffers kept alive)
-        recvs: dict[
-            tuple[str, int, int], object
-        ] = {}  # ("F"|"B", micro, chunk) -> the receive it needs
+        st = _StepState(torch.zeros((), device=self.device))
         self.timeline = []
         self.peak_in_flight = 0
-        in_flight = 0
         sync_default = self.ddp.sync_enabled if self.ddp is not None else True
-
-        def flush() -> None:
-            if not batch:
-                return
-            t0 = self._now()
-            works = dist.batch_isend_irecv([op for _, op in batch])
-            for (a, op), work in zip(batch, works):
-                if a.kind in ("SEND_F", "SEND_B"):
-                    sends.append((work, op.tensor))
-                else:
-                    recvs[("F" if a.kind == "RECV_F" else "B", a.micro, a.chunk)] = work
-            if self.record:
-                t1 = self._now()
-                self.timeline += [(a, t0, t1) for a, _ in batch]
-            batch.clear()
-
-        def wait_for(kind: str, key: tuple[int, int]) -> None:
-            work = recvs.pop((kind, *key), None)
-            if work is not None:
-                t0 = self._now()
-                work.wait()
-                if self.record:
-                    self.timeline.append((Action("WAIT", *key), t0, self._now()))
-
         try:
             for i, a in enumerate(self.actions):
                 key = (a.micro, a.chunk)
                 if a.kind in COMM:
-                    if a.kind == "RECV_F":
-                        buf = torch.empty(self.act_shape, dtype=self.act_dtype, device=self.device)
-                        inputs[key] = buf
-                        batch.append((a, dist.P2POp(dist.irecv, buf, self.prev)))
-                    elif a.kind == "RECV_B":
-                        buf = torch.empty(self.act_shape, dtype=self.act_dtype, device=self.device)
-                        grad_out[key] = buf
-                        batch.append((a, dist.P2POp(dist.irecv, buf, self.next)))
-                    else:
-                        t = (
-                            outputs[key].detach() if a.kind == "SEND_F" else grad_in.pop(key)
-                        ).contiguous()
-                        self._check(a, t)
-                        peer = self.next if a.kind == "SEND_F" else self.prev
-                        batch.append((a, dist.P2POp(dist.isend, t, peer)))
+                    self._post(a, key, st)
                     continue
-                flush()
+                self._flush(st)
                 if a.kind in ("F", "B", "I"):
-                    wait_for("F" if a.kind == "F" else "B", key)
+                    self._wait_for(st, "F" if a.kind == "F" else "B", key)
                 t0 = self._now()
                 if a.kind == "F":
-                    x = self._forward_input(micro, a, inputs)
-                    labels = mask = None
-                    if stage.chunk_is_last(a.chunk):
-                        _, labels, mask = micro[a.micro]
-                    with self.autocast:
-                        y = stage.forward_chunk(a.chunk, x, labels, mask)
-                    if stage.chunk_is_last(a.chunk):
-                        y = y / self.n_micro
-                        total += y.detach()
-                    outputs[key] = y
-                    in_flight += 1
-                    self.peak_in_flight = max(self.peak_in_flight, in_flight)
+                    self._forward(a, key, micro, st)
                 elif a.kind in ("B", "I"):
-                    if self.ddp is not None:
-                        self.ddp.sync_enabled = self.final[a.kind].get(a.chunk) == i
-                    y = outputs.pop(key)
-                    grad = None if stage.chunk_is_last(a.chunk) else grad_out.pop(key)
-                    if a.kind == "I":
-                        self.store.begin(key)
-                    try:
-                        torch.autograd.backward(y, grad)
-                    finally:
-                        if a.kind == "I":
-                            self.store.end()
-                    x = inputs.pop(key)
-                    if not stage.chunk_is_first(a.chunk):
-                        grad_in[key] = x.grad
-                    if a.kind == "B":
-                        in_flight -= 1
+                    self._backward(i, a, key, st)
                 else:  # W
                     self.store.run(key, final=self.final["W"].get(a.chunk) == i)
-                    in_flight -= 1
+                    st.in_flight -= 1
                 if self.record:
                     self.timeline.append((a, t0, self._now()))
-            flush()
-            for work in list(recvs.values()) + [w for w, _ in sends]:
+            self._flush(st)
+            for work in list(st.recvs.values()) + [w for w, _ in st.sends]:
                 work.wait()
         finally:
             if self.ddp is not None:
                 self.ddp.sync_enabled = sync_default
-        return total
+        return st.total
+
+    def _post(self, a: Action, key: tuple[int, int], st: _StepState) -> None:
+        """Queue a comm action for the next `_flush`: a receive into a new buffer, or a send."""
+        if a.kind == "RECV_F":
+            buf = torch.empty(self.act_shape, dtype=self.act_dtype, device=self.device)
+            st.inputs[key] = buf
+            st.batch.append((a, dist.P2POp(dist.irecv, buf, self.prev)))
+        elif a.kind == "RECV_B":
+            buf = torch.empty(self.act_shape, dtype=self.act_dtype, device=self.device)
+            st.grad_out[key] = buf
+            st.batch.append((a, dist.P2POp(dist.irecv, buf, self.next)))
+        else:
+            t = (
+                st.outputs[key].detach() if a.kind == "SEND_F" else st.grad_in.pop(key)
+            ).contiguous()
+            self._check(a, t)
+            peer = self.next if a.kind == "SEND_F" else self.prev
+            st.batch.append((a, dist.P2POp(dist.isend, t, peer)))
+
+    def _flush(self, st: _StepState) -> None:
+        """Post the queued comm actions as one `batch_isend_irecv`."""
+        if not st.batch:
+            return
+        t0 = self._now()
+        works = dist.batch_isend_irecv([op for _, op in st.batch])
+        for (a, op), work in zip(st.batch, works):
+            if a.kind in ("SEND_F", "SEND_B"):
+                st.sends.append((work, op.tensor))
+            else:
+                st.recvs[("F" if a.kind == "RECV_F" else "B", a.micro, a.chunk)] = work
+        if self.record:
+            t1 = self._now()
+            self.timeline += [(a, t0, t1) for a, _ in st.batch]
+        st.batch.clear()
+
+    def _wait_for(self, st: _StepState, kind: str, key: tuple[int, int]) -> None:
+        """Wait for the receive ("F": activation, "B": gradient) of `key`, if one is pending."""
+        work = st.recvs.pop((kind, *key), None)
+        if work is not None:
+            t0 = self._now()
+            work.wait()
+            if self.record:
+                self.timeline.append((Action("WAIT", *key), t0, self._now()))
+
+    def _forward(self, a: Action, key: tuple[int, int], micro, st: _StepState) -> None:
+        """An F action: the chunk's forward (on the last chunk, the micro-batch's loss share)."""
+        stage = self.stage
+        x = self._forward_input(micro, a, st.inputs)
+        labels = mask = None
+        if stage.chunk_is_last(a.chunk):
+            _, labels, mask = micro[a.micro]
+        with self.autocast:
+            y = stage.forward_chunk(a.chunk, x, labels, mask)
+        if stage.chunk_is_last(a.chunk):
+            y = y / self.n_micro
+            st.total += y.detach()
+        st.outputs[key] = y
+        st.in_flight += 1
+        self.peak_in_flight = max(self.peak_in_flight, st.in_flight)
+
+    def _backward(self, i: int, a: Action, key: tuple[int, int], st: _StepState) -> None:
+        """A B action (full backward) or I action (input gradients, weight gradients deferred
+        to the store); the input gradient is kept for the send back."""
+        stage = self.stage
+        if self.ddp is not None:
+            self.ddp.sync_enabled = self.final[a.kind].get(a.chunk) == i
+        y = st.outputs.pop(key)
+        grad = None if stage.chunk_is_last(a.chunk) else st.grad_out.pop(key)
+        if a.kind == "I":
+            self.store.begin(key)
+        try:
+            torch.autograd.backward(y, grad)
+        finally:
+            if a.kind == "I":
+                self.store.end()
+        x = st.inputs.pop(key)
+        if not stage.chunk_is_first(a.chunk):
+            st.grad_in[key] = x.grad
+        if a.kind == "B":
+            st.in_flight -= 1
 
     def _forward_input(self, micro, a: Action, inputs) -> torch.Tensor:
         key = (a.micro, a.chunk)

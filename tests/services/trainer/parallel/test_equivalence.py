@@ -194,8 +194,8 @@ def test_bf16_gradient_reduction_trains_as_the_single_process_run_to_bf16_roundi
 ):
     """parallel.grad_reduce_dtype='bf16': the same training as one process up to the rounding of
     the reduced gradients (exact equality is the fp32 cases' job; the gradient bound itself is in
-    test_data.py). Measured: within 5e-6 over 10 steps; a rank that kept its own unreduced slice
-    was off by 1e-2."""
+    test_data_parallel.py). Measured: within 5e-6 over 10 steps; a rank that kept its own
+    unreduced slice was off by 1e-2."""
     world, arch_name, extra = {
         "dp2": (2, "gpt2", {"parallel.overlap_grad_reduce": True}),
         "dp2-zero1-overlap": (

@@ -44,7 +44,7 @@ from meshtrain.services.trainer.model import GPT
 from meshtrain.services.trainer.model.moe import moe_layers, set_moe_loss_scale
 from meshtrain.services.trainer.optim.optimizer import build_optimizer, clip_grad_norm
 from meshtrain.services.trainer.parallel import mappings as M
-from meshtrain.services.trainer.parallel.data import DataParallel
+from meshtrain.services.trainer.parallel.data_parallel import DataParallel
 from meshtrain.services.trainer.parallel.expert import gather_experts, parallelize_experts
 from meshtrain.services.trainer.parallel.mesh import Mesh
 from meshtrain.services.trainer.parallel.recompute import apply as apply_recompute

@@ -37,7 +37,16 @@ def _adjoint_checks(rank, world):
         "scatter_to_sequence": (M.scatter_to_sequence, True, False, (2, 4, 8)),
         "gather_from_sequence": (M.gather_from_sequence, False, False, (2, 2, 6)),
         "reduce_scatter_to_sequence": (M.reduce_scatter_to_sequence, False, False, (2, 4, 8)),
+        "all_to_all": (M.all_to_all, False, False, (4, 3)),  # even: a block of rows per rank
     }
+    # uneven, as experts send: rank r and rank j swap (r + j) % 3 + 1 rows each way
+    splits = [(rank + j) % 3 + 1 for j in range(world)]
+    cases["all_to_all_uneven"] = (
+        lambda x, g: M.all_to_all(x, g, splits, splits),
+        False,
+        False,
+        (sum(splits), 3),
+    )
     for name, (fn, in_rep, out_rep, shape) in cases.items():
         x = torch.randn(shape, dtype=torch.float64)
         if in_rep:

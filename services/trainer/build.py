@@ -1,12 +1,11 @@
-"""How a `Trainer` is put together: device, mesh, the checks before anything is built, and its build steps.
+"""The build steps of a `Trainer`: device, mesh, checks, the sharded model and its wrappers.
 
 `train.Trainer.__init__` calls these in order: the kernel mode and the device, the checks that
 refuse what this device cannot run (before any rank builds data or a model), the mesh and the
 seed; then this rank's share of the model (built whole, sharded over the mesh), its
 data-parallel wrapper, the bf16 weight copies, the compiled forward, the one-line model summary
 and, last, the checkpointer. Each step is a function of the job's sections and what the steps
-before it built, so `train.py` keeps the loop and the order; the names its callers import from
-there (`build_mesh`, `pick_device`, ...) stay importable from `meshtrain.services.trainer.train`.
+before it built, so `train.py` keeps the loop and the order.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ from meshtrain.services.trainer.model.gpt import GPT
 from meshtrain.services.trainer.model.moe import set_moe_loss_scale
 from meshtrain.services.trainer.parallel import recompute
 from meshtrain.services.trainer.parallel.context import parallelize_context
-from meshtrain.services.trainer.parallel.data import DataParallel, forward_units
+from meshtrain.services.trainer.parallel.data_parallel import DataParallel, forward_units
 from meshtrain.services.trainer.parallel.expert import parallelize_experts
 from meshtrain.services.trainer.parallel.mesh import Mesh, env_rank_world, init_process_group
 from meshtrain.services.trainer.parallel.pipeline.engine import Pipeline, build_pipeline

@@ -1,4 +1,4 @@
-"""Micro-batches to the device on a side stream (services/trainer/uploads.py).
+"""Micro-batches to the device on a side stream (services/trainer/device_uploads.py).
 
 The CUDA cases skip without a GPU and run on the H200 with `make test-gpu`; the training step
 that uses the uploader is covered there too (test_gpu.py, including the no-host-sync test).
@@ -7,7 +7,7 @@ that uses the uploader is covered there too (test_gpu.py, including the no-host-
 import pytest
 import torch
 
-from meshtrain.services.trainer.uploads import Uploader
+from meshtrain.services.trainer.device_uploads import Uploader
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

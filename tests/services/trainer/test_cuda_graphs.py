@@ -1,4 +1,4 @@
-"""The captured micro-batch (services/trainer/graphs.py): refusals here, on CPU; on CUDA, that
+"""The captured micro-batch (services/trainer/cuda_graphs.py): refusals here, on CPU; on CUDA, that
 replays accumulate the same gradients as eager micro-batches and that training with the graph
 follows training without it step for step."""
 
@@ -8,7 +8,7 @@ from torch import nn
 
 from meshtrain.services.common.errors import ConfigError, MeshtrainError
 from meshtrain.services.trainer.config.load import load_config
-from meshtrain.services.trainer.graphs import MicroBatchGraph
+from meshtrain.services.trainer.cuda_graphs import MicroBatchGraph
 from tests.services.trainer.conftest import small_job_args
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

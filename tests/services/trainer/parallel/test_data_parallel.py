@@ -8,7 +8,7 @@ import torch.distributed as dist
 from meshtrain.services.common.model_config import ModelConfig
 from meshtrain.services.trainer.config.sections import OptimConfig
 from meshtrain.services.trainer.model import GPT
-from meshtrain.services.trainer.parallel.data import DataParallel, forward_units
+from meshtrain.services.trainer.parallel.data_parallel import DataParallel, forward_units
 from meshtrain.services.trainer.parallel.mesh import Mesh
 from tests.dist_utils import run_ranks
 
