@@ -659,7 +659,29 @@ def _training_manifest(root: str, step: int | None) -> tuple[int, dict]:
         raise CheckpointError(
             f"{root}: not a meshtrain training checkpoint (format {meta.get('format')!r})"
         )
+    _check_position(root, step, meta)
     return step, manifest
+
+
+def _check_position(root: str, step: int, meta: dict) -> None:
+    """Refuses a checkpoint whose recorded position disagrees with itself: a resume starts at
+    `iteration` and skips `consumed_samples`, so a wrong one would repeat or skip data in
+    silence. The manifest's digest catches an edit; this catches a writer that got them wrong."""
+
+    def count(value: object) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    iteration = meta.get("iteration")
+    if iteration != step:
+        raise CheckpointError(
+            f"{root}: checkpoint step {step} records iteration {iteration!r}; a resume would "
+            "start from the wrong step"
+        )
+    for key in ("consumed_samples", "optimizer_step"):
+        if not count(meta.get(key)):
+            raise CheckpointError(
+                f"{root}: checkpoint step {step} records {key} {meta.get(key)!r}, not a count"
+            )
 
 
 def _check_names(
