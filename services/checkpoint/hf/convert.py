@@ -4,10 +4,13 @@ and for mixture-of-experts models `MixtralForCausalLM` and `Qwen2MoeForCausalLM`
 
 `export_hf(src_root, dst_dir)` turns a training checkpoint into a folder `transformers` loads
 (safetensors shards of at most `max_shard_size` with their index, or one `model.safetensors`;
-`config.json`, `generation_config.json` when the end-of-document id is known, and the run's
+`config.json`, `generation_config.json` when the special-token ids are known, and the run's
 `tokenizer.json` with a `tokenizer_config.json`); `import_hf(src, dst_root)` turns such a
 folder, or a repo id found in the local Hugging Face cache (`files.model_folder`), into a
 step-0 training checkpoint (fresh RNG, no optimizer state) that `meshtrain train --load` continues.
+The import records the source's architecture and the config fields meshtrain does not compute
+with (special-token ids, Mistral's window, dtype) as the model's `hf_*` settings, which every
+later save carries, so the export writes the same model back.
 The mapping is a list of `Rule`s, one per meshtrain tensor, each naming the HF tensors it
 becomes and the two conversions: the fused QKV (stored per query group) splits into q/k/v,
 the SwiGLU [gate; up] into gate_proj/up_proj, and GPT-2's Conv1D weights are transposed
@@ -479,8 +482,9 @@ def export_hf(
         tokenizer: a `tokenizer.json` (or folder holding one) to ship instead of the run's.
         max_shard_size: bytes of tensor data per safetensors file (an int, or "5GB", "500MB",
             "2GiB"); a model over it is written in shards with `model.safetensors.index.json`.
-        arch: the HF model_type to write ("mistral" for a Llama-shaped model that came from
-            one); None: the one the model's settings name (see `architecture`).
+        arch: the HF model_type to write ("mistral" for a Llama-shaped model); None: the
+            imported model's (model.hf_model_type) while the settings fit it, else the one they
+            name (see `architecture`).
 
     Returns:
         `dst_dir`.
