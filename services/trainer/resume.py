@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import fields, replace
+from typing import Any
 
 import torch
 
@@ -74,7 +75,9 @@ def carry_hf_identity(job: JobConfig, meta: dict) -> None:
     saved = (meta.get("config") or {}).get("model") or {}
     if job.model.hf_model_type is not None or saved.get("hf_model_type") is None:
         return
-    carried = {f.name: saved.get(f.name) for f in fields(ModelConfig) if f.name.startswith("hf_")}
+    carried: dict[str, Any] = {
+        f.name: saved.get(f.name) for f in fields(ModelConfig) if f.name.startswith("hf_")
+    }
     window = carried["hf_sliding_window"]
     if window is not None and window < job.model.seq_length:
         log.warning(
