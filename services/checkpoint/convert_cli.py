@@ -153,8 +153,8 @@ def register_subcommands(ckpt_subparsers: argparse._SubParsersAction) -> None:
     exp.add_argument(
         "--architecture",
         choices=["llama", "mistral", "qwen2", "qwen3"],
-        help="Hugging Face model_type of a dense RoPE model (default: the one its settings name; "
-        "a Llama-shaped model imported from Mistral exports as Mistral)",
+        help="Hugging Face model_type of a dense RoPE model (default: the imported model's, "
+        "model.hf_model_type, while the settings fit it, else the one they name)",
     )
     exp.add_argument(
         "--padded-vocab-size",

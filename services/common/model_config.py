@@ -9,6 +9,7 @@ services never import the trainer). It is the `model` section of the trainer's j
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -138,6 +139,34 @@ class ModelConfig:
     moe_grouped_gemm: bool = True
     """Experts as grouped GEMMs (torch._grouped_mm on CUDA bf16 where the device supports it);
     off, or where it cannot run, a loop over the experts computes the same."""
+    hf_model_type: (
+        Literal["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "gpt2"] | None
+    ) = None
+    """The Hugging Face model_type the weights were imported from (`ckpt import --format hf`
+    sets it and the model.hf_* keys below; a resume that leaves them unset takes them from the
+    checkpoint). `ckpt export` writes this architecture again unless --architecture names
+    another, or the settings no longer fit it (then the one they name, with a warning). Unset:
+    the architecture the settings name (a Llama-shaped model exports as Llama)."""
+    hf_bos_token_id: int | None = None
+    """The imported config.json's bos_token_id, written back by the export while the run's
+    tokenizer is the imported one (model.hf_tokenizer_sha256); another tokenizer gets its own
+    end-of-document id. Unset with model.hf_model_type set: the imported config had none."""
+    hf_eos_token_id: int | list[int] | None = None
+    """The imported config.json's eos_token_id (one id or a list), kept as
+    model.hf_bos_token_id is."""
+    hf_pad_token_id: int | None = None
+    """The imported config.json's pad_token_id, kept as model.hf_bos_token_id is."""
+    hf_tokenizer_sha256: str | None = None
+    """sha256 of the tokenizer.json imported with the model: the tokenizer the model.hf_*_token_id
+    keys belong to. Unset: the import had no tokenizer.json, and the ids are kept whatever the
+    run's tokenizer."""
+    hf_sliding_window: int | None = None
+    """Mistral's and Mixtral's sliding_window, written back by the export. meshtrain attends to
+    the whole sequence, which the window then covers: it must be at least seq_length (unset it
+    to train longer sequences; the export then has no window)."""
+    hf_torch_dtype: Literal["float32", "float16", "bfloat16"] | None = None
+    """The imported weights' dtype. The export writes the checkpoint's own (training keeps fp32
+    weights) and says so where it differs; `meshtrain ckpt convert --dtype` casts back first."""
 
     def __post_init__(self) -> None:
         for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
@@ -203,6 +232,7 @@ class ModelConfig:
             raise ConfigError(f"model.norm_epsilon must be >= 0, got {self.norm_epsilon}")
         self._check_rope_scaling()
         self._check_moe()
+        self._check_hf()
         if self.transformer_impl != "local":
             raise NotBuiltError(
                 "model.transformer_impl='transformer_engine' is not built yet (Transformer Engine "
@@ -276,6 +306,32 @@ class ModelConfig:
         if self.moe_router_pre_softmax and self.moe_router_score_function != "softmax":
             raise ConfigError(
                 "model.moe_router_pre_softmax applies to the softmax score function only"
+            )
+
+    def _check_hf(self) -> None:
+        ids = {
+            "hf_bos_token_id": self.hf_bos_token_id,
+            "hf_eos_token_id": self.hf_eos_token_id,
+            "hf_pad_token_id": self.hf_pad_token_id,
+        }
+        for key, value in ids.items():
+            values = value if isinstance(value, list) else [] if value is None else [value]
+            if any(v < 0 for v in values):
+                raise ConfigError(f"model.{key}={value} is not a token id (ids are >= 0)")
+        window = self.hf_sliding_window
+        if window is not None and window < self.seq_length:
+            raise ConfigError(
+                f"model.hf_sliding_window={window} is shorter than model.seq_length="
+                f"{self.seq_length}: meshtrain attends to the whole sequence, which an exported "
+                "model with this window would mask; unset model.hf_sliding_window to train longer "
+                "sequences (the export then has no window)"
+            )
+        if self.hf_tokenizer_sha256 is not None and not re.fullmatch(
+            "[0-9a-f]{64}", self.hf_tokenizer_sha256
+        ):
+            raise ConfigError(
+                f"model.hf_tokenizer_sha256={self.hf_tokenizer_sha256!r} is not a sha256 digest "
+                "(64 lowercase hex digits)"
             )
 
     def is_moe_layer(self, layer: int) -> bool:

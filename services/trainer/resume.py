@@ -9,6 +9,8 @@ resume continues the saved run and that the root it saves into will take its sav
 from __future__ import annotations
 
 import logging
+from dataclasses import fields, replace
+from typing import Any
 
 import torch
 
@@ -16,6 +18,7 @@ from meshtrain.services.checkpoint.config import CheckpointConfig
 from meshtrain.services.checkpoint.reader import list_checkpoints, unreadable_manifests
 from meshtrain.services.checkpoint.store import same_root
 from meshtrain.services.common.errors import CheckpointError, ConfigError
+from meshtrain.services.common.model_config import ModelConfig
 from meshtrain.services.trainer.checkpointing import (
     Parallel,
     TrainState,
@@ -54,6 +57,7 @@ def resume(
         return TrainState(), None
     state, meta = restore(c.load, model, optimizer, par, c.load_step)
     check_continuation(job, state, meta)
+    carry_hf_identity(job, meta)
     log.info(
         "resumed from %s at step %d (%d samples consumed)",
         c.load,
@@ -61,6 +65,34 @@ def resume(
         state.consumed_samples,
     )
     return state, state.iteration if same_root(c.load, c.save) else None
+
+
+def carry_hf_identity(job: JobConfig, meta: dict) -> None:
+    """Take the checkpoint's model.hf_* settings (the Hugging Face model it was imported from)
+    where this run names no source of its own, so that the run's saves export as that model
+    again; they change nothing the model computes. A window shorter than this run's sequences
+    is left behind (the export then has none: meshtrain attends to the whole sequence)."""
+    saved = (meta.get("config") or {}).get("model") or {}
+    if job.model.hf_model_type is not None or saved.get("hf_model_type") is None:
+        return
+    carried: dict[str, Any] = {
+        f.name: saved.get(f.name) for f in fields(ModelConfig) if f.name.startswith("hf_")
+    }
+    window = carried["hf_sliding_window"]
+    if window is not None and window < job.model.seq_length:
+        log.warning(
+            "the checkpoint's model had a sliding window of %d tokens (model.hf_sliding_window), "
+            "shorter than model.seq_length=%d: its exports have no window from here on",
+            window,
+            job.model.seq_length,
+        )
+        carried["hf_sliding_window"] = None
+    job.model = replace(job.model, **carried)
+    log.info(
+        "the checkpoint's model came from Hugging Face %r: model.hf_* taken from it, so this "
+        "run's saves export as one",
+        carried["hf_model_type"],
+    )
 
 
 def check_continuation(job: JobConfig, state: TrainState, meta: dict) -> None:

@@ -4,10 +4,13 @@ and for mixture-of-experts models `MixtralForCausalLM` and `Qwen2MoeForCausalLM`
 
 `export_hf(src_root, dst_dir)` turns a training checkpoint into a folder `transformers` loads
 (safetensors shards of at most `max_shard_size` with their index, or one `model.safetensors`;
-`config.json`, `generation_config.json` when the end-of-document id is known, and the run's
+`config.json`, `generation_config.json` when the special-token ids are known, and the run's
 `tokenizer.json` with a `tokenizer_config.json`); `import_hf(src, dst_root)` turns such a
 folder, or a repo id found in the local Hugging Face cache (`files.model_folder`), into a
 step-0 training checkpoint (fresh RNG, no optimizer state) that `meshtrain train --load` continues.
+The import records the source's architecture and the config fields meshtrain does not compute
+with (special-token ids, Mistral's window, dtype) as the model's `hf_*` settings, which every
+later save carries, so the export writes the same model back.
 The mapping is a list of `Rule`s, one per meshtrain tensor, each naming the HF tensors it
 becomes and the two conversions: the fused QKV (stored per query group) splits into q/k/v,
 the SwiGLU [gate; up] into gate_proj/up_proj, and GPT-2's Conv1D weights are transposed
@@ -23,12 +26,15 @@ tensor at a time: export writes safetensors itself (`write.py`: headers from the
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import logging
 import posixpath
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -284,10 +290,28 @@ def _model_from_hf(config: dict[str, Any], seq_length: int | None) -> ModelConfi
             f"HF model_type {kind!r} is not supported; only {', '.join(map(repr, FAMILY))} "
             "and 'gpt2'"
         )
+    table.update(_identity(kind, config))
     try:
         return build(ModelConfig, table, "model.")
     except (ValueError, KeyError) as e:
         raise CheckpointError(f"HF config does not make a valid meshtrain model: {e}") from e
+
+
+def _identity(kind: str, config: dict[str, Any]) -> dict[str, Any]:
+    """The model.hf_* settings of an HF config: what its export writes back that meshtrain
+    does not compute with (the architecture, the special-token ids, the weights' dtype)."""
+    table: dict[str, Any] = {"hf_model_type": kind}
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = config.get(key)
+        ids = value if key == "eos_token_id" and isinstance(value, list) else [value]
+        if value is not None and not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
+        ):
+            raise CheckpointError(f"HF config {key}={value!r} is not a token id")
+        table[f"hf_{key}"] = value
+    dtype = config.get("dtype", config.get("torch_dtype"))  # transformers >= 5 writes "dtype"
+    table["hf_torch_dtype"] = dtype if dtype in ("float32", "float16", "bfloat16") else None
+    return table
 
 
 def rules(model: ModelConfig, arch: str | None = None) -> list[Rule]:
@@ -458,8 +482,9 @@ def export_hf(
         tokenizer: a `tokenizer.json` (or folder holding one) to ship instead of the run's.
         max_shard_size: bytes of tensor data per safetensors file (an int, or "5GB", "500MB",
             "2GiB"); a model over it is written in shards with `model.safetensors.index.json`.
-        arch: the HF model_type to write ("mistral" for a Llama-shaped model that came from
-            one); None: the one the model's settings name (see `architecture`).
+        arch: the HF model_type to write ("mistral" for a Llama-shaped model); None: the
+            imported model's (model.hf_model_type) while the settings fit it, else the one they
+            name (see `architecture`).
 
     Returns:
         `dst_dir`.
@@ -479,14 +504,20 @@ def export_hf(
         source.model,
     )
     limit = parse_size(max_shard_size)
-    origin = (metadata.get("imported_from") or {}).get("architecture")
-    if (
-        arch is None and origin in DENSE
-    ):  # an imported Mistral exports as a Mistral while it still is one
+    # An imported model exports as its source architecture while its settings still fit it
+    # (checkpoints imported before model.hf_model_type existed name it in their metadata).
+    origin = model.hf_model_type or (metadata.get("imported_from") or {}).get("architecture")
+    if arch is None and origin is not None:
         try:
             arch = architecture(model, origin)
-        except CheckpointError:
-            pass
+        except CheckpointError as e:
+            log.warning(
+                "%s: the model was imported from Hugging Face %r, which its settings no longer "
+                "fit (%s); exporting as the architecture they name",
+                where,
+                origin,
+                e,
+            )
     plan = rules(model, arch)
     _check_tensors({r.ours: r.shape for r in plan}, specs, where, ignore=layout.NON_PARAMETER)
     dtypes = {specs[r.ours][1] for r in plan}
@@ -501,6 +532,16 @@ def export_hf(
     )
     tokenizer_file = hf_tokenizer.tokenizer_file(spec, where)
     eod = hf_tokenizer.eod_id(tokenizer_file, spec, model, where)
+    special, kept = _special_ids(model, tokenizer_file, eod, where)
+    if model.hf_torch_dtype not in (None, dtype):
+        log.warning(
+            "%s: the weights are %s, the imported model's were %s: exporting them as %s (`meshtrain "
+            "ckpt convert --dtype` casts a checkpoint first)",
+            where,
+            dtype,
+            model.hf_torch_dtype,
+            dtype,
+        )
 
     dst = open_root(dst_dir)  # the checkpoint store's way in: fresh listings, the run's S3 endpoint
     fs, path = dst.fs, dst.path
@@ -536,15 +577,16 @@ def export_hf(
 
     try:
         write_shards(fs, out, shards, dtype, produced())
-        config = hf_config(model, dtype, eod, arch)
+        config = {**hf_config(model, dtype, eod, arch), **special}
         files = {}
-        if eod is not None:
+        generation = {k: v for k, v in special.items() if v is not None}
+        if generation:
             # transformers 5 takes generate()'s stopping ids from here only, not config.json.
-            files["generation_config.json"] = {"bos_token_id": eod, "eos_token_id": eod}
+            files["generation_config.json"] = generation
         if tokenizer_file is not None:
             fs.put_file(str(tokenizer_file), posixpath.join(out, "tokenizer.json"))
             files["tokenizer_config.json"] = hf_tokenizer.tokenizer_config(
-                tokenizer_file, model, where
+                tokenizer_file, model, where, special if kept else None
             )
         files["config.json"] = config  # last
         for name, content in files.items():
@@ -573,6 +615,38 @@ def export_hf(
         "" if len(shards) == 1 else "s",
     )
     return dst_dir
+
+
+def _special_ids(
+    model: ModelConfig, tokenizer_file: Path | None, eod: int | None, where: str
+) -> tuple[dict[str, Any], bool]:
+    """The special-token ids of an export's config.json, and whether they are the imported ones.
+
+    An imported model keeps its config's bos/eos/pad ids (model.hf_*_token_id) while the
+    tokenizer shipped is the one imported with it (model.hf_tokenizer_sha256; an import without
+    a tokenizer.json keeps them whatever the tokenizer). Otherwise the tokenizer's end of
+    document is both bos and eos (None too: a missing key means HF's own default, some other
+    token here).
+    """
+    own = {"bos_token_id": eod, "eos_token_id": eod}
+    if model.hf_model_type is None:
+        return own, False
+    if model.hf_tokenizer_sha256 is not None:
+        digest = None
+        if tokenizer_file is not None:
+            digest = hashlib.sha256(tokenizer_file.read_bytes()).hexdigest()
+        if digest != model.hf_tokenizer_sha256:
+            log.info(
+                "%s: the tokenizer is not the one imported with the model: its end of document "
+                "(%s) is written as bos and eos, not the imported ids",
+                where,
+                eod,
+            )
+            return own, False
+    ids = {"bos_token_id": model.hf_bos_token_id, "eos_token_id": model.hf_eos_token_id}
+    if model.hf_pad_token_id is not None:
+        ids["pad_token_id"] = model.hf_pad_token_id
+    return ids, True
 
 
 def import_hf(
@@ -673,6 +747,9 @@ def import_hf(
     tokenizer = src / "tokenizer.json"
     # the folder resolved, not the file: in the hub cache the file is a link to a blob
     tokenizer_path = str(src.resolve() / "tokenizer.json") if tokenizer.is_file() else None
+    if tokenizer_path is not None:  # the tokenizer the special-token ids belong to
+        digest = hashlib.sha256(tokenizer.read_bytes()).hexdigest()
+        model = dataclasses.replace(model, hf_tokenizer_sha256=digest)
     carried, record = tokenizer_boxes(tokenizer_path)  # the checkpoint carries the file itself
     carried_tensors = {box.array: tensor for box, tensor in carried}
 

@@ -9,7 +9,8 @@ model.qkv_bias), Qwen3 an RMSNorm over each query and key head (model.qk_norm) a
 of its own (model.kv_channels). `dense_architecture` picks the one a meshtrain model is (or
 checks the one asked for), `dense_hf_config` writes its config, `llama_family_table` reads one.
 A sliding window that masks part of the sequence has no meshtrain equivalent and is refused,
-unless the imported sequence length fits inside the window (then it masks nothing).
+unless the imported sequence length fits inside the window (then it masks nothing, and Mistral's
+is kept for the export as model.hf_sliding_window).
 """
 
 from __future__ import annotations
@@ -135,7 +136,8 @@ def dense_hf_config(model: ModelConfig, arch: str, dtype: str, eod: int | None) 
     if arch == "llama":
         return out
     del out["attention_bias"], out["mlp_bias"]
-    out.update({"architectures": [DENSE[arch]], "model_type": arch, "sliding_window": None})
+    window = model.hf_sliding_window if arch == "mistral" else None
+    out.update({"architectures": [DENSE[arch]], "model_type": arch, "sliding_window": window})
     if arch in ("qwen2", "qwen3"):
         out.update(
             {
@@ -183,6 +185,11 @@ def llama_family_table(
     positions = count("max_position_embeddings")
     seq = positions if seq_length is None else seq_length
     window = _check_window(kind, config, seq, positions)
+    # Mistral's and Mixtral's window is one key: kept for the export (model.hf_sliding_window, at
+    # least seq), with the model's own context. Qwen's applies to some layers (use_sliding_window,
+    # layer_types): dropped, as it covers seq the export attends fully and computes the same.
+    kept = window if kind in ("mistral", "mixtral") else None
+    dropped = window is not None and kept is None
     bias = {"add_bias_linear": False, "qkv_bias": False, "qk_norm": kind == "qwen3"}
     if kind == "llama":
         bias["add_bias_linear"] = bool(
@@ -218,7 +225,8 @@ def llama_family_table(
         "vocab_size": config["vocab_size"],
         # The model's own context, kept for its export, unless a window (covering seq) was dropped:
         # beyond seq the export then states no more than meshtrain computes.
-        "max_position_embeddings": positions if window is None and seq < positions else None,
+        "max_position_embeddings": positions if not dropped and seq < positions else None,
+        "hf_sliding_window": kept,
         "normalization": "rmsnorm",
         "norm_epsilon": config.get("rms_norm_eps", 1e-6),
         "activation": "swiglu",

@@ -129,7 +129,7 @@ def moe_hf_config(model: ModelConfig, arch: str, base: dict[str, Any]) -> dict[s
                 "model_type": "mixtral",
                 "intermediate_size": model.moe_ffn_size,
                 "num_local_experts": model.num_experts,
-                "sliding_window": None,
+                "sliding_window": model.hf_sliding_window,
                 "router_jitter_noise": 0.0,
             }
         )

@@ -107,15 +107,32 @@ def eod_id(path: Path | None, spec: str | None, model: ModelConfig, where: str) 
     return eod
 
 
-def tokenizer_config(path: Path, model: ModelConfig, where: str) -> dict[str, Any]:
-    """A `tokenizer_config.json` that makes `AutoTokenizer` load `tokenizer.json` as a fast tokenizer."""
-    special = {
-        t.content for t in _load(path, where).get_added_tokens_decoder().values() if t.special
-    }
+def tokenizer_config(
+    path: Path, model: ModelConfig, where: str, ids: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """A `tokenizer_config.json` that makes `AutoTokenizer` load `tokenizer.json` as a fast tokenizer.
+
+    Args:
+        path: the tokenizer.json.
+        model: the model (its sequence length is the tokenizer's model_max_length).
+        where: names the checkpoint in errors.
+        ids: the imported model's special-token ids ("bos_token_id", "eos_token_id" (one or a
+            list: the first), "pad_token_id"), named as tokens here; None: `<|endoftext|>` is
+            bos and eos where it is a special token.
+    """
+    tokenizer = _load(path, where)
     config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": model.seq_length,
     }
+    if ids is not None:
+        for key, value in ids.items():
+            first = value[0] if isinstance(value, list) and value else value
+            token = None if not isinstance(first, int) else tokenizer.id_to_token(first)
+            if token is not None:
+                config[key.removesuffix("_id")] = token
+        return config
+    special = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
     if EOD_TOKEN in special:
         config.update(bos_token=EOD_TOKEN, eos_token=EOD_TOKEN)
     return config

@@ -7,6 +7,7 @@ on logits of size ~10, where a wrong head order, bias or norm is O(1)); HF -> me
 round trips must give bit-identical tensors.
 """
 
+import dataclasses
 import json
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 
 from meshtrain.services.checkpoint.hf.convert import export_hf, import_hf, model_from_hf
 from meshtrain.services.checkpoint.reader import read_manifest
-from meshtrain.services.common.errors import CheckpointError
+from meshtrain.services.common.errors import CheckpointError, ConfigError
 from meshtrain.services.common.model_config import ModelConfig
 from meshtrain.services.trainer import checkpointing
 from meshtrain.services.trainer.model.gpt import GPT
@@ -250,16 +251,21 @@ def test_a_sliding_window_shorter_than_the_sequence_is_refused_unless_the_sequen
     import_hf(str(src), root, seq_length=16)
     model = restored(root)
     assert model.config.seq_length == 16
-    # the window is gone from the model: its export claims no context beyond what meshtrain computes
-    assert model.config.max_position_embeddings is None
+    # the window is kept for the export, with the model's own context: the export is the source
+    assert (model.config.max_position_embeddings, model.config.hf_sliding_window) == (32, 16)
     export_hf(root, str(tmp_path / "back"))
     back = json.loads((tmp_path / "back" / "config.json").read_text())
-    assert (back["max_position_embeddings"], back["sliding_window"]) == (16, None)
+    assert (back["max_position_embeddings"], back["sliding_window"]) == (32, 16)
     # 16 tokens inside a 16-token window: HF masks nothing either
     tokens = TOKENS[:, :16]
     torch.testing.assert_close(
         meshtrain_logits(model, tokens), hf_logits(src, tokens), atol=1e-4, rtol=1e-4
     )
+    torch.testing.assert_close(
+        meshtrain_logits(model, tokens), hf_logits(tmp_path / "back", tokens), atol=1e-4, rtol=1e-4
+    )
+    with pytest.raises(ConfigError, match="hf_sliding_window=16 is shorter than .*seq_length=32"):
+        dataclasses.replace(model.config, seq_length=32)
     with pytest.raises(CheckpointError, match="sequence length 0 is not a positive integer"):
         import_hf(str(src), str(tmp_path / "c"), seq_length=0)
 
