@@ -6,7 +6,9 @@
     meshtrain data preprocess|train-tokenizer ...      (services/dataloader/cli.py)
     meshtrain ckpt list|inspect ...                    (services/checkpoint/cli.py)
 
-Errors a user can cause are printed as one line naming what was wrong, with exit status 2.
+Errors a user can cause are printed as one line naming what was wrong, with exit status 2,
+before torch's heavy modules are imported: every command parses and validates its arguments and
+config first (tests/test_cli_imports.py holds them to it).
 A checkpoint save whose storage kept failing through its retries (CheckpointStorageError) ends
 the command with exit status 74 (STORAGE_EXIT_STATUS, sysexits' EX_IOERR) and a line saying so:
 the run cannot keep its progress, and starting it again would only retrain what it loses.
@@ -41,7 +43,6 @@ from meshtrain.services.trainer import generate_cli
 
 def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     from meshtrain.services.trainer.config.load import config_help, load_config
-    from meshtrain.services.trainer.train import train
 
     if args.help_config:
         print(config_help())
@@ -56,6 +57,10 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
             "(one process is stopped by SIGTERM directly)"
         )
     job = load_config(rest)  # validate before anything starts
+    # The trainer (torch and its compiler stack: seconds, tens on a busy machine) loads only
+    # for a command line that is valid, so a mistake is answered at once.
+    from meshtrain.services.trainer.train import train
+
     result = train(job, until_exit=True)  # the process ends with the run: a late SIGTERM is logged
     if result.rank != 0:
         return 0

@@ -25,12 +25,19 @@ from meshtrain.services.checkpoint.config import ServeConfig, add_serve_argument
 from meshtrain.services.common.errors import CheckpointError, is_storage_error
 
 
+def missing_local_root(root: str) -> bool:
+    """Whether `root` is a local path (plain or `file://`) that does not exist: such a root holds
+    no checkpoint, which a command can tell without importing the reader (torch, zarr). Object
+    store prefixes have no "exists" to ask, so they are never missing here."""
+    local = root[len("file://") :] if root.startswith("file://") else root
+    return "://" not in local and not os.path.exists(os.path.expanduser(local))
+
+
 def _no_checkpoint(root: str) -> CheckpointError:
     """The error for a ROOT without a committed checkpoint. A local path that does not exist is
     usually a typo, so it is told apart from a real folder that holds no checkpoint; object
     store prefixes have no "exists" to ask, so they get the second message."""
-    local = root[len("file://") :] if root.startswith("file://") else root
-    if "://" not in local and not os.path.exists(local):
+    if missing_local_root(root):
         return CheckpointError(f"{root}: no such path; check the checkpoint root")
     return CheckpointError(
         f"no committed checkpoint under {root}; pass the run's checkpoint root (its --save folder)"
@@ -38,6 +45,10 @@ def _no_checkpoint(root: str) -> CheckpointError:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
+    if missing_local_root(args.root):  # nothing to list: answered before the reader loads
+        if args.allow_empty:
+            return 0
+        raise _no_checkpoint(args.root)
     from meshtrain.services.checkpoint.reader import list_checkpoints, unreadable_manifests
 
     steps = list_checkpoints(args.root)
@@ -54,6 +65,8 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    if args.step is None and missing_local_root(args.root):
+        raise _no_checkpoint(args.root)
     from meshtrain.services.checkpoint.reader import list_checkpoints, read_manifest
 
     steps = list_checkpoints(args.root)
@@ -90,6 +103,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    if args.step is None and missing_local_root(args.root):
+        raise _no_checkpoint(args.root)
     from meshtrain.services.checkpoint.maintenance import verify_checkpoint
     from meshtrain.services.checkpoint.reader import list_checkpoints, unreadable_manifests
 

@@ -16,7 +16,8 @@ health service first, and stops it with a grace period so streams in flight fini
 lets servers accept those pings on a stream that is paused). Authentication and TLS
 (`meshtrain.services.common.security.ServerSecurity`) are `make_server`'s too: it refuses to bind
 an address beyond loopback without authentication, serves TLS when given a certificate, and
-checks each call's token against its method's scope.
+checks each call's token against its method's scope. `UndecodableRequests`, also installed by
+`make_server`, answers a request message that does not decode INVALID_ARGUMENT in one log line.
 
     server, port = make_server([lambda s: add_MyServicer_to_server(impl, s)],
                                ["meshtrain.x.v1.MyService"], port=0)
@@ -51,7 +52,7 @@ from meshtrain.services.common.errors import (
     MeshtrainError,
     StorageUnavailableError,
 )
-from meshtrain.services.common.sanitize import UndecodableRequests
+from meshtrain.services.common.sanitize import LOG_LIMIT, Undecodable, loggable
 from meshtrain.services.common.security import Scope, ServerSecurity
 from meshtrain.services.common.signals import relayed_signals
 
@@ -382,6 +383,82 @@ class StreamLimit(grpc.ServerInterceptor):
         if handler is None or not (handler.request_streaming or handler.response_streaming):
             return handler
         return rewrap_handler(handler, self._limited)
+
+
+def _tolerant(deserializer):
+    """`deserializer`, returning an `Undecodable` instead of raising (gRPC answered a raising
+    one with INTERNAL "Exception deserializing request!" and logged a traceback)."""
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception as e:  # noqa: BLE001 -- any decoding error is the request's fault
+            return Undecodable(e)
+
+    return deserialize
+
+
+class UndecodableRequests(grpc.ServerInterceptor):
+    """Answers a request message that does not decode with INVALID_ARGUMENT naming the method
+    and the error, and logs it as one line (a client's fault, not the server's: gRPC itself
+    answered INTERNAL and logged a traceback for each).
+
+    Every later interceptor's handler keeps the tolerant deserializer (`rewrap_handler`
+    passes it on), and the check runs where the handler receives the message: before the call for
+    one request, as each arrives for a request stream.
+    """
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+
+        def refuse(context, bad: Undecodable):
+            log.warning(
+                "refused a request to %s that does not decode as its message type: %s: %s",
+                method,
+                type(bad.exc).__name__,
+                loggable(str(bad.exc)),
+            )
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the request to {method} does not decode as its message type: "
+                f"{type(bad.exc).__name__}: {str(bad.exc)[:LOG_LIMIT]}",
+            )
+
+        def checked(requests, context):
+            for request in requests:
+                if isinstance(request, Undecodable):
+                    refuse(context, request)
+                yield request
+
+        for kind, make in (
+            ("unary_unary", grpc.unary_unary_rpc_method_handler),
+            ("unary_stream", grpc.unary_stream_rpc_method_handler),
+            ("stream_unary", grpc.stream_unary_rpc_method_handler),
+            ("stream_stream", grpc.stream_stream_rpc_method_handler),
+        ):
+            inner = getattr(handler, kind)
+            if inner is None:
+                continue
+            if handler.request_streaming:
+
+                def behaviour(requests, context, inner=inner):
+                    return inner(checked(requests, context), context)
+            else:
+
+                def behaviour(request, context, inner=inner):
+                    if isinstance(request, Undecodable):
+                        refuse(context, request)
+                    return inner(request, context)
+
+            return make(
+                behaviour, _tolerant(handler.request_deserializer), handler.response_serializer
+            )
+        return handler
 
 
 def make_server(

@@ -5,9 +5,10 @@ megabytes long or hold newlines and control characters that forge log lines. `lo
 such a string to a few hundred characters and escapes it; `check_text` refuses one as a
 request field, naming the field. gRPC logs every request it cannot decode with a full
 traceback (logger `grpc._common`: "Exception deserializing message!"), so a client sending
-garbage fills the log; `UndecodableRequests` (an interceptor `make_server` installs) answers such
-a request INVALID_ARGUMENT with one log line, and `quiet_undecodable_requests` makes whatever
-gRPC still logs of one a single line.
+garbage fills the log; `quiet_undecodable_requests` makes what gRPC logs of one a single line,
+and a request that does not decode reaches its handler as an `Undecodable` (which
+`grpc_utils.UndecodableRequests` answers INVALID_ARGUMENT). This module imports no grpc, so core
+modules and configs can use it.
 
     log.warning("save given up: %s", loggable(request.reason))
     check_text(prefix, "spec.prefixes[0]", 4096, DataError)
@@ -17,10 +18,6 @@ from __future__ import annotations
 
 import logging
 import unicodedata
-
-import grpc
-
-log = logging.getLogger("meshtrain.grpc")
 
 # Characters of a client string kept in a log line or an error message.
 LOG_LIMIT = 200
@@ -108,79 +105,3 @@ class Undecodable:
 
     def __init__(self, exc: Exception):
         self.exc = exc
-
-
-def _tolerant(deserializer):
-    """`deserializer`, returning an `Undecodable` instead of raising (gRPC answered a raising
-    one with INTERNAL "Exception deserializing request!" and logged a traceback)."""
-    if deserializer is None:
-        return None
-
-    def deserialize(data: bytes):
-        try:
-            return deserializer(data)
-        except Exception as e:  # noqa: BLE001 -- any decoding error is the request's fault
-            return Undecodable(e)
-
-    return deserialize
-
-
-class UndecodableRequests(grpc.ServerInterceptor):
-    """Answers a request message that does not decode with INVALID_ARGUMENT naming the method
-    and the error, and logs it as one line (a client's fault, not the server's: gRPC itself
-    answered INTERNAL and logged a traceback for each).
-
-    Every later interceptor's handler keeps the tolerant deserializer (`grpc_utils.rewrap_handler`
-    passes it on), and the check runs where the handler receives the message: before the call for
-    one request, as each arrives for a request stream.
-    """
-
-    def intercept_service(self, continuation, handler_call_details):
-        handler = continuation(handler_call_details)
-        if handler is None:
-            return None
-        method = handler_call_details.method
-
-        def refuse(context, bad: Undecodable):
-            log.warning(
-                "refused a request to %s that does not decode as its message type: %s: %s",
-                method,
-                type(bad.exc).__name__,
-                loggable(str(bad.exc)),
-            )
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"the request to {method} does not decode as its message type: "
-                f"{type(bad.exc).__name__}: {str(bad.exc)[:LOG_LIMIT]}",
-            )
-
-        def checked(requests, context):
-            for request in requests:
-                if isinstance(request, Undecodable):
-                    refuse(context, request)
-                yield request
-
-        for kind, make in (
-            ("unary_unary", grpc.unary_unary_rpc_method_handler),
-            ("unary_stream", grpc.unary_stream_rpc_method_handler),
-            ("stream_unary", grpc.stream_unary_rpc_method_handler),
-            ("stream_stream", grpc.stream_stream_rpc_method_handler),
-        ):
-            inner = getattr(handler, kind)
-            if inner is None:
-                continue
-            if handler.request_streaming:
-
-                def behaviour(requests, context, inner=inner):
-                    return inner(checked(requests, context), context)
-            else:
-
-                def behaviour(request, context, inner=inner):
-                    if isinstance(request, Undecodable):
-                        refuse(context, request)
-                    return inner(request, context)
-
-            return make(
-                behaviour, _tolerant(handler.request_deserializer), handler.response_serializer
-            )
-        return handler

@@ -23,9 +23,6 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from meshtrain.services.common.security import ClientSecurity, add_client_arguments
 from meshtrain.services.launcher.topology import Child, wait_until
 
@@ -40,6 +37,11 @@ def grpc_serving(
         timeout_s: deadline of the check.
         security: TLS settings for a server that serves TLS (None: plaintext).
     """
+    # Imported here: `meshtrain up` imports this module while it still only validates its
+    # command line, which needs no grpc.
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
     with (security or ClientSecurity()).channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:

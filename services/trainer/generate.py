@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from meshtrain.kernels import dispatch
 from meshtrain.services.common.errors import ConfigError
+from meshtrain.services.trainer.sampling import check_sampling
 
 
 class KVCache:
@@ -102,15 +103,6 @@ def filter_logits(
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     return logits
-
-
-def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    if temperature < 0:
-        raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-    if top_k is not None and top_k < 0:
-        raise ConfigError(f"top_k must be >= 0, got {top_k}")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ConfigError(f"top_p must be in (0, 1], got {top_p}")
 
 
 @torch.no_grad()

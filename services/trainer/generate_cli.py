@@ -11,7 +11,9 @@ import argparse
 import logging
 import sys
 
+from meshtrain.services.checkpoint.cli import missing_local_root
 from meshtrain.services.common.errors import CheckpointError, ConfigError
+from meshtrain.services.trainer.sampling import check_sampling
 
 log = logging.getLogger(__name__)
 
@@ -63,19 +65,22 @@ def _tokenizer_spec(args: argparse.Namespace, step: int, manifest: dict) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    # Check the cheap things first, so a typo fails before torch loads or a checkpoint is read.
+    check_sampling(args.temperature, args.top_k, args.top_p)
+    if args.max_new_tokens < 0 or args.num_samples < 1:
+        raise ConfigError("--max-new-tokens must be >= 0 and --num-samples >= 1")
+    if missing_local_root(args.load):
+        raise CheckpointError(f"no committed checkpoint under {args.load}")
+
     import torch
 
     from meshtrain.services.checkpoint.convert import model_config, tensor_specs
     from meshtrain.services.checkpoint.reader import list_checkpoints, read_manifest
     from meshtrain.services.dataloader.tokenizers.base import build_tokenizer
     from meshtrain.services.trainer.checkpointing import load_checkpoint
-    from meshtrain.services.trainer.generate import check_sampling, context_length, generate
+    from meshtrain.services.trainer.generate import context_length, generate
     from meshtrain.services.trainer.model import GPT
 
-    # Check the cheap things first, so a typo fails before any checkpoint is read.
-    check_sampling(args.temperature, args.top_k, args.top_p)
-    if args.max_new_tokens < 0 or args.num_samples < 1:
-        raise ConfigError("--max-new-tokens must be >= 0 and --num-samples >= 1")
     steps = list_checkpoints(args.load)
     if not steps:
         raise CheckpointError(f"no committed checkpoint under {args.load}")
