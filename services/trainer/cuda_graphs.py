@@ -1,12 +1,12 @@
 """One micro-batch's forward and backward as a CUDA graph, captured once and replayed.
 
 A compiled gpt2-125m micro-batch launches about 950 kernels from Python. At small
-micro-batches the host cannot launch them as fast as the GPU runs them: on an H200, gpt2-125m
-at micro-batch 4 trained 1.60x faster with the graph (at micro-batch 16 the GPU is the
-bottleneck and the graph changed nothing measurable; BENCHMARKS.md). Replaying a captured
-graph launches the whole micro-batch with one call. torch's own routes do not fit gradient
-accumulation: `torch.compile(mode="reduce-overhead")` overwrites a graph's outputs that the
-next micro-batch's backward still reads (pytorch/pytorch#169545), and
+micro-batches the host cannot launch them as fast as the GPU runs them: gpt2-125m at
+micro-batch 4 trained faster with the graph (at micro-batch 16 the GPU is the bottleneck and
+the graph changed nothing measurable; measured: BENCHMARKS.md, 'Levers tried and dropped').
+Replaying a captured graph launches the whole micro-batch with one call. torch's own routes do
+not fit gradient accumulation: `torch.compile(mode="reduce-overhead")` overwrites a graph's
+outputs that the next micro-batch's backward still reads (pytorch/pytorch#169545), and
 `torch.cuda.make_graphed_callables` hands back static gradient buffers that can corrupt
 accumulated `.grad`s (#181723). So the graph here holds the whole micro-batch, forward and
 backward, with the gradients accumulated inside it:

@@ -134,7 +134,8 @@ class RustTokenizer(Tokenizer):
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         # The Rust side parallelizes over the batch. The `_fast` variant skips the character
-        # offsets (which nothing here uses): the same ids, 1.6x the tokens/s on one core.
+        # offsets (which nothing here uses): the same ids, more tokens/s on one core (measured:
+        # BENCHMARKS.md, 'Data service').
         return [e.ids for e in self._tok.encode_batch_fast(list(texts), add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int]) -> str:

@@ -68,14 +68,16 @@ class ParallelConfig:
     tp_comm_overlap: bool = False
     """With sequence_parallel on CUDA/NCCL: overlap each linear's all-gather / reduce-scatter
     with its matmul (PyTorch symmetric-memory fused ops), as Megatron's --tp-comm-overlap. Exact,
-    but at llama-1b TP=2 + SP on two H200s it trained at 0.99x one GPU against 1.39x without it
-    (BENCHMARKS.md), so off; kept because Megatron users ask for it by that flag."""
+    but at llama-1b TP=2 + SP it trained no faster than one GPU, far slower than without it
+    (measured: BENCHMARKS.md, 'Levers tried and dropped'), so off; kept because Megatron users
+    ask for it by that flag."""
     tp_async_grad_reduce: bool = True
     """Column-parallel linears launch the reduction of their input gradient (reduce-scatter with
     sequence parallelism, else all-reduce) before computing their weight gradient, so the two
     overlap (Megatron's asynchronous tensor-parallel all-reduce, on by default there too). Same
-    arithmetic; +1.5% tokens/s at llama-1b TP=2 on two H200s (one same-job comparison). Nothing to do at tp=1;
-    tp_comm_overlap, which fuses these collectives with the GEMMs instead, takes precedence."""
+    arithmetic, a little faster at llama-1b TP=2 (measured: BENCHMARKS.md, 'Parallel scaling, 2×
+    H200'). Nothing to do at tp=1; tp_comm_overlap, which fuses these collectives with the GEMMs
+    instead, takes precedence."""
     distributed_timeout_minutes: float = 10.0
     """How long a collective waits for a peer rank before it raises and the rank exits 1
     (--distributed-timeout-minutes, as Megatron). A rank that dies is noticed at once (its
@@ -95,9 +97,10 @@ class ParallelConfig:
     partial sums are rounded to bf16, and the result is copied back into the fp32 buffers).
     Accumulation over micro-batches stays fp32 (Megatron's --grad-reduce-in-bf16, also accepted,
     makes the buffers themselves bf16); the copies cost 2 bytes per parameter (ZeRO-1: plus
-    2/dp) while the reductions are in flight. No effect at dp=1. At llama-1b DP=2 + ZeRO-1 on two
-    H200s no faster than fp32, whose reduction already runs under the backward (BENCHMARKS.md);
-    kept as Megatron's option for links where it does not (not measured here)."""
+    2/dp) while the reductions are in flight. No effect at dp=1. At llama-1b DP=2 + ZeRO-1 no
+    faster than fp32, whose reduction already runs under the backward (measured: BENCHMARKS.md,
+    'Levers tried and dropped'); kept as Megatron's option for links where it does not (not
+    measured here)."""
     recompute_granularity: Literal["none", "full", "selective"] = "none"
     """Activation recompute: whole blocks ('full') or only the attention core ('selective')."""
     recompute_method: Literal["uniform", "block"] | None = None
