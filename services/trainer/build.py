@@ -219,14 +219,16 @@ def build_weight_copies(
         return WeightCopies(model, torch.bfloat16, fuse_weight_grads=fuse)
     if fusion:
         raise ConfigError(
-            f"train.gradient_accumulation_fusion adds into the fp32 gradients from the bf16 weight copies' "
-            f"GEMMs, and this job has none ({mesh.world_size} ranks: the copies run in a single process)"
+            "train.gradient_accumulation_fusion adds into the fp32 gradients from the bf16 weight "
+            f"copies' GEMMs, and this job has none ({mesh.world_size} ranks: the copies run in a "
+            "single process)"
         )
     return None
 
 
 def compile_options(train: TrainConfig) -> dict[str, bool] | None:
-    """Inductor options for everything the trainer compiles (train.compile_coordinate_descent_tuning)."""
+    """Inductor options for everything the trainer compiles
+    (train.compile_coordinate_descent_tuning)."""
     return {"coordinate_descent_tuning": True} if train.compile_coordinate_descent_tuning else None
 
 
@@ -260,8 +262,9 @@ def check_cuda_graph(device: torch.device, mesh: Mesh) -> None:
         raise ConfigError(f"train.cuda_graph needs a CUDA device; this run is on {device}")
     if mesh.distributed:
         raise ConfigError(
-            f"train.cuda_graph runs in a single process; this job has {mesh.world_size} ranks, whose "
-            "gradient reductions and collectives are not captured: leave it off or run one process"
+            f"train.cuda_graph runs in a single process; this job has {mesh.world_size} ranks, "
+            "whose gradient reductions and collectives are not captured: leave it off or run one "
+            "process"
         )
 
 

@@ -203,8 +203,8 @@ def _eos_token(config_path: Path) -> str | None:
 # The split pattern of tiktoken's cl100k encoding: a .tiktoken file holds only the merge
 # ranks, so the pre-tokenization regex has to come from somewhere; this is the common one.
 TIKTOKEN_PATTERN = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
-    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"""
+    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 
 
@@ -403,7 +403,8 @@ def train_bpe(
 
     if vocab_size < 257 + 1:
         raise DataError(
-            f"BPE vocab_size {vocab_size} is too small: 256 bytes + {EOD_TOKEN} need 257 ids plus merges"
+            f"BPE vocab_size {vocab_size} is too small: 256 bytes + {EOD_TOKEN} need 257 ids "
+            "plus merges"
         )
     if not files:
         raise DataError("train_bpe: no training files given")
@@ -509,6 +510,7 @@ def build_tokenizer(spec: str | os.PathLike) -> Tokenizer:
         )
     raise DataError(
         f"tokenizer spec {s!r} is not understood: expected 'byte', a tokenizer.json (or its "
-        f"folder), a .tiktoken file or tiktoken:PATH, a SentencePiece .model or sentencepiece:PATH, "
-        f"gpt2bpe:VOCAB_JSON,MERGES_TXT, null:VOCAB_SIZE or megatron-tiktoken:PATH"
+        "folder), a .tiktoken file or tiktoken:PATH, a SentencePiece .model or "
+        "sentencepiece:PATH, gpt2bpe:VOCAB_JSON,MERGES_TXT, null:VOCAB_SIZE or "
+        "megatron-tiktoken:PATH"
     )

@@ -84,11 +84,13 @@ class ParallelConfig:
     connections close); one that hangs (SIGSTOP, stuck storage, a deadlock) only through this
     timeout, on the ranks waiting for it: the job ends after it (plus the launcher's 15 s)."""
     use_distributed_optimizer: bool = False
-    """Shard Adam state over data-parallel ranks (ZeRO-1): reduce-scatter grads, all-gather params."""
+    """Shard Adam state over data-parallel ranks (ZeRO-1): reduce-scatter grads, all-gather
+    params."""
     overlap_grad_reduce: bool = False
     """Reduce each gradient bucket as soon as backward has finished it."""
     overlap_param_gather: bool = False
-    """Distributed optimizer: all-gather each bucket's parameters just before the forward uses them."""
+    """Distributed optimizer: all-gather each bucket's parameters just before the forward uses
+    them."""
     ddp_bucket_size: int = 40_000_000
     """Elements per gradient bucket."""
     grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
@@ -118,8 +120,8 @@ class ParallelConfig:
         etp = self.expert_tensor_parallel_size
         if etp is not None and etp != self.tp:
             raise ConfigError(
-                f"parallel.expert_tensor_parallel_size={etp}: only the tensor-parallel degree itself "
-                f"(parallel.tp={self.tp}) is supported; leave it unset"
+                f"parallel.expert_tensor_parallel_size={etp}: only the tensor-parallel degree "
+                f"itself (parallel.tp={self.tp}) is supported; leave it unset"
             )
         self._check_pipeline()
         self._check_context()
@@ -150,8 +152,9 @@ class ParallelConfig:
                 raise ConfigError("parallel.cp_comm_type='a2a+p2p' needs parallel.cp > 1")
             if sizes is None or len(sizes) != 2 or sizes[0] * sizes[1] != self.cp or min(sizes) < 1:
                 raise ConfigError(
-                    f"parallel.cp_comm_type='a2a+p2p' needs parallel.hierarchical_context_parallel_sizes "
-                    f"= [all-to-all size, ring size] multiplying to parallel.cp={self.cp}, got {sizes}"
+                    "parallel.cp_comm_type='a2a+p2p' needs "
+                    "parallel.hierarchical_context_parallel_sizes = [all-to-all size, ring size] "
+                    f"multiplying to parallel.cp={self.cp}, got {sizes}"
                 )
         elif sizes is not None:
             raise ConfigError(
@@ -229,7 +232,7 @@ class ParallelConfig:
         return "interleaved" if self.pipeline_chunks(num_layers) > 1 else "1f1b"
 
     def _resolve_recompute_plan(self) -> None:
-        """Refuse a method or layer count that the granularity would ignore; fill in 'full''s defaults.
+        """Refuse a method or layer count the granularity would ignore; fill in 'full''s defaults.
 
         Megatron-LM refuses recompute_method and recompute_num_layers with 'selective'; with no
         recompute it ignores them, which here is refused too (nothing is silently ignored).
@@ -244,11 +247,12 @@ class ParallelConfig:
             return
         if (self.recompute_method, self.recompute_num_layers) == ("uniform", 1):
             # The defaults of both keys before they became unset: every config.toml written then
-            # holds them, whatever the granularity, and must still load (`--config RUN/config.toml`).
+            # holds them, whatever the granularity, and must still load
+            # (`--config RUN/config.toml`).
             log.warning(
-                "parallel.recompute_method='uniform' and parallel.recompute_num_layers=1 have no effect "
-                "with parallel.recompute_granularity=%r (a config written before they defaulted to "
-                "unset); read as unset: remove them",
+                "parallel.recompute_method='uniform' and parallel.recompute_num_layers=1 have no "
+                "effect with parallel.recompute_granularity=%r (a config written before they "
+                "defaulted to unset); read as unset: remove them",
                 self.recompute_granularity,
             )
             self.recompute_method = self.recompute_num_layers = None

@@ -151,8 +151,8 @@ class TrainConfig:
     control_host: str | None = None
     """Interface the control endpoint binds; unset: $MESHTRAIN_CONTROL_HOST, else 127.0.0.1."""
     metrics_port: int | None = None
-    """With the control endpoint: serve Prometheus metrics (step, loss, tokens/s, ETA, RPCs) on
-    this port (0: any free port, in RUN_DIR/metrics.addr); unset: $MESHTRAIN_METRICS_PORT or none."""
+    """With the control endpoint: serve Prometheus metrics (step, loss, tokens/s, ETA, RPCs) on this
+    port (0: any free port, in RUN_DIR/metrics.addr); unset: $MESHTRAIN_METRICS_PORT or none."""
 
     def __post_init__(self) -> None:
         for key in ("micro_batch_size", "global_batch_size", "train_iters", "eval_iters"):
@@ -178,19 +178,19 @@ class TrainConfig:
             self.bf16 and self.bf16_weight_copies is not False
         ):
             raise ConfigError(
-                "train.gradient_accumulation_fusion adds the bf16 weight copies' gradients into the fp32 "
-                "gradients: it needs train.bf16=true and train.bf16_weight_copies left on"
+                "train.gradient_accumulation_fusion adds the bf16 weight copies' gradients into "
+                "the fp32 gradients: it needs train.bf16=true and train.bf16_weight_copies left on"
             )
         if self.fp8 is not None:
             if not self.bf16:
                 raise ConfigError(
-                    f"train.fp8={self.fp8!r} runs the linear layers in FP8 inside bf16 autocast: it "
-                    "needs train.bf16=true (--bf16)"
+                    f"train.fp8={self.fp8!r} runs the linear layers in FP8 inside bf16 autocast: "
+                    "it needs train.bf16=true (--bf16)"
                 )
             if self.fp8_recipe == "rowwise" and self.fp8 != "e4m3":
                 raise ConfigError(
-                    f"train.fp8_recipe='rowwise' casts gradients to e4m3 (row-scaled FP8 GEMMs take "
-                    f"e4m3 operands only): set train.fp8='e4m3', not {self.fp8!r}"
+                    "train.fp8_recipe='rowwise' casts gradients to e4m3 (row-scaled FP8 GEMMs "
+                    f"take e4m3 operands only): set train.fp8='e4m3', not {self.fp8!r}"
                 )
             for key in (
                 "fp8_amax_history_len",
@@ -216,8 +216,8 @@ class TrainConfig:
         if self.metrics_port is not None and self.control_port is None:
             # the metrics are served beside the control endpoint; without it nothing would be
             raise ConfigError(
-                f"train.metrics_port={self.metrics_port} serves Prometheus metrics beside the control "
-                "endpoint: it needs train.control_port set too (0: any free port)"
+                f"train.metrics_port={self.metrics_port} serves Prometheus metrics beside the "
+                "control endpoint: it needs train.control_port set too (0: any free port)"
             )
 
 
@@ -245,7 +245,8 @@ class OptimConfig:
     exponential 2 x 0.5^p - 1, linear 1 - p, cosine (1 + cos(pi p)) / 2, minus_sqrt 1 - sqrt(p)
     (of lr - min_lr, above min_lr)."""
     lr_wsd_decay_iters: int | None = None
-    """With lr_decay_style='wsd' (required then): steps of the final decay, ending at lr_decay_iters."""
+    """With lr_decay_style='wsd' (required then): steps of the final decay, ending at
+    lr_decay_iters."""
     weight_decay: float = 0.1
     """Decoupled weight decay on matrices (never on norms or biases)."""
     decay_embeddings: bool = False
@@ -287,12 +288,13 @@ class OptimConfig:
         if self.lr_decay_style == "wsd":
             if self.lr_wsd_decay_iters is None or self.lr_wsd_decay_iters <= 0:
                 raise ConfigError(
-                    "optim.lr_decay_style='wsd' needs optim.lr_wsd_decay_iters, the steps of its final "
-                    f"decay (--lr-wsd-decay-iters), > 0; got {self.lr_wsd_decay_iters}"
+                    "optim.lr_decay_style='wsd' needs optim.lr_wsd_decay_iters, the steps of its "
+                    f"final decay (--lr-wsd-decay-iters), > 0; got {self.lr_wsd_decay_iters}"
                 )
         elif self.lr_wsd_decay_iters is not None:
             raise ConfigError(
-                f"optim.lr_wsd_decay_iters applies to lr_decay_style='wsd', not {self.lr_decay_style!r}"
+                "optim.lr_wsd_decay_iters applies to lr_decay_style='wsd', not "
+                f"{self.lr_decay_style!r}"
             )
         # An explicit decay length the warmup reaches would leave lr at its peak for good (the
         # schedule has nothing to decay over); 0 would silently mean "unset".
