@@ -111,7 +111,7 @@ def run(config: ServeConfig) -> int:
             insecure=config.insecure,
         ),
     )
-    if metrics:
+    if config.metrics_port is not None:
         try:
             _, metrics_port = start_metrics_server(config.metrics_port, config.host)
         except ConfigError:

@@ -19,10 +19,13 @@ import abc
 import logging
 import os
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 from meshtrain.services.common.errors import DataError
 from meshtrain.services.dataloader.inputs import iter_documents, refuse_compressed
+
+if TYPE_CHECKING:
+    import tokenizers
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +120,7 @@ class RustTokenizer(Tokenizer):
     """A tokenizer run by the Hugging Face `tokenizers` library: subclasses set `_tok` (a
     `tokenizers.Tokenizer`), `_vocab` and `_eod`."""
 
-    _tok: object
+    _tok: tokenizers.Tokenizer
     _vocab: int
     _eod: int
 

@@ -168,7 +168,9 @@ class ParallelConfig:
         if self.cp_comm_type == "a2a":
             return self.cp
         if self.cp_comm_type == "a2a+p2p":
-            return self.hierarchical_context_parallel_sizes[0]
+            sizes = self.hierarchical_context_parallel_sizes
+            assert sizes is not None  # __post_init__ requires them with 'a2a+p2p'
+            return sizes[0]
         return 1
 
     def _check_pipeline(self) -> None:
