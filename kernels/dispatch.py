@@ -3,9 +3,9 @@
 The model calls ops through this module, never through a specific implementation. CUDA
 tensors take the Triton kernel of `kernels/<op>.py` (registered in `_FAST` the first time an
 op runs on CUDA, so importing this module never needs Triton); everything else takes
-`meshtrain.kernels.reference` (plain torch: the spec and the CPU path). `MESHTRAIN_KERNELS=reference`
-forces the reference everywhere; `=triton` makes a missing Triton kernel an error instead of
-a silent fallback.
+`meshtrain.kernels.reference` (plain torch: the spec and the CPU path).
+`MESHTRAIN_KERNELS=reference` forces the reference everywhere; `=triton` makes a missing Triton
+kernel an error instead of a silent fallback.
 
 Under torch.compile the same choice is made while Dynamo traces: every Triton op is also a
 custom op (`meshtrain::<op>`, registered by its module) that Dynamo records as one opaque

@@ -5,8 +5,9 @@ A checkpoint stores each logical tensor in global coordinates. Per-layer tensors
 `...layers.<rest>` with a leading global-layer axis (as Megatron does), so a checkpoint is a
 few hundred large objects instead of tens of thousands of small ones. This module is pure
 metadata: it decides array names, shapes and the stored dtype (bfloat16 travels as raw uint16
-bits); `boxes.py` decides chunk/shard shapes, `multiwriter.py` and `reader.py` do the I/O. Nothing here
-touches a filesystem, so it is cheap to test: `pytest tests/services/checkpoint/test_layout.py`.
+bits); `boxes.py` decides chunk/shard shapes, `multiwriter.py` and `reader.py` do the I/O. Nothing
+here touches a filesystem, so it is cheap to test: `pytest
+tests/services/checkpoint/test_layout.py`.
 """
 
 from __future__ import annotations

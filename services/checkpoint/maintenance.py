@@ -144,13 +144,13 @@ def apply_retention(
     except FileNotFoundError:
         entries = []
     for entry in entries:
-        step = parse_step_dirname(entry.rstrip("/").rsplit("/", 1)[-1])
-        if step is None or step in busy or step in committed:
+        stray = parse_step_dirname(entry.rstrip("/").rsplit("/", 1)[-1])
+        if stray is None or stray in busy or stray in committed:
             continue
-        with guard(step) if guard is not None else contextlib.nullcontext(False) as now_busy:
+        with guard(stray) if guard is not None else contextlib.nullcontext(False) as now_busy:
             # abort_save never removes a committed step (one may have committed meanwhile)
-            if not now_busy and abort_save(store_root, step):
-                result.collected.append(step)
+            if not now_busy and abort_save(store_root, stray):
+                result.collected.append(stray)
     result.collected.sort()
     return result
 

@@ -224,10 +224,10 @@ def begin_save(
         # Leftovers of an uncommitted attempt would otherwise linger beside this one.
         remove_tree(root, step_path)
     if resumable:
-        marker = {"save_id": save_id, "step": step}
+        begun: dict[str, object] = {"save_id": save_id, "step": step}
         if num_writers is not None:
-            marker["num_writers"] = num_writers
-        write_bytes_atomic(root, begun_path(root, step, save_id), json.dumps(marker).encode())
+            begun["num_writers"] = num_writers
+        write_bytes_atomic(root, begun_path(root, step, save_id), json.dumps(begun).encode())
     return save_id
 
 

@@ -6,10 +6,10 @@ both directions and `ErrorInterceptor`, which turns a `MeshtrainError` raised by
 into a gRPC status with the error's message (`DataError` and `ConfigError` are the caller's
 fault: INVALID_ARGUMENT, except `DataUnavailableError`, a storage read that failed: UNAVAILABLE,
 so clients try again or elsewhere, `DataNotFoundError`: NOT_FOUND, and `DataAccessDeniedError`,
-storage the worker does not serve: PERMISSION_DENIED; other classes map through `ERROR_CODES` or a per-server
-table; a server may also translate other exceptions, e.g. its storage's, into domain errors).
-Any other exception is a bug: gRPC answers UNKNOWN with its own wording, which `is_permanent`
-recognises, so clients do not retry it.
+storage the worker does not serve: PERMISSION_DENIED; other classes map through `ERROR_CODES` or a
+per-server table; a server may also translate other exceptions, e.g. its storage's, into domain
+errors). Any other exception is a bug: gRPC answers UNKNOWN with its own wording, which
+`is_permanent` recognises, so clients do not retry it.
 `serve_forever` runs a started server until SIGTERM or SIGINT, marks it NOT_SERVING in the
 health service first, and stops it with a grace period so streams in flight finish.
 `channel_options` gives clients the matching size limits and keepalive (`server_options`

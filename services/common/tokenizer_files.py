@@ -11,7 +11,8 @@ recorded spec into one that names the copies, wherever they were unpacked. A Hug
 `spec_eod_id`, `eos_token` and `gpt2bpe_tokenizer_json` read them from the files with the
 tokenizer libraries themselves, the same ids the dataloader's tokenizers give.
 
-    files = spec_files("gpt2bpe:/data/vocab.json,/data/merges.txt")  # {'vocab.json': ..., 'merges.txt': ...}
+    files = spec_files("gpt2bpe:/data/vocab.json,/data/merges.txt")
+    # {'vocab.json': ..., 'merges.txt': ...}
     rebase_spec("gpt2bpe:/data/vocab.json,/data/merges.txt", files, "/tmp/tok")
     # 'gpt2bpe:/tmp/tok/vocab.json,/tmp/tok/merges.txt'
 """
@@ -80,7 +81,8 @@ def rebase_spec(spec: str, names: list[str] | dict[str, Path], folder: str | os.
     names = list(names)
     if len(paths) != len(names):
         raise DataError(
-            f"tokenizer spec {spec!r} names {len(paths)} files, but {len(names)} were carried ({names})"
+            f"tokenizer spec {spec!r} names {len(paths)} files, but {len(names)} were carried "
+            f"({names})"
         )
     if not paths:
         return spec

@@ -33,8 +33,8 @@ class DataConfig:
     """Megatron's `--tokenizer-type`, the other way to name the tokenizer (not together with
     `tokenizer`, which it sets): GPT2BPETokenizer (`vocab_file` + `merge_file`),
     HuggingFaceTokenizer (`tokenizer_model`: a tokenizer.json or its folder),
-    SentencePieceTokenizer, GPTSentencePieceTokenizer or Llama2Tokenizer (`tokenizer_model`: a *.model),
-    TikTokenizer (`tokenizer_model`: a *.tiktoken file or megatron-core's JSON vocabulary;
+    SentencePieceTokenizer, GPTSentencePieceTokenizer or Llama2Tokenizer (`tokenizer_model`: a
+    *.model), TikTokenizer (`tokenizer_model`: a *.tiktoken file or megatron-core's JSON vocabulary;
     `vocab_size`, `tiktoken_pattern`, `tiktoken_num_special_tokens`), NullTokenizer
     (`vocab_size`: text is whitespace-separated ids below it, EOD is `vocab_size`)."""
     vocab_file: str | None = None
@@ -123,8 +123,8 @@ class DataConfig:
         if self.data_path and self.tokenizer == "bpe":
             raise ConfigError(
                 "data.tokenizer='bpe' means the BPE trained for the embedded corpus; with "
-                "data.data_path give 'byte' or the tokenizer the dataset was built with (tokenizer.json, "
-                "*.tiktoken, *.model)"
+                "data.data_path give 'byte' or the tokenizer the dataset was built with "
+                "(tokenizer.json, *.tiktoken, *.model)"
             )
 
     def _resolve_tokenizer_type(self) -> None:
@@ -147,8 +147,9 @@ class DataConfig:
         # a resolved config (config.toml of a run) holds both, naming the same tokenizer
         if self.tokenizer not in ("bpe", spec):
             raise ConfigError(
-                f"data.tokenizer={self.tokenizer!r} and data.tokenizer_type={self.tokenizer_type!r} "
-                "both name the tokenizer; give one of them"
+                f"data.tokenizer={self.tokenizer!r} and "
+                f"data.tokenizer_type={self.tokenizer_type!r} both name the tokenizer; give one of "
+                "them"
             )
         self.tokenizer = spec
         # absolute, so a run's config.toml read from another folder names the same files

@@ -63,7 +63,8 @@ class UpOptions:
     Attributes:
         data_workers: DataService workers (0: the trainer reads data in-process).
         nproc_per_node: trainer ranks.
-        checkpoint_service: save through the checkpoint service (else ranks write the root directly).
+        checkpoint_service: save through the checkpoint service (else ranks write the root
+            directly).
         metrics: give every service a Prometheus port (announced in its log).
         trainer_grace_s: seconds the trainer gets to checkpoint after SIGTERM before SIGKILL.
         start_timeout_s: seconds a service may take to report SERVING.
@@ -284,7 +285,8 @@ def claim_run_dir(run_dir: Path):
     are told our pid (UP_PID_ENV), so that our lock does not refuse them.
 
     Raises:
-        ConfigError: another `up` or a trainer holds it (naming its pid), or the folder cannot be created.
+        ConfigError: another `up` or a trainer holds it (naming its pid), or the folder cannot be
+            created.
     """
     from meshtrain.services.common.run_locks import TRAIN_LOCK, UP_LOCK, lock_file, probe_lock
 
@@ -319,7 +321,9 @@ def _refuse_owned_flags(overrides: list[str], data_workers: bool, service: bool)
     (or keys of the `--config` file) from the user would be overridden without a word, so they
     are refused instead."""
     owned = {
-        "--train.control_port": "up serves the control endpoint on a free port (see RUN_DIR/control.addr)"
+        "--train.control_port": (
+            "up serves the control endpoint on a free port (see RUN_DIR/control.addr)"
+        )
     }
     if data_workers:
         owned["--data-service-addresses"] = (
@@ -443,7 +447,8 @@ def _run_up(p: Plan, options: UpOptions, out, stop: threading.Event | None) -> i
 def _run(
     topo: Topology, p: Plan, options: UpOptions, stop: threading.Event
 ) -> tuple[int, dict[str, int | None]]:
-    """Start the plan's processes, supervise them, stop them: (exit status so far, each child's status)."""
+    """Start the plan's processes, supervise them, stop them: (exit status so far, each child's
+    status)."""
     code = 1
     # The store's endpoint and keys, for this process (listing the save root) and every child.
     saved_env = {k: os.environ.get(k) for k in (p.store.env() if p.store else {})}

@@ -42,9 +42,9 @@ def set_kernel_mode(train: TrainConfig) -> None:
     """Set the fused ops' implementation (`dispatch.set_mode`) from train.kernels, train.compile
     and train.compiled_triton_ops."""
     # 'auto' under compile takes the reference ops and lets Inductor fuse them (every op on
-    # Triton trained llama-1b at 0.97x the plain compiled baseline on an H200, BENCHMARKS.md),
-    # except train.compiled_triton_ops (RoPE and SwiGLU by default: 1.01-1.02x);
-    # `kernels = "triton"` forces them all.
+    # Triton trained llama-1b slower), except train.compiled_triton_ops (RoPE and SwiGLU by
+    # default, which trained it faster; measured: BENCHMARKS.md, 'Training throughput, one GPU'
+    # and 'Levers tried and dropped'); `kernels = "triton"` forces them all.
     if train.kernels == "auto" and train.compile:
         if train.compiled_triton_ops:
             dispatch.set_mode("auto", set(train.compiled_triton_ops))
@@ -219,14 +219,16 @@ def build_weight_copies(
         return WeightCopies(model, torch.bfloat16, fuse_weight_grads=fuse)
     if fusion:
         raise ConfigError(
-            f"train.gradient_accumulation_fusion adds into the fp32 gradients from the bf16 weight copies' "
-            f"GEMMs, and this job has none ({mesh.world_size} ranks: the copies run in a single process)"
+            "train.gradient_accumulation_fusion adds into the fp32 gradients from the bf16 weight "
+            f"copies' GEMMs, and this job has none ({mesh.world_size} ranks: the copies run in a "
+            "single process)"
         )
     return None
 
 
 def compile_options(train: TrainConfig) -> dict[str, bool] | None:
-    """Inductor options for everything the trainer compiles (train.compile_coordinate_descent_tuning)."""
+    """Inductor options for everything the trainer compiles
+    (train.compile_coordinate_descent_tuning)."""
     return {"coordinate_descent_tuning": True} if train.compile_coordinate_descent_tuning else None
 
 
@@ -246,8 +248,8 @@ def compile_model(
         for layer in model.layers.values() if pipelined else model.layers:
             layer.compile(options=options)
         # And the output projection + loss: left eager, its matmuls ran a slow legacy GEMM
-        # kernel and its softmax unfused (llama-1b, ZeRO-1 + overlap on 2 H200s: 1.70x one
-        # GPU; with the head compiled 1.91x).
+        # kernel and its softmax unfused, and ZeRO-1 + overlap scaled far less (measured:
+        # BENCHMARKS.md, 'Parallel scaling, 2× H200').
         model.head.loss = torch.compile(model.head.loss, options=options)
     elif train.compile:
         return torch.compile(model, options=options)
@@ -260,8 +262,9 @@ def check_cuda_graph(device: torch.device, mesh: Mesh) -> None:
         raise ConfigError(f"train.cuda_graph needs a CUDA device; this run is on {device}")
     if mesh.distributed:
         raise ConfigError(
-            f"train.cuda_graph runs in a single process; this job has {mesh.world_size} ranks, whose "
-            "gradient reductions and collectives are not captured: leave it off or run one process"
+            f"train.cuda_graph runs in a single process; this job has {mesh.world_size} ranks, "
+            "whose gradient reductions and collectives are not captured: leave it off or run one "
+            "process"
         )
 
 

@@ -211,6 +211,7 @@ def _stored_pieces(boxes: list[_Box], gshape: list[int], place: Place, dtype: st
     out = []
     for offsets, shape, local, grid in boxes:
         if place.layer_count is not None:  # stacked: leading global-layer axis
+            assert place.layer is not None  # a stacked place names its layer
             offsets, shape, gs = [place.layer, *offsets], [1, *shape], [place.layer_count, *gshape]
             grid = [1, *grid] if grid is not None else None
         else:

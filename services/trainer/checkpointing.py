@@ -1,20 +1,19 @@
 """The trainer's state <-> checkpoint boxes: model, optimizer, RNG and data position.
 
 Every rank saves and loads only its own part of the layout-independent format
-(`meshtrain.services.checkpoint`): each parameter is a box of a global array (per-layer tensors stacked
-on a leading global-layer axis when every layer 0..n-1 holds them, else one array per layer, as
-the experts of MoE blocks between dense ones; tensor-parallel shards at their global offsets,
-SwiGLU's fc1 as two boxes, one per half; padded vocabulary rows cut off; an expert-parallel
-rank's experts at their global expert ids), written by the dp-rank-0 replica only (experts: by
-each ep rank's replica of edp rank 0), so nothing is written twice. AdamW moments are stored per
-parameter (`optim.exp_avg.<name>`, `optim.exp_avg_sq.<name>`), whole even under the distributed
-optimizer; frozen parameters (the router's expert bias) have none. Scalars (iteration,
-consumed samples, optimizer step, config, RNG of Python/NumPy) are manifest metadata; global
-rank 0 commits once every rank has reported. Saves are asynchronous (`AsyncSaver`): the
-training stall is the device-to-host copy; one that fails with the disk full (DiskFullError) is
-recorded (`Checkpointer.disk_full`), not raised by the next save, so the run trains on. Loading
-reads exactly the boxes a rank needs, so any tp/dp/ep layout loads any checkpoint and a resumed run
-continues with identical losses.
+(`meshtrain.services.checkpoint`): each parameter is a box of a global array (per-layer tensors
+stacked on a leading global-layer axis when every layer 0..n-1 holds them, else one array per layer,
+as the experts of MoE blocks between dense ones; tensor-parallel shards at their global offsets,
+SwiGLU's fc1 as two boxes, one per half; padded vocabulary rows cut off; an expert-parallel rank's
+experts at their global expert ids), written by the dp-rank-0 replica only (experts: by each ep
+rank's replica of edp rank 0), so nothing is written twice. AdamW moments are stored per parameter
+(`optim.exp_avg.<name>`, `optim.exp_avg_sq.<name>`), whole even under the distributed optimizer;
+frozen parameters (the router's expert bias) have none. Scalars (iteration, consumed samples,
+optimizer step, config, RNG of Python/NumPy) are manifest metadata; global rank 0 commits once every
+rank has reported. Saves are asynchronous (`AsyncSaver`): the training stall is the device-to-host
+copy; one that fails with the disk full (DiskFullError) is recorded (`Checkpointer.disk_full`), not
+raised by the next save, so the run trains on. Loading reads exactly the boxes a rank needs, so any
+tp/dp/ep layout loads any checkpoint and a resumed run continues with identical losses.
 """
 
 from __future__ import annotations
@@ -112,12 +111,16 @@ class Checkpointer:
         service_address: a CheckpointService to stream boxes to, instead of writing storage: one
             `host:port`, or several replicas (`host:port,host:port`, `dns:///name:port`).
         direct: with `service_address`, the direct data plane: ranks store their boxes into
-            `root` themselves, the service grants and commits each save (`checkpoint.service_direct`).
+            `root` themselves, the service grants and commits each save
+            (`checkpoint.service_direct`).
         overwrite: replace committed checkpoints of the same steps (`checkpoint.overwrite`).
         resumed_step: the step the run resumed from, when it loaded from this same root.
-        attempts: tries for each stored object, a save's start and its commit (`checkpoint.save_attempts`).
-        backoff: first retry sleep in seconds, doubling each retry (`checkpoint.save_retry_backoff_s`).
-        retry_timeout: keep retrying for this many seconds, at least (`checkpoint.save_retry_timeout_s`).
+        attempts: tries for each stored object, a save's start and its commit
+            (`checkpoint.save_attempts`).
+        backoff: first retry sleep in seconds, doubling each retry
+            (`checkpoint.save_retry_backoff_s`).
+        retry_timeout: keep retrying for this many seconds, at least
+            (`checkpoint.save_retry_timeout_s`).
         security: token and TLS for the checkpoint service (`auth`; None: $MESHTRAIN_TOKEN if set).
     """
 
@@ -274,9 +277,11 @@ class Checkpointer:
             **extra,
             **({METADATA_KEY: carried} if carried else {}),
         }
-        self.settle()  # one save in flight: the previous one must have committed (or raise, unless disk full)
+        # One save in flight: the previous one must have committed (or raise, unless disk full).
+        self.settle()
         if mesh.distributed:
-            dist.barrier()  # every rank's uploads have ended: nothing writes into a failed save's folder now
+            # Every rank's uploads have ended: nothing writes into a failed save's folder now.
+            dist.barrier()
         if mesh.rank == 0:
             self._remove_leftovers()
         save_id = self._begin_save(state.iteration)
@@ -366,8 +371,8 @@ class Checkpointer:
             return
         if self.saver.last_committed == step:
             log.warning(
-                "checkpoint saves recovered: step %d is committed under %s (the save of step %d had failed: "
-                "disk full)",
+                "checkpoint saves recovered: step %d is committed under %s (the save of step %d "
+                "had failed: disk full)",
                 step,
                 self.root,
                 self.disk_full[0],
@@ -536,10 +541,10 @@ def _check_model(root: str, meta: dict, model: GPT) -> None:
     QKV weight has (heads + 2*groups) * hidden/heads rows, the same for every head count at a
     fixed heads/groups ratio (3*hidden for plain MHA), so GPT-2's 12 heads load into a 4-head
     model with every shape matching and the rows read as other heads' queries, keys and values.
-    Warns when the RoPE base or scaling, the norm epsilon or a MoE model's routing (top-k, score function,
-    pre-softmax, scaling) differ: the weights then compute another function (an imported Llama 3
-    resumed without rope_theta=500000), but a new RoPE base is also how a context is extended on
-    purpose.
+    Warns when the RoPE base or scaling, the norm epsilon or a MoE model's routing (top-k, score
+    function, pre-softmax, scaling) differ: the weights then compute another function (an imported
+    Llama 3 resumed without rope_theta=500000), but a new RoPE base is also how a context is
+    extended on purpose.
     """
     saved = (meta.get("config") or {}).get("model")
     if not isinstance(saved, dict) or "num_attention_heads" not in saved:
@@ -549,10 +554,11 @@ def _check_model(root: str, meta: dict, model: GPT) -> None:
     c = model.config
     if (heads, groups) != (c.num_attention_heads, c.groups):
         raise CheckpointError(
-            f"{root}: the checkpoint's model has num_attention_heads={heads} in {groups} query groups, but "
-            f"model.num_attention_heads={c.num_attention_heads} in {c.groups} query groups here: its attention "
-            "weights would be read as other heads (the shapes happen to match); set model.num_attention_heads "
-            "and model.num_query_groups as saved (`meshtrain ckpt inspect` shows the saved config)"
+            f"{root}: the checkpoint's model has num_attention_heads={heads} in {groups} query "
+            f"groups, but model.num_attention_heads={c.num_attention_heads} in {c.groups} query "
+            "groups here: its attention weights would be read as other heads (the shapes happen "
+            "to match); set model.num_attention_heads and model.num_query_groups as saved "
+            "(`meshtrain ckpt inspect` shows the saved config)"
         )
     rope = [
         "rotary_base",
@@ -574,8 +580,9 @@ def _check_model(root: str, meta: dict, model: GPT) -> None:
         value = saved.get(key, defaults[key])
         if value != getattr(c, key):
             log.warning(
-                "%s: the checkpoint's model was saved with model.%s=%s, this run has %s: the weights "
-                "compute another function from here on (set it as saved unless the change is meant)",
+                "%s: the checkpoint's model was saved with model.%s=%s, this run has %s: the "
+                "weights compute another function from here on (set it as saved unless the change "
+                "is meant)",
                 root,
                 key,
                 value,
@@ -605,8 +612,8 @@ def refuse_damaged_newer(root: str, latest: int | None) -> None:
     )
     choices.append(f"delete the damaged step (meshtrain ckpt delete {root} --step {first})")
     raise CheckpointError(
-        f"{root}: checkpoint step(s) {sorted(damaged)}, newer than {older}, hold a manifest.json that cannot "
-        f"be read ({damaged[first]}); "
+        f"{root}: checkpoint step(s) {sorted(damaged)}, newer than {older}, hold a manifest.json "
+        f"that cannot be read ({damaged[first]}); "
         + " or ".join(choices)
         + f", after `meshtrain ckpt verify {root} --all`"
     )
@@ -848,7 +855,7 @@ def save_checkpoint(
     service_address: str | None = None,
     overwrite: bool = False,
 ) -> str:
-    """Save a committed checkpoint of step `step` and return its URL (collective: every rank calls it).
+    """Save a committed checkpoint of step `step` and return its URL (every rank calls it).
 
     The same format `meshtrain train` writes: any layout loads it, `meshtrain ckpt export`
     exports it, `meshtrain train --load` resumes from it.

@@ -1,12 +1,12 @@
 """One micro-batch's forward and backward as a CUDA graph, captured once and replayed.
 
 A compiled gpt2-125m micro-batch launches about 950 kernels from Python. At small
-micro-batches the host cannot launch them as fast as the GPU runs them: on an H200, gpt2-125m
-at micro-batch 4 trained 1.60x faster with the graph (at micro-batch 16 the GPU is the
-bottleneck and the graph changed nothing measurable; BENCHMARKS.md). Replaying a captured
-graph launches the whole micro-batch with one call. torch's own routes do not fit gradient
-accumulation: `torch.compile(mode="reduce-overhead")` overwrites a graph's outputs that the
-next micro-batch's backward still reads (pytorch/pytorch#169545), and
+micro-batches the host cannot launch them as fast as the GPU runs them: gpt2-125m at
+micro-batch 4 trained faster with the graph (at micro-batch 16 the GPU is the bottleneck and
+the graph changed nothing measurable; measured: BENCHMARKS.md, 'Levers tried and dropped').
+Replaying a captured graph launches the whole micro-batch with one call. torch's own routes do
+not fit gradient accumulation: `torch.compile(mode="reduce-overhead")` overwrites a graph's
+outputs that the next micro-batch's backward still reads (pytorch/pytorch#169545), and
 `torch.cuda.make_graphed_callables` hands back static gradient buffers that can corrupt
 accumulated `.grad`s (#181723). So the graph here holds the whole micro-batch, forward and
 backward, with the gradients accumulated inside it:
@@ -23,7 +23,7 @@ backward, with the gradients accumulated inside it:
   trace in the run (dropout's masks are drawn from the generator's offset, which each replay
   advances as the captured kernels do).
 
-    graph = MicroBatchGraph(run, params, device)     # run(tokens, labels, mask) -> loss, backward done
+    graph = MicroBatchGraph(run, params, device)     # run(tokens, labels, mask): backward, -> loss
     graph.capture(tokens, labels, mask)              # at a step's start, gradients zero
     for tokens, labels, mask in micro_batches:
         total += graph.replay(tokens, labels, mask)  # read the loss before the next replay
@@ -116,9 +116,10 @@ class MicroBatchGraph:
                 loss = self.run(*self._inputs)
         except RuntimeError as e:
             raise MeshtrainError(
-                f"capturing the micro-batch's forward and backward as a CUDA graph failed: {e}. Something in the "
-                "step cannot be captured (a host synchronization, a data-dependent shape, an allocation outside "
-                "the graph's pool); train without it: train.cuda_graph=false"
+                f"capturing the micro-batch's forward and backward as a CUDA graph failed: {e}. "
+                "Something in the step cannot be captured (a host synchronization, a "
+                "data-dependent shape, an allocation outside the graph's pool); train without it: "
+                "train.cuda_graph=false"
             ) from e
         if not isinstance(loss, torch.Tensor) or loss.device != self.device:
             raise MeshtrainError(
@@ -129,7 +130,8 @@ class MicroBatchGraph:
         self.graph, self._loss = graph, loss
 
     def replay(self, *inputs: torch.Tensor) -> torch.Tensor:
-        """Run the captured micro-batch on `inputs`; its gradients are added to the parameters' `.grad`.
+        """Run the captured micro-batch on `inputs`; its gradients are added to the parameters'
+        `.grad`.
 
         Returns:
             The micro-batch's loss, in a buffer the next replay overwrites: add it to a
@@ -148,8 +150,9 @@ class MicroBatchGraph:
         for k, (static, t) in enumerate(zip(self._inputs, inputs)):
             if t.shape != static.shape or t.dtype != static.dtype:
                 raise MeshtrainError(
-                    f"micro-batch input {k} is {tuple(t.shape)} {t.dtype}, but the graph was captured for "
-                    f"{tuple(static.shape)} {static.dtype}: a CUDA graph replays fixed shapes"
+                    f"micro-batch input {k} is {tuple(t.shape)} {t.dtype}, but the graph was "
+                    f"captured for {tuple(static.shape)} {static.dtype}: a CUDA graph replays "
+                    "fixed shapes"
                 )
             static.copy_(t, non_blocking=True)
         self._check_grads("replay")
@@ -160,7 +163,8 @@ class MicroBatchGraph:
         for p, g in zip(self.params, self._grads):
             if p.grad is not g:
                 raise MeshtrainError(
-                    f"a parameter of shape {tuple(p.shape)} had its .grad {'dropped' if p.grad is None else 'replaced'} "
-                    f"at the {when}; the graph adds into the tensors it captured: zero gradients in place "
+                    f"a parameter of shape {tuple(p.shape)} had its .grad "
+                    f"{'dropped' if p.grad is None else 'replaced'} at the {when}; the graph adds "
+                    "into the tensors it captured: zero gradients in place "
                     "(zero_grad(set_to_none=False)) while it is in use"
                 )

@@ -167,7 +167,8 @@ class Trainer:
             self.job, self.mesh, self.device, size, self.fp8, self.weight_copies, self.pipeline
         )
         self._build_checkpointer(resumed_here)
-        # Requests from other threads (SIGTERM's relay, the control endpoint), acted on between steps.
+        # Requests from other threads (SIGTERM's relay, the control endpoint), acted on between
+        # steps.
         self.requests = RunRequests()
         self.stop_cause: str | None = None  # the agreed stop's cause, which ranks asked and why
         self.progress: dict[str, float | int | str | None] = {
@@ -242,7 +243,8 @@ class Trainer:
         them), the compiled forward, autocast, the pipeline's hooks and the CUDA graph."""
         job = self.job
         self.weight_copies = build_weight_copies(self.model, job.train, self.mesh, self.device)
-        # this step's FP8 weights, cast with the copies once a step (services/trainer/fp8/weights.py)
+        # this step's FP8 weights, cast with the copies once a step
+        # (services/trainer/fp8/weights.py)
         self.fp8_weights = (
             Fp8WeightCache.for_run(self.model, self.fp8) if self.weight_copies is not None else None
         )
@@ -293,7 +295,8 @@ class Trainer:
             self.checkpointer.prepare(self.model, self.optimizer)
 
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step over the global batch of `step` (0-based); returns (loss, grad_norm) on device."""
+        """One optimizer step over the global batch of `step` (0-based); returns (loss, grad_norm)
+        on device."""
         # a middle pipeline stage reads no data: it receives activations and sends gradients
         reads = self.pipeline is None or self.pipeline.reads_data
         micro = self.data.train.micro_batches(step) if reads else None
@@ -321,7 +324,8 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=self.graph is None)
         if self.fp8 is not None:
             self.fp8.step_end()  # delayed scaling: the next step's scales from this step's amaxes
-        self.router_stats.end_step()  # expert biases move by this step's loads; its statistics kept for the log
+        # Expert biases move by this step's loads; its statistics are kept for the log.
+        self.router_stats.end_step()
         return total, grad_norm
 
     def _copies(self) -> dict[str, torch.Tensor]:
@@ -356,7 +360,8 @@ class Trainer:
         return total
 
     def _micro_batch(self, copies, n_micro: int, tokens, labels, mask) -> torch.Tensor:
-        """Forward and backward of one of a step's `n_micro` micro-batches; its (detached) share of the loss."""
+        """Forward and backward of one of a step's `n_micro` micro-batches; its (detached) share of
+        the loss."""
         with self.autocast:
             loss = self.train_forward(copies, tokens, labels, mask) / n_micro
         loss.backward()
@@ -430,8 +435,8 @@ class Trainer:
         """Start saving the current state (asynchronous unless checkpoint.async_save is off).
 
         A save that fails with the disk full (DiskFullError) is logged and left to the next one
-        (None is returned), unless it is the run's last (at train.train_iters, or a stop's): the
-        run ends with that error. Earlier saves' failures are recorded (`Checkpointer.disk_full`)."""
+        (None is returned), unless it is the run's last (at train.train_iters, or a stop's): the run
+        ends with that error. Earlier saves' failures are recorded (`Checkpointer.disk_full`)."""
         c = self.job.checkpoint
         if (
             self.ddp is not None
@@ -510,8 +515,8 @@ class Trainer:
         if start > t.train_iters:
             self.checkpointer.close()  # the run ends here: nothing to save
             raise CheckpointError(
-                f"checkpoint is at step {start}, which is not before train.train_iters={t.train_iters}; "
-                "raise --train-iters to continue"
+                f"checkpoint is at step {start}, which is not before "
+                f"train.train_iters={t.train_iters}; raise --train-iters to continue"
             )
         tokens_per_step = t.global_batch_size * job.model.seq_length
         try:
@@ -617,7 +622,8 @@ class Trainer:
         metrics.step(record)
         if disk_full is not None and self.is_main:  # on every logged step until a save commits
             log.warning(
-                "the last checkpoint save failed (%s); training goes on, and the next save tries again",
+                "the last checkpoint save failed (%s); training goes on, and the next save tries "
+                "again",
                 disk_full[1],
             )
         self.progress.update(
@@ -753,7 +759,8 @@ def train(job: JobConfig, until_exit: bool = False) -> TrainResult:
             trainer, t.control_port, host=t.control_host, metrics_port=t.metrics_port, auth=job.auth
         )
     except BaseException:
-        trainer.checkpointer.close()  # `run`, which would close it and release the folder, never starts
+        # `run`, which would close it and release the folder, never starts.
+        trainer.checkpointer.close()
         trainer.release_run_dir()
         raise
     try:

@@ -121,7 +121,8 @@ def read_common(folder: Path) -> dict[str, Any]:
 
 
 def refuse_unsupported_keys(keys: dict[str, tuple[int, ...]], folder: Path) -> None:
-    """Raises CheckpointError naming a feature whose tensors meshtrain cannot import (MoE, MLA, MTP)."""
+    """Raises CheckpointError naming a feature whose tensors meshtrain cannot import (MoE, MLA,
+    MTP)."""
     for key in keys:
         if key.startswith("mtp."):
             raise CheckpointError(
@@ -315,8 +316,9 @@ def model_from_megatron(
 
 
 def check_exportable(model: ModelConfig) -> None:
-    """Raises CheckpointError naming what a Megatron GPTModel cannot compute: MoE layers, and Llama 3
-    RoPE scaling with other bounds than Megatron's fixed ones (low 1, high 4, original 8192)."""
+    """Raises CheckpointError naming what a Megatron GPTModel cannot compute: MoE layers, and
+    Llama 3 RoPE scaling with other bounds than Megatron's fixed ones (low 1, high 4, original
+    8192)."""
     if model.num_experts is not None:
         raise CheckpointError(
             "model.num_experts is set: mixture-of-experts layers have no Megatron mapping here "
@@ -330,8 +332,8 @@ def check_exportable(model: ModelConfig) -> None:
         )
         if bounds != (1.0, 4.0, 8192):
             raise CheckpointError(
-                f"model.rope_scaling_low_freq_factor, high_freq_factor, original_max_positions = {bounds}: Megatron's "
-                "--use-rope-scaling fixes them at (1, 4, 8192)"
+                "model.rope_scaling_low_freq_factor, high_freq_factor, original_max_positions = "
+                f"{bounds}: Megatron's --use-rope-scaling fixes them at (1, 4, 8192)"
             )
 
 

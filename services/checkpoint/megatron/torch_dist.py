@@ -19,8 +19,8 @@ writes the reverse as a Megatron-LM `release` checkpoint (`DST/release/` and
 The architecture comes from the saved `args` where there are any, else from Megatron-style
 flags (`args.py`).
 
-    import_megatron("ckpts/gpt", "runs/b/checkpoints")                  # ckpts/gpt/iter_0000100 or the root
-    export_megatron("runs/b/checkpoints", "out/megatron")               # then --load out/megatron
+    import_megatron("ckpts/gpt", "runs/b/checkpoints")     # ckpts/gpt/iter_0000100 or the root
+    export_megatron("runs/b/checkpoints", "out/megatron")  # then --load out/megatron
 """
 
 from __future__ import annotations
@@ -97,7 +97,8 @@ def rules(model: ModelConfig) -> list[Rule]:
     """The mapping of every meshtrain parameter of `model` to Megatron Core's GPTModel keys.
 
     Raises:
-        CheckpointError: the model has mixture-of-experts layers, or RoPE scaling Megatron cannot express.
+        CheckpointError: the model has mixture-of-experts layers, or RoPE scaling Megatron cannot
+            express.
     """
     check_exportable(model)
     h, v, ffn, d = model.hidden_size, model.vocab_size, model.ffn_size, model.head_dim
@@ -197,7 +198,7 @@ def rules(model: ModelConfig) -> list[Rule]:
 
 
 def checkpoint_folder(src: str, iteration: int | None = None) -> tuple[Path, int | None]:
-    """The torch_dist folder `src` names, and its iteration (None for a release checkpoint or unknown).
+    """The torch_dist folder `src` names, and its iteration (None for a release or unknown).
 
     `src` is a Megatron-LM checkpoint root (with `latest_checkpointed_iteration.txt`, holding
     `iter_NNNNNNN/` or `release/` folders) or one such folder itself (what
@@ -291,7 +292,7 @@ def import_megatron(
     flags: dict[str, Any] | None = None,
     seed: int = 1234,
 ) -> str:
-    """Writes a megatron-core torch_dist checkpoint's model weights as a step-0 meshtrain checkpoint.
+    """Writes a megatron-core torch_dist checkpoint's weights as a step-0 meshtrain checkpoint.
 
     Args:
         src: a torch_dist folder, or a Megatron-LM checkpoint root (see `checkpoint_folder`).
@@ -418,8 +419,8 @@ def import_megatron(
 
 
 def _singleton_fc1(rule: Rule, keys: dict[str, tuple[int, ...]]) -> str | None:
-    """`linear_fc1.weight_w|linear_fc1.weight_v`: SwiGLU's halves saved as two tensors (megatron-core's
-    singleton_local_shards), joined on import."""
+    """`linear_fc1.weight_w|linear_fc1.weight_v`: SwiGLU's halves saved as two tensors
+    (megatron-core's singleton_local_shards), joined on import."""
     base = rule.theirs[0]
     halves = (f"{base}_w", f"{base}_v")
     return "|".join(halves) if all(h in keys for h in halves) else None
@@ -439,9 +440,9 @@ def export_megatron(
 
     `DST/latest_checkpointed_iteration.txt` says `release` and `DST/release/` is the torch_dist
     folder: Megatron-LM's `--load DST` reads it as a weights-only checkpoint (no optimizer, RNG or
-    iteration; training starts at iteration 0), and `dist_checkpointing.load(model.sharded_state_dict(),
-    DST/release)` fills a GPTModel built with the flags returned. All the weights are held in memory
-    at once while DCP writes them.
+    iteration; training starts at iteration 0), and
+    `dist_checkpointing.load(model.sharded_state_dict(), DST/release)` fills a GPTModel built with
+    the flags returned. All the weights are held in memory at once while DCP writes them.
 
     Args:
         src_root: meshtrain checkpoint root.

@@ -1,4 +1,5 @@
-"""Run a DataService worker: `meshtrain data serve --port P` or `python -m meshtrain.services.dataloader.rpc.server`.
+"""Run a DataService worker: `meshtrain data serve --port P` or
+`python -m meshtrain.services.dataloader.rpc.server`.
 
 A worker is stateless, so capacity grows by starting more of them (any port, any host that
 sees the dataset files at the same paths) and handing all addresses to the trainer's client.
@@ -110,7 +111,7 @@ def run(config: ServeConfig) -> int:
             insecure=config.insecure,
         ),
     )
-    if metrics:
+    if config.metrics_port is not None:
         try:
             _, metrics_port = start_metrics_server(config.metrics_port, config.host)
         except ConfigError:

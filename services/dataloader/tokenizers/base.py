@@ -19,10 +19,13 @@ import abc
 import logging
 import os
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 from meshtrain.services.common.errors import DataError
 from meshtrain.services.dataloader.inputs import iter_documents, refuse_compressed
+
+if TYPE_CHECKING:
+    import tokenizers
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +120,7 @@ class RustTokenizer(Tokenizer):
     """A tokenizer run by the Hugging Face `tokenizers` library: subclasses set `_tok` (a
     `tokenizers.Tokenizer`), `_vocab` and `_eod`."""
 
-    _tok: object
+    _tok: tokenizers.Tokenizer
     _vocab: int
     _eod: int
 
@@ -134,7 +137,8 @@ class RustTokenizer(Tokenizer):
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         # The Rust side parallelizes over the batch. The `_fast` variant skips the character
-        # offsets (which nothing here uses): the same ids, 1.6x the tokens/s on one core.
+        # offsets (which nothing here uses): the same ids, more tokens/s on one core (measured:
+        # BENCHMARKS.md, 'Data service').
         return [e.ids for e in self._tok.encode_batch_fast(list(texts), add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -202,8 +206,8 @@ def _eos_token(config_path: Path) -> str | None:
 # The split pattern of tiktoken's cl100k encoding: a .tiktoken file holds only the merge
 # ranks, so the pre-tokenization regex has to come from somewhere; this is the common one.
 TIKTOKEN_PATTERN = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
-    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"""
+    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 
 
@@ -402,7 +406,8 @@ def train_bpe(
 
     if vocab_size < 257 + 1:
         raise DataError(
-            f"BPE vocab_size {vocab_size} is too small: 256 bytes + {EOD_TOKEN} need 257 ids plus merges"
+            f"BPE vocab_size {vocab_size} is too small: 256 bytes + {EOD_TOKEN} need 257 ids "
+            "plus merges"
         )
     if not files:
         raise DataError("train_bpe: no training files given")
@@ -508,6 +513,7 @@ def build_tokenizer(spec: str | os.PathLike) -> Tokenizer:
         )
     raise DataError(
         f"tokenizer spec {s!r} is not understood: expected 'byte', a tokenizer.json (or its "
-        f"folder), a .tiktoken file or tiktoken:PATH, a SentencePiece .model or sentencepiece:PATH, "
-        f"gpt2bpe:VOCAB_JSON,MERGES_TXT, null:VOCAB_SIZE or megatron-tiktoken:PATH"
+        "folder), a .tiktoken file or tiktoken:PATH, a SentencePiece .model or "
+        "sentencepiece:PATH, gpt2bpe:VOCAB_JSON,MERGES_TXT, null:VOCAB_SIZE or "
+        "megatron-tiktoken:PATH"
     )

@@ -5,7 +5,7 @@ Megatron picks a tokenizer with `--tokenizer-type` plus `--vocab-file`, `--merge
 tokenizer spec (the one string that travels in configs, over gRPC and into checkpoints), and
 `build_tokenizer` in `base.py` turns the spec back into a tokenizer:
 
-    GPT2BPETokenizer      gpt2bpe:VOCAB_JSON,MERGES_TXT       GPT-2's byte-level BPE, EOD <|endoftext|>
+    GPT2BPETokenizer      gpt2bpe:VOCAB_JSON,MERGES_TXT       byte-level BPE, EOD <|endoftext|>
     HuggingFaceTokenizer  PATH (tokenizer.json or its folder)  as `--tokenizer PATH`
     SentencePieceTokenizer / GPTSentencePieceTokenizer / Llama2Tokenizer
                           sentencepiece:PATH                  EOD = the model's end of sentence
@@ -170,7 +170,8 @@ def megatron_spec(
     if tokenizer_type == "HuggingFaceTokenizer":
         if os.path.isdir(model) and not os.path.isfile(os.path.join(model, "tokenizer.json")):
             raise DataError(
-                f"{name('tokenizer_model')}={tokenizer_model!r} is a folder without a tokenizer.json"
+                f"{name('tokenizer_model')}={tokenizer_model!r} is a folder without a "
+                "tokenizer.json"
             )
         return model
     if tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):
@@ -262,7 +263,8 @@ class GPT2BPETokenizer(RustTokenizer):
             parts = line.split(" ")
             if len(parts) != 2:
                 raise DataError(
-                    f"{path}:{lineno}: a merge line is two tokens separated by one space, got {line!r}"
+                    f"{path}:{lineno}: a merge line is two tokens separated by one space, "
+                    f"got {line!r}"
                 )
             merges.append((parts[0], parts[1]))
         return merges
@@ -358,7 +360,8 @@ def read_megatron_tiktoken_json(path: Path) -> dict[bytes, int]:
             raise DataError(f"{path}: entry {i}: token_bytes is not base64 ({e})") from None
         if i < 256 and token != bytes([i]):
             raise DataError(
-                f"{path}: entry {i} must be the single byte 0x{i:02x} (the first 256 ranks are the bytes)"
+                f"{path}: entry {i} must be the single byte 0x{i:02x} (the first 256 ranks are "
+                "the bytes)"
             )
         if token in ranks:
             raise DataError(f"{path}: entry {i} repeats the token of rank {ranks[token]}")
@@ -513,7 +516,8 @@ def build_megatron_tokenizer(spec: str) -> Tokenizer | None:
 
 
 def absolute_megatron_spec(spec: str) -> str | None:
-    """`spec` with its files made absolute, for the specs `build_megatron_tokenizer` reads; None for others."""
+    """`spec` with its files made absolute, for the specs `build_megatron_tokenizer` reads; None
+    for others."""
     if spec.startswith("gpt2bpe:"):
         paths = spec[len("gpt2bpe:") :].split(",")
         return "gpt2bpe:" + ",".join(os.path.abspath(p) for p in paths)

@@ -28,8 +28,8 @@ def check_fp8(train: TrainConfig, parallel: ParallelConfig) -> None:
         )
     if parallel.pipeline_schedule == "zb-h1":
         raise ConfigError(
-            "train.fp8 does not combine with parallel.pipeline_schedule='zb-h1' (the deferred weight "
-            "gradients are bf16 GEMMs); use 1f1b or interleaved"
+            "train.fp8 does not combine with parallel.pipeline_schedule='zb-h1' (the deferred "
+            "weight gradients are bf16 GEMMs); use 1f1b or interleaved"
         )
     if train.cuda_graph and train.fp8_recipe == "delayed":
         raise ConfigError(
@@ -50,8 +50,8 @@ def check_experts(model: ModelConfig, parallel: ParallelConfig, train: TrainConf
     if e is None:
         if p.ep > 1:
             raise ConfigError(
-                f"parallel.ep={p.ep} splits the experts of MoE layers, but model.num_experts is unset "
-                "(a dense model): set model.num_experts or parallel.ep=1"
+                f"parallel.ep={p.ep} splits the experts of MoE layers, but model.num_experts is "
+                "unset (a dense model): set model.num_experts or parallel.ep=1"
             )
         return
     if e % p.ep:
@@ -141,8 +141,9 @@ def check_tensor_parallel(model: ModelConfig, tp: int, sequence_parallel: bool) 
         return
     if model.num_attention_heads % tp or model.groups % tp:
         raise ConfigError(
-            f"parallel.tp={tp} must divide model.num_attention_heads={model.num_attention_heads} and the "
-            f"number of query groups ({model.groups}); replicating KV heads across tp ranks is not supported"
+            f"parallel.tp={tp} must divide model.num_attention_heads={model.num_attention_heads} "
+            f"and the number of query groups ({model.groups}); replicating KV heads across tp "
+            "ranks is not supported"
         )
     if model.ffn_size % tp:
         raise ConfigError(
@@ -150,10 +151,12 @@ def check_tensor_parallel(model: ModelConfig, tp: int, sequence_parallel: bool) 
         )
     if sequence_parallel and model.seq_length % tp:
         raise ConfigError(
-            f"sequence parallelism: parallel.tp={tp} must divide model.seq_length={model.seq_length}"
+            f"sequence parallelism: parallel.tp={tp} must divide "
+            f"model.seq_length={model.seq_length}"
         )
     if model.attention_dropout > 0 or (sequence_parallel and model.hidden_dropout > 0):
         raise ConfigError(
-            "dropout inside tensor-parallel regions needs a per-rank RNG tracker, which is not built: "
-            "set model.attention_dropout=0 (and model.hidden_dropout=0 with sequence parallelism)"
+            "dropout inside tensor-parallel regions needs a per-rank RNG tracker, which is not "
+            "built: set model.attention_dropout=0 (and model.hidden_dropout=0 with sequence "
+            "parallelism)"
         )

@@ -1,4 +1,4 @@
-"""Megatron-LM flags that do not map onto a meshtrain key: accepted without effect, or refused by name.
+"""Megatron-LM flags without a meshtrain key: accepted without effect, or refused by name.
 
 `flags.ALIASES` (and the few flags `flags.py` reads together with others) maps the Megatron flags
 whose feature meshtrain has. Every other flag of Megatron-LM's `pretrain_gpt.py` parser (checked
@@ -11,8 +11,8 @@ pasted script gets an answer for each of them instead of stopping at the first u
   Every such flag of a command line is named in one error, one line each, with the reason.
 - `NOT_BUILT_PREFIXES`: whole feature families (inference, RL, vision, Mamba, ...) by flag prefix.
 
-    classify("--use-flash-attn")  # -> ("no_effect", "attention always runs a fused SDPA kernel ...")
-    classify("--fp16")            # -> ("not_built", "no fp16 mixed precision (loss scaling): use --bf16")
+    classify("--use-flash-attn")  # -> ("no_effect", "attention always runs a fused SDPA ...")
+    classify("--fp16")            # -> ("not_built", "no fp16 mixed precision (loss scaling) ...")
 """
 
 from __future__ import annotations
@@ -210,8 +210,8 @@ NO_EFFECT: dict[str, tuple[bool, str]] = {
 }
 
 _FP8 = (
-    "not built: FP8 is train.fp8 (--fp8-format, --fp8-recipe tensorwise|rowwise|delayed); Transformer "
-    "Engine's other FP8/FP4 options are not"
+    "not built: FP8 is train.fp8 (--fp8-format, --fp8-recipe tensorwise|rowwise|delayed); "
+    "Transformer Engine's other FP8/FP4 options are not"
 )
 _RAMPUP = "no batch-size ramp-up: the global batch size is fixed (train.global_batch_size)"
 _PROFILE = (
@@ -264,8 +264,8 @@ NOT_BUILT: dict[str, tuple[str, ...]] = {
         "--record-shapes",
         "--nvtx-ranges",
     ),
-    "no time or iteration limit besides train.train_iters; the scheduler's limit sends SIGTERM, which "
-    "saves and stops": ("--exit-duration-in-mins", "--exit-interval", "--exit-signal"),
+    "no time or iteration limit besides train.train_iters; the scheduler's limit sends SIGTERM, "
+    "which saves and stops": ("--exit-duration-in-mins", "--exit-interval", "--exit-signal"),
     "no separate learning rate for the embedding and output layers": (
         "--decoupled-lr",
         "--decoupled-min-lr",
@@ -296,9 +296,8 @@ NOT_BUILT: dict[str, tuple[str, ...]] = {
         "--exp-avg-sq-dtype",
         "--optimizer-cuda-graph",
     ),
-    "meshtrain averages the loss over each micro-batch's counted tokens (no per-token sum over the step)": (
-        "--calculate-per-token-loss",
-    ),
+    "meshtrain averages the loss over each micro-batch's counted tokens (no per-token sum over "
+    "the step)": ("--calculate-per-token-loss",),
     _ARCH: (
         "--apply-layernorm-1p",
         "--apply-residual-connection-post-layernorm",
@@ -362,7 +361,8 @@ NOT_BUILT: dict[str, tuple[str, ...]] = {
         "--no-pin-cpu-grads",
         "--no-pin-cpu-params",
     ),
-    "no per-module recompute list: --recompute-granularity selective recomputes the attention core": (
+    "no per-module recompute list: --recompute-granularity selective recomputes the attention "
+    "core": (
         "--recompute-modules",
         "--distribute-saved-activations",
     ),
@@ -377,8 +377,8 @@ NOT_BUILT: dict[str, tuple[str, ...]] = {
         "--num-distributed-optimizer-instances",
         "--overlap-param-gather-with-optimizer-step",
     ),
-    "no encoder/decoder split or custom rank order: ranks follow tp-cp-ep-dp-pp; pipeline stages split "
-    "the blocks alone (--decoder-first/last-pipeline-num-layers, parallel.pipeline_layout)": (
+    "no encoder/decoder split or custom rank order: ranks follow tp-cp-ep-dp-pp; pipeline stages "
+    "split the blocks alone (--decoder-first/last-pipeline-num-layers, parallel.pipeline_layout)": (
         "--use-tp-pp-dp-mapping",
         "--pipeline-model-parallel-layout",
         "--model-parallel-size",
@@ -445,8 +445,8 @@ NOT_BUILT: dict[str, tuple[str, ...]] = {
         "--dist-ckpt-strictness",
         "--verify-integrity",
     ),
-    "no dumps of activations, gradients or parameters besides checkpoints; retention is checkpoint.keep_last "
-    "and checkpoint.keep_every": (
+    "no dumps of activations, gradients or parameters besides checkpoints; retention is "
+    "checkpoint.keep_last and checkpoint.keep_every": (
         "--save-params-interval",
         "--save-activations-interval",
         "--save-tokens-per-expert-interval",
@@ -486,14 +486,14 @@ NOT_BUILT: dict[str, tuple[str, ...]] = {
     "no mock (random-token) data: without --data-path the run trains on the built-in corpus": (
         "--mock-data",
     ),
-    "no position-id or attention-mask resets at document ends (attention crosses documents, as Megatron's "
-    "default)": (
+    "no position-id or attention-mask resets at document ends (attention crosses documents, as "
+    "Megatron's default)": (
         "--reset-position-ids",
         "--reset-attention-mask",
         "--dataloader-inter-document-masking",
     ),
-    "no separate evaluation batch sizes or start: evaluation uses the training batch sizes from the first "
-    "interval": (
+    "no separate evaluation batch sizes or start: evaluation uses the training batch sizes from "
+    "the first interval": (
         "--eval-global-batch-size",
         "--eval-micro-batch-size",
         "--start-eval-at-iter",
@@ -529,7 +529,8 @@ NOT_BUILT: dict[str, tuple[str, ...]] = {
         "--dump-param-to-param-group-map",
         "--gpu-sniff-test-interval",
     ),
-    "no expert capacity padding, upcycling, router groups or alternative dispatchers (see docs/moe.md)": (
+    "no expert capacity padding, upcycling, router groups or alternative dispatchers (see "
+    "docs/moe.md)": (
         "--moe-token-dispatcher-type",
         "--moe-router-num-groups",
         "--moe-router-group-topk",
@@ -587,7 +588,8 @@ NOT_BUILT: dict[str, tuple[str, ...]] = {
         "--use-gigatoken",
         "--allow-ambiguous-pad-tokens",
     ),
-    "no fault-tolerance, autoresume or straggler services: the launcher restarts from the last checkpoint": (
+    "no fault-tolerance, autoresume or straggler services: the launcher restarts from the last "
+    "checkpoint": (
         "--adlr-autoresume",
         "--adlr-autoresume-interval",
         "--enable-ft-package",
@@ -612,7 +614,8 @@ NOT_BUILT: dict[str, tuple[str, ...]] = {
         "--mask-prob",
         "--short-seq-prob",
     ),
-    "no blend phases or object-storage dataset cache: --data-path's blend holds for the whole run": (
+    "no blend phases or object-storage dataset cache: --data-path's blend holds for the whole "
+    "run": (
         "--phase-transition-iterations",
         "--object-storage-cache-path",
     ),

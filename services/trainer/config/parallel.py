@@ -68,25 +68,29 @@ class ParallelConfig:
     tp_comm_overlap: bool = False
     """With sequence_parallel on CUDA/NCCL: overlap each linear's all-gather / reduce-scatter
     with its matmul (PyTorch symmetric-memory fused ops), as Megatron's --tp-comm-overlap. Exact,
-    but at llama-1b TP=2 + SP on two H200s it trained at 0.99x one GPU against 1.39x without it
-    (BENCHMARKS.md), so off; kept because Megatron users ask for it by that flag."""
+    but at llama-1b TP=2 + SP it trained no faster than one GPU, far slower than without it
+    (measured: BENCHMARKS.md, 'Levers tried and dropped'), so off; kept because Megatron users
+    ask for it by that flag."""
     tp_async_grad_reduce: bool = True
     """Column-parallel linears launch the reduction of their input gradient (reduce-scatter with
     sequence parallelism, else all-reduce) before computing their weight gradient, so the two
     overlap (Megatron's asynchronous tensor-parallel all-reduce, on by default there too). Same
-    arithmetic; +1.5% tokens/s at llama-1b TP=2 on two H200s (one same-job comparison). Nothing to do at tp=1;
-    tp_comm_overlap, which fuses these collectives with the GEMMs instead, takes precedence."""
+    arithmetic, a little faster at llama-1b TP=2 (measured: BENCHMARKS.md, 'Parallel scaling, 2×
+    H200'). Nothing to do at tp=1; tp_comm_overlap, which fuses these collectives with the GEMMs
+    instead, takes precedence."""
     distributed_timeout_minutes: float = 10.0
     """How long a collective waits for a peer rank before it raises and the rank exits 1
     (--distributed-timeout-minutes, as Megatron). A rank that dies is noticed at once (its
     connections close); one that hangs (SIGSTOP, stuck storage, a deadlock) only through this
     timeout, on the ranks waiting for it: the job ends after it (plus the launcher's 15 s)."""
     use_distributed_optimizer: bool = False
-    """Shard Adam state over data-parallel ranks (ZeRO-1): reduce-scatter grads, all-gather params."""
+    """Shard Adam state over data-parallel ranks (ZeRO-1): reduce-scatter grads, all-gather
+    params."""
     overlap_grad_reduce: bool = False
     """Reduce each gradient bucket as soon as backward has finished it."""
     overlap_param_gather: bool = False
-    """Distributed optimizer: all-gather each bucket's parameters just before the forward uses them."""
+    """Distributed optimizer: all-gather each bucket's parameters just before the forward uses
+    them."""
     ddp_bucket_size: int = 40_000_000
     """Elements per gradient bucket."""
     grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
@@ -95,9 +99,10 @@ class ParallelConfig:
     partial sums are rounded to bf16, and the result is copied back into the fp32 buffers).
     Accumulation over micro-batches stays fp32 (Megatron's --grad-reduce-in-bf16, also accepted,
     makes the buffers themselves bf16); the copies cost 2 bytes per parameter (ZeRO-1: plus
-    2/dp) while the reductions are in flight. No effect at dp=1. At llama-1b DP=2 + ZeRO-1 on two
-    H200s no faster than fp32, whose reduction already runs under the backward (BENCHMARKS.md);
-    kept as Megatron's option for links where it does not (not measured here)."""
+    2/dp) while the reductions are in flight. No effect at dp=1. At llama-1b DP=2 + ZeRO-1 no
+    faster than fp32, whose reduction already runs under the backward (measured: BENCHMARKS.md,
+    'Levers tried and dropped'); kept as Megatron's option for links where it does not (not
+    measured here)."""
     recompute_granularity: Literal["none", "full", "selective"] = "none"
     """Activation recompute: whole blocks ('full') or only the attention core ('selective')."""
     recompute_method: Literal["uniform", "block"] | None = None
@@ -115,8 +120,8 @@ class ParallelConfig:
         etp = self.expert_tensor_parallel_size
         if etp is not None and etp != self.tp:
             raise ConfigError(
-                f"parallel.expert_tensor_parallel_size={etp}: only the tensor-parallel degree itself "
-                f"(parallel.tp={self.tp}) is supported; leave it unset"
+                f"parallel.expert_tensor_parallel_size={etp}: only the tensor-parallel degree "
+                f"itself (parallel.tp={self.tp}) is supported; leave it unset"
             )
         self._check_pipeline()
         self._check_context()
@@ -147,8 +152,9 @@ class ParallelConfig:
                 raise ConfigError("parallel.cp_comm_type='a2a+p2p' needs parallel.cp > 1")
             if sizes is None or len(sizes) != 2 or sizes[0] * sizes[1] != self.cp or min(sizes) < 1:
                 raise ConfigError(
-                    f"parallel.cp_comm_type='a2a+p2p' needs parallel.hierarchical_context_parallel_sizes "
-                    f"= [all-to-all size, ring size] multiplying to parallel.cp={self.cp}, got {sizes}"
+                    "parallel.cp_comm_type='a2a+p2p' needs "
+                    "parallel.hierarchical_context_parallel_sizes = [all-to-all size, ring size] "
+                    f"multiplying to parallel.cp={self.cp}, got {sizes}"
                 )
         elif sizes is not None:
             raise ConfigError(
@@ -162,7 +168,9 @@ class ParallelConfig:
         if self.cp_comm_type == "a2a":
             return self.cp
         if self.cp_comm_type == "a2a+p2p":
-            return self.hierarchical_context_parallel_sizes[0]
+            sizes = self.hierarchical_context_parallel_sizes
+            assert sizes is not None  # __post_init__ requires them with 'a2a+p2p'
+            return sizes[0]
         return 1
 
     def _check_pipeline(self) -> None:
@@ -226,7 +234,7 @@ class ParallelConfig:
         return "interleaved" if self.pipeline_chunks(num_layers) > 1 else "1f1b"
 
     def _resolve_recompute_plan(self) -> None:
-        """Refuse a method or layer count that the granularity would ignore; fill in 'full''s defaults.
+        """Refuse a method or layer count the granularity would ignore; fill in 'full''s defaults.
 
         Megatron-LM refuses recompute_method and recompute_num_layers with 'selective'; with no
         recompute it ignores them, which here is refused too (nothing is silently ignored).
@@ -241,11 +249,12 @@ class ParallelConfig:
             return
         if (self.recompute_method, self.recompute_num_layers) == ("uniform", 1):
             # The defaults of both keys before they became unset: every config.toml written then
-            # holds them, whatever the granularity, and must still load (`--config RUN/config.toml`).
+            # holds them, whatever the granularity, and must still load
+            # (`--config RUN/config.toml`).
             log.warning(
-                "parallel.recompute_method='uniform' and parallel.recompute_num_layers=1 have no effect "
-                "with parallel.recompute_granularity=%r (a config written before they defaulted to "
-                "unset); read as unset: remove them",
+                "parallel.recompute_method='uniform' and parallel.recompute_num_layers=1 have no "
+                "effect with parallel.recompute_granularity=%r (a config written before they "
+                "defaulted to unset); read as unset: remove them",
                 self.recompute_granularity,
             )
             self.recompute_method = self.recompute_num_layers = None

@@ -62,8 +62,8 @@ class TrainConfig:
     """Under train.bf16: keep a bf16 copy of every linear layer's weight and bias, cast once per
     optimizer step, instead of autocast casting the fp32 weights in every micro-batch; their bf16
     gradients are added straight into the fp32 gradients (services/trainer/weight_copies.py).
-    The same values as autocast, less memory traffic per micro-batch: llama-1b on an H200 trained
-    at 1.032x the plain compiled baseline against 1.011x without (gpt2-125m: unchanged).
+    The same values as autocast, less memory traffic per micro-batch: faster on llama-1b,
+    gpt2-125m unchanged (measured: BENCHMARKS.md, 'Training throughput, one GPU').
     Unset: on wherever it applies (train.bf16 in a single process; with several ranks the
     gradient reductions hook the fp32 parameters); true asks for it, false turns it off."""
     gradient_accumulation_fusion: bool | None = None
@@ -71,8 +71,8 @@ class TrainConfig:
     inside the weight-gradient GEMM (cuBLAS, fp32 output, beta=1), as Megatron-LM's
     --gradient-accumulation-fusion, instead of writing a bf16 gradient and adding it after: less
     memory traffic, no bf16 rounding of each micro-batch's gradient (off CUDA the same sums run as
-    an fp32 matmul and an add, no faster). On an H200 it trained llama-1b at 1.020x the run
-    without it, gpt2-125m at 1.006x and gpt2-350m at 1.008x (BENCHMARKS.md).
+    an fp32 matmul and an add, no faster). Faster than the run without it on every config
+    measured (measured: BENCHMARKS.md, 'Training throughput, one GPU').
     Unset: on wherever the copies are on and the device is CUDA; true asks for it (on any
     device), false turns it off."""
     fp8: Literal["e4m3", "hybrid"] | None = None
@@ -115,22 +115,22 @@ class TrainConfig:
     its thousands of kernels with one call (services/trainer/cuda_graphs.py). Gradients are then
     zeroed in place instead of dropped; the graph holds one micro-batch's activations for the
     whole run, and every micro-batch must have the same shape (it does: fixed micro-batch size
-    and sequence length). On an H200 it trained gpt2-125m at micro-batch 4, where the host
-    cannot keep up, 1.60x faster; at the configs' micro-batches, where the GPU is the
-    bottleneck, it changed nothing measurable (BENCHMARKS.md)."""
+    and sequence length). It trained gpt2-125m faster at micro-batch 4, where the host cannot
+    keep up; at the configs' micro-batches, where the GPU is the bottleneck, it changed nothing
+    measurable (measured: BENCHMARKS.md, 'Levers tried and dropped')."""
     compile: bool = False
     """Wrap the model in torch.compile."""
     compile_coordinate_descent_tuning: bool = False
     """Under train.compile on CUDA: Inductor tunes each Triton kernel it generates for the model
     (the fused norm, activation, cast and loss kernels) by coordinate descent over its launch
     settings, timing them on the device (torch._inductor.config.coordinate_descent_tuning, for
-    this model's graphs only). Costs compile time: gpt2-125m's first step took about 2.5 minutes
-    longer on an H200. Measured there 1.012x on gpt2-125m and 1.001x on llama-1b (BENCHMARKS.md),
-    so it is off by default."""
+    this model's graphs only). Costs minutes of compile time at the first step and gained little
+    end to end (measured: BENCHMARKS.md, 'Levers tried and dropped'), so it is off by default."""
     kernels: Literal["auto", "reference", "triton"] = "auto"
     """Fused-op implementation: 'auto' takes the Triton kernels on CUDA in eager mode, and
-    under train.compile the plain-torch reference (Inductor fuses it with its neighbours; on an
-    H200 faster end to end than every op on Triton) except for the ops in
+    under train.compile the plain-torch reference (Inductor fuses it with its neighbours: faster
+    end to end than every op on Triton; measured: BENCHMARKS.md, 'Levers tried and dropped')
+    except for the ops in
     train.compiled_triton_ops; off CUDA the reference. 'triton' forces the kernels everywhere
     (under compile too: each is a triton_op that Inductor launches itself), 'reference' the
     reference. $MESHTRAIN_KERNELS overrides."""
@@ -138,9 +138,9 @@ class TrainConfig:
     """With kernels='auto' and train.compile on CUDA: the ops (of rms_norm, layer_norm, gelu,
     swiglu, rope, cross_entropy, linear_cross_entropy) that take their Triton kernel inside the
     compiled graph instead of Inductor's fusion of the reference; ignored with any other
-    kernels setting. Default: RoPE and SwiGLU, whose kernels beat Inductor's fusions (llama-1b
-    on an H200: 1.012-1.019x the plain compiled baseline, against 1.001-1.011x with none;
-    adding rms_norm was slower; BENCHMARKS.md). [] keeps every op on the reference. The loss:
+    kernels setting. Default: RoPE and SwiGLU, whose kernels beat Inductor's fusions on llama-1b,
+    while adding rms_norm was slower (measured: BENCHMARKS.md, 'Training throughput, one GPU'
+    and 'Levers tried and dropped'). [] keeps every op on the reference. The loss:
     linear_cross_entropy is the fused chunked projection + loss; cross_entropy alone keeps
     Inductor's projection and runs the Triton cross-entropy on its logits."""
     peak_tflops: float | None = None
@@ -151,8 +151,8 @@ class TrainConfig:
     control_host: str | None = None
     """Interface the control endpoint binds; unset: $MESHTRAIN_CONTROL_HOST, else 127.0.0.1."""
     metrics_port: int | None = None
-    """With the control endpoint: serve Prometheus metrics (step, loss, tokens/s, ETA, RPCs) on
-    this port (0: any free port, in RUN_DIR/metrics.addr); unset: $MESHTRAIN_METRICS_PORT or none."""
+    """With the control endpoint: serve Prometheus metrics (step, loss, tokens/s, ETA, RPCs) on this
+    port (0: any free port, in RUN_DIR/metrics.addr); unset: $MESHTRAIN_METRICS_PORT or none."""
 
     def __post_init__(self) -> None:
         for key in ("micro_batch_size", "global_batch_size", "train_iters", "eval_iters"):
@@ -178,19 +178,19 @@ class TrainConfig:
             self.bf16 and self.bf16_weight_copies is not False
         ):
             raise ConfigError(
-                "train.gradient_accumulation_fusion adds the bf16 weight copies' gradients into the fp32 "
-                "gradients: it needs train.bf16=true and train.bf16_weight_copies left on"
+                "train.gradient_accumulation_fusion adds the bf16 weight copies' gradients into "
+                "the fp32 gradients: it needs train.bf16=true and train.bf16_weight_copies left on"
             )
         if self.fp8 is not None:
             if not self.bf16:
                 raise ConfigError(
-                    f"train.fp8={self.fp8!r} runs the linear layers in FP8 inside bf16 autocast: it "
-                    "needs train.bf16=true (--bf16)"
+                    f"train.fp8={self.fp8!r} runs the linear layers in FP8 inside bf16 autocast: "
+                    "it needs train.bf16=true (--bf16)"
                 )
             if self.fp8_recipe == "rowwise" and self.fp8 != "e4m3":
                 raise ConfigError(
-                    f"train.fp8_recipe='rowwise' casts gradients to e4m3 (row-scaled FP8 GEMMs take "
-                    f"e4m3 operands only): set train.fp8='e4m3', not {self.fp8!r}"
+                    "train.fp8_recipe='rowwise' casts gradients to e4m3 (row-scaled FP8 GEMMs "
+                    f"take e4m3 operands only): set train.fp8='e4m3', not {self.fp8!r}"
                 )
             for key in (
                 "fp8_amax_history_len",
@@ -216,8 +216,8 @@ class TrainConfig:
         if self.metrics_port is not None and self.control_port is None:
             # the metrics are served beside the control endpoint; without it nothing would be
             raise ConfigError(
-                f"train.metrics_port={self.metrics_port} serves Prometheus metrics beside the control "
-                "endpoint: it needs train.control_port set too (0: any free port)"
+                f"train.metrics_port={self.metrics_port} serves Prometheus metrics beside the "
+                "control endpoint: it needs train.control_port set too (0: any free port)"
             )
 
 
@@ -245,7 +245,8 @@ class OptimConfig:
     exponential 2 x 0.5^p - 1, linear 1 - p, cosine (1 + cos(pi p)) / 2, minus_sqrt 1 - sqrt(p)
     (of lr - min_lr, above min_lr)."""
     lr_wsd_decay_iters: int | None = None
-    """With lr_decay_style='wsd' (required then): steps of the final decay, ending at lr_decay_iters."""
+    """With lr_decay_style='wsd' (required then): steps of the final decay, ending at
+    lr_decay_iters."""
     weight_decay: float = 0.1
     """Decoupled weight decay on matrices (never on norms or biases)."""
     decay_embeddings: bool = False
@@ -287,12 +288,13 @@ class OptimConfig:
         if self.lr_decay_style == "wsd":
             if self.lr_wsd_decay_iters is None or self.lr_wsd_decay_iters <= 0:
                 raise ConfigError(
-                    "optim.lr_decay_style='wsd' needs optim.lr_wsd_decay_iters, the steps of its final "
-                    f"decay (--lr-wsd-decay-iters), > 0; got {self.lr_wsd_decay_iters}"
+                    "optim.lr_decay_style='wsd' needs optim.lr_wsd_decay_iters, the steps of its "
+                    f"final decay (--lr-wsd-decay-iters), > 0; got {self.lr_wsd_decay_iters}"
                 )
         elif self.lr_wsd_decay_iters is not None:
             raise ConfigError(
-                f"optim.lr_wsd_decay_iters applies to lr_decay_style='wsd', not {self.lr_decay_style!r}"
+                "optim.lr_wsd_decay_iters applies to lr_decay_style='wsd', not "
+                f"{self.lr_decay_style!r}"
             )
         # An explicit decay length the warmup reaches would leave lr at its peak for good (the
         # schedule has nothing to decay over); 0 would silently mean "unset".

@@ -1,4 +1,4 @@
-"""Context parallelism: each sample's sequence split over cp ranks, attention exchanged between them.
+"""Context parallelism: each sample's sequence split over cp ranks, attention exchanged among them.
 
 **Layout (causal load balance).** The sequence of s tokens is cut into 2·cp chunks of
 c = s/(2·cp); cp rank i holds chunks i and 2·cp−1−i, in that order (`context_positions`). Under a
@@ -79,7 +79,8 @@ class ContextParallel:
             raise ConfigError(
                 f"cp_comm_type={comm_type!r} needs a mesh whose context-parallel all-to-all spans "
                 f"{wants} ranks; this one was built with {self.a2a} (Mesh.build(cp_a2a=...), or "
-                "initialize_model_parallel(cp_comm_type=..., hierarchical_context_parallel_sizes=...))"
+                "initialize_model_parallel(cp_comm_type=..., "
+                "hierarchical_context_parallel_sizes=...))"
             )
         self.next = ring_ranks[(self.ring_rank + 1) % self.ring]
         self.prev = ring_ranks[(self.ring_rank - 1) % self.ring]
@@ -177,7 +178,10 @@ def _block(cp: ContextParallel, step: int, half: int) -> tuple[slice, slice, boo
 
 
 class _RingAttention(torch.autograd.Function):
-    """Causal attention over the ring (see the module docstring); q (b, h, 2C, d), k/v (b, g, 2C, d)."""
+    """Causal attention over the ring (see the module docstring).
+
+    Shapes: q (b, h, 2C, d), k/v (b, g, 2C, d).
+    """
 
     @staticmethod
     def forward(ctx, q, k, v, cp: ContextParallel, impl: str):

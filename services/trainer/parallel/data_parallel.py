@@ -8,11 +8,11 @@ backward, sending the buffer itself or (`reduce_dtype=torch.bfloat16`) a bf16 co
 the bytes, copied back after. Plain DP all-reduces the buckets; the distributed optimizer
 reduce-scatters them, so each dp rank receives the sum for its 1/dp slice of every bucket,
 updates only that slice (Adam moments exist only for it) and all-gathers the updated
-parameters, optionally overlapped with the next forward (`overlap_param_gather`). Gradients of sequence-parallel
-parameters (norms, row-parallel biases) are first summed over tp. With context parallelism the
-reduction and the ZeRO-1 shards span dp x cp (the cp ranks' gradients are shares of one
-sample's, summed; the mean is over dp). Gradient clipping uses the
-true global norm over tp, dp and pp, counting replicated parameters once.
+parameters, optionally overlapped with the next forward (`overlap_param_gather`). Gradients of
+sequence-parallel parameters (norms, row-parallel biases) are first summed over tp. With context
+parallelism the reduction and the ZeRO-1 shards span dp x cp (the cp ranks' gradients are shares of
+one sample's, summed; the mean is over dp). Gradient clipping uses the true global norm over tp, dp
+and pp, counting replicated parameters once.
 
 Expert parallelism (`expert.parallelize_experts`): the weights of a rank's experts (marked
 `expert_shard`) go into buckets of their own, reduced (and, ZeRO-1, sharded) over the "edp"
@@ -136,7 +136,7 @@ class DataParallel:
         if mesh.cp > 1:
             self.dp_group = mesh.group("dp_cp")
             self.dp, self.dp_rank = mesh.dp * mesh.cp, mesh.ranks["dp_cp"].index(mesh.rank)
-        else:  # the dp group itself (dp_cp has the same members), as the caller's own collectives use
+        else:  # the dp group (dp_cp has the same members), as the caller's own collectives use
             self.dp_group, self.dp, self.dp_rank = mesh.group("dp"), mesh.dp, mesh.dp_rank
         self.mean_over = mesh.dp
         # Expert weights (split over ep): reduced over the ranks holding the same experts.
@@ -171,7 +171,7 @@ class DataParallel:
 
     # ---------------------------------------------------------------- buckets
     def _is_expert(self, p: nn.Parameter) -> bool:
-        """An expert weight split over ep (with ep 1 experts are reduced as every other parameter)."""
+        """An expert weight split over ep (at ep 1 experts are reduced as any other parameter)."""
         return self.mesh.ep > 1 and getattr(p, "expert_shard", None) is not None
 
     def _make_buckets(
@@ -245,10 +245,10 @@ class DataParallel:
         bucket, i = self.bucket_of[id(p)]
         if bucket.reduce_handle is not None:  # a second backward into a bucket already sent
             raise RuntimeError(
-                f"gradient of {self.names[p]} accumulated after its bucket's reduction was launched: with "
-                "overlap_grad_reduce, run all but a step's last micro-batch under no_sync() (or iterate them "
-                "through DistributedDataParallel.accumulate()), and call finish_grad_sync() (optimizer.step()) "
-                "before the next backward"
+                f"gradient of {self.names[p]} accumulated after its bucket's reduction was "
+                "launched: with overlap_grad_reduce, run all but a step's last micro-batch under "
+                "no_sync() (or iterate them through DistributedDataParallel.accumulate()), and "
+                "call finish_grad_sync() (optimizer.step()) before the next backward"
             )
         bucket.ready.add(i)
         if len(bucket.ready) == len(bucket.params) and bucket.reduce_handle is None:
@@ -394,7 +394,7 @@ class DataParallel:
 
     # ---------------------------------------------------------------- norms
     def grad_norm_and_clip(self, max_norm: float) -> torch.Tensor:
-        """Global L2 norm of the gradients the optimizer will apply; clips them when max_norm > 0."""
+        """Global L2 norm of the gradients the optimizer will apply; clips them if max_norm > 0."""
         # (gradient the optimizer applies, its parameter): a slice of it under ZeRO-1
         grads = (
             [(piece.grad, p) for piece, p, _, _ in self.pieces]
@@ -409,7 +409,7 @@ class DataParallel:
         ]
         device = self.buckets[0].grad.device
         # [tp-sharded, tp-replicated] x [dense, expert] sums of squares; one multi-tensor norm per
-        # kind (a few kernels, not a few per parameter: the step's tail is host-bound enough as it is).
+        # kind (a few kernels, not a few per parameter: the step's tail is host-bound enough).
         sq = torch.stack(
             [
                 torch.stack(torch._foreach_norm(gs)).square().sum()

@@ -1,7 +1,7 @@
 """The data-parallel wrapper for loops written by hand: an ordinary backward / optimizer.step().
 
-`DataParallel` (data_parallel.py) exposes the gradient-sync sequence that the trainer drives step by step
-(no_sync on all but the last micro-batch, finish_grad_sync, clip, step, gather_params,
+`DataParallel` (data_parallel.py) exposes the gradient-sync sequence that the trainer drives step by
+step (no_sync on all but the last micro-batch, finish_grad_sync, clip, step, gather_params,
 zero_grad). Here that sequence hides behind a module and an optimizer, as Megatron Core's DDP
 wrapper and the distributed optimizer beside it do:
 

@@ -14,9 +14,9 @@ the expert's output back:
       -> rows in the order the block gave them
 
 Both all-to-alls are differentiable (`mappings.all_to_all`: the backward of one is the other's
-exchange), so the experts' gradients come from every ep rank's tokens. The ep ranks are ep consecutive ranks of
-a dp x cp group (`Mesh`): each has its own tokens; the ranks holding the same experts ("edp")
-average the experts' gradients (`DataParallel`). Expert weight parameters carry
+exchange), so the experts' gradients come from every ep rank's tokens. The ep ranks are ep
+consecutive ranks of a dp x cp group (`Mesh`): each has its own tokens; the ranks holding the same
+experts ("edp") average the experts' gradients (`DataParallel`). Expert weight parameters carry
 `expert_shard = (first_expert, num_experts)` (and, under tensor parallelism, `tp_split`).
 
 It also points every block's load-balancing statistics at the ranks of one global micro-batch
@@ -41,7 +41,7 @@ from meshtrain.services.trainer.parallel.tensor import reshard_param, set_moe_sh
 
 
 def expert_major_order(recv_counts: torch.Tensor, total: int) -> torch.Tensor:
-    """Rows received grouped by (source rank, local expert) -> the permutation to local-expert-major.
+    """Rows received grouped by (source rank, local expert) -> permutation to local-expert-major.
 
     Args:
         recv_counts: (ep, num_local) rows from each source rank for each local expert.
@@ -64,7 +64,8 @@ def expert_major_order(recv_counts: torch.Tensor, total: int) -> torch.Tensor:
 
 
 class AllToAllDispatcher:
-    """Moves permuted rows to the ep ranks owning their experts and back (replaces `LocalDispatcher`).
+    """Moves permuted rows to the ep ranks owning their experts and back (replaces
+    `LocalDispatcher`).
 
     Holds the split sizes and the permutation from `dispatch` until the matching `combine`
     (a block calls them back to back, also when recomputed).
@@ -79,7 +80,8 @@ class AllToAllDispatcher:
     def dispatch(
         self, rows: torch.Tensor, counts: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """rows (n, hidden) in global expert order, counts (experts,) -> (rows, counts) of the local experts.
+        """rows (n, hidden) in global expert order, counts (experts,) -> (rows, counts) of the
+        local experts.
 
         Returns:
             (m, hidden) rows for this rank's experts from every ep rank, local-expert-major (source
@@ -98,7 +100,8 @@ class AllToAllDispatcher:
         return got.index_select(0, order), recv.sum(0)
 
     def combine(self, rows: torch.Tensor) -> torch.Tensor:
-        """The local experts' outputs (as `dispatch` returned them) -> outputs of the rows it was given."""
+        """The local experts' outputs (as `dispatch` returned them) -> outputs of the rows it was
+        given."""
         if self._pending is None:
             raise RuntimeError("AllToAllDispatcher.combine without a dispatch before it")
         send_splits, recv_splits, order = self._pending

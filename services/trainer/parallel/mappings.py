@@ -88,7 +88,8 @@ def reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
 
 
 def cuda_nccl_problem(group: Group, device: torch.device) -> str | None:
-    """Why peer-to-peer GPU memory cannot serve this group and device (not CUDA, not NCCL), or None."""
+    """Why peer-to-peer GPU memory cannot serve this group and device (not CUDA, not NCCL), or
+    None."""
     if device.type != "cuda":
         return f"it needs CUDA devices (this run is on {device.type})"
     if group is None or dist.get_backend(group) != "nccl":

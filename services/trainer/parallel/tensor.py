@@ -87,7 +87,8 @@ SHARD_ATTRS = ("tp_split", "sequence_parallel", "expert_shard")
 
 
 def reshard_param(old: nn.Parameter, t: torch.Tensor, **attrs) -> nn.Parameter:
-    """A new parameter holding `t` (a slice of `old`), with `old`'s sharding attributes and `attrs`."""
+    """A new parameter holding `t` (a slice of `old`), with `old`'s sharding attributes and
+    `attrs`."""
     p = nn.Parameter(t.detach().clone().contiguous(), requires_grad=old.requires_grad)
     for name in SHARD_ATTRS:
         if hasattr(old, name):
@@ -178,7 +179,7 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """y = sum_r x_r W_r^T + b: input features split over tp; output reduced (or reduce-scattered)."""
+    """y = sum_r x_r W_r^T + b: input features split over tp; output reduced or reduce-scattered."""
 
     def __init__(
         self,
@@ -304,7 +305,8 @@ class _VocabParallelCE(torch.autograd.Function):
 
 
 class VocabParallelHead(nn.Module):
-    """LM head over a vocab-sharded weight: loss without gathering logits; logits gathered on demand."""
+    """LM head over a vocab-sharded weight: loss without gathering logits, which it gathers on
+    demand."""
 
     def __init__(self, vocab_size: int, mesh: Mesh, sequence_parallel: bool):
         super().__init__()
@@ -398,7 +400,8 @@ def _check_mesh_and_overlap(
     if mesh.cp > 1 and getattr(model, "context", None) is None:
         raise ConfigError(
             f"the mesh has cp={mesh.cp}: make the model context parallel first "
-            "(parallel.context.parallelize_context), or each cp rank attends only within its own tokens"
+            "(parallel.context.parallelize_context), or each cp rank attends only within its own "
+            "tokens"
         )
     if comm_overlap:
         if not sequence_parallel:
@@ -472,7 +475,7 @@ def check_moe_tensor_parallel(cfg, tp: int) -> None:
 
 
 def parallelize_moe(moe: MoE, mesh: Mesh, sequence_parallel: bool) -> None:
-    """Make one MoE block a tensor-parallel region over mesh.tp, in place (see the module docstring).
+    """Make one MoE block a tensor-parallel region over mesh.tp, in place (see module docstring).
 
     The stacked expert weights keep their leading (local) expert axis: fc1 (experts, 2*ffn/tp or
     ffn/tp, hidden) split on dim 1 by halves for SwiGLU, fc2 (experts, hidden, ffn/tp) on dim 2.

@@ -339,7 +339,8 @@ def test_a_worker_s_memory_stays_bounded_over_a_long_fuzz(tmp_path, calls=24_000
         fuzzer.close()
         server.stop()
     print(
-        f"\nRssAnon after {SOAK_WARMUP_CALLS} calls: {before / 2**20:.1f} MiB; +{growth / 2**20:.1f}"
+        f"\nRssAnon after {SOAK_WARMUP_CALLS} calls: {before / 2**20:.1f} MiB; "
+        f"+{growth / 2**20:.1f}"
     )
     assert calls - SOAK_WARMUP_CALLS >= 20_000
     assert not fuzzer.problems(), "\n".join(fuzzer.problems())

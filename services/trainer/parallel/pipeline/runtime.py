@@ -253,8 +253,9 @@ class PipelineRuntime:
     def _check(self, a: Action, t: torch.Tensor) -> None:
         if tuple(t.shape) != self.act_shape or t.dtype != self.act_dtype:
             raise RuntimeError(
-                f"pipeline rank {self.stage.pp_rank}: {a} would send a {t.dtype} tensor of shape {tuple(t.shape)}; "
-                f"the peer expects {self.act_dtype} of shape {self.act_shape} (micro_batch, seq, hidden)"
+                f"pipeline rank {self.stage.pp_rank}: {a} would send a {t.dtype} tensor of shape "
+                f"{tuple(t.shape)}; the peer expects {self.act_dtype} of shape {self.act_shape} "
+                "(micro_batch, seq, hidden)"
             )
 
     def _now(self) -> float:
