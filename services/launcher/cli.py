@@ -41,6 +41,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         trainer_grace_s=args.grace,
         s3=args.s3,
         resume=not args.no_resume,
+        trainer_threads=args.trainer_threads,
     )
     return run_up(options, args.overrides)
 
@@ -145,6 +146,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=float,
         default=120.0,
         help="seconds the trainer gets to checkpoint after SIGTERM before SIGKILL",
+    )
+    up.add_argument(
+        "--trainer-threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="CPU threads per trainer rank (default: OMP_NUM_THREADS if set, else the cores "
+        "less one per data worker, shared by the ranks; services get one each)",
     )
     up.set_defaults(func=cmd_up, overrides=[])
     for name, func, doc in (

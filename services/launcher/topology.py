@@ -77,22 +77,25 @@ class StopRequested(MeshtrainError):
     """A stop was requested while waiting for a child to become ready."""
 
 
-# Run as the child's first program: ask the kernel to SIGTERM this process when the launcher
-# dies (SIGKILL, SIGHUP of a closed terminal, a crash), then exec the real command. The setting
-# survives exec; a launcher that died before it took effect is caught by the getppid check.
+# Run as the child's first program: ask the kernel to send this process a signal when the
+# launcher dies (SIGKILL, SIGHUP of a closed terminal, a crash), then exec the real command. The
+# setting survives exec; a launcher that died before it took effect is caught by the getppid
+# check.
 _PDEATHSIG = (
-    "import ctypes, os, signal, sys\n"
-    "ctypes.CDLL(None).prctl(1, signal.SIGTERM)\n"  # PR_SET_PDEATHSIG
+    "import ctypes, os, sys\n"
+    "ctypes.CDLL(None).prctl(1, int(sys.argv[2]))\n"  # PR_SET_PDEATHSIG
     "os.getppid() == int(sys.argv[1]) or sys.exit('launcher gone before start')\n"
-    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+    "os.execvp(sys.argv[3], sys.argv[3:])\n"
 )
 
 
-def _dies_with_us(argv: list[str]) -> list[str]:
-    """`argv` wrapped so that the child is SIGTERMed if this process dies (Linux)."""
+def dies_with_us(argv: list[str], sig: int = signal.SIGTERM) -> list[str]:
+    """`argv` wrapped so that the kernel sends the child `sig` if this process dies (Linux; the
+    command as it is elsewhere). The parent is the thread that starts it: start it from one
+    that lives as long as the process (the main thread)."""
     if not sys.platform.startswith("linux"):
         return argv
-    return [sys.executable, "-c", _PDEATHSIG, str(os.getpid()), *argv]
+    return [sys.executable, "-c", _PDEATHSIG, str(os.getpid()), str(int(sig)), *argv]
 
 
 @dataclass
@@ -194,7 +197,7 @@ class Topology:
         )
         # Own session: a terminal's Ctrl-C reaches only us, and we stop children in order.
         child.process = subprocess.Popen(
-            _dies_with_us(child.argv),
+            dies_with_us(child.argv),
             env=env,
             stdin=subprocess.DEVNULL,
             start_new_session=True,

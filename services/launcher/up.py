@@ -14,6 +14,8 @@ environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT, ...; `ranks.local_ranks`, as
 its own SIGTERM on shutdown (checkpoint, exit 0) and its own exit status. All
 ports are free ports on 127.0.0.1. An `s3://` save root reads AWS_ENDPOINT_URL and credentials
 from the environment (set by `--s3` for its own store), which every child inherits.
+Each process gets a CPU thread budget in its environment (`threads.thread_budget`): one
+intra-op thread per service, the rest of the cores shared by the trainer ranks.
 
 Each run gets a fresh bearer token (`secrets.token_urlsafe`), written to RUN_DIR/auth.token
 (mode 0600, as 'admin TOKEN') once the run directory is claimed: the services are started with
@@ -43,6 +45,7 @@ from meshtrain.services.common.errors import ConfigError
 from meshtrain.services.launcher.health import wait_http, wait_serving
 from meshtrain.services.launcher.objectstore import AccessKeys, ObjectStore, require_weed
 from meshtrain.services.launcher.ranks import local_ranks, stopped_before_training
+from meshtrain.services.launcher.threads import thread_budget
 from meshtrain.services.launcher.topology import (
     Child,
     ChildFailed,
@@ -71,6 +74,7 @@ class UpOptions:
         s3: run a local S3-compatible store (SeaweedFS) first and checkpoint into it.
         s3_bucket: the bucket `s3` creates and saves under.
         resume: resume from the newest committed checkpoint under the save root, if any.
+        trainer_threads: CPU threads per trainer rank (None: `threads.thread_budget` picks).
     """
 
     data_workers: int = 1
@@ -82,8 +86,11 @@ class UpOptions:
     s3: bool = False
     s3_bucket: str = "meshtrain"
     resume: bool = True
+    trainer_threads: int | None = None
 
     def __post_init__(self) -> None:
+        if self.trainer_threads is not None and self.trainer_threads < 1:
+            raise ConfigError(f"up needs --trainer-threads >= 1 (got {self.trainer_threads})")
         if self.nproc_per_node < 1 or self.data_workers < 0:
             raise ConfigError(
                 f"up needs --nproc-per-node >= 1 (got {self.nproc_per_node}) and "
@@ -219,7 +226,11 @@ def plan(options: UpOptions, overrides: list[str]) -> Plan:
     # Addresses of our own services, which end with us: kept out of RUN/config.toml.
     launcher_keys = ["data.service_addresses"] * (options.data_workers > 0)
     launcher_keys += ["checkpoint.service_address"] * options.checkpoint_service
+    threads = thread_budget(options.nproc_per_node, options.data_workers, options.trainer_threads)
+    for child in services:
+        child.env.update(threads.service_env())
     for child in trainers:
+        child.env.update(threads.trainer_env())
         child.env[LAUNCHER_KEYS_ENV] = " ".join(launcher_keys)
         child.env[UP_PID_ENV] = str(os.getpid())  # the holder of RUN_DIR/.up.lock (claim_run_dir)
     if not options.resume:  # from scratch into a root that may hold an earlier run's steps

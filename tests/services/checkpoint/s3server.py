@@ -3,11 +3,14 @@
 The command line, identity file, free ports and bucket creation are
 `meshtrain.services.launcher.objectstore`'s, the same code `meshtrain up --s3` runs; this adds the
 process lifetime a test fixture needs. Data lives in a temporary folder. SeaweedFS takes ~25 s
-to exit on SIGTERM, so `stop()` sends SIGTERM, waits a short grace period, then SIGKILLs.
+to exit on SIGTERM, so `stop()` sends SIGTERM, waits a short grace period, then SIGKILLs. The
+server never outlives the process that started it: `stop()` also runs at exit, and on Linux the
+kernel SIGKILLs it when that process dies without one (a killed or interrupted pytest).
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import subprocess
@@ -16,7 +19,7 @@ from pathlib import Path
 
 from meshtrain.services.launcher.health import http_answers
 from meshtrain.services.launcher.objectstore import AccessKeys, ObjectStore, find_weed
-from meshtrain.services.launcher.topology import free_port
+from meshtrain.services.launcher.topology import dies_with_us, free_port
 
 __all__ = ["S3Server", "find_weed", "free_port"]
 
@@ -54,8 +57,12 @@ class S3Server:
         # Open for the server's whole life, closed in stop().
         self.log = open(self.workdir / "weed.log", "wb")  # noqa: SIM115
         self.process = subprocess.Popen(
-            self.store.argv(), stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+            dies_with_us(self.store.argv(), signal.SIGKILL),
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
+        atexit.register(self.stop)
         deadline = time.monotonic() + timeout
         while not http_answers(self.endpoint):
             if self.process.poll() is not None:
@@ -70,6 +77,7 @@ class S3Server:
 
     def stop(self, grace: float = 3.0) -> None:
         """SIGTERM, then SIGKILL after `grace` seconds (weed takes ~25 s to exit cleanly)."""
+        atexit.unregister(self.stop)
         if self.process is None or self.process.poll() is not None:
             return
         os.killpg(self.process.pid, signal.SIGTERM)
