@@ -1,12 +1,15 @@
-"""`meshtrain ckpt ...`: serve, list, inspect, verify, delete, convert, import and export checkpoints.
+"""`meshtrain ckpt ...`: serve, list, inspect, verify, delete, convert, import and export
+checkpoints.
 
-    meshtrain ckpt serve ROOT [--port P] [--host H] [--commit-timeout S] [--token-file F] [--tls-cert C --tls-key K] ...
+    meshtrain ckpt serve ROOT [--port P] [--host H] [--commit-timeout S] [--token-file F] \
+        [--tls-cert C --tls-key K] ...
     meshtrain ckpt list ROOT
     meshtrain ckpt inspect ROOT [--step N] [--json]
     meshtrain ckpt verify ROOT [--step N | --all]
     meshtrain ckpt delete ROOT (--step N | --keep-last N [--keep-every K]) [--collect-leftovers]
     meshtrain ckpt export --format hf SRC DST | import --format hf SRC DST     (convert_cli.py)
-    meshtrain ckpt convert SRC DST [--dtype bf16] [--drop-optimizer] [--target-tensor-parallel-size N]
+    meshtrain ckpt convert SRC DST [--dtype bf16] [--drop-optimizer] \
+        [--target-tensor-parallel-size N]
 
 ROOT is a folder or URL (`file://`, `s3://bucket/prefix` with AWS_ENDPOINT_URL /
 AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in the environment, `memory://`).
@@ -90,7 +93,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         total += size
         layers = f"  [{array['layer_count']} layers]" if array.get("layer_count") else ""
         print(
-            f"    {name:<55} {array['dtype']:<9} {tuple(array['shape'])!s:<22} {size / 1e6:9.2f} MB{layers}"
+            f"    {name:<55} {array['dtype']:<9} {tuple(array['shape'])!s:<22} "
+            f"{size / 1e6:9.2f} MB{layers}"
         )
     print(f"  total: {total / 1e6:.2f} MB")
     return 0
@@ -228,8 +232,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     ls.add_argument(
         "--allow-empty",
         action="store_true",
-        help="a root without a committed checkpoint (or not created yet) lists nothing and exits 0, "
-        "for scripts that start a run there; storage that cannot be read is still an error",
+        help="a root without a committed checkpoint (or not created yet) lists nothing and exits "
+        "0, for scripts that start a run there; storage that cannot be read is still an error",
     )
     ls.set_defaults(func=cmd_list)
     ins = csub.add_parser("inspect", help="tensors, shapes, dtypes and metadata of one checkpoint")

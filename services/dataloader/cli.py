@@ -1,6 +1,7 @@
 """`meshtrain data ...`: build datasets and tokenizers from the command line.
 
-    meshtrain data preprocess --input 'docs/*.jsonl' --output-prefix data/docs --tokenizer byte --append-eod
+    meshtrain data preprocess --input 'docs/*.jsonl' --output-prefix data/docs --tokenizer byte \
+        --append-eod
     meshtrain data preprocess --input docs.jsonl --output-prefix data/docs --append-eod \
         --tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt
     meshtrain data train-tokenizer --input 'docs/*.txt' --vocab-size 8192 --output tok.json
@@ -105,7 +106,8 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
 
 
 def tokenizer_spec_from_args(args: argparse.Namespace) -> str:
-    """The tokenizer spec of `--tokenizer`, or of Megatron's `--tokenizer-type` and its file flags."""
+    """The tokenizer spec of `--tokenizer`, or of Megatron's `--tokenizer-type` and its file
+    flags."""
     from meshtrain.services.dataloader.tokenizers.megatron import FLAG_OF, megatron_spec
 
     megatron = {key: getattr(args, key) for key in FLAG_OF}
@@ -147,7 +149,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--input",
         nargs="+",
         required=True,
-        help="files or glob patterns; each must match a file, and a file matched twice is read once",
+        help="files or glob patterns; each must match a file, and a file matched twice is read "
+        "once",
     )
     pre.add_argument("--output-prefix", required=True)
     pre.add_argument(
@@ -203,7 +206,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--input",
         nargs="+",
         required=True,
-        help="files or glob patterns, read as preprocess reads them (JSONL/Parquet: the --json-key text)",
+        help="files or glob patterns, read as preprocess reads them "
+        "(JSONL/Parquet: the --json-key text)",
     )
     tt.add_argument("--json-key", default="text")
     tt.add_argument("--vocab-size", type=int, required=True)

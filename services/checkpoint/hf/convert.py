@@ -141,12 +141,13 @@ def architecture(model: ModelConfig, requested: str | None = None) -> str:
             why.append("model.add_bias_linear=false: GPT2LMHeadModel always has linear biases")
         if model.groups != model.num_attention_heads:
             why.append(
-                f"model.num_query_groups={model.num_query_groups}: GPT2LMHeadModel has no grouped-query "
-                "attention (groups must equal heads)"
+                f"model.num_query_groups={model.num_query_groups}: GPT2LMHeadModel has no "
+                "grouped-query attention (groups must equal heads)"
             )
         if model.kv_channels not in (None, model.hidden_size // model.num_attention_heads):
             why.append(
-                f"model.kv_channels={model.kv_channels}: GPT2LMHeadModel's heads are hidden/heads wide"
+                f"model.kv_channels={model.kv_channels}: "
+                "GPT2LMHeadModel's heads are hidden/heads wide"
             )
         if model.qk_norm:
             why.append("model.qk_norm=true: GPT2LMHeadModel has no q/k norms")
@@ -156,8 +157,8 @@ def architecture(model: ModelConfig, requested: str | None = None) -> str:
     else:
         raise CheckpointError(
             f"model.normalization={model.normalization!r}, model.activation={model.activation!r}, "
-            f"model.position_embedding_type={model.position_embedding_type!r} map to no Hugging Face "
-            "architecture: Llama is rmsnorm+swiglu+rope, GPT-2 is layernorm+gelu+learned"
+            f"model.position_embedding_type={model.position_embedding_type!r} map to no Hugging "
+            "Face architecture: Llama is rmsnorm+swiglu+rope, GPT-2 is layernorm+gelu+learned"
         )
     if requested is not None and arch != requested:
         raise CheckpointError(f"this model exports as {arch!r}, not the requested {requested!r}")
@@ -210,7 +211,8 @@ def hf_config(
 
 
 def model_from_hf(config: dict[str, Any], seq_length: int | None = None) -> ModelConfig:
-    """The ModelConfig of an HF `config.json` (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE or GPT-2).
+    """The ModelConfig of an HF `config.json` (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE or
+    GPT-2).
 
     Args:
         config: the HF config.
@@ -535,8 +537,8 @@ def export_hf(
     special, kept = _special_ids(model, tokenizer_file, eod, where)
     if model.hf_torch_dtype not in (None, dtype):
         log.warning(
-            "%s: the weights are %s, the imported model's were %s: exporting them as %s (`meshtrain "
-            "ckpt convert --dtype` casts a checkpoint first)",
+            "%s: the weights are %s, the imported model's were %s: exporting them as %s "
+            "(`meshtrain ckpt convert --dtype` casts a checkpoint first)",
             where,
             dtype,
             model.hf_torch_dtype,
@@ -691,9 +693,10 @@ def import_hf(
     if existing:
         # Step 0 would be passed over by `train --load`, which resumes the latest step.
         raise CheckpointError(
-            f"{dst_root!r} already holds committed checkpoints {existing[:5]}{' ...' if len(existing) > 5 else ''}: "
-            "`meshtrain train --load` would resume the latest of them, not the import (step 0); import into an "
-            "empty root"
+            f"{dst_root!r} already holds committed checkpoints "
+            f"{existing[:5]}{' ...' if len(existing) > 5 else ''}: "
+            "`meshtrain train --load` would resume the latest of them, not the import (step 0); "
+            "import into an empty root"
         )
     files = safetensors_files(src)
     missing = sorted(f for f in set(files.values()) if not (src / f).is_file())

@@ -108,7 +108,8 @@ def llama_config(model: ModelConfig, dtype: str, eod: int | None) -> dict[str, A
         "hidden_act": "silu",
         "max_position_embeddings": model.max_positions,
         "rms_norm_eps": model.norm_epsilon,
-        # transformers >= 5 reads rope_parameters, older versions rope_theta and rope_scaling: write all.
+        # transformers >= 5 reads rope_parameters, older versions rope_theta and rope_scaling:
+        # write all.
         "rope_theta": model.rotary_base,
         "rope_parameters": rope,
         "rope_scaling": rope if model.rope_scaling_factor is not None else None,
@@ -290,9 +291,9 @@ def _check_window(kind: str, config: dict[str, Any], seq: int, positions: int) -
         )
     if window < seq:
         raise CheckpointError(
-            f"HF config sliding_window={window!r} cannot be expressed in meshtrain at a sequence length of {seq} "
-            f"(max_position_embeddings={positions}): meshtrain attends to the whole sequence, which the window "
-            f"would mask; import with a sequence length of at most {window} (--seq-length {window}), where the "
-            "window covers every token"
+            f"HF config sliding_window={window!r} cannot be expressed in meshtrain at a sequence "
+            f"length of {seq} (max_position_embeddings={positions}): meshtrain attends to the "
+            "whole sequence, which the window would mask; import with a sequence length of at most "
+            f"{window} (--seq-length {window}), where the window covers every token"
         )
     return window

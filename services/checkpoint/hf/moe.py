@@ -52,8 +52,8 @@ def moe_architecture(model: ModelConfig) -> str:
     if style != ("rmsnorm", "swiglu", "rope"):
         raise CheckpointError(
             f"model.normalization={model.normalization!r}, model.activation={model.activation!r}, "
-            f"model.position_embedding_type={model.position_embedding_type!r} with experts map to no Hugging "
-            "Face architecture: Mixtral and Qwen2-MoE are rmsnorm+swiglu+rope"
+            f"model.position_embedding_type={model.position_embedding_type!r} with experts map to "
+            "no Hugging Face architecture: Mixtral and Qwen2-MoE are rmsnorm+swiglu+rope"
         )
     qwen = bool(model.moe_shared_expert_intermediate_size)
     name = "Qwen2MoeForCausalLM" if qwen else "MixtralForCausalLM"
@@ -62,18 +62,20 @@ def moe_architecture(model: ModelConfig) -> str:
         why.append("model.add_bias_linear=true (no linear biases there)")
     if model.qkv_bias and not qwen:
         why.append(
-            "model.qkv_bias=true (Mixtral has no q/k/v biases; Qwen2-MoE, which has, also has a shared "
-            "expert)"
+            "model.qkv_bias=true (Mixtral has no q/k/v biases; Qwen2-MoE, which has, also has a "
+            "shared expert)"
         )
     if model.qk_norm:
         why.append("model.qk_norm=true (no q/k norms there)")
     if model.moe_router_score_function != "softmax":
         why.append(
-            f"model.moe_router_score_function={model.moe_router_score_function!r} (its router is a softmax)"
+            f"model.moe_router_score_function={model.moe_router_score_function!r} "
+            "(its router is a softmax)"
         )
     if model.moe_router_topk_scaling_factor not in (None, 1.0):
         why.append(
-            f"model.moe_router_topk_scaling_factor={model.moe_router_topk_scaling_factor} (no such factor)"
+            f"model.moe_router_topk_scaling_factor={model.moe_router_topk_scaling_factor} "
+            "(no such factor)"
         )
     if model.moe_router_enable_expert_bias:
         why.append("model.moe_router_enable_expert_bias=true (no expert bias in its routing)")
@@ -86,13 +88,14 @@ def moe_architecture(model: ModelConfig) -> str:
         dense = [i for i in range(model.num_layers) if not model.is_moe_layer(i)]
         if dense:
             why.append(
-                f"model.moe_layer_freq={model.moe_layer_freq!r} leaves blocks {dense[:8]} dense (Mixtral "
-                "has experts in every block; Qwen2-MoE, which has dense blocks, also has a shared expert)"
+                f"model.moe_layer_freq={model.moe_layer_freq!r} leaves blocks {dense[:8]} dense "
+                "(Mixtral has experts in every block; Qwen2-MoE, which has dense blocks, also has "
+                "a shared expert)"
             )
         if model.moe_router_pre_softmax:
             why.append(
-                "model.moe_router_pre_softmax=true (Mixtral softmaxes the top-k logits; Qwen2-MoE, which "
-                "takes the full softmax, also has a shared expert)"
+                "model.moe_router_pre_softmax=true (Mixtral softmaxes the top-k logits; Qwen2-MoE, "
+                "which takes the full softmax, also has a shared expert)"
             )
     if why:
         raise CheckpointError(
@@ -108,7 +111,9 @@ def moe_hf_config(model: ModelConfig, arch: str, base: dict[str, Any]) -> dict[s
     dropped = {
         "model.hidden_dropout": model.hidden_dropout,
         "model.moe_z_loss_coeff": model.moe_z_loss_coeff,
-        "model.moe_expert_capacity_factor (HF computes every routed token)": model.moe_expert_capacity_factor,
+        "model.moe_expert_capacity_factor (HF computes every routed token)": (
+            model.moe_expert_capacity_factor
+        ),
     }
     for key, value in dropped.items():
         if value:
@@ -169,8 +174,8 @@ def moe_from_hf(kind: str, config: dict[str, Any], count: Callable[[str], int]) 
     """
     if config.get("router_jitter_noise"):
         log.warning(
-            "HF config router_jitter_noise=%s (multiplicative noise on the router input in training) "
-            "has no meshtrain setting; dropped",
+            "HF config router_jitter_noise=%s (multiplicative noise on the router input in "
+            "training) has no meshtrain setting; dropped",
             config["router_jitter_noise"],
         )
     coeff = config.get("router_aux_loss_coef", 0.001)

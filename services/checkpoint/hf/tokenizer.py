@@ -110,7 +110,8 @@ def eod_id(path: Path | None, spec: str | None, model: ModelConfig, where: str) 
 def tokenizer_config(
     path: Path, model: ModelConfig, where: str, ids: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """A `tokenizer_config.json` that makes `AutoTokenizer` load `tokenizer.json` as a fast tokenizer.
+    """A `tokenizer_config.json` that makes `AutoTokenizer` load `tokenizer.json` as a fast
+    tokenizer.
 
     Args:
         path: the tokenizer.json.

@@ -1,4 +1,5 @@
-"""The trainer's command line: `--config FILE`, `--section.key=value` overrides and Megatron-LM's flags.
+"""The trainer's command line: `--config FILE`, `--section.key=value` overrides and Megatron-LM's
+flags.
 
 `parse_overrides` turns the words after `meshtrain train` into (config file, nested override
 table); `load.load_config` merges that table over the defaults and the file.
@@ -195,7 +196,8 @@ _VALUE_SPELLINGS = {
 # ... and per key: Megatron's attention backends (Transformer Engine's fused attention is cuDNN's).
 _KEY_SPELLINGS = {"model.attention_backend": {"fused": "cudnn", "unfused": "math", "local": "math"}}
 
-# Megatron's sample-counted flags -> the iteration-counted key each becomes (samples / global batch).
+# Megatron's sample-counted flags -> the iteration-counted key each becomes
+# (samples / global batch).
 _SAMPLE_FLAGS = {
     "--train-samples": "train.train_iters",
     "--lr-decay-samples": "optim.lr_decay_iters",
@@ -461,17 +463,18 @@ def _apply_deferred(table: dict[str, Any], flags: dict[str, Any]) -> None:
     if data.get("tokenizer_type") in _VOCAB_SIZE_TOKENIZERS and "vocab_size" in model:
         cfg.set_dotted(table, "data.vocab_size", model.pop("vocab_size"))
     if "vocab_file" in data and "merge_file" in data and "tokenizer_type" not in data:
-        # Megatron's GPT-3 example names no type; the one type that reads a merge file is GPT-2's BPE
+        # Megatron's GPT-3 example names no type; the one type that reads a merge file is
+        # GPT-2's BPE
         log.warning(
-            "--vocab-file and --merge-file without --tokenizer-type: GPT2BPETokenizer, the tokenizer "
-            "that reads both"
+            "--vocab-file and --merge-file without --tokenizer-type: GPT2BPETokenizer, the "
+            "tokenizer that reads both"
         )
         data["tokenizer_type"] = "GPT2BPETokenizer"
     for key in ("tiktoken_pattern", "tiktoken_num_special_tokens"):  # read by TikTokenizer alone
         if key in data and data.get("tokenizer_type", "TikTokenizer") != "TikTokenizer":
             log.warning(
-                "--%s applies to --tokenizer-type TikTokenizer: not used with %s (Megatron-LM ignores it "
-                "too)",
+                "--%s applies to --tokenizer-type TikTokenizer: not used with %s "
+                "(Megatron-LM ignores it too)",
                 key.replace("_", "-"),
                 data["tokenizer_type"],
             )
@@ -489,8 +492,8 @@ def _apply_deferred(table: dict[str, Any], flags: dict[str, Any]) -> None:
         model.setdefault("num_query_groups", 1)
     elif "num_query_groups" in model:
         log.warning(
-            "--num-query-groups=%s without --group-query-attention: applied here, where Megatron-LM "
-            "would ignore it (multi-head attention)",
+            "--num-query-groups=%s without --group-query-attention: applied here, where "
+            "Megatron-LM would ignore it (multi-head attention)",
             model["num_query_groups"],
         )
     if "--rope-scaling-factor" in flags and not flags.get("--use-rope-scaling"):
@@ -510,9 +513,10 @@ def _apply_deferred(table: dict[str, Any], flags: dict[str, Any]) -> None:
     balancing = flags.get("--moe-router-load-balancing-type")
     if balancing is not None and balancing not in ("aux_loss", "none"):
         raise ConfigError(
-            f"--moe-router-load-balancing-type={balancing!r} is not supported: 'aux_loss' (the load-"
-            "balancing loss over the global micro-batch, weighted by --moe-aux-loss-coeff) or 'none' "
-            "(no such loss; --moe-router-enable-expert-bias balances without one)"
+            f"--moe-router-load-balancing-type={balancing!r} is not supported: 'aux_loss' "
+            "(the load-balancing loss over the global micro-batch, weighted by "
+            "--moe-aux-loss-coeff) or 'none' (no such loss; --moe-router-enable-expert-bias "
+            "balances without one)"
         )
     if (
         balancing == "none"
