@@ -72,7 +72,7 @@ def all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
         return x
     front = x.movedim(dim, 0).contiguous()  # gather along dim 0: one contiguous buffer
     out = torch.empty((n * front.shape[0], *front.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, front, group=group)
+    dist.all_gather_single(out, front, group=group)
     return out.movedim(0, dim)
 
 
@@ -83,7 +83,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
         return x
     front = x.movedim(dim, 0).contiguous()
     out = torch.empty((front.shape[0] // n, *front.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, front, group=group)
+    dist.reduce_scatter_single(out, front, group=group)
     return out.movedim(0, dim)
 
 
