@@ -473,6 +473,7 @@ def make_server(
     translate_error: Callable[[Exception], MeshtrainError | None] | None = None,
     security: ServerSecurity | None = None,
     scopes: dict[str, Scope] | None = None,
+    port_flag: str = "--port",
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
     """Build and start a server with health, reflection, size limits, error mapping and, as
     `security` says, TLS and token or client-certificate checks.
@@ -494,6 +495,7 @@ def make_server(
         security: tokens, TLS files, insecure; None: no authentication, plaintext, loopback only.
         scopes: full method name -> scope it needs (`security.method_scopes`); a method missing
             from it needs admin, except the health check and reflection.
+        port_flag: the flag that sets `port`, which a port in use names.
 
     Returns:
         (server, bound port, health servicer); the server is started and SERVING.
@@ -503,6 +505,11 @@ def make_server(
     """
     security = security or ServerSecurity()
     security.check_bind(host, port)
+    if port and _port_in_use(host, port):
+        # Asked first: gRPC's own refusal logs a raw line and a GRPC_VERBOSITY hint to stderr.
+        raise ConfigError(
+            f"{host}:{port} is in use: pass another {port_flag}, or {port_flag} 0 for any free port"
+        )
     auth = security.interceptor(scopes or {})
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers + UNARY_RESERVE),
@@ -534,16 +541,38 @@ def make_server(
             bound = server.add_insecure_port(f"{host}:{port}")
         else:
             bound = server.add_secure_port(f"{host}:{port}", credentials)
-    except RuntimeError as e:  # grpc raises a bare RuntimeError when bind fails
-        raise ConfigError(
-            f"cannot bind gRPC server to {host}:{port} (in use or not allowed): {e}"
-        ) from None
+    except RuntimeError:  # grpc raises a bare RuntimeError (naming GRPC_VERBOSITY) when bind fails
+        bound = 0
     if bound == 0:
-        raise ConfigError(f"cannot bind gRPC server to {host}:{port} (in use or not allowed)")
+        raise ConfigError(
+            f"cannot bind {host}:{port} (in use or not allowed): pass another {port_flag}, "
+            f"or {port_flag} 0 for any free port"
+        )
     server.start()
     for name in names + [""]:  # "" is the whole server's status
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, bound, health_servicer
+
+
+def _port_in_use(host: str, port: int) -> bool:
+    """Whether a listener holds TCP `port` on an address of `host` (as gRPC binds it:
+    SO_REUSEADDR, so a port a closed server left in TIME_WAIT counts as free)."""
+    import errno
+    import socket
+
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError:
+        return False  # gRPC reports a name it cannot resolve
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    return True
+    return False
 
 
 def serve_forever(

@@ -78,8 +78,17 @@ def _security(args: argparse.Namespace):
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from meshtrain.services.trainer.rpc.client import ControlClient
+    from pathlib import Path
 
+    from meshtrain.services.trainer.rpc.client import ADDR_FILE, ControlClient, run_outcome
+
+    run_dir = Path(args.target)
+    if run_dir.is_dir() and not (run_dir / ADDR_FILE).exists():
+        outcome = run_outcome(run_dir)
+        if outcome is not None and outcome["finished"]:  # not an error: the run did its steps
+            line = f"{run_dir}: the run has finished: last step {outcome['step']}"
+            print(json.dumps(outcome) if args.json else f"{line}, loss {outcome['loss']:.4f}")
+            return 0
     with ControlClient(args.target, security=_security(args)) as client:
         status = client.status()
     print(json.dumps(status) if args.json else format_status(status))

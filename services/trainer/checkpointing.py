@@ -590,6 +590,36 @@ def _check_model(root: str, meta: dict, model: GPT) -> None:
             )
 
 
+def _model_differences(saved: dict, config) -> list[str]:
+    """`model.KEY=NOW (VALUE saved)` for each key of the saved model config `saved` (the
+    checkpoint metadata's config.model) that `config` sets otherwise."""
+    now = to_dict(config)
+    return [
+        f"model.{key}={now.get(key)} ({saved.get(key)} saved)"
+        for key in [f.name for f in fields(config)]
+        if saved.get(key) != now.get(key)
+    ]
+
+
+def _naming_the_settings(
+    error: CheckpointError, root: str, meta: dict, model: GPT
+) -> CheckpointError:
+    """`error` (a tensor the model lacks, or of another shape), led by the model settings in which
+    this run differs from the checkpoint's recorded config, which a user knows and can fix: most
+    often a resume without the run's own config. Unchanged where the checkpoint records none."""
+    saved = (meta.get("config") or {}).get("model")
+    differ = _model_differences(saved, model.config) if isinstance(saved, dict) else []
+    if not differ:
+        return error
+    detail = str(error).removeprefix(f"{root}: ")
+    shown = ", ".join(differ[:6]) + (f" and {len(differ) - 6} more" if len(differ) > 6 else "")
+    return CheckpointError(
+        f"{root}: this run's model differs from the checkpoint's in {shown}; resume with the run's "
+        "own config (--config RUN/config.toml, RUN the run directory that saved it) or set these "
+        f"keys as saved. In detail: {detail}"
+    )
+
+
 def refuse_damaged_newer(root: str, latest: int | None) -> None:
     """Raise if a step newer than `latest` (the newest committed one, None: none) has a
     manifest.json no reader accepts.
@@ -639,11 +669,14 @@ def restore(
     mesh = par.mesh
     params = dict(model.named_parameters())
     reader = _BoxReader(root, step, manifest, stored_places(manifest), mesh, model.vocab_size)
-    _check_names(root, model, params, set(reader.places), mesh)
     _check_model(root, meta, model)
-    with torch.no_grad():
-        for name, p in params.items():
-            reader.read_into(name, p.data, p)
+    try:
+        _check_names(root, model, params, set(reader.places), mesh)
+        with torch.no_grad():
+            for name, p in params.items():
+                reader.read_into(name, p.data, p)
+    except CheckpointError as e:
+        raise _naming_the_settings(e, root, meta, model) from None
     opt_step = meta["optimizer_step"]
     if opt_step > 0 and optimizer is not None:
         _restore_moments(reader, params, optimizer, par, opt_step)

@@ -2,7 +2,9 @@
 
 The model is rebuilt from the checkpoint's recorded `config.model` and loaded with the
 layout-free loader, so a checkpoint saved under any tensor/data-parallel layout loads here.
-Only the text goes to stdout; logs go to stderr.
+Only the text goes to stdout; logs go to stderr. Several samples are each preceded by a line
+`--- sample I of N ---` (a sample's text may hold blank lines of its own); `--json` prints one
+JSON object a line instead, for a program to read.
 """
 
 from __future__ import annotations
@@ -44,7 +46,15 @@ def register(sub) -> None:
         help="tokenizer spec (default: the one the checkpoint records; 'byte' for bytes)",
     )
     g.add_argument(
-        "--num-samples", type=int, default=1, help="samples to draw, each printed on its own"
+        "--num-samples",
+        type=int,
+        default=1,
+        help="samples to draw; more than one: each after a line '--- sample I of N ---'",
+    )
+    g.add_argument(
+        "--json",
+        action="store_true",
+        help='print one JSON object a line per sample: {"sample", "text", "completion"}',
     )
     g.set_defaults(func=cmd_generate)
 
@@ -130,7 +140,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         generator=generator,
     )
-    for row in out.tolist():
-        sys.stdout.write(tokenizer.decode(row) + "\n")
-    sys.stdout.flush()
+    _print_samples(out.tolist(), len(ids), tokenizer.decode, args.json)
     return 0
+
+
+def _print_samples(rows: list[list[int]], prompt_len: int, decode, as_json: bool) -> None:
+    """Write each sample (prompt + continuation) to stdout: bare when it is the only one, else
+    after a `--- sample I of N ---` line; as_json: one JSON object a line, which also carries
+    the continuation alone."""
+    import json
+
+    for i, row in enumerate(rows, 1):
+        if as_json:
+            sample = {"sample": i, "text": decode(row), "completion": decode(row[prompt_len:])}
+            sys.stdout.write(json.dumps(sample, ensure_ascii=False) + "\n")
+            continue
+        if len(rows) > 1:
+            sys.stdout.write(f"--- sample {i} of {len(rows)} ---\n")
+        sys.stdout.write(decode(row) + "\n")
+    sys.stdout.flush()

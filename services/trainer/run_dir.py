@@ -42,6 +42,9 @@ from meshtrain.services.trainer.parallel.mesh import Mesh
 # a second flock of its own would refuse it, so a claim is counted and the flock dropped with
 # the last release (or by the kernel when the process exits).
 _held: dict[Path, list] = {}
+# The run directories this process created (resolved paths): only these may `release_run_dir`
+# remove after a failed start; a folder that was there before is the user's.
+_created: set[Path] = set()
 
 
 def make_run_dir(configured: str | None, mesh: Mesh) -> Path:
@@ -63,14 +66,21 @@ def _new_run_dir(configured: str | None) -> Path:
     if configured:
         path = Path(configured)
         try:
-            path.mkdir(parents=True, exist_ok=True)
+            path.mkdir(parents=True)
+            created = True
+        except FileExistsError:
+            created = False
         except OSError as e:
             raise ConfigError(
                 f"cannot create the run directory {path} (log.run_dir): {e.strerror}"
             ) from None
+        if not path.is_dir():
+            raise ConfigError(f"cannot create the run directory {path} (log.run_dir): a file")
     else:
-        path = _new_default_run_dir()
+        path, created = _new_default_run_dir(), True
     claim_run_dir(path)
+    if created:
+        _created.add(path.resolve())
     return path
 
 
@@ -123,10 +133,15 @@ def claim_run_dir(run_dir: Path) -> None:
     _held[key] = [lock, 1]
 
 
-def release_run_dir(run_dir: Path) -> None:
+def release_run_dir(run_dir: Path, failed_start: bool = False) -> None:
     """Undo one `claim_run_dir`; the last one drops the flock, so another process may train
     into the folder while this one lives on (a notebook, a test). The file stays: removing
-    it would let a trainer flock a new file while another still holds the old one."""
+    it would let a trainer flock a new file while another still holds the old one.
+
+    failed_start: the run failed before it trained; a folder this process created that holds
+    nothing but its lock, config.toml and empty folders is removed (while still locked), so a
+    mistake leaves no empty run behind. A folder that was there before is left alone.
+    """
     key = run_dir.resolve()
     held = _held.get(key)
     if held is None:
@@ -134,7 +149,26 @@ def release_run_dir(run_dir: Path) -> None:
     held[1] -= 1
     if held[1] == 0:
         del _held[key]
+        if key in _created:
+            _created.discard(key)  # a later claim finds the folder there: not its own
+            if failed_start:
+                _remove_if_empty(run_dir)
         held[0].close()  # closing the last descriptor drops the flock
+
+
+def _remove_if_empty(run_dir: Path) -> None:
+    """Remove `run_dir` if it holds no file but its lock and config.toml (folders: empty)."""
+    ours = {run_dir / TRAIN_LOCK, run_dir / "config.toml"}
+    walk = list(os.walk(run_dir, topdown=False))
+    if any(Path(top) / name not in ours for top, _, files in walk for name in files):
+        return
+    try:
+        for path in ours:
+            path.unlink(missing_ok=True)
+        for top, _, _ in walk:
+            os.rmdir(top)  # bottom-up; fails (and stops) on anything written meanwhile
+    except OSError:
+        pass
 
 
 def run_dir_toml(job: JobConfig, launcher_keys: list[str] | tuple[str, ...] = ()) -> str:

@@ -143,15 +143,16 @@ class Trainer:
         try:
             self._build(job)
         except BaseException:
-            self.release_run_dir()  # a trainer that never ran holds no folder
+            self.release_run_dir(failed_start=True)  # a trainer that never ran holds no folder
             raise
 
-    def release_run_dir(self) -> None:
+    def release_run_dir(self, failed_start: bool = False) -> None:
         """Rank 0 lets go of the run directory (`run_dir.release_run_dir`), once; `run` does
-        this when it ends, so another process may train into the folder while this one lives."""
+        this when it ends, so another process may train into the folder while this one lives.
+        failed_start: the run never started; a new folder with nothing in it is removed."""
         if self.is_main and not self._run_dir_released:
             self._run_dir_released = True
-            release_run_dir(self.run_dir)
+            release_run_dir(self.run_dir, failed_start)
 
     def _build(self, job: JobConfig) -> None:
         """The rest of `__init__`, once the run directory is held: data, model, optimizer and
@@ -761,7 +762,7 @@ def train(job: JobConfig, until_exit: bool = False) -> TrainResult:
     except BaseException:
         # `run`, which would close it and release the folder, never starts.
         trainer.checkpointer.close()
-        trainer.release_run_dir()
+        trainer.release_run_dir(failed_start=True)
         raise
     try:
         return trainer.run(until_exit, keep_run_dir=True)

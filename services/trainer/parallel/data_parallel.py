@@ -286,7 +286,7 @@ class DataParallel:
         elif not self.dist_opt:
             b.grad.div_(self.mean_over)
         if self.dist_opt:  # each rank receives the sum of its 1/dp slice (NCCL and gloo alike)
-            b.reduce_handle = dist.reduce_scatter_tensor(recv, send, group=b.group, async_op=True)
+            b.reduce_handle = M.reduce_scatter_into(recv, send, b.group, async_op=True)
         else:
             b.reduce_handle = dist.all_reduce(send, group=b.group, async_op=True)
 
@@ -367,8 +367,8 @@ class DataParallel:
         for b in reversed(self.buckets):
             if b.shards == 1:
                 continue
-            b.gather_handle = dist.all_gather_into_tensor(
-                b.param_flat, b.slice_of(b.param_flat), group=b.group, async_op=self.overlap_param
+            b.gather_handle = M.gather_into(
+                b.param_flat, b.slice_of(b.param_flat), b.group, async_op=self.overlap_param
             )
         if not self.overlap_param:
             for b in self.buckets:

@@ -65,6 +65,23 @@ def split(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     return x.chunk(n, dim=dim)[_rank(group)].contiguous()
 
 
+def gather_into(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False):
+    """Every rank's `inp`, back to back along dim 0, into `out` (one-tensor all-gather).
+
+    torch 2.13 names it `all_gather_single` and warns on `all_gather_into_tensor`; earlier
+    releases (meshtrain supports torch >= 2.5) have only the older name. Looked up per call.
+    """
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, group=group, async_op=async_op)
+
+
+def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False):
+    """The sum over ranks of `inp`, this rank's slice along dim 0 into `out` (one-tensor
+    reduce-scatter; named as `gather_into` says)."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, inp, group=group, async_op=async_op)
+
+
 def all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     """Concatenate every rank's `x` along `dim`."""
     n = _size(group)
@@ -72,7 +89,7 @@ def all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
         return x
     front = x.movedim(dim, 0).contiguous()  # gather along dim 0: one contiguous buffer
     out = torch.empty((n * front.shape[0], *front.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, front, group=group)
+    gather_into(out, front, group)
     return out.movedim(0, dim)
 
 
@@ -83,7 +100,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
         return x
     front = x.movedim(dim, 0).contiguous()
     out = torch.empty((front.shape[0] // n, *front.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, front, group=group)
+    reduce_scatter_into(out, front, group)
     return out.movedim(0, dim)
 
 

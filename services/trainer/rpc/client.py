@@ -75,6 +75,17 @@ def resolve_target(target: str) -> tuple[str, str | None]:
 def _ended_run(path: Path) -> str | None:
     """A line saying the run in `path` has ended, from its metrics.jsonl, or None. A finished
     run removes its control.addr, so asking for --train.control_port would mislead."""
+    outcome = run_outcome(path)
+    if outcome is None:
+        return None
+    done = "has finished" if outcome["finished"] else "has ended (no control endpoint)"
+    return f"{path}: the run {done}: last step {outcome['step']}, loss {outcome['loss']:.4f}"
+
+
+def run_outcome(path: Path) -> dict | None:
+    """How the run in `path`, which has no control.addr, ended: its last step and loss and
+    whether that step reached train.train_iters (`finished`), from metrics.jsonl and
+    config.toml; None without a logged step."""
     import json
     import tomllib
 
@@ -94,12 +105,12 @@ def _ended_run(path: Path) -> str | None:
         iters = None
     if last is None:
         return None
-    done = (
-        "has finished"
-        if iters is not None and last["step"] >= iters
-        else "has ended (no control endpoint)"
-    )
-    return f"{path}: the run {done}: last step {last['step']}, loss {float(last['loss']):.4f}"
+    return {
+        "finished": iters is not None and last["step"] >= iters,
+        "step": last["step"],
+        "train_iters": iters,
+        "loss": float(last["loss"]),
+    }
 
 
 def run_security(target: str) -> ClientSecurity:

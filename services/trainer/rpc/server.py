@@ -141,6 +141,7 @@ def serve_control(
         interceptors=interceptors,
         security=security,
         scopes=SCOPES,
+        port_flag="--train.control_port",
     )
     run_dir = Path(trainer.run_dir)
     endpoint = ControlEndpoint(f"{host}:{bound}", server, run_dir)

@@ -161,6 +161,18 @@ def test_port_in_use_is_a_config_error(address):
         make_server([], [SERVICE], port=port)
 
 
+def test_a_port_in_use_is_one_line_naming_the_flag_without_grpc_logs(address, capfd):
+    port = int(address.rsplit(":", 1)[1])
+    capfd.readouterr()
+    with pytest.raises(ConfigError) as e:
+        make_server([], [SERVICE], port=port, port_flag="--train.control_port")
+    assert str(e.value) == (
+        f"127.0.0.1:{port} is in use: pass another --train.control_port, "
+        "or --train.control_port 0 for any free port"
+    )
+    assert capfd.readouterr().err == ""  # no raw gRPC line, no GRPC_VERBOSITY
+
+
 def test_busy_streams_leave_health_checks_answered_and_one_more_stream_is_refused():
     import threading
     import time

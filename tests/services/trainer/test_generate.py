@@ -1,6 +1,7 @@
 """Sampling: the KV-cache decode against full recomputation, the filters,
 and `meshtrain generate`."""
 
+import json
 import os
 import subprocess
 import sys
@@ -185,3 +186,20 @@ def test_cli_bad_input(tmp_path, args, word):
     assert r.stdout == ""
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and word in lines[0], r.stderr
+
+
+def test_samples_are_separated_by_a_header_line_or_printed_as_json(trained_root, capsys):
+    from meshtrain.services.cli import main
+
+    args = ["generate", "--load", trained_root, "--prompt", TEXT[:10], "--device", "cpu"]
+    args += ["--temperature", "0", "--max-new-tokens", "5", "--num-samples", "2"]
+    assert main(args) == 0
+    sample = TEXT[:15]
+    assert capsys.readouterr().out == (
+        f"--- sample 1 of 2 ---\n{sample}\n--- sample 2 of 2 ---\n{sample}\n"
+    )
+    assert main([*args, "--json"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [json.loads(line) for line in lines] == [
+        {"sample": i, "text": sample, "completion": TEXT[10:15]} for i in (1, 2)
+    ]

@@ -105,6 +105,16 @@ def test_load_errors_name_the_problem(corpus_cache, tmp_path):
     with pytest.raises(CheckpointError, match="shape") as e:
         train(load_config(wider))
     assert "vocabulary" not in str(e.value)
+    # The error leads with the setting that differs, which the user knows, not a tensor name.
+    assert "differs from the checkpoint's in model.hidden_size=128 (64 saved)" in str(e.value)
+    assert "--config RUN/config.toml" in str(e.value)
+    deeper = small_job_args(
+        corpus_cache,
+        tmp_path / "r8",
+        **{"checkpoint.load": ckpt, "model.num_layers": 3, "train.eval_interval": 0},
+    )
+    with pytest.raises(CheckpointError, match=r"in model\.num_layers=3 \(2 saved\); resume with"):
+        train(load_config(deeper))
     other_vocab = small_job_args(
         corpus_cache,
         tmp_path / "r7",

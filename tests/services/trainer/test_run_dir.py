@@ -225,3 +225,25 @@ def test_a_run_in_a_living_process_releases_its_folder_when_it_ends(
     assert _holder_seen_from_another_process(run) == str(os.getpid())
     release_run_dir(run)
     assert _holder_seen_from_another_process(run) == "None"
+
+
+def test_a_start_that_fails_removes_the_empty_run_dir_it_created_and_no_other(
+    tmp_path, corpus_cache
+):
+    # Reproduced: a resume with a mistyped --checkpoint.load left runs/<time> holding only
+    # config.toml and .train.lock, one more empty run for each try.
+    missing = {"checkpoint.load": str(tmp_path / "missing")}
+    new = tmp_path / "runs" / "new"
+    with pytest.raises(CheckpointError):
+        Trainer(load_config(small_job_args(corpus_cache, new, **missing)))
+    assert not new.exists() and (tmp_path / "runs").is_dir()  # only the folder it made
+
+    mine = tmp_path / "mine"  # the user's folder, there before: kept, with what the start wrote
+    mine.mkdir()
+    with pytest.raises(CheckpointError):
+        Trainer(load_config(small_job_args(corpus_cache, mine, **missing)))
+    assert mine.is_dir() and (mine / "config.toml").exists()
+    (mine / "config.toml").unlink()
+    claim_run_dir(mine)  # and free for the next run
+    release_run_dir(mine, failed_start=True)
+    assert mine.is_dir()

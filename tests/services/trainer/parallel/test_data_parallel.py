@@ -36,7 +36,7 @@ def _gathers(rank, world):
         gather_units=forward_units(model),
     )
     issued = []
-    real = dist.all_gather_into_tensor
+    real = dist.all_gather_single
 
     def recording(output, src, **kw):  # the real collective, with the order noted
         i = next(i for i, b in enumerate(ddp.buckets) if b.param_flat is output)
@@ -47,7 +47,7 @@ def _gathers(rank, world):
         issued.append(i)
         return real(output, src, **kw)
 
-    dist.all_gather_into_tensor = recording
+    dist.all_gather_single = recording
     try:
         tokens = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(rank))
         model(tokens, tokens).backward()
@@ -55,7 +55,7 @@ def _gathers(rank, world):
         ddp.optimizer.step()
         ddp.gather_params()
     finally:
-        dist.all_gather_into_tensor = real
+        dist.all_gather_single = real
     embedding_buckets = {
         i
         for i, b in enumerate(ddp.buckets)
@@ -157,11 +157,11 @@ def _reduced(rank, world, dist_opt, dtype, overlap=False):
         reduce_dtype=dtype,
     )
     sent = []
-    real = {name: getattr(dist, name) for name in ("all_reduce", "reduce_scatter_tensor")}
+    real = {name: getattr(dist, name) for name in ("all_reduce", "reduce_scatter_single")}
 
     def recording(name):
         def call(*args, **kw):
-            sent.append((args[1] if name == "reduce_scatter_tensor" else args[0]).dtype)
+            sent.append((args[1] if name == "reduce_scatter_single" else args[0]).dtype)
             return real[name](*args, **kw)
 
         return call

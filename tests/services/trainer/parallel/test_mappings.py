@@ -101,3 +101,20 @@ def test_forward_semantics():
         torch.testing.assert_close(res[r]["gather_seq"], torch.cat(xs, 1))
         torch.testing.assert_close(res[r]["scatter_seq"], xs[r].chunk(world, 1)[r])
         torch.testing.assert_close(res[r]["rs_seq"], total.chunk(world, 1)[r])
+
+
+def _collective_warnings(rank, world):
+    import warnings
+
+    x = torch.ones(world * 2, 3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        M.all_gather(x, 0, dist.group.WORLD)
+        M.reduce_scatter(x, 0, dist.group.WORLD)
+    return [str(w.message) for w in caught]
+
+
+def test_gather_and_reduce_scatter_use_collectives_torch_does_not_deprecate():
+    # Reproduced: all_gather_into_tensor and reduce_scatter_tensor warned FutureWarning on
+    # every rank of every tensor-parallel run (torch 2.13 names their _single successors).
+    assert run_ranks(_collective_warnings, 2) == [[], []]

@@ -257,7 +257,7 @@ def _autocast_run(rank, world, sequence_parallel, async_grad=False, fp32_residua
     originals = {
         (mod, name): getattr(mod, name)
         for mod, name in (
-            (dist, "all_gather_into_tensor"),
+            (dist, "all_gather_single"),
             (dist, "all_reduce"),
             (funcol, "all_reduce"),
         )
@@ -265,7 +265,7 @@ def _autocast_run(rank, world, sequence_parallel, async_grad=False, fp32_residua
 
     def recording(mod, name):
         def call(*args, **kwargs):
-            t = args[1] if name == "all_gather_into_tensor" else args[0]
+            t = args[1] if name == "all_gather_single" else args[0]
             moved.append((name, t.dtype, tuple(t.shape)))
             return originals[mod, name](*args, **kwargs)
 
