@@ -117,7 +117,10 @@ def test_list_and_latest_ignore_uncommitted_folders(root):
 
     assert list_checkpoints(root) == [2, 10, 30]
     assert latest_step(root) == 30
-    loaded, metadata = load_checkpoint(root)
+    # the newest folder holds a manifest no reader takes: damage, named rather than passed over
+    with pytest.raises(CheckpointError, match=r"step 50 .*incomplete or not JSON.*step=30"):
+        load_checkpoint(root)
+    loaded, metadata = load_checkpoint(root, 30)
     assert metadata == {"iteration": 30} and torch.equal(loaded["w"], state["w"] + 30)
     with pytest.raises(CheckpointError, match="step 40 .*not a committed checkpoint"):
         read_manifest(root, 40)
