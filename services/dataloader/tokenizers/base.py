@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator
 
 from meshtrain.services.common.errors import DataError
+from meshtrain.services.common.tokenizer_files import EOD_TOKEN, eos_token
 from meshtrain.services.dataloader.inputs import iter_documents, refuse_compressed
 
 if TYPE_CHECKING:
@@ -29,7 +30,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-EOD_TOKEN = "<|endoftext|>"
 # Bounded memory while training: files are fed to the trainer in pieces of about this size.
 _TRAIN_CHUNK_CHARS = 1 << 20
 
@@ -168,7 +168,7 @@ class HFTokenizer(RustTokenizer):
         if eod is None:
             # a model's own tokenizer (Llama's, Mistral's) ends documents with its eos_token, as
             # Megatron's HuggingFaceTokenizer does
-            eos = _eos_token(self.path.parent / "tokenizer_config.json")
+            eos = eos_token(self.path.parent / "tokenizer_config.json")
             eod = None if eos is None else self._tok.token_to_id(eos)
         if eod is None:
             raise DataError(
@@ -185,22 +185,6 @@ class HFTokenizer(RustTokenizer):
     @property
     def spec(self) -> str:
         return str(self.path)
-
-
-def _eos_token(config_path: Path) -> str | None:
-    """The `eos_token` a Hugging Face `tokenizer_config.json` names, or None (no file, no key)."""
-    import json
-
-    if not config_path.is_file():
-        return None
-    try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise DataError(f"{config_path}: not valid JSON ({e})") from None
-    eos = config.get("eos_token") if isinstance(config, dict) else None
-    if isinstance(eos, dict):  # an AddedToken written out: {"content": "</s>", ...}
-        eos = eos.get("content")
-    return eos if isinstance(eos, str) and eos else None
 
 
 # The split pattern of tiktoken's cl100k encoding: a .tiktoken file holds only the merge

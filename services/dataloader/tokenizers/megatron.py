@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Iterable
 
 from meshtrain.services.common.errors import DataError
+from meshtrain.services.common.tokenizer_files import EOD_TOKEN, read_gpt2_merges, read_gpt2_vocab
 from meshtrain.services.dataloader.tokenizers.base import (
-    EOD_TOKEN,
     RustTokenizer,
     Tokenizer,
     read_tiktoken_ranks,
@@ -216,8 +216,8 @@ class GPT2BPETokenizer(RustTokenizer):
         from tokenizers import decoders, models, pre_tokenizers
 
         self.vocab_file, self.merge_file = Path(vocab_file), Path(merge_file)
-        vocab = self._read_vocab(self.vocab_file)
-        merges = self._read_merges(self.merge_file)
+        vocab = read_gpt2_vocab(self.vocab_file)
+        merges = read_gpt2_merges(self.merge_file)
         if EOD_TOKEN not in vocab:
             raise DataError(
                 f"{self.vocab_file}: vocabulary has no {EOD_TOKEN} token to mark document ends"
@@ -235,39 +235,6 @@ class GPT2BPETokenizer(RustTokenizer):
         self._tok = tok
         self._eod = vocab[EOD_TOKEN]
         self._vocab = max(vocab.values()) + 1
-
-    @staticmethod
-    def _read_vocab(path: Path) -> dict[str, int]:
-        if not path.is_file():
-            raise DataError(f"{path}: vocab file is missing")
-        try:
-            vocab = json.loads(path.read_text(encoding="utf-8"))
-        except (ValueError, UnicodeDecodeError) as e:
-            raise DataError(f"{path}: not a JSON vocabulary ({e})") from None
-        if not isinstance(vocab, dict) or not all(
-            isinstance(v, int) and v >= 0 for v in vocab.values()
-        ):
-            raise DataError(f"{path}: a vocab file is a JSON object of token -> non-negative id")
-        if len(set(vocab.values())) != len(vocab):
-            raise DataError(f"{path}: two tokens share an id")
-        return vocab
-
-    @staticmethod
-    def _read_merges(path: Path) -> list[tuple[str, str]]:
-        if not path.is_file():
-            raise DataError(f"{path}: merge file is missing")
-        merges = []
-        for lineno, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
-            if not line or (lineno == 1 and line.startswith("#version")):
-                continue
-            parts = line.split(" ")
-            if len(parts) != 2:
-                raise DataError(
-                    f"{path}:{lineno}: a merge line is two tokens separated by one space, "
-                    f"got {line!r}"
-                )
-            merges.append((parts[0], parts[1]))
-        return merges
 
     @property
     def spec(self) -> str:

@@ -16,10 +16,10 @@ import pytest
 
 from meshtrain.services.cli import main
 from meshtrain.services.common.errors import ConfigError, DataError
+from meshtrain.services.common.tokenizer_files import EOD_TOKEN
 from meshtrain.services.dataloader.config import DataConfig
 from meshtrain.services.dataloader.indexed import IndexedDataset
 from meshtrain.services.dataloader.tokenizers.base import (
-    EOD_TOKEN,
     HFTokenizer,
     SentencePieceTokenizer,
     absolute_spec,

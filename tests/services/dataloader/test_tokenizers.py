@@ -3,8 +3,8 @@
 import pytest
 
 from meshtrain.services.common.errors import DataError
+from meshtrain.services.common.tokenizer_files import EOD_TOKEN
 from meshtrain.services.dataloader.tokenizers.base import (
-    EOD_TOKEN,
     ByteTokenizer,
     HFTokenizer,
     absolute_spec,
