@@ -88,6 +88,7 @@ def test_services_job_and_preempted_training_job_requeue_and_resume(cluster, tmp
         "PATH": f"{venv_bin}:/usr/bin:/bin:/usr/sbin:/sbin",
         "SERVICES_FILE": str(tmp_path / "services.env"),
         "SAVE_ROOT": str(tmp_path / "ckpt"),
+        "DATA_ROOTS": str(tmp_path),  # the corpus below is outside the workers' default roots
         "DATA_WORKERS": "2",
         "DATA_PORT": str(free_port()),
         "CKPT_PORT": str(free_port()),
@@ -328,6 +329,7 @@ def test_the_preemption_timer_checkpoints_before_the_time_limit(cluster, tmp_pat
         "PATH": f"{venv_bin}:/usr/bin:/bin:/usr/sbin:/sbin",
         "SERVICES_FILE": str(tmp_path / "services.env"),
         "SAVE_ROOT": str(tmp_path / "ckpt"),
+        "DATA_ROOTS": str(tmp_path),  # the corpus below is outside the workers' default roots
         "DATA_WORKERS": "1",
         "DATA_PORT": str(free_port()),
         "CKPT_PORT": str(free_port()),
