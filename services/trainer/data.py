@@ -197,7 +197,7 @@ def batch_options(job: JobConfig, eod_id: int | None, tokenizer: str) -> BatchOp
         )
         if on
     ]
-    if wanted and eod_id is None:
+    if wanted and (eod_id is None or eod_id < 0):  # SentencePiece says -1 for none
         raise ConfigError(
             f"{', '.join(wanted)} need(s) the tokenizer's end-of-document id, and tokenizer "
             f"{tokenizer} has none: use a tokenizer with an EOD token or turn them off"
