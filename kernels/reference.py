@@ -78,8 +78,11 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
     Args:
         x: (batch, heads, seq, head_dim).
-        cos, sin: (seq, head_dim) from `rope_cos_sin`.
+        cos, sin: (seq, head_dim) from `rope_cos_sin`, or (batch, seq, head_dim): each
+            sequence's own rows (its tokens' positions, e.g. restarting at each document).
     """
+    if cos.dim() == 3:  # per sequence: broadcast over the heads
+        cos, sin = cos[:, None], sin[:, None]
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return (_acc(x) * cos + _acc(rotated) * sin).to(x.dtype)

@@ -75,6 +75,7 @@ def _rope_kernel(
     cos_ptr,
     sin_ptr,
     y_ptr,
+    t_sb,
     x_sb,
     x_sh,
     x_ss,
@@ -98,7 +99,7 @@ def _rope_kernel(
     cols = tl.arange(0, BLOCK_D)[None, :]
     table_mask = (pos < seq) & (cols < half)
     mask = table_mask & (heads < n_heads)
-    table = pos * 2 * half + cols
+    table = b * t_sb + pos * 2 * half + cols  # t_sb 0: one table for every sequence
     c1 = tl.load(cos_ptr + table, mask=table_mask, other=0.0).to(tl.float32)
     c2 = tl.load(cos_ptr + table + half, mask=table_mask, other=0.0).to(tl.float32)
     s1 = tl.load(sin_ptr + table, mask=table_mask, other=0.0).to(tl.float32)
@@ -127,6 +128,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: boo
         cos,
         sin,
         y,
+        cos.shape[1] * d if cos.dim() == 3 else 0,  # per-sequence tables (contiguous) or one
         x.stride(0),
         x.stride(1),
         x.stride(2),
@@ -197,7 +199,9 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
     Args:
         x: (batch, heads, seq, head_dim), any strides; head_dim even.
-        cos, sin: (seq, head_dim) from `rope_cos_sin`; not differentiated.
+        cos, sin: (seq, head_dim) from `rope_cos_sin`, or (batch, seq, head_dim): each
+            sequence's own rows (positions restarting at each packed document); not
+            differentiated.
 
     Returns:
         (batch, heads, seq, head_dim), contiguous, in x's dtype.
@@ -205,12 +209,12 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     if (
         x.dim() != 4
         or x.shape[-1] % 2
-        or cos.shape != (x.shape[2], x.shape[3])
+        or cos.shape not in ((x.shape[2], x.shape[3]), (x.shape[0], x.shape[2], x.shape[3]))
         or sin.shape != cos.shape
     ):
         raise ValueError(
-            f"rope needs x (b, h, s, even d) and cos/sin (s, d); got {tuple(x.shape)}, "
-            f"{tuple(cos.shape)}, {tuple(sin.shape)}"
+            f"rope needs x (b, h, s, even d) and cos/sin (s, d) or (b, s, d); got "
+            f"{tuple(x.shape)}, {tuple(cos.shape)}, {tuple(sin.shape)}"
         )
     if torch.compiler.is_compiling():
         return _rope_op(x, cos, sin)

@@ -87,6 +87,13 @@ class DataConfig:
     worker its place now falls on (workers joined or left); 0: move only when a worker fails."""
     eod_mask_loss: bool = False
     """Zero the loss where the input token is end-of-document (Megatron `--eod-mask-loss`)."""
+    reset_attention_mask: bool = False
+    """Attention stays within each document of a packed sequence: a token attends only to the
+    earlier tokens of its own document, the EOD that ends it included (Megatron
+    `--reset-attention-mask`). Needs the tokenizer's end-of-document id."""
+    reset_position_ids: bool = False
+    """Positions (RoPE, learned position embeddings) restart at 0 on the token after each EOD
+    (Megatron `--reset-position-ids`). Needs the tokenizer's end-of-document id."""
 
     def __post_init__(self) -> None:
         if self.data_path:

@@ -39,6 +39,9 @@ class Batch:
     document_ids: torch.Tensor | None = (
         None  # (micro_batch, seq) int32, +1 after each EOD; None if not asked
     )
+    position_ids: torch.Tensor | None = (
+        None  # (micro_batch, seq) int32, 0 again after each EOD; None if not asked
+    )
 
 
 @dataclass(frozen=True)
@@ -51,11 +54,24 @@ class BatchOptions:
     mask_eod_loss: bool = False
     """Zero the loss where the input token is EOD (Megatron `--eod-mask-loss`)."""
     document_ids: bool = False
-    """Fill `Batch.document_ids`, for attention that does not cross documents."""
+    """Fill `Batch.document_ids`, for attention that does not cross documents (Megatron
+    `--reset-attention-mask`)."""
+    position_ids: bool = False
+    """Fill `Batch.position_ids`: each token's position in its document, 0 on the token after
+    an EOD (Megatron `--reset-position-ids`)."""
 
     def __post_init__(self) -> None:
-        if (self.mask_eod_loss or self.document_ids) and self.eod_id is None:
-            raise DataError("mask_eod_loss and document_ids need the tokenizer's eod_id")
+        if (self.mask_eod_loss or self.document_ids or self.position_ids) and self.eod_id is None:
+            raise DataError(
+                "mask_eod_loss, document_ids and position_ids need the tokenizer's eod_id; "
+                "this tokenizer has no end-of-document token"
+            )
+
+    @property
+    def per_document(self) -> bool:
+        """Whether batches carry document boundaries (ids or positions), which only the full
+        sample shows: a context-parallel rank's chunks do not see the EODs before them."""
+        return self.document_ids or self.position_ids
 
 
 def context_chunks(seq_length: int, cp_rank: int, cp_size: int) -> tuple[tuple[int, int], ...]:
@@ -156,11 +172,6 @@ class LocalBatchSource:
         self.chunks = None  # cp 1: the whole sequence (and any dataset with `[i]` will do)
         if cp_size != 1 or cp_rank != 0:
             self.chunks = context_chunks(dataset.seq_length, cp_rank, cp_size)  # ((a, b), (a2, b2))
-        if cp_size > 1 and self.options.document_ids:
-            raise DataError(
-                f"document ids are not served under context parallelism (cp_size={cp_size}): "
-                f"a rank's chunks do not show the EODs before them"
-            )
         self.dataset = dataset
         self.cp_rank = cp_rank
         self.cp_size = cp_size
@@ -258,6 +269,14 @@ class LocalBatchSource:
             return batch_from_samples(
                 self.samples(step, microbatch), step, microbatch, self.options
             )
+        if self.options.per_document:
+            # document ids and positions count the EODs of the whole sample, before the chunks
+            full = batch_from_samples(
+                self.samples(step, microbatch), step, microbatch, self.options
+            )
+            return select_columns(
+                full, context_positions(full.tokens.shape[1], self.cp_rank, self.cp_size)
+            )
         return batch_from_segments(self.payload(step, microbatch), step, microbatch, self.options)
 
     def micro_batches(self, step: int) -> list[Batch]:
@@ -303,8 +322,8 @@ def batch_from_segments(
             is the samples' tokens [a_k, b_k + 1) (`LocalBatchSource.payload`).
         step: global batch index.
         microbatch: micro-batch index within the step.
-        options: EOD loss masking (document ids are refused: a chunk does not show the EODs
-            before it).
+        options: EOD loss masking (document ids and positions are refused: a chunk does not
+            show the EODs before it).
 
     Returns:
         A Batch whose tokens/labels/loss mask, (micro_batch_size, n_chunks * c), are the chunks'
@@ -313,8 +332,11 @@ def batch_from_segments(
     """
     import torch
 
-    if options is not None and options.document_ids:
-        raise DataError("document ids are not served under context parallelism")
+    if options is not None and options.per_document:
+        raise DataError(
+            "document ids and positions are not computed from a context-parallel rank's chunks: "
+            "they count the EODs of the whole sample (`select_columns` of the full batch)"
+        )
     t = torch.from_numpy(np.asarray(segments, dtype=np.int64))  # (mbs, n_chunks, c + 1) int64
     mbs = t.shape[0]
     tokens = t[:, :, :-1].reshape(mbs, -1)  # (mbs, n_chunks * c), a copy: chunks are not contiguous
@@ -327,15 +349,18 @@ def _batch(tokens, labels, step: int, microbatch: int, options: BatchOptions | N
     import torch
 
     loss_mask = torch.ones(tokens.shape, dtype=torch.float32)
-    document_ids = None
+    document_ids = position_ids = None
     if options is not None and options.eod_id is not None:
         is_eod = tokens == options.eod_id  # (mbs, seq)
         if options.mask_eod_loss:
             loss_mask[is_eod] = 0.0
-        if options.document_ids:
+        if options.per_document:
             # a document starts after each EOD: count the EODs strictly before each position
             ends = torch.cumsum(is_eod, dim=1, dtype=torch.int32)  # (mbs, seq)
-            document_ids = ends - is_eod.to(torch.int32)
+            ids = ends - is_eod.to(torch.int32)
+            document_ids = ids if options.document_ids else None
+            if options.position_ids:
+                position_ids = document_positions(ids)
     return Batch(
         tokens=tokens,
         labels=labels,
@@ -343,4 +368,39 @@ def _batch(tokens, labels, step: int, microbatch: int, options: BatchOptions | N
         step=step,
         microbatch=microbatch,
         document_ids=document_ids,
+        position_ids=position_ids,
+    )
+
+
+def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
+    """(mbs, seq) int32: each token's position in its document, from non-decreasing document
+    ids (`Batch.document_ids`): the column minus the column where its document starts."""
+    import torch
+
+    seq = document_ids.shape[1]
+    column = torch.arange(seq, dtype=torch.int32).expand_as(document_ids)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    # the start column of each token's document: the running maximum of the starts' columns
+    first = torch.where(starts, column, torch.zeros_like(column)).cummax(dim=1).values
+    return (column - first).to(torch.int32)
+
+
+def select_columns(batch: Batch, columns: np.ndarray) -> Batch:
+    """`batch` at sequence positions `columns` (a context-parallel rank's, `context_positions`)."""
+    import torch
+
+    idx = torch.from_numpy(columns)
+
+    def pick(t):
+        return None if t is None else t[:, idx].contiguous()
+
+    return Batch(
+        tokens=pick(batch.tokens),
+        labels=pick(batch.labels),
+        loss_mask=pick(batch.loss_mask),
+        step=batch.step,
+        microbatch=batch.microbatch,
+        document_ids=pick(batch.document_ids),
+        position_ids=pick(batch.position_ids),
     )

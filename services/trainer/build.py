@@ -91,6 +91,16 @@ def check_attention_backend(backend: str, device: torch.device) -> None:
         )
 
 
+def check_document_attention(job: JobConfig, device: torch.device) -> None:
+    """Refuse attention dropout with data.reset_attention_mask on CUDA, where attention within
+    documents runs FlexAttention, which has no dropout."""
+    if job.data.reset_attention_mask and device.type == "cuda" and job.model.attention_dropout:
+        raise ConfigError(
+            f"data.reset_attention_mask runs FlexAttention on CUDA, which has no attention "
+            f"dropout: set model.attention_dropout=0 (it is {job.model.attention_dropout})"
+        )
+
+
 def check_coordinate_descent_tuning(on: bool, device: torch.device) -> None:
     """Refuse Inductor's coordinate-descent tuning off CUDA, before anything is built: it times
     the Triton kernels Inductor generates on the device. (The tuning itself is the compiled

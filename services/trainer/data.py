@@ -179,6 +179,37 @@ def _dataset(job: JobConfig) -> tuple[list[str], list[float], str, int, int]:
     return prefixes, weights, tokenizer_spec, vocab_size, eod_id
 
 
+def batch_options(job: JobConfig, eod_id: int | None, tokenizer: str) -> BatchOptions:
+    """What the job's batches carry besides tokens and labels: the EOD loss mask
+    (data.eod_mask_loss), document ids (data.reset_attention_mask) and positions within the
+    documents (data.reset_position_ids).
+
+    Raises:
+        ConfigError: one of those is on and the tokenizer has no end-of-document token.
+    """
+    d = job.data
+    wanted = [
+        key
+        for key, on in (
+            ("data.eod_mask_loss", d.eod_mask_loss),
+            ("data.reset_attention_mask", d.reset_attention_mask),
+            ("data.reset_position_ids", d.reset_position_ids),
+        )
+        if on
+    ]
+    if wanted and (eod_id is None or eod_id < 0):  # SentencePiece says -1 for none
+        raise ConfigError(
+            f"{', '.join(wanted)} need(s) the tokenizer's end-of-document id, and tokenizer "
+            f"{tokenizer} has none: use a tokenizer with an EOD token or turn them off"
+        )
+    return BatchOptions(
+        eod_id=eod_id,
+        mask_eod_loss=d.eod_mask_loss,
+        document_ids=d.reset_attention_mask,
+        position_ids=d.reset_position_ids,
+    )
+
+
 def _service_options(job: JobConfig, spread: tuple[int, int] | None) -> dict:
     """`make_source`'s options for streaming from the data service (data.service_* and auth)."""
     d = job.data
@@ -220,7 +251,7 @@ def build_data(
     d, t = job.data, job.train
     prefixes, weights, tokenizer_spec, vocab_size, eod_id = _dataset(job)
     addresses = list(d.service_addresses)
-    options = BatchOptions(eod_id=eod_id, mask_eod_loss=d.eod_mask_loss)
+    options = batch_options(job, eod_id, tokenizer_spec)
     service = _service_options(job, spread) if addresses else {}
 
     def source(split_name: str, num_samples: int, batch: int):

@@ -5,9 +5,10 @@ peer multiplies the network traffic (and the workers' streams) by tp; instead th
 rank reads its source and broadcasts each step's micro-batches over a gloo group of the peers
 (host memory, so the upload to the device stays what it is without sharing), and the others
 rebuild the very same `Batch` objects from it. The batches are the tokens, labels, loss mask
-and document ids as int32 planes of one tensor, after a small header that also carries a
-failure: when the reading rank's source raises (no worker served, a bad request), its peers
-raise a DataError naming that rank instead of waiting in the broadcast forever.
+and, when the batches carry them, document ids and positions as int32 planes of one tensor,
+after a small header that also carries a failure: when the reading rank's source raises (no
+worker served, a bad request), its peers raise a DataError naming that rank instead of waiting
+in the broadcast forever.
 
     shared = GroupSharedSource(source if tp_rank == 0 else None, group, src=ranks[0])
     batches = shared.micro_batches(step)  # on every peer, in the same order
@@ -22,7 +23,9 @@ from meshtrain.services.common.errors import DataError
 from meshtrain.services.dataloader.loader import Batch
 
 _OK, _FAILED = 0, 1
-_HEADER = 6  # status, micro-batches, micro-batch size, positions, planes, step
+_HEADER = 6  # status, micro-batches, micro-batch size, positions, optional planes, step
+# the optional planes after tokens, labels and loss mask, in order, by their bit in the header
+_OPTIONAL = (("document_ids", 1), ("position_ids", 2))
 
 
 class GroupSharedSource:
@@ -75,24 +78,25 @@ class GroupSharedSource:
             raise
         self.pulls += 1
         first = batches[0]
-        planes = 3 + (first.document_ids is not None)
+        extra = [name for name, _ in _OPTIONAL if getattr(first, name) is not None]
+        bits = sum(bit for name, bit in _OPTIONAL if name in extra)
         mbs, positions = first.tokens.shape  # (micro_batch, positions)
-        header = torch.tensor([_OK, len(batches), mbs, positions, planes, step], dtype=torch.int64)
+        header = torch.tensor([_OK, len(batches), mbs, positions, bits, step], dtype=torch.int64)
         dist.broadcast(header, self.src, group=self.group)
-        payload = torch.empty(len(batches), planes, mbs, positions, dtype=torch.int32)
+        payload = torch.empty(len(batches), 3 + len(extra), mbs, positions, dtype=torch.int32)
         for i, b in enumerate(batches):  # (n, planes, micro_batch, positions)
             payload[i, 0] = b.tokens
             payload[i, 1] = b.labels
             payload[i, 2] = b.loss_mask.view(torch.int32)  # the float32 bits, exactly
-            if planes == 4:
-                payload[i, 3] = b.document_ids
+            for k, name in enumerate(extra):
+                payload[i, 3 + k] = getattr(b, name)
         dist.broadcast(payload, self.src, group=self.group)
         return batches
 
     def _receive(self, step: int) -> list[Batch]:
         header = torch.empty(_HEADER, dtype=torch.int64)
         dist.broadcast(header, self.src, group=self.group)
-        status, n, mbs, positions, planes, sent_step = header.tolist()
+        status, n, mbs, positions, bits, sent_step = header.tolist()
         if status == _FAILED:
             raise DataError(
                 f"rank {self.src}, which reads the data for its tensor-parallel group, failed to "
@@ -103,7 +107,8 @@ class GroupSharedSource:
                 f"rank {self.src} shared step {sent_step} while this rank asked for step {step}: "
                 "the tensor-parallel peers are out of step"
             )
-        payload = torch.empty(n, planes, mbs, positions, dtype=torch.int32)
+        extra = [name for name, bit in _OPTIONAL if bits & bit]
+        payload = torch.empty(n, 3 + len(extra), mbs, positions, dtype=torch.int32)
         dist.broadcast(payload, self.src, group=self.group)
         return [
             Batch(
@@ -112,7 +117,7 @@ class GroupSharedSource:
                 loss_mask=payload[i, 2].clone().view(torch.float32),
                 step=step,
                 microbatch=i,
-                document_ids=payload[i, 3].clone() if planes == 4 else None,
+                **{name: payload[i, 3 + k].clone() for k, name in enumerate(extra)},
             )
             for i in range(n)
         ]

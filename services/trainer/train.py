@@ -46,6 +46,7 @@ from meshtrain.services.trainer.build import (
     check_attention_backend,
     check_coordinate_descent_tuning,
     check_cuda_graph,
+    check_document_attention,
     check_kernel_mode,
     compile_model,
     compile_options,
@@ -126,6 +127,7 @@ class Trainer:
         self.device = pick_device(job.train.device)
         check_kernel_mode(self.device)
         check_attention_backend(job.model.attention_backend, self.device)
+        check_document_attention(job, self.device)
         check_coordinate_descent_tuning(job.train.compile_coordinate_descent_tuning, self.device)
         self.uploader = Uploader(self.device)
         self.mesh = build_mesh(job, self.device)
@@ -277,7 +279,7 @@ class Trainer:
             copies = self._copies() if self.weight_copies is not None else None
             n_micro = job.train.global_batch_size // job.train.micro_batch_size
             self.graph = MicroBatchGraph(
-                functools.partial(self._micro_batch, copies, n_micro),
+                functools.partial(self._graph_micro_batch, copies, n_micro),
                 list(self.model.parameters()),
                 self.device,
             )
@@ -346,9 +348,10 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         for i, inputs in enumerate(self._on_device(micro)):
             if self.graph is not None:
+                present = [t for t in inputs if t is not None]  # no document ids (refused)
                 if not self.graph.captured:  # the first step's start: gradients are zero
-                    self.graph.capture(*inputs)
-                total += self.graph.replay(*inputs)
+                    self.graph.capture(*present)
+                total += self.graph.replay(*present)
                 continue
             last = i == len(micro) - 1
             sync = (
@@ -360,19 +363,37 @@ class Trainer:
                 total += self._micro_batch(copies, len(micro), *inputs)
         return total
 
-    def _micro_batch(self, copies, n_micro: int, tokens, labels, mask) -> torch.Tensor:
+    def _micro_batch(
+        self, copies, n_micro: int, tokens, labels, mask, document_ids=None, position_ids=None
+    ) -> torch.Tensor:
         """Forward and backward of one of a step's `n_micro` micro-batches; its (detached) share of
         the loss."""
         with self.autocast:
-            loss = self.train_forward(copies, tokens, labels, mask) / n_micro
+            loss = (
+                self.train_forward(copies, tokens, labels, mask, document_ids, position_ids)
+                / n_micro
+            )
         loss.backward()
         return loss.detach()
 
+    def _graph_micro_batch(self, copies, n_micro: int, tokens, labels, mask, *positions):
+        """`_micro_batch` on the CUDA graph's static inputs: (tokens, labels, mask[, position
+        ids]); document ids never (`check_cuda_graph`)."""
+        position_ids = positions[0] if positions else None
+        return self._micro_batch(copies, n_micro, tokens, labels, mask, None, position_ids)
+
     def _on_device(self, batches):
-        """(tokens, labels, loss_mask) of each micro-batch on the device, in order (`Uploader`)."""
+        """(tokens, labels, loss_mask, document_ids, position_ids) of each micro-batch on the
+        device, in order (`Uploader`); the last two None where the batches have none."""
         for b in batches:
             self._check_token_ids(b)
-        return self.uploader.upload([(b.tokens, b.labels, b.loss_mask) for b in batches])
+        fields = [
+            (b.tokens, b.labels, b.loss_mask, b.document_ids, b.position_ids) for b in batches
+        ]
+        uploaded = self.uploader.upload([tuple(t for t in f if t is not None) for f in fields])
+        for f, tensors in zip(fields, uploaded):
+            present = iter(tensors)
+            yield tuple(None if t is None else next(present) for t in f)
 
     def _check_token_ids(self, batch) -> None:
         """Refuse a token id past the model's vocabulary (data tokenized with another tokenizer
@@ -401,11 +422,12 @@ class Trainer:
         else:
             total = torch.zeros((), dtype=torch.float64, device=self.device)
             counted = torch.zeros((), dtype=torch.float64, device=self.device)
-            for tokens, labels, mask in self._on_device(self.data.valid.micro_batches(0)):
+            for tokens, labels, mask, docs, positions in self._on_device(
+                self.data.valid.micro_batches(0)
+            ):
                 with self.autocast:
-                    loss = self.forward(
-                        tokens, labels, mask
-                    ).float()  # mean over this micro-batch's counted tokens
+                    # mean over this micro-batch's counted tokens
+                    loss = self.forward(tokens, labels, mask, docs, positions).float()
                 # Weighted by the tokens each micro-batch counts (Megatron sums loss and token count
                 # over the eval batches): with EOD masked they differ, and a mean of means would not
                 # be the loss per token.

@@ -178,10 +178,12 @@ class ServiceBatchSource:
             raise DataError(f"spread={spread} must be (slot, slots) with 0 <= slot < slots")
         spec.validate()
         self.chunks = context_chunks(spec.seq_length, cp_rank, cp_size)  # raises on bad cp values
-        if cp_size > 1 and options is not None and options.document_ids:
+        if cp_size > 1 and options is not None and options.per_document:
             raise DataError(
-                f"document ids are not served under context parallelism (cp_size={cp_size}): "
-                f"a rank's chunks do not show the EODs before them"
+                f"document ids and positions (data.reset_attention_mask, "
+                f"data.reset_position_ids) are not served from the data service under context "
+                f"parallelism (cp_size={cp_size}): it sends a rank only its chunks, which do not "
+                f"show the EODs before them; read the data in-process"
             )
         for address in addresses:
             check_address(address)  # a malformed target fails here, not at the first attempt

@@ -14,6 +14,7 @@ from meshtrain.services.common.model_config import ModelConfig
 from meshtrain.services.trainer.config.parallel import ParallelConfig
 
 if TYPE_CHECKING:  # sections.py imports this module: TrainConfig is named in annotations only
+    from meshtrain.services.dataloader.config import DataConfig
     from meshtrain.services.trainer.config.sections import TrainConfig
 
 
@@ -159,4 +160,45 @@ def check_tensor_parallel(model: ModelConfig, tp: int, sequence_parallel: bool) 
             "dropout inside tensor-parallel regions needs a per-rank RNG tracker, which is not "
             "built: set model.attention_dropout=0 (and model.hidden_dropout=0 with sequence "
             "parallelism)"
+        )
+
+
+def check_documents(data: DataConfig, parallel: ParallelConfig, train: TrainConfig) -> None:
+    """What packed-document attention and positions (data.reset_attention_mask,
+    data.reset_position_ids) do not combine with: the ring context-parallel attention, whose
+    key/value blocks carry no document ids; the data service under context parallelism, which
+    sends a rank only its chunks (the EODs before them unseen); a CUDA graph, which cannot take
+    each micro-batch's FlexAttention block mask as a static input.
+
+    Raises:
+        ConfigError: naming the settings.
+    """
+    keys = [
+        k
+        for k, on in (
+            ("data.reset_attention_mask", data.reset_attention_mask),
+            ("data.reset_position_ids", data.reset_position_ids),
+        )
+        if on
+    ]
+    if not keys:
+        return
+    p = parallel
+    if data.reset_attention_mask and p.cp > 1 and p.cp_comm_type != "a2a":
+        raise ConfigError(
+            f"data.reset_attention_mask with parallel.cp={p.cp} needs parallel.cp_comm_type='a2a' "
+            f"(all-to-all over heads: each rank attends over the whole sequence); "
+            f"cp_comm_type={p.cp_comm_type!r} runs the ring, whose blocks carry no document ids"
+        )
+    if p.cp > 1 and data.service_addresses:
+        raise ConfigError(
+            f"{' and '.join(keys)} with parallel.cp={p.cp} need the whole sample to find the "
+            "documents, but data.service_addresses sends a context-parallel rank only its "
+            "chunks: read the data in-process (no data.service_addresses) or set parallel.cp=1"
+        )
+    if data.reset_attention_mask and train.cuda_graph:
+        raise ConfigError(
+            "train.cuda_graph replays one captured micro-batch, but data.reset_attention_mask "
+            "builds each micro-batch's FlexAttention block mask from its document ids (its "
+            "sparsity differs from batch to batch): turn one of them off"
         )

@@ -486,12 +486,8 @@ NOT_BUILT: dict[str, tuple[str, ...]] = {
     "no mock (random-token) data: without --data-path the run trains on the built-in corpus": (
         "--mock-data",
     ),
-    "no position-id or attention-mask resets at document ends (attention crosses documents, as "
-    "Megatron's default)": (
-        "--reset-position-ids",
-        "--reset-attention-mask",
-        "--dataloader-inter-document-masking",
-    ),
+    "no inter-document masking switch of the data loader: --reset-attention-mask masks "
+    "attention at document ends": ("--dataloader-inter-document-masking",),
     "no separate evaluation batch sizes or start: evaluation uses the training batch sizes from "
     "the first interval": (
         "--eval-global-batch-size",

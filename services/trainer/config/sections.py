@@ -21,6 +21,7 @@ from meshtrain.services.common.security import AuthConfig
 from meshtrain.services.dataloader.config import DataConfig
 from meshtrain.services.trainer.config.checks import (
     check_context_parallel,
+    check_documents,
     check_experts,
     check_fp8,
     check_tensor_parallel,
@@ -368,3 +369,4 @@ class JobConfig:
         check_context_parallel(self.model, self.parallel)
         check_experts(self.model, self.parallel, self.train)
         check_fp8(self.train, self.parallel)
+        check_documents(self.data, self.parallel, self.train)

@@ -31,8 +31,9 @@ class Embedding(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (batch, seq) int64 -> (batch, seq, hidden): the residual stream's first value.
 
-        `positions` (seq,): the tokens' positions in their sequence (default 0, 1, ...; a
-        context-parallel rank holds chunks from its middle).
+        `positions` (seq,) or (batch, seq): the tokens' positions (default 0, 1, ...; a
+        context-parallel rank holds chunks from the sequence's middle; with packed documents
+        and data.reset_position_ids, positions restart at each document).
 
         In the tables' dtype, or under autocast with `fp32_residual_connection` off, in
         autocast's dtype (the lookups and the position sum in fp32, then one rounding).
@@ -41,7 +42,7 @@ class Embedding(nn.Module):
         if self.position_embeddings is not None:
             if positions is None:
                 positions = torch.arange(tokens.shape[1], device=tokens.device)
-            x = x + self.position_embeddings(positions)  # (seq, hidden) broadcast over batch
+            x = x + self.position_embeddings(positions)  # (seq | batch x seq, hidden)
         x = self.dropout(x)
         if not self.fp32_residual:
             x = x.to(compute_dtype(x))

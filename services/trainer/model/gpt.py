@@ -9,6 +9,7 @@ here: `parallel/` swaps or wraps modules (e.g. `recompute.apply`).
     model = GPT(config)                         # config: ModelConfig with vocab_size set
     loss = model(tokens, labels, loss_mask)     # mean token loss
     logits = model(tokens)                      # (batch, seq, vocab)
+    loss = model(tokens, labels, loss_mask, document_ids, position_ids)  # packed documents
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torch import nn
 
 from meshtrain.kernels import dispatch
 from meshtrain.services.common.model_config import ModelConfig
-from meshtrain.services.trainer.model.attention import Attention
+from meshtrain.services.trainer.model.attention import Attention, Documents, documents
 from meshtrain.services.trainer.model.embedding import Embedding
 from meshtrain.services.trainer.model.mlp import MLP
 from meshtrain.services.trainer.model.moe import MoE
@@ -58,10 +59,25 @@ def rope_tables(
     cos: torch.Tensor | None, sin: torch.Tensor | None, positions: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The (cos, sin) rows blocks rotate by: the first rows (a whole sequence from position 0),
-    or those of `positions` (a context-parallel rank's tokens); None without RoPE."""
+    or those of `positions`: (seq,) a context-parallel rank's tokens, (seq, d) rows; (batch,
+    seq) positions within packed documents, (batch, seq, d) rows. None without RoPE."""
     if cos is None:
         return None
-    return (cos, sin) if positions is None else (cos[positions], sin[positions])
+    if positions is None:
+        return cos, sin
+    positions = positions.long()
+    return cos[positions], sin[positions]
+
+
+def token_positions(
+    context, position_ids: torch.Tensor | None, seq: int, device: torch.device
+) -> torch.Tensor | None:
+    """The positions a forward embeds and rotates by: `position_ids` (batch, seq) when the batch
+    has them (positions within documents, a context-parallel rank's columns already), else a
+    context-parallel rank's global positions (seq,), else None (0, 1, ...)."""
+    if position_ids is not None:
+        return position_ids
+    return context.positions(seq, device) if context is not None else None
 
 
 class TransformerBlock(nn.Module):
@@ -77,10 +93,14 @@ class TransformerBlock(nn.Module):
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        docs: Documents | None = None,
     ) -> torch.Tensor:
-        """x (batch, seq, hidden) -> (batch, seq, hidden)."""
-        x = x + self.dropout(self.attention(self.input_norm(x), rope))
+        """x (batch, seq, hidden) -> (batch, seq, hidden); `docs` keeps attention inside
+        documents."""
+        x = x + self.dropout(self.attention(self.input_norm(x), rope, docs))
         return x + self.dropout(self.mlp(self.pre_mlp_norm(x)))
 
 
@@ -151,32 +171,35 @@ class GPT(nn.Module):
             return self.output_layer.weight
         return self.embedding.word_embeddings.weight
 
-    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens (batch, seq) -> final-norm hidden states (batch, seq, hidden)."""
+    def hidden_states(
+        self,
+        tokens: torch.Tensor,
+        document_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """tokens (batch, seq) -> final-norm hidden states (batch, seq, hidden); see `forward`
+        for the document ids and positions."""
         if tokens.shape[1] > self.config.seq_length:
             raise ValueError(
                 f"sequence of {tokens.shape[1]} tokens exceeds "
                 f"model.seq_length={self.config.seq_length}"
             )
-        positions = (
-            self.context.positions(tokens.shape[1], tokens.device)
-            if self.context is not None
-            else None
-        )
+        positions = token_positions(self.context, position_ids, tokens.shape[1], tokens.device)
         rope = rope_tables(self.rope_cos, self.rope_sin, positions)
+        docs = documents(document_ids)
         x = self.embedding(tokens, positions)
         for start, end, recompute in self.layer_chunks():
             if recompute and torch.is_grad_enabled():
                 x = torch.utils.checkpoint.checkpoint(
-                    self._run_layers, start, end, x, rope, use_reentrant=False
+                    self._run_layers, start, end, x, rope, docs, use_reentrant=False
                 )
             else:
-                x = self._run_layers(start, end, x, rope)
+                x = self._run_layers(start, end, x, rope, docs)
         return self.final_norm(x)
 
-    def _run_layers(self, start: int, end: int, x: torch.Tensor, rope) -> torch.Tensor:
+    def _run_layers(self, start: int, end: int, x: torch.Tensor, rope, docs) -> torch.Tensor:
         for layer in self.layers[start:end]:
-            x = layer(x, rope)
+            x = layer(x, rope, docs)
         return x
 
     def layer_chunks(self) -> list[tuple[int, int, bool]]:
@@ -195,6 +218,8 @@ class GPT(nn.Module):
         tokens: torch.Tensor,
         labels: torch.Tensor | None = None,
         loss_mask: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Mean token loss when `labels` is given, else logits (batch, seq, vocab).
 
@@ -202,8 +227,12 @@ class GPT(nn.Module):
             tokens: (batch, seq) int64 token ids.
             labels: (batch, seq) int64 next-token ids.
             loss_mask: (batch, seq) float weights (1 = counts).
+            document_ids: (batch, seq) int, non-decreasing: the packed document of each token;
+                attention then stays inside documents (None: the whole sequence).
+            position_ids: (batch, seq) int: each token's position for RoPE or the learned
+                position embedding, e.g. restarting at each document (None: 0, 1, ...).
         """
-        h = self.hidden_states(tokens)
+        h = self.hidden_states(tokens, document_ids, position_ids)
         if labels is not None:
             loss = self.head.loss(h, self.output_weight, labels, loss_mask)
             return (

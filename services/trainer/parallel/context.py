@@ -24,7 +24,10 @@ over dp (the data-parallel reduction runs over dp×cp), and checkpoints do not d
 - `a2a` (all-to-all over heads, as DeepSpeed-Ulysses): an all-to-all turns sequence-sharded
   q/k/v into head-sharded full-sequence ones, causal attention runs unchanged on the
   sequence reordered into position order, and a second all-to-all turns the output back.
-  Key/value heads are repeated first when there are fewer of them than cp ranks (GQA).
+  Key/value heads are repeated first when there are fewer of them than cp ranks (GQA). With
+  packed documents (data.reset_attention_mask) the group's document ids are gathered into the
+  same position order and attention stays within documents (`document_attention`); the ring
+  variants carry no document ids and refuse them (`check_documents`).
 - `a2a+p2p` (hierarchical): all-to-all inside groups of `hierarchical_context_parallel_sizes[0]`
   consecutive cp ranks (a node), a ring across the groups. The gathered sequence of a group
   is again a front and a back run of chunks, so the ring above runs on it unchanged.
@@ -39,7 +42,12 @@ from torch import nn
 from meshtrain.kernels import attention_blocks as blocks
 from meshtrain.services.common.errors import ConfigError
 from meshtrain.services.dataloader.loader import context_positions
-from meshtrain.services.trainer.model.attention import CoreAttention, sdpa
+from meshtrain.services.trainer.model.attention import (
+    CoreAttention,
+    Documents,
+    document_attention,
+    sdpa,
+)
 from meshtrain.services.trainer.parallel import mappings as M
 from meshtrain.services.trainer.parallel.mesh import Mesh
 
@@ -133,6 +141,19 @@ def _seq_to_heads(x: torch.Tensor, group, a: int) -> torch.Tensor:
     front = y_front.permute(1, 2, 0, 3, 4).reshape(b, h // a, a * c, d)
     back = y_back.flip(0).permute(1, 2, 0, 3, 4).reshape(b, h // a, a * c, d)
     return torch.cat([front, back], dim=2)
+
+
+def _gather_documents(ids: torch.Tensor, group, a: int) -> torch.Tensor:
+    """(b, 2c) document ids of this rank's two chunks -> (b, 2ac) of the group's chunks in
+    position order, as `_seq_to_heads` orders the sequence (no gradient: ids are data)."""
+    b, s = ids.shape
+    parts = [torch.empty_like(ids) for _ in range(a)]
+    dist.all_gather(parts, ids.contiguous(), group=group)
+    c = s // 2
+    stacked = torch.stack(parts).view(a, b, 2, c)  # (a, b, front|back, c)
+    front = stacked[:, :, 0].permute(1, 0, 2).reshape(b, a * c)
+    back = stacked[:, :, 1].flip(0).permute(1, 0, 2).reshape(b, a * c)
+    return torch.cat([front, back], dim=1)
 
 
 def _heads_to_seq(y: torch.Tensor, group, a: int) -> torch.Tensor:
@@ -268,14 +289,24 @@ class ContextAttention(CoreAttention):
         self.impl = "math" if core.backend == "math" else "auto"
 
     @torch.compiler.disable  # point-to-point rounds and all-to-alls: eager, between compiled graphs
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents | None = None
+    ) -> torch.Tensor:
         cp = self.cp
+        if docs is not None and cp.ring > 1:
+            raise ConfigError(
+                f"attention within documents (data.reset_attention_mask) under context "
+                f"parallelism needs parallel.cp_comm_type='a2a'; {cp.comm_type!r} runs a ring"
+            )
         if cp.a2a > 1:
             groups = k.shape[1]
             if groups % cp.a2a:  # GQA with fewer kv heads than all-to-all ranks: one per rank
                 k, v = (t.repeat_interleave(cp.a2a // groups, dim=1) for t in (k, v))
             q, k, v = (_seq_to_heads(t, cp.a2a_group, cp.a2a) for t in (q, k, v))
-        if cp.ring > 1:
+        if docs is not None:  # the whole sequence's ids, in the order q/k/v now have
+            ids = _gather_documents(docs.ids, cp.a2a_group, cp.a2a) if cp.a2a > 1 else docs.ids
+            out = document_attention(q, k, v, Documents(ids))
+        elif cp.ring > 1:
             out = _RingAttention.apply(q, k, v, cp, self.impl)
         else:
             out = sdpa(q, k, v, 0.0, self.backend)

@@ -16,7 +16,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from meshtrain.services.trainer.config.parallel import ParallelConfig
-from meshtrain.services.trainer.model.attention import CoreAttention
+from meshtrain.services.trainer.model.attention import CoreAttention, Documents
 from meshtrain.services.trainer.model.gpt import GPT
 
 
@@ -27,10 +27,12 @@ class RecomputedCore(nn.Module):
         super().__init__()
         self.inner = core
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents | None = None
+    ) -> torch.Tensor:
         if not torch.is_grad_enabled():
-            return self.inner(q, k, v)
-        return torch.utils.checkpoint.checkpoint(self.inner, q, k, v, use_reentrant=False)
+            return self.inner(q, k, v, docs)
+        return torch.utils.checkpoint.checkpoint(self.inner, q, k, v, docs, use_reentrant=False)
 
 
 def apply(model: GPT, config: ParallelConfig) -> GPT:

@@ -201,7 +201,7 @@ def test_a_paused_reader_is_not_cut_off_for_its_keepalive_pings(good, blend_spec
         ({"cp_size": 3}, r"seq_length=32 .* 2 x cp_size=3"),
         (
             {"cp_size": 2, "options": BatchOptions(eod_id=0, document_ids=True)},
-            "document ids are not served",
+            "document ids and positions .* are not served from the data service under context",
         ),
     ],
 )

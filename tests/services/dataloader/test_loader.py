@@ -9,7 +9,12 @@ import torch
 
 from meshtrain.services.common.errors import DataError
 from meshtrain.services.dataloader.indexed import IndexedDataset, IndexedDatasetWriter
-from meshtrain.services.dataloader.loader import BatchOptions, LocalBatchSource, context_positions
+from meshtrain.services.dataloader.loader import (
+    BatchOptions,
+    LocalBatchSource,
+    batch_from_segments,
+    context_positions,
+)
 from meshtrain.services.dataloader.samples import GPTDataset
 
 SEQ = 8
@@ -112,6 +117,41 @@ def test_eod_loss_mask_and_document_ids():
 
 
 @pytest.mark.parametrize(
+    "sample,ids,positions",
+    [
+        # EOD (9) first: it ends an empty-before document of its own
+        ([9, 4, 5, 9, 6, 7], [0, 1, 1, 1, 2], [0, 0, 1, 2, 0]),
+        # EOD last input token: it ends the document; the next sample's token starts anew
+        ([4, 5, 6, 7, 9, 1], [0, 0, 0, 0, 0], [0, 1, 2, 3, 4]),
+        # consecutive EODs: each is a one-token document
+        ([4, 9, 9, 9, 5, 6], [0, 0, 1, 2, 3], [0, 1, 0, 0, 0]),
+        # no EOD: one document, plain positions
+        ([1, 2, 3, 4, 5, 6], [0, 0, 0, 0, 0], [0, 1, 2, 3, 4]),
+    ],
+    ids=["eod-first", "eod-last", "consecutive-eods", "no-eod"],
+)
+def test_document_ids_and_positions_at_the_edges(sample, ids, positions):
+    from meshtrain.services.dataloader.loader import BatchOptions, batch_from_samples
+
+    opts = BatchOptions(eod_id=9, document_ids=True, position_ids=True)
+    b = batch_from_samples(np.array([sample, sample[::-1]]), 0, 0, opts)
+    assert b.document_ids.tolist()[0] == ids
+    assert b.position_ids.tolist()[0] == positions
+    assert b.document_ids.dtype == b.position_ids.dtype == torch.int32
+    # the second row (reversed) on its own, by the definition: position = column - doc start
+    row_ids = b.document_ids[1].tolist()
+    starts = {d: row_ids.index(d) for d in set(row_ids)}
+    assert b.position_ids[1].tolist() == [i - starts[d] for i, d in enumerate(row_ids)]
+    only_positions = batch_from_samples(
+        np.array([sample]), 0, 0, BatchOptions(eod_id=9, position_ids=True)
+    )
+    assert only_positions.document_ids is None
+    assert only_positions.position_ids.tolist()[0] == positions
+    with pytest.raises(DataError, match="eod_id"):
+        BatchOptions(position_ids=True)
+
+
+@pytest.mark.parametrize(
     "seq,cp,rank,want",
     [
         (8, 1, 0, list(range(8))),
@@ -188,6 +228,22 @@ def test_context_parallel_batches_are_the_full_batch_columns(eod_dataset, cp):
     assert masked > 0  # EOD masking was exercised
 
 
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_parallel_document_ids_and_positions_come_from_the_full_sample(eod_dataset, cp):
+    """A rank's document ids and positions are the full batch's at its columns: they count
+    the EODs in the chunks it does not hold."""
+    options = BatchOptions(eod_id=3, document_ids=True, position_ids=True)
+    full = LocalBatchSource(eod_dataset, 2, GBS, options=options)
+    for rank in range(cp):
+        pos = torch.from_numpy(context_positions(16, rank, cp))
+        src = LocalBatchSource(eod_dataset, 2, GBS, options=options, cp_rank=rank, cp_size=cp)
+        for got, want in zip(src.micro_batches(2), full.micro_batches(2), strict=True):
+            for name in ("tokens", "labels", "loss_mask", "document_ids", "position_ids"):
+                assert torch.equal(getattr(got, name), getattr(want, name)[:, pos]), name
+    late = full.micro_batches(2)[0]
+    assert int(late.document_ids[:, 8:].max()) > 0  # the late chunks follow earlier EODs
+
+
 def test_context_parallel_payload_is_each_chunk_with_its_next_token(eod_dataset):
     src = LocalBatchSource(eod_dataset, 2, GBS, cp_rank=1, cp_size=2)  # chunks [4, 8) and [8, 12)
     samples, payload = src.samples(2, 1), src.payload(2, 1)
@@ -203,12 +259,7 @@ def test_context_parallel_source_errors(eod_dataset):
         LocalBatchSource(eod_dataset, 2, GBS, cp_rank=0, cp_size=3)
     with pytest.raises(DataError, match=r"cp_rank=2 is outside \[0, cp_size=2\)"):
         LocalBatchSource(eod_dataset, 2, GBS, cp_rank=2, cp_size=2)
-    with pytest.raises(DataError, match="document ids are not served under context parallelism"):
-        LocalBatchSource(
-            eod_dataset,
-            2,
-            GBS,
-            options=BatchOptions(eod_id=3, document_ids=True),
-            cp_rank=0,
-            cp_size=2,
+    with pytest.raises(DataError, match="count the EODs of the whole sample"):
+        batch_from_segments(
+            np.zeros((1, 2, 5), dtype=np.int64), 0, 0, BatchOptions(eod_id=3, position_ids=True)
         )

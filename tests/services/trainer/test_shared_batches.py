@@ -37,7 +37,7 @@ def _share(rank, world, spec, fail_at):
     from meshtrain.services.trainer.shared_batches import GroupSharedSource
 
     group = dist.new_group([0, 1], backend="gloo")
-    options = BatchOptions(eod_id=0, mask_eod_loss=True, document_ids=True)
+    options = BatchOptions(eod_id=0, mask_eod_loss=True, document_ids=True, position_ids=True)
     local = LocalBatchSource(open_dataset(spec), 2, 8, 0, 1, options=options)
     source = _FailsAt(local, fail_at) if rank == 0 else None
     shared = GroupSharedSource(source, group, src=0, shape_of=local)
@@ -50,7 +50,7 @@ def _share(rank, world, spec, fail_at):
             continue
         for got, want in zip(batches, local.micro_batches(step), strict=True):
             assert (got.step, got.microbatch) == (want.step, want.microbatch)
-            for name in ("tokens", "labels", "loss_mask", "document_ids"):
+            for name in ("tokens", "labels", "loss_mask", "document_ids", "position_ids"):
                 a, b = getattr(got, name), getattr(want, name)
                 assert a.dtype == b.dtype and torch.equal(a, b), name
         out.append("ok")

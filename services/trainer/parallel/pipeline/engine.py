@@ -27,8 +27,15 @@ from meshtrain.services.trainer.parallel.tensor import ColumnParallelLinear, Row
 class Pipeline:
     """A rank's stage and runtime, and what the trainer asks of them."""
 
-    def __init__(self, stage: PipelineStage, runtime: PipelineRuntime, schedule: str):
+    def __init__(
+        self,
+        stage: PipelineStage,
+        runtime: PipelineRuntime,
+        schedule: str,
+        per_document: bool = False,
+    ):
         self.stage, self.runtime, self.schedule = stage, runtime, schedule
+        self.per_document = per_document  # micro-batches carry document ids / positions
 
     @property
     def n_micro(self) -> int:
@@ -37,8 +44,9 @@ class Pipeline:
     @property
     def reads_data(self) -> bool:
         """The first stage needs tokens, the last labels and the loss mask; middle stages
-        nothing."""
-        return self.stage.is_first or self.stage.is_last
+        nothing, unless attention or positions follow packed documents (every stage's blocks
+        need the document ids and positions)."""
+        return self.stage.is_first or self.stage.is_last or self.per_document
 
     def attach(self, ddp, autocast) -> None:
         """Wire in what the trainer builds after the stage: data parallelism (its reductions start
@@ -166,4 +174,5 @@ def build_pipeline(model: GPT, mesh: Mesh, job: JobConfig, device: torch.device)
     runtime = PipelineRuntime(
         stage, mesh, schedule, n_micro, shape, dtype, device, weight_store=store
     )
-    return Pipeline(stage, runtime, schedule)
+    per_document = job.data.reset_attention_mask or job.data.reset_position_ids
+    return Pipeline(stage, runtime, schedule, per_document)

@@ -120,14 +120,13 @@ class PipelineRuntime:
         self.peak_in_flight = 0
 
     # ------------------------------------------------------------------ one step
-    def step(
-        self, micro: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]
-    ) -> torch.Tensor:
+    def step(self, micro: list[tuple | None]) -> torch.Tensor:
         """Forward and backward of a step's micro-batches; the sum of their loss shares.
 
-        `micro[m]` is (tokens, labels, loss_mask) on the device for stages that read data (the
-        first needs tokens, the last labels and the mask), None elsewhere. Returns the step's
-        loss (the mean over micro-batches) on the last stage, 0 elsewhere.
+        `micro[m]` is (tokens, labels, loss_mask, document_ids, position_ids) on the device for
+        stages that read data (the first needs tokens, the last labels and the mask, every one
+        the document ids and positions, None when the batches have none), None elsewhere.
+        Returns the step's loss (the mean over micro-batches) on the last stage, 0 elsewhere.
         """
         st = _StepState(torch.zeros((), device=self.device))
         self.timeline = []
@@ -207,11 +206,9 @@ class PipelineRuntime:
         """An F action: the chunk's forward (on the last chunk, the micro-batch's loss share)."""
         stage = self.stage
         x = self._forward_input(micro, a, st.inputs)
-        labels = mask = None
-        if stage.chunk_is_last(a.chunk):
-            _, labels, mask = micro[a.micro]
+        labels, mask, docs, positions = _stage_inputs(stage, a.chunk, micro[a.micro])
         with self.autocast:
-            y = stage.forward_chunk(a.chunk, x, labels, mask)
+            y = stage.forward_chunk(a.chunk, x, labels, mask, docs, positions)
         if stage.chunk_is_last(a.chunk):
             y = y / self.n_micro
             st.total += y.detach()
@@ -265,9 +262,7 @@ class PipelineRuntime:
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
-    def forward_only(
-        self, micro: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_only(self, micro: list[tuple | None]) -> tuple[torch.Tensor, torch.Tensor]:
         """Every micro-batch through every stage in order, no backward: on the last stage
         (sum of token-weighted losses, tokens counted) in float64, zeros elsewhere. Under context
         parallelism each cp rank's sum is its share: the caller sums them over cp."""
@@ -284,11 +279,9 @@ class PipelineRuntime:
                 else:
                     x = torch.empty(self.act_shape, dtype=self.act_dtype, device=self.device)
                     dist.recv(x, self.prev)
-                labels = mask = None
-                if stage.chunk_is_last(c):
-                    _, labels, mask = micro[m]
+                labels, mask, docs, positions = _stage_inputs(stage, c, micro[m])
                 with self.autocast:
-                    y = stage.forward_chunk(c, x, labels, mask)
+                    y = stage.forward_chunk(c, x, labels, mask, docs, positions)
                 if stage.chunk_is_last(c):
                     n = token_count(stage.context, mask)
                     total += y.double() * n
@@ -298,3 +291,16 @@ class PipelineRuntime:
                     self._check(Action("SEND_F", m, c), y)
                     dist.send(y, self.next)
         return total, counted
+
+
+def _stage_inputs(stage, chunk: int, batch: tuple | None) -> tuple:
+    """(labels, loss_mask, document_ids, position_ids) chunk `chunk` takes from a micro-batch
+    (tokens, labels, loss_mask[, document_ids, position_ids]): labels and mask on the last
+    chunk only; the documents on every chunk (None where the batch has none, or none is read)."""
+    if batch is None:
+        return None, None, None, None
+    labels, mask = batch[1], batch[2]
+    docs, positions = (batch[3], batch[4]) if len(batch) > 3 else (None, None)
+    if not stage.chunk_is_last(chunk):
+        labels = mask = None
+    return labels, mask, docs, positions

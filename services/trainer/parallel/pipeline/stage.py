@@ -27,8 +27,9 @@ from torch import nn
 
 from meshtrain.services.common.errors import ConfigError
 from meshtrain.services.trainer.config.parallel import ParallelConfig
+from meshtrain.services.trainer.model.attention import documents
 from meshtrain.services.trainer.model.embedding import Embedding
-from meshtrain.services.trainer.model.gpt import GPT, rope_tables
+from meshtrain.services.trainer.model.gpt import GPT, rope_tables, token_positions
 
 
 def stage_layers(
@@ -155,9 +156,9 @@ class PipelineStage(nn.Module):
         """Whether `chunk` is the last virtual stage (it computes the loss)."""
         return self.is_last and chunk == self.virtual - 1
 
-    def _run(self, ids: list[int], x: torch.Tensor, rope) -> torch.Tensor:
+    def _run(self, ids: list[int], x: torch.Tensor, rope, docs) -> torch.Tensor:
         for i in ids:
-            x = self.layers[str(i)](x, rope)
+            x = self.layers[str(i)](x, rope, docs)
         return x
 
     def forward_chunk(
@@ -166,15 +167,16 @@ class PipelineStage(nn.Module):
         x: torch.Tensor,
         labels: torch.Tensor | None = None,
         loss_mask: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Chunk `chunk` of this rank: tokens or the previous stage's activations in; the next
         stage's activations, or on the last stage the mean token loss (logits without labels),
-        out."""
-        positions = None
-        if (
-            self.context is not None
-        ):  # training sequences are whole: this rank's share of seq_length
-            positions = self.context.positions(self.config.seq_length // self.context.cp, x.device)
+        out. `document_ids` and `position_ids` (batch, seq): the micro-batch's packed documents,
+        which every chunk's attention and RoPE need (`GPT.forward`)."""
+        # training sequences are whole: under cp this rank's share of seq_length
+        local = self.config.seq_length // (self.context.cp if self.context is not None else 1)
+        positions = token_positions(self.context, position_ids, local, x.device)
         if self.chunk_is_first(chunk):
             if x.shape[1] > self.config.seq_length:
                 raise ValueError(
@@ -184,11 +186,14 @@ class PipelineStage(nn.Module):
             assert self.embedding is not None
             x = self.embedding(x, positions)
         rope = rope_tables(self.rope_cos, self.rope_sin, positions)
+        docs = documents(document_ids)
         for ids, recompute in self.runs[chunk]:
             if recompute and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(self._run, ids, x, rope, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(
+                    self._run, ids, x, rope, docs, use_reentrant=False
+                )
             else:
-                x = self._run(ids, x, rope)
+                x = self._run(ids, x, rope, docs)
         if not self.chunk_is_last(chunk):
             return x
         assert self.final_norm is not None
