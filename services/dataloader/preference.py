@@ -99,8 +99,12 @@ def write_pairs(
                 raise DataError(f"{path}:{line_no}: not JSON ({e})") from None
             if not isinstance(row, dict):
                 raise DataError(f"{path}:{line_no}: expected an object with prompt/chosen/rejected")
-            texts = [_text(row, k, line_no, path) for k in ("prompt", "chosen", "rejected")]
-            pair = tokenize_pair(tokenizer, *texts, max_length, truncation)
+            prompt, chosen_text, rejected_text = (
+                _text(row, k, line_no, path) for k in ("prompt", "chosen", "rejected")
+            )
+            pair = tokenize_pair(
+                tokenizer, prompt, chosen_text, rejected_text, max_length, truncation
+            )
             if pair is None:
                 dropped += 1
                 continue

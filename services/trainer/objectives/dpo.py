@@ -18,6 +18,7 @@ or the checkpointer. It starts as a copy of the policy's starting weights, or lo
 from __future__ import annotations
 
 import logging
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -115,7 +116,7 @@ def build_preference_data(job: JobConfig, dp_rank: int, dp_size: int) -> TrainDa
 
 def use_preference_head(model: nn.Module, d: DPOConfig) -> PreferenceHead:
     """Put the preference head in place of `model`'s (a GPT or a pipeline stage)."""
-    head = PreferenceHead(model.head, dpo_loss(d))
+    head = PreferenceHead(cast(nn.Module, model.head), dpo_loss(d))
     model.head = head
     return head
 
@@ -169,7 +170,7 @@ class FrozenReference:
         # the policy's RNG streams (dropout, the data order) must not notice the second model
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             model, _, pipeline = build_model(job, mesh, device)
-            model.head = SequenceLogpsHead(model.head)
+            model.head = SequenceLogpsHead(cast(nn.Module, model.head))
             if d.reference_load is None:
                 with torch.no_grad():
                     for (name, p), (pname, q) in zip(
@@ -180,7 +181,7 @@ class FrozenReference:
             else:
                 checkpointing.restore(
                     d.reference_load,
-                    model,
+                    cast(Any, model),  # a GPT, or the pipeline stage holding this rank's part
                     None,
                     checkpointing.Parallel(mesh),
                     d.reference_load_step,
@@ -203,6 +204,7 @@ class FrozenReference:
 
     def _pipeline_logps(self, micro) -> list[torch.Tensor | None]:
         """Every micro-batch through the reference's stages in order (forward only)."""
+        assert self.pipeline is not None
         runtime = self.pipeline.runtime
         stage, pp = self.pipeline.stage, runtime.mesh.pp
         out: list[torch.Tensor | None] = [None] * len(micro)

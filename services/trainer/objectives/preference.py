@@ -19,6 +19,7 @@ loss. `SequenceLogpsHead` is the reference model's head: it returns the per-sequ
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -159,12 +160,13 @@ class PreferenceHead(nn.Module):
 
     def __init__(self, base: nn.Module, loss: DPOLoss):
         super().__init__()
-        self.base, self.objective = base, loss
+        self.base: Any = base  # LMHead or VocabParallelHead: token_logps, logits
+        self.objective = loss
         self.stats: torch.Tensor | None = None
 
     @property
     def vocab_size(self) -> int:
-        return self.base.vocab_size
+        return int(self.base.vocab_size)
 
     def loss(self, h, weight, labels, targets: PairTargets) -> torch.Tensor:
         logps, counts = sequence_sums(self.base.token_logps(h, weight, labels), targets.loss_mask)
@@ -193,11 +195,11 @@ class SequenceLogpsHead(nn.Module):
 
     def __init__(self, base: nn.Module):
         super().__init__()
-        self.base = base
+        self.base: Any = base
 
     @property
     def vocab_size(self) -> int:
-        return self.base.vocab_size
+        return int(self.base.vocab_size)
 
     def loss(self, h, weight, labels, loss_mask) -> torch.Tensor:
         return sequence_sums(self.base.token_logps(h, weight, labels), loss_mask)[0]

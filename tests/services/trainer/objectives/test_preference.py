@@ -25,7 +25,13 @@ from meshtrain.services.trainer.objectives.preference import (
     sequence_sums,
 )
 
-torch.set_default_dtype(torch.float64)
+
+@pytest.fixture(autouse=True)
+def _float64():
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(before)
 
 
 def _batch(pairs=5, seq=9, seed=0):
