@@ -18,6 +18,7 @@ A micro-batch of B pairs is 2B sequences, chosen first then rejected, padded to 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -157,33 +158,88 @@ class PreferencePairs:
     def reference_path(self) -> Path:
         return Path(f"{self.prefix}.ref_logps.npy")
 
+    @property
+    def reference_meta_path(self) -> Path:
+        return Path(f"{self.prefix}.ref_logps.json")
+
     def reference(self) -> np.ndarray:
-        """The precomputed reference log-probs, (2 * pairs,) float32, checked against the data.
+        """The precomputed reference log-probs, (2 * pairs,) float32, checked against the data
+        and against the checksum their commit recorded.
 
         Raises:
-            DataError: none written, or written for other data.
+            DataError: none written (or a pass that did not finish), written for other data, or
+                a file changed or cut short since.
         """
-        path, meta_path = self.reference_path, Path(f"{self.prefix}.ref_logps.json")
+        path, meta_path = self.reference_path, self.reference_meta_path
         if not path.exists() or not meta_path.exists():
             raise DataError(
-                f"{path} is missing: dpo.reference='precomputed' reads the reference log-probs "
-                "`meshtrain dpo reference` writes beside the data"
+                f"{path} is missing (or its pass did not finish): dpo.reference='precomputed' "
+                "reads the reference log-probs `meshtrain dpo reference --config CONFIG` writes "
+                "beside the data"
             )
         meta = json.loads(meta_path.read_text())
         if meta.get("format") != REFERENCE_FORMAT or meta.get("fingerprint") != (
             self.data.fingerprint
         ):
-            raise DataError(f"{path} was computed for other data than {self.prefix}; recompute it")
-        values = np.load(path)
+            raise DataError(
+                f"{path} was computed for other data than {self.prefix}: recompute it with "
+                "`meshtrain dpo reference`"
+            )
+        try:
+            values = np.load(path, allow_pickle=False)
+        except (ValueError, OSError, EOFError) as e:
+            raise DataError(f"{path} is unreadable ({e}): recompute it") from None
         if values.shape != (2 * self.num_pairs,) or values.dtype != np.float32:
-            raise DataError(f"{path}: expected {2 * self.num_pairs} float32 values")
+            raise DataError(
+                f"{path}: expected {2 * self.num_pairs} float32 values (two per pair), got "
+                f"{values.shape} {values.dtype}: recompute it"
+            )
+        if hashlib.sha256(values.tobytes()).hexdigest() != meta.get("sha256"):
+            raise DataError(f"{path} is not the file its pass committed (changed since?)")
         return values
 
+    def reference_source(self) -> str | None:
+        """The model the committed reference column was computed with, as its pass recorded it."""
+        if not self.reference_meta_path.exists():
+            return None
+        return json.loads(self.reference_meta_path.read_text()).get("model")
+
     def write_reference(self, values: np.ndarray, source: str) -> None:
-        """Store the reference log-probs of every sequence (what `reference` reads)."""
-        np.save(self.reference_path, np.asarray(values, dtype=np.float32))
-        meta = {"format": REFERENCE_FORMAT, "fingerprint": self.data.fingerprint, "model": source}
-        Path(f"{self.prefix}.ref_logps.json").write_text(json.dumps(meta))
+        """Store the reference log-probs of every sequence (what `reference` reads).
+
+        The values go to a temporary file renamed into place, and the sidecar, written last
+        the same way, is the commit: it holds the values' checksum, so an interrupted write
+        leaves nothing `reference` accepts (the old sidecar is removed first).
+        """
+        values = np.asarray(values, dtype=np.float32)
+        if values.shape != (2 * self.num_pairs,):
+            raise DataError(
+                f"{self.prefix}: {values.shape} reference values for {self.num_pairs} pairs "
+                f"(need {2 * self.num_pairs})"
+            )
+        meta = {
+            "format": REFERENCE_FORMAT,
+            "fingerprint": self.data.fingerprint,
+            "model": source,
+            "sequences": int(values.size),
+            "sha256": hashlib.sha256(values.tobytes()).hexdigest(),
+        }
+        self.reference_meta_path.unlink(missing_ok=True)
+        _write_atomic(self.reference_path, lambda f: np.save(f, values))
+        _write_atomic(self.reference_meta_path, lambda f: f.write(json.dumps(meta).encode()))
+
+
+def _write_atomic(path: Path, write) -> None:
+    """`write(file)` into a temporary file beside `path`, flushed to disk, renamed onto it."""
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 @dataclass
@@ -252,11 +308,12 @@ class PreferenceBatchSource:
     def micro_batches(self, step: int) -> list[PreferenceBatch]:
         idx = self.pair_indices(step)
         return [
-            self._batch(idx[m * self.mbs : (m + 1) * self.mbs], step, m)
+            self.batch(idx[m * self.mbs : (m + 1) * self.mbs], step, m)
             for m in range(self.num_micro_batches)
         ]
 
-    def _batch(self, pairs: np.ndarray, step: int, microbatch: int) -> PreferenceBatch:
+    def batch(self, pairs: np.ndarray, step: int = 0, microbatch: int = 0) -> PreferenceBatch:
+        """The micro-batch of these pair numbers (chosen sequences, then rejected)."""
         seqs = np.concatenate([2 * pairs, 2 * pairs + 1])  # chosen..., rejected...
         s = self.seq_length
         tokens = np.zeros((len(seqs), s), dtype=np.int64)

@@ -6,9 +6,12 @@ Read when `train.objective = "dpo"`; docs/dpo.md gives TRL's and NeMo's name for
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from meshtrain.services.common.errors import ConfigError
+
+if TYPE_CHECKING:
+    from meshtrain.services.trainer.config.sections import JobConfig
 
 
 @dataclass
@@ -30,11 +33,13 @@ class DPOConfig:
     """SimPO's target reward margin gamma (the loss subtracts gamma / beta)."""
     reference: Literal["frozen", "precomputed", "none"] = "frozen"
     """frozen: a copy of the starting model on the same mesh computes reference log-probs each
-    step; precomputed: read from the column `meshtrain dpo reference` wrote beside the data;
+    step; precomputed: read from the column `meshtrain dpo reference --config CONFIG` wrote
+    beside the data (PREFIX.ref_logps.npy, computed by the same model once);
     none: no reference (SimPO only)."""
     reference_load: str | None = None
-    """Checkpoint root the frozen reference loads (unset: a copy of the policy as this run
-    starts it; a run resumed past step 0 must set it)."""
+    """Checkpoint root the reference model loads, frozen or in `meshtrain dpo reference`
+    (unset: the policy as this run starts it, i.e. checkpoint.load; a run with a frozen
+    reference resumed past step 0 must set it)."""
     reference_load_step: int | None = None
     """Which step of reference_load (unset: its newest)."""
 
@@ -51,3 +56,35 @@ class DPOConfig:
                 "reference-free (reference='none'), and sigmoid and ipo need a reference "
                 "('frozen' or 'precomputed')"
             )
+
+
+def reference_checkpoint(job: JobConfig) -> tuple[str, int | None]:
+    """(root, step or None for its newest) of the model the reference is: dpo.reference_load,
+    else checkpoint.load.
+
+    Raises:
+        ConfigError: neither is set, or the loss takes no reference.
+    """
+    d, c = job.dpo, job.checkpoint
+    if d.reference == "none":
+        raise ConfigError(
+            f"dpo.loss_type={d.loss_type!r} with dpo.reference='none' takes no reference "
+            "log-probs: nothing to compute"
+        )
+    if d.reference_load:
+        return d.reference_load, d.reference_load_step
+    if c.load:
+        return c.load, c.load_step
+    raise ConfigError(
+        "the reference pass needs the model the run starts from: set checkpoint.load (--load) "
+        "or dpo.reference_load"
+    )
+
+
+def check_reference_job(job: JobConfig) -> None:
+    """What `meshtrain dpo reference` refuses before torch is imported."""
+    reference_checkpoint(job)
+    if not job.dpo.data_path:
+        raise ConfigError("the reference pass needs dpo.data_path (preprocessed pairs)")
+    if job.parallel.cp > 1:
+        raise ConfigError("train.objective='dpo' with parallel.cp > 1 is not supported yet")

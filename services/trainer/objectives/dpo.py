@@ -18,8 +18,10 @@ or the checkpointer. It starts as a copy of the policy's starting weights, or lo
 from __future__ import annotations
 
 import logging
+import random
 from typing import Any, cast
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -88,7 +90,10 @@ def build_preference_data(job: JobConfig, dp_rank: int, dp_size: int) -> TrainDa
 
     def source(prefix: str) -> PreferenceBatchSource:
         pairs = PreferencePairs(prefix)
-        ref = pairs.reference() if d.reference == "precomputed" else None
+        ref = None
+        if d.reference == "precomputed":
+            ref = pairs.reference()
+            log.info("dpo reference: %s, computed with %s", prefix, pairs.reference_source())
         return PreferenceBatchSource(
             pairs,
             job.model.seq_length,
@@ -167,26 +172,56 @@ class FrozenReference:
                 f"this run resumes at step {start_step}, where the policy is no longer the "
                 "reference: set dpo.reference_load to the checkpoint the run started from"
             )
+        if d.reference_load is not None:
+            return cls.load(job, mesh, device, d.reference_load, d.reference_load_step, autocast)
         # the policy's RNG streams (dropout, the data order) must not notice the second model
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             model, _, pipeline = build_model(job, mesh, device)
             model.head = SequenceLogpsHead(cast(nn.Module, model.head))
-            if d.reference_load is None:
-                with torch.no_grad():
-                    for (name, p), (pname, q) in zip(
-                        model.named_parameters(), policy.named_parameters(), strict=True
-                    ):
-                        assert name == pname, (name, pname)
-                        p.copy_(q)
-            else:
-                checkpointing.restore(
-                    d.reference_load,
-                    cast(Any, model),  # a GPT, or the pipeline stage holding this rank's part
-                    None,
-                    checkpointing.Parallel(mesh),
-                    d.reference_load_step,
-                )
-                log.info("dpo reference: loaded from %s", d.reference_load)
+            with torch.no_grad():
+                for (name, p), (pname, q) in zip(
+                    model.named_parameters(), policy.named_parameters(), strict=True
+                ):
+                    assert name == pname, (name, pname)
+                    p.copy_(q)
+        return cls._frozen(model, pipeline, autocast)
+
+    @classmethod
+    def load(
+        cls,
+        job: JobConfig,
+        mesh: Mesh,
+        device: torch.device,
+        root: str,
+        step: int | None,
+        autocast,
+    ) -> FrozenReference:
+        """Built like the policy, with the weights of checkpoint `step` (unset: the newest) under
+        `root`, whatever layout saved it.
+
+        Raises:
+            CheckpointError: no such checkpoint, or one that does not fit the model.
+        """
+        # neither the model's initialization nor the checkpoint's RNG states may reach the
+        # caller's generators (torch's, Python's and NumPy's: restore sets all three)
+        py_state, np_state = random.getstate(), np.random.get_state()
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            model, _, pipeline = build_model(job, mesh, device)
+            model.head = SequenceLogpsHead(cast(nn.Module, model.head))
+            checkpointing.restore(
+                root,
+                cast(Any, model),  # a GPT, or the pipeline stage holding this rank's part
+                None,
+                checkpointing.Parallel(mesh),
+                step,
+            )
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+        log.info("dpo reference: loaded from %s", root if step is None else f"{root} step {step}")
+        return cls._frozen(model, pipeline, autocast)
+
+    @classmethod
+    def _frozen(cls, model: nn.Module, pipeline: Pipeline | None, autocast) -> FrozenReference:
         model.eval()
         model.requires_grad_(False)
         return cls(model, pipeline, autocast)
