@@ -5,6 +5,7 @@
     meshtrain train --help-config
     meshtrain data preprocess|train-tokenizer ...      (services/dataloader/cli.py)
     meshtrain ckpt list|inspect ...                    (services/checkpoint/cli.py)
+    meshtrain dpo reference --config CONFIG [...]      (services/trainer/dpo_cli.py)
 
 Errors a user can cause are printed as one line naming what was wrong, with exit status 2,
 before torch's heavy modules are imported: every command parses and validates its arguments and
@@ -38,7 +39,7 @@ from meshtrain.services.common.logging import setup_logging
 from meshtrain.services.dataloader import cli as data_cli
 from meshtrain.services.launcher import cli as launcher_cli
 from meshtrain.services.launcher.ranks import FAILURE_GRACE_S
-from meshtrain.services.trainer import generate_cli
+from meshtrain.services.trainer import dpo_cli, generate_cli
 
 
 def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
@@ -157,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt_cli.register(sub)
     launcher_cli.register(sub)
     generate_cli.register(sub)
+    dpo_cli.register(sub)
     return p
 
 

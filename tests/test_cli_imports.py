@@ -62,6 +62,12 @@ CASES = [
         "top_p must be in (0, 1], got 2.0",
     ),
     (["generate", "--load", "missing", "--prompt", "hi"], "no committed checkpoint under missing"),
+    (["dpo", "reference", "--bogus-flag"], f"unknown flag --bogus-flag; {FLAG_HINT}"),
+    (
+        ["dpo", "reference", "--train.objective=dpo", "--dpo.data_path=x"],
+        "the reference pass needs the model the run starts from: set checkpoint.load (--load) "
+        "or dpo.reference_load",
+    ),
     (["ckpt", "list", "missing"], "missing: no such path; check the checkpoint root"),
     (["ckpt", "inspect", "missing"], "missing: no such path; check the checkpoint root"),
     (["ckpt", "verify", "missing"], "missing: no such path; check the checkpoint root"),

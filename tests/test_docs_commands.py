@@ -122,7 +122,7 @@ def unknown_flags(words: list[str]) -> list[str]:
             part = part.strip("[]()")
             if part.startswith("--"):
                 flags.append(part.split("=", 1)[0])
-    takes_overrides = path in (["train"], ["up"])
+    takes_overrides = path in (["train"], ["up"], ["dpo", "reference"])
     return [
         f
         for f in flags

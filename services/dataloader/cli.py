@@ -199,6 +199,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     pre.add_argument("--quiet", action="store_true", help="no progress bar")
     pre.set_defaults(func=cmd_preprocess)
+    pp = dsub.add_parser(
+        "preprocess-pairs",
+        help="tokenize a JSONL of preference pairs (prompt, chosen, rejected) for DPO",
+    )
+    pp.add_argument("--input", required=True, help="JSONL: one {prompt, chosen, rejected} a line")
+    pp.add_argument("--output-prefix", required=True)
+    pp.add_argument("--tokenizer", required=True, help="the run's data.tokenizer")
+    pp.add_argument(
+        "--max-length",
+        type=int,
+        required=True,
+        help="tokens of prompt + completion + EOD (at most the run's model.seq_length + 1)",
+    )
+    pp.add_argument(
+        "--truncation",
+        choices=["keep_end", "drop"],
+        default="keep_end",
+        help="a pair over --max-length: keep its prompt's end, or drop it",
+    )
+    pp.set_defaults(func=cmd_preprocess_pairs)
     tt = dsub.add_parser(
         "train-tokenizer", help="train a byte-level BPE on local text/JSONL/Parquet files"
     )
@@ -216,6 +236,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     sv = dsub.add_parser("serve", help="run a DataService worker (gRPC) until SIGTERM")
     add_serve_arguments(sv)
     sv.set_defaults(func=cmd_serve)
+
+
+def cmd_preprocess_pairs(args: argparse.Namespace) -> int:
+    from meshtrain.services.dataloader.preference import write_pairs
+    from meshtrain.services.dataloader.tokenizers.base import build_tokenizer
+
+    summary = write_pairs(
+        args.input,
+        args.output_prefix,
+        build_tokenizer(args.tokenizer),
+        args.max_length,
+        args.truncation,
+    )
+    print(
+        f"{args.output_prefix}: {summary['pairs']} pairs ({summary['truncated']} truncated, "
+        f"{summary['dropped']} dropped over --max-length={args.max_length})"
+    )
+    return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -71,6 +71,19 @@ from meshtrain.services.trainer.metrics import (
     peak_tflops,
     plot_losses,
 )
+from meshtrain.services.trainer.objectives.dpo import (
+    FrozenReference,
+    build_preference_data,
+    check_dpo_job,
+    pair_micro_batches,
+    reduce_stats,
+    use_preference_head,
+)
+from meshtrain.services.trainer.objectives.preference import (
+    PairTargets,
+    PreferenceHead,
+    finish_stats,
+)
 from meshtrain.services.trainer.optim.optimizer import build_optimizer, clip_grad_norm, set_lr
 from meshtrain.services.trainer.optim.schedule import lr_at
 from meshtrain.services.trainer.parallel import mappings
@@ -140,6 +153,8 @@ class Trainer:
                 f"train.global_batch_size={t.global_batch_size} must be a multiple of "
                 f"train.micro_batch_size={t.micro_batch_size} x data-parallel size {self.mesh.dp}"
             )
+        if t.objective == "dpo":
+            check_dpo_job(job, self.mesh)
         self.run_dir = make_run_dir(job.log.run_dir, self.mesh)
         self._run_dir_released = False
         try:
@@ -189,15 +204,18 @@ class Trainer:
         # context-parallel peers read the same samples, each only its chunks of them; from the
         # service, a tensor-parallel group pulls once and shares
         spread, sharing = placement(self.mesh, bool(job.data.service_addresses))
-        self.data = build_data(
-            job,
-            dp_rank=self.mesh.dp_rank,
-            dp_size=self.mesh.dp,
-            cp_rank=self.mesh.cp_rank,
-            cp_size=self.mesh.cp,
-            spread=spread,
-            sharing=sharing,
-        )
+        if job.train.objective == "dpo":
+            self.data = build_preference_data(job, self.mesh.dp_rank, self.mesh.dp)
+        else:
+            self.data = build_data(
+                job,
+                dp_rank=self.mesh.dp_rank,
+                dp_size=self.mesh.dp,
+                cp_rank=self.mesh.cp_rank,
+                cp_size=self.mesh.cp,
+                spread=spread,
+                sharing=sharing,
+            )
         if job.model.vocab_size is None:
             job = replace(job, model={"vocab_size": self.data.vocab_size})
         if job.checkpoint.save is None:
@@ -212,6 +230,12 @@ class Trainer:
         statistics; returns the size of the whole model, whatever this rank holds of it."""
         job = self.job
         self.model, self.fp8, self.pipeline = build_model(job, self.mesh, self.device)
+        # preference tuning: the policy's head computes the DPO loss (its statistics kept here)
+        self.preference_head: PreferenceHead | None = None
+        self.preference_stats: torch.Tensor | None = None
+        self.eval_preference_stats: dict[str, float] = {}
+        if job.train.objective == "dpo":
+            self.preference_head = use_preference_head(self.model, job.dpo)
         size = model_size(job.model)
         self.flops_per_token, self.num_parameters = size.flops_per_token, size.parameters
         self.active_parameters = size.active_parameters
@@ -273,6 +297,11 @@ class Trainer:
         )
         if self.pipeline is not None:
             self.pipeline.attach(self.ddp, self.autocast)
+        self.reference = None
+        if job.train.objective == "dpo" and job.dpo.reference == "frozen":
+            self.reference = FrozenReference.build(
+                job, self.mesh, self.device, self.model, self.state.iteration, self.autocast
+            )
         self.graph = None
         if job.train.cuda_graph:
             check_cuda_graph(self.device, self.mesh)
@@ -325,6 +354,8 @@ class Trainer:
             self.optimizer.step()
             # a captured graph adds into the .grad tensors it was captured with: keep them
             self.optimizer.zero_grad(set_to_none=self.graph is None)
+        if self.preference_head is not None:
+            self.preference_stats = self.preference_head.take_stats()
         if self.fp8 is not None:
             self.fp8.step_end()  # delayed scaling: the next step's scales from this step's amaxes
         # Expert biases move by this step's loads; its statistics are kept for the log.
@@ -341,12 +372,38 @@ class Trainer:
     def _pipeline_inputs(self, micro, n: int):
         """Each of `n` micro-batches on the device for the stages that read data (`micro`), n
         Nones for the others (`micro` None)."""
+        if self.preference_head is not None:
+            return self._pair_inputs(micro, n)
         return list(self._on_device(micro)) if micro is not None else [None] * n
+
+    def _pair_inputs(self, micro, n: int) -> list:
+        """DPO: (tokens, labels, PairTargets) of each micro-batch on the device, with the frozen
+        reference's log-probs (computed here, on every stage of a pipeline), or n Nones for a
+        stage that reads no data."""
+        inputs: list = [None] * n
+        if micro is not None:
+            for b in micro:
+                self._check_token_ids(b)
+            inputs = pair_micro_batches(
+                micro, lambda ts: next(iter(self.uploader.upload([ts]))), None
+            )
+        if self.reference is not None:
+            refs = self.reference.logps(inputs)
+            inputs = [
+                x if x is None else (x[0], x[1], PairTargets(x[2].loss_mask, r))
+                for x, r in zip(inputs, refs, strict=True)
+            ]
+        return inputs
 
     def _accumulate(self, micro, copies) -> torch.Tensor:
         """Forward and backward of every micro-batch of a step (no pipeline); the step's loss."""
         total = torch.zeros((), device=self.device)
-        for i, inputs in enumerate(self._on_device(micro)):
+        batches = (
+            self._pair_inputs(micro, len(micro))
+            if self.preference_head is not None
+            else self._on_device(micro)
+        )
+        for i, inputs in enumerate(batches):
             if self.graph is not None:
                 present = [t for t in inputs if t is not None]  # no document ids (refused)
                 if not self.graph.captured:  # the first step's start: gradients are zero
@@ -416,6 +473,8 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         assert self.data.valid is not None
+        if self.preference_head is not None:
+            return self._evaluate_pairs()
         self.model.eval()
         if self.pipeline is not None:
             total, counted = self._pipeline_eval_sums()
@@ -443,6 +502,27 @@ class Trainer:
             sums = mappings.all_reduce(torch.stack([total, counted]), self.mesh.group("dp"))
             total, counted = sums[0], sums[1]
         return (total / counted.clamp(min=1.0)).item()  # identical on every rank
+
+    @torch.no_grad()
+    def _evaluate_pairs(self) -> float:
+        """DPO: the mean preference loss over the held-out pairs (eval_iters global batches), and
+        their statistics in `eval_preference_stats`."""
+        assert self.preference_head is not None and self.data.valid is not None
+        self.model.eval()
+        self.preference_head.take_stats()  # this step's are already kept
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for step in range(self.job.train.eval_iters):
+            micro = self.data.valid.micro_batches(step)
+            for tokens, labels, targets in self._pair_inputs(micro, len(micro)):
+                with self.autocast:
+                    loss = self.forward(tokens, labels, targets).double()
+                total += loss * tokens.shape[0] / 2  # a mean over the micro-batch's pairs
+        self.model.train()
+        stats = reduce_stats(self.preference_head.take_stats(), self.mesh, self.device)
+        total = mappings.all_reduce(total, self.mesh.group("dp")) if self.mesh.dp > 1 else total
+        pairs = stats[-1].double()
+        self.eval_preference_stats = finish_stats(stats)
+        return (total / pairs.clamp(min=1.0)).item()
 
     def _pipeline_eval_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(token-weighted loss sum, tokens counted) of this dp rank's eval batches through the
@@ -607,6 +687,13 @@ class Trainer:
             if self.data.valid is not None and (n % t.eval_interval == 0 or n == t.train_iters):
                 result.eval_losses[n] = self.evaluate()
                 metrics.eval(n, result.eval_losses[n])
+                if self.eval_preference_stats and self.is_main:
+                    metrics.write(
+                        {
+                            "step": n,
+                            **{f"eval_{k}": v for k, v in self.eval_preference_stats.items()},
+                        }
+                    )
             stop, checkpoint_now = self._agreed_requests(at_log_step=not window.pending)
             if stop and window.pending:  # alone, a stop is acted on at any step: log what it ran
                 self._log_steps(window, n, result, metrics, tokens_per_step)
@@ -688,6 +775,9 @@ class Trainer:
                 * record["tokens_per_s"]
                 / (self.peak * 1e12 * self.mesh.world_size)
             )
+        if self.preference_head is not None:  # TRL's names: rewards/accuracies, ...
+            stats = reduce_stats(self.preference_stats, self.mesh, self.device)
+            record.update(finish_stats(stats))
         record.update(memory_metrics(self.device))
         record.update(
             self.router_stats.metrics(job.model, self.device)

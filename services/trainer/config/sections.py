@@ -26,6 +26,7 @@ from meshtrain.services.trainer.config.checks import (
     check_fp8,
     check_tensor_parallel,
 )
+from meshtrain.services.trainer.config.dpo import DPOConfig
 from meshtrain.services.trainer.config.parallel import ParallelConfig
 
 KERNEL_OPS = (
@@ -154,6 +155,9 @@ class TrainConfig:
     metrics_port: int | None = None
     """With the control endpoint: serve Prometheus metrics (step, loss, tokens/s, ETA, RPCs) on this
     port (0: any free port, in RUN_DIR/metrics.addr); unset: $MESHTRAIN_METRICS_PORT or none."""
+    objective: Literal["lm", "dpo"] = "lm"
+    """lm: the language-model loss (pretraining, SFT); dpo: preference tuning on pairs, set up
+    by the [dpo] section."""
 
     def __post_init__(self) -> None:
         for key in ("micro_batch_size", "global_batch_size", "train_iters", "eval_iters"):
@@ -359,6 +363,8 @@ class JobConfig:
     """Checkpointing."""
     log: LogConfig = field(default_factory=LogConfig)
     """Run directory and logging."""
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    """Preference tuning (with train.objective='dpo')."""
     auth: AuthConfig = field(default_factory=AuthConfig)
     """Tokens and TLS: what the trainer sends to the data and checkpoint services, and what its
     control endpoint requires (file paths only; no secret is part of the config)."""

@@ -15,6 +15,7 @@ here: `parallel/` swaps or wraps modules (e.g. `recompute.apply`).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
@@ -53,6 +54,14 @@ class LMHead(nn.Module):
         """(batch, seq, vocab) fp32 logits, padding rows cut off."""
         logits = h @ weight[: self.vocab_size].t()
         return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+    def token_logps(
+        self, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
+    ) -> torch.Tensor:
+        """(batch, seq) fp32 log-probabilities of `labels` (preference tuning sums them)."""
+        logits = self.logits(h, weight)  # (b, s, vocab)
+        losses = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
+        return -losses.view(labels.shape)
 
 
 def rope_tables(

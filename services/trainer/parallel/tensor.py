@@ -330,6 +330,15 @@ class VocabParallelHead(nn.Module):
         mask = loss_mask.flatten().to(losses.dtype)
         return (losses * mask).sum() / mask.sum().clamp(min=1.0)
 
+    def token_logps(self, h, weight, labels):
+        """(batch, seq) fp32 log-probabilities of `labels`, exact over the vocab shards."""
+        logits = self._local_logits(h, weight)
+        start = self.rank * weight.shape[0]
+        losses = _VocabParallelCE.apply(
+            logits.flatten(0, 1), labels.flatten(), start, self.vocab_size, self.group
+        )
+        return -losses.view(labels.shape)
+
     def logits(self, h, weight):
         full = M.gather_from_region(self._local_logits(h, weight), self.group)
         return full[..., : self.vocab_size]

@@ -112,8 +112,10 @@ def activation_shape(job: JobConfig, tp: int) -> tuple[tuple[int, ...], torch.dt
     seq = m.seq_length // p.cp
     seq = seq // tp if p.sequence_parallel else seq
     bf16 = job.train.bf16 and not m.fp32_residual_connection
+    # a micro-batch of preference pairs is their chosen and rejected sequences
+    sequences = job.train.micro_batch_size * (2 if job.train.objective == "dpo" else 1)
     return (
-        job.train.micro_batch_size,
+        sequences,
         seq,
         m.hidden_size,
     ), torch.bfloat16 if bf16 else torch.float32

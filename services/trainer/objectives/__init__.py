@@ -1,0 +1,1 @@
+"""Training objectives besides the language-model loss (preference tuning)."""

@@ -1,0 +1,279 @@
+"""Preference tuning in the trainer: the checks, the pairs' batch sources, the policy's head and
+the frozen reference model on the same mesh.
+
+`Trainer` calls these when `train.objective = "dpo"` (docs/dpo.md):
+
+    check_dpo_job(job, mesh)                    # what DPO does not compose with, refused by name
+    data = build_preference_data(job, dp_rank, dp_size)
+    use_preference_head(model, job.dpo)         # the policy's loss becomes the DPO loss
+    reference = FrozenReference.build(job, mesh, device, model, start_step)
+    reference.logps(micro)                      # each micro-batch's reference sums, no grad
+
+The frozen reference is a second copy of the model built and sharded like the policy (tensor and
+pipeline stages alike), in eval mode and without gradients; it is never given to the optimizer
+or the checkpointer. It starts as a copy of the policy's starting weights, or loads
+`dpo.reference_load`, which a run resumed past step 0 must set (its policy has moved on).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any, cast
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshtrain.services.common.errors import ConfigError
+from meshtrain.services.dataloader.preference import (
+    PreferenceBatch,
+    PreferenceBatchSource,
+    PreferencePairs,
+)
+from meshtrain.services.dataloader.tokenizers.base import absolute_spec, build_tokenizer
+from meshtrain.services.trainer import checkpointing
+from meshtrain.services.trainer.build import build_model
+from meshtrain.services.trainer.config.dpo import DPOConfig
+from meshtrain.services.trainer.config.sections import JobConfig
+from meshtrain.services.trainer.data import TrainData
+from meshtrain.services.trainer.objectives.preference import (
+    STAT_NAMES,
+    DPOLoss,
+    PairTargets,
+    PreferenceHead,
+    SequenceLogpsHead,
+)
+from meshtrain.services.trainer.parallel import mappings
+from meshtrain.services.trainer.parallel.mesh import Mesh
+from meshtrain.services.trainer.parallel.pipeline.engine import Pipeline
+
+log = logging.getLogger("meshtrain.train")
+
+
+def check_dpo_job(job: JobConfig, mesh: Mesh) -> None:
+    """Refuse what preference tuning does not run with, naming the setting.
+
+    Raises:
+        ConfigError: no pairs, the data service, context parallelism, CUDA graphs, evaluation
+            through a pipeline, or a reference the loss type does not take.
+    """
+    d = job.dpo
+    if not d.data_path:
+        raise ConfigError("train.objective='dpo' needs dpo.data_path (preprocessed pairs)")
+    if job.data.service_addresses:
+        raise ConfigError(
+            "train.objective='dpo' reads its pairs in-process: the data service does not serve "
+            "preference pairs yet; leave data.service_addresses empty"
+        )
+    if mesh.cp > 1:
+        raise ConfigError("train.objective='dpo' with parallel.cp > 1 is not supported yet")
+    if job.train.cuda_graph:
+        raise ConfigError("train.cuda_graph does not capture the DPO step; leave it off")
+    if d.valid_data_path and mesh.pp > 1:
+        raise ConfigError(
+            "dpo.valid_data_path with parallel.pipeline_model_parallel_size > 1 is not supported "
+            "yet: evaluate with pp=1"
+        )
+
+
+def dpo_loss(d: DPOConfig) -> DPOLoss:
+    return DPOLoss(d.loss_type, d.beta, d.label_smoothing, d.simpo_gamma)
+
+
+def build_preference_data(job: JobConfig, dp_rank: int, dp_size: int) -> TrainData:
+    """The train (and valid) pair sources of this data-parallel rank, with the reference column
+    when dpo.reference is 'precomputed'."""
+    d, t = job.dpo, job.train
+    tok = build_tokenizer(job.data.tokenizer)
+
+    def source(prefix: str) -> PreferenceBatchSource:
+        pairs = PreferencePairs(prefix)
+        ref = None
+        if d.reference == "precomputed":
+            ref = pairs.reference()
+            log.info("dpo reference: %s, computed with %s", prefix, pairs.reference_source())
+        return PreferenceBatchSource(
+            pairs,
+            job.model.seq_length,
+            t.micro_batch_size,
+            t.global_batch_size,
+            dp_rank,
+            dp_size,
+            t.seed,
+            ref,
+        )
+
+    assert d.data_path is not None  # check_dpo_job
+    train = source(d.data_path)
+    valid = source(d.valid_data_path) if d.valid_data_path and t.eval_interval > 0 else None
+    log.info(
+        "dpo data: %s (%d pairs), tokenizer %s, loss %s, reference %s",
+        d.data_path,
+        train.pairs.num_pairs,
+        job.data.tokenizer,
+        d.loss_type,
+        d.reference,
+    )
+    return TrainData(train, valid, tok.vocab_size, absolute_spec(job.data.tokenizer), d.data_path)
+
+
+def use_preference_head(model: nn.Module, d: DPOConfig) -> PreferenceHead:
+    """Put the preference head in place of `model`'s (a GPT or a pipeline stage)."""
+    head = PreferenceHead(cast(nn.Module, model.head), dpo_loss(d))
+    model.head = head
+    return head
+
+
+def pair_micro_batches(
+    batches: list[PreferenceBatch], on_device, references: list[torch.Tensor | None] | None
+) -> list[tuple[torch.Tensor, torch.Tensor, PairTargets]]:
+    """(tokens, labels, PairTargets) of each micro-batch on the device; `references` (the frozen
+    reference's sums) replace the batches' precomputed column when given."""
+    out = []
+    for i, b in enumerate(batches):
+        tensors = (b.tokens, b.labels, b.loss_mask) + (
+            (b.reference,) if b.reference is not None else ()
+        )
+        up = on_device(tensors)
+        ref = references[i] if references is not None else (up[3] if len(up) > 3 else None)
+        out.append((up[0], up[1], PairTargets(up[2], ref)))
+    return out
+
+
+class FrozenReference:
+    """The reference model (see the module docstring): `logps(micro)` gives each micro-batch's
+    (2B,) reference sums on the rank that computes the loss (the last pipeline stage), None on
+    the others."""
+
+    def __init__(self, model: nn.Module, pipeline: Pipeline | None, autocast):
+        self.model, self.pipeline, self.autocast = model, pipeline, autocast
+
+    @classmethod
+    def build(
+        cls,
+        job: JobConfig,
+        mesh: Mesh,
+        device: torch.device,
+        policy: nn.Module,
+        start_step: int,
+        autocast,
+    ) -> FrozenReference:
+        """Built like the policy; its weights copied from the policy's (as this run starts), or
+        loaded from dpo.reference_load.
+
+        Raises:
+            ConfigError: a resumed run (start_step > 0) without dpo.reference_load.
+        """
+        d = job.dpo
+        if d.reference_load is None and start_step > 0:
+            raise ConfigError(
+                f"this run resumes at step {start_step}, where the policy is no longer the "
+                "reference: set dpo.reference_load to the checkpoint the run started from"
+            )
+        if d.reference_load is not None:
+            return cls.load(job, mesh, device, d.reference_load, d.reference_load_step, autocast)
+        # the policy's RNG streams (dropout, the data order) must not notice the second model
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            model, _, pipeline = build_model(job, mesh, device)
+            model.head = SequenceLogpsHead(cast(nn.Module, model.head))
+            with torch.no_grad():
+                for (name, p), (pname, q) in zip(
+                    model.named_parameters(), policy.named_parameters(), strict=True
+                ):
+                    assert name == pname, (name, pname)
+                    p.copy_(q)
+        return cls._frozen(model, pipeline, autocast)
+
+    @classmethod
+    def load(
+        cls,
+        job: JobConfig,
+        mesh: Mesh,
+        device: torch.device,
+        root: str,
+        step: int | None,
+        autocast,
+    ) -> FrozenReference:
+        """Built like the policy, with the weights of checkpoint `step` (unset: the newest) under
+        `root`, whatever layout saved it.
+
+        Raises:
+            CheckpointError: no such checkpoint, or one that does not fit the model.
+        """
+        # neither the model's initialization nor the checkpoint's RNG states may reach the
+        # caller's generators (torch's, Python's and NumPy's: restore sets all three)
+        py_state, np_state = random.getstate(), np.random.get_state()
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            model, _, pipeline = build_model(job, mesh, device)
+            model.head = SequenceLogpsHead(cast(nn.Module, model.head))
+            checkpointing.restore(
+                root,
+                cast(Any, model),  # a GPT, or the pipeline stage holding this rank's part
+                None,
+                checkpointing.Parallel(mesh),
+                step,
+            )
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+        log.info("dpo reference: loaded from %s", root if step is None else f"{root} step {step}")
+        return cls._frozen(model, pipeline, autocast)
+
+    @classmethod
+    def _frozen(cls, model: nn.Module, pipeline: Pipeline | None, autocast) -> FrozenReference:
+        model.eval()
+        model.requires_grad_(False)
+        return cls(model, pipeline, autocast)
+
+    @torch.no_grad()
+    def logps(self, micro) -> list[torch.Tensor | None]:
+        """micro: [(tokens, labels, PairTargets)] on the device, or Nones on middle stages."""
+        if self.pipeline is None:
+            out: list[torch.Tensor | None] = []
+            for tokens, labels, targets in micro:
+                with self.autocast:
+                    out.append(self.model(tokens, labels, targets.loss_mask).float())
+            return out
+        return self._pipeline_logps(micro)
+
+    def _pipeline_logps(self, micro) -> list[torch.Tensor | None]:
+        """Every micro-batch through the reference's stages in order (forward only)."""
+        assert self.pipeline is not None
+        runtime = self.pipeline.runtime
+        stage, pp = self.pipeline.stage, runtime.mesh.pp
+        out: list[torch.Tensor | None] = [None] * len(micro)
+        for m in range(len(micro)):
+            for s in range(pp * stage.virtual):
+                if s % pp != stage.pp_rank:
+                    continue
+                c = s // pp
+                if stage.chunk_is_first(c):
+                    x = micro[m][0]
+                else:
+                    x = torch.empty(
+                        runtime.act_shape, dtype=runtime.act_dtype, device=runtime.device
+                    )
+                    dist.recv(x, runtime.prev)
+                labels = mask = None
+                if stage.chunk_is_last(c):
+                    labels, mask = micro[m][1], micro[m][2].loss_mask
+                with self.autocast:
+                    y = stage.forward_chunk(c, x, labels, mask)
+                if stage.chunk_is_last(c):
+                    out[m] = y.float()
+                else:
+                    dist.send(y.contiguous(), runtime.next)
+        return out
+
+
+def reduce_stats(stats: torch.Tensor | None, mesh: Mesh, device: torch.device) -> torch.Tensor:
+    """A step's summed preference statistics over the ranks that computed parts of them: the dp
+    ranks' pairs, held by the last pipeline stage (zeros elsewhere)."""
+    if stats is None:
+        stats = torch.zeros(len(STAT_NAMES) + 1, device=device)
+    if mesh.pp > 1:
+        stats = mappings.all_reduce(stats, mesh.group("pp"))
+    if mesh.dp > 1:
+        stats = mappings.all_reduce(stats, mesh.group("dp"))
+    return stats
