@@ -23,6 +23,7 @@ from meshtrain.services.trainer.config.checks import (
     check_context_parallel,
     check_experts,
     check_fp8,
+    check_fully_sharded,
     check_tensor_parallel,
 )
 from meshtrain.services.trainer.config.parallel import ParallelConfig
@@ -368,3 +369,4 @@ class JobConfig:
         check_context_parallel(self.model, self.parallel)
         check_experts(self.model, self.parallel, self.train)
         check_fp8(self.train, self.parallel)
+        check_fully_sharded(self.model, self.parallel, self.train)
