@@ -11,7 +11,7 @@ import torch
 
 from meshtrain.services.checkpoint.reader import load_checkpoint
 from meshtrain.services.trainer.config.load import load_config
-from meshtrain.services.trainer.train import train
+from meshtrain.services.trainer.train import Trainer, train
 from tests.dist_utils import run_ranks
 from tests.services.trainer.conftest import small_job_args
 
@@ -92,3 +92,77 @@ def test_fully_sharded_training_matches_single_process(
     results = run_ranks(_rank_train, world, args, timeout=400)
     assert all(r["losses"] == results[0]["losses"] for r in results)
     assert_same_training(results[0], ref, ref_tensors)
+
+
+def _resume_args(corpus_cache, run, root, extra):
+    more = {"checkpoint.load": root, "checkpoint.load_step": 2, "checkpoint.save": f"{run}-ck"}
+    return small_job_args(corpus_cache, run, **COMMON, **extra, **more)
+
+
+def test_zero3_checkpoint_resumes_at_zero1_and_on_one_process(
+    corpus_cache, tmp_path, tmp_path_factory
+):
+    """Saved by ZeRO-3 at step 2 (each rank its own rows); resumed by ZeRO-1 on 2 ranks and by
+    one process, steps 3..4 are the uninterrupted run's."""
+    ref, _ = reference(corpus_cache, tmp_path_factory, "gpt2")
+    args = small_job_args(
+        corpus_cache, tmp_path / "zero3", **COMMON, **FSDP, **{"checkpoint.save_interval": 2}
+    )
+    root = run_ranks(_rank_train, 2, args, timeout=400)[0]["checkpoint"].rsplit("/", 1)[0]
+    zero1 = run_ranks(
+        _rank_train,
+        2,
+        _resume_args(
+            corpus_cache, tmp_path / "zero1", root, {"parallel.use_distributed_optimizer": True}
+        ),
+        timeout=400,
+    )[0]
+    alone = train(load_config(_resume_args(corpus_cache, tmp_path / "alone", root, {})))
+    for losses in (zero1["losses"], alone.losses):
+        assert sorted(losses) == [3, 4]
+        for step in (3, 4):
+            assert losses[step] == pytest.approx(ref.losses[step], rel=1e-6, abs=1e-6), step
+
+
+def test_zero1_checkpoint_resumes_under_zero3_with_tp(corpus_cache, tmp_path, tmp_path_factory):
+    """The other direction, into tp=2 x dp_shard=2: the rows each rank reads are cut from the
+    tensor-parallel boxes."""
+    ref, ref_tensors = reference(corpus_cache, tmp_path_factory, "llama")
+    extra = {"parallel.use_distributed_optimizer": True, "checkpoint.save_interval": 2}
+    args = small_job_args(corpus_cache, tmp_path / "zero1", **COMMON, **LLAMA, **extra)
+    root = run_ranks(_rank_train, 2, args, timeout=400)[0]["checkpoint"].rsplit("/", 1)[0]
+    resumed = run_ranks(
+        _rank_train,
+        4,
+        _resume_args(corpus_cache, tmp_path / "zero3", root, {**LLAMA, **FSDP, "parallel.tp": 2}),
+        timeout=400,
+    )[0]
+    assert sorted(resumed["losses"]) == [3, 4]
+    assert_same_training(resumed, ref, ref_tensors, steps=range(3, 5))
+
+
+def _rank_bytes(rank, world, args):
+    from meshtrain.services.trainer.parallel.fsdp import state_bytes
+
+    trainer = Trainer(load_config(args))
+    trainer.train_step(0)  # the optimizer state exists from the first step
+    trainer._accumulate(trainer.data.train.micro_batches(1), None)  # and gradients, held
+    if trainer.ddp is not None:
+        trainer.ddp.finish_grad_sync()
+    return state_bytes(trainer.model, trainer.optimizer)
+
+
+def test_per_rank_state_bytes_fall_as_one_over_the_shards(corpus_cache, tmp_path):
+    """Parameters + gradients + Adam moments held per rank (tensor storage bytes) at dp_shard
+    N = 1, 2, 4: 1/N of one process's, up to FSDP2's padding of each parameter to whole rows."""
+    extra = {**COMMON, "model.hidden_size": 64, "model.seq_length": 16}
+    one = _rank_bytes(0, 1, small_job_args(corpus_cache, tmp_path / "n1", **extra))
+    total = {1: sum(one.values())}
+    for n in (2, 4):
+        args = small_job_args(corpus_cache, tmp_path / f"n{n}", **extra, **FSDP)
+        per_rank = [sum(b.values()) for b in run_ranks(_rank_bytes, n, args, timeout=400)]
+        total[n] = max(per_rank)
+        for kind in ("parameters", "gradients", "optimizer"):
+            assert one[kind] > 0
+        assert total[1] / n <= total[n] <= total[1] / n * 1.05, (n, per_rank, total)
+    assert total[4] < total[2] < total[1]
