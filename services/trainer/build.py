@@ -311,7 +311,7 @@ def log_model_summary(
     )
     log.info(
         "model: %.2fM parameters%s, %.3g FLOPs/token, device %s%s; "
-        "mesh tp=%d cp=%d pp=%d dp=%d ep=%d (world %d)%s%s%s",
+        "mesh tp=%d cp=%d pp=%d dp=%d ep=%d (world %d)%s%s%s%s",
         size.parameters / 1e6,
         active,
         size.flops_per_token,
@@ -326,6 +326,10 @@ def log_model_summary(
         ", sequence parallel" if p.sequence_parallel else "",
         f", context parallel {p.cp_comm_type}" if m.cp > 1 else "",
         f", {pipeline.describe()}" if pipeline else "",
+        f", fully sharded ({p.data_parallel_sharding_strategy}, dp_shard={m.dp_shard}"
+        f"{f' x dp_replicate={m.dp_replicate}' if m.dp_replicate > 1 else ''})"
+        if p.fully_sharded and m.distributed
+        else "",
     )
 
 

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.dist
 
 COMMON = {
     "train.train_iters": 4,
-    "train.eval_interval": 4,
+    "train.eval_interval": 2,  # an evaluation between steps and before the step-2 save
     "train.eval_iters": 1,
     "train.micro_batch_size": 2,
     "train.global_batch_size": 8,
@@ -79,9 +79,12 @@ CASES = {
     ),
     "hsdp-2x2": (4, "gpt2", {**FSDP, "parallel.dp_replicate": 2}),
 }
+SLOW = {"zero3-tp2-dp2-sp", "hsdp-2x2"}  # 4 ranks on a few cores: ~40 s each
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=[pytest.mark.slow] if c in SLOW else []) for c in CASES]
+)
 def test_fully_sharded_training_matches_single_process(
     case, corpus_cache, tmp_path, tmp_path_factory
 ):
@@ -99,6 +102,7 @@ def _resume_args(corpus_cache, run, root, extra):
     return small_job_args(corpus_cache, run, **COMMON, **extra, **more)
 
 
+@pytest.mark.slow
 def test_zero3_checkpoint_resumes_at_zero1_and_on_one_process(
     corpus_cache, tmp_path, tmp_path_factory
 ):
@@ -124,6 +128,7 @@ def test_zero3_checkpoint_resumes_at_zero1_and_on_one_process(
             assert losses[step] == pytest.approx(ref.losses[step], rel=1e-6, abs=1e-6), step
 
 
+@pytest.mark.slow
 def test_zero1_checkpoint_resumes_under_zero3_with_tp(corpus_cache, tmp_path, tmp_path_factory):
     """The other direction, into tp=2 x dp_shard=2: the rows each rank reads are cut from the
     tensor-parallel boxes."""
@@ -152,6 +157,7 @@ def _rank_bytes(rank, world, args):
     return state_bytes(trainer.model, trainer.optimizer)
 
 
+@pytest.mark.slow
 def test_per_rank_state_bytes_fall_as_one_over_the_shards(corpus_cache, tmp_path):
     """Parameters + gradients + Adam moments held per rank (tensor storage bytes) at dp_shard
     N = 1, 2, 4: 1/N of one process's, up to FSDP2's padding of each parameter to whole rows."""
