@@ -272,15 +272,15 @@ def local_pieces(
             f"tensor {name!r}: local rows {shard.shape[0]} are not rows {lo}:{hi} of {n}"
         )
     split = tp_split_of(param) if mesh.tp > 1 else None
-    height = n // 2 if split is not None and split.halves else n
-    cell = math.gcd(rows, height)
     whole = pieces(name, tuple(t.shape), param, mesh, vocab_size, place, reading)
-    return shard, _cut_rows(whole, lo, hi, cell, n)
+    return shard, _cut_rows(whole, lo, hi, n, rows, split is not None and split.halves)
 
 
-def _cut_rows(whole: list[Piece], lo: int, hi: int, cell: int, n: int) -> list[Piece]:
-    """`whole`'s pieces (of an n-row tensor) cut to rows lo:hi, in cells of `cell` rows, with
-    local slices into the rows' own tensor."""
+def _cut_rows(whole: list[Piece], lo: int, hi: int, n: int, rows: int, halves: bool) -> list[Piece]:
+    """`whole`'s pieces (of an n-row tensor split `rows` a rank; `halves`: its boxes are its two
+    halves) cut to rows lo:hi, in cells of gcd(rows, box height) rows, with local slices into
+    the rows' own tensor."""
+    cell = math.gcd(rows, n // 2 if halves else n)
     out = []
     for pc in whole:
         d = 1 if pc.spec.stacked else 0  # the tensor's dim 0 in the array (after the layer axis)
