@@ -30,6 +30,7 @@ from meshtrain.services.trainer.parallel import recompute
 from meshtrain.services.trainer.parallel.context import parallelize_context
 from meshtrain.services.trainer.parallel.data_parallel import DataParallel, forward_units
 from meshtrain.services.trainer.parallel.expert import parallelize_experts
+from meshtrain.services.trainer.parallel.fsdp import FullyShardedDataParallel
 from meshtrain.services.trainer.parallel.mesh import Mesh, env_rank_world, init_process_group
 from meshtrain.services.trainer.parallel.pipeline.engine import Pipeline, build_pipeline
 from meshtrain.services.trainer.parallel.tensor import parallelize
@@ -126,14 +127,21 @@ def build_mesh(job: JobConfig, device: torch.device) -> Mesh:
         return Mesh.single()
     timeout_s = job.parallel.distributed_timeout_minutes * 60
     init_process_group("nccl" if device.type == "cuda" else "gloo", timeout_s=timeout_s)
-    return Mesh.build(
+    mesh = Mesh.build(
         tp=job.parallel.tp,
         pp=job.parallel.pp,
         cp=job.parallel.cp,
         ep=job.parallel.ep,
         timeout_s=timeout_s,
         cp_a2a=job.parallel.cp_a2a_size,
+        dp_replicate=job.parallel.dp_replicate,
     )
+    if job.parallel.dp_shard not in (-1, mesh.dp_shard):
+        raise ConfigError(
+            f"parallel.dp_shard={job.parallel.dp_shard}: the {mesh.dp} data-parallel ranks over "
+            f"parallel.dp_replicate={mesh.dp_replicate} replicas leave {mesh.dp_shard} per replica"
+        )
+    return mesh
 
 
 def seed_everything(seed: int) -> None:
@@ -187,12 +195,21 @@ def build_data_parallel(
     parallel: ParallelConfig,
     optim: OptimConfig,
     pipeline: Pipeline | None,
-) -> DataParallel | None:
-    """The data-parallel wrapper of this rank's `model` (its pipeline stage with `pipeline`), or
-    None in a single process."""
+) -> DataParallel | FullyShardedDataParallel | None:
+    """The data-parallel wrapper of this rank's `model` (its pipeline stage with `pipeline`):
+    FSDP2's with parallel.use_torch_fsdp2; None in a single process."""
     if not mesh.distributed:
         return None
     p = parallel
+    reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[p.grad_reduce_dtype]
+    if p.fully_sharded:
+        return FullyShardedDataParallel(
+            model,
+            mesh,
+            optim,
+            reshard_after_forward=p.reshard_after_forward,
+            reduce_dtype=reduce_dtype,
+        )
     return DataParallel(
         model,
         mesh,
@@ -202,7 +219,7 @@ def build_data_parallel(
         overlap_param_gather=p.overlap_param_gather,
         bucket_size=p.ddp_bucket_size,
         gather_units=pipeline.stage.forward_units() if pipeline else forward_units(model),
-        reduce_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[p.grad_reduce_dtype],
+        reduce_dtype=reduce_dtype,
         tied=pipeline.tied_weight() if pipeline else None,
     )
 
@@ -304,7 +321,7 @@ def log_model_summary(
     )
     log.info(
         "model: %.2fM parameters%s, %.3g FLOPs/token, device %s%s; "
-        "mesh tp=%d cp=%d pp=%d dp=%d ep=%d (world %d)%s%s%s",
+        "mesh tp=%d cp=%d pp=%d dp=%d ep=%d (world %d)%s%s%s%s",
         size.parameters / 1e6,
         active,
         size.flops_per_token,
@@ -319,6 +336,10 @@ def log_model_summary(
         ", sequence parallel" if p.sequence_parallel else "",
         f", context parallel {p.cp_comm_type}" if m.cp > 1 else "",
         f", {pipeline.describe()}" if pipeline else "",
+        f", fully sharded ({p.data_parallel_sharding_strategy}, dp_shard={m.dp_shard}"
+        f"{f' x dp_replicate={m.dp_replicate}' if m.dp_replicate > 1 else ''})"
+        if p.fully_sharded and m.distributed
+        else "",
     )
 
 

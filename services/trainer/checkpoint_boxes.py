@@ -10,15 +10,21 @@ tensor into those boxes, for writing (replicated tensors by tp rank 0 only) and 
     stacks = layer_stacks(name for name, _ in model.named_parameters())
     for piece in pieces(name, tuple(t.shape), param, mesh, vocab, save_place(name, stacks)):
         boxes.append((piece.spec, t[piece.local]))
+
+A fully sharded (FSDP2) parameter or moment is a DTensor whose local tensor is rows of the
+tensor-parallel shard: `local_pieces` cuts that shard's boxes to those rows, so each rank writes
+and reads its own slice in global coordinates and none gathers the whole tensor.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor, Shard
 
 from meshtrain.services.checkpoint.boxes import ShardSpec
 from meshtrain.services.checkpoint.layout import array_key, dtype_name
@@ -230,4 +236,67 @@ def _stored_pieces(boxes: list[_Box], gshape: list[int], place: Place, dtype: st
                 tuple(local),
             )
         )
+    return out
+
+
+def local_pieces(
+    name: str,
+    t: torch.Tensor,
+    param: torch.Tensor,
+    mesh: Mesh,
+    vocab_size: int,
+    place: Place,
+    reading: bool = False,
+) -> tuple[torch.Tensor, list[Piece]]:
+    """(the tensor this rank holds of `t`, the boxes it covers): `pieces` of `t` itself, or for a
+    DTensor sharded on dim 0 (FSDP2: `torch.chunk` rows of the tensor-parallel shard over the
+    mesh dim it names), the boxes of the whole tensor-parallel shard cut to this rank's rows.
+
+    Every box of one array must be a cell of the same grid: the rows are cut into cells of
+    gcd(rows per rank, the tensor-parallel box height) rows, which every box boundary is a
+    multiple of, except at the array's upper edge (a short last cell says its grid).
+    """
+    if not isinstance(t, DTensor):
+        return t, pieces(name, tuple(t.shape), param, mesh, vocab_size, place, reading)
+    shards = [(d, p) for d, p in enumerate(t.placements) if isinstance(p, Shard)]
+    if len(shards) != 1 or shards[0][1].dim != 0:
+        raise CheckpointError(f"tensor {name!r}: placements {t.placements} are not rows")
+    dim = shards[0][0]
+    n, ranks = t.shape[0], t.device_mesh.size(dim)
+    rows = -(-n // ranks)  # torch.chunk's rows per rank
+    lo = min(t.device_mesh.get_local_rank(dim) * rows, n)
+    hi = min(lo + rows, n)
+    shard = t.to_local()
+    if shard.shape[0] != hi - lo:
+        raise CheckpointError(
+            f"tensor {name!r}: local rows {shard.shape[0]} are not rows {lo}:{hi} of {n}"
+        )
+    split = tp_split_of(param) if mesh.tp > 1 else None
+    whole = pieces(name, tuple(t.shape), param, mesh, vocab_size, place, reading)
+    return shard, _cut_rows(whole, lo, hi, n, rows, split is not None and split.halves)
+
+
+def _cut_rows(whole: list[Piece], lo: int, hi: int, n: int, rows: int, halves: bool) -> list[Piece]:
+    """`whole`'s pieces (of an n-row tensor split `rows` a rank; `halves`: its boxes are its two
+    halves) cut to rows lo:hi, in cells of gcd(rows, box height) rows, with local slices into
+    the rows' own tensor."""
+    cell = math.gcd(rows, n // 2 if halves else n)
+    out = []
+    for pc in whole:
+        d = 1 if pc.spec.stacked else 0  # the tensor's dim 0 in the array (after the layer axis)
+        a, b, _ = pc.local[0].indices(n)
+        for r in range(max(a, lo), min(b, hi), cell):
+            e = min(r + cell, b, hi)
+            offsets, shape = list(pc.spec.offsets), list(pc.spec.shape)
+            offsets[d] += r - a
+            shape[d] = e - r
+            grid = list(pc.spec.grid_shape)
+            grid[d] = cell
+            spec = replace(
+                pc.spec,
+                offsets=tuple(offsets),
+                shape=tuple(shape),
+                grid=tuple(grid) if grid != shape else None,
+            )
+            out.append(Piece(spec, (slice(r - lo, e - lo), *pc.local[1:])))
     return out

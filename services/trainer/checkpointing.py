@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from meshtrain.services.checkpoint.async_save import AsyncSaver, StorageSink, retry
 from meshtrain.services.checkpoint.boxes import ShardSpec
@@ -48,13 +49,14 @@ from meshtrain.services.trainer.checkpoint_boxes import (
     Place,
     is_expert,
     layer_stacks,
-    pieces,
+    local_pieces,
     save_place,
     stored_places,
 )
 from meshtrain.services.trainer.config.sections import JobConfig
 from meshtrain.services.trainer.model.gpt import GPT
 from meshtrain.services.trainer.parallel.data_parallel import DataParallel
+from meshtrain.services.trainer.parallel.fsdp import FullyShardedDataParallel
 from meshtrain.services.trainer.parallel.mesh import Mesh
 
 FORMAT = "meshtrain-train/1"
@@ -74,7 +76,7 @@ class Parallel:
     """What checkpointing needs to know about the layout: the mesh and the DP wrapper."""
 
     mesh: Mesh
-    ddp: DataParallel | None = None
+    ddp: DataParallel | FullyShardedDataParallel | None = None
 
 
 def _moments(
@@ -208,12 +210,19 @@ class Checkpointer:
         # ranks of a dp x cp group: each ep rank's replica in the first such group (edp rank 0)
         # writes its own. (The last pipeline stage's copy of a tied embedding is the first
         # stage's, written there.)
+        # Fully sharded (DTensor) parameters: each dp_shard rank of the first replica writes its
+        # own rows.
         first_replica = mesh.dp_rank == 0 and mesh.cp_rank == 0
+        first_sharded = mesh.dp_replicate_rank == 0 and mesh.cp_rank == 0
         own = {
             n: p
             for n, p in params.items()
             if not getattr(p, "pipeline_copy", False)
-            and (mesh.edp_rank == 0 if is_expert(p) else first_replica)
+            and (
+                mesh.edp_rank == 0
+                if is_expert(p)
+                else (first_sharded if isinstance(p, DTensor) else first_replica)
+            )
         }
         tensors = [(n, p.detach(), p) for n, p in own.items()]
         tensors += [
@@ -222,8 +231,9 @@ class Checkpointer:
             if n in own
             for k, t in m.items()
         ]
-        for name, local, param in tensors:
-            for piece in pieces(name, tuple(local.shape), param, mesh, v, save_place(name, stacks)):
+        for name, t, param in tensors:
+            local, pcs = local_pieces(name, t, param, mesh, v, save_place(name, stacks))
+            for piece in pcs:
                 boxes.append((piece.spec, local[piece.local].reshape(piece.spec.shape)))
         return boxes
 
@@ -753,7 +763,6 @@ class _BoxReader:
 
     def read_into(self, name: str, dst: torch.Tensor, param: torch.Tensor) -> None:
         """Fill `dst`, this rank's tensor `name` (of parameter `param`), from the checkpoint."""
-        dst.zero_()  # padded vocabulary rows are not stored: they restart at zero
         if name not in self.places:
             raise CheckpointError(
                 f"{self.root}: checkpoint step {self.step} has no tensor {name!r} (optimizer_step "
@@ -761,7 +770,9 @@ class _BoxReader:
                 "only (no optimizer) or another step"
             )
         place, v = self.places[name], self.vocab_size
-        for piece in pieces(name, tuple(dst.shape), param, self.mesh, v, place, reading=True):
+        dst, pcs = local_pieces(name, dst, param, self.mesh, v, place, reading=True)
+        dst.zero_()  # padded vocabulary rows are not stored: they restart at zero
+        for piece in pcs:
             spec = piece.spec
             entry = self.manifest["arrays"].get(spec.array)
             if entry is None or tuple(entry["shape"]) != spec.global_shape:

@@ -40,6 +40,36 @@ def check_fp8(train: TrainConfig, parallel: ParallelConfig) -> None:
         )
 
 
+def check_fully_sharded(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> None:
+    """What fully sharded data parallelism (parallel.use_torch_fsdp2) composes with so far: plain
+    data parallelism, tensor (and sequence) parallelism, hybrid sharding and activation
+    recompute. The rest is refused by name rather than run untested.
+
+    Raises:
+        ConfigError: naming the setting that does not compose with it.
+    """
+    p = parallel
+    if not p.fully_sharded:
+        return
+    what = f"parallel.data_parallel_sharding_strategy={p.data_parallel_sharding_strategy!r}"
+    refused = [
+        (p.pp > 1, f"parallel.pp={p.pp}", "pipeline stages"),
+        (p.cp > 1, f"parallel.cp={p.cp}", "context parallelism"),
+        (p.ep > 1 or model.num_experts is not None, "model.num_experts", "a mixture of experts"),
+        (train.fp8 is not None, "train.fp8", "FP8 linears"),
+        (train.cuda_graph, "train.cuda_graph", "CUDA graphs"),
+        (train.compile, "train.compile", "the compiled forward"),
+        (p.tp_comm_overlap, "parallel.tp_comm_overlap", "the fused tensor-parallel GEMMs"),
+        (bool(train.bf16_weight_copies), "train.bf16_weight_copies", "bf16 weight copies"),
+    ]
+    for bad, key, name in refused:
+        if bad:
+            raise ConfigError(
+                f"{what} (FSDP2) does not compose with {name} yet ({key}): leave it off, or use "
+                "parallel.use_distributed_optimizer (ZeRO-1), which does"
+            )
+
+
 def check_experts(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> None:
     """What a mixture of experts needs of the layout and the loop (the layout's dp x cp, which
     ep must divide, is known once the world size is: `Mesh.build` checks that).

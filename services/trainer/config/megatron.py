@@ -219,7 +219,10 @@ _PROFILE = (
     "(step times are in metrics.jsonl)"
 )
 _OFFLOAD = "no CPU offloading of activations or optimizer state"
-_FSDP = "no FSDP; ZeRO-1 is --use-distributed-optimizer"
+_FSDP = (
+    "no Megatron-FSDP: fully sharded data parallelism is torch FSDP2 (--use-torch-fsdp2, "
+    "--data-parallel-sharding-strategy)"
+)
 _CKPT = "checkpoints always hold model, optimizer, RNG and data position, loaded together"
 _ARCH = "no such model architecture option"
 _OPTIM = "the optimizer is AdamW (optim.*) with weight decay on matrices alone"
@@ -368,8 +371,6 @@ NOT_BUILT: dict[str, tuple[str, ...]] = {
     ),
     _FSDP: (
         "--use-megatron-fsdp",
-        "--use-torch-fsdp2",
-        "--data-parallel-sharding-strategy",
         "--no-use-layer-wise-param-layout",
         "--outer-dp-sharding-strategy",
         "--suggested-communication-unit-size",

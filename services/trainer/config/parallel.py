@@ -86,11 +86,35 @@ class ParallelConfig:
     use_distributed_optimizer: bool = False
     """Shard Adam state over data-parallel ranks (ZeRO-1): reduce-scatter grads, all-gather
     params."""
+    use_torch_fsdp2: bool = False
+    """Fully sharded data parallelism on torch's FSDP2 (--use-torch-fsdp2): parameters, gradients
+    and Adam state split over the dp_shard ranks, each block's parameters all-gathered just
+    before its forward (the next block's prefetched) and its gradients reduce-scattered during
+    the backward. The sharding is data_parallel_sharding_strategy's (unset: 'optim_grads_params',
+    ZeRO-3)."""
+    data_parallel_sharding_strategy: (
+        Literal["no_shard", "optim", "optim_grads", "optim_grads_params"] | None
+    ) = None
+    """What data-parallel ranks split (Megatron's --data-parallel-sharding-strategy): 'no_shard'
+    nothing (plain DP); 'optim' the Adam state (ZeRO-1, the same as use_distributed_optimizer);
+    'optim_grads' Adam state and gradients, parameters kept whole between forward and backward
+    (ZeRO-2: FSDP2 with reshard_after_forward off); 'optim_grads_params' all three (ZeRO-3:
+    each block's parameters gathered again for its backward). The last two run on FSDP2
+    (use_torch_fsdp2). Unset: 'optim_grads_params' with use_torch_fsdp2, else 'optim' or
+    'no_shard' by use_distributed_optimizer."""
+    dp_replicate: int = 1
+    """Hybrid sharding (torchtitan's data_parallel_replicate_degree): the data-parallel ranks
+    form this many replicas, each fully sharding the model over dp / dp_replicate ranks, whose
+    gradients are then averaged over the replicas. FSDP2 only; must divide dp."""
+    dp_shard: int = -1
+    """Ranks the model is fully sharded over (torchtitan's data_parallel_shard_degree): -1 is
+    what the world size leaves (dp / dp_replicate); a value must equal it. FSDP2 only."""
     overlap_grad_reduce: bool = False
-    """Reduce each gradient bucket as soon as backward has finished it."""
+    """Reduce each gradient bucket as soon as backward has finished it (FSDP2 always does, per
+    block)."""
     overlap_param_gather: bool = False
     """Distributed optimizer: all-gather each bucket's parameters just before the forward uses
-    them."""
+    them (FSDP2 always does, per block)."""
     ddp_bucket_size: int = 40_000_000
     """Elements per gradient bucket."""
     grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
@@ -134,14 +158,73 @@ class ParallelConfig:
                 f"parallel.distributed_timeout_minutes must be a positive number of minutes, "
                 f"got {self.distributed_timeout_minutes}"
             )
-        if self.overlap_param_gather and not self.use_distributed_optimizer:
+        self._resolve_sharding()
+        if self.overlap_param_gather and not (
+            self.use_distributed_optimizer or self.use_torch_fsdp2
+        ):
             raise ConfigError(
-                "parallel.overlap_param_gather needs parallel.use_distributed_optimizer"
+                "parallel.overlap_param_gather needs parallel.use_distributed_optimizer (or "
+                "parallel.use_torch_fsdp2)"
             )
         self._resolve_recompute_plan()
         if self.ddp_bucket_size <= 0:
             raise ConfigError(
                 f"parallel.ddp_bucket_size must be positive, got {self.ddp_bucket_size}"
+            )
+
+    @property
+    def fully_sharded(self) -> bool:
+        """Data parallelism runs on FSDP2 (strategy 'optim_grads' or 'optim_grads_params')."""
+        return self.use_torch_fsdp2
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """FSDP2 frees each block's gathered parameters after its forward (ZeRO-3), or keeps them
+        for the backward (ZeRO-2)."""
+        return self.data_parallel_sharding_strategy == "optim_grads_params"
+
+    def _resolve_sharding(self) -> None:
+        """Fill in data_parallel_sharding_strategy from use_torch_fsdp2 / use_distributed_optimizer
+        (or those from it), refusing settings that say different things."""
+        s = self.data_parallel_sharding_strategy
+        if s is None:
+            s = (
+                "optim_grads_params"
+                if self.use_torch_fsdp2
+                else ("optim" if self.use_distributed_optimizer else "no_shard")
+            )
+        if s in ("optim_grads", "optim_grads_params"):
+            if self.use_distributed_optimizer:
+                raise ConfigError(
+                    f"parallel.data_parallel_sharding_strategy={s!r} shards the Adam state on "
+                    "FSDP2 itself; leave parallel.use_distributed_optimizer (ZeRO-1) off"
+                )
+            self.use_torch_fsdp2 = True
+        elif self.use_torch_fsdp2:
+            raise ConfigError(
+                "parallel.use_torch_fsdp2 shards gradients and Adam state (and parameters): "
+                "parallel.data_parallel_sharding_strategy must be 'optim_grads' or "
+                f"'optim_grads_params', got {s!r}"
+            )
+        elif s == "optim":
+            self.use_distributed_optimizer = True
+        elif self.use_distributed_optimizer:
+            raise ConfigError(
+                "parallel.use_distributed_optimizer is data_parallel_sharding_strategy 'optim'; "
+                "it contradicts 'no_shard'"
+            )
+        self.data_parallel_sharding_strategy = s
+        if self.dp_replicate < 1 or (self.dp_shard < 1 and self.dp_shard != -1):
+            raise ConfigError(
+                f"parallel.dp_replicate must be >= 1 and parallel.dp_shard >= 1 or -1 (the rest), "
+                f"got {self.dp_replicate} and {self.dp_shard}"
+            )
+        if not self.use_torch_fsdp2 and (self.dp_replicate != 1 or self.dp_shard != -1):
+            key = "dp_replicate" if self.dp_replicate != 1 else "dp_shard"
+            raise ConfigError(
+                f"parallel.{key} splits the data-parallel ranks for fully sharded data "
+                "parallelism; set parallel.use_torch_fsdp2 (or a sharding strategy "
+                "'optim_grads' / 'optim_grads_params') or leave it unset"
             )
 
     def _check_context(self) -> None:

@@ -24,6 +24,7 @@ from meshtrain.services.trainer.config.checks import (
     check_documents,
     check_experts,
     check_fp8,
+    check_fully_sharded,
     check_tensor_parallel,
 )
 from meshtrain.services.trainer.config.dpo import DPOConfig
@@ -376,3 +377,4 @@ class JobConfig:
         check_experts(self.model, self.parallel, self.train)
         check_fp8(self.train, self.parallel)
         check_documents(self.data, self.parallel, self.train)
+        check_fully_sharded(self.model, self.parallel, self.train)

@@ -14,6 +14,13 @@ dp=4, ep=2 on 8 ranks: dp×cp groups {0,2,4,6} and {1,3,5,7}; ep groups {0,2} {4
 {5,7}; edp groups {0,4} {2,6} {1,5} {3,7}. There are no module-level groups: code that
 communicates takes a `Mesh` (or one of its groups) as an argument.
 
+The same groups make a torch `DeviceMesh` (`Mesh.device_mesh`, dims pp, dp_replicate, dp_shard,
+cp, tp, slowest first), so torch-native pieces (FSDP2's `fully_shard`, DTensor) run over them.
+dp splits as dp = dp_replicate x dp_shard with dp_shard fastest (dp_rank = dp_shard_rank +
+dp_shard x dp_replicate_rank); only fully sharded data parallelism tells the two apart. ep is no
+dim of that mesh (it folds out of dp x cp): `Mesh.expert_device_mesh` (dims pp, edp, ep, tp) is
+the same ranks seen by the experts.
+
     init_process_group()                       # under torchrun / srun: reads RANK, WORLD_SIZE, ...
     mesh = Mesh.build(tp=2)                    # dp = world / tp
     mesh = initialize_model_parallel(2)        # Megatron-flavoured spelling of the same two lines
@@ -28,10 +35,13 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from meshtrain.services.common.errors import ConfigError
 
 AXES = ("tp", "cp", "dp", "pp")
+DEVICE_MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+"""The DeviceMesh's dims, slowest first (Megatron's rank order: tp fastest)."""
 
 
 def env_rank_world() -> tuple[int, int, int]:
@@ -112,6 +122,53 @@ class Mesh:
     rank: int = 0
     groups: dict[str, dist.ProcessGroup | None] = field(default_factory=dict)
     ranks: dict[str, list[int]] = field(default_factory=dict)
+    dp_replicate: int = 1
+    """Data-parallel replicas of a fully sharded model (hybrid sharding); dp_shard = dp / it."""
+    _device_meshes: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
+
+    @property
+    def device_mesh(self) -> DeviceMesh | None:
+        """The torch DeviceMesh over this mesh's groups (dims `DEVICE_MESH_DIMS`); None alone.
+        Made on first use from the groups `build` made (no collective)."""
+        if not self.distributed:
+            return None
+        if "dense" not in self._device_meshes:
+            # global_rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank)), dp split
+            # as dp_replicate x dp_shard: the ranks laid out (pp, dp_replicate, dp_shard, cp, tp)
+            layout = torch.arange(self.world_size).view(
+                self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp
+            )
+            self._device_meshes["dense"] = self._device_mesh(DEVICE_MESH_DIMS, layout)
+        return self._device_meshes["dense"]
+
+    @property
+    def expert_device_mesh(self) -> DeviceMesh | None:
+        """With ep > 1, the DeviceMesh (dims pp, edp, ep, tp) of the expert groups; else None."""
+        if self.ep == 1:
+            return None
+        if "expert" not in self._device_meshes:  # a dp x cp index (cp fastest) is (edp, ep)
+            edp = self.dp * self.cp // self.ep
+            layout = torch.arange(self.world_size).view(self.pp, edp, self.ep, self.tp)
+            self._device_meshes["expert"] = self._device_mesh(("pp", "edp", "ep", "tp"), layout)
+        return self._device_meshes["expert"]
+
+    def _device_mesh(self, dims: tuple[str, ...], layout: torch.Tensor) -> DeviceMesh:
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        groups = [self.groups[d] for d in dims]
+        return DeviceMesh.from_group(groups, device, layout, mesh_dim_names=dims)  # type: ignore[arg-type]
+
+    @property
+    def dp_shard(self) -> int:
+        """Ranks a fully sharded model's parameters are split over (dp / dp_replicate)."""
+        return self.dp // self.dp_replicate
+
+    @property
+    def dp_shard_rank(self) -> int:
+        return self.dp_rank % self.dp_shard
+
+    @property
+    def dp_replicate_rank(self) -> int:
+        return self.dp_rank // self.dp_shard
 
     @property
     def world_size(self) -> int:
@@ -159,7 +216,11 @@ class Mesh:
         return Mesh(
             ranks={
                 name: [0]
-                for name in (*AXES, "dp_cp", "mp", "world", "cp_a2a", "cp_ring", "ep", "edp")
+                for name in (
+                    *AXES,
+                    *("dp_cp", "mp", "world", "cp_a2a", "cp_ring", "ep", "edp"),
+                    *("dp_shard", "dp_replicate"),
+                )
             }
         )
 
@@ -172,6 +233,7 @@ class Mesh:
         ep: int = 1,
         timeout_s: float = TIMEOUT_S,
         cp_a2a: int = 1,
+        dp_replicate: int = 1,
     ) -> "Mesh":
         """Create every group for the current process group (collective: all ranks call it).
 
@@ -183,6 +245,8 @@ class Mesh:
             timeout_s: how long the groups' collectives wait for a peer before raising. Passed
                 explicitly: `new_group` does not inherit the world group's timeout but takes
                 torch's default (30 min), so a hung peer held every tp/dp collective that long.
+            dp_replicate: replicas of a fully sharded model (it divides dp); the parameters
+                are split over the dp / dp_replicate ranks of each replica ("dp_shard").
         """
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
@@ -198,7 +262,11 @@ class Mesh:
             )
         if (dp * cp) % ep:
             raise ConfigError(f"parallel.ep={ep} must divide dp*cp = {dp * cp}")
-        mesh = Mesh(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, rank=rank)
+        if dp_replicate < 1 or dp % dp_replicate:
+            raise ConfigError(
+                f"parallel.dp_replicate={dp_replicate} must divide the data-parallel size {dp}"
+            )
+        mesh = Mesh(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, rank=rank, dp_replicate=dp_replicate)
         combos = {
             "tp": ("tp",),
             "cp": ("cp",),
@@ -227,7 +295,34 @@ class Mesh:
                 g = dist.new_group(m, timeout=datetime.timedelta(seconds=timeout_s))
                 if rank in m:
                     mesh.groups["pp_ends"], mesh.ranks["pp_ends"] = g, m
+        if world > 1:
+            mesh._build_dp_subgroups(timeout_s)
         return mesh
+
+    def _build_dp_subgroups(self, timeout_s: float) -> None:
+        """The "dp_shard" and "dp_replicate" groups (one of them is the dp group whenever the
+        other is of size 1). Collective."""
+        shard_members = [
+            [m[r * self.dp_shard + i] for i in range(self.dp_shard)]
+            for m in self._members(("dp",))
+            for r in range(self.dp_replicate)
+        ]
+        replicate_members = [
+            [m[r * self.dp_shard + i] for r in range(self.dp_replicate)]
+            for m in self._members(("dp",))
+            for i in range(self.dp_shard)
+        ]
+        for name, members, same in (
+            ("dp_shard", shard_members, self.dp_replicate == 1),
+            ("dp_replicate", replicate_members, self.dp_shard == 1),
+        ):
+            if same:  # the whole dp group: no new group
+                self.groups[name], self.ranks[name] = self.groups["dp"], self.ranks["dp"]
+                continue
+            for m in members:
+                g = dist.new_group(m, timeout=datetime.timedelta(seconds=timeout_s))
+                if self.rank in m:
+                    self.groups[name], self.ranks[name] = g, m
 
     def _build_cp_subgroups(self, a2a: int, timeout_s: float) -> None:
         """ "cp_a2a" (consecutive cp ranks) and "cp_ring" (every a2a-th): the whole cp group or

@@ -1,0 +1,217 @@
+"""Fully sharded data parallelism (ZeRO-2/3) on torch's FSDP2, with the `DataParallel` interface.
+
+`FullyShardedDataParallel` applies `torch.distributed.fsdp.fully_shard` to every transformer
+block and then to the GPT (the root: embedding, final norm, output layer), over the mesh's
+"dp_shard" dim (hybrid sharding: "dp_replicate" x "dp_shard"). Each parameter becomes a DTensor
+split along its dim 0 over dp_shard (`torch.chunk` rows: ceil(n / dp_shard) per rank, the last
+ones shorter or empty), of the tensor-parallel rank's own shard: tensor parallelism stays
+meshtrain's (`parallel/tensor.py`), FSDP2 sees its local shards as plain tensors. In the forward
+each block's parameters are all-gathered just before it runs, the next block's gather issued at
+the same time (prefetch); in the backward the previous block's gather is prefetched and each
+block's gradients are reduce-scattered (averaged over dp) as soon as they are final, on FSDP2's
+own streams. ZeRO-3 (`reshard_after_forward`) frees the gathered parameters after the forward
+and gathers them again for the backward; ZeRO-2 keeps them until the backward is done. AdamW
+runs on the shards (its moments are DTensors of the same split), so parameters, gradients and
+optimizer state each take 1/dp_shard of the bytes per rank (`state_bytes` counts them).
+
+Sequence-parallel parameters (norms, row-parallel biases) saw only their sequence shard: their
+sharded gradients are summed over tp after the reduce-scatter (the two sums commute). The
+gradient norm sums squares of the local shards over dp_shard and, for tensor-parallel shards,
+tp. Checkpoints map each DTensor shard to boxes of the global array (`checkpoint_boxes.py`), so
+no rank ever holds the whole model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from meshtrain.services.common.errors import ConfigError
+from meshtrain.services.trainer.config.sections import OptimConfig
+from meshtrain.services.trainer.optim.optimizer import build_optimizer
+from meshtrain.services.trainer.parallel import mappings as M
+from meshtrain.services.trainer.parallel.mesh import Mesh
+from meshtrain.services.trainer.parallel.tensor import tp_split_of
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (the tensor itself otherwise)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class FullyShardedDataParallel:
+    """A GPT fully sharded over the mesh's dp_shard ranks (replicated over dp_replicate).
+
+    Drives the same calls as `DataParallel` (`no_sync`, `finish_grad_sync`,
+    `grad_norm_and_clip`, `optimizer`, `gather_params`, `zero_grad`), so the loop does not change.
+
+    Args:
+        model: the (tensor-parallel) GPT, fp32; sharded in place.
+        mesh: the layout; its device mesh's dp dims shard the model.
+        optim: AdamW settings (the optimizer runs on the shards).
+        reshard_after_forward: ZeRO-3 (True) or ZeRO-2 (False).
+        reduce_dtype: what the reduce-scatter sends (fp32, or bf16: half the bytes).
+
+    Raises:
+        ConfigError: a layout it does not compose with (pipeline, context or expert
+            parallelism), or a parameter that is not fp32.
+    """
+
+    dist_opt = False  # the ZeRO-1 buffers' checkpoint path is DataParallel's own
+
+    def __init__(
+        self,
+        model: nn.Module,
+        mesh: Mesh,
+        optim: OptimConfig,
+        *,
+        reshard_after_forward: bool = True,
+        reduce_dtype: torch.dtype = torch.float32,
+    ):
+        for bad, what in ((mesh.pp > 1, "pp"), (mesh.cp > 1, "cp"), (mesh.ep > 1, "ep")):
+            if bad:
+                raise ConfigError(
+                    f"fully sharded data parallelism does not compose with parallel.{what} > 1 "
+                    "yet; use parallel.use_distributed_optimizer (ZeRO-1)"
+                )
+        odd = [n for n, p in model.named_parameters() if p.dtype != torch.float32]
+        if odd:
+            raise ConfigError(
+                "fully sharded data parallelism keeps fp32 parameters (bf16 comes from autocast: "
+                f"train.bf16); {odd[0]} is not fp32"
+            )
+        assert mesh.device_mesh is not None  # Mesh.build makes it whenever there are ranks
+        self.model, self.mesh = model, mesh
+        dims = ("dp_replicate", "dp_shard") if mesh.dp_replicate > 1 else ("dp_shard",)
+        self.shard_mesh = mesh.device_mesh[dims]
+        # The gradient norm's sums: each gradient shard lives on one dp_shard rank (and is
+        # repeated over dp_replicate).
+        self.shard_group = mesh.group("dp_shard")
+        # Parameter attributes (tp_split, sequence_parallel) the DTensor parameters take over.
+        marks = {
+            n: {k: v for k, v in vars(p).items() if not k.startswith("_")}
+            for n, p in model.named_parameters()
+        }
+        policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
+        blocks = [
+            fully_shard(
+                block,
+                mesh=self.shard_mesh,
+                reshard_after_forward=reshard_after_forward,
+                mp_policy=policy,
+            )
+            for block in model.layers  # type: ignore[union-attr]
+        ]
+        # The root keeps its parameters (embedding, final norm, output layer) gathered from the
+        # end of the forward to the backward, which starts with them.
+        fully_shard(model, mesh=self.shard_mesh, reshard_after_forward=False, mp_policy=policy)
+        for i, block in enumerate(blocks):  # explicit prefetch: the next block in each direction
+            if i + 1 < len(blocks):
+                block.set_modules_to_forward_prefetch([blocks[i + 1]])
+            if i > 0:
+                block.set_modules_to_backward_prefetch([blocks[i - 1]])
+        for n, p in model.named_parameters():
+            for key, value in marks[n].items():
+                setattr(p, key, value)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.sequence_parallel = [
+            p for p in self.params if getattr(p, "sequence_parallel", False) and mesh.tp > 1
+        ]
+        self.optimizer = build_optimizer(model, optim)
+
+    @property
+    def root(self) -> FSDPModule:
+        return self.model  # type: ignore[return-value]
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients without reduce-scattering them (all but the last micro-batch)."""
+        self.root.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.root.set_requires_gradient_sync(True)
+
+    def finish_grad_sync(self) -> None:
+        """After the last backward: FSDP2 has reduce-scattered every gradient; the shards of the
+        sequence-parallel parameters are summed over tp."""
+        grads = [local(p.grad) for p in self.sequence_parallel if p.grad is not None]
+        if grads:
+            flat = M.all_reduce(torch.cat([g.flatten() for g in grads]), self.mesh.group("tp"))
+            off = 0
+            for g in grads:
+                g.copy_(flat[off : off + g.numel()].view_as(g))
+                off += g.numel()
+
+    def grad_norm_and_clip(self, max_norm: float) -> torch.Tensor:
+        """Global L2 norm of the gradients (shards summed over dp_shard, tensor-parallel shards
+        over tp, replicated tensors counted once); clips them if max_norm > 0."""
+        items = [
+            (local(p.grad), tp_split_of(p) is not None) for p in self.params if p.grad is not None
+        ]
+        grads = [g for g, _ in items]
+        device = grads[0].device
+        sq = torch.stack(
+            [
+                torch.stack(torch._foreach_norm(gs)).square().sum()
+                if gs
+                else torch.zeros((), device=device)
+                for gs in ([g for g, s in items if s == sharded] for sharded in (True, False))
+            ]
+        )
+        sq = M.all_reduce(sq, self.shard_group)
+        total = M.all_reduce(sq[0].view(1), self.mesh.group("tp"))[0] + sq[1]
+        norm = total.sqrt()
+        if max_norm > 0:
+            coeff = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_(grads, coeff)
+        return norm
+
+    def gather_params(self) -> None:
+        """Nothing to do after the step: the next forward gathers each block as it needs it."""
+
+    def wait_param_gather(self) -> None:
+        """Before a save or the run's end: every parameter back to its shard. (A forward without
+        backward, as evaluation's, leaves the root's parameters gathered, and the model would
+        name the gathered tensors as its parameters instead of the optimizer's shards.)"""
+        for m in self.model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds of parameters, gradients and optimizer state (`state_bytes`)."""
+        return state_bytes(self.model, self.optimizer)
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes this rank holds of the parameters, gradients and optimizer state of `model` (its
+    local shards when fully sharded), each storage counted once (FSDP2's shard of a parameter is
+    a view into a buffer padded to whole rows per rank; the padding counts)."""
+    seen: set[int] = set()
+
+    def size(ts) -> int:
+        n = 0
+        for t in ts:
+            if not isinstance(t, torch.Tensor):
+                continue
+            s = local(t).untyped_storage()
+            if s.nbytes() and s.data_ptr() not in seen:
+                seen.add(s.data_ptr())
+                n += s.nbytes()
+        return n
+
+    return {
+        "parameters": size(model.parameters()),
+        "gradients": size(p.grad for p in model.parameters()),
+        "optimizer": size(
+            t for st in optimizer.state.values() for k, t in st.items() if k != "step"
+        ),
+    }

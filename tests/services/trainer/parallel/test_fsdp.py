@@ -1,0 +1,174 @@
+"""Fully sharded data parallelism (FSDP2) trains exactly as one process, in less memory per rank.
+
+Each case runs the real trainer on gloo ranks and compares with the single-process run of the
+same job: every step's loss to 1e-6 relative, and the final parameters and Adam moments read
+back from each run's checkpoint (written shard by shard, in global coordinates). Tolerances as
+in test_equivalence.py (fp32, different reduction orders).
+"""
+
+import pytest
+import torch
+
+from meshtrain.services.checkpoint.reader import load_checkpoint
+from meshtrain.services.trainer.config.load import load_config
+from meshtrain.services.trainer.train import Trainer, train
+from tests.dist_utils import run_ranks
+from tests.services.trainer.conftest import small_job_args
+
+pytestmark = pytest.mark.dist
+
+COMMON = {
+    "train.train_iters": 4,
+    "train.eval_interval": 2,  # an evaluation between steps and before the step-2 save
+    "train.eval_iters": 1,
+    "train.micro_batch_size": 2,
+    "train.global_batch_size": 8,
+    "model.hidden_size": 32,
+    "model.num_attention_heads": 4,
+    "model.seq_length": 32,
+}
+LLAMA = {
+    "model.normalization": "rmsnorm",
+    "model.activation": "swiglu",
+    "model.position_embedding_type": "rope",
+    "model.add_bias_linear": False,
+    "model.num_query_groups": 2,
+}
+FSDP = {"parallel.use_torch_fsdp2": True}
+
+
+def _rank_train(rank, world, args):
+    result = train(load_config(args))
+    return {"losses": result.losses, "eval": result.eval_losses, "checkpoint": result.checkpoint}
+
+
+_reference: dict = {}
+
+
+def reference(corpus_cache, tmp_path_factory, arch_name):
+    if arch_name not in _reference:
+        arch = LLAMA if arch_name == "llama" else {}
+        run = tmp_path_factory.mktemp(f"ref-{arch_name}")
+        result = train(load_config(small_job_args(corpus_cache, run, **COMMON, **arch)))
+        root = result.checkpoint.rsplit("/", 1)[0]
+        _reference[arch_name] = (result, load_checkpoint(root, 4)[0])
+    return _reference[arch_name]
+
+
+def assert_same_training(got, ref, ref_tensors, steps=range(1, 5)):
+    for step in steps:
+        assert got["losses"][step] == pytest.approx(ref.losses[step], rel=1e-6, abs=1e-6), step
+    tensors, _ = load_checkpoint(got["checkpoint"].rsplit("/", 1)[0], max(steps))
+    assert set(tensors) == set(ref_tensors)
+    for name, ref_t in ref_tensors.items():
+        if not name.startswith("rng."):
+            torch.testing.assert_close(tensors[name], ref_t, rtol=0, atol=2e-5, msg=name)
+
+
+CASES = {
+    "zero3-dp2": (2, "gpt2", FSDP),
+    "zero2-dp2": (
+        2,
+        "llama",
+        {"parallel.data_parallel_sharding_strategy": "optim_grads"},
+    ),
+    "zero3-tp2-dp2-sp": (
+        4,
+        "llama",
+        {**FSDP, "parallel.tp": 2, "parallel.sequence_parallel": True},
+    ),
+    "hsdp-2x2": (4, "gpt2", {**FSDP, "parallel.dp_replicate": 2}),
+}
+SLOW = {"zero3-tp2-dp2-sp", "hsdp-2x2"}  # 4 ranks on a few cores: ~40 s each
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=[pytest.mark.slow] if c in SLOW else []) for c in CASES]
+)
+def test_fully_sharded_training_matches_single_process(
+    case, corpus_cache, tmp_path, tmp_path_factory
+):
+    world, arch_name, extra = CASES[case]
+    arch = LLAMA if arch_name == "llama" else {}
+    ref, ref_tensors = reference(corpus_cache, tmp_path_factory, arch_name)
+    args = small_job_args(corpus_cache, tmp_path / "run", **COMMON, **arch, **extra)
+    results = run_ranks(_rank_train, world, args, timeout=400)
+    assert all(r["losses"] == results[0]["losses"] for r in results)
+    assert_same_training(results[0], ref, ref_tensors)
+
+
+def _resume_args(corpus_cache, run, root, extra):
+    more = {"checkpoint.load": root, "checkpoint.load_step": 2, "checkpoint.save": f"{run}-ck"}
+    return small_job_args(corpus_cache, run, **COMMON, **extra, **more)
+
+
+@pytest.mark.slow
+def test_zero3_checkpoint_resumes_at_zero1_and_on_one_process(
+    corpus_cache, tmp_path, tmp_path_factory
+):
+    """Saved by ZeRO-3 at step 2 (each rank its own rows); resumed by ZeRO-1 on 2 ranks and by
+    one process, steps 3..4 are the uninterrupted run's."""
+    ref, _ = reference(corpus_cache, tmp_path_factory, "gpt2")
+    args = small_job_args(
+        corpus_cache, tmp_path / "zero3", **COMMON, **FSDP, **{"checkpoint.save_interval": 2}
+    )
+    root = run_ranks(_rank_train, 2, args, timeout=400)[0]["checkpoint"].rsplit("/", 1)[0]
+    zero1 = run_ranks(
+        _rank_train,
+        2,
+        _resume_args(
+            corpus_cache, tmp_path / "zero1", root, {"parallel.use_distributed_optimizer": True}
+        ),
+        timeout=400,
+    )[0]
+    alone = train(load_config(_resume_args(corpus_cache, tmp_path / "alone", root, {})))
+    for losses in (zero1["losses"], alone.losses):
+        assert sorted(losses) == [3, 4]
+        for step in (3, 4):
+            assert losses[step] == pytest.approx(ref.losses[step], rel=1e-6, abs=1e-6), step
+
+
+@pytest.mark.slow
+def test_zero1_checkpoint_resumes_under_zero3_with_tp(corpus_cache, tmp_path, tmp_path_factory):
+    """The other direction, into tp=2 x dp_shard=2: the rows each rank reads are cut from the
+    tensor-parallel boxes."""
+    ref, ref_tensors = reference(corpus_cache, tmp_path_factory, "llama")
+    extra = {"parallel.use_distributed_optimizer": True, "checkpoint.save_interval": 2}
+    args = small_job_args(corpus_cache, tmp_path / "zero1", **COMMON, **LLAMA, **extra)
+    root = run_ranks(_rank_train, 2, args, timeout=400)[0]["checkpoint"].rsplit("/", 1)[0]
+    resumed = run_ranks(
+        _rank_train,
+        4,
+        _resume_args(corpus_cache, tmp_path / "zero3", root, {**LLAMA, **FSDP, "parallel.tp": 2}),
+        timeout=400,
+    )[0]
+    assert sorted(resumed["losses"]) == [3, 4]
+    assert_same_training(resumed, ref, ref_tensors, steps=range(3, 5))
+
+
+def _rank_bytes(rank, world, args):
+    from meshtrain.services.trainer.parallel.fsdp import state_bytes
+
+    trainer = Trainer(load_config(args))
+    trainer.train_step(0)  # the optimizer state exists from the first step
+    trainer._accumulate(trainer.data.train.micro_batches(1), None)  # and gradients, held
+    if trainer.ddp is not None:
+        trainer.ddp.finish_grad_sync()
+    return state_bytes(trainer.model, trainer.optimizer)
+
+
+@pytest.mark.slow
+def test_per_rank_state_bytes_fall_as_one_over_the_shards(corpus_cache, tmp_path):
+    """Parameters + gradients + Adam moments held per rank (tensor storage bytes) at dp_shard
+    N = 1, 2, 4: 1/N of one process's, up to FSDP2's padding of each parameter to whole rows."""
+    extra = {**COMMON, "model.hidden_size": 64, "model.seq_length": 16}
+    one = _rank_bytes(0, 1, small_job_args(corpus_cache, tmp_path / "n1", **extra))
+    total = {1: sum(one.values())}
+    for n in (2, 4):
+        args = small_job_args(corpus_cache, tmp_path / f"n{n}", **extra, **FSDP)
+        per_rank = [sum(b.values()) for b in run_ranks(_rank_bytes, n, args, timeout=400)]
+        total[n] = max(per_rank)
+        for kind in ("parameters", "gradients", "optimizer"):
+            assert one[kind] > 0
+        assert total[1] / n <= total[n] <= total[1] / n * 1.05, (n, per_rank, total)
+    assert total[4] < total[2] < total[1]
