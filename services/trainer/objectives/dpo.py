@@ -56,8 +56,9 @@ def check_dpo_job(job: JobConfig, mesh: Mesh) -> None:
     """Refuse what preference tuning does not run with, naming the setting.
 
     Raises:
-        ConfigError: no pairs, the data service, context parallelism, CUDA graphs, evaluation
-            through a pipeline, or a reference the loss type does not take.
+        ConfigError: no pairs, the data service, context parallelism, fully sharded data
+            parallelism, CUDA graphs, evaluation through a pipeline, or a reference the loss
+            type does not take.
     """
     d = job.dpo
     if not d.data_path:
@@ -69,6 +70,11 @@ def check_dpo_job(job: JobConfig, mesh: Mesh) -> None:
         )
     if mesh.cp > 1:
         raise ConfigError("train.objective='dpo' with parallel.cp > 1 is not supported yet")
+    if job.parallel.fully_sharded:
+        raise ConfigError(
+            "train.objective='dpo' with parallel.use_torch_fsdp2 is not supported yet (the frozen "
+            "reference is not sharded): use ZeRO-1 (parallel.use_distributed_optimizer)"
+        )
     if job.train.cuda_graph:
         raise ConfigError("train.cuda_graph does not capture the DPO step; leave it off")
     if d.valid_data_path and mesh.pp > 1:
