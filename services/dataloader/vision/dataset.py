@@ -269,7 +269,7 @@ class MultimodalDataset:
             except BadRecordError as e:
                 too_long = isinstance(e, SampleTooLongError)
                 if self.spec.bad_image_policy == "stop" and not too_long:
-                    raise BadRecordError(
+                    raise type(e)(
                         f"{e} (data.bad_image_policy='stop'; 'skip' replaces bad records)"
                     ) from e
                 with self._lock:
