@@ -94,6 +94,29 @@ class DataConfig:
     reset_position_ids: bool = False
     """Positions (RoPE, learned position embeddings) restart at 0 on the token after each EOD
     (Megatron `--reset-position-ids`). Needs the tokenizer's end-of-document id."""
+    format: str = "text"
+    """'text' (indexed datasets) or 'multimodal': `data_path` then lists image-text sources
+    (Energon dataset folders, folders of WebDataset .tar shards, .tar files, .jsonl files with
+    images beside them; docs/multimodal.md), read end to end, and batches carry images."""
+    image_size: int = 336
+    """Multimodal: the side of the square images the worker makes (pixels)."""
+    tokens_per_image: int = 576
+    """Multimodal: placeholder tokens standing for one image (the vision encoder's output
+    length after the projector; 576 for CLIP ViT-L/14 at 336)."""
+    image_token_id: int | None = None
+    """Multimodal: the placeholder id (default: the tokenizer's vocab_size, a new id)."""
+    image_resize: str = "crop"
+    """Multimodal: 'crop' (shortest side to image_size, centre crop) or 'pad' (pad to a square
+    with the mean colour, then resize: LLaVA-1.5)."""
+    image_normalization: str = "clip"
+    """Multimodal: 'clip' (OpenAI CLIP's mean and std) or 'siglip' (0.5, 0.5)."""
+    image_wire_dtype: str = "uint8"
+    """Multimodal, data service: pixels travel as 'uint8' (normalized by the trainer's client)
+    or 'bfloat16' (normalized by the worker, twice the bytes)."""
+    bad_image_policy: str = "stop"
+    """Multimodal: a record whose image does not decode (or whose text is malformed) 'stop's
+    the run, naming it, or is 'skip'ped: logged by name, counted, and replaced by the next good
+    record of the epoch's order (deterministically, so resume stays exact)."""
 
     def __post_init__(self) -> None:
         if self.data_path:
@@ -126,12 +149,56 @@ class DataConfig:
                     check_address(address)
                 except DataError as e:
                     raise ConfigError(f"data.service_addresses: {e}") from None
+        self._check_multimodal()
         self._resolve_tokenizer_type()
         if self.data_path and self.tokenizer == "bpe":
             raise ConfigError(
                 "data.tokenizer='bpe' means the BPE trained for the embedded corpus; with "
                 "data.data_path give 'byte' or the tokenizer the dataset was built with "
                 "(tokenizer.json, *.tiktoken, *.model)"
+            )
+
+    def _check_multimodal(self) -> None:
+        from meshtrain.services.dataloader.vision.dataset import BAD_IMAGE_POLICIES
+        from meshtrain.services.dataloader.vision.images import (
+            NORMALIZATIONS,
+            RESIZE_MODES,
+            WIRE_DTYPES,
+        )
+
+        if self.format not in ("text", "multimodal"):
+            raise ConfigError(f"data.format={self.format!r} is not 'text' or 'multimodal'")
+        for key, allowed in (
+            ("image_resize", RESIZE_MODES),
+            ("image_normalization", tuple(NORMALIZATIONS)),
+            ("image_wire_dtype", WIRE_DTYPES),
+            ("bad_image_policy", BAD_IMAGE_POLICIES),
+        ):
+            if getattr(self, key) not in allowed:
+                raise ConfigError(f"data.{key}={getattr(self, key)!r} is not one of {allowed}")
+        if not 1 <= self.image_size <= 4096:
+            raise ConfigError(f"data.image_size={self.image_size} must be in [1, 4096]")
+        if self.tokens_per_image < 1:
+            raise ConfigError(f"data.tokens_per_image={self.tokens_per_image} must be >= 1")
+        if self.image_token_id is not None and not 0 <= self.image_token_id < 2**31:
+            raise ConfigError(f"data.image_token_id={self.image_token_id} must be in [0, 2^31)")
+        if self.format != "multimodal":
+            return
+        if not self.data_path:
+            raise ConfigError(
+                "data.format='multimodal' needs data.data_path: the image-text sources to read"
+            )
+        if self.data_path and self.data_path[0].replace(".", "", 1).isdigit():
+            raise ConfigError(
+                "data.format='multimodal' reads its data_path sources end to end; weights "
+                "(WEIGHT PATH pairs) are not supported: list the sources"
+            )
+        on = [k for k in ("eod_mask_loss", "reset_attention_mask", "reset_position_ids")]
+        on = [k for k in on if getattr(self, k)]
+        if on:
+            raise ConfigError(
+                f"data.{', data.'.join(on)}: not with data.format='multimodal' (its samples are "
+                "one record each, padded; the loss mask is the record's)"
             )
 
     def _resolve_tokenizer_type(self) -> None:

@@ -42,6 +42,10 @@ class Batch:
     position_ids: torch.Tensor | None = (
         None  # (micro_batch, seq) int32, 0 again after each EOD; None if not asked
     )
+    # (n_images, 3, H, W) float32, resized and normalized: the micro-batch's images in order of
+    # appearance (sample by sample, left to right); each stands where `tokens` holds
+    # `tokens_per_image` copies of the image placeholder id. None for text batches.
+    images: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -403,4 +407,5 @@ def select_columns(batch: Batch, columns: np.ndarray) -> Batch:
         microbatch=batch.microbatch,
         document_ids=pick(batch.document_ids),
         position_ids=pick(batch.position_ids),
+        images=batch.images,
     )

@@ -9,6 +9,8 @@ set, a `ServiceBatchSource` streaming the same batches, bit for bit, from DataSe
 workers. Batches are a pure function of (dataset spec, seed, step), which makes resume exact.
 From the service, the ranks that pull are spread over the workers by their `spread` slot, and
 a tensor-parallel group pulls once: its first rank reads and shares (`GroupSharedSource`).
+With `data.format = "multimodal"` the sources are image-text records (`dataloader/vision/`) and
+the batches carry images; the same two kinds of source serve them.
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ from meshtrain.services.dataloader.loader import BatchOptions, LocalBatchSource
 from meshtrain.services.dataloader.preprocess import prepare_default_dataset
 from meshtrain.services.dataloader.spec import DatasetSpec, open_dataset, parse_data_path
 from meshtrain.services.dataloader.tokenizers.base import absolute_spec, build_tokenizer
+from meshtrain.services.dataloader.vision.dataset import (
+    MultimodalBatchSource,
+    MultimodalSpec,
+    open_multimodal,
+)
 from meshtrain.services.trainer.config.sections import JobConfig
 
 log = logging.getLogger("meshtrain.data")
@@ -40,7 +47,7 @@ class TrainData:
 
 
 def make_source(
-    spec: DatasetSpec,
+    spec: DatasetSpec | MultimodalSpec,
     micro_batch_size: int,
     global_batch_size: int,
     dp_rank: int = 0,
@@ -87,6 +94,16 @@ def make_source(
             cp_rank=cp_rank,
             cp_size=cp_size,
             **service,
+        )
+    if isinstance(spec, MultimodalSpec):
+        return MultimodalBatchSource(
+            open_multimodal(spec),
+            micro_batch_size,
+            global_batch_size,
+            dp_rank,
+            dp_size,
+            cp_rank=cp_rank,
+            cp_size=cp_size,
         )
     return LocalBatchSource(
         open_dataset(spec),
@@ -249,6 +266,8 @@ def build_data(
         TrainData with the train source and, when evaluation is on, the valid source.
     """
     d, t = job.data, job.train
+    if d.format == "multimodal":
+        return _multimodal_data(job, dp_rank, dp_size, cp_rank, cp_size, spread)
     prefixes, weights, tokenizer_spec, vocab_size, eod_id = _dataset(job)
     addresses = list(d.service_addresses)
     options = batch_options(job, eod_id, tokenizer_spec)
@@ -298,3 +317,75 @@ def build_data(
         f"service {addresses}" if addresses else "in-process",
     )
     return TrainData(train, valid, vocab_size, tokenizer_spec, prefixes[0])
+
+
+def _multimodal_data(
+    job: JobConfig,
+    dp_rank: int,
+    dp_size: int,
+    cp_rank: int,
+    cp_size: int,
+    spread: tuple[int, int] | None,
+) -> TrainData:
+    """`build_data` for `data.format = "multimodal"`: image-text records of the `data.data_path`
+    sources, tokenized with `data.tokenizer`; the placeholder id defaults to the tokenizer's
+    vocab_size, and the vocabulary reported to the model covers it. Each rank pulls its own
+    batches from the service (tensor-parallel peers do not share image batches)."""
+    d, t = job.data, job.train
+    tok = build_tokenizer(d.tokenizer)
+    tokenizer_spec = absolute_spec(d.tokenizer)
+    image_token_id = tok.vocab_size if d.image_token_id is None else d.image_token_id
+    vocab_size = max(tok.vocab_size, image_token_id + 1)
+    if job.model.vocab_size is not None and job.model.vocab_size < vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={job.model.vocab_size} is smaller than the tokenizer's vocabulary "
+            f"with the image placeholder ({vocab_size}: data.image_token_id={image_token_id})"
+        )
+    addresses = list(d.service_addresses)
+    service = _service_options(job, spread) if addresses else {}
+
+    def source(split_name: str, num_samples: int, batch: int):
+        spec = MultimodalSpec(
+            paths=tuple(d.data_path),
+            tokenizer=tokenizer_spec,
+            seq_length=job.model.seq_length,
+            num_samples=num_samples,
+            seed=t.seed,
+            image_token_id=image_token_id,
+            tokens_per_image=d.tokens_per_image,
+            image_size=d.image_size,
+            resize_mode=d.image_resize,
+            normalization=d.image_normalization,
+            wire_dtype=d.image_wire_dtype,
+            bad_image_policy=d.bad_image_policy,
+            split=d.split,
+            split_name=split_name,
+        )
+        return make_source(
+            spec,
+            t.micro_batch_size,
+            batch,
+            dp_rank,
+            dp_size,
+            addresses=addresses,
+            prefetch=d.prefetch,
+            cp_rank=cp_rank,
+            cp_size=cp_size,
+            **service,
+        )
+
+    train = source("train", t.train_iters * t.global_batch_size, t.global_batch_size)
+    valid = None
+    if t.eval_interval > 0:
+        n = t.eval_iters * t.global_batch_size
+        valid = source("valid", n, n)
+    log.info(
+        "data: multimodal %s, tokenizer %s, vocab %d (image placeholder %d x %d), %s",
+        d.data_path,
+        tokenizer_spec,
+        vocab_size,
+        image_token_id,
+        d.tokens_per_image,
+        f"service {addresses}" if addresses else "in-process",
+    )
+    return TrainData(train, valid, vocab_size, tokenizer_spec, d.data_path[0])

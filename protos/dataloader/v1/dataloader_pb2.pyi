@@ -26,9 +26,42 @@ class DatasetSpec(_message.Message):
     sample_order: str
     def __init__(self, prefixes: _Optional[_Iterable[str]] = ..., weights: _Optional[_Iterable[float]] = ..., seq_length: _Optional[int] = ..., num_samples: _Optional[int] = ..., seed: _Optional[int] = ..., split: _Optional[str] = ..., split_name: _Optional[str] = ..., sample_order: _Optional[str] = ...) -> None: ...
 
+class MultimodalSpec(_message.Message):
+    __slots__ = ("paths", "tokenizer", "seq_length", "num_samples", "seed", "image_token_id", "tokens_per_image", "image_size", "resize_mode", "normalization", "wire_dtype", "bad_image_policy", "split", "split_name")
+    PATHS_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    SEQ_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_IMAGE_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RESIZE_MODE_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZATION_FIELD_NUMBER: _ClassVar[int]
+    WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BAD_IMAGE_POLICY_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_NAME_FIELD_NUMBER: _ClassVar[int]
+    paths: _containers.RepeatedScalarFieldContainer[str]
+    tokenizer: str
+    seq_length: int
+    num_samples: int
+    seed: int
+    image_token_id: int
+    tokens_per_image: int
+    image_size: int
+    resize_mode: str
+    normalization: str
+    wire_dtype: str
+    bad_image_policy: str
+    split: str
+    split_name: str
+    def __init__(self, paths: _Optional[_Iterable[str]] = ..., tokenizer: _Optional[str] = ..., seq_length: _Optional[int] = ..., num_samples: _Optional[int] = ..., seed: _Optional[int] = ..., image_token_id: _Optional[int] = ..., tokens_per_image: _Optional[int] = ..., image_size: _Optional[int] = ..., resize_mode: _Optional[str] = ..., normalization: _Optional[str] = ..., wire_dtype: _Optional[str] = ..., bad_image_policy: _Optional[str] = ..., split: _Optional[str] = ..., split_name: _Optional[str] = ...) -> None: ...
+
 class StreamRequest(_message.Message):
-    __slots__ = ("spec", "dp_rank", "dp_size", "micro_batch_size", "global_batch_size", "start_step", "start_microbatch", "end_step", "cp_rank", "cp_size")
+    __slots__ = ("spec", "multimodal", "dp_rank", "dp_size", "micro_batch_size", "global_batch_size", "start_step", "start_microbatch", "end_step", "cp_rank", "cp_size")
     SPEC_FIELD_NUMBER: _ClassVar[int]
+    MULTIMODAL_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     DP_SIZE_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +72,7 @@ class StreamRequest(_message.Message):
     CP_RANK_FIELD_NUMBER: _ClassVar[int]
     CP_SIZE_FIELD_NUMBER: _ClassVar[int]
     spec: DatasetSpec
+    multimodal: MultimodalSpec
     dp_rank: int
     dp_size: int
     micro_batch_size: int
@@ -48,21 +82,29 @@ class StreamRequest(_message.Message):
     end_step: int
     cp_rank: int
     cp_size: int
-    def __init__(self, spec: _Optional[_Union[DatasetSpec, _Mapping]] = ..., dp_rank: _Optional[int] = ..., dp_size: _Optional[int] = ..., micro_batch_size: _Optional[int] = ..., global_batch_size: _Optional[int] = ..., start_step: _Optional[int] = ..., start_microbatch: _Optional[int] = ..., end_step: _Optional[int] = ..., cp_rank: _Optional[int] = ..., cp_size: _Optional[int] = ...) -> None: ...
+    def __init__(self, spec: _Optional[_Union[DatasetSpec, _Mapping]] = ..., multimodal: _Optional[_Union[MultimodalSpec, _Mapping]] = ..., dp_rank: _Optional[int] = ..., dp_size: _Optional[int] = ..., micro_batch_size: _Optional[int] = ..., global_batch_size: _Optional[int] = ..., start_step: _Optional[int] = ..., start_microbatch: _Optional[int] = ..., end_step: _Optional[int] = ..., cp_rank: _Optional[int] = ..., cp_size: _Optional[int] = ...) -> None: ...
 
 class MicroBatch(_message.Message):
-    __slots__ = ("step", "microbatch", "dtype", "shape", "samples")
+    __slots__ = ("step", "microbatch", "dtype", "shape", "samples", "loss_mask", "images_dtype", "images_shape", "images")
     STEP_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     step: int
     microbatch: int
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     samples: bytes
-    def __init__(self, step: _Optional[int] = ..., microbatch: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., samples: _Optional[bytes] = ...) -> None: ...
+    loss_mask: bytes
+    images_dtype: str
+    images_shape: _containers.RepeatedScalarFieldContainer[int]
+    images: bytes
+    def __init__(self, step: _Optional[int] = ..., microbatch: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., samples: _Optional[bytes] = ..., loss_mask: _Optional[bytes] = ..., images_dtype: _Optional[str] = ..., images_shape: _Optional[_Iterable[int]] = ..., images: _Optional[bytes] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
     __slots__ = ("num_samples", "num_steps", "num_micro_batches", "sample_order")

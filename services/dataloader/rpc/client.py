@@ -65,8 +65,14 @@ from meshtrain.services.dataloader.loader import (
     context_chunks,
 )
 from meshtrain.services.dataloader.rpc.discovery import check_address, resolve_workers
+from meshtrain.services.dataloader.rpc.multimodal import (
+    check_batch_bytes,
+    mm_spec_to_proto,
+    payload_from_message,
+)
 from meshtrain.services.dataloader.rpc.servicer import spec_to_proto
 from meshtrain.services.dataloader.spec import DatasetSpec
+from meshtrain.services.dataloader.vision.dataset import MultimodalSpec, batch_from_payload
 
 log = logging.getLogger("meshtrain.data")
 
@@ -92,7 +98,7 @@ class ServiceBatchSource:
     def __init__(
         self,
         addresses: list[str],
-        spec: DatasetSpec,
+        spec: DatasetSpec | MultimodalSpec,
         micro_batch_size: int,
         global_batch_size: int,
         dp_rank: int = 0,
@@ -114,7 +120,8 @@ class ServiceBatchSource:
         addresses: worker addresses (`host:port`), tried in turn; a `dns:///name:port`
             target stands for the addresses the name resolves to, looked up again at each
             connection attempt, and ranks are spread over them as over a list.
-        spec: the sample stream.
+        spec: the sample stream: text (DatasetSpec) or vision-language (MultimodalSpec, whose
+            batches carry images; not under context parallelism).
         micro_batch_size: samples per micro-batch per rank.
         global_batch_size: samples per step over all ranks.
         dp_rank: this rank.
@@ -177,6 +184,13 @@ class ServiceBatchSource:
         if len(spread) != 2 or not 0 <= spread[0] < spread[1]:
             raise DataError(f"spread={spread} must be (slot, slots) with 0 <= slot < slots")
         spec.validate()
+        self.multimodal = isinstance(spec, MultimodalSpec)
+        if self.multimodal:
+            if cp_size != 1:
+                raise DataError(
+                    f"multimodal batches are not cut for context parallelism (cp_size={cp_size})"
+                )
+            check_batch_bytes(spec, micro_batch_size)  # type: ignore[arg-type]
         self.chunks = context_chunks(spec.seq_length, cp_rank, cp_size)  # raises on bad cp values
         if cp_size > 1 and options is not None and options.per_document:
             raise DataError(
@@ -232,8 +246,13 @@ class ServiceBatchSource:
         return self.spec.num_samples // self.global_batch_size
 
     def _request(self, step: int, microbatch: int) -> pb.StreamRequest:
+        which = (
+            {"multimodal": mm_spec_to_proto(self.spec)}
+            if isinstance(self.spec, MultimodalSpec)
+            else {"spec": spec_to_proto(self.spec)}
+        )
         return pb.StreamRequest(
-            spec=spec_to_proto(self.spec),
+            **which,
             dp_rank=self.dp_rank,
             dp_size=self.dp_size,
             micro_batch_size=self.micro_batch_size,
@@ -260,13 +279,15 @@ class ServiceBatchSource:
         (a, b), _ = self.chunks
         return (self.micro_batch_size, len(self.chunks), b - a + 1)
 
-    def _samples(self, msg: pb.MicroBatch, address: str) -> np.ndarray:
+    def _samples(self, msg: pb.MicroBatch, address: str):
         """The `payload_shape` tokens of a message, checked against what was asked for: a
         malformed one raised numpy's bare ValueError, one with another dtype name than its
         bytes were decoded as garbage tokens, and whole samples from a worker that ignored
         the cp fields would have been read as the wrong positions."""
-        want = self.payload_shape
         where = f"worker {address} sent step {msg.step} micro-batch {msg.microbatch}"
+        if isinstance(self.spec, MultimodalSpec):
+            return payload_from_message(msg, self.spec, self.micro_batch_size, where)
+        want = self.payload_shape
         dtype = next((d for d in DTYPE_CODES.values() if d.name == msg.dtype), None)
         if dtype is None:
             raise DataError(
@@ -342,7 +363,10 @@ class ServiceBatchSource:
                     self._opening = opening
                 opened_since = time.monotonic()
                 info = opening.result()  # the worker has the dataset open: streaming starts at once
-                if (info.sample_order or "meshtrain") != self.spec.sample_order:
+                if (
+                    isinstance(self.spec, DatasetSpec)
+                    and (info.sample_order or "meshtrain") != self.spec.sample_order
+                ):
                     # a worker older than the field ignores it and would serve meshtrain's order
                     raise DataError(
                         f"data worker {address} serves sample_order "
@@ -538,6 +562,8 @@ class ServiceBatchSource:
         self._next = (
             (pos[0] + 1, 0) if pos[1] + 1 == self.num_micro_batches else (pos[0], pos[1] + 1)
         )
+        if isinstance(self.spec, MultimodalSpec):
+            return batch_from_payload(samples, pos[0], pos[1], self.spec)
         if self.cp_size == 1:
             return batch_from_samples(samples, pos[0], pos[1], self.options)
         return batch_from_segments(samples, pos[0], pos[1], self.options)

@@ -4,7 +4,9 @@ A worker keeps no per-client state: each stream request carries the dataset spec
 and batch sizes and the first (step, micro-batch) wanted, and the worker computes those
 micro-batches with `LocalBatchSource`, exactly as the in-process path does. Under context
 parallelism (`cp_size` > 1) it sends each sample's two chunks the cp rank holds, not the whole
-sample. Opened datasets
+sample. A vision-language request (`multimodal` instead of `spec`) is served the same way by
+`MultimodalBatchSource`: the worker decodes and resizes the images and tokenizes the text, and
+sends tokens, loss mask and pixels in one message (`rpc/multimodal.py`). Opened datasets
 (and their sample indices) are kept in a small LRU, so many streams over the same spec share
 one build: while a spec is being built, other requests for it wait for that build instead of
 starting their own (all ranks connect at job start; N builds would cost N times the memory
@@ -46,6 +48,11 @@ from meshtrain.services.common.stream_guards import IdleReaper, PeerLimit
 from meshtrain.services.dataloader.blend import MAX_DATASETS
 from meshtrain.services.dataloader.index_cache import IndexCache
 from meshtrain.services.dataloader.loader import LocalBatchSource
+from meshtrain.services.dataloader.rpc.multimodal import (
+    check_batch_bytes,
+    mm_spec_from_proto,
+    payload_message,
+)
 from meshtrain.services.dataloader.served_roots import ServedRoots, default_roots
 from meshtrain.services.dataloader.spec import (
     MAX_SAMPLES,
@@ -53,6 +60,12 @@ from meshtrain.services.dataloader.spec import (
     DatasetSpec,
     MemoryBudget,
     open_dataset,
+)
+from meshtrain.services.dataloader.vision.dataset import (
+    MultimodalBatchSource,
+    MultimodalPayload,
+    MultimodalSpec,
+    open_multimodal,
 )
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DataService"].full_name
@@ -204,6 +217,10 @@ def spec_from_proto(
     return spec
 
 
+def _sources(spec: DatasetSpec | MultimodalSpec) -> list[str]:
+    return list(spec.paths if isinstance(spec, MultimodalSpec) else spec.prefixes)
+
+
 def index_keys(ds) -> list[str]:
     """The index-cache entries a dataset reads (a blend's and its parts')."""
     keys = [ds.index_key] if getattr(ds, "index_key", None) else []
@@ -255,12 +272,25 @@ class DataServicer(pb_grpc.DataServiceServicer):
             default_max_index_bytes() if max_index_bytes is None else int(max_index_bytes)
         )
         self._budget = MemoryBudget(self.max_index_bytes)
-        self._datasets: OrderedDict[DatasetSpec, object] = OrderedDict()
-        self._building: dict[DatasetSpec, Future] = {}  # builds in progress, by spec
+        self._datasets: OrderedDict[DatasetSpec | MultimodalSpec, object] = OrderedDict()
+        self._building: dict[
+            DatasetSpec | MultimodalSpec, Future
+        ] = {}  # builds in progress, by spec
         self._lock = threading.Lock()
         self.builds = 0  # datasets opened (for tests and logs)
 
-    def _dataset(self, spec: DatasetSpec):
+    def _open(self, spec: DatasetSpec | MultimodalSpec):
+        if isinstance(spec, MultimodalSpec):
+            return open_multimodal(spec, cache=self.index_cache if self.cache_indices else False)
+        return open_dataset(
+            spec,
+            cache=self.cache_indices,
+            max_index_bytes=self.max_index_bytes,
+            budget=self._budget,
+            index_cache=self.index_cache,
+        )
+
+    def _dataset(self, spec: DatasetSpec | MultimodalSpec):
         with self._lock:
             if spec in self._datasets:
                 self._datasets.move_to_end(spec)
@@ -277,16 +307,10 @@ class DataServicer(pb_grpc.DataServiceServicer):
         # built outside the lock: a slow build must not stall streams over other specs
         try:
             try:
-                ds = open_dataset(
-                    spec,
-                    cache=self.cache_indices,
-                    max_index_bytes=self.max_index_bytes,
-                    budget=self._budget,
-                    index_cache=self.index_cache,
-                )
+                ds = self._open(spec)
             except MemoryError as e:  # this worker's memory, not the request: another may have it
                 raise DataUnavailableError(
-                    f"building the sample index of {list(spec.prefixes)} "
+                    f"building the sample index of {_sources(spec)} "
                     f"(num_samples={spec.num_samples}) ran out of memory on this worker: {e}"
                 ) from e
         except BaseException as e:
@@ -307,7 +331,42 @@ class DataServicer(pb_grpc.DataServiceServicer):
         building.set_result(ds)
         return ds
 
+    def _multimodal_source(self, req: pb.StreamRequest) -> MultimodalBatchSource:
+        """A vision-language stream's source; sizes checked before any file is opened."""
+        spec = mm_spec_from_proto(req.multimodal, self.limits.max_samples, self.roots)
+        if int(req.cp_size) > 1:
+            raise DataError(f"cp_size={req.cp_size}: multimodal streams are not cut for cp")
+        check_batch_bytes(spec, int(req.micro_batch_size))
+        self._check_batching(req)
+        return MultimodalBatchSource(
+            self._dataset(spec),
+            int(req.micro_batch_size),
+            int(req.global_batch_size),
+            int(req.dp_rank),
+            int(req.dp_size),
+        )
+
+    @staticmethod
+    def _check_batching(req: pb.StreamRequest) -> None:
+        if req.dp_size < 1 or req.dp_rank >= req.dp_size:
+            raise DataError(f"dp_rank={req.dp_rank} is outside [0, dp_size={req.dp_size})")
+        # checked before opening files, so a malformed request costs nothing
+        if req.micro_batch_size < 1 or req.global_batch_size < 1:
+            raise DataError(
+                f"micro_batch_size={req.micro_batch_size} and "
+                f"global_batch_size={req.global_batch_size} must be >= 1"
+            )
+        if req.global_batch_size % (req.micro_batch_size * req.dp_size):
+            raise DataError(
+                f"global_batch_size={req.global_batch_size} is not divisible by "
+                f"micro_batch_size={req.micro_batch_size} x dp_size={req.dp_size}"
+            )
+
     def _source(self, req: pb.StreamRequest) -> LocalBatchSource:
+        if req.HasField("multimodal"):
+            if req.HasField("spec"):
+                raise DataError("StreamRequest has both a dataset spec and a multimodal spec")
+            return self._multimodal_source(req)
         if not req.HasField("spec"):
             raise DataError("StreamRequest has no dataset spec")
         spec = spec_from_proto(req.spec, self.limits.max_samples, self.roots)
@@ -328,19 +387,7 @@ class DataServicer(pb_grpc.DataServiceServicer):
                 f"{spec.seq_length}, cp_size {cp_size}) makes {mbs_bytes} byte messages, over the "
                 f"{MAX_BATCH_BYTES} limit"
             )
-        if req.dp_size < 1 or req.dp_rank >= req.dp_size:
-            raise DataError(f"dp_rank={req.dp_rank} is outside [0, dp_size={req.dp_size})")
-        # checked before opening files, so a malformed request costs nothing
-        if req.micro_batch_size < 1 or req.global_batch_size < 1:
-            raise DataError(
-                f"micro_batch_size={req.micro_batch_size} and "
-                f"global_batch_size={req.global_batch_size} must be >= 1"
-            )
-        if req.global_batch_size % (req.micro_batch_size * req.dp_size):
-            raise DataError(
-                f"global_batch_size={req.global_batch_size} is not divisible by "
-                f"micro_batch_size={req.micro_batch_size} x dp_size={req.dp_size}"
-            )
+        self._check_batching(req)
         return LocalBatchSource(
             self._dataset(spec),
             int(req.micro_batch_size),
@@ -387,7 +434,14 @@ class DataServicer(pb_grpc.DataServiceServicer):
     def _batches(src: LocalBatchSource, step: int, mb: int, end: int, context):
         """The stream's messages from (step, micro-batch) up to step `end`."""
         while step < end and context.is_active():
-            samples = src.payload(step, mb)  # (mbs, seq + 1), or (mbs, 2, seq/(2 cp) + 1) under cp
+            payload = src.payload(step, mb)
+            if isinstance(payload, MultimodalPayload):
+                yield payload_message(payload, step, mb)
+                mb += 1
+                if mb == src.num_micro_batches:
+                    step, mb = step + 1, 0
+                continue
+            samples = payload  # (mbs, seq + 1), or (mbs, 2, seq/(2 cp) + 1) under cp
             samples = samples.astype(samples.dtype.newbyteorder("<"), copy=False)
             yield pb.MicroBatch(
                 step=step,
