@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n/meshtrain/protos/dataloader/v1/dataloader.proto\x12\x17meshtrain.dataloader.v1\"\xa0\x01\n\x0b\x44\x61tasetSpec\x12\x10\n\x08prefixes\x18\x01 \x03(\t\x12\x0f\n\x07weights\x18\x02 \x03(\x01\x12\x12\n\nseq_length\x18\x03 \x01(\r\x12\x13\n\x0bnum_samples\x18\x04 \x01(\x04\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\r\n\x05split\x18\x06 \x01(\t\x12\x12\n\nsplit_name\x18\x07 \x01(\t\x12\x14\n\x0csample_order\x18\x08 \x01(\t\"\xfc\x01\n\rStreamRequest\x12\x32\n\x04spec\x18\x01 \x01(\x0b\x32$.meshtrain.dataloader.v1.DatasetSpec\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x0f\n\x07\x64p_size\x18\x03 \x01(\r\x12\x18\n\x10micro_batch_size\x18\x04 \x01(\r\x12\x19\n\x11global_batch_size\x18\x05 \x01(\r\x12\x12\n\nstart_step\x18\x06 \x01(\x04\x12\x18\n\x10start_microbatch\x18\x07 \x01(\r\x12\x10\n\x08\x65nd_step\x18\x08 \x01(\x04\x12\x0f\n\x07\x63p_rank\x18\t \x01(\r\x12\x0f\n\x07\x63p_size\x18\n \x01(\r\"]\n\nMicroBatch\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x12\n\nmicrobatch\x18\x02 \x01(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x04\x12\x0f\n\x07samples\x18\x05 \x01(\x0c\"k\n\x10\x44\x65scribeResponse\x12\x13\n\x0bnum_samples\x18\x01 \x01(\x04\x12\x11\n\tnum_steps\x18\x02 \x01(\x04\x12\x19\n\x11num_micro_batches\x18\x03 \x01(\r\x12\x14\n\x0csample_order\x18\x04 \x01(\t2\xcc\x01\n\x0b\x44\x61taService\x12^\n\rStreamBatches\x12&.meshtrain.dataloader.v1.StreamRequest\x1a#.meshtrain.dataloader.v1.MicroBatch0\x01\x12]\n\x08\x44\x65scribe\x12&.meshtrain.dataloader.v1.StreamRequest\x1a).meshtrain.dataloader.v1.DescribeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n/meshtrain/protos/dataloader/v1/dataloader.proto\x12\x17meshtrain.dataloader.v1\"\xb0\x01\n\x0b\x44\x61tasetSpec\x12\x10\n\x08prefixes\x18\x01 \x03(\t\x12\x0f\n\x07weights\x18\x02 \x03(\x01\x12\x12\n\nseq_length\x18\x03 \x01(\r\x12\x13\n\x0bnum_samples\x18\x04 \x01(\x04\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\r\n\x05split\x18\x06 \x01(\t\x12\x12\n\nsplit_name\x18\x07 \x01(\t\x12\x14\n\x0csample_order\x18\x08 \x01(\t\x12\x0e\n\x06\x66ormat\x18\t \x01(\t\"\xfc\x01\n\rStreamRequest\x12\x32\n\x04spec\x18\x01 \x01(\x0b\x32$.meshtrain.dataloader.v1.DatasetSpec\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x0f\n\x07\x64p_size\x18\x03 \x01(\r\x12\x18\n\x10micro_batch_size\x18\x04 \x01(\r\x12\x19\n\x11global_batch_size\x18\x05 \x01(\r\x12\x12\n\nstart_step\x18\x06 \x01(\x04\x12\x18\n\x10start_microbatch\x18\x07 \x01(\r\x12\x10\n\x08\x65nd_step\x18\x08 \x01(\x04\x12\x0f\n\x07\x63p_rank\x18\t \x01(\r\x12\x0f\n\x07\x63p_size\x18\n \x01(\r\"\xc7\x01\n\nMicroBatch\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x12\n\nmicrobatch\x18\x02 \x01(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x04\x12\x0f\n\x07samples\x18\x05 \x01(\x0c\x12\x32\n\ntoken_mask\x18\x06 \x01(\x0b\x32\x1e.meshtrain.dataloader.v1.Array\x12\x34\n\x0c\x64ocument_ids\x18\x07 \x01(\x0b\x32\x1e.meshtrain.dataloader.v1.Array\"3\n\x05\x41rray\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"{\n\x10\x44\x65scribeResponse\x12\x13\n\x0bnum_samples\x18\x01 \x01(\x04\x12\x11\n\tnum_steps\x18\x02 \x01(\x04\x12\x19\n\x11num_micro_batches\x18\x03 \x01(\r\x12\x14\n\x0csample_order\x18\x04 \x01(\t\x12\x0e\n\x06\x66ormat\x18\x05 \x01(\t2\xcc\x01\n\x0b\x44\x61taService\x12^\n\rStreamBatches\x12&.meshtrain.dataloader.v1.StreamRequest\x1a#.meshtrain.dataloader.v1.MicroBatch0\x01\x12]\n\x08\x44\x65scribe\x12&.meshtrain.dataloader.v1.StreamRequest\x1a).meshtrain.dataloader.v1.DescribeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,13 +32,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'meshtrain.protos.dataloader
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DATASETSPEC']._serialized_start=77
-  _globals['_DATASETSPEC']._serialized_end=237
-  _globals['_STREAMREQUEST']._serialized_start=240
-  _globals['_STREAMREQUEST']._serialized_end=492
-  _globals['_MICROBATCH']._serialized_start=494
-  _globals['_MICROBATCH']._serialized_end=587
-  _globals['_DESCRIBERESPONSE']._serialized_start=589
-  _globals['_DESCRIBERESPONSE']._serialized_end=696
-  _globals['_DATASERVICE']._serialized_start=699
-  _globals['_DATASERVICE']._serialized_end=903
+  _globals['_DATASETSPEC']._serialized_end=253
+  _globals['_STREAMREQUEST']._serialized_start=256
+  _globals['_STREAMREQUEST']._serialized_end=508
+  _globals['_MICROBATCH']._serialized_start=511
+  _globals['_MICROBATCH']._serialized_end=710
+  _globals['_ARRAY']._serialized_start=712
+  _globals['_ARRAY']._serialized_end=763
+  _globals['_DESCRIBERESPONSE']._serialized_start=765
+  _globals['_DESCRIBERESPONSE']._serialized_end=888
+  _globals['_DATASERVICE']._serialized_start=891
+  _globals['_DATASERVICE']._serialized_end=1095
 # @@protoc_insertion_point(module_scope)
