@@ -3,8 +3,9 @@
 A spec names the dataset prefixes and their blending weights, the train/valid/test split, which
 split, `seq_length`, `num_samples`, the seed, the recipe of the sample order (`sample_order`:
 meshtrain's, or Megatron's GPTDataset bit for bit) and the `format`: pretraining samples, or
-SFT conversations packed whole with their loss masks (`packing.py`). It is all a data worker needs to reproduce a
-stream bit for bit, so the trainer sends it over the wire and the in-process path uses it too.
+SFT conversations packed whole with their loss masks (`packing.py`). It is all a data worker
+needs to reproduce a stream bit for bit, so the trainer sends it over the wire and the
+in-process path uses it too.
 `parse_data_path` reads Megatron's `--data-path` convention: either one or more prefixes (equal
 weights), or alternating `WEIGHT PREFIX` pairs.
 
