@@ -87,6 +87,12 @@ class DataConfig:
     worker its place now falls on (workers joined or left); 0: move only when a worker fails."""
     eod_mask_loss: bool = False
     """Zero the loss where the input token is end-of-document (Megatron `--eod-mask-loss`)."""
+    format: str = "gpt"
+    """'gpt': pretraining samples that run across documents; 'sft': supervised fine-tuning on
+    chat datasets made by `meshtrain data preprocess --chat` (Megatron `--sft`): whole
+    conversations packed into each sequence, the loss only on assistant tokens, and
+    `Batch.document_ids` set for document-masked attention. Every `data_path` prefix must then
+    be an SFT dataset made with `tokenizer`."""
 
     def __post_init__(self) -> None:
         if self.data_path:
@@ -102,6 +108,20 @@ class DataConfig:
             check_sample_order(self.sample_order, "data.sample_order")
         except DataError as e:
             raise ConfigError(str(e)) from None
+        from meshtrain.services.dataloader.spec import FORMATS
+
+        if self.format not in FORMATS:
+            raise ConfigError(f"data.format={self.format!r} is not one of {FORMATS}")
+        if self.format == "sft" and not self.data_path:
+            raise ConfigError(
+                "data.format='sft' trains on chat datasets: set data.data_path to the prefixes "
+                "`meshtrain data preprocess --chat` wrote"
+            )
+        if self.format == "sft" and self.sample_order != "meshtrain":
+            raise ConfigError(
+                f"data.sample_order={self.sample_order!r} orders pretraining samples; SFT packing "
+                "has its own order (leave data.sample_order at 'meshtrain')"
+            )
         if self.prefetch < 1:
             raise ConfigError(f"data.prefetch={self.prefetch} must be >= 1")
         for name in ("service_stall_s", "service_give_up_s", "service_open_timeout_s"):

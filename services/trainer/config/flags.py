@@ -78,6 +78,7 @@ ALIASES: dict[str, tuple[str, bool]] = {
     "--split": ("data.split", True),
     "--data-cache-path": ("data.cache_dir", True),
     "--eod-mask-loss": ("data.eod_mask_loss", False),
+    "--sft": ("data.format=sft", False),
     "--micro-batch-size": ("train.micro_batch_size", True),
     "--batch-size": ("train.micro_batch_size", True),  # Megatron's old name of --micro-batch-size
     "--global-batch-size": ("train.global_batch_size", True),
