@@ -1,8 +1,8 @@
 """Make a small supervised fine-tuning dataset: a chat format to learn, from nothing.
 
 Each conversation asks to write a word of four letters in capitals ("user: upper abcd" ->
-"assistant: ABCD"), rendered with ChatML by a character-level tokenizer that has ChatML's special tokens.
-One word in five is never used, so a trained model can be checked on prompts it has not seen.
+"assistant: ABCD"), rendered with ChatML by a character-level tokenizer that has ChatML's
+special tokens. One word in five is never used, so a trained model can be checked on prompts it has not seen.
 Writes FOLDER/tokenizer/ (tokenizer.json + tokenizer_config.json with its chat_template),
 FOLDER/chats.jsonl, and the SFT dataset FOLDER/train (`meshtrain data preprocess --chat`);
 then `meshtrain train --config deploy/configs/sft-tiny.toml` fine-tunes a tiny model on it.

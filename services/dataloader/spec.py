@@ -350,7 +350,7 @@ def _open_sft(
     needs = (
         [spec.num_samples] if len(spec.prefixes) == 1 else samples_needed(weights, spec.num_samples)
     )
-    opened = []
+    opened: list[tuple[IndexedDataset, IndexedDataset, dict, int, int] | None] = []
     need_bytes = 0
     for prefix, need in zip(spec.prefixes, needs):
         if need == 0:

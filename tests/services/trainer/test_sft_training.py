@@ -100,5 +100,5 @@ def test_format_sft_config_errors(tmp_path):
         load_config(["--data.format=sft", f"--log.run_dir={tmp_path}"])
     with pytest.raises(ConfigError, match="data.format="):
         load_config(["--data.format=chat", f"--log.run_dir={tmp_path}"])
-    job = load_config(["--sft", "--data.data_path=[\"x\"]", "--data.tokenizer=byte"])
+    job = load_config(["--sft", '--data.data_path=["x"]', "--data.tokenizer=byte"])
     assert job.data.format == "sft"
