@@ -10,6 +10,9 @@ Under context parallelism (cp) the cp ranks of one data-parallel rank read the s
 each keeps only its positions of the sequence (`context_positions`: chunks i and 2cp-1-i of
 2cp, Megatron's causal load balance); the data service sends only those two chunks.
 
+Packed SFT datasets (`packing.SFTDataset`) bring a per-token loss mask and document ids with
+their samples (`sample_arrays`); the batch's loss mask is that mask shifted onto the labels.
+
     src = LocalBatchSource(train, micro_batch_size=4, global_batch_size=32, dp_rank=r, dp_size=2)
     for batch in src.micro_batches(step): ...   # 4 micro-batches of (4, seq_length)
 """
