@@ -1,8 +1,8 @@
 """Make a small supervised fine-tuning dataset: a chat format to learn, from nothing.
 
-Each conversation asks to write a word of four letters in capitals ("user: upper abcd" ->
-"assistant: ABCD"), rendered with ChatML by a character-level tokenizer that has ChatML's
-special tokens. One word in five is never used, so a trained model can be checked on prompts it has not seen.
+Each conversation asks to write a word of three letters in capitals ("user: upper abc" ->
+"assistant: ABC"), rendered by the tokenizer's own chat template (ChatML with one-letter role
+names) and a character-level tokenizer that has ChatML's special tokens. One word in five is never used, so a trained model can be checked on prompts it has not seen.
 Writes FOLDER/tokenizer/ (tokenizer.json + tokenizer_config.json with its chat_template),
 FOLDER/chats.jsonl, and the SFT dataset FOLDER/train (`meshtrain data preprocess --chat`);
 then `meshtrain train --config deploy/configs/sft-tiny.toml` fine-tunes a tiny model on it.
@@ -20,12 +20,14 @@ import sys
 from pathlib import Path
 
 LETTERS = "abcdefgh"
-WORD_LENGTH = 4
-CHATML = (
+WORD_LENGTH = 3
+# ChatML with one-letter role names: short conversations, so many pack into each sequence
+TEMPLATE = (
+    "{% set names = {'system': 'S', 'user': 'U', 'assistant': 'A'} %}"
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{{ '<|im_start|>' + names[message['role']] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>A\\n' }}{% endif %}"
 )
 
 
@@ -62,7 +64,7 @@ def write_tokenizer(folder: Path) -> Path:
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     tok.save(str(folder / "tokenizer.json"))
-    config = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": CHATML}
+    config = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": TEMPLATE}
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
     return folder
 
