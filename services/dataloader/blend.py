@@ -178,6 +178,10 @@ class BlendedDataset:
         self.seq_length = live[0].seq_length
         if any(d.seq_length != self.seq_length for d in live):
             raise DataError(f"blended datasets [{name}] have different seq_length")
+        # SFT parts (packed, with loss masks) blend only with SFT parts
+        self.carries_mask = bool(getattr(live[0], "carries_mask", False))
+        if any(bool(getattr(d, "carries_mask", False)) != self.carries_mask for d in live):
+            raise DataError(f"blended datasets [{name}] mix SFT and pretraining datasets")
         desc = blend_index_desc(self.weights, self.num_samples)
         self.index_key = cache_key(desc)  # its entry in an index cache
         arrays = cached_arrays(
@@ -216,11 +220,12 @@ class BlendedDataset:
         d = int(self.dataset_index[i])
         return self.datasets[d][int(self.dataset_sample_index[i])]
 
-    def read_into(self, i: int, out: np.ndarray) -> None:
-        """Write sample i of the blend into `out` ((seq_length + 1,) buffer)."""
+    def read_into(self, i: int, out: np.ndarray, **extra) -> None:
+        """Write sample i of the blend into `out` ((seq_length + 1,) buffer); `extra` (an SFT
+        part's `mask_out`, `docs_out`) goes to the part's `read_into`."""
         if not 0 <= i < self.num_samples:
             raise IndexError(
                 f"blend [{self.name}]: sample {i} out of range [0, {self.num_samples})"
             )
         d = int(self.dataset_index[i])
-        self.datasets[d].read_into(int(self.dataset_sample_index[i]), out)
+        self.datasets[d].read_into(int(self.dataset_sample_index[i]), out, **extra)

@@ -2,6 +2,8 @@
 
     meshtrain data preprocess --input 'docs/*.jsonl' --output-prefix data/docs --tokenizer byte \
         --append-eod
+    meshtrain data preprocess --chat --input chats.jsonl --output-prefix data/chats \
+        --tokenizer tok/ --chat-template chatml --seq-length 2048 --bad-rows drop
     meshtrain data preprocess --input docs.jsonl --output-prefix data/docs --append-eod \
         --tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt
     meshtrain data train-tokenizer --input 'docs/*.txt' --vocab-size 8192 --output tok.json
@@ -77,6 +79,20 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
     from meshtrain.services.dataloader.preprocess import preprocess_files
     from meshtrain.services.dataloader.tokenizers.base import build_tokenizer
 
+    if args.chat:
+        return _preprocess_chat(args)
+    chat_only = [
+        flag
+        for flag, value in (
+            ("--chat-template", args.chat_template),
+            ("--messages-key", args.messages_key),
+            ("--seq-length", args.seq_length),
+            ("--bad-rows", args.bad_rows),
+        )
+        if value is not None
+    ]
+    if chat_only:
+        raise DataError(f"{chat_only[0]} applies to chat data: add --chat")
     tokenizer = build_tokenizer(tokenizer_spec_from_args(args))
     # Killed outright by SIGTERM, a run left its partial .bin.tmp-* behind, and its --workers
     # processes ran on as orphans; raised here, the writer and the pool clean up as for Ctrl-C.
@@ -102,6 +118,49 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
         for s, handler in previous.items():
             signal.signal(s, handler)
     print(f"wrote {prefix}.bin and {prefix}.idx")
+    return 0
+
+
+def _preprocess_chat(args: argparse.Namespace) -> int:
+    """`data preprocess --chat`: chat JSONL into tokens, loss mask and metadata."""
+    from meshtrain.services.dataloader.sft_data import mask_prefix, preprocess_chat
+    from meshtrain.services.dataloader.tokenizers.base import build_tokenizer
+
+    if args.workers != 1:
+        raise DataError("--workers: chat preprocessing renders in one process; leave it out")
+    if args.seq_length is not None and args.seq_length < 1:
+        raise DataError(f"--seq-length {args.seq_length} must be >= 1")
+    tokenizer = build_tokenizer(tokenizer_spec_from_args(args))
+    previous = {s: signal.signal(s, _raise_stopped) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        stats = preprocess_chat(
+            expand_inputs(args.input),
+            args.output_prefix,
+            tokenizer,
+            template=args.chat_template or "auto",
+            messages_key=args.messages_key or "messages",
+            max_tokens=None if args.seq_length is None else args.seq_length + 1,
+            bad_rows=args.bad_rows or "stop",
+            progress=not args.quiet,
+        )
+    except _Stopped as e:
+        name = signal.Signals(e.signum).name
+        print(
+            f"meshtrain: {name}: preprocessing stopped; nothing written to {args.output_prefix}",
+            file=sys.stderr,
+        )
+        return 128 + e.signum
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    prefix = stats.prefix
+    print(
+        f"wrote {prefix}.bin/.idx, {mask_prefix(prefix)}.bin/.idx and {prefix}.sft.json: "
+        f"{stats.conversations} conversations, {stats.tokens} tokens "
+        f"({stats.assistant_tokens} trained on)"
+    )
+    for reason, n in sorted(stats.dropped.items()):
+        print(f"dropped {n} rows: {reason}")
     return 0
 
 
@@ -198,6 +257,35 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--workers", type=int, default=1, help="tokenizing processes (same output for any N)"
     )
     pre.add_argument("--quiet", action="store_true", help="no progress bar")
+    chat = pre.add_argument_group("chat data (supervised fine-tuning)")
+    chat.add_argument(
+        "--chat",
+        action="store_true",
+        help="the inputs are chat JSONL ({'messages': [{'role', 'content'}, ...]} a line): "
+        "render each with a chat template and write a loss mask on the assistant tokens",
+    )
+    chat.add_argument(
+        "--chat-template",
+        default=None,
+        help="'auto' (default: the tokenizer's own chat_template), 'chatml', 'llama3', or a "
+        ".jinja file",
+    )
+    chat.add_argument(
+        "--messages-key", default=None, help="the key of each row's messages (default messages)"
+    )
+    chat.add_argument(
+        "--seq-length",
+        type=int,
+        default=None,
+        help="the training seq_length: a conversation over seq_length + 1 tokens (with its EOD) "
+        "is a bad row",
+    )
+    chat.add_argument(
+        "--bad-rows",
+        choices=["stop", "drop"],
+        default=None,
+        help="stop at the first bad row naming file:line (default), or drop and count them",
+    )
     pre.set_defaults(func=cmd_preprocess)
     pp = dsub.add_parser(
         "preprocess-pairs",

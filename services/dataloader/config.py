@@ -94,8 +94,12 @@ class DataConfig:
     reset_position_ids: bool = False
     """Positions (RoPE, learned position embeddings) restart at 0 on the token after each EOD
     (Megatron `--reset-position-ids`). Needs the tokenizer's end-of-document id."""
-    format: str = "text"
-    """'text' (indexed datasets) or 'multimodal': `data_path` then lists image-text sources
+    format: str = "gpt"
+    """'gpt': pretraining samples that run across documents; 'sft': supervised fine-tuning on
+    chat datasets made by `meshtrain data preprocess --chat` (Megatron `--sft`): whole
+    conversations packed into each sequence, the loss only on assistant tokens, and
+    attention masked by conversation (it sets `reset_attention_mask`; every `data_path` prefix
+    must then be an SFT dataset made with `tokenizer`); 'multimodal': `data_path` lists image-text sources
     (Energon dataset folders, folders of WebDataset .tar shards, .tar files, .jsonl files with
     images beside them; docs/multimodal.md), read end to end, and batches carry images."""
     image_size: int = 336
@@ -132,6 +136,25 @@ class DataConfig:
             check_sample_order(self.sample_order, "data.sample_order")
         except DataError as e:
             raise ConfigError(str(e)) from None
+        from meshtrain.services.dataloader.spec import FORMATS
+
+        if self.format not in (*FORMATS, "multimodal"):
+            raise ConfigError(
+                f"data.format={self.format!r} is not one of {(*FORMATS, 'multimodal')}"
+            )
+        if self.format == "sft" and not self.data_path:
+            raise ConfigError(
+                "data.format='sft' trains on chat datasets: set data.data_path to the prefixes "
+                "`meshtrain data preprocess --chat` wrote"
+            )
+        if self.format == "sft":
+            # packed conversations never attend into each other (Megatron's SFT packs the same)
+            self.reset_attention_mask = True
+        if self.format == "sft" and self.sample_order != "meshtrain":
+            raise ConfigError(
+                f"data.sample_order={self.sample_order!r} orders pretraining samples; SFT packing "
+                "has its own order (leave data.sample_order at 'meshtrain')"
+            )
         if self.prefetch < 1:
             raise ConfigError(f"data.prefetch={self.prefetch} must be >= 1")
         for name in ("service_stall_s", "service_give_up_s", "service_open_timeout_s"):
@@ -166,8 +189,6 @@ class DataConfig:
             WIRE_DTYPES,
         )
 
-        if self.format not in ("text", "multimodal"):
-            raise ConfigError(f"data.format={self.format!r} is not 'text' or 'multimodal'")
         for key, allowed in (
             ("image_resize", RESIZE_MODES),
             ("image_normalization", tuple(NORMALIZATIONS)),

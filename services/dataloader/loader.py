@@ -10,6 +10,9 @@ Under context parallelism (cp) the cp ranks of one data-parallel rank read the s
 each keeps only its positions of the sequence (`context_positions`: chunks i and 2cp-1-i of
 2cp, Megatron's causal load balance); the data service sends only those two chunks.
 
+Packed SFT datasets (`packing.SFTDataset`) bring a per-token loss mask and document ids with
+their samples (`sample_arrays`); the batch's loss mask is that mask shifted onto the labels.
+
     src = LocalBatchSource(train, micro_batch_size=4, global_batch_size=32, dp_rank=r, dp_size=2)
     for batch in src.micro_batches(step): ...   # 4 micro-batches of (4, seq_length)
 """
@@ -37,7 +40,7 @@ class Batch:
     step: int  # global batch index (0-based)
     microbatch: int  # index within the step's micro-batches
     document_ids: torch.Tensor | None = (
-        None  # (micro_batch, seq) int32, +1 after each EOD; None if not asked
+        None  # (micro_batch, seq) int32, +1 after each EOD; None if not asked (SFT: always set)
     )
     position_ids: torch.Tensor | None = (
         None  # (micro_batch, seq) int32, 0 again after each EOD; None if not asked
@@ -176,6 +179,7 @@ class LocalBatchSource:
         self.chunks = None  # cp 1: the whole sequence (and any dataset with `[i]` will do)
         if cp_size != 1 or cp_rank != 0:
             self.chunks = context_chunks(dataset.seq_length, cp_rank, cp_size)  # ((a, b), (a2, b2))
+        self.carries_mask = bool(getattr(dataset, "carries_mask", False))
         self.dataset = dataset
         self.cp_rank = cp_rank
         self.cp_size = cp_size
@@ -183,6 +187,11 @@ class LocalBatchSource:
         self.global_batch_size = global_batch_size
         self.dp_rank = dp_rank
         self.dp_size = dp_size
+
+    @property
+    def dataset_format(self) -> str:
+        """ "sft" for packed conversations with loss masks, else "gpt"."""
+        return "sft" if self.carries_mask else "gpt"
 
     @property
     def num_micro_batches(self) -> int:
@@ -240,6 +249,44 @@ class LocalBatchSource:
             self.dataset.read_into(int(i), out[row])
         return out
 
+    def sample_arrays(
+        self, step: int, microbatch: int
+    ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """The micro-batch's samples with, for packed SFT data, their masks and document ids.
+
+        Returns:
+            (tokens, token_mask, document_ids), each (micro_batch_size, seq_length + 1): tokens
+            as `samples`; token_mask uint8, 1 where the token is an assistant token to predict;
+            document_ids (`document_id_dtype`) numbering the conversations of each sample, the
+            padding one more. The last two are None for pretraining data.
+        """
+        if not self.carries_mask:
+            return self.samples(step, microbatch), None, None
+        idx = self.sample_indices(step, microbatch)
+        n = self.dataset.seq_length + 1
+        out = np.empty((idx.size, n), dtype=self.dataset.token_dtype)
+        mask = np.empty((idx.size, n), dtype=np.uint8)
+        docs = np.empty((idx.size, n), dtype=document_id_dtype(self.dataset.seq_length))
+        for row, i in enumerate(idx):
+            self.dataset.read_into(int(i), out[row], mask_out=mask[row], docs_out=docs[row])
+        return out, mask, docs
+
+    def payload_arrays(
+        self, step: int, microbatch: int
+    ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """`sample_arrays` as the data service sends them: under context parallelism each
+        array cut to this cp rank's two chunks as `payload` cuts the tokens."""
+        arrays = self.sample_arrays(step, microbatch)
+        if self.cp_size == 1:
+            return arrays
+        assert self.chunks is not None
+        tokens, mask, docs = (
+            None if a is None else np.stack([a[:, x : y + 1] for x, y in self.chunks], axis=1)
+            for a in arrays
+        )  # (mbs, 2, c + 1) each
+        assert tokens is not None
+        return tokens, mask, docs
+
     def payload(self, step: int, microbatch: int) -> np.ndarray:
         """The token ids the data service sends for this rank's micro-batch.
 
@@ -269,19 +316,22 @@ class LocalBatchSource:
             A Batch of shape (micro_batch_size, seq_length // cp_size): the full batch's columns
             at `context_positions(seq_length, cp_rank, cp_size)`.
         """
-        if self.cp_size == 1:
-            return batch_from_samples(
-                self.samples(step, microbatch), step, microbatch, self.options
-            )
-        if self.options.per_document:
-            # document ids and positions count the EODs of the whole sample, before the chunks
+        if self.cp_size == 1 or self.options.per_document:
+            tokens, mask, docs = self.sample_arrays(step, microbatch)
             full = batch_from_samples(
-                self.samples(step, microbatch), step, microbatch, self.options
+                tokens, step, microbatch, self.options, token_mask=mask, document_ids=docs
             )
+            if self.cp_size == 1:
+                return full
+            # document ids and positions count the documents of the whole sample, before the
+            # chunks: a rank's chunks do not show where the documents before them started
             return select_columns(
                 full, context_positions(full.tokens.shape[1], self.cp_rank, self.cp_size)
             )
-        return batch_from_segments(self.payload(step, microbatch), step, microbatch, self.options)
+        tokens, mask, docs = self.payload_arrays(step, microbatch)
+        return batch_from_segments(
+            tokens, step, microbatch, self.options, token_mask=mask, document_ids=docs
+        )
 
     def micro_batches(self, step: int) -> list[Batch]:
         """All of this rank's micro-batches for one step, in order.
@@ -295,8 +345,18 @@ class LocalBatchSource:
         return [self.get(step, m) for m in range(self.num_micro_batches)]
 
 
+def document_id_dtype(seq_length: int) -> np.dtype:
+    """The dtype of packed samples' document ids (at most seq_length + 2 of them)."""
+    return np.dtype(np.uint16 if seq_length + 2 <= np.iinfo(np.uint16).max else np.int32)
+
+
 def batch_from_samples(
-    samples: np.ndarray, step: int, microbatch: int, options: BatchOptions | None = None
+    samples: np.ndarray,
+    step: int,
+    microbatch: int,
+    options: BatchOptions | None = None,
+    token_mask: np.ndarray | None = None,
+    document_ids: np.ndarray | None = None,
 ) -> Batch:
     """Split (mbs, seq + 1) samples into a Batch of inputs and next-token labels.
 
@@ -305,19 +365,39 @@ def batch_from_samples(
         step: global batch index.
         microbatch: micro-batch index within the step.
         options: EOD loss masking and document ids (default: neither).
+        token_mask: packed SFT samples' (micro_batch_size, seq_length + 1) mask, 1 where the
+            token is an assistant token; label position t counts iff token t + 1 is one.
+        document_ids: packed SFT samples' (micro_batch_size, seq_length + 1) document ids.
 
     Returns:
-        A Batch with int64 tokens/labels, a float32 loss mask (ones unless EOD is masked) and,
-        if asked, document ids; all (micro_batch_size, seq_length).
+        A Batch with int64 tokens/labels, a float32 loss mask (ones, or the shifted token mask,
+        times EOD masking if asked) and document ids (the given ones, else from EODs if asked);
+        all (micro_batch_size, seq_length).
     """
     import torch
 
     t = torch.from_numpy(np.asarray(samples, dtype=np.int64))  # (mbs, seq + 1) int64
-    return _batch(t[:, :-1].contiguous(), t[:, 1:].contiguous(), step, microbatch, options)
+    label_mask = None if token_mask is None else _tensor(token_mask)[:, 1:]
+    docs = None if document_ids is None else _tensor(document_ids)[:, :-1]
+    return _batch(
+        t[:, :-1].contiguous(), t[:, 1:].contiguous(), step, microbatch, options, label_mask, docs
+    )
+
+
+def _tensor(a: np.ndarray):
+    """A uint8 mask or document ids as an int32 tensor (torch has no uint16 arithmetic)."""
+    import torch
+
+    return torch.from_numpy(np.asarray(a, dtype=np.int32))
 
 
 def batch_from_segments(
-    segments: np.ndarray, step: int, microbatch: int, options: BatchOptions | None = None
+    segments: np.ndarray,
+    step: int,
+    microbatch: int,
+    options: BatchOptions | None = None,
+    token_mask: np.ndarray | None = None,
+    document_ids: np.ndarray | None = None,
 ) -> Batch:
     """A context-parallel rank's Batch from its chunks of the samples, each with its next token.
 
@@ -326,8 +406,10 @@ def batch_from_segments(
             is the samples' tokens [a_k, b_k + 1) (`LocalBatchSource.payload`).
         step: global batch index.
         microbatch: micro-batch index within the step.
-        options: EOD loss masking (document ids and positions are refused: a chunk does not
-            show the EODs before it).
+        options: EOD loss masking (document ids counted from EODs, and positions, are
+            refused: a chunk does not show the EODs before it).
+        token_mask, document_ids: packed SFT samples' mask and document ids, cut into the same
+            (micro_batch_size, n_chunks, c + 1) chunks.
 
     Returns:
         A Batch whose tokens/labels/loss mask, (micro_batch_size, n_chunks * c), are the chunks'
@@ -336,33 +418,54 @@ def batch_from_segments(
     """
     import torch
 
-    if options is not None and options.per_document:
+    if options is not None and (
+        options.position_ids or (options.document_ids and document_ids is None)
+    ):
         raise DataError(
-            "document ids and positions are not computed from a context-parallel rank's chunks: "
-            "they count the EODs of the whole sample (`select_columns` of the full batch)"
+            "document ids counted from EODs, and positions, are not computed from a "
+            "context-parallel rank's chunks: they need the whole sample (`select_columns` of "
+            "the full batch)"
         )
     t = torch.from_numpy(np.asarray(segments, dtype=np.int64))  # (mbs, n_chunks, c + 1) int64
     mbs = t.shape[0]
     tokens = t[:, :, :-1].reshape(mbs, -1)  # (mbs, n_chunks * c), a copy: chunks are not contiguous
     labels = t[:, :, 1:].reshape(mbs, -1)  # (mbs, n_chunks * c)
-    return _batch(tokens, labels, step, microbatch, options)
+    label_mask = None if token_mask is None else _tensor(token_mask)[:, :, 1:].reshape(mbs, -1)
+    docs = None if document_ids is None else _tensor(document_ids)[:, :, :-1].reshape(mbs, -1)
+    return _batch(tokens, labels, step, microbatch, options, label_mask, docs)
 
 
-def _batch(tokens, labels, step: int, microbatch: int, options: BatchOptions | None) -> Batch:
-    """A Batch of int64 (mbs, seq) inputs and labels, with its loss mask and document ids."""
+def _batch(
+    tokens,
+    labels,
+    step: int,
+    microbatch: int,
+    options: BatchOptions | None,
+    label_mask=None,
+    document_ids=None,
+) -> Batch:
+    """A Batch of int64 (mbs, seq) inputs and labels, with its loss mask and document ids
+    (`label_mask`, `document_ids`: packed SFT data's, already aligned with the labels/inputs)."""
     import torch
 
-    loss_mask = torch.ones(tokens.shape, dtype=torch.float32)
-    document_ids = position_ids = None
+    if label_mask is None:
+        loss_mask = torch.ones(tokens.shape, dtype=torch.float32)
+    else:
+        loss_mask = label_mask.to(torch.float32)  # (mbs, seq), a new tensor
+    if document_ids is not None:
+        document_ids = document_ids.contiguous()  # int32; explicit ids beat EOD counting
+    position_ids = None
     if options is not None and options.eod_id is not None:
         is_eod = tokens == options.eod_id  # (mbs, seq)
         if options.mask_eod_loss:
             loss_mask[is_eod] = 0.0
         if options.per_document:
-            # a document starts after each EOD: count the EODs strictly before each position
-            ends = torch.cumsum(is_eod, dim=1, dtype=torch.int32)  # (mbs, seq)
-            ids = ends - is_eod.to(torch.int32)
-            document_ids = ids if options.document_ids else None
+            ids = document_ids
+            if ids is None:
+                # a document starts after each EOD: count the EODs strictly before each position
+                ends = torch.cumsum(is_eod, dim=1, dtype=torch.int32)  # (mbs, seq)
+                ids = ends - is_eod.to(torch.int32)
+                document_ids = ids if options.document_ids else None
             if options.position_ids:
                 position_ids = document_positions(ids)
     return Batch(

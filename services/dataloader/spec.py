@@ -1,9 +1,11 @@
 """Which samples a job trains on, as one value: `DatasetSpec`, and `open_dataset` to build them.
 
 A spec names the dataset prefixes and their blending weights, the train/valid/test split, which
-split, `seq_length`, `num_samples`, the seed and the recipe of the sample order (`sample_order`:
-meshtrain's, or Megatron's GPTDataset bit for bit). It is all a data worker needs to reproduce a
-stream bit for bit, so the trainer sends it over the wire and the in-process path uses it too.
+split, `seq_length`, `num_samples`, the seed, the recipe of the sample order (`sample_order`:
+meshtrain's, or Megatron's GPTDataset bit for bit) and the `format`: pretraining samples, or
+SFT conversations packed whole with their loss masks (`packing.py`). It is all a data worker
+needs to reproduce a stream bit for bit, so the trainer sends it over the wire and the
+in-process path uses it too.
 `parse_data_path` reads Megatron's `--data-path` convention: either one or more prefixes (equal
 weights), or alternating `WEIGHT PREFIX` pairs.
 
@@ -31,6 +33,7 @@ from meshtrain.services.dataloader.blend import (
 )
 from meshtrain.services.dataloader.index_cache import IndexCache, is_cached
 from meshtrain.services.dataloader.indexed import IndexedDataset, is_remote, local_path
+from meshtrain.services.dataloader.packing import SFTDataset
 from meshtrain.services.dataloader.samples import (
     GPTDataset,
     check_sample_order,
@@ -40,8 +43,10 @@ from meshtrain.services.dataloader.samples import (
     megatron_total_samples,
     split_ranges,
 )
+from meshtrain.services.dataloader.sft_data import open_sft_parts
 
 SPLITS = ("train", "valid", "test")
+FORMATS = ("gpt", "sft")
 INDEX_CACHE_DIR = ".meshtrain-index"
 
 
@@ -113,6 +118,9 @@ class DatasetSpec:
     sample_order: str = "meshtrain"
     """"meshtrain" or "megatron" (megatron-core GPTDataset's indices, bit for bit; see
     `samples.GPTDataset`)."""
+    format: str = "gpt"
+    """"gpt": pretraining samples that cross documents (`samples.GPTDataset`); "sft": whole
+    conversations packed with their loss masks (`packing.SFTDataset`; SFT datasets only)."""
 
     @classmethod
     def from_data_path(cls, data_path: list[str], **kw) -> "DatasetSpec":
@@ -138,6 +146,13 @@ class DatasetSpec:
             raise DataError(f"split_name {self.split_name!r} is not one of {SPLITS}")
         split_ranges(1_000_000, self.split)  # validates the split string's syntax
         check_sample_order(self.sample_order)
+        if self.format not in FORMATS:
+            raise DataError(f"format={self.format!r} is not one of {FORMATS}")
+        if self.format == "sft" and self.sample_order != "meshtrain":
+            raise DataError(
+                f"sample_order={self.sample_order!r} is a pretraining order; SFT packing has its "
+                "own (give sample_order 'meshtrain' with format 'sft')"
+            )
 
 
 def index_cache_dir(prefix: str) -> str:
@@ -191,7 +206,7 @@ def open_dataset(
     max_index_bytes: int | None = None,
     budget: MemoryBudget | None = None,
     index_cache: IndexCache | None = None,
-) -> GPTDataset | BlendedDataset:
+) -> GPTDataset | SFTDataset | BlendedDataset:
     """Open the datasets a spec names and build (or load cached) sample indices.
 
     Args:
@@ -207,12 +222,15 @@ def open_dataset(
             beside the datasets (a data worker's: clients choose what it builds).
 
     Returns:
-        A GPTDataset for one prefix, else a BlendedDataset of one GPTDataset per prefix. With
+        A GPTDataset for one prefix (an SFTDataset with format "sft"), else a BlendedDataset of
+        one per prefix. With
         `sample_order` "megatron" each GPTDataset is Megatron's for the samples asked of it (the
         split counts sequences, Megatron's unit); a blend still interleaves them in meshtrain's
         order.
     """
     spec.validate()
+    if spec.format == "sft":
+        return _open_sft(spec, cache, max_index_bytes, budget, index_cache)
 
     def cache_for(prefix: str) -> IndexCache | str | None:
         if not cache:
@@ -303,6 +321,80 @@ def open_dataset(
             )
         if len(parts) == 1:
             assert parts[0] is not None  # a lone dataset's weight is positive: it is opened
+            return parts[0]
+        return BlendedDataset(
+            parts,
+            weights,
+            spec.num_samples,
+            name=spec.split_name,
+            cache_dir=cache_for(spec.prefixes[0]),
+        )
+
+
+def _open_sft(
+    spec: DatasetSpec,
+    cache: bool,
+    max_index_bytes: int | None,
+    budget: MemoryBudget | None,
+    index_cache: IndexCache | None,
+) -> SFTDataset | BlendedDataset:
+    """`open_dataset` for format "sft": an SFTDataset per prefix, blended when several."""
+
+    def cache_for(prefix: str) -> IndexCache | str | None:
+        if not cache:
+            return None
+        return index_cache if index_cache is not None else index_cache_dir(prefix)
+
+    split = SPLITS.index(spec.split_name)
+    weights = normalize_weights(spec.weights)
+    needs = (
+        [spec.num_samples] if len(spec.prefixes) == 1 else samples_needed(weights, spec.num_samples)
+    )
+    opened: list[tuple[IndexedDataset, IndexedDataset, dict, int, int] | None] = []
+    need_bytes = 0
+    for prefix, need in zip(spec.prefixes, needs):
+        if need == 0:
+            opened.append(None)
+            continue
+        tokens, mask, meta = open_sft_parts(prefix)
+        begin, end = split_ranges(tokens.num_documents, spec.split)[split]
+        if end <= begin:
+            raise DataError(
+                f"{prefix}: split {spec.split!r} leaves the {spec.split_name} split of its "
+                f"{tokens.num_documents} conversations empty"
+            )
+        opened.append((tokens, mask, meta, begin, end))
+        # a conversation id (8 bytes) per epoch slot, the pointers and the shuffle per sample
+        tokens_in = int(tokens.sequence_lengths[begin:end].sum(dtype=np.int64))
+        epochs = 1 + need * (spec.seq_length + 1) // max(tokens_in, 1)
+        need_bytes += 24 * epochs * (end - begin) + 24 * need
+    if max_index_bytes is not None and need_bytes > max_index_bytes:
+        raise DataError(
+            f"num_samples={spec.num_samples} of packed SFT sequences needs about "
+            f"{_gib(need_bytes)} of index to build, over the limit of {_gib(max_index_bytes)}"
+        )
+    with budget.hold(need_bytes) if budget is not None else nullcontext():
+        parts: list[SFTDataset | None] = []
+        for prefix, need, part in zip(spec.prefixes, needs, opened):
+            if part is None:
+                parts.append(None)
+                continue
+            tokens, mask, meta, begin, end = part
+            parts.append(
+                SFTDataset(
+                    tokens,
+                    mask,
+                    np.arange(begin, end, dtype=np.int64),
+                    spec.seq_length,
+                    need,
+                    spec.seed,
+                    pad_id=int(meta["eod_id"]),
+                    name=spec.split_name,
+                    cache_dir=cache_for(prefix),
+                )
+            )
+        if len(parts) == 1:
+            assert parts[0] is not None
             return parts[0]
         return BlendedDataset(
             parts,

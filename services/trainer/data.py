@@ -7,6 +7,8 @@ kinds of source have the same `micro_batches(step)` / `num_micro_batches` interf
 `LocalBatchSource` reading the files in this process, or, when `data.service_addresses` is
 set, a `ServiceBatchSource` streaming the same batches, bit for bit, from DataService
 workers. Batches are a pure function of (dataset spec, seed, step), which makes resume exact.
+With `data.format = "sft"` the prefixes are chat datasets (checked against the tokenizer), whose
+batches carry the assistant-only loss mask and the document ids of their packed conversations.
 From the service, the ranks that pull are spread over the workers by their `spread` slot, and
 a tensor-parallel group pulls once: its first rank reads and shares (`GroupSharedSource`).
 With `data.format = "multimodal"` the sources are image-text records (`dataloader/vision/`) and
@@ -19,10 +21,11 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshtrain.services.common.errors import ConfigError
+from meshtrain.services.common.errors import ConfigError, DataError
 from meshtrain.services.common.security import ClientSecurity
 from meshtrain.services.dataloader.loader import BatchOptions, LocalBatchSource
 from meshtrain.services.dataloader.preprocess import prepare_default_dataset
+from meshtrain.services.dataloader.sft_data import check_sft_tokenizer, read_sft_meta
 from meshtrain.services.dataloader.spec import DatasetSpec, open_dataset, parse_data_path
 from meshtrain.services.dataloader.tokenizers.base import absolute_spec, build_tokenizer
 from meshtrain.services.dataloader.vision.dataset import (
@@ -171,6 +174,12 @@ def _dataset(job: JobConfig) -> tuple[list[str], list[float], str, int, int]:
         tokenizer_spec = d.tokenizer
         tok = build_tokenizer(tokenizer_spec)
         vocab_size, eod_id = tok.vocab_size, tok.eod_id
+        if d.format == "sft":
+            for prefix in prefixes:  # a mask made with another tokenizer marks the wrong tokens
+                try:
+                    check_sft_tokenizer(read_sft_meta(prefix), tok, prefix)
+                except DataError as e:
+                    raise ConfigError(f"data.data_path: {e}") from None
     else:
         default = prepare_default_dataset(
             Path(d.cache_dir),
@@ -285,6 +294,7 @@ def build_data(
                 split=d.split,
                 split_name=split_name,
                 sample_order=d.sample_order,
+                format=d.format,
             ),
             t.micro_batch_size,
             batch,

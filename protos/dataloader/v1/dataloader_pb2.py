@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n/meshtrain/protos/dataloader/v1/dataloader.proto\x12\x17meshtrain.dataloader.v1\"\xa0\x01\n\x0b\x44\x61tasetSpec\x12\x10\n\x08prefixes\x18\x01 \x03(\t\x12\x0f\n\x07weights\x18\x02 \x03(\x01\x12\x12\n\nseq_length\x18\x03 \x01(\r\x12\x13\n\x0bnum_samples\x18\x04 \x01(\x04\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\r\n\x05split\x18\x06 \x01(\t\x12\x12\n\nsplit_name\x18\x07 \x01(\t\x12\x14\n\x0csample_order\x18\x08 \x01(\t\"\xac\x02\n\x0eMultimodalSpec\x12\r\n\x05paths\x18\x01 \x03(\t\x12\x11\n\ttokenizer\x18\x02 \x01(\t\x12\x12\n\nseq_length\x18\x03 \x01(\r\x12\x13\n\x0bnum_samples\x18\x04 \x01(\x04\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x16\n\x0eimage_token_id\x18\x06 \x01(\x03\x12\x18\n\x10tokens_per_image\x18\x07 \x01(\r\x12\x12\n\nimage_size\x18\x08 \x01(\r\x12\x13\n\x0bresize_mode\x18\t \x01(\t\x12\x15\n\rnormalization\x18\n \x01(\t\x12\x12\n\nwire_dtype\x18\x0b \x01(\t\x12\x18\n\x10\x62\x61\x64_image_policy\x18\x0c \x01(\t\x12\r\n\x05split\x18\r \x01(\t\x12\x12\n\nsplit_name\x18\x0e \x01(\t\"\xb9\x02\n\rStreamRequest\x12\x32\n\x04spec\x18\x01 \x01(\x0b\x32$.meshtrain.dataloader.v1.DatasetSpec\x12;\n\nmultimodal\x18\x0b \x01(\x0b\x32\'.meshtrain.dataloader.v1.MultimodalSpec\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x0f\n\x07\x64p_size\x18\x03 \x01(\r\x12\x18\n\x10micro_batch_size\x18\x04 \x01(\r\x12\x19\n\x11global_batch_size\x18\x05 \x01(\r\x12\x12\n\nstart_step\x18\x06 \x01(\x04\x12\x18\n\x10start_microbatch\x18\x07 \x01(\r\x12\x10\n\x08\x65nd_step\x18\x08 \x01(\x04\x12\x0f\n\x07\x63p_rank\x18\t \x01(\r\x12\x0f\n\x07\x63p_size\x18\n \x01(\r\"\xac\x01\n\nMicroBatch\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x12\n\nmicrobatch\x18\x02 \x01(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x04\x12\x0f\n\x07samples\x18\x05 \x01(\x0c\x12\x11\n\tloss_mask\x18\x06 \x01(\x0c\x12\x14\n\x0cimages_dtype\x18\x07 \x01(\t\x12\x14\n\x0cimages_shape\x18\x08 \x03(\x04\x12\x0e\n\x06images\x18\t \x01(\x0c\"k\n\x10\x44\x65scribeResponse\x12\x13\n\x0bnum_samples\x18\x01 \x01(\x04\x12\x11\n\tnum_steps\x18\x02 \x01(\x04\x12\x19\n\x11num_micro_batches\x18\x03 \x01(\r\x12\x14\n\x0csample_order\x18\x04 \x01(\t2\xcc\x01\n\x0b\x44\x61taService\x12^\n\rStreamBatches\x12&.meshtrain.dataloader.v1.StreamRequest\x1a#.meshtrain.dataloader.v1.MicroBatch0\x01\x12]\n\x08\x44\x65scribe\x12&.meshtrain.dataloader.v1.StreamRequest\x1a).meshtrain.dataloader.v1.DescribeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n/meshtrain/protos/dataloader/v1/dataloader.proto\x12\x17meshtrain.dataloader.v1\"\xb0\x01\n\x0b\x44\x61tasetSpec\x12\x10\n\x08prefixes\x18\x01 \x03(\t\x12\x0f\n\x07weights\x18\x02 \x03(\x01\x12\x12\n\nseq_length\x18\x03 \x01(\r\x12\x13\n\x0bnum_samples\x18\x04 \x01(\x04\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\r\n\x05split\x18\x06 \x01(\t\x12\x12\n\nsplit_name\x18\x07 \x01(\t\x12\x14\n\x0csample_order\x18\x08 \x01(\t\x12\x0e\n\x06\x66ormat\x18\t \x01(\t\"\xac\x02\n\x0eMultimodalSpec\x12\r\n\x05paths\x18\x01 \x03(\t\x12\x11\n\ttokenizer\x18\x02 \x01(\t\x12\x12\n\nseq_length\x18\x03 \x01(\r\x12\x13\n\x0bnum_samples\x18\x04 \x01(\x04\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x16\n\x0eimage_token_id\x18\x06 \x01(\x03\x12\x18\n\x10tokens_per_image\x18\x07 \x01(\r\x12\x12\n\nimage_size\x18\x08 \x01(\r\x12\x13\n\x0bresize_mode\x18\t \x01(\t\x12\x15\n\rnormalization\x18\n \x01(\t\x12\x12\n\nwire_dtype\x18\x0b \x01(\t\x12\x18\n\x10\x62\x61\x64_image_policy\x18\x0c \x01(\t\x12\r\n\x05split\x18\r \x01(\t\x12\x12\n\nsplit_name\x18\x0e \x01(\t\"\xb9\x02\n\rStreamRequest\x12\x32\n\x04spec\x18\x01 \x01(\x0b\x32$.meshtrain.dataloader.v1.DatasetSpec\x12;\n\nmultimodal\x18\x0b \x01(\x0b\x32\'.meshtrain.dataloader.v1.MultimodalSpec\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x0f\n\x07\x64p_size\x18\x03 \x01(\r\x12\x18\n\x10micro_batch_size\x18\x04 \x01(\r\x12\x19\n\x11global_batch_size\x18\x05 \x01(\r\x12\x12\n\nstart_step\x18\x06 \x01(\x04\x12\x18\n\x10start_microbatch\x18\x07 \x01(\r\x12\x10\n\x08\x65nd_step\x18\x08 \x01(\x04\x12\x0f\n\x07\x63p_rank\x18\t \x01(\r\x12\x0f\n\x07\x63p_size\x18\n \x01(\r\"\x96\x02\n\nMicroBatch\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x12\n\nmicrobatch\x18\x02 \x01(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x04\x12\x0f\n\x07samples\x18\x05 \x01(\x0c\x12\x11\n\tloss_mask\x18\x06 \x01(\x0c\x12\x14\n\x0cimages_dtype\x18\x07 \x01(\t\x12\x14\n\x0cimages_shape\x18\x08 \x03(\x04\x12\x0e\n\x06images\x18\t \x01(\x0c\x12\x32\n\ntoken_mask\x18\n \x01(\x0b\x32\x1e.meshtrain.dataloader.v1.Array\x12\x34\n\x0c\x64ocument_ids\x18\x0b \x01(\x0b\x32\x1e.meshtrain.dataloader.v1.Array\"3\n\x05\x41rray\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"{\n\x10\x44\x65scribeResponse\x12\x13\n\x0bnum_samples\x18\x01 \x01(\x04\x12\x11\n\tnum_steps\x18\x02 \x01(\x04\x12\x19\n\x11num_micro_batches\x18\x03 \x01(\r\x12\x14\n\x0csample_order\x18\x04 \x01(\t\x12\x0e\n\x06\x66ormat\x18\x05 \x01(\t2\xcc\x01\n\x0b\x44\x61taService\x12^\n\rStreamBatches\x12&.meshtrain.dataloader.v1.StreamRequest\x1a#.meshtrain.dataloader.v1.MicroBatch0\x01\x12]\n\x08\x44\x65scribe\x12&.meshtrain.dataloader.v1.StreamRequest\x1a).meshtrain.dataloader.v1.DescribeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,15 +32,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'meshtrain.protos.dataloader
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DATASETSPEC']._serialized_start=77
-  _globals['_DATASETSPEC']._serialized_end=237
-  _globals['_MULTIMODALSPEC']._serialized_start=240
-  _globals['_MULTIMODALSPEC']._serialized_end=540
-  _globals['_STREAMREQUEST']._serialized_start=543
-  _globals['_STREAMREQUEST']._serialized_end=856
-  _globals['_MICROBATCH']._serialized_start=859
-  _globals['_MICROBATCH']._serialized_end=1031
-  _globals['_DESCRIBERESPONSE']._serialized_start=1033
-  _globals['_DESCRIBERESPONSE']._serialized_end=1140
-  _globals['_DATASERVICE']._serialized_start=1143
-  _globals['_DATASERVICE']._serialized_end=1347
+  _globals['_DATASETSPEC']._serialized_end=253
+  _globals['_MULTIMODALSPEC']._serialized_start=256
+  _globals['_MULTIMODALSPEC']._serialized_end=556
+  _globals['_STREAMREQUEST']._serialized_start=559
+  _globals['_STREAMREQUEST']._serialized_end=872
+  _globals['_MICROBATCH']._serialized_start=875
+  _globals['_MICROBATCH']._serialized_end=1153
+  _globals['_ARRAY']._serialized_start=1155
+  _globals['_ARRAY']._serialized_end=1206
+  _globals['_DESCRIBERESPONSE']._serialized_start=1208
+  _globals['_DESCRIBERESPONSE']._serialized_end=1331
+  _globals['_DATASERVICE']._serialized_start=1334
+  _globals['_DATASERVICE']._serialized_end=1538
 # @@protoc_insertion_point(module_scope)

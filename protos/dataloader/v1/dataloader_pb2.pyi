@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DatasetSpec(_message.Message):
-    __slots__ = ("prefixes", "weights", "seq_length", "num_samples", "seed", "split", "split_name", "sample_order")
+    __slots__ = ("prefixes", "weights", "seq_length", "num_samples", "seed", "split", "split_name", "sample_order", "format")
     PREFIXES_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     SEQ_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class DatasetSpec(_message.Message):
     SPLIT_FIELD_NUMBER: _ClassVar[int]
     SPLIT_NAME_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_ORDER_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
     prefixes: _containers.RepeatedScalarFieldContainer[str]
     weights: _containers.RepeatedScalarFieldContainer[float]
     seq_length: int
@@ -24,7 +25,8 @@ class DatasetSpec(_message.Message):
     split: str
     split_name: str
     sample_order: str
-    def __init__(self, prefixes: _Optional[_Iterable[str]] = ..., weights: _Optional[_Iterable[float]] = ..., seq_length: _Optional[int] = ..., num_samples: _Optional[int] = ..., seed: _Optional[int] = ..., split: _Optional[str] = ..., split_name: _Optional[str] = ..., sample_order: _Optional[str] = ...) -> None: ...
+    format: str
+    def __init__(self, prefixes: _Optional[_Iterable[str]] = ..., weights: _Optional[_Iterable[float]] = ..., seq_length: _Optional[int] = ..., num_samples: _Optional[int] = ..., seed: _Optional[int] = ..., split: _Optional[str] = ..., split_name: _Optional[str] = ..., sample_order: _Optional[str] = ..., format: _Optional[str] = ...) -> None: ...
 
 class MultimodalSpec(_message.Message):
     __slots__ = ("paths", "tokenizer", "seq_length", "num_samples", "seed", "image_token_id", "tokens_per_image", "image_size", "resize_mode", "normalization", "wire_dtype", "bad_image_policy", "split", "split_name")
@@ -85,7 +87,7 @@ class StreamRequest(_message.Message):
     def __init__(self, spec: _Optional[_Union[DatasetSpec, _Mapping]] = ..., multimodal: _Optional[_Union[MultimodalSpec, _Mapping]] = ..., dp_rank: _Optional[int] = ..., dp_size: _Optional[int] = ..., micro_batch_size: _Optional[int] = ..., global_batch_size: _Optional[int] = ..., start_step: _Optional[int] = ..., start_microbatch: _Optional[int] = ..., end_step: _Optional[int] = ..., cp_rank: _Optional[int] = ..., cp_size: _Optional[int] = ...) -> None: ...
 
 class MicroBatch(_message.Message):
-    __slots__ = ("step", "microbatch", "dtype", "shape", "samples", "loss_mask", "images_dtype", "images_shape", "images")
+    __slots__ = ("step", "microbatch", "dtype", "shape", "samples", "loss_mask", "images_dtype", "images_shape", "images", "token_mask", "document_ids")
     STEP_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +97,8 @@ class MicroBatch(_message.Message):
     IMAGES_DTYPE_FIELD_NUMBER: _ClassVar[int]
     IMAGES_SHAPE_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_MASK_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENT_IDS_FIELD_NUMBER: _ClassVar[int]
     step: int
     microbatch: int
     dtype: str
@@ -104,16 +108,30 @@ class MicroBatch(_message.Message):
     images_dtype: str
     images_shape: _containers.RepeatedScalarFieldContainer[int]
     images: bytes
-    def __init__(self, step: _Optional[int] = ..., microbatch: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., samples: _Optional[bytes] = ..., loss_mask: _Optional[bytes] = ..., images_dtype: _Optional[str] = ..., images_shape: _Optional[_Iterable[int]] = ..., images: _Optional[bytes] = ...) -> None: ...
+    token_mask: Array
+    document_ids: Array
+    def __init__(self, step: _Optional[int] = ..., microbatch: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., samples: _Optional[bytes] = ..., loss_mask: _Optional[bytes] = ..., images_dtype: _Optional[str] = ..., images_shape: _Optional[_Iterable[int]] = ..., images: _Optional[bytes] = ..., token_mask: _Optional[_Union[Array, _Mapping]] = ..., document_ids: _Optional[_Union[Array, _Mapping]] = ...) -> None: ...
+
+class Array(_message.Message):
+    __slots__ = ("dtype", "shape", "data")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("num_samples", "num_steps", "num_micro_batches", "sample_order")
+    __slots__ = ("num_samples", "num_steps", "num_micro_batches", "sample_order", "format")
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     NUM_MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_ORDER_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
     num_samples: int
     num_steps: int
     num_micro_batches: int
     sample_order: str
-    def __init__(self, num_samples: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_micro_batches: _Optional[int] = ..., sample_order: _Optional[str] = ...) -> None: ...
+    format: str
+    def __init__(self, num_samples: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_micro_batches: _Optional[int] = ..., sample_order: _Optional[str] = ..., format: _Optional[str] = ...) -> None: ...

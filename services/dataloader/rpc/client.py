@@ -63,6 +63,7 @@ from meshtrain.services.dataloader.loader import (
     batch_from_samples,
     batch_from_segments,
     context_chunks,
+    document_id_dtype,
 )
 from meshtrain.services.dataloader.rpc.discovery import check_address, resolve_workers
 from meshtrain.services.dataloader.rpc.multimodal import (
@@ -192,12 +193,17 @@ class ServiceBatchSource:
                 )
             check_batch_bytes(spec, micro_batch_size)  # type: ignore[arg-type]
         self.chunks = context_chunks(spec.seq_length, cp_rank, cp_size)  # raises on bad cp values
-        if cp_size > 1 and options is not None and options.per_document:
+        sft = getattr(spec, "format", "gpt") == "sft"  # packed SFT data sends its ids
+        if (
+            cp_size > 1
+            and options is not None
+            and (options.position_ids or (options.document_ids and not sft))
+        ):
             raise DataError(
                 f"document ids and positions (data.reset_attention_mask, "
                 f"data.reset_position_ids) are not served from the data service under context "
                 f"parallelism (cp_size={cp_size}): it sends a rank only its chunks, which do not "
-                f"show the EODs before them; read the data in-process"
+                f"show the documents before them; read the data in-process"
             )
         for address in addresses:
             check_address(address)  # a malformed target fails here, not at the first attempt
@@ -309,6 +315,35 @@ class ServiceBatchSource:
             )
         return np.frombuffer(msg.samples, dtype=dtype.newbyteorder("<")).reshape(want)
 
+    def _sft_arrays(
+        self, msg: pb.MicroBatch, address: str
+    ) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """(token mask, document ids) of an SFT message, checked like its samples; (None, None)
+        for pretraining data, whose messages must carry neither."""
+        where = f"worker {address} sent step {msg.step} micro-batch {msg.microbatch}"
+        has = msg.HasField("token_mask"), msg.HasField("document_ids")
+        fmt = getattr(self.spec, "format", "multimodal")  # a MultimodalSpec has no format
+        if fmt != "sft":
+            if any(has):
+                raise DataError(f"{where} with an SFT loss mask, for format {fmt!r}")
+            return None, None
+        if not all(has):
+            raise DataError(f"{where} without its loss mask and document ids (format 'sft')")
+        want_doc = document_id_dtype(self.spec.seq_length)
+        return (
+            self._array(msg.token_mask, np.dtype(np.uint8), f"{where}: token_mask"),
+            self._array(msg.document_ids, want_doc, f"{where}: document_ids"),
+        )
+
+    def _array(self, a: pb.Array, dtype: np.dtype, where: str) -> np.ndarray:
+        """An Array message as `payload_shape` values of `dtype`, or a DataError saying why not."""
+        want = self.payload_shape
+        if a.dtype != dtype.name or tuple(a.shape) != want:
+            raise DataError(f"{where} is {a.dtype} {tuple(a.shape)}, expected {dtype.name} {want}")
+        if len(a.data) != int(np.prod(want)) * dtype.itemsize:
+            raise DataError(f"{where} has {len(a.data)} bytes for {want} {dtype.name}")
+        return np.frombuffer(a.data, dtype=dtype.newbyteorder("<")).reshape(want)
+
     @staticmethod
     def _put(q: queue.Queue, item, stop: threading.Event) -> bool:
         return put_unless_stopped(q, item, stop)
@@ -373,6 +408,15 @@ class ServiceBatchSource:
                         f"{info.sample_order or 'meshtrain'!r}, not the {self.spec.sample_order!r} "
                         f"this run asks for: upgrade it"
                     )
+                if (
+                    isinstance(self.spec, DatasetSpec)
+                    and (info.format or "gpt") != self.spec.format
+                ):
+                    # a worker older than the field would serve pretraining samples, no masks
+                    raise DataError(
+                        f"data worker {address} serves format {info.format or 'gpt'!r}, not the "
+                        f"{self.spec.format!r} this run asks for: upgrade it"
+                    )
                 if failing_since is not None:  # opening is not a stall
                     failing_since += time.monotonic() - opened_since
                 call = self._stub(address).StreamBatches(self._request(*pos))
@@ -389,7 +433,8 @@ class ServiceBatchSource:
                             f"worker {address} sent step {msg.step} micro-batch "
                             f"{msg.microbatch}, expected {pos}"
                         )
-                    samples = self._samples(msg, address)  # (mbs, seq + 1) or (mbs, 2, c + 1)
+                    # (mbs, seq + 1) or (mbs, 2, c + 1); SFT's mask and document ids alike
+                    samples = self._samples(msg, address), *self._sft_arrays(msg, address)
                     if not self._put(q, (pos, samples), stop):
                         return
                     pos = (pos[0] + 1, 0) if pos[1] + 1 == nmb else (pos[0], pos[1] + 1)
@@ -563,10 +608,10 @@ class ServiceBatchSource:
             (pos[0] + 1, 0) if pos[1] + 1 == self.num_micro_batches else (pos[0], pos[1] + 1)
         )
         if isinstance(self.spec, MultimodalSpec):
-            return batch_from_payload(samples, pos[0], pos[1], self.spec)
-        if self.cp_size == 1:
-            return batch_from_samples(samples, pos[0], pos[1], self.options)
-        return batch_from_segments(samples, pos[0], pos[1], self.options)
+            return batch_from_payload(samples[0], pos[0], pos[1], self.spec)
+        tokens, mask, docs = samples
+        make = batch_from_samples if self.cp_size == 1 else batch_from_segments
+        return make(tokens, pos[0], pos[1], self.options, token_mask=mask, document_ids=docs)
 
     def micro_batches(self, step: int) -> list[Batch]:
         """All of this rank's micro-batches for one step, in order.

@@ -63,7 +63,6 @@ from meshtrain.services.dataloader.spec import (
 )
 from meshtrain.services.dataloader.vision.dataset import (
     MultimodalBatchSource,
-    MultimodalPayload,
     MultimodalSpec,
     open_multimodal,
 )
@@ -212,6 +211,7 @@ def spec_from_proto(
         split=m.split or "969,30,1",
         split_name=m.split_name or "train",
         sample_order=m.sample_order or "meshtrain",
+        format=m.format or "gpt",
     )
     spec.validate()
     return spec
@@ -238,7 +238,14 @@ def spec_to_proto(spec: DatasetSpec) -> pb.DatasetSpec:
         split=spec.split,
         split_name=spec.split_name,
         sample_order=spec.sample_order,
+        format=spec.format,
     )
+
+
+def array_to_proto(a: np.ndarray) -> pb.Array:
+    """An array's message: little-endian bytes, dtype name and shape."""
+    a = a.astype(a.dtype.newbyteorder("<"), copy=False)
+    return pb.Array(dtype=a.dtype.name, shape=list(a.shape), data=a.tobytes())
 
 
 class DataServicer(pb_grpc.DataServiceServicer):
@@ -380,7 +387,8 @@ class DataServicer(pb_grpc.DataServiceServicer):
             )
         # a message's tokens: the whole sample, or two chunks of seq/(2 cp) each with its next token
         row = spec.seq_length + 1 if cp_size == 1 else spec.seq_length // cp_size + 2
-        mbs_bytes = req.micro_batch_size * row * 4  # int32 worst case
+        # int32 tokens at worst, and for SFT a uint8 mask and int32 document ids beside them
+        mbs_bytes = req.micro_batch_size * row * (9 if spec.format == "sft" else 4)
         if mbs_bytes > MAX_BATCH_BYTES:
             raise DataError(
                 f"micro_batch_size={req.micro_batch_size} x {row} tokens (seq_length "
@@ -405,6 +413,7 @@ class DataServicer(pb_grpc.DataServiceServicer):
             num_steps=src.num_steps,
             num_micro_batches=src.num_micro_batches,
             sample_order=request.spec.sample_order or "meshtrain",
+            format=src.dataset_format,
         )  # as built
 
     def StreamBatches(self, request: pb.StreamRequest, context):
@@ -431,25 +440,31 @@ class DataServicer(pb_grpc.DataServiceServicer):
             yield from self._reaper.watch(self._batches(src, step, mb, end, context), context, what)
 
     @staticmethod
-    def _batches(src: LocalBatchSource, step: int, mb: int, end: int, context):
+    def _batches(
+        src: LocalBatchSource | MultimodalBatchSource, step: int, mb: int, end: int, context
+    ):
         """The stream's messages from (step, micro-batch) up to step `end`."""
         while step < end and context.is_active():
-            payload = src.payload(step, mb)
-            if isinstance(payload, MultimodalPayload):
-                yield payload_message(payload, step, mb)
+            if isinstance(src, MultimodalBatchSource):
+                yield payload_message(src.payload(step, mb), step, mb)
                 mb += 1
                 if mb == src.num_micro_batches:
                     step, mb = step + 1, 0
                 continue
-            samples = payload  # (mbs, seq + 1), or (mbs, 2, seq/(2 cp) + 1) under cp
+            # (mbs, seq + 1), or (mbs, 2, seq/(2 cp) + 1) under cp; SFT's mask and ids alike
+            samples, mask, docs = src.payload_arrays(step, mb)
             samples = samples.astype(samples.dtype.newbyteorder("<"), copy=False)
-            yield pb.MicroBatch(
+            msg = pb.MicroBatch(
                 step=step,
                 microbatch=mb,
                 dtype=samples.dtype.name,
                 shape=list(samples.shape),
                 samples=samples.tobytes(),
             )
+            if mask is not None and docs is not None:
+                msg.token_mask.CopyFrom(array_to_proto(mask))
+                msg.document_ids.CopyFrom(array_to_proto(docs))
+            yield msg
             mb += 1
             if mb == src.num_micro_batches:
                 step, mb = step + 1, 0

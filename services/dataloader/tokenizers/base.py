@@ -70,6 +70,19 @@ class Tokenizer(abc.ABC):
         """
         return [self.encode(t) for t in texts]
 
+    def encode_with_special_tokens(self, text: str) -> list[int]:
+        """Token ids of a text in which special tokens (a chat template's `<|im_start|>`, ...)
+        are written out and must become their ids; `encode` reads them as plain text, so that a
+        document that mentions one never gets it.
+
+        Raises:
+            DataError: this kind of tokenizer cannot parse special tokens out of text.
+        """
+        raise DataError(
+            f"{self}: chat templates need a tokenizer that parses special tokens out of text "
+            "(a Hugging Face tokenizer.json, tiktoken, or 'byte')"
+        )
+
     @abc.abstractmethod
     def decode(self, ids: Iterable[int]) -> str:
         """The text of a sequence of ids."""
@@ -97,6 +110,10 @@ class ByteTokenizer(Tokenizer):
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_with_special_tokens(self, text: str) -> list[int]:
+        # no special tokens: a chat template's markers are bytes like any other text
+        return self.encode(text)
 
     def decode(self, ids: Iterable[int]) -> str:
         """Bytes back to text; EOD renders as `<|endoftext|>`, invalid UTF-8 as U+FFFD."""
@@ -140,6 +157,17 @@ class RustTokenizer(Tokenizer):
         # offsets (which nothing here uses): the same ids, more tokens/s on one core (measured:
         # BENCHMARKS.md, 'Data service').
         return [e.ids for e in self._tok.encode_batch_fast(list(texts), add_special_tokens=False)]
+
+    def encode_with_special_tokens(self, text: str) -> list[int]:
+        # a second handle on the same model that parses special tokens: `_tok` must not
+        special = getattr(self, "_special_tok", None)
+        if special is None:
+            import tokenizers as hf
+
+            special = hf.Tokenizer.from_str(self._tok.to_str())
+            special.encode_special_tokens = False
+            self._special_tok = special
+        return special.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
@@ -290,6 +318,9 @@ class TiktokenTokenizer(Tokenizer):
         # one thread: preprocessing scales with --workers processes, which tiktoken's own
         # thread pool would oversubscribe
         return self._enc.encode_ordinary_batch(list(texts), num_threads=1)
+
+    def encode_with_special_tokens(self, text: str) -> list[int]:
+        return self._enc.encode(text, allowed_special="all")
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._enc.decode([int(i) for i in ids])

@@ -80,6 +80,7 @@ ALIASES: dict[str, tuple[str, bool]] = {
     "--eod-mask-loss": ("data.eod_mask_loss", False),
     "--reset-attention-mask": ("data.reset_attention_mask", False),
     "--reset-position-ids": ("data.reset_position_ids", False),
+    "--sft": ("data.format=sft", False),
     "--micro-batch-size": ("train.micro_batch_size", True),
     "--batch-size": ("train.micro_batch_size", True),  # Megatron's old name of --micro-batch-size
     "--global-batch-size": ("train.global_batch_size", True),

@@ -568,7 +568,8 @@ NOT_BUILT: dict[str, tuple[str, ...]] = {
         "--moe-combine-bwd-dtype",
         "--moe-mlp-glu-interleave-size",
     ),
-    "no chat templates, SFT formats or tokenizer options beyond --tokenizer-type's": (
+    "no tokenizer options beyond --tokenizer-type's; a chat template is chosen when the SFT "
+    "data is made (`meshtrain data preprocess --chat --chat-template`)": (
         "--tokenizer-metadata",
         "--tokenizer-special-tokens",
         "--tokenizer-sentencepiece-legacy",
@@ -578,7 +579,6 @@ NOT_BUILT: dict[str, tuple[str, ...]] = {
         "--null-tokenizer-eod-id",
         "--null-tokenizer-pad-id",
         "--chat-template",
-        "--sft",
         "--sft-tokenizer-prompt-format",
         "--no-tokenizer-sentencepiece-ignore-extra-whitespaces",
         "--disable-tokenizer-sentencepiece-ignore-extra-whitespaces",

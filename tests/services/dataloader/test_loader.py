@@ -259,7 +259,7 @@ def test_context_parallel_source_errors(eod_dataset):
         LocalBatchSource(eod_dataset, 2, GBS, cp_rank=0, cp_size=3)
     with pytest.raises(DataError, match=r"cp_rank=2 is outside \[0, cp_size=2\)"):
         LocalBatchSource(eod_dataset, 2, GBS, cp_rank=2, cp_size=2)
-    with pytest.raises(DataError, match="count the EODs of the whole sample"):
+    with pytest.raises(DataError, match="need the whole sample"):
         batch_from_segments(
             np.zeros((1, 2, 5), dtype=np.int64), 0, 0, BatchOptions(eod_id=3, position_ids=True)
         )

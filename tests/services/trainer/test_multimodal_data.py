@@ -63,7 +63,7 @@ def test_in_process_and_service_sources_agree(shapes):
 @pytest.mark.parametrize(
     "args, match",
     [
-        (["--data.format=images"], "data.format='images' is not 'text' or 'multimodal'"),
+        (["--data.format=images"], "data.format='images' is not one of"),
         (["--data.bad_image_policy=ignore"], "data.bad_image_policy='ignore' is not one of"),
         (["--data.image_resize=stretch"], "data.image_resize='stretch'"),
         (["--data.eod_mask_loss=true"], "data.eod_mask_loss: not with data.format='multimodal'"),
