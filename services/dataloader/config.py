@@ -99,9 +99,10 @@ class DataConfig:
     chat datasets made by `meshtrain data preprocess --chat` (Megatron `--sft`): whole
     conversations packed into each sequence, the loss only on assistant tokens, and
     attention masked by conversation (it sets `reset_attention_mask`; every `data_path` prefix
-    must then be an SFT dataset made with `tokenizer`); 'multimodal': `data_path` lists image-text sources
-    (Energon dataset folders, folders of WebDataset .tar shards, .tar files, .jsonl files with
-    images beside them; docs/multimodal.md), read end to end, and batches carry images."""
+    must then be an SFT dataset made with `tokenizer`); 'multimodal': `data_path` lists
+    image-text sources (Energon dataset folders, folders of WebDataset .tar shards, .tar files,
+    .jsonl files with images beside them; docs/multimodal.md), read end to end, and batches
+    carry images."""
     image_size: int = 336
     """Multimodal: the side of the square images the worker makes (pixels)."""
     tokens_per_image: int = 576

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from meshtrain.kernels import dispatch
 from meshtrain.services.common.errors import ConfigError
-from meshtrain.services.trainer.sampling import check_sampling
+from meshtrain.services.common.sampling import check_sampling
 
 
 class KVCache:

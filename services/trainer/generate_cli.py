@@ -15,7 +15,7 @@ import sys
 
 from meshtrain.services.checkpoint.cli import missing_local_root
 from meshtrain.services.common.errors import CheckpointError, ConfigError
-from meshtrain.services.trainer.sampling import check_sampling
+from meshtrain.services.common.sampling import check_sampling
 
 log = logging.getLogger(__name__)
 
