@@ -57,7 +57,7 @@ def _answers(model, tok, words: list[str]) -> list[str]:
     return out
 
 
-@pytest.mark.slow
+@pytest.mark.e2e  # about 20 s on 2 idle cores: a real training run, kept in `make test`
 def test_sft_tiny_learns_to_answer_held_out_prompts(tmp_path):
     """Exact answers to words never trained on: a mask shifted by one never trains the first
     letter, a mask on the prompts trains no answer, and cut conversations break the format."""
