@@ -37,6 +37,10 @@ class RolloutUnavailableError(MeshtrainError):
     """No rollout worker could answer (all down, or all holding weights that are too old)."""
 
 
+class RolloutRefusedError(MeshtrainError):
+    """A worker refused the call for good: no or a wrong token, too small a scope, a bug."""
+
+
 class StaleCompletionError(MeshtrainError):
     """A worker answered with completions older than the allowed staleness."""
 
@@ -149,6 +153,7 @@ class RolloutClient:
 
         Raises:
             InvalidRequestError: a worker refused the request's fields (INVALID_ARGUMENT).
+            RolloutRefusedError: a worker refused the caller (token, scope).
             RolloutUnavailableError: no worker could serve a shard.
             StaleCompletionError: a worker answered with too old a policy.
         """
@@ -208,7 +213,7 @@ class RolloutClient:
                 if code == grpc.StatusCode.FAILED_PRECONDITION:
                     continue  # weights too old there: another worker may hold newer ones
                 if is_permanent(e):
-                    raise RolloutUnavailableError(errors[-1]) from None
+                    raise RolloutRefusedError(errors[-1]) from None
                 worker.down_until = time.monotonic() + self.retry_after_s
                 continue
             return self._completions(response, request, lo, hi, floor, worker.address)
@@ -247,6 +252,7 @@ class RolloutClient:
 
         Raises:
             InvalidRequestError: a worker refused the weights (names, shapes, an older version).
+            RolloutRefusedError: a worker refused the caller (token, scope: updates need write).
             RolloutUnavailableError: no worker could be reached (those that could not are
                 left out until they answer again).
         """
@@ -275,6 +281,10 @@ class RolloutClient:
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise InvalidRequestError(f"{w.address}: {e.details()}") from None
+                if is_permanent(e):
+                    raise RolloutRefusedError(
+                        f"{w.address}: {e.code().name} {e.details()}"
+                    ) from None
                 # A worker that missed the update refuses requests it is too old for (min_version).
                 w.down_until = time.monotonic() + self.retry_after_s
                 failures.append(f"{w.address}: {e.code().name} {e.details()}")

@@ -48,3 +48,13 @@ def serve_child(root: str, port: int) -> None:
     server, _, _ = start_server(engine, port=port, checkpoint_root=root)
     threading.Event().wait()
     server.stop(0)
+
+
+def assert_same(got, want, atol: float = 1e-5) -> None:
+    """Same completions: prompts, tokens, versions and ends exactly; log-probs within `atol`
+    (fp32 on CPU: a batch of other rows changes only the order of summation)."""
+    assert [(c.prompt_index, c.tokens, c.policy_version, c.finished) for c in got] == [
+        (c.prompt_index, c.tokens, c.policy_version, c.finished) for c in want
+    ]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=atol)
