@@ -390,7 +390,7 @@ def engine_from_checkpoint(
         from meshtrain.services.trainer.model.rotary import rotary_tables
 
         cos, sin = rotary_tables(config)
-        model.rope_cos, model.rope_sin = cos.to(dev), sin.to(dev)
+        model.rope_cos, model.rope_sin = cos.to(dev), sin.to(dev)  # type: ignore[assignment]
     engine = RolloutEngine(model, version=step, eod_id=eod_id, limits=limits)
     engine.load_checkpoint(root, step)
     return engine
