@@ -39,6 +39,7 @@ from meshtrain.services.common.logging import setup_logging
 from meshtrain.services.dataloader import cli as data_cli
 from meshtrain.services.launcher import cli as launcher_cli
 from meshtrain.services.launcher.ranks import FAILURE_GRACE_S
+from meshtrain.services.rollout import cli as rollout_cli
 from meshtrain.services.trainer import dpo_cli, generate_cli
 
 
@@ -157,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     data_cli.register(sub)
     ckpt_cli.register(sub)
     launcher_cli.register(sub)
+    rollout_cli.register(sub)
     generate_cli.register(sub)
     dpo_cli.register(sub)
     return p

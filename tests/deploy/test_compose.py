@@ -107,8 +107,10 @@ def test_docker_compose_config_accepts_the_file(tmp_path):
         "checkpoint",
         "trainer",
         "prometheus",
+        "rollout",
     }
     assert resolved["services"]["prometheus"]["profiles"] == ["monitoring"]
+    assert resolved["services"]["rollout"]["profiles"] == ["rollout"]
     assert "devices" not in str(
         resolved["services"]["trainer"].get("deploy")
     )  # starts on a host without GPUs

@@ -1,0 +1,396 @@
+"""The rollout worker's core: one single-device policy, its version, and batched sampling of a
+`RolloutRequest`'s prompts x group_size completions with a key/value cache. No gRPC here: the
+service's `rpc/` converts messages and calls `RolloutEngine.generate` / `set_weights`.
+
+Prompts of different lengths are left-padded into one batch; each row keeps its own positions
+(RoPE rows or learned positions start at its first real token) and its keys never include the
+padding, so a row's tokens and log-probs do not depend on what else is in the batch. Each
+completion draws from its own generator, seeded by (request seed, prompt index, sample index):
+the result is a function of (weights, request) alone, however the prompts are batched or spread
+over workers.
+
+The log-prob of a sampled token is taken under the policy's full-vocabulary distribution at
+temperature 1 (log_softmax of the raw logits), whatever temperature, top-k or top-p drew it:
+that is the pi_theta(token | prefix) the policy-ratio loss compares with the trainer's own.
+
+    engine = RolloutEngine(GPT(config), version=0, eod_id=0)
+    completions = engine.generate(RolloutRequest(prompts=[[5, 6, 7]], group_size=4))
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from meshtrain.kernels import dispatch
+from meshtrain.services.common.errors import InvalidRequestError, MeshtrainError
+from meshtrain.services.rollout.types import Completion, RolloutRequest
+from meshtrain.services.rollout.weights import check_weights
+from meshtrain.services.trainer.generate import KVCache, context_length, filter_logits
+
+
+class StaleWeightsError(MeshtrainError):
+    """The request asks for a policy version newer than the worker holds (after the bounded
+    wait). The gRPC shell answers FAILED_PRECONDITION; the client tries another worker."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds on what one request may ask for, checked before anything is allocated."""
+
+    max_prompts: int = 256
+    max_prompt_tokens: int = 4096
+    max_group_size: int = 64
+    max_new_tokens: int = 4096
+    max_completions: int = 4096
+    """prompts x group_size."""
+    max_batch_rows: int = 64
+    """Rows decoded at once (larger requests run in several batches, with the same result)."""
+    max_wait_s: float = 60.0
+    """Longest a request waits for weights of its min_version before it is refused."""
+
+
+def row_seed(seed: int, prompt_index: int, sample_index: int) -> int:
+    """The seed of completion `sample_index` of prompt `prompt_index` (63 bits, well mixed)."""
+    digest = hashlib.blake2b(struct.pack("<qqq", seed, prompt_index, sample_index), digest_size=8)
+    return int.from_bytes(digest.digest(), "little") >> 1
+
+
+def check_request(request: RolloutRequest, limits: Limits, context: int) -> None:
+    """Raises InvalidRequestError naming the first field over its bound."""
+    n = len(request.prompts)
+    if n < 1 or n > limits.max_prompts:
+        raise InvalidRequestError(f"prompts: {n} prompts, must be 1..{limits.max_prompts}")
+    if not 1 <= request.group_size <= limits.max_group_size:
+        raise InvalidRequestError(
+            f"group_size must be 1..{limits.max_group_size}, got {request.group_size}"
+        )
+    if n * request.group_size > limits.max_completions:
+        raise InvalidRequestError(
+            f"prompts x group_size = {n * request.group_size} exceeds {limits.max_completions}"
+        )
+    new = request.sampling.max_new_tokens
+    if new > limits.max_new_tokens:
+        raise InvalidRequestError(f"max_new_tokens must be <= {limits.max_new_tokens}, got {new}")
+    if request.min_version < 0:
+        raise InvalidRequestError(f"min_version must be >= 0, got {request.min_version}")
+    for i, prompt in enumerate(request.prompts):
+        if not 1 <= len(prompt) <= limits.max_prompt_tokens:
+            raise InvalidRequestError(
+                f"prompts[{i}]: {len(prompt)} tokens, must be 1..{limits.max_prompt_tokens}"
+            )
+        if len(prompt) + new > context:
+            raise InvalidRequestError(
+                f"prompts[{i}]: {len(prompt)} tokens + max_new_tokens {new} exceed the model's "
+                f"{context} positions"
+            )
+
+
+class RolloutEngine:
+    """A policy on one device that samples completions; thread-safe.
+
+    Generation and weight updates take one lock, so a request is answered by one version from
+    its first token to its last, and an update is applied whole or not at all.
+    """
+
+    def __init__(
+        self,
+        model,
+        version: int = 0,
+        eod_id: int | None = None,
+        limits: Limits | None = None,
+        recent_results: int = 64,
+    ):
+        """Args:
+        model: a single-device GPT (its device and dtype are where sampling runs).
+        version: the version of its current weights.
+        eod_id: a completion stops after emitting this id (None: always max_new_tokens).
+        limits: request bounds.
+        recent_results: answers kept by request id, so a retried request is answered from
+            memory rather than sampled again (0: none).
+        """
+        self.model = model.eval()
+        self.eod_id = eod_id
+        self.limits = limits or Limits()
+        self._version = version
+        self._cond = threading.Condition()
+        self._lock = threading.Lock()  # held while generating or applying weights
+        self._recent: OrderedDict[str, list[Completion]] = OrderedDict()
+        self._recent_max = recent_results
+        vocab = model.vocab_size
+        if eod_id is not None and not 0 <= eod_id < vocab:
+            raise InvalidRequestError(f"eod_id {eod_id} is outside the vocabulary of {vocab}")
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def context(self) -> int:
+        return context_length(self.model)
+
+    def describe(self) -> dict:
+        """What a client may want to know: model size, vocabulary, context, version."""
+        c = self.model.config
+        return {
+            "version": self._version,
+            "vocab_size": self.model.vocab_size,
+            "context_length": self.context,
+            "num_layers": c.num_layers,
+            "hidden_size": c.hidden_size,
+            "num_parameters": self.model.num_parameters(),
+            "eod_id": -1 if self.eod_id is None else self.eod_id,
+            "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
+            "device": str(next(self.model.parameters()).device),
+        }
+
+    # ---- weights -------------------------------------------------------------------------
+
+    def set_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Make `tensors` (every parameter of the model, by name) the policy of `version`.
+
+        All tensors are checked and converted first; only then, under the lock, copied in: a
+        bad or partial update raises and leaves the current weights generating.
+
+        Raises:
+            InvalidRequestError: a missing, unknown or misshapen tensor, or a version older than
+                the current one.
+        """
+        if version < self._version:
+            raise InvalidRequestError(
+                f"weights of version {version} are older than the worker's {self._version}"
+            )
+        params = dict(self.model.named_parameters())
+        staged = check_weights(tensors, params, self.model.vocab_size)
+        with self._lock:
+            with torch.no_grad():
+                for name, p in params.items():
+                    p.copy_(staged[name])
+            with self._cond:
+                self._version = version
+                self._recent.clear()
+                self._cond.notify_all()
+
+    def load_checkpoint(self, root: str, step: int) -> None:
+        """Load committed checkpoint `step` under `root` (any layout saved it); its version is
+        `step`. Read whole before anything is applied."""
+        from meshtrain.services.rollout.weights import read_checkpoint
+
+        names = [name for name, _ in self.model.named_parameters()]
+        self.set_weights(read_checkpoint(root, step, names), version=step)
+
+    def wait_for_version(self, min_version: int, timeout_s: float) -> int:
+        """Block until the weights reach `min_version` (at most `timeout_s` seconds).
+
+        Raises:
+            StaleWeightsError: still older after the wait.
+        """
+        deadline = time.monotonic() + max(0.0, min(timeout_s, self.limits.max_wait_s))
+        with self._cond:
+            while self._version < min_version:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise StaleWeightsError(
+                        f"the worker holds policy version {self._version}; the request needs "
+                        f">= {min_version} (publish newer weights, or allow more staleness)"
+                    )
+                self._cond.wait(left)
+            return self._version
+
+    # ---- generation ------------------------------------------------------------------------
+
+    def generate(
+        self, request: RolloutRequest, prompt_offset: int = 0, wait_s: float = 0.0
+    ) -> list[Completion]:
+        """`group_size` completions of each prompt, grouped by prompt, all of one version.
+
+        Args:
+            request: the prompts, group size, sampling and staleness bound.
+            prompt_offset: the index of `request.prompts[0]` in the caller's whole request (its
+                completions are seeded by that index: a request split over workers gives what
+                one worker would); `Completion.prompt_index` stays local to `request`.
+            wait_s: how long to wait for weights of `request.min_version`.
+
+        Raises:
+            InvalidRequestError: a field over its bound.
+            StaleWeightsError: the weights stay older than `request.min_version`.
+        """
+        check_request(request, self.limits, self.context)
+        if prompt_offset < 0:
+            raise InvalidRequestError(f"prompt_offset must be >= 0, got {prompt_offset}")
+        key = f"{request.request_id}@{prompt_offset}" if request.request_id else ""
+        self.wait_for_version(request.min_version, wait_s)
+        with self._lock:
+            version = self._version
+            if version < request.min_version:  # the wait's answer is re-read under the lock
+                raise StaleWeightsError(
+                    f"policy version {version} is older than min_version {request.min_version}"
+                )
+            if key and key in self._recent:
+                return list(self._recent[key])
+            rows = [(i, j) for i in range(len(request.prompts)) for j in range(request.group_size)]
+            out: list[Completion] = []
+            step = self.limits.max_batch_rows
+            for start in range(0, len(rows), step):
+                out += self._sample(request, rows[start : start + step], prompt_offset, version)
+            if key and self._recent_max:
+                self._recent[key] = out
+                while len(self._recent) > self._recent_max:
+                    self._recent.popitem(last=False)
+            return list(out)
+
+    @torch.no_grad()
+    def _sample(
+        self,
+        request: RolloutRequest,
+        rows: list[tuple[int, int]],
+        offset: int,
+        version: int,
+    ) -> list[Completion]:
+        """Sample the completions of `rows` ((prompt, sample) pairs) as one left-padded batch."""
+        model, sp = self.model, request.sampling
+        device = next(model.parameters()).device
+        lengths = torch.tensor([len(request.prompts[i]) for i, _ in rows], device=device)
+        b, longest = len(rows), int(lengths.max())
+        pad = longest - lengths  # (b,) padding before each row's prompt
+        tokens = torch.zeros(b, longest, dtype=torch.long, device=device)
+        for r, (i, _) in enumerate(rows):
+            tokens[r, int(pad[r]) :] = torch.tensor(request.prompts[i], device=device)
+        gens = [torch.Generator().manual_seed(row_seed(sp.seed, offset + i, j)) for i, j in rows]
+
+        # Prefill: positions count from each row's first real token; keys are real tokens only
+        # (a padding query sees itself, so no row of the mask is empty and nothing is NaN).
+        cols = torch.arange(longest, device=device)
+        positions = (cols[None, :] - pad[:, None]).clamp(min=0)  # (b, longest)
+        key_ok = cols[None, :] >= pad[:, None]  # (b, longest)
+        causal = torch.ones(longest, longest, dtype=torch.bool, device=device).tril()
+        eye = torch.eye(longest, dtype=torch.bool, device=device)
+        mask = causal[None] & (key_ok[:, None, :] | eye[None])  # (b, q, k)
+        cache = KVCache(len(model.layers))
+        logits = _forward(model, tokens, positions, mask[:, None], cache)[:, -1]  # (b, vocab)
+
+        new_tokens: list[list[int]] = [[] for _ in rows]
+        new_logps: list[list[float]] = [[] for _ in rows]
+        done = torch.zeros(b, dtype=torch.bool, device=device)
+        finished = [False] * b
+        for step in range(sp.max_new_tokens):
+            logits = logits.float()
+            logp = F.log_softmax(logits, dim=-1)  # temperature 1, full vocabulary
+            nxt = _draw(logits, sp.temperature, sp.top_k, sp.top_p, gens)
+            chosen = logp.gather(-1, nxt[:, None]).squeeze(-1)
+            for r, (t, lp) in enumerate(zip(nxt.tolist(), chosen.tolist())):
+                if not finished[r]:
+                    new_tokens[r].append(t)
+                    new_logps[r].append(lp)
+                    finished[r] = self.eod_id is not None and t == self.eod_id
+            done = torch.tensor(finished, device=device)
+            if step + 1 == sp.max_new_tokens or bool(done.all()):
+                break
+            key_ok = torch.cat([key_ok, torch.ones(b, 1, dtype=torch.bool, device=device)], 1)
+            positions = (lengths + step)[:, None]  # (b, 1): each row's next position
+            logits = _forward(model, nxt[:, None], positions, key_ok[:, None, None], cache)[:, -1]
+        return [
+            Completion(i, new_tokens[r], new_logps[r], version, finished[r])
+            for r, (i, _) in enumerate(rows)
+        ]
+
+
+def _draw(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    gens: list[torch.Generator],
+) -> torch.Tensor:
+    """(b,) next tokens: greedy at temperature 0, else inverse-CDF sampling with one uniform per
+    row from that row's own generator (so a row's draw never depends on the other rows)."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = filter_logits(logits / temperature, top_k, top_p).softmax(-1)  # (b, vocab)
+    cdf = probs.cumsum(-1)
+    # u in (0, 1]: the first index whose cdf reaches u * total has positive probability.
+    u = torch.stack([1.0 - torch.rand((), generator=g) for g in gens]).to(logits.device)
+    nxt = (cdf < (u * cdf[:, -1])[:, None]).sum(-1)
+    return nxt.clamp(max=logits.shape[-1] - 1)
+
+
+def _forward(
+    model,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    mask: torch.Tensor,
+    cache: KVCache,
+) -> torch.Tensor:
+    """Logits (b, s, vocab) of new tokens (b, s) at per-row `positions` (b, s), attending to the
+    cached keys and themselves where `mask` (b, 1, s, cached + s) allows."""
+    x = model.embedding(tokens, positions)  # (b, s, hidden)
+    rope = None
+    if model.rope_cos is not None:
+        rope = (model.rope_cos[positions], model.rope_sin[positions])  # (b, s, d) each
+    for i, block in enumerate(model.layers):
+        x = x + _attention(block.attention, block.input_norm(x), rope, mask, cache, i)
+        x = x + block.mlp(block.pre_mlp_norm(x))
+    cache.length += tokens.shape[1]
+    h = model.final_norm(x)
+    return model.head.logits(h, model.output_weight)[..., : model.vocab_size]
+
+
+def _attention(attn, x: torch.Tensor, rope, mask: torch.Tensor, cache: KVCache, layer: int):
+    """The model's Attention on new positions x (b, s, hidden) with a per-row key mask."""
+    per_group = attn.heads // attn.groups
+    q, k, v = attn.project(x)  # (b, heads|groups, s, d)
+    b, _, s, _ = q.shape
+    if rope is not None:
+        q, k = dispatch.rope(q, *rope), dispatch.rope(k, *rope)  # per-row rows (b, s, d)
+    k, v = cache.append(layer, k, v)  # (b, groups, t, d)
+    # Query head j uses key/value group j // per_group (the fused layout's order).
+    k, v = k.repeat_interleave(per_group, 1), v.repeat_interleave(per_group, 1)  # (b, heads, t, d)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (b, heads, s, d)
+    return attn.proj(out.transpose(1, 2).reshape(b, s, attn.heads * attn.head_dim))
+
+
+def engine_from_checkpoint(
+    root: str,
+    step: int | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+    eod_id: int | None = None,
+    limits: Limits | None = None,
+) -> RolloutEngine:
+    """A worker's engine: the model a committed checkpoint records, with its weights, on one
+    device; its version is the step.
+
+    Args:
+        root: checkpoint root.
+        step: which step (None: the newest committed).
+        device: auto (cuda when there is one), cpu or cuda.
+        dtype: auto (bfloat16 on cuda, float32 on cpu), float32 or bfloat16.
+        eod_id: a completion ends after this token.
+        limits: request bounds.
+    """
+    from meshtrain.services.rollout.weights import checkpoint_config
+    from meshtrain.services.trainer.model import GPT
+
+    config, step = checkpoint_config(root, step)
+    if device == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequestError("device cuda: no CUDA device here")
+    dev = torch.device("cuda" if device != "cpu" and torch.cuda.is_available() else "cpu")
+    wanted = dtype if dtype != "auto" else ("bfloat16" if dev.type == "cuda" else "float32")
+    with torch.device("meta"):
+        model = GPT(config)
+    model = model.to_empty(device=dev).to(getattr(torch, wanted))
+    if model.rope_cos is not None:  # buffers derived from the config: rebuild them off meta
+        from meshtrain.services.trainer.model.rotary import rotary_tables
+
+        cos, sin = rotary_tables(config)
+        model.rope_cos, model.rope_sin = cos.to(dev), sin.to(dev)  # type: ignore[assignment]
+    engine = RolloutEngine(model, version=step, eod_id=eod_id, limits=limits)
+    engine.load_checkpoint(root, step)
+    return engine

@@ -1,0 +1,1 @@
+"""gRPC shell of the rollout service: servicer, server and client."""
