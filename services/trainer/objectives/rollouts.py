@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from typing import Any
 
 import torch
 
@@ -37,7 +38,8 @@ class ColocatedBackend:
     """A `RolloutBackend` on the trainer's own model (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module, eod_id: int, device: torch.device):
-        self.model, self.eod_id, self.device = model, eod_id, device
+        self.model: Any = model  # a GPT (sharded under tp): layers, embedding, head
+        self.eod_id, self.device = eod_id, device
         self.version = 0
 
     def update_weights(self, version: int) -> None:
