@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from meshtrain.services.common.errors import DataError
-from meshtrain.services.dataloader.chat import check_conversation, load_chat_template
+from meshtrain.services.dataloader.chat import load_chat_template
 from meshtrain.services.dataloader.tokenizers.base import Tokenizer
 
 
@@ -70,11 +70,19 @@ class PromptSet:
                     raise DataError(f"{path}:{n}: 'prompt' must be a string")
                 ids = tokenizer.encode(text)
             else:
-                try:
-                    messages = check_conversation(row)
-                except Exception as e:  # BadRow and friends: name the line
-                    raise DataError(f"{path}:{n}: {e}") from None
-                row.pop("messages")
+                messages = row.pop("messages")
+                # a prompt ends before the assistant's answer: SFT's check (an assistant turn
+                # to train on) does not apply
+                if not messages or not all(
+                    isinstance(m, dict)
+                    and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str)
+                    for m in messages
+                ):
+                    raise DataError(
+                        f"{path}:{n}: 'messages' must be a non-empty list of "
+                        "{'role': str, 'content': str}"
+                    )
                 if template is None:
                     template = load_chat_template(chat_template, tokenizer)
                 text = template.render(messages, add_generation_prompt=True)
