@@ -37,6 +37,7 @@ from meshtrain.services.common.errors import (
     DiskFullError,
     MeshtrainError,
 )
+from meshtrain.services.dataloader.tokenizers.base import absolute_spec, build_tokenizer
 from meshtrain.services.trainer import checkpointing
 from meshtrain.services.trainer.build import (
     build_data_parallel,
@@ -59,7 +60,7 @@ from meshtrain.services.trainer.build import (
 from meshtrain.services.trainer.config.load import LAUNCHER_KEYS_ENV, replace
 from meshtrain.services.trainer.config.sections import JobConfig
 from meshtrain.services.trainer.cuda_graphs import MicroBatchGraph
-from meshtrain.services.trainer.data import build_data, placement
+from meshtrain.services.trainer.data import TrainData, build_data, placement
 from meshtrain.services.trainer.device_uploads import Uploader
 from meshtrain.services.trainer.fp8.weights import Fp8WeightCache
 from meshtrain.services.trainer.metrics import (
@@ -79,11 +80,19 @@ from meshtrain.services.trainer.objectives.dpo import (
     reduce_stats,
     use_preference_head,
 )
+from meshtrain.services.trainer.objectives.grpo import GRPOHead, TokenLogpsHead, finish_loss_stats
+from meshtrain.services.trainer.objectives.grpo_steps import (
+    Rollouts,
+    check_grpo_job,
+    reduce_loss_stats,
+    use_grpo_head,
+)
 from meshtrain.services.trainer.objectives.preference import (
     PairTargets,
     PreferenceHead,
     finish_stats,
 )
+from meshtrain.services.trainer.objectives.rollouts import rollout_backend
 from meshtrain.services.trainer.optim.optimizer import build_optimizer, clip_grad_norm, set_lr
 from meshtrain.services.trainer.optim.schedule import lr_at
 from meshtrain.services.trainer.parallel import mappings
@@ -155,6 +164,8 @@ class Trainer:
             )
         if t.objective == "dpo":
             check_dpo_job(job, self.mesh)
+        elif t.objective == "grpo":
+            check_grpo_job(job, self.mesh)
         self.run_dir = make_run_dir(job.log.run_dir, self.mesh)
         self._run_dir_released = False
         try:
@@ -206,6 +217,11 @@ class Trainer:
         spread, sharing = placement(self.mesh, bool(job.data.service_addresses))
         if job.train.objective == "dpo":
             self.data = build_preference_data(job, self.mesh.dp_rank, self.mesh.dp)
+        elif job.train.objective == "grpo":
+            # the batches are sampled by the policy each step (`Rollouts`, built with the model)
+            tok = build_tokenizer(job.data.tokenizer)
+            spec = absolute_spec(job.data.tokenizer)
+            self.data = TrainData(None, None, tok.vocab_size, spec, str(job.grpo.prompts_path))
         else:
             self.data = build_data(
                 job,
@@ -236,6 +252,11 @@ class Trainer:
         self.eval_preference_stats: dict[str, float] = {}
         if job.train.objective == "dpo":
             self.preference_head = use_preference_head(self.model, job.dpo)
+        # GRPO: the policy's head computes the clipped policy-ratio loss
+        self.grpo_head: GRPOHead | None = None
+        self.grpo_stats: torch.Tensor | None = None
+        if job.train.objective == "grpo":
+            self.grpo_head = use_grpo_head(self.model, job.grpo)
         size = model_size(job.model)
         self.flops_per_token, self.num_parameters = size.flops_per_token, size.parameters
         self.active_parameters = size.active_parameters
@@ -302,6 +323,9 @@ class Trainer:
             self.reference = FrozenReference.build(
                 job, self.mesh, self.device, self.model, self.state.iteration, self.autocast
             )
+        self.rollouts: Rollouts | None = None
+        if job.train.objective == "grpo":
+            self.rollouts = self._build_rollouts()
         self.graph = None
         if job.train.cuda_graph:
             check_cuda_graph(self.device, self.mesh)
@@ -312,6 +336,26 @@ class Trainer:
                 list(self.model.parameters()),
                 self.device,
             )
+
+    def _build_rollouts(self) -> Rollouts:
+        """GRPO's rollouts: the backend (the policy itself, or the rollout service) and, with
+        grpo.beta > 0, the frozen reference (per-token log-probs, sharded like the policy)."""
+        job, g = self.job, self.job.grpo
+        tok = build_tokenizer(job.data.tokenizer)
+        reference = None
+        if g.beta > 0:
+            reference = FrozenReference.build(
+                job,
+                self.mesh,
+                self.device,
+                self.model,
+                self.state.iteration,
+                self.autocast,
+                load=(g.reference_load, g.reference_load_step),
+                head=TokenLogpsHead,
+            )
+        backend = rollout_backend(job, self.model, tok.eod_id, self.device)
+        return Rollouts(job, self.mesh, self.device, tok, backend, reference)
 
     def _build_checkpointer(self, resumed_here: int | None) -> None:
         """The checkpointer, once the root is known to take this run's saves. Opened last, so an
@@ -331,7 +375,10 @@ class Trainer:
         on device."""
         # a middle pipeline stage reads no data: it receives activations and sends gradients
         reads = self.pipeline is None or self.pipeline.reads_data
-        micro = self.data.train.micro_batches(step) if reads else None
+        if self.rollouts is not None:  # sampled by the policy (every grpo.num_iterations steps)
+            micro = self.rollouts.micro_batches(step)
+        else:
+            micro = self.data.train.micro_batches(step) if reads else None
         set_lr(self.optimizer, lr_at(step, self.job.optim, self.job.train.train_iters))
         copies = None
         if self.weight_copies is not None:
@@ -356,6 +403,8 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=self.graph is None)
         if self.preference_head is not None:
             self.preference_stats = self.preference_head.take_stats()
+        if self.grpo_head is not None:
+            self.grpo_stats = self.grpo_head.take_stats()
         if self.fp8 is not None:
             self.fp8.step_end()  # delayed scaling: the next step's scales from this step's amaxes
         # Expert biases move by this step's loads; its statistics are kept for the log.
@@ -398,11 +447,12 @@ class Trainer:
     def _accumulate(self, micro, copies) -> torch.Tensor:
         """Forward and backward of every micro-batch of a step (no pipeline); the step's loss."""
         total = torch.zeros((), device=self.device)
-        batches = (
-            self._pair_inputs(micro, len(micro))
-            if self.preference_head is not None
-            else self._on_device(micro)
-        )
+        if self.preference_head is not None:
+            batches = self._pair_inputs(micro, len(micro))
+        elif self.rollouts is not None:
+            batches = micro  # (tokens, labels, RolloutTargets), on the device already
+        else:
+            batches = self._on_device(micro)
         for i, inputs in enumerate(batches):
             if self.graph is not None:
                 present = [t for t in inputs if t is not None]  # no document ids (refused)
@@ -778,6 +828,10 @@ class Trainer:
         if self.preference_head is not None:  # TRL's names: rewards/accuracies, ...
             stats = reduce_stats(self.preference_stats, self.mesh, self.device)
             record.update(finish_stats(stats))
+        if self.grpo_head is not None and self.rollouts is not None:  # TRL's names
+            stats = reduce_loss_stats(self.grpo_stats, self.mesh, self.device)
+            record.update(finish_loss_stats(stats, self.job.grpo.beta))
+            record.update(self.rollouts.take_metrics())
         record.update(memory_metrics(self.device))
         record.update(
             self.router_stats.metrics(job.model, self.device)

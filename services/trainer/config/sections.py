@@ -3,9 +3,9 @@
 `TrainConfig` (batch sizes, length, evaluation, precision, device, compilation, FP8),
 `OptimConfig` (AdamW and the learning-rate schedule), `LogConfig` (the run directory and what is
 written to it) and `JobConfig`, which gathers every section (`model`, `data`, `train`, `optim`,
-`parallel`, `checkpoint`, `log`, `auth`) and runs the cross-section checks of `checks.py` when it
-is built. Each component receives only its own section; `load.py` builds a JobConfig from a TOML
-file and the command line.
+`parallel`, `checkpoint`, `log`, `dpo`, `grpo`, `auth`) and runs the cross-section checks of
+`checks.py` when it is built. Each component receives only its own section; `load.py` builds a
+JobConfig from a TOML file and the command line.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from meshtrain.services.trainer.config.checks import (
     check_tensor_parallel,
 )
 from meshtrain.services.trainer.config.dpo import DPOConfig
+from meshtrain.services.trainer.config.grpo import GRPOConfig
 from meshtrain.services.trainer.config.parallel import ParallelConfig
 
 KERNEL_OPS = (
@@ -156,9 +157,9 @@ class TrainConfig:
     metrics_port: int | None = None
     """With the control endpoint: serve Prometheus metrics (step, loss, tokens/s, ETA, RPCs) on this
     port (0: any free port, in RUN_DIR/metrics.addr); unset: $MESHTRAIN_METRICS_PORT or none."""
-    objective: Literal["lm", "dpo"] = "lm"
+    objective: Literal["lm", "dpo", "grpo"] = "lm"
     """lm: the language-model loss (pretraining, SFT); dpo: preference tuning on pairs, set up
-    by the [dpo] section."""
+    by the [dpo] section; grpo: on-policy RL on sampled completions, set up by [grpo]."""
 
     def __post_init__(self) -> None:
         for key in ("micro_batch_size", "global_batch_size", "train_iters", "eval_iters"):
@@ -366,6 +367,8 @@ class JobConfig:
     """Run directory and logging."""
     dpo: DPOConfig = field(default_factory=DPOConfig)
     """Preference tuning (with train.objective='dpo')."""
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    """On-policy RL (with train.objective='grpo')."""
     auth: AuthConfig = field(default_factory=AuthConfig)
     """Tokens and TLS: what the trainer sends to the data and checkpoint services, and what its
     control endpoint requires (file paths only; no secret is part of the config)."""

@@ -150,8 +150,8 @@ def pair_micro_batches(
 
 class FrozenReference:
     """The reference model (see the module docstring): `logps(micro)` gives each micro-batch's
-    (2B,) reference sums on the rank that computes the loss (the last pipeline stage), None on
-    the others."""
+    (2B,) reference sums (GRPO: (B, seq) per-token log-probs) on the rank that computes the loss
+    (the last pipeline stage), None on the others."""
 
     def __init__(self, model: nn.Module, pipeline: Pipeline | None, autocast):
         self.model, self.pipeline, self.autocast = model, pipeline, autocast
@@ -165,25 +165,32 @@ class FrozenReference:
         policy: nn.Module,
         start_step: int,
         autocast,
+        load: tuple[str | None, int | None] | None = None,
+        head: type[nn.Module] = SequenceLogpsHead,
     ) -> FrozenReference:
         """Built like the policy; its weights copied from the policy's (as this run starts), or
-        loaded from dpo.reference_load.
+        loaded from `load` = (root, step or None) (unset: dpo.reference_load and its step).
+        `head` replaces the model's LM head: per-sequence sums (DPO) or per-token log-probs
+        (GRPO's `TokenLogpsHead`).
 
         Raises:
-            ConfigError: a resumed run (start_step > 0) without dpo.reference_load.
+            ConfigError: a resumed run (start_step > 0) without a reference checkpoint.
         """
-        d = job.dpo
-        if d.reference_load is None and start_step > 0:
+        root, step = (
+            load if load is not None else (job.dpo.reference_load, job.dpo.reference_load_step)
+        )
+        key = "dpo.reference_load" if load is None else "grpo.reference_load"
+        if root is None and start_step > 0:
             raise ConfigError(
                 f"this run resumes at step {start_step}, where the policy is no longer the "
-                "reference: set dpo.reference_load to the checkpoint the run started from"
+                f"reference: set {key} to the checkpoint the run started from"
             )
-        if d.reference_load is not None:
-            return cls.load(job, mesh, device, d.reference_load, d.reference_load_step, autocast)
+        if root is not None:
+            return cls.load(job, mesh, device, root, step, autocast, head)
         # the policy's RNG streams (dropout, the data order) must not notice the second model
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             model, _, pipeline = build_model(job, mesh, device)
-            model.head = SequenceLogpsHead(cast(nn.Module, model.head))
+            model.head = head(cast(nn.Module, model.head))
             with torch.no_grad():
                 for (name, p), (pname, q) in zip(
                     model.named_parameters(), policy.named_parameters(), strict=True
@@ -201,6 +208,7 @@ class FrozenReference:
         root: str,
         step: int | None,
         autocast,
+        head: type[nn.Module] = SequenceLogpsHead,
     ) -> FrozenReference:
         """Built like the policy, with the weights of checkpoint `step` (unset: the newest) under
         `root`, whatever layout saved it.
@@ -213,7 +221,7 @@ class FrozenReference:
         py_state, np_state = random.getstate(), np.random.get_state()
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             model, _, pipeline = build_model(job, mesh, device)
-            model.head = SequenceLogpsHead(cast(nn.Module, model.head))
+            model.head = head(cast(nn.Module, model.head))
             checkpointing.restore(
                 root,
                 cast(Any, model),  # a GPT, or the pipeline stage holding this rank's part
@@ -223,7 +231,7 @@ class FrozenReference:
             )
         random.setstate(py_state)
         np.random.set_state(np_state)
-        log.info("dpo reference: loaded from %s", root if step is None else f"{root} step {step}")
+        log.info("reference model: loaded from %s", root if step is None else f"{root} step {step}")
         return cls._frozen(model, pipeline, autocast)
 
     @classmethod
