@@ -42,6 +42,11 @@ class Batch:
     position_ids: torch.Tensor | None = (
         None  # (micro_batch, seq) int32, 0 again after each EOD; None if not asked
     )
+    images: torch.Tensor | None = None
+    """(n_images, 3, H, W) float32, resized and normalized: the micro-batch's images in the order
+    their placeholders appear (sample by sample, left to right); each takes the place of
+    tokens_per_image copies of model.vision.image_token_id in `tokens` (loss mask 0 there).
+    None: no images."""
 
 
 @dataclass(frozen=True)
