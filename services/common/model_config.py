@@ -241,7 +241,8 @@ class ModelConfig:
     """A vision encoder and projector in front of the language model (`[model.vision]`: a
     LLaVA-style vision-language model); unset: text-only."""
     hf_model_type: (
-        Literal["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "gpt2"] | None
+        Literal["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "gpt2", "llava"]
+        | None
     ) = None
     """The Hugging Face model_type the weights were imported from (`ckpt import --format hf`
     sets it and the model.hf_* keys below; a resume that leaves them unset takes them from the

@@ -84,9 +84,9 @@ class VisionEncoder(nn.Module):
     """ViT: patch convolution, class token (CLIP), learned positions, pre-norm (CLIP), blocks.
 
     `forward` returns the features the projector reads: the output of `config.layers_run`
-    blocks, class token dropped unless `select_feature='cls_patch'`. Blocks past those are kept
-    (checkpoints and Hugging Face exports hold the whole tower) but never run; `freeze` marks them
-    untrained.
+    blocks, class token dropped unless `select_feature='cls_patch'`. Blocks past those and the
+    final `post_norm` are kept (checkpoints and Hugging Face exports hold the whole tower) but
+    never run; `freeze` marks them untrained.
     """
 
     def __init__(self, config: VisionConfig):
@@ -102,6 +102,9 @@ class VisionEncoder(nn.Module):
             nn.LayerNorm(h, eps=config.norm_epsilon) if config.variant == "clip" else None
         )
         self.layers = nn.ModuleList(VisionBlock(config) for _ in range(config.num_layers))
+        # The tower's final LayerNorm: LLaVA's features (hidden states) never pass through it,
+        # but pretrained towers have one, kept so an export writes it back (never trained).
+        self.post_norm = nn.LayerNorm(h, eps=config.norm_epsilon)
         self.recompute = False  # set by parallel.recompute.apply: each block recomputed
 
     def positions(self, rows: int, cols: int) -> torch.Tensor:
@@ -194,7 +197,7 @@ def freeze(
 ) -> int:
     """Mark the parts of a (possibly sharded or pipelined) model that training leaves alone:
     requires_grad off, so the optimizer, the gradient reduction and the gradient norm skip them.
-    The encoder blocks past `select_layer` never run and are always frozen. Returns the number
+    The encoder blocks past `select_layer` and its post-norm never run and are always frozen. Returns the number
     of parameters (tensors) frozen."""
     config = getattr(model, "config", None)
     run = config.vision.layers_run if config is not None and config.vision is not None else None
@@ -204,6 +207,7 @@ def freeze(
         stop = {"vision": vision, "projector": projector}.get(part, language_model)
         if part == "vision" and name.startswith("vision.layers.") and run is not None:
             stop = stop or int(name.split(".")[2]) >= run
+        stop = stop or name.startswith("vision.post_norm.")
         if stop and p.requires_grad:
             p.requires_grad_(False)
             frozen += 1
