@@ -197,8 +197,8 @@ def freeze(
 ) -> int:
     """Mark the parts of a (possibly sharded or pipelined) model that training leaves alone:
     requires_grad off, so the optimizer, the gradient reduction and the gradient norm skip them.
-    The encoder blocks past `select_layer` and its post-norm never run and are always frozen. Returns the number
-    of parameters (tensors) frozen."""
+    The encoder blocks past `select_layer` and its post-norm never run and are always frozen.
+    Returns the number of parameters (tensors) frozen."""
     config = getattr(model, "config", None)
     run = config.vision.layers_run if config is not None and config.vision is not None else None
     frozen = 0
