@@ -174,3 +174,46 @@ def test_parallel_matches_one_process(corpus_cache, tmp_path, case):
     ref = _reference[key]
     assert losses == pytest.approx(ref, rel=1e-6), (case, losses, ref)
     assert len(set(ref)) == STEPS  # it trains: the loss moves
+
+
+def _eval_loss(trainer) -> float:
+    """The loss of step 100's first micro-batch (not trained on), forward only."""
+    m = trainer.mesh
+    b = ImageBatches(trainer.job, m.dp_rank, m.dp, per_image=4).micro_batches(100)[0]
+    with torch.no_grad():
+        return trainer.forward(b.tokens, b.labels, b.loss_mask, None, None, b.images).item()
+
+
+def _train_and_save(rank, world, args):
+    losses, trainer = run_steps(args)
+    trainer.state.iteration = STEPS
+    trainer.state.consumed_samples = STEPS * trainer.job.train.global_batch_size
+    url = trainer.save()
+    trainer.checkpointer.close()
+    return {"url": url, "eval": _eval_loss(trainer)}
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_a_tp2_checkpoint_loads_at_tp1(corpus_cache, tmp_path):
+    """The vision arrays are stored in global coordinates: a tp=2 (sequence parallel) save loads
+    into one process, which computes the same loss."""
+    extra = {**LLAMA, "checkpoint.async_save": False}
+    args = _job(
+        corpus_cache,
+        tmp_path / "tp2",
+        **extra,
+        **{"parallel.tp": 2},
+        **{"parallel.sequence_parallel": True},
+    )
+    results = run_ranks(_train_and_save, 2, args)
+    root = results[0]["url"].rsplit("/", 1)[0]
+    load = {**extra, "checkpoint.load": root}
+    trainer = Trainer(load_config(_job(corpus_cache, tmp_path / "tp1", **load)))
+    try:
+        assert trainer.state.iteration == STEPS
+        assert _eval_loss(trainer) == pytest.approx(results[0]["eval"], rel=1e-6)
+        names = {n for n, _ in trainer.model.named_parameters()}
+        assert "vision.layers.0.attention.qkv.weight" in names
+    finally:
+        trainer.release_run_dir()
