@@ -10,6 +10,7 @@ import torch
 
 from meshtrain.services.checkpoint.hf.convert import export_hf, import_hf
 from meshtrain.services.checkpoint.reader import read_manifest
+from meshtrain.services.cli import main
 from meshtrain.services.common.config import build
 from meshtrain.services.common.errors import CheckpointError
 from meshtrain.services.common.model_config import ModelConfig
@@ -197,9 +198,14 @@ def test_a_vision_tower_alone_joins_a_language_models_import(tmp_path, tower):
     root = str(tmp_path / "ckpt")
     with pytest.raises(CheckpointError, match="image_token_id"):
         import_hf(str(lm_dir), root, vision_tower=str(tower_dir))
-    import_hf(
-        str(lm_dir), root, vision_tower=str(tower_dir), vision={"image_token_id": IMAGE_TOKEN}
-    )
+    if tower == "clip":
+        import_hf(
+            str(lm_dir), root, vision_tower=str(tower_dir), vision={"image_token_id": IMAGE_TOKEN}
+        )
+    else:  # as a user types it
+        argv = ["ckpt", "import", "--format", "hf", str(lm_dir), root]
+        argv += ["--vision-tower", str(tower_dir), "--image-token-id", str(IMAGE_TOKEN)]
+        assert main(argv) == 0
     model = restored(root)
     assert model.config.vision.variant == tower and model.config.hf_model_type == "llava"
     images = torch.randn(2, 3, 8, 8)
