@@ -217,3 +217,11 @@ def test_a_tp2_checkpoint_loads_at_tp1(corpus_cache, tmp_path):
         assert "vision.layers.0.attention.qkv.weight" in names
     finally:
         trainer.release_run_dir()
+
+
+def test_megatron_multimodal_freeze_flags(corpus_cache, tmp_path):
+    job = load_config(_job(corpus_cache, tmp_path) + ["--freeze-ViT", "--freeze-LM"])
+    assert (job.train.freeze_vision, job.train.freeze_language_model) == (True, True)
+    assert not job.train.freeze_projector
+    with pytest.raises(ConfigError, match="context parallelism"):
+        load_config(_job(corpus_cache, tmp_path, **{"parallel.cp": 2}))
