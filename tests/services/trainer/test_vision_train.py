@@ -145,6 +145,7 @@ CASES = {
             **LLAMA,
             "parallel.use_distributed_optimizer": True,
             "parallel.overlap_grad_reduce": True,
+            "parallel.overlap_param_gather": True,
             "parallel.recompute_granularity": "full",
             "parallel.recompute_method": "uniform",
             "parallel.recompute_num_layers": 1,
