@@ -38,21 +38,23 @@ LLAMA = {
 
 
 def run_steps(args, steps=STEPS):
-    """Losses of `steps` steps (on this rank: the last pipeline stage's are the loss), the
-    trainer."""
+    """(losses, then gradient norms) of `steps` steps (on this rank: the last pipeline stage's
+    are the loss), the trainer. The norms see what Adam's updates do not: a gradient off by a
+    constant factor."""
     trainer = Trainer(load_config(args))
     try:
         m = trainer.mesh
         trainer.data.train = ImageBatches(trainer.job, m.dp_rank, m.dp, per_image=4)
-        losses = []
+        losses, norms = [], []
         for step in range(steps):
-            loss, _ = trainer.train_step(step)
+            loss, norm = trainer.train_step(step)
+            norms.append(norm.item())
             if m.dp > 1:  # each dp rank's mean over its micro-batches: the step's is their mean
                 loss = loss.clone()
                 torch.distributed.all_reduce(loss, group=m.group("dp"))
                 loss /= m.dp
             losses.append(loss.item())
-        return losses, trainer
+        return losses + norms, trainer  # the losses, then the gradient norms
     finally:
         trainer.release_run_dir()
 
@@ -173,8 +175,9 @@ def test_parallel_matches_one_process(corpus_cache, tmp_path, case):
     results = run_ranks(_rank, 2, args)
     losses = [r for r in results if r is not None][0]
     ref = _reference[key]
-    assert losses == pytest.approx(ref, rel=1e-6), (case, losses, ref)
-    assert len(set(ref)) == STEPS  # it trains: the loss moves
+    assert losses[:STEPS] == pytest.approx(ref[:STEPS], rel=1e-6), (case, losses, ref)
+    assert losses[STEPS:] == pytest.approx(ref[STEPS:], rel=1e-5), (case, losses, ref)
+    assert len(set(ref[:STEPS])) == STEPS  # it trains: the loss moves
 
 
 def _eval_loss(trainer) -> float:
@@ -186,7 +189,7 @@ def _eval_loss(trainer) -> float:
 
 
 def _train_and_save(rank, world, args):
-    losses, trainer = run_steps(args)
+    _, trainer = run_steps(args)
     trainer.state.iteration = STEPS
     trainer.state.consumed_samples = STEPS * trainer.job.train.global_batch_size
     url = trainer.save()
