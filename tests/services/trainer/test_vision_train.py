@@ -70,6 +70,10 @@ def test_trains_and_freezes(corpus_cache, tmp_path):
     assert "vision.layers.2.mlp.fc1.weight" not in trained  # past select_layer -2: never run
     assert "vision.layers.1.mlp.fc1.weight" in trained and "projector.fc2.weight" in trained
 
+    # bf16 autocast (with the bf16 weight copies of one process): the same curve, rounded
+    bf16, _ = run_steps(_job(corpus_cache, tmp_path / "bf16", **LLAMA, **{"train.bf16": True}))
+    assert bf16[:STEPS] == pytest.approx(losses[:STEPS], rel=2e-2)
+
     # LLaVA stage 1: the projector alone; the frozen parts keep their weights
     args = _job(
         corpus_cache,
