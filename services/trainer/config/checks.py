@@ -134,7 +134,8 @@ def check_vision(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
 
     Raises:
         ConfigError: a freeze key for a part the model lacks, every part frozen, context
-            parallelism with images, or tensor parallelism the encoder's shapes do not fit.
+            parallelism or CUDA graphs with images, or tensor parallelism the encoder's shapes
+            do not fit.
     """
     v = model.vision
     if v is None:
@@ -150,6 +151,11 @@ def check_vision(model: ModelConfig, parallel: ParallelConfig, train: TrainConfi
         raise ConfigError(
             "train.freeze_vision, train.freeze_projector and train.freeze_language_model freeze "
             "the whole model: leave at least one part to train"
+        )
+    if train.cuda_graph:
+        raise ConfigError(
+            "train.cuda_graph captures fixed-shape inputs; with model.vision the number of images "
+            "changes from one micro-batch to the next: leave it off"
         )
     if parallel.cp > 1:
         raise ConfigError(

@@ -233,3 +233,8 @@ def test_megatron_multimodal_freeze_flags(corpus_cache, tmp_path):
     assert not job.train.freeze_projector
     with pytest.raises(ConfigError, match="context parallelism"):
         load_config(_job(corpus_cache, tmp_path, **{"parallel.cp": 2}))
+    with pytest.raises(ConfigError, match="train.cuda_graph"):
+        load_config(_job(corpus_cache, tmp_path, **{"train.cuda_graph": True}))
+    with pytest.raises(ConfigError, match="must divide model.vision.num_attention_heads=2"):
+        narrow = {"parallel.tp": 4, "model.vision.num_attention_heads": 2}
+        load_config(_job(corpus_cache, tmp_path, **narrow))
