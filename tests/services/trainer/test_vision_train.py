@@ -238,3 +238,16 @@ def test_megatron_multimodal_freeze_flags(corpus_cache, tmp_path):
     with pytest.raises(ConfigError, match="must divide model.vision.num_attention_heads=2"):
         narrow = {"parallel.tp": 4, "model.vision.num_attention_heads": 2}
         load_config(_job(corpus_cache, tmp_path, **narrow))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fp8_takes_the_language_models_blocks_only_on_gpu(corpus_cache, tmp_path):
+    extra = {**LLAMA, "train.device": "cuda", "train.bf16": True}
+    ref, _ = run_steps(_job(corpus_cache, tmp_path / "bf16", **extra))
+    losses, trainer = run_steps(
+        _job(corpus_cache, tmp_path / "fp8", **extra, **{"train.fp8": "e4m3"})
+    )
+    assert trainer.fp8 is not None and trainer.fp8.layers
+    assert all(name.startswith("layers.") for name in trainer.fp8.layers)
+    assert losses[:STEPS] == pytest.approx(ref[:STEPS], rel=5e-2)
