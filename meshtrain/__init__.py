@@ -40,7 +40,7 @@ if TYPE_CHECKING:
         DataError,
         MeshtrainError,
     )
-    from meshtrain.services.common.model_config import ModelConfig
+    from meshtrain.services.common.model_config import ModelConfig, VisionConfig
     from meshtrain.services.dataloader.config import DataConfig
     from meshtrain.services.dataloader.loader import Batch, LocalBatchSource, context_positions
     from meshtrain.services.dataloader.rpc.client import ServiceBatchSource
@@ -62,6 +62,7 @@ if TYPE_CHECKING:
     from meshtrain.services.trainer.data import TrainData, build_data, make_source
     from meshtrain.services.trainer.generate import generate
     from meshtrain.services.trainer.model.gpt import GPT
+    from meshtrain.services.trainer.model.vision import Projector, VisionEncoder, freeze
     from meshtrain.services.trainer.optim.optimizer import build_optimizer, set_lr
     from meshtrain.services.trainer.optim.schedule import lr_at
     from meshtrain.services.trainer.parallel.context import parallelize_context
@@ -89,6 +90,7 @@ _EXPORTS = {
     # configs
     "JobConfig": f"{_T}.config.sections",
     "ModelConfig": "meshtrain.services.common.model_config",
+    "VisionConfig": "meshtrain.services.common.model_config",
     "TrainConfig": f"{_T}.config.sections",
     "OptimConfig": f"{_T}.config.sections",
     "ParallelConfig": f"{_T}.config.parallel",
@@ -98,6 +100,9 @@ _EXPORTS = {
     "load_config": f"{_T}.config.load",
     # the model and its sharding
     "GPT": f"{_T}.model.gpt",
+    "VisionEncoder": f"{_T}.model.vision",
+    "Projector": f"{_T}.model.vision",
+    "freeze": f"{_T}.model.vision",
     "parallelize": f"{_T}.parallel.tensor",
     "parallelize_context": f"{_T}.parallel.context",
     "parallelize_experts": f"{_T}.parallel.expert",
@@ -160,16 +165,20 @@ __all__ = [
     "ModelConfig",
     "OptimConfig",
     "ParallelConfig",
+    "Projector",
     "ServiceBatchSource",
     "TrainConfig",
     "TrainData",
     "TrainResult",
     "TrainState",
     "Trainer",
+    "VisionConfig",
+    "VisionEncoder",
     "apply_recompute",
     "build_data",
     "build_optimizer",
     "context_positions",
+    "freeze",
     "generate",
     "init_process_group",
     "initialize_model_parallel",

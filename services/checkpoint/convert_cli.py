@@ -4,6 +4,7 @@ rewriting.
     meshtrain ckpt export --format hf SRC DST [--step N] [--tokenizer FILE] [--max-shard-size 5GB]
         [--architecture llama|mistral|qwen2|qwen3]
     meshtrain ckpt import --format hf SRC DST [--seq-length N] [--revision REV] [--cache-dir DIR]
+        [--vision-tower DIR --image-token-id N [--vision-select-layer K]]
         (SRC: a folder, or a repo id org/name found in the Hugging Face cache, offline)
     meshtrain ckpt export --format megatron SRC DST [--step N] [--padded-vocab-size N]
     meshtrain ckpt import --format megatron SRC DST [--iteration N] [--num-attention-heads N]
@@ -78,6 +79,8 @@ def cmd_import(args: argparse.Namespace) -> int:
         seq_length=args.seq_length,
         revision=args.revision,
         cache_dir=args.cache_dir,
+        vision_tower=args.vision_tower,
+        vision=_vision_choices(args),
     )
     meta = read_manifest(args.dst, 0)["metadata"]
     settings = {"model": meta["config"]["model"]}
@@ -193,6 +196,22 @@ def register_subcommands(ckpt_subparsers: argparse._SubParsersAction) -> None:
         help="Hugging Face hub cache (default: $HF_HUB_CACHE, $HF_HOME/hub, "
         "~/.cache/huggingface/hub)",
     )
+    vis = imp.add_argument_group(
+        "vision tower",
+        "a CLIPVisionModel or SiglipVisionModel in front of the language model SRC: a LLaVA-style "
+        "model with a new projector (docs/multimodal.md)",
+    )
+    vis.add_argument("--vision-tower", help="the tower's folder, or a repo id in the HF cache")
+    vis.add_argument(
+        "--image-token-id",
+        type=int,
+        help="the placeholder token of SRC's vocabulary that image features take the place of",
+    )
+    vis.add_argument(
+        "--vision-select-layer",
+        type=int,
+        help="the tower layer the projector reads (model.vision.select_layer; default -2)",
+    )
     meg = imp.add_argument_group(
         "megatron",
         "Megatron-LM's flags, for a checkpoint without saved args (they override the saved ones)",
@@ -302,6 +321,16 @@ def register_subcommands(ckpt_subparsers: argparse._SubParsersAction) -> None:
     conv.set_defaults(func=cmd_convert)
 
 
+def _vision_choices(args: argparse.Namespace) -> dict | None:
+    """The model.vision keys of --image-token-id and --vision-select-layer (None: neither)."""
+    out = {}
+    if args.image_token_id is not None:
+        out["image_token_id"] = args.image_token_id
+    if args.vision_select_layer is not None:
+        out["select_layer"] = args.vision_select_layer
+    return out or None
+
+
 def _import_megatron(args: argparse.Namespace) -> int:
     import tomli_w
 
@@ -331,7 +360,7 @@ def _import_megatron(args: argparse.Namespace) -> int:
 
 # Options of one format only, by their argparse dest; the other format refuses them.
 _HF_EXPORT = ["tokenizer", "architecture"]
-_HF_IMPORT = ["revision", "cache_dir"]
+_HF_IMPORT = ["revision", "cache_dir", "vision_tower", "image_token_id", "vision_select_layer"]
 _MEGATRON_IMPORT = [
     "iteration",
     "ckpt_format",

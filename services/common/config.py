@@ -125,6 +125,15 @@ def _is_section(tp: Any) -> bool:
     return dataclasses.is_dataclass(tp) and isinstance(tp, type)
 
 
+def _optional_section(tp: Any) -> Any:
+    """The dataclass of an optional section (`X | None` with X a dataclass), else None."""
+    if get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        if len(args) == 1 and _is_section(args[0]) and len(get_args(tp)) == 2:
+            return args[0]
+    return None
+
+
 def close_matches(word: str, candidates: list[str], n: int = 3) -> list[str]:
     """The candidates closest to a mistyped `word`, best first. A typo is the usual cause of an
     unknown key, and the one or two near names answer it where a list of every key buries it."""
@@ -156,6 +165,7 @@ def build(cls: type, table: dict[str, Any], prefix: str = "") -> Any:
             )
             raise ConfigError(f"unknown key {dotted!r}; {hint}")
         tp = hints[key]
+        tp = _optional_section(tp) if isinstance(value, dict) and _optional_section(tp) else tp
         if _is_section(tp):
             if not isinstance(value, dict):
                 raise ConfigError(f"{dotted}: expected a table [{dotted}], got {value!r}")
@@ -241,8 +251,8 @@ def describe_keys(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]
     docs = field_docs(cls)
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
-        if _is_section(tp):
-            rows.extend(describe_keys(tp, f"{prefix}{f.name}."))
+        if _is_section(tp) or _optional_section(tp):
+            rows.extend(describe_keys(_optional_section(tp) or tp, f"{prefix}{f.name}."))
             continue
         if f.default is not dataclasses.MISSING:
             default = repr(f.default)

@@ -17,6 +17,104 @@ from meshtrain.services.common.errors import ConfigError, NotBuiltError
 
 
 @dataclass
+class VisionConfig:
+    """A vision encoder (ViT) and the projector that maps its features into the language model's
+    embedding space (LLaVA): the `model.vision` section. Unset, the model is text-only.
+
+    CLIP-style: a class token, a LayerNorm before the blocks (`pre_layrnorm`), a bias-free patch
+    convolution, quick-GELU. SigLIP-style: no class token, no pre-norm, a patch convolution with
+    a bias, tanh-approximate GELU. Both: pre-norm bidirectional blocks with LayerNorm.
+    """
+
+    variant: Literal["clip", "siglip"] = "clip"
+    """The encoder's style (see above)."""
+    image_size: int = 224
+    """Side of the square images the position table was made for; other sizes (a multiple of
+    patch_size) interpolate it bicubically."""
+    patch_size: int = 14
+    """Side of each square patch (the patch convolution's kernel and stride)."""
+    hidden_size: int = 1024
+    """The encoder's width."""
+    num_layers: int = 24
+    """The encoder's blocks (all stored; those past select_layer are never run)."""
+    num_attention_heads: int = 16
+    """The encoder's attention heads."""
+    ffn_hidden_size: int = 4096
+    """The encoder's MLP inner width."""
+    norm_epsilon: float = 1e-5
+    """Epsilon of the encoder's LayerNorms (CLIP: 1e-5, SigLIP: 1e-6)."""
+    select_layer: int = -2
+    """Whose output the projector reads: k >= 0 is the output of k blocks (0: the embeddings),
+    negative counts from the last (-1: the last block's output, -2: the one before, as
+    LLaVA-1.5). Hugging Face's vision_feature_layer."""
+    select_feature: Literal["patch", "cls_patch"] = "patch"
+    """Which of the selected tokens become image features: the patches only (LLaVA's 'default'),
+    or the class token and the patches ('full'; CLIP only)."""
+    projector: Literal["mlp2x_gelu", "linear"] = "mlp2x_gelu"
+    """The projector: LLaVA-1.5's Linear-GELU-Linear, or one Linear (LLaVA-1)."""
+    projector_bias: bool = True
+    """Biases in the projector's linear layers."""
+    image_token_id: int = 0
+    """The placeholder token id: each image's features replace exactly tokens_per_image copies of
+    it in the sequence (the data expands them)."""
+
+    def __post_init__(self) -> None:
+        for key in ("image_size", "patch_size", "hidden_size", "num_layers"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"model.vision.{key} must be positive, got {getattr(self, key)}")
+        for key in ("num_attention_heads", "ffn_hidden_size"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"model.vision.{key} must be positive, got {getattr(self, key)}")
+        if self.image_size % self.patch_size:
+            raise ConfigError(
+                f"model.vision.image_size={self.image_size} must be a multiple of "
+                f"model.vision.patch_size={self.patch_size}"
+            )
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"model.vision.hidden_size={self.hidden_size} must be divisible by "
+                f"model.vision.num_attention_heads={self.num_attention_heads}"
+            )
+        if not -(self.num_layers + 1) <= self.select_layer <= self.num_layers:
+            raise ConfigError(
+                f"model.vision.select_layer={self.select_layer} is outside "
+                f"[-{self.num_layers + 1}, {self.num_layers}] (model.vision.num_layers="
+                f"{self.num_layers})"
+            )
+        if self.select_feature == "cls_patch" and self.variant != "clip":
+            raise ConfigError(
+                "model.vision.select_feature='cls_patch' keeps the class token, which only the "
+                f"'clip' variant has (model.vision.variant={self.variant!r})"
+            )
+        if not 0 <= self.norm_epsilon < math.inf:
+            raise ConfigError(f"model.vision.norm_epsilon must be >= 0, got {self.norm_epsilon}")
+        if self.image_token_id < 0:
+            raise ConfigError(
+                f"model.vision.image_token_id={self.image_token_id} is not a token id (>= 0)"
+            )
+
+    @property
+    def grid(self) -> int:
+        """Patches along each side of an image_size image."""
+        return self.image_size // self.patch_size
+
+    @property
+    def class_token(self) -> bool:
+        """Whether the encoder prepends a class token (CLIP)."""
+        return self.variant == "clip"
+
+    @property
+    def layers_run(self) -> int:
+        """Blocks the encoder runs to reach select_layer."""
+        return self.select_layer % (self.num_layers + 1)
+
+    @property
+    def tokens_per_image(self) -> int:
+        """Placeholder tokens (and features) per image_size image."""
+        return self.grid**2 + (self.select_feature == "cls_patch")
+
+
+@dataclass
 class ModelConfig:
     """Architecture of the GPT family (GPT-2 style and Llama style are both settings of it)."""
 
@@ -139,8 +237,12 @@ class ModelConfig:
     moe_grouped_gemm: bool = True
     """Experts as grouped GEMMs (torch._grouped_mm on CUDA bf16 where the device supports it);
     off, or where it cannot run, a loop over the experts computes the same."""
+    vision: VisionConfig | None = None
+    """A vision encoder and projector in front of the language model (`[model.vision]`: a
+    LLaVA-style vision-language model); unset: text-only."""
     hf_model_type: (
-        Literal["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "gpt2"] | None
+        Literal["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "gpt2", "llava"]
+        | None
     ) = None
     """The Hugging Face model_type the weights were imported from (`ckpt import --format hf`
     sets it and the model.hf_* keys below; a resume that leaves them unset takes them from the
@@ -233,6 +335,12 @@ class ModelConfig:
         self._check_rope_scaling()
         self._check_moe()
         self._check_hf()
+        if self.vision is not None and self.vocab_size is not None:
+            if self.vision.image_token_id >= self.vocab_size:
+                raise ConfigError(
+                    f"model.vision.image_token_id={self.vision.image_token_id} is outside the "
+                    f"vocabulary of {self.vocab_size} tokens"
+                )
         if self.transformer_impl != "local":
             raise NotBuiltError(
                 "model.transformer_impl='transformer_engine' is not built yet (Transformer Engine "

@@ -45,10 +45,11 @@ class Batch:
     position_ids: torch.Tensor | None = (
         None  # (micro_batch, seq) int32, 0 again after each EOD; None if not asked
     )
-    # (n_images, 3, H, W) float32, resized and normalized: the micro-batch's images in order of
-    # appearance (sample by sample, left to right); each stands where `tokens` holds
-    # `tokens_per_image` copies of the image placeholder id. None for text batches.
     images: torch.Tensor | None = None
+    """(n_images, 3, H, W) float32, resized and normalized: the micro-batch's images in the order
+    their placeholders appear (sample by sample, left to right); each takes the place of
+    tokens_per_image copies of model.vision.image_token_id in `tokens` (loss mask 0 there).
+    None: no images."""
 
 
 @dataclass(frozen=True)

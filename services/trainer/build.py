@@ -26,6 +26,7 @@ from meshtrain.services.trainer.fp8 import Fp8Model, build_fp8
 from meshtrain.services.trainer.metrics import ModelSize
 from meshtrain.services.trainer.model.gpt import GPT
 from meshtrain.services.trainer.model.moe import set_moe_loss_scale
+from meshtrain.services.trainer.model.vision import freeze
 from meshtrain.services.trainer.parallel import recompute
 from meshtrain.services.trainer.parallel.context import parallelize_context
 from meshtrain.services.trainer.parallel.data_parallel import DataParallel, forward_units
@@ -175,6 +176,14 @@ def build_model(
         job.parallel.tp_comm_overlap,
         device,
         async_grad_reduce=job.parallel.tp_async_grad_reduce,
+    )
+    # after tp made new parameters of the sharded weights; the optimizer, data parallelism and
+    # the checkpoint's optimizer state then see only the trained ones
+    freeze(
+        model,
+        vision=job.train.freeze_vision,
+        projector=job.train.freeze_projector,
+        language_model=job.train.freeze_language_model,
     )
     fp8 = build_fp8(model, job.train, mesh, device)  # after tp sharded them, before pp splits
     parallelize_experts(model, mesh)  # this ep rank's experts; MoE statistics over dp x cp

@@ -204,7 +204,13 @@ class Checkpointer:
         """(box, tensor) of every parameter and moment this rank writes."""
         mesh, v = self.par.mesh, model.vocab_size
         params = dict(model.named_parameters())
-        stacks = layer_stacks(params if mesh.pp == 1 else model_parameter_names(model.config))
+        names = params if mesh.pp == 1 else model_parameter_names(model.config)
+        stacks = layer_stacks(names)
+        # Moments exist for trained parameters only: a family some of whose layers are frozen (a
+        # vision encoder's blocks past model.vision.select_layer) stacks its moments only where
+        # every layer has them. (Frozen parameters are those this rank holds: a part frozen as a
+        # whole has no moments at all, and the encoder sits on one pipeline stage.)
+        moment_stacks = layer_stacks(n for n in names if n not in params or params[n].requires_grad)
         boxes: list[tuple[ShardSpec, torch.Tensor]] = []
         # dp and cp replicas hold the same values: one writes. Experts are split over the ep
         # ranks of a dp x cp group: each ep rank's replica in the first such group (edp rank 0)
@@ -232,7 +238,8 @@ class Checkpointer:
             for k, t in m.items()
         ]
         for name, t, param in tensors:
-            local, pcs = local_pieces(name, t, param, mesh, v, save_place(name, stacks))
+            place = save_place(name, moment_stacks if name.startswith("optim.") else stacks)
+            local, pcs = local_pieces(name, t, param, mesh, v, place)
             for piece in pcs:
                 boxes.append((piece.spec, local[piece.local].reshape(piece.spec.shape)))
         return boxes

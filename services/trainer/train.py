@@ -471,15 +471,23 @@ class Trainer:
         return total
 
     def _micro_batch(
-        self, copies, n_micro: int, tokens, labels, mask, document_ids=None, position_ids=None
+        self,
+        copies,
+        n_micro: int,
+        tokens,
+        labels,
+        mask,
+        document_ids=None,
+        position_ids=None,
+        images=None,
     ) -> torch.Tensor:
         """Forward and backward of one of a step's `n_micro` micro-batches; its (detached) share of
         the loss."""
         with self.autocast:
-            loss = (
-                self.train_forward(copies, tokens, labels, mask, document_ids, position_ids)
-                / n_micro
-            )
+            batch = (tokens, labels, mask, document_ids, position_ids)
+            if images is not None:  # a text-only model's forward takes no images
+                batch += (images,)
+            loss = self.train_forward(copies, *batch) / n_micro
         loss.backward()
         return loss.detach()
 
@@ -490,12 +498,21 @@ class Trainer:
         return self._micro_batch(copies, n_micro, tokens, labels, mask, None, position_ids)
 
     def _on_device(self, batches):
-        """(tokens, labels, loss_mask, document_ids, position_ids) of each micro-batch on the
-        device, in order (`Uploader`); the last two None where the batches have none."""
+        """(tokens, labels, loss_mask, document_ids, position_ids, images) of each micro-batch on
+        the device, in order (`Uploader`); the last three None where the batches have none."""
         for b in batches:
             self._check_token_ids(b)
+            self._check_images(b)
         fields = [
-            (b.tokens, b.labels, b.loss_mask, b.document_ids, b.position_ids) for b in batches
+            (
+                b.tokens,
+                b.labels,
+                b.loss_mask,
+                b.document_ids,
+                b.position_ids,
+                getattr(b, "images", None),
+            )
+            for b in batches
         ]
         uploaded = self.uploader.upload([tuple(t for t in f if t is not None) for f in fields])
         for f, tensors in zip(fields, uploaded):
@@ -520,6 +537,33 @@ class Trainer:
                 "give that one as --tokenizer"
             )
 
+    def _check_images(self, batch) -> None:
+        """Refuse images for a text-only model, and placeholder tokens that do not match the
+        images (naming the counts), on the host tensors before the upload."""
+        images = getattr(batch, "images", None)
+        vision = self.job.model.vision
+        if vision is None:
+            if images is not None and images.shape[0]:
+                raise DataError(
+                    f"the batch carries {images.shape[0]} images and model.vision is unset: "
+                    "configure a vision encoder ([model.vision]) or read text-only data"
+                )
+            return
+        if batch.tokens.device.type != "cpu":
+            return
+        placeholders = int((batch.tokens == vision.image_token_id).sum())
+        n = 0 if images is None else images.shape[0]
+        per_image = 0
+        if n:
+            rows, cols = images.shape[2] // vision.patch_size, images.shape[3] // vision.patch_size
+            per_image = rows * cols + (vision.select_feature == "cls_patch")
+        if placeholders != n * per_image:
+            raise DataError(
+                f"micro-batch {batch.microbatch} of step {batch.step} has {placeholders} image "
+                f"placeholder tokens (model.vision.image_token_id={vision.image_token_id}) for "
+                f"{n} images of {per_image} tokens each"
+            )
+
     @torch.no_grad()
     def evaluate(self) -> float:
         assert self.data.valid is not None
@@ -531,12 +575,13 @@ class Trainer:
         else:
             total = torch.zeros((), dtype=torch.float64, device=self.device)
             counted = torch.zeros((), dtype=torch.float64, device=self.device)
-            for tokens, labels, mask, docs, positions in self._on_device(
+            for tokens, labels, mask, docs, positions, images in self._on_device(
                 self.data.valid.micro_batches(0)
             ):
+                batch = (tokens, labels, mask, docs, positions)
                 with self.autocast:
                     # mean over this micro-batch's counted tokens
-                    loss = self.forward(tokens, labels, mask, docs, positions).float()
+                    loss = self.forward(*batch, *([images] if images is not None else [])).float()
                 # Weighted by the tokens each micro-batch counts (Megatron sums loss and token count
                 # over the eval batches): with EOD masked they differ, and a mean of means would not
                 # be the loss per token.

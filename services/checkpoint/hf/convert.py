@@ -1,6 +1,8 @@
 """Hugging Face <-> meshtrain checkpoints: `LlamaForCausalLM` (Llama 3 RoPE scaling included),
 `MistralForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM` (`llama.py`), `GPT2LMHeadModel`,
-and for mixture-of-experts models `MixtralForCausalLM` and `Qwen2MoeForCausalLM` (`moe.py`).
+for mixture-of-experts models `MixtralForCausalLM` and `Qwen2MoeForCausalLM` (`moe.py`), and
+for vision-language models `LlavaForConditionalGeneration` (`llava.py`; a CLIP or SigLIP tower
+alone joins a language model's import with `vision_tower=`).
 
 `export_hf(src_root, dst_dir)` turns a training checkpoint into a folder `transformers` loads
 (safetensors shards of at most `max_shard_size` with their index, or one `model.safetensors`;
@@ -46,6 +48,7 @@ from meshtrain.services.checkpoint.convert import (
     open_source,
     save_streaming,
 )
+from meshtrain.services.checkpoint.hf import llava
 from meshtrain.services.checkpoint.hf import tokenizer as hf_tokenizer
 from meshtrain.services.checkpoint.hf.files import (
     model_folder,
@@ -91,7 +94,12 @@ log = logging.getLogger(__name__)
 TRAIN_FORMAT = "meshtrain-train/1"  # meshtrain.services.trainer.checkpointing.FORMAT
 # HF tensors that are derived buffers, not weights: old GPT-2 files carry the causal mask,
 # old Llama files the RoPE inverse frequencies. They are skipped on import.
-_DERIVED = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+_DERIVED = (
+    ".attn.bias",
+    ".attn.masked_bias",
+    ".rotary_emb.inv_freq",
+    ".embeddings.position_ids",
+)
 # Written first and removed last by an export to an object store (see `export_hf`).
 INCOMPLETE = ".meshtrain-export-incomplete"
 
@@ -130,6 +138,14 @@ def architecture(model: ModelConfig, requested: str | None = None) -> str:
         CheckpointError: the combination of settings has no HF equivalent, or not the requested
             one; names them.
     """
+    if model.vision is not None:
+        if requested not in (None, "llava"):
+            raise CheckpointError(
+                f"a vision-language model exports as 'llava', not the requested {requested!r}"
+            )
+        llava.check_llava(model)
+        architecture(dataclasses.replace(model, vision=None))  # the language model maps too
+        return "llava"
     style = (model.normalization, model.activation, model.position_embedding_type)
     if model.num_experts is not None:
         arch = moe_architecture(model)
@@ -182,6 +198,9 @@ def hf_config(
         CheckpointError: the model maps to no HF architecture (or not to `arch`).
     """
     arch = architecture(model, arch)
+    if arch == "llava":
+        text = hf_config(dataclasses.replace(model, vision=None), dtype, eod)
+        return llava.llava_hf_config(model, text, dtype)
     if arch in DENSE:
         return dense_hf_config(model, arch, dtype, eod)
     if arch in FAMILY:
@@ -236,6 +255,19 @@ def model_from_hf(config: dict[str, Any], seq_length: int | None = None) -> Mode
 
 def _model_from_hf(config: dict[str, Any], seq_length: int | None) -> ModelConfig:
     kind = config.get("model_type")
+    if kind == "llava":
+        text = model_from_hf(config["text_config"], seq_length)
+        vision = llava.vision_from_hf(config["vision_config"], **llava.llava_choices(config))
+        dtype = config.get("dtype", config.get("torch_dtype"))
+        try:
+            return dataclasses.replace(
+                text,
+                vision=vision,
+                hf_model_type="llava",
+                hf_torch_dtype=dtype if dtype in ("float32", "float16", "bfloat16") else None,
+            )
+        except ValueError as e:
+            raise CheckpointError(f"HF config does not make a valid meshtrain model: {e}") from e
 
     def need(key: str, ok: Callable[[Any], bool], allowed: str, default: Any = None) -> Any:
         value = config.get(key, default)
@@ -289,8 +321,9 @@ def _model_from_hf(config: dict[str, Any], seq_length: int | None) -> ModelConfi
         }
     else:
         raise CheckpointError(
-            f"HF model_type {kind!r} is not supported; only {', '.join(map(repr, FAMILY))} "
-            "and 'gpt2'"
+            f"HF model_type {kind!r} is not supported; only {', '.join(map(repr, FAMILY))}, "
+            "'gpt2' and 'llava' (a vision tower alone joins a language model: import the "
+            "language model with vision_tower=)"
         )
     table.update(_identity(kind, config))
     try:
@@ -327,6 +360,14 @@ def rules(model: ModelConfig, arch: str | None = None) -> list[Rule]:
         CheckpointError: the model maps to no HF architecture (or not to `arch`).
     """
     arch = architecture(model, arch)
+    if arch == "llava":
+        assert model.vision is not None
+        text = [
+            dataclasses.replace(r, theirs=tuple(llava.text_name(t) for t in r.theirs))
+            for r in rules(dataclasses.replace(model, vision=None))
+        ]
+        vision = [Rule(*m) for m in llava.vision_rules(model.vision)]
+        return text + vision + [Rule(*m) for m in llava.projector_rules(model)]
     h, v, ffn, d = model.hidden_size, model.vocab_size, model.ffn_size, model.head_dim
     heads, groups = model.num_attention_heads, model.groups
     per = heads // groups
@@ -658,6 +699,8 @@ def import_hf(
     seq_length: int | None = None,
     revision: str | None = None,
     cache_dir: str | None = None,
+    vision_tower: str | None = None,
+    vision: dict[str, Any] | None = None,
 ) -> str:
     """Writes a Hugging Face model folder as a step-0 meshtrain training checkpoint.
 
@@ -674,6 +717,12 @@ def import_hf(
         seq_length: the model's sequence length (RoPE models); None: max_position_embeddings.
         revision: a cached branch, tag or commit of a repo id; None: main.
         cache_dir: the hub cache; None: HF_HUB_CACHE, HF_HOME/hub or ~/.cache/huggingface/hub.
+        vision_tower: a CLIPVisionModel or SiglipVisionModel folder (or cached repo id) to put
+            in front of the language model `src_dir`: the checkpoint is then a LLaVA-style model
+            whose projector is new (initialized from `seed`), ready for LLaVA's first stage.
+        vision: with `vision_tower`, the model.vision keys the tower does not fix
+            (image_token_id, which must be a token of the language model's vocabulary;
+            select_layer, select_feature, projector, projector_bias).
 
     Returns:
         The URL of the committed checkpoint.
@@ -689,6 +738,27 @@ def import_hf(
         raise CheckpointError(f"{src}: no config.json, so not a Hugging Face model folder")
     hf = read_json(config_path)
     model = model_from_hf(hf, seq_length)
+    tower_src = None
+    if vision_tower is not None:
+        if model.vision is not None:
+            raise CheckpointError(f"{src} has a vision tower already (model_type 'llava')")
+        tower_src = model_folder(vision_tower, revision, cache_dir)
+        if not (tower_src / "config.json").is_file():
+            raise CheckpointError(
+                f"{tower_src}: no config.json, so not a Hugging Face model folder"
+            )
+        if vision is None or "image_token_id" not in vision:
+            raise CheckpointError(
+                "a vision tower needs vision={'image_token_id': ...}: the placeholder token of "
+                "the language model's vocabulary that image features take the place of"
+            )
+        encoder = llava.vision_from_hf(read_json(tower_src / "config.json"), **vision)
+        try:
+            model = dataclasses.replace(model, vision=encoder, hf_model_type="llava")
+        except ValueError as e:
+            raise CheckpointError(f"{tower_src} with {src}: {e}") from e
+    elif vision is not None:
+        raise CheckpointError("vision= settings apply with vision_tower= only")
     existing = list_checkpoints(dst_root)
     if existing:
         # Step 0 would be passed over by `train --load`, which resumes the latest step.
@@ -698,52 +768,75 @@ def import_hf(
             "`meshtrain train --load` would resume the latest of them, not the import (step 0); "
             "import into an empty root"
         )
-    files = safetensors_files(src)
-    missing = sorted(f for f in set(files.values()) if not (src / f).is_file())
-    if missing:
-        raise CheckpointError(
-            f"{src}: the safetensors index names files that are not there: {missing}"
-        )
-    handles = {f: open_safetensors(src / f) for f in set(files.values())}
-    kind = hf["model_type"]  # model_from_hf accepted it: one `architecture` names
+    kind = "llava" if model.vision is not None else hf["model_type"]  # one `architecture` names
     plan = rules(model, kind)
     gpt2 = kind == "gpt2"
 
     def canonical(name: str) -> str:
         # Old GPT-2 files name tensors without the "transformer." prefix.
-        return (
-            f"transformer.{name}"
-            if gpt2 and not name.startswith(("transformer.", "lm_head."))
-            else name
-        )
+        if gpt2 and not name.startswith(("transformer.", "lm_head.")):
+            return f"transformer.{name}"
+        if kind != "llava":
+            return name
+        if tower_src is not None:  # a language model's file, named as in a LLaVA one
+            return llava.text_name(name)
+        return llava.canonical(name)
 
-    stored = {canonical(n): n for n in files if not n.endswith(_DERIVED)}
-    found: dict[str, TensorSpec] = {}
-    for name, original in stored.items():
-        if original not in handles[files[original]].keys():  # noqa: SIM118 (not a dict)
+    # HF name -> (the safetensors file's handle, the name there), over the source folders
+    stored: dict[str, tuple[Any, str]] = {}
+    sources = [(src, canonical)]
+    if tower_src is not None:
+        sources.append((tower_src, llava.tower_name))
+    for folder, rename in sources:
+        files = safetensors_files(folder)
+        missing = sorted(f for f in set(files.values()) if not (folder / f).is_file())
+        if missing:
             raise CheckpointError(
-                f"{src}: model.safetensors.index.json puts tensor {original!r} in "
-                f"{files[original]}, which does not hold it (a shard from another download?)"
+                f"{folder}: the safetensors index names files that are not there: {missing}"
             )
-        tensor_slice = handles[files[original]].get_slice(original)
+        handles = {f: open_safetensors(folder / f) for f in set(files.values())}
+        for n, f in files.items():
+            if n.endswith(_DERIVED):
+                continue
+            if n not in handles[f].keys():  # noqa: SIM118 (not a dict)
+                raise CheckpointError(
+                    f"{folder}: model.safetensors.index.json puts tensor {n!r} in {f}, which "
+                    "does not hold it (a shard from another download?)"
+                )
+            stored[rename(n)] = (handles[f], n)
+    found: dict[str, TensorSpec] = {}
+    for name, (handle, original) in stored.items():
+        tensor_slice = handle.get_slice(original)
         dtype = LOGICAL.get(tensor_slice.get_dtype())
         if dtype is None:
             raise CheckpointError(
                 f"{src}: tensor {original!r} has unsupported dtype {tensor_slice.get_dtype()}"
             )
         found[name] = (tuple(tensor_slice.get_shape()), dtype)
+    head = "language_model.lm_head.weight" if kind == "llava" else "lm_head.weight"
     if not model.untie_embeddings_and_output_weights:
-        found.pop("lm_head.weight", None)  # tied: HF ignores a stored copy, so do we
+        found.pop(head, None)  # tied: HF ignores a stored copy, so do we
+    dropped = [n for n in found if n.startswith(llava.SIGLIP_HEAD)]
+    if dropped:  # SigLIP's pooling head: no part of a LLaVA model
+        log.info(
+            "%s: SigLIP's attention-pooling head (%d tensors) is not imported", src, len(dropped)
+        )
+        for n in dropped:
+            del found[n]
+    fresh: dict[str, torch.Tensor] = {}
+    if tower_src is not None:  # a new projector, between a tower and a language model
+        fresh = llava.fresh_projector(model, seed)
+        found.update({r.theirs[0]: (r.shape, None) for r in plan if r.ours in fresh})
     wanted = {t: s for r in plan for t, s in zip(r.theirs, r.hf_shapes)}
     _check_tensors(wanted, found, f"HF folder {src}", ignore=())
-    dtypes = {found[t][1] for t in wanted}
+    dtypes = {found[t][1] for t in wanted} - {None}
     if len(dtypes) != 1:
         raise CheckpointError(f"HF folder {src}: tensors have mixed dtypes {sorted(dtypes)}")
     dtype = dtypes.pop()
 
     def read_hf(name: str) -> torch.Tensor:
-        original = stored[name]
-        return handles[files[original]].get_tensor(original)
+        handle, original = stored[name]
+        return handle.get_tensor(original)
 
     by_ours = {r.ours: r for r in plan}
 
@@ -761,6 +854,8 @@ def import_hf(
             return torch.Generator().manual_seed(seed).get_state()
         if name in carried_tensors:
             return carried_tensors[name]
+        if name in fresh:
+            return fresh[name].to(layout.torch_dtype(dtype))
         rule = by_ours[name]
         return rule.from_hf([read_hf(t) for t in rule.theirs]).contiguous()
 
@@ -778,7 +873,12 @@ def import_hf(
         "rng_numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
         "tokenizer": tokenizer_path,
         **({METADATA_KEY: record} if record else {}),
-        "imported_from": {"url": str(src.resolve()), "format": "hf", "architecture": kind},
+        "imported_from": {
+            "url": str(src.resolve()),
+            "format": "hf",
+            "architecture": kind,
+            **({"vision_tower": str(tower_src.resolve())} if tower_src is not None else {}),
+        },
     }
     url, _ = save_streaming(dst_root, 0, specs, load, metadata, desc="import")
     return url

@@ -159,6 +159,47 @@ def check_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> None
             )
 
 
+def check_vision(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> None:
+    """What a vision-language model (model.vision) needs of the layout and the freeze keys.
+
+    Raises:
+        ConfigError: a freeze key for a part the model lacks, every part frozen, context
+            parallelism or CUDA graphs with images, or tensor parallelism the encoder's shapes
+            do not fit.
+    """
+    v = model.vision
+    if v is None:
+        for key in ("freeze_vision", "freeze_projector"):
+            if getattr(train, key):
+                raise ConfigError(f"train.{key} freezes a part of model.vision, which is unset")
+        if train.freeze_language_model:
+            raise ConfigError(
+                "train.freeze_language_model leaves a text-only model nothing to train"
+            )
+        return
+    if train.freeze_vision and train.freeze_projector and train.freeze_language_model:
+        raise ConfigError(
+            "train.freeze_vision, train.freeze_projector and train.freeze_language_model freeze "
+            "the whole model: leave at least one part to train"
+        )
+    if train.cuda_graph:
+        raise ConfigError(
+            "train.cuda_graph captures fixed-shape inputs; with model.vision the number of images "
+            "changes from one micro-batch to the next: leave it off"
+        )
+    if parallel.cp > 1:
+        raise ConfigError(
+            f"model.vision with parallel.cp={parallel.cp}: image features take the place of "
+            "placeholders anywhere in the sequence, which context parallelism splits; use cp=1"
+        )
+    tp = parallel.tp
+    if v.num_attention_heads % tp or v.ffn_hidden_size % tp:
+        raise ConfigError(
+            f"parallel.tp={tp} must divide model.vision.num_attention_heads="
+            f"{v.num_attention_heads} and model.vision.ffn_hidden_size={v.ffn_hidden_size}"
+        )
+
+
 def check_tensor_parallel(model: ModelConfig, tp: int, sequence_parallel: bool) -> None:
     """What tensor parallelism of degree `tp` needs of the model's shapes and settings.
 

@@ -130,6 +130,9 @@ ALIASES: dict[str, tuple[str, bool]] = {
     "--expert-model-parallel-size": ("parallel.ep", True),
     "--expert-tensor-parallel-size": ("parallel.expert_tensor_parallel_size", True),
     "--sequence-parallel": ("parallel.sequence_parallel", False),
+    # Megatron-LM's multimodal example (examples/multimodal): LLaVA's freezing stages
+    "--freeze-LM": ("train.freeze_language_model", False),
+    "--freeze-ViT": ("train.freeze_vision", False),
     "--tp-comm-overlap": ("parallel.tp_comm_overlap", False),
     "--distributed-timeout-minutes": ("parallel.distributed_timeout_minutes", True),
     "--use-distributed-optimizer": ("parallel.use_distributed_optimizer", False),

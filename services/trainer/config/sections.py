@@ -26,6 +26,7 @@ from meshtrain.services.trainer.config.checks import (
     check_fp8,
     check_fully_sharded,
     check_tensor_parallel,
+    check_vision,
 )
 from meshtrain.services.trainer.config.dpo import DPOConfig
 from meshtrain.services.trainer.config.grpo import GRPOConfig
@@ -111,6 +112,16 @@ class TrainConfig:
     chunk to FP8 before the sequence all-gather: half the bytes of the bf16 gather, the same
     values reach the GEMM, and the cast and amax run on the chunk only (tensorwise and delayed;
     rowwise gathers in bf16). false: gather in bf16, then cast."""
+    freeze_vision: bool = False
+    """With model.vision: leave the vision encoder's weights as they are (LLaVA's stages 1 and 2):
+    no gradient, no optimizer state, no gradient reduction, and the encoder runs without
+    autograd."""
+    freeze_projector: bool = False
+    """With model.vision: leave the projector's weights as they are."""
+    freeze_language_model: bool = False
+    """Leave the language model's weights as they are (embeddings, blocks, final norm, output
+    layer): LLaVA's stage 1 trains the projector alone (freeze_vision and freeze_language_model);
+    its stage 2 the projector and the language model (freeze_vision)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """'auto' picks CUDA when present."""
     cuda_graph: bool = False
@@ -381,3 +392,4 @@ class JobConfig:
         check_fp8(self.train, self.parallel)
         check_documents(self.data, self.parallel, self.train)
         check_fully_sharded(self.model, self.parallel, self.train)
+        check_vision(self.model, self.parallel, self.train)

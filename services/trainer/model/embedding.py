@@ -12,6 +12,7 @@ from torch import nn
 
 from meshtrain.kernels.reference import compute_dtype
 from meshtrain.services.common.model_config import ModelConfig
+from meshtrain.services.trainer.model.vision import merge_image_features
 
 
 class Embedding(nn.Module):
@@ -28,7 +29,13 @@ class Embedding(nn.Module):
         self.dropout = nn.Dropout(config.hidden_dropout)
         self.fp32_residual = config.fp32_residual_connection
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        image_features: torch.Tensor | None = None,
+        image_token_id: int | None = None,
+    ) -> torch.Tensor:
         """tokens (batch, seq) int64 -> (batch, seq, hidden): the residual stream's first value.
 
         `positions` (seq,) or (batch, seq): the tokens' positions (default 0, 1, ...; a
@@ -37,8 +44,14 @@ class Embedding(nn.Module):
 
         In the tables' dtype, or under autocast with `fp32_residual_connection` off, in
         autocast's dtype (the lookups and the position sum in fp32, then one rounding).
+        `image_features` (n_images, tokens_per_image, hidden) replace the word embeddings of the
+        `image_token_id` placeholders, in reading order (`vision.merge_image_features`): here,
+        before the sequence-parallel scatter that follows this module.
         """
         x = self.word_embeddings(tokens)
+        if image_features is not None:
+            assert image_token_id is not None
+            x = merge_image_features(x, tokens, image_features, image_token_id)
         if self.position_embeddings is not None:
             if positions is None:
                 positions = torch.arange(tokens.shape[1], device=tokens.device)

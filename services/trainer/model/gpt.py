@@ -10,6 +10,11 @@ here: `parallel/` swaps or wraps modules (e.g. `recompute.apply`).
     loss = model(tokens, labels, loss_mask)     # mean token loss
     logits = model(tokens)                      # (batch, seq, vocab)
     loss = model(tokens, labels, loss_mask, document_ids, position_ids)  # packed documents
+    loss = model(tokens, labels, loss_mask, images=images)  # with model.vision: LLaVA-style
+
+With `config.vision` set the model also holds a vision encoder and a projector (`vision.py`):
+`images` (n_images, 3, H, W) are encoded, projected, and put in place of the image placeholder
+tokens' embeddings.
 """
 
 from __future__ import annotations
@@ -27,6 +32,11 @@ from meshtrain.services.trainer.model.mlp import MLP
 from meshtrain.services.trainer.model.moe import MoE
 from meshtrain.services.trainer.model.norm import Norm
 from meshtrain.services.trainer.model.rotary import rotary_tables
+from meshtrain.services.trainer.model.vision import (
+    Projector,
+    VisionEncoder,
+    image_features,
+)
 
 
 class LMHead(nn.Module):
@@ -133,6 +143,8 @@ class GPT(nn.Module):
             else None
         )
         self.head = LMHead(config.vocab_size)
+        self.vision = VisionEncoder(config.vision) if config.vision is not None else None
+        self.projector = Projector(config) if config.vision is not None else None
         self.rope_cos: torch.Tensor | None
         if config.position_embedding_type == "rope":
             cos, sin = rotary_tables(config)
@@ -157,7 +169,9 @@ class GPT(nn.Module):
         std = self.config.init_method_std
         scaled = Attention.scaled_init_std(self.config)
         for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.startswith("vision.class_embedding"):
+                p.normal_(0.0, self.config.vision.hidden_size**-0.5)  # CLIP's
+            elif name.endswith("norm.weight"):
                 p.fill_(1.0)
             elif name.endswith((".bias", "router.expert_bias")):
                 p.zero_()
@@ -180,14 +194,31 @@ class GPT(nn.Module):
             return self.output_layer.weight
         return self.embedding.word_embeddings.weight
 
+    def embed(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None,
+        images: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The residual stream's first value (batch, seq, hidden): the token embeddings, with the
+        image features in place of the placeholders' where `images` are given."""
+        features = None
+        if images is not None and images.shape[0]:
+            if self.vision is None or self.projector is None:
+                raise ValueError("images given to a text-only model (model.vision is unset)")
+            features = image_features(self.vision, self.projector, images)
+        image_token = self.config.vision.image_token_id if self.config.vision else None
+        return self.embedding(tokens, positions, features, image_token)
+
     def hidden_states(
         self,
         tokens: torch.Tensor,
         document_ids: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        images: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens (batch, seq) -> final-norm hidden states (batch, seq, hidden); see `forward`
-        for the document ids and positions."""
+        for the document ids, positions and images."""
         if tokens.shape[1] > self.config.seq_length:
             raise ValueError(
                 f"sequence of {tokens.shape[1]} tokens exceeds "
@@ -196,7 +227,7 @@ class GPT(nn.Module):
         positions = token_positions(self.context, position_ids, tokens.shape[1], tokens.device)
         rope = rope_tables(self.rope_cos, self.rope_sin, positions)
         docs = documents(document_ids)
-        x = self.embedding(tokens, positions)
+        x = self.embed(tokens, positions, images)
         for start, end, recompute in self.layer_chunks():
             if recompute and torch.is_grad_enabled():
                 x = torch.utils.checkpoint.checkpoint(
@@ -229,6 +260,7 @@ class GPT(nn.Module):
         loss_mask: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        images: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Mean token loss when `labels` is given, else logits (batch, seq, vocab).
 
@@ -240,8 +272,11 @@ class GPT(nn.Module):
                 attention then stays inside documents (None: the whole sequence).
             position_ids: (batch, seq) int: each token's position for RoPE or the learned
                 position embedding, e.g. restarting at each document (None: 0, 1, ...).
+            images: (n_images, 3, H, W) float, resized and normalized, in the order their
+                placeholders appear (sample by sample, left to right); each takes the place of
+                tokens_per_image copies of model.vision.image_token_id (None: no images).
         """
-        h = self.hidden_states(tokens, document_ids, position_ids)
+        h = self.hidden_states(tokens, document_ids, position_ids, images)
         if labels is not None:
             loss = self.head.loss(h, self.output_weight, labels, loss_mask)
             return (
@@ -262,6 +297,11 @@ class GPT(nn.Module):
                 total -= self.embedding.position_embeddings.weight.numel()
         return total
 
+    def vision_parameters(self) -> int:
+        """Parameters of the vision encoder and the projector (0 for a text-only model)."""
+        parts = (self.vision, self.projector)
+        return sum(p.numel() for m in parts if m is not None for p in m.parameters())
+
     def inactive_parameters(self) -> int:
         """Expert weights a token does not pass through: (experts - topk) of every MoE block's
         experts (expert parallelism holds a slice of them: counted from the config, not this
@@ -280,7 +320,7 @@ class GPT(nn.Module):
 
         The head multiplies by a (vocab x hidden) matrix once per token, tied or not; the input
         embedding is a lookup and does no matmul. (Counting an untied head twice would overstate
-        MFU.)
+        MFU.) A vision encoder and projector are left out: they run per image patch, not per token.
         """
         c = self.config
         s = seq_length or c.seq_length
@@ -291,5 +331,6 @@ class GPT(nn.Module):
             - untied_head
             + head
             - self.inactive_parameters()
+            - self.vision_parameters()
         )
         return 6.0 * matmul_params + 12.0 * c.num_layers * s * c.num_attention_heads * c.head_dim

@@ -73,14 +73,21 @@ def forward_units(model: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]
     """A GPT's (module, parameters) units in forward order, for `overlap_param_gather`.
 
     Each unit's forward pre-hook waits for the all-gathers of the buckets holding its
-    parameters: the embedding, each block, then the final norm, whose forward runs just before
-    the head multiplies by the output weight (the embedding's, when tied).
+    parameters: the vision encoder and projector (if any), the embedding, each block, then the
+    final norm, whose forward runs just before the head multiplies by the output weight (the
+    embedding's, when tied).
     """
     head = [
         q for m in (model.final_norm, model.output_layer) if m is not None for q in m.parameters()
     ]
+    vision = [
+        (m, list(m.parameters()))
+        for m in (getattr(model, "vision", None), getattr(model, "projector", None))
+        if m is not None
+    ]  # a vision-language model encodes the images before it embeds the tokens
     return (
-        [(model.embedding, list(model.embedding.parameters()))]
+        vision
+        + [(model.embedding, list(model.embedding.parameters()))]
         + [(layer, list(layer.parameters())) for layer in model.layers]
         + [(model.final_norm, head)]
     )

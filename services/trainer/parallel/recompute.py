@@ -39,9 +39,12 @@ def apply(model: GPT, config: ParallelConfig) -> GPT:
     """Configure `model` in place for the recompute plan in `config`; returns it.
 
     Parameter names do not change (the core has no parameters, and full recompute is a
-    plan the model's forward consults), so checkpoints are unaffected.
+    plan the model's forward consults), so checkpoints are unaffected. Under `full` a vision
+    encoder's blocks are recomputed one by one as well.
     """
     n = len(model.layers)
+    if config.recompute_granularity == "full" and model.vision is not None:
+        model.vision.recompute = True  # each encoder block keeps only its input
     if config.recompute_granularity == "full":
         if config.recompute_method == "uniform":
             model.recompute_chunk = config.recompute_num_layers

@@ -21,6 +21,12 @@ output, a per-rank partial sum, is reduced once (reduce-scattered under sequence
 Everything inside the region computes a share: the replicated router and shared-expert gate
 get per-rank shares of their gradients (marked `sequence_parallel`, summed over tp like the
 norms), and the auxiliary losses are injected 1/tp on each rank.
+
+A vision encoder (`model.vision`) is split the same way, by heads and MLP width, without
+sequence parallelism (its patches are a sequence of their own, whole on every rank); the
+projector is column- then row-parallel (one Linear: replicated), so the image features reach the
+embedding whole, before its sequence-parallel scatter. The encoder's replicated weights (patch
+convolution, positions, norms) see the same input and gradient on every rank.
 """
 
 from __future__ import annotations
@@ -386,9 +392,11 @@ def parallelize(
         _shard_vocabulary(model, mesh, sequence_parallel)
         for layer in model.layers:
             _shard_block(layer, mesh, sequence_parallel, comm_overlap, async_grad_reduce)
+        if getattr(model, "vision", None) is not None:
+            _shard_vision(model, mesh)
         if sequence_parallel:
             for name, p in model.named_parameters():
-                if "norm" in name:
+                if "norm" in name and not name.startswith("vision."):
                     p.sequence_parallel = True  # type: ignore[attr-defined]
             group = mesh.group("tp")
             model.embedding.register_forward_hook(
@@ -467,6 +475,27 @@ def _shard_block(
         async_grad=async_grad,
     )
     layer.mlp.fc2 = RowParallelLinear(layer.mlp.fc2, mesh, sequence_parallel, overlap=overlap)
+
+
+def _shard_vision(model: nn.Module, mesh: Mesh) -> None:
+    """The vision encoder's blocks and the projector over tp (no sequence parallelism)."""
+    v, tp = model.config.vision, mesh.tp
+    if v.num_attention_heads % tp or v.ffn_hidden_size % tp:
+        raise ConfigError(
+            f"parallel.tp={tp} must divide model.vision.num_attention_heads="
+            f"{v.num_attention_heads} and model.vision.ffn_hidden_size={v.ffn_hidden_size}"
+        )
+    for layer in model.vision.layers:
+        att = layer.attention
+        att.qkv = ColumnParallelLinear(att.qkv, mesh, False)  # rows per head: whole heads
+        att.proj = RowParallelLinear(att.proj, mesh, False)
+        att.heads //= tp
+        layer.mlp.fc1 = ColumnParallelLinear(layer.mlp.fc1, mesh, False)
+        layer.mlp.fc2 = RowParallelLinear(layer.mlp.fc2, mesh, False)
+    proj = model.projector
+    if proj.fc2 is not None:
+        proj.fc1 = ColumnParallelLinear(proj.fc1, mesh, False)
+        proj.fc2 = RowParallelLinear(proj.fc2, mesh, False)
 
 
 def check_moe_tensor_parallel(cfg, tp: int) -> None:

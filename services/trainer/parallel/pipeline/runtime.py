@@ -206,9 +206,9 @@ class PipelineRuntime:
         """An F action: the chunk's forward (on the last chunk, the micro-batch's loss share)."""
         stage = self.stage
         x = self._forward_input(micro, a, st.inputs)
-        labels, mask, docs, positions = _stage_inputs(stage, a.chunk, micro[a.micro])
+        labels, mask, docs, positions, images = _stage_inputs(stage, a.chunk, micro[a.micro])
         with self.autocast:
-            y = stage.forward_chunk(a.chunk, x, labels, mask, docs, positions)
+            y = stage.forward_chunk(a.chunk, x, labels, mask, docs, positions, images)
         if stage.chunk_is_last(a.chunk):
             y = y / self.n_micro
             st.total += y.detach()
@@ -279,9 +279,9 @@ class PipelineRuntime:
                 else:
                     x = torch.empty(self.act_shape, dtype=self.act_dtype, device=self.device)
                     dist.recv(x, self.prev)
-                labels, mask, docs, positions = _stage_inputs(stage, c, micro[m])
+                labels, mask, docs, positions, images = _stage_inputs(stage, c, micro[m])
                 with self.autocast:
-                    y = stage.forward_chunk(c, x, labels, mask, docs, positions)
+                    y = stage.forward_chunk(c, x, labels, mask, docs, positions, images)
                 if stage.chunk_is_last(c):
                     n = token_count(stage.context, mask)
                     total += y.double() * n
@@ -294,13 +294,15 @@ class PipelineRuntime:
 
 
 def _stage_inputs(stage, chunk: int, batch: tuple | None) -> tuple:
-    """(labels, loss_mask, document_ids, position_ids) chunk `chunk` takes from a micro-batch
-    (tokens, labels, loss_mask[, document_ids, position_ids]): labels and mask on the last
-    chunk only; the documents on every chunk (None where the batch has none, or none is read)."""
+    """(labels, loss_mask, document_ids, position_ids, images) chunk `chunk` takes from a
+    micro-batch (tokens, labels, loss_mask[, document_ids, position_ids[, images]]): labels and
+    mask on the last chunk only, images on the first; the documents on every chunk (None where
+    the batch has none, or none is read)."""
     if batch is None:
-        return None, None, None, None
+        return None, None, None, None, None
     labels, mask = batch[1], batch[2]
     docs, positions = (batch[3], batch[4]) if len(batch) > 3 else (None, None)
+    images = batch[5] if len(batch) > 5 and stage.chunk_is_first(chunk) else None
     if not stage.chunk_is_last(chunk):
         labels = mask = None
-    return labels, mask, docs, positions
+    return labels, mask, docs, positions, images

@@ -5,8 +5,9 @@ s // pp of rank s % pp (Megatron's interleaving: rank r holds stages r, r+pp, r+
 Blocks are split over the virtual stages evenly, or unevenly with
 `first`/`last` (Megatron's --decoder-first/last-pipeline-num-layers: the first and the last
 virtual stage get that many, the others share the rest evenly), or by an explicit list of
-block counts per virtual stage. The first stage also holds the embedding; the last the final
-norm, the output layer and the loss.
+block counts per virtual stage. The first stage also holds the embedding (and a vision-language
+model's encoder and projector: the images enter there); the last the final norm, the output
+layer and the loss.
 
 `PipelineStage` is what one rank keeps of a built (and tensor-parallel) GPT. Its parameter
 names are the GPT's own, global layer numbers included (`layers.<i>` with i global), so
@@ -30,6 +31,7 @@ from meshtrain.services.trainer.config.parallel import ParallelConfig
 from meshtrain.services.trainer.model.attention import documents
 from meshtrain.services.trainer.model.embedding import Embedding
 from meshtrain.services.trainer.model.gpt import GPT, rope_tables, token_positions
+from meshtrain.services.trainer.model.vision import image_features
 
 
 def stage_layers(
@@ -114,6 +116,8 @@ class PipelineStage(nn.Module):
         self.embedding: Embedding | _TiedHeadWeight | None = (
             model.embedding if self.is_first else None
         )
+        self.vision = model.vision if self.is_first else None
+        self.projector = model.projector if self.is_first else None
         self.final_norm = self.output_layer = None
         self.head = model.head
         if self.is_last:
@@ -169,11 +173,13 @@ class PipelineStage(nn.Module):
         loss_mask: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        images: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Chunk `chunk` of this rank: tokens or the previous stage's activations in; the next
         stage's activations, or on the last stage the mean token loss (logits without labels),
         out. `document_ids` and `position_ids` (batch, seq): the micro-batch's packed documents,
-        which every chunk's attention and RoPE need (`GPT.forward`)."""
+        which every chunk's attention and RoPE need (`GPT.forward`); `images`: the micro-batch's
+        images, which the first chunk encodes."""
         # training sequences are whole: under cp this rank's share of seq_length
         local = self.config.seq_length // (self.context.cp if self.context is not None else 1)
         positions = token_positions(self.context, position_ids, local, x.device)
@@ -183,8 +189,14 @@ class PipelineStage(nn.Module):
                     f"sequence of {x.shape[1]} tokens exceeds "
                     f"model.seq_length={self.config.seq_length}"
                 )
-            assert self.embedding is not None
-            x = self.embedding(x, positions)
+            assert isinstance(self.embedding, Embedding)
+            features = None
+            if images is not None and images.shape[0]:
+                if self.vision is None or self.projector is None:
+                    raise ValueError("images given to a text-only model (model.vision is unset)")
+                features = image_features(self.vision, self.projector, images)
+            image_token = self.config.vision.image_token_id if self.config.vision else None
+            x = self.embedding(x, positions, features, image_token)
         rope = rope_tables(self.rope_cos, self.rope_sin, positions)
         docs = documents(document_ids)
         for ids, recompute in self.runs[chunk]:
@@ -210,6 +222,9 @@ class PipelineStage(nn.Module):
         units: list[tuple[nn.Module, list[nn.Parameter]]] = []
         if self.is_first:
             assert self.embedding is not None
+            for m in (self.vision, self.projector):  # the images are encoded first
+                if m is not None:
+                    units.append((m, list(m.parameters())))
             units.append((self.embedding, list(self.embedding.parameters())))
         units += [(layer, list(layer.parameters())) for layer in self.layers.values()]
         if self.is_last:
