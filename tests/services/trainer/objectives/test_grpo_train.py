@@ -107,15 +107,5 @@ def test_grpo_refuses_what_it_does_not_run_with(tmp_path):
         )
     with pytest.raises(ConfigError, match="cannot import"):
         Trainer(load_config(job_args(tmp_path, prompts, **{"grpo.reward_funcs": '["nope.x:f"]'})))
-    with pytest.raises(ConfigError, match="rollout service is not installed"):
-        Trainer(
-            load_config(
-                job_args(
-                    tmp_path,
-                    prompts,
-                    **{"grpo.rollout": "service", "grpo.rollout_addresses": '["localhost:1"]'},
-                )
-            )
-        )
     with pytest.raises(ConfigError, match="seq_length"):
         Trainer(load_config(job_args(tmp_path, prompts, **{"grpo.max_new_tokens": 14})))
