@@ -165,7 +165,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_serving(addr: str, timeout: float = 60.0) -> None:
+def _wait_serving(addr: str, timeout: float = 180.0) -> None:
     stub = pb_grpc.RolloutServiceStub(grpc.insecure_channel(addr))
     deadline = time.monotonic() + timeout
     while True:
