@@ -136,7 +136,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str):
         raise ConfigError(f"{self.prog}: {message}")
 
 
