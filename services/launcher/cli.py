@@ -1,7 +1,7 @@
 """`meshtrain up`, `meshtrain status`, `meshtrain save` and `meshtrain stop`.
 
     meshtrain up --config deploy/configs/tiny.toml --data-workers 2 --nproc-per-node 2 [--s3] \\
-        [train overrides]
+        [--rollout-workers N [--rollout-args "--device cpu --eod-id 0"]] [train overrides]
     meshtrain status RUN_DIR|HOST:PORT [--json]   # step, loss, tokens/s, ETA, last checkpoint
     meshtrain save RUN_DIR|HOST:PORT              # checkpoint after the current step, keep training
     meshtrain stop RUN_DIR|HOST:PORT              # checkpoint, then end the run (exit 0)
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 
 from meshtrain.services.common.security import ClientSecurity, add_client_arguments
 
@@ -42,6 +43,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         s3=args.s3,
         resume=not args.no_resume,
         trainer_threads=args.trainer_threads,
+        rollout_workers=args.rollout_workers,
+        rollout_args=shlex.split(args.rollout_args),
     )
     return run_up(options, args.overrides)
 
@@ -120,8 +123,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     up = sub.add_parser(
         "up",
         help="run data workers, the checkpoint service and the trainer as local processes",
-        description="Start the training topology locally: N data workers, the checkpoint service "
-        "and K trainer ranks, health-checked in that order, logs prefixed by process. "
+        description="Start the training topology locally: N data workers, the checkpoint "
+        "service, M rollout workers and K trainer ranks, health-checked in that order, logs "
+        "prefixed by process. "
         "Other arguments (--config FILE, --section.key=value, Megatron flags) go to "
         "the trainer. Ctrl-C/SIGTERM: the trainer checkpoints, then all stop; the same "
         "command with the same --log.run_dir resumes.",
@@ -131,6 +135,21 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--data-workers", type=int, default=1, help="DataService workers (0: data in-process)"
     )
     up.add_argument("--nproc-per-node", type=int, default=1, help="trainer ranks")
+    up.add_argument(
+        "--rollout-workers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="rollout workers for on-policy RL (`meshtrain rollout serve`), starting from the "
+        "checkpoint the trainer starts from; their addresses go to the trainer",
+    )
+    up.add_argument(
+        "--rollout-args",
+        default="",
+        metavar="FLAGS",
+        help="further flags of every rollout worker, as one string "
+        '(e.g. "--device cpu --eod-id 0 --max-new-tokens 512")',
+    )
     up.add_argument(
         "--no-checkpoint-service",
         action="store_true",

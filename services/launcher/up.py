@@ -1,13 +1,19 @@
 """`meshtrain up`: the whole training topology as local processes, in a health-checked order.
 
     meshtrain up --config deploy/configs/tiny.toml --data-workers 2 --nproc-per-node 4 \
-        --tensor-model-parallel-size 2 [--s3 | --save s3://bucket/ckpt] [--metrics]
+        --tensor-model-parallel-size 2 [--s3 | --save s3://bucket/ckpt] [--metrics] \
+        [--rollout-workers 2 --checkpoint.load SFT_ROOT]
 
 Starts, each only once the one before answers its health check: with `--s3`, a local
 S3-compatible object store (SeaweedFS, data in RUN_DIR/s3, checkpoints at
 s3://meshtrain/checkpoints); N DataService workers; the checkpoint service for the trainer's
-save root; then K trainer ranks pointed at them (`--data-service-addresses`,
-`--checkpoint.service_address`, `--train.control_port=0`, so `meshtrain status RUN_DIR` works).
+save root; N rollout workers (`meshtrain rollout serve`) for on-policy RL; then K trainer ranks
+pointed at them (`--data-service-addresses`, `--checkpoint.service_address`,
+`--train.control_port=0`, so `meshtrain status RUN_DIR` works; the rollout workers' addresses in
+$MESHTRAIN_ROLLOUT_ADDRESSES, and as `--grpo.rollout_addresses` where the trainer's config has
+that key). A rollout worker starts from the policy the trainer starts from: the newest committed
+checkpoint under the save root when the run resumes, else `--checkpoint.load` (at
+`--checkpoint.load_step`); it reads the steps the trainer publishes from the save root.
 Every process's log lines carry its name. The ranks are started here directly with torchrun's
 environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT, ...; `ranks.local_ranks`, as
 `meshtrain train --nproc-per-node` does) rather than under torchrun's agent, so each rank gets
@@ -37,7 +43,7 @@ import secrets
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from meshtrain.services.common.config import load_toml
@@ -75,6 +81,8 @@ class UpOptions:
         s3_bucket: the bucket `s3` creates and saves under.
         resume: resume from the newest committed checkpoint under the save root, if any.
         trainer_threads: CPU threads per trainer rank (None: `threads.thread_budget` picks).
+        rollout_workers: rollout workers (`meshtrain rollout serve`; 0: none).
+        rollout_args: further flags of every rollout worker (`--device cpu --eod-id 0`).
     """
 
     data_workers: int = 1
@@ -87,8 +95,14 @@ class UpOptions:
     s3_bucket: str = "meshtrain"
     resume: bool = True
     trainer_threads: int | None = None
+    rollout_workers: int = 0
+    rollout_args: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if self.rollout_workers < 0:
+            raise ConfigError(f"up needs --rollout-workers >= 0 (got {self.rollout_workers})")
+        if self.rollout_args and not self.rollout_workers:
+            raise ConfigError("up: --rollout-args without --rollout-workers N starts nothing")
         if self.trainer_threads is not None and self.trainer_threads < 1:
             raise ConfigError(f"up needs --trainer-threads >= 1 (got {self.trainer_threads})")
         if self.nproc_per_node < 1 or self.data_workers < 0:
@@ -103,7 +117,8 @@ class Plan:
     """What `run_up` starts, in order, and where the run's files go.
 
     Attributes:
-        services: the data workers and the checkpoint service, in start order.
+        services: the data workers, the checkpoint service and the rollout workers, in start
+            order.
         trainers: the trainer ranks.
         run_dir: the run directory.
         save: the checkpoint root.
@@ -112,6 +127,9 @@ class Plan:
         loads: whether the trainer config already names a checkpoint to load.
         load_step: whether it also names the step to load.
         token_file: the run's token file (written by `run_up`, once the run directory is its own).
+        rollouts: the rollout workers (also in `services`); `start_rollouts_from` completes their
+            command with the checkpoint they start from, known once the store is up.
+        start_from: the checkpoint the trainer's config starts from, (root, step or None).
     """
 
     services: list[Child]
@@ -123,6 +141,8 @@ class Plan:
     loads: bool = False
     load_step: bool = False
     token_file: Path | None = None
+    rollouts: list[Child] = field(default_factory=list)
+    start_from: tuple[str, int | None] | None = None
 
 
 TOKEN_FILE = "auth.token"
@@ -152,8 +172,14 @@ def plan(options: UpOptions, overrides: list[str]) -> Plan:
     from meshtrain.services.trainer.config.load import LAUNCHER_KEYS_ENV, load_config
 
     _refuse_owned_flags(
-        overrides, data_workers=options.data_workers > 0, service=options.checkpoint_service
+        overrides,
+        data_workers=options.data_workers > 0,
+        service=options.checkpoint_service,
+        rollout=options.rollout_workers > 0,
     )
+    from meshtrain.services.rollout.config import ADDRESSES_ENV, check_serve_arguments
+
+    check_serve_arguments(options.rollout_args, ROLLOUT_OWNED, "meshtrain up --rollout-args")
     # A bad key fails here, before any process starts; checked with the control endpoint up
     # gives the trainer, which train.metrics_port needs.
     job = load_config([*overrides, "--train.control_port=0"])
@@ -217,6 +243,34 @@ def plan(options: UpOptions, overrides: list[str]) -> Plan:
             )
         )
         trainer_args.append(f"--checkpoint.service_address=127.0.0.1:{port}")
+    if options.rollout_workers and job.checkpoint.load is None and not options.resume:
+        raise ConfigError(
+            "meshtrain up: --rollout-workers needs a policy to start from: give "
+            "--checkpoint.load ROOT (e.g. the SFT checkpoint), or drop --no-resume to resume "
+            f"from the save root {save}"
+        )
+    rollouts = []
+    for i in range(options.rollout_workers):
+        port = free_port()
+        # Stateless apart from its weights: brought back on its port, it holds the starting
+        # policy until the trainer's next publication, and refuses requests for newer versions
+        # meanwhile, which the trainer's client sends to its peers.
+        rollouts.append(
+            Child(
+                f"rollout-{i}",
+                PYTHON
+                + ["rollout", "serve", "--port", str(port), *options.rollout_args, *auth]
+                + ["--checkpoint-root", save],
+                port=port,
+                restart=True,
+                grace_s=10.0,
+            )
+        )
+    services += rollouts
+    rollout_addresses = [f"127.0.0.1:{c.port}" for c in rollouts]
+    grpo_key = _grpo_rollout_addresses_arg(job, rollout_addresses) if rollouts else None
+    if grpo_key:
+        trainer_args.append(grpo_key)
     trainers = local_ranks(
         options.nproc_per_node,
         PYTHON + ["train", *trainer_args],
@@ -226,13 +280,21 @@ def plan(options: UpOptions, overrides: list[str]) -> Plan:
     # Addresses of our own services, which end with us: kept out of RUN/config.toml.
     launcher_keys = ["data.service_addresses"] * (options.data_workers > 0)
     launcher_keys += ["checkpoint.service_address"] * options.checkpoint_service
-    threads = thread_budget(options.nproc_per_node, options.data_workers, options.trainer_threads)
+    launcher_keys += ["grpo.rollout_addresses"] * bool(grpo_key)
+    threads = thread_budget(
+        options.nproc_per_node,
+        options.data_workers,
+        options.trainer_threads,
+        rollout_workers=options.rollout_workers,
+    )
     for child in services:
         child.env.update(threads.service_env())
     for child in trainers:
         child.env.update(threads.trainer_env())
         child.env[LAUNCHER_KEYS_ENV] = " ".join(launcher_keys)
         child.env[UP_PID_ENV] = str(os.getpid())  # the holder of RUN_DIR/.up.lock (claim_run_dir)
+        if rollout_addresses:
+            child.env[ADDRESSES_ENV] = ",".join(rollout_addresses)
     if not options.resume:  # from scratch into a root that may hold an earlier run's steps
         for child in trainers:
             child.argv.append("--checkpoint.overwrite=true")
@@ -246,7 +308,68 @@ def plan(options: UpOptions, overrides: list[str]) -> Plan:
         loads=job.checkpoint.load is not None,
         load_step=job.checkpoint.load_step is not None,
         token_file=token_file,
+        rollouts=rollouts,
+        start_from=(
+            (job.checkpoint.load, job.checkpoint.load_step) if job.checkpoint.load else None
+        ),
     )
+
+
+ROLLOUT_OWNED = {
+    "--load": "the policy the trainer starts from (--checkpoint.load, or the run's own newest "
+    "checkpoint when it resumes)",
+    "--step": "the step the trainer starts from (--checkpoint.load_step)",
+    "--checkpoint-root": "the trainer's save root, where it publishes its steps",
+    "--port": "a free port on 127.0.0.1",
+    "--host": "127.0.0.1",
+    "--token-file": "the run's token file",
+    "--insecure": "workers bind 127.0.0.1 with the run's token",
+    "--tls-cert": "the launcher checks and calls its workers over loopback without TLS",
+    "--tls-key": "the launcher checks and calls its workers over loopback without TLS",
+    "--tls-client-ca": "the launcher checks and calls its workers over loopback without TLS",
+}
+"""Flags of `meshtrain rollout serve` that `up` sets itself, refused in `--rollout-args`."""
+
+
+def _grpo_rollout_addresses_arg(job, addresses: list[str]) -> str | None:
+    """The trainer flag handing it the rollout workers, where its config has a
+    `grpo.rollout_addresses` key (a list, or one comma-separated string); else None (the
+    addresses still reach it in $MESHTRAIN_ROLLOUT_ADDRESSES)."""
+    grpo = getattr(job, "grpo", None)
+    if grpo is None or not hasattr(type(grpo), "__dataclass_fields__"):
+        return None
+    kind = next((str(f.type) for f in fields(grpo) if f.name == "rollout_addresses"), None)
+    if kind is None:
+        return None
+    if "list" in kind:
+        return "--grpo.rollout_addresses=[" + ", ".join(f'"{a}"' for a in addresses) + "]"
+    return "--grpo.rollout_addresses=" + ",".join(addresses)
+
+
+def start_rollouts_from(p: Plan, resume_step: int | None) -> tuple[str, int | None]:
+    """Complete the rollout workers' commands with the checkpoint they start from, the one the
+    trainer starts from: the save root's newest committed step when the trainer resumes from it,
+    else the config's `checkpoint.load` (at `checkpoint.load_step`, else its newest step).
+
+    Returns:
+        (root, step or None: the newest).
+
+    Raises:
+        ConfigError: the trainer starts from no checkpoint (random weights: nothing to sample
+            from that the trainer's first publication would not replace).
+    """
+    if resume_step is not None:
+        root, step = p.save, resume_step
+    elif p.start_from is not None:
+        root, step = p.start_from
+    else:
+        raise ConfigError(
+            f"--rollout-workers needs a policy to start from, and {p.save} holds no committed "
+            "checkpoint to resume from: give --checkpoint.load ROOT (e.g. the SFT checkpoint)"
+        )
+    for child in p.rollouts:
+        child.argv += ["--load", root] + (["--step", str(step)] if step is not None else [])
+    return root, step
 
 
 def data_roots(data) -> list[str]:
@@ -327,7 +450,9 @@ def claim_run_dir(run_dir: Path):
     return lock
 
 
-def _refuse_owned_flags(overrides: list[str], data_workers: bool, service: bool) -> None:
+def _refuse_owned_flags(
+    overrides: list[str], data_workers: bool, service: bool, rollout: bool = False
+) -> None:
     """`up` sets where the trainer finds its services and serves its endpoint; the same flags
     (or keys of the `--config` file) from the user would be overridden without a word, so they
     are refused instead."""
@@ -344,6 +469,10 @@ def _refuse_owned_flags(overrides: list[str], data_workers: bool, service: bool)
     if service:
         owned["--checkpoint.service_address"] = (
             "up points the trainer at its own checkpoint service (--no-checkpoint-service: none)"
+        )
+    if rollout:
+        owned["--grpo.rollout_addresses"] = (
+            "up points the trainer at its own rollout workers (--rollout-workers 0: none)"
         )
     for arg in overrides:
         flag = arg.split("=", 1)[0]
@@ -380,9 +509,15 @@ def _refuse_owned_keys(config_file: str, owned: dict[str, str]) -> None:
             )
 
 
-def _start_services(topo: Topology, p: Plan, options: UpOptions, stop: threading.Event) -> None:
+def _start_services(
+    topo: Topology, p: Plan, options: UpOptions, stop: threading.Event
+) -> int | None:
     """Start the object store (an S3 port that answers, then its bucket), then the services in
-    order, each once the one before is healthy."""
+    order, each once the one before is healthy.
+
+    Returns:
+        The save root's step the trainer resumes from (`_resume_from`), if any.
+    """
     if p.store is not None:
         topo.start(p.store_child, wait_http(options.start_timeout_s, stop))
         p.store.make_bucket(options.s3_bucket, options.start_timeout_s)
@@ -390,11 +525,19 @@ def _start_services(topo: Topology, p: Plan, options: UpOptions, stop: threading
             f"object store {p.store.endpoint} serving bucket {options.s3_bucket} "
             f"(data and keys in {p.store.folder})"
         )
+    step = _resume_from(p, options)  # the store is up: its root can be listed
+    if p.rollouts:
+        root, at = start_rollouts_from(p, step)
+        topo.say(
+            f"rollout workers {', '.join(f'127.0.0.1:{c.port}' for c in p.rollouts)} start from "
+            f"{root} {'step ' + str(at) if at is not None else '(newest step)'}"
+        )
     serving = wait_serving(options.start_timeout_s, stop)
     for child in p.services:
         if stop.is_set():
-            return
+            break
         topo.start(child, serving)
+    return step
 
 
 def _resume_from(p: Plan, options: UpOptions) -> int | None:
@@ -467,9 +610,8 @@ def _run(
         os.environ.update(p.store.env())
     try:
         topo.say(f"run directory {p.run_dir}, checkpoints {p.save}")
-        _start_services(topo, p, options, stop)
+        step = _start_services(topo, p, options, stop)
         if not stop.is_set():
-            step = _resume_from(p, options)
             if step is not None:
                 topo.say(f"{p.save} holds committed step {step}: the trainer resumes from it")
                 for child in p.trainers:

@@ -12,15 +12,23 @@ from dataclasses import dataclass
 from meshtrain.services.common.errors import ConfigError
 from meshtrain.services.common.security import add_server_arguments
 
+ADDRESSES_ENV = "MESHTRAIN_ROLLOUT_ADDRESSES"
+"""Set by `meshtrain up --rollout-workers N` on the trainer it starts: its rollout workers'
+`host:port` addresses, comma-separated (what a `RolloutClient` takes)."""
+
 
 @dataclass
 class ServeConfig:
     """A rollout worker's settings; `add_serve_arguments` has each field's flag."""
 
     load: str
-    """Checkpoint root the policy is loaded from (and `LoadCheckpoint` reads later steps of)."""
+    """Checkpoint root the policy is loaded from (and `LoadCheckpoint` reads later steps of,
+    unless `checkpoint_root` is set)."""
     step: int | None = None
     """Step to start from (None: the newest committed); the worker's version is this step."""
+    checkpoint_root: str | None = None
+    """Root `LoadCheckpoint` reads published steps from (None: `load`): the trainer's save root
+    when the policy starts from another one (e.g. an SFT checkpoint)."""
     port: int = 0
     """TCP port (0: any free one)."""
     host: str = "127.0.0.1"
@@ -100,6 +108,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     d = ServeConfig(load="")
     p.add_argument("--load", required=True, metavar="ROOT", help="checkpoint root of the policy")
     p.add_argument("--step", type=int, default=None, help="step to start from (default: newest)")
+    p.add_argument(
+        "--checkpoint-root",
+        default=None,
+        metavar="ROOT",
+        help="root LoadCheckpoint reads published steps from (default: --load)",
+    )
     p.add_argument("--port", type=int, default=0, help="TCP port (0: any free one)")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
@@ -119,3 +133,30 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-chunk-mb", type=float, default=d.max_chunk_mb)
     p.add_argument("--grace", type=float, default=d.grace, help="seconds granted on SIGTERM")
     add_server_arguments(p)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise ConfigError(f"{self.prog}: {message}")
+
+
+def check_serve_arguments(argv: list[str], owned: dict[str, str], prog: str) -> ServeConfig:
+    """`argv` (flags of `meshtrain rollout serve`, without `--load`) checked as the worker will
+    parse them, before any process starts; a flag of `owned` (flag: why) is refused.
+
+    Raises:
+        ConfigError: an unknown, abbreviated, owned or bad flag or value, naming it.
+    """
+    for arg in argv:
+        flag = arg.split("=", 1)[0]
+        if flag in owned:
+            raise ConfigError(f"{prog}: {flag} is set by the launcher itself: {owned[flag]}")
+    # No abbreviations: `--check` would otherwise pass here unseen and set --checkpoint-root there.
+    p = _Parser(prog=prog, allow_abbrev=False, add_help=False)
+    add_serve_arguments(p)
+    try:
+        return ServeConfig.from_args(p.parse_args(["--load", "", *argv]))
+    except ConfigError as e:
+        if str(e).startswith(prog):
+            raise
+        raise ConfigError(f"{prog}: {e}") from None

@@ -98,7 +98,7 @@ def run(config: ServeConfig) -> int:
         engine,
         config.port,
         config.host,
-        checkpoint_root=config.load,
+        checkpoint_root=config.checkpoint_root or config.load,
         max_streams=config.max_streams,
         max_chunk_bytes=int(config.max_chunk_mb * 2**20),
         security=security,
