@@ -13,6 +13,7 @@ import time
 
 import grpc
 import numpy as np
+import psutil
 import pytest
 
 from meshtrain.protos.rollout.v1 import rollout_pb2 as pb
@@ -178,6 +179,18 @@ def _wait_serving(addr: str, timeout: float = 180.0) -> None:
             time.sleep(0.1)
 
 
+def _kill_once_busy(pid: int, cpu_s: float = 0.05, limit_s: float = 120.0) -> None:
+    """SIGKILL `pid` once it has used `cpu_s` more CPU seconds than now (it is sampling)."""
+    proc = psutil.Process(pid)
+    base = sum(proc.cpu_times()[:2])
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if sum(proc.cpu_times()[:2]) - base >= cpu_s:
+            break
+        time.sleep(0.005)
+    os.kill(pid, signal.SIGKILL)
+
+
 def test_a_worker_killed_mid_request_or_added_during_a_run_loses_and_repeats_nothing(
     servers, tmp_path
 ):
@@ -192,10 +205,11 @@ def test_a_worker_killed_mid_request_or_added_during_a_run_loses_and_repeats_not
         steady_engine = engine_from_checkpoint(root, device="cpu", eod_id=0)
         steady = servers(steady_engine)
         reference = engine_from_checkpoint(root, device="cpu", eod_id=0)
-        # Long enough on the child that the kill lands while its shard is being sampled.
-        req = RolloutRequest(PROMPTS, 16, SamplingParams(max_new_tokens=30, seed=2))
+        # Long enough on the child that the kill lands while its shard is being sampled; the
+        # kill waits for the child to start computing, however busy the machine is.
+        req = RolloutRequest(PROMPTS * 4, 16, SamplingParams(max_new_tokens=30, seed=2))
         with RolloutClient([doomed, steady], retry_after_s=60) as client:
-            threading.Timer(0.3, os.kill, (child.pid, signal.SIGKILL)).start()
+            threading.Thread(target=_kill_once_busy, args=(child.pid,), daemon=True).start()
             got = client.generate(req)
             killed = client._workers[0].down_until > time.monotonic()
             assert killed, "the child's shard finished before the kill; make the request longer"
