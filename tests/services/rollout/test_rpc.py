@@ -193,7 +193,7 @@ def test_a_worker_killed_mid_request_or_added_during_a_run_loses_and_repeats_not
         steady = servers(steady_engine)
         reference = engine_from_checkpoint(root, device="cpu", eod_id=0)
         # Long enough on the child that the kill lands while its shard is being sampled.
-        req = RolloutRequest(PROMPTS, 16, SamplingParams(max_new_tokens=30, seed=2))
+        req = RolloutRequest(PROMPTS, 32, SamplingParams(max_new_tokens=40, seed=2))
         with RolloutClient([doomed, steady], retry_after_s=60) as client:
             threading.Timer(0.3, os.kill, (child.pid, signal.SIGKILL)).start()
             got = client.generate(req)

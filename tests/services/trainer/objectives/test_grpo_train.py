@@ -107,15 +107,9 @@ def test_grpo_refuses_what_it_does_not_run_with(tmp_path):
         )
     with pytest.raises(ConfigError, match="cannot import"):
         Trainer(load_config(job_args(tmp_path, prompts, **{"grpo.reward_funcs": '["nope.x:f"]'})))
-    with pytest.raises(ConfigError, match="rollout service is not installed"):
-        Trainer(
-            load_config(
-                job_args(
-                    tmp_path,
-                    prompts,
-                    **{"grpo.rollout": "service", "grpo.rollout_addresses": '["localhost:1"]'},
-                )
-            )
-        )
+    with pytest.raises(ConfigError, match="rollout_timeout_s"):
+        load_config(job_args(tmp_path, prompts, **{"grpo.rollout_timeout_s": 0}))
+    with pytest.raises(ConfigError, match="publish"):
+        load_config(job_args(tmp_path, prompts, **{"grpo.publish": "carrier-pigeon"}))
     with pytest.raises(ConfigError, match="seq_length"):
         Trainer(load_config(job_args(tmp_path, prompts, **{"grpo.max_new_tokens": 14})))
