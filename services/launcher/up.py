@@ -43,7 +43,7 @@ import secrets
 import sys
 import threading
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshtrain.services.common.config import load_toml
@@ -320,6 +320,7 @@ ROLLOUT_OWNED = {
     "checkpoint when it resumes)",
     "--step": "the step the trainer starts from (--checkpoint.load_step)",
     "--checkpoint-root": "the trainer's save root, where it publishes its steps",
+    "--version": "0 for a run that starts from --checkpoint.load, the step when it resumes",
     "--port": "a free port on 127.0.0.1",
     "--host": "127.0.0.1",
     "--token-file": "the run's token file",
@@ -332,18 +333,12 @@ ROLLOUT_OWNED = {
 
 
 def _grpo_rollout_addresses_arg(job, addresses: list[str]) -> str | None:
-    """The trainer flag handing it the rollout workers, where its config has a
-    `grpo.rollout_addresses` key (a list, or one comma-separated string); else None (the
-    addresses still reach it in $MESHTRAIN_ROLLOUT_ADDRESSES)."""
-    grpo = getattr(job, "grpo", None)
-    if grpo is None or not hasattr(type(grpo), "__dataclass_fields__"):
+    """The trainer flag handing a GRPO run that generates through the rollout service its
+    workers (`grpo.rollout_addresses`); None for any other run (the addresses still reach it in
+    $MESHTRAIN_ROLLOUT_ADDRESSES)."""
+    if job.train.objective != "grpo" or job.grpo.rollout != "service":
         return None
-    kind = next((str(f.type) for f in fields(grpo) if f.name == "rollout_addresses"), None)
-    if kind is None:
-        return None
-    if "list" in kind:
-        return "--grpo.rollout_addresses=[" + ", ".join(f'"{a}"' for a in addresses) + "]"
-    return "--grpo.rollout_addresses=" + ",".join(addresses)
+    return "--grpo.rollout_addresses=[" + ", ".join(f'"{a}"' for a in addresses) + "]"
 
 
 def start_rollouts_from(p: Plan, resume_step: int | None) -> tuple[str, int | None]:
@@ -367,8 +362,13 @@ def start_rollouts_from(p: Plan, resume_step: int | None) -> tuple[str, int | No
             f"--rollout-workers needs a policy to start from, and {p.save} holds no committed "
             "checkpoint to resume from: give --checkpoint.load ROOT (e.g. the SFT checkpoint)"
         )
+    # Versions are the trainer's steps: resumed, the run's own step; started from another run's
+    # checkpoint (an SFT policy), the run counts from 0, and so must the workers' weights.
+    version = [] if resume_step is not None else ["--version", "0"]
     for child in p.rollouts:
-        child.argv += ["--load", root] + (["--step", str(step)] if step is not None else [])
+        child.argv += (
+            ["--load", root] + (["--step", str(step)] if step is not None else []) + version
+        )
     return root, step
 
 

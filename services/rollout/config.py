@@ -29,6 +29,11 @@ class ServeConfig:
     checkpoint_root: str | None = None
     """Root `LoadCheckpoint` reads published steps from (None: `load`): the trainer's save root
     when the policy starts from another one (e.g. an SFT checkpoint)."""
+    version: int | None = None
+    """The policy version the loaded weights count as (None: the step). A GRPO run numbers its
+    versions by its own steps from 0: a worker started from another run's checkpoint (the SFT
+    policy the run starts from) takes --version 0, so the run's first publication is not
+    refused as older than the worker's."""
     port: int = 0
     """TCP port (0: any free one)."""
     host: str = "127.0.0.1"
@@ -96,6 +101,8 @@ class ServeConfig:
             raise ConfigError(f"--eod-id must be >= 0, got {self.eod_id}")
         if self.step is not None and self.step < 0:
             raise ConfigError(f"--step must be >= 0, got {self.step}")
+        if self.version is not None and self.version < 0:
+            raise ConfigError(f"--version must be >= 0, got {self.version}")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeConfig:
@@ -113,6 +120,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="ROOT",
         help="root LoadCheckpoint reads published steps from (default: --load)",
+    )
+    p.add_argument(
+        "--version",
+        type=int,
+        default=None,
+        help="policy version of the loaded weights (default: the step; 0 for a GRPO run that "
+        "starts from another run's checkpoint)",
     )
     p.add_argument("--port", type=int, default=0, help="TCP port (0: any free one)")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind")

@@ -5,9 +5,11 @@ service's `rpc/` converts messages and calls `RolloutEngine.generate` / `set_wei
 Prompts of different lengths are left-padded into one batch; each row keeps its own positions
 (RoPE rows or learned positions start at its first real token) and its keys never include the
 padding, so a row's tokens and log-probs do not depend on what else is in the batch. Each
-completion draws from its own generator, seeded by (request seed, prompt index, sample index):
-the result is a function of (weights, request) alone, however the prompts are batched or spread
-over workers.
+completion draws from its own generator (`generate.draw_rows`), seeded by
+`completion_seed(request seed + prompt index, sample index)`, the prompt index counted in the
+caller's whole request: the result is a function of (weights, request) alone, however the
+prompts are batched or spread over workers, and the same as the trainer's colocated generator
+gives for the same weights and seed.
 
 The log-prob of a sampled token is taken under the policy's full-vocabulary distribution at
 temperature 1 (log_softmax of the raw logits), whatever temperature, top-k or top-p drew it:
@@ -19,8 +21,6 @@ that is the pi_theta(token | prefix) the policy-ratio loss compares with the tra
 
 from __future__ import annotations
 
-import hashlib
-import struct
 import threading
 import time
 from collections import OrderedDict
@@ -33,7 +33,12 @@ from meshtrain.kernels import dispatch
 from meshtrain.services.common.errors import InvalidRequestError, MeshtrainError
 from meshtrain.services.rollout.types import Completion, RolloutRequest
 from meshtrain.services.rollout.weights import check_weights
-from meshtrain.services.trainer.generate import KVCache, context_length, filter_logits
+from meshtrain.services.trainer.generate import (
+    KVCache,
+    context_length,
+    draw_rows,
+    row_generators,
+)
 
 
 class StaleWeightsError(MeshtrainError):
@@ -55,12 +60,6 @@ class Limits:
     """Rows decoded at once (larger requests run in several batches, with the same result)."""
     max_wait_s: float = 60.0
     """Longest a request waits for weights of its min_version before it is refused."""
-
-
-def row_seed(seed: int, prompt_index: int, sample_index: int) -> int:
-    """The seed of completion `sample_index` of prompt `prompt_index` (63 bits, well mixed)."""
-    digest = hashlib.blake2b(struct.pack("<qqq", seed, prompt_index, sample_index), digest_size=8)
-    return int.from_bytes(digest.digest(), "little") >> 1
 
 
 def check_request(request: RolloutRequest, limits: Limits, context: int) -> None:
@@ -86,10 +85,11 @@ def check_request(request: RolloutRequest, limits: Limits, context: int) -> None
             raise InvalidRequestError(
                 f"prompts[{i}]: {len(prompt)} tokens, must be 1..{limits.max_prompt_tokens}"
             )
-        if len(prompt) + new > context:
+        # the last sampled token is never fed back: it needs no position of its own
+        if len(prompt) + new > context + 1:
             raise InvalidRequestError(
                 f"prompts[{i}]: {len(prompt)} tokens + max_new_tokens {new} exceed the model's "
-                f"{context} positions"
+                f"{context} positions + 1"
             )
 
 
@@ -263,7 +263,7 @@ class RolloutEngine:
         tokens = torch.zeros(b, longest, dtype=torch.long, device=device)
         for r, (i, _) in enumerate(rows):
             tokens[r, int(pad[r]) :] = torch.tensor(request.prompts[i], device=device)
-        gens = [torch.Generator().manual_seed(row_seed(sp.seed, offset + i, j)) for i, j in rows]
+        gens = row_generators([sp.seed + offset + i for i, _ in rows], [j for _, j in rows])
 
         # Prefill: positions count from each row's first real token; keys are real tokens only
         # (a padding query sees itself, so no row of the mask is empty and nothing is NaN).
@@ -283,7 +283,7 @@ class RolloutEngine:
         for step in range(sp.max_new_tokens):
             logits = logits.float()
             logp = F.log_softmax(logits, dim=-1)  # temperature 1, full vocabulary
-            nxt = _draw(logits, sp.temperature, sp.top_k, sp.top_p, gens)
+            nxt = draw_rows(logits, sp.temperature, sp.top_k, sp.top_p, gens)
             chosen = logp.gather(-1, nxt[:, None]).squeeze(-1)
             for r, (t, lp) in enumerate(zip(nxt.tolist(), chosen.tolist())):
                 if not finished[r]:
@@ -300,25 +300,6 @@ class RolloutEngine:
             Completion(i, new_tokens[r], new_logps[r], version, finished[r])
             for r, (i, _) in enumerate(rows)
         ]
-
-
-def _draw(
-    logits: torch.Tensor,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
-    gens: list[torch.Generator],
-) -> torch.Tensor:
-    """(b,) next tokens: greedy at temperature 0, else inverse-CDF sampling with one uniform per
-    row from that row's own generator (so a row's draw never depends on the other rows)."""
-    if temperature == 0:
-        return logits.argmax(-1)
-    probs = filter_logits(logits / temperature, top_k, top_p).softmax(-1)  # (b, vocab)
-    cdf = probs.cumsum(-1)
-    # u in (0, 1]: the first index whose cdf reaches u * total has positive probability.
-    u = torch.stack([1.0 - torch.rand((), generator=g) for g in gens]).to(logits.device)
-    nxt = (cdf < (u * cdf[:, -1])[:, None]).sum(-1)
-    return nxt.clamp(max=logits.shape[-1] - 1)
 
 
 def _forward(
@@ -363,9 +344,10 @@ def engine_from_checkpoint(
     dtype: str = "auto",
     eod_id: int | None = None,
     limits: Limits | None = None,
+    version: int | None = None,
 ) -> RolloutEngine:
     """A worker's engine: the model a committed checkpoint records, with its weights, on one
-    device; its version is the step.
+    device; its version is `version` (None: the step).
 
     Args:
         root: checkpoint root.
@@ -374,8 +356,9 @@ def engine_from_checkpoint(
         dtype: auto (bfloat16 on cuda, float32 on cpu), float32 or bfloat16.
         eod_id: a completion ends after this token.
         limits: request bounds.
+        version: the policy version the weights count as (None: the step).
     """
-    from meshtrain.services.rollout.weights import checkpoint_config
+    from meshtrain.services.rollout.weights import checkpoint_config, read_checkpoint
     from meshtrain.services.trainer.model import GPT
 
     config, step = checkpoint_config(root, step)
@@ -391,6 +374,8 @@ def engine_from_checkpoint(
 
         cos, sin = rotary_tables(config)
         model.rope_cos, model.rope_sin = cos.to(dev), sin.to(dev)  # type: ignore[assignment]
-    engine = RolloutEngine(model, version=step, eod_id=eod_id, limits=limits)
-    engine.load_checkpoint(root, step)
+    start = step if version is None else version
+    engine = RolloutEngine(model, version=start, eod_id=eod_id, limits=limits)
+    names = [name for name, _ in model.named_parameters()]
+    engine.set_weights(read_checkpoint(root, step, names), version=start)
     return engine

@@ -71,7 +71,12 @@ def check_weights(
     staged = {}
     for name, p in params.items():
         t = tensors[name]
-        if name in _VOCAB_ROWS and t.dim() == 2 and t.shape[0] == vocab_size < p.shape[0]:
+        if (
+            name in _VOCAB_ROWS
+            and t.dim() == 2
+            and t.shape[0] == vocab_size < p.shape[0]
+            and t.shape[1:] == p.shape[1:]
+        ):
             full = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
             full[:vocab_size] = t
             t = full

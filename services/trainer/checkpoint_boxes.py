@@ -11,6 +11,10 @@ tensor into those boxes, for writing (replicated tensors by tp rank 0 only) and 
     for piece in pieces(name, tuple(t.shape), param, mesh, vocab, save_place(name, stacks)):
         boxes.append((piece.spec, t[piece.local]))
 
+`whole_tensor` puts the tensor-parallel shards of one parameter back together in those global
+coordinates (what a single-device model holds, vocabulary padding cut off): the weights GRPO
+streams to the rollout workers.
+
 A fully sharded (FSDP2) parameter or moment is a DTensor whose local tensor is rows of the
 tensor-parallel shard: `local_pieces` cuts that shard's boxes to those rows, so each rank writes
 and reads its own slice in global coordinates and none gathers the whole tensor.
@@ -131,6 +135,33 @@ def pieces(
     boxes, gshape = _tp_boxes(pname, local_shape, split, mesh.tp, mesh.tp_rank, vocab_size)
     _shift_to_experts(pname, local_shape, param, boxes, gshape)
     return _stored_pieces(boxes, gshape, place, dtype_name(param.dtype))
+
+
+def whole_tensor(
+    name: str, shards: list[torch.Tensor], param: torch.Tensor, vocab_size: int
+) -> torch.Tensor:
+    """Parameter `name` in global coordinates, from every tensor-parallel rank's local tensor
+    (`shards[r]` is tp rank r's; one shard: an unsharded parameter), as a checkpoint stores it.
+
+    Raises:
+        CheckpointError: an expert-parallel shard (it holds only some of the experts).
+    """
+    shard = getattr(param, "expert_shard", None)
+    if shard is not None and (shard[0] != 0 or shards[0].shape[0] != shard[1]):
+        raise CheckpointError(f"parameter {name!r} holds experts {shard}: not the whole tensor")
+    tp = len(shards)
+    split = tp_split_of(param) if tp > 1 else None
+    if split is None:
+        shards = shards[:1]  # replicated: every rank holds the whole
+    out: torch.Tensor | None = None
+    for r, t in enumerate(shards):
+        boxes, gshape = _tp_boxes(name, tuple(t.shape), split, tp, r, vocab_size)
+        if out is None:
+            out = t.new_empty(gshape)
+        for offsets, shape, local, _ in boxes:
+            out[tuple(slice(o, o + n) for o, n in zip(offsets, shape))] = t[tuple(local)]
+    assert out is not None
+    return out
 
 
 _Box = tuple[list[int], list[int], list[slice], list[int] | None]  # offsets, shape, local, grid

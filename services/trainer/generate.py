@@ -4,9 +4,18 @@ The decode path here reuses the model's own modules and weights (norms, projecti
 embeddings, RoPE tables) but runs its own attention step, so the training forward stays
 untouched: the prompt is run once (prefill), each layer's keys and values are kept, and every
 new token then costs one position through the network instead of the whole sequence.
+
+RL rollouts (GRPO's colocated generator and the rollout worker) draw with `draw_rows`: each
+completion from its own generator, seeded by `completion_seed(prompt seed, sample index)`, with
+the prompt seed = request seed + the prompt's index in the whole request. Both sides then give
+the same tokens for the same weights, however prompts are batched, split over workers or over
+data-parallel ranks.
 """
 
 from __future__ import annotations
+
+import hashlib
+import struct
 
 import torch
 import torch.nn.functional as F
@@ -102,6 +111,43 @@ def filter_logits(
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     return logits
+
+
+def completion_seed(prompt_seed: int, sample_index: int) -> int:
+    """The seed of completion `sample_index` of the prompt seeded `prompt_seed` (63 bits, well
+    mixed: neighbouring prompts or samples get unrelated streams)."""
+    mask = (1 << 64) - 1
+    data = struct.pack("<QQ", prompt_seed & mask, sample_index & mask)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
+
+
+def row_generators(prompt_seeds: list[int], sample_indices: list[int]) -> list[torch.Generator]:
+    """One CPU generator per row (prompt seed, sample index): draws that do not depend on the
+    device, the batch or the other rows."""
+    return [
+        torch.Generator().manual_seed(completion_seed(s, j))
+        for s, j in zip(prompt_seeds, sample_indices, strict=True)
+    ]
+
+
+def draw_rows(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    gens: list[torch.Generator],
+) -> torch.Tensor:
+    """(b,) next tokens of logits (b, vocab): greedy at temperature 0, else inverse-CDF sampling
+    with one uniform per row from that row's own generator (so a row's draw never depends on the
+    other rows)."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = filter_logits(logits.float() / temperature, top_k, top_p).softmax(-1)  # (b, vocab)
+    cdf = probs.cumsum(-1)
+    # u in (0, 1]: the first index whose cdf reaches u * total has positive probability.
+    u = torch.stack([1.0 - torch.rand((), generator=g) for g in gens]).to(logits.device)
+    nxt = (cdf < (u * cdf[:, -1])[:, None]).sum(-1)
+    return nxt.clamp(max=logits.shape[-1] - 1)
 
 
 @torch.no_grad()

@@ -92,6 +92,7 @@ from meshtrain.services.trainer.objectives.preference import (
     PreferenceHead,
     finish_stats,
 )
+from meshtrain.services.trainer.objectives.publish import WeightsPublisher
 from meshtrain.services.trainer.objectives.rollouts import rollout_backend
 from meshtrain.services.trainer.optim.optimizer import build_optimizer, clip_grad_norm, set_lr
 from meshtrain.services.trainer.optim.schedule import lr_at
@@ -355,7 +356,20 @@ class Trainer:
                 head=TokenLogpsHead,
             )
         backend = rollout_backend(job, self.model, tok.eod_id, self.device)
-        return Rollouts(job, self.mesh, self.device, tok, backend, reference)
+        publisher = WeightsPublisher(
+            job, self.model, self.mesh, backend, self._checkpoint_for_rollouts
+        )
+        return Rollouts(job, self.mesh, self.device, tok, backend, reference, publisher.publish)
+
+    def _checkpoint_for_rollouts(self, step: int) -> None:
+        """grpo.publish = 'checkpoint': commit a checkpoint of step `step` (the current weights)
+        for the rollout workers to load, unless this run has one of it already (collective)."""
+        if self.state.iteration != step:
+            raise MeshtrainError(f"weights of step {step} asked for at step {self.state.iteration}")
+        if self.last_saved != step:
+            if self.save() is None:
+                raise CheckpointError(f"the checkpoint of step {step} could not be saved")
+        self.checkpointer.wait()  # committed before a worker is asked to load it
 
     def _build_checkpointer(self, resumed_here: int | None) -> None:
         """The checkpointer, once the root is known to take this run's saves. Opened last, so an
@@ -365,6 +379,7 @@ class Trainer:
         if not c.overwrite:
             refuse_a_root_with_later_steps(c, self.state.iteration)
         self.checkpointer = open_checkpointer(c, self.par, resumed_here, job.auth)
+        self.last_saved: int | None = resumed_here  # newest step saved (or resumed) in c.save
         if (
             c.save and self.state.iteration < job.train.train_iters
         ):  # the run saves, at its end at the latest
@@ -658,6 +673,7 @@ class Trainer:
             if self.state.iteration >= self.job.train.train_iters or self.stop_cause is not None:
                 raise
             return None  # logged; the warning goes on at every logged step until a save commits
+        self.last_saved = self.state.iteration
         log.info(
             "checkpoint step %d %s: %s (stall %.0f ms)",
             self.state.iteration,

@@ -91,7 +91,13 @@ def run(config: ServeConfig) -> int:
         max_wait_s=config.max_wait_s,
     )
     engine = engine_from_checkpoint(
-        config.load, config.step, config.device, config.dtype, config.eod_id, limits
+        config.load,
+        config.step,
+        config.device,
+        config.dtype,
+        config.eod_id,
+        limits,
+        version=config.version,
     )
     log.info("policy of %s step %d on %s", config.load, engine.version, engine.describe()["device"])
     server, port, health = start_server(

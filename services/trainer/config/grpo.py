@@ -62,7 +62,18 @@ class GRPOConfig:
     """host:port of the rollout workers (rollout = 'service')."""
     max_staleness: int = 0
     """How many optimizer steps older than the trainer's weights a completion's policy may be
-    (the request's min_version is step - max_staleness)."""
+    (the request's min_version is step - max_staleness); an older completion is refused."""
+    publish: Literal["stream", "checkpoint"] = "stream"
+    """How the trainer's weights reach the rollout workers before each batch (rollout =
+    'service'; version = the step): stream (the full weights, gathered in the checkpoint's
+    layout by dp rank 0's tensor-parallel group, sent by global rank 0) or checkpoint (a
+    checkpoint of the step saved under checkpoint.save, which each worker loads: its --load must
+    be that root)."""
+    rollout_wait_s: float = 0.0
+    """How long a rollout worker waits for the weights a request needs before it refuses (and
+    the request goes to another worker)."""
+    rollout_timeout_s: float = 600.0
+    """Deadline of one request to a rollout worker."""
     reference_load: str | None = None
     """Checkpoint root of the reference model (beta > 0); unset: the policy as this run starts it.
     A run resumed past step 0 with beta > 0 must set it."""
@@ -103,8 +114,10 @@ class GRPOConfig:
                 "grpo.reward_model: reward models are not supported yet; give rule-based "
                 "grpo.reward_funcs"
             )
-        if self.rollout == "service" and not self.rollout_addresses:
-            raise ConfigError("grpo.rollout='service' needs grpo.rollout_addresses (host:port)")
+        if not 0 <= self.rollout_wait_s <= 3600:
+            raise ConfigError(f"grpo.rollout_wait_s={self.rollout_wait_s} must be in [0, 3600]")
+        if self.rollout_timeout_s <= 0:
+            raise ConfigError(f"grpo.rollout_timeout_s={self.rollout_timeout_s} must be positive")
         if self.temperature <= 0:
             raise ConfigError(
                 f"grpo.temperature={self.temperature}: a group of greedy completions is one "

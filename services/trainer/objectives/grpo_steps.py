@@ -4,10 +4,12 @@
 
     check_grpo_job(job, mesh)                    # what GRPO does not compose with, by name
     use_grpo_head(model, job.grpo)               # the policy's loss becomes the GRPO loss
-    rollouts = Rollouts(job, mesh, device, backend, reference)
+    rollouts = Rollouts(job, mesh, device, tokenizer, backend, reference, publish)
     rollouts.micro_batches(step)                 # [(tokens, labels, RolloutTargets)] on device
 
-Every `num_iterations` steps `Rollouts` asks the backend for G completions of each of this
+Every `num_iterations` steps `Rollouts` publishes the current weights as version `step`
+(`publish`: `WeightsPublisher.publish`, a version bump for the colocated generator), asks the
+backend for G completions of each of this
 data-parallel rank's prompts (`PromptSet`), scores them with the reward functions, gathers the
 rewards over dp for the advantages and the metrics, and lays prompt + completion out as
 training sequences of `model.seq_length` (labels shifted by one, the loss mask on the
@@ -19,6 +21,7 @@ resumed weights: the prompts are the same, the completions not.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -37,6 +40,7 @@ from meshtrain.services.trainer.objectives.grpo import (
     group_advantages,
 )
 from meshtrain.services.trainer.objectives.prompts import PromptSet
+from meshtrain.services.trainer.objectives.publish import check_publish
 from meshtrain.services.trainer.objectives.rewards import Rewards
 from meshtrain.services.trainer.parallel import mappings
 from meshtrain.services.trainer.parallel.mesh import Mesh
@@ -51,15 +55,20 @@ def check_grpo_job(job: JobConfig, mesh: Mesh) -> None:
     """Refuse what GRPO does not run with, naming the setting.
 
     Raises:
-        ConfigError: no prompts or reward functions, a batch that is not whole groups per rank,
+        ConfigError: no prompts or reward functions, the service without addresses, a batch that is not whole groups per rank,
             pipeline or context parallelism, sequence parallelism, FSDP, CUDA graphs, the data
-            service, or prompts too long for the sequence.
+            service, a weights publication the layout cannot gather (`check_publish`), or
+            prompts too long for the sequence.
     """
     g, t = job.grpo, job.train
     if not g.prompts_path:
         raise ConfigError("train.objective='grpo' needs grpo.prompts_path (a JSONL of prompts)")
     if not g.reward_funcs:
         raise ConfigError("train.objective='grpo' needs grpo.reward_funcs")
+    # checked here, not when the config loads: `meshtrain up --rollout-workers` loads it first
+    # and hands the workers it starts over in this key
+    if g.rollout == "service" and not g.rollout_addresses:
+        raise ConfigError("grpo.rollout='service' needs grpo.rollout_addresses (host:port)")
     if t.global_batch_size % (g.group_size * mesh.dp):
         raise ConfigError(
             f"train.global_batch_size={t.global_batch_size} counts completions: it must be a "
@@ -67,6 +76,7 @@ def check_grpo_job(job: JobConfig, mesh: Mesh) -> None:
         )
     if t.global_batch_size // g.group_size >= SEED_STRIDE:
         raise ConfigError(f"train.global_batch_size / grpo.group_size must be < {SEED_STRIDE}")
+    check_publish(job, mesh)
     for what, bad in (
         ("parallel.pipeline_model_parallel_size > 1", mesh.pp > 1),
         ("parallel.cp > 1", mesh.cp > 1),
@@ -101,10 +111,12 @@ class Rollouts:
         tokenizer: Tokenizer,
         backend: RolloutBackend,
         reference=None,
+        publish: Callable[[int], None] | None = None,
     ):
         g, t = job.grpo, job.train
         self.job, self.g, self.mesh, self.device = job, g, mesh, device
         self.tok, self.backend, self.reference = tokenizer, backend, reference
+        self.publish = publish if publish is not None else backend.update_weights
         self.prompts = PromptSet.read(cast(str, g.prompts_path), tokenizer, g.chat_template, t.seed)
         self.rewards = Rewards.load(g.reward_funcs, g.reward_weights)
         self.seq_length = job.model.seq_length
@@ -145,7 +157,7 @@ class Rollouts:
         sampling = SamplingParams(
             g.max_new_tokens, g.temperature, g.top_k, g.top_p, seed=base + mesh.dp_rank * share
         )
-        self.backend.update_weights(step)
+        self.publish(step)  # the weights these rollouts come from are version `step`
         request = RolloutRequest(
             [p.ids for p in prompts],
             g.group_size,

@@ -4,10 +4,16 @@ trainer's processes), or the rollout service's client, behind one `RolloutBacken
 `ColocatedBackend` samples with the trainer's own model and a KV cache (`generate.py`'s
 `forward_cached` and `filter_logits`), one prompt's group of G completions at a time. Under
 tensor parallelism it runs the sharded model: every tp rank computes the same gathered logits
-and draws from a generator with the same seed, so the ranks of a group sample the same tokens.
-Prompt i of a request draws from a generator seeded with `sampling.seed + i`: a caller that
-numbers prompts globally (seed = base + index of its first prompt) gets the same completions
-however the prompts are split over data-parallel ranks.
+and draws from generators with the same seeds, so the ranks of a group sample the same tokens.
+Completion j of prompt i of a request draws from its own generator, seeded with
+`completion_seed(sampling.seed + i, j)` (`generate.draw_rows`, the rollout worker's rule too): a
+caller that numbers prompts globally (seed = base + index of its first prompt) gets the same
+completions however the prompts are split over data-parallel ranks or rollout workers, and the
+rollout service gives the same completions as this generator for the same weights.
+
+With `grpo.rollout = "service"` the backend is a `RolloutClient` built with the run's `auth`
+settings and `grpo.max_staleness`; the trainer publishes its weights to it before each batch
+(`publish.WeightsPublisher`).
 
     backend = rollout_backend(job, model, eod_id, device)
     completions = backend.generate(RolloutRequest(prompts, group_size=8, sampling=...))
@@ -27,8 +33,9 @@ from meshtrain.services.trainer.config.sections import JobConfig
 from meshtrain.services.trainer.generate import (
     KVCache,
     context_length,
-    filter_logits,
+    draw_rows,
     forward_cached,
+    row_generators,
 )
 
 SERVICE_CLIENT = "meshtrain.services.rollout.rpc.client"
@@ -61,13 +68,14 @@ class ColocatedBackend:
     def _group(self, index: int, prompt: list[int], request: RolloutRequest) -> list[Completion]:
         """The G completions of one prompt (a batch of G rows with the same prefix)."""
         s, g = request.sampling, request.group_size
-        steps = min(s.max_new_tokens, context_length(self.model) - len(prompt))
+        # the last sampled token is never fed back: it needs no position of its own
+        steps = min(s.max_new_tokens, context_length(self.model) + 1 - len(prompt))
         if steps < 1:
             raise ConfigError(
                 f"a prompt of {len(prompt)} tokens leaves no room in the model's "
                 f"{context_length(self.model)} positions"
             )
-        gen = torch.Generator(self.device).manual_seed(s.seed + index)
+        gens = row_generators([s.seed + index] * g, list(range(g)))
         rows = torch.tensor([prompt], device=self.device).expand(g, -1)  # (G, prompt)
         cache = KVCache(len(self.model.layers))
         logits = forward_cached(self.model, rows, cache)[:, -1].float()  # (G, vocab)
@@ -75,8 +83,7 @@ class ColocatedBackend:
         tokens, logps = [], []
         for step in range(steps):
             full = logits.log_softmax(-1)  # temperature 1, whole vocabulary: the loss's
-            probs = filter_logits(logits / s.temperature, s.top_k, s.top_p).softmax(-1)
-            nxt = torch.multinomial(probs, 1, generator=gen).squeeze(-1)  # (G,)
+            nxt = draw_rows(logits, s.temperature, s.top_k, s.top_p, gens)  # (G,)
             nxt = torch.where(done, torch.full_like(nxt, self.eod_id), nxt)
             tokens.append(nxt)
             logps.append(full.gather(-1, nxt[:, None]).squeeze(-1))
@@ -98,7 +105,8 @@ def rollout_backend(
     job: JobConfig, model: torch.nn.Module, eod_id: int, device: torch.device
 ) -> RolloutBackend:
     """The backend `grpo.rollout` names: the colocated generator, or the rollout service's
-    client (`RolloutClient(addresses)`, imported only then).
+    client (imported only then) with the run's token and TLS settings (`auth`, as for the data
+    and checkpoint services) and `grpo.max_staleness`.
 
     Raises:
         ConfigError: rollout = 'service' where the rollout service is not installed.
@@ -114,4 +122,12 @@ def rollout_backend(
             f"{SERVICE_CLIENT}); use grpo.rollout='colocated'"
         )
     client = importlib.import_module(SERVICE_CLIENT)
-    return client.RolloutClient(list(g.rollout_addresses))
+    from meshtrain.services.common.security import ClientSecurity
+
+    return client.RolloutClient(
+        list(g.rollout_addresses),
+        ClientSecurity.from_config(job.auth),
+        max_staleness=g.max_staleness,
+        wait_s=g.rollout_wait_s,
+        timeout_s=g.rollout_timeout_s,
+    )

@@ -22,7 +22,7 @@ from meshtrain.services.launcher.up import (
     start_rollouts_from,
 )
 from meshtrain.services.rollout.config import ADDRESSES_ENV
-from meshtrain.services.trainer.config.load import LAUNCHER_KEYS_ENV, load_config
+from meshtrain.services.trainer.config.load import LAUNCHER_KEYS_ENV, load_config, replace
 from tests.services.trainer.conftest import corpus_cache, small_job_args  # noqa: F401  (a fixture, found by name)
 
 ROOT = Path(__file__).parents[3]
@@ -48,7 +48,7 @@ def test_rollout_workers_are_services_with_the_runs_token_one_thread_and_the_tra
     addresses = ",".join(f"127.0.0.1:{c.port}" for c in p.rollouts)
     for t in p.trainers:
         assert t.env[ADDRESSES_ENV] == addresses
-        # no grpo.rollout_addresses key in the trainer's config (yet): nothing the trainer refuses
+        # not a GRPO run through the service: no grpo.rollout_addresses for the trainer
         assert not any(a.startswith("--grpo.") for a in t.argv)
         assert "grpo" not in t.env[LAUNCHER_KEYS_ENV]
     none = plan(UpOptions(), [*TINY, f"--log.run_dir={tmp_path / 'r2'}"])
@@ -59,13 +59,13 @@ def test_rollout_workers_start_from_the_checkpoint_the_trainer_starts_from(tmp_p
     args = [*TINY, f"--log.run_dir={tmp_path / 'run'}"]
     p = plan(UpOptions(rollout_workers=1), [*args, "--checkpoint.load=/sft"])
     assert start_rollouts_from(p, None) == ("/sft", None)  # a fresh run: the config's load
-    assert p.rollouts[0].argv[-2:] == ["--load", "/sft"]
+    assert p.rollouts[0].argv[-4:] == ["--load", "/sft", "--version", "0"]
     p = plan(
         UpOptions(rollout_workers=1),
         [*args, "--checkpoint.load=/sft", "--checkpoint.load_step=4"],
     )
     assert start_rollouts_from(p, None) == ("/sft", 4)
-    assert p.rollouts[0].argv[-4:] == ["--load", "/sft", "--step", "4"]
+    assert p.rollouts[0].argv[-6:] == ["--load", "/sft", "--step", "4", "--version", "0"]
     p = plan(UpOptions(rollout_workers=1), [*args, "--checkpoint.load=/sft"])
     assert start_rollouts_from(p, 9) == (p.save, 9)  # resuming: the run's own newest step
     assert p.rollouts[0].argv[-4:] == ["--load", p.save, "--step", "9"]
@@ -97,36 +97,18 @@ def test_options_it_cannot_run_are_refused():
         UpOptions(rollout_args=["--device", "cpu"])
 
 
-def test_the_addresses_go_to_a_trainer_config_with_a_grpo_rollout_addresses_key():
-    from dataclasses import dataclass, field
-
-    @dataclass
-    class AsList:
-        rollout_addresses: list[str] = field(default_factory=list)
-
-    @dataclass
-    class AsString:
-        rollout_addresses: str = ""
-
-    @dataclass
-    class Other:
-        group_size: int = 8
-
-    class Job:
-        def __init__(self, grpo):
-            self.grpo = grpo
+def test_the_addresses_go_to_a_grpo_run_through_the_service_only():
+    from meshtrain.services.common.config import parse_value
+    from meshtrain.services.trainer.config.sections import JobConfig
 
     addresses = ["127.0.0.1:1", "127.0.0.1:2"]
-    flag = _grpo_rollout_addresses_arg(Job(AsList()), addresses)
+    job = replace(JobConfig(), train={"objective": "grpo"}, grpo={"rollout": "service"})
+    flag = _grpo_rollout_addresses_arg(job, addresses)
     assert flag == '--grpo.rollout_addresses=["127.0.0.1:1", "127.0.0.1:2"]'
-    from meshtrain.services.common.config import parse_value
-
     assert parse_value(flag.split("=", 1)[1]) == addresses
-    assert _grpo_rollout_addresses_arg(Job(AsString()), addresses) == (
-        "--grpo.rollout_addresses=127.0.0.1:1,127.0.0.1:2"
-    )
-    assert _grpo_rollout_addresses_arg(Job(Other()), addresses) is None
-    assert _grpo_rollout_addresses_arg(object(), addresses) is None
+    colocated = replace(job, grpo={"rollout": "colocated"})
+    assert _grpo_rollout_addresses_arg(colocated, addresses) is None
+    assert _grpo_rollout_addresses_arg(JobConfig(), addresses) is None
 
 
 @pytest.mark.e2e

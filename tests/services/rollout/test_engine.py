@@ -85,7 +85,7 @@ def test_bounds_are_checked_before_sampling():
         (RolloutRequest(PROMPTS, 1), "prompts"),
         (RolloutRequest([[1]], 5), "group_size"),
         (RolloutRequest([[]], 1), r"prompts\[0\]"),
-        (RolloutRequest([[1] * 40], 1, SamplingParams(max_new_tokens=9)), "positions"),
+        (RolloutRequest([[1] * 40], 1, SamplingParams(max_new_tokens=10)), "positions"),
     ]
     for request, match in bad:
         with pytest.raises(InvalidRequestError, match=match):

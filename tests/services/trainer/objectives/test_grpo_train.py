@@ -107,5 +107,11 @@ def test_grpo_refuses_what_it_does_not_run_with(tmp_path):
         )
     with pytest.raises(ConfigError, match="cannot import"):
         Trainer(load_config(job_args(tmp_path, prompts, **{"grpo.reward_funcs": '["nope.x:f"]'})))
+    with pytest.raises(ConfigError, match="rollout_timeout_s"):
+        load_config(job_args(tmp_path, prompts, **{"grpo.rollout_timeout_s": 0}))
+    with pytest.raises(ConfigError, match="publish"):
+        load_config(job_args(tmp_path, prompts, **{"grpo.publish": "carrier-pigeon"}))
+    with pytest.raises(ConfigError, match="needs grpo.rollout_addresses"):
+        Trainer(load_config(job_args(tmp_path, prompts, **{"grpo.rollout": "service"})))
     with pytest.raises(ConfigError, match="seq_length"):
         Trainer(load_config(job_args(tmp_path, prompts, **{"grpo.max_new_tokens": 14})))
