@@ -29,8 +29,12 @@ class GRPOConfig:
     max_new_tokens: int = 64
     """Most tokens sampled per completion (a completion stops earlier at the tokenizer's EOD)."""
     temperature: float = 1.0
+    """Sampling temperature of the completions (> 0). The loss's log-probs are at temperature 1
+    whatever it is (TRL divides them by it: the two differ when it is not 1)."""
     top_k: int | None = None
+    """Sample among the k most likely tokens only (unset: all)."""
     top_p: float | None = None
+    """Sample among the smallest set of tokens with probability mass >= p (unset: all)."""
     beta: float = 0.0
     """Weight of the KL penalty against the frozen reference (k3 estimator); 0: no reference
     model is built."""
