@@ -12,7 +12,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from meshtrain.services.common.errors import ConfigError
-from meshtrain.services.common.model_config import ModelConfig, VisionConfig
+from meshtrain.services.common.model_config import ModelConfig
 from meshtrain.services.trainer.config.parallel import ParallelConfig
 
 if TYPE_CHECKING:  # sections.py imports this module: TrainConfig is named in annotations only
@@ -277,12 +277,6 @@ def check_documents(data: DataConfig, parallel: ParallelConfig, train: TrainConf
         )
 
 
-def encoder_tokens(vision: VisionConfig) -> int:
-    """Features the encoder gives one image_size image after select_feature: its patches, plus
-    the class token with 'cls_patch' (the placeholders one image takes in the sequence)."""
-    return vision.grid**2 + (vision.select_feature == "cls_patch")
-
-
 def resolve_multimodal(model: ModelConfig, data: DataConfig) -> DataConfig:
     """The data section with its image keys agreeing with model.vision, which owns them.
 
@@ -311,7 +305,7 @@ def resolve_multimodal(model: ModelConfig, data: DataConfig) -> DataConfig:
             "the encoder's output length ((model.vision.image_size / model.vision.patch_size)^2"
             + (" + 1 for the class token" if v.select_feature == "cls_patch" else "")
             + ")",
-            encoder_tokens(v),
+            v.tokens_per_image,
         ),
         "image_token_id": ("model.vision.image_token_id", v.image_token_id),
     }
