@@ -344,8 +344,8 @@ def _multimodal_data(
     tensor-parallel peers do not share image batches, they ask for the same (step, dp rank)
     batch, which is a pure function of the spec."""
     d, t = job.data, job.train
-    assert d.image_token_id is not None and d.image_size and d.tokens_per_image
-    assert d.image_normalization is not None
+    image_size, per_image, normalization = d.image_size, d.tokens_per_image, d.image_normalization
+    assert d.image_token_id is not None and image_size and per_image and normalization
     tok = build_tokenizer(d.tokenizer)
     tokenizer_spec = absolute_spec(d.tokenizer)
     image_token_id = d.image_token_id
@@ -367,10 +367,10 @@ def _multimodal_data(
             num_samples=num_samples,
             seed=t.seed,
             image_token_id=image_token_id,
-            tokens_per_image=d.tokens_per_image,
-            image_size=d.image_size,
+            tokens_per_image=per_image,
+            image_size=image_size,
             resize_mode=d.image_resize,
-            normalization=d.image_normalization,
+            normalization=normalization,
             wire_dtype=d.image_wire_dtype,
             bad_image_policy=d.bad_image_policy,
             split=d.split,

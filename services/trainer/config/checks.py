@@ -309,7 +309,7 @@ def resolve_multimodal(model: ModelConfig, data: DataConfig) -> DataConfig:
         ),
         "image_token_id": ("model.vision.image_token_id", v.image_token_id),
     }
-    resolved = {}
+    resolved: dict[str, object] = {}
     for key, (owner, value) in wanted.items():
         given = getattr(data, key)
         if given is not None and given != value:
@@ -320,4 +320,4 @@ def resolve_multimodal(model: ModelConfig, data: DataConfig) -> DataConfig:
         resolved[key] = value
     if data.image_normalization is None:
         resolved["image_normalization"] = v.variant  # the variants and statistics share names
-    return dataclasses.replace(data, **resolved)
+    return dataclasses.replace(data, **resolved)  # type: ignore[arg-type]
