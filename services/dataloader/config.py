@@ -103,18 +103,23 @@ class DataConfig:
     image-text sources (Energon dataset folders, folders of WebDataset .tar shards, .tar files,
     .jsonl files with images beside them; docs/multimodal.md), read end to end, and batches
     carry images."""
-    image_size: int = 336
-    """Multimodal: the side of the square images the worker makes (pixels)."""
-    tokens_per_image: int = 576
+    image_size: int | None = None
+    """Multimodal: the side of the square images the worker makes (pixels). Unset: the
+    model's, model.vision.image_size; set, it must equal it."""
+    tokens_per_image: int | None = None
     """Multimodal: placeholder tokens standing for one image (the vision encoder's output
-    length after the projector; 576 for CLIP ViT-L/14 at 336)."""
+    length after the projector; 576 for CLIP ViT-L/14 at 336). Unset: the encoder's
+    ((image_size / patch_size)^2, plus 1 with select_feature 'cls_patch'); set, it must equal
+    it."""
     image_token_id: int | None = None
-    """Multimodal: the placeholder id (default: the tokenizer's vocab_size, a new id)."""
+    """Multimodal: the placeholder id. Unset: model.vision.image_token_id; set, it must equal
+    it."""
     image_resize: str = "crop"
     """Multimodal: 'crop' (shortest side to image_size, centre crop) or 'pad' (pad to a square
     with the mean colour, then resize: LLaVA-1.5)."""
-    image_normalization: str = "clip"
-    """Multimodal: 'clip' (OpenAI CLIP's mean and std) or 'siglip' (0.5, 0.5)."""
+    image_normalization: str | None = None
+    """Multimodal: 'clip' (OpenAI CLIP's mean and std) or 'siglip' (0.5, 0.5). Unset: the one
+    of model.vision.variant; set, it is used as given (an encoder trained on other statistics)."""
     image_wire_dtype: str = "uint8"
     """Multimodal, data service: pixels travel as 'uint8' (normalized by the trainer's client)
     or 'bfloat16' (normalized by the worker, twice the bytes)."""
@@ -196,11 +201,12 @@ class DataConfig:
             ("image_wire_dtype", WIRE_DTYPES),
             ("bad_image_policy", BAD_IMAGE_POLICIES),
         ):
-            if getattr(self, key) not in allowed:
-                raise ConfigError(f"data.{key}={getattr(self, key)!r} is not one of {allowed}")
-        if not 1 <= self.image_size <= 4096:
+            value = getattr(self, key)
+            if value not in allowed and not (key == "image_normalization" and value is None):
+                raise ConfigError(f"data.{key}={value!r} is not one of {allowed}")
+        if self.image_size is not None and not 1 <= self.image_size <= 4096:
             raise ConfigError(f"data.image_size={self.image_size} must be in [1, 4096]")
-        if self.tokens_per_image < 1:
+        if self.tokens_per_image is not None and self.tokens_per_image < 1:
             raise ConfigError(f"data.tokens_per_image={self.tokens_per_image} must be >= 1")
         if self.image_token_id is not None and not 0 <= self.image_token_id < 2**31:
             raise ConfigError(f"data.image_token_id={self.image_token_id} must be in [0, 2^31)")

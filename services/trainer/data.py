@@ -338,18 +338,23 @@ def _multimodal_data(
     spread: tuple[int, int] | None,
 ) -> TrainData:
     """`build_data` for `data.format = "multimodal"`: image-text records of the `data.data_path`
-    sources, tokenized with `data.tokenizer`; the placeholder id defaults to the tokenizer's
-    vocab_size, and the vocabulary reported to the model covers it. Each rank pulls its own
-    batches from the service (tensor-parallel peers do not share image batches)."""
+    sources, tokenized with `data.tokenizer`, with the image keys JobConfig took from
+    model.vision (`config.checks.resolve_multimodal`); the vocabulary reported to the model
+    covers the placeholder. Each rank pulls its own batches, from the service too:
+    tensor-parallel peers do not share image batches, they ask for the same (step, dp rank)
+    batch, which is a pure function of the spec."""
     d, t = job.data, job.train
+    image_size, per_image, normalization = d.image_size, d.tokens_per_image, d.image_normalization
+    assert d.image_token_id is not None and image_size and per_image and normalization
     tok = build_tokenizer(d.tokenizer)
     tokenizer_spec = absolute_spec(d.tokenizer)
-    image_token_id = tok.vocab_size if d.image_token_id is None else d.image_token_id
+    image_token_id = d.image_token_id
     vocab_size = max(tok.vocab_size, image_token_id + 1)
     if job.model.vocab_size is not None and job.model.vocab_size < vocab_size:
         raise ConfigError(
             f"model.vocab_size={job.model.vocab_size} is smaller than the tokenizer's vocabulary "
-            f"with the image placeholder ({vocab_size}: data.image_token_id={image_token_id})"
+            f"with the image placeholder ({vocab_size}: model.vision.image_token_id="
+            f"{image_token_id})"
         )
     addresses = list(d.service_addresses)
     service = _service_options(job, spread) if addresses else {}
@@ -362,10 +367,10 @@ def _multimodal_data(
             num_samples=num_samples,
             seed=t.seed,
             image_token_id=image_token_id,
-            tokens_per_image=d.tokens_per_image,
-            image_size=d.image_size,
+            tokens_per_image=per_image,
+            image_size=image_size,
             resize_mode=d.image_resize,
-            normalization=d.image_normalization,
+            normalization=normalization,
             wire_dtype=d.image_wire_dtype,
             bad_image_policy=d.bad_image_policy,
             split=d.split,

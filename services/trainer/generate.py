@@ -3,7 +3,9 @@
 The decode path here reuses the model's own modules and weights (norms, projections, MLPs,
 embeddings, RoPE tables) but runs its own attention step, so the training forward stays
 untouched: the prompt is run once (prefill), each layer's keys and values are kept, and every
-new token then costs one position through the network instead of the whole sequence.
+new token then costs one position through the network instead of the whole sequence. A
+vision-language model's images are part of the prefill: their features take the place of the
+prompt's placeholders, and the keys and values of those positions are cached like any other.
 
 RL rollouts (GRPO's colocated generator and the rollout worker) draw with `draw_rows`: each
 completion from its own generator, seeded by `completion_seed(prompt seed, sample index)`, with
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 from meshtrain.kernels import dispatch
 from meshtrain.services.common.errors import ConfigError
 from meshtrain.services.common.sampling import check_sampling
+from meshtrain.services.trainer.model.vision import image_features, merge_image_features
 
 
 class KVCache:
@@ -72,9 +75,12 @@ def context_length(model) -> int:
 
 
 @torch.no_grad()
-def forward_cached(model, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+def forward_cached(
+    model, tokens: torch.Tensor, cache: KVCache, images: torch.Tensor | None = None
+) -> torch.Tensor:
     """Logits (b, s, vocab) of new tokens (b, s) placed after the `cache.length` cached
-    positions."""
+    positions; `images` (n, 3, H, W), normalized, fill the tokens' placeholders in reading order
+    (row by row, left to right) as in training."""
     s = tokens.shape[1]
     start = cache.length
     if start + s > context_length(model):
@@ -83,6 +89,11 @@ def forward_cached(model, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         )
     emb = model.embedding
     x = emb.word_embeddings(tokens)
+    if images is not None and images.shape[0]:
+        if model.vision is None:
+            raise ConfigError("images given to a text-only model (model.vision is unset)")
+        features = image_features(model.vision, model.projector, images.to(x.device))
+        x = merge_image_features(x, tokens, features, model.config.vision.image_token_id)
     if emb.position_embeddings is not None:
         positions = torch.arange(start, start + s, device=tokens.device)
         x = x + emb.position_embeddings(positions)  # (s, hidden) broadcast over batch
@@ -160,6 +171,7 @@ def generate(
     top_p: float | None = None,
     generator: torch.Generator | None = None,
     eod_id: int | None = None,
+    images: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sample `max_new_tokens` tokens after `tokens` with a KV cache.
 
@@ -172,6 +184,9 @@ def generate(
         top_p: keep the smallest set of tokens with probability mass >= p (None/1: all).
         generator: the torch.Generator to draw from (reproducible samples).
         eod_id: stop a row once it emits this id (it is kept); None: never stop early.
+        images: a vision-language model's (n_images, 3, H, W) normalized images, for the
+            prompt's placeholders in reading order (every row's, row by row); the prefill reads
+            them, the decoded tokens never do.
 
     Returns:
         (batch, seq + new) int64: the prompt followed by the sampled tokens.
@@ -183,7 +198,9 @@ def generate(
     limit = context_length(model)
     steps = max(0, min(max_new_tokens, limit - out.shape[1]))
     cache = KVCache(len(model.layers))
-    logits = forward_cached(model, out, cache)[:, -1]  # prefill: (b, vocab) of the next token
+    logits = forward_cached(model, out, cache, images)[
+        :, -1
+    ]  # prefill: (b, vocab) of the next token
     done = torch.zeros(out.shape[0], dtype=torch.bool, device=out.device)
     for step in range(steps):
         logits = logits.float()

@@ -4,7 +4,9 @@ The model is rebuilt from the checkpoint's recorded `config.model` and loaded wi
 layout-free loader, so a checkpoint saved under any tensor/data-parallel layout loads here.
 Only the text goes to stdout; logs go to stderr. Several samples are each preceded by a line
 `--- sample I of N ---` (a sample's text may hold blank lines of its own); `--json` prints one
-JSON object a line instead, for a program to read.
+JSON object a line instead, for a program to read. A vision-language checkpoint (one with
+`model.vision`) reads `--image` files, preprocessed as its training data was
+(`image_prompt.py`), in the places of the prompt's `<image>` tags (or before the prompt).
 """
 
 from __future__ import annotations
@@ -29,6 +31,14 @@ def register(sub) -> None:
     )
     g.add_argument("--load", required=True, metavar="ROOT", help="checkpoint root")
     g.add_argument("--prompt", required=True, help="text to continue")
+    g.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="an image for a vision-language checkpoint (repeat for several): it takes the place "
+        "of the prompt's next <image> tag, or goes before the prompt when it has none",
+    )
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0: all)")
@@ -114,10 +124,31 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "loaded %s step %d (%d parameters) on %s", args.load, step, model.num_parameters(), device
     )
 
-    ids = tokenizer.encode(args.prompt)
+    images = None
+    if args.image:
+        if config.vision is None:
+            raise ConfigError(f"--image: {args.load} step {step} is a text-only model (no vision)")
+        from meshtrain.services.trainer.image_prompt import expand_prompt, load_images
+
+        data = (metadata.get("config") or {}).get("data") or {}
+        images = load_images(
+            args.image,
+            config.vision,
+            data.get("image_resize", "crop"),
+            data.get("image_normalization"),
+        ).to(device)
+        ids = expand_prompt(args.prompt, len(args.image), tokenizer, config.vision)
+        images = images.repeat(args.num_samples, 1, 1, 1)  # each row's images, row by row
+    else:
+        ids = tokenizer.encode(args.prompt)
     if not ids:
         raise ConfigError("--prompt encodes to no tokens")
     limit = context_length(model)
+    if images is not None and len(ids) >= limit:
+        raise ConfigError(
+            f"the prompt with its images takes {len(ids)} tokens, and the model has {limit} "
+            "positions: shorten --prompt"
+        )
     if len(ids) >= limit:
         # Keep the most recent context, with room for at least one new token.
         log.warning(
@@ -139,7 +170,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         top_p=args.top_p,
         generator=generator,
+        images=images,
     )
+    if images is not None:  # the placeholders are no text: print the prompt as it was given
+        prompt_ids = tokenizer.encode(args.prompt)
+        rows = [prompt_ids + row[len(ids) :] for row in out.tolist()]
+        _print_samples(rows, len(prompt_ids), tokenizer.decode, args.json)
+        return 0
     _print_samples(out.tolist(), len(ids), tokenizer.decode, args.json)
     return 0
 

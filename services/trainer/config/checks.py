@@ -1,12 +1,14 @@
 """Checks across the job config's sections: what the model, the loop or FP8 need of the layout.
 
 Each `check_*` refuses a combination that can be told from the config alone, naming the keys
-that do not fit together. `JobConfig` runs them all when it is built; `parallel/tensor.py` runs
+that do not fit together; `resolve_multimodal` fills the data's image keys from model.vision,
+which owns them. `JobConfig` runs them all when it is built; `parallel/tensor.py` runs
 `check_tensor_parallel` again for callers that shard a model directly.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from meshtrain.services.common.errors import ConfigError
@@ -273,3 +275,49 @@ def check_documents(data: DataConfig, parallel: ParallelConfig, train: TrainConf
             "builds each micro-batch's FlexAttention block mask from its document ids (its "
             "sparsity differs from batch to batch): turn one of them off"
         )
+
+
+def resolve_multimodal(model: ModelConfig, data: DataConfig) -> DataConfig:
+    """The data section with its image keys agreeing with model.vision, which owns them.
+
+    data.format = 'multimodal' needs model.vision. data.image_size, data.tokens_per_image and
+    data.image_token_id default to the model's (model.vision.image_size, the encoder's output
+    length, model.vision.image_token_id); given, they must equal them. data.image_normalization
+    defaults to the variant's statistics (clip: CLIP's, siglip: 0.5/0.5) and, given, is used as
+    it is. (ModelConfig refuses a placeholder past model.vocab_size; unset, the vocabulary is
+    the tokenizer's grown to cover it.) Text-only data with model.vision is allowed: its
+    samples have no images, and the encoder is not run.
+
+    Raises:
+        ConfigError: naming the data key and the model key that disagree.
+    """
+    v = model.vision
+    if data.format != "multimodal":
+        return data
+    if v is None:
+        raise ConfigError(
+            "data.format='multimodal' serves images, and model.vision is unset: configure the "
+            "vision encoder ([model.vision]) or read text-only data"
+        )
+    wanted = {
+        "image_size": ("model.vision.image_size", v.image_size),
+        "tokens_per_image": (
+            "the encoder's output length ((model.vision.image_size / model.vision.patch_size)^2"
+            + (" + 1 for the class token" if v.select_feature == "cls_patch" else "")
+            + ")",
+            v.tokens_per_image,
+        ),
+        "image_token_id": ("model.vision.image_token_id", v.image_token_id),
+    }
+    resolved: dict[str, object] = {}
+    for key, (owner, value) in wanted.items():
+        given = getattr(data, key)
+        if given is not None and given != value:
+            raise ConfigError(
+                f"data.{key}={given} does not match {owner}={value}: the data makes what the "
+                f"model reads; leave data.{key} unset (it follows the model) or make them equal"
+            )
+        resolved[key] = value
+    if data.image_normalization is None:
+        resolved["image_normalization"] = v.variant  # the variants and statistics share names
+    return dataclasses.replace(data, **resolved)  # type: ignore[arg-type]

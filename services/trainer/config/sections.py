@@ -27,6 +27,7 @@ from meshtrain.services.trainer.config.checks import (
     check_fully_sharded,
     check_tensor_parallel,
     check_vision,
+    resolve_multimodal,
 )
 from meshtrain.services.trainer.config.dpo import DPOConfig
 from meshtrain.services.trainer.config.grpo import GRPOConfig
@@ -393,3 +394,4 @@ class JobConfig:
         check_documents(self.data, self.parallel, self.train)
         check_fully_sharded(self.model, self.parallel, self.train)
         check_vision(self.model, self.parallel, self.train)
+        self.data = resolve_multimodal(self.model, self.data)

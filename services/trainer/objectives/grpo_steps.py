@@ -55,10 +55,10 @@ def check_grpo_job(job: JobConfig, mesh: Mesh) -> None:
     """Refuse what GRPO does not run with, naming the setting.
 
     Raises:
-        ConfigError: no prompts or reward functions, the service without addresses, a batch that is not whole groups per rank,
-            pipeline or context parallelism, sequence parallelism, FSDP, CUDA graphs, the data
-            service, a weights publication the layout cannot gather (`check_publish`), or
-            prompts too long for the sequence.
+        ConfigError: no prompts or reward functions, the service without addresses, a batch
+            that is not whole groups per rank, pipeline or context parallelism, sequence
+            parallelism, FSDP, CUDA graphs, the data service, a weights publication the layout
+            cannot gather (`check_publish`), or prompts too long for the sequence.
     """
     g, t = job.grpo, job.train
     if not g.prompts_path:

@@ -544,8 +544,15 @@ def test_shipped_configs_load():
     root = Path(__file__).resolve().parents[3] / "deploy" / "configs"
     names = {p.name for p in root.glob("*.toml")}
     assert {"tiny.toml", "gpt2-125m.toml", "gpt2-350m.toml", "llama-1b.toml"} <= names
+    assert {"vlm-tiny.toml", "llava-1.5-7b.toml"} <= names
     for path in root.glob("*.toml"):
         assert dataclasses.is_dataclass(load_config(["--config", str(path)]))
+    # LLaVA-1.5's shapes: 576 features of CLIP ViT-L/14-336, the projector alone trained
+    llava = load_config(["--config", str(root / "llava-1.5-7b.toml")])
+    assert (llava.data.image_size, llava.data.tokens_per_image) == (336, 576)
+    assert (llava.data.image_token_id, llava.data.image_normalization) == (32000, "clip")
+    t = llava.train
+    assert t.freeze_vision and t.freeze_language_model and not t.freeze_projector
 
 
 @pytest.mark.parametrize(

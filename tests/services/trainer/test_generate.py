@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import meshtrain
+from meshtrain.services.common.errors import ConfigError
 from meshtrain.services.common.model_config import ModelConfig
 from meshtrain.services.dataloader.config import DataConfig
 from meshtrain.services.trainer.config.sections import JobConfig
@@ -203,3 +204,47 @@ def test_samples_are_separated_by_a_header_line_or_printed_as_json(trained_root,
     assert [json.loads(line) for line in lines] == [
         {"sample": i, "text": sample, "completion": TEXT[10:15]} for i in (1, 2)
     ]
+
+
+def test_cached_decode_with_images_matches_full_recompute(tmp_path):
+    """A vision-language model's images are part of the prefill: greedy decoding with the KV
+    cache equals recomputing the whole sequence, images included, at every step; without the
+    images, or with another image, the continuation's logits differ. The image goes through the
+    data side's decoding and normalization (image_prompt.py)."""
+    from PIL import Image
+
+    from meshtrain.services.common.model_config import VisionConfig
+    from meshtrain.services.dataloader.tokenizers.base import build_tokenizer
+    from meshtrain.services.trainer.image_prompt import expand_prompt, load_images
+
+    vision = VisionConfig(
+        image_size=16, patch_size=8, hidden_size=16, num_layers=2, num_attention_heads=2,
+        ffn_hidden_size=32, image_token_id=257,
+    )  # fmt: skip
+    model = build(**{**LLAMA, "vision": vision, "vocab_size": 301})
+    paths = []
+    for i, colour in enumerate([(200, 30, 30), (30, 30, 200)]):
+        paths.append(str(tmp_path / f"{i}.png"))
+        Image.new("RGB", (24, 20), colour).save(paths[-1])
+    tok = build_tokenizer("byte")
+    ids = expand_prompt("Look: <image> and <image>?", 2, tok, vision)
+    assert ids.count(257) == 2 * 4 and ids[:6] == tok.encode("Look: ")
+    images = load_images(paths, vision)  # (2, 3, 16, 16), CLIP-normalized
+    assert images.shape == (2, 3, 16, 16)
+    prompt = torch.tensor([ids, ids])  # two rows: the images of each, row by row
+    both = images.repeat(2, 1, 1, 1)
+    out = generate(model, prompt, 8, temperature=0, images=both)
+    ref = prompt
+    with torch.no_grad():
+        for _ in range(8):
+            nxt = model(ref, images=both)[:, -1].argmax(-1, keepdim=True)
+            ref = torch.cat([ref, nxt], dim=1)
+    assert torch.equal(out, ref)
+    with torch.no_grad():
+        seen = forward_cached(model, prompt, KVCache(len(model.layers)), both)[:, -1]
+        other = forward_cached(model, prompt, KVCache(len(model.layers)), both.flip(0))[:, -1]
+    assert not torch.allclose(seen, other)
+    with pytest.raises(ValueError, match="placeholder"):
+        generate(model, prompt, 2, temperature=0, images=images)  # 2 images for 4 placeholders
+    with pytest.raises(ConfigError, match="1 <image> tags for 2"):
+        expand_prompt("<image>", 2, tok, vision)
