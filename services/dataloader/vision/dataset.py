@@ -13,7 +13,7 @@ gets one `<image>\\n` per image before its first user turn, or before its captio
 does). A caption sample is the image placeholders then the caption and EOD, trained on the
 caption and EOD. A conversation is rendered `USER: ...\\n` / `ASSISTANT: ...<EOD>` (system
 turns as their text and a newline) and trained on the assistant replies and their EODs only.
-The loss mask is 0 where the input or the label is an image placeholder, on prompt tokens and
+The loss mask is 0 where the label is an image placeholder, on prompt tokens and
 on padding (EOD ids after the sample). Text longer than the sample is cut at the end; a sample
 whose image placeholders would be cut (they must all lie in the model's input, the first
 `seq_length` tokens) is refused, counted and logged by name, and replaced.
@@ -312,9 +312,10 @@ class MultimodalDataset:
         m = min(ids.size, s1)
         tokens[:m], target[:m] = ids[:m], trained[:m]
         image = tokens == spec.image_token_id
-        # label t is tokens[t + 1]: trained unless it is a placeholder, a prompt token or padding,
-        # and never where the input itself is a placeholder
-        loss_mask = (target[1:] & ~image[:-1] & ~image[1:]).astype(np.uint8)
+        # label t is tokens[t + 1]: trained unless it is a placeholder, a prompt token or padding.
+        # The text right after an image is predicted from the image's last position: trained, as
+        # LLaVA does (it is where the model must read the image)
+        loss_mask = (target[1:] & ~image[1:]).astype(np.uint8)
         return tokens.astype(np.int32), loss_mask, pixels
 
 

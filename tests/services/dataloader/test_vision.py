@@ -86,8 +86,7 @@ def test_shards_and_jsonl_give_the_same_batches(shapes):
             assert a.images.dtype == torch.float32 and a.images.shape[1:] == (3, 16, 16)
             # exactly tokens_per_image placeholders per image, in runs of that length
             assert int((a.tokens == IMG).sum()) == a.images.shape[0] * TPI
-            assert a.loss_mask[a.tokens == IMG].sum() == 0
-            assert a.loss_mask[a.labels == IMG].sum() == 0
+            assert a.loss_mask[a.labels == IMG].sum() == 0  # placeholders are never targets
             assert a.loss_mask.sum() > 0
 
 
@@ -101,8 +100,8 @@ def test_loss_counts_answers_and_captions_only(shapes):
         trained = bytes(int(t) for t, m in zip(tokens[1:], mask) if m and t < 256)
         eods = int(sum(1 for t, m in zip(tokens[1:], mask) if m and t == 256))
         if "text" in row:
-            # the first caption token follows the last placeholder, whose loss is masked
-            assert trained == row["text"][1:].encode() and eods == 1
+            # the first caption token, predicted from the image's last position, is trained
+            assert trained == row["text"].encode() and eods == 1
         else:
             assert trained == row["conversations"][1]["value"].encode() and eods == 1
             assert b"USER: " in bytes(int(t) for t in tokens if t < 256)
