@@ -8,6 +8,8 @@ new token then costs one position through the network instead of the whole seque
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -113,7 +115,7 @@ def generate(
     top_k: int | None = None,
     top_p: float | None = None,
     generator: torch.Generator | None = None,
-    eod_id: int | None = None,
+    eod_id: int | Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Sample `max_new_tokens` tokens after `tokens` with a KV cache.
 
@@ -125,7 +127,8 @@ def generate(
         top_k: keep only the k most likely tokens (None/0: all).
         top_p: keep the smallest set of tokens with probability mass >= p (None/1: all).
         generator: the torch.Generator to draw from (reproducible samples).
-        eod_id: stop a row once it emits this id (it is kept); None: never stop early.
+        eod_id: stop a row once it emits this id, or any of these ids (it is kept; a stopped
+            row is filled with the first); None: never stop early.
 
     Returns:
         (batch, seq + new) int64: the prompt followed by the sampled tokens.
@@ -139,6 +142,11 @@ def generate(
     cache = KVCache(len(model.layers))
     logits = forward_cached(model, out, cache)[:, -1]  # prefill: (b, vocab) of the next token
     done = torch.zeros(out.shape[0], dtype=torch.bool, device=out.device)
+    stops = None
+    if eod_id is not None:
+        stops = torch.tensor(
+            [eod_id] if isinstance(eod_id, int) else list(eod_id), device=out.device
+        )  # (n_stops,)
     for step in range(steps):
         logits = logits.float()
         if temperature == 0:
@@ -146,11 +154,11 @@ def generate(
         else:
             probs = filter_logits(logits / temperature, top_k, top_p).softmax(-1)
             nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (b,)
-        if eod_id is not None:
-            nxt = torch.where(done, torch.full_like(nxt, eod_id), nxt)
-            done |= nxt == eod_id
+        if stops is not None:
+            nxt = torch.where(done, stops[0].expand_as(nxt), nxt)
+            done |= torch.isin(nxt, stops)
         out = torch.cat([out, nxt[:, None]], dim=1)
-        if step + 1 == steps or (eod_id is not None and bool(done.all())):
+        if step + 1 == steps or (stops is not None and bool(done.all())):
             break
         logits = forward_cached(model, nxt[:, None], cache)[:, -1]
     return out[0] if squeeze else out
