@@ -74,7 +74,7 @@ def render_chat_pair(
         start = template.render(prompt, add_generation_prompt=True)
         texts = []
         for key in ("chosen", "rejected"):
-            answer = check_conversation({"messages": parts[key]}, "messages")
+            answer = check_conversation({"messages": parts[key]}, "messages", need_answer=False)
             if any(m["role"] != "assistant" for m in answer):
                 raise BadRow("bad_message", f"{key!r} holds messages other than the assistant's")
             full = template.render(prompt + answer)

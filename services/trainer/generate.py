@@ -142,11 +142,8 @@ def generate(
     cache = KVCache(len(model.layers))
     logits = forward_cached(model, out, cache)[:, -1]  # prefill: (b, vocab) of the next token
     done = torch.zeros(out.shape[0], dtype=torch.bool, device=out.device)
-    stops = None
-    if eod_id is not None:
-        stops = torch.tensor(
-            [eod_id] if isinstance(eod_id, int) else list(eod_id), device=out.device
-        )  # (n_stops,)
+    stop_ids = [] if eod_id is None else [eod_id] if isinstance(eod_id, int) else list(eod_id)
+    stops = torch.tensor(stop_ids, dtype=out.dtype, device=out.device) if stop_ids else None
     for step in range(steps):
         logits = logits.float()
         if temperature == 0:
