@@ -28,6 +28,16 @@ class CheckpointConfig:
     while it holds none yet: start at step 0)."""
     load_step: int | None = None
     """Resume from this step instead of the latest committed one."""
+    finetune: bool = False
+    """Start a new run from `load`'s weights (Megatron's --finetune): step 0, no samples
+    consumed, fresh optimizer and RNG states; the loaded run's position and plan are not
+    checked against this one's (SFT from a pretrained model, DPO from an SFT model)."""
+    load_optim: bool = True
+    """Load the optimizer state (Adam's moments) with the weights; false (Megatron's
+    --no-load-optim): the optimizer starts afresh at the loaded step."""
+    load_rng: bool = True
+    """Load the RNG states (dropout, the sampler) with the weights; false (Megatron's
+    --no-load-rng): each rank seeds them from train.seed as a fresh run does."""
     save_interval: int = 0
     """Save every this many steps (0: only at the end)."""
     async_save: bool = True
@@ -68,6 +78,10 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         if self.load_step is not None and self.load is None:
             raise ConfigError("checkpoint.load_step needs checkpoint.load")
+        if self.finetune and self.load is None:
+            raise ConfigError(
+                "checkpoint.finetune (--finetune) needs checkpoint.load: the weights to start from"
+            )
         if self.save_interval < 0:
             raise ConfigError(f"checkpoint.save_interval must be >= 0, got {self.save_interval}")
         if self.keep_last < 0 or self.keep_every < 0:

@@ -5,7 +5,9 @@ copied to another machine, or kept after the tokenizer file was edited or delete
 files that are not there, or not the ones the model was trained with. So a save stores each
 file as a one-dimensional uint8 array (`tokenizer.file0`, ...: checksummed and committed with
 the manifest like every array, on any root) and records in the metadata the spec, the files'
-names, sizes and sha256. `carried_spec` unpacks them into a folder keyed by their contents
+names, sizes and sha256. A tokenizer.json's companions (its tokenizer_config.json, with the
+special tokens' roles and the chat template, and a chat_template.jinja) are carried beside it,
+marked `companion` in the record. `carried_spec` unpacks them into a folder keyed by their contents
 (the same files once per machine) and returns the spec naming the copies; readers use it
 before the recorded path (`tokenizer_spec`), which older checkpoints only have.
 
@@ -29,7 +31,7 @@ import torch
 from meshtrain.services.checkpoint.boxes import ShardSpec
 from meshtrain.services.common.cache import user_cache_dir
 from meshtrain.services.common.errors import CheckpointError, DataError
-from meshtrain.services.common.tokenizer_files import rebase_spec, spec_files
+from meshtrain.services.common.tokenizer_files import companion_files, rebase_spec, spec_files
 
 log = logging.getLogger("meshtrain.checkpoint")
 
@@ -51,12 +53,15 @@ def tokenizer_boxes(
         return [], None
     try:
         files = spec_files(spec)
+        companions = companion_files(spec)
     except DataError as e:
         raise CheckpointError(f"cannot carry the run's tokenizer in the checkpoint: {e}") from None
     if not files:
         return [], None
     boxes, entries = [], []
-    for i, (name, path) in enumerate(files.items()):
+    listed = [(name, path, False) for name, path in files.items()]
+    listed += [(name, path, True) for name, path in companions.items()]
+    for i, (name, path, companion) in enumerate(listed):
         data = path.read_bytes()
         if not data:
             raise CheckpointError(
@@ -65,14 +70,15 @@ def tokenizer_boxes(
         array = f"{PREFIX}file{i}"
         tensor = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy())  # (bytes,)
         boxes.append((ShardSpec(array, (len(data),), "uint8", (0,), (len(data),)), tensor))
-        entries.append(
-            {
-                "name": name,
-                "array": array,
-                "bytes": len(data),
-                "sha256": hashlib.sha256(data).hexdigest(),
-            }
-        )
+        entry = {
+            "name": name,
+            "array": array,
+            "bytes": len(data),
+            "sha256": hashlib.sha256(data).hexdigest(),
+        }
+        if companion:  # beside the spec's files, not named by the spec
+            entry["companion"] = True
+        entries.append(entry)
     return boxes, {"spec": str(spec), "files": entries}
 
 
@@ -125,7 +131,8 @@ def carried_spec(
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, target)  # whole, or not at all: another process may unpack the same files
-    return rebase_spec(record["spec"], [e["name"] for e in entries], folder)
+    named = [e["name"] for e in entries if not e.get("companion")]
+    return rebase_spec(record["spec"], named, folder)
 
 
 def tokenizer_spec(

@@ -5,11 +5,12 @@ A run names its tokenizer by a spec (the dataloader's `tokenizers.py` builds tok
 specs) that holds absolute paths: a `tokenizer.json` or its folder, a `.tiktoken` ranks file, a
 SentencePiece `.model`, GPT-2's `vocab.json` + `merges.txt`. A checkpoint that recorded only the
 spec stops working when those files move or change, so checkpoints carry the files themselves
-(`checkpoint/tokenizer_store.py`): `spec_files` lists what to carry, and `rebase_spec` turns the
-recorded spec into one that names the copies, wherever they were unpacked. A Hugging Face export
-(`checkpoint/hf/tokenizer.py`) needs the run's end-of-document id and a `tokenizer.json`:
-`spec_eod_id`, `eos_token` and `gpt2bpe_tokenizer_json` read them from the files with the
-tokenizer libraries themselves, the same ids the dataloader's tokenizers give.
+(`checkpoint/tokenizer_store.py`): `spec_files` lists what to carry (`companion_files` what a
+tokenizer.json keeps beside it: its tokenizer_config.json and chat template), and `rebase_spec`
+turns the recorded spec into one that names the copies, wherever they were unpacked. A Hugging
+Face export (`checkpoint/hf/tokenizer.py`) needs the run's end-of-document id and a
+`tokenizer.json`: `spec_eod_id`, `eos_token` and `gpt2bpe_tokenizer_json` read them from the
+files with the tokenizer libraries themselves, the same ids the dataloader's tokenizers give.
 
     files = spec_files("gpt2bpe:/data/vocab.json,/data/merges.txt")
     # {'vocab.json': ..., 'merges.txt': ...}
@@ -63,6 +64,27 @@ def spec_files(spec: str) -> dict[str, Path]:
             raise DataError(f"tokenizer spec {spec!r} names two files called {path.name!r}")
         files[path.name] = path
     return files
+
+
+# What a Hugging Face tokenizer keeps beside its tokenizer.json: its special tokens' roles
+# (eos_token, which is the end of document of a model's own tokenizer) and its chat template.
+COMPANIONS = ("tokenizer_config.json", "chat_template.jinja")
+
+
+def companion_files(spec: str) -> dict[str, Path]:
+    """The files beside a `tokenizer.json` spec that belong to it (`COMPANIONS` that exist),
+    by name; none for other specs. They travel with the tokenizer.json (checkpoints carry them,
+    exports ship the chat template) but are not named by the spec.
+
+    Raises:
+        DataError: as `spec_files`.
+    """
+    if _paths(str(spec)) != [str(spec)]:  # prefixed specs: tiktoken, SentencePiece, GPT-2 BPE
+        return {}
+    (path,) = spec_files(spec).values()
+    if path.suffix != ".json":
+        return {}
+    return {name: path.parent / name for name in COMPANIONS if (path.parent / name).is_file()}
 
 
 def rebase_spec(spec: str, names: list[str] | dict[str, Path], folder: str | os.PathLike) -> str:

@@ -15,6 +15,7 @@ between those boundaries, tokenized one by one, must concatenate to the tokens o
 text (the token prefix property); a template or tokenizer that breaks either is reported, never
 guessed around. `render_conversation` returns (ids, mask) with mask 1 on the assistant answers'
 tokens. `check_conversation` names what is wrong with a row (`BadRow`, with a reason key).
+`end_of_turn_id` is the token that closes an answer, where generation stops.
 
     template = load_chat_template("auto", tokenizer)
     ids, mask = render_conversation(template, tokenizer, messages)
@@ -231,8 +232,9 @@ def load_chat_template(template: str, tokenizer: Tokenizer) -> ChatTemplate:
     return out
 
 
-def check_conversation(row, messages_key: str = "messages") -> list[dict]:
-    """The messages of one parsed JSONL row, validated.
+def check_conversation(row, messages_key: str = "messages", need_answer: bool = True) -> list[dict]:
+    """The messages of one parsed JSONL row, validated (`need_answer` false: a prompt, which
+    may have no assistant message).
 
     Raises:
         BadRow: not an object with a list under `messages_key` ("not_a_conversation"), no
@@ -258,7 +260,7 @@ def check_conversation(row, messages_key: str = "messages") -> list[dict]:
                 f"message {i} ({m['role']}) has {type(m['content']).__name__} content, "
                 "not a string",
             )
-    if not any(m["role"] == "assistant" for m in messages):
+    if need_answer and not any(m["role"] == "assistant" for m in messages):
         raise BadRow("no_assistant", "the conversation has no assistant message to train on")
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
@@ -321,3 +323,27 @@ def render_conversation(
             "turn boundary), so the assistant tokens cannot be told apart",
         )
     return ids, mask
+
+
+def end_of_turn_id(template: ChatTemplate, tokenizer: Tokenizer) -> int | None:
+    """The special token that closes an assistant turn in `template` (`<|im_end|>` in ChatML,
+    `<|eot_id|>` in Llama 3): the first token the template writes after an answer's content,
+    where it is a special token of `tokenizer`. None when the template ends a turn with plain
+    text (or nothing): then only the end of document stops a generated answer.
+
+    Raises:
+        BadRow: the template fails to render a one-turn conversation.
+    """
+    probe = "Hello"
+    asked = [{"role": "user", "content": "Hi"}]
+    start = template.render(asked, add_generation_prompt=True)
+    full = template.render([*asked, {"role": "assistant", "content": probe}])
+    if not full.startswith(start) or probe not in full[len(start) :]:
+        return None
+    after = full[len(start) :].split(probe, 1)[1]
+    special = tokenizer.encode_with_special_tokens(after)
+    plain = tokenizer.encode(after)
+    # a marker that is a special token encodes differently when specials are parsed
+    if not special or special[:1] == plain[:1]:
+        return None
+    return special[0]

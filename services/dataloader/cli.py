@@ -306,6 +306,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="keep_end",
         help="a pair over --max-length: keep its prompt's end, or drop it",
     )
+    pp.add_argument(
+        "--chat",
+        action="store_true",
+        help="rows are conversations (prompt: messages; chosen, rejected: assistant messages), "
+        "rendered with the chat template as `preprocess --chat` renders them",
+    )
+    pp.add_argument(
+        "--chat-template",
+        default=None,
+        help="with --chat: auto (the tokenizer's own, default), chatml, llama3 or a .jinja file",
+    )
     pp.set_defaults(func=cmd_preprocess_pairs)
     tt = dsub.add_parser(
         "train-tokenizer", help="train a byte-level BPE on local text/JSONL/Parquet files"
@@ -327,15 +338,21 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_preprocess_pairs(args: argparse.Namespace) -> int:
+    if args.chat_template is not None and not args.chat:
+        raise DataError("--chat-template needs --chat")
+    from meshtrain.services.dataloader.chat import load_chat_template
     from meshtrain.services.dataloader.preference import write_pairs
     from meshtrain.services.dataloader.tokenizers.base import build_tokenizer
 
+    tokenizer = build_tokenizer(args.tokenizer)
+    template = load_chat_template(args.chat_template or "auto", tokenizer) if args.chat else None
     summary = write_pairs(
         args.input,
         args.output_prefix,
-        build_tokenizer(args.tokenizer),
+        tokenizer,
         args.max_length,
         args.truncation,
+        chat_template=template,
     )
     print(
         f"{args.output_prefix}: {summary['pairs']} pairs ({summary['truncated']} truncated, "

@@ -5,7 +5,9 @@
     source.micro_batches(step)   # [PreferenceBatch], a pure function of (seed, step, dp rank)
 
 Input: one JSON object a line, `{"prompt": str, "chosen": str, "rejected": str}` (TRL's
-"standard" preference format). Each sequence is prompt + completion + EOD; the loss counts the
+"standard" preference format), or with a chat template its conversational format (`prompt` a
+list of messages, `chosen` and `rejected` lists of assistant messages) rendered as SFT renders
+chats. Each sequence is prompt + completion + EOD; the loss counts the
 completion and its EOD only. On disk (`PREFIX.bin/.idx`, Megatron's format) pair i is documents
 2i (chosen) and 2i+1 (rejected); `PREFIX.pairs.json` holds each sequence's prompt length and
 what preprocessing dropped or truncated, checked against the `.idx` fingerprint on load. Pairs
@@ -28,6 +30,7 @@ import numpy as np
 import torch
 
 from meshtrain.services.common.errors import DataError
+from meshtrain.services.dataloader.chat import BadRow, ChatTemplate, check_conversation
 from meshtrain.services.dataloader.indexed import IndexedDataset, IndexedDatasetWriter, best_dtype
 from meshtrain.services.dataloader.tokenizers.base import Tokenizer
 
@@ -41,22 +44,69 @@ def _text(row: dict, key: str, line: int, path: str) -> str:
     if isinstance(value, list):
         raise DataError(
             f"{path}:{line}: {key!r} is a list of messages (the conversational form), which "
-            "preprocess-pairs does not render: apply your chat template and give strings"
+            "preprocess-pairs renders with --chat (the tokenizer's chat template) only"
         )
     if not isinstance(value, str):
         raise DataError(f"{path}:{line}: {key!r} must be a string, got {type(value).__name__}")
     return value
 
 
+def render_chat_pair(
+    template: ChatTemplate, row: dict, line: int, path: str
+) -> tuple[str, str, str]:
+    """(prompt, chosen, rejected) texts of a conversational pair (TRL's conversational preference
+    format: `prompt` a list of messages, `chosen` and `rejected` lists of assistant messages).
+    The prompt is rendered with the assistant's generation prompt, each completion is the rest
+    of the whole conversation's rendering (the answer and its end-of-turn marker).
+
+    Raises:
+        DataError: a malformed row, or a template that renders the prompt differently as a
+            prefix of the whole conversation, naming the file and line.
+    """
+    parts = {}
+    for key in ("prompt", "chosen", "rejected"):
+        value = row.get(key)
+        if isinstance(value, str):  # `prompt` alone as text: the user's message
+            value = [{"role": "user" if key == "prompt" else "assistant", "content": value}]
+        parts[key] = value
+    try:
+        prompt = check_conversation({"messages": parts["prompt"]}, "messages", need_answer=False)
+        start = template.render(prompt, add_generation_prompt=True)
+        texts = []
+        for key in ("chosen", "rejected"):
+            answer = check_conversation({"messages": parts[key]}, "messages", need_answer=False)
+            if any(m["role"] != "assistant" for m in answer):
+                raise BadRow("bad_message", f"{key!r} holds messages other than the assistant's")
+            full = template.render(prompt + answer)
+            if not full.startswith(start):
+                raise BadRow(
+                    "template_prefix",
+                    f"chat template {template.name!r}: the prompt with the generation prompt "
+                    f"does not render as a prefix of the conversation with {key!r}",
+                )
+            texts.append(full[len(start) :])
+    except BadRow as e:
+        raise DataError(f"{path}:{line}: {e.reason}: {e}") from None
+    return start, texts[0], texts[1]
+
+
 def tokenize_pair(
-    tokenizer: Tokenizer, prompt: str, chosen: str, rejected: str, max_length: int, truncation: str
+    tokenizer: Tokenizer,
+    prompt: str,
+    chosen: str,
+    rejected: str,
+    max_length: int,
+    truncation: str,
+    special_tokens: bool = False,
 ) -> tuple[list[int], list[int], int, bool] | None:
     """(chosen ids, rejected ids, prompt length, truncated) of one pair; None if dropped.
 
-    Each sequence is prompt + completion + EOD, at most `max_length` tokens."""
-    p = tokenizer.encode(prompt)
-    c = tokenizer.encode(chosen) + [tokenizer.eod_id]
-    r = tokenizer.encode(rejected) + [tokenizer.eod_id]
+    Each sequence is prompt + completion + EOD, at most `max_length` tokens. `special_tokens`:
+    special tokens written in the texts (a chat template's markers) become their ids."""
+    encode = tokenizer.encode_with_special_tokens if special_tokens else tokenizer.encode
+    p = encode(prompt)
+    c = encode(chosen) + [tokenizer.eod_id]
+    r = encode(rejected) + [tokenizer.eod_id]
     over = len(p) + max(len(c), len(r)) - max_length
     truncated = over > 0
     if truncated:
@@ -73,9 +123,13 @@ def write_pairs(
     tokenizer: Tokenizer,
     max_length: int,
     truncation: str = "keep_end",
+    chat_template: ChatTemplate | None = None,
 ) -> dict:
     """Tokenize a JSONL of pairs into PREFIX.bin/.idx and PREFIX.pairs.json; returns the summary
     (pairs kept, dropped, truncated).
+
+    `chat_template`: the rows are conversations (`render_chat_pair`), rendered with it and
+    tokenized with their special tokens, as `meshtrain data preprocess --chat` does.
 
     Raises:
         DataError: a malformed line, naming the file and line; no pair left.
@@ -100,11 +154,22 @@ def write_pairs(
                 raise DataError(f"{path}:{line_no}: not JSON ({e})") from None
             if not isinstance(row, dict):
                 raise DataError(f"{path}:{line_no}: expected an object with prompt/chosen/rejected")
-            prompt, chosen_text, rejected_text = (
-                _text(row, k, line_no, path) for k in ("prompt", "chosen", "rejected")
-            )
+            if chat_template is not None:
+                prompt, chosen_text, rejected_text = render_chat_pair(
+                    chat_template, row, line_no, path
+                )
+            else:
+                prompt, chosen_text, rejected_text = (
+                    _text(row, k, line_no, path) for k in ("prompt", "chosen", "rejected")
+                )
             pair = tokenize_pair(
-                tokenizer, prompt, chosen_text, rejected_text, max_length, truncation
+                tokenizer,
+                prompt,
+                chosen_text,
+                rejected_text,
+                max_length,
+                truncation,
+                special_tokens=chat_template is not None,
             )
             if pair is None:
                 dropped += 1
@@ -123,6 +188,7 @@ def write_pairs(
         "truncated": truncated,
         "max_length": max_length,
         "truncation": truncation,
+        "chat_template": None if chat_template is None else chat_template.name,
         "fingerprint": IndexedDataset(prefix).fingerprint,
         "prompt_lengths": prompt_lengths,
     }

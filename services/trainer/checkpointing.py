@@ -672,11 +672,12 @@ def restore(
     optimizer: torch.optim.Optimizer | None,
     par: Parallel,
     step: int | None = None,
+    rng: bool = True,
 ) -> tuple[TrainState, dict]:
     """Load checkpoint `step` (latest committed if None) into `model` and `optimizer` in place.
 
     Each rank reads only the boxes its shards cover. `optimizer` None: the weights only (the
-    RNG states are restored all the same).
+    RNG states are restored all the same, unless `rng` is false).
 
     Raises:
         CheckpointError: the checkpoint is missing, corrupt or does not fit the model.
@@ -697,7 +698,8 @@ def restore(
     opt_step = meta["optimizer_step"]
     if opt_step > 0 and optimizer is not None:
         _restore_moments(reader, params, optimizer, par, opt_step)
-    _restore_rng(root, step, manifest, mesh)
+    if rng:
+        _restore_rng(root, step, manifest, mesh)
     return TrainState(meta["iteration"], meta["consumed_samples"]), meta
 
 

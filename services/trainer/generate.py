@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -170,7 +171,7 @@ def generate(
     top_k: int | None = None,
     top_p: float | None = None,
     generator: torch.Generator | None = None,
-    eod_id: int | None = None,
+    eod_id: int | Sequence[int] | None = None,
     images: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sample `max_new_tokens` tokens after `tokens` with a KV cache.
@@ -183,7 +184,8 @@ def generate(
         top_k: keep only the k most likely tokens (None/0: all).
         top_p: keep the smallest set of tokens with probability mass >= p (None/1: all).
         generator: the torch.Generator to draw from (reproducible samples).
-        eod_id: stop a row once it emits this id (it is kept); None: never stop early.
+        eod_id: stop a row once it emits this id, or any of these ids (it is kept; a stopped
+            row is filled with the first); None: never stop early.
         images: a vision-language model's (n_images, 3, H, W) normalized images, for the
             prompt's placeholders in reading order (every row's, row by row); the prefill reads
             them, the decoded tokens never do.
@@ -202,6 +204,8 @@ def generate(
         :, -1
     ]  # prefill: (b, vocab) of the next token
     done = torch.zeros(out.shape[0], dtype=torch.bool, device=out.device)
+    stop_ids = [] if eod_id is None else [eod_id] if isinstance(eod_id, int) else list(eod_id)
+    stops = torch.tensor(stop_ids, dtype=out.dtype, device=out.device) if stop_ids else None
     for step in range(steps):
         logits = logits.float()
         if temperature == 0:
@@ -209,11 +213,11 @@ def generate(
         else:
             probs = filter_logits(logits / temperature, top_k, top_p).softmax(-1)
             nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (b,)
-        if eod_id is not None:
-            nxt = torch.where(done, torch.full_like(nxt, eod_id), nxt)
-            done |= nxt == eod_id
+        if stops is not None:
+            nxt = torch.where(done, stops[0].expand_as(nxt), nxt)
+            done |= torch.isin(nxt, stops)
         out = torch.cat([out, nxt[:, None]], dim=1)
-        if step + 1 == steps or (eod_id is not None and bool(done.all())):
+        if step + 1 == steps or (stops is not None and bool(done.all())):
             break
         logits = forward_cached(model, nxt[:, None], cache)[:, -1]
     return out[0] if squeeze else out

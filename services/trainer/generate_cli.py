@@ -2,11 +2,14 @@
 
 The model is rebuilt from the checkpoint's recorded `config.model` and loaded with the
 layout-free loader, so a checkpoint saved under any tensor/data-parallel layout loads here.
-Only the text goes to stdout; logs go to stderr. Several samples are each preceded by a line
-`--- sample I of N ---` (a sample's text may hold blank lines of its own); `--json` prints one
-JSON object a line instead, for a program to read. A vision-language checkpoint (one with
-`model.vision`) reads `--image` files, preprocessed as its training data was
-(`image_prompt.py`), in the places of the prompt's `<image>` tags (or before the prompt).
+With `--chat` the prompt is a user message rendered by the checkpoint tokenizer's chat
+template with the assistant's generation prompt (as transformers' `apply_chat_template(...,
+add_generation_prompt=True)`), generation stops at the template's end-of-turn token, and the
+answer alone is printed. Only the text goes to stdout; logs go to stderr. Several samples are
+each preceded by a line `--- sample I of N ---` (a sample's text may hold blank lines of its
+own); `--json` prints one JSON object a line instead, for a program to read. A vision-language
+checkpoint (one with `model.vision`) reads `--image` files, preprocessed as its training data
+was (`image_prompt.py`), in the places of the prompt's `<image>` tags (or before the prompt).
 """
 
 from __future__ import annotations
@@ -56,6 +59,18 @@ def register(sub) -> None:
         help="tokenizer spec (default: the one the checkpoint records; 'byte' for bytes)",
     )
     g.add_argument(
+        "--chat",
+        action="store_true",
+        help="--prompt is a user message: render it with the tokenizer's chat template and the "
+        "assistant's generation prompt, stop at the template's end of turn, print the answer",
+    )
+    g.add_argument("--system", default=None, help="with --chat: a system message before the user's")
+    g.add_argument(
+        "--chat-template",
+        default="auto",
+        help="with --chat: auto (the tokenizer's own), chatml, llama3 or a .jinja file",
+    )
+    g.add_argument(
         "--num-samples",
         type=int,
         default=1,
@@ -89,6 +104,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_sampling(args.temperature, args.top_k, args.top_p)
     if args.max_new_tokens < 0 or args.num_samples < 1:
         raise ConfigError("--max-new-tokens must be >= 0 and --num-samples >= 1")
+    if (args.system is not None or args.chat_template != "auto") and not args.chat:
+        raise ConfigError("--system and --chat-template need --chat")
     if missing_local_root(args.load):
         raise CheckpointError(f"no committed checkpoint under {args.load}")
 
@@ -125,6 +142,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
 
     images = None
+    stops: list[int] | None = None
+    if args.image and args.chat:
+        raise ConfigError("--image with --chat: give the image prompt as plain text")
     if args.image:
         if config.vision is None:
             raise ConfigError(f"--image: {args.load} step {step} is a text-only model (no vision)")
@@ -139,6 +159,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ).to(device)
         ids = expand_prompt(args.prompt, len(args.image), tokenizer, config.vision)
         images = images.repeat(args.num_samples, 1, 1, 1)  # each row's images, row by row
+    elif args.chat:
+        ids, stops = _chat_prompt(args, tokenizer)
     else:
         ids = tokenizer.encode(args.prompt)
     if not ids:
@@ -171,14 +193,48 @@ def cmd_generate(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         generator=generator,
         images=images,
+        eod_id=stops,
     )
+    rows = out.tolist()
     if images is not None:  # the placeholders are no text: print the prompt as it was given
         prompt_ids = tokenizer.encode(args.prompt)
-        rows = [prompt_ids + row[len(ids) :] for row in out.tolist()]
+        rows = [prompt_ids + row[len(ids) :] for row in rows]
         _print_samples(rows, len(prompt_ids), tokenizer.decode, args.json)
-        return 0
-    _print_samples(out.tolist(), len(ids), tokenizer.decode, args.json)
+    elif stops is not None:  # the answer alone, without its end-of-turn marker
+        rows = [_until_stop(row[len(ids) :], stops) for row in rows]
+        _print_samples(rows, 0, tokenizer.decode, args.json)
+    else:
+        _print_samples(rows, len(ids), tokenizer.decode, args.json)
     return 0
+
+
+def _chat_prompt(args: argparse.Namespace, tokenizer) -> tuple[list[int], list[int]]:
+    """(ids of --prompt as a user message (after --system) rendered with the chat template and
+    the assistant's generation prompt, the ids that end the answer: the template's end of turn
+    and the tokenizer's end of document). The special tokens the template writes are parsed
+    as such, as in training (`meshtrain data preprocess --chat`)."""
+    from meshtrain.services.dataloader.chat import BadRow, end_of_turn_id, load_chat_template
+
+    template = load_chat_template(args.chat_template, tokenizer)
+    messages = [{"role": "user", "content": args.prompt}]
+    if args.system is not None:
+        messages.insert(0, {"role": "system", "content": args.system})
+    try:
+        text = template.render(messages, add_generation_prompt=True)
+        end = end_of_turn_id(template, tokenizer)
+    except BadRow as e:
+        raise ConfigError(f"--chat: {e}") from None
+    stops = [tokenizer.eod_id] if end is None else [end, tokenizer.eod_id]
+    log.info("chat prompt %r; the answer ends at token ids %s", text, stops)
+    return tokenizer.encode_with_special_tokens(text), stops
+
+
+def _until_stop(ids: list[int], stops: list[int]) -> list[int]:
+    """`ids` up to (not including) the first stop id."""
+    for i, t in enumerate(ids):
+        if t in stops:
+            return ids[:i]
+    return ids
 
 
 def _print_samples(rows: list[list[int]], prompt_len: int, decode, as_json: bool) -> None:

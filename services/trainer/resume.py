@@ -36,9 +36,12 @@ def resume(
 ) -> tuple[TrainState, int | None]:
     """Load `checkpoint.load` into `model` and `optimizer` in place, checked against the job.
 
+    With `checkpoint.finetune` only the weights are loaded and the run starts at step 0;
+    `load_optim` / `load_rng` false leave the optimizer / RNG states fresh.
+
     Returns:
         (the state to train on from, the step resumed from when it is under the root this run
-        saves into, else None). Without `checkpoint.load`: (TrainState(), None).
+        saves into, else None). Without `checkpoint.load`, or fine-tuning: (TrainState(), None).
     """
     c = job.checkpoint
     if not c.load:
@@ -55,7 +58,21 @@ def resume(
             c.load,
         )
         return TrainState(), None
-    state, meta = restore(c.load, model, optimizer, par, c.load_step)
+    if c.finetune:
+        # Megatron's --finetune: the weights alone, and a new run from step 0 (its own data
+        # order, LR schedule and RNG streams), so nothing of the loaded run's plan is checked.
+        _, meta = restore(c.load, model, None, par, c.load_step, rng=False)
+        carry_hf_identity(job, meta)
+        log.info(
+            "fine-tuning from %s step %d: weights loaded, starting at step 0 with a fresh "
+            "optimizer and RNG states",
+            c.load,
+            meta["iteration"],
+        )
+        return TrainState(), None
+    state, meta = restore(
+        c.load, model, optimizer if c.load_optim else None, par, c.load_step, rng=c.load_rng
+    )
     check_continuation(job, state, meta)
     carry_hf_identity(job, meta)
     log.info(

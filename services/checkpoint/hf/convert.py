@@ -628,6 +628,9 @@ def export_hf(
             files["generation_config.json"] = generation
         if tokenizer_file is not None:
             fs.put_file(str(tokenizer_file), posixpath.join(out, "tokenizer.json"))
+            template = hf_tokenizer.chat_template_file(tokenizer_file)
+            if template is not None:
+                fs.put_file(str(template), posixpath.join(out, "chat_template.jinja"))
             files["tokenizer_config.json"] = hf_tokenizer.tokenizer_config(
                 tokenizer_file, model, where, special if kept else None
             )

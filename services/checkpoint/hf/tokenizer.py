@@ -1,12 +1,15 @@
 """The tokenizer side of a Hugging Face export (`convert.py`): which tokenizer.json the run
 used, its end-of-document id (written to config.json as bos/eos), and the
-`tokenizer_config.json` that makes `AutoTokenizer` load it as a fast tokenizer. The files are read
+`tokenizer_config.json` that makes `AutoTokenizer` load it as a fast tokenizer, with the chat
+template the tokenizer came with (its own tokenizer_config.json or chat_template.jinja, carried
+beside it by the checkpoint), so `apply_chat_template` renders as training did. The files are read
 with the tokenizer libraries directly (`services/common/tokenizer_files.py`), not through the
 dataloader's tokenizers.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -126,6 +129,9 @@ def tokenizer_config(
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": model.seq_length,
     }
+    template = _own_config(path, where).get("chat_template")
+    if template:  # the tokenizer's chat template goes with it: `apply_chat_template` reads it
+        config["chat_template"] = template
     if ids is not None:
         for key, value in ids.items():
             first = value[0] if isinstance(value, list) and value else value
@@ -137,6 +143,26 @@ def tokenizer_config(
     if EOD_TOKEN in special:
         config.update(bos_token=EOD_TOKEN, eos_token=EOD_TOKEN)
     return config
+
+
+def chat_template_file(path: Path) -> Path | None:
+    """The `chat_template.jinja` beside the tokenizer.json `path` (transformers reads it before
+    the config's `chat_template`), or None."""
+    found = path.parent / "chat_template.jinja"
+    return found if found.is_file() else None
+
+
+def _own_config(path: Path, where: str) -> dict[str, Any]:
+    """The tokenizer_config.json beside the tokenizer.json `path` (carried with it by the
+    checkpoint), or {} when there is none."""
+    found = path.parent / "tokenizer_config.json"
+    if not found.is_file():
+        return {}
+    try:
+        config = json.loads(found.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{where}: {str(found)!r} is not valid JSON ({e})") from None
+    return config if isinstance(config, dict) else {}
 
 
 def _load(path: Path, where: str) -> Any:

@@ -223,7 +223,10 @@ _FSDP = (
     "no Megatron-FSDP: fully sharded data parallelism is torch FSDP2 (--use-torch-fsdp2, "
     "--data-parallel-sharding-strategy)"
 )
-_CKPT = "checkpoints always hold model, optimizer, RNG and data position, loaded together"
+_CKPT = (
+    "checkpoints always hold model, optimizer, RNG and data position (what a run loads of them: "
+    "--finetune, --no-load-optim, --no-load-rng)"
+)
 _ARCH = "no such model architecture option"
 _OPTIM = "the optimizer is AdamW (optim.*) with weight decay on matrices alone"
 _INFERENCE = "no inference server (see `meshtrain generate`)"
@@ -432,9 +435,6 @@ NOT_BUILT: dict[str, tuple[str, ...]] = {
     _CKPT: (
         "--no-save-optim",
         "--no-save-rng",
-        "--no-load-optim",
-        "--no-load-rng",
-        "--finetune",
         "--pretrained-checkpoint",
         "--use-checkpoint-args",
         "--use-mp-args-from-checkpoint-args",

@@ -179,6 +179,7 @@ def test_cli_seed_repeats(trained_root):
         (("--prompt", "x", "--temperature", "-1"), "temperature"),
         (("--prompt", "x", "--top-p", "0"), "top_p"),
         (("--prompt", "x", "--top-p", "1.5"), "top_p"),
+        (("--prompt", "x", "--system", "be brief"), "need --chat"),
     ],
 )
 def test_cli_bad_input(tmp_path, args, word):
@@ -248,3 +249,17 @@ def test_cached_decode_with_images_matches_full_recompute(tmp_path):
         generate(model, prompt, 2, temperature=0, images=images)  # 2 images for 4 placeholders
     with pytest.raises(ConfigError, match="1 <image> tags for 2"):
         expand_prompt("<image>", 2, tok, vision)
+
+
+def test_chat_needs_a_template_and_stops_at_the_end_of_turn(trained_root, capsys):
+    """The byte tokenizer has no chat template of its own: --chat says so; a built-in one
+    renders (its markers are bytes, so only the end of document stops the answer)."""
+    from meshtrain.services.cli import main
+
+    args = ["generate", "--load", trained_root, "--prompt", "the", "--device", "cpu", "--chat"]
+    assert main(args) == 2
+    assert "no chat_template" in capsys.readouterr().err
+    assert main([*args, "--chat-template", "chatml", "--temperature", "0", "--json"]) == 0
+    (sample,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert sample["text"] == sample["completion"] and "<|im_start|>" not in sample["text"]
+    assert generate(build(**LLAMA), torch.tensor([1, 2]), 5, temperature=0, eod_id=[]).shape == (7,)

@@ -332,3 +332,42 @@ def test_rerunning_a_first_command_into_a_saved_root_suggests_load(corpus_cache,
     train(load_config(small_job_args(corpus_cache, tmp_path / "run1", **common)))
     with pytest.raises(CheckpointError, match=r"to resume them pass --load .*ckpt; .*overwrite"):
         Trainer(load_config(small_job_args(corpus_cache, tmp_path / "run2", **common)))
+
+
+def test_finetune_starts_a_new_run_from_the_weights_alone(corpus_cache, tmp_path):
+    """Megatron's --finetune: step 0, no samples consumed, an empty optimizer, whatever plan
+    the loaded run had (another global batch size is no error); --no-load-optim keeps the step
+    but not Adam's moments."""
+    import torch
+
+    from meshtrain.services.trainer.train import Trainer
+
+    root = str(tmp_path / "base")
+    args = {"train.eval_interval": 0, "checkpoint.save": root, "train.train_iters": 3}
+    train(load_config(small_job_args(corpus_cache, tmp_path / "r1", **args)))
+    start = {"checkpoint.load": root, "train.eval_interval": 0}
+
+    def job(run: str, *flags: str, **extra):
+        return load_config(
+            [*small_job_args(corpus_cache, tmp_path / run, **start, **extra), *flags]
+        )
+
+    with pytest.raises(ConfigError, match="global_batch_size"):
+        Trainer(job("r2", **{"train.global_batch_size": 8}))
+    tuned = Trainer(
+        job("r3", "--finetune", f"--checkpoint.save={tmp_path / 'ft'}",
+            **{"train.global_batch_size": 8, "train.train_iters": 2})
+    )  # fmt: skip
+    assert tuned.job.checkpoint.finetune
+    assert tuned.state.iteration == 0 and tuned.state.consumed_samples == 0
+    assert not any(tuned.optimizer.state.values())  # no moments loaded
+    base = Trainer(job("r4", **{"train.train_iters": 5}))
+    assert base.state.iteration == 3 and any(base.optimizer.state.values())
+    for p, q in zip(tuned.model.parameters(), base.model.parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert sorted(tuned.run().losses) == [1, 2]
+    assert list_checkpoints(str(tmp_path / "ft")) == [2]
+    fresh = Trainer(job("r5", "--no-load-optim", **{"train.train_iters": 5}))
+    assert fresh.state.iteration == 3 and not any(fresh.optimizer.state.values())
+    with pytest.raises(ConfigError, match="finetune.*needs checkpoint.load"):
+        load_config(["--finetune"])
