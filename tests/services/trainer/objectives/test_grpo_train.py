@@ -72,7 +72,7 @@ def _mean(xs):
     return sum(xs) / len(xs)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e  # two short training runs: seconds on 2 idle cores, kept in `make test`
 def test_grpo_raises_the_reward_and_a_flipped_sign_does_not(tmp_path, monkeypatch):
     prompts = write_prompts(tmp_path / "prompts.jsonl")
     result = train(load_config(job_args(tmp_path / "a", prompts)))
