@@ -29,10 +29,11 @@ targets for the batch's later steps (`num_iterations` > 1).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
+
+from meshtrain.services.trainer.objectives.heads import ObjectiveHead, WrappedHead
 
 LOSS_TYPES = ("token-mean", "sequence-mean", "sequence-sum-norm")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -163,7 +164,7 @@ class RolloutTargets:
     """(batch, seq) fp32; None until the first step on the batch fills it in (module docstring)."""
 
 
-class GRPOHead(nn.Module):
+class GRPOHead(ObjectiveHead):
     """The LM head of a policy under GRPO (see the module docstring).
 
     `loss(h, weight, labels, targets)` returns the micro-batch's share of the GRPO loss and adds
@@ -172,14 +173,7 @@ class GRPOHead(nn.Module):
     """
 
     def __init__(self, base: nn.Module, loss: GRPOLoss):
-        super().__init__()
-        self.base: Any = base  # LMHead or VocabParallelHead: token_logps, logits
-        self.objective = loss
-        self.stats: torch.Tensor | None = None
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.base.vocab_size)
+        super().__init__(base, loss)
 
     def loss(self, h, weight, labels, targets: RolloutTargets) -> torch.Tensor:
         logps = self.base.token_logps(h, weight, labels).float()  # (batch, seq)
@@ -194,33 +188,14 @@ class GRPOHead(nn.Module):
             self.objective,
             targets.scale,
         )
-        self.stats = stats if self.stats is None else self.stats + stats
+        self.keep(stats)
         return value
 
-    def logits(self, h, weight):
-        return self.base.logits(h, weight)
 
-    def take_stats(self) -> torch.Tensor | None:
-        """The statistics summed since the last call (None if no micro-batch ran here)."""
-        stats, self.stats = self.stats, None
-        return stats
-
-
-class TokenLogpsHead(nn.Module):
+class TokenLogpsHead(WrappedHead):
     """The frozen reference's head under GRPO: `loss(h, weight, labels, loss_mask)` returns the
     (batch, seq) fp32 log-probs of the labels, zero outside the mask."""
-
-    def __init__(self, base: nn.Module):
-        super().__init__()
-        self.base: Any = base
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.base.vocab_size)
 
     def loss(self, h, weight, labels, loss_mask) -> torch.Tensor:
         logps = self.base.token_logps(h, weight, labels).float()
         return logps * loss_mask.to(logps.dtype)
-
-    def logits(self, h, weight):
-        return self.base.logits(h, weight)

@@ -19,11 +19,12 @@ loss. `SequenceLogpsHead` is the reference model's head: it returns the per-sequ
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from meshtrain.services.trainer.objectives.heads import ObjectiveHead, WrappedHead
 
 LOSS_TYPES = ("sigmoid", "ipo", "simpo")
 STAT_NAMES = (
@@ -150,7 +151,7 @@ class PairTargets:
         return PairTargets(self.loss_mask.to(device, non_blocking=True), ref)
 
 
-class PreferenceHead(nn.Module):
+class PreferenceHead(ObjectiveHead):
     """The LM head of a policy under preference tuning (see the module docstring).
 
     `loss(h, weight, labels, targets)` returns the micro-batch's mean preference loss and adds
@@ -159,14 +160,7 @@ class PreferenceHead(nn.Module):
     """
 
     def __init__(self, base: nn.Module, loss: DPOLoss):
-        super().__init__()
-        self.base: Any = base  # LMHead or VocabParallelHead: token_logps, logits
-        self.objective = loss
-        self.stats: torch.Tensor | None = None
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.base.vocab_size)
+        super().__init__(base, loss)
 
     def loss(self, h, weight, labels, targets: PairTargets) -> torch.Tensor:
         logps, counts = sequence_sums(self.base.token_logps(h, weight, labels), targets.loss_mask)
@@ -177,32 +171,13 @@ class PreferenceHead(nn.Module):
                 raise ValueError("dpo: a micro-batch came without its reference log-probs")
             reference = SequenceLogps.from_sequences(targets.reference.to(logps.dtype), counts)
         value, stats = preference_loss(policy, reference, self.objective)
-        self.stats = stats if self.stats is None else self.stats + stats
+        self.keep(stats)
         return value
 
-    def logits(self, h, weight):
-        return self.base.logits(h, weight)
 
-    def take_stats(self) -> torch.Tensor | None:
-        """The statistics summed since the last call (None if no micro-batch ran here)."""
-        stats, self.stats = self.stats, None
-        return stats
-
-
-class SequenceLogpsHead(nn.Module):
+class SequenceLogpsHead(WrappedHead):
     """The reference model's head: `loss(h, weight, labels, loss_mask)` returns the per-sequence
     sums of completion log-probs, (batch,) fp32, instead of a mean loss."""
 
-    def __init__(self, base: nn.Module):
-        super().__init__()
-        self.base: Any = base
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.base.vocab_size)
-
     def loss(self, h, weight, labels, loss_mask) -> torch.Tensor:
         return sequence_sums(self.base.token_logps(h, weight, labels), loss_mask)[0]
-
-    def logits(self, h, weight):
-        return self.base.logits(h, weight)
