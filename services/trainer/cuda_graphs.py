@@ -112,7 +112,10 @@ class MicroBatchGraph:
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
+            # thread_local: other threads may make CUDA calls meanwhile (the checkpointer's
+            # pinned-buffer allocation, the data client's copies); under the default "global"
+            # mode any such call invalidates the capture, depending on timing
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 loss = self.run(*self._inputs)
         except RuntimeError as e:
             raise MeshtrainError(
