@@ -115,7 +115,8 @@ class Block(nn.Module):
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         elif isinstance(block_mask, torch.Tensor):  # off CUDA: a dense (b, 1, s, s) mask
             a = F.scaled_dot_product_attention(q, k, v, attn_mask=block_mask, enable_gqa=gqa)
-        else:
+        else:  # not an autocast op: RoPE's fp32 tables left q and k in fp32 under autocast
+            q, k = q.to(v.dtype), k.to(v.dtype)
             a = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa)
         x = x + self.o(a.transpose(1, 2).reshape(b, s, -1))
         return x + self.mlp(self.ln2(x))

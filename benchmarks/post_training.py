@@ -58,7 +58,7 @@ from meshtrain.services.trainer.parallel.mesh import Mesh  # noqa: E402
 from meshtrain.services.trainer.train import Trainer  # noqa: E402
 
 STARTED = time.monotonic()
-SIDES = ("sft_masked", "sft_unmasked", "baseline_masked", "dpo")
+SIDES = ("sft_masked", "sft_unmasked", "dpo", "baseline_masked")
 CHAT_OVERHEAD = 64  # bytes ChatML adds around two messages (and the EOD), with room to spare
 GOALS = {  # ratio key -> (goal, whether the ratio must be at least it, else at most it)
     "sft_masked_vs_unmasked": (0.95, True),
@@ -248,7 +248,7 @@ def packing_stats(batches: list, seq: int) -> dict:
                 _, counts = np.unique(row, return_counts=True)
                 docs.append(len(counts))
                 inside.append(float((counts * (counts + 1)).sum() / (seq * (seq + 1))))
-    return {"documents_per_sequence": float(np.mean(docs)), "attention_share": np.mean(inside)}
+    return {"documents_per_sequence": float(np.mean(docs)), "attention_share": float(np.mean(inside))}
 
 
 def finish(result: dict, args) -> None:
@@ -292,7 +292,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6, help="timed steps per side")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation)")
     p.add_argument("--conversations", type=int, default=400)
-    p.add_argument("--doc-median", type=int, default=300, help="median conversation text bytes")
+    p.add_argument("--doc-median", type=int, default=400, help="median conversation text bytes")
     p.add_argument("--doc-sigma", type=float, default=1.0, help="lognormal sigma of the lengths")
     p.add_argument("--doc-min", type=int, default=16)
     p.add_argument("--seed", type=int, default=1234)
@@ -300,7 +300,7 @@ def main() -> None:
     p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                    help="torch.compile on every side (auto: on CUDA)")  # fmt: skip
     p.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, of {SIDES}")
-    p.add_argument("--time-budget-s", type=float, default=150.0,
+    p.add_argument("--time-budget-s", type=float, default=120.0,
                    help="start no side after this many seconds (the JSON keeps what was timed)")  # fmt: skip
     p.add_argument("--work-dir", default="runs/post_training")
     p.add_argument("--out", default="post_training.json")
