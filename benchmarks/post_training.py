@@ -34,6 +34,7 @@ import platform
 import sys
 import time
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -46,8 +47,12 @@ from meshtrain.services.common.logging import setup_logging  # noqa: E402
 from meshtrain.services.dataloader.preference import PreferencePairs, write_pairs  # noqa: E402
 from meshtrain.services.dataloader.sft_data import open_sft_parts, preprocess_chat  # noqa: E402
 from meshtrain.services.dataloader.tokenizers.base import build_tokenizer  # noqa: E402
-from meshtrain.services.trainer.build import build_model, pick_device, seed_everything  # noqa: E402
-from meshtrain.services.trainer.build import set_kernel_mode  # noqa: E402
+from meshtrain.services.trainer.build import (  # noqa: E402
+    build_model,
+    pick_device,
+    seed_everything,
+    set_kernel_mode,  # noqa: E402
+)
 from meshtrain.services.trainer.config.load import load_config  # noqa: E402
 from meshtrain.services.trainer.data import build_data  # noqa: E402
 from meshtrain.services.trainer.metrics import model_size, peak_tflops  # noqa: E402
@@ -174,7 +179,7 @@ def write_reference(job) -> None:
     device = pick_device(job.train.device)
     seed_everything(job.train.seed)  # as Trainer does before it builds the policy
     model, _, _ = build_model(job, Mesh.single(), device)
-    model.head = SequenceLogpsHead(model.head)
+    model.head = SequenceLogpsHead(cast(torch.nn.Module, model.head))
     model.eval().requires_grad_(False)
     autocast = (
         torch.autocast(device.type, dtype=torch.bfloat16)
@@ -248,7 +253,10 @@ def packing_stats(batches: list, seq: int) -> dict:
                 _, counts = np.unique(row, return_counts=True)
                 docs.append(len(counts))
                 inside.append(float((counts * (counts + 1)).sum() / (seq * (seq + 1))))
-    return {"documents_per_sequence": float(np.mean(docs)), "attention_share": float(np.mean(inside))}
+    return {
+        "documents_per_sequence": float(np.mean(docs)),
+        "attention_share": float(np.mean(inside)),
+    }
 
 
 def finish(result: dict, args) -> None:
@@ -272,9 +280,7 @@ def finish(result: dict, args) -> None:
             result["dpo_vs_twice_sft" + suffix] = rows["dpo"][k] / (2 * rows["sft_unmasked"][k])
     for key, (goal, at_least) in GOALS.items():
         if key in result:
-            result[key + "_meets_goal"] = (
-                result[key] >= goal if at_least else result[key] <= goal
-            )
+            result[key + "_meets_goal"] = result[key] >= goal if at_least else result[key] <= goal
     Path(args.out).write_text(json.dumps(result, indent=2))
 
 
@@ -289,7 +295,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--mbs", type=int, default=2, help="sequences (DPO: pairs) per micro-batch")
     p.add_argument("--gbs", type=int, default=4, help="sequences (DPO: pairs) per step")
-    p.add_argument("--steps", type=int, default=6, help="timed steps per side")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per side")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation)")
     p.add_argument("--conversations", type=int, default=400)
     p.add_argument("--doc-median", type=int, default=400, help="median conversation text bytes")
@@ -297,11 +303,16 @@ def main() -> None:
     p.add_argument("--doc-min", type=int, default=16)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
-                   help="torch.compile on every side (auto: on CUDA)")  # fmt: skip
+    p.add_argument(
+        "--compile", choices=("auto", "on", "off"), default="auto", help="every side (auto: CUDA)"
+    )
     p.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, of {SIDES}")
-    p.add_argument("--time-budget-s", type=float, default=120.0,
-                   help="start no side after this many seconds (the JSON keeps what was timed)")  # fmt: skip
+    p.add_argument(
+        "--time-budget-s",
+        type=float,
+        default=120.0,
+        help="start no side after this many seconds (the JSON keeps what was timed)",
+    )
     p.add_argument("--work-dir", default="runs/post_training")
     p.add_argument("--out", default="post_training.json")
     args = p.parse_args()
@@ -338,7 +349,7 @@ def main() -> None:
     }
     # every step's micro-batches of the masked side: the pure function of the step its Trainer
     # reads, which the baseline trains on (host tensors)
-    source = build_data(jobs["sft_masked"]).train
+    source: Any = build_data(jobs["sft_masked"]).train
     batches = [source.micro_batches(i) for i in range(planned_steps(args))]
     result["packing"] = packing_stats(batches, args.seq)
     for side in sides:
