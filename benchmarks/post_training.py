@@ -33,6 +33,7 @@ import json
 import platform
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any, cast
 
@@ -242,6 +243,15 @@ def baseline_side(args, job, batches: list, device: torch.device) -> dict:
     return row | {"loss_first": losses[0].item(), "loss_last": losses[-1].item()}
 
 
+def run_side(side: str, args, job, batches: list, device: torch.device) -> dict:
+    if side == "baseline_masked":
+        return baseline_side(args, job, batches, device)
+    if side == "dpo":
+        write_reference(job)
+        release(job)  # the reference pass's model
+    return meshtrain_side(args, job)
+
+
 def packing_stats(batches: list, seq: int) -> dict:
     """What the masked sides' micro-batches hold: documents per sequence, and the share of the
     causal attention pairs (query, earlier key) inside one document (the work a document mask
@@ -346,6 +356,7 @@ def main() -> None:
         "goals": {k: (">=" if at_least else "<=") + str(g) for k, (g, at_least) in GOALS.items()},
         "results": {},
         "skipped": [],
+        "failed": {},
     }
     # every step's micro-batches of the masked side: the pure function of the step its Trainer
     # reads, which the baseline trains on (host tensors)
@@ -358,18 +369,20 @@ def main() -> None:
             say(f"skipped {side}: past --time-budget-s {args.time_budget_s:.0f}")
             continue
         say(f"building {side}")
-        job = jobs[side]
-        if side == "baseline_masked":
-            row = baseline_side(args, job, batches, device)
-        else:
-            if side == "dpo":
-                write_reference(job)
-                release(job)
-            row = meshtrain_side(args, job)
-        result["results"][side] = row
-        release(job)
+        try:
+            row = run_side(side, args, jobs[side], batches, device)
+        except Exception as e:  # noqa: BLE001 (one side failing: the others are still timed)
+            traceback.print_exc()
+            result["failed"][side] = f"{type(e).__name__}: {e}"
+            say(f"failed {side}: {result['failed'][side]}")
+            row = None
+        release(jobs[side])
+        if row is not None:
+            result["results"][side] = row
+            say(
+                f"timed {side}: {row['step_time_s'] * 1e3:.1f} ms/step, loss {row['loss_last']:.4f}"
+            )
         finish(result, args)
-        say(f"timed {side}: {row['step_time_s'] * 1e3:.1f} ms/step, loss {row['loss_last']:.4f}")
     finish(result, args)
     for name, r in result["results"].items():
         mfu = f"{r['mfu'] * 100:.1f}%" if r["mfu"] is not None else "-"

@@ -80,7 +80,7 @@ def test_post_training_runs_every_side_and_writes_the_ratios(tmp_path):
     result = json.loads(out.read_text())
     rows = result["results"]
     assert set(rows) == {"sft_masked", "sft_unmasked", "baseline_masked", "dpo"}
-    assert result["skipped"] == []
+    assert result["skipped"] == [] and result["failed"] == {}
     for row in rows.values():
         assert row["step_time_s"] > 0 and len(row["step_times_s"]) == 1
         assert row["tokens_per_s"] == pytest.approx(row["tokens_per_step"] / row["step_time_s"])
