@@ -2,7 +2,11 @@
 
 Same architecture family and shapes as meshtrain's model for a given ModelConfig (GPT-2
 style or Llama style), built the way a careful PyTorch user would: SDPA attention, bf16
-autocast, fused AdamW, torch.compile. It shares no code with `services/trainer/model`, so a
+autocast, fused AdamW, torch.compile. Given packed documents' ids, attention stays inside each
+document through FlexAttention with a document block mask (built each forward, as FlexAttention's
+own document-masking example does; a kernel under torch.compile; off CUDA, where FlexAttention
+has no backward, SDPA with a dense mask), RoPE takes each token's position in its document, and
+a loss mask weights the tokens. It shares no code with `services/trainer/model`, so a
 benchmark against it measures meshtrain's engineering, not a copy of itself. `convert_to_float8`
 turns its blocks' linear layers into torchao's float8 training layers (the output head stays in
 bf16), the FP8 baseline a PyTorch user would reach for; torchao is imported only then.
@@ -15,6 +19,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 
 class LoopMoE(nn.Module):
@@ -92,7 +97,7 @@ class Block(nn.Module):
         )
         self.mlp = LoopMoE(c) if moe else DenseMLP(c, c.ffn_size)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, block_mask=None):
         b, s, _ = x.shape
         y = self.ln1(x)
         q = self.q(y).view(b, s, self.nh, self.d).transpose(1, 2)
@@ -105,7 +110,14 @@ class Block(nn.Module):
                 return t * cos + torch.cat([-t2, t1], -1) * sin
 
             q, k = rot(q), rot(k)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.nkv != self.nh)
+        gqa = self.nkv != self.nh
+        if block_mask is None:
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        elif isinstance(block_mask, torch.Tensor):  # off CUDA: a dense (b, 1, s, s) mask
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=block_mask, enable_gqa=gqa)
+        else:  # not an autocast op: RoPE's fp32 tables left q and k in fp32 under autocast
+            q, k = q.to(v.dtype), k.to(v.dtype)
+            a = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa)
         x = x + self.o(a.transpose(1, 2).reshape(b, s, -1))
         return x + self.mlp(self.ln2(x))
 
@@ -149,17 +161,42 @@ class BaselineGPT(nn.Module):
                 std = 0.02 / math.sqrt(2 * c.num_layers) if down else 0.02
                 nn.init.normal_(p, 0.0, std)
 
-    def forward(self, idx, targets):
-        s = idx.shape[1]
+    def forward(self, idx, targets, loss_mask=None, document_ids=None, position_ids=None):
+        """Mean token loss. `loss_mask` (b, s) float weights the tokens; `document_ids` (b, s),
+        non-decreasing, keeps attention inside each packed document; `position_ids` (b, s) are
+        the tokens' positions (e.g. restarting at each document; default 0, 1, ...)."""
+        b, s = idx.shape
+        pos = torch.arange(s, device=idx.device) if position_ids is None else position_ids.long()
         x = self.wte(idx)
         if self.wpe is not None:
-            x = x + self.wpe(torch.arange(s, device=idx.device))
+            x = x + self.wpe(pos)
         if self.bf16_residual and torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.bfloat16)
+        cos = sin = None
+        if self.cos is not None:  # (s, d), or (b, 1, s, d) at given positions
+            cos, sin = self.cos[:s], self.sin[:s]
+            if position_ids is not None:
+                cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]
+        block_mask = None
+        if document_ids is not None:
+            docs = document_ids
+
+            def same_document(batch, head, q, k):
+                return (q >= k) & (docs[batch, q] == docs[batch, k])
+
+            if idx.is_cuda:
+                block_mask = create_block_mask(same_document, b, None, s, s, device=idx.device)
+            else:  # FlexAttention has no backward off CUDA
+                causal = torch.ones(s, s, dtype=torch.bool, device=idx.device).tril()
+                block_mask = ((docs[:, :, None] == docs[:, None, :]) & causal)[:, None]
         for blk in self.blocks:
-            x = blk(x, self.cos, self.sin)
+            x = blk(x, cos, sin, block_mask)
         logits = self.head(self.ln_f(x))[..., : self.c.vocab_size]
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        if loss_mask is None:
+            return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        losses = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")
+        mask = loss_mask.flatten().float()
+        return (losses * mask).sum() / mask.sum().clamp(min=1.0)
 
 
 FLOAT8_RECIPES = ("tensorwise", "rowwise")
