@@ -64,7 +64,7 @@ from meshtrain.services.trainer.parallel.mesh import Mesh  # noqa: E402
 from meshtrain.services.trainer.train import Trainer  # noqa: E402
 
 STARTED = time.monotonic()
-SIDES = ("sft_masked", "sft_unmasked", "dpo", "baseline_masked")
+SIDES = ("sft_masked", "baseline_masked", "sft_unmasked", "dpo")
 CHAT_OVERHEAD = 64  # bytes ChatML adds around two messages (and the EOD), with room to spare
 GOALS = {  # ratio key -> (goal, whether the ratio must be at least it, else at most it)
     "sft_masked_vs_unmasked": (0.95, True),
