@@ -150,10 +150,15 @@ class BaselineGPT(nn.Module):
                 nn.init.normal_(p, 0.0, std)
 
     def forward(self, idx, targets):
-        s = idx.shape[1]
-        x = self.wte(idx)
+        return self.loss_from_embeddings(self.wte(idx), targets)
+
+    def loss_from_embeddings(self, x, targets):
+        """The mean cross-entropy from the token embeddings x (batch, seq, hidden) on: positions,
+        the blocks, the head. A vision-language model enters here with image features in place
+        of its placeholders' embeddings; a target of -100 is left out of the mean."""
+        s = x.shape[1]
         if self.wpe is not None:
-            x = x + self.wpe(torch.arange(s, device=idx.device))
+            x = x + self.wpe(torch.arange(s, device=x.device))
         if self.bf16_residual and torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.bfloat16)
         for blk in self.blocks:
