@@ -121,7 +121,8 @@ def vision_flops_per_image(c, frozen: bool) -> float:
     h, hv = c.hidden_size, v.hidden_size
     t = v.grid**2 + int(v.class_token)  # tokens through the blocks
     patch = v.grid**2 * 3 * v.patch_size**2 * hv  # multiply-adds of the patch convolution
-    blocks = v.layers_run * (t * (4 * hv * hv + 2 * hv * v.ffn_hidden_size) + t * t * hv)
+    # per run block: qkv, out, fc1, fc2, and attention's two (t x t x hidden) products
+    blocks = v.layers_run * (t * (4 * hv * hv + 2 * hv * v.ffn_hidden_size) + 2 * t * t * hv)
     fc1 = v.tokens_per_image * hv * h  # the projector's multiply-adds
     fc2 = v.tokens_per_image * h * h if v.projector == "mlp2x_gelu" else 0
     if frozen:
@@ -269,7 +270,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10, help="timed optimizer steps (at most)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile)")
     p.add_argument("--time-budget-s", type=float, default=150.0, help="fewer timed steps to fit")
-    p.add_argument("--no-compile", dest="compile", action="store_false", help="both sides eager")
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="torch.compile both sides (--no-compile: both eager)",
+    )
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--tiny", action="store_true", help="a CPU-sized model (tests, smoke runs)")
     p.add_argument("--skip-baseline", action="store_true")
