@@ -51,7 +51,9 @@ def test_tiny_run_writes_every_field(tmp_path):
         assert row["mfu"] == pytest.approx(flops["per_step"] / row["step_time_s"] / 1e12)
         assert 5.0 < row["loss_first"] < 7.5  # about ln(512): random tokens, a fresh model
     # independent models of the same shapes: the same number of weights train
-    assert rows["meshtrain"]["trainable_params"] == rows["baseline (plain torch)"]["trainable_params"]
+    assert (
+        rows["meshtrain"]["trainable_params"] == rows["baseline (plain torch)"]["trainable_params"]
+    )
     assert r["ratio_tokens_per_s"] == pytest.approx(
         rows["meshtrain"]["tokens_per_s"] / rows["baseline (plain torch)"]["tokens_per_s"]
     )
@@ -77,7 +79,11 @@ def tiny_config(**vision) -> ModelConfig:
 @pytest.mark.parametrize("frozen", [False, True])
 @pytest.mark.parametrize(
     "vision",
-    [{}, {"variant": "siglip", "select_layer": -1, "projector": "linear"}, {"select_feature": "cls_patch"}],
+    [
+        {},
+        {"variant": "siglip", "select_layer": -1, "projector": "linear"},
+        {"select_feature": "cls_patch"},
+    ],
 )
 def test_vision_flops_match_torch_flop_counter(frozen, vision):
     """The encoder's and projector's FLOPs of one training step on 3 images, as torch's counter
