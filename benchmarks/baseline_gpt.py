@@ -165,9 +165,19 @@ class BaselineGPT(nn.Module):
         """Mean token loss. `loss_mask` (b, s) float weights the tokens; `document_ids` (b, s),
         non-decreasing, keeps attention inside each packed document; `position_ids` (b, s) are
         the tokens' positions (e.g. restarting at each document; default 0, 1, ...)."""
-        b, s = idx.shape
-        pos = torch.arange(s, device=idx.device) if position_ids is None else position_ids.long()
-        x = self.wte(idx)
+        return self.loss_from_embeddings(
+            self.wte(idx), targets, loss_mask, document_ids, position_ids
+        )
+
+    def loss_from_embeddings(
+        self, x, targets, loss_mask=None, document_ids=None, position_ids=None
+    ):
+        """The mean cross-entropy from the token embeddings x (batch, seq, hidden) on: positions,
+        the blocks, the head (the arguments as `forward`'s). A vision-language model enters here
+        with image features in place of its placeholders' embeddings; a target of -100 is left
+        out of the mean."""
+        b, s = x.shape[:2]
+        pos = torch.arange(s, device=x.device) if position_ids is None else position_ids.long()
         if self.wpe is not None:
             x = x + self.wpe(pos)
         if self.bf16_residual and torch.is_autocast_enabled(x.device.type):
@@ -184,10 +194,10 @@ class BaselineGPT(nn.Module):
             def same_document(batch, head, q, k):
                 return (q >= k) & (docs[batch, q] == docs[batch, k])
 
-            if idx.is_cuda:
-                block_mask = create_block_mask(same_document, b, None, s, s, device=idx.device)
+            if x.is_cuda:
+                block_mask = create_block_mask(same_document, b, None, s, s, device=x.device)
             else:  # FlexAttention has no backward off CUDA
-                causal = torch.ones(s, s, dtype=torch.bool, device=idx.device).tril()
+                causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
                 block_mask = ((docs[:, :, None] == docs[:, None, :]) & causal)[:, None]
         for blk in self.blocks:
             x = blk(x, cos, sin, block_mask)
