@@ -178,12 +178,16 @@ def merge_image_features(
         image_token_id: the placeholder id.
 
     Raises:
-        ValueError: the placeholders are not n_images x tokens_per_image.
+        ValueError: the placeholders are not n_images x tokens_per_image (CPU tensors; on CUDA
+            a device-side assertion, checked without a host sync).
     """
     mask = tokens == image_token_id  # (batch, seq)
     want = features.shape[0] * features.shape[1]
-    have = int(mask.sum())
-    if have != want:
+    if tokens.is_cuda:
+        # counted on the device: reading the count back would stall every micro-batch (and
+        # break a compiled graph); the trainer checks its batches on the host before the upload
+        torch._assert_async(mask.sum() == want, "image placeholders != image tokens")
+    elif (have := int(mask.sum())) != want:
         raise ValueError(
             f"the micro-batch has {have} image placeholder tokens (id {image_token_id}) for "
             f"{features.shape[0]} images of {features.shape[1]} tokens each ({want})"
