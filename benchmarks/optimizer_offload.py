@@ -278,6 +278,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2, help="timed steps per case")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--no-overlap", action="store_true", help="offload without chunked overlap")
+    ap.add_argument(
+        "--host-memory-gb",
+        type=float,
+        help="host memory the offloaded state may take (unset: MemAvailable of /proc/meminfo)",
+    )
     ap.add_argument("--case-cap-s", type=float, default=45.0, help="time cap of one case")
     ap.add_argument("--time-budget-s", type=float, default=150.0, help="for the whole run")
     ap.add_argument("--case", help=argparse.SUPPRESS)
@@ -324,7 +329,7 @@ def main() -> None:
     def fits(shape: str, offload: bool) -> str | None:
         """Why the case cannot run here (None: try it)."""
         n = parameters(shape)
-        host = host_available()
+        host = args.host_memory_gb * 1e9 if args.host_memory_gb else host_available()
         if offload and host is not None and n * HOST_BYTES_PER_PARAM > 0.85 * host:
             return (
                 f"its offloaded state needs {n * HOST_BYTES_PER_PARAM / 1e9:.0f} GB of host "
