@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.e2e
+@pytest.mark.slow
 def test_the_script_writes_every_field_on_cpu(tmp_path):
     out = tmp_path / "offload.json"
     cmd = [

@@ -197,6 +197,7 @@ def _zero1_runs(rank, world, args_by_run, patch):
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_zero1_dp2_offloaded_equals_plain_and_resumes(corpus_cache, tmp_path):
     from tests.dist_utils import run_ranks
     from tests.services.trainer.conftest import small_job_args
