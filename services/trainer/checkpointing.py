@@ -55,6 +55,7 @@ from meshtrain.services.trainer.checkpoint_boxes import (
 )
 from meshtrain.services.trainer.config.sections import JobConfig
 from meshtrain.services.trainer.model.gpt import GPT
+from meshtrain.services.trainer.optim.offload import OffloadedAdamW
 from meshtrain.services.trainer.parallel.data_parallel import DataParallel
 from meshtrain.services.trainer.parallel.fsdp import FullyShardedDataParallel
 from meshtrain.services.trainer.parallel.mesh import Mesh
@@ -836,10 +837,12 @@ def _restore_moments(
         par.ddp.load_optimizer_state(moments, opt_step)
     else:
         fused = any(g.get("fused") for g in optimizer.param_groups)
+        # an offloaded optimizer keeps its moments on the host: no round trip through the device
+        offloaded = isinstance(optimizer, OffloadedAdamW)
         for name, p in trained.items():
             optimizer.state[p] = {
                 "step": torch.tensor(float(opt_step), device=p.device if fused else "cpu"),
-                **{k: v.to(p.device) for k, v in moments[name].items()},
+                **{k: v if offloaded else v.to(p.device) for k, v in moments[name].items()},
             }
 
 

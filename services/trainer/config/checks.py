@@ -17,7 +17,7 @@ from meshtrain.services.trainer.config.parallel import ParallelConfig
 
 if TYPE_CHECKING:  # sections.py imports this module: TrainConfig is named in annotations only
     from meshtrain.services.dataloader.config import DataConfig
-    from meshtrain.services.trainer.config.sections import TrainConfig
+    from meshtrain.services.trainer.config.sections import OptimConfig, TrainConfig
 
 
 def check_fp8(train: TrainConfig, parallel: ParallelConfig) -> None:
@@ -69,6 +69,46 @@ def check_fully_sharded(model: ModelConfig, parallel: ParallelConfig, train: Tra
             raise ConfigError(
                 f"{what} (FSDP2) does not compose with {name} yet ({key}): leave it off, or use "
                 "parallel.use_distributed_optimizer (ZeRO-1), which does"
+            )
+
+
+def check_optimizer_offload(
+    optim: OptimConfig, parallel: ParallelConfig, train: TrainConfig
+) -> None:
+    """What optim.optimizer_cpu_offload composes with: one process, plain data parallelism,
+    ZeRO-1 (each rank offloads its slice), tensor, pipeline, context and expert parallelism
+    (the optimizer sees only this rank's parameters). The rest is refused by name.
+
+    Raises:
+        ConfigError: naming the setting that does not compose with it.
+    """
+    if not optim.optimizer_cpu_offload:
+        return
+    refused = [
+        (
+            parallel.fully_sharded,
+            f"parallel.data_parallel_sharding_strategy="
+            f"{parallel.data_parallel_sharding_strategy!r} (FSDP2)",
+            "its optimizer runs on the DTensor shards FSDP2 owns; use "
+            "parallel.use_distributed_optimizer (ZeRO-1), whose slices are offloaded",
+        ),
+        (
+            train.fp8 is not None,
+            "train.fp8",
+            "the FP8 layers' scaling state is not tested with the offloaded update",
+        ),
+        (
+            train.cuda_graph,
+            "train.cuda_graph",
+            "the captured step's gradients and parameters are not tested with the side-stream "
+            "copies",
+        ),
+    ]
+    for bad, key, why in refused:
+        if bad:
+            raise ConfigError(
+                f"optim.optimizer_cpu_offload (--optimizer-cpu-offload) does not compose with "
+                f"{key} yet: {why}; leave one off"
             )
 
 

@@ -112,6 +112,8 @@ ALIASES: dict[str, tuple[str, bool]] = {
     "--adam-beta2": ("optim.adam_beta2", True),
     "--adam-eps": ("optim.adam_eps", True),
     "--clip-grad": ("optim.clip_grad", True),
+    "--optimizer-cpu-offload": ("optim.optimizer_cpu_offload", False),
+    "--overlap-cpu-optimizer-d2h-h2d": ("optim.overlap_cpu_optimizer_d2h_h2d", False),
     "--tensor-model-parallel-size": ("parallel.tp", True),
     "--pipeline-model-parallel-size": ("parallel.pp", True),
     "--virtual-pipeline-model-parallel-size": (

@@ -19,6 +19,10 @@ from __future__ import annotations
 
 # flag -> (takes a value, why it changes nothing here)
 NO_EFFECT: dict[str, tuple[bool, str]] = {
+    "--use-torch-optimizer-for-cpu-offload": (
+        False,
+        "the offloaded update always runs PyTorch's fused CPU AdamW (optim.optimizer_cpu_offload)",
+    ),
     "--use-flash-attn": (
         False,
         "attention always runs a fused SDPA kernel (model.attention_backend picks it)",
@@ -218,7 +222,11 @@ _PROFILE = (
     "no built-in profiler; run the trainer under nsys or torch.profiler "
     "(step times are in metrics.jsonl)"
 )
-_OFFLOAD = "no CPU offloading of activations or optimizer state"
+_OFFLOAD = "no CPU offloading of activations"
+_OPTIM_OFFLOAD = (
+    "the CPU optimizer (--optimizer-cpu-offload) offloads the whole optimizer state with pinned "
+    "gradient and parameter buffers; no fraction of it, no unpinned buffers"
+)
 _FSDP = (
     "no Megatron-FSDP: fully sharded data parallelism is torch FSDP2 (--use-torch-fsdp2, "
     "--data-parallel-sharding-strategy)"
@@ -293,8 +301,6 @@ NOT_BUILT: dict[str, tuple[str, ...]] = {
         "--sgd-momentum",
         "--no-weight-decay-cond-type",
         "--apply-wd-to-qk-layernorm",
-        "--optimizer-cpu-offload",
-        "--optimizer-offload-fraction",
         "--use-precision-aware-optimizer",
         "--main-grads-dtype",
         "--main-params-dtype",
@@ -362,8 +368,9 @@ NOT_BUILT: dict[str, tuple[str, ...]] = {
         "--delta-offload-bytes-across-pp-ranks",
         "--activation-offload-fraction",
         "--fine-grained-offloading-max-inflight-offloads",
-        "--use-torch-optimizer-for-cpu-offload",
-        "--overlap-cpu-optimizer-d2h-h2d",
+    ),
+    _OPTIM_OFFLOAD: (
+        "--optimizer-offload-fraction",
         "--no-pin-cpu-grads",
         "--no-pin-cpu-params",
     ),

@@ -25,6 +25,7 @@ from meshtrain.services.trainer.config.checks import (
     check_experts,
     check_fp8,
     check_fully_sharded,
+    check_optimizer_offload,
     check_tensor_parallel,
     check_vision,
     resolve_multimodal,
@@ -278,6 +279,16 @@ class OptimConfig:
     """Adam epsilon."""
     clip_grad: float = 1.0
     """Clip the global gradient norm to this (0: no clipping)."""
+    optimizer_cpu_offload: bool = False
+    """Keep AdamW's moments and an fp32 master copy of the parameters in (pinned) host memory and
+    run the update on the CPU, PyTorch's fused CPU AdamW (--optimizer-cpu-offload; DeepSpeed's
+    ZeRO-Offload). Under ZeRO-1 each rank offloads its slice (services/trainer/optim/offload.py)."""
+    overlap_cpu_optimizer_d2h_h2d: bool = False
+    """With optimizer_cpu_offload: update in chunks of cpu_offload_chunk_numel elements, each as
+    soon as its gradients reach the host, its parameters copied back while the next chunk
+    updates (--overlap-cpu-optimizer-d2h-h2d)."""
+    cpu_offload_chunk_numel: int = 32 * 2**20
+    """Elements per chunk of overlap_cpu_optimizer_d2h_h2d (a parameter is never split)."""
 
     def __post_init__(self) -> None:
         if not (0 <= self.min_lr <= self.lr < math.inf):
@@ -293,6 +304,15 @@ class OptimConfig:
             raise ConfigError(f"optim.weight_decay must be >= 0, got {self.weight_decay}")
         if self.clip_grad < 0:
             raise ConfigError(f"optim.clip_grad must be >= 0, got {self.clip_grad}")
+        if self.cpu_offload_chunk_numel <= 0:
+            raise ConfigError(
+                f"optim.cpu_offload_chunk_numel must be > 0, got {self.cpu_offload_chunk_numel}"
+            )
+        if self.overlap_cpu_optimizer_d2h_h2d and not self.optimizer_cpu_offload:
+            raise ConfigError(
+                "optim.overlap_cpu_optimizer_d2h_h2d overlaps the copies of the CPU optimizer: it "
+                "needs optim.optimizer_cpu_offload"
+            )
         if self.lr_warmup_iters < 0:
             raise ConfigError(f"optim.lr_warmup_iters must be >= 0, got {self.lr_warmup_iters}")
         if self.lr_warmup_fraction is not None:
@@ -393,5 +413,6 @@ class JobConfig:
         check_fp8(self.train, self.parallel)
         check_documents(self.data, self.parallel, self.train)
         check_fully_sharded(self.model, self.parallel, self.train)
+        check_optimizer_offload(self.optim, self.parallel, self.train)
         check_vision(self.model, self.parallel, self.train)
         self.data = resolve_multimodal(self.model, self.data)

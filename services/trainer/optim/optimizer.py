@@ -3,7 +3,8 @@
 Weight decay applies to matrices only: never to norms or biases, and to embedding tables only
 when `decay_embeddings` is set. Parameters stay fp32 (the master weights); bf16 is an
 autocast of the forward, so no separate master copy is needed on one device. On CUDA the
-fused AdamW kernel is used.
+fused AdamW kernel is used. With optim.optimizer_cpu_offload the moments and an fp32 master
+copy live in host memory and the update runs on the CPU (`offload.OffloadedAdamW`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from meshtrain.services.trainer.config.sections import OptimConfig
+from meshtrain.services.trainer.optim.offload import OffloadedAdamW
 
 
 def is_decayed(name: str, param: nn.Parameter, config: OptimConfig) -> bool:
@@ -24,24 +26,37 @@ def is_decayed(name: str, param: nn.Parameter, config: OptimConfig) -> bool:
     return True
 
 
-def build_optimizer(model: nn.Module, config: OptimConfig) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, config: OptimConfig) -> torch.optim.Optimizer:
     """AdamW with two groups (decay / no decay); lr is set every step by the schedule."""
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
     for name, p in model.named_parameters():
         if p.requires_grad:
             (decay if is_decayed(name, p, config) else no_decay).append(p)
-    groups = [
+    return adamw([decay, no_decay], config)
+
+
+def adamw(groups: list[list[nn.Parameter]], config: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW over (decayed, not decayed) parameters: fused on CUDA, or offloaded to the CPU
+    with optim.optimizer_cpu_offload."""
+    decay, no_decay = groups
+    param_groups = [
         {"params": decay, "weight_decay": config.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    betas = (config.adam_beta1, config.adam_beta2)
+    if config.optimizer_cpu_offload:
+        return OffloadedAdamW(
+            param_groups,
+            lr=config.lr,
+            betas=betas,
+            eps=config.adam_eps,
+            overlap=config.overlap_cpu_optimizer_d2h_h2d,
+            chunk_numel=config.cpu_offload_chunk_numel,
+        )
     on_cuda = any(p.is_cuda for p in decay + no_decay)
     return torch.optim.AdamW(
-        groups,
-        lr=config.lr,
-        betas=(config.adam_beta1, config.adam_beta2),
-        eps=config.adam_eps,
-        fused=on_cuda or None,
+        param_groups, lr=config.lr, betas=betas, eps=config.adam_eps, fused=on_cuda or None
     )
 
 

@@ -32,7 +32,7 @@ from torch import nn
 
 from meshtrain.services.common.errors import ConfigError
 from meshtrain.services.trainer.config.sections import OptimConfig
-from meshtrain.services.trainer.optim.optimizer import is_decayed
+from meshtrain.services.trainer.optim.optimizer import adamw, is_decayed
 from meshtrain.services.trainer.parallel import mappings as M
 from meshtrain.services.trainer.parallel.mesh import Mesh
 from meshtrain.services.trainer.parallel.tensor import tp_split_of
@@ -328,8 +328,9 @@ class DataParallel:
                 b.local_grad.zero_()
 
     # ---------------------------------------------------------------- ZeRO-1
-    def _build_optimizer(self) -> torch.optim.AdamW:
-        """AdamW over this rank's slices ("pieces") of every bucket, grouped by weight decay."""
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        """AdamW over this rank's slices ("pieces") of every bucket, grouped by weight decay
+        (with optim.optimizer_cpu_offload each rank offloads its own slices)."""
         self.pieces: list[
             tuple[nn.Parameter, nn.Parameter, int, int]
         ] = []  # (piece, param, lo, hi) flat coords
@@ -347,18 +348,7 @@ class DataParallel:
                 (decay if is_decayed(self.names[p], p, self.optim_config) else no_decay).append(
                     piece
                 )
-        c = self.optim_config
-        on_cuda = any(pc.is_cuda for pc, *_ in self.pieces)
-        return torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": c.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
-            lr=c.lr,
-            betas=(c.adam_beta1, c.adam_beta2),
-            eps=c.adam_eps,
-            fused=on_cuda or None,
-        )
+        return adamw([decay, no_decay], self.optim_config)
 
     def gather_params(self) -> None:
         """After the optimizer step: all-gather every bucket's updated slices into full parameters.

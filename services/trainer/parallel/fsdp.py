@@ -78,6 +78,11 @@ class FullyShardedDataParallel:
                     f"fully sharded data parallelism does not compose with parallel.{what} > 1 "
                     "yet; use parallel.use_distributed_optimizer (ZeRO-1)"
                 )
+        if optim.optimizer_cpu_offload:
+            raise ConfigError(
+                "fully sharded data parallelism does not compose with optim.optimizer_cpu_offload "
+                "yet; use parallel.use_distributed_optimizer (ZeRO-1), whose slices are offloaded"
+            )
         odd = [n for n, p in model.named_parameters() if p.dtype != torch.float32]
         if odd:
             raise ConfigError(
