@@ -181,8 +181,9 @@ class StaticDecoder:
         x = m.wte(idx)
         if m.wpe is not None:
             x = x + m.wpe(torch.arange(start, start + s, device=idx.device))
-        rope = m.cos is not None
-        cos, sin = (m.cos[start : start + s], m.sin[start : start + s]) if rope else (None, None)
+        rope = m.cos is not None  # (without RoPE, cos and sin below are placeholders)
+        cos = m.cos[start : start + s] if rope else x
+        sin = m.sin[start : start + s] if rope else x
         gqa = self.c.groups != self.c.num_attention_heads
         for i, blk in enumerate(m.blocks):
             y = blk.ln1(x)
