@@ -10,6 +10,8 @@ a loss mask weights the tokens. It shares no code with `services/trainer/model`,
 benchmark against it measures meshtrain's engineering, not a copy of itself. `convert_to_float8`
 turns its blocks' linear layers into torchao's float8 training layers (the output head stays in
 bf16), the FP8 baseline a PyTorch user would reach for; torchao is imported only then.
+`StaticDecoder` samples from it with a preallocated key/value cache, the plain decoder the
+rollout engine is measured against.
 """
 
 from __future__ import annotations
@@ -207,6 +209,66 @@ class BaselineGPT(nn.Module):
         losses = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")
         mask = loss_mask.flatten().float()
         return (losses * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+class StaticDecoder:
+    """A plain decoder over a `BaselineGPT`: keys and values in one preallocated
+    (layers, batch, groups, context, head_dim) buffer each, written in place."""
+
+    def __init__(self, model, batch: int, context: int):
+        self.m, self.c = model, model.c
+        w = model.wte.weight
+        shape = (self.c.num_layers, batch, self.c.groups, context, self.c.head_dim)
+        self.k = torch.empty(shape, dtype=w.dtype, device=w.device)
+        self.v = torch.empty_like(self.k)
+
+    def forward(self, idx, start: int):
+        """Logits (b, vocab) of the last of tokens idx (b, s) at positions start.. start+s-1."""
+        m, (b, s) = self.m, idx.shape
+        x = m.wte(idx)
+        if m.wpe is not None:
+            x = x + m.wpe(torch.arange(start, start + s, device=idx.device))
+        rope = m.cos is not None  # (without RoPE, cos and sin below are placeholders)
+        cos = m.cos[start : start + s] if rope else x
+        sin = m.sin[start : start + s] if rope else x
+        gqa = self.c.groups != self.c.num_attention_heads
+        for i, blk in enumerate(m.blocks):
+            y = blk.ln1(x)
+            q = blk.q(y).view(b, s, blk.nh, blk.d).transpose(1, 2)
+            k, v = blk.kv(y).view(b, s, 2, blk.nkv, blk.d).unbind(2)
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
+            if rope:
+                q1, q2 = q.chunk(2, -1)
+                k1, k2 = k.chunk(2, -1)
+                q = q * cos + torch.cat([-q2, q1], -1) * sin
+                k = k * cos + torch.cat([-k2, k1], -1) * sin
+            self.k[i, :, :, start : start + s] = k
+            self.v[i, :, :, start : start + s] = v
+            keys, values = self.k[i, :, :, : start + s], self.v[i, :, :, : start + s]
+            # prefill starts at 0 (causal is top-left aligned); one new query sees every key
+            a = F.scaled_dot_product_attention(q, keys, values, is_causal=s > 1, enable_gqa=gqa)
+            x = x + blk.o(a.transpose(1, 2).reshape(b, s, -1))
+            x = x + blk.mlp(blk.ln2(x))
+        return m.head(m.ln_f(x[:, -1]))[..., : self.c.vocab_size]
+
+    def generate(self, prompts, new_tokens: int, temperature: float):
+        """(tokens, log-probs) lists of `new_tokens` sampled after prompts (b, s)."""
+        with torch.no_grad():
+            s = prompts.shape[1]
+            logits = self.forward(prompts, 0)
+            toks, logps = [], []
+            for step in range(new_tokens):
+                logits = logits.float()
+                if temperature == 0:
+                    nxt = logits.argmax(-1)
+                else:
+                    probs = (logits / temperature).softmax(-1)
+                    nxt = torch.multinomial(probs, 1).squeeze(-1)
+                logps.append(logits.log_softmax(-1).gather(-1, nxt[:, None]).squeeze(-1))
+                toks.append(nxt)
+                if step + 1 < new_tokens:
+                    logits = self.forward(nxt[:, None], s + step)
+            return torch.stack(toks, 1).tolist(), torch.stack(logps, 1).tolist()
 
 
 FLOAT8_RECIPES = ("tensorwise", "rowwise")

@@ -34,11 +34,14 @@ from meshtrain.services.common.errors import InvalidRequestError, MeshtrainError
 from meshtrain.services.rollout.types import Completion, RolloutRequest
 from meshtrain.services.rollout.weights import check_weights
 from meshtrain.services.trainer.generate import (
-    KVCache,
+    StaticKV,
     context_length,
     draw_rows,
     row_generators,
 )
+
+STOP_CHECK = 8
+"""Decode steps between two checks whether every row has emitted EOD (a device-to-host sync)."""
 
 
 class StaleWeightsError(MeshtrainError):
@@ -257,12 +260,14 @@ class RolloutEngine:
         """Sample the completions of `rows` ((prompt, sample) pairs) as one left-padded batch."""
         model, sp = self.model, request.sampling
         device = next(model.parameters()).device
-        lengths = torch.tensor([len(request.prompts[i]) for i, _ in rows], device=device)
-        b, longest = len(rows), int(lengths.max())
-        pad = longest - lengths  # (b,) padding before each row's prompt
-        tokens = torch.zeros(b, longest, dtype=torch.long, device=device)
+        sizes = [len(request.prompts[i]) for i, _ in rows]
+        b, longest = len(rows), max(sizes)
+        host = torch.zeros(b, longest, dtype=torch.long)  # built on the host, sent once
         for r, (i, _) in enumerate(rows):
-            tokens[r, int(pad[r]) :] = torch.tensor(request.prompts[i], device=device)
+            host[r, longest - sizes[r] :] = torch.tensor(request.prompts[i])
+        tokens = host.to(device)
+        lengths = torch.tensor(sizes, device=device)
+        pad = longest - lengths  # (b,) padding before each row's prompt
         gens = row_generators([sp.seed + offset + i for i, _ in rows], [j for _, j in rows])
 
         # Prefill: positions count from each row's first real token; keys are real tokens only
@@ -273,33 +278,44 @@ class RolloutEngine:
         causal = torch.ones(longest, longest, dtype=torch.bool, device=device).tril()
         eye = torch.eye(longest, dtype=torch.bool, device=device)
         mask = causal[None] & (key_ok[:, None, :] | eye[None])  # (b, q, k)
-        cache = KVCache(len(model.layers))
+        cache = StaticKV(len(model.layers), longest + sp.max_new_tokens)
         logits = _forward(model, tokens, positions, mask[:, None], cache)[:, -1]  # (b, vocab)
+        # every decoded position is a real key: the mask of step t is a view of this one
+        key_ok = torch.cat([key_ok, key_ok.new_ones(b, sp.max_new_tokens)], 1)
 
-        new_tokens: list[list[int]] = [[] for _ in rows]
-        new_logps: list[list[float]] = [[] for _ in rows]
+        # Tokens and log-probs stay on the device until the end, and whether every row has
+        # ended is asked only every STOP_CHECK steps: a host round trip per token would leave
+        # the device idle while the next step's kernels are launched.
+        tokens_out: list[torch.Tensor] = []
+        logps_out: list[torch.Tensor] = []
         done = torch.zeros(b, dtype=torch.bool, device=device)
-        finished = [False] * b
         for step in range(sp.max_new_tokens):
             logits = logits.float()
             logp = F.log_softmax(logits, dim=-1)  # temperature 1, full vocabulary
             nxt = draw_rows(logits, sp.temperature, sp.top_k, sp.top_p, gens)
-            chosen = logp.gather(-1, nxt[:, None]).squeeze(-1)
-            for r, (t, lp) in enumerate(zip(nxt.tolist(), chosen.tolist())):
-                if not finished[r]:
-                    new_tokens[r].append(t)
-                    new_logps[r].append(lp)
-                    finished[r] = self.eod_id is not None and t == self.eod_id
-            done = torch.tensor(finished, device=device)
-            if step + 1 == sp.max_new_tokens or bool(done.all()):
+            tokens_out.append(nxt)
+            logps_out.append(logp.gather(-1, nxt[:, None]).squeeze(-1))
+            if step + 1 == sp.max_new_tokens:
                 break
-            key_ok = torch.cat([key_ok, torch.ones(b, 1, dtype=torch.bool, device=device)], 1)
+            if self.eod_id is not None:
+                done |= nxt == self.eod_id
+                if (step + 1) % STOP_CHECK == 0 and bool(done.all()):
+                    break
+            t = longest + step + 1  # keys after this token is fed back
             positions = (lengths + step)[:, None]  # (b, 1): each row's next position
-            logits = _forward(model, nxt[:, None], positions, key_ok[:, None, None], cache)[:, -1]
-        return [
-            Completion(i, new_tokens[r], new_logps[r], version, finished[r])
-            for r, (i, _) in enumerate(rows)
-        ]
+            mask = key_ok[:, None, None, :t]
+            logits = _forward(model, nxt[:, None], positions, mask, cache)[:, -1]
+        out = []
+        drawn = torch.stack(tokens_out, 1).tolist()  # (b, steps): one transfer
+        logps = torch.stack(logps_out, 1).tolist()
+        eod = -1 if self.eod_id is None else self.eod_id  # -1 is never drawn
+        for r, (i, _) in enumerate(rows):
+            row = drawn[r]
+            # a row ends at its first EOD (kept); what it drew after that is dropped
+            finished = eod in row
+            n = row.index(eod) + 1 if finished else len(row)
+            out.append(Completion(i, row[:n], logps[r][:n], version, finished))
+        return out
 
 
 def _forward(
@@ -307,7 +323,7 @@ def _forward(
     tokens: torch.Tensor,
     positions: torch.Tensor,
     mask: torch.Tensor,
-    cache: KVCache,
+    cache: StaticKV,
 ) -> torch.Tensor:
     """Logits (b, s, vocab) of new tokens (b, s) at per-row `positions` (b, s), attending to the
     cached keys and themselves where `mask` (b, 1, s, cached + s) allows."""
@@ -323,7 +339,7 @@ def _forward(
     return model.head.logits(h, model.output_weight)[..., : model.vocab_size]
 
 
-def _attention(attn, x: torch.Tensor, rope, mask: torch.Tensor, cache: KVCache, layer: int):
+def _attention(attn, x: torch.Tensor, rope, mask: torch.Tensor, cache: StaticKV, layer: int):
     """The model's Attention on new positions x (b, s, hidden) with a per-row key mask."""
     per_group = attn.heads // attn.groups
     q, k, v = attn.project(x)  # (b, heads|groups, s, d)

@@ -47,6 +47,35 @@ class KVCache:
         return k, v
 
 
+class StaticKV:
+    """Per-layer keys and values (batch, groups, capacity, d), allocated once at the first
+    append and written in place: a step costs no copy of what is cached (a growing
+    concatenation would copy the whole cache of every layer at every token)."""
+
+    def __init__(self, num_layers: int, capacity: int):
+        self.capacity = capacity
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.length = 0  # positions cached; the forward advances it after every layer
+
+    def append(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (b, groups, s, d) after the cached positions; return all of them."""
+        keys, values = self.keys[layer], self.values[layer]
+        if keys is None or values is None:
+            b, g, _, d = k.shape
+            keys = k.new_empty(b, g, self.capacity, d)
+            values = v.new_empty(b, g, self.capacity, d)
+            self.keys[layer], self.values[layer] = keys, values
+        end = self.length + k.shape[2]
+        if end > self.capacity:
+            raise ConfigError(f"key/value cache of {self.capacity} positions overflows")
+        keys[:, :, self.length : end] = k
+        values[:, :, self.length : end] = v
+        return keys[:, :, :end], values[:, :, :end]
+
+
 def _attention_step(attn, x: torch.Tensor, rope, cache: KVCache, layer: int) -> torch.Tensor:
     """The model's Attention on new positions x (b, s, hidden), attending to cache + themselves."""
     per_group = attn.heads // attn.groups

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from meshtrain.services.common.errors import InvalidRequestError
+from meshtrain.services.rollout import engine as engine_module
 from meshtrain.services.rollout.engine import (
     Limits,
     RolloutEngine,
@@ -69,6 +70,23 @@ def test_greedy_matches_the_trainers_kv_cache_generate_and_eod_ends_a_completion
     eod = out[0].tokens[2]
     stopped = RolloutEngine(model, eod_id=eod).generate(RolloutRequest(PROMPTS[:1], 1, greedy))[0]
     assert stopped.tokens == out[0].tokens[: out[0].tokens.index(eod) + 1] and stopped.finished
+
+
+def test_rows_end_at_their_first_eod_however_seldom_the_engine_checks(monkeypatch):
+    """The engine asks whether every row has ended only every STOP_CHECK steps: rows that end
+    earlier keep drawing, and what they draw after their EOD must be dropped."""
+    model = tiny_model(5)
+    sampling = SamplingParams(max_new_tokens=12, temperature=1.0, seed=2)
+    free = RolloutEngine(model).generate(RolloutRequest(PROMPTS, 2, sampling))
+    eod = free[0].tokens[1]
+    ends = [c.tokens.index(eod) + 1 if eod in c.tokens else len(c.tokens) for c in free]
+    assert len(set(ends)) > 1 and min(ends) < 12  # rows end at different steps
+    for every in (1, 3, 64):
+        monkeypatch.setattr(engine_module, "STOP_CHECK", every)
+        got = RolloutEngine(model, eod_id=eod).generate(RolloutRequest(PROMPTS, 2, sampling))
+        assert [c.tokens for c in got] == [c.tokens[:n] for c, n in zip(free, ends)]
+        assert [c.logprobs for c in got] == [c.logprobs[:n] for c, n in zip(free, ends)]
+        assert [c.finished for c in got] == [eod in c.tokens for c in free]
 
 
 def test_same_request_same_completions_other_seed_other_ones():
