@@ -125,6 +125,21 @@ def build_mesh(job: JobConfig, device: torch.device) -> Mesh:
                     f"parallel.{axis}={n} needs {n} processes; launch with "
                     f"`meshtrain train --nproc-per-node N` or torchrun"
                 )
+        p = job.parallel
+        for key, n in (("dp_shard", p.dp_shard), ("dp_replicate", p.dp_replicate)):
+            if n not in (-1, 1):  # else trained unsharded without a word
+                raise ConfigError(
+                    f"parallel.{key}={n} needs {n} processes; launch with "
+                    f"`meshtrain train --nproc-per-node N` or torchrun"
+                )
+        if p.fully_sharded:
+            # dp_shard = 1: nothing to shard over; the model trains whole, as torchtitan does
+            log.warning(
+                "fully sharded data parallelism (parallel.data_parallel_sharding_strategy=%r) in "
+                "one process: dp_shard = 1, the model is not sharded (launch several ranks to "
+                "shard it)",
+                p.data_parallel_sharding_strategy,
+            )
         return Mesh.single()
     timeout_s = job.parallel.distributed_timeout_minutes * 60
     init_process_group("nccl" if device.type == "cuda" else "gloo", timeout_s=timeout_s)

@@ -43,3 +43,45 @@ def small_job_args(cache, run_dir, **extra):
             value = str(value).lower()
         out.append(f"--{key}={value}")
     return out
+
+
+ON_CPU_ENV = "MESHTRAIN_GPU_TESTS_ON_CPU"
+"""Set to 1 to run the `gpu_device` tests' bodies on the CPU as well (their CUDA case skips
+without a GPU): how those bodies are checked on a machine without one. Unset, they run on CUDA
+only, so the suite holds no CPU duplicates of the CPU tests they extend."""
+
+
+def _gpu_devices():
+    import os
+
+    import torch
+
+    cuda = pytest.param(
+        "cuda",
+        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    )
+    return [cuda, "cpu"] if os.environ.get(ON_CPU_ENV) == "1" else [cuda]
+
+
+@pytest.fixture(params=_gpu_devices())
+def gpu_device(request) -> str:
+    """The device a GPU test runs its body on: "cuda" (and "cpu" under ON_CPU_ENV=1)."""
+    return request.param
+
+
+def losses_in_order(result) -> list[float]:
+    """A run's logged training losses, step by step."""
+    return [result.losses[s] for s in sorted(result.losses)]
+
+
+def first_step_loss(args: list[str]) -> float:
+    """The loss of step 1 of the job `args` (its own data order: the samples' shuffle depends on
+    train.train_iters), without running the rest."""
+    from meshtrain.services.trainer.config.load import load_config
+    from meshtrain.services.trainer.train import Trainer
+
+    trainer = Trainer(load_config(args))
+    try:
+        return trainer.train_step(0)[0].item()
+    finally:
+        trainer.release_run_dir()

@@ -82,3 +82,32 @@ def test_tensor_parallel_composes():
         ["--use-torch-fsdp2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
     )
     assert p.parallel.fully_sharded and p.parallel.tp == 2
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--data-parallel-shard-degree", "2"], "parallel.dp_shard=2 needs 2 processes"),
+        (["--data-parallel-replicate-degree", "2"], "parallel.dp_replicate=2 needs 2 processes"),
+    ],
+)
+def test_one_process_refuses_degrees_it_cannot_have(args, match):
+    """One process has dp_shard = dp_replicate = 1: a larger degree is refused, not ignored."""
+    import torch
+
+    from meshtrain.services.trainer.build import build_mesh
+
+    with pytest.raises(ConfigError, match=match):
+        build_mesh(load_config(["--use-torch-fsdp2", *args]), torch.device("cpu"))
+
+
+def test_one_process_trains_unsharded_and_says_so(caplog):
+    import torch
+
+    from meshtrain.services.trainer.build import build_mesh
+
+    for args in (["--use-torch-fsdp2"], ["--use-torch-fsdp2", "--data-parallel-shard-degree", "1"]):
+        with caplog.at_level("WARNING", logger="meshtrain.train"):
+            mesh = build_mesh(load_config(args), torch.device("cpu"))
+        assert not mesh.distributed and mesh.dp_shard == 1
+        assert "the model is not sharded" in caplog.text
