@@ -113,6 +113,7 @@ def check_token_ids(batch, job: JobConfig, data: TrainData) -> None:
     if batch.tokens.device.type != "cpu":  # already uploaded (the max would wait for the device)
         return
     vocab = job.model.vocab_size
+    assert vocab is not None  # set from the tokenizer as the run is built
     top = max(int(batch.tokens.max()), int(batch.labels.max()))
     if top >= vocab:
         shown = " ".join(map(str, job.data.data_path)) or data.prefix

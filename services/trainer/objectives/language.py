@@ -85,7 +85,7 @@ class LanguageModeling(Objective):
         placeholders = int((batch.tokens == vision.image_token_id).sum())
         n = 0 if images is None else images.shape[0]
         per_image = 0
-        if n:
+        if images is not None and n:
             rows, cols = images.shape[2] // vision.patch_size, images.shape[3] // vision.patch_size
             per_image = rows * cols + (vision.select_feature == "cls_patch")
         if placeholders != n * per_image:
@@ -98,7 +98,8 @@ class LanguageModeling(Objective):
     @torch.no_grad()
     def evaluate(self) -> float:
         trainer, mesh = self.trainer, self.mesh
-        trainer.model.eval()
+        model: Any = trainer.model  # a GPT, or this rank's pipeline stage
+        model.eval()
         if trainer.pipeline is not None:
             total, counted = self._pipeline_eval_sums()
         else:
@@ -115,16 +116,13 @@ class LanguageModeling(Objective):
                     loss = loss.float()
                 # Weighted by the tokens each micro-batch counts (Megatron sums loss and token count
                 # over the eval batches): with EOD masked they differ, and a mean of means would not
-                # be the loss per token.
-                n = token_count(
-                    trainer.model.context, mask
-                )  # over the cp group: the share's divisor
+                # be the loss per token. Counted over the cp group: the share's divisor.
+                n = token_count(model.context, mask)
                 total += loss.double() * n
                 counted += n
-        trainer.model.train()
-        if (
-            mesh.cp > 1
-        ):  # each cp rank's loss was its share: their weighted sum is the micro-batch's
+        model.train()
+        # each cp rank's loss was its share: their weighted sum is the micro-batch's
+        if mesh.cp > 1:
             total = mappings.all_reduce(total, mesh.group("cp"))
         if mesh.dp > 1:  # each dp rank evaluated its share of the eval batches
             sums = mappings.all_reduce(torch.stack([total, counted]), mesh.group("dp"))
