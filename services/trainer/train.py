@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from meshtrain.services.checkpoint.maintenance import apply_retention
 from meshtrain.services.checkpoint.store import open_root
@@ -64,6 +63,7 @@ from meshtrain.services.trainer.metrics import (
     MetricsLog,
     ModelSize,
     RouterStats,
+    mean_losses,
     memory_metrics,
     model_size,
     peak_tflops,
@@ -72,14 +72,12 @@ from meshtrain.services.trainer.metrics import (
 from meshtrain.services.trainer.objectives.base import Objective, objective_for
 from meshtrain.services.trainer.optim.optimizer import build_optimizer, clip_grad_norm, set_lr
 from meshtrain.services.trainer.optim.schedule import lr_at
-from meshtrain.services.trainer.parallel import mappings
 from meshtrain.services.trainer.resume import refuse_a_root_with_later_steps, resume
 from meshtrain.services.trainer.run_dir import make_run_dir, release_run_dir, run_dir_toml
 from meshtrain.services.trainer.run_requests import (
     CONTROL_STOP,
     RunRequests,
-    cause_code,
-    describe_stop,
+    agree_on_requests,
 )
 from meshtrain.services.trainer.tracking import open_trackers, require_packages
 from meshtrain.services.trainer.weight_copies import call_with
@@ -575,7 +573,7 @@ class Trainer:
         tokens_per_step: int,
     ) -> None:
         """Record the steps since the last log, ending with step n (one host sync)."""
-        losses = self._mean_losses(window.pending)  # the one host sync
+        losses = mean_losses(window.pending, self.mesh)  # the one host sync
         norm = window.pending[-1][1].item()
         now = time.perf_counter()
         step_time = (now - window.start - window.paused) / (n - window.step)
@@ -599,17 +597,6 @@ class Trainer:
         )
         window.pending.clear()
         window.start, window.step, window.paused = time.perf_counter(), n, 0.0
-
-    def _mean_losses(self, pending: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
-        """The global batch's loss of each pending step, on the host."""
-        stacked = torch.stack([p[0] for p in pending])
-        if self.mesh.pp > 1:  # the last stage computed the losses; the others hold zeros
-            stacked = mappings.all_reduce(stacked, self.mesh.group("pp"))
-        if self.mesh.cp > 1:  # each cp rank's loss is its share of the mean
-            stacked = mappings.all_reduce(stacked, self.mesh.group("cp"))
-        if self.mesh.dp > 1:  # each dp rank saw 1/dp of the batch: average
-            stacked = mappings.all_reduce(stacked, self.mesh.group("dp")) / self.mesh.dp
-        return stacked.tolist()
 
     def _step_record(
         self, n: int, loss: float, norm: float, step_time: float, tokens_per_step: int
@@ -683,29 +670,14 @@ class Trainer:
         return self.requests.pending()
 
     def _agreed_requests(self, at_log_step: bool) -> tuple[bool, bool]:
-        """(stop, checkpoint) as every rank sees them: any rank's request counts for all.
-
-        Alone this is checked every step; with several ranks only on logging steps, where the
-        loop synchronizes anyway, so requests cost no extra host sync (latency: log_interval).
-        A stop sets `self.stop_cause`; with several ranks the same all-reduce carries each rank's
-        cause in a slot of its own, so every rank's log names the ranks that asked and why.
-        """
-        stop, checkpoint = self.requests.pending()
-        cause = self.requests.stop_cause if stop else None  # set before the flag, under its lock
-        if not self.mesh.distributed:
+        """(stop, checkpoint) as every rank sees them (`agree_on_requests`); a stop sets
+        `self.stop_cause`."""
+        stop, checkpoint, cause = agree_on_requests(
+            self.requests, self.mesh, self.device, at_log_step
+        )
+        if stop or not self.mesh.distributed:
             self.stop_cause = cause
-            return stop, checkpoint
-        if not at_log_step:
-            return False, False
-        # (stop, checkpoint, cause code of rank 0, ..., of rank world-1), MAX over the ranks
-        codes = [0.0] * dist.get_world_size()
-        codes[dist.get_rank()] = float(cause_code(cause))
-        flags = torch.tensor([float(stop), float(checkpoint), *codes], device=self.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        values = [int(v) for v in flags.tolist()]  # one host sync
-        if values[0]:
-            self.stop_cause = describe_stop(values[2:])
-        return bool(values[0]), bool(values[1])
+        return stop, checkpoint
 
 
 def train(job: JobConfig, until_exit: bool = False) -> TrainResult:
