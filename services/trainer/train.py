@@ -12,6 +12,9 @@ and RNG states are restored bit for bit. The steps that put a `Trainer` together
 the sharded model and its wrappers, the checkpointer) are in `build.py`. `Trainer` reads in
 that order: its build (data, model, optimizer and restore, the step's forward, checkpointer),
 one `train_step`, evaluation and saving, then the loop (`run`) that logs, evaluates and saves.
+What differs between objectives (language modeling, DPO, GRPO: batches, head, forward inputs,
+extra metrics, evaluation) is the `Objective`'s (objectives/base.py); the step and the loop
+are the same for all.
 """
 
 from __future__ import annotations
