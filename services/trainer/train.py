@@ -66,8 +66,6 @@ from meshtrain.services.trainer.metrics import (
     MetricsLog,
     ModelSize,
     RouterStats,
-    mean_losses,
-    memory_metrics,
     model_size,
     peak_tflops,
     plot_losses,
@@ -82,6 +80,7 @@ from meshtrain.services.trainer.run_requests import (
     RunRequests,
     agree_on_requests,
 )
+from meshtrain.services.trainer.step_log import StepLog
 from meshtrain.services.trainer.tracking import open_trackers, require_packages
 from meshtrain.services.trainer.weight_copies import call_with
 
@@ -103,19 +102,6 @@ class TrainResult:
     plot: Path | None = None
     stopped_early: bool = False
     """True when a stop request (SIGTERM, the control endpoint) ended the run before train_iters."""
-
-
-@dataclass
-class _LogWindow:
-    """The steps run since the last log: their (loss, grad_norm) on the device, and the clock."""
-
-    start: float
-    """perf_counter() when the last log ended."""
-    step: int
-    """The step last logged (the run's start before the first log)."""
-    pending: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    paused: float = 0.0
-    """Seconds spent in eval/save since the last log, left out of step times."""
 
 
 class Trainer:
@@ -532,7 +518,7 @@ class Trainer:
         """Steps `start`..train.train_iters, each logged, evaluated and saved when due; returns
         early after the save of an agreed stop."""
         job, t = self.job, self.job.train
-        window = _LogWindow(time.perf_counter(), start)
+        window = StepLog(self, result, metrics, start, tokens_per_step)
         for step in range(start, t.train_iters):
             loss, grad_norm = self.train_step(step)
             self.state.iteration = step + 1
@@ -543,7 +529,7 @@ class Trainer:
             # The first step this run computes is logged too: the run summary shows its loss,
             # and metrics.jsonl must hold every loss the summary reports.
             if n % job.log.log_interval == 0 or n == t.train_iters or n == start + 1:
-                self._log_steps(window, n, result, metrics, tokens_per_step)
+                window.log(n)
             pause_start = time.perf_counter()
             if self.data.valid is not None and (n % t.eval_interval == 0 or n == t.train_iters):
                 result.eval_losses[n] = self.evaluate()
@@ -553,7 +539,7 @@ class Trainer:
                     metrics.write({"step": n, **{f"eval_{k}": v for k, v in extra.items()}})
             stop, checkpoint_now = self._agreed_requests(at_log_step=not window.pending)
             if stop and window.pending:  # alone, a stop is acted on at any step: log what it ran
-                self._log_steps(window, n, result, metrics, tokens_per_step)
+                window.log(n)
             if stop:
                 log.warning(
                     "%s: saving a checkpoint after step %d, then stopping", self.stop_cause, n
@@ -566,67 +552,6 @@ class Trainer:
                 )
                 result.stopped_early = True
                 return
-
-    def _log_steps(
-        self,
-        window: _LogWindow,
-        n: int,
-        result: TrainResult,
-        metrics: MetricsLog,
-        tokens_per_step: int,
-    ) -> None:
-        """Record the steps since the last log, ending with step n (one host sync)."""
-        losses = mean_losses(window.pending, self.mesh)  # the one host sync
-        norm = window.pending[-1][1].item()
-        now = time.perf_counter()
-        step_time = (now - window.start - window.paused) / (n - window.step)
-        for k, value in enumerate(losses):
-            result.losses[window.step + k + 1] = value
-        record = self._step_record(n, losses[-1], norm, step_time, tokens_per_step)
-        disk_full = self.checkpointer.poll()  # a save that ended since: recovered, or failed
-        if disk_full is not None and self.is_main:
-            record["checkpoint_error"] = str(disk_full[1])
-        metrics.step(record)
-        if disk_full is not None and self.is_main:  # on every logged step until a save commits
-            log.warning(
-                "the last checkpoint save failed (%s); training goes on, and the next save tries "
-                "again",
-                disk_full[1],
-            )
-        self.progress.update(
-            loss=losses[-1],
-            tokens_per_s=record["tokens_per_s"],
-            eta_s=(self.job.train.train_iters - n) * step_time,
-        )
-        window.pending.clear()
-        window.start, window.step, window.paused = time.perf_counter(), n, 0.0
-
-    def _step_record(
-        self, n: int, loss: float, norm: float, step_time: float, tokens_per_step: int
-    ) -> dict:
-        """metrics.jsonl's row of step n: loss, lr, throughput, MFU, memory, MoE statistics."""
-        job, t = self.job, self.job.train
-        record = {
-            "step": n,
-            "loss": loss,
-            "lr": lr_at(n - 1, job.optim, t.train_iters),
-            "grad_norm": norm,
-            "tokens_per_s": tokens_per_step / step_time,
-            "step_time_s": step_time,
-            "consumed_samples": self.state.consumed_samples,
-        }
-        if self.peak:  # per device: the global batch's FLOPs shared by every rank
-            record["mfu"] = (
-                self.flops_per_token
-                * record["tokens_per_s"]
-                / (self.peak * 1e12 * self.mesh.world_size)
-            )
-        record.update(self.objective.step_metrics())  # e.g. DPO's rewards/accuracies
-        record.update(memory_metrics(self.device))
-        record.update(
-            self.router_stats.metrics(job.model, self.device)
-        )  # the MoE routers' (every rank)
-        return record
 
     def _save_if_due(self, n: int, requested: bool, stop: bool, result: TrainResult) -> None:
         """Save after step n at checkpoint.save_interval, the last step, or on request (a stop's
