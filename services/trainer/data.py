@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from meshtrain.services.common.errors import ConfigError, DataError
 from meshtrain.services.common.security import ClientSecurity
@@ -34,6 +35,9 @@ from meshtrain.services.dataloader.vision.dataset import (
     open_multimodal,
 )
 from meshtrain.services.trainer.config.sections import JobConfig
+
+if TYPE_CHECKING:  # torch loads with the sources that need it, not with the config
+    import torch.distributed as dist
 
 log = logging.getLogger("meshtrain.data")
 
@@ -130,7 +134,7 @@ class Sharing:
     """How a rank's tensor-parallel group shares service batches: `group` (gloo, the peers),
     `src` (the global rank that pulls), and whether this rank is it."""
 
-    group: object
+    group: dist.ProcessGroup
     src: int
     reads: bool
 

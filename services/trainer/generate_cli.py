@@ -111,11 +111,38 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     import torch
 
+    from meshtrain.services.trainer.generate import generate
+
+    model, config, metadata, step, tokenizer, device = _load_model(args)
+    ids, images, stops = _prompt_ids(args, model, config, metadata, step, tokenizer, device)
+    generator = None
+    if args.seed is not None:
+        generator = torch.Generator(device=device).manual_seed(args.seed)
+    prompt = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=device)  # (n, s)
+    out = generate(
+        model,
+        prompt,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        generator=generator,
+        images=images,
+        eod_id=stops,
+    )
+    _print_rows(args, out.tolist(), ids, images is not None, stops, tokenizer)
+    return 0
+
+
+def _load_model(args: argparse.Namespace):
+    """(the model of checkpoint --ckpt-step (unset: the newest) under --load on --device, in
+    eval mode, its ModelConfig, the manifest's metadata, the step, the tokenizer, the device)."""
+    import torch
+
     from meshtrain.services.checkpoint.convert import model_config, tensor_specs
     from meshtrain.services.checkpoint.reader import list_checkpoints, read_manifest
     from meshtrain.services.dataloader.tokenizers.base import build_tokenizer
     from meshtrain.services.trainer.checkpointing import load_checkpoint
-    from meshtrain.services.trainer.generate import context_length, generate
     from meshtrain.services.trainer.model import GPT
 
     steps = list_checkpoints(args.load)
@@ -140,6 +167,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     log.info(
         "loaded %s step %d (%d parameters) on %s", args.load, step, model.num_parameters(), device
     )
+    return model, config, metadata, step, tokenizer, device
+
+
+def _prompt_ids(
+    args: argparse.Namespace, model, config, metadata: dict, step: int, tokenizer, device
+):
+    """(the prompt's token ids, its images (repeated for each sample) or None, the ids that end
+    a chat answer or None), the prompt cut to the model's positions."""
+    from meshtrain.services.trainer.generate import context_length
 
     images = None
     stops: list[int] | None = None
@@ -180,23 +216,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
             limit - 1,
         )
         ids = ids[-(limit - 1) :]
-    generator = None
-    if args.seed is not None:
-        generator = torch.Generator(device=device).manual_seed(args.seed)
-    prompt = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=device)  # (n, s)
-    out = generate(
-        model,
-        prompt,
-        args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        generator=generator,
-        images=images,
-        eod_id=stops,
-    )
-    rows = out.tolist()
-    if images is not None:  # the placeholders are no text: print the prompt as it was given
+    return ids, images, stops
+
+
+def _print_rows(
+    args: argparse.Namespace, rows: list, ids: list[int], has_images: bool, stops, tokenizer
+) -> None:
+    """Print each sample: the prompt as given and its continuation, or a chat's answer alone."""
+    if has_images:  # the placeholders are no text: print the prompt as it was given
         prompt_ids = tokenizer.encode(args.prompt)
         rows = [prompt_ids + row[len(ids) :] for row in rows]
         _print_samples(rows, len(prompt_ids), tokenizer.decode, args.json)
@@ -205,7 +232,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         _print_samples(rows, 0, tokenizer.decode, args.json)
     else:
         _print_samples(rows, len(ids), tokenizer.decode, args.json)
-    return 0
 
 
 def _chat_prompt(args: argparse.Namespace, tokenizer) -> tuple[list[int], list[int]]:

@@ -36,6 +36,7 @@ from torch import nn
 from meshtrain.services.common.model_config import ModelConfig
 from meshtrain.services.trainer.model.gpt import GPT
 from meshtrain.services.trainer.model.moe import MoEStats, moe_layers
+from meshtrain.services.trainer.parallel import mappings
 from meshtrain.services.trainer.tracking import Tracker, close_trackers, scalars
 
 log = logging.getLogger("meshtrain.train")
@@ -171,6 +172,18 @@ def memory_metrics(device: torch.device) -> dict[str, float]:
     if device.type == "cuda":
         out["mem_max_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     return out
+
+
+def mean_losses(pending: list[tuple[torch.Tensor, torch.Tensor]], mesh) -> list[float]:
+    """The global batch's loss of each pending (loss, grad_norm) step, on the host."""
+    stacked = torch.stack([p[0] for p in pending])
+    if mesh.pp > 1:  # the last stage computed the losses; the others hold zeros
+        stacked = mappings.all_reduce(stacked, mesh.group("pp"))
+    if mesh.cp > 1:  # each cp rank's loss is its share of the mean
+        stacked = mappings.all_reduce(stacked, mesh.group("cp"))
+    if mesh.dp > 1:  # each dp rank saw 1/dp of the batch: average
+        stacked = mappings.all_reduce(stacked, mesh.group("dp")) / mesh.dp
+    return stacked.tolist()
 
 
 def format_duration(seconds: float) -> str:

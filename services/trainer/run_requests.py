@@ -2,7 +2,7 @@
 
 A stop comes from SIGTERM (preemption, `scancel --signal`, torchrun: checkpoint, then exit 0)
 or the control endpoint (`meshtrain stop`); a checkpoint request from `meshtrain save`. Either
-is a flag the loop reads between steps (`Trainer._agreed_requests` shares them across ranks).
+is a flag the loop reads between steps (`agree_on_requests` shares them across ranks).
 
 SIGTERM is acted on by a relay thread, not inside the handler (`relayed_signals`: a handler
 that sets an Event can deadlock the main thread). A rank still in its loop `STOP_STACK_DUMP_S`
@@ -145,3 +145,33 @@ class RunRequests:
             finally:
                 if installed and until_exit:
                     logged_until_exit([signal.SIGTERM], LATE_SIGTERM)
+
+
+def agree_on_requests(
+    requests: RunRequests, mesh, device, at_log_step: bool
+) -> tuple[bool, bool, str | None]:
+    """(stop, checkpoint, the stop's cause) as every rank sees them: any rank's request counts
+    for all; the cause None without a stop.
+
+    Alone this is checked every step; with several ranks only on logging steps, where the
+    loop synchronizes anyway, so requests cost no extra host sync (latency: log_interval).
+    With several ranks the same all-reduce carries each rank's cause in a slot of its own, so
+    every rank's log names the ranks that asked and why.
+    """
+    stop, checkpoint = requests.pending()
+    cause = requests.stop_cause if stop else None  # set before the flag, under its lock
+    if not mesh.distributed:
+        return stop, checkpoint, cause
+    if not at_log_step:
+        return False, False, None
+    import torch
+    import torch.distributed as dist
+
+    # (stop, checkpoint, cause code of rank 0, ..., of rank world-1), MAX over the ranks
+    codes = [0.0] * dist.get_world_size()
+    codes[dist.get_rank()] = float(cause_code(cause))
+    flags = torch.tensor([float(stop), float(checkpoint), *codes], device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    values = [int(v) for v in flags.tolist()]  # one host sync
+    agreed = describe_stop(values[2:]) if values[0] else None
+    return bool(values[0]), bool(values[1]), agreed

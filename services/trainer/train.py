@@ -12,6 +12,9 @@ and RNG states are restored bit for bit. The steps that put a `Trainer` together
 the sharded model and its wrappers, the checkpointer) are in `build.py`. `Trainer` reads in
 that order: its build (data, model, optimizer and restore, the step's forward, checkpointer),
 one `train_step`, evaluation and saving, then the loop (`run`) that logs, evaluates and saves.
+What differs between objectives (language modeling, DPO, GRPO: batches, head, forward inputs,
+extra metrics, evaluation) is the `Objective`'s (objectives/base.py); the step and the loop
+are the same for all.
 """
 
 from __future__ import annotations
@@ -26,18 +29,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from meshtrain.services.checkpoint.maintenance import apply_retention
 from meshtrain.services.checkpoint.store import open_root
 from meshtrain.services.common.errors import (
     CheckpointError,
     ConfigError,
-    DataError,
     DiskFullError,
     MeshtrainError,
 )
-from meshtrain.services.dataloader.tokenizers.base import absolute_spec, build_tokenizer
 from meshtrain.services.trainer import checkpointing
 from meshtrain.services.trainer.build import (
     build_data_parallel,
@@ -60,52 +60,27 @@ from meshtrain.services.trainer.build import (
 from meshtrain.services.trainer.config.load import LAUNCHER_KEYS_ENV, replace
 from meshtrain.services.trainer.config.sections import JobConfig
 from meshtrain.services.trainer.cuda_graphs import MicroBatchGraph
-from meshtrain.services.trainer.data import TrainData, build_data, placement
 from meshtrain.services.trainer.device_uploads import Uploader
 from meshtrain.services.trainer.fp8.weights import Fp8WeightCache
 from meshtrain.services.trainer.metrics import (
     MetricsLog,
     ModelSize,
     RouterStats,
-    memory_metrics,
     model_size,
     peak_tflops,
     plot_losses,
 )
-from meshtrain.services.trainer.objectives.dpo import (
-    FrozenReference,
-    build_preference_data,
-    check_dpo_job,
-    pair_micro_batches,
-    reduce_stats,
-    use_preference_head,
-)
-from meshtrain.services.trainer.objectives.grpo import GRPOHead, TokenLogpsHead, finish_loss_stats
-from meshtrain.services.trainer.objectives.grpo_steps import (
-    Rollouts,
-    check_grpo_job,
-    reduce_loss_stats,
-    use_grpo_head,
-)
-from meshtrain.services.trainer.objectives.preference import (
-    PairTargets,
-    PreferenceHead,
-    finish_stats,
-)
-from meshtrain.services.trainer.objectives.publish import WeightsPublisher
-from meshtrain.services.trainer.objectives.rollouts import rollout_backend
+from meshtrain.services.trainer.objectives.base import Objective, objective_for
 from meshtrain.services.trainer.optim.optimizer import build_optimizer, clip_grad_norm, set_lr
 from meshtrain.services.trainer.optim.schedule import lr_at
-from meshtrain.services.trainer.parallel import mappings
-from meshtrain.services.trainer.parallel.context import token_count
 from meshtrain.services.trainer.resume import refuse_a_root_with_later_steps, resume
 from meshtrain.services.trainer.run_dir import make_run_dir, release_run_dir, run_dir_toml
 from meshtrain.services.trainer.run_requests import (
     CONTROL_STOP,
     RunRequests,
-    cause_code,
-    describe_stop,
+    agree_on_requests,
 )
+from meshtrain.services.trainer.step_log import StepLog
 from meshtrain.services.trainer.tracking import open_trackers, require_packages
 from meshtrain.services.trainer.weight_copies import call_with
 
@@ -129,19 +104,6 @@ class TrainResult:
     """True when a stop request (SIGTERM, the control endpoint) ended the run before train_iters."""
 
 
-@dataclass
-class _LogWindow:
-    """The steps run since the last log: their (loss, grad_norm) on the device, and the clock."""
-
-    start: float
-    """perf_counter() when the last log ended."""
-    step: int
-    """The step last logged (the run's start before the first log)."""
-    pending: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    paused: float = 0.0
-    """Seconds spent in eval/save since the last log, left out of step times."""
-
-
 class Trainer:
     """Owns the model, optimizer, data and run directory of one job."""
 
@@ -163,10 +125,8 @@ class Trainer:
                 f"train.global_batch_size={t.global_batch_size} must be a multiple of "
                 f"train.micro_batch_size={t.micro_batch_size} x data-parallel size {self.mesh.dp}"
             )
-        if t.objective == "dpo":
-            check_dpo_job(job, self.mesh)
-        elif t.objective == "grpo":
-            check_grpo_job(job, self.mesh)
+        # what differs between language modeling, DPO and GRPO (objectives/)
+        self.objective: Objective = objective_for(job, self.mesh)
         self.run_dir = make_run_dir(job.log.run_dir, self.mesh)
         self._run_dir_released = False
         try:
@@ -213,26 +173,7 @@ class Trainer:
     def _build_data(self, job: JobConfig) -> JobConfig:
         """This rank's batch sources; returns the job completed by them (the vocabulary size, the
         checkpoint folder), which rank 0 writes to RUN_DIR/config.toml."""
-        # context-parallel peers read the same samples, each only its chunks of them; from the
-        # service, a tensor-parallel group pulls once and shares
-        spread, sharing = placement(self.mesh, bool(job.data.service_addresses))
-        if job.train.objective == "dpo":
-            self.data = build_preference_data(job, self.mesh.dp_rank, self.mesh.dp)
-        elif job.train.objective == "grpo":
-            # the batches are sampled by the policy each step (`Rollouts`, built with the model)
-            tok = build_tokenizer(job.data.tokenizer)
-            spec = absolute_spec(job.data.tokenizer)
-            self.data = TrainData(None, None, tok.vocab_size, spec, str(job.grpo.prompts_path))
-        else:
-            self.data = build_data(
-                job,
-                dp_rank=self.mesh.dp_rank,
-                dp_size=self.mesh.dp,
-                cp_rank=self.mesh.cp_rank,
-                cp_size=self.mesh.cp,
-                spread=spread,
-                sharing=sharing,
-            )
+        self.data = self.objective.build_data(job, self.mesh)
         if job.model.vocab_size is None:
             job = replace(job, model={"vocab_size": self.data.vocab_size})
         if job.checkpoint.save is None:
@@ -247,17 +188,7 @@ class Trainer:
         statistics; returns the size of the whole model, whatever this rank holds of it."""
         job = self.job
         self.model, self.fp8, self.pipeline = build_model(job, self.mesh, self.device)
-        # preference tuning: the policy's head computes the DPO loss (its statistics kept here)
-        self.preference_head: PreferenceHead | None = None
-        self.preference_stats: torch.Tensor | None = None
-        self.eval_preference_stats: dict[str, float] = {}
-        if job.train.objective == "dpo":
-            self.preference_head = use_preference_head(self.model, job.dpo)
-        # GRPO: the policy's head computes the clipped policy-ratio loss
-        self.grpo_head: GRPOHead | None = None
-        self.grpo_stats: torch.Tensor | None = None
-        if job.train.objective == "grpo":
-            self.grpo_head = use_grpo_head(self.model, job.grpo)
+        self.objective.use_head(self.model)  # DPO, GRPO: the policy's loss becomes theirs
         size = model_size(job.model)
         self.flops_per_token, self.num_parameters = size.flops_per_token, size.parameters
         self.active_parameters = size.active_parameters
@@ -319,14 +250,7 @@ class Trainer:
         )
         if self.pipeline is not None:
             self.pipeline.attach(self.ddp, self.autocast)
-        self.reference = None
-        if job.train.objective == "dpo" and job.dpo.reference == "frozen":
-            self.reference = FrozenReference.build(
-                job, self.mesh, self.device, self.model, self.state.iteration, self.autocast
-            )
-        self.rollouts: Rollouts | None = None
-        if job.train.objective == "grpo":
-            self.rollouts = self._build_rollouts()
+        self.objective.build(self)  # e.g. DPO's frozen reference, GRPO's rollouts
         self.graph = None
         if job.train.cuda_graph:
             check_cuda_graph(self.device, self.mesh)
@@ -337,39 +261,6 @@ class Trainer:
                 list(self.model.parameters()),
                 self.device,
             )
-
-    def _build_rollouts(self) -> Rollouts:
-        """GRPO's rollouts: the backend (the policy itself, or the rollout service) and, with
-        grpo.beta > 0, the frozen reference (per-token log-probs, sharded like the policy)."""
-        job, g = self.job, self.job.grpo
-        tok = build_tokenizer(job.data.tokenizer)
-        reference = None
-        if g.beta > 0:
-            reference = FrozenReference.build(
-                job,
-                self.mesh,
-                self.device,
-                self.model,
-                self.state.iteration,
-                self.autocast,
-                load=(g.reference_load, g.reference_load_step),
-                head=TokenLogpsHead,
-            )
-        backend = rollout_backend(job, self.model, tok.eod_id, self.device)
-        publisher = WeightsPublisher(
-            job, self.model, self.mesh, backend, self._checkpoint_for_rollouts
-        )
-        return Rollouts(job, self.mesh, self.device, tok, backend, reference, publisher.publish)
-
-    def _checkpoint_for_rollouts(self, step: int) -> None:
-        """grpo.publish = 'checkpoint': commit a checkpoint of step `step` (the current weights)
-        for the rollout workers to load, unless this run has one of it already (collective)."""
-        if self.state.iteration != step:
-            raise MeshtrainError(f"weights of step {step} asked for at step {self.state.iteration}")
-        if self.last_saved != step:
-            if self.save() is None:
-                raise CheckpointError(f"the checkpoint of step {step} could not be saved")
-        self.checkpointer.wait()  # committed before a worker is asked to load it
 
     def _build_checkpointer(self, resumed_here: int | None) -> None:
         """The checkpointer, once the root is known to take this run's saves. Opened last, so an
@@ -390,10 +281,7 @@ class Trainer:
         on device."""
         # a middle pipeline stage reads no data: it receives activations and sends gradients
         reads = self.pipeline is None or self.pipeline.reads_data
-        if self.rollouts is not None:  # sampled by the policy (every grpo.num_iterations steps)
-            micro = self.rollouts.micro_batches(step)
-        else:
-            micro = self.data.train.micro_batches(step) if reads else None
+        micro = self.objective.micro_batches(step, reads)
         set_lr(self.optimizer, lr_at(step, self.job.optim, self.job.train.train_iters))
         copies = None
         if self.weight_copies is not None:
@@ -402,7 +290,7 @@ class Trainer:
                 self.fp8_weights.refresh(self.weight_copies.copies)
             copies = self._copies()
         if self.pipeline is not None:
-            total = self.pipeline.step(self._pipeline_inputs(micro, self.pipeline.n_micro))
+            total = self.pipeline.step(list(self.objective.inputs(micro, self.pipeline.n_micro)))
         else:
             total = self._accumulate(micro, copies)
         if self.ddp is not None:
@@ -416,10 +304,7 @@ class Trainer:
             self.optimizer.step()
             # a captured graph adds into the .grad tensors it was captured with: keep them
             self.optimizer.zero_grad(set_to_none=self.graph is None)
-        if self.preference_head is not None:
-            self.preference_stats = self.preference_head.take_stats()
-        if self.grpo_head is not None:
-            self.grpo_stats = self.grpo_head.take_stats()
+        self.objective.end_step()  # e.g. the step's loss statistics
         if self.fp8 is not None:
             self.fp8.step_end()  # delayed scaling: the next step's scales from this step's amaxes
         # Expert biases move by this step's loads; its statistics are kept for the log.
@@ -433,42 +318,10 @@ class Trainer:
             return self.weight_copies.copies
         return {**self.weight_copies.copies, **self.fp8_weights.entries}
 
-    def _pipeline_inputs(self, micro, n: int):
-        """Each of `n` micro-batches on the device for the stages that read data (`micro`), n
-        Nones for the others (`micro` None)."""
-        if self.preference_head is not None:
-            return self._pair_inputs(micro, n)
-        return list(self._on_device(micro)) if micro is not None else [None] * n
-
-    def _pair_inputs(self, micro, n: int) -> list:
-        """DPO: (tokens, labels, PairTargets) of each micro-batch on the device, with the frozen
-        reference's log-probs (computed here, on every stage of a pipeline), or n Nones for a
-        stage that reads no data."""
-        inputs: list = [None] * n
-        if micro is not None:
-            for b in micro:
-                self._check_token_ids(b)
-            inputs = pair_micro_batches(
-                micro, lambda ts: next(iter(self.uploader.upload([ts]))), None
-            )
-        if self.reference is not None:
-            refs = self.reference.logps(inputs)
-            inputs = [
-                x if x is None else (x[0], x[1], PairTargets(x[2].loss_mask, r))
-                for x, r in zip(inputs, refs, strict=True)
-            ]
-        return inputs
-
     def _accumulate(self, micro, copies) -> torch.Tensor:
         """Forward and backward of every micro-batch of a step (no pipeline); the step's loss."""
         total = torch.zeros((), device=self.device)
-        if self.preference_head is not None:
-            batches = self._pair_inputs(micro, len(micro))
-        elif self.rollouts is not None:
-            batches = micro  # (tokens, labels, RolloutTargets), on the device already
-        else:
-            batches = self._on_device(micro)
-        for i, inputs in enumerate(batches):
+        for i, inputs in enumerate(self.objective.inputs(micro, len(micro))):
             if self.graph is not None:
                 present = [t for t in inputs if t is not None]  # no document ids (refused)
                 if not self.graph.captured:  # the first step's start: gradients are zero
@@ -512,137 +365,20 @@ class Trainer:
         position_ids = positions[0] if positions else None
         return self._micro_batch(copies, n_micro, tokens, labels, mask, None, position_ids)
 
-    def _on_device(self, batches):
-        """(tokens, labels, loss_mask, document_ids, position_ids, images) of each micro-batch on
-        the device, in order (`Uploader`); the last three None where the batches have none."""
-        for b in batches:
-            self._check_token_ids(b)
-            self._check_images(b)
-        fields = [
-            (
-                b.tokens,
-                b.labels,
-                b.loss_mask,
-                b.document_ids,
-                b.position_ids,
-                getattr(b, "images", None),
-            )
-            for b in batches
-        ]
-        uploaded = self.uploader.upload([tuple(t for t in f if t is not None) for f in fields])
-        for f, tensors in zip(fields, uploaded):
-            present = iter(tensors)
-            yield tuple(None if t is None else next(present) for t in f)
+    @property
+    def reference(self):
+        """The objective's frozen reference model (DPO), or None."""
+        return self.objective.reference
 
-    def _check_token_ids(self, batch) -> None:
-        """Refuse a token id past the model's vocabulary (data tokenized with another tokenizer
-        than data.tokenizer), naming it, instead of an embedding IndexError or a CUDA device
-        assert. On the host tensors, before the upload: no device synchronization."""
-        if (
-            batch.tokens.device.type != "cpu"
-        ):  # already uploaded (the max would wait for the device)
-            return
-        vocab = self.job.model.vocab_size
-        top = max(int(batch.tokens.max()), int(batch.labels.max()))
-        if top >= vocab:
-            data = " ".join(map(str, self.job.data.data_path)) or self.data.prefix
-            raise DataError(
-                f"token id {top} is outside the model's vocabulary of {vocab} (tokenizer "
-                f"{self.data.tokenizer}): the data {data} was preprocessed with another tokenizer; "
-                "give that one as --tokenizer"
-            )
+    @property
+    def rollouts(self):
+        """The objective's batches of rollouts (GRPO), or None."""
+        return self.objective.rollouts
 
-    def _check_images(self, batch) -> None:
-        """Refuse images for a text-only model, and placeholder tokens that do not match the
-        images (naming the counts), on the host tensors before the upload."""
-        images = getattr(batch, "images", None)
-        vision = self.job.model.vision
-        if vision is None:
-            if images is not None and images.shape[0]:
-                raise DataError(
-                    f"the batch carries {images.shape[0]} images and model.vision is unset: "
-                    "configure a vision encoder ([model.vision]) or read text-only data"
-                )
-            return
-        if batch.tokens.device.type != "cpu":
-            return
-        placeholders = int((batch.tokens == vision.image_token_id).sum())
-        n = 0 if images is None else images.shape[0]
-        per_image = 0
-        if n:
-            rows, cols = images.shape[2] // vision.patch_size, images.shape[3] // vision.patch_size
-            per_image = rows * cols + (vision.select_feature == "cls_patch")
-        if placeholders != n * per_image:
-            raise DataError(
-                f"micro-batch {batch.microbatch} of step {batch.step} has {placeholders} image "
-                f"placeholder tokens (model.vision.image_token_id={vision.image_token_id}) for "
-                f"{n} images of {per_image} tokens each"
-            )
-
-    @torch.no_grad()
     def evaluate(self) -> float:
+        """The validation loss of the current weights (identical on every rank)."""
         assert self.data.valid is not None
-        if self.preference_head is not None:
-            return self._evaluate_pairs()
-        self.model.eval()
-        if self.pipeline is not None:
-            total, counted = self._pipeline_eval_sums()
-        else:
-            total = torch.zeros((), dtype=torch.float64, device=self.device)
-            counted = torch.zeros((), dtype=torch.float64, device=self.device)
-            for tokens, labels, mask, docs, positions, images in self._on_device(
-                self.data.valid.micro_batches(0)
-            ):
-                batch = (tokens, labels, mask, docs, positions)
-                with self.autocast:
-                    # mean over this micro-batch's counted tokens
-                    loss = self.forward(*batch, *([images] if images is not None else [])).float()
-                # Weighted by the tokens each micro-batch counts (Megatron sums loss and token count
-                # over the eval batches): with EOD masked they differ, and a mean of means would not
-                # be the loss per token.
-                n = token_count(self.model.context, mask)  # over the cp group: the share's divisor
-                total += loss.double() * n
-                counted += n
-        self.model.train()
-        if (
-            self.mesh.cp > 1
-        ):  # each cp rank's loss was its share: their weighted sum is the micro-batch's
-            total = mappings.all_reduce(total, self.mesh.group("cp"))
-        if self.mesh.dp > 1:  # each dp rank evaluated its share of the eval batches
-            sums = mappings.all_reduce(torch.stack([total, counted]), self.mesh.group("dp"))
-            total, counted = sums[0], sums[1]
-        return (total / counted.clamp(min=1.0)).item()  # identical on every rank
-
-    @torch.no_grad()
-    def _evaluate_pairs(self) -> float:
-        """DPO: the mean preference loss over the held-out pairs (eval_iters global batches), and
-        their statistics in `eval_preference_stats`."""
-        assert self.preference_head is not None and self.data.valid is not None
-        self.model.eval()
-        self.preference_head.take_stats()  # this step's are already kept
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for step in range(self.job.train.eval_iters):
-            micro = self.data.valid.micro_batches(step)
-            for tokens, labels, targets in self._pair_inputs(micro, len(micro)):
-                with self.autocast:
-                    loss = self.forward(tokens, labels, targets).double()
-                total += loss * tokens.shape[0] / 2  # a mean over the micro-batch's pairs
-        self.model.train()
-        stats = reduce_stats(self.preference_head.take_stats(), self.mesh, self.device)
-        total = mappings.all_reduce(total, self.mesh.group("dp")) if self.mesh.dp > 1 else total
-        pairs = stats[-1].double()
-        self.eval_preference_stats = finish_stats(stats)
-        return (total / pairs.clamp(min=1.0)).item()
-
-    def _pipeline_eval_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(token-weighted loss sum, tokens counted) of this dp rank's eval batches through the
-        pipeline: computed on the last stage, shared with the others over pp."""
-        t = self.job.train
-        n = t.eval_iters * t.global_batch_size // (t.micro_batch_size * self.mesh.dp)
-        micro = self.data.valid.micro_batches(0) if self.pipeline.reads_data else None
-        total, counted = self.pipeline.runtime.forward_only(self._pipeline_inputs(micro, n))
-        sums = mappings.all_reduce(torch.stack([total, counted]), self.mesh.group("pp"))
-        return sums[0], sums[1]
+        return self.objective.evaluate()
 
     def save(self) -> str | None:
         """Start saving the current state (asynchronous unless checkpoint.async_save is off).
@@ -782,7 +518,7 @@ class Trainer:
         """Steps `start`..train.train_iters, each logged, evaluated and saved when due; returns
         early after the save of an agreed stop."""
         job, t = self.job, self.job.train
-        window = _LogWindow(time.perf_counter(), start)
+        window = StepLog(self, result, metrics, start, tokens_per_step)
         for step in range(start, t.train_iters):
             loss, grad_norm = self.train_step(step)
             self.state.iteration = step + 1
@@ -793,21 +529,17 @@ class Trainer:
             # The first step this run computes is logged too: the run summary shows its loss,
             # and metrics.jsonl must hold every loss the summary reports.
             if n % job.log.log_interval == 0 or n == t.train_iters or n == start + 1:
-                self._log_steps(window, n, result, metrics, tokens_per_step)
+                window.log(n)
             pause_start = time.perf_counter()
             if self.data.valid is not None and (n % t.eval_interval == 0 or n == t.train_iters):
                 result.eval_losses[n] = self.evaluate()
                 metrics.eval(n, result.eval_losses[n])
-                if self.eval_preference_stats and self.is_main:
-                    metrics.write(
-                        {
-                            "step": n,
-                            **{f"eval_{k}": v for k, v in self.eval_preference_stats.items()},
-                        }
-                    )
+                extra = self.objective.eval_metrics()
+                if extra and self.is_main:
+                    metrics.write({"step": n, **{f"eval_{k}": v for k, v in extra.items()}})
             stop, checkpoint_now = self._agreed_requests(at_log_step=not window.pending)
             if stop and window.pending:  # alone, a stop is acted on at any step: log what it ran
-                self._log_steps(window, n, result, metrics, tokens_per_step)
+                window.log(n)
             if stop:
                 log.warning(
                     "%s: saving a checkpoint after step %d, then stopping", self.stop_cause, n
@@ -820,84 +552,6 @@ class Trainer:
                 )
                 result.stopped_early = True
                 return
-
-    def _log_steps(
-        self,
-        window: _LogWindow,
-        n: int,
-        result: TrainResult,
-        metrics: MetricsLog,
-        tokens_per_step: int,
-    ) -> None:
-        """Record the steps since the last log, ending with step n (one host sync)."""
-        losses = self._mean_losses(window.pending)  # the one host sync
-        norm = window.pending[-1][1].item()
-        now = time.perf_counter()
-        step_time = (now - window.start - window.paused) / (n - window.step)
-        for k, value in enumerate(losses):
-            result.losses[window.step + k + 1] = value
-        record = self._step_record(n, losses[-1], norm, step_time, tokens_per_step)
-        disk_full = self.checkpointer.poll()  # a save that ended since: recovered, or failed
-        if disk_full is not None and self.is_main:
-            record["checkpoint_error"] = str(disk_full[1])
-        metrics.step(record)
-        if disk_full is not None and self.is_main:  # on every logged step until a save commits
-            log.warning(
-                "the last checkpoint save failed (%s); training goes on, and the next save tries "
-                "again",
-                disk_full[1],
-            )
-        self.progress.update(
-            loss=losses[-1],
-            tokens_per_s=record["tokens_per_s"],
-            eta_s=(self.job.train.train_iters - n) * step_time,
-        )
-        window.pending.clear()
-        window.start, window.step, window.paused = time.perf_counter(), n, 0.0
-
-    def _mean_losses(self, pending: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
-        """The global batch's loss of each pending step, on the host."""
-        stacked = torch.stack([p[0] for p in pending])
-        if self.mesh.pp > 1:  # the last stage computed the losses; the others hold zeros
-            stacked = mappings.all_reduce(stacked, self.mesh.group("pp"))
-        if self.mesh.cp > 1:  # each cp rank's loss is its share of the mean
-            stacked = mappings.all_reduce(stacked, self.mesh.group("cp"))
-        if self.mesh.dp > 1:  # each dp rank saw 1/dp of the batch: average
-            stacked = mappings.all_reduce(stacked, self.mesh.group("dp")) / self.mesh.dp
-        return stacked.tolist()
-
-    def _step_record(
-        self, n: int, loss: float, norm: float, step_time: float, tokens_per_step: int
-    ) -> dict:
-        """metrics.jsonl's row of step n: loss, lr, throughput, MFU, memory, MoE statistics."""
-        job, t = self.job, self.job.train
-        record = {
-            "step": n,
-            "loss": loss,
-            "lr": lr_at(n - 1, job.optim, t.train_iters),
-            "grad_norm": norm,
-            "tokens_per_s": tokens_per_step / step_time,
-            "step_time_s": step_time,
-            "consumed_samples": self.state.consumed_samples,
-        }
-        if self.peak:  # per device: the global batch's FLOPs shared by every rank
-            record["mfu"] = (
-                self.flops_per_token
-                * record["tokens_per_s"]
-                / (self.peak * 1e12 * self.mesh.world_size)
-            )
-        if self.preference_head is not None:  # TRL's names: rewards/accuracies, ...
-            stats = reduce_stats(self.preference_stats, self.mesh, self.device)
-            record.update(finish_stats(stats))
-        if self.grpo_head is not None and self.rollouts is not None:  # TRL's names
-            stats = reduce_loss_stats(self.grpo_stats, self.mesh, self.device)
-            record.update(finish_loss_stats(stats, self.job.grpo.beta))
-            record.update(self.rollouts.take_metrics())
-        record.update(memory_metrics(self.device))
-        record.update(
-            self.router_stats.metrics(job.model, self.device)
-        )  # the MoE routers' (every rank)
-        return record
 
     def _save_if_due(self, n: int, requested: bool, stop: bool, result: TrainResult) -> None:
         """Save after step n at checkpoint.save_interval, the last step, or on request (a stop's
@@ -944,29 +598,14 @@ class Trainer:
         return self.requests.pending()
 
     def _agreed_requests(self, at_log_step: bool) -> tuple[bool, bool]:
-        """(stop, checkpoint) as every rank sees them: any rank's request counts for all.
-
-        Alone this is checked every step; with several ranks only on logging steps, where the
-        loop synchronizes anyway, so requests cost no extra host sync (latency: log_interval).
-        A stop sets `self.stop_cause`; with several ranks the same all-reduce carries each rank's
-        cause in a slot of its own, so every rank's log names the ranks that asked and why.
-        """
-        stop, checkpoint = self.requests.pending()
-        cause = self.requests.stop_cause if stop else None  # set before the flag, under its lock
-        if not self.mesh.distributed:
+        """(stop, checkpoint) as every rank sees them (`agree_on_requests`); a stop sets
+        `self.stop_cause`."""
+        stop, checkpoint, cause = agree_on_requests(
+            self.requests, self.mesh, self.device, at_log_step
+        )
+        if stop or not self.mesh.distributed:
             self.stop_cause = cause
-            return stop, checkpoint
-        if not at_log_step:
-            return False, False
-        # (stop, checkpoint, cause code of rank 0, ..., of rank world-1), MAX over the ranks
-        codes = [0.0] * dist.get_world_size()
-        codes[dist.get_rank()] = float(cause_code(cause))
-        flags = torch.tensor([float(stop), float(checkpoint), *codes], device=self.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        values = [int(v) for v in flags.tolist()]  # one host sync
-        if values[0]:
-            self.stop_cause = describe_stop(values[2:])
-        return bool(values[0]), bool(values[1])
+        return stop, checkpoint
 
 
 def train(job: JobConfig, until_exit: bool = False) -> TrainResult:

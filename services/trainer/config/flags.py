@@ -253,11 +253,12 @@ def parse_layer_freq(text: str) -> int | list[int]:
             return node.value
         if isinstance(node, (ast.List, ast.Tuple)):
             items = [value(e) for e in node.elts]
-            if any(not isinstance(v, int) for v in items):
+            ints = [v for v in items if isinstance(v, int)]
+            if len(ints) != len(items):
                 raise ConfigError(
                     f"--moe-layer-freq={text!r}: lists hold integers only (no nested lists)"
                 )
-            return items
+            return ints
         if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
             left, right = value(node.left), value(node.right)
             if isinstance(node.op, ast.Add):

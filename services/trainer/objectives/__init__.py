@@ -1,1 +1,2 @@
-"""Training objectives besides the language-model loss (preference tuning)."""
+"""Training objectives: what language modeling, preference tuning (DPO) and GRPO each supply
+the training loop (`base.Objective`)."""

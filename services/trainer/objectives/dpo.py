@@ -1,7 +1,7 @@
 """Preference tuning in the trainer: the checks, the pairs' batch sources, the policy's head and
 the frozen reference model on the same mesh.
 
-`Trainer` calls these when `train.objective = "dpo"` (docs/dpo.md):
+`DPO` is the objective `Trainer` runs when `train.objective = "dpo"` (docs/dpo.md), on these:
 
     check_dpo_job(job, mesh)                    # what DPO does not compose with, refused by name
     data = build_preference_data(job, dp_rank, dp_size)
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import random
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -38,16 +38,21 @@ from meshtrain.services.trainer.build import build_model
 from meshtrain.services.trainer.config.dpo import DPOConfig
 from meshtrain.services.trainer.config.sections import JobConfig
 from meshtrain.services.trainer.data import TrainData
+from meshtrain.services.trainer.objectives.base import Objective, check_token_ids
 from meshtrain.services.trainer.objectives.preference import (
     STAT_NAMES,
     DPOLoss,
     PairTargets,
     PreferenceHead,
     SequenceLogpsHead,
+    finish_stats,
 )
 from meshtrain.services.trainer.parallel import mappings
 from meshtrain.services.trainer.parallel.mesh import Mesh
 from meshtrain.services.trainer.parallel.pipeline.engine import Pipeline
+
+if TYPE_CHECKING:
+    from meshtrain.services.trainer.train import Trainer
 
 log = logging.getLogger("meshtrain.train")
 
@@ -291,3 +296,93 @@ def reduce_stats(stats: torch.Tensor | None, mesh: Mesh, device: torch.device) -
     if mesh.dp > 1:
         stats = mappings.all_reduce(stats, mesh.group("dp"))
     return stats
+
+
+class DPO(Objective):
+    """train.objective = 'dpo': pairs in, the preference loss out of the policy's head, the
+    frozen reference's sums (dpo.reference = 'frozen') computed on every stage of a step."""
+
+    def __init__(self, job: JobConfig, mesh: Mesh):
+        check_dpo_job(job, mesh)
+        super().__init__(job, mesh)
+        self.config = job.dpo
+        self.head: PreferenceHead | None = None
+        self.stats: torch.Tensor | None = None  # the last step's, summed on this rank
+        self.eval_stats: dict[str, float] = {}
+
+    def build_data(self, job: JobConfig, mesh: Mesh) -> TrainData:
+        return build_preference_data(job, mesh.dp_rank, mesh.dp)
+
+    def use_head(self, model: nn.Module) -> None:
+        # the policy's head computes the DPO loss (its statistics kept here)
+        self.head = use_preference_head(model, self.config)
+
+    def build(self, trainer: Trainer) -> None:
+        super().build(trainer)
+        if trainer.job.dpo.reference == "frozen":
+            self.reference = FrozenReference.build(
+                trainer.job,
+                self.mesh,
+                trainer.device,
+                trainer.model,
+                trainer.state.iteration,
+                trainer.autocast,
+            )
+
+    def micro_batches(self, step: int, reads: bool) -> list | None:
+        source: Any = self.trainer.data.train
+        return source.micro_batches(step) if reads else None
+
+    def inputs(self, micro: list | None, n: int) -> list:
+        """(tokens, labels, PairTargets) of each micro-batch on the device, with the frozen
+        reference's log-probs (computed here, on every stage of a pipeline), or n Nones for a
+        stage that reads no data."""
+        trainer = self.trainer
+        inputs: list = [None] * n
+        if micro is not None:
+            for b in micro:
+                check_token_ids(b, trainer.job, trainer.data)
+            inputs = pair_micro_batches(
+                micro, lambda ts: next(iter(trainer.uploader.upload([ts]))), None
+            )
+        if self.reference is not None:
+            refs = self.reference.logps(inputs)
+            inputs = [
+                x if x is None else (x[0], x[1], PairTargets(x[2].loss_mask, r))
+                for x, r in zip(inputs, refs, strict=True)
+            ]
+        return inputs
+
+    def end_step(self) -> None:
+        assert self.head is not None
+        self.stats = self.head.take_stats()
+
+    def step_metrics(self) -> dict[str, float]:
+        # TRL's names: rewards/accuracies, ...
+        return finish_stats(reduce_stats(self.stats, self.mesh, self.trainer.device))
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """The mean preference loss over the held-out pairs (eval_iters global batches), and
+        their statistics in `eval_metrics`."""
+        trainer = self.trainer
+        assert self.head is not None and trainer.data.valid is not None
+        valid: Any = trainer.data.valid
+        trainer.model.eval()
+        self.head.take_stats()  # this step's are already kept
+        total = torch.zeros((), dtype=torch.float64, device=trainer.device)
+        for step in range(trainer.job.train.eval_iters):
+            micro = valid.micro_batches(step)
+            for tokens, labels, targets in self.inputs(micro, len(micro)):
+                with trainer.autocast:
+                    loss = trainer.forward(tokens, labels, targets).double()
+                total += loss * tokens.shape[0] / 2  # a mean over the micro-batch's pairs
+        trainer.model.train()
+        stats = reduce_stats(self.head.take_stats(), self.mesh, trainer.device)
+        total = mappings.all_reduce(total, self.mesh.group("dp")) if self.mesh.dp > 1 else total
+        pairs = stats[-1].double()
+        self.eval_stats = finish_stats(stats)
+        return (total / pairs.clamp(min=1.0)).item()
+
+    def eval_metrics(self) -> dict[str, float]:
+        return self.eval_stats

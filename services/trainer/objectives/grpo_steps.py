@@ -1,6 +1,5 @@
-"""GRPO in the trainer: the checks, and the batches of rollouts each optimizer step trains on.
-
-`Trainer` calls these when `train.objective = "grpo"` (docs/grpo.md):
+"""GRPO in the trainer: the checks, the batches of rollouts each optimizer step trains on, and
+the objective (`GRPO`) `Trainer` runs when `train.objective = "grpo"` (docs/grpo.md), on these:
 
     check_grpo_job(job, mesh)                    # what GRPO does not compose with, by name
     use_grpo_head(model, job.grpo)               # the policy's loss becomes the GRPO loss
@@ -22,28 +21,37 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 
-from meshtrain.services.common.errors import ConfigError, MeshtrainError
-from meshtrain.services.dataloader.tokenizers.base import Tokenizer
+from meshtrain.services.common.errors import CheckpointError, ConfigError, MeshtrainError
+from meshtrain.services.dataloader.tokenizers.base import Tokenizer, absolute_spec, build_tokenizer
 from meshtrain.services.rollout.types import RolloutBackend, RolloutRequest, SamplingParams
 from meshtrain.services.trainer.config.grpo import GRPOConfig
 from meshtrain.services.trainer.config.sections import JobConfig
+from meshtrain.services.trainer.data import TrainData
+from meshtrain.services.trainer.objectives.base import Objective
+from meshtrain.services.trainer.objectives.dpo import FrozenReference
 from meshtrain.services.trainer.objectives.grpo import (
     LOSS_STAT_NAMES,
     GRPOHead,
     GRPOLoss,
     RolloutTargets,
+    TokenLogpsHead,
+    finish_loss_stats,
     group_advantages,
 )
 from meshtrain.services.trainer.objectives.prompts import PromptSet
-from meshtrain.services.trainer.objectives.publish import check_publish
+from meshtrain.services.trainer.objectives.publish import WeightsPublisher, check_publish
 from meshtrain.services.trainer.objectives.rewards import Rewards
+from meshtrain.services.trainer.objectives.rollouts import rollout_backend
 from meshtrain.services.trainer.parallel import mappings
 from meshtrain.services.trainer.parallel.mesh import Mesh
+
+if TYPE_CHECKING:
+    from meshtrain.services.trainer.train import Trainer
 
 log = logging.getLogger("meshtrain.train")
 
@@ -265,3 +273,84 @@ def reduce_loss_stats(stats: torch.Tensor | None, mesh: Mesh, device: torch.devi
     if mesh.dp > 1:
         stats = mappings.all_reduce(stats, mesh.group("dp"))
     return stats
+
+
+class GRPO(Objective):
+    """train.objective = 'grpo': each step's batches sampled by the policy (`Rollouts`), the
+    clipped policy-ratio loss out of the policy's head."""
+
+    def __init__(self, job: JobConfig, mesh: Mesh):
+        check_grpo_job(job, mesh)
+        super().__init__(job, mesh)
+        self.config = job.grpo
+        self.head: GRPOHead | None = None
+        self.stats: torch.Tensor | None = None  # the last step's, summed on this rank
+
+    def build_data(self, job: JobConfig, mesh: Mesh) -> TrainData:
+        # the batches are sampled by the policy each step (`Rollouts`, built with the model)
+        tok = build_tokenizer(job.data.tokenizer)
+        spec = absolute_spec(job.data.tokenizer)
+        return TrainData(None, None, tok.vocab_size, spec, str(job.grpo.prompts_path))
+
+    def use_head(self, model: nn.Module) -> None:
+        # the policy's head computes the clipped policy-ratio loss
+        self.head = use_grpo_head(model, self.config)
+
+    def build(self, trainer: Trainer) -> None:
+        """The rollouts: the backend (the policy itself, or the rollout service) and, with
+        grpo.beta > 0, the frozen reference (per-token log-probs, sharded like the policy)."""
+        super().build(trainer)
+        job, g = trainer.job, trainer.job.grpo
+        tok = build_tokenizer(job.data.tokenizer)
+        reference = None
+        if g.beta > 0:
+            reference = FrozenReference.build(
+                job,
+                self.mesh,
+                trainer.device,
+                trainer.model,
+                trainer.state.iteration,
+                trainer.autocast,
+                load=(g.reference_load, g.reference_load_step),
+                head=TokenLogpsHead,
+            )
+        backend = rollout_backend(job, trainer.model, tok.eod_id, trainer.device)
+        publisher = WeightsPublisher(
+            job, trainer.model, self.mesh, backend, self._checkpoint_for_rollouts
+        )
+        self.rollouts = Rollouts(
+            job, self.mesh, trainer.device, tok, backend, reference, publisher.publish
+        )
+
+    def _checkpoint_for_rollouts(self, step: int) -> None:
+        """grpo.publish = 'checkpoint': commit a checkpoint of step `step` (the current weights)
+        for the rollout workers to load, unless this run has one of it already (collective)."""
+        trainer = self.trainer
+        if trainer.state.iteration != step:
+            raise MeshtrainError(
+                f"weights of step {step} asked for at step {trainer.state.iteration}"
+            )
+        if trainer.last_saved != step:
+            if trainer.save() is None:
+                raise CheckpointError(f"the checkpoint of step {step} could not be saved")
+        trainer.checkpointer.wait()  # committed before a worker is asked to load it
+
+    def micro_batches(self, step: int, reads: bool) -> list | None:
+        # sampled by the policy (every grpo.num_iterations steps)
+        return self.rollouts.micro_batches(step)
+
+    def inputs(self, micro: list | None, n: int) -> list:
+        # (tokens, labels, RolloutTargets), on the device already
+        return micro if micro is not None else [None] * n
+
+    def end_step(self) -> None:
+        assert self.head is not None
+        self.stats = self.head.take_stats()
+
+    def step_metrics(self) -> dict[str, float]:
+        # TRL's names
+        stats = reduce_loss_stats(self.stats, self.mesh, self.trainer.device)
+        return {**finish_loss_stats(stats, self.config.beta), **self.rollouts.take_metrics()}
+
+    def evaluate(self) -> float:
+        raise MeshtrainError("train.objective='grpo' has no validation set to evaluate")
