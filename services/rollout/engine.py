@@ -2,10 +2,10 @@
 `RolloutRequest`'s prompts x group_size completions with a key/value cache. No gRPC here: the
 service's `rpc/` converts messages and calls `RolloutEngine.generate` / `set_weights`.
 
-Prompts of different lengths are left-padded into one batch; each row keeps its own positions
-(RoPE rows or learned positions start at its first real token) and its keys never include the
-padding, so a row's tokens and log-probs do not depend on what else is in the batch. Each
-completion draws from its own generator (`generate.draw_rows`), seeded by
+The sampling itself is the trainer's `generate.sample_rows` (GRPO's colocated generator runs it
+too): prompts of different lengths are left-padded into one batch; each row keeps its own
+positions and its keys never include the padding, so a row's tokens and log-probs do not depend
+on what else is in the batch. Each completion draws from its own generator, seeded by
 `completion_seed(request seed + prompt index, sample index)`, the prompt index counted in the
 caller's whole request: the result is a function of (weights, request) alone, however the
 prompts are batched or spread over workers, and the same as the trainer's colocated generator
@@ -27,21 +27,11 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from meshtrain.kernels import dispatch
 from meshtrain.services.common.errors import InvalidRequestError, MeshtrainError
 from meshtrain.services.rollout.types import Completion, RolloutRequest
 from meshtrain.services.rollout.weights import check_weights
-from meshtrain.services.trainer.generate import (
-    StaticKV,
-    context_length,
-    draw_rows,
-    row_generators,
-)
-
-STOP_CHECK = 8
-"""Decode steps between two checks whether every row has emitted EOD (a device-to-host sync)."""
+from meshtrain.services.trainer.generate import context_length, sample_rows
 
 
 class StaleWeightsError(MeshtrainError):
@@ -249,7 +239,6 @@ class RolloutEngine:
                     self._recent.popitem(last=False)
             return list(out)
 
-    @torch.no_grad()
     def _sample(
         self,
         request: RolloutRequest,
@@ -258,99 +247,22 @@ class RolloutEngine:
         version: int,
     ) -> list[Completion]:
         """Sample the completions of `rows` ((prompt, sample) pairs) as one left-padded batch."""
-        model, sp = self.model, request.sampling
-        device = next(model.parameters()).device
-        sizes = [len(request.prompts[i]) for i, _ in rows]
-        b, longest = len(rows), max(sizes)
-        host = torch.zeros(b, longest, dtype=torch.long)  # built on the host, sent once
-        for r, (i, _) in enumerate(rows):
-            host[r, longest - sizes[r] :] = torch.tensor(request.prompts[i])
-        tokens = host.to(device)
-        lengths = torch.tensor(sizes, device=device)
-        pad = longest - lengths  # (b,) padding before each row's prompt
-        gens = row_generators([sp.seed + offset + i for i, _ in rows], [j for _, j in rows])
-
-        # Prefill: positions count from each row's first real token; keys are real tokens only
-        # (a padding query sees itself, so no row of the mask is empty and nothing is NaN).
-        cols = torch.arange(longest, device=device)
-        positions = (cols[None, :] - pad[:, None]).clamp(min=0)  # (b, longest)
-        key_ok = cols[None, :] >= pad[:, None]  # (b, longest)
-        causal = torch.ones(longest, longest, dtype=torch.bool, device=device).tril()
-        eye = torch.eye(longest, dtype=torch.bool, device=device)
-        mask = causal[None] & (key_ok[:, None, :] | eye[None])  # (b, q, k)
-        cache = StaticKV(len(model.layers), longest + sp.max_new_tokens)
-        logits = _forward(model, tokens, positions, mask[:, None], cache)[:, -1]  # (b, vocab)
-        # every decoded position is a real key: the mask of step t is a view of this one
-        key_ok = torch.cat([key_ok, key_ok.new_ones(b, sp.max_new_tokens)], 1)
-
-        # Tokens and log-probs stay on the device until the end, and whether every row has
-        # ended is asked only every STOP_CHECK steps: a host round trip per token would leave
-        # the device idle while the next step's kernels are launched.
-        tokens_out: list[torch.Tensor] = []
-        logps_out: list[torch.Tensor] = []
-        done = torch.zeros(b, dtype=torch.bool, device=device)
-        for step in range(sp.max_new_tokens):
-            logits = logits.float()
-            logp = F.log_softmax(logits, dim=-1)  # temperature 1, full vocabulary
-            nxt = draw_rows(logits, sp.temperature, sp.top_k, sp.top_p, gens)
-            tokens_out.append(nxt)
-            logps_out.append(logp.gather(-1, nxt[:, None]).squeeze(-1))
-            if step + 1 == sp.max_new_tokens:
-                break
-            if self.eod_id is not None:
-                done |= nxt == self.eod_id
-                if (step + 1) % STOP_CHECK == 0 and bool(done.all()):
-                    break
-            t = longest + step + 1  # keys after this token is fed back
-            positions = (lengths + step)[:, None]  # (b, 1): each row's next position
-            mask = key_ok[:, None, None, :t]
-            logits = _forward(model, nxt[:, None], positions, mask, cache)[:, -1]
-        out = []
-        drawn = torch.stack(tokens_out, 1).tolist()  # (b, steps): one transfer
-        logps = torch.stack(logps_out, 1).tolist()
-        eod = -1 if self.eod_id is None else self.eod_id  # -1 is never drawn
-        for r, (i, _) in enumerate(rows):
-            row = drawn[r]
-            # a row ends at its first EOD (kept); what it drew after that is dropped
-            finished = eod in row
-            n = row.index(eod) + 1 if finished else len(row)
-            out.append(Completion(i, row[:n], logps[r][:n], version, finished))
-        return out
-
-
-def _forward(
-    model,
-    tokens: torch.Tensor,
-    positions: torch.Tensor,
-    mask: torch.Tensor,
-    cache: StaticKV,
-) -> torch.Tensor:
-    """Logits (b, s, vocab) of new tokens (b, s) at per-row `positions` (b, s), attending to the
-    cached keys and themselves where `mask` (b, 1, s, cached + s) allows."""
-    x = model.embedding(tokens, positions)  # (b, s, hidden)
-    rope = None
-    if model.rope_cos is not None:
-        rope = (model.rope_cos[positions], model.rope_sin[positions])  # (b, s, d) each
-    for i, block in enumerate(model.layers):
-        x = x + _attention(block.attention, block.input_norm(x), rope, mask, cache, i)
-        x = x + block.mlp(block.pre_mlp_norm(x))
-    cache.length += tokens.shape[1]
-    h = model.final_norm(x)
-    return model.head.logits(h, model.output_weight)[..., : model.vocab_size]
-
-
-def _attention(attn, x: torch.Tensor, rope, mask: torch.Tensor, cache: StaticKV, layer: int):
-    """The model's Attention on new positions x (b, s, hidden) with a per-row key mask."""
-    per_group = attn.heads // attn.groups
-    q, k, v = attn.project(x)  # (b, heads|groups, s, d)
-    b, _, s, _ = q.shape
-    if rope is not None:
-        q, k = dispatch.rope(q, *rope), dispatch.rope(k, *rope)  # per-row rows (b, s, d)
-    k, v = cache.append(layer, k, v)  # (b, groups, t, d)
-    # Query head j uses key/value group j // per_group (the fused layout's order).
-    k, v = k.repeat_interleave(per_group, 1), v.repeat_interleave(per_group, 1)  # (b, heads, t, d)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (b, heads, s, d)
-    return attn.proj(out.transpose(1, 2).reshape(b, s, attn.heads * attn.head_dim))
+        sp = request.sampling
+        sampled = sample_rows(
+            self.model,
+            [request.prompts[i] for i, _ in rows],
+            [sp.seed + offset + i for i, _ in rows],
+            [j for _, j in rows],
+            sp.max_new_tokens,
+            sp.temperature,
+            sp.top_k,
+            sp.top_p,
+            self.eod_id,
+        )
+        return [
+            Completion(i, s.tokens, s.logprobs, version, s.finished)
+            for (i, _), s in zip(rows, sampled, strict=True)
+        ]
 
 
 def engine_from_checkpoint(

@@ -7,10 +7,11 @@ new token then costs one position through the network instead of the whole seque
 vision-language model's images are part of the prefill: their features take the place of the
 prompt's placeholders, and the keys and values of those positions are cached like any other.
 
-RL rollouts (GRPO's colocated generator and the rollout worker) draw with `draw_rows`: each
-completion from its own generator, seeded by `completion_seed(prompt seed, sample index)`, with
-the prompt seed = request seed + the prompt's index in the whole request. Both sides then give
-the same tokens for the same weights, however prompts are batched, split over workers or over
+RL rollouts (GRPO's colocated generator and the rollout worker) sample with `sample_rows`:
+prompts of any lengths, left-padded into one batch with a static cache, each completion drawing
+from its own generator, seeded by `completion_seed(prompt seed, sample index)`, with the prompt
+seed = request seed + the prompt's index in the whole request. Both sides then give the same
+tokens for the same weights, however prompts are batched, split over workers or over
 data-parallel ranks.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -171,22 +173,31 @@ def row_generators(prompt_seeds: list[int], sample_indices: list[int]) -> list[t
     ]
 
 
-def draw_rows(
+def row_uniforms(prompt_seeds: list[int], sample_indices: list[int], steps: int) -> torch.Tensor:
+    """(b, steps) uniforms in (0, 1] on the host: row r's k-th is the k-th draw of its generator
+    (`row_generators`), so a row's draws never depend on the other rows or on how many tokens
+    the batch decodes. Drawn all at once (`torch.rand(n)` gives the same values as n single
+    draws) so that decoding needs no host work per token."""
+    gens = row_generators(prompt_seeds, sample_indices)
+    if not gens:
+        return torch.empty(0, steps)
+    return torch.stack([1.0 - torch.rand(steps, generator=g) for g in gens])
+
+
+def draw_tokens(
     logits: torch.Tensor,
     temperature: float,
     top_k: int | None,
     top_p: float | None,
-    gens: list[torch.Generator],
+    u: torch.Tensor,
 ) -> torch.Tensor:
     """(b,) next tokens of logits (b, vocab): greedy at temperature 0, else inverse-CDF sampling
-    with one uniform per row from that row's own generator (so a row's draw never depends on the
-    other rows)."""
+    with each row's own uniform u (b,) in (0, 1] (see `row_uniforms`)."""
     if temperature == 0:
         return logits.argmax(-1)
     probs = filter_logits(logits.float() / temperature, top_k, top_p).softmax(-1)  # (b, vocab)
     cdf = probs.cumsum(-1)
     # u in (0, 1]: the first index whose cdf reaches u * total has positive probability.
-    u = torch.stack([1.0 - torch.rand((), generator=g) for g in gens]).to(logits.device)
     nxt = (cdf < (u * cdf[:, -1])[:, None]).sum(-1)
     return nxt.clamp(max=logits.shape[-1] - 1)
 
@@ -250,3 +261,178 @@ def generate(
             break
         logits = forward_cached(model, nxt[:, None], cache)[:, -1]
     return out[0] if squeeze else out
+
+
+STOP_CHECK = 8
+"""Decode steps between two checks whether every row has ended (a device-to-host sync)."""
+
+
+@dataclass(frozen=True)
+class RowSample:
+    """One row's completion: its tokens, their log-probs, whether it ended with a stop id."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    finished: bool
+
+
+@torch.no_grad()
+def sample_rows(
+    model,
+    prompts: Sequence[Sequence[int]],
+    prompt_seeds: list[int],
+    sample_indices: list[int],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eod_id: int | None = None,
+) -> list[RowSample]:
+    """Sample a completion of every row as one left-padded batch with a static key/value cache:
+    the RL rollouts' sampler (the rollout worker's engine and GRPO's colocated generator).
+
+    Each row keeps its own positions (they start at its first real token) and its keys never
+    include the padding, and its draws come from its own generator, seeded by
+    `completion_seed(prompt_seeds[r], sample_indices[r])`: a row's tokens and log-probs depend on
+    the weights, its prompt and its seed alone, not on its batch-mates. A log-prob is the token's
+    under the full-vocabulary distribution at temperature 1 (log_softmax of the raw logits),
+    whatever temperature, top-k or top-p drew it. Runs in the model's dtype, or under the
+    caller's autocast.
+
+    Args:
+        model: a single-device GPT (or its tensor-parallel shard: every rank of a group draws
+            the same tokens from the same gathered logits and seeds), in eval mode.
+        prompts: each row's prompt ids (at least one each).
+        prompt_seeds, sample_indices: each row's seed pair (`completion_seed`).
+        max_new_tokens: tokens to draw per row; a row whose prompt leaves fewer positions in the
+            model's context draws as many as fit (the last drawn token needs no position).
+        temperature, top_k, top_p: as for `generate` (`check_sampling`).
+        eod_id: a row ends at its first `eod_id`, kept (None: always max_new_tokens).
+
+    Returns:
+        A `RowSample` per row, in order.
+
+    Raises:
+        ConfigError: an empty prompt, or one that leaves no room in the model's positions.
+    """
+    check_sampling(temperature, top_k, top_p)
+    b = len(prompts)
+    if not b:
+        return []
+    if len(prompt_seeds) != b or len(sample_indices) != b:
+        raise ConfigError(
+            f"{b} prompts but {len(prompt_seeds)} prompt seeds and {len(sample_indices)} "
+            "sample indices"
+        )
+    if max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    context = context_length(model)
+    sizes = [len(p) for p in prompts]
+    for r, n in enumerate(sizes):
+        if not 1 <= n <= context:
+            raise ConfigError(
+                f"prompt {r} of {n} tokens: must be 1..{context} (the model's positions)"
+            )
+    limits = [min(max_new_tokens, context + 1 - n) for n in sizes]
+    steps = max(limits)
+    device = next(model.parameters()).device
+    longest = max(sizes)
+    host = torch.zeros(b, longest, dtype=torch.long)  # built on the host, sent once
+    for r, prompt in enumerate(prompts):
+        host[r, longest - sizes[r] :] = torch.as_tensor(prompt, dtype=torch.long)
+    tokens = host.to(device)
+    lengths = torch.tensor(sizes, device=device)
+    pad = longest - lengths  # (b,) padding before each row's prompt
+    # every uniform of the generation, one copy: decoding then never waits on the host
+    u = row_uniforms(prompt_seeds, sample_indices, steps).to(device)  # (b, steps)
+    # a row past its own limit counts as ended; what it draws after is dropped below
+    ends = torch.tensor(limits, device=device)
+
+    # Prefill: positions count from each row's first real token; keys are real tokens only
+    # (a padding query sees itself, so no row of the mask is empty and nothing is NaN).
+    cols = torch.arange(longest, device=device)
+    positions = (cols[None, :] - pad[:, None]).clamp(min=0)  # (b, longest)
+    key_ok = cols[None, :] >= pad[:, None]  # (b, longest)
+    causal = torch.ones(longest, longest, dtype=torch.bool, device=device).tril()
+    eye = torch.eye(longest, dtype=torch.bool, device=device)
+    mask = causal[None] & (key_ok[:, None, :] | eye[None])  # (b, q, k)
+    cache = StaticKV(len(model.layers), longest + steps)
+    logits = _forward_rows(model, tokens, positions, mask[:, None], cache)[:, -1]  # (b, vocab)
+    # every decoded position is a real key: the mask of step t is a view of this one
+    key_ok = torch.cat([key_ok, key_ok.new_ones(b, steps)], 1)
+
+    # Tokens and log-probs stay on the device until the end, and whether every row has ended
+    # is asked only every STOP_CHECK steps: a host round trip per token would leave the device
+    # idle while the next step's kernels are launched.
+    tokens_out: list[torch.Tensor] = []
+    logps_out: list[torch.Tensor] = []
+    done = torch.zeros(b, dtype=torch.bool, device=device)
+    may_stop = eod_id is not None or min(limits) < steps  # else every row runs to the end
+    for step in range(steps):
+        logits = logits.float()
+        logp = F.log_softmax(logits, dim=-1)  # temperature 1, full vocabulary
+        nxt = draw_tokens(logits, temperature, top_k, top_p, u[:, step])  # (b,)
+        tokens_out.append(nxt)
+        logps_out.append(logp.gather(-1, nxt[:, None]).squeeze(-1))
+        if step + 1 == steps:
+            break
+        if may_stop:
+            done |= ends <= step + 1
+            if eod_id is not None:
+                done |= nxt == eod_id
+            if (step + 1) % STOP_CHECK == 0 and bool(done.all()):
+                break
+        t = longest + step + 1  # keys after this token is fed back
+        # each row's next position; a row past its limit may run off the table, and is ignored
+        positions = (lengths + step).clamp(max=context - 1)[:, None]  # (b, 1)
+        mask = key_ok[:, None, None, :t]
+        logits = _forward_rows(model, nxt[:, None], positions, mask, cache)[:, -1]
+    drawn = torch.stack(tokens_out, 1).tolist()  # (b, steps): one transfer
+    logps = torch.stack(logps_out, 1).tolist()
+    eod = -1 if eod_id is None else eod_id  # -1 is never drawn
+    out = []
+    for r in range(b):
+        row = drawn[r][: limits[r]]
+        # a row ends at its first EOD (kept); what it drew after that is dropped
+        finished = eod in row
+        n = row.index(eod) + 1 if finished else len(row)
+        out.append(RowSample(row[:n], logps[r][:n], finished))
+    return out
+
+
+def _forward_rows(
+    model,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    mask: torch.Tensor,
+    cache: StaticKV,
+) -> torch.Tensor:
+    """Logits (b, s, vocab) of new tokens (b, s) at per-row `positions` (b, s), attending to the
+    cached keys and themselves where `mask` (b, 1, s, cached + s) allows."""
+    x = model.embedding(tokens, positions)  # (b, s, hidden)
+    rope = None
+    if model.rope_cos is not None:
+        rope = (model.rope_cos[positions], model.rope_sin[positions])  # (b, s, d) each
+    for i, block in enumerate(model.layers):
+        x = x + _attention_rows(block.attention, block.input_norm(x), rope, mask, cache, i)
+        x = x + block.mlp(block.pre_mlp_norm(x))
+    cache.length += tokens.shape[1]
+    h = model.final_norm(x)
+    # Padded vocabulary rows are never real tokens: keep them out of sampling.
+    return model.head.logits(h, model.output_weight)[..., : model.vocab_size]
+
+
+def _attention_rows(
+    attn, x: torch.Tensor, rope, mask: torch.Tensor, cache: StaticKV, layer: int
+) -> torch.Tensor:
+    """The model's Attention on new positions x (b, s, hidden) with a per-row key mask."""
+    q, k, v = attn.project(x)  # (b, heads|groups, s, d)
+    b, _, s, _ = q.shape
+    if rope is not None:
+        q, k = dispatch.rope(q, *rope), dispatch.rope(k, *rope)  # per-row rows (b, s, d)
+    k, v = cache.append(layer, k, v)  # (b, groups, t, d)
+    # Query head j uses key/value group j // per_group (the fused layout's order), as
+    # enable_gqa maps them: the cache is never expanded to one copy per head.
+    gqa = attn.heads != attn.groups
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)  # (b, h, s, d)
+    return attn.proj(out.transpose(1, 2).reshape(b, s, attn.heads * attn.head_dim))

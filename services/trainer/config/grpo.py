@@ -62,6 +62,10 @@ class GRPOConfig:
     rollout: Literal["colocated", "service"] = "colocated"
     """colocated: the trainer's processes generate with the policy; service: the rollout service
     at rollout_addresses."""
+    rollout_max_batch: int = 256
+    """Completions the colocated generator decodes as one batch: a step's prompts x group_size
+    are sampled in batches of at most this many rows (the same completions whatever it is; a
+    larger batch is faster and holds a larger key/value cache)."""
     rollout_addresses: list[str] = field(default_factory=list)
     """host:port of the rollout workers (rollout = 'service')."""
     max_staleness: int = 0
@@ -100,6 +104,8 @@ class GRPOConfig:
             raise ConfigError(f"grpo.epsilon={self.epsilon} must be in (0, 1)")
         if self.epsilon_high is not None and self.epsilon_high <= 0:
             raise ConfigError(f"grpo.epsilon_high={self.epsilon_high} must be positive")
+        if self.rollout_max_batch < 1:
+            raise ConfigError(f"grpo.rollout_max_batch={self.rollout_max_batch} must be >= 1")
         if self.max_staleness < 0:
             raise ConfigError(f"grpo.max_staleness={self.max_staleness} must be >= 0")
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):

@@ -314,7 +314,7 @@ class GRPO(Objective):
                 load=(g.reference_load, g.reference_load_step),
                 head=TokenLogpsHead,
             )
-        backend = rollout_backend(job, trainer.model, tok.eod_id, trainer.device)
+        backend = rollout_backend(job, trainer.model, tok.eod_id, trainer.device, trainer.autocast)
         publisher = WeightsPublisher(
             job, trainer.model, self.mesh, backend, self._checkpoint_for_rollouts
         )

@@ -1,12 +1,15 @@
 """Where GRPO's completions come from: the colocated generator (the policy itself, in the
 trainer's processes), or the rollout service's client, behind one `RolloutBackend` seam.
 
-`ColocatedBackend` samples with the trainer's own model and a KV cache (`generate.py`'s
-`forward_cached` and `filter_logits`), one prompt's group of G completions at a time. Under
+`ColocatedBackend` samples with the trainer's own model (`generate.sample_rows`, the rollout
+worker's sampler too): every prompt's group of G completions of a request in one left-padded
+batch with a static key/value cache (or in batches of `grpo.rollout_max_batch` completions),
+under the trainer's autocast (bf16 with train.bf16). Its log-probs are reported but the loss
+does not use them: GRPO's old log-probs are the trainer's forward's (objectives/grpo.py). Under
 tensor parallelism it runs the sharded model: every tp rank computes the same gathered logits
 and draws from generators with the same seeds, so the ranks of a group sample the same tokens.
 Completion j of prompt i of a request draws from its own generator, seeded with
-`completion_seed(sampling.seed + i, j)` (`generate.draw_rows`, the rollout worker's rule too): a
+`completion_seed(sampling.seed + i, j)` (`generate.row_generators`, the rollout worker's rule): a
 caller that numbers prompts globally (seed = base + index of its first prompt) gets the same
 completions however the prompts are split over data-parallel ranks or rollout workers, and the
 rollout service gives the same completions as this generator for the same weights.
@@ -21,8 +24,10 @@ settings and `grpo.max_staleness`; the trainer publishes its weights to it befor
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -30,13 +35,7 @@ import torch
 from meshtrain.services.common.errors import ConfigError
 from meshtrain.services.rollout.types import Completion, RolloutBackend, RolloutRequest
 from meshtrain.services.trainer.config.sections import JobConfig
-from meshtrain.services.trainer.generate import (
-    KVCache,
-    context_length,
-    draw_rows,
-    forward_cached,
-    row_generators,
-)
+from meshtrain.services.trainer.generate import sample_rows
 
 SERVICE_CLIENT = "meshtrain.services.rollout.rpc.client"
 
@@ -44,9 +43,27 @@ SERVICE_CLIENT = "meshtrain.services.rollout.rpc.client"
 class ColocatedBackend:
     """A `RolloutBackend` on the trainer's own model (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, eod_id: int, device: torch.device):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        eod_id: int,
+        device: torch.device,
+        autocast: AbstractContextManager[Any] | None = None,
+        max_batch: int = 256,
+    ):
+        """Args:
+        model: the policy (a GPT, sharded under tp).
+        eod_id: a completion ends after this token.
+        device: where the model is.
+        autocast: the trainer's autocast (bf16 with train.bf16), entered while sampling.
+        max_batch: completions decoded as one batch (grpo.rollout_max_batch).
+        """
+        if max_batch < 1:
+            raise ConfigError(f"grpo.rollout_max_batch must be >= 1, got {max_batch}")
         self.model: Any = model  # a GPT (sharded under tp): layers, embedding, head
         self.eod_id, self.device = eod_id, device
+        self.autocast = autocast if autocast is not None else contextlib.nullcontext()
+        self.max_batch = max_batch
         self.version = 0
 
     def update_weights(self, version: int) -> None:
@@ -55,56 +72,44 @@ class ColocatedBackend:
 
     @torch.no_grad()
     def generate(self, request: RolloutRequest) -> list[Completion]:
+        s = request.sampling
+        rows = [(i, j) for i in range(len(request.prompts)) for j in range(request.group_size)]
         was_training = self.model.training
         self.model.eval()  # no dropout while sampling
         try:
             out: list[Completion] = []
-            for i, prompt in enumerate(request.prompts):
-                out.extend(self._group(i, prompt, request))
+            for start in range(0, len(rows), self.max_batch):
+                chunk = rows[start : start + self.max_batch]
+                with self.autocast:
+                    sampled = sample_rows(
+                        self.model,
+                        [request.prompts[i] for i, _ in chunk],
+                        [s.seed + i for i, _ in chunk],
+                        [j for _, j in chunk],
+                        s.max_new_tokens,
+                        s.temperature,
+                        s.top_k,
+                        s.top_p,
+                        self.eod_id,
+                    )
+                out += [
+                    Completion(i, r.tokens, r.logprobs, self.version, r.finished)
+                    for (i, _), r in zip(chunk, sampled, strict=True)
+                ]
             return out
         finally:
             self.model.train(was_training)
 
-    def _group(self, index: int, prompt: list[int], request: RolloutRequest) -> list[Completion]:
-        """The G completions of one prompt (a batch of G rows with the same prefix)."""
-        s, g = request.sampling, request.group_size
-        # the last sampled token is never fed back: it needs no position of its own
-        steps = min(s.max_new_tokens, context_length(self.model) + 1 - len(prompt))
-        if steps < 1:
-            raise ConfigError(
-                f"a prompt of {len(prompt)} tokens leaves no room in the model's "
-                f"{context_length(self.model)} positions"
-            )
-        gens = row_generators([s.seed + index] * g, list(range(g)))
-        rows = torch.tensor([prompt], device=self.device).expand(g, -1)  # (G, prompt)
-        cache = KVCache(len(self.model.layers))
-        logits = forward_cached(self.model, rows, cache)[:, -1].float()  # (G, vocab)
-        done = torch.zeros(g, dtype=torch.bool, device=self.device)
-        tokens, logps = [], []
-        for step in range(steps):
-            full = logits.log_softmax(-1)  # temperature 1, whole vocabulary: the loss's
-            nxt = draw_rows(logits, s.temperature, s.top_k, s.top_p, gens)  # (G,)
-            nxt = torch.where(done, torch.full_like(nxt, self.eod_id), nxt)
-            tokens.append(nxt)
-            logps.append(full.gather(-1, nxt[:, None]).squeeze(-1))
-            done |= nxt == self.eod_id
-            if step + 1 == steps or bool(done.all()):
-                break
-            logits = forward_cached(self.model, nxt[:, None], cache)[:, -1].float()
-        toks = torch.stack(tokens, 1).tolist()  # (G, n)
-        lps = torch.stack(logps, 1).tolist()
-        out = []
-        for row, lp in zip(toks, lps, strict=True):
-            n = row.index(self.eod_id) + 1 if self.eod_id in row else len(row)
-            finished = row[n - 1] == self.eod_id
-            out.append(Completion(index, row[:n], lp[:n], self.version, finished))
-        return out
-
 
 def rollout_backend(
-    job: JobConfig, model: torch.nn.Module, eod_id: int, device: torch.device
+    job: JobConfig,
+    model: torch.nn.Module,
+    eod_id: int,
+    device: torch.device,
+    autocast: AbstractContextManager[Any] | None = None,
 ) -> RolloutBackend:
-    """The backend `grpo.rollout` names: the colocated generator, or the rollout service's
+    """The backend `grpo.rollout` names: the colocated generator (sampling under `autocast`, the
+    trainer's), or the rollout service's
     client (imported only then) with the run's token and TLS settings (`auth`, as for the data
     and checkpoint services) and `grpo.max_staleness`.
 
@@ -113,7 +118,7 @@ def rollout_backend(
     """
     g = job.grpo
     if g.rollout == "colocated":
-        return ColocatedBackend(model, eod_id, device)
+        return ColocatedBackend(model, eod_id, device, autocast, g.rollout_max_batch)
     if importlib.util.find_spec(SERVICE_CLIENT.rpartition(".")[0]) is None or (
         importlib.util.find_spec(SERVICE_CLIENT) is None
     ):

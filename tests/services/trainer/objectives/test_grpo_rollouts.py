@@ -95,3 +95,48 @@ def test_colocated_completions_are_seeded_and_carry_the_policys_logprobs():
             want = [logps[p - 1 + j, t].item() for j, t in enumerate(c.tokens)]
             assert c.logprobs == pytest.approx(want, abs=1e-5)
             assert c.finished == (c.tokens[-1] == 7) and (c.finished or len(c.tokens) == 6)
+
+
+def test_colocated_batches_give_the_same_completions_and_rows_stop_at_the_context():
+    """The step's groups are sampled as one batch or in chunks of rollout_max_batch: the same
+    tokens either way (the log-probs to rounding: another batch pads rows differently, which
+    changes the shapes the matmuls are summed in). A prompt near the end of the model's 32
+    positions draws only what fits, and its batch-mates still draw their full max_new_tokens."""
+    model = build(**LLAMA)
+    cpu = torch.device("cpu")
+    long = list(range(1, 30))  # 29 tokens: 32 + 1 - 29 = 4 tokens fit
+    request = RolloutRequest(
+        [[1, 2, 3], long, [4, 5]], group_size=3, sampling=SamplingParams(8, seed=3)
+    )
+    whole = ColocatedBackend(model, eod_id=300, device=cpu).generate(request)
+    fits = [8] * 3 + [4] * 3 + [8] * 3
+    for c, n in zip(whole, fits, strict=True):
+        assert len(c.tokens) == n if not c.finished else len(c.tokens) <= n
+    assert 8 in [len(c.tokens) for c in whole] and 4 in [len(c.tokens) for c in whole]
+    for max_batch in (1, 4):
+        chunks = ColocatedBackend(model, eod_id=300, device=cpu, max_batch=max_batch)
+        got = chunks.generate(request)
+        assert [c.tokens for c in got] == [c.tokens for c in whole]
+        for a, b in zip(got, whole, strict=True):
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    with pytest.raises(ConfigError, match="rollout_max_batch"):
+        ColocatedBackend(model, eod_id=300, device=cpu, max_batch=0)
+    too_long = RolloutRequest([list(range(1, 34))], 1, SamplingParams(4))
+    with pytest.raises(ConfigError, match="33 tokens"):
+        ColocatedBackend(model, eod_id=300, device=cpu).generate(too_long)
+
+
+def test_colocated_sampling_runs_under_the_trainers_autocast():
+    """With train.bf16 the trainer's autocast is entered around sampling (the projections then
+    run in bf16); without it the fp32 weights sample in fp32."""
+    model = build(**LLAMA)
+    seen: list[torch.dtype] = []
+    hook = model.layers[0].mlp.register_forward_hook(lambda _m, _a, out: seen.append(out.dtype))
+    request = RolloutRequest([[1, 2, 3]], 2, SamplingParams(3, seed=1))
+    bf16 = torch.autocast("cpu", dtype=torch.bfloat16)
+    ColocatedBackend(model, 300, torch.device("cpu"), autocast=bf16).generate(request)
+    assert seen and set(seen) == {torch.bfloat16}
+    seen.clear()
+    ColocatedBackend(model, 300, torch.device("cpu")).generate(request)
+    assert set(seen) == {torch.float32}
+    hook.remove()
