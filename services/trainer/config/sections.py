@@ -3,9 +3,9 @@
 `TrainConfig` (batch sizes, length, evaluation, precision, device, compilation, FP8),
 `OptimConfig` (AdamW and the learning-rate schedule), `LogConfig` (the run directory and what is
 written to it) and `JobConfig`, which gathers every section (`model`, `data`, `train`, `optim`,
-`parallel`, `checkpoint`, `log`, `dpo`, `reward`, `grpo`, `auth`) and runs the cross-section checks of
-`checks.py` when it is built. Each component receives only its own section; `load.py` builds a
-JobConfig from a TOML file and the command line.
+`parallel`, `checkpoint`, `log`, `dpo`, `reward`, `grpo`, `auth`) and runs the cross-section
+checks of `checks.py` when it is built. Each component receives only its own section; `load.py`
+builds a JobConfig from a TOML file and the command line.
 """
 
 from __future__ import annotations
