@@ -101,7 +101,7 @@ class RewardScorer:
         if model.rope_cos is not None:  # buffers derived from the config: rebuilt off meta
             cos, sin = rotary_tables(config)
             model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)  # type: ignore[assignment]
-        params = dict(model.named_parameters())
+        params: dict[str, torch.Tensor] = dict(model.named_parameters())
         tensors = check_weights(
             read_checkpoint(root, step, list(params)), params, config.vocab_size
         )
