@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from meshtrain.services.common.errors import ConfigError
+from meshtrain.services.common.errors import CheckpointError, ConfigError
 from meshtrain.services.trainer.config.load import load_config
 from meshtrain.services.trainer.objectives.reward_scorer import RewardScorer
 from meshtrain.services.trainer.train import Trainer, train
@@ -120,3 +120,20 @@ def test_another_tokenizer_is_refused(tmp_path):
     policy.data.tokenizer = "null:256"  # 256 ids + its EOD: the same size, other ids
     with pytest.raises(ConfigError, match="another tokenizer"):
         check_same_tokenizer(str(root), 1, policy, 257)
+
+
+def test_a_reward_model_starts_from_a_language_models_weights(reward_run_free_checkpoints):
+    lm_root, tmp_path = reward_run_free_checkpoints
+    pairs = make_pairs(tmp_path, "train", 32, 0)
+    same = {"model.hidden_size": 64, "model.seq_length": 16, "train.train_iters": 1}
+    args = reward_args(tmp_path, pairs, None, **same, **{"checkpoint.load": lm_root})
+    with pytest.raises(CheckpointError, match="finetune"):
+        Trainer(load_config(args))  # a resume would take the LM's optimizer state as its own
+    trainer = Trainer(load_config([*args, "--checkpoint.finetune=true"]))
+    lm = Trainer(
+        load_config(grpo_args(tmp_path, tmp_path / "p.jsonl", **{"checkpoint.load": lm_root}))
+    )
+    ours, theirs = dict(trainer.model.named_parameters()), dict(lm.model.named_parameters())
+    assert set(ours) - set(theirs) == {"score.weight"}
+    for name, p in theirs.items():
+        assert torch.equal(ours[name], p), name
