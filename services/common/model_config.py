@@ -175,6 +175,10 @@ class ModelConfig:
     """Biases in the linear layers (GPT-2: true, Llama: false)."""
     untie_embeddings_and_output_weights: bool = False
     """Separate output projection instead of reusing the word embedding (Llama: true)."""
+    reward_head: bool = False
+    """A scalar head (`score.weight`, a bias-free hidden -> 1 linear, TRL's and Hugging Face's
+    `score`) on the final-norm hidden states: a reward model (set by train.objective='reward').
+    The LM output projection is kept, frozen, so LM checkpoints load into it."""
     init_method_std: float = 0.02
     """Std of the normal init; residual output projections use std/sqrt(2*num_layers)."""
     hidden_dropout: float = 0.0

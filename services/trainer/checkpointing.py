@@ -689,11 +689,13 @@ def restore(
     params = dict(model.named_parameters())
     reader = _BoxReader(root, step, manifest, stored_places(manifest), mesh, model.vocab_size)
     _check_model(root, meta, model)
+    fresh = _fresh_score(root, meta, model, optimizer)
     try:
-        _check_names(root, model, params, set(reader.places), mesh)
+        _check_names(root, model, params, set(reader.places) | fresh, mesh)
         with torch.no_grad():
             for name, p in params.items():
-                reader.read_into(name, p.data, p)
+                if name not in fresh:
+                    reader.read_into(name, p.data, p)
     except CheckpointError as e:
         raise _naming_the_settings(e, root, meta, model) from None
     opt_step = meta["optimizer_step"]
@@ -702,6 +704,22 @@ def restore(
     if rng:
         _restore_rng(root, step, manifest, mesh)
     return TrainState(meta["iteration"], meta["consumed_samples"]), meta
+
+
+def _fresh_score(root: str, meta: dict, model: GPT, optimizer) -> set[str]:
+    """{"score.weight"} where a reward model starts from the weights of a language model (its
+    saved config has no reward head, and only the weights are loaded): the scalar head keeps its
+    initialization. Else nothing."""
+    saved = (meta.get("config") or {}).get("model") or {}
+    if getattr(model.config, "reward_head", False) and not saved.get("reward_head"):
+        if optimizer is not None:
+            raise CheckpointError(
+                f"{root}: a language model's checkpoint (no scalar head) resumed as a reward "
+                "model: start from its weights with checkpoint.finetune (--finetune)"
+            )
+        log.info("%s: a language model's weights; the reward head starts fresh", root)
+        return {"score.weight"}
+    return set()
 
 
 def _training_manifest(root: str, step: int | None) -> tuple[int, dict]:

@@ -58,7 +58,15 @@ class GRPOConfig:
     reward_weights: list[float] | None = None
     """Weight of each reward function in the summed reward; unset: all 1."""
     reward_model: str | None = None
-    """A checkpoint with a scalar head as a reward: not supported yet (refused)."""
+    """Checkpoint root of a reward model (trained with train.objective='reward': a scalar head)
+    whose score of each prompt + completion is added to the rewards (TRL's reward_funcs=[model]);
+    it is loaded frozen on each trainer process's device. Unset: the reward functions alone."""
+    reward_model_step: int | None = None
+    """Which step of reward_model (unset: its newest)."""
+    reward_model_weight: float = 1.0
+    """Weight of the reward model's score in the summed reward."""
+    reward_model_batch_size: int = 32
+    """Sequences the reward model scores per forward."""
     rollout: Literal["colocated", "service"] = "colocated"
     """colocated: the trainer's processes generate with the policy; service: the rollout service
     at rollout_addresses."""
@@ -119,10 +127,11 @@ class GRPOConfig:
                 raise ConfigError(
                     f"grpo.reward_funcs: {path!r} is not an import path 'package.module:function'"
                 )
-        if self.reward_model is not None:
+        if self.reward_model is None and self.reward_model_step is not None:
+            raise ConfigError("grpo.reward_model_step needs grpo.reward_model (a checkpoint root)")
+        if self.reward_model_batch_size < 1:
             raise ConfigError(
-                "grpo.reward_model: reward models are not supported yet; give rule-based "
-                "grpo.reward_funcs"
+                f"grpo.reward_model_batch_size={self.reward_model_batch_size} must be >= 1"
             )
         if not 0 <= self.rollout_wait_s <= 3600:
             raise ConfigError(f"grpo.rollout_wait_s={self.rollout_wait_s} must be in [0, 3600]")

@@ -3,9 +3,9 @@
 `TrainConfig` (batch sizes, length, evaluation, precision, device, compilation, FP8),
 `OptimConfig` (AdamW and the learning-rate schedule), `LogConfig` (the run directory and what is
 written to it) and `JobConfig`, which gathers every section (`model`, `data`, `train`, `optim`,
-`parallel`, `checkpoint`, `log`, `dpo`, `grpo`, `auth`) and runs the cross-section checks of
-`checks.py` when it is built. Each component receives only its own section; `load.py` builds a
-JobConfig from a TOML file and the command line.
+`parallel`, `checkpoint`, `log`, `dpo`, `reward`, `grpo`, `auth`) and runs the cross-section
+checks of `checks.py` when it is built. Each component receives only its own section; `load.py`
+builds a JobConfig from a TOML file and the command line.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from meshtrain.services.trainer.config.checks import (
 from meshtrain.services.trainer.config.dpo import DPOConfig
 from meshtrain.services.trainer.config.grpo import GRPOConfig
 from meshtrain.services.trainer.config.parallel import ParallelConfig
+from meshtrain.services.trainer.config.reward import RewardConfig
 
 KERNEL_OPS = (
     "rms_norm",
@@ -170,9 +171,10 @@ class TrainConfig:
     metrics_port: int | None = None
     """With the control endpoint: serve Prometheus metrics (step, loss, tokens/s, ETA, RPCs) on this
     port (0: any free port, in RUN_DIR/metrics.addr); unset: $MESHTRAIN_METRICS_PORT or none."""
-    objective: Literal["lm", "dpo", "grpo"] = "lm"
+    objective: Literal["lm", "dpo", "reward", "grpo"] = "lm"
     """lm: the language-model loss (pretraining, SFT); dpo: preference tuning on pairs, set up
-    by the [dpo] section; grpo: on-policy RL on sampled completions, set up by [grpo]."""
+    by the [dpo] section; reward: a reward model (a scalar head, model.reward_head) trained on
+    pairs, set up by [reward]; grpo: on-policy RL on sampled completions, set up by [grpo]."""
 
     def __post_init__(self) -> None:
         for key in ("micro_batch_size", "global_batch_size", "train_iters", "eval_iters"):
@@ -399,6 +401,8 @@ class JobConfig:
     """Run directory and logging."""
     dpo: DPOConfig = field(default_factory=DPOConfig)
     """Preference tuning (with train.objective='dpo')."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Reward-model training (with train.objective='reward')."""
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     """On-policy RL (with train.objective='grpo')."""
     auth: AuthConfig = field(default_factory=AuthConfig)
@@ -416,3 +420,13 @@ class JobConfig:
         check_optimizer_offload(self.optim, self.parallel, self.train)
         check_vision(self.model, self.parallel, self.train)
         self.data = resolve_multimodal(self.model, self.data)
+        # the scalar head is part of the architecture (the checkpoint records it): a reward
+        # model is trained with train.objective='reward', and only then has one
+        if self.train.objective == "reward":
+            self.model.reward_head = True
+        elif self.model.reward_head:
+            raise ConfigError(
+                f"model.reward_head with train.objective={self.train.objective!r}: a reward "
+                "model (a scalar head) is trained with train.objective='reward'; score with one "
+                "in GRPO through grpo.reward_model"
+            )

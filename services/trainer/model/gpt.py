@@ -143,6 +143,11 @@ class GPT(nn.Module):
             else None
         )
         self.head = LMHead(config.vocab_size)
+        # a reward model scores with `score` (hidden -> 1); its LM output layer stays (an LM
+        # checkpoint loads into it, and back) but is not trained
+        self.score = nn.Linear(config.hidden_size, 1, bias=False) if config.reward_head else None
+        if self.score is not None and self.output_layer is not None:
+            self.output_layer.requires_grad_(False)
         self.vision = VisionEncoder(config.vision) if config.vision is not None else None
         self.projector = Projector(config) if config.vision is not None else None
         self.rope_cos: torch.Tensor | None
@@ -262,7 +267,9 @@ class GPT(nn.Module):
         position_ids: torch.Tensor | None = None,
         images: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Mean token loss when `labels` is given, else logits (batch, seq, vocab).
+        """Mean token loss when `labels` is given, else logits (batch, seq, vocab); a reward model
+        (`config.reward_head`) gives its head's loss, else the scalar score after each token
+        (batch, seq).
 
         Args:
             tokens: (batch, seq) int64 token ids.
@@ -277,8 +284,12 @@ class GPT(nn.Module):
                 tokens_per_image copies of model.vision.image_token_id (None: no images).
         """
         h = self.hidden_states(tokens, document_ids, position_ids, images)
+        if self.score is not None and labels is None:
+            return self.score(h).squeeze(-1)  # (b, s): the reward of each prefix
         if labels is not None:
-            loss = self.head.loss(h, self.output_weight, labels, loss_mask)
+            # a reward model's objective head projects with the scalar head's (1, hidden) weight
+            weight = self.output_weight if self.score is None else self.score.weight
+            loss = self.head.loss(h, weight, labels, loss_mask)
             return (
                 loss if self.context is None else self.context.loss_share(loss, labels, loss_mask)
             )

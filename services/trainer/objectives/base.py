@@ -97,6 +97,10 @@ def objective_for(job: JobConfig, mesh: Mesh) -> Objective:
         from meshtrain.services.trainer.objectives.dpo import DPO
 
         return DPO(job, mesh)
+    if job.train.objective == "reward":
+        from meshtrain.services.trainer.objectives.reward_model import RewardModeling
+
+        return RewardModeling(job, mesh)
     if job.train.objective == "grpo":
         from meshtrain.services.trainer.objectives.grpo_steps import GRPO
 

@@ -9,7 +9,8 @@ the objective (`GRPO`) `Trainer` runs when `train.objective = "grpo"` (docs/grpo
 Every `num_iterations` steps `Rollouts` publishes the current weights as version `step`
 (`publish`: `WeightsPublisher.publish`, a version bump for the colocated generator), asks the
 backend for G completions of each of this
-data-parallel rank's prompts (`PromptSet`), scores them with the reward functions, gathers the
+data-parallel rank's prompts (`PromptSet`), scores them with the reward functions and the
+reward model (grpo.reward_model, `reward_scorer.RewardScorer`), gathers the
 rewards over dp for the advantages and the metrics, and lays prompt + completion out as
 training sequences of `model.seq_length` (labels shifted by one, the loss mask on the
 completion's tokens). The frozen reference's per-token log-probs are computed once per batch.
@@ -45,6 +46,7 @@ from meshtrain.services.trainer.objectives.grpo import (
 )
 from meshtrain.services.trainer.objectives.prompts import PromptSet
 from meshtrain.services.trainer.objectives.publish import WeightsPublisher, check_publish
+from meshtrain.services.trainer.objectives.reward_scorer import RewardScorer
 from meshtrain.services.trainer.objectives.rewards import Rewards
 from meshtrain.services.trainer.objectives.rollouts import rollout_backend
 from meshtrain.services.trainer.parallel import mappings
@@ -71,8 +73,8 @@ def check_grpo_job(job: JobConfig, mesh: Mesh) -> None:
     g, t = job.grpo, job.train
     if not g.prompts_path:
         raise ConfigError("train.objective='grpo' needs grpo.prompts_path (a JSONL of prompts)")
-    if not g.reward_funcs:
-        raise ConfigError("train.objective='grpo' needs grpo.reward_funcs")
+    if not g.reward_funcs and not g.reward_model:
+        raise ConfigError("train.objective='grpo' needs grpo.reward_funcs or grpo.reward_model")
     # checked here, not when the config loads: `meshtrain up --rollout-workers` loads it first
     # and hands the workers it starts over in this key
     if g.rollout == "service" and not g.rollout_addresses:
@@ -120,13 +122,20 @@ class Rollouts:
         backend: RolloutBackend,
         reference=None,
         publish: Callable[[int], None] | None = None,
+        reward_model: RewardScorer | None = None,
     ):
         g, t = job.grpo, job.train
         self.job, self.g, self.mesh, self.device = job, g, mesh, device
         self.tok, self.backend, self.reference = tokenizer, backend, reference
         self.publish = publish if publish is not None else backend.update_weights
         self.prompts = PromptSet.read(cast(str, g.prompts_path), tokenizer, g.chat_template, t.seed)
-        self.rewards = Rewards.load(g.reward_funcs, g.reward_weights)
+        self.rewards = Rewards.load(g.reward_funcs, g.reward_weights, reward_model is not None)
+        self.reward_model = reward_model
+        # the reward columns: each function's, then the reward model's (TRL's reward_funcs order)
+        self.reward_names = self.rewards.names + (["reward_model"] if reward_model else [])
+        self.reward_weights = self.rewards.weights + (
+            [g.reward_model_weight] if reward_model else []
+        )
         self.seq_length = job.model.seq_length
         if self.prompts.longest + g.max_new_tokens > self.seq_length + 1:
             raise ConfigError(
@@ -144,7 +153,7 @@ class Rollouts:
             g.prompts_path,
             self.per_batch,
             g.group_size,
-            ", ".join(self.rewards.names),
+            ", ".join(self.reward_names),
         )
 
     def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor, RolloutTargets]]:
@@ -187,17 +196,26 @@ class Rollouts:
                 )
         # per completion: each reward function's value, then length and finished (host floats)
         rows = []
-        for c in completions:
+        texts = [c.tokens[:-1] if c.finished else c.tokens for c in completions]
+        model_scores = (
+            self.reward_model.score(
+                [prompts[c.prompt_index].ids + t for c, t in zip(completions, texts)]
+            )
+            if self.reward_model is not None
+            else None
+        )
+        for i, (c, text_ids) in enumerate(zip(completions, texts, strict=True)):
             p = prompts[c.prompt_index]
-            text_ids = c.tokens[:-1] if c.finished else c.tokens
             scores = self.rewards.score(p.text, self.tok.decode(text_ids), dict(p.columns))
+            if model_scores is not None:
+                scores.append(model_scores[i])
             rows.append([*scores, float(len(c.tokens)), float(c.finished)])
         local = torch.tensor(rows, dtype=torch.float32, device=self.device)  # (n, F + 2)
         every = (
             mappings.all_gather(local, 0, mesh.group("dp")) if mesh.dp > 1 else local
         )  # (dp * n, F + 2), rank by rank: the global batch in prompt order
-        nf = len(self.rewards.names)
-        weights = torch.tensor(self.rewards.weights, device=self.device)
+        nf = len(self.reward_names)
+        weights = torch.tensor(self.reward_weights, device=self.device)
         total = (every[:, :nf] * weights).sum(1)
         advantages = group_advantages(total.double().cpu(), g.group_size, g.scale_rewards).float()
         n = len(completions)
@@ -219,7 +237,7 @@ class Rollouts:
             "completions/max_length": lengths.max().item(),
             "completions/clipped_ratio": 1.0 - finished.mean().item(),
         }
-        for i, name in enumerate(self.rewards.names):
+        for i, name in enumerate(self.reward_names):
             out[f"rewards/{name}/mean"] = every[:, i].mean().item()
             out[f"rewards/{name}/std"] = every[:, i].std().item()
         return out
@@ -314,12 +332,22 @@ class GRPO(Objective):
                 load=(g.reference_load, g.reference_load_step),
                 head=TokenLogpsHead,
             )
+        scorer = None
+        if g.reward_model is not None:
+            scorer = RewardScorer.load(
+                g.reward_model,
+                g.reward_model_step,
+                job,
+                trainer.device,
+                trainer.autocast,
+                g.reward_model_batch_size,
+            )
         backend = rollout_backend(job, trainer.model, tok.eod_id, trainer.device, trainer.autocast)
         publisher = WeightsPublisher(
             job, trainer.model, self.mesh, backend, self._checkpoint_for_rollouts
         )
         self.rollouts = Rollouts(
-            job, self.mesh, trainer.device, tok, backend, reference, publisher.publish
+            job, self.mesh, trainer.device, tok, backend, reference, publisher.publish, scorer
         )
 
     def _checkpoint_for_rollouts(self, step: int) -> None:

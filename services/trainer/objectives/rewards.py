@@ -51,9 +51,10 @@ class Rewards:
     weights: list[float]
 
     @classmethod
-    def load(cls, paths: list[str], weights: list[float] | None) -> Rewards:
-        if not paths:
-            raise ConfigError("train.objective='grpo' needs grpo.reward_funcs")
+    def load(cls, paths: list[str], weights: list[float] | None, model: bool = False) -> Rewards:
+        """The functions at `paths`; none only beside a reward model (`model`)."""
+        if not paths and not model:
+            raise ConfigError("train.objective='grpo' needs grpo.reward_funcs or grpo.reward_model")
         funcs = [load_reward_func(p) for p in paths]
         return cls(funcs, [p.partition(":")[2] for p in paths], weights or [1.0] * len(paths))
 

@@ -93,8 +93,8 @@ def test_grpo_refuses_what_it_does_not_run_with(tmp_path):
     prompts = write_prompts(tmp_path / "prompts.jsonl")
     with pytest.raises(ConfigError, match="group_size"):
         load_config(job_args(tmp_path, prompts, **{"grpo.group_size": 1}))
-    with pytest.raises(ConfigError, match="reward_model"):
-        load_config(job_args(tmp_path, prompts, **{"grpo.reward_model": "ckpt"}))
+    with pytest.raises(ConfigError, match="reward_model_step needs grpo.reward_model"):
+        load_config(job_args(tmp_path, prompts, **{"grpo.reward_model_step": 3}))
     with pytest.raises(ConfigError, match="multiple of grpo.group_size"):
         Trainer(
             load_config(
