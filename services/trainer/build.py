@@ -233,6 +233,7 @@ def build_data_parallel(
             optim,
             reshard_after_forward=p.reshard_after_forward,
             reduce_dtype=reduce_dtype,
+            tied_weight=pipeline.tied_weight if pipeline else None,
         )
     return DataParallel(
         model,
