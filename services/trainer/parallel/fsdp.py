@@ -27,7 +27,9 @@ torchtitan shards each stage. The runtime's `sync_enabled` turns FSDP2's gradien
 every backward but a chunk's last of the step: earlier micro-batches accumulate unsharded
 gradients, reduce-scattered once. Tied embeddings: the first stage's shard and the last
 stage's copy (the same rows of the same global tensor) have their gradients summed over
-"pp_ends"; the gradient norm adds every stage's share over pp, the copy left out.
+"pp_ends"; the gradient norm adds every stage's share over pp, the copy left out. Under
+train.compile the trainer compiles each block in place (`build.compile_model`): FSDP2's hooks,
+which dynamo does not trace, run between the compiled blocks.
 """
 
 from __future__ import annotations
@@ -127,23 +129,29 @@ class FullyShardedDataParallel:
             for n, p in model.named_parameters()
         }
         policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
-        blocks = [
-            fully_shard(
-                block,
-                mesh=self.shard_mesh,
-                reshard_after_forward=reshard_after_forward,
-                mp_policy=policy,
-            )
-            for block in self._blocks(model)
+        chunks = [
+            [
+                fully_shard(
+                    block,
+                    mesh=self.shard_mesh,
+                    reshard_after_forward=reshard_after_forward,
+                    mp_policy=policy,
+                )
+                for block in chunk
+            ]
+            for chunk in self._chunks(model)
         ]
         # The root keeps its parameters (embedding, final norm, output layer) gathered from the
         # end of the forward to the backward, which starts with them.
         fully_shard(model, mesh=self.shard_mesh, reshard_after_forward=False, mp_policy=policy)
-        for i, block in enumerate(blocks):  # explicit prefetch: the next block in each direction
-            if i + 1 < len(blocks):
-                block.set_modules_to_forward_prefetch([blocks[i + 1]])
-            if i > 0:
-                block.set_modules_to_backward_prefetch([blocks[i - 1]])
+        # Explicit prefetch: the next block in each direction, within a model chunk (what runs
+        # after a chunk's last block is up to the pipeline schedule).
+        for blocks in chunks:
+            for i, block in enumerate(blocks):
+                if i + 1 < len(blocks):
+                    block.set_modules_to_forward_prefetch([blocks[i + 1]])
+                if i > 0:
+                    block.set_modules_to_backward_prefetch([blocks[i - 1]])
         for n, p in model.named_parameters():
             for key, value in marks[n].items():
                 setattr(p, key, value)
@@ -158,11 +166,16 @@ class FullyShardedDataParallel:
         self.optimizer = build_optimizer(model, optim)
 
     @staticmethod
-    def _blocks(model: nn.Module) -> list[nn.Module]:
-        """The transformer blocks, in forward order (a pipeline stage keeps them by global
-        number in a ModuleDict)."""
+    def _chunks(model: nn.Module) -> list[list[nn.Module]]:
+        """The transformer blocks of each model chunk, in forward order: one chunk of a GPT, or
+        a pipeline stage's (its blocks kept by global number, its chunks' ranges in
+        `chunk_layers`)."""
         layers = model.layers
-        return list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)  # type: ignore[union-attr]
+        if isinstance(layers, nn.ModuleDict):
+            ranges: list[range] = model.chunk_layers  # type: ignore[assignment]
+            return [[layers[str(i)] for i in r] for r in ranges]
+        assert isinstance(layers, nn.ModuleList)
+        return [list(layers)]
 
     @property
     def root(self) -> FSDPModule:

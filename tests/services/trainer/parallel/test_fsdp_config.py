@@ -71,7 +71,6 @@ def test_contradictions_are_refused(kwargs, match):
         ),
         (["--context-parallel-size", "2"], "parallel.cp=2"),
         (["--num-experts", "4"], "model.num_experts"),
-        (["--train.compile=true"], "train.compile"),
         (["--train.cuda_graph=true"], "train.cuda_graph"),
     ],
 )

@@ -33,6 +33,8 @@ CASES = {
             "parallel.virtual_pipeline_model_parallel_size": 2,
         },
     ),
+    # each block compiled on every stage, FSDP2's hooks between them
+    "zero3-1f1b-compiled": ("gpt2", {**PP_FSDP, "train.compile": True}),
     "zero3-gpipe-recompute": (
         "llama",
         {
