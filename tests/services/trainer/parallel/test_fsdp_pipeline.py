@@ -35,6 +35,14 @@ CASES = {
     ),
     # each block compiled on every stage, FSDP2's hooks between them
     "zero3-1f1b-compiled": ("gpt2", {**PP_FSDP, "train.compile": True}),
+    "zero2-none": (
+        "llama",
+        {
+            **PP_FSDP,
+            "parallel.data_parallel_sharding_strategy": "optim_grads",
+            "parallel.pipeline_schedule": "none",
+        },
+    ),
     "zero3-gpipe-recompute": (
         "llama",
         {
