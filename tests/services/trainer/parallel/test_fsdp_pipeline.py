@@ -69,11 +69,12 @@ def test_pp2_fully_sharded_matches_single_process(case, corpus_cache, tmp_path, 
     _check(results[0], results, ref, ref_tensors)
 
 
-def test_pp2_fully_sharded_checkpoint_resumes_on_one_process(
+def test_pp2_fully_sharded_checkpoint_resumes_on_one_process_and_sharded(
     corpus_cache, tmp_path, tmp_path_factory
 ):
     """Saved at step 3 by pp=2 x dp_shard=2 (ZeRO-3, tied embeddings: each stage's dp_shard
-    ranks write their rows); resumed by one process, steps 4..6 are the uninterrupted run's."""
+    ranks write their rows); resumed by one process and by pp=2 x dp_shard=2 under ZeRO-2 (each
+    rank reading its rows back), steps 4..6 are the uninterrupted run's."""
     ref, _ = _reference(corpus_cache, tmp_path_factory, {}, {})
     args = small_job_args(
         corpus_cache, tmp_path / "fsdp", **COMMON, **PP_FSDP, **{"checkpoint.save_interval": 3}
@@ -81,6 +82,16 @@ def test_pp2_fully_sharded_checkpoint_resumes_on_one_process(
     root = run_ranks(_rank_train, 4, args, timeout=400)[0]["checkpoint"].rsplit("/", 1)[0]
     more = {"checkpoint.load": root, "checkpoint.load_step": 3, "checkpoint.save": f"{root}-1"}
     alone = train(load_config(small_job_args(corpus_cache, tmp_path / "alone", **COMMON, **more)))
-    assert sorted(alone.losses) == list(range(4, STEPS + 1))
-    for step in range(4, STEPS + 1):
-        assert alone.losses[step] == pytest.approx(ref.losses[step], rel=1e-6, abs=1e-7), step
+    back = {
+        **PP_FSDP,
+        "parallel.data_parallel_sharding_strategy": "optim_grads",
+        "checkpoint.load": root,
+        "checkpoint.load_step": 3,
+        "checkpoint.save": f"{root}-back",
+    }
+    args = small_job_args(corpus_cache, tmp_path / "back", **COMMON, **back)
+    resumed = run_ranks(_rank_train, 4, args, timeout=400)[0]
+    for losses in (alone.losses, resumed["losses"]):
+        assert sorted(losses) == list(range(4, STEPS + 1))
+        for step in range(4, STEPS + 1):
+            assert losses[step] == pytest.approx(ref.losses[step], rel=1e-6, abs=1e-7), step
