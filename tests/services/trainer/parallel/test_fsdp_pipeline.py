@@ -95,3 +95,37 @@ def test_pp2_fully_sharded_checkpoint_resumes_on_one_process_and_sharded(
         assert sorted(losses) == list(range(4, STEPS + 1))
         for step in range(4, STEPS + 1):
             assert losses[step] == pytest.approx(ref.losses[step], rel=1e-6, abs=1e-7), step
+
+
+def _rank_reductions(rank, world, args):
+    """Reduce-scatters this rank issues in one step (FSDP2's `foreach_reduce`, one per sharded
+    unit whose gradients it reduces), and the number of sharded units of its stage."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    from meshtrain.services.trainer.train import Trainer
+
+    trainer = Trainer(load_config(args))
+    calls = []
+    reduce = _fsdp_param_group.foreach_reduce
+
+    def counting(*a, **k):
+        calls.append(1)
+        return reduce(*a, **k)
+
+    _fsdp_param_group.foreach_reduce = counting
+    try:
+        trainer.train_step(0)
+    finally:
+        _fsdp_param_group.foreach_reduce = reduce
+    units = sum(isinstance(m, FSDPModule) for m in trainer.model.modules())
+    return len(calls), units, trainer.pipeline.n_micro
+
+
+def test_gradients_are_reduce_scattered_once_a_step_not_per_micro_batch(corpus_cache, tmp_path):
+    """Two micro-batches per step and rank (1f1b): each sharded unit (the stage's blocks, the
+    stage itself) reduce-scatters once, in its last backward, not once per micro-batch."""
+    args = small_job_args(corpus_cache, tmp_path / "run", **COMMON, **PP_FSDP)
+    for calls, units, n_micro in run_ranks(_rank_reductions, 4, args, timeout=400):
+        assert n_micro == 2
+        assert calls == units, (calls, units)
