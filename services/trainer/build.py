@@ -233,6 +233,7 @@ def build_data_parallel(
             optim,
             reshard_after_forward=p.reshard_after_forward,
             reduce_dtype=reduce_dtype,
+            tied_weight=pipeline.tied_weight if pipeline else None,
         )
     return DataParallel(
         model,
@@ -289,13 +290,15 @@ def compile_model(
     options: dict[str, bool] | None,
     pipelined: bool,
     overlap_param_gather: bool,
+    fully_sharded: bool = False,
 ) -> torch.nn.Module:
     """What a step runs the model through: under train.compile the compiled model, or, with a
-    pipeline or parallel.overlap_param_gather, the model itself with each block and the loss head
-    compiled in place; without train.compile the model."""
-    if train.compile and (overlap_param_gather or pipelined):
-        # Per-block compile keeps the all-gather waits (forward pre-hooks) outside the
-        # compiled graphs, so they cost no graph breaks.
+    pipeline, parallel.overlap_param_gather or FSDP2 (`fully_sharded`), the model itself with
+    each block and the loss head compiled in place; without train.compile the model."""
+    if train.compile and (overlap_param_gather or pipelined or fully_sharded):
+        # Per-block compile keeps the all-gather waits (forward pre-hooks; FSDP2's, which
+        # dynamo does not trace, as torchtitan compiles each block) outside the compiled
+        # graphs, so they cost no graph breaks inside a block.
         for layer in model.layers.values() if pipelined else model.layers:
             layer.compile(options=options)
         # And the output projection + loss: left eager, its matmuls ran a slow legacy GEMM

@@ -235,6 +235,7 @@ class Trainer:
             options,
             self.pipeline is not None,
             job.parallel.overlap_param_gather,
+            fully_sharded=self.ddp is not None and job.parallel.fully_sharded,
         )
         if self.weight_copies is None:
             self.train_forward = lambda copies, *batch: self.forward(*batch)

@@ -44,8 +44,10 @@ def check_fp8(train: TrainConfig, parallel: ParallelConfig) -> None:
 
 def check_fully_sharded(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> None:
     """What fully sharded data parallelism (parallel.use_torch_fsdp2) composes with so far: plain
-    data parallelism, tensor (and sequence) parallelism, hybrid sharding and activation
-    recompute. The rest is refused by name rather than run untested.
+    data parallelism, tensor (and sequence) parallelism, hybrid sharding, activation recompute,
+    pipeline parallelism with the gpipe, 1f1b, none and interleaved schedules, and train.compile
+    (each block compiled, FSDP2's hooks between them). The rest is refused
+    by name rather than run untested.
 
     Raises:
         ConfigError: naming the setting that does not compose with it.
@@ -55,12 +57,15 @@ def check_fully_sharded(model: ModelConfig, parallel: ParallelConfig, train: Tra
         return
     what = f"parallel.data_parallel_sharding_strategy={p.data_parallel_sharding_strategy!r}"
     refused = [
-        (p.pp > 1, f"parallel.pp={p.pp}", "pipeline stages"),
+        (
+            p.pp > 1 and p.resolved_pipeline_schedule(model.num_layers) == "zb-h1",
+            "parallel.pipeline_schedule='zb-h1'",
+            "the zero-bubble schedule's deferred weight gradients (use 1f1b, gpipe or interleaved)",
+        ),
         (p.cp > 1, f"parallel.cp={p.cp}", "context parallelism"),
         (p.ep > 1 or model.num_experts is not None, "model.num_experts", "a mixture of experts"),
         (train.fp8 is not None, "train.fp8", "FP8 linears"),
         (train.cuda_graph, "train.cuda_graph", "CUDA graphs"),
-        (train.compile, "train.compile", "the compiled forward"),
         (p.tp_comm_overlap, "parallel.tp_comm_overlap", "the fused tensor-parallel GEMMs"),
         (bool(train.bf16_weight_copies), "train.bf16_weight_copies", "bf16 weight copies"),
     ]

@@ -19,11 +19,23 @@ sharded gradients are summed over tp after the reduce-scatter (the two sums comm
 gradient norm sums squares of the local shards over dp_shard and, for tensor-parallel shards,
 tp. Checkpoints map each DTensor shard to boxes of the global array (`checkpoint_boxes.py`), so
 no rank ever holds the whole model.
+
+Under pipeline parallelism the model is this rank's `PipelineStage`: its blocks and then the
+stage (embedding, final norm, output layer, whichever it holds) are sharded over the dp_shard
+ranks of this stage (the device mesh's dp_shard dim at this rank's pp coordinate), as
+torchtitan shards each stage. The runtime's `sync_enabled` turns FSDP2's gradient sync off for
+every backward but a chunk's last of the step: earlier micro-batches accumulate unsharded
+gradients, reduce-scattered once. Tied embeddings: the first stage's shard and the last
+stage's copy (the same rows of the same global tensor) have their gradients summed over
+"pp_ends"; the gradient norm adds every stage's share over pp, the copy left out. Under
+train.compile the trainer compiles each block in place (`build.compile_model`): FSDP2's hooks,
+which dynamo does not trace, run between the compiled blocks.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -57,8 +69,12 @@ class FullyShardedDataParallel:
         reduce_dtype: what the reduce-scatter sends (fp32, or bf16: half the bytes).
 
     Raises:
-        ConfigError: a layout it does not compose with (pipeline, context or expert
-            parallelism), or a parameter that is not fp32.
+        tied_weight: under pipeline parallelism, after sharding: the word embedding this
+            rank shares with the other end of the pipeline (`Pipeline.tied_weight`), or None.
+
+    Raises:
+        ConfigError: a layout it does not compose with (context or expert parallelism,
+            deferred weight gradients), or a parameter that is not fp32.
     """
 
     dist_opt = False  # the ZeRO-1 buffers' checkpoint path is DataParallel's own
@@ -71,8 +87,9 @@ class FullyShardedDataParallel:
         *,
         reshard_after_forward: bool = True,
         reduce_dtype: torch.dtype = torch.float32,
+        tied_weight: Callable[[], nn.Parameter | None] | None = None,
     ):
-        for bad, what in ((mesh.pp > 1, "pp"), (mesh.cp > 1, "cp"), (mesh.ep > 1, "ep")):
+        for bad, what in ((mesh.cp > 1, "cp"), (mesh.ep > 1, "ep")):
             if bad:
                 raise ConfigError(
                     f"fully sharded data parallelism does not compose with parallel.{what} > 1 "
@@ -83,6 +100,15 @@ class FullyShardedDataParallel:
                 "fully sharded data parallelism does not compose with optim.optimizer_cpu_offload "
                 "yet; use parallel.use_distributed_optimizer (ZeRO-1), whose slices are offloaded"
             )
+        deferred = [n for n, p in model.named_parameters() if getattr(p, "grad_deferred", False)]
+        if deferred:
+            # FSDP2 reduce-scatters a block's gradients at the end of its backward; a W action
+            # would add the deferred weight gradients after that, to gathered tensors then freed
+            raise ConfigError(
+                "fully sharded data parallelism does not compose with "
+                "parallel.pipeline_schedule='zb-h1' (deferred weight gradients, e.g. "
+                f"{deferred[0]}); use '1f1b', 'gpipe' or 'interleaved'"
+            )
         odd = [n for n, p in model.named_parameters() if p.dtype != torch.float32]
         if odd:
             raise ConfigError(
@@ -91,6 +117,7 @@ class FullyShardedDataParallel:
             )
         assert mesh.device_mesh is not None  # Mesh.build makes it whenever there are ranks
         self.model, self.mesh = model, mesh
+        self._sync = True
         dims = ("dp_replicate", "dp_shard") if mesh.dp_replicate > 1 else ("dp_shard",)
         self.shard_mesh = mesh.device_mesh[dims]
         # The gradient norm's sums: each gradient shard lives on one dp_shard rank (and is
@@ -102,48 +129,85 @@ class FullyShardedDataParallel:
             for n, p in model.named_parameters()
         }
         policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
-        blocks = [
-            fully_shard(
-                block,
-                mesh=self.shard_mesh,
-                reshard_after_forward=reshard_after_forward,
-                mp_policy=policy,
-            )
-            for block in model.layers  # type: ignore[union-attr]
+        chunks = [
+            [
+                fully_shard(
+                    block,
+                    mesh=self.shard_mesh,
+                    reshard_after_forward=reshard_after_forward,
+                    mp_policy=policy,
+                )
+                for block in chunk
+            ]
+            for chunk in self._chunks(model)
         ]
         # The root keeps its parameters (embedding, final norm, output layer) gathered from the
         # end of the forward to the backward, which starts with them.
         fully_shard(model, mesh=self.shard_mesh, reshard_after_forward=False, mp_policy=policy)
-        for i, block in enumerate(blocks):  # explicit prefetch: the next block in each direction
-            if i + 1 < len(blocks):
-                block.set_modules_to_forward_prefetch([blocks[i + 1]])
-            if i > 0:
-                block.set_modules_to_backward_prefetch([blocks[i - 1]])
+        # Explicit prefetch: the next block in each direction, within a model chunk (what runs
+        # after a chunk's last block is up to the pipeline schedule).
+        for blocks in chunks:
+            for i, block in enumerate(blocks):
+                if i + 1 < len(blocks):
+                    block.set_modules_to_forward_prefetch([blocks[i + 1]])
+                if i > 0:
+                    block.set_modules_to_backward_prefetch([blocks[i - 1]])
         for n, p in model.named_parameters():
             for key, value in marks[n].items():
                 setattr(p, key, value)
         self.params = [p for p in model.parameters() if p.requires_grad]
+        # the shared word embedding, when both ends of the pipeline hold it
+        self.tied = (
+            tied_weight() if tied_weight is not None and mesh.group("pp_ends") is not None else None
+        )
         self.sequence_parallel = [
             p for p in self.params if getattr(p, "sequence_parallel", False) and mesh.tp > 1
         ]
         self.optimizer = build_optimizer(model, optim)
 
+    @staticmethod
+    def _chunks(model: nn.Module) -> list[list[nn.Module]]:
+        """The transformer blocks of each model chunk, in forward order: one chunk of a GPT, or
+        a pipeline stage's (its blocks kept by global number, its chunks' ranges in
+        `chunk_layers`)."""
+        layers = model.layers
+        if isinstance(layers, nn.ModuleDict):
+            ranges: list[range] = model.chunk_layers  # type: ignore[assignment]
+            return [[layers[str(i)] for i in r] for r in ranges]
+        assert isinstance(layers, nn.ModuleList)
+        return [list(layers)]
+
     @property
     def root(self) -> FSDPModule:
         return self.model  # type: ignore[return-value]
 
+    @property
+    def sync_enabled(self) -> bool:
+        """Whether the next backward reduce-scatters the gradients (the pipeline runtime sets it
+        per backward action: on for a chunk's last of the step)."""
+        return self._sync
+
+    @sync_enabled.setter
+    def sync_enabled(self, value: bool) -> None:
+        self._sync = value
+        self.root.set_requires_gradient_sync(value)
+
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients without reduce-scattering them (all but the last micro-batch)."""
-        self.root.set_requires_gradient_sync(False)
+        self.sync_enabled = False
         try:
             yield
         finally:
-            self.root.set_requires_gradient_sync(True)
+            self.sync_enabled = True
 
     def finish_grad_sync(self) -> None:
         """After the last backward: FSDP2 has reduce-scattered every gradient; the shards of the
-        sequence-parallel parameters are summed over tp."""
+        sequence-parallel parameters are summed over tp, those of a tied embedding over the
+        pipeline's ends."""
+        if self.tied is not None and self.tied.grad is not None:
+            g = local(self.tied.grad)
+            g.copy_(M.all_reduce(g, self.mesh.group("pp_ends")))
         grads = [local(p.grad) for p in self.sequence_parallel if p.grad is not None]
         if grads:
             flat = M.all_reduce(torch.cat([g.flatten() for g in grads]), self.mesh.group("tp"))
@@ -155,10 +219,13 @@ class FullyShardedDataParallel:
     def grad_norm_and_clip(self, max_norm: float) -> torch.Tensor:
         """Global L2 norm of the gradients (shards summed over dp_shard, tensor-parallel shards
         over tp, replicated tensors counted once); clips them if max_norm > 0."""
+        # the last stage's copy of a tied embedding is counted once, on the first stage
+        grads = [local(p.grad) for p in self.params if p.grad is not None]
         items = [
-            (local(p.grad), tp_split_of(p) is not None) for p in self.params if p.grad is not None
+            (local(p.grad), tp_split_of(p) is not None)
+            for p in self.params
+            if p.grad is not None and not getattr(p, "pipeline_copy", False)
         ]
-        grads = [g for g, _ in items]
         device = grads[0].device
         sq = torch.stack(
             [
@@ -170,6 +237,8 @@ class FullyShardedDataParallel:
         )
         sq = M.all_reduce(sq, self.shard_group)
         total = M.all_reduce(sq[0].view(1), self.mesh.group("tp"))[0] + sq[1]
+        if self.mesh.pp > 1:  # every stage's share
+            total = M.all_reduce(total, self.mesh.group("pp"))
         norm = total.sqrt()
         if max_norm > 0:
             coeff = (max_norm / (norm + 1e-6)).clamp(max=1.0)

@@ -208,7 +208,7 @@ class PipelineRuntime:
         x = self._forward_input(micro, a, st.inputs)
         labels, mask, docs, positions, images = _stage_inputs(stage, a.chunk, micro[a.micro])
         with self.autocast:
-            y = stage.forward_chunk(a.chunk, x, labels, mask, docs, positions, images)
+            y = stage(a.chunk, x, labels, mask, docs, positions, images)
         if stage.chunk_is_last(a.chunk):
             y = y / self.n_micro
             st.total += y.detach()
@@ -281,7 +281,7 @@ class PipelineRuntime:
                     dist.recv(x, self.prev)
                 labels, mask, docs, positions, images = _stage_inputs(stage, c, micro[m])
                 with self.autocast:
-                    y = stage.forward_chunk(c, x, labels, mask, docs, positions, images)
+                    y = stage(c, x, labels, mask, docs, positions, images)
                 if stage.chunk_is_last(c):
                     n = token_count(stage.context, mask)
                     total += y.double() * n

@@ -165,6 +165,12 @@ class PipelineStage(nn.Module):
             x = self.layers[str(i)](x, rope, docs)
         return x
 
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        """`forward_chunk`, called through the module: a fully sharded stage gathers the
+        parameters it holds outside its blocks (embedding, final norm, output layer) in its
+        forward hooks."""
+        return self.forward_chunk(*args, **kwargs)
+
     def forward_chunk(
         self,
         chunk: int,

@@ -78,8 +78,11 @@ CASES = {
         {**FSDP, "parallel.tp": 2, "parallel.sequence_parallel": True},
     ),
     "hsdp-2x2": (4, "gpt2", {**FSDP, "parallel.dp_replicate": 2}),
+    # each block compiled, FSDP2's gathers and reduce-scatters between them
+    "zero3-dp2-compiled": (2, "gpt2", {**FSDP, "train.compile": True}),
 }
-SLOW = {"zero3-tp2-dp2-sp", "hsdp-2x2"}  # 4 ranks on a few cores: ~40 s each
+# 4 ranks on a few cores: ~40 s each; Inductor's CPU code: minutes to compile on 2 cores
+SLOW = {"zero3-tp2-dp2-sp", "hsdp-2x2", "zero3-dp2-compiled"}
 
 
 @pytest.mark.parametrize(

@@ -65,16 +65,31 @@ def test_contradictions_are_refused(kwargs, match):
 @pytest.mark.parametrize(
     "args, key",
     [
-        (["--pipeline-model-parallel-size", "2"], "parallel.pp=2"),
+        (
+            ["--pipeline-model-parallel-size", "2", "--parallel.pipeline_schedule=zb-h1"],
+            "parallel.pipeline_schedule='zb-h1'",
+        ),
         (["--context-parallel-size", "2"], "parallel.cp=2"),
         (["--num-experts", "4"], "model.num_experts"),
-        (["--train.compile=true"], "train.compile"),
         (["--train.cuda_graph=true"], "train.cuda_graph"),
     ],
 )
 def test_what_does_not_compose_yet_is_refused_by_name(args, key):
     with pytest.raises(ConfigError, match=f"does not compose with .*{key.replace('.', '[.]')}"):
         load_config(["--use-torch-fsdp2", *args])
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "none", "auto"])
+def test_pipeline_schedules_compose(schedule):
+    job = load_config(
+        [
+            "--use-torch-fsdp2",
+            "--pipeline-model-parallel-size",
+            "2",
+            f"--parallel.pipeline_schedule={schedule}",
+        ]
+    )
+    assert job.parallel.fully_sharded and job.parallel.pp == 2
 
 
 def test_tensor_parallel_composes():
