@@ -286,16 +286,46 @@ class FrozenReference:
         return out
 
 
-def reduce_stats(stats: torch.Tensor | None, mesh: Mesh, device: torch.device) -> torch.Tensor:
-    """A step's summed preference statistics over the ranks that computed parts of them: the dp
-    ranks' pairs, held by the last pipeline stage (zeros elsewhere)."""
+def reduce_stats(
+    stats: torch.Tensor | None,
+    mesh: Mesh,
+    device: torch.device,
+    names: tuple[str, ...] = STAT_NAMES,
+) -> torch.Tensor:
+    """A step's summed pair statistics (`names`, then the pair count) over the ranks that
+    computed parts of them: the dp ranks' pairs, held by the last pipeline stage (zeros
+    elsewhere)."""
     if stats is None:
-        stats = torch.zeros(len(STAT_NAMES) + 1, device=device)
+        stats = torch.zeros(len(names) + 1, device=device)
     if mesh.pp > 1:
         stats = mappings.all_reduce(stats, mesh.group("pp"))
     if mesh.dp > 1:
         stats = mappings.all_reduce(stats, mesh.group("dp"))
     return stats
+
+
+@torch.no_grad()
+def evaluate_pairs(objective: Any, names: tuple[str, ...]) -> tuple[float, dict[str, float]]:
+    """The mean loss of a pair objective (DPO, reward modeling) over the held-out pairs
+    (eval_iters global batches), and the pairs' mean statistics under `names`. `objective` has
+    `trainer`, `mesh`, `head` (keeping statistics) and `inputs`."""
+    trainer = objective.trainer
+    assert objective.head is not None and trainer.data.valid is not None
+    valid: Any = trainer.data.valid
+    trainer.model.eval()
+    objective.head.take_stats()  # this step's are already kept
+    total = torch.zeros((), dtype=torch.float64, device=trainer.device)
+    for step in range(trainer.job.train.eval_iters):
+        micro = valid.micro_batches(step)
+        for tokens, labels, targets in objective.inputs(micro, len(micro)):
+            with trainer.autocast:
+                loss = trainer.forward(tokens, labels, targets).double()
+            total += loss * tokens.shape[0] / 2  # a mean over the micro-batch's pairs
+    trainer.model.train()
+    mesh = objective.mesh
+    stats = reduce_stats(objective.head.take_stats(), mesh, trainer.device, names)
+    total = mappings.all_reduce(total, mesh.group("dp")) if mesh.dp > 1 else total
+    return (total / stats[-1].double().clamp(min=1.0)).item(), finish_stats(stats, names)
 
 
 class DPO(Objective):
@@ -361,28 +391,11 @@ class DPO(Objective):
         # TRL's names: rewards/accuracies, ...
         return finish_stats(reduce_stats(self.stats, self.mesh, self.trainer.device))
 
-    @torch.no_grad()
     def evaluate(self) -> float:
-        """The mean preference loss over the held-out pairs (eval_iters global batches), and
-        their statistics in `eval_metrics`."""
-        trainer = self.trainer
-        assert self.head is not None and trainer.data.valid is not None
-        valid: Any = trainer.data.valid
-        trainer.model.eval()
-        self.head.take_stats()  # this step's are already kept
-        total = torch.zeros((), dtype=torch.float64, device=trainer.device)
-        for step in range(trainer.job.train.eval_iters):
-            micro = valid.micro_batches(step)
-            for tokens, labels, targets in self.inputs(micro, len(micro)):
-                with trainer.autocast:
-                    loss = trainer.forward(tokens, labels, targets).double()
-                total += loss * tokens.shape[0] / 2  # a mean over the micro-batch's pairs
-        trainer.model.train()
-        stats = reduce_stats(self.head.take_stats(), self.mesh, trainer.device)
-        total = mappings.all_reduce(total, self.mesh.group("dp")) if self.mesh.dp > 1 else total
-        pairs = stats[-1].double()
-        self.eval_stats = finish_stats(stats)
-        return (total / pairs.clamp(min=1.0)).item()
+        """The mean preference loss over the held-out pairs, and their statistics in
+        `eval_metrics`."""
+        loss, self.eval_stats = evaluate_pairs(self, STAT_NAMES)
+        return loss
 
     def eval_metrics(self) -> dict[str, float]:
         return self.eval_stats

@@ -123,11 +123,12 @@ def preference_loss(
     return losses.mean(), stats
 
 
-def finish_stats(stats: torch.Tensor) -> dict[str, float]:
-    """Summed statistics (over micro-batches and ranks) -> TRL's means per pair."""
+def finish_stats(stats: torch.Tensor, names: tuple[str, ...] = STAT_NAMES) -> dict[str, float]:
+    """Summed statistics (over micro-batches and ranks; the pair count last) -> means per pair,
+    under `names` (DPO's: TRL's names)."""
     values = stats.tolist()
     n = max(values[-1], 1.0)
-    return {name: v / n for name, v in zip(STAT_NAMES, values[:-1], strict=True)}
+    return {name: v / n for name, v in zip(names, values[:-1], strict=True)}
 
 
 def sequence_sums(

@@ -35,10 +35,13 @@ from meshtrain.services.trainer.config.reward import RewardConfig
 from meshtrain.services.trainer.config.sections import JobConfig
 from meshtrain.services.trainer.data import TrainData
 from meshtrain.services.trainer.objectives.base import Objective, check_token_ids
-from meshtrain.services.trainer.objectives.dpo import pair_micro_batches
+from meshtrain.services.trainer.objectives.dpo import (
+    evaluate_pairs,
+    pair_micro_batches,
+    reduce_stats,
+)
 from meshtrain.services.trainer.objectives.heads import ObjectiveHead
-from meshtrain.services.trainer.objectives.preference import PairTargets
-from meshtrain.services.trainer.parallel import mappings
+from meshtrain.services.trainer.objectives.preference import PairTargets, finish_stats
 from meshtrain.services.trainer.parallel.mesh import Mesh
 
 log = logging.getLogger("meshtrain.train")
@@ -89,13 +92,6 @@ def reward_loss(
             ]
         ).float()
     return value, stats
-
-
-def finish_stats(stats: torch.Tensor) -> dict[str, float]:
-    """Summed statistics (over micro-batches and ranks) -> means per pair."""
-    values = stats.tolist()
-    n = max(values[-1], 1.0)
-    return {name: v / n for name, v in zip(STAT_NAMES, values[:-1], strict=True)}
 
 
 class RewardHead(ObjectiveHead):
@@ -160,15 +156,6 @@ def build_reward_data(job: JobConfig, dp_rank: int, dp_size: int) -> TrainData:
     return TrainData(train, valid, tok.vocab_size, absolute_spec(job.data.tokenizer), r.data_path)
 
 
-def reduce_stats(stats: torch.Tensor | None, mesh: Mesh, device: torch.device) -> torch.Tensor:
-    """A step's summed statistics over the data-parallel ranks."""
-    if stats is None:
-        stats = torch.zeros(len(STAT_NAMES) + 1, device=device)
-    if mesh.dp > 1:
-        stats = mappings.all_reduce(stats, mesh.group("dp"))
-    return stats
-
-
 def reward_settings(r: RewardConfig) -> RewardLoss:
     return RewardLoss(r.margin, r.center_rewards_coefficient)
 
@@ -211,29 +198,13 @@ class RewardModeling(Objective):
         self.stats = self.head.take_stats()
 
     def step_metrics(self) -> dict[str, float]:
-        return finish_stats(reduce_stats(self.stats, self.mesh, self.trainer.device))
+        stats = reduce_stats(self.stats, self.mesh, self.trainer.device, STAT_NAMES)
+        return finish_stats(stats, STAT_NAMES)
 
-    @torch.no_grad()
     def evaluate(self) -> float:
-        """The mean loss over the held-out pairs (eval_iters global batches), and their
-        statistics in `eval_metrics`."""
-        trainer = self.trainer
-        assert self.head is not None and trainer.data.valid is not None
-        valid: Any = trainer.data.valid
-        trainer.model.eval()
-        self.head.take_stats()  # this step's are already kept
-        total = torch.zeros((), dtype=torch.float64, device=trainer.device)
-        for step in range(trainer.job.train.eval_iters):
-            micro = valid.micro_batches(step)
-            for tokens, labels, targets in self.inputs(micro, len(micro)):
-                with trainer.autocast:
-                    loss = trainer.forward(tokens, labels, targets).double()
-                total += loss * tokens.shape[0] / 2  # a mean over the micro-batch's pairs
-        trainer.model.train()
-        stats = reduce_stats(self.head.take_stats(), self.mesh, trainer.device)
-        total = mappings.all_reduce(total, self.mesh.group("dp")) if self.mesh.dp > 1 else total
-        self.eval_stats = finish_stats(stats)
-        return (total / stats[-1].double().clamp(min=1.0)).item()
+        """The mean loss over the held-out pairs, and their statistics in `eval_metrics`."""
+        loss, self.eval_stats = evaluate_pairs(self, STAT_NAMES)
+        return loss
 
     def eval_metrics(self) -> dict[str, float]:
         return self.eval_stats

@@ -20,11 +20,11 @@ from meshtrain.services.dataloader.preference import (
 )
 from meshtrain.services.dataloader.tokenizers.base import build_tokenizer
 from meshtrain.services.trainer.config.load import load_config
-from meshtrain.services.trainer.objectives.preference import PairTargets
+from meshtrain.services.trainer.objectives.preference import PairTargets, finish_stats
 from meshtrain.services.trainer.objectives.reward_model import (
+    STAT_NAMES,
     RewardHead,
     RewardLoss,
-    finish_stats,
     last_positions,
     reward_loss,
 )
@@ -134,7 +134,7 @@ def test_loss_and_gradient_equal_a_hand_computation():
     for row, end in enumerate(ends):
         want_h[row, end] = dr[row] * wd
     assert torch.allclose(h.grad.double(), want_h, rtol=1e-5, atol=1e-6)
-    stats = finish_stats(head.take_stats())
+    stats = finish_stats(head.take_stats(), STAT_NAMES)
     assert stats["accuracy"] == sum(c > j for c, j in zip(rc, rr)) / 2
     assert stats["rewards/margins"] == pytest.approx((rc[0] - rr[0] + rc[1] - rr[1]) / 2, rel=1e-5)
 
