@@ -79,21 +79,11 @@ SHAPES: dict[str, dict] = {
         rotary_base=500000.0,
         untie_embeddings_and_output_weights=True,
     ),
-    "llama-8b-16L": dict(
-        _LLAMA,
-        num_layers=16,
-        hidden_size=4096,
-        num_attention_heads=32,
-        num_query_groups=8,
-        ffn_hidden_size=14336,
-        vocab_size=128256,
-        rotary_base=500000.0,
-        untie_embeddings_and_output_weights=True,
-    ),
     # CPU smoke sizes
     "tiny": dict(_LLAMA, num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256),
     "tiny-wide": dict(_LLAMA, num_layers=2, hidden_size=128, num_attention_heads=4, vocab_size=256),
 }
+SHAPES["llama-8b-16L"] = dict(SHAPES["llama-8b"], num_layers=16)
 
 HOST_BYTES_PER_PARAM = 16  # fp32 master + pinned gradient buffer + two fp32 moments
 DEVICE_BYTES_PER_PARAM = {True: 10, False: 18}  # fp32 param + grad + bf16 copy (+ moments)

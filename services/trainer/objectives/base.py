@@ -17,6 +17,7 @@ tuning `dpo.DPO`; GRPO `grpo_steps.GRPO`.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from meshtrain.services.trainer.train import Trainer
 
 
-class Objective:
+class Objective(ABC):
     """One objective's part of a run. Subclasses check the job in `__init__` and implement
     `build_data`, `micro_batches`, `inputs` and `evaluate`; the other hooks default to nothing."""
 
@@ -50,9 +51,9 @@ class Objective:
         assert self._trainer is not None, "Objective.build has not run"
         return self._trainer
 
+    @abstractmethod
     def build_data(self, job: JobConfig, mesh: Mesh) -> TrainData:
         """This rank's batch sources (collective where the data service shares batches)."""
-        raise NotImplementedError
 
     def use_head(self, model: nn.Module) -> None:
         """Put the objective's head in place of the model's LM head (built, not yet wrapped)."""
@@ -61,15 +62,15 @@ class Objective:
         """Bind to the run once its model, optimizer state and forward are built."""
         self._trainer = trainer
 
+    @abstractmethod
     def micro_batches(self, step: int, reads: bool) -> list | None:
         """The host micro-batches of step `step` (0-based); None on a pipeline stage that
         reads no data (`reads` False)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def inputs(self, micro: list | None, n: int) -> Iterable:
         """The forward arguments of each of the step's `n` micro-batches, on the device (n Nones
         for a stage that reads no data, `micro` None)."""
-        raise NotImplementedError
 
     def end_step(self) -> None:
         """After the optimizer step: take what the step's micro-batches kept (statistics)."""
@@ -78,9 +79,9 @@ class Objective:
         """Extra columns of a logged step's metrics row (collective: every rank calls it)."""
         return {}
 
+    @abstractmethod
     def evaluate(self) -> float:
         """The validation loss (identical on every rank; collective)."""
-        raise NotImplementedError
 
     def eval_metrics(self) -> dict[str, float]:
         """Statistics of the last `evaluate`, written as `eval_<name>` columns."""

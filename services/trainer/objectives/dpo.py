@@ -93,16 +93,22 @@ def dpo_loss(d: DPOConfig) -> DPOLoss:
     return DPOLoss(d.loss_type, d.beta, d.label_smoothing, d.simpo_gamma)
 
 
-def build_preference_data(job: JobConfig, dp_rank: int, dp_size: int) -> TrainData:
-    """The train (and valid) pair sources of this data-parallel rank, with the reference column
-    when dpo.reference is 'precomputed'."""
-    d, t = job.dpo, job.train
-    tok = build_tokenizer(job.data.tokenizer)
+def pair_sources(
+    job: JobConfig,
+    dp_rank: int,
+    dp_size: int,
+    data_path: str,
+    valid_data_path: str | None,
+    reference: bool = False,
+) -> tuple[PreferenceBatchSource, PreferenceBatchSource | None]:
+    """This data-parallel rank's train and valid (None unless given and evaluated) pair sources,
+    with each dataset's precomputed reference column when `reference`."""
+    t = job.train
 
     def source(prefix: str) -> PreferenceBatchSource:
         pairs = PreferencePairs(prefix)
         ref = None
-        if d.reference == "precomputed":
+        if reference:
             ref = pairs.reference()
             log.info("dpo reference: %s, computed with %s", prefix, pairs.reference_source())
         return PreferenceBatchSource(
@@ -116,9 +122,19 @@ def build_preference_data(job: JobConfig, dp_rank: int, dp_size: int) -> TrainDa
             ref,
         )
 
+    valid = source(valid_data_path) if valid_data_path and t.eval_interval > 0 else None
+    return source(data_path), valid
+
+
+def build_preference_data(job: JobConfig, dp_rank: int, dp_size: int) -> TrainData:
+    """The train (and valid) pair sources of this data-parallel rank, with the reference column
+    when dpo.reference is 'precomputed'."""
+    d = job.dpo
+    tok = build_tokenizer(job.data.tokenizer)
     assert d.data_path is not None  # check_dpo_job
-    train = source(d.data_path)
-    valid = source(d.valid_data_path) if d.valid_data_path and t.eval_interval > 0 else None
+    train, valid = pair_sources(
+        job, dp_rank, dp_size, d.data_path, d.valid_data_path, d.reference == "precomputed"
+    )
     log.info(
         "dpo data: %s (%d pairs), tokenizer %s, loss %s, reference %s",
         d.data_path,

@@ -29,7 +29,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtrain.services.common.errors import ConfigError
-from meshtrain.services.dataloader.preference import PreferenceBatchSource, PreferencePairs
 from meshtrain.services.dataloader.tokenizers.base import absolute_spec, build_tokenizer
 from meshtrain.services.trainer.config.reward import RewardConfig
 from meshtrain.services.trainer.config.sections import JobConfig
@@ -38,6 +37,7 @@ from meshtrain.services.trainer.objectives.base import Objective, check_token_id
 from meshtrain.services.trainer.objectives.dpo import (
     evaluate_pairs,
     pair_micro_batches,
+    pair_sources,
     reduce_stats,
 )
 from meshtrain.services.trainer.objectives.heads import ObjectiveHead
@@ -134,24 +134,10 @@ def check_reward_job(job: JobConfig, mesh: Mesh) -> None:
 
 def build_reward_data(job: JobConfig, dp_rank: int, dp_size: int) -> TrainData:
     """The train (and valid) pair sources of this data-parallel rank."""
-    r, t = job.reward, job.train
+    r = job.reward
     tok = build_tokenizer(job.data.tokenizer)
-
-    def source(prefix: str) -> PreferenceBatchSource:
-        pairs = PreferencePairs(prefix)
-        return PreferenceBatchSource(
-            pairs,
-            job.model.seq_length,
-            t.micro_batch_size,
-            t.global_batch_size,
-            dp_rank,
-            dp_size,
-            t.seed,
-        )
-
     assert r.data_path is not None  # check_reward_job
-    train = source(r.data_path)
-    valid = source(r.valid_data_path) if r.valid_data_path and t.eval_interval > 0 else None
+    train, valid = pair_sources(job, dp_rank, dp_size, r.data_path, r.valid_data_path)
     log.info("reward data: %s (%d pairs)", r.data_path, train.pairs.num_pairs)
     return TrainData(train, valid, tok.vocab_size, absolute_spec(job.data.tokenizer), r.data_path)
 
