@@ -319,47 +319,16 @@ def sample_rows(
     b = len(prompts)
     if not b:
         return []
-    if len(prompt_seeds) != b or len(sample_indices) != b:
-        raise ConfigError(
-            f"{b} prompts but {len(prompt_seeds)} prompt seeds and {len(sample_indices)} "
-            "sample indices"
-        )
-    if max_new_tokens < 1:
-        raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     context = context_length(model)
-    sizes = [len(p) for p in prompts]
-    for r, n in enumerate(sizes):
-        if not 1 <= n <= context:
-            raise ConfigError(
-                f"prompt {r} of {n} tokens: must be 1..{context} (the model's positions)"
-            )
-    limits = [min(max_new_tokens, context + 1 - n) for n in sizes]
+    limits = _row_limits(prompts, prompt_seeds, sample_indices, max_new_tokens, context)
     steps = max(limits)
     device = next(model.parameters()).device
-    longest = max(sizes)
-    host = torch.zeros(b, longest, dtype=torch.long)  # built on the host, sent once
-    for r, prompt in enumerate(prompts):
-        host[r, longest - sizes[r] :] = torch.as_tensor(prompt, dtype=torch.long)
-    tokens = host.to(device)
-    lengths = torch.tensor(sizes, device=device)
-    pad = longest - lengths  # (b,) padding before each row's prompt
     # every uniform of the generation, one copy: decoding then never waits on the host
     u = row_uniforms(prompt_seeds, sample_indices, steps).to(device)  # (b, steps)
-    # a row past its own limit counts as ended; what it draws after is dropped below
+    # a row past its own limit counts as ended; what it drew after is dropped below
     ends = torch.tensor(limits, device=device)
-
-    # Prefill: positions count from each row's first real token; keys are real tokens only
-    # (a padding query sees itself, so no row of the mask is empty and nothing is NaN).
-    cols = torch.arange(longest, device=device)
-    positions = (cols[None, :] - pad[:, None]).clamp(min=0)  # (b, longest)
-    key_ok = cols[None, :] >= pad[:, None]  # (b, longest)
-    causal = torch.ones(longest, longest, dtype=torch.bool, device=device).tril()
-    eye = torch.eye(longest, dtype=torch.bool, device=device)
-    mask = causal[None] & (key_ok[:, None, :] | eye[None])  # (b, q, k)
-    cache = StaticKV(len(model.layers), longest + steps)
-    logits = _forward_rows(model, tokens, positions, mask[:, None], cache)[:, -1]  # (b, vocab)
-    # every decoded position is a real key: the mask of step t is a view of this one
-    key_ok = torch.cat([key_ok, key_ok.new_ones(b, steps)], 1)
+    logits, lengths, key_ok, cache = _prefill_rows(model, prompts, steps, device)
+    longest = key_ok.shape[1] - steps
 
     # Tokens and log-probs stay on the device until the end, and whether every row has ended
     # is asked only every STOP_CHECK steps: a host round trip per token would leave the device
@@ -389,11 +358,69 @@ def sample_rows(
         logits = _forward_rows(model, nxt[:, None], positions, mask, cache)[:, -1]
     drawn = torch.stack(tokens_out, 1).tolist()  # (b, steps): one transfer
     logps = torch.stack(logps_out, 1).tolist()
+    return _trim_rows(drawn, logps, limits, eod_id)
+
+
+def _row_limits(
+    prompts: Sequence[Sequence[int]],
+    prompt_seeds: list[int],
+    sample_indices: list[int],
+    max_new_tokens: int,
+    context: int,
+) -> list[int]:
+    """How many tokens each row may draw (`sample_rows`'s arguments checked)."""
+    b = len(prompts)
+    if len(prompt_seeds) != b or len(sample_indices) != b:
+        raise ConfigError(
+            f"{b} prompts but {len(prompt_seeds)} prompt seeds and {len(sample_indices)} "
+            "sample indices"
+        )
+    if max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    sizes = [len(p) for p in prompts]
+    for r, n in enumerate(sizes):
+        if not 1 <= n <= context:
+            raise ConfigError(
+                f"prompt {r} of {n} tokens: must be 1..{context} (the model's positions)"
+            )
+    return [min(max_new_tokens, context + 1 - n) for n in sizes]
+
+
+def _prefill_rows(model, prompts: Sequence[Sequence[int]], steps: int, device: torch.device):
+    """The left-padded prompts through the model into a cache with room for `steps` more
+    tokens: the last position's logits (b, vocab), each row's prompt length (b,), the key mask
+    of every position the decoding will reach (b, longest + steps) and the cache."""
+    b, sizes = len(prompts), [len(p) for p in prompts]
+    longest = max(sizes)
+    host = torch.zeros(b, longest, dtype=torch.long)  # built on the host, sent once
+    for r, prompt in enumerate(prompts):
+        host[r, longest - sizes[r] :] = torch.as_tensor(prompt, dtype=torch.long)
+    tokens = host.to(device)
+    lengths = torch.tensor(sizes, device=device)
+    pad = longest - lengths  # (b,) padding before each row's prompt
+    # Positions count from each row's first real token; keys are real tokens only (a padding
+    # query sees itself, so no row of the mask is empty and nothing is NaN).
+    cols = torch.arange(longest, device=device)
+    positions = (cols[None, :] - pad[:, None]).clamp(min=0)  # (b, longest)
+    key_ok = cols[None, :] >= pad[:, None]  # (b, longest)
+    causal = torch.ones(longest, longest, dtype=torch.bool, device=device).tril()
+    eye = torch.eye(longest, dtype=torch.bool, device=device)
+    mask = causal[None] & (key_ok[:, None, :] | eye[None])  # (b, q, k)
+    cache = StaticKV(len(model.layers), longest + steps)
+    logits = _forward_rows(model, tokens, positions, mask[:, None], cache)[:, -1]  # (b, vocab)
+    # every decoded position is a real key: the mask of step t is a view of this one
+    key_ok = torch.cat([key_ok, key_ok.new_ones(b, steps)], 1)
+    return logits, lengths, key_ok, cache
+
+
+def _trim_rows(
+    drawn: list[list[int]], logps: list[list[float]], limits: list[int], eod_id: int | None
+) -> list[RowSample]:
+    """Each row's draws cut at its own limit and after its first EOD (kept)."""
     eod = -1 if eod_id is None else eod_id  # -1 is never drawn
     out = []
-    for r in range(b):
-        row = drawn[r][: limits[r]]
-        # a row ends at its first EOD (kept); what it drew after that is dropped
+    for r, limit in enumerate(limits):
+        row = drawn[r][:limit]
         finished = eod in row
         n = row.index(eod) + 1 if finished else len(row)
         out.append(RowSample(row[:n], logps[r][:n], finished))
