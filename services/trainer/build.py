@@ -219,9 +219,11 @@ def build_data_parallel(
     parallel: ParallelConfig,
     optim: OptimConfig,
     pipeline: Pipeline | None,
+    bf16_params: bool = False,
 ) -> DataParallel | FullyShardedDataParallel | None:
     """The data-parallel wrapper of this rank's `model` (its pipeline stage with `pipeline`):
-    FSDP2's with parallel.use_torch_fsdp2; None in a single process."""
+    FSDP2's with parallel.use_torch_fsdp2; None in a single process. `bf16_params`: bf16
+    parameters with fp32 masters offloaded (optim.offload_bf16_params)."""
     if not mesh.distributed:
         return None
     p = parallel
@@ -246,6 +248,7 @@ def build_data_parallel(
         gather_units=pipeline.stage.forward_units() if pipeline else forward_units(model),
         reduce_dtype=reduce_dtype,
         tied=pipeline.tied_weight() if pipeline else None,
+        bf16_params=bf16_params,
     )
 
 
@@ -259,6 +262,10 @@ def build_weight_copies(
         ConfigError: the copies, or the fusion into them, asked for with several ranks.
     """
     copies = train.bf16_weight_copies
+    if any(p.dtype == torch.bfloat16 for p in model.parameters() if p.requires_grad):
+        # bf16 device parameters (optim.offload_bf16_params): the model runs on them; an
+        # explicit train.bf16_weight_copies is refused with them by the config check
+        return None
     if copies and mesh.distributed:
         raise ConfigError(
             f"train.bf16_weight_copies runs in a single process; this job has {mesh.world_size} "

@@ -114,6 +114,7 @@ def pieces(
     vocab_size: int,
     place: Place,
     reading: bool = False,
+    dtype: torch.dtype | None = None,
 ) -> list[Piece]:
     """The boxes of global arrays that this rank's `local_shape` tensor named `name` covers.
 
@@ -127,6 +128,8 @@ def pieces(
         vocab_size: rows of vocabulary tensors in the checkpoint (padding is never stored).
         place: the array holding the tensor, and its layer row when stacked.
         reading: every rank needs the replicated tensors it holds.
+        dtype: the stored tensor's dtype (unset: the parameter's; a bf16 parameter's fp32
+            master weights or moments are stored in fp32).
     """
     split = tp_split_of(param) if mesh.tp > 1 else None
     pname = name.split(".", 2)[2] if name.startswith("optim.") else name
@@ -134,7 +137,7 @@ def pieces(
         return []
     boxes, gshape = _tp_boxes(pname, local_shape, split, mesh.tp, mesh.tp_rank, vocab_size)
     _shift_to_experts(pname, local_shape, param, boxes, gshape)
-    return _stored_pieces(boxes, gshape, place, dtype_name(param.dtype))
+    return _stored_pieces(boxes, gshape, place, dtype_name(dtype or param.dtype))
 
 
 def whole_tensor(
@@ -288,7 +291,7 @@ def local_pieces(
     multiple of, except at the array's upper edge (a short last cell says its grid).
     """
     if not isinstance(t, DTensor):
-        return t, pieces(name, tuple(t.shape), param, mesh, vocab_size, place, reading)
+        return t, pieces(name, tuple(t.shape), param, mesh, vocab_size, place, reading, t.dtype)
     shards = [(d, p) for d, p in enumerate(t.placements) if isinstance(p, Shard)]
     if len(shards) != 1 or shards[0][1].dim != 0:
         raise CheckpointError(f"tensor {name!r}: placements {t.placements} are not rows")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -91,6 +92,38 @@ def _moments(
     return {
         names[p]: {k: st[k] for k in ("exp_avg", "exp_avg_sq")} for p, st in optimizer.state.items()
     }
+
+
+def _masters(
+    model: GPT, optimizer: torch.optim.Optimizer | None, par: Parallel
+) -> dict[str, torch.Tensor]:
+    """The fp32 master weights of bf16 device parameters (optim.offload_bf16_params), by name:
+    what a checkpoint stores for them (collective over dp under ZeRO-1). Else nothing."""
+    if isinstance(par.ddp, DataParallel) and par.ddp.dist_opt and par.ddp.bf16_params:
+        return par.ddp.full_master_params()
+    if isinstance(optimizer, OffloadedAdamW) and optimizer.bf16_params:
+        names = {p: n for n, p in model.named_parameters()}
+        return {names[p]: m.detach() for p, m in optimizer.master_of.items()}
+    return {}
+
+
+def _load_masters(
+    model: GPT, optimizer: torch.optim.Optimizer | None, par: Parallel
+) -> Callable[[dict[str, torch.Tensor]], None] | None:
+    """What writes fp32 weights into the masters of bf16 device parameters (and their
+    roundings into the parameters), or None where the parameters are the weights."""
+    if isinstance(par.ddp, DataParallel) and par.ddp.dist_opt and par.ddp.bf16_params:
+        return par.ddp.load_master_params
+    if isinstance(optimizer, OffloadedAdamW) and optimizer.bf16_params:
+        names = {p: n for n, p in model.named_parameters()}
+
+        def load(weights: dict[str, torch.Tensor]) -> None:
+            for p in optimizer.master_of:
+                if names[p] in weights:  # a fresh head (`_fresh_score`) keeps its own
+                    optimizer.load_master(p, weights[names[p]])
+
+        return load
+    return None
 
 
 def _optimizer_step(optimizer: torch.optim.Optimizer | None, par: Parallel) -> int:
@@ -200,9 +233,14 @@ class Checkpointer:
         return open_root(self.root).step_url(step)
 
     def _tensor_boxes(
-        self, model: GPT, moments: dict[str, dict[str, torch.Tensor]]
+        self,
+        model: GPT,
+        moments: dict[str, dict[str, torch.Tensor]],
+        masters: dict[str, torch.Tensor] | None = None,
     ) -> list[tuple[ShardSpec, torch.Tensor]]:
-        """(box, tensor) of every parameter and moment this rank writes."""
+        """(box, tensor) of every parameter and moment this rank writes; a parameter with a
+        fp32 master (`_masters`: bf16 device parameters) is written as its master."""
+        masters = masters or {}
         mesh, v = self.par.mesh, model.vocab_size
         params = dict(model.named_parameters())
         names = params if mesh.pp == 1 else model_parameter_names(model.config)
@@ -231,7 +269,7 @@ class Checkpointer:
                 else (first_sharded if isinstance(p, DTensor) else first_replica)
             )
         }
-        tensors = [(n, p.detach(), p) for n, p in own.items()]
+        tensors = [(n, masters[n] if n in masters else p.detach(), p) for n, p in own.items()]
         tensors += [
             (f"optim.{k}.{n}", t, own[n])
             for n, m in moments.items()
@@ -267,12 +305,18 @@ class Checkpointer:
         are fp32 like their parameters and may not exist yet (AdamW creates them at its first
         step): their boxes are laid out from the parameters."""
         trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        # fp32 whatever the parameter's dtype: bf16 parameters' moments and masters are fp32
+        fp32 = {
+            n: p if p.dtype == torch.float32 else torch.empty(p.shape, device="meta")
+            for n, p in trained.items()
+        }
         stand_in = (
-            {n: {"exp_avg": p, "exp_avg_sq": p} for n, p in trained.items()}
+            {n: {"exp_avg": t, "exp_avg_sq": t} for n, t in fp32.items()}
             if optimizer is not None
             else {}
         )
-        self.saver.prepare([spec for spec, _ in self._tensor_boxes(model, stand_in)])
+        masters = fp32 if _load_masters(model, optimizer, self.par) is not None else {}
+        self.saver.prepare([spec for spec, _ in self._tensor_boxes(model, stand_in, masters)])
 
     def save(
         self,
@@ -284,7 +328,9 @@ class Checkpointer:
     ) -> str:
         """Start saving checkpoint `state.iteration` (collective); returns its URL on every rank."""
         mesh = self.par.mesh
-        boxes = self._tensor_boxes(model, _moments(model, optimizer, self.par))
+        boxes = self._tensor_boxes(
+            model, _moments(model, optimizer, self.par), _masters(model, optimizer, self.par)
+        )
         boxes += _rng_boxes(mesh)
         carried = None
         if mesh.rank == 0:
@@ -674,11 +720,14 @@ def restore(
     par: Parallel,
     step: int | None = None,
     rng: bool = True,
+    masters: torch.optim.Optimizer | None = None,
 ) -> tuple[TrainState, dict]:
     """Load checkpoint `step` (latest committed if None) into `model` and `optimizer` in place.
 
     Each rank reads only the boxes its shards cover. `optimizer` None: the weights only (the
-    RNG states are restored all the same, unless `rng` is false).
+    RNG states are restored all the same, unless `rng` is false). The weights of bf16 device
+    parameters go into the fp32 masters of the offloaded optimizer that holds them: `optimizer`,
+    or `masters` where the moments are not loaded (optim.offload_bf16_params).
 
     Raises:
         CheckpointError: the checkpoint is missing, corrupt or does not fit the model.
@@ -690,12 +739,26 @@ def restore(
     reader = _BoxReader(root, step, manifest, stored_places(manifest), mesh, model.vocab_size)
     _check_model(root, meta, model)
     fresh = _fresh_score(root, meta, model, optimizer)
+    load_masters = _load_masters(model, optimizer if optimizer is not None else masters, par)
+    if load_masters is None and any(hasattr(p, "main_grad") for p in params.values()):
+        raise CheckpointError(
+            "the model's bf16 parameters have fp32 master weights in an offloaded optimizer: "
+            "pass it (as the optimizer, or as masters= to load the weights alone)"
+        )
     try:
         _check_names(root, model, params, set(reader.places) | fresh, mesh)
+        weights: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for name, p in params.items():
-                if name not in fresh:
+                if name in fresh:
+                    continue
+                if load_masters is not None and p.requires_grad:  # fp32, into the masters
+                    weights[name] = torch.empty(p.shape, dtype=torch.float32, device=p.device)
+                    reader.read_into(name, weights[name], p)
+                else:
                     reader.read_into(name, p.data, p)
+            if load_masters is not None:
+                load_masters(weights)
     except CheckpointError as e:
         raise _naming_the_settings(e, root, meta, model) from None
     opt_step = meta["optimizer_step"]

@@ -61,7 +61,7 @@ def resume(
     if c.finetune:
         # Megatron's --finetune: the weights alone, and a new run from step 0 (its own data
         # order, LR schedule and RNG streams), so nothing of the loaded run's plan is checked.
-        _, meta = restore(c.load, model, None, par, c.load_step, rng=False)
+        _, meta = restore(c.load, model, None, par, c.load_step, rng=False, masters=optimizer)
         carry_hf_identity(job, meta)
         log.info(
             "fine-tuning from %s step %d: weights loaded, starting at step 0 with a fresh "
@@ -71,7 +71,13 @@ def resume(
         )
         return TrainState(), None
     state, meta = restore(
-        c.load, model, optimizer if c.load_optim else None, par, c.load_step, rng=c.load_rng
+        c.load,
+        model,
+        optimizer if c.load_optim else None,
+        par,
+        c.load_step,
+        rng=c.load_rng,
+        masters=optimizer,
     )
     check_continuation(job, state, meta)
     carry_hf_identity(job, meta)

@@ -71,7 +71,12 @@ from meshtrain.services.trainer.metrics import (
     plot_losses,
 )
 from meshtrain.services.trainer.objectives.base import Objective, objective_for
-from meshtrain.services.trainer.optim.optimizer import build_optimizer, clip_grad_norm, set_lr
+from meshtrain.services.trainer.optim.optimizer import (
+    build_optimizer,
+    clip_grad_norm,
+    offload_bf16_params,
+    set_lr,
+)
 from meshtrain.services.trainer.optim.schedule import lr_at
 from meshtrain.services.trainer.resume import refuse_a_root_with_later_steps, resume
 from meshtrain.services.trainer.run_dir import make_run_dir, release_run_dir, run_dir_toml
@@ -206,13 +211,16 @@ class Trainer:
         """The data-parallel wrapper and the optimizer, and the state they resume from; returns
         the step resumed from this run's own checkpoint root, or None (`resume`)."""
         job = self.job
+        # optim.offload_bf16_params: the optimizer reads its fp32 host masters, then makes the
+        # device parameters bf16 (services/trainer/optim/main_grads.py)
+        bf16_params = offload_bf16_params(job.optim, job.train)
         self.ddp = build_data_parallel(
-            self.model, self.mesh, job.parallel, job.optim, self.pipeline
+            self.model, self.mesh, job.parallel, job.optim, self.pipeline, bf16_params
         )
         self.optimizer = (
             self.ddp.optimizer
             if self.ddp and self.ddp.optimizer
-            else build_optimizer(self.model, job.optim)
+            else build_optimizer(self.model, job.optim, bf16_params)
         )
         self.par = checkpointing.Parallel(self.mesh, self.ddp)
         self.state, resumed_here = resume(job, self.model, self.optimizer, self.par)

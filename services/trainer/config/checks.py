@@ -82,7 +82,8 @@ def check_optimizer_offload(
 ) -> None:
     """What optim.optimizer_cpu_offload composes with: one process, plain data parallelism,
     ZeRO-1 (each rank offloads its slice), tensor, pipeline, context and expert parallelism
-    (the optimizer sees only this rank's parameters). The rest is refused by name.
+    (the optimizer sees only this rank's parameters). The rest is refused by name, and what
+    optim.offload_bf16_params's bf16 device parameters do not compose with.
 
     Raises:
         ConfigError: naming the setting that does not compose with it.
@@ -114,6 +115,33 @@ def check_optimizer_offload(
             raise ConfigError(
                 f"optim.optimizer_cpu_offload (--optimizer-cpu-offload) does not compose with "
                 f"{key} yet: {why}; leave one off"
+            )
+    if not (optim.offload_bf16_params and train.bf16):
+        return
+    # bf16 device parameters: their gradients go into fp32 main_grads by a backward hook
+    refused = [
+        (
+            parallel.pp > 1 and parallel.pipeline_schedule == "zb-h1",
+            "parallel.pipeline_schedule='zb-h1'",
+            "its deferred weight gradients are added outside autograd",
+        ),
+        (
+            bool(train.bf16_weight_copies),
+            "train.bf16_weight_copies",
+            "the parameters are bf16 already",
+        ),
+        (
+            bool(train.gradient_accumulation_fusion),
+            "train.gradient_accumulation_fusion",
+            "the GEMMs add into the fp32 parameters' .grad, which bf16 parameters do not have",
+        ),
+    ]
+    for bad, key, why in refused:
+        if bad:
+            raise ConfigError(
+                f"optim.offload_bf16_params (bf16 device parameters under "
+                f"optim.optimizer_cpu_offload and train.bf16) does not compose with {key}: {why}; "
+                "set optim.offload_bf16_params=false or leave it off"
             )
 
 

@@ -291,6 +291,15 @@ class OptimConfig:
     updates (--overlap-cpu-optimizer-d2h-h2d)."""
     cpu_offload_chunk_numel: int = 32 * 2**20
     """Elements per chunk of overlap_cpu_optimizer_d2h_h2d (a parameter is never split)."""
+    offload_bf16_params: bool = True
+    """With optimizer_cpu_offload and train.bf16: the device parameters are bf16 and the fp32
+    master weights live on the host only (Megatron-LM's bf16 parameters with fp32 main
+    parameters in the optimizer, what its --bf16 with --optimizer-cpu-offload does): each
+    micro-batch's bf16 gradient is added into an fp32 main_grad, the update's fp32 masters are
+    cast to bf16 and copied back, and checkpoints hold the fp32 masters. The device then holds
+    2 + 4 bytes a parameter instead of 4 + 4 (+ 2 for the bf16 weight copies, which are
+    pointless here and left off). False: fp32 device parameters under bf16 autocast, as
+    without offload (services/trainer/optim/offload.py)."""
 
     def __post_init__(self) -> None:
         if not (0 <= self.min_lr <= self.lr < math.inf):

@@ -9,7 +9,10 @@ the bytes, copied back after. Plain DP all-reduces the buckets; the distributed 
 reduce-scatters them, so each dp rank receives the sum for its 1/dp slice of every bucket,
 updates only that slice (Adam moments exist only for it) and all-gathers the updated
 parameters, optionally overlapped with the next forward (`overlap_param_gather`). Gradients of
-sequence-parallel parameters (norms, row-parallel biases) are first summed over tp. With context
+sequence-parallel parameters (norms, row-parallel biases) are first summed over tp. With
+`bf16_params` (optim.offload_bf16_params) the parameters, and ZeRO-1's flat parameter buffers,
+are bf16, their fp32 masters offloaded to the host, and the fp32 bucket views are their
+`main_grad`s (main_grads.py) rather than their `.grad`s. With context
 parallelism the reduction and the ZeRO-1 shards span dp x cp (the cp ranks' gradients are shares of
 one sample's, summed; the mean is over dp). Gradient clipping uses the true global norm over tp, dp
 and pp, counting replicated parameters once.
@@ -32,6 +35,7 @@ from torch import nn
 
 from meshtrain.services.common.errors import ConfigError
 from meshtrain.services.trainer.config.sections import OptimConfig
+from meshtrain.services.trainer.optim.main_grads import attach_main_grads, grad_of
 from meshtrain.services.trainer.optim.optimizer import adamw, is_decayed
 from meshtrain.services.trainer.parallel import mappings as M
 from meshtrain.services.trainer.parallel.mesh import Mesh
@@ -111,6 +115,9 @@ class DataParallel:
         tied: under pipeline parallelism, the word embedding of the first stage or its copy on
             the last (`PipelineStage`): in a bucket of its own, its gradient summed over the
             mesh's "pp_ends" group before the data-parallel reduction, so both stay equal.
+        bf16_params: with optim.optimizer_cpu_offload, make the (fp32) parameters bf16 once the
+            offloaded optimizer (ZeRO-1's, or the caller's `build_optimizer(..., True)`) has
+            read their fp32 masters; the buckets' fp32 views become their `main_grad`s.
     """
 
     def __init__(
@@ -126,7 +133,11 @@ class DataParallel:
         gather_units: list[tuple[nn.Module, list[nn.Parameter]]] | None = None,
         reduce_dtype: torch.dtype = torch.float32,
         tied: nn.Parameter | None = None,
+        bf16_params: bool = False,
     ):
+        if bf16_params and not optim.optimizer_cpu_offload:
+            raise ConfigError("bf16 parameters with fp32 masters need optim.optimizer_cpu_offload")
+        self.bf16_params = bf16_params
         if reduce_dtype not in (torch.float32, torch.bfloat16):
             raise ConfigError(f"gradients are reduced in fp32 or bf16, not {reduce_dtype}")
         self.model, self.mesh, self.optim_config = model, mesh, optim
@@ -223,7 +234,10 @@ class DataParallel:
                 if b.param_flat is not None:
                     b.view(b.param_flat, i).copy_(p.data)
                     p.data = b.view(b.param_flat, i)
-                p.grad = b.view(b.grad, i)
+                if not self.bf16_params:
+                    p.grad = b.view(b.grad, i)
+            if self.bf16_params:  # hooks registered before _on_grad_ready's: it sees the sum
+                attach_main_grads(run, [b.view(b.grad, i) for i in range(len(run))])
             buckets.append(b)
         return buckets
 
@@ -300,7 +314,7 @@ class DataParallel:
     def finish_grad_sync(self) -> None:
         """Complete every bucket's reduction (launching those not yet launched)."""
         if self.tied is not None:  # first and last stage: the sum of both uses of the embedding
-            M.all_reduce(self.tied.grad, self.mesh.group("pp_ends"))  # in place: a contiguous view
+            M.all_reduce(grad_of(self.tied), self.mesh.group("pp_ends"))  # in place: a view
         for b in self.buckets:
             if b.reduce_handle is None:
                 self._launch_reduce(b)
@@ -335,6 +349,7 @@ class DataParallel:
             tuple[nn.Parameter, nn.Parameter, int, int]
         ] = []  # (piece, param, lo, hi) flat coords
         decay, no_decay = [], []
+        flat_range = []  # (bucket, lo, hi) of each piece
         for b in self.buckets:
             n = b.numel // b.shards
             lo_r, hi_r = b.shard_rank * n, (b.shard_rank + 1) * n
@@ -343,12 +358,26 @@ class DataParallel:
                 if lo >= hi:
                     continue
                 piece = nn.Parameter(b.param_flat[lo:hi])  # shares storage with the model parameter
-                piece.grad = b.local_grad[lo - lo_r : hi - lo_r]
+                if self.bf16_params:
+                    piece.main_grad = b.local_grad[lo - lo_r : hi - lo_r]
+                else:
+                    piece.grad = b.local_grad[lo - lo_r : hi - lo_r]
                 self.pieces.append((piece, p, lo - b.offsets[i], hi - b.offsets[i]))
+                flat_range.append((b, lo, hi))
                 (decay if is_decayed(self.names[p], p, self.optim_config) else no_decay).append(
                     piece
                 )
-        return adamw([decay, no_decay], self.optim_config)
+        optimizer = adamw([decay, no_decay], self.optim_config, self.bf16_params)
+        if self.bf16_params:  # the masters are read: the flat buffers become bf16
+            with torch.no_grad():
+                for b in self.buckets:
+                    assert b.param_flat is not None
+                    b.param_flat = b.param_flat.to(torch.bfloat16)
+                    for i, p in enumerate(b.params):
+                        p.data = b.view(b.param_flat, i)
+                for (piece, _, _, _), (b, lo, hi) in zip(self.pieces, flat_range, strict=True):
+                    piece.data = b.param_flat[lo:hi]
+        return optimizer
 
     def gather_params(self) -> None:
         """After the optimizer step: all-gather every bucket's updated slices into full parameters.
@@ -394,9 +423,9 @@ class DataParallel:
         """Global L2 norm of the gradients the optimizer will apply; clips them if max_norm > 0."""
         # (gradient the optimizer applies, its parameter): a slice of it under ZeRO-1
         grads = (
-            [(piece.grad, p) for piece, p, _, _ in self.pieces]
+            [(grad_of(piece), p) for piece, p, _, _ in self.pieces]
             if self.dist_opt
-            else [(p.grad, p) for b in self.buckets for p in b.params]
+            else [(grad_of(p), p) for b in self.buckets for p in b.params]
         )
         # the last pipeline stage's copy of a tied embedding is counted once, on the first stage
         items = [
@@ -459,6 +488,39 @@ class DataParallel:
                 for i, p in enumerate(b.params):
                     out.setdefault(self.names[p], {})[key] = b.view(full, i).clone()
         return out
+
+    def full_master_params(self) -> dict[str, torch.Tensor]:
+        """With bf16 parameters under ZeRO-1: the fp32 master weights, whole (gathered over dp
+        as the moments are; expert weights over edp), keyed by parameter name."""
+        masters = self.optimizer.master_of
+        by_param = {id(p): [] for b in self.buckets for p in b.params}
+        for piece, p, lo, hi in self.pieces:
+            by_param[id(p)].append((piece, lo, hi))
+        out: dict[str, torch.Tensor] = {}
+        for b in self.buckets:
+            n = b.numel // b.shards
+            lo_r = b.shard_rank * n
+            local = torch.zeros(n, dtype=torch.float32, device=b.grad.device)
+            for i, p in enumerate(b.params):
+                for piece, lo, hi in by_param[id(p)]:
+                    start = b.offsets[i] + lo - lo_r
+                    local[start : start + (hi - lo)] = masters[piece].detach().flatten()
+            full = M.all_gather(local, 0, b.group)
+            for i, p in enumerate(b.params):
+                out[self.names[p]] = b.view(full, i).clone()
+        return out
+
+    def load_master_params(self, weights: dict[str, torch.Tensor]) -> None:
+        """With bf16 parameters under ZeRO-1: whole fp32 weights by name into this rank's
+        masters, and their bf16 roundings into the parameters (the inverse of the above)."""
+        with torch.no_grad():
+            for b in self.buckets:
+                for p in b.params:
+                    if self.names[p] in weights:  # a fresh head keeps its own
+                        p.copy_(weights[self.names[p]])
+            for piece, p, lo, hi in self.pieces:
+                if self.names[p] in weights:
+                    self.optimizer.load_master(piece, weights[self.names[p]].flatten()[lo:hi])
 
     def load_optimizer_state(self, state: dict[str, dict[str, torch.Tensor]], step: int) -> None:
         """Fill this rank's slices from whole per-parameter moments (the inverse of the above)."""
