@@ -8,18 +8,23 @@ the largest Llama shape that trains with it.
 Each case (a Llama shape, offload on or off) runs in a subprocess of its own, capped in time, so
 that an out-of-memory or a slow case cannot take the others with it: the model built on the
 device from its flags (random weights, random tokens), the trainer's single-GPU step (bf16
-weight copies with fused gradient accumulation, bf16 autocast, gradient clipping, AdamW built
-by `build_optimizer`: fused on the device, or offloaded with optim.optimizer_cpu_offload and
-optim.overlap_cpu_optimizer_d2h_h2d), `--micro-batches` micro-batches of `--micro-batch` x
+autocast, gradient clipping, AdamW built by `build_optimizer`: fused on the device with bf16
+weight copies and fused gradient accumulation, or offloaded with optim.optimizer_cpu_offload,
+optim.overlap_cpu_optimizer_d2h_h2d and optim.offload_bf16_params: bf16 device parameters
+with fp32 main gradients, the fp32 masters on the host only), `--micro-batches` micro-batches of
+`--micro-batch` x
 `--seq` tokens per step, eager. The baseline is the same model and step without offload, in the
 same run: offload's question is what moving the optimizer costs and saves, not how the model
 compares with another implementation. Per case: the mean step time after `--warmup` steps,
 tokens/s, MFU (the model's training FLOPs per token, `GPT.flops_per_token`: 6 x parameters
 plus attention, over 989 TFLOP/s, the bf16 dense peak of an H100/H200 SXM) and the peak GPU
-memory allocated (`torch.cuda.max_memory_allocated`, whole run). Then the `--largest` shapes
-in descending order, offloaded, until one trains; a shape whose offloaded state (16 bytes per
-parameter) does not fit in the host's available memory is skipped without starting. The JSON
-is rewritten after every case, so a run cut short keeps what it measured.
+memory allocated (`torch.cuda.max_memory_allocated`, whole run). The `--largest` shapes come
+first (the question a user of offload asks: does the 8B train on one GPU), offloaded, in
+descending order until one trains, each capped at `--largest-cap-s`; then the `--sizes` pairs
+with what is left of `--time-budget-s`. A shape whose offloaded state (12 bytes per parameter:
+the fp32 master and two moments) does not fit in the host's available memory, or whose device
+state does not fit the GPU, is skipped without starting. The JSON is rewritten after every
+case, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -85,22 +90,27 @@ SHAPES: dict[str, dict] = {
 }
 SHAPES["llama-8b-16L"] = dict(SHAPES["llama-8b"], num_layers=16)
 
-HOST_BYTES_PER_PARAM = 16  # fp32 master + pinned gradient buffer + two fp32 moments
-DEVICE_BYTES_PER_PARAM = {True: 10, False: 18}  # fp32 param + grad + bf16 copy (+ moments)
+# offloaded: fp32 master + two fp32 moments (the gradients stream through a few chunk-sized
+# staging buffers); the device: offloaded, bf16 param + fp32 main grad; else fp32 param + grad
+# + bf16 copy + two fp32 moments
+HOST_BYTES_PER_PARAM = 12
+DEVICE_BYTES_PER_PARAM = {True: 6, False: 18}
 
 
 def _log(msg: str) -> None:
     print(f"[optimizer_offload] {msg}", flush=True)
 
 
-def parameters(shape: str) -> int:
+def parameters(shape: str) -> tuple[int, int]:
+    """(parameters, elements of the largest one) of a shape, built on the meta device."""
     import torch
 
     from meshtrain.services.common.model_config import ModelConfig
     from meshtrain.services.trainer.model.gpt import GPT
 
     with torch.device("meta"):
-        return GPT(ModelConfig(**SHAPES[shape], seq_length=128)).num_parameters()
+        model = GPT(ModelConfig(**SHAPES[shape], seq_length=128))
+    return model.num_parameters(), max(p.numel() for p in model.parameters())
 
 
 def host_available() -> int | None:
@@ -112,6 +122,13 @@ def host_available() -> int | None:
     except OSError:
         pass
     return None
+
+
+def sync_all(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 # ---------------------------------------------------------------- one case (the subprocess)
@@ -131,7 +148,16 @@ def run_case(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     with device:  # initialized on the device: a CPU init of billions of weights takes minutes
         model = GPT(cfg)
-    copies = WeightCopies(model, torch.bfloat16, fuse_weight_grads=True) if cuda else None
+    sync_all(device)
+    _log(f"{args.shape}: model built on {device} in {time.perf_counter() - t0:.1f} s")
+    # offloaded: bf16 parameters (the trainer's optim.offload_bf16_params under train.bf16);
+    # their masters are read before the cast, so the model is built in fp32 on the device
+    bf16_params = args.offload and cuda
+    copies = (
+        WeightCopies(model, torch.bfloat16, fuse_weight_grads=True)
+        if cuda and not bf16_params
+        else None
+    )
     optimizer = build_optimizer(
         model,
         OptimConfig(
@@ -139,8 +165,11 @@ def run_case(args: argparse.Namespace) -> dict:
             optimizer_cpu_offload=args.offload,
             overlap_cpu_optimizer_d2h_h2d=args.offload and not args.no_overlap,
         ),
+        bf16_params=bf16_params,
     )
+    sync_all(device)
     build_s = time.perf_counter() - t0
+    _log(f"{args.shape}: optimizer built, {build_s:.1f} s in all")
     gen = torch.Generator().manual_seed(1)
     batches = [
         torch.randint(0, cfg.vocab_size, (args.micro_batch, args.seq + 1), generator=gen).to(device)
@@ -186,6 +215,7 @@ def run_case(args: argparse.Namespace) -> dict:
         "shape": args.shape,
         "offload": args.offload,
         "overlap_d2h_h2d": args.offload and not args.no_overlap,
+        "bf16_params": bf16_params,
         "parameters": model.num_parameters(),
         "tokens_per_step": tokens,
         "build_s": build_s,
@@ -273,8 +303,14 @@ def main() -> None:
         type=float,
         help="host memory the offloaded state may take (unset: MemAvailable of /proc/meminfo)",
     )
-    ap.add_argument("--case-cap-s", type=float, default=45.0, help="time cap of one case")
-    ap.add_argument("--time-budget-s", type=float, default=150.0, help="for the whole run")
+    ap.add_argument("--case-cap-s", type=float, default=45.0, help="time cap of a --sizes case")
+    ap.add_argument(
+        "--largest-cap-s",
+        type=float,
+        default=150.0,
+        help="time cap of a --largest case (the 8B's build, host allocation and steps)",
+    )
+    ap.add_argument("--time-budget-s", type=float, default=170.0, help="for the whole run")
     ap.add_argument("--case", help=argparse.SUPPRESS)
     ap.add_argument("--offload", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -318,12 +354,15 @@ def main() -> None:
 
     def fits(shape: str, offload: bool) -> str | None:
         """Why the case cannot run here (None: try it)."""
-        n = parameters(shape)
+        n, largest = parameters(shape)
         host = args.host_memory_gb * 1e9 if args.host_memory_gb else host_available()
-        if offload and host is not None and n * HOST_BYTES_PER_PARAM > 0.85 * host:
+        # the masters and moments, two staging buffers of the largest chunk (a parameter is
+        # never split: the vocabulary's tables), and the process itself
+        need = n * HOST_BYTES_PER_PARAM + 2 * 4 * max(largest, 32 * 2**20) + 3e9
+        if offload and host is not None and need > 0.95 * host:
             return (
-                f"its offloaded state needs {n * HOST_BYTES_PER_PARAM / 1e9:.0f} GB of host "
-                f"memory, {host / 1e9:.0f} GB available"
+                f"its offloaded state needs {need / 1e9:.0f} GB of host memory, "
+                f"{host / 1e9:.0f} GB available"
             )
         if gpu_total and n * DEVICE_BYTES_PER_PARAM[offload] > 0.95 * gpu_total:
             return (
@@ -333,7 +372,11 @@ def main() -> None:
             )
         return None
 
-    def case(shape: str, offload: bool) -> dict:
+    def case(shape: str, offload: bool, cap: float | None = None) -> dict:
+        for c in report["cases"]:  # a shape in both --largest and --sizes runs once
+            if c["shape"] == shape and c["offload"] == offload:
+                return c
+        cap = args.case_cap_s if cap is None else cap
         left = deadline - time.monotonic()
         why = fits(shape, offload)
         if why is not None:
@@ -341,13 +384,18 @@ def main() -> None:
         elif left < 5:
             r = {"shape": shape, "offload": offload, "skipped": "out of the time budget"}
         else:
-            _log(f"{shape} offload={offload} (cap {min(args.case_cap_s, left):.0f} s)")
-            r = spawn(args, shape, offload, min(args.case_cap_s, left))
+            _log(f"{shape} offload={offload} (cap {min(cap, left):.0f} s)")
+            r = spawn(args, shape, offload, min(cap, left))
         _log(json.dumps({k: v for k, v in r.items() if k not in ("log_tail", "step_times_s")}))
         report["cases"].append(r)
         save()
         return r
 
+    for shape in [s for s in args.largest.split(",") if s]:
+        if "tokens_per_s" in case(shape, True, args.largest_cap_s):
+            if fits(shape, False) is None:  # and without offload, where the GPU may hold it
+                case(shape, False, args.largest_cap_s)
+            break
     for shape in [s for s in args.sizes.split(",") if s]:
         plain = case(shape, False)
         off = case(shape, True)
@@ -361,15 +409,6 @@ def main() -> None:
                 ),
             }
         save()
-    for shape in [s for s in args.largest.split(",") if s]:
-        if any(
-            c["shape"] == shape and c["offload"] and "tokens_per_s" in c for c in report["cases"]
-        ):
-            break  # measured above
-        if "tokens_per_s" in case(shape, True):
-            if fits(shape, False) is None:  # and without offload, where the GPU may hold it
-                case(shape, False)
-            break
     trained = [c for c in report["cases"] if c["offload"] and "tokens_per_s" in c]
     if trained:
         best = max(trained, key=lambda c: c["parameters"])
