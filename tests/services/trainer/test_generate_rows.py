@@ -28,6 +28,15 @@ SEEDS, INDICES = [7, 7, 8, 9, 10], [0, 1, 0, 0, 0]
 NEW = 2 * STOP_CHECK + 3  # past two stop checks
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """A tiny model's decode is all small ops: more threads only contend for the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def tiny_model(seed: int = 0, position: str = "rope", device: str = "cpu") -> GPT:
     torch.manual_seed(seed)
     config = ModelConfig(
