@@ -12,7 +12,9 @@ prompts of any lengths, left-padded into one batch with a static cache, each com
 from its own generator, seeded by `completion_seed(prompt seed, sample index)`, with the prompt
 seed = request seed + the prompt's index in the whole request. Both sides then give the same
 tokens for the same weights, however prompts are batched, split over workers or over
-data-parallel ranks.
+data-parallel ranks. Its decode step has static shapes (the whole preallocated cache under a
+per-row key mask, the step number on the device), so on a GPU it is captured once as a CUDA
+graph and replayed per token (decode_graphs.py).
 """
 
 from __future__ import annotations
