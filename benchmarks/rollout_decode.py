@@ -6,9 +6,11 @@ generators, log-probs) against `StaticDecoder`: `baseline_gpt.BaselineGPT`'s blo
 preallocated key/value cache and F.scaled_dot_product_attention, sampling with torch.multinomial
 (argmax at temperature 0) and gathering the same temperature-1 log-probs, one host transfer at
 the end. Same model shapes, weights dtype, batch, prompt length and new tokens (no early stop:
-the engine gets no EOD id). Each side is timed twice per repeat: with `--new-tokens` and with one
-new token; the latter is the prefill (plus one draw), the difference the decode of the other
-tokens. Generated tokens/s = batch x new tokens / the whole call.
+the engine gets no EOD id; on CUDA its decode steps replay captured CUDA graphs unless
+`--no-cuda-graphs`, and the JSON's `meshtrain.cuda_graphs` says whether they did). Each side
+is timed twice per repeat: with `--new-tokens` and with one new token; the latter is the
+prefill (plus one draw), the difference the decode of the other tokens. Generated tokens/s =
+batch x new tokens / the whole call.
 
 (b) A short real GRPO run (`Trainer`, train.objective = "grpo", colocated rollouts) of a policy of
 the same shapes, rewarded by the example rules of objectives/rewards.py on prompts of random
@@ -57,6 +59,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--grpo-prompts", type=int, default=4, help="prompts per GRPO step")
     p.add_argument("--grpo-group", type=int, default=8, help="completions per prompt")
     p.add_argument("--grpo-new-tokens", type=int, default=64)
+    p.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the engine (and GRPO's colocated generator) replays decode steps as CUDA graphs",
+    )
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     p.add_argument("--time-budget-s", type=float, default=150.0, help="skip what starts later")
@@ -138,7 +146,7 @@ def measure_side(name: str, run, args, sync, log) -> dict:
 
 
 def engine_runner(c, device, dtype, args, rows: list[list[int]]):
-    """(run, parameters): run(n) has the engine generate n tokens after each of `rows` (one
+    """(run, engine): run(n) has the engine generate n tokens after each of `rows` (one
     completion each)."""
     import torch
 
@@ -153,14 +161,14 @@ def engine_runner(c, device, dtype, args, rows: list[list[int]]):
         max_prompts=args.batch, max_prompt_tokens=args.prompt_len,
         max_new_tokens=args.new_tokens, max_completions=args.batch, max_batch_rows=args.batch,
     )  # fmt: skip
-    engine = RolloutEngine(model, eod_id=None, limits=limits)
+    engine = RolloutEngine(model, eod_id=None, limits=limits, cuda_graphs=args.cuda_graphs)
 
     def run(n: int) -> None:
         sp = SamplingParams(max_new_tokens=n, temperature=args.temperature, seed=1)
         out = engine.generate(RolloutRequest(rows, group_size=1, sampling=sp))
         assert all(len(x.tokens) == n for x in out), "the engine stopped early"
 
-    return run, model.num_parameters()
+    return run, engine
 
 
 def baseline_runner(c, device, dtype, args, prompts):
@@ -214,12 +222,21 @@ def bench_decode(args, device, dtype, table: dict, result: dict, save, log) -> N
         side["mfu"] = side["generated_tokens_per_s"] * flops / (peak * 1e12) if peak else None
         return side
 
-    run, params = engine_runner(c, device, dtype, args, prompts.tolist())
+    run, engine = engine_runner(c, device, dtype, args, prompts.tolist())
+    params = engine.model.num_parameters()
     log(f"meshtrain engine: {params / 1e6:.1f}M parameters, {dtype}")
     result["parameters"] = params
-    result["meshtrain"] = finish(measure_side("meshtrain engine", run, args, sync, log))
+    side = finish(measure_side("meshtrain engine", run, args, sync, log))
+    # whether the timed decode replayed captured CUDA graphs, and if not, why
+    side["cuda_graphs"] = engine.graphs.captures > 0
+    side["cuda_graphs_captured"] = engine.graphs.captures
+    side["cuda_graphs_skipped"] = (
+        engine.graphs.skipped if args.cuda_graphs else "turned off (--no-cuda-graphs)"
+    )
+    log(f"meshtrain engine: cuda graphs {side['cuda_graphs']} ({side['cuda_graphs_skipped']})")
+    result["meshtrain"] = side
     save()
-    del run
+    del run, engine
     release(device)
     run = baseline_runner(c, device, dtype, args, prompts.to(device))
     result["baseline"] = finish(measure_side("plain static-cache", run, args, sync, log))
@@ -288,6 +305,7 @@ def bench_grpo(args, device, table: dict, result: dict, save, log, deadline: flo
             "temperature": args.temperature or 1.0,
             "reward_funcs": [f"{rules}:exact_answer", f"{rules}:digits_only"],
             "reward_weights": [1.0, 0.5],
+            "rollout_cuda_graphs": args.cuda_graphs,
         },
     }
     trainer = Trainer(load_config([], base=table))
@@ -335,6 +353,8 @@ def bench_grpo(args, device, table: dict, result: dict, save, log, deadline: flo
             grpo["rollout_tokens_per_s"] = (
                 completions * args.grpo_new_tokens * len(grpo["steps"]) / gen_sum
             )
+            graphs = getattr(backend, "graphs", None)
+            grpo["cuda_graphs"] = graphs is not None and graphs.captures > 0
             save()
     finally:
         trainer.release_run_dir()
@@ -366,6 +386,7 @@ def main(argv=None) -> dict:
             "model": table, "batch": args.batch, "prompt_len": args.prompt_len,
             "new_tokens": args.new_tokens, "temperature": args.temperature,
             "repeats": args.repeats, "grpo_steps": args.grpo_steps,
+            "cuda_graphs": args.cuda_graphs,
         },
         "skipped": [],
     }  # fmt: skip

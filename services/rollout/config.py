@@ -44,6 +44,8 @@ class ServeConfig:
     """Weights' dtype: auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16."""
     eod_id: int | None = None
     """A completion ends after this token (None: at max_new_tokens)."""
+    cuda_graphs: bool = True
+    """On CUDA, replay each decode step as a captured CUDA graph (--no-cuda-graphs: eager)."""
     max_prompts: int = 256
     """Most prompts in one request."""
     max_prompt_tokens: int = 4096
@@ -133,6 +135,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16")
     p.add_argument("--eod-id", type=int, default=None, help="a completion ends after this token")
+    p.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=d.cuda_graphs,
+        help="on CUDA, replay each decode step as a captured CUDA graph (default: on)",
+    )
     for name in (
         "max_prompts",
         "max_prompt_tokens",

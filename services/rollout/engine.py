@@ -31,6 +31,7 @@ import torch
 from meshtrain.services.common.errors import InvalidRequestError, MeshtrainError
 from meshtrain.services.rollout.types import Completion, RolloutRequest
 from meshtrain.services.rollout.weights import check_weights
+from meshtrain.services.trainer.decode_graphs import DecodeGraphs
 from meshtrain.services.trainer.generate import context_length, sample_rows
 
 
@@ -100,6 +101,7 @@ class RolloutEngine:
         eod_id: int | None = None,
         limits: Limits | None = None,
         recent_results: int = 64,
+        cuda_graphs: bool = True,
     ):
         """Args:
         model: a single-device GPT (its device and dtype are where sampling runs).
@@ -108,6 +110,9 @@ class RolloutEngine:
         limits: request bounds.
         recent_results: answers kept by request id, so a retried request is answered from
             memory rather than sampled again (0: none).
+        cuda_graphs: on a CUDA device, replay each decode step as a captured CUDA graph
+            (trainer/decode_graphs.py); weights are copied into the captured parameters, so the
+            graphs stay valid across updates.
         """
         self.model = model.eval()
         self.eod_id = eod_id
@@ -117,6 +122,7 @@ class RolloutEngine:
         self._lock = threading.Lock()  # held while generating or applying weights
         self._recent: OrderedDict[str, list[Completion]] = OrderedDict()
         self._recent_max = recent_results
+        self.graphs = DecodeGraphs(enabled=cuda_graphs)
         vocab = model.vocab_size
         if eod_id is not None and not 0 <= eod_id < vocab:
             raise InvalidRequestError(f"eod_id {eod_id} is outside the vocabulary of {vocab}")
@@ -258,6 +264,7 @@ class RolloutEngine:
             sp.top_k,
             sp.top_p,
             self.eod_id,
+            self.graphs,
         )
         return [
             Completion(i, s.tokens, s.logprobs, version, s.finished)
@@ -273,6 +280,7 @@ def engine_from_checkpoint(
     eod_id: int | None = None,
     limits: Limits | None = None,
     version: int | None = None,
+    cuda_graphs: bool = True,
 ) -> RolloutEngine:
     """A worker's engine: the model a committed checkpoint records, with its weights, on one
     device; its version is `version` (None: the step).
@@ -285,6 +293,7 @@ def engine_from_checkpoint(
         eod_id: a completion ends after this token.
         limits: request bounds.
         version: the policy version the weights count as (None: the step).
+        cuda_graphs: replay each decode step as a CUDA graph on a CUDA device.
     """
     from meshtrain.services.rollout.weights import checkpoint_config, read_checkpoint
     from meshtrain.services.trainer.model import GPT
@@ -303,7 +312,9 @@ def engine_from_checkpoint(
         cos, sin = rotary_tables(config)
         model.rope_cos, model.rope_sin = cos.to(dev), sin.to(dev)  # type: ignore[assignment]
     start = step if version is None else version
-    engine = RolloutEngine(model, version=start, eod_id=eod_id, limits=limits)
+    engine = RolloutEngine(
+        model, version=start, eod_id=eod_id, limits=limits, cuda_graphs=cuda_graphs
+    )
     names = [name for name, _ in model.named_parameters()]
     engine.set_weights(read_checkpoint(root, step, names), version=start)
     return engine

@@ -91,4 +91,9 @@ def test_runs_on_cpu_and_writes_every_field(tmp_path):
     assert g["generate_share"] + g["train_share"] == pytest.approx(1.0)
     assert 0 < g["generate_share"] < 1
     assert g["steps_per_hour"] == pytest.approx(3600 / g["step_s"])
+    # on CPU nothing is captured, and the JSON says why
+    assert result["config"]["cuda_graphs"] is True and g["cuda_graphs"] is False
+    m = result["meshtrain"]
+    assert m["cuda_graphs"] is False and m["cuda_graphs_captured"] == 0
+    assert "CUDA" in m["cuda_graphs_skipped"]
     assert result["skipped"] == [] and result["elapsed_s"] > 0

@@ -98,6 +98,7 @@ def run(config: ServeConfig) -> int:
         config.eod_id,
         limits,
         version=config.version,
+        cuda_graphs=config.cuda_graphs,
     )
     log.info("policy of %s step %d on %s", config.load, engine.version, engine.describe()["device"])
     server, port, health = start_server(

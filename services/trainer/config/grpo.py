@@ -74,6 +74,11 @@ class GRPOConfig:
     """Completions the colocated generator decodes as one batch: a step's prompts x group_size
     are sampled in batches of at most this many rows (the same completions whatever it is; a
     larger batch is faster and holds a larger key/value cache)."""
+    rollout_cuda_graphs: bool = True
+    """On CUDA, the colocated generator replays each decode step as a captured CUDA graph (the
+    same tokens, without a host-bound launch of every kernel per token). The graphs keep their
+    key/value caches between rollouts (two shapes at most); off where that memory is needed
+    for training. Never used with tp > 1 (the step's collectives stay eager)."""
     rollout_addresses: list[str] = field(default_factory=list)
     """host:port of the rollout workers (rollout = 'service')."""
     max_staleness: int = 0

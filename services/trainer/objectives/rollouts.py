@@ -4,7 +4,8 @@ trainer's processes), or the rollout service's client, behind one `RolloutBacken
 `ColocatedBackend` samples with the trainer's own model (`generate.sample_rows`, the rollout
 worker's sampler too): every prompt's group of G completions of a request in one left-padded
 batch with a static key/value cache (or in batches of `grpo.rollout_max_batch` completions),
-under the trainer's autocast (bf16 with train.bf16). Its log-probs are reported but the loss
+under the trainer's autocast (bf16 with train.bf16), each decode step replayed as a CUDA graph
+on a GPU (`grpo.rollout_cuda_graphs`). Its log-probs are reported but the loss
 does not use them: GRPO's old log-probs are the trainer's forward's (objectives/grpo.py). Under
 tensor parallelism it runs the sharded model: every tp rank computes the same gathered logits
 and draws from generators with the same seeds, so the ranks of a group sample the same tokens.
@@ -35,6 +36,7 @@ import torch
 from meshtrain.services.common.errors import ConfigError
 from meshtrain.services.rollout.types import Completion, RolloutBackend, RolloutRequest
 from meshtrain.services.trainer.config.sections import JobConfig
+from meshtrain.services.trainer.decode_graphs import DecodeGraphs
 from meshtrain.services.trainer.generate import sample_rows
 
 SERVICE_CLIENT = "meshtrain.services.rollout.rpc.client"
@@ -50,6 +52,7 @@ class ColocatedBackend:
         device: torch.device,
         autocast: AbstractContextManager[Any] | None = None,
         max_batch: int = 256,
+        cuda_graphs: bool = True,
     ):
         """Args:
         model: the policy (a GPT, sharded under tp).
@@ -57,6 +60,9 @@ class ColocatedBackend:
         device: where the model is.
         autocast: the trainer's autocast (bf16 with train.bf16), entered while sampling.
         max_batch: completions decoded as one batch (grpo.rollout_max_batch).
+        cuda_graphs: replay each decode step as a CUDA graph on a CUDA device
+            (grpo.rollout_cuda_graphs). The optimizer updates the parameters in place, so the
+            graphs read each step's weights; a parameter given new storage drops them.
         """
         if max_batch < 1:
             raise ConfigError(f"grpo.rollout_max_batch must be >= 1, got {max_batch}")
@@ -65,6 +71,8 @@ class ColocatedBackend:
         self.autocast = autocast if autocast is not None else contextlib.nullcontext()
         self.max_batch = max_batch
         self.version = 0
+        # a full batch and the remainder: at most two shapes a run's rollouts come in
+        self.graphs = DecodeGraphs(max_graphs=2, enabled=cuda_graphs)
 
     def update_weights(self, version: int) -> None:
         # the policy is the trainer's model itself: its weights are always the newest
@@ -91,6 +99,7 @@ class ColocatedBackend:
                         s.top_k,
                         s.top_p,
                         self.eod_id,
+                        self.graphs,
                     )
                 out += [
                     Completion(i, r.tokens, r.logprobs, self.version, r.finished)
@@ -118,7 +127,9 @@ def rollout_backend(
     """
     g = job.grpo
     if g.rollout == "colocated":
-        return ColocatedBackend(model, eod_id, device, autocast, g.rollout_max_batch)
+        # under tensor parallelism the decode step holds collectives: not captured
+        graphs = g.rollout_cuda_graphs and job.parallel.tp == 1
+        return ColocatedBackend(model, eod_id, device, autocast, g.rollout_max_batch, graphs)
     if importlib.util.find_spec(SERVICE_CLIENT.rpartition(".")[0]) is None or (
         importlib.util.find_spec(SERVICE_CLIENT) is None
     ):

@@ -83,3 +83,10 @@ def test_rollout_serve_answers_generate_loads_published_steps_and_stops_on_sigte
             worker.wait()
     assert worker.returncode == 0, "".join(lines) + out
     assert "Traceback" not in out, out
+
+
+def test_cuda_graphs_are_on_unless_turned_off():
+    from meshtrain.services.rollout.config import check_serve_arguments
+
+    assert check_serve_arguments([], {}, "serve").cuda_graphs is True
+    assert check_serve_arguments(["--no-cuda-graphs"], {}, "serve").cuda_graphs is False

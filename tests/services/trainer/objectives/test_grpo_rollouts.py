@@ -140,3 +140,18 @@ def test_colocated_sampling_runs_under_the_trainers_autocast():
     ColocatedBackend(model, 300, torch.device("cpu")).generate(request)
     assert set(seen) == {torch.float32}
     hook.remove()
+
+
+@pytest.mark.parametrize(
+    "graphs, tp, enabled", [(True, 1, True), (False, 1, False), (True, 2, False)]
+)
+def test_the_colocated_backend_graphs_its_decode_unless_turned_off_or_tensor_parallel(
+    graphs, tp, enabled
+):
+    from meshtrain.services.trainer.config.sections import JobConfig
+    from meshtrain.services.trainer.objectives.rollouts import rollout_backend
+
+    job = JobConfig()
+    job.grpo.rollout_cuda_graphs, job.parallel.tp = graphs, tp
+    backend = rollout_backend(job, build(**LLAMA), 300, torch.device("cpu"))
+    assert isinstance(backend, ColocatedBackend) and backend.graphs.enabled is enabled
