@@ -73,6 +73,8 @@ from meshtrain.services.trainer.parallel import mappings as M
 from meshtrain.services.trainer.parallel.mesh import Mesh
 
 COMM_TYPES = ("p2p", "a2a", "a2a+p2p")
+DOCUMENT_BLOCKS = ("auto", "mask", "segments")
+"""How the ring's blocks attend within packed documents (`ContextAttention.document_blocks`)."""
 
 
 class ContextParallel:
@@ -398,8 +400,9 @@ class _RingAttention(torch.autograd.Function):
 class ContextAttention(CoreAttention):
     """Causal attention of a context-parallel rank's tokens against the whole sequence.
 
-    q (b, heads, 2c, d), k/v (b, groups, 2c, d) of this rank's chunks -> (b, heads, 2c, d).
-    A CoreAttention, so selective recompute wraps it like the plain one.
+    q (b, heads, 2c, d), k/v (b, groups, 2c, d) of this rank's chunks -> (b, heads, 2c, d);
+    with `Documents` (this rank's tokens' ids), within documents. A CoreAttention, so selective
+    recompute wraps it like the plain one.
     """
 
     def __init__(self, core: CoreAttention, cp: ContextParallel):
@@ -411,11 +414,11 @@ class ContextAttention(CoreAttention):
             )
         self.cp = cp
         self.impl = "math" if core.backend == "math" else "auto"
+        # How the ring attends within packed documents (one of DOCUMENT_BLOCKS): 'mask', each
+        # block under a dense boolean mask (the reference); 'segments', each block cut into its
+        # documents' dense pieces, one flash-attention call each; 'auto', segments on CUDA
+        # (unless the math backend), the mask elsewhere.
         self.document_blocks = "auto"
-        """How the ring attends within packed documents: 'mask', each block under a dense
-        boolean mask (the reference); 'segments', each block cut into its documents' dense
-        pieces, each a flash-attention call; 'auto', segments on CUDA (unless the math
-        backend), the mask elsewhere."""
 
     @torch.compiler.disable  # point-to-point rounds and all-to-alls: eager, between compiled graphs
     def forward(
@@ -434,6 +437,11 @@ class ContextAttention(CoreAttention):
             ring_docs = None
             if ids is not None:
                 by = self.document_blocks
+                if by not in DOCUMENT_BLOCKS:
+                    raise ValueError(
+                        f"ContextAttention.document_blocks must be one of {DOCUMENT_BLOCKS}, "
+                        f"got {by!r}"
+                    )
                 segments = by == "segments" or (by == "auto" and q.is_cuda and self.impl != "math")
                 ring_docs = _ring_documents(cp, ids, segments)
             out = _RingAttention.apply(q, k, v, cp, self.impl, ring_docs)
