@@ -9,8 +9,9 @@ entry points, dispatched like the other ops:
   (`aten::_scaled_dot_product_flash_attention` and its backward): tiled, never an (sq, sk)
   matrix in memory.
 - CPU: PyTorch's tiled CPU flash-attention ops (`..._flash_attention_for_cpu`).
-- Anything else (fp32 on CUDA, odd head sizes, `MESHTRAIN_KERNELS=reference` or `impl="math"`):
-  the reference in `kernels/reference.py`, which materializes one block's scores in fp32.
+- Anything else (fp32 on CUDA, odd head sizes, `MESHTRAIN_KERNELS=reference` or `impl="math"`),
+  and any block given a boolean `mask` (packed documents): the reference in
+  `kernels/reference.py`, which materializes one block's scores in fp32.
 
 Grouped-query attention: k/v may have fewer heads than q; the kernels get them expanded and
 the gradients folded back (`reference._expand_kv` / `_fold_kv`).
@@ -43,12 +44,19 @@ def _use_reference(q: torch.Tensor, impl: str) -> bool:
 
 
 def attention_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, impl: str = "auto"
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    impl: str = "auto",
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One block: q (b, heads, sq, d), k/v (b, groups, sk, d) -> out (b, heads, sq, d) in q's
-    dtype, lse (b, heads, sq) fp32. `causal` masks keys after each query (sq == sk)."""
-    if _use_reference(q, impl):
-        return reference.attention_lse(q, k, v, causal)
+    dtype, lse (b, heads, sq) fp32. `causal` masks keys after each query (sq == sk); `mask`
+    (b, sq, sk) bool, True where a query sees a key, masks more (a row seeing no key: out 0,
+    lse -inf)."""
+    if mask is not None or _use_reference(q, impl):
+        return reference.attention_lse(q, k, v, causal, mask=mask)
     heads = q.shape[1]
     k, v = _expand_kv(k, heads), _expand_kv(v, heads)
     if (
@@ -70,11 +78,13 @@ def attention_backward(
     lse: torch.Tensor,
     causal: bool,
     impl: str = "auto",
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One block's gradients given the final `out` (q's dtype) and `lse` (fp32) of its query
-    rows: dq (b, heads, sq, d), dk/dv (b, groups, sk, d), in q's dtype (the reference: fp32)."""
-    if _use_reference(q, impl):
-        return reference.attention_lse_backward(dout, q, k, v, out, lse, causal)
+    rows: dq (b, heads, sq, d), dk/dv (b, groups, sk, d), in q's dtype (the reference: fp32).
+    `mask` as in `attention_forward`."""
+    if mask is not None or _use_reference(q, impl):
+        return reference.attention_lse_backward(dout, q, k, v, out, lse, causal, mask=mask)
     heads, groups = q.shape[1], k.shape[1]
     ke, ve = _expand_kv(k, heads), _expand_kv(v, heads)
     if q.is_cuda:
@@ -96,10 +106,13 @@ def merge(
     """Fold one block's partial attention into the running (out, lse), in place, in fp32.
 
     out (b, h, s, d) fp32 and lse (b, h, s) fp32 start as zeros and -inf; after every key block
-    of a query row has been merged they hold the row's softmax attention and log-sum-exp.
+    of a query row has been merged they hold the row's softmax attention and log-sum-exp. A row
+    whose block saw no key (block_lse -inf, block_out 0) is left as it was; one that has seen
+    none yet stays 0 and -inf (its weights are 0, not exp(-inf - (-inf)) = NaN).
     """
     new = torch.logaddexp(lse, block_lse)
-    out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(
-        block_out.float() * torch.exp(block_lse - new).unsqueeze(-1)
+    base = new.masked_fill(new == float("-inf"), 0.0)
+    out.mul_(torch.exp(lse - base).unsqueeze(-1)).add_(
+        block_out.float() * torch.exp(block_lse - base).unsqueeze(-1)
     )
     lse.copy_(new)

@@ -148,9 +148,14 @@ def _fold_kv(g: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def _attention_scores(
-    q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    causal: bool,
+    scale: float | None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """fp32 (b, heads, sq, sk) scaled scores, -inf above the diagonal when causal (sq == sk)."""
+    """fp32 (b, heads, sq, sk) scaled scores, -inf above the diagonal when causal (sq == sk)
+    and wherever `mask` (b, sq, sk) bool, True where a query sees a key, is False."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     s = torch.matmul(_acc(q), _acc(_expand_kv(k, q.shape[1])).transpose(-1, -2)) * scale
     if causal:
@@ -158,11 +163,24 @@ def _attention_scores(
         s = s.masked_fill(
             torch.ones(sq, sk, dtype=torch.bool, device=s.device).triu(1), float("-inf")
         )
+    if mask is not None:
+        s = s.masked_fill(~mask[:, None], float("-inf"))
     return s
 
 
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """lse with the -inf of rows that see no key replaced by 0: exp(-inf - 0) is then their
+    probabilities' 0, where exp(-inf - (-inf)) would be NaN."""
+    return lse.masked_fill(lse == float("-inf"), 0.0)
+
+
 def attention_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float | None = None,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one block that also returns its row log-sum-exp, the quantity two blocks'
     partial outputs are merged by (context parallelism). Materializes the (sq, sk) scores in
@@ -172,13 +190,16 @@ def attention_lse(
         q: (batch, heads, sq, d); k, v: (batch, groups, sk, d), heads a multiple of groups.
         causal: mask keys after each query (sq == sk, aligned at the start).
         scale: score scale; default 1/sqrt(d).
+        mask: (batch, sq, sk) bool, True where a query may see a key (packed documents); a
+            query that sees no key of the block gets out 0 and lse -inf, which merge as nothing.
 
     Returns:
         out (batch, heads, sq, d) in q's dtype, lse (batch, heads, sq) fp32: log sum_k exp(score).
     """
-    s = _attention_scores(q, k, causal, scale)
+    s = _attention_scores(q, k, causal, scale, mask)
     lse = torch.logsumexp(s, dim=-1)
-    out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), _acc(_expand_kv(v, q.shape[1])))
+    p = torch.exp(s - _finite(lse).unsqueeze(-1))
+    out = torch.matmul(p, _acc(_expand_kv(v, q.shape[1])))
     return out.to(q.dtype), lse
 
 
@@ -191,18 +212,21 @@ def attention_lse_backward(
     lse: torch.Tensor,
     causal: bool,
     scale: float | None = None,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one block given the *final* output and log-sum-exp of its query rows.
 
     With `out` and `lse` of the whole attention (every key block merged), the result is this
     block's exact share of dq and its keys' full dk, dv: P = exp(S - lse) is the block's slice of
-    the global softmax, and D = rowsum(dout * out) is the global correction term.
+    the global softmax, and D = rowsum(dout * out) is the global correction term. `mask` as in
+    `attention_lse`.
 
     Returns:
         dq (batch, heads, sq, d), dk, dv (batch, groups, sk, d), fp32.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    p = torch.exp(_attention_scores(q, k, causal, scale) - lse.unsqueeze(-1))  # (b, h, sq, sk)
+    s = _attention_scores(q, k, causal, scale, mask)
+    p = torch.exp(s - _finite(lse).unsqueeze(-1))  # (b, h, sq, sk)
     do = _acc(dout)
     dv = torch.matmul(p.transpose(-1, -2), do)
     dp = torch.matmul(do, _acc(_expand_kv(v, q.shape[1])).transpose(-1, -2))

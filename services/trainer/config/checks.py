@@ -311,10 +311,10 @@ def check_tensor_parallel(model: ModelConfig, tp: int, sequence_parallel: bool) 
 
 def check_documents(data: DataConfig, parallel: ParallelConfig, train: TrainConfig) -> None:
     """What packed-document attention and positions (data.reset_attention_mask,
-    data.reset_position_ids) do not combine with: the ring context-parallel attention, whose
-    key/value blocks carry no document ids; the data service under context parallelism, which
-    sends a rank only its chunks (the EODs before them unseen); a CUDA graph, which cannot take
-    each micro-batch's FlexAttention block mask as a static input.
+    data.reset_position_ids) do not combine with: the data service under context parallelism,
+    which sends a rank only its chunks (the EODs before them unseen); a CUDA graph, which cannot
+    take each micro-batch's FlexAttention block mask as a static input. Every
+    parallel.cp_comm_type attends within documents.
 
     Raises:
         ConfigError: naming the settings.
@@ -330,12 +330,6 @@ def check_documents(data: DataConfig, parallel: ParallelConfig, train: TrainConf
     if not keys:
         return
     p = parallel
-    if data.reset_attention_mask and p.cp > 1 and p.cp_comm_type != "a2a":
-        raise ConfigError(
-            f"data.reset_attention_mask with parallel.cp={p.cp} needs parallel.cp_comm_type='a2a' "
-            f"(all-to-all over heads: each rank attends over the whole sequence); "
-            f"cp_comm_type={p.cp_comm_type!r} runs the ring, whose blocks carry no document ids"
-        )
     if p.cp > 1 and data.service_addresses:
         raise ConfigError(
             f"{' and '.join(keys)} with parallel.cp={p.cp} need the whole sample to find the "

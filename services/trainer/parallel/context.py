@@ -24,17 +24,38 @@ over dp (the data-parallel reduction runs over dp×cp), and checkpoints do not d
 - `a2a` (all-to-all over heads, as DeepSpeed-Ulysses): an all-to-all turns sequence-sharded
   q/k/v into head-sharded full-sequence ones, causal attention runs unchanged on the
   sequence reordered into position order, and a second all-to-all turns the output back.
-  Key/value heads are repeated first when there are fewer of them than cp ranks (GQA). With
-  packed documents (data.reset_attention_mask) the group's document ids are gathered into the
-  same position order and attention stays within documents (`document_attention`); the ring
-  variants carry no document ids and refuse them (`check_documents`).
+  Key/value heads are repeated first when there are fewer of them than cp ranks (GQA).
 - `a2a+p2p` (hierarchical): all-to-all inside groups of `hierarchical_context_parallel_sizes[0]`
   consecutive cp ranks (a node), a ring across the groups. The gathered sequence of a group
   is again a front and a back run of chunks, so the ring above runs on it unchanged.
+
+**Packed documents** (data.reset_attention_mask: `Documents`, attention causal within each
+document). Under `a2a` the group's document ids are gathered into the sequence's position order
+and `document_attention` runs on the whole sequence (FlexAttention with a block mask on CUDA).
+Under the ring (`p2p`, and `a2a+p2p` after its all-to-all) the ring blocks' ids are
+all-gathered once per layer forward (`_RingDocuments` says why rather than sent around with
+the blocks), and each step attends under causal(global positions) AND same document, merged by
+log-sum-exp as without documents: a query whose document starts after the step's key block
+gets nothing from it (lse -inf, merged as nothing), and a block where no query shares a
+document with a key is skipped, forward and backward. The backward is the same exact one (the
+final out and lse fed to every block). Each step's block runs as one of
+(`ContextAttention.document_blocks`):
+
+- a dense boolean mask (CPU, and the math backend): the reference, `kernels/reference.py`
+  attention with the (b, sq, sk) mask, scores in fp32;
+- its documents' dense pieces (CUDA): the ids never decrease along the sequence, so in each
+  block a document's queries are a run of rows and its keys a run of keys; each such rectangle
+  is one call of the flash-attention block ops (causal in the own block, whole in the others),
+  found on the host from one copy of the gathered ids. FlexAttention, the `a2a` path's kernel,
+  is not used: the ring's backward must feed each block the final out and lse, which its
+  backward does not take. A block of many short documents is many small calls.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -52,6 +73,8 @@ from meshtrain.services.trainer.parallel import mappings as M
 from meshtrain.services.trainer.parallel.mesh import Mesh
 
 COMM_TYPES = ("p2p", "a2a", "a2a+p2p")
+DOCUMENT_BLOCKS = ("auto", "mask", "segments")
+"""How the ring's blocks attend within packed documents (`ContextAttention.document_blocks`)."""
 
 
 class ContextParallel:
@@ -198,14 +221,116 @@ def _block(cp: ContextParallel, step: int, half: int) -> tuple[slice, slice, boo
     return slice(half, None), every, False
 
 
+class _RingDocuments(NamedTuple):
+    """The document ids of the ring's blocks, gathered once per forward of a layer.
+
+    Why an all-gather rather than ids travelling with the key/value blocks: the ids are
+    (b, 2C) integers against the blocks' (2, b, g, 2C, d) floats, so either costs latency, not
+    bandwidth; one all-gather is one round where carrying them adds a message to each of the
+    ring's steps, forward and backward, and knowing every block's ids up front lets the forward
+    skip the blocks no query of which shares a document with a key, and lets the backward
+    (which saves these ids) skip the same blocks with no communication at all.
+    """
+
+    local: torch.Tensor
+    """(b, 2C) ids of this rank's ring block (its queries)."""
+    every: torch.Tensor
+    """(ring, b, 2C) ids of every ring rank's block, by ring rank (the key/value blocks)."""
+    segments: list | None
+    """Per step, the (batch row, query rows, key rows) slices of its dense pieces: where a
+    document's queries meet the same document's keys (`_segments`); None: dense boolean masks."""
+
+
+def _ring_documents(cp: ContextParallel, ids: torch.Tensor, by_segments: bool) -> _RingDocuments:
+    """The `_RingDocuments` of this rank's ring block's ids (b, 2C), the same on every rank of a
+    ring: an all-gather over the ring (and with `by_segments` one copy of the ids to the host)."""
+    parts = [torch.empty_like(ids) for _ in range(cp.ring)]
+    dist.all_gather(parts, ids.contiguous(), group=cp.ring_group)
+    every = torch.stack(parts)
+    segments = _segments(cp, every.cpu().numpy()) if by_segments else None
+    return _RingDocuments(ids, every, segments)
+
+
+def _segments(cp: ContextParallel, every: np.ndarray) -> list[list[tuple[slice, slice, slice]]]:
+    """Each ring step's dense pieces from every ring block's ids (ring, b, 2C).
+
+    A block's query rows and key rows each run in position order, and the ids never decrease
+    along positions, so one document's queries in a block are a run of rows and its keys a run
+    of keys: its piece is that rectangle, causal at step 0 (the rank's own block, where the two
+    runs are the same) and whole elsewhere (every key of a lower step precedes every query).
+    Rows of no piece (a query whose document starts after the block) get nothing from it.
+
+    Raises:
+        ValueError: ids that decrease along the sequence.
+    """
+    ring, b, s = every.shape
+    half = s // 2
+    # the sequence in position order: the ring ranks' front chunks, then their back chunks in
+    # reverse ring order
+    order = np.concatenate(
+        [
+            every[:, :, :half].transpose(1, 0, 2).reshape(b, -1),
+            every[::-1, :, half:].transpose(1, 0, 2).reshape(b, -1),
+        ],
+        axis=1,
+    )
+    if (np.diff(order, axis=1) < 0).any():
+        raise ValueError(
+            f"packed documents under parallel.cp_comm_type={cp.comm_type!r} need document ids "
+            "that never decrease along the sequence (as data.reset_attention_mask counts them "
+            "from EODs)"
+        )
+    steps = []
+    for step in range(ring):
+        qs, ks, _ = _block(cp, step, half)
+        q0, k0 = qs.start or 0, ks.start or 0
+        q_ids = every[cp.ring_rank][:, qs]
+        k_ids = every[(cp.ring_rank - step) % ring][:, ks]
+        pieces = []
+        for row in range(b):
+            qi, ki = q_ids[row], k_ids[row]
+            for doc in np.intersect1d(qi, ki):
+                qa, qb = np.searchsorted(qi, doc, "left"), np.searchsorted(qi, doc, "right")
+                ka, kb = np.searchsorted(ki, doc, "left"), np.searchsorted(ki, doc, "right")
+                pieces.append(
+                    (
+                        slice(row, row + 1),
+                        slice(q0 + int(qa), q0 + int(qb)),
+                        slice(k0 + int(ka), k0 + int(kb)),
+                    )
+                )
+        steps.append(pieces)
+    return steps
+
+
+def _pieces(
+    cp: ContextParallel, step: int, half: int, docs: _RingDocuments | None
+) -> list[tuple[slice, slice, slice, bool, torch.Tensor | None]]:
+    """(batch rows, query rows, key rows, causal, mask) of the attention calls of ring step
+    `step`: the whole block without documents; with them the block under a dense boolean mask
+    (causal AND same document; none when the mask is all False) or its dense pieces."""
+    rows = slice(None)
+    qs, ks, causal = _block(cp, step, half)
+    if docs is None:
+        return [(rows, qs, ks, causal, None)]
+    if docs.segments is not None:
+        return [(r, q, k, causal, None) for r, q, k in docs.segments[step]]
+    src = (cp.ring_rank - step) % cp.ring
+    mask = docs.local[:, qs, None] == docs.every[src][:, None, ks]  # (b, sq, sk)
+    if step == 0:
+        mask &= torch.ones(mask.shape[1:], dtype=torch.bool, device=mask.device).tril()
+    return [(rows, qs, ks, causal, mask)] if bool(mask.any()) else []
+
+
 class _RingAttention(torch.autograd.Function):
-    """Causal attention over the ring (see the module docstring).
+    """Causal attention over the ring (see the module docstring), within documents when given
+    their `_RingDocuments`.
 
     Shapes: q (b, h, 2C, d), k/v (b, g, 2C, d).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, cp: ContextParallel, impl: str):
+    def forward(ctx, q, k, v, cp: ContextParallel, impl: str, docs: _RingDocuments | None):
         b, h, s, d = q.shape
         half = s // 2
         out = torch.zeros(b, h, s, d, dtype=torch.float32, device=q.device)
@@ -215,23 +340,23 @@ class _RingAttention(torch.autograd.Function):
             reqs = []
             if step < cp.ring - 1:
                 kv_next, reqs = _exchange(kv, cp, tag=0)
-            qs, ks, causal = _block(cp, step, half)
-            o, l_ = blocks.attention_forward(
-                q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], causal, impl
-            )
-            blocks.merge(out[:, :, qs], lse[:, :, qs], o, l_)
+            for rows, qs, ks, causal, mask in _pieces(cp, step, half, docs):
+                o, l_ = blocks.attention_forward(
+                    q[rows, :, qs], kv[0][rows, :, ks], kv[1][rows, :, ks], causal, impl, mask
+                )
+                blocks.merge(out[rows, :, qs], lse[rows, :, qs], o, l_)
             _wait(reqs)
             if reqs:
                 kv = kv_next
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cp, ctx.impl = cp, impl
+        ctx.cp, ctx.impl, ctx.docs = cp, impl, docs
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        cp, impl = ctx.cp, ctx.impl
+        cp, impl, docs = ctx.cp, ctx.impl, ctx.docs
         dout = dout.contiguous()
         half = q.shape[2] // 2
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -242,40 +367,42 @@ class _RingAttention(torch.autograd.Function):
             kv_reqs = []
             if step < cp.ring - 1:
                 kv_next, kv_reqs = _exchange(kv, cp, tag=0)
-            qs, ks, causal = _block(cp, step, half)
-            gq, gk, gv = blocks.attention_backward(
-                dout[:, :, qs],
-                q[:, :, qs],
-                kv[0][:, :, ks],
-                kv[1][:, :, ks],
-                out[:, :, qs],
-                lse[:, :, qs],
-                causal,
-                impl,
-            )
-            dq[:, :, qs].add_(gq)
             if step == 0:  # this rank's own block: its accumulator starts here
-                dkv = torch.stack([gk, gv]).float()
+                dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
             else:
                 _wait(dkv_reqs)
                 dkv = dkv_in
-                dkv[0][:, :, ks].add_(gk)
-                dkv[1][:, :, ks].add_(gv)
+            for rows, qs, ks, causal, mask in _pieces(cp, step, half, docs):
+                gq, gk, gv = blocks.attention_backward(
+                    dout[rows, :, qs],
+                    q[rows, :, qs],
+                    kv[0][rows, :, ks],
+                    kv[1][rows, :, ks],
+                    out[rows, :, qs],
+                    lse[rows, :, qs],
+                    causal,
+                    impl,
+                    mask,
+                )
+                dq[rows, :, qs].add_(gq)
+                dkv[0][rows, :, ks].add_(gk)
+                dkv[1][rows, :, ks].add_(gv)
             # the accumulator goes on with the block it belongs to; after the last step it goes home
             dkv_in, dkv_reqs = _exchange(dkv, cp, tag=1)
             _wait(kv_reqs)
             if kv_reqs:
                 kv = kv_next
         _wait(dkv_reqs)
-        return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None
+        return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None, None
 
 
 # ------------------------------------------------------------------------------------ the module
 class ContextAttention(CoreAttention):
     """Causal attention of a context-parallel rank's tokens against the whole sequence.
 
-    q (b, heads, 2c, d), k/v (b, groups, 2c, d) of this rank's chunks -> (b, heads, 2c, d).
-    A CoreAttention, so selective recompute wraps it like the plain one.
+    q (b, heads, 2c, d), k/v (b, groups, 2c, d) of this rank's chunks -> (b, heads, 2c, d);
+    with `Documents` (this rank's tokens' ids), within documents. A CoreAttention, so selective
+    recompute wraps it like the plain one.
     """
 
     def __init__(self, core: CoreAttention, cp: ContextParallel):
@@ -287,27 +414,39 @@ class ContextAttention(CoreAttention):
             )
         self.cp = cp
         self.impl = "math" if core.backend == "math" else "auto"
+        # How the ring attends within packed documents (one of DOCUMENT_BLOCKS): 'mask', each
+        # block under a dense boolean mask (the reference); 'segments', each block cut into its
+        # documents' dense pieces, one flash-attention call each; 'auto', segments on CUDA
+        # (unless the math backend), the mask elsewhere.
+        self.document_blocks = "auto"
 
     @torch.compiler.disable  # point-to-point rounds and all-to-alls: eager, between compiled graphs
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents | None = None
     ) -> torch.Tensor:
         cp = self.cp
-        if docs is not None and cp.ring > 1:
-            raise ConfigError(
-                f"attention within documents (data.reset_attention_mask) under context "
-                f"parallelism needs parallel.cp_comm_type='a2a'; {cp.comm_type!r} runs a ring"
-            )
         if cp.a2a > 1:
             groups = k.shape[1]
             if groups % cp.a2a:  # GQA with fewer kv heads than all-to-all ranks: one per rank
                 k, v = (t.repeat_interleave(cp.a2a // groups, dim=1) for t in (k, v))
             q, k, v = (_seq_to_heads(t, cp.a2a_group, cp.a2a) for t in (q, k, v))
-        if docs is not None:  # the whole sequence's ids, in the order q/k/v now have
+        ids = None
+        if docs is not None:  # the ids of the tokens q/k/v now hold, in their order
             ids = _gather_documents(docs.ids, cp.a2a_group, cp.a2a) if cp.a2a > 1 else docs.ids
+        if cp.ring > 1:
+            ring_docs = None
+            if ids is not None:
+                by = self.document_blocks
+                if by not in DOCUMENT_BLOCKS:
+                    raise ValueError(
+                        f"ContextAttention.document_blocks must be one of {DOCUMENT_BLOCKS}, "
+                        f"got {by!r}"
+                    )
+                segments = by == "segments" or (by == "auto" and q.is_cuda and self.impl != "math")
+                ring_docs = _ring_documents(cp, ids, segments)
+            out = _RingAttention.apply(q, k, v, cp, self.impl, ring_docs)
+        elif ids is not None:
             out = document_attention(q, k, v, Documents(ids))
-        elif cp.ring > 1:
-            out = _RingAttention.apply(q, k, v, cp, self.impl)
         else:
             out = sdpa(q, k, v, 0.0, self.backend)
         if cp.a2a > 1:

@@ -43,18 +43,6 @@ def test_a_tokenizer_without_eod_is_refused_naming_the_keys(eod_id):
     "args,match",
     [
         (
-            ["--parallel.cp=2"],
-            r"needs parallel.cp_comm_type='a2a' .* cp_comm_type='p2p' runs the ring",
-        ),
-        (
-            [
-                "--parallel.cp=4",
-                "--parallel.cp_comm_type=a2a+p2p",
-                "--parallel.hierarchical_context_parallel_sizes=[2, 2]",
-            ],
-            r"cp_comm_type='a2a\+p2p' runs the ring",
-        ),
-        (
             ["--parallel.cp=2", "--parallel.cp_comm_type=a2a", '--data.service_addresses=["h:1"]'],
             "sends a context-parallel rank only its chunks",
         ),
@@ -64,6 +52,25 @@ def test_a_tokenizer_without_eod_is_refused_naming_the_keys(eod_id):
 def test_what_document_masking_does_not_combine_with(args, match):
     with pytest.raises(ConfigError, match=match):
         load_config(["--reset-attention-mask", "--model.seq_length=64", *args])
-    # positions alone need no mask: the ring and CUDA graphs take them
+    # positions alone need no mask: CUDA graphs take them
     if "service_addresses" not in " ".join(args):
         load_config(["--reset-position-ids", "--model.seq_length=64", *args])
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--parallel.cp=2"],
+        ["--parallel.cp=2", "--parallel.cp_comm_type=a2a"],
+        [
+            "--parallel.cp=4",
+            "--parallel.cp_comm_type=a2a+p2p",
+            "--parallel.hierarchical_context_parallel_sizes=[2, 2]",
+        ],
+    ],
+)
+def test_every_context_parallel_comm_type_takes_document_masking(args):
+    job = load_config(
+        ["--reset-attention-mask", "--reset-position-ids", "--model.seq_length=64", *args]
+    )
+    assert job.data.reset_attention_mask and job.parallel.cp > 1

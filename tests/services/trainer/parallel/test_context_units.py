@@ -1,14 +1,17 @@
 """Context-parallel attention pieces: the block kernels with log-sum-exp against the reference
 and SDPA, and `ContextAttention` on gloo ranks against one causal SDPA over the whole sequence
-(output and every input gradient), for each communication scheme, cp 2 and 4, with GQA."""
+(output and every input gradient), for each communication scheme, cp 2 and 4, with GQA; with
+packed documents against attention within documents over the whole sequence."""
 
+from types import SimpleNamespace
+
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from meshtrain.kernels import attention_blocks as blocks
 from meshtrain.kernels import reference
-from meshtrain.services.common.errors import ConfigError
 from meshtrain.services.dataloader.loader import context_positions
 from tests.dist_utils import run_ranks
 
@@ -62,8 +65,20 @@ def test_blocks_merged_by_lse_equal_one_call_and_their_grads_add_up():
     )
 
 
-def _rank_attention(rank, world, comm_type, a2a, groups, tp_like_heads):
-    from meshtrain.services.trainer.model.attention import CoreAttention
+def _doc_ids(s: int) -> torch.Tensor:
+    """(2, s) packed-document ids for a sequence of s = 8·cp tokens, chunks of 4: row 0 opens
+    with a one-token document, then one spanning three chunks, then short ones crossing chunk
+    boundaries; in row 1 the first chunk is exactly one document."""
+    rows = []
+    for lengths in ([1, 10, 2, 3, 5, 1, 7, 6, 9], [4, 3, 6, 3, 9, 2, 5, 8, 4]):
+        ids = np.repeat(np.arange(len(lengths)), lengths)
+        assert len(ids) >= s
+        rows.append(ids[:s])
+    return torch.from_numpy(np.stack(rows)).to(torch.int32)
+
+
+def _rank_attention(rank, world, comm_type, a2a, groups, tp_like_heads, packed=False):
+    from meshtrain.services.trainer.model.attention import CoreAttention, Documents
     from meshtrain.services.trainer.parallel.context import ContextAttention, ContextParallel
     from meshtrain.services.trainer.parallel.mesh import Mesh
 
@@ -71,11 +86,19 @@ def _rank_attention(rank, world, comm_type, a2a, groups, tp_like_heads):
     cp = ContextParallel(mesh, comm_type)
     q, k, v = _qkv(h=tp_like_heads, g=groups, s=8 * world, seed=3)
     pos = torch.from_numpy(context_positions(q.shape[2], mesh.cp_rank, world))
-    local = [t[:, :, pos].clone().requires_grad_() for t in (q, k, v)]
-    out = ContextAttention(CoreAttention(0.0), cp)(*local)
+    docs = Documents(_doc_ids(q.shape[2])[:, pos]) if packed else None
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(9))[:, :, pos]
-    out.backward(dout)
-    return {"pos": pos, "out": out.detach(), "grads": [t.grad for t in local]}
+    # with documents under a ring: both ways of running its blocks (the mask, the pieces)
+    ways = ("mask", "segments") if packed and cp.ring > 1 else ("auto",)
+    runs = {}
+    for way in ways:
+        local = [t[:, :, pos].clone().requires_grad_() for t in (q, k, v)]
+        core = ContextAttention(CoreAttention(0.0), cp)
+        core.document_blocks = way
+        out = core(*local) if docs is None else core(*local, docs)
+        out.backward(dout)
+        runs[way] = {"out": out.detach(), "grads": [t.grad for t in local]}
+    return {"pos": pos, "runs": runs}
 
 
 CASES = {  # name: (cp, comm type, all-to-all size, kv groups, heads)
@@ -97,77 +120,102 @@ def test_context_attention_equals_full_causal_attention(case):
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
     out = F.scaled_dot_product_attention(*ref, is_causal=True, enable_gqa=True)
     out.backward(torch.randn(q.shape, generator=torch.Generator().manual_seed(9)))
+    _check_ranks(results, cp, out, ref)
+
+
+def _check_ranks(results, cp, out, ref):
     covered = torch.cat([r["pos"] for r in results]).sort().values
     assert torch.equal(covered, torch.arange(8 * cp))  # the ranks' chunks tile the sequence
     for r in results:
         pos = r["pos"]
-        torch.testing.assert_close(r["out"], out.detach()[:, :, pos], rtol=1e-5, atol=1e-6)
-        for got, want in zip(r["grads"], (t.grad for t in ref)):
-            torch.testing.assert_close(got, want[:, :, pos], rtol=1e-5, atol=1e-6)
+        for way, run in r["runs"].items():
+            torch.testing.assert_close(
+                run["out"], out.detach()[:, :, pos], rtol=1e-5, atol=1e-6, msg=way
+            )
+            for got, want in zip(run["grads"], (t.grad for t in ref)):
+                torch.testing.assert_close(got, want[:, :, pos], rtol=1e-5, atol=1e-6, msg=way)
 
 
-def test_context_core_refuses_attention_dropout():
-    from meshtrain.services.trainer.model.attention import CoreAttention
-    from meshtrain.services.trainer.parallel.context import ContextAttention
-
-    with pytest.raises(ConfigError, match="attention_dropout"):
-        ContextAttention(CoreAttention(0.1), cp=None)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("causal", [True, False])
-def test_flash_blocks_on_cuda_match_the_fp32_reference(causal):
-    """bf16 on CUDA runs PyTorch's flash ops (forward and the backward fed the final out/lse);
-    within bf16 rounding of the fp32 reference, with GQA and unequal query/key lengths."""
-    q, k, v = (t.cuda() for t in _qkv(b=2, h=8, g=2, s=256, d=64))
-    if not causal:  # the ring passes strided slices: the second half of the queries, their lse
-        q = q[:, :, 128:]
-    qb, kb, vb = (t.bfloat16() for t in (q, k, v))
-    qb = torch.cat([qb, qb], dim=2)[:, :, qb.shape[2] :] if not causal else qb
-    o, lse = blocks.attention_forward(qb, kb, vb, causal)
-    r_o, r_lse = reference.attention_lse(q, k, v, causal)
-    assert o.dtype == torch.bfloat16 and lse.dtype == torch.float32
-    torch.testing.assert_close(o.float(), r_o, rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(lse, r_lse, rtol=1e-2, atol=1e-2)
-    dout = torch.randn_like(r_o)
-    if not causal:
-        lse = torch.cat([lse, lse], dim=2)[:, :, lse.shape[2] :]
-        o = torch.cat([o, o], dim=2)[:, :, o.shape[2] :]
-        assert not (lse.is_contiguous() or o.is_contiguous())
-    got = blocks.attention_backward(dout.bfloat16(), qb, kb, vb, o, lse, causal)
-    want = reference.attention_lse_backward(dout, q, k, v, r_o, r_lse, causal)
-    for name, a, b in zip(("dq", "dk", "dv"), got, want):
-        assert a.shape == b.shape, name
-        torch.testing.assert_close(a.float(), b, rtol=5e-2, atol=5e-2, msg=name)
-
-
-def _rank_mismatched_mesh(rank, world):
-    from meshtrain.services.trainer.parallel.context import ContextParallel
-    from meshtrain.services.trainer.parallel.mesh import Mesh
-
-    mesh = Mesh.build(cp=world)  # laid out for the ring: no all-to-all group
-    ContextParallel(mesh, "p2p")
-    try:
-        ContextParallel(mesh, "a2a")
-    except ConfigError as e:
-        return str(e)
-    return None
+PACKED_CASES = {name: CASES[name] for name in ("p2p-cp2", "p2p-cp4-gqa1", "a2a-cp2", "a2a+p2p-cp4")}
 
 
 @pytest.mark.dist
-def test_a_comm_type_the_mesh_was_not_laid_out_for_is_refused():
-    """A ring mesh asked for all-to-all would silently run the ring: refused, naming the fix."""
-    messages = run_ranks(_rank_mismatched_mesh, 2)
-    assert all(m and "cp_comm_type='a2a'" in m and "cp_a2a" in m for m in messages), messages
+@pytest.mark.parametrize("case", list(PACKED_CASES))
+def test_context_attention_within_packed_documents_equals_one_process(case):
+    """Documents crossing chunk boundaries, one spanning three chunks, a one-token one, one
+    filling the first chunk; the ring ranks hold blocks some of whose queries (and whole steps)
+    see no key: output and gradients equal attention within documents on one process."""
+    from meshtrain.services.trainer.model.attention import Documents, document_attention
+
+    cp, comm, a2a, groups, heads = PACKED_CASES[case]
+    results = run_ranks(_rank_attention, cp, comm, a2a, groups, heads, True)
+    q, k, v = _qkv(h=heads, g=groups, s=8 * cp, seed=3)
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = document_attention(*ref, Documents(_doc_ids(8 * cp)))
+    out.backward(torch.randn(q.shape, generator=torch.Generator().manual_seed(9)))
+    _check_ranks(results, cp, out, ref)
+    if comm != "a2a":
+        assert all(set(r["runs"]) == {"mask", "segments"} for r in results)
 
 
-def test_initialize_model_parallel_refuses_a_hierarchy_that_does_not_multiply_to_cp():
-    from meshtrain.services.trainer.parallel.mesh import initialize_model_parallel
+@pytest.mark.parametrize("ring_rank", range(4))
+def test_ring_document_pieces_cover_exactly_the_masked_block(ring_rank):
+    """The dense pieces of each ring step (`_segments`) cover exactly the keys the boolean mask
+    lets each query see (causal in the own block), and a step no query of which shares a
+    document with a key has none."""
+    from meshtrain.services.trainer.parallel.context import _block, _segments
 
-    with pytest.raises(ConfigError, match="hierarchical_context_parallel_sizes"):
-        initialize_model_parallel(
-            context_parallel_size=4,
-            cp_comm_type="a2a+p2p",
-            hierarchical_context_parallel_sizes=[2, 3],
-        )
+    ring, half = 4, 5
+    s = 2 * ring * half
+    rng = np.random.default_rng(ring_rank)
+    ids = np.stack([np.cumsum(rng.random(s) < p) for p in (0.3, 0.05, 0.6)])  # (3, s)
+    pos = [context_positions(s, r, ring) for r in range(ring)]
+    every = np.stack([ids[:, p] for p in pos])  # (ring, b, 2·half)
+    cp = SimpleNamespace(ring=ring, ring_rank=ring_rank, comm_type="p2p")
+    steps = _segments(cp, every)
+    for step, pieces in enumerate(steps):
+        qs, ks, causal = _block(cp, step, half)
+        src = (ring_rank - step) % ring
+        want = np.zeros((3, 2 * half, 2 * half), dtype=bool)
+        q_pos, k_pos = pos[ring_rank][qs], pos[src][ks]
+        rows = np.arange(2 * half)[qs][:, None]
+        cols = np.arange(2 * half)[ks][None, :]
+        for b in range(3):
+            same = ids[b, q_pos][:, None] == ids[b, k_pos][None, :]
+            want[b, rows, cols] = same & (q_pos[:, None] >= k_pos[None, :])
+        got = np.zeros_like(want)
+        for r, q, k in pieces:
+            block = np.ones((q.stop - q.start, k.stop - k.start), dtype=bool)
+            got[r, q, k] |= np.tril(block) if causal else block
+        np.testing.assert_array_equal(got, want, err_msg=f"step {step}")
+    # one token per document: only the own block's diagonal, every other step skipped
+    alone = np.stack([np.arange(s)[None, p] for p in pos])
+    steps = _segments(cp, alone)
+    assert [len(p) for p in steps] == [2 * half] + [0] * (ring - 1)
+    with pytest.raises(ValueError, match="never decrease"):
+        _segments(cp, every[:, :, ::-1].copy())
+
+
+def test_a_block_row_that_sees_no_key_merges_as_nothing():
+    """The masked reference gives a row with no visible key out 0 and lse -inf (no NaN), its
+    backward gives it no gradient, and merging it leaves the running output unchanged."""
+    q, k, v = _qkv(s=6)
+    mask = torch.ones(2, 6, 6, dtype=torch.bool)
+    mask[:, :2] = False  # the first two queries see nothing
+    o, lse = blocks.attention_forward(q, k, v, False, mask=mask)
+    assert torch.isinf(lse[:, :, :2]).all() and (o[:, :, :2] == 0).all()
+    assert torch.isfinite(lse[:, :, 2:]).all()
+    grads = blocks.attention_backward(torch.randn_like(o), q, k, v, o, lse, False, mask=mask)
+    assert all(not g.isnan().any() for g in grads)
+    assert (grads[0][:, :, :2] == 0).all()
+    # merged into nothing yet: stays 0 and -inf; into a running output: leaves it unchanged
+    out, run = torch.zeros(q.shape), torch.full(q.shape[:3], float("-inf"))
+    blocks.merge(out, run, o, lse)
+    assert not out.isnan().any() and torch.isinf(run[:, :, :2]).all()
+    none = torch.zeros(2, 6, 6, dtype=torch.bool)
+    o0, lse0 = blocks.attention_forward(q, k, v, False, mask=none)
+    full_o, full_lse = blocks.attention_forward(q, k, v, False)
+    out, run = full_o.float().clone(), full_lse.clone()
+    blocks.merge(out, run, o0, lse0)
+    torch.testing.assert_close(out, full_o.float(), rtol=0, atol=0)
+    torch.testing.assert_close(run, full_lse, rtol=0, atol=0)

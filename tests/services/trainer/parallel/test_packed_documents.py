@@ -1,4 +1,5 @@
-"""Packed documents under tp (+sp), pp, dp (ZeRO-1) and cp (all-to-all) equal one process.
+"""Packed documents under tp (+sp), pp, dp (ZeRO-1) and cp (ring, all-to-all, both) equal one
+process.
 
 The real trainer runs on a dataset of short documents (4..40 tokens, so every 64-token sample
 packs several) with data.reset_attention_mask and data.reset_position_ids, on 2 gloo ranks,
@@ -12,7 +13,6 @@ import pytest
 import torch
 
 from meshtrain.services.checkpoint.reader import load_checkpoint
-from meshtrain.services.common.errors import ConfigError
 from meshtrain.services.dataloader.indexed import IndexedDatasetWriter
 from meshtrain.services.trainer.config.load import load_config
 from meshtrain.services.trainer.train import train
@@ -90,6 +90,21 @@ CASES = {
         },
     ),
     "cp2-a2a-llama": ("llama", {"parallel.cp": 2, "parallel.cp_comm_type": "a2a"}),
+    "cp2-p2p-llama": ("llama", {"parallel.cp": 2}),
+    "cp2-p2p-gpt2-recompute": (
+        "gpt2",
+        {"parallel.cp": 2, "parallel.recompute_granularity": "full"},
+    ),
+}
+SLOW = {  # 4 ranks
+    "cp4-a2a+p2p-llama": (
+        "llama",
+        {
+            "parallel.cp": 4,
+            "parallel.cp_comm_type": "a2a+p2p",
+            "parallel.hierarchical_context_parallel_sizes": "[2, 2]",
+        },
+    ),
 }
 
 
@@ -97,11 +112,23 @@ CASES = {
 def test_packed_training_matches_single_process(
     case, corpus_cache, short_documents, tmp_path, tmp_path_factory
 ):
-    arch_name, extra = CASES[case]
+    _run_case(CASES[case], 2, corpus_cache, short_documents, tmp_path, tmp_path_factory)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(SLOW))
+def test_packed_training_on_4_ranks_matches_single_process(
+    case, corpus_cache, short_documents, tmp_path, tmp_path_factory
+):
+    _run_case(SLOW[case], 4, corpus_cache, short_documents, tmp_path, tmp_path_factory)
+
+
+def _run_case(case, world, corpus_cache, short_documents, tmp_path, tmp_path_factory):
+    arch_name, extra = case
     arch = LLAMA if arch_name == "llama" else {}
     ref_losses, ref_tensors = _reference(corpus_cache, short_documents, tmp_path_factory, arch_name)
     args = _args(corpus_cache, short_documents, tmp_path / "run", arch, **PACKED, **extra)
-    results = run_ranks(_rank_train, 2, args, timeout=300)
+    results = run_ranks(_rank_train, world, args, timeout=400)
     got = results[0]
     assert sorted(got["losses"]) == list(range(1, ITERS + 1))
     for step, loss in ref_losses.items():
@@ -123,9 +150,3 @@ def test_the_reference_depends_on_the_resets(
     # 2e-6 the cases above allow
     gap = max(abs(plain.losses[s] - ref_losses[s]) for s in ref_losses)
     assert gap > 5e-5, (plain.losses, ref_losses)
-
-
-def test_ring_context_parallel_refuses_document_masking(corpus_cache, short_documents, tmp_path):
-    args = _args(corpus_cache, short_documents, tmp_path, LLAMA, **PACKED, **{"parallel.cp": 2})
-    with pytest.raises(ConfigError, match="cp_comm_type='a2a'"):
-        load_config(args)
