@@ -43,7 +43,14 @@ _TRITON_MODULES = {
     "rope": "meshtrain.kernels.rope",
     "cross_entropy": "meshtrain.kernels.cross_entropy",
     "linear_cross_entropy": "meshtrain.kernels.cross_entropy",
+    "fp8_amax": "meshtrain.kernels.fp8_cast",
+    "fp8_cast_transpose": "meshtrain.kernels.fp8_cast",
 }
+
+FP8_OPS = ("fp8_amax", "fp8_cast_transpose")
+"""The FP8 casts of FP8 training. Not in `OPS`: under torch.compile they take their Triton
+kernel whatever `compiled_ops` holds, because Inductor's fusion of the reference is the amax,
+cast and transposing copy as separate passes that the kernel exists to merge."""
 
 # ops that take their Triton kernel inside a compiled region in 'auto' mode (set_mode narrows it)
 _compiled_ops: frozenset[str] = frozenset(OPS)
@@ -124,7 +131,7 @@ def resolve(op: str, on_cuda: bool) -> Callable:
     m = mode()
     if m == "reference" or (m == "auto" and not on_cuda):
         return getattr(reference, op)
-    if m == "auto" and op not in _compiled_ops and torch.compiler.is_compiling():
+    if m == "auto" and op in OPS and op not in _compiled_ops and torch.compiler.is_compiling():
         return getattr(reference, op)
     if on_cuda:
         _load_fast()
@@ -183,3 +190,5 @@ def linear_cross_entropy(
 
 linear_cross_entropy.__doc__ = reference.linear_cross_entropy.__doc__
 rope_cos_sin = reference.rope_cos_sin
+fp8_amax = _dispatching("fp8_amax")
+fp8_cast_transpose = _dispatching("fp8_cast_transpose")

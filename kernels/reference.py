@@ -61,6 +61,35 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def fp8_amax(x: torch.Tensor) -> torch.Tensor:
+    """amax(|x|) as a 0-d fp32 tensor (0 for an empty x)."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    return x.abs().amax().float()
+
+
+def fp8_cast_transpose(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    dtype: torch.dtype,
+    transpose: bool = True,
+    amax: bool = False,
+    out: torch.Tensor | None = None,
+    out_t: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """x (M, N) cast to FP8: q = (x in fp32 · scale) clamped to ±fp8_max, rounded to `dtype`;
+    with its contiguous transpose qᵀ (N, M) if `transpose` and amax(|x|) if `amax` (else None);
+    written into `out` / `out_t` when given."""
+    limit = torch.finfo(dtype).max
+    q = (x.float() * scale.reshape(()).float()).clamp(-limit, limit).to(dtype)
+    if out is not None:
+        q = out.copy_(q)
+    qt = None
+    if transpose:
+        qt = out_t.copy_(q.t()) if out_t is not None else q.t().contiguous()
+    return q, qt, fp8_amax(x) if amax else None
+
+
 def rope_cos_sin(
     seq_len: int, head_dim: int, base: float, device=None
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,22 +7,36 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from meshtrain.kernels import dispatch
+from meshtrain.kernels import dispatch, reference
 from tests.kernels.conftest import HAS_TRITON, needs_triton
 
 
 def test_kernels_import_without_loading_triton_kernels():
     """Dispatch itself never imports a kernel module: CPU-only installs need no Triton."""
-    assert set(dispatch._TRITON_MODULES) == set(dispatch.OPS)
+    assert set(dispatch._TRITON_MODULES) == set(dispatch.OPS) | set(dispatch.FP8_OPS)
 
 
 @needs_triton
 def test_every_op_registers_on_cuda(monkeypatch):
     monkeypatch.setenv("MESHTRAIN_KERNELS", "triton")
-    for op in dispatch.OPS:
+    for op in dispatch.OPS + dispatch.FP8_OPS:
         fast = dispatch.resolve(op, on_cuda=True)
         assert fast is dispatch._FAST[op] and fast.__module__ == dispatch._TRITON_MODULES[op]
+
+
+@needs_triton
+def test_fp8_casts_take_triton_in_compiled_regions_whatever_the_compiled_set(monkeypatch):
+    """The compiled set narrows the norms and activations to Inductor's fusion of the reference;
+    the FP8 casts stay on their kernel (Inductor's fusion is the passes the kernel merges)."""
+    monkeypatch.delenv("MESHTRAIN_KERNELS", raising=False)
+    monkeypatch.setattr(dispatch, "_compiled_ops", frozenset({"rope"}))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert dispatch.resolve("rms_norm", on_cuda=True) is reference.rms_norm
+    fast = dispatch.resolve("fp8_cast_transpose", on_cuda=True)
+    assert fast.__module__ == "meshtrain.kernels.fp8_cast"
+    assert dispatch.resolve("fp8_amax", on_cuda=False) is reference.fp8_amax
 
 
 @needs_triton

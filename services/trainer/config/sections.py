@@ -110,6 +110,11 @@ class TrainConfig:
     """With fp8_bf16_first_last: blocks at the start kept bf16 (--num-layers-at-start-in-bf16)."""
     fp8_bf16_layers_at_end: int = 1
     """With fp8_bf16_first_last: blocks at the end kept bf16 (--num-layers-at-end-in-bf16)."""
+    fp8_fused_casts: bool = True
+    """FP8 casts in fused kernels on CUDA (kernels/fp8_cast.py): one pass writes a tensor's FP8
+    copy and the transposed copy the weight gradient needs (and, delayed, the amax for the next
+    step's scale), where separate amax, cast and transpose kernels each read the tensor again.
+    The same FP8 values bit for bit; false: the separate torch ops (for A/B timing)."""
     fp8_all_gather: bool = True
     """Under sequence parallelism, the FP8 column-parallel layers (QKV, fc1) cast their input
     chunk to FP8 before the sequence all-gather: half the bytes of the bf16 gather, the same

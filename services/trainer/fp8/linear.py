@@ -33,7 +33,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import _functional_collectives as funcol
 
-from meshtrain.services.trainer.fp8.scaling import Recipe, amax, amax_to_scale, cast_to_fp8
+from meshtrain.services.trainer.fp8.scaling import (
+    Recipe,
+    amax,
+    amax_to_scale,
+    cast_to_fp8,
+    cast_transpose,
+    tensor_amax,
+)
 from meshtrain.services.trainer.parallel import mappings as M
 
 E4M3 = torch.float8_e4m3fn
@@ -49,8 +56,10 @@ class Groups:
     grad_output: dist.ProcessGroup | None = None
 
 
-def _reduced_amax(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    a = amax(x)
+def _reduced_amax(
+    x: torch.Tensor, group: dist.ProcessGroup | None, fused: bool = False
+) -> torch.Tensor:
+    a = tensor_amax(x, fused)
     if group is None or dist.get_world_size(group) == 1:
         return a
     out = funcol.all_reduce(a, "max", group)
@@ -106,6 +115,29 @@ def _col_major(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
+def _cast(t, role, recipe, dtype, group, history, scale, delayed, transpose):
+    """Scale and cast one operand of `_TensorScaled` (role: its row in the delayed state, 0 input,
+    1 weight, 2 output gradient): (scale, (FP8 t, its transpose or None, amax or None)).
+
+    Current scaling takes the amax first (over `group`) and casts with the scale from it;
+    delayed scaling casts with the earlier steps' scale, the amax for the history coming from
+    the same pass. Either way the amax raises the history's entry (when one is recorded).
+    """
+    fused = recipe.fused_casts
+    if delayed:
+        s = scale[role]
+        out = cast_transpose(t, s, dtype, fused, transpose, with_amax=history is not None)
+        a = out[2]
+    else:
+        a = _reduced_amax(t, group, fused)
+        s = amax_to_scale(a, torch.finfo(dtype).max, recipe.margin)
+        out = cast_transpose(t, s, dtype, fused, transpose)
+    if history is not None:
+        assert a is not None  # asked of the cast wherever a history records it
+        history[role, 0] = torch.maximum(history[role, 0], a)
+    return s, out
+
+
 class _TensorScaled(torch.autograd.Function):
     """One scale per tensor: the current amax (dynamic) or the delayed state's scale."""
 
@@ -125,26 +157,29 @@ class _TensorScaled(torch.autograd.Function):
         wq_t=None,
         sw=None,
         seq_group=None,
+        wgrad: bool = True,
     ):
         """wq, wq_t, sw: the weight already cast this step (`Fp8WeightCache`: wq (N, K) and its
         transpose (K, N), both FP8, and its scale); None: cast here. seq_group: x is this rank's
         sequence chunk (b, s/tp, K), cast to FP8 and all-gathered along the sequence over this
-        group before the GEMM (sequence parallelism); its gradient is reduce-scattered back."""
-        fmt, w_dtype = recipe.dtypes, weight.dtype
+        group before the GEMM (sequence parallelism); its gradient is reduce-scattered back.
+        wgrad: the backward will compute the weight gradient (x's transpose is then cast here,
+        with x, where the casts are fused)."""
+        fmt, w_dtype, fused = recipe.dtypes, weight.dtype, recipe.fused_casts
         # from bf16 whatever arrives (an fp32 master weight, its bf16 copy): one rounding path
         x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # (M, K), M this rank's tokens
-        ax = _reduced_amax(x2, groups.input)
-        if history is not None:  # record this micro-batch's amaxes for the next steps' scales
-            history[0, 0] = torch.maximum(history[0, 0], ax)
-        sx = scale[0] if delayed else amax_to_scale(ax, fmt.forward_max, recipe.margin)
+        # x's transpose (K, M) is the weight gradient's operand: written by the cast where it
+        # is cast whole (a gathered sequence is transposed after its gather, in the backward)
+        transpose_x = fused and wgrad and seq_group is None
+        # record this micro-batch's amaxes in the history, for the next steps' scales
+        sx, (xq, xq_t, ax) = _cast(
+            x2, 0, recipe, fmt.forward, groups.input, history, scale, delayed, transpose_x
+        )  # (M, K), (K, M) or None
         if wq is None:
             weight = weight.to(torch.bfloat16)  # (N, K)
-            aw = _reduced_amax(weight, groups.weight)
-            if history is not None:
-                history[1, 0] = torch.maximum(history[1, 0], aw)
-            sw = scale[1] if delayed else amax_to_scale(aw, fmt.forward_max, recipe.margin)
-            wq = cast_to_fp8(weight, sw, fmt.forward)
-        xq = cast_to_fp8(x2, sx, fmt.forward)  # (M, K)
+            sw, (wq, wq_t, _) = _cast(
+                weight, 1, recipe, fmt.forward, groups.weight, history, scale, delayed, True
+            )  # (N, K), (K, N)
         x_shape = x.shape
         if (
             seq_group is not None
@@ -155,7 +190,8 @@ class _TensorScaled(torch.autograd.Function):
             y = y + bias.to(y.dtype)
         # W's transpose (K, N) is the input gradient's operand; cast here or given, the same tensor
         # is saved either way (activation recompute checks that the rerun saves alike)
-        ctx.save_for_backward(xq, wq.t().contiguous() if wq_t is None else wq_t, sx, sw)
+        ctx.save_for_backward(xq if xq_t is None else xq_t, wq_t, sx, sw)
+        ctx.x_transposed = xq_t is not None
         # Not saved (autograd would check their versions): the main gradient of a tied weight
         # and the stacked history other layers write into change between forward and backward.
         ctx.main_grad, ctx.history, ctx.scale = main_grad, history, scale
@@ -166,17 +202,16 @@ class _TensorScaled(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        xq, wq_t, sx, sw = ctx.saved_tensors
+        x_saved, wq_t, sx, sw = ctx.saved_tensors
         w_col = wq_t.t()  # W (N, K), column-major
         main_grad, history, scale = ctx.main_grad, ctx.history, ctx.scale
         recipe = ctx.recipe
         fmt = recipe.dtypes
         dy2 = dy.reshape(-1, dy.shape[-1]).to(torch.bfloat16)  # (M, N)
-        ady = _reduced_amax(dy2, ctx.groups.grad_output)
-        if history is not None:
-            history[2, 0] = torch.maximum(history[2, 0], ady)
-        sdy = scale[2] if ctx.delayed else amax_to_scale(ady, fmt.backward_max, recipe.margin)
-        dyq = cast_to_fp8(dy2, sdy, fmt.backward)
+        wgrad = ctx.fused or ctx.needs_input_grad[1]
+        sdy, (dyq, dyq_t, _) = _cast(
+            dy2, 2, recipe, fmt.backward, ctx.groups.grad_output, history, scale, ctx.delayed, wgrad
+        )  # (M, N), (N, M)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             dx = _scaled_mm(dyq, w_col, sdy.reciprocal(), sw.reciprocal())  # (M, N) @ (N, K)
@@ -185,14 +220,13 @@ class _TensorScaled(torch.autograd.Function):
                 ctx.seq_group is not None
             ):  # the gather's adjoint: sum over tp, keep this rank's chunk
                 dx = M.reduce_scatter(dx, M.SEQ_DIM, ctx.seq_group)  # (b, s/tp, K)
-        if ctx.fused or ctx.needs_input_grad[1]:
-            dw = _scaled_mm(
-                dyq.t().contiguous(), _col_major(xq), sdy.reciprocal(), sx.reciprocal()
-            )  # (N, M) @ (M, K)
+        if wgrad:
+            x_col = x_saved.t() if ctx.x_transposed else _col_major(x_saved)  # (M, K) col-major
+            dw = _scaled_mm(dyq_t, x_col, sdy.reciprocal(), sx.reciprocal())  # (N, M) @ (M, K)
             dw = _deliver_weight_grad(ctx, main_grad, dw)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
-        return dx, dw, db, None, None, None, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None, None, None, None
 
 
 class _RowScaled(torch.autograd.Function):
@@ -353,6 +387,8 @@ class Fp8Gemm:
                 ready,
                 *(cast or (None, None, None)),
                 seq_group,
+                # decided here, not from ctx in the forward: a plain bool under torch.compile too
+                torch.is_grad_enabled() and (main_grad is not None or weight.requires_grad),
             )
 
 

@@ -6,8 +6,10 @@ scale_b). `amax` is the tensor's largest magnitude: the current one (dynamic, 't
 one per row ('rowwise'), or the largest of the last `history_len` steps' ('delayed', as
 Transformer Engine's DelayedScaling with amax_compute_algo 'max'; 'most_recent' takes the last
 step's). Values beyond the format's range saturate to ±fp8_max instead of becoming inf or NaN.
-All of this is plain torch, so the CPU tests check it against a reference and the compiled
-GPU path fuses it into the neighbouring kernels.
+All of this is plain torch, so the CPU tests check it against a reference. With
+`Recipe.fused_casts` the layers cast through `cast_transpose` and `tensor_amax` instead: on CUDA
+one Triton pass writes the FP8 tensor, its transpose and (delayed scaling) its amax
+(`meshtrain.kernels.fp8_cast`), bit-equal to the plain casts; elsewhere the plain torch ops.
 
     fmt = FORMATS["hybrid"]                 # e4m3 forward, e5m2 gradients
     s = amax_to_scale(x.abs().amax(), fmt.forward_max, margin=0)
@@ -19,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from meshtrain.kernels import dispatch
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -69,6 +73,9 @@ class Recipe:
     amax_history_len: int = 1
     amax_compute_algo: str = "most_recent"
     margin: int = 0
+    fused_casts: bool = True
+    """Cast through the fused kernels (`cast_transpose`); False: the separate torch ops (the
+    same values; for A/B timing)."""
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -102,6 +109,38 @@ def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tor
     """x · scale rounded to `dtype`, saturated at ±fp8_max (scale: a scalar or broadcastable)."""
     limit = FP8_MAX[dtype]
     return (x.float() * scale).clamp(-limit, limit).to(dtype)
+
+
+def tensor_amax(x: torch.Tensor, fused: bool) -> torch.Tensor:
+    """`amax(x)` of the whole tensor; `fused`: by the dispatched kernel (one read on CUDA)."""
+    return dispatch.fp8_amax(x) if fused else amax(x)
+
+
+def cast_transpose(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    dtype: torch.dtype,
+    fused: bool,
+    transpose: bool = True,
+    with_amax: bool = False,
+    out: torch.Tensor | None = None,
+    out_t: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """x (M, N) cast to `dtype` with one scale, its contiguous transpose (N, M) if `transpose`,
+    and amax(|x|) if `with_amax` (None where not asked), written into `out` / `out_t` if given.
+
+    `fused`: the dispatched kernel (`meshtrain.kernels.fp8_cast` on CUDA: one pass); else
+    `cast_to_fp8`, a transposing copy and `amax`, each a pass of its own. Bit-equal either way.
+    """
+    if fused:
+        return dispatch.fp8_cast_transpose(x, scale, dtype, transpose, with_amax, out, out_t)
+    q = cast_to_fp8(x, scale, dtype)
+    if out is not None:
+        q = out.copy_(q)
+    qt = None
+    if transpose:
+        qt = out_t.copy_(q.t()) if out_t is not None else q.t().contiguous()
+    return q, qt, amax(x) if with_amax else None
 
 
 def amax(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 Under bf16 weight copies (one process) a weight does not change between the micro-batches of a
 step, yet an FP8 layer would take its amax, cast it and transpose it in every micro-batch's
-forward. `Fp8WeightCache` does that once per step, right after `WeightCopies.refresh`, into
+forward. `Fp8WeightCache` does that once per step (one fused pass writes both layouts where the
+recipe fuses its casts), right after `WeightCopies.refresh`, into
 buffers allocated once: per FP8 layer the e4m3 weight (N, K), its transpose (K, N) (the
 column-major operand of the input-gradient GEMM) and its scale. The trainer hands them to the
 model with the copies (`entries`, names `<layer>.fp8_weight*`, which `functional_call` puts in
@@ -24,7 +25,7 @@ from torch import nn
 
 from meshtrain.services.trainer.fp8.convert import Fp8Model
 from meshtrain.services.trainer.fp8.linear import Fp8Linear
-from meshtrain.services.trainer.fp8.scaling import amax, amax_to_scale, cast_to_fp8
+from meshtrain.services.trainer.fp8.scaling import amax_to_scale, cast_transpose, tensor_amax
 
 
 class Fp8WeightCache:
@@ -59,17 +60,17 @@ class Fp8WeightCache:
     def refresh(self, copies: dict[str, torch.Tensor]) -> None:
         """Cast each layer's weight copy (`copies`: `WeightCopies.copies`) into the buffers."""
         recipe = self.fp8.recipe
-        fmt, state = recipe.dtypes, self.fp8.delayed
+        fmt, state, fused = recipe.dtypes, self.fp8.delayed, recipe.fused_casts
         for name, _, index in self._layers:
             w = copies[f"{name}.weight"].to(torch.bfloat16)  # (N, K)
-            aw = amax(w)
+            scale = self.entries[f"{name}.fp8_weight_scale"]
+            out = self.entries[f"{name}.fp8_weight"], self.entries[f"{name}.fp8_weight_t"]
+            if index is not None and state.ready:  # the history's scale; the amax of the cast
+                scale.copy_(state.scale[index, 1])
+                aw = cast_transpose(w, scale, fmt.forward, fused, True, True, *out)[2]
+            else:  # the current amax first, then the cast
+                aw = tensor_amax(w, fused)
+                scale.copy_(amax_to_scale(aw, fmt.forward_max, recipe.margin))
+                cast_transpose(w, scale, fmt.forward, fused, True, False, *out)
             if index is not None:
                 state.history[index, 1, 0] = torch.maximum(state.history[index, 1, 0], aw)
-            scale = self.entries[f"{name}.fp8_weight_scale"]
-            if index is not None and state.ready:
-                scale.copy_(state.scale[index, 1])
-            else:
-                scale.copy_(amax_to_scale(aw, fmt.forward_max, recipe.margin))
-            wq = self.entries[f"{name}.fp8_weight"]
-            wq.copy_(cast_to_fp8(w, scale, fmt.forward))
-            self.entries[f"{name}.fp8_weight_t"].copy_(wq.t())

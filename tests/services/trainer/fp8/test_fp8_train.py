@@ -293,3 +293,41 @@ def test_checkpoints_load_across_fp8_and_bf16(corpus_cache, tmp_path):
         loss, _ = trainer.train_step(4)
         assert torch.isfinite(loss)
         trainer.release_run_dir()
+
+
+@pytest.mark.slow  # the interpreter runs every cast of 8 steps
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_fused_casts_train_as_the_unfused_casts(recipe, corpus_cache, tmp_path, monkeypatch):
+    """train.fp8_fused_casts on (the Triton cast kernels, run by the CPU interpreter in place of
+    the reference the dispatch picks off CUDA) against off: the same losses, exactly, through
+    the weight cache, delayed scaling's later steps and the backward's casts."""
+    from meshtrain.kernels import dispatch, fp8_cast
+
+    common = dict(
+        LLAMA,
+        **{
+            "train.bf16": True,
+            "train.eval_interval": 0,
+            "train.train_iters": 4,
+            "train.fp8": "hybrid",
+            "train.fp8_recipe": recipe,
+        },
+    )
+    off = train(
+        load_config(
+            small_job_args(
+                corpus_cache, tmp_path / "off", **common, **{"train.fp8_fused_casts": False}
+            )
+        )
+    )
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return fp8_cast.fp8_cast_transpose(*args, **kwargs)
+
+    monkeypatch.setattr(dispatch, "fp8_cast_transpose", counted)
+    monkeypatch.setattr(dispatch, "fp8_amax", fp8_cast.fp8_amax)
+    on = train(load_config(small_job_args(corpus_cache, tmp_path / "on", **common)))
+    assert calls  # the kernels ran
+    assert on.losses == off.losses

@@ -187,3 +187,43 @@ def test_compiled_delayed_layer_matches_eager_and_updates_its_history():
     y.backward(dy.to(torch.bfloat16))
     _close(y, eager)
     torch.testing.assert_close(state.history, recorded)
+
+
+def _fused_and_unfused_steps(recipe: str, fused: bool, kernels: bool, monkeypatch):
+    """Two steps (delayed: the second casts with the history's scale) of one layer with its
+    casts fused or not; `kernels`: the fused casts run the Triton kernels (the CPU interpreter)
+    instead of the reference the dispatch picks off CUDA. Returns everything the steps made."""
+    from meshtrain.kernels import dispatch
+
+    if kernels:
+        from meshtrain.kernels import fp8_cast
+
+        monkeypatch.setattr(dispatch, "fp8_cast_transpose", fp8_cast.fp8_cast_transpose)
+        monkeypatch.setattr(dispatch, "fp8_amax", fp8_cast.fp8_amax)
+    r = Recipe("hybrid", recipe, fused_casts=fused)
+    state = DelayedState(1, 2, torch.device("cpu")) if recipe == "delayed" else None
+    gemm = Fp8Gemm(r, delayed=(state, 0) if state is not None else None)
+    handle = Fp8Model(r, ["layer"], delayed=state)
+    x, w, b, dy = _operands(m=50, k=48, n=80)  # 50 tokens: not a multiple of any tile
+    x.data[0, 0, :3] = torch.tensor([1e4, -0.0, 0.0])  # an outlier sets the amax
+    out = []
+    for step in range(2):
+        xs = (x.detach() * (step + 1)).requires_grad_()
+        y = gemm(xs, w, b)
+        out += [y, *torch.autograd.grad(y, (xs, w, b), dy.to(torch.bfloat16))]
+        if state is not None:
+            out += [state.history.clone()]
+            handle.step_end()
+            out += [state.scale.clone()]
+    return out
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+@pytest.mark.parametrize("kernels", [False, True], ids=["reference", "triton"])
+def test_fused_casts_give_the_unfused_layer_bit_for_bit(recipe, kernels, monkeypatch):
+    """Outputs, the three gradients, the amax history and the scales: equal, not close."""
+    unfused = _fused_and_unfused_steps(recipe, False, False, monkeypatch)
+    fused = _fused_and_unfused_steps(recipe, True, kernels, monkeypatch)
+    assert len(fused) == len(unfused)
+    for a, b in zip(fused, unfused, strict=True):
+        assert torch.equal(a, b)

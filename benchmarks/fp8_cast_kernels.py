@@ -1,0 +1,156 @@
+"""The FP8 cast kernels' achieved bandwidth against a plain copy of the same tensor.
+
+    python benchmarks/fp8_cast_kernels.py --out fp8_cast.json [--no-compile] [--time-budget-s 120]
+    python benchmarks/fp8_cast_kernels.py --device cpu --tiny --out t.json   # the CPU smoke run
+
+For each tensor an FP8 llama-1b layer casts (8,192 tokens: micro-batch 4 × 2,048; the QKV/fc1
+input, the fc2 input, fc1's output gradient and fc1's weight; bf16) this times, with CUDA events
+after warm-up (median of `--iters`), each kernel of `meshtrain.kernels.fp8_cast` through the
+dispatch a layer uses: `amax` (fp8_amax), `cast` (FP8 copy only), `cast_transpose` (FP8 copy and
+its transpose, a given scale), `cast_transpose_amax` (the same plus the amax: delayed scaling's
+one pass), and `tensorwise` (amax, the scale, cast_transpose: current scaling's two kernels).
+Achieved bandwidth is the bytes an ideal kernel moves (the input read once, each output written
+once) over the time; `frac_of_copy` divides it by the bandwidth of `x.clone()` of the same tensor
+timed in the same run (the goal: 0.85 or more). The unfused casts a layer runs with
+train.fp8_fused_casts=false (torch amax, cast, transposing copy) are timed eagerly
+(`unfused_eager`) and under torch.compile (`unfused_compiled`, what a compiled model ran), and
+`speedup_vs_*` is their time over `tensorwise`'s. JSON is written after each tensor, so a run
+cut short keeps what it measured; cases left when `--time-budget-s` is spent are listed as
+skipped. The full FP8 training step, fused against unfused against bf16, is
+benchmarks/train_throughput.py with `--variant` (BENCHMARKS.md, "FP8, one GPU").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+CASES = {  # name: (rows, cols) of the bf16 tensor cast, llama-1b at 8,192 tokens
+    "qkv_fc1_input": (8192, 2048),
+    "fc2_input": (8192, 5632),
+    "fc1_grad_output": (8192, 11264),
+    "fc1_weight": (11264, 2048),
+}
+TINY = {"tiny_input": (48, 40), "tiny_weight": (24, 40)}
+
+
+def _timer(device: str, iters: int, warmup: int):
+    import torch
+
+    def time_ms(fn) -> float:
+        for _ in range(warmup):
+            fn()
+        samples = []
+        for _ in range(iters):
+            if device == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                samples.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                samples.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(samples)
+
+    return time_ms
+
+
+def measure(name: str, shape, device: str, iters: int, warmup: int, use_compile: bool) -> dict:
+    import torch
+
+    from meshtrain.kernels import dispatch
+    from meshtrain.services.trainer.fp8.scaling import amax_to_scale, cast_transpose, tensor_amax
+
+    time_ms = _timer(device, iters, warmup)
+    fmt = torch.float8_e4m3fn
+    x = torch.randn(shape, device=device, dtype=torch.bfloat16)
+    n, e = x.numel(), x.element_size()
+    scale = amax_to_scale(tensor_amax(x, False), 448.0)
+
+    def tensorwise(fused: bool):
+        s = amax_to_scale(tensor_amax(x, fused), 448.0)
+        return cast_transpose(x, s, fmt, fused)
+
+    kernels = {  # name: (call, bytes moved)
+        "copy": (lambda: x.clone(), 2 * n * e),
+        "amax": (lambda: dispatch.fp8_amax(x), n * e),
+        "cast": (lambda: dispatch.fp8_cast_transpose(x, scale, fmt, False), n * e + n),
+        "cast_transpose": (lambda: dispatch.fp8_cast_transpose(x, scale, fmt), n * e + 2 * n),
+        "cast_transpose_amax": (
+            lambda: dispatch.fp8_cast_transpose(x, scale, fmt, True, True),
+            n * e + 2 * n,
+        ),
+        "tensorwise": (lambda: tensorwise(True), 2 * n * e + 2 * n),
+        "unfused_eager": (lambda: tensorwise(False), 2 * n * e + 2 * n),
+    }
+    if use_compile:
+        compiled = torch.compile(lambda: tensorwise(False))
+        kernels["unfused_compiled"] = (compiled, 2 * n * e + 2 * n)
+    row: dict = {"shape": list(shape), "dtype": "bfloat16", "fp8": "e4m3", "kernels": {}}
+    for kernel, (fn, nbytes) in kernels.items():
+        ms = time_ms(fn)
+        row["kernels"][kernel] = {"ms": ms, "bytes": nbytes, "gbps": nbytes / ms / 1e6}
+    copy_gbps = row["kernels"]["copy"]["gbps"]
+    for stats in row["kernels"].values():
+        stats["frac_of_copy"] = stats["gbps"] / copy_gbps
+    fused_ms = row["kernels"]["tensorwise"]["ms"]
+    for other in ("unfused_eager", "unfused_compiled"):
+        if other in row["kernels"]:
+            row[f"speedup_vs_{other}"] = row["kernels"][other]["ms"] / fused_ms
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="JSON file to write")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="two tiny tensors (the CPU smoke run)")
+    parser.add_argument("--iters", type=int, default=20, help="timed calls per kernel")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed calls first")
+    parser.add_argument("--no-compile", action="store_true", help="skip unfused_compiled")
+    parser.add_argument("--time-budget-s", type=float, default=120.0)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here (use --device cpu --tiny)")
+    began = time.perf_counter()
+    report: dict = {
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "goal_frac_of_copy": 0.85,
+        "iters": args.iters,
+        "cases": {},
+        "skipped": [],
+    }
+    cases = TINY if args.tiny else CASES
+    for name, shape in cases.items():
+        if time.perf_counter() - began > args.time_budget_s:
+            report["skipped"].append(name)
+            continue
+        print(f"fp8 casts: {name} {shape} ...", flush=True)
+        row = measure(name, shape, args.device, args.iters, args.warmup, not args.no_compile)
+        report["cases"][name] = row
+        for kernel, stats in row["kernels"].items():
+            print(
+                f"  {kernel:22s} {stats['ms']:8.4f} ms {stats['gbps']:8.1f} GB/s "
+                f"{stats['frac_of_copy']:6.1%} of copy",
+                flush=True,
+            )
+        report["elapsed_s"] = time.perf_counter() - began
+        args.out.write_text(json.dumps(report, indent=2))
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out} ({time.perf_counter() - began:.0f} s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
