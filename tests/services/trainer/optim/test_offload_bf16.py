@@ -153,7 +153,7 @@ def test_checkpoints_hold_the_fp32_masters_and_resume_exactly(corpus_cache, tmp_
         corpus_cache,
         tmp_path / "b",
         **ON,
-        **{"checkpoint.load": root, "checkpoint.load_step": 2, "checkpoint.save": None},
+        **{"checkpoint.load": root, "checkpoint.load_step": 2},
     )
     assert resumed.run().losses == {k: losses[k] for k in (3, 4)}
     # and without offload (fp32 parameters under autocast) from the same fp32 weights
