@@ -166,6 +166,7 @@ class Topology:
         self.failed: Child | None = None  # the first child seen to die on its own
         self._out_lock = threading.Lock()
         self._pumps: list[threading.Thread] = []
+        self._pump_of: dict[str, threading.Thread] = {}  # each child's current log pump
 
     def say(self, line: str) -> None:
         """A line of the launcher's own, prefixed `[up]` (the label)."""
@@ -212,6 +213,7 @@ class Topology:
             )
             pump.start()
             self._pumps.append(pump)
+            self._pump_of[child.name] = pump
         if child not in self.children:
             self.children.append(child)
         self.say(
@@ -311,6 +313,11 @@ class Topology:
                     self.say(f"stopping {c.name} (SIGTERM)")
                     _signal(c.proc, signal.SIGTERM)
             self._wait_out(group, trainer_grace_s)
+            # a group's last lines are logged before the next group is told to stop, so the
+            # log reads in the order things happened
+            for c in group:
+                if (pump := self._pump_of.get(c.name)) is not None:
+                    pump.join(timeout=2)
         for pump in self._pumps:
             pump.join(timeout=2)
         return {c.name: c.proc.returncode for c in self.children}
