@@ -44,9 +44,10 @@ def check_fp8(train: TrainConfig, parallel: ParallelConfig) -> None:
 
 def check_fully_sharded(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> None:
     """What fully sharded data parallelism (parallel.use_torch_fsdp2) composes with so far: plain
-    data parallelism, tensor (and sequence) parallelism, hybrid sharding, activation recompute,
-    pipeline parallelism with the gpipe, 1f1b, none and interleaved schedules, and train.compile
-    (each block compiled, FSDP2's hooks between them). The rest is refused
+    data parallelism, tensor (and sequence) parallelism, hybrid sharding, context parallelism
+    (parameters split over dp_shard x cp), activation recompute, pipeline parallelism with the
+    gpipe, 1f1b, none and interleaved schedules, and train.compile (each block compiled, FSDP2's
+    hooks between them). The rest is refused
     by name rather than run untested.
 
     Raises:
@@ -62,7 +63,6 @@ def check_fully_sharded(model: ModelConfig, parallel: ParallelConfig, train: Tra
             "parallel.pipeline_schedule='zb-h1'",
             "the zero-bubble schedule's deferred weight gradients (use 1f1b, gpipe or interleaved)",
         ),
-        (p.cp > 1, f"parallel.cp={p.cp}", "context parallelism"),
         (p.ep > 1 or model.num_experts is not None, "model.num_experts", "a mixture of experts"),
         (train.fp8 is not None, "train.fp8", "FP8 linears"),
         (train.cuda_graph, "train.cuda_graph", "CUDA graphs"),

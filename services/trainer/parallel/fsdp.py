@@ -14,11 +14,16 @@ and gathers them again for the backward; ZeRO-2 keeps them until the backward is
 runs on the shards (its moments are DTensors of the same split), so parameters, gradients and
 optimizer state each take 1/dp_shard of the bytes per rank (`state_bytes` counts them).
 
+Context parallelism: the cp ranks hold the same parameters, so the model is split over dp_shard
+and cp together (`Mesh.shard_device_mesh`'s flattened "dp_shard_cp" dim, as torchtitan). A cp
+rank's gradient is its share of each sample's (`ContextParallel.loss_share`), so the
+reduce-scatter sums over cp and divides by dp only (FSDP2's gradient divide factor).
+
 Sequence-parallel parameters (norms, row-parallel biases) saw only their sequence shard: their
 sharded gradients are summed over tp after the reduce-scatter (the two sums commute). The
-gradient norm sums squares of the local shards over dp_shard and, for tensor-parallel shards,
-tp. Checkpoints map each DTensor shard to boxes of the global array (`checkpoint_boxes.py`), so
-no rank ever holds the whole model.
+gradient norm sums squares of the local shards over dp_shard x cp and, for tensor-parallel
+shards, tp. Checkpoints map each DTensor shard to boxes of the global array
+(`checkpoint_boxes.py`), so no rank ever holds the whole model.
 
 Under pipeline parallelism the model is this rank's `PipelineStage`: its blocks and then the
 stage (embedding, final norm, output layer, whichever it holds) are sharded over the dp_shard
@@ -56,7 +61,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 class FullyShardedDataParallel:
-    """A GPT fully sharded over the mesh's dp_shard ranks (replicated over dp_replicate).
+    """A GPT fully sharded over the mesh's dp_shard x cp ranks (replicated over dp_replicate).
 
     Drives the same calls as `DataParallel` (`no_sync`, `finish_grad_sync`,
     `grad_norm_and_clip`, `optimizer`, `gather_params`, `zero_grad`), so the loop does not change.
@@ -67,14 +72,12 @@ class FullyShardedDataParallel:
         optim: AdamW settings (the optimizer runs on the shards).
         reshard_after_forward: ZeRO-3 (True) or ZeRO-2 (False).
         reduce_dtype: what the reduce-scatter sends (fp32, or bf16: half the bytes).
-
-    Raises:
         tied_weight: under pipeline parallelism, after sharding: the word embedding this
             rank shares with the other end of the pipeline (`Pipeline.tied_weight`), or None.
 
     Raises:
-        ConfigError: a layout it does not compose with (context or expert parallelism,
-            deferred weight gradients), or a parameter that is not fp32.
+        ConfigError: a layout it does not compose with (expert parallelism, deferred weight
+            gradients), or a parameter that is not fp32.
     """
 
     dist_opt = False  # the ZeRO-1 buffers' checkpoint path is DataParallel's own
@@ -89,12 +92,11 @@ class FullyShardedDataParallel:
         reduce_dtype: torch.dtype = torch.float32,
         tied_weight: Callable[[], nn.Parameter | None] | None = None,
     ):
-        for bad, what in ((mesh.cp > 1, "cp"), (mesh.ep > 1, "ep")):
-            if bad:
-                raise ConfigError(
-                    f"fully sharded data parallelism does not compose with parallel.{what} > 1 "
-                    "yet; use parallel.use_distributed_optimizer (ZeRO-1)"
-                )
+        if mesh.ep > 1:
+            raise ConfigError(
+                "fully sharded data parallelism does not compose with parallel.ep > 1 yet; use "
+                "parallel.use_distributed_optimizer (ZeRO-1)"
+            )
         if optim.optimizer_cpu_offload:
             raise ConfigError(
                 "fully sharded data parallelism does not compose with optim.optimizer_cpu_offload "
@@ -115,14 +117,18 @@ class FullyShardedDataParallel:
                 "fully sharded data parallelism keeps fp32 parameters (bf16 comes from autocast: "
                 f"train.bf16); {odd[0]} is not fp32"
             )
-        assert mesh.device_mesh is not None  # Mesh.build makes it whenever there are ranks
         self.model, self.mesh = model, mesh
         self._sync = True
-        dims = ("dp_replicate", "dp_shard") if mesh.dp_replicate > 1 else ("dp_shard",)
-        self.shard_mesh = mesh.device_mesh[dims]
-        # The gradient norm's sums: each gradient shard lives on one dp_shard rank (and is
+        # Split over dp_shard x cp: the cp ranks hold the same parameters, so they take a share
+        # of the rows each (torchtitan's dp_shard_cp), and the reduce-scatter sums their shares
+        # of each sample's gradient.
+        shard_mesh = mesh.shard_device_mesh
+        assert shard_mesh is not None  # Mesh.build makes it whenever there are ranks
+        dims = ("dp_replicate", "dp_shard_cp") if mesh.dp_replicate > 1 else ("dp_shard_cp",)
+        self.shard_mesh = shard_mesh[dims]
+        # The gradient norm's sums: each gradient shard lives on one dp_shard x cp rank (and is
         # repeated over dp_replicate).
-        self.shard_group = mesh.group("dp_shard")
+        self.shard_group = mesh.group("dp_shard_cp")
         # Parameter attributes (tp_split, sequence_parallel) the DTensor parameters take over.
         marks = {
             n: {k: v for k, v in vars(p).items() if not k.startswith("_")}
@@ -152,6 +158,15 @@ class FullyShardedDataParallel:
                     block.set_modules_to_forward_prefetch([blocks[i + 1]])
                 if i > 0:
                     block.set_modules_to_backward_prefetch([blocks[i - 1]])
+        if mesh.cp > 1:
+            # FSDP2 divides by every rank it reduces over (dp_shard x cp x dp_replicate); the cp
+            # ranks' gradients are shares of one sample's, summed, and the mean is over dp only
+            # (as `DataParallel.mean_over`). Sums on the wire and one division after: gloo has
+            # no pre-multiplied sum.
+            for m in model.modules():
+                if isinstance(m, FSDPModule):
+                    m.set_gradient_divide_factor(float(mesh.dp))
+                    m.set_force_sum_reduction_for_comms(True)
         for n, p in model.named_parameters():
             for key, value in marks[n].items():
                 setattr(p, key, value)
@@ -217,7 +232,7 @@ class FullyShardedDataParallel:
                 off += g.numel()
 
     def grad_norm_and_clip(self, max_norm: float) -> torch.Tensor:
-        """Global L2 norm of the gradients (shards summed over dp_shard, tensor-parallel shards
+        """Global L2 norm of the gradients (shards summed over dp_shard x cp, tensor-parallel shards
         over tp, replicated tensors counted once); clips them if max_norm > 0."""
         # the last stage's copy of a tied embedding is counted once, on the first stage
         grads = [local(p.grad) for p in self.params if p.grad is not None]

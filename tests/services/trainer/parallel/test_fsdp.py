@@ -78,11 +78,29 @@ CASES = {
         {**FSDP, "parallel.tp": 2, "parallel.sequence_parallel": True},
     ),
     "hsdp-2x2": (4, "gpt2", {**FSDP, "parallel.dp_replicate": 2}),
+    # context parallelism: the rows split over dp_shard x cp, the cp shares summed
+    "zero3-cp2": (2, "gpt2", {**FSDP, "parallel.cp": 2}),
+    "zero2-cp2-dp2-a2a": (
+        4,
+        "llama",
+        {
+            "parallel.data_parallel_sharding_strategy": "optim_grads",
+            "parallel.cp": 2,
+            "parallel.cp_comm_type": "a2a",
+        },
+    ),
+    "hsdp-2x1-cp2": (4, "gpt2", {**FSDP, "parallel.cp": 2, "parallel.dp_replicate": 2}),
     # each block compiled, FSDP2's gathers and reduce-scatters between them
     "zero3-dp2-compiled": (2, "gpt2", {**FSDP, "train.compile": True}),
 }
 # 4 ranks on a few cores: ~40 s each; Inductor's CPU code: minutes to compile on 2 cores
-SLOW = {"zero3-tp2-dp2-sp", "hsdp-2x2", "zero3-dp2-compiled"}
+SLOW = {
+    "zero3-tp2-dp2-sp",
+    "hsdp-2x2",
+    "zero3-dp2-compiled",
+    "zero2-cp2-dp2-a2a",
+    "hsdp-2x1-cp2",
+}
 
 
 @pytest.mark.parametrize(
