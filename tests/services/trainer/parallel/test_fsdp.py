@@ -14,9 +14,13 @@ import torch
 from meshtrain.services.checkpoint.reader import load_checkpoint
 from meshtrain.services.trainer.config.load import load_config
 from meshtrain.services.trainer.fp8.linear import Fp8Linear
+from meshtrain.services.trainer.metrics import read_metrics
 from meshtrain.services.trainer.train import Trainer, train
 from tests.dist_utils import run_ranks
 from tests.services.trainer.conftest import small_job_args
+from tests.services.trainer.parallel.test_pipeline import _reference as pipeline_reference
+from tests.services.trainer.test_moe_train import DP as MOE_DP
+from tests.services.trainer.test_moe_train import DP_REF, MOE_ARCH, _moe_case
 
 pytestmark = pytest.mark.dist
 
@@ -167,6 +171,54 @@ def test_fp8_fully_sharded_matches_fp8_data_parallel(recipe, corpus_cache, tmp_p
     assert_same_training(results[0], ref, ddp_tensors)
     worst = max(abs(results[0]["losses"][s] - one[s]) / one[s] for s in one)
     assert worst < 1e-4
+
+
+# Mixtures of experts, through test_moe_train.py's job (aux and z losses, capacity, expert bias,
+# shared expert) and its one-process reference on the whole global micro-batch: the experts a
+# unit of their own inside each block, split over the ranks holding the same experts (edp).
+MOE_CASES = {
+    # ep 1: the experts whole on every rank, sharded with the block as any weight
+    "zero3-dp2-moe": (2, DP_REF, {**MOE_DP, **FSDP}),
+    # ep 2 on 2 ranks: each rank its own experts (edp 1), the dense weights split over dp
+    "zero3-dp2-ep2": (2, DP_REF, {**MOE_DP, **FSDP, "parallel.ep": 2}),
+    # edp 2: the experts' rows split over the two ranks holding them
+    "zero2-dp4-ep2": (
+        4,
+        DP_REF,
+        {
+            "train.global_batch_size": 4,
+            "train.micro_batch_size": 1,
+            "parallel.data_parallel_sharding_strategy": "optim_grads",
+            "parallel.ep": 2,
+        },
+    ),
+    # hybrid: dense weights split over dp_shard {0,1}, {2,3}; experts over edp {0,2}, {1,3}
+    "hsdp-2x2-ep2": (
+        4,
+        DP_REF,
+        {
+            **FSDP,
+            "train.global_batch_size": 4,
+            "train.micro_batch_size": 1,
+            "parallel.dp_replicate": 2,
+            "parallel.ep": 2,
+        },
+    ),
+}
+
+
+@pytest.mark.slow  # MoE jobs of six steps (test_moe_train.py's): ~30 s at 2 ranks, ~60 s at 4
+@pytest.mark.parametrize("case", list(MOE_CASES))
+def test_fully_sharded_experts_match_single_process(case, corpus_cache, tmp_path, tmp_path_factory):
+    """test_moe_train.py's comparison (losses, parameters, moments, router statistics), and the
+    gradient norm: dense shards summed over dp_shard, expert shards over dp (edp x ep)."""
+    _moe_case(MOE_CASES, case, corpus_cache, tmp_path, tmp_path_factory)
+    ref, _ = pipeline_reference(corpus_cache, tmp_path_factory, MOE_ARCH, MOE_CASES[case][1])
+    norms = [
+        [r["grad_norm"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
+        for run in (ref.run_dir, tmp_path / "run")
+    ]
+    assert norms[1] == pytest.approx(norms[0], rel=1e-5)
 
 
 def _resume_args(corpus_cache, run, root, extra):
