@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from meshtrain.services.checkpoint.async_save import AsyncSaver, StorageSink, retry
 from meshtrain.services.checkpoint.boxes import ShardSpec
@@ -255,18 +255,17 @@ class Checkpointer:
         # ranks of a dp x cp group: each ep rank's replica in the first such group (edp rank 0)
         # writes its own. (The last pipeline stage's copy of a tied embedding is the first
         # stage's, written there.)
-        # Fully sharded (DTensor) parameters: each dp_shard rank of the first replica writes its
-        # own rows.
+        # Fully sharded (DTensor) parameters: each rank of the first replica writes its own rows
+        # (the ranks it is split over include cp's, and for experts edp's).
         first_replica = mesh.dp_rank == 0 and mesh.cp_rank == 0
-        first_sharded = mesh.dp_replicate_rank == 0 and mesh.cp_rank == 0
         own = {
             n: p
             for n, p in params.items()
             if not getattr(p, "pipeline_copy", False)
             and (
-                mesh.edp_rank == 0
-                if is_expert(p)
-                else (first_sharded if isinstance(p, DTensor) else first_replica)
+                _first_copy(p)
+                if isinstance(p, DTensor)
+                else (mesh.edp_rank == 0 if is_expert(p) else first_replica)
             )
         }
         tensors = [(n, masters[n] if n in masters else p.detach(), p) for n, p in own.items()]
@@ -518,6 +517,16 @@ class Checkpointer:
         finally:
             if self.service:
                 self.sink.close()
+
+
+def _first_copy(t: DTensor) -> bool:
+    """Whether this rank holds the first copy of its rows of fully sharded `t`: index 0 along
+    every dim of its device mesh that replicates it (hybrid sharding's dp_replicate)."""
+    return all(
+        t.device_mesh.get_local_rank(d) == 0
+        for d, p in enumerate(t.placements)
+        if isinstance(p, Replicate)
+    )
 
 
 def _rng_boxes(mesh: Mesh) -> list[tuple[ShardSpec, torch.Tensor]]:

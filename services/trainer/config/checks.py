@@ -44,9 +44,12 @@ def check_fp8(train: TrainConfig, parallel: ParallelConfig) -> None:
 
 def check_fully_sharded(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> None:
     """What fully sharded data parallelism (parallel.use_torch_fsdp2) composes with so far: plain
-    data parallelism, tensor (and sequence) parallelism, hybrid sharding, activation recompute,
-    pipeline parallelism with the gpipe, 1f1b, none and interleaved schedules, and train.compile
-    (each block compiled, FSDP2's hooks between them). The rest is refused
+    data parallelism, tensor (and sequence) parallelism, hybrid sharding, context parallelism
+    (parameters split over dp_shard x cp), mixtures of experts with or without expert
+    parallelism (each block's experts split over the ranks holding them), FP8 linears (weights
+    gathered in fp32, cast in each layer's forward), activation recompute, pipeline parallelism
+    with the gpipe, 1f1b, none and interleaved schedules, and train.compile (each block
+    compiled, FSDP2's hooks between them). The rest is refused
     by name rather than run untested.
 
     Raises:
@@ -62,9 +65,6 @@ def check_fully_sharded(model: ModelConfig, parallel: ParallelConfig, train: Tra
             "parallel.pipeline_schedule='zb-h1'",
             "the zero-bubble schedule's deferred weight gradients (use 1f1b, gpipe or interleaved)",
         ),
-        (p.cp > 1, f"parallel.cp={p.cp}", "context parallelism"),
-        (p.ep > 1 or model.num_experts is not None, "model.num_experts", "a mixture of experts"),
-        (train.fp8 is not None, "train.fp8", "FP8 linears"),
         (train.cuda_graph, "train.cuda_graph", "CUDA graphs"),
         (p.tp_comm_overlap, "parallel.tp_comm_overlap", "the fused tensor-parallel GEMMs"),
         (bool(train.bf16_weight_copies), "train.bf16_weight_copies", "bf16 weight copies"),

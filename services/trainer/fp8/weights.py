@@ -9,7 +9,10 @@ column-major operand of the input-gradient GEMM) and its scale. The trainer hand
 model with the copies (`entries`, names `<layer>.fp8_weight*`, which `functional_call` puts in
 place of the layers' empty buffers); anything that runs the model without them (evaluation,
 activation recompute's second forward, a multi-process run) casts in the layer as before, to the
-same values: the cast is of the same bf16 weight with the same scale. Delayed scaling records
+same values: the cast is of the same bf16 weight with the same scale. Fully sharded parameters
+(FSDP2) get no cache: each layer casts the weight FSDP2 has just gathered (in fp32) in its
+forward, so the cast follows every optimizer step by construction, and a cache would hold every
+layer's whole FP8 weight for the step, past each reshard. Delayed scaling records
 the weight's amax here, once per step instead of once per micro-batch (the max is the same).
 Rowwise scaling has no per-tensor weight cast to keep, and is left out.
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from meshtrain.services.trainer.fp8.convert import Fp8Model
 from meshtrain.services.trainer.fp8.linear import Fp8Linear
@@ -50,8 +54,11 @@ class Fp8WeightCache:
 
     @staticmethod
     def for_run(model: nn.Module, fp8: Fp8Model | None) -> "Fp8WeightCache | None":
-        """A cache where one applies: FP8 layers with one scale per tensor."""
+        """A cache where one applies: FP8 layers with one scale per tensor, whose weights are
+        whole tensors (not FSDP2's shards: see the module doc)."""
         if fp8 is None or fp8.recipe.recipe == "rowwise":
+            return None
+        if any(isinstance(p, DTensor) for p in model.parameters()):
             return None
         cache = Fp8WeightCache(model, fp8)
         return cache if cache._layers else None

@@ -14,11 +14,23 @@ and gathers them again for the backward; ZeRO-2 keeps them until the backward is
 runs on the shards (its moments are DTensors of the same split), so parameters, gradients and
 optimizer state each take 1/dp_shard of the bytes per rank (`state_bytes` counts them).
 
+Context parallelism: the cp ranks hold the same parameters, so the model is split over dp_shard
+and cp together (`Mesh.shard_device_mesh`'s flattened "dp_shard_cp" dim, as torchtitan). A cp
+rank's gradient is its share of each sample's (`ContextParallel.loss_share`), so the
+reduce-scatter sums over cp and divides by dp only (FSDP2's gradient divide factor).
+
+Mixtures of experts: with ep > 1 each MoE block's experts (this ep rank's) are a unit of their
+own inside the block's, split over the ranks holding the same experts ("edp" of
+`Mesh.expert_device_mesh`); their gradients are summed over edp and divided by dp, as
+`DataParallel` does (an ep rank's expert gradient already sums its ep group's tokens). The
+routers' expert biases, moved by their own rule after each step, stay whole (ignored by FSDP2).
+
 Sequence-parallel parameters (norms, row-parallel biases) saw only their sequence shard: their
 sharded gradients are summed over tp after the reduce-scatter (the two sums commute). The
-gradient norm sums squares of the local shards over dp_shard and, for tensor-parallel shards,
-tp. Checkpoints map each DTensor shard to boxes of the global array (`checkpoint_boxes.py`), so
-no rank ever holds the whole model.
+gradient norm sums squares of the local shards over dp_shard x cp (expert shards over dp x cp:
+edp x ep holds each expert's rows once) and, for tensor-parallel shards, tp. Checkpoints map
+each DTensor shard to boxes of the global array (`checkpoint_boxes.py`), so no rank ever holds
+the whole model.
 
 Under pipeline parallelism the model is this rank's `PipelineStage`: its blocks and then the
 stage (embedding, final norm, output layer, whichever it holds) are sharded over the dp_shard
@@ -44,6 +56,7 @@ from torch.distributed.tensor import DTensor
 
 from meshtrain.services.common.errors import ConfigError
 from meshtrain.services.trainer.config.sections import OptimConfig
+from meshtrain.services.trainer.model.moe import moe_layers
 from meshtrain.services.trainer.optim.optimizer import build_optimizer
 from meshtrain.services.trainer.parallel import mappings as M
 from meshtrain.services.trainer.parallel.mesh import Mesh
@@ -56,7 +69,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 class FullyShardedDataParallel:
-    """A GPT fully sharded over the mesh's dp_shard ranks (replicated over dp_replicate).
+    """A GPT fully sharded over the mesh's dp_shard x cp ranks (replicated over dp_replicate).
 
     Drives the same calls as `DataParallel` (`no_sync`, `finish_grad_sync`,
     `grad_norm_and_clip`, `optimizer`, `gather_params`, `zero_grad`), so the loop does not change.
@@ -67,14 +80,12 @@ class FullyShardedDataParallel:
         optim: AdamW settings (the optimizer runs on the shards).
         reshard_after_forward: ZeRO-3 (True) or ZeRO-2 (False).
         reduce_dtype: what the reduce-scatter sends (fp32, or bf16: half the bytes).
-
-    Raises:
         tied_weight: under pipeline parallelism, after sharding: the word embedding this
             rank shares with the other end of the pipeline (`Pipeline.tied_weight`), or None.
 
     Raises:
-        ConfigError: a layout it does not compose with (context or expert parallelism,
-            deferred weight gradients), or a parameter that is not fp32.
+        ConfigError: a layout it does not compose with (deferred weight gradients, optimizer
+            offload), or a parameter that is not fp32.
     """
 
     dist_opt = False  # the ZeRO-1 buffers' checkpoint path is DataParallel's own
@@ -89,12 +100,6 @@ class FullyShardedDataParallel:
         reduce_dtype: torch.dtype = torch.float32,
         tied_weight: Callable[[], nn.Parameter | None] | None = None,
     ):
-        for bad, what in ((mesh.cp > 1, "cp"), (mesh.ep > 1, "ep")):
-            if bad:
-                raise ConfigError(
-                    f"fully sharded data parallelism does not compose with parallel.{what} > 1 "
-                    "yet; use parallel.use_distributed_optimizer (ZeRO-1)"
-                )
         if optim.optimizer_cpu_offload:
             raise ConfigError(
                 "fully sharded data parallelism does not compose with optim.optimizer_cpu_offload "
@@ -115,20 +120,44 @@ class FullyShardedDataParallel:
                 "fully sharded data parallelism keeps fp32 parameters (bf16 comes from autocast: "
                 f"train.bf16); {odd[0]} is not fp32"
             )
-        assert mesh.device_mesh is not None  # Mesh.build makes it whenever there are ranks
         self.model, self.mesh = model, mesh
         self._sync = True
-        dims = ("dp_replicate", "dp_shard") if mesh.dp_replicate > 1 else ("dp_shard",)
-        self.shard_mesh = mesh.device_mesh[dims]
-        # The gradient norm's sums: each gradient shard lives on one dp_shard rank (and is
+        # Split over dp_shard x cp: the cp ranks hold the same parameters, so they take a share
+        # of the rows each (torchtitan's dp_shard_cp), and the reduce-scatter sums their shares
+        # of each sample's gradient.
+        shard_mesh = mesh.shard_device_mesh
+        assert shard_mesh is not None  # Mesh.build makes it whenever there are ranks
+        dims = ("dp_replicate", "dp_shard_cp") if mesh.dp_replicate > 1 else ("dp_shard_cp",)
+        self.shard_mesh = shard_mesh[dims]
+        # The gradient norm's sums: each gradient shard lives on one dp_shard x cp rank (and is
         # repeated over dp_replicate).
-        self.shard_group = mesh.group("dp_shard")
+        self.shard_group = mesh.group("dp_shard_cp")
         # Parameter attributes (tp_split, sequence_parallel) the DTensor parameters take over.
         marks = {
             n: {k: v for k, v in vars(p).items() if not k.startswith("_")}
             for n, p in model.named_parameters()
         }
         policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
+        # The routers' expert biases move by their own rule after each step, the same on every
+        # rank (`MoE.update_expert_bias`): left whole and out of FSDP2's hands.
+        ignored = {
+            m.router.expert_bias for _, m in moe_layers(model) if m.router.expert_bias is not None
+        }
+        # Expert parallelism: a block's experts (this ep rank's) are a unit of their own, split
+        # over the ranks holding the same experts (edp), inside the block's unit.
+        self.expert_units: list[FSDPModule] = []
+        if mesh.ep > 1:
+            expert_mesh = mesh.expert_device_mesh
+            assert expert_mesh is not None  # Mesh.build makes it with ep > 1
+            for _, moe in moe_layers(model):
+                self.expert_units.append(
+                    fully_shard(
+                        moe.experts,
+                        mesh=expert_mesh["edp"],
+                        reshard_after_forward=reshard_after_forward,
+                        mp_policy=policy,
+                    )
+                )
         chunks = [
             [
                 fully_shard(
@@ -136,6 +165,7 @@ class FullyShardedDataParallel:
                     mesh=self.shard_mesh,
                     reshard_after_forward=reshard_after_forward,
                     mp_policy=policy,
+                    ignored_params=ignored,
                 )
                 for block in chunk
             ]
@@ -143,7 +173,13 @@ class FullyShardedDataParallel:
         ]
         # The root keeps its parameters (embedding, final norm, output layer) gathered from the
         # end of the forward to the backward, which starts with them.
-        fully_shard(model, mesh=self.shard_mesh, reshard_after_forward=False, mp_policy=policy)
+        fully_shard(
+            model,
+            mesh=self.shard_mesh,
+            reshard_after_forward=False,
+            mp_policy=policy,
+            ignored_params=ignored,
+        )
         # Explicit prefetch: the next block in each direction, within a model chunk (what runs
         # after a chunk's last block is up to the pipeline schedule).
         for blocks in chunks:
@@ -152,10 +188,28 @@ class FullyShardedDataParallel:
                     block.set_modules_to_forward_prefetch([blocks[i + 1]])
                 if i > 0:
                     block.set_modules_to_backward_prefetch([blocks[i - 1]])
+        # FSDP2 divides by every rank it reduces over: dp_shard x cp x dp_replicate for the
+        # dense units, edp = dp x cp / ep for the experts'. The mean is over dp only (as
+        # `DataParallel.mean_over`): cp ranks' gradients are shares of one sample's, and an ep
+        # rank's expert gradient already sums its ep group's tokens (the all-to-all's backward).
+        # Sums on the wire and one division after (gloo has no pre-multiplied sum), except over
+        # a group of one (ep = dp x cp), which FSDP2 does not reduce but divides itself; the
+        # forced sum would divide a second time.
+        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        for m in units if mesh.cp > 1 else self.expert_units:
+            m.set_gradient_divide_factor(float(mesh.dp))
+            alone = m in self.expert_units and mesh.size("edp") == 1
+            m.set_force_sum_reduction_for_comms(not alone)
         for n, p in model.named_parameters():
             for key, value in marks[n].items():
                 setattr(p, key, value)
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.experts = {
+            id(p)
+            for unit in self.expert_units
+            for p in unit.parameters()  # type: ignore[attr-defined]
+            if p.requires_grad
+        }
         # the shared word embedding, when both ends of the pipeline hold it
         self.tied = (
             tied_weight() if tied_weight is not None and mesh.group("pp_ends") is not None else None
@@ -217,26 +271,34 @@ class FullyShardedDataParallel:
                 off += g.numel()
 
     def grad_norm_and_clip(self, max_norm: float) -> torch.Tensor:
-        """Global L2 norm of the gradients (shards summed over dp_shard, tensor-parallel shards
-        over tp, replicated tensors counted once); clips them if max_norm > 0."""
-        # the last stage's copy of a tied embedding is counted once, on the first stage
+        """Global L2 norm of the gradients (shards summed over dp_shard x cp, expert shards over
+        dp x cp (edp x ep: each expert's rows once), tensor-parallel shards over tp, replicated
+        tensors counted once); clips them if max_norm > 0."""
         grads = [local(p.grad) for p in self.params if p.grad is not None]
+        # the last stage's copy of a tied embedding is counted once, on the first stage
         items = [
-            (local(p.grad), tp_split_of(p) is not None)
+            (local(p.grad), tp_split_of(p) is not None, id(p) in self.experts)
             for p in self.params
             if p.grad is not None and not getattr(p, "pipeline_copy", False)
         ]
         device = grads[0].device
+        # [tp-sharded, tp-replicated] x [dense, expert] sums of squares
         sq = torch.stack(
             [
                 torch.stack(torch._foreach_norm(gs)).square().sum()
                 if gs
                 else torch.zeros((), device=device)
-                for gs in ([g for g, s in items if s == sharded] for sharded in (True, False))
+                for gs in (
+                    [g for g, sh, ex in items if sh == sharded and ex == expert]
+                    for expert in (False, True)
+                    for sharded in (True, False)
+                )
             ]
         )
-        sq = M.all_reduce(sq, self.shard_group)
-        total = M.all_reduce(sq[0].view(1), self.mesh.group("tp"))[0] + sq[1]
+        dense = M.all_reduce(sq[:2].clone(), self.shard_group)
+        experts = M.all_reduce(sq[2:].clone(), self.mesh.group("dp_cp")) if self.experts else sq[2:]
+        tp_sharded = M.all_reduce((dense[0] + experts[0]).view(1), self.mesh.group("tp"))[0]
+        total = tp_sharded + dense[1] + experts[1]
         if self.mesh.pp > 1:  # every stage's share
             total = M.all_reduce(total, self.mesh.group("pp"))
         norm = total.sqrt()

@@ -19,7 +19,9 @@ cp, tp, slowest first), so torch-native pieces (FSDP2's `fully_shard`, DTensor) 
 dp splits as dp = dp_replicate x dp_shard with dp_shard fastest (dp_rank = dp_shard_rank +
 dp_shard x dp_replicate_rank); only fully sharded data parallelism tells the two apart. ep is no
 dim of that mesh (it folds out of dp x cp): `Mesh.expert_device_mesh` (dims pp, edp, ep, tp) is
-the same ranks seen by the experts.
+the same ranks seen by the experts. Fully sharded parameters are split over dp_shard and cp
+together (cp ranks hold the same parameters): `Mesh.shard_device_mesh` (dims pp, dp_replicate,
+dp_shard_cp, tp) flattens the two adjacent dims into one, group "dp_shard_cp".
 
     init_process_group()                       # under torchrun / srun: reads RANK, WORLD_SIZE, ...
     mesh = Mesh.build(tp=2)                    # dp = world / tp
@@ -142,6 +144,21 @@ class Mesh:
         return self._device_meshes["dense"]
 
     @property
+    def shard_device_mesh(self) -> DeviceMesh | None:
+        """The DeviceMesh (dims pp, dp_replicate, dp_shard_cp, tp) fully sharded parameters are
+        split over: dp_shard and cp flattened (cp fastest), as torchtitan shards under context
+        parallelism; the same ranks as `device_mesh`. None alone."""
+        if not self.distributed:
+            return None
+        if "shard" not in self._device_meshes:
+            layout = torch.arange(self.world_size).view(
+                self.pp, self.dp_replicate, self.dp_shard * self.cp, self.tp
+            )
+            dims = ("pp", "dp_replicate", "dp_shard_cp", "tp")
+            self._device_meshes["shard"] = self._device_mesh(dims, layout)
+        return self._device_meshes["shard"]
+
+    @property
     def expert_device_mesh(self) -> DeviceMesh | None:
         """With ep > 1, the DeviceMesh (dims pp, edp, ep, tp) of the expert groups; else None."""
         if self.ep == 1:
@@ -219,7 +236,7 @@ class Mesh:
                 for name in (
                     *AXES,
                     *("dp_cp", "mp", "world", "cp_a2a", "cp_ring", "ep", "edp"),
-                    *("dp_shard", "dp_replicate"),
+                    *("dp_shard", "dp_replicate", "dp_shard_cp"),
                 )
             }
         )
@@ -301,7 +318,8 @@ class Mesh:
 
     def _build_dp_subgroups(self, timeout_s: float) -> None:
         """The "dp_shard" and "dp_replicate" groups (one of them is the dp group whenever the
-        other is of size 1). Collective."""
+        other is of size 1), and "dp_shard_cp" (the dp_shard x cp ranks of one replica: dp_shard
+        without cp, dp_cp without replicas). Collective."""
         shard_members = [
             [m[r * self.dp_shard + i] for i in range(self.dp_shard)]
             for m in self._members(("dp",))
@@ -323,6 +341,20 @@ class Mesh:
                 g = dist.new_group(m, timeout=datetime.timedelta(seconds=timeout_s))
                 if self.rank in m:
                     self.groups[name], self.ranks[name] = g, m
+        if self.cp == 1 or self.dp_replicate == 1:
+            whole = "dp_shard" if self.cp == 1 else "dp_cp"
+            self.groups["dp_shard_cp"], self.ranks["dp_shard_cp"] = (
+                self.groups[whole],
+                self.ranks[whole],
+            )
+            return
+        n = self.dp_shard * self.cp  # a dp x cp group (cp fastest) is dp_replicate runs of n
+        for m in self._members(("cp", "dp")):
+            for r in range(self.dp_replicate):
+                run = m[r * n : (r + 1) * n]
+                g = dist.new_group(run, timeout=datetime.timedelta(seconds=timeout_s))
+                if self.rank in run:
+                    self.groups["dp_shard_cp"], self.ranks["dp_shard_cp"] = g, run
 
     def _build_cp_subgroups(self, a2a: int, timeout_s: float) -> None:
         """ "cp_a2a" (consecutive cp ranks) and "cp_ring" (every a2a-th): the whole cp group or

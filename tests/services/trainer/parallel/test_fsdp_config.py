@@ -69,8 +69,6 @@ def test_contradictions_are_refused(kwargs, match):
             ["--pipeline-model-parallel-size", "2", "--parallel.pipeline_schedule=zb-h1"],
             "parallel.pipeline_schedule='zb-h1'",
         ),
-        (["--context-parallel-size", "2"], "parallel.cp=2"),
-        (["--num-experts", "4"], "model.num_experts"),
         (["--train.cuda_graph=true"], "train.cuda_graph"),
     ],
 )
@@ -90,6 +88,24 @@ def test_pipeline_schedules_compose(schedule):
         ]
     )
     assert job.parallel.fully_sharded and job.parallel.pp == 2
+
+
+def test_context_parallel_composes():
+    p = load_config(["--use-torch-fsdp2", "--context-parallel-size", "2"]).parallel
+    assert p.fully_sharded and p.cp == 2
+
+
+@pytest.mark.parametrize(
+    "args", [["--num-experts", "4"], ["--num-experts", "4", "--expert-model-parallel-size", "2"]]
+)
+def test_experts_compose(args):
+    job = load_config(["--use-torch-fsdp2", *args])
+    assert job.parallel.fully_sharded and job.model.num_experts == 4
+
+
+def test_fp8_composes():
+    job = load_config(["--use-torch-fsdp2", "--fp8-format", "hybrid", "--bf16"])
+    assert job.parallel.fully_sharded and job.train.fp8 == "hybrid"
 
 
 def test_tensor_parallel_composes():
