@@ -16,6 +16,8 @@ STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 TEST_STAMP := $(VENV)/.installed-$(TORCH_VERSION)-test
 PIP_C := $(if $(CONSTRAINTS),-c "$(CONSTRAINTS)")
 PYTEST := $(BIN)/python -m pytest
+# `make test-fast` spreads its tests over this many pytest-xdist workers (`auto`: one a core).
+TEST_WORKERS ?= auto
 
 .PHONY: install install-test lock run lint test test-fast test-slow test-gpu coverage protos system-deps clean
 
@@ -74,7 +76,7 @@ test: $(TEST_STAMP) lint
 
 # Seconds: no multi-process, end-to-end or slow tests (after `lint`).
 test-fast: $(TEST_STAMP) lint
-	$(PYTEST) -m "not slow and not gpu and not dist and not e2e" -q
+	$(PYTEST) -n $(TEST_WORKERS) -m "not slow and not gpu and not dist and not e2e" -q
 
 test-slow: $(TEST_STAMP)
 	$(PYTEST) -m "slow" -q
