@@ -93,9 +93,19 @@ def train_reward_model(folder: Path, template: Path, iters: int) -> tuple[Path, 
         "checkpoint.save": str(root),
     }
     result = train(load_config(reward_args(folder, pairs, valid, **extra)))
-    return root, [r for r in metric_rows(result.run_dir) if "eval_accuracy" in r][-1][
-        "eval_accuracy"
-    ]
+    evals = [r["eval_accuracy"] for r in metric_rows(result.run_dir) if "eval_accuracy" in r]
+    return root, evals[-1]
+
+
+@dataclass
+class Task:
+    """The trained pieces a GRPO run starts from."""
+
+    template: Path
+    prompts: Path
+    reward_model: Path
+    accuracy: float  # the reward model's on held-out pairs
+    policy: Path  # the SFT checkpoint
 
 
 class Run:
@@ -160,18 +170,9 @@ def grpo(folder: Path, task: Task, iters: int, weight: float, monkeypatch) -> Ru
     return Run([r["rewards/reward_model/mean"] for r in rows], answers)
 
 
-@dataclass
-class Task:
-    template: Path
-    prompts: Path
-    reward_model: Path
-    accuracy: float  # the reward model's on held-out pairs
-    policy: Path  # the SFT checkpoint
-
-
 @pytest.fixture(scope="module")
 def task(tmp_path_factory) -> Task:
-    """The reward model and the SFT policy, trained once for the module's tests."""
+    """The reward model and the SFT policy, trained once for the module."""
     folder = tmp_path_factory.mktemp("task")
     template = write_template(folder)
     prompts = folder / "prompts.jsonl"
@@ -209,8 +210,9 @@ def test_grpo_raises_a_reward_models_score_and_its_behaviour(task, tmp_path, mon
     first_a, last_a = _first_last(up.shares(), 3, 5)
     flipped_first_a, flipped_last_a = _first_last(down.shares(), 3, 5)
     print(  # the numbers docs/grpo.md quotes (pytest -s shows them)
-        f"score {first:.2f} -> {last:.2f} (flipped {flipped_last:.2f}), share of 'a' "
-        f"{first_a:.2f} -> {last_a:.2f} (flipped {flipped_last_a:.2f})"
+        f"reward model accuracy {task.accuracy:.3f}; score {first:.2f} -> {last:.2f} "
+        f"(flipped {flipped_last:.2f}), share of 'a' {first_a:.2f} -> {last_a:.2f} "
+        f"(flipped {flipped_last_a:.2f})"
     )
     # step-to-step noise: the spread of the last steps' means about their mean
     noise = max(statistics.pstdev(up.scores[-5:]), statistics.pstdev(down.scores[-5:]))
@@ -219,20 +221,3 @@ def test_grpo_raises_a_reward_models_score_and_its_behaviour(task, tmp_path, mon
     # the SFT policy's few 'a's already score near the reward model's floor: less room down
     assert flipped_last < flipped_first - max(0.3, 5 * noise), seen
     assert flipped_last_a < flipped_first_a - 0.1, seen
-
-
-@pytest.mark.e2e
-def test_a_few_grpo_steps_move_a_reward_models_score_its_way(task, tmp_path, monkeypatch):
-    """The direction only: six steps each way, the last two against the first two."""
-    assert task.accuracy > 0.9, task.accuracy
-    up = grpo(tmp_path / "up", task, 6, 1.0, monkeypatch)
-    down = grpo(tmp_path / "down", task, 6, -1.0, monkeypatch)
-    seen = (up.scores, down.scores, up.shares(), down.shares())
-    first, last = _first_last(up.scores, 2, 2)
-    assert last > first + 0.3, seen
-    first, last = _first_last(down.scores, 2, 2)
-    assert last < first - 0.3, seen
-    first, last = _first_last(up.shares(), 2, 2)
-    assert last > first + 0.08, seen
-    first, last = _first_last(down.shares(), 2, 2)
-    assert last < first - 0.04, seen
