@@ -27,47 +27,31 @@ from pathlib import Path
 import pytest
 
 from meshtrain.services.dataloader.chat import load_chat_template
-from meshtrain.services.dataloader.sft_data import preprocess_chat
 from meshtrain.services.dataloader.tokenizers.base import build_tokenizer
 from meshtrain.services.trainer.config.load import load_config
 from meshtrain.services.trainer.objectives import grpo_steps
 from meshtrain.services.trainer.objectives.rewards import exact_answer
 from meshtrain.services.trainer.train import train
+from tests.services.trainer.objectives.chat_task import (
+    MODEL,
+    cli_args,
+    mean,
+    metric_rows,
+    train_sft,
+    write_template,
+)
 
 ROOT = Path(__file__).resolve().parents[4]
-TEMPLATE = (
-    "{% for m in messages %}"
-    "{% if m['role'] == 'user' %}{{ 'Q: ' + m['content'] + '\\n' }}"
-    "{% else %}{{ 'A: ' + m['content'] + '\\n' }}{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ 'A: ' }}{% endif %}"
-)
 PAIRS = [(a, b) for a in range(10) for b in range(10) if a + b < 10]
-MODEL = {
-    "model.num_layers": 2,
-    "model.hidden_size": 64,
-    "model.num_attention_heads": 4,
-    "model.seq_length": 32,
-    "data.tokenizer": "byte",
-    "train.device": "cpu",
-    "train.eval_interval": 0,
-    "optim.lr_warmup_iters": 0,
-    "log.plot": False,
-}
 SFT_ITERS = 90
 GRPO_ITERS = 30
 GRPO_BATCH, GROUP, GRPO_LR = 128, 16, 1e-3
 LAST = 10  # the steps the learned reward is averaged over
 
 
-def _args(**settings) -> list[str]:
-    return [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in settings.items()]
-
-
 def _write_task(folder: Path) -> tuple[Path, Path, Path]:
     """The chat template, the SFT chats (400 random sums) and the GRPO prompts (every sum)."""
-    template = folder / "qa.jinja"
-    template.write_text(TEMPLATE)
+    template = write_template(folder)
     rng = random.Random(0)
     chats = folder / "chats.jsonl"
     with open(chats, "w") as f:
@@ -82,31 +66,6 @@ def _write_task(folder: Path) -> tuple[Path, Path, Path]:
             asked = [{"role": "user", "content": f"{a}+{b}="}]
             f.write(json.dumps({"messages": asked, "answer": str(a + b)}) + "\n")
     return template, chats, prompts
-
-
-def _sft(folder: Path, chats: Path, template: Path) -> Path:
-    """The SFT checkpoint of a short run on the chats (its last step)."""
-    data = folder / "data" / "sums"
-    stats = preprocess_chat([chats], data, build_tokenizer("byte"), str(template), max_tokens=33)
-    assert stats.conversations == 400 and not stats.dropped
-    ckpt = folder / "sft"
-    settings = {
-        **MODEL,
-        "data.format": "sft",
-        "data.data_path": json.dumps([str(data)]),
-        "train.micro_batch_size": 32,
-        "train.global_batch_size": 32,
-        "train.train_iters": SFT_ITERS,
-        "train.seed": 1,
-        "optim.lr": 3e-3,
-        "optim.min_lr": 3e-3,
-        "log.run_dir": str(folder / "sft-run"),
-        "log.log_interval": 10,
-        "checkpoint.save": str(ckpt),
-        "checkpoint.save_interval": SFT_ITERS,
-    }
-    train(load_config(_args(**settings)))
-    return ckpt
 
 
 class Worker:
@@ -208,20 +167,15 @@ def _grpo(folder: Path, ckpt: Path, prompts: Path, template: Path, worker: Worke
         "grpo.rollout_addresses": json.dumps([worker.address]),
         "grpo.max_staleness": 0,
     }
-    result = train(load_config(_args(**settings)))
-    rows = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["reward"] for r in rows if "reward" in r]
-
-
-def _mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs)
+    result = train(load_config(cli_args(**settings)))
+    return [r["reward"] for r in metric_rows(result.run_dir) if "reward" in r]
 
 
 @pytest.mark.e2e
 @pytest.mark.slow  # SFT, two GRPO runs and two worker processes: about a minute on 2 cores
 def test_grpo_from_an_sft_checkpoint_raises_the_exact_match_reward(tmp_path, monkeypatch):
     template, chats, prompts = _write_task(tmp_path)
-    ckpt = _sft(tmp_path, chats, template)
+    ckpt = train_sft(tmp_path, chats, template, SFT_ITERS)
     runs = {name: tmp_path / name for name in ("grpo", "flipped")}
     # one worker per run (a run numbers its versions from 0); both start up together
     workers = {name: Worker(ckpt, folder / "ckpt") for name, folder in runs.items()}
@@ -241,5 +195,5 @@ def test_grpo_from_an_sft_checkpoint_raises_the_exact_match_reward(tmp_path, mon
     assert flipped[0] == rewards[0]  # the same SFT policy, seed and prompts: the same samples
     assert 0.15 < sft < 0.6, seen  # SFT taught the format, not every sum
     assert learned > sft + 0.06, (seen, rewards)
-    assert _mean(rewards[-LAST:]) > sft + 0.06, (seen, rewards)  # the run's samples agree
+    assert mean(rewards[-LAST:]) > sft + 0.06, (seen, rewards)  # the run's samples agree
     assert unlearned < sft - 0.1, (seen, flipped)

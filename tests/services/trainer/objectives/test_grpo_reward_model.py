@@ -1,8 +1,7 @@
 """A reward model as GRPO's reward (grpo.reward_model): the scorer loads what the reward run
 saved and scores as its model does; GRPO adds those scores to the rewards; a
-checkpoint without a scalar head, or with another tokenizer, is refused. (That GRPO raises a
-reward model's score is not tested here: the tiny digit-preferring model scores the addition
-prompts' completions nearly alike, so a few CPU steps show no trend.)"""
+checkpoint without a scalar head, or with another tokenizer, is refused. That GRPO raises a
+reward model's score, and the behaviour it encodes, is test_grpo_learns_a_reward_model.py's."""
 
 from __future__ import annotations
 
