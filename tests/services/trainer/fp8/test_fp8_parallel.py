@@ -124,7 +124,8 @@ CASES = {
         5e-4,
     ),
 }
-SLOW = {"tp2-sp-cp2-delayed"}  # 4 ranks on a few cores
+# the cp cases ~27 s each (test_an_fp8_layer_on_half_the_tokens... is the quick guard); 4 ranks
+SLOW = {"cp2-tensorwise", "cp2-delayed", "cp2-a2a-rowwise", "tp2-sp-cp2-delayed"}
 
 
 @pytest.mark.parametrize(
@@ -225,7 +226,7 @@ def _rank_step_scales(rank, world, args):
 @pytest.mark.parametrize(
     "layout",
     [
-        {"parallel.cp": 2},
+        pytest.param({"parallel.cp": 2}, marks=pytest.mark.slow),  # ~28 s
         pytest.param(
             {"parallel.cp": 2, "parallel.tp": 2, "parallel.sequence_parallel": True},
             marks=pytest.mark.slow,
