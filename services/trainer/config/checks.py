@@ -46,8 +46,9 @@ def check_fully_sharded(model: ModelConfig, parallel: ParallelConfig, train: Tra
     """What fully sharded data parallelism (parallel.use_torch_fsdp2) composes with so far: plain
     data parallelism, tensor (and sequence) parallelism, hybrid sharding, context parallelism
     (parameters split over dp_shard x cp), mixtures of experts with or without expert
-    parallelism (each block's experts split over the ranks holding them), FP8 linears (weights
-    gathered in fp32, cast in each layer's forward), activation recompute, pipeline parallelism
+    parallelism (each block's experts split over the ranks holding them; under pp and cp too),
+    FP8 linears (weights gathered in fp32, cast in each layer's forward; under cp too),
+    activation recompute, pipeline parallelism
     with the gpipe, 1f1b, none and interleaved schedules, and train.compile (each block
     compiled, FSDP2's hooks between them). The rest is refused
     by name rather than run untested.

@@ -10,10 +10,19 @@ the state dict do not change, so checkpoints of FP8 and bf16 runs load into each
 
 Delayed scaling keeps one stacked state for the model (`DelayedState`); `Fp8Model.step_end()`,
 called once per optimizer step after the backward, reduces the step's amaxes to their max over
-the ranks holding the same layers (tensor and data/context parallel peers, so every replica
-casts alike), turns the histories into the next step's scales and starts a new history entry.
-The history is not checkpointed: a resumed run rebuilds it, its first step scaling by the
-current amax as a new run's does.
+the ranks holding the same layers (tensor and data/context parallel peers), turns the histories
+into the next step's scales and starts a new history entry. The reduction over dp makes each
+entry the max over all of the step's micro-batches, as one process's history is, whatever the
+number of replicas, and keeps every replica casting alike. The history is not checkpointed (a
+resumed run rebuilds it, its first step scaling by the current amax as a new run's does), so
+checkpoints stay free of the layout; a resumed run's scales follow the uninterrupted run's
+again once the history is full.
+
+Amax groups (`Groups`, by `_activation_group`): an activation or output gradient that cp (and
+tp, where it splits that tensor) cuts into pieces has its current amax max-reduced over those
+ranks, so the first delayed step and every tensorwise cast use one process's scale. Weights are
+whole but for tp (fully sharded data parallelism gathers them before the forward), so their
+amaxes are reduced over tp alone.
 
     fp8 = apply_fp8(model, Recipe("hybrid", "delayed"), mesh)   # None: no layer qualified
     ...backward of every micro-batch...
@@ -178,9 +187,11 @@ def apply_fp8(
         delayed = (state, index) if state is not None else None
         if isinstance(layer, Fp8Linear) or isinstance(getattr(layer, "linear", None), Fp8Gemm):
             raise ConfigError(f"{name} is already an FP8 layer")
-        if type(layer) is nn.Linear:
+        if type(layer) is nn.Linear:  # no tensor parallelism: only cp splits the activations
             layer.__class__ = Fp8Linear
-            layer.make_fp8(Fp8Gemm(recipe, Groups(), delayed))
+            cp = _activation_group(mesh, tp_split=False)
+            groups = Groups(input=cp, grad_output=cp, tokens=cp)
+            layer.make_fp8(Fp8Gemm(recipe, groups, delayed))
         else:  # tensor parallel: column- or row-parallel, whose `linear` is the GEMM
             layer.linear = _tp_gemm(layer, mesh, recipe, delayed, all_gather)
             if hasattr(layer, "async_grad"):
@@ -191,6 +202,21 @@ def apply_fp8(
     return Fp8Model(recipe, [name for name, _ in chosen], kept, state, groups)
 
 
+def _activation_group(mesh: Mesh, tp_split: bool) -> dist.ProcessGroup | None:
+    """The ranks holding the other pieces of one micro-batch's activation (or output gradient),
+    over which its amax is max-reduced so each piece is cast with the whole tensor's scale, as
+    one process casts it: the cp ranks (each holds its own tokens) and, where this tensor's shard
+    differs per tp rank (`tp_split`: split along its features, or along the sequence under
+    sequence parallelism), the tp ranks too (Transformer Engine's amax reduction group, tp x cp).
+    Not dp: one process scales each micro-batch by its own amax, and so does each dp rank."""
+    cp, tp = mesh.cp > 1, tp_split and mesh.tp > 1
+    if cp and tp:
+        return mesh.group("tp_cp")
+    if cp:
+        return mesh.group("cp")
+    return mesh.group("tp") if tp else None
+
+
 def _tp_gemm(
     layer: nn.Module,
     mesh: Mesh,
@@ -198,13 +224,15 @@ def _tp_gemm(
     delayed: tuple[DelayedState, int] | None,
     all_gather: bool,
 ) -> Fp8Gemm:
-    """The FP8 GEMM of a tensor-parallel layer, with its amax groups: its sharded weight and the
-    tensor whose dimension it splits (a column-parallel output gradient, a row-parallel input),
-    and under sequence parallelism with `all_gather` a column-parallel input, which then arrives
-    as the rank's sequence chunk and is gathered in FP8."""
+    """The FP8 GEMM of a tensor-parallel layer, with its amax groups: over tp its sharded weight
+    and the tensor whose dimension it splits (a column-parallel output gradient, a row-parallel
+    input), and under sequence parallelism with `all_gather` a column-parallel input, which then
+    arrives as the rank's sequence chunk and is gathered in FP8; over cp every activation and
+    output gradient (each cp rank holds its own tokens)."""
     from meshtrain.services.trainer.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
     tp = mesh.group("tp") if mesh.tp > 1 else None
+    tokens = mesh.group("cp") if mesh.cp > 1 else None
     if getattr(layer, "overlap", False):
         raise ConfigError(
             "train.fp8 does not combine with parallel.tp_comm_overlap (its fused GEMMs are bf16)"
@@ -217,10 +245,22 @@ def _tp_gemm(
             and not layer.in_region
             and recipe.recipe != "rowwise"
         ):
-            return Fp8Gemm(
-                recipe, Groups(input=tp, weight=tp, grad_output=tp), delayed, seq_group=tp
-            )
-        return Fp8Gemm(recipe, Groups(input=None, weight=tp, grad_output=tp), delayed)
+            split = _activation_group(mesh, tp_split=True)
+            groups = Groups(input=split, weight=tp, grad_output=split, tokens=tokens)
+            return Fp8Gemm(recipe, groups, delayed, seq_group=tp)
+        groups = Groups(
+            input=_activation_group(mesh, tp_split=False),
+            weight=tp,
+            grad_output=_activation_group(mesh, tp_split=True),
+            tokens=tokens,
+        )
+        return Fp8Gemm(recipe, groups, delayed)
     if isinstance(layer, RowParallelLinear):
-        return Fp8Gemm(recipe, Groups(input=tp, weight=tp, grad_output=None), delayed)
+        groups = Groups(
+            input=_activation_group(mesh, tp_split=True),
+            weight=tp,
+            grad_output=_activation_group(mesh, tp_split=False),
+            tokens=tokens,
+        )
+        return Fp8Gemm(recipe, groups, delayed)
     raise ConfigError(f"train.fp8: cannot run a {type(layer).__name__} in FP8")

@@ -20,6 +20,13 @@ sequence chunk (`Fp8Gemm(seq_group=...)`): the chunk is cast with the scale of t
 all-gathered as FP8 bytes (half the bytes of bf16, and the same values as casting after a bf16
 gather); its input gradient is reduce-scattered in bf16.
 
+Context parallelism: each cp rank holds its own tokens of every micro-batch, so an activation
+and an output gradient are pieces of one tensor, as a tp shard is: their amaxes are max-reduced
+over cp too (over tp x cp where tp also splits them), and a cp=2 run casts with the scales of
+cp=1. Data-parallel ranks are not reduced: one process scales each micro-batch by its own amax
+as well. Rowwise scales are per token row and need no reduction, except the weight gradient's,
+which are per feature along the tokens (`Groups.tokens`).
+
     gemm = Fp8Gemm(recipe)                 # one per layer (the delayed state is per layer)
     y = gemm(x, weight, bias)              # the F.linear signature
 """
@@ -48,22 +55,31 @@ E4M3 = torch.float8_e4m3fn
 
 @dataclass(frozen=True)
 class Groups:
-    """The tensor-parallel group over which each tensor's amax is reduced (None: the tensor is
-    the same on every rank, or alone)."""
+    """The ranks over which each tensor's amax is max-reduced: those holding other pieces of
+    the same tensor (None: the tensor is whole on every rank, or alone). The weight's are its
+    tp peers; an activation's and an output gradient's are its cp peers (their own tokens of the
+    micro-batch) and, where tp splits it, its tp peers too (the mesh's "tp_cp" group).
+    `tokens`: the cp group alone, over which rowwise scaling reduces the weight gradient's
+    per-feature scales (the only rowwise scales taken across tokens)."""
 
     input: dist.ProcessGroup | None = None
     weight: dist.ProcessGroup | None = None
     grad_output: dist.ProcessGroup | None = None
+    tokens: dist.ProcessGroup | None = None
+
+
+def _all_max(a: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """`a` max-reduced over `group` (a functional collective: traceable by torch.compile)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return a
+    out = funcol.all_reduce(a, "max", group)
+    return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
 
 
 def _reduced_amax(
     x: torch.Tensor, group: dist.ProcessGroup | None, fused: bool = False
 ) -> torch.Tensor:
-    a = tensor_amax(x, fused)
-    if group is None or dist.get_world_size(group) == 1:
-        return a
-    out = funcol.all_reduce(a, "max", group)
-    return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
+    return _all_max(tensor_amax(x, fused), group)
 
 
 def _scaled_mm(
@@ -233,7 +249,9 @@ class _RowScaled(torch.autograd.Function):
     """One scale per row of each GEMM operand along the summed dimension (e4m3 everywhere)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, main_grad, recipe: Recipe):
+    def forward(ctx, x, weight, bias, main_grad, recipe: Recipe, tokens=None):
+        """tokens: the group splitting the tokens (cp), over which the weight gradient's
+        per-feature scales are reduced (see the backward)."""
         m = recipe.dtypes.forward_max
         x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # (M, K)
         w = weight.to(torch.bfloat16)  # (N, K)
@@ -251,7 +269,7 @@ class _RowScaled(torch.autograd.Function):
         ctx.save_for_backward(x2, w)
         ctx.main_grad = main_grad  # not saved: a tied weight's backward adds into it meanwhile
         ctx.recipe, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = recipe, x.shape, x.dtype, weight.dtype
-        ctx.has_bias, ctx.fused = bias is not None, main_grad is not None
+        ctx.has_bias, ctx.fused, ctx.tokens = bias is not None, main_grad is not None, tokens
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -272,8 +290,12 @@ class _RowScaled(torch.autograd.Function):
             )
             dx = dx.view(ctx.x_shape).to(ctx.x_dtype)
         if ctx.fused or ctx.needs_input_grad[1]:  # dW = dy^T x: sums over M
-            s_dy = amax_to_scale(amax(dy2, dim=0), m, margin)  # (1, N)
-            s_x = amax_to_scale(amax(x2, dim=0), m, margin)  # (1, K)
+            # The scales above are per token (x's and dy's rows: whole on this rank, so no
+            # reduction under cp) or per feature of the whole weight. These are per feature
+            # along the tokens, which cp splits: max-reduced over the cp ranks, each feature's
+            # scale is the one of the micro-batch's tokens, as in one process.
+            s_dy = amax_to_scale(_all_max(amax(dy2, dim=0), ctx.tokens), m, margin)  # (1, N)
+            s_x = amax_to_scale(_all_max(amax(x2, dim=0), ctx.tokens), m, margin)  # (1, K)
             dw = _scaled_mm(
                 cast_to_fp8(dy2, s_dy, E4M3).t().contiguous(),
                 _col_major(cast_to_fp8(x2, s_x, E4M3)),
@@ -283,7 +305,7 @@ class _RowScaled(torch.autograd.Function):
             dw = _deliver_weight_grad(ctx, main_grad, dw)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
 
 
 class DelayedState:
@@ -306,7 +328,7 @@ class Fp8Gemm:
 
     Args:
         recipe: the scaling recipe and formats.
-        groups: tensor-parallel amax groups (tensorwise).
+        groups: the amax groups (tensor and context parallel peers; see `Groups`).
         delayed: the model's `DelayedState` and this layer's index in it (recipe 'delayed').
         seq_group: sequence parallelism's group, for a column-parallel layer that gathers its
             input itself: x arrives as this rank's sequence chunk and is all-gathered in FP8
@@ -323,9 +345,14 @@ class Fp8Gemm:
     ):
         if (recipe.recipe == "delayed") != (delayed is not None):
             raise ValueError("a delayed-scaling FP8 layer needs its state (and only it does)")
-        if seq_group is not None and groups.input is not seq_group:
+        if seq_group is not None and (
+            groups.input is None
+            or not set(dist.get_process_group_ranks(seq_group))
+            <= set(dist.get_process_group_ranks(groups.input))
+        ):
             raise ValueError(
-                "an FP8 layer that gathers its input reduces the input's amax over that group"
+                "an FP8 layer that gathers its input reduces the input's amax over that group "
+                "(or one holding it: tp x cp)"
             )
         self.recipe, self.groups, self.delayed, self.seq_group = recipe, groups, delayed, seq_group
 
@@ -363,7 +390,7 @@ class Fp8Gemm:
     def _gemm(self, x, weight, bias, main_grad, cast, seq_group) -> torch.Tensor:
         with torch.autocast(x.device.type, enabled=False):
             if self.recipe.recipe == "rowwise":
-                return _RowScaled.apply(x, weight, bias, main_grad, self.recipe)
+                return _RowScaled.apply(x, weight, bias, main_grad, self.recipe, self.groups.tokens)
             history = scale = None
             ready = False
             groups = self.groups
@@ -374,7 +401,8 @@ class Fp8Gemm:
                     state.history[i] if torch.is_grad_enabled() else None
                 )  # evaluation records nothing
                 if ready:  # casts with the history's scale: the amaxes are only recorded, and
-                    groups = Groups()  # step_end reduces the history over tp, so no collective here
+                    # step_end reduces the history over tp and dp x cp: no collective here
+                    groups = Groups()
             return _TensorScaled.apply(
                 x,
                 weight,

@@ -111,7 +111,8 @@ class Mesh:
     Attributes:
         tp, cp, dp, pp, ep: degrees. `*_rank` are this rank's coordinates.
         groups: axis name -> ProcessGroup (None when running alone); also "dp_cp" (gradient
-            reduction), "mp" (tp×pp: model-parallel, for norms of sharded tensors), "world", and
+            reduction), "tp_cp" (the ranks splitting one micro-batch's activations: FP8 amaxes),
+            "mp" (tp×pp: model-parallel, for norms of sharded tensors), "world", and
             with pp > 1 "pp_ends" (the first and the last pipeline stage of this rank's pipeline:
             the tied word embedding's gradient is summed over it; absent on middle stages).
     """
@@ -235,7 +236,7 @@ class Mesh:
                 name: [0]
                 for name in (
                     *AXES,
-                    *("dp_cp", "mp", "world", "cp_a2a", "cp_ring", "ep", "edp"),
+                    *("dp_cp", "tp_cp", "mp", "world", "cp_a2a", "cp_ring", "ep", "edp"),
                     *("dp_shard", "dp_replicate", "dp_shard_cp"),
                 )
             }
@@ -290,6 +291,7 @@ class Mesh:
             "dp": ("dp",),
             "pp": ("pp",),
             "dp_cp": ("cp", "dp"),
+            "tp_cp": ("tp", "cp"),
             "mp": ("tp", "pp"),
             "world": AXES,
         }

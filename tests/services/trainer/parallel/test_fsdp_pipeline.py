@@ -16,6 +16,8 @@ from tests.dist_utils import run_ranks
 from tests.services.trainer.conftest import small_job_args
 from tests.services.trainer.parallel.test_equivalence import LLAMA
 from tests.services.trainer.parallel.test_pipeline import COMMON, STEPS, _check, _reference
+from tests.services.trainer.test_moe_train import DP as MOE_DP
+from tests.services.trainer.test_moe_train import DP_REF, _moe_case
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]  # 4 ranks on a few cores: ~40 s each
 
@@ -57,6 +59,32 @@ CASES = {
 def _rank_train(rank, world, args):
     result = train(load_config(args))
     return {"losses": result.losses, "eval": result.eval_losses, "checkpoint": result.checkpoint}
+
+
+# Mixtures of experts on both stages (test_moe_train.py's job: aux and z losses, a capacity, the
+# expert bias, a gated shared expert), one micro-batch of 2 per rank and step: the aux loss is
+# over the global micro-batch, which one process runs as one micro-batch of 4 (DP_REF).
+MOE_CASES = {
+    # ep 1: each stage's experts sharded over its dp_shard ranks with the rest of their block
+    "zero3-1f1b-moe": {**PP_FSDP, **MOE_DP},
+    # ep 2: each rank of a stage holds half of its experts (edp 1), dense weights sharded
+    "zero2-1f1b-ep2": {
+        **PP_FSDP,
+        **MOE_DP,
+        "parallel.data_parallel_sharding_strategy": "optim_grads",
+        "parallel.ep": 2,
+    },
+}
+
+
+@pytest.mark.parametrize("case", list(MOE_CASES))
+def test_pp2_fully_sharded_experts_match_single_process(
+    case, corpus_cache, tmp_path, tmp_path_factory
+):
+    """test_moe_train.py's comparison: losses, parameters, Adam moments and router
+    statistics against one process."""
+    cases = {case: (4, DP_REF, MOE_CASES[case])}
+    _moe_case(cases, case, corpus_cache, tmp_path, tmp_path_factory)
 
 
 @pytest.mark.parametrize("case", list(CASES))
