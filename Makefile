@@ -16,7 +16,8 @@ STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 TEST_STAMP := $(VENV)/.installed-$(TORCH_VERSION)-test
 PIP_C := $(if $(CONSTRAINTS),-c "$(CONSTRAINTS)")
 PYTEST := $(BIN)/python -m pytest
-# `make test-fast` spreads its tests over this many pytest-xdist workers (`auto`: one a core).
+# Single-process tests spread over this many pytest-xdist workers (`auto`: one a core); the
+# multi-process (`dist`) tests, each already several ranks, run one at a time after them.
 TEST_WORKERS ?= auto
 
 .PHONY: install install-test lock run lint test test-fast test-slow test-gpu coverage protos system-deps clean
@@ -69,10 +70,12 @@ lint: $(TEST_STAMP)
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-# Everything but slow and GPU tests (what CI runs), after `lint`. pytest exits 5 when it ran
-# no test, and make treats that as the failure it is.
+# Everything but slow and GPU tests (what CI runs), after `lint`: the single-process ones on
+# every core, then the multi-process ones. pytest exits 5 when it ran no test, and make treats
+# that as the failure it is.
 test: $(TEST_STAMP) lint
-	$(PYTEST) -m "not slow and not gpu" -q
+	$(PYTEST) -n $(TEST_WORKERS) -m "not slow and not gpu and not dist" -q
+	$(PYTEST) -m "dist and not slow and not gpu" -q
 
 # Seconds: no multi-process, end-to-end or slow tests (after `lint`).
 test-fast: $(TEST_STAMP) lint
