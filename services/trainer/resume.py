@@ -19,12 +19,9 @@ from meshtrain.services.checkpoint.reader import list_checkpoints, unreadable_ma
 from meshtrain.services.checkpoint.store import same_root
 from meshtrain.services.common.errors import CheckpointError, ConfigError
 from meshtrain.services.common.model_config import ModelConfig
-from meshtrain.services.trainer.checkpointing import (
-    Parallel,
-    TrainState,
-    refuse_damaged_newer,
-    restore,
-)
+from meshtrain.services.trainer.checkpoint_checks import refuse_damaged_newer
+from meshtrain.services.trainer.checkpoint_restore import restore
+from meshtrain.services.trainer.checkpoint_state import Parallel, TrainState
 from meshtrain.services.trainer.config.sections import JobConfig
 from meshtrain.services.trainer.model.gpt import GPT
 
