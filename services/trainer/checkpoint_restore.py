@@ -160,15 +160,16 @@ def restore_moments(
     """AdamW's moments and step count, into the distributed optimizer or `optimizer`."""
     # Frozen parameters (the router's expert bias, moved by its own rule) have no moments.
     trained = {n: p for n, p in params.items() if p.requires_grad}
-    moments = {}
+    moments: dict[str, dict[str, torch.Tensor]] = {}
     for name, p in trained.items():
         moments[name] = {}
         for k in ("exp_avg", "exp_avg_sq"):
             t = torch.zeros_like(p.data, dtype=torch.float32)
             reader.read_into(f"optim.{k}.{name}", t, p)
             moments[name][k] = t
-    if par.ddp is not None and par.ddp.dist_opt:
-        par.ddp.load_optimizer_state(moments, opt_step)
+    zero1 = par.distributed_optimizer
+    if zero1 is not None:
+        zero1.load_optimizer_state(moments, opt_step)
     else:
         fused = any(g.get("fused") for g in optimizer.param_groups)
         # an offloaded optimizer keeps its moments on the host: no round trip through the device

@@ -10,12 +10,12 @@ so the run trains on, and its uncommitted folder is removed once no rank writes 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from meshtrain.services.checkpoint.async_save import AsyncSaver, StorageSink, retry
+from meshtrain.services.checkpoint.async_save import AsyncSaver, Sink, StorageSink, retry
 from meshtrain.services.checkpoint.boxes import ShardSpec
 from meshtrain.services.checkpoint.multiwriter import abort_save, begin_save
 from meshtrain.services.checkpoint.store import open_root
@@ -35,6 +35,9 @@ from meshtrain.services.trainer.checkpoint_state import (
 )
 from meshtrain.services.trainer.config.sections import JobConfig
 from meshtrain.services.trainer.model.gpt import GPT
+
+if TYPE_CHECKING:
+    from meshtrain.services.checkpoint.rpc.client import CheckpointClient
 
 log = logging.getLogger("meshtrain.checkpoint")
 
@@ -78,17 +81,19 @@ class Checkpointer:
     ):
         self.root, self.par, self.asynchronous, self.overwrite = root, par, asynchronous, overwrite
         mesh = par.mesh
+        # The checkpoint service's client, in service mode: the sink, which also starts saves.
+        self.client: CheckpointClient | None = None
+        self.sink: Sink
         if service_address:
             from meshtrain.services.checkpoint.rpc.client import (
                 CheckpointClient,
             )  # grpc only when asked for
 
-            self.sink = CheckpointClient(
+            self.sink = self.client = CheckpointClient(
                 service_address, security=security, direct_root=root if direct else None
             )
         else:
             self.sink = StorageSink(root)
-        self.service = bool(service_address)
         self.saver = AsyncSaver(
             self.sink,
             writer_id=mesh.rank,
@@ -101,7 +106,7 @@ class Checkpointer:
         self._committed_url: tuple[int, str] | None = None  # (step, URL) of `committed_url`
         self._saving: int | None = None  # the step of the save in flight
         # (step, error) of the newest save that failed with the disk full, until a save commits
-        self.disk_full: tuple[int, DiskFullError] | None = None
+        self.disk_full: tuple[int | None, DiskFullError] | None = None
         self._leftovers: list[
             int
         ] = []  # rank 0: folders of such saves, removed once every rank has settled
@@ -223,8 +228,8 @@ class Checkpointer:
         if mesh.rank == 0:
 
             def begin() -> str:
-                if self.service:
-                    return self.sink.begin_save(step, mesh.world_size, overwrite=self.overwrite)
+                if self.client is not None:
+                    return self.client.begin_save(step, mesh.world_size, overwrite=self.overwrite)
                 return begin_save(self.root, step, overwrite=self.overwrite)
 
             try:
@@ -248,7 +253,8 @@ class Checkpointer:
         if mesh.distributed:
             dist.broadcast_object_list(started, src=0)
         save_id, error, full = started[0]
-        if error is not None:
+        if save_id is None:
+            error = error or f"the save of step {step} was not started"
             raise (
                 self._note_disk_full(step, DiskFullError(error)) if full else CheckpointError(error)
             )
@@ -299,7 +305,7 @@ class Checkpointer:
         elif self.par.mesh.rank != 0:
             self.disk_full = None  # its part of this save is stored; rank 0 commits it, and says so
 
-    def poll(self) -> tuple[int, DiskFullError] | None:
+    def poll(self) -> tuple[int | None, DiskFullError] | None:
         """`settle`s a save that has ended, committed or failed with the disk full (never
         blocks; another failure is left for the next `save` to raise); returns `disk_full`."""
         ended, error = self.saver.outcome()
@@ -311,7 +317,11 @@ class Checkpointer:
         """Records and logs that the save of `step` failed with the disk full; returns the error
         to raise where it is raised, naming the root, the step and the latest committed one."""
         mesh = self.par.mesh
-        via = f" (through the checkpoint service at {self.sink.address})" if self.service else ""
+        via = (
+            f" (through the checkpoint service at {self.client.address})"
+            if self.client is not None
+            else ""
+        )
         latest = ""
         if mesh.rank == 0:  # the committer knows
             own = self.own_latest_step
@@ -326,7 +336,7 @@ class Checkpointer:
         )
         full.__cause__ = error
         self.disk_full = (step, full)
-        if mesh.rank == 0 and mesh.distributed and not self.service and step is not None:
+        if mesh.rank == 0 and mesh.distributed and self.client is None and step is not None:
             self._leftovers.append(step)
         log.error("%s", full)
         return full
@@ -335,6 +345,8 @@ class Checkpointer:
         """Rank 0, once no rank writes into them: removes the uncommitted folders of saves that
         failed with the disk full (a save's only writer removed its own at once). Never a
         committed step's (`multiwriter.abort_save`). Best effort."""
+        if not isinstance(self.sink, StorageSink):
+            return  # only saves to storage note leftovers (`_note_disk_full`)
         while self._leftovers:
             step = self._leftovers.pop()
             try:
@@ -370,5 +382,5 @@ class Checkpointer:
         try:
             self.saver.close()
         finally:
-            if self.service:
-                self.sink.close()
+            if self.client is not None:
+                self.client.close()

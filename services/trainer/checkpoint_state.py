@@ -58,15 +58,22 @@ class Parallel:
     mesh: Mesh
     ddp: DataParallel | FullyShardedDataParallel | None = None
 
+    @property
+    def distributed_optimizer(self) -> DataParallel | None:
+        """The DP wrapper whose distributed optimizer (ZeRO-1) holds the optimizer state as flat
+        buffers, or None (fully sharded parallelism keeps it in the torch optimizer)."""
+        return self.ddp if isinstance(self.ddp, DataParallel) and self.ddp.dist_opt else None
+
 
 def optimizer_moments(
     model: GPT, optimizer: torch.optim.Optimizer | None, par: Parallel
 ) -> dict[str, dict[str, torch.Tensor]]:
-    if par.ddp is not None and par.ddp.dist_opt:
-        return par.ddp.full_optimizer_state()  # collective over dp
+    zero1 = par.distributed_optimizer
+    if zero1 is not None:
+        return zero1.full_optimizer_state()  # collective over dp
     if optimizer is None:
         return {}
-    names = {p: n for n, p in model.named_parameters()}
+    names: dict[torch.Tensor, str] = {p: n for n, p in model.named_parameters()}
     return {
         names[p]: {k: st[k] for k in ("exp_avg", "exp_avg_sq")} for p, st in optimizer.state.items()
     }
@@ -77,8 +84,9 @@ def master_weights(
 ) -> dict[str, torch.Tensor]:
     """The fp32 master weights of bf16 device parameters (optim.offload_bf16_params), by name:
     what a checkpoint stores for them (collective over dp under ZeRO-1). Else nothing."""
-    if isinstance(par.ddp, DataParallel) and par.ddp.dist_opt and par.ddp.bf16_params:
-        return par.ddp.full_master_params()
+    zero1 = par.distributed_optimizer
+    if zero1 is not None and zero1.bf16_params:
+        return zero1.full_master_params()
     if isinstance(optimizer, OffloadedAdamW) and optimizer.bf16_params:
         names = {p: n for n, p in model.named_parameters()}
         return {names[p]: m.detach() for p, m in optimizer.master_of.items()}
@@ -90,8 +98,9 @@ def master_loader(
 ) -> Callable[[dict[str, torch.Tensor]], None] | None:
     """What writes fp32 weights into the masters of bf16 device parameters (and their
     roundings into the parameters), or None where the parameters are the weights."""
-    if isinstance(par.ddp, DataParallel) and par.ddp.dist_opt and par.ddp.bf16_params:
-        return par.ddp.load_master_params
+    zero1 = par.distributed_optimizer
+    if zero1 is not None and zero1.bf16_params:
+        return zero1.load_master_params
     if isinstance(optimizer, OffloadedAdamW) and optimizer.bf16_params:
         names = {p: n for n, p in model.named_parameters()}
 
@@ -105,8 +114,9 @@ def master_loader(
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer | None, par: Parallel) -> int:
-    if par.ddp is not None and par.ddp.dist_opt:
-        return par.ddp.optimizer_step_count()
+    zero1 = par.distributed_optimizer
+    if zero1 is not None:
+        return zero1.optimizer_step_count()
     if optimizer is None:
         return 0
     steps = {int(st["step"]) for st in optimizer.state.values()} or {0}
@@ -217,7 +227,12 @@ def rng_boxes(mesh: Mesh) -> list[tuple[ShardSpec, torch.Tensor]]:
 def checkpoint_metadata(state: TrainState, optimizer_step: int, job: JobConfig, mesh: Mesh) -> dict:
     """A checkpoint's scalars: its step and data position, the config, the layout that wrote it
     and the Python and NumPy RNG states."""
-    np_state = np.random.get_state()
+    np_state = np.random.get_state(legacy=True)
+    if not isinstance(np_state, tuple):  # the legacy tuple is MT19937's, np.random's generator
+        raise CheckpointError(
+            f"NumPy's global generator is {np_state.get('bit_generator')!r}, not MT19937: its "
+            "state cannot be saved"
+        )
     return {
         "format": FORMAT,
         "iteration": state.iteration,
