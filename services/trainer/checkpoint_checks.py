@@ -24,8 +24,7 @@ from meshtrain.services.checkpoint.reader import (
 )
 from meshtrain.services.common.config import to_dict
 from meshtrain.services.common.errors import CheckpointError
-from meshtrain.services.trainer.checkpoint_state import FORMAT, model_parameter_names
-from meshtrain.services.trainer.model.gpt import GPT
+from meshtrain.services.trainer.checkpoint_state import FORMAT, TrainedModel, model_parameter_names
 from meshtrain.services.trainer.parallel.mesh import Mesh
 
 log = logging.getLogger("meshtrain.checkpoint")
@@ -72,7 +71,7 @@ def _check_position(root: str, step: int, meta: dict) -> None:
 
 
 def check_names(
-    root: str, model: GPT, params: dict[str, nn.Parameter], stored: set[str], mesh: Mesh
+    root: str, model: TrainedModel, params: dict[str, nn.Parameter], stored: set[str], mesh: Mesh
 ) -> None:
     """Refuse a checkpoint that lacks a parameter of the model or holds one it does not have."""
     missing = [n for n in params if n not in stored]
@@ -87,7 +86,7 @@ def check_names(
         raise CheckpointError(f"{root}: checkpoint has tensors the model does not: {extra[:5]}")
 
 
-def check_model(root: str, meta: dict, model: GPT) -> None:
+def check_model(root: str, meta: dict, model: TrainedModel) -> None:
     """Compares the saved model config with `model` where the shapes cannot tell them apart.
 
     Refuses a model that would read the checkpoint's attention heads as other heads: the fused
@@ -155,7 +154,7 @@ def _model_differences(saved: dict, config) -> list[str]:
 
 
 def naming_the_settings(
-    error: CheckpointError, root: str, meta: dict, model: GPT
+    error: CheckpointError, root: str, meta: dict, model: TrainedModel
 ) -> CheckpointError:
     """`error` (a tensor the model lacks, or of another shape), led by the model settings in which
     this run differs from the checkpoint's recorded config, which a user knows and can fix: most
@@ -173,7 +172,7 @@ def naming_the_settings(
     )
 
 
-def fresh_score(root: str, meta: dict, model: GPT, optimizer) -> set[str]:
+def fresh_score(root: str, meta: dict, model: TrainedModel, optimizer) -> set[str]:
     """{"score.weight"} where a reward model starts from the weights of a language model (its
     saved config has no reward head, and only the weights are loaded): the scalar head keeps its
     initialization. Else nothing."""

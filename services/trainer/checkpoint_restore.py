@@ -29,18 +29,18 @@ from meshtrain.services.trainer.checkpoint_checks import (
 )
 from meshtrain.services.trainer.checkpoint_state import (
     Parallel,
+    TrainedModel,
     TrainState,
     master_loader,
     rng_states,
 )
-from meshtrain.services.trainer.model.gpt import GPT
 from meshtrain.services.trainer.optim.offload import OffloadedAdamW
 from meshtrain.services.trainer.parallel.mesh import Mesh
 
 
 def restore(
     root: str,
-    model: GPT,
+    model: TrainedModel,
     optimizer: torch.optim.Optimizer | None,
     par: Parallel,
     step: int | None = None,

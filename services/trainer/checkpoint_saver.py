@@ -24,6 +24,7 @@ from meshtrain.services.common.errors import CheckpointError, DiskFullError
 from meshtrain.services.common.security import ClientSecurity
 from meshtrain.services.trainer.checkpoint_state import (
     Parallel,
+    TrainedModel,
     TrainState,
     checkpoint_metadata,
     master_loader,
@@ -34,7 +35,6 @@ from meshtrain.services.trainer.checkpoint_state import (
     tensor_boxes,
 )
 from meshtrain.services.trainer.config.sections import JobConfig
-from meshtrain.services.trainer.model.gpt import GPT
 
 if TYPE_CHECKING:
     from meshtrain.services.checkpoint.rpc.client import CheckpointClient
@@ -154,7 +154,7 @@ class Checkpointer:
                 self._tokenizer = (spec, [], None)
         return self._tokenizer[1], self._tokenizer[2]
 
-    def prepare(self, model: GPT, optimizer: torch.optim.Optimizer | None) -> None:
+    def prepare(self, model: TrainedModel, optimizer: torch.optim.Optimizer | None) -> None:
         """Start allocating the host buffers of this rank's parameter and moment boxes in the
         background (`AsyncSaver.prepare`), so the first save stalls no longer than the others.
         Call it once the model and optimizer are built, in a run that will save. The moments
@@ -176,7 +176,7 @@ class Checkpointer:
 
     def save(
         self,
-        model: GPT,
+        model: TrainedModel,
         optimizer: torch.optim.Optimizer | None,
         state: TrainState,
         job: JobConfig,

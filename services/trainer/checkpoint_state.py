@@ -39,8 +39,12 @@ from meshtrain.services.trainer.optim.offload import OffloadedAdamW
 from meshtrain.services.trainer.parallel.data_parallel import DataParallel
 from meshtrain.services.trainer.parallel.fsdp import FullyShardedDataParallel
 from meshtrain.services.trainer.parallel.mesh import Mesh
+from meshtrain.services.trainer.parallel.pipeline.stage import PipelineStage
 
 FORMAT = "meshtrain-train/1"
+
+TrainedModel = GPT | PipelineStage
+"""What a checkpoint holds the parameters of: a GPT, or this rank's pipeline stage of one."""
 
 
 @dataclass
@@ -66,7 +70,7 @@ class Parallel:
 
 
 def optimizer_moments(
-    model: GPT, optimizer: torch.optim.Optimizer | None, par: Parallel
+    model: TrainedModel, optimizer: torch.optim.Optimizer | None, par: Parallel
 ) -> dict[str, dict[str, torch.Tensor]]:
     zero1 = par.distributed_optimizer
     if zero1 is not None:
@@ -80,7 +84,7 @@ def optimizer_moments(
 
 
 def master_weights(
-    model: GPT, optimizer: torch.optim.Optimizer | None, par: Parallel
+    model: TrainedModel, optimizer: torch.optim.Optimizer | None, par: Parallel
 ) -> dict[str, torch.Tensor]:
     """The fp32 master weights of bf16 device parameters (optim.offload_bf16_params), by name:
     what a checkpoint stores for them (collective over dp under ZeRO-1). Else nothing."""
@@ -94,7 +98,7 @@ def master_weights(
 
 
 def master_loader(
-    model: GPT, optimizer: torch.optim.Optimizer | None, par: Parallel
+    model: TrainedModel, optimizer: torch.optim.Optimizer | None, par: Parallel
 ) -> Callable[[dict[str, torch.Tensor]], None] | None:
     """What writes fp32 weights into the masters of bf16 device parameters (and their
     roundings into the parameters), or None where the parameters are the weights."""
@@ -126,7 +130,7 @@ def optimizer_step(optimizer: torch.optim.Optimizer | None, par: Parallel) -> in
 
 
 def tensor_boxes(
-    model: GPT,
+    model: TrainedModel,
     par: Parallel,
     moments: dict[str, dict[str, torch.Tensor]],
     masters: dict[str, torch.Tensor] | None = None,

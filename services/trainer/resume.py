@@ -21,15 +21,14 @@ from meshtrain.services.common.errors import CheckpointError, ConfigError
 from meshtrain.services.common.model_config import ModelConfig
 from meshtrain.services.trainer.checkpoint_checks import refuse_damaged_newer
 from meshtrain.services.trainer.checkpoint_restore import restore
-from meshtrain.services.trainer.checkpoint_state import Parallel, TrainState
+from meshtrain.services.trainer.checkpoint_state import Parallel, TrainedModel, TrainState
 from meshtrain.services.trainer.config.sections import JobConfig
-from meshtrain.services.trainer.model.gpt import GPT
 
 log = logging.getLogger("meshtrain.train")
 
 
 def resume(
-    job: JobConfig, model: GPT, optimizer: torch.optim.Optimizer, par: Parallel
+    job: JobConfig, model: TrainedModel, optimizer: torch.optim.Optimizer, par: Parallel
 ) -> tuple[TrainState, int | None]:
     """Load `checkpoint.load` into `model` and `optimizer` in place, checked against the job.
 
