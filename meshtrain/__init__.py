@@ -46,11 +46,8 @@ if TYPE_CHECKING:
     from meshtrain.services.dataloader.rpc.client import ServiceBatchSource
     from meshtrain.services.dataloader.rpc.server import start_server as start_data_worker
     from meshtrain.services.dataloader.spec import DatasetSpec
-    from meshtrain.services.trainer.checkpointing import (
-        TrainState,
-        load_checkpoint,
-        save_checkpoint,
-    )
+    from meshtrain.services.trainer.checkpoint_state import TrainState
+    from meshtrain.services.trainer.checkpointing import load_checkpoint, save_checkpoint
     from meshtrain.services.trainer.config.load import load_config
     from meshtrain.services.trainer.config.parallel import ParallelConfig
     from meshtrain.services.trainer.config.sections import (
@@ -126,7 +123,7 @@ _EXPORTS = {
     # checkpoints
     "save_checkpoint": f"{_T}.checkpointing",
     "load_checkpoint": f"{_T}.checkpointing",
-    "TrainState": f"{_T}.checkpointing",
+    "TrainState": f"{_T}.checkpoint_state",
     # sampling
     "generate": f"{_T}.generate",
     "start_checkpoint_service": "meshtrain.services.checkpoint.rpc.server",

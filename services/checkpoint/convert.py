@@ -505,11 +505,14 @@ def target_shard_shapes(
     for what, size in sizes:
         if size % tp:
             raise CheckpointError(f"target tp={tp} does not divide {what}={size}")
+    if model.vocab_size is None:
+        raise CheckpointError("the checkpoint's model config records no vocab_size")
     per_group_rows = (model.num_attention_heads // model.groups + 2) * model.head_dim
     vocab_rows = (
         -(-model.vocab_size // (model.make_vocab_size_divisible_by * tp))
         * model.make_vocab_size_divisible_by
     )
+    shared_ffn = model.moe_shared_expert_intermediate_size or 0  # its arrays exist where it is set
 
     plan: dict[str, tuple[int, ...]] = {}
     for name, (shape, _) in specs.items():
@@ -526,7 +529,7 @@ def target_shard_shapes(
         elif rest in ("mlp.fc1.weight", "mlp.fc1.bias"):
             shard[0] = model.ffn_size // tp
         elif rest in ("mlp.shared_expert.fc1.weight", "mlp.shared_expert.fc1.bias"):
-            shard[0] = model.moe_shared_expert_intermediate_size // tp
+            shard[0] = shared_ffn // tp
         elif rest in ("attention.proj.weight", "mlp.fc2.weight", "mlp.shared_expert.fc2.weight"):
             shard[1] = shape[1] // tp
         elif rest == "mlp.experts.fc1.weight":  # (experts, [gate; up] or ffn, hidden)

@@ -87,7 +87,7 @@ def _check_object(where: str, data: bytes, expected: dict[str, Any]) -> None:
         )
 
 
-def _check_index(where: str, data: bytes, expected: dict[str, Any]) -> list[tuple[int, int]]:
+def _check_index(where: str, data: bytes, expected: dict[str, Any]) -> list[list[int]]:
     """The verified (offset, nbytes) of each inner chunk from a shard's index bytes."""
     n = len(expected[CHUNK_CHECKSUMS])
     if len(data) != index_nbytes(n) or checksum(data) != expected[INDEX_CHECKSUM]:
@@ -288,7 +288,10 @@ def _fetch_and_place(
     jobs: list[tuple[tuple[int, ...], list, list | None]] = []  # (shard, needed, run or None)
 
     def add(key: str, start: int | None, stop: int | None, job: tuple) -> None:
-        keys.append(key), starts.append(start), ends.append(stop), jobs.append(job)
+        keys.append(key)
+        starts.append(start)
+        ends.append(stop)
+        jobs.append(job)
 
     for key, shard, needed, is_partial in plans:
         if not is_partial:
@@ -311,23 +314,23 @@ def _fetch_and_place(
                 run.append((off, i, sub))
     found = fetch(keys, starts, ends)
 
-    for key, data, (shard, needed, run) in zip(keys, found, jobs):
+    for key, data, (shard, needed, chunks) in zip(keys, found, jobs):
         where = _where(root, step, array_name, key)
         view = memoryview(data)
-        if run is None:  # a whole shard: one checksum covers it, its index included
+        if chunks is None:  # a whole shard: one checksum covers it, its index included
             _check_object(where, data, objects[key])
             body = len(data) - index_nbytes(n_inner)
             if body < 0:
                 raise _NotPlain
-            index = np.frombuffer(data, dtype="<u8", count=2 * n_inner, offset=body).reshape(
+            whole = np.frombuffer(data, dtype="<u8", count=2 * n_inner, offset=body).reshape(
                 n_inner, 2
-            )
+            )  # (chunks, 2): offset, nbytes
             for sub in needed:
-                off, nbytes = (int(v) for v in index[int(np.ravel_multi_index(sub, per_shard))])
+                off, nbytes = (int(v) for v in whole[int(np.ravel_multi_index(sub, per_shard))])
                 place(shard, sub, None if off == EMPTY_CHUNK else view[off : off + nbytes])
             continue
-        base = run[0][0]
-        for off, i, sub in run:
+        base = chunks[0][0]
+        for off, i, sub in chunks:
             chunk = view[off - base : off - base + indexes[key][i][1]]
             _check_chunk(where, i, chunk, objects[key], sub)
             place(shard, sub, chunk)

@@ -113,7 +113,11 @@ def run_local_ranks(
         finally:
             # A rank stopped by a signal (SIGSTOP, a debugger) is a hung peer: its connections stay
             # open, so the others fail only at their collective timeout and are named first.
-            frozen = {rank for rank, child in enumerate(ranks) if _is_stopped(child.process.pid)}
+            frozen = {
+                rank
+                for rank, child in enumerate(ranks)
+                if child.process is not None and _is_stopped(child.process.pid)
+            }
             statuses = topo.shutdown()
     failed = [rank for rank, child in enumerate(ranks) if statuses[child.name] != 0]
     stopped = stop.is_set() and not topo.urgent.is_set()
@@ -175,7 +179,9 @@ def _is_stopped(pid: int) -> bool:
     return state in ("T", "t")
 
 
-def _describe(code: int, stop_requested: bool) -> str:
+def _describe(code: int | None, stop_requested: bool) -> str:
+    if code is None:  # its start failed
+        return "never started"
     if code >= 0:
         return f"exit status {code}"
     try:

@@ -19,7 +19,8 @@ from meshtrain.kernels import dispatch
 from meshtrain.services.checkpoint.config import CheckpointConfig
 from meshtrain.services.common.errors import ConfigError
 from meshtrain.services.common.security import AuthConfig, ClientSecurity
-from meshtrain.services.trainer import checkpointing
+from meshtrain.services.trainer import checkpoint_saver
+from meshtrain.services.trainer.checkpoint_state import Parallel
 from meshtrain.services.trainer.config.parallel import ParallelConfig
 from meshtrain.services.trainer.config.sections import JobConfig, OptimConfig, TrainConfig
 from meshtrain.services.trainer.fp8 import Fp8Model, build_fp8
@@ -378,11 +379,11 @@ def log_model_summary(
 
 
 def open_checkpointer(
-    c: CheckpointConfig, par: checkpointing.Parallel, resumed_step: int | None, auth: AuthConfig
-) -> checkpointing.Checkpointer:
+    c: CheckpointConfig, par: Parallel, resumed_step: int | None, auth: AuthConfig
+) -> checkpoint_saver.Checkpointer:
     """The checkpointer of checkpoint section `c`: local, or through the checkpoint service
     (checkpoint.service_address) with the client credentials of `auth`."""
-    return checkpointing.Checkpointer(
+    return checkpoint_saver.Checkpointer(
         c.save,
         par,
         c.async_save,

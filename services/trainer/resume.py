@@ -19,20 +19,16 @@ from meshtrain.services.checkpoint.reader import list_checkpoints, unreadable_ma
 from meshtrain.services.checkpoint.store import same_root
 from meshtrain.services.common.errors import CheckpointError, ConfigError
 from meshtrain.services.common.model_config import ModelConfig
-from meshtrain.services.trainer.checkpointing import (
-    Parallel,
-    TrainState,
-    refuse_damaged_newer,
-    restore,
-)
+from meshtrain.services.trainer.checkpoint_checks import refuse_damaged_newer
+from meshtrain.services.trainer.checkpoint_restore import restore
+from meshtrain.services.trainer.checkpoint_state import Parallel, TrainedModel, TrainState
 from meshtrain.services.trainer.config.sections import JobConfig
-from meshtrain.services.trainer.model.gpt import GPT
 
 log = logging.getLogger("meshtrain.train")
 
 
 def resume(
-    job: JobConfig, model: GPT, optimizer: torch.optim.Optimizer, par: Parallel
+    job: JobConfig, model: TrainedModel, optimizer: torch.optim.Optimizer, par: Parallel
 ) -> tuple[TrainState, int | None]:
     """Load `checkpoint.load` into `model` and `optimizer` in place, checked against the job.
 
@@ -46,7 +42,8 @@ def resume(
     c = job.checkpoint
     if not c.load:
         return TrainState(), None
-    if c.load_step is None and same_root(c.load, c.save) and not list_checkpoints(c.load):
+    saves_here = c.save is not None and same_root(c.load, c.save)  # resumes its own root
+    if c.load_step is None and saves_here and not list_checkpoints(c.load):
         # Megatron's requeue idiom, `--load X --save X` for the first launch and every relaunch
         # alike: nothing committed yet is a fresh start. A --load elsewhere (weights to start
         # from) or an explicit step that is missing stays an error: a mistyped path must not
@@ -87,7 +84,7 @@ def resume(
         state.iteration,
         state.consumed_samples,
     )
-    return state, state.iteration if same_root(c.load, c.save) else None
+    return state, state.iteration if saves_here else None
 
 
 def carry_hf_identity(job: JobConfig, meta: dict) -> None:
@@ -211,6 +208,8 @@ def refuse_a_root_with_later_steps(c: CheckpointConfig, start: int) -> None:
     resume after a preemption) would take up instead of this run's. Every rank lists the
     root, so every rank raises alike; `checkpoint.overwrite` lets the run share the root.
     """
+    if c.save is None:
+        return  # a run that saves nothing meets no steps
     damaged = [s for s in unreadable_manifests(c.save) if s > start]
     if damaged:  # readers skip them, but a save of their step finds the folder taken
         raise CheckpointError(

@@ -38,7 +38,6 @@ from meshtrain.services.common.errors import (
     DiskFullError,
     MeshtrainError,
 )
-from meshtrain.services.trainer import checkpointing
 from meshtrain.services.trainer.build import (
     build_data_parallel,
     build_mesh,
@@ -57,6 +56,7 @@ from meshtrain.services.trainer.build import (
     seed_everything,
     set_kernel_mode,
 )
+from meshtrain.services.trainer.checkpoint_state import Parallel
 from meshtrain.services.trainer.config.load import LAUNCHER_KEYS_ENV, replace
 from meshtrain.services.trainer.config.sections import JobConfig
 from meshtrain.services.trainer.cuda_graphs import MicroBatchGraph
@@ -222,7 +222,7 @@ class Trainer:
             if self.ddp and self.ddp.optimizer
             else build_optimizer(self.model, job.optim, bf16_params)
         )
-        self.par = checkpointing.Parallel(self.mesh, self.ddp)
+        self.par = Parallel(self.mesh, self.ddp)
         self.state, resumed_here = resume(job, self.model, self.optimizer, self.par)
         return resumed_here
 

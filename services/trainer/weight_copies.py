@@ -60,7 +60,7 @@ class WeightCopies:
             tuple[torch.Tensor, nn.Parameter]
         ] = []  # (copy, fp32 parameter), one per parameter
         self._main_grads: dict[
-            int, nn.Parameter
+            int, torch.Tensor
         ] = {}  # the fused weights, whose .grad the GEMMs add into
         by_param: dict[int, torch.Tensor] = {}
         for module_name, module in model.named_modules(remove_duplicate=False):
@@ -72,7 +72,8 @@ class WeightCopies:
             if fuse_weight_grads and module.weight.requires_grad and fusable:
                 if type(module) is nn.Linear:
                     module.__class__ = MainGradLinear
-                module.main_weight = (module.weight,)
+                # a MainGradLinear now, or a linear that adds into it itself (Fp8Linear)
+                setattr(module, "main_weight", (module.weight,))
                 self._main_grads[id(module.weight)] = module.weight
             for param_name, param in module.named_parameters(recurse=False):
                 name = f"{module_name}.{param_name}" if module_name else param_name
@@ -204,13 +205,12 @@ class MainGradLinear(nn.Linear):
     yet) it is `nn.Linear`.
     """
 
-    main_weight: tuple[
-        nn.Parameter
-    ]  # the fp32 weight, in a tuple so that it is not registered twice
+    main_weight: tuple[torch.Tensor]  # the fp32 weight, in a tuple: not registered twice
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         main = self.main_weight[0]
-        weight, bias = self.weight, self.bias
+        weight: torch.Tensor = self.weight
+        bias: torch.Tensor | None = self.bias
         if weight.dtype == main.dtype:
             device = x.device.type
             if not (

@@ -91,7 +91,7 @@ from meshtrain.services.common.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 
-TRAIN_FORMAT = "meshtrain-train/1"  # meshtrain.services.trainer.checkpointing.FORMAT
+TRAIN_FORMAT = "meshtrain-train/1"  # meshtrain.services.trainer.checkpoint_state.FORMAT
 # HF tensors that are derived buffers, not weights: old GPT-2 files carry the causal mask,
 # old Llama files the RoPE inverse frequencies. They are skipped on import.
 _DERIVED = (
@@ -709,7 +709,7 @@ def import_hf(
 
     The checkpoint holds the weights, `metadata.config` (a whole job config whose model
     section comes from `config.json`), no optimizer state (`optimizer_step` 0), and RNG states
-    seeded with `seed`, which is what `checkpointing.restore` needs to continue training.
+    seeded with `seed`, which is what `checkpoint_restore.restore` needs to continue training.
 
     Args:
         src_dir: local folder with `config.json` and `model.safetensors` (or a sharded

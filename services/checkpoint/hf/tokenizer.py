@@ -102,7 +102,7 @@ def eod_id(path: Path | None, spec: str | None, model: ModelConfig, where: str) 
             except DataError:
                 eos = None
             eod = None if eos is None else tokenizer.token_to_id(eos)
-    if eod is not None and eod >= model.vocab_size:
+    if eod is not None and model.vocab_size is not None and eod >= model.vocab_size:
         raise CheckpointError(
             f"{where}: tokenizer {str(path or spec)!r} has {EOD_TOKEN} at id {eod}, outside the "
             f"model's vocabulary of {model.vocab_size}: it is not this model's tokenizer"

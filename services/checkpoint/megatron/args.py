@@ -18,6 +18,7 @@ import argparse
 import math
 import pathlib
 import types
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -106,7 +107,9 @@ def read_common(folder: Path) -> dict[str, Any]:
         return {}
     try:
         unknown = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
-        allowed = [(_SAFE.get(name, _Stand_in), name) for name in unknown]
+        allowed: list[Callable | tuple[Callable, str]] = [  # what torch's safe_globals takes
+            (_SAFE.get(name, _Stand_in), name) for name in unknown
+        ]
         with torch.serialization.safe_globals(allowed):
             common = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
@@ -214,10 +217,10 @@ def model_from_megatron(
     }
     said = dict(facts)
     said["normalization"] = str(facts.get("normalization", seen["normalization"])).lower()
-    said["position_embedding_type"] = {"learned_absolute": "learned"}.get(
-        facts.get("position_embedding_type"),
-        facts.get("position_embedding_type", seen["position_embedding_type"]),
-    )
+    position = facts.get("position_embedding_type", seen["position_embedding_type"])
+    if "position_embedding_type" in facts and position == "learned_absolute":
+        position = "learned"  # Megatron's learned_absolute, by meshtrain's name
+    said["position_embedding_type"] = position
     wrong = [
         f"{k}={said[k]!r} but the tensors say {v!r}"
         for k, v in seen.items()

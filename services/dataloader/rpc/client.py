@@ -179,11 +179,11 @@ class ServiceBatchSource:
                 f"open_timeout_s={open_timeout_s} positive, rebalance_s={rebalance_s} and "
                 f"bench_s={bench_s} not negative"
             )
-        spread = (
+        place: tuple[int, ...] = (
             (dp_rank * cp_size + cp_rank, dp_size * cp_size) if spread is None else tuple(spread)
         )
-        if len(spread) != 2 or not 0 <= spread[0] < spread[1]:
-            raise DataError(f"spread={spread} must be (slot, slots) with 0 <= slot < slots")
+        if len(place) != 2 or not 0 <= place[0] < place[1]:
+            raise DataError(f"spread={place} must be (slot, slots) with 0 <= slot < slots")
         spec.validate()
         self.multimodal = isinstance(spec, MultimodalSpec)
         if self.multimodal:
@@ -221,7 +221,7 @@ class ServiceBatchSource:
         self.give_up_s = give_up_s
         self.stall_s = stall_s
         self.open_timeout_s = open_timeout_s
-        self.spread = spread
+        self.spread: tuple[int, int] = (place[0], place[1])
         self.rebalance_s = rebalance_s
         self.bench_s = bench_s
         self.options = options or BatchOptions()
@@ -601,6 +601,7 @@ class ServiceBatchSource:
             raise item.exc
         if item is _END:
             wanted, self._next = self._next, None
+            assert wanted is not None  # set when the stream (re)started
             raise DataError(f"step {wanted[0]} is past the dataset's {self.num_steps} steps")
         pos, samples = item
         assert pos == self._next, f"client queue out of order: got {pos}, expected {self._next}"

@@ -72,12 +72,14 @@ class Fp8WeightCache:
             w = copies[f"{name}.weight"].to(torch.bfloat16)  # (N, K)
             scale = self.entries[f"{name}.fp8_weight_scale"]
             out = self.entries[f"{name}.fp8_weight"], self.entries[f"{name}.fp8_weight_t"]
-            if index is not None and state.ready:  # the history's scale; the amax of the cast
-                scale.copy_(state.scale[index, 1])
-                aw = cast_transpose(w, scale, fmt.forward, fused, True, True, *out)[2]
+            if index is not None and state is not None and state.ready:
+                scale.copy_(state.scale[index, 1])  # the history's scale; the amax of the cast
+                amax = cast_transpose(w, scale, fmt.forward, fused, True, True, *out)[2]
+                assert amax is not None  # asked for (with_amax)
+                aw = amax
             else:  # the current amax first, then the cast
                 aw = tensor_amax(w, fused)
                 scale.copy_(amax_to_scale(aw, fmt.forward_max, recipe.margin))
                 cast_transpose(w, scale, fmt.forward, fused, True, False, *out)
-            if index is not None:
+            if index is not None and state is not None:  # a delayed index comes with its state
                 state.history[index, 1, 0] = torch.maximum(state.history[index, 1, 0], aw)

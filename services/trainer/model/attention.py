@@ -169,7 +169,8 @@ class Attention(nn.Module):
         # Per-head norms: tensor parallelism leaves them whole (each rank normalizes its own heads).
         self.q_norm = Norm(config, self.head_dim) if config.qk_norm else None
         self.k_norm = Norm(config, self.head_dim) if config.qk_norm else None
-        self.core = CoreAttention(config.attention_dropout, config.attention_backend)
+        # parallel/ may wrap it (recompute's RecomputedCore, context parallelism's attention)
+        self.core: nn.Module = CoreAttention(config.attention_dropout, config.attention_backend)
         self.proj = nn.Linear(
             self.heads * self.head_dim, config.hidden_size, bias=config.add_bias_linear
         )

@@ -19,7 +19,10 @@ tokens' embeddings.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
@@ -80,7 +83,7 @@ def rope_tables(
     """The (cos, sin) rows blocks rotate by: the first rows (a whole sequence from position 0),
     or those of `positions`: (seq,) a context-parallel rank's tokens, (seq, d) rows; (batch,
     seq) positions within packed documents, (batch, seq, d) rows. None without RoPE."""
-    if cos is None:
+    if cos is None or sin is None:
         return None
     if positions is None:
         return cos, sin
@@ -88,8 +91,25 @@ def rope_tables(
     return cos[positions], sin[positions]
 
 
+class SequenceLayout(Protocol):
+    """Where this rank's tokens sit in each sequence, and its share of a sequence's loss: set
+    on a model by context parallelism (parallel/context's `ContextParallel`)."""
+
+    cp: int  # the ranks each sequence is split over
+    group: dist.ProcessGroup | None  # theirs (None: the default group)
+
+    def positions(self, local_len: int, device: torch.device) -> torch.Tensor: ...
+
+    def loss_share(
+        self, loss: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None
+    ) -> torch.Tensor: ...
+
+
 def token_positions(
-    context, position_ids: torch.Tensor | None, seq: int, device: torch.device
+    context: SequenceLayout | None,
+    position_ids: torch.Tensor | None,
+    seq: int,
+    device: torch.device,
 ) -> torch.Tensor | None:
     """The positions a forward embeds and rotates by: `position_ids` (batch, seq) when the batch
     has them (positions within documents, a context-parallel rank's columns already), else a
@@ -165,7 +185,7 @@ class GPT(nn.Module):
         self.recompute_chunk = 1
         # Context parallelism (set by parallel.context.parallelize_context): this rank holds some
         # chunks of each sequence; it gives their positions and this rank's share of the loss.
-        self.context = None
+        self.context: SequenceLayout | None = None
         self.reset_parameters()
 
     @torch.no_grad()
@@ -173,9 +193,10 @@ class GPT(nn.Module):
         """Normal(0, std) matrices and embeddings, scaled std for residual outputs, zero biases."""
         std = self.config.init_method_std
         scaled = Attention.scaled_init_std(self.config)
+        vision = self.config.vision
         for name, p in self.named_parameters():
-            if name.startswith("vision.class_embedding"):
-                p.normal_(0.0, self.config.vision.hidden_size**-0.5)  # CLIP's
+            if name.startswith("vision.class_embedding") and vision is not None:
+                p.normal_(0.0, vision.hidden_size**-0.5)  # CLIP's
             elif name.endswith("norm.weight"):
                 p.fill_(1.0)
             elif name.endswith((".bias", "router.expert_bias")):

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -250,6 +251,17 @@ class GroupedExperts(nn.Module):
         return grouped_linear(h, self.fc2.weight, counts, self.grouped)
 
 
+class Dispatcher(Protocol):
+    """Moves a block's permuted rows to the experts that own them and their outputs back:
+    `LocalDispatcher` here, parallel/expert's all-to-all over the ep ranks."""
+
+    def dispatch(
+        self, rows: torch.Tensor, counts: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def combine(self, rows: torch.Tensor) -> torch.Tensor: ...
+
+
 class LocalDispatcher:
     """Every expert is on this rank: permuted rows go straight to the experts and back."""
 
@@ -318,7 +330,7 @@ class MoE(nn.Module):
         self.shared_expert_gate = (
             nn.Linear(config.hidden_size, 1, bias=False) if config.moe_shared_expert_gate else None
         )
-        self.dispatcher = LocalDispatcher()
+        self.dispatcher: Dispatcher = LocalDispatcher()
         self.stats_group: dist.ProcessGroup | None = None
         self.aux_share_scale = 1.0
         self.loss_scale = 1.0

@@ -33,8 +33,9 @@ from meshtrain.services.dataloader.preference import (
     PreferencePairs,
 )
 from meshtrain.services.dataloader.tokenizers.base import absolute_spec, build_tokenizer
-from meshtrain.services.trainer import checkpointing
 from meshtrain.services.trainer.build import build_model
+from meshtrain.services.trainer.checkpoint_restore import restore
+from meshtrain.services.trainer.checkpoint_state import Parallel
 from meshtrain.services.trainer.config.dpo import DPOConfig
 from meshtrain.services.trainer.config.sections import JobConfig
 from meshtrain.services.trainer.data import TrainData
@@ -243,11 +244,11 @@ class FrozenReference:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             model, _, pipeline = build_model(job, mesh, device)
             model.head = head(cast(nn.Module, model.head))
-            checkpointing.restore(
+            restore(
                 root,
                 cast(Any, model),  # a GPT, or the pipeline stage holding this rank's part
                 None,
-                checkpointing.Parallel(mesh),
+                Parallel(mesh),
                 step,
             )
         random.setstate(py_state)

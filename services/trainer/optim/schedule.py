@@ -58,6 +58,8 @@ def lr_at(step: int, config: OptimConfig, train_iters: int) -> float:
         return max(config.min_lr, config.lr * math.sqrt(max(warmup, 1) / max(step, 1)))
     if style == "wsd":
         anneal = config.lr_wsd_decay_iters
+        if anneal is None:  # OptimConfig refuses it; a config changed after its checks
+            raise ConfigError("optim.lr_decay_style='wsd' needs optim.lr_wsd_decay_iters")
         if anneal > decay_iters - warmup:
             raise ConfigError(
                 f"optim.lr_wsd_decay_iters={anneal} is longer than the decay after warmup "

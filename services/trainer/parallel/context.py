@@ -58,7 +58,6 @@ from typing import NamedTuple
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from meshtrain.kernels import attention_blocks as blocks
 from meshtrain.services.common.errors import ConfigError
@@ -69,6 +68,7 @@ from meshtrain.services.trainer.model.attention import (
     document_attention,
     sdpa,
 )
+from meshtrain.services.trainer.model.gpt import GPT, SequenceLayout, TransformerBlock
 from meshtrain.services.trainer.parallel import mappings as M
 from meshtrain.services.trainer.parallel.mesh import Mesh
 
@@ -142,7 +142,7 @@ class ContextParallel:
         return loss * (local / total.clamp(min=1.0))
 
 
-def token_count(context: ContextParallel | None, loss_mask: torch.Tensor) -> torch.Tensor:
+def token_count(context: SequenceLayout | None, loss_mask: torch.Tensor) -> torch.Tensor:
     """float64 tokens a micro-batch's loss counts: the whole sample's over the cp group (what
     `loss_share` divides by), or this rank's without context parallelism. Evaluation weights
     each micro-batch's loss by it; the weighted shares are then summed over cp."""
@@ -192,7 +192,9 @@ def _heads_to_seq(y: torch.Tensor, group, a: int) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------ ring
-def _exchange(send: torch.Tensor, cp: ContextParallel, tag: int) -> tuple[torch.Tensor, list]:
+def _exchange(
+    send: torch.Tensor, cp: ContextParallel, tag: int
+) -> tuple[torch.Tensor, list[dist.Work]]:
     """Start sending `send` to the next ring rank and receiving the previous one's into a new
     tensor; returns (that tensor, the requests to wait on)."""
     recv = torch.empty_like(send)
@@ -203,7 +205,7 @@ def _exchange(send: torch.Tensor, cp: ContextParallel, tag: int) -> tuple[torch.
     return recv, dist.batch_isend_irecv(ops)
 
 
-def _wait(reqs: list) -> None:
+def _wait(reqs: list[dist.Work]) -> None:
     for r in reqs:
         r.wait()
 
@@ -337,7 +339,7 @@ class _RingAttention(torch.autograd.Function):
         lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         for step in range(cp.ring):
-            reqs = []
+            reqs: list[dist.Work] = []
             if step < cp.ring - 1:
                 kv_next, reqs = _exchange(kv, cp, tag=0)
             for rows, qs, ks, causal, mask in _pieces(cp, step, half, docs):
@@ -361,17 +363,15 @@ class _RingAttention(torch.autograd.Function):
         half = q.shape[2] // 2
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
-        dkv_reqs: list = []
-        dkv_in = None
+        dkv_reqs: list[dist.Work] = []
+        # the accumulator of the block in hand: this rank's own block's starts at step 0
+        dkv_in = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
         for step in range(cp.ring):
-            kv_reqs = []
+            kv_reqs: list[dist.Work] = []
             if step < cp.ring - 1:
                 kv_next, kv_reqs = _exchange(kv, cp, tag=0)
-            if step == 0:  # this rank's own block: its accumulator starts here
-                dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
-            else:
-                _wait(dkv_reqs)
-                dkv = dkv_in
+            _wait(dkv_reqs)
+            dkv = dkv_in
             for rows, qs, ks, causal, mask in _pieces(cp, step, half, docs):
                 gq, gk, gv = blocks.attention_backward(
                     dout[rows, :, qs],
@@ -454,9 +454,7 @@ class ContextAttention(CoreAttention):
         return out
 
 
-def parallelize_context(
-    model: nn.Module, mesh: Mesh, comm_type: str = "p2p"
-) -> ContextParallel | None:
+def parallelize_context(model: GPT, mesh: Mesh, comm_type: str = "p2p") -> ContextParallel | None:
     """Make `model` (a GPT, before recompute and tensor parallelism) context parallel over
     `mesh.cp`: its attention cores exchange keys and values, its positions and loss follow the
     layout. Returns the ContextParallel (None, and nothing changed, at cp=1).
@@ -473,6 +471,13 @@ def parallelize_context(
         return None
     cp = ContextParallel(mesh, comm_type)
     for layer in model.layers:
-        layer.attention.core = ContextAttention(layer.attention.core, cp)
+        assert isinstance(layer, TransformerBlock)  # a GPT's layers
+        core = layer.attention.core
+        if not isinstance(core, CoreAttention):
+            raise ConfigError(
+                f"context parallelism wraps a block's attention core, which is a "
+                f"{type(core).__name__} here: parallelize the context before recompute"
+            )
+        layer.attention.core = ContextAttention(core, cp)
     model.context = cp
     return cp

@@ -71,7 +71,7 @@ class AllToAllDispatcher:
     (a block calls them back to back, also when recomputed).
     """
 
-    def __init__(self, group: dist.ProcessGroup, ep: int, num_experts: int):
+    def __init__(self, group: dist.ProcessGroup | None, ep: int, num_experts: int):
         if num_experts % ep:
             raise ConfigError(f"parallel.ep={ep} must divide model.num_experts={num_experts}")
         self.group, self.ep, self.num_local = group, ep, num_experts // ep
@@ -150,7 +150,7 @@ def parallelize_experts(model: nn.Module, mesh: Mesh) -> nn.Module:
             )
         return model
     cfg = layers[0][1].config
-    if cfg.num_experts % mesh.ep:
+    if layers[0][1].num_experts % mesh.ep:
         raise ConfigError(f"parallel.ep={mesh.ep} must divide model.num_experts={cfg.num_experts}")
     if mesh.cp > 1 and cfg.moe_expert_capacity_factor is not None:
         raise ConfigError(

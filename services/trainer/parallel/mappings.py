@@ -153,7 +153,7 @@ def _sum(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     two H200s: first losses equal to one GPU's, then training stalled). A functional
     collective is one traced op whose result is the reduced tensor.
     """
-    if _size(group) == 1:
+    if group is None or _size(group) == 1:
         return x
     y = funcol.all_reduce(x.contiguous(), "sum", group)
     return y.wait() if isinstance(y, funcol.AsyncCollectiveTensor) else y

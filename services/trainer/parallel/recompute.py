@@ -17,7 +17,7 @@ from torch import nn
 
 from meshtrain.services.trainer.config.parallel import ParallelConfig
 from meshtrain.services.trainer.model.attention import CoreAttention, Documents
-from meshtrain.services.trainer.model.gpt import GPT
+from meshtrain.services.trainer.model.gpt import GPT, TransformerBlock
 
 
 class RecomputedCore(nn.Module):
@@ -46,14 +46,17 @@ def apply(model: GPT, config: ParallelConfig) -> GPT:
     if config.recompute_granularity == "full" and model.vision is not None:
         model.vision.recompute = True  # each encoder block keeps only its input
     if config.recompute_granularity == "full":
+        k = config.recompute_num_layers or 1  # ParallelConfig's default with 'full'
         if config.recompute_method == "uniform":
-            model.recompute_chunk = config.recompute_num_layers
-            model.recompute_layers = frozenset(range(0, n, config.recompute_num_layers))
+            model.recompute_chunk = k
+            model.recompute_layers = frozenset(range(0, n, k))
         else:
             model.recompute_chunk = 1
-            model.recompute_layers = frozenset(range(min(config.recompute_num_layers, n)))
+            model.recompute_layers = frozenset(range(min(k, n)))
     elif config.recompute_granularity == "selective":
         for layer in model.layers:
-            if isinstance(layer.attention.core, CoreAttention):
+            if isinstance(layer, TransformerBlock) and isinstance(
+                layer.attention.core, CoreAttention
+            ):
                 layer.attention.core = RecomputedCore(layer.attention.core)
     return model

@@ -31,6 +31,7 @@ convolution, positions, norms) see the same input and gradient on every rank.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -87,6 +88,9 @@ def _param(
     p.sequence_parallel = sequence_parallel  # type: ignore[attr-defined]
     return p
 
+
+LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+"""(x, weight, bias) -> y, the GEMM of a parallel linear: F.linear, or one that defers dW."""
 
 SHARD_ATTRS = ("tp_split", "sequence_parallel", "expert_shard")
 """The attributes saying how a parameter is sharded; a parameter cut again keeps them."""
@@ -156,7 +160,7 @@ class ColumnParallelLinear(nn.Module):
             async_grad,
         )
         self.in_region = in_region
-        self.linear = F.linear  # a zero-bubble pipeline swaps in one that defers dW
+        self.linear: LinearFn = F.linear  # a zero-bubble pipeline swaps in one that defers dW
         split = TPSplit(0, halves=halves)
         self.weight = _param(split.shard(full.weight, mesh.tp_rank, mesh.tp), split)
         self.bias = (
@@ -200,7 +204,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.group, self.sp, self.overlap = mesh.group("tp"), sequence_parallel, overlap
         self.in_region, self.tp = in_region, mesh.tp
-        self.linear = F.linear  # a zero-bubble pipeline swaps in one that defers dW
+        self.linear: LinearFn = F.linear  # a zero-bubble pipeline swaps in one that defers dW
         split = TPSplit(1)
         self.weight = _param(split.shard(full.weight, mesh.tp_rank, mesh.tp), split)
         # The bias is added after the reduction, once: replicated (per seq shard under SP).

@@ -25,7 +25,8 @@ from meshtrain.services.checkpoint.writer import save_checkpoint
 from meshtrain.services.common.config import to_dict
 from meshtrain.services.common.errors import CheckpointError
 from meshtrain.services.common.model_config import ModelConfig
-from meshtrain.services.trainer import checkpointing
+from meshtrain.services.trainer import checkpoint_restore
+from meshtrain.services.trainer.checkpoint_state import Parallel
 from meshtrain.services.trainer.config.sections import JobConfig
 from meshtrain.services.trainer.model.gpt import GPT
 from meshtrain.services.trainer.optim.optimizer import build_optimizer
@@ -171,8 +172,8 @@ def test_drop_optimizer_gives_a_checkpoint_the_trainer_resumes(tmp_path):
     assert manifest["metadata"]["optimizer_step"] == 0
     model = GPT(ModelConfig(**MODEL))
     optimizer = build_optimizer(model, JobConfig().optim)
-    state, _ = checkpointing.restore(
-        str(tmp_path / "b"), model, optimizer, checkpointing.Parallel(Mesh.single())
+    state, _ = checkpoint_restore.restore(
+        str(tmp_path / "b"), model, optimizer, Parallel(Mesh.single())
     )
     assert (state.iteration, state.consumed_samples) == (9, 72)
     assert not optimizer.state  # Adam starts afresh

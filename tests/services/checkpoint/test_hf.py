@@ -19,7 +19,8 @@ from meshtrain.services.checkpoint.writer import save_checkpoint
 from meshtrain.services.common.config import to_dict
 from meshtrain.services.common.errors import CheckpointError
 from meshtrain.services.common.model_config import ModelConfig
-from meshtrain.services.trainer import checkpointing
+from meshtrain.services.trainer import checkpoint_restore
+from meshtrain.services.trainer.checkpoint_state import Parallel
 from meshtrain.services.trainer.config.sections import JobConfig
 from meshtrain.services.trainer.model.gpt import GPT
 from meshtrain.services.trainer.optim.optimizer import build_optimizer
@@ -423,8 +424,8 @@ def test_imported_checkpoint_restores_into_the_trainer(tmp_path):
         32,
     )
     model = GPT(job.model)
-    par = checkpointing.Parallel(Mesh.single())
-    state, _ = checkpointing.restore(root, model, build_optimizer(model, job.optim), par)
+    par = Parallel(Mesh.single())
+    state, _ = checkpoint_restore.restore(root, model, build_optimizer(model, job.optim), par)
     assert state.iteration == 0
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
     tokens = torch.randint(0, 300, (1, 32), generator=torch.Generator().manual_seed(2))
@@ -451,11 +452,11 @@ def test_restore_refuses_a_model_that_reads_the_heads_differently(tmp_path, make
         model.layers[0].attention.qkv.weight.shape
         == GPT(saved).layers[0].attention.qkv.weight.shape
     )
-    par = checkpointing.Parallel(Mesh.single())
+    par = Parallel(Mesh.single())
     with pytest.raises(
         CheckpointError, match=rf"num_attention_heads=4.*model.num_attention_heads={heads}"
     ):
-        checkpointing.restore(root, model, build_optimizer(model, JobConfig().optim), par)
+        checkpoint_restore.restore(root, model, build_optimizer(model, JobConfig().optim), par)
 
 
 def test_restore_warns_when_rope_base_or_norm_epsilon_differ_from_the_saved_model(tmp_path, caplog):
@@ -467,13 +468,13 @@ def test_restore_warns_when_rope_base_or_norm_epsilon_differ_from_the_saved_mode
     root = str(tmp_path / "ckpt")
     import_hf(str(src), root)
     saved = ModelConfig(**read_manifest(root, 0)["metadata"]["config"]["model"])
-    par = checkpointing.Parallel(Mesh.single())
+    par = Parallel(Mesh.single())
 
     def restore(config: ModelConfig) -> list[str]:
         model = GPT(config)
         caplog.clear()
         with caplog.at_level("WARNING", logger="meshtrain.checkpoint"):
-            checkpointing.restore(root, model, build_optimizer(model, JobConfig().optim), par)
+            checkpoint_restore.restore(root, model, build_optimizer(model, JobConfig().optim), par)
         return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
 
     assert restore(saved) == []

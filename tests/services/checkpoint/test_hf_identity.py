@@ -19,7 +19,8 @@ from meshtrain.services.checkpoint.convert_cli import register_subcommands
 from meshtrain.services.checkpoint.hf.convert import export_hf, import_hf
 from meshtrain.services.checkpoint.reader import latest_step, read_manifest
 from meshtrain.services.common.model_config import ModelConfig
-from meshtrain.services.trainer import checkpointing
+from meshtrain.services.trainer import checkpoint_restore
+from meshtrain.services.trainer.checkpoint_state import Parallel
 from meshtrain.services.trainer.model.gpt import GPT
 from meshtrain.services.trainer.parallel.mesh import Mesh
 from tests.services.checkpoint.test_hf import meshtrain_logits, save_random_hf
@@ -153,7 +154,7 @@ def train_on(settings: dict, load, save, tmp_path, steps: int = 2) -> None:
 def restored(root: str) -> GPT:
     step = latest_step(root)
     model = GPT(ModelConfig(**read_manifest(root, step)["metadata"]["config"]["model"]))
-    checkpointing.restore(root, model, None, checkpointing.Parallel(Mesh.single()), step)
+    checkpoint_restore.restore(root, model, None, Parallel(Mesh.single()), step)
     return model
 
 

@@ -14,7 +14,8 @@ from meshtrain.services.cli import main
 from meshtrain.services.common.config import build
 from meshtrain.services.common.errors import CheckpointError
 from meshtrain.services.common.model_config import ModelConfig
-from meshtrain.services.trainer import checkpointing
+from meshtrain.services.trainer import checkpoint_restore
+from meshtrain.services.trainer.checkpoint_state import Parallel
 from meshtrain.services.trainer.model.gpt import GPT
 from meshtrain.services.trainer.parallel.mesh import Mesh
 from tests.services.checkpoint.test_hf import save_random_hf, save_training_checkpoint
@@ -85,7 +86,7 @@ def inputs(per_image: int, seed: int = 1):
 def restored(root: str) -> GPT:
     config = build(ModelConfig, read_manifest(root, 0)["metadata"]["config"]["model"], "model.")
     model = GPT(config)
-    checkpointing.restore(root, model, None, checkpointing.Parallel(Mesh.single()))
+    checkpoint_restore.restore(root, model, None, Parallel(Mesh.single()))
     return model.eval()
 
 

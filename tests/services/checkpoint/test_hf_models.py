@@ -17,7 +17,8 @@ from meshtrain.services.checkpoint.hf.convert import export_hf, import_hf, model
 from meshtrain.services.checkpoint.reader import read_manifest
 from meshtrain.services.common.errors import CheckpointError, ConfigError
 from meshtrain.services.common.model_config import ModelConfig
-from meshtrain.services.trainer import checkpointing
+from meshtrain.services.trainer import checkpoint_restore
+from meshtrain.services.trainer.checkpoint_state import Parallel
 from meshtrain.services.trainer.model.gpt import GPT
 from meshtrain.services.trainer.parallel.mesh import Mesh
 from tests.services.checkpoint.test_hf import (
@@ -171,7 +172,7 @@ def hf_qwen3(tmp_path, **extra):
 
 def restored(root: str) -> GPT:
     model = GPT(ModelConfig(**read_manifest(root, 0)["metadata"]["config"]["model"]))
-    checkpointing.restore(root, model, None, checkpointing.Parallel(Mesh.single()))
+    checkpoint_restore.restore(root, model, None, Parallel(Mesh.single()))
     return model
 
 

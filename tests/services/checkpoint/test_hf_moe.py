@@ -18,7 +18,8 @@ from meshtrain.services.checkpoint.hf.convert import export_hf, import_hf, model
 from meshtrain.services.checkpoint.reader import read_manifest
 from meshtrain.services.common.errors import CheckpointError
 from meshtrain.services.common.model_config import ModelConfig
-from meshtrain.services.trainer import checkpointing
+from meshtrain.services.trainer import checkpoint_restore, checkpointing
+from meshtrain.services.trainer.checkpoint_state import Parallel
 from meshtrain.services.trainer.config.sections import JobConfig
 from meshtrain.services.trainer.model.gpt import GPT
 from meshtrain.services.trainer.optim.optimizer import build_optimizer
@@ -117,7 +118,7 @@ def test_import_of_mixtral_gives_the_same_logits_and_restores_into_the_trainer(t
     assert config.moe_aux_loss_coeff == 0.03 and not config.moe_router_pre_softmax
     model = GPT(config)
     optimizer = build_optimizer(model, JobConfig(model=config).optim)
-    state, _ = checkpointing.restore(root, model, optimizer, checkpointing.Parallel(Mesh.single()))
+    state, _ = checkpoint_restore.restore(root, model, optimizer, Parallel(Mesh.single()))
     assert state.iteration == 0
     tokens = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(2))
     hf.eval()
@@ -297,7 +298,7 @@ def test_import_of_qwen2_moe_without_qkv_bias_gives_the_same_logits_and_round_tr
         48,
     )
     model = GPT(config)
-    checkpointing.restore(root, model, None, checkpointing.Parallel(Mesh.single()))
+    checkpoint_restore.restore(root, model, None, Parallel(Mesh.single()))
     tokens = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(2))
     hf.eval()
     with torch.no_grad():
@@ -319,7 +320,7 @@ def test_qwen2_moe_with_qkv_bias_imports_exports_and_keeps_transformers_logits(t
     config = ModelConfig(**read_manifest(root, 0)["metadata"]["config"]["model"])
     assert config.qkv_bias and not config.add_bias_linear
     model = GPT(config)
-    checkpointing.restore(root, model, None, checkpointing.Parallel(Mesh.single()))
+    checkpoint_restore.restore(root, model, None, Parallel(Mesh.single()))
     tokens = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         torch.testing.assert_close(

@@ -3,7 +3,8 @@
 import pytest
 
 from meshtrain.services.checkpoint.rpc.server import start_server
-from meshtrain.services.trainer.checkpointing import Checkpointer, Parallel
+from meshtrain.services.trainer.checkpoint_saver import Checkpointer
+from meshtrain.services.trainer.checkpoint_state import Parallel
 from meshtrain.services.trainer.parallel.mesh import Mesh
 
 

@@ -260,17 +260,17 @@ def test_a_failed_init_leaves_no_checkpoint_service_channel_open(
     # Trainer.__init__ opened its Checkpointer (a channel to the service) before the restore,
     # and nothing closed it when the restore raised.
     from meshtrain.services.checkpoint.rpc.server import start_server
-    from meshtrain.services.trainer import checkpointing
+    from meshtrain.services.trainer import checkpoint_saver
     from meshtrain.services.trainer.train import Trainer
 
     opened = []
 
-    class Recorded(checkpointing.Checkpointer):
+    class Recorded(checkpoint_saver.Checkpointer):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             opened.append(self)
 
-    monkeypatch.setattr(checkpointing, "Checkpointer", Recorded)
+    monkeypatch.setattr(checkpoint_saver, "Checkpointer", Recorded)
     root = str(tmp_path / "ckpt")
     server, port, _ = start_server(root)
     try:

@@ -62,7 +62,9 @@ class Pipeline:
         s = self.stage
         if s.config.untie_embeddings_and_output_weights or s.embedding is None:
             return None
-        return s.embedding.word_embeddings.weight
+        weight = s.embedding.word_embeddings.weight
+        assert isinstance(weight, nn.Parameter)  # typed Tensor by torch's stubs
+        return weight
 
     def step(self, micro) -> torch.Tensor:
         return self.runtime.step(micro)

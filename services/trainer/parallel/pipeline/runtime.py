@@ -52,9 +52,9 @@ class _StepState:
     grad_in: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # to send back
     batch: list[tuple[Action, dist.P2POp]] = field(default_factory=list)  # comm not yet posted
     # in flight until the step ends (buffers kept alive)
-    sends: list[tuple[object, torch.Tensor]] = field(default_factory=list)
+    sends: list[tuple[dist.Work, torch.Tensor]] = field(default_factory=list)
     # ("F"|"B", micro, chunk) -> the receive it needs
-    recvs: dict[tuple[str, int, int], object] = field(default_factory=dict)
+    recvs: dict[tuple[str, int, int], dist.Work] = field(default_factory=dict)
     in_flight: int = 0  # forwards whose backward has not finished
 
 
@@ -147,7 +147,7 @@ class PipelineRuntime:
                 elif a.kind in ("B", "I"):
                     self._backward(i, a, key, st)
                 else:  # W
-                    self.store.run(key, final=self.final["W"].get(a.chunk) == i)
+                    self._weight_store().run(key, final=self.final["W"].get(a.chunk) == i)
                     st.in_flight -= 1
                 if self.record:
                     self.timeline.append((a, t0, self._now()))
@@ -224,18 +224,28 @@ class PipelineRuntime:
             self.ddp.sync_enabled = self.final[a.kind].get(a.chunk) == i
         y = st.outputs.pop(key)
         grad = None if stage.chunk_is_last(a.chunk) else st.grad_out.pop(key)
-        if a.kind == "I":
-            self.store.begin(key)
+        store = self._weight_store() if a.kind == "I" else None
+        if store is not None:
+            store.begin(key)
         try:
             torch.autograd.backward(y, grad)
         finally:
-            if a.kind == "I":
-                self.store.end()
+            if store is not None:
+                store.end()
         x = st.inputs.pop(key)
         if not stage.chunk_is_first(a.chunk):
+            assert x.grad is not None  # a later chunk's input requires grad: backward gave it one
             st.grad_in[key] = x.grad
         if a.kind == "B":
             st.in_flight -= 1
+
+    def _weight_store(self) -> WeightGradStore:
+        """The store of deferred weight gradients, which a schedule with I and W actions uses."""
+        if self.store is None:
+            raise ValueError(
+                "a schedule with I and W actions (zero-bubble) needs a weight-gradient store"
+            )
+        return self.store
 
     def _forward_input(self, micro, a: Action, inputs) -> torch.Tensor:
         key = (a.micro, a.chunk)
@@ -275,7 +285,9 @@ class PipelineRuntime:
                     continue
                 c = s // pp
                 if stage.chunk_is_first(c):
-                    x = micro[m][0]
+                    inputs = micro[m]
+                    assert inputs is not None  # the first stage holds the micro-batches
+                    x = inputs[0]
                 else:
                     x = torch.empty(self.act_shape, dtype=self.act_dtype, device=self.device)
                     dist.recv(x, self.prev)

@@ -24,8 +24,9 @@ class WeightGradStore:
 
     def __init__(self, on_ready: Callable[[nn.Parameter], None] | None = None):
         self.on_ready = on_ready
-        self.collecting: list[Callable[[], None]] | None = None
-        self.pending: dict[tuple[int, int], list[Callable[[], None]]] = {}
+        # deferred dW computations, each called with whether it is the step's last
+        self.collecting: list[Callable[[bool], None]] | None = None
+        self.pending: dict[tuple[int, int], list[Callable[[bool], None]]] = {}
 
     def begin(self, key: tuple[int, int]) -> None:
         """From now on, linear layers' backward defers dW into `key` (until `end`)."""
@@ -52,7 +53,7 @@ class WeightGradStore:
             # the parameter travels in a tuple: autograd does not treat it as an input
             return _DeferredLinear.apply(x, weight, bias, self, (param,))
 
-    def _defer(self, param: torch.Tensor, x: torch.Tensor, dy: torch.Tensor) -> bool:
+    def _defer(self, param: nn.Parameter, x: torch.Tensor, dy: torch.Tensor) -> bool:
         """Queue dW = dy^T x for `param` while collecting; False (compute it now) otherwise."""
         if self.collecting is None or not param.requires_grad:
             return False
