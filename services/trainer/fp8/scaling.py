@@ -111,9 +111,17 @@ def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tor
     return (x.float() * scale).clamp(-limit, limit).to(dtype)
 
 
+def _fused_here(fused: bool) -> bool:
+    """Whether to call the fused kernels: asked for, and not while torch.compile traces. In a
+    compiled region Inductor generates the cast, transpose and amax itself and fuses them into
+    the neighbouring kernels, which an opaque custom op would prevent."""
+    return fused and not torch.compiler.is_compiling()
+
+
 def tensor_amax(x: torch.Tensor, fused: bool) -> torch.Tensor:
-    """`amax(x)` of the whole tensor; `fused`: by the dispatched kernel (one read on CUDA)."""
-    return dispatch.fp8_amax(x) if fused else amax(x)
+    """`amax(x)` of the whole tensor; `fused`: by the dispatched kernel (one read on CUDA; eager
+    only, see `_fused_here`)."""
+    return dispatch.fp8_amax(x) if _fused_here(fused) else amax(x)
 
 
 def cast_transpose(
@@ -131,8 +139,9 @@ def cast_transpose(
 
     `fused`: the dispatched kernel (`meshtrain.kernels.fp8_cast` on CUDA: one pass); else
     `cast_to_fp8`, a transposing copy and `amax`, each a pass of its own. Bit-equal either way.
+    Inside torch.compile the torch ops are traced (`_fused_here`).
     """
-    if fused:
+    if _fused_here(fused):
         return dispatch.fp8_cast_transpose(x, scale, dtype, transpose, with_amax, out, out_t)
     q = cast_to_fp8(x, scale, dtype)
     if out is not None:
