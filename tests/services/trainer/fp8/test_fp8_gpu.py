@@ -197,39 +197,20 @@ def test_fused_casts_give_each_layer_type_bit_for_bit(name, k, n, recipe):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
-def test_fused_casts_train_as_the_unfused_casts_eager(recipe, corpus_cache, tmp_path):
-    """A small Llama on CUDA in eager mode (bf16 weight copies, the FP8 weight cache): the fused
-    cast kernels and the separate torch casts give the same losses, bit for bit, over 6 steps."""
+def test_fused_casts_train_as_the_unfused_casts(recipe, compiled, corpus_cache, tmp_path):
+    """A small Llama on CUDA (bf16 weight copies, the FP8 weight cache): the fused cast kernels
+    and the separate torch casts give the same losses, bit for bit, over 6 steps. Eager, the
+    layers call the kernels; under torch.compile they trace the torch casts whatever the
+    setting (Inductor fuses them itself; `scaling._fused_here`), so both runs are one graph."""
     runs = [
         train(
             _llama_job(
                 corpus_cache,
                 tmp_path / str(fused),
                 **{
-                    "train.compile": False,
-                    "train.train_iters": 6,
-                    "train.fp8": "hybrid",
-                    "train.fp8_recipe": recipe,
-                    "train.fp8_fused_casts": fused,
-                },
-            )
-        )
-        for fused in (False, True)
-    ]
-    assert runs[1].losses == runs[0].losses
-
-
-@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
-def test_fused_casts_train_as_the_unfused_casts_compiled(recipe, corpus_cache, tmp_path):
-    """Under torch.compile the layers trace the torch casts whatever the setting (Inductor fuses
-    them itself; `scaling._fused_here`), so the compiled runs are the same graph: equal losses."""
-    runs = [
-        train(
-            _llama_job(
-                corpus_cache,
-                tmp_path / str(fused),
-                **{
+                    "train.compile": compiled,
                     "train.train_iters": 6,
                     "train.fp8": "hybrid",
                     "train.fp8_recipe": recipe,
