@@ -132,7 +132,7 @@ class RouterStats:
         # per global block: routed (E), kept (E), aux, z (per micro-batch, this rank's part)
         table = torch.zeros(self.num_layers, 2 * e + 2, dtype=torch.float64, device=device)
         for i, st, shared in self.last:
-            n = max(st.micro_batches, 1)
+            n = st.micro_batches.to(device, torch.float64).clamp(min=1)
             # aux values are this rank's share of the global micro-batch's loss when the layer's
             # statistics group spans the batch; alone, whole losses, averaged over the ranks
             weight = 1.0 if shared else 1.0 / batch_size

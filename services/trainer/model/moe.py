@@ -147,7 +147,7 @@ def route(
     """
     t, k = experts.shape
     flat = experts.reshape(-1)
-    routed = torch.bincount(flat, minlength=num_experts)
+    routed = expert_counts(flat, num_experts)
     if capacity is None:
         order = torch.sort(flat, stable=True).indices
         return Routing(experts, weights, order, routed, routed)
@@ -168,6 +168,16 @@ def route(
     order = kept[torch.sort(flat[kept], stable=True).indices]
     counts = torch.bincount(flat[order], minlength=num_experts)
     return Routing(experts, weights, order, counts, routed)
+
+
+def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """(n,) int64 expert ids -> (num_experts,) int64 occurrences of each.
+
+    A scatter-add into a zero vector of fixed length rather than `torch.bincount`, whose output
+    length depends on the ids' values: torch.compile cannot trace that without a graph break.
+    """
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=experts.device)
+    return counts.scatter_add_(0, experts, torch.ones_like(experts))
 
 
 def expert_capacity(config: ModelConfig, seq_tokens: int) -> int | None:
@@ -199,7 +209,8 @@ def grouped_linear(
         weight: (experts, out, in), nn.Linear's layout per expert.
         counts: (experts,) int64 rows per expert.
         grouped: use `torch._grouped_mm` (one kernel for all experts; no host sync) if it runs
-            here; else a loop over the experts (the reference).
+            here; else `grouped_mm_loop`, one matmul per expert inside one custom op, which
+            torch.compile keeps in its graph (the counts reach the host inside the op).
 
     Returns:
         (tokens, out).
@@ -208,7 +219,7 @@ def grouped_linear(
     if grouped and grouped_gemm_available(x):
         offs = torch.cumsum(counts, 0).to(torch.int32)
         return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
-    return grouped_linear_loop(x, w, counts)
+    return grouped_mm_loop(x, w, counts)
 
 
 def grouped_linear_loop(
@@ -217,6 +228,61 @@ def grouped_linear_loop(
     """The reference: one matmul per expert over its rows (host sync for the counts)."""
     outs = [rows @ weight[e].t() for e, rows in enumerate(torch.split(x, counts.tolist()))]
     return torch.cat(outs) if outs else x.new_zeros(0, weight.shape[1])
+
+
+# The per-expert loop as custom ops: torch.compile sees one op of known output shape (its fake
+# implementation) where the loop's `.tolist()` and the split into data-dependent sizes would each
+# break the graph; the loop runs inside, at run time. Backward is two more such ops.
+@torch.library.custom_op("meshtrain::grouped_mm_loop", mutates_args=())
+def grouped_mm_loop(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """`grouped_linear_loop` as one op: x (rows, in), weight (experts, out, in), counts
+    (experts,) -> (rows, out); rows past counts.sum() come out zero."""
+    used = int(counts.sum())
+    out = grouped_linear_loop(x[:used], weight, counts)
+    if used == x.shape[0]:
+        return out
+    return torch.cat([out, out.new_zeros(x.shape[0] - used, weight.shape[1])])
+
+
+@grouped_mm_loop.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[1])
+
+
+@torch.library.custom_op("meshtrain::grouped_mm_loop_weight_grad", mutates_args=())
+def grouped_mm_loop_weight_grad(
+    grad: torch.Tensor, x: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
+    """d(weight) of `grouped_mm_loop`: grad (rows, out), x (rows, in) -> (experts, out, in),
+    expert e's block grad_e^T x_e (zero for an expert without rows)."""
+    out = grad.new_zeros(counts.shape[0], grad.shape[1], x.shape[1])
+    sizes = counts.tolist()
+    for e, (g, rows) in enumerate(
+        zip(torch.split(grad[: sum(sizes)], sizes), torch.split(x[: sum(sizes)], sizes))
+    ):
+        if rows.shape[0]:
+            out[e] = g.t() @ rows
+    return out
+
+
+@grouped_mm_loop_weight_grad.register_fake
+def _(grad: torch.Tensor, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    return grad.new_empty(counts.shape[0], grad.shape[1], x.shape[1])
+
+
+def _grouped_mm_loop_setup(ctx, inputs, output) -> None:
+    x, weight, counts = inputs
+    ctx.save_for_backward(x, weight, counts)
+
+
+def _grouped_mm_loop_backward(ctx, grad: torch.Tensor):
+    x, weight, counts = ctx.saved_tensors
+    dx = grouped_mm_loop(grad, weight.transpose(1, 2), counts) if ctx.needs_input_grad[0] else None
+    dw = grouped_mm_loop_weight_grad(grad, x, counts) if ctx.needs_input_grad[1] else None
+    return dx, dw, None
+
+
+grouped_mm_loop.register_autograd(_grouped_mm_loop_backward, setup_context=_grouped_mm_loop_setup)
 
 
 class _Stack(nn.Module):
@@ -279,11 +345,36 @@ class LocalDispatcher:
 
 
 # ----------------------------------------------------------------------------- aux losses
-def _in_backward() -> bool:
+def _in_backward(like: torch.Tensor) -> bool | torch.Tensor:
     """Whether this code runs inside an autograd backward pass: a forward there is activation
     recompute (torch.utils.checkpoint, reentrant or not, reruns the block while unpacking the
-    tensors the backward needs), never a training step's own forward."""
+    tensors the backward needs), never a training step's own forward.
+
+    Eager: a bool. While torch.compile traces: a 0-dim bool tensor on `like`'s device that the
+    compiled graph computes each time it runs (`in_backward_flag`), since a compiled block that
+    recompute reruns must answer for that run, not for the tracing.
+    """
+    if torch.compiler.is_compiling():
+        return in_backward_flag(like)
     return torch._C._current_graph_task_id() != -1
+
+
+@torch.library.custom_op("meshtrain::moe_in_backward", mutates_args=())
+def in_backward_flag(like: torch.Tensor) -> torch.Tensor:
+    """`_in_backward` as a 0-dim bool tensor on `like`'s device (a fill: no host-device copy)."""
+    return torch.full((), torch._C._current_graph_task_id() != -1, device=like.device)
+
+
+@in_backward_flag.register_fake
+def _(like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty((), dtype=torch.bool)
+
+
+def _unless(recomputing: bool | torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """`value`, or zero where `recomputing` (a traced flag) holds."""
+    if isinstance(recomputing, torch.Tensor):
+        return torch.where(recomputing, torch.zeros_like(value), value)
+    return value
 
 
 class _InjectAuxGrad(torch.autograd.Function):
@@ -310,7 +401,19 @@ class MoEStats:
     routed_per_expert: torch.Tensor  # (experts,) choices before drops
     aux_loss: torch.Tensor  # summed global aux loss values, fp32 scalar
     z_loss: torch.Tensor
-    micro_batches: int = 0
+    # 0-dim int64 forwards recorded; a tensor, so that counting in a compiled graph neither
+    # recompiles (a Python int is specialized on) nor breaks the graph
+    micro_batches: torch.Tensor
+
+    def to(self, device: torch.device) -> MoEStats:
+        """These statistics on `device`."""
+        return MoEStats(
+            self.tokens_per_expert.to(device),
+            self.routed_per_expert.to(device),
+            self.aux_loss.to(device),
+            self.z_loss.to(device),
+            self.micro_batches.to(device),
+        )
 
 
 class MoE(nn.Module):
@@ -339,7 +442,9 @@ class MoE(nn.Module):
     def _empty_stats(self, device: torch.device) -> MoEStats:
         z = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
         s = torch.zeros((), dtype=torch.float32, device=device)
-        return MoEStats(z, z.clone(), s, s.clone())
+        return MoEStats(
+            z, z.clone(), s, s.clone(), torch.zeros((), dtype=torch.int64, device=device)
+        )
 
     def reset_stats(self) -> MoEStats:
         """Return the statistics gathered since the last reset and start new ones."""
@@ -377,13 +482,14 @@ class MoE(nn.Module):
         # rerun must rebuild the same autograd graph (the aux terms' saved tensors included), but
         # its outputs are thrown away, so its _InjectAuxGrad is never backpropagated: the aux
         # gradient comes once, through the first pass's graph. Statistics count the first pass only.
-        recomputing = _in_backward()
-        if torch.is_grad_enabled() and self.training:
-            y = self._with_aux_losses(y, logits, scores, routing, record=not recomputing)
-        if (
-            self.training and not recomputing
-        ):  # evaluation and generation leave the step's statistics alone
-            self._record(routing)
+        # Evaluation and generation leave the step's statistics alone.
+        if not self.training:
+            return y
+        recomputing = _in_backward(x)
+        aux = z = None
+        if torch.is_grad_enabled():
+            y, aux, z = self._with_aux_losses(y, logits, scores, routing)
+        self._record(routing, aux, z, recomputing)
         return y
 
     def _with_aux_losses(
@@ -392,10 +498,12 @@ class MoE(nn.Module):
         logits: torch.Tensor,
         scores: torch.Tensor,
         routing: Routing,
-        record: bool = True,
-    ) -> torch.Tensor:
-        """Attach the load-balancing and z-loss gradients to `y` (values unchanged); add their
-        values to the step's statistics when `record`."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Attach the load-balancing and z-loss gradients to `y` (values unchanged).
+
+        Returns:
+            y, and the (detached) load-balancing and z-loss values, None for a term that is off.
+        """
         c = self.config
         terms = []
         tokens = torch.tensor(float(logits.shape[0]), device=logits.device)
@@ -417,33 +525,40 @@ class MoE(nn.Module):
             z = torch.logsumexp(logits, dim=-1).square().sum() / tokens
             terms.append(c.moe_z_loss_coeff * z)
         if not terms:
-            return y
+            return y, None, None
         aux = torch.stack(terms)
-        if record:
-            self._record_aux(
-                terms[0].detach() if c.moe_aux_loss_coeff > 0 else None,
-                terms[-1].detach() if c.moe_z_loss_coeff else None,
-            )
-        return _InjectAuxGrad.apply(y, aux.sum() * self.aux_share_scale, self.loss_scale)
+        y = _InjectAuxGrad.apply(y, aux.sum() * self.aux_share_scale, self.loss_scale)
+        return (
+            y,
+            terms[0].detach() if c.moe_aux_loss_coeff > 0 else None,
+            terms[-1].detach() if c.moe_z_loss_coeff else None,
+        )
 
-    # Statistics are bookkeeping on Python objects: kept out of compiled graphs, where a counter
-    # that changes every micro-batch made Dynamo recompile the block until its recompile limit.
-    @torch.compiler.disable
+    # Statistics are tensors added to in place, inside compiled graphs too: no graph break, and
+    # nothing Dynamo specializes on changes between micro-batches (no recompiles).
     @torch.no_grad()
-    def _record_aux(self, aux: torch.Tensor | None, z: torch.Tensor | None) -> None:
-        if aux is not None:
-            self.stats.aux_loss = self.stats.aux_loss.to(aux.device) + aux
-        if z is not None:
-            self.stats.z_loss = self.stats.z_loss.to(z.device) + z
-
-    @torch.compiler.disable
-    @torch.no_grad()
-    def _record(self, routing: Routing) -> None:
-        st = self.stats
+    def _record(
+        self,
+        routing: Routing,
+        aux: torch.Tensor | None,
+        z: torch.Tensor | None,
+        recomputing: bool | torch.Tensor,
+    ) -> None:
+        """Add this forward's counts and aux values to the step's statistics, unless it is the
+        rerun of activation recompute."""
+        if recomputing is True:
+            return
         dev = routing.counts.device
-        st.tokens_per_expert = st.tokens_per_expert.to(dev) + routing.counts
-        st.routed_per_expert = st.routed_per_expert.to(dev) + routing.routed
-        st.micro_batches += 1
+        if self.stats.micro_batches.device != dev:  # built on the CPU, run elsewhere
+            self.stats = self.stats.to(dev)
+        st = self.stats
+        st.tokens_per_expert.add_(_unless(recomputing, routing.counts))
+        st.routed_per_expert.add_(_unless(recomputing, routing.routed))
+        st.micro_batches.add_(_unless(recomputing, torch.ones_like(st.micro_batches)))
+        if aux is not None:
+            st.aux_loss.add_(_unless(recomputing, aux.to(st.aux_loss.dtype)))
+        if z is not None:
+            st.z_loss.add_(_unless(recomputing, z.to(st.z_loss.dtype)))
 
     @torch.no_grad()
     def update_expert_bias(self, group: dist.ProcessGroup | None = None) -> None:
