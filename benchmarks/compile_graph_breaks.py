@@ -3,11 +3,16 @@
     torchrun --nproc-per-node 2 benchmarks/compile_graph_breaks.py --tp 2 [--sequence-parallel]
         [--async-grad-reduce] [--op-order]
     python benchmarks/compile_graph_breaks.py            # tp=1 reference
+    python benchmarks/compile_graph_breaks.py --moe      # mixture of experts, one process
+    torchrun --nproc-per-node 2 benchmarks/compile_graph_breaks.py --moe --ep 2
+        [--capacity-factor 1.0]
 
 Runs `torch._dynamo.explain` on a small Llama-style model (CPU, gloo when distributed) and
 prints the graph count, the graph-break count and the distinct break reasons: a compiled
 model that breaks at every communication region runs as many small graphs, which is where
-the TP=2 throughput gap on the H200 is expected to come from.
+the TP=2 throughput gap on the H200 is expected to come from. `--moe` makes every block a
+mixture of experts (8 experts, top-2, load-balancing and z-losses; `--capacity-factor` for
+token dropping), `--ep` splits the experts over that many ranks.
 
 `--op-order` also prints, for the forward and backward, the order of the collective launches
 (`AR`, `RS`, `AG`), their waits (`w`) and the matmuls (`mm`), both in the AOT graphs and in
@@ -30,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from meshtrain.services.common.model_config import ModelConfig  # noqa: E402
 from meshtrain.services.trainer.model.gpt import GPT  # noqa: E402
+from meshtrain.services.trainer.parallel.expert import parallelize_experts  # noqa: E402
 from meshtrain.services.trainer.parallel.mesh import Mesh, init_process_group  # noqa: E402
 from meshtrain.services.trainer.parallel.tensor import parallelize  # noqa: E402
 
@@ -43,9 +49,28 @@ def main() -> None:
         "--op-order", action="store_true", help="print collectives / waits / matmuls in graph order"
     )
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--moe", action="store_true", help="mixture-of-experts blocks")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (with --moe)")
+    p.add_argument(
+        "--capacity-factor", type=float, default=None, help="model.moe_expert_capacity_factor"
+    )
     args = p.parse_args()
+    if (args.ep > 1 or args.capacity_factor is not None) and not args.moe:
+        p.error("--ep and --capacity-factor need --moe")
     init_process_group("gloo")
-    mesh = Mesh.build(tp=args.tp) if dist.is_initialized() else Mesh.single()
+    mesh = Mesh.build(tp=args.tp, ep=args.ep) if dist.is_initialized() else Mesh.single()
+    moe = (
+        dict(
+            num_experts=8,
+            moe_router_topk=2,
+            moe_ffn_hidden_size=64,
+            moe_aux_loss_coeff=1e-2,
+            moe_z_loss_coeff=1e-3,
+            moe_expert_capacity_factor=args.capacity_factor,
+        )
+        if args.moe
+        else {}
+    )
     cfg = ModelConfig(
         num_layers=args.layers,
         hidden_size=128,
@@ -58,20 +83,25 @@ def main() -> None:
         position_embedding_type="rope",
         add_bias_linear=False,
         untie_embeddings_and_output_weights=True,
+        **moe,
     )
     torch.manual_seed(0)
     model = parallelize(
         GPT(cfg), mesh, args.sequence_parallel, async_grad_reduce=args.async_grad_reduce
     )
+    if args.moe:
+        model = parallelize_experts(model, mesh)
     tokens = torch.randint(0, 1000, (2, 64))
     explanation = torch._dynamo.explain(model)(tokens, tokens)
     reasons = collections.Counter(
-        str(b.reason).splitlines()[0][:110] for b in explanation.break_reasons
+        f"{str(b.reason).splitlines()[0][:80]} at {_where(b)}" for b in explanation.break_reasons
     )
     if mesh.rank == 0:
         print(
             f"tp={args.tp} sequence_parallel={args.sequence_parallel} "
-            f"async_grad_reduce={args.async_grad_reduce} layers={args.layers}: "
+            f"async_grad_reduce={args.async_grad_reduce} layers={args.layers}"
+            + (f" moe ep={args.ep} capacity_factor={args.capacity_factor}" if args.moe else "")
+            + ": "
             f"{explanation.graph_count} graphs, {explanation.graph_break_count} graph breaks"
         )
         for reason, n in reasons.most_common():
@@ -88,6 +118,14 @@ def main() -> None:
                         f"{where}, {name}: {hidden} of {len(inflight)} collectives "
                         f"have matmuls in flight\n  {seq}"
                     )
+
+
+def _where(brk) -> str:
+    """file:line and source of the user code a graph break is in (its innermost frame)."""
+    if not brk.user_stack:
+        return "?"
+    f = brk.user_stack[-1]
+    return f"{Path(f.filename).name}:{f.lineno} {(f.line or '').strip()[:60]}"
 
 
 SHORT = {

@@ -58,9 +58,10 @@ class Routing:
     Attributes:
         experts: (tokens, k) int64 chosen global expert ids.
         weights: (tokens, k) fp32 routing weights.
-        order: (kept,) indices into the flattened (tokens*k) choices, in expert order
-            (stable: ties keep token order); dropped choices are left out.
-        counts: (experts,) int64 choices kept per expert (sum = kept).
+        order: (tokens*k,) indices into the flattened choices: the kept ones in expert order
+            (stable: ties keep token order), then the dropped ones (none when dropless). Its
+            length does not depend on the routing, so torch.compile traces it without a break.
+        counts: (experts,) int64 choices kept per expert (sum = kept: order's first rows).
         routed: (experts,) int64 choices per expert before any drop (for statistics).
     """
 
@@ -144,6 +145,10 @@ def route(
         capacity: most choices one expert keeps per group of `tokens_per_group` consecutive
             tokens (one sequence); None: dropless.
         drop_policy: 'probs' keeps an expert's highest-weighted choices, 'position' its earliest.
+
+    Dropped choices are sorted behind the kept ones rather than cut off (a cut would give a
+    tensor whose length depends on the routing: a graph break under torch.compile); the block
+    computes nothing for them.
     """
     t, k = experts.shape
     flat = experts.reshape(-1)
@@ -162,11 +167,11 @@ def route(
     sorted_key = key[by_key]
     starts = torch.searchsorted(sorted_key, sorted_key, right=False)
     rank = torch.arange(t * k, device=flat.device) - starts
-    kept = by_key[rank < capacity]
-    # Expert order for the GEMMs, token order inside each expert (as the dropless path).
-    kept = kept.sort().values
-    order = kept[torch.sort(flat[kept], stable=True).indices]
-    counts = torch.bincount(flat[order], minlength=num_experts)
+    dropped = torch.zeros_like(flat, dtype=torch.bool).scatter(0, by_key, rank >= capacity)
+    # Expert order for the GEMMs, token order inside each expert (as the dropless path); the
+    # dropped choices sort as an expert past the last, so they come after every kept one.
+    order = torch.sort(torch.where(dropped, num_experts, flat), stable=True).indices
+    counts = torch.zeros_like(routed).scatter_add_(0, flat, (~dropped).long())
     return Routing(experts, weights, order, counts, routed)
 
 
@@ -466,9 +471,19 @@ class MoE(nn.Module):
         )
         k = experts.shape[1]
         token = routing.order // k
-        rows, local_counts = self.dispatcher.dispatch(flat[token], routing.counts)
-        out_rows = self.dispatcher.combine(self.experts(rows, local_counts))
+        rows = flat[token]  # (tokens*k, hidden)
         w = weights.reshape(-1)[routing.order].unsqueeze(1)
+        kept = None
+        if self.config.moe_expert_capacity_factor is not None:
+            # The rows past the kept ones are dropped choices. The experts leave their outputs
+            # unwritten (torch._grouped_mm; its backward leaves their input gradients so too) or
+            # zero: `where`s, not products (0 * an unwritten NaN is NaN), keep them out of both.
+            kept = (torch.arange(token.shape[0], device=x.device) < routing.counts.sum())[:, None]
+            rows, w = torch.where(kept, rows, 0), torch.where(kept, w, 0)
+        rows, local_counts = self.dispatcher.dispatch(rows, routing.counts)
+        out_rows = self.dispatcher.combine(self.experts(rows, local_counts))
+        if kept is not None:
+            out_rows = torch.where(kept, out_rows, 0)
         y = torch.zeros(b * s, h, dtype=out_rows.dtype, device=x.device)
         y = y.index_add(0, token, (out_rows.float() * w).to(out_rows.dtype))
         y = y.view(b, s, h)

@@ -75,13 +75,13 @@ class AllToAllDispatcher:
         if num_experts % ep:
             raise ConfigError(f"parallel.ep={ep} must divide model.num_experts={num_experts}")
         self.group, self.ep, self.num_local = group, ep, num_experts // ep
-        self._pending: tuple[list[int], list[int], torch.Tensor] | None = None
+        self._pending: tuple[list[int], list[int], torch.Tensor, int] | None = None
 
     def dispatch(
         self, rows: torch.Tensor, counts: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """rows (n, hidden) in global expert order, counts (experts,) -> (rows, counts) of the
-        local experts.
+        local experts. Rows past counts.sum() (choices a capacity dropped) stay here.
 
         Returns:
             (m, hidden) rows for this rank's experts from every ep rank, local-expert-major (source
@@ -94,9 +94,11 @@ class AllToAllDispatcher:
             [send.sum(1), recv.sum(1)]
         ).tolist()  # the one host sync: the split sizes
         send_splits, recv_splits = splits[: self.ep], splits[self.ep :]
+        n = rows.shape[0]
+        rows = rows[: sum(send_splits)]  # (kept, hidden)
         got = M.all_to_all(rows, self.group, recv_splits, send_splits)  # (m, hidden), source-major
         order = expert_major_order(recv, sum(recv_splits))
-        self._pending = (send_splits, recv_splits, order)
+        self._pending = (send_splits, recv_splits, order, n)
         return got.index_select(0, order), recv.sum(0)
 
     def combine(self, rows: torch.Tensor) -> torch.Tensor:
@@ -104,10 +106,13 @@ class AllToAllDispatcher:
         given."""
         if self._pending is None:
             raise RuntimeError("AllToAllDispatcher.combine without a dispatch before it")
-        send_splits, recv_splits, order = self._pending
+        send_splits, recv_splits, order, n = self._pending
         self._pending = None
         source_major = rows.new_zeros(rows.shape).index_copy(0, order, rows)  # undo the reorder
-        return M.all_to_all(source_major, self.group, send_splits, recv_splits)
+        back = M.all_to_all(source_major, self.group, send_splits, recv_splits)  # (kept, hidden)
+        if back.shape[0] == n:
+            return back
+        return torch.cat([back, back.new_zeros(n - back.shape[0], back.shape[1])])  # dropped
 
 
 def _local_experts(moe: MoE, ep_rank: int, ep: int) -> GroupedExperts:
