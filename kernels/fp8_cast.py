@@ -103,6 +103,19 @@ def saturated_fp8(
     return y.to(q_ptr.dtype.element_ty)  # round to nearest even
 
 
+@triton.jit
+def bf16_rounded(y, BYTES: tl.constexpr):
+    """y (fp32) rounded to the nearest bf16, to nearest even, back in fp32: what an FP8 linear
+    casts from a tensor that arrives in another dtype. BYTES (the CPU interpreter): in integer
+    arithmetic, because the interpreter's fp32 -> bf16 conversion does not round to nearest."""
+    if BYTES:
+        bits = y.to(tl.int32, bitcast=True)
+        lsb = (bits >> 16) & 1
+        rounded = ((bits + 0x7FFF + lsb) & -65536).to(tl.float32, bitcast=True)  # 0xFFFF0000
+        return tl.where(y != y, y, rounded)  # NaN as it is (its payload would carry)
+    return y.to(tl.bfloat16).to(tl.float32)
+
+
 def fp8_constants(dtype: torch.dtype) -> dict:
     """The constexprs `saturated_fp8` takes for an FP8 `dtype`."""
     return dict(
