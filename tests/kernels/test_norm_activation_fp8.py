@@ -1,4 +1,4 @@
-"""The norms and activations that write their output's FP8 copy, against the unfused ops, bit for bit.
+"""Norms and activations writing their output's FP8 copy, against the unfused ops, bit for bit.
 
 `rms_norm_fp8`, `layer_norm_fp8` (kernels/norm_fp8.py), `swiglu_fp8` and `gelu_fp8`
 (kernels/activation_fp8.py) against the plain Triton op followed by the trainer's torch cast
