@@ -16,7 +16,13 @@ train.fp8_fused_casts=false (torch amax, cast, transposing copy) are timed eager
 (`unfused_eager`) and under torch.compile (`unfused_compiled`, what a compiled model ran), and
 `speedup_vs_*` is their time over `tensorwise`'s. JSON is written after each tensor, so a run
 cut short keeps what it measured; cases left when `--time-budget-s` is spent are listed as
-skipped. The full FP8 training step, fused against unfused against bf16, is
+skipped. Then the producers of an FP8 linear's input (RMSNorm, LayerNorm,
+SwiGLU, GELU) that write their output's FP8 copy in the same kernel (kernels/norm_fp8.py,
+kernels/activation_fp8.py), forward only: `plain` (the op alone), `fused_delayed` (y, q and the
+amax, a given scale) against `unfused_delayed` (the op, then the cast kernel with the amax),
+`fused_amax` (y and its amax: current scaling's producer) against `unfused_amax` (the op, then
+fp8_amax), each with its bandwidth against a copy of the op's input; `speedup_*` are the unfused
+times over the fused. The full FP8 training step, fused against unfused against bf16, is
 benchmarks/train_throughput.py with `--variant` (BENCHMARKS.md, "FP8, one GPU").
 """
 
@@ -36,6 +42,13 @@ CASES = {  # name: (rows, cols) of the bf16 tensor cast, llama-1b at 8,192 token
     "fc1_weight": (11264, 2048),
 }
 TINY = {"tiny_input": (48, 40), "tiny_weight": (24, 40)}
+PRODUCERS = {  # op: (rows, input cols) of the bf16 input, llama-1b (GPT-2 style for the others)
+    "rms_norm": (8192, 2048),
+    "layer_norm": (8192, 2048),
+    "swiglu": (8192, 11264),  # [gate | up] of ffn 5632
+    "gelu": (8192, 8192),
+}
+TINY_PRODUCERS = {"rms_norm": (48, 40), "swiglu": (48, 80)}
 
 
 def _timer(device: str, iters: int, warmup: int):
@@ -107,6 +120,62 @@ def measure(name: str, shape, device: str, iters: int, warmup: int, use_compile:
     return row
 
 
+def measure_producer(op: str, shape, device: str, iters: int, warmup: int) -> dict:
+    """A norm or activation that writes its output's FP8 copy (kernels/norm_fp8.py,
+    kernels/activation_fp8.py) against the plain op followed by the cast kernel, forward only."""
+    import torch
+
+    from meshtrain.kernels import dispatch
+
+    time_ms = _timer(device, iters, warmup)
+    fmt = torch.float8_e4m3fn
+    x = torch.randn(shape, device=device, dtype=torch.bfloat16)
+    width = shape[1] // 2 if op == "swiglu" else shape[1]
+    w = torch.ones(width, device=device, dtype=torch.bfloat16)
+    b = torch.zeros(width, device=device, dtype=torch.bfloat16)
+    scale = torch.tensor(1.0, device=device)
+    plain, fused = {
+        "rms_norm": (
+            lambda: dispatch.rms_norm(x, w, 1e-5),
+            lambda s: dispatch.rms_norm_fp8(x, w, 1e-5, s, fmt),
+        ),
+        "layer_norm": (
+            lambda: dispatch.layer_norm(x, w, b, 1e-5),
+            lambda s: dispatch.layer_norm_fp8(x, w, b, 1e-5, s, fmt),
+        ),
+        "swiglu": (lambda: dispatch.swiglu(x), lambda s: dispatch.swiglu_fp8(x, s, fmt)),
+        "gelu": (lambda: dispatch.gelu(x), lambda s: dispatch.gelu_fp8(x, s, fmt)),
+    }[op]
+    n_in, n_out, e = x.numel(), shape[0] * width, x.element_size()
+
+    def unfused_delayed():
+        return dispatch.fp8_cast_transpose(plain(), scale, fmt, False, True)
+
+    def unfused_tensorwise():
+        return dispatch.fp8_amax(plain())
+
+    kernels = {  # name: (call, bytes an ideal kernel moves)
+        "copy": (lambda: x.clone(), 2 * n_in * e),
+        "plain": (plain, (n_in + n_out) * e),
+        "fused_delayed": (lambda: fused(scale), (n_in + n_out) * e + n_out),
+        "unfused_delayed": (unfused_delayed, (n_in + n_out) * e + n_out),
+        "fused_amax": (lambda: fused(None), (n_in + n_out) * e),
+        "unfused_amax": (unfused_tensorwise, (n_in + n_out) * e),
+    }
+    row: dict = {"shape": list(shape), "dtype": "bfloat16", "fp8": "e4m3", "kernels": {}}
+    with torch.no_grad():
+        for kernel, (fn, nbytes) in kernels.items():
+            ms = time_ms(fn)
+            row["kernels"][kernel] = {"ms": ms, "bytes": nbytes, "gbps": nbytes / ms / 1e6}
+    copy_gbps = row["kernels"]["copy"]["gbps"]
+    for stats in row["kernels"].values():
+        stats["frac_of_copy"] = stats["gbps"] / copy_gbps
+    k = row["kernels"]
+    row["speedup_delayed"] = k["unfused_delayed"]["ms"] / k["fused_delayed"]["ms"]
+    row["speedup_amax"] = k["unfused_amax"]["ms"] / k["fused_amax"]["ms"]
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="JSON file to write")
@@ -129,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         "goal_frac_of_copy": 0.85,
         "iters": args.iters,
         "cases": {},
+        "producers": {},
         "skipped": [],
     }
     cases = TINY if args.tiny else CASES
@@ -139,6 +209,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fp8 casts: {name} {shape} ...", flush=True)
         row = measure(name, shape, args.device, args.iters, args.warmup, not args.no_compile)
         report["cases"][name] = row
+        for kernel, stats in row["kernels"].items():
+            print(
+                f"  {kernel:22s} {stats['ms']:8.4f} ms {stats['gbps']:8.1f} GB/s "
+                f"{stats['frac_of_copy']:6.1%} of copy",
+                flush=True,
+            )
+        report["elapsed_s"] = time.perf_counter() - began
+        args.out.write_text(json.dumps(report, indent=2))
+    for op, shape in (TINY_PRODUCERS if args.tiny else PRODUCERS).items():
+        if time.perf_counter() - began > args.time_budget_s:
+            report["skipped"].append(op)
+            continue
+        print(f"fp8 producers: {op} {shape} ...", flush=True)
+        row = measure_producer(op, shape, args.device, args.iters, args.warmup)
+        report["producers"][op] = row
         for kernel, stats in row["kernels"].items():
             print(
                 f"  {kernel:22s} {stats['ms']:8.4f} ms {stats['gbps']:8.1f} GB/s "

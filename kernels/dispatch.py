@@ -45,12 +45,21 @@ _TRITON_MODULES = {
     "linear_cross_entropy": "meshtrain.kernels.cross_entropy",
     "fp8_amax": "meshtrain.kernels.fp8_cast",
     "fp8_cast_transpose": "meshtrain.kernels.fp8_cast",
+    "rms_norm_fp8": "meshtrain.kernels.norm_fp8",
+    "layer_norm_fp8": "meshtrain.kernels.norm_fp8",
+    "swiglu_fp8": "meshtrain.kernels.activation_fp8",
+    "gelu_fp8": "meshtrain.kernels.activation_fp8",
 }
 
 FP8_OPS = ("fp8_amax", "fp8_cast_transpose")
 """The FP8 casts of FP8 training. Not in `OPS`: under torch.compile they take their Triton
 kernel whatever `compiled_ops` holds, because Inductor's fusion of the reference is the amax,
 cast and transposing copy as separate passes that the kernel exists to merge."""
+
+FP8_OUTPUT_OPS = ("rms_norm_fp8", "layer_norm_fp8", "swiglu_fp8", "gelu_fp8")
+"""A norm or an activation that also writes the FP8 copy of its output (and its amax) for the
+FP8 linear after it. Eager only: the FP8 layers call them outside compiled regions, where
+Inductor fuses the plain op and the cast itself."""
 
 # ops that take their Triton kernel inside a compiled region in 'auto' mode (set_mode narrows it)
 _compiled_ops: frozenset[str] = frozenset(OPS)
@@ -192,3 +201,7 @@ linear_cross_entropy.__doc__ = reference.linear_cross_entropy.__doc__
 rope_cos_sin = reference.rope_cos_sin
 fp8_amax = _dispatching("fp8_amax")
 fp8_cast_transpose = _dispatching("fp8_cast_transpose")
+rms_norm_fp8 = _dispatching("rms_norm_fp8")
+layer_norm_fp8 = _dispatching("layer_norm_fp8")
+swiglu_fp8 = _dispatching("swiglu_fp8")
+gelu_fp8 = _dispatching("gelu_fp8")

@@ -88,6 +88,44 @@ def _fp8_codes(y, MANT: tl.constexpr, BIAS: tl.constexpr):
     return tl.where(y.to(tl.int32, bitcast=True) < 0, code | 0x80, code)  # the sign, -0.0 too
 
 
+@triton.jit
+def saturated_fp8(
+    y, q_ptr, FP8_MAX: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, BYTES: tl.constexpr
+):
+    """y (fp32, already scaled) saturated at ±FP8_MAX and rounded to nearest even into q_ptr's
+    FP8 element type: torch's cast. For every kernel that writes an FP8 copy (`fp8_constants`
+    gives the constexprs of a dtype)."""
+    # saturate as torch's clamp does: comparisons leave NaN as it is (min/max might drop it)
+    y = tl.where(y > FP8_MAX, FP8_MAX, y)
+    y = tl.where(y < -FP8_MAX, -FP8_MAX, y)
+    if BYTES:  # the CPU interpreter (see _fp8_codes)
+        return _fp8_codes(y, MANT, BIAS).to(tl.uint8).to(q_ptr.dtype.element_ty, bitcast=True)
+    return y.to(q_ptr.dtype.element_ty)  # round to nearest even
+
+
+@triton.jit
+def bf16_rounded(y, BYTES: tl.constexpr):
+    """y (fp32) rounded to the nearest bf16, to nearest even, back in fp32: what an FP8 linear
+    casts from a tensor that arrives in another dtype. BYTES (the CPU interpreter): in integer
+    arithmetic, because the interpreter's fp32 -> bf16 conversion does not round to nearest."""
+    if BYTES:
+        bits = y.to(tl.int32, bitcast=True)
+        lsb = (bits >> 16) & 1
+        rounded = ((bits + 0x7FFF + lsb) & -65536).to(tl.float32, bitcast=True)  # 0xFFFF0000
+        return tl.where(y != y, y, rounded)  # NaN as it is (its payload would carry)
+    return y.to(tl.bfloat16).to(tl.float32)
+
+
+def fp8_constants(dtype: torch.dtype) -> dict:
+    """The constexprs `saturated_fp8` takes for an FP8 `dtype`."""
+    return dict(
+        FP8_MAX=torch.finfo(dtype).max,
+        MANT=_MANTISSA[dtype],
+        BIAS=_EXPONENT_BIAS[dtype],
+        BYTES=interpreting(),
+    )
+
+
 @triton.autotune(
     configs=_tile_configs(),
     key=["M", "N", "TRANSPOSE", "AMAX"],
@@ -124,14 +162,7 @@ def _fp8_cast_transpose(
     x = tl.load(
         x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn, mask=mask, other=0.0
     ).to(tl.float32)
-    y = x * tl.load(scale_ptr)
-    # saturate as torch's clamp does: comparisons leave NaN as it is (min/max might drop it)
-    y = tl.where(y > FP8_MAX, FP8_MAX, y)
-    y = tl.where(y < -FP8_MAX, -FP8_MAX, y)
-    if BYTES:  # the CPU interpreter (see _fp8_codes)
-        q = _fp8_codes(y, MANT, BIAS).to(tl.uint8).to(q_ptr.dtype.element_ty, bitcast=True)
-    else:
-        q = y.to(q_ptr.dtype.element_ty)  # round to nearest even
+    q = saturated_fp8(x * tl.load(scale_ptr), q_ptr, FP8_MAX, MANT, BIAS, BYTES)
     tl.store(q_ptr + rows[:, None] * N + cols[None, :], q, mask=mask)
     if TRANSPOSE:
         mask_t = (cols < N)[:, None] & (rows < M)[None, :]
@@ -193,10 +224,7 @@ def _cast_transpose(
         n,
         x.stride(0),
         x.stride(1),
-        FP8_MAX=torch.finfo(q.dtype).max,
-        MANT=_MANTISSA[q.dtype],
-        BIAS=_EXPONENT_BIAS[q.dtype],
-        BYTES=interpreting(),
+        **fp8_constants(q.dtype),
         TRANSPOSE=transpose,
         AMAX=with_amax,
         INT64=int64,

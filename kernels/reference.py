@@ -90,6 +90,60 @@ def fp8_cast_transpose(
     return q, qt, fp8_amax(x) if amax else None
 
 
+def _fp8_copy(
+    y: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(the FP8 copy of y as an FP8 linear casts it: bf16(y) · scale, saturated, shaped like y,
+    or None without a scale; amax(|bf16(y)|))."""
+    yb = y.detach().to(torch.bfloat16)
+    amax = fp8_amax(yb)
+    if scale is None:
+        return None, amax
+    q = fp8_cast_transpose(yb.reshape(-1, yb.shape[-1]), scale, dtype, transpose=False)[0]
+    return q.view(y.shape), amax
+
+
+def rms_norm_fp8(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    scale: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """`rms_norm`, then the FP8 copy of its output (None without a scale) and its amax."""
+    y = rms_norm(x, weight, eps)
+    return (y, *_fp8_copy(y, scale, dtype))
+
+
+def layer_norm_fp8(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    scale: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """`layer_norm`, then the FP8 copy of its output (None without a scale) and its amax."""
+    y = layer_norm(x, weight, bias, eps)
+    return (y, *_fp8_copy(y, scale, dtype))
+
+
+def swiglu_fp8(
+    gate_up: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """`swiglu`, then the FP8 copy of its output (None without a scale) and its amax."""
+    y = swiglu(gate_up)
+    return (y, *_fp8_copy(y, scale, dtype))
+
+
+def gelu_fp8(
+    x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """`gelu`, then the FP8 copy of its output (None without a scale) and its amax."""
+    y = gelu(x)
+    return (y, *_fp8_copy(y, scale, dtype))
+
+
 def rope_cos_sin(
     seq_len: int, head_dim: int, base: float, device=None
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,6 +10,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = ("copy", "amax", "cast", "cast_transpose", "cast_transpose_amax", "tensorwise")
+PRODUCER_KERNELS = (
+    "copy",
+    "plain",
+    "fused_delayed",
+    "unfused_delayed",
+    "fused_amax",
+    "unfused_amax",
+)
 
 
 @pytest.mark.e2e
@@ -45,3 +53,9 @@ def test_runs_on_cpu_and_writes_every_field(tmp_path):
             assert stats["frac_of_copy"] > 0
         assert row["kernels"]["copy"]["frac_of_copy"] == 1.0
         assert row["speedup_vs_unfused_eager"] > 0
+    assert set(report["producers"]) == {"rms_norm", "swiglu"}
+    for row in report["producers"].values():
+        assert set(row["kernels"]) == set(PRODUCER_KERNELS)
+        for stats in row["kernels"].values():
+            assert stats["ms"] > 0 and stats["bytes"] > 0 and stats["frac_of_copy"] > 0
+        assert row["speedup_delayed"] > 0 and row["speedup_amax"] > 0

@@ -15,13 +15,15 @@ from tests.kernels.conftest import HAS_TRITON, needs_triton
 
 def test_kernels_import_without_loading_triton_kernels():
     """Dispatch itself never imports a kernel module: CPU-only installs need no Triton."""
-    assert set(dispatch._TRITON_MODULES) == set(dispatch.OPS) | set(dispatch.FP8_OPS)
+    assert set(dispatch._TRITON_MODULES) == (
+        set(dispatch.OPS) | set(dispatch.FP8_OPS) | set(dispatch.FP8_OUTPUT_OPS)
+    )
 
 
 @needs_triton
 def test_every_op_registers_on_cuda(monkeypatch):
     monkeypatch.setenv("MESHTRAIN_KERNELS", "triton")
-    for op in dispatch.OPS + dispatch.FP8_OPS:
+    for op in dispatch.OPS + dispatch.FP8_OPS + dispatch.FP8_OUTPUT_OPS:
         fast = dispatch.resolve(op, on_cuda=True)
         assert fast is dispatch._FAST[op] and fast.__module__ == dispatch._TRITON_MODULES[op]
 

@@ -114,6 +114,8 @@ class TrainConfig:
     """FP8 casts in fused kernels on CUDA (kernels/fp8_cast.py): one pass writes a tensor's FP8
     copy and the transposed copy the weight gradient needs (and, delayed, the amax for the next
     step's scale), where separate amax, cast and transpose kernels each read the tensor again.
+    The norms and activations before the FP8 linears also write their output's FP8 copy (or,
+    current scaling, its amax) in their own kernel (fp8/fused_inputs.py; eager layers).
     The same FP8 values bit for bit; false: the separate torch ops (for A/B timing)."""
     fp8_all_gather: bool = True
     """Under sequence parallelism, the FP8 column-parallel layers (QKV, fc1) cast their input

@@ -5,7 +5,9 @@ projection, fc1 and fc2) into FP8 layers, after tensor parallelism has sharded t
 pipeline splits the model. Always bf16: the output layer (its logits feed the loss) and the
 embeddings; mixture-of-experts blocks (their grouped expert GEMMs and routers); the first and
 last `bf16_layers_at_start/end` blocks when asked; and any weight whose local shape cuBLAS's FP8
-GEMM refuses (a dimension not a multiple of 16), named in the log. Parameters, their names and
+GEMM refuses (a dimension not a multiple of 16), named in the log. With fused casts (tensorwise
+and delayed), the norms and activations before those layers write their output's FP8 copy or amax
+in the same kernel (`fused_inputs`). Parameters, their names and
 the state dict do not change, so checkpoints of FP8 and bf16 runs load into each other.
 
 Delayed scaling keeps one stacked state for the model (`DelayedState`); `Fp8Model.step_end()`,
@@ -39,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshtrain.services.common.errors import ConfigError
+from meshtrain.services.trainer.fp8.fused_inputs import fuse_input_casts
 from meshtrain.services.trainer.fp8.linear import (
     DelayedState,
     Fp8Gemm,
@@ -64,6 +67,9 @@ class Fp8Model:
     kept: list[str] = field(default_factory=list)  # dense linears left in bf16, with the reason
     delayed: DelayedState | None = None
     groups: tuple[dist.ProcessGroup | None, ...] = ()
+    fused_inputs: list[str] = field(default_factory=list)
+    """The norms and MLPs whose kernels hand the FP8 linear after them its input already cast
+    (train.fp8_fused_casts, eager; `fp8.fused_inputs`)."""
 
     @torch.no_grad()
     def step_end(self) -> None:
@@ -198,8 +204,12 @@ def apply_fp8(
                 layer.async_grad = (
                     False  # its fused backward runs bf16 GEMMs; the plain path takes FP8
                 )
+    fused_inputs = []
+    if recipe.fused_casts and recipe.recipe != "rowwise":  # see fp8/fused_inputs.py
+        for i, block in blocks:
+            fused_inputs += [f"layers.{i}.{name}" for name in fuse_input_casts(block)]
     groups = (mesh.group("tp"), mesh.group("dp_cp")) if state is not None else ()
-    return Fp8Model(recipe, [name for name, _ in chosen], kept, state, groups)
+    return Fp8Model(recipe, [name for name, _ in chosen], kept, state, groups, fused_inputs)
 
 
 def _activation_group(mesh: Mesh, tp_split: bool) -> dist.ProcessGroup | None:

@@ -42,6 +42,7 @@ from torch.distributed import _functional_collectives as funcol
 
 from meshtrain.services.trainer.fp8.scaling import (
     Recipe,
+    _fused_here,
     amax,
     amax_to_scale,
     cast_to_fp8,
@@ -131,21 +132,28 @@ def _col_major(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
-def _cast(t, role, recipe, dtype, group, history, scale, delayed, transpose):
+def _cast(t, role, recipe, dtype, group, history, scale, delayed, transpose, made=None):
     """Scale and cast one operand of `_TensorScaled` (role: its row in the delayed state, 0 input,
     1 weight, 2 output gradient): (scale, (FP8 t, its transpose or None, amax or None)).
 
     Current scaling takes the amax first (over `group`) and casts with the scale from it;
     delayed scaling casts with the earlier steps' scale, the amax for the history coming from
     the same pass. Either way the amax raises the history's entry (when one is recorded).
+    `made`: (FP8 t or None, amax(t)) from the kernel that produced t (`Fp8Gemm.offer_input`):
+    delayed, t's FP8 copy is taken as it is (its transpose is an FP8 copy); current, the amax.
     """
     fused = recipe.fused_casts
-    if delayed:
+    if made is not None and delayed:
+        q, a = made
+        q = q.reshape(t.shape)  # (M, K)
+        out = (q, q.t().contiguous() if transpose else None, a)
+        s = scale[role]
+    elif delayed:
         s = scale[role]
         out = cast_transpose(t, s, dtype, fused, transpose, with_amax=history is not None)
         a = out[2]
     else:
-        a = _reduced_amax(t, group, fused)
+        a = _reduced_amax(t, group, fused) if made is None else _all_max(made[1], group)
         s = amax_to_scale(a, torch.finfo(dtype).max, recipe.margin)
         out = cast_transpose(t, s, dtype, fused, transpose)
     if history is not None:
@@ -174,13 +182,15 @@ class _TensorScaled(torch.autograd.Function):
         sw=None,
         seq_group=None,
         wgrad: bool = True,
+        made=None,
     ):
         """wq, wq_t, sw: the weight already cast this step (`Fp8WeightCache`: wq (N, K) and its
         transpose (K, N), both FP8, and its scale); None: cast here. seq_group: x is this rank's
         sequence chunk (b, s/tp, K), cast to FP8 and all-gathered along the sequence over this
         group before the GEMM (sequence parallelism); its gradient is reduce-scattered back.
         wgrad: the backward will compute the weight gradient (x's transpose is then cast here,
-        with x, where the casts are fused)."""
+        with x, where the casts are fused). made: x's FP8 copy and amax from the kernel that
+        produced x (`Fp8Gemm.offer_input`), in place of casting x here."""
         fmt, w_dtype, fused = recipe.dtypes, weight.dtype, recipe.fused_casts
         # from bf16 whatever arrives (an fp32 master weight, its bf16 copy): one rounding path
         x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # (M, K), M this rank's tokens
@@ -189,7 +199,7 @@ class _TensorScaled(torch.autograd.Function):
         transpose_x = fused and wgrad and seq_group is None
         # record this micro-batch's amaxes in the history, for the next steps' scales
         sx, (xq, xq_t, ax) = _cast(
-            x2, 0, recipe, fmt.forward, groups.input, history, scale, delayed, transpose_x
+            x2, 0, recipe, fmt.forward, groups.input, history, scale, delayed, transpose_x, made
         )  # (M, K), (K, M) or None
         if wq is None:
             weight = weight.to(torch.bfloat16)  # (N, K)
@@ -242,7 +252,7 @@ class _TensorScaled(torch.autograd.Function):
             dw = _deliver_weight_grad(ctx, main_grad, dw)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
-        return dx, dw, db, None, None, None, None, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None, None, None, None, None
 
 
 class _RowScaled(torch.autograd.Function):
@@ -355,6 +365,42 @@ class Fp8Gemm:
                 "(or one holding it: tp x cp)"
             )
         self.recipe, self.groups, self.delayed, self.seq_group = recipe, groups, delayed, seq_group
+        self._offered: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, int] | None = None
+
+    def input_plan(self) -> tuple[torch.dtype, torch.Tensor | None] | None:
+        """What the kernel producing this GEMM's input may make in its own pass (Transformer
+        Engine's LayerNormLinear): None, nothing (rowwise scales, casts not fused, or inside
+        torch.compile, where Inductor fuses the casts itself); else (the FP8 dtype, the scale to
+        cast with now: delayed scaling's, or None where the scale waits for the input's amax)."""
+        if self.recipe.recipe == "rowwise" or not _fused_here(self.recipe.fused_casts):
+            return None
+        scale = None
+        if self.delayed is not None and self.delayed[0].ready:
+            state, i = self.delayed
+            scale = state.scale[i, 0]
+        return self.recipe.dtypes.forward, scale
+
+    def offer_input(self, y: torch.Tensor, q: torch.Tensor | None, amax: torch.Tensor) -> None:
+        """Hand over y's FP8 copy (q, made with `input_plan`'s scale; None without one) and
+        amax(|bf16(y)|), made by the kernel that produced y. The next call takes them in place
+        of casting if its input is y (the same bytes: y itself or an alias, not a copy or a
+        padded or gathered tensor); any other input is cast as usual and the offer dropped."""
+        self._offered = (y, q, amax, y._version)
+
+    def _take_offer(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+        offered, self._offered = self._offered, None
+        if offered is None or torch.compiler.is_compiling():
+            return None
+        y, q, amax, version = offered
+        same = x is y or (
+            x.data_ptr() == y.data_ptr()
+            and x.shape == y.shape
+            and x.stride() == y.stride()
+            and x.dtype == y.dtype
+            and x.device == y.device
+        )
+        # and nothing wrote into it since (an alias shares its base's version counter)
+        return (q, amax) if same and x._version == version else None
 
     @property
     def gathers_sequence(self) -> bool:
@@ -370,10 +416,11 @@ class Fp8Gemm:
         cast: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """`cast`: (FP8 weight, its transpose, its scale) from `Fp8WeightCache` (not rowwise)."""
+        made = self._take_offer(x)
         if self.seq_group is not None:
             gathered = x.numel() // x.shape[-1] * dist.get_world_size(self.seq_group)
             if self.recipe.recipe != "rowwise" and not (x.is_cuda and gathered % 16):
-                return self._gemm(x, weight, bias, main_grad, cast, self.seq_group)
+                return self._gemm(x, weight, bias, main_grad, cast, self.seq_group, made)
             x = M.gather_from_sequence(
                 x, self.seq_group
             )  # in bf16, then as an input that arrived whole
@@ -385,9 +432,9 @@ class Fp8Gemm:
             padded = torch.cat([rows, rows.new_zeros(-tokens % 16, x.shape[-1])])
             y = self._gemm(padded, weight, bias, main_grad, cast, None)[:tokens]
             return y.reshape(*x.shape[:-1], y.shape[-1])
-        return self._gemm(x, weight, bias, main_grad, cast, None)
+        return self._gemm(x, weight, bias, main_grad, cast, None, made)
 
-    def _gemm(self, x, weight, bias, main_grad, cast, seq_group) -> torch.Tensor:
+    def _gemm(self, x, weight, bias, main_grad, cast, seq_group, made=None) -> torch.Tensor:
         with torch.autocast(x.device.type, enabled=False):
             if self.recipe.recipe == "rowwise":
                 return _RowScaled.apply(x, weight, bias, main_grad, self.recipe, self.groups.tokens)
@@ -417,6 +464,7 @@ class Fp8Gemm:
                 seq_group,
                 # decided here, not from ctx in the forward: a plain bool under torch.compile too
                 torch.is_grad_enabled() and (main_grad is not None or weight.requires_grad),
+                made if made is None or made[0] is not None or not ready else None,
             )
 
 

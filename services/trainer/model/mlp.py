@@ -30,5 +30,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (batch, seq, hidden) -> (batch, seq, hidden)."""
         h = self.fc1(x)  # (b, s, ffn) or (b, s, 2*ffn) = [gate | up]
-        h = dispatch.swiglu(h) if self.swiglu else dispatch.gelu(h)  # (b, s, ffn)
-        return self.fc2(h)
+        return self.fc2(self.activation(h))
+
+    def activation(self, h: torch.Tensor) -> torch.Tensor:
+        """(b, s, 2*ffn) = [gate | up] for SwiGLU, else (b, s, ffn) -> (b, s, ffn)."""
+        return dispatch.swiglu(h) if self.swiglu else dispatch.gelu(h)
