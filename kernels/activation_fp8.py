@@ -31,7 +31,13 @@ from meshtrain.kernels import gelu as _gelu
 from meshtrain.kernels import reference
 from meshtrain.kernels import swiglu as _swiglu
 from meshtrain.kernels._launch import as_rows, wrap_triton
-from meshtrain.kernels.fp8_cast import FP8_DTYPES, bf16_rounded, fp8_constants, saturated_fp8
+from meshtrain.kernels.fp8_cast import (
+    FP8_DTYPES,
+    bf16_rounded,
+    fp8_bytes,
+    fp8_constants,
+    saturated_fp8,
+)
 
 
 @triton.jit
@@ -49,6 +55,7 @@ def _activation_fp8_fwd(
     MANT: tl.constexpr,
     BIAS: tl.constexpr,
     BYTES: tl.constexpr,
+    E5M2: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """One column block of one row: y (rows, width) contiguous, q likewise where QUANT, amax."""
@@ -65,7 +72,7 @@ def _activation_fp8_fwd(
     tl.store(y_ptr + row * width + cols, out, mask=mask)
     yb = bf16_rounded(out.to(tl.float32), BYTES)  # as the FP8 linear reads y
     if QUANT:
-        q = saturated_fp8(yb * tl.load(scale_ptr), q_ptr, FP8_MAX, MANT, BIAS, BYTES)
+        q = saturated_fp8(yb * tl.load(scale_ptr), FP8_MAX, MANT, BIAS, BYTES, E5M2)
         tl.store(q_ptr + row * width + cols, q, mask=mask)
     bits = tl.where(mask, tl.abs(yb).to(tl.int32, bitcast=True), 0)  # see kernels/fp8_cast.py
     tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), tl.max(bits, axis=0))
@@ -92,7 +99,7 @@ def _forward(h: torch.Tensor, scale, dtype, swiglu: bool):
         wrap_triton(_activation_fp8_fwd)[(rows * triton.cdiv(width, block),)](
             h2,
             y,
-            q if quant else y,
+            fp8_bytes(q) if quant else y,
             scale.reshape(()).float() if quant else amax,
             amax,
             h2.stride(0),

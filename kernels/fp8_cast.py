@@ -90,17 +90,28 @@ def _fp8_codes(y, MANT: tl.constexpr, BIAS: tl.constexpr):
 
 @triton.jit
 def saturated_fp8(
-    y, q_ptr, FP8_MAX: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, BYTES: tl.constexpr
+    y,
+    FP8_MAX: tl.constexpr,
+    MANT: tl.constexpr,
+    BIAS: tl.constexpr,
+    BYTES: tl.constexpr,
+    E5M2: tl.constexpr,
 ):
-    """y (fp32, already scaled) saturated at ±FP8_MAX and rounded to nearest even into q_ptr's
-    FP8 element type: torch's cast. For every kernel that writes an FP8 copy (`fp8_constants`
-    gives the constexprs of a dtype)."""
+    """y (fp32, already scaled) saturated at ±FP8_MAX and rounded to nearest even to FP8 (E5M2:
+    float8_e5m2, else float8_e4m3fn): torch's cast, returned as its bytes (uint8). For every
+    kernel that writes an FP8 copy (`fp8_constants` gives the constexprs of a dtype).
+
+    Kernels store into the FP8 tensor viewed as bytes (`fp8_bytes`): under torch.compile
+    Inductor autotunes a user kernel on random tensors of each argument's dtype, and torch
+    cannot draw random FP8 tensors."""
     # saturate as torch's clamp does: comparisons leave NaN as it is (min/max might drop it)
     y = tl.where(y > FP8_MAX, FP8_MAX, y)
     y = tl.where(y < -FP8_MAX, -FP8_MAX, y)
     if BYTES:  # the CPU interpreter (see _fp8_codes)
-        return _fp8_codes(y, MANT, BIAS).to(tl.uint8).to(q_ptr.dtype.element_ty, bitcast=True)
-    return y.to(q_ptr.dtype.element_ty)  # round to nearest even
+        return _fp8_codes(y, MANT, BIAS).to(tl.uint8)
+    if E5M2:
+        return y.to(tl.float8e5).to(tl.uint8, bitcast=True)  # round to nearest even
+    return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
 
 
 @triton.jit
@@ -123,7 +134,13 @@ def fp8_constants(dtype: torch.dtype) -> dict:
         MANT=_MANTISSA[dtype],
         BIAS=_EXPONENT_BIAS[dtype],
         BYTES=interpreting(),
+        E5M2=dtype == torch.float8_e5m2,
     )
+
+
+def fp8_bytes(q: torch.Tensor) -> torch.Tensor:
+    """An FP8 tensor viewed as its bytes: what a kernel calling `saturated_fp8` stores into."""
+    return q.view(torch.uint8)
 
 
 @triton.autotune(
@@ -146,6 +163,7 @@ def _fp8_cast_transpose(
     MANT: tl.constexpr,
     BIAS: tl.constexpr,
     BYTES: tl.constexpr,
+    E5M2: tl.constexpr,
     TRANSPOSE: tl.constexpr,
     AMAX: tl.constexpr,
     INT64: tl.constexpr,
@@ -162,7 +180,7 @@ def _fp8_cast_transpose(
     x = tl.load(
         x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn, mask=mask, other=0.0
     ).to(tl.float32)
-    q = saturated_fp8(x * tl.load(scale_ptr), q_ptr, FP8_MAX, MANT, BIAS, BYTES)
+    q = saturated_fp8(x * tl.load(scale_ptr), FP8_MAX, MANT, BIAS, BYTES, E5M2)
     tl.store(q_ptr + rows[:, None] * N + cols[None, :], q, mask=mask)
     if TRANSPOSE:
         mask_t = (cols < N)[:, None] & (rows < M)[None, :]
@@ -217,8 +235,8 @@ def _cast_transpose(
     wrap_triton(_fp8_cast_transpose)[grid](
         x,
         scale,
-        q,
-        qt,
+        fp8_bytes(q),
+        fp8_bytes(qt),
         amax,
         m,
         n,

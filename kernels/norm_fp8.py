@@ -44,7 +44,13 @@ from meshtrain.kernels._launch import (
     row_configs,
     wrap_triton,
 )
-from meshtrain.kernels.fp8_cast import FP8_DTYPES, bf16_rounded, fp8_constants, saturated_fp8
+from meshtrain.kernels.fp8_cast import (
+    FP8_DTYPES,
+    bf16_rounded,
+    fp8_bytes,
+    fp8_constants,
+    saturated_fp8,
+)
 
 _prune_plain = prune_row_configs(backward=False)
 
@@ -103,6 +109,7 @@ def _norm_fp8_fwd(
     MANT: tl.constexpr,
     BIAS: tl.constexpr,
     BYTES: tl.constexpr,
+    E5M2: tl.constexpr,
     BLOCK: tl.constexpr,
     EVEN_COLS: tl.constexpr,
     INT64: tl.constexpr,
@@ -152,7 +159,7 @@ def _norm_fp8_fwd(
     # y as the FP8 linear reads it: in bf16, whatever y's dtype
     yb = bf16_rounded(out.to(tl.float32), BYTES)
     if QUANT:
-        q = saturated_fp8(yb * tl.load(scale_ptr), q_ptr, FP8_MAX, MANT, BIAS, BYTES)
+        q = saturated_fp8(yb * tl.load(scale_ptr), FP8_MAX, MANT, BIAS, BYTES, E5M2)
         tl.store(q_ptr + offsets, q, mask=mask)
     # |y| as int32 bits (see kernels/fp8_cast.py); lanes off the tensor (a bias there) count 0
     bits = tl.where(mask, tl.abs(yb).to(tl.int32, bitcast=True), 0)
@@ -199,7 +206,7 @@ def _forward(x, weight, bias, eps, scale, dtype, rms: bool):
         y,
         rstd if mean is None else mean,
         rstd,
-        q if quant else y,
+        fp8_bytes(q) if quant else y,
         scale_arg,
         amax,
         x2.stride(0),

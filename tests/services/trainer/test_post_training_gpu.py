@@ -121,7 +121,7 @@ def test_grpo_rollout_logps_are_the_trainers(gpu_device, tmp_path):
 
         rollouts.backend.generate = keep  # type: ignore[method-assign]
         trainer.train_step(0)
-        stats = trainer.grpo_stats
+        stats = trainer.objective.stats  # this step's summed loss statistics
         assert stats is not None and float(stats[1:4].sum()) == 0  # ratio 1: nothing clipped
         rows = [(t, tg) for _, _, tg in rollouts.micro for t in range(len(tg.advantages))]
         assert len(rows) == len(sampled) == 32
