@@ -24,6 +24,13 @@ amax, a given scale) against `unfused_delayed` (the op, then the cast kernel wit
 fp8_amax), each with its bandwidth against a copy of the op's input; `speedup_*` are the unfused
 times over the fused. The full FP8 training step, fused against unfused against bf16, is
 benchmarks/train_throughput.py with `--variant` (BENCHMARKS.md, "FP8, one GPU").
+
+Two times per kernel on CUDA: `ms`, one call between two events (what an eager layer waits,
+the host's launch included: a Triton launch from Python costs tens of microseconds, as long as
+the kernel itself at these sizes), and `device_ms`, `--graph-calls` calls captured in one CUDA
+graph and replayed (the kernels alone, back to back, no host in between: what the kernel
+achieves, and what a layer gets once the GPU runs ahead of the host). `device_frac_of_copy` is
+the goal's measure; `null` where a call cannot be captured (and on CPU).
 """
 
 from __future__ import annotations
@@ -51,6 +58,77 @@ PRODUCERS = {  # op: (rows, input cols) of the bf16 input, llama-1b (GPT-2 style
 TINY_PRODUCERS = {"rms_norm": (48, 40), "swiglu": (48, 80)}
 
 
+def _graph_timer(device: str, iters: int, calls: int):
+    """Per-call device time of `fn` replayed from a CUDA graph of `calls` calls (None off CUDA,
+    or where capture fails); `fn` has run before, so autotuning is done."""
+    import torch
+
+    def device_ms(fn) -> float | None:
+        if device != "cuda" or calls < 1:
+            return None
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn()  # on the capture stream once, as torch.cuda.graph asks
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(calls):
+                    fn()
+        except Exception as e:  # noqa: BLE001 - report which call could not be captured
+            print(f"  (not captured: {type(e).__name__}: {str(e)[:120]})", flush=True)
+            return None
+        graph.replay()
+        samples = []
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / calls)
+        del graph
+        return statistics.median(samples)
+
+    return device_ms
+
+
+def _stats(kernels: dict, time_ms, device_ms) -> dict:
+    """Each kernel timed both ways, with bandwidth against the same run's copy."""
+    out = {}
+    for kernel, (fn, nbytes) in kernels.items():
+        ms = time_ms(fn)
+        dev = device_ms(fn)
+        out[kernel] = {
+            "ms": ms,
+            "bytes": nbytes,
+            "gbps": nbytes / ms / 1e6,
+            "device_ms": dev,
+            "device_gbps": None if dev is None else nbytes / dev / 1e6,
+        }
+    copy = out["copy"]
+    for stats in out.values():
+        stats["frac_of_copy"] = stats["gbps"] / copy["gbps"]
+        both = stats["device_gbps"] is not None and copy["device_gbps"] is not None
+        stats["device_frac_of_copy"] = stats["device_gbps"] / copy["device_gbps"] if both else None
+    return out
+
+
+def _print(kernels: dict) -> None:
+    for kernel, st in kernels.items():
+        dev = (
+            f"   device {st['device_ms']:8.4f} ms {st['device_frac_of_copy']:6.1%} of copy"
+            if st["device_frac_of_copy"] is not None
+            else ""
+        )
+        print(
+            f"  {kernel:22s} {st['ms']:8.4f} ms {st['gbps']:8.1f} GB/s "
+            f"{st['frac_of_copy']:6.1%} of copy{dev}",
+            flush=True,
+        )
+
+
 def _timer(device: str, iters: int, warmup: int):
     import torch
 
@@ -75,7 +153,9 @@ def _timer(device: str, iters: int, warmup: int):
     return time_ms
 
 
-def measure(name: str, shape, device: str, iters: int, warmup: int, use_compile: bool) -> dict:
+def measure(
+    name: str, shape, device: str, iters: int, warmup: int, use_compile: bool, calls: int
+) -> dict:
     import torch
 
     from meshtrain.kernels import dispatch
@@ -106,13 +186,8 @@ def measure(name: str, shape, device: str, iters: int, warmup: int, use_compile:
     if use_compile:
         compiled = torch.compile(lambda: tensorwise(False))
         kernels["unfused_compiled"] = (compiled, 2 * n * e + 2 * n)
-    row: dict = {"shape": list(shape), "dtype": "bfloat16", "fp8": "e4m3", "kernels": {}}
-    for kernel, (fn, nbytes) in kernels.items():
-        ms = time_ms(fn)
-        row["kernels"][kernel] = {"ms": ms, "bytes": nbytes, "gbps": nbytes / ms / 1e6}
-    copy_gbps = row["kernels"]["copy"]["gbps"]
-    for stats in row["kernels"].values():
-        stats["frac_of_copy"] = stats["gbps"] / copy_gbps
+    row: dict = {"shape": list(shape), "dtype": "bfloat16", "fp8": "e4m3"}
+    row["kernels"] = _stats(kernels, time_ms, _graph_timer(device, iters, calls))
     fused_ms = row["kernels"]["tensorwise"]["ms"]
     for other in ("unfused_eager", "unfused_compiled"):
         if other in row["kernels"]:
@@ -120,7 +195,7 @@ def measure(name: str, shape, device: str, iters: int, warmup: int, use_compile:
     return row
 
 
-def measure_producer(op: str, shape, device: str, iters: int, warmup: int) -> dict:
+def measure_producer(op: str, shape, device: str, iters: int, warmup: int, calls: int) -> dict:
     """A norm or activation that writes its output's FP8 copy (kernels/norm_fp8.py,
     kernels/activation_fp8.py) against the plain op followed by the cast kernel, forward only."""
     import torch
@@ -162,14 +237,9 @@ def measure_producer(op: str, shape, device: str, iters: int, warmup: int) -> di
         "fused_amax": (lambda: fused(None), (n_in + n_out) * e),
         "unfused_amax": (unfused_tensorwise, (n_in + n_out) * e),
     }
-    row: dict = {"shape": list(shape), "dtype": "bfloat16", "fp8": "e4m3", "kernels": {}}
+    row: dict = {"shape": list(shape), "dtype": "bfloat16", "fp8": "e4m3"}
     with torch.no_grad():
-        for kernel, (fn, nbytes) in kernels.items():
-            ms = time_ms(fn)
-            row["kernels"][kernel] = {"ms": ms, "bytes": nbytes, "gbps": nbytes / ms / 1e6}
-    copy_gbps = row["kernels"]["copy"]["gbps"]
-    for stats in row["kernels"].values():
-        stats["frac_of_copy"] = stats["gbps"] / copy_gbps
+        row["kernels"] = _stats(kernels, time_ms, _graph_timer(device, iters, calls))
     k = row["kernels"]
     row["speedup_delayed"] = k["unfused_delayed"]["ms"] / k["fused_delayed"]["ms"]
     row["speedup_amax"] = k["unfused_amax"]["ms"] / k["fused_amax"]["ms"]
@@ -185,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=5, help="untimed calls first")
     parser.add_argument("--no-compile", action="store_true", help="skip unfused_compiled")
     parser.add_argument("--time-budget-s", type=float, default=120.0)
+    parser.add_argument(
+        "--graph-calls", type=int, default=10, help="calls per CUDA graph for device_ms (0: skip)"
+    )
     args = parser.parse_args(argv)
 
     import torch
@@ -207,14 +280,11 @@ def main(argv: list[str] | None = None) -> int:
             report["skipped"].append(name)
             continue
         print(f"fp8 casts: {name} {shape} ...", flush=True)
-        row = measure(name, shape, args.device, args.iters, args.warmup, not args.no_compile)
+        row = measure(
+            name, shape, args.device, args.iters, args.warmup, not args.no_compile, args.graph_calls
+        )
         report["cases"][name] = row
-        for kernel, stats in row["kernels"].items():
-            print(
-                f"  {kernel:22s} {stats['ms']:8.4f} ms {stats['gbps']:8.1f} GB/s "
-                f"{stats['frac_of_copy']:6.1%} of copy",
-                flush=True,
-            )
+        _print(row["kernels"])
         report["elapsed_s"] = time.perf_counter() - began
         args.out.write_text(json.dumps(report, indent=2))
     for op, shape in (TINY_PRODUCERS if args.tiny else PRODUCERS).items():
@@ -222,14 +292,9 @@ def main(argv: list[str] | None = None) -> int:
             report["skipped"].append(op)
             continue
         print(f"fp8 producers: {op} {shape} ...", flush=True)
-        row = measure_producer(op, shape, args.device, args.iters, args.warmup)
+        row = measure_producer(op, shape, args.device, args.iters, args.warmup, args.graph_calls)
         report["producers"][op] = row
-        for kernel, stats in row["kernels"].items():
-            print(
-                f"  {kernel:22s} {stats['ms']:8.4f} ms {stats['gbps']:8.1f} GB/s "
-                f"{stats['frac_of_copy']:6.1%} of copy",
-                flush=True,
-            )
+        _print(row["kernels"])
         report["elapsed_s"] = time.perf_counter() - began
         args.out.write_text(json.dumps(report, indent=2))
     args.out.write_text(json.dumps(report, indent=2))
