@@ -117,6 +117,11 @@ class TrainConfig:
     The norms and activations before the FP8 linears also write their output's FP8 copy (or,
     current scaling, its amax) in their own kernel (fp8/fused_inputs.py; eager layers).
     The same FP8 values bit for bit; false: the separate torch ops (for A/B timing)."""
+    fp8_fused_casts_compiled: bool = False
+    """With fp8_fused_casts and train.compile: the cast kernels inside the compiled regions too,
+    launched by Inductor as they are. Off (the default), a compiled region traces the torch
+    casts and Inductor generates and fuses them with their neighbours; the norms and activations
+    that write FP8 copies serve eager layers either way."""
     fp8_all_gather: bool = True
     """Under sequence parallelism, the FP8 column-parallel layers (QKV, fc1) cast their input
     chunk to FP8 before the sequence all-gather: half the bytes of the bf16 gather, the same

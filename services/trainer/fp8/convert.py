@@ -117,6 +117,7 @@ def build_fp8(model: nn.Module, train, mesh: Mesh, device: torch.device) -> Fp8M
         train.fp8_amax_compute_algo,
         train.fp8_margin,
         train.fp8_fused_casts,
+        train.fp8_fused_casts_compiled,
     )
     first_last = train.fp8_bf16_first_last
     return apply_fp8(

@@ -13,7 +13,7 @@ one read of y fewer. Rowwise scaling takes nothing (its scales are per row of ea
 operand, along the other dimension for the backward).
 
 Behind `train.fp8_fused_casts`, in eager layers only: inside torch.compile the norm, activation
-and casts are traced as torch ops and Inductor fuses them itself (`scaling._fused_here`). The
+and casts are traced as torch ops and Inductor fuses them itself (`Recipe.fused_now`). The
 values are bit-equal to the unfused path's: the kernels compute y as the plain ones do and cast
 it as the linear would.
 """

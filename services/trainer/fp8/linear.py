@@ -42,7 +42,6 @@ from torch.distributed import _functional_collectives as funcol
 
 from meshtrain.services.trainer.fp8.scaling import (
     Recipe,
-    _fused_here,
     amax,
     amax_to_scale,
     cast_to_fp8,
@@ -142,7 +141,7 @@ def _cast(t, role, recipe, dtype, group, history, scale, delayed, transpose, mad
     `made`: (FP8 t or None, amax(t)) from the kernel that produced t (`Fp8Gemm.offer_input`):
     delayed, t's FP8 copy is taken as it is (its transpose is an FP8 copy); current, the amax.
     """
-    fused = recipe.fused_casts
+    fused = recipe.fused_now()
     if made is not None and delayed:
         q, a = made
         q = q.reshape(t.shape)  # (M, K)
@@ -191,7 +190,7 @@ class _TensorScaled(torch.autograd.Function):
         wgrad: the backward will compute the weight gradient (x's transpose is then cast here,
         with x, where the casts are fused). made: x's FP8 copy and amax from the kernel that
         produced x (`Fp8Gemm.offer_input`), in place of casting x here."""
-        fmt, w_dtype, fused = recipe.dtypes, weight.dtype, recipe.fused_casts
+        fmt, w_dtype, fused = recipe.dtypes, weight.dtype, recipe.fused_now()
         # from bf16 whatever arrives (an fp32 master weight, its bf16 copy): one rounding path
         x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # (M, K), M this rank's tokens
         # x's transpose (K, M) is the weight gradient's operand: written by the cast where it
@@ -372,7 +371,8 @@ class Fp8Gemm:
         Engine's LayerNormLinear): None, nothing (rowwise scales, casts not fused, or inside
         torch.compile, where Inductor fuses the casts itself); else (the FP8 dtype, the scale to
         cast with now: delayed scaling's, or None where the scale waits for the input's amax)."""
-        if self.recipe.recipe == "rowwise" or not _fused_here(self.recipe.fused_casts):
+        eager_fused = self.recipe.fused_casts and not torch.compiler.is_compiling()
+        if self.recipe.recipe == "rowwise" or not eager_fused:
             return None
         scale = None
         if self.delayed is not None and self.delayed[0].ready:

@@ -76,6 +76,9 @@ class Recipe:
     fused_casts: bool = True
     """Cast through the fused kernels (`cast_transpose`); False: the separate torch ops (the
     same values; for A/B timing)."""
+    fused_in_compile: bool = False
+    """With fused_casts: inside torch.compile too (Inductor launches the kernels as they are);
+    False: compiled regions trace the torch ops, which Inductor fuses with their neighbours."""
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -99,6 +102,12 @@ class Recipe:
     def dtypes(self) -> Format:
         return FORMATS[self.format]
 
+    def fused_now(self) -> bool:
+        """Whether a cast made here goes through the fused kernels: fused_casts, and outside
+        torch.compile unless fused_in_compile (read while dynamo traces, so each compiled
+        region keeps the choice it was traced with)."""
+        return self.fused_casts and (self.fused_in_compile or not torch.compiler.is_compiling())
+
 
 def amax_to_scale(amax: torch.Tensor, fp8_max: float, margin: int = 0) -> torch.Tensor:
     """fp8_max / amax / 2^margin in fp32, elementwise (amax: a scalar, or one per row)."""
@@ -111,17 +120,10 @@ def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tor
     return (x.float() * scale).clamp(-limit, limit).to(dtype)
 
 
-def _fused_here(fused: bool) -> bool:
-    """Whether to call the fused kernels: asked for, and not while torch.compile traces. In a
-    compiled region Inductor generates the cast, transpose and amax itself and fuses them into
-    the neighbouring kernels, which an opaque custom op would prevent."""
-    return fused and not torch.compiler.is_compiling()
-
-
 def tensor_amax(x: torch.Tensor, fused: bool) -> torch.Tensor:
-    """`amax(x)` of the whole tensor; `fused`: by the dispatched kernel (one read on CUDA; eager
-    only, see `_fused_here`)."""
-    return dispatch.fp8_amax(x) if _fused_here(fused) else amax(x)
+    """`amax(x)` of the whole tensor; `fused`: by the dispatched kernel (one read on CUDA; the
+    layers pass `Recipe.fused_now()`)."""
+    return dispatch.fp8_amax(x) if fused else amax(x)
 
 
 def cast_transpose(
@@ -139,9 +141,9 @@ def cast_transpose(
 
     `fused`: the dispatched kernel (`meshtrain.kernels.fp8_cast` on CUDA: one pass); else
     `cast_to_fp8`, a transposing copy and `amax`, each a pass of its own. Bit-equal either way.
-    Inside torch.compile the torch ops are traced (`_fused_here`).
+    The layers pass `Recipe.fused_now()`: by default torch.compile traces the torch ops.
     """
-    if _fused_here(fused):
+    if fused:
         return dispatch.fp8_cast_transpose(x, scale, dtype, transpose, with_amax, out, out_t)
     q = cast_to_fp8(x, scale, dtype)
     if out is not None:

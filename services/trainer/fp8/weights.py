@@ -67,7 +67,7 @@ class Fp8WeightCache:
     def refresh(self, copies: dict[str, torch.Tensor]) -> None:
         """Cast each layer's weight copy (`copies`: `WeightCopies.copies`) into the buffers."""
         recipe = self.fp8.recipe
-        fmt, state, fused = recipe.dtypes, self.fp8.delayed, recipe.fused_casts
+        fmt, state, fused = recipe.dtypes, self.fp8.delayed, recipe.fused_now()
         for name, _, index in self._layers:
             w = copies[f"{name}.weight"].to(torch.bfloat16)  # (N, K)
             scale = self.entries[f"{name}.fp8_weight_scale"]

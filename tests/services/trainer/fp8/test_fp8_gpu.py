@@ -197,13 +197,20 @@ def test_fused_casts_give_each_layer_type_bit_for_bit(name, k, n, recipe):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize(
+    "compiled,in_compile",
+    [(False, False), (True, False), (True, True)],
+    ids=["eager", "compiled", "compiled-kernels"],
+)
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
-def test_fused_casts_train_as_the_unfused_casts(recipe, compiled, corpus_cache, tmp_path):
+def test_fused_casts_train_as_the_unfused_casts(
+    recipe, compiled, in_compile, corpus_cache, tmp_path
+):
     """A small Llama on CUDA (bf16 weight copies, the FP8 weight cache): the fused cast kernels
     and the separate torch casts give the same losses, bit for bit, over 6 steps. Eager, the
-    layers call the kernels; under torch.compile they trace the torch casts whatever the
-    setting (Inductor fuses them itself; `scaling._fused_here`), so both runs are one graph."""
+    layers call the kernels; under torch.compile they trace the torch casts (Inductor fuses them
+    itself; `Recipe.fused_now`), unless train.fp8_fused_casts_compiled puts the kernels inside
+    the compiled regions ("compiled-kernels")."""
     runs = [
         train(
             _llama_job(
@@ -215,6 +222,7 @@ def test_fused_casts_train_as_the_unfused_casts(recipe, compiled, corpus_cache, 
                     "train.fp8": "hybrid",
                     "train.fp8_recipe": recipe,
                     "train.fp8_fused_casts": fused,
+                    "train.fp8_fused_casts_compiled": in_compile,
                 },
             )
         )
