@@ -398,15 +398,38 @@ def sample_rows(
         ConfigError: an empty prompt, or one that leaves no room in the model's positions.
     """
     check_sampling(temperature, top_k, top_p)
-    b = len(prompts)
-    if not b:
+    if len(prompts) == 0:
         return []
     context = context_length(model)
     limits = _row_limits(prompts, prompt_seeds, sample_indices, max_new_tokens, context)
     steps = max(limits)
     device = next(model.parameters()).device
     sampling = _Sampling(temperature, top_k, top_p, eod_id, context)
-    longest = max(len(p) for p in prompts)
+    st, graph = _decode_state(model, prompts, steps, sampling, device, graphs)
+    logits = _start(model, st, prompts, prompt_seeds, sample_indices, steps, limits, device)
+    _draw(st, logits, sampling)  # step 0, from the prefill's logits
+    # Every row runs to the end unless a stop id may end it, or its own limit is below steps.
+    drawn = _decode_steps(
+        model, st, sampling, graph, steps, eod_id is not None or min(limits) < steps
+    )
+    tokens = st.tokens[:, :drawn].tolist()  # (b, drawn): one transfer
+    logps = st.logps[:, :drawn].tolist()
+    return _trim_rows(tokens, logps, limits, eod_id)
+
+
+def _decode_state(
+    model,
+    prompts: Sequence[Sequence[int]],
+    steps: int,
+    sampling: _Sampling,
+    device: torch.device,
+    graphs: DecodeGraphs | None,
+) -> tuple[_Decode, StepGraph | None]:
+    """The static buffers of this decode and the captured step that runs on them: the graphs'
+    kept ones for this shape (captured now if new), or fresh buffers and no graph where the
+    step runs eagerly (no graphs, disabled, one step, or a model whose step cannot be
+    captured: logged once)."""
+    b, longest = len(prompts), max(len(p) for p in prompts)
     use_graph = steps > 1 and graphs is not None and graphs.enabled
     if use_graph and graphs is not None:
         why = graphable(model, device)
@@ -415,24 +438,25 @@ def sample_rows(
             if graphs.skipped is None:
                 log.info("decoding without CUDA graphs: %s", why)
                 graphs.skipped = why
-    if use_graph and graphs is not None:
-        graphs.check_weights(model)
-        capacity = -(-(longest + steps) // CAPACITY_STEP) * CAPACITY_STEP
-        key = (b, capacity, sampling, next(model.parameters()).dtype, _autocast_state())
-        st = graphs.state(key)
-        if st is None:
-            st = _Decode.allocate(b, capacity, len(model.layers), device)
-            graphs.keep(key, st, _capture(model, st, sampling, prompts, device, graphs))
-        graph = graphs.graph(key)
-    else:
-        st = _Decode.allocate(b, longest + steps, len(model.layers), device)
-        graph = None
+    if not use_graph or graphs is None:
+        return _Decode.allocate(b, longest + steps, len(model.layers), device), None
+    graphs.check_weights(model)
+    capacity = -(-(longest + steps) // CAPACITY_STEP) * CAPACITY_STEP
+    key = (b, capacity, sampling, next(model.parameters()).dtype, _autocast_state())
+    st = graphs.state(key)
+    if st is None:
+        st = _Decode.allocate(b, capacity, len(model.layers), device)
+        graphs.keep(key, st, _capture(model, st, sampling, prompts, device, graphs))
+    return st, graphs.graph(key)
 
-    logits = _start(model, st, prompts, prompt_seeds, sample_indices, steps, limits, device)
-    _draw(st, logits, sampling)  # step 0, from the prefill's logits
-    # Whether every row has ended is asked only every STOP_CHECK steps: a host round trip per
-    # token would leave the device idle while the next step is launched.
-    may_stop = eod_id is not None or min(limits) < steps  # else every row runs to the end
+
+def _decode_steps(
+    model, st: _Decode, sampling: _Sampling, graph: StepGraph | None, steps: int, may_stop: bool
+) -> int:
+    """Draw steps 1.. of `st` (step 0 is the prefill's), replaying `graph` or running the step
+    eagerly; return how many steps were drawn. With `may_stop`, the loop ends early once every
+    row has ended, which is asked only every STOP_CHECK steps: a host round trip per token would
+    leave the device idle while the next step is launched."""
     drawn = 1
     for step in range(1, steps):
         if may_stop and step % STOP_CHECK == 0 and bool(st.done.all()):
@@ -442,9 +466,7 @@ def sample_rows(
         else:
             _decode_step(model, st, sampling)
         drawn = step + 1
-    tokens = st.tokens[:, :drawn].tolist()  # (b, drawn): one transfer
-    logps = st.logps[:, :drawn].tolist()
-    return _trim_rows(tokens, logps, limits, eod_id)
+    return drawn
 
 
 def _autocast_state() -> tuple:
