@@ -251,11 +251,17 @@ def build_data_parallel(
         overlap_grad_reduce=p.overlap_grad_reduce,
         overlap_param_gather=p.overlap_param_gather,
         bucket_size=p.ddp_bucket_size,
-        gather_units=pipeline.stage.forward_units() if pipeline else forward_units(model),
+        gather_units=pipeline.stage.forward_units() if pipeline else forward_units(_whole(model)),
         reduce_dtype=reduce_dtype,
         tied=pipeline.tied_weight() if pipeline else None,
         bf16_params=bf16_params,
     )
+
+
+def _whole(model: torch.nn.Module) -> GPT:
+    """The model of a run without pipeline parallelism: the whole GPT."""
+    assert isinstance(model, GPT)
+    return model
 
 
 def build_weight_copies(
