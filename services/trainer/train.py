@@ -280,9 +280,8 @@ class Trainer:
             refuse_a_root_with_later_steps(c, self.state.iteration)
         self.checkpointer = open_checkpointer(c, self.par, resumed_here, job.auth)
         self.last_saved: int | None = resumed_here  # newest step saved (or resumed) in c.save
-        if (
-            c.save and self.state.iteration < job.train.train_iters
-        ):  # the run saves, at its end at the latest
+        # the run saves, at its end at the latest
+        if c.save and self.state.iteration < job.train.train_iters:
             self.checkpointer.prepare(self.model, self.optimizer)
 
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -443,9 +442,8 @@ class Trainer:
             )
         tokens_per_step = t.global_batch_size * job.model.seq_length
         try:
-            require_packages(
-                job.log
-            )  # every rank: none goes on to wait for a main rank that stopped here
+            # every rank: none goes on to wait for a main rank that stopped here
+            require_packages(job.log)
             trackers = (
                 open_trackers(job.log, self.run_dir, tomllib.loads(run_dir_toml(job)))
                 if self.is_main
