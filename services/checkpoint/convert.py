@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -83,6 +84,14 @@ class ConvertResult:
     bytes_read: int
     bytes_written: int
     seconds: float
+
+
+def numpy_rng_state(seed: int) -> list[Any]:
+    """NumPy's legacy generator state seeded with `seed`, as a checkpoint's metadata stores it
+    (an imported checkpoint's fresh `rng_numpy`)."""
+    state = np.random.RandomState(seed).get_state(legacy=True)
+    assert isinstance(state, tuple)  # a RandomState's MT19937 gives the legacy tuple
+    return [state[0], state[1].tolist(), *state[2:]]
 
 
 def resolve_step(root: str, step: int | None) -> int:

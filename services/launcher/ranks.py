@@ -24,6 +24,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TextIO, TypeVar
 
@@ -155,7 +156,7 @@ def run_local_ranks(
 
 
 def stopped_before_training(
-    topo: Topology, stop: threading.Event, failed: dict[K, int | None]
+    topo: Topology, stop: threading.Event, failed: Mapping[K, int | None]
 ) -> list[K]:
     """Of the ranks in `failed` (any key: exit status), those our own stop killed before their
     training loop began; none unless a stop was asked for (`stop` set, not the urgent second

@@ -353,6 +353,7 @@ def start_rollouts_from(p: Plan, resume_step: int | None) -> tuple[str, int | No
         ConfigError: the trainer starts from no checkpoint (random weights: nothing to sample
             from that the trainer's first publication would not replace).
     """
+    step: int | None
     if resume_step is not None:
         root, step = p.save, resume_step
     elif p.start_from is not None:
@@ -519,6 +520,7 @@ def _start_services(
         The save root's step the trainer resumes from (`_resume_from`), if any.
     """
     if p.store is not None:
+        assert p.store_child is not None  # `plan` makes them together
         topo.start(p.store_child, wait_http(options.start_timeout_s, stop))
         p.store.make_bucket(options.s3_bucket, options.start_timeout_s)
         topo.say(
@@ -570,6 +572,7 @@ def run_up(
     """
     p = plan(options, overrides)
     with claim_run_dir(p.run_dir):
+        assert p.token_file is not None  # `plan` names it in the run directory
         try:
             write_token_file(p.token_file)
         except OSError as e:

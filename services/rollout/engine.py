@@ -2,8 +2,8 @@
 `RolloutRequest`'s prompts x group_size completions with a key/value cache. No gRPC here: the
 service's `rpc/` converts messages and calls `RolloutEngine.generate` / `set_weights`.
 
-The sampling itself is the trainer's `generate.sample_rows` (GRPO's colocated generator runs it
-too): prompts of different lengths are left-padded into one batch; each row keeps its own
+The sampling itself is the trainer's `batched_sampling.sample_rows` (GRPO's colocated generator
+runs it too): prompts of different lengths are left-padded into one batch; each row keeps its own
 positions and its keys never include the padding, so a row's tokens and log-probs do not depend
 on what else is in the batch. Each completion draws from its own generator, seeded by
 `completion_seed(request seed + prompt index, sample index)`, the prompt index counted in the
@@ -31,8 +31,9 @@ import torch
 from meshtrain.services.common.errors import InvalidRequestError, MeshtrainError
 from meshtrain.services.rollout.types import Completion, RolloutRequest
 from meshtrain.services.rollout.weights import check_weights
+from meshtrain.services.trainer.batched_sampling import sample_rows
 from meshtrain.services.trainer.decode_graphs import DecodeGraphs
-from meshtrain.services.trainer.generate import context_length, sample_rows
+from meshtrain.services.trainer.generate import context_length
 
 
 class StaleWeightsError(MeshtrainError):

@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
+from torch import nn
 
 from meshtrain.kernels import dispatch
 from meshtrain.services.checkpoint.config import CheckpointConfig
 from meshtrain.services.common.errors import ConfigError
 from meshtrain.services.common.security import AuthConfig, ClientSecurity
 from meshtrain.services.trainer import checkpoint_saver
-from meshtrain.services.trainer.checkpoint_state import Parallel
+from meshtrain.services.trainer.checkpoint_state import Parallel, TrainedModel
 from meshtrain.services.trainer.config.parallel import ParallelConfig
 from meshtrain.services.trainer.config.sections import JobConfig, OptimConfig, TrainConfig
 from meshtrain.services.trainer.fp8 import Fp8Model, build_fp8
@@ -39,6 +42,9 @@ from meshtrain.services.trainer.parallel.tensor import parallelize
 from meshtrain.services.trainer.weight_copies import WeightCopies
 
 log = logging.getLogger("meshtrain.train")  # the trainer's: the model summary is its first line
+
+CompileOptions = dict[str, str | int | bool | Callable[..., Any]]
+"""Inductor options (`torch.compile(options=...)`)."""
 
 
 def set_kernel_mode(train: TrainConfig) -> None:
@@ -173,7 +179,7 @@ def seed_everything(seed: int) -> None:
 
 def build_model(
     job: JobConfig, mesh: Mesh, device: torch.device
-) -> tuple[torch.nn.Module, Fp8Model | None, Pipeline | None]:
+) -> tuple[TrainedModel, Fp8Model | None, Pipeline | None]:
     """This rank's share of the job's model, on `device`: built whole from the current RNG state
     (the same on every rank), then sharded over the mesh's cp, tp and ep groups, its dense linears
     swapped for FP8 ones with train.fp8, and cut to this rank's pipeline chunks with pp > 1.
@@ -182,11 +188,11 @@ def build_model(
         (the model, or the pipeline stage holding this rank's chunks; the FP8 layers' state or
         None; the pipeline runtime or None).
     """
-    model = GPT(job.model)  # full weights, same seed on every rank: sharding slices them
-    parallelize_context(model, mesh, job.parallel.cp_comm_type)
-    recompute.apply(model, job.parallel)
+    gpt = GPT(job.model)  # full weights, same seed on every rank: sharding slices them
+    parallelize_context(gpt, mesh, job.parallel.cp_comm_type)
+    recompute.apply(gpt, job.parallel)
     parallelize(
-        model,
+        gpt,
         mesh,
         job.parallel.sequence_parallel,
         job.parallel.tp_comm_overlap,
@@ -196,21 +202,20 @@ def build_model(
     # after tp made new parameters of the sharded weights; the optimizer, data parallelism and
     # the checkpoint's optimizer state then see only the trained ones
     freeze(
-        model,
+        gpt,
         vision=job.train.freeze_vision,
         projector=job.train.freeze_projector,
         language_model=job.train.freeze_language_model,
     )
-    fp8 = build_fp8(model, job.train, mesh, device)  # after tp sharded them, before pp splits
-    parallelize_experts(model, mesh)  # this ep rank's experts; MoE statistics over dp x cp
+    fp8 = build_fp8(gpt, job.train, mesh, device)  # after tp sharded them, before pp splits
+    parallelize_experts(gpt, mesh)  # this ep rank's experts; MoE statistics over dp x cp
     pipeline = None
     if mesh.pp > 1:  # this rank's chunks of the model, and the runtime that runs its schedule
-        pipeline = build_pipeline(model, mesh, job, device)  # scales the MoE aux losses too
-        model = pipeline.stage
+        pipeline = build_pipeline(gpt, mesh, job, device)  # scales the MoE aux losses too
+        model: TrainedModel = pipeline.stage
     else:  # each micro-batch's loss is divided by their number: the aux losses' gradients too
-        set_moe_loss_scale(
-            model, mesh.dp * job.train.micro_batch_size / job.train.global_batch_size
-        )
+        set_moe_loss_scale(gpt, mesh.dp * job.train.micro_batch_size / job.train.global_batch_size)
+        model = gpt
     return model.to(device), fp8, pipeline
 
 
@@ -246,11 +251,17 @@ def build_data_parallel(
         overlap_grad_reduce=p.overlap_grad_reduce,
         overlap_param_gather=p.overlap_param_gather,
         bucket_size=p.ddp_bucket_size,
-        gather_units=pipeline.stage.forward_units() if pipeline else forward_units(model),
+        gather_units=pipeline.stage.forward_units() if pipeline else forward_units(_whole(model)),
         reduce_dtype=reduce_dtype,
         tied=pipeline.tied_weight() if pipeline else None,
         bf16_params=bf16_params,
     )
+
+
+def _whole(model: torch.nn.Module) -> GPT:
+    """The model of a run without pipeline parallelism: the whole GPT."""
+    assert isinstance(model, GPT)
+    return model
 
 
 def build_weight_copies(
@@ -286,20 +297,20 @@ def build_weight_copies(
     return None
 
 
-def compile_options(train: TrainConfig) -> dict[str, bool] | None:
+def compile_options(train: TrainConfig) -> CompileOptions | None:
     """Inductor options for everything the trainer compiles
     (train.compile_coordinate_descent_tuning)."""
     return {"coordinate_descent_tuning": True} if train.compile_coordinate_descent_tuning else None
 
 
 def compile_model(
-    model: torch.nn.Module,
+    model: TrainedModel,
     train: TrainConfig,
-    options: dict[str, bool] | None,
+    options: CompileOptions | None,
     pipelined: bool,
     overlap_param_gather: bool,
     fully_sharded: bool = False,
-) -> torch.nn.Module:
+) -> Callable[..., Any]:
     """What a step runs the model through: under train.compile the compiled model, or, with a
     pipeline, parallel.overlap_param_gather or FSDP2 (`fully_sharded`), the model itself with
     each block and the loss head compiled in place; without train.compile the model."""
@@ -307,12 +318,14 @@ def compile_model(
         # Per-block compile keeps the all-gather waits (forward pre-hooks; FSDP2's, which
         # dynamo does not trace, as torchtitan compiles each block) outside the compiled
         # graphs, so they cost no graph breaks inside a block.
-        for layer in model.layers.values() if pipelined else model.layers:
+        layers = model.layers  # a pipeline stage's by global number, a GPT's in order
+        for layer in layers.values() if isinstance(layers, nn.ModuleDict) else layers:
             layer.compile(options=options)
         # And the output projection + loss: left eager, its matmuls ran a slow legacy GEMM
         # kernel and its softmax unfused, and ZeRO-1 + overlap scaled far less (measured:
         # BENCHMARKS.md, 'Parallel scaling, 2× H200').
-        model.head.loss = torch.compile(model.head.loss, options=options)
+        # in place: whatever holds the head keeps calling head.loss
+        model.head.loss = torch.compile(model.head.loss, options=options)  # type: ignore[method-assign]
     elif train.compile:
         return torch.compile(model, options=options)
     return model
@@ -383,6 +396,7 @@ def open_checkpointer(
 ) -> checkpoint_saver.Checkpointer:
     """The checkpointer of checkpoint section `c`: local, or through the checkpoint service
     (checkpoint.service_address) with the client credentials of `auth`."""
+    assert c.save is not None  # the trainer fills it in (RUN_DIR/checkpoints) before this
     return checkpoint_saver.Checkpointer(
         c.save,
         par,

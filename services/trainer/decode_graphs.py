@@ -1,5 +1,5 @@
-"""The decode step of `generate.sample_rows` as a CUDA graph, captured once per shape and replayed
-for every token.
+"""The decode step of `batched_sampling.sample_rows` as a CUDA graph, captured once per shape and
+replayed for every token.
 
 One decode step of a 1B model (one token per row through every block, the logits, the draw, the
 log-prob) launches a few hundred small kernels; at rollout batch sizes the GPU finishes them

@@ -11,7 +11,8 @@ that never stopped (CPU, fp32): data is a pure function of the step, and model, 
 and RNG states are restored bit for bit. The steps that put a `Trainer` together (device, mesh,
 the sharded model and its wrappers, the checkpointer) are in `build.py`. `Trainer` reads in
 that order: its build (data, model, optimizer and restore, the step's forward, checkpointer),
-one `train_step`, evaluation and saving, then the loop (`run`) that logs, evaluates and saves.
+one `train_step`, evaluation and saving, then the loop (`run`) that logs, evaluates and saves
+(when it saves, and what a failed save costs: `run_saves.py`).
 What differs between objectives (language modeling, DPO, GRPO: batches, head, forward inputs,
 extra metrics, evaluation) is the `Objective`'s (objectives/base.py); the step and the loop
 are the same for all.
@@ -30,14 +31,13 @@ from pathlib import Path
 
 import torch
 
-from meshtrain.services.checkpoint.maintenance import apply_retention
 from meshtrain.services.checkpoint.store import open_root
 from meshtrain.services.common.errors import (
     CheckpointError,
     ConfigError,
-    DiskFullError,
     MeshtrainError,
 )
+from meshtrain.services.trainer import run_saves
 from meshtrain.services.trainer.build import (
     build_data_parallel,
     build_mesh,
@@ -280,9 +280,8 @@ class Trainer:
             refuse_a_root_with_later_steps(c, self.state.iteration)
         self.checkpointer = open_checkpointer(c, self.par, resumed_here, job.auth)
         self.last_saved: int | None = resumed_here  # newest step saved (or resumed) in c.save
-        if (
-            c.save and self.state.iteration < job.train.train_iters
-        ):  # the run saves, at its end at the latest
+        # the run saves, at its end at the latest
+        if c.save and self.state.iteration < job.train.train_iters:
             self.checkpointer.prepare(self.model, self.optimizer)
 
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -323,6 +322,7 @@ class Trainer:
     def _copies(self) -> dict[str, torch.Tensor]:
         """What the model trains on in place of its parameters: the weight copies, and the
         FP8 weights cast from them where there are any (both refreshed in place each step)."""
+        assert self.weight_copies is not None  # asked for only where there are copies
         if self.fp8_weights is None:
             return self.weight_copies.copies
         return {**self.weight_copies.copies, **self.fp8_weights.entries}
@@ -361,7 +361,13 @@ class Trainer:
         """Forward and backward of one of a step's `n_micro` micro-batches; its (detached) share of
         the loss."""
         with self.autocast:
-            batch = (tokens, labels, mask, document_ids, position_ids)
+            batch: tuple[torch.Tensor | None, ...] = (
+                tokens,
+                labels,
+                mask,
+                document_ids,
+                position_ids,
+            )
             if images is not None:  # a text-only model's forward takes no images
                 batch += (images,)
             loss = self.train_forward(copies, *batch) / n_micro
@@ -390,55 +396,10 @@ class Trainer:
         return self.objective.evaluate()
 
     def save(self) -> str | None:
-        """Start saving the current state (asynchronous unless checkpoint.async_save is off).
-
-        A save that fails with the disk full (DiskFullError) is logged and left to the next one
-        (None is returned), unless it is the run's last (at train.train_iters, or a stop's): the run
-        ends with that error. Earlier saves' failures are recorded (`Checkpointer.disk_full`)."""
-        c = self.job.checkpoint
-        if (
-            self.ddp is not None
-        ):  # with overlap_param_gather the last step's gathers may be in flight
-            self.ddp.wait_param_gather()
-        if c.keep_last and self.is_main:
-            self.checkpointer.settle()  # retention looks at committed saves only
-            own = self.checkpointer.own_latest_step
-            apply_retention(
-                c.save, c.keep_last, c.keep_every, protect=() if own is None else (own,)
-            )
-        try:
-            url = self.checkpointer.save(
-                self.model,
-                self.optimizer,
-                self.state,
-                self.job,
-                {"tokenizer": self.data.tokenizer, "data_prefix": self.data.prefix},
-            )
-        except DiskFullError:
-            if self.state.iteration >= self.job.train.train_iters or self.stop_cause is not None:
-                raise
-            return None  # logged; the warning goes on at every logged step until a save commits
-        self.last_saved = self.state.iteration
-        log.info(
-            "checkpoint step %d %s: %s (stall %.0f ms)",
-            self.state.iteration,
-            "saving in the background" if c.async_save else "committed",
-            url,
-            self.checkpointer.saver.last_stall_s * 1e3,
-        )
-        return url
-
-    def _settle_previous_save(self) -> None:
-        """Before a stop's save: a failed earlier save is logged, not raised, so it cannot cost
-        the run its last chance to checkpoint (storage may have recovered since). If the stop's
-        save fails too, that error ends the run."""
-        try:
-            self.checkpointer.settle()  # a save that failed with the disk full is logged there
-        except CheckpointError as e:
-            log.error(
-                "an earlier checkpoint was not committed (%s); saving the stop's checkpoint anyway",
-                e,
-            )
+        """Start saving the current state (`run_saves.save`: asynchronous unless
+        checkpoint.async_save is off); its URL, or None where a disk-full failure is left to the
+        next save."""
+        return run_saves.save(self)
 
     def run(self, until_exit: bool = False, keep_run_dir: bool = False) -> TrainResult:
         """Train to `train.train_iters` steps, or until a stop; SIGTERM is a stop meanwhile.
@@ -469,7 +430,9 @@ class Trainer:
                 "do (raise --train-iters to continue it)",
                 start,
             )
-            result.checkpoint = open_root(job.checkpoint.load).step_url(start)  # the one it loaded
+            loaded = job.checkpoint.load
+            assert loaded is not None  # a run at train_iters (>= 1) resumed a checkpoint
+            result.checkpoint = open_root(loaded).step_url(start)  # the one it loaded
             return result
         if start > t.train_iters:
             self.checkpointer.close()  # the run ends here: nothing to save
@@ -479,9 +442,8 @@ class Trainer:
             )
         tokens_per_step = t.global_batch_size * job.model.seq_length
         try:
-            require_packages(
-                job.log
-            )  # every rank: none goes on to wait for a main rank that stopped here
+            # every rank: none goes on to wait for a main rank that stopped here
+            require_packages(job.log)
             trackers = (
                 open_trackers(job.log, self.run_dir, tomllib.loads(run_dir_toml(job)))
                 if self.is_main
@@ -553,7 +515,7 @@ class Trainer:
                 log.warning(
                     "%s: saving a checkpoint after step %d, then stopping", self.stop_cause, n
                 )
-            self._save_if_due(n, stop or checkpoint_now, stop, result)
+            run_saves.save_if_due(self, n, stop or checkpoint_now, stop, result)
             window.paused += time.perf_counter() - pause_start
             if stop and n < t.train_iters:
                 log.warning(
@@ -561,20 +523,6 @@ class Trainer:
                 )
                 result.stopped_early = True
                 return
-
-    def _save_if_due(self, n: int, requested: bool, stop: bool, result: TrainResult) -> None:
-        """Save after step n at checkpoint.save_interval, the last step, or on request (a stop's
-        save first settles the previous one)."""
-        interval = self.job.checkpoint.save_interval
-        if (interval and n % interval == 0) or n == self.job.train.train_iters or requested:
-            # Cleared before saving: this save answers the requests made so far, and one that
-            # arrives while it runs (a sync save takes a while) stays set for the next step.
-            self.requests.checkpoint_started()
-            if stop:
-                self._settle_previous_save()
-            result.checkpoint = self.save() or result.checkpoint
-        # Only a committed save is reported: one still in flight may yet fail.
-        self.progress["last_checkpoint"] = self.checkpointer.committed_url
 
     def request_stop(self) -> None:
         """Save a checkpoint after the current step and end the run (what SIGTERM does).
@@ -625,11 +573,11 @@ def train(job: JobConfig, until_exit: bool = False) -> TrainResult:
         until_exit: the process ends with the run (`Trainer.run`).
     """
     trainer = Trainer(job)
-    if job.train.control_port is None or not trainer.is_main:
+    t = job.train
+    if t.control_port is None or not trainer.is_main:
         return trainer.run(until_exit)
     from meshtrain.services.trainer.rpc.server import serve_control  # grpc only when asked for
 
-    t = job.train
     try:
         endpoint = serve_control(
             trainer, t.control_port, host=t.control_host, metrics_port=t.metrics_port, auth=job.auth

@@ -1,4 +1,4 @@
-"""The Llama family's `config.json` <-> ModelConfig, for `convert.py`: Llama (with Llama 3 RoPE
+"""The Llama family's `config.json` <-> ModelConfig, for `mapping.py`: Llama (with Llama 3 RoPE
 scaling), Mistral, Qwen2 and Qwen3, and the attention and RoPE settings Mixtral and Qwen2-MoE
 (`moe.py`) share with them.
 

@@ -1,5 +1,5 @@
 """Vision-language models <-> Hugging Face `LlavaForConditionalGeneration`, and CLIP / SigLIP
-vision towers (`CLIPVisionModel`, `SiglipVisionModel`) alone, for `convert.py`.
+vision towers (`CLIPVisionModel`, `SiglipVisionModel`) alone, for `mapping.py` and `convert.py`.
 
 A meshtrain model with `model.vision` is LLaVA: a CLIP (or SigLIP) tower, the two-layer GELU
 projector and a Llama-family language model. Tensor names are those transformers 5 writes:

@@ -1,4 +1,4 @@
-"""Mixture-of-experts models <-> Hugging Face Mixtral and Qwen2-MoE, for `convert.py`.
+"""Mixture-of-experts models <-> Hugging Face Mixtral and Qwen2-MoE, for `mapping.py`.
 
 Which HF architecture a meshtrain MoE model is (and every setting that keeps it from being
 one), its `config.json`, the MoE part of a `ModelConfig` from such a file, and the tensor mapping
@@ -31,7 +31,7 @@ from meshtrain.services.common.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 
-# (ours, shape, theirs, their shapes, ours -> theirs, theirs -> ours): one `hf.Rule`.
+# (ours, shape, theirs, their shapes, ours -> theirs, theirs -> ours): one `mapping.Rule`.
 Mapping = tuple[
     str,
     tuple[int, ...],
@@ -224,6 +224,7 @@ def moe_from_hf(kind: str, config: dict[str, Any], count: Callable[[str], int]) 
 def moe_block(model: ModelConfig, arch: str, ours: str, theirs: str) -> list[Mapping]:
     """The tensors of one MoE block: `ours` is `layers.<i>.mlp.`, `theirs` the HF layer prefix."""
     e, f, h = model.num_experts, model.moe_ffn_size, model.hidden_size
+    assert e is not None  # called for the MoE blocks of a model with experts
     if arch == "mixtral":
         at, gate, up, down = theirs + "block_sparse_moe.", "w1", "w3", "w2"
         router = at + "gate.weight"
@@ -252,6 +253,7 @@ def moe_block(model: ModelConfig, arch: str, ours: str, theirs: str) -> list[Map
     ]
     if arch == "qwen2_moe":
         s = model.moe_shared_expert_intermediate_size
+        assert s  # `moe_architecture` names qwen2_moe a model with a shared expert
         out += [
             (
                 ours + "shared_expert.fc1.weight",

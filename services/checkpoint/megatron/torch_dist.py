@@ -34,14 +34,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from meshtrain.services.checkpoint.convert import open_source, save_streaming
+from meshtrain.services.checkpoint.convert import numpy_rng_state, open_source, save_streaming
 from meshtrain.services.checkpoint.megatron.args import (
     check_exportable,
     megatron_flags,
@@ -98,10 +97,12 @@ def rules(model: ModelConfig) -> list[Rule]:
 
     Raises:
         CheckpointError: the model has mixture-of-experts layers, or RoPE scaling Megatron cannot
-            express.
+            express, or its vocabulary size is unset.
     """
     check_exportable(model)
     h, v, ffn, d = model.hidden_size, model.vocab_size, model.ffn_size, model.head_dim
+    if v is None:
+        raise CheckpointError("model.vocab_size is unset: the mapping to Megatron needs it")
     qkv_rows = (model.num_attention_heads + 2 * model.groups) * d
     fc1_rows = 2 * ffn if model.activation == "swiglu" else ffn
     out = [
@@ -395,7 +396,6 @@ def import_megatron(
             tensor = tensor[: model.vocab_size]  # Megatron-LM's padding rows are no tokens
         return tensor.contiguous()
 
-    np_state = np.random.RandomState(seed).get_state()
     metadata = {
         "format": TRAIN_FORMAT,
         "iteration": 0,
@@ -403,7 +403,7 @@ def import_megatron(
         "optimizer_step": 0,
         "config": {"model": to_dict(model)},
         "rng_python": random.Random(seed).getstate(),
-        "rng_numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+        "rng_numpy": numpy_rng_state(seed),
         "tokenizer": None,
         "imported_from": {
             "url": str(folder.resolve()),
@@ -470,6 +470,7 @@ def export_megatron(
     )
     plan = rules(model)
     rows = model.padded_vocab_size() if padded_vocab_size is None else padded_vocab_size
+    assert model.vocab_size is not None  # `rules` refused a model without one
     if rows < model.vocab_size:
         raise CheckpointError(
             f"padded vocabulary size {rows} is smaller than model.vocab_size={model.vocab_size}"

@@ -155,17 +155,21 @@ def megatron_spec(
         if path and not os.path.exists(path):
             raise DataError(f"{name(key)}={path!r} does not exist")
 
+    # (`needed` above: each type's own settings are given)
     if tokenizer_type == "GPT2BPETokenizer":
+        assert vocab_file and merge_file
         vocab, merges = os.path.abspath(vocab_file), os.path.abspath(merge_file)
         _check_path_for_spec(vocab, name("vocab_file"))
         _check_path_for_spec(merges, name("merge_file"))
         return f"gpt2bpe:{vocab},{merges}"
     if tokenizer_type == "NullTokenizer":
+        assert vocab_size is not None
         if vocab_size < 1:
             raise DataError(
                 f"{name('vocab_size')}={vocab_size} must be >= 1 for {type_key}=NullTokenizer"
             )
         return f"null:{vocab_size}"
+    assert tokenizer_model
     model = os.path.abspath(tokenizer_model)
     if tokenizer_type == "HuggingFaceTokenizer":
         if os.path.isdir(model) and not os.path.isfile(os.path.join(model, "tokenizer.json")):
@@ -414,28 +418,31 @@ class MegatronTiktokenTokenizer(Tokenizer):
         """The tokenizer of a `megatron-tiktoken:PATH,key=value,...` spec."""
         body = spec[len("megatron-tiktoken:") :]
         path, *options = body.split(",")
-        kwargs: dict[str, object] = {}
+        # the constructor's defaults, for the options the spec leaves out
+        pattern, num_special_tokens, vocab_size = "v2", TIKTOKEN_DEFAULT_SPECIALS, None
+        seen: set[str] = set()
         for option in options:
             key, sep, value = option.partition("=")
-            if (
-                not sep
-                or key not in ("pattern", "num_special_tokens", "vocab_size")
-                or key in kwargs
-            ):
+            if not sep or key not in ("pattern", "num_special_tokens", "vocab_size") or key in seen:
                 raise DataError(
                     f"tokenizer spec {spec!r}: {option!r} is not one of pattern=, "
                     "num_special_tokens=, vocab_size= (each once)"
                 )
+            seen.add(key)
             if key == "pattern":
-                kwargs[key] = value
+                pattern = value
+                continue
+            try:
+                number = int(value)
+            except ValueError:
+                raise DataError(
+                    f"tokenizer spec {spec!r}: {key}={value!r} is not an integer"
+                ) from None
+            if key == "num_special_tokens":
+                num_special_tokens = number
             else:
-                try:
-                    kwargs[key] = int(value)
-                except ValueError:
-                    raise DataError(
-                        f"tokenizer spec {spec!r}: {key}={value!r} is not an integer"
-                    ) from None
-        return cls(path, **kwargs)
+                vocab_size = number
+        return cls(path, pattern, num_special_tokens, vocab_size)
 
     @property
     def spec(self) -> str:

@@ -170,6 +170,11 @@ def pair_micro_batches(
     return out
 
 
+def _wrap_head(model: nn.Module, head: type[nn.Module]) -> None:
+    """Put `head` over the model's LM head (which any module with the same calls may replace)."""
+    model.head = head(cast(nn.Module, model.head))
+
+
 class FrozenReference:
     """The reference model (see the module docstring): `logps(micro)` gives each micro-batch's
     (2B,) reference sums (GRPO: (B, seq) per-token log-probs) on the rank that computes the loss
@@ -212,7 +217,7 @@ class FrozenReference:
         # the policy's RNG streams (dropout, the data order) must not notice the second model
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             model, _, pipeline = build_model(job, mesh, device)
-            model.head = head(cast(nn.Module, model.head))
+            _wrap_head(model, head)
             with torch.no_grad():
                 for (name, p), (pname, q) in zip(
                     model.named_parameters(), policy.named_parameters(), strict=True
@@ -243,7 +248,7 @@ class FrozenReference:
         py_state, np_state = random.getstate(), np.random.get_state()
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             model, _, pipeline = build_model(job, mesh, device)
-            model.head = head(cast(nn.Module, model.head))
+            _wrap_head(model, head)
             restore(
                 root,
                 cast(Any, model),  # a GPT, or the pipeline stage holding this rank's part

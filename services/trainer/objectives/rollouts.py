@@ -1,7 +1,7 @@
 """Where GRPO's completions come from: the colocated generator (the policy itself, in the
 trainer's processes), or the rollout service's client, behind one `RolloutBackend` seam.
 
-`ColocatedBackend` samples with the trainer's own model (`generate.sample_rows`, the rollout
+`ColocatedBackend` samples with the trainer's own model (`batched_sampling.sample_rows`, the rollout
 worker's sampler too): every prompt's group of G completions of a request in one left-padded
 batch with a static key/value cache (or in batches of `grpo.rollout_max_batch` completions),
 under the trainer's autocast (bf16 with train.bf16), each decode step replayed as a CUDA graph
@@ -35,9 +35,9 @@ import torch
 
 from meshtrain.services.common.errors import ConfigError
 from meshtrain.services.rollout.types import Completion, RolloutBackend, RolloutRequest
+from meshtrain.services.trainer.batched_sampling import sample_rows
 from meshtrain.services.trainer.config.sections import JobConfig
 from meshtrain.services.trainer.decode_graphs import DecodeGraphs
-from meshtrain.services.trainer.generate import sample_rows
 
 SERVICE_CLIENT = "meshtrain.services.rollout.rpc.client"
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -35,7 +36,9 @@ from torch import nn
 
 from meshtrain.services.common.errors import ConfigError
 from meshtrain.services.trainer.config.sections import OptimConfig
+from meshtrain.services.trainer.model.gpt import GPT
 from meshtrain.services.trainer.optim.main_grads import attach_main_grads, grad_of
+from meshtrain.services.trainer.optim.offload import OffloadedAdamW
 from meshtrain.services.trainer.optim.optimizer import adamw, is_decayed
 from meshtrain.services.trainer.parallel import mappings as M
 from meshtrain.services.trainer.parallel.mesh import Mesh
@@ -53,8 +56,9 @@ class Bucket:
     param_flat: torch.Tensor | None = None
     local_grad: torch.Tensor | None = None
     ready: set[int] = field(default_factory=set)
-    reduce_handle: object | None = None
-    gather_handle: object | None = None
+    # None: not launched; True: nothing to wait for (a group of one); else the collective's
+    reduce_handle: dist.Work | Literal[True] | None = None
+    gather_handle: dist.Work | None = None
     wire: tuple[torch.Tensor, torch.Tensor] | None = (
         None  # (sent, received) in grad_reduce_dtype while in flight
     )
@@ -62,6 +66,18 @@ class Bucket:
     shards: int = 1  # ranks in `group`; numel is a multiple of it
     shard_rank: int = 0  # this rank's index in `group`: its ZeRO-1 slice
     expert: bool = False  # holds expert weights (group: edp)
+
+    @property
+    def flat_params(self) -> torch.Tensor:
+        """ZeRO-1: the flat parameter buffer the bucket's parameters are views into."""
+        assert self.param_flat is not None  # made for the distributed optimizer
+        return self.param_flat
+
+    @property
+    def slice_grad(self) -> torch.Tensor:
+        """ZeRO-1: this rank's slice of the reduced gradient."""
+        assert self.local_grad is not None  # made for the distributed optimizer
+        return self.local_grad
 
     def slice_of(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's ZeRO-1 slice of a flat buffer of the bucket's size."""
@@ -73,7 +89,15 @@ class Bucket:
         return flat[self.offsets[i] : self.offsets[i] + p.numel()].view_as(p)
 
 
-def forward_units(model: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+def _applied_grad(p: nn.Parameter) -> torch.Tensor:
+    """The gradient a step applies to `p` (`grad_of`): a view into its bucket, or its ZeRO-1
+    slice, made with the bucket and zeroed in place, so never None."""
+    g = grad_of(p)
+    assert g is not None
+    return g
+
+
+def forward_units(model: GPT) -> list[tuple[nn.Module, list[nn.Parameter]]]:
     """A GPT's (module, parameters) units in forward order, for `overlap_param_gather`.
 
     Each unit's forward pre-hook waits for the all-gathers of the buckets holding its
@@ -292,7 +316,7 @@ class DataParallel:
                 b.grad.div_(self.mean_over)
             b.reduce_handle = True
             return
-        send, recv = b.grad, (b.local_grad if self.dist_opt else b.grad)
+        send, recv = b.grad, (b.slice_grad if self.dist_opt else b.grad)
         if (
             self.reduce_dtype != b.grad.dtype
         ):  # a copy in the wire's dtype, alive until finish_grad_sync
@@ -314,24 +338,25 @@ class DataParallel:
     def finish_grad_sync(self) -> None:
         """Complete every bucket's reduction (launching those not yet launched)."""
         if self.tied is not None:  # first and last stage: the sum of both uses of the embedding
-            M.all_reduce(grad_of(self.tied), self.mesh.group("pp_ends"))  # in place: a view
+            M.all_reduce(_applied_grad(self.tied), self.mesh.group("pp_ends"))  # in place: a view
         for b in self.buckets:
             if b.reduce_handle is None:
                 self._launch_reduce(b)
         for b in self.buckets:
             if b.reduce_handle is not True:
+                assert b.reduce_handle is not None  # every bucket was launched above
                 b.reduce_handle.wait()
             if b.wire is not None:  # back from the wire's dtype into the fp32 buffers
-                (b.local_grad if self.dist_opt else b.grad).copy_(b.wire[1])
+                (b.slice_grad if self.dist_opt else b.grad).copy_(b.wire[1])
                 b.wire = None
             if (
                 self.dist_opt and b.shards == 1
             ):  # nothing was reduce-scattered: the slice is the whole
-                b.local_grad.copy_(b.grad)
+                b.slice_grad.copy_(b.grad)
             elif (
                 self.dist_opt
             ):  # the mean over dp, taken on this rank's slice only (1/(dp·cp) of the bytes)
-                b.local_grad.div_(self.mean_over)
+                b.slice_grad.div_(self.mean_over)
             b.reduce_handle = None
             b.ready.clear()
 
@@ -348,7 +373,8 @@ class DataParallel:
         self.pieces: list[
             tuple[nn.Parameter, nn.Parameter, int, int]
         ] = []  # (piece, param, lo, hi) flat coords
-        decay, no_decay = [], []
+        decay: list[nn.Parameter] = []
+        no_decay: list[nn.Parameter] = []
         flat_range = []  # (bucket, lo, hi) of each piece
         for b in self.buckets:
             n = b.numel // b.shards
@@ -357,11 +383,12 @@ class DataParallel:
                 lo, hi = max(lo_r, b.offsets[i]), min(hi_r, b.offsets[i] + p.numel())
                 if lo >= hi:
                     continue
-                piece = nn.Parameter(b.param_flat[lo:hi])  # shares storage with the model parameter
-                if self.bf16_params:
-                    piece.main_grad = b.local_grad[lo - lo_r : hi - lo_r]
+                piece = nn.Parameter(b.flat_params[lo:hi])  # shares storage with the parameter
+                grad = b.slice_grad[lo - lo_r : hi - lo_r]
+                if self.bf16_params:  # the offloaded AdamW reads the fp32 slice (main_grads.py)
+                    piece.main_grad = grad  # type: ignore[attr-defined]
                 else:
-                    piece.grad = b.local_grad[lo - lo_r : hi - lo_r]
+                    piece.grad = grad
                 self.pieces.append((piece, p, lo - b.offsets[i], hi - b.offsets[i]))
                 flat_range.append((b, lo, hi))
                 (decay if is_decayed(self.names[p], p, self.optim_config) else no_decay).append(
@@ -376,7 +403,7 @@ class DataParallel:
                     for i, p in enumerate(b.params):
                         p.data = b.view(b.param_flat, i)
                 for (piece, _, _, _), (b, lo, hi) in zip(self.pieces, flat_range, strict=True):
-                    piece.data = b.param_flat[lo:hi]
+                    piece.data = b.flat_params[lo:hi]
         return optimizer
 
     def gather_params(self) -> None:
@@ -394,7 +421,7 @@ class DataParallel:
             if b.shards == 1:
                 continue
             b.gather_handle = M.gather_into(
-                b.param_flat, b.slice_of(b.param_flat), b.group, async_op=self.overlap_param
+                b.flat_params, b.slice_of(b.flat_params), b.group, async_op=self.overlap_param
             )
         if not self.overlap_param:
             for b in self.buckets:
@@ -423,9 +450,9 @@ class DataParallel:
         """Global L2 norm of the gradients the optimizer will apply; clips them if max_norm > 0."""
         # (gradient the optimizer applies, its parameter): a slice of it under ZeRO-1
         grads = (
-            [(grad_of(piece), p) for piece, p, _, _ in self.pieces]
+            [(_applied_grad(piece), p) for piece, p, _, _ in self.pieces]
             if self.dist_opt
-            else [(grad_of(p), p) for b in self.buckets for p in b.params]
+            else [(_applied_grad(p), p) for b in self.buckets for p in b.params]
         )
         # the last pipeline stage's copy of a tied embedding is counted once, on the first stage
         items = [
@@ -466,11 +493,24 @@ class DataParallel:
         return norm
 
     # ---------------------------------------------------------------- checkpoint support
+    @property
+    def _zero1_optimizer(self) -> torch.optim.Optimizer:
+        assert self.optimizer is not None  # the distributed optimizer's, over this rank's slices
+        return self.optimizer
+
+    @property
+    def _offloaded(self) -> OffloadedAdamW:
+        """With bf16 parameters: the offloaded AdamW holding the fp32 masters."""
+        assert isinstance(self.optimizer, OffloadedAdamW)  # bf16 parameters need it
+        return self.optimizer
+
     def full_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """Per-parameter Adam moments, whole (gathered over dp; expert weights over edp: this
         rank's experts), keyed by parameter name."""
         out: dict[str, dict[str, torch.Tensor]] = {}
-        by_param = {id(p): [] for b in self.buckets for p in b.params}
+        by_param: dict[int, list[tuple[nn.Parameter, int, int]]] = {
+            id(p): [] for b in self.buckets for p in b.params
+        }
         for piece, p, lo, hi in self.pieces:
             by_param[id(p)].append((piece, lo, hi))
         for b in self.buckets:
@@ -480,7 +520,7 @@ class DataParallel:
                 local = torch.zeros(n, dtype=torch.float32, device=b.grad.device)
                 for i, p in enumerate(b.params):
                     for piece, lo, hi in by_param[id(p)]:
-                        st = self.optimizer.state.get(piece)
+                        st = self._zero1_optimizer.state.get(piece)
                         if st:
                             start = b.offsets[i] + lo - lo_r
                             local[start : start + (hi - lo)] = st[key]
@@ -492,8 +532,10 @@ class DataParallel:
     def full_master_params(self) -> dict[str, torch.Tensor]:
         """With bf16 parameters under ZeRO-1: the fp32 master weights, whole (gathered over dp
         as the moments are; expert weights over edp), keyed by parameter name."""
-        masters = self.optimizer.master_of
-        by_param = {id(p): [] for b in self.buckets for p in b.params}
+        masters = self._offloaded.master_of
+        by_param: dict[int, list[tuple[nn.Parameter, int, int]]] = {
+            id(p): [] for b in self.buckets for p in b.params
+        }
         for piece, p, lo, hi in self.pieces:
             by_param[id(p)].append((piece, lo, hi))
         out: dict[str, torch.Tensor] = {}
@@ -520,13 +562,13 @@ class DataParallel:
                         p.copy_(weights[self.names[p]])
             for piece, p, lo, hi in self.pieces:
                 if self.names[p] in weights:
-                    self.optimizer.load_master(piece, weights[self.names[p]].flatten()[lo:hi])
+                    self._offloaded.load_master(piece, weights[self.names[p]].flatten()[lo:hi])
 
     def load_optimizer_state(self, state: dict[str, dict[str, torch.Tensor]], step: int) -> None:
         """Fill this rank's slices from whole per-parameter moments (the inverse of the above)."""
         for piece, p, lo, hi in self.pieces:
             st = state[self.names[p]]
-            self.optimizer.state[piece] = {
+            self._zero1_optimizer.state[piece] = {
                 "step": torch.tensor(float(step), device=piece.device if piece.is_cuda else "cpu"),
                 "exp_avg": st["exp_avg"].flatten()[lo:hi].to(piece.device).clone(),
                 "exp_avg_sq": st["exp_avg_sq"].flatten()[lo:hi].to(piece.device).clone(),

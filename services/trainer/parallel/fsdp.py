@@ -100,26 +100,7 @@ class FullyShardedDataParallel:
         reduce_dtype: torch.dtype = torch.float32,
         tied_weight: Callable[[], nn.Parameter | None] | None = None,
     ):
-        if optim.optimizer_cpu_offload:
-            raise ConfigError(
-                "fully sharded data parallelism does not compose with optim.optimizer_cpu_offload "
-                "yet; use parallel.use_distributed_optimizer (ZeRO-1), whose slices are offloaded"
-            )
-        deferred = [n for n, p in model.named_parameters() if getattr(p, "grad_deferred", False)]
-        if deferred:
-            # FSDP2 reduce-scatters a block's gradients at the end of its backward; a W action
-            # would add the deferred weight gradients after that, to gathered tensors then freed
-            raise ConfigError(
-                "fully sharded data parallelism does not compose with "
-                "parallel.pipeline_schedule='zb-h1' (deferred weight gradients, e.g. "
-                f"{deferred[0]}); use '1f1b', 'gpipe' or 'interleaved'"
-            )
-        odd = [n for n, p in model.named_parameters() if p.dtype != torch.float32]
-        if odd:
-            raise ConfigError(
-                "fully sharded data parallelism keeps fp32 parameters (bf16 comes from autocast: "
-                f"train.bf16); {odd[0]} is not fp32"
-            )
+        _check_composes(model, optim)
         self.model, self.mesh = model, mesh
         self._sync = True
         # Split over dp_shard x cp: the cp ranks hold the same parameters, so they take a share
@@ -132,77 +113,13 @@ class FullyShardedDataParallel:
         # The gradient norm's sums: each gradient shard lives on one dp_shard x cp rank (and is
         # repeated over dp_replicate).
         self.shard_group = mesh.group("dp_shard_cp")
-        # Parameter attributes (tp_split, sequence_parallel) the DTensor parameters take over.
-        marks = {
-            n: {k: v for k, v in vars(p).items() if not k.startswith("_")}
-            for n, p in model.named_parameters()
-        }
+        marks = _parameter_marks(model)
         policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
-        # The routers' expert biases move by their own rule after each step, the same on every
-        # rank (`MoE.update_expert_bias`): left whole and out of FSDP2's hands.
-        ignored = {
-            m.router.expert_bias for _, m in moe_layers(model) if m.router.expert_bias is not None
-        }
-        # Expert parallelism: a block's experts (this ep rank's) are a unit of their own, split
-        # over the ranks holding the same experts (edp), inside the block's unit.
-        self.expert_units: list[FSDPModule] = []
-        if mesh.ep > 1:
-            expert_mesh = mesh.expert_device_mesh
-            assert expert_mesh is not None  # Mesh.build makes it with ep > 1
-            for _, moe in moe_layers(model):
-                self.expert_units.append(
-                    fully_shard(
-                        moe.experts,
-                        mesh=expert_mesh["edp"],
-                        reshard_after_forward=reshard_after_forward,
-                        mp_policy=policy,
-                    )
-                )
-        chunks = [
-            [
-                fully_shard(
-                    block,
-                    mesh=self.shard_mesh,
-                    reshard_after_forward=reshard_after_forward,
-                    mp_policy=policy,
-                    ignored_params=ignored,
-                )
-                for block in chunk
-            ]
-            for chunk in self._chunks(model)
-        ]
-        # The root keeps its parameters (embedding, final norm, output layer) gathered from the
-        # end of the forward to the backward, which starts with them.
-        fully_shard(
-            model,
-            mesh=self.shard_mesh,
-            reshard_after_forward=False,
-            mp_policy=policy,
-            ignored_params=ignored,
-        )
-        # Explicit prefetch: the next block in each direction, within a model chunk (what runs
-        # after a chunk's last block is up to the pipeline schedule).
-        for blocks in chunks:
-            for i, block in enumerate(blocks):
-                if i + 1 < len(blocks):
-                    block.set_modules_to_forward_prefetch([blocks[i + 1]])
-                if i > 0:
-                    block.set_modules_to_backward_prefetch([blocks[i - 1]])
-        # FSDP2 divides by every rank it reduces over: dp_shard x cp x dp_replicate for the
-        # dense units, edp = dp x cp / ep for the experts'. The mean is over dp only (as
-        # `DataParallel.mean_over`): cp ranks' gradients are shares of one sample's, and an ep
-        # rank's expert gradient already sums its ep group's tokens (the all-to-all's backward).
-        # Sums on the wire and one division after (gloo has no pre-multiplied sum), except over
-        # a group of one (ep = dp x cp), which FSDP2 does not reduce but divides itself; the
-        # forced sum would divide a second time.
-        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-        for m in units if mesh.cp > 1 else self.expert_units:
-            m.set_gradient_divide_factor(float(mesh.dp))
-            alone = m in self.expert_units and mesh.size("edp") == 1
-            m.set_force_sum_reduction_for_comms(not alone)
-        for n, p in model.named_parameters():
-            for key, value in marks[n].items():
-                setattr(p, key, value)
+        self.expert_units = self._shard_experts(policy, reshard_after_forward)
+        chunks = self._shard_blocks(policy, reshard_after_forward)
+        _set_prefetch(chunks)
+        self._set_gradient_division()
+        _restore_marks(model, marks)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.experts = {
             id(p)
@@ -218,6 +135,77 @@ class FullyShardedDataParallel:
             p for p in self.params if getattr(p, "sequence_parallel", False) and mesh.tp > 1
         ]
         self.optimizer = build_optimizer(model, optim)
+
+    def _shard_experts(
+        self, policy: MixedPrecisionPolicy, reshard_after_forward: bool
+    ) -> list[FSDPModule]:
+        """Expert parallelism: a block's experts (this ep rank's) are a unit of their own, split
+        over the ranks holding the same experts (edp), inside the block's unit (none without
+        expert parallelism)."""
+        if self.mesh.ep <= 1:
+            return []
+        expert_mesh = self.mesh.expert_device_mesh
+        assert expert_mesh is not None  # Mesh.build makes it with ep > 1
+        return [
+            fully_shard(
+                moe.experts,
+                mesh=expert_mesh["edp"],
+                reshard_after_forward=reshard_after_forward,
+                mp_policy=policy,
+            )
+            for _, moe in moe_layers(self.model)
+        ]
+
+    def _shard_blocks(
+        self, policy: MixedPrecisionPolicy, reshard_after_forward: bool
+    ) -> list[list[FSDPModule]]:
+        """Every transformer block a unit over the shard mesh, then the root; the blocks of each
+        model chunk in forward order."""
+        # The routers' expert biases move by their own rule after each step, the same on every
+        # rank (`MoE.update_expert_bias`): left whole and out of FSDP2's hands.
+        ignored = {
+            m.router.expert_bias
+            for _, m in moe_layers(self.model)
+            if m.router.expert_bias is not None
+        }
+        chunks = [
+            [
+                fully_shard(
+                    block,
+                    mesh=self.shard_mesh,
+                    reshard_after_forward=reshard_after_forward,
+                    mp_policy=policy,
+                    ignored_params=ignored,
+                )
+                for block in chunk
+            ]
+            for chunk in self._chunks(self.model)
+        ]
+        # The root keeps its parameters (embedding, final norm, output layer) gathered from the
+        # end of the forward to the backward, which starts with them.
+        fully_shard(
+            self.model,
+            mesh=self.shard_mesh,
+            reshard_after_forward=False,
+            mp_policy=policy,
+            ignored_params=ignored,
+        )
+        return chunks
+
+    def _set_gradient_division(self) -> None:
+        """FSDP2 divides by every rank it reduces over: dp_shard x cp x dp_replicate for the
+        dense units, edp = dp x cp / ep for the experts'. The mean is over dp only (as
+        `DataParallel.mean_over`): cp ranks' gradients are shares of one sample's, and an ep
+        rank's expert gradient already sums its ep group's tokens (the all-to-all's backward)."""
+        mesh = self.mesh
+        # Sums on the wire and one division after (gloo has no pre-multiplied sum), except over
+        # a group of one (ep = dp x cp), which FSDP2 does not reduce but divides itself; the
+        # forced sum would divide a second time.
+        units = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+        for m in units if mesh.cp > 1 else self.expert_units:
+            m.set_gradient_divide_factor(float(mesh.dp))
+            alone = m in self.expert_units and mesh.size("edp") == 1
+            m.set_force_sum_reduction_for_comms(not alone)
 
     @staticmethod
     def _chunks(model: nn.Module) -> list[list[nn.Module]]:
@@ -325,6 +313,57 @@ class FullyShardedDataParallel:
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds of parameters, gradients and optimizer state (`state_bytes`)."""
         return state_bytes(self.model, self.optimizer)
+
+
+def _check_composes(model: nn.Module, optim: OptimConfig) -> None:
+    """Refuse what fully sharded data parallelism does not compose with (optimizer offload,
+    deferred weight gradients) and parameters that are not fp32."""
+    if optim.optimizer_cpu_offload:
+        raise ConfigError(
+            "fully sharded data parallelism does not compose with optim.optimizer_cpu_offload "
+            "yet; use parallel.use_distributed_optimizer (ZeRO-1), whose slices are offloaded"
+        )
+    deferred = [n for n, p in model.named_parameters() if getattr(p, "grad_deferred", False)]
+    if deferred:
+        # FSDP2 reduce-scatters a block's gradients at the end of its backward; a W action
+        # would add the deferred weight gradients after that, to gathered tensors then freed
+        raise ConfigError(
+            "fully sharded data parallelism does not compose with "
+            "parallel.pipeline_schedule='zb-h1' (deferred weight gradients, e.g. "
+            f"{deferred[0]}); use '1f1b', 'gpipe' or 'interleaved'"
+        )
+    odd = [n for n, p in model.named_parameters() if p.dtype != torch.float32]
+    if odd:
+        raise ConfigError(
+            "fully sharded data parallelism keeps fp32 parameters (bf16 comes from autocast: "
+            f"train.bf16); {odd[0]} is not fp32"
+        )
+
+
+def _parameter_marks(model: nn.Module) -> dict[str, dict[str, object]]:
+    """Each parameter's public attributes (tp_split, sequence_parallel, ...), by name: the
+    DTensor parameters `fully_shard` puts in their place take them over (`_restore_marks`)."""
+    return {
+        n: {k: v for k, v in vars(p).items() if not k.startswith("_")}
+        for n, p in model.named_parameters()
+    }
+
+
+def _restore_marks(model: nn.Module, marks: dict[str, dict[str, object]]) -> None:
+    for n, p in model.named_parameters():
+        for key, value in marks[n].items():
+            setattr(p, key, value)
+
+
+def _set_prefetch(chunks: list[list[FSDPModule]]) -> None:
+    """Explicit prefetch: the next block in each direction, within a model chunk (what runs
+    after a chunk's last block is up to the pipeline schedule)."""
+    for blocks in chunks:
+        for i, block in enumerate(blocks):
+            if i + 1 < len(blocks):
+                block.set_modules_to_forward_prefetch([blocks[i + 1]])
+            if i > 0:
+                block.set_modules_to_backward_prefetch([blocks[i - 1]])
 
 
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:

@@ -13,7 +13,8 @@ import json
 import pytest
 import torch
 
-from meshtrain.services.checkpoint.hf.convert import export_hf, import_hf, model_from_hf
+from meshtrain.services.checkpoint.hf.convert import export_hf, import_hf
+from meshtrain.services.checkpoint.hf.mapping import model_from_hf
 from meshtrain.services.checkpoint.reader import read_manifest
 from meshtrain.services.common.errors import CheckpointError, ConfigError
 from meshtrain.services.common.model_config import ModelConfig

@@ -19,7 +19,7 @@ from meshtrain.services.rollout.engine import (
 )
 from meshtrain.services.rollout.types import RolloutRequest, SamplingParams
 from meshtrain.services.rollout.weights import WeightAssembler, tensor_chunks
-from meshtrain.services.trainer import generate as generate_module
+from meshtrain.services.trainer import batched_sampling
 from meshtrain.services.trainer.generate import generate
 from tests.services.rollout.helpers import PROMPTS, save_policy, tiny_model
 
@@ -82,7 +82,7 @@ def test_rows_end_at_their_first_eod_however_seldom_the_engine_checks(monkeypatc
     ends = [c.tokens.index(eod) + 1 if eod in c.tokens else len(c.tokens) for c in free]
     assert len(set(ends)) > 1 and min(ends) < 12  # rows end at different steps
     for every in (1, 3, 64):
-        monkeypatch.setattr(generate_module, "STOP_CHECK", every)
+        monkeypatch.setattr(batched_sampling, "STOP_CHECK", every)
         got = RolloutEngine(model, eod_id=eod).generate(RolloutRequest(PROMPTS, 2, sampling))
         assert [c.tokens for c in got] == [c.tokens[:n] for c, n in zip(free, ends)]
         assert [c.logprobs for c in got] == [c.logprobs[:n] for c, n in zip(free, ends)]

@@ -9,16 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from meshtrain.services.common.model_config import ModelConfig
-from meshtrain.services.trainer import generate
+from meshtrain.services.trainer import batched_sampling
+from meshtrain.services.trainer.batched_sampling import STOP_CHECK, StaticKV, sample_rows
 from meshtrain.services.trainer.decode_graphs import DecodeGraphs, StepGraph, graphable
-from meshtrain.services.trainer.generate import (
-    STOP_CHECK,
-    StaticKV,
-    context_length,
-    draw_tokens,
-    row_uniforms,
-    sample_rows,
-)
+from meshtrain.services.trainer.generate import context_length, draw_tokens, row_uniforms
 from meshtrain.services.trainer.model import GPT
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -56,7 +50,7 @@ def reference_rows(model, prompts, seeds, indices, new, eod_id, temperature, top
     """The decode as it was written before the static-shape step: the cache's keys sliced to the
     positions so far at every step, the mask a growing view, every row to the last step."""
     context = context_length(model)
-    limits = generate._row_limits(prompts, seeds, indices, new, context)
+    limits = batched_sampling._row_limits(prompts, seeds, indices, new, context)
     steps = max(limits)
     device = next(model.parameters()).device
     u = row_uniforms(seeds, indices, steps).to(device)
@@ -75,7 +69,7 @@ def reference_rows(model, prompts, seeds, indices, new, eod_id, temperature, top
     eye = torch.eye(longest, dtype=torch.bool, device=device)
     mask = causal[None] & (key_ok[:, None, :] | eye[None])
     cache = StaticKV(len(model.layers), longest + steps)
-    logits = generate._forward_rows(model, tokens, positions, mask[:, None], cache)[:, -1]
+    logits = batched_sampling._forward_rows(model, tokens, positions, mask[:, None], cache)[:, -1]
     key_ok = torch.cat([key_ok, key_ok.new_ones(b, steps)], 1)
     drawn, logps = [], []
     for step in range(steps):
@@ -88,8 +82,8 @@ def reference_rows(model, prompts, seeds, indices, new, eod_id, temperature, top
             break
         pos = (lengths + step).clamp(max=context - 1)[:, None]
         keys = key_ok[:, None, None, : longest + step + 1]
-        logits = generate._forward_rows(model, nxt[:, None], pos, keys, cache)[:, -1]
-    return generate._trim_rows(
+        logits = batched_sampling._forward_rows(model, nxt[:, None], pos, keys, cache)[:, -1]
+    return batched_sampling._trim_rows(
         torch.stack(drawn, 1).tolist(), torch.stack(logps, 1).tolist(), limits, eod_id
     )
 
@@ -138,8 +132,8 @@ def test_every_row_ending_early_stops_the_decode_at_a_check(monkeypatch):
     first = reference_rows(model, prompts, seeds, indices, 40, None, **greedy)
     eod = first[0].tokens[0]
     steps = []
-    step = generate._decode_step
-    monkeypatch.setattr(generate, "_decode_step", lambda *a: steps.append(1) or step(*a))
+    step = batched_sampling._decode_step
+    monkeypatch.setattr(batched_sampling, "_decode_step", lambda *a: steps.append(1) or step(*a))
     got = sample_rows(model, prompts, seeds, indices, 40, eod_id=eod, **greedy)
     assert [(r.tokens, r.finished) for r in got] == [([eod], True)] * 3
     assert len(steps) == STOP_CHECK - 1  # the first check after the stop ends the loop
