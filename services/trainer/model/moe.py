@@ -219,7 +219,14 @@ def grouped_linear(
 
     Returns:
         (tokens, out).
+
+    Under autocast both operands are cast to its dtype first, as autocast casts a matmul's: the
+    grouped kernel then runs on an fp32 stream's rows too, and the loop op sees one dtype in
+    forward and backward (which runs outside the autocast region).
     """
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        x = x.to(torch.get_autocast_dtype(device))
     w = weight.to(x.dtype)
     if grouped and grouped_gemm_available(x):
         offs = torch.cumsum(counts, 0).to(torch.int32)

@@ -131,3 +131,51 @@ def test_expert_bias_moves_toward_balance_from_the_step_counts():
         step = m.router.expert_bias - before
         rate = m.config.moe_router_bias_update_rate
         assert torch.equal(step, rate * torch.sign(counts.mean() - counts))
+
+
+@pytest.mark.parametrize("capacity", [None, 1.0])
+def test_block_under_bf16_autocast_follows_fp32(capacity):
+    """fp32 rows and fp32 expert weights under bf16 autocast (the trainer's mixed precision): the
+    expert GEMMs run in bf16 in forward and backward (the backward runs outside the autocast
+    region, so the expert op must not meet bf16 gradients with fp32 weights), the gradients reach
+    the fp32 weights in fp32, and the block stays within bf16 rounding of the fp32 block."""
+    from meshtrain.services.trainer.model.moe import MoE
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        num_layers=1,
+        hidden_size=64,
+        num_attention_heads=4,
+        vocab_size=64,
+        seq_length=32,
+        activation="swiglu",
+        normalization="rmsnorm",
+        position_embedding_type="rope",
+        add_bias_linear=False,
+        num_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=96,
+        moe_aux_loss_coeff=1e-2,
+        moe_z_loss_coeff=1e-3,
+        moe_expert_capacity_factor=capacity,
+    )
+    ref = MoE(cfg)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0, 0.05)
+    mixed = MoE(cfg)
+    mixed.load_state_dict(ref.state_dict())
+    x, gy = torch.randn(2, 32, 64), torch.randn(2, 32, 64)
+    x_ref, x_mixed = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y_ref = ref(x_ref)
+    y_ref.backward(gy)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = mixed(x_mixed)
+    y.backward(gy)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), y_ref.detach(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(x_mixed.grad, x_ref.grad, rtol=2e-2, atol=2e-2)
+    for (name, p_ref), p in zip(ref.named_parameters(), mixed.parameters(), strict=True):
+        assert p.grad is not None and p.grad.dtype == torch.float32, name
+        scale = p_ref.grad.abs().max()
+        assert (p.grad - p_ref.grad).abs().max() <= 3e-2 * scale, name
