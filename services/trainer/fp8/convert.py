@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -102,6 +103,8 @@ class Fp8Model:
 
 def _blocks(model: nn.Module) -> list[tuple[int, nn.Module]]:
     layers = model.layers
+    if not isinstance(layers, (nn.ModuleDict, nn.ModuleList)):
+        raise TypeError(f"FP8 converts a GPT's blocks; model.layers is a {type(layers).__name__}")
     items = layers.items() if isinstance(layers, nn.ModuleDict) else enumerate(layers)
     return [(int(i), block) for i, block in items]
 
@@ -159,7 +162,7 @@ def apply_fp8(
             f"train.fp8: {bf16_layers_at_start} first and {bf16_layers_at_end} last blocks kept in "
             f"bf16 leave none of the model's {n} blocks for FP8"
         )
-    chosen: list[tuple[str, nn.Module]] = []
+    chosen: list[tuple[str, Any]] = []  # nn.Linear or a tensor-parallel layer, swapped below
     kept: list[str] = []
     for i, block in blocks:
         for sub, name in DENSE_LINEARS:
@@ -184,9 +187,9 @@ def apply_fp8(
     if not chosen:
         log.warning("train.fp8: no linear layer qualifies for FP8; the run trains in bf16")
         return None
-    device = device if device is not None else chosen[0][1].weight.device
+    where: torch.device = device if device is not None else chosen[0][1].weight.device
     state = (
-        DelayedState(len(chosen), recipe.amax_history_len, device)
+        DelayedState(len(chosen), recipe.amax_history_len, where)
         if recipe.recipe == "delayed"
         else None
     )
@@ -198,7 +201,7 @@ def apply_fp8(
             layer.__class__ = Fp8Linear
             cp = _activation_group(mesh, tp_split=False)
             groups = Groups(input=cp, grad_output=cp, tokens=cp)
-            layer.make_fp8(Fp8Gemm(recipe, groups, delayed))
+            cast(Fp8Linear, layer).make_fp8(Fp8Gemm(recipe, groups, delayed))  # swapped above
         else:  # tensor parallel: column- or row-parallel, whose `linear` is the GEMM
             layer.linear = _tp_gemm(layer, mesh, recipe, delayed, all_gather)
             if hasattr(layer, "async_grad"):
@@ -209,8 +212,8 @@ def apply_fp8(
     if recipe.fused_casts and recipe.recipe != "rowwise":  # see fp8/fused_inputs.py
         for i, block in blocks:
             fused_inputs += [f"layers.{i}.{name}" for name in fuse_input_casts(block)]
-    groups = (mesh.group("tp"), mesh.group("dp_cp")) if state is not None else ()
-    return Fp8Model(recipe, [name for name, _ in chosen], kept, state, groups, fused_inputs)
+    amax_groups = (mesh.group("tp"), mesh.group("dp_cp")) if state is not None else ()
+    return Fp8Model(recipe, [name for name, _ in chosen], kept, state, amax_groups, fused_inputs)
 
 
 def _activation_group(mesh: Mesh, tp_split: bool) -> dist.ProcessGroup | None:
