@@ -3,6 +3,12 @@
 Better than running pytest under torchrun, where one failing rank hangs the rest: every rank
 runs `fn(rank, world_size, *args)` in its own process; the parent waits with a timeout, kills
 stragglers, and raises the first rank error with its traceback, or returns rank results.
+
+The ranks fork from a forkserver that has imported torch and the trainer once
+(`tests/rank_server.py`), not from the test process (which may hold threads, a CUDA context or
+state a test changed) and not as fresh interpreters that import everything again. `fn` is still
+pickled by reference, as under "spawn", and each rank gets the test process's environment of the
+moment it starts.
 """
 
 from __future__ import annotations
@@ -19,10 +25,24 @@ import torch.multiprocessing as mp
 
 from meshtrain.services.launcher.topology import free_port
 
+# Imported by the forkserver before it forks any rank.
+_PRELOAD = ["tests.rank_server"]
 
-def _entry(fn, rank, world, port, args, queue, store_path):
-    # The environment is what torchrun would set (code under test reads it); the rendezvous
-    # itself goes through a file, so no TCP port can be taken by another test meanwhile.
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    # Only the server's first start reads the list; a server some other test started first (with
+    # its own list) serves the ranks as well, only without the head start.
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _entry(fn, rank, world, port, args, queue, store_path, environ):
+    # The test process's environment now, not the server's from when it started; on top of it
+    # what torchrun would set (code under test reads it). The rendezvous itself goes through a
+    # file, so no TCP port can be taken by another test meanwhile.
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -59,14 +79,16 @@ def run_ranks(
     daemon: False for ranks that start processes of their own (megatron-core's checkpoint
     writer does); they are still killed when they outlive the timeout.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     port = free_port()
     store_dir = tempfile.mkdtemp(prefix="run_ranks-")
     store_path = os.path.join(store_dir, "store")
     procs = [
         ctx.Process(
-            target=_entry, args=(fn, r, world_size, port, args, queue, store_path), daemon=daemon
+            target=_entry,
+            args=(fn, r, world_size, port, args, queue, store_path, dict(os.environ)),
+            daemon=daemon,
         )
         for r in range(world_size)
     ]
