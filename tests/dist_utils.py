@@ -25,15 +25,22 @@ import torch.multiprocessing as mp
 
 from meshtrain.services.launcher.topology import free_port
 
-# Imported by the forkserver before it forks any rank.
+# What the forkserver imports before it forks anything: the rank server first (it turns the
+# thread pools off before torch is imported), then what other tests asked for.
 _PRELOAD = ["tests.rank_server"]
 
 
-def _context():
+def forkserver_context(*preload: str):
+    """The forkserver context of this test process, with `preload` added to what its server
+    imports before forking.
+
+    A process has one forkserver, and only its first start reads the list; so every test that
+    forks from it asks through here, and whichever starts it first starts it with what all of
+    them asked for so far (the rank server always), not only its own modules.
+    """
+    _PRELOAD.extend(m for m in preload if m not in _PRELOAD)
     ctx = mp.get_context("forkserver")
-    # Only the server's first start reads the list; a server some other test started first (with
-    # its own list) serves the ranks as well, only without the head start.
-    ctx.set_forkserver_preload(_PRELOAD)
+    ctx.set_forkserver_preload(list(_PRELOAD))
     return ctx
 
 
@@ -79,7 +86,7 @@ def run_ranks(
     daemon: False for ranks that start processes of their own (megatron-core's checkpoint
     writer does); they are still killed when they outlive the timeout.
     """
-    ctx = _context()
+    ctx = forkserver_context()
     queue = ctx.Queue()
     port = free_port()
     store_dir = tempfile.mkdtemp(prefix="run_ranks-")
