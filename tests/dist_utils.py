@@ -108,6 +108,8 @@ def run_ranks(
                 rank, status, payload = queue.get(timeout=timeout)
             except queue_mod.Empty:
                 missing = sorted(set(range(world_size)) - set(results))
+                for r in missing:  # hung: killed now, not after the grace the others get below
+                    procs[r].kill()
                 raise TimeoutError(
                     f"ranks {missing} did not finish within {timeout:.0f} s"
                 ) from None

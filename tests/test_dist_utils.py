@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
 import time
 
 import pytest
@@ -86,40 +87,42 @@ def test_errors_return_gives_each_failed_ranks_traceback_and_the_others_results(
     assert before <= failed["at"] <= time.monotonic()
 
 
-def _hang(rank, world, pid_file):
-    with open(pid_file, "w") as f:
+def _rank_one_hangs(rank, world, folder):
+    with open(os.path.join(folder, f"pid-{rank}"), "w") as f:
         f.write(str(os.getpid()))
-    time.sleep(3600)
+    if rank == 1:
+        time.sleep(3600)
+    return rank
 
 
-def test_a_rank_that_outlives_the_timeout_is_named_and_killed(tmp_path):
-    pid_file = tmp_path / "pid"
-    with pytest.raises(TimeoutError, match=r"ranks \[0\] did not finish within 2 s"):
-        run_ranks(_hang, 1, str(pid_file), timeout=2)
-    pid = int(pid_file.read_text())
+def test_a_rank_that_outlives_the_timeout_is_named_and_every_rank_ends(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"ranks \[1\] did not finish within 2 s"):
+        run_ranks(_rank_one_hangs, 2, str(tmp_path), timeout=2)
+    # The hung rank is killed at once; rank 0, waiting for it in the closing barrier, then fails.
+    assert time.monotonic() - start < 10
+    pids = [int((tmp_path / f"pid-{rank}").read_text()) for rank in (0, 1)]
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
+    while pids and time.monotonic() < deadline:
+        for pid in list(pids):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                pids.remove(pid)
         time.sleep(0.1)
-    pytest.fail(f"the hung rank (pid {pid}) is still running")
-
-
-def _square(x):
-    return x * x
+    assert not pids, f"rank processes {pids} are still running"
 
 
 def _start_own_process(rank, world):
     # What megatron-core's checkpoint writer does: a process of the rank's own.
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(1) as pool:
-        return pool.apply(_square, (rank + 3,))
+    child = multiprocessing.get_context("fork").Process(target=sys.exit, args=(rank + 3,))
+    child.start()
+    child.join(30)
+    return child.exitcode
 
 
 def test_a_non_daemon_rank_starts_processes_of_its_own():
-    assert run_ranks(_start_own_process, 2, daemon=False) == [9, 16]
+    assert run_ranks(_start_own_process, 2, daemon=False) == [3, 4]
 
 
 def test_a_daemon_rank_may_not():
