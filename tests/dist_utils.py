@@ -3,6 +3,12 @@
 Better than running pytest under torchrun, where one failing rank hangs the rest: every rank
 runs `fn(rank, world_size, *args)` in its own process; the parent waits with a timeout, kills
 stragglers, and raises the first rank error with its traceback, or returns rank results.
+
+The ranks fork from a forkserver that has imported torch and the trainer once
+(`tests/rank_server.py`), not from the test process (which may hold threads, a CUDA context or
+state a test changed) and not as fresh interpreters that import everything again. `fn` is still
+pickled by reference, as under "spawn", and each rank gets the test process's environment of the
+moment it starts.
 """
 
 from __future__ import annotations
@@ -19,10 +25,31 @@ import torch.multiprocessing as mp
 
 from meshtrain.services.launcher.topology import free_port
 
+# What the forkserver imports before it forks anything: the rank server first (it turns the
+# thread pools off before torch is imported), then what other tests asked for.
+_PRELOAD = ["tests.rank_server"]
 
-def _entry(fn, rank, world, port, args, queue, store_path):
-    # The environment is what torchrun would set (code under test reads it); the rendezvous
-    # itself goes through a file, so no TCP port can be taken by another test meanwhile.
+
+def forkserver_context(*preload: str):
+    """The forkserver context of this test process, with `preload` added to what its server
+    imports before forking.
+
+    A process has one forkserver, and only its first start reads the list; so every test that
+    forks from it asks through here, and whichever starts it first starts it with what all of
+    them asked for so far (the rank server always), not only its own modules.
+    """
+    _PRELOAD.extend(m for m in preload if m not in _PRELOAD)
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(_PRELOAD))
+    return ctx
+
+
+def _entry(fn, rank, world, port, args, queue, store_path, environ):
+    # The test process's environment now, not the server's from when it started; on top of it
+    # what torchrun would set (code under test reads it). The rendezvous itself goes through a
+    # file, so no TCP port can be taken by another test meanwhile.
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -59,14 +86,16 @@ def run_ranks(
     daemon: False for ranks that start processes of their own (megatron-core's checkpoint
     writer does); they are still killed when they outlive the timeout.
     """
-    ctx = mp.get_context("spawn")
+    ctx = forkserver_context()
     queue = ctx.Queue()
     port = free_port()
     store_dir = tempfile.mkdtemp(prefix="run_ranks-")
     store_path = os.path.join(store_dir, "store")
     procs = [
         ctx.Process(
-            target=_entry, args=(fn, r, world_size, port, args, queue, store_path), daemon=daemon
+            target=_entry,
+            args=(fn, r, world_size, port, args, queue, store_path, dict(os.environ)),
+            daemon=daemon,
         )
         for r in range(world_size)
     ]
@@ -79,6 +108,8 @@ def run_ranks(
                 rank, status, payload = queue.get(timeout=timeout)
             except queue_mod.Empty:
                 missing = sorted(set(range(world_size)) - set(results))
+                for r in missing:  # hung: killed now, not after the grace the others get below
+                    procs[r].kill()
                 raise TimeoutError(
                     f"ranks {missing} did not finish within {timeout:.0f} s"
                 ) from None

@@ -4,7 +4,6 @@ one commits, a twin committer of the same save returns the winner's result, and 
 another save gets a CheckpointError naming the save that won."""
 
 import json
-import multiprocessing
 import threading
 import uuid
 
@@ -16,6 +15,7 @@ from meshtrain.services.checkpoint.multiwriter import ShardWriter, begin_save, c
 from meshtrain.services.checkpoint.reader import load_checkpoint, read_manifest
 from meshtrain.services.checkpoint.store import join, open_root, write_bytes_exclusive
 from meshtrain.services.common.errors import CheckpointError
+from tests.dist_utils import forkserver_context
 
 RACERS = 6
 
@@ -113,7 +113,7 @@ def _process_race(root: str, env: dict) -> None:
     begin_save(root, 7)
     for save_id in ids:
         _stage(root, 7, save_id, 3.0)
-    ctx = multiprocessing.get_context("spawn")
+    ctx = forkserver_context()  # forked with torch imported: a start is not a torch import
     start, queue = ctx.Event(), ctx.Queue()
     procs = [ctx.Process(target=_commit_in_process, args=(root, env, s, start, queue)) for s in ids]
     for p in procs:

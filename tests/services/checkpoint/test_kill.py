@@ -9,7 +9,6 @@ for bit. Both outcomes (committed / not committed) must occur, or the kill times
 inside saves and the test proves nothing.
 """
 
-import multiprocessing
 import os
 import random
 import signal
@@ -24,6 +23,7 @@ from meshtrain.services.checkpoint.multiwriter import begin_save
 from meshtrain.services.checkpoint.reader import list_checkpoints, read_box, read_manifest
 from meshtrain.services.checkpoint.rpc.client import CheckpointClient, ServiceUnavailableError
 from meshtrain.services.common.errors import CheckpointError
+from tests.dist_utils import forkserver_context
 from tests.services.checkpoint import killable
 from tests.services.checkpoint.s3server import free_port
 
@@ -32,11 +32,10 @@ COMMIT_TIMEOUT = 0.15
 
 @pytest.fixture(scope="module")
 def ctx():
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(
-        ["tests.services.checkpoint.killable", "meshtrain.services.checkpoint.rpc.server"]
+    # The test process's one forkserver, shared with the multi-process tests' ranks.
+    return forkserver_context(
+        "tests.services.checkpoint.killable", "meshtrain.services.checkpoint.rpc.server"
     )
-    return context
 
 
 def start_save(ctx, root, step):
