@@ -15,7 +15,8 @@ virtual ranks' blocks (the work cp GPUs share, without the communication) agains
 bf16, llama-1b's heads (16 query heads, 8 KV groups, head_dim 128), batch 1.
 
 `train`: the real `Trainer` on one device, llama-1b at each sequence length with full
-recompute (uniform, 1 block), micro-batch 1, global batch 1, bf16, compile as the config says;
+recompute (uniform, 1 block), micro-batch 1, global batch 1, bf16, compile as the config says
+(with full recompute `train.compile` compiles each block in place, the checkpoint outside);
 each length in a fresh process (so one that runs out of memory is recorded as such and peak
 memory is its own). The model keeps llama-1b's 32768-row vocabulary; the data is the embedded
 corpus, byte-tokenized (the tokens' values do not change the step's cost). Reports tokens/s

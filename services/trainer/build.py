@@ -303,24 +303,49 @@ def compile_options(train: TrainConfig) -> CompileOptions | None:
     return {"coordinate_descent_tuning": True} if train.compile_coordinate_descent_tuning else None
 
 
+def compiles_per_block(
+    train: TrainConfig,
+    parallel: ParallelConfig,
+    pipelined: bool,
+    fully_sharded: bool = False,
+) -> bool:
+    """Whether train.compile compiles the model block by block (`compile_model`) rather than whole:
+    with a pipeline, parallel.overlap_param_gather, FSDP2 (`fully_sharded`) or full recompute."""
+    return train.compile and (
+        pipelined
+        or parallel.overlap_param_gather
+        or fully_sharded
+        or parallel.recompute_granularity == "full"
+    )
+
+
 def compile_model(
     model: TrainedModel,
     train: TrainConfig,
     options: CompileOptions | None,
+    parallel: ParallelConfig,
     pipelined: bool,
-    overlap_param_gather: bool,
     fully_sharded: bool = False,
 ) -> Callable[..., Any]:
-    """What a step runs the model through: under train.compile the compiled model, or, with a
-    pipeline, parallel.overlap_param_gather or FSDP2 (`fully_sharded`), the model itself with
-    each block and the loss head compiled in place; without train.compile the model."""
-    if train.compile and (overlap_param_gather or pipelined or fully_sharded):
+    """What a step runs the model through: under train.compile the compiled model or, where
+    `compiles_per_block`, the model itself with each block and the loss head compiled in place;
+    without train.compile the model."""
+    if compiles_per_block(train, parallel, pipelined, fully_sharded):
         # Per-block compile keeps the all-gather waits (forward pre-hooks; FSDP2's, which
         # dynamo does not trace, as torchtitan compiles each block) outside the compiled
-        # graphs, so they cost no graph breaks inside a block.
+        # graphs, so they cost no graph breaks inside a block. Under full recompute it keeps
+        # the checkpoint outside the compiled graphs, as torchtitan applies activation
+        # checkpointing before compiling each block: a recomputed block then holds only its
+        # input, and backward recomputes one block at a time. Compiled whole, the partitioner
+        # and Inductor schedule the recompute of every block inside one backward graph, which
+        # held far more than the blocks' inputs (BENCHMARKS.md, 'Long sequences').
         layers = model.layers  # a pipeline stage's by global number, a GPT's in order
         for layer in layers.values() if isinstance(layers, nn.ModuleDict) else layers:
             layer.compile(options=options)
+        vision = getattr(model, "vision", None)
+        if vision is not None and not pipelined:
+            for layer in vision.layers:
+                layer.compile(options=options)
         # And the output projection + loss: left eager, its matmuls ran a slow legacy GEMM
         # kernel and its softmax unfused, and ZeRO-1 + overlap scaled far less (measured:
         # BENCHMARKS.md, 'Parallel scaling, 2× H200').

@@ -26,6 +26,8 @@ import logging
 import os
 import time
 import tomllib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,6 +52,7 @@ from meshtrain.services.trainer.build import (
     check_kernel_mode,
     compile_model,
     compile_options,
+    compiles_per_block,
     log_model_summary,
     open_checkpointer,
     pick_device,
@@ -87,7 +90,7 @@ from meshtrain.services.trainer.run_requests import (
 )
 from meshtrain.services.trainer.step_log import StepLog
 from meshtrain.services.trainer.tracking import open_trackers, require_packages
-from meshtrain.services.trainer.weight_copies import call_with
+from meshtrain.services.trainer.weight_copies import call_with, running_on
 
 log = logging.getLogger("meshtrain.train")
 
@@ -237,16 +240,22 @@ class Trainer:
             Fp8WeightCache.for_run(self.model, self.fp8) if self.weight_copies is not None else None
         )
         options = compile_options(job.train)
+        pipelined = self.pipeline is not None
+        fully_sharded = self.ddp is not None and job.parallel.fully_sharded
         self.forward = compile_model(
-            self.model,
-            job.train,
-            options,
-            self.pipeline is not None,
-            job.parallel.overlap_param_gather,
-            fully_sharded=self.ddp is not None and job.parallel.fully_sharded,
+            self.model, job.train, options, job.parallel, pipelined, fully_sharded
         )
+        # what a micro-batch's forward and backward run inside (`_micro_batch`)
+        self.weights_held: Callable[
+            [dict[str, torch.Tensor] | None], AbstractContextManager[None]
+        ] = lambda copies: contextlib.nullcontext()
         if self.weight_copies is None:
             self.train_forward = lambda copies, *batch: self.forward(*batch)
+        elif compiles_per_block(job.train, job.parallel, pipelined, fully_sharded):
+            # The blocks' graphs take the copies as inputs, held over the backward too: a
+            # recomputed block then runs the same compiled graph on the same weights.
+            self.train_forward = lambda copies, *batch: self.forward(*batch)
+            self.weights_held = functools.partial(running_on, self.model)
         else:
             on_copies = functools.partial(call_with, self.model)
             self.train_forward = (
@@ -360,18 +369,19 @@ class Trainer:
     ) -> torch.Tensor:
         """Forward and backward of one of a step's `n_micro` micro-batches; its (detached) share of
         the loss."""
-        with self.autocast:
-            batch: tuple[torch.Tensor | None, ...] = (
-                tokens,
-                labels,
-                mask,
-                document_ids,
-                position_ids,
-            )
-            if images is not None:  # a text-only model's forward takes no images
-                batch += (images,)
-            loss = self.train_forward(copies, *batch) / n_micro
-        loss.backward()
+        with self.weights_held(copies):
+            with self.autocast:
+                batch: tuple[torch.Tensor | None, ...] = (
+                    tokens,
+                    labels,
+                    mask,
+                    document_ids,
+                    position_ids,
+                )
+                if images is not None:  # a text-only model's forward takes no images
+                    batch += (images,)
+                loss = self.train_forward(copies, *batch) / n_micro
+            loss.backward()
         return loss.detach()
 
     def _graph_micro_batch(self, copies, n_micro: int, tokens, labels, mask, *positions):

@@ -34,6 +34,9 @@ zeros.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -123,6 +126,21 @@ def call_with(model: nn.Module, copies: dict[str, torch.Tensor], *args, **kwargs
     bound) takes them as graph inputs.
     """
     return torch.func.functional_call(model, copies, args, kwargs)
+
+
+@contextlib.contextmanager
+def running_on(model: nn.Module, copies: dict[str, torch.Tensor]) -> Iterator[None]:
+    """`model` with `copies` in place of those parameters until the block exits, so a backward
+    run inside it recomputes on them too.
+
+    `call_with` swaps the copies in for the forward only; a checkpoint that recomputes its blocks
+    in backward then runs them on the fp32 parameters under autocast: the same values in eager,
+    but a block compiled on its own traces another graph for them, whose saved tensors are not
+    the forward's (the checkpoint refuses them). Held over forward and backward, the recompute
+    runs the forward's graph.
+    """
+    with torch.nn.utils.stateless._reparametrize_module(model, copies, tie_weights=True):
+        yield
 
 
 def _accumulate_into(param: nn.Parameter):

@@ -149,7 +149,9 @@ class TrainConfig:
     keep up; at the configs' micro-batches, where the GPU is the bottleneck, it changed nothing
     measurable (measured: BENCHMARKS.md, 'Levers tried and dropped')."""
     compile: bool = False
-    """Wrap the model in torch.compile."""
+    """Wrap the model in torch.compile; with a pipeline, FSDP2, parallel.overlap_param_gather or
+    full recompute, compile each block and the loss head in place instead (so a recomputed
+    block keeps only its input, as in eager)."""
     compile_coordinate_descent_tuning: bool = False
     """Under train.compile on CUDA: Inductor tunes each Triton kernel it generates for the model
     (the fused norm, activation, cast and loss kernels) by coordinate descent over its launch

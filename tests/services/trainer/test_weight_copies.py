@@ -234,10 +234,11 @@ def test_compiled_fused_gradient_accumulation_adds_in_place_without_recompiling(
         if "ops.meshtrain.accumulate_weight_grad" in line
     ]
     linears = sum(isinstance(m, MainGradLinear) for m in trainer.model.layers.modules())
-    assert (
-        len(calls) == linears == 2 * 4
-    )  # 2 layers x (qkv, proj, fc1, fc2); the output layer's weight
+    assert linears == 2 * 4  # 2 layers x (qkv, proj, fc1, fc2); the output layer's weight
     # goes to the loss, not through its forward, so its gradient takes the copy's hook
+    # Compiled whole, one backward holds both layers' calls; under full recompute each block is
+    # compiled on its own, and the two (alike) blocks run one block's graph.
+    assert len(calls) == (linears if recompute == "none" else linears // 2), calls
     assert all(c.split("(", 1)[1].startswith(("primals_", "arg")) for c in calls), (
         calls
     )  # a graph input: the .grad
