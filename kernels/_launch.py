@@ -291,7 +291,8 @@ def _row_tile(
 ):
     """(rows, mask) of the tile of ROWS rows from `start`, rows at or past `end` masked off.
 
-    For the norms' backward loops, which compute each tile's offsets a tile ahead. The mask
+    For the norms' backward loops, which compute each tile's offsets a tile ahead, and the
+    forward tile of the norms that write an FP8 copy (`kernels/norm_fp8.py`). The mask
     is (ROWS, 1) when the hidden size fills the block (EVEN_COLS), else (ROWS, BLOCK).
     """
     rows = start + tl.arange(0, ROWS)

@@ -32,8 +32,8 @@ from meshtrain.kernels import reference
 from meshtrain.kernels import swiglu as _swiglu
 from meshtrain.kernels._launch import as_rows, wrap_triton
 from meshtrain.kernels.fp8_cast import (
-    FP8_DTYPES,
     bf16_rounded,
+    check_fp8_target,
     fp8_bytes,
     fp8_constants,
     saturated_fp8,
@@ -80,13 +80,8 @@ def _activation_fp8_fwd(
 
 def _forward(h: torch.Tensor, scale, dtype, swiglu: bool):
     """(y, q shaped like y or an empty tensor, amax 0-d fp32)."""
-    if dtype not in FP8_DTYPES:
-        raise ValueError(
-            f"activation_fp8 to {dtype}: the FP8 dtypes are float8_e4m3fn and float8_e5m2"
-        )
+    check_fp8_target("activation_fp8", dtype, scale, h)
     quant = scale is not None
-    if quant and (scale.numel() != 1 or scale.device != h.device):
-        raise ValueError("activation_fp8: the scale is one fp32 value on the input's device")
     h2 = as_rows(h)
     rows = h2.shape[0]
     width = h2.shape[1] // 2 if swiglu else h2.shape[1]
@@ -113,32 +108,22 @@ def _forward(h: torch.Tensor, scale, dtype, swiglu: bool):
     return y.view(shape), q.view(shape) if quant else q, amax
 
 
-class _SwiGLUFp8(torch.autograd.Function):
+class _ActivationFp8(torch.autograd.Function):
+    """SwiGLU or GELU with the FP8 copy; the backward is the plain op's, from its input."""
+
     @staticmethod
-    def forward(ctx, gate_up, scale, dtype):
-        y, q, amax = _forward(gate_up, scale, dtype, swiglu=True)
-        ctx.save_for_backward(gate_up)
+    def forward(ctx, h, scale, dtype, swiglu: bool):
+        y, q, amax = _forward(h, scale, dtype, swiglu)
+        ctx.save_for_backward(h)
+        ctx.swiglu = swiglu
         ctx.mark_non_differentiable(q, amax)
         return y, q, amax
 
     @staticmethod
     def backward(ctx, dy, _dq, _damax):
-        (gate_up,) = ctx.saved_tensors
-        return _swiglu._backward(dy, gate_up), None, None
-
-
-class _GELUFp8(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, scale, dtype):
-        y, q, amax = _forward(x, scale, dtype, swiglu=False)
-        ctx.save_for_backward(x)
-        ctx.mark_non_differentiable(q, amax)
-        return y, q, amax
-
-    @staticmethod
-    def backward(ctx, dy, _dq, _damax):
-        (x,) = ctx.saved_tensors
-        return _gelu._backward(dy, x), None, None
+        (h,) = ctx.saved_tensors
+        backward = _swiglu._backward if ctx.swiglu else _gelu._backward
+        return backward(dy, h), None, None, None
 
 
 def swiglu_fp8(
@@ -160,7 +145,7 @@ def swiglu_fp8(
         raise ValueError(f"swiglu_fp8 needs an even last dim, got {gate_up.shape[-1]}")
     if torch.compiler.is_compiling():  # traced as torch ops (see the module doc)
         return reference.swiglu_fp8(gate_up, scale, dtype)
-    y, q, amax = _SwiGLUFp8.apply(gate_up, scale, dtype)
+    y, q, amax = _ActivationFp8.apply(gate_up, scale, dtype, True)
     return y, q if scale is not None else None, amax
 
 
@@ -171,5 +156,5 @@ def gelu_fp8(
     pass; the arguments and results as `swiglu_fp8`'s, y shaped like x."""
     if torch.compiler.is_compiling():
         return reference.gelu_fp8(x, scale, dtype)
-    y, q, amax = _GELUFp8.apply(x, scale, dtype)
+    y, q, amax = _ActivationFp8.apply(x, scale, dtype, False)
     return y, q if scale is not None else None, amax

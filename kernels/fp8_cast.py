@@ -250,11 +250,21 @@ def _cast_transpose(
     return amax
 
 
+def check_fp8_target(
+    who: str, dtype: torch.dtype, scale: torch.Tensor | None, x: torch.Tensor
+) -> None:
+    """The FP8 `dtype` a kernel of `who` writes, and its cast's `scale` (None: none given): one
+    fp32 value on x's device."""
+    if dtype not in FP8_DTYPES:
+        raise ValueError(f"{who} to {dtype}: the FP8 dtypes are float8_e4m3fn and float8_e5m2")
+    if scale is not None and (scale.numel() != 1 or scale.device != x.device):
+        raise ValueError(f"{who}: the scale is one fp32 value on the input's device")
+
+
 def _check(x: torch.Tensor, dtype: torch.dtype) -> None:
     if x.dim() != 2:
         raise ValueError(f"fp8_cast_transpose takes a 2-D tensor, got shape {tuple(x.shape)}")
-    if dtype not in FP8_DTYPES:
-        raise ValueError(f"fp8 cast to {dtype}: the FP8 dtypes are float8_e4m3fn and float8_e5m2")
+    check_fp8_target("fp8 cast", dtype, None, x)
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"fp8 cast of a {x.dtype} tensor: takes fp32, bf16 or fp16")
 

@@ -35,6 +35,7 @@ from meshtrain.kernels import layer_norm as _ln
 from meshtrain.kernels import reference
 from meshtrain.kernels import rms_norm as _rms
 from meshtrain.kernels._launch import (
+    _row_tile,
     as_rows,
     autotuning,
     needs_int64,
@@ -45,8 +46,8 @@ from meshtrain.kernels._launch import (
     wrap_triton,
 )
 from meshtrain.kernels.fp8_cast import (
-    FP8_DTYPES,
     bf16_rounded,
+    check_fp8_target,
     fp8_bytes,
     fp8_constants,
     saturated_fp8,
@@ -116,16 +117,10 @@ def _norm_fp8_fwd(
     ROWS: tl.constexpr,
 ):
     """ROWS whole rows: y (contiguous), the row statistics, q (contiguous) where QUANT, amax."""
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    if INT64:
-        rows = rows.to(tl.int64)
     cols = tl.arange(0, BLOCK)
     cols_ok = cols < n_cols
+    rows, mask = _row_tile(tl.program_id(0) * ROWS, n_rows, cols_ok, ROWS, EVEN_COLS, INT64)
     row_ok = rows < n_rows
-    if EVEN_COLS:
-        mask = row_ok[:, None]
-    else:
-        mask = row_ok[:, None] & cols_ok[None, :]
     x = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0).to(
         tl.float32
     )
@@ -176,11 +171,8 @@ def _forward(x, weight, bias, eps, scale, dtype, rms: bool):
                 f"norm_fp8: {name} of shape {tuple(t.shape)} for x of shape {tuple(x.shape)}; "
                 f"it must be ({n},)"
             )
-    if dtype not in FP8_DTYPES:
-        raise ValueError(f"norm_fp8 to {dtype}: the FP8 dtypes are float8_e4m3fn and float8_e5m2")
+    check_fp8_target("norm_fp8", dtype, scale, x)
     quant = scale is not None
-    if quant and (scale.numel() != 1 or scale.device != x.device):
-        raise ValueError("norm_fp8: the scale is one fp32 value on x's device")
     weight = weight.contiguous()
     device = x.device
     y = torch.empty((rows, n), dtype=x.dtype, device=device)
