@@ -4,7 +4,7 @@
         --tokens 16384 --out moe_gemm.json
 
 For each expert projection of a SwiGLU MoE block (fc1: hidden -> 2*moe_ffn, fc2: moe_ffn ->
-hidden), `tokens * topk` rows in expert order go through `model.moe.grouped_linear` (one
+hidden), `tokens * topk` rows in expert order go through `model.grouped_gemm.grouped_linear` (one
 `torch._grouped_mm` per projection on a Hopper GPU) forward and backward; the baseline, timed in
 the same run, is a single dense GEMM of the same rows and the same output width: the same
 FLOPs with one weight, the best the grouped kernel could do. Also timed: the loop over experts
@@ -27,7 +27,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from meshtrain.services.trainer.model.moe import grouped_linear, grouped_linear_loop  # noqa: E402
+from meshtrain.services.trainer.model.grouped_gemm import (  # noqa: E402
+    grouped_linear,
+    grouped_linear_loop,
+)
 
 
 def _timed(fn, iters: int) -> float:

@@ -9,7 +9,8 @@ A MoE block replaces a dense `MLP` in the blocks `ModelConfig.is_moe_layer` name
 Tokens are permuted into expert order (a stable sort of their (token, choice) pairs by expert),
 run through the experts as one grouped GEMM per projection (`torch._grouped_mm` where it runs:
 CUDA, bf16/fp16, sm90+; elsewhere a loop over the experts, which is also the reference the tests
-hold the grouped path to), and added back to their tokens weighted by their routing weight.
+hold the grouped path to: `model/grouped_gemm.py`), and added back to their tokens weighted by
+their routing weight.
 
 Parameters (canonical checkpoint names, experts numbered globally on the leading axis):
 
@@ -47,6 +48,7 @@ from torch import nn
 
 from meshtrain.kernels import dispatch
 from meshtrain.services.common.model_config import ModelConfig
+from meshtrain.services.trainer.model.grouped_gemm import grouped_linear
 from meshtrain.services.trainer.model.mlp import MLP
 
 
@@ -194,109 +196,6 @@ def expert_capacity(config: ModelConfig, seq_tokens: int) -> int | None:
 
 
 # ----------------------------------------------------------------------------- experts
-def grouped_gemm_available(x: torch.Tensor) -> bool:
-    """Whether `torch._grouped_mm` runs this input: CUDA, bf16/fp16, compute capability 9.0+."""
-    return (
-        hasattr(torch, "_grouped_mm")
-        and x.is_cuda
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and torch.cuda.get_device_capability(x.device)[0] >= 9
-    )
-
-
-def grouped_linear(
-    x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, grouped: bool
-) -> torch.Tensor:
-    """Rows of `x` in expert order times each expert's weight transposed.
-
-    Args:
-        x: (tokens, in) rows grouped by expert, counts[e] rows for expert e.
-        weight: (experts, out, in), nn.Linear's layout per expert.
-        counts: (experts,) int64 rows per expert.
-        grouped: use `torch._grouped_mm` (one kernel for all experts; no host sync) if it runs
-            here; else `grouped_mm_loop`, one matmul per expert inside one custom op, which
-            torch.compile keeps in its graph (the counts reach the host inside the op).
-
-    Returns:
-        (tokens, out).
-
-    Under autocast both operands are cast to its dtype first, as autocast casts a matmul's: the
-    grouped kernel then runs on an fp32 stream's rows too, and the loop op sees one dtype in
-    forward and backward (which runs outside the autocast region).
-    """
-    device = x.device.type
-    if torch.is_autocast_enabled(device):
-        x = x.to(torch.get_autocast_dtype(device))
-    w = weight.to(x.dtype)
-    if grouped and grouped_gemm_available(x):
-        offs = torch.cumsum(counts, 0).to(torch.int32)
-        return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
-    return grouped_mm_loop(x, w, counts)
-
-
-def grouped_linear_loop(
-    x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor
-) -> torch.Tensor:
-    """The reference: one matmul per expert over its rows (host sync for the counts)."""
-    outs = [rows @ weight[e].t() for e, rows in enumerate(torch.split(x, counts.tolist()))]
-    return torch.cat(outs) if outs else x.new_zeros(0, weight.shape[1])
-
-
-# The per-expert loop as custom ops: torch.compile sees one op of known output shape (its fake
-# implementation) where the loop's `.tolist()` and the split into data-dependent sizes would each
-# break the graph; the loop runs inside, at run time. Backward is two more such ops.
-@torch.library.custom_op("meshtrain::grouped_mm_loop", mutates_args=())
-def grouped_mm_loop(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """`grouped_linear_loop` as one op: x (rows, in), weight (experts, out, in), counts
-    (experts,) -> (rows, out); rows past counts.sum() come out zero."""
-    used = int(counts.sum())
-    out = grouped_linear_loop(x[:used], weight, counts)
-    if used == x.shape[0]:
-        return out
-    return torch.cat([out, out.new_zeros(x.shape[0] - used, weight.shape[1])])
-
-
-@grouped_mm_loop.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], weight.shape[1])
-
-
-@torch.library.custom_op("meshtrain::grouped_mm_loop_weight_grad", mutates_args=())
-def grouped_mm_loop_weight_grad(
-    grad: torch.Tensor, x: torch.Tensor, counts: torch.Tensor
-) -> torch.Tensor:
-    """d(weight) of `grouped_mm_loop`: grad (rows, out), x (rows, in) -> (experts, out, in),
-    expert e's block grad_e^T x_e (zero for an expert without rows)."""
-    out = grad.new_zeros(counts.shape[0], grad.shape[1], x.shape[1])
-    sizes = counts.tolist()
-    for e, (g, rows) in enumerate(
-        zip(torch.split(grad[: sum(sizes)], sizes), torch.split(x[: sum(sizes)], sizes))
-    ):
-        if rows.shape[0]:
-            out[e] = g.t() @ rows
-    return out
-
-
-@grouped_mm_loop_weight_grad.register_fake
-def _(grad: torch.Tensor, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    return grad.new_empty(counts.shape[0], grad.shape[1], x.shape[1])
-
-
-def _grouped_mm_loop_setup(ctx, inputs, output) -> None:
-    x, weight, counts = inputs
-    ctx.save_for_backward(x, weight, counts)
-
-
-def _grouped_mm_loop_backward(ctx, grad: torch.Tensor):
-    x, weight, counts = ctx.saved_tensors
-    dx = grouped_mm_loop(grad, weight.transpose(1, 2), counts) if ctx.needs_input_grad[0] else None
-    dw = grouped_mm_loop_weight_grad(grad, x, counts) if ctx.needs_input_grad[1] else None
-    return dx, dw, None
-
-
-grouped_mm_loop.register_autograd(_grouped_mm_loop_backward, setup_context=_grouped_mm_loop_setup)
-
-
 class _Stack(nn.Module):
     """Holds one stacked weight, so the parameter is named `<name>.weight` like nn.Linear's."""
 

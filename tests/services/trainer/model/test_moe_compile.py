@@ -14,11 +14,10 @@ from torch._dynamo.utils import counters
 
 from meshtrain.services.common.model_config import ModelConfig
 from meshtrain.services.trainer.model import GPT
+from meshtrain.services.trainer.model.grouped_gemm import grouped_linear_loop, grouped_mm_loop
 from meshtrain.services.trainer.model.moe import (
     MoE,
     expert_counts,
-    grouped_linear_loop,
-    grouped_mm_loop,
     moe_layers,
     route,
     set_moe_loss_scale,

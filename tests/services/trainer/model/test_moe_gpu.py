@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from meshtrain.services.common.model_config import ModelConfig
-from meshtrain.services.trainer.model.moe import (
-    MoE,
+from meshtrain.services.trainer.model.grouped_gemm import (
     grouped_gemm_available,
     grouped_linear,
     grouped_linear_loop,
 )
+from meshtrain.services.trainer.model.moe import MoE
 
 pytestmark = [
     pytest.mark.gpu,
