@@ -90,7 +90,7 @@ from meshtrain.services.trainer.run_requests import (
 )
 from meshtrain.services.trainer.step_log import StepLog
 from meshtrain.services.trainer.tracking import open_trackers, require_packages
-from meshtrain.services.trainer.weight_copies import call_with, running_on
+from meshtrain.services.trainer.weight_copies import forward_on_copies
 
 log = logging.getLogger("meshtrain.train")
 
@@ -251,15 +251,10 @@ class Trainer:
         ] = lambda copies: contextlib.nullcontext()
         if self.weight_copies is None:
             self.train_forward = lambda copies, *batch: self.forward(*batch)
-        elif compiles_per_block(job.train, job.parallel, pipelined, fully_sharded):
-            # The blocks' graphs take the copies as inputs, held over the backward too: a
-            # recomputed block then runs the same compiled graph on the same weights.
-            self.train_forward = lambda copies, *batch: self.forward(*batch)
-            self.weights_held = functools.partial(running_on, self.model)
         else:
-            on_copies = functools.partial(call_with, self.model)
-            self.train_forward = (
-                torch.compile(on_copies, options=options) if job.train.compile else on_copies
+            per_block = compiles_per_block(job.train, job.parallel, pipelined, fully_sharded)
+            self.train_forward, self.weights_held = forward_on_copies(
+                self.model, self.forward, per_block, job.train.compile, options
             )
         self.autocast = (
             torch.autocast(self.device.type, dtype=torch.bfloat16)

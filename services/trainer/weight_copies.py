@@ -35,7 +35,10 @@ zeros.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -141,6 +144,30 @@ def running_on(model: nn.Module, copies: dict[str, torch.Tensor]) -> Iterator[No
     """
     with torch.nn.utils.stateless._reparametrize_module(model, copies, tie_weights=True):
         yield
+
+
+def forward_on_copies(
+    model: nn.Module,
+    forward: Callable[..., Any],
+    per_block: bool,
+    compile_model: bool,
+    options: dict | None,
+) -> tuple[
+    Callable[..., Any], Callable[[dict[str, torch.Tensor] | None], AbstractContextManager[None]]
+]:
+    """How a micro-batch runs on the bf16 weight copies: (run(copies, *batch), held(copies), the
+    context its forward and backward run inside).
+
+    per_block (the model's blocks compiled in place, `build.compiles_per_block`): `forward` runs
+    with the copies held over the backward too (`running_on`), so a recomputed block runs the
+    same compiled graph on the same weights. Else the copies go in as the arguments of
+    `call_with`, compiled whole when `compile_model`, so they are the graph's inputs.
+    """
+    if per_block:
+        return (lambda copies, *batch: forward(*batch)), functools.partial(running_on, model)
+    on_copies = functools.partial(call_with, model)
+    run = torch.compile(on_copies, options=options) if compile_model else on_copies
+    return run, lambda copies: contextlib.nullcontext()
 
 
 def _accumulate_into(param: nn.Parameter):
