@@ -98,6 +98,39 @@ _Found = tuple[tuple[int, ...], str | None]
 INCOMPLETE = ".meshtrain-export-incomplete"
 
 
+def _export_dtype(plan: list, specs: dict, model, where: str) -> str:
+    """The one dtype of the exported parameters (refused when mixed); a warning where it is not
+    the imported model's."""
+    dtypes = {specs[r.ours][1] for r in plan}
+    if len(dtypes) != 1:
+        raise CheckpointError(
+            f"{where}: parameters have mixed dtypes {sorted(dtypes)}; "
+            "convert to one with `ckpt convert --dtype` first"
+        )
+    dtype = dtypes.pop()
+    if model.hf_torch_dtype not in (None, dtype):
+        log.warning(
+            "%s: the weights are %s, the imported model's were %s: exporting them as %s "
+            "(`meshtrain ckpt convert --dtype` casts a checkpoint first)",
+            where,
+            dtype,
+            model.hf_torch_dtype,
+            dtype,
+        )
+    return dtype
+
+
+def _remove_failed_export(dst, out: str) -> None:
+    """Nothing half-written is left, in place or beside it (closing the failed write uploaded
+    what it had), nor the folder marker SeaweedFS keeps for every prefix written."""
+    remove_tree(dst, out)
+    if not dst.is_local:
+        try:
+            dst.fs.rm_file(out + "/")
+        except FileNotFoundError:
+            pass
+
+
 def export_hf(
     src_root: str,
     dst_dir: str,
@@ -129,41 +162,23 @@ def export_hf(
             `dst_dir` exists. Nothing is left at `dst_dir` then.
     """
     source = open_source(src_root, step)
-    step, where, manifest, specs, metadata, model = (
-        source.step,
-        source.where,
-        source.manifest,
-        source.specs,
-        source.metadata,
-        source.model,
-    )
+    step, where, manifest, model = source.step, source.where, source.manifest, source.model
     limit = parse_size(max_shard_size)
     if arch is None:
-        arch = _imported_architecture(model, metadata, where)
+        arch = _imported_architecture(model, source.metadata, where)
     plan = rules(model, arch)
-    _check_tensors({r.ours: r.shape for r in plan}, specs, where, ignore=layout.NON_PARAMETER)
-    dtypes = {specs[r.ours][1] for r in plan}
-    if len(dtypes) != 1:
-        raise CheckpointError(
-            f"{where}: parameters have mixed dtypes {sorted(dtypes)}; "
-            "convert to one with `ckpt convert --dtype` first"
-        )
-    dtype = dtypes.pop()
+    _check_tensors(
+        {r.ours: r.shape for r in plan}, source.specs, where, ignore=layout.NON_PARAMETER
+    )
+    dtype = _export_dtype(plan, source.specs, model, where)
     spec = (
-        tokenizer if tokenizer is not None else tokenizer_spec(src_root, step, metadata, manifest)
+        tokenizer
+        if tokenizer is not None
+        else tokenizer_spec(src_root, step, source.metadata, manifest)
     )
     tokenizer_file = hf_tokenizer.tokenizer_file(spec, where)
     eod = hf_tokenizer.eod_id(tokenizer_file, spec, model, where)
     special, kept = _special_ids(model, tokenizer_file, eod, where)
-    if model.hf_torch_dtype not in (None, dtype):
-        log.warning(
-            "%s: the weights are %s, the imported model's were %s: exporting them as %s "
-            "(`meshtrain ckpt convert --dtype` casts a checkpoint first)",
-            where,
-            dtype,
-            model.hf_torch_dtype,
-            dtype,
-        )
 
     dst = open_root(dst_dir)  # the checkpoint store's way in: fresh listings, the run's S3 endpoint
     fs, path = dst.fs, dst.path
@@ -187,14 +202,7 @@ def export_hf(
         else:
             fs.rm_file(marker)
     except BaseException:
-        # Nothing half-written is left, in place or beside it (closing the failed write uploaded
-        # what it had), nor the folder marker SeaweedFS keeps for every prefix written.
-        remove_tree(dst, out)
-        if not dst.is_local:
-            try:
-                fs.rm_file(out + "/")
-            except FileNotFoundError:
-                pass
+        _remove_failed_export(dst, out)
         raise
     log.info(
         "exported %s to %s (%s, %s, %d safetensors file%s)",
