@@ -331,6 +331,48 @@ def _special_ids(
     return ids, True
 
 
+def _source_model(
+    src: Path,
+    seq_length: int | None,
+    vision_tower: str | None,
+    vision: dict[str, Any] | None,
+    revision: str | None,
+    cache_dir: str | None,
+) -> tuple[dict, ModelConfig, Path | None]:
+    """The HF config of `src`, the model it describes (with `vision_tower` in front, if given)
+    and the tower's folder (None without one)."""
+    config_path = src / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"{src}: no config.json, so not a Hugging Face model folder")
+    hf = read_json(config_path)
+    model = model_from_hf(hf, seq_length)
+    tower_src = None
+    if vision_tower is not None:
+        if model.vision is not None:
+            raise CheckpointError(f"{src} has a vision tower already (model_type 'llava')")
+        tower_src = model_folder(vision_tower, revision, cache_dir)
+        model = _with_vision_tower(model, src, tower_src, vision)
+    elif vision is not None:
+        raise CheckpointError("vision= settings apply with vision_tower= only")
+    return hf, model, tower_src
+
+
+def _canonical_names(kind: str, tower_src: Path | None) -> Callable[[str], str]:
+    """The name rules' name of a tensor as the source file of a `kind` model stores it."""
+
+    def canonical(name: str) -> str:
+        # Old GPT-2 files name tensors without the "transformer." prefix.
+        if kind == "gpt2" and not name.startswith(("transformer.", "lm_head.")):
+            return f"transformer.{name}"
+        if kind != "llava":
+            return name
+        if tower_src is not None:  # a language model's file, named as in a LLaVA one
+            return llava.text_name(name)
+        return llava.canonical(name)
+
+    return canonical
+
+
 def import_hf(
     src_dir: str,
     dst_root: str,
@@ -372,35 +414,11 @@ def import_hf(
             committed checkpoint (of any step: `train --load` would resume the latest, not step 0).
     """
     src = model_folder(src_dir, revision, cache_dir)
-    config_path = src / "config.json"
-    if not config_path.is_file():
-        raise CheckpointError(f"{src}: no config.json, so not a Hugging Face model folder")
-    hf = read_json(config_path)
-    model = model_from_hf(hf, seq_length)
-    tower_src = None
-    if vision_tower is not None:
-        if model.vision is not None:
-            raise CheckpointError(f"{src} has a vision tower already (model_type 'llava')")
-        tower_src = model_folder(vision_tower, revision, cache_dir)
-        model = _with_vision_tower(model, src, tower_src, vision)
-    elif vision is not None:
-        raise CheckpointError("vision= settings apply with vision_tower= only")
+    hf, model, tower_src = _source_model(src, seq_length, vision_tower, vision, revision, cache_dir)
     _refuse_committed(dst_root)
     kind = "llava" if model.vision is not None else hf["model_type"]  # one `architecture` names
     plan = rules(model, kind)
-    gpt2 = kind == "gpt2"
-
-    def canonical(name: str) -> str:
-        # Old GPT-2 files name tensors without the "transformer." prefix.
-        if gpt2 and not name.startswith(("transformer.", "lm_head.")):
-            return f"transformer.{name}"
-        if kind != "llava":
-            return name
-        if tower_src is not None:  # a language model's file, named as in a LLaVA one
-            return llava.text_name(name)
-        return llava.canonical(name)
-
-    sources: list[tuple[Path, Callable[[str], str]]] = [(src, canonical)]
+    sources: list[tuple[Path, Callable[[str], str]]] = [(src, _canonical_names(kind, tower_src))]
     if tower_src is not None:
         sources.append((tower_src, llava.tower_name))
     stored = _stored_tensors(sources)
