@@ -56,8 +56,9 @@ from meshtrain.services.checkpoint.hf.files import (
 )
 from meshtrain.services.checkpoint.hf.mapping import (
     Rule,
-    architecture,
+    canonical_names,
     hf_config,
+    imported_architecture,
     model_from_hf,
     rules,
 )
@@ -165,7 +166,7 @@ def export_hf(
     step, where, manifest, model = source.step, source.where, source.manifest, source.model
     limit = parse_size(max_shard_size)
     if arch is None:
-        arch = _imported_architecture(model, source.metadata, where)
+        arch = imported_architecture(model, source.metadata, where)
     plan = rules(model, arch)
     _check_tensors(
         {r.ours: r.shape for r in plan}, source.specs, where, ignore=layout.NON_PARAMETER
@@ -214,26 +215,6 @@ def export_hf(
         "" if len(shards) == 1 else "s",
     )
     return dst_dir
-
-
-def _imported_architecture(model: ModelConfig, metadata: dict[str, Any], where: str) -> str | None:
-    """An imported model exports as its source architecture while its settings still fit it
-    (checkpoints imported before model.hf_model_type existed name it in their metadata); None:
-    the one the settings name (logged where the imported one no longer fits)."""
-    origin = model.hf_model_type or (metadata.get("imported_from") or {}).get("architecture")
-    if origin is None:
-        return None
-    try:
-        return architecture(model, origin)
-    except CheckpointError as e:
-        log.warning(
-            "%s: the model was imported from Hugging Face %r, which its settings no longer "
-            "fit (%s); exporting as the architecture they name",
-            where,
-            origin,
-            e,
-        )
-        return None
 
 
 def _start_export(dst: Root, dst_dir: str) -> tuple[str, str]:
@@ -357,22 +338,6 @@ def _source_model(
     return hf, model, tower_src
 
 
-def _canonical_names(kind: str, tower_src: Path | None) -> Callable[[str], str]:
-    """The name rules' name of a tensor as the source file of a `kind` model stores it."""
-
-    def canonical(name: str) -> str:
-        # Old GPT-2 files name tensors without the "transformer." prefix.
-        if kind == "gpt2" and not name.startswith(("transformer.", "lm_head.")):
-            return f"transformer.{name}"
-        if kind != "llava":
-            return name
-        if tower_src is not None:  # a language model's file, named as in a LLaVA one
-            return llava.text_name(name)
-        return llava.canonical(name)
-
-    return canonical
-
-
 def import_hf(
     src_dir: str,
     dst_root: str,
@@ -418,7 +383,9 @@ def import_hf(
     _refuse_committed(dst_root)
     kind = "llava" if model.vision is not None else hf["model_type"]  # one `architecture` names
     plan = rules(model, kind)
-    sources: list[tuple[Path, Callable[[str], str]]] = [(src, _canonical_names(kind, tower_src))]
+    sources: list[tuple[Path, Callable[[str], str]]] = [
+        (src, canonical_names(kind, tower_src is not None))
+    ]
     if tower_src is not None:
         sources.append((tower_src, llava.tower_name))
     stored = _stored_tensors(sources)

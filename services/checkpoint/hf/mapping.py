@@ -1,16 +1,18 @@
 """What a meshtrain model is in Hugging Face's terms: the HF architecture a model maps to
-(`architecture`), its `config.json` (`hf_config`) and back (`model_from_hf`, with the `hf_*`
-settings that carry what meshtrain does not compute with), and the `Rule`s that map every
-meshtrain tensor to the HF tensors it becomes (`rules`): the fused QKV (stored per query group)
-splits into q/k/v, the SwiGLU [gate; up] into gate_proj/up_proj, and GPT-2's Conv1D weights are
-transposed (its c_attn is [q; k; v]). GPT-2's tables are here; the Llama family's, the
-mixtures of experts' and LLaVA's are in `llama.py`, `moe.py` and `llava.py`. The conversion
-itself, which streams tensors through these rules, is `convert.py`'s.
+(`architecture`; `imported_architecture` keeps an imported model's), its `config.json` (`hf_config`)
+and back (`model_from_hf`, with the `hf_*` settings that carry what meshtrain does not compute
+with), and the `Rule`s that map every meshtrain tensor to the HF tensors it becomes (`rules`): the
+fused QKV (stored per query group) splits into q/k/v, the SwiGLU [gate; up] into gate_proj/up_proj,
+and GPT-2's Conv1D weights are transposed (its c_attn is [q; k; v]); `canonical_names` reads a
+file's own tensor names as the rules'. GPT-2's tables are here; the Llama family's, the mixtures of
+experts' and LLaVA's are in `llama.py`, `moe.py` and `llava.py`. The conversion itself, which
+streams tensors through these rules, is `convert.py`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +37,8 @@ from meshtrain.services.checkpoint.hf.moe import (
 from meshtrain.services.common.config import build
 from meshtrain.services.common.errors import CheckpointError
 from meshtrain.services.common.model_config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -502,3 +506,40 @@ def _gpt2_rules(model: ModelConfig, v: int) -> list[Rule]:
     out.append(_same("final_norm.weight", "transformer.ln_f.weight", (h,)))
     out.append(_same("final_norm.bias", "transformer.ln_f.bias", (h,)))
     return out
+
+
+def canonical_names(kind: str, text_of_llava: bool) -> Callable[[str], str]:
+    """The rules' name of a tensor as the file of a `kind` model stores it (`text_of_llava`: a
+    language model's file read as the text half of a LLaVA model)."""
+
+    def canonical(name: str) -> str:
+        # Old GPT-2 files name tensors without the "transformer." prefix.
+        if kind == "gpt2" and not name.startswith(("transformer.", "lm_head.")):
+            return f"transformer.{name}"
+        if kind != "llava":
+            return name
+        if text_of_llava:  # a language model's file, named as in a LLaVA one
+            return llava.text_name(name)
+        return llava.canonical(name)
+
+    return canonical
+
+
+def imported_architecture(model: ModelConfig, metadata: dict[str, Any], where: str) -> str | None:
+    """An imported model exports as its source architecture while its settings still fit it
+    (checkpoints imported before model.hf_model_type existed name it in their metadata); None:
+    the one the settings name (logged where the imported one no longer fits)."""
+    origin = model.hf_model_type or (metadata.get("imported_from") or {}).get("architecture")
+    if origin is None:
+        return None
+    try:
+        return architecture(model, origin)
+    except CheckpointError as e:
+        log.warning(
+            "%s: the model was imported from Hugging Face %r, which its settings no longer "
+            "fit (%s); exporting as the architecture they name",
+            where,
+            origin,
+            e,
+        )
+        return None
