@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import functools
 import inspect
 import math
 import textwrap
@@ -242,6 +243,22 @@ def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
         else:
             out[key] = value
     return out
+
+
+@functools.cache
+def leaf_keys(cls: type) -> frozenset[str]:
+    """Every leaf field's dotted key (what a `--section.key` flag may name), without reading
+    the docstrings from source as `describe_keys` does: each config load checks its flags
+    against these."""
+    hints = get_type_hints(cls)
+    keys: set[str] = set()
+    for f in dataclasses.fields(cls):
+        section = _optional_section(hints[f.name]) or hints[f.name]
+        if _is_section(section):
+            keys.update(f"{f.name}.{key}" for key in leaf_keys(section))
+        else:
+            keys.add(f.name)
+    return frozenset(keys)
 
 
 def describe_keys(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:

@@ -87,7 +87,7 @@ def _check_flag_keys(overrides: dict[str, Any]) -> None:
     """Refuse a mistyped `--section.key` flag here, where it can be named as the flag it was
     and matched against every key of every section (`--modle.num_layers` finds
     `--model.num_layers`), rather than later as a key of one section."""
-    known = [row[0] for row in cfg.describe_keys(JobConfig)]
+    known = sorted(cfg.leaf_keys(JobConfig))
     allowed = set(known) | set(REMOVED_KEYS)
     for dotted in _leaves(overrides):
         parts = dotted.split(".")

@@ -538,6 +538,13 @@ def test_every_field_is_documented():
     assert "--model.hidden_size" in config_help()
 
 
+def test_the_flag_keys_are_the_documented_keys():
+    """The keys a flag is checked against (read without parsing source) are the keys
+    `--help-config` documents, optional sections included."""
+    assert cfg.leaf_keys(JobConfig) == {key for key, *_ in cfg.describe_keys(JobConfig)}
+    assert "model.num_layers" in cfg.leaf_keys(JobConfig)
+
+
 def test_shipped_configs_load():
     from pathlib import Path
 
