@@ -34,10 +34,14 @@ from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder  # noqa
 SPLITS = ("90,5,5", "969,30,1", "1,1,1", "98,2,0", "8,1,1", "0.7,0.2,0.1")
 
 
-def _megatron_edges(split: str, n: int) -> list[tuple[int, int] | None]:
-    """Megatron's split of n sequences: its split matrix, and the one line of its builder
-    (`_build_megatron_dataset_splits`) that turns the matrix into index ranges."""
-    matrix = mcfg.convert_split_vector_to_split_matrix(mcfg.parse_and_normalize_split(split))
+def _megatron_matrix(split: str):
+    """Megatron's split matrix of a `--split` string."""
+    return mcfg.convert_split_vector_to_split_matrix(mcfg.parse_and_normalize_split(split))
+
+
+def _megatron_edges(matrix, n: int) -> list[tuple[int, int] | None]:
+    """Megatron's split of n sequences: the one line of its builder
+    (`_build_megatron_dataset_splits`) that turns the split matrix into index ranges."""
     return [
         None if b is None else (int(round(b[0] * float(n))), int(round(b[1] * float(n))))
         for b in matrix
@@ -49,8 +53,9 @@ def test_split_ranges_match_megatron_for_every_size(split):
     """Every dataset size 1..50,000: the same three ranges (a split Megatron leaves out,
     None, is an empty range here), and an error here exactly where Megatron's train split is
     empty."""
+    matrix = _megatron_matrix(split)
     for n in range(1, 50_001):
-        expected = _megatron_edges(split, n)
+        expected = _megatron_edges(matrix, n)
         try:
             got = split_ranges(n, split)
         except DataError:
@@ -64,8 +69,8 @@ def test_split_sweep_reaches_rounding_ties():
     """The sweep above can tell the arithmetic apart: summing raw weights before dividing
     (meshtrain's old way) puts one document elsewhere at hundreds of sizes for 90,5,5."""
     differ = 0
+    cum = np.cumsum([90.0, 5.0, 5.0]) / 100.0
     for n in range(1, 50_001):
-        cum = np.cumsum([90.0, 5.0, 5.0]) / 100.0
         naive = [0] + [round(float(c * n)) for c in cum[:-1]] + [n]
         differ += [(naive[i], naive[i + 1]) for i in range(3)] != split_ranges(n, "90,5,5")
     assert differ > 100
