@@ -138,12 +138,17 @@ def test_compiled_delayed_scaling_records_every_amax_and_scales_from_it(
 def test_compiled_fp8_training_follows_bf16(recipe, corpus_cache, tmp_path):
     """A Llama-style model compiled on CUDA with bf16 weight copies and fused gradient
     accumulation (delayed at its defaults, Megatron's: the previous step's amax): FP8 losses
-    falling, within 5% of bf16's at every step, and the mean of the last 10 steps within 1%.
+    falling, within 5% of bf16's at every step, and the mean of the last 10 steps within 3%.
 
     The per-step band is wide because this small model's loss falls by a third within a few
     steps, and FP8's rounding moves the trajectory a step ahead or behind: single steps 2-4% apart
     (-3.8% at step 7 on CPU; -2.1% at step 21 and +2.2% at step 18 on an H100), while the runs end
-    level. A scaling or layout error shows as O(1) and training that does not fall."""
+    level. A scaling or layout error shows as O(1) and training that does not fall.
+
+    The tail bound is 3%: over seeds the tail mean moves more than 1% (H100, 30 steps: delayed
+    +2.2% and +2.1% for seeds 1 and 2, tensorwise -1.0% and +1.8%; at commit 43aba95, where the
+    default seed gave -0.1%, seeds 1 and 2 gave +1.5% each). How close FP8 ends to bf16 over a
+    real run is measured by benchmarks/fp8_loss_curve.py (1,000 steps: +0.03%)."""
     fmt = "e4m3" if recipe == "rowwise" else "hybrid"
     bf16 = train(_llama_job(corpus_cache, tmp_path / "bf16"))
     fp8 = train(
@@ -154,7 +159,7 @@ def test_compiled_fp8_training_follows_bf16(recipe, corpus_cache, tmp_path):
         assert fp8.losses[step] == pytest.approx(loss, rel=0.05), step
     tail = range(21, 31)
     mean_fp8, mean_bf16 = (sum(run.losses[s] for s in tail) / len(tail) for run in (fp8, bf16))
-    assert mean_fp8 == pytest.approx(mean_bf16, rel=0.01)
+    assert mean_fp8 == pytest.approx(mean_bf16, rel=0.03)
 
 
 def test_a_token_count_off_the_multiple_of_16_is_padded():
@@ -210,24 +215,32 @@ def test_fused_casts_train_as_the_unfused_casts(
     and the separate torch casts give the same losses, bit for bit, over 6 steps. Eager, the
     layers call the kernels; under torch.compile they trace the torch casts (Inductor fuses them
     itself; `Recipe.fused_now`), unless train.fp8_fused_casts_compiled puts the kernels inside
-    the compiled regions ("compiled-kernels")."""
-    runs = [
-        train(
-            _llama_job(
-                corpus_cache,
-                tmp_path / str(fused),
-                **{
-                    "train.compile": compiled,
-                    "train.train_iters": 6,
-                    "train.fp8": "hybrid",
-                    "train.fp8_recipe": recipe,
-                    "train.fp8_fused_casts": fused,
-                    "train.fp8_fused_casts_compiled": in_compile,
-                },
+    the compiled regions ("compiled-kernels").
+
+    The kernels cast the bf16 tensor as eager torch does. Inductor, fusing the torch casts into
+    the op that makes their input, skips that rounding to bf16 unless told to emulate it: left
+    at its default the compiled torch casts moved step 1's loss by 1.2e-4 (relative) on an H100,
+    and with `emulate_precision_casts` the two runs are equal bit for bit."""
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(emulate_precision_casts=in_compile):
+        runs = [
+            train(
+                _llama_job(
+                    corpus_cache,
+                    tmp_path / str(fused),
+                    **{
+                        "train.compile": compiled,
+                        "train.train_iters": 6,
+                        "train.fp8": "hybrid",
+                        "train.fp8_recipe": recipe,
+                        "train.fp8_fused_casts": fused,
+                        "train.fp8_fused_casts_compiled": in_compile,
+                    },
+                )
             )
-        )
-        for fused in (False, True)
-    ]
+            for fused in (False, True)
+        ]
     assert runs[1].losses == runs[0].losses
 
 
