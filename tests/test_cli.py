@@ -117,6 +117,7 @@ def test_a_run_whose_checkpoint_storage_keeps_failing_exits_74_saying_so(tmp_pat
     assert "Read-only file system" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.e2e
 def test_a_run_on_the_embedded_corpus_exports_its_tokenizer_from_any_working_directory(tmp_path):
     """The embedded corpus is cached under the relative `.cache/meshtrain`, and its tokenizer
     was recorded in the checkpoint by that relative path: `ckpt export` run anywhere but the

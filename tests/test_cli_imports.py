@@ -85,6 +85,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("argv,message", CASES, ids=[" ".join(a) for a, _ in CASES])
+@pytest.mark.e2e
 def test_a_mistake_is_reported_before_the_heavy_imports(argv, message, tmp_path):
     result = _run(argv, tmp_path)
     assert result["stderr"] == f"meshtrain: error: {message}\n"

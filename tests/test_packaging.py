@@ -141,6 +141,7 @@ def test_a_bare_folder_name_is_an_empty_namespace_that_any_package_outranks(fold
 
 
 @pytest.mark.parametrize("first", ["transformers", "meshtrain"])
+@pytest.mark.e2e
 def test_transformers_imports_from_the_repository_root(first):
     """transformers probes for Hugging Face's `kernels` and imports whatever `kernels` it finds
     (with no metadata of its own, a namespace portion counts as absent): started in the
@@ -161,6 +162,7 @@ def test_transformers_imports_from_the_repository_root(first):
     assert out.stdout.strip().startswith("meshtrain."), out.stdout
 
 
+@pytest.mark.e2e
 def test_every_module_imports_under_one_name_and_no_file_under_two():
     code = """
 import importlib, pkgutil, sys, meshtrain

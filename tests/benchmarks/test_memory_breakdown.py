@@ -94,6 +94,7 @@ def test_groups_sum_by_site_and_owner_largest_first():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
+@pytest.mark.e2e
 def test_without_a_gpu_it_says_it_needs_one():
     script = str(Path(REPO) / "benchmarks" / "memory_breakdown.py")
     run = subprocess.run(

@@ -64,6 +64,7 @@ def test_variant_runs_meshtrain_again_with_its_flags_in_the_same_process(tmp_pat
     assert f"ratio meshtrain / {variant}:" in done.stdout
 
 
+@pytest.mark.e2e
 def test_variant_needs_an_override(tmp_path):
     done = subprocess.run(
         [
@@ -147,6 +148,7 @@ def test_several_variants_are_each_a_side_and_a_failing_one_is_reported_not_fata
     assert "variant --optim.lr=3e-2: " in done.stdout
 
 
+@pytest.mark.e2e
 def test_a_variant_given_twice_is_refused(tmp_path):
     done = subprocess.run(
         [
@@ -309,6 +311,7 @@ def test_float8_baseline_is_a_side_of_its_own_with_its_ratios(tmp_path):
     assert "ratio meshtrain --optim.lr=1e-2 / baseline + torchao float8 (rowwise):" in done.stdout
 
 
+@pytest.mark.e2e
 def test_float8_baseline_names_its_recipes(tmp_path):
     done = subprocess.run(
         [

@@ -81,6 +81,7 @@ def train_args(command: list[str]) -> list[str]:
     return command[1:]
 
 
+@pytest.mark.e2e
 def test_docker_compose_config_accepts_the_file(tmp_path):
     binary = shutil.which("docker-compose")
     if binary is None:
@@ -259,6 +260,7 @@ def test_dockerfile_installs_what_the_commands_use():
     assert {".git", ".venv", ".cache", "runs"} <= set(ignored)
 
 
+@pytest.mark.e2e
 def test_s3_init_makes_the_bucket_and_succeeds_again_on_the_old_data(compose, s3_server):  # noqa: F811
     """s3-init's own command against a real SeaweedFS: it makes the bucket, and run again (the
     stack brought up a second time on its s3 volume, to resume) it succeeds on the bucket that

@@ -133,6 +133,7 @@ def test_triton_mode_off_cuda_names_where_the_mode_came_from_and_why(monkeypatch
         dispatch.set_mode("auto")
 
 
+@pytest.mark.e2e
 def test_triton_mode_without_triton_says_triton_is_missing():
     """A CUDA op in 'triton' mode where `import triton` fails (run in a fresh interpreter with
     triton blocked): the error says Triton is not installed; 'auto' takes the reference."""

@@ -108,6 +108,7 @@ def test_serve_answers_and_stops_on_sigterm(tmp_path):
             proc.wait()
 
 
+@pytest.mark.e2e
 def test_storage_errors_are_named_not_tracebacks(tmp_path, capsys, s3_root, monkeypatch):
     """A destination that is a file, and S3 keys the store refuses, are a user's setup errors:
     every `ckpt` command raised the storage library's own exception (NotADirectoryError,

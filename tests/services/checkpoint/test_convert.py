@@ -314,6 +314,7 @@ MEASURE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.e2e
 def test_peak_memory_is_a_few_times_the_largest_tensor(tmp_path):
     """Measured in a fresh process (VmHWM, not ru_maxrss: the latter keeps the forking parent's
     peak across exec) with glibc told to return freed blocks over 1 MiB to the OS, so the peak

@@ -198,6 +198,7 @@ hf.export_hf(sys.argv[1], sys.argv[2])
 """
 
 
+@pytest.mark.e2e
 def test_export_to_object_storage_killed_midway_is_replaced_by_the_next_export(tmp_path, s3_root):
     """An object store has no rename, so an export writes in place, config.json last. One
     SIGKILLed after the weights left model.safetensors at the destination, and every later
@@ -244,6 +245,7 @@ def test_export_to_object_storage_killed_midway_is_replaced_by_the_next_export(t
     assert fs.cat_file(fsspec.core.url_to_fs(other)[1] + "/model.safetensors") == b"not ours"
 
 
+@pytest.mark.e2e
 def test_local_export_killed_midway_leaves_nothing_behind_once_exported_again(tmp_path):
     """On disk an export is built in a folder beside the destination and renamed into place;
     killed (SIGKILL, out of memory) it left that folder, as large as the model, hidden beside

@@ -106,6 +106,7 @@ def kill_rounds(ctx, root, rounds, seed):
     return outcomes
 
 
+@pytest.mark.e2e
 def test_sigkill_writers_at_random_points(ctx, tmp_path):
     outcomes = kill_rounds(ctx, str(tmp_path / "ckpt"), rounds=50, seed=1)
     assert outcomes["committed"] > 0 and outcomes["aborted"] > 0, outcomes
@@ -209,6 +210,7 @@ def service_kill_rounds(ctx, root, rounds, seed):
     return outcomes
 
 
+@pytest.mark.e2e
 def test_sigkill_the_service_at_random_points(ctx, tmp_path):
     outcomes = service_kill_rounds(ctx, str(tmp_path / "ckpt"), rounds=12, seed=3)
     assert outcomes["committed"] > 0 and outcomes["aborted"] > 0, outcomes

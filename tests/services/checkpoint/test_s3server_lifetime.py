@@ -39,6 +39,7 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["SIGKILL", "SIGINT"])
+@pytest.mark.e2e
 def test_no_weed_server_outlives_its_starter(tmp_path, sig):
     weed = find_weed()
     if weed is None:

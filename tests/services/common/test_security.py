@@ -386,6 +386,7 @@ def test_an_address_beyond_loopback_needs_authentication_or_insecure(token_files
         server.stop(0)
 
 
+@pytest.mark.e2e
 def test_the_serve_commands_refuse_an_open_address_and_take_the_flags(tmp_path, token_files):
     import sys
 

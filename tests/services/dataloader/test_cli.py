@@ -289,6 +289,7 @@ def _children(pid: int) -> set[int]:
 @pytest.mark.parametrize(
     "sig,workers", [(signal.SIGTERM, 1), (signal.SIGTERM, 2), (signal.SIGKILL, 2)]
 )
+@pytest.mark.e2e
 def test_preprocess_stopped_by_sigterm_leaves_no_files_and_no_workers(tmp_path, sig, workers):
     """SIGTERM (`kill`, scancel, a closed job) killed a `data preprocess` outright: it left its
     partial `.bin.tmp-*` copy of the tokens behind, and with --workers N its N tokenizing

@@ -98,6 +98,7 @@ def test_a_worker_that_sends_nothing_is_dropped_after_stall_s(stuck, good, blend
     assert time.monotonic() - t0 < 15
 
 
+@pytest.mark.e2e
 def test_no_worker_sending_anything_for_give_up_s_is_a_clear_error(stuck, blend_spec):
     t0 = time.monotonic()
     with (
@@ -161,6 +162,7 @@ def test_close_while_the_stream_opens_is_prompt_and_leaves_no_thread(stuck, blen
     assert not [t.name for t in threading.enumerate() if t.name.startswith("data-client")]
 
 
+@pytest.mark.e2e
 def test_a_paused_reader_is_not_cut_off_for_its_keepalive_pings(good, blend_spec):
     # A client pinging every second (10 s in production, where a ~30 s pause did the same): the
     # server used to allow one ping per 5 min while it sent nothing, and answered the third
@@ -219,6 +221,7 @@ def test_get_before_any_stream_is_an_error_not_a_hang(blend_spec):
         remote.get()
 
 
+@pytest.mark.e2e
 def test_a_worker_slow_to_open_the_dataset_is_waited_for_not_dropped(good, blend_spec):
     class SlowOpen(DataServicer):  # building the sample indices of a large blend takes minutes
         def Describe(self, request, context):
@@ -317,6 +320,7 @@ def _serve(servicer):
     return srv, f"127.0.0.1:{port}"
 
 
+@pytest.mark.e2e
 def test_a_worker_that_times_out_opening_is_left_for_the_next_not_the_end_of_the_run(
     good, blend_spec
 ):
@@ -479,6 +483,7 @@ def test_a_malformed_dns_target_is_refused_naming_it(blend_spec):
         ServiceBatchSource(["dns:///no-port"], blend_spec, 2, 16, 0, 2)
 
 
+@pytest.mark.e2e
 def test_the_trainer_passes_the_data_config_timeouts_to_the_client(good, tmp_path):
     from meshtrain.services.trainer.config.load import load_config
     from meshtrain.services.trainer.data import build_data

@@ -178,6 +178,7 @@ def long_stream(long_spec):
     return replace(long_spec, prefixes=long_spec.prefixes[:1], weights=(1.0,))
 
 
+@pytest.mark.e2e
 def test_a_stream_whose_client_does_not_read_is_reaped_and_a_slow_reader_is_not(
     tmp_path, long_stream
 ):

@@ -69,6 +69,7 @@ def test_stream_equals_in_process(server, shapes, wire, dp_rank):
                 assert a.images.shape[0] * TPI == int((a.tokens == IMG).sum())
 
 
+@pytest.mark.e2e
 def test_a_worker_killed_mid_stream_loses_or_repeats_nothing(shapes):
     """Two worker processes; the one streaming is SIGKILLed every few steps and restarted:
     every micro-batch still equals the in-process one, in order."""

@@ -102,6 +102,7 @@ def test_checkpoint_service_counts_requests_by_status_code(services):
 @pytest.mark.parametrize(
     "argv", [["data", "serve"], ["ckpt", "serve", "CKPT"]], ids=["data", "ckpt"]
 )
+@pytest.mark.e2e
 def test_a_busy_metrics_port_is_a_clear_error_not_a_traceback(argv, tmp_path):
     import socket
     import subprocess

@@ -110,6 +110,7 @@ def test_bad_settings_and_arguments_are_errors_naming_them(monkeypatch, capsys):
     assert "model.no_such_key" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_the_command_prints_the_lead_alone_on_stdout():
     out = subprocess.run(
         [

@@ -23,6 +23,9 @@ from meshtrain.services.launcher.topology import (
     stop_on_signals,
 )
 
+# Real child processes signalled and waited for: end to end, out of `make test-fast`.
+pytestmark = pytest.mark.e2e
+
 # Prints a line, then waits; on SIGTERM prints "bye NAME" and exits 0 (like a service).
 POLITE = """
 import signal, sys, time

@@ -191,6 +191,7 @@ def _kill_once_busy(pid: int, cpu_s: float = 0.05, limit_s: float = 120.0) -> No
     os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.e2e
 def test_a_worker_killed_mid_request_or_added_during_a_run_loses_and_repeats_nothing(
     servers, tmp_path
 ):

@@ -76,6 +76,7 @@ def train(model: GPT, optimizer: torch.optim.Optimizer, data: list[torch.Tensor]
     return losses
 
 
+@pytest.mark.e2e
 def test_moe_model_resumes_with_identical_losses(tmp_path):
     data = batches(6)
     model, optimizer = build()

@@ -52,6 +52,7 @@ def _assert_loaded_as_saved(model, saved):
 
 
 @pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
+@pytest.mark.e2e
 def test_a_run_whose_disk_fills_trains_on_says_so_and_recovers(
     corpus_cache, tmp_path, caplog, async_save
 ):
@@ -137,6 +138,7 @@ def test_a_run_whose_disk_fills_trains_on_says_so_and_recovers(
         _assert_loaded_as_saved(model, saved)
 
 
+@pytest.mark.e2e
 def test_a_run_whose_final_save_finds_the_disk_full_fails_naming_it(corpus_cache, tmp_path):
     # The final save's failure still ends the run with an error (as any failed final save does),
     # one that says the disk is full, where, and which checkpoint is the latest.

@@ -190,6 +190,7 @@ def test_cli_bad_input(tmp_path, args, word):
     assert len(lines) == 1 and word in lines[0], r.stderr
 
 
+@pytest.mark.e2e
 def test_samples_are_separated_by_a_header_line_or_printed_as_json(trained_root, capsys):
     from meshtrain.services.cli import main
 

@@ -11,6 +11,9 @@ from meshtrain.services.trainer.config.load import load_config
 from meshtrain.services.trainer.train import train
 from tests.services.trainer.conftest import small_job_args
 
+# Each test trains a run and resumes it: end to end, out of `make test-fast`.
+pytestmark = pytest.mark.e2e
+
 
 def test_load_of_the_root_saved_into_starts_fresh_while_it_is_empty(corpus_cache, tmp_path, caplog):
     # Megatron's requeue idiom: the same `--load X --save X` command for the first launch and

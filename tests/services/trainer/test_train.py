@@ -29,6 +29,7 @@ LLAMA = {
 @pytest.mark.parametrize(
     "arch", [{}, pytest.param(LLAMA, marks=pytest.mark.slow)], ids=["gpt2", "llama"]
 )
+@pytest.mark.e2e
 def test_loss_falls_on_real_text(arch, corpus_cache, tmp_path):
     result = train(load_config(small_job_args(corpus_cache, tmp_path / "run", **arch)))
     losses = [result.losses[s] for s in sorted(result.losses)]
@@ -107,6 +108,7 @@ def test_mfu_reported_when_peak_configured(corpus_cache, tmp_path):
     ],
     ids=["gpt2", "llama-dropout", "llama-bf16"],
 )
+@pytest.mark.e2e
 def test_resume_gives_identical_losses(arch, corpus_cache, tmp_path):
     """Stopped at step 5 and resumed: steps 6..12 equal the uninterrupted run exactly (CPU).
 
@@ -174,6 +176,7 @@ def test_bf16_residual_stream_trains_like_the_fp32_one(corpus_cache, tmp_path):
         assert bf16.losses[step] == pytest.approx(loss, rel=2e-2), step
 
 
+@pytest.mark.e2e
 def test_saves_through_the_checkpoint_service_and_resumes(corpus_cache, tmp_path):
     """Service mode: the trainer streams its shards to a real CheckpointService on loopback;
     what the service commits resumes exactly like an embedded save (same losses)."""
@@ -469,6 +472,7 @@ def test_coordinate_descent_tuning_is_refused_without_compile_or_off_cuda(corpus
         Trainer(job)
 
 
+@pytest.mark.e2e
 def test_resume_into_the_same_run_dir_from_an_earlier_checkpoint_logs_each_step_once(
     corpus_cache, tmp_path
 ):
@@ -608,6 +612,7 @@ print("stopped_early", result.stopped_early, flush=True)
 
 
 @pytest.mark.parametrize("stuck_s", [0.0, 2.0], ids=["quick", "stuck"])
+@pytest.mark.e2e
 def test_sigterm_stops_after_the_step_and_a_rank_stuck_on_its_way_out_dumps_its_stacks(
     corpus_cache, tmp_path, stuck_s
 ):

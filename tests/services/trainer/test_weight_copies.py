@@ -249,6 +249,7 @@ def test_compiled_fused_gradient_accumulation_adds_in_place_without_recompiling(
     torch._dynamo.reset()
 
 
+@pytest.mark.e2e
 def test_a_fused_run_resumes_where_it_stopped(corpus_cache, tmp_path):
     """Evaluation and a checkpoint between steps, then a resume: the restored parameters get
     fresh copies and .grads, and the resumed losses equal the uninterrupted run's."""

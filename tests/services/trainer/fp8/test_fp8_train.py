@@ -159,6 +159,7 @@ def _losses(result) -> list[float]:
 @pytest.mark.parametrize(
     "recipe,fmt", [("tensorwise", "hybrid"), ("delayed", "hybrid"), ("rowwise", "e4m3")]
 )
+@pytest.mark.e2e
 def test_fp8_training_follows_bf16(recipe, fmt, corpus_cache, tmp_path):
     """A Llama-style model, bf16 weight copies with fused accumulation: within 1% of bf16 at
     every one of 12 steps, and learning."""

@@ -73,6 +73,7 @@ def test_resume_past_step_zero_needs_dpo_reference_load(tmp_path, pairs, start):
         Trainer(load_config(args(tmp_path / "b", pairs, **common, **resumed)))
 
 
+@pytest.mark.e2e
 def test_a_resumed_dpo_run_equals_the_uninterrupted_one(tmp_path, pairs, start):
     ckpt = str(tmp_path / "ckpt")
     # dropout: the policy's RNG, restored from its checkpoint, must not be moved by the

@@ -85,6 +85,7 @@ def held_out_gap_accuracy(trainer: Trainer, valid) -> float:
     return right / total
 
 
+@pytest.mark.e2e
 def test_the_policy_learns_the_preference(tmp_path, pair_data):
     prefix, valid = pair_data
     trainer = Trainer(load_config(job_args(tmp_path, prefix, valid)))

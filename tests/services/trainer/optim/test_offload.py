@@ -161,6 +161,7 @@ def test_an_offloaded_run_equals_the_plain_run(corpus_cache, tmp_path, monkeypat
 
 
 @pytest.mark.parametrize("first_offloaded", [True, False])
+@pytest.mark.e2e
 def test_resume_turns_offload_on_or_off(corpus_cache, tmp_path, monkeypatch, first_offloaded):
     fused_cpu_adamw(monkeypatch)  # so that both sides round alike: the comparison is exact
     on = {"optim.optimizer_cpu_offload": True}

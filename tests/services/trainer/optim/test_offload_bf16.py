@@ -127,6 +127,7 @@ ON = {
 }
 
 
+@pytest.mark.e2e
 def test_checkpoints_hold_the_fp32_masters_and_resume_exactly(corpus_cache, tmp_path):
     from meshtrain.services.checkpoint.reader import load_checkpoint
 
