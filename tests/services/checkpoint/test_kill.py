@@ -118,6 +118,7 @@ def test_sigkill_writers_many_times(ctx, tmp_path):
     assert outcomes["committed"] > 0 and outcomes["aborted"] > 0, outcomes
 
 
+@pytest.mark.e2e
 def test_killed_save_can_be_redone(ctx, tmp_path):
     """A step whose save was killed is saved again from scratch by the next attempt."""
     root = str(tmp_path / "ckpt")

@@ -252,6 +252,7 @@ def test_cached_decode_with_images_matches_full_recompute(tmp_path):
         expand_prompt("<image>", 2, tok, vision)
 
 
+@pytest.mark.e2e
 def test_chat_needs_a_template_and_stops_at_the_end_of_turn(trained_root, capsys):
     """The byte tokenizer has no chat template of its own: --chat says so; a built-in one
     renders (its markers are bytes, so only the end of document stops the answer)."""

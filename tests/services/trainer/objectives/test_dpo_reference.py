@@ -102,6 +102,7 @@ def test_precomputed_column_equals_the_frozen_reference(tmp_path, pairs, start):
     assert seen == set(range(42))
 
 
+@pytest.mark.e2e
 def test_training_on_the_column_equals_training_with_the_frozen_reference(tmp_path, pairs, start):
     clear(pairs)
     common = {"checkpoint.load": start}
