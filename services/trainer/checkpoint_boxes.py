@@ -34,7 +34,7 @@ from meshtrain.services.checkpoint.boxes import ShardSpec
 from meshtrain.services.checkpoint.layout import array_key, dtype_name
 from meshtrain.services.common.errors import CheckpointError
 from meshtrain.services.trainer.parallel.mesh import Mesh
-from meshtrain.services.trainer.parallel.tensor import TPSplit, tp_split_of
+from meshtrain.services.trainer.parallel.tensor_layers import TPSplit, tp_split_of
 
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 

@@ -243,7 +243,10 @@ def _tp_gemm(
     input), and under sequence parallelism with `all_gather` a column-parallel input, which then
     arrives as the rank's sequence chunk and is gathered in FP8; over cp every activation and
     output gradient (each cp rank holds its own tokens)."""
-    from meshtrain.services.trainer.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+    from meshtrain.services.trainer.parallel.tensor_layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+    )
 
     tp = mesh.group("tp") if mesh.tp > 1 else None
     tokens = mesh.group("cp") if mesh.cp > 1 else None

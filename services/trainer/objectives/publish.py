@@ -32,7 +32,7 @@ from meshtrain.services.common.errors import ConfigError, MeshtrainError
 from meshtrain.services.trainer.checkpoint_boxes import whole_tensor
 from meshtrain.services.trainer.config.sections import JobConfig
 from meshtrain.services.trainer.parallel.mesh import Mesh
-from meshtrain.services.trainer.parallel.tensor import tp_split_of
+from meshtrain.services.trainer.parallel.tensor_layers import tp_split_of
 
 log = logging.getLogger("meshtrain.train")
 

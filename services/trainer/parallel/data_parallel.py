@@ -42,7 +42,7 @@ from meshtrain.services.trainer.optim.offload import OffloadedAdamW
 from meshtrain.services.trainer.optim.optimizer import adamw, is_decayed
 from meshtrain.services.trainer.parallel import mappings as M
 from meshtrain.services.trainer.parallel.mesh import Mesh
-from meshtrain.services.trainer.parallel.tensor import tp_split_of
+from meshtrain.services.trainer.parallel.tensor_layers import tp_split_of
 
 
 @dataclass

@@ -37,7 +37,8 @@ from meshtrain.services.common.errors import ConfigError
 from meshtrain.services.trainer.model.moe import GroupedExperts, LocalDispatcher, MoE, moe_layers
 from meshtrain.services.trainer.parallel import mappings as M
 from meshtrain.services.trainer.parallel.mesh import Mesh
-from meshtrain.services.trainer.parallel.tensor import reshard_param, set_moe_shares
+from meshtrain.services.trainer.parallel.tensor import set_moe_shares
+from meshtrain.services.trainer.parallel.tensor_layers import reshard_param
 
 
 def expert_major_order(recv_counts: torch.Tensor, total: int) -> torch.Tensor:

@@ -60,7 +60,7 @@ from meshtrain.services.trainer.model.moe import moe_layers
 from meshtrain.services.trainer.optim.optimizer import build_optimizer
 from meshtrain.services.trainer.parallel import mappings as M
 from meshtrain.services.trainer.parallel.mesh import Mesh
-from meshtrain.services.trainer.parallel.tensor import tp_split_of
+from meshtrain.services.trainer.parallel.tensor_layers import tp_split_of
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ from meshtrain.services.trainer.config.sections import JobConfig
 from meshtrain.services.trainer.model.gpt import GPT
 from meshtrain.services.trainer.optim.optimizer import build_optimizer
 from meshtrain.services.trainer.parallel.mesh import Mesh
-from meshtrain.services.trainer.parallel.tensor import TPSplit
+from meshtrain.services.trainer.parallel.tensor_layers import TPSplit
 
 from .conftest import assert_same, toy_model_state
 

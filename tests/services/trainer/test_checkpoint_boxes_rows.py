@@ -11,7 +11,7 @@ import torch
 
 from meshtrain.services.trainer.checkpoint_boxes import Place, _cut_rows, pieces
 from meshtrain.services.trainer.parallel.mesh import Mesh
-from meshtrain.services.trainer.parallel.tensor import TPSplit
+from meshtrain.services.trainer.parallel.tensor_layers import TPSplit
 
 
 def _boxes(name, full, split, tp, dp, vocab, place):

@@ -163,7 +163,7 @@ def test_an_expert_shard_is_its_rows_of_the_global_expert_axis():
 
 
 def test_tensor_parallel_expert_and_vocabulary_boxes():
-    from meshtrain.services.trainer.parallel.tensor import TPSplit
+    from meshtrain.services.trainer.parallel.tensor_layers import TPSplit
 
     fc1 = torch.nn.Parameter(
         torch.zeros(2, 12, 5)

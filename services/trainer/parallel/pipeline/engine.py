@@ -21,7 +21,10 @@ from meshtrain.services.trainer.parallel.pipeline.zero_bubble import (
     DeferrableLinear,
     WeightGradStore,
 )
-from meshtrain.services.trainer.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+from meshtrain.services.trainer.parallel.tensor_layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+)
 
 
 class Pipeline:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from meshtrain.services.checkpoint.reader import load_checkpoint
 from meshtrain.services.trainer.config.load import load_config
 from meshtrain.services.trainer.fp8 import DelayedState, Fp8Gemm, Groups, Recipe
-from meshtrain.services.trainer.parallel.tensor import ColumnParallelLinear
+from meshtrain.services.trainer.parallel.tensor_layers import ColumnParallelLinear
 from meshtrain.services.trainer.train import Trainer, train
 from tests.dist_utils import run_ranks
 from tests.services.trainer.conftest import small_job_args

@@ -63,7 +63,8 @@ def _reference():
 def _wrapped(rank, world, tp, options):
     import torch.distributed as dist
 
-    from meshtrain.services.trainer.parallel.tensor import gather_tp, parallelize
+    from meshtrain.services.trainer.parallel.tensor import parallelize
+    from meshtrain.services.trainer.parallel.tensor_layers import gather_tp
 
     mesh = Mesh.build(tp=tp)
     torch.manual_seed(0)

@@ -48,7 +48,8 @@ from meshtrain.services.trainer.parallel.data_parallel import DataParallel
 from meshtrain.services.trainer.parallel.expert import gather_experts, parallelize_experts
 from meshtrain.services.trainer.parallel.mesh import Mesh
 from meshtrain.services.trainer.parallel.recompute import apply as apply_recompute
-from meshtrain.services.trainer.parallel.tensor import gather_tp, parallelize
+from meshtrain.services.trainer.parallel.tensor import parallelize
+from meshtrain.services.trainer.parallel.tensor_layers import gather_tp
 from tests.dist_utils import run_ranks
 
 LLAMA = dict(

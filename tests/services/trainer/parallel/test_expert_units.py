@@ -18,7 +18,8 @@ from meshtrain.services.trainer.parallel.expert import (
     parallelize_experts,
 )
 from meshtrain.services.trainer.parallel.mesh import Mesh, initialize_model_parallel
-from meshtrain.services.trainer.parallel.tensor import TPSplit, parallelize, tp_split_of
+from meshtrain.services.trainer.parallel.tensor import parallelize
+from meshtrain.services.trainer.parallel.tensor_layers import TPSplit, tp_split_of
 from tests.dist_utils import run_ranks
 
 CFG = dict(

@@ -14,7 +14,8 @@ from meshtrain.services.common.model_config import ModelConfig
 from meshtrain.services.trainer.config.load import load_config
 from meshtrain.services.trainer.model import GPT
 from meshtrain.services.trainer.parallel.mesh import Mesh
-from meshtrain.services.trainer.parallel.tensor import TPSplit, gather_tp, parallelize
+from meshtrain.services.trainer.parallel.tensor import parallelize
+from meshtrain.services.trainer.parallel.tensor_layers import TPSplit, gather_tp
 from tests.dist_utils import run_ranks
 
 CFG = dict(

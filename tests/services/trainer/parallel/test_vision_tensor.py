@@ -9,7 +9,8 @@ import torch
 from meshtrain.services.common.model_config import ModelConfig, VisionConfig
 from meshtrain.services.trainer.model.gpt import GPT
 from meshtrain.services.trainer.parallel.mesh import Mesh
-from meshtrain.services.trainer.parallel.tensor import gather_tp, parallelize
+from meshtrain.services.trainer.parallel.tensor import parallelize
+from meshtrain.services.trainer.parallel.tensor_layers import gather_tp
 from tests.dist_utils import run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
