@@ -25,7 +25,9 @@ linear layers (the FP8 target a PyTorch user has at hand), with meshtrain's rati
 `--variant` (e.g. meshtrain's own FP8) the variant's ratio to it too. `--variant` may be given more
 than once (FP8 recipes side by side): each variant is a side of its own, and (sides in turn,
 `--rounds 1`) a variant that fails to build or train (a refused option, a CUDA graph that cannot be
-captured) is reported as failed while the others are still timed.
+captured) is reported as failed while the others are still timed. With sides in turn, --out is
+written after each side (`"partial": true`, the sides timed so far), so a run cut short by a time
+limit keeps what it measured.
 """
 
 from __future__ import annotations
@@ -401,30 +403,62 @@ def run_sequential(
     if int(os.environ.get("RANK", "0")) != 0:
         return None, job
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    rows = {f"meshtrain x{world}" if world > 1 else "meshtrain": mesh}
-    _done(next(iter(rows)), mesh)
+    rows: dict = {}
+
+    def keep(name: str, row: dict) -> None:
+        rows[name] = row
+        save_partial(args, job, rows, failed)
+        _done(name, row)
+
+    keep(f"meshtrain x{world}" if world > 1 else "meshtrain", mesh)
     for spec in [b for b in baselines if not b.float8]:
         release(
             job, reset=spec.bf16_residual
         )  # the bf16-stream baseline compiles afresh: the plain one's graphs go
-        rows[spec.name] = _done(spec.name, run_baseline(args, job, spec))
+        keep(spec.name, run_baseline(args, job, spec))
     for index, flags in enumerate(args.variant):
         release(job)
         name = variant_name(flags)
         try:
-            rows[name], _ = run_meshtrain(*variant_inputs(args, overrides, index))
+            row, _ = run_meshtrain(*variant_inputs(args, overrides, index))
         except Exception as e:  # noqa: BLE001 (any failure of one variant: the other sides still count)
             failed[name] = f"{type(e).__name__}: {e}"
+            save_partial(args, job, rows, failed)
             print(
                 f"failed {name}: {failed[name]} ({time.monotonic() - STARTED:.0f} s into the run)",
                 flush=True,
             )
             continue
-        _done(name, rows[name])
+        keep(name, row)
     for spec in [b for b in baselines if b.float8]:
         release(job)
-        rows[spec.name] = _done(spec.name, run_baseline(args, job, spec))
+        keep(spec.name, run_baseline(args, job, spec))
     return rows, job
+
+
+def save_partial(args, job, rows: dict, failed: dict[str, str]) -> None:
+    """The sides timed so far, written to --out after each side: a run cut short (a time limit
+    while a later side compiles, a crash) keeps their numbers. `partial` is true until the
+    complete result (ratios, MFU) replaces the file at the end."""
+    tokens = job.train.global_batch_size * job.model.seq_length
+    partial = {
+        "partial": True,
+        "config": args.config,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "seq_length": job.model.seq_length,
+        "global_batch_size": job.train.global_batch_size,
+        "results": {
+            name: {**row, "tokens_per_s": tokens / row["step_time_s"]} for name, row in rows.items()
+        },
+        "failed": dict(failed),
+        "pending": [
+            variant_name(flags)
+            for flags in args.variant
+            if variant_name(flags) not in rows and variant_name(flags) not in failed
+        ],
+    }
+    Path(args.out).write_text(json.dumps(partial, indent=2))
 
 
 def ratio(rows: dict, side: str, other: str) -> tuple[float, float]:

@@ -123,6 +123,7 @@ def test_several_variants_are_each_a_side_and_a_failing_one_is_reported_not_fata
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
+    assert "partial" not in result  # the complete result replaced the one written side by side
     rows = result["results"]
     assert set(rows) == {"meshtrain", "meshtrain --optim.lr=1e-2", "meshtrain --optim.lr=3e-2"}
     assert (
@@ -146,6 +147,51 @@ def test_several_variants_are_each_a_side_and_a_failing_one_is_reported_not_fata
     )
     assert "failed meshtrain --train.cuda_graph=true:" in done.stdout
     assert "variant --optim.lr=3e-2: " in done.stdout
+
+
+@pytest.mark.e2e
+def test_a_run_killed_after_a_side_keeps_the_sides_timed_so_far(tmp_path):
+    """Killed (as a time limit kills it) once the first variant is timed: --out holds meshtrain's
+    and that variant's rows, marked partial, with the variant still to come named."""
+    out = tmp_path / "out.json"
+    cmd = [
+        sys.executable,
+        "benchmarks/train_throughput.py",
+        *TINY,
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--skip-baseline",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--out",
+        str(out),
+        "--variant=--optim.lr=1e-2",
+        "--variant=--optim.lr=3e-2",
+        f"--data.cache_dir={tmp_path / 'cache'}",
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("timed meshtrain --optim.lr=1e-2:"):
+                break
+        else:
+            pytest.fail(f"the script ended before timing the first variant: {proc.wait()}")
+    finally:
+        proc.kill()
+        proc.wait()
+    result = json.loads(out.read_text())
+    assert result["partial"] is True
+    assert set(result["results"]) == {"meshtrain", "meshtrain --optim.lr=1e-2"}
+    assert result["pending"] == ["meshtrain --optim.lr=3e-2"]
+    row = result["results"]["meshtrain"]
+    assert row["tokens_per_s"] == pytest.approx(
+        result["global_batch_size"] * result["seq_length"] / row["step_time_s"]
+    )
 
 
 @pytest.mark.e2e
