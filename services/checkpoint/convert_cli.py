@@ -134,6 +134,13 @@ def register_subcommands(ckpt_subparsers: argparse._SubParsersAction) -> None:
     Args:
         ckpt_subparsers: what `add_subparsers()` of the `ckpt` parser returned.
     """
+    _add_export(ckpt_subparsers)
+    _add_import(ckpt_subparsers)
+    _add_convert(ckpt_subparsers)
+
+
+def _add_export(ckpt_subparsers: argparse._SubParsersAction) -> None:
+    """`ckpt export`: a checkpoint as a Hugging Face folder or a Megatron torch_dist release."""
     exp = ckpt_subparsers.add_parser(
         "export", help="write a checkpoint as a Hugging Face model folder"
     )
@@ -167,6 +174,10 @@ def register_subcommands(ckpt_subparsers: argparse._SubParsersAction) -> None:
     )
     exp.set_defaults(func=cmd_export)
 
+
+def _add_import(ckpt_subparsers: argparse._SubParsersAction) -> None:
+    """`ckpt import`: a Hugging Face folder (with an optional vision tower) or a Megatron
+    checkpoint as step 0 of a checkpoint root."""
     imp = ckpt_subparsers.add_parser(
         "import", help="turn a Hugging Face model folder into a checkpoint"
     )
@@ -212,6 +223,13 @@ def register_subcommands(ckpt_subparsers: argparse._SubParsersAction) -> None:
         type=int,
         help="the tower layer the projector reads (model.vision.select_layer; default -2)",
     )
+    _add_megatron_import_flags(imp)
+    imp.set_defaults(func=cmd_import)
+
+
+def _add_megatron_import_flags(imp: argparse.ArgumentParser) -> None:
+    """Megatron-LM's model flags on `ckpt import`, for a torch_dist checkpoint saved without its
+    args (they override the saved ones)."""
     meg = imp.add_argument_group(
         "megatron",
         "Megatron-LM's flags, for a checkpoint without saved args (they override the saved ones)",
@@ -301,8 +319,11 @@ def register_subcommands(ckpt_subparsers: argparse._SubParsersAction) -> None:
         help="the tokenizer's vocabulary: drops Megatron-LM's padding rows "
         "(default: every embedding row)",
     )
-    imp.set_defaults(func=cmd_import)
 
+
+def _add_convert(ckpt_subparsers: argparse._SubParsersAction) -> None:
+    """`ckpt convert`: a checkpoint rewritten in another dtype, without its optimizer, or laid
+    out for other tensor, pipeline and expert parallel sizes."""
     conv = ckpt_subparsers.add_parser(
         "convert", help="rewrite a checkpoint (dtype, optimizer, layout)"
     )
