@@ -35,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from meshtrain.services.checkpoint import layout
 from meshtrain.services.checkpoint.boxes import ShardSpec
-from meshtrain.services.checkpoint.multiwriter import ShardWriter, begin_save, commit, put_object
+from meshtrain.services.checkpoint.committer import commit
+from meshtrain.services.checkpoint.multiwriter import ShardWriter, begin_save, put_object
 from meshtrain.services.checkpoint.reader import read_box
 from meshtrain.services.checkpoint.store import join, open_root, remove_tree
 

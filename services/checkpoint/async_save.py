@@ -43,12 +43,12 @@ import torch
 
 from meshtrain.services.checkpoint import layout
 from meshtrain.services.checkpoint.boxes import ShardSpec
+from meshtrain.services.checkpoint.committer import commit
 from meshtrain.services.checkpoint.multiwriter import (
     REPLACEMENTS,
     SaveResult,
     ShardWriter,
     abort_save,
-    commit,
     committed_by,
     data_path,
     is_committed,

@@ -28,7 +28,8 @@ from tqdm import tqdm
 
 from meshtrain.services.checkpoint import layout
 from meshtrain.services.checkpoint.boxes import ShardSpec
-from meshtrain.services.checkpoint.multiwriter import ShardWriter, begin_save, commit, is_committed
+from meshtrain.services.checkpoint.committer import commit
+from meshtrain.services.checkpoint.multiwriter import ShardWriter, begin_save, is_committed
 from meshtrain.services.checkpoint.reader import latest_step, read_manifest, read_tensor
 from meshtrain.services.checkpoint.store import open_root, same_root
 from meshtrain.services.common.config import build

@@ -18,6 +18,8 @@ import torch
 
 from meshtrain.services.checkpoint import layout
 from meshtrain.services.checkpoint.boxes import ShardSpec
+from meshtrain.services.checkpoint.committer import commit
+from meshtrain.services.checkpoint.crc import checksum  # noqa: F401  (re-exported)
 from meshtrain.services.checkpoint.multiwriter import (  # noqa: F401  (re-exported: the format constants)
     CHECKSUM,
     FORMAT,
@@ -25,8 +27,6 @@ from meshtrain.services.checkpoint.multiwriter import (  # noqa: F401  (re-expor
     SaveResult,
     ShardWriter,
     begin_save,
-    checksum,
-    commit,
 )
 from meshtrain.services.checkpoint.store import open_root
 from meshtrain.services.common.errors import CheckpointError

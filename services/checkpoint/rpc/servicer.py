@@ -65,6 +65,7 @@ from meshtrain.protos.checkpoint.v1 import checkpoint_pb2 as pb
 from meshtrain.protos.checkpoint.v1 import checkpoint_pb2_grpc as pb_grpc
 from meshtrain.services.checkpoint import layout
 from meshtrain.services.checkpoint.boxes import MAX_NDIM, ShardSpec
+from meshtrain.services.checkpoint.committer import commit
 from meshtrain.services.checkpoint.maintenance import (
     apply_retention,
     delete_checkpoint,
@@ -76,7 +77,6 @@ from meshtrain.services.checkpoint.multiwriter import (
     abort_save,
     begin_save,
     check_save_id,
-    commit,
     committed_by,
     committed_by_another,
     read_begun,

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from meshtrain.services.checkpoint.boxes import ShardSpec
-from meshtrain.services.checkpoint.multiwriter import ShardWriter, commit
+from meshtrain.services.checkpoint.committer import commit
+from meshtrain.services.checkpoint.multiwriter import ShardWriter
 
 LAYERS, ROWS, COLS = 8, 16, 32
 NUM_WRITERS = 2

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from meshtrain.services.checkpoint.boxes import ShardSpec
-from meshtrain.services.checkpoint.multiwriter import ShardWriter, begin_save, commit
+from meshtrain.services.checkpoint.committer import commit
+from meshtrain.services.checkpoint.multiwriter import ShardWriter, begin_save
 from meshtrain.services.checkpoint.reader import load_checkpoint, read_manifest
 from meshtrain.services.checkpoint.store import join, open_root, write_bytes_exclusive
 from meshtrain.services.common.errors import CheckpointError
@@ -158,7 +159,7 @@ def test_a_loser_whose_files_the_winner_cleared_is_told_the_winner(tmp_path, mon
     """The race seen on S3 under load: a committer past its first look at the manifest reads
     fragments the winner's commit has just removed. It gets the winner named, not the
     FileNotFoundError of a fragment that is gone."""
-    from meshtrain.services.checkpoint import multiwriter
+    from meshtrain.services.checkpoint import committer, multiwriter
 
     root = str(tmp_path / "ckpt")
     winner, loser = begin_save(root, 9), uuid.uuid4().hex
@@ -174,8 +175,9 @@ def test_a_loser_whose_files_the_winner_cleared_is_told_the_winner(tmp_path, mon
         read.append(args)
         raise FileNotFoundError("fragment removed by the winner's commit")
 
-    monkeypatch.setattr(multiwriter, "is_committed", is_committed)
-    monkeypatch.setattr(multiwriter, "_read_fragments", gone)
+    for module in (multiwriter, committer):  # the commit's own look, and `committed_by`'s
+        monkeypatch.setattr(module, "is_committed", is_committed)
+    monkeypatch.setattr(committer, "_read_fragments", gone)
     with pytest.raises(
         CheckpointError, match=f"already committed, by save '{winner}', not by save {loser}"
     ):

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from meshtrain.services.checkpoint.boxes import ShardSpec
+from meshtrain.services.checkpoint.committer import commit
 from meshtrain.services.checkpoint.maintenance import apply_retention
-from meshtrain.services.checkpoint.multiwriter import ShardWriter, begin_save, commit
+from meshtrain.services.checkpoint.multiwriter import ShardWriter, begin_save
 from meshtrain.services.checkpoint.reader import list_checkpoints, read_box
 from meshtrain.services.checkpoint.rpc.servicer import ByteBudget
 from meshtrain.services.common.errors import CheckpointError

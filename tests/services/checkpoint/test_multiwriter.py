@@ -15,7 +15,8 @@ from meshtrain.services.checkpoint.boxes import (
     encode_box,
     inner_chunks,
 )
-from meshtrain.services.checkpoint.multiwriter import ShardWriter, abort_save, begin_save, commit
+from meshtrain.services.checkpoint.committer import commit
+from meshtrain.services.checkpoint.multiwriter import ShardWriter, abort_save, begin_save
 from meshtrain.services.checkpoint.reader import (
     list_checkpoints,
     load_checkpoint,

@@ -9,15 +9,15 @@ reader sees afterwards: exactly one of the two checkpoints, whole.
 import pytest
 import torch
 
-from meshtrain.services.checkpoint import multiwriter
+from meshtrain.services.checkpoint import committer
 from meshtrain.services.checkpoint.boxes import ShardSpec
+from meshtrain.services.checkpoint.committer import commit
 from meshtrain.services.checkpoint.maintenance import verify_checkpoint
 from meshtrain.services.checkpoint.multiwriter import (
     REPLACEMENTS,
     ShardWriter,
     abort_save,
     begin_save,
-    commit,
 )
 from meshtrain.services.checkpoint.reader import list_checkpoints, load_checkpoint, read_manifest
 from meshtrain.services.checkpoint.store import open_root
@@ -120,7 +120,7 @@ def test_a_kill_at_any_point_of_the_commit_leaves_exactly_one_of_the_two(
     root = committed
     save_id = begin_save(root, 1, overwrite=True)
     _write(root, 1, save_id, NEW)
-    real_write = multiwriter.write_bytes_atomic
+    real_write = committer.write_bytes_atomic
 
     def dying_write(r, path, data):
         if where == "array metadata" and path.endswith("zarr.json"):
@@ -132,8 +132,8 @@ def test_a_kill_at_any_point_of_the_commit_leaves_exactly_one_of_the_two(
     def dying_cleanup(*args):
         raise Killed
 
-    monkeypatch.setattr(multiwriter, "write_bytes_atomic", dying_write)
-    monkeypatch.setattr(multiwriter, "_remove_replaced", dying_cleanup)
+    monkeypatch.setattr(committer, "write_bytes_atomic", dying_write)
+    monkeypatch.setattr(committer, "_remove_replaced", dying_cleanup)
     with pytest.raises(Killed):
         commit(root, 1, save_id, 1, {"v": "new"})
     monkeypatch.undo()

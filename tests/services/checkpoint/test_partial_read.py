@@ -19,12 +19,12 @@ import zarr
 
 from meshtrain.services.checkpoint import boxes
 from meshtrain.services.checkpoint.boxes import ArrayMeta, ShardSpec, encode_box, inner_chunks
+from meshtrain.services.checkpoint.committer import commit
 from meshtrain.services.checkpoint.maintenance import verify_checkpoint
 from meshtrain.services.checkpoint.multiwriter import (
     MANIFEST_DIGEST,
     ShardWriter,
     begin_save,
-    commit,
     manifest_digest,
 )
 from meshtrain.services.checkpoint.reader import read_box

@@ -9,7 +9,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from meshtrain.protos.checkpoint.v1 import checkpoint_pb2 as pb
-from meshtrain.services.checkpoint import multiwriter
+from meshtrain.services.checkpoint import committer, multiwriter
 from meshtrain.services.checkpoint.async_save import AsyncSaver
 from meshtrain.services.checkpoint.boxes import ShardSpec
 from meshtrain.services.checkpoint.multiwriter import ShardWriter
@@ -240,7 +240,7 @@ def test_a_commit_that_fails_on_storage_is_retried_to_the_end(
     # still know the save, so the retry commits it, or finds its own commit, as embedded
     # mode's retry does (it used to drop the save and answer NOT_FOUND "unknown save id").
     root, client, _ = service
-    real, failed = multiwriter.write_bytes_exclusive, []
+    real, failed = committer.write_bytes_exclusive, []
 
     def fails_once(root_, path, data):
         if path.endswith(MANIFEST_NAME) and not failed:
@@ -250,7 +250,7 @@ def test_a_commit_that_fails_on_storage_is_retried_to_the_end(
             raise OSError("connection reset while writing the manifest")
         return real(root_, path, data)
 
-    monkeypatch.setattr(multiwriter, "write_bytes_exclusive", fails_once)
+    monkeypatch.setattr(committer, "write_bytes_exclusive", fails_once)
     full = torch.randn(2, 8, 4).to(torch.bfloat16)
     saver = AsyncSaver(client, 0, 1, backoff=0.01, commit_timeout=5)
     saver.save(4, client.begin_save(4), tp_boxes(full, 0, 1), committer=True, metadata={})
@@ -401,4 +401,4 @@ def test_the_library_commit_refuses_metadata_that_is_not_a_dict(tmp_path):
     save_id = multiwriter.begin_save(str(tmp_path), 1)
     ShardWriter(str(tmp_path), 1, save_id, 0, 1).finish()
     with pytest.raises(CheckpointError, match="metadata for step 1 must be a dict, got list"):
-        multiwriter.commit(str(tmp_path), 1, save_id, 1, [1], timeout=1)
+        committer.commit(str(tmp_path), 1, save_id, 1, [1], timeout=1)

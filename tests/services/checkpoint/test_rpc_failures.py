@@ -272,7 +272,7 @@ def test_a_save_given_up_by_its_failing_run_stops_its_commit_at_once(tmp_path):
 
 
 def test_a_save_given_up_before_its_commit_still_commits_when_every_writer_reported(service):
-    # As without the service (multiwriter.commit's `cancelled`): giving up means not waiting for
+    # As without the service (committer.commit's `cancelled`): giving up means not waiting for
     # missing writers; a save whose writers all reported is committed, not thrown away.
     import time
 

@@ -7,7 +7,8 @@ import torch
 
 from meshtrain.services.checkpoint.async_save import AsyncSaver, StorageSink
 from meshtrain.services.checkpoint.boxes import ShardSpec
-from meshtrain.services.checkpoint.multiwriter import ShardWriter, begin_save, commit
+from meshtrain.services.checkpoint.committer import commit
+from meshtrain.services.checkpoint.multiwriter import ShardWriter, begin_save
 from meshtrain.services.checkpoint.reader import (
     list_checkpoints,
     load_checkpoint,
