@@ -49,28 +49,22 @@ import time
 from typing import Self
 
 import grpc
-import numpy as np
 
 from meshtrain.protos.dataloader.v1 import dataloader_pb2 as pb
 from meshtrain.protos.dataloader.v1 import dataloader_pb2_grpc as pb_grpc
 from meshtrain.services.common.errors import DataError
 from meshtrain.services.common.grpc_utils import channel_options, is_permanent, put_unless_stopped
 from meshtrain.services.common.security import ClientSecurity
-from meshtrain.services.dataloader.indexed import DTYPE_CODES
 from meshtrain.services.dataloader.loader import (
     Batch,
     BatchOptions,
     batch_from_samples,
     batch_from_segments,
     context_chunks,
-    document_id_dtype,
 )
+from meshtrain.services.dataloader.rpc.decode import MessageDecoder
 from meshtrain.services.dataloader.rpc.discovery import check_address, resolve_workers
-from meshtrain.services.dataloader.rpc.multimodal import (
-    check_batch_bytes,
-    mm_spec_to_proto,
-    payload_from_message,
-)
+from meshtrain.services.dataloader.rpc.multimodal import check_batch_bytes, mm_spec_to_proto
 from meshtrain.services.dataloader.rpc.servicer import spec_to_proto
 from meshtrain.services.dataloader.spec import DatasetSpec
 from meshtrain.services.dataloader.vision.dataset import MultimodalSpec, batch_from_payload
@@ -225,6 +219,7 @@ class ServiceBatchSource:
         self.rebalance_s = rebalance_s
         self.bench_s = bench_s
         self.options = options or BatchOptions()
+        self._decoder = MessageDecoder(spec, micro_batch_size, cp_rank, cp_size, self.chunks)
         self.reconnects = 0  # streams reopened after a failure (for tests and logs)
         self.moves = 0  # streams moved to another worker by a rebalance
         self.current_address: str | None = None  # the worker streaming to us now
@@ -278,71 +273,8 @@ class ServiceBatchSource:
 
     @property
     def payload_shape(self) -> tuple[int, ...]:
-        """The shape of a micro-batch message's tokens: (mbs, seq + 1), or under context
-        parallelism (mbs, 2, seq / (2 cp) + 1), the rank's two chunks each with its next token."""
-        if self.cp_size == 1:
-            return (self.micro_batch_size, self.spec.seq_length + 1)
-        (a, b), _ = self.chunks
-        return (self.micro_batch_size, len(self.chunks), b - a + 1)
-
-    def _samples(self, msg: pb.MicroBatch, address: str):
-        """The `payload_shape` tokens of a message, checked against what was asked for: a
-        malformed one raised numpy's bare ValueError, one with another dtype name than its
-        bytes were decoded as garbage tokens, and whole samples from a worker that ignored
-        the cp fields would have been read as the wrong positions."""
-        where = f"worker {address} sent step {msg.step} micro-batch {msg.microbatch}"
-        if isinstance(self.spec, MultimodalSpec):
-            return payload_from_message(msg, self.spec, self.micro_batch_size, where)
-        want = self.payload_shape
-        dtype = next((d for d in DTYPE_CODES.values() if d.name == msg.dtype), None)
-        if dtype is None:
-            raise DataError(
-                f"{where} as dtype {msg.dtype!r}, not a token dtype of the MMIDIDX format"
-            )
-        if tuple(msg.shape) != want:
-            cp = ""
-            if self.cp_size > 1:
-                cp = (
-                    f" (the chunks of cp_rank={self.cp_rank} of cp_size={self.cp_size}; a worker "
-                    "that predates context parallelism sends whole samples: upgrade it)"
-                )
-            raise DataError(f"{where} of shape {tuple(msg.shape)}, expected {want}{cp}")
-        n = int(np.prod(want))
-        if len(msg.samples) != n * dtype.itemsize:
-            raise DataError(
-                f"{where} with {len(msg.samples)} bytes, expected "
-                f"{n * dtype.itemsize} for {want} {dtype.name}"
-            )
-        return np.frombuffer(msg.samples, dtype=dtype.newbyteorder("<")).reshape(want)
-
-    def _sft_arrays(
-        self, msg: pb.MicroBatch, address: str
-    ) -> tuple[np.ndarray | None, np.ndarray | None]:
-        """(token mask, document ids) of an SFT message, checked like its samples; (None, None)
-        for pretraining data, whose messages must carry neither."""
-        where = f"worker {address} sent step {msg.step} micro-batch {msg.microbatch}"
-        has = msg.HasField("token_mask"), msg.HasField("document_ids")
-        fmt = getattr(self.spec, "format", "multimodal")  # a MultimodalSpec has no format
-        if fmt != "sft":
-            if any(has):
-                raise DataError(f"{where} with an SFT loss mask, for format {fmt!r}")
-            return None, None
-        if not all(has):
-            raise DataError(f"{where} without its loss mask and document ids (format 'sft')")
-        want_doc = document_id_dtype(self.spec.seq_length)
-        return (
-            self._array(msg.token_mask, np.dtype(np.uint8), f"{where}: token_mask"),
-            self._array(msg.document_ids, want_doc, f"{where}: document_ids"),
-        )
-
-    def _array(self, a: pb.Array, dtype: np.dtype, where: str) -> np.ndarray:
-        """An Array message as `payload_shape` values of `dtype`, or a DataError saying why not."""
-        want = self.payload_shape
-        if a.dtype != dtype.name or tuple(a.shape) != want:
-            raise DataError(f"{where} is {a.dtype} {tuple(a.shape)}, expected {dtype.name} {want}")
-        if len(a.data) != int(np.prod(want)) * dtype.itemsize:
-            raise DataError(f"{where} has {len(a.data)} bytes for {want} {dtype.name}")
-        return np.frombuffer(a.data, dtype=dtype.newbyteorder("<")).reshape(want)
+        """The shape of a micro-batch message's tokens (see `MessageDecoder.payload_shape`)."""
+        return self._decoder.payload_shape
 
     @staticmethod
     def _put(q: queue.Queue, item, stop: threading.Event) -> bool:
@@ -433,8 +365,7 @@ class ServiceBatchSource:
                             f"worker {address} sent step {msg.step} micro-batch "
                             f"{msg.microbatch}, expected {pos}"
                         )
-                    # (mbs, seq + 1) or (mbs, 2, c + 1); SFT's mask and document ids alike
-                    samples = self._samples(msg, address), *self._sft_arrays(msg, address)
+                    samples = self._decoder.decode(msg, address)
                     if not self._put(q, (pos, samples), stop):
                         return
                     pos = (pos[0] + 1, 0) if pos[1] + 1 == nmb else (pos[0], pos[1] + 1)
