@@ -25,7 +25,8 @@ import pytest
 
 from meshtrain.services.checkpoint.reader import list_checkpoints
 from meshtrain.services.dataloader.preprocess import prepare_default_dataset
-from meshtrain.services.launcher.up import UpOptions, run_up
+from meshtrain.services.launcher.up import run_up
+from meshtrain.services.launcher.up_plan import UpOptions
 from meshtrain.services.trainer.rpc.client import ControlClient
 from tests.services.checkpoint.s3server import S3Server, find_weed
 from tests.services.trainer.conftest import small_job_args

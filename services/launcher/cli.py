@@ -32,7 +32,8 @@ class _OverridesParser(argparse.ArgumentParser):
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from meshtrain.services.launcher.up import UpOptions, run_up
+    from meshtrain.services.launcher.up import run_up
+    from meshtrain.services.launcher.up_plan import UpOptions
 
     options = UpOptions(
         data_workers=args.data_workers,

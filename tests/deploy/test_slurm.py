@@ -22,7 +22,7 @@ import pytest
 from meshtrain.services.checkpoint.reader import list_checkpoints
 from meshtrain.services.dataloader.preprocess import prepare_default_dataset
 from meshtrain.services.dataloader.rpc.discovery import announced, resolve_workers
-from meshtrain.services.launcher.up import free_port
+from meshtrain.services.launcher.topology import free_port
 from tests.deploy.slurm_cluster import SlurmCluster, missing_requirements
 from tests.services.trainer.conftest import small_job_args
 

@@ -16,8 +16,7 @@ from meshtrain.services.common.errors import MeshtrainError
 from meshtrain.services.dataloader.rpc.client import ServiceBatchSource
 from meshtrain.services.dataloader.spec import DatasetSpec
 from meshtrain.services.launcher.health import wait_serving
-from meshtrain.services.launcher.topology import Child, Topology
-from meshtrain.services.launcher.up import free_port
+from meshtrain.services.launcher.topology import Child, Topology, free_port
 from tests.services.dataloader.conftest import write_dataset
 
 MESHTRAIN = [sys.executable, "-m", "meshtrain.services.cli"]

@@ -5,7 +5,7 @@ import pytest
 from meshtrain.services.common.errors import ConfigError
 from meshtrain.services.launcher import threads
 from meshtrain.services.launcher.threads import ThreadBudget, thread_budget
-from meshtrain.services.launcher.up import UpOptions, plan
+from meshtrain.services.launcher.up_plan import UpOptions, plan
 
 ARGS = ["--config", "deploy/configs/tiny.toml"]
 

@@ -15,7 +15,8 @@ import torch
 from meshtrain.services.checkpoint.writer import save_checkpoint
 from meshtrain.services.common.config import dumps_toml
 from meshtrain.services.common.errors import ConfigError
-from meshtrain.services.launcher.up import Plan, UpOptions, _resume_from, plan
+from meshtrain.services.launcher.up import _resume_from
+from meshtrain.services.launcher.up_plan import Plan, UpOptions, plan
 from meshtrain.services.trainer.config.load import LAUNCHER_KEYS_ENV, load_config
 from meshtrain.services.trainer.run_dir import run_dir_toml
 from tests.services.trainer.conftest import corpus_cache, small_job_args  # noqa: F401  (a fixture, found by name)

@@ -15,7 +15,7 @@ import torch
 
 from meshtrain.services.common.errors import ConfigError
 from meshtrain.services.common.security import ClientSecurity
-from meshtrain.services.launcher.up import (
+from meshtrain.services.launcher.up_plan import (
     UpOptions,
     _grpo_rollout_addresses_arg,
     plan,

@@ -15,7 +15,8 @@ import pytest
 
 from meshtrain.services.common.errors import ConfigError
 from meshtrain.services.launcher.objectstore import AccessKeys, find_weed
-from meshtrain.services.launcher.up import UpOptions, plan, run_up
+from meshtrain.services.launcher.up import run_up
+from meshtrain.services.launcher.up_plan import UpOptions, plan
 from tests.services.trainer.conftest import small_job_args
 
 pytestmark = [pytest.mark.e2e]
