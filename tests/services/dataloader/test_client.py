@@ -483,7 +483,6 @@ def test_a_malformed_dns_target_is_refused_naming_it(blend_spec):
         ServiceBatchSource(["dns:///no-port"], blend_spec, 2, 16, 0, 2)
 
 
-@pytest.mark.e2e
 def test_the_trainer_passes_the_data_config_timeouts_to_the_client(good, tmp_path):
     from meshtrain.services.trainer.config.load import load_config
     from meshtrain.services.trainer.data import build_data
