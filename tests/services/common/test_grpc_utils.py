@@ -10,7 +10,8 @@ from meshtrain.services.common.errors import (
     DataError,
     DataUnavailableError,
 )
-from meshtrain.services.common.grpc_utils import channel_options, make_server
+from meshtrain.services.common.grpc_server import make_server
+from meshtrain.services.common.grpc_utils import channel_options
 
 SERVICE = "meshtrain.test.v1.Echo"
 
