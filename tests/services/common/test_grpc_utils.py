@@ -1,4 +1,5 @@
-"""grpc_utils on a tiny generic service (raw bytes, no protos): error mapping, health, limits."""
+"""grpc_utils and grpc_server on a tiny generic service (raw bytes, no protos): error mapping,
+health, limits."""
 
 import grpc
 import pytest
