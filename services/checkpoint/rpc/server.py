@@ -29,7 +29,7 @@ from meshtrain.services.checkpoint.rpc.servicer import (
     storage_unavailable,
 )
 from meshtrain.services.common.errors import ConfigError
-from meshtrain.services.common.grpc_utils import make_server, serve_forever
+from meshtrain.services.common.grpc_server import make_server, serve_forever
 from meshtrain.services.common.metrics import MetricsInterceptor, start_metrics_server
 from meshtrain.services.common.security import ADMIN, READ, WRITE, ServerSecurity, method_scopes
 

@@ -109,7 +109,7 @@ log = logging.getLogger("meshtrain.checkpoint")
 # Defaults of the service's bounds (`ckpt serve` flags).
 MAX_WRITERS = 65536  # --max-writers: writers of one save (ranks of a run)
 MAX_COMMIT_TIMEOUT = 3600.0  # --max-commit-timeout: seconds a Commit may ask to wait
-MAX_COMMITS = 4  # --max-commits: Commits waiting at once (below grpc_utils.UNARY_RESERVE)
+MAX_COMMITS = 4  # --max-commits: Commits waiting at once (below grpc_server.UNARY_RESERVE)
 MAX_METADATA_BYTES = 1 << 20  # a commit's user metadata, stored in the manifest
 MAX_REASON_CHARS = 1000  # an AbortSave reason or a writer's error, quoted in refusals
 MARKER_CHECK_S = (

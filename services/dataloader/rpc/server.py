@@ -21,7 +21,7 @@ import sys
 
 from meshtrain.protos.dataloader.v1 import dataloader_pb2_grpc as pb_grpc
 from meshtrain.services.common.errors import ConfigError
-from meshtrain.services.common.grpc_utils import make_server, serve_forever
+from meshtrain.services.common.grpc_server import make_server, serve_forever
 from meshtrain.services.common.metrics import MetricsInterceptor, start_metrics_server
 from meshtrain.services.common.security import READ, ServerSecurity, method_scopes
 from meshtrain.services.dataloader.config import ServeConfig, add_serve_arguments

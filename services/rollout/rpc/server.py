@@ -17,7 +17,7 @@ import logging
 import sys
 
 from meshtrain.protos.rollout.v1 import rollout_pb2_grpc as pb_grpc
-from meshtrain.services.common.grpc_utils import make_server, serve_forever
+from meshtrain.services.common.grpc_server import make_server, serve_forever
 from meshtrain.services.common.security import READ, WRITE, ServerSecurity, method_scopes
 from meshtrain.services.rollout.config import ServeConfig, add_serve_arguments
 from meshtrain.services.rollout.rpc.servicer import SERVICE_NAME, RolloutServicer

@@ -29,7 +29,7 @@ from prometheus_client import Gauge
 
 from meshtrain.protos.trainer.v1 import trainer_pb2_grpc as pb_grpc
 from meshtrain.services.common.errors import ConfigError
-from meshtrain.services.common.grpc_utils import make_server
+from meshtrain.services.common.grpc_server import make_server
 from meshtrain.services.common.metrics import MetricsInterceptor, start_metrics_server
 from meshtrain.services.common.security import (
     ADMIN,

@@ -1,4 +1,5 @@
-"""grpc_utils on a tiny generic service (raw bytes, no protos): error mapping, health, limits."""
+"""grpc_utils and grpc_server on a tiny generic service (raw bytes, no protos): error mapping,
+health, limits."""
 
 import grpc
 import pytest
@@ -10,7 +11,8 @@ from meshtrain.services.common.errors import (
     DataError,
     DataUnavailableError,
 )
-from meshtrain.services.common.grpc_utils import channel_options, make_server
+from meshtrain.services.common.grpc_server import make_server
+from meshtrain.services.common.grpc_utils import channel_options
 
 SERVICE = "meshtrain.test.v1.Echo"
 

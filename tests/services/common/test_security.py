@@ -18,7 +18,7 @@ from meshtrain.protos.dataloader.v1 import dataloader_pb2_grpc as data_grpc
 from meshtrain.services.checkpoint.rpc import server as ckpt_server
 from meshtrain.services.checkpoint.rpc.client import CheckpointClient
 from meshtrain.services.common.errors import CheckpointError, ConfigError, DataError
-from meshtrain.services.common.grpc_utils import make_server
+from meshtrain.services.common.grpc_server import make_server
 from meshtrain.services.common.security import (
     ClientSecurity,
     ServerSecurity,

@@ -14,7 +14,7 @@ import pytest
 from meshtrain.protos.dataloader.v1 import dataloader_pb2 as pb
 from meshtrain.protos.dataloader.v1 import dataloader_pb2_grpc as pb_grpc
 from meshtrain.services.common.errors import DataError
-from meshtrain.services.common.grpc_utils import make_server
+from meshtrain.services.common.grpc_server import make_server
 from meshtrain.services.dataloader.loader import BatchOptions, LocalBatchSource
 from meshtrain.services.dataloader.rpc.client import ServiceBatchSource
 from meshtrain.services.dataloader.rpc.server import start_server

@@ -305,7 +305,7 @@ def test_a_worker_that_predates_the_order_is_refused(tmp_path):
     """A worker older than the field ignores it and would stream meshtrain's order: its
     Describe answer has no order, and the client stops with an error rather than train on it."""
     from meshtrain.protos.dataloader.v1 import dataloader_pb2_grpc as pb_grpc
-    from meshtrain.services.common.grpc_utils import make_server
+    from meshtrain.services.common.grpc_server import make_server
     from meshtrain.services.dataloader.rpc.client import ServiceBatchSource
     from meshtrain.services.dataloader.rpc.servicer import SERVICE_NAME, DataServicer
 

@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from meshtrain.protos.dataloader.v1 import dataloader_pb2 as pb
 from meshtrain.protos.dataloader.v1 import dataloader_pb2_grpc as pb_grpc
 from meshtrain.services.common.errors import DataError
-from meshtrain.services.common.grpc_utils import make_server
+from meshtrain.services.common.grpc_server import make_server
 from meshtrain.services.dataloader.loader import BatchOptions, LocalBatchSource
 from meshtrain.services.dataloader.rpc import servicer as servicer_module
 from meshtrain.services.dataloader.rpc.client import ServiceBatchSource
