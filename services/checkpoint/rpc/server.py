@@ -20,10 +20,8 @@ import sys
 
 from meshtrain.protos.checkpoint.v1 import checkpoint_pb2_grpc as pb_grpc
 from meshtrain.services.checkpoint.config import ServeConfig, add_serve_arguments
+from meshtrain.services.checkpoint.rpc.limits import MAX_COMMIT_TIMEOUT, MAX_COMMITS, MAX_WRITERS
 from meshtrain.services.checkpoint.rpc.servicer import (
-    MAX_COMMIT_TIMEOUT,
-    MAX_COMMITS,
-    MAX_WRITERS,
     SERVICE_NAME,
     CheckpointServicer,
     storage_unavailable,
