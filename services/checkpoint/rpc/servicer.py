@@ -150,6 +150,20 @@ def _commit_response(result: SaveResult) -> pb.CommitResponse:
     )
 
 
+def _commit_metadata(metadata_json: str) -> dict:
+    """A commit's user metadata, parsed (INVALID_ARGUMENT unless it is a JSON object)."""
+    try:
+        metadata = json.loads(metadata_json or "{}")
+    except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
+        raise InvalidRequestError(f"commit metadata_json is not JSON: {e}") from e
+    if not isinstance(metadata, dict):  # readers look keys up in it
+        raise InvalidRequestError(
+            f"commit metadata_json must be a JSON object, got "
+            f"{type(metadata).__name__}: {loggable(metadata_json, 100)}"
+        )
+    return metadata
+
+
 class CheckpointServicer(SaveTable, pb_grpc.CheckpointServiceServicer):
     """Serves one checkpoint root.
 
@@ -276,6 +290,72 @@ class CheckpointServicer(SaveTable, pb_grpc.CheckpointServiceServicer):
 
     def WriteShards(self, request_iterator, context):
         request_iterator = until_idle(request_iterator, self.stream_idle_timeout)
+        save_id, save, writer = self._open_stream(request_iterator, context)
+        boxes = total = 0
+        spec: ShardSpec | None = None
+        buf: bytearray | None = None  # the box's bytes: set and cleared with spec
+        filled = 0
+        stored: list[ShardSpec] = []  # the boxes this stream began to store, a torn one included
+        try:
+            for msg in request_iterator:
+                kind = msg.WhichOneof("part")
+                if kind == "box":
+                    if spec is not None and buf is not None:
+                        raise InvalidRequestError(
+                            f"box {spec.offsets} of array {spec.array!r} ended after {filled} of "
+                            f"{len(buf)} bytes"
+                        )
+                    spec = box_from_pb(msg.box, self.budget.limit)
+                    nbytes = math.prod(spec.shape) * layout._DTYPES[spec.dtype][1].itemsize
+                    self.budget.acquire(
+                        nbytes, f"box {spec.offsets} of array {spec.array!r}", context.is_active
+                    )
+                    buf, filled = bytearray(nbytes), 0
+                elif kind == "chunk":
+                    if spec is None:
+                        raise InvalidRequestError("a data chunk arrived before any box")
+                    assert buf is not None
+                    filled = self._take_chunk(spec, buf, filled, msg.chunk)
+                elif kind == "error":  # an empty text must still fail the save
+                    self._writer_failed(save_id, save, writer, msg.error)
+                    return pb.WriteShardsResponse(boxes=boxes, bytes=total)
+                else:
+                    raise InvalidRequestError(
+                        f"unexpected {kind!r} message inside a WriteShards stream"
+                    )
+                if spec is not None and buf is not None and filled == len(buf):
+                    self._save(save_id, context)  # still this step's save (not superseded)
+                    data = np.frombuffer(buf, dtype=layout._DTYPES[spec.dtype][1])
+                    stored.append(spec)
+                    total += writer.write(spec, data.reshape(spec.shape))
+                    boxes += 1
+                    self.budget.release(len(buf))
+                    spec, buf = None, None
+            if spec is not None and buf is not None:
+                raise InvalidRequestError(
+                    f"stream ended inside box {spec.offsets} of array {spec.array!r} "
+                    f"({filled} of {len(buf)} bytes)"
+                )
+        except StreamIdleError as e:
+            where = (
+                f"inside box {spec.offsets} of array {spec.array!r} ({filled} of {len(buf)} bytes)"
+                if spec is not None and buf is not None
+                else f"after {boxes} complete boxes"
+            )
+            self._abort_idle(save_id, save, writer, e.idle_s, where, context)
+        except Exception as e:
+            if is_disk_full(e):
+                self._remove_stored(save_id, save, writer, stored)
+            raise
+        finally:
+            if buf is not None:
+                self.budget.release(len(buf))
+        self._finish_stream(save_id, save, writer, stored, context)
+        return pb.WriteShardsResponse(boxes=boxes, bytes=total)
+
+    def _open_stream(self, request_iterator, context) -> tuple[str, Save, ShardWriter]:
+        """A WriteShards stream's header, checked: its save (taken up here if the header names
+        the step of a save begun elsewhere) and the writer storing what the stream sends."""
         try:
             first = next(request_iterator, None)
         except StreamIdleError as e:
@@ -302,93 +382,48 @@ class CheckpointServicer(SaveTable, pb_grpc.CheckpointServiceServicer):
         writer = ShardWriter(
             self.root, save.step, save_id, first.header.writer_id, save.num_writers
         )
-        boxes = total = 0
-        spec: ShardSpec | None = None
-        buf: bytearray | None = None  # the box's bytes: set and cleared with spec
-        filled = 0
-        stored: list[ShardSpec] = []  # the boxes this stream began to store, a torn one included
-        try:
-            for msg in request_iterator:
-                kind = msg.WhichOneof("part")
-                if kind == "box":
-                    if spec is not None and buf is not None:
-                        raise InvalidRequestError(
-                            f"box {spec.offsets} of array {spec.array!r} ended after {filled} of "
-                            f"{len(buf)} bytes"
-                        )
-                    spec = box_from_pb(msg.box, self.budget.limit)
-                    nbytes = math.prod(spec.shape) * layout._DTYPES[spec.dtype][1].itemsize
-                    self.budget.acquire(
-                        nbytes, f"box {spec.offsets} of array {spec.array!r}", context.is_active
-                    )
-                    buf, filled = bytearray(nbytes), 0
-                elif kind == "chunk":
-                    if spec is None:
-                        raise InvalidRequestError("a data chunk arrived before any box")
-                    assert buf is not None
-                    size = len(msg.chunk)
-                    if size > self.max_chunk_bytes:
-                        raise InvalidRequestError(
-                            f"chunk of {size} bytes for array {spec.array!r} is over the limit "
-                            f"of {self.max_chunk_bytes} bytes"
-                        )
-                    if filled + size > len(buf):
-                        raise InvalidRequestError(
-                            f"box {spec.offsets} of array {spec.array!r} got more than its "
-                            f"{len(buf)} bytes"
-                        )
-                    buf[filled : filled + size] = msg.chunk
-                    filled += size
-                elif kind == "error":  # an empty text must still fail the save
-                    error = msg.error[:MAX_REASON_CHARS]  # quoted in the commit's refusal
-                    reported = {
-                        first.header.writer_id: error
-                        or f"writer {first.header.writer_id} reported an error"
-                    }
-                    try:  # read by a commit waiting on another replica
-                        writer.finish(error=reported[first.header.writer_id])
-                    finally:  # the save can no longer commit: it ends here, and its objects go
-                        self._end_failed(
-                            save_id, save, f"was aborted: writers reported errors {reported}"
-                        )
-                    return pb.WriteShardsResponse(boxes=boxes, bytes=total)
-                else:
-                    raise InvalidRequestError(
-                        f"unexpected {kind!r} message inside a WriteShards stream"
-                    )
-                if spec is not None and buf is not None and filled == len(buf):
-                    self._save(save_id, context)  # still this step's save (not superseded)
-                    data = np.frombuffer(buf, dtype=layout._DTYPES[spec.dtype][1])
-                    stored.append(spec)
-                    total += writer.write(spec, data.reshape(spec.shape))
-                    boxes += 1
-                    self.budget.release(len(buf))
-                    spec, buf = None, None
-            if spec is not None and buf is not None:
-                raise InvalidRequestError(
-                    f"stream ended inside box {spec.offsets} of array {spec.array!r} "
-                    f"({filled} of {len(buf)} bytes)"
-                )
-        except StreamIdleError as e:
-            where = (
-                f"inside box {spec.offsets} of array {spec.array!r} ({filled} of {len(buf)} bytes)"
-                if spec is not None and buf is not None
-                else f"after {boxes} complete boxes"
+        return save_id, save, writer
+
+    def _take_chunk(self, spec: ShardSpec, buf: bytearray, filled: int, chunk: bytes) -> int:
+        """Copies a data chunk into its box's buffer; returns how many bytes the buffer holds."""
+        size = len(chunk)
+        if size > self.max_chunk_bytes:
+            raise InvalidRequestError(
+                f"chunk of {size} bytes for array {spec.array!r} is over the limit "
+                f"of {self.max_chunk_bytes} bytes"
             )
-            message = (
-                f"save {save_id!r} (step {save.step}): writer {first.header.writer_id} sent "
-                f"nothing for {e.idle_s:g} s {where} (the service's --stream-idle-timeout); its "
-                "stream is aborted and its share of the in-flight budget freed"
+        if filled + size > len(buf):
+            raise InvalidRequestError(
+                f"box {spec.offsets} of array {spec.array!r} got more than its {len(buf)} bytes"
             )
-            log.warning("%s", message)
-            context.abort(grpc.StatusCode.ABORTED, status_details(message))
-        except Exception as e:
-            if is_disk_full(e):
-                self._remove_stored(save_id, save, writer, stored)
-            raise
-        finally:
-            if buf is not None:
-                self.budget.release(len(buf))
+        buf[filled : filled + size] = chunk
+        return filled + size
+
+    def _writer_failed(self, save_id: str, save: Save, writer: ShardWriter, error: str) -> None:
+        """A writer's error report: recorded in its fragment, and its save ends."""
+        error = error[:MAX_REASON_CHARS]  # quoted in the commit's refusal
+        reported = {writer.writer_id: error or f"writer {writer.writer_id} reported an error"}
+        try:  # read by a commit waiting on another replica
+            writer.finish(error=reported[writer.writer_id])
+        finally:  # the save can no longer commit: it ends here, and its objects go
+            self._end_failed(save_id, save, f"was aborted: writers reported errors {reported}")
+
+    def _abort_idle(
+        self, save_id: str, save: Save, writer: ShardWriter, idle_s: float, where: str, context
+    ) -> None:
+        """Aborts a stream that sent nothing for the idle timeout (ABORTED: the writer retries)."""
+        message = (
+            f"save {save_id!r} (step {save.step}): writer {writer.writer_id} sent "
+            f"nothing for {idle_s:g} s {where} (the service's --stream-idle-timeout); its "
+            "stream is aborted and its share of the in-flight budget freed"
+        )
+        log.warning("%s", message)
+        context.abort(grpc.StatusCode.ABORTED, status_details(message))
+
+    def _finish_stream(
+        self, save_id: str, save: Save, writer: ShardWriter, stored: list[ShardSpec], context
+    ) -> None:
+        """Stores the writer's fragment, once its save is known to be still the step's."""
         self._save(save_id, context)  # a superseded save's fragment must not be stored either
         if read_begun(self.root, save.step, save_id) is None:  # superseded on another replica
             context.abort(
@@ -404,7 +439,6 @@ class CheckpointServicer(SaveTable, pb_grpc.CheckpointServiceServicer):
             if is_disk_full(e):
                 self._remove_stored(save_id, save, writer, stored)
             raise
-        return pb.WriteShardsResponse(boxes=boxes, bytes=total)
 
     def Commit(self, request, context):
         save_id = check_request_save_id(request.save_id)
@@ -450,32 +484,9 @@ class CheckpointServicer(SaveTable, pb_grpc.CheckpointServiceServicer):
             save = self._adopt(save_id, request.step)
         if save is None:
             save = self._save(save_id, context)  # aborts, saying why
-        try:
-            metadata = json.loads(request.metadata_json or "{}")
-        except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
-            raise InvalidRequestError(f"commit metadata_json is not JSON: {e}") from e
-        if not isinstance(metadata, dict):  # readers look keys up in it
-            raise InvalidRequestError(
-                f"commit metadata_json must be a JSON object, got "
-                f"{type(metadata).__name__}: {loggable(request.metadata_json, 100)}"
-            )
+        metadata = _commit_metadata(request.metadata_json)
         timeout = min(request.timeout_s or self.commit_timeout, self.max_commit_timeout)
-
-        checked = [time.monotonic()]
-
-        def cancelled() -> str | None:
-            if not context.is_active():
-                raise _CallerGone()
-            if save_id not in self._saves:
-                return "its save was superseded by a newer BeginSave"
-            if (
-                time.monotonic() - checked[0] > MARKER_CHECK_S
-            ):  # a newer save of the step, begun elsewhere
-                checked[0] = time.monotonic()
-                if read_begun(self.root, save.step, save_id) is None:
-                    return "its folder was taken by a newer save of the step"
-            return save.abort_reason
-
+        cancelled = self._commit_cancelled(save_id, save, context)
         _wait_for(
             save.commit_lock, context
         )  # a second Commit of this save (a client retrying) waits for the first
@@ -525,6 +536,27 @@ class CheckpointServicer(SaveTable, pb_grpc.CheckpointServiceServicer):
             if refused:  # what the save stored is of no use now, and may be what fills the disk
                 self._reclaim(save_id, save)
         return _commit_response(result)
+
+    def _commit_cancelled(self, save_id: str, save: Save, context) -> Callable[[], str | None]:
+        """The check a waiting commit makes at each look for fragments: why it stops waiting
+        (superseded, its folder taken, AbortSave's reason), or None; _CallerGone when its
+        client went away."""
+        checked = [time.monotonic()]
+
+        def cancelled() -> str | None:
+            if not context.is_active():
+                raise _CallerGone()
+            if save_id not in self._saves:
+                return "its save was superseded by a newer BeginSave"
+            if (
+                time.monotonic() - checked[0] > MARKER_CHECK_S
+            ):  # a newer save of the step, begun elsewhere
+                checked[0] = time.monotonic()
+                if read_begun(self.root, save.step, save_id) is None:
+                    return "its folder was taken by a newer save of the step"
+            return save.abort_reason
+
+        return cancelled
 
     def AbortSave(self, request, context):
         save_id = check_request_save_id(request.save_id)
