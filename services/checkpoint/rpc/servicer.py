@@ -2,10 +2,10 @@
 
 Writers stream boxes to `WriteShards`; each box is assembled in a buffer of exactly its size
 (a chunk beyond it, or a chunk over the chunk limit, is an error) and stored as soon as it is
-complete, so the service holds at most the boxes in flight. `ByteBudget` caps that total over
-all streams: a stream waits for room instead of growing memory. A stream that sends nothing for
-`stream_idle_timeout` seconds (a live writer that stalled) is aborted and its share freed, so
-it cannot keep the other writers waiting. Saves in progress live in a
+complete, so the service holds at most the boxes in flight (`write_stream.py`). `ByteBudget`
+caps that total over all streams: a stream waits for room instead of growing memory. A stream
+that sends nothing for `stream_idle_timeout` seconds (a live writer that stalled) is aborted and
+its share freed, so it cannot keep the other writers waiting. Saves in progress live in a
 table keyed by save id; a restarted service has forgotten them, and their writers and
 committer get NOT_FOUND, upon which they ResumeSave: the service takes the save up again if the
 step's folder still belongs to it (`multiwriter.resume_save`), and the writers resend their boxes
@@ -86,20 +86,17 @@ from meshtrain.services.checkpoint.rpc.limits import (
     MAX_REASON_CHARS,
     MAX_WRITERS,
     ByteBudget,
-    box_from_pb,
     check_request_save_id,
     check_step,
 )
 from meshtrain.services.checkpoint.rpc.saves import Save, SaveTable
+from meshtrain.services.checkpoint.rpc.write_stream import BoxStream
 from meshtrain.services.checkpoint.store import open_root
 from meshtrain.services.common.errors import (
     CheckpointError,
     ConfigError,
     InvalidRequestError,
-    StorageUnavailableError,
     is_disk_full,
-    is_lasting_storage_error,
-    is_storage_error,
 )
 from meshtrain.services.common.grpc_utils import StreamIdleError, status_details, until_idle
 from meshtrain.services.common.sanitize import check_text, loggable, quiet_undecodable_requests
@@ -121,22 +118,6 @@ def _wait_for(lock: threading.Lock, context) -> None:
     while not lock.acquire(timeout=0.5):
         if not context.is_active():
             raise _CallerGone()
-
-
-def storage_unavailable(root: str) -> Callable[[Exception], StorageUnavailableError | None]:
-    """The servicer's error translation: an exception of its storage (an OSError, botocore's
-    own) becomes a StorageUnavailableError naming the root and the path (UNAVAILABLE: clients
-    retry it); anything else is left a bug (UNKNOWN, which clients do not retry)."""
-
-    def translate(exc: Exception) -> StorageUnavailableError | None:
-        if not is_storage_error(exc):
-            return None
-        return StorageUnavailableError(
-            f"checkpoint storage {root} failed: {type(exc).__name__}: {exc}",
-            lasting=is_lasting_storage_error(exc),
-        )
-
-    return translate
 
 
 def _commit_response(result: SaveResult) -> pb.CommitResponse:
@@ -291,67 +272,35 @@ class CheckpointServicer(SaveTable, pb_grpc.CheckpointServiceServicer):
     def WriteShards(self, request_iterator, context):
         request_iterator = until_idle(request_iterator, self.stream_idle_timeout)
         save_id, save, writer = self._open_stream(request_iterator, context)
-        boxes = total = 0
-        spec: ShardSpec | None = None
-        buf: bytearray | None = None  # the box's bytes: set and cleared with spec
-        filled = 0
-        stored: list[ShardSpec] = []  # the boxes this stream began to store, a torn one included
+        stream = BoxStream(self.budget, self.max_chunk_bytes, context.is_active)
         try:
             for msg in request_iterator:
                 kind = msg.WhichOneof("part")
                 if kind == "box":
-                    if spec is not None and buf is not None:
-                        raise InvalidRequestError(
-                            f"box {spec.offsets} of array {spec.array!r} ended after {filled} of "
-                            f"{len(buf)} bytes"
-                        )
-                    spec = box_from_pb(msg.box, self.budget.limit)
-                    nbytes = math.prod(spec.shape) * layout._DTYPES[spec.dtype][1].itemsize
-                    self.budget.acquire(
-                        nbytes, f"box {spec.offsets} of array {spec.array!r}", context.is_active
-                    )
-                    buf, filled = bytearray(nbytes), 0
+                    stream.begin_box(msg.box)
                 elif kind == "chunk":
-                    if spec is None:
-                        raise InvalidRequestError("a data chunk arrived before any box")
-                    assert buf is not None
-                    filled = self._take_chunk(spec, buf, filled, msg.chunk)
+                    stream.take_chunk(msg.chunk)
                 elif kind == "error":  # an empty text must still fail the save
                     self._writer_failed(save_id, save, writer, msg.error)
-                    return pb.WriteShardsResponse(boxes=boxes, bytes=total)
+                    return pb.WriteShardsResponse(boxes=stream.boxes, bytes=stream.total)
                 else:
                     raise InvalidRequestError(
                         f"unexpected {kind!r} message inside a WriteShards stream"
                     )
-                if spec is not None and buf is not None and filled == len(buf):
+                if stream.complete():
                     self._save(save_id, context)  # still this step's save (not superseded)
-                    data = np.frombuffer(buf, dtype=layout._DTYPES[spec.dtype][1])
-                    stored.append(spec)
-                    total += writer.write(spec, data.reshape(spec.shape))
-                    boxes += 1
-                    self.budget.release(len(buf))
-                    spec, buf = None, None
-            if spec is not None and buf is not None:
-                raise InvalidRequestError(
-                    f"stream ended inside box {spec.offsets} of array {spec.array!r} "
-                    f"({filled} of {len(buf)} bytes)"
-                )
+                    stream.store(writer)
+            stream.check_ended()
         except StreamIdleError as e:
-            where = (
-                f"inside box {spec.offsets} of array {spec.array!r} ({filled} of {len(buf)} bytes)"
-                if spec is not None and buf is not None
-                else f"after {boxes} complete boxes"
-            )
-            self._abort_idle(save_id, save, writer, e.idle_s, where, context)
+            self._abort_idle(save_id, save, writer, e.idle_s, stream.where(), context)
         except Exception as e:
             if is_disk_full(e):
-                self._remove_stored(save_id, save, writer, stored)
+                self._remove_stored(save_id, save, writer, stream.stored)
             raise
         finally:
-            if buf is not None:
-                self.budget.release(len(buf))
-        self._finish_stream(save_id, save, writer, stored, context)
-        return pb.WriteShardsResponse(boxes=boxes, bytes=total)
+            stream.release()
+        self._finish_stream(save_id, save, writer, stream.stored, context)
+        return pb.WriteShardsResponse(boxes=stream.boxes, bytes=stream.total)
 
     def _open_stream(self, request_iterator, context) -> tuple[str, Save, ShardWriter]:
         """A WriteShards stream's header, checked: its save (taken up here if the header names
@@ -383,21 +332,6 @@ class CheckpointServicer(SaveTable, pb_grpc.CheckpointServiceServicer):
             self.root, save.step, save_id, first.header.writer_id, save.num_writers
         )
         return save_id, save, writer
-
-    def _take_chunk(self, spec: ShardSpec, buf: bytearray, filled: int, chunk: bytes) -> int:
-        """Copies a data chunk into its box's buffer; returns how many bytes the buffer holds."""
-        size = len(chunk)
-        if size > self.max_chunk_bytes:
-            raise InvalidRequestError(
-                f"chunk of {size} bytes for array {spec.array!r} is over the limit "
-                f"of {self.max_chunk_bytes} bytes"
-            )
-        if filled + size > len(buf):
-            raise InvalidRequestError(
-                f"box {spec.offsets} of array {spec.array!r} got more than its {len(buf)} bytes"
-            )
-        buf[filled : filled + size] = chunk
-        return filled + size
 
     def _writer_failed(self, save_id: str, save: Save, writer: ShardWriter, error: str) -> None:
         """A writer's error report: recorded in its fragment, and its save ends."""
