@@ -17,23 +17,40 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable
 
 from meshtrain.protos.checkpoint.v1 import checkpoint_pb2_grpc as pb_grpc
 from meshtrain.services.checkpoint.config import ServeConfig, add_serve_arguments
-from meshtrain.services.checkpoint.rpc.servicer import (
-    MAX_COMMIT_TIMEOUT,
-    MAX_COMMITS,
-    MAX_WRITERS,
-    SERVICE_NAME,
-    CheckpointServicer,
-    storage_unavailable,
+from meshtrain.services.checkpoint.rpc.limits import MAX_COMMIT_TIMEOUT, MAX_COMMITS, MAX_WRITERS
+from meshtrain.services.checkpoint.rpc.servicer import SERVICE_NAME, CheckpointServicer
+from meshtrain.services.common.errors import (
+    ConfigError,
+    StorageUnavailableError,
+    is_lasting_storage_error,
+    is_storage_error,
 )
-from meshtrain.services.common.errors import ConfigError
 from meshtrain.services.common.grpc_server import make_server, serve_forever
 from meshtrain.services.common.metrics import MetricsInterceptor, start_metrics_server
 from meshtrain.services.common.security import ADMIN, READ, WRITE, ServerSecurity, method_scopes
 
 log = logging.getLogger("meshtrain.checkpoint")
+
+
+def storage_unavailable(root: str) -> Callable[[Exception], StorageUnavailableError | None]:
+    """The servicer's error translation: an exception of its storage (an OSError, botocore's
+    own) becomes a StorageUnavailableError naming the root and the path (UNAVAILABLE: clients
+    retry it); anything else is left a bug (UNKNOWN, which clients do not retry)."""
+
+    def translate(exc: Exception) -> StorageUnavailableError | None:
+        if not is_storage_error(exc):
+            return None
+        return StorageUnavailableError(
+            f"checkpoint storage {root} failed: {type(exc).__name__}: {exc}",
+            lasting=is_lasting_storage_error(exc),
+        )
+
+    return translate
+
 
 # The scope each method needs (admin implies write implies read). BeginSave replacing a committed
 # step is admin's, like deleting one: a write token may add checkpoints, not destroy them.

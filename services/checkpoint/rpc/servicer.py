@@ -2,10 +2,10 @@
 
 Writers stream boxes to `WriteShards`; each box is assembled in a buffer of exactly its size
 (a chunk beyond it, or a chunk over the chunk limit, is an error) and stored as soon as it is
-complete, so the service holds at most the boxes in flight. `ByteBudget` caps that total over
-all streams: a stream waits for room instead of growing memory. A stream that sends nothing for
-`stream_idle_timeout` seconds (a live writer that stalled) is aborted and its share freed, so
-it cannot keep the other writers waiting. Saves in progress live in a
+complete, so the service holds at most the boxes in flight (`write_stream.py`). `ByteBudget`
+caps that total over all streams: a stream waits for room instead of growing memory. A stream
+that sends nothing for `stream_idle_timeout` seconds (a live writer that stalled) is aborted and
+its share freed, so it cannot keep the other writers waiting. Saves in progress live in a
 table keyed by save id; a restarted service has forgotten them, and their writers and
 committer get NOT_FOUND, upon which they ResumeSave: the service takes the save up again if the
 step's folder still belongs to it (`multiwriter.resume_save`), and the writers resend their boxes
@@ -26,21 +26,16 @@ A Commit refused for a definite reason (a CheckpointError: a writer's error, a t
 ends its save, and every later call of that save id gets that reason back. A Commit that
 failed any other way (storage or network trouble) keeps its save: the client retries such a
 failure, and the retry reaches `commit` again, which finishes the save or, when the first
-attempt's manifest did land, recognises its own commit and returns its result. Saves that
-ended are remembered (boundedly), so a late call of one is told what happened to it, not that
-its id is unknown. A writer's error report ends its save at once (it can never commit). The
-service reclaims the storage of a save that failed for good: a WriteShards stream failing with
-the disk full removes the boxes it stored before it answers, and a save ended by a writer's
-error or a refused commit loses its objects (`multiwriter.abort_save`) while the step's folder still
-belongs to it, never a committed checkpoint's nor a newer save's.
+attempt's manifest did land, recognises its own commit and returns its result. The table of
+saves, their adoption, expiry and the reclaiming of failed saves' storage are `saves.py`'s.
 
 Every size a client chooses is bounded before anything is allocated for it, and a bad field is
-INVALID_ARGUMENT naming it: `num_writers` (at most `max_writers`), a box's shape and shard grid
-(inside the array, a shard no larger than the in-flight limit), strings (names, save ids,
-metadata), steps. Waits end when their client goes: a Commit whose client disconnected stops
-waiting for writers within a second (its save stays, for the client's retry), its timeout is
-capped at `max_commit_timeout`, and at most `max_commits` commits wait at once, so waiting
-commits never take the slots health checks need. A ReadSlice whose client takes nothing for
+INVALID_ARGUMENT naming it (`limits.py`): `num_writers` (at most `max_writers`), a box's shape
+and shard grid (inside the array, a shard no larger than the in-flight limit), strings (names,
+save ids, metadata), steps. Waits end when their client goes: a Commit whose client
+disconnected stops waiting for writers within a second (its save stays, for the client's retry),
+its timeout is capped at `max_commit_timeout`, and at most `max_commits` commits wait at once, so
+waiting commits never take the slots health checks need. A ReadSlice whose client takes nothing for
 `stream_idle_timeout` seconds is cancelled. On a local root no symlink inside a step folder is
 followed: writes open every folder with O_NOFOLLOW, and a commit or a read refuses a step
 folder holding one.
@@ -54,9 +49,7 @@ import logging
 import math
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
@@ -74,11 +67,8 @@ from meshtrain.services.checkpoint.maintenance import (
 from meshtrain.services.checkpoint.multiwriter import (
     SaveResult,
     ShardWriter,
-    abort_save,
     begin_save,
-    check_save_id,
     committed_by,
-    committed_by_another,
     read_begun,
     resume_save,
 )
@@ -89,15 +79,24 @@ from meshtrain.services.checkpoint.reader import (
     read_box,
     read_manifest,
 )
-from meshtrain.services.checkpoint.store import join, open_root
+from meshtrain.services.checkpoint.rpc.limits import (
+    MAX_COMMIT_TIMEOUT,
+    MAX_COMMITS,
+    MAX_METADATA_BYTES,
+    MAX_REASON_CHARS,
+    MAX_WRITERS,
+    ByteBudget,
+    check_request_save_id,
+    check_step,
+)
+from meshtrain.services.checkpoint.rpc.saves import Save, SaveTable
+from meshtrain.services.checkpoint.rpc.write_stream import BoxStream
+from meshtrain.services.checkpoint.store import open_root
 from meshtrain.services.common.errors import (
     CheckpointError,
     ConfigError,
     InvalidRequestError,
-    StorageUnavailableError,
     is_disk_full,
-    is_lasting_storage_error,
-    is_storage_error,
 )
 from meshtrain.services.common.grpc_utils import StreamIdleError, status_details, until_idle
 from meshtrain.services.common.sanitize import check_text, loggable, quiet_undecodable_requests
@@ -105,13 +104,6 @@ from meshtrain.services.common.stream_guards import IdleReaper
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CheckpointService"].full_name
 log = logging.getLogger("meshtrain.checkpoint")
-
-# Defaults of the service's bounds (`ckpt serve` flags).
-MAX_WRITERS = 65536  # --max-writers: writers of one save (ranks of a run)
-MAX_COMMIT_TIMEOUT = 3600.0  # --max-commit-timeout: seconds a Commit may ask to wait
-MAX_COMMITS = 4  # --max-commits: Commits waiting at once (below grpc_server.UNARY_RESERVE)
-MAX_METADATA_BYTES = 1 << 20  # a commit's user metadata, stored in the manifest
-MAX_REASON_CHARS = 1000  # an AbortSave reason or a writer's error, quoted in refusals
 MARKER_CHECK_S = (
     2.0  # a waiting commit looks this often whether its save still owns the step's folder
 )
@@ -128,81 +120,6 @@ def _wait_for(lock: threading.Lock, context) -> None:
             raise _CallerGone()
 
 
-def _step(step: int, field_name: str = "step") -> int:
-    if step < 0:
-        raise InvalidRequestError(f"{field_name}={step} must be >= 0")
-    return int(step)
-
-
-def _save_id(value: str) -> str:
-    """A request's save id, checked (INVALID_ARGUMENT naming it otherwise)."""
-    try:
-        return check_save_id(value)
-    except CheckpointError as e:
-        raise InvalidRequestError(str(e)) from None
-
-
-class ByteBudget:
-    """Bytes of box data the service may hold at once, shared by all streams.
-
-    Args:
-        limit: the cap in bytes.
-    """
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.used = 0
-        self._cond = threading.Condition()
-
-    def acquire(self, nbytes: int, what: str, is_active: Callable[[], bool] = lambda: True) -> None:
-        """Waits until `nbytes` fit under the cap, then takes them.
-
-        Args:
-            nbytes: bytes to take.
-            what: for messages.
-            is_active: the RPC's `context.is_active`: a caller that has gone away (cancelled,
-                past its deadline) stops waiting instead of holding its thread and RPC slot.
-
-        Raises:
-            InvalidRequestError: `nbytes` can never fit.
-            CheckpointError: the caller went away while waiting.
-        """
-        if nbytes > self.limit:  # a size the client chose
-            raise InvalidRequestError(
-                f"{what} is {nbytes} bytes, over the service's in-flight limit of {self.limit}; "
-                "use smaller boxes or start the service with a larger --max-inflight-mb"
-            )
-        with self._cond:
-            while not self._cond.wait_for(lambda: self.used + nbytes <= self.limit, timeout=0.5):
-                if not is_active():
-                    raise CheckpointError(
-                        f"{what}: the caller went away while waiting for "
-                        f"{nbytes} bytes of the in-flight budget"
-                    )
-            self.used += nbytes
-
-    def release(self, nbytes: int) -> None:
-        with self._cond:
-            self.used -= nbytes
-            self._cond.notify_all()
-
-
-def storage_unavailable(root: str) -> Callable[[Exception], StorageUnavailableError | None]:
-    """The servicer's error translation: an exception of its storage (an OSError, botocore's
-    own) becomes a StorageUnavailableError naming the root and the path (UNAVAILABLE: clients
-    retry it); anything else is left a bug (UNKNOWN, which clients do not retry)."""
-
-    def translate(exc: Exception) -> StorageUnavailableError | None:
-        if not is_storage_error(exc):
-            return None
-        return StorageUnavailableError(
-            f"checkpoint storage {root} failed: {type(exc).__name__}: {exc}",
-            lasting=is_lasting_storage_error(exc),
-        )
-
-    return translate
-
-
 def _commit_response(result: SaveResult) -> pb.CommitResponse:
     return pb.CommitResponse(
         url=result.url,
@@ -214,57 +131,21 @@ def _commit_response(result: SaveResult) -> pb.CommitResponse:
     )
 
 
-@dataclass(eq=False)
-class _Save:
-    step: int
-    num_writers: int
-    started: float = field(default_factory=time.monotonic)
-    commit_lock: threading.Lock = field(default_factory=threading.Lock)
-    abort_reason: str | None = None  # AbortSave's: its commit stops waiting for writers
-    adopted: bool = (
-        False  # begun by another replica (or before a restart), taken up from its marker
-    )
-
-
-def box_from_pb(box: pb.Box, max_shard_bytes: int | None = None) -> ShardSpec:
-    """A protobuf Box -> ShardSpec, validated (InvalidRequestError naming what is wrong): its
-    fields bounded before anything is computed from them, the box inside its array, its shard
-    grid consistent with the array and, with `max_shard_bytes`, no larger than that (a shard
-    is what encoding an edge box allocates, and what the array's other boxes are)."""
-    check_text(box.array, "box.array", 255, InvalidRequestError)
-    check_text(box.dtype, "box.dtype", 16, InvalidRequestError)
-    for name in ("global_shape", "offsets", "shape", "grid"):
-        if len(getattr(box, name)) > MAX_NDIM:
-            raise InvalidRequestError(
-                f"box.{name} of array {box.array!r} has {len(getattr(box, name))} dims, "
-                f"over the limit of {MAX_NDIM}"
-            )
+def _commit_metadata(metadata_json: str) -> dict:
+    """A commit's user metadata, parsed (INVALID_ARGUMENT unless it is a JSON object)."""
     try:
-        spec = ShardSpec(
-            box.array,
-            tuple(box.global_shape),
-            box.dtype,
-            tuple(box.offsets),
-            tuple(box.shape),
-            grid=tuple(box.grid) or None,
-            stacked=box.stacked if box.HasField("stacked") else None,
+        metadata = json.loads(metadata_json or "{}")
+    except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
+        raise InvalidRequestError(f"commit metadata_json is not JSON: {e}") from e
+    if not isinstance(metadata, dict):  # readers look keys up in it
+        raise InvalidRequestError(
+            f"commit metadata_json must be a JSON object, got "
+            f"{type(metadata).__name__}: {loggable(metadata_json, 100)}"
         )
-    except CheckpointError as e:
-        raise InvalidRequestError(str(e)) from None
-    if max_shard_bytes is not None:
-        shard = (
-            math.prod(max(1, g) for g in spec.grid_shape) * layout._DTYPES[spec.dtype][1].itemsize
-        )
-        if shard > max_shard_bytes:
-            raise InvalidRequestError(
-                f"box.grid {spec.grid_shape} of array {spec.array!r} makes {shard}-byte shards, "
-                f"over the service's in-flight limit of {max_shard_bytes} bytes "
-                "(--max-inflight-mb): no box of such a grid could be taken"
-            )
-    return spec
+    return metadata
 
 
-class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
+class CheckpointServicer(SaveTable, pb_grpc.CheckpointServiceServicer):
     """Serves one checkpoint root.
 
     Args:
@@ -297,103 +178,16 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                 f"--max-writers {max_writers} and --max-commits {max_commits} must be >= 1 and "
                 f"--max-commit-timeout {max_commit_timeout} a positive number of seconds"
             )
-        self.root = root
-        self.max_writers = max_writers
+        SaveTable.__init__(self, root, commit_timeout, max_writers)
         self.max_commit_timeout = max_commit_timeout
         self.max_commits = max_commits
         self._commit_slots = threading.BoundedSemaphore(max_commits)
         self._reaper = IdleReaper(stream_idle_timeout, "--stream-idle-timeout")
         opened = open_root(root)
         self._local_path = opened.path if opened.is_local else None  # where symlinks are refused
-        self.commit_timeout = commit_timeout
         self.stream_idle_timeout = stream_idle_timeout
         self.max_chunk_bytes = max_chunk_bytes
         self.budget = ByteBudget(max_inflight_bytes)
-        self._saves: dict[str, _Save] = {}
-        # Saves that ended, bounded: a retried Commit of a committed save gets its result again,
-        # and a late write or commit of a save that ended otherwise a refusal naming why.
-        self._committed: OrderedDict[str, _Save] = OrderedDict()
-        self._ended: OrderedDict[str, tuple[int, str]] = OrderedDict()  # id -> (step, why)
-        self._lock = threading.Lock()
-        # BeginSave and ResumeSave one at a time: a resume that checked the step's folder must
-        # not register its save beside a newer BeginSave of the step clearing that folder
-        self._begin_lock = threading.Lock()
-
-    def _save(self, save_id: str, context) -> _Save:
-        """The save in progress of `save_id`; otherwise aborts the RPC saying what became of it."""
-        with self._lock:
-            save = self._saves.get(save_id)
-            committed = self._committed.get(save_id)
-            ended = self._ended.get(save_id)
-        if save is None:
-            # each text fits a status (`why` may quote a writer's error of any length): a longer
-            # one broke the trailers, and the client got RESOURCE_EXHAUSTED, which it retries
-            if committed is not None:
-                # e.g. a writer retrying a stream whose reply was lost: the commit needed its
-                # fragment, so its first attempt was stored
-                context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"save {save_id!r} of step {committed.step} is already committed; "
-                    "it takes no more writes",
-                )
-            if ended is not None:
-                step, why = ended
-                context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    status_details(
-                        f"save {save_id!r} of step {step} {why}; its writes and commits are "
-                        "refused (begin a new save)"
-                    ),
-                )
-            context.abort(
-                grpc.StatusCode.NOT_FOUND,
-                status_details(
-                    f"unknown save id {save_id!r}: call BeginSave first, or ResumeSave for a "
-                    "save begun before this service restarted (it forgets saves in progress)"
-                ),
-            )
-        assert save is not None  # context.abort raised
-        return save
-
-    @staticmethod
-    def _remember(table: OrderedDict, key, value, limit: int = 256) -> None:
-        table[key] = value
-        while len(table) > limit:
-            table.popitem(last=False)
-
-    def _busy(self, step: int) -> bool:
-        """Whether a save of `step` is in progress (call with the lock held)."""
-        self._expire()
-        return any(s.step == step for s in self._saves.values())
-
-    def _expire(self) -> None:
-        """Forget saves begun longer ago than twice the commit timeout, and never committed
-        (their trainer died): their steps are no longer busy, so retention collects the
-        leftovers, and late writes are refused (call with the lock held)."""
-        limit = time.monotonic() - 2 * self.commit_timeout
-        for save_id in [
-            k for k, v in self._saves.items() if v.started < limit and not v.commit_lock.locked()
-        ]:
-            save = self._saves.pop(save_id)
-            self._remember(
-                self._ended,
-                save_id,
-                (save.step, f"was abandoned (no commit within {2 * self.commit_timeout:g} s)"),
-            )
-            log.warning(
-                "save %s of step %d abandoned (no commit within %.0f s); forgotten",
-                save_id,
-                save.step,
-                2 * self.commit_timeout,
-            )
-
-    def _num_writers(self, num_writers: int) -> int:
-        if not 1 <= num_writers <= self.max_writers:
-            raise InvalidRequestError(
-                f"num_writers={num_writers} must be in [1, {self.max_writers}] "
-                f"(the service's --max-writers)"
-            )
-        return num_writers
 
     def _no_symlinks(self, step: int) -> None:
         """On a local root: refuses (CheckpointError) a step folder holding a symlink."""
@@ -401,7 +195,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             refuse_symlinks(self._local_path, open_root(self.root).step_path(step))
 
     def BeginSave(self, request, context):
-        _step(request.step)
+        check_step(request.step)
         self._num_writers(request.num_writers)
         with self._begin_lock:
             return self._begin(request)
@@ -437,85 +231,12 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             num_writers=request.num_writers,
         )
         with self._lock:
-            self._saves[save_id] = _Save(request.step, request.num_writers)
+            self._saves[save_id] = Save(request.step, request.num_writers)
         return pb.BeginSaveResponse(save_id=save_id, root=self.root)
 
-    def _adopt(self, save_id: str, step: int, num_writers: int | None = None) -> _Save | None:
-        """Takes up a save this replica has not seen (begun on another replica, or before this
-        one restarted) from its marker in storage, so any replica can serve any call of a save.
-
-        Args:
-            save_id: the save.
-            step: the step the caller says it saves.
-            num_writers: the caller's writer count (ResumeSave's), checked against the marker's,
-                or used where an older marker lacks one.
-
-        Returns:
-            The save, now in progress here; None when storage does not hold it in progress (it
-            committed, its folder was cleared, or its marker predates writer counts): the call
-            then answers as for an unknown save, and the client's ResumeSave learns why.
-
-        Raises:
-            CheckpointError: a save of the step that this replica knows still owns the folder.
-            InvalidRequestError: `num_writers` differs from the marker's.
-        """
-        with self._begin_lock:
-            with self._lock:
-                known = self._saves.get(save_id)
-                if known is not None or save_id in self._committed or save_id in self._ended:
-                    return known
-                others = [k for k, v in self._saves.items() if v.step == step]
-            # a committed step's folder may still hold the marker (the commit died before tidying
-            # up)
-            marker = (
-                None
-                if committed_by_another(open_root(self.root), step, save_id)
-                else read_begun(self.root, step, save_id)
-            )
-            if marker is None:
-                return None
-            count = marker.get("num_writers", num_writers)
-            if count is None:
-                return None
-            if num_writers is not None and num_writers != count:
-                raise InvalidRequestError(
-                    f"num_writers={num_writers} differs from the {count} writers save "
-                    f"{save_id!r} of step {step} was begun with"
-                )
-            self._num_writers(count)
-            for other in others:
-                if read_begun(self.root, step, other) is not None:
-                    raise CheckpointError(
-                        f"save {save_id} of step {step} cannot be taken up: save {other} of that "
-                        "step has begun since; begin a new save"
-                    )
-                with self._lock:
-                    if self._saves.pop(other, None) is not None:
-                        self._remember(
-                            self._ended,
-                            other,
-                            (step, "was superseded by a newer save of the same step"),
-                        )
-                log.warning(
-                    "save %s of step %d superseded by save %s (begun elsewhere)",
-                    other,
-                    step,
-                    save_id,
-                )
-            save = _Save(step, count, adopted=True)
-            with self._lock:
-                self._saves[save_id] = save
-        log.info(
-            "save %s of step %d taken up from its marker in storage (%d writers)",
-            save_id,
-            step,
-            count,
-        )
-        return save
-
     def ResumeSave(self, request, context):
-        save_id = _save_id(request.save_id)
-        _step(request.step)
+        save_id = check_request_save_id(request.save_id)
+        check_step(request.step)
         self._num_writers(request.num_writers)
         with self._lock:
             if save_id in self._saves:  # another writer of the save resumed it already
@@ -550,6 +271,40 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
 
     def WriteShards(self, request_iterator, context):
         request_iterator = until_idle(request_iterator, self.stream_idle_timeout)
+        save_id, save, writer = self._open_stream(request_iterator, context)
+        stream = BoxStream(self.budget, self.max_chunk_bytes, context.is_active)
+        try:
+            for msg in request_iterator:
+                kind = msg.WhichOneof("part")
+                if kind == "box":
+                    stream.begin_box(msg.box)
+                elif kind == "chunk":
+                    stream.take_chunk(msg.chunk)
+                elif kind == "error":  # an empty text must still fail the save
+                    self._writer_failed(save_id, save, writer, msg.error)
+                    return pb.WriteShardsResponse(boxes=stream.boxes, bytes=stream.total)
+                else:
+                    raise InvalidRequestError(
+                        f"unexpected {kind!r} message inside a WriteShards stream"
+                    )
+                if stream.complete():
+                    self._save(save_id, context)  # still this step's save (not superseded)
+                    stream.store(writer)
+            stream.check_ended()
+        except StreamIdleError as e:
+            self._abort_idle(save_id, save, writer, e.idle_s, stream.where(), context)
+        except Exception as e:
+            if is_disk_full(e):
+                self._remove_stored(save_id, save, writer, stream.stored)
+            raise
+        finally:
+            stream.release()
+        self._finish_stream(save_id, save, writer, stream.stored, context)
+        return pb.WriteShardsResponse(boxes=stream.boxes, bytes=stream.total)
+
+    def _open_stream(self, request_iterator, context) -> tuple[str, Save, ShardWriter]:
+        """A WriteShards stream's header, checked: its save (taken up here if the header names
+        the step of a save begun elsewhere) and the writer storing what the stream sends."""
         try:
             first = next(request_iterator, None)
         except StreamIdleError as e:
@@ -560,9 +315,9 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             )
         if first is None or first.WhichOneof("part") != "header":
             raise InvalidRequestError("a WriteShards stream must start with a header")
-        save_id = _save_id(first.header.save_id)
+        save_id = check_request_save_id(first.header.save_id)
         if first.header.HasField("step"):  # a save begun elsewhere is taken up here
-            self._adopt(save_id, _step(first.header.step, "header.step"))
+            self._adopt(save_id, check_step(first.header.step, "header.step"))
         save = self._save(save_id, context)
         if first.header.HasField("step") and first.header.step != save.step:
             raise InvalidRequestError(
@@ -576,93 +331,33 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         writer = ShardWriter(
             self.root, save.step, save_id, first.header.writer_id, save.num_writers
         )
-        boxes = total = 0
-        spec: ShardSpec | None = None
-        buf: bytearray | None = None  # the box's bytes: set and cleared with spec
-        filled = 0
-        stored: list[ShardSpec] = []  # the boxes this stream began to store, a torn one included
-        try:
-            for msg in request_iterator:
-                kind = msg.WhichOneof("part")
-                if kind == "box":
-                    if spec is not None and buf is not None:
-                        raise InvalidRequestError(
-                            f"box {spec.offsets} of array {spec.array!r} ended after {filled} of "
-                            f"{len(buf)} bytes"
-                        )
-                    spec = box_from_pb(msg.box, self.budget.limit)
-                    nbytes = math.prod(spec.shape) * layout._DTYPES[spec.dtype][1].itemsize
-                    self.budget.acquire(
-                        nbytes, f"box {spec.offsets} of array {spec.array!r}", context.is_active
-                    )
-                    buf, filled = bytearray(nbytes), 0
-                elif kind == "chunk":
-                    if spec is None:
-                        raise InvalidRequestError("a data chunk arrived before any box")
-                    assert buf is not None
-                    size = len(msg.chunk)
-                    if size > self.max_chunk_bytes:
-                        raise InvalidRequestError(
-                            f"chunk of {size} bytes for array {spec.array!r} is over the limit "
-                            f"of {self.max_chunk_bytes} bytes"
-                        )
-                    if filled + size > len(buf):
-                        raise InvalidRequestError(
-                            f"box {spec.offsets} of array {spec.array!r} got more than its "
-                            f"{len(buf)} bytes"
-                        )
-                    buf[filled : filled + size] = msg.chunk
-                    filled += size
-                elif kind == "error":  # an empty text must still fail the save
-                    error = msg.error[:MAX_REASON_CHARS]  # quoted in the commit's refusal
-                    reported = {
-                        first.header.writer_id: error
-                        or f"writer {first.header.writer_id} reported an error"
-                    }
-                    try:  # read by a commit waiting on another replica
-                        writer.finish(error=reported[first.header.writer_id])
-                    finally:  # the save can no longer commit: it ends here, and its objects go
-                        self._end_failed(
-                            save_id, save, f"was aborted: writers reported errors {reported}"
-                        )
-                    return pb.WriteShardsResponse(boxes=boxes, bytes=total)
-                else:
-                    raise InvalidRequestError(
-                        f"unexpected {kind!r} message inside a WriteShards stream"
-                    )
-                if spec is not None and buf is not None and filled == len(buf):
-                    self._save(save_id, context)  # still this step's save (not superseded)
-                    data = np.frombuffer(buf, dtype=layout._DTYPES[spec.dtype][1])
-                    stored.append(spec)
-                    total += writer.write(spec, data.reshape(spec.shape))
-                    boxes += 1
-                    self.budget.release(len(buf))
-                    spec, buf = None, None
-            if spec is not None and buf is not None:
-                raise InvalidRequestError(
-                    f"stream ended inside box {spec.offsets} of array {spec.array!r} "
-                    f"({filled} of {len(buf)} bytes)"
-                )
-        except StreamIdleError as e:
-            where = (
-                f"inside box {spec.offsets} of array {spec.array!r} ({filled} of {len(buf)} bytes)"
-                if spec is not None and buf is not None
-                else f"after {boxes} complete boxes"
-            )
-            message = (
-                f"save {save_id!r} (step {save.step}): writer {first.header.writer_id} sent "
-                f"nothing for {e.idle_s:g} s {where} (the service's --stream-idle-timeout); its "
-                "stream is aborted and its share of the in-flight budget freed"
-            )
-            log.warning("%s", message)
-            context.abort(grpc.StatusCode.ABORTED, status_details(message))
-        except Exception as e:
-            if is_disk_full(e):
-                self._remove_stored(save_id, save, writer, stored)
-            raise
-        finally:
-            if buf is not None:
-                self.budget.release(len(buf))
+        return save_id, save, writer
+
+    def _writer_failed(self, save_id: str, save: Save, writer: ShardWriter, error: str) -> None:
+        """A writer's error report: recorded in its fragment, and its save ends."""
+        error = error[:MAX_REASON_CHARS]  # quoted in the commit's refusal
+        reported = {writer.writer_id: error or f"writer {writer.writer_id} reported an error"}
+        try:  # read by a commit waiting on another replica
+            writer.finish(error=reported[writer.writer_id])
+        finally:  # the save can no longer commit: it ends here, and its objects go
+            self._end_failed(save_id, save, f"was aborted: writers reported errors {reported}")
+
+    def _abort_idle(
+        self, save_id: str, save: Save, writer: ShardWriter, idle_s: float, where: str, context
+    ) -> None:
+        """Aborts a stream that sent nothing for the idle timeout (ABORTED: the writer retries)."""
+        message = (
+            f"save {save_id!r} (step {save.step}): writer {writer.writer_id} sent "
+            f"nothing for {idle_s:g} s {where} (the service's --stream-idle-timeout); its "
+            "stream is aborted and its share of the in-flight budget freed"
+        )
+        log.warning("%s", message)
+        context.abort(grpc.StatusCode.ABORTED, status_details(message))
+
+    def _finish_stream(
+        self, save_id: str, save: Save, writer: ShardWriter, stored: list[ShardSpec], context
+    ) -> None:
+        """Stores the writer's fragment, once its save is known to be still the step's."""
         self._save(save_id, context)  # a superseded save's fragment must not be stored either
         if read_begun(self.root, save.step, save_id) is None:  # superseded on another replica
             context.abort(
@@ -678,11 +373,10 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             if is_disk_full(e):
                 self._remove_stored(save_id, save, writer, stored)
             raise
-        return pb.WriteShardsResponse(boxes=boxes, bytes=total)
 
     def Commit(self, request, context):
-        save_id = _save_id(request.save_id)
-        _step(request.step)
+        save_id = check_request_save_id(request.save_id)
+        check_step(request.step)
         if not (math.isfinite(request.timeout_s) and request.timeout_s >= 0):
             # NaN never passed the deadline: the commit waited forever for a missing writer,
             # holding a thread and keeping the save from expiring
@@ -724,32 +418,9 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             save = self._adopt(save_id, request.step)
         if save is None:
             save = self._save(save_id, context)  # aborts, saying why
-        try:
-            metadata = json.loads(request.metadata_json or "{}")
-        except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
-            raise InvalidRequestError(f"commit metadata_json is not JSON: {e}") from e
-        if not isinstance(metadata, dict):  # readers look keys up in it
-            raise InvalidRequestError(
-                f"commit metadata_json must be a JSON object, got "
-                f"{type(metadata).__name__}: {loggable(request.metadata_json, 100)}"
-            )
+        metadata = _commit_metadata(request.metadata_json)
         timeout = min(request.timeout_s or self.commit_timeout, self.max_commit_timeout)
-
-        checked = [time.monotonic()]
-
-        def cancelled() -> str | None:
-            if not context.is_active():
-                raise _CallerGone()
-            if save_id not in self._saves:
-                return "its save was superseded by a newer BeginSave"
-            if (
-                time.monotonic() - checked[0] > MARKER_CHECK_S
-            ):  # a newer save of the step, begun elsewhere
-                checked[0] = time.monotonic()
-                if read_begun(self.root, save.step, save_id) is None:
-                    return "its folder was taken by a newer save of the step"
-            return save.abort_reason
-
+        cancelled = self._commit_cancelled(save_id, save, context)
         _wait_for(
             save.commit_lock, context
         )  # a second Commit of this save (a client retrying) waits for the first
@@ -800,8 +471,29 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                 self._reclaim(save_id, save)
         return _commit_response(result)
 
+    def _commit_cancelled(self, save_id: str, save: Save, context) -> Callable[[], str | None]:
+        """The check a waiting commit makes at each look for fragments: why it stops waiting
+        (superseded, its folder taken, AbortSave's reason), or None; _CallerGone when its
+        client went away."""
+        checked = [time.monotonic()]
+
+        def cancelled() -> str | None:
+            if not context.is_active():
+                raise _CallerGone()
+            if save_id not in self._saves:
+                return "its save was superseded by a newer BeginSave"
+            if (
+                time.monotonic() - checked[0] > MARKER_CHECK_S
+            ):  # a newer save of the step, begun elsewhere
+                checked[0] = time.monotonic()
+                if read_begun(self.root, save.step, save_id) is None:
+                    return "its folder was taken by a newer save of the step"
+            return save.abort_reason
+
+        return cancelled
+
     def AbortSave(self, request, context):
-        save_id = _save_id(request.save_id)
+        save_id = check_request_save_id(request.save_id)
         reason = request.reason[:MAX_REASON_CHARS] or "its client aborted it"  # quoted in refusals
         with self._lock:
             save = self._saves.get(save_id)
@@ -824,85 +516,15 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             save.commit_lock.release()
         return pb.AbortSaveResponse(aborted=not committed)
 
-    def _remove_stored(
-        self, save_id: str, save: _Save, writer: ShardWriter, specs: list[ShardSpec]
-    ) -> None:
-        """After a WriteShards stream failed with the disk full: removes the objects it stored
-        of its save (their space is what the disk lacks, and a retry of the stream resends
-        them all), a torn last one included, while the step's folder still belongs to the save
-        and the save has not committed. Best effort: the stream's own error is the one
-        answered."""
-        try:
-            # no BeginSave of the step clears and retakes the folder meanwhile
-            with self._begin_lock:
-                root = open_root(self.root)
-                if not self._owns_folder(root, save_id, save.step):
-                    return
-                paths = {join(writer.data_path, spec.array, spec.key) for spec in specs}
-                found = [path for path in sorted(paths) if root.fs.exists(path)]
-                if found:
-                    root.fs.rm(found)
-        except Exception as e:  # noqa: BLE001 - see the docstring
-            log.warning(
-                "could not remove what the failed stream of save %s (step %d) stored: %r",
-                save_id,
-                save.step,
-                e,
-            )
-
-    def _end_failed(self, save_id: str, save: _Save, why: str) -> None:
-        """A writer reported an error, so the save can never commit: it ends now (its later
-        writes and its commit are refused with `why`), and its objects are removed."""
-        with self._lock:
-            if self._saves.pop(save_id, None) is not None:
-                self._remember(self._ended, save_id, (save.step, why))
-        log.warning("save %s of step %d %s", save_id, save.step, loggable(why))
-        self._reclaim(save_id, save)
-
-    def _reclaim(self, save_id: str, save: _Save) -> None:
-        """Removes the objects of a save that ended failed (`multiwriter.abort_save`): the step's
-        folder while it still belongs to the save, or, for a save that was to replace a
-        committed step, its own objects beside that checkpoint; never a committed checkpoint's
-        nor a newer save's. Best effort: what stays is collected by retention."""
-        try:
-            # no BeginSave of the step clears and retakes the folder meanwhile
-            with self._begin_lock:
-                # a commit under way ends first: committed (then nothing is removed) or refused
-                with save.commit_lock:
-                    pass
-                root = open_root(self.root)
-                if self._owns_folder(root, save_id, save.step) and abort_save(
-                    root, save.step, save_id
-                ):
-                    log.info(
-                        "removed the objects of the failed save %s of step %d", save_id, save.step
-                    )
-        except Exception as e:  # noqa: BLE001 - see the docstring
-            log.warning(
-                "could not remove the objects of the failed save %s of step %d: %r",
-                save_id,
-                save.step,
-                e,
-            )
-
-    @staticmethod
-    def _owns_folder(root, save_id: str, step: int) -> bool:
-        """Whether the step's folder still holds save `save_id` in progress: not committed by
-        it, and its marker there (a newer save of the step, begun on any replica, removed it)."""
-        return (
-            committed_by(root, step, save_id) is None
-            and read_begun(root, step, save_id) is not None
-        )
-
     def List(self, request, context):
         return pb.ListResponse(steps=list_checkpoints(self.root))
 
     def Describe(self, request, context):
-        self._no_symlinks(_step(request.step))
+        self._no_symlinks(check_step(request.step))
         return pb.DescribeResponse(manifest_json=json.dumps(read_manifest(self.root, request.step)))
 
     def ReadSlice(self, request, context):
-        _step(request.step)
+        check_step(request.step)
         check_text(request.array, "array", 255, InvalidRequestError)
         if len(request.shape) > MAX_NDIM or len(request.offsets) > MAX_NDIM:
             raise InvalidRequestError(
@@ -943,7 +565,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             self.budget.release(nbytes)
 
     def Delete(self, request, context):
-        _step(request.step)
+        check_step(request.step)
         with self._lock:  # held while deleting: no save of the step can begin meanwhile
             if self._busy(request.step):
                 raise CheckpointError(

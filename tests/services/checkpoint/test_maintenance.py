@@ -12,7 +12,7 @@ from meshtrain.services.checkpoint.committer import commit
 from meshtrain.services.checkpoint.maintenance import apply_retention
 from meshtrain.services.checkpoint.multiwriter import ShardWriter, begin_save
 from meshtrain.services.checkpoint.reader import list_checkpoints, read_box
-from meshtrain.services.checkpoint.rpc.servicer import ByteBudget
+from meshtrain.services.checkpoint.rpc.limits import ByteBudget
 from meshtrain.services.common.errors import CheckpointError
 
 W = ShardSpec("w", (2,), "float32", (0,), (2,))
