@@ -77,7 +77,7 @@ test: $(TEST_STAMP) lint
 	$(PYTEST) -n $(TEST_WORKERS) -m "not slow and not gpu and not dist" -q
 	$(PYTEST) -m "dist and not slow and not gpu" -q
 
-# While editing (about 4.5 minutes on 2 cores): no multi-process, end-to-end or slow tests, after `lint`.
+# While editing (under 4 minutes on 2 cores): no multi-process, end-to-end or slow tests, after `lint`.
 test-fast: $(TEST_STAMP) lint
 	$(PYTEST) -n $(TEST_WORKERS) -m "not slow and not gpu and not dist and not e2e" -q
 
