@@ -481,7 +481,9 @@ def _done(name: str, row: dict) -> dict:
     return row
 
 
-def main() -> None:
+def parse_args() -> tuple[argparse.Namespace, list[str], int]:
+    """The options, the trainer overrides (the unknown flags) and the world size; the
+    combinations that cannot run are refused here."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True)
     p.add_argument("--steps", type=int, default=100, help="timed optimizer steps")
@@ -536,7 +538,6 @@ def main() -> None:
     args, overrides = p.parse_known_args()
     if not 0 <= args.profile_steps <= PROFILE_MAX:
         p.error(f"--profile-steps must be between 0 and {PROFILE_MAX}")
-    setup_logging("WARNING")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.variant and (world > 1 or not all(shlex.split(flags) for flags in args.variant)):
         p.error("--variant needs one process and at least one override")
@@ -550,6 +551,12 @@ def main() -> None:
         )
     if args.baseline_float8 and world > 1:
         p.error("--baseline-float8 runs in one process, not under torchrun")
+    return args, overrides, world
+
+
+def main() -> None:
+    args, overrides, world = parse_args()
+    setup_logging("WARNING")
     baselines = [] if args.skip_baseline or world > 1 else [PLAIN]
     if baselines and args.baseline_bf16_residual:
         baselines.append(BF16_RESIDUAL)
@@ -562,6 +569,35 @@ def main() -> None:
         rows, job = run_sequential(args, overrides, baselines, failed)
     if rows is None:  # not rank 0
         return
+    result = build_result(args, overrides, rows, job, failed, world)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print_report(args, job, rows, result)
+    print(f"wrote {args.out}")
+
+
+def ratio_pairs(args) -> dict[str, tuple[str | None, str | None]]:
+    """JSON key -> (the faster-is-larger side, the side it is divided by): the ratio of their
+    tokens/s. The first --variant has the single-variant keys."""
+    variant = variant_name(args.variant[0]) if args.variant else None
+    float8 = float8_baseline(args.baseline_float8).name if args.baseline_float8 else None
+    return {
+        "ratio_tokens_per_s": ("meshtrain", PLAIN.name),
+        "ratio_vs_bf16_residual_baseline": ("meshtrain", BF16_RESIDUAL.name),
+        "ratio_vs_variant": ("meshtrain", variant),
+        "ratio_vs_float8_baseline": ("meshtrain", float8),
+        "variant_ratio_vs_float8_baseline": (
+            variant,
+            float8,
+        ),  # meshtrain with --variant (FP8) against it
+        "float8_baseline_speedup": (
+            float8,
+            PLAIN.name,
+        ),  # what torchao's float8 is worth to the plain model
+    }
+
+
+def build_result(args, overrides, rows: dict, job, failed: dict[str, str], world: int) -> dict:
+    """The JSON: the run's settings, every side's row (tokens/s and MFU added) and the ratios."""
     mesh = rows[next(iter(rows))]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     peak = peak_tflops(device, job.train.peak_tflops)
@@ -612,46 +648,13 @@ def main() -> None:
             if k.startswith(("NCCL_", "TORCH_NCCL_")) or k == "CUDA_DEVICE_MAX_CONNECTIONS"
         },
     }
-    variant = (
-        variant_name(args.variant[0]) if args.variant else None
-    )  # the first: the ratio keys below
-    if variant:
+    if args.variant:
         result["variant"] = args.variant[0]
-    float8 = float8_baseline(args.baseline_float8).name if args.baseline_float8 else None
-    # key -> (the faster-is-larger side, the side it is divided by): the ratio of their tokens/s
-    versus = {
-        "ratio_tokens_per_s": ("meshtrain", PLAIN.name),
-        "ratio_vs_bf16_residual_baseline": ("meshtrain", BF16_RESIDUAL.name),
-        "ratio_vs_variant": ("meshtrain", variant),
-        "ratio_vs_float8_baseline": ("meshtrain", float8),
-        "variant_ratio_vs_float8_baseline": (
-            variant,
-            float8,
-        ),  # meshtrain with --variant (FP8) against it
-        "float8_baseline_speedup": (
-            float8,
-            PLAIN.name,
-        ),  # what torchao's float8 is worth to the plain model
-    }
-    versus = {key: pair for key, pair in versus.items() if pair[0] in rows and pair[1] in rows}
-    if (
-        len(args.variant) > 1 or failed
-    ):  # every variant: its speedup over meshtrain (and over torchao float8)
-        result["variants"] = {}
-        for flags in args.variant:
-            name = variant_name(flags)
-            if name in failed:
-                result["variants"][flags] = {"failed": failed[name]}
-                continue
-            one = dict(
-                zip(
-                    ("speedup_vs_meshtrain", "speedup_vs_meshtrain_median"),
-                    ratio(rows, name, "meshtrain"),
-                )
-            )
-            if float8 in rows:
-                one["ratio_vs_float8_baseline"] = ratio(rows, name, float8)[0]
-            result["variants"][flags] = one
+    pairs = ratio_pairs(args)
+    float8 = pairs["ratio_vs_float8_baseline"][1]
+    versus = {k: pair for k, pair in pairs.items() if pair[0] in rows and pair[1] in rows}
+    if len(args.variant) > 1 or failed:
+        result["variants"] = variant_results(args, rows, failed, float8)
     for key, (side, other) in versus.items():
         result[key], result[key + "_median"] = ratio(rows, side, other)
         if args.rounds > 1:  # each round's ratio, from that round's mean step times
@@ -669,7 +672,33 @@ def main() -> None:
         ]
         result["speedup_vs_1gpu"] = rows[next(iter(rows))]["tokens_per_s"] / single
         result["scaling_efficiency"] = result["speedup_vs_1gpu"] / world
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    return result
+
+
+def variant_results(args, rows: dict, failed: dict[str, str], float8: str | None) -> dict:
+    """Every --variant's speedup over meshtrain (and over torchao float8), or its failure."""
+    out: dict = {}
+    for flags in args.variant:
+        name = variant_name(flags)
+        if name in failed:
+            out[flags] = {"failed": failed[name]}
+            continue
+        one = dict(
+            zip(
+                ("speedup_vs_meshtrain", "speedup_vs_meshtrain_median"),
+                ratio(rows, name, "meshtrain"),
+            )
+        )
+        if float8 in rows:
+            one["ratio_vs_float8_baseline"] = ratio(rows, name, float8)[0]
+        out[flags] = one
+    return out
+
+
+def print_report(args, job, rows: dict, result: dict) -> None:
+    """The table of sides and every ratio, variant and note of `result`."""
+    pairs = ratio_pairs(args)
+    variant, float8 = pairs["variant_ratio_vs_float8_baseline"]
     print(
         f"\n{args.config}  seq {job.model.seq_length}  mbs {job.train.micro_batch_size}  "
         f"gbs {job.train.global_batch_size}  {result['device']}"
@@ -702,7 +731,7 @@ def main() -> None:
         print(f"ratio {variant} / {float8}: {result['variant_ratio_vs_float8_baseline']:.3f}")
     if "float8_baseline_speedup" in result:
         print(f"ratio {float8} / baseline (plain torch): {result['float8_baseline_speedup']:.3f}")
-    for key in versus:
+    for key in pairs:
         if key + "_median" in result:
             print(f"{key} from the median steps: {result[key + '_median']:.3f}")
         if key + "_rounds" in result:
@@ -735,7 +764,6 @@ def main() -> None:
     for name, r in rows.items():
         if "breakdown" in r:
             print(format_breakdown(name, r["breakdown"]))
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
