@@ -356,8 +356,10 @@ def compile_model(
     return model
 
 
-def check_cuda_graph(device: torch.device, mesh: Mesh) -> None:
-    """Refuse train.cuda_graph where it cannot capture the step: off CUDA, or with several ranks."""
+def check_cuda_graph(device: torch.device, mesh: Mesh, job: JobConfig) -> None:
+    """Refuse train.cuda_graph where it cannot capture the step: off CUDA, with several ranks, or
+    with a mixture of experts where the grouped expert GEMM cannot run (its per-expert loop
+    reads the counts on the host; the config checks refused the other MoE cases already)."""
     if device.type != "cuda":
         raise ConfigError(f"train.cuda_graph needs a CUDA device; this run is on {device}")
     if mesh.distributed:
@@ -365,6 +367,17 @@ def check_cuda_graph(device: torch.device, mesh: Mesh) -> None:
             f"train.cuda_graph runs in a single process; this job has {mesh.world_size} ranks, "
             "whose gradient reductions and collectives are not captured: leave it off or run one "
             "process"
+        )
+    if job.model.num_experts is None:
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if not hasattr(torch, "_grouped_mm") or capability[0] < 9 or not job.train.bf16:
+        raise ConfigError(
+            "train.cuda_graph captures a mixture of experts only where its grouped expert GEMM "
+            f"runs (bf16 on compute capability 9.0 or newer); this run has train.bf16="
+            f"{job.train.bf16} on a GPU of capability {capability[0]}.{capability[1]}, where the "
+            "experts run as a loop that reads their token counts on the host: leave "
+            "train.cuda_graph off"
         )
 
 

@@ -115,6 +115,12 @@ class RouterStats:
             tuple[int, MoEStats, bool]
         ] = []  # (global block, its statistics, aux shared)
 
+    def discard(self) -> None:
+        """Zero the statistics gathered so far in this step (what a CUDA graph's warm-up
+        forwards recorded before its capture)."""
+        for _, m in self.layers:
+            m.reset_stats()
+
     def end_step(self) -> None:
         """After the optimizer step: expert-bias updates, then the step's statistics put aside."""
         for _, m in self.layers:

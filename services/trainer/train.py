@@ -266,7 +266,7 @@ class Trainer:
         self.objective.build(self)  # e.g. DPO's frozen reference, GRPO's rollouts
         self.graph = None
         if job.train.cuda_graph:
-            check_cuda_graph(self.device, self.mesh)
+            check_cuda_graph(self.device, self.mesh, job)
             copies = self._copies() if self.weight_copies is not None else None
             n_micro = job.train.global_batch_size // job.train.micro_batch_size
             self.graph = MicroBatchGraph(
@@ -339,6 +339,7 @@ class Trainer:
                 present = [t for t in inputs if t is not None]  # no document ids (refused)
                 if not self.graph.captured:  # the first step's start: gradients are zero
                     self.graph.capture(*present)
+                    self.router_stats.discard()  # the capture's warm-up routed tokens too
                 total += self.graph.replay(*present)
                 continue
             last = i == len(micro) - 1

@@ -182,10 +182,19 @@ def check_experts(model: ModelConfig, parallel: ParallelConfig, train: TrainConf
                     f"parallel.tp={p.tp} must divide model.{key}={width} (each expert's inner "
                     "width is split over the tensor-parallel ranks)"
                 )
-    if train.cuda_graph:
+    if train.cuda_graph and (p.ep > 1 or not model.moe_grouped_gemm):
+        # One grouped GEMM per projection takes the per-expert counts as device offsets, so a
+        # block with every expert on this GPU runs without a host synchronization; the loop over
+        # the experts and the token exchange's all-to-all need the counts on the host.
+        why = (
+            f"parallel.ep={p.ep}: the token exchange needs the per-expert counts on the host"
+            if p.ep > 1
+            else "model.moe_grouped_gemm=false: the loop over the experts needs the per-expert "
+            "counts on the host"
+        )
         raise ConfigError(
-            "train.cuda_graph cannot capture a mixture of experts (model.num_experts is set): the "
-            "expert GEMMs and the token exchange need the per-expert counts on the host; leave "
+            f"train.cuda_graph captures a mixture of experts only with model.moe_grouped_gemm=true "
+            f"and parallel.ep=1 (its counts then stay on the GPU); here {why}. Set those or leave "
             "train.cuda_graph off"
         )
 

@@ -38,7 +38,7 @@ pipeline stage without the head they still reach the router.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Protocol
 
 import torch
@@ -358,8 +358,14 @@ class MoE(nn.Module):
         )
 
     def reset_stats(self) -> MoEStats:
-        """Return the statistics gathered since the last reset and start new ones."""
-        old, self.stats = self.stats, self._empty_stats(self.router.weight.device)
+        """Return the statistics gathered since the last reset and start new ones.
+
+        The counters are zeroed in place and a copy returned: a captured CUDA graph
+        (train.cuda_graph) adds into the tensors it was captured with, so they must outlive
+        every step."""
+        counters = [getattr(self.stats, f.name) for f in fields(MoEStats)]
+        old = MoEStats(*(t.clone() for t in counters))
+        torch._foreach_zero_(counters)
         return old
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -427,7 +433,8 @@ class MoE(nn.Module):
         """
         c = self.config
         terms = []
-        tokens = torch.tensor(float(logits.shape[0]), device=logits.device)
+        # a fill, not a host-to-device copy: a CUDA graph captures it
+        tokens = logits.new_full((), float(logits.shape[0]))
         routed = routing.routed.float()
         if c.moe_aux_loss_coeff > 0 or (c.moe_z_loss_coeff or 0) > 0:
             if (

@@ -192,8 +192,18 @@ def test_bad_layer_freq_expressions_are_refused_by_name(text, why):
             "parallel.tp=2 must divide model.moe_ffn_hidden_size=33",
         ),
         (
-            ["--num-experts", "4", "--train.cuda_graph=true"],
-            "train.cuda_graph cannot capture a mixture of experts",
+            ["--num-experts", "4", "--model.moe_grouped_gemm=false", "--train.cuda_graph=true"],
+            "train.cuda_graph captures a mixture of experts only with.*moe_grouped_gemm=false",
+        ),
+        (
+            [
+                "--num-experts",
+                "4",
+                "--expert-model-parallel-size",
+                "2",
+                "--train.cuda_graph=true",
+            ],
+            "train.cuda_graph captures a mixture of experts only with.*parallel.ep=2",
         ),
         (["--expert-model-parallel-size", "0"], "parallel.ep must be >= 1"),
     ],

@@ -179,3 +179,22 @@ def test_block_under_bf16_autocast_follows_fp32(capacity):
         assert p.grad is not None and p.grad.dtype == torch.float32, name
         scale = p_ref.grad.abs().max()
         assert (p.grad - p_ref.grad).abs().max() <= 3e-2 * scale, name
+
+
+def test_reset_stats_returns_the_counts_and_keeps_the_counters():
+    """The counters are zeroed in place (a captured CUDA graph adds into the tensors it saw);
+    what reset returns is a copy that later forwards leave alone."""
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(**CFG)).train()
+    layer = moe_layers(model)[0][1]
+    counters = [layer.stats.tokens_per_expert, layer.stats.micro_batches]
+    tokens = torch.randint(0, 96, (2, 16))
+    model(tokens, tokens.roll(-1, 1)).backward()
+    first = layer.reset_stats()
+    assert int(first.micro_batches) == 1 and int(first.tokens_per_expert.sum()) > 0
+    assert layer.stats.tokens_per_expert is counters[0]
+    assert layer.stats.micro_batches is counters[1]
+    assert int(layer.stats.micro_batches) == 0 and int(layer.stats.tokens_per_expert.sum()) == 0
+    model(tokens, tokens.roll(-1, 1)).backward()
+    assert int(first.micro_batches) == 1  # the copy did not move
+    assert int(layer.stats.micro_batches) == 1
