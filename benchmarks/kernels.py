@@ -121,12 +121,7 @@ def same_size_copy_ms(nbytes: int) -> float:
 
 
 def _triton(op: str) -> Callable:
-    return getattr(
-        importlib.import_module(
-            f"meshtrain.kernels.{op if op != 'linear_cross_entropy' else 'cross_entropy'}"
-        ),
-        op,
-    )
+    return getattr(importlib.import_module(f"meshtrain.kernels.{op}"), op)
 
 
 def _case(op: str):
@@ -351,11 +346,11 @@ def run(ops: list[str], use_compile: bool, budget_s: float, rounds: int) -> dict
             args = None
             torch.cuda.empty_cache()
     results = list(best.values())
-    ce_module = sys.modules.get("meshtrain.kernels.cross_entropy")
-    if ce_module is not None and getattr(ce_module, "_MM_FP32_OUT", None) is not None:
+    lce_module = sys.modules.get("meshtrain.kernels.linear_cross_entropy")
+    if lce_module is not None and getattr(lce_module, "_MM_FP32_OUT", None) is not None:
         notes.append(
             f"linear_cross_entropy: fp32 weight-grad accumulation through out_dtype matmuls: "
-            f"{ce_module._MM_FP32_OUT}"
+            f"{lce_module._MM_FP32_OUT}"
         )
     for r in results:
         if "gbps" in r:

@@ -42,7 +42,7 @@ _TRITON_MODULES = {
     "swiglu": "meshtrain.kernels.swiglu",
     "rope": "meshtrain.kernels.rope",
     "cross_entropy": "meshtrain.kernels.cross_entropy",
-    "linear_cross_entropy": "meshtrain.kernels.cross_entropy",
+    "linear_cross_entropy": "meshtrain.kernels.linear_cross_entropy",
     "fp8_amax": "meshtrain.kernels.fp8_cast",
     "fp8_cast_transpose": "meshtrain.kernels.fp8_cast",
     "rms_norm_fp8": "meshtrain.kernels.norm_fp8",

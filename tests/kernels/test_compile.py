@@ -70,12 +70,7 @@ def test_dispatching_op_compiles_without_graph_breaks(op):
 
 
 def _triton(op):
-    module = (
-        "meshtrain.kernels.cross_entropy"
-        if op == "linear_cross_entropy"
-        else f"meshtrain.kernels.{op}"
-    )
-    return getattr(importlib.import_module(module), op)
+    return getattr(importlib.import_module(f"meshtrain.kernels.{op}"), op)
 
 
 @needs_triton
@@ -98,11 +93,7 @@ def test_triton_op_compiles_as_custom_op(op):
 
 
 def _custom_op(op):
-    module = importlib.import_module(
-        "meshtrain.kernels.cross_entropy"
-        if op == "linear_cross_entropy"
-        else f"meshtrain.kernels.{op}"
-    )
+    module = importlib.import_module(f"meshtrain.kernels.{op}")
     name = {"cross_entropy": "_ce_op", "linear_cross_entropy": "_lce_op"}.get(op, f"_{op}_op")
     return getattr(module, name)
 

@@ -91,7 +91,7 @@ def _linear_case(dtype, masked):
 def test_linear_cross_entropy_fp32(masked, small_blocks):
     """fp32 end to end, 50 tokens a chunk (three chunks, the last short): loss, dhidden and
     dweight to 1e-5 of the fp64 reference; padded weight rows get exactly zero gradient."""
-    from meshtrain.kernels.cross_entropy import linear_cross_entropy
+    from meshtrain.kernels.linear_cross_entropy import linear_cross_entropy
 
     hidden, weight, labels, mask = _linear_case(torch.float32, masked)
     loss = linear_cross_entropy(hidden, weight, labels, mask, 77, chunk_size=50)
@@ -110,7 +110,7 @@ def test_linear_cross_entropy_bf16(small_blocks):
     reference, so the loss agrees to ~1e-3 (fp32 math on the same bf16 logits, but chunked
     matmuls may round differently); the gradients go through bf16 matmuls -> 2e-2 relative,
     with dweight's absolute tolerance a little wider since it sums 123 bf16 products."""
-    from meshtrain.kernels.cross_entropy import linear_cross_entropy
+    from meshtrain.kernels.linear_cross_entropy import linear_cross_entropy
 
     hidden, weight, labels, mask = _linear_case(torch.bfloat16, True)
     loss = linear_cross_entropy(hidden, weight, labels, mask, 77, chunk_size=64)
@@ -126,7 +126,7 @@ def test_linear_cross_entropy_bf16(small_blocks):
 
 def test_linear_cross_entropy_without_grad_matches_loss():
     """The loss-only path (no autograd, no gradient buffers) gives the same loss."""
-    from meshtrain.kernels.cross_entropy import linear_cross_entropy
+    from meshtrain.kernels.linear_cross_entropy import linear_cross_entropy
 
     hidden, weight, labels, mask = _linear_case(torch.float32, True)
     with torch.no_grad():
@@ -140,7 +140,8 @@ def test_linear_cross_entropy_without_grad_matches_loss():
 def _call_with_a_bad_label(which: str, bad: int) -> None:
     """One loss call with `bad` as one of its labels: the fused linear + loss with and without
     autograd, or the plain loss (`which`: "linear", "linear-no-grad", "plain")."""
-    from meshtrain.kernels.cross_entropy import cross_entropy, linear_cross_entropy
+    from meshtrain.kernels.cross_entropy import cross_entropy
+    from meshtrain.kernels.linear_cross_entropy import linear_cross_entropy
 
     hidden, weight, labels, _ = _linear_case(torch.float32, False)
     labels[1, 5] = bad
@@ -234,24 +235,24 @@ def test_tracing_leaves_the_fp32_accumulation_flag_alone(monkeypatch):
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    ce = importlib.import_module(
-        "meshtrain.kernels.cross_entropy"
+    lce = importlib.import_module(
+        "meshtrain.kernels.linear_cross_entropy"
     )  # the package's attribute is the op
-    monkeypatch.setattr(ce, "_MM_FP32_OUT", None)
+    monkeypatch.setattr(lce, "_MM_FP32_OUT", None)
     with FakeTensorMode():
         acc = torch.empty(8, 4, device="cuda", dtype=torch.float32)
         a = torch.empty(8, 6, device="cuda", dtype=torch.bfloat16)
         b = torch.empty(6, 4, device="cuda", dtype=torch.bfloat16)
         # the accumulating call (a fake bf16 -> fp32 copy_, the first chunk's fallback, needs
         # a CUDA build to trace)
-        ce._accumulate(acc, a, b, first=False)
-    assert ce._MM_FP32_OUT is None
+        lce._accumulate(acc, a, b, first=False)
+    assert lce._MM_FP32_OUT is None
 
 
 def test_linear_cross_entropy_of_no_tokens_gives_a_zero_weight_gradient():
     """No tokens (a masked-out, empty micro-batch): no chunk writes the fp32 weight-gradient
     buffer, which came back as uninitialized memory; the reference's gradient is 0."""
-    from meshtrain.kernels.cross_entropy import linear_cross_entropy
+    from meshtrain.kernels.linear_cross_entropy import linear_cross_entropy
 
     h = torch.randn(0, 8, device=DEVICE, requires_grad=True)
     w = torch.randn(13, 8, device=DEVICE, requires_grad=True)
@@ -269,7 +270,7 @@ def test_linear_cross_entropy_of_no_tokens_gives_a_zero_weight_gradient():
 def test_linear_cross_entropy_refuses_a_vocab_size_past_the_weight_rows():
     """vocab_size 13 on an 11-row weight: a label 12 has no logit, and the loss came out as a
     silently wrong number (logsumexp alone); now an error naming both sizes."""
-    from meshtrain.kernels.cross_entropy import linear_cross_entropy
+    from meshtrain.kernels.linear_cross_entropy import linear_cross_entropy
 
     h, w = torch.randn(5, 8, device=DEVICE), torch.randn(11, 8, device=DEVICE)
     labels = torch.tensor([0, 1, 2, 3, 12], device=DEVICE)
@@ -283,12 +284,14 @@ def test_labels_or_mask_of_another_row_count_is_an_error(which, bad):
     """6 labels (or mask values) for 5 token rows: the fused loss used to average the first 5
     losses over 6 (a silently wrong loss) and cross_entropy read the labels by index before any
     check; the reference refuses it. Now a ValueError naming the shapes, before any launch."""
-    ce = importlib.import_module("meshtrain.kernels.cross_entropy")
+    from meshtrain.kernels.cross_entropy import cross_entropy
+    from meshtrain.kernels.linear_cross_entropy import linear_cross_entropy
+
     h, w = torch.randn(5, 8, device=DEVICE), torch.randn(11, 8, device=DEVICE)
     labels = torch.randint(0, 11, (6 if bad == "labels" else 5,), device=DEVICE)
     mask = torch.ones(6, device=DEVICE) if bad == "loss_mask" else None
     with pytest.raises(ValueError, match=rf"{bad} of shape \(6,\) \(6 values\) for the 5 rows"):
         if which == "cross_entropy":
-            ce.cross_entropy(h @ w.t(), labels, mask)
+            cross_entropy(h @ w.t(), labels, mask)
         else:
-            ce.linear_cross_entropy(h, w, labels, mask)
+            linear_cross_entropy(h, w, labels, mask)

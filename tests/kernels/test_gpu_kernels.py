@@ -127,7 +127,7 @@ def test_linear_cross_entropy_128k_vocab():
     The loss agrees to 1e-3 (same bf16 logits, fp32 softmax); dhidden and dweight come out of
     bf16 matmuls over 128k and 8k terms, hence 2e-2 relative plus a small absolute floor. Peak
     memory must stay well below the reference's full logits."""
-    from meshtrain.kernels.cross_entropy import linear_cross_entropy
+    from meshtrain.kernels.linear_cross_entropy import linear_cross_entropy
 
     n, hdim, vocab, padded = 8192, 2048, 128256, 128512
     torch.manual_seed(0)
@@ -211,11 +211,7 @@ def test_model_with_triton_kernels_matches_reference(arch, monkeypatch):
 
 
 def _compiled(op):
-    module = importlib.import_module(
-        "meshtrain.kernels.cross_entropy"
-        if op == "linear_cross_entropy"
-        else f"meshtrain.kernels.{op}"
-    )
+    module = importlib.import_module(f"meshtrain.kernels.{op}")
     torch._dynamo.reset()
     return torch.compile(getattr(module, op), fullgraph=True)
 
@@ -378,7 +374,8 @@ def test_compiled_losses_at_an_odd_vocabulary_get_the_strides_they_were_traced_w
     Inductor must hand them buffers with exactly those strides: the cross-entropy over
     logits made by a matmul in the same graph, and the fused loss (whose chunk logits are its
     own intermediates), both compiled, against the fp32 reference."""
-    from meshtrain.kernels.cross_entropy import cross_entropy, linear_cross_entropy
+    from meshtrain.kernels.cross_entropy import cross_entropy
+    from meshtrain.kernels.linear_cross_entropy import linear_cross_entropy
 
     n, hdim, vocab = 2048, 768, 50257
     h = torch.randn(n, hdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)

@@ -190,11 +190,8 @@ def test_torch_finds_each_triton_ops_kernels_for_the_compile_cache_key():
         f"meshtrain.kernels.{op}": [op, f"{op}_backward"]
         for op in ("rms_norm", "layer_norm", "gelu", "swiglu", "rope")
     }
-    modules["meshtrain.kernels.cross_entropy"] = [
-        "cross_entropy",
-        "cross_entropy_backward",
-        "linear_cross_entropy",
-    ]
+    modules["meshtrain.kernels.cross_entropy"] = ["cross_entropy", "cross_entropy_backward"]
+    modules["meshtrain.kernels.linear_cross_entropy"] = ["linear_cross_entropy"]
     found = _run_without_interpreter(
         "import os; MODULES = os.environ['MODULES']\n" + _FIND_KERNELS, MODULES=json.dumps(modules)
     )
