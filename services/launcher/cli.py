@@ -18,7 +18,7 @@ import argparse
 import json
 import shlex
 
-from meshtrain.services.common.security import ClientSecurity, add_client_arguments
+from meshtrain.services.common.client_security import ClientSecurity, add_client_arguments
 
 
 class _OverridesParser(argparse.ArgumentParser):

@@ -23,7 +23,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 
-from meshtrain.services.common.security import ClientSecurity, add_client_arguments
+from meshtrain.services.common.client_security import ClientSecurity, add_client_arguments
 from meshtrain.services.launcher.topology import Child, wait_until
 
 

@@ -20,8 +20,9 @@ from torch import nn
 
 from meshtrain.kernels import dispatch
 from meshtrain.services.checkpoint.config import CheckpointConfig
+from meshtrain.services.common.client_security import ClientSecurity
 from meshtrain.services.common.errors import ConfigError
-from meshtrain.services.common.security import AuthConfig, ClientSecurity
+from meshtrain.services.common.security import AuthConfig
 from meshtrain.services.trainer import checkpoint_saver
 from meshtrain.services.trainer.checkpoint_state import Parallel, TrainedModel
 from meshtrain.services.trainer.config.parallel import ParallelConfig

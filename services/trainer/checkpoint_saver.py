@@ -20,8 +20,8 @@ from meshtrain.services.checkpoint.boxes import ShardSpec
 from meshtrain.services.checkpoint.multiwriter import abort_save, begin_save
 from meshtrain.services.checkpoint.store import open_root
 from meshtrain.services.checkpoint.tokenizer_store import METADATA_KEY, tokenizer_boxes
+from meshtrain.services.common.client_security import ClientSecurity
 from meshtrain.services.common.errors import CheckpointError, DiskFullError
-from meshtrain.services.common.security import ClientSecurity
 from meshtrain.services.trainer.checkpoint_state import (
     Parallel,
     TrainedModel,

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from meshtrain.services.common.client_security import ClientSecurity
 from meshtrain.services.common.errors import ConfigError, DataError
-from meshtrain.services.common.security import ClientSecurity
 from meshtrain.services.dataloader.loader import BatchOptions, LocalBatchSource
 from meshtrain.services.dataloader.preprocess import prepare_default_dataset
 from meshtrain.services.dataloader.sft_data import check_sft_tokenizer, read_sft_meta

@@ -42,6 +42,7 @@ from meshtrain.services.checkpoint.maintenance import RetentionResult
 from meshtrain.services.checkpoint.multiwriter import SaveResult, ShardWriter
 from meshtrain.services.checkpoint.rpc.replicas import Replicas
 from meshtrain.services.checkpoint.store import open_root, same_root
+from meshtrain.services.common.client_security import ClientSecurity
 from meshtrain.services.common.errors import CheckpointError, MeshtrainError, SaveForgottenError
 from meshtrain.services.common.grpc_utils import (
     MAX_MESSAGE_BYTES,
@@ -49,7 +50,6 @@ from meshtrain.services.common.grpc_utils import (
     is_lasting,
     is_permanent,
 )
-from meshtrain.services.common.security import ClientSecurity
 
 
 def box_to_pb(spec: ShardSpec) -> pb.Box:

@@ -52,9 +52,9 @@ import grpc
 
 from meshtrain.protos.dataloader.v1 import dataloader_pb2 as pb
 from meshtrain.protos.dataloader.v1 import dataloader_pb2_grpc as pb_grpc
+from meshtrain.services.common.client_security import ClientSecurity
 from meshtrain.services.common.errors import DataError
 from meshtrain.services.common.grpc_utils import channel_options, is_permanent, put_unless_stopped
-from meshtrain.services.common.security import ClientSecurity
 from meshtrain.services.dataloader.loader import (
     Batch,
     BatchOptions,

@@ -27,9 +27,9 @@ import numpy as np
 
 from meshtrain.protos.rollout.v1 import rollout_pb2 as pb
 from meshtrain.protos.rollout.v1 import rollout_pb2_grpc as pb_grpc
+from meshtrain.services.common.client_security import ClientSecurity
 from meshtrain.services.common.errors import InvalidRequestError, MeshtrainError
 from meshtrain.services.common.grpc_utils import channel_options, is_permanent
-from meshtrain.services.common.security import ClientSecurity
 from meshtrain.services.rollout.types import Completion, RolloutRequest
 
 

@@ -138,7 +138,7 @@ def rollout_backend(
             f"{SERVICE_CLIENT}); use grpo.rollout='colocated'"
         )
     client = importlib.import_module(SERVICE_CLIENT)
-    from meshtrain.services.common.security import ClientSecurity
+    from meshtrain.services.common.client_security import ClientSecurity
 
     return client.RolloutClient(
         list(g.rollout_addresses),

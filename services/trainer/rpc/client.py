@@ -11,9 +11,9 @@ endpoint, and control.addr is private to its user (mode 0600).
 
 An endpoint started with `auth.token_file` (or $MESHTRAIN_TOKEN) or TLS (`auth.tls_cert_file`)
 wants a bearer token or a certificate besides (`meshtrain.services.common.security`). The
-client takes a `ClientSecurity`; without one, given a run directory it reads the paths in the
-`[auth]` section of RUN_DIR/config.toml (the run's token file, its CA, its certificate), else
-$MESHTRAIN_TOKEN.
+client takes a `ClientSecurity` (`meshtrain.services.common.client_security`); without one,
+given a run directory it reads the paths in the `[auth]` section of RUN_DIR/config.toml (the
+run's token file, its CA, its certificate), else $MESHTRAIN_TOKEN.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import grpc
 
 from meshtrain.protos.trainer.v1 import trainer_pb2 as pb
 from meshtrain.protos.trainer.v1 import trainer_pb2_grpc as pb_grpc
+from meshtrain.services.common.client_security import ClientSecurity
 from meshtrain.services.common.errors import ConfigError, MeshtrainError
-from meshtrain.services.common.security import ClientSecurity
 
 ADDR_FILE = "control.addr"
 RUN_TOKEN_KEY = "meshtrain-run"  # gRPC metadata: the run token of the control.addr the client read

@@ -17,10 +17,10 @@ from meshtrain.protos.dataloader.v1 import dataloader_pb2 as data_pb
 from meshtrain.protos.dataloader.v1 import dataloader_pb2_grpc as data_grpc
 from meshtrain.services.checkpoint.rpc import server as ckpt_server
 from meshtrain.services.checkpoint.rpc.client import CheckpointClient
+from meshtrain.services.common.client_security import ClientSecurity
 from meshtrain.services.common.errors import CheckpointError, ConfigError, DataError
 from meshtrain.services.common.grpc_server import make_server
 from meshtrain.services.common.security import (
-    ClientSecurity,
     ServerSecurity,
     check_token,
     is_loopback,

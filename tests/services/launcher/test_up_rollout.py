@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from meshtrain.services.common.client_security import ClientSecurity
 from meshtrain.services.common.errors import ConfigError
-from meshtrain.services.common.security import ClientSecurity
 from meshtrain.services.launcher.up_plan import (
     UpOptions,
     _grpo_rollout_addresses_arg,

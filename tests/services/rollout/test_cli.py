@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from meshtrain.services.common.security import ClientSecurity
+from meshtrain.services.common.client_security import ClientSecurity
 from meshtrain.services.launcher.health import grpc_serving
 from meshtrain.services.rollout.engine import engine_from_checkpoint
 from meshtrain.services.rollout.rpc.client import RolloutClient, RolloutRefusedError

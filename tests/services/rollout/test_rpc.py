@@ -18,8 +18,9 @@ import pytest
 
 from meshtrain.protos.rollout.v1 import rollout_pb2 as pb
 from meshtrain.protos.rollout.v1 import rollout_pb2_grpc as pb_grpc
+from meshtrain.services.common.client_security import ClientSecurity
 from meshtrain.services.common.errors import InvalidRequestError
-from meshtrain.services.common.security import ClientSecurity, ServerSecurity
+from meshtrain.services.common.security import ServerSecurity
 from meshtrain.services.rollout.engine import Limits, RolloutEngine, engine_from_checkpoint
 from meshtrain.services.rollout.rpc.client import (
     RolloutClient,

@@ -16,8 +16,8 @@ import pytest
 
 from meshtrain.services.checkpoint.reader import list_checkpoints
 from meshtrain.services.cli import main
+from meshtrain.services.common.client_security import ClientSecurity
 from meshtrain.services.common.errors import CheckpointError, ConfigError, MeshtrainError
-from meshtrain.services.common.security import ClientSecurity
 from meshtrain.services.trainer.config.load import load_config
 from meshtrain.services.trainer.rpc.client import ControlClient, resolve_address
 from meshtrain.services.trainer.train import train
