@@ -12,6 +12,14 @@ FLOPs with one weight, the best the grouped kernel could do. Also timed: the loo
 (every expert gets tokens*topk/experts rows) and skewed (expert e gets a share proportional to
 e+1: the first expert about 1/4.5 as many rows as the last, for 8 experts), bf16.
 Reports TFLOP/s of each and the grouped/dense ratio.
+
+With `--fp8` each projection also runs `fp8.experts.fp8_grouped_linear` (train.fp8_experts: the
+forward and input-gradient GEMMs as `torch._scaled_grouped_mm` on row-scaled e4m3 operands, the
+row quantization of x, W, dy and Wᵀ included in the time; the weight gradient bf16), timed in the
+same run as the bf16 grouped GEMMs on the same rows: TFLOP/s (the bf16 FLOP count), the
+fp8/bf16-grouped ratio, and the FP8 output's error relative to the bf16 one (norm).
+
+    python benchmarks/moe_gemm.py --fp8 --out moe_gemm_fp8.json
 """
 
 from __future__ import annotations
@@ -27,6 +35,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from meshtrain.services.trainer.fp8.experts import (  # noqa: E402
+    fp8_grouped_linear,
+    scaled_grouped_mm_available,
+)
 from meshtrain.services.trainer.model.grouped_gemm import (  # noqa: E402
     grouped_linear,
     grouped_linear_loop,
@@ -56,7 +68,9 @@ def counts_for(rows: int, experts: int, skew: bool) -> torch.Tensor:
     return c
 
 
-def measure(rows: int, k_in: int, n_out: int, experts: int, skew: bool, iters: int) -> dict:
+def measure(
+    rows: int, k_in: int, n_out: int, experts: int, skew: bool, iters: int, fp8: bool = False
+) -> dict:
     dev = torch.device("cuda")
     x = torch.randn(rows, k_in, device=dev, dtype=torch.bfloat16, requires_grad=True)
     w = (
@@ -83,7 +97,14 @@ def measure(rows: int, k_in: int, n_out: int, experts: int, skew: bool, iters: i
         )
         err = diff.abs().max().item()
     out = {"rows": rows, "k": k_in, "n": n_out, "skew": skew, "max_abs_err_vs_loop": err}
-    for name, f in (("grouped", grouped), ("dense", dense), ("loop", loop)):
+    sides = [("grouped", grouped), ("dense", dense), ("loop", loop)]
+    if fp8:
+        fp8_grouped = lambda: fp8_grouped_linear(x, w, counts, grouped=True)  # noqa: E731
+        sides.append(("fp8_grouped", fp8_grouped))
+        with torch.no_grad():
+            ref = grouped_linear(x, w, counts, True).float()
+            out["fp8_rel_err_vs_bf16"] = ((fp8_grouped().float() - ref).norm() / ref.norm()).item()
+    for name, f in sides:
         with torch.no_grad():
             t_fwd = _timed(f, iters)
         t_all = _timed(fwd_bwd(f), iters)
@@ -101,6 +122,11 @@ def measure(rows: int, k_in: int, n_out: int, experts: int, skew: bool, iters: i
     out["grouped_over_loop_fwd_bwd"] = (
         out["grouped"]["fwd_bwd_tflops"] / out["loop"]["fwd_bwd_tflops"]
     )
+    if fp8:
+        for part in ("fwd", "fwd_bwd"):
+            out[f"fp8_over_grouped_{part}"] = (
+                out["fp8_grouped"][f"{part}_tflops"] / out["grouped"][f"{part}_tflops"]
+            )
     return out
 
 
@@ -114,15 +140,27 @@ def main() -> None:
         "--tokens", type=int, default=16384, help="tokens of one micro-batch (batch x seq)"
     )
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument(
+        "--fp8",
+        action="store_true",
+        help="also time the FP8 grouped GEMMs (train.fp8_experts) against the bf16 grouped ones",
+    )
     p.add_argument("--out", default="moe_gemm.json")
     a = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("moe_gemm.py measures CUDA kernels: no CUDA device here")
+    probe = torch.zeros(1, device="cuda")
+    for k_in, n_out in ((a.hidden, 2 * a.moe_ffn), (a.moe_ffn, a.hidden)):
+        if a.fp8 and not scaled_grouped_mm_available(probe, k_in, n_out):
+            raise SystemExit(
+                f"--fp8 times torch._scaled_grouped_mm: it needs compute capability 9.x/10.x "
+                f"and widths that are multiples of 16 (got {k_in} -> {n_out})"
+            )
     rows = a.tokens * a.topk
     results = []
     for skew in (False, True):
         for name, k_in, n_out in (("fc1", a.hidden, 2 * a.moe_ffn), ("fc2", a.moe_ffn, a.hidden)):
-            r = measure(rows, k_in, n_out, a.experts, skew, a.iters)
+            r = measure(rows, k_in, n_out, a.experts, skew, a.iters, a.fp8)
             r["projection"] = name
             results.append(r)
             print(
@@ -134,6 +172,14 @@ def main() -> None:
                 f"grouped/dense {r['grouped_over_dense_fwd_bwd']:.3f} fwd+bwd, "
                 f"{r['grouped_over_dense_fwd']:.3f} fwd; err {r['max_abs_err_vs_loop']:.2e}"
             )
+            if a.fp8:
+                print(
+                    f"    fp8 grouped {r['fp8_grouped']['fwd_bwd_tflops']:.0f} TFLOP/s fwd+bwd "
+                    f"({r['fp8_grouped']['fwd_tflops']:.0f} fwd); fp8/bf16 grouped "
+                    f"{r['fp8_over_grouped_fwd_bwd']:.3f} fwd+bwd, "
+                    f"{r['fp8_over_grouped_fwd']:.3f} fwd; "
+                    f"rel err vs bf16 {r['fp8_rel_err_vs_bf16']:.3f}"
+                )
     Path(a.out).write_text(
         json.dumps(
             {

@@ -208,8 +208,10 @@ def build_model(
         projector=job.train.freeze_projector,
         language_model=job.train.freeze_language_model,
     )
-    fp8 = build_fp8(gpt, job.train, mesh, device)  # after tp sharded them, before pp splits
     parallelize_experts(gpt, mesh)  # this ep rank's experts; MoE statistics over dp x cp
+    # after tp sharded them and ep picked this rank's experts (train.fp8_experts converts those),
+    # before pp splits
+    fp8 = build_fp8(gpt, job.train, mesh, device)
     pipeline = None
     if mesh.pp > 1:  # this rank's chunks of the model, and the runtime that runs its schedule
         pipeline = build_pipeline(gpt, mesh, job, device)  # scales the MoE aux losses too

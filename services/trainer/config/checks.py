@@ -20,8 +20,19 @@ if TYPE_CHECKING:  # sections.py imports this module: TrainConfig is named in an
     from meshtrain.services.trainer.config.sections import OptimConfig, TrainConfig
 
 
-def check_fp8(train: TrainConfig, parallel: ParallelConfig) -> None:
-    """What FP8 does not combine with (train.fp8's own values are checked by TrainConfig)."""
+def check_fp8(train: TrainConfig, parallel: ParallelConfig, model: ModelConfig) -> None:
+    """What FP8 does not combine with (train.fp8's own values are checked by TrainConfig), and
+    what train.fp8_experts needs: train.fp8 on and a model with MoE blocks."""
+    if train.fp8_experts and train.fp8 is None:
+        raise ConfigError(
+            "train.fp8_experts puts the MoE expert GEMMs in FP8 alongside the dense layers: it "
+            "needs train.fp8 set ('e4m3' or 'hybrid'; the experts run row-scaled e4m3 either way)"
+        )
+    if train.fp8_experts and model.num_experts is None:
+        raise ConfigError(
+            "train.fp8_experts converts the MoE blocks' expert GEMMs, but the model has none "
+            "(model.num_experts unset): leave train.fp8_experts off"
+        )
     if train.fp8 is None:
         return
     if parallel.tp_comm_overlap:

@@ -87,8 +87,9 @@ class TrainConfig:
     """Train the transformer blocks' dense linear layers on FP8 GEMMs (--fp8-format): 'e4m3'
     everywhere, or 'hybrid' (e4m3 activations and weights, e5m2 gradients). Needs train.bf16:
     everything else stays bf16 autocast with fp32 master weights and optimizer state (the output
-    layer, embeddings, norms, attention and MoE experts too), so checkpoints are the same as a
-    bf16 run's and load either way (services/trainer/fp8/). Unset: off."""
+    layer, embeddings, norms, attention and MoE experts too, unless train.fp8_experts), so
+    checkpoints are the same as a bf16 run's and load either way (services/trainer/fp8/).
+    Unset: off."""
     fp8_recipe: Literal["tensorwise", "rowwise", "delayed"] = "tensorwise"
     """FP8 scaling (--fp8-recipe): 'tensorwise' scales each tensor by its current amax; 'rowwise'
     each row of every GEMM operand along the summed dimension (finer, slower; train.fp8='e4m3'
@@ -122,6 +123,14 @@ class TrainConfig:
     launched by Inductor as they are. Off (the default), a compiled region traces the torch
     casts and Inductor generates and fuses them with their neighbours; the norms and activations
     that write FP8 copies serve eager layers either way."""
+    fp8_experts: bool = False
+    """With train.fp8: the MoE blocks' grouped expert GEMMs (fc1, fc2) in FP8 too, row-scaled e4m3
+    whatever train.fp8 and train.fp8_recipe say for the dense layers (what Hopper's grouped FP8
+    GEMM, `torch._scaled_grouped_mm`, takes): the forward and input-gradient GEMMs in FP8, the
+    weight gradient in bf16 (fp8/experts.py says why). Routers and shared experts stay bf16, and
+    parameters and checkpoints do not change. Off CUDA sm90+, or where an expert weight's local
+    width is not a multiple of 16, the same FP8 values run an emulation (dequantized fp32 GEMMs,
+    slow: for tests)."""
     fp8_all_gather: bool = True
     """Under sequence parallelism, the FP8 column-parallel layers (QKV, fc1) cast their input
     chunk to FP8 before the sequence all-gather: half the bytes of the bf16 gather, the same
@@ -437,7 +446,7 @@ class JobConfig:
         check_tensor_parallel(self.model, self.parallel.tp, self.parallel.sequence_parallel)
         check_context_parallel(self.model, self.parallel)
         check_experts(self.model, self.parallel, self.train)
-        check_fp8(self.train, self.parallel)
+        check_fp8(self.train, self.parallel, self.model)
         check_documents(self.data, self.parallel, self.train)
         check_fully_sharded(self.model, self.parallel, self.train)
         check_optimizer_offload(self.optim, self.parallel, self.train)

@@ -2,8 +2,11 @@
 
 `apply_fp8` turns the transformer blocks' dense linear layers (fused QKV, the attention output
 projection, fc1 and fc2) into FP8 layers, after tensor parallelism has sharded them and before a
-pipeline splits the model. Always bf16: the output layer (its logits feed the loss) and the
-embeddings; mixture-of-experts blocks (their grouped expert GEMMs and routers); the first and
+pipeline splits the model; with `experts` (train.fp8_experts) the MoE blocks' grouped expert
+GEMMs too (`Fp8GroupedExperts`, row-scaled e4m3 whatever the recipe: fp8/experts.py), after
+expert parallelism picked each rank's experts. Always bf16: the output layer (its logits feed
+the loss) and the embeddings; the MoE routers and shared experts (the latter a dense MLP inside
+the MoE block, outside `DENSE_LINEARS`); the grouped expert GEMMs without `experts`; the first and
 last `bf16_layers_at_start/end` blocks when asked; and any weight whose local shape cuBLAS's FP8
 GEMM refuses (a dimension not a multiple of 16), named in the log. With fused casts (tensorwise
 and delayed), the norms and activations before those layers write their output's FP8 copy or amax
@@ -42,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshtrain.services.common.errors import ConfigError
+from meshtrain.services.trainer.fp8.experts import Fp8GroupedExperts
 from meshtrain.services.trainer.fp8.fused_inputs import fuse_input_casts
 from meshtrain.services.trainer.fp8.linear import (
     DelayedState,
@@ -51,6 +55,7 @@ from meshtrain.services.trainer.fp8.linear import (
     fp8_ready_shape,
 )
 from meshtrain.services.trainer.fp8.scaling import Recipe, roll_history, scale_from_history
+from meshtrain.services.trainer.model.moe import MoE
 from meshtrain.services.trainer.parallel.mesh import Mesh
 
 log = logging.getLogger(__name__)
@@ -68,6 +73,8 @@ class Fp8Model:
     kept: list[str] = field(default_factory=list)  # dense linears left in bf16, with the reason
     delayed: DelayedState | None = None
     groups: tuple[dist.ProcessGroup | None, ...] = ()
+    experts: list[str] = field(default_factory=list)
+    """The MoE blocks' `GroupedExperts` made `Fp8GroupedExperts` (train.fp8_experts)."""
     fused_inputs: list[str] = field(default_factory=list)
     """The norms and MLPs whose kernels hand the FP8 linear after them its input already cast
     (train.fp8_fused_casts, eager; `fp8.fused_inputs`)."""
@@ -98,7 +105,10 @@ class Fp8Model:
         state.ready = True
 
     def describe(self) -> str:
-        return f"FP8 {self.recipe.format} {self.recipe.recipe} on {len(self.layers)} linear layers"
+        text = f"FP8 {self.recipe.format} {self.recipe.recipe} on {len(self.layers)} linear layers"
+        if self.experts:
+            text += f" and rowwise e4m3 on the experts of {len(self.experts)} MoE blocks"
+        return text
 
 
 def _blocks(model: nn.Module) -> list[tuple[int, nn.Module]]:
@@ -131,6 +141,7 @@ def build_fp8(model: nn.Module, train, mesh: Mesh, device: torch.device) -> Fp8M
         train.fp8_bf16_layers_at_end if first_last else 0,
         device,
         all_gather=train.fp8_all_gather,
+        experts=train.fp8_experts,
     )
 
 
@@ -142,12 +153,15 @@ def apply_fp8(
     bf16_layers_at_end: int = 0,
     device: torch.device | None = None,
     all_gather: bool = True,
+    experts: bool = False,
 ) -> Fp8Model | None:
     """Put the eligible linear layers of `model` (a GPT, tensor-parallel or not) on FP8.
 
     `device`: where the model will train (the delayed state lives there); default: the weights'.
     `all_gather`: under sequence parallelism, column-parallel layers all-gather their input in FP8
     (tensorwise and delayed recipes; train.fp8_all_gather).
+    `experts`: the MoE blocks' grouped expert GEMMs too (`convert_experts`; train.fp8_experts),
+    but for the bf16 blocks at the start and end.
 
     Returns:
         The `Fp8Model` handle, or None when no layer qualified (logged).
@@ -184,13 +198,24 @@ def apply_fp8(
             len(kept),
             "; ".join(kept[:6]) + (f"; and {len(kept) - 6} more" if len(kept) > 6 else ""),
         )
-    if not chosen:
+    fp8_experts = (
+        convert_experts(
+            [(i, b) for i, b in blocks if bf16_layers_at_start <= i < n - bf16_layers_at_end],
+            recipe.margin,
+        )
+        if experts
+        else []
+    )
+    if not chosen and not fp8_experts:
         log.warning("train.fp8: no linear layer qualifies for FP8; the run trains in bf16")
         return None
-    where: torch.device = device if device is not None else chosen[0][1].weight.device
     state = (
-        DelayedState(len(chosen), recipe.amax_history_len, where)
-        if recipe.recipe == "delayed"
+        DelayedState(
+            len(chosen),
+            recipe.amax_history_len,
+            device if device is not None else chosen[0][1].weight.device,
+        )
+        if recipe.recipe == "delayed" and chosen
         else None
     )
     for index, (name, layer) in enumerate(chosen):
@@ -213,7 +238,57 @@ def apply_fp8(
         for i, block in blocks:
             fused_inputs += [f"layers.{i}.{name}" for name in fuse_input_casts(block)]
     amax_groups = (mesh.group("tp"), mesh.group("dp_cp")) if state is not None else ()
-    return Fp8Model(recipe, [name for name, _ in chosen], kept, state, amax_groups, fused_inputs)
+    return Fp8Model(
+        recipe,
+        [name for name, _ in chosen],
+        kept,
+        state,
+        amax_groups,
+        fp8_experts,
+        fused_inputs,
+    )
+
+
+def convert_experts(blocks: list[tuple[int, nn.Module]], margin: int) -> list[str]:
+    """Make each MoE block's `GroupedExperts` among `blocks` an `Fp8GroupedExperts` (in place;
+    parameters untouched), logging what was converted and where a local weight width (expert
+    or tensor parallel shard) is no multiple of 16, so its GEMMs run the slow emulation.
+
+    Returns:
+        The converted modules' names (`layers.<i>.mlp.experts`).
+
+    Raises:
+        ConfigError: a block's experts are FP8 already.
+    """
+    names, emulated = [], []
+    for i, block in blocks:
+        moe = getattr(block, "mlp", None)
+        if not isinstance(moe, MoE):
+            continue
+        name = f"layers.{i}.mlp.experts"
+        ex = moe.experts
+        if isinstance(ex, Fp8GroupedExperts):
+            raise ConfigError(f"{name} is already FP8")
+        for fc in (ex.fc1, ex.fc2):
+            _, out_f, in_f = fc.weight.shape
+            if not fp8_ready_shape(in_f, out_f):
+                emulated.append(f"{name} (local weight {out_f}x{in_f})")
+        ex.__class__ = Fp8GroupedExperts
+        cast(Fp8GroupedExperts, ex).make_fp8(margin)
+        names.append(name)
+    if names:
+        log.info(
+            "FP8: the grouped expert GEMMs of %d MoE blocks in rowwise e4m3 (forward and input "
+            "gradient; weight gradients bf16): %s",
+            len(names),
+            ", ".join(names),
+        )
+    if emulated:
+        log.warning(
+            "FP8 experts: widths not multiples of 16 run the emulated FP8 GEMM (slow): %s",
+            "; ".join(emulated),
+        )
+    return names
 
 
 def _activation_group(mesh: Mesh, tp_split: bool) -> dist.ProcessGroup | None:
