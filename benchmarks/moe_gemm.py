@@ -153,7 +153,7 @@ def main() -> None:
     for k_in, n_out in ((a.hidden, 2 * a.moe_ffn), (a.moe_ffn, a.hidden)):
         if a.fp8 and not scaled_grouped_mm_available(probe, k_in, n_out):
             raise SystemExit(
-                f"--fp8 times torch._scaled_grouped_mm: it needs compute capability 9.x/10.x "
+                f"--fp8 times torch._scaled_grouped_mm: it needs compute capability 9.x "
                 f"and widths that are multiples of 16 (got {k_in} -> {n_out})"
             )
     rows = a.tokens * a.topk
