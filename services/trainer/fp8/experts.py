@@ -12,8 +12,7 @@ all operands: what Hopper's `torch._scaled_grouped_mm` takes), whatever train.fp
 recipe are for the dense layers. The weight gradient stays bf16 by choice: as a 2d x 2d grouped
 GEMM it sums over each expert's tokens, so its FP8 scales would be per feature *per expert* along
 a jagged token dimension, and `_scaled_grouped_mm` needs each expert's token count padded to a
-multiple of 16 there; the routing would have to pad every group (or the GEMM take a third copy of
-each operand). The two GEMMs in FP8 are the ones whose operands are cast anyway.
+multiple of 16 there, so the routing would have to pad every group.
 
 Where `_scaled_grouped_mm` runs (CUDA sm90, K and N multiples of 16, model.moe_grouped_gemm)
 the GEMMs are one kernel for all experts; elsewhere `fp8_grouped_mm_emulated`: the same FP8
