@@ -48,14 +48,19 @@ from meshtrain.services.trainer.model.grouped_gemm import (  # noqa: E402
 )
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _timed(fn, iters: int) -> float:
     for _ in range(3):
         fn()
-    torch.cuda.synchronize()
+    _sync()
     start = time.perf_counter()
     for _ in range(iters):
         fn()
-    torch.cuda.synchronize()
+    _sync()
     return (time.perf_counter() - start) / iters
 
 
@@ -72,9 +77,18 @@ def counts_for(rows: int, experts: int, skew: bool) -> torch.Tensor:
 
 
 def measure(
-    rows: int, k_in: int, n_out: int, experts: int, skew: bool, iters: int, fp8: bool = False
+    rows: int,
+    k_in: int,
+    n_out: int,
+    experts: int,
+    skew: bool,
+    iters: int,
+    fp8: bool = False,
+    device: str = "cuda",
 ) -> dict:
-    dev = torch.device("cuda")
+    """One projection's sides (see the module doc); `device` "cpu" only for the tests, where
+    each side runs its fallback (the loop, the FP8 emulation)."""
+    dev = torch.device(device)
     x = torch.randn(rows, k_in, device=dev, dtype=torch.bfloat16, requires_grad=True)
     w = (
         torch.randn(experts, n_out, k_in, device=dev, dtype=torch.bfloat16) * 0.02
