@@ -5,14 +5,15 @@
     python benchmarks/compile_graph_breaks.py            # tp=1 reference
     python benchmarks/compile_graph_breaks.py --moe      # mixture of experts, one process
     torchrun --nproc-per-node 2 benchmarks/compile_graph_breaks.py --moe --ep 2
-        [--capacity-factor 1.0]
+        [--capacity-factor 1.0] [--fp8-experts]
 
 Runs `torch._dynamo.explain` on a small Llama-style model (CPU, gloo when distributed) and
 prints the graph count, the graph-break count and the distinct break reasons: a compiled
 model that breaks at every communication region runs as many small graphs, which is where
 the TP=2 throughput gap on the H200 is expected to come from. `--moe` makes every block a
 mixture of experts (8 experts, top-2, load-balancing and z-losses; `--capacity-factor` for
-token dropping), `--ep` splits the experts over that many ranks.
+token dropping), `--ep` splits the experts over that many ranks, `--fp8-experts` runs their
+grouped GEMMs in FP8 (train.fp8_experts; on the CPU the emulation's custom op).
 
 `--op-order` also prints, for the forward and backward, the order of the collective launches
 (`AR`, `RS`, `AG`), their waits (`w`) and the matmuls (`mm`), both in the AOT graphs and in
@@ -34,6 +35,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from meshtrain.services.common.model_config import ModelConfig  # noqa: E402
+from meshtrain.services.trainer.fp8.convert import convert_experts  # noqa: E402
 from meshtrain.services.trainer.model.gpt import GPT  # noqa: E402
 from meshtrain.services.trainer.parallel.expert import parallelize_experts  # noqa: E402
 from meshtrain.services.trainer.parallel.mesh import Mesh, init_process_group  # noqa: E402
@@ -52,11 +54,14 @@ def main() -> None:
     p.add_argument("--moe", action="store_true", help="mixture-of-experts blocks")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (with --moe)")
     p.add_argument(
+        "--fp8-experts", action="store_true", help="FP8 grouped expert GEMMs (with --moe)"
+    )
+    p.add_argument(
         "--capacity-factor", type=float, default=None, help="model.moe_expert_capacity_factor"
     )
     args = p.parse_args()
-    if (args.ep > 1 or args.capacity_factor is not None) and not args.moe:
-        p.error("--ep and --capacity-factor need --moe")
+    if (args.ep > 1 or args.capacity_factor is not None or args.fp8_experts) and not args.moe:
+        p.error("--ep, --capacity-factor and --fp8-experts need --moe")
     init_process_group("gloo")
     mesh = Mesh.build(tp=args.tp, ep=args.ep) if dist.is_initialized() else Mesh.single()
     moe = (
@@ -91,6 +96,8 @@ def main() -> None:
     )
     if args.moe:
         model = parallelize_experts(model, mesh)
+    if args.fp8_experts:  # the experts alone: the dense FP8 layers are not what is asked
+        convert_experts(list(enumerate(model.layers)), margin=0)
     tokens = torch.randint(0, 1000, (2, 64))
     explanation = torch._dynamo.explain(model)(tokens, tokens)
     reasons = collections.Counter(
@@ -101,6 +108,7 @@ def main() -> None:
             f"tp={args.tp} sequence_parallel={args.sequence_parallel} "
             f"async_grad_reduce={args.async_grad_reduce} layers={args.layers}"
             + (f" moe ep={args.ep} capacity_factor={args.capacity_factor}" if args.moe else "")
+            + (" fp8_experts" if args.fp8_experts else "")
             + ": "
             f"{explanation.graph_count} graphs, {explanation.graph_break_count} graph breaks"
         )

@@ -17,7 +17,10 @@ With `--fp8` each projection also runs `fp8.experts.fp8_grouped_linear` (train.f
 forward and input-gradient GEMMs as `torch._scaled_grouped_mm` on row-scaled e4m3 operands, the
 row quantization of x, W, dy and Wᵀ included in the time; the weight gradient bf16), timed in the
 same run as the bf16 grouped GEMMs on the same rows: TFLOP/s (the bf16 FLOP count), the
-fp8/bf16-grouped ratio, and the FP8 output's error relative to the bf16 one (norm).
+fp8/bf16-grouped ratio, and the FP8 output's error relative to the bf16 one (norm). The FP8
+side runs twice: eager (`fp8_grouped`: each cast a few torch kernels) and under torch.compile
+(`fp8_grouped_compiled`: Inductor fuses each cast, as in a train.compile run); a compile that
+fails is reported in the JSON (its `error`) and the rest still runs.
 
     python benchmarks/moe_gemm.py --fp8 --out moe_gemm_fp8.json
 """
@@ -45,14 +48,19 @@ from meshtrain.services.trainer.model.grouped_gemm import (  # noqa: E402
 )
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _timed(fn, iters: int) -> float:
     for _ in range(3):
         fn()
-    torch.cuda.synchronize()
+    _sync()
     start = time.perf_counter()
     for _ in range(iters):
         fn()
-    torch.cuda.synchronize()
+    _sync()
     return (time.perf_counter() - start) / iters
 
 
@@ -69,9 +77,18 @@ def counts_for(rows: int, experts: int, skew: bool) -> torch.Tensor:
 
 
 def measure(
-    rows: int, k_in: int, n_out: int, experts: int, skew: bool, iters: int, fp8: bool = False
+    rows: int,
+    k_in: int,
+    n_out: int,
+    experts: int,
+    skew: bool,
+    iters: int,
+    fp8: bool = False,
+    device: str = "cuda",
 ) -> dict:
-    dev = torch.device("cuda")
+    """One projection's sides (see the module doc); `device` "cpu" only for the tests, where
+    each side runs its fallback (the loop, the FP8 emulation)."""
+    dev = torch.device(device)
     x = torch.randn(rows, k_in, device=dev, dtype=torch.bfloat16, requires_grad=True)
     w = (
         torch.randn(experts, n_out, k_in, device=dev, dtype=torch.bfloat16) * 0.02
@@ -100,14 +117,23 @@ def measure(
     sides = [("grouped", grouped), ("dense", dense), ("loop", loop)]
     if fp8:
         fp8_grouped = lambda: fp8_grouped_linear(x, w, counts, grouped=True)  # noqa: E731
+        compiled = torch.compile(fp8_grouped_linear, dynamic=False)
         sides.append(("fp8_grouped", fp8_grouped))
+        sides.append(("fp8_grouped_compiled", lambda: compiled(x, w, counts, True)))
         with torch.no_grad():
             ref = grouped_linear(x, w, counts, True).float()
             out["fp8_rel_err_vs_bf16"] = ((fp8_grouped().float() - ref).norm() / ref.norm()).item()
     for name, f in sides:
-        with torch.no_grad():
-            t_fwd = _timed(f, iters)
-        t_all = _timed(fwd_bwd(f), iters)
+        try:
+            with torch.no_grad():
+                t_fwd = _timed(f, iters)
+            t_all = _timed(fwd_bwd(f), iters)
+        except Exception as e:  # a compile failure of the FP8 side: recorded, not fatal
+            if not name.endswith("_compiled"):
+                raise
+            out[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            x.grad = w.grad = dense_w.grad = None
+            continue
         out[name] = {
             "fwd_ms": t_fwd * 1e3,
             "fwd_tflops": flops_fwd / t_fwd / 1e12,
@@ -122,11 +148,12 @@ def measure(
     out["grouped_over_loop_fwd_bwd"] = (
         out["grouped"]["fwd_bwd_tflops"] / out["loop"]["fwd_bwd_tflops"]
     )
-    if fp8:
-        for part in ("fwd", "fwd_bwd"):
-            out[f"fp8_over_grouped_{part}"] = (
-                out["fp8_grouped"][f"{part}_tflops"] / out["grouped"][f"{part}_tflops"]
-            )
+    for side in ("fp8_grouped", "fp8_grouped_compiled") if fp8 else ():
+        if "error" not in out[side]:
+            for part in ("fwd", "fwd_bwd"):
+                out[f"{side}_over_grouped_{part}"] = (
+                    out[side][f"{part}_tflops"] / out["grouped"][f"{part}_tflops"]
+                )
     return out
 
 
@@ -153,7 +180,7 @@ def main() -> None:
     for k_in, n_out in ((a.hidden, 2 * a.moe_ffn), (a.moe_ffn, a.hidden)):
         if a.fp8 and not scaled_grouped_mm_available(probe, k_in, n_out):
             raise SystemExit(
-                f"--fp8 times torch._scaled_grouped_mm: it needs compute capability 9.x/10.x "
+                f"--fp8 times torch._scaled_grouped_mm: it needs compute capability 9.x "
                 f"and widths that are multiples of 16 (got {k_in} -> {n_out})"
             )
     rows = a.tokens * a.topk
@@ -172,12 +199,15 @@ def main() -> None:
                 f"grouped/dense {r['grouped_over_dense_fwd_bwd']:.3f} fwd+bwd, "
                 f"{r['grouped_over_dense_fwd']:.3f} fwd; err {r['max_abs_err_vs_loop']:.2e}"
             )
-            if a.fp8:
+            for side in ("fp8_grouped", "fp8_grouped_compiled") if a.fp8 else ():
+                if "error" in r[side]:
+                    print(f"    {side}: {r[side]['error'].splitlines()[0][:200]}")
+                    continue
                 print(
-                    f"    fp8 grouped {r['fp8_grouped']['fwd_bwd_tflops']:.0f} TFLOP/s fwd+bwd "
-                    f"({r['fp8_grouped']['fwd_tflops']:.0f} fwd); fp8/bf16 grouped "
-                    f"{r['fp8_over_grouped_fwd_bwd']:.3f} fwd+bwd, "
-                    f"{r['fp8_over_grouped_fwd']:.3f} fwd; "
+                    f"    {side} {r[side]['fwd_bwd_tflops']:.0f} TFLOP/s fwd+bwd "
+                    f"({r[side]['fwd_tflops']:.0f} fwd); over bf16 grouped "
+                    f"{r[f'{side}_over_grouped_fwd_bwd']:.3f} fwd+bwd, "
+                    f"{r[f'{side}_over_grouped_fwd']:.3f} fwd; "
                     f"rel err vs bf16 {r['fp8_rel_err_vs_bf16']:.3f}"
                 )
     Path(a.out).write_text(

@@ -1,5 +1,6 @@
 """benchmarks/moe_gemm.py on CPU: its options parse (`--fp8` among them), the routing's row
-counts add up, and it refuses to time without CUDA rather than time the CPU."""
+counts add up, one projection's measurement (every side's fallback, the compiled FP8 side
+included) writes every field, and the script refuses to time without CUDA."""
 
 import subprocess
 import sys
@@ -19,12 +20,17 @@ def test_help_lists_the_fp8_side():
     assert "--fp8" in out and "--experts" in out
 
 
-def test_counts_cover_every_row():
+def _bench():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        from moe_gemm import counts_for
+        import moe_gemm
     finally:
         sys.path.pop(0)
+    return moe_gemm
+
+
+def test_counts_cover_every_row():
+    counts_for = _bench().counts_for
     for skew in (False, True):
         c = counts_for(1000, 8, skew)
         assert c.sum() == 1000 and (c > 0).all()
@@ -40,3 +46,13 @@ def test_refuses_without_cuda(tmp_path):
     )
     assert run.returncode != 0 and "no CUDA device" in run.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def test_one_projection_on_cpu_measures_every_side():
+    r = _bench().measure(64, 32, 48, 4, skew=True, iters=1, fp8=True, device="cpu")
+    sides = ("grouped", "dense", "loop", "fp8_grouped", "fp8_grouped_compiled")
+    for side in sides:
+        assert set(r[side]) == {"fwd_ms", "fwd_tflops", "fwd_bwd_ms", "fwd_bwd_tflops"}, side
+    for side in sides[3:]:
+        assert r[f"{side}_over_grouped_fwd_bwd"] > 0
+    assert 0 < r["fp8_rel_err_vs_bf16"] < 0.06  # FP8 rounding (tests/.../test_fp8_experts.py)

@@ -124,13 +124,13 @@ class TrainConfig:
     casts and Inductor generates and fuses them with their neighbours; the norms and activations
     that write FP8 copies serve eager layers either way."""
     fp8_experts: bool = False
-    """With train.fp8: the MoE blocks' grouped expert GEMMs (fc1, fc2) in FP8 too, row-scaled e4m3
-    whatever train.fp8 and train.fp8_recipe say for the dense layers (what Hopper's grouped FP8
-    GEMM, `torch._scaled_grouped_mm`, takes): the forward and input-gradient GEMMs in FP8, the
-    weight gradient in bf16 (fp8/experts.py says why). Routers and shared experts stay bf16, and
-    parameters and checkpoints do not change. Off CUDA sm90+, or where an expert weight's local
-    width is not a multiple of 16, the same FP8 values run an emulation (dequantized fp32 GEMMs,
-    slow: for tests)."""
+    """With train.fp8 (any format and recipe): the MoE blocks' grouped expert GEMMs (fc1, fc2) in
+    FP8 too, always row-scaled e4m3, which is what Hopper's grouped FP8 GEMM
+    (`torch._scaled_grouped_mm`) takes: the forward and input-gradient GEMMs in FP8, the weight
+    gradient in bf16 (fp8/experts.py says why). Routers and shared experts stay bf16, and
+    parameters and checkpoints do not change. Off Hopper (CUDA sm90), with
+    model.moe_grouped_gemm=false, or where an expert weight's local width is not a multiple of
+    16, the same FP8 values run an emulation (dequantized fp32 GEMMs, slow: for tests)."""
     fp8_all_gather: bool = True
     """Under sequence parallelism, the FP8 column-parallel layers (QKV, fc1) cast their input
     chunk to FP8 before the sequence all-gather: half the bytes of the bf16 gather, the same

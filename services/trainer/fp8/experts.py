@@ -12,10 +12,9 @@ all operands: what Hopper's `torch._scaled_grouped_mm` takes), whatever train.fp
 recipe are for the dense layers. The weight gradient stays bf16 by choice: as a 2d x 2d grouped
 GEMM it sums over each expert's tokens, so its FP8 scales would be per feature *per expert* along
 a jagged token dimension, and `_scaled_grouped_mm` needs each expert's token count padded to a
-multiple of 16 there; the routing would have to pad every group (or the GEMM take a third copy of
-each operand). The two GEMMs in FP8 are the ones whose operands are cast anyway.
+multiple of 16 there, so the routing would have to pad every group.
 
-Where `_scaled_grouped_mm` runs (CUDA sm90/sm100, K and N multiples of 16, model.moe_grouped_gemm)
+Where `_scaled_grouped_mm` runs (CUDA sm90, K and N multiples of 16, model.moe_grouped_gemm)
 the GEMMs are one kernel for all experts; elsewhere `fp8_grouped_mm_emulated`: the same FP8
 values dequantized to fp32 and multiplied per expert inside one custom op (so torch.compile keeps
 the block in one graph), output rounded to bf16. The emulation is the reference the kernel is
@@ -56,12 +55,13 @@ def quantize_rows(t: torch.Tensor, margin: int = 0) -> tuple[torch.Tensor, torch
 
 
 def scaled_grouped_mm_available(x: torch.Tensor, in_features: int, out_features: int) -> bool:
-    """Whether `torch._scaled_grouped_mm` takes this GEMM: CUDA compute capability 9.x or 10.x,
-    and both weight dimensions multiples of 16."""
+    """Whether `torch._scaled_grouped_mm` takes this GEMM: CUDA compute capability 9.x (Hopper,
+    the architecture it is tested on; others run the emulation), and both weight dimensions
+    multiples of 16."""
     return (
         hasattr(torch, "_scaled_grouped_mm")
         and x.is_cuda
-        and torch.cuda.get_device_capability(x.device)[0] in (9, 10)
+        and torch.cuda.get_device_capability(x.device)[0] == 9
         and in_features % 16 == 0
         and out_features % 16 == 0
     )

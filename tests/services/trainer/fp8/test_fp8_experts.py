@@ -20,6 +20,7 @@ from meshtrain.services.trainer.fp8 import Fp8Linear, Recipe, apply_fp8
 from meshtrain.services.trainer.fp8.convert import convert_experts
 from meshtrain.services.trainer.fp8.experts import (
     Fp8GroupedExperts,
+    _Fp8GroupedLinear,
     fp8_grouped_linear,
     fp8_grouped_mm,
     quantize_rows,
@@ -150,6 +151,13 @@ def test_the_kernel_call_passes_torchs_own_checks():
         *(t.to(meta) for t in (*quantize_rows(dy), *quantize_rows(wt))), counts, kernel=True
     )
     assert dgrad.shape == (64, 32)
+    # the whole function's kernel path, its bf16 weight-gradient `torch._grouped_mm` included
+    xm = torch.empty(64, 32, device=meta, dtype=torch.bfloat16, requires_grad=True)
+    wm = torch.empty(4, 48, 32, device=meta, requires_grad=True)
+    y = _Fp8GroupedLinear.apply(xm, wm, counts, 0, True)
+    y.backward(torch.empty_like(y))
+    assert (y.shape, xm.grad.shape, wm.grad.shape) == ((64, 48), (64, 32), (4, 48, 32))
+    assert wm.grad.dtype == torch.float32
 
 
 MOE = dict(

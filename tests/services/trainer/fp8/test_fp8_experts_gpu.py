@@ -1,7 +1,7 @@
 """FP8 grouped expert GEMMs on CUDA: `torch._scaled_grouped_mm` against the emulation (the fp32
 product of the same FP8 values) and a MoE model training with train.fp8_experts against bf16.
 
-Skipped without CUDA, without compute capability 9.x/10.x or without `torch._scaled_grouped_mm`.
+Skipped without CUDA, without compute capability 9.x or without `torch._scaled_grouped_mm`.
 Tolerance kernel against emulation: both multiply the same e4m3 values exactly and sum in fp32,
 in different orders, then round to bf16: an output may land on the neighbouring bf16 value
 (2^-7 of itself, `rtol`), and outputs that cancel to near zero keep only fp32 rounding of the
