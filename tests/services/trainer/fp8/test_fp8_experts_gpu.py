@@ -10,6 +10,7 @@ terms (`atol`, 1e-3 of the largest output).
 
 import pytest
 import torch
+from torch._inductor import config as inductor_config
 
 from meshtrain.services.common.model_config import ModelConfig
 from meshtrain.services.trainer.config.load import load_config
@@ -96,9 +97,15 @@ def test_fp8_grouped_linear_kernel_path_matches_the_emulated_path(counts):
 
 
 def test_compiled_fp8_moe_block_follows_eager():
-    """Inductor compiles the quantization into its own kernels (the same rule, another order of
-    operations in the reciprocal and the casts): the block's output and gradients within 1% of
-    eager's, by norm."""
+    """Inductor compiles the quantization into its own kernels: with Inductor told to round as
+    eager does (`emulate_precision_casts`), the block's output and gradients equal eager's to
+    1e-3 by norm (CPU: bit for bit but for 7.5e-6 in dx).
+
+    Without it they differ by 3.7% on an H100 (3.4% on the CPU): Inductor fuses the fp32 master
+    weight's cast to bf16 into the quantization and skips the bf16 rounding, and one bf16 ulp
+    upstream moves values across e4m3's far coarser grid, in the router and activation too. That
+    is a different rounding of the same rule, not an error: compiled training follows bf16 as
+    closely (`test_fp8_experts_training_on_cuda_follows_bf16`)."""
     cfg = ModelConfig(
         num_layers=1,
         hidden_size=128,
@@ -122,12 +129,13 @@ def test_compiled_fp8_moe_block_follows_eager():
         block.experts.__class__ = Fp8GroupedExperts
         run = torch.compile(block) if compiled else block
         xi = x.clone().requires_grad_(True)
-        y = run(xi)
-        y.float().square().sum().backward()
-        results.append((y, xi.grad, block.experts.fc1.weight.grad))
-    for eager, comp in zip(*results):
+        with inductor_config.patch(emulate_precision_casts=True):
+            y = run(xi)
+            y.float().square().sum().backward()
+        results.append((y.detach(), xi.grad, block.experts.fc1.weight.grad))
+    for name, eager, comp in zip(("y", "dx", "dw1"), *results):
         err = (comp.float() - eager.float()).norm() / eager.float().norm()
-        assert err < 1e-2
+        assert err < 1e-3, name
 
 
 def test_fp8_experts_training_on_cuda_follows_bf16(corpus_cache, tmp_path):
