@@ -176,31 +176,11 @@ def apply_fp8(
             f"train.fp8: {bf16_layers_at_start} first and {bf16_layers_at_end} last blocks kept in "
             f"bf16 leave none of the model's {n} blocks for FP8"
         )
-    chosen: list[tuple[str, Any]] = []  # nn.Linear or a tensor-parallel layer, swapped below
-    kept: list[str] = []
-    for i, block in blocks:
-        for sub, name in DENSE_LINEARS:
-            layer = getattr(getattr(block, sub, None), name, None)
-            if layer is None:  # a mixture-of-experts block has no fc1/fc2
-                continue
-            full = f"layers.{i}.{sub}.{name}"
-            if i < bf16_layers_at_start or i >= n - bf16_layers_at_end:
-                kept.append(f"{full} (bf16 block)")
-                continue
-            out_f, in_f = layer.weight.shape
-            if not fp8_ready_shape(in_f, out_f):
-                kept.append(f"{full} (local weight {out_f}x{in_f}: FP8 GEMMs need multiples of 16)")
-                continue
-            chosen.append((full, layer))
-    if kept:
-        log.info(
-            "FP8: %d dense linear layers stay bf16: %s",
-            len(kept),
-            "; ".join(kept[:6]) + (f"; and {len(kept) - 6} more" if len(kept) > 6 else ""),
-        )
+    in_fp8 = range(bf16_layers_at_start, n - bf16_layers_at_end)
+    chosen, kept = _choose_dense(blocks, in_fp8)
     fp8_experts = (
         convert_experts(
-            [(i, b) for i, b in blocks if bf16_layers_at_start <= i < n - bf16_layers_at_end],
+            [(i, b) for i, b in blocks if i in in_fp8],
             recipe.margin,
         )
         if experts
@@ -220,19 +200,7 @@ def apply_fp8(
     )
     for index, (name, layer) in enumerate(chosen):
         delayed = (state, index) if state is not None else None
-        if isinstance(layer, Fp8Linear) or isinstance(getattr(layer, "linear", None), Fp8Gemm):
-            raise ConfigError(f"{name} is already an FP8 layer")
-        if type(layer) is nn.Linear:  # no tensor parallelism: only cp splits the activations
-            layer.__class__ = Fp8Linear
-            cp = _activation_group(mesh, tp_split=False)
-            groups = Groups(input=cp, grad_output=cp, tokens=cp)
-            cast(Fp8Linear, layer).make_fp8(Fp8Gemm(recipe, groups, delayed))  # swapped above
-        else:  # tensor parallel: column- or row-parallel, whose `linear` is the GEMM
-            layer.linear = _tp_gemm(layer, mesh, recipe, delayed, all_gather)
-            if hasattr(layer, "async_grad"):
-                layer.async_grad = (
-                    False  # its fused backward runs bf16 GEMMs; the plain path takes FP8
-                )
+        _convert_dense(name, layer, mesh, recipe, delayed, all_gather)
     fused_inputs = []
     if recipe.fused_casts and recipe.recipe != "rowwise":  # see fp8/fused_inputs.py
         for i, block in blocks:
@@ -247,6 +215,61 @@ def apply_fp8(
         fp8_experts,
         fused_inputs,
     )
+
+
+def _choose_dense(
+    blocks: list[tuple[int, nn.Module]], in_fp8: range
+) -> tuple[list[tuple[str, Any]], list[str]]:
+    """The blocks' dense linears that go FP8 (name, layer: nn.Linear or a tensor-parallel layer),
+    and those that stay bf16 with the reason (logged): outside `in_fp8`, or a local weight shape
+    cuBLAS's FP8 GEMM refuses."""
+    chosen: list[tuple[str, Any]] = []
+    kept: list[str] = []
+    for i, block in blocks:
+        for sub, name in DENSE_LINEARS:
+            layer = getattr(getattr(block, sub, None), name, None)
+            if layer is None:  # a mixture-of-experts block has no fc1/fc2
+                continue
+            full = f"layers.{i}.{sub}.{name}"
+            if i not in in_fp8:
+                kept.append(f"{full} (bf16 block)")
+                continue
+            out_f, in_f = layer.weight.shape
+            if not fp8_ready_shape(in_f, out_f):
+                kept.append(f"{full} (local weight {out_f}x{in_f}: FP8 GEMMs need multiples of 16)")
+                continue
+            chosen.append((full, layer))
+    if kept:
+        log.info(
+            "FP8: %d dense linear layers stay bf16: %s",
+            len(kept),
+            "; ".join(kept[:6]) + (f"; and {len(kept) - 6} more" if len(kept) > 6 else ""),
+        )
+    return chosen, kept
+
+
+def _convert_dense(
+    name: str,
+    layer: Any,
+    mesh: Mesh,
+    recipe: Recipe,
+    delayed: tuple[DelayedState, int] | None,
+    all_gather: bool,
+) -> None:
+    """Make one chosen dense linear FP8 in place: an `nn.Linear` becomes an `Fp8Linear`; a
+    tensor-parallel layer gets an FP8 GEMM as its `linear`."""
+    if isinstance(layer, Fp8Linear) or isinstance(getattr(layer, "linear", None), Fp8Gemm):
+        raise ConfigError(f"{name} is already an FP8 layer")
+    if type(layer) is nn.Linear:  # no tensor parallelism: only cp splits the activations
+        layer.__class__ = Fp8Linear
+        cp = _activation_group(mesh, tp_split=False)
+        groups = Groups(input=cp, grad_output=cp, tokens=cp)
+        cast(Fp8Linear, layer).make_fp8(Fp8Gemm(recipe, groups, delayed))  # swapped above
+    else:  # tensor parallel: column- or row-parallel, whose `linear` is the GEMM
+        layer.linear = _tp_gemm(layer, mesh, recipe, delayed, all_gather)
+        if hasattr(layer, "async_grad"):
+            # its fused backward runs bf16 GEMMs; the plain path takes FP8
+            layer.async_grad = False
 
 
 def convert_experts(blocks: list[tuple[int, nn.Module]], margin: int) -> list[str]:
