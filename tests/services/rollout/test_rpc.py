@@ -209,7 +209,7 @@ def test_a_worker_killed_mid_request_or_added_during_a_run_loses_and_repeats_not
         reference = engine_from_checkpoint(root, device="cpu", eod_id=0)
         # Long enough on the child that the kill lands while its shard is being sampled; the
         # kill waits for the child to start computing, however busy the machine is.
-        req = RolloutRequest(PROMPTS * 4, 16, SamplingParams(max_new_tokens=30, seed=2))
+        req = RolloutRequest(PROMPTS * 8, 16, SamplingParams(max_new_tokens=30, seed=2))
         with RolloutClient([doomed, steady], retry_after_s=60) as client:
             threading.Thread(target=_kill_once_busy, args=(child.pid,), daemon=True).start()
             got = client.generate(req)
