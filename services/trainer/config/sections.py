@@ -130,7 +130,9 @@ class TrainConfig:
     gradient in bf16 (fp8/experts.py says why). Routers and shared experts stay bf16, and
     parameters and checkpoints do not change. Off Hopper (CUDA sm90), with
     model.moe_grouped_gemm=false, or where an expert weight's local width is not a multiple of
-    16, the same FP8 values run an emulation (dequantized fp32 GEMMs, slow: for tests)."""
+    16, the same FP8 values run an emulation (dequantized fp32 GEMMs, slow: for tests). Under
+    train.bf16_weight_copies the expert weights are quantized once per optimizer step
+    (fp8/weights.py), else in every micro-batch, to the same values."""
     fp8_all_gather: bool = True
     """Under sequence parallelism, the FP8 column-parallel layers (QKV, fc1) cast their input
     chunk to FP8 before the sequence all-gather: half the bytes of the bf16 gather, the same

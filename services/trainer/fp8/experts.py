@@ -22,6 +22,15 @@ held to; both take their operands from `quantize_rows`. Rows past counts.sum() (
 come out zero from the emulation and unwritten from the kernel, as the bf16 paths'
 (`model/grouped_gemm.py`); the MoE block masks them.
 
+The weight's two quantizations (the forward's W per row, the dgrad's Wᵀ per row:
+`quantize_weight`) are made in the forward (Wᵀ's where x's gradient will be asked for), and the
+backward keeps Wᵀ's with x and the counts, no bf16 weight. Under bf16 weight copies (one process)
+`Fp8WeightCache` (fp8/weights.py) makes both once per optimizer step instead and hands them in by
+functional_call as this module's `fp8_fc*` buffers (empty and non-persistent otherwise: the state
+dict is `GroupedExperts`'). The values are the same either way (the same rounding of the same
+weight), and so are the saved tensors' shapes: activation recompute, whose rerun forward runs
+without the cache, saves what the cached forward saved.
+
 Rowwise scales are per token row or per weight row of this rank's tensors: nothing is reduced
 across ranks, so expert parallelism (each rank's rows for its local experts) and tensor-parallel
 experts (fc1/fc2 widths split) run it unchanged; a split width that is not a multiple of 16 runs
@@ -29,6 +38,8 @@ the emulation.
 """
 
 from __future__ import annotations
+
+from typing import cast
 
 import torch
 
@@ -128,28 +139,46 @@ def _(aq, a_inv, bq, b_inv, counts):
 
 
 class _Fp8GroupedLinear(torch.autograd.Function):
-    """x (rows, K) · weight (experts, N, K) per expert: forward and dgrad in FP8, wgrad bf16."""
+    """x (rows, K) · weight (experts, N, K) per expert: forward and dgrad in FP8, wgrad bf16.
+
+    `wq, w_inv, wtq, wt_inv`: the weight's two quantizations (`quantize_weight`) where
+    `Fp8WeightCache` made them this step, else None: quantized here. `dgrad`: the backward will
+    compute x's gradient, so the forward keeps the transpose's quantization for it (made here
+    from the weight where not given). Either way the backward keeps x, the counts and that
+    quantization, tensors of the same shapes, so activation recompute (whose rerun has no cache)
+    saves what the forward saved."""
 
     @staticmethod
-    def forward(ctx, x, weight, counts, margin: int, kernel: bool):
+    def forward(
+        ctx, x, weight, counts, margin: int, kernel: bool, dgrad: bool, wq, w_inv, wtq, wt_inv
+    ):
         x2 = x.to(torch.bfloat16)  # one rounding path whatever arrives (fp32 or bf16)
-        w = weight.to(torch.bfloat16)  # (G, N, K)
         xq, x_inv = quantize_rows(x2, margin)  # per token over K
-        wq, w_inv = quantize_rows(w, margin)  # per output row over K
+        if wq is None:
+            w = weight.to(torch.bfloat16)  # (G, N, K)
+            wq, w_inv = quantize_rows(w, margin)  # per output row over K
+            if dgrad:  # per column over N: Wᵀ (G, K, N) by rows
+                wtq, wt_inv = quantize_rows(w.transpose(1, 2).contiguous(), margin)
         y = fp8_grouped_mm(xq, x_inv, wq, w_inv, counts, kernel)  # (rows, N)
-        ctx.save_for_backward(x2, w, counts)
+        if not dgrad:
+            wtq = wt_inv = None
+        ctx.save_for_backward(x2, counts, wtq, wt_inv)  # no weight: the wgrad needs x only
         ctx.margin, ctx.kernel = margin, kernel
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         return y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
-        x2, w, counts = ctx.saved_tensors
+        x2, counts, wtq, wt_inv = ctx.saved_tensors
         dy2 = dy.to(torch.bfloat16).contiguous()  # (rows, N)
         dx = dw = None
         if ctx.needs_input_grad[0]:  # dx = dy · W: sums over N
+            if wtq is None:
+                raise RuntimeError(
+                    "fp8_grouped_linear: x's gradient is asked for, but the forward ran where it "
+                    "needed none (no grad mode or x not requiring grad) and kept no Wᵀ"
+                )
             dyq, dy_inv = quantize_rows(dy2, ctx.margin)  # per token over N
-            wtq, wt_inv = quantize_rows(w.transpose(1, 2).contiguous(), ctx.margin)  # (G, K, N)
             dx = fp8_grouped_mm(dyq, dy_inv, wtq, wt_inv, counts, ctx.kernel)
             dx = dx.to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:  # dW = dyᵀ · x per expert, bf16 (see the module doc)
@@ -159,11 +188,30 @@ class _Fp8GroupedLinear(torch.autograd.Function):
             else:
                 dw = grouped_mm_loop_weight_grad(dy2, x2, counts)
             dw = dw.to(ctx.w_dtype)
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None, None, None, None, None
+
+
+QuantizedWeight = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+"""An expert weight's (wq, w_inv, wtq, wt_inv): `quantize_rows` of its bf16 cast (G, N, K) and
+of that cast's contiguous transpose (G, K, N), as `Fp8WeightCache` keeps them for a step."""
+
+
+def quantize_weight(weight: torch.Tensor, margin: int = 0) -> QuantizedWeight:
+    """Both quantizations of an expert weight (G, N, K) that `fp8_grouped_linear` would make from
+    it: the forward's (per output row over K) and the dgrad's (per input column over N)."""
+    w = weight.to(torch.bfloat16)
+    wq, w_inv = quantize_rows(w, margin)
+    wtq, wt_inv = quantize_rows(w.transpose(1, 2).contiguous(), margin)
+    return wq, w_inv, wtq, wt_inv
 
 
 def fp8_grouped_linear(
-    x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, grouped: bool, margin: int = 0
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    counts: torch.Tensor,
+    grouped: bool,
+    margin: int = 0,
+    quantized: QuantizedWeight | None = None,
 ) -> torch.Tensor:
     """`model.grouped_gemm.grouped_linear` with the forward and input-gradient GEMMs in FP8.
 
@@ -174,6 +222,10 @@ def fp8_grouped_linear(
         grouped: model.moe_grouped_gemm: `torch._scaled_grouped_mm` where it runs (per GEMM:
             in and out multiples of 16, for the forward and the dgrad alike); else the emulation.
         margin: train.fp8_margin.
+        quantized: `quantize_weight(weight, margin)` made beforehand (this step's, by
+            `Fp8WeightCache`), used instead of quantizing the weight here. None: quantized here,
+            to the same values (Wᵀ's quantization in the forward too, for the backward, where
+            x's gradient will be asked for).
 
     Returns:
         (rows, out) in x's dtype (autocast's under autocast).
@@ -183,8 +235,12 @@ def fp8_grouped_linear(
         x = x.to(torch.get_autocast_dtype(device))
     out_f, in_f = weight.shape[1], weight.shape[2]
     kernel = grouped and scaled_grouped_mm_available(x, in_f, out_f)
+    # decided here, not from ctx in the forward (True there under no_grad too): a plain bool
+    dgrad = torch.is_grad_enabled() and x.requires_grad
     with torch.autocast(device, enabled=False):  # the casts and GEMMs choose their own dtypes
-        return _Fp8GroupedLinear.apply(x, weight, counts, margin, kernel)
+        return _Fp8GroupedLinear.apply(
+            x, weight, counts, margin, kernel, dgrad, *(quantized or (None, None, None, None))
+        )
 
 
 class Fp8GroupedExperts(GroupedExperts):
@@ -192,23 +248,50 @@ class Fp8GroupedExperts(GroupedExperts):
     and state dict (made by `make_fp8` on an existing block, as `Fp8Linear`)."""
 
     margin: int = 0
+    # Empty (non-persistent: not in the state dict), except where `Fp8WeightCache` passes this
+    # step's quantized weights in (by functional_call): `QuantizedWeight` of fc1 and of fc2
+    fp8_fc1_weight: torch.Tensor
+    fp8_fc1_weight_inv: torch.Tensor
+    fp8_fc1_weight_t: torch.Tensor
+    fp8_fc1_weight_t_inv: torch.Tensor
+    fp8_fc2_weight: torch.Tensor
+    fp8_fc2_weight_inv: torch.Tensor
+    fp8_fc2_weight_t: torch.Tensor
+    fp8_fc2_weight_t_inv: torch.Tensor
 
     def make_fp8(self, margin: int) -> None:
         """Called once on a `GroupedExperts` whose class was swapped to this one."""
         self.margin = margin
+        for name in FP8_EXPERT_BUFFERS:
+            empty = torch.empty(0, device=self.fc1.weight.device)
+            self.register_buffer(name, empty, persistent=False)
+
+    def quantized(self, fc: str) -> QuantizedWeight | None:
+        """fc ('fc1' or 'fc2')'s cached quantization where one was passed in, else None."""
+        parts = tuple(getattr(self, f"fp8_{fc}_{suffix}") for suffix in _SUFFIXES)
+        return cast(QuantizedWeight, parts) if parts[0].numel() else None
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (rows, hidden) grouped by local expert -> (rows, hidden)."""
-        h = fp8_grouped_linear(x, self.fc1.weight, counts, self.grouped, self.margin)
+        fc1, fc2 = self.quantized("fc1"), self.quantized("fc2")
+        h = fp8_grouped_linear(x, self.fc1.weight, counts, self.grouped, self.margin, fc1)
         h = dispatch.swiglu(h) if self.swiglu else dispatch.gelu(h)
-        return fp8_grouped_linear(h, self.fc2.weight, counts, self.grouped, self.margin)
+        return fp8_grouped_linear(h, self.fc2.weight, counts, self.grouped, self.margin, fc2)
+
+
+_SUFFIXES = ("weight", "weight_inv", "weight_t", "weight_t_inv")
+FP8_EXPERT_BUFFERS = tuple(f"fp8_{fc}_{suffix}" for fc in ("fc1", "fc2") for suffix in _SUFFIXES)
+"""`Fp8GroupedExperts`'s buffer names, in `QuantizedWeight`'s order for fc1, then fc2."""
 
 
 __all__ = [
+    "FP8_EXPERT_BUFFERS",
     "Fp8GroupedExperts",
+    "QuantizedWeight",
     "fp8_grouped_linear",
     "fp8_grouped_mm",
     "fp8_grouped_mm_emulated",
     "quantize_rows",
+    "quantize_weight",
     "scaled_grouped_mm_available",
 ]

@@ -24,6 +24,7 @@ from meshtrain.services.trainer.fp8.experts import (
     fp8_grouped_linear,
     fp8_grouped_mm,
     quantize_rows,
+    quantize_weight,
 )
 from meshtrain.services.trainer.fp8.scaling import E4M3
 from meshtrain.services.trainer.model import GPT
@@ -151,13 +152,16 @@ def test_the_kernel_call_passes_torchs_own_checks():
         *(t.to(meta) for t in (*quantize_rows(dy), *quantize_rows(wt))), counts, kernel=True
     )
     assert dgrad.shape == (64, 32)
-    # the whole function's kernel path, its bf16 weight-gradient `torch._grouped_mm` included
-    xm = torch.empty(64, 32, device=meta, dtype=torch.bfloat16, requires_grad=True)
-    wm = torch.empty(4, 48, 32, device=meta, requires_grad=True)
-    y = _Fp8GroupedLinear.apply(xm, wm, counts, 0, True)
-    y.backward(torch.empty_like(y))
-    assert (y.shape, xm.grad.shape, wm.grad.shape) == ((64, 48), (64, 32), (4, 48, 32))
-    assert wm.grad.dtype == torch.float32
+    # the whole function's kernel path, its bf16 weight-gradient `torch._grouped_mm` included,
+    # quantizing the weight itself and given it quantized (`Fp8WeightCache`'s buffers)
+    for cached in (False, True):
+        xm = torch.empty(64, 32, device=meta, dtype=torch.bfloat16, requires_grad=True)
+        wm = torch.empty(4, 48, 32, device=meta, requires_grad=True)
+        quantized = quantize_weight(wm.detach()) if cached else (None, None, None, None)
+        y = _Fp8GroupedLinear.apply(xm, wm, counts, 0, True, True, *quantized)
+        y.backward(torch.empty_like(y))
+        assert (y.shape, xm.grad.shape, wm.grad.shape) == ((64, 48), (64, 32), (4, 48, 32))
+        assert wm.grad.dtype == torch.float32
 
 
 MOE = dict(
@@ -226,6 +230,7 @@ def _block() -> MoE:
         if p.requires_grad:
             nn.init.normal_(p, std=0.1)
     block.experts.__class__ = Fp8GroupedExperts
+    block.experts.make_fp8(0)
     return block.train()
 
 

@@ -19,10 +19,12 @@ from meshtrain.services.trainer.fp8.experts import (
     fp8_grouped_linear,
     fp8_grouped_mm,
     quantize_rows,
+    quantize_weight,
     scaled_grouped_mm_available,
 )
+from meshtrain.services.trainer.fp8.weights import Fp8WeightCache
 from meshtrain.services.trainer.model.moe import MoE
-from meshtrain.services.trainer.train import train
+from meshtrain.services.trainer.train import Trainer, train
 from tests.services.trainer.conftest import small_job_args
 
 
@@ -127,6 +129,7 @@ def test_compiled_fp8_moe_block_follows_eager():
             if p.requires_grad:
                 torch.nn.init.normal_(p, std=0.05)
         block.experts.__class__ = Fp8GroupedExperts
+        block.experts.make_fp8(0)
         run = torch.compile(block) if compiled else block
         xi = x.clone().requires_grad_(True)
         with inductor_config.patch(emulate_precision_casts=True):
@@ -136,6 +139,62 @@ def test_compiled_fp8_moe_block_follows_eager():
     for name, eager, comp in zip(("y", "dx", "dw1"), *results):
         err = (comp.float() - eager.float()).norm() / eager.float().norm()
         assert err < 1e-3, name
+
+
+def test_kernel_path_on_the_cached_quantization_is_bit_identical():
+    """`fp8_grouped_linear` on the kernel path given `quantize_weight`'s operands (what
+    `Fp8WeightCache` keeps per step) against quantizing the weight itself: the same output and
+    both gradients, bit for bit."""
+    torch.manual_seed(2)
+    counts = COUNTS[0]
+    used, k, n = sum(counts), 128, 256
+    c = torch.tensor(counts, device="cuda")
+    x = torch.randn(used, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(len(counts), n, k, device="cuda") * 0.05
+    dy = torch.randn(used, n, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for quantized in (None, quantize_weight(w)):
+        xi, wi = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        y = fp8_grouped_linear(xi, wi, c, True, quantized=quantized)
+        y.backward(dy)
+        results.append((y[:used], xi.grad, wi.grad))
+    for what, got, ref in zip(("y", "dx", "dw"), *results):
+        assert torch.equal(got, ref), what
+
+
+def test_fp8_experts_cached_per_step_train_on_cuda_as_uncached(corpus_cache, tmp_path, monkeypatch):
+    """Through the trainer on CUDA with bf16 weight copies and 2 micro-batches a step: the expert
+    weights quantized once per step (`Fp8WeightCache`) against in every micro-batch (the cache
+    without its expert entries), 4 steps: the same losses (to 1e-3: the CUDA step need not be
+    deterministic; the CPU test holds them bit for bit)."""
+    common = {
+        "model.num_experts": 4,
+        "model.moe_ffn_hidden_size": 64,
+        "model.moe_router_topk": 2,
+        "model.activation": "swiglu",
+        "model.normalization": "rmsnorm",
+        "model.add_bias_linear": False,
+        "train.device": "cuda",
+        "train.bf16": True,
+        "train.fp8": "e4m3",
+        "train.fp8_recipe": "rowwise",
+        "train.fp8_experts": True,
+        "train.eval_interval": 0,
+        "train.train_iters": 4,
+    }
+    runs = []
+    for name in ("cached", "uncached"):
+        if name == "uncached":
+            monkeypatch.setattr(Fp8WeightCache, "_add_experts", lambda self, name, experts: None)
+        trainer = Trainer(load_config(small_job_args(corpus_cache, tmp_path / name, **common)))
+        cache = trainer.fp8_weights
+        if name == "cached":
+            assert cache is not None and len(cache.entries) == 2 * 8  # 2 blocks, rowwise dense
+        else:
+            assert cache is None
+        runs.append([trainer.train_step(step)[0].item() for step in range(4)])
+        trainer.release_run_dir()
+    assert runs[0] == pytest.approx(runs[1], rel=1e-3)
 
 
 def test_fp8_experts_training_on_cuda_follows_bf16(corpus_cache, tmp_path):
