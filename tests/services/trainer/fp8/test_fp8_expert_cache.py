@@ -21,6 +21,7 @@ from meshtrain.services.trainer.parallel.mesh import Mesh
 from meshtrain.services.trainer.train import Trainer
 from meshtrain.services.trainer.weight_copies import WeightCopies, call_with
 from tests.services.trainer.conftest import small_job_args
+from tests.services.trainer.fp8.moe_jobs import MOE_MODEL
 from tests.services.trainer.fp8.test_fp8_experts import MOE
 
 EXPERTS = ["layers.0.mlp.experts", "layers.2.mlp.experts", "layers.3.mlp.experts"]
@@ -148,12 +149,7 @@ def _moe_job(tmp_path, corpus_cache, name, **extra):
             corpus_cache,
             tmp_path / name,
             **{
-                "model.num_experts": 4,
-                "model.moe_ffn_hidden_size": 64,
-                "model.moe_router_topk": 2,
-                "model.activation": "swiglu",
-                "model.normalization": "rmsnorm",
-                "model.add_bias_linear": False,
+                **MOE_MODEL,
                 "train.bf16": True,
                 "train.bf16_weight_copies": True,
                 "train.fp8": "hybrid",

@@ -33,6 +33,7 @@ from meshtrain.services.trainer.model.moe import MoE, moe_layers
 from meshtrain.services.trainer.parallel.mesh import Mesh
 from meshtrain.services.trainer.train import train
 from tests.services.trainer.conftest import small_job_args
+from tests.services.trainer.fp8.moe_jobs import MOE_MODEL
 
 # 5 and 8 rows for experts 0 and 2, none for 1 and 3; 3 rows past counts.sum() (dropped choices)
 COUNTS = torch.tensor([5, 0, 8, 0])
@@ -314,12 +315,7 @@ def test_fp8_experts_training_follows_bf16(corpus_cache, tmp_path):
     within 1% of bf16 at each of 8 steps, and not equal to the run with FP8 dense layers alone
     (the expert path really ran)."""
     common = {
-        "model.num_experts": 4,
-        "model.moe_ffn_hidden_size": 64,
-        "model.moe_router_topk": 2,
-        "model.activation": "swiglu",
-        "model.normalization": "rmsnorm",
-        "model.add_bias_linear": False,
+        **MOE_MODEL,
         "train.bf16": True,
         "train.eval_interval": 0,
         "train.train_iters": 8,

@@ -26,6 +26,7 @@ from meshtrain.services.trainer.fp8.weights import Fp8WeightCache
 from meshtrain.services.trainer.model.moe import MoE
 from meshtrain.services.trainer.train import Trainer, train
 from tests.services.trainer.conftest import small_job_args
+from tests.services.trainer.fp8.moe_jobs import MOE_MODEL
 
 
 def _kernel_runs() -> bool:
@@ -168,12 +169,7 @@ def test_fp8_experts_cached_per_step_train_on_cuda_as_uncached(corpus_cache, tmp
     without its expert entries), 4 steps: the same losses (to 1e-3: the CUDA step need not be
     deterministic; the CPU test holds them bit for bit)."""
     common = {
-        "model.num_experts": 4,
-        "model.moe_ffn_hidden_size": 64,
-        "model.moe_router_topk": 2,
-        "model.activation": "swiglu",
-        "model.normalization": "rmsnorm",
-        "model.add_bias_linear": False,
+        **MOE_MODEL,
         "train.device": "cuda",
         "train.bf16": True,
         "train.fp8": "e4m3",
@@ -202,12 +198,7 @@ def test_fp8_experts_training_on_cuda_follows_bf16(corpus_cache, tmp_path):
     experts within 2% of bf16 at every step and learning; within 1% of the same run through the
     emulation (model.moe_grouped_gemm=false); and not equal to FP8 dense layers alone."""
     common = {
-        "model.num_experts": 4,
-        "model.moe_ffn_hidden_size": 64,
-        "model.moe_router_topk": 2,
-        "model.activation": "swiglu",
-        "model.normalization": "rmsnorm",
-        "model.add_bias_linear": False,
+        **MOE_MODEL,
         "train.device": "cuda",
         "train.bf16": True,
         "train.eval_interval": 0,
