@@ -176,7 +176,7 @@ def breakdown(
     busy = length(busy_u)
     comm_u, compute_u = merge(comm), merge(compute)
     comm_total = length(comm_u)
-    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:30]
     exposed_by: dict[str, float] = {}
     starts = [a for a, _ in compute_u]
     for sp in spans:  # each collective's own time with no compute beside it

@@ -3,8 +3,11 @@
 Under bf16 autocast each `F.linear` casts its fp32 weight (and bias) to bf16 in every
 micro-batch's forward, and in backward its bf16 weight gradient goes back through that cast to
 fp32 before autograd adds it to `.grad`: per parameter and micro-batch a 6-byte cast, a 6-byte
-gradient cast and a 12-byte accumulation. `WeightCopies` keeps one bf16 copy of each
-`nn.Linear` parameter instead (a leaf tensor), refreshed from its fp32 parameter once per
+gradient cast and a 12-byte accumulation. The MoE experts' grouped GEMMs cast their stacked
+weights the same way (`model.moe.StackedWeight`), and in a MoE model those are most of the
+parameters, each seen by a fraction of the tokens, so the casts weigh more there than beside a
+dense layer's GEMMs. `WeightCopies` keeps one bf16 copy of each `nn.Linear` parameter and of
+each stacked expert weight instead (a leaf tensor), refreshed from its fp32 parameter once per
 step; the model runs on the copies through `torch.func.functional_call`, and a
 post-accumulate-grad hook adds each copy's bf16 gradient into its fp32 parameter's `.grad`
 (10 bytes) and drops it. The fp32 parameters stay the model's parameters (the optimizer's
@@ -21,15 +24,19 @@ stream's dtype is `model.fp32_residual_connection`'s choice, not the table's).
     loss.backward()                                             # fp32 .grad of model's parameters
 
 With `fuse_weight_grads` (train.gradient_accumulation_fusion, Megatron-LM's
---gradient-accumulation-fusion) the weight copies take no gradient at all: each `nn.Linear`
-whose weight is copied runs `_LinearIntoMainGrad`, whose backward adds the weight gradient into
-the fp32 parameter's `.grad` inside the weight-gradient GEMM (`accumulate_weight_grad`: on CUDA
-cuBLAS with an fp32 output and beta = 1). That drops the bf16 gradient's write and read (4 of
-the 12 bytes per weight and micro-batch above) and the separate add's launch; the fp32 read and
-write move into the GEMM's epilogue, beside its arithmetic. The micro-batch's gradient is no
-longer rounded to bf16 before it is added (more exact than autocast, so not bit for bit its
-values). The `.grad`s must exist before the backward: `refresh` allocates the missing ones as
-zeros.
+--gradient-accumulation-fusion) the linear layers' weight copies take no gradient at all: each
+`nn.Linear` whose weight is copied runs `_LinearIntoMainGrad`, whose backward adds the weight
+gradient into the fp32 parameter's `.grad` inside the weight-gradient GEMM
+(`accumulate_weight_grad`: on CUDA cuBLAS with an fp32 output and beta = 1). That drops the bf16
+gradient's write and read (4 of the 12 bytes per weight and micro-batch above) and the separate
+add's launch; the fp32 read and write move into the GEMM's epilogue, beside its arithmetic. The
+micro-batch's gradient is no longer rounded to bf16 before it is added (more exact than
+autocast, so not bit for bit its values). The `.grad`s must exist before the backward: `refresh`
+allocates the missing ones as zeros.
+
+The experts' copies keep the hook (torch's grouped GEMM writes its weight gradient in bf16, with
+no fp32 output to add into): 12 bytes moved per expert weight element and micro-batch, against
+26 under autocast (the casts, the accumulation and the GEMM's bf16 write).
 """
 
 from __future__ import annotations
@@ -44,9 +51,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshtrain.services.trainer.model.moe import StackedWeight
+
 
 class WeightCopies:
-    """Compute-dtype leaf copies of every `nn.Linear` parameter of a model (see the module doc).
+    """Compute-dtype leaf copies of every `nn.Linear` parameter and stacked expert weight of a
+    model (see the module doc).
 
     Args:
         model: its `nn.Linear` weights and biases get copies; a parameter shared by several
@@ -70,11 +80,11 @@ class WeightCopies:
         ] = {}  # the fused weights, whose .grad the GEMMs add into
         by_param: dict[int, torch.Tensor] = {}
         for module_name, module in model.named_modules(remove_duplicate=False):
-            if not isinstance(module, nn.Linear):
+            if not isinstance(module, (nn.Linear, StackedWeight)):
                 continue
             fusable = type(module) in (nn.Linear, MainGradLinear) or getattr(
                 module, "adds_into_main_grad", False
-            )
+            )  # never a StackedWeight: its gradient goes through the hook
             if fuse_weight_grads and module.weight.requires_grad and fusable:
                 if type(module) is nn.Linear:
                     module.__class__ = MainGradLinear
@@ -97,7 +107,9 @@ class WeightCopies:
                     self._pairs.append((copy, param))
                 self.copies[name] = copy
         if not self._pairs:
-            raise ValueError(f"{type(model).__name__} has no nn.Linear parameters to copy")
+            raise ValueError(
+                f"{type(model).__name__} has no nn.Linear or stacked expert parameters to copy"
+            )
         self.refresh()
 
     @torch.no_grad()

@@ -20,9 +20,9 @@ FP8 experts (`Fp8GroupedExperts`, train.fp8_experts; row-scaled e4m3 whatever th
 so under rowwise dense layers too) get the same treatment: per block and per fc1/fc2 weight
 (G, N, K) the e4m3 weight and its per-row factors (G, N), and the e4m3 transpose (G, K, N) with
 its factors (G, K), `quantize_weight` of the weight once per step (entries
-`<block>.mlp.experts.fp8_fc*`). The stacked expert weights are no `nn.Linear`'s and have no bf16
-copy: the cache quantizes the fp32 parameter's bf16 cast, as the layer does. Memory: 2 bytes per
-expert weight element (both layouts), half the fp32 weights' bytes.
+`<block>.mlp.experts.fp8_fc*`) from the expert weight's bf16 copy, the same bf16 values the
+layer would quantize. Memory: 2 bytes per expert weight element (both layouts), half the fp32
+weights' bytes.
 
     cache = Fp8WeightCache(model, fp8)  # None-safe: `for_run` returns None where it does not apply
     copies.refresh(); cache.refresh(copies.copies)
@@ -121,8 +121,8 @@ class Fp8WeightCache:
                 state.history[index, 1, 0] = torch.maximum(state.history[index, 1, 0], aw)
         for name, experts in self._experts:
             for i, (fc, module) in enumerate((("fc1", experts.fc1), ("fc2", experts.fc2))):
-                # a copy where there is one; the stacked expert weights are no nn.Linear's, so
-                # `WeightCopies` leaves them out and the layer reads its fp32 parameter, as here
+                # the bf16 copy (`WeightCopies` copies the stacked expert weights too); the
+                # parameter where a caller passes none, whose bf16 cast `quantize_weight` takes
                 w = copies.get(f"{name}.{fc}.weight", module.weight)
                 buffers = FP8_EXPERT_BUFFERS[4 * i : 4 * i + 4]
                 for buffer, value in zip(buffers, quantize_weight(w, experts.margin), strict=True):

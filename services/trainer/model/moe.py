@@ -196,8 +196,10 @@ def expert_capacity(config: ModelConfig, seq_tokens: int) -> int | None:
 
 
 # ----------------------------------------------------------------------------- experts
-class _Stack(nn.Module):
-    """Holds one stacked weight, so the parameter is named `<name>.weight` like nn.Linear's."""
+class StackedWeight(nn.Module):
+    """Holds one stacked expert weight (experts, out, in), so the parameter is named
+    `<name>.weight` like nn.Linear's; `WeightCopies` gives it a bf16 copy as it does a linear's
+    weight."""
 
     def __init__(self, *shape: int):
         super().__init__()
@@ -217,8 +219,8 @@ class GroupedExperts(nn.Module):
         self.swiglu = config.activation == "swiglu"
         self.grouped = config.moe_grouped_gemm
         self.num_local, self.first_expert = n, first_expert
-        self.fc1 = _Stack(n, 2 * f if self.swiglu else f, h)
-        self.fc2 = _Stack(n, h, f)
+        self.fc1 = StackedWeight(n, 2 * f if self.swiglu else f, h)
+        self.fc2 = StackedWeight(n, h, f)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (rows, hidden) grouped by local expert (counts (num_local,) rows each) -> (rows,

@@ -18,6 +18,7 @@ from meshtrain.services.trainer.weight_copies import (
 )
 from tests.dist_utils import run_ranks
 from tests.services.trainer.conftest import small_job_args
+from tests.services.trainer.fp8.moe_jobs import MOE_MODEL
 
 LLAMA = {
     "model.normalization": "rmsnorm",
@@ -52,8 +53,9 @@ def _train(
         dict(
             LLAMA, **{"parallel.recompute_granularity": "full"}
         ),  # the recomputed forward casts the fp32 weights
+        dict(LLAMA, **MOE_MODEL),  # the stacked expert weights are copied too
     ],
-    ids=["gpt2", "llama", "llama-recompute"],
+    ids=["gpt2", "llama", "llama-recompute", "moe"],
 )
 def test_copies_train_bit_for_bit_like_autocast(arch, corpus_cache, tmp_path):
     """Eager on CPU the values are autocast's exactly: the same bf16 weights, and each bf16
@@ -66,6 +68,9 @@ def test_copies_train_bit_for_bit_like_autocast(arch, corpus_cache, tmp_path):
     )  # on by default here
     assert plain.weight_copies is None
     assert trainer.weight_copies is not None and trainer.weight_copies.numel() > 0
+    stacked = [n for n in params if ".experts.fc" in n]
+    assert set(stacked) <= set(trainer.weight_copies.copies)
+    assert bool(stacked) == ("model.num_experts" in arch)
     assert losses[-1] < losses[0]
     assert losses_c == losses
     for name, p in params.items():
