@@ -54,8 +54,9 @@ def _train(
             LLAMA, **{"parallel.recompute_granularity": "full"}
         ),  # the recomputed forward casts the fp32 weights
         dict(LLAMA, **MOE_MODEL),  # the stacked expert weights are copied too
+        dict(LLAMA, **MOE_MODEL, **{"parallel.recompute_granularity": "full"}),
     ],
-    ids=["gpt2", "llama", "llama-recompute", "moe"],
+    ids=["gpt2", "llama", "llama-recompute", "moe", "moe-recompute"],
 )
 def test_copies_train_bit_for_bit_like_autocast(arch, corpus_cache, tmp_path):
     """Eager on CPU the values are autocast's exactly: the same bf16 weights, and each bf16
