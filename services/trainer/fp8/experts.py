@@ -182,9 +182,12 @@ class _Fp8GroupedLinear(torch.autograd.Function):
             dx = fp8_grouped_mm(dyq, dy_inv, wtq, wt_inv, counts, ctx.kernel)
             dx = dx.to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:  # dW = dyᵀ · x per expert, bf16 (see the module doc)
-            if ctx.kernel:  # torch._grouped_mm's own weight gradient: (G, K, N), transposed
+            if ctx.kernel:
+                # dyᵀ · x: (G, N, K) contiguous, the weight's own layout. (xᵀ · dy transposed,
+                # the same values, made autograd copy every expert's gradient into that layout
+                # before accumulating it: 360 of 2,057 ms a step on the `moe` config, H100.)
                 offs = torch.cumsum(counts, 0).to(torch.int32)
-                dw = torch._grouped_mm(x2.t(), dy2, offs=offs).transpose(1, 2)
+                dw = torch._grouped_mm(dy2.t(), x2, offs=offs)
             else:
                 dw = grouped_mm_loop_weight_grad(dy2, x2, counts)
             dw = dw.to(ctx.w_dtype)

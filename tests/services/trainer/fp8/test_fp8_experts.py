@@ -163,6 +163,13 @@ def test_the_kernel_call_passes_torchs_own_checks():
         y.backward(torch.empty_like(y))
         assert (y.shape, xm.grad.shape, wm.grad.shape) == ((64, 48), (64, 32), (4, 48, 32))
         assert wm.grad.dtype == torch.float32
+    # on a bf16 weight copy the gradient comes out in the weight's layout, so autograd
+    # accumulates it without first copying it into that layout
+    xm = torch.empty(64, 32, device=meta, dtype=torch.bfloat16, requires_grad=True)
+    wm = torch.empty(4, 48, 32, device=meta, dtype=torch.bfloat16, requires_grad=True)
+    y = _Fp8GroupedLinear.apply(xm, wm, counts, 0, True, True, *quantize_weight(wm.detach()))
+    (dw,) = torch.autograd.grad(y, wm, torch.empty_like(y))
+    assert dw.dtype == torch.bfloat16 and dw.shape == (4, 48, 32) and dw.is_contiguous()
 
 
 MOE = dict(
