@@ -48,7 +48,8 @@ KINDS: list[tuple[str, re.Pattern]] = [
         "comm",
         re.compile(
             r"nccl|gloo|c10d|all_?gather|reduce_?scatter|all_?reduce|allgather|reducescatter"
-            r"|broadcast|record_param_comms|symm|memcpy ptop|memcpy peer",
+            # not inside a word: a cutlass GEMM's epilogue is named "...Sm90RowBroadcast..."
+            r"|(?<![a-z])broadcast|record_param_comms|symm|memcpy ptop|memcpy peer",
             re.IGNORECASE,
         ),
     ),

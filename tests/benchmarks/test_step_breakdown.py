@@ -61,6 +61,13 @@ def test_merge_length_and_overlap():
             "other aten",
         ),
         ("aten::mm", "gemm"),
+        (  # a row-scaled FP8 grouped GEMM: its epilogue's name is no collective
+            "_ZN7cutlass13device_kernelINS_4gemm6kernel13GemmUniversalINS1_17GroupProblemShape"
+            "EvEEJNS1O_16Sm90RowBroadcastILi0ESJ_PffNS6_",
+            "gemm",
+        ),
+        ("ncclDevKernel_Broadcast_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "comm"),
+        ("c10d::broadcast_", "comm"),
         ("gloo:all_gather", "comm"),
         ("some_custom_kernel", "other"),
     ],
