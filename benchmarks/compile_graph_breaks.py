@@ -6,6 +6,7 @@
     python benchmarks/compile_graph_breaks.py --moe      # mixture of experts, one process
     torchrun --nproc-per-node 2 benchmarks/compile_graph_breaks.py --moe --ep 2
         [--capacity-factor 1.0] [--fp8-experts]
+    python benchmarks/compile_graph_breaks.py --moe --expert-grad-fusion [--fp8-experts]
 
 Runs `torch._dynamo.explain` on a small Llama-style model (CPU, gloo when distributed) and
 prints the graph count, the graph-break count and the distinct break reasons: a compiled
@@ -14,6 +15,9 @@ the TP=2 throughput gap on the H200 is expected to come from. `--moe` makes ever
 mixture of experts (8 experts, top-2, load-balancing and z-losses; `--capacity-factor` for
 token dropping), `--ep` splits the experts over that many ranks, `--fp8-experts` runs their
 grouped GEMMs in FP8 (train.fp8_experts; on the CPU the emulation's custom op).
+`--expert-grad-fusion` (one process) runs the model on bf16 weight copies under bf16 autocast
+with train.expert_gradient_accumulation_fusion, and also compiles it with fullgraph and runs a
+backward, where the per-expert accumulation into the fp32 gradients runs.
 
 `--op-order` also prints, for the forward and backward, the order of the collective launches
 (`AR`, `RS`, `AG`), their waits (`w`) and the matmuls (`mm`), both in the AOT graphs and in
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import re
 import sys
 from pathlib import Path
@@ -40,6 +45,7 @@ from meshtrain.services.trainer.model.gpt import GPT  # noqa: E402
 from meshtrain.services.trainer.parallel.expert import parallelize_experts  # noqa: E402
 from meshtrain.services.trainer.parallel.mesh import Mesh, init_process_group  # noqa: E402
 from meshtrain.services.trainer.parallel.tensor import parallelize  # noqa: E402
+from meshtrain.services.trainer.weight_copies import WeightCopies, call_with  # noqa: E402
 
 
 def main() -> None:
@@ -59,9 +65,16 @@ def main() -> None:
     p.add_argument(
         "--capacity-factor", type=float, default=None, help="model.moe_expert_capacity_factor"
     )
+    p.add_argument(
+        "--expert-grad-fusion",
+        action="store_true",
+        help="train.expert_gradient_accumulation_fusion on bf16 weight copies (with --moe)",
+    )
     args = p.parse_args()
     if (args.ep > 1 or args.capacity_factor is not None or args.fp8_experts) and not args.moe:
         p.error("--ep, --capacity-factor and --fp8-experts need --moe")
+    if args.expert_grad_fusion and not (args.moe and args.tp == args.ep == 1):
+        p.error("--expert-grad-fusion needs --moe in one process (the weight copies' layout)")
     init_process_group("gloo")
     mesh = Mesh.build(tp=args.tp, ep=args.ep) if dist.is_initialized() else Mesh.single()
     moe = (
@@ -99,7 +112,10 @@ def main() -> None:
     if args.fp8_experts:  # the experts alone: the dense FP8 layers are not what is asked
         convert_experts(list(enumerate(model.layers)), margin=0)
     tokens = torch.randint(0, 1000, (2, 64))
-    explanation = torch._dynamo.explain(model)(tokens, tokens)
+    if args.expert_grad_fusion:
+        explanation = explain_fused_experts(model, tokens)
+    else:
+        explanation = torch._dynamo.explain(model)(tokens, tokens)
     reasons = collections.Counter(
         f"{str(b.reason).splitlines()[0][:80]} at {_where(b)}" for b in explanation.break_reasons
     )
@@ -109,6 +125,7 @@ def main() -> None:
             f"async_grad_reduce={args.async_grad_reduce} layers={args.layers}"
             + (f" moe ep={args.ep} capacity_factor={args.capacity_factor}" if args.moe else "")
             + (" fp8_experts" if args.fp8_experts else "")
+            + (" expert_grad_fusion" if args.expert_grad_fusion else "")
             + ": "
             f"{explanation.graph_count} graphs, {explanation.graph_break_count} graph breaks"
         )
@@ -126,6 +143,20 @@ def main() -> None:
                         f"{where}, {name}: {hidden} of {len(inflight)} collectives "
                         f"have matmuls in flight\n  {seq}"
                     )
+
+
+def explain_fused_experts(model: torch.nn.Module, tokens: torch.Tensor):
+    """`torch._dynamo.explain` of the model on bf16 weight copies with the experts' gradients
+    added into the fp32 .grads (under bf16 autocast, as the trainer runs it); then one
+    fullgraph compile, forward and backward, which fails where the backward could not keep the
+    accumulation in its graph."""
+    copies = WeightCopies(model, torch.bfloat16, fuse_expert_weight_grads=True)
+    run = functools.partial(call_with, model)
+    with torch.autocast("cpu", torch.bfloat16):
+        explanation = torch._dynamo.explain(run)(copies.copies, tokens, tokens)
+        compiled = torch.compile(run, backend="aot_eager", fullgraph=True)
+        compiled(copies.copies, tokens, tokens).backward()
+    return explanation
 
 
 def _where(brk) -> str:

@@ -271,11 +271,27 @@ def build_weight_copies(
     model: torch.nn.Module, train: TrainConfig, mesh: Mesh, device: torch.device
 ) -> WeightCopies | None:
     """The bf16 weight copies train.bf16_weight_copies asks for (unset: under train.bf16 in a
-    single process), with train.gradient_accumulation_fusion (unset: on CUDA); None without.
+    single process), with train.gradient_accumulation_fusion (unset: on CUDA) and
+    train.expert_gradient_accumulation_fusion; None without.
 
     Raises:
-        ConfigError: the copies, or the fusion into them, asked for with several ranks.
+        ConfigError: the copies, or either fusion into them, asked for where there are none
+            (several ranks, bf16 parameters).
     """
+    built = _weight_copies(model, train, mesh, device)
+    if built is None and train.expert_gradient_accumulation_fusion:
+        raise ConfigError(
+            "train.expert_gradient_accumulation_fusion adds into the fp32 gradients beside the "
+            "bf16 weight copies, and this job has none (they need a single process, this job has "
+            f"{mesh.world_size} ranks, and fp32 parameters, not optim.offload_bf16_params' bf16)"
+        )
+    return built
+
+
+def _weight_copies(
+    model: torch.nn.Module, train: TrainConfig, mesh: Mesh, device: torch.device
+) -> WeightCopies | None:
+    """`build_weight_copies` before the expert fusion's refusal."""
     copies = train.bf16_weight_copies
     if any(p.dtype == torch.bfloat16 for p in model.parameters() if p.requires_grad):
         # bf16 device parameters (optim.offload_bf16_params): the model runs on them; an
@@ -290,7 +306,12 @@ def build_weight_copies(
     fusion = train.gradient_accumulation_fusion
     if copies or (copies is None and train.bf16 and not mesh.distributed):
         fuse = fusion if fusion is not None else device.type == "cuda"
-        return WeightCopies(model, torch.bfloat16, fuse_weight_grads=fuse)
+        return WeightCopies(
+            model,
+            torch.bfloat16,
+            fuse_weight_grads=fuse,
+            fuse_expert_weight_grads=train.expert_gradient_accumulation_fusion,
+        )
     if fusion:
         raise ConfigError(
             "train.gradient_accumulation_fusion adds into the fp32 gradients from the bf16 weight "

@@ -34,9 +34,15 @@ micro-batch's gradient is no longer rounded to bf16 before it is added (more exa
 autocast, so not bit for bit its values). The `.grad`s must exist before the backward: `refresh`
 allocates the missing ones as zeros.
 
-The experts' copies keep the hook (torch's grouped GEMM writes its weight gradient in bf16, with
-no fp32 output to add into): 12 bytes moved per expert weight element and micro-batch, against
-26 under autocast (the casts, the accumulation and the GEMM's bf16 write).
+The experts' copies keep the hook by default (torch's grouped GEMM writes its weight gradient in
+bf16, with no fp32 output to add into): 12 bytes moved per expert weight element and
+micro-batch, against 26 under autocast (the casts, the accumulation and the GEMM's bf16 write).
+With `fuse_expert_weight_grads` (train.expert_gradient_accumulation_fusion) each
+`StackedWeight` gets a `main_weight` too, and the experts' backward adds each expert's weight
+gradient into the fp32 `.grad` in a GEMM of its own
+(`model.main_grad.accumulate_expert_weight_grads`, Transformer Engine's grouped linear with
+host-side split sizes): the per-expert counts are read on the host once per expert GEMM in
+backward, a device synchronization per MoE layer, projection and micro-batch.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshtrain.services.trainer.model.main_grad import accumulate_weight_grad
 from meshtrain.services.trainer.model.moe import StackedWeight
 
 
@@ -66,9 +73,17 @@ class WeightCopies:
             the weight-gradient GEMM (see the module doc). The modules that are exactly
             `nn.Linear` become `MainGradLinear`s for it (their parameters, state dict and
             forward on their own fp32 weights unchanged).
+        fuse_expert_weight_grads: the same for the stacked expert weights, one GEMM per expert
+            (see the module doc): each `StackedWeight` gets its `main_weight`.
     """
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype, fuse_weight_grads: bool = False):
+    def __init__(
+        self,
+        model: nn.Module,
+        dtype: torch.dtype,
+        fuse_weight_grads: bool = False,
+        fuse_expert_weight_grads: bool = False,
+    ):
         self.copies: dict[
             str, torch.Tensor
         ] = {}  # parameter name -> copy (what functional_call takes)
@@ -82,13 +97,16 @@ class WeightCopies:
         for module_name, module in model.named_modules(remove_duplicate=False):
             if not isinstance(module, (nn.Linear, StackedWeight)):
                 continue
-            fusable = type(module) in (nn.Linear, MainGradLinear) or getattr(
-                module, "adds_into_main_grad", False
-            )  # never a StackedWeight: its gradient goes through the hook
-            if fuse_weight_grads and module.weight.requires_grad and fusable:
+            if isinstance(module, StackedWeight):
+                fuse = fuse_expert_weight_grads
+            else:  # a MainGradLinear, or a linear that adds into it itself (Fp8Linear)
+                fuse = fuse_weight_grads and (
+                    type(module) in (nn.Linear, MainGradLinear)
+                    or getattr(module, "adds_into_main_grad", False)
+                )
+            if fuse and module.weight.requires_grad:
                 if type(module) is nn.Linear:
                     module.__class__ = MainGradLinear
-                # a MainGradLinear now, or a linear that adds into it itself (Fp8Linear)
                 setattr(module, "main_weight", (module.weight,))
                 self._main_grads[id(module.weight)] = module.weight
             for param_name, param in module.named_parameters(recurse=False):
@@ -187,7 +205,7 @@ def _accumulate_into(param: nn.Parameter):
 
     @torch.no_grad()
     def hook(copy: torch.Tensor) -> None:
-        if copy.grad is None:  # a fused linear's backward added into param.grad itself
+        if copy.grad is None:  # a fused GEMM's backward added into param.grad itself
             return
         if param.grad is None:
             param.grad = copy.grad.to(param.dtype)
@@ -196,32 +214,6 @@ def _accumulate_into(param: nn.Parameter):
         copy.grad = None
 
     return hook
-
-
-@torch.library.custom_op("meshtrain::accumulate_weight_grad", mutates_args=("main_grad",))
-def accumulate_weight_grad(
-    main_grad: torch.Tensor, grad_output: torch.Tensor, inputs: torch.Tensor
-) -> None:
-    """main_grad += grad_output^T @ inputs, summed over every leading dimension, in main_grad's
-    dtype.
-
-    On CUDA with bf16/fp16 operands and an fp32 `main_grad` it is one cuBLAS GEMM that reads
-    and writes `main_grad` in its epilogue (fp32 output, beta = 1): no low-precision gradient is
-    written. Elsewhere the operands are widened to `main_grad`'s dtype first (the same sums, no
-    speed). An op of its own so that a compiled backward keeps it as one in-place call on the
-    gradient, not a copy of it.
-    """
-    dy = grad_output.reshape(-1, grad_output.shape[-1])
-    x = inputs.reshape(-1, inputs.shape[-1])
-    if (
-        main_grad.is_cuda
-        and main_grad.dtype == torch.float32
-        and dy.dtype == x.dtype
-        and dy.dtype in (torch.bfloat16, torch.float16)
-    ):
-        torch.addmm(main_grad, dy.t(), x, out_dtype=torch.float32, out=main_grad)
-    else:  # .to is a no-op where the dtypes already match
-        main_grad.addmm_(dy.t().to(main_grad.dtype), x.to(main_grad.dtype))
 
 
 class _LinearIntoMainGrad(torch.autograd.Function):

@@ -210,6 +210,49 @@ def check_experts(model: ModelConfig, parallel: ParallelConfig, train: TrainConf
         )
 
 
+def check_expert_fusion(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> None:
+    """What train.expert_gradient_accumulation_fusion needs: a MoE model on grouped GEMMs, the
+    bf16 weight copies (so a single process: several data-parallel ranks are refused when the
+    copies are built, once the world size is known) and no CUDA graph.
+
+    Raises:
+        ConfigError: naming the key that refuses it.
+    """
+    if not train.expert_gradient_accumulation_fusion:
+        return
+    layout = {k: getattr(parallel, k) for k in ("tp", "cp", "pp", "ep")}
+    refused = [
+        (
+            model.num_experts is None,
+            "model.num_experts unset (a dense model): there are no expert weights",
+        ),
+        (
+            not model.moe_grouped_gemm,
+            "model.moe_grouped_gemm=false: it replaces the grouped GEMMs' weight gradient",
+        ),
+        (
+            not train.bf16 or train.bf16_weight_copies is False,
+            "train.bf16 off or train.bf16_weight_copies=false: it adds into the fp32 gradients "
+            "beside the bf16 weight copies",
+        ),
+        (
+            any(v > 1 for v in layout.values()),
+            f"parallel {layout}: the bf16 weight copies run in a single process",
+        ),
+        (
+            train.cuda_graph,
+            "train.cuda_graph: its backward reads the per-expert counts on the host, which a "
+            "CUDA graph cannot capture",
+        ),
+    ]
+    for bad, why in refused:
+        if bad:
+            raise ConfigError(
+                f"train.expert_gradient_accumulation_fusion cannot run with {why}; set those or "
+                "leave it off"
+            )
+
+
 def check_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
     """What context parallelism needs of the model: a sequence that splits into 2·cp chunks (per
     tp rank too with sequence parallelism), heads that split over the all-to-all, no dropout

@@ -22,6 +22,7 @@ from meshtrain.services.dataloader.config import DataConfig
 from meshtrain.services.trainer.config.checks import (
     check_context_parallel,
     check_documents,
+    check_expert_fusion,
     check_experts,
     check_fp8,
     check_fully_sharded,
@@ -83,6 +84,15 @@ class TrainConfig:
     measured (measured: BENCHMARKS.md, 'Training throughput, one GPU').
     Unset: on wherever the copies are on and the device is CUDA; true asks for it (on any
     device), false turns it off."""
+    expert_gradient_accumulation_fusion: bool = False
+    """With train.bf16_weight_copies in a MoE model: add each expert's weight gradient into the
+    stacked expert weight's fp32 .grad inside a GEMM of its own (fp32 output, beta=1), as
+    Transformer Engine's grouped linear with host-side split sizes, instead of the grouped GEMM
+    writing a bf16 gradient that a hook then adds (services/trainer/weight_copies.py): no bf16
+    rounding of each micro-batch's expert gradient, less memory traffic, but one GEMM per expert
+    and the per-expert counts read on the host in the backward (a device synchronization per MoE
+    layer, projection and micro-batch). Off by default: not yet timed on a GPU. Needs
+    model.moe_grouped_gemm and a single process; refused with train.cuda_graph."""
     fp8: Literal["e4m3", "hybrid"] | None = None
     """Train the transformer blocks' dense linear layers on FP8 GEMMs (--fp8-format): 'e4m3'
     everywhere, or 'hybrid' (e4m3 activations and weights, e5m2 gradients). Needs train.bf16:
@@ -448,6 +458,7 @@ class JobConfig:
         check_tensor_parallel(self.model, self.parallel.tp, self.parallel.sequence_parallel)
         check_context_parallel(self.model, self.parallel)
         check_experts(self.model, self.parallel, self.train)
+        check_expert_fusion(self.model, self.parallel, self.train)
         check_fp8(self.train, self.parallel, self.model)
         check_documents(self.data, self.parallel, self.train)
         check_fully_sharded(self.model, self.parallel, self.train)

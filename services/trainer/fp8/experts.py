@@ -5,7 +5,8 @@ train.fp8_experts) runs fc1 and fc2 through `fp8_grouped_linear`:
 
     forward  y  = x · Wᵀ      x scaled per row over K (in), W per output row over K
     dgrad    dx = dy · W      dy scaled per row over N (out), W per column over N (Wᵀ's rows)
-    wgrad    dW = dyᵀ · x     bf16 (`torch._grouped_mm`, or the per-expert loop)
+    wgrad    dW = dyᵀ · x     bf16 (`torch._grouped_mm`, or the per-expert loop), or added
+                              into the fp32 .grad per expert (expert gradient-accumulation fusion)
 
 Every scale is one row's along the dimension its GEMM sums over (rowwise, amax / 448, e4m3 for
 all operands: what Hopper's `torch._scaled_grouped_mm` takes), whatever train.fp8's format and
@@ -45,7 +46,7 @@ import torch
 
 from meshtrain.kernels import dispatch
 from meshtrain.services.trainer.fp8.scaling import E4M3, FP8_MAX, amax, amax_to_scale, cast_to_fp8
-from meshtrain.services.trainer.model.grouped_gemm import grouped_mm_loop_weight_grad
+from meshtrain.services.trainer.model.grouped_gemm import expert_weight_grad
 from meshtrain.services.trainer.model.moe import GroupedExperts
 
 
@@ -146,11 +147,23 @@ class _Fp8GroupedLinear(torch.autograd.Function):
     compute x's gradient, so the forward keeps the transpose's quantization for it (made here
     from the weight where not given). Either way the backward keeps x, the counts and that
     quantization, tensors of the same shapes, so activation recompute (whose rerun has no cache)
-    saves what the forward saved."""
+    saves what the forward saved. `main_grad`: the fp32 weight's `.grad`, which the backward adds
+    the weight's gradient into (returning none for the weight), or None."""
 
     @staticmethod
     def forward(
-        ctx, x, weight, counts, margin: int, kernel: bool, dgrad: bool, wq, w_inv, wtq, wt_inv
+        ctx,
+        x,
+        weight,
+        counts,
+        margin: int,
+        kernel: bool,
+        dgrad: bool,
+        wq,
+        w_inv,
+        wtq,
+        wt_inv,
+        main_grad,
     ):
         x2 = x.to(torch.bfloat16)  # one rounding path whatever arrives (fp32 or bf16)
         xq, x_inv = quantize_rows(x2, margin)  # per token over K
@@ -164,6 +177,7 @@ class _Fp8GroupedLinear(torch.autograd.Function):
             wtq = wt_inv = None
         ctx.save_for_backward(x2, counts, wtq, wt_inv)  # no weight: the wgrad needs x only
         ctx.margin, ctx.kernel = margin, kernel
+        ctx.main_grad = main_grad  # not saved: added into in place before the backward
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         return y.to(x.dtype)
 
@@ -181,17 +195,12 @@ class _Fp8GroupedLinear(torch.autograd.Function):
             dyq, dy_inv = quantize_rows(dy2, ctx.margin)  # per token over N
             dx = fp8_grouped_mm(dyq, dy_inv, wtq, wt_inv, counts, ctx.kernel)
             dx = dx.to(ctx.x_dtype)
-        if ctx.needs_input_grad[1]:  # dW = dyᵀ · x per expert, bf16 (see the module doc)
-            if ctx.kernel:
-                # dyᵀ · x: (G, N, K) contiguous, the weight's own layout. (xᵀ · dy transposed,
-                # the same values, made autograd copy every expert's gradient into that layout
-                # before accumulating it: 360 of 2,057 ms a step on the `moe` config, H100.)
-                offs = torch.cumsum(counts, 0).to(torch.int32)
-                dw = torch._grouped_mm(dy2.t(), x2, offs=offs)
-            else:
-                dw = grouped_mm_loop_weight_grad(dy2, x2, counts)
-            dw = dw.to(ctx.w_dtype)
-        return dx, dw, None, None, None, None, None, None, None, None
+        if ctx.main_grad is not None or ctx.needs_input_grad[1]:
+            # dW = dyᵀ · x per expert, bf16 (see the module doc), or added into the fp32 main
+            # gradient
+            dw = expert_weight_grad(dy2, x2, counts, ctx.kernel, ctx.main_grad)
+            dw = None if dw is None else dw.to(ctx.w_dtype)
+        return dx, dw, None, None, None, None, None, None, None, None, None
 
 
 QuantizedWeight = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -215,6 +224,7 @@ def fp8_grouped_linear(
     grouped: bool,
     margin: int = 0,
     quantized: QuantizedWeight | None = None,
+    main_grad: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`model.grouped_gemm.grouped_linear` with the forward and input-gradient GEMMs in FP8.
 
@@ -229,6 +239,8 @@ def fp8_grouped_linear(
             `Fp8WeightCache`), used instead of quantizing the weight here. None: quantized here,
             to the same values (Wᵀ's quantization in the forward too, for the backward, where
             x's gradient will be asked for).
+        main_grad: as `grouped_linear`'s: the fp32 weight's `.grad`, which the backward adds
+            the weight's gradient into, one fp32-output GEMM per expert; None: through autograd.
 
     Returns:
         (rows, out) in x's dtype (autocast's under autocast).
@@ -242,7 +254,14 @@ def fp8_grouped_linear(
     dgrad = torch.is_grad_enabled() and x.requires_grad
     with torch.autocast(device, enabled=False):  # the casts and GEMMs choose their own dtypes
         return _Fp8GroupedLinear.apply(
-            x, weight, counts, margin, kernel, dgrad, *(quantized or (None, None, None, None))
+            x,
+            weight,
+            counts,
+            margin,
+            kernel,
+            dgrad,
+            *(quantized or (None, None, None, None)),
+            main_grad,
         )
 
 
@@ -277,9 +296,13 @@ class Fp8GroupedExperts(GroupedExperts):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (rows, hidden) grouped by local expert -> (rows, hidden)."""
         fc1, fc2 = self.quantized("fc1"), self.quantized("fc2")
-        h = fp8_grouped_linear(x, self.fc1.weight, counts, self.grouped, self.margin, fc1)
+        h = fp8_grouped_linear(
+            x, self.fc1.weight, counts, self.grouped, self.margin, fc1, self.fc1.main_grad()
+        )
         h = dispatch.swiglu(h) if self.swiglu else dispatch.gelu(h)
-        return fp8_grouped_linear(h, self.fc2.weight, counts, self.grouped, self.margin, fc2)
+        return fp8_grouped_linear(
+            h, self.fc2.weight, counts, self.grouped, self.margin, fc2, self.fc2.main_grad()
+        )
 
 
 _SUFFIXES = ("weight", "weight_inv", "weight_t", "weight_t_inv")

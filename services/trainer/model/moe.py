@@ -199,11 +199,40 @@ def expert_capacity(config: ModelConfig, seq_tokens: int) -> int | None:
 class StackedWeight(nn.Module):
     """Holds one stacked expert weight (experts, out, in), so the parameter is named
     `<name>.weight` like nn.Linear's; `WeightCopies` gives it a bf16 copy as it does a linear's
-    weight."""
+    weight.
+
+    Under train.expert_gradient_accumulation_fusion `WeightCopies` also sets `main_weight`, the
+    fp32 weight (as `MainGradLinear`'s), whose `.grad` the experts' GEMMs then add into.
+    """
+
+    main_weight: tuple[torch.Tensor] | None = None  # in a tuple: not registered twice
 
     def __init__(self, *shape: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(*shape))
+
+    def main_grad(self) -> torch.Tensor | None:
+        """The fp32 `.grad` the backward adds this weight's gradient into, or None (through
+        autograd: no `main_weight`, or the fp32 weight outside a training forward).
+
+        On a narrower copy it is the main weight's `.grad`. On the fp32 weight itself it is too
+        under autocast with gradients on and a `.grad` to add into: activation recompute's second
+        forward, which runs after `call_with` has put the fp32 weights back and must save what
+        the first one saved (as `MainGradLinear`).
+        """
+        if self.main_weight is None:
+            return None
+        main = self.main_weight[0]
+        if self.weight.dtype == main.dtype:
+            training = torch.is_grad_enabled() and torch.is_autocast_enabled(main.device.type)
+            return main.grad if training else None
+        if main.grad is None:
+            raise RuntimeError(
+                f"{tuple(main.shape)} expert weight: its fused gradient needs an fp32 .grad to "
+                "add into; WeightCopies.refresh() allocates it (call it after "
+                "zero_grad(set_to_none=True))"
+            )
+        return main.grad
 
 
 class GroupedExperts(nn.Module):
@@ -225,9 +254,9 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (rows, hidden) grouped by local expert (counts (num_local,) rows each) -> (rows,
         hidden)."""
-        h = grouped_linear(x, self.fc1.weight, counts, self.grouped)
+        h = grouped_linear(x, self.fc1.weight, counts, self.grouped, self.fc1.main_grad())
         h = dispatch.swiglu(h) if self.swiglu else dispatch.gelu(h)
-        return grouped_linear(h, self.fc2.weight, counts, self.grouped)
+        return grouped_linear(h, self.fc2.weight, counts, self.grouped, self.fc2.main_grad())
 
 
 class Dispatcher(Protocol):

@@ -138,7 +138,7 @@ def test_accumulate_weight_grad_on_cuda_adds_fp32_sums_in_place():
     """The fused weight-gradient GEMM on CUDA: bf16 operands, the fp32 .grad read and written
     in place, no bf16 rounding of the product: its error is a small fraction of what a bf16 GEMM
     followed by the fp32 add (the hook's path) makes on the same operands."""
-    from meshtrain.services.trainer.weight_copies import accumulate_weight_grad
+    from meshtrain.services.trainer.model.main_grad import accumulate_weight_grad
 
     torch.manual_seed(0)
     main = torch.randn(1536, 1024, device="cuda")
@@ -583,3 +583,40 @@ def test_coordinate_descent_tuning_reaches_the_compiled_model_and_trains(corpus_
     assert tuned.losses[12] < tuned.losses[1] - 1.0
     for step, loss in plain.losses.items():
         assert tuned.losses[step] == pytest.approx(loss, rel=1e-2), step
+
+
+def test_fused_expert_gradients_train_like_the_copies_hooks(corpus_cache, tmp_path):
+    """The small MoE job compiled in bf16 on CUDA (grouped GEMMs where the card runs them) with
+    train.expert_gradient_accumulation_fusion, bf16 and FP8 experts: the losses follow the run
+    whose expert copies' bf16 gradients a hook adds (1e-2: the bf16 rounding of each
+    micro-batch's expert gradient, which the fused run no longer does, compounds over steps)."""
+    from meshtrain.services.trainer.train import Trainer
+    from tests.services.trainer.fp8.moe_jobs import MOE_MODEL
+
+    fp8 = {"train.fp8": "hybrid", "train.fp8_recipe": "tensorwise", "train.fp8_experts": True}
+    for name, extra in (("bf16", {}), ("fp8", fp8)):
+        runs = {}
+        for fuse in (False, True):
+            torch._dynamo.reset()
+            args = small_job_args(
+                corpus_cache,
+                tmp_path / f"{name}-{fuse}",
+                **{
+                    **MOE_MODEL,
+                    **extra,
+                    "model.moe_grouped_gemm": True,
+                    "train.device": "cuda",
+                    "train.bf16": True,
+                    "train.eval_interval": 0,
+                    "train.train_iters": 10,
+                    "train.compile": True,
+                    "train.expert_gradient_accumulation_fusion": fuse,
+                },
+            )
+            trainer = Trainer(load_config(args))
+            experts = trainer.model.layers[0].mlp.experts
+            assert (experts.fc1.main_weight is not None) == fuse
+            runs[fuse] = trainer.run().losses
+        assert runs[True][10] < runs[True][1] - 0.5, name
+        for step, loss in runs[False].items():
+            assert runs[True][step] == pytest.approx(loss, rel=1e-2), (name, step)

@@ -9,11 +9,11 @@ from torch import nn
 
 from meshtrain.services.common.errors import ConfigError
 from meshtrain.services.trainer.config.load import load_config
+from meshtrain.services.trainer.model.main_grad import accumulate_weight_grad
 from meshtrain.services.trainer.train import Trainer
 from meshtrain.services.trainer.weight_copies import (
     MainGradLinear,
     WeightCopies,
-    accumulate_weight_grad,
     call_with,
 )
 from tests.dist_utils import run_ranks

@@ -159,7 +159,7 @@ def test_the_kernel_call_passes_torchs_own_checks():
         xm = torch.empty(64, 32, device=meta, dtype=torch.bfloat16, requires_grad=True)
         wm = torch.empty(4, 48, 32, device=meta, requires_grad=True)
         quantized = quantize_weight(wm.detach()) if cached else (None, None, None, None)
-        y = _Fp8GroupedLinear.apply(xm, wm, counts, 0, True, True, *quantized)
+        y = _Fp8GroupedLinear.apply(xm, wm, counts, 0, True, True, *quantized, None)
         y.backward(torch.empty_like(y))
         assert (y.shape, xm.grad.shape, wm.grad.shape) == ((64, 48), (64, 32), (4, 48, 32))
         assert wm.grad.dtype == torch.float32
@@ -167,7 +167,7 @@ def test_the_kernel_call_passes_torchs_own_checks():
     # accumulates it without first copying it into that layout
     xm = torch.empty(64, 32, device=meta, dtype=torch.bfloat16, requires_grad=True)
     wm = torch.empty(4, 48, 32, device=meta, dtype=torch.bfloat16, requires_grad=True)
-    y = _Fp8GroupedLinear.apply(xm, wm, counts, 0, True, True, *quantize_weight(wm.detach()))
+    y = _Fp8GroupedLinear.apply(xm, wm, counts, 0, True, True, *quantize_weight(wm.detach()), None)
     (dw,) = torch.autograd.grad(y, wm, torch.empty_like(y))
     assert dw.dtype == torch.bfloat16 and dw.shape == (4, 48, 32) and dw.is_contiguous()
 

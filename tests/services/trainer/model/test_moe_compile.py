@@ -8,11 +8,14 @@ statistics are bit-identical on CPU and the comparisons use exact equality; Indu
 reorder fp32 sums and only cost compile time here.
 """
 
+import functools
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
 from meshtrain.services.common.model_config import ModelConfig
+from meshtrain.services.trainer.fp8.experts import Fp8GroupedExperts
 from meshtrain.services.trainer.model import GPT
 from meshtrain.services.trainer.model.grouped_gemm import grouped_linear_loop, grouped_mm_loop
 from meshtrain.services.trainer.model.moe import (
@@ -22,6 +25,7 @@ from meshtrain.services.trainer.model.moe import (
     route,
     set_moe_loss_scale,
 )
+from meshtrain.services.trainer.weight_copies import WeightCopies, call_with
 
 CFG = dict(
     num_layers=2,
@@ -62,6 +66,35 @@ def test_moe_block_traces_without_graph_breaks(capacity):
     explained = torch._dynamo.explain(block)(x)
     reasons = [str(b.reason).splitlines()[0] for b in explained.break_reasons]
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), reasons
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8-experts"])
+def test_fused_expert_gradients_keep_the_block_one_graph(fp8):
+    """train.expert_gradient_accumulation_fusion: the backward's per-expert accumulation (the
+    counts read on the host) is a custom op inside the graph, so the block on its weight copies
+    traces as one graph with no break, compiles with fullgraph, and adds into the fp32 .grads
+    what eager adds (aot_eager: the same ops, so equal)."""
+    torch._dynamo.reset()
+    grads = []
+    for compiled in (False, True):
+        block = _block(None)
+        if fp8:
+            block.experts.__class__ = Fp8GroupedExperts
+            block.experts.make_fp8(0)
+        copies = WeightCopies(block, torch.bfloat16, fuse_expert_weight_grads=True)
+        run = functools.partial(call_with, block)
+        x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        with torch.autocast("cpu", torch.bfloat16):
+            if compiled:
+                explained = torch._dynamo.explain(run)(copies.copies, x)
+                reasons = [str(b.reason).splitlines()[0] for b in explained.break_reasons]
+                assert (explained.graph_count, explained.graph_break_count) == (1, 0), reasons
+                run = torch.compile(run, backend="aot_eager", fullgraph=True)
+            run(copies.copies, x).float().square().sum().backward()
+        assert copies.copies["experts.fc1.weight"].grad is None  # added into the fp32 .grad
+        grads.append([block.experts.fc1.weight.grad, block.experts.fc2.weight.grad])
+    for eager, compiled_grad in zip(*grads):
+        assert eager.abs().sum() > 0 and torch.equal(eager, compiled_grad)
 
 
 @pytest.mark.parametrize("capacity", list(CAPACITY))
