@@ -48,7 +48,8 @@ from meshtrain.services.trainer.parallel.tensor import parallelize  # noqa: E402
 from meshtrain.services.trainer.weight_copies import WeightCopies, call_with  # noqa: E402
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
+    """The command line, its combinations checked."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--sequence-parallel", action="store_true")
@@ -75,8 +76,11 @@ def main() -> None:
         p.error("--ep, --capacity-factor and --fp8-experts need --moe")
     if args.expert_grad_fusion and not (args.moe and args.tp == args.ep == 1):
         p.error("--expert-grad-fusion needs --moe in one process (the weight copies' layout)")
-    init_process_group("gloo")
-    mesh = Mesh.build(tp=args.tp, ep=args.ep) if dist.is_initialized() else Mesh.single()
+    return args
+
+
+def _model(args: argparse.Namespace, mesh: Mesh) -> torch.nn.Module:
+    """The small GPT the command line describes, parallelized over `mesh`."""
     moe = (
         dict(
             num_experts=8,
@@ -111,6 +115,14 @@ def main() -> None:
         model = parallelize_experts(model, mesh)
     if args.fp8_experts:  # the experts alone: the dense FP8 layers are not what is asked
         convert_experts(list(enumerate(model.layers)), margin=0)
+    return model
+
+
+def main() -> None:
+    args = _parse_args()
+    init_process_group("gloo")
+    mesh = Mesh.build(tp=args.tp, ep=args.ep) if dist.is_initialized() else Mesh.single()
+    model = _model(args, mesh)
     tokens = torch.randint(0, 1000, (2, 64))
     if args.expert_grad_fusion:
         explanation = explain_fused_experts(model, tokens)

@@ -152,3 +152,22 @@ def test_expert_fusion_is_refused_with_several_data_parallel_ranks(corpus_cache,
     )
     errors = run_ranks(_build, 2, args)
     assert all(e is not None and FUSION in e and "2 ranks" in e for e in errors), errors
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("arch", [{}, FP8_EXPERTS], ids=["bf16", "fp8-experts"])
+def test_fused_expert_gradients_train_like_the_copies_hooks_on_cuda(arch, corpus_cache, tmp_path):
+    """Compiled in bf16 on CUDA (grouped GEMMs where the card runs them, the fused sums through
+    cuBLAS): the losses follow the run whose expert copies' bf16 gradients a hook adds (1e-2: the
+    bf16 rounding of each micro-batch's expert gradient, which the fused run no longer does,
+    compounds over the steps)."""
+    cuda = {**arch, "train.device": "cuda", "train.compile": True}
+    steps = 10
+    torch._dynamo.reset()
+    losses, _, _ = _train(corpus_cache, tmp_path / "a", steps, **cuda)
+    torch._dynamo.reset()
+    losses_f, _, fused = _train(corpus_cache, tmp_path / "b", steps, **cuda, **{FUSION: True})
+    assert fused.model.layers[0].mlp.experts.fc1.main_weight is not None
+    assert losses_f[-1] < losses_f[0] - 0.5
+    assert losses_f == pytest.approx(losses, rel=1e-2)
