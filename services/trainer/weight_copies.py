@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshtrain.services.trainer.model.main_grad import accumulate_weight_grad
+from meshtrain.services.trainer.model.main_grad import accumulate_weight_grad, fused_main_grad
 from meshtrain.services.trainer.model.moe import StackedWeight
 
 
@@ -260,19 +260,10 @@ class MainGradLinear(nn.Linear):
         main = self.main_weight[0]
         weight: torch.Tensor = self.weight
         bias: torch.Tensor | None = self.bias
-        if weight.dtype == main.dtype:
-            device = x.device.type
-            if not (
-                torch.is_grad_enabled()
-                and torch.is_autocast_enabled(device)
-                and main.grad is not None
-            ):
-                return super().forward(x)
-            dtype = torch.get_autocast_dtype(device)
+        main_grad = fused_main_grad(weight, main)
+        if main_grad is None:
+            return super().forward(x)
+        if weight.dtype == main.dtype:  # the recomputed forward: autocast's cast of the weight
+            dtype = torch.get_autocast_dtype(x.device.type)
             weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
-        elif main.grad is None:
-            raise RuntimeError(
-                f"{tuple(main.shape)} weight: its fused gradient needs an fp32 .grad to add into; "
-                "WeightCopies.refresh() allocates it (call it after zero_grad(set_to_none=True))"
-            )
-        return _LinearIntoMainGrad.apply(x, weight, bias, main.grad)
+        return _LinearIntoMainGrad.apply(x, weight, bias, main_grad)

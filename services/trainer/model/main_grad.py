@@ -14,6 +14,30 @@ from __future__ import annotations
 import torch
 
 
+def fused_main_grad(weight: torch.Tensor, main: torch.Tensor) -> torch.Tensor | None:
+    """The fp32 `.grad` a fused GEMM on `weight` adds its weight gradient into, or None where
+    the GEMM runs unfused (its gradient through autograd).
+
+    `main` is the fp32 parameter. On a narrower copy of it (the bf16 weight copies) that is
+    `main.grad`, which must exist. On `main` itself it is `main.grad` too under autocast with
+    gradients on: activation recompute's second forward, which runs after the copies have been
+    swapped back out and must save what the first one saved; otherwise (evaluation, no `.grad`
+    yet) None.
+
+    Raises:
+        RuntimeError: a copy whose fp32 parameter has no `.grad` to add into.
+    """
+    if weight.dtype == main.dtype:
+        training = torch.is_grad_enabled() and torch.is_autocast_enabled(main.device.type)
+        return main.grad if training else None
+    if main.grad is None:
+        raise RuntimeError(
+            f"{tuple(main.shape)} weight: its fused gradient needs an fp32 .grad to add into; "
+            "WeightCopies.refresh() allocates it (call it after zero_grad(set_to_none=True))"
+        )
+    return main.grad
+
+
 def _addmm_into(main_grad: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None:
     """main_grad (out, in) += dy (rows, out)^T @ x (rows, in), in main_grad's dtype: on CUDA
     with bf16/fp16 operands and fp32 `main_grad` one cuBLAS GEMM with an fp32 output and

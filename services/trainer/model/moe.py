@@ -49,6 +49,7 @@ from torch import nn
 from meshtrain.kernels import dispatch
 from meshtrain.services.common.model_config import ModelConfig
 from meshtrain.services.trainer.model.grouped_gemm import grouped_linear
+from meshtrain.services.trainer.model.main_grad import fused_main_grad
 from meshtrain.services.trainer.model.mlp import MLP
 
 
@@ -213,26 +214,10 @@ class StackedWeight(nn.Module):
 
     def main_grad(self) -> torch.Tensor | None:
         """The fp32 `.grad` the backward adds this weight's gradient into, or None (through
-        autograd: no `main_weight`, or the fp32 weight outside a training forward).
-
-        On a narrower copy it is the main weight's `.grad`. On the fp32 weight itself it is too
-        under autocast with gradients on and a `.grad` to add into: activation recompute's second
-        forward, which runs after `call_with` has put the fp32 weights back and must save what
-        the first one saved (as `MainGradLinear`).
-        """
+        autograd): `main_grad.fused_main_grad` of the weight, as `MainGradLinear` takes it."""
         if self.main_weight is None:
             return None
-        main = self.main_weight[0]
-        if self.weight.dtype == main.dtype:
-            training = torch.is_grad_enabled() and torch.is_autocast_enabled(main.device.type)
-            return main.grad if training else None
-        if main.grad is None:
-            raise RuntimeError(
-                f"{tuple(main.shape)} expert weight: its fused gradient needs an fp32 .grad to "
-                "add into; WeightCopies.refresh() allocates it (call it after "
-                "zero_grad(set_to_none=True))"
-            )
-        return main.grad
+        return fused_main_grad(self.weight, self.main_weight[0])
 
 
 class GroupedExperts(nn.Module):
