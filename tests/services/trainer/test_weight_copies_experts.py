@@ -14,29 +14,17 @@ from meshtrain.services.trainer.train import Trainer
 from tests.dist_utils import run_ranks
 from tests.services.trainer.conftest import small_job_args
 from tests.services.trainer.fp8.moe_jobs import MOE_MODEL
+from tests.services.trainer.test_weight_copies import _train as train_bf16
 
 FUSION = "train.expert_gradient_accumulation_fusion"
 FP8_EXPERTS = {"train.fp8": "hybrid", "train.fp8_recipe": "tensorwise", "train.fp8_experts": True}
 
 
 def _train(corpus_cache, run_dir, steps: int, **extra):
-    """(losses, final fp32 parameters, trainer) of `steps` bf16 steps of the small MoE job, two
-    micro-batches a step."""
-    args = small_job_args(
-        corpus_cache,
-        run_dir,
-        **{
-            **MOE_MODEL,
-            "model.moe_grouped_gemm": True,
-            "train.bf16": True,
-            "train.eval_interval": 0,
-            "train.train_iters": steps + 1,
-            **extra,
-        },
+    """`test_weight_copies._train` of the small MoE job on grouped GEMMs."""
+    return train_bf16(
+        corpus_cache, run_dir, steps, **{**MOE_MODEL, "model.moe_grouped_gemm": True, **extra}
     )
-    trainer = Trainer(load_config(args))
-    losses = [trainer.train_step(step)[0].item() for step in range(steps)]
-    return losses, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}, trainer
 
 
 @pytest.mark.parametrize(
